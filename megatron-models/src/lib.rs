@@ -1,0 +1,1 @@
+//! Models written with the megatron-rs DSL, registered by name.
