@@ -2,3 +2,49 @@
 //!
 //! Kernels take explicit output buffers and never allocate, so that later graph scopes can run
 //! them on static buffers. Compute is f32; other dtypes are converted at the tensor layer.
+//! Every kernel checks that its slices have the lengths its dimensions imply and returns a
+//! [`KernelError`] otherwise: a wrong shape is an error that names the numbers, never a panic.
+
+use thiserror::Error;
+
+/// A kernel was called with buffers that do not fit its dimensions.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum KernelError {
+    /// A buffer has a different number of elements than the dimensions require.
+    #[error("{kernel}: `{buffer}` has {actual} elements, expected {expected} ({dims})")]
+    Length {
+        /// Kernel name, e.g. `layer_norm_forward`.
+        kernel: &'static str,
+        /// Argument name, e.g. `gamma`.
+        buffer: &'static str,
+        /// Elements the dimensions require.
+        expected: usize,
+        /// Elements the caller passed.
+        actual: usize,
+        /// The dimensions, spelled out, e.g. `rows 8 × hidden 64`.
+        dims: String,
+    },
+    /// An argument is out of its valid range (a probability above 1, an index past the vocabulary...).
+    #[error("{kernel}: {message}")]
+    Invalid {
+        /// Kernel name.
+        kernel: &'static str,
+        /// What is wrong, with the numbers.
+        message: String,
+    },
+}
+
+/// Checks that `buf` has `expected` elements; `dims` is only formatted on failure.
+pub(crate) fn check_len(
+    kernel: &'static str,
+    buffer: &'static str,
+    actual: usize,
+    expected: usize,
+    dims: impl FnOnce() -> String,
+) -> Result<(), KernelError> {
+    if actual == expected {
+        Ok(())
+    } else {
+        Err(KernelError::Length { kernel, buffer, expected, actual, dims: dims() })
+    }
+}
