@@ -1,1 +1,33 @@
-fn main() {}
+//! The `megatron` command-line program.
+
+mod cli;
+
+use clap::{Parser, Subcommand};
+
+/// megatron-rs: Megatron-LM's parallel training in Rust.
+#[derive(Debug, Parser)]
+#[command(name = "megatron", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print Megatron's process groups (tp, cp, dp, pp, ep, ...) for a parallel configuration.
+    Groups(cli::groups::GroupsArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Groups(args) => cli::groups::run(args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

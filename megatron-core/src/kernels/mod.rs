@@ -45,6 +45,12 @@ pub(crate) fn check_len(
     if actual == expected {
         Ok(())
     } else {
-        Err(KernelError::Length { kernel, buffer, expected, actual, dims: dims() })
+        Err(KernelError::Length {
+            kernel,
+            buffer,
+            expected,
+            actual,
+            dims: dims(),
+        })
     }
 }

@@ -1,0 +1,357 @@
+//! `ParallelConfig`: the sizes of every parallel dimension and their validation.
+
+use std::fmt;
+
+use serde::Serialize;
+use thiserror::Error;
+
+/// A bad parallel configuration; every message names the numbers involved.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ConfigError {
+    /// A parallel size is zero.
+    #[error("{name} must be at least 1, got 0")]
+    Zero {
+        /// The dimension, e.g. `tp`.
+        name: &'static str,
+    },
+    /// The world size is not a multiple of the product of the model-parallel sizes.
+    #[error("world size {world} is not divisible by {what} = {product}")]
+    NotDivisible {
+        /// Total number of ranks.
+        world: usize,
+        /// The product spelled out, e.g. `tp·cp·pp`.
+        what: &'static str,
+        /// The product's value.
+        product: usize,
+    },
+    /// An explicitly given data-parallel size disagrees with the world size.
+    #[error(
+        "world size {world} ≠ {what} = {product} (dp {dp} was given; the world needs dp {needed})"
+    )]
+    DpMismatch {
+        /// Total number of ranks.
+        world: usize,
+        /// The product spelled out, e.g. `tp·cp·dp·pp`.
+        what: &'static str,
+        /// The product's value with the given dp.
+        product: usize,
+        /// The dp that was given.
+        dp: usize,
+        /// The dp the world size implies.
+        needed: usize,
+    },
+    /// The order is not a permutation of the five dimension names.
+    #[error("order `{order}` is not a permutation of tp, cp, ep, dp, pp: {reason}")]
+    BadOrder {
+        /// The order as given.
+        order: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A group token names something that is not a dimension, or repeats one.
+    #[error("group token `{token}` is invalid: {reason}")]
+    BadToken {
+        /// The token as given, e.g. `tp-xp`.
+        token: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Virtual pipeline stages were asked for without a pipeline.
+    #[error("virtual pipeline size {vpp} needs a pipeline of at least 2 stages, got pp = {pp}")]
+    VppWithoutPipeline {
+        /// Virtual stages per rank.
+        vpp: usize,
+        /// Pipeline stages.
+        pp: usize,
+    },
+}
+
+/// One parallel dimension, as named in Megatron's order string.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Axis {
+    /// Tensor parallel (expert tensor parallel in the expert layout).
+    Tp,
+    /// Context parallel (size 1 in the expert layout).
+    Cp,
+    /// Expert parallel (size 1 in the dense layout).
+    Ep,
+    /// Data parallel (expert data parallel in the expert layout).
+    Dp,
+    /// Pipeline parallel.
+    Pp,
+}
+
+impl Axis {
+    /// All axes, in Megatron's default order.
+    pub const ALL: [Axis; 5] = [Axis::Tp, Axis::Cp, Axis::Ep, Axis::Dp, Axis::Pp];
+
+    /// The axis's short name as in order strings: `tp`, `cp`, `ep`, `dp`, `pp`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Axis::Tp => "tp",
+            Axis::Cp => "cp",
+            Axis::Ep => "ep",
+            Axis::Dp => "dp",
+            Axis::Pp => "pp",
+        }
+    }
+
+    /// Parses a short name.
+    pub fn from_name(name: &str) -> Option<Axis> {
+        Axis::ALL.into_iter().find(|a| a.name() == name)
+    }
+}
+
+impl fmt::Display for Axis {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The order in which the parallel dimensions are laid over ranks; the first varies fastest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Order(pub [Axis; 5]);
+
+impl Order {
+    /// Megatron's default, `tp-cp-ep-dp-pp`.
+    pub const DEFAULT: Order = Order(Axis::ALL);
+
+    /// Parses an order such as `tp-cp-ep-pp-dp`; it must name each of the five axes once.
+    pub fn parse(order: &str) -> Result<Order, ConfigError> {
+        let bad = |reason: String| ConfigError::BadOrder {
+            order: order.to_string(),
+            reason,
+        };
+        let mut axes = Vec::with_capacity(5);
+        for part in order.split('-') {
+            let axis = Axis::from_name(part.trim())
+                .ok_or_else(|| bad(format!("`{part}` is not one of tp, cp, ep, dp, pp")))?;
+            if axes.contains(&axis) {
+                return Err(bad(format!("`{axis}` appears twice")));
+            }
+            axes.push(axis);
+        }
+        let missing: Vec<&str> = Axis::ALL
+            .iter()
+            .filter(|a| !axes.contains(a))
+            .map(|a| a.name())
+            .collect();
+        if !missing.is_empty() {
+            return Err(bad(format!("missing {}", missing.join(", "))));
+        }
+        Ok(Order([axes[0], axes[1], axes[2], axes[3], axes[4]]))
+    }
+
+    /// Position of `axis` in the order.
+    pub fn position(&self, axis: Axis) -> usize {
+        self.0
+            .iter()
+            .position(|a| *a == axis)
+            .expect("an order holds every axis")
+    }
+}
+
+impl Default for Order {
+    fn default() -> Self {
+        Order::DEFAULT
+    }
+}
+
+impl fmt::Display for Order {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = self.0.iter().map(|a| a.name()).collect();
+        f.write_str(&names.join("-"))
+    }
+}
+
+/// Sizes of every parallel dimension of a run, as Megatron's `initialize_model_parallel` takes them.
+///
+/// The dense layout covers the world with tp·cp·dp·pp; the expert (MoE) layout folds the same
+/// ranks as etp·ep·edp·pp, with edp derived. Build one with [`ParallelConfig::new`] and the
+/// `with_*` setters, then [`ParallelConfig::validate`] it (the setters do not validate).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParallelConfig {
+    /// Total number of ranks.
+    pub world_size: usize,
+    /// Tensor-parallel size.
+    pub tp: usize,
+    /// Context-parallel size.
+    pub cp: usize,
+    /// Expert-parallel size.
+    pub ep: usize,
+    /// Expert tensor-parallel size; `None` means the same as `tp`, as in Megatron.
+    pub etp: Option<usize>,
+    /// Data-parallel size; `None` derives it from the world size.
+    pub dp: Option<usize>,
+    /// Pipeline-parallel size.
+    pub pp: usize,
+    /// Virtual pipeline stages per rank (interleaved schedule); 1 means none.
+    pub vpp: usize,
+    /// Layout order of the axes over ranks.
+    pub order: Order,
+}
+
+impl ParallelConfig {
+    /// A world of `world_size` ranks with every parallel size 1 (pure data parallelism).
+    pub fn new(world_size: usize) -> Self {
+        ParallelConfig {
+            world_size,
+            tp: 1,
+            cp: 1,
+            ep: 1,
+            etp: None,
+            dp: None,
+            pp: 1,
+            vpp: 1,
+            order: Order::DEFAULT,
+        }
+    }
+
+    /// Sets the tensor-parallel size.
+    pub fn with_tp(mut self, tp: usize) -> Self {
+        self.tp = tp;
+        self
+    }
+
+    /// Sets the context-parallel size.
+    pub fn with_cp(mut self, cp: usize) -> Self {
+        self.cp = cp;
+        self
+    }
+
+    /// Sets the expert-parallel size.
+    pub fn with_ep(mut self, ep: usize) -> Self {
+        self.ep = ep;
+        self
+    }
+
+    /// Sets the expert tensor-parallel size.
+    pub fn with_etp(mut self, etp: usize) -> Self {
+        self.etp = Some(etp);
+        self
+    }
+
+    /// Sets the data-parallel size explicitly (it must agree with the world size).
+    pub fn with_dp(mut self, dp: usize) -> Self {
+        self.dp = Some(dp);
+        self
+    }
+
+    /// Sets the pipeline-parallel size.
+    pub fn with_pp(mut self, pp: usize) -> Self {
+        self.pp = pp;
+        self
+    }
+
+    /// Sets the number of virtual pipeline stages per rank.
+    pub fn with_vpp(mut self, vpp: usize) -> Self {
+        self.vpp = vpp;
+        self
+    }
+
+    /// Sets the layout order.
+    pub fn with_order(mut self, order: Order) -> Self {
+        self.order = order;
+        self
+    }
+
+    /// Checks every size and derives dp and edp; the result is what rank generators consume.
+    pub fn validate(&self) -> Result<ValidConfig, ConfigError> {
+        let etp = self.etp.unwrap_or(self.tp);
+        for (name, value) in [
+            ("world size", self.world_size),
+            ("tp", self.tp),
+            ("cp", self.cp),
+            ("ep", self.ep),
+            ("etp", etp),
+            ("pp", self.pp),
+            ("vpp", self.vpp),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Zero { name });
+            }
+        }
+        if self.dp == Some(0) {
+            return Err(ConfigError::Zero { name: "dp" });
+        }
+        let world = self.world_size;
+        let dense_mp = self.tp * self.cp * self.pp;
+        if world % dense_mp != 0 {
+            return Err(ConfigError::NotDivisible {
+                world,
+                what: "tp·cp·pp",
+                product: dense_mp,
+            });
+        }
+        let dp = world / dense_mp;
+        if let Some(given) = self.dp
+            && given != dp
+        {
+            return Err(ConfigError::DpMismatch {
+                world,
+                what: "tp·cp·dp·pp",
+                product: dense_mp * given,
+                dp: given,
+                needed: dp,
+            });
+        }
+        let expert_mp = etp * self.ep * self.pp;
+        if world % expert_mp != 0 {
+            return Err(ConfigError::NotDivisible {
+                world,
+                what: "etp·ep·pp",
+                product: expert_mp,
+            });
+        }
+        let edp = world / expert_mp;
+        if self.vpp > 1 && self.pp < 2 {
+            return Err(ConfigError::VppWithoutPipeline {
+                vpp: self.vpp,
+                pp: self.pp,
+            });
+        }
+        Ok(ValidConfig {
+            world_size: world,
+            tp: self.tp,
+            cp: self.cp,
+            dp,
+            pp: self.pp,
+            ep: self.ep,
+            etp,
+            edp,
+            vpp: self.vpp,
+            order: self.order,
+        })
+    }
+}
+
+/// A validated configuration with every size resolved (dp and edp derived).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ValidConfig {
+    /// Total number of ranks.
+    pub world_size: usize,
+    /// Tensor-parallel size.
+    pub tp: usize,
+    /// Context-parallel size.
+    pub cp: usize,
+    /// Data-parallel size (dense layout).
+    pub dp: usize,
+    /// Pipeline-parallel size.
+    pub pp: usize,
+    /// Expert-parallel size.
+    pub ep: usize,
+    /// Expert tensor-parallel size.
+    pub etp: usize,
+    /// Expert data-parallel size: world / (etp·ep·pp).
+    pub edp: usize,
+    /// Virtual pipeline stages per rank.
+    pub vpp: usize,
+    /// Layout order.
+    #[serde(serialize_with = "serialize_order")]
+    pub order: Order,
+}
+
+fn serialize_order<S: serde::Serializer>(order: &Order, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(order)
+}

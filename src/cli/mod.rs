@@ -1,0 +1,3 @@
+//! The `megatron` command line: one module per subcommand.
+
+pub mod groups;
