@@ -3,5 +3,7 @@
 //! Bottom up: [`parallel`] builds Megatron's process groups, [`comm`] moves data between
 //! ranks, [`tensor`] holds local (sharded) data and [`kernels`] computes on it.
 
+pub mod comm;
 pub mod kernels;
 pub mod parallel;
+pub mod tensor;

@@ -5,6 +5,8 @@
 //! Every kernel checks that its slices have the lengths its dimensions imply and returns a
 //! [`KernelError`] otherwise: a wrong shape is an error that names the numbers, never a panic.
 
+pub mod parallel;
+
 use thiserror::Error;
 
 /// A kernel was called with buffers that do not fit its dimensions.

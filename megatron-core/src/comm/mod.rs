@@ -1,0 +1,271 @@
+//! Communication: the [`Communicator`] trait over one process group, and its backends.
+//!
+//! Every collective of megatron-rs goes through a communicator of a named group (tp, dp, pp, ...),
+//! so mismatch checks, timeouts and byte counters live in one place. Backends: [`threads`] (ranks
+//! as OS threads of one process, the default on CPU and what tests use); MPI and NCCL arrive later
+//! behind the same trait.
+
+mod error;
+mod stats;
+pub mod threads;
+
+use std::fmt;
+use std::sync::Arc;
+
+pub use error::CommError;
+pub use stats::{CommStats, OpStats};
+
+use crate::parallel::{GroupKind, ParallelLayout, RankGroups};
+use crate::tensor::{DType, Tensor};
+
+/// Shorthand for results of communication.
+pub type Result<T, E = CommError> = std::result::Result<T, E>;
+
+/// How an all-reduce or reduce-scatter combines values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Element-wise sum (floats accumulate in f32, in rank order).
+    Sum,
+    /// Element-wise maximum.
+    Max,
+    /// Element-wise minimum.
+    Min,
+}
+
+impl ReduceOp {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        }
+    }
+}
+
+/// The kinds of operation a communicator performs (the keys of its counters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum OpKind {
+    /// All-reduce.
+    AllReduce,
+    /// All-gather.
+    AllGather,
+    /// Reduce-scatter.
+    ReduceScatter,
+    /// Broadcast.
+    Broadcast,
+    /// All-to-all with per-rank splits.
+    AllToAll,
+    /// Point-to-point send.
+    Send,
+    /// Point-to-point receive.
+    Recv,
+    /// Barrier.
+    Barrier,
+}
+
+impl OpKind {
+    /// Every kind.
+    pub const ALL: [OpKind; 8] = [
+        OpKind::AllReduce,
+        OpKind::AllGather,
+        OpKind::ReduceScatter,
+        OpKind::Broadcast,
+        OpKind::AllToAll,
+        OpKind::Send,
+        OpKind::Recv,
+        OpKind::Barrier,
+    ];
+
+    /// Snake-case name as in logs and reports, e.g. `all_reduce`.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::AllReduce => "all_reduce",
+            OpKind::AllGather => "all_gather",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::Broadcast => "broadcast",
+            OpKind::AllToAll => "all_to_all",
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
+            OpKind::Barrier => "barrier",
+        }
+    }
+}
+
+impl fmt::Display for OpKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What one rank asked a group to do; ranks of a group must agree on it (splits excepted).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallDesc {
+    /// The operation.
+    pub kind: OpKind,
+    /// Element type.
+    pub dtype: DType,
+    /// Elements this rank passes (NCCL's count: the input of all-gather, the output of
+    /// reduce-scatter, the send buffer of all-to-all).
+    pub count: usize,
+    /// Reduction, for all-reduce and reduce-scatter.
+    pub op: Option<ReduceOp>,
+    /// Root (group index), for broadcast; peer for send and recv.
+    pub peer: Option<usize>,
+}
+
+impl fmt::Display for CallDesc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}(", self.kind)?;
+        if let Some(op) = self.op {
+            write!(f, "{}, ", op.name())?;
+        }
+        match self.kind {
+            OpKind::Broadcast => write!(f, "root {}, ", self.peer.unwrap_or(0))?,
+            OpKind::Send => write!(f, "to {}, ", self.peer.unwrap_or(0))?,
+            OpKind::Recv => write!(f, "from {}, ", self.peer.unwrap_or(0))?,
+            _ => {}
+        }
+        write!(f, "{} × {})", self.dtype, self.count)
+    }
+}
+
+/// One rank's handle on one process group: the collectives Megatron-LM uses.
+///
+/// Ranks of the group must call the same collectives in the same order with matching arguments;
+/// a disagreement is a [`CommError::Mismatch`] on every rank, a rank that never arrives a
+/// [`CommError::Timeout`], and a failed rank a [`CommError::PeerFailed`]: never a hang. Ranks are
+/// group ranks (indices into the group's member list), as in `torch.distributed` groups.
+pub trait Communicator: Send + Sync {
+    /// The group's family name (e.g. `tp`), for errors and reports.
+    fn name(&self) -> &str;
+
+    /// Global ranks of the members, in group-rank order.
+    fn ranks(&self) -> &[usize];
+
+    /// This rank's index in the group.
+    fn index(&self) -> usize;
+
+    /// Number of members.
+    fn size(&self) -> usize {
+        self.ranks().len()
+    }
+
+    /// Reduces `tensor` across the group in place: every rank ends with the same result.
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()>;
+
+    /// Concatenates every rank's `input` along the first axis of `output` (size × input's
+    /// elements), in group-rank order. `input` may be this rank's slot of `output` (in place).
+    fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()>;
+
+    /// Reduces every rank's `input` and leaves slot `index()` (of size elements / size) in
+    /// `output`. `output` may be this rank's slot of `input` (in place).
+    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()>;
+
+    /// Copies group rank `root`'s `tensor` into every other rank's `tensor`.
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()>;
+
+    /// Sends `send_splits[j]` consecutive elements of `input` to rank j and receives
+    /// `recv_splits[i]` elements from rank i into `output`, in rank order (uneven splits allowed;
+    /// rank i's `send_splits[j]` must equal rank j's `recv_splits[i]`).
+    fn all_to_all(
+        &self,
+        input: &Tensor,
+        send_splits: &[usize],
+        output: &Tensor,
+        recv_splits: &[usize],
+    ) -> Result<()>;
+
+    /// Sends `tensor` to group rank `dst`; returns once the data is handed over.
+    fn send(&self, tensor: &Tensor, dst: usize) -> Result<()>;
+
+    /// Receives into `tensor` the next message from group rank `src` (same dtype and size).
+    fn recv(&self, tensor: &Tensor, src: usize) -> Result<()>;
+
+    /// Returns once every rank of the group has called it.
+    fn barrier(&self) -> Result<()>;
+
+    /// Calls and bytes so far, per operation kind, as seen by this rank.
+    fn stats(&self) -> CommStats;
+}
+
+/// One rank's entry into a world of ranks: its rank, and communicators for any group of it.
+pub trait World: Send + Sync {
+    /// This rank's global rank.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks.
+    fn size(&self) -> usize;
+
+    /// A communicator over `ranks` (global ranks, which must include this rank) named `name`.
+    /// Every member must ask for the same group; asking twice returns the same group.
+    fn communicator(&self, name: &str, ranks: &[usize]) -> Result<Arc<dyn Communicator>>;
+}
+
+/// The parallel state of one rank: its groups and a communicator for each (Megatron's `mpu`).
+pub struct ParallelState {
+    groups: RankGroups,
+    comms: Vec<(GroupKind, Arc<dyn Communicator>)>,
+}
+
+impl ParallelState {
+    /// Builds a communicator for every group family this rank belongs to.
+    pub fn new(world: &dyn World, layout: &ParallelLayout) -> Result<ParallelState> {
+        let expected = layout.config().world_size;
+        if world.size() != expected {
+            return Err(CommError::Invalid {
+                group: "world".into(),
+                message: format!(
+                    "the parallel layout needs {expected} ranks, the world has {}",
+                    world.size()
+                ),
+            });
+        }
+        let groups = layout.rank(world.rank()).map_err(|e| CommError::Invalid {
+            group: "world".into(),
+            message: e.to_string(),
+        })?;
+        let comms = groups
+            .iter()
+            .map(|g| Ok((g.kind, world.communicator(g.kind.name(), &g.ranks)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ParallelState { groups, comms })
+    }
+
+    /// This rank's groups and coordinates.
+    pub fn groups(&self) -> &RankGroups {
+        &self.groups
+    }
+
+    /// The communicator of a family; `None` only for the embedding group of a middle stage.
+    pub fn get(&self, kind: GroupKind) -> Option<&Arc<dyn Communicator>> {
+        self.comms.iter().find(|(k, _)| *k == kind).map(|(_, c)| c)
+    }
+
+    /// The communicator of a family every rank belongs to (all but the embedding group).
+    pub fn comm(&self, kind: GroupKind) -> &dyn Communicator {
+        self.get(kind)
+            .unwrap_or_else(|| panic!("rank {} has no {kind} group", self.groups.rank()))
+            .as_ref()
+    }
+
+    /// The tensor-parallel communicator.
+    pub fn tp(&self) -> &dyn Communicator {
+        self.comm(GroupKind::Tp)
+    }
+
+    /// The data-parallel communicator.
+    pub fn dp(&self) -> &dyn Communicator {
+        self.comm(GroupKind::Dp)
+    }
+
+    /// The pipeline communicator.
+    pub fn pp(&self) -> &dyn Communicator {
+        self.comm(GroupKind::Pp)
+    }
+
+    /// Counters of every group, by family name.
+    pub fn stats(&self) -> Vec<(GroupKind, CommStats)> {
+        self.comms.iter().map(|(k, c)| (*k, c.stats())).collect()
+    }
+}

@@ -1,0 +1,263 @@
+//! `ThreadComm`: the [`Communicator`] of one rank on one group of an in-process world.
+
+use std::sync::Arc;
+
+use super::exec::RawBuf;
+use super::group::{Arrival, GroupShared};
+use super::world::WorldShared;
+use crate::comm::stats::Counters;
+use crate::comm::{CallDesc, CommError, CommStats, Communicator, OpKind, ReduceOp, Result};
+use crate::tensor::{CpuBuffer, Tensor};
+
+/// One rank's handle on a group of an in-process world.
+#[derive(Debug)]
+pub struct ThreadComm {
+    group: Arc<GroupShared>,
+    world: Arc<WorldShared>,
+    index: usize,
+    counters: Counters,
+}
+
+impl ThreadComm {
+    pub(crate) fn new(group: Arc<GroupShared>, world: Arc<WorldShared>, index: usize) -> Self {
+        ThreadComm { group, world, index, counters: Counters::default() }
+    }
+
+    fn invalid(&self, message: String) -> CommError {
+        CommError::Invalid { group: self.group.name.clone(), message }
+    }
+
+    fn desc(&self, kind: OpKind, t: &Tensor, op: Option<ReduceOp>, peer: Option<usize>) -> CallDesc {
+        CallDesc { kind, dtype: t.dtype(), count: t.numel(), op, peer }
+    }
+
+    fn check_peer(&self, what: &str, peer: usize) -> Result<()> {
+        let n = self.size();
+        if peer >= n {
+            return Err(self.invalid(format!("{what} {peer} is outside the group of {n} ranks")));
+        }
+        Ok(())
+    }
+
+    fn check_same_dtype(&self, op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
+        if a.dtype() != b.dtype() {
+            return Err(self.invalid(format!("{op}: input is {} but output is {}", a.dtype(), b.dtype())));
+        }
+        Ok(())
+    }
+
+    fn arrive(&self, desc: CallDesc, input: RawBuf, output: RawBuf) -> Result<()> {
+        let arrival = Arrival { desc, input, output, send_splits: Vec::new(), recv_splits: Vec::new() };
+        self.group.collective(&self.world, self.index, arrival)
+    }
+
+    /// Runs a collective that reads `input` and writes `output`, where `input` may be the slot
+    /// `index()` of `output` (`input_is_slot_of_output`) or `output` the slot of `input`.
+    fn two_buffer(
+        &self,
+        op: &'static str,
+        desc: CallDesc,
+        input: &Tensor,
+        output: &Tensor,
+        slot_len: usize,
+        output_is_slot: bool,
+    ) -> Result<()> {
+        input.contiguous_for(op)?;
+        output.contiguous_for(op)?;
+        let size = input.dtype().size();
+        if input.same_storage(output) {
+            // In place: one exclusive borrow covers both.
+            let (whole, part) = if output_is_slot { (input, output) } else { (output, input) };
+            let expected = whole.layout().offset + self.index * slot_len;
+            if part.layout().offset != expected {
+                let (w, p) = if output_is_slot { ("input", "output") } else { ("output", "input") };
+                return Err(self.invalid(format!(
+                    "{op}: the {p} shares storage with the {w} but is not its slot {} (offset {} ≠ {expected})",
+                    self.index,
+                    part.layout().offset
+                )));
+            }
+            let mut guard = whole.lock_write(op)?;
+            let base = addr_mut(&mut guard, whole);
+            let whole_buf = RawBuf { addr: base, len: whole.numel() };
+            let part_buf = whole_buf.slice(self.index * slot_len, slot_len, size);
+            let (i, o) = if output_is_slot { (whole_buf, part_buf) } else { (part_buf, whole_buf) };
+            self.arrive(desc, i, o)
+        } else {
+            let in_guard = input.lock_read(op)?;
+            let mut out_guard = output.lock_write(op)?;
+            let i = RawBuf { addr: addr(&in_guard, input), len: input.numel() };
+            let o = RawBuf { addr: addr_mut(&mut out_guard, output), len: output.numel() };
+            self.arrive(desc, i, o)
+        }
+    }
+}
+
+/// Address of a contiguous view's first element in a read-locked buffer.
+fn addr(buffer: &CpuBuffer, t: &Tensor) -> usize {
+    buffer.base_addr() + t.layout().offset * t.dtype().size()
+}
+
+/// Address of a contiguous view's first element in a write-locked buffer.
+fn addr_mut(buffer: &mut CpuBuffer, t: &Tensor) -> usize {
+    buffer.base_addr_mut() + t.layout().offset * t.dtype().size()
+}
+
+impl Communicator for ThreadComm {
+    fn name(&self) -> &str {
+        &self.group.name
+    }
+
+    fn ranks(&self) -> &[usize] {
+        &self.group.ranks
+    }
+
+    fn index(&self) -> usize {
+        self.index
+    }
+
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+        tensor.contiguous_for("all_reduce")?;
+        let desc = self.desc(OpKind::AllReduce, tensor, Some(op), None);
+        let mut guard = tensor.lock_write("all_reduce")?;
+        let buf = RawBuf { addr: addr_mut(&mut guard, tensor), len: tensor.numel() };
+        self.arrive(desc, buf, buf)?;
+        self.counters.record(OpKind::AllReduce, tensor.numel() * tensor.dtype().size());
+        Ok(())
+    }
+
+    fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        self.check_same_dtype("all_gather", input, output)?;
+        let n = self.size();
+        if output.numel() != n * input.numel() {
+            return Err(self.invalid(format!(
+                "all_gather: output has {} elements, expected {n} ranks × {} input elements",
+                output.numel(),
+                input.numel()
+            )));
+        }
+        let desc = self.desc(OpKind::AllGather, input, None, None);
+        self.two_buffer("all_gather", desc, input, output, input.numel(), false)?;
+        self.counters.record(OpKind::AllGather, input.numel() * input.dtype().size());
+        Ok(())
+    }
+
+    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        self.check_same_dtype("reduce_scatter", input, output)?;
+        let n = self.size();
+        if input.numel() != n * output.numel() {
+            return Err(self.invalid(format!(
+                "reduce_scatter: input has {} elements, expected {n} ranks × {} output elements",
+                input.numel(),
+                output.numel()
+            )));
+        }
+        let desc = self.desc(OpKind::ReduceScatter, output, Some(op), None);
+        self.two_buffer("reduce_scatter", desc, input, output, output.numel(), true)?;
+        self.counters.record(OpKind::ReduceScatter, output.numel() * output.dtype().size());
+        Ok(())
+    }
+
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
+        self.check_peer("broadcast root", root)?;
+        tensor.contiguous_for("broadcast")?;
+        let desc = self.desc(OpKind::Broadcast, tensor, None, Some(root));
+        let mut guard = tensor.lock_write("broadcast")?;
+        let buf = RawBuf { addr: addr_mut(&mut guard, tensor), len: tensor.numel() };
+        self.arrive(desc, buf, buf)?;
+        self.counters.record(OpKind::Broadcast, tensor.numel() * tensor.dtype().size());
+        Ok(())
+    }
+
+    fn all_to_all(
+        &self,
+        input: &Tensor,
+        send_splits: &[usize],
+        output: &Tensor,
+        recv_splits: &[usize],
+    ) -> Result<()> {
+        self.check_same_dtype("all_to_all", input, output)?;
+        let n = self.size();
+        for (name, splits, t) in [("send", send_splits, input), ("recv", recv_splits, output)] {
+            if splits.len() != n {
+                return Err(self.invalid(format!(
+                    "all_to_all: {} {name} splits for a group of {n} ranks",
+                    splits.len()
+                )));
+            }
+            let total: usize = splits.iter().sum();
+            if total != t.numel() {
+                return Err(self.invalid(format!(
+                    "all_to_all: {name} splits {splits:?} add up to {total}, the buffer has {} elements",
+                    t.numel()
+                )));
+            }
+        }
+        if input.same_storage(output) {
+            return Err(self.invalid("all_to_all: input and output share storage".to_string()));
+        }
+        input.contiguous_for("all_to_all")?;
+        output.contiguous_for("all_to_all")?;
+        let desc = self.desc(OpKind::AllToAll, input, None, None);
+        let in_guard = input.lock_read("all_to_all")?;
+        let mut out_guard = output.lock_write("all_to_all")?;
+        let arrival = Arrival {
+            desc,
+            input: RawBuf { addr: addr(&in_guard, input), len: input.numel() },
+            output: RawBuf { addr: addr_mut(&mut out_guard, output), len: output.numel() },
+            send_splits: send_splits.to_vec(),
+            recv_splits: recv_splits.to_vec(),
+        };
+        self.group.collective(&self.world, self.index, arrival)?;
+        self.counters.record(OpKind::AllToAll, input.numel() * input.dtype().size());
+        Ok(())
+    }
+
+    fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        self.check_peer("send destination", dst)?;
+        if dst == self.index {
+            return Err(self.invalid(format!("send: rank {} sends to itself", self.group.ranks[dst])));
+        }
+        tensor.contiguous_for("send")?;
+        let nbytes = tensor.numel() * tensor.dtype().size();
+        let bytes = {
+            let guard = tensor.lock_read("send")?;
+            // SAFETY: the read lock keeps the contiguous view's bytes alive and unwritten.
+            unsafe { std::slice::from_raw_parts(addr(&guard, tensor) as *const u8, nbytes) }.to_vec()
+        };
+        self.group.post(self.index, dst, self.desc(OpKind::Send, tensor, None, Some(dst)), bytes);
+        self.counters.record(OpKind::Send, nbytes);
+        Ok(())
+    }
+
+    fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
+        self.check_peer("recv source", src)?;
+        if src == self.index {
+            return Err(self.invalid(format!("recv: rank {} receives from itself", self.group.ranks[src])));
+        }
+        tensor.contiguous_for("recv")?;
+        let desc = self.desc(OpKind::Recv, tensor, None, Some(src));
+        let nbytes = tensor.numel() * tensor.dtype().size();
+        let mut guard = tensor.lock_write("recv")?;
+        let dst = addr_mut(&mut guard, tensor);
+        self.group.take(&self.world, src, self.index, &desc, |_, bytes| {
+            // SAFETY: the write lock is held; sizes were matched against the sender's call.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst as *mut u8, nbytes) };
+            Ok(())
+        })?;
+        self.counters.record(OpKind::Recv, nbytes);
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let desc = CallDesc { kind: OpKind::Barrier, dtype: crate::tensor::DType::F32, count: 0, op: None, peer: None };
+        let empty = RawBuf { addr: 0, len: 0 };
+        self.arrive(desc, empty, empty)?;
+        self.counters.record(OpKind::Barrier, 0);
+        Ok(())
+    }
+
+    fn stats(&self) -> CommStats {
+        self.counters.snapshot()
+    }
+}

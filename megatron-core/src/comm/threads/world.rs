@@ -1,0 +1,232 @@
+//! The in-process world: ranks as OS threads, `launch`, and failure propagation.
+
+use std::collections::HashMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use thiserror::Error;
+
+use super::comm::ThreadComm;
+use super::group::GroupShared;
+use crate::comm::{CommError, Communicator, Result, World};
+
+/// Settings of an in-process world.
+#[derive(Debug, Clone)]
+pub struct LaunchOptions {
+    /// How long a rank waits for the others at a collective before failing with
+    /// [`CommError::Timeout`]. Default: 600 s, or `MEGATRON_COMM_TIMEOUT_SECS`.
+    pub timeout: Duration,
+    /// Most ranks of a group that move data in one collective. Default: the number of cores
+    /// (more threads than cores only compete for them).
+    pub comm_workers: usize,
+}
+
+impl Default for LaunchOptions {
+    fn default() -> Self {
+        let secs = std::env::var("MEGATRON_COMM_TIMEOUT_SECS")
+            .ok()
+            .and_then(|s| s.parse::<f64>().ok())
+            .filter(|s| *s > 0.0)
+            .unwrap_or(600.0);
+        LaunchOptions {
+            timeout: Duration::from_secs_f64(secs),
+            comm_workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }
+    }
+}
+
+impl LaunchOptions {
+    /// Sets the collective timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets the number of data-moving workers per collective.
+    pub fn with_comm_workers(mut self, workers: usize) -> Self {
+        self.comm_workers = workers.max(1);
+        self
+    }
+}
+
+/// A launched world did not complete: the first rank to fail, and why.
+#[derive(Debug, Clone, Error)]
+pub enum LaunchError {
+    /// A rank returned an error (or panicked); every other rank was stopped.
+    #[error("rank {rank} {}: {message}", if *.panicked { "panicked" } else { "failed" })]
+    Rank {
+        /// Global rank that failed first.
+        rank: usize,
+        /// Its error or panic message.
+        message: String,
+        /// Whether it panicked rather than returned an error.
+        panicked: bool,
+    },
+    /// A world needs at least one rank.
+    #[error("a world needs at least one rank, got 0")]
+    EmptyWorld,
+}
+
+/// State shared by every rank of one in-process world.
+#[derive(Debug)]
+pub(crate) struct WorldShared {
+    pub size: usize,
+    pub timeout: Duration,
+    pub workers: usize,
+    failed: AtomicBool,
+    failure: Mutex<Option<(usize, Arc<str>, bool)>>,
+    groups: Mutex<HashMap<(String, Vec<usize>), Arc<GroupShared>>>,
+}
+
+impl WorldShared {
+    fn new(size: usize, options: &LaunchOptions) -> Self {
+        WorldShared {
+            size,
+            timeout: options.timeout,
+            workers: options.comm_workers.max(1),
+            failed: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            groups: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The first failure of the world, as the error other ranks see.
+    pub fn failure(&self) -> Option<CommError> {
+        if !self.failed.load(Ordering::Acquire) {
+            return None;
+        }
+        let failure = self.failure.lock();
+        failure.as_ref().map(|(rank, message, _)| CommError::PeerFailed {
+            rank: *rank,
+            message: Arc::clone(message),
+        })
+    }
+
+    /// Records a rank's failure (the first one wins) and wakes every waiting rank.
+    fn fail(&self, rank: usize, message: String, panicked: bool) {
+        {
+            let mut failure = self.failure.lock();
+            if failure.is_none() {
+                *failure = Some((rank, message.into(), panicked));
+            }
+        }
+        self.failed.store(true, Ordering::Release);
+        let groups: Vec<Arc<GroupShared>> = self.groups.lock().values().cloned().collect();
+        for group in groups {
+            group.wake_all();
+        }
+    }
+
+    fn group(&self, name: &str, ranks: &[usize]) -> Arc<GroupShared> {
+        let mut groups = self.groups.lock();
+        let key = (name.to_string(), ranks.to_vec());
+        Arc::clone(groups.entry(key).or_insert_with(|| Arc::new(GroupShared::new(name, ranks, self.workers))))
+    }
+}
+
+/// One rank's handle on an in-process world.
+#[derive(Debug, Clone)]
+pub struct ThreadWorld {
+    rank: usize,
+    shared: Arc<WorldShared>,
+}
+
+impl World for ThreadWorld {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.shared.size
+    }
+
+    fn communicator(&self, name: &str, ranks: &[usize]) -> Result<Arc<dyn Communicator>> {
+        let invalid = |message: String| CommError::Invalid { group: name.to_string(), message };
+        let Some(index) = ranks.iter().position(|&r| r == self.rank) else {
+            return Err(invalid(format!("rank {} is not a member of {ranks:?}", self.rank)));
+        };
+        if let Some(&bad) = ranks.iter().find(|&&r| r >= self.shared.size) {
+            return Err(invalid(format!("rank {bad} is outside the world of {} ranks", self.shared.size)));
+        }
+        let mut seen = ranks.to_vec();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != ranks.len() {
+            return Err(invalid(format!("ranks {ranks:?} repeat a member")));
+        }
+        let group = self.shared.group(name, ranks);
+        Ok(Arc::new(ThreadComm::new(group, Arc::clone(&self.shared), index)))
+    }
+}
+
+/// Runs `f` on `world_size` ranks, each an OS thread of this process, with default options.
+///
+/// Returns every rank's value in rank order, or the first rank's failure: when a rank returns an
+/// error or panics, every rank waiting in a collective stops with [`CommError::PeerFailed`].
+pub fn launch<T, E, F>(world_size: usize, f: F) -> Result<Vec<T>, LaunchError>
+where
+    T: Send,
+    E: std::fmt::Display,
+    F: Fn(ThreadWorld) -> Result<T, E> + Sync,
+{
+    launch_with(world_size, &LaunchOptions::default(), f)
+}
+
+/// [`launch`] with explicit options.
+pub fn launch_with<T, E, F>(world_size: usize, options: &LaunchOptions, f: F) -> Result<Vec<T>, LaunchError>
+where
+    T: Send,
+    E: std::fmt::Display,
+    F: Fn(ThreadWorld) -> Result<T, E> + Sync,
+{
+    if world_size == 0 {
+        return Err(LaunchError::EmptyWorld);
+    }
+    let shared = Arc::new(WorldShared::new(world_size, options));
+    let compute_threads = crate::kernels::parallel::threads_per_rank(world_size);
+    let results: Vec<Option<T>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..world_size)
+            .map(|rank| {
+                let world = ThreadWorld { rank, shared: Arc::clone(&shared) };
+                let f = &f;
+                std::thread::Builder::new()
+                    .name(format!("rank-{rank}"))
+                    .stack_size(16 << 20)
+                    .spawn_scoped(scope, move || {
+                        crate::kernels::parallel::set_threads(compute_threads);
+                        let shared = Arc::clone(&world.shared);
+                        match catch_unwind(AssertUnwindSafe(|| f(world))) {
+                            Ok(Ok(value)) => Some(value),
+                            Ok(Err(err)) => {
+                                shared.fail(rank, err.to_string(), false);
+                                None
+                            }
+                            Err(panic) => {
+                                shared.fail(rank, panic_message(panic.as_ref()), true);
+                                None
+                            }
+                        }
+                    })
+                    .expect("spawning a rank thread")
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or(None)).collect()
+    });
+    if let Some((rank, message, panicked)) = shared.failure.lock().take() {
+        return Err(LaunchError::Rank { rank, message: message.to_string(), panicked });
+    }
+    Ok(results.into_iter().map(|r| r.expect("a rank without failure returned a value")).collect())
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic with a non-string payload".to_string()
+    }
+}

@@ -1,0 +1,525 @@
+//! `Tensor`: a typed view (shape, strides, offset) of shared storage, the unit kernels and
+//! collectives work on.
+//!
+//! A tensor's shape is its *local* shape: on a tensor-parallel rank, a column-parallel weight's
+//! tensor holds only that rank's rows. Views (`narrow`, `transpose`, `reshape`) share storage and
+//! copy nothing; GEMM reads transposed views in place.
+
+mod dtype;
+mod layout;
+mod storage;
+
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
+use parking_lot::{MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard};
+use thiserror::Error;
+
+pub use dtype::{DType, Element};
+pub use layout::{Layout, Shape};
+pub use storage::{CpuBuffer, Device, Storage};
+
+use crate::kernels::KernelError;
+
+/// A tensor operation was given tensors it cannot work on.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum TensorError {
+    /// Shapes do not fit the operation.
+    #[error("{op}: {message}")]
+    Shape {
+        /// The operation, e.g. `matmul`.
+        op: &'static str,
+        /// What does not fit, with the shapes.
+        message: String,
+    },
+    /// A tensor has the wrong element type.
+    #[error("{op}: expected {expected} elements, got {actual}")]
+    DType {
+        /// The operation.
+        op: &'static str,
+        /// The type the operation needs.
+        expected: DType,
+        /// The type it got.
+        actual: DType,
+    },
+    /// The operation needs a contiguous tensor; call `.contiguous()` first.
+    #[error("{op}: the tensor of shape {shape} is not contiguous (strides {strides:?})")]
+    NotContiguous {
+        /// The operation.
+        op: &'static str,
+        /// The tensor's shape.
+        shape: Shape,
+        /// Its strides.
+        strides: Vec<usize>,
+    },
+    /// The storage is borrowed in a conflicting way, e.g. an output aliases an input.
+    #[error("{op}: the tensor's storage is already borrowed{}", if *.write { " (a write needs it alone: does an output alias an input?)" } else { " for writing" })]
+    Borrowed {
+        /// The operation.
+        op: &'static str,
+        /// Whether the failed borrow was a write.
+        write: bool,
+    },
+    /// A kernel rejected its arguments.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+}
+
+/// Shorthand for results of tensor operations.
+pub type Result<T, E = TensorError> = std::result::Result<T, E>;
+
+/// A typed view of shared storage.
+#[derive(Clone, Debug)]
+pub struct Tensor {
+    storage: Arc<Storage>,
+    layout: Layout,
+}
+
+impl Tensor {
+    /// A contiguous tensor owning `data`, which must have `shape`'s number of elements.
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: impl Into<Shape>) -> Result<Tensor> {
+        let shape = shape.into();
+        if data.len() != shape.numel() {
+            return Err(TensorError::Shape {
+                op: "from_vec",
+                message: format!("{} elements do not fill shape {shape}", data.len()),
+            });
+        }
+        Ok(Tensor::from_buffer(T::into_buffer(data), shape))
+    }
+
+    /// A contiguous tensor copying `data`.
+    pub fn from_slice<T: Element>(data: &[T], shape: impl Into<Shape>) -> Result<Tensor> {
+        Tensor::from_vec(data.to_vec(), shape)
+    }
+
+    /// A tensor of zeros.
+    pub fn zeros(shape: impl Into<Shape>, dtype: DType) -> Tensor {
+        let shape = shape.into();
+        Tensor::from_buffer(CpuBuffer::zeros(dtype, shape.numel()), shape)
+    }
+
+    /// A tensor with every element `value` (converted to `dtype`).
+    pub fn full(shape: impl Into<Shape>, value: f32, dtype: DType) -> Tensor {
+        let t = Tensor::zeros(shape, dtype);
+        t.fill(value).expect("a new tensor is contiguous and not borrowed");
+        t
+    }
+
+    fn from_buffer(buffer: CpuBuffer, shape: Shape) -> Tensor {
+        Tensor { storage: Arc::new(Storage::new(buffer)), layout: Layout::contiguous(shape, 0) }
+    }
+
+    /// The local shape.
+    pub fn shape(&self) -> &Shape {
+        &self.layout.shape
+    }
+
+    /// The local dimensions.
+    pub fn dims(&self) -> &[usize] {
+        &self.layout.shape.0
+    }
+
+    /// Size of dimension `dim`.
+    pub fn dim(&self, dim: usize) -> Result<usize> {
+        self.dims().get(dim).copied().ok_or_else(|| TensorError::Shape {
+            op: "dim",
+            message: format!("dimension {dim} of a tensor of shape {}", self.shape()),
+        })
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.layout.shape.numel()
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.storage.dtype()
+    }
+
+    /// Where the memory lives.
+    pub fn device(&self) -> Device {
+        self.storage.device()
+    }
+
+    /// The view's layout over its storage.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Whether the view is dense and row-major.
+    pub fn is_contiguous(&self) -> bool {
+        self.layout.is_contiguous()
+    }
+
+    /// The shared storage.
+    pub fn storage(&self) -> &Arc<Storage> {
+        &self.storage
+    }
+
+    /// Whether both tensors view the same storage.
+    pub fn same_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.storage, &other.storage)
+    }
+
+    fn view(&self, layout: Layout) -> Tensor {
+        Tensor { storage: Arc::clone(&self.storage), layout }
+    }
+
+    /// The view of `len` indices of dimension `dim` starting at `start`.
+    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
+        let size = self.dim(dim)?;
+        if start + len > size {
+            return Err(TensorError::Shape {
+                op: "narrow",
+                message: format!(
+                    "range {start}..{} of dimension {dim} exceeds its size {size} (shape {})",
+                    start + len,
+                    self.shape()
+                ),
+            });
+        }
+        let mut layout = self.layout.clone();
+        layout.offset += start * layout.strides[dim];
+        layout.shape.0[dim] = len;
+        Ok(self.view(layout))
+    }
+
+    /// The `index`-th of `parts` equal slices along `dim` (a tensor-parallel shard).
+    pub fn chunk(&self, parts: usize, index: usize, dim: usize) -> Result<Tensor> {
+        let size = self.dim(dim)?;
+        if parts == 0 || size % parts != 0 || index >= parts {
+            return Err(TensorError::Shape {
+                op: "chunk",
+                message: format!(
+                    "dimension {dim} of size {size} cannot give chunk {index} of {parts} equal parts"
+                ),
+            });
+        }
+        let len = size / parts;
+        self.narrow(dim, index * len, len)
+    }
+
+    /// The view with dimensions `a` and `b` swapped (no copy).
+    pub fn transpose(&self, a: usize, b: usize) -> Result<Tensor> {
+        let rank = self.layout.shape.rank();
+        if a >= rank || b >= rank {
+            return Err(TensorError::Shape {
+                op: "transpose",
+                message: format!("dimensions {a} and {b} of a tensor of shape {}", self.shape()),
+            });
+        }
+        let mut layout = self.layout.clone();
+        layout.shape.0.swap(a, b);
+        layout.strides.swap(a, b);
+        Ok(self.view(layout))
+    }
+
+    /// The view with the last two dimensions swapped.
+    pub fn t(&self) -> Result<Tensor> {
+        let rank = self.layout.shape.rank();
+        if rank < 2 {
+            return Err(TensorError::Shape {
+                op: "t",
+                message: format!("needs at least 2 dimensions, shape is {}", self.shape()),
+            });
+        }
+        self.transpose(rank - 2, rank - 1)
+    }
+
+    /// The same elements under another shape; the tensor must be contiguous.
+    pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Tensor> {
+        let shape = shape.into();
+        if shape.numel() != self.numel() {
+            return Err(TensorError::Shape {
+                op: "reshape",
+                message: format!("cannot view {} elements of shape {} as {shape}", self.numel(), self.shape()),
+            });
+        }
+        self.require_contiguous("reshape")?;
+        Ok(self.view(Layout::contiguous(shape, self.layout.offset)))
+    }
+
+    fn require_contiguous(&self, op: &'static str) -> Result<()> {
+        if self.is_contiguous() {
+            Ok(())
+        } else {
+            Err(TensorError::NotContiguous {
+                op,
+                shape: self.shape().clone(),
+                strides: self.layout.strides.clone(),
+            })
+        }
+    }
+
+    fn require_dtype(&self, op: &'static str, expected: DType) -> Result<()> {
+        if self.dtype() == expected {
+            Ok(())
+        } else {
+            Err(TensorError::DType { op, expected, actual: self.dtype() })
+        }
+    }
+
+    /// Borrows the elements of a contiguous tensor for reading.
+    pub fn read<T: Element>(&self) -> Result<TensorRead<'_, T>> {
+        self.require_dtype("read", T::DTYPE)?;
+        self.require_contiguous("read")?;
+        let range = self.layout.offset..self.layout.offset + self.numel();
+        let guard = self
+            .storage
+            .lock()
+            .try_read_recursive()
+            .ok_or(TensorError::Borrowed { op: "read", write: false })?;
+        let mapped = RwLockReadGuard::map(guard, |buffer| {
+            &T::slice(buffer).expect("storage dtype was checked")[range]
+        });
+        Ok(TensorRead(mapped))
+    }
+
+    /// Borrows the elements of a contiguous tensor for writing.
+    pub fn write<T: Element>(&self) -> Result<TensorWrite<'_, T>> {
+        self.require_dtype("write", T::DTYPE)?;
+        self.require_contiguous("write")?;
+        let range = self.layout.offset..self.layout.offset + self.numel();
+        let guard = self
+            .storage
+            .lock()
+            .try_write()
+            .ok_or(TensorError::Borrowed { op: "write", write: true })?;
+        let mapped = RwLockWriteGuard::map(guard, |buffer| {
+            &mut T::slice_mut(buffer).expect("storage dtype was checked")[range]
+        });
+        Ok(TensorWrite(mapped))
+    }
+
+    /// Borrows the whole storage for reading (any layout); `layout()` says where the view lies.
+    pub fn read_storage<T: Element>(&self) -> Result<TensorRead<'_, T>> {
+        self.require_dtype("read", T::DTYPE)?;
+        let guard = self
+            .storage
+            .lock()
+            .try_read_recursive()
+            .ok_or(TensorError::Borrowed { op: "read", write: false })?;
+        Ok(TensorRead(RwLockReadGuard::map(guard, |b| T::slice(b).expect("dtype checked"))))
+    }
+
+    /// Borrows the whole storage for writing (any layout).
+    pub fn write_storage<T: Element>(&self) -> Result<TensorWrite<'_, T>> {
+        self.require_dtype("write", T::DTYPE)?;
+        let guard = self
+            .storage
+            .lock()
+            .try_write()
+            .ok_or(TensorError::Borrowed { op: "write", write: true })?;
+        Ok(TensorWrite(RwLockWriteGuard::map(guard, |b| T::slice_mut(b).expect("dtype checked"))))
+    }
+
+    /// Locks the whole storage for reading, shared with other readers.
+    pub(crate) fn lock_read(&self, op: &'static str) -> Result<RwLockReadGuard<'_, CpuBuffer>> {
+        self.storage.lock().try_read_recursive().ok_or(TensorError::Borrowed { op, write: false })
+    }
+
+    /// Locks the whole storage for writing.
+    pub(crate) fn lock_write(&self, op: &'static str) -> Result<RwLockWriteGuard<'_, CpuBuffer>> {
+        self.storage.lock().try_write().ok_or(TensorError::Borrowed { op, write: true })
+    }
+
+    /// Checks that the tensor is contiguous, naming `op` otherwise.
+    pub(crate) fn contiguous_for(&self, op: &'static str) -> Result<()> {
+        self.require_contiguous(op)
+    }
+
+    /// The elements in row-major order, of exactly type `T`.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        let storage = self.read_storage::<T>()?;
+        let mut out = Vec::with_capacity(self.numel());
+        for_each_offset(&self.layout, |i| out.push(storage[i]));
+        Ok(out)
+    }
+
+    /// The elements in row-major order converted to f32, whatever the element type.
+    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        match self.dtype() {
+            DType::F32 => self.to_vec::<f32>(),
+            DType::BF16 => Ok(self.to_vec::<half::bf16>()?.into_iter().map(f32::from).collect()),
+            DType::F16 => Ok(self.to_vec::<half::f16>()?.into_iter().map(f32::from).collect()),
+            DType::I64 => Ok(self.to_vec::<i64>()?.into_iter().map(|x| x as f32).collect()),
+        }
+    }
+
+    /// This tensor if contiguous, else a contiguous copy.
+    pub fn contiguous(&self) -> Result<Tensor> {
+        if self.is_contiguous() {
+            return Ok(self.clone());
+        }
+        let buffer = match self.dtype() {
+            DType::F32 => CpuBuffer::F32(self.to_vec()?),
+            DType::BF16 => CpuBuffer::BF16(self.to_vec()?),
+            DType::F16 => CpuBuffer::F16(self.to_vec()?),
+            DType::I64 => CpuBuffer::I64(self.to_vec()?),
+        };
+        Ok(Tensor::from_buffer(buffer, self.shape().clone()))
+    }
+
+    /// A contiguous copy converted to `dtype` (float types round to nearest).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        let out = Tensor::zeros(self.shape().clone(), dtype);
+        out.copy_from(self)?;
+        Ok(out)
+    }
+
+    /// A contiguous copy with its own storage.
+    pub fn deep_clone(&self) -> Result<Tensor> {
+        self.to_dtype(self.dtype())
+    }
+
+    /// Copies `src` (same shape, any layout, any dtype: converted) into this contiguous tensor.
+    pub fn copy_from(&self, src: &Tensor) -> Result<()> {
+        if src.shape() != self.shape() {
+            return Err(TensorError::Shape {
+                op: "copy_from",
+                message: format!("source shape {} ≠ destination shape {}", src.shape(), self.shape()),
+            });
+        }
+        if self.same_storage(src) {
+            // Copying a view onto an overlapping view needs a temporary.
+            return self.copy_from(&src.deep_clone()?);
+        }
+        macro_rules! copy_typed {
+            ($dst:ty) => {{
+                let mut dst = self.write::<$dst>()?;
+                let mut k = 0;
+                macro_rules! from {
+                    ($src:ty) => {{
+                        let s = src.read_storage::<$src>()?;
+                        for_each_offset(&src.layout, |i| {
+                            dst[k] = <$dst as Element>::from_f32(s[i].to_f32());
+                            k += 1;
+                        });
+                    }};
+                }
+                match src.dtype() {
+                    DType::F32 => from!(f32),
+                    DType::BF16 => from!(half::bf16),
+                    DType::F16 => from!(half::f16),
+                    DType::I64 => {
+                        let s = src.read_storage::<i64>()?;
+                        for_each_offset(&src.layout, |i| {
+                            dst[k] = <$dst as FromI64>::from_i64(s[i]);
+                            k += 1;
+                        });
+                    }
+                }
+            }};
+        }
+        match self.dtype() {
+            DType::F32 => copy_typed!(f32),
+            DType::BF16 => copy_typed!(half::bf16),
+            DType::F16 => copy_typed!(half::f16),
+            DType::I64 => copy_typed!(i64),
+        }
+        Ok(())
+    }
+
+    /// Sets every element to `value` (converted to the element type); the tensor must be contiguous.
+    pub fn fill(&self, value: f32) -> Result<()> {
+        match self.dtype() {
+            DType::F32 => self.write::<f32>()?.fill(value),
+            DType::BF16 => self.write::<half::bf16>()?.fill(half::bf16::from_f32(value)),
+            DType::F16 => self.write::<half::f16>()?.fill(half::f16::from_f32(value)),
+            DType::I64 => self.write::<i64>()?.fill(value as i64),
+        }
+        Ok(())
+    }
+}
+
+/// Exact conversion from i64 where the target can hold it (floats round).
+trait FromI64 {
+    fn from_i64(value: i64) -> Self;
+}
+
+impl FromI64 for f32 {
+    fn from_i64(value: i64) -> Self {
+        value as f32
+    }
+}
+
+impl FromI64 for half::bf16 {
+    fn from_i64(value: i64) -> Self {
+        half::bf16::from_f32(value as f32)
+    }
+}
+
+impl FromI64 for half::f16 {
+    fn from_i64(value: i64) -> Self {
+        half::f16::from_f32(value as f32)
+    }
+}
+
+impl FromI64 for i64 {
+    fn from_i64(value: i64) -> Self {
+        value
+    }
+}
+
+/// Calls `f` with the storage index of every element of `layout`, in row-major order.
+pub(crate) fn for_each_offset(layout: &Layout, mut f: impl FnMut(usize)) {
+    let dims = layout.shape.dims();
+    if layout.shape.numel() == 0 {
+        return;
+    }
+    if layout.is_contiguous() {
+        (layout.offset..layout.offset + layout.shape.numel()).for_each(f);
+        return;
+    }
+    let rank = dims.len();
+    let mut index = vec![0usize; rank];
+    let mut offset = layout.offset;
+    loop {
+        f(offset);
+        let mut d = rank;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            index[d] += 1;
+            offset += layout.strides[d];
+            if index[d] < dims[d] {
+                break;
+            }
+            offset -= layout.strides[d] * dims[d];
+            index[d] = 0;
+        }
+    }
+}
+
+/// A shared borrow of a tensor's elements.
+pub struct TensorRead<'a, T>(MappedRwLockReadGuard<'a, [T]>);
+
+impl<T> Deref for TensorRead<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.0
+    }
+}
+
+/// An exclusive borrow of a tensor's elements.
+pub struct TensorWrite<'a, T>(MappedRwLockWriteGuard<'a, [T]>);
+
+impl<T> Deref for TensorWrite<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.0
+    }
+}
+
+impl<T> DerefMut for TensorWrite<'_, T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.0
+    }
+}
+
+#[cfg(test)]
+mod tests;
