@@ -7,6 +7,13 @@
 
 use thiserror::Error;
 
+pub mod elementwise;
+
+mod reduce;
+mod shape;
+#[cfg(test)]
+mod test_util;
+
 /// A kernel was called with buffers that do not fit its dimensions.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum KernelError {
@@ -45,6 +52,12 @@ pub(crate) fn check_len(
     if actual == expected {
         Ok(())
     } else {
-        Err(KernelError::Length { kernel, buffer, expected, actual, dims: dims() })
+        Err(KernelError::Length {
+            kernel,
+            buffer,
+            expected,
+            actual,
+            dims: dims(),
+        })
     }
 }
