@@ -8,6 +8,7 @@
 use thiserror::Error;
 
 pub mod elementwise;
+pub mod layer_norm;
 
 mod reduce;
 mod shape;

@@ -9,7 +9,7 @@ pub(crate) const LANES: usize = 8;
 
 /// Combines lane partial sums in a fixed order.
 #[inline]
-fn combine(acc: [f32; LANES]) -> f32 {
+pub(crate) fn combine(acc: [f32; LANES]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }
 
