@@ -9,6 +9,7 @@ use thiserror::Error;
 
 pub mod elementwise;
 pub mod layer_norm;
+pub mod softmax;
 
 mod reduce;
 mod shape;
