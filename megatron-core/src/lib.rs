@@ -4,3 +4,4 @@
 //! ranks, [`tensor`] holds local (sharded) data and [`kernels`] computes on it.
 
 pub mod kernels;
+pub mod rng;
