@@ -7,6 +7,7 @@
 
 use thiserror::Error;
 
+pub mod dropout;
 pub mod elementwise;
 pub mod layer_norm;
 pub mod softmax;
