@@ -9,6 +9,7 @@ use thiserror::Error;
 
 pub mod dropout;
 pub mod elementwise;
+pub mod embedding;
 pub mod layer_norm;
 pub mod softmax;
 
