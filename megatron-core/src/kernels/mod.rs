@@ -7,6 +7,7 @@
 
 use thiserror::Error;
 
+pub mod adam;
 pub mod cross_entropy;
 pub mod dropout;
 pub mod elementwise;
