@@ -42,6 +42,16 @@ impl LogicalIndex {
         }
     }
 
+    /// The `len` logical elements from `logical_start` on (e.g. a sequence-parallel shard of rows).
+    pub fn range(logical_start: u64, len: usize) -> Self {
+        LogicalIndex {
+            outer: 1,
+            inner: len,
+            logical_stride: len as u64,
+            logical_start,
+        }
+    }
+
     /// Columns `first_col .. first_col + local_cols` of a row-major `[rows, logical_cols]` tensor.
     pub fn columns(rows: usize, local_cols: usize, logical_cols: usize, first_col: usize) -> Self {
         LogicalIndex {
@@ -138,7 +148,8 @@ fn apply_run(
     if head > 0 {
         select(xh, yh, &stream.block(base / 4)[lane..], threshold, scale);
     }
-    let mut block = (base + head as u64) / 4;
+    // The first full block follows the partial one (no `base + head`: it may be 2⁶⁴).
+    let mut block = base / 4 + u64::from(lane != 0);
     let xc = xs.chunks_exact(4);
     let xt = xc.remainder();
     let mut yc = ys.chunks_exact_mut(4);
@@ -392,6 +403,27 @@ mod tests {
             dropout_forward(x, &mut y, p, &s, index).unwrap();
             weighted_sum(&w, &y)
         });
+    }
+
+    #[test]
+    fn row_ranges_and_the_end_of_the_index_space() {
+        let s = stream();
+        let p = 0.5;
+        let full = mask(p, &s, LogicalIndex::contiguous(60));
+        // Sequence-parallel style row shards of a [6, 10] tensor: rows 0..1, 1..4, 4..6.
+        for (r0, r1) in [(0, 1), (1, 4), (4, 6)] {
+            let shard = mask(p, &s, LogicalIndex::range(r0 as u64 * 10, (r1 - r0) * 10));
+            assert_eq!(shard, &full[r0 * 10..r1 * 10]);
+        }
+        // The last logical indices of the u64 range, starting mid-block.
+        for len in 1..=3 {
+            let start = u64::MAX - len as u64 + 1;
+            let m = mask(p, &s, LogicalIndex::range(start, len));
+            let t = keep_threshold(p).unwrap();
+            for (k, &v) in m.iter().enumerate() {
+                assert_eq!(v != 0.0, s.word(start + k as u64) >= t);
+            }
+        }
     }
 
     #[test]
