@@ -1,9 +1,11 @@
 //! megatron-core: the runtime under the megatron-rs DSL.
 //!
 //! Bottom up: [`parallel`] builds Megatron's process groups, [`comm`] moves data between
-//! ranks, [`tensor`] holds local (sharded) data and [`kernels`] computes on it.
+//! ranks, [`tensor`] holds local (sharded) data and [`kernels`] computes on it; [`rng`] gives
+//! layout-invariant random streams.
 
 pub mod comm;
 pub mod kernels;
 pub mod parallel;
+pub mod rng;
 pub mod tensor;

@@ -9,6 +9,19 @@ pub mod parallel;
 
 use thiserror::Error;
 
+pub mod adam;
+pub mod cross_entropy;
+pub mod dropout;
+pub mod elementwise;
+pub mod embedding;
+pub mod layer_norm;
+pub mod softmax;
+
+mod reduce;
+mod shape;
+#[cfg(test)]
+mod test_util;
+
 /// A kernel was called with buffers that do not fit its dimensions.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum KernelError {

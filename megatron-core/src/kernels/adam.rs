@@ -1,0 +1,256 @@
+//! Adam and AdamW parameter updates on flat f32 buffers (one parameter bucket or a shard of one).
+
+use super::{KernelError, check_len};
+
+/// Hyper-parameters of one [`adam_step`]; scalars are f64 (as in PyTorch) and rounded to f32 per step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamConfig {
+    /// Learning rate of this step.
+    pub lr: f64,
+    /// Decay of the first moment, in `[0, 1)`.
+    pub beta1: f64,
+    /// Decay of the second moment, in `[0, 1)`.
+    pub beta2: f64,
+    /// Added to the bias-corrected `√v` in the denominator.
+    pub eps: f64,
+    /// Weight decay coefficient (decoupled for AdamW, added to the gradient otherwise).
+    pub weight_decay: f64,
+    /// 1-based number of this step, for the bias corrections `1 − βᵗ`.
+    pub step: u64,
+    /// `true`: AdamW (`param ← param·(1 − lr·wd)` before the update); `false`: L2 (`grad + wd·param`).
+    pub decoupled: bool,
+}
+
+impl AdamConfig {
+    /// Checks every hyper-parameter's range.
+    fn validate(&self, kernel: &'static str) -> Result<(), KernelError> {
+        let bad = |message: String| Err(KernelError::Invalid { kernel, message });
+        if self.step == 0 {
+            return bad("step is 1-based, got 0".into());
+        }
+        for (name, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return bad(format!("{name} must be in [0, 1), got {b}"));
+            }
+        }
+        for (name, v) in [
+            ("lr", self.lr),
+            ("eps", self.eps),
+            ("weight_decay", self.weight_decay),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return bad(format!("{name} must be finite and non-negative, got {v}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One Adam/AdamW step in place on `param`, `exp_avg` and `exp_avg_sq`, from `grad` (all the same length).
+///
+/// Per element, with `g = grad` (plus `wd·param` when not decoupled):
+/// `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`,
+/// `param ← param − (lr/(1−β₁ᵗ))·m / (√v/√(1−β₂ᵗ) + eps)`,
+/// after `param ← param·(1 − lr·wd)` when decoupled (PyTorch `AdamW`, apex `FusedAdam` with
+/// `adam_w_mode`); otherwise it matches PyTorch `Adam` with `weight_decay`.
+pub fn adam_step(
+    param: &mut [f32],
+    grad: &[f32],
+    exp_avg: &mut [f32],
+    exp_avg_sq: &mut [f32],
+    config: &AdamConfig,
+) -> Result<(), KernelError> {
+    const K: &str = "adam_step";
+    config.validate(K)?;
+    let n = param.len();
+    let dims = || format!("elements {n}");
+    check_len(K, "grad", grad.len(), n, dims)?;
+    check_len(K, "exp_avg", exp_avg.len(), n, dims)?;
+    check_len(K, "exp_avg_sq", exp_avg_sq.len(), n, dims)?;
+    let c = config;
+    // powi needs an i32 exponent; beyond that the corrections are 1 to f64 precision anyway.
+    let t = i32::try_from(c.step).unwrap_or(i32::MAX);
+    let bc1 = 1.0 - c.beta1.powi(t);
+    let bc2 = 1.0 - c.beta2.powi(t);
+    let step_size = (c.lr / bc1) as f32;
+    let inv_sqrt_bc2 = (1.0 / bc2.sqrt()) as f32;
+    let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
+    let (omb1, omb2) = ((1.0 - c.beta1) as f32, (1.0 - c.beta2) as f32);
+    let eps = c.eps as f32;
+    let (decay, l2) = if c.decoupled {
+        ((1.0 - c.lr * c.weight_decay) as f32, 0.0f32)
+    } else {
+        (1.0f32, c.weight_decay as f32)
+    };
+    let state = exp_avg.iter_mut().zip(exp_avg_sq.iter_mut());
+    for ((p, &g), (m, v)) in param.iter_mut().zip(grad).zip(state) {
+        let g = g + l2 * *p;
+        *m = b1 * *m + omb1 * g;
+        *v = b2 * *v + omb2 * g * g;
+        let denom = v.sqrt() * inv_sqrt_bc2 + eps;
+        *p = *p * decay - step_size * *m / denom;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::Rng;
+    use super::*;
+
+    fn config(decoupled: bool, step: u64) -> AdamConfig {
+        AdamConfig {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step,
+            decoupled,
+        }
+    }
+
+    /// Straightforward f64 Adam/AdamW (PyTorch's formulation).
+    fn reference(p: &mut [f64], g: &[f64], m: &mut [f64], v: &mut [f64], c: &AdamConfig) {
+        let t = c.step as i32;
+        for i in 0..p.len() {
+            let mut gi = g[i];
+            if c.decoupled {
+                p[i] *= 1.0 - c.lr * c.weight_decay;
+            } else {
+                gi += c.weight_decay * p[i];
+            }
+            m[i] = c.beta1 * m[i] + (1.0 - c.beta1) * gi;
+            v[i] = c.beta2 * v[i] + (1.0 - c.beta2) * gi * gi;
+            let m_hat = m[i] / (1.0 - c.beta1.powi(t));
+            let v_hat = v[i] / (1.0 - c.beta2.powi(t));
+            p[i] -= c.lr * m_hat / (v_hat.sqrt() + c.eps);
+        }
+    }
+
+    #[test]
+    fn first_step_by_hand() {
+        // Step 1: m̂ = g and v̂ = g², so the update is lr·g/(|g| + eps).
+        let c = AdamConfig {
+            lr: 0.1,
+            weight_decay: 0.01,
+            ..config(true, 1)
+        };
+        let (mut p, mut m, mut v) = ([1.0f32], [0.0f32], [0.0f32]);
+        adam_step(&mut p, &[0.5], &mut m, &mut v, &c).unwrap();
+        assert!((m[0] - 0.05).abs() < 1e-8);
+        assert!((v[0] - 0.000_25).abs() < 1e-10);
+        // AdamW: 1 − 0.1·0.01·1 − 0.1·0.5/(0.5 + 1e-8) = 0.899.
+        assert!((p[0] - 0.899).abs() < 1e-6, "{}", p[0]);
+        // L2: g = 0.5 + 0.01·1 = 0.51, p = 1 − 0.1·0.51/(0.51 + 1e-8) = 0.9.
+        let c = AdamConfig {
+            decoupled: false,
+            ..c
+        };
+        let (mut p, mut m, mut v) = ([1.0f32], [0.0f32], [0.0f32]);
+        adam_step(&mut p, &[0.5], &mut m, &mut v, &c).unwrap();
+        assert!((m[0] - 0.051).abs() < 1e-7);
+        assert!((p[0] - 0.9).abs() < 1e-6, "{}", p[0]);
+        // Negative gradient moves the parameter up by lr.
+        let c = AdamConfig {
+            weight_decay: 0.0,
+            ..c
+        };
+        let (mut p, mut m, mut v) = ([2.0f32], [0.0f32], [0.0f32]);
+        adam_step(&mut p, &[-3.0], &mut m, &mut v, &c).unwrap();
+        assert!((p[0] - 2.1).abs() < 1e-6);
+    }
+
+    #[test]
+    fn matches_f64_reference_over_several_steps() {
+        let mut rng = Rng::new(80);
+        let n = 101;
+        for decoupled in [true, false] {
+            let mut p = rng.vec(n, -1.0, 1.0);
+            let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
+            let mut pr: Vec<f64> = p.iter().map(|&x| x as f64).collect();
+            let (mut mr, mut vr) = (vec![0.0f64; n], vec![0.0f64; n]);
+            for step in 1..=6 {
+                let g = rng.vec(n, -1.0, 1.0);
+                let gr: Vec<f64> = g.iter().map(|&x| x as f64).collect();
+                let c = config(decoupled, step);
+                adam_step(&mut p, &g, &mut m, &mut v, &c).unwrap();
+                reference(&mut pr, &gr, &mut mr, &mut vr, &c);
+                for i in 0..n {
+                    assert!(
+                        (p[i] as f64 - pr[i]).abs() < 2e-6,
+                        "decoupled {decoupled} step {step} param {i}"
+                    );
+                    assert!((m[i] as f64 - mr[i]).abs() < 1e-6);
+                    assert!((v[i] as f64 - vr[i]).abs() < 1e-7);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn errors() {
+        let (mut p, mut m, mut v) = ([0.0f32; 3], [0.0f32; 3], [0.0f32; 3]);
+        let e = adam_step(&mut p, &[0.0; 2], &mut m, &mut v, &config(true, 1)).unwrap_err();
+        assert!(matches!(
+            e,
+            KernelError::Length {
+                buffer: "grad",
+                expected: 3,
+                actual: 2,
+                ..
+            }
+        ));
+        let e = adam_step(&mut p, &[0.0; 3], &mut m[..2], &mut v, &config(true, 1)).unwrap_err();
+        assert!(matches!(
+            e,
+            KernelError::Length {
+                buffer: "exp_avg",
+                ..
+            }
+        ));
+        let e = adam_step(&mut p, &[0.0; 3], &mut m, &mut v[..1], &config(true, 1)).unwrap_err();
+        assert!(matches!(
+            e,
+            KernelError::Length {
+                buffer: "exp_avg_sq",
+                ..
+            }
+        ));
+        for bad in [
+            config(true, 0),
+            AdamConfig {
+                beta1: 1.0,
+                ..config(true, 1)
+            },
+            AdamConfig {
+                beta2: -0.1,
+                ..config(true, 1)
+            },
+            AdamConfig {
+                lr: f64::NAN,
+                ..config(true, 1)
+            },
+            AdamConfig {
+                eps: -1.0,
+                ..config(true, 1)
+            },
+            AdamConfig {
+                weight_decay: f64::INFINITY,
+                ..config(true, 1)
+            },
+        ] {
+            let e = adam_step(&mut p, &[0.0; 3], &mut m, &mut v, &bad).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    KernelError::Invalid {
+                        kernel: "adam_step",
+                        ..
+                    }
+                ),
+                "{bad:?}"
+            );
+        }
+    }
+}

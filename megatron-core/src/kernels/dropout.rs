@@ -1,0 +1,465 @@
+//! Layout-invariant dropout: the keep/drop decision of an element depends only on its logical index.
+//!
+//! The random word of logical element `i` is word `i % 4` of the Philox block `i / 4` of a
+//! [`DropoutStream`] (see [`crate::rng`]). An element is kept when `word >= threshold`, where
+//! `threshold` is the `u32` nearest `p·2³²` ([`keep_threshold`]), and kept values are multiplied by
+//! `1/(1 − p)` ([`keep_scale`]). No mask is stored: the backward regenerates it. A local buffer
+//! maps to logical indices through a [`LogicalIndex`], so a tensor-parallel shard draws exactly the
+//! decisions the unsharded tensor would draw for the same elements.
+
+use super::shape::numel;
+use super::{KernelError, check_len};
+use crate::rng::DropoutStream;
+
+/// Where a local buffer of `outer × inner` elements sits in its logical (unsharded) tensor.
+///
+/// Local element `(o, k)` (row-major, `k < inner`) has logical index
+/// `o·logical_stride + logical_start + k`. Examples: a replicated activation is
+/// [`LogicalIndex::contiguous`]; a column shard of a `[rows, cols]` matrix is
+/// [`LogicalIndex::columns`]; head-split attention probabilities `[b, heads, sq, sk]` holding heads
+/// `h0 .. h0 + local_heads` are `outer = b`, `inner = local_heads·sq·sk`,
+/// `logical_stride = heads·sq·sk`, `logical_start = h0·sq·sk`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LogicalIndex {
+    /// Number of local runs of contiguous logical indices.
+    pub outer: usize,
+    /// Length of each run.
+    pub inner: usize,
+    /// Logical distance between the starts of consecutive runs.
+    pub logical_stride: u64,
+    /// Logical index of the first element of run 0.
+    pub logical_start: u64,
+}
+
+impl LogicalIndex {
+    /// A buffer whose local and logical indices coincide (a replicated or unsharded tensor).
+    pub fn contiguous(len: usize) -> Self {
+        LogicalIndex {
+            outer: 1,
+            inner: len,
+            logical_stride: len as u64,
+            logical_start: 0,
+        }
+    }
+
+    /// The `len` logical elements from `logical_start` on (e.g. a sequence-parallel shard of rows).
+    pub fn range(logical_start: u64, len: usize) -> Self {
+        LogicalIndex {
+            outer: 1,
+            inner: len,
+            logical_stride: len as u64,
+            logical_start,
+        }
+    }
+
+    /// Columns `first_col .. first_col + local_cols` of a row-major `[rows, logical_cols]` tensor.
+    pub fn columns(rows: usize, local_cols: usize, logical_cols: usize, first_col: usize) -> Self {
+        LogicalIndex {
+            outer: rows,
+            inner: local_cols,
+            logical_stride: logical_cols as u64,
+            logical_start: first_col as u64,
+        }
+    }
+
+    /// Logical index of local element `(o, k)` (wrapping; kernels check the range first).
+    #[inline]
+    pub fn logical(&self, o: usize, k: usize) -> u64 {
+        (o as u64)
+            .wrapping_mul(self.logical_stride)
+            .wrapping_add(self.logical_start)
+            .wrapping_add(k as u64)
+    }
+
+    /// Checks that every logical index fits in a `u64`; returns the local element count.
+    fn check(&self, kernel: &'static str) -> Result<usize, KernelError> {
+        let n = numel(kernel, &[self.outer, self.inner])?;
+        if n > 0 {
+            let last = (self.outer as u64 - 1)
+                .checked_mul(self.logical_stride)
+                .and_then(|v| v.checked_add(self.logical_start))
+                .and_then(|v| v.checked_add(self.inner as u64 - 1));
+            if last.is_none() {
+                return Err(KernelError::Invalid {
+                    kernel,
+                    message: format!("logical indices of {self:?} overflow u64"),
+                });
+            }
+        }
+        Ok(n)
+    }
+}
+
+/// The keep threshold for drop probability `p`: the `u32` nearest `p·2³²` (`0 ≤ p < 1`).
+pub fn keep_threshold(p: f32) -> Result<u32, KernelError> {
+    check_p("keep_threshold", p)?;
+    Ok(threshold(p))
+}
+
+/// The factor `1/(1 − p)` applied to kept elements, computed in f64 and rounded to f32.
+pub fn keep_scale(p: f32) -> f32 {
+    (1.0 / (1.0 - f64::from(p))) as f32
+}
+
+/// [`keep_threshold`] without the range check (the caller has checked `p`).
+fn threshold(p: f32) -> u32 {
+    // For f32 p < 1, p·2³² ≤ 2³² − 2⁸, so the rounded value always fits.
+    (f64::from(p) * 4_294_967_296.0)
+        .round()
+        .min(f64::from(u32::MAX)) as u32
+}
+
+/// Rejects drop probabilities outside `[0, 1)` (and NaN).
+fn check_p(kernel: &'static str, p: f32) -> Result<(), KernelError> {
+    if (0.0..1.0).contains(&p) {
+        Ok(())
+    } else {
+        Err(KernelError::Invalid {
+            kernel,
+            message: format!("drop probability must be in [0, 1), got {p}"),
+        })
+    }
+}
+
+/// `ys[k] = xs[k]·scale` where the word of logical element `base + k` is `>= threshold`, else 0.
+fn apply_run(
+    xs: &[f32],
+    ys: &mut [f32],
+    base: u64,
+    threshold: u32,
+    scale: f32,
+    stream: &DropoutStream,
+) {
+    #[inline(always)]
+    fn select(xs: &[f32], ys: &mut [f32], words: &[u32], threshold: u32, scale: f32) {
+        for ((y, &x), &w) in ys.iter_mut().zip(xs).zip(words) {
+            *y = if w >= threshold { x * scale } else { 0.0 };
+        }
+    }
+    // Leading partial block when the run does not start on a multiple of 4.
+    let lane = (base % 4) as usize;
+    let head = if lane == 0 {
+        0
+    } else {
+        (4 - lane).min(xs.len())
+    };
+    let (xh, xs) = xs.split_at(head);
+    let (yh, ys) = ys.split_at_mut(head);
+    if head > 0 {
+        select(xh, yh, &stream.block(base / 4)[lane..], threshold, scale);
+    }
+    // The first full block follows the partial one (no `base + head`: it may be 2⁶⁴).
+    let mut block = base / 4 + u64::from(lane != 0);
+    let xc = xs.chunks_exact(4);
+    let xt = xc.remainder();
+    let mut yc = ys.chunks_exact_mut(4);
+    for (x4, y4) in xc.zip(&mut yc) {
+        select(x4, y4, &stream.block(block), threshold, scale);
+        block += 1;
+    }
+    let yt = yc.into_remainder();
+    if !xt.is_empty() {
+        select(xt, yt, &stream.block(block), threshold, scale);
+    }
+}
+
+/// Shared body of the forward and backward: `y = mask(x)·1/(1 − p)`.
+fn apply(
+    kernel: &'static str,
+    names: [&'static str; 2],
+    x: &[f32],
+    y: &mut [f32],
+    p: f32,
+    stream: &DropoutStream,
+    index: LogicalIndex,
+) -> Result<(), KernelError> {
+    check_p(kernel, p)?;
+    let n = index.check(kernel)?;
+    let dims = || format!("outer {} × inner {}", index.outer, index.inner);
+    check_len(kernel, names[0], x.len(), n, dims)?;
+    check_len(kernel, names[1], y.len(), n, dims)?;
+    if p == 0.0 {
+        y.copy_from_slice(x);
+        return Ok(());
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let (t, s) = (threshold(p), keep_scale(p));
+    for (o, (xr, yr)) in x
+        .chunks_exact(index.inner)
+        .zip(y.chunks_exact_mut(index.inner))
+        .enumerate()
+    {
+        apply_run(xr, yr, index.logical(o, 0), t, s, stream);
+    }
+    Ok(())
+}
+
+/// Dropout with drop probability `p`: `y = x/(1 − p)` where kept, 0 where dropped (`p = 0` copies).
+pub fn dropout_forward(
+    x: &[f32],
+    y: &mut [f32],
+    p: f32,
+    stream: &DropoutStream,
+    index: LogicalIndex,
+) -> Result<(), KernelError> {
+    apply("dropout_forward", ["x", "y"], x, y, p, stream, index)
+}
+
+/// Gradient of [`dropout_forward`] with the same `p`, stream and index: regenerates the mask, `dx = mask(dy)/(1 − p)`.
+pub fn dropout_backward(
+    dy: &[f32],
+    dx: &mut [f32],
+    p: f32,
+    stream: &DropoutStream,
+    index: LogicalIndex,
+) -> Result<(), KernelError> {
+    apply("dropout_backward", ["dy", "dx"], dy, dx, p, stream, index)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::{Rng, check_directional, weighted_sum};
+    use super::*;
+
+    fn stream() -> DropoutStream {
+        DropoutStream::new(1234, &[3, 0, 7, 1])
+    }
+
+    /// The mask of a buffer: forward applied to ones.
+    fn mask(p: f32, s: &DropoutStream, index: LogicalIndex) -> Vec<f32> {
+        let n = index.outer * index.inner;
+        let mut y = vec![f32::NAN; n];
+        dropout_forward(&vec![1.0; n], &mut y, p, s, index).unwrap();
+        y
+    }
+
+    #[test]
+    fn thresholds_and_scales() {
+        assert_eq!(keep_threshold(0.0), Ok(0));
+        assert_eq!(keep_threshold(0.5), Ok(1 << 31));
+        assert_eq!(keep_threshold(0.1), Ok(429_496_736)); // 0.1f32 = 13421773·2⁻²⁷ exactly
+        assert_eq!(keep_threshold(1.0 - f32::EPSILON / 2.0), Ok(u32::MAX - 255));
+        assert_eq!(keep_scale(0.5), 2.0);
+        assert_eq!(keep_scale(0.0), 1.0);
+        for p in [-0.1, 1.0, 1.5, f32::NAN, f32::INFINITY] {
+            assert!(
+                matches!(keep_threshold(p), Err(KernelError::Invalid { .. })),
+                "{p}"
+            );
+        }
+    }
+
+    #[test]
+    fn forward_matches_reference_decisions() {
+        let s = stream();
+        let p = 0.3;
+        let n = 103;
+        let mut rng = Rng::new(50);
+        let x = rng.vec(n, -1.0, 1.0);
+        let mut y = vec![f32::NAN; n];
+        dropout_forward(&x, &mut y, p, &s, LogicalIndex::contiguous(n)).unwrap();
+        let t = (p as f64 * 2f64.powi(32)).round() as u64;
+        let scale = (1.0 / (1.0 - p as f64)) as f32;
+        for (i, (&a, &b)) in x.iter().zip(&y).enumerate() {
+            let keep = s.word(i as u64) as u64 >= t;
+            assert_eq!(b, if keep { a * scale } else { 0.0 }, "element {i}");
+        }
+        // Pinned: the first mask bits of this stream, computed by an independent Python
+        // Philox4x32-10; they must never change between versions (nor on the GPU).
+        let bits: String = y[..32]
+            .iter()
+            .map(|&v| if v == 0.0 { '0' } else { '1' })
+            .collect();
+        assert_eq!(bits, "10111110110110101001110111011110");
+    }
+
+    #[test]
+    fn sharded_masks_equal_the_unsharded_mask() {
+        let s = stream();
+        let p = 0.25;
+        let (rows, cols) = (7, 40);
+        let full = mask(p, &s, LogicalIndex::contiguous(rows * cols));
+        assert_eq!(
+            full,
+            mask(p, &s, LogicalIndex::columns(rows, cols, cols, 0))
+        );
+        for tp in [2, 4, 8] {
+            let local = cols / tp;
+            for rank in 0..tp {
+                let shard = mask(
+                    p,
+                    &s,
+                    LogicalIndex::columns(rows, local, cols, rank * local),
+                );
+                for r in 0..rows {
+                    assert_eq!(
+                        &shard[r * local..(r + 1) * local],
+                        &full[r * cols + rank * local..r * cols + (rank + 1) * local],
+                        "tp {tp} rank {rank} row {r}"
+                    );
+                }
+            }
+        }
+        // Head-split attention probabilities [b, heads, sq, sk] split over 2 ranks.
+        let (b, heads, sq, sk) = (3, 4, 5, 6);
+        let per_head = sq * sk;
+        let full = mask(p, &s, LogicalIndex::contiguous(b * heads * per_head));
+        for rank in 0..2 {
+            let local_heads = heads / 2;
+            let index = LogicalIndex {
+                outer: b,
+                inner: local_heads * per_head,
+                logical_stride: (heads * per_head) as u64,
+                logical_start: (rank * local_heads * per_head) as u64,
+            };
+            let shard = mask(p, &s, index);
+            for bi in 0..b {
+                let inner = local_heads * per_head;
+                let start = bi * heads * per_head + rank * inner;
+                assert_eq!(
+                    &shard[bi * inner..(bi + 1) * inner],
+                    &full[start..start + inner]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn keep_rate_matches_probability() {
+        let s = stream();
+        for (p, n) in [(0.1f32, 100_000usize), (0.5, 40_000), (0.9, 40_000)] {
+            let m = mask(
+                p,
+                &s,
+                LogicalIndex {
+                    outer: 1,
+                    inner: n,
+                    logical_stride: 0,
+                    logical_start: 3,
+                },
+            );
+            let kept = m.iter().filter(|&&v| v != 0.0).count() as f64;
+            let q = 1.0 - p as f64;
+            let sd = (q * (1.0 - q) / n as f64).sqrt();
+            let rate = kept / n as f64;
+            assert!(
+                (rate - q).abs() < 5.0 * sd,
+                "p {p}: keep rate {rate}, expected {q} ± {sd}"
+            );
+            assert!(m.iter().all(|&v| v == 0.0 || v == keep_scale(p)));
+        }
+    }
+
+    #[test]
+    fn different_streams_give_different_masks_and_p0_is_identity() {
+        let n = 256;
+        let a = mask(
+            0.5,
+            &DropoutStream::new(1, &[0]),
+            LogicalIndex::contiguous(n),
+        );
+        let b = mask(
+            0.5,
+            &DropoutStream::new(1, &[1]),
+            LogicalIndex::contiguous(n),
+        );
+        let c = mask(
+            0.5,
+            &DropoutStream::new(2, &[0]),
+            LogicalIndex::contiguous(n),
+        );
+        assert_ne!(a, b);
+        assert_ne!(a, c);
+        let mut rng = Rng::new(51);
+        let x = rng.vec(n, -1.0, 1.0);
+        let mut y = vec![0.0; n];
+        dropout_forward(&x, &mut y, 0.0, &stream(), LogicalIndex::contiguous(n)).unwrap();
+        assert_eq!(x, y);
+    }
+
+    #[test]
+    fn backward_regenerates_the_mask() {
+        let s = stream();
+        let p = 0.4;
+        let (rows, cols) = (5, 24);
+        let index = LogicalIndex::columns(rows, 12, cols, 6);
+        let n = rows * 12;
+        let mut rng = Rng::new(52);
+        let (x, w, d) = (
+            rng.vec(n, -1.0, 1.0),
+            rng.vec(n, -1.0, 1.0),
+            rng.vec(n, -1.0, 1.0),
+        );
+        let mut dx = vec![f32::NAN; n];
+        dropout_backward(&w, &mut dx, p, &s, index).unwrap();
+        let m = mask(p, &s, index);
+        for ((&g, &wi), &mi) in dx.iter().zip(&w).zip(&m) {
+            assert_eq!(g, wi * mi);
+        }
+        check_directional("dropout dx", &x, &d, 1e-2, &dx, 1e-4, |x| {
+            let mut y = vec![0.0; n];
+            dropout_forward(x, &mut y, p, &s, index).unwrap();
+            weighted_sum(&w, &y)
+        });
+    }
+
+    #[test]
+    fn row_ranges_and_the_end_of_the_index_space() {
+        let s = stream();
+        let p = 0.5;
+        let full = mask(p, &s, LogicalIndex::contiguous(60));
+        // Sequence-parallel style row shards of a [6, 10] tensor: rows 0..1, 1..4, 4..6.
+        for (r0, r1) in [(0, 1), (1, 4), (4, 6)] {
+            let shard = mask(p, &s, LogicalIndex::range(r0 as u64 * 10, (r1 - r0) * 10));
+            assert_eq!(shard, &full[r0 * 10..r1 * 10]);
+        }
+        // The last logical indices of the u64 range, starting mid-block.
+        for len in 1..=3 {
+            let start = u64::MAX - len as u64 + 1;
+            let m = mask(p, &s, LogicalIndex::range(start, len));
+            let t = keep_threshold(p).unwrap();
+            for (k, &v) in m.iter().enumerate() {
+                assert_eq!(v != 0.0, s.word(start + k as u64) >= t);
+            }
+        }
+    }
+
+    #[test]
+    fn errors() {
+        let s = stream();
+        let idx = LogicalIndex::contiguous(8);
+        let mut y = [0.0; 8];
+        for p in [-0.5, 1.0, f32::NAN] {
+            let e = dropout_forward(&[0.0; 8], &mut y, p, &s, idx).unwrap_err();
+            assert!(matches!(
+                e,
+                KernelError::Invalid {
+                    kernel: "dropout_forward",
+                    ..
+                }
+            ));
+        }
+        let e = dropout_forward(&[0.0; 7], &mut y, 0.1, &s, idx).unwrap_err();
+        assert!(matches!(
+            e,
+            KernelError::Length {
+                buffer: "x",
+                expected: 8,
+                actual: 7,
+                ..
+            }
+        ));
+        let e = dropout_backward(&[0.0; 8], &mut y[..4], 0.1, &s, idx).unwrap_err();
+        assert!(matches!(e, KernelError::Length { buffer: "dx", .. }));
+        let huge = LogicalIndex {
+            outer: 3,
+            inner: 1,
+            logical_stride: u64::MAX / 2 + 1,
+            logical_start: 0,
+        };
+        let e = dropout_forward(&[0.0; 3], &mut y[..3], 0.1, &s, huge).unwrap_err();
+        assert!(matches!(e, KernelError::Invalid { .. }));
+    }
+}

@@ -1,0 +1,333 @@
+//! Layer normalisation over the last dimension of a row-major `[rows, hidden]` matrix.
+//!
+//! Statistics use a deterministic two-pass f32 mean and variance (biased, as PyTorch);
+//! the forward saves `mean` and `rstd = 1/√(var + eps)` per row for the backward.
+
+use super::reduce::{self, LANES, add_column_sums};
+use super::shape::numel;
+use super::{KernelError, check_len};
+
+/// Checks the shared dimensions and `eps`; returns `rows × hidden`.
+fn check_dims(
+    kernel: &'static str,
+    rows: usize,
+    hidden: usize,
+    eps: f32,
+) -> Result<usize, KernelError> {
+    if hidden == 0 {
+        return Err(KernelError::Invalid {
+            kernel,
+            message: "hidden size is 0".into(),
+        });
+    }
+    if !(eps.is_finite() && eps >= 0.0) {
+        return Err(KernelError::Invalid {
+            kernel,
+            message: format!("eps must be finite and non-negative, got {eps}"),
+        });
+    }
+    numel(kernel, &[rows, hidden])
+}
+
+/// `y = (x − mean)·rstd·gamma + beta` per row of `x[rows, hidden]`, saving `mean[rows]` and `rstd[rows]`.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_forward(
+    x: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    rows: usize,
+    hidden: usize,
+    eps: f32,
+    y: &mut [f32],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    const K: &str = "layer_norm_forward";
+    let n = check_dims(K, rows, hidden, eps)?;
+    let dims = || format!("rows {rows} × hidden {hidden}");
+    check_len(K, "x", x.len(), n, dims)?;
+    check_len(K, "gamma", gamma.len(), hidden, dims)?;
+    check_len(K, "beta", beta.len(), hidden, dims)?;
+    check_len(K, "y", y.len(), n, dims)?;
+    check_len(K, "mean", mean.len(), rows, dims)?;
+    check_len(K, "rstd", rstd.len(), rows, dims)?;
+    let inv_h = 1.0 / hidden as f32;
+    let rows_iter = x.chunks_exact(hidden).zip(y.chunks_exact_mut(hidden));
+    for ((xr, yr), (m_out, r_out)) in rows_iter.zip(mean.iter_mut().zip(rstd.iter_mut())) {
+        let m = reduce::sum(xr) * inv_h;
+        let var = reduce::sum_sq_dev(xr, m) * inv_h;
+        let rs = 1.0 / (var + eps).sqrt();
+        for (((o, &v), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
+            *o = (v - m) * rs * g + b;
+        }
+        *m_out = m;
+        *r_out = rs;
+    }
+    Ok(())
+}
+
+/// `(Σ dy·gamma, Σ dy·gamma·(x − m))` over one row, with lane-parallel f32 partial sums.
+fn row_sums(dy: &[f32], gamma: &[f32], x: &[f32], m: f32) -> (f32, f32) {
+    let mut s1 = [0.0f32; LANES];
+    let mut s2 = [0.0f32; LANES];
+    let (cd, cg, cx) = (
+        dy.chunks_exact(LANES),
+        gamma.chunks_exact(LANES),
+        x.chunks_exact(LANES),
+    );
+    let (td, tg, tx) = (cd.remainder(), cg.remainder(), cx.remainder());
+    for ((d, g), v) in cd.zip(cg).zip(cx) {
+        for i in 0..LANES {
+            let dg = d[i] * g[i];
+            s1[i] += dg;
+            s2[i] += dg * (v[i] - m);
+        }
+    }
+    for ((&d, &g), &v) in td.iter().zip(tg).zip(tx) {
+        let dg = d * g;
+        s1[0] += dg;
+        s2[0] += dg * (v - m);
+    }
+    (reduce::combine(s1), reduce::combine(s2))
+}
+
+/// Gradients of [`layer_norm_forward`]: overwrites `dx[rows, hidden]`, accumulates `dgamma` and `dbeta` (`+=`).
+///
+/// With `x̂ = (x − mean)·rstd` and `g = dy·gamma`: `dx = rstd·(g − mean(g) − x̂·mean(g·x̂))`,
+/// `dgamma += Σ_rows dy·x̂`, `dbeta += Σ_rows dy` (parameter sums in f64, rows in order).
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_backward(
+    dy: &[f32],
+    x: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    gamma: &[f32],
+    rows: usize,
+    hidden: usize,
+    dx: &mut [f32],
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+) -> Result<(), KernelError> {
+    const K: &str = "layer_norm_backward";
+    let n = check_dims(K, rows, hidden, 0.0)?;
+    let dims = || format!("rows {rows} × hidden {hidden}");
+    check_len(K, "dy", dy.len(), n, dims)?;
+    check_len(K, "x", x.len(), n, dims)?;
+    check_len(K, "mean", mean.len(), rows, dims)?;
+    check_len(K, "rstd", rstd.len(), rows, dims)?;
+    check_len(K, "gamma", gamma.len(), hidden, dims)?;
+    check_len(K, "dx", dx.len(), n, dims)?;
+    check_len(K, "dgamma", dgamma.len(), hidden, dims)?;
+    check_len(K, "dbeta", dbeta.len(), hidden, dims)?;
+    let inv_h = 1.0 / hidden as f32;
+    let rows_iter = dy.chunks_exact(hidden).zip(x.chunks_exact(hidden));
+    let stats = mean.iter().zip(rstd);
+    for (((dyr, xr), dxr), (&m, &rs)) in rows_iter.zip(dx.chunks_exact_mut(hidden)).zip(stats) {
+        let (sum_g, sum_gxc) = row_sums(dyr, gamma, xr, m);
+        let a = sum_g * inv_h;
+        // mean(g·x̂) = rstd·mean(g·(x − m)).
+        let b = sum_gxc * rs * inv_h;
+        for (((o, &d), &g), &v) in dxr.iter_mut().zip(dyr).zip(gamma).zip(xr) {
+            let xhat = (v - m) * rs;
+            *o = rs * (d * g - a - xhat * b);
+        }
+    }
+    add_column_sums(dy, x, hidden, dgamma, |r| {
+        let (m, rs) = (mean[r], rstd[r]);
+        move |d, v| d as f64 * ((v - m) * rs) as f64
+    });
+    add_column_sums(dy, dy, hidden, dbeta, |_| |d, _| d as f64);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::{Rng, check_directional, weighted_sum};
+    use super::*;
+
+    struct Case {
+        rows: usize,
+        hidden: usize,
+        x: Vec<f32>,
+        gamma: Vec<f32>,
+        beta: Vec<f32>,
+    }
+
+    fn case(seed: u64, rows: usize, hidden: usize) -> Case {
+        let mut rng = Rng::new(seed);
+        let x = (0..rows * hidden)
+            .map(|i| rng.uniform(-1.0, 1.0) * (1 + i % 3) as f32 + (i / hidden) as f32)
+            .collect();
+        Case {
+            rows,
+            hidden,
+            x,
+            gamma: rng.vec(hidden, 0.5, 1.5),
+            beta: rng.vec(hidden, -0.5, 0.5),
+        }
+    }
+
+    fn forward(c: &Case, x: &[f32], gamma: &[f32], beta: &[f32]) -> Vec<f32> {
+        let mut y = vec![0.0; c.rows * c.hidden];
+        let (mut m, mut r) = (vec![0.0; c.rows], vec![0.0; c.rows]);
+        layer_norm_forward(
+            x, gamma, beta, c.rows, c.hidden, 1e-5, &mut y, &mut m, &mut r,
+        )
+        .unwrap();
+        y
+    }
+
+    #[test]
+    fn forward_matches_f64_reference() {
+        for (rows, hidden) in [(4, 64), (3, 13), (1, 1), (2, 100)] {
+            let c = case(10 + hidden as u64, rows, hidden);
+            let eps = 1e-5;
+            let mut y = vec![f32::NAN; rows * hidden];
+            let (mut mean, mut rstd) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
+            layer_norm_forward(
+                &c.x, &c.gamma, &c.beta, rows, hidden, eps, &mut y, &mut mean, &mut rstd,
+            )
+            .unwrap();
+            for r in 0..rows {
+                let xr: Vec<f64> = c.x[r * hidden..(r + 1) * hidden]
+                    .iter()
+                    .map(|&v| v as f64)
+                    .collect();
+                let m = xr.iter().sum::<f64>() / hidden as f64;
+                let var = xr.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / hidden as f64;
+                let rs = 1.0 / (var + eps as f64).sqrt();
+                assert!((mean[r] as f64 - m).abs() < 1e-5 * (1.0 + m.abs()));
+                assert!((rstd[r] as f64 - rs).abs() < 1e-4 * rs);
+                for j in 0..hidden {
+                    let want = (xr[j] - m) * rs * c.gamma[j] as f64 + c.beta[j] as f64;
+                    let got = y[r * hidden + j] as f64;
+                    assert!(
+                        (got - want).abs() < 1e-4,
+                        "row {r} col {j}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        let c = case(20, 6, 37);
+        let n = c.rows * c.hidden;
+        let mut rng = Rng::new(21);
+        let w = rng.vec(n, -1.0, 1.0);
+        let mut y = vec![0.0; n];
+        let (mut mean, mut rstd) = (vec![0.0; c.rows], vec![0.0; c.rows]);
+        layer_norm_forward(
+            &c.x, &c.gamma, &c.beta, c.rows, c.hidden, 1e-5, &mut y, &mut mean, &mut rstd,
+        )
+        .unwrap();
+        let mut dx = vec![f32::NAN; n];
+        // Parameter gradients start non-zero to check accumulation.
+        let g0 = rng.vec(c.hidden, -1.0, 1.0);
+        let b0 = rng.vec(c.hidden, -1.0, 1.0);
+        let (mut dgamma, mut dbeta) = (g0.clone(), b0.clone());
+        layer_norm_backward(
+            &w,
+            &c.x,
+            &mean,
+            &rstd,
+            &c.gamma,
+            c.rows,
+            c.hidden,
+            &mut dx,
+            &mut dgamma,
+            &mut dbeta,
+        )
+        .unwrap();
+        let dgamma: Vec<f32> = dgamma.iter().zip(&g0).map(|(a, b)| a - b).collect();
+        let dbeta: Vec<f32> = dbeta.iter().zip(&b0).map(|(a, b)| a - b).collect();
+
+        let d = rng.vec(n, -1.0, 1.0);
+        check_directional("layer norm dx", &c.x, &d, 1e-2, &dx, 2e-3, |x| {
+            weighted_sum(&w, &forward(&c, x, &c.gamma, &c.beta))
+        });
+        let d = rng.vec(c.hidden, -1.0, 1.0);
+        check_directional(
+            "layer norm dgamma",
+            &c.gamma,
+            &d,
+            1e-2,
+            &dgamma,
+            2e-3,
+            |g| weighted_sum(&w, &forward(&c, &c.x, g, &c.beta)),
+        );
+        check_directional("layer norm dbeta", &c.beta, &d, 1e-2, &dbeta, 2e-3, |b| {
+            weighted_sum(&w, &forward(&c, &c.x, &c.gamma, b))
+        });
+    }
+
+    #[test]
+    fn errors_name_buffers_and_arguments() {
+        let c = case(30, 2, 4);
+        let (mut y, mut m, mut r) = (vec![0.0; 8], vec![0.0; 2], vec![0.0; 2]);
+        let e = layer_norm_forward(
+            &c.x,
+            &c.gamma[..3],
+            &c.beta,
+            2,
+            4,
+            1e-5,
+            &mut y,
+            &mut m,
+            &mut r,
+        )
+        .unwrap_err();
+        assert!(matches!(
+            e,
+            KernelError::Length {
+                buffer: "gamma",
+                expected: 4,
+                actual: 3,
+                ..
+            }
+        ));
+        let e = layer_norm_forward(
+            &c.x,
+            &c.gamma,
+            &c.beta,
+            2,
+            4,
+            1e-5,
+            &mut y,
+            &mut m[..1],
+            &mut r,
+        )
+        .unwrap_err();
+        assert!(matches!(e, KernelError::Length { buffer: "mean", .. }));
+        let e = layer_norm_forward(&c.x, &c.gamma, &c.beta, 2, 4, -1.0, &mut y, &mut m, &mut r)
+            .unwrap_err();
+        assert!(matches!(e, KernelError::Invalid { .. }));
+        let e = layer_norm_forward(&[], &[], &[], 2, 0, 1e-5, &mut [], &mut m, &mut r).unwrap_err();
+        assert!(matches!(e, KernelError::Invalid { .. }));
+        let (mut dx, mut dg, mut db) = (vec![0.0; 8], vec![0.0; 4], vec![0.0; 3]);
+        let e = layer_norm_backward(&y, &c.x, &m, &r, &c.gamma, 2, 4, &mut dx, &mut dg, &mut db)
+            .unwrap_err();
+        assert!(matches!(
+            e,
+            KernelError::Length {
+                buffer: "dbeta",
+                ..
+            }
+        ));
+        let e = layer_norm_backward(
+            &y[..7],
+            &c.x,
+            &m,
+            &r,
+            &c.gamma,
+            2,
+            4,
+            &mut dx,
+            &mut dg,
+            &mut db,
+        )
+        .unwrap_err();
+        assert!(matches!(e, KernelError::Length { buffer: "dy", .. }));
+    }
+}

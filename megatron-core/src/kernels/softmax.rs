@@ -1,0 +1,256 @@
+//! Scaled, optionally causal softmax over the last dimension of attention scores `[batches, sq, sk]`.
+//!
+//! `batches` folds every leading dimension (micro-batch × local heads). With `causal`, query row
+//! `i` sees keys `j ≤ i + (sk − sq)`, so the last query sees every key (queries are the last `sq`
+//! positions of the key sequence); masked keys get exactly zero probability.
+
+use super::reduce;
+use super::shape::numel;
+use super::{KernelError, check_len};
+
+/// Number of keys query row `i` sees.
+#[inline]
+fn visible_keys(i: usize, sq: usize, sk: usize, causal: bool) -> usize {
+    if causal {
+        i.saturating_add(1)
+            .saturating_add(sk)
+            .saturating_sub(sq)
+            .min(sk)
+    } else {
+        sk
+    }
+}
+
+/// Checks the dimensions and `scale`; returns `batches × sq × sk`.
+fn check_dims(
+    kernel: &'static str,
+    batches: usize,
+    sq: usize,
+    sk: usize,
+    scale: f32,
+) -> Result<usize, KernelError> {
+    if !scale.is_finite() {
+        return Err(KernelError::Invalid {
+            kernel,
+            message: format!("scale must be finite, got {scale}"),
+        });
+    }
+    numel(kernel, &[batches, sq, sk])
+}
+
+/// `y = softmax(scale·x)` over the last dimension of `x[batches, sq, sk]`, causally masked if asked.
+///
+/// The row maximum is subtracted before exponentiating. A row whose visible scores are all `−∞`
+/// (or a causal row that sees no key, when `sk < sq`) gets all-zero probabilities instead of NaN.
+pub fn softmax_forward(
+    x: &[f32],
+    batches: usize,
+    sq: usize,
+    sk: usize,
+    scale: f32,
+    causal: bool,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    const K: &str = "softmax_forward";
+    let n = check_dims(K, batches, sq, sk, scale)?;
+    let dims = || format!("batches {batches} × sq {sq} × sk {sk}");
+    check_len(K, "x", x.len(), n, dims)?;
+    check_len(K, "y", y.len(), n, dims)?;
+    if sk == 0 {
+        return Ok(());
+    }
+    for (r, (xr, yr)) in x.chunks_exact(sk).zip(y.chunks_exact_mut(sk)).enumerate() {
+        let visible = visible_keys(r % sq, sq, sk, causal);
+        let (yv, ym) = yr.split_at_mut(visible);
+        ym.fill(0.0);
+        for (o, &v) in yv.iter_mut().zip(xr) {
+            *o = v * scale;
+        }
+        let m = reduce::max(yv);
+        if m == f32::NEG_INFINITY {
+            // Nothing visible, or every visible score is −∞ (NaN still propagates).
+            for o in yv.iter_mut() {
+                *o = if o.is_nan() { f32::NAN } else { 0.0 };
+            }
+            continue;
+        }
+        for o in yv.iter_mut() {
+            *o = (*o - m).exp();
+        }
+        let inv = 1.0 / reduce::sum(yv);
+        for o in yv.iter_mut() {
+            *o *= inv;
+        }
+    }
+    Ok(())
+}
+
+/// Gradient of [`softmax_forward`] from its output: `dx = scale · y ⊙ (dy − Σ_j dy·y)` (overwrites `dx`).
+///
+/// Masked positions have `y = 0` and so get a zero gradient; no mask argument is needed.
+pub fn softmax_backward(
+    y: &[f32],
+    dy: &[f32],
+    batches: usize,
+    sq: usize,
+    sk: usize,
+    scale: f32,
+    dx: &mut [f32],
+) -> Result<(), KernelError> {
+    const K: &str = "softmax_backward";
+    let n = check_dims(K, batches, sq, sk, scale)?;
+    let dims = || format!("batches {batches} × sq {sq} × sk {sk}");
+    check_len(K, "y", y.len(), n, dims)?;
+    check_len(K, "dy", dy.len(), n, dims)?;
+    check_len(K, "dx", dx.len(), n, dims)?;
+    if sk == 0 {
+        return Ok(());
+    }
+    let rows = y.chunks_exact(sk).zip(dy.chunks_exact(sk));
+    for ((yr, dyr), dxr) in rows.zip(dx.chunks_exact_mut(sk)) {
+        let s = reduce::dot(dyr, yr);
+        for ((o, &p), &g) in dxr.iter_mut().zip(yr).zip(dyr) {
+            *o = scale * p * (g - s);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::{Rng, check_directional, weighted_sum};
+    use super::*;
+
+    /// f64 reference with an explicit mask.
+    fn reference(
+        x: &[f32],
+        batches: usize,
+        sq: usize,
+        sk: usize,
+        scale: f64,
+        causal: bool,
+    ) -> Vec<f64> {
+        let mut y = vec![0.0; x.len()];
+        for b in 0..batches {
+            for i in 0..sq {
+                let row = (b * sq + i) * sk;
+                let sees = |j: usize| !causal || (j as i64) <= i as i64 + sk as i64 - sq as i64;
+                let m = (0..sk)
+                    .filter(|&j| sees(j))
+                    .map(|j| scale * x[row + j] as f64)
+                    .fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = (0..sk)
+                    .filter(|&j| sees(j))
+                    .map(|j| (scale * x[row + j] as f64 - m).exp())
+                    .sum();
+                for j in (0..sk).filter(|&j| sees(j)) {
+                    y[row + j] = (scale * x[row + j] as f64 - m).exp() / z;
+                }
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn forward_matches_reference() {
+        let mut rng = Rng::new(40);
+        for &(batches, sq, sk, causal) in &[
+            (3, 5, 5, true),
+            (2, 4, 9, true),
+            (2, 6, 3, true),
+            (2, 5, 7, false),
+            (1, 1, 1, true),
+            (2, 3, 33, false),
+        ] {
+            let n = batches * sq * sk;
+            let x = rng.vec(n, -8.0, 8.0);
+            let scale = 0.37;
+            let mut y = vec![f32::NAN; n];
+            softmax_forward(&x, batches, sq, sk, scale, causal, &mut y).unwrap();
+            let want = reference(&x, batches, sq, sk, scale as f64, causal);
+            for (k, (&g, &w)) in y.iter().zip(&want).enumerate() {
+                assert!(
+                    (g as f64 - w).abs() < 1e-6,
+                    "{batches}×{sq}×{sk} causal {causal} at {k}: {g} vs {w}"
+                );
+                if w == 0.0 {
+                    assert_eq!(g, 0.0, "masked position {k} must be exactly 0");
+                }
+            }
+            for i in 0..batches * sq {
+                let s: f32 = y[i * sk..(i + 1) * sk].iter().sum();
+                let sees_any = !causal || (i % sq) + sk >= sq;
+                assert!(if sees_any {
+                    (s - 1.0).abs() < 1e-5
+                } else {
+                    s == 0.0
+                });
+            }
+        }
+    }
+
+    #[test]
+    fn forward_is_stable_and_never_nan_on_masked_rows() {
+        let x = [
+            1e4f32,
+            1e4 - 1.0,
+            -1e4,
+            f32::NEG_INFINITY,
+            f32::NEG_INFINITY,
+            f32::NEG_INFINITY,
+        ];
+        let mut y = [f32::NAN; 6];
+        softmax_forward(&x, 1, 2, 3, 1.0, false, &mut y).unwrap();
+        let e = (-1.0f64).exp();
+        assert!((y[0] as f64 - 1.0 / (1.0 + e)).abs() < 1e-6);
+        assert!((y[1] as f64 - e / (1.0 + e)).abs() < 1e-6);
+        assert_eq!(y[2], 0.0);
+        assert_eq!(&y[3..], &[0.0, 0.0, 0.0]);
+        // sk < sq: the first causal query sees no key.
+        let mut y = [f32::NAN; 6];
+        softmax_forward(&[1.0; 6], 1, 3, 2, 1.0, true, &mut y).unwrap();
+        assert_eq!(y, [0.0, 0.0, 1.0, 0.0, 0.5, 0.5]);
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        let mut rng = Rng::new(41);
+        for &(batches, sq, sk, causal) in &[(2, 6, 6, true), (2, 3, 8, true), (3, 4, 5, false)] {
+            let n = batches * sq * sk;
+            let x = rng.vec(n, -3.0, 3.0);
+            let w = rng.vec(n, -1.0, 1.0);
+            let d = rng.vec(n, -1.0, 1.0);
+            let scale = 0.7;
+            let mut y = vec![0.0; n];
+            softmax_forward(&x, batches, sq, sk, scale, causal, &mut y).unwrap();
+            let mut dx = vec![f32::NAN; n];
+            softmax_backward(&y, &w, batches, sq, sk, scale, &mut dx).unwrap();
+            check_directional("softmax dx", &x, &d, 1e-2, &dx, 2e-3, |x| {
+                let mut y = vec![0.0; n];
+                softmax_forward(x, batches, sq, sk, scale, causal, &mut y).unwrap();
+                weighted_sum(&w, &y)
+            });
+        }
+    }
+
+    #[test]
+    fn errors() {
+        let mut y = [0.0; 12];
+        let e = softmax_forward(&[0.0; 11], 1, 3, 4, 1.0, true, &mut y).unwrap_err();
+        assert!(matches!(
+            e,
+            KernelError::Length {
+                buffer: "x",
+                expected: 12,
+                actual: 11,
+                ..
+            }
+        ));
+        let e = softmax_forward(&[0.0; 12], 1, 3, 4, f32::NAN, true, &mut y).unwrap_err();
+        assert!(matches!(e, KernelError::Invalid { .. }));
+        let e = softmax_backward(&[0.0; 12], &[0.0; 12], 1, 3, 4, 1.0, &mut y[..10]).unwrap_err();
+        assert!(matches!(e, KernelError::Length { buffer: "dx", .. }));
+        let e = softmax_backward(&[0.0; 12], &[0.0; 2], 1, 3, 4, 1.0, &mut y).unwrap_err();
+        assert!(matches!(e, KernelError::Length { buffer: "dy", .. }));
+    }
+}

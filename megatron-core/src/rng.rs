@@ -1,0 +1,205 @@
+//! Counter-based random numbers: Philox4x32-10 and the stream ids that key dropout masks.
+//!
+//! A counter-based generator is a pure function of `(counter, key)`, so any element of a random
+//! tensor can be produced on its own, on any rank and on any device. That is what makes dropout
+//! masks independent of the parallel layout: a mask element depends only on the seed, the stream
+//! id and the element's *logical* index, never on how the tensor is sharded.
+
+/// Philox4x32 round multipliers (Salmon et al., SC'11; Random123).
+pub const PHILOX_M4X32: [u32; 2] = [0xD251_1F53, 0xCD9E_8D57];
+/// Philox4x32 key-schedule increments (golden ratio and √3 − 1, as 32-bit fractions).
+pub const PHILOX_W32: [u32; 2] = [0x9E37_79B9, 0xBB67_AE85];
+
+/// Number of Philox rounds of [`philox4x32_10`].
+const ROUNDS: usize = 10;
+
+/// High and low 32-bit halves of the 64-bit product `a·b`.
+#[inline(always)]
+fn mul_hi_lo(a: u32, b: u32) -> (u32, u32) {
+    let p = u64::from(a) * u64::from(b);
+    ((p >> 32) as u32, p as u32)
+}
+
+/// One Philox4x32 S-box/P-box round.
+#[inline(always)]
+fn round(c: [u32; 4], k: [u32; 2]) -> [u32; 4] {
+    let (hi0, lo0) = mul_hi_lo(PHILOX_M4X32[0], c[0]);
+    let (hi1, lo1) = mul_hi_lo(PHILOX_M4X32[1], c[2]);
+    [hi1 ^ c[1] ^ k[0], lo1, hi0 ^ c[3] ^ k[1], lo0]
+}
+
+/// Philox4x32-10: four random 32-bit words for a 128-bit `counter` under a 64-bit `key`.
+///
+/// Bit-identical to Random123's `philox4x32(ctr, key)` with 10 rounds (and to cuRAND's Philox
+/// block function): ten rounds, the key bumped by [`PHILOX_W32`] between consecutive rounds.
+#[inline]
+pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
+    let mut c = counter;
+    let mut k = key;
+    c = round(c, k);
+    for _ in 1..ROUNDS {
+        k = [
+            k[0].wrapping_add(PHILOX_W32[0]),
+            k[1].wrapping_add(PHILOX_W32[1]),
+        ];
+        c = round(c, k);
+    }
+    c
+}
+
+/// SplitMix64's golden-ratio increment, `⌊2⁶⁴/φ⌋` rounded to odd.
+pub const SPLITMIX64_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// SplitMix64's output function (Stafford's Mix13), a bijection of `u64`.
+#[inline]
+pub fn splitmix64_mix(z: u64) -> u64 {
+    let z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    let z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Hashes a list of components (e.g. step, micro-batch, layer, site) into a 64-bit stream id.
+///
+/// SplitMix64 chaining, starting from `h = 0`: for each component `c` in order,
+/// `h ← splitmix64_mix((h ^ c) + SPLITMIX64_GAMMA)` (wrapping add), i.e. the component is XORed
+/// into the state, which then takes one SplitMix64 step. Each step is a bijection of `c` for a
+/// fixed prefix, so lists that differ only in their last component never collide, and `[a]` and
+/// `[a, 0]` differ. The empty list gives 0.
+pub fn stream_id(components: &[u64]) -> u64 {
+    components.iter().fold(0u64, |h, &c| {
+        splitmix64_mix((h ^ c).wrapping_add(SPLITMIX64_GAMMA))
+    })
+}
+
+/// One independent Philox stream: the key is the run's seed, the stream id names the use site.
+///
+/// Block `b` of the stream is `philox4x32_10([lo32(b), hi32(b), lo32(stream), hi32(stream)], key)`
+/// and the random word of logical element `i` is word `i % 4` of block `i / 4`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DropoutStream {
+    /// Philox key: `[lo32(seed), hi32(seed)]`.
+    pub key: [u32; 2],
+    /// Stream id, the upper 64 bits of every Philox counter.
+    pub stream: u64,
+}
+
+impl DropoutStream {
+    /// The stream for `seed` at the site named by `components` (hashed with [`stream_id`]).
+    pub fn new(seed: u64, components: &[u64]) -> Self {
+        DropoutStream {
+            key: [seed as u32, (seed >> 32) as u32],
+            stream: stream_id(components),
+        }
+    }
+
+    /// The four random words of block `block` (logical elements `4·block .. 4·block + 4`).
+    #[inline]
+    pub fn block(&self, block: u64) -> [u32; 4] {
+        let s = self.stream;
+        philox4x32_10(
+            [
+                block as u32,
+                (block >> 32) as u32,
+                s as u32,
+                (s >> 32) as u32,
+            ],
+            self.key,
+        )
+    }
+
+    /// The random word of logical element `index`.
+    #[inline]
+    pub fn word(&self, index: u64) -> u32 {
+        self.block(index / 4)[(index % 4) as usize]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Random123's known-answer vectors for philox4x32 with 10 rounds (`kat_vectors`):
+    /// counter, key, expected output.
+    const KAT: [([u32; 4], [u32; 2], [u32; 4]); 3] = [
+        (
+            [0; 4],
+            [0; 2],
+            [0x6627_e8d5, 0xe169_c58d, 0xbc57_ac4c, 0x9b00_dbd8],
+        ),
+        (
+            [u32::MAX; 4],
+            [u32::MAX; 2],
+            [0x408f_276d, 0x41c8_3b0e, 0xa20b_c7c6, 0x6d54_51fd],
+        ),
+        (
+            [0x243f_6a88, 0x85a3_08d3, 0x1319_8a2e, 0x0370_7344],
+            [0xa409_3822, 0x299f_31d0],
+            [0xd16c_fe09, 0x94fd_cceb, 0x5001_e420, 0x2412_6ea1],
+        ),
+    ];
+
+    #[test]
+    fn philox_known_answers() {
+        for (ctr, key, want) in KAT {
+            assert_eq!(
+                philox4x32_10(ctr, key),
+                want,
+                "ctr {ctr:08x?} key {key:08x?}"
+            );
+        }
+    }
+
+    #[test]
+    fn splitmix_matches_reference_sequence() {
+        // SplitMix64 seeded with 0: state += γ, output mix(state). First outputs of the reference
+        // generator (Vigna's splitmix64.c).
+        assert_eq!(splitmix64_mix(SPLITMIX64_GAMMA), 0xe220_a839_7b1d_cdaf);
+        assert_eq!(
+            splitmix64_mix(SPLITMIX64_GAMMA.wrapping_mul(2)),
+            0x6e78_9e6a_a1b9_65f4
+        );
+    }
+
+    #[test]
+    fn stream_ids_are_chained_and_distinct() {
+        assert_eq!(stream_id(&[]), 0);
+        assert_eq!(stream_id(&[0]), splitmix64_mix(SPLITMIX64_GAMMA));
+        let a = stream_id(&[7]);
+        assert_eq!(
+            stream_id(&[7, 3]),
+            splitmix64_mix((a ^ 3).wrapping_add(SPLITMIX64_GAMMA))
+        );
+        let lists: [&[u64]; 8] = [
+            &[],
+            &[0],
+            &[0, 0],
+            &[1],
+            &[1, 0],
+            &[0, 1],
+            &[1, 2, 3, 4],
+            &[1, 2, 4, 3],
+        ];
+        for (i, x) in lists.iter().enumerate() {
+            for y in &lists[i + 1..] {
+                assert_ne!(stream_id(x), stream_id(y), "{x:?} vs {y:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn stream_words_follow_the_counter_layout() {
+        let s = DropoutStream::new(0x0123_4567_89ab_cdef, &[5, 6]);
+        assert_eq!(s.key, [0x89ab_cdef, 0x0123_4567]);
+        let sid = stream_id(&[5, 6]);
+        for i in [0u64, 1, 2, 3, 4, 1023, (7u64 << 32) + 9] {
+            let b = i / 4;
+            let ctr = [b as u32, (b >> 32) as u32, sid as u32, (sid >> 32) as u32];
+            assert_eq!(s.word(i), philox4x32_10(ctr, s.key)[(i % 4) as usize]);
+        }
+        assert_ne!(
+            s.block(0),
+            DropoutStream::new(0x0123_4567_89ab_cdef, &[5, 7]).block(0)
+        );
+        assert_ne!(s.block(0), DropoutStream::new(1, &[5, 6]).block(0));
+    }
+}
