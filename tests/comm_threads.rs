@@ -33,7 +33,10 @@ fn all_reduce_sum_max_min_f32() {
         for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
             let out = launch(n, |w| -> R<Vec<f32>> {
                 let c = world_comm(&w);
-                let t = Tensor::from_vec((0..len).map(|i| value(w.rank(), i)).collect::<Vec<_>>(), [len])?;
+                let t = Tensor::from_vec(
+                    (0..len).map(|i| value(w.rank(), i)).collect::<Vec<_>>(),
+                    [len],
+                )?;
                 c.all_reduce(&t, op)?;
                 Ok(t.to_vec()?)
             })
@@ -41,12 +44,22 @@ fn all_reduce_sum_max_min_f32() {
             for i in 0..len {
                 let vals = (0..n).map(|r| value(r, i));
                 let expected = match op {
-                    ReduceOp::Sum => (0..n).fold(0.0f32, |acc, r| if r == 0 { value(0, i) } else { acc + value(r, i) }),
+                    ReduceOp::Sum => (0..n).fold(0.0f32, |acc, r| {
+                        if r == 0 {
+                            value(0, i)
+                        } else {
+                            acc + value(r, i)
+                        }
+                    }),
                     ReduceOp::Max => vals.fold(f32::MIN, f32::max),
                     ReduceOp::Min => vals.fold(f32::MAX, f32::min),
                 };
                 for (r, o) in out.iter().enumerate() {
-                    assert_eq!(o[i].to_bits(), expected.to_bits(), "n {n} {op:?} rank {r} element {i}");
+                    assert_eq!(
+                        o[i].to_bits(),
+                        expected.to_bits(),
+                        "n {n} {op:?} rank {r} element {i}"
+                    );
                 }
             }
         }
@@ -59,7 +72,9 @@ fn all_reduce_bf16_accumulates_in_f32_and_rounds_once() {
     let len = 257;
     let out = launch(n, |w| -> R<Vec<bf16>> {
         let c = world_comm(&w);
-        let data: Vec<bf16> = (0..len).map(|i| bf16::from_f32(value(w.rank(), i))).collect();
+        let data: Vec<bf16> = (0..len)
+            .map(|i| bf16::from_f32(value(w.rank(), i)))
+            .collect();
         let t = Tensor::from_vec(data, [len])?;
         c.all_reduce(&t, ReduceOp::Sum)?;
         Ok(t.to_vec()?)
@@ -91,12 +106,21 @@ fn all_reduce_i64_is_exact() {
 #[test]
 fn results_are_bit_identical_whatever_the_worker_count() {
     let run = |workers: usize| {
-        launch_with(5, &LaunchOptions::default().with_comm_workers(workers), |w| -> R<Vec<u32>> {
-            let c = world_comm(&w);
-            let t = Tensor::from_vec((0..5000).map(|i| value(w.rank(), i) * 1e-3).collect::<Vec<_>>(), [5000])?;
-            c.all_reduce(&t, ReduceOp::Sum)?;
-            Ok(t.to_vec::<f32>()?.into_iter().map(f32::to_bits).collect())
-        })
+        launch_with(
+            5,
+            &LaunchOptions::default().with_comm_workers(workers),
+            |w| -> R<Vec<u32>> {
+                let c = world_comm(&w);
+                let t = Tensor::from_vec(
+                    (0..5000)
+                        .map(|i| value(w.rank(), i) * 1e-3)
+                        .collect::<Vec<_>>(),
+                    [5000],
+                )?;
+                c.all_reduce(&t, ReduceOp::Sum)?;
+                Ok(t.to_vec::<f32>()?.into_iter().map(f32::to_bits).collect())
+            },
+        )
         .unwrap()
     };
     let reference = run(1);
@@ -112,7 +136,10 @@ fn all_gather_out_of_place_and_in_place() {
         let len = 1000;
         let out = launch(n, |w| -> R<(Vec<f32>, Vec<f32>)> {
             let c = world_comm(&w);
-            let input = Tensor::from_vec((0..len).map(|i| value(w.rank(), i)).collect::<Vec<_>>(), [len])?;
+            let input = Tensor::from_vec(
+                (0..len).map(|i| value(w.rank(), i)).collect::<Vec<_>>(),
+                [len],
+            )?;
             let output = Tensor::zeros([n, len], DType::F32);
             c.all_gather(&input, &output)?;
             // In place: the input is this rank's slot of the output, as the distributed optimizer does.
@@ -123,7 +150,9 @@ fn all_gather_out_of_place_and_in_place() {
             Ok((output.to_vec()?, buffer.to_vec()?))
         })
         .unwrap();
-        let expected: Vec<f32> = (0..n).flat_map(|r| (0..len).map(move |i| value(r, i))).collect();
+        let expected: Vec<f32> = (0..n)
+            .flat_map(|r| (0..len).map(move |i| value(r, i)))
+            .collect();
         for (a, b) in out {
             assert_eq!(a, expected);
             assert_eq!(b, expected);
@@ -163,7 +192,10 @@ fn broadcast_from_every_root() {
     for root in 0..n {
         let out = launch(n, |w| -> R<Vec<f32>> {
             let c = world_comm(&w);
-            let t = Tensor::from_vec((0..100).map(|i| value(w.rank(), i)).collect::<Vec<_>>(), [100])?;
+            let t = Tensor::from_vec(
+                (0..100).map(|i| value(w.rank(), i)).collect::<Vec<_>>(),
+                [100],
+            )?;
             c.broadcast(&t, root)?;
             Ok(t.to_vec()?)
         })
@@ -183,7 +215,9 @@ fn all_to_all_with_uneven_splits() {
         let i = w.rank();
         let send: Vec<usize> = (0..n).map(|j| splits(i, j)).collect();
         let recv: Vec<usize> = (0..n).map(|j| splits(j, i)).collect();
-        let data: Vec<f32> = (0..n).flat_map(|j| (0..splits(i, j)).map(move |k| (1000 * i + 10 * j + k) as f32)).collect();
+        let data: Vec<f32> = (0..n)
+            .flat_map(|j| (0..splits(i, j)).map(move |k| (1000 * i + 10 * j + k) as f32))
+            .collect();
         let input = Tensor::from_vec(data, [send.iter().sum::<usize>()])?;
         let output = Tensor::zeros([recv.iter().sum::<usize>()], DType::F32);
         c.all_to_all(&input, &send, &output, &recv)?;
@@ -191,7 +225,9 @@ fn all_to_all_with_uneven_splits() {
     })
     .unwrap();
     for (j, o) in out.iter().enumerate() {
-        let expected: Vec<f32> = (0..n).flat_map(|i| (0..splits(i, j)).map(move |k| (1000 * i + 10 * j + k) as f32)).collect();
+        let expected: Vec<f32> = (0..n)
+            .flat_map(|i| (0..splits(i, j)).map(move |k| (1000 * i + 10 * j + k) as f32))
+            .collect();
         assert_eq!(*o, expected, "rank {j}");
     }
 }
@@ -216,7 +252,10 @@ fn send_recv_in_order_and_both_directions() {
         Ok(got)
     })
     .unwrap();
-    assert_eq!(out, vec![vec![20.0, 21.0], vec![0.0, 1.0], vec![10.0, 11.0]]);
+    assert_eq!(
+        out,
+        vec![vec![20.0, 21.0], vec![0.0, 1.0], vec![10.0, 11.0]]
+    );
 }
 
 #[test]
@@ -229,7 +268,11 @@ fn barrier_and_groups_of_a_parallel_layout() {
         ps.tp().all_reduce(&t, ReduceOp::Sum)?;
         let d = Tensor::from_vec(vec![w.rank() as f32], [1])?;
         ps.dp().all_reduce(&d, ReduceOp::Sum)?;
-        Ok((t.to_vec::<f32>()?[0], d.to_vec::<f32>()?[0], ps.groups().pp_rank()))
+        Ok((
+            t.to_vec::<f32>()?[0],
+            d.to_vec::<f32>()?[0],
+            ps.groups().pp_rank(),
+        ))
     })
     .unwrap();
     // tp groups [0,1] [2,3] ...; dp groups [0,2] [1,3] [4,6] [5,7]; pp stage = rank / 4.
@@ -239,7 +282,11 @@ fn barrier_and_groups_of_a_parallel_layout() {
 }
 
 /// Runs `f` on every rank of an n-rank world and returns what each rank's last call said.
-fn errors_of(n: usize, options: LaunchOptions, f: impl Fn(usize, &dyn Communicator) -> Result<(), CommError> + Sync) -> Vec<String> {
+fn errors_of(
+    n: usize,
+    options: LaunchOptions,
+    f: impl Fn(usize, &dyn Communicator) -> Result<(), CommError> + Sync,
+) -> Vec<String> {
     launch_with(n, &options, |w| -> R<String> {
         let c = world_comm(&w);
         Ok(match f(w.rank(), c.as_ref()) {
@@ -254,7 +301,11 @@ fn errors_of(n: usize, options: LaunchOptions, f: impl Fn(usize, &dyn Communicat
 fn different_collectives_are_an_error_naming_both_calls() {
     let errs = errors_of(3, short_timeout(), |rank, c| {
         let t = Tensor::zeros([16], DType::F32);
-        if rank == 2 { c.broadcast(&t, 0) } else { c.all_reduce(&t, ReduceOp::Sum) }
+        if rank == 2 {
+            c.broadcast(&t, 0)
+        } else {
+            c.all_reduce(&t, ReduceOp::Sum)
+        }
     });
     for e in &errs {
         assert_eq!(
@@ -269,7 +320,12 @@ fn different_sizes_and_dtypes_are_errors() {
     let errs = errors_of(2, short_timeout(), |rank, c| {
         c.all_reduce(&Tensor::zeros([8 + rank], DType::F32), ReduceOp::Sum)
     });
-    assert!(errs.iter().all(|e| e.contains("rank 0 called all_reduce(sum, f32 × 8), rank 1 called all_reduce(sum, f32 × 9)")), "{errs:?}");
+    assert!(
+        errs.iter().all(|e| e.contains(
+            "rank 0 called all_reduce(sum, f32 × 8), rank 1 called all_reduce(sum, f32 × 9)"
+        )),
+        "{errs:?}"
+    );
     let errs = errors_of(2, short_timeout(), |rank, c| {
         let dtype = if rank == 0 { DType::F32 } else { DType::BF16 };
         c.all_reduce(&Tensor::zeros([8], dtype), ReduceOp::Sum)
@@ -277,17 +333,33 @@ fn different_sizes_and_dtypes_are_errors() {
     assert!(errs.iter().all(|e| e.contains("bf16 × 8")), "{errs:?}");
     // A mismatched group stays failed: the next call reports the same error instead of hanging.
     let errs = errors_of(2, short_timeout(), |rank, c| {
-        let _ = c.all_reduce(&Tensor::zeros([8], DType::F32), if rank == 0 { ReduceOp::Sum } else { ReduceOp::Max });
+        let _ = c.all_reduce(
+            &Tensor::zeros([8], DType::F32),
+            if rank == 0 {
+                ReduceOp::Sum
+            } else {
+                ReduceOp::Max
+            },
+        );
         c.barrier()
     });
-    assert!(errs.iter().all(|e| e.contains("rank 1 called all_reduce(max")), "{errs:?}");
+    assert!(
+        errs.iter()
+            .all(|e| e.contains("rank 1 called all_reduce(max")),
+        "{errs:?}"
+    );
     let errs = errors_of(2, short_timeout(), |rank, c| {
         let send = [1, 1];
         let recv = if rank == 0 { [1, 1] } else { [2, 0] };
         let out = Tensor::zeros([2], DType::F32);
         c.all_to_all(&Tensor::zeros([2], DType::F32), &send, &out, &recv)
     });
-    assert!(errs.iter().all(|e| e.contains("sending 1 elements to rank 1") && e.contains("expecting 2 elements from rank 0")), "{errs:?}");
+    assert!(
+        errs.iter()
+            .all(|e| e.contains("sending 1 elements to rank 1")
+                && e.contains("expecting 2 elements from rank 0")),
+        "{errs:?}"
+    );
 }
 
 #[test]
@@ -300,19 +372,36 @@ fn send_recv_size_mismatch_is_an_error() {
         }
     });
     assert_eq!(errs[0], "ok");
-    assert_eq!(errs[1], "collective mismatch in group world: rank 0 called send(to 1, f32 × 5), rank 1 called recv(from 0, f32 × 6)");
+    assert_eq!(
+        errs[1],
+        "collective mismatch in group world: rank 0 called send(to 1, f32 × 5), rank 1 called recv(from 0, f32 × 6)"
+    );
 }
 
 #[test]
 fn a_rank_that_never_arrives_is_a_timeout_naming_it() {
     let errs = errors_of(4, short_timeout(), |rank, c| {
-        if rank == 3 { Ok(()) } else { c.all_reduce(&Tensor::zeros([4], DType::F32), ReduceOp::Sum) }
+        if rank == 3 {
+            Ok(())
+        } else {
+            c.all_reduce(&Tensor::zeros([4], DType::F32), ReduceOp::Sum)
+        }
     });
     for e in &errs[..3] {
         assert!(e.starts_with("timeout after 300ms in group world waiting for all_reduce(sum, f32 × 4): global ranks [3] never arrived"), "{e}");
     }
-    let errs = errors_of(2, short_timeout(), |rank, c| if rank == 0 { c.recv(&Tensor::zeros([1], DType::F32), 1) } else { Ok(()) });
-    assert!(errs[0].contains("global ranks [1] never arrived"), "{}", errs[0]);
+    let errs = errors_of(2, short_timeout(), |rank, c| {
+        if rank == 0 {
+            c.recv(&Tensor::zeros([1], DType::F32), 1)
+        } else {
+            Ok(())
+        }
+    });
+    assert!(
+        errs[0].contains("global ranks [1] never arrived"),
+        "{}",
+        errs[0]
+    );
 }
 
 #[test]
@@ -326,19 +415,32 @@ fn a_failing_rank_stops_every_rank_with_its_error() {
             return Err("out of memory on purpose".into());
         }
         let r = c.all_reduce(&Tensor::zeros([4], DType::F32), ReduceOp::Sum);
-        seen.lock().unwrap().push(format!("{:?}", r.as_ref().err().map(ToString::to_string)));
+        seen.lock()
+            .unwrap()
+            .push(format!("{:?}", r.as_ref().err().map(ToString::to_string)));
         r.map_err(|e| e.to_string())
     })
     .unwrap_err();
     match err {
-        LaunchError::Rank { rank, message, panicked } => {
-            assert_eq!((rank, message.as_str(), panicked), (2, "out of memory on purpose", false));
+        LaunchError::Rank {
+            rank,
+            message,
+            panicked,
+        } => {
+            assert_eq!(
+                (rank, message.as_str(), panicked),
+                (2, "out of memory on purpose", false)
+            );
         }
         other => panic!("{other}"),
     }
     let seen = seen.into_inner().unwrap();
     assert_eq!(seen.len(), 3);
-    assert!(seen.iter().all(|s| s.contains("rank 2 failed: out of memory on purpose")), "{seen:?}");
+    assert!(
+        seen.iter()
+            .all(|s| s.contains("rank 2 failed: out of memory on purpose")),
+        "{seen:?}"
+    );
 }
 
 #[test]
@@ -362,16 +464,54 @@ fn a_panicking_rank_stops_every_rank() {
 fn invalid_arguments_are_clear_errors() {
     let errs = errors_of(2, short_timeout(), |rank, c| {
         if rank == 0 {
-            let e1 = c.broadcast(&Tensor::zeros([1], DType::F32), 5).unwrap_err().to_string();
-            assert_eq!(e1, "group world: broadcast root 5 is outside the group of 2 ranks");
-            let e2 = c.all_gather(&Tensor::zeros([3], DType::F32), &Tensor::zeros([5], DType::F32)).unwrap_err().to_string();
-            assert!(e2.contains("output has 5 elements, expected 2 ranks × 3 input elements"), "{e2}");
-            let e3 = c.all_to_all(&Tensor::zeros([3], DType::F32), &[1, 1], &Tensor::zeros([2], DType::F32), &[1, 1]).unwrap_err().to_string();
-            assert!(e3.contains("send splits [1, 1] add up to 2, the buffer has 3 elements"), "{e3}");
-            let e4 = c.send(&Tensor::zeros([1], DType::F32), 0).unwrap_err().to_string();
+            let e1 = c
+                .broadcast(&Tensor::zeros([1], DType::F32), 5)
+                .unwrap_err()
+                .to_string();
+            assert_eq!(
+                e1,
+                "group world: broadcast root 5 is outside the group of 2 ranks"
+            );
+            let e2 = c
+                .all_gather(
+                    &Tensor::zeros([3], DType::F32),
+                    &Tensor::zeros([5], DType::F32),
+                )
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e2.contains("output has 5 elements, expected 2 ranks × 3 input elements"),
+                "{e2}"
+            );
+            let e3 = c
+                .all_to_all(
+                    &Tensor::zeros([3], DType::F32),
+                    &[1, 1],
+                    &Tensor::zeros([2], DType::F32),
+                    &[1, 1],
+                )
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e3.contains("send splits [1, 1] add up to 2, the buffer has 3 elements"),
+                "{e3}"
+            );
+            let e4 = c
+                .send(&Tensor::zeros([1], DType::F32), 0)
+                .unwrap_err()
+                .to_string();
             assert!(e4.contains("sends to itself"), "{e4}");
-            let strided = Tensor::zeros([2, 2], DType::F32).t().map_err(|e| CommError::Invalid { group: "t".into(), message: e.to_string() })?;
-            let e5 = c.all_reduce(&strided, ReduceOp::Sum).unwrap_err().to_string();
+            let strided =
+                Tensor::zeros([2, 2], DType::F32)
+                    .t()
+                    .map_err(|e| CommError::Invalid {
+                        group: "t".into(),
+                        message: e.to_string(),
+                    })?;
+            let e5 = c
+                .all_reduce(&strided, ReduceOp::Sum)
+                .unwrap_err()
+                .to_string();
             assert!(e5.contains("not contiguous"), "{e5}");
         }
         Ok(())
@@ -386,18 +526,50 @@ fn counters_record_calls_and_bytes_per_kind() {
         let before = c.stats();
         c.all_reduce(&Tensor::zeros([100], DType::F32), ReduceOp::Sum)?;
         c.all_reduce(&Tensor::zeros([10], DType::BF16), ReduceOp::Sum)?;
-        c.all_gather(&Tensor::zeros([8], DType::F32), &Tensor::zeros([16], DType::F32))?;
-        c.reduce_scatter(&Tensor::zeros([16], DType::F32), &Tensor::zeros([8], DType::F32), ReduceOp::Sum)?;
-        if w.rank() == 0 { c.send(&Tensor::zeros([3], DType::I64), 1)?; } else { c.recv(&Tensor::zeros([3], DType::I64), 0)?; }
+        c.all_gather(
+            &Tensor::zeros([8], DType::F32),
+            &Tensor::zeros([16], DType::F32),
+        )?;
+        c.reduce_scatter(
+            &Tensor::zeros([16], DType::F32),
+            &Tensor::zeros([8], DType::F32),
+            ReduceOp::Sum,
+        )?;
+        if w.rank() == 0 {
+            c.send(&Tensor::zeros([3], DType::I64), 1)?;
+        } else {
+            c.recv(&Tensor::zeros([3], DType::I64), 0)?;
+        }
         c.barrier()?;
         Ok(c.stats().since(&before))
     })
     .unwrap();
     let s = &stats[0];
-    assert_eq!((s.get(OpKind::AllReduce).calls, s.get(OpKind::AllReduce).bytes), (2, 420));
-    assert_eq!((s.get(OpKind::AllGather).calls, s.get(OpKind::AllGather).bytes), (1, 32));
-    assert_eq!((s.get(OpKind::ReduceScatter).calls, s.get(OpKind::ReduceScatter).bytes), (1, 32));
-    assert_eq!((s.get(OpKind::Send).calls, s.get(OpKind::Send).bytes), (1, 24));
+    assert_eq!(
+        (
+            s.get(OpKind::AllReduce).calls,
+            s.get(OpKind::AllReduce).bytes
+        ),
+        (2, 420)
+    );
+    assert_eq!(
+        (
+            s.get(OpKind::AllGather).calls,
+            s.get(OpKind::AllGather).bytes
+        ),
+        (1, 32)
+    );
+    assert_eq!(
+        (
+            s.get(OpKind::ReduceScatter).calls,
+            s.get(OpKind::ReduceScatter).bytes
+        ),
+        (1, 32)
+    );
+    assert_eq!(
+        (s.get(OpKind::Send).calls, s.get(OpKind::Send).bytes),
+        (1, 24)
+    );
     assert_eq!(s.get(OpKind::Recv).calls, 0);
     assert_eq!(stats[1].get(OpKind::Recv).bytes, 24);
     assert_eq!(s.get(OpKind::Barrier).calls, 1);
@@ -405,11 +577,19 @@ fn counters_record_calls_and_bytes_per_kind() {
 
 #[test]
 fn launch_errors() {
-    assert!(matches!(launch(0, |_| Ok::<(), CommError>(())), Err(LaunchError::EmptyWorld)));
+    assert!(matches!(
+        launch(0, |_| Ok::<(), CommError>(())),
+        Err(LaunchError::EmptyWorld)
+    ));
     let err = launch(2, |w| -> R<()> {
         w.communicator("tp", &[0, 5])?;
         Ok(())
     })
     .unwrap_err();
-    assert!(err.to_string().contains("rank 5 is outside the world of 2 ranks") || err.to_string().contains("is not a member"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("rank 5 is outside the world of 2 ranks")
+            || err.to_string().contains("is not a member"),
+        "{err}"
+    );
 }

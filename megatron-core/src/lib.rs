@@ -6,6 +6,7 @@
 
 pub mod comm;
 pub mod kernels;
+pub mod ops;
 pub mod parallel;
 pub mod rng;
 pub mod tensor;

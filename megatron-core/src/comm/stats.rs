@@ -34,7 +34,10 @@ impl CommStats {
             .iter()
             .filter_map(|(&kind, now)| {
                 let before = earlier.get(kind);
-                let delta = OpStats { calls: now.calls - before.calls, bytes: now.bytes - before.bytes };
+                let delta = OpStats {
+                    calls: now.calls - before.calls,
+                    bytes: now.bytes - before.bytes,
+                };
                 (delta.calls > 0).then_some((kind, delta))
             })
             .collect();
@@ -69,7 +72,15 @@ impl Counters {
             .filter_map(|&kind| {
                 let i = kind as usize;
                 let calls = self.calls[i].load(Ordering::Relaxed);
-                (calls > 0).then(|| (kind, OpStats { calls, bytes: self.bytes[i].load(Ordering::Relaxed) }))
+                (calls > 0).then(|| {
+                    (
+                        kind,
+                        OpStats {
+                            calls,
+                            bytes: self.bytes[i].load(Ordering::Relaxed),
+                        },
+                    )
+                })
             })
             .collect();
         CommStats { ops }

@@ -14,6 +14,7 @@ pub mod cross_entropy;
 pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
+pub mod gemm;
 pub mod layer_norm;
 pub mod softmax;
 

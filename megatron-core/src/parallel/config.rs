@@ -277,7 +277,7 @@ impl ParallelConfig {
         }
         let world = self.world_size;
         let dense_mp = self.tp * self.cp * self.pp;
-        if world % dense_mp != 0 {
+        if !world.is_multiple_of(dense_mp) {
             return Err(ConfigError::NotDivisible {
                 world,
                 what: "tp·cp·pp",
@@ -297,7 +297,7 @@ impl ParallelConfig {
             });
         }
         let expert_mp = etp * self.ep * self.pp;
-        if world % expert_mp != 0 {
+        if !world.is_multiple_of(expert_mp) {
             return Err(ConfigError::NotDivisible {
                 world,
                 what: "etp·ep·pp",

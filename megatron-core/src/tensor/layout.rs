@@ -84,7 +84,11 @@ impl Layout {
     /// A contiguous row-major layout starting at `offset`.
     pub fn contiguous(shape: Shape, offset: usize) -> Self {
         let strides = shape.contiguous_strides();
-        Layout { shape, strides, offset }
+        Layout {
+            shape,
+            strides,
+            offset,
+        }
     }
 
     /// Whether the elements are dense and row-major (size-1 dimensions' strides do not matter).
@@ -105,7 +109,13 @@ impl Layout {
             return self.offset;
         }
         self.offset
-            + self.shape.0.iter().zip(&self.strides).map(|(&d, &s)| (d - 1) * s).sum::<usize>()
+            + self
+                .shape
+                .0
+                .iter()
+                .zip(&self.strides)
+                .map(|(&d, &s)| (d - 1) * s)
+                .sum::<usize>()
             + 1
     }
 }

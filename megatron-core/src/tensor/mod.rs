@@ -12,7 +12,9 @@ mod storage;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
-use parking_lot::{MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard};
+use parking_lot::{
+    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard,
+};
 use thiserror::Error;
 
 pub use dtype::{DType, Element};
@@ -102,12 +104,16 @@ impl Tensor {
     /// A tensor with every element `value` (converted to `dtype`).
     pub fn full(shape: impl Into<Shape>, value: f32, dtype: DType) -> Tensor {
         let t = Tensor::zeros(shape, dtype);
-        t.fill(value).expect("a new tensor is contiguous and not borrowed");
+        t.fill(value)
+            .expect("a new tensor is contiguous and not borrowed");
         t
     }
 
     fn from_buffer(buffer: CpuBuffer, shape: Shape) -> Tensor {
-        Tensor { storage: Arc::new(Storage::new(buffer)), layout: Layout::contiguous(shape, 0) }
+        Tensor {
+            storage: Arc::new(Storage::new(buffer)),
+            layout: Layout::contiguous(shape, 0),
+        }
     }
 
     /// The local shape.
@@ -122,10 +128,13 @@ impl Tensor {
 
     /// Size of dimension `dim`.
     pub fn dim(&self, dim: usize) -> Result<usize> {
-        self.dims().get(dim).copied().ok_or_else(|| TensorError::Shape {
-            op: "dim",
-            message: format!("dimension {dim} of a tensor of shape {}", self.shape()),
-        })
+        self.dims()
+            .get(dim)
+            .copied()
+            .ok_or_else(|| TensorError::Shape {
+                op: "dim",
+                message: format!("dimension {dim} of a tensor of shape {}", self.shape()),
+            })
     }
 
     /// Number of elements.
@@ -164,7 +173,10 @@ impl Tensor {
     }
 
     fn view(&self, layout: Layout) -> Tensor {
-        Tensor { storage: Arc::clone(&self.storage), layout }
+        Tensor {
+            storage: Arc::clone(&self.storage),
+            layout,
+        }
     }
 
     /// The view of `len` indices of dimension `dim` starting at `start`.
@@ -207,7 +219,10 @@ impl Tensor {
         if a >= rank || b >= rank {
             return Err(TensorError::Shape {
                 op: "transpose",
-                message: format!("dimensions {a} and {b} of a tensor of shape {}", self.shape()),
+                message: format!(
+                    "dimensions {a} and {b} of a tensor of shape {}",
+                    self.shape()
+                ),
             });
         }
         let mut layout = self.layout.clone();
@@ -234,7 +249,11 @@ impl Tensor {
         if shape.numel() != self.numel() {
             return Err(TensorError::Shape {
                 op: "reshape",
-                message: format!("cannot view {} elements of shape {} as {shape}", self.numel(), self.shape()),
+                message: format!(
+                    "cannot view {} elements of shape {} as {shape}",
+                    self.numel(),
+                    self.shape()
+                ),
             });
         }
         self.require_contiguous("reshape")?;
@@ -257,7 +276,11 @@ impl Tensor {
         if self.dtype() == expected {
             Ok(())
         } else {
-            Err(TensorError::DType { op, expected, actual: self.dtype() })
+            Err(TensorError::DType {
+                op,
+                expected,
+                actual: self.dtype(),
+            })
         }
     }
 
@@ -270,7 +293,10 @@ impl Tensor {
             .storage
             .lock()
             .try_read_recursive()
-            .ok_or(TensorError::Borrowed { op: "read", write: false })?;
+            .ok_or(TensorError::Borrowed {
+                op: "read",
+                write: false,
+            })?;
         let mapped = RwLockReadGuard::map(guard, |buffer| {
             &T::slice(buffer).expect("storage dtype was checked")[range]
         });
@@ -286,7 +312,10 @@ impl Tensor {
             .storage
             .lock()
             .try_write()
-            .ok_or(TensorError::Borrowed { op: "write", write: true })?;
+            .ok_or(TensorError::Borrowed {
+                op: "write",
+                write: true,
+            })?;
         let mapped = RwLockWriteGuard::map(guard, |buffer| {
             &mut T::slice_mut(buffer).expect("storage dtype was checked")[range]
         });
@@ -300,8 +329,13 @@ impl Tensor {
             .storage
             .lock()
             .try_read_recursive()
-            .ok_or(TensorError::Borrowed { op: "read", write: false })?;
-        Ok(TensorRead(RwLockReadGuard::map(guard, |b| T::slice(b).expect("dtype checked"))))
+            .ok_or(TensorError::Borrowed {
+                op: "read",
+                write: false,
+            })?;
+        Ok(TensorRead(RwLockReadGuard::map(guard, |b| {
+            T::slice(b).expect("dtype checked")
+        })))
     }
 
     /// Borrows the whole storage for writing (any layout).
@@ -311,18 +345,29 @@ impl Tensor {
             .storage
             .lock()
             .try_write()
-            .ok_or(TensorError::Borrowed { op: "write", write: true })?;
-        Ok(TensorWrite(RwLockWriteGuard::map(guard, |b| T::slice_mut(b).expect("dtype checked"))))
+            .ok_or(TensorError::Borrowed {
+                op: "write",
+                write: true,
+            })?;
+        Ok(TensorWrite(RwLockWriteGuard::map(guard, |b| {
+            T::slice_mut(b).expect("dtype checked")
+        })))
     }
 
     /// Locks the whole storage for reading, shared with other readers.
     pub(crate) fn lock_read(&self, op: &'static str) -> Result<RwLockReadGuard<'_, CpuBuffer>> {
-        self.storage.lock().try_read_recursive().ok_or(TensorError::Borrowed { op, write: false })
+        self.storage
+            .lock()
+            .try_read_recursive()
+            .ok_or(TensorError::Borrowed { op, write: false })
     }
 
     /// Locks the whole storage for writing.
     pub(crate) fn lock_write(&self, op: &'static str) -> Result<RwLockWriteGuard<'_, CpuBuffer>> {
-        self.storage.lock().try_write().ok_or(TensorError::Borrowed { op, write: true })
+        self.storage
+            .lock()
+            .try_write()
+            .ok_or(TensorError::Borrowed { op, write: true })
     }
 
     /// Checks that the tensor is contiguous, naming `op` otherwise.
@@ -342,9 +387,21 @@ impl Tensor {
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
         match self.dtype() {
             DType::F32 => self.to_vec::<f32>(),
-            DType::BF16 => Ok(self.to_vec::<half::bf16>()?.into_iter().map(f32::from).collect()),
-            DType::F16 => Ok(self.to_vec::<half::f16>()?.into_iter().map(f32::from).collect()),
-            DType::I64 => Ok(self.to_vec::<i64>()?.into_iter().map(|x| x as f32).collect()),
+            DType::BF16 => Ok(self
+                .to_vec::<half::bf16>()?
+                .into_iter()
+                .map(f32::from)
+                .collect()),
+            DType::F16 => Ok(self
+                .to_vec::<half::f16>()?
+                .into_iter()
+                .map(f32::from)
+                .collect()),
+            DType::I64 => Ok(self
+                .to_vec::<i64>()?
+                .into_iter()
+                .map(|x| x as f32)
+                .collect()),
         }
     }
 
@@ -379,7 +436,11 @@ impl Tensor {
         if src.shape() != self.shape() {
             return Err(TensorError::Shape {
                 op: "copy_from",
-                message: format!("source shape {} ≠ destination shape {}", src.shape(), self.shape()),
+                message: format!(
+                    "source shape {} ≠ destination shape {}",
+                    src.shape(),
+                    self.shape()
+                ),
             });
         }
         if self.same_storage(src) {
@@ -426,7 +487,9 @@ impl Tensor {
     pub fn fill(&self, value: f32) -> Result<()> {
         match self.dtype() {
             DType::F32 => self.write::<f32>()?.fill(value),
-            DType::BF16 => self.write::<half::bf16>()?.fill(half::bf16::from_f32(value)),
+            DType::BF16 => self
+                .write::<half::bf16>()?
+                .fill(half::bf16::from_f32(value)),
             DType::F16 => self.write::<half::f16>()?.fill(half::f16::from_f32(value)),
             DType::I64 => self.write::<i64>()?.fill(value as i64),
         }

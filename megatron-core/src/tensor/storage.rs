@@ -99,7 +99,11 @@ pub struct Storage {
 impl Storage {
     /// Wraps a buffer.
     pub fn new(buffer: CpuBuffer) -> Self {
-        Storage { dtype: buffer.dtype(), len: buffer.len(), data: RwLock::new(buffer) }
+        Storage {
+            dtype: buffer.dtype(),
+            len: buffer.len(),
+            data: RwLock::new(buffer),
+        }
     }
 
     /// The element type.

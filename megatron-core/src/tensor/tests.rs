@@ -17,7 +17,10 @@ fn views_share_storage_and_copy_nothing() {
     assert_eq!(tt.to_vec::<f32>().unwrap(), vec![0., 3., 1., 4., 2., 5.]);
     let col = t.narrow(1, 1, 2).unwrap();
     assert_eq!(col.to_vec::<f32>().unwrap(), vec![1., 2., 4., 5.]);
-    assert_eq!(t.chunk(3, 2, 1).unwrap().to_vec::<f32>().unwrap(), vec![2., 5.]);
+    assert_eq!(
+        t.chunk(3, 2, 1).unwrap().to_vec::<f32>().unwrap(),
+        vec![2., 5.]
+    );
     let c = tt.contiguous().unwrap();
     assert!(c.is_contiguous() && !c.same_storage(&t));
     assert_eq!(c.to_vec::<f32>().unwrap(), vec![0., 3., 1., 4., 2., 5.]);
@@ -27,8 +30,14 @@ fn views_share_storage_and_copy_nothing() {
 fn writes_through_a_view_reach_the_storage() {
     let flat = Tensor::zeros([10], DType::F32);
     let param = flat.narrow(0, 4, 6).unwrap().reshape([2, 3]).unwrap();
-    param.write::<f32>().unwrap().copy_from_slice(&[1., 2., 3., 4., 5., 6.]);
-    assert_eq!(flat.to_vec::<f32>().unwrap(), vec![0., 0., 0., 0., 1., 2., 3., 4., 5., 6.]);
+    param
+        .write::<f32>()
+        .unwrap()
+        .copy_from_slice(&[1., 2., 3., 4., 5., 6.]);
+    assert_eq!(
+        flat.to_vec::<f32>().unwrap(),
+        vec![0., 0., 0., 0., 1., 2., 3., 4., 5., 6.]
+    );
 }
 
 #[test]
@@ -51,16 +60,25 @@ fn dtype_conversion_rounds_once() {
     assert_eq!(b.to_vec::<bf16>().unwrap()[2], bf16::from_f32(-3.5));
     assert_eq!(b.to_vec_f32().unwrap(), vec![1.0, 1.0, -3.5]);
     let ids = Tensor::from_vec(vec![3i64, 7], [2]).unwrap();
-    assert_eq!(ids.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap(), vec![3.0, 7.0]);
+    assert_eq!(
+        ids.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap(),
+        vec![3.0, 7.0]
+    );
 }
 
 #[test]
 fn bad_shapes_name_the_numbers() {
     let t = arange([2, 3]);
     let msg = t.narrow(1, 2, 2).unwrap_err().to_string();
-    assert_eq!(msg, "narrow: range 2..4 of dimension 1 exceeds its size 3 (shape [2, 3])");
+    assert_eq!(
+        msg,
+        "narrow: range 2..4 of dimension 1 exceeds its size 3 (shape [2, 3])"
+    );
     let msg = t.reshape([4, 2]).unwrap_err().to_string();
-    assert!(msg.contains("cannot view 6 elements of shape [2, 3] as [4, 2]"), "{msg}");
+    assert!(
+        msg.contains("cannot view 6 elements of shape [2, 3] as [4, 2]"),
+        "{msg}"
+    );
     assert!(t.t().unwrap().reshape([6]).is_err());
     assert!(Tensor::from_vec(vec![1.0f32; 5], [2, 3]).is_err());
     assert!(matches!(t.read::<i64>(), Err(TensorError::DType { .. })));

@@ -20,15 +20,35 @@ pub struct ThreadComm {
 
 impl ThreadComm {
     pub(crate) fn new(group: Arc<GroupShared>, world: Arc<WorldShared>, index: usize) -> Self {
-        ThreadComm { group, world, index, counters: Counters::default() }
+        ThreadComm {
+            group,
+            world,
+            index,
+            counters: Counters::default(),
+        }
     }
 
     fn invalid(&self, message: String) -> CommError {
-        CommError::Invalid { group: self.group.name.clone(), message }
+        CommError::Invalid {
+            group: self.group.name.clone(),
+            message,
+        }
     }
 
-    fn desc(&self, kind: OpKind, t: &Tensor, op: Option<ReduceOp>, peer: Option<usize>) -> CallDesc {
-        CallDesc { kind, dtype: t.dtype(), count: t.numel(), op, peer }
+    fn desc(
+        &self,
+        kind: OpKind,
+        t: &Tensor,
+        op: Option<ReduceOp>,
+        peer: Option<usize>,
+    ) -> CallDesc {
+        CallDesc {
+            kind,
+            dtype: t.dtype(),
+            count: t.numel(),
+            op,
+            peer,
+        }
     }
 
     fn check_peer(&self, what: &str, peer: usize) -> Result<()> {
@@ -41,13 +61,23 @@ impl ThreadComm {
 
     fn check_same_dtype(&self, op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
         if a.dtype() != b.dtype() {
-            return Err(self.invalid(format!("{op}: input is {} but output is {}", a.dtype(), b.dtype())));
+            return Err(self.invalid(format!(
+                "{op}: input is {} but output is {}",
+                a.dtype(),
+                b.dtype()
+            )));
         }
         Ok(())
     }
 
     fn arrive(&self, desc: CallDesc, input: RawBuf, output: RawBuf) -> Result<()> {
-        let arrival = Arrival { desc, input, output, send_splits: Vec::new(), recv_splits: Vec::new() };
+        let arrival = Arrival {
+            desc,
+            input,
+            output,
+            send_splits: Vec::new(),
+            recv_splits: Vec::new(),
+        };
         self.group.collective(&self.world, self.index, arrival)
     }
 
@@ -67,10 +97,18 @@ impl ThreadComm {
         let size = input.dtype().size();
         if input.same_storage(output) {
             // In place: one exclusive borrow covers both.
-            let (whole, part) = if output_is_slot { (input, output) } else { (output, input) };
+            let (whole, part) = if output_is_slot {
+                (input, output)
+            } else {
+                (output, input)
+            };
             let expected = whole.layout().offset + self.index * slot_len;
             if part.layout().offset != expected {
-                let (w, p) = if output_is_slot { ("input", "output") } else { ("output", "input") };
+                let (w, p) = if output_is_slot {
+                    ("input", "output")
+                } else {
+                    ("output", "input")
+                };
                 return Err(self.invalid(format!(
                     "{op}: the {p} shares storage with the {w} but is not its slot {} (offset {} ≠ {expected})",
                     self.index,
@@ -79,15 +117,28 @@ impl ThreadComm {
             }
             let mut guard = whole.lock_write(op)?;
             let base = addr_mut(&mut guard, whole);
-            let whole_buf = RawBuf { addr: base, len: whole.numel() };
+            let whole_buf = RawBuf {
+                addr: base,
+                len: whole.numel(),
+            };
             let part_buf = whole_buf.slice(self.index * slot_len, slot_len, size);
-            let (i, o) = if output_is_slot { (whole_buf, part_buf) } else { (part_buf, whole_buf) };
+            let (i, o) = if output_is_slot {
+                (whole_buf, part_buf)
+            } else {
+                (part_buf, whole_buf)
+            };
             self.arrive(desc, i, o)
         } else {
             let in_guard = input.lock_read(op)?;
             let mut out_guard = output.lock_write(op)?;
-            let i = RawBuf { addr: addr(&in_guard, input), len: input.numel() };
-            let o = RawBuf { addr: addr_mut(&mut out_guard, output), len: output.numel() };
+            let i = RawBuf {
+                addr: addr(&in_guard, input),
+                len: input.numel(),
+            };
+            let o = RawBuf {
+                addr: addr_mut(&mut out_guard, output),
+                len: output.numel(),
+            };
             self.arrive(desc, i, o)
         }
     }
@@ -120,9 +171,13 @@ impl Communicator for ThreadComm {
         tensor.contiguous_for("all_reduce")?;
         let desc = self.desc(OpKind::AllReduce, tensor, Some(op), None);
         let mut guard = tensor.lock_write("all_reduce")?;
-        let buf = RawBuf { addr: addr_mut(&mut guard, tensor), len: tensor.numel() };
+        let buf = RawBuf {
+            addr: addr_mut(&mut guard, tensor),
+            len: tensor.numel(),
+        };
         self.arrive(desc, buf, buf)?;
-        self.counters.record(OpKind::AllReduce, tensor.numel() * tensor.dtype().size());
+        self.counters
+            .record(OpKind::AllReduce, tensor.numel() * tensor.dtype().size());
         Ok(())
     }
 
@@ -138,7 +193,8 @@ impl Communicator for ThreadComm {
         }
         let desc = self.desc(OpKind::AllGather, input, None, None);
         self.two_buffer("all_gather", desc, input, output, input.numel(), false)?;
-        self.counters.record(OpKind::AllGather, input.numel() * input.dtype().size());
+        self.counters
+            .record(OpKind::AllGather, input.numel() * input.dtype().size());
         Ok(())
     }
 
@@ -154,7 +210,10 @@ impl Communicator for ThreadComm {
         }
         let desc = self.desc(OpKind::ReduceScatter, output, Some(op), None);
         self.two_buffer("reduce_scatter", desc, input, output, output.numel(), true)?;
-        self.counters.record(OpKind::ReduceScatter, output.numel() * output.dtype().size());
+        self.counters.record(
+            OpKind::ReduceScatter,
+            output.numel() * output.dtype().size(),
+        );
         Ok(())
     }
 
@@ -163,9 +222,13 @@ impl Communicator for ThreadComm {
         tensor.contiguous_for("broadcast")?;
         let desc = self.desc(OpKind::Broadcast, tensor, None, Some(root));
         let mut guard = tensor.lock_write("broadcast")?;
-        let buf = RawBuf { addr: addr_mut(&mut guard, tensor), len: tensor.numel() };
+        let buf = RawBuf {
+            addr: addr_mut(&mut guard, tensor),
+            len: tensor.numel(),
+        };
         self.arrive(desc, buf, buf)?;
-        self.counters.record(OpKind::Broadcast, tensor.numel() * tensor.dtype().size());
+        self.counters
+            .record(OpKind::Broadcast, tensor.numel() * tensor.dtype().size());
         Ok(())
     }
 
@@ -203,29 +266,45 @@ impl Communicator for ThreadComm {
         let mut out_guard = output.lock_write("all_to_all")?;
         let arrival = Arrival {
             desc,
-            input: RawBuf { addr: addr(&in_guard, input), len: input.numel() },
-            output: RawBuf { addr: addr_mut(&mut out_guard, output), len: output.numel() },
+            input: RawBuf {
+                addr: addr(&in_guard, input),
+                len: input.numel(),
+            },
+            output: RawBuf {
+                addr: addr_mut(&mut out_guard, output),
+                len: output.numel(),
+            },
             send_splits: send_splits.to_vec(),
             recv_splits: recv_splits.to_vec(),
         };
         self.group.collective(&self.world, self.index, arrival)?;
-        self.counters.record(OpKind::AllToAll, input.numel() * input.dtype().size());
+        self.counters
+            .record(OpKind::AllToAll, input.numel() * input.dtype().size());
         Ok(())
     }
 
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
         self.check_peer("send destination", dst)?;
         if dst == self.index {
-            return Err(self.invalid(format!("send: rank {} sends to itself", self.group.ranks[dst])));
+            return Err(self.invalid(format!(
+                "send: rank {} sends to itself",
+                self.group.ranks[dst]
+            )));
         }
         tensor.contiguous_for("send")?;
         let nbytes = tensor.numel() * tensor.dtype().size();
         let bytes = {
             let guard = tensor.lock_read("send")?;
             // SAFETY: the read lock keeps the contiguous view's bytes alive and unwritten.
-            unsafe { std::slice::from_raw_parts(addr(&guard, tensor) as *const u8, nbytes) }.to_vec()
+            unsafe { std::slice::from_raw_parts(addr(&guard, tensor) as *const u8, nbytes) }
+                .to_vec()
         };
-        self.group.post(self.index, dst, self.desc(OpKind::Send, tensor, None, Some(dst)), bytes);
+        self.group.post(
+            self.index,
+            dst,
+            self.desc(OpKind::Send, tensor, None, Some(dst)),
+            bytes,
+        );
         self.counters.record(OpKind::Send, nbytes);
         Ok(())
     }
@@ -233,24 +312,34 @@ impl Communicator for ThreadComm {
     fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
         self.check_peer("recv source", src)?;
         if src == self.index {
-            return Err(self.invalid(format!("recv: rank {} receives from itself", self.group.ranks[src])));
+            return Err(self.invalid(format!(
+                "recv: rank {} receives from itself",
+                self.group.ranks[src]
+            )));
         }
         tensor.contiguous_for("recv")?;
         let desc = self.desc(OpKind::Recv, tensor, None, Some(src));
         let nbytes = tensor.numel() * tensor.dtype().size();
         let mut guard = tensor.lock_write("recv")?;
         let dst = addr_mut(&mut guard, tensor);
-        self.group.take(&self.world, src, self.index, &desc, |_, bytes| {
-            // SAFETY: the write lock is held; sizes were matched against the sender's call.
-            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst as *mut u8, nbytes) };
-            Ok(())
-        })?;
+        self.group
+            .take(&self.world, src, self.index, &desc, |_, bytes| {
+                // SAFETY: the write lock is held; sizes were matched against the sender's call.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst as *mut u8, nbytes) };
+                Ok(())
+            })?;
         self.counters.record(OpKind::Recv, nbytes);
         Ok(())
     }
 
     fn barrier(&self) -> Result<()> {
-        let desc = CallDesc { kind: OpKind::Barrier, dtype: crate::tensor::DType::F32, count: 0, op: None, peer: None };
+        let desc = CallDesc {
+            kind: OpKind::Barrier,
+            dtype: crate::tensor::DType::F32,
+            count: 0,
+            op: None,
+            peer: None,
+        };
         let empty = RawBuf { addr: 0, len: 0 };
         self.arrive(desc, empty, empty)?;
         self.counters.record(OpKind::Barrier, 0);

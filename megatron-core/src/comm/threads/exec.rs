@@ -24,7 +24,10 @@ impl RawBuf {
     /// The sub-run of `len` elements starting `start` elements in, for elements of `size` bytes.
     pub fn slice(self, start: usize, len: usize, size: usize) -> RawBuf {
         debug_assert!(start + len <= self.len);
-        RawBuf { addr: self.addr + start * size, len }
+        RawBuf {
+            addr: self.addr + start * size,
+            len,
+        }
     }
 }
 
@@ -48,9 +51,16 @@ pub(crate) enum Plan {
     /// Nothing to move (barrier, empty buffers).
     Nothing,
     /// Element-wise reductions.
-    Reduce { dtype: DType, op: ReduceOp, segments: Vec<ReduceSegment> },
+    Reduce {
+        dtype: DType,
+        op: ReduceOp,
+        segments: Vec<ReduceSegment>,
+    },
     /// Copies `(source, destination)`; identical runs are skipped.
-    Copy { dtype: DType, jobs: Vec<(RawBuf, RawBuf)> },
+    Copy {
+        dtype: DType,
+        jobs: Vec<(RawBuf, RawBuf)>,
+    },
 }
 
 impl Plan {
@@ -63,8 +73,15 @@ impl Plan {
     pub unsafe fn execute(&self, worker: usize, workers: usize) {
         match self {
             Plan::Nothing => {}
-            Plan::Reduce { dtype, op, segments } => {
-                let total: usize = segments.iter().map(|s| s.dests.first().map_or(0, |d| d.len)).sum();
+            Plan::Reduce {
+                dtype,
+                op,
+                segments,
+            } => {
+                let total: usize = segments
+                    .iter()
+                    .map(|s| s.dests.first().map_or(0, |d| d.len))
+                    .sum();
                 let (start, end) = share(total, worker, workers);
                 let mut acc = vec![0f32; BLOCK];
                 let mut tmp = vec![0f32; BLOCK];
@@ -80,9 +97,15 @@ impl Plan {
                         // SAFETY: forwarded from the caller; [off, off + n) lies in every run.
                         unsafe {
                             match dtype {
-                                DType::F32 => reduce_float::<f32>(seg, off, n, *op, &mut acc, &mut tmp),
-                                DType::BF16 => reduce_float::<bf16>(seg, off, n, *op, &mut acc, &mut tmp),
-                                DType::F16 => reduce_float::<f16>(seg, off, n, *op, &mut acc, &mut tmp),
+                                DType::F32 => {
+                                    reduce_float::<f32>(seg, off, n, *op, &mut acc, &mut tmp)
+                                }
+                                DType::BF16 => {
+                                    reduce_float::<bf16>(seg, off, n, *op, &mut acc, &mut tmp)
+                                }
+                                DType::F16 => {
+                                    reduce_float::<f16>(seg, off, n, *op, &mut acc, &mut tmp)
+                                }
                                 DType::I64 => reduce_i64(seg, off, n, *op, &mut acc_i),
                             }
                         }
@@ -188,8 +211,14 @@ unsafe fn reduce_float<T: Widen>(
         T::widen(view(src), tmp);
         match op {
             ReduceOp::Sum => acc.iter_mut().zip(tmp.iter()).for_each(|(a, b)| *a += *b),
-            ReduceOp::Max => acc.iter_mut().zip(tmp.iter()).for_each(|(a, b)| *a = a.max(*b)),
-            ReduceOp::Min => acc.iter_mut().zip(tmp.iter()).for_each(|(a, b)| *a = a.min(*b)),
+            ReduceOp::Max => acc
+                .iter_mut()
+                .zip(tmp.iter())
+                .for_each(|(a, b)| *a = a.max(*b)),
+            ReduceOp::Min => acc
+                .iter_mut()
+                .zip(tmp.iter())
+                .for_each(|(a, b)| *a = a.min(*b)),
         }
     }
     for &dst in &seg.dests {
@@ -217,7 +246,10 @@ unsafe fn reduce_i64(seg: &ReduceSegment, off: usize, n: usize, op: ReduceOp, ac
     for &src in sources {
         let s = view(src);
         match op {
-            ReduceOp::Sum => acc.iter_mut().zip(s).for_each(|(a, b)| *a = a.wrapping_add(*b)),
+            ReduceOp::Sum => acc
+                .iter_mut()
+                .zip(s)
+                .for_each(|(a, b)| *a = a.wrapping_add(*b)),
             ReduceOp::Max => acc.iter_mut().zip(s).for_each(|(a, b)| *a = (*a).max(*b)),
             ReduceOp::Min => acc.iter_mut().zip(s).for_each(|(a, b)| *a = (*a).min(*b)),
         }

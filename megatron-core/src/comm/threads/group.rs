@@ -134,7 +134,9 @@ impl GroupShared {
                 if let Some(err) = world.failure() {
                     return Err(self.poison(&mut slot, err));
                 }
-                if self.cv.wait_until(&mut slot, deadline).timed_out() && slot.phase != Phase::Working {
+                if self.cv.wait_until(&mut slot, deadline).timed_out()
+                    && slot.phase != Phase::Working
+                {
                     let missing = (0..n)
                         .filter(|&i| slot.arrivals[i].is_none())
                         .map(|i| self.ranks[i])
@@ -219,17 +221,31 @@ impl GroupShared {
             OpKind::AllReduce => {
                 let bufs: Vec<RawBuf> = arrivals.iter().map(|a| a.input).collect();
                 let op = first.op.expect("all-reduce has an op");
-                Plan::Reduce { dtype, op, segments: vec![ReduceSegment { sources: bufs.clone(), dests: bufs }] }
+                Plan::Reduce {
+                    dtype,
+                    op,
+                    segments: vec![ReduceSegment {
+                        sources: bufs.clone(),
+                        dests: bufs,
+                    }],
+                }
             }
             OpKind::ReduceScatter => {
                 let op = first.op.expect("reduce-scatter has an op");
                 let segments = (0..n)
                     .map(|r| ReduceSegment {
-                        sources: arrivals.iter().map(|a| a.input.slice(r * count, count, size)).collect(),
+                        sources: arrivals
+                            .iter()
+                            .map(|a| a.input.slice(r * count, count, size))
+                            .collect(),
                         dests: vec![arrivals[r].output],
                     })
                     .collect();
-                Plan::Reduce { dtype, op, segments }
+                Plan::Reduce {
+                    dtype,
+                    op,
+                    segments,
+                }
             }
             OpKind::AllGather => {
                 let mut jobs = Vec::with_capacity(n * n);
@@ -243,7 +259,12 @@ impl GroupShared {
             OpKind::Broadcast => {
                 let root = first.peer.expect("broadcast has a root");
                 let src = arrivals[root].input;
-                let jobs = arrivals.iter().enumerate().filter(|(r, _)| *r != root).map(|(_, a)| (src, a.output)).collect();
+                let jobs = arrivals
+                    .iter()
+                    .enumerate()
+                    .filter(|(r, _)| *r != root)
+                    .map(|(_, a)| (src, a.output))
+                    .collect();
                 Plan::Copy { dtype, jobs }
             }
             OpKind::AllToAll => {
@@ -253,9 +274,15 @@ impl GroupShared {
                             return Err(CommError::Mismatch {
                                 group: self.name.clone(),
                                 rank_a: self.ranks[i],
-                                call_a: format!("{} sending {} elements to rank {}", a.desc, a.send_splits[j], self.ranks[j]),
+                                call_a: format!(
+                                    "{} sending {} elements to rank {}",
+                                    a.desc, a.send_splits[j], self.ranks[j]
+                                ),
                                 rank_b: self.ranks[j],
-                                call_b: format!("{} expecting {} elements from rank {}", b.desc, b.recv_splits[i], self.ranks[i]),
+                                call_b: format!(
+                                    "{} expecting {} elements from rank {}",
+                                    b.desc, b.recv_splits[i], self.ranks[i]
+                                ),
                             });
                         }
                     }
@@ -266,7 +293,10 @@ impl GroupShared {
                     for (j, b) in arrivals.iter().enumerate() {
                         let len = a.send_splits[j];
                         let recv_off: usize = b.recv_splits[..i].iter().sum();
-                        jobs.push((a.input.slice(send_off, len, size), b.output.slice(recv_off, len, size)));
+                        jobs.push((
+                            a.input.slice(send_off, len, size),
+                            b.output.slice(recv_off, len, size),
+                        ));
                         send_off += len;
                     }
                 }
@@ -306,7 +336,9 @@ impl GroupShared {
             if let Some(err) = world.failure() {
                 return Err(err);
             }
-            if self.mail_cv.wait_until(&mut mail, deadline).timed_out() && mail[src * n + dst].is_empty() {
+            if self.mail_cv.wait_until(&mut mail, deadline).timed_out()
+                && mail[src * n + dst].is_empty()
+            {
                 return Err(CommError::Timeout {
                     group: self.name.clone(),
                     call: call.to_string(),

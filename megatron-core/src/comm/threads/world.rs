@@ -70,6 +70,9 @@ pub enum LaunchError {
     EmptyWorld,
 }
 
+/// A group's identity: its family name and members.
+type GroupKey = (String, Vec<usize>);
+
 /// State shared by every rank of one in-process world.
 #[derive(Debug)]
 pub(crate) struct WorldShared {
@@ -78,7 +81,7 @@ pub(crate) struct WorldShared {
     pub workers: usize,
     failed: AtomicBool,
     failure: Mutex<Option<(usize, Arc<str>, bool)>>,
-    groups: Mutex<HashMap<(String, Vec<usize>), Arc<GroupShared>>>,
+    groups: Mutex<HashMap<GroupKey, Arc<GroupShared>>>,
 }
 
 impl WorldShared {
@@ -99,10 +102,12 @@ impl WorldShared {
             return None;
         }
         let failure = self.failure.lock();
-        failure.as_ref().map(|(rank, message, _)| CommError::PeerFailed {
-            rank: *rank,
-            message: Arc::clone(message),
-        })
+        failure
+            .as_ref()
+            .map(|(rank, message, _)| CommError::PeerFailed {
+                rank: *rank,
+                message: Arc::clone(message),
+            })
     }
 
     /// Records a rank's failure (the first one wins) and wakes every waiting rank.
@@ -123,7 +128,11 @@ impl WorldShared {
     fn group(&self, name: &str, ranks: &[usize]) -> Arc<GroupShared> {
         let mut groups = self.groups.lock();
         let key = (name.to_string(), ranks.to_vec());
-        Arc::clone(groups.entry(key).or_insert_with(|| Arc::new(GroupShared::new(name, ranks, self.workers))))
+        Arc::clone(
+            groups
+                .entry(key)
+                .or_insert_with(|| Arc::new(GroupShared::new(name, ranks, self.workers))),
+        )
     }
 }
 
@@ -144,12 +153,21 @@ impl World for ThreadWorld {
     }
 
     fn communicator(&self, name: &str, ranks: &[usize]) -> Result<Arc<dyn Communicator>> {
-        let invalid = |message: String| CommError::Invalid { group: name.to_string(), message };
+        let invalid = |message: String| CommError::Invalid {
+            group: name.to_string(),
+            message,
+        };
         let Some(index) = ranks.iter().position(|&r| r == self.rank) else {
-            return Err(invalid(format!("rank {} is not a member of {ranks:?}", self.rank)));
+            return Err(invalid(format!(
+                "rank {} is not a member of {ranks:?}",
+                self.rank
+            )));
         };
         if let Some(&bad) = ranks.iter().find(|&&r| r >= self.shared.size) {
-            return Err(invalid(format!("rank {bad} is outside the world of {} ranks", self.shared.size)));
+            return Err(invalid(format!(
+                "rank {bad} is outside the world of {} ranks",
+                self.shared.size
+            )));
         }
         let mut seen = ranks.to_vec();
         seen.sort_unstable();
@@ -158,7 +176,11 @@ impl World for ThreadWorld {
             return Err(invalid(format!("ranks {ranks:?} repeat a member")));
         }
         let group = self.shared.group(name, ranks);
-        Ok(Arc::new(ThreadComm::new(group, Arc::clone(&self.shared), index)))
+        Ok(Arc::new(ThreadComm::new(
+            group,
+            Arc::clone(&self.shared),
+            index,
+        )))
     }
 }
 
@@ -176,7 +198,11 @@ where
 }
 
 /// [`launch`] with explicit options.
-pub fn launch_with<T, E, F>(world_size: usize, options: &LaunchOptions, f: F) -> Result<Vec<T>, LaunchError>
+pub fn launch_with<T, E, F>(
+    world_size: usize,
+    options: &LaunchOptions,
+    f: F,
+) -> Result<Vec<T>, LaunchError>
 where
     T: Send,
     E: std::fmt::Display,
@@ -190,7 +216,10 @@ where
     let results: Vec<Option<T>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..world_size)
             .map(|rank| {
-                let world = ThreadWorld { rank, shared: Arc::clone(&shared) };
+                let world = ThreadWorld {
+                    rank,
+                    shared: Arc::clone(&shared),
+                };
                 let f = &f;
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
@@ -213,12 +242,22 @@ where
                     .expect("spawning a rank thread")
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or(None)).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or(None))
+            .collect()
     });
     if let Some((rank, message, panicked)) = shared.failure.lock().take() {
-        return Err(LaunchError::Rank { rank, message: message.to_string(), panicked });
+        return Err(LaunchError::Rank {
+            rank,
+            message: message.to_string(),
+            panicked,
+        });
     }
-    Ok(results.into_iter().map(|r| r.expect("a rank without failure returned a value")).collect())
+    Ok(results
+        .into_iter()
+        .map(|r| r.expect("a rank without failure returned a value"))
+        .collect())
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {

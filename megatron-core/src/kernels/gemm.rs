@@ -1,0 +1,488 @@
+//! GEMM: `C = α·A·B + β·C` on strided f32 matrices, transposes read in place.
+//!
+//! The micro-kernels are `matrixmultiply`'s (AVX-512 or AVX2+FMA, chosen at run time); this
+//! module checks shapes and bounds, and splits large products into independent blocks of C rows
+//! (or columns) run on the compute pool, one per thread the calling rank may use.
+
+use super::{KernelError, parallel};
+
+/// A read-only strided view of an f32 matrix: element (i, j) is `data[i·row_stride + j·col_stride]`.
+#[derive(Debug, Clone, Copy)]
+pub struct MatRef<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a> MatRef<'a> {
+    /// A view of `rows × cols` elements; every element must lie inside `data`.
+    pub fn new(
+        data: &'a [f32],
+        rows: usize,
+        cols: usize,
+        row_stride: usize,
+        col_stride: usize,
+    ) -> Result<Self, KernelError> {
+        check_bounds(
+            "gemm",
+            "matrix",
+            data.len(),
+            rows,
+            cols,
+            row_stride,
+            col_stride,
+        )?;
+        Ok(MatRef {
+            data,
+            rows,
+            cols,
+            row_stride,
+            col_stride,
+        })
+    }
+
+    /// A dense row-major `rows × cols` view.
+    pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Result<Self, KernelError> {
+        MatRef::new(data, rows, cols, cols, 1)
+    }
+
+    /// The transposed view (no copy).
+    pub fn t(self) -> Self {
+        MatRef {
+            data: self.data,
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+        }
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Number of columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+/// A writable strided view of an f32 matrix whose elements do not overlap.
+#[derive(Debug)]
+pub struct MatMut<'a> {
+    data: &'a mut [f32],
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a> MatMut<'a> {
+    /// A view of `rows × cols` elements inside `data`; distinct elements must not share memory.
+    pub fn new(
+        data: &'a mut [f32],
+        rows: usize,
+        cols: usize,
+        row_stride: usize,
+        col_stride: usize,
+    ) -> Result<Self, KernelError> {
+        check_bounds(
+            "gemm",
+            "output",
+            data.len(),
+            rows,
+            cols,
+            row_stride,
+            col_stride,
+        )?;
+        let rows_apart = cols <= 1 || col_stride >= 1;
+        let row_major = rows <= 1 || row_stride > cols.saturating_sub(1) * col_stride;
+        let col_major = cols <= 1 || col_stride > rows.saturating_sub(1) * row_stride;
+        if !(rows_apart && (row_major || col_major)) {
+            return Err(KernelError::Invalid {
+                kernel: "gemm",
+                message: format!(
+                    "output of {rows} × {cols} with strides ({row_stride}, {col_stride}) overlaps itself"
+                ),
+            });
+        }
+        Ok(MatMut {
+            data,
+            rows,
+            cols,
+            row_stride,
+            col_stride,
+        })
+    }
+
+    /// A dense row-major `rows × cols` view.
+    pub fn row_major(data: &'a mut [f32], rows: usize, cols: usize) -> Result<Self, KernelError> {
+        MatMut::new(data, rows, cols, cols, 1)
+    }
+}
+
+/// Checks that every element of a strided `rows × cols` view lies in a buffer of `len`.
+fn check_bounds(
+    kernel: &'static str,
+    what: &str,
+    len: usize,
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+) -> Result<(), KernelError> {
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    let last = (rows - 1).checked_mul(row_stride).and_then(|r| {
+        (cols - 1)
+            .checked_mul(col_stride)
+            .and_then(|c| r.checked_add(c))
+    });
+    match last {
+        Some(last) if last < len => Ok(()),
+        _ => Err(KernelError::Invalid {
+            kernel,
+            message: format!(
+                "{what} of {rows} × {cols} with strides ({row_stride}, {col_stride}) does not fit \
+                 in {len} elements"
+            ),
+        }),
+    }
+}
+
+/// Products smaller than this many multiply-adds per thread run on one thread.
+const MIN_WORK_PER_THREAD: usize = 1 << 21;
+/// Blocks of C start at multiples of this many rows or columns (whole micro-tiles).
+const SPLIT_ALIGN: usize = 32;
+
+/// A raw view of C that parallel blocks write disjoint parts of.
+#[derive(Clone, Copy)]
+struct RawC {
+    ptr: *mut f32,
+    row_stride: isize,
+    col_stride: isize,
+}
+
+// SAFETY: blocks of one product write disjoint elements of C while the caller's unique borrow
+// keeps it alive; the pointer is only used inside `gemm`.
+unsafe impl Send for RawC {}
+unsafe impl Sync for RawC {}
+
+/// `C = α·A·B + β·C`; with β = 0, C's previous contents are ignored (they may be NaN).
+pub fn gemm(
+    alpha: f32,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    beta: f32,
+    c: MatMut<'_>,
+) -> Result<(), KernelError> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    if b.rows != k || c.rows != m || c.cols != n {
+        return Err(KernelError::Invalid {
+            kernel: "gemm",
+            message: format!(
+                "A is {m} × {k}, B is {} × {n}, C is {} × {}: expected B {k} × {n} and C {m} × {n}",
+                b.rows, c.rows, c.cols
+            ),
+        });
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let raw = RawC {
+        ptr: c.data.as_mut_ptr(),
+        row_stride: c.row_stride as isize,
+        col_stride: c.col_stride as isize,
+    };
+    let work = m.saturating_mul(n).saturating_mul(k.max(1));
+    let threads = parallel::threads().min(work / MIN_WORK_PER_THREAD).max(1);
+    // Split the longer side of C so that each block still amortises packing of the other operand.
+    let split_rows = m >= n;
+    let len = if split_rows { m } else { n };
+    let parts = threads.min(len.div_ceil(SPLIT_ALIGN)).max(1);
+    let block = |part: usize| {
+        let start = (len * part / parts) / SPLIT_ALIGN * SPLIT_ALIGN;
+        let end = if part + 1 == parts {
+            len
+        } else {
+            (len * (part + 1) / parts) / SPLIT_ALIGN * SPLIT_ALIGN
+        };
+        (start, end)
+    };
+    let run = |part: usize| {
+        let (start, end) = block(part);
+        if start >= end {
+            return;
+        }
+        // SAFETY: A and B are in bounds (checked at construction); blocks cover disjoint rows (or
+        // columns) of C, which does not overlap itself, and the unique borrow of C outlives them.
+        unsafe {
+            if split_rows {
+                sgemm(
+                    alpha,
+                    &a,
+                    start,
+                    end - start,
+                    &b,
+                    0,
+                    n,
+                    k,
+                    beta,
+                    raw,
+                    start,
+                    0,
+                );
+            } else {
+                sgemm(
+                    alpha,
+                    &a,
+                    0,
+                    m,
+                    &b,
+                    start,
+                    end - start,
+                    k,
+                    beta,
+                    raw,
+                    0,
+                    start,
+                );
+            }
+        }
+    };
+    if parts == 1 {
+        run(0);
+    } else {
+        parallel::pool().scope(|s| {
+            for part in 1..parts {
+                let run = &run;
+                s.spawn(move |_| run(part));
+            }
+            run(0);
+        });
+    }
+    Ok(())
+}
+
+/// One block: rows `[r0, r0+mb)` of A times columns `[c0, c0+nb)` of B into the same block of C.
+///
+/// # Safety
+/// The block must lie inside A, B and C, and no one else may access that block of C.
+#[allow(clippy::too_many_arguments)]
+unsafe fn sgemm(
+    alpha: f32,
+    a: &MatRef<'_>,
+    r0: usize,
+    mb: usize,
+    b: &MatRef<'_>,
+    c0: usize,
+    nb: usize,
+    k: usize,
+    beta: f32,
+    c: RawC,
+    cr: usize,
+    cc: usize,
+) {
+    // SAFETY: offsets are inside the views by the caller's contract.
+    unsafe {
+        let a_ptr = a.data.as_ptr().add(r0 * a.row_stride);
+        let b_ptr = b.data.as_ptr().add(c0 * b.col_stride);
+        let c_ptr = c
+            .ptr
+            .offset(cr as isize * c.row_stride + cc as isize * c.col_stride);
+        matrixmultiply::sgemm(
+            mb,
+            k,
+            nb,
+            alpha,
+            a_ptr,
+            a.row_stride as isize,
+            a.col_stride as isize,
+            b_ptr,
+            b.row_stride as isize,
+            b.col_stride as isize,
+            beta,
+            c_ptr,
+            c.row_stride,
+            c.col_stride,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Naive f64 reference of α·A·B + β·C on row-major dense inputs.
+    fn reference(
+        alpha: f32,
+        a: &[f32],
+        b: &[f32],
+        beta: f32,
+        c: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Vec<f32> {
+        (0..m * n)
+            .map(|idx| {
+                let (i, j) = (idx / n, idx % n);
+                let dot: f64 = (0..k)
+                    .map(|p| a[i * k + p] as f64 * b[p * n + j] as f64)
+                    .sum();
+                (alpha as f64 * dot + beta as f64 * c[idx] as f64) as f32
+            })
+            .collect()
+    }
+
+    fn data(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 20) as f32 / 4096.0
+                    - 0.5
+            })
+            .collect()
+    }
+
+    fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+        (0..rows * cols)
+            .map(|idx| x[(idx % rows) * cols + idx / rows])
+            .collect()
+    }
+
+    fn close(got: &[f32], want: &[f32], k: usize) {
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-5 * (k as f32).sqrt() * (1.0 + w.abs()),
+                "element {i}: {g} vs {w}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_transpose_combination_matches_the_reference() {
+        for &(m, k, n) in &[
+            (1, 1, 1),
+            (3, 5, 7),
+            (64, 33, 17),
+            (130, 70, 260),
+            (257, 129, 65),
+        ] {
+            let a = data(m * k, 1);
+            let b = data(k * n, 2);
+            let c0 = data(m * n, 3);
+            let want = reference(0.5, &a, &b, 2.0, &c0, m, k, n);
+            let at = transpose(&a, m, k);
+            let bt = transpose(&b, k, n);
+            for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                for threads in [1, 2, 3] {
+                    parallel::set_threads(threads);
+                    let av = if ta {
+                        MatRef::row_major(&at, k, m).unwrap().t()
+                    } else {
+                        MatRef::row_major(&a, m, k).unwrap()
+                    };
+                    let bv = if tb {
+                        MatRef::row_major(&bt, n, k).unwrap().t()
+                    } else {
+                        MatRef::row_major(&b, k, n).unwrap()
+                    };
+                    let mut c = c0.clone();
+                    gemm(0.5, av, bv, 2.0, MatMut::row_major(&mut c, m, n).unwrap()).unwrap();
+                    close(&c, &want, k);
+                }
+            }
+        }
+        parallel::set_threads(parallel::cores());
+    }
+
+    #[test]
+    fn large_products_split_over_threads_give_the_same_bits() {
+        // Blocks are independent products of whole rows/columns, so splitting changes no bits.
+        for &(m, k, n) in &[(512, 300, 96), (96, 300, 512)] {
+            let a = data(m * k, 4);
+            let b = data(k * n, 5);
+            let mut outs = Vec::new();
+            for threads in [1, 2, 4] {
+                parallel::set_threads(threads);
+                let mut c = vec![f32::NAN; m * n];
+                gemm(
+                    1.0,
+                    MatRef::row_major(&a, m, k).unwrap(),
+                    MatRef::row_major(&b, k, n).unwrap(),
+                    0.0,
+                    MatMut::row_major(&mut c, m, n).unwrap(),
+                )
+                .unwrap();
+                outs.push(c);
+            }
+            close(
+                &outs[0],
+                &reference(1.0, &a, &b, 0.0, &vec![0.0; m * n], m, k, n),
+                k,
+            );
+            assert!(outs.iter().all(|o| o == &outs[0]));
+        }
+        parallel::set_threads(parallel::cores());
+    }
+
+    #[test]
+    fn column_major_and_strided_outputs() {
+        let (m, k, n) = (5, 4, 6);
+        let a = data(m * k, 7);
+        let b = data(k * n, 8);
+        let want = reference(1.0, &a, &b, 0.0, &vec![0.0; m * n], m, k, n);
+        let mut c = vec![0.0; n * m];
+        gemm(
+            1.0,
+            MatRef::row_major(&a, m, k).unwrap(),
+            MatRef::row_major(&b, k, n).unwrap(),
+            0.0,
+            MatMut::new(&mut c, m, n, 1, m).unwrap(),
+        )
+        .unwrap();
+        close(&transpose(&c, n, m), &want, k);
+        // A row stride wider than the row (a column block of a larger matrix).
+        let mut wide = vec![0.0; m * 10];
+        gemm(
+            1.0,
+            MatRef::row_major(&a, m, k).unwrap(),
+            MatRef::row_major(&b, k, n).unwrap(),
+            0.0,
+            MatMut::new(&mut wide, m, n, 10, 1).unwrap(),
+        )
+        .unwrap();
+        for i in 0..m {
+            close(&wide[i * 10..i * 10 + n], &want[i * n..(i + 1) * n], k);
+        }
+    }
+
+    #[test]
+    fn bad_shapes_and_bounds_are_errors() {
+        let a = vec![0.0; 6];
+        let mut c = vec![0.0; 4];
+        let err = gemm(
+            1.0,
+            MatRef::row_major(&a, 2, 3).unwrap(),
+            MatRef::row_major(&a, 2, 3).unwrap(),
+            0.0,
+            MatMut::row_major(&mut c, 2, 2).unwrap(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "gemm: A is 2 × 3, B is 2 × 3, C is 2 × 2: expected B 3 × 3 and C 2 × 3"
+        );
+        let err = MatRef::row_major(&a, 3, 3).unwrap_err();
+        assert!(
+            err.to_string().contains("does not fit in 6 elements"),
+            "{err}"
+        );
+        let err = MatMut::new(&mut c, 2, 2, 1, 1).unwrap_err();
+        assert!(err.to_string().contains("overlaps itself"), "{err}");
+    }
+}

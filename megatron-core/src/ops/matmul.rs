@@ -1,0 +1,262 @@
+//! Matrix products of tensors, reading transposed and sliced views in place.
+
+use crate::kernels::gemm::{MatMut, MatRef, gemm};
+use crate::tensor::{DType, Result, Tensor, TensorError};
+
+/// A tensor seen as `batch` matrices of `rows × cols` with the given strides.
+struct Batched {
+    batch: usize,
+    batch_stride: usize,
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+    offset: usize,
+}
+
+impl Batched {
+    /// Views a tensor of rank ≥ 2; leading dimensions must fold into one batch dimension.
+    fn of(t: &Tensor, what: &str) -> Result<Batched> {
+        let dims = t.dims();
+        let strides = &t.layout().strides;
+        let r = dims.len();
+        if r < 2 {
+            return Err(TensorError::Shape {
+                op: "matmul",
+                message: format!(
+                    "{what} needs at least 2 dimensions, got shape {}",
+                    t.shape()
+                ),
+            });
+        }
+        let (batch, batch_stride) = fold(&dims[..r - 2], &strides[..r - 2]).ok_or_else(|| TensorError::Shape {
+            op: "matmul",
+            message: format!(
+                "{what}'s batch dimensions of shape {} (strides {:?}) do not fold into one; call .contiguous()",
+                t.shape(),
+                strides
+            ),
+        })?;
+        Ok(Batched {
+            batch,
+            batch_stride,
+            rows: dims[r - 2],
+            cols: dims[r - 1],
+            row_stride: strides[r - 2],
+            col_stride: strides[r - 1],
+            offset: t.layout().offset,
+        })
+    }
+
+    fn matrix<'a>(&self, data: &'a [f32], i: usize) -> Result<MatRef<'a>> {
+        let start = self.offset + i * self.batch_stride;
+        Ok(MatRef::new(
+            &data[start.min(data.len())..],
+            self.rows,
+            self.cols,
+            self.row_stride,
+            self.col_stride,
+        )?)
+    }
+}
+
+/// Folds dimensions into one `(count, stride)` if they are evenly strided (outer = inner · size).
+fn fold(dims: &[usize], strides: &[usize]) -> Option<(usize, usize)> {
+    let mut count = 1;
+    let mut stride = 0;
+    for (&d, &s) in dims.iter().zip(strides).rev() {
+        if d == 1 {
+            continue;
+        }
+        if count > 1 && s != stride * count {
+            return None;
+        }
+        if count == 1 {
+            stride = s;
+        }
+        count *= d;
+    }
+    Some((count, stride))
+}
+
+/// `a @ b` as a new f32 tensor: `[.., m, k] @ [.., k, n] → [.., m, n]`, or `[.., m, k] @ [k, n]`.
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let ad = a.dims();
+    let bd = b.dims();
+    if ad.len() < 2 || bd.len() < 2 {
+        return Err(TensorError::Shape {
+            op: "matmul",
+            message: format!("needs matrices, got shapes {} and {}", a.shape(), b.shape()),
+        });
+    }
+    let mut dims = ad[..ad.len() - 1].to_vec();
+    dims.push(bd[bd.len() - 1]);
+    let c = Tensor::zeros(dims, DType::F32);
+    matmul_into(1.0, a, b, 0.0, &c)?;
+    Ok(c)
+}
+
+/// `c = α·(a @ b) + β·c` for an f32 `c` (with β = 0 its contents are ignored).
+///
+/// `a` and `b` may be any views (a transposed weight is read in place); bf16/f16 operands are
+/// converted to f32 first. `b` is either batched like `a` or one matrix shared by every batch.
+pub fn matmul_into(alpha: f32, a: &Tensor, b: &Tensor, beta: f32, c: &Tensor) -> Result<()> {
+    if c.dtype() != DType::F32 {
+        return Err(TensorError::DType {
+            op: "matmul",
+            expected: DType::F32,
+            actual: c.dtype(),
+        });
+    }
+    if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
+        let a32 = if a.dtype() == DType::F32 {
+            a.clone()
+        } else {
+            a.to_dtype(DType::F32)?
+        };
+        let b32 = if b.dtype() == DType::F32 {
+            b.clone()
+        } else {
+            b.to_dtype(DType::F32)?
+        };
+        return matmul_into(alpha, &a32, &b32, beta, c);
+    }
+    let mut av = Batched::of(a, "a")?;
+    let bv = Batched::of(b, "b")?;
+    let cv = Batched::of(c, "c")?;
+    let shared_b = b.dims().len() == 2;
+    if shared_b
+        && av.row_stride == av.cols * av.col_stride
+        && av.batch_stride == av.rows * av.row_stride
+    {
+        // [.., m, k] @ [k, n] with row-major rows: one matrix of (batch·m) rows.
+        av.rows *= av.batch;
+        av.batch = 1;
+    }
+    let (batch, m, k, n) = (av.batch, av.rows, av.cols, bv.cols);
+    let c_fits = if batch == 1 {
+        cv.batch * cv.rows == m
+    } else {
+        cv.batch == batch && cv.rows == m
+    };
+    if bv.rows != k || (!shared_b && bv.batch != batch) || cv.cols != n || !c_fits {
+        return Err(TensorError::Shape {
+            op: "matmul",
+            message: format!(
+                "cannot multiply {} by {} into {}",
+                a.shape(),
+                b.shape(),
+                c.shape()
+            ),
+        });
+    }
+    let a_data = a.read_storage::<f32>()?;
+    let b_data = b.read_storage::<f32>()?;
+    let mut c_data = c.write_storage::<f32>()?;
+    if batch == 1 {
+        // C seen as one m × n matrix: its batch dimensions must fold onto its rows.
+        if cv.batch > 1 && cv.batch_stride != cv.rows * cv.row_stride {
+            return Err(TensorError::Shape {
+                op: "matmul",
+                message: format!(
+                    "output {} cannot be written as {m} rows; make it contiguous",
+                    c.shape()
+                ),
+            });
+        }
+        let out = MatMut::new(&mut c_data[cv.offset..], m, n, cv.row_stride, cv.col_stride)?;
+        gemm(
+            alpha,
+            av.matrix(&a_data, 0)?,
+            bv.matrix(&b_data, 0)?,
+            beta,
+            out,
+        )?;
+        return Ok(());
+    }
+    for i in 0..batch {
+        let start = cv.offset + i * cv.batch_stride;
+        let out = MatMut::new(&mut c_data[start..], m, n, cv.row_stride, cv.col_stride)?;
+        let bi = if shared_b { 0 } else { i };
+        gemm(
+            alpha,
+            av.matrix(&a_data, i)?,
+            bv.matrix(&b_data, bi)?,
+            beta,
+            out,
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(data: &[f32], shape: &[usize]) -> Tensor {
+        Tensor::from_slice(data, shape).unwrap()
+    }
+
+    #[test]
+    fn transposed_views_need_no_copy() {
+        let a = t(&[1., 2., 3., 4., 5., 6.], &[2, 3]);
+        let w = t(&[1., 0., 1., 0., 1., 1.], &[2, 3]); // weight [out 2, in 3]
+        let y = matmul(&a, &w.t().unwrap()).unwrap();
+        assert_eq!(y.dims(), &[2, 2]);
+        assert_eq!(y.to_vec::<f32>().unwrap(), vec![4., 5., 10., 11.]);
+        // dW = dYᵀ · X with dY = ones: column sums of X per output.
+        let dy = Tensor::full([2, 2], 1.0, DType::F32);
+        let dw = matmul(&dy.t().unwrap(), &a).unwrap();
+        assert_eq!(dw.to_vec::<f32>().unwrap(), vec![5., 7., 9., 5., 7., 9.]);
+    }
+
+    #[test]
+    fn batched_and_shared_weight_products() {
+        let x: Vec<f32> = (0..24).map(|i| i as f32).collect();
+        let a = t(&x, &[2, 3, 4]);
+        let w = t(&(0..8).map(|i| (i % 3) as f32).collect::<Vec<_>>(), &[4, 2]);
+        let y = matmul(&a, &w).unwrap();
+        assert_eq!(y.dims(), &[2, 3, 2]);
+        let flat = matmul(&a.reshape([6, 4]).unwrap(), &w).unwrap();
+        assert_eq!(y.to_vec::<f32>().unwrap(), flat.to_vec::<f32>().unwrap());
+        // Attention-like: [b, s, d] @ [b, d, s] via a transposed view of the keys.
+        let k = t(&x, &[2, 3, 4]);
+        let scores = matmul(&a, &k.transpose(1, 2).unwrap()).unwrap();
+        assert_eq!(scores.dims(), &[2, 3, 3]);
+        let s = scores.to_vec::<f32>().unwrap();
+        let dot = |b: usize, i: usize, j: usize| {
+            (0..4)
+                .map(|p| x[b * 12 + i * 4 + p] * x[b * 12 + j * 4 + p])
+                .sum::<f32>()
+        };
+        assert_eq!(s[9 + 3 + 2], dot(1, 1, 2));
+        // Accumulate into a gradient: β = 1.
+        let c = Tensor::full([2, 3, 2], 1.0, DType::F32);
+        matmul_into(2.0, &a, &w, 1.0, &c).unwrap();
+        let yv = y.to_vec::<f32>().unwrap();
+        assert_eq!(
+            c.to_vec::<f32>().unwrap(),
+            yv.iter().map(|v| 2.0 * v + 1.0).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn bf16_operands_are_widened() {
+        let a = t(&[1., 2., 3., 4.], &[2, 2]).to_dtype(DType::BF16).unwrap();
+        let b = t(&[1., 1., 1., 1.], &[2, 2]);
+        assert_eq!(
+            matmul(&a, &b).unwrap().to_vec::<f32>().unwrap(),
+            vec![3., 3., 7., 7.]
+        );
+    }
+
+    #[test]
+    fn errors_name_the_shapes() {
+        let a = Tensor::zeros([2, 3], DType::F32);
+        let err = matmul(&a, &a).unwrap_err().to_string();
+        assert_eq!(err, "matmul: cannot multiply [2, 3] by [2, 3] into [2, 3]");
+        let c = Tensor::zeros([2, 2], DType::F32);
+        let err = matmul_into(1.0, &c, &c, 0.0, &c).unwrap_err();
+        assert!(matches!(err, TensorError::Borrowed { .. }), "{err}");
+    }
+}
