@@ -2,6 +2,8 @@
 //!
 //! This facade re-exports the workspace crates; the `megatron` binary is the command-line front.
 
+pub mod bench;
+
 pub use megatron_core as core;
 pub use megatron_core::*;
 pub use megatron_models as models;

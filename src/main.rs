@@ -16,12 +16,15 @@ struct Cli {
 enum Command {
     /// Print Megatron's process groups (tp, cp, dp, pp, ep, ...) for a parallel configuration.
     Groups(cli::groups::GroupsArgs),
+    /// Benchmarks against this machine's limits: `gemm`, `allreduce`.
+    Bench(cli::bench::BenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Groups(args) => cli::groups::run(args),
+        Command::Bench(args) => cli::bench::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

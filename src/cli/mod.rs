@@ -1,3 +1,4 @@
 //! The `megatron` command line: one module per subcommand.
 
+pub mod bench;
 pub mod groups;

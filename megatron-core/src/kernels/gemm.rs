@@ -324,9 +324,7 @@ mod tests {
         b: &[f32],
         beta: f32,
         c: &[f32],
-        m: usize,
-        k: usize,
-        n: usize,
+        (m, k, n): (usize, usize, usize),
     ) -> Vec<f32> {
         (0..m * n)
             .map(|idx| {
@@ -375,7 +373,7 @@ mod tests {
             let a = data(m * k, 1);
             let b = data(k * n, 2);
             let c0 = data(m * n, 3);
-            let want = reference(0.5, &a, &b, 2.0, &c0, m, k, n);
+            let want = reference(0.5, &a, &b, 2.0, &c0, (m, k, n));
             let at = transpose(&a, m, k);
             let bt = transpose(&b, k, n);
             for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
@@ -422,7 +420,7 @@ mod tests {
             }
             close(
                 &outs[0],
-                &reference(1.0, &a, &b, 0.0, &vec![0.0; m * n], m, k, n),
+                &reference(1.0, &a, &b, 0.0, &vec![0.0; m * n], (m, k, n)),
                 k,
             );
             assert!(outs.iter().all(|o| o == &outs[0]));
@@ -435,7 +433,7 @@ mod tests {
         let (m, k, n) = (5, 4, 6);
         let a = data(m * k, 7);
         let b = data(k * n, 8);
-        let want = reference(1.0, &a, &b, 0.0, &vec![0.0; m * n], m, k, n);
+        let want = reference(1.0, &a, &b, 0.0, &vec![0.0; m * n], (m, k, n));
         let mut c = vec![0.0; n * m];
         gemm(
             1.0,

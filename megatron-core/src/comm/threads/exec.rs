@@ -1,9 +1,11 @@
 //! The data movement of the in-process backend: reductions and copies over raw buffers of all
-//! members, split among a few worker ranks.
+//! members of a group, cut into chunks that the members claim.
 //!
 //! Once every member of a group has arrived, its buffers stay borrowed (and their owners waiting)
-//! until every worker has finished, so the raw addresses below stay valid and no two workers touch
-//! the same element: workers take disjoint element ranges of one plan.
+//! until every chunk is done, so the raw addresses below stay valid, and no two workers touch the
+//! same element: each chunk is claimed once.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -33,8 +35,12 @@ impl RawBuf {
 
 /// Elements reduced in one pass of a worker's accumulator (16 KiB of f32: stays in L1).
 const BLOCK: usize = 4096;
-/// Worker shares start at multiples of this many elements (whole cache lines for every dtype).
+/// Chunks start at multiples of this many elements (whole cache lines for every dtype).
 const ALIGN: usize = 64;
+/// Smallest chunk a member claims: below it, claiming costs more than moving.
+const MIN_CHUNK: usize = 16 * 1024;
+/// Largest chunk: keeps several chunks per worker on large buffers.
+const MAX_CHUNK: usize = 256 * 1024;
 
 /// One output of a reduction: the sources, reduced in order, and where the result goes.
 #[derive(Debug, Clone)]
@@ -45,7 +51,14 @@ pub(crate) struct ReduceSegment {
     pub dests: Vec<RawBuf>,
 }
 
-/// The work of one collective, shared by its workers.
+impl ReduceSegment {
+    /// Elements of the segment.
+    fn len(&self) -> usize {
+        self.dests.first().map_or(0, |d| d.len)
+    }
+}
+
+/// The data movement of one collective.
 #[derive(Debug, Clone)]
 pub(crate) enum Plan {
     /// Nothing to move (barrier, empty buffers).
@@ -64,13 +77,23 @@ pub(crate) enum Plan {
 }
 
 impl Plan {
-    /// Runs worker `worker`'s share of `workers` equal shares.
+    /// Elements the plan moves, numbered over its segments or jobs in order.
+    pub fn total(&self) -> usize {
+        match self {
+            Plan::Nothing => 0,
+            Plan::Reduce { segments, .. } => segments.iter().map(ReduceSegment::len).sum(),
+            Plan::Copy { jobs, .. } => jobs.iter().map(|(s, _)| s.len).sum(),
+        }
+    }
+
+    /// Moves elements `[start, end)` of the plan.
     ///
     /// # Safety
     /// Every run must be valid for the plan's dtype for the whole call, sources must not be
-    /// written by anyone, destinations must be written only through this plan, and a destination
-    /// may overlap a source only as the identical run (in-place).
-    pub unsafe fn execute(&self, worker: usize, workers: usize) {
+    /// written by anyone, destinations must be written only through this plan, a destination
+    /// may overlap a source only as the identical run (in place), and no two calls may cover
+    /// the same elements at the same time.
+    unsafe fn execute(&self, start: usize, end: usize, scratch: &mut Scratch) {
         match self {
             Plan::Nothing => {}
             Plan::Reduce {
@@ -78,17 +101,9 @@ impl Plan {
                 op,
                 segments,
             } => {
-                let total: usize = segments
-                    .iter()
-                    .map(|s| s.dests.first().map_or(0, |d| d.len))
-                    .sum();
-                let (start, end) = share(total, worker, workers);
-                let mut acc = vec![0f32; BLOCK];
-                let mut tmp = vec![0f32; BLOCK];
-                let mut acc_i = Vec::new();
                 let mut base = 0;
                 for seg in segments {
-                    let len = seg.dests.first().map_or(0, |d| d.len);
+                    let len = seg.len();
                     let (lo, hi) = (start.max(base), end.min(base + len));
                     let mut at = lo;
                     while at < hi {
@@ -97,16 +112,10 @@ impl Plan {
                         // SAFETY: forwarded from the caller; [off, off + n) lies in every run.
                         unsafe {
                             match dtype {
-                                DType::F32 => {
-                                    reduce_float::<f32>(seg, off, n, *op, &mut acc, &mut tmp)
-                                }
-                                DType::BF16 => {
-                                    reduce_float::<bf16>(seg, off, n, *op, &mut acc, &mut tmp)
-                                }
-                                DType::F16 => {
-                                    reduce_float::<f16>(seg, off, n, *op, &mut acc, &mut tmp)
-                                }
-                                DType::I64 => reduce_i64(seg, off, n, *op, &mut acc_i),
+                                DType::F32 => reduce_float::<f32>(seg, off, n, *op, scratch),
+                                DType::BF16 => reduce_float::<bf16>(seg, off, n, *op, scratch),
+                                DType::F16 => reduce_float::<f16>(seg, off, n, *op, scratch),
+                                DType::I64 => reduce_i64(seg, off, n, *op, &mut scratch.acc_i),
                             }
                         }
                         at += n;
@@ -116,8 +125,6 @@ impl Plan {
             }
             Plan::Copy { dtype, jobs } => {
                 let size = dtype.size();
-                let total: usize = jobs.iter().map(|(s, _)| s.len).sum();
-                let (start, end) = share(total, worker, workers);
                 let mut base = 0;
                 for &(src, dst) in jobs {
                     let (lo, hi) = (start.max(base), end.min(base + src.len));
@@ -139,22 +146,116 @@ impl Plan {
     }
 }
 
-/// Worker `w`'s element range of `total`, cut at multiples of [`ALIGN`].
-fn share(total: usize, w: usize, workers: usize) -> (usize, usize) {
-    let cut = |i: usize| {
-        if i >= workers {
-            total
-        } else {
-            (total * i / workers) / ALIGN * ALIGN
+/// A worker's accumulators.
+#[derive(Debug)]
+struct Scratch {
+    acc: Vec<f32>,
+    tmp: Vec<f32>,
+    acc_i: Vec<i64>,
+}
+
+impl Scratch {
+    fn new() -> Self {
+        Scratch {
+            acc: vec![0.0; BLOCK],
+            tmp: vec![0.0; BLOCK],
+            acc_i: Vec::with_capacity(BLOCK),
         }
-    };
-    (cut(w), cut(w + 1))
+    }
+}
+
+/// A plan cut into chunks that members claim as they come: whoever is awake works, so the
+/// member that arrived last (and is surely running) starts at once, and at most `max_helpers`
+/// members work at a time (no more than the cores).
+#[derive(Debug)]
+pub(crate) struct Work {
+    plan: Plan,
+    total: usize,
+    chunk: usize,
+    chunks: usize,
+    next: AtomicUsize,
+    finished: AtomicUsize,
+    helpers: AtomicUsize,
+    max_helpers: usize,
+}
+
+impl Work {
+    /// Cuts `plan` into chunks for at most `max_helpers` workers.
+    pub fn new(plan: Plan, max_helpers: usize) -> Self {
+        let total = plan.total();
+        let max_helpers = max_helpers.max(1);
+        // A few chunks per worker balance the load; small collectives stay one chunk.
+        let chunk = (total / (max_helpers * 8))
+            .clamp(MIN_CHUNK, MAX_CHUNK)
+            .div_ceil(ALIGN)
+            * ALIGN;
+        Work {
+            plan,
+            total,
+            chunk,
+            chunks: total.div_ceil(chunk),
+            next: AtomicUsize::new(0),
+            finished: AtomicUsize::new(0),
+            helpers: AtomicUsize::new(0),
+            max_helpers,
+        }
+    }
+
+    /// Whether every chunk has been moved.
+    pub fn is_done(&self) -> bool {
+        self.finished.load(Ordering::Acquire) == self.chunks
+    }
+
+    /// Claims and moves chunks until none is left, unless `max_helpers` members already help;
+    /// returns whether this call moved the last chunk.
+    ///
+    /// # Safety
+    /// As [`Plan::execute`] for the whole plan, until [`Work::is_done`].
+    pub unsafe fn help(&self) -> bool {
+        if self.chunks == 0 || self.helpers.fetch_add(1, Ordering::AcqRel) >= self.max_helpers {
+            return false;
+        }
+        let mut scratch = Scratch::new();
+        let mut last = false;
+        loop {
+            let c = self.next.fetch_add(1, Ordering::AcqRel);
+            if c >= self.chunks {
+                return last;
+            }
+            let start = c * self.chunk;
+            // SAFETY: each chunk is claimed once, so calls cover disjoint elements.
+            unsafe {
+                self.plan
+                    .execute(start, (start + self.chunk).min(self.total), &mut scratch)
+            };
+            last = self.finished.fetch_add(1, Ordering::AcqRel) + 1 == self.chunks;
+        }
+    }
+}
+
+/// `acc = acc op x`, element-wise.
+fn combine_f32(acc: &mut [f32], x: &[f32], op: ReduceOp) {
+    match op {
+        ReduceOp::Sum => acc.iter_mut().zip(x).for_each(|(a, b)| *a += *b),
+        ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.max(*b)),
+        ReduceOp::Min => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.min(*b)),
+    }
 }
 
 /// A float type that reductions widen to f32.
 trait Widen: Copy {
     fn widen(src: &[Self], dst: &mut [f32]);
     fn narrow(src: &[f32], dst: &mut [Self]);
+    /// `acc = acc op src`, using `tmp` for the widened values if needed.
+    fn combine(acc: &mut [f32], src: &[Self], tmp: &mut [f32], op: ReduceOp) {
+        Self::widen(src, tmp);
+        combine_f32(acc, tmp, op);
+    }
+    /// `acc = a op b`.
+    fn combine2(acc: &mut [f32], a: &[Self], b: &[Self], tmp: &mut [f32], op: ReduceOp) {
+        Self::widen(a, acc);
+        Self::combine(acc, b, tmp, op);
+    }
 }
 
 impl Widen for f32 {
@@ -163,6 +264,17 @@ impl Widen for f32 {
     }
     fn narrow(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
+    }
+    fn combine(acc: &mut [f32], src: &[f32], _tmp: &mut [f32], op: ReduceOp) {
+        combine_f32(acc, src, op);
+    }
+    fn combine2(acc: &mut [f32], a: &[f32], b: &[f32], _tmp: &mut [f32], op: ReduceOp) {
+        let pairs = acc.iter_mut().zip(a.iter().zip(b));
+        match op {
+            ReduceOp::Sum => pairs.for_each(|(o, (x, y))| *o = x + y),
+            ReduceOp::Max => pairs.for_each(|(o, (x, y))| *o = x.max(*y)),
+            ReduceOp::Min => pairs.for_each(|(o, (x, y))| *o = x.min(*y)),
+        }
     }
 }
 
@@ -184,8 +296,8 @@ impl Widen for f16 {
     }
 }
 
-/// Reduces elements `[off, off + n)` of every source into f32 and stores them, rounded once,
-/// into every destination.
+/// Reduces elements `[off, off + n)` of every source, in order, in f32, and stores the result,
+/// rounded once, into every destination.
 ///
 /// # Safety
 /// As [`Plan::execute`].
@@ -194,36 +306,27 @@ unsafe fn reduce_float<T: Widen>(
     off: usize,
     n: usize,
     op: ReduceOp,
-    acc: &mut [f32],
-    tmp: &mut [f32],
+    scratch: &mut Scratch,
 ) {
     let size = size_of::<T>();
     let view = |b: RawBuf| -> &[T] {
         // SAFETY: the caller guarantees the run is valid and not written during the call.
         unsafe { std::slice::from_raw_parts((b.addr + off * size) as *const T, n) }
     };
-    let (acc, tmp) = (&mut acc[..n], &mut tmp[..n]);
-    let mut sources = seg.sources.iter();
-    if let Some(&first) = sources.next() {
-        T::widen(view(first), acc);
-    }
-    for &src in sources {
-        T::widen(view(src), tmp);
-        match op {
-            ReduceOp::Sum => acc.iter_mut().zip(tmp.iter()).for_each(|(a, b)| *a += *b),
-            ReduceOp::Max => acc
-                .iter_mut()
-                .zip(tmp.iter())
-                .for_each(|(a, b)| *a = a.max(*b)),
-            ReduceOp::Min => acc
-                .iter_mut()
-                .zip(tmp.iter())
-                .for_each(|(a, b)| *a = a.min(*b)),
+    let (acc, tmp) = (&mut scratch.acc[..n], &mut scratch.tmp[..n]);
+    match seg.sources.as_slice() {
+        [] => return,
+        [only] => T::widen(view(*only), acc),
+        [first, second, rest @ ..] => {
+            T::combine2(acc, view(*first), view(*second), tmp, op);
+            for &src in rest {
+                T::combine(acc, view(src), tmp, op);
+            }
         }
     }
     for &dst in &seg.dests {
-        // SAFETY: destinations are written only here, in this worker's disjoint range, after
-        // every source element of the range has been read.
+        // SAFETY: destinations are written only here, in this chunk, after every source
+        // element of the chunk has been read.
         let out = unsafe { std::slice::from_raw_parts_mut((dst.addr + off * size) as *mut T, n) };
         T::narrow(acc, out);
     }
@@ -266,18 +369,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn shares_cover_the_range_once() {
-        for total in [0, 1, 63, 64, 65, 1000, 4097] {
-            for workers in 1..=5 {
-                let mut next = 0;
-                for w in 0..workers {
-                    let (s, e) = share(total, w, workers);
-                    assert_eq!(s, next);
-                    assert!(e >= s);
-                    next = e;
-                }
-                assert_eq!(next, total);
-            }
+    fn chunks_cover_the_plan_once() {
+        for total in [1, 63, 64, 65, 20_000, 1_000_000] {
+            let src = vec![1.0f32; total];
+            let mut dst = vec![0.0f32; total];
+            let job = (
+                RawBuf {
+                    addr: src.as_ptr() as usize,
+                    len: total,
+                },
+                RawBuf {
+                    addr: dst.as_mut_ptr() as usize,
+                    len: total,
+                },
+            );
+            let work = Work::new(
+                Plan::Copy {
+                    dtype: DType::F32,
+                    jobs: vec![job],
+                },
+                3,
+            );
+            // SAFETY: the buffers outlive the work and nothing else touches them.
+            assert!(unsafe { work.help() });
+            assert!(work.is_done());
+            assert!(!unsafe { work.help() });
+            assert!(dst.iter().all(|&x| x == 1.0));
         }
     }
 }

@@ -3,13 +3,17 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
-use super::exec::{Plan, RawBuf, ReduceSegment};
+use super::exec::{Plan, RawBuf, ReduceSegment, Work};
 use super::world::WorldShared;
 use crate::comm::{CallDesc, CommError, OpKind, Result};
+
+/// How long a waiter spins before parking, when ranks have a core each.
+const SPIN: Duration = Duration::from_micros(200);
 
 /// One member's arrival at a collective.
 #[derive(Debug, Clone)]
@@ -29,7 +33,7 @@ pub(crate) struct Arrival {
 enum Phase {
     /// Members are arriving.
     Gathering,
-    /// Everyone arrived; workers move data; members leave once all workers are done.
+    /// Everyone arrived; members move data; they leave once all of it is moved.
     Working,
 }
 
@@ -38,8 +42,7 @@ struct Slot {
     phase: Phase,
     arrivals: Vec<Option<Arrival>>,
     arrived: usize,
-    plan: Option<Arc<Plan>>,
-    done: usize,
+    work: Option<Arc<Work>>,
     left: usize,
     /// A failure of the group; every later call returns it.
     poisoned: Option<CommError>,
@@ -57,32 +60,55 @@ struct Message {
 pub(crate) struct GroupShared {
     pub name: String,
     pub ranks: Vec<usize>,
-    /// Members that move data in each collective (at most the number of cores).
+    /// Members that move data in each collective: at most the cores, and when members are
+    /// pinned, at most the distinct cores they are pinned to.
     workers: usize,
+    /// The CPU each member is pinned to, if known.
+    cpus: Vec<Option<usize>>,
     slot: Mutex<Slot>,
-    cv: Condvar,
+    /// One per member, so a collective can wake exactly the members it wants.
+    cvs: Vec<Condvar>,
+    /// Bumped (under the slot lock) at every change a waiter may wait for.
+    epoch: AtomicU64,
+    /// Whether waiters spin briefly before parking (ranks have a core each).
+    spin: bool,
     /// Queues indexed `src * size + dst`.
     mail: Mutex<Vec<VecDeque<Message>>>,
     mail_cv: Condvar,
 }
 
 impl GroupShared {
-    pub fn new(name: &str, ranks: &[usize], max_workers: usize) -> Self {
+    pub fn new(
+        name: &str,
+        ranks: &[usize],
+        max_workers: usize,
+        spin: bool,
+        cpus: Vec<Option<usize>>,
+    ) -> Self {
         let n = ranks.len();
+        let mut workers = n.min(max_workers);
+        if cpus.iter().all(Option::is_some) {
+            let mut distinct: Vec<usize> = cpus.iter().flatten().copied().collect();
+            distinct.sort_unstable();
+            distinct.dedup();
+            workers = workers.min(distinct.len());
+        }
         GroupShared {
             name: name.to_string(),
             ranks: ranks.to_vec(),
-            workers: n.min(max_workers).max(1),
+            workers: workers.max(1),
+            cpus,
             slot: Mutex::new(Slot {
                 phase: Phase::Gathering,
                 arrivals: vec![None; n],
                 arrived: 0,
-                plan: None,
-                done: 0,
+                work: None,
                 left: 0,
                 poisoned: None,
             }),
-            cv: Condvar::new(),
+            cvs: (0..n).map(|_| Condvar::new()).collect(),
+            epoch: AtomicU64::new(0),
+            spin,
             mail: Mutex::new((0..n * n).map(|_| VecDeque::new()).collect()),
             mail_cv: Condvar::new(),
         }
@@ -90,15 +116,15 @@ impl GroupShared {
 
     /// Wakes every waiter so it can notice a world failure.
     pub fn wake_all(&self) {
-        let _slot = self.slot.lock();
-        self.cv.notify_all();
-        drop(_slot);
+        let slot = self.slot.lock();
+        self.changed();
+        drop(slot);
         let _mail = self.mail.lock();
         self.mail_cv.notify_all();
     }
 
     /// Runs one collective for member `me`: waits for every member, checks the calls agree,
-    /// does this member's share of the data movement and returns once all shares are done.
+    /// helps move the data and returns once all of it is moved.
     pub fn collective(&self, world: &WorldShared, me: usize, arrival: Arrival) -> Result<()> {
         let n = self.ranks.len();
         let deadline = Instant::now() + world.timeout;
@@ -106,7 +132,7 @@ impl GroupShared {
         let mut slot = self.slot.lock();
         // The previous collective may still be draining; it never waits on anything but work.
         while slot.phase != Phase::Gathering && slot.poisoned.is_none() {
-            self.cv.wait(&mut slot);
+            self.wait(&mut slot, me, None);
         }
         if let Some(err) = &slot.poisoned {
             return Err(err.clone());
@@ -120,9 +146,15 @@ impl GroupShared {
             let arrivals: Vec<&Arrival> = slot.arrivals.iter().flatten().collect();
             match self.plan(&arrivals) {
                 Ok(plan) => {
-                    slot.plan = Some(Arc::new(plan));
+                    let work = Work::new(plan, self.workers);
+                    let nothing_to_move = work.is_done();
+                    slot.work = Some(Arc::new(work));
                     slot.phase = Phase::Working;
-                    self.cv.notify_all();
+                    if nothing_to_move {
+                        self.changed();
+                    } else {
+                        self.wake_helpers(me);
+                    }
                 }
                 Err(err) => return Err(self.poison(&mut slot, err)),
             }
@@ -134,9 +166,7 @@ impl GroupShared {
                 if let Some(err) = world.failure() {
                     return Err(self.poison(&mut slot, err));
                 }
-                if self.cv.wait_until(&mut slot, deadline).timed_out()
-                    && slot.phase != Phase::Working
-                {
+                if self.wait(&mut slot, me, Some(deadline)) && slot.phase != Phase::Working {
                     let missing = (0..n)
                         .filter(|&i| slot.arrivals[i].is_none())
                         .map(|i| self.ranks[i])
@@ -151,40 +181,110 @@ impl GroupShared {
                 }
             }
         }
-        let plan = Arc::clone(slot.plan.as_ref().expect("a working slot has a plan"));
+        let work = Arc::clone(slot.work.as_ref().expect("a working slot has work"));
         drop(slot);
-        if me < self.workers {
-            // SAFETY: every member's buffers stay borrowed by their owners, who wait below until
-            // all workers are done; `plan` validated sizes and in-place aliasing.
-            unsafe { plan.execute(me, self.workers) };
-        }
+        // SAFETY: every member's buffers stay borrowed by their owners, who wait below until
+        // all of the work is done; `plan` validated sizes and in-place aliasing.
+        let moved_last = unsafe { work.help() };
         let mut slot = self.slot.lock();
-        if me < self.workers {
-            slot.done += 1;
-            if slot.done == self.workers {
-                self.cv.notify_all();
-            }
+        if moved_last {
+            self.changed();
         }
-        while slot.done < self.workers {
-            self.cv.wait(&mut slot);
+        while !work.is_done() {
+            self.wait(&mut slot, me, None);
         }
         slot.left += 1;
         if slot.left == n {
             slot.arrivals.iter_mut().for_each(|a| *a = None);
             slot.arrived = 0;
-            slot.done = 0;
             slot.left = 0;
-            slot.plan = None;
+            slot.work = None;
             slot.phase = Phase::Gathering;
-            self.cv.notify_all();
+            self.changed();
         }
         Ok(())
+    }
+
+    /// Records a change of the slot (the lock is held) and wakes its waiters.
+    fn changed(&self) {
+        self.epoch.fetch_add(1, Ordering::Release);
+        for cv in &self.cvs {
+            cv.notify_one();
+        }
+    }
+
+    /// Starts the work of a collective that member `me` completed (the lock is held): `me` helps
+    /// at once, and only as many others as may help are woken, preferring members pinned to
+    /// other cores than `me` and than each other. The rest sleep until the work is done: with
+    /// more ranks than cores, every needless wake-up takes a core from the helpers.
+    fn wake_helpers(&self, me: usize) {
+        self.epoch.fetch_add(1, Ordering::Release);
+        let n = self.ranks.len();
+        let mut chosen = vec![me];
+        let mut busy: Vec<usize> = self.cpus[me].into_iter().collect();
+        for i in 0..n {
+            if chosen.len() >= self.workers {
+                break;
+            }
+            if let Some(cpu) = self.cpus[i]
+                && !busy.contains(&cpu)
+            {
+                busy.push(cpu);
+                chosen.push(i);
+            }
+        }
+        for i in 0..n {
+            if chosen.len() >= self.workers {
+                break;
+            }
+            if !chosen.contains(&i) {
+                chosen.push(i);
+            }
+        }
+        for &i in &chosen[1..] {
+            self.cvs[i].notify_one();
+        }
+    }
+
+    /// Waits for the next change of the slot, or until `deadline`; returns whether it timed out.
+    ///
+    /// When every rank has a core of its own, a change usually comes within microseconds, and
+    /// parking costs a futex wake-up (tens of microseconds in a VM), so the waiter first spins on
+    /// the epoch for up to [`SPIN`] with the lock released.
+    fn wait(&self, slot: &mut MutexGuard<'_, Slot>, me: usize, deadline: Option<Instant>) -> bool {
+        if self.spin {
+            let seen = self.epoch.load(Ordering::Acquire);
+            let start = Instant::now();
+            let changed = MutexGuard::unlocked(slot, || {
+                for i in 1u32.. {
+                    if self.epoch.load(Ordering::Acquire) != seen {
+                        return true;
+                    }
+                    std::hint::spin_loop();
+                    if i % 64 == 0 && start.elapsed() > SPIN {
+                        return false;
+                    }
+                }
+                false
+            });
+            // Re-checked under the lock: a change between the spin and the park is not lost.
+            if changed || self.epoch.load(Ordering::Acquire) != seen {
+                return false;
+            }
+        }
+        match deadline {
+            Some(deadline) => self.cvs[me].wait_until(slot, deadline).timed_out(),
+            None => {
+                self.cvs[me].wait(slot);
+                false
+            }
+        }
     }
 
     /// Marks the group failed with `err`, wakes everyone, and returns `err`.
     fn poison(&self, slot: &mut Slot, err: CommError) -> CommError {
         slot.poisoned.get_or_insert(err.clone());
-        self.cv.notify_all();
+        self.changed();
         err
     }
 

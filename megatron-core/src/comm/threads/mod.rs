@@ -20,6 +20,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod affinity;
 mod comm;
 mod exec;
 mod group;

@@ -9,6 +9,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use thiserror::Error;
 
+use super::affinity;
 use super::comm::ThreadComm;
 use super::group::GroupShared;
 use crate::comm::{CommError, Communicator, Result, World};
@@ -22,6 +23,8 @@ pub struct LaunchOptions {
     /// Most ranks of a group that move data in one collective. Default: the number of cores
     /// (more threads than cores only compete for them).
     pub comm_workers: usize,
+    /// Whether rank r's thread is pinned to the r-th allowed CPU (round robin). Default: true.
+    pub pin_threads: bool,
 }
 
 impl Default for LaunchOptions {
@@ -34,6 +37,7 @@ impl Default for LaunchOptions {
         LaunchOptions {
             timeout: Duration::from_secs_f64(secs),
             comm_workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            pin_threads: true,
         }
     }
 }
@@ -42,6 +46,12 @@ impl LaunchOptions {
     /// Sets the collective timeout.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// Sets whether rank threads are pinned to cores.
+    pub fn with_pinning(mut self, pin: bool) -> Self {
+        self.pin_threads = pin;
         self
     }
 
@@ -79,6 +89,8 @@ pub(crate) struct WorldShared {
     pub size: usize,
     pub timeout: Duration,
     pub workers: usize,
+    /// The CPU each rank's thread is pinned to (`None` when not pinned).
+    pub cpus: Vec<Option<usize>>,
     failed: AtomicBool,
     failure: Mutex<Option<(usize, Arc<str>, bool)>>,
     groups: Mutex<HashMap<GroupKey, Arc<GroupShared>>>,
@@ -86,10 +98,19 @@ pub(crate) struct WorldShared {
 
 impl WorldShared {
     fn new(size: usize, options: &LaunchOptions) -> Self {
+        let allowed = if options.pin_threads {
+            affinity::allowed_cpus()
+        } else {
+            Vec::new()
+        };
+        let cpus = (0..size)
+            .map(|r| (!allowed.is_empty()).then(|| allowed[r % allowed.len()]))
+            .collect();
         WorldShared {
             size,
             timeout: options.timeout,
             workers: options.comm_workers.max(1),
+            cpus,
             failed: AtomicBool::new(false),
             failure: Mutex::new(None),
             groups: Mutex::new(HashMap::new()),
@@ -128,11 +149,13 @@ impl WorldShared {
     fn group(&self, name: &str, ranks: &[usize]) -> Arc<GroupShared> {
         let mut groups = self.groups.lock();
         let key = (name.to_string(), ranks.to_vec());
-        Arc::clone(
-            groups
-                .entry(key)
-                .or_insert_with(|| Arc::new(GroupShared::new(name, ranks, self.workers))),
-        )
+        // Spinning only pays when no rank waits for a core that another rank spins on.
+        let spin = self.size <= crate::kernels::parallel::cores();
+        let cpus = ranks.iter().map(|&r| self.cpus[r]).collect();
+        let group = groups
+            .entry(key)
+            .or_insert_with(|| Arc::new(GroupShared::new(name, ranks, self.workers, spin, cpus)));
+        Arc::clone(group)
     }
 }
 
@@ -225,6 +248,9 @@ where
                     .name(format!("rank-{rank}"))
                     .stack_size(16 << 20)
                     .spawn_scoped(scope, move || {
+                        if let Some(cpu) = world.shared.cpus[rank] {
+                            affinity::pin_current_thread(cpu);
+                        }
                         crate::kernels::parallel::set_threads(compute_threads);
                         let shared = Arc::clone(&world.shared);
                         match catch_unwind(AssertUnwindSafe(|| f(world))) {

@@ -1,0 +1,137 @@
+//! What this machine can do at best: FMA throughput and memory bandwidth, measured in the same
+//! run as a benchmark so the benchmark's figures can be read as fractions of them.
+
+use std::time::{Duration, Instant};
+
+/// Peak f32 FMA throughput of one instruction set.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FmaPeak {
+    /// Instruction set, e.g. `avx512f` or `avx2+fma`.
+    pub isa: &'static str,
+    /// Vector width in f32 lanes.
+    pub lanes: usize,
+    /// Measured GFLOP/s (an FMA counts as 2 flops) over all threads.
+    pub gflops: f64,
+}
+
+/// Independent FMA chains per thread: enough to hide the FMA latency on both ports.
+#[cfg(target_arch = "x86_64")]
+const CHAINS: usize = 12;
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma_loop_avx2(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_set1_ps(0.0); CHAINS];
+    let a = _mm256_set1_ps(0.999_999);
+    let b = _mm256_set1_ps(1e-7);
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm256_fmadd_ps(*x, a, b);
+        }
+    }
+    let mut sum = _mm256_setzero_ps();
+    for x in acc {
+        sum = _mm256_add_ps(sum, x);
+    }
+    let mut out = [0f32; 8];
+    // SAFETY: `out` holds 8 floats.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), sum) };
+    out.iter().sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_loop_avx512(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_set1_ps(0.0); CHAINS];
+    let a = _mm512_set1_ps(0.999_999);
+    let b = _mm512_set1_ps(1e-7);
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm512_fmadd_ps(*x, a, b);
+        }
+    }
+    let mut sum = _mm512_setzero_ps();
+    for x in acc {
+        sum = _mm512_add_ps(sum, x);
+    }
+    _mm512_reduce_add_ps(sum)
+}
+
+/// Measures the FMA peak of every vector instruction set this CPU has, with `threads` threads
+/// each running one loop; best of `repeats` runs of about `duration` each.
+pub fn fma_peaks(threads: usize, duration: Duration, repeats: usize) -> Vec<FmaPeak> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        type Loop = unsafe fn(usize) -> f32;
+        let mut isas: Vec<(&'static str, usize, Loop)> = Vec::new();
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            isas.push(("avx2+fma", 8, fma_loop_avx2));
+        }
+        if is_x86_feature_detected!("avx512f") {
+            isas.push(("avx512f", 16, fma_loop_avx512));
+        }
+        isas.into_iter()
+            .map(|(isa, lanes, f)| {
+                // SAFETY: the instruction set was detected above.
+                let run = |iters: usize| run_threads(threads, || unsafe { f(iters) });
+                let flops_per_iter = (CHAINS * lanes * 2 * threads) as f64;
+                let calibrate = 100_000;
+                let probe = run(calibrate).as_secs_f64().max(1e-6);
+                let iters = ((duration.as_secs_f64() / probe) * calibrate as f64).max(1.0) as usize;
+                let best = (0..repeats.max(1))
+                    .map(|_| run(iters))
+                    .min()
+                    .unwrap_or(Duration::MAX);
+                FmaPeak {
+                    isa,
+                    lanes,
+                    gflops: flops_per_iter * iters as f64 / best.as_secs_f64() / 1e9,
+                }
+            })
+            .collect()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (threads, duration, repeats);
+        Vec::new()
+    }
+}
+
+/// Wall time of running `f` once on each of `threads` threads at the same time.
+fn run_threads(threads: usize, f: impl Fn() -> f32 + Sync) -> Duration {
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| std::hint::black_box(f()));
+        }
+    });
+    start.elapsed()
+}
+
+/// Cuts every buffer into `workers` consecutive shares and gives worker w the w-th share of each,
+/// as the in-process collectives divide their work.
+pub fn shares(buffers: &mut [Vec<f32>], workers: usize) -> Vec<Vec<&mut [f32]>> {
+    let workers = workers.max(1);
+    let mut shares: Vec<Vec<&mut [f32]>> = (0..workers).map(|_| Vec::new()).collect();
+    for buffer in buffers.iter_mut() {
+        let len = buffer.len();
+        let mut rest: &mut [f32] = buffer;
+        for (w, share) in shares.iter_mut().enumerate() {
+            let take = len * (w + 1) / workers - len * w / workers;
+            let (head, tail) = rest.split_at_mut(take);
+            share.push(head);
+            rest = tail;
+        }
+    }
+    shares
+}
+
+/// Reads and writes every element of one worker's share once (`x = a·x + b`): the memory traffic
+/// an ideal in-place all-reduce needs, with no arithmetic to speak of.
+pub fn read_write_pass(share: &mut [&mut [f32]]) {
+    for part in share.iter_mut() {
+        part.iter_mut().for_each(|x| *x = *x * 0.999_999 + 1e-7);
+    }
+}
