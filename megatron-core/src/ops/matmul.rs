@@ -241,6 +241,59 @@ mod tests {
     }
 
     #[test]
+    fn linear_backward_products_match_finite_differences() {
+        // Y = X·Wᵀ, L = Σ G⊙Y; the backward products are dX = G·W and dW = Gᵀ·X.
+        let (n, i, o) = (5, 4, 3);
+        let val = |k: usize, s: usize| ((k * 31 + s * 17) % 23) as f32 / 23.0 - 0.5;
+        let x: Vec<f32> = (0..n * i).map(|k| val(k, 1)).collect();
+        let w: Vec<f32> = (0..o * i).map(|k| val(k, 2)).collect();
+        let g: Vec<f32> = (0..n * o).map(|k| val(k, 3)).collect();
+        let loss = |x: &[f32], w: &[f32]| -> f64 {
+            let y = matmul(&t(x, &[n, i]), &t(w, &[o, i]).t().unwrap()).unwrap();
+            y.to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .zip(&g)
+                .map(|(a, b)| (*a as f64) * (*b as f64))
+                .sum()
+        };
+        let dx = matmul(&t(&g, &[n, o]), &t(&w, &[o, i]))
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        let dw = matmul(&t(&g, &[n, o]).t().unwrap(), &t(&x, &[n, i]))
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        let h = 1e-2f32;
+        for (grad, which) in [(&dx, 0), (&dw, 1)] {
+            let base = if which == 0 { &x } else { &w };
+            let dir: Vec<f32> = (0..base.len()).map(|k| val(k, 4 + which)).collect();
+            let shifted = |sign: f32| -> Vec<f32> {
+                base.iter()
+                    .zip(&dir)
+                    .map(|(b, d)| b + sign * h * d)
+                    .collect()
+            };
+            let (plus, minus) = (shifted(1.0), shifted(-1.0));
+            let fd = if which == 0 {
+                (loss(&plus, &w) - loss(&minus, &w)) / (2.0 * h as f64)
+            } else {
+                (loss(&x, &plus) - loss(&x, &minus)) / (2.0 * h as f64)
+            };
+            let analytic: f64 = grad
+                .iter()
+                .zip(&dir)
+                .map(|(a, b)| (*a as f64) * (*b as f64))
+                .sum();
+            assert!(
+                (fd - analytic).abs() <= 1e-3 * (1.0 + analytic.abs()),
+                "{which}: {fd} vs {analytic}"
+            );
+        }
+    }
+
+    #[test]
     fn bf16_operands_are_widened() {
         let a = t(&[1., 2., 3., 4.], &[2, 2]).to_dtype(DType::BF16).unwrap();
         let b = t(&[1., 1., 1., 1.], &[2, 2]);

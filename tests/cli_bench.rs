@@ -1,0 +1,74 @@
+//! `megatron bench`: the commands run and report their figures against a measured limit.
+
+use std::process::Command;
+
+fn megatron_json(args: &[&str]) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_megatron"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn bench_allreduce_reports_time_floor_and_ratio() {
+    let r = megatron_json(&[
+        "bench",
+        "allreduce",
+        "--ranks",
+        "3",
+        "--elements",
+        "20000",
+        "--iters",
+        "3",
+        "--json",
+    ]);
+    assert_eq!(r["ranks"], 3);
+    assert_eq!(r["elements"], 20000);
+    for key in ["time_ms", "floor_ms", "ratio", "machine_gbs", "algbw_gbs"] {
+        assert!(r[key].as_f64().unwrap() > 0.0, "{key}: {r}");
+    }
+}
+
+#[test]
+fn bench_gemm_reports_every_shape_against_the_peak() {
+    let r = megatron_json(&[
+        "bench",
+        "gemm",
+        "--threads",
+        "1",
+        "--repeats",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(r["threads"], 1);
+    let results = r["results"].as_array().unwrap();
+    assert_eq!(results.len(), 4);
+    assert_eq!(results[1]["m"], 4096);
+    assert_eq!(results[1]["trans_b"], true);
+    assert!(
+        results
+            .iter()
+            .all(|s| s["gflops_median"].as_f64().unwrap() > 0.0)
+    );
+    if cfg!(target_arch = "x86_64") {
+        assert!(!r["peaks"].as_array().unwrap().is_empty());
+    }
+}
+
+#[test]
+fn bench_rejects_empty_worlds() {
+    let out = Command::new(env!("CARGO_BIN_EXE_megatron"))
+        .args(["bench", "allreduce", "--ranks", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--ranks and --elements must be at least 1")
+    );
+}
