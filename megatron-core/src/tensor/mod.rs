@@ -286,53 +286,28 @@ impl Tensor {
 
     /// Borrows the elements of a contiguous tensor for reading.
     pub fn read<T: Element>(&self) -> Result<TensorRead<'_, T>> {
-        self.require_dtype("read", T::DTYPE)?;
         self.require_contiguous("read")?;
         let range = self.layout.offset..self.layout.offset + self.numel();
-        let guard = self
-            .storage
-            .lock()
-            .try_read_recursive()
-            .ok_or(TensorError::Borrowed {
-                op: "read",
-                write: false,
-            })?;
-        let mapped = RwLockReadGuard::map(guard, |buffer| {
-            &T::slice(buffer).expect("storage dtype was checked")[range]
-        });
-        Ok(TensorRead(mapped))
+        let storage = self.read_storage::<T>()?;
+        Ok(TensorRead(MappedRwLockReadGuard::map(storage.0, |all| {
+            &all[range]
+        })))
     }
 
     /// Borrows the elements of a contiguous tensor for writing.
     pub fn write<T: Element>(&self) -> Result<TensorWrite<'_, T>> {
-        self.require_dtype("write", T::DTYPE)?;
         self.require_contiguous("write")?;
         let range = self.layout.offset..self.layout.offset + self.numel();
-        let guard = self
-            .storage
-            .lock()
-            .try_write()
-            .ok_or(TensorError::Borrowed {
-                op: "write",
-                write: true,
-            })?;
-        let mapped = RwLockWriteGuard::map(guard, |buffer| {
-            &mut T::slice_mut(buffer).expect("storage dtype was checked")[range]
-        });
-        Ok(TensorWrite(mapped))
+        let storage = self.write_storage::<T>()?;
+        Ok(TensorWrite(MappedRwLockWriteGuard::map(storage.0, |all| {
+            &mut all[range]
+        })))
     }
 
     /// Borrows the whole storage for reading (any layout); `layout()` says where the view lies.
     pub fn read_storage<T: Element>(&self) -> Result<TensorRead<'_, T>> {
         self.require_dtype("read", T::DTYPE)?;
-        let guard = self
-            .storage
-            .lock()
-            .try_read_recursive()
-            .ok_or(TensorError::Borrowed {
-                op: "read",
-                write: false,
-            })?;
+        let guard = self.lock_read("read")?;
         Ok(TensorRead(RwLockReadGuard::map(guard, |b| {
             T::slice(b).expect("dtype checked")
         })))
@@ -341,14 +316,7 @@ impl Tensor {
     /// Borrows the whole storage for writing (any layout).
     pub fn write_storage<T: Element>(&self) -> Result<TensorWrite<'_, T>> {
         self.require_dtype("write", T::DTYPE)?;
-        let guard = self
-            .storage
-            .lock()
-            .try_write()
-            .ok_or(TensorError::Borrowed {
-                op: "write",
-                write: true,
-            })?;
+        let guard = self.lock_write("write")?;
         Ok(TensorWrite(RwLockWriteGuard::map(guard, |b| {
             T::slice_mut(b).expect("dtype checked")
         })))
