@@ -5,8 +5,12 @@
 //! layout-invariant random streams.
 
 pub mod comm;
+mod error;
 pub mod kernels;
+pub mod module;
 pub mod ops;
 pub mod parallel;
 pub mod rng;
 pub mod tensor;
+
+pub use error::{Error, Result};

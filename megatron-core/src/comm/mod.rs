@@ -232,6 +232,14 @@ impl ParallelState {
         Ok(ParallelState { groups, comms })
     }
 
+    /// The parallel state of a single rank (every group of size 1), for single-process use.
+    pub fn solo() -> ParallelState {
+        let layout = ParallelLayout::new(&crate::parallel::ParallelConfig::new(1))
+            .expect("a world of one rank is a valid layout");
+        ParallelState::new(&threads::ThreadWorld::solo(), &layout)
+            .expect("a world of one rank has every group")
+    }
+
     /// This rank's groups and coordinates.
     pub fn groups(&self) -> &RankGroups {
         &self.groups

@@ -166,6 +166,14 @@ pub struct ThreadWorld {
     shared: Arc<WorldShared>,
 }
 
+impl ThreadWorld {
+    /// The only rank of a world of one, on the calling thread (no threads are started).
+    pub fn solo() -> ThreadWorld {
+        let options = LaunchOptions::default().with_pinning(false);
+        ThreadWorld { rank: 0, shared: Arc::new(WorldShared::new(1, &options)) }
+    }
+}
+
 impl World for ThreadWorld {
     fn rank(&self) -> usize {
         self.rank

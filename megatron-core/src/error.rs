@@ -1,0 +1,39 @@
+//! `Error`: everything that can go wrong in a model's build, forward, backward or step.
+
+use thiserror::Error;
+
+use crate::comm::CommError;
+use crate::kernels::KernelError;
+use crate::parallel::ConfigError;
+use crate::tensor::TensorError;
+
+/// An error of megatron-core; generated module code returns it.
+#[derive(Debug, Clone, Error)]
+pub enum Error {
+    /// A tensor could not be used as asked (shape, dtype, layout, borrow).
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+    /// A kernel rejected its arguments.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// A collective failed (mismatch, timeout, failed peer).
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// A parallel configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A model or layer was configured or called in a way that cannot work; names the numbers.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Shorthand for results of megatron-core.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Returns [`Error::Invalid`] with a formatted message.
+#[macro_export]
+macro_rules! invalid {
+    ($($arg:tt)*) => {
+        ::std::result::Result::Err($crate::Error::Invalid(::std::format!($($arg)*)))
+    };
+}

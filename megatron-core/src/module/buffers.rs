@@ -1,0 +1,111 @@
+//! `ParamBuffers`: every parameter and gradient of a model as views into two flat buffers.
+
+use super::{Module, ParamSpec};
+use crate::error::Result;
+use crate::invalid;
+use crate::tensor::{DType, Tensor};
+
+/// Where one parameter lives in the flat buffers.
+#[derive(Debug, Clone)]
+pub struct ParamSlot {
+    /// First element in the flat buffers.
+    pub offset: usize,
+    /// Number of elements.
+    pub len: usize,
+    /// The parameter's name, shapes and split.
+    pub spec: ParamSpec,
+}
+
+/// One flat value buffer and one flat f32 gradient buffer holding every parameter of a model.
+///
+/// Parameters are laid out in reverse order of the model's visit order, as Megatron-LM does: the
+/// backward produces the last layers' gradients first, so the front of the gradient buffer is
+/// complete first and data-parallel buckets can be reduced while the backward goes on. The total
+/// is padded to a multiple of `pad_to` (the data-parallel size) so that it cuts into equal shards.
+#[derive(Debug, Clone)]
+pub struct ParamBuffers {
+    values: Tensor,
+    grads: Tensor,
+    slots: Vec<ParamSlot>,
+    used: usize,
+}
+
+impl ParamBuffers {
+    /// Moves every parameter of `model` into the flat buffers (values copied once) and rebinds
+    /// the model's parameters to views of them.
+    pub fn pack<M: Module>(model: &mut M, pad_to: usize) -> Result<ParamBuffers> {
+        let mut params: Vec<(ParamSpec, Tensor)> = Vec::new();
+        model.visit_params(&mut |p| params.push((p.spec().clone(), p.value().clone())));
+        let dtype = params.first().map_or(DType::F32, |(_, v)| v.dtype());
+        if let Some((spec, v)) = params.iter().find(|(_, v)| v.dtype() != dtype) {
+            return invalid!("parameter {} is {} but the others are {dtype}", spec.name, v.dtype());
+        }
+        let mut slots = vec![None; params.len()];
+        let mut offset = 0;
+        for (i, (spec, _)) in params.iter().enumerate().rev() {
+            let len = spec.local.numel();
+            slots[i] = Some(ParamSlot { offset, len, spec: spec.clone() });
+            offset += len;
+        }
+        let used = offset;
+        let pad_to = pad_to.max(1);
+        let total = used.div_ceil(pad_to) * pad_to;
+        let values = Tensor::zeros([total], dtype);
+        let grads = Tensor::zeros([total], DType::F32);
+        let slots: Vec<ParamSlot> = slots.into_iter().map(|s| s.expect("every slot is set")).collect();
+        for (slot, (_, value)) in slots.iter().zip(&params) {
+            values.narrow(0, slot.offset, slot.len)?.copy_from(&value.reshape([slot.len])?.contiguous()?)?;
+        }
+        let mut i = 0;
+        let mut failure = None;
+        model.visit_params_mut(&mut |p| {
+            if failure.is_some() {
+                return;
+            }
+            let slot = &slots[i];
+            let view = |t: &Tensor| t.narrow(0, slot.offset, slot.len)?.reshape(slot.spec.local.clone());
+            match (view(&values), view(&grads)) {
+                (Ok(v), Ok(g)) => {
+                    if let Err(e) = p.rebind(v, g) {
+                        failure = Some(e);
+                    }
+                }
+                (Err(e), _) | (_, Err(e)) => failure = Some(e.into()),
+            }
+            i += 1;
+        });
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        if i != slots.len() {
+            return invalid!("the model visited {} parameters mutably but {} immutably", i, slots.len());
+        }
+        Ok(ParamBuffers { values, grads, slots, used })
+    }
+
+    /// The flat values.
+    pub fn values(&self) -> &Tensor {
+        &self.values
+    }
+
+    /// The flat f32 gradients.
+    pub fn grads(&self) -> &Tensor {
+        &self.grads
+    }
+
+    /// Every parameter's place, in the model's visit order.
+    pub fn slots(&self) -> &[ParamSlot] {
+        &self.slots
+    }
+
+    /// Elements used by parameters (the buffers may be padded beyond).
+    pub fn used(&self) -> usize {
+        self.used
+    }
+
+    /// Sets every gradient to zero.
+    pub fn zero_grads(&self) -> Result<()> {
+        self.grads.fill(0.0)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,221 @@
+//! The module system the `#[megatron::module]` macros generate code against.
+//!
+//! A model is a tree of modules (structs with `#[megatron::module]`) whose leaves are layers
+//! ([`Linear`](crate::tensor_parallel::Linear), [`LayerNorm`](crate::tensor_parallel::LayerNorm),
+//! embeddings) and parameterless ops ([`Op`]). The field attributes choose how a layer is split
+//! over tensor parallelism ([`ColumnParallel`], [`RowParallel`], [`VocabParallel`]; no attribute
+//! means replicated: [`Layer`], [`Lookup`]). Every forward returns its output and a typed "saved"
+//! value holding exactly what its backward needs; every backward consumes it, accumulates
+//! parameter gradients, and returns the input gradient. Collectives are not inside the layers:
+//! the generated code calls them, where Megatron-LM puts them, in plain sight.
+
+mod buffers;
+mod param;
+mod site;
+
+use std::fmt;
+
+pub use buffers::{ParamBuffers, ParamSlot};
+pub use param::{Builder, Init, Param, ParamSpec, Split, initial_values};
+pub use site::Site;
+
+use crate::comm::{Communicator, ParallelState};
+use crate::error::Result;
+use crate::parallel::GroupKind;
+use crate::rng::DropoutStream;
+use crate::tensor::Tensor;
+
+/// A tensor of token ids (i64). In a module's `forward` signature it marks an input that has no
+/// gradient.
+pub type Ids = Tensor;
+
+/// What a forward or backward pass runs in: the rank's communicators and the random stream keys.
+pub struct Cx<'a> {
+    parallel: &'a ParallelState,
+    seed: u64,
+    step: u64,
+    microbatch: u64,
+    training: bool,
+}
+
+impl<'a> Cx<'a> {
+    /// A training context at step 0, microbatch 0.
+    pub fn new(parallel: &'a ParallelState, seed: u64) -> Self {
+        Cx { parallel, seed, step: 0, microbatch: 0, training: true }
+    }
+
+    /// The same context at another step and microbatch (dropout masks change with both).
+    pub fn at(&self, step: u64, microbatch: u64) -> Cx<'a> {
+        Cx { step, microbatch, ..*self }
+    }
+
+    /// The same context without dropout (evaluation, generation).
+    pub fn eval(&self) -> Cx<'a> {
+        Cx { training: false, ..*self }
+    }
+
+    /// Whether dropout is active.
+    pub fn training(&self) -> bool {
+        self.training
+    }
+
+    /// The rank's parallel state.
+    pub fn parallel(&self) -> &'a ParallelState {
+        self.parallel
+    }
+
+    /// The communicator of a group family.
+    pub fn comm(&self, kind: GroupKind) -> &'a dyn Communicator {
+        self.parallel.comm(kind)
+    }
+
+    /// The tensor-parallel communicator.
+    pub fn tp(&self) -> &'a dyn Communicator {
+        self.parallel.tp()
+    }
+
+    /// This rank's tensor-parallel rank.
+    pub fn tp_rank(&self) -> usize {
+        self.parallel.groups().tp_rank()
+    }
+
+    /// The tensor-parallel size.
+    pub fn tp_size(&self) -> usize {
+        self.parallel.groups().config().tp
+    }
+
+    /// The random stream of the dropout at `site` for this step and microbatch.
+    pub fn dropout_stream(&self, site: Site) -> DropoutStream {
+        DropoutStream::new(self.seed, &[self.step, self.microbatch, site.0])
+    }
+}
+
+impl fmt::Debug for Cx<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cx")
+            .field("rank", &self.parallel.groups().rank())
+            .field("seed", &self.seed)
+            .field("step", &self.step)
+            .field("microbatch", &self.microbatch)
+            .field("training", &self.training)
+            .finish()
+    }
+}
+
+/// Anything with parameters that is built from a spec: layers and `#[megatron::module]` structs.
+pub trait Module: Sized {
+    /// The logical description (sizes, options) the module is built from.
+    type Spec: Clone + fmt::Debug;
+    /// What a forward keeps for its backward.
+    type Saved;
+
+    /// Builds the module unsharded (replicated), naming its parameters under `b`'s scope.
+    fn build(spec: &Self::Spec, b: &mut Builder) -> Result<Self>;
+
+    /// Calls `f` on every parameter, in a fixed order.
+    fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param));
+
+    /// Calls `f` on every parameter, mutably, in the same order.
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param));
+}
+
+/// A layer used whole on every tensor-parallel rank, one tensor in and one out (norms, plain linears).
+pub trait Layer: Module {
+    /// Computes the output and what the backward needs.
+    fn forward(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, Self::Saved)>;
+    /// Accumulates parameter gradients and returns the input gradient.
+    fn backward(&self, cx: &Cx, site: Site, saved: Self::Saved, dy: &Tensor) -> Result<Tensor>;
+}
+
+/// A layer whose input is token ids (no input gradient), used whole on every rank.
+pub trait Lookup: Module {
+    /// Computes the output and what the backward needs.
+    fn forward(&self, cx: &Cx, site: Site, ids: &Ids) -> Result<(Tensor, Self::Saved)>;
+    /// Accumulates parameter gradients.
+    fn backward(&self, cx: &Cx, site: Site, saved: Self::Saved, dy: &Tensor) -> Result<()>;
+}
+
+/// A layer whose output features are split over the tensor-parallel group (`#[column_parallel]`).
+///
+/// Generated code surrounds it with Megatron's f operator: identity in forward, all-reduce of the
+/// input gradient in backward; with `gather_output`, an all-gather of the output follows.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be split by #[column_parallel]",
+    label = "not a layer with output features to split",
+    note = "#[column_parallel] applies to layers such as `Linear`; modules split their own layers"
+)]
+pub trait ColumnParallel: Module {
+    /// Builds this rank's part: output features `rank·n/tp .. (rank+1)·n/tp`.
+    fn build_column(spec: &Self::Spec, b: &mut Builder) -> Result<Self>;
+    /// Computes this rank's output features from the whole input.
+    fn forward_column(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, Self::Saved)>;
+    /// Accumulates this rank's parameter gradients and returns its partial input gradient.
+    fn backward_column(&self, cx: &Cx, site: Site, saved: Self::Saved, dy: &Tensor) -> Result<Tensor>;
+}
+
+/// A layer whose input features are split over the tensor-parallel group (`#[row_parallel]`).
+///
+/// Generated code follows its partial output with Megatron's g operator (all-reduce in forward,
+/// identity in backward), then adds the replicated bias.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be split by #[row_parallel]",
+    label = "not a layer with input features to split",
+    note = "#[row_parallel] applies to layers such as `Linear`; modules split their own layers"
+)]
+pub trait RowParallel: Module {
+    /// Builds this rank's part: input features `rank·n/tp .. (rank+1)·n/tp`; the bias is whole.
+    fn build_row(spec: &Self::Spec, b: &mut Builder) -> Result<Self>;
+    /// Computes this rank's partial output (no bias) from its slice of the input features.
+    fn forward_row(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, Self::Saved)>;
+    /// Adds the bias, in place, to the all-reduced output.
+    fn add_bias(&self, y: &Tensor) -> Result<()>;
+    /// Accumulates parameter gradients and returns the gradient of this rank's input slice.
+    fn backward_row(&self, cx: &Cx, site: Site, saved: Self::Saved, dy: &Tensor) -> Result<Tensor>;
+}
+
+/// An embedding whose vocabulary rows are split over the tensor-parallel group (`#[vocab_parallel]`).
+///
+/// Generated code all-reduces the lookup's partial output; `self.field.logits(h)` is the tied
+/// output layer (f before it), whose output stays split by vocabulary for the fused cross-entropy.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be split by #[vocab_parallel]",
+    label = "not an embedding with vocabulary rows to split"
+)]
+pub trait VocabParallel: Module {
+    /// What the tied output layer keeps for its backward.
+    type LogitsSaved;
+    /// Builds this rank's rows of the padded vocabulary.
+    fn build_vocab(spec: &Self::Spec, b: &mut Builder) -> Result<Self>;
+    /// Looks up ids in this rank's rows (zeros for other ranks' ids): a partial output.
+    fn forward_vocab(&self, cx: &Cx, site: Site, ids: &Ids) -> Result<(Tensor, Self::Saved)>;
+    /// Accumulates the gradient of this rank's rows.
+    fn backward_vocab(&self, cx: &Cx, site: Site, saved: Self::Saved, dy: &Tensor) -> Result<()>;
+    /// Logits of this rank's vocabulary slice (padding rows masked to −∞) from the whole input.
+    fn logits_forward(&self, cx: &Cx, site: Site, h: &Tensor) -> Result<(Tensor, Self::LogitsSaved)>;
+    /// Accumulates this rank's row gradients and returns its partial input gradient.
+    fn logits_backward(&self, cx: &Cx, site: Site, saved: Self::LogitsSaved, dlogits: &Tensor) -> Result<Tensor>;
+}
+
+/// A parameterless operation with a hand-written forward and backward (`#[op]` fields): the
+/// escape hatch for anything the DSL's primitives do not cover, e.g. attention over heads.
+///
+/// An op works on whatever this rank holds: given tensor-parallel (split) input it returns split
+/// output.
+#[diagnostic::on_unimplemented(message = "`{Self}` is not an op", label = "#[op] fields must implement `megatron::module::Op`")]
+pub trait Op: Clone + fmt::Debug {
+    /// What the forward keeps for the backward.
+    type Saved;
+    /// Computes the output.
+    fn forward(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, Self::Saved)>;
+    /// Returns the input gradient.
+    fn backward(&self, cx: &Cx, site: Site, saved: Self::Saved, dy: &Tensor) -> Result<Tensor>;
+}
+
+/// How a tensor is held across the tensor-parallel group (what generated code tells primitives).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharding {
+    /// Every rank holds the whole tensor.
+    Replicated,
+    /// Each rank holds its consecutive slice of the last dimension.
+    SplitLastDim,
+}

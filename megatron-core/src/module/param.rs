@@ -1,0 +1,332 @@
+//! Parameters: local shards of logical tensors, their gradients, and how they were split.
+
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::invalid;
+use crate::kernels::dropout::LogicalIndex;
+use crate::parallel::GroupKind;
+use crate::rng::{philox4x32_10, stream_id};
+use crate::tensor::{DType, Shape, Tensor};
+
+/// How a parameter's logical tensor is divided over a group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Split {
+    /// Every rank holds the whole tensor.
+    Replicated,
+    /// Dimension `dim` is cut into equal consecutive parts, one per rank of `group`.
+    Dim {
+        /// The split dimension.
+        dim: usize,
+        /// The group whose ranks hold the parts.
+        group: GroupKind,
+    },
+}
+
+/// How a parameter's logical values are drawn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    /// Normal with mean 0 and this standard deviation.
+    Normal {
+        /// Standard deviation.
+        std: f32,
+    },
+    /// Every element this value.
+    Constant(f32),
+}
+
+impl Init {
+    /// All zeros.
+    pub const ZEROS: Init = Init::Constant(0.0);
+    /// All ones.
+    pub const ONES: Init = Init::Constant(1.0);
+}
+
+/// Everything known about one parameter: its name, logical and local shapes and its split.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamSpec {
+    /// Dotted name, e.g. `blocks.3.mlp.fc1.weight`.
+    pub name: String,
+    /// Shape of the whole (unsharded) tensor.
+    pub logical: Shape,
+    /// Shape of this rank's part.
+    pub local: Shape,
+    /// How the logical tensor is divided.
+    pub split: Split,
+    /// This rank's index among the parts (0 when replicated).
+    pub part: usize,
+    /// Number of parts (1 when replicated).
+    pub parts: usize,
+    /// How the logical values are drawn.
+    pub init: Init,
+    /// Whether weight decay applies (not to biases and norms).
+    pub weight_decay: bool,
+}
+
+impl ParamSpec {
+    /// Where this rank's part lies in the logical tensor, element by element.
+    pub fn logical_index(&self) -> LogicalIndex {
+        let dims = self.logical.dims();
+        match self.split {
+            Split::Replicated => LogicalIndex::contiguous(self.local.numel()),
+            Split::Dim { dim, .. } => {
+                let inner: usize = dims[dim + 1..].iter().product();
+                let local_dim = self.local.dims()[dim];
+                LogicalIndex {
+                    outer: dims[..dim].iter().product(),
+                    inner: local_dim * inner,
+                    logical_stride: (dims[dim] * inner) as u64,
+                    logical_start: (self.part * local_dim * inner) as u64,
+                }
+            }
+        }
+    }
+}
+
+/// A parameter: this rank's part of its values and of its gradient.
+///
+/// Both are tensors that may view flat buffers shared by all parameters (see
+/// [`crate::module::ParamBuffers`]); gradients accumulate (`+=`) until the optimizer zeroes them.
+#[derive(Debug, Clone)]
+pub struct Param {
+    value: Tensor,
+    grad: Tensor,
+    spec: Arc<ParamSpec>,
+}
+
+impl Param {
+    /// A parameter with the given values and a zero gradient of the same shape.
+    pub fn new(spec: ParamSpec, value: Tensor) -> Result<Param> {
+        if value.shape() != &spec.local {
+            return invalid!("parameter {}: values of shape {} but local shape {}", spec.name, value.shape(), spec.local);
+        }
+        let grad = Tensor::zeros(spec.local.clone(), DType::F32);
+        Ok(Param { value, grad, spec: Arc::new(spec) })
+    }
+
+    /// This rank's values.
+    pub fn value(&self) -> &Tensor {
+        &self.value
+    }
+
+    /// This rank's gradient (f32), accumulated by backward passes.
+    pub fn grad(&self) -> &Tensor {
+        &self.grad
+    }
+
+    /// Name, shapes, split and init.
+    pub fn spec(&self) -> &ParamSpec {
+        &self.spec
+    }
+
+    /// Replaces the value and gradient tensors (e.g. by views of flat buffers) with the same shapes.
+    pub fn rebind(&mut self, value: Tensor, grad: Tensor) -> Result<()> {
+        if value.shape() != &self.spec.local || grad.shape() != &self.spec.local {
+            return invalid!(
+                "parameter {}: rebinding to shapes {} and {}, local shape is {}",
+                self.spec.name,
+                value.shape(),
+                grad.shape(),
+                self.spec.local
+            );
+        }
+        self.value = value;
+        self.grad = grad;
+        Ok(())
+    }
+}
+
+/// Creates parameters with their names, local shapes and layout-invariant initial values.
+///
+/// A parameter's logical values depend only on the seed and its name: a rank draws exactly the
+/// elements of its part, from a counter-based generator indexed by the logical element.
+#[derive(Debug, Clone)]
+pub struct Builder {
+    seed: u64,
+    prefix: Vec<String>,
+    groups: Vec<(GroupKind, usize, usize)>,
+    dtype: DType,
+}
+
+impl Builder {
+    /// A builder for a rank with every group of size 1.
+    pub fn new(seed: u64) -> Self {
+        Builder { seed, prefix: Vec::new(), groups: Vec::new(), dtype: DType::F32 }
+    }
+
+    /// Sets this rank's index and the size of a group parameters may be split over.
+    pub fn with_group(mut self, kind: GroupKind, rank: usize, size: usize) -> Self {
+        self.groups.retain(|(k, _, _)| *k != kind);
+        self.groups.push((kind, rank, size));
+        self
+    }
+
+    /// A builder for one rank of a parallel layout (its tp, ep and etp groups).
+    pub fn for_rank(seed: u64, groups: &crate::parallel::RankGroups) -> Self {
+        let mut b = Builder::new(seed);
+        for kind in [GroupKind::Tp, GroupKind::Ep, GroupKind::Etp] {
+            if let Some(g) = groups.get(kind) {
+                b = b.with_group(kind, g.index, g.size());
+            }
+        }
+        b
+    }
+
+    /// The element type of new parameters (f32 by default).
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// This rank's index in `kind` and the group's size (0 of 1 if unknown).
+    pub fn group(&self, kind: GroupKind) -> (usize, usize) {
+        self.groups.iter().find(|(k, _, _)| *k == kind).map_or((0, 1), |&(_, r, s)| (r, s))
+    }
+
+    /// Tensor-parallel rank and size.
+    pub fn tp(&self) -> (usize, usize) {
+        self.group(GroupKind::Tp)
+    }
+
+    /// Runs `f` with `name` appended to the parameter-name prefix.
+    pub fn scoped<T>(&mut self, name: &str, f: impl FnOnce(&mut Builder) -> Result<T>) -> Result<T> {
+        self.prefix.push(name.to_string());
+        let out = f(self);
+        self.prefix.pop();
+        out
+    }
+
+    /// The full name of a parameter `name` in the current scope.
+    pub fn name(&self, name: &str) -> String {
+        let mut parts = self.prefix.clone();
+        parts.push(name.to_string());
+        parts.join(".")
+    }
+
+    /// Creates this rank's part of the parameter `name` of logical shape `logical`.
+    pub fn param(
+        &mut self,
+        name: &str,
+        logical: impl Into<Shape>,
+        split: Split,
+        init: Init,
+        weight_decay: bool,
+    ) -> Result<Param> {
+        let logical = logical.into();
+        let name = self.name(name);
+        let (part, parts, local) = match split {
+            Split::Replicated => (0, 1, logical.clone()),
+            Split::Dim { dim, group } => {
+                let (rank, size) = self.group(group);
+                let Some(&d) = logical.dims().get(dim) else {
+                    return invalid!("parameter {name}: shape {logical} has no dimension {dim} to split");
+                };
+                if d % size != 0 {
+                    return invalid!(
+                        "parameter {name}: dimension {dim} of {logical} ({d}) is not divisible by {group} = {size}"
+                    );
+                }
+                let mut local = logical.clone();
+                local.0[dim] = d / size;
+                (rank, size, local)
+            }
+        };
+        let spec = ParamSpec { name, logical, local, split, part, parts, init, weight_decay };
+        let values = initial_values(self.seed, &spec);
+        let value = Tensor::from_vec(values, spec.local.clone())?;
+        let value = if self.dtype == DType::F32 { value } else { value.to_dtype(self.dtype)? };
+        Param::new(spec, value)
+    }
+}
+
+/// This rank's part of a parameter's logical initial values, in local row-major order.
+pub fn initial_values(seed: u64, spec: &ParamSpec) -> Vec<f32> {
+    let n = spec.local.numel();
+    match spec.init {
+        Init::Constant(c) => vec![c; n],
+        Init::Normal { std } => {
+            let key = [seed as u32, (seed >> 32) as u32];
+            let stream = stream_id(&[name_hash(&spec.name)]);
+            let index = spec.logical_index();
+            let mut out = Vec::with_capacity(n);
+            for o in 0..index.outer {
+                for k in 0..index.inner {
+                    out.push(std * normal(index.logical(o, k), key, stream));
+                }
+            }
+            out
+        }
+    }
+}
+
+/// 64-bit FNV-1a of a parameter name.
+fn name_hash(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+/// The standard normal sample of logical element `i`: Box–Muller on words of Philox block i / 4.
+fn normal(i: u64, key: [u32; 2], stream: u64) -> f32 {
+    let block = i / 4;
+    let w = philox4x32_10([block as u32, (block >> 32) as u32, stream as u32, (stream >> 32) as u32], key);
+    let pair = (i % 4) as usize / 2;
+    let unit = |x: u32| (f64::from(x) + 0.5) / 4_294_967_296.0;
+    let (u1, u2) = (unit(w[2 * pair]), unit(w[2 * pair + 1]));
+    let r = (-2.0 * u1.ln()).sqrt();
+    let theta = std::f64::consts::TAU * u2;
+    (if i % 2 == 0 { r * theta.cos() } else { r * theta.sin() }) as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logical_values(b: &mut Builder, split: Split, shape: [usize; 2]) -> Vec<f32> {
+        b.param("w", shape, split, Init::Normal { std: 0.02 }, true).unwrap().value().to_vec::<f32>().unwrap()
+    }
+
+    #[test]
+    fn shards_hold_exactly_their_part_of_the_logical_values() {
+        let full = logical_values(&mut Builder::new(7), Split::Replicated, [6, 4]);
+        for tp in [2, 3] {
+            let mut rows = Vec::new();
+            let mut cols = vec![Vec::new(); 6];
+            for rank in 0..tp {
+                let mut b = Builder::new(7).with_group(GroupKind::Tp, rank, tp);
+                rows.extend(logical_values(&mut b, Split::Dim { dim: 0, group: GroupKind::Tp }, [6, 4]));
+                if 4 % tp == 0 {
+                    let part = logical_values(&mut b, Split::Dim { dim: 1, group: GroupKind::Tp }, [6, 4]);
+                    for (r, chunk) in part.chunks(4 / tp).enumerate() {
+                        cols[r].extend_from_slice(chunk);
+                    }
+                }
+            }
+            assert_eq!(rows, full, "rows over tp {tp}");
+            if 4 % tp == 0 {
+                assert_eq!(cols.concat(), full, "columns over tp {tp}");
+            }
+        }
+    }
+
+    #[test]
+    fn values_depend_on_seed_and_name_and_look_normal() {
+        let mut b = Builder::new(1);
+        let a = b.param("a", [1000], Split::Replicated, Init::Normal { std: 1.0 }, true).unwrap();
+        let a2 = b.param("b", [1000], Split::Replicated, Init::Normal { std: 1.0 }, true).unwrap();
+        let a3 = Builder::new(2).param("a", [1000], Split::Replicated, Init::Normal { std: 1.0 }, true).unwrap();
+        let v = a.value().to_vec::<f32>().unwrap();
+        assert_ne!(v, a2.value().to_vec::<f32>().unwrap());
+        assert_ne!(v, a3.value().to_vec::<f32>().unwrap());
+        let mean = v.iter().map(|&x| f64::from(x)).sum::<f64>() / 1000.0;
+        let var = v.iter().map(|&x| (f64::from(x) - mean).powi(2)).sum::<f64>() / 1000.0;
+        assert!(mean.abs() < 0.12 && (var - 1.0).abs() < 0.15, "mean {mean} var {var}");
+    }
+
+    #[test]
+    fn scoped_names_and_bad_splits() {
+        let mut b = Builder::new(0).with_group(GroupKind::Tp, 0, 4);
+        let p = b.scoped("blocks", |b| b.scoped("0", |b| b.param("w", [8, 6], Split::Replicated, Init::ZEROS, false))).unwrap();
+        assert_eq!(p.spec().name, "blocks.0.w");
+        let err = b.param("w", [8, 6], Split::Dim { dim: 1, group: GroupKind::Tp }, Init::ZEROS, true).unwrap_err();
+        assert_eq!(err.to_string(), "parameter w: dimension 1 of [8, 6] (6) is not divisible by tp = 4");
+    }
+}
