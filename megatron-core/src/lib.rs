@@ -10,7 +10,9 @@ pub mod kernels;
 pub mod module;
 pub mod ops;
 pub mod parallel;
+pub mod prelude;
 pub mod rng;
 pub mod tensor;
+pub mod tensor_parallel;
 
 pub use error::{Error, Result};

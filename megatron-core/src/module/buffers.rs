@@ -38,13 +38,21 @@ impl ParamBuffers {
         model.visit_params(&mut |p| params.push((p.spec().clone(), p.value().clone())));
         let dtype = params.first().map_or(DType::F32, |(_, v)| v.dtype());
         if let Some((spec, v)) = params.iter().find(|(_, v)| v.dtype() != dtype) {
-            return invalid!("parameter {} is {} but the others are {dtype}", spec.name, v.dtype());
+            return invalid!(
+                "parameter {} is {} but the others are {dtype}",
+                spec.name,
+                v.dtype()
+            );
         }
         let mut slots = vec![None; params.len()];
         let mut offset = 0;
         for (i, (spec, _)) in params.iter().enumerate().rev() {
             let len = spec.local.numel();
-            slots[i] = Some(ParamSlot { offset, len, spec: spec.clone() });
+            slots[i] = Some(ParamSlot {
+                offset,
+                len,
+                spec: spec.clone(),
+            });
             offset += len;
         }
         let used = offset;
@@ -52,9 +60,14 @@ impl ParamBuffers {
         let total = used.div_ceil(pad_to) * pad_to;
         let values = Tensor::zeros([total], dtype);
         let grads = Tensor::zeros([total], DType::F32);
-        let slots: Vec<ParamSlot> = slots.into_iter().map(|s| s.expect("every slot is set")).collect();
+        let slots: Vec<ParamSlot> = slots
+            .into_iter()
+            .map(|s| s.expect("every slot is set"))
+            .collect();
         for (slot, (_, value)) in slots.iter().zip(&params) {
-            values.narrow(0, slot.offset, slot.len)?.copy_from(&value.reshape([slot.len])?.contiguous()?)?;
+            values
+                .narrow(0, slot.offset, slot.len)?
+                .copy_from(&value.reshape([slot.len])?.contiguous()?)?;
         }
         let mut i = 0;
         let mut failure = None;
@@ -63,7 +76,10 @@ impl ParamBuffers {
                 return;
             }
             let slot = &slots[i];
-            let view = |t: &Tensor| t.narrow(0, slot.offset, slot.len)?.reshape(slot.spec.local.clone());
+            let view = |t: &Tensor| {
+                t.narrow(0, slot.offset, slot.len)?
+                    .reshape(slot.spec.local.clone())
+            };
             match (view(&values), view(&grads)) {
                 (Ok(v), Ok(g)) => {
                     if let Err(e) = p.rebind(v, g) {
@@ -78,9 +94,18 @@ impl ParamBuffers {
             return Err(e);
         }
         if i != slots.len() {
-            return invalid!("the model visited {} parameters mutably but {} immutably", i, slots.len());
+            return invalid!(
+                "the model visited {} parameters mutably but {} immutably",
+                i,
+                slots.len()
+            );
         }
-        Ok(ParamBuffers { values, grads, slots, used })
+        Ok(ParamBuffers {
+            values,
+            grads,
+            slots,
+            used,
+        })
     }
 
     /// The flat values.

@@ -16,7 +16,7 @@ mod site;
 use std::fmt;
 
 pub use buffers::{ParamBuffers, ParamSlot};
-pub use param::{Builder, Init, Param, ParamSpec, Split, initial_values};
+pub use param::{Builder, Init, Param, ParamSpec, Split, assemble_logical, initial_values};
 pub use site::Site;
 
 use crate::comm::{Communicator, ParallelState};
@@ -41,17 +41,30 @@ pub struct Cx<'a> {
 impl<'a> Cx<'a> {
     /// A training context at step 0, microbatch 0.
     pub fn new(parallel: &'a ParallelState, seed: u64) -> Self {
-        Cx { parallel, seed, step: 0, microbatch: 0, training: true }
+        Cx {
+            parallel,
+            seed,
+            step: 0,
+            microbatch: 0,
+            training: true,
+        }
     }
 
     /// The same context at another step and microbatch (dropout masks change with both).
     pub fn at(&self, step: u64, microbatch: u64) -> Cx<'a> {
-        Cx { step, microbatch, ..*self }
+        Cx {
+            step,
+            microbatch,
+            ..*self
+        }
     }
 
     /// The same context without dropout (evaluation, generation).
     pub fn eval(&self) -> Cx<'a> {
-        Cx { training: false, ..*self }
+        Cx {
+            training: false,
+            ..*self
+        }
     }
 
     /// Whether dropout is active.
@@ -150,7 +163,13 @@ pub trait ColumnParallel: Module {
     /// Computes this rank's output features from the whole input.
     fn forward_column(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, Self::Saved)>;
     /// Accumulates this rank's parameter gradients and returns its partial input gradient.
-    fn backward_column(&self, cx: &Cx, site: Site, saved: Self::Saved, dy: &Tensor) -> Result<Tensor>;
+    fn backward_column(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: Self::Saved,
+        dy: &Tensor,
+    ) -> Result<Tensor>;
 }
 
 /// A layer whose input features are split over the tensor-parallel group (`#[row_parallel]`).
@@ -191,9 +210,20 @@ pub trait VocabParallel: Module {
     /// Accumulates the gradient of this rank's rows.
     fn backward_vocab(&self, cx: &Cx, site: Site, saved: Self::Saved, dy: &Tensor) -> Result<()>;
     /// Logits of this rank's vocabulary slice (padding rows masked to −∞) from the whole input.
-    fn logits_forward(&self, cx: &Cx, site: Site, h: &Tensor) -> Result<(Tensor, Self::LogitsSaved)>;
+    fn logits_forward(
+        &self,
+        cx: &Cx,
+        site: Site,
+        h: &Tensor,
+    ) -> Result<(Tensor, Self::LogitsSaved)>;
     /// Accumulates this rank's row gradients and returns its partial input gradient.
-    fn logits_backward(&self, cx: &Cx, site: Site, saved: Self::LogitsSaved, dlogits: &Tensor) -> Result<Tensor>;
+    fn logits_backward(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: Self::LogitsSaved,
+        dlogits: &Tensor,
+    ) -> Result<Tensor>;
 }
 
 /// A parameterless operation with a hand-written forward and backward (`#[op]` fields): the
@@ -201,7 +231,10 @@ pub trait VocabParallel: Module {
 ///
 /// An op works on whatever this rank holds: given tensor-parallel (split) input it returns split
 /// output.
-#[diagnostic::on_unimplemented(message = "`{Self}` is not an op", label = "#[op] fields must implement `megatron::module::Op`")]
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an op",
+    label = "#[op] fields must implement `megatron::module::Op`"
+)]
 pub trait Op: Clone + fmt::Debug {
     /// What the forward keeps for the backward.
     type Saved;

@@ -98,10 +98,19 @@ impl Param {
     /// A parameter with the given values and a zero gradient of the same shape.
     pub fn new(spec: ParamSpec, value: Tensor) -> Result<Param> {
         if value.shape() != &spec.local {
-            return invalid!("parameter {}: values of shape {} but local shape {}", spec.name, value.shape(), spec.local);
+            return invalid!(
+                "parameter {}: values of shape {} but local shape {}",
+                spec.name,
+                value.shape(),
+                spec.local
+            );
         }
         let grad = Tensor::zeros(spec.local.clone(), DType::F32);
-        Ok(Param { value, grad, spec: Arc::new(spec) })
+        Ok(Param {
+            value,
+            grad,
+            spec: Arc::new(spec),
+        })
     }
 
     /// This rank's values.
@@ -151,7 +160,12 @@ pub struct Builder {
 impl Builder {
     /// A builder for a rank with every group of size 1.
     pub fn new(seed: u64) -> Self {
-        Builder { seed, prefix: Vec::new(), groups: Vec::new(), dtype: DType::F32 }
+        Builder {
+            seed,
+            prefix: Vec::new(),
+            groups: Vec::new(),
+            dtype: DType::F32,
+        }
     }
 
     /// Sets this rank's index and the size of a group parameters may be split over.
@@ -180,7 +194,10 @@ impl Builder {
 
     /// This rank's index in `kind` and the group's size (0 of 1 if unknown).
     pub fn group(&self, kind: GroupKind) -> (usize, usize) {
-        self.groups.iter().find(|(k, _, _)| *k == kind).map_or((0, 1), |&(_, r, s)| (r, s))
+        self.groups
+            .iter()
+            .find(|(k, _, _)| *k == kind)
+            .map_or((0, 1), |&(_, r, s)| (r, s))
     }
 
     /// Tensor-parallel rank and size.
@@ -189,7 +206,11 @@ impl Builder {
     }
 
     /// Runs `f` with `name` appended to the parameter-name prefix.
-    pub fn scoped<T>(&mut self, name: &str, f: impl FnOnce(&mut Builder) -> Result<T>) -> Result<T> {
+    pub fn scoped<T>(
+        &mut self,
+        name: &str,
+        f: impl FnOnce(&mut Builder) -> Result<T>,
+    ) -> Result<T> {
         self.prefix.push(name.to_string());
         let out = f(self);
         self.prefix.pop();
@@ -219,7 +240,9 @@ impl Builder {
             Split::Dim { dim, group } => {
                 let (rank, size) = self.group(group);
                 let Some(&d) = logical.dims().get(dim) else {
-                    return invalid!("parameter {name}: shape {logical} has no dimension {dim} to split");
+                    return invalid!(
+                        "parameter {name}: shape {logical} has no dimension {dim} to split"
+                    );
                 };
                 if d % size != 0 {
                     return invalid!(
@@ -231,10 +254,23 @@ impl Builder {
                 (rank, size, local)
             }
         };
-        let spec = ParamSpec { name, logical, local, split, part, parts, init, weight_decay };
+        let spec = ParamSpec {
+            name,
+            logical,
+            local,
+            split,
+            part,
+            parts,
+            init,
+            weight_decay,
+        };
         let values = initial_values(self.seed, &spec);
         let value = Tensor::from_vec(values, spec.local.clone())?;
-        let value = if self.dtype == DType::F32 { value } else { value.to_dtype(self.dtype)? };
+        let value = if self.dtype == DType::F32 {
+            value
+        } else {
+            value.to_dtype(self.dtype)?
+        };
         Param::new(spec, value)
     }
 }
@@ -259,21 +295,76 @@ pub fn initial_values(seed: u64, spec: &ParamSpec) -> Vec<f32> {
     }
 }
 
+/// Reassembles a parameter's logical values from every rank's part (in any order); each part is
+/// its spec and its local values in row-major order. Replicated parameters take the first part.
+pub fn assemble_logical(parts: &[(&ParamSpec, &[f32])]) -> Result<Vec<f32>> {
+    let Some((first, _)) = parts.first() else {
+        return invalid!("no parts to assemble");
+    };
+    let mut out = vec![f32::NAN; first.logical.numel()];
+    let mut seen = vec![false; first.parts];
+    for (spec, values) in parts {
+        if spec.name != first.name || spec.logical != first.logical || spec.parts != first.parts {
+            return invalid!(
+                "parts of {} and {} do not belong together",
+                first.name,
+                spec.name
+            );
+        }
+        if values.len() != spec.local.numel() {
+            return invalid!(
+                "part {} of {} has {} values, expected {}",
+                spec.part,
+                spec.name,
+                values.len(),
+                spec.local.numel()
+            );
+        }
+        seen[spec.part] = true;
+        let index = spec.logical_index();
+        let mut k = 0;
+        for o in 0..index.outer {
+            for i in 0..index.inner {
+                out[index.logical(o, i) as usize] = values[k];
+                k += 1;
+            }
+        }
+    }
+    if let Some(missing) = seen.iter().position(|s| !s) {
+        return invalid!("part {missing} of {} is missing", first.name);
+    }
+    Ok(out)
+}
+
 /// 64-bit FNV-1a of a parameter name.
 fn name_hash(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 /// The standard normal sample of logical element `i`: Box–Muller on words of Philox block i / 4.
 fn normal(i: u64, key: [u32; 2], stream: u64) -> f32 {
     let block = i / 4;
-    let w = philox4x32_10([block as u32, (block >> 32) as u32, stream as u32, (stream >> 32) as u32], key);
+    let w = philox4x32_10(
+        [
+            block as u32,
+            (block >> 32) as u32,
+            stream as u32,
+            (stream >> 32) as u32,
+        ],
+        key,
+    );
     let pair = (i % 4) as usize / 2;
     let unit = |x: u32| (f64::from(x) + 0.5) / 4_294_967_296.0;
     let (u1, u2) = (unit(w[2 * pair]), unit(w[2 * pair + 1]));
     let r = (-2.0 * u1.ln()).sqrt();
     let theta = std::f64::consts::TAU * u2;
-    (if i % 2 == 0 { r * theta.cos() } else { r * theta.sin() }) as f32
+    (if i.is_multiple_of(2) {
+        r * theta.cos()
+    } else {
+        r * theta.sin()
+    }) as f32
 }
 
 #[cfg(test)]
@@ -281,7 +372,11 @@ mod tests {
     use super::*;
 
     fn logical_values(b: &mut Builder, split: Split, shape: [usize; 2]) -> Vec<f32> {
-        b.param("w", shape, split, Init::Normal { std: 0.02 }, true).unwrap().value().to_vec::<f32>().unwrap()
+        b.param("w", shape, split, Init::Normal { std: 0.02 }, true)
+            .unwrap()
+            .value()
+            .to_vec::<f32>()
+            .unwrap()
     }
 
     #[test]
@@ -292,9 +387,23 @@ mod tests {
             let mut cols = vec![Vec::new(); 6];
             for rank in 0..tp {
                 let mut b = Builder::new(7).with_group(GroupKind::Tp, rank, tp);
-                rows.extend(logical_values(&mut b, Split::Dim { dim: 0, group: GroupKind::Tp }, [6, 4]));
+                rows.extend(logical_values(
+                    &mut b,
+                    Split::Dim {
+                        dim: 0,
+                        group: GroupKind::Tp,
+                    },
+                    [6, 4],
+                ));
                 if 4 % tp == 0 {
-                    let part = logical_values(&mut b, Split::Dim { dim: 1, group: GroupKind::Tp }, [6, 4]);
+                    let part = logical_values(
+                        &mut b,
+                        Split::Dim {
+                            dim: 1,
+                            group: GroupKind::Tp,
+                        },
+                        [6, 4],
+                    );
                     for (r, chunk) in part.chunks(4 / tp).enumerate() {
                         cols[r].extend_from_slice(chunk);
                     }
@@ -310,23 +419,108 @@ mod tests {
     #[test]
     fn values_depend_on_seed_and_name_and_look_normal() {
         let mut b = Builder::new(1);
-        let a = b.param("a", [1000], Split::Replicated, Init::Normal { std: 1.0 }, true).unwrap();
-        let a2 = b.param("b", [1000], Split::Replicated, Init::Normal { std: 1.0 }, true).unwrap();
-        let a3 = Builder::new(2).param("a", [1000], Split::Replicated, Init::Normal { std: 1.0 }, true).unwrap();
+        let a = b
+            .param(
+                "a",
+                [1000],
+                Split::Replicated,
+                Init::Normal { std: 1.0 },
+                true,
+            )
+            .unwrap();
+        let a2 = b
+            .param(
+                "b",
+                [1000],
+                Split::Replicated,
+                Init::Normal { std: 1.0 },
+                true,
+            )
+            .unwrap();
+        let a3 = Builder::new(2)
+            .param(
+                "a",
+                [1000],
+                Split::Replicated,
+                Init::Normal { std: 1.0 },
+                true,
+            )
+            .unwrap();
         let v = a.value().to_vec::<f32>().unwrap();
         assert_ne!(v, a2.value().to_vec::<f32>().unwrap());
         assert_ne!(v, a3.value().to_vec::<f32>().unwrap());
         let mean = v.iter().map(|&x| f64::from(x)).sum::<f64>() / 1000.0;
-        let var = v.iter().map(|&x| (f64::from(x) - mean).powi(2)).sum::<f64>() / 1000.0;
-        assert!(mean.abs() < 0.12 && (var - 1.0).abs() < 0.15, "mean {mean} var {var}");
+        let var = v
+            .iter()
+            .map(|&x| (f64::from(x) - mean).powi(2))
+            .sum::<f64>()
+            / 1000.0;
+        assert!(
+            mean.abs() < 0.12 && (var - 1.0).abs() < 0.15,
+            "mean {mean} var {var}"
+        );
+    }
+
+    #[test]
+    fn assembling_parts_gives_the_logical_tensor() {
+        let full = logical_values(&mut Builder::new(3), Split::Replicated, [4, 6]);
+        for dim in [0, 1] {
+            let parts: Vec<(ParamSpec, Vec<f32>)> = (0..2)
+                .map(|rank| {
+                    let mut b = Builder::new(3).with_group(GroupKind::Tp, rank, 2);
+                    let p = b
+                        .param(
+                            "w",
+                            [4, 6],
+                            Split::Dim {
+                                dim,
+                                group: GroupKind::Tp,
+                            },
+                            Init::Normal { std: 0.02 },
+                            true,
+                        )
+                        .unwrap();
+                    (p.spec().clone(), p.value().to_vec::<f32>().unwrap())
+                })
+                .collect();
+            let refs: Vec<(&ParamSpec, &[f32])> =
+                parts.iter().rev().map(|(s, v)| (s, v.as_slice())).collect();
+            assert_eq!(assemble_logical(&refs).unwrap(), full, "split dim {dim}");
+            assert!(
+                assemble_logical(&refs[..1])
+                    .unwrap_err()
+                    .to_string()
+                    .contains("is missing")
+            );
+        }
     }
 
     #[test]
     fn scoped_names_and_bad_splits() {
         let mut b = Builder::new(0).with_group(GroupKind::Tp, 0, 4);
-        let p = b.scoped("blocks", |b| b.scoped("0", |b| b.param("w", [8, 6], Split::Replicated, Init::ZEROS, false))).unwrap();
+        let p = b
+            .scoped("blocks", |b| {
+                b.scoped("0", |b| {
+                    b.param("w", [8, 6], Split::Replicated, Init::ZEROS, false)
+                })
+            })
+            .unwrap();
         assert_eq!(p.spec().name, "blocks.0.w");
-        let err = b.param("w", [8, 6], Split::Dim { dim: 1, group: GroupKind::Tp }, Init::ZEROS, true).unwrap_err();
-        assert_eq!(err.to_string(), "parameter w: dimension 1 of [8, 6] (6) is not divisible by tp = 4");
+        let err = b
+            .param(
+                "w",
+                [8, 6],
+                Split::Dim {
+                    dim: 1,
+                    group: GroupKind::Tp,
+                },
+                Init::ZEROS,
+                true,
+            )
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "parameter w: dimension 1 of [8, 6] (6) is not divisible by tp = 4"
+        );
     }
 }

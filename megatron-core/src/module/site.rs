@@ -24,7 +24,9 @@ impl Site {
 
     /// The site of the `i`-th element of a list (a layer of a stack).
     pub fn index(self, i: usize) -> Site {
-        Site(crate::rng::splitmix64_mix(self.0 ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5a))
+        Site(crate::rng::splitmix64_mix(
+            self.0 ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5a,
+        ))
     }
 }
 

@@ -1,5 +1,13 @@
 //! Tensor-level operations: shape checks, dtype conversion at the boundary, then the kernels.
+//!
+//! [`matmul`] and [`matmul_into`] multiply (transposed) views; the primitives (`add`, `gelu`,
+//! `dropout`, `cross_entropy`) are the builtin functions of a `#[megatron::module]` forward.
 
 mod matmul;
+mod primitives;
 
 pub use matmul::{matmul, matmul_into};
+pub use primitives::{
+    CrossEntropySaved, DropoutSaved, GeluSaved, add, cross_entropy, cross_entropy_backward,
+    dropout, dropout_backward, gelu, gelu_backward,
+};

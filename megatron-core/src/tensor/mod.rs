@@ -394,6 +394,15 @@ impl Tensor {
         Ok(out)
     }
 
+    /// This tensor as contiguous f32: itself when it already is, else a converted copy.
+    pub fn to_f32_contiguous(&self) -> Result<Tensor> {
+        if self.dtype() == DType::F32 && self.is_contiguous() {
+            Ok(self.clone())
+        } else {
+            self.to_dtype(DType::F32)
+        }
+    }
+
     /// A contiguous copy with its own storage.
     pub fn deep_clone(&self) -> Result<Tensor> {
         self.to_dtype(self.dtype())

@@ -170,7 +170,10 @@ impl ThreadWorld {
     /// The only rank of a world of one, on the calling thread (no threads are started).
     pub fn solo() -> ThreadWorld {
         let options = LaunchOptions::default().with_pinning(false);
-        ThreadWorld { rank: 0, shared: Arc::new(WorldShared::new(1, &options)) }
+        ThreadWorld {
+            rank: 0,
+            shared: Arc::new(WorldShared::new(1, &options)),
+        }
     }
 }
 

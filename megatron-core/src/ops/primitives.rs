@@ -1,0 +1,191 @@
+//! The builtin functions of a module's forward (`gelu`, `dropout`, `cross_entropy`, `+`), each a
+//! forward that returns what its backward needs and that backward.
+
+use crate::error::Result;
+use crate::invalid;
+use crate::kernels::{cross_entropy as ce, dropout as dk, elementwise};
+use crate::module::{Cx, Sharding, Site};
+use crate::rng::DropoutStream;
+use crate::tensor::{DType, Tensor};
+
+/// The last dimension of a tensor (1 for a scalar).
+fn last_dim(t: &Tensor) -> usize {
+    t.dims().last().copied().unwrap_or(1)
+}
+
+/// Element-wise `a + b` (residual connections); both must have the same shape.
+pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.shape() != b.shape() {
+        return invalid!("add: shapes {} and {} differ", a.shape(), b.shape());
+    }
+    let (a, b) = (a.to_f32_contiguous()?, b.to_f32_contiguous()?);
+    let out = Tensor::zeros(a.shape().clone(), DType::F32);
+    elementwise::add(
+        &a.read::<f32>()?,
+        &b.read::<f32>()?,
+        &mut out.write::<f32>()?,
+    )?;
+    Ok(out)
+}
+
+/// What [`gelu`] keeps: its input.
+#[derive(Debug, Clone)]
+pub struct GeluSaved {
+    x: Tensor,
+}
+
+/// GeLU with GPT-2's tanh approximation.
+pub fn gelu(_cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, GeluSaved)> {
+    let x = x.to_f32_contiguous()?;
+    let y = Tensor::zeros(x.shape().clone(), DType::F32);
+    elementwise::gelu_forward(&x.read::<f32>()?, &mut y.write::<f32>()?)?;
+    Ok((y, GeluSaved { x }))
+}
+
+/// Gradient of [`gelu`].
+pub fn gelu_backward(_cx: &Cx, _site: Site, saved: GeluSaved, dy: &Tensor) -> Result<Tensor> {
+    let dy = dy.to_f32_contiguous()?;
+    let dx = Tensor::zeros(saved.x.shape().clone(), DType::F32);
+    elementwise::gelu_backward(
+        &saved.x.read::<f32>()?,
+        &dy.read::<f32>()?,
+        &mut dx.write::<f32>()?,
+    )?;
+    Ok(dx)
+}
+
+/// What [`dropout`] keeps: the mask's key (the mask itself is regenerated).
+#[derive(Debug, Clone)]
+pub struct DropoutSaved {
+    /// `None` when dropout was the identity (evaluation or p = 0).
+    mask: Option<(f32, DropoutStream, dk::LogicalIndex)>,
+}
+
+/// Where this rank's elements of `x` lie in the logical (unsharded) tensor.
+fn logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> dk::LogicalIndex {
+    match sharding {
+        Sharding::Replicated => dk::LogicalIndex::contiguous(x.numel()),
+        Sharding::SplitLastDim => {
+            let cols = last_dim(x);
+            let rows = x.numel().checked_div(cols).unwrap_or(0);
+            dk::LogicalIndex::columns(rows, cols, cols * cx.tp_size(), cols * cx.tp_rank())
+        }
+    }
+}
+
+/// Dropout with drop probability `p` during training (identity in evaluation).
+///
+/// The mask of an element depends only on (seed, step, microbatch, site, logical index), so a
+/// tensor-parallel shard drops exactly the elements the unsharded tensor would.
+pub fn dropout(
+    cx: &Cx,
+    site: Site,
+    x: &Tensor,
+    p: f32,
+    sharding: Sharding,
+) -> Result<(Tensor, DropoutSaved)> {
+    dk::keep_threshold(p)?;
+    if !cx.training() || p == 0.0 {
+        return Ok((x.clone(), DropoutSaved { mask: None }));
+    }
+    let x = x.to_f32_contiguous()?;
+    let stream = cx.dropout_stream(site);
+    let index = logical_index(cx, &x, sharding);
+    let y = Tensor::zeros(x.shape().clone(), DType::F32);
+    dk::dropout_forward(&x.read::<f32>()?, &mut y.write::<f32>()?, p, &stream, index)?;
+    Ok((
+        y,
+        DropoutSaved {
+            mask: Some((p, stream, index)),
+        },
+    ))
+}
+
+/// Gradient of [`dropout`]: the same mask applied to `dy`.
+pub fn dropout_backward(_cx: &Cx, _site: Site, saved: DropoutSaved, dy: &Tensor) -> Result<Tensor> {
+    let Some((p, stream, index)) = saved.mask else {
+        return Ok(dy.clone());
+    };
+    let dy = dy.to_f32_contiguous()?;
+    let dx = Tensor::zeros(dy.shape().clone(), DType::F32);
+    dk::dropout_backward(
+        &dy.read::<f32>()?,
+        &mut dx.write::<f32>()?,
+        p,
+        &stream,
+        index,
+    )?;
+    Ok(dx)
+}
+
+/// What [`cross_entropy`] keeps.
+#[derive(Debug, Clone)]
+pub struct CrossEntropySaved {
+    logits: Tensor,
+    targets: Tensor,
+    logsumexp: Tensor,
+}
+
+/// Per-token cross-entropy of replicated `logits [.., V]` against `targets [..]` (i64): a tensor
+/// of the targets' shape.
+pub fn cross_entropy(
+    _cx: &Cx,
+    _site: Site,
+    logits: &Tensor,
+    targets: &Tensor,
+) -> Result<(Tensor, CrossEntropySaved)> {
+    let vocab = last_dim(logits);
+    let rows = targets.numel();
+    if logits.numel() != rows * vocab || targets.dtype() != DType::I64 {
+        return invalid!(
+            "cross_entropy: logits {} ({}) do not fit targets {} ({}; expected i64)",
+            logits.shape(),
+            logits.dtype(),
+            targets.shape(),
+            targets.dtype()
+        );
+    }
+    let logits = logits.to_f32_contiguous()?;
+    let targets = targets.contiguous()?;
+    let losses = Tensor::zeros(targets.shape().clone(), DType::F32);
+    let logsumexp = Tensor::zeros([rows], DType::F32);
+    ce::cross_entropy_forward(
+        &logits.read::<f32>()?,
+        &targets.read::<i64>()?,
+        rows,
+        vocab,
+        &mut losses.write::<f32>()?,
+        &mut logsumexp.write::<f32>()?,
+    )?;
+    Ok((
+        losses,
+        CrossEntropySaved {
+            logits,
+            targets,
+            logsumexp,
+        },
+    ))
+}
+
+/// Gradient of [`cross_entropy`] with respect to the logits.
+pub fn cross_entropy_backward(
+    _cx: &Cx,
+    _site: Site,
+    saved: CrossEntropySaved,
+    dloss: &Tensor,
+) -> Result<Tensor> {
+    let vocab = last_dim(&saved.logits);
+    let rows = saved.targets.numel();
+    let dloss = dloss.to_f32_contiguous()?;
+    let dlogits = Tensor::zeros(saved.logits.shape().clone(), DType::F32);
+    ce::cross_entropy_backward(
+        &saved.logits.read::<f32>()?,
+        &saved.targets.read::<i64>()?,
+        &saved.logsumexp.read::<f32>()?,
+        &dloss.read::<f32>()?,
+        rows,
+        vocab,
+        &mut dlogits.write::<f32>()?,
+    )?;
+    Ok(dlogits)
+}

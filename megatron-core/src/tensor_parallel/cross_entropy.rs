@@ -1,0 +1,150 @@
+//! Vocab-parallel cross-entropy, fused as Megatron-LM does: each rank holds the logits of its
+//! vocabulary slice, and only three b·s-sized all-reduces cross the group, never the b·s·v logits.
+
+use crate::comm::ReduceOp;
+use crate::error::Result;
+use crate::invalid;
+use crate::module::{Cx, Site};
+use crate::tensor::{DType, Tensor};
+
+/// What the vocab-parallel cross-entropy keeps for its backward.
+#[derive(Debug, Clone)]
+pub struct VocabParallelCrossEntropySaved {
+    logits: Tensor,
+    targets: Tensor,
+    /// Global log-sum-exp per row.
+    logsumexp: Tensor,
+}
+
+/// Per-token losses from this rank's logits slice `[.., V/tp]` and the targets `[..]` (i64).
+///
+/// 1. local row maxima, all-reduced (max);
+/// 2. local sums of exp(logit − max), all-reduced (sum);
+/// 3. the target's logit, taken by the rank whose slice holds it, all-reduced (sum).
+///
+/// Then loss = ln(sum) + max − target logit.
+pub fn vocab_parallel_cross_entropy(
+    cx: &Cx,
+    _site: Site,
+    logits: &Tensor,
+    targets: &Tensor,
+) -> Result<(Tensor, VocabParallelCrossEntropySaved)> {
+    let local = logits.dims().last().copied().unwrap_or(1);
+    let rows = targets.numel();
+    if logits.numel() != rows * local || targets.dtype() != DType::I64 {
+        return invalid!(
+            "vocab-parallel cross-entropy: logits {} do not fit targets {} ({})",
+            logits.shape(),
+            targets.shape(),
+            targets.dtype()
+        );
+    }
+    let start = cx.tp_rank() * local;
+    let total = local * cx.tp_size();
+    let logits = logits.to_f32_contiguous()?;
+    let targets = targets.contiguous()?;
+    let max = Tensor::zeros([rows], DType::F32);
+    let sum = Tensor::zeros([rows], DType::F32);
+    let target_logit = Tensor::zeros([rows], DType::F32);
+    {
+        let l = logits.read::<f32>()?;
+        let t = targets.read::<i64>()?;
+        if let Some((row, &bad)) = t
+            .iter()
+            .enumerate()
+            .find(|&(_, &t)| t < 0 || t as usize >= total)
+        {
+            return invalid!(
+                "target {bad} of row {row} is outside the (padded) vocabulary of {total}"
+            );
+        }
+        let mut m = max.write::<f32>()?;
+        let mut tl = target_logit.write::<f32>()?;
+        for (i, row) in l.chunks_exact(local).enumerate() {
+            m[i] = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let target = t[i] as usize;
+            if (start..start + local).contains(&target) {
+                tl[i] = row[target - start];
+            }
+        }
+    }
+    let tp = cx.tp();
+    tp.all_reduce(&max, ReduceOp::Max)?;
+    {
+        let l = logits.read::<f32>()?;
+        let m = max.read::<f32>()?;
+        let mut s = sum.write::<f32>()?;
+        for (i, row) in l.chunks_exact(local).enumerate() {
+            s[i] = row
+                .iter()
+                .map(|&x| f64::from((x - m[i]).exp()))
+                .sum::<f64>() as f32;
+        }
+    }
+    tp.all_reduce(&sum, ReduceOp::Sum)?;
+    tp.all_reduce(&target_logit, ReduceOp::Sum)?;
+    let losses = Tensor::zeros(targets.shape().clone(), DType::F32);
+    let logsumexp = Tensor::zeros([rows], DType::F32);
+    {
+        let (m, s, tl) = (
+            max.read::<f32>()?,
+            sum.read::<f32>()?,
+            target_logit.read::<f32>()?,
+        );
+        let mut out = losses.write::<f32>()?;
+        let mut lse = logsumexp.write::<f32>()?;
+        for i in 0..rows {
+            lse[i] = m[i] + s[i].ln();
+            out[i] = lse[i] - tl[i];
+        }
+    }
+    Ok((
+        losses,
+        VocabParallelCrossEntropySaved {
+            logits,
+            targets,
+            logsumexp,
+        },
+    ))
+}
+
+/// Gradient of the logits slice: `(softmax − onehot) · dloss`, with no communication.
+pub fn vocab_parallel_cross_entropy_backward(
+    cx: &Cx,
+    _site: Site,
+    saved: VocabParallelCrossEntropySaved,
+    dloss: &Tensor,
+) -> Result<Tensor> {
+    let local = saved.logits.dims().last().copied().unwrap_or(1);
+    let start = cx.tp_rank() * local;
+    let dloss = dloss.to_f32_contiguous()?;
+    if dloss.numel() != saved.targets.numel() {
+        return invalid!(
+            "vocab-parallel cross-entropy: loss gradient {} does not fit targets {}",
+            dloss.shape(),
+            saved.targets.shape()
+        );
+    }
+    let dlogits = Tensor::zeros(saved.logits.shape().clone(), DType::F32);
+    {
+        let l = saved.logits.read::<f32>()?;
+        let t = saved.targets.read::<i64>()?;
+        let lse = saved.logsumexp.read::<f32>()?;
+        let g = dloss.read::<f32>()?;
+        let mut d = dlogits.write::<f32>()?;
+        for (i, (row, drow)) in l
+            .chunks_exact(local)
+            .zip(d.chunks_exact_mut(local))
+            .enumerate()
+        {
+            for (x, dx) in row.iter().zip(drow.iter_mut()) {
+                *dx = (x - lse[i]).exp() * g[i];
+            }
+            let target = t[i] as usize;
+            if (start..start + local).contains(&target) {
+                drow[target - start] -= g[i];
+            }
+        }
+    }
+    Ok(dlogits)
+}

@@ -1,0 +1,385 @@
+//! Embeddings: the word embedding (whole or split by vocabulary, with its tied output layer) and
+//! the learned position embedding.
+
+use crate::error::Result;
+use crate::invalid;
+use crate::kernels::embedding as ek;
+use crate::module::{Builder, Cx, Ids, Init, Lookup, Module, Param, Site, Split, VocabParallel};
+use crate::ops::{matmul, matmul_into};
+use crate::parallel::GroupKind;
+use crate::tensor::{DType, Tensor};
+
+/// Megatron-LM's padded vocabulary: `vocab` rounded up to a multiple of `divisible_by × tp`, so
+/// that every tensor-parallel rank holds the same number of rows (50,257 → 50,304 at tp 1 and
+/// 51,200 at tp 8 with the default 128).
+pub fn padded_vocab_size(vocab: usize, divisible_by: usize, tp: usize) -> usize {
+    let multiple = divisible_by.max(1) * tp.max(1);
+    vocab.div_ceil(multiple) * multiple
+}
+
+/// The logical description of a word embedding.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EmbeddingSpec {
+    /// Real vocabulary size (token ids are below it).
+    pub vocab_size: usize,
+    /// Embedding width.
+    pub hidden: usize,
+    /// Standard deviation of the normal initialisation.
+    pub init_std: f32,
+    /// The padded vocabulary is a multiple of this times the tensor-parallel size.
+    pub make_vocab_size_divisible_by: usize,
+}
+
+impl EmbeddingSpec {
+    /// A `vocab × hidden` embedding drawn from N(0, 0.02), padded as Megatron-LM pads (128).
+    pub fn new(vocab_size: usize, hidden: usize) -> Self {
+        EmbeddingSpec {
+            vocab_size,
+            hidden,
+            init_std: 0.02,
+            make_vocab_size_divisible_by: 128,
+        }
+    }
+}
+
+/// A word embedding `[padded vocab, hidden]`; split by vocabulary rows under `#[vocab_parallel]`.
+///
+/// Rows past the real vocabulary (padding) are never looked up, and their logits are −∞, so
+/// they never win and never receive gradient.
+#[derive(Debug, Clone)]
+pub struct Embedding {
+    weight: Param,
+    vocab_size: usize,
+    /// First global row this rank holds.
+    vocab_start: usize,
+}
+
+/// What a lookup keeps: the ids.
+#[derive(Debug, Clone)]
+pub struct EmbeddingSaved {
+    ids: Tensor,
+}
+
+/// What the tied output layer keeps: its input.
+#[derive(Debug, Clone)]
+pub struct LogitsSaved {
+    h: Tensor,
+}
+
+impl Embedding {
+    fn build_as(spec: &EmbeddingSpec, b: &mut Builder, split: bool) -> Result<Embedding> {
+        let (rank, tp) = if split { b.tp() } else { (0, 1) };
+        let padded = padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, tp);
+        let how = if split {
+            Split::Dim {
+                dim: 0,
+                group: GroupKind::Tp,
+            }
+        } else {
+            Split::Replicated
+        };
+        let weight = b.param(
+            "weight",
+            [padded, spec.hidden],
+            how,
+            Init::Normal { std: spec.init_std },
+            true,
+        )?;
+        let vocab_start = rank * (padded / tp);
+        Ok(Embedding {
+            weight,
+            vocab_size: spec.vocab_size,
+            vocab_start,
+        })
+    }
+
+    /// The weight (this rank's rows).
+    pub fn weight(&self) -> &Param {
+        &self.weight
+    }
+
+    /// The real vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// Rows of the padded vocabulary over all ranks.
+    pub fn padded_vocab_size(&self) -> usize {
+        self.weight.spec().logical.dims()[0]
+    }
+
+    fn local_rows(&self) -> usize {
+        self.weight.value().dims()[0]
+    }
+
+    fn hidden(&self) -> usize {
+        self.weight.value().dims()[1]
+    }
+
+    /// Checks that every id is a token of the real vocabulary.
+    fn check_ids(&self, ids: &Tensor) -> Result<Tensor> {
+        if ids.dtype() != DType::I64 {
+            return invalid!(
+                "embedding {}: token ids must be i64, got {}",
+                self.weight.spec().name,
+                ids.dtype()
+            );
+        }
+        let ids = ids.contiguous()?;
+        if let Some((pos, &id)) = ids
+            .read::<i64>()?
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| id < 0 || id as usize >= self.vocab_size)
+        {
+            return invalid!(
+                "token id {id} at position {pos} is outside the vocabulary of {} tokens",
+                self.vocab_size
+            );
+        }
+        Ok(ids)
+    }
+
+    fn lookup(&self, ids: &Tensor) -> Result<(Tensor, EmbeddingSaved)> {
+        let ids = self.check_ids(ids)?;
+        let h = self.hidden();
+        let mut dims = ids.dims().to_vec();
+        dims.push(h);
+        let out = Tensor::zeros(dims, DType::F32);
+        let table = self.weight.value().to_f32_contiguous()?;
+        ek::embedding_forward(
+            &ids.read::<i64>()?,
+            &table.read::<f32>()?,
+            self.vocab_start,
+            self.local_rows(),
+            h,
+            &mut out.write::<f32>()?,
+        )?;
+        Ok((out, EmbeddingSaved { ids }))
+    }
+
+    fn lookup_backward(&self, saved: EmbeddingSaved, dy: &Tensor) -> Result<()> {
+        let dy = dy.to_f32_contiguous()?;
+        ek::embedding_backward(
+            &saved.ids.read::<i64>()?,
+            &dy.read::<f32>()?,
+            self.vocab_start,
+            self.local_rows(),
+            self.hidden(),
+            &mut self.weight.grad().write::<f32>()?,
+        )?;
+        Ok(())
+    }
+}
+
+impl Module for Embedding {
+    type Spec = EmbeddingSpec;
+    type Saved = EmbeddingSaved;
+
+    fn build(spec: &EmbeddingSpec, b: &mut Builder) -> Result<Self> {
+        Embedding::build_as(spec, b, false)
+    }
+
+    fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+        f(&self.weight);
+    }
+
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        f(&mut self.weight);
+    }
+}
+
+impl Lookup for Embedding {
+    fn forward(&self, _cx: &Cx, _site: Site, ids: &Ids) -> Result<(Tensor, EmbeddingSaved)> {
+        self.lookup(ids)
+    }
+
+    fn backward(&self, _cx: &Cx, _site: Site, saved: EmbeddingSaved, dy: &Tensor) -> Result<()> {
+        self.lookup_backward(saved, dy)
+    }
+}
+
+impl VocabParallel for Embedding {
+    type LogitsSaved = LogitsSaved;
+
+    fn build_vocab(spec: &EmbeddingSpec, b: &mut Builder) -> Result<Self> {
+        Embedding::build_as(spec, b, true)
+    }
+
+    fn forward_vocab(&self, _cx: &Cx, _site: Site, ids: &Ids) -> Result<(Tensor, EmbeddingSaved)> {
+        self.lookup(ids)
+    }
+
+    fn backward_vocab(
+        &self,
+        _cx: &Cx,
+        _site: Site,
+        saved: EmbeddingSaved,
+        dy: &Tensor,
+    ) -> Result<()> {
+        self.lookup_backward(saved, dy)
+    }
+
+    fn logits_forward(&self, _cx: &Cx, _site: Site, h: &Tensor) -> Result<(Tensor, LogitsSaved)> {
+        let hidden = self.hidden();
+        if h.dims().last() != Some(&hidden) {
+            return invalid!(
+                "tied output layer {}: input of shape {} does not end in {hidden}",
+                self.weight.spec().name,
+                h.shape()
+            );
+        }
+        let h = h.to_f32_contiguous()?;
+        let rows = h.numel() / hidden;
+        let local = self.local_rows();
+        let logits = matmul(&h.reshape([rows, hidden])?, &self.weight.value().t()?)?;
+        // Padding rows of the vocabulary: logits −∞, so softmax gives them nothing.
+        let real = self.vocab_size.saturating_sub(self.vocab_start).min(local);
+        if real < local {
+            let mut l = logits.write::<f32>()?;
+            for row in l.chunks_exact_mut(local) {
+                row[real..].fill(f32::NEG_INFINITY);
+            }
+        }
+        let mut dims = h.dims().to_vec();
+        *dims.last_mut().expect("h has a last dimension") = local;
+        Ok((logits.reshape(dims)?, LogitsSaved { h }))
+    }
+
+    fn logits_backward(
+        &self,
+        _cx: &Cx,
+        _site: Site,
+        saved: LogitsSaved,
+        dlogits: &Tensor,
+    ) -> Result<Tensor> {
+        let hidden = self.hidden();
+        let local = self.local_rows();
+        let rows = saved.h.numel() / hidden;
+        if dlogits.numel() != rows * local {
+            return invalid!(
+                "tied output layer {}: logit gradient of shape {} does not fit {rows} rows × {local} vocabulary rows",
+                self.weight.spec().name,
+                dlogits.shape()
+            );
+        }
+        let d = dlogits.to_f32_contiguous()?.reshape([rows, local])?;
+        let h2 = saved.h.reshape([rows, hidden])?;
+        matmul_into(1.0, &d.t()?, &h2, 1.0, self.weight.grad())?;
+        let dh = matmul(&d, self.weight.value())?;
+        Ok(dh.reshape(saved.h.shape().clone())?)
+    }
+}
+
+/// The logical description of a learned position embedding.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PositionEmbeddingSpec {
+    /// Longest sequence.
+    pub max_positions: usize,
+    /// Embedding width.
+    pub hidden: usize,
+    /// Standard deviation of the normal initialisation.
+    pub init_std: f32,
+}
+
+impl PositionEmbeddingSpec {
+    /// Positions `0..max_positions` of width `hidden`, drawn from N(0, 0.02).
+    pub fn new(max_positions: usize, hidden: usize) -> Self {
+        PositionEmbeddingSpec {
+            max_positions,
+            hidden,
+            init_std: 0.02,
+        }
+    }
+}
+
+/// Learned absolute positions, replicated: for ids `[s, b]` (sequence first, as Megatron-LM
+/// lays activations out) it returns `[s, b, hidden]` with row `i` of the table at position `i`.
+#[derive(Debug, Clone)]
+pub struct PositionEmbedding {
+    weight: Param,
+}
+
+/// What a position embedding keeps: the sequence and batch lengths.
+#[derive(Debug, Clone, Copy)]
+pub struct PositionSaved {
+    seq: usize,
+    batch: usize,
+}
+
+impl Module for PositionEmbedding {
+    type Spec = PositionEmbeddingSpec;
+    type Saved = PositionSaved;
+
+    fn build(spec: &PositionEmbeddingSpec, b: &mut Builder) -> Result<Self> {
+        let weight = b.param(
+            "weight",
+            [spec.max_positions, spec.hidden],
+            Split::Replicated,
+            Init::Normal { std: spec.init_std },
+            true,
+        )?;
+        Ok(PositionEmbedding { weight })
+    }
+
+    fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+        f(&self.weight);
+    }
+
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        f(&mut self.weight);
+    }
+}
+
+impl Lookup for PositionEmbedding {
+    fn forward(&self, _cx: &Cx, _site: Site, ids: &Ids) -> Result<(Tensor, PositionSaved)> {
+        let [seq, batch] = ids.dims() else {
+            return invalid!(
+                "position embedding: ids must be [sequence, batch], got {}",
+                ids.shape()
+            );
+        };
+        let (seq, batch) = (*seq, *batch);
+        let max = self.weight.value().dims()[0];
+        let h = self.weight.value().dims()[1];
+        if seq > max {
+            return invalid!(
+                "sequence length {seq} exceeds the {max} learned positions (--max-position-embeddings)"
+            );
+        }
+        let table = self.weight.value().to_f32_contiguous()?;
+        let table = table.read::<f32>()?;
+        let out = Tensor::zeros([seq, batch, h], DType::F32);
+        {
+            let mut o = out.write::<f32>()?;
+            for (i, block) in o.chunks_exact_mut(batch * h).enumerate() {
+                for row in block.chunks_exact_mut(h) {
+                    row.copy_from_slice(&table[i * h..(i + 1) * h]);
+                }
+            }
+        }
+        Ok((out, PositionSaved { seq, batch }))
+    }
+
+    fn backward(&self, _cx: &Cx, _site: Site, saved: PositionSaved, dy: &Tensor) -> Result<()> {
+        let h = self.weight.value().dims()[1];
+        if dy.numel() != saved.seq * saved.batch * h {
+            return invalid!(
+                "position embedding: gradient of shape {} does not fit [{}, {}, {h}]",
+                dy.shape(),
+                saved.seq,
+                saved.batch
+            );
+        }
+        let dy = dy.to_f32_contiguous()?;
+        let dy = dy.read::<f32>()?;
+        let mut g = self.weight.grad().write::<f32>()?;
+        for (i, block) in dy.chunks_exact(saved.batch * h).enumerate() {
+            let gi = &mut g[i * h..(i + 1) * h];
+            for row in block.chunks_exact(h) {
+                gi.iter_mut().zip(row).for_each(|(a, b)| *a += b);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,138 @@
+//! `LayerNorm` over the last dimension, replicated over tensor parallelism.
+
+use crate::error::Result;
+use crate::invalid;
+use crate::kernels::layer_norm as ln;
+use crate::module::{Builder, Cx, Init, Layer, Module, Param, Site, Split};
+use crate::tensor::{DType, Tensor};
+
+/// The logical description of a layer norm.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerNormSpec {
+    /// Size of the normalised (last) dimension.
+    pub hidden: usize,
+    /// Added to the variance.
+    pub eps: f32,
+}
+
+impl LayerNormSpec {
+    /// A layer norm over `hidden` features with ε = 1e-5 (Megatron-LM's default).
+    pub fn new(hidden: usize) -> Self {
+        LayerNormSpec { hidden, eps: 1e-5 }
+    }
+}
+
+/// `y = (x − mean) / √(var + ε) · γ + β`, per row.
+#[derive(Debug, Clone)]
+pub struct LayerNorm {
+    gamma: Param,
+    beta: Param,
+    eps: f32,
+}
+
+/// What a layer norm keeps: its input and per-row statistics.
+#[derive(Debug, Clone)]
+pub struct LayerNormSaved {
+    x: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+}
+
+impl LayerNorm {
+    fn rows(&self, x: &Tensor) -> Result<usize> {
+        let h = self.gamma.value().numel();
+        if x.dims().last() != Some(&h) {
+            return invalid!(
+                "layer norm {}: input of shape {} does not end in {h}",
+                self.gamma.spec().name,
+                x.shape()
+            );
+        }
+        Ok(x.numel() / h)
+    }
+}
+
+impl Module for LayerNorm {
+    type Spec = LayerNormSpec;
+    type Saved = LayerNormSaved;
+
+    fn build(spec: &LayerNormSpec, b: &mut Builder) -> Result<Self> {
+        let gamma = b.param(
+            "weight",
+            [spec.hidden],
+            Split::Replicated,
+            Init::ONES,
+            false,
+        )?;
+        let beta = b.param("bias", [spec.hidden], Split::Replicated, Init::ZEROS, false)?;
+        Ok(LayerNorm {
+            gamma,
+            beta,
+            eps: spec.eps,
+        })
+    }
+
+    fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+        f(&self.gamma);
+        f(&self.beta);
+    }
+
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        f(&mut self.gamma);
+        f(&mut self.beta);
+    }
+}
+
+impl Layer for LayerNorm {
+    fn forward(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, LayerNormSaved)> {
+        let rows = self.rows(x)?;
+        let h = self.gamma.value().numel();
+        let x = x.to_f32_contiguous()?;
+        let y = Tensor::zeros(x.shape().clone(), DType::F32);
+        let mean = Tensor::zeros([rows], DType::F32);
+        let rstd = Tensor::zeros([rows], DType::F32);
+        let (gamma, beta) = (
+            self.gamma.value().to_f32_contiguous()?,
+            self.beta.value().to_f32_contiguous()?,
+        );
+        ln::layer_norm_forward(
+            &x.read::<f32>()?,
+            &gamma.read::<f32>()?,
+            &beta.read::<f32>()?,
+            rows,
+            h,
+            self.eps,
+            &mut y.write::<f32>()?,
+            &mut mean.write::<f32>()?,
+            &mut rstd.write::<f32>()?,
+        )?;
+        Ok((y, LayerNormSaved { x, mean, rstd }))
+    }
+
+    fn backward(
+        &self,
+        _cx: &Cx,
+        _site: Site,
+        saved: LayerNormSaved,
+        dy: &Tensor,
+    ) -> Result<Tensor> {
+        let rows = self.rows(&saved.x)?;
+        let h = self.gamma.value().numel();
+        let dy = dy.to_f32_contiguous()?;
+        let dx = Tensor::zeros(saved.x.shape().clone(), DType::F32);
+        let gamma = self.gamma.value().to_f32_contiguous()?;
+        ln::layer_norm_backward(
+            &dy.read::<f32>()?,
+            &saved.x.read::<f32>()?,
+            &saved.mean.read::<f32>()?,
+            &saved.rstd.read::<f32>()?,
+            &gamma.read::<f32>()?,
+            rows,
+            h,
+            &mut dx.write::<f32>()?,
+            &mut self.gamma.grad().write::<f32>()?,
+            &mut self.beta.grad().write::<f32>()?,
+        )?;
+        Ok(dx)
+    }
+}

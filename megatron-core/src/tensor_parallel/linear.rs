@@ -1,0 +1,284 @@
+//! `Linear`: `y = x·Wᵀ + b`, whole, column-parallel or row-parallel.
+
+use crate::error::Result;
+use crate::invalid;
+use crate::kernels::elementwise;
+use crate::module::{
+    Builder, ColumnParallel, Cx, Init, Layer, Module, Param, RowParallel, Site, Split,
+};
+use crate::ops::{matmul, matmul_into};
+use crate::parallel::GroupKind;
+use crate::tensor::{DType, Tensor};
+
+/// The logical description of a linear layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearSpec {
+    /// Input features (logical).
+    pub in_features: usize,
+    /// Output features (logical).
+    pub out_features: usize,
+    /// Whether the layer adds a bias.
+    pub bias: bool,
+    /// Standard deviation of the weight's normal initialisation (the bias starts at zero).
+    pub init_std: f32,
+}
+
+impl LinearSpec {
+    /// A layer with bias, weights drawn from N(0, 0.02) as in GPT-2 and Megatron-LM.
+    pub fn new(in_features: usize, out_features: usize) -> Self {
+        LinearSpec {
+            in_features,
+            out_features,
+            bias: true,
+            init_std: 0.02,
+        }
+    }
+
+    /// Sets whether there is a bias.
+    pub fn with_bias(mut self, bias: bool) -> Self {
+        self.bias = bias;
+        self
+    }
+
+    /// Sets the weight's initial standard deviation.
+    pub fn with_init_std(mut self, std: f32) -> Self {
+        self.init_std = std;
+        self
+    }
+}
+
+/// How this rank holds the layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Whole,
+    Column,
+    Row,
+}
+
+/// A linear layer; the weight is `[out, in]` as in Megatron-LM and PyTorch.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    weight: Param,
+    bias: Option<Param>,
+    mode: Mode,
+}
+
+/// What a linear layer keeps for its backward: its input.
+#[derive(Debug, Clone)]
+pub struct LinearSaved {
+    x: Tensor,
+}
+
+impl Linear {
+    fn build_as(spec: &LinearSpec, b: &mut Builder, mode: Mode) -> Result<Linear> {
+        let tp = Split::Dim {
+            dim: 0,
+            group: GroupKind::Tp,
+        };
+        let (weight_split, bias_split) = match mode {
+            Mode::Whole => (Split::Replicated, Split::Replicated),
+            Mode::Column => (tp, tp),
+            Mode::Row => (
+                Split::Dim {
+                    dim: 1,
+                    group: GroupKind::Tp,
+                },
+                Split::Replicated,
+            ),
+        };
+        let shape = [spec.out_features, spec.in_features];
+        let weight = b.param(
+            "weight",
+            shape,
+            weight_split,
+            Init::Normal { std: spec.init_std },
+            true,
+        )?;
+        let bias = if spec.bias {
+            Some(b.param("bias", [spec.out_features], bias_split, Init::ZEROS, false)?)
+        } else {
+            None
+        };
+        Ok(Linear { weight, bias, mode })
+    }
+
+    /// The weight (this rank's part).
+    pub fn weight(&self) -> &Param {
+        &self.weight
+    }
+
+    /// The bias, if any (this rank's part).
+    pub fn bias(&self) -> Option<&Param> {
+        self.bias.as_ref()
+    }
+
+    /// `x·Wᵀ` over the last dimension of `x`, without bias.
+    fn product(&self, x: &Tensor) -> Result<Tensor> {
+        let w = self.weight.value();
+        let (out, inp) = (w.dims()[0], w.dims()[1]);
+        let dims = x.dims();
+        if dims.last() != Some(&inp) {
+            return invalid!(
+                "linear {}: input of shape {} has last dimension ≠ {inp} local input features",
+                self.weight.spec().name,
+                x.shape()
+            );
+        }
+        let rows = x.numel() / inp;
+        let y = matmul(&x.reshape([rows, inp])?, &w.t()?)?;
+        let mut out_dims = dims.to_vec();
+        *out_dims.last_mut().expect("checked above") = out;
+        Ok(y.reshape(out_dims)?)
+    }
+
+    fn add_bias_in_place(&self, y: &Tensor) -> Result<()> {
+        if let Some(bias) = &self.bias {
+            let cols = bias.value().numel();
+            let bias = bias.value().to_f32_contiguous()?;
+            elementwise::bias_add_forward(
+                &mut y.write::<f32>()?,
+                &bias.read::<f32>()?,
+                y.numel() / cols,
+                cols,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Accumulates dW (and db when `with_bias`) and returns dx = dy·W.
+    fn backward_product(&self, saved: LinearSaved, dy: &Tensor, with_bias: bool) -> Result<Tensor> {
+        let w = self.weight.value();
+        let (out, inp) = (w.dims()[0], w.dims()[1]);
+        let rows = saved.x.numel() / inp;
+        if dy.numel() != rows * out {
+            return invalid!(
+                "linear {}: output gradient of shape {} does not fit {rows} rows × {out} outputs",
+                self.weight.spec().name,
+                dy.shape()
+            );
+        }
+        let dy2 = dy.to_f32_contiguous()?.reshape([rows, out])?;
+        let x2 = saved.x.reshape([rows, inp])?;
+        matmul_into(1.0, &dy2.t()?, &x2, 1.0, self.weight.grad())?;
+        if with_bias && let Some(bias) = &self.bias {
+            elementwise::bias_add_backward(
+                &dy2.read::<f32>()?,
+                rows,
+                out,
+                &mut bias.grad().write::<f32>()?,
+            )?;
+        }
+        let dx = matmul(&dy2, w)?;
+        Ok(dx.reshape(saved.x.shape().clone())?)
+    }
+
+    fn check_mode(&self, want: Mode, what: &str) -> Result<()> {
+        if self.mode != want {
+            return invalid!(
+                "linear {} was built {:?} but called {what}",
+                self.weight.spec().name,
+                self.mode
+            );
+        }
+        Ok(())
+    }
+
+    fn saved(x: &Tensor) -> Result<LinearSaved> {
+        Ok(LinearSaved {
+            x: x.to_f32_contiguous()?,
+        })
+    }
+}
+
+impl Module for Linear {
+    type Spec = LinearSpec;
+    type Saved = LinearSaved;
+
+    fn build(spec: &LinearSpec, b: &mut Builder) -> Result<Self> {
+        Linear::build_as(spec, b, Mode::Whole)
+    }
+
+    fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+        f(&self.weight);
+        if let Some(b) = &self.bias {
+            f(b);
+        }
+    }
+
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        f(&mut self.weight);
+        if let Some(b) = &mut self.bias {
+            f(b);
+        }
+    }
+}
+
+impl Layer for Linear {
+    fn forward(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
+        self.check_mode(Mode::Whole, "unsharded")?;
+        let y = self.product(x)?;
+        self.add_bias_in_place(&y)?;
+        Ok((y, Linear::saved(x)?))
+    }
+
+    fn backward(&self, _cx: &Cx, _site: Site, saved: LinearSaved, dy: &Tensor) -> Result<Tensor> {
+        self.backward_product(saved, dy, true)
+    }
+}
+
+impl ColumnParallel for Linear {
+    fn build_column(spec: &LinearSpec, b: &mut Builder) -> Result<Self> {
+        Linear::build_as(spec, b, Mode::Column)
+    }
+
+    fn forward_column(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
+        self.check_mode(Mode::Column, "as #[column_parallel]")?;
+        let y = self.product(x)?;
+        self.add_bias_in_place(&y)?;
+        Ok((y, Linear::saved(x)?))
+    }
+
+    fn backward_column(
+        &self,
+        _cx: &Cx,
+        _site: Site,
+        saved: LinearSaved,
+        dy: &Tensor,
+    ) -> Result<Tensor> {
+        self.backward_product(saved, dy, true)
+    }
+}
+
+impl RowParallel for Linear {
+    fn build_row(spec: &LinearSpec, b: &mut Builder) -> Result<Self> {
+        Linear::build_as(spec, b, Mode::Row)
+    }
+
+    fn forward_row(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
+        self.check_mode(Mode::Row, "as #[row_parallel]")?;
+        Ok((self.product(x)?, Linear::saved(x)?))
+    }
+
+    fn add_bias(&self, y: &Tensor) -> Result<()> {
+        if y.dtype() != DType::F32 {
+            return invalid!(
+                "linear {}: bias added to a {} output",
+                self.weight.spec().name,
+                y.dtype()
+            );
+        }
+        self.add_bias_in_place(y)
+    }
+
+    fn backward_row(
+        &self,
+        _cx: &Cx,
+        _site: Site,
+        saved: LinearSaved,
+        dy: &Tensor,
+    ) -> Result<Tensor> {
+        // The bias is replicated and dy is the same on every rank: each rank's bias gradient is
+        // already the whole one.
+        self.backward_product(saved, dy, true)
+    }
+}

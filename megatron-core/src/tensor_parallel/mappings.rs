@@ -1,0 +1,50 @@
+//! Moving tensors between "whole on every rank" and "split by the last dimension": Megatron-LM's
+//! gather and scatter regions.
+
+use crate::error::Result;
+use crate::invalid;
+use crate::module::Cx;
+use crate::tensor::{DType, Tensor};
+
+/// All-gathers every rank's slice of the last dimension into the whole tensor (rank order).
+pub fn gather_last_dim(cx: &Cx, local: &Tensor) -> Result<Tensor> {
+    let tp = cx.tp_size();
+    let local = local.to_f32_contiguous()?;
+    if tp == 1 {
+        return Ok(local);
+    }
+    let cols = local.dims().last().copied().unwrap_or(1);
+    let rows = local.numel().checked_div(cols).unwrap_or(0);
+    let parts = Tensor::zeros([tp, rows, cols], DType::F32);
+    cx.tp().all_gather(&local, &parts)?;
+    let mut dims = local.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = cols * tp;
+    }
+    let whole = Tensor::zeros(dims, DType::F32);
+    {
+        let p = parts.read::<f32>()?;
+        let mut w = whole.write::<f32>()?;
+        for r in 0..tp {
+            for i in 0..rows {
+                let src = &p[(r * rows + i) * cols..(r * rows + i + 1) * cols];
+                w[i * cols * tp + r * cols..i * cols * tp + (r + 1) * cols].copy_from_slice(src);
+            }
+        }
+    }
+    Ok(whole)
+}
+
+/// This rank's slice of the last dimension of a whole tensor (a contiguous copy).
+pub fn split_last_dim(cx: &Cx, whole: &Tensor) -> Result<Tensor> {
+    let tp = cx.tp_size();
+    let last = whole.dims().len().saturating_sub(1);
+    let cols = whole.dims().last().copied().unwrap_or(1);
+    if cols % tp != 0 {
+        return invalid!(
+            "cannot split the last dimension of {} over tp = {tp}",
+            whole.shape()
+        );
+    }
+    Ok(whole.chunk(tp, cx.tp_rank(), last)?.to_f32_contiguous()?)
+}
