@@ -340,24 +340,24 @@ fn head_split_attention_with_dropout_matches_tp1() {
     let whole = run(1).remove(0);
     for tp in [2, 4] {
         let parts = run(tp);
-        let gather = |pick: fn(&(Vec<f32>, Vec<f32>)) -> &Vec<f32>, cols: usize| -> Vec<f32> {
+        let gather = |second: bool, cols: usize| -> Vec<f32> {
             let local = cols / tp;
+            let rows = |p: &(Vec<f32>, Vec<f32>), r: usize| {
+                let v = if second { &p.1 } else { &p.0 };
+                v[r * local..(r + 1) * local].to_vec()
+            };
             (0..s * b)
-                .flat_map(|r| {
-                    parts
-                        .iter()
-                        .flat_map(move |p| pick(p)[r * local..(r + 1) * local].to_vec())
-                })
+                .flat_map(|r| parts.iter().flat_map(move |p| rows(p, r)))
                 .collect()
         };
         close(
-            &gather(|p| &p.0, heads * d),
+            &gather(false, heads * d),
             &whole.0,
             1e-5,
             &format!("attention output tp {tp}"),
         );
         close(
-            &gather(|p| &p.1, width),
+            &gather(true, width),
             &whole.1,
             1e-5,
             &format!("attention input grad tp {tp}"),
