@@ -6,4 +6,7 @@ pub mod bench;
 
 pub use megatron_core as core;
 pub use megatron_core::*;
+#[doc(hidden)]
+pub use megatron_macros::__module_impl;
+pub use megatron_macros::module;
 pub use megatron_models as models;

@@ -1,0 +1,419 @@
+//! The model: forward as an SSA dataflow graph.
+//!
+//! Every tensor computed in forward is one [`Value`], defined once (by an input or a [`Node`])
+//! and used by later nodes or as the output. Variables are names for values: `let y = x;`
+//! names the same value twice, a reassignment or a loop defines a new value. The backward
+//! walks the nodes in reverse, and a value with several uses gets the sum of their gradients.
+
+use std::collections::HashMap;
+
+use syn::Ident;
+use syn::ext::IdentExt;
+
+use crate::parse::{Builtin, Expr, Forward, InputType, Stmt};
+use crate::src_span::{Errors, Src};
+
+/// Index of a value in [`Graph::values`].
+pub type ValueId = usize;
+/// Index of a node in [`Graph::nodes`].
+pub type NodeId = usize;
+
+/// A forward as a dataflow graph.
+pub struct Graph {
+    /// The input values, in signature order.
+    pub inputs: Vec<ValueId>,
+    /// Every value.
+    pub values: Vec<Value>,
+    /// The operations, in evaluation order.
+    pub nodes: Vec<Node>,
+    /// The value forward returns.
+    pub output: ValueId,
+    /// forward's output expression.
+    pub output_src: Src,
+}
+
+/// One value (a tensor or token ids).
+#[derive(Debug)]
+pub struct Value {
+    /// The user's name for it (input name or first `let` binding), if any.
+    pub name: Option<String>,
+    /// What defines it.
+    pub def: Def,
+    /// Where it is defined.
+    pub src: Src,
+    /// Where it is used, in evaluation order.
+    pub uses: Vec<Use>,
+}
+
+/// What defines a value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Def {
+    /// The `index`-th input of forward.
+    Input {
+        /// Position in the signature.
+        index: usize,
+        /// Its declared type.
+        ty: InputType,
+    },
+    /// The output of a node.
+    Node(NodeId),
+}
+
+/// A use of a value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Use {
+    /// Argument `arg` of node `node`.
+    Arg {
+        /// The using node.
+        node: NodeId,
+        /// The argument position.
+        arg: usize,
+    },
+    /// Forward's output.
+    Output,
+}
+
+/// One operation of forward.
+pub struct Node {
+    /// What it does.
+    pub op: NodeOp,
+    /// Its tensor arguments.
+    pub args: Vec<ValueId>,
+    /// The source of each argument, for errors.
+    pub arg_srcs: Vec<Src>,
+    /// The value it defines.
+    pub output: ValueId,
+    /// The name of its call site: its field in the Saved struct and its `Site` child name
+    /// (`fc1`, `gelu`, `dropout_1`, `wte_logits`); `None` for `+`, which saves nothing.
+    pub site: Option<String>,
+    /// The expression or statement.
+    pub src: Src,
+}
+
+/// The operation of a node.
+pub enum NodeOp {
+    /// `self.field(args..)`.
+    Field {
+        /// The field.
+        field: Ident,
+    },
+    /// `self.field.logits(h)`.
+    Logits {
+        /// The embedding field.
+        field: Ident,
+    },
+    /// A builtin function.
+    Builtin {
+        /// Which.
+        builtin: Builtin,
+        /// dropout's probability expression.
+        p: Option<Box<syn::Expr>>,
+    },
+    /// `a + b`.
+    Add,
+    /// `for elem in &self.list { var = elem(var); }`.
+    Loop {
+        /// The `Vec` field.
+        list: Ident,
+        /// The element's name.
+        elem: Ident,
+    },
+}
+
+/// A variable of forward: a name bound to a value.
+struct Binding {
+    value: ValueId,
+    mutable: bool,
+}
+
+struct Builder {
+    graph: Graph,
+    env: HashMap<String, Binding>,
+    sites: Vec<String>,
+    errors: Errors,
+}
+
+/// Builds the graph of a forward; errors name unknown and immutable variables.
+pub fn build(forward: &Forward) -> syn::Result<Graph> {
+    let mut b = Builder {
+        graph: Graph {
+            inputs: Vec::new(),
+            values: Vec::new(),
+            nodes: Vec::new(),
+            output: 0,
+            output_src: forward.output.src(),
+        },
+        env: HashMap::new(),
+        sites: Vec::new(),
+        errors: Errors::default(),
+    };
+    for (index, input) in forward.inputs.iter().enumerate() {
+        let name = input.ident.unraw().to_string();
+        if b.env.contains_key(&name) {
+            b.errors.push(syn::Error::new_spanned(
+                &input.ident,
+                format!("forward has two inputs named `{name}`"),
+            ));
+            continue;
+        }
+        let v = b.new_value(
+            Some(name.clone()),
+            Def::Input {
+                index,
+                ty: input.ty,
+            },
+            input.src.clone(),
+        );
+        b.graph.inputs.push(v);
+        b.env.insert(
+            name,
+            Binding {
+                value: v,
+                mutable: false,
+            },
+        );
+    }
+    for stmt in &forward.stmts {
+        b.stmt(stmt);
+    }
+    let output = b.expr(&forward.output);
+    let mut graph = b.graph;
+    if let Some(out) = output {
+        graph.output = out;
+    }
+    b.errors.finish(())?;
+    // Uses, in evaluation order.
+    for n in 0..graph.nodes.len() {
+        for (arg, &v) in graph.nodes[n].args.clone().iter().enumerate() {
+            graph.values[v].uses.push(Use::Arg { node: n, arg });
+        }
+    }
+    graph.values[graph.output].uses.push(Use::Output);
+    Ok(graph)
+}
+
+impl Builder {
+    fn new_value(&mut self, name: Option<String>, def: Def, src: Src) -> ValueId {
+        self.graph.values.push(Value {
+            name,
+            def,
+            src,
+            uses: Vec::new(),
+        });
+        self.graph.values.len() - 1
+    }
+
+    /// A unique call-site name: `base`, then `base_1`, `base_2`, ...
+    fn site(&mut self, base: &str) -> String {
+        let mut name = base.to_string();
+        let mut k = 0;
+        while self.sites.contains(&name) {
+            k += 1;
+            name = format!("{base}_{k}");
+        }
+        self.sites.push(name.clone());
+        name
+    }
+
+    fn node(
+        &mut self,
+        op: NodeOp,
+        args: Vec<(ValueId, Src)>,
+        site: Option<String>,
+        src: Src,
+    ) -> ValueId {
+        let n = self.graph.nodes.len();
+        let output = self.new_value(None, Def::Node(n), src.clone());
+        let (args, arg_srcs) = args.into_iter().unzip();
+        self.graph.nodes.push(Node {
+            op,
+            args,
+            arg_srcs,
+            output,
+            site,
+            src,
+        });
+        output
+    }
+
+    fn lookup(&mut self, ident: &Ident) -> Option<&Binding> {
+        let name = ident.unraw().to_string();
+        if !self.env.contains_key(&name) {
+            let known: Vec<_> = {
+                let mut k: Vec<_> = self.env.keys().cloned().collect();
+                k.sort();
+                k
+            };
+            self.errors.push(syn::Error::new_spanned(
+                ident,
+                format!(
+                    "cannot find `{name}` in forward: it is neither an input nor bound by a `let` \
+                     above (known here: {})",
+                    if known.is_empty() {
+                        "none".to_string()
+                    } else {
+                        known.join(", ")
+                    }
+                ),
+            ));
+            return None;
+        }
+        self.env.get(&name)
+    }
+
+    /// Names `v` after `name` if it has no name yet.
+    fn name_value(&mut self, v: ValueId, name: &Ident) {
+        let value = &mut self.graph.values[v];
+        if value.name.is_none() {
+            value.name = Some(name.unraw().to_string());
+        }
+    }
+
+    fn stmt(&mut self, stmt: &Stmt) {
+        match stmt {
+            Stmt::Let {
+                name,
+                mutable,
+                expr,
+            } => {
+                let Some(v) = self.expr(expr) else { return };
+                self.name_value(v, name);
+                self.env.insert(
+                    name.unraw().to_string(),
+                    Binding {
+                        value: v,
+                        mutable: *mutable,
+                    },
+                );
+            }
+            Stmt::Assign { name, expr, src } => {
+                let value = self.expr(expr);
+                let Some(binding) = self.lookup(name) else {
+                    return;
+                };
+                if !binding.mutable {
+                    self.errors.push(src.error(format!(
+                        "`{}` is assigned but not declared `let mut`",
+                        name.unraw()
+                    )));
+                    return;
+                }
+                let Some(v) = value else { return };
+                self.name_value(v, name);
+                self.env
+                    .get_mut(&name.unraw().to_string())
+                    .expect("looked up")
+                    .value = v;
+            }
+            Stmt::Loop {
+                elem,
+                list,
+                var,
+                src,
+            } => {
+                let Some(binding) = self.lookup(var) else {
+                    return;
+                };
+                if !binding.mutable {
+                    self.errors.push(syn::Error::new_spanned(
+                        var,
+                        format!(
+                            "the loop assigns `{}`, which is not declared `let mut`",
+                            var.unraw()
+                        ),
+                    ));
+                    return;
+                }
+                let input = binding.value;
+                let site = self.site(&list.unraw().to_string());
+                let v = self.node(
+                    NodeOp::Loop {
+                        list: list.clone(),
+                        elem: elem.clone(),
+                    },
+                    vec![(input, Src::of(var))],
+                    Some(site),
+                    src.clone(),
+                );
+                self.name_value(v, var);
+                self.env
+                    .get_mut(&var.unraw().to_string())
+                    .expect("looked up")
+                    .value = v;
+            }
+        }
+    }
+
+    fn args(&mut self, args: &[Expr]) -> Option<Vec<(ValueId, Src)>> {
+        let mut out = Vec::new();
+        let mut ok = true;
+        for a in args {
+            match self.expr(a) {
+                Some(v) => out.push((v, a.src())),
+                None => ok = false,
+            }
+        }
+        ok.then_some(out)
+    }
+
+    /// The value of an expression (new nodes in evaluation order); `None` after an error.
+    fn expr(&mut self, expr: &Expr) -> Option<ValueId> {
+        match expr {
+            Expr::Var(ident) => self.lookup(ident).map(|b| b.value),
+            Expr::FieldCall { field, args, src } => {
+                let args = self.args(args)?;
+                let site = self.site(&field.unraw().to_string());
+                Some(self.node(
+                    NodeOp::Field {
+                        field: field.clone(),
+                    },
+                    args,
+                    Some(site),
+                    src.clone(),
+                ))
+            }
+            Expr::Logits { field, args, src } => {
+                let args = self.args(args)?;
+                let site = self.site(&format!("{}_logits", field.unraw()));
+                Some(self.node(
+                    NodeOp::Logits {
+                        field: field.clone(),
+                    },
+                    args,
+                    Some(site),
+                    src.clone(),
+                ))
+            }
+            Expr::Builtin {
+                builtin,
+                args,
+                p,
+                src,
+                ..
+            } => {
+                let args = self.args(args)?;
+                let site = self.site(builtin.name());
+                Some(self.node(
+                    NodeOp::Builtin {
+                        builtin: *builtin,
+                        p: p.clone(),
+                    },
+                    args,
+                    Some(site),
+                    src.clone(),
+                ))
+            }
+            Expr::Add { lhs, rhs, src } => {
+                let a = self.expr(lhs);
+                let b = self.expr(rhs);
+                let (a, b) = (a?, b?);
+                Some(self.node(
+                    NodeOp::Add,
+                    vec![(a, lhs.src()), (b, rhs.src())],
+                    None,
+                    src.clone(),
+                ))
+            }
+        }
+    }
+}

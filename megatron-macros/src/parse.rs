@@ -1,0 +1,1165 @@
+//! Parsing: syn's items into the module's fields and its forward's statements.
+//!
+//! Nothing here knows about sharding; it only checks that the input has a shape the DSL accepts
+//! and reports, with the span of the construct, what it does not accept.
+
+use syn::ext::IdentExt;
+use syn::{Attribute, Ident, Token, Type, Visibility};
+
+use crate::src_span::{Errors, Src};
+
+/// What forward's statements may be (repeated in errors).
+pub const STATEMENTS_HELP: &str = "forward accepts `let name = expr;`, `let mut name = expr;`, \
+     `name = expr;` on a `let mut` name, loops `for elem in &self.list { var = elem(var); }` and a \
+     final output expression";
+
+/// What forward's expressions may be (repeated in errors).
+pub const EXPRESSIONS_HELP: &str = "forward's expressions are calls of fields `self.field(..)`, \
+     `self.field.logits(h)`, `gelu(x)`, `dropout(x, p)`, `cross_entropy(logits, targets)`, \
+     `a + b`, parentheses and variable names";
+
+// ---------------------------------------------------------------------------------------------
+// The struct
+// ---------------------------------------------------------------------------------------------
+
+/// A `#[megatron::module]` struct.
+pub struct ModuleStruct {
+    /// Outer attributes other than the macro's own (docs, derives), kept on the struct.
+    pub attrs: Vec<Attribute>,
+    /// The struct's visibility; the generated Spec and Saved structs share it.
+    pub vis: Visibility,
+    /// The struct's name.
+    pub ident: Ident,
+    /// The fields, in order (parameters are visited in this order).
+    pub fields: Vec<Field>,
+}
+
+/// One field and what its attribute makes of it.
+pub struct Field {
+    /// Attributes other than the DSL's (docs, `#[allow]`), kept.
+    pub attrs: Vec<Attribute>,
+    /// The field's visibility, kept.
+    pub vis: Visibility,
+    /// The field's name.
+    pub ident: Ident,
+    /// The field's type as written.
+    pub ty: Type,
+    /// What the field is.
+    pub kind: FieldKind,
+}
+
+impl Field {
+    /// The field's name without `r#`.
+    pub fn name(&self) -> String {
+        self.ident.unraw().to_string()
+    }
+}
+
+/// What a field is, from its attribute.
+#[derive(Clone)]
+pub enum FieldKind {
+    /// `#[column_parallel]`: output features split over tensor parallelism.
+    Column {
+        /// All-gather the output after the layer.
+        gather_output: bool,
+    },
+    /// `#[row_parallel]`: input features split; partial outputs all-reduced.
+    Row {
+        /// The input arrives split (the usual case); `false` splits a replicated input first.
+        input_is_parallel: bool,
+    },
+    /// `#[vocab_parallel]`: an embedding whose vocabulary rows are split.
+    Vocab,
+    /// No attribute or `#[replicated]`: a layer or a sub-module, whole on every rank.
+    Replicated,
+    /// A `Vec<T>` without attribute (or `#[replicated]`): a stack of sub-modules.
+    Stack {
+        /// The element type `T`.
+        elem: Box<Type>,
+    },
+    /// `#[op]`: a parameterless op; its value is its configuration.
+    Op,
+    /// `#[config]`: plain data copied from the spec.
+    Config,
+}
+
+impl FieldKind {
+    /// The attribute as written, for messages.
+    pub fn attribute(&self) -> &'static str {
+        match self {
+            FieldKind::Column {
+                gather_output: false,
+            } => "#[column_parallel]",
+            FieldKind::Column {
+                gather_output: true,
+            } => "#[column_parallel(gather_output = true)]",
+            FieldKind::Row {
+                input_is_parallel: true,
+            } => "#[row_parallel]",
+            FieldKind::Row {
+                input_is_parallel: false,
+            } => "#[row_parallel(input_is_parallel = false)]",
+            FieldKind::Vocab => "#[vocab_parallel]",
+            FieldKind::Replicated => "a replicated layer or module (no attribute)",
+            FieldKind::Stack { .. } => "a list of modules (`Vec<..>`)",
+            FieldKind::Op => "#[op]",
+            FieldKind::Config => "#[config]",
+        }
+    }
+}
+
+/// The DSL's field attributes.
+const KIND_ATTRIBUTES: [&str; 6] = [
+    "column_parallel",
+    "row_parallel",
+    "vocab_parallel",
+    "replicated",
+    "op",
+    "config",
+];
+
+/// Attributes the design names but this version does not implement.
+const FUTURE_ATTRIBUTES: [&str; 2] = ["expert_parallel", "graph_scope"];
+
+/// Parses a struct given to `#[megatron::module]`.
+pub fn parse_struct(item: syn::ItemStruct) -> syn::Result<ModuleStruct> {
+    let mut errors = Errors::default();
+    if !item.generics.params.is_empty() || item.generics.where_clause.is_some() {
+        errors.push(syn::Error::new_spanned(
+            &item.generics,
+            "#[megatron::module] structs cannot be generic: a module's fields are concrete layers, \
+             modules, ops and config values",
+        ));
+    }
+    let named = match item.fields {
+        syn::Fields::Named(named) => named,
+        syn::Fields::Unnamed(f) => {
+            errors.push(syn::Error::new_spanned(
+                f,
+                "#[megatron::module] needs a struct with named fields: the names become parameter \
+                 names and call sites (`self.fc1(x)`)",
+            ));
+            return Err(errors.finish(()).unwrap_err());
+        }
+        syn::Fields::Unit => {
+            errors.push(syn::Error::new_spanned(
+                &item.ident,
+                "#[megatron::module] needs a struct with named fields, e.g. `struct Mlp { \
+                 #[column_parallel] fc1: Linear, #[row_parallel] fc2: Linear }`",
+            ));
+            return Err(errors.finish(()).unwrap_err());
+        }
+    };
+    let mut fields = Vec::new();
+    for field in named.named {
+        match parse_field(field) {
+            Ok(f) => fields.push(f),
+            Err(e) => errors.push(e),
+        }
+    }
+    errors.finish(ModuleStruct {
+        attrs: item.attrs,
+        vis: item.vis,
+        ident: item.ident,
+        fields,
+    })
+}
+
+/// Parses one field's attributes into its kind.
+fn parse_field(field: syn::Field) -> syn::Result<Field> {
+    let ident = field.ident.clone().expect("named fields have names");
+    let mut errors = Errors::default();
+    let mut kept = Vec::new();
+    let mut kind: Option<(FieldKind, &'static str, Src)> = None;
+    for attr in field.attrs {
+        let Some(name) = attr.path().get_ident().map(|i| i.to_string()) else {
+            kept.push(attr);
+            continue;
+        };
+        if let Some(future) = FUTURE_ATTRIBUTES.iter().find(|a| **a == name) {
+            errors.push(syn::Error::new_spanned(
+                &attr,
+                format!(
+                    "#[{future}] is not supported yet; a field takes one of #[column_parallel], \
+                     #[row_parallel], #[vocab_parallel], #[replicated], #[op], #[config]"
+                ),
+            ));
+            continue;
+        }
+        let Some(attr_name) = KIND_ATTRIBUTES.iter().find(|a| **a == name) else {
+            kept.push(attr);
+            continue;
+        };
+        let parsed = match parse_kind_attribute(attr_name, &attr) {
+            Ok(k) => k,
+            Err(e) => {
+                errors.push(e);
+                continue;
+            }
+        };
+        if let Some((_, first, _)) = &kind {
+            errors.push(syn::Error::new_spanned(
+                &attr,
+                format!(
+                    "`{}` has two kinds: #[{first}] and #[{attr_name}]; a field takes one of \
+                     #[column_parallel], #[row_parallel], #[vocab_parallel], #[replicated], #[op], \
+                     #[config]",
+                    ident.unraw()
+                ),
+            ));
+            continue;
+        }
+        kind = Some((parsed, attr_name, Src::of(&attr)));
+    }
+    let kind = match kind {
+        Some((FieldKind::Replicated, _, _)) | None => match vec_element(&field.ty) {
+            Some(elem) => FieldKind::Stack {
+                elem: Box::new(elem.clone()),
+            },
+            None => FieldKind::Replicated,
+        },
+        Some((k, _, _)) => k,
+    };
+    errors.finish(Field {
+        attrs: kept,
+        vis: field.vis,
+        ident,
+        ty: field.ty,
+        kind,
+    })
+}
+
+/// Parses `#[column_parallel(gather_output = true)]` and its siblings.
+fn parse_kind_attribute(name: &str, attr: &Attribute) -> syn::Result<FieldKind> {
+    let options: &[&str] = match name {
+        "column_parallel" => &["gather_output"],
+        "row_parallel" => &["input_is_parallel"],
+        _ => &[],
+    };
+    let mut gather_output = None;
+    let mut input_is_parallel = None;
+    match &attr.meta {
+        syn::Meta::Path(_) => {}
+        syn::Meta::NameValue(nv) => {
+            return Err(syn::Error::new_spanned(
+                nv,
+                format!("#[{name}] takes no value{}", options_help(name, options)),
+            ));
+        }
+        syn::Meta::List(list) => {
+            if options.is_empty() {
+                return Err(syn::Error::new_spanned(
+                    list,
+                    format!("#[{name}] takes no options"),
+                ));
+            }
+            list.parse_nested_meta(|meta| {
+                let option = meta.path.get_ident().map(|i| i.to_string());
+                let slot = match option.as_deref() {
+                    Some("gather_output") if name == "column_parallel" => &mut gather_output,
+                    Some("input_is_parallel") if name == "row_parallel" => &mut input_is_parallel,
+                    _ => {
+                        let written = meta
+                            .path
+                            .segments
+                            .iter()
+                            .map(|s| s.ident.to_string())
+                            .collect::<Vec<_>>()
+                            .join("::");
+                        return Err(meta.error(format!(
+                            "unknown option `{written}` of #[{name}]{}",
+                            options_help(name, options)
+                        )));
+                    }
+                };
+                if slot.is_some() {
+                    return Err(meta.error(format!(
+                        "option `{}` of #[{name}] is given twice",
+                        option.unwrap_or_default()
+                    )));
+                }
+                let value = if meta.input.peek(Token![=]) {
+                    meta.value()?.parse::<syn::LitBool>()?.value
+                } else {
+                    true
+                };
+                *slot = Some(value);
+                Ok(())
+            })?;
+        }
+    }
+    Ok(match name {
+        "column_parallel" => FieldKind::Column {
+            gather_output: gather_output.unwrap_or(false),
+        },
+        "row_parallel" => FieldKind::Row {
+            input_is_parallel: input_is_parallel.unwrap_or(true),
+        },
+        "vocab_parallel" => FieldKind::Vocab,
+        "replicated" => FieldKind::Replicated,
+        "op" => FieldKind::Op,
+        "config" => FieldKind::Config,
+        _ => unreachable!("only the DSL's attributes are parsed"),
+    })
+}
+
+fn options_help(name: &str, options: &[&str]) -> String {
+    match options {
+        [] => format!("; write #[{name}]"),
+        [one] => format!("; its option is `{one} = true|false`"),
+        _ => format!("; its options are {}", options.join(", ")),
+    }
+}
+
+/// `T` if `ty` is `Vec<T>` (any path ending in `Vec`).
+fn vec_element(ty: &Type) -> Option<&Type> {
+    let Type::Path(p) = ty else { return None };
+    if p.qself.is_some() {
+        return None;
+    }
+    let last = p.path.segments.last()?;
+    if last.ident != "Vec" {
+        return None;
+    }
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    match args.args.iter().collect::<Vec<_>>().as_slice() {
+        [syn::GenericArgument::Type(t)] => Some(t),
+        _ => None,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The impl
+// ---------------------------------------------------------------------------------------------
+
+/// A `#[megatron::module]` impl: its forward, and any other items (kept as written).
+pub struct ModuleImpl {
+    /// Attributes on the impl, kept.
+    pub attrs: Vec<Attribute>,
+    /// The type the impl is for.
+    pub self_ident: Ident,
+    /// The forward.
+    pub forward: Forward,
+    /// Other items of the impl, kept as written.
+    pub others: Vec<syn::ImplItem>,
+}
+
+/// The type a forward input has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputType {
+    /// `Tensor`: activations, replicated, with a gradient.
+    Tensor,
+    /// `Ids`: token ids, no gradient.
+    Ids,
+}
+
+/// One input of forward.
+pub struct Input {
+    /// Its name.
+    pub ident: Ident,
+    /// Its type.
+    pub ty: InputType,
+    /// The `name: Type` tokens.
+    pub src: Src,
+}
+
+/// The parsed `fn forward`.
+pub struct Forward {
+    /// Attributes of the user's forward (docs), put on the generated forward.
+    pub attrs: Vec<Attribute>,
+    /// The `self` of the receiver: generated code uses this token so that `self` in user
+    /// expressions (dropout probabilities) resolves to the generated method's receiver.
+    pub self_token: Token![self],
+    /// The inputs, in order.
+    pub inputs: Vec<Input>,
+    /// The statements before the output.
+    pub stmts: Vec<Stmt>,
+    /// The output expression.
+    pub output: Expr,
+}
+
+/// A statement of forward.
+pub enum Stmt {
+    /// `let [mut] name = expr;`
+    Let {
+        /// The bound name.
+        name: Ident,
+        /// Whether it was `let mut`.
+        mutable: bool,
+        /// The value.
+        expr: Expr,
+    },
+    /// `name = expr;`
+    Assign {
+        /// The assigned name.
+        name: Ident,
+        /// The value.
+        expr: Expr,
+        /// The statement.
+        src: Src,
+    },
+    /// `for elem in &self.list { var = elem(var); }`
+    Loop {
+        /// The element's name.
+        elem: Ident,
+        /// The `Vec` field.
+        list: Ident,
+        /// The loop-carried variable.
+        var: Ident,
+        /// The whole loop.
+        src: Src,
+    },
+}
+
+/// An expression of forward.
+pub enum Expr {
+    /// A variable.
+    Var(Ident),
+    /// `self.field(args..)`.
+    FieldCall {
+        /// The called field.
+        field: Ident,
+        /// The arguments.
+        args: Vec<Expr>,
+        /// The call.
+        src: Src,
+    },
+    /// `self.field.logits(arg)`.
+    Logits {
+        /// The embedding field.
+        field: Ident,
+        /// The hidden states.
+        args: Vec<Expr>,
+        /// The call.
+        src: Src,
+    },
+    /// `gelu(..)`, `dropout(..)`, `cross_entropy(..)`.
+    Builtin {
+        /// Which.
+        builtin: Builtin,
+        /// The tensor arguments.
+        args: Vec<Expr>,
+        /// For dropout: the probability expression, evaluated as written.
+        p: Option<Box<syn::Expr>>,
+        /// The call.
+        src: Src,
+    },
+    /// `a + b`.
+    Add {
+        /// Left side.
+        lhs: Box<Expr>,
+        /// Right side.
+        rhs: Box<Expr>,
+        /// The whole expression.
+        src: Src,
+    },
+}
+
+impl Expr {
+    /// The expression's source tokens, for errors.
+    pub fn src(&self) -> Src {
+        match self {
+            Expr::Var(i) => Src::of(i),
+            Expr::FieldCall { src, .. }
+            | Expr::Logits { src, .. }
+            | Expr::Builtin { src, .. }
+            | Expr::Add { src, .. } => src.clone(),
+        }
+    }
+}
+
+/// The builtin functions of forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Builtin {
+    /// `gelu(x)`.
+    Gelu,
+    /// `dropout(x, p)`.
+    Dropout,
+    /// `cross_entropy(logits, targets)`.
+    CrossEntropy,
+}
+
+impl Builtin {
+    /// The function's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Builtin::Gelu => "gelu",
+            Builtin::Dropout => "dropout",
+            Builtin::CrossEntropy => "cross_entropy",
+        }
+    }
+}
+
+/// Parses an impl given to `#[megatron::module]`.
+pub fn parse_impl(item: syn::ItemImpl) -> syn::Result<ModuleImpl> {
+    let mut errors = Errors::default();
+    if let Some((_, path, _)) = &item.trait_ {
+        return Err(syn::Error::new_spanned(
+            path,
+            "#[megatron::module] goes on the inherent `impl Name { fn forward(..) }` of a module, \
+             not on a trait impl",
+        ));
+    }
+    if !item.generics.params.is_empty() || item.generics.where_clause.is_some() {
+        errors.push(syn::Error::new_spanned(
+            &item.generics,
+            "#[megatron::module] impls cannot be generic",
+        ));
+    }
+    if let Some(u) = &item.unsafety {
+        errors.push(syn::Error::new_spanned(
+            u,
+            "#[megatron::module] impls cannot be unsafe",
+        ));
+    }
+    let self_ident = match &*item.self_ty {
+        Type::Path(p) if p.qself.is_none() && p.path.get_ident().is_some() => {
+            p.path.get_ident().expect("checked").clone()
+        }
+        other => {
+            errors.push(syn::Error::new_spanned(
+                other,
+                "#[megatron::module] impls are for a module struct named in the same module, e.g. \
+                 `impl Mlp`",
+            ));
+            return Err(errors.finish(()).unwrap_err());
+        }
+    };
+    let mut forward = None;
+    let mut others = Vec::new();
+    for impl_item in item.items {
+        match impl_item {
+            syn::ImplItem::Fn(f) if f.sig.ident == "forward" => {
+                if forward.is_some() {
+                    errors.push(syn::Error::new_spanned(
+                        &f.sig.ident,
+                        "forward is defined twice",
+                    ));
+                    continue;
+                }
+                match parse_forward(f) {
+                    Ok(fw) => forward = Some(fw),
+                    Err(e) => errors.push(e),
+                }
+            }
+            syn::ImplItem::Fn(f) if f.sig.ident == "backward" => {
+                errors.push(syn::Error::new_spanned(
+                    &f.sig.ident,
+                    "backward is generated from forward by #[megatron::module]; remove this one \
+                     (a hand-written backward belongs to an #[op])",
+                ));
+            }
+            other => others.push(other),
+        }
+    }
+    if forward.is_none() && errors.is_empty() {
+        errors.push(syn::Error::new(
+            self_ident.span(),
+            format!(
+                "a #[megatron::module] impl defines `fn forward(&self, x: Tensor) -> Tensor`; \
+                 `impl {self_ident}` has none"
+            ),
+        ));
+    }
+    let forward = errors.finish(forward)?.expect("checked");
+    Ok(ModuleImpl {
+        attrs: item.attrs,
+        self_ident,
+        forward,
+        others,
+    })
+}
+
+/// Parses `fn forward(&self, x: Tensor, ..) -> Tensor { .. }`.
+fn parse_forward(f: syn::ImplItemFn) -> syn::Result<Forward> {
+    let mut errors = Errors::default();
+    let sig = &f.sig;
+    for (present, what) in [
+        (sig.constness.as_ref().map(Src::of), "const"),
+        (sig.asyncness.as_ref().map(Src::of), "async"),
+        (sig.unsafety.as_ref().map(Src::of), "unsafe"),
+        (sig.abi.as_ref().map(Src::of), "extern"),
+        (sig.variadic.as_ref().map(Src::of), "variadic"),
+    ] {
+        if let Some(src) = present {
+            errors.push(src.error(format!("forward cannot be {what}")));
+        }
+    }
+    if !sig.generics.params.is_empty() || sig.generics.where_clause.is_some() {
+        errors.push(syn::Error::new_spanned(
+            &sig.generics,
+            "forward cannot be generic: its inputs are `Tensor`s and `Ids`",
+        ));
+    }
+    let mut self_token = None;
+    let mut inputs = Vec::new();
+    for (i, arg) in sig.inputs.iter().enumerate() {
+        match arg {
+            syn::FnArg::Receiver(r) => {
+                if r.reference.is_none() || r.mutability.is_some() || r.colon_token.is_some() {
+                    errors.push(syn::Error::new_spanned(
+                        r,
+                        "forward takes `&self`: a forward reads the parameters, a backward \
+                         accumulates their gradients",
+                    ));
+                }
+                self_token = Some(r.self_token);
+            }
+            syn::FnArg::Typed(t) => {
+                if i == 0 {
+                    errors.push(syn::Error::new_spanned(
+                        t,
+                        "forward's first parameter is `&self`",
+                    ));
+                }
+                match parse_input(t) {
+                    Ok(input) => inputs.push(input),
+                    Err(e) => errors.push(e),
+                }
+            }
+        }
+    }
+    if self_token.is_none() && sig.inputs.is_empty() {
+        errors.push(syn::Error::new_spanned(
+            &sig.ident,
+            "forward takes `&self` and its inputs: `fn forward(&self, x: Tensor) -> Tensor`",
+        ));
+    }
+    match &sig.output {
+        syn::ReturnType::Type(_, ty) if type_name(ty).as_deref() == Some("Tensor") => {}
+        syn::ReturnType::Type(_, ty) => errors.push(syn::Error::new_spanned(
+            ty,
+            "forward returns a `Tensor` (the generated forward returns it with the saved \
+             activations, in a `Result`)",
+        )),
+        syn::ReturnType::Default => errors.push(syn::Error::new(
+            sig.paren_token.span.close(),
+            "forward returns a `Tensor`: write `-> Tensor`",
+        )),
+    }
+    let body = parse_body(&f.block);
+    let (stmts, output) = match body {
+        Ok(b) => b,
+        Err(e) => {
+            errors.push(e);
+            return Err(errors.finish(()).unwrap_err());
+        }
+    };
+    let self_token = errors
+        .finish(self_token)?
+        .expect("a forward with inputs has a receiver");
+    Ok(Forward {
+        attrs: f.attrs,
+        self_token,
+        inputs,
+        stmts,
+        output,
+    })
+}
+
+/// The single-identifier name of a type (`Tensor`, `megatron::tensor::Tensor` → `Tensor`).
+fn type_name(ty: &Type) -> Option<String> {
+    match ty {
+        Type::Path(p) if p.qself.is_none() => {
+            let last = p.path.segments.last()?;
+            matches!(last.arguments, syn::PathArguments::None).then(|| last.ident.to_string())
+        }
+        Type::Group(g) => type_name(&g.elem),
+        Type::Paren(p) => type_name(&p.elem),
+        _ => None,
+    }
+}
+
+fn parse_input(t: &syn::PatType) -> syn::Result<Input> {
+    let ident = match &*t.pat {
+        syn::Pat::Ident(p)
+            if p.by_ref.is_none() && p.mutability.is_none() && p.subpat.is_none() =>
+        {
+            p.ident.clone()
+        }
+        other => {
+            return Err(syn::Error::new_spanned(
+                other,
+                "forward's inputs are plain names: `x: Tensor`, `tokens: Ids`",
+            ));
+        }
+    };
+    let ty = match type_name(&t.ty).as_deref() {
+        Some("Tensor") => InputType::Tensor,
+        Some("Ids") => InputType::Ids,
+        _ => {
+            return Err(syn::Error::new_spanned(
+                &t.ty,
+                "forward's inputs are `Tensor` (activations, replicated over tensor parallel) or \
+                 `Ids` (token ids, no gradient)",
+            ));
+        }
+    };
+    Ok(Input {
+        ident,
+        ty,
+        src: Src::of(t),
+    })
+}
+
+/// The name of a construct that forward does not accept.
+fn construct(e: &syn::Expr) -> &'static str {
+    use syn::Expr as E;
+    match e {
+        E::Array(_) => "an array",
+        E::Assign(_) => "an assignment",
+        E::Async(_) => "an async block",
+        E::Await(_) => "`.await`",
+        E::Binary(_) => "this operator",
+        E::Block(_) => "a block",
+        E::Break(_) => "`break`",
+        E::Call(_) => "this call",
+        E::Cast(_) => "a cast",
+        E::Closure(_) => "a closure",
+        E::Const(_) => "a const block",
+        E::Continue(_) => "`continue`",
+        E::Field(_) => "a field access",
+        E::ForLoop(_) => "this `for` loop",
+        E::If(_) => "`if`",
+        E::Index(_) => "indexing",
+        E::Infer(_) => "`_`",
+        E::Let(_) => "`let` in an expression",
+        E::Lit(_) => "a literal",
+        E::Loop(_) => "`loop`",
+        E::Macro(_) => "a macro call",
+        E::Match(_) => "`match`",
+        E::MethodCall(_) => "a method call",
+        E::Paren(_) => "parentheses",
+        E::Path(_) => "this path",
+        E::Range(_) => "a range",
+        E::RawAddr(_) => "a raw address",
+        E::Reference(_) => "a reference",
+        E::Repeat(_) => "an array",
+        E::Return(_) => "`return`",
+        E::Struct(_) => "a struct literal",
+        E::Try(_) => "`?`",
+        E::TryBlock(_) => "a try block",
+        E::Tuple(_) => "a tuple",
+        E::Unary(_) => "a unary operator",
+        E::Unsafe(_) => "an unsafe block",
+        E::While(_) => "`while`",
+        E::Yield(_) => "`yield`",
+        _ => "this expression",
+    }
+}
+
+fn unsupported_statement(src: &impl quote::ToTokens, what: &str) -> syn::Error {
+    syn::Error::new_spanned(
+        src,
+        format!("{what} is not supported in forward; {STATEMENTS_HELP}"),
+    )
+}
+
+fn unsupported_expression(e: &syn::Expr) -> syn::Error {
+    syn::Error::new_spanned(
+        e,
+        format!(
+            "{} is not supported in forward; {EXPRESSIONS_HELP}",
+            construct(e)
+        ),
+    )
+}
+
+/// Parses forward's body into statements and the output expression.
+fn parse_body(block: &syn::Block) -> syn::Result<(Vec<Stmt>, Expr)> {
+    let mut errors = Errors::default();
+    let mut stmts = Vec::new();
+    let mut output = None;
+    let n = block.stmts.len();
+    for (i, stmt) in block.stmts.iter().enumerate() {
+        let last = i + 1 == n;
+        match stmt {
+            syn::Stmt::Local(local) => match parse_let(local) {
+                Ok(s) => stmts.push(s),
+                Err(e) => errors.push(e),
+            },
+            syn::Stmt::Item(item) => {
+                errors.push(unsupported_statement(item, "an item"));
+            }
+            syn::Stmt::Macro(m) => {
+                errors.push(unsupported_statement(m, "a macro call"));
+            }
+            syn::Stmt::Expr(syn::Expr::ForLoop(l), _) => match parse_loop(l) {
+                Ok(s) => stmts.push(s),
+                Err(e) => errors.push(e),
+            },
+            syn::Stmt::Expr(syn::Expr::Assign(a), Some(_)) => match parse_assign(a) {
+                Ok(s) => stmts.push(s),
+                Err(e) => errors.push(e),
+            },
+            syn::Stmt::Expr(e, None) if last => match parse_expr(e) {
+                Ok(x) => output = Some(x),
+                Err(err) => errors.push(err),
+            },
+            syn::Stmt::Expr(e, semi) => {
+                let what = match e {
+                    syn::Expr::If(_)
+                    | syn::Expr::Match(_)
+                    | syn::Expr::While(_)
+                    | syn::Expr::Loop(_)
+                    | syn::Expr::Return(_)
+                    | syn::Expr::Block(_)
+                    | syn::Expr::Unsafe(_)
+                    | syn::Expr::Macro(_)
+                    | syn::Expr::Break(_)
+                    | syn::Expr::Continue(_)
+                    | syn::Expr::Closure(_) => construct(e),
+                    _ if semi.is_some() && last => {
+                        errors.push(syn::Error::new_spanned(
+                            stmt,
+                            "forward ends with its output expression, without `;`",
+                        ));
+                        continue;
+                    }
+                    _ if semi.is_some() => "an expression statement (its value would be unused)",
+                    _ => "an expression before the end",
+                };
+                errors.push(unsupported_statement(stmt, what));
+            }
+        }
+    }
+    if output.is_none() && errors.is_empty() {
+        let span = block.brace_token.span.close();
+        errors.push(syn::Error::new(
+            span,
+            "forward ends with its output expression (e.g. `self.fc2(h)`), without `;`",
+        ));
+    }
+    let output = errors.finish(output)?.expect("checked");
+    Ok((stmts, output))
+}
+
+fn parse_let(local: &syn::Local) -> syn::Result<Stmt> {
+    if let Some(attr) = local.attrs.first() {
+        return Err(unsupported_statement(attr, "an attribute on a statement"));
+    }
+    let (pat, ty) = match &local.pat {
+        syn::Pat::Type(t) => (&*t.pat, Some(&t.ty)),
+        p => (p, None),
+    };
+    if let Some(ty) = ty {
+        if type_name(ty).as_deref() != Some("Tensor") {
+            return Err(syn::Error::new_spanned(
+                ty,
+                "`let` in forward binds tensors: leave the type out or write `Tensor`",
+            ));
+        }
+    }
+    let (name, mutable) = match pat {
+        syn::Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => {
+            (p.ident.clone(), p.mutability.is_some())
+        }
+        syn::Pat::Tuple(_) => {
+            return Err(unsupported_statement(pat, "a tuple pattern"));
+        }
+        other => {
+            return Err(unsupported_statement(other, "this pattern"));
+        }
+    };
+    let Some(init) = &local.init else {
+        return Err(unsupported_statement(local, "a `let` without a value"));
+    };
+    if let Some((else_token, _)) = &init.diverge {
+        return Err(unsupported_statement(else_token, "`let .. else`"));
+    }
+    let expr = parse_expr(&init.expr)?;
+    Ok(Stmt::Let {
+        name,
+        mutable,
+        expr,
+    })
+}
+
+fn parse_assign(a: &syn::ExprAssign) -> syn::Result<Stmt> {
+    let name = match plain_ident(&a.left) {
+        Some(i) => i,
+        None => {
+            return Err(syn::Error::new_spanned(
+                &a.left,
+                "forward assigns to plain names: `h = expr;`",
+            ));
+        }
+    };
+    Ok(Stmt::Assign {
+        name,
+        expr: parse_expr(&a.right)?,
+        src: Src::of(a),
+    })
+}
+
+/// The loop form forward accepts.
+const LOOP_FORM: &str =
+    "forward's loops have the form `for elem in &self.list { var = elem(var); }`";
+
+fn parse_loop(l: &syn::ExprForLoop) -> syn::Result<Stmt> {
+    let src = Src::of(l);
+    if let Some(label) = &l.label {
+        return Err(syn::Error::new_spanned(
+            label,
+            format!("loop labels are not supported; {LOOP_FORM}"),
+        ));
+    }
+    let elem = match &*l.pat {
+        syn::Pat::Ident(p)
+            if p.by_ref.is_none() && p.mutability.is_none() && p.subpat.is_none() =>
+        {
+            p.ident.clone()
+        }
+        other => {
+            return Err(syn::Error::new_spanned(
+                other,
+                format!("the loop element is a plain name; {LOOP_FORM}"),
+            ));
+        }
+    };
+    let list = match &*l.expr {
+        syn::Expr::Reference(r) if r.mutability.is_none() => self_field(&r.expr),
+        _ => None,
+    };
+    let Some(list) = list else {
+        return Err(syn::Error::new_spanned(
+            &l.expr,
+            format!("a loop runs over a list field by reference, `&self.list`; {LOOP_FORM}"),
+        ));
+    };
+    let body_error = || {
+        syn::Error::new_spanned(
+            &l.body,
+            format!(
+                "the loop body is one assignment `var = {}(var);`; {LOOP_FORM}",
+                elem.unraw()
+            ),
+        )
+    };
+    let [stmt] = l.body.stmts.as_slice() else {
+        return Err(body_error());
+    };
+    let syn::Stmt::Expr(syn::Expr::Assign(assign), _) = stmt else {
+        return Err(body_error());
+    };
+    let Some(var) = plain_ident(&assign.left) else {
+        return Err(body_error());
+    };
+    let syn::Expr::Call(call) = &*assign.right else {
+        return Err(body_error());
+    };
+    let callee_ok = plain_ident(&call.func).is_some_and(|f| f == elem);
+    let args: Vec<_> = call.args.iter().collect();
+    let arg_ok = matches!(args.as_slice(), [a] if plain_ident(a).is_some_and(|a| a == var));
+    if !callee_ok || !arg_ok {
+        return Err(syn::Error::new_spanned(
+            &assign.right,
+            format!(
+                "the loop body calls the element on the loop variable: `{var} = {}({var});`; {LOOP_FORM}",
+                elem.unraw()
+            ),
+        ));
+    }
+    Ok(Stmt::Loop {
+        elem,
+        list,
+        var,
+        src,
+    })
+}
+
+/// `name` if `e` is a single identifier.
+fn plain_ident(e: &syn::Expr) -> Option<Ident> {
+    match e {
+        syn::Expr::Path(p) if p.qself.is_none() && p.attrs.is_empty() => {
+            p.path.get_ident().cloned()
+        }
+        _ => None,
+    }
+}
+
+/// `field` if `e` is `self.field`.
+fn self_field(e: &syn::Expr) -> Option<Ident> {
+    match e {
+        syn::Expr::Field(f) if is_self(&f.base) => match &f.member {
+            syn::Member::Named(i) => Some(i.clone()),
+            syn::Member::Unnamed(_) => None,
+        },
+        _ => None,
+    }
+}
+
+fn is_self(e: &syn::Expr) -> bool {
+    matches!(e, syn::Expr::Path(p) if p.qself.is_none() && p.path.is_ident("self"))
+}
+
+/// Parses one expression of forward.
+pub fn parse_expr(e: &syn::Expr) -> syn::Result<Expr> {
+    match e {
+        syn::Expr::Paren(p) if p.attrs.is_empty() => parse_expr(&p.expr),
+        syn::Expr::Group(g) => parse_expr(&g.expr),
+        syn::Expr::Path(_) if plain_ident(e).is_some() => {
+            let ident = plain_ident(e).expect("checked");
+            if ident == "self" {
+                return Err(syn::Error::new_spanned(
+                    e,
+                    format!("`self` is not a value in forward; {EXPRESSIONS_HELP}"),
+                ));
+            }
+            Ok(Expr::Var(ident))
+        }
+        syn::Expr::Binary(b) => match b.op {
+            syn::BinOp::Add(_) => Ok(Expr::Add {
+                lhs: Box::new(parse_expr(&b.left)?),
+                rhs: Box::new(parse_expr(&b.right)?),
+                src: Src::of(e),
+            }),
+            op => Err(syn::Error::new_spanned(
+                op,
+                format!(
+                    "`{}` is not supported in forward: tensors are added with `+`, anything else \
+                     is a builtin or an #[op]; {EXPRESSIONS_HELP}",
+                    quote::quote!(#op)
+                ),
+            )),
+        },
+        syn::Expr::MethodCall(m) => parse_method_call(m, e),
+        syn::Expr::Call(c) => parse_call(c, e),
+        syn::Expr::Field(_) if self_field(e).is_some() => {
+            let field = self_field(e).expect("checked");
+            Err(syn::Error::new_spanned(
+                e,
+                format!(
+                    "`self.{0}` is used without a call; forward calls fields, `self.{0}(x)` \
+                     (#[config] values go where a Rust value is expected, such as dropout's \
+                     probability)",
+                    field.unraw()
+                ),
+            ))
+        }
+        other => Err(unsupported_expression(other)),
+    }
+}
+
+fn parse_args(args: &syn::punctuated::Punctuated<syn::Expr, Token![,]>) -> syn::Result<Vec<Expr>> {
+    let mut errors = Errors::default();
+    let mut out = Vec::new();
+    for a in args {
+        match parse_expr(a) {
+            Ok(x) => out.push(x),
+            Err(e) => errors.push(e),
+        }
+    }
+    errors.finish(out)
+}
+
+fn parse_method_call(m: &syn::ExprMethodCall, e: &syn::Expr) -> syn::Result<Expr> {
+    if let Some(t) = &m.turbofish {
+        return Err(syn::Error::new_spanned(
+            t,
+            "forward's calls take no type arguments",
+        ));
+    }
+    if is_self(&m.receiver) {
+        // `self.fc1(x)` is a method-call expression in Rust's grammar.
+        return Ok(Expr::FieldCall {
+            field: m.method.clone(),
+            args: parse_args(&m.args)?,
+            src: Src::of(e),
+        });
+    }
+    if let Some(field) = self_field(&m.receiver) {
+        if m.method == "logits" {
+            return Ok(Expr::Logits {
+                field,
+                args: parse_args(&m.args)?,
+                src: Src::of(e),
+            });
+        }
+        return Err(syn::Error::new_spanned(
+            &m.method,
+            format!(
+                "`self.{}.{}(..)` is not supported in forward: the only method of a field is \
+                 `.logits(h)`, the tied output layer of a #[vocab_parallel] embedding; call the \
+                 field itself with `self.{0}(x)`",
+                field.unraw(),
+                m.method.unraw()
+            ),
+        ));
+    }
+    Err(syn::Error::new_spanned(
+        e,
+        format!(
+            "method calls on tensors (`.{}(..)`) are not supported in forward; {EXPRESSIONS_HELP}",
+            m.method.unraw()
+        ),
+    ))
+}
+
+fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
+    // `(self.fc1)(x)` is a field call too.
+    let mut func = &*c.func;
+    while let syn::Expr::Paren(p) = func {
+        func = &p.expr;
+    }
+    if let Some(field) = self_field(func) {
+        return Ok(Expr::FieldCall {
+            field,
+            args: parse_args(&c.args)?,
+            src: Src::of(e),
+        });
+    }
+    let Some(name) = plain_ident(func) else {
+        return Err(syn::Error::new_spanned(
+            &c.func,
+            format!("forward cannot call this; {EXPRESSIONS_HELP}"),
+        ));
+    };
+    let builtin = match name.to_string().as_str() {
+        "gelu" => Builtin::Gelu,
+        "dropout" => Builtin::Dropout,
+        "cross_entropy" => Builtin::CrossEntropy,
+        other => {
+            return Err(syn::Error::new_spanned(
+                &c.func,
+                format!(
+                    "unknown function `{other}` in forward: the builtins are gelu, dropout and \
+                     cross_entropy, and fields are called as `self.field(x)` (a loop element only \
+                     inside its loop)"
+                ),
+            ));
+        }
+    };
+    let (want, usage) = match builtin {
+        Builtin::Gelu => (1, "gelu(x)"),
+        Builtin::Dropout => (2, "dropout(x, p)"),
+        Builtin::CrossEntropy => (2, "cross_entropy(logits, targets)"),
+    };
+    if c.args.len() != want {
+        return Err(syn::Error::new_spanned(
+            e,
+            format!(
+                "{} takes {want} argument{}, `{usage}`, not {}",
+                builtin.name(),
+                if want == 1 { "" } else { "s" },
+                c.args.len()
+            ),
+        ));
+    }
+    let (args, p) = if builtin == Builtin::Dropout {
+        (
+            vec![parse_expr(&c.args[0])?],
+            Some(Box::new(c.args[1].clone())),
+        )
+    } else {
+        (parse_args(&c.args)?, None)
+    };
+    Ok(Expr::Builtin {
+        builtin,
+        args,
+        p,
+        src: Src::of(e),
+    })
+}

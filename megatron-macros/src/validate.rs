@@ -1,0 +1,476 @@
+//! Validation: fields exist and are called as their kind allows, and every value's sharding
+//! over tensor parallelism fits where it goes.
+//!
+//! A value is replicated (whole on every rank), split (each rank holds its slice of the last
+//! dimension) or token ids. The rules are Megatron-LM's: a column-parallel layer turns a
+//! replicated input into a split output, a row-parallel layer a split input into a replicated
+//! output, and so on. Errors name the field, the value, where its sharding came from, and the fix.
+
+use syn::ext::IdentExt;
+
+use crate::model::{Def, Graph, NodeId, NodeOp, ValueId};
+use crate::parse::{Builtin, FieldKind, InputType, ModuleStruct};
+use crate::src_span::{Errors, Src};
+
+/// How a value is held across the tensor-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharding {
+    /// Whole on every rank.
+    Replicated,
+    /// Each rank holds its slice of the last dimension.
+    Split,
+    /// Token ids (no gradient).
+    Ids,
+}
+
+/// What validation learned: each value's sharding and each node's field.
+#[derive(Debug)]
+pub struct Analysis {
+    /// Per value.
+    pub sharding: Vec<Sharding>,
+    /// Per node: the index of the field it calls (field calls, logits, loops).
+    pub field: Vec<Option<usize>>,
+}
+
+/// Where a value's sharding came from.
+#[derive(Clone)]
+struct Origin {
+    /// A clause for messages, e.g. "it comes from #[column_parallel] `fc1`".
+    text: String,
+    /// The column-parallel field whose output it is (for the gather_output fix).
+    column: Option<String>,
+}
+
+struct Checker<'a> {
+    s: &'a ModuleStruct,
+    g: &'a Graph,
+    sharding: Vec<Option<Sharding>>,
+    origin: Vec<Option<Origin>>,
+    field: Vec<Option<usize>>,
+    errors: Errors,
+}
+
+/// Checks the graph against the struct's fields.
+pub fn validate(s: &ModuleStruct, g: &Graph) -> syn::Result<Analysis> {
+    let mut c = Checker {
+        s,
+        g,
+        sharding: vec![None; g.values.len()],
+        origin: vec![None; g.values.len()],
+        field: vec![None; g.nodes.len()],
+        errors: Errors::default(),
+    };
+    for &v in &g.inputs {
+        let Def::Input { ty, .. } = g.values[v].def else {
+            unreachable!("inputs are inputs")
+        };
+        let (sh, text) = match ty {
+            InputType::Tensor => (
+                Sharding::Replicated,
+                "forward's `Tensor` inputs are replicated".to_string(),
+            ),
+            InputType::Ids => (Sharding::Ids, "it is an `Ids` input".to_string()),
+        };
+        c.sharding[v] = Some(sh);
+        c.origin[v] = Some(Origin { text, column: None });
+    }
+    for n in 0..g.nodes.len() {
+        c.node(n);
+    }
+    c.output();
+    c.unused();
+    let Checker {
+        sharding,
+        field,
+        errors,
+        ..
+    } = c;
+    errors.finish(())?;
+    Ok(Analysis {
+        sharding: sharding
+            .into_iter()
+            .map(|s| s.expect("every value has a sharding when there is no error"))
+            .collect(),
+        field,
+    })
+}
+
+/// What the sharding rule of a call expects of an argument.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Want {
+    Replicated,
+    Split,
+    /// Replicated or split (ops, element-wise builtins).
+    Tensor,
+    /// Ids or a replicated tensor (replicated layers and sub-modules).
+    ReplicatedOrIds,
+}
+
+impl Checker<'_> {
+    fn describe(&self, v: ValueId) -> String {
+        let value = &self.g.values[v];
+        if let Some(name) = &value.name {
+            return format!("`{name}`");
+        }
+        match value.def {
+            Def::Input { .. } => "the input".into(),
+            Def::Node(n) => match &self.g.nodes[n].op {
+                NodeOp::Field { field } => format!("the output of `self.{}(..)`", field.unraw()),
+                NodeOp::Logits { field } => {
+                    format!("the output of `self.{}.logits(..)`", field.unraw())
+                }
+                NodeOp::Builtin { builtin, .. } => format!("the output of {}", builtin.name()),
+                NodeOp::Add => "the sum".into(),
+                NodeOp::Loop { list, .. } => format!("the output of the `{}` loop", list.unraw()),
+            },
+        }
+    }
+
+    fn set(&mut self, v: ValueId, sharding: Sharding, origin: Origin) {
+        self.sharding[v] = Some(sharding);
+        self.origin[v] = Some(origin);
+    }
+
+    fn origin_text(&self, v: ValueId) -> String {
+        self.origin[v]
+            .as_ref()
+            .map_or_else(String::new, |o| o.text.clone())
+    }
+
+    /// How to make the split value `v` replicated.
+    fn replicate_fix(&self, v: ValueId) -> String {
+        match self.origin[v].as_ref().and_then(|o| o.column.clone()) {
+            Some(f) => format!(
+                "write `#[column_parallel(gather_output = true)]` on `{f}` to gather its output, or \
+                 feed it to a #[row_parallel] layer first"
+            ),
+            None => "feed it to a #[row_parallel] layer first, which all-reduces it".to_string(),
+        }
+    }
+
+    /// Checks argument `v` (source `src`) of `who` against `want`; `None` if its sharding is
+    /// unknown after an earlier error.
+    fn arg(&mut self, who: &str, want: Want, v: ValueId, src: &Src) -> Option<Sharding> {
+        let sh = self.sharding[v]?;
+        let d = self.describe(v);
+        let origin = self.origin_text(v);
+        let message = match (want, sh) {
+            (Want::Tensor, Sharding::Replicated | Sharding::Split)
+            | (Want::Replicated, Sharding::Replicated)
+            | (Want::Split, Sharding::Split)
+            | (Want::ReplicatedOrIds, Sharding::Replicated | Sharding::Ids) => return Some(sh),
+            (_, Sharding::Ids) => format!(
+                "{who} needs a tensor, but {d} is token ids (`Ids`); ids go to embeddings and to \
+                 cross_entropy's targets"
+            ),
+            (Want::Split, Sharding::Replicated) => format!(
+                "{who} needs its input split over tensor parallel (the output of a \
+                 #[column_parallel] layer), but {d} is replicated ({origin}); write \
+                 `#[row_parallel(input_is_parallel = false)]` to split it here"
+            ),
+            (Want::Replicated | Want::ReplicatedOrIds, Sharding::Split) => {
+                let fix = if who.starts_with("#[row_parallel") {
+                    "remove `input_is_parallel = false` to take the split input as it is".into()
+                } else {
+                    self.replicate_fix(v)
+                };
+                format!(
+                    "{who} needs a replicated input, but {d} is split over tensor parallel \
+                     ({origin}); {fix}"
+                )
+            }
+        };
+        self.errors.push(src.error(message));
+        None
+    }
+
+    fn arity(&mut self, n: NodeId, who: &str, want: usize) -> bool {
+        let node = &self.g.nodes[n];
+        if node.args.len() == want {
+            return true;
+        }
+        self.errors.push(node.src.error(format!(
+            "{who} takes {} input{}, not {}",
+            if want == 1 { "one" } else { "two" },
+            if want == 1 { "" } else { "s" },
+            node.args.len()
+        )));
+        false
+    }
+
+    fn find_field(&mut self, ident: &syn::Ident) -> Option<usize> {
+        let name = ident.unraw().to_string();
+        if let Some(i) = self.s.fields.iter().position(|f| f.name() == name) {
+            return Some(i);
+        }
+        let names: Vec<_> = self.s.fields.iter().map(|f| f.name()).collect();
+        self.errors.push(syn::Error::new_spanned(
+            ident,
+            format!(
+                "`{}` has no field `{name}` (its fields: {})",
+                self.s.ident,
+                if names.is_empty() {
+                    "none".into()
+                } else {
+                    names.join(", ")
+                }
+            ),
+        ));
+        None
+    }
+
+    fn node(&mut self, n: NodeId) {
+        let g = self.g;
+        let node = &g.nodes[n];
+        let out = node.output;
+        let arg = |i: usize| (node.args[i], &node.arg_srcs[i]);
+        match &node.op {
+            NodeOp::Field { field } => {
+                let Some(fi) = self.find_field(field) else {
+                    return;
+                };
+                self.field[n] = Some(fi);
+                let f = &self.s.fields[fi];
+                let name = f.name();
+                match &f.kind {
+                    FieldKind::Column { gather_output } => {
+                        let who = format!("{} `{name}`", f.kind.attribute());
+                        if !self.arity(n, &who, 1) {
+                            return;
+                        }
+                        let (v, src) = arg(0);
+                        self.arg(&who, Want::Replicated, v, src);
+                        let (sh, text, column) = if *gather_output {
+                            (
+                                Sharding::Replicated,
+                                format!("it comes from {who}, which gathers its output"),
+                                None,
+                            )
+                        } else {
+                            (Sharding::Split, format!("it comes from {who}"), Some(name))
+                        };
+                        self.set(out, sh, Origin { text, column });
+                    }
+                    FieldKind::Row { input_is_parallel } => {
+                        let who = format!("{} `{name}`", f.kind.attribute());
+                        if !self.arity(n, &who, 1) {
+                            return;
+                        }
+                        let (v, src) = arg(0);
+                        let want = if *input_is_parallel {
+                            Want::Split
+                        } else {
+                            Want::Replicated
+                        };
+                        self.arg(&who, want, v, src);
+                        let text = format!(
+                            "it comes from #[row_parallel] `{name}`, whose partial outputs are \
+                             all-reduced"
+                        );
+                        self.set(out, Sharding::Replicated, Origin { text, column: None });
+                    }
+                    FieldKind::Vocab => {
+                        let who = format!("#[vocab_parallel] `{name}`");
+                        if !self.arity(n, &who, 1) {
+                            return;
+                        }
+                        let (v, src) = arg(0);
+                        if self.sharding[v].is_some_and(|s| s != Sharding::Ids) {
+                            self.errors.push(src.error(format!(
+                                "{who} looks up token ids, but {} is a tensor; the tied output \
+                                 layer is `self.{name}.logits(h)`",
+                                self.describe(v)
+                            )));
+                        }
+                        let text = format!(
+                            "it comes from #[vocab_parallel] `{name}`, whose partial lookups are \
+                             all-reduced"
+                        );
+                        self.set(out, Sharding::Replicated, Origin { text, column: None });
+                    }
+                    FieldKind::Replicated => {
+                        let who =
+                            format!("`{name}` (no split attribute: it runs whole on every rank)");
+                        for i in 0..node.args.len() {
+                            let (v, src) = arg(i);
+                            self.arg(&who, Want::ReplicatedOrIds, v, src);
+                        }
+                        let text =
+                            format!("it comes from `{name}`, which runs whole on every rank");
+                        self.set(out, Sharding::Replicated, Origin { text, column: None });
+                    }
+                    FieldKind::Op => {
+                        let who = format!("#[op] `{name}`");
+                        if !self.arity(n, &who, 1) {
+                            return;
+                        }
+                        let (v, src) = arg(0);
+                        if let Some(sh) = self.arg(&who, Want::Tensor, v, src) {
+                            let origin = self.origin[v].clone().expect("known sharding");
+                            self.set(out, sh, origin);
+                        }
+                    }
+                    FieldKind::Stack { .. } => {
+                        self.errors.push(node.src.error(format!(
+                            "`{name}` is a list of modules: run it with a loop, `for layer in \
+                             &self.{name} {{ h = layer(h); }}`"
+                        )));
+                    }
+                    FieldKind::Config => {
+                        self.errors.push(node.src.error(format!(
+                            "`{name}` is #[config] data, not a layer: use it as a value, e.g. \
+                             `dropout(x, self.{name})`, not as a call"
+                        )));
+                    }
+                }
+            }
+            NodeOp::Logits { field } => {
+                let Some(fi) = self.find_field(field) else {
+                    return;
+                };
+                self.field[n] = Some(fi);
+                let f = &self.s.fields[fi];
+                let name = f.name();
+                if !matches!(f.kind, FieldKind::Vocab) {
+                    self.errors.push(node.src.error(format!(
+                        "`.logits` is the tied output layer of a #[vocab_parallel] embedding, but \
+                         `{name}` is {}",
+                        f.kind.attribute()
+                    )));
+                    return;
+                }
+                let who = format!("`self.{name}.logits(..)`");
+                if !self.arity(n, &who, 1) {
+                    return;
+                }
+                let (v, src) = arg(0);
+                self.arg(&who, Want::Replicated, v, src);
+                let text = format!("it comes from `self.{name}.logits(..)`, split by vocabulary");
+                self.set(out, Sharding::Split, Origin { text, column: None });
+            }
+            NodeOp::Builtin { builtin, .. } => match builtin {
+                Builtin::Gelu | Builtin::Dropout => {
+                    let (v, src) = arg(0);
+                    if let Some(sh) = self.arg(builtin.name(), Want::Tensor, v, src) {
+                        let origin = self.origin[v].clone().expect("known sharding");
+                        self.set(out, sh, origin);
+                    }
+                }
+                Builtin::CrossEntropy => {
+                    let (logits, lsrc) = arg(0);
+                    let (targets, tsrc) = arg(1);
+                    let logits_ok = self.arg("cross_entropy's logits", Want::Tensor, logits, lsrc);
+                    if let Some(sh) = self.sharding[targets] {
+                        if sh != Sharding::Ids {
+                            self.errors.push(tsrc.error(format!(
+                                "cross_entropy's targets are token ids (`Ids`), but {} is a tensor",
+                                self.describe(targets)
+                            )));
+                        }
+                    }
+                    if logits_ok.is_some() {
+                        let text = "it comes from cross_entropy".to_string();
+                        self.set(out, Sharding::Replicated, Origin { text, column: None });
+                    }
+                }
+            },
+            NodeOp::Add => {
+                let (a, asrc) = arg(0);
+                let (b, bsrc) = arg(1);
+                let sa = self.arg("`+`", Want::Tensor, a, asrc);
+                let sb = self.arg("`+`", Want::Tensor, b, bsrc);
+                let (Some(sa), Some(sb)) = (sa, sb) else {
+                    return;
+                };
+                if sa != sb {
+                    let (split, repl) = if sa == Sharding::Split {
+                        (a, b)
+                    } else {
+                        (b, a)
+                    };
+                    self.errors.push(node.src.error(format!(
+                        "`+` needs both sides sharded alike, but {} is split over tensor parallel \
+                         ({}) and {} is replicated ({}); {}",
+                        self.describe(split),
+                        self.origin_text(split),
+                        self.describe(repl),
+                        self.origin_text(repl),
+                        self.replicate_fix(split)
+                    )));
+                    return;
+                }
+                let origin = self.origin[a].clone().expect("known sharding");
+                self.set(out, sa, origin);
+            }
+            NodeOp::Loop { list, .. } => {
+                let Some(fi) = self.find_field(list) else {
+                    return;
+                };
+                self.field[n] = Some(fi);
+                let f = &self.s.fields[fi];
+                let name = f.name();
+                if !matches!(f.kind, FieldKind::Stack { .. }) {
+                    self.errors.push(syn::Error::new_spanned(
+                        list,
+                        format!(
+                            "`{name}` is not a list of modules (a `Vec<..>` field without a split \
+                             attribute), so a loop cannot run over it; it is {}",
+                            f.kind.attribute()
+                        ),
+                    ));
+                    return;
+                }
+                let (v, src) = arg(0);
+                let who = format!("the modules of `{name}` (they run whole on every rank)");
+                self.arg(&who, Want::Replicated, v, src);
+                let text = format!("it comes from the `{name}` loop");
+                self.set(out, Sharding::Replicated, Origin { text, column: None });
+            }
+        }
+    }
+
+    fn output(&mut self) {
+        let v = self.g.output;
+        let Some(sh) = self.sharding[v] else { return };
+        let src = self.g.output_src.clone();
+        let d = self.describe(v);
+        match sh {
+            Sharding::Replicated => {}
+            Sharding::Split => {
+                let message = format!(
+                    "forward must return a replicated tensor, but {d} is split over tensor \
+                     parallel ({}); {}",
+                    self.origin_text(v),
+                    self.replicate_fix(v)
+                );
+                self.errors.push(src.error(message));
+            }
+            Sharding::Ids => {
+                self.errors.push(src.error(format!(
+                    "forward returns a tensor, but {d} is token ids (`Ids`)"
+                )));
+            }
+        }
+    }
+
+    fn unused(&mut self) {
+        for (v, value) in self.g.values.iter().enumerate() {
+            if !value.uses.is_empty() || self.sharding[v].is_none() {
+                continue;
+            }
+            let d = self.describe(v);
+            match value.def {
+                Def::Input {
+                    ty: InputType::Ids, ..
+                } => {}
+                Def::Input { .. } => self.errors.push(value.src.error(format!(
+                    "input {d} is never used: forward's output must depend on every `Tensor` \
+                     input (its gradient is returned)"
+                ))),
+                Def::Node(_) => self.errors.push(value.src.error(format!(
+                    "{d} is computed but never used: forward computes only what its output needs"
+                ))),
+            }
+        }
+    }
+}
