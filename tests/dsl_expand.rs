@@ -17,6 +17,10 @@ use megatron::tensor_parallel::{
 };
 
 type R<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
+/// Parameter gradients by name.
+type Grads = BTreeMap<String, Vec<f32>>;
+/// One rank's losses and its parameters' specs and gradients.
+type RankRun = (Vec<f32>, Vec<(ParamSpec, Vec<f32>)>);
 
 // ---------------------------------------------------------------------------------------------
 // The modules, as a user writes them
@@ -180,7 +184,7 @@ fn values(t: &Tensor) -> Vec<f32> {
 }
 
 /// Every parameter's gradient, by name.
-fn grads_of<M: Module>(m: &M) -> BTreeMap<String, Vec<f32>> {
+fn grads_of<M: Module>(m: &M) -> Grads {
     let mut out = BTreeMap::new();
     m.visit_params(&mut |p| {
         out.insert(p.spec().name.clone(), p.grad().to_vec::<f32>().unwrap());
@@ -195,7 +199,7 @@ fn params_of<M: Module>(m: &M) -> Vec<&Param> {
     out
 }
 
-fn grads_of_params(params: &[&Param]) -> BTreeMap<String, Vec<f32>> {
+fn grads_of_params(params: &[&Param]) -> Grads {
     params
         .iter()
         .map(|p| (p.spec().name.clone(), p.grad().to_vec::<f32>().unwrap()))
@@ -445,7 +449,7 @@ fn gpt_by_hand(
     tokens: &Tensor,
     targets: &Tensor,
     d_loss: &Tensor,
-) -> R<(Vec<f32>, BTreeMap<String, Vec<f32>>)> {
+) -> R<(Vec<f32>, Grads)> {
     let spec = gpt_spec();
     let wte = b.scoped("wte", |b| Embedding::build_vocab(&spec.wte, b))?;
     let wpe = b.scoped("wpe", |b| PositionEmbedding::build(&spec.wpe, b))?;
@@ -524,7 +528,7 @@ fn gpt_on_two_tensor_parallel_ranks_matches_one() -> R<()> {
     let tokens = ids(3);
     let targets = ids(4);
     let d_loss = tensor(det(S * B, 6), &[S, B]);
-    let run = |tp: usize| -> Vec<(Vec<f32>, Vec<(ParamSpec, Vec<f32>)>)> {
+    let run = |tp: usize| -> Vec<RankRun> {
         let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp)).unwrap();
         launch(tp, |w| -> R<_> {
             let ps = ParallelState::new(&w, &layout)?;

@@ -40,6 +40,9 @@ mod root;
 mod src_span;
 mod validate;
 
+#[cfg(test)]
+mod tests;
+
 use proc_macro::TokenStream;
 use proc_macro2::TokenStream as TokenStream2;
 use quote::quote;

@@ -844,13 +844,13 @@ fn parse_let(local: &syn::Local) -> syn::Result<Stmt> {
         syn::Pat::Type(t) => (&*t.pat, Some(&t.ty)),
         p => (p, None),
     };
-    if let Some(ty) = ty {
-        if type_name(ty).as_deref() != Some("Tensor") {
-            return Err(syn::Error::new_spanned(
-                ty,
-                "`let` in forward binds tensors: leave the type out or write `Tensor`",
-            ));
-        }
+    if let Some(ty) = ty
+        && type_name(ty).as_deref() != Some("Tensor")
+    {
+        return Err(syn::Error::new_spanned(
+            ty,
+            "`let` in forward binds tensors: leave the type out or write `Tensor`",
+        ));
     }
     let (name, mutable) = match pat {
         syn::Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => {

@@ -33,12 +33,6 @@ impl Src {
             .next()
             .map_or_else(Span::call_site, |t| t.span())
     }
-
-    /// The source text, with the token spacing of `to_string`.
-    #[cfg(test)]
-    pub fn text(&self) -> String {
-        self.0.to_string()
-    }
 }
 
 impl std::fmt::Debug for Src {

@@ -360,13 +360,13 @@ impl Checker<'_> {
                     let (logits, lsrc) = arg(0);
                     let (targets, tsrc) = arg(1);
                     let logits_ok = self.arg("cross_entropy's logits", Want::Tensor, logits, lsrc);
-                    if let Some(sh) = self.sharding[targets] {
-                        if sh != Sharding::Ids {
-                            self.errors.push(tsrc.error(format!(
-                                "cross_entropy's targets are token ids (`Ids`), but {} is a tensor",
-                                self.describe(targets)
-                            )));
-                        }
+                    if let Some(sh) = self.sharding[targets]
+                        && sh != Sharding::Ids
+                    {
+                        self.errors.push(tsrc.error(format!(
+                            "cross_entropy's targets are token ids (`Ids`), but {} is a tensor",
+                            self.describe(targets)
+                        )));
                     }
                     if logits_ok.is_some() {
                         let text = "it comes from cross_entropy".to_string();

@@ -313,7 +313,7 @@ pub fn forward(
     let tokens = quote! {
         #docs
         #lint
-        #[allow(unused_doc_comments)]
+
         pub fn forward(&#this, cx: &#rt::module::Cx<'_>, site: #rt::module::Site, #(#params),*)
             -> #rt::Result<(#rt::tensor::Tensor, #saved_ty)>
         {
@@ -715,7 +715,7 @@ pub fn backward(
     let imports = cx.imports(true);
     quote! {
         #docs
-        #[allow(unused_doc_comments)]
+
         pub fn backward(&#this, cx: &#rt::module::Cx<'_>, site: #rt::module::Site, saved: #saved_ty, d_out: &#rt::tensor::Tensor)
             -> #rt::Result<#grads_ty>
         {
