@@ -758,12 +758,29 @@ fn unsupported_statement(src: &impl quote::ToTokens, what: &str) -> syn::Error {
 }
 
 fn unsupported_expression(e: &syn::Expr) -> syn::Error {
+    use syn::Expr as E;
+    let help = match e {
+        E::If(_)
+        | E::Match(_)
+        | E::While(_)
+        | E::Loop(_)
+        | E::ForLoop(_)
+        | E::Return(_)
+        | E::Break(_)
+        | E::Continue(_)
+        | E::Block(_)
+        | E::Unsafe(_)
+        | E::Async(_)
+        | E::TryBlock(_)
+        | E::Closure(_) => format!(
+            "forward is straight-line code, from which the backward is generated; \
+             {STATEMENTS_HELP}; {EXPRESSIONS_HELP}"
+        ),
+        _ => EXPRESSIONS_HELP.to_string(),
+    };
     syn::Error::new_spanned(
         e,
-        format!(
-            "{} is not supported in forward; {EXPRESSIONS_HELP}",
-            construct(e)
-        ),
+        format!("{} is not supported in forward; {help}", construct(e)),
     )
 }
 

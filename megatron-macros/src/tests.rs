@@ -578,15 +578,15 @@ fn mlp_expansion_has_f_and_g_where_megatron_puts_them() {
     );
     for expected in [
         "pub struct MlpSaved { # [doc = \" What `self.fc1(..)` keeps.\"] pub fc1 : < Linear as :: megatron :: module :: Module > :: Saved",
-        "let (fc1_out , fc1) = ColumnParallel :: forward_column (& self . fc1 , cx , site . child (\"fc1\") , x) ? ;",
+        "let (fc1_out , fc1) = < Linear as ColumnParallel > :: forward_column (& self . fc1 , cx , site . child (\"fc1\") , x) ? ;",
         "let (h , gelu) = :: megatron :: ops :: gelu (cx , site . child (\"gelu\") , & fc1_out) ? ;",
-        "let (fc2_out , fc2) = RowParallel :: forward_row (& self . fc2 , cx , site . child (\"fc2\") , & h) ? ;",
-        "cx . tp () . all_reduce (& fc2_out , ReduceOp :: Sum) ? ; RowParallel :: add_bias (& self . fc2 , & fc2_out) ? ;",
+        "let (fc2_out , fc2) = < Linear as RowParallel > :: forward_row (& self . fc2 , cx , site . child (\"fc2\") , & h) ? ;",
+        "cx . tp () . all_reduce (& fc2_out , ReduceOp :: Sum) ? ; < Linear as RowParallel > :: add_bias (& self . fc2 , & fc2_out) ? ;",
         "Ok ((fc2_out , MlpSaved { fc1 , gelu , fc2 }))",
         "let MlpSaved { fc1 , gelu , fc2 } = saved ;",
-        "let d_h = RowParallel :: backward_row (& self . fc2 , cx , site . child (\"fc2\") , fc2 , d_out) ? ;",
+        "let d_h = < Linear as RowParallel > :: backward_row (& self . fc2 , cx , site . child (\"fc2\") , fc2 , d_out) ? ;",
         "let d_fc1_out = :: megatron :: ops :: gelu_backward (cx , site . child (\"gelu\") , gelu , & d_h) ? ;",
-        "let d_x = ColumnParallel :: backward_column (& self . fc1 , cx , site . child (\"fc1\") , fc1 , & d_fc1_out) ? ;",
+        "let d_x = < Linear as ColumnParallel > :: backward_column (& self . fc1 , cx , site . child (\"fc1\") , fc1 , & d_fc1_out) ? ;",
         "cx . tp () . all_reduce (& d_x , ReduceOp :: Sum) ? ; Ok (d_x)",
     ] {
         let expected = squash(expected);

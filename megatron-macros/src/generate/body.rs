@@ -86,15 +86,33 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    /// A path whose failures should point at the field's type.
-    fn spanned(&self, n: NodeId, path: TokenStream) -> TokenStream {
-        let sp = self.field(n).ty.span();
-        let mut out = TokenStream::new();
-        for mut t in path {
-            t.set_span(sp.resolved_at(Span::call_site()));
-            out.extend([t]);
-        }
-        out
+    /// `<Type as Trait>::method` for node `n`'s field: a type that lacks the trait is reported
+    /// at the field's type, with the trait's message (and once: the struct's `build` names the
+    /// same path there).
+    fn qualified(&self, n: NodeId, trait_and_method: TokenStream) -> TokenStream {
+        let ty = &self.field(n).ty;
+        let open = self.spanned(n, quote!(<));
+        let rest = self.spanned(n, quote!(as #trait_and_method));
+        let rest = {
+            // `as Trait::method` → `as Trait>::method`
+            let mut tokens: Vec<_> = rest.into_iter().collect();
+            let close = self.spanned(n, quote!(>)).into_iter();
+            tokens.splice(2..2, close);
+            tokens.into_iter().collect::<TokenStream>()
+        };
+        quote!(#open #ty #rest)
+    }
+
+    /// Tokens whose failures should point at node `n`'s field type.
+    fn spanned(&self, n: NodeId, tokens: TokenStream) -> TokenStream {
+        let sp = self.field(n).ty.span().resolved_at(Span::call_site());
+        tokens
+            .into_iter()
+            .map(|mut t| {
+                t.set_span(sp);
+                t
+            })
+            .collect()
     }
 
     fn kinds(&self) -> impl Iterator<Item = (NodeId, &'a NodeOp, Option<&'a FieldKind>)> + '_ {
@@ -349,7 +367,7 @@ fn forward_node<'a>(
             match &field.kind {
                 FieldKind::Column { gather_output } => {
                     let x = args[0];
-                    let call = cx.spanned(n, quote!(ColumnParallel::forward_column));
+                    let call = cx.qualified(n, quote!(ColumnParallel::forward_column));
                     let doc = comment(&format!(
                         "`{name}`: #[column_parallel]. f: identity in forward (its backward \
                          all-reduces the input gradient over tp)."
@@ -383,8 +401,8 @@ fn forward_node<'a>(
                 }
                 FieldKind::Row { input_is_parallel } => {
                     let x = args[0];
-                    let call = cx.spanned(n, quote!(RowParallel::forward_row));
-                    let add_bias = cx.spanned(n, quote!(RowParallel::add_bias));
+                    let call = cx.qualified(n, quote!(RowParallel::forward_row));
+                    let add_bias = cx.qualified(n, quote!(RowParallel::add_bias));
                     let doc = comment(&format!(
                         "`{name}`: #[row_parallel]. g: all-reduce of the partial outputs over tp."
                     ));
@@ -424,7 +442,7 @@ fn forward_node<'a>(
                 }
                 FieldKind::Vocab => {
                     let ids = args[0];
-                    let call = cx.spanned(n, quote!(VocabParallel::forward_vocab));
+                    let call = cx.qualified(n, quote!(VocabParallel::forward_vocab));
                     let doc = comment(&format!(
                         "`{name}`: #[vocab_parallel]. All-reduce of the partial lookups over tp \
                          (each rank holds its rows of the vocabulary)."
@@ -454,7 +472,7 @@ fn forward_node<'a>(
                 }
                 FieldKind::Op => {
                     let x = args[0];
-                    let call = cx.spanned(n, quote!(Op::forward));
+                    let call = cx.qualified(n, quote!(Op::forward));
                     b.push(move |nm| {
                         let (xr, s, o) = (nm.by_ref(x), nm.pat(saved), nm.pat(out));
                         quote! {
@@ -469,7 +487,7 @@ fn forward_node<'a>(
             let h = args[0];
             let this_field = cx.this_field(n);
             let name = cx.field(n).name();
-            let call = cx.spanned(n, quote!(VocabParallel::logits_forward));
+            let call = cx.qualified(n, quote!(VocabParallel::logits_forward));
             let saved = saved.expect("logits save");
             let doc = comment(&format!(
                 "`{name}.logits`: the tied output layer, split by vocabulary. f: identity in \
@@ -819,7 +837,7 @@ fn backward_node<'a>(
             match &field.kind {
                 FieldKind::Column { gather_output } => {
                     let d_x = d_args[0].expect("column-parallel inputs are tensors");
-                    let call = cx.spanned(n, quote!(ColumnParallel::backward_column));
+                    let call = cx.qualified(n, quote!(ColumnParallel::backward_column));
                     let doc = comment(&format!(
                         "`{name}`: f's backward, all-reduce of the input gradient over tp."
                     ));
@@ -855,7 +873,7 @@ fn backward_node<'a>(
                 }
                 FieldKind::Row { input_is_parallel } => {
                     let d_x = d_args[0].expect("row-parallel inputs are tensors");
-                    let call = cx.spanned(n, quote!(RowParallel::backward_row));
+                    let call = cx.qualified(n, quote!(RowParallel::backward_row));
                     let doc = comment(&format!("`{name}`: g's backward is the identity."));
                     let local = (!input_is_parallel).then(|| {
                         let base = format!("d_{}_local", value_base(cx.g, node.args[0]));
@@ -885,7 +903,7 @@ fn backward_node<'a>(
                     });
                 }
                 FieldKind::Vocab => {
-                    let call = cx.spanned(n, quote!(VocabParallel::backward_vocab));
+                    let call = cx.qualified(n, quote!(VocabParallel::backward_vocab));
                     let doc = comment(&format!(
                         "`{name}`: the all-reduce's backward is the identity; token ids have no \
                          gradient."
@@ -924,7 +942,7 @@ fn backward_node<'a>(
                 }
                 FieldKind::Op => {
                     let d_x = d_args[0].expect("op inputs are tensors");
-                    let call = cx.spanned(n, quote!(Op::backward));
+                    let call = cx.qualified(n, quote!(Op::backward));
                     b.push(move |nm| {
                         let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
                         quote!(let #dx = #call(&#this_field, cx, #site, #s, #dy)?;)
@@ -937,7 +955,7 @@ fn backward_node<'a>(
             let d_h = d_args[0].expect("logits inputs are tensors");
             let this_field = cx.this_field(n);
             let name = cx.field(n).name();
-            let call = cx.spanned(n, quote!(VocabParallel::logits_backward));
+            let call = cx.qualified(n, quote!(VocabParallel::logits_backward));
             let saved = saved.expect("logits save");
             let doc = comment(&format!(
                 "`{name}.logits`: f's backward, all-reduce of the input gradient over tp."
