@@ -161,20 +161,15 @@ fn expand_impl(item: syn::ItemImpl) -> TokenStream2 {
             let name = generate::callback_name(&ident);
             quote!(#name! { #item })
         }
-        _ => {
-            // Not `impl Name`: report it without the callback.
-            let root = Root::find();
-            match parse::parse_impl(item) {
-                Err(e) => e.to_compile_error(),
-                Ok(imp) => generate::impl_error_items(
-                    &root,
-                    None,
-                    &imp.self_ident,
-                    None,
-                    syn::Error::new(proc_macro2::Span::call_site(), "unexpected impl"),
-                ),
-            }
-        }
+        // Not `impl Name`: report why without the callback.
+        _ => match parse::parse_impl(item) {
+            Err(e) => e.to_compile_error(),
+            Ok(imp) => syn::Error::new_spanned(
+                &imp.self_ident,
+                "#[megatron::module] impls are for a module struct named in the same module",
+            )
+            .to_compile_error(),
+        },
     }
 }
 
@@ -215,10 +210,6 @@ fn module_impl(root: &Root, input: TokenStream2) -> TokenStream2 {
         // The struct's own expansion reports its errors.
         Err(_) => return TokenStream2::new(),
     };
-    let self_ident = match &*both.item_impl.self_ty {
-        syn::Type::Path(p) => p.path.get_ident().cloned(),
-        _ => None,
-    };
     let signature = forward_input_types(&both.item_impl);
     let result = parse::parse_impl(both.item_impl).and_then(|imp| {
         let g = model::build(&imp.forward)?;
@@ -227,13 +218,7 @@ fn module_impl(root: &Root, input: TokenStream2) -> TokenStream2 {
     });
     match result {
         Ok(tokens) => tokens,
-        Err(e) => generate::impl_error_items(
-            root,
-            Some(&s),
-            self_ident.as_ref().unwrap_or(&s.ident),
-            signature.as_deref(),
-            e,
-        ),
+        Err(e) => generate::impl_error_items(root, &s, signature.as_deref(), e),
     }
 }
 

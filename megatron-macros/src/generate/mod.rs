@@ -327,7 +327,6 @@ pub fn impl_items(
     g: &Graph,
     a: &Analysis,
 ) -> TokenStream {
-    let rt = &root.runtime;
     let ident = &s.ident;
     let vis = &s.vis;
     let saved = saved_name(&s.ident);
@@ -352,7 +351,6 @@ pub fn impl_items(
     let backward_fn = bwd;
     let attrs = &imp.attrs;
     let others = &imp.others;
-    let _ = rt;
     quote! {
         #saved_doc
         #vis struct #saved {
@@ -375,21 +373,15 @@ pub fn impl_items(
 /// right signatures, so that modules calling this one report nothing more.
 pub fn impl_error_items(
     root: &Root,
-    s: Option<&ModuleStruct>,
-    self_ident: &syn::Ident,
+    s: &ModuleStruct,
     inputs: Option<&[InputType]>,
     errors: syn::Error,
 ) -> TokenStream {
     let rt = &root.runtime;
     let errors = errors.to_compile_error();
+    let self_ident = &s.ident;
     let saved = saved_name(self_ident);
-    let vis = s.map_or_else(
-        || quote!(pub),
-        |s| {
-            let v = &s.vis;
-            quote!(#v)
-        },
-    );
+    let vis = &s.vis;
     let methods = inputs.map(|inputs| {
         let tys: Vec<_> = inputs
             .iter()
