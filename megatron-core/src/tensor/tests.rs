@@ -107,7 +107,8 @@ fn disjoint_views_of_one_storage_are_written_at_once() {
     drop((wa, wb));
     assert_eq!(flat.to_vec::<f32>().unwrap(), [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]);
     // Shared reads of overlapping views coexist.
+    let view = flat.narrow(0, 2, 3).unwrap();
     let r1 = flat.read::<f32>().unwrap();
-    let r2 = flat.narrow(0, 2, 3).unwrap().read::<f32>().unwrap();
+    let r2 = view.read::<f32>().unwrap();
     assert_eq!(r1[2], r2[0]);
 }

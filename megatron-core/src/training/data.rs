@@ -75,7 +75,7 @@ impl BatchPlan {
         if self.seq_length == 0 || self.micro_batch == 0 || self.global_batch == 0 {
             return invalid!("sequence length, micro batch and global batch must be at least 1");
         }
-        if self.global_batch % per_step != 0 {
+        if !self.global_batch.is_multiple_of(per_step) {
             return invalid!(
                 "global batch size {} is not divisible by micro batch size {} × data-parallel size {} = {per_step}",
                 self.global_batch,
