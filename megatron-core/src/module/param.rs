@@ -155,6 +155,8 @@ pub struct Builder {
     prefix: Vec<String>,
     groups: Vec<(GroupKind, usize, usize)>,
     dtype: DType,
+    /// Shapes only: parameters are zeros that are never written (untouched pages cost no memory).
+    meta: bool,
 }
 
 impl Builder {
