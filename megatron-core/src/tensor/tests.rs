@@ -105,7 +105,10 @@ fn disjoint_views_of_one_storage_are_written_at_once() {
     assert!(flat.read::<f32>().is_err());
     assert!(flat.narrow(0, 3, 2).unwrap().write::<f32>().is_err());
     drop((wa, wb));
-    assert_eq!(flat.to_vec::<f32>().unwrap(), [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]);
+    assert_eq!(
+        flat.to_vec::<f32>().unwrap(),
+        [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+    );
     // Shared reads of overlapping views coexist.
     let view = flat.narrow(0, 2, 3).unwrap();
     let r1 = flat.read::<f32>().unwrap();
