@@ -14,5 +14,6 @@ pub mod prelude;
 pub mod rng;
 pub mod tensor;
 pub mod tensor_parallel;
+pub mod training;
 
 pub use error::{Error, Result};

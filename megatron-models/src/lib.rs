@@ -1,1 +1,7 @@
 //! Models written with the megatron-rs DSL, registered by name.
+
+pub mod config;
+pub mod registry;
+
+pub use config::GptConfig;
+pub use registry::{ModelPreset, preset, presets};

@@ -155,6 +155,8 @@ pub struct Builder {
     prefix: Vec<String>,
     groups: Vec<(GroupKind, usize, usize)>,
     dtype: DType,
+    /// Shapes only: parameters are zeros that are never written (untouched pages cost no memory).
+    meta: bool,
 }
 
 impl Builder {
@@ -165,7 +167,15 @@ impl Builder {
             prefix: Vec::new(),
             groups: Vec::new(),
             dtype: DType::F32,
+            meta: false,
         }
+    }
+
+    /// A builder that skips initial values: every parameter is zeros, allocated but never
+    /// written, so a model's shapes and names can be listed without the memory of its values.
+    pub fn meta(mut self) -> Self {
+        self.meta = true;
+        self
     }
 
     /// Sets this rank's index and the size of a group parameters may be split over.

@@ -150,9 +150,14 @@ pub fn matmul_into(alpha: f32, a: &Tensor, b: &Tensor, beta: f32, c: &Tensor) ->
             ),
         });
     }
-    let a_data = a.read_storage::<f32>()?;
-    let b_data = b.read_storage::<f32>()?;
-    let mut c_data = c.write_storage::<f32>()?;
+    // Borrow the spans the views touch; offsets below are relative to each span.
+    let (a_data, a_base) = a.read_span::<f32>()?;
+    let (b_data, b_base) = b.read_span::<f32>()?;
+    let (mut c_data, c_base) = c.write_span::<f32>()?;
+    let (mut av, mut bv, mut cv) = (av, bv, cv);
+    av.offset -= a_base;
+    bv.offset -= b_base;
+    cv.offset -= c_base;
     if batch == 1 {
         // C seen as one m × n matrix: its batch dimensions must fold onto its rows.
         if cv.batch > 1 && cv.batch_stride != cv.rows * cv.row_stride {

@@ -12,13 +12,11 @@ mod storage;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
-use parking_lot::{
-    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard,
-};
 use thiserror::Error;
 
 pub use dtype::{DType, Element};
 pub use layout::{Layout, Shape};
+pub(crate) use storage::RawBorrow;
 pub use storage::{CpuBuffer, Device, Storage};
 
 use crate::kernels::KernelError;
@@ -287,54 +285,91 @@ impl Tensor {
     /// Borrows the elements of a contiguous tensor for reading.
     pub fn read<T: Element>(&self) -> Result<TensorRead<'_, T>> {
         self.require_contiguous("read")?;
-        let range = self.layout.offset..self.layout.offset + self.numel();
-        let storage = self.read_storage::<T>()?;
-        Ok(TensorRead(MappedRwLockReadGuard::map(storage.0, |all| {
-            &all[range]
-        })))
+        self.require_dtype("read", T::DTYPE)?;
+        let borrow = self.raw_read("read")?;
+        // SAFETY: the borrow covers exactly these elements of type T and is shared-only.
+        let slice = unsafe { std::slice::from_raw_parts(borrow.addr() as *const T, borrow.len()) };
+        Ok(TensorRead {
+            slice,
+            _borrow: borrow,
+        })
     }
 
     /// Borrows the elements of a contiguous tensor for writing.
     pub fn write<T: Element>(&self) -> Result<TensorWrite<'_, T>> {
         self.require_contiguous("write")?;
-        let range = self.layout.offset..self.layout.offset + self.numel();
-        let storage = self.write_storage::<T>()?;
-        Ok(TensorWrite(MappedRwLockWriteGuard::map(storage.0, |all| {
-            &mut all[range]
-        })))
-    }
-
-    /// Borrows the whole storage for reading (any layout); `layout()` says where the view lies.
-    pub fn read_storage<T: Element>(&self) -> Result<TensorRead<'_, T>> {
-        self.require_dtype("read", T::DTYPE)?;
-        let guard = self.lock_read("read")?;
-        Ok(TensorRead(RwLockReadGuard::map(guard, |b| {
-            T::slice(b).expect("dtype checked")
-        })))
-    }
-
-    /// Borrows the whole storage for writing (any layout).
-    pub fn write_storage<T: Element>(&self) -> Result<TensorWrite<'_, T>> {
         self.require_dtype("write", T::DTYPE)?;
-        let guard = self.lock_write("write")?;
-        Ok(TensorWrite(RwLockWriteGuard::map(guard, |b| {
-            T::slice_mut(b).expect("dtype checked")
-        })))
+        let borrow = self.raw_write("write")?;
+        // SAFETY: the borrow covers exactly these elements of type T, exclusively.
+        let slice =
+            unsafe { std::slice::from_raw_parts_mut(borrow.addr() as *mut T, borrow.len()) };
+        Ok(TensorWrite {
+            slice,
+            _borrow: borrow,
+        })
     }
 
-    /// Locks the whole storage for reading, shared with other readers.
-    pub(crate) fn lock_read(&self, op: &'static str) -> Result<RwLockReadGuard<'_, CpuBuffer>> {
+    /// Borrows the span of storage a (possibly strided) view touches, for reading; returns it
+    /// with the storage index of its first element.
+    pub(crate) fn read_span<T: Element>(&self) -> Result<(TensorRead<'_, T>, usize)> {
+        self.require_dtype("read", T::DTYPE)?;
+        let (start, end) = (self.layout.offset, self.layout.end());
+        let borrow = self
+            .storage
+            .borrow(start, end, false)
+            .ok_or(TensorError::Borrowed {
+                op: "read",
+                write: false,
+            })?;
+        // SAFETY: as in `read`, for the span.
+        let slice = unsafe { std::slice::from_raw_parts(borrow.addr() as *const T, borrow.len()) };
+        Ok((
+            TensorRead {
+                slice,
+                _borrow: borrow,
+            },
+            start,
+        ))
+    }
+
+    /// Borrows the span of storage a (possibly strided) view touches, for writing.
+    pub(crate) fn write_span<T: Element>(&self) -> Result<(TensorWrite<'_, T>, usize)> {
+        self.require_dtype("write", T::DTYPE)?;
+        let (start, end) = (self.layout.offset, self.layout.end());
+        let borrow = self
+            .storage
+            .borrow(start, end, true)
+            .ok_or(TensorError::Borrowed {
+                op: "write",
+                write: true,
+            })?;
+        // SAFETY: as in `write`, for the span.
+        let slice =
+            unsafe { std::slice::from_raw_parts_mut(borrow.addr() as *mut T, borrow.len()) };
+        Ok((
+            TensorWrite {
+                slice,
+                _borrow: borrow,
+            },
+            start,
+        ))
+    }
+
+    /// Borrows a contiguous view's elements for reading through raw pointers.
+    pub(crate) fn raw_read(&self, op: &'static str) -> Result<RawBorrow<'_>> {
+        self.require_contiguous(op)?;
+        let start = self.layout.offset;
         self.storage
-            .lock()
-            .try_read_recursive()
+            .borrow(start, start + self.numel(), false)
             .ok_or(TensorError::Borrowed { op, write: false })
     }
 
-    /// Locks the whole storage for writing.
-    pub(crate) fn lock_write(&self, op: &'static str) -> Result<RwLockWriteGuard<'_, CpuBuffer>> {
+    /// Borrows a contiguous view's elements for writing through raw pointers.
+    pub(crate) fn raw_write(&self, op: &'static str) -> Result<RawBorrow<'_>> {
+        self.require_contiguous(op)?;
+        let start = self.layout.offset;
         self.storage
-            .lock()
-            .try_write()
+            .borrow(start, start + self.numel(), true)
             .ok_or(TensorError::Borrowed { op, write: true })
     }
 
@@ -345,9 +380,9 @@ impl Tensor {
 
     /// The elements in row-major order, of exactly type `T`.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
-        let storage = self.read_storage::<T>()?;
+        let (span, base) = self.read_span::<T>()?;
         let mut out = Vec::with_capacity(self.numel());
-        for_each_offset(&self.layout, |i| out.push(storage[i]));
+        for_each_offset(&self.layout, |i| out.push(span[i - base]));
         Ok(out)
     }
 
@@ -430,9 +465,9 @@ impl Tensor {
                 let mut k = 0;
                 macro_rules! from {
                     ($src:ty) => {{
-                        let s = src.read_storage::<$src>()?;
+                        let (s, base) = src.read_span::<$src>()?;
                         for_each_offset(&src.layout, |i| {
-                            dst[k] = <$dst as Element>::from_f32(s[i].to_f32());
+                            dst[k] = <$dst as Element>::from_f32(s[i - base].to_f32());
                             k += 1;
                         });
                     }};
@@ -442,9 +477,9 @@ impl Tensor {
                     DType::BF16 => from!(half::bf16),
                     DType::F16 => from!(half::f16),
                     DType::I64 => {
-                        let s = src.read_storage::<i64>()?;
+                        let (s, base) = src.read_span::<i64>()?;
                         for_each_offset(&src.layout, |i| {
-                            dst[k] = <$dst as FromI64>::from_i64(s[i]);
+                            dst[k] = <$dst as FromI64>::from_i64(s[i - base]);
                             k += 1;
                         });
                     }
@@ -536,28 +571,34 @@ pub(crate) fn for_each_offset(layout: &Layout, mut f: impl FnMut(usize)) {
 }
 
 /// A shared borrow of a tensor's elements.
-pub struct TensorRead<'a, T>(MappedRwLockReadGuard<'a, [T]>);
+pub struct TensorRead<'a, T> {
+    slice: &'a [T],
+    _borrow: RawBorrow<'a>,
+}
 
 impl<T> Deref for TensorRead<'_, T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
-        &self.0
+        self.slice
     }
 }
 
 /// An exclusive borrow of a tensor's elements.
-pub struct TensorWrite<'a, T>(MappedRwLockWriteGuard<'a, [T]>);
+pub struct TensorWrite<'a, T> {
+    slice: &'a mut [T],
+    _borrow: RawBorrow<'a>,
+}
 
 impl<T> Deref for TensorWrite<'_, T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
-        &self.0
+        self.slice
     }
 }
 
 impl<T> DerefMut for TensorWrite<'_, T> {
     fn deref_mut(&mut self) -> &mut [T] {
-        &mut self.0
+        self.slice
     }
 }
 

@@ -1,15 +1,20 @@
-//! Storage: one reference-counted, lock-guarded buffer that tensors view.
+//! Storage: one reference-counted buffer that many tensors view, with borrows tracked by range.
 //!
-//! Several tensors may view one storage (a parameter inside the flat parameter buffer, a
-//! transposed view, a shard of a gradient bucket). Reads take a shared borrow and writes an
-//! exclusive one; a conflicting borrow is an error (aliasing an output with an input), not a wait.
+//! Several tensors may view one storage (every parameter inside the flat parameter buffer, a
+//! transposed view, a shard of a gradient bucket). A read borrows a range of elements shared, a
+//! write borrows it exclusively; borrows of disjoint ranges never conflict, so two parameters'
+//! gradients in one flat buffer can be written at once. A conflicting borrow (an output that
+//! aliases an input) is an error, not a wait and not a data race.
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use half::{bf16, f16};
-use parking_lot::RwLock;
+use parking_lot::Mutex;
 
 use super::dtype::DType;
 
-/// Host memory of one dtype.
+/// Host memory of one dtype, as handed to a new storage.
 #[derive(Debug, Clone, PartialEq)]
 pub enum CpuBuffer {
     /// f32 elements.
@@ -57,27 +62,6 @@ impl CpuBuffer {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-
-    /// Address of the first element, for reading through raw pointers.
-    pub(crate) fn base_addr(&self) -> usize {
-        match self {
-            CpuBuffer::F32(v) => v.as_ptr() as usize,
-            CpuBuffer::BF16(v) => v.as_ptr() as usize,
-            CpuBuffer::F16(v) => v.as_ptr() as usize,
-            CpuBuffer::I64(v) => v.as_ptr() as usize,
-        }
-    }
-
-    /// Address of the first element, derived from a unique borrow, for writing through raw
-    /// pointers while that borrow is held.
-    pub(crate) fn base_addr_mut(&mut self) -> usize {
-        match self {
-            CpuBuffer::F32(v) => v.as_mut_ptr() as usize,
-            CpuBuffer::BF16(v) => v.as_mut_ptr() as usize,
-            CpuBuffer::F16(v) => v.as_mut_ptr() as usize,
-            CpuBuffer::I64(v) => v.as_mut_ptr() as usize,
-        }
-    }
 }
 
 /// Where a tensor's memory lives.
@@ -88,21 +72,58 @@ pub enum Device {
     Cpu,
 }
 
-/// The shared, lock-guarded memory behind one or more tensors.
+/// One outstanding borrow of a range of elements.
+#[derive(Debug, Clone, Copy)]
+struct Borrow {
+    id: u64,
+    start: usize,
+    end: usize,
+    write: bool,
+}
+
+/// The memory behind one or more tensors: an allocation owned through a raw pointer, so that
+/// disjoint ranges can be lent out mutably at the same time.
 #[derive(Debug)]
 pub struct Storage {
     dtype: DType,
     len: usize,
-    data: RwLock<CpuBuffer>,
+    cap: usize,
+    ptr: NonNull<u8>,
+    borrows: Mutex<Vec<Borrow>>,
+    next_id: AtomicU64,
+}
+
+// SAFETY: elements are only reached through `RawBorrow`s, which the borrow list keeps from
+// overlapping unless all are reads; the allocation itself is never resized while shared.
+unsafe impl Send for Storage {}
+unsafe impl Sync for Storage {}
+
+macro_rules! each_dtype {
+    ($buffer:expr, $v:ident => $body:expr) => {
+        match $buffer {
+            CpuBuffer::F32($v) => $body,
+            CpuBuffer::BF16($v) => $body,
+            CpuBuffer::F16($v) => $body,
+            CpuBuffer::I64($v) => $body,
+        }
+    };
 }
 
 impl Storage {
-    /// Wraps a buffer.
+    /// Takes ownership of a buffer.
     pub fn new(buffer: CpuBuffer) -> Self {
+        let dtype = buffer.dtype();
+        let (ptr, len, cap) = each_dtype!(buffer, v => {
+            let mut v = std::mem::ManuallyDrop::new(v);
+            (v.as_mut_ptr() as *mut u8, v.len(), v.capacity())
+        });
         Storage {
-            dtype: buffer.dtype(),
-            len: buffer.len(),
-            data: RwLock::new(buffer),
+            dtype,
+            len,
+            cap,
+            ptr: NonNull::new(ptr).expect("a Vec's pointer is never null"),
+            borrows: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(0),
         }
     }
 
@@ -126,7 +147,82 @@ impl Storage {
         Device::Cpu
     }
 
-    pub(crate) fn lock(&self) -> &RwLock<CpuBuffer> {
-        &self.data
+    /// Borrows elements `start..end` for reading (shared) or writing (exclusive); `None` if the
+    /// range overlaps a borrow it conflicts with.
+    pub(crate) fn borrow(&self, start: usize, end: usize, write: bool) -> Option<RawBorrow<'_>> {
+        assert!(
+            start <= end && end <= self.len,
+            "borrow {start}..{end} of a storage of {}",
+            self.len
+        );
+        let mut borrows = self.borrows.lock();
+        let conflict = borrows
+            .iter()
+            .any(|b| (write || b.write) && b.start < end && start < b.end && start < end);
+        if conflict {
+            return None;
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        borrows.push(Borrow {
+            id,
+            start,
+            end,
+            write,
+        });
+        Some(RawBorrow {
+            storage: self,
+            id,
+            start,
+            end,
+        })
+    }
+
+    fn release(&self, id: u64) {
+        let mut borrows = self.borrows.lock();
+        if let Some(i) = borrows.iter().position(|b| b.id == id) {
+            borrows.swap_remove(i);
+        }
+    }
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        let (ptr, len, cap) = (self.ptr.as_ptr(), self.len, self.cap);
+        // SAFETY: the parts came from a Vec of this dtype in `new` and nothing borrows them now.
+        unsafe {
+            match self.dtype {
+                DType::F32 => drop(Vec::from_raw_parts(ptr as *mut f32, len, cap)),
+                DType::BF16 => drop(Vec::from_raw_parts(ptr as *mut bf16, len, cap)),
+                DType::F16 => drop(Vec::from_raw_parts(ptr as *mut f16, len, cap)),
+                DType::I64 => drop(Vec::from_raw_parts(ptr as *mut i64, len, cap)),
+            }
+        }
+    }
+}
+
+/// A registered borrow of a range of a storage's elements; released on drop.
+#[derive(Debug)]
+pub(crate) struct RawBorrow<'a> {
+    storage: &'a Storage,
+    id: u64,
+    start: usize,
+    end: usize,
+}
+
+impl RawBorrow<'_> {
+    /// Address of the first borrowed element.
+    pub fn addr(&self) -> usize {
+        self.storage.ptr.as_ptr() as usize + self.start * self.storage.dtype.size()
+    }
+
+    /// Number of borrowed elements.
+    pub fn len(&self) -> usize {
+        self.end - self.start
+    }
+}
+
+impl Drop for RawBorrow<'_> {
+    fn drop(&mut self) {
+        self.storage.release(self.id);
     }
 }

@@ -92,3 +92,26 @@ fn copy_from_overlapping_view() {
     dst.copy_from(&t.narrow(0, 0, 3).unwrap()).unwrap();
     assert_eq!(t.to_vec::<f32>().unwrap(), vec![0., 0., 1., 2.]);
 }
+
+#[test]
+fn disjoint_views_of_one_storage_are_written_at_once() {
+    let flat = Tensor::zeros([10], DType::F32);
+    let (a, b) = (flat.narrow(0, 0, 4).unwrap(), flat.narrow(0, 4, 6).unwrap());
+    let mut wa = a.write::<f32>().unwrap();
+    let mut wb = b.write::<f32>().unwrap();
+    wa.fill(1.0);
+    wb.fill(2.0);
+    // Overlapping borrows conflict while held, and are free again once dropped.
+    assert!(flat.read::<f32>().is_err());
+    assert!(flat.narrow(0, 3, 2).unwrap().write::<f32>().is_err());
+    drop((wa, wb));
+    assert_eq!(
+        flat.to_vec::<f32>().unwrap(),
+        [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+    );
+    // Shared reads of overlapping views coexist.
+    let view = flat.narrow(0, 2, 3).unwrap();
+    let r1 = flat.read::<f32>().unwrap();
+    let r2 = view.read::<f32>().unwrap();
+    assert_eq!(r1[2], r2[0]);
+}

@@ -7,7 +7,7 @@ use super::group::{Arrival, GroupShared};
 use super::world::WorldShared;
 use crate::comm::stats::Counters;
 use crate::comm::{CallDesc, CommError, CommStats, Communicator, OpKind, ReduceOp, Result};
-use crate::tensor::{CpuBuffer, Tensor};
+use crate::tensor::Tensor;
 
 /// One rank's handle on a group of an in-process world.
 #[derive(Debug)]
@@ -115,10 +115,9 @@ impl ThreadComm {
                     part.layout().offset
                 )));
             }
-            let mut guard = whole.lock_write(op)?;
-            let base = addr_mut(&mut guard, whole);
+            let borrow = whole.raw_write(op)?;
             let whole_buf = RawBuf {
-                addr: base,
+                addr: borrow.addr(),
                 len: whole.numel(),
             };
             let part_buf = whole_buf.slice(self.index * slot_len, slot_len, size);
@@ -129,29 +128,19 @@ impl ThreadComm {
             };
             self.arrive(desc, i, o)
         } else {
-            let in_guard = input.lock_read(op)?;
-            let mut out_guard = output.lock_write(op)?;
+            let in_borrow = input.raw_read(op)?;
+            let out_borrow = output.raw_write(op)?;
             let i = RawBuf {
-                addr: addr(&in_guard, input),
+                addr: in_borrow.addr(),
                 len: input.numel(),
             };
             let o = RawBuf {
-                addr: addr_mut(&mut out_guard, output),
+                addr: out_borrow.addr(),
                 len: output.numel(),
             };
             self.arrive(desc, i, o)
         }
     }
-}
-
-/// Address of a contiguous view's first element in a read-locked buffer.
-fn addr(buffer: &CpuBuffer, t: &Tensor) -> usize {
-    buffer.base_addr() + t.layout().offset * t.dtype().size()
-}
-
-/// Address of a contiguous view's first element in a write-locked buffer.
-fn addr_mut(buffer: &mut CpuBuffer, t: &Tensor) -> usize {
-    buffer.base_addr_mut() + t.layout().offset * t.dtype().size()
 }
 
 impl Communicator for ThreadComm {
@@ -170,9 +159,9 @@ impl Communicator for ThreadComm {
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         tensor.contiguous_for("all_reduce")?;
         let desc = self.desc(OpKind::AllReduce, tensor, Some(op), None);
-        let mut guard = tensor.lock_write("all_reduce")?;
+        let borrow = tensor.raw_write("all_reduce")?;
         let buf = RawBuf {
-            addr: addr_mut(&mut guard, tensor),
+            addr: borrow.addr(),
             len: tensor.numel(),
         };
         self.arrive(desc, buf, buf)?;
@@ -221,9 +210,9 @@ impl Communicator for ThreadComm {
         self.check_peer("broadcast root", root)?;
         tensor.contiguous_for("broadcast")?;
         let desc = self.desc(OpKind::Broadcast, tensor, None, Some(root));
-        let mut guard = tensor.lock_write("broadcast")?;
+        let borrow = tensor.raw_write("broadcast")?;
         let buf = RawBuf {
-            addr: addr_mut(&mut guard, tensor),
+            addr: borrow.addr(),
             len: tensor.numel(),
         };
         self.arrive(desc, buf, buf)?;
@@ -262,16 +251,16 @@ impl Communicator for ThreadComm {
         input.contiguous_for("all_to_all")?;
         output.contiguous_for("all_to_all")?;
         let desc = self.desc(OpKind::AllToAll, input, None, None);
-        let in_guard = input.lock_read("all_to_all")?;
-        let mut out_guard = output.lock_write("all_to_all")?;
+        let in_borrow = input.raw_read("all_to_all")?;
+        let out_borrow = output.raw_write("all_to_all")?;
         let arrival = Arrival {
             desc,
             input: RawBuf {
-                addr: addr(&in_guard, input),
+                addr: in_borrow.addr(),
                 len: input.numel(),
             },
             output: RawBuf {
-                addr: addr_mut(&mut out_guard, output),
+                addr: out_borrow.addr(),
                 len: output.numel(),
             },
             send_splits: send_splits.to_vec(),
@@ -294,10 +283,9 @@ impl Communicator for ThreadComm {
         tensor.contiguous_for("send")?;
         let nbytes = tensor.numel() * tensor.dtype().size();
         let bytes = {
-            let guard = tensor.lock_read("send")?;
-            // SAFETY: the read lock keeps the contiguous view's bytes alive and unwritten.
-            unsafe { std::slice::from_raw_parts(addr(&guard, tensor) as *const u8, nbytes) }
-                .to_vec()
+            let borrow = tensor.raw_read("send")?;
+            // SAFETY: the shared borrow keeps the contiguous view's bytes alive and unwritten.
+            unsafe { std::slice::from_raw_parts(borrow.addr() as *const u8, nbytes) }.to_vec()
         };
         self.group.post(
             self.index,
@@ -320,11 +308,11 @@ impl Communicator for ThreadComm {
         tensor.contiguous_for("recv")?;
         let desc = self.desc(OpKind::Recv, tensor, None, Some(src));
         let nbytes = tensor.numel() * tensor.dtype().size();
-        let mut guard = tensor.lock_write("recv")?;
-        let dst = addr_mut(&mut guard, tensor);
+        let borrow = tensor.raw_write("recv")?;
+        let dst = borrow.addr();
         self.group
             .take(&self.world, src, self.index, &desc, |_, bytes| {
-                // SAFETY: the write lock is held; sizes were matched against the sender's call.
+                // SAFETY: the exclusive borrow is held; sizes were matched against the sender's call.
                 unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst as *mut u8, nbytes) };
                 Ok(())
             })?;

@@ -1,0 +1,237 @@
+//! Training batches from a token stream: deterministic samples of `seq + 1` tokens, the same on
+//! every rank, cut into data-parallel shares and microbatches.
+
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::invalid;
+use crate::rng::splitmix64_mix;
+use crate::tensor::Tensor;
+
+/// A stream of token ids with a vocabulary.
+#[derive(Debug, Clone)]
+pub struct TokenStream {
+    tokens: Arc<Vec<u32>>,
+    vocab_size: usize,
+}
+
+impl TokenStream {
+    /// Bytes as tokens of a 256-symbol vocabulary (byte-level tokenizer: no files needed).
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        TokenStream {
+            tokens: Arc::new(bytes.iter().map(|&b| u32::from(b)).collect()),
+            vocab_size: 256,
+        }
+    }
+
+    /// Any token ids below `vocab_size`.
+    pub fn new(tokens: Vec<u32>, vocab_size: usize) -> Result<Self> {
+        if let Some((i, &t)) = tokens
+            .iter()
+            .enumerate()
+            .find(|&(_, &t)| t as usize >= vocab_size)
+        {
+            return invalid!("token {t} at position {i} is outside the vocabulary of {vocab_size}");
+        }
+        Ok(TokenStream {
+            tokens: Arc::new(tokens),
+            vocab_size,
+        })
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether there are no tokens.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+}
+
+/// How a global batch is cut: samples per step, per microbatch, and the data-parallel size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchPlan {
+    /// Tokens per sample (the model's sequence length).
+    pub seq_length: usize,
+    /// Samples in one microbatch on one rank.
+    pub micro_batch: usize,
+    /// Samples per step over all data-parallel ranks.
+    pub global_batch: usize,
+    /// Data-parallel size.
+    pub dp: usize,
+}
+
+impl BatchPlan {
+    /// Checks that the global batch cuts into whole microbatches on every data-parallel rank.
+    pub fn validate(&self) -> Result<()> {
+        let per_step = self.micro_batch * self.dp;
+        if self.seq_length == 0 || self.micro_batch == 0 || self.global_batch == 0 {
+            return invalid!("sequence length, micro batch and global batch must be at least 1");
+        }
+        if !self.global_batch.is_multiple_of(per_step) {
+            return invalid!(
+                "global batch size {} is not divisible by micro batch size {} × data-parallel size {} = {per_step}",
+                self.global_batch,
+                self.micro_batch,
+                self.dp
+            );
+        }
+        Ok(())
+    }
+
+    /// Microbatches each data-parallel rank runs per step (gradient accumulation).
+    pub fn microbatches(&self) -> usize {
+        self.global_batch / (self.micro_batch * self.dp)
+    }
+
+    /// Index, over the whole step, of a rank's microbatch (the same on every layout).
+    pub fn global_microbatch(&self, dp_rank: usize, micro: usize) -> usize {
+        dp_rank * self.microbatches() + micro
+    }
+}
+
+/// Deterministic samples of a token stream.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    stream: TokenStream,
+    plan: BatchPlan,
+    seed: u64,
+}
+
+impl Sampler {
+    /// Samples of `plan.seq_length + 1` tokens from `stream`, chosen by `seed`.
+    pub fn new(stream: TokenStream, plan: BatchPlan, seed: u64) -> Result<Sampler> {
+        plan.validate()?;
+        if stream.len() <= plan.seq_length + 1 {
+            return invalid!(
+                "the data has {} tokens, fewer than one sample of {} + 1",
+                stream.len(),
+                plan.seq_length
+            );
+        }
+        Ok(Sampler { stream, plan, seed })
+    }
+
+    /// The batch plan.
+    pub fn plan(&self) -> &BatchPlan {
+        &self.plan
+    }
+
+    /// Start of the `k`-th sample of the run in the token stream.
+    fn start(&self, k: u64) -> usize {
+        let span = (self.stream.len() - self.plan.seq_length - 1) as u64;
+        (splitmix64_mix(self.seed ^ splitmix64_mix(k.wrapping_add(0x51_7cc1_b727_220a))) % span)
+            as usize
+    }
+
+    /// Tokens and targets `[seq, micro_batch]` (i64, sequence first) of one microbatch.
+    pub fn microbatch(&self, step: u64, dp_rank: usize, micro: usize) -> Result<(Tensor, Tensor)> {
+        let (s, b) = (self.plan.seq_length, self.plan.micro_batch);
+        let first = step * self.plan.global_batch as u64
+            + (self.plan.global_microbatch(dp_rank, micro) * b) as u64;
+        let mut tokens = vec![0i64; s * b];
+        let mut targets = vec![0i64; s * b];
+        for j in 0..b {
+            let start = self.start(first + j as u64);
+            let window = &self.stream.tokens[start..start + s + 1];
+            for i in 0..s {
+                tokens[i * b + j] = i64::from(window[i]);
+                targets[i * b + j] = i64::from(window[i + 1]);
+            }
+        }
+        Ok((
+            Tensor::from_vec(tokens, [s, b])?,
+            Tensor::from_vec(targets, [s, b])?,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn microbatches_are_the_same_samples_on_every_layout() {
+        let text: Vec<u8> = (0..5000u32).map(|i| (i * 31 % 251) as u8).collect();
+        let stream = TokenStream::from_bytes(&text);
+        let one = Sampler::new(
+            stream.clone(),
+            BatchPlan {
+                seq_length: 8,
+                micro_batch: 2,
+                global_batch: 8,
+                dp: 1,
+            },
+            5,
+        )
+        .unwrap();
+        let two = Sampler::new(
+            stream,
+            BatchPlan {
+                seq_length: 8,
+                micro_batch: 2,
+                global_batch: 8,
+                dp: 2,
+            },
+            5,
+        )
+        .unwrap();
+        assert_eq!(one.plan().microbatches(), 4);
+        assert_eq!(two.plan().microbatches(), 2);
+        for step in 0..3 {
+            for g in 0..4 {
+                let a = one.microbatch(step, 0, g).unwrap();
+                let b = two.microbatch(step, g / 2, g % 2).unwrap();
+                assert_eq!(a.0.to_vec::<i64>().unwrap(), b.0.to_vec::<i64>().unwrap());
+            }
+        }
+        let (tokens, targets) = one.microbatch(0, 0, 0).unwrap();
+        let (t, y) = (
+            tokens.to_vec::<i64>().unwrap(),
+            targets.to_vec::<i64>().unwrap(),
+        );
+        // targets are the tokens shifted by one, sequence-first.
+        assert_eq!(t[2..], y[..y.len() - 2]);
+        assert_ne!(
+            one.microbatch(1, 0, 0).unwrap().0.to_vec::<i64>().unwrap(),
+            t
+        );
+    }
+
+    #[test]
+    fn bad_plans_are_errors() {
+        let plan = BatchPlan {
+            seq_length: 8,
+            micro_batch: 3,
+            global_batch: 8,
+            dp: 2,
+        };
+        assert_eq!(
+            plan.validate().unwrap_err().to_string(),
+            "global batch size 8 is not divisible by micro batch size 3 × data-parallel size 2 = 6"
+        );
+        let short = Sampler::new(
+            TokenStream::from_bytes(b"abc"),
+            BatchPlan {
+                seq_length: 8,
+                micro_batch: 1,
+                global_batch: 1,
+                dp: 1,
+            },
+            0,
+        );
+        assert!(
+            short
+                .unwrap_err()
+                .to_string()
+                .contains("fewer than one sample")
+        );
+    }
+}

@@ -1,0 +1,182 @@
+//! Training: microbatches with gradient accumulation, the data-parallel gradient all-reduce on
+//! the flat gradient buffer, global gradient-norm clipping, AdamW and the learning-rate schedule.
+
+mod data;
+mod optimizer;
+mod schedule;
+
+use std::time::Instant;
+
+pub use data::{BatchPlan, Sampler, TokenStream};
+pub use optimizer::{AdamW, AdamWConfig, clip_grads, grad_norm};
+pub use schedule::{DecayStyle, LrSchedule};
+
+use crate::comm::{CommStats, Communicator, ParallelState, ReduceOp};
+use crate::error::Result;
+use crate::module::{Cx, Ids, Module, ParamBuffers};
+use crate::parallel::GroupKind;
+use crate::tensor::{DType, Tensor};
+
+/// A model that maps token ids to per-token losses (a language model with its loss).
+pub trait LanguageModel: Module {
+    /// Per-token losses `[s, b]` of predicting `targets` from `tokens` (both `[s, b]`).
+    fn losses(&self, cx: &Cx, tokens: &Ids, targets: &Ids) -> Result<(Tensor, Self::Saved)>;
+    /// Accumulates parameter gradients from the losses' gradient.
+    fn backward_losses(&self, cx: &Cx, saved: Self::Saved, dlosses: &Tensor) -> Result<()>;
+}
+
+/// Megatron-LM's default data-parallel bucket: max(40M, 1M × dp) elements.
+pub fn default_bucket_elements(dp: usize) -> usize {
+    40_000_000usize.max(1_000_000 * dp)
+}
+
+/// Settings of a training run besides the model and the data.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TrainConfig {
+    /// Learning rate over the steps.
+    pub schedule: LrSchedule,
+    /// AdamW's hyper-parameters.
+    pub adam: AdamWConfig,
+    /// Global gradient-norm clipping threshold (0 disables it).
+    pub clip_grad: f64,
+    /// Seed of dropout masks (parameters and data have their own seeds).
+    pub seed: u64,
+    /// Elements per data-parallel all-reduce bucket of the gradient buffer.
+    pub bucket_elements: usize,
+}
+
+/// What one step did, as seen by one rank.
+#[derive(Debug, Clone)]
+pub struct StepMetrics {
+    /// 0-based step.
+    pub step: u64,
+    /// Mean loss per token over the whole global batch.
+    pub loss: f64,
+    /// Learning rate of the update.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Tokens of the global batch.
+    pub tokens: usize,
+    /// Wall time of the step.
+    pub seconds: f64,
+    /// This rank's communication during the step, per group.
+    pub comm: Vec<(GroupKind, CommStats)>,
+}
+
+/// One rank's training state: its model shard, flat buffers and optimizer state.
+pub struct Trainer<M: LanguageModel> {
+    model: M,
+    buffers: ParamBuffers,
+    optimizer: AdamW,
+    sampler: Sampler,
+    config: TrainConfig,
+}
+
+impl<M: LanguageModel> Trainer<M> {
+    /// Moves `model`'s parameters into flat buffers (padded to the data-parallel size).
+    pub fn new(
+        mut model: M,
+        parallel: &ParallelState,
+        sampler: Sampler,
+        config: TrainConfig,
+    ) -> Result<Self> {
+        let buffers = ParamBuffers::pack(&mut model, parallel.groups().config().dp)?;
+        let optimizer = AdamW::new(&buffers, config.adam)?;
+        Ok(Trainer {
+            model,
+            buffers,
+            optimizer,
+            sampler,
+            config,
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
+    /// The flat parameter and gradient buffers.
+    pub fn buffers(&self) -> &ParamBuffers {
+        &self.buffers
+    }
+
+    /// Runs step `step`: every microbatch forward and backward, the gradient all-reduce over the
+    /// data-parallel group, clipping and the optimizer update.
+    pub fn step(&mut self, parallel: &ParallelState, step: u64) -> Result<StepMetrics> {
+        let start = Instant::now();
+        let before = parallel.stats();
+        let plan = *self.sampler.plan();
+        let dp_rank = parallel.groups().dp_rank();
+        let tokens = plan.global_batch * plan.seq_length;
+        self.buffers.zero_grads()?;
+        let mut loss_sum = 0.0f64;
+        for micro in 0..plan.microbatches() {
+            let (x, y) = self.sampler.microbatch(step, dp_rank, micro)?;
+            let cx = Cx::new(parallel, self.config.seed)
+                .at(step, plan.global_microbatch(dp_rank, micro) as u64);
+            let (losses, saved) = self.model.losses(&cx, &x, &y)?;
+            loss_sum += losses
+                .to_vec_f32()?
+                .iter()
+                .map(|&l| f64::from(l))
+                .sum::<f64>();
+            // d(mean loss over the global batch) / d(each token's loss).
+            let dlosses = Tensor::full(losses.shape().clone(), 1.0 / tokens as f32, DType::F32);
+            self.model.backward_losses(&cx, saved, &dlosses)?;
+        }
+        reduce_gradients(&self.buffers, parallel.dp(), self.config.bucket_elements)?;
+        // The reported loss: one more (4-byte) all-reduce over data parallel, as Megatron-LM's
+        // loss averaging does.
+        let loss = Tensor::from_vec(vec![loss_sum as f32], [1])?;
+        parallel.dp().all_reduce(&loss, ReduceOp::Sum)?;
+        let loss = f64::from(loss.to_vec::<f32>()?[0]) / tokens as f64;
+        let norm = grad_norm(
+            &self.buffers,
+            parallel.groups().tp_rank(),
+            parallel.comm(GroupKind::TpPp),
+        )?;
+        clip_grads(&self.buffers, norm, self.config.clip_grad)?;
+        let lr = self.config.schedule.lr(step);
+        self.optimizer.step(&self.buffers, lr)?;
+        let after = parallel.stats();
+        let comm = after
+            .iter()
+            .zip(&before)
+            .map(|((kind, now), (_, then))| (*kind, now.since(then)))
+            .filter(|(_, s)| !s.ops.is_empty())
+            .collect();
+        Ok(StepMetrics {
+            step,
+            loss,
+            lr,
+            grad_norm: norm,
+            tokens,
+            seconds: start.elapsed().as_secs_f64(),
+            comm,
+        })
+    }
+}
+
+/// Sums the gradient buffer over the data-parallel group, one all-reduce per bucket of
+/// `bucket_elements` consecutive elements (the buffer's front holds the last layers).
+pub fn reduce_gradients(
+    buffers: &ParamBuffers,
+    dp: &dyn Communicator,
+    bucket_elements: usize,
+) -> Result<()> {
+    if dp.size() == 1 {
+        return Ok(());
+    }
+    let grads = buffers.grads();
+    let n = grads.numel();
+    let bucket = bucket_elements.max(1);
+    let mut start = 0;
+    while start < n {
+        let len = bucket.min(n - start);
+        dp.all_reduce(&grads.narrow(0, start, len)?, ReduceOp::Sum)?;
+        start += len;
+    }
+    Ok(())
+}

@@ -1,0 +1,144 @@
+//! AdamW over the flat parameter buffers, with Megatron-LM's global gradient-norm clipping.
+
+use crate::comm::{Communicator, ReduceOp};
+use crate::error::Result;
+use crate::invalid;
+use crate::kernels::adam::{AdamConfig, adam_step};
+use crate::module::{ParamBuffers, Split};
+use crate::parallel::GroupKind;
+use crate::tensor::{DType, Tensor};
+
+/// Hyper-parameters of AdamW (Megatron-LM's names and GPT defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConfig {
+    /// β₁.
+    pub beta1: f64,
+    /// β₂.
+    pub beta2: f64,
+    /// ε.
+    pub eps: f64,
+    /// Decoupled weight decay (not applied to biases and norms).
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
+/// AdamW state for one rank's parameters: first and second moments, flat like the buffers.
+#[derive(Debug)]
+pub struct AdamW {
+    config: AdamWConfig,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    steps: u64,
+}
+
+impl AdamW {
+    /// Zero moments for every element of `buffers`.
+    pub fn new(buffers: &ParamBuffers, config: AdamWConfig) -> Result<AdamW> {
+        if buffers.values().dtype() != DType::F32 {
+            return invalid!(
+                "AdamW updates f32 parameters; the buffers hold {}",
+                buffers.values().dtype()
+            );
+        }
+        let n = buffers.values().numel();
+        Ok(AdamW {
+            config,
+            exp_avg: Tensor::zeros([n], DType::F32),
+            exp_avg_sq: Tensor::zeros([n], DType::F32),
+            steps: 0,
+        })
+    }
+
+    /// Updates made so far.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// One update of every parameter with learning rate `lr`, from the gradients in `buffers`.
+    pub fn step(&mut self, buffers: &ParamBuffers, lr: f64) -> Result<()> {
+        self.steps += 1;
+        let mut values = buffers.values().write::<f32>()?;
+        let grads = buffers.grads().read::<f32>()?;
+        let mut m = self.exp_avg.write::<f32>()?;
+        let mut v = self.exp_avg_sq.write::<f32>()?;
+        for slot in buffers.slots() {
+            let r = slot.offset..slot.offset + slot.len;
+            let cfg = AdamConfig {
+                lr,
+                beta1: self.config.beta1,
+                beta2: self.config.beta2,
+                eps: self.config.eps,
+                weight_decay: if slot.spec.weight_decay {
+                    self.config.weight_decay
+                } else {
+                    0.0
+                },
+                step: self.steps,
+                decoupled: true,
+            };
+            adam_step(
+                &mut values[r.clone()],
+                &grads[r.clone()],
+                &mut m[r.clone()],
+                &mut v[r],
+                &cfg,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The global L2 norm of the gradients over the model-parallel group, each parameter counted
+/// once: tensor-parallel parts by every rank, replicated parameters by tensor-parallel rank 0.
+pub fn grad_norm(
+    buffers: &ParamBuffers,
+    tp_rank: usize,
+    model_parallel: &dyn Communicator,
+) -> Result<f64> {
+    let grads = buffers.grads().read::<f32>()?;
+    let mut sum = 0.0f64;
+    for slot in buffers.slots() {
+        let counted = match slot.spec.split {
+            Split::Dim {
+                group: GroupKind::Tp,
+                ..
+            } => true,
+            _ => tp_rank == 0,
+        };
+        if counted {
+            sum += grads[slot.offset..slot.offset + slot.len]
+                .iter()
+                .map(|&g| f64::from(g) * f64::from(g))
+                .sum::<f64>();
+        }
+    }
+    drop(grads);
+    // f32 carries the partial sums across ranks, as Megatron-LM does.
+    let total = Tensor::from_vec(vec![sum as f32], [1])?;
+    model_parallel.all_reduce(&total, ReduceOp::Sum)?;
+    Ok(f64::from(total.to_vec::<f32>()?[0]).sqrt())
+}
+
+/// Scales every gradient by `max_norm / (norm + 1e-6)` when that is below 1.
+pub fn clip_grads(buffers: &ParamBuffers, norm: f64, max_norm: f64) -> Result<()> {
+    let coeff = max_norm / (norm + 1e-6);
+    if max_norm > 0.0 && coeff < 1.0 {
+        let c = coeff as f32;
+        buffers
+            .grads()
+            .write::<f32>()?
+            .iter_mut()
+            .for_each(|g| *g *= c);
+    }
+    Ok(())
+}

@@ -1,0 +1,130 @@
+//! `GptConfig`: the architecture of a GPT, with Megatron-LM's argument names, and its checks.
+
+use megatron_core::Result;
+use megatron_core::invalid;
+use megatron_core::tensor_parallel::padded_vocab_size;
+
+/// The architecture of a GPT (GPT-2 / Megatron-LM style).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GptConfig {
+    /// Transformer layers (`--num-layers`).
+    pub num_layers: usize,
+    /// Model width (`--hidden-size`).
+    pub hidden_size: usize,
+    /// MLP width (`--ffn-hidden-size`, 4 × hidden by default).
+    pub ffn_hidden_size: usize,
+    /// Attention heads (`--num-attention-heads`).
+    pub num_attention_heads: usize,
+    /// Real vocabulary size (the tokenizer's).
+    pub vocab_size: usize,
+    /// Learned positions (`--max-position-embeddings`).
+    pub max_position_embeddings: usize,
+    /// Dropout after embeddings and each residual branch (`--hidden-dropout`).
+    pub hidden_dropout: f32,
+    /// Dropout on attention weights (`--attention-dropout`).
+    pub attention_dropout: f32,
+    /// Standard deviation of weight initialisation (`--init-method-std`).
+    pub init_method_std: f32,
+    /// Vocabulary padding unit (`--make-vocab-size-divisible-by`).
+    pub make_vocab_size_divisible_by: usize,
+    /// Layer-norm ε.
+    pub layernorm_epsilon: f32,
+}
+
+impl GptConfig {
+    /// A GPT of `num_layers × hidden_size` with `heads` heads and GPT-2 defaults elsewhere
+    /// (ffn 4h, dropout 0.1, init std 0.02, vocabulary padded to multiples of 128).
+    pub fn new(num_layers: usize, hidden_size: usize, heads: usize, vocab_size: usize, max_positions: usize) -> Self {
+        GptConfig {
+            num_layers,
+            hidden_size,
+            ffn_hidden_size: 4 * hidden_size,
+            num_attention_heads: heads,
+            vocab_size,
+            max_position_embeddings: max_positions,
+            hidden_dropout: 0.1,
+            attention_dropout: 0.1,
+            init_method_std: 0.02,
+            make_vocab_size_divisible_by: 128,
+            layernorm_epsilon: 1e-5,
+        }
+    }
+
+    /// Checks that the sizes divide as tensor parallelism over `tp` ranks needs; every message
+    /// names the numbers.
+    pub fn validate(&self, tp: usize) -> Result<()> {
+        let c = self;
+        for (name, v) in [
+            ("num-layers", c.num_layers),
+            ("hidden-size", c.hidden_size),
+            ("ffn-hidden-size", c.ffn_hidden_size),
+            ("num-attention-heads", c.num_attention_heads),
+            ("vocab size", c.vocab_size),
+            ("max-position-embeddings", c.max_position_embeddings),
+        ] {
+            if v == 0 {
+                return invalid!("--{name} must be at least 1");
+            }
+        }
+        if c.hidden_size % c.num_attention_heads != 0 {
+            return invalid!("hidden size {} is not divisible by {} attention heads", c.hidden_size, c.num_attention_heads);
+        }
+        if c.num_attention_heads % tp != 0 {
+            return invalid!("{} attention heads are not divisible by tensor-parallel size {tp}", c.num_attention_heads);
+        }
+        if c.hidden_size % tp != 0 {
+            return invalid!("hidden size {} is not divisible by tensor-parallel size {tp}", c.hidden_size);
+        }
+        if c.ffn_hidden_size % tp != 0 {
+            return invalid!("ffn hidden size {} is not divisible by tensor-parallel size {tp}", c.ffn_hidden_size);
+        }
+        for (name, p) in [("hidden-dropout", c.hidden_dropout), ("attention-dropout", c.attention_dropout)] {
+            if !(0.0..1.0).contains(&p) {
+                return invalid!("--{name} must be in [0, 1), got {p}");
+            }
+        }
+        Ok(())
+    }
+
+    /// The vocabulary padded for `tp` ranks.
+    pub fn padded_vocab_size(&self, tp: usize) -> usize {
+        padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+    }
+
+    /// Parameters of the whole model (the padded vocabulary at `tp`; the tied output layer
+    /// counted once).
+    pub fn num_params(&self, tp: usize) -> usize {
+        let (h, f, l) = (self.hidden_size, self.ffn_hidden_size, self.num_layers);
+        let block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (f * h + f) + (h * f + h);
+        self.padded_vocab_size(tp) * h + self.max_position_embeddings * h + l * block + 2 * h
+    }
+
+    /// Model FLOPs of one training token of a sequence of `seq` tokens: 6 per parameter (forward
+    /// and backward), plus attention's two batched products (12·layers·seq·hidden).
+    pub fn flops_per_token(&self, seq: usize, tp: usize) -> f64 {
+        6.0 * self.num_params(tp) as f64 + 12.0 * (self.num_layers * seq * self.hidden_size) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_small_has_124m_parameters() {
+        let c = GptConfig::new(12, 768, 12, 50257, 1024);
+        assert_eq!(c.padded_vocab_size(1), 50304);
+        assert_eq!(c.padded_vocab_size(8), 51200);
+        // GPT-2 small: 124,439,808 parameters with the unpadded 50,257 rows.
+        assert_eq!(c.num_params(1) - (50304 - 50257) * 768, 124_439_808);
+    }
+
+    #[test]
+    fn bad_sizes_name_the_numbers() {
+        let c = GptConfig::new(2, 96, 6, 256, 64);
+        assert_eq!(c.validate(4).unwrap_err().to_string(), "6 attention heads are not divisible by tensor-parallel size 4");
+        let c = GptConfig::new(2, 100, 3, 256, 64);
+        assert_eq!(c.validate(1).unwrap_err().to_string(), "hidden size 100 is not divisible by 3 attention heads");
+        assert!(GptConfig::new(2, 96, 6, 256, 64).validate(3).is_ok());
+    }
+}
