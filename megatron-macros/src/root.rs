@@ -19,10 +19,16 @@ fn path(name: &str) -> TokenStream {
 
 impl Root {
     /// Finds the roots from the calling crate's manifest: the facade `megatron` if it depends on
-    /// it (or is it: its own tests and examples), else `megatron-core` and `megatron-macros`
-    /// (as `megatron-models` does), under whatever names the manifest gives them.
+    /// it (or is it: `::megatron` in its tests, examples and binary, `crate` in its library),
+    /// else `megatron-core` and `megatron-macros` (as `megatron-models` does), under whatever
+    /// names the manifest gives them.
     pub fn find() -> Root {
         match crate_name("megatron") {
+            // The facade's own library (not its binary, tests or examples) names itself `crate`.
+            Ok(FoundCrate::Itself) if compiling_the_library("megatron") => Root {
+                runtime: quote!(crate),
+                macros: quote!(crate),
+            },
             Ok(FoundCrate::Itself) => Root {
                 runtime: path("megatron"),
                 macros: path("megatron"),
@@ -45,4 +51,11 @@ impl Root {
             }
         }
     }
+}
+
+/// Whether rustc is compiling the library target of package `name` (cargo tells the crate and,
+/// for binaries, the binary's name in the environment of the compiler, which macros share).
+fn compiling_the_library(name: &str) -> bool {
+    std::env::var("CARGO_CRATE_NAME").is_ok_and(|c| c == name)
+        && std::env::var_os("CARGO_BIN_NAME").is_none()
 }
