@@ -91,15 +91,13 @@ impl<'a> Ctx<'a> {
     /// same path there).
     fn qualified(&self, n: NodeId, trait_and_method: TokenStream) -> TokenStream {
         let ty = &self.field(n).ty;
-        let open = self.spanned(n, quote!(<));
-        let rest = self.spanned(n, quote!(as #trait_and_method));
-        let rest = {
-            // `as Trait::method` → `as Trait>::method`
-            let mut tokens: Vec<_> = rest.into_iter().collect();
-            let close = self.spanned(n, quote!(>)).into_iter();
-            tokens.splice(2..2, close);
-            tokens.into_iter().collect::<TokenStream>()
+        let tokens: Vec<_> = trait_and_method.into_iter().collect();
+        let (tr, method) = match tokens.as_slice() {
+            [tr, .., method] => (tr, method),
+            _ => unreachable!("`Trait::method`"),
         };
+        let open = self.spanned(n, quote!(<));
+        let rest = self.spanned(n, quote!(as #tr>::#method));
         quote!(#open #ty #rest)
     }
 
