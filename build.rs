@@ -5,7 +5,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 fn collect(dir: &Path, out: &mut Vec<PathBuf>) {
-    let Ok(entries) = fs::read_dir(dir) else { return };
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
     for entry in entries.flatten() {
         let path = entry.path();
         if path.is_dir() {
@@ -17,9 +19,16 @@ fn collect(dir: &Path, out: &mut Vec<PathBuf>) {
 }
 
 fn main() {
-    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let root =
+        PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let mut files = Vec::new();
-    for dir in ["src", "megatron-core/src", "megatron-models/src", "megatron-macros/src", "docs"] {
+    for dir in [
+        "src",
+        "megatron-core/src",
+        "megatron-models/src",
+        "megatron-macros/src",
+        "docs",
+    ] {
         collect(&root.join(dir), &mut files);
         println!("cargo:rerun-if-changed={dir}");
     }
@@ -35,6 +44,7 @@ fn main() {
             corpus.push('\n');
         }
     }
-    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("corpus.txt");
+    let out =
+        PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("corpus.txt");
     fs::write(out, corpus).expect("writing the corpus into OUT_DIR");
 }

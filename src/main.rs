@@ -18,6 +18,8 @@ enum Command {
     Groups(cli::groups::GroupsArgs),
     /// Benchmarks against this machine's limits: `gemm`, `allreduce`.
     Bench(cli::bench::BenchArgs),
+    /// Train a registered model with tensor × data parallelism on thread ranks.
+    Train(Box<cli::train::TrainArgs>),
 }
 
 fn main() -> std::process::ExitCode {
@@ -25,6 +27,7 @@ fn main() -> std::process::ExitCode {
     let result = match &cli.command {
         Command::Groups(args) => cli::groups::run(args),
         Command::Bench(args) => cli::bench::run(args),
+        Command::Train(args) => cli::train::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -34,7 +34,13 @@ pub struct GptConfig {
 impl GptConfig {
     /// A GPT of `num_layers × hidden_size` with `heads` heads and GPT-2 defaults elsewhere
     /// (ffn 4h, dropout 0.1, init std 0.02, vocabulary padded to multiples of 128).
-    pub fn new(num_layers: usize, hidden_size: usize, heads: usize, vocab_size: usize, max_positions: usize) -> Self {
+    pub fn new(
+        num_layers: usize,
+        hidden_size: usize,
+        heads: usize,
+        vocab_size: usize,
+        max_positions: usize,
+    ) -> Self {
         GptConfig {
             num_layers,
             hidden_size,
@@ -66,19 +72,35 @@ impl GptConfig {
                 return invalid!("--{name} must be at least 1");
             }
         }
-        if c.hidden_size % c.num_attention_heads != 0 {
-            return invalid!("hidden size {} is not divisible by {} attention heads", c.hidden_size, c.num_attention_heads);
+        if !c.hidden_size.is_multiple_of(c.num_attention_heads) {
+            return invalid!(
+                "hidden size {} is not divisible by {} attention heads",
+                c.hidden_size,
+                c.num_attention_heads
+            );
         }
-        if c.num_attention_heads % tp != 0 {
-            return invalid!("{} attention heads are not divisible by tensor-parallel size {tp}", c.num_attention_heads);
+        if !c.num_attention_heads.is_multiple_of(tp) {
+            return invalid!(
+                "{} attention heads are not divisible by tensor-parallel size {tp}",
+                c.num_attention_heads
+            );
         }
-        if c.hidden_size % tp != 0 {
-            return invalid!("hidden size {} is not divisible by tensor-parallel size {tp}", c.hidden_size);
+        if !c.hidden_size.is_multiple_of(tp) {
+            return invalid!(
+                "hidden size {} is not divisible by tensor-parallel size {tp}",
+                c.hidden_size
+            );
         }
-        if c.ffn_hidden_size % tp != 0 {
-            return invalid!("ffn hidden size {} is not divisible by tensor-parallel size {tp}", c.ffn_hidden_size);
+        if !c.ffn_hidden_size.is_multiple_of(tp) {
+            return invalid!(
+                "ffn hidden size {} is not divisible by tensor-parallel size {tp}",
+                c.ffn_hidden_size
+            );
         }
-        for (name, p) in [("hidden-dropout", c.hidden_dropout), ("attention-dropout", c.attention_dropout)] {
+        for (name, p) in [
+            ("hidden-dropout", c.hidden_dropout),
+            ("attention-dropout", c.attention_dropout),
+        ] {
             if !(0.0..1.0).contains(&p) {
                 return invalid!("--{name} must be in [0, 1), got {p}");
             }
@@ -122,9 +144,15 @@ mod tests {
     #[test]
     fn bad_sizes_name_the_numbers() {
         let c = GptConfig::new(2, 96, 6, 256, 64);
-        assert_eq!(c.validate(4).unwrap_err().to_string(), "6 attention heads are not divisible by tensor-parallel size 4");
+        assert_eq!(
+            c.validate(4).unwrap_err().to_string(),
+            "6 attention heads are not divisible by tensor-parallel size 4"
+        );
         let c = GptConfig::new(2, 100, 3, 256, 64);
-        assert_eq!(c.validate(1).unwrap_err().to_string(), "hidden size 100 is not divisible by 3 attention heads");
+        assert_eq!(
+            c.validate(1).unwrap_err().to_string(),
+            "hidden size 100 is not divisible by 3 attention heads"
+        );
         assert!(GptConfig::new(2, 96, 6, 256, 64).validate(3).is_ok());
     }
 }

@@ -24,7 +24,9 @@ pub fn presets() -> Vec<&'static ModelPreset> {
 
 /// The preset called `name`.
 pub fn preset(name: &str) -> Option<&'static ModelPreset> {
-    inventory::iter::<ModelPreset>.into_iter().find(|p| p.name == name)
+    inventory::iter::<ModelPreset>
+        .into_iter()
+        .find(|p| p.name == name)
 }
 
 inventory::submit! {

@@ -2,3 +2,4 @@
 
 pub mod bench;
 pub mod groups;
+pub mod train;

@@ -1,0 +1,168 @@
+//! GPT as Megatron-LM trains it, written only with the DSL: pre-LayerNorm transformer blocks,
+//! learned positions, a GeLU MLP of 4h, and the input embedding tied to the output layer.
+//!
+//! The field attributes are the whole tensor-parallel plan: the fused QKV projection and the
+//! MLP's first layer are column-parallel, the attention output projection and the MLP's second
+//! layer row-parallel, and the embedding is split by vocabulary. The macros insert the two
+//! all-reduces per layer forward and two backward, the embedding's all-reduce, the f operator
+//! before the tied output layer, and the fused cross-entropy's b·s-sized all-reduces.
+
+use megatron_core::Result;
+use megatron_core::module::{Cx, Ids, Site};
+use megatron_core::prelude::*;
+use megatron_core::training::LanguageModel;
+use megatron_macros::module;
+
+use crate::config::GptConfig;
+
+/// The feed-forward block: fc1 split by output features, GeLU, fc2 split by input features.
+#[module]
+pub struct Mlp {
+    /// `h → ffn`, output features split over tensor parallelism.
+    #[column_parallel]
+    pub fc1: Linear,
+    /// `ffn → h`, input features split; partial outputs all-reduced.
+    #[row_parallel]
+    pub fc2: Linear,
+}
+
+#[module]
+impl Mlp {
+    fn forward(&self, x: Tensor) -> Tensor {
+        let h = gelu(self.fc1(x));
+        self.fc2(h)
+    }
+}
+
+/// Causal self-attention: each tensor-parallel rank holds whole heads.
+#[module]
+pub struct Attention {
+    /// The fused `h → 3h` projection, laid out per head as `[q | k | v]`.
+    #[column_parallel]
+    pub qkv: Linear,
+    /// Scaled dot-product attention with the causal mask and attention dropout.
+    #[op]
+    pub core: CausalSelfAttention,
+    /// `h → h`, input features (heads) split; partial outputs all-reduced.
+    #[row_parallel]
+    pub proj: Linear,
+}
+
+#[module]
+impl Attention {
+    fn forward(&self, x: Tensor) -> Tensor {
+        let qkv = self.qkv(x);
+        let ctx = self.core(qkv);
+        self.proj(ctx)
+    }
+}
+
+/// A pre-LayerNorm transformer block with dropout on each residual branch.
+#[module]
+pub struct Block {
+    /// Norm before attention.
+    pub ln1: LayerNorm,
+    /// Attention.
+    pub attn: Attention,
+    /// Norm before the MLP.
+    pub ln2: LayerNorm,
+    /// The MLP.
+    pub mlp: Mlp,
+    /// Dropout on the branches' outputs.
+    #[config]
+    pub hidden_dropout: f32,
+}
+
+#[module]
+impl Block {
+    fn forward(&self, x: Tensor) -> Tensor {
+        let h = x + dropout(self.attn(self.ln1(x)), self.hidden_dropout);
+        h + dropout(self.mlp(self.ln2(h)), self.hidden_dropout)
+    }
+}
+
+/// The whole model: token ids in, per-token losses out.
+#[module]
+pub struct Gpt {
+    /// Word embedding, split by vocabulary; also the output layer.
+    #[vocab_parallel]
+    pub wte: Embedding,
+    /// Learned positions.
+    pub wpe: PositionEmbedding,
+    /// The transformer blocks.
+    pub blocks: Vec<Block>,
+    /// Final norm.
+    pub ln_f: LayerNorm,
+    /// Dropout on the summed embeddings.
+    #[config]
+    pub embedding_dropout: f32,
+}
+
+#[module]
+impl Gpt {
+    fn forward(&self, tokens: Ids, targets: Ids) -> Tensor {
+        let x = self.wte(tokens) + self.wpe(tokens);
+        let mut h = dropout(x, self.embedding_dropout);
+        for block in &self.blocks {
+            h = block(h);
+        }
+        let h = self.ln_f(h);
+        cross_entropy(self.wte.logits(h), targets)
+    }
+}
+
+impl GptConfig {
+    /// The logical description the model is built from. Weights are drawn from
+    /// N(0, init_method_std); the output layer of each residual branch (attention projection,
+    /// fc2) from N(0, init_method_std / √(2·layers)), as in the Megatron-LM paper.
+    pub fn spec(&self) -> GptSpec {
+        let h = self.hidden_size;
+        let std = self.init_method_std;
+        let out_std = std / (2.0 * self.num_layers as f32).sqrt();
+        let ln = LayerNormSpec {
+            hidden: h,
+            eps: self.layernorm_epsilon,
+        };
+        let block = BlockSpec {
+            ln1: ln.clone(),
+            attn: AttentionSpec {
+                qkv: LinearSpec::new(h, 3 * h).with_init_std(std),
+                core: CausalSelfAttention::new(self.num_attention_heads, self.attention_dropout),
+                proj: LinearSpec::new(h, h).with_init_std(out_std),
+            },
+            ln2: ln.clone(),
+            mlp: MlpSpec {
+                fc1: LinearSpec::new(h, self.ffn_hidden_size).with_init_std(std),
+                fc2: LinearSpec::new(self.ffn_hidden_size, h).with_init_std(out_std),
+            },
+            hidden_dropout: self.hidden_dropout,
+        };
+        GptSpec {
+            wte: EmbeddingSpec {
+                vocab_size: self.vocab_size,
+                hidden: h,
+                init_std: std,
+                make_vocab_size_divisible_by: self.make_vocab_size_divisible_by,
+            },
+            wpe: PositionEmbeddingSpec {
+                max_positions: self.max_position_embeddings,
+                hidden: h,
+                init_std: std,
+            },
+            blocks: vec![block; self.num_layers],
+            ln_f: ln,
+            embedding_dropout: self.hidden_dropout,
+        }
+    }
+}
+
+impl LanguageModel for Gpt {
+    fn losses(&self, cx: &Cx, tokens: &Ids, targets: &Ids) -> Result<(Tensor, GptSaved)> {
+        self.forward(cx, Site::ROOT, tokens, targets)
+    }
+
+    fn backward_losses(&self, cx: &Cx, saved: GptSaved, dlosses: &Tensor) -> Result<()> {
+        self.backward(cx, Site::ROOT, saved, dlosses)?;
+        Ok(())
+    }
+}
