@@ -20,6 +20,10 @@ enum Command {
     Bench(cli::bench::BenchArgs),
     /// Train a registered model with tensor × data parallelism on thread ranks.
     Train(Box<cli::train::TrainArgs>),
+    /// Show a model's vocabulary padding, parameters (logical, local, split) and per-layer collectives.
+    Inspect(cli::inspect::InspectArgs),
+    /// List the registered models.
+    Models,
 }
 
 fn main() -> std::process::ExitCode {
@@ -28,6 +32,8 @@ fn main() -> std::process::ExitCode {
         Command::Groups(args) => cli::groups::run(args),
         Command::Bench(args) => cli::bench::run(args),
         Command::Train(args) => cli::train::run(args),
+        Command::Inspect(args) => cli::inspect::run(args),
+        Command::Models => cli::models::run(),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

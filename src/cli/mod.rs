@@ -2,4 +2,6 @@
 
 pub mod bench;
 pub mod groups;
+pub mod inspect;
+pub mod models;
 pub mod train;

@@ -1,0 +1,161 @@
+//! `megatron train`, `inspect` and `models` from the command line: logs, reports and errors.
+
+use std::process::Command;
+
+fn megatron(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_megatron"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn train_writes_a_json_line_per_step_with_the_communication_report() {
+    let dir = std::env::temp_dir().join(format!("megatron-cli-train-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("log.jsonl");
+    let (ok, stdout, stderr) = megatron(&[
+        "train",
+        "--model",
+        "gpt-tiny",
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--num-layers",
+        "1",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--steps",
+        "3",
+        "--quiet",
+        "--comm-report",
+        "--log-json",
+        log.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("TP=2 × DP=2 on 4 thread ranks"), "{stdout}");
+    assert!(stdout.contains("tokens/s"), "{stdout}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    for (i, line) in lines.iter().enumerate() {
+        assert_eq!(line["step"], i);
+        for key in ["loss", "lr", "grad_norm", "tokens_per_s"] {
+            assert!(line[key].as_f64().unwrap().is_finite(), "{key}: {line}");
+        }
+        // One layer, 2 microbatches of 2×16 tokens, hidden 128: per microbatch 4 + 2 all-reduces of
+        // b·s·h and 3 of b·s on tp.
+        let tp = &line["comm"]["tp"]["all_reduce"];
+        assert_eq!(tp["calls"], 2 * 9);
+        assert_eq!(tp["bytes"], 2 * (6 * 2 * 16 * 128 * 4 + 3 * 2 * 16 * 4));
+        assert!(line["comm"]["dp"]["all_reduce"]["calls"].as_u64().unwrap() >= 2);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn bad_configurations_are_clear_errors() {
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &["train", "--tp", "3"],
+            "4 attention heads are not divisible by tensor-parallel size 3",
+        ),
+        (
+            &[
+                "train",
+                "--dp",
+                "2",
+                "--micro-batch-size",
+                "3",
+                "--global-batch-size",
+                "8",
+            ],
+            "global batch size 8 is not divisible by micro batch size 3 × data-parallel size 2 = 6",
+        ),
+        (
+            &["train", "--seq-length", "512"],
+            "--seq-length 512 exceeds --max-position-embeddings 256",
+        ),
+        (
+            &["train", "--model", "gpt-5"],
+            "unknown model `gpt-5`; registered models: gpt-1.2b, gpt-tiny, gpt2-medium, gpt2-small",
+        ),
+        (
+            &["train", "--data", "/nonexistent/corpus.txt"],
+            "reading --data /nonexistent/corpus.txt",
+        ),
+    ];
+    for (args, message) in cases {
+        let (ok, _, stderr) = megatron(args);
+        assert!(!ok, "{args:?}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn inspect_pads_the_vocabulary_and_lists_shards() {
+    let (ok, stdout, stderr) = megatron(&[
+        "inspect",
+        "--model",
+        "gpt-tiny",
+        "--tp",
+        "2",
+        "--vocab-size",
+        "50257",
+        "--json",
+    ]);
+    assert!(ok, "{stderr}");
+    let r: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(r["padded_vocab_size"], 50432);
+    let qkv = r["parameters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "blocks.0.attn.qkv.weight")
+        .unwrap();
+    assert_eq!(qkv["logical"], serde_json::json!([384, 128]));
+    assert_eq!(qkv["local"], serde_json::json!([192, 128]));
+    let fwd = &r["layer_collectives"]["forward"];
+    assert_eq!(
+        fwd,
+        &serde_json::json!([{ "group": "tp", "op": "all_reduce", "calls": 2, "elements_per_call": "b·s·h" }])
+    );
+    // 50,257 tokens pad to a multiple of 128 × tp (tp 8 → 51,200 is checked in megatron-models).
+    for (tp, padded) in [("1", 50304), ("4", 50688)] {
+        let (ok, stdout, stderr) = megatron(&[
+            "inspect",
+            "--model",
+            "gpt-tiny",
+            "--vocab-size",
+            "50257",
+            "--tp",
+            tp,
+            "--json",
+        ]);
+        assert!(ok, "{stderr}");
+        let r: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(r["padded_vocab_size"], padded, "tp {tp}");
+    }
+}
+
+#[test]
+fn models_lists_the_presets() {
+    let (ok, stdout, _) = megatron(&["models"]);
+    assert!(ok);
+    for name in ["gpt-tiny", "gpt2-small", "gpt2-medium", "gpt-1.2b"] {
+        assert!(stdout.contains(name), "{stdout}");
+    }
+}
