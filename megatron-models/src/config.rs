@@ -156,3 +156,40 @@ mod tests {
         assert!(GptConfig::new(2, 96, 6, 256, 64).validate(3).is_ok());
     }
 }
+
+#[cfg(test)]
+mod init_tests {
+    use megatron_core::module::{Builder, Module};
+
+    use super::*;
+    use crate::gpt::Gpt;
+
+    #[test]
+    fn residual_output_layers_are_scaled_by_the_depth() {
+        let c = GptConfig::new(8, 64, 4, 256, 64);
+        let spec = c.spec();
+        let out_std = 0.02 / 4.0; // 1/√(2·8)
+        assert_eq!(spec.blocks[3].attn.proj.init_std, out_std);
+        assert_eq!(spec.blocks[3].mlp.fc2.init_std, out_std);
+        assert_eq!(spec.blocks[3].attn.qkv.init_std, 0.02);
+        assert_eq!(spec.wte.init_std, 0.02);
+        // The drawn weights have those spreads, and biases start at zero.
+        let model = Gpt::build(&spec, &mut Builder::new(1)).unwrap();
+        let std = |v: Vec<f32>| {
+            (v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>() / v.len() as f64).sqrt()
+        };
+        let fc1 = std(model.blocks[0].mlp.fc1.weight().value().to_vec().unwrap());
+        let fc2 = std(model.blocks[0].mlp.fc2.weight().value().to_vec().unwrap());
+        assert!((fc1 - 0.02).abs() < 0.002, "{fc1}");
+        assert!((fc2 - 0.005).abs() < 0.0005, "{fc2}");
+        let bias = model.blocks[0]
+            .mlp
+            .fc1
+            .bias()
+            .unwrap()
+            .value()
+            .to_vec::<f32>()
+            .unwrap();
+        assert!(bias.iter().all(|&b| b == 0.0));
+    }
+}
