@@ -47,6 +47,41 @@ pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
     c
 }
 
+/// Number of Philox blocks [`philox4x32_10_batch`] computes at once.
+pub const PHILOX_BATCH: usize = 16;
+
+/// [`philox4x32_10`] of [`PHILOX_BATCH`] counters at once, in structure-of-arrays form:
+/// `counters[w][j]` is word `w` of counter `j`, and the result is laid out the same way.
+///
+/// Bit-identical to calling [`philox4x32_10`] on each counter; written so that the compiler
+/// vectorises it (the 32×32 → 64-bit products of one word of every counter become one vector
+/// multiply), which makes it several times faster per block than the scalar function.
+#[inline(always)]
+pub fn philox4x32_10_batch(
+    counters: [[u32; PHILOX_BATCH]; 4],
+    key: [u32; 2],
+) -> [[u32; PHILOX_BATCH]; 4] {
+    let [mut c0, mut c1, mut c2, mut c3] = counters;
+    let mut k = key;
+    for round in 0..ROUNDS {
+        if round > 0 {
+            k = [
+                k[0].wrapping_add(PHILOX_W32[0]),
+                k[1].wrapping_add(PHILOX_W32[1]),
+            ];
+        }
+        for j in 0..PHILOX_BATCH {
+            let p0 = u64::from(PHILOX_M4X32[0]) * u64::from(c0[j]);
+            let p1 = u64::from(PHILOX_M4X32[1]) * u64::from(c2[j]);
+            c0[j] = (p1 >> 32) as u32 ^ c1[j] ^ k[0];
+            c1[j] = p1 as u32;
+            c2[j] = (p0 >> 32) as u32 ^ c3[j] ^ k[1];
+            c3[j] = p0 as u32;
+        }
+    }
+    [c0, c1, c2, c3]
+}
+
 /// SplitMix64's golden-ratio increment, `⌊2⁶⁴/φ⌋` rounded to odd.
 pub const SPLITMIX64_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -107,6 +142,34 @@ impl DropoutStream {
         )
     }
 
+    /// The words of blocks `first .. first + PHILOX_BATCH` in structure-of-arrays form:
+    /// `[w][j]` is word `w` of block `first + j` (block numbers wrap around `u64`).
+    #[inline(always)]
+    pub fn blocks(&self, first: u64) -> [[u32; PHILOX_BATCH]; 4] {
+        let s = self.stream;
+        let mut counters = [[0u32; PHILOX_BATCH]; 4];
+        for j in 0..PHILOX_BATCH {
+            let block = first.wrapping_add(j as u64);
+            counters[0][j] = block as u32;
+            counters[1][j] = (block >> 32) as u32;
+            counters[2][j] = s as u32;
+            counters[3][j] = (s >> 32) as u32;
+        }
+        philox4x32_10_batch(counters, self.key)
+    }
+
+    /// The random words of logical elements `4·first .. 4·(first + PHILOX_BATCH)`, in order
+    /// (the words of [`DropoutStream::blocks`], interleaved).
+    #[inline(always)]
+    pub fn words(&self, first: u64) -> [u32; 4 * PHILOX_BATCH] {
+        let b = self.blocks(first);
+        let mut out = [0u32; 4 * PHILOX_BATCH];
+        for (j, w) in out.chunks_exact_mut(4).enumerate() {
+            w.copy_from_slice(&[b[0][j], b[1][j], b[2][j], b[3][j]]);
+        }
+        out
+    }
+
     /// The random word of logical element `index`.
     #[inline]
     pub fn word(&self, index: u64) -> u32 {
@@ -146,6 +209,68 @@ mod tests {
                 want,
                 "ctr {ctr:08x?} key {key:08x?}"
             );
+        }
+    }
+
+    #[test]
+    fn batches_equal_the_scalar_blocks() {
+        let keys = [[0, 0], [u32::MAX; 2], [0xa409_3822, 0x299f_31d0]];
+        // Starts that make the low counter word wrap into the high one inside a batch, and the
+        // whole counter wrap around u64.
+        let starts = [
+            0u64,
+            1,
+            17,
+            u64::from(u32::MAX) - 5,
+            (7u64 << 32) - 16,
+            (0xdead_beefu64 << 32) | 0xffff_fff9,
+            u64::MAX - 3,
+        ];
+        for key in keys {
+            for (si, &first) in starts.iter().enumerate() {
+                let stream = [0x1234_5678u32, 0x9abc_def0u32.wrapping_mul(si as u32)];
+                let mut counters = [[0u32; PHILOX_BATCH]; 4];
+                for j in 0..PHILOX_BATCH {
+                    let b = first.wrapping_add(j as u64);
+                    counters[0][j] = b as u32;
+                    counters[1][j] = (b >> 32) as u32;
+                    counters[2][j] = stream[0] ^ j as u32;
+                    counters[3][j] = stream[1];
+                }
+                let got = philox4x32_10_batch(counters, key);
+                for j in 0..PHILOX_BATCH {
+                    let ctr = [0, 1, 2, 3].map(|w| counters[w][j]);
+                    let want = philox4x32_10(ctr, key);
+                    assert_eq!([0, 1, 2, 3].map(|w| got[w][j]), want, "{ctr:08x?}");
+                }
+            }
+        }
+        // The known answers, as lanes of a batch.
+        for (ctr, key, want) in KAT {
+            let got = philox4x32_10_batch([0, 1, 2, 3].map(|w| [ctr[w]; PHILOX_BATCH]), key);
+            for j in 0..PHILOX_BATCH {
+                assert_eq!([0, 1, 2, 3].map(|w| got[w][j]), want);
+            }
+        }
+    }
+
+    #[test]
+    fn stream_batches_follow_the_counter_layout() {
+        let s = DropoutStream::new(0x0123_4567_89ab_cdef, &[5, 6]);
+        for first in [
+            0u64,
+            3,
+            u64::from(u32::MAX) - 7,
+            (1u64 << 62) - 9,
+            u64::MAX - 2,
+        ] {
+            let blocks = s.blocks(first);
+            let words = s.words(first);
+            for j in 0..PHILOX_BATCH {
+                let b = s.block(first.wrapping_add(j as u64));
+                assert_eq!([0, 1, 2, 3].map(|w| blocks[w][j]), b, "block {first} + {j}");
+                assert_eq!(&words[4 * j..4 * j + 4], &b);
+            }
         }
     }
 

@@ -15,7 +15,9 @@ pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
+pub mod isa;
 pub mod layer_norm;
+pub mod math;
 pub mod softmax;
 
 mod reduce;
