@@ -13,7 +13,7 @@ const LOG2_E: f32 = std::f32::consts::LOG2_E;
 const ROUND_SHIFTER: f32 = 12_582_912.0;
 /// `ln 2` split in two (Cody–Waite): `LN2_HI = 355/512` has 9 significant bits, so `n·LN2_HI` is
 /// exact for every `|n| ≤ 2¹⁵`;
-const LN2_HI: f32 = 0.693_359_375;
+const LN2_HI: f32 = 355.0 / 512.0;
 /// … and `LN2_LO` is `ln 2 − LN2_HI` rounded to f32.
 const LN2_LO: f32 = -2.121_944_4e-4;
 /// Arguments are clamped to `[EXP_LO, EXP_HI]` first. `exp(−104) < 2⁻¹⁵⁰` rounds to 0, so every
