@@ -5,7 +5,9 @@
 //! `threshold` is the `u32` nearest `p·2³²` ([`keep_threshold`]), and kept values are multiplied by
 //! `1/(1 − p)` ([`keep_scale`]). No mask is stored: the backward regenerates it. A local buffer
 //! maps to logical indices through a [`LogicalIndex`], so a tensor-parallel shard draws exactly the
-//! decisions the unsharded tensor would draw for the same elements.
+//! decisions the unsharded tensor would draw for the same elements. The words are generated
+//! [`PHILOX_BATCH`] blocks at a time ([`DropoutStream::words`], vectorised), and
+//! [`dropout_pair`] applies one mask to two buffers while generating it once.
 
 use super::isa::{Isa, versioned};
 use super::shape::numel;

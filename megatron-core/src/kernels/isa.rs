@@ -1,7 +1,7 @@
 //! Run-time instruction-set dispatch of the kernels' hot loops.
 //!
 //! The crate is compiled for baseline x86-64 (SSE2), so a plain loop vectorises at most 4 lanes
-//! wide. [`versioned!`] compiles a loop three times, for AVX-512 (F, BW, DQ, VL), for AVX2 + FMA
+//! wide. The crate-private `versioned!` macro compiles a loop three times, for AVX-512 (F, BW, DQ, VL), for AVX2 + FMA
 //! and for the baseline, and the caller picks one with an [`Isa`]: [`Isa::detected`] is the best
 //! set this CPU supports (detected once per process). On other architectures only the baseline
 //! exists.
