@@ -1,10 +1,10 @@
 //! Run-time instruction-set dispatch of the kernels' hot loops.
 //!
 //! The crate is compiled for baseline x86-64 (SSE2), so a plain loop vectorises at most 4 lanes
-//! wide. The crate-private `versioned!` macro compiles a loop three times, for AVX-512 (F, BW, DQ, VL), for AVX2 + FMA
-//! and for the baseline, and the caller picks one with an [`Isa`]: [`Isa::detected`] is the best
-//! set this CPU supports (detected once per process). On other architectures only the baseline
-//! exists.
+//! wide. The crate-private `versioned!` macro compiles a loop three times, for AVX-512 (F, BW,
+//! DQ, VL), for AVX2 + FMA and for the baseline, and the caller picks one with an [`Isa`]:
+//! [`Isa::detected`] is the best set this CPU supports (detected once per process). On other
+//! architectures only the baseline exists.
 //!
 //! # Results do not depend on the version
 //!
@@ -129,14 +129,18 @@ fn best_level() -> Level {
 /// The body must not be generic; what it calls should be `#[inline]` (small helpers
 /// `#[inline(always)]`) so that it is compiled into each version rather than called at baseline.
 macro_rules! versioned {
-    ($(#[$attr:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+    (
+        $(#[$attr:meta])*
+        $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block
+    ) => {
         $(#[$attr])*
         #[allow(clippy::too_many_arguments)]
         $vis fn $name(isa: $crate::kernels::isa::Isa, $($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[allow(clippy::too_many_arguments)]
-                #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,bmi1,bmi2,lzcnt,popcnt")]
+                #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl")]
+                #[target_feature(enable = "avx2,fma,bmi1,bmi2,lzcnt,popcnt")]
                 fn avx512($($arg: $ty),*) $(-> $ret)? $body
 
                 #[allow(clippy::too_many_arguments)]
