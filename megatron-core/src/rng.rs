@@ -47,6 +47,56 @@ pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
     c
 }
 
+/// Number of Philox blocks [`philox4x32_10_batch`] computes at once.
+pub const PHILOX_BATCH: usize = 16;
+
+/// [`philox4x32_10`] of [`PHILOX_BATCH`] counters at once, in structure-of-arrays form:
+/// `counters[w][j]` is word `w` of counter `j`, and the result is laid out the same way.
+///
+/// Bit-identical to calling [`philox4x32_10`] on each counter; written so that the compiler
+/// vectorises it. Each 32-bit word is kept zero-extended in a 64-bit lane, so that a round is
+/// one 32×32 → 64-bit vector multiply per multiplied word (`pmuludq`), shifts, masks and XORs,
+/// with no packing of the products' halves back into 32-bit lanes (which costs more than the
+/// multiplies on AVX-512).
+#[inline(always)]
+pub fn philox4x32_10_batch(
+    counters: [[u32; PHILOX_BATCH]; 4],
+    key: [u32; 2],
+) -> [[u32; PHILOX_BATCH]; 4] {
+    const LO: u64 = 0xffff_ffff;
+    let mut c = [[0u64; PHILOX_BATCH]; 4];
+    for (wide, narrow) in c.iter_mut().zip(&counters) {
+        for (d, &v) in wide.iter_mut().zip(narrow) {
+            *d = u64::from(v);
+        }
+    }
+    let [mut c0, mut c1, mut c2, mut c3] = c;
+    let (m0, m1) = (u64::from(PHILOX_M4X32[0]), u64::from(PHILOX_M4X32[1]));
+    let (mut k0, mut k1) = (u64::from(key[0]), u64::from(key[1]));
+    for round in 0..ROUNDS {
+        if round > 0 {
+            k0 = (k0 + u64::from(PHILOX_W32[0])) & LO;
+            k1 = (k1 + u64::from(PHILOX_W32[1])) & LO;
+        }
+        for j in 0..PHILOX_BATCH {
+            // Every lane holds a value below 2³²; the masks tell the compiler so.
+            let p0 = m0 * (c0[j] & LO);
+            let p1 = m1 * (c2[j] & LO);
+            c0[j] = (p1 >> 32) ^ c1[j] ^ k0;
+            c1[j] = p1 & LO;
+            c2[j] = (p0 >> 32) ^ c3[j] ^ k1;
+            c3[j] = p0 & LO;
+        }
+    }
+    let mut out = [[0u32; PHILOX_BATCH]; 4];
+    for (narrow, wide) in out.iter_mut().zip([c0, c1, c2, c3]) {
+        for (d, v) in narrow.iter_mut().zip(wide) {
+            *d = v as u32;
+        }
+    }
+    out
+}
+
 /// SplitMix64's golden-ratio increment, `⌊2⁶⁴/φ⌋` rounded to odd.
 pub const SPLITMIX64_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -107,6 +157,37 @@ impl DropoutStream {
         )
     }
 
+    /// The words of blocks `first .. first + PHILOX_BATCH` in structure-of-arrays form:
+    /// `[w][j]` is word `w` of block `first + j` (block numbers wrap around `u64`).
+    #[inline(always)]
+    pub fn blocks(&self, first: u64) -> [[u32; PHILOX_BATCH]; 4] {
+        let s = self.stream;
+        let (mut lo, mut hi) = ([0u32; PHILOX_BATCH], [0u32; PHILOX_BATCH]);
+        for (j, (l, h)) in lo.iter_mut().zip(&mut hi).enumerate() {
+            let block = first.wrapping_add(j as u64);
+            (*l, *h) = (block as u32, (block >> 32) as u32);
+        }
+        let counters = [
+            lo,
+            hi,
+            [s as u32; PHILOX_BATCH],
+            [(s >> 32) as u32; PHILOX_BATCH],
+        ];
+        philox4x32_10_batch(counters, self.key)
+    }
+
+    /// The random words of logical elements `4·first .. 4·(first + PHILOX_BATCH)`, in order
+    /// (the words of [`DropoutStream::blocks`], interleaved).
+    #[inline(always)]
+    pub fn words(&self, first: u64) -> [u32; 4 * PHILOX_BATCH] {
+        let b = self.blocks(first);
+        let mut out = [0u32; 4 * PHILOX_BATCH];
+        for (j, w) in out.chunks_exact_mut(4).enumerate() {
+            w.copy_from_slice(&[b[0][j], b[1][j], b[2][j], b[3][j]]);
+        }
+        out
+    }
+
     /// The random word of logical element `index`.
     #[inline]
     pub fn word(&self, index: u64) -> u32 {
@@ -146,6 +227,69 @@ mod tests {
                 want,
                 "ctr {ctr:08x?} key {key:08x?}"
             );
+        }
+    }
+
+    #[test]
+    #[allow(clippy::needless_range_loop)] // counter j of a structure of arrays
+    fn batches_equal_the_scalar_blocks() {
+        let keys = [[0, 0], [u32::MAX; 2], [0xa409_3822, 0x299f_31d0]];
+        // Starts that make the low counter word wrap into the high one inside a batch, and the
+        // whole counter wrap around u64.
+        let starts = [
+            0u64,
+            1,
+            17,
+            u64::from(u32::MAX) - 5,
+            (7u64 << 32) - 16,
+            (0xdead_beefu64 << 32) | 0xffff_fff9,
+            u64::MAX - 3,
+        ];
+        for key in keys {
+            for (si, &first) in starts.iter().enumerate() {
+                let stream = [0x1234_5678u32, 0x9abc_def0u32.wrapping_mul(si as u32)];
+                let mut counters = [[0u32; PHILOX_BATCH]; 4];
+                for j in 0..PHILOX_BATCH {
+                    let b = first.wrapping_add(j as u64);
+                    counters[0][j] = b as u32;
+                    counters[1][j] = (b >> 32) as u32;
+                    counters[2][j] = stream[0] ^ j as u32;
+                    counters[3][j] = stream[1];
+                }
+                let got = philox4x32_10_batch(counters, key);
+                for j in 0..PHILOX_BATCH {
+                    let ctr = [0, 1, 2, 3].map(|w| counters[w][j]);
+                    let want = philox4x32_10(ctr, key);
+                    assert_eq!([0, 1, 2, 3].map(|w| got[w][j]), want, "{ctr:08x?}");
+                }
+            }
+        }
+        // The known answers, as lanes of a batch.
+        for (ctr, key, want) in KAT {
+            let got = philox4x32_10_batch([0, 1, 2, 3].map(|w| [ctr[w]; PHILOX_BATCH]), key);
+            for j in 0..PHILOX_BATCH {
+                assert_eq!([0, 1, 2, 3].map(|w| got[w][j]), want);
+            }
+        }
+    }
+
+    #[test]
+    fn stream_batches_follow_the_counter_layout() {
+        let s = DropoutStream::new(0x0123_4567_89ab_cdef, &[5, 6]);
+        for first in [
+            0u64,
+            3,
+            u64::from(u32::MAX) - 7,
+            (1u64 << 62) - 9,
+            u64::MAX - 2,
+        ] {
+            let blocks = s.blocks(first);
+            let words = s.words(first);
+            for j in 0..PHILOX_BATCH {
+                let b = s.block(first.wrapping_add(j as u64));
+                assert_eq!([0, 1, 2, 3].map(|w| blocks[w][j]), b, "block {first} + {j}");
+                assert_eq!(&words[4 * j..4 * j + 4], &b);
+            }
         }
     }
 

@@ -1,5 +1,6 @@
 //! Adam and AdamW parameter updates on flat f32 buffers (one parameter bucket or a shard of one).
 
+use super::isa::{Isa, versioned};
 use super::{KernelError, check_len};
 
 /// Hyper-parameters of one [`adam_step`]; scalars are f64 (as in PyTorch) and rounded to f32 per step.
@@ -46,6 +47,41 @@ impl AdamConfig {
     }
 }
 
+/// The f32 scalars of one step, computed once from an [`AdamConfig`].
+#[derive(Debug, Clone, Copy)]
+struct AdamScalars {
+    b1: f32,
+    b2: f32,
+    omb1: f32,
+    omb2: f32,
+    eps: f32,
+    step_size: f32,
+    inv_sqrt_bc2: f32,
+    decay: f32,
+    l2: f32,
+}
+
+versioned! {
+    /// The element loop of [`adam_step`].
+    fn adam_loop(
+        param: &mut [f32],
+        grad: &[f32],
+        exp_avg: &mut [f32],
+        exp_avg_sq: &mut [f32],
+        c: &AdamScalars,
+    ) {
+        let c = *c;
+        let state = exp_avg.iter_mut().zip(exp_avg_sq.iter_mut());
+        for ((p, &g), (m, v)) in param.iter_mut().zip(grad).zip(state) {
+            let g = g + c.l2 * *p;
+            *m = c.b1 * *m + c.omb1 * g;
+            *v = c.b2 * *v + c.omb2 * g * g;
+            let denom = v.sqrt() * c.inv_sqrt_bc2 + c.eps;
+            *p = *p * c.decay - c.step_size * *m / denom;
+        }
+    }
+}
+
 /// One Adam/AdamW step in place on `param`, `exp_avg` and `exp_avg_sq`, from `grad` (all the same length).
 ///
 /// Per element, with `g = grad` (plus `wd·param` when not decoupled):
@@ -82,14 +118,18 @@ pub fn adam_step(
     } else {
         (1.0f32, c.weight_decay as f32)
     };
-    let state = exp_avg.iter_mut().zip(exp_avg_sq.iter_mut());
-    for ((p, &g), (m, v)) in param.iter_mut().zip(grad).zip(state) {
-        let g = g + l2 * *p;
-        *m = b1 * *m + omb1 * g;
-        *v = b2 * *v + omb2 * g * g;
-        let denom = v.sqrt() * inv_sqrt_bc2 + eps;
-        *p = *p * decay - step_size * *m / denom;
-    }
+    let scalars = AdamScalars {
+        b1,
+        b2,
+        omb1,
+        omb2,
+        eps,
+        step_size,
+        inv_sqrt_bc2,
+        decay,
+        l2,
+    };
+    adam_loop(Isa::detected(), param, grad, exp_avg, exp_avg_sq, &scalars);
     Ok(())
 }
 
@@ -185,6 +225,34 @@ mod tests {
                     assert!((v[i] as f64 - vr[i]).abs() < 1e-7);
                 }
             }
+        }
+    }
+
+    #[test]
+    fn every_compiled_version_gives_the_same_bits() {
+        let mut rng = Rng::new(81);
+        let n = 1001;
+        let (p0, g) = (rng.vec(n, -1.0, 1.0), rng.vec(n, -1.0, 1.0));
+        let (m0, v0) = (rng.vec(n, -0.1, 0.1), rng.vec(n, 0.0, 0.01));
+        let scalars = AdamScalars {
+            b1: 0.9,
+            b2: 0.95,
+            omb1: 0.1,
+            omb2: 0.05,
+            eps: 1e-8,
+            step_size: 1e-3,
+            inv_sqrt_bc2: 1.3,
+            decay: 0.9999,
+            l2: 0.01,
+        };
+        let run = |isa: Isa| {
+            let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+            adam_loop(isa, &mut p, &g, &mut m, &mut v, &scalars);
+            [p, m, v].map(|x| x.into_iter().map(f32::to_bits).collect::<Vec<_>>())
+        };
+        let want = run(Isa::BASELINE);
+        for isa in Isa::supported() {
+            assert!(run(isa) == want, "{}", isa.name());
         }
     }
 

@@ -1,9 +1,12 @@
 //! Softmax cross-entropy over the last dimension of `logits[rows, vocab]` with integer targets.
 //!
-//! The forward shifts each row by its maximum and sums the exponentials in f64; it saves the
-//! per-row log-sum-exp so the backward recomputes the softmax without storing it.
+//! The forward shifts each row by its maximum and sums the exponentials ([`math::exp`]) in f64
+//! partial sums; it saves the per-row log-sum-exp so the backward recomputes the softmax without
+//! storing it.
 
-use super::reduce;
+use super::isa::{Isa, versioned};
+use super::math;
+use super::reduce::{self, LANES};
 use super::shape::numel;
 use super::{KernelError, check_len};
 
@@ -32,6 +35,66 @@ fn check_inputs(
     Ok(n)
 }
 
+/// `Σ exp(v − m)` over `row`, in f64, with [`LANES`] partial sums combined in a fixed order.
+#[inline(always)]
+fn sum_exp(row: &[f32], m: f32) -> f64 {
+    let mut acc = [0.0f64; LANES];
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += f64::from(math::exp(v - m));
+        }
+    }
+    for &v in tail {
+        acc[0] += f64::from(math::exp(v - m));
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
+versioned! {
+    /// The rows of [`cross_entropy_forward`] (`vocab > 0`, targets checked).
+    fn forward_rows(
+        logits: &[f32],
+        targets: &[i64],
+        vocab: usize,
+        losses: &mut [f32],
+        logsumexp: &mut [f32],
+    ) {
+        let outs = losses.iter_mut().zip(logsumexp.iter_mut());
+        for ((row, &t), (loss, lse_out)) in logits.chunks_exact(vocab).zip(targets).zip(outs) {
+            let m = reduce::max(row);
+            let lse = f64::from(m) + sum_exp(row, m).ln();
+            *lse_out = lse as f32;
+            *loss = (lse - f64::from(row[t as usize])) as f32;
+        }
+    }
+}
+
+versioned! {
+    /// The rows of [`cross_entropy_backward`] (`vocab > 0`, targets checked).
+    fn backward_rows(
+        logits: &[f32],
+        targets: &[i64],
+        logsumexp: &[f32],
+        dloss: &[f32],
+        vocab: usize,
+        dlogits: &mut [f32],
+    ) {
+        let per_row = targets.iter().zip(logsumexp).zip(dloss);
+        for ((row, drow), ((&t, &lse), &g)) in logits
+            .chunks_exact(vocab)
+            .zip(dlogits.chunks_exact_mut(vocab))
+            .zip(per_row)
+        {
+            for (o, &v) in drow.iter_mut().zip(row) {
+                *o = math::exp(v - lse) * g;
+            }
+            drow[t as usize] -= g;
+        }
+    }
+}
+
 /// Per-row loss `logsumexp(logits[r]) − logits[r, targets[r]]`, saving `logsumexp[rows]`.
 pub fn cross_entropy_forward(
     logits: &[f32],
@@ -49,14 +112,7 @@ pub fn cross_entropy_forward(
     if vocab == 0 {
         return Ok(()); // then rows == 0: every target would be out of range.
     }
-    let outs = losses.iter_mut().zip(logsumexp.iter_mut());
-    for ((row, &t), (loss, lse_out)) in logits.chunks_exact(vocab).zip(targets).zip(outs) {
-        let m = reduce::max(row);
-        let s: f64 = row.iter().map(|&v| f64::from((v - m).exp())).sum();
-        let lse = f64::from(m) + s.ln();
-        *lse_out = lse as f32;
-        *loss = (lse - f64::from(row[t as usize])) as f32;
-    }
+    forward_rows(Isa::detected(), logits, targets, vocab, losses, logsumexp);
     Ok(())
 }
 
@@ -79,17 +135,15 @@ pub fn cross_entropy_backward(
     if vocab == 0 {
         return Ok(());
     }
-    let per_row = targets.iter().zip(logsumexp).zip(dloss);
-    for ((row, drow), ((&t, &lse), &g)) in logits
-        .chunks_exact(vocab)
-        .zip(dlogits.chunks_exact_mut(vocab))
-        .zip(per_row)
-    {
-        for (o, &v) in drow.iter_mut().zip(row) {
-            *o = (v - lse).exp() * g;
-        }
-        drow[t as usize] -= g;
-    }
+    backward_rows(
+        Isa::detected(),
+        logits,
+        targets,
+        logsumexp,
+        dloss,
+        vocab,
+        dlogits,
+    );
     Ok(())
 }
 
@@ -168,6 +222,26 @@ mod tests {
                     .sum()
             },
         );
+    }
+
+    #[test]
+    fn every_compiled_version_gives_the_same_bits() {
+        let mut rng = Rng::new(72);
+        let (rows, vocab) = (6, 259);
+        let logits = rng.vec(rows * vocab, -9.0, 9.0);
+        let targets: Vec<i64> = (0..rows).map(|_| rng.below(vocab as u64) as i64).collect();
+        let dloss = rng.vec(rows, 0.1, 2.0);
+        let run = |isa: Isa| {
+            let (mut l, mut s) = (vec![0.0f32; rows], vec![0.0f32; rows]);
+            forward_rows(isa, &logits, &targets, vocab, &mut l, &mut s);
+            let mut d = vec![0.0f32; rows * vocab];
+            backward_rows(isa, &logits, &targets, &s, &dloss, vocab, &mut d);
+            [l, s, d].map(|v| v.into_iter().map(f32::to_bits).collect::<Vec<_>>())
+        };
+        let want = run(Isa::BASELINE);
+        for isa in Isa::supported() {
+            assert!(run(isa) == want, "{}", isa.name());
+        }
     }
 
     #[test]

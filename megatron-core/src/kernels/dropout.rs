@@ -5,11 +5,14 @@
 //! `threshold` is the `u32` nearest `p·2³²` ([`keep_threshold`]), and kept values are multiplied by
 //! `1/(1 − p)` ([`keep_scale`]). No mask is stored: the backward regenerates it. A local buffer
 //! maps to logical indices through a [`LogicalIndex`], so a tensor-parallel shard draws exactly the
-//! decisions the unsharded tensor would draw for the same elements.
+//! decisions the unsharded tensor would draw for the same elements. The words are generated
+//! [`PHILOX_BATCH`] blocks at a time ([`DropoutStream::words`], vectorised), and
+//! [`dropout_pair`] applies one mask to two buffers while generating it once.
 
+use super::isa::{Isa, versioned};
 use super::shape::numel;
 use super::{KernelError, check_len};
-use crate::rng::DropoutStream;
+use crate::rng::{DropoutStream, PHILOX_BATCH};
 
 /// Where a local buffer of `outer × inner` elements sits in its logical (unsharded) tensor.
 ///
@@ -121,54 +124,61 @@ fn check_p(kernel: &'static str, p: f32) -> Result<(), KernelError> {
     }
 }
 
-/// `ys[k] = xs[k]·scale` where the word of logical element `base + k` is `>= threshold`, else 0.
-fn apply_run(
-    xs: &[f32],
-    ys: &mut [f32],
-    base: u64,
-    threshold: u32,
-    scale: f32,
-    stream: &DropoutStream,
-) {
-    #[inline(always)]
-    fn select(xs: &[f32], ys: &mut [f32], words: &[u32], threshold: u32, scale: f32) {
-        for ((y, &x), &w) in ys.iter_mut().zip(xs).zip(words) {
-            *y = if w >= threshold { x * scale } else { 0.0 };
-        }
-    }
-    // Leading partial block when the run does not start on a multiple of 4.
-    let lane = (base % 4) as usize;
-    let head = if lane == 0 {
-        0
-    } else {
-        (4 - lane).min(xs.len())
-    };
-    let (xh, xs) = xs.split_at(head);
-    let (yh, ys) = ys.split_at_mut(head);
-    if head > 0 {
-        select(xh, yh, &stream.block(base / 4)[lane..], threshold, scale);
-    }
-    // The first full block follows the partial one (no `base + head`: it may be 2⁶⁴).
-    let mut block = base / 4 + u64::from(lane != 0);
-    let xc = xs.chunks_exact(4);
-    let xt = xc.remainder();
-    let mut yc = ys.chunks_exact_mut(4);
-    for (x4, y4) in xc.zip(&mut yc) {
-        select(x4, y4, &stream.block(block), threshold, scale);
-        block += 1;
-    }
-    let yt = yc.into_remainder();
-    if !xt.is_empty() {
-        select(xt, yt, &stream.block(block), threshold, scale);
+/// Random words per [`DropoutStream::words`] call.
+const BATCH_WORDS: usize = 4 * PHILOX_BATCH;
+
+/// `ys[k] = xs[k]·scale` where `words[k] >= threshold`, else 0.
+#[inline(always)]
+fn select(xs: &[f32], ys: &mut [f32], words: &[u32], threshold: u32, scale: f32) {
+    for ((y, &x), &w) in ys.iter_mut().zip(xs).zip(words) {
+        *y = if w >= threshold { x * scale } else { 0.0 };
     }
 }
 
-/// Shared body of the forward and backward: `y = mask(x)·1/(1 − p)`.
+versioned! {
+    /// One run of logical elements `base, base + 1, ..`: `ya[k] = xa[k]·scale` where the word of
+    /// logical element `base + k` is `>= threshold`, else 0; the same mask takes `xb` to `yb`
+    /// unless they are empty. The words come [`PHILOX_BATCH`] blocks at a time.
+    fn apply_run(
+        xa: &[f32],
+        ya: &mut [f32],
+        xb: &[f32],
+        yb: &mut [f32],
+        base: u64,
+        threshold: u32,
+        scale: f32,
+        stream: &DropoutStream,
+    ) {
+        let n = xa.len();
+        let two = !xb.is_empty();
+        // The batch holding `base` starts at its block; a run starting mid-block skips words.
+        let mut block = base / 4;
+        let mut skip = (base % 4) as usize;
+        let mut done = 0;
+        while done < n {
+            let words = stream.words(block);
+            let take = (BATCH_WORDS - skip).min(n - done);
+            let w = &words[skip..skip + take];
+            let r = done..done + take;
+            select(&xa[r.clone()], &mut ya[r.clone()], w, threshold, scale);
+            if two {
+                select(&xb[r.clone()], &mut yb[r], w, threshold, scale);
+            }
+            done += take;
+            // At most 2⁶² + 2⁴: no overflow.
+            block += PHILOX_BATCH as u64;
+            skip = 0;
+        }
+    }
+}
+
+/// Shared body of every dropout: `y = mask(x)·1/(1 − p)`, and `y_b = mask(x_b)·1/(1 − p)` with
+/// the same mask when `b` is given.
 fn apply(
     kernel: &'static str,
     names: [&'static str; 2],
-    x: &[f32],
-    y: &mut [f32],
+    (x, y): (&[f32], &mut [f32]),
+    b: Option<(&[f32], &mut [f32])>,
     p: f32,
     stream: &DropoutStream,
     index: LogicalIndex,
@@ -178,20 +188,34 @@ fn apply(
     let dims = || format!("outer {} × inner {}", index.outer, index.inner);
     check_len(kernel, names[0], x.len(), n, dims)?;
     check_len(kernel, names[1], y.len(), n, dims)?;
+    let (xb, yb): (&[f32], &mut [f32]) = match b {
+        Some((xb, yb)) => {
+            check_len(kernel, "x_b", xb.len(), n, dims)?;
+            check_len(kernel, "y_b", yb.len(), n, dims)?;
+            (xb, yb)
+        }
+        None => (&[], &mut []),
+    };
     if p == 0.0 {
         y.copy_from_slice(x);
+        yb.copy_from_slice(xb);
         return Ok(());
     }
     if n == 0 {
         return Ok(());
     }
     let (t, s) = (threshold(p), keep_scale(p));
-    for (o, (xr, yr)) in x
-        .chunks_exact(index.inner)
-        .zip(y.chunks_exact_mut(index.inner))
-        .enumerate()
-    {
-        apply_run(xr, yr, index.logical(o, 0), t, s, stream);
+    let isa = Isa::detected();
+    let inner = index.inner;
+    for o in 0..index.outer {
+        let r = o * inner..(o + 1) * inner;
+        let (xbr, ybr): (&[f32], &mut [f32]) = if xb.is_empty() {
+            (&[], &mut [])
+        } else {
+            (&xb[r.clone()], &mut yb[r.clone()])
+        };
+        let (xr, yr) = (&x[r.clone()], &mut y[r]);
+        apply_run(isa, xr, yr, xbr, ybr, index.logical(o, 0), t, s, stream);
     }
     Ok(())
 }
@@ -204,7 +228,15 @@ pub fn dropout_forward(
     stream: &DropoutStream,
     index: LogicalIndex,
 ) -> Result<(), KernelError> {
-    apply("dropout_forward", ["x", "y"], x, y, p, stream, index)
+    apply(
+        "dropout_forward",
+        ["x", "y"],
+        (x, y),
+        None,
+        p,
+        stream,
+        index,
+    )
 }
 
 /// Gradient of [`dropout_forward`] with the same `p`, stream and index: regenerates the mask, `dx = mask(dy)/(1 − p)`.
@@ -215,7 +247,42 @@ pub fn dropout_backward(
     stream: &DropoutStream,
     index: LogicalIndex,
 ) -> Result<(), KernelError> {
-    apply("dropout_backward", ["dy", "dx"], dy, dx, p, stream, index)
+    apply(
+        "dropout_backward",
+        ["dy", "dx"],
+        (dy, dx),
+        None,
+        p,
+        stream,
+        index,
+    )
+}
+
+/// One mask, two buffers, one pass: `y_a = mask(x_a)/(1 − p)` and `y_b = mask(x_b)/(1 − p)`.
+///
+/// The mask is the one [`dropout_forward`] and [`dropout_backward`] draw for the same `p`, stream
+/// and index, generated once; the results are bit-identical to two separate calls. Attention's
+/// backward uses it to redo the forward's dropout of the probabilities and to take the gradient
+/// through it.
+#[allow(clippy::too_many_arguments)]
+pub fn dropout_pair(
+    x_a: &[f32],
+    y_a: &mut [f32],
+    x_b: &[f32],
+    y_b: &mut [f32],
+    p: f32,
+    stream: &DropoutStream,
+    index: LogicalIndex,
+) -> Result<(), KernelError> {
+    apply(
+        "dropout_pair",
+        ["x_a", "y_a"],
+        (x_a, y_a),
+        Some((x_b, y_b)),
+        p,
+        stream,
+        index,
+    )
 }
 
 #[cfg(test)]
@@ -424,6 +491,86 @@ mod tests {
                 assert_eq!(v != 0.0, s.word(start + k as u64) >= t);
             }
         }
+    }
+
+    #[test]
+    fn runs_of_every_offset_and_length_follow_the_words() {
+        let s = stream();
+        let p = 0.3;
+        let t = keep_threshold(p).unwrap();
+        let mut rng = Rng::new(53);
+        let x = rng.vec(300, -1.0, 1.0);
+        for start in [
+            0u64,
+            1,
+            2,
+            3,
+            61,
+            64,
+            65,
+            127,
+            (1 << 32) * 4 - 70,
+            u64::MAX - 299,
+        ] {
+            for len in [1usize, 3, 4, 5, 63, 64, 65, 130, 300] {
+                let mut y = vec![f32::NAN; len];
+                let index = LogicalIndex::range(start, len);
+                let Ok(()) = dropout_forward(&x[..len], &mut y, p, &s, index) else {
+                    continue; // past the end of the index space
+                };
+                for (k, (&a, &b)) in x.iter().zip(&y).enumerate() {
+                    let keep = s.word(start + k as u64) >= t;
+                    assert_eq!(
+                        b,
+                        if keep { a * keep_scale(p) } else { 0.0 },
+                        "{start} + {k}"
+                    );
+                }
+                // Every compiled version draws the same.
+                for isa in Isa::supported() {
+                    let mut z = vec![f32::NAN; len];
+                    apply_run(
+                        isa,
+                        &x[..len],
+                        &mut z,
+                        &[],
+                        &mut [],
+                        start,
+                        t,
+                        keep_scale(p),
+                        &s,
+                    );
+                    assert_eq!(y, z, "{}", isa.name());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pair_equals_two_calls() {
+        let s = stream();
+        let mut rng = Rng::new(54);
+        let (b, inner, stride) = (3, 70, 150);
+        let index = LogicalIndex {
+            outer: b,
+            inner,
+            logical_stride: stride,
+            logical_start: 37,
+        };
+        let n = b * inner;
+        let (xa, xb) = (rng.vec(n, -1.0, 1.0), rng.vec(n, -1.0, 1.0));
+        for p in [0.0, 0.1, 0.5] {
+            let (mut ya, mut yb) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+            dropout_pair(&xa, &mut ya, &xb, &mut yb, p, &s, index).unwrap();
+            let (mut wa, mut wb) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+            dropout_forward(&xa, &mut wa, p, &s, index).unwrap();
+            dropout_backward(&xb, &mut wb, p, &s, index).unwrap();
+            assert_eq!(ya, wa, "p {p}");
+            assert_eq!(yb, wb, "p {p}");
+        }
+        let mut y = vec![0.0; n];
+        let e = dropout_pair(&xa, &mut y.clone(), &xb[1..], &mut y, 0.1, &s, index).unwrap_err();
+        assert!(matches!(e, KernelError::Length { buffer: "x_b", .. }));
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! Element-wise kernels: bias add, GeLU (tanh approximation), residual adds and scaling.
 
+use super::isa::{Isa, versioned};
+use super::math;
 use super::reduce::add_column_sums;
 use super::shape::numel;
 use super::{KernelError, check_len};
@@ -8,6 +10,22 @@ use super::{KernelError, check_len};
 const GELU_K: f32 = 0.797_884_6;
 /// Cubic coefficient of the GeLU tanh approximation.
 const GELU_C: f32 = 0.044_715;
+/// GeLU's `−2u = x·(GELU_A + GELU_B·x²)`: `GELU_A = −2·√(2/π)`, …
+const GELU_A: f32 = -2.0 * GELU_K;
+/// … `GELU_B = −2·√(2/π)·0.044715`.
+const GELU_B: f32 = GELU_A * GELU_C;
+/// `d(−2u)/dx = GELU_A + GELU_3B·x²`.
+const GELU_3B: f32 = 3.0 * GELU_B;
+
+versioned! {
+    fn bias_add_rows(x: &mut [f32], bias: &[f32], cols: usize) {
+        for row in x.chunks_exact_mut(cols) {
+            for (v, &b) in row.iter_mut().zip(bias) {
+                *v += b;
+            }
+        }
+    }
+}
 
 /// Adds `bias[cols]` to every row of the row-major `x[rows, cols]`, in place.
 pub fn bias_add_forward(
@@ -24,12 +42,14 @@ pub fn bias_add_forward(
     if cols == 0 {
         return Ok(());
     }
-    for row in x.chunks_exact_mut(cols) {
-        for (v, &b) in row.iter_mut().zip(bias) {
-            *v += b;
-        }
-    }
+    bias_add_rows(Isa::detected(), x, bias, cols);
     Ok(())
+}
+
+versioned! {
+    fn column_sums(dy: &[f32], cols: usize, dbias: &mut [f32]) {
+        add_column_sums(dy, dy, cols, dbias, |_| |g, _| g as f64);
+    }
 }
 
 /// Accumulates the column sums of `dy[rows, cols]` into `dbias[cols]` (`+=`, summed in f64).
@@ -44,19 +64,44 @@ pub fn bias_add_backward(
     let dims = || format!("rows {rows} × cols {cols}");
     check_len(K, "dy", dy.len(), n, dims)?;
     check_len(K, "dbias", dbias.len(), cols, dims)?;
-    add_column_sums(dy, dy, cols, dbias, |_| |g, _| g as f64);
+    column_sums(Isa::detected(), dy, cols, dbias);
     Ok(())
 }
 
+versioned! {
+    fn gelu_forward_loop(x: &[f32], y: &mut [f32]) {
+        for (o, &v) in y.iter_mut().zip(x) {
+            // 0.5·x·(1 + tanh u) = x·σ(2u) = x / (1 + e^(−2u)).
+            let e = math::exp(v * (GELU_A + GELU_B * (v * v)));
+            *o = v / (1.0 + e);
+        }
+    }
+}
+
 /// GeLU with GPT-2's tanh approximation: `y = 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+///
+/// Computed as `x·σ(2u) = x / (1 + e^(−2u))` with `u = √(2/π)·(x + 0.044715·x³)` and the
+/// vectorised [`math::exp`]: within a few f32 ulp of the formula above.
 pub fn gelu_forward(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
     const K: &str = "gelu_forward";
     check_len(K, "y", y.len(), x.len(), || format!("elements {}", x.len()))?;
-    for (o, &v) in y.iter_mut().zip(x) {
-        let u = GELU_K * (v + GELU_C * v * v * v);
-        *o = 0.5 * v * (1.0 + u.tanh());
-    }
+    gelu_forward_loop(Isa::detected(), x, y);
     Ok(())
+}
+
+versioned! {
+    fn gelu_backward_loop(x: &[f32], dy: &[f32], dx: &mut [f32]) {
+        for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
+            // With z = −2u, e = eᶻ and s = σ(−z) = 1/(1 + e): y = x·s and
+            // y' = s + x·s' = s − x·s·(1 − s)·z', where 1 − s = e·s (1 once e overflows).
+            let v2 = v * v;
+            let e = math::exp(v * (GELU_A + GELU_B * v2));
+            let s = 1.0 / (1.0 + e);
+            let one_minus_s = (e * s).min(1.0);
+            let dz = GELU_A + GELU_3B * v2;
+            *o = g * (s - (v * s) * (one_minus_s * dz));
+        }
+    }
 }
 
 /// Gradient of [`gelu_forward`]: `dx = dy · gelu'(x)` (overwrites `dx`).
@@ -65,13 +110,16 @@ pub fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), Kernel
     let dims = || format!("elements {}", x.len());
     check_len(K, "dy", dy.len(), x.len(), dims)?;
     check_len(K, "dx", dx.len(), x.len(), dims)?;
-    for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
-        let v2 = v * v;
-        let t = (GELU_K * (v + GELU_C * v2 * v)).tanh();
-        let du = GELU_K * (1.0 + 3.0 * GELU_C * v2);
-        *o = g * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * du);
-    }
+    gelu_backward_loop(Isa::detected(), x, dy, dx);
     Ok(())
+}
+
+versioned! {
+    fn add_loop(a: &[f32], b: &[f32], out: &mut [f32]) {
+        for ((o, &p), &q) in out.iter_mut().zip(a).zip(b) {
+            *o = p + q;
+        }
+    }
 }
 
 /// Element-wise sum `out = a + b`.
@@ -80,10 +128,16 @@ pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) -> Result<(), KernelError> {
     let dims = || format!("elements {}", a.len());
     check_len(K, "b", b.len(), a.len(), dims)?;
     check_len(K, "out", out.len(), a.len(), dims)?;
-    for ((o, &p), &q) in out.iter_mut().zip(a).zip(b) {
-        *o = p + q;
-    }
+    add_loop(Isa::detected(), a, b, out);
     Ok(())
+}
+
+versioned! {
+    fn add_assign_loop(acc: &mut [f32], x: &[f32]) {
+        for (a, &v) in acc.iter_mut().zip(x) {
+            *a += v;
+        }
+    }
 }
 
 /// Accumulates `acc += x` element-wise (residual fan-in of gradients).
@@ -92,17 +146,21 @@ pub fn add_assign(acc: &mut [f32], x: &[f32]) -> Result<(), KernelError> {
     check_len(K, "x", x.len(), acc.len(), || {
         format!("elements {}", acc.len())
     })?;
-    for (a, &v) in acc.iter_mut().zip(x) {
-        *a += v;
-    }
+    add_assign_loop(Isa::detected(), acc, x);
     Ok(())
+}
+
+versioned! {
+    fn scale_loop(x: &mut [f32], alpha: f32) {
+        for v in x.iter_mut() {
+            *v *= alpha;
+        }
+    }
 }
 
 /// Multiplies every element of `x` by `alpha`, in place.
 pub fn scale(x: &mut [f32], alpha: f32) {
-    for v in x.iter_mut() {
-        *v *= alpha;
-    }
+    scale_loop(Isa::detected(), x, alpha);
 }
 
 #[cfg(test)]
@@ -191,6 +249,69 @@ mod tests {
             let (v, h) = (v as f64, 1e-6);
             let fd = (gelu_ref(v + h) - gelu_ref(v - h)) / (2.0 * h);
             assert!((g as f64 - fd * wi as f64).abs() < 1e-5, "gelu'({v})");
+        }
+    }
+
+    #[test]
+    fn gelu_at_the_extremes() {
+        let x = [
+            f32::NEG_INFINITY,
+            -1e30,
+            -1e4,
+            -30.0,
+            -0.0,
+            0.0,
+            30.0,
+            1e4,
+            1e30,
+            f32::INFINITY,
+            f32::NAN,
+        ];
+        let mut y = [0.0; 11];
+        gelu_forward(&x, &mut y).unwrap();
+        assert!(y[0].is_nan()); // −∞·0, as the tanh formula
+        assert_eq!(&y[1..4], &[0.0; 3]);
+        assert_eq!(&y[4..10], &x[4..10]);
+        assert!(y[10].is_nan());
+        let mut dx = [0.0; 11];
+        gelu_backward(&x, &[1.0; 11], &mut dx).unwrap();
+        // (Beyond |x| ≈ 1e19, x² overflows and the gradient is NaN, as with the tanh formula.)
+        assert_eq!(&dx[2..4], &[0.0; 2]);
+        assert_eq!(&dx[4..6], &[0.5, 0.5]);
+        assert_eq!(&dx[6..8], &[1.0; 2]);
+        assert!(dx[10].is_nan());
+    }
+
+    #[test]
+    fn every_compiled_version_gives_the_same_bits() {
+        let mut rng = Rng::new(5);
+        let n = 1037;
+        let x = rng.vec(n, -8.0, 8.0);
+        let w = rng.vec(n, -1.0, 1.0);
+        let (rows, cols) = (17, 61);
+        let m = rng.vec(rows * cols, -1.0, 1.0);
+        let run = |isa: Isa| {
+            let mut out = vec![vec![0.0f32; n]; 5];
+            gelu_forward_loop(isa, &x, &mut out[0]);
+            gelu_backward_loop(isa, &x, &w, &mut out[1]);
+            add_loop(isa, &x, &w, &mut out[2]);
+            out[3].copy_from_slice(&x);
+            add_assign_loop(isa, &mut out[3], &w);
+            scale_loop(isa, &mut out[3], 0.3);
+            out[4].copy_from_slice(&x);
+            let mut mm = m.clone();
+            bias_add_rows(isa, &mut mm, &w[..cols], cols);
+            let mut db = w[..cols].to_vec();
+            column_sums(isa, &m, cols, &mut db);
+            out.push(mm);
+            out.push(db);
+            out.into_iter()
+                .map(|v| v.into_iter().map(f32::to_bits).collect::<Vec<_>>())
+                .collect::<Vec<_>>()
+        };
+        let want = run(Isa::BASELINE);
+        for isa in Isa::supported() {
+            assert_eq!(run(isa), want, "{}", isa.name());
         }
     }
 

@@ -3,6 +3,7 @@
 //! Statistics use a deterministic two-pass f32 mean and variance (biased, as PyTorch);
 //! the forward saves `mean` and `rstd = 1/√(var + eps)` per row for the backward.
 
+use super::isa::{Isa, versioned};
 use super::reduce::{self, LANES, add_column_sums};
 use super::shape::numel;
 use super::{KernelError, check_len};
@@ -29,6 +30,33 @@ fn check_dims(
     numel(kernel, &[rows, hidden])
 }
 
+versioned! {
+    /// The rows of [`layer_norm_forward`] (`hidden > 0`).
+    fn forward_rows(
+        x: &[f32],
+        gamma: &[f32],
+        beta: &[f32],
+        hidden: usize,
+        eps: f32,
+        y: &mut [f32],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+    ) {
+        let inv_h = 1.0 / hidden as f32;
+        let rows_iter = x.chunks_exact(hidden).zip(y.chunks_exact_mut(hidden));
+        for ((xr, yr), (m_out, r_out)) in rows_iter.zip(mean.iter_mut().zip(rstd.iter_mut())) {
+            let m = reduce::sum(xr) * inv_h;
+            let var = reduce::sum_sq_dev(xr, m) * inv_h;
+            let rs = 1.0 / (var + eps).sqrt();
+            for (((o, &v), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
+                *o = (v - m) * rs * g + b;
+            }
+            *m_out = m;
+            *r_out = rs;
+        }
+    }
+}
+
 /// `y = (x − mean)·rstd·gamma + beta` per row of `x[rows, hidden]`, saving `mean[rows]` and `rstd[rows]`.
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_forward(
@@ -51,22 +79,12 @@ pub fn layer_norm_forward(
     check_len(K, "y", y.len(), n, dims)?;
     check_len(K, "mean", mean.len(), rows, dims)?;
     check_len(K, "rstd", rstd.len(), rows, dims)?;
-    let inv_h = 1.0 / hidden as f32;
-    let rows_iter = x.chunks_exact(hidden).zip(y.chunks_exact_mut(hidden));
-    for ((xr, yr), (m_out, r_out)) in rows_iter.zip(mean.iter_mut().zip(rstd.iter_mut())) {
-        let m = reduce::sum(xr) * inv_h;
-        let var = reduce::sum_sq_dev(xr, m) * inv_h;
-        let rs = 1.0 / (var + eps).sqrt();
-        for (((o, &v), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
-            *o = (v - m) * rs * g + b;
-        }
-        *m_out = m;
-        *r_out = rs;
-    }
+    forward_rows(Isa::detected(), x, gamma, beta, hidden, eps, y, mean, rstd);
     Ok(())
 }
 
 /// `(Σ dy·gamma, Σ dy·gamma·(x − m))` over one row, with lane-parallel f32 partial sums.
+#[inline(always)]
 fn row_sums(dy: &[f32], gamma: &[f32], x: &[f32], m: f32) -> (f32, f32) {
     let mut s1 = [0.0f32; LANES];
     let mut s2 = [0.0f32; LANES];
@@ -89,6 +107,40 @@ fn row_sums(dy: &[f32], gamma: &[f32], x: &[f32], m: f32) -> (f32, f32) {
         s2[0] += dg * (v - m);
     }
     (reduce::combine(s1), reduce::combine(s2))
+}
+
+versioned! {
+    /// The rows of [`layer_norm_backward`] (`hidden > 0`).
+    fn backward_rows(
+        dy: &[f32],
+        x: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+        gamma: &[f32],
+        hidden: usize,
+        dx: &mut [f32],
+        dgamma: &mut [f32],
+        dbeta: &mut [f32],
+    ) {
+        let inv_h = 1.0 / hidden as f32;
+        let rows_iter = dy.chunks_exact(hidden).zip(x.chunks_exact(hidden));
+        let rows_iter = rows_iter.zip(dx.chunks_exact_mut(hidden));
+        for (((dyr, xr), dxr), (&m, &rs)) in rows_iter.zip(mean.iter().zip(rstd)) {
+            let (sum_g, sum_gxc) = row_sums(dyr, gamma, xr, m);
+            let a = sum_g * inv_h;
+            // mean(g·x̂) = rstd·mean(g·(x − m)).
+            let b = sum_gxc * rs * inv_h;
+            for (((o, &d), &g), &v) in dxr.iter_mut().zip(dyr).zip(gamma).zip(xr) {
+                let xhat = (v - m) * rs;
+                *o = rs * (d * g - a - xhat * b);
+            }
+        }
+        add_column_sums(dy, x, hidden, dgamma, |r| {
+            let (m, rs) = (mean[r], rstd[r]);
+            move |d, v| d as f64 * ((v - m) * rs) as f64
+        });
+        add_column_sums(dy, dy, hidden, dbeta, |_| |d, _| d as f64);
+    }
 }
 
 /// Gradients of [`layer_norm_forward`]: overwrites `dx[rows, hidden]`, accumulates `dgamma` and `dbeta` (`+=`).
@@ -119,24 +171,18 @@ pub fn layer_norm_backward(
     check_len(K, "dx", dx.len(), n, dims)?;
     check_len(K, "dgamma", dgamma.len(), hidden, dims)?;
     check_len(K, "dbeta", dbeta.len(), hidden, dims)?;
-    let inv_h = 1.0 / hidden as f32;
-    let rows_iter = dy.chunks_exact(hidden).zip(x.chunks_exact(hidden));
-    let stats = mean.iter().zip(rstd);
-    for (((dyr, xr), dxr), (&m, &rs)) in rows_iter.zip(dx.chunks_exact_mut(hidden)).zip(stats) {
-        let (sum_g, sum_gxc) = row_sums(dyr, gamma, xr, m);
-        let a = sum_g * inv_h;
-        // mean(g·x̂) = rstd·mean(g·(x − m)).
-        let b = sum_gxc * rs * inv_h;
-        for (((o, &d), &g), &v) in dxr.iter_mut().zip(dyr).zip(gamma).zip(xr) {
-            let xhat = (v - m) * rs;
-            *o = rs * (d * g - a - xhat * b);
-        }
-    }
-    add_column_sums(dy, x, hidden, dgamma, |r| {
-        let (m, rs) = (mean[r], rstd[r]);
-        move |d, v| d as f64 * ((v - m) * rs) as f64
-    });
-    add_column_sums(dy, dy, hidden, dbeta, |_| |d, _| d as f64);
+    backward_rows(
+        Isa::detected(),
+        dy,
+        x,
+        mean,
+        rstd,
+        gamma,
+        hidden,
+        dx,
+        dgamma,
+        dbeta,
+    );
     Ok(())
 }
 
@@ -260,6 +306,31 @@ mod tests {
         check_directional("layer norm dbeta", &c.beta, &d, 1e-2, &dbeta, 2e-3, |b| {
             weighted_sum(&w, &forward(&c, &c.x, &c.gamma, b))
         });
+    }
+
+    #[test]
+    fn every_compiled_version_gives_the_same_bits() {
+        let c = case(31, 9, 77);
+        let (rows, hidden) = (c.rows, c.hidden);
+        let mut rng = Rng::new(32);
+        let dy = rng.vec(rows * hidden, -1.0, 1.0);
+        let run = |isa: Isa| {
+            let mut y = vec![0.0f32; rows * hidden];
+            let (mut m, mut r) = (vec![0.0f32; rows], vec![0.0f32; rows]);
+            forward_rows(
+                isa, &c.x, &c.gamma, &c.beta, hidden, 1e-5, &mut y, &mut m, &mut r,
+            );
+            let mut dx = vec![0.0f32; rows * hidden];
+            let (mut dg, mut db) = (c.gamma.clone(), c.beta.clone());
+            backward_rows(
+                isa, &dy, &c.x, &m, &r, &c.gamma, hidden, &mut dx, &mut dg, &mut db,
+            );
+            [y, m, r, dx, dg, db].map(|v| v.into_iter().map(f32::to_bits).collect::<Vec<_>>())
+        };
+        let want = run(Isa::BASELINE);
+        for isa in Isa::supported() {
+            assert!(run(isa) == want, "{}", isa.name());
+        }
     }
 
     #[test]

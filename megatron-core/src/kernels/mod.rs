@@ -4,6 +4,10 @@
 //! them on static buffers. Compute is f32; other dtypes are converted at the tensor layer.
 //! Every kernel checks that its slices have the lengths its dimensions imply and returns a
 //! [`KernelError`] otherwise: a wrong shape is an error that names the numbers, never a panic.
+//!
+//! The hot loops are compiled for AVX-512, AVX2 + FMA and the baseline and dispatched at run
+//! time ([`isa`]); every version returns the same bits. Transcendental functions come from
+//! [`math`] (vectorisable, no libm calls).
 
 pub mod parallel;
 
@@ -15,7 +19,9 @@ pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
+pub mod isa;
 pub mod layer_norm;
+pub mod math;
 pub mod softmax;
 
 mod reduce;

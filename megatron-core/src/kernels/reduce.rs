@@ -2,19 +2,21 @@
 //!
 //! Each reduction keeps [`LANES`] independent f32 partial sums over consecutive chunks, adds the
 //! tail to lane 0, and combines the lanes in a fixed order, so the result depends only on the
-//! input values, never on threads or timing.
+//! input values, never on threads or timing (nor on the instruction set a kernel was compiled
+//! for: they are `#[inline(always)]`, so each version of a kernel gets its own copy, with the
+//! same operations in the same order).
 
 /// Number of independent partial sums (one AVX-256 register of f32).
 pub(crate) const LANES: usize = 8;
 
 /// Combines lane partial sums in a fixed order.
-#[inline]
+#[inline(always)]
 pub(crate) fn combine(acc: [f32; LANES]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }
 
 /// Sum of `xs`.
-#[inline]
+#[inline(always)]
 pub(crate) fn sum(xs: &[f32]) -> f32 {
     let mut acc = [0.0f32; LANES];
     let chunks = xs.chunks_exact(LANES);
@@ -31,7 +33,7 @@ pub(crate) fn sum(xs: &[f32]) -> f32 {
 }
 
 /// Dot product of `a` and `b` over their common length.
-#[inline]
+#[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
@@ -51,7 +53,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Sum of `(x - shift)^2` over `xs` (the second pass of a two-pass variance).
-#[inline]
+#[inline(always)]
 pub(crate) fn sum_sq_dev(xs: &[f32], shift: f32) -> f32 {
     let mut acc = [0.0f32; LANES];
     let chunks = xs.chunks_exact(LANES);
@@ -70,7 +72,7 @@ pub(crate) fn sum_sq_dev(xs: &[f32], shift: f32) -> f32 {
 }
 
 /// Largest element of `xs` (NaNs are skipped), or negative infinity when `xs` is empty.
-#[inline]
+#[inline(always)]
 pub(crate) fn max(xs: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
     let chunks = xs.chunks_exact(LANES);
@@ -96,6 +98,7 @@ const COL_BLOCK: usize = 64;
 /// the inner loop). `a` and `b` must both have `rows * cols` elements and `out` must have `cols`
 /// (checked by the caller). Columns are processed in blocks of [`COL_BLOCK`] so the partial sums
 /// fit on the stack.
+#[inline(always)]
 pub(crate) fn add_column_sums<G>(
     a: &[f32],
     b: &[f32],

@@ -4,6 +4,8 @@
 //! `i` sees keys `j ≤ i + (sk − sq)`, so the last query sees every key (queries are the last `sq`
 //! positions of the key sequence); masked keys get exactly zero probability.
 
+use super::isa::{Isa, versioned};
+use super::math;
 use super::reduce;
 use super::shape::numel;
 use super::{KernelError, check_len};
@@ -38,9 +40,51 @@ fn check_dims(
     numel(kernel, &[batches, sq, sk])
 }
 
+versioned! {
+    /// The rows of [`softmax_forward`] (`sk > 0`).
+    fn softmax_rows(x: &[f32], y: &mut [f32], sq: usize, sk: usize, scale: f32, causal: bool) {
+        for (r, (xr, yr)) in x.chunks_exact(sk).zip(y.chunks_exact_mut(sk)).enumerate() {
+            let visible = visible_keys(r % sq, sq, sk, causal);
+            let (yv, ym) = yr.split_at_mut(visible);
+            ym.fill(0.0);
+            for (o, &v) in yv.iter_mut().zip(xr) {
+                *o = v * scale;
+            }
+            let m = reduce::max(yv);
+            if m == f32::NEG_INFINITY {
+                // Nothing visible, or every visible score is −∞ (NaN still propagates).
+                for o in yv.iter_mut() {
+                    *o = if o.is_nan() { f32::NAN } else { 0.0 };
+                }
+                continue;
+            }
+            for o in yv.iter_mut() {
+                *o = math::exp(*o - m);
+            }
+            let inv = 1.0 / reduce::sum(yv);
+            for o in yv.iter_mut() {
+                *o *= inv;
+            }
+        }
+    }
+}
+
+versioned! {
+    /// The rows of [`softmax_backward`] (`sk > 0`).
+    fn softmax_backward_rows(y: &[f32], dy: &[f32], sk: usize, scale: f32, dx: &mut [f32]) {
+        let rows = y.chunks_exact(sk).zip(dy.chunks_exact(sk));
+        for ((yr, dyr), dxr) in rows.zip(dx.chunks_exact_mut(sk)) {
+            let s = reduce::dot(dyr, yr);
+            for ((o, &p), &g) in dxr.iter_mut().zip(yr).zip(dyr) {
+                *o = scale * p * (g - s);
+            }
+        }
+    }
+}
+
 /// `y = softmax(scale·x)` over the last dimension of `x[batches, sq, sk]`, causally masked if asked.
 ///
-/// The row maximum is subtracted before exponentiating. A row whose visible scores are all `−∞`
+/// The row maximum is subtracted before exponentiating (with the vectorised [`math::exp`]). A row whose visible scores are all `−∞`
 /// (or a causal row that sees no key, when `sk < sq`) gets all-zero probabilities instead of NaN.
 pub fn softmax_forward(
     x: &[f32],
@@ -59,29 +103,7 @@ pub fn softmax_forward(
     if sk == 0 {
         return Ok(());
     }
-    for (r, (xr, yr)) in x.chunks_exact(sk).zip(y.chunks_exact_mut(sk)).enumerate() {
-        let visible = visible_keys(r % sq, sq, sk, causal);
-        let (yv, ym) = yr.split_at_mut(visible);
-        ym.fill(0.0);
-        for (o, &v) in yv.iter_mut().zip(xr) {
-            *o = v * scale;
-        }
-        let m = reduce::max(yv);
-        if m == f32::NEG_INFINITY {
-            // Nothing visible, or every visible score is −∞ (NaN still propagates).
-            for o in yv.iter_mut() {
-                *o = if o.is_nan() { f32::NAN } else { 0.0 };
-            }
-            continue;
-        }
-        for o in yv.iter_mut() {
-            *o = (*o - m).exp();
-        }
-        let inv = 1.0 / reduce::sum(yv);
-        for o in yv.iter_mut() {
-            *o *= inv;
-        }
-    }
+    softmax_rows(Isa::detected(), x, y, sq, sk, scale, causal);
     Ok(())
 }
 
@@ -106,13 +128,7 @@ pub fn softmax_backward(
     if sk == 0 {
         return Ok(());
     }
-    let rows = y.chunks_exact(sk).zip(dy.chunks_exact(sk));
-    for ((yr, dyr), dxr) in rows.zip(dx.chunks_exact_mut(sk)) {
-        let s = reduce::dot(dyr, yr);
-        for ((o, &p), &g) in dxr.iter_mut().zip(yr).zip(dyr) {
-            *o = scale * p * (g - s);
-        }
-    }
+    softmax_backward_rows(Isa::detected(), y, dy, sk, scale, dx);
     Ok(())
 }
 
@@ -230,6 +246,26 @@ mod tests {
                 softmax_forward(x, batches, sq, sk, scale, causal, &mut y).unwrap();
                 weighted_sum(&w, &y)
             });
+        }
+    }
+
+    #[test]
+    fn every_compiled_version_gives_the_same_bits() {
+        let mut rng = Rng::new(42);
+        let (batches, sq, sk) = (3, 37, 45);
+        let n = batches * sq * sk;
+        let x = rng.vec(n, -6.0, 6.0);
+        let dy = rng.vec(n, -1.0, 1.0);
+        let run = |isa: Isa| {
+            let (mut y, mut dx) = (vec![0.0f32; n], vec![0.0f32; n]);
+            softmax_rows(isa, &x, &mut y, sq, sk, 0.3, true);
+            softmax_backward_rows(isa, &y, &dy, sk, 0.3, &mut dx);
+            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            (bits(y), bits(dx))
+        };
+        let want = run(Isa::BASELINE);
+        for isa in Isa::supported() {
+            assert!(run(isa) == want, "{}", isa.name());
         }
     }
 

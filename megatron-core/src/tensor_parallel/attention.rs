@@ -209,33 +209,43 @@ impl CausalSelfAttention {
 }
 
 /// Applies the dropout mask of `mask` to `x` (or returns `x` unchanged without one).
-fn masked(
-    x: &Tensor,
-    mask: &Option<(f32, DropoutStream, LogicalIndex)>,
-    backward: bool,
-) -> Result<Tensor> {
+fn masked(x: &Tensor, mask: &Option<(f32, DropoutStream, LogicalIndex)>) -> Result<Tensor> {
     let Some((p, stream, index)) = mask else {
         return Ok(x.clone());
     };
     let y = Tensor::zeros(x.shape().clone(), DType::F32);
-    if backward {
-        dk::dropout_backward(
-            &x.read::<f32>()?,
-            &mut y.write::<f32>()?,
-            *p,
-            stream,
-            *index,
-        )?;
-    } else {
-        dk::dropout_forward(
-            &x.read::<f32>()?,
-            &mut y.write::<f32>()?,
-            *p,
-            stream,
-            *index,
-        )?;
-    }
+    dk::dropout_forward(
+        &x.read::<f32>()?,
+        &mut y.write::<f32>()?,
+        *p,
+        stream,
+        *index,
+    )?;
     Ok(y)
+}
+
+/// [`masked`] of two tensors with one mask, generated once: the forward's dropout of `a` and
+/// the backward's of `b` (or both unchanged without a mask).
+fn masked_pair(
+    a: &Tensor,
+    b: &Tensor,
+    mask: &Option<(f32, DropoutStream, LogicalIndex)>,
+) -> Result<(Tensor, Tensor)> {
+    let Some((p, stream, index)) = mask else {
+        return Ok((a.clone(), b.clone()));
+    };
+    let ya = Tensor::zeros(a.shape().clone(), DType::F32);
+    let yb = Tensor::zeros(b.shape().clone(), DType::F32);
+    dk::dropout_pair(
+        &a.read::<f32>()?,
+        &mut ya.write::<f32>()?,
+        &b.read::<f32>()?,
+        &mut yb.write::<f32>()?,
+        *p,
+        stream,
+        *index,
+    )?;
+    Ok((ya, yb))
 }
 
 impl Op for CausalSelfAttention {
@@ -264,7 +274,7 @@ impl Op for CausalSelfAttention {
                 self.logical_index(cx, sh),
             )
         });
-        let ctx = matmul(&masked(&probs, &mask, false)?, &v)?;
+        let ctx = matmul(&masked(&probs, &mask)?, &v)?;
         let out = merge_heads(&ctx, sh)?;
         Ok((
             out,
@@ -295,10 +305,10 @@ impl Op for CausalSelfAttention {
             );
         }
         let d_ctx = unmerge_heads(&d_out, sh)?;
-        let dropped = masked(&saved.probs, &saved.dropout, false)?;
-        let dv = matmul(&dropped.transpose(1, 2)?, &d_ctx)?;
         let d_dropped = matmul(&d_ctx, &saved.v.transpose(1, 2)?)?;
-        let d_probs = masked(&d_dropped, &saved.dropout, true)?;
+        // The forward's dropped probabilities and the gradient through the dropout: one mask.
+        let (dropped, d_probs) = masked_pair(&saved.probs, &d_dropped, &saved.dropout)?;
+        let dv = matmul(&dropped.transpose(1, 2)?, &d_ctx)?;
         let d_scores = Tensor::zeros(d_probs.shape().clone(), DType::F32);
         softmax::softmax_backward(
             &saved.probs.read::<f32>()?,

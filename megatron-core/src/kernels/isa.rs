@@ -1,0 +1,198 @@
+//! Run-time instruction-set dispatch of the kernels' hot loops.
+//!
+//! The crate is compiled for baseline x86-64 (SSE2), so a plain loop vectorises at most 4 lanes
+//! wide. The crate-private `versioned!` macro compiles a loop three times, for AVX-512 (F, BW,
+//! DQ, VL), for AVX2 + FMA and for the baseline, and the caller picks one with an [`Isa`]:
+//! [`Isa::detected`] is the best set this CPU supports (detected once per process). On other
+//! architectures only the baseline exists.
+//!
+//! # Results do not depend on the version
+//!
+//! Rust never contracts `a·b + c` into a fused multiply-add, nor reorders floating-point
+//! operations, on its own; the kernels call no `mul_add` and keep their reductions in explicit,
+//! fixed-order lanes. So every version performs the same IEEE operations in the same order and
+//! returns bit-identical results: a wider vector only runs more of them at once. The tests of
+//! each kernel check that on every version the machine supports. (Should a kernel ever use FMA
+//! deliberately, its results could differ in the last bit between instruction sets; none does.)
+//!
+//! # Choosing a version by hand
+//!
+//! The environment variable `MEGATRON_KERNEL_ISA` (`baseline`, `avx2` or `avx512`), read once,
+//! caps the detected set, to compare the versions' speed; a set the CPU lacks is never used.
+
+use std::sync::OnceLock;
+
+/// Instruction-set levels, in increasing order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) enum Level {
+    /// Baseline of the compilation target (SSE2 on x86-64).
+    Baseline,
+    /// AVX2 with FMA (Haswell and later, Zen).
+    Avx2,
+    /// AVX-512 F, BW, DQ and VL (Skylake-SP and later, Zen 4).
+    Avx512,
+}
+
+/// An instruction set this CPU supports: only [`Isa::detected`] and [`Isa::supported`] make one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Isa(Level);
+
+impl Isa {
+    /// The baseline, which every CPU of the compilation target supports.
+    pub const BASELINE: Isa = Isa(Level::Baseline);
+
+    /// The widest set this CPU supports, capped by `MEGATRON_KERNEL_ISA` when it is set.
+    pub fn detected() -> Isa {
+        static DETECTED: OnceLock<Isa> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            let best = best_level();
+            let cap = std::env::var("MEGATRON_KERNEL_ISA")
+                .ok()
+                .and_then(|v| parse_level(&v))
+                .unwrap_or(Level::Avx512);
+            Isa(best.min(cap))
+        })
+    }
+
+    /// Every set this CPU supports, the baseline first.
+    pub fn supported() -> Vec<Isa> {
+        let best = best_level();
+        [Level::Baseline, Level::Avx2, Level::Avx512]
+            .into_iter()
+            .filter(|&l| l <= best)
+            .map(Isa)
+            .collect()
+    }
+
+    /// `"baseline"`, `"avx2"` or `"avx512"`.
+    pub fn name(self) -> &'static str {
+        match self.0 {
+            Level::Baseline => "baseline",
+            Level::Avx2 => "avx2",
+            Level::Avx512 => "avx512",
+        }
+    }
+
+    /// The level, for [`versioned!`]'s dispatch.
+    #[inline(always)]
+    pub(crate) fn level(self) -> Level {
+        self.0
+    }
+}
+
+fn parse_level(name: &str) -> Option<Level> {
+    match name.trim().to_ascii_lowercase().as_str() {
+        "baseline" | "sse2" | "none" => Some(Level::Baseline),
+        "avx2" => Some(Level::Avx2),
+        "avx512" | "avx-512" => Some(Level::Avx512),
+        _ => None,
+    }
+}
+
+/// The widest level the CPU (and the OS, which must save the wide registers) supports.
+fn best_level() -> Level {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("bmi1")
+            && std::is_x86_feature_detected!("bmi2")
+            && std::is_x86_feature_detected!("lzcnt")
+            && std::is_x86_feature_detected!("popcnt");
+        let avx512 = avx2
+            && std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512dq")
+            && std::is_x86_feature_detected!("avx512vl");
+        if avx512 {
+            return Level::Avx512;
+        }
+        if avx2 {
+            return Level::Avx2;
+        }
+    }
+    Level::Baseline
+}
+
+/// Defines `fn name(isa: Isa, args..) -> ret` whose body is compiled once per instruction set.
+///
+/// ```ignore
+/// versioned! {
+///     /// Doc comment.
+///     fn add_loop(a: &[f32], b: &[f32], out: &mut [f32]) {
+///         for ((o, &p), &q) in out.iter_mut().zip(a).zip(b) { *o = p + q; }
+///     }
+/// }
+/// add_loop(Isa::detected(), &a, &b, &mut out);
+/// ```
+///
+/// The body must not be generic; what it calls should be `#[inline]` (small helpers
+/// `#[inline(always)]`) so that it is compiled into each version rather than called at baseline.
+macro_rules! versioned {
+    (
+        $(#[$attr:meta])*
+        $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block
+    ) => {
+        $(#[$attr])*
+        #[allow(clippy::too_many_arguments)]
+        $vis fn $name(isa: $crate::kernels::isa::Isa, $($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[allow(clippy::too_many_arguments)]
+                #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl")]
+                #[target_feature(enable = "avx2,fma,bmi1,bmi2,lzcnt,popcnt")]
+                fn avx512($($arg: $ty),*) $(-> $ret)? $body
+
+                #[allow(clippy::too_many_arguments)]
+                #[target_feature(enable = "avx2,fma,bmi1,bmi2,lzcnt,popcnt")]
+                fn avx2($($arg: $ty),*) $(-> $ret)? $body
+
+                match isa.level() {
+                    // SAFETY: an `Isa` only ever holds a level the CPU supports.
+                    $crate::kernels::isa::Level::Avx512 => return unsafe { avx512($($arg),*) },
+                    // SAFETY: as above.
+                    $crate::kernels::isa::Level::Avx2 => return unsafe { avx2($($arg),*) },
+                    $crate::kernels::isa::Level::Baseline => {}
+                }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = isa;
+            $body
+        }
+    };
+}
+
+pub(crate) use versioned;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    versioned! {
+        fn sum_sq(xs: &[f32]) -> f32 {
+            xs.iter().map(|v| v * v).sum()
+        }
+    }
+
+    #[test]
+    fn levels_are_ordered_and_named() {
+        let all = Isa::supported();
+        assert_eq!(all[0], Isa::BASELINE);
+        assert!(all.contains(&Isa::detected()));
+        assert!(all.windows(2).all(|w| w[0].level() < w[1].level()));
+        assert_eq!(Isa::BASELINE.name(), "baseline");
+        assert_eq!(parse_level(" AVX512 "), Some(Level::Avx512));
+        assert_eq!(parse_level("avx2"), Some(Level::Avx2));
+        assert_eq!(parse_level("sse2"), Some(Level::Baseline));
+        assert_eq!(parse_level("neon"), None);
+    }
+
+    #[test]
+    fn every_version_computes_the_same() {
+        let xs: Vec<f32> = (0..1003).map(|i| (i as f32 * 0.37).sin()).collect();
+        let want = sum_sq(Isa::BASELINE, &xs);
+        for isa in Isa::supported() {
+            assert_eq!(sum_sq(isa, &xs).to_bits(), want.to_bits(), "{}", isa.name());
+        }
+    }
+}
