@@ -193,6 +193,16 @@ pub fn gemm(
     if m == 0 || n == 0 {
         return Ok(());
     }
+    if k == 0 {
+        // An empty product: C = β·C, where β = 0 ignores C's old contents (even NaN).
+        for i in 0..m {
+            for j in 0..n {
+                let e = &mut c.data[i * c.row_stride + j * c.col_stride];
+                *e = if beta == 0.0 { 0.0 } else { beta * *e };
+            }
+        }
+        return Ok(());
+    }
     let raw = RawC {
         ptr: c.data.as_mut_ptr(),
         row_stride: c.row_stride as isize,

@@ -91,7 +91,7 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
     let mut dims = ad[..ad.len() - 1].to_vec();
     dims.push(bd[bd.len() - 1]);
-    let c = Tensor::zeros(dims, DType::F32);
+    let c = Tensor::empty(dims, DType::F32);
     matmul_into(1.0, a, b, 0.0, &c)?;
     Ok(c)
 }

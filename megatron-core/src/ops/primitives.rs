@@ -19,7 +19,7 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return invalid!("add: shapes {} and {} differ", a.shape(), b.shape());
     }
     let (a, b) = (a.to_f32_contiguous()?, b.to_f32_contiguous()?);
-    let out = Tensor::zeros(a.shape().clone(), DType::F32);
+    let out = Tensor::empty(a.shape().clone(), DType::F32);
     elementwise::add(
         &a.read::<f32>()?,
         &b.read::<f32>()?,
@@ -37,7 +37,7 @@ pub struct GeluSaved {
 /// GeLU with GPT-2's tanh approximation.
 pub fn gelu(_cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, GeluSaved)> {
     let x = x.to_f32_contiguous()?;
-    let y = Tensor::zeros(x.shape().clone(), DType::F32);
+    let y = Tensor::empty(x.shape().clone(), DType::F32);
     elementwise::gelu_forward(&x.read::<f32>()?, &mut y.write::<f32>()?)?;
     Ok((y, GeluSaved { x }))
 }
@@ -45,7 +45,7 @@ pub fn gelu(_cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, GeluSaved)> {
 /// Gradient of [`gelu`].
 pub fn gelu_backward(_cx: &Cx, _site: Site, saved: GeluSaved, dy: &Tensor) -> Result<Tensor> {
     let dy = dy.to_f32_contiguous()?;
-    let dx = Tensor::zeros(saved.x.shape().clone(), DType::F32);
+    let dx = Tensor::empty(saved.x.shape().clone(), DType::F32);
     elementwise::gelu_backward(
         &saved.x.read::<f32>()?,
         &dy.read::<f32>()?,
@@ -91,7 +91,7 @@ pub fn dropout(
     let x = x.to_f32_contiguous()?;
     let stream = cx.dropout_stream(site);
     let index = logical_index(cx, &x, sharding);
-    let y = Tensor::zeros(x.shape().clone(), DType::F32);
+    let y = Tensor::empty(x.shape().clone(), DType::F32);
     dk::dropout_forward(&x.read::<f32>()?, &mut y.write::<f32>()?, p, &stream, index)?;
     Ok((
         y,
@@ -107,7 +107,7 @@ pub fn dropout_backward(_cx: &Cx, _site: Site, saved: DropoutSaved, dy: &Tensor)
         return Ok(dy.clone());
     };
     let dy = dy.to_f32_contiguous()?;
-    let dx = Tensor::zeros(dy.shape().clone(), DType::F32);
+    let dx = Tensor::empty(dy.shape().clone(), DType::F32);
     dk::dropout_backward(
         &dy.read::<f32>()?,
         &mut dx.write::<f32>()?,
@@ -147,8 +147,8 @@ pub fn cross_entropy(
     }
     let logits = logits.to_f32_contiguous()?;
     let targets = targets.contiguous()?;
-    let losses = Tensor::zeros(targets.shape().clone(), DType::F32);
-    let logsumexp = Tensor::zeros([rows], DType::F32);
+    let losses = Tensor::empty(targets.shape().clone(), DType::F32);
+    let logsumexp = Tensor::empty([rows], DType::F32);
     ce::cross_entropy_forward(
         &logits.read::<f32>()?,
         &targets.read::<i64>()?,
@@ -177,7 +177,7 @@ pub fn cross_entropy_backward(
     let vocab = last_dim(&saved.logits);
     let rows = saved.targets.numel();
     let dloss = dloss.to_f32_contiguous()?;
-    let dlogits = Tensor::zeros(saved.logits.shape().clone(), DType::F32);
+    let dlogits = Tensor::empty(saved.logits.shape().clone(), DType::F32);
     ce::cross_entropy_backward(
         &saved.logits.read::<f32>()?,
         &saved.targets.read::<i64>()?,

@@ -7,6 +7,7 @@
 
 mod dtype;
 mod layout;
+mod pool;
 mod storage;
 
 use std::ops::{Deref, DerefMut};
@@ -96,7 +97,22 @@ impl Tensor {
     /// A tensor of zeros.
     pub fn zeros(shape: impl Into<Shape>, dtype: DType) -> Tensor {
         let shape = shape.into();
-        Tensor::from_buffer(CpuBuffer::zeros(dtype, shape.numel()), shape)
+        let storage = Storage::alloc(dtype, shape.numel(), true);
+        Tensor {
+            storage: Arc::new(storage),
+            layout: Layout::contiguous(shape, 0),
+        }
+    }
+
+    /// A tensor whose contents are unspecified (zeros, or values a freed tensor left): for
+    /// outputs that are written in full before they are read. Recycled memory is not cleared.
+    pub fn empty(shape: impl Into<Shape>, dtype: DType) -> Tensor {
+        let shape = shape.into();
+        let storage = Storage::alloc(dtype, shape.numel(), false);
+        Tensor {
+            storage: Arc::new(storage),
+            layout: Layout::contiguous(shape, 0),
+        }
     }
 
     /// A tensor with every element `value` (converted to `dtype`).

@@ -13,6 +13,7 @@ use half::{bf16, f16};
 use parking_lot::Mutex;
 
 use super::dtype::DType;
+use super::pool;
 
 /// Host memory of one dtype, as handed to a new storage.
 #[derive(Debug, Clone, PartialEq)]
@@ -110,6 +111,33 @@ macro_rules! each_dtype {
 }
 
 impl Storage {
+    /// Storage for `len` elements of `dtype`, recycled from a freed storage of the same size when
+    /// there is one; zero-filled when `zeroed`, else holding unspecified (old) values.
+    pub(crate) fn alloc(dtype: DType, len: usize, zeroed: bool) -> Self {
+        match pool::take(dtype, len) {
+            Some(block) => {
+                if zeroed {
+                    // SAFETY: the block holds at least `len` elements of `dtype`; all-zero bytes
+                    // are a valid value of every dtype.
+                    unsafe { std::ptr::write_bytes(block.ptr.as_ptr(), 0, len * dtype.size()) };
+                }
+                Storage::from_parts(dtype, block.ptr, len, block.cap)
+            }
+            None => Storage::new(CpuBuffer::zeros(dtype, len)),
+        }
+    }
+
+    fn from_parts(dtype: DType, ptr: NonNull<u8>, len: usize, cap: usize) -> Self {
+        Storage {
+            dtype,
+            len,
+            cap,
+            ptr,
+            borrows: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(0),
+        }
+    }
+
     /// Takes ownership of a buffer.
     pub fn new(buffer: CpuBuffer) -> Self {
         let dtype = buffer.dtype();
@@ -187,7 +215,17 @@ impl Storage {
 
 impl Drop for Storage {
     fn drop(&mut self) {
-        let (ptr, len, cap) = (self.ptr.as_ptr(), self.len, self.cap);
+        let Some(block) = pool::give(
+            self.dtype,
+            self.len,
+            pool::Block {
+                ptr: self.ptr,
+                cap: self.cap,
+            },
+        ) else {
+            return;
+        };
+        let (ptr, len, cap) = (block.ptr.as_ptr(), self.len, block.cap);
         // SAFETY: the parts came from a Vec of this dtype in `new` and nothing borrows them now.
         unsafe {
             match self.dtype {

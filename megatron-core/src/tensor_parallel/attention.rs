@@ -65,7 +65,7 @@ fn split_heads(qkv: &Tensor, sh: Shape) -> Result<[Tensor; 3]> {
         head_dim: d,
     } = sh;
     let src = qkv.read::<f32>()?;
-    let outs = [0, 1, 2].map(|_| Tensor::zeros([batch * heads, seq, d], DType::F32));
+    let outs = [0, 1, 2].map(|_| Tensor::empty([batch * heads, seq, d], DType::F32));
     {
         let mut w: Vec<_> = outs
             .iter()
@@ -95,7 +95,7 @@ fn merge_heads(x: &Tensor, sh: Shape) -> Result<Tensor> {
         heads,
         head_dim: d,
     } = sh;
-    let out = Tensor::zeros([seq, batch, heads * d], DType::F32);
+    let out = Tensor::empty([seq, batch, heads * d], DType::F32);
     {
         let src = x.read::<f32>()?;
         let mut o = out.write::<f32>()?;
@@ -120,7 +120,7 @@ fn unmerge_heads(x: &Tensor, sh: Shape) -> Result<Tensor> {
         heads,
         head_dim: d,
     } = sh;
-    let out = Tensor::zeros([batch * heads, seq, d], DType::F32);
+    let out = Tensor::empty([batch * heads, seq, d], DType::F32);
     {
         let src = x.read::<f32>()?;
         let mut o = out.write::<f32>()?;
@@ -145,7 +145,7 @@ fn join_heads(parts: [&Tensor; 3], sh: Shape) -> Result<Tensor> {
         heads,
         head_dim: d,
     } = sh;
-    let out = Tensor::zeros([seq, batch, heads * 3 * d], DType::F32);
+    let out = Tensor::empty([seq, batch, heads * 3 * d], DType::F32);
     {
         let srcs: Vec<_> = parts
             .iter()
@@ -213,7 +213,7 @@ fn masked(x: &Tensor, mask: &Option<(f32, DropoutStream, LogicalIndex)>) -> Resu
     let Some((p, stream, index)) = mask else {
         return Ok(x.clone());
     };
-    let y = Tensor::zeros(x.shape().clone(), DType::F32);
+    let y = Tensor::empty(x.shape().clone(), DType::F32);
     dk::dropout_forward(
         &x.read::<f32>()?,
         &mut y.write::<f32>()?,
@@ -234,8 +234,8 @@ fn masked_pair(
     let Some((p, stream, index)) = mask else {
         return Ok((a.clone(), b.clone()));
     };
-    let ya = Tensor::zeros(a.shape().clone(), DType::F32);
-    let yb = Tensor::zeros(b.shape().clone(), DType::F32);
+    let ya = Tensor::empty(a.shape().clone(), DType::F32);
+    let yb = Tensor::empty(b.shape().clone(), DType::F32);
     dk::dropout_pair(
         &a.read::<f32>()?,
         &mut ya.write::<f32>()?,
@@ -257,7 +257,7 @@ impl Op for CausalSelfAttention {
         let qkv = qkv.to_f32_contiguous()?;
         let [q, k, v] = split_heads(&qkv, sh)?;
         let scores = matmul(&q, &k.transpose(1, 2)?)?;
-        let probs = Tensor::zeros(scores.shape().clone(), DType::F32);
+        let probs = Tensor::empty(scores.shape().clone(), DType::F32);
         softmax::softmax_forward(
             &scores.read::<f32>()?,
             sh.batch * sh.heads,
@@ -309,7 +309,7 @@ impl Op for CausalSelfAttention {
         // The forward's dropped probabilities and the gradient through the dropout: one mask.
         let (dropped, d_probs) = masked_pair(&saved.probs, &d_dropped, &saved.dropout)?;
         let dv = matmul(&dropped.transpose(1, 2)?, &d_ctx)?;
-        let d_scores = Tensor::zeros(d_probs.shape().clone(), DType::F32);
+        let d_scores = Tensor::empty(d_probs.shape().clone(), DType::F32);
         softmax::softmax_backward(
             &saved.probs.read::<f32>()?,
             &d_probs.read::<f32>()?,

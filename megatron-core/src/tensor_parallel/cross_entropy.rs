@@ -43,8 +43,8 @@ pub fn vocab_parallel_cross_entropy(
     let total = local * cx.tp_size();
     let logits = logits.to_f32_contiguous()?;
     let targets = targets.contiguous()?;
-    let max = Tensor::zeros([rows], DType::F32);
-    let sum = Tensor::zeros([rows], DType::F32);
+    let max = Tensor::empty([rows], DType::F32);
+    let sum = Tensor::empty([rows], DType::F32);
     let target_logit = Tensor::zeros([rows], DType::F32);
     {
         let l = logits.read::<f32>()?;
@@ -83,8 +83,8 @@ pub fn vocab_parallel_cross_entropy(
     }
     tp.all_reduce(&sum, ReduceOp::Sum)?;
     tp.all_reduce(&target_logit, ReduceOp::Sum)?;
-    let losses = Tensor::zeros(targets.shape().clone(), DType::F32);
-    let logsumexp = Tensor::zeros([rows], DType::F32);
+    let losses = Tensor::empty(targets.shape().clone(), DType::F32);
+    let logsumexp = Tensor::empty([rows], DType::F32);
     {
         let (m, s, tl) = (
             max.read::<f32>()?,
@@ -125,7 +125,7 @@ pub fn vocab_parallel_cross_entropy_backward(
             saved.targets.shape()
         );
     }
-    let dlogits = Tensor::zeros(saved.logits.shape().clone(), DType::F32);
+    let dlogits = Tensor::empty(saved.logits.shape().clone(), DType::F32);
     {
         let l = saved.logits.read::<f32>()?;
         let t = saved.targets.read::<i64>()?;

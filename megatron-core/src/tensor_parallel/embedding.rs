@@ -145,7 +145,7 @@ impl Embedding {
         let h = self.hidden();
         let mut dims = ids.dims().to_vec();
         dims.push(h);
-        let out = Tensor::zeros(dims, DType::F32);
+        let out = Tensor::empty(dims, DType::F32);
         let table = self.weight.value().to_f32_contiguous()?;
         ek::embedding_forward(
             &ids.read::<i64>()?,
@@ -349,7 +349,7 @@ impl Lookup for PositionEmbedding {
         }
         let table = self.weight.value().to_f32_contiguous()?;
         let table = table.read::<f32>()?;
-        let out = Tensor::zeros([seq, batch, h], DType::F32);
+        let out = Tensor::empty([seq, batch, h], DType::F32);
         {
             let mut o = out.write::<f32>()?;
             for (i, block) in o.chunks_exact_mut(batch * h).enumerate() {

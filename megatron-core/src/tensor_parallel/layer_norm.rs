@@ -88,9 +88,9 @@ impl Layer for LayerNorm {
         let rows = self.rows(x)?;
         let h = self.gamma.value().numel();
         let x = x.to_f32_contiguous()?;
-        let y = Tensor::zeros(x.shape().clone(), DType::F32);
-        let mean = Tensor::zeros([rows], DType::F32);
-        let rstd = Tensor::zeros([rows], DType::F32);
+        let y = Tensor::empty(x.shape().clone(), DType::F32);
+        let mean = Tensor::empty([rows], DType::F32);
+        let rstd = Tensor::empty([rows], DType::F32);
         let (gamma, beta) = (
             self.gamma.value().to_f32_contiguous()?,
             self.beta.value().to_f32_contiguous()?,
@@ -119,7 +119,7 @@ impl Layer for LayerNorm {
         let rows = self.rows(&saved.x)?;
         let h = self.gamma.value().numel();
         let dy = dy.to_f32_contiguous()?;
-        let dx = Tensor::zeros(saved.x.shape().clone(), DType::F32);
+        let dx = Tensor::empty(saved.x.shape().clone(), DType::F32);
         let gamma = self.gamma.value().to_f32_contiguous()?;
         ln::layer_norm_backward(
             &dy.read::<f32>()?,

@@ -15,13 +15,13 @@ pub fn gather_last_dim(cx: &Cx, local: &Tensor) -> Result<Tensor> {
     }
     let cols = local.dims().last().copied().unwrap_or(1);
     let rows = local.numel().checked_div(cols).unwrap_or(0);
-    let parts = Tensor::zeros([tp, rows, cols], DType::F32);
+    let parts = Tensor::empty([tp, rows, cols], DType::F32);
     cx.tp().all_gather(&local, &parts)?;
     let mut dims = local.dims().to_vec();
     if let Some(last) = dims.last_mut() {
         *last = cols * tp;
     }
-    let whole = Tensor::zeros(dims, DType::F32);
+    let whole = Tensor::empty(dims, DType::F32);
     {
         let p = parts.read::<f32>()?;
         let mut w = whole.write::<f32>()?;
