@@ -334,15 +334,18 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         println!("no steps run");
         return Ok(());
     };
-    let tokens: usize = history.iter().map(|h| h.1).sum();
-    let seconds: f64 = history.iter().map(|h| h.2).sum();
-    let tokens_per_s = tokens as f64 / seconds;
+    // Throughput of the median step (the first steps also fill the allocation pool).
+    let mut steps: Vec<(f64, usize)> = history.iter().map(|h| (h.2, h.1)).collect();
+    steps.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (median_seconds, median_tokens) = steps[steps.len() / 2];
+    let tokens_per_s = median_tokens as f64 / median_seconds;
     println!(
-        "loss {:.4} → {:.4} over {} steps in {:.1} s: {:.0} tokens/s, {:.1} GFLOP/s of model FLOPs",
+        "loss {:.4} → {:.4} over {} steps in {:.1} s; median step {:.1} ms: {:.0} tokens/s, {:.1} GFLOP/s of model FLOPs",
         first.0,
         last.0,
         history.len(),
         start.elapsed().as_secs_f64(),
+        median_seconds * 1e3,
         tokens_per_s,
         tokens_per_s * flops_per_token / 1e9
     );

@@ -1,6 +1,9 @@
 //! Adam and AdamW parameter updates on flat f32 buffers (one parameter bucket or a shard of one).
 
+use rayon::prelude::*;
+
 use super::isa::{Isa, versioned};
+use super::parallel;
 use super::{KernelError, check_len};
 
 /// Hyper-parameters of one [`adam_step`]; scalars are f64 (as in PyTorch) and rounded to f32 per step.
@@ -129,7 +132,18 @@ pub fn adam_step(
         decay,
         l2,
     };
-    adam_loop(Isa::detected(), param, grad, exp_avg, exp_avg_sq, &scalars);
+    let isa = Isa::detected();
+    match parallel::part_len(n) {
+        None => adam_loop(isa, param, grad, exp_avg, exp_avg_sq, &scalars),
+        Some(part) => parallel::on_pool(|| {
+            param
+                .par_chunks_mut(part)
+                .zip(grad.par_chunks(part))
+                .zip(exp_avg.par_chunks_mut(part))
+                .zip(exp_avg_sq.par_chunks_mut(part))
+                .for_each(|(((p, g), m), v)| adam_loop(isa, p, g, m, v, &scalars))
+        }),
+    }
     Ok(())
 }
 

@@ -9,7 +9,10 @@
 //! [`PHILOX_BATCH`] blocks at a time ([`DropoutStream::words`], vectorised), and
 //! [`dropout_pair`] applies one mask to two buffers while generating it once.
 
+use rayon::prelude::*;
+
 use super::isa::{Isa, versioned};
+use super::parallel;
 use super::shape::numel;
 use super::{KernelError, check_len};
 use crate::rng::{DropoutStream, PHILOX_BATCH};
@@ -206,16 +209,49 @@ fn apply(
     }
     let (t, s) = (threshold(p), keep_scale(p));
     let isa = Isa::detected();
-    let inner = index.inner;
-    for o in 0..index.outer {
-        let r = o * inner..(o + 1) * inner;
-        let (xbr, ybr): (&[f32], &mut [f32]) = if xb.is_empty() {
-            (&[], &mut [])
-        } else {
-            (&xb[r.clone()], &mut yb[r.clone()])
-        };
-        let (xr, yr) = (&x[r.clone()], &mut y[r]);
-        apply_run(isa, xr, yr, xbr, ybr, index.logical(o, 0), t, s, stream);
+    // Local elements `[start, start + len)`, cut at row boundaries into runs of consecutive
+    // logical indices. Every element's mask depends only on its logical index, so any cut
+    // gives the same result.
+    let range = |start: usize, x: &[f32], y: &mut [f32], xb: &[f32], yb: &mut [f32]| {
+        let mut pos = 0;
+        while pos < x.len() {
+            let (o, k) = ((start + pos) / index.inner, (start + pos) % index.inner);
+            let take = (index.inner - k).min(x.len() - pos);
+            let r = pos..pos + take;
+            let (xbr, ybr): (&[f32], &mut [f32]) = if xb.is_empty() {
+                (&[], &mut [])
+            } else {
+                (&xb[r.clone()], &mut yb[r.clone()])
+            };
+            apply_run(
+                isa,
+                &x[r.clone()],
+                &mut y[r],
+                xbr,
+                ybr,
+                index.logical(o, k),
+                t,
+                s,
+                stream,
+            );
+            pos += take;
+        }
+    };
+    match parallel::part_len(n) {
+        None => range(0, x, y, xb, yb),
+        Some(part) if xb.is_empty() => parallel::on_pool(|| {
+            y.par_chunks_mut(part)
+                .zip(x.par_chunks(part))
+                .enumerate()
+                .for_each(|(i, (y, x))| range(i * part, x, y, &[], &mut []))
+        }),
+        Some(part) => parallel::on_pool(|| {
+            y.par_chunks_mut(part)
+                .zip(x.par_chunks(part))
+                .zip(yb.par_chunks_mut(part).zip(xb.par_chunks(part)))
+                .enumerate()
+                .for_each(|(i, ((y, x), (yb, xb)))| range(i * part, x, y, xb, yb))
+        }),
     }
     Ok(())
 }

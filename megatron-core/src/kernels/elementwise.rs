@@ -1,7 +1,10 @@
 //! Element-wise kernels: bias add, GeLU (tanh approximation), residual adds and scaling.
 
+use rayon::prelude::*;
+
 use super::isa::{Isa, versioned};
 use super::math;
+use super::parallel;
 use super::reduce::add_column_sums;
 use super::shape::numel;
 use super::{KernelError, check_len};
@@ -85,7 +88,15 @@ versioned! {
 pub fn gelu_forward(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
     const K: &str = "gelu_forward";
     check_len(K, "y", y.len(), x.len(), || format!("elements {}", x.len()))?;
-    gelu_forward_loop(Isa::detected(), x, y);
+    let isa = Isa::detected();
+    match parallel::part_len(x.len()) {
+        None => gelu_forward_loop(isa, x, y),
+        Some(part) => parallel::on_pool(|| {
+            y.par_chunks_mut(part)
+                .zip(x.par_chunks(part))
+                .for_each(|(y, x)| gelu_forward_loop(isa, x, y))
+        }),
+    }
     Ok(())
 }
 
@@ -110,8 +121,64 @@ pub fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), Kernel
     let dims = || format!("elements {}", x.len());
     check_len(K, "dy", dy.len(), x.len(), dims)?;
     check_len(K, "dx", dx.len(), x.len(), dims)?;
-    gelu_backward_loop(Isa::detected(), x, dy, dx);
+    let isa = Isa::detected();
+    match parallel::part_len(x.len()) {
+        None => gelu_backward_loop(isa, x, dy, dx),
+        Some(part) => parallel::on_pool(|| {
+            dx.par_chunks_mut(part)
+                .zip(x.par_chunks(part))
+                .zip(dy.par_chunks(part))
+                .for_each(|((dx, x), dy)| gelu_backward_loop(isa, x, dy, dx))
+        }),
+    }
     Ok(())
+}
+
+versioned! {
+    /// Σ x² of one block in eight f64 lanes, combined in a fixed order.
+    fn sum_squares_block(xs: &[f32]) -> f64 {
+        let mut acc = [0.0f64; 8];
+        let chunks = xs.chunks_exact(8);
+        let tail = chunks.remainder();
+        for c in chunks {
+            for (a, &x) in acc.iter_mut().zip(c) {
+                *a += f64::from(x) * f64::from(x);
+            }
+        }
+        for &x in tail {
+            acc[0] += f64::from(x) * f64::from(x);
+        }
+        ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+    }
+}
+
+/// Elements per block of [`sum_of_squares`]: the unit of its fixed summation order.
+const SQUARES_BLOCK: usize = 1 << 16;
+
+/// Σ x² in f64 (gradient norms). The sum runs over fixed blocks added in order, so the result is
+/// the same whatever the number of threads that computed the blocks.
+pub fn sum_of_squares(xs: &[f32]) -> f64 {
+    let isa = Isa::detected();
+    let blocks: Vec<f64> = if parallel::part_len(xs.len()).is_some() {
+        parallel::on_pool(|| {
+            xs.par_chunks(SQUARES_BLOCK)
+                .map(|b| sum_squares_block(isa, b))
+                .collect()
+        })
+    } else {
+        xs.chunks(SQUARES_BLOCK)
+            .map(|b| sum_squares_block(isa, b))
+            .collect()
+    };
+    blocks.iter().sum()
+}
+
+/// Sets every element to `value`.
+pub fn fill(xs: &mut [f32], value: f32) {
+    match parallel::part_len(xs.len()) {
+        None => xs.fill(value),
+        Some(part) => parallel::on_pool(|| xs.par_chunks_mut(part).for_each(|p| p.fill(value))),
+    }
 }
 
 versioned! {
@@ -128,7 +195,16 @@ pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) -> Result<(), KernelError> {
     let dims = || format!("elements {}", a.len());
     check_len(K, "b", b.len(), a.len(), dims)?;
     check_len(K, "out", out.len(), a.len(), dims)?;
-    add_loop(Isa::detected(), a, b, out);
+    let isa = Isa::detected();
+    match parallel::part_len(a.len()) {
+        None => add_loop(isa, a, b, out),
+        Some(part) => parallel::on_pool(|| {
+            out.par_chunks_mut(part)
+                .zip(a.par_chunks(part))
+                .zip(b.par_chunks(part))
+                .for_each(|((o, a), b)| add_loop(isa, a, b, o))
+        }),
+    }
     Ok(())
 }
 

@@ -44,3 +44,91 @@ pub(crate) fn pool() -> &'static rayon::ThreadPool {
             .expect("building the compute pool")
     })
 }
+
+/// Elements below which a parallel split costs more than it saves (one pool round trip is a
+/// few microseconds; this much element-wise work takes tens).
+pub(crate) const MIN_PARALLEL: usize = 1 << 15;
+
+/// The part length to split `n` elements into for the calling thread's compute threads (a
+/// multiple of 64, so parts start on cache lines), or `None` when one part is better.
+pub(crate) fn part_len(n: usize) -> Option<usize> {
+    let t = threads();
+    if t < 2 || n < 2 * MIN_PARALLEL {
+        return None;
+    }
+    let parts = t.min(n / MIN_PARALLEL);
+    Some(n.div_ceil(parts).div_ceil(64) * 64)
+}
+
+/// Like [`part_len`] for `units` independent units of `unit` elements each: the number of
+/// whole units per part, or `None`.
+pub(crate) fn part_units(units: usize, unit: usize) -> Option<usize> {
+    let t = threads();
+    let n = units.saturating_mul(unit);
+    if t < 2 || units < 2 || n < 2 * MIN_PARALLEL {
+        return None;
+    }
+    let parts = t.min(units).min(n / MIN_PARALLEL);
+    Some(units.div_ceil(parts))
+}
+
+/// Runs `f` on the compute pool (parallel iterators inside use its threads).
+pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    pool().install(f)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::dropout::{LogicalIndex, dropout_forward};
+    use super::super::elementwise::{gelu_backward, gelu_forward, sum_of_squares};
+    use super::super::softmax::softmax_forward;
+    use super::*;
+    use crate::rng::DropoutStream;
+
+    /// Runs `f` with 1 and then 2 compute threads and checks that the outputs are bit-identical.
+    fn same_bits_on_1_and_2_threads(f: impl Fn() -> Vec<f32>) {
+        set_threads(1);
+        let one = f();
+        set_threads(2);
+        let two = f();
+        set_threads(cores());
+        assert_eq!(
+            one.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            two.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn parallel_kernels_give_the_serial_bits() {
+        let n = 5 * MIN_PARALLEL + 17;
+        let x: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0)
+            .collect();
+        same_bits_on_1_and_2_threads(|| {
+            let mut y = vec![0.0; n];
+            gelu_forward(&x, &mut y).unwrap();
+            let mut dx = vec![0.0; n];
+            gelu_backward(&x, &y, &mut dx).unwrap();
+            y.extend(dx);
+            y
+        });
+        same_bits_on_1_and_2_threads(|| {
+            let mut y = vec![0.0; n];
+            let index = LogicalIndex {
+                outer: 1,
+                inner: n,
+                logical_stride: n as u64,
+                logical_start: 3,
+            };
+            dropout_forward(&x, &mut y, 0.3, &DropoutStream::new(1, &[2]), index).unwrap();
+            y
+        });
+        same_bits_on_1_and_2_threads(|| {
+            let (batches, s) = (8, 128);
+            let mut y = vec![0.0; batches * s * s];
+            softmax_forward(&x[..batches * s * s], batches, s, s, 0.125, true, &mut y).unwrap();
+            y
+        });
+        same_bits_on_1_and_2_threads(|| vec![sum_of_squares(&x) as f32]);
+    }
+}

@@ -4,8 +4,11 @@
 //! `i` sees keys `j ≤ i + (sk − sq)`, so the last query sees every key (queries are the last `sq`
 //! positions of the key sequence); masked keys get exactly zero probability.
 
+use rayon::prelude::*;
+
 use super::isa::{Isa, versioned};
 use super::math;
+use super::parallel;
 use super::reduce;
 use super::shape::numel;
 use super::{KernelError, check_len};
@@ -103,7 +106,17 @@ pub fn softmax_forward(
     if sk == 0 {
         return Ok(());
     }
-    softmax_rows(Isa::detected(), x, y, sq, sk, scale, causal);
+    let isa = Isa::detected();
+    // Whole batches per part: a row's causal mask depends on its query index within the batch.
+    match parallel::part_units(batches, sq * sk) {
+        None => softmax_rows(isa, x, y, sq, sk, scale, causal),
+        Some(units) => parallel::on_pool(|| {
+            let part = units * sq * sk;
+            y.par_chunks_mut(part)
+                .zip(x.par_chunks(part))
+                .for_each(|(y, x)| softmax_rows(isa, x, y, sq, sk, scale, causal))
+        }),
+    }
     Ok(())
 }
 
@@ -128,7 +141,17 @@ pub fn softmax_backward(
     if sk == 0 {
         return Ok(());
     }
-    softmax_backward_rows(Isa::detected(), y, dy, sk, scale, dx);
+    let isa = Isa::detected();
+    match parallel::part_units(batches * sq, sk) {
+        None => softmax_backward_rows(isa, y, dy, sk, scale, dx),
+        Some(units) => parallel::on_pool(|| {
+            let part = units * sk;
+            dx.par_chunks_mut(part)
+                .zip(y.par_chunks(part))
+                .zip(dy.par_chunks(part))
+                .for_each(|((dx, y), dy)| softmax_backward_rows(isa, y, dy, sk, scale, dx))
+        }),
+    }
     Ok(())
 }
 

@@ -130,7 +130,7 @@ impl ParamBuffers {
 
     /// Sets every gradient to zero.
     pub fn zero_grads(&self) -> Result<()> {
-        self.grads.fill(0.0)?;
+        crate::kernels::elementwise::fill(&mut self.grads.write::<f32>()?, 0.0);
         Ok(())
     }
 }

@@ -4,6 +4,7 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::adam::{AdamConfig, adam_step};
+use crate::kernels::elementwise::sum_of_squares;
 use crate::module::{ParamBuffers, Split};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
@@ -116,10 +117,7 @@ pub fn grad_norm(
             _ => tp_rank == 0,
         };
         if counted {
-            sum += grads[slot.offset..slot.offset + slot.len]
-                .iter()
-                .map(|&g| f64::from(g) * f64::from(g))
-                .sum::<f64>();
+            sum += sum_of_squares(&grads[slot.offset..slot.offset + slot.len]);
         }
     }
     drop(grads);
