@@ -37,6 +37,8 @@ fn ids(salt: i64) -> Tensor {
 
 struct Pass {
     losses: Vec<f32>,
+    /// This rank's vocabulary slice of the logits, `[s·b, V/tp]`.
+    logits: Vec<f32>,
     grads: Vec<(ParamSpec, Vec<f32>)>,
     tp_ops: Vec<(OpKind, u64, u64)>,
 }
@@ -51,6 +53,7 @@ fn one_pass(tp: usize, dropout: f32) -> Vec<Pass> {
         let cx = Cx::new(&ps, 5);
         let before = ps.tp().stats();
         let (losses, saved) = model.forward(&cx, Site::ROOT, &ids(0), &ids(1))?;
+        let logits = saved.cross_entropy.logits().to_vec::<f32>()?;
         let dl = Tensor::full(
             losses.shape().clone(),
             1.0 / (SEQ * BATCH) as f32,

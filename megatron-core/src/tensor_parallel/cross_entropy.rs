@@ -16,6 +16,13 @@ pub struct VocabParallelCrossEntropySaved {
     logsumexp: Tensor,
 }
 
+impl VocabParallelCrossEntropySaved {
+    /// This rank's logits slice `[.., V/tp]` that the loss was computed from.
+    pub fn logits(&self) -> &Tensor {
+        &self.logits
+    }
+}
+
 /// Per-token losses from this rank's logits slice `[.., V/tp]` and the targets `[..]` (i64).
 ///
 /// 1. local row maxima, all-reduced (max);
