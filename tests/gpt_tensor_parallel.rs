@@ -72,6 +72,7 @@ fn one_pass(tp: usize, dropout: f32) -> Vec<Pass> {
             .collect();
         Ok(Pass {
             losses: losses.to_vec::<f32>()?,
+            logits,
             grads,
             tp_ops,
         })
@@ -98,6 +99,22 @@ fn one_step_under_tensor_parallelism_matches_tp1() {
                     &reference.losses,
                     1e-5,
                     &format!("losses tp {tp} dropout {dropout}"),
+                );
+            }
+            // Logits gathered over the vocabulary: the real 256 columns match tp = 1.
+            let local = ranks[0].logits.len() / (SEQ * BATCH);
+            let ref_cols = reference.logits.len() / (SEQ * BATCH);
+            for row in 0..SEQ * BATCH {
+                let gathered: Vec<f32> = ranks
+                    .iter()
+                    .flat_map(|r| r.logits[row * local..(row + 1) * local].to_vec())
+                    .collect();
+                let want = &reference.logits[row * ref_cols..row * ref_cols + 256];
+                rel_close(
+                    &gathered[..256],
+                    want,
+                    1e-5,
+                    &format!("logits row {row} tp {tp}"),
                 );
             }
             for (i, (spec, g)) in reference.grads.iter().enumerate() {
