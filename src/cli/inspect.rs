@@ -7,19 +7,20 @@ use anyhow::{Result, bail};
 use clap::Args;
 use megatron::comm::threads::launch;
 use megatron::comm::{CommStats, ParallelState};
+use megatron::models::GptConfig;
 use megatron::models::gpt::{Block, Gpt};
-use megatron::models::{GptConfig, preset, presets};
 use megatron::module::{Builder, Cx, Module, ParamSpec, Site, Split};
 use megatron::parallel::{GroupKind, ParallelConfig, ParallelLayout};
 use megatron::tensor::{DType, Tensor};
 use serde_json::{Value, json};
 
+use super::model_args::ArchitectureArgs;
+
 /// Arguments of `megatron inspect`.
 #[derive(Debug, Args)]
 pub struct InspectArgs {
-    /// Registered model preset.
-    #[arg(long, default_value = "gpt-tiny")]
-    model: String,
+    #[command(flatten)]
+    arch: ArchitectureArgs,
     /// Tensor-parallel size.
     #[arg(
         long = "tensor-model-parallel-size",
@@ -27,12 +28,6 @@ pub struct InspectArgs {
         default_value_t = 1
     )]
     tp: usize,
-    /// Real vocabulary size [default: the preset's].
-    #[arg(long)]
-    vocab_size: Option<usize>,
-    /// Vocabulary padding unit [default: the preset's, 128].
-    #[arg(long)]
-    make_vocab_size_divisible_by: Option<usize>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -119,25 +114,10 @@ fn layer_collectives(config: &GptConfig, tp: usize) -> Result<(Vec<Collective>, 
 
 /// Runs `megatron inspect`.
 pub fn run(args: &InspectArgs) -> Result<()> {
-    let Some(p) = preset(&args.model) else {
-        let names: Vec<&str> = presets().iter().map(|p| p.name).collect();
-        bail!(
-            "unknown model `{}`; registered models: {}",
-            args.model,
-            names.join(", ")
-        );
-    };
     if args.tp == 0 {
         bail!("--tensor-model-parallel-size must be at least 1");
     }
-    let mut config = (p.config)();
-    if let Some(v) = args.vocab_size {
-        config.vocab_size = v;
-    }
-    if let Some(d) = args.make_vocab_size_divisible_by {
-        config.make_vocab_size_divisible_by = d;
-    }
-    config.validate(args.tp)?;
+    let config = args.arch.config(args.tp)?;
     let model = Gpt::build(
         &config.spec(),
         &mut Builder::new(0).with_group(GroupKind::Tp, 0, args.tp).meta(),
@@ -161,7 +141,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
                 .collect()
         };
         let out = json!({
-            "model": args.model,
+            "model": args.arch.model,
             "tp": args.tp,
             "vocab_size": config.vocab_size,
             "padded_vocab_size": padded,
@@ -174,7 +154,11 @@ pub fn run(args: &InspectArgs) -> Result<()> {
         return Ok(());
     }
     let mut out = String::new();
-    let _ = writeln!(out, "{} at tensor-parallel size {}", args.model, args.tp);
+    let _ = writeln!(
+        out,
+        "{} at tensor-parallel size {}",
+        args.arch.model, args.tp
+    );
     let _ = writeln!(
         out,
         "vocabulary {} padded to {padded} (a multiple of {} × {})",

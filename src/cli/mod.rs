@@ -3,5 +3,6 @@
 pub mod bench;
 pub mod groups;
 pub mod inspect;
+pub mod model_args;
 pub mod models;
 pub mod train;

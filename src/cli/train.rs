@@ -11,8 +11,10 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use megatron::comm::threads::launch;
 use megatron::comm::{CommStats, ParallelState};
+use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
-use megatron::models::{GptConfig, preset, presets};
+
+use super::model_args::ArchitectureArgs;
 use megatron::module::{Builder, Module};
 use megatron::parallel::{GroupKind, ParallelConfig, ParallelLayout};
 use megatron::training::{
@@ -24,9 +26,8 @@ use serde_json::{Map, Value, json};
 /// Arguments of `megatron train`, named as Megatron-LM's.
 #[derive(Debug, Args)]
 pub struct TrainArgs {
-    /// Registered model preset; explicit architecture flags override it (see `megatron models`).
-    #[arg(long, default_value = "gpt-tiny")]
-    model: String,
+    #[command(flatten)]
+    arch: ArchitectureArgs,
     /// Tensor-parallel size.
     #[arg(
         long = "tensor-model-parallel-size",
@@ -37,21 +38,6 @@ pub struct TrainArgs {
     /// Data-parallel size (the world is tp × dp thread ranks).
     #[arg(long = "data-parallel-size", visible_alias = "dp", default_value_t = 1)]
     dp: usize,
-    /// Transformer layers [default: the preset's].
-    #[arg(long)]
-    num_layers: Option<usize>,
-    /// Model width [default: the preset's].
-    #[arg(long)]
-    hidden_size: Option<usize>,
-    /// MLP width [default: 4 × hidden size].
-    #[arg(long)]
-    ffn_hidden_size: Option<usize>,
-    /// Attention heads [default: the preset's].
-    #[arg(long)]
-    num_attention_heads: Option<usize>,
-    /// Learned positions [default: the preset's].
-    #[arg(long)]
-    max_position_embeddings: Option<usize>,
     /// Tokens per sample.
     #[arg(long, default_value_t = 128)]
     seq_length: usize,
@@ -94,21 +80,9 @@ pub struct TrainArgs {
     /// Adam ε.
     #[arg(long, default_value_t = 1e-8)]
     adam_eps: f64,
-    /// Dropout after embeddings and residual branches [default: the preset's, 0.1].
-    #[arg(long)]
-    hidden_dropout: Option<f32>,
-    /// Dropout on attention weights [default: the preset's, 0.1].
-    #[arg(long)]
-    attention_dropout: Option<f32>,
     /// Seed of parameters, data order and dropout.
     #[arg(long, default_value_t = 1234)]
     seed: u64,
-    /// Vocabulary padding unit [default: the preset's, 128].
-    #[arg(long)]
-    make_vocab_size_divisible_by: Option<usize>,
-    /// Weight initialisation standard deviation [default: 0.02].
-    #[arg(long)]
-    init_method_std: Option<f32>,
     /// A text file to train on, read as bytes [default: megatron-rs's own sources and docs].
     #[arg(long)]
     data: Option<PathBuf>,
@@ -127,46 +101,9 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
-    /// The architecture: the preset, then explicit flags.
+    /// The architecture, checked against the tensor-parallel size and the sequence length.
     fn model_config(&self) -> Result<GptConfig> {
-        let Some(p) = preset(&self.model) else {
-            let names: Vec<&str> = presets().iter().map(|p| p.name).collect();
-            bail!(
-                "unknown model `{}`; registered models: {}",
-                self.model,
-                names.join(", ")
-            );
-        };
-        let mut c = (p.config)();
-        if let Some(v) = self.num_layers {
-            c.num_layers = v;
-        }
-        if let Some(v) = self.hidden_size {
-            c.hidden_size = v;
-            c.ffn_hidden_size = 4 * v;
-        }
-        if let Some(v) = self.ffn_hidden_size {
-            c.ffn_hidden_size = v;
-        }
-        if let Some(v) = self.num_attention_heads {
-            c.num_attention_heads = v;
-        }
-        if let Some(v) = self.max_position_embeddings {
-            c.max_position_embeddings = v;
-        }
-        if let Some(v) = self.hidden_dropout {
-            c.hidden_dropout = v;
-        }
-        if let Some(v) = self.attention_dropout {
-            c.attention_dropout = v;
-        }
-        if let Some(v) = self.make_vocab_size_divisible_by {
-            c.make_vocab_size_divisible_by = v;
-        }
-        if let Some(v) = self.init_method_std {
-            c.init_method_std = v;
-        }
-        c.validate(self.tp)?;
+        let c = self.arch.config(self.tp)?;
         if self.seq_length > c.max_position_embeddings {
             bail!(
                 "--seq-length {} exceeds --max-position-embeddings {}",
@@ -270,7 +207,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let flops_per_token = config.flops_per_token(args.seq_length, args.tp);
     println!(
         "training {} ({:.2}M parameters) with TP={} × DP={} on {world} thread ranks: {} steps of {} tokens ({} microbatches of {} per rank)",
-        args.model,
+        args.arch.model,
         params as f64 / 1e6,
         args.tp,
         args.dp,

@@ -56,112 +56,60 @@ impl Shape {
     }
 }
 
-/// `[s, b, heads·3·d]` (per head q|k|v) → three `[b·heads, s, d]` tensors.
-fn split_heads(qkv: &Tensor, sh: Shape) -> Result<[Tensor; 3]> {
+/// Every `d`-element block of the two layouts attention moves between: yields, for each
+/// position, batch entry, head and part, the block's offset in the sequence-first layout
+/// `[s, b, heads, parts, d]` (how layers hold activations), the part, and its offset in a
+/// head-major `[b·heads, s, d]` tensor (how the batched attention products want it).
+fn blocks(sh: Shape, parts: usize) -> impl Iterator<Item = (usize, usize, usize)> {
     let Shape {
         seq,
         batch,
         heads,
         head_dim: d,
     } = sh;
-    let src = qkv.read::<f32>()?;
-    let outs = [0, 1, 2].map(|_| Tensor::empty([batch * heads, seq, d], DType::F32));
+    (0..seq).flat_map(move |s| {
+        (0..batch).flat_map(move |b| {
+            (0..heads).flat_map(move |n| {
+                let seq_first = ((s * batch + b) * heads + n) * parts * d;
+                let head_major = ((b * heads + n) * seq + s) * d;
+                (0..parts).map(move |part| (seq_first + part * d, part, head_major))
+            })
+        })
+    })
+}
+
+/// `[s, b, heads·parts·d]` → `parts` tensors `[b·heads, s, d]` (the fused QKV into q, k, v with
+/// 3 parts; the output gradient into heads with 1).
+fn to_heads(x: &Tensor, sh: Shape, parts: usize) -> Result<Vec<Tensor>> {
+    let d = sh.head_dim;
+    let outs: Vec<Tensor> = (0..parts)
+        .map(|_| Tensor::empty([sh.batch * sh.heads, sh.seq, d], DType::F32))
+        .collect();
     {
-        let mut w: Vec<_> = outs
+        let src = x.read::<f32>()?;
+        let mut dst: Vec<_> = outs
             .iter()
             .map(|t| t.write::<f32>())
             .collect::<Result<_, _>>()?;
-        for s in 0..seq {
-            for b in 0..batch {
-                for n in 0..heads {
-                    let from = ((s * batch + b) * heads + n) * 3 * d;
-                    let to = ((b * heads + n) * seq + s) * d;
-                    for (part, out) in w.iter_mut().enumerate() {
-                        out[to..to + d]
-                            .copy_from_slice(&src[from + part * d..from + (part + 1) * d]);
-                    }
-                }
-            }
+        for (from, part, to) in blocks(sh, parts) {
+            dst[part][to..to + d].copy_from_slice(&src[from..from + d]);
         }
     }
     Ok(outs)
 }
 
-/// `[b·heads, s, d]` → `[s, b, heads·d]`.
-fn merge_heads(x: &Tensor, sh: Shape) -> Result<Tensor> {
-    let Shape {
-        seq,
-        batch,
-        heads,
-        head_dim: d,
-    } = sh;
-    let out = Tensor::empty([seq, batch, heads * d], DType::F32);
+/// The inverse of [`to_heads`]: `parts` tensors `[b·heads, s, d]` → `[s, b, heads·parts·d]`.
+fn from_heads(xs: &[&Tensor], sh: Shape) -> Result<Tensor> {
+    let d = sh.head_dim;
+    let out = Tensor::empty([sh.seq, sh.batch, sh.heads * xs.len() * d], DType::F32);
     {
-        let src = x.read::<f32>()?;
-        let mut o = out.write::<f32>()?;
-        for b in 0..batch {
-            for n in 0..heads {
-                for s in 0..seq {
-                    let from = ((b * heads + n) * seq + s) * d;
-                    let to = ((s * batch + b) * heads + n) * d;
-                    o[to..to + d].copy_from_slice(&src[from..from + d]);
-                }
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// `[s, b, heads·d]` → `[b·heads, s, d]` (inverse of [`merge_heads`]).
-fn unmerge_heads(x: &Tensor, sh: Shape) -> Result<Tensor> {
-    let Shape {
-        seq,
-        batch,
-        heads,
-        head_dim: d,
-    } = sh;
-    let out = Tensor::empty([batch * heads, seq, d], DType::F32);
-    {
-        let src = x.read::<f32>()?;
-        let mut o = out.write::<f32>()?;
-        for s in 0..seq {
-            for b in 0..batch {
-                for n in 0..heads {
-                    let from = ((s * batch + b) * heads + n) * d;
-                    let to = ((b * heads + n) * seq + s) * d;
-                    o[to..to + d].copy_from_slice(&src[from..from + d]);
-                }
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// Three `[b·heads, s, d]` gradients → `[s, b, heads·3·d]` (inverse of [`split_heads`]).
-fn join_heads(parts: [&Tensor; 3], sh: Shape) -> Result<Tensor> {
-    let Shape {
-        seq,
-        batch,
-        heads,
-        head_dim: d,
-    } = sh;
-    let out = Tensor::empty([seq, batch, heads * 3 * d], DType::F32);
-    {
-        let srcs: Vec<_> = parts
+        let srcs: Vec<_> = xs
             .iter()
             .map(|t| t.read::<f32>())
             .collect::<Result<_, _>>()?;
-        let mut o = out.write::<f32>()?;
-        for s in 0..seq {
-            for b in 0..batch {
-                for n in 0..heads {
-                    let to = ((s * batch + b) * heads + n) * 3 * d;
-                    let from = ((b * heads + n) * seq + s) * d;
-                    for (part, src) in srcs.iter().enumerate() {
-                        o[to + part * d..to + (part + 1) * d].copy_from_slice(&src[from..from + d]);
-                    }
-                }
-            }
+        let mut dst = out.write::<f32>()?;
+        for (to, part, from) in blocks(sh, xs.len()) {
+            dst[to..to + d].copy_from_slice(&srcs[part][from..from + d]);
         }
     }
     Ok(out)
@@ -255,7 +203,9 @@ impl Op for CausalSelfAttention {
         dk::keep_threshold(self.dropout)?;
         let sh = self.shape(cx, qkv)?;
         let qkv = qkv.to_f32_contiguous()?;
-        let [q, k, v] = split_heads(&qkv, sh)?;
+        let Ok([q, k, v]) = <[Tensor; 3]>::try_from(to_heads(&qkv, sh, 3)?) else {
+            unreachable!("to_heads returns one tensor per part")
+        };
         let scores = matmul(&q, &k.transpose(1, 2)?)?;
         let probs = Tensor::empty(scores.shape().clone(), DType::F32);
         softmax::softmax_forward(
@@ -275,7 +225,7 @@ impl Op for CausalSelfAttention {
             )
         });
         let ctx = matmul(&masked(&probs, &mask)?, &v)?;
-        let out = merge_heads(&ctx, sh)?;
+        let out = from_heads(&[&ctx], sh)?;
         Ok((
             out,
             AttentionSaved {
@@ -304,7 +254,7 @@ impl Op for CausalSelfAttention {
                 d_out.shape()
             );
         }
-        let d_ctx = unmerge_heads(&d_out, sh)?;
+        let d_ctx = to_heads(&d_out, sh, 1)?.remove(0);
         let d_dropped = matmul(&d_ctx, &saved.v.transpose(1, 2)?)?;
         // The forward's dropped probabilities and the gradient through the dropout: one mask.
         let (dropped, d_probs) = masked_pair(&saved.probs, &d_dropped, &saved.dropout)?;
@@ -321,6 +271,6 @@ impl Op for CausalSelfAttention {
         )?;
         let dq = matmul(&d_scores, &saved.k)?;
         let dk = matmul(&d_scores.transpose(1, 2)?, &saved.q)?;
-        join_heads([&dq, &dk, &dv], sh)
+        from_heads(&[&dq, &dk, &dv], sh)
     }
 }
