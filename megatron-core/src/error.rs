@@ -2,6 +2,7 @@
 
 use thiserror::Error;
 
+use crate::checkpoint::CheckpointError;
 use crate::comm::CommError;
 use crate::kernels::KernelError;
 use crate::parallel::ConfigError;
@@ -19,6 +20,9 @@ pub enum Error {
     /// A collective failed (mismatch, timeout, failed peer).
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// A checkpoint could not be written or read.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
     /// A parallel configuration is invalid.
     #[error(transparent)]
     Config(#[from] ConfigError),

@@ -4,6 +4,7 @@
 //! ranks, [`tensor`] holds local (sharded) data and [`kernels`] computes on it; [`rng`] gives
 //! layout-invariant random streams.
 
+pub mod checkpoint;
 pub mod comm;
 mod error;
 pub mod kernels;

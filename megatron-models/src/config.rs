@@ -5,7 +5,7 @@ use megatron_core::invalid;
 use megatron_core::tensor_parallel::padded_vocab_size;
 
 /// The architecture of a GPT (GPT-2 / Megatron-LM style).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GptConfig {
     /// Transformer layers (`--num-layers`).
     pub num_layers: usize,

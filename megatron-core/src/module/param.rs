@@ -61,6 +61,9 @@ pub struct ParamSpec {
     pub init: Init,
     /// Whether weight decay applies (not to biases and norms).
     pub weight_decay: bool,
+    /// For a padded vocabulary: the rows of dimension 0 that hold real values (the rest are
+    /// padding, never used, and not saved).
+    pub real_rows: Option<usize>,
 }
 
 impl ParamSpec {
@@ -243,7 +246,33 @@ impl Builder {
         init: Init,
         weight_decay: bool,
     ) -> Result<Param> {
-        let logical = logical.into();
+        self.make(name, logical.into(), split, init, weight_decay, None)
+    }
+
+    /// Like [`Builder::param`] for a parameter whose dimension 0 is padded (a vocabulary padded
+    /// to a multiple of the tensor-parallel size): only its first `real_rows` rows hold values
+    /// that matter, and only those are saved in checkpoints.
+    pub fn padded_param(
+        &mut self,
+        name: &str,
+        logical: impl Into<Shape>,
+        split: Split,
+        init: Init,
+        weight_decay: bool,
+        real_rows: usize,
+    ) -> Result<Param> {
+        self.make(name, logical.into(), split, init, weight_decay, Some(real_rows))
+    }
+
+    fn make(
+        &mut self,
+        name: &str,
+        logical: Shape,
+        split: Split,
+        init: Init,
+        weight_decay: bool,
+        real_rows: Option<usize>,
+    ) -> Result<Param> {
         let name = self.name(name);
         let (part, parts, local) = match split {
             Split::Replicated => (0, 1, logical.clone()),
@@ -264,6 +293,11 @@ impl Builder {
                 (rank, size, local)
             }
         };
+        if let Some(rows) = real_rows
+            && logical.dims().first().is_none_or(|&d| rows > d)
+        {
+            return invalid!("parameter {name}: {rows} real rows do not fit in shape {logical}");
+        }
         let spec = ParamSpec {
             name,
             logical,
@@ -273,7 +307,11 @@ impl Builder {
             parts,
             init,
             weight_decay,
+            real_rows,
         };
+        if self.meta {
+            return Param::new(spec.clone(), Tensor::zeros(spec.local, self.dtype));
+        }
         let values = initial_values(self.seed, &spec);
         let value = Tensor::from_vec(values, spec.local.clone())?;
         let value = if self.dtype == DType::F32 {

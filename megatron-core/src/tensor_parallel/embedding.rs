@@ -78,12 +78,13 @@ impl Embedding {
         } else {
             Split::Replicated
         };
-        let weight = b.param(
+        let weight = b.padded_param(
             "weight",
             [padded, spec.hidden],
             how,
             Init::Normal { std: spec.init_std },
             true,
+            spec.vocab_size,
         )?;
         let vocab_start = rank * (padded / tp);
         Ok(Embedding {

@@ -1,12 +1,14 @@
 //! Training: microbatches with gradient accumulation, the data-parallel gradient all-reduce on
 //! the flat gradient buffer, global gradient-norm clipping, AdamW and the learning-rate schedule.
 
+mod checkpointing;
 mod data;
 mod optimizer;
 mod schedule;
 
 use std::time::Instant;
 
+pub use checkpointing::SaveInfo;
 pub use data::{BatchPlan, Sampler, TokenStream};
 pub use optimizer::{AdamW, AdamWConfig, clip_grads, grad_norm};
 pub use schedule::{DecayStyle, LrSchedule};
@@ -156,6 +158,28 @@ impl<M: LanguageModel> Trainer<M> {
             seconds: start.elapsed().as_secs_f64(),
             comm,
         })
+    }
+}
+
+impl<M: LanguageModel> Trainer<M> {
+    /// Mean loss per token over `iters` global batches of `data` (batch `i` of the run's
+    /// validation data is the `i`-th), without dropout and without touching gradients.
+    pub fn evaluate(&self, parallel: &ParallelState, data: &Sampler, iters: u64) -> Result<f64> {
+        let plan = *data.plan();
+        let dp_rank = parallel.groups().dp_rank();
+        let mut loss_sum = 0.0f64;
+        for i in 0..iters {
+            for micro in 0..plan.microbatches() {
+                let (x, y) = data.microbatch(i, dp_rank, micro)?;
+                let cx = Cx::new(parallel, self.config.seed).eval();
+                let (losses, _saved) = self.model.losses(&cx, &x, &y)?;
+                loss_sum += losses.to_vec_f32()?.iter().map(|&l| f64::from(l)).sum::<f64>();
+            }
+        }
+        let total = Tensor::from_vec(vec![loss_sum as f32], [1])?;
+        parallel.dp().all_reduce(&total, ReduceOp::Sum)?;
+        let tokens = (iters.max(1) as usize * plan.global_batch * plan.seq_length) as f64;
+        Ok(f64::from(total.to_vec::<f32>()?[0]) / tokens)
     }
 }
 

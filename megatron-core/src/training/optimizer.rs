@@ -65,6 +65,16 @@ impl AdamW {
         self.steps
     }
 
+    /// The first and second moments, flat like the parameter buffers.
+    pub fn moments(&self) -> (&Tensor, &Tensor) {
+        (&self.exp_avg, &self.exp_avg_sq)
+    }
+
+    /// Sets the number of updates made (restoring a checkpoint).
+    pub fn set_steps(&mut self, steps: u64) {
+        self.steps = steps;
+    }
+
     /// One update of every parameter with learning rate `lr`, from the gradients in `buffers`.
     pub fn step(&mut self, buffers: &ParamBuffers, lr: f64) -> Result<()> {
         self.steps += 1;

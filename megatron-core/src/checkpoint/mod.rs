@@ -1,0 +1,358 @@
+//! Checkpoints on disk: parameters and optimizer state by logical name and logical shape, in
+//! safetensors files, with the run's metadata and a checksum of every file.
+//!
+//! A save directory holds one directory per saved iteration, `iter_0000100/`, and
+//! `latest_checkpointed_iteration.txt`, as Megatron-LM lays them out. An iteration directory is
+//! written under a temporary name, every file synced, then renamed into place; the `latest` file
+//! is replaced the same way. A failed save leaves the earlier checkpoints as they were, and a
+//! checkpoint that does not match its checksums is refused on load.
+//!
+//! Tensors are stored whole and unpadded (the vocabulary without Megatron's padding rows), so a
+//! checkpoint does not depend on the tensor-, data- or pipeline-parallel layout that wrote it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+
+/// The format tag written into every checkpoint.
+pub const FORMAT: &str = "megatron-rs/1";
+/// File naming the newest iteration of a save directory.
+pub const LATEST: &str = "latest_checkpointed_iteration.txt";
+/// Parameters.
+pub const MODEL_FILE: &str = "model.safetensors";
+/// Optimizer state.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// Metadata, with the files' checksums.
+pub const META_FILE: &str = "meta.json";
+
+/// Why a checkpoint could not be written or read.
+#[derive(Debug, Clone, Error)]
+pub enum CheckpointError {
+    /// A file operation failed.
+    #[error("{path}: {message}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// What the system said.
+        message: String,
+    },
+    /// A file is not what a checkpoint holds.
+    #[error("{path}: {message}")]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A file does not match the checksum recorded when it was saved.
+    #[error("{path}: checksum mismatch (saved {expected}, found {found}): the file changed or is truncated")]
+    Checksum {
+        /// The file.
+        path: PathBuf,
+        /// SHA-256 recorded at save time.
+        expected: String,
+        /// SHA-256 of the file now.
+        found: String,
+    },
+    /// A tensor the model needs is not in the checkpoint, or has another shape.
+    #[error("{path}: {message}")]
+    Tensor {
+        /// The file.
+        path: PathBuf,
+        /// Which tensor and what is wrong.
+        message: String,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |e| CheckpointError::Io { path: path.to_path_buf(), message: e.to_string() }
+}
+
+/// A whole tensor: its logical shape and f32 values in row-major order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Whole {
+    /// Logical shape.
+    pub shape: Vec<usize>,
+    /// Values.
+    pub data: Vec<f32>,
+}
+
+/// Size and SHA-256 of one file of a checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileDigest {
+    /// Bytes.
+    pub bytes: u64,
+    /// Hex SHA-256.
+    pub sha256: String,
+}
+
+/// Everything about a checkpoint besides its tensors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointMeta {
+    /// [`FORMAT`].
+    pub format: String,
+    /// Optimizer steps completed: training resumes at this step.
+    pub iteration: u64,
+    /// Steps the optimizer's moments have seen (its bias correction).
+    pub adam_steps: u64,
+    /// The run's seed (parameters, data order and dropout all derive from it).
+    pub seed: u64,
+    /// Samples consumed so far.
+    pub consumed_samples: u64,
+    /// Tensor-parallel size of the run that saved it (informational: loading reshards).
+    pub saved_tp: usize,
+    /// Data-parallel size of the run that saved it (informational).
+    pub saved_dp: usize,
+    /// The model's architecture, as its config serialises.
+    pub model: serde_json::Value,
+    /// Free-form facts about the run (training arguments, tokenizer...).
+    #[serde(default)]
+    pub run: serde_json::Value,
+    /// Size and checksum of every tensor file, filled in by [`save`].
+    #[serde(default)]
+    pub files: BTreeMap<String, FileDigest>,
+}
+
+/// The directory of iteration `iteration` inside a save directory.
+pub fn iteration_dir(save: &Path, iteration: u64) -> PathBuf {
+    save.join(format!("iter_{iteration:07}"))
+}
+
+fn sha256_file(path: &Path) -> Result<FileDigest, CheckpointError> {
+    let mut file = File::open(path).map_err(io(path))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut bytes = 0u64;
+    loop {
+        let n = file.read(&mut buf).map_err(io(path))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        bytes += n as u64;
+    }
+    let sha256 = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    Ok(FileDigest { bytes, sha256 })
+}
+
+fn write_tensors(path: &Path, tensors: &BTreeMap<String, Whole>) -> Result<(), CheckpointError> {
+    let views = tensors
+        .iter()
+        .map(|(name, t)| {
+            let view = TensorView::new(Dtype::F32, t.shape.clone(), bytemuck::cast_slice(&t.data))
+                .map_err(|e| CheckpointError::Format { path: path.to_path_buf(), message: format!("{name}: {e}") })?;
+            Ok((name.clone(), view))
+        })
+        .collect::<Result<Vec<_>, CheckpointError>>()?;
+    let metadata = HashMap::from([("format".to_string(), FORMAT.to_string())]);
+    safetensors::serialize_to_file(views, Some(metadata), path)
+        .map_err(|e| CheckpointError::Format { path: path.to_path_buf(), message: e.to_string() })?;
+    File::open(path).and_then(|f| f.sync_all()).map_err(io(path))
+}
+
+/// Writes `content` to `path` through a temporary file, synced, then renamed into place.
+pub fn write_atomically(path: &Path, content: &[u8]) -> Result<(), CheckpointError> {
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    let result = (|| {
+        let mut f = File::create(&tmp).map_err(io(&tmp))?;
+        f.write_all(content).map_err(io(&tmp))?;
+        f.sync_all().map_err(io(&tmp))?;
+        fs::rename(&tmp, path).map_err(io(path))
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+}
+
+/// Saves iteration `meta.iteration` into `save` (created if needed): the model's tensors, the
+/// optimizer's if given, and the metadata with the files' checksums. Returns the iteration's
+/// directory. An existing directory of the same iteration is replaced only once the new one is
+/// complete.
+pub fn save(
+    save: &Path,
+    model: &BTreeMap<String, Whole>,
+    optimizer: Option<&BTreeMap<String, Whole>>,
+    mut meta: CheckpointMeta,
+) -> Result<PathBuf, CheckpointError> {
+    fs::create_dir_all(save).map_err(io(save))?;
+    let target = iteration_dir(save, meta.iteration);
+    let tmp = save.join(format!(".iter_{:07}.tmp-{}", meta.iteration, std::process::id()));
+    let _ = fs::remove_dir_all(&tmp);
+    let result = (|| {
+        fs::create_dir(&tmp).map_err(io(&tmp))?;
+        meta.format = FORMAT.to_string();
+        meta.files.clear();
+        let mut files = vec![(MODEL_FILE, model)];
+        if let Some(opt) = optimizer {
+            files.push((OPTIMIZER_FILE, opt));
+        }
+        for (name, tensors) in files {
+            let path = tmp.join(name);
+            write_tensors(&path, tensors)?;
+            meta.files.insert(name.to_string(), sha256_file(&path)?);
+        }
+        let json = serde_json::to_vec_pretty(&meta)
+            .map_err(|e| CheckpointError::Format { path: tmp.join(META_FILE), message: e.to_string() })?;
+        write_atomically(&tmp.join(META_FILE), &json)?;
+        sync_dir(&tmp)?;
+        if target.exists() {
+            let old = save.join(format!(".iter_{:07}.old-{}", meta.iteration, std::process::id()));
+            fs::rename(&target, &old).map_err(io(&target))?;
+            fs::rename(&tmp, &target).map_err(io(&target))?;
+            let _ = fs::remove_dir_all(&old);
+        } else {
+            fs::rename(&tmp, &target).map_err(io(&target))?;
+        }
+        write_atomically(&save.join(LATEST), meta.iteration.to_string().as_bytes())?;
+        sync_dir(save)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_dir_all(&tmp);
+    }
+    result.map(|()| target)
+}
+
+/// The iteration directory `path` names: itself if it holds [`META_FILE`], else the one its
+/// [`LATEST`] file names.
+pub fn resolve(path: &Path) -> Result<PathBuf, CheckpointError> {
+    if path.join(META_FILE).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    let latest = path.join(LATEST);
+    let text = fs::read_to_string(&latest).map_err(|e| CheckpointError::Io {
+        path: path.to_path_buf(),
+        message: format!("not a checkpoint: no {META_FILE} and no readable {LATEST} ({e})"),
+    })?;
+    let iteration: u64 = text.trim().parse().map_err(|_| CheckpointError::Format {
+        path: latest.clone(),
+        message: format!("`{}` is not an iteration number", text.trim()),
+    })?;
+    Ok(iteration_dir(path, iteration))
+}
+
+/// A checkpoint opened for reading: its metadata and its tensor files, memory-mapped and
+/// verified against their checksums.
+pub struct Loaded {
+    dir: PathBuf,
+    meta: CheckpointMeta,
+    model: memmap2::Mmap,
+    optimizer: Option<memmap2::Mmap>,
+}
+
+impl std::fmt::Debug for Loaded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loaded").field("dir", &self.dir).field("iteration", &self.meta.iteration).finish()
+    }
+}
+
+fn map_file(dir: &Path, name: &str, meta: &CheckpointMeta, verify: bool) -> Result<memmap2::Mmap, CheckpointError> {
+    let path = dir.join(name);
+    let Some(expected) = meta.files.get(name) else {
+        return Err(CheckpointError::Format { path, message: format!("{META_FILE} records no checksum for it") });
+    };
+    if verify {
+        let found = sha256_file(&path)?;
+        if found != *expected {
+            return Err(CheckpointError::Checksum { path, expected: expected.sha256.clone(), found: found.sha256 });
+        }
+    }
+    let file = File::open(&path).map_err(io(&path))?;
+    // SAFETY: the file is only read; a concurrent writer would be a user error that the
+    // checksum above makes very unlikely to go unnoticed.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io(&path))?;
+    SafeTensors::deserialize(&map).map_err(|e| CheckpointError::Format { path: path.clone(), message: e.to_string() })?;
+    Ok(map)
+}
+
+/// Opens the checkpoint `path` names (see [`resolve`]), verifying every file's checksum.
+pub fn open(path: &Path) -> Result<Loaded, CheckpointError> {
+    open_with(path, true)
+}
+
+/// Opens a checkpoint without hashing its files (when another rank verifies them).
+pub fn open_unverified(path: &Path) -> Result<Loaded, CheckpointError> {
+    open_with(path, false)
+}
+
+fn open_with(path: &Path, verify: bool) -> Result<Loaded, CheckpointError> {
+    let dir = resolve(path)?;
+    let meta_path = dir.join(META_FILE);
+    let text = fs::read(&meta_path).map_err(io(&meta_path))?;
+    let meta: CheckpointMeta = serde_json::from_slice(&text)
+        .map_err(|e| CheckpointError::Format { path: meta_path.clone(), message: e.to_string() })?;
+    if meta.format != FORMAT {
+        return Err(CheckpointError::Format {
+            path: meta_path,
+            message: format!("format `{}`, this build reads `{FORMAT}`", meta.format),
+        });
+    }
+    let model = map_file(&dir, MODEL_FILE, &meta, verify)?;
+    let optimizer = if meta.files.contains_key(OPTIMIZER_FILE) {
+        Some(map_file(&dir, OPTIMIZER_FILE, &meta, verify)?)
+    } else {
+        None
+    };
+    Ok(Loaded { dir, meta, model, optimizer })
+}
+
+impl Loaded {
+    /// The iteration directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The metadata.
+    pub fn meta(&self) -> &CheckpointMeta {
+        &self.meta
+    }
+
+    /// Whether optimizer state was saved.
+    pub fn has_optimizer(&self) -> bool {
+        self.optimizer.is_some()
+    }
+
+    fn tensor_in<'a>(&'a self, map: &'a memmap2::Mmap, file: &str, name: &str) -> Result<(Vec<usize>, &'a [u8]), CheckpointError> {
+        let path = self.dir.join(file);
+        let st = SafeTensors::deserialize(map).map_err(|e| CheckpointError::Format { path: path.clone(), message: e.to_string() })?;
+        let view = st.tensor(name).map_err(|_| CheckpointError::Tensor { path: path.clone(), message: format!("no tensor `{name}`") })?;
+        if view.dtype() != Dtype::F32 {
+            return Err(CheckpointError::Tensor { path, message: format!("`{name}` is {:?}, expected F32", view.dtype()) });
+        }
+        Ok((view.shape().to_vec(), view.data()))
+    }
+
+    /// A parameter's whole values.
+    pub fn model_tensor(&self, name: &str) -> Result<Whole, CheckpointError> {
+        let (shape, bytes) = self.tensor_in(&self.model, MODEL_FILE, name)?;
+        Ok(Whole { shape, data: bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect() })
+    }
+
+    /// An optimizer tensor's whole values (e.g. `blocks.0.mlp.fc1.weight.exp_avg`).
+    pub fn optimizer_tensor(&self, name: &str) -> Result<Whole, CheckpointError> {
+        let Some(map) = &self.optimizer else {
+            return Err(CheckpointError::Tensor { path: self.dir.clone(), message: "no optimizer state was saved".into() });
+        };
+        let (shape, bytes) = self.tensor_in(map, OPTIMIZER_FILE, name)?;
+        Ok(Whole { shape, data: bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect() })
+    }
+
+    /// Names of every parameter in the checkpoint.
+    pub fn model_names(&self) -> Result<Vec<String>, CheckpointError> {
+        let st = SafeTensors::deserialize(&self.model)
+            .map_err(|e| CheckpointError::Format { path: self.dir.join(MODEL_FILE), message: e.to_string() })?;
+        let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
+        names.sort();
+        Ok(names)
+    }
+}

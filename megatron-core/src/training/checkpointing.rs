@@ -1,0 +1,156 @@
+//! Saving and loading a [`Trainer`]'s state: parameters and optimizer moments gathered to whole,
+//! unpadded tensors on global rank 0; loaded by every rank as its own part of them, whatever the
+//! layout that saved them.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use super::{LanguageModel, Trainer};
+use crate::checkpoint::{self, CheckpointMeta, Loaded, Whole};
+use crate::comm::ParallelState;
+use crate::error::Result;
+use crate::invalid;
+use crate::module::{ParamSpec, Split, assemble_logical};
+use crate::tensor::{DType, Tensor};
+
+/// What to record about the run besides its tensors.
+#[derive(Debug, Clone)]
+pub struct SaveInfo {
+    /// The model's architecture.
+    pub model: serde_json::Value,
+    /// Free-form facts about the run.
+    pub run: serde_json::Value,
+}
+
+/// This rank's part of a logical tensor `whole` (unpadded rows `real_rows` padded with zeros).
+fn local_part(spec: &ParamSpec, whole: &Whole, file: &str) -> Result<Vec<f32>> {
+    let logical = spec.logical.dims();
+    let mut expected = logical.to_vec();
+    if let Some(rows) = spec.real_rows {
+        expected[0] = rows;
+    }
+    if whole.shape != expected {
+        return invalid!(
+            "checkpoint {file}: `{}` has shape {:?}, the model needs {:?}",
+            spec.name,
+            whole.shape,
+            expected
+        );
+    }
+    let index = spec.logical_index();
+    let available = whole.data.len();
+    let mut out = Vec::with_capacity(spec.local.numel());
+    for o in 0..index.outer {
+        for k in 0..index.inner {
+            let i = index.logical(o, k) as usize;
+            // Logical indices past the real rows are vocabulary padding.
+            out.push(if i < available { whole.data[i] } else { 0.0 });
+        }
+    }
+    Ok(out)
+}
+
+/// The whole, unpadded tensor of one parameter (or moment), assembled from every part over its
+/// split group (a collective of that group).
+fn gather_whole(parallel: &ParallelState, spec: &ParamSpec, local: &Tensor) -> Result<Whole> {
+    let values = match spec.split {
+        Split::Replicated => local.to_vec::<f32>()?,
+        Split::Dim { group, .. } => {
+            let comm = parallel.comm(group);
+            let n = local.numel();
+            let all = Tensor::empty([comm.size() * n], DType::F32);
+            comm.all_gather(local, &all)?;
+            let all = all.to_vec::<f32>()?;
+            let specs: Vec<ParamSpec> = (0..comm.size())
+                .map(|part| {
+                    let mut s = spec.clone();
+                    s.part = part;
+                    s
+                })
+                .collect();
+            let parts: Vec<(&ParamSpec, &[f32])> =
+                specs.iter().zip(all.chunks_exact(n.max(1))).map(|(s, v)| (s, v)).collect();
+            assemble_logical(&parts)?
+        }
+    };
+    let mut shape = spec.logical.dims().to_vec();
+    let mut data = values;
+    if let Some(rows) = spec.real_rows {
+        let row: usize = shape[1..].iter().product();
+        data.truncate(rows * row);
+        shape[0] = rows;
+    }
+    Ok(Whole { shape, data })
+}
+
+impl<M: LanguageModel> Trainer<M> {
+    /// Saves the state after `steps_done` steps into the save directory `save` (a collective:
+    /// every rank calls it; global rank 0 writes).
+    pub fn save_checkpoint(&self, parallel: &ParallelState, save: &Path, steps_done: u64, info: &SaveInfo) -> Result<()> {
+        let groups = parallel.groups();
+        // Data-parallel replicas hold the same state: the first one saves it.
+        if groups.dp_rank() != 0 {
+            return Ok(());
+        }
+        let (m, v) = self.optimizer.moments();
+        let mut model = BTreeMap::new();
+        let mut optimizer = BTreeMap::new();
+        for slot in self.buffers.slots() {
+            let spec = &slot.spec;
+            let view = |t: &Tensor| t.narrow(0, slot.offset, slot.len);
+            model.insert(spec.name.clone(), gather_whole(parallel, spec, &view(self.buffers.values())?)?);
+            optimizer.insert(format!("{}.exp_avg", spec.name), gather_whole(parallel, spec, &view(m)?)?);
+            optimizer.insert(format!("{}.exp_avg_sq", spec.name), gather_whole(parallel, spec, &view(v)?)?);
+        }
+        if groups.rank() != 0 {
+            return Ok(());
+        }
+        let config = groups.config();
+        let meta = CheckpointMeta {
+            format: checkpoint::FORMAT.to_string(),
+            iteration: steps_done,
+            adam_steps: self.optimizer.steps(),
+            seed: self.config.seed,
+            consumed_samples: steps_done * self.sampler.plan().global_batch as u64,
+            saved_tp: config.tp,
+            saved_dp: config.dp,
+            model: info.model.clone(),
+            run: info.run.clone(),
+            files: BTreeMap::new(),
+        };
+        checkpoint::save(save, &model, Some(&optimizer), meta)?;
+        Ok(())
+    }
+
+    /// Loads a checkpoint into this rank's parameters (and optimizer moments when saved):
+    /// resharded to this run's layout. Returns its metadata; training resumes at
+    /// `meta.iteration`. Global rank 0 verifies the files' checksums.
+    pub fn load_checkpoint(&mut self, parallel: &ParallelState, path: &Path) -> Result<CheckpointMeta> {
+        let loaded = if parallel.groups().rank() == 0 { checkpoint::open(path)? } else { checkpoint::open_unverified(path)? };
+        load_into(&loaded, self)?;
+        Ok(loaded.meta().clone())
+    }
+}
+
+fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Result<()> {
+    let dir = loaded.dir().display().to_string();
+    let with_optimizer = loaded.has_optimizer();
+    let (m, v) = trainer.optimizer.moments();
+    let mut values = trainer.buffers.values().write::<f32>()?;
+    let mut exp_avg = m.write::<f32>()?;
+    let mut exp_avg_sq = v.write::<f32>()?;
+    for slot in trainer.buffers.slots() {
+        let spec = &slot.spec;
+        let r = slot.offset..slot.offset + slot.len;
+        values[r.clone()].copy_from_slice(&local_part(spec, &loaded.model_tensor(&spec.name)?, &dir)?);
+        if with_optimizer {
+            let m = loaded.optimizer_tensor(&format!("{}.exp_avg", spec.name))?;
+            exp_avg[r.clone()].copy_from_slice(&local_part(spec, &m, &dir)?);
+            let v = loaded.optimizer_tensor(&format!("{}.exp_avg_sq", spec.name))?;
+            exp_avg_sq[r].copy_from_slice(&local_part(spec, &v, &dir)?);
+        }
+    }
+    drop((values, exp_avg, exp_avg_sq));
+    trainer.optimizer.set_steps(if with_optimizer { loaded.meta().adam_steps } else { 0 });
+    Ok(())
+}
