@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod data;
+pub mod report;
 
 pub use megatron_core as core;
 pub use megatron_core::*;
