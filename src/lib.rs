@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod data;
+pub mod job;
 pub mod report;
 
 pub use megatron_core as core;

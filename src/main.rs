@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand};
 
 /// megatron-rs: Megatron-LM's parallel training in Rust.
 #[derive(Debug, Parser)]
-#[command(name = "megatron", version, about)]
+#[command(name = "megatron", version, about, args_override_self = true)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -24,16 +24,26 @@ enum Command {
     Inspect(cli::inspect::InspectArgs),
     /// List the registered models.
     Models,
+    /// Draw the loss curve of a `megatron train --log-json` log as a PNG.
+    Plot(cli::plot::PlotArgs),
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let args = match cli::config_file::expand(std::env::args().collect()) {
+        Ok(args) => args,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let cli = Cli::parse_from(args);
     let result = match &cli.command {
         Command::Groups(args) => cli::groups::run(args),
         Command::Bench(args) => cli::bench::run(args),
         Command::Train(args) => cli::train::run(args),
         Command::Inspect(args) => cli::inspect::run(args),
         Command::Models => cli::models::run(),
+        Command::Plot(args) => cli::plot::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -5,11 +5,14 @@ use std::path::{Path, PathBuf};
 
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
-use megatron::module::{Builder, Module};
 use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
+use megatron::module::{Builder, Module};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
-use megatron::training::{AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, SaveInfo, TokenStream, TrainConfig, Trainer};
+use megatron::training::{
+    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, SaveInfo, TokenStream, TrainConfig,
+    Trainer,
+};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -28,17 +31,42 @@ fn scratch(name: &str) -> PathBuf {
 
 /// Runs steps `from..to` on tp × dp ranks, loading `load` first and saving into `save` at the
 /// end; returns the losses and the final parameters (whole, in visit order) of global rank 0.
-fn run(tp: usize, dp: usize, from: u64, to: u64, seed: u64, load: Option<&Path>, save: Option<&Path>) -> (Vec<f64>, Vec<f32>) {
+fn run(
+    tp: usize,
+    dp: usize,
+    from: u64,
+    to: u64,
+    seed: u64,
+    load: Option<&Path>,
+    save: Option<&Path>,
+) -> (Vec<f64>, Vec<f32>) {
     let layout = ParallelLayout::new(&ParallelConfig::new(tp * dp).with_tp(tp)).unwrap();
     let text = "Checkpoints must resume bit for bit. ".repeat(40);
     let c = config();
     let result = launch(tp * dp, |w| -> R<(Vec<f64>, Vec<f32>)> {
         let ps = ParallelState::new(&w, &layout)?;
         let model = Gpt::build(&c.spec(), &mut Builder::for_rank(seed, ps.groups()))?;
-        let plan = BatchPlan { seq_length: 16, micro_batch: 2, global_batch: 4, dp };
+        let plan = BatchPlan {
+            seq_length: 16,
+            micro_batch: 2,
+            global_batch: 4,
+            dp,
+        };
         let sampler = Sampler::new(TokenStream::from_bytes(text.as_bytes()), plan, 7)?;
-        let schedule = LrSchedule { max_lr: 3e-3, min_lr: 3e-4, warmup_steps: 2, decay_steps: 8, style: DecayStyle::Cosine };
-        let train = TrainConfig { schedule, adam: AdamWConfig::default(), clip_grad: 1.0, seed: 5, bucket_elements: 4096 };
+        let schedule = LrSchedule {
+            max_lr: 3e-3,
+            min_lr: 3e-4,
+            warmup_steps: 2,
+            decay_steps: 8,
+            style: DecayStyle::Cosine,
+        };
+        let train = TrainConfig {
+            schedule,
+            adam: AdamWConfig::default(),
+            clip_grad: 1.0,
+            seed: 5,
+            bucket_elements: 4096,
+        };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
         if let Some(path) = load {
             let meta = trainer.load_checkpoint(&ps, path)?;
@@ -49,12 +77,17 @@ fn run(tp: usize, dp: usize, from: u64, to: u64, seed: u64, load: Option<&Path>,
             losses.push(trainer.step(&ps, step)?.loss);
         }
         if let Some(path) = save {
-            let info = SaveInfo { model: serde_json::json!({"test": true}), run: serde_json::Value::Null };
+            let info = SaveInfo {
+                model: serde_json::json!({"test": true}),
+                run: serde_json::Value::Null,
+            };
             trainer.save_checkpoint(&ps, path, to, &info)?;
         }
         // Whole parameters through a save of their own, read back.
         let mut params = Vec::new();
-        trainer.model().visit_params(&mut |p| params.extend(p.value().to_vec::<f32>().unwrap()));
+        trainer
+            .model()
+            .visit_params(&mut |p| params.extend(p.value().to_vec::<f32>().unwrap()));
         Ok((losses, if tp == 1 { params } else { Vec::new() }))
     });
     match result {
@@ -72,7 +105,10 @@ fn a_resumed_run_continues_bit_for_bit() {
     let (second, resumed) = run(1, 2, 3, 6, 999, Some(&dir), None);
     let joined: Vec<u64> = first.iter().chain(&second).map(|l| l.to_bits()).collect();
     assert_eq!(joined, all.iter().map(|l| l.to_bits()).collect::<Vec<_>>());
-    assert_eq!(resumed.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), params.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    assert_eq!(
+        resumed.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        params.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -83,7 +119,12 @@ fn loading_with_another_tensor_parallel_size_reshards() {
     run(2, 1, 0, 3, 1, None, Some(&dir));
     for tp in [1, 4] {
         let (next, _) = run(tp, 1, 3, 4, 42, Some(&dir), None);
-        assert!((next[0] - reference[3]).abs() <= 1e-5 * reference[3], "tp {tp}: {} vs {}", next[0], reference[3]);
+        assert!(
+            (next[0] - reference[3]).abs() <= 1e-5 * reference[3],
+            "tp {tp}: {} vs {}",
+            next[0],
+            reference[3]
+        );
     }
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -98,7 +139,10 @@ fn corrupt_checkpoints_are_refused_and_failed_saves_leave_the_old_ones() {
     // A truncated file fails its checksum.
     std::fs::write(&model_file, &original[..original.len() - 10]).unwrap();
     let err = megatron::checkpoint::open(&dir).unwrap_err().to_string();
-    assert!(err.contains("model.safetensors: checksum mismatch"), "{err}");
+    assert!(
+        err.contains("model.safetensors: checksum mismatch"),
+        "{err}"
+    );
     // A bad header (length prefix) is a clear error too, even unverified.
     let mut bad = original.clone();
     bad[..8].copy_from_slice(&u64::MAX.to_le_bytes());
@@ -112,13 +156,26 @@ fn corrupt_checkpoints_are_refused_and_failed_saves_leave_the_old_ones() {
     let failed = std::panic::catch_unwind(|| run(1, 1, 2, 4, 1, Some(&dir), Some(&dir)));
     assert!(failed.is_err(), "the save must fail");
     std::fs::remove_file(&blocker).unwrap();
-    assert_eq!(std::fs::read_to_string(dir.join("latest_checkpointed_iteration.txt")).unwrap(), "2");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("latest_checkpointed_iteration.txt")).unwrap(),
+        "2"
+    );
     assert_eq!(std::fs::read(&model_file).unwrap(), original);
     assert!(!dir.join("iter_0000004").exists());
-    let names: Vec<String> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
-    assert_eq!(names.len(), 2, "only iter_0000002 and the latest file: {names:?}");
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names.len(),
+        2,
+        "only iter_0000002 and the latest file: {names:?}"
+    );
     // A directory that is no checkpoint says so.
-    let err = megatron::checkpoint::open(&scratch("empty")).unwrap_err().to_string();
+    let err = megatron::checkpoint::open(&scratch("empty"))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("not a checkpoint"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }

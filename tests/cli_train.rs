@@ -159,3 +159,109 @@ fn models_lists_the_presets() {
         assert!(stdout.contains(name), "{stdout}");
     }
 }
+
+#[test]
+fn save_resume_evaluate_plot_and_config_files() {
+    let dir = std::env::temp_dir().join(format!("megatron-cli-run-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    // The small architecture and batch come from a config file; the command line adds the rest.
+    std::fs::write(
+        dir.join("run.toml"),
+        "num_layers = 1\nseq_length = 16\nmicro_batch_size = 2\ntrain_iters = 99\nquiet = true\n",
+    )
+    .unwrap();
+    let common = |steps: &'static str| {
+        vec![
+            "train".to_string(),
+            "--config".into(),
+            p("run.toml"),
+            "--train-iters".into(),
+            steps.into(),
+            "--eval-interval".into(),
+            "2".into(),
+            "--eval-iters".into(),
+            "1".into(),
+            "--save".into(),
+            p("ckpt"),
+            "--log-json".into(),
+            p("log.jsonl"),
+            "--tensorboard-dir".into(),
+            p("tb"),
+        ]
+    };
+    let args = common("4");
+    let (ok, stdout, stderr) = megatron(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("4 steps of 32 tokens"), "{stdout}");
+    assert!(stdout.contains("validation loss"), "{stdout}");
+    let mut args = common("6");
+    args.extend(["--load".to_string(), p("ckpt")]);
+    let (ok, stdout, stderr) = megatron(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("over 2 steps"),
+        "resumed at step 4: {stdout}"
+    );
+    let log = std::fs::read_to_string(dir.join("log.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let steps: Vec<u64> = lines
+        .iter()
+        .filter(|l| l.get("loss").is_some())
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [0, 1, 2, 3, 4, 5]);
+    let evals: Vec<u64> = lines
+        .iter()
+        .filter(|l| l.get("valid_loss").is_some())
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(evals, [2, 4, 6]);
+    assert!(
+        lines
+            .iter()
+            .filter(|l| l.get("valid_ppl").is_some())
+            .all(|l| l["valid_ppl"].as_f64().unwrap() > 1.0)
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("ckpt/latest_checkpointed_iteration.txt")).unwrap(),
+        "6"
+    );
+    assert!(
+        std::fs::read(dir.join("log.png"))
+            .unwrap()
+            .starts_with(b"\x89PNG")
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.join("tb")).unwrap().count(),
+        2,
+        "one event file per run"
+    );
+    let (ok, stdout, stderr) = megatron(&["plot", &p("log.jsonl"), "--output", &p("again.png")]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("6 training steps, 3 evaluations"),
+        "{stdout}"
+    );
+    // A corrupt checkpoint is refused with the file named, and nothing is written.
+    let model = dir.join("ckpt/iter_0000006/model.safetensors");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+    let mut args = common("8");
+    args.extend(["--load".to_string(), p("ckpt")]);
+    let (ok, _, stderr) = megatron(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(!ok);
+    assert!(
+        stderr.contains("model.safetensors: checksum mismatch"),
+        "{stderr}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("ckpt/latest_checkpointed_iteration.txt")).unwrap(),
+        "6"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

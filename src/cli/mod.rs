@@ -1,8 +1,12 @@
 //! The `megatron` command line: one module per subcommand.
 
 pub mod bench;
+pub mod config_file;
 pub mod groups;
 pub mod inspect;
+pub mod logging;
 pub mod model_args;
 pub mod models;
+pub mod observers;
+pub mod plot;
 pub mod train;

@@ -53,7 +53,13 @@ impl ArchitectureArgs {
                 names.join(", ")
             );
         };
-        let mut c = (p.config)();
+        self.apply((p.config)(), tp)
+    }
+
+    /// `base` (a preset, or the architecture a checkpoint records) with the overrides applied,
+    /// checked for `tp` tensor-parallel ranks.
+    pub fn apply(&self, base: GptConfig, tp: usize) -> Result<GptConfig> {
+        let mut c = base;
         if let Some(v) = self.hidden_size {
             c.hidden_size = v;
             c.ffn_hidden_size = 4 * v;

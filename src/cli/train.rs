@@ -1,27 +1,20 @@
 //! `megatron train`: trains a registered model with tensor × data parallelism on thread ranks.
 
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::PathBuf;
-use std::sync::Mutex;
-use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use indicatif::{ProgressBar, ProgressStyle};
-use megatron::comm::threads::launch;
-use megatron::comm::{CommStats, ParallelState};
+use indicatif::ProgressBar;
+use megatron::job::{Eval, Observer, TrainJob};
 use megatron::models::GptConfig;
-use megatron::models::gpt::Gpt;
+use megatron::report::plot::Curves;
+use megatron::training::{
+    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig,
+    default_bucket_elements,
+};
 
 use super::model_args::ArchitectureArgs;
-use megatron::module::{Builder, Module};
-use megatron::parallel::{GroupKind, ParallelConfig, ParallelLayout};
-use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, StepMetrics, TokenStream, TrainConfig,
-    Trainer, default_bucket_elements,
-};
-use serde_json::{Map, Value, json};
+use super::observers::{JsonLog, Plot, Progress, TensorBoard};
 
 /// Arguments of `megatron train`, named as Megatron-LM's.
 #[derive(Debug, Args)]
@@ -47,7 +40,7 @@ pub struct TrainArgs {
     /// Samples per step over all data-parallel ranks [default: micro batch × dp].
     #[arg(long)]
     global_batch_size: Option<usize>,
-    /// Optimizer steps.
+    /// Optimizer steps to reach (a resumed run continues up to this step).
     #[arg(long = "train-iters", visible_alias = "steps", default_value_t = 100)]
     train_iters: u64,
     /// Peak learning rate.
@@ -86,12 +79,34 @@ pub struct TrainArgs {
     /// A text file to train on, read as bytes [default: megatron-rs's own sources and docs].
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Write one JSON object per step to this file.
+    /// Fractions of the data for training, validation and test (Megatron's `--split`).
+    #[arg(long, default_value = "969,30,1")]
+    split: String,
+    /// Evaluate on the validation split every N steps (and at the end) [default: never].
+    #[arg(long)]
+    eval_interval: Option<u64>,
+    /// Global batches per evaluation.
+    #[arg(long, default_value_t = 10)]
+    eval_iters: u64,
+    /// Save checkpoints into this directory (every --save-interval steps and at the end).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Steps between checkpoints [default: only at the end].
+    #[arg(long)]
+    save_interval: Option<u64>,
+    /// Start from this checkpoint (a save directory or an iteration directory): parameters,
+    /// optimizer state and step; the architecture is the checkpoint's unless flags override it.
+    #[arg(long)]
+    load: Option<PathBuf>,
+    /// Write one JSON object per step and evaluation to this file, and the loss plot next to it.
     #[arg(long)]
     log_json: Option<PathBuf>,
     /// Add each step's communication on global rank 0 (per group and operation) to the log.
     #[arg(long)]
     comm_report: bool,
+    /// Write TensorBoard scalars into this directory.
+    #[arg(long)]
+    tensorboard_dir: Option<PathBuf>,
     /// Elements per data-parallel gradient all-reduce [default: max(40M, 1M × dp)].
     #[arg(long)]
     ddp_bucket_size: Option<usize>,
@@ -100,10 +115,37 @@ pub struct TrainArgs {
     quiet: bool,
 }
 
+/// The validation fraction of a `--split` such as `969,30,1`.
+fn valid_fraction(split: &str) -> Result<(f64, f64)> {
+    let parts: Vec<f64> = split
+        .split(',')
+        .map(|p| p.trim().parse::<f64>())
+        .collect::<Result<_, _>>()
+        .with_context(|| {
+            format!("--split `{split}`: expected comma-separated numbers like 969,30,1")
+        })?;
+    let total: f64 = parts.iter().sum();
+    if parts.is_empty() || parts.len() > 3 || parts.iter().any(|p| *p < 0.0) || total <= 0.0 {
+        bail!("--split `{split}`: expected up to three non-negative weights, not all zero");
+    }
+    let train = parts[0] / total;
+    let valid = parts.get(1).copied().unwrap_or(0.0) / total;
+    Ok((train, valid))
+}
+
 impl TrainArgs {
-    /// The architecture, checked against the tensor-parallel size and the sequence length.
+    /// The architecture: the loaded checkpoint's or the preset's, then explicit flags.
     fn model_config(&self) -> Result<GptConfig> {
-        let c = self.arch.config(self.tp)?;
+        let c = match &self.load {
+            Some(path) => {
+                let meta = megatron::checkpoint::read_meta(path)?;
+                let base: GptConfig = serde_json::from_value(meta.model).with_context(|| {
+                    format!("{}: the checkpoint's model config", path.display())
+                })?;
+                self.arch.apply(base, self.tp)?
+            }
+            None => self.arch.config(self.tp)?,
+        };
         if self.seq_length > c.max_position_embeddings {
             bail!(
                 "--seq-length {} exceeds --max-position-embeddings {}",
@@ -113,105 +155,100 @@ impl TrainArgs {
         }
         Ok(c)
     }
-}
 
-/// One JSON log line of a step.
-fn log_line(m: &StepMetrics, comm_report: bool) -> Value {
-    let mut line = json!({
-        "step": m.step,
-        "loss": m.loss,
-        "lr": m.lr,
-        "grad_norm": m.grad_norm,
-        "tokens_per_s": m.tokens as f64 / m.seconds,
-    });
-    if comm_report {
-        line["comm"] = comm_json(&m.comm);
-    }
-    line
-}
-
-/// `{GROUP: {OP: {"calls": N, "bytes": N}}}`.
-fn comm_json(comm: &[(GroupKind, CommStats)]) -> Value {
-    let groups: Map<String, Value> = comm
-        .iter()
-        .map(|(kind, stats)| {
-            let ops: Map<String, Value> = stats
-                .ops
-                .iter()
-                .map(|(op, s)| {
-                    (
-                        op.name().to_string(),
-                        json!({ "calls": s.calls, "bytes": s.bytes }),
-                    )
-                })
-                .collect();
-            (kind.name().to_string(), Value::Object(ops))
+    fn job(&self) -> Result<TrainJob> {
+        if self.tp == 0 || self.dp == 0 {
+            bail!("--tensor-model-parallel-size and --data-parallel-size must be at least 1");
+        }
+        let model = self.model_config()?;
+        let plan = BatchPlan {
+            seq_length: self.seq_length,
+            micro_batch: self.micro_batch_size,
+            global_batch: self
+                .global_batch_size
+                .unwrap_or(self.micro_batch_size * self.dp),
+            dp: self.dp,
+        };
+        plan.validate()?;
+        let stream = match &self.data {
+            Some(path) => TokenStream::from_bytes(
+                &std::fs::read(path)
+                    .with_context(|| format!("reading --data {}", path.display()))?,
+            ),
+            None => TokenStream::from_bytes(megatron::data::default_corpus()),
+        };
+        let (train_fraction, valid_fraction) = valid_fraction(&self.split)?;
+        let (train_tokens, rest) = stream.split(train_fraction);
+        let (valid_tokens, _test) =
+            rest.split(valid_fraction / (1.0 - train_fraction).max(f64::MIN_POSITIVE));
+        let train_data = Sampler::new(train_tokens, plan, self.seed)?;
+        let eval = match self.eval_interval {
+            Some(interval) => Some(Eval {
+                data: Sampler::new(valid_tokens, plan, self.seed ^ 0x7661_6c69_64)
+                    .context("the validation split (see --split)")?,
+                interval,
+                iters: self.eval_iters,
+            }),
+            None => None,
+        };
+        let train = TrainConfig {
+            schedule: LrSchedule {
+                max_lr: self.lr,
+                min_lr: self.min_lr.unwrap_or(self.lr / 10.0),
+                warmup_steps: self.lr_warmup_iters,
+                decay_steps: self.lr_decay_iters.unwrap_or(self.train_iters),
+                style: self.lr_decay_style,
+            },
+            adam: AdamWConfig {
+                beta1: self.adam_beta1,
+                beta2: self.adam_beta2,
+                eps: self.adam_eps,
+                weight_decay: self.weight_decay,
+            },
+            clip_grad: self.clip_grad,
+            seed: self.seed,
+            bucket_elements: self
+                .ddp_bucket_size
+                .unwrap_or_else(|| default_bucket_elements(self.dp)),
+        };
+        Ok(TrainJob {
+            model_name: self.arch.model.clone(),
+            model,
+            tp: self.tp,
+            dp: self.dp,
+            steps: self.train_iters,
+            train_data,
+            eval,
+            train,
+            save: self
+                .save
+                .clone()
+                .map(|dir| (dir, self.save_interval.unwrap_or(self.train_iters))),
+            load: self.load.clone(),
+            run_info: serde_json::json!({
+                "seq_length": self.seq_length,
+                "micro_batch_size": self.micro_batch_size,
+                "global_batch_size": plan.global_batch,
+                "tokenizer": "byte",
+            }),
         })
-        .collect();
-    Value::Object(groups)
+    }
 }
 
 /// Runs `megatron train`.
 pub fn run(args: &TrainArgs) -> Result<()> {
-    if args.tp == 0 || args.dp == 0 {
-        bail!("--tensor-model-parallel-size and --data-parallel-size must be at least 1");
-    }
-    let config = args.model_config()?;
-    let world = args.tp * args.dp;
-    let layout = ParallelLayout::new(&ParallelConfig::new(world).with_tp(args.tp))?;
-    let plan = BatchPlan {
-        seq_length: args.seq_length,
-        micro_batch: args.micro_batch_size,
-        global_batch: args
-            .global_batch_size
-            .unwrap_or(args.micro_batch_size * args.dp),
-        dp: args.dp,
-    };
-    plan.validate()?;
-    let stream = match &args.data {
-        Some(path) => TokenStream::from_bytes(
-            &std::fs::read(path).with_context(|| format!("reading --data {}", path.display()))?,
-        ),
-        None => TokenStream::from_bytes(megatron::data::default_corpus()),
-    };
-    let sampler = Sampler::new(stream, plan, args.seed)?;
-    let train = TrainConfig {
-        schedule: LrSchedule {
-            max_lr: args.lr,
-            min_lr: args.min_lr.unwrap_or(args.lr / 10.0),
-            warmup_steps: args.lr_warmup_iters,
-            decay_steps: args.lr_decay_iters.unwrap_or(args.train_iters),
-            style: args.lr_decay_style,
-        },
-        adam: AdamWConfig {
-            beta1: args.adam_beta1,
-            beta2: args.adam_beta2,
-            eps: args.adam_eps,
-            weight_decay: args.weight_decay,
-        },
-        clip_grad: args.clip_grad,
-        seed: args.seed,
-        bucket_elements: args
-            .ddp_bucket_size
-            .unwrap_or_else(|| default_bucket_elements(args.dp)),
-    };
-    let log = match &args.log_json {
-        Some(path) => {
-            Some(BufWriter::new(File::create(path).with_context(|| {
-                format!("creating --log-json {}", path.display())
-            })?))
-        }
-        None => None,
-    };
-    let params = config.num_params(args.tp);
-    let flops_per_token = config.flops_per_token(args.seq_length, args.tp);
+    let job = args.job()?;
+    let plan = *job.train_data.plan();
+    let params = job.model.num_params(job.tp);
+    let flops_per_token = job.model.flops_per_token(plan.seq_length, job.tp);
     println!(
-        "training {} ({:.2}M parameters) with TP={} × DP={} on {world} thread ranks: {} steps of {} tokens ({} microbatches of {} per rank)",
-        args.arch.model,
+        "training {} ({:.2}M parameters) with TP={} × DP={} on {} thread ranks: {} steps of {} tokens ({} microbatches of {} per rank)",
+        job.model_name,
         params as f64 / 1e6,
-        args.tp,
-        args.dp,
-        args.train_iters,
+        job.tp,
+        job.dp,
+        job.tp * job.dp,
+        job.steps,
         plan.global_batch * plan.seq_length,
         plan.microbatches(),
         plan.micro_batch
@@ -219,72 +256,60 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let bar = if args.quiet {
         ProgressBar::hidden()
     } else {
-        ProgressBar::new(args.train_iters)
+        ProgressBar::new(job.steps)
     };
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
-        )
-        .expect("a valid progress template"),
-    );
-    let history = Mutex::new(Vec::new());
-    let log = Mutex::new(log);
-    let log_error = Mutex::new(None);
-    let start = Instant::now();
-    let spec = config.spec();
-    launch(world, |w| -> Result<()> {
-        let parallel = ParallelState::new(&w, &layout)?;
-        let model = Gpt::build(&spec, &mut Builder::for_rank(args.seed, parallel.groups()))?;
-        let mut trainer = Trainer::new(model, &parallel, sampler.clone(), train)?;
-        for step in 0..args.train_iters {
-            let m = trainer.step(&parallel, step)?;
-            if parallel.groups().rank() == 0 {
-                bar.set_message(format!(
-                    "loss {:.4} | {:.0} tok/s",
-                    m.loss,
-                    m.tokens as f64 / m.seconds
-                ));
-                bar.inc(1);
-                if let Some(out) = log.lock().expect("log lock").as_mut()
-                    && let Err(e) = writeln!(out, "{}", log_line(&m, args.comm_report))
-                {
-                    *log_error.lock().expect("log lock") = Some(e);
-                }
-                history
-                    .lock()
-                    .expect("history lock")
-                    .push((m.loss, m.tokens, m.seconds));
-            }
-        }
-        Ok(())
-    })
-    .map_err(anyhow::Error::msg)?;
-    bar.finish_and_clear();
-    if let Some(e) = log_error.into_inner().expect("log lock") {
-        return Err(e).context("writing the --log-json file");
+    let _logging = super::logging::init(bar.clone());
+    let mut observers: Vec<Box<dyn Observer>> = vec![Box::new(Progress::new(bar))];
+    if let Some(path) = &args.log_json {
+        let resuming = args.load.is_some() && path.exists();
+        let earlier = if resuming {
+            Curves::from_log(
+                &std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?,
+            )?
+        } else {
+            Curves::default()
+        };
+        observers.push(Box::new(JsonLog::create(path, args.comm_report, resuming)?));
+        let png = path.with_extension("png");
+        observers.push(Box::new(Plot::new(
+            png,
+            format!("{} (TP={} × DP={})", job.model_name, job.tp, job.dp),
+            earlier,
+        )));
     }
-    if let Some(mut out) = log.into_inner().expect("log lock") {
-        out.flush().context("writing the --log-json file")?;
+    if let Some(dir) = &args.tensorboard_dir {
+        observers.push(Box::new(TensorBoard::create(dir)?));
     }
-    let history = history.into_inner().expect("history lock");
-    let (Some(first), Some(last)) = (history.first(), history.last()) else {
-        println!("no steps run");
+    let summary = job.run(&mut observers)?;
+    let (Some(first), Some(last)) = (summary.steps.first(), summary.steps.last()) else {
+        println!(
+            "no steps run (the checkpoint is at step {} of {})",
+            summary.first_step, job.steps
+        );
         return Ok(());
     };
-    // Throughput of the median step (the first steps also fill the allocation pool).
-    let mut steps: Vec<(f64, usize)> = history.iter().map(|h| (h.2, h.1)).collect();
-    steps.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let (median_seconds, median_tokens) = steps[steps.len() / 2];
-    let tokens_per_s = median_tokens as f64 / median_seconds;
+    let tokens_per_s = summary.median_tokens_per_s().unwrap_or(0.0);
+    let median_ms = plan.global_batch as f64 * plan.seq_length as f64
+        / tokens_per_s.max(f64::MIN_POSITIVE)
+        * 1e3;
     println!(
         "loss {:.4} → {:.4} over {} steps in {:.1} s; median step {:.1} ms: {:.0} tokens/s, {:.1} GFLOP/s of model FLOPs",
         first.0,
         last.0,
-        history.len(),
-        start.elapsed().as_secs_f64(),
-        median_seconds * 1e3,
+        summary.steps.len(),
+        summary.seconds,
+        median_ms,
         tokens_per_s,
         tokens_per_s * flops_per_token / 1e9
     );
+    if let Some(e) = summary.evals.last() {
+        println!(
+            "validation loss {:.4}, perplexity {:.2} at step {}",
+            e.loss,
+            e.perplexity(),
+            e.step
+        );
+    }
     Ok(())
 }

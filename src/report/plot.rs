@@ -29,9 +29,16 @@ impl Curves {
     /// steps, lines with `valid_loss` evaluations; both carry `tokens`.
     pub fn from_log(text: &str) -> Result<Curves> {
         let mut curves = Curves::default();
-        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-            let v: Value = serde_json::from_str(line).with_context(|| format!("line {}: not JSON", i + 1))?;
-            let tokens = v["tokens"].as_f64().ok_or_else(|| anyhow!("line {}: no `tokens`", i + 1))?;
+        for (i, line) in text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+        {
+            let v: Value =
+                serde_json::from_str(line).with_context(|| format!("line {}: not JSON", i + 1))?;
+            let tokens = v["tokens"]
+                .as_f64()
+                .ok_or_else(|| anyhow!("line {}: no `tokens`", i + 1))?;
             if let Some(loss) = v["loss"].as_f64() {
                 curves.train.push(Point { tokens, loss });
             }
@@ -47,13 +54,17 @@ impl Curves {
 pub fn draw(curves: &Curves, title: &str, path: &Path) -> Result<()> {
     let all = curves.train.iter().chain(&curves.valid);
     let max_tokens = all.clone().map(|p| p.tokens).fold(0.0, f64::max).max(1.0);
-    let (lo, hi) = all.map(|p| p.loss).filter(|l| l.is_finite()).fold((f64::MAX, f64::MIN), |(a, b), l| (a.min(l), b.max(l)));
+    let (lo, hi) = all
+        .map(|p| p.loss)
+        .filter(|l| l.is_finite())
+        .fold((f64::MAX, f64::MIN), |(a, b), l| (a.min(l), b.max(l)));
     let (lo, hi) = if lo > hi { (0.0, 1.0) } else { (lo, hi) };
     let pad = ((hi - lo) * 0.05).max(1e-3);
     let tmp = path.with_extension("tmp.png");
     {
         let root = BitMapBackend::new(&tmp, (960, 540)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| anyhow!("drawing {}: {e}", path.display()))?;
+        root.fill(&WHITE)
+            .map_err(|e| anyhow!("drawing {}: {e}", path.display()))?;
         let mut chart = ChartBuilder::on(&root)
             .caption(title, ("sans-serif", 22))
             .margin(12)
@@ -68,15 +79,23 @@ pub fn draw(curves: &Curves, title: &str, path: &Path) -> Result<()> {
             .x_label_formatter(&|t| format_tokens(*t))
             .draw()
             .map_err(|e| anyhow!("drawing {}: {e}", path.display()))?;
-        for (points, color, label) in [(&curves.train, BLUE, "train"), (&curves.valid, RED, "validation")] {
+        for (points, color, label) in [
+            (&curves.train, BLUE, "train"),
+            (&curves.valid, RED, "validation"),
+        ] {
             if points.is_empty() {
                 continue;
             }
             chart
-                .draw_series(LineSeries::new(points.iter().map(|p| (p.tokens, p.loss)), color.stroke_width(2)))
+                .draw_series(LineSeries::new(
+                    points.iter().map(|p| (p.tokens, p.loss)),
+                    color.stroke_width(2),
+                ))
                 .map_err(|e| anyhow!("drawing {}: {e}", path.display()))?
                 .label(label)
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2))
+                });
         }
         chart
             .configure_series_labels()
@@ -84,7 +103,8 @@ pub fn draw(curves: &Curves, title: &str, path: &Path) -> Result<()> {
             .border_style(BLACK)
             .draw()
             .map_err(|e| anyhow!("drawing {}: {e}", path.display()))?;
-        root.present().map_err(|e| anyhow!("writing {}: {e}", path.display()))?;
+        root.present()
+            .map_err(|e| anyhow!("writing {}: {e}", path.display()))?;
     }
     std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
 }

@@ -46,7 +46,12 @@ fn bytes_field(field: u64, data: &[u8], out: &mut Vec<u8>) {
 }
 
 /// An `Event` with wall time and step, and either a file version or one scalar.
-fn event(wall_time: f64, step: i64, file_version: Option<&str>, scalar: Option<(&str, f32)>) -> Vec<u8> {
+fn event(
+    wall_time: f64,
+    step: i64,
+    file_version: Option<&str>,
+    scalar: Option<(&str, f32)>,
+) -> Vec<u8> {
     let mut e = Vec::new();
     key(1, 1, &mut e);
     e.extend_from_slice(&wall_time.to_le_bytes());
@@ -68,18 +73,36 @@ fn event(wall_time: f64, step: i64, file_version: Option<&str>, scalar: Option<(
 }
 
 fn now() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 impl EventWriter {
-    /// Creates `DIR/events.out.tfevents.<seconds>.megatron-rs` (and `DIR`) and writes the
-    /// file-version record.
+    /// Creates `DIR/events.out.tfevents.<seconds>.megatron-rs.<pid>.<n>` (and `DIR`) and writes
+    /// the file-version record.
     pub fn create(dir: &Path) -> Result<EventWriter> {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating the TensorBoard directory {}", dir.display()))?;
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating the TensorBoard directory {}", dir.display()))?;
         let wall = now();
-        let path = dir.join(format!("events.out.tfevents.{}.megatron-rs", wall as u64));
-        let file = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
-        let mut writer = EventWriter { path, out: BufWriter::new(file) };
+        // Never overwrite an earlier run's file: the name takes the first free counter.
+        let mut n = 0u32;
+        let (path, file) = loop {
+            let path = dir.join(format!(
+                "events.out.tfevents.{}.megatron-rs.{}.{n}",
+                wall as u64,
+                std::process::id()
+            ));
+            match File::options().write(true).create_new(true).open(&path) {
+                Ok(file) => break (path, file),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && n < 1000 => n += 1,
+                Err(e) => return Err(e).with_context(|| format!("creating {}", path.display())),
+            }
+        };
+        let mut writer = EventWriter {
+            path,
+            out: BufWriter::new(file),
+        };
         writer.record(&event(wall, 0, Some("brain.Event:2"), None))?;
         Ok(writer)
     }
@@ -102,11 +125,14 @@ impl EventWriter {
     /// Writes one scalar, e.g. `lm loss` at `step`.
     pub fn scalar(&mut self, tag: &str, step: u64, value: f64) -> Result<()> {
         let e = event(now(), step as i64, None, Some((tag, value as f32)));
-        self.record(&e).with_context(|| format!("writing {}", self.path.display()))
+        self.record(&e)
+            .with_context(|| format!("writing {}", self.path.display()))
     }
 
     /// Flushes buffered records to the file.
     pub fn flush(&mut self) -> Result<()> {
-        self.out.flush().with_context(|| format!("writing {}", self.path.display()))
+        self.out
+            .flush()
+            .with_context(|| format!("writing {}", self.path.display()))
     }
 }

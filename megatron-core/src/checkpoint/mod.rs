@@ -51,7 +51,9 @@ pub enum CheckpointError {
         message: String,
     },
     /// A file does not match the checksum recorded when it was saved.
-    #[error("{path}: checksum mismatch (saved {expected}, found {found}): the file changed or is truncated")]
+    #[error(
+        "{path}: checksum mismatch (saved {expected}, found {found}): the file changed or is truncated"
+    )]
     Checksum {
         /// The file.
         path: PathBuf,
@@ -71,7 +73,10 @@ pub enum CheckpointError {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |e| CheckpointError::Io { path: path.to_path_buf(), message: e.to_string() }
+    move |e| CheckpointError::Io {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    }
 }
 
 /// A whole tensor: its logical shape and f32 values in row-major order.
@@ -137,7 +142,11 @@ fn sha256_file(path: &Path) -> Result<FileDigest, CheckpointError> {
         hasher.update(&buf[..n]);
         bytes += n as u64;
     }
-    let sha256 = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    let sha256 = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     Ok(FileDigest { bytes, sha256 })
 }
 
@@ -146,14 +155,23 @@ fn write_tensors(path: &Path, tensors: &BTreeMap<String, Whole>) -> Result<(), C
         .iter()
         .map(|(name, t)| {
             let view = TensorView::new(Dtype::F32, t.shape.clone(), bytemuck::cast_slice(&t.data))
-                .map_err(|e| CheckpointError::Format { path: path.to_path_buf(), message: format!("{name}: {e}") })?;
+                .map_err(|e| CheckpointError::Format {
+                    path: path.to_path_buf(),
+                    message: format!("{name}: {e}"),
+                })?;
             Ok((name.clone(), view))
         })
         .collect::<Result<Vec<_>, CheckpointError>>()?;
     let metadata = HashMap::from([("format".to_string(), FORMAT.to_string())]);
-    safetensors::serialize_to_file(views, Some(metadata), path)
-        .map_err(|e| CheckpointError::Format { path: path.to_path_buf(), message: e.to_string() })?;
-    File::open(path).and_then(|f| f.sync_all()).map_err(io(path))
+    safetensors::serialize_to_file(views, Some(metadata), path).map_err(|e| {
+        CheckpointError::Format {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        }
+    })?;
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(io(path))
 }
 
 /// Writes `content` to `path` through a temporary file, synced, then renamed into place.
@@ -187,7 +205,11 @@ pub fn save(
 ) -> Result<PathBuf, CheckpointError> {
     fs::create_dir_all(save).map_err(io(save))?;
     let target = iteration_dir(save, meta.iteration);
-    let tmp = save.join(format!(".iter_{:07}.tmp-{}", meta.iteration, std::process::id()));
+    let tmp = save.join(format!(
+        ".iter_{:07}.tmp-{}",
+        meta.iteration,
+        std::process::id()
+    ));
     let _ = fs::remove_dir_all(&tmp);
     let result = (|| {
         fs::create_dir(&tmp).map_err(io(&tmp))?;
@@ -202,12 +224,18 @@ pub fn save(
             write_tensors(&path, tensors)?;
             meta.files.insert(name.to_string(), sha256_file(&path)?);
         }
-        let json = serde_json::to_vec_pretty(&meta)
-            .map_err(|e| CheckpointError::Format { path: tmp.join(META_FILE), message: e.to_string() })?;
+        let json = serde_json::to_vec_pretty(&meta).map_err(|e| CheckpointError::Format {
+            path: tmp.join(META_FILE),
+            message: e.to_string(),
+        })?;
         write_atomically(&tmp.join(META_FILE), &json)?;
         sync_dir(&tmp)?;
         if target.exists() {
-            let old = save.join(format!(".iter_{:07}.old-{}", meta.iteration, std::process::id()));
+            let old = save.join(format!(
+                ".iter_{:07}.old-{}",
+                meta.iteration,
+                std::process::id()
+            ));
             fs::rename(&target, &old).map_err(io(&target))?;
             fs::rename(&tmp, &target).map_err(io(&target))?;
             let _ = fs::remove_dir_all(&old);
@@ -252,27 +280,64 @@ pub struct Loaded {
 
 impl std::fmt::Debug for Loaded {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Loaded").field("dir", &self.dir).field("iteration", &self.meta.iteration).finish()
+        f.debug_struct("Loaded")
+            .field("dir", &self.dir)
+            .field("iteration", &self.meta.iteration)
+            .finish()
     }
 }
 
-fn map_file(dir: &Path, name: &str, meta: &CheckpointMeta, verify: bool) -> Result<memmap2::Mmap, CheckpointError> {
+fn map_file(
+    dir: &Path,
+    name: &str,
+    meta: &CheckpointMeta,
+    verify: bool,
+) -> Result<memmap2::Mmap, CheckpointError> {
     let path = dir.join(name);
     let Some(expected) = meta.files.get(name) else {
-        return Err(CheckpointError::Format { path, message: format!("{META_FILE} records no checksum for it") });
+        return Err(CheckpointError::Format {
+            path,
+            message: format!("{META_FILE} records no checksum for it"),
+        });
     };
     if verify {
         let found = sha256_file(&path)?;
         if found != *expected {
-            return Err(CheckpointError::Checksum { path, expected: expected.sha256.clone(), found: found.sha256 });
+            return Err(CheckpointError::Checksum {
+                path,
+                expected: expected.sha256.clone(),
+                found: found.sha256,
+            });
         }
     }
     let file = File::open(&path).map_err(io(&path))?;
     // SAFETY: the file is only read; a concurrent writer would be a user error that the
     // checksum above makes very unlikely to go unnoticed.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io(&path))?;
-    SafeTensors::deserialize(&map).map_err(|e| CheckpointError::Format { path: path.clone(), message: e.to_string() })?;
+    SafeTensors::deserialize(&map).map_err(|e| CheckpointError::Format {
+        path: path.clone(),
+        message: format!("not a valid safetensors file ({e}): truncated or corrupt"),
+    })?;
     Ok(map)
+}
+
+/// The metadata of the checkpoint `path` names (no tensor file is read).
+pub fn read_meta(path: &Path) -> Result<CheckpointMeta, CheckpointError> {
+    let dir = resolve(path)?;
+    let meta_path = dir.join(META_FILE);
+    let text = fs::read(&meta_path).map_err(io(&meta_path))?;
+    let meta: CheckpointMeta =
+        serde_json::from_slice(&text).map_err(|e| CheckpointError::Format {
+            path: meta_path.clone(),
+            message: e.to_string(),
+        })?;
+    if meta.format != FORMAT {
+        return Err(CheckpointError::Format {
+            path: meta_path,
+            message: format!("format `{}`, this build reads `{FORMAT}`", meta.format),
+        });
+    }
+    Ok(meta)
 }
 
 /// Opens the checkpoint `path` names (see [`resolve`]), verifying every file's checksum.
@@ -287,23 +352,19 @@ pub fn open_unverified(path: &Path) -> Result<Loaded, CheckpointError> {
 
 fn open_with(path: &Path, verify: bool) -> Result<Loaded, CheckpointError> {
     let dir = resolve(path)?;
-    let meta_path = dir.join(META_FILE);
-    let text = fs::read(&meta_path).map_err(io(&meta_path))?;
-    let meta: CheckpointMeta = serde_json::from_slice(&text)
-        .map_err(|e| CheckpointError::Format { path: meta_path.clone(), message: e.to_string() })?;
-    if meta.format != FORMAT {
-        return Err(CheckpointError::Format {
-            path: meta_path,
-            message: format!("format `{}`, this build reads `{FORMAT}`", meta.format),
-        });
-    }
+    let meta = read_meta(&dir)?;
     let model = map_file(&dir, MODEL_FILE, &meta, verify)?;
     let optimizer = if meta.files.contains_key(OPTIMIZER_FILE) {
         Some(map_file(&dir, OPTIMIZER_FILE, &meta, verify)?)
     } else {
         None
     };
-    Ok(Loaded { dir, meta, model, optimizer })
+    Ok(Loaded {
+        dir,
+        meta,
+        model,
+        optimizer,
+    })
 }
 
 impl Loaded {
@@ -322,12 +383,26 @@ impl Loaded {
         self.optimizer.is_some()
     }
 
-    fn tensor_in<'a>(&'a self, map: &'a memmap2::Mmap, file: &str, name: &str) -> Result<(Vec<usize>, &'a [u8]), CheckpointError> {
+    fn tensor_in<'a>(
+        &'a self,
+        map: &'a memmap2::Mmap,
+        file: &str,
+        name: &str,
+    ) -> Result<(Vec<usize>, &'a [u8]), CheckpointError> {
         let path = self.dir.join(file);
-        let st = SafeTensors::deserialize(map).map_err(|e| CheckpointError::Format { path: path.clone(), message: e.to_string() })?;
-        let view = st.tensor(name).map_err(|_| CheckpointError::Tensor { path: path.clone(), message: format!("no tensor `{name}`") })?;
+        let st = SafeTensors::deserialize(map).map_err(|e| CheckpointError::Format {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        let view = st.tensor(name).map_err(|_| CheckpointError::Tensor {
+            path: path.clone(),
+            message: format!("no tensor `{name}`"),
+        })?;
         if view.dtype() != Dtype::F32 {
-            return Err(CheckpointError::Tensor { path, message: format!("`{name}` is {:?}, expected F32", view.dtype()) });
+            return Err(CheckpointError::Tensor {
+                path,
+                message: format!("`{name}` is {:?}, expected F32", view.dtype()),
+            });
         }
         Ok((view.shape().to_vec(), view.data()))
     }
@@ -335,22 +410,39 @@ impl Loaded {
     /// A parameter's whole values.
     pub fn model_tensor(&self, name: &str) -> Result<Whole, CheckpointError> {
         let (shape, bytes) = self.tensor_in(&self.model, MODEL_FILE, name)?;
-        Ok(Whole { shape, data: bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect() })
+        Ok(Whole {
+            shape,
+            data: bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        })
     }
 
     /// An optimizer tensor's whole values (e.g. `blocks.0.mlp.fc1.weight.exp_avg`).
     pub fn optimizer_tensor(&self, name: &str) -> Result<Whole, CheckpointError> {
         let Some(map) = &self.optimizer else {
-            return Err(CheckpointError::Tensor { path: self.dir.clone(), message: "no optimizer state was saved".into() });
+            return Err(CheckpointError::Tensor {
+                path: self.dir.clone(),
+                message: "no optimizer state was saved".into(),
+            });
         };
         let (shape, bytes) = self.tensor_in(map, OPTIMIZER_FILE, name)?;
-        Ok(Whole { shape, data: bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect() })
+        Ok(Whole {
+            shape,
+            data: bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        })
     }
 
     /// Names of every parameter in the checkpoint.
     pub fn model_names(&self) -> Result<Vec<String>, CheckpointError> {
-        let st = SafeTensors::deserialize(&self.model)
-            .map_err(|e| CheckpointError::Format { path: self.dir.join(MODEL_FILE), message: e.to_string() })?;
+        let st = SafeTensors::deserialize(&self.model).map_err(|e| CheckpointError::Format {
+            path: self.dir.join(MODEL_FILE),
+            message: e.to_string(),
+        })?;
         let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
         names.sort();
         Ok(names)

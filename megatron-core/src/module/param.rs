@@ -261,7 +261,14 @@ impl Builder {
         weight_decay: bool,
         real_rows: usize,
     ) -> Result<Param> {
-        self.make(name, logical.into(), split, init, weight_decay, Some(real_rows))
+        self.make(
+            name,
+            logical.into(),
+            split,
+            init,
+            weight_decay,
+            Some(real_rows),
+        )
     }
 
     fn make(

@@ -68,8 +68,10 @@ fn gather_whole(parallel: &ParallelState, spec: &ParamSpec, local: &Tensor) -> R
                     s
                 })
                 .collect();
-            let parts: Vec<(&ParamSpec, &[f32])> =
-                specs.iter().zip(all.chunks_exact(n.max(1))).map(|(s, v)| (s, v)).collect();
+            let parts: Vec<(&ParamSpec, &[f32])> = specs
+                .iter()
+                .zip(all.chunks_exact(n.max(1)))
+                .collect();
             assemble_logical(&parts)?
         }
     };
@@ -86,7 +88,13 @@ fn gather_whole(parallel: &ParallelState, spec: &ParamSpec, local: &Tensor) -> R
 impl<M: LanguageModel> Trainer<M> {
     /// Saves the state after `steps_done` steps into the save directory `save` (a collective:
     /// every rank calls it; global rank 0 writes).
-    pub fn save_checkpoint(&self, parallel: &ParallelState, save: &Path, steps_done: u64, info: &SaveInfo) -> Result<()> {
+    pub fn save_checkpoint(
+        &self,
+        parallel: &ParallelState,
+        save: &Path,
+        steps_done: u64,
+        info: &SaveInfo,
+    ) -> Result<()> {
         let groups = parallel.groups();
         // Data-parallel replicas hold the same state: the first one saves it.
         if groups.dp_rank() != 0 {
@@ -98,9 +106,18 @@ impl<M: LanguageModel> Trainer<M> {
         for slot in self.buffers.slots() {
             let spec = &slot.spec;
             let view = |t: &Tensor| t.narrow(0, slot.offset, slot.len);
-            model.insert(spec.name.clone(), gather_whole(parallel, spec, &view(self.buffers.values())?)?);
-            optimizer.insert(format!("{}.exp_avg", spec.name), gather_whole(parallel, spec, &view(m)?)?);
-            optimizer.insert(format!("{}.exp_avg_sq", spec.name), gather_whole(parallel, spec, &view(v)?)?);
+            model.insert(
+                spec.name.clone(),
+                gather_whole(parallel, spec, &view(self.buffers.values())?)?,
+            );
+            optimizer.insert(
+                format!("{}.exp_avg", spec.name),
+                gather_whole(parallel, spec, &view(m)?)?,
+            );
+            optimizer.insert(
+                format!("{}.exp_avg_sq", spec.name),
+                gather_whole(parallel, spec, &view(v)?)?,
+            );
         }
         if groups.rank() != 0 {
             return Ok(());
@@ -125,8 +142,22 @@ impl<M: LanguageModel> Trainer<M> {
     /// Loads a checkpoint into this rank's parameters (and optimizer moments when saved):
     /// resharded to this run's layout. Returns its metadata; training resumes at
     /// `meta.iteration`. Global rank 0 verifies the files' checksums.
-    pub fn load_checkpoint(&mut self, parallel: &ParallelState, path: &Path) -> Result<CheckpointMeta> {
-        let loaded = if parallel.groups().rank() == 0 { checkpoint::open(path)? } else { checkpoint::open_unverified(path)? };
+    pub fn load_checkpoint(
+        &mut self,
+        parallel: &ParallelState,
+        path: &Path,
+    ) -> Result<CheckpointMeta> {
+        // Global rank 0 verifies the checksums while the others wait: a corrupt file is reported
+        // as such (its error stops every rank), never as a parse error of another rank.
+        let world = parallel.comm(crate::parallel::GroupKind::World);
+        let loaded = if parallel.groups().rank() == 0 {
+            let loaded = checkpoint::open(path)?;
+            world.barrier()?;
+            loaded
+        } else {
+            world.barrier()?;
+            checkpoint::open_unverified(path)?
+        };
         load_into(&loaded, self)?;
         Ok(loaded.meta().clone())
     }
@@ -142,7 +173,11 @@ fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Res
     for slot in trainer.buffers.slots() {
         let spec = &slot.spec;
         let r = slot.offset..slot.offset + slot.len;
-        values[r.clone()].copy_from_slice(&local_part(spec, &loaded.model_tensor(&spec.name)?, &dir)?);
+        values[r.clone()].copy_from_slice(&local_part(
+            spec,
+            &loaded.model_tensor(&spec.name)?,
+            &dir,
+        )?);
         if with_optimizer {
             let m = loaded.optimizer_tensor(&format!("{}.exp_avg", spec.name))?;
             exp_avg[r.clone()].copy_from_slice(&local_part(spec, &m, &dir)?);
@@ -151,6 +186,10 @@ fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Res
         }
     }
     drop((values, exp_avg, exp_avg_sq));
-    trainer.optimizer.set_steps(if with_optimizer { loaded.meta().adam_steps } else { 0 });
+    trainer.optimizer.set_steps(if with_optimizer {
+        loaded.meta().adam_steps
+    } else {
+        0
+    });
     Ok(())
 }

@@ -39,6 +39,16 @@ impl TokenStream {
         })
     }
 
+    /// The first `fraction` of the tokens and the rest (a train/validation split by position).
+    pub fn split(&self, fraction: f64) -> (TokenStream, TokenStream) {
+        let cut = ((self.tokens.len() as f64) * fraction.clamp(0.0, 1.0)) as usize;
+        let part = |r: std::ops::Range<usize>| TokenStream {
+            tokens: Arc::new(self.tokens[r].to_vec()),
+            vocab_size: self.vocab_size,
+        };
+        (part(0..cut), part(cut..self.tokens.len()))
+    }
+
     /// Number of tokens.
     pub fn len(&self) -> usize {
         self.tokens.len()

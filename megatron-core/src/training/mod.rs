@@ -173,7 +173,11 @@ impl<M: LanguageModel> Trainer<M> {
                 let (x, y) = data.microbatch(i, dp_rank, micro)?;
                 let cx = Cx::new(parallel, self.config.seed).eval();
                 let (losses, _saved) = self.model.losses(&cx, &x, &y)?;
-                loss_sum += losses.to_vec_f32()?.iter().map(|&l| f64::from(l)).sum::<f64>();
+                loss_sum += losses
+                    .to_vec_f32()?
+                    .iter()
+                    .map(|&l| f64::from(l))
+                    .sum::<f64>();
             }
         }
         let total = Tensor::from_vec(vec![loss_sum as f32], [1])?;

@@ -1,0 +1,208 @@
+//! What `megatron train` does with each step: the progress bar, the JSON-lines log, TensorBoard
+//! scalars and the loss plot.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use megatron::job::{EvalRecord, Observer, StepRecord, TrainJob, comm_json};
+use megatron::report::plot::{self, Curves, Point};
+use megatron::report::tensorboard::EventWriter;
+use serde_json::json;
+
+/// The progress bar: loss, tokens/s and ETA.
+pub struct Progress {
+    bar: ProgressBar,
+}
+
+impl Progress {
+    /// A bar over `steps` steps (hidden when `quiet`).
+    pub fn new(bar: ProgressBar) -> Self {
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
+            )
+            .expect("a valid progress template"),
+        );
+        Progress { bar }
+    }
+}
+
+impl Observer for Progress {
+    fn start(&mut self, job: &TrainJob, first_step: u64) -> Result<()> {
+        self.bar.set_length(job.steps);
+        self.bar.set_position(first_step);
+        Ok(())
+    }
+
+    fn step(&mut self, r: &StepRecord) -> Result<()> {
+        let m = &r.metrics;
+        self.bar.set_message(format!(
+            "loss {:.4} | {:.0} tok/s",
+            m.loss,
+            m.tokens as f64 / m.seconds
+        ));
+        self.bar.inc(1);
+        Ok(())
+    }
+
+    fn eval(&mut self, r: &EvalRecord) -> Result<()> {
+        tracing::info!(
+            step = r.step,
+            loss = format!("{:.4}", r.loss),
+            perplexity = format!("{:.2}", r.perplexity()),
+            "validation"
+        );
+        Ok(())
+    }
+
+    fn saved(&mut self, step: u64, dir: &Path) -> Result<()> {
+        tracing::info!(step, dir = %dir.display(), "saved checkpoint");
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        self.bar.finish_and_clear();
+        Ok(())
+    }
+}
+
+/// One JSON object per step and per evaluation, one per line.
+pub struct JsonLog {
+    path: PathBuf,
+    out: BufWriter<File>,
+    comm: bool,
+}
+
+impl JsonLog {
+    /// Appends to `path` when resuming (`append`), else creates it.
+    pub fn create(path: &Path, comm: bool, append: bool) -> Result<Self> {
+        let file = if append {
+            File::options().create(true).append(true).open(path)
+        } else {
+            File::create(path)
+        }
+        .with_context(|| format!("opening --log-json {}", path.display()))?;
+        Ok(JsonLog {
+            path: path.to_path_buf(),
+            out: BufWriter::new(file),
+            comm,
+        })
+    }
+
+    fn line(&mut self, v: serde_json::Value) -> Result<()> {
+        writeln!(self.out, "{v}").with_context(|| format!("writing {}", self.path.display()))
+    }
+}
+
+impl Observer for JsonLog {
+    fn step(&mut self, r: &StepRecord) -> Result<()> {
+        let m = &r.metrics;
+        let mut v = json!({
+            "step": m.step,
+            "tokens": r.tokens,
+            "loss": m.loss,
+            "lr": m.lr,
+            "grad_norm": m.grad_norm,
+            "tokens_per_s": m.tokens as f64 / m.seconds,
+        });
+        if self.comm {
+            v["comm"] = comm_json(&m.comm);
+        }
+        self.line(v)
+    }
+
+    fn eval(&mut self, r: &EvalRecord) -> Result<()> {
+        self.line(json!({ "step": r.step, "tokens": r.tokens, "valid_loss": r.loss, "valid_ppl": r.perplexity() }))
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        self.out
+            .flush()
+            .with_context(|| format!("writing {}", self.path.display()))
+    }
+}
+
+/// TensorBoard scalars under Megatron-LM's tags.
+pub struct TensorBoard {
+    writer: EventWriter,
+}
+
+impl TensorBoard {
+    /// A new event file in `dir`.
+    pub fn create(dir: &Path) -> Result<Self> {
+        Ok(TensorBoard {
+            writer: EventWriter::create(dir)?,
+        })
+    }
+}
+
+impl Observer for TensorBoard {
+    fn step(&mut self, r: &StepRecord) -> Result<()> {
+        let m = &r.metrics;
+        let step = m.step + 1;
+        self.writer.scalar("lm loss", step, m.loss)?;
+        self.writer.scalar("learning-rate", step, m.lr)?;
+        self.writer.scalar("grad-norm", step, m.grad_norm)?;
+        self.writer.scalar("lm loss vs tokens", r.tokens, m.loss)
+    }
+
+    fn eval(&mut self, r: &EvalRecord) -> Result<()> {
+        self.writer.scalar("lm loss validation", r.step, r.loss)?;
+        self.writer
+            .scalar("lm loss validation ppl", r.step, r.perplexity())?;
+        self.writer.flush()
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        self.writer.flush()
+    }
+}
+
+/// The loss curve, drawn at the end of the run from what the run logged.
+pub struct Plot {
+    path: PathBuf,
+    title: String,
+    curves: Curves,
+}
+
+impl Plot {
+    /// A plot at `path` titled `title`; `earlier` holds the curves of steps before a resume.
+    pub fn new(path: PathBuf, title: String, earlier: Curves) -> Self {
+        Plot {
+            path,
+            title,
+            curves: earlier,
+        }
+    }
+}
+
+impl Observer for Plot {
+    fn step(&mut self, r: &StepRecord) -> Result<()> {
+        self.curves.train.push(Point {
+            tokens: r.tokens as f64,
+            loss: r.metrics.loss,
+        });
+        Ok(())
+    }
+
+    fn eval(&mut self, r: &EvalRecord) -> Result<()> {
+        self.curves.valid.push(Point {
+            tokens: r.tokens as f64,
+            loss: r.loss,
+        });
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        // A plot is a convenience: without fonts, say so instead of failing the run.
+        if let Err(e) = plot::draw(&self.curves, &self.title, &self.path) {
+            tracing::warn!("could not draw {}: {e:#}", self.path.display());
+        } else {
+            tracing::info!(path = %self.path.display(), "wrote the loss plot");
+        }
+        Ok(())
+    }
+}

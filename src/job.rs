@@ -1,0 +1,248 @@
+//! A training run from start to end: the model, its parallel layout and data, the steps,
+//! evaluations and checkpoints, with observers for what it reports (progress, logs, plots).
+//!
+//! The command line fills a [`TrainJob`]; [`TrainJob::run`] launches the thread ranks and calls
+//! the observers on global rank 0's thread.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use megatron_core::comm::threads::launch;
+use megatron_core::comm::{CommStats, ParallelState};
+use megatron_core::module::{Builder, Module};
+use megatron_core::parallel::{GroupKind, ParallelConfig, ParallelLayout};
+use megatron_core::training::{BatchPlan, Sampler, SaveInfo, StepMetrics, TrainConfig, Trainer};
+use megatron_models::GptConfig;
+use megatron_models::gpt::Gpt;
+
+/// Everything a training run needs.
+#[derive(Debug, Clone)]
+pub struct TrainJob {
+    /// The model's registered name (for reports).
+    pub model_name: String,
+    /// Its architecture.
+    pub model: GptConfig,
+    /// Tensor-parallel size.
+    pub tp: usize,
+    /// Data-parallel size.
+    pub dp: usize,
+    /// Optimizer steps to reach (counted from 0, including steps a loaded checkpoint did).
+    pub steps: u64,
+    /// Training samples.
+    pub train_data: Sampler,
+    /// Validation samples, with evaluation every `eval_interval` steps over `eval_iters`
+    /// global batches (and at the end).
+    pub eval: Option<Eval>,
+    /// Optimizer, schedule, clipping, seed.
+    pub train: TrainConfig,
+    /// Where to save checkpoints and how often (and at the end).
+    pub save: Option<(PathBuf, u64)>,
+    /// A checkpoint to start from.
+    pub load: Option<PathBuf>,
+    /// Facts about the run recorded in checkpoints.
+    pub run_info: serde_json::Value,
+}
+
+/// Periodic evaluation.
+#[derive(Debug, Clone)]
+pub struct Eval {
+    /// Validation samples.
+    pub data: Sampler,
+    /// Steps between evaluations.
+    pub interval: u64,
+    /// Global batches per evaluation.
+    pub iters: u64,
+}
+
+/// One training step as global rank 0 reports it.
+#[derive(Debug, Clone)]
+pub struct StepRecord {
+    /// The step's metrics.
+    pub metrics: StepMetrics,
+    /// Tokens consumed including this step.
+    pub tokens: u64,
+}
+
+/// One evaluation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalRecord {
+    /// Steps completed when it ran.
+    pub step: u64,
+    /// Tokens consumed by then.
+    pub tokens: u64,
+    /// Mean validation loss per token.
+    pub loss: f64,
+}
+
+impl EvalRecord {
+    /// Validation perplexity, e^loss.
+    pub fn perplexity(&self) -> f64 {
+        self.loss.exp()
+    }
+}
+
+/// Something told about the run as it goes (on global rank 0's thread).
+pub trait Observer: Send {
+    /// Training starts at `first_step` (later than 0 after loading a checkpoint).
+    fn start(&mut self, _job: &TrainJob, _first_step: u64) -> Result<()> {
+        Ok(())
+    }
+    /// A training step finished.
+    fn step(&mut self, record: &StepRecord) -> Result<()>;
+    /// An evaluation finished.
+    fn eval(&mut self, _record: &EvalRecord) -> Result<()> {
+        Ok(())
+    }
+    /// A checkpoint was saved.
+    fn saved(&mut self, _step: u64, _dir: &std::path::Path) -> Result<()> {
+        Ok(())
+    }
+    /// The run ended (not called when it failed).
+    fn finish(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// What a finished run did.
+#[derive(Debug, Clone, Default)]
+pub struct Summary {
+    /// Step the run started at.
+    pub first_step: u64,
+    /// Per step: loss, tokens, seconds.
+    pub steps: Vec<(f64, usize, f64)>,
+    /// Evaluations.
+    pub evals: Vec<EvalRecord>,
+    /// Wall time of the whole run.
+    pub seconds: f64,
+}
+
+impl Summary {
+    /// Tokens/s of the median step (the first steps also fill the allocation pool).
+    pub fn median_tokens_per_s(&self) -> Option<f64> {
+        let mut s: Vec<(f64, usize)> = self.steps.iter().map(|h| (h.2, h.1)).collect();
+        s.sort_by(|a, b| a.0.total_cmp(&b.0));
+        s.get(s.len() / 2)
+            .map(|&(secs, tokens)| tokens as f64 / secs)
+    }
+}
+
+impl TrainJob {
+    /// Runs the job on tp × dp thread ranks.
+    pub fn run(&self, observers: &mut [Box<dyn Observer>]) -> Result<Summary> {
+        if self.tp == 0 || self.dp == 0 {
+            bail!("--tensor-model-parallel-size and --data-parallel-size must be at least 1");
+        }
+        let world = self.tp * self.dp;
+        let layout = ParallelLayout::new(&ParallelConfig::new(world).with_tp(self.tp))?;
+        let plan: BatchPlan = *self.train_data.plan();
+        if plan.dp != self.dp {
+            bail!(
+                "the data plan is cut for dp {}, the job runs dp {}",
+                plan.dp,
+                self.dp
+            );
+        }
+        let spec = self.model.spec();
+        let observers = Mutex::new(observers);
+        let summary = Mutex::new(Summary::default());
+        let start = Instant::now();
+        let tokens_per_step = (plan.global_batch * plan.seq_length) as u64;
+        let info = SaveInfo {
+            model: serde_json::to_value(&self.model).context("serialising the model config")?,
+            run: self.run_info.clone(),
+        };
+        launch(world, |w| -> Result<()> {
+            let parallel = ParallelState::new(&w, &layout)?;
+            let rank0 = parallel.groups().rank() == 0;
+            let report = |f: &mut dyn FnMut(&mut Box<dyn Observer>) -> Result<()>| -> Result<()> {
+                if rank0 {
+                    for o in observers.lock().expect("observer lock").iter_mut() {
+                        f(o)?;
+                    }
+                }
+                Ok(())
+            };
+            let model = Gpt::build(
+                &spec,
+                &mut Builder::for_rank(self.train.seed, parallel.groups()),
+            )?;
+            let mut trainer = Trainer::new(model, &parallel, self.train_data.clone(), self.train)?;
+            let first = match &self.load {
+                Some(path) => trainer.load_checkpoint(&parallel, path)?.iteration,
+                None => 0,
+            };
+            if rank0 {
+                summary.lock().expect("summary lock").first_step = first;
+            }
+            report(&mut |o| o.start(self, first))?;
+            for step in first..self.steps {
+                let metrics = trainer.step(&parallel, step)?;
+                let done = step + 1;
+                let tokens = done * tokens_per_step;
+                if rank0 {
+                    summary.lock().expect("summary lock").steps.push((
+                        metrics.loss,
+                        metrics.tokens,
+                        metrics.seconds,
+                    ));
+                }
+                report(&mut |o| {
+                    o.step(&StepRecord {
+                        metrics: metrics.clone(),
+                        tokens,
+                    })
+                })?;
+                let last = done == self.steps;
+                if let Some(eval) = &self.eval
+                    && (done % eval.interval.max(1) == 0 || last)
+                {
+                    let loss = trainer.evaluate(&parallel, &eval.data, eval.iters)?;
+                    let record = EvalRecord {
+                        step: done,
+                        tokens,
+                        loss,
+                    };
+                    if rank0 {
+                        summary.lock().expect("summary lock").evals.push(record);
+                    }
+                    report(&mut |o| o.eval(&record))?;
+                }
+                if let Some((dir, interval)) = &self.save
+                    && (done % (*interval).max(1) == 0 || last)
+                {
+                    trainer.save_checkpoint(&parallel, dir, done, &info)?;
+                    report(&mut |o| o.saved(done, dir))?;
+                }
+            }
+            report(&mut |o| o.finish())?;
+            Ok(())
+        })
+        .map_err(anyhow::Error::msg)?;
+        let mut summary = summary.into_inner().expect("summary lock");
+        summary.seconds = start.elapsed().as_secs_f64();
+        Ok(summary)
+    }
+}
+
+/// `{GROUP: {OP: {"calls": N, "bytes": N}}}` of one step's communication.
+pub fn comm_json(comm: &[(GroupKind, CommStats)]) -> serde_json::Value {
+    let groups: serde_json::Map<String, serde_json::Value> = comm
+        .iter()
+        .map(|(kind, stats)| {
+            let ops: serde_json::Map<String, serde_json::Value> = stats
+                .ops
+                .iter()
+                .map(|(op, s)| {
+                    (
+                        op.name().to_string(),
+                        serde_json::json!({ "calls": s.calls, "bytes": s.bytes }),
+                    )
+                })
+                .collect();
+            (kind.name().to_string(), serde_json::Value::Object(ops))
+        })
+        .collect();
+    serde_json::Value::Object(groups)
+}
