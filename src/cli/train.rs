@@ -184,7 +184,7 @@ impl TrainArgs {
         let train_data = Sampler::new(train_tokens, plan, self.seed)?;
         let eval = match self.eval_interval {
             Some(interval) => Some(Eval {
-                data: Sampler::new(valid_tokens, plan, self.seed ^ 0x7661_6c69_64)
+                data: Sampler::new(valid_tokens, plan, self.seed ^ 0x0076_616c_6964)
                     .context("the validation split (see --split)")?,
                 interval,
                 iters: self.eval_iters,
