@@ -3,6 +3,7 @@
 //! This facade re-exports the workspace crates; the `megatron` binary is the command-line front.
 
 pub mod bench;
+pub mod convert;
 pub mod data;
 pub mod job;
 pub mod report;

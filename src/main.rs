@@ -26,6 +26,8 @@ enum Command {
     Models,
     /// Draw the loss curve of a `megatron train --log-json` log as a PNG.
     Plot(cli::plot::PlotArgs),
+    /// Convert Hugging Face GPT-2 weights to a megatron-rs checkpoint, or back.
+    Convert(cli::convert::ConvertArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -44,6 +46,7 @@ fn main() -> std::process::ExitCode {
         Command::Inspect(args) => cli::inspect::run(args),
         Command::Models => cli::models::run(),
         Command::Plot(args) => cli::plot::run(args),
+        Command::Convert(args) => cli::convert::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -166,3 +166,37 @@ impl LanguageModel for Gpt {
         Ok(())
     }
 }
+
+impl Gpt {
+    /// Logits over the real vocabulary, `[s, b, vocab]` on every rank, for token ids `[s, b]`:
+    /// the forward of the DSL model up to the tied output layer, gathered over tensor
+    /// parallelism, with nothing kept for a backward (for generation and checks). Run it with an
+    /// evaluation context (`cx.eval()`) to turn dropout off.
+    pub fn logits(&self, cx: &Cx, tokens: &Ids) -> Result<Tensor> {
+        use megatron_core::comm::ReduceOp;
+        use megatron_core::module::{Layer, Lookup, Sharding, VocabParallel};
+        use megatron_core::{ops, tensor_parallel};
+
+        let site = Site::ROOT;
+        let (x, _) = VocabParallel::forward_vocab(&self.wte, cx, site.child("wte"), tokens)?;
+        cx.tp().all_reduce(&x, ReduceOp::Sum)?;
+        let (positions, _) = Lookup::forward(&self.wpe, cx, site.child("wpe"), tokens)?;
+        let x = ops::add(&x, &positions)?;
+        let (mut h, _) = ops::dropout(
+            cx,
+            site.child("dropout"),
+            &x,
+            self.embedding_dropout,
+            Sharding::Replicated,
+        )?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            h = block.forward(cx, site.child("blocks").index(i), &h)?.0;
+        }
+        let (h, _) = Layer::forward(&self.ln_f, cx, site.child("ln_f"), &h)?;
+        let (local, _) =
+            VocabParallel::logits_forward(&self.wte, cx, site.child("wte_logits"), &h)?;
+        let whole = tensor_parallel::gather_last_dim(cx, &local)?;
+        let last = whole.dims().len() - 1;
+        Ok(whole.narrow(last, 0, self.wte.vocab_size())?.contiguous()?)
+    }
+}

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod config_file;
+pub mod convert;
 pub mod groups;
 pub mod inspect;
 pub mod logging;

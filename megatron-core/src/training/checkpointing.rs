@@ -10,7 +10,7 @@ use crate::checkpoint::{self, CheckpointMeta, Loaded, Whole};
 use crate::comm::ParallelState;
 use crate::error::Result;
 use crate::invalid;
-use crate::module::{ParamSpec, Split, assemble_logical};
+use crate::module::{Module, ParamSpec, Split, assemble_logical};
 use crate::tensor::{DType, Tensor};
 
 /// What to record about the run besides its tensors.
@@ -68,10 +68,8 @@ fn gather_whole(parallel: &ParallelState, spec: &ParamSpec, local: &Tensor) -> R
                     s
                 })
                 .collect();
-            let parts: Vec<(&ParamSpec, &[f32])> = specs
-                .iter()
-                .zip(all.chunks_exact(n.max(1)))
-                .collect();
+            let parts: Vec<(&ParamSpec, &[f32])> =
+                specs.iter().zip(all.chunks_exact(n.max(1))).collect();
             assemble_logical(&parts)?
         }
     };
@@ -147,20 +145,47 @@ impl<M: LanguageModel> Trainer<M> {
         parallel: &ParallelState,
         path: &Path,
     ) -> Result<CheckpointMeta> {
-        // Global rank 0 verifies the checksums while the others wait: a corrupt file is reported
-        // as such (its error stops every rank), never as a parse error of another rank.
-        let world = parallel.comm(crate::parallel::GroupKind::World);
-        let loaded = if parallel.groups().rank() == 0 {
-            let loaded = checkpoint::open(path)?;
-            world.barrier()?;
-            loaded
-        } else {
-            world.barrier()?;
-            checkpoint::open_unverified(path)?
-        };
+        let loaded = open_checkpoint(parallel, path)?;
         load_into(&loaded, self)?;
         Ok(loaded.meta().clone())
     }
+}
+
+/// Opens a checkpoint on every rank of a world: global rank 0 verifies the checksums while the
+/// others wait, so a corrupt file is reported as such (its error stops every rank), never as a
+/// parse error of another rank.
+pub fn open_checkpoint(parallel: &ParallelState, path: &Path) -> Result<Loaded> {
+    let world = parallel.comm(crate::parallel::GroupKind::World);
+    if parallel.groups().rank() == 0 {
+        let loaded = checkpoint::open(path)?;
+        world.barrier()?;
+        Ok(loaded)
+    } else {
+        world.barrier()?;
+        Ok(checkpoint::open_unverified(path)?)
+    }
+}
+
+/// Sets every parameter of `model` to its part of the checkpoint's values (for evaluation,
+/// generation or fine-tuning), resharded to this rank's layout.
+pub fn load_params<M: Module>(model: &M, loaded: &Loaded) -> Result<()> {
+    let dir = loaded.dir().display().to_string();
+    let mut failure = None;
+    model.visit_params(&mut |p| {
+        if failure.is_some() {
+            return;
+        }
+        let result = (|| -> Result<()> {
+            let part = local_part(p.spec(), &loaded.model_tensor(&p.spec().name)?, &dir)?;
+            let values = Tensor::from_vec(part, p.spec().local.clone())?;
+            p.value().copy_from(&values)?;
+            Ok(())
+        })();
+        if let Err(e) = result {
+            failure = Some(e);
+        }
+    });
+    failure.map_or(Ok(()), Err)
 }
 
 fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Result<()> {

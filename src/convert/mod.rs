@@ -1,0 +1,3 @@
+//! Converting checkpoints between megatron-rs and other formats.
+
+pub mod hf_gpt2;
