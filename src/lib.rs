@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod data;
+pub mod tokenizer;
 
 pub use megatron_core as core;
 pub use megatron_core::*;

@@ -24,6 +24,10 @@ enum Command {
     Inspect(cli::inspect::InspectArgs),
     /// List the registered models.
     Models,
+    /// Tokenize JSON lines into Megatron-LM's indexed dataset (PREFIX_KEY_document.bin/.idx).
+    Preprocess(cli::preprocess::PreprocessArgs),
+    /// Indexed datasets: `inspect`.
+    Data(cli::data_cmd::DataArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -34,6 +38,8 @@ fn main() -> std::process::ExitCode {
         Command::Train(args) => cli::train::run(args),
         Command::Inspect(args) => cli::inspect::run(args),
         Command::Models => cli::models::run(),
+        Command::Preprocess(args) => cli::preprocess::run(args),
+        Command::Data(args) => cli::data_cmd::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -5,6 +5,7 @@
 //! layout-invariant random streams.
 
 pub mod comm;
+pub mod data;
 mod error;
 pub mod kernels;
 pub mod module;
