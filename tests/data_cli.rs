@@ -411,3 +411,41 @@ fn workers_do_not_change_the_output() {
         "x".repeat(1499 % 37) + "document 1499 ✓"
     );
 }
+
+#[test]
+fn several_json_keys_give_a_dataset_each() {
+    let dir = TempDir::new("keys");
+    let input = dir.path("in.jsonl");
+    write_jsonl(
+        &input,
+        &[
+            json!({"text": "ab", "title": "T"}),
+            json!({"text": "c", "title": ""}),
+        ],
+    );
+    let out = dir.path("out");
+    let (ok, _, stderr) = megatron(&[
+        "preprocess",
+        "--input",
+        &input,
+        "--json-keys",
+        "text",
+        "title",
+        "--tokenizer",
+        "byte",
+        "--output-prefix",
+        &out,
+        "--append-eod",
+    ]);
+    assert!(ok, "{stderr}");
+    let text = inspect_json(&format!("{out}_text_document"), &[]);
+    assert_eq!(
+        text["docs"],
+        json!([{"index": 0, "tokens": [97, 98, 256]}, {"index": 1, "tokens": [99, 256]}])
+    );
+    let title = inspect_json(&format!("{out}_title_document"), &[]);
+    assert_eq!(
+        title["docs"],
+        json!([{"index": 0, "tokens": [84, 256]}, {"index": 1, "tokens": []}])
+    );
+}

@@ -1,5 +1,7 @@
 //! `megatron data inspect`: the facts of an indexed dataset and the tokens of chosen documents.
 
+use std::fmt::Write as _;
+use std::io::Write as _;
 use std::ops::Range;
 
 use anyhow::{Context, Result, bail};
@@ -102,32 +104,38 @@ fn inspect(args: &InspectArgs) -> Result<()> {
         docs.push(doc);
     }
 
+    let mut out = String::new();
     if args.json {
-        let out = json!({
+        let value = json!({
             "dtype": dataset.dtype().name(),
             "documents": documents,
             "sequences": dataset.len(),
             "tokens": tokens,
             "docs": docs,
         });
-        println!("{}", serde_json::to_string(&out)?);
-        return Ok(());
-    }
-    println!("{}", args.prefix);
-    println!("  dtype      {}", dataset.dtype());
-    println!("  documents  {documents}");
-    println!("  sequences  {}", dataset.len());
-    println!("  tokens     {tokens}");
-    for doc in docs {
-        let ids = doc["tokens"].as_array().map_or(0, Vec::len);
-        println!(
-            "document {} ({ids} tokens): {}",
-            doc["index"],
-            serde_json::to_string(&doc["tokens"])?
-        );
-        if let Some(Value::String(text)) = doc.get("text") {
-            println!("  text: {text:?}");
+        writeln!(out, "{}", serde_json::to_string(&value)?)?;
+    } else {
+        writeln!(out, "{}", args.prefix)?;
+        writeln!(out, "  dtype      {}", dataset.dtype())?;
+        writeln!(out, "  documents  {documents}")?;
+        writeln!(out, "  sequences  {}", dataset.len())?;
+        writeln!(out, "  tokens     {tokens}")?;
+        for doc in docs {
+            let ids = doc["tokens"].as_array().map_or(0, Vec::len);
+            writeln!(
+                out,
+                "document {} ({ids} tokens): {}",
+                doc["index"],
+                serde_json::to_string(&doc["tokens"])?
+            )?;
+            if let Some(Value::String(text)) = doc.get("text") {
+                writeln!(out, "  text: {text:?}")?;
+            }
         }
     }
-    Ok(())
+    // A reader that stops early (`| head`) is not an error.
+    match std::io::stdout().lock().write_all(out.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
 }
