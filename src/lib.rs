@@ -7,6 +7,7 @@ pub mod convert;
 pub mod data;
 pub mod job;
 pub mod report;
+pub mod tokenizer;
 
 pub use megatron_core as core;
 pub use megatron_core::*;

@@ -28,6 +28,10 @@ enum Command {
     Plot(cli::plot::PlotArgs),
     /// Convert Hugging Face GPT-2 weights to a megatron-rs checkpoint, or back.
     Convert(cli::convert::ConvertArgs),
+    /// Tokenize JSON lines into Megatron-LM's indexed dataset (PREFIX_KEY_document.bin/.idx).
+    Preprocess(cli::preprocess::PreprocessArgs),
+    /// Indexed datasets: `inspect`.
+    Data(cli::data_cmd::DataArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -47,6 +51,8 @@ fn main() -> std::process::ExitCode {
         Command::Models => cli::models::run(),
         Command::Plot(args) => cli::plot::run(args),
         Command::Convert(args) => cli::convert::run(args),
+        Command::Preprocess(args) => cli::preprocess::run(args),
+        Command::Data(args) => cli::data_cmd::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -6,6 +6,7 @@
 
 pub mod checkpoint;
 pub mod comm;
+pub mod data;
 mod error;
 pub mod kernels;
 pub mod module;

@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod config_file;
 pub mod convert;
+pub mod data_cmd;
 pub mod groups;
 pub mod inspect;
 pub mod logging;
@@ -10,4 +11,5 @@ pub mod model_args;
 pub mod models;
 pub mod observers;
 pub mod plot;
+pub mod preprocess;
 pub mod train;

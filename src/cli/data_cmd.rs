@@ -1,0 +1,141 @@
+//! `megatron data inspect`: the facts of an indexed dataset and the tokens of chosen documents.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::ops::Range;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use megatron::core::data::IndexedDataset;
+use megatron::tokenizer::Tokenizer;
+use serde_json::{Map, Value, json};
+
+/// Arguments of `megatron data`.
+#[derive(Debug, Args)]
+pub struct DataArgs {
+    #[command(subcommand)]
+    command: DataCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum DataCommand {
+    /// Print an indexed dataset's type and counts (checking every entry), and chosen documents.
+    Inspect(InspectArgs),
+}
+
+/// Arguments of `megatron data inspect`.
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    /// The dataset: PREFIX.bin and PREFIX.idx.
+    prefix: String,
+    /// Documents to print: `A..B` (B excluded), `A..`, `..B` or `A` [default: 0..3].
+    #[arg(long)]
+    docs: Option<String>,
+    /// Also print the documents' text: `byte` or a tokenizer.json.
+    #[arg(long)]
+    tokenizer: Option<String>,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `megatron data ...`.
+pub fn run(args: &DataArgs) -> Result<()> {
+    match &args.command {
+        DataCommand::Inspect(args) => inspect(args),
+    }
+}
+
+fn parse_docs(spec: &str, documents: usize) -> Result<Range<usize>> {
+    let num = |s: &str, default: usize| -> Result<usize> {
+        if s.is_empty() {
+            Ok(default)
+        } else {
+            s.trim()
+                .parse()
+                .with_context(|| format!("--docs {spec:?}: {s:?} is not a document number"))
+        }
+    };
+    let range = match spec.split_once("..") {
+        Some((a, b)) => num(a, 0)?..num(b, documents)?,
+        None => {
+            let a = num(spec, 0)?;
+            a..a + 1
+        }
+    };
+    if range.start > range.end || range.end > documents {
+        bail!(
+            "--docs {spec}: documents {}..{} out of range: the dataset has {documents}",
+            range.start,
+            range.end
+        );
+    }
+    Ok(range)
+}
+
+fn inspect(args: &InspectArgs) -> Result<()> {
+    let dataset = IndexedDataset::open(&args.prefix)?;
+    let tokens = dataset.validate()?;
+    let documents = dataset.documents();
+    let range = match &args.docs {
+        Some(spec) => parse_docs(spec, documents)?,
+        None => 0..documents.min(3),
+    };
+    let tokenizer = args
+        .tokenizer
+        .as_deref()
+        .map(Tokenizer::from_spec)
+        .transpose()?;
+
+    let mut docs = Vec::with_capacity(range.len());
+    for d in range {
+        let ids = dataset.document(d)?;
+        let mut doc = Map::new();
+        doc.insert("index".into(), json!(d));
+        if let Some(t) = &tokenizer {
+            let ids32 = ids
+                .iter()
+                .map(|&id| u32::try_from(id))
+                .collect::<Result<Vec<_>, _>>()
+                .with_context(|| format!("document {d} holds a negative token id"))?;
+            doc.insert("text".into(), json!(t.decode(&ids32)?));
+        }
+        doc.insert("tokens".into(), json!(ids));
+        docs.push(doc);
+    }
+
+    let mut out = String::new();
+    if args.json {
+        let value = json!({
+            "dtype": dataset.dtype().name(),
+            "documents": documents,
+            "sequences": dataset.len(),
+            "tokens": tokens,
+            "docs": docs,
+        });
+        writeln!(out, "{}", serde_json::to_string(&value)?)?;
+    } else {
+        writeln!(out, "{}", args.prefix)?;
+        writeln!(out, "  dtype      {}", dataset.dtype())?;
+        writeln!(out, "  documents  {documents}")?;
+        writeln!(out, "  sequences  {}", dataset.len())?;
+        writeln!(out, "  tokens     {tokens}")?;
+        for doc in docs {
+            let ids = doc["tokens"].as_array().map_or(0, Vec::len);
+            writeln!(
+                out,
+                "document {} ({ids} tokens): {}",
+                doc["index"],
+                serde_json::to_string(&doc["tokens"])?
+            )?;
+            if let Some(Value::String(text)) = doc.get("text") {
+                writeln!(out, "  text: {text:?}")?;
+            }
+        }
+    }
+    // A reader that stops early (`| head`) is not an error.
+    match std::io::stdout().lock().write_all(out.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}

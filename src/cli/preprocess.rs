@@ -1,0 +1,250 @@
+//! `megatron preprocess`: JSON lines to Megatron-LM's indexed dataset, as Megatron-LM's
+//! `tools/preprocess_data.py` writes it (same files, same bytes, same names).
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use megatron::core::data::{DType, IndexedDatasetBuilder};
+use megatron::tokenizer::Tokenizer;
+use serde_json::Value;
+
+/// Arguments of `megatron preprocess`, named as `preprocess_data.py`'s.
+#[derive(Debug, Args)]
+pub struct PreprocessArgs {
+    /// JSON-lines file: one document per line, a JSON object.
+    #[arg(long)]
+    input: PathBuf,
+    /// Keys whose text to tokenize; each gives a dataset PREFIX_KEY_document.
+    #[arg(
+        long = "json-keys",
+        visible_alias = "json-key",
+        num_args = 1..,
+        default_value = "text"
+    )]
+    json_keys: Vec<String>,
+    /// `byte`, or the path of a Hugging Face tokenizer.json (GPT-2's included).
+    #[arg(long)]
+    tokenizer: String,
+    /// Output prefix: writes PREFIX_KEY_document.bin and .idx, as Megatron-LM names them.
+    #[arg(long)]
+    output_prefix: PathBuf,
+    /// End every non-empty document with the tokenizer's end-of-document token.
+    #[arg(long)]
+    append_eod: bool,
+    /// The end-of-document token when it is not <|endoftext|> (e.g. "</s>").
+    #[arg(long)]
+    eod_token: Option<String>,
+    /// Tokenizing threads [default: the machine's cores].
+    #[arg(long)]
+    workers: Option<NonZeroUsize>,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+/// One line's documents, one per key: the tokens and the lengths of their sequences.
+type Encoded = Vec<(Vec<u32>, Vec<usize>)>;
+
+/// The dataset prefix `preprocess_data.py` writes for a key: `PREFIX_KEY_document`.
+pub fn output_prefix(prefix: &std::path::Path, key: &str) -> PathBuf {
+    let mut s = prefix.as_os_str().to_owned();
+    s.push(format!("_{key}_document"));
+    PathBuf::from(s)
+}
+
+/// Tokenizes one JSON line as `preprocess_data.py`'s `Encoder.encode`: a key's value is a
+/// string (one sequence) or a list of strings (one sequence each); empty sequences are dropped;
+/// the end-of-document token goes at the end of a non-empty document.
+fn encode_line(
+    line: &str,
+    line_no: u64,
+    keys: &[String],
+    tokenizer: &Tokenizer,
+    eod: Option<u32>,
+) -> Result<Encoded> {
+    let value: Value = serde_json::from_str(line)
+        .with_context(|| format!("line {line_no}: not a JSON document"))?;
+    let Value::Object(object) = value else {
+        bail!("line {line_no}: not a JSON object");
+    };
+    let mut out = Vec::with_capacity(keys.len());
+    for key in keys {
+        let texts: Vec<&str> = match object.get(key) {
+            Some(Value::String(s)) => vec![s.as_str()],
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_str())
+                .collect::<Option<Vec<_>>>()
+                .with_context(|| format!("line {line_no}: \"{key}\" is a list of non-strings"))?,
+            Some(_) => bail!("line {line_no}: \"{key}\" is not a string or a list of strings"),
+            None => bail!("line {line_no}: no key \"{key}\""),
+        };
+        let mut tokens = Vec::new();
+        let mut lengths = Vec::new();
+        for text in texts {
+            let ids = tokenizer
+                .encode(text)
+                .with_context(|| format!("line {line_no}"))?;
+            if !ids.is_empty() {
+                lengths.push(ids.len());
+                tokens.extend_from_slice(&ids);
+            }
+        }
+        if let (Some(eod), Some(last)) = (eod, lengths.last_mut()) {
+            tokens.push(eod);
+            *last += 1;
+        }
+        out.push((tokens, lengths));
+    }
+    Ok(out)
+}
+
+/// Runs `megatron preprocess`.
+pub fn run(args: &PreprocessArgs) -> Result<()> {
+    let start = Instant::now();
+    let mut tokenizer = Tokenizer::from_spec(&args.tokenizer)?;
+    if let Some(token) = &args.eod_token {
+        tokenizer = tokenizer.with_eod_token(token)?;
+    }
+    let eod = if args.append_eod {
+        Some(tokenizer.require_eod().context("--append-eod")?)
+    } else {
+        None
+    };
+    let vocab = tokenizer.vocab_size();
+    let dtype = DType::optimal(vocab);
+    let workers = args
+        .workers
+        .map(NonZeroUsize::get)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get));
+
+    let file = File::open(&args.input)
+        .with_context(|| format!("{}: cannot open", args.input.display()))?;
+    let input_len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut reader = BufReader::with_capacity(1 << 20, file);
+
+    let mut builders = Vec::with_capacity(args.json_keys.len());
+    for key in &args.json_keys {
+        let prefix = output_prefix(&args.output_prefix, key);
+        builders.push((
+            prefix.clone(),
+            IndexedDatasetBuilder::create(&prefix, dtype)
+                .with_context(|| format!("key \"{key}\""))?,
+        ));
+    }
+
+    let bar = if args.quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(input_len)
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} {msg}",
+        )
+        .expect("a valid template"),
+    );
+
+    // Lines are read in batches, tokenized by `workers` threads, and written in input order.
+    let batch_lines = 256 * workers;
+    let mut line_no = 0u64;
+    let mut documents = 0u64;
+    let mut batch: Vec<(u64, String)> = Vec::with_capacity(batch_lines);
+    let mut eof = false;
+    while !eof {
+        batch.clear();
+        let mut bytes = 0u64;
+        while batch.len() < batch_lines {
+            let mut raw = Vec::new();
+            let n = reader
+                .read_until(b'\n', &mut raw)
+                .with_context(|| format!("{}: cannot read", args.input.display()))?;
+            if n == 0 {
+                eof = true;
+                break;
+            }
+            line_no += 1;
+            bytes += n as u64;
+            let line = String::from_utf8(raw).map_err(|_| {
+                anyhow::anyhow!(
+                    "{}: line {line_no} is not valid UTF-8",
+                    args.input.display()
+                )
+            })?;
+            // Blank lines (a trailing newline, say) hold no document.
+            if !line.trim().is_empty() {
+                batch.push((line_no, line));
+            }
+        }
+        let encoded = encode_batch(&batch, workers, &args.json_keys, &tokenizer, eod)
+            .with_context(|| args.input.display().to_string())?;
+        for doc in encoded {
+            for ((_, builder), (tokens, lengths)) in builders.iter_mut().zip(doc) {
+                builder.add_document(&tokens, &lengths)?;
+            }
+            documents += 1;
+        }
+        bar.inc(bytes);
+        bar.set_message(format!("{documents} documents"));
+    }
+    bar.finish_and_clear();
+
+    for (prefix, builder) in builders {
+        let (sequences, tokens) = (builder.sequences(), builder.tokens());
+        let docs = builder.documents();
+        builder.finish()?;
+        println!(
+            "{}.{{bin,idx}}: {docs} documents, {sequences} sequences, {tokens} tokens ({dtype}, \
+             vocabulary {vocab})",
+            prefix.display()
+        );
+    }
+    println!(
+        "{line_no} lines in {:.1} s with {workers} worker{}",
+        start.elapsed().as_secs_f64(),
+        if workers == 1 { "" } else { "s" }
+    );
+    Ok(())
+}
+
+/// Tokenizes a batch of lines on `workers` threads; results in input order.
+fn encode_batch(
+    batch: &[(u64, String)],
+    workers: usize,
+    keys: &[String],
+    tokenizer: &Tokenizer,
+    eod: Option<u32>,
+) -> Result<Vec<Encoded>> {
+    let encode_all = |lines: &[(u64, String)]| -> Result<Vec<Encoded>> {
+        lines
+            .iter()
+            .map(|(no, line)| encode_line(line, *no, keys, tokenizer, eod))
+            .collect()
+    };
+    if workers <= 1 || batch.len() < 2 {
+        return encode_all(batch);
+    }
+    let chunk = batch.len().div_ceil(workers);
+    let encode_all = &encode_all;
+    let parts: Vec<Result<Vec<Encoded>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = batch
+            .chunks(chunk)
+            .map(|lines| s.spawn(move || encode_all(lines)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a tokenizing thread panicked"))
+            .collect()
+    });
+    let mut out = Vec::with_capacity(batch.len());
+    for part in parts {
+        out.extend(part?);
+    }
+    Ok(out)
+}

@@ -1,0 +1,209 @@
+//! Tokenizers for preparing and reading data: the byte-level tokenizer (no files) and Hugging Face
+//! `tokenizer.json` files (GPT-2's BPE included), named by a SPEC string.
+//!
+//! * `byte`: ids 0–255 are the bytes of the UTF-8 text, 256 is the end-of-document token
+//!   `<|endoftext|>`; vocabulary 257.
+//! * a path to a `tokenizer.json`: encoded without special tokens, as Megatron-LM's
+//!   `HuggingFaceTokenizer` does by default; the end-of-document token is `<|endoftext|>` when the
+//!   tokenizer has one (or another token named with [`Tokenizer::with_eod_token`]).
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow, bail};
+
+/// The end-of-document token's name.
+pub const ENDOFTEXT: &str = "<|endoftext|>";
+
+/// The byte-level tokenizer's end-of-document id.
+pub const BYTE_EOD: u32 = 256;
+
+/// A tokenizer named by a SPEC string.
+pub enum Tokenizer {
+    /// Bytes as ids 0–255, `<|endoftext|>` = 256.
+    Byte,
+    /// A Hugging Face `tokenizer.json`.
+    HuggingFace {
+        /// The file it was read from.
+        path: PathBuf,
+        /// The tokenizer.
+        tokenizer: Box<tokenizers::Tokenizer>,
+        /// The end-of-document id, if any.
+        eod: Option<u32>,
+    },
+}
+
+impl fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Tokenizer::Byte => f.write_str("Tokenizer::Byte"),
+            Tokenizer::HuggingFace { path, eod, .. } => f
+                .debug_struct("Tokenizer::HuggingFace")
+                .field("path", path)
+                .field("vocab_size", &self.vocab_size())
+                .field("eod", eod)
+                .finish(),
+        }
+    }
+}
+
+impl Tokenizer {
+    /// `byte`, or the path of a Hugging Face `tokenizer.json`.
+    pub fn from_spec(spec: &str) -> Result<Tokenizer> {
+        if spec == "byte" {
+            return Ok(Tokenizer::Byte);
+        }
+        let path = Path::new(spec);
+        if !path.is_file() {
+            bail!(
+                "tokenizer {spec:?}: not `byte` and no such file (give `byte` or the path of a \
+                 Hugging Face tokenizer.json)"
+            );
+        }
+        Tokenizer::from_file(path)
+    }
+
+    /// A Hugging Face `tokenizer.json`.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Tokenizer> {
+        let path = path.as_ref();
+        let tokenizer = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| anyhow!("{}: not a readable tokenizer.json: {e}", path.display()))?;
+        let eod = tokenizer.token_to_id(ENDOFTEXT);
+        Ok(Tokenizer::HuggingFace {
+            path: path.to_path_buf(),
+            tokenizer: Box::new(tokenizer),
+            eod,
+        })
+    }
+
+    /// The same tokenizer with `token` as its end-of-document token.
+    pub fn with_eod_token(self, token: &str) -> Result<Tokenizer> {
+        match self {
+            Tokenizer::Byte if token == ENDOFTEXT => Ok(Tokenizer::Byte),
+            Tokenizer::Byte => {
+                bail!("the byte tokenizer's end-of-document token is {ENDOFTEXT}, not {token:?}")
+            }
+            Tokenizer::HuggingFace {
+                path, tokenizer, ..
+            } => {
+                let Some(id) = tokenizer.token_to_id(token) else {
+                    bail!("{}: no token {token:?}", path.display());
+                };
+                Ok(Tokenizer::HuggingFace {
+                    path,
+                    tokenizer,
+                    eod: Some(id),
+                })
+            }
+        }
+    }
+
+    /// What the tokenizer is, for messages: `byte` or the file.
+    pub fn describe(&self) -> String {
+        match self {
+            Tokenizer::Byte => "byte".to_string(),
+            Tokenizer::HuggingFace { path, .. } => path.display().to_string(),
+        }
+    }
+
+    /// Token ids of `text` (no special tokens added).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        match self {
+            Tokenizer::Byte => Ok(text.bytes().map(u32::from).collect()),
+            Tokenizer::HuggingFace {
+                path, tokenizer, ..
+            } => {
+                let encoding = tokenizer
+                    .encode_fast(text, false)
+                    .map_err(|e| anyhow!("{}: cannot encode: {e}", path.display()))?;
+                Ok(encoding.get_ids().to_vec())
+            }
+        }
+    }
+
+    /// The text of token ids, special tokens included (the byte tokenizer shows its end of
+    /// document as `<|endoftext|>` and broken UTF-8 as U+FFFD).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        match self {
+            Tokenizer::Byte => {
+                let mut text = String::new();
+                let mut bytes = Vec::new();
+                for &id in ids {
+                    match id {
+                        0..=255 => bytes.push(id as u8),
+                        BYTE_EOD => {
+                            text.push_str(&String::from_utf8_lossy(&bytes));
+                            bytes.clear();
+                            text.push_str(ENDOFTEXT);
+                        }
+                        _ => bail!(
+                            "token id {id} is outside the byte tokenizer's vocabulary of {}",
+                            BYTE_EOD + 1
+                        ),
+                    }
+                }
+                text.push_str(&String::from_utf8_lossy(&bytes));
+                Ok(text)
+            }
+            Tokenizer::HuggingFace {
+                path, tokenizer, ..
+            } => tokenizer
+                .decode(ids, false)
+                .map_err(|e| anyhow!("{}: cannot decode: {e}", path.display())),
+        }
+    }
+
+    /// The number of token ids (added tokens included, as Megatron-LM's `len(tokenizer)`).
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Tokenizer::Byte => BYTE_EOD as usize + 1,
+            Tokenizer::HuggingFace { tokenizer, .. } => tokenizer.get_vocab_size(true),
+        }
+    }
+
+    /// The end-of-document id, if the tokenizer has one.
+    pub fn eod(&self) -> Option<u32> {
+        match self {
+            Tokenizer::Byte => Some(BYTE_EOD),
+            Tokenizer::HuggingFace { eod, .. } => *eod,
+        }
+    }
+
+    /// The end-of-document id, or an error naming the tokenizer and the way out.
+    pub fn require_eod(&self) -> Result<u32> {
+        self.eod().with_context(|| {
+            format!(
+                "the tokenizer {} has no {ENDOFTEXT} token to end documents with; name its \
+                 end-of-document token with --eod-token",
+                self.describe()
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_tokenizer_round_trips() {
+        let t = Tokenizer::from_spec("byte").unwrap();
+        assert_eq!(t.vocab_size(), 257);
+        assert_eq!(t.eod(), Some(256));
+        let ids = t.encode("hé").unwrap();
+        assert_eq!(ids, [104, 195, 169]);
+        let mut with_eod = ids.clone();
+        with_eod.push(256);
+        assert_eq!(t.decode(&with_eod).unwrap(), "hé<|endoftext|>");
+        assert!(t.decode(&[257]).is_err());
+    }
+
+    #[test]
+    fn a_missing_file_is_named() {
+        let err = Tokenizer::from_spec("/nonexistent/tokenizer.json").unwrap_err();
+        assert!(
+            err.to_string().contains("/nonexistent/tokenizer.json"),
+            "{err}"
+        );
+    }
+}
