@@ -5,6 +5,7 @@
 pub mod bench;
 pub mod convert;
 pub mod data;
+pub mod generate;
 pub mod job;
 pub mod report;
 pub mod tokenizer;

@@ -28,6 +28,8 @@ enum Command {
     Plot(cli::plot::PlotArgs),
     /// Convert Hugging Face GPT-2 weights to a megatron-rs checkpoint, or back.
     Convert(cli::convert::ConvertArgs),
+    /// Generate text from a checkpoint (greedy or sampled, with tensor parallelism too).
+    Generate(cli::generate::GenerateArgs),
     /// Tokenize JSON lines into Megatron-LM's indexed dataset (PREFIX_KEY_document.bin/.idx).
     Preprocess(cli::preprocess::PreprocessArgs),
     /// Indexed datasets: `inspect`.
@@ -51,6 +53,7 @@ fn main() -> std::process::ExitCode {
         Command::Models => cli::models::run(),
         Command::Plot(args) => cli::plot::run(args),
         Command::Convert(args) => cli::convert::run(args),
+        Command::Generate(args) => cli::generate::run(args),
         Command::Preprocess(args) => cli::preprocess::run(args),
         Command::Data(args) => cli::data_cmd::run(args),
     };

@@ -52,7 +52,7 @@ fn run(
             global_batch: 4,
             dp,
         };
-        let sampler = Sampler::new(TokenStream::from_bytes(text.as_bytes()), plan, 7)?;
+        let sampler = Sampler::windows(TokenStream::from_bytes(text.as_bytes()), plan, 7)?;
         let schedule = LrSchedule {
             max_lr: 3e-3,
             min_lr: 3e-4,

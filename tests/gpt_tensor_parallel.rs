@@ -168,7 +168,7 @@ fn curve(tp: usize, dp: usize) -> Vec<(f64, f64)> {
     launch(tp * dp, |w| -> R<Vec<(f64, f64)>> {
         let ps = ParallelState::new(&w, &layout)?;
         let model = Gpt::build(&config.spec(), &mut Builder::for_rank(17, ps.groups()))?;
-        let sampler = Sampler::new(
+        let sampler = Sampler::windows(
             TokenStream::from_bytes(text.as_bytes()),
             BatchPlan {
                 seq_length: SEQ,
@@ -237,7 +237,7 @@ fn a_training_step_reduces_gradients_once_per_bucket_on_dp() {
     let comm = launch(4, |w| -> R<_> {
         let ps = ParallelState::new(&w, &layout)?;
         let model = Gpt::build(&config.spec(), &mut Builder::for_rank(1, ps.groups()))?;
-        let sampler = Sampler::new(
+        let sampler = Sampler::windows(
             TokenStream::from_bytes(text.as_bytes()),
             BatchPlan {
                 seq_length: SEQ,

@@ -114,7 +114,7 @@ fn train(
             global_batch: 8,
             dp,
         };
-        let sampler = Sampler::new(corpus(), plan, 11)?;
+        let sampler = Sampler::windows(corpus(), plan, 11)?;
         let schedule = LrSchedule {
             max_lr: 3e-2,
             min_lr: 3e-3,

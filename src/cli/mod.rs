@@ -4,6 +4,7 @@ pub mod bench;
 pub mod config_file;
 pub mod convert;
 pub mod data_cmd;
+pub mod generate;
 pub mod groups;
 pub mod inspect;
 pub mod logging;

@@ -1,15 +1,20 @@
 //! `megatron train`: trains a registered model with tensor × data parallelism on thread ranks.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::ProgressBar;
+use megatron::data::{
+    Blend, GptDatasetConfig, SampleSource, Split as DataSplit, SplitVector, build_gpt_dataset,
+};
 use megatron::job::{Eval, Observer, TrainJob};
 use megatron::models::GptConfig;
 use megatron::report::plot::Curves;
+use megatron::tokenizer::Tokenizer;
 use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig,
+    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Windows,
     default_bucket_elements,
 };
 
@@ -76,9 +81,15 @@ pub struct TrainArgs {
     /// Seed of parameters, data order and dropout.
     #[arg(long, default_value_t = 1234)]
     seed: u64,
-    /// A text file to train on, read as bytes [default: megatron-rs's own sources and docs].
+    /// Training data: Megatron-LM indexed datasets as `PREFIX` or weighted `W1,PREFIX1,W2,PREFIX2`
+    /// (also space-separated, as Megatron's `--data-path`), or one text file read as bytes
+    /// [default: megatron-rs's own sources and docs, as bytes].
+    #[arg(long, visible_alias = "data-path", num_args = 1..)]
+    data: Vec<String>,
+    /// The tokenizer the data was made with (`byte` or a tokenizer.json): sets the model's
+    /// vocabulary and is recorded in checkpoints for `megatron generate`.
     #[arg(long)]
-    data: Option<PathBuf>,
+    tokenizer: Option<String>,
     /// Fractions of the data for training, validation and test (Megatron's `--split`).
     #[arg(long, default_value = "969,30,1")]
     split: String,
@@ -134,6 +145,69 @@ fn valid_fraction(split: &str) -> Result<(f64, f64)> {
 }
 
 impl TrainArgs {
+    /// Training and validation samples: Megatron indexed datasets (blended, split by documents
+    /// as Megatron splits them), or a text file or the default corpus as bytes (split by
+    /// position).
+    fn data_sources(
+        &self,
+        plan: BatchPlan,
+    ) -> Result<(Arc<dyn SampleSource>, Option<Arc<dyn SampleSource>>)> {
+        let values: Vec<String> = self
+            .data
+            .iter()
+            .flat_map(|v| {
+                v.split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_string)
+            })
+            .collect();
+        let text = match values.as_slice() {
+            [] => Some(megatron::data::default_corpus().to_vec()),
+            [one] if Path::new(one).is_file() && !Path::new(&format!("{one}.idx")).exists() => {
+                Some(std::fs::read(one).with_context(|| format!("reading --data {one}"))?)
+            }
+            _ => None,
+        };
+        if let Some(bytes) = text {
+            let (train_fraction, valid_fraction) = valid_fraction(&self.split)?;
+            let stream = TokenStream::from_bytes(&bytes);
+            let (train, rest) = stream.split(train_fraction);
+            let (valid, _test) =
+                rest.split(valid_fraction / (1.0 - train_fraction).max(f64::MIN_POSITIVE));
+            let train: Arc<dyn SampleSource> =
+                Arc::new(Windows::new(train, plan.seq_length, self.seed)?);
+            let valid = Windows::new(valid, plan.seq_length, self.seed ^ 0x0076_616c_6964)
+                .ok()
+                .map(|w| Arc::new(w) as Arc<dyn SampleSource>);
+            return Ok((train, valid));
+        }
+        let blend = Blend::open(&values)?;
+        let split: SplitVector = self.split.parse()?;
+        let config = GptDatasetConfig {
+            seq_length: plan.seq_length,
+            seed: self.seed as u32,
+            split,
+        };
+        let global = plan.global_batch as u64;
+        let train_samples = self.train_iters * global;
+        let evals = self
+            .eval_interval
+            .map_or(0, |i| self.train_iters / i.max(1) + 1);
+        let valid_samples = evals * self.eval_iters * global;
+        let Some(train) =
+            build_gpt_dataset(&blend, &config, DataSplit::Train, Some(train_samples))?
+        else {
+            bail!("--split {} leaves no training data", self.split);
+        };
+        let valid = if valid_samples > 0 {
+            build_gpt_dataset(&blend, &config, DataSplit::Valid, Some(valid_samples))?
+        } else {
+            None
+        };
+        Ok((train, valid))
+    }
+
     /// The architecture: the loaded checkpoint's or the preset's, then explicit flags.
     fn model_config(&self) -> Result<GptConfig> {
         let c = match &self.load {
@@ -160,7 +234,24 @@ impl TrainArgs {
         if self.tp == 0 || self.dp == 0 {
             bail!("--tensor-model-parallel-size and --data-parallel-size must be at least 1");
         }
-        let model = self.model_config()?;
+        let mut model = self.model_config()?;
+        let tokenizer = match &self.tokenizer {
+            Some(spec) => {
+                let t = Tokenizer::from_spec(spec)?;
+                if self.load.is_none() {
+                    model.vocab_size = t.vocab_size();
+                    model.validate(self.tp)?;
+                } else if model.vocab_size != t.vocab_size() {
+                    bail!(
+                        "--tokenizer {spec} has {} tokens, the checkpoint's model {}",
+                        t.vocab_size(),
+                        model.vocab_size
+                    );
+                }
+                spec.clone()
+            }
+            None => "byte".to_string(),
+        };
         let plan = BatchPlan {
             seq_length: self.seq_length,
             micro_batch: self.micro_batch_size,
@@ -170,25 +261,22 @@ impl TrainArgs {
             dp: self.dp,
         };
         plan.validate()?;
-        let stream = match &self.data {
-            Some(path) => TokenStream::from_bytes(
-                &std::fs::read(path)
-                    .with_context(|| format!("reading --data {}", path.display()))?,
-            ),
-            None => TokenStream::from_bytes(megatron::data::default_corpus()),
-        };
-        let (train_fraction, valid_fraction) = valid_fraction(&self.split)?;
-        let (train_tokens, rest) = stream.split(train_fraction);
-        let (valid_tokens, _test) =
-            rest.split(valid_fraction / (1.0 - train_fraction).max(f64::MIN_POSITIVE));
-        let train_data = Sampler::new(train_tokens, plan, self.seed)?;
+        let (train_data, valid_data) = self.data_sources(plan)?;
+        let train_data = Sampler::new(train_data, plan)?;
         let eval = match self.eval_interval {
-            Some(interval) => Some(Eval {
-                data: Sampler::new(valid_tokens, plan, self.seed ^ 0x0076_616c_6964)
-                    .context("the validation split (see --split)")?,
-                interval,
-                iters: self.eval_iters,
-            }),
+            Some(interval) => {
+                let Some(valid) = valid_data else {
+                    bail!(
+                        "--eval-interval needs a validation split, but --split {} gives it nothing",
+                        self.split
+                    );
+                };
+                Some(Eval {
+                    data: Sampler::new(valid, plan)?,
+                    interval,
+                    iters: self.eval_iters,
+                })
+            }
             None => None,
         };
         let train = TrainConfig {
@@ -229,7 +317,7 @@ impl TrainArgs {
                 "seq_length": self.seq_length,
                 "micro_batch_size": self.micro_batch_size,
                 "global_batch_size": plan.global_batch,
-                "tokenizer": "byte",
+                "tokenizer": tokenizer,
             }),
         })
     }

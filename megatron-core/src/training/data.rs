@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use crate::data::SampleSource;
 use crate::error::Result;
 use crate::invalid;
 use crate::rng::splitmix64_mix;
@@ -107,26 +108,79 @@ impl BatchPlan {
     }
 }
 
-/// Deterministic samples of a token stream.
+/// Random windows of `seq_length + 1` tokens of a token stream (a text file read as bytes):
+/// sample `i` starts at a position drawn from `(seed, i)`.
 #[derive(Debug, Clone)]
-pub struct Sampler {
+pub struct Windows {
     stream: TokenStream,
-    plan: BatchPlan,
+    seq_length: usize,
     seed: u64,
 }
 
-impl Sampler {
-    /// Samples of `plan.seq_length + 1` tokens from `stream`, chosen by `seed`.
-    pub fn new(stream: TokenStream, plan: BatchPlan, seed: u64) -> Result<Sampler> {
-        plan.validate()?;
-        if stream.len() <= plan.seq_length + 1 {
+impl Windows {
+    /// Windows of `seq_length + 1` tokens of `stream`.
+    pub fn new(stream: TokenStream, seq_length: usize, seed: u64) -> Result<Windows> {
+        if stream.len() <= seq_length + 1 {
             return invalid!(
-                "the data has {} tokens, fewer than one sample of {} + 1",
-                stream.len(),
-                plan.seq_length
+                "the data has {} tokens, fewer than one sample of {seq_length} + 1",
+                stream.len()
             );
         }
-        Ok(Sampler { stream, plan, seed })
+        Ok(Windows {
+            stream,
+            seq_length,
+            seed,
+        })
+    }
+}
+
+impl SampleSource for Windows {
+    /// The number of distinct windows.
+    fn len(&self) -> usize {
+        self.stream.len() - self.seq_length - 1
+    }
+
+    fn sample(&self, i: u64) -> crate::data::Result<Vec<u32>> {
+        let span = self.len() as u64;
+        let start = (splitmix64_mix(
+            self.seed ^ splitmix64_mix(i.wrapping_add(0x51_7cc1_b727_220a)),
+        ) % span) as usize;
+        Ok(self.stream.tokens[start..start + self.seq_length + 1].to_vec())
+    }
+}
+
+/// The run's samples cut into steps, data-parallel shares and microbatches: sample
+/// `step · global_batch + g · micro_batch + j` is the `j`-th of global microbatch `g` of the
+/// step, whatever the layout (so dp = 2 sees the samples dp = 1 sees).
+#[derive(Clone)]
+pub struct Sampler {
+    source: Arc<dyn SampleSource>,
+    plan: BatchPlan,
+}
+
+impl std::fmt::Debug for Sampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sampler")
+            .field("samples", &self.source.len())
+            .field("plan", &self.plan)
+            .finish()
+    }
+}
+
+impl Sampler {
+    /// Batches of `source`'s samples (each `plan.seq_length + 1` tokens); a run that needs more
+    /// samples than the source has starts over from its first.
+    pub fn new(source: Arc<dyn SampleSource>, plan: BatchPlan) -> Result<Sampler> {
+        plan.validate()?;
+        if source.is_empty() {
+            return invalid!("the data has no samples");
+        }
+        Ok(Sampler { source, plan })
+    }
+
+    /// Batches of random windows of a token stream.
+    pub fn windows(stream: TokenStream, plan: BatchPlan, seed: u64) -> Result<Sampler> {
+        Sampler::new(Arc::new(Windows::new(stream, plan.seq_length, seed)?), plan)
     }
 
     /// The batch plan.
@@ -134,11 +188,9 @@ impl Sampler {
         &self.plan
     }
 
-    /// Start of the `k`-th sample of the run in the token stream.
-    fn start(&self, k: u64) -> usize {
-        let span = (self.stream.len() - self.plan.seq_length - 1) as u64;
-        (splitmix64_mix(self.seed ^ splitmix64_mix(k.wrapping_add(0x51_7cc1_b727_220a))) % span)
-            as usize
+    /// The samples.
+    pub fn source(&self) -> &Arc<dyn SampleSource> {
+        &self.source
     }
 
     /// Tokens and targets `[seq, micro_batch]` (i64, sequence first) of one microbatch.
@@ -149,8 +201,14 @@ impl Sampler {
         let mut tokens = vec![0i64; s * b];
         let mut targets = vec![0i64; s * b];
         for j in 0..b {
-            let start = self.start(first + j as u64);
-            let window = &self.stream.tokens[start..start + s + 1];
+            let k = (first + j as u64) % self.source.len() as u64;
+            let window = self.source.sample(k)?;
+            if window.len() != s + 1 {
+                return invalid!(
+                    "sample {k} has {} tokens, the model takes {s} + 1",
+                    window.len()
+                );
+            }
             for i in 0..s {
                 tokens[i * b + j] = i64::from(window[i]);
                 targets[i * b + j] = i64::from(window[i + 1]);
@@ -171,7 +229,7 @@ mod tests {
     fn microbatches_are_the_same_samples_on_every_layout() {
         let text: Vec<u8> = (0..5000u32).map(|i| (i * 31 % 251) as u8).collect();
         let stream = TokenStream::from_bytes(&text);
-        let one = Sampler::new(
+        let one = Sampler::windows(
             stream.clone(),
             BatchPlan {
                 seq_length: 8,
@@ -182,7 +240,7 @@ mod tests {
             5,
         )
         .unwrap();
-        let two = Sampler::new(
+        let two = Sampler::windows(
             stream,
             BatchPlan {
                 seq_length: 8,
@@ -227,7 +285,7 @@ mod tests {
             plan.validate().unwrap_err().to_string(),
             "global batch size 8 is not divisible by micro batch size 3 × data-parallel size 2 = 6"
         );
-        let short = Sampler::new(
+        let short = Sampler::windows(
             TokenStream::from_bytes(b"abc"),
             BatchPlan {
                 seq_length: 8,

@@ -9,7 +9,7 @@ mod schedule;
 use std::time::Instant;
 
 pub use checkpointing::{SaveInfo, load_params, open_checkpoint};
-pub use data::{BatchPlan, Sampler, TokenStream};
+pub use data::{BatchPlan, Sampler, TokenStream, Windows};
 pub use optimizer::{AdamW, AdamWConfig, clip_grads, grad_norm};
 pub use schedule::{DecayStyle, LrSchedule};
 

@@ -1,0 +1,71 @@
+//! `megatron generate`: text from a trained or imported model.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use megatron::generate::{Sampling, generate};
+use megatron::tokenizer::Tokenizer;
+
+/// Arguments of `megatron generate`.
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// The checkpoint (a save directory or an iteration directory).
+    #[arg(long)]
+    load: PathBuf,
+    /// The text to continue.
+    #[arg(long)]
+    prompt: String,
+    /// Most tokens to add.
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Sample among the k most likely tokens only (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Tensor-parallel size to run the model with.
+    #[arg(
+        long = "tensor-model-parallel-size",
+        visible_alias = "tp",
+        default_value_t = 1
+    )]
+    tp: usize,
+    /// Tokenizer (`byte` or a tokenizer.json) [default: the one the checkpoint records].
+    #[arg(long)]
+    tokenizer: Option<String>,
+    /// Seed of the sampling.
+    #[arg(long, default_value_t = 1234)]
+    seed: u64,
+}
+
+/// Runs `megatron generate`.
+pub fn run(args: &GenerateArgs) -> Result<()> {
+    let spec = match &args.tokenizer {
+        Some(s) => s.clone(),
+        None => {
+            let meta = megatron::checkpoint::read_meta(&args.load)?;
+            meta.run["tokenizer"].as_str().unwrap_or("byte").to_string()
+        }
+    };
+    let tokenizer =
+        Tokenizer::from_spec(&spec).with_context(|| format!("the tokenizer `{spec}`"))?;
+    let prompt = tokenizer.encode(&args.prompt)?;
+    let sampling = Sampling {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        seed: args.seed,
+    };
+    let new = generate(
+        &args.load,
+        args.tp,
+        &prompt,
+        args.max_new_tokens,
+        sampling,
+        tokenizer.eod(),
+    )?;
+    let text = tokenizer.decode(&new)?;
+    println!("{}{}", args.prompt, text);
+    Ok(())
+}

@@ -1,0 +1,160 @@
+//! Text generation from a checkpoint: greedy or sampled (temperature, top-k), with tensor
+//! parallelism too. Every rank computes the same logits (gathered over the vocabulary) and draws
+//! the same token from the same seed, so the ranks stay in step without communicating choices.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use megatron_core::comm::ParallelState;
+use megatron_core::comm::threads::launch;
+use megatron_core::module::{Builder, Cx, Module};
+use megatron_core::parallel::{ParallelConfig, ParallelLayout};
+use megatron_core::rng::splitmix64_mix;
+use megatron_core::tensor::Tensor;
+use megatron_core::training::{load_params, open_checkpoint};
+use megatron_models::GptConfig;
+use megatron_models::gpt::Gpt;
+
+/// How to pick each next token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// Softmax temperature; 0 picks the most likely token (greedy).
+    pub temperature: f64,
+    /// Only the `top_k` most likely tokens are candidates (0: all).
+    pub top_k: usize,
+    /// Seed of the draws.
+    pub seed: u64,
+}
+
+/// Index of the token to emit from `logits`, drawing with `uniform` in [0, 1).
+pub fn pick(logits: &[f32], sampling: &Sampling, uniform: f64) -> usize {
+    let argmax = || {
+        logits
+            .iter()
+            .enumerate()
+            .fold(0, |best, (i, &l)| if l > logits[best] { i } else { best })
+    };
+    if sampling.temperature <= 0.0 || logits.is_empty() {
+        return argmax();
+    }
+    let mut order: Vec<usize> = (0..logits.len())
+        .filter(|&i| logits[i].is_finite())
+        .collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    if sampling.top_k > 0 {
+        order.truncate(sampling.top_k);
+    }
+    let Some(&first) = order.first() else {
+        return argmax();
+    };
+    let max = f64::from(logits[first]);
+    let weights: Vec<f64> = order
+        .iter()
+        .map(|&i| ((f64::from(logits[i]) - max) / sampling.temperature).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut target = uniform * total;
+    for (&i, w) in order.iter().zip(&weights) {
+        if target < *w {
+            return i;
+        }
+        target -= w;
+    }
+    order[order.len() - 1]
+}
+
+/// Continues `prompt` (token ids) by up to `max_new_tokens` tokens with the model of checkpoint
+/// `ckpt` on `tp` thread ranks; stops early at `stop` when given. Returns the new tokens.
+pub fn generate(
+    ckpt: &Path,
+    tp: usize,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    sampling: Sampling,
+    stop: Option<u32>,
+) -> Result<Vec<u32>> {
+    if prompt.is_empty() {
+        bail!("the prompt has no tokens");
+    }
+    let meta = megatron_core::checkpoint::read_meta(ckpt)?;
+    let config: GptConfig =
+        serde_json::from_value(meta.model).context("the checkpoint's model config")?;
+    config.validate(tp)?;
+    if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= config.vocab_size) {
+        bail!(
+            "prompt token {bad} is outside the model's vocabulary of {}",
+            config.vocab_size
+        );
+    }
+    let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp))?;
+    let spec = config.spec();
+    let window = config.max_position_embeddings;
+    let out = launch(tp, |w| -> Result<Vec<u32>> {
+        let ps = ParallelState::new(&w, &layout)?;
+        let model = Gpt::build(&spec, &mut Builder::for_rank(0, ps.groups()).meta())?;
+        load_params(&model, &open_checkpoint(&ps, ckpt)?)?;
+        let cx = Cx::new(&ps, sampling.seed).eval();
+        let mut tokens: Vec<u32> = prompt.to_vec();
+        let mut new = Vec::new();
+        for n in 0..max_new_tokens {
+            // The model sees at most its learned positions: the last `window` tokens.
+            let context = &tokens[tokens.len().saturating_sub(window)..];
+            let ids = Tensor::from_vec(
+                context.iter().map(|&t| i64::from(t)).collect::<Vec<_>>(),
+                [context.len(), 1],
+            )?;
+            let logits = model.logits(&cx, &ids)?.to_vec::<f32>()?;
+            let last = &logits[logits.len() - config.vocab_size..];
+            let draw = splitmix64_mix(sampling.seed ^ splitmix64_mix(n as u64 + 1));
+            let uniform = (draw >> 11) as f64 / (1u64 << 53) as f64;
+            let next = pick(last, &sampling, uniform) as u32;
+            tokens.push(next);
+            new.push(next);
+            if Some(next) == stop {
+                break;
+            }
+        }
+        Ok(new)
+    })
+    .map_err(anyhow::Error::msg)?;
+    Ok(out.into_iter().next().unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_and_top_k_sampling() {
+        let logits = [0.0, 3.0, 1.0, 3.0, f32::NEG_INFINITY];
+        let greedy = Sampling {
+            temperature: 0.0,
+            top_k: 0,
+            seed: 0,
+        };
+        assert_eq!(pick(&logits, &greedy, 0.9), 1, "the first maximum");
+        let top1 = Sampling {
+            temperature: 1.0,
+            top_k: 1,
+            seed: 0,
+        };
+        assert!((0..10).all(|i| pick(&logits, &top1, f64::from(i) / 10.0) == 1));
+        let top2 = Sampling {
+            temperature: 1.0,
+            top_k: 2,
+            seed: 0,
+        };
+        assert_eq!(pick(&logits, &top2, 0.25), 1);
+        assert_eq!(pick(&logits, &top2, 0.75), 3);
+        let all = Sampling {
+            temperature: 1.0,
+            top_k: 0,
+            seed: 0,
+        };
+        // Never the −∞ (padding) token; the small ones are reachable.
+        let picks: Vec<usize> = (0..1000)
+            .map(|i| pick(&logits, &all, f64::from(i) / 1000.0))
+            .collect();
+        assert!(!picks.contains(&4) && picks.contains(&0) && picks.contains(&2));
+    }
+}
