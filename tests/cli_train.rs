@@ -95,7 +95,7 @@ fn bad_configurations_are_clear_errors() {
         ),
         (
             &["train", "--data", "/nonexistent/corpus.txt"],
-            "reading --data /nonexistent/corpus.txt",
+            "/nonexistent/corpus.txt.idx: no such file",
         ),
     ];
     for (args, message) in cases {

@@ -21,6 +21,9 @@ use megatron::training::{
 use super::model_args::ArchitectureArgs;
 use super::observers::{JsonLog, Plot, Progress, TensorBoard};
 
+/// A source of training or validation samples.
+type Source = Arc<dyn SampleSource>;
+
 /// Arguments of `megatron train`, named as Megatron-LM's.
 #[derive(Debug, Args)]
 pub struct TrainArgs {
@@ -148,10 +151,7 @@ impl TrainArgs {
     /// Training and validation samples: Megatron indexed datasets (blended, split by documents
     /// as Megatron splits them), or a text file or the default corpus as bytes (split by
     /// position).
-    fn data_sources(
-        &self,
-        plan: BatchPlan,
-    ) -> Result<(Arc<dyn SampleSource>, Option<Arc<dyn SampleSource>>)> {
+    fn data_sources(&self, plan: BatchPlan) -> Result<(Source, Option<Source>)> {
         let values: Vec<String> = self
             .data
             .iter()
