@@ -88,6 +88,15 @@ pub struct Whole {
     pub data: Vec<f32>,
 }
 
+/// A whole tensor from its shape and little-endian f32 bytes.
+fn whole(shape: Vec<usize>, bytes: &[u8]) -> Whole {
+    let data = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    Whole { shape, data }
+}
+
 /// Size and SHA-256 of one file of a checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileDigest {
@@ -410,13 +419,7 @@ impl Loaded {
     /// A parameter's whole values.
     pub fn model_tensor(&self, name: &str) -> Result<Whole, CheckpointError> {
         let (shape, bytes) = self.tensor_in(&self.model, MODEL_FILE, name)?;
-        Ok(Whole {
-            shape,
-            data: bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        })
+        Ok(whole(shape, bytes))
     }
 
     /// An optimizer tensor's whole values (e.g. `blocks.0.mlp.fc1.weight.exp_avg`).
@@ -428,13 +431,7 @@ impl Loaded {
             });
         };
         let (shape, bytes) = self.tensor_in(map, OPTIMIZER_FILE, name)?;
-        Ok(Whole {
-            shape,
-            data: bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        })
+        Ok(whole(shape, bytes))
     }
 
     /// Names of every parameter in the checkpoint.

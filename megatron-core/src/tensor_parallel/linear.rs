@@ -183,6 +183,14 @@ impl Linear {
         Ok(())
     }
 
+    /// `x·Wᵀ + b` for a layer built as `mode`.
+    fn forward_biased(&self, mode: Mode, what: &str, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
+        self.check_mode(mode, what)?;
+        let y = self.product(x)?;
+        self.add_bias_in_place(&y)?;
+        Ok((y, Linear::saved(x)?))
+    }
+
     fn saved(x: &Tensor) -> Result<LinearSaved> {
         Ok(LinearSaved {
             x: x.to_f32_contiguous()?,
@@ -215,10 +223,7 @@ impl Module for Linear {
 
 impl Layer for Linear {
     fn forward(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
-        self.check_mode(Mode::Whole, "unsharded")?;
-        let y = self.product(x)?;
-        self.add_bias_in_place(&y)?;
-        Ok((y, Linear::saved(x)?))
+        self.forward_biased(Mode::Whole, "unsharded", x)
     }
 
     fn backward(&self, _cx: &Cx, _site: Site, saved: LinearSaved, dy: &Tensor) -> Result<Tensor> {
@@ -232,10 +237,7 @@ impl ColumnParallel for Linear {
     }
 
     fn forward_column(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
-        self.check_mode(Mode::Column, "as #[column_parallel]")?;
-        let y = self.product(x)?;
-        self.add_bias_in_place(&y)?;
-        Ok((y, Linear::saved(x)?))
+        self.forward_biased(Mode::Column, "as #[column_parallel]", x)
     }
 
     fn backward_column(
