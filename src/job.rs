@@ -1,8 +1,9 @@
 //! A training run from start to end: the model, its parallel layout and data, the steps,
 //! evaluations and checkpoints, with observers for what it reports (progress, logs, plots).
 //!
-//! The command line fills a [`TrainJob`]; [`TrainJob::run`] launches the thread ranks and calls
-//! the observers on global rank 0's thread.
+//! The command line fills a [`TrainJob`]; [`TrainJob::run`] launches the thread ranks (or
+//! [`TrainJob::run_on`] runs this process's rank of a multi-process world) and calls the
+//! observers on global rank 0.
 
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -10,7 +11,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use megatron_core::comm::threads::launch;
-use megatron_core::comm::{CommStats, ParallelState};
+use megatron_core::comm::{CommStats, ParallelState, World};
 use megatron_core::module::{Builder, Module};
 use megatron_core::parallel::{GroupKind, ParallelConfig, ParallelLayout};
 use megatron_core::training::{BatchPlan, Sampler, SaveInfo, StepMetrics, TrainConfig, Trainer};
@@ -128,14 +129,56 @@ impl Summary {
     }
 }
 
+/// What every rank of a run shares: the layout, the observers (called on global rank 0) and the
+/// summary rank 0 fills.
+struct RunContext<'a> {
+    layout: ParallelLayout,
+    observers: Mutex<&'a mut [Box<dyn Observer>]>,
+    summary: Mutex<Summary>,
+    info: SaveInfo,
+}
+
 impl TrainJob {
-    /// Runs the job on tp × dp thread ranks.
+    /// Runs the job on tp × dp thread ranks of this process.
     pub fn run(&self, observers: &mut [Box<dyn Observer>]) -> Result<Summary> {
+        let start = Instant::now();
+        let context = self.context(observers)?;
+        launch(self.world_size(), |w| self.run_rank(&w, &context)).map_err(anyhow::Error::msg)?;
+        Ok(context.finish(start))
+    }
+
+    /// Runs this process's rank of the job in `world` (e.g. an MPI world of tp × dp processes,
+    /// each calling this). Observers are called on global rank 0; the summary is rank 0's.
+    pub fn run_on(
+        &self,
+        world: &dyn World,
+        observers: &mut [Box<dyn Observer>],
+    ) -> Result<Summary> {
+        let start = Instant::now();
+        if world.size() != self.world_size() {
+            bail!(
+                "TP={} × DP={} needs {} ranks, the world has {} (start as many processes)",
+                self.tp,
+                self.dp,
+                self.world_size(),
+                world.size()
+            );
+        }
+        let context = self.context(observers)?;
+        self.run_rank(world, &context)?;
+        Ok(context.finish(start))
+    }
+
+    /// Number of ranks the job runs on.
+    pub fn world_size(&self) -> usize {
+        self.tp * self.dp
+    }
+
+    fn context<'a>(&self, observers: &'a mut [Box<dyn Observer>]) -> Result<RunContext<'a>> {
         if self.tp == 0 || self.dp == 0 {
             bail!("--tensor-model-parallel-size and --data-parallel-size must be at least 1");
         }
-        let world = self.tp * self.dp;
-        let layout = ParallelLayout::new(&ParallelConfig::new(world).with_tp(self.tp))?;
+        let layout = ParallelLayout::new(&ParallelConfig::new(self.world_size()).with_tp(self.tp))?;
         let plan: BatchPlan = *self.train_data.plan();
         if plan.dp != self.dp {
             bail!(
@@ -144,85 +187,90 @@ impl TrainJob {
                 self.dp
             );
         }
-        let spec = self.model.spec();
-        let observers = Mutex::new(observers);
-        let summary = Mutex::new(Summary::default());
-        let start = Instant::now();
-        let tokens_per_step = (plan.global_batch * plan.seq_length) as u64;
-        let info = SaveInfo {
-            model: serde_json::to_value(&self.model).context("serialising the model config")?,
-            run: self.run_info.clone(),
-        };
-        launch(world, |w| -> Result<()> {
-            let parallel = ParallelState::new(&w, &layout)?;
-            let rank0 = parallel.groups().rank() == 0;
-            let report = |f: &mut dyn FnMut(&mut Box<dyn Observer>) -> Result<()>| -> Result<()> {
-                if rank0 {
-                    for o in observers.lock().expect("observer lock").iter_mut() {
-                        f(o)?;
-                    }
-                }
-                Ok(())
-            };
-            let model = Gpt::build(
-                &spec,
-                &mut Builder::for_rank(self.train.seed, parallel.groups()),
-            )?;
-            let mut trainer = Trainer::new(model, &parallel, self.train_data.clone(), self.train)?;
-            let first = match &self.load {
-                Some(path) => trainer.load_checkpoint(&parallel, path)?.iteration,
-                None => 0,
-            };
-            if rank0 {
-                summary.lock().expect("summary lock").first_step = first;
-            }
-            report(&mut |o| o.start(self, first))?;
-            for step in first..self.steps {
-                let metrics = trainer.step(&parallel, step)?;
-                let done = step + 1;
-                let tokens = done * tokens_per_step;
-                if rank0 {
-                    summary.lock().expect("summary lock").steps.push((
-                        metrics.loss,
-                        metrics.tokens,
-                        metrics.seconds,
-                    ));
-                }
-                report(&mut |o| {
-                    o.step(&StepRecord {
-                        metrics: metrics.clone(),
-                        tokens,
-                    })
-                })?;
-                let last = done == self.steps;
-                if let Some(eval) = &self.eval
-                    && (done % eval.interval.max(1) == 0 || last)
-                {
-                    let loss = trainer.evaluate(&parallel, &eval.data, eval.iters)?;
-                    let record = EvalRecord {
-                        step: done,
-                        tokens,
-                        loss,
-                    };
-                    if rank0 {
-                        summary.lock().expect("summary lock").evals.push(record);
-                    }
-                    report(&mut |o| o.eval(&record))?;
-                }
-                if let Some((dir, interval)) = &self.save
-                    && (done % (*interval).max(1) == 0 || last)
-                {
-                    trainer.save_checkpoint(&parallel, dir, done, &info)?;
-                    report(&mut |o| o.saved(done, dir))?;
-                }
-            }
-            report(&mut |o| o.finish())?;
-            Ok(())
+        Ok(RunContext {
+            layout,
+            observers: Mutex::new(observers),
+            summary: Mutex::new(Summary::default()),
+            info: SaveInfo {
+                model: serde_json::to_value(&self.model).context("serialising the model config")?,
+                run: self.run_info.clone(),
+            },
         })
-        .map_err(anyhow::Error::msg)?;
-        let mut summary = summary.into_inner().expect("summary lock");
+    }
+
+    /// One rank's whole run: build, load, train, evaluate, save.
+    fn run_rank(&self, w: &dyn World, cx: &RunContext<'_>) -> Result<()> {
+        let plan: BatchPlan = *self.train_data.plan();
+        let tokens_per_step = (plan.global_batch * plan.seq_length) as u64;
+        let parallel = ParallelState::new(w, &cx.layout)?;
+        let rank0 = parallel.groups().rank() == 0;
+        let report = |f: &mut dyn FnMut(&mut Box<dyn Observer>) -> Result<()>| -> Result<()> {
+            if rank0 {
+                for o in cx.observers.lock().expect("observer lock").iter_mut() {
+                    f(o)?;
+                }
+            }
+            Ok(())
+        };
+        let summary = |f: &mut dyn FnMut(&mut Summary)| {
+            if rank0 {
+                f(&mut cx.summary.lock().expect("summary lock"));
+            }
+        };
+        let model = Gpt::build(
+            &self.model.spec(),
+            &mut Builder::for_rank(self.train.seed, parallel.groups()),
+        )?;
+        let mut trainer = Trainer::new(model, &parallel, self.train_data.clone(), self.train)?;
+        let first = match &self.load {
+            Some(path) => trainer.load_checkpoint(&parallel, path)?.iteration,
+            None => 0,
+        };
+        summary(&mut |s| s.first_step = first);
+        report(&mut |o| o.start(self, first))?;
+        for step in first..self.steps {
+            let metrics = trainer.step(&parallel, step)?;
+            let done = step + 1;
+            let tokens = done * tokens_per_step;
+            summary(&mut |s| {
+                s.steps
+                    .push((metrics.loss, metrics.tokens, metrics.seconds))
+            });
+            report(&mut |o| {
+                o.step(&StepRecord {
+                    metrics: metrics.clone(),
+                    tokens,
+                })
+            })?;
+            let last = done == self.steps;
+            if let Some(eval) = &self.eval
+                && (done % eval.interval.max(1) == 0 || last)
+            {
+                let loss = trainer.evaluate(&parallel, &eval.data, eval.iters)?;
+                let record = EvalRecord {
+                    step: done,
+                    tokens,
+                    loss,
+                };
+                summary(&mut |s| s.evals.push(record));
+                report(&mut |o| o.eval(&record))?;
+            }
+            if let Some((dir, interval)) = &self.save
+                && (done % (*interval).max(1) == 0 || last)
+            {
+                trainer.save_checkpoint(&parallel, dir, done, &cx.info)?;
+                report(&mut |o| o.saved(done, dir))?;
+            }
+        }
+        report(&mut |o| o.finish())
+    }
+}
+
+impl RunContext<'_> {
+    fn finish(self, start: Instant) -> Summary {
+        let mut summary = self.summary.into_inner().expect("summary lock");
         summary.seconds = start.elapsed().as_secs_f64();
-        Ok(summary)
+        summary
     }
 }
 

@@ -56,6 +56,18 @@ pub enum CommError {
         /// What is wrong, with the numbers.
         message: String,
     },
+    /// The communication library (MPI, NCCL, CUDA) reported an error.
+    #[error("group {group}: {library} error in {call}: {message}")]
+    Backend {
+        /// The group's name.
+        group: String,
+        /// The library, e.g. `MPI`.
+        library: &'static str,
+        /// The library call that failed.
+        call: &'static str,
+        /// The library's description of the error.
+        message: String,
+    },
     /// A tensor could not be used (not contiguous, borrowed, wrong dtype).
     #[error(transparent)]
     Tensor(#[from] TensorError),

@@ -2,10 +2,13 @@
 //!
 //! Every collective of megatron-rs goes through a communicator of a named group (tp, dp, pp, ...),
 //! so mismatch checks, timeouts and byte counters live in one place. Backends: [`threads`] (ranks
-//! as OS threads of one process, the default on CPU and what tests use); MPI and NCCL arrive later
-//! behind the same trait.
+//! as OS threads of one process, the default on CPU and what tests use) and, with the `mpi`
+//! feature, `mpi` (one rank per process under `mpirun`, CPU ranks on one or many nodes).
 
 mod error;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+mod reduce;
 mod stats;
 pub mod threads;
 
@@ -200,6 +203,46 @@ pub trait World: Send + Sync {
     /// A communicator over `ranks` (global ranks, which must include this rank) named `name`.
     /// Every member must ask for the same group; asking twice returns the same group.
     fn communicator(&self, name: &str, ranks: &[usize]) -> Result<Arc<dyn Communicator>>;
+}
+
+/// How long a rank waits at a collective before failing with [`CommError::Timeout`]: 600 s, or
+/// `MEGATRON_COMM_TIMEOUT_SECS` when set to a positive number.
+pub fn default_timeout() -> std::time::Duration {
+    let secs = std::env::var("MEGATRON_COMM_TIMEOUT_SECS")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| *s > 0.0)
+        .unwrap_or(600.0);
+    std::time::Duration::from_secs_f64(secs)
+}
+
+/// Checks a group asked of a world (members inside the world, none repeated, `rank` among them)
+/// and returns `rank`'s index in it.
+pub(crate) fn member_index(
+    name: &str,
+    ranks: &[usize],
+    rank: usize,
+    world_size: usize,
+) -> Result<usize> {
+    let invalid = |message: String| CommError::Invalid {
+        group: name.to_string(),
+        message,
+    };
+    let Some(index) = ranks.iter().position(|&r| r == rank) else {
+        return Err(invalid(format!("rank {rank} is not a member of {ranks:?}")));
+    };
+    if let Some(&bad) = ranks.iter().find(|&&r| r >= world_size) {
+        return Err(invalid(format!(
+            "rank {bad} is outside the world of {world_size} ranks"
+        )));
+    }
+    let mut seen = ranks.to_vec();
+    seen.sort_unstable();
+    seen.dedup();
+    if seen.len() != ranks.len() {
+        return Err(invalid(format!("ranks {ranks:?} repeat a member")));
+    }
+    Ok(index)
 }
 
 /// The parallel state of one rank: its groups and a communicator for each (Megatron's `mpu`).

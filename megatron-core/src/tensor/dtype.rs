@@ -22,6 +22,9 @@ pub enum DType {
 }
 
 impl DType {
+    /// Every element type.
+    pub const ALL: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::I64];
+
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {

@@ -7,10 +7,10 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::comm::ReduceOp;
+use crate::comm::reduce::{BLOCK, Widen, fold_float, fold_i64};
 use crate::tensor::DType;
 
 /// A contiguous run of elements in some rank's memory.
@@ -33,8 +33,6 @@ impl RawBuf {
     }
 }
 
-/// Elements reduced in one pass of a worker's accumulator (16 KiB of f32: stays in L1).
-const BLOCK: usize = 4096;
 /// Chunks start at multiples of this many elements (whole cache lines for every dtype).
 const ALIGN: usize = 64;
 /// Smallest chunk a member claims: below it, claiming costs more than moving.
@@ -233,69 +231,6 @@ impl Work {
     }
 }
 
-/// `acc = acc op x`, element-wise.
-fn combine_f32(acc: &mut [f32], x: &[f32], op: ReduceOp) {
-    match op {
-        ReduceOp::Sum => acc.iter_mut().zip(x).for_each(|(a, b)| *a += *b),
-        ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.max(*b)),
-        ReduceOp::Min => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.min(*b)),
-    }
-}
-
-/// A float type that reductions widen to f32.
-trait Widen: Copy {
-    fn widen(src: &[Self], dst: &mut [f32]);
-    fn narrow(src: &[f32], dst: &mut [Self]);
-    /// `acc = acc op src`, using `tmp` for the widened values if needed.
-    fn combine(acc: &mut [f32], src: &[Self], tmp: &mut [f32], op: ReduceOp) {
-        Self::widen(src, tmp);
-        combine_f32(acc, tmp, op);
-    }
-    /// `acc = a op b`.
-    fn combine2(acc: &mut [f32], a: &[Self], b: &[Self], tmp: &mut [f32], op: ReduceOp) {
-        Self::widen(a, acc);
-        Self::combine(acc, b, tmp, op);
-    }
-}
-
-impl Widen for f32 {
-    fn widen(src: &[f32], dst: &mut [f32]) {
-        dst.copy_from_slice(src);
-    }
-    fn narrow(src: &[f32], dst: &mut [f32]) {
-        dst.copy_from_slice(src);
-    }
-    fn combine(acc: &mut [f32], src: &[f32], _tmp: &mut [f32], op: ReduceOp) {
-        combine_f32(acc, src, op);
-    }
-    fn combine2(acc: &mut [f32], a: &[f32], b: &[f32], _tmp: &mut [f32], op: ReduceOp) {
-        let pairs = acc.iter_mut().zip(a.iter().zip(b));
-        match op {
-            ReduceOp::Sum => pairs.for_each(|(o, (x, y))| *o = x + y),
-            ReduceOp::Max => pairs.for_each(|(o, (x, y))| *o = x.max(*y)),
-            ReduceOp::Min => pairs.for_each(|(o, (x, y))| *o = x.min(*y)),
-        }
-    }
-}
-
-impl Widen for bf16 {
-    fn widen(src: &[bf16], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
-    }
-    fn narrow(src: &[f32], dst: &mut [bf16]) {
-        dst.convert_from_f32_slice(src);
-    }
-}
-
-impl Widen for f16 {
-    fn widen(src: &[f16], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
-    }
-    fn narrow(src: &[f32], dst: &mut [f16]) {
-        dst.convert_from_f32_slice(src);
-    }
-}
-
 /// Reduces elements `[off, off + n)` of every source, in order, in f32, and stores the result,
 /// rounded once, into every destination.
 ///
@@ -309,20 +244,17 @@ unsafe fn reduce_float<T: Widen>(
     scratch: &mut Scratch,
 ) {
     let size = size_of::<T>();
-    let view = |b: RawBuf| -> &[T] {
-        // SAFETY: the caller guarantees the run is valid and not written during the call.
-        unsafe { std::slice::from_raw_parts((b.addr + off * size) as *const T, n) }
-    };
-    let (acc, tmp) = (&mut scratch.acc[..n], &mut scratch.tmp[..n]);
-    match seg.sources.as_slice() {
-        [] => return,
-        [only] => T::widen(view(*only), acc),
-        [first, second, rest @ ..] => {
-            T::combine2(acc, view(*first), view(*second), tmp, op);
-            for &src in rest {
-                T::combine(acc, view(src), tmp, op);
-            }
-        }
+    let sources: Vec<&[T]> = seg
+        .sources
+        .iter()
+        .map(|b| {
+            // SAFETY: the caller guarantees the run is valid and not written during the call.
+            unsafe { std::slice::from_raw_parts((b.addr + off * size) as *const T, n) }
+        })
+        .collect();
+    let acc = &mut scratch.acc[..n];
+    if !fold_float(&sources, acc, &mut scratch.tmp[..n], op) {
+        return;
     }
     for &dst in &seg.dests {
         // SAFETY: destinations are written only here, in this chunk, after every source
@@ -337,26 +269,15 @@ unsafe fn reduce_float<T: Widen>(
 /// # Safety
 /// As [`Plan::execute`].
 unsafe fn reduce_i64(seg: &ReduceSegment, off: usize, n: usize, op: ReduceOp, acc: &mut Vec<i64>) {
-    let view = |b: RawBuf| -> &[i64] {
-        // SAFETY: the caller guarantees the run is valid and not written during the call.
-        unsafe { std::slice::from_raw_parts((b.addr + off * 8) as *const i64, n) }
-    };
-    acc.clear();
-    let mut sources = seg.sources.iter();
-    if let Some(&first) = sources.next() {
-        acc.extend_from_slice(view(first));
-    }
-    for &src in sources {
-        let s = view(src);
-        match op {
-            ReduceOp::Sum => acc
-                .iter_mut()
-                .zip(s)
-                .for_each(|(a, b)| *a = a.wrapping_add(*b)),
-            ReduceOp::Max => acc.iter_mut().zip(s).for_each(|(a, b)| *a = (*a).max(*b)),
-            ReduceOp::Min => acc.iter_mut().zip(s).for_each(|(a, b)| *a = (*a).min(*b)),
-        }
-    }
+    let sources: Vec<&[i64]> = seg
+        .sources
+        .iter()
+        .map(|b| {
+            // SAFETY: the caller guarantees the run is valid and not written during the call.
+            unsafe { std::slice::from_raw_parts((b.addr + off * 8) as *const i64, n) }
+        })
+        .collect();
+    fold_i64(&sources, acc, op);
     for &dst in &seg.dests {
         // SAFETY: as in `reduce_float`.
         let out = unsafe { std::slice::from_raw_parts_mut((dst.addr + off * 8) as *mut i64, n) };

@@ -29,13 +29,8 @@ pub struct LaunchOptions {
 
 impl Default for LaunchOptions {
     fn default() -> Self {
-        let secs = std::env::var("MEGATRON_COMM_TIMEOUT_SECS")
-            .ok()
-            .and_then(|s| s.parse::<f64>().ok())
-            .filter(|s| *s > 0.0)
-            .unwrap_or(600.0);
         LaunchOptions {
-            timeout: Duration::from_secs_f64(secs),
+            timeout: crate::comm::default_timeout(),
             comm_workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
             pin_threads: true,
         }
@@ -187,28 +182,7 @@ impl World for ThreadWorld {
     }
 
     fn communicator(&self, name: &str, ranks: &[usize]) -> Result<Arc<dyn Communicator>> {
-        let invalid = |message: String| CommError::Invalid {
-            group: name.to_string(),
-            message,
-        };
-        let Some(index) = ranks.iter().position(|&r| r == self.rank) else {
-            return Err(invalid(format!(
-                "rank {} is not a member of {ranks:?}",
-                self.rank
-            )));
-        };
-        if let Some(&bad) = ranks.iter().find(|&&r| r >= self.shared.size) {
-            return Err(invalid(format!(
-                "rank {bad} is outside the world of {} ranks",
-                self.shared.size
-            )));
-        }
-        let mut seen = ranks.to_vec();
-        seen.sort_unstable();
-        seen.dedup();
-        if seen.len() != ranks.len() {
-            return Err(invalid(format!("ranks {ranks:?} repeat a member")));
-        }
+        let index = crate::comm::member_index(name, ranks, self.rank, self.shared.size)?;
         let group = self.shared.group(name, ranks);
         Ok(Arc::new(ThreadComm::new(
             group,
