@@ -1,4 +1,5 @@
-//! `megatron train`: trains a registered model with tensor × data parallelism on thread ranks.
+//! `megatron train`: trains a registered model with tensor × data parallelism on thread ranks
+//! or, under `mpirun`/`srun`, on one process per rank.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -9,7 +10,7 @@ use indicatif::ProgressBar;
 use megatron::data::{
     Blend, GptDatasetConfig, SampleSource, Split as DataSplit, SplitVector, build_gpt_dataset,
 };
-use megatron::job::{Eval, Observer, TrainJob};
+use megatron::job::{Eval, Observer, Summary, TrainJob};
 use megatron::models::GptConfig;
 use megatron::report::plot::Curves;
 use megatron::tokenizer::Tokenizer;
@@ -127,6 +128,21 @@ pub struct TrainArgs {
     /// No progress bar (the summary and the log are still written).
     #[arg(long)]
     quiet: bool,
+    /// Where the ranks run: `threads` in this process, or `mpi`, one process per rank started
+    /// by `mpirun -np N` / `srun` (N = tp × dp).
+    #[arg(long, value_enum, default_value_t = Backend::Threads)]
+    backend: Backend,
+}
+
+/// Where the ranks of a training run live and how they communicate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Backend {
+    /// Thread ranks in this process.
+    Threads,
+    /// One CPU process per rank, launched by `mpirun`/`srun` (build with `--features mpi`).
+    Mpi,
+    /// One GPU process per rank with NCCL (build with `--features cuda`).
+    Nccl,
 }
 
 /// The validation fraction of a `--split` such as `969,30,1`.
@@ -323,19 +339,68 @@ impl TrainArgs {
     }
 }
 
-/// Runs `megatron train`.
+/// Runs `megatron train` on the chosen backend.
 pub fn run(args: &TrainArgs) -> Result<()> {
+    match args.backend {
+        Backend::Threads => run_job(args, &mut |job, observers| job.run(observers)),
+        Backend::Mpi => run_mpi(args),
+        Backend::Nccl => bail!(
+            "--backend nccl needs the CUDA backend, which this build does not have yet; \
+             use --backend threads, or --backend mpi for several CPU processes"
+        ),
+    }
+}
+
+/// Runs this process's rank of an MPI launch: rank 0 prints and reports; a rank that fails
+/// prints its error and aborts every process of the job.
+#[cfg(feature = "mpi")]
+fn run_mpi(args: &TrainArgs) -> Result<()> {
+    use megatron_core::comm::World;
+    use megatron_core::comm::mpi::MpiWorld;
+
+    let world = MpiWorld::init().context("starting MPI")?;
+    let rank = world.rank();
+    let result = if rank == 0 {
+        run_job(args, &mut |job, observers| job.run_on(&world, observers))
+    } else {
+        args.job()
+            .and_then(|job| job.run_on(&world, &mut []))
+            .map(drop)
+    };
+    if let Err(err) = result {
+        eprintln!("error: rank {rank} of {}: {err:#}", world.size());
+        world.abort(1);
+    }
+    Ok(())
+}
+
+/// Without the `mpi` feature, `--backend mpi` explains how to get it.
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_args: &TrainArgs) -> Result<()> {
+    bail!("--backend mpi needs a build with MPI: cargo build --release --features mpi")
+}
+
+/// Runs a job on some ranks with the observers given, returning rank 0's summary.
+type Runner<'a> = dyn FnMut(&TrainJob, &mut [Box<dyn Observer>]) -> Result<Summary> + 'a;
+
+/// Runs the job with `run` on the chosen ranks, printing the plan, progress and the summary.
+fn run_job(args: &TrainArgs, run: &mut Runner<'_>) -> Result<()> {
     let job = args.job()?;
     let plan = *job.train_data.plan();
     let params = job.model.num_params(job.tp);
     let flops_per_token = job.model.flops_per_token(plan.seq_length, job.tp);
     println!(
-        "training {} ({:.2}M parameters) with TP={} × DP={} on {} thread ranks: {} steps of {} tokens ({} microbatches of {} per rank)",
+        "training {} ({:.2}M parameters) with TP={} × DP={} on {} {}: {} steps of {} tokens ({} microbatches of {} per rank)",
         job.model_name,
         params as f64 / 1e6,
         job.tp,
         job.dp,
-        job.tp * job.dp,
+        job.world_size(),
+        match args.backend {
+            Backend::Threads => "thread ranks",
+            Backend::Mpi => "MPI processes",
+            Backend::Nccl => "GPUs",
+        },
         job.steps,
         plan.global_batch * plan.seq_length,
         plan.microbatches(),
@@ -369,7 +434,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if let Some(dir) = &args.tensorboard_dir {
         observers.push(Box::new(TensorBoard::create(dir)?));
     }
-    let summary = job.run(&mut observers)?;
+    let summary = run(&job, &mut observers)?;
     let (Some(first), Some(last)) = (summary.steps.first(), summary.steps.last()) else {
         println!(
             "no steps run (the checkpoint is at step {} of {})",

@@ -1,0 +1,506 @@
+//! The MPI communicator under a real `mpirun -np 4` (OpenMPI): every collective against plain
+//! rank-order folds (bit-exact), on the world and on subgroups; mismatches, timeouts and a failing
+//! rank; and `megatron train --backend mpi` giving the thread backend's run bit for bit.
+//!
+//! Each test starts itself again under `mpirun` (the same test binary, filtered to that test);
+//! the copies see `OMPI_COMM_WORLD_SIZE` and run the rank's body. A rank whose body fails or
+//! panics aborts the whole job, which the parent reports with every rank's output.
+#![cfg(feature = "mpi")]
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+use megatron::comm::mpi::{MpiOptions, MpiWorld};
+use megatron::comm::{CommError, Communicator, OpKind, ReduceOp, World};
+use megatron::tensor::{DType, Tensor};
+
+type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+const RANKS: usize = 4;
+
+/// `mpirun` with what a container needs: running as root, no single-copy shared memory.
+fn mpirun(np: usize) -> Command {
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["-np", &np.to_string(), "--oversubscribe"])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none");
+    cmd
+}
+
+/// Runs `cmd` (one `mpirun` at a time: the tests share the machine's cores).
+fn output_of(mut cmd: Command) -> Output {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    cmd.output()
+        .expect("mpirun could not be started: install OpenMPI (openmpi-bin libopenmpi-dev)")
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// In the parent: runs test `name` on `RANKS` MPI processes and returns their output.
+/// In a copy started by `mpirun`: runs `body` on this rank and aborts the job if it fails.
+fn on_ranks(name: &str, options: MpiOptions, body: fn(&MpiWorld) -> R<()>) -> Option<Output> {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_none() {
+        let mut cmd = mpirun(RANKS);
+        cmd.arg(std::env::current_exe().expect("test binary path"))
+            .args([name, "--exact", "--nocapture", "--test-threads=1"]);
+        return Some(output_of(cmd));
+    }
+    let world = MpiWorld::init_with(&options).expect("MPI world");
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&world)));
+    match result {
+        Ok(Ok(())) => println!("rank {} passed", world.rank()),
+        Ok(Err(e)) => {
+            eprintln!("rank {} failed: {e}", world.rank());
+            world.abort(3)
+        }
+        Err(_) => {
+            eprintln!("rank {} panicked", world.rank());
+            world.abort(4)
+        }
+    }
+    None
+}
+
+/// Asserts that every rank of the job passed.
+fn assert_passed(out: Option<Output>) {
+    let Some(out) = out else { return };
+    let all = text(&out);
+    assert!(out.status.success(), "mpirun failed:\n{all}");
+    for r in 0..RANKS {
+        assert!(all.contains(&format!("rank {r} passed")), "{all}");
+    }
+}
+
+/// A deterministic value for (rank, element): distinct, not round, positive and negative.
+fn value(rank: usize, i: usize) -> f32 {
+    let x = (rank * 7919 + i * 104_729) % 1000;
+    (x as f32 - 500.0) / 64.0 + 0.001 * i as f32
+}
+
+/// `values` as a tensor of `dtype` (integers for i64).
+fn tensor_of(values: &[f32], dtype: DType) -> R<Tensor> {
+    let n = values.len();
+    Ok(match dtype {
+        DType::F32 => Tensor::from_vec(values.to_vec(), [n])?,
+        DType::BF16 => Tensor::from_vec(values.iter().map(|&v| bf16::from_f32(v)).collect(), [n])?,
+        DType::F16 => Tensor::from_vec(values.iter().map(|&v| f16::from_f32(v)).collect(), [n])?,
+        DType::I64 => Tensor::from_vec(values.iter().map(|&v| (v * 64.0) as i64).collect(), [n])?,
+    })
+}
+
+/// The element values of `t` as u64 bit patterns, for bit-exact comparisons.
+fn bits(t: &Tensor) -> R<Vec<u64>> {
+    Ok(match t.dtype() {
+        DType::F32 => t
+            .to_vec::<f32>()?
+            .iter()
+            .map(|v| v.to_bits().into())
+            .collect(),
+        DType::BF16 => t
+            .to_vec::<bf16>()?
+            .iter()
+            .map(|v| v.to_bits().into())
+            .collect(),
+        DType::F16 => t
+            .to_vec::<f16>()?
+            .iter()
+            .map(|v| v.to_bits().into())
+            .collect(),
+        DType::I64 => t.to_vec::<i64>()?.iter().map(|&v| v as u64).collect(),
+    })
+}
+
+/// The reference reduction: element-wise over `inputs` in order, in f32 (exact in i64), rounded
+/// once to the dtype.
+fn fold(inputs: &[Tensor], op: ReduceOp) -> R<Vec<u64>> {
+    let dtype = inputs[0].dtype();
+    if dtype == DType::I64 {
+        let vals: Vec<Vec<i64>> = inputs
+            .iter()
+            .map(|t| t.to_vec())
+            .collect::<Result<_, _>>()?;
+        let out: Vec<i64> = (0..vals[0].len())
+            .map(|i| {
+                let mut col = vals.iter().map(|v| v[i]);
+                let first = col.next().unwrap_or(0);
+                col.fold(first, |a, b| match op {
+                    ReduceOp::Sum => a + b,
+                    ReduceOp::Max => a.max(b),
+                    ReduceOp::Min => a.min(b),
+                })
+            })
+            .collect();
+        return bits(&Tensor::from_vec(out, [inputs[0].numel()])?);
+    }
+    let vals: Vec<Vec<f32>> = inputs
+        .iter()
+        .map(|t| t.to_vec_f32())
+        .collect::<Result<_, _>>()?;
+    let out: Vec<f32> = (0..vals[0].len())
+        .map(|i| {
+            let mut col = vals.iter().map(|v| v[i]);
+            let first = col.next().unwrap_or(0.0);
+            col.fold(first, |a, b| match op {
+                ReduceOp::Sum => a + b,
+                ReduceOp::Max => a.max(b),
+                ReduceOp::Min => a.min(b),
+            })
+        })
+        .collect();
+    bits(&Tensor::from_vec(out, [inputs[0].numel()])?.to_dtype(dtype)?)
+}
+
+/// What group rank `g` holds before a collective: `len` values of `dtype`.
+fn input(g: usize, len: usize, dtype: DType, salt: usize) -> R<Tensor> {
+    let vals: Vec<f32> = (0..len).map(|i| value(g + 10 * salt, i)).collect();
+    tensor_of(&vals, dtype)
+}
+
+/// Every collective on `c`, for every dtype, op and size, against the folds of all members'
+/// inputs (which every rank rebuilds itself).
+fn check_collectives(c: &dyn Communicator) -> R<()> {
+    let n = c.size();
+    let me = c.index();
+    for (salt, dtype) in DType::ALL.into_iter().enumerate() {
+        for len in [1, 3, 4096 * 3 + 5, 70_001] {
+            let all: Vec<Tensor> = (0..n)
+                .map(|g| input(g, len, dtype, salt))
+                .collect::<R<_>>()?;
+            for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+                let t = all[me].deep_clone()?;
+                c.all_reduce(&t, op)?;
+                assert_eq!(
+                    bits(&t)?,
+                    fold(&all, op)?,
+                    "all-reduce {op:?} {dtype} × {len}"
+                );
+
+                // Reduce-scatter over n × len elements: slot `me` of the reduction.
+                let wide: Vec<Tensor> = (0..n)
+                    .map(|g| input(g, n * len, dtype, salt + 1))
+                    .collect::<R<_>>()?;
+                let out = Tensor::zeros([len], dtype);
+                c.reduce_scatter(&wide[me], &out, op)?;
+                let full = fold(&wide, op)?;
+                assert_eq!(bits(&out)?, full[me * len..(me + 1) * len].to_vec());
+                // In place: the output is this rank's slot of the input.
+                let buf = wide[me].deep_clone()?;
+                let slot = buf.narrow(0, me * len, len)?;
+                c.reduce_scatter(&buf, &slot, op)?;
+                assert_eq!(bits(&slot)?, full[me * len..(me + 1) * len].to_vec());
+            }
+            let gathered = Tensor::zeros([n * len], dtype);
+            c.all_gather(&all[me], &gathered)?;
+            let expected: Vec<u64> = all.iter().map(bits).collect::<R<Vec<_>>>()?.concat();
+            assert_eq!(bits(&gathered)?, expected, "all-gather {dtype} × {len}");
+            let in_place = Tensor::zeros([n * len], dtype);
+            in_place.narrow(0, me * len, len)?.copy_from(&all[me])?;
+            c.all_gather(&in_place.narrow(0, me * len, len)?, &in_place)?;
+            assert_eq!(bits(&in_place)?, expected, "in-place all-gather");
+
+            for root in 0..n {
+                let t = all[me].deep_clone()?;
+                c.broadcast(&t, root)?;
+                assert_eq!(bits(&t)?, bits(&all[root])?, "broadcast from {root}");
+            }
+        }
+        // Uneven all-to-all: rank i sends (i + j) % 3 + j elements to rank j.
+        let split = |i: usize, j: usize| (i + j) % 3 + j;
+        let send: Vec<usize> = (0..n).map(|j| split(me, j)).collect();
+        let recv: Vec<usize> = (0..n).map(|i| split(i, me)).collect();
+        let inputs: Vec<Tensor> = (0..n)
+            .map(|g| input(g, (0..n).map(|j| split(g, j)).sum(), dtype, salt))
+            .collect::<R<_>>()?;
+        let output = Tensor::zeros([recv.iter().sum::<usize>()], dtype);
+        c.all_to_all(&inputs[me], &send, &output, &recv)?;
+        let mut expected = Vec::new();
+        for (i, input) in inputs.iter().enumerate() {
+            let start: usize = (0..me).map(|j| split(i, j)).sum();
+            expected.extend_from_slice(&bits(input)?[start..start + split(i, me)]);
+        }
+        assert_eq!(bits(&output)?, expected, "all-to-all {dtype}");
+    }
+    // Point to point around the ring, both ways, several messages in order.
+    if n > 1 {
+        let next = (me + 1) % n;
+        let prev = (me + n - 1) % n;
+        for k in 0..3 {
+            let out = input(me, 100 + k, DType::F32, k)?;
+            let got = Tensor::zeros([100 + k], DType::F32);
+            if me.is_multiple_of(2) {
+                c.send(&out, next)?;
+                c.recv(&got, prev)?;
+            } else {
+                c.recv(&got, prev)?;
+                c.send(&out, next)?;
+            }
+            assert_eq!(bits(&got)?, bits(&input(prev, 100 + k, DType::F32, k)?)?);
+        }
+    }
+    Ok(c.barrier()?)
+}
+
+#[test]
+fn collectives_on_the_world_and_subgroups_equal_rank_order_folds() {
+    assert_passed(on_ranks(
+        "collectives_on_the_world_and_subgroups_equal_rank_order_folds",
+        MpiOptions::default(),
+        |w| {
+            assert_eq!(w.size(), RANKS);
+            assert_eq!(w.local_size(), RANKS);
+            let world = w.communicator("world", &[0, 1, 2, 3])?;
+            check_collectives(world.as_ref())?;
+            // Pairs in a non-sorted member order: group rank 0 of [3, 1] is global rank 3.
+            let pair: &[usize] = if w.rank() % 2 == 1 { &[3, 1] } else { &[0, 2] };
+            let c = w.communicator("pair", pair)?;
+            assert_eq!(c.ranks(), pair);
+            assert_eq!(c.index(), pair.iter().position(|&r| r == w.rank()).unwrap());
+            check_collectives(c.as_ref())?;
+            // A group of one is a copy.
+            let solo = w.communicator("solo", &[w.rank()])?;
+            check_collectives(solo.as_ref())?;
+            // The same group asked for again is the same communicator (its counters went on).
+            let again = w.communicator("world", &[0, 1, 2, 3])?;
+            assert!(again.stats().get(OpKind::AllReduce).calls > 0);
+            Ok(())
+        },
+    ));
+}
+
+#[test]
+fn counters_record_calls_and_bytes() {
+    assert_passed(on_ranks(
+        "counters_record_calls_and_bytes",
+        MpiOptions::default(),
+        |w| {
+            let c = w.communicator("world", &[0, 1, 2, 3])?;
+            c.all_reduce(&Tensor::zeros([10], DType::F32), ReduceOp::Sum)?;
+            c.all_reduce(&Tensor::zeros([6], DType::BF16), ReduceOp::Max)?;
+            c.all_gather(
+                &Tensor::zeros([2], DType::F32),
+                &Tensor::zeros([8], DType::F32),
+            )?;
+            let s = c.stats();
+            assert_eq!(s.get(OpKind::AllReduce).calls, 2);
+            assert_eq!(s.get(OpKind::AllReduce).bytes, 40 + 12);
+            assert_eq!(s.get(OpKind::AllGather).calls, 1);
+            assert_eq!(s.get(OpKind::Broadcast).calls, 0);
+            Ok(())
+        },
+    ));
+}
+
+#[test]
+fn mismatched_calls_are_errors_on_every_rank_and_the_group_goes_on() {
+    assert_passed(on_ranks(
+        "mismatched_calls_are_errors_on_every_rank_and_the_group_goes_on",
+        MpiOptions::default(),
+        |w| {
+            let c = w.communicator("world", &[0, 1, 2, 3])?;
+            let len = if w.rank() == 2 { 6 } else { 5 };
+            let err = c
+                .all_reduce(&Tensor::zeros([len], DType::F32), ReduceOp::Sum)
+                .expect_err("sizes differ");
+            let msg = err.to_string();
+            assert!(matches!(err, CommError::Mismatch { .. }), "{msg}");
+            assert!(msg.contains("f32 × 5") && msg.contains("f32 × 6"), "{msg}");
+            assert!(msg.contains("rank 2"), "{msg}");
+
+            let err = if w.rank() == 0 {
+                c.broadcast(&Tensor::zeros([4], DType::F32), 0)
+            } else {
+                c.all_reduce(&Tensor::zeros([4], DType::F32), ReduceOp::Sum)
+            }
+            .expect_err("different collectives");
+            assert!(err.to_string().contains("broadcast"), "{err}");
+
+            // Nothing moved: the next matching call works.
+            let t = Tensor::full([5], 1.0, DType::F32);
+            c.all_reduce(&t, ReduceOp::Sum)?;
+            assert_eq!(t.to_vec::<f32>()?, vec![4.0; 5]);
+
+            // A message of another size is an error for the receiver, naming both.
+            let pair = if w.rank() < 2 { [0, 1] } else { [2, 3] };
+            let p = w.communicator("p2p", &pair)?;
+            if p.index() == 0 {
+                p.send(&Tensor::zeros([7], DType::F32), 1)?;
+            } else {
+                let err = p
+                    .recv(&Tensor::zeros([8], DType::F32), 0)
+                    .expect_err("sizes differ");
+                assert!(err.to_string().contains("7"), "{err}");
+                assert!(err.to_string().contains("8"), "{err}");
+            }
+            Ok(())
+        },
+    ));
+}
+
+#[test]
+fn a_rank_that_never_comes_is_a_timeout_naming_it() {
+    assert_passed(on_ranks(
+        "a_rank_that_never_comes_is_a_timeout_naming_it",
+        MpiOptions {
+            timeout: Duration::from_millis(1500),
+        },
+        |w| {
+            let c = w.communicator("world", &[0, 1, 2, 3])?;
+            if w.rank() != 3 {
+                let start = Instant::now();
+                let err = c
+                    .all_reduce(&Tensor::zeros([4], DType::F32), ReduceOp::Sum)
+                    .expect_err("rank 3 never calls");
+                let msg = err.to_string();
+                match err {
+                    CommError::Timeout { missing, .. } => assert_eq!(missing, vec![3], "{msg}"),
+                    other => panic!("expected a timeout, got {other}"),
+                }
+                assert!(start.elapsed() < Duration::from_secs(10), "{msg}");
+                // The group is unusable after a timeout (MPI may still hold its messages).
+                let again = c.barrier().expect_err("broken group");
+                assert!(matches!(again, CommError::Timeout { .. }), "{again}");
+            } else {
+                std::thread::sleep(Duration::from_millis(2500));
+            }
+            // Other groups still work.
+            let fresh = w.communicator("after", &[0, 1, 2, 3])?;
+            let t = Tensor::full([3], w.rank() as f32, DType::F32);
+            fresh.all_reduce(&t, ReduceOp::Max)?;
+            assert_eq!(t.to_vec::<f32>()?, vec![3.0; 3]);
+            Ok(())
+        },
+    ));
+}
+
+#[test]
+fn a_failing_rank_stops_every_process() {
+    let started = Instant::now();
+    let out = on_ranks(
+        "a_failing_rank_stops_every_process",
+        MpiOptions::default(),
+        |w| {
+            let c = w.communicator("world", &[0, 1, 2, 3])?;
+            if w.rank() == 1 {
+                return Err("rank 1 gives up".into());
+            }
+            // The others wait in a collective rank 1 never joins (the default timeout is
+            // minutes): only the abort ends them.
+            c.all_reduce(&Tensor::zeros([4], DType::F32), ReduceOp::Sum)?;
+            Ok(())
+        },
+    );
+    let Some(out) = out else { return };
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    assert!(all.contains("rank 1 failed: rank 1 gives up"), "{all}");
+    assert!(started.elapsed() < Duration::from_secs(60), "{all}");
+}
+
+/// Runs `megatron train` with `args` and returns its JSON log's lines without timings.
+fn train_log(mut cmd: Command, log: &Path, args: &[&str]) -> Vec<String> {
+    cmd.args(["train", "--model", "gpt-tiny", "--quiet", "--log-json"])
+        .arg(log)
+        .args(args);
+    let out = output_of(cmd);
+    assert!(out.status.success(), "{}", text(&out));
+    let lines: Vec<String> = std::fs::read_to_string(log)
+        .expect("the log")
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).expect("JSON line");
+            v.as_object_mut().expect("object").remove("tokens_per_s");
+            v.to_string()
+        })
+        .collect();
+    assert!(!lines.is_empty());
+    lines
+}
+
+fn scratch_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("megatron-mpi-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+#[test]
+fn training_under_mpirun_equals_training_on_threads() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let exe = env!("CARGO_BIN_EXE_megatron");
+    let dir = scratch_dir("train");
+    let args = [
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--train-iters",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        "64",
+        "--eval-interval",
+        "2",
+        "--eval-iters",
+        "2",
+    ];
+    let threads = train_log(Command::new(exe), &dir.join("threads.jsonl"), &args);
+    let mut mpi = mpirun(4);
+    mpi.arg(exe);
+    let with_mpi = [&args[..], &["--backend", "mpi"]].concat();
+    let processes = train_log(mpi, &dir.join("mpi.jsonl"), &with_mpi);
+    assert_eq!(processes, threads);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_bad_flag_under_mpirun_fails_fast_with_its_message() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let exe = env!("CARGO_BIN_EXE_megatron");
+    let started = Instant::now();
+    let train = [
+        exe,
+        "train",
+        "--backend",
+        "mpi",
+        "--model",
+        "gpt-tiny",
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+    ];
+    let mut cmd = mpirun(4);
+    cmd.args(train).args(["--load", "/nonexistent/checkpoint"]);
+    let out = output_of(cmd);
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    assert!(
+        all.contains("/nonexistent/checkpoint: not a checkpoint"),
+        "{all}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(60), "{all}");
+
+    // Too few processes for TP × DP.
+    let mut cmd = mpirun(3);
+    cmd.args(train);
+    let out = output_of(cmd);
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    assert!(all.contains("needs 4 ranks, the world has 3"), "{all}");
+}
