@@ -6,6 +6,8 @@
 
 pub mod checkpoint;
 pub mod comm;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
 mod error;
 pub mod kernels;

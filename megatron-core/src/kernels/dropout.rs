@@ -78,7 +78,7 @@ impl LogicalIndex {
     }
 
     /// Checks that every logical index fits in a `u64`; returns the local element count.
-    fn check(&self, kernel: &'static str) -> Result<usize, KernelError> {
+    pub(crate) fn check(&self, kernel: &'static str) -> Result<usize, KernelError> {
         let n = numel(kernel, &[self.outer, self.inner])?;
         if n > 0 {
             let last = (self.outer as u64 - 1)

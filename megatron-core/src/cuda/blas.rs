@@ -1,0 +1,182 @@
+//! Matrix products on cuBLAS: row-major operands, bf16 or f32 inputs, f32 accumulation and an
+//! f32 result (the product the optimizer's f32 master weights and the f32 activations need).
+
+use std::ffi::c_int;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::cublas::result::gemm_strided_batched_ex;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr};
+use half::bf16;
+
+use super::error::{CudaError, Result};
+use super::{Gpu, library};
+use crate::kernels::KernelError;
+
+/// An element type cuBLAS multiplies with f32 accumulation.
+pub trait GemmInput: DeviceRepr {
+    /// cuBLAS's name for it.
+    const DATA_TYPE: cudaDataType;
+}
+
+impl GemmInput for f32 {
+    const DATA_TYPE: cudaDataType = cudaDataType::CUDA_R_32F;
+}
+
+impl GemmInput for bf16 {
+    const DATA_TYPE: cudaDataType = cudaDataType::CUDA_R_16BF;
+}
+
+/// One product `C = alpha·op(A)·op(B) + beta·C` of row-major matrices, `batch` times.
+///
+/// `op(A)` is `[m, k]` (A stored `[k, m]` when `trans_a`), `op(B)` is `[k, n]` (B stored
+/// `[n, k]` when `trans_b`), C is `[m, n]`; consecutive batch entries are `m·k`, `k·n` and `m·n`
+/// elements apart.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MatmulShape {
+    /// Rows of C.
+    pub m: usize,
+    /// Columns of C.
+    pub n: usize,
+    /// The contracted dimension.
+    pub k: usize,
+    /// Number of independent products.
+    pub batch: usize,
+    /// A is stored transposed.
+    pub trans_a: bool,
+    /// B is stored transposed.
+    pub trans_b: bool,
+    /// Scale of the product.
+    pub alpha: f32,
+    /// Scale of C's old value (0 overwrites).
+    pub beta: f32,
+}
+
+impl MatmulShape {
+    /// `C = A·B` for `[m, k] × [k, n]`.
+    pub fn new(m: usize, n: usize, k: usize) -> Self {
+        MatmulShape {
+            m,
+            n,
+            k,
+            batch: 1,
+            trans_a: false,
+            trans_b: false,
+            alpha: 1.0,
+            beta: 0.0,
+        }
+    }
+}
+
+/// A cuBLAS handle on one rank's stream.
+#[derive(Debug)]
+pub struct Blas {
+    handle: CudaBlas,
+    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+}
+
+impl Blas {
+    /// A handle whose products run on `gpu`'s stream.
+    pub fn new(gpu: &Gpu) -> Result<Blas> {
+        library::require_cublas()?;
+        let handle = CudaBlas::new(gpu.stream().clone()).map_err(|e| CudaError::Blas {
+            call: "cublasCreate".to_string(),
+            message: format!("{e:?}"),
+        })?;
+        Ok(Blas {
+            handle,
+            stream: gpu.stream().clone(),
+        })
+    }
+
+    /// `C = alpha·op(A)·op(B) + beta·C` (see [`MatmulShape`]), accumulating in f32.
+    pub fn matmul<T: GemmInput>(
+        &self,
+        shape: MatmulShape,
+        a: &CudaView<T>,
+        b: &CudaView<T>,
+        c: &mut CudaViewMut<f32>,
+    ) -> Result<()> {
+        const K: &str = "matmul";
+        let MatmulShape {
+            m,
+            n,
+            k,
+            batch,
+            trans_a,
+            trans_b,
+            alpha,
+            beta,
+        } = shape;
+        let dims = || format!("batch {batch} × [{m}, {k}] · [{k}, {n}]");
+        let elems = |x: usize, y: usize| {
+            x.checked_mul(y)
+                .and_then(|v| v.checked_mul(batch))
+                .ok_or_else(|| KernelError::Invalid {
+                    kernel: K,
+                    message: format!("{} overflows", dims()),
+                })
+        };
+        super::kernels::check_len(K, "a", a.len(), elems(m, k)?, dims)?;
+        super::kernels::check_len(K, "b", b.len(), elems(k, n)?, dims)?;
+        super::kernels::check_len(K, "c", c.len(), elems(m, n)?, dims)?;
+        if m == 0 || n == 0 || batch == 0 {
+            return Ok(());
+        }
+        let int = |v: usize| {
+            c_int::try_from(v).map_err(|_| KernelError::Invalid {
+                kernel: K,
+                message: format!("{} exceeds cuBLAS's 32-bit sizes", dims()),
+            })
+        };
+        let (mi, ni, ki, bi) = (int(m)?, int(n)?, int(k)?, int(batch)?);
+        // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: cuBLAS gets B first.
+        let op = |t: bool| {
+            if t {
+                cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let ldb = if trans_b { ki } else { ni };
+        let lda = if trans_a { mi } else { ki };
+        let stream = &self.stream;
+        let (a_ptr, _a_sync) = a.device_ptr(stream);
+        let (b_ptr, _b_sync) = b.device_ptr(stream);
+        let (c_ptr, _c_sync) = c.device_ptr_mut(stream);
+        // SAFETY: the lengths of A, B and C were checked against the shape above, and the
+        // pointers stay valid while the stream runs the product (the views outlive the call and
+        // their sync guards order later frees after it).
+        unsafe {
+            gemm_strided_batched_ex(
+                *self.handle.handle(),
+                op(trans_b),
+                op(trans_a),
+                ni,
+                mi,
+                ki,
+                (&alpha) as *const f32 as *const _,
+                b_ptr as *const _,
+                T::DATA_TYPE,
+                ldb,
+                (k * n) as i64,
+                a_ptr as *const _,
+                T::DATA_TYPE,
+                lda,
+                (m * k) as i64,
+                (&beta) as *const f32 as *const _,
+                c_ptr as *mut _,
+                cudaDataType::CUDA_R_32F,
+                ni,
+                (m * n) as i64,
+                bi,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| CudaError::Blas {
+            call: format!("cublasGemmStridedBatchedEx({})", dims()),
+            message: format!("{e:?}"),
+        })
+    }
+}

@@ -1,0 +1,110 @@
+// Element-wise kernels: GeLU (tanh form, as GPT-2), add, scale, bias, casts, Σx².
+
+#define GELU_A 1.5957691216057308f   // 2·√(2/π)
+#define GELU_B 0.071354816f          // 2·√(2/π)·0.044715
+#define GELU_3B 0.21406445f          // 3·GELU_B
+
+// y = x·σ(2u), u = √(2/π)(x + 0.044715x³), as the CPU kernel: x / (1 + e^(−2u)).
+extern "C" __global__ void gelu_forward(const float* __restrict__ x, float* __restrict__ y, u64 n) {
+    FOR_EACH(i, n) {
+        const float v = x[i];
+        const float e = exp_f32(-v * (GELU_A + GELU_B * v * v));
+        y[i] = v / (1.0f + e);
+    }
+}
+
+extern "C" __global__ void gelu_backward(const float* __restrict__ x, const float* __restrict__ dy,
+                                         float* __restrict__ dx, u64 n) {
+    FOR_EACH(i, n) {
+        const float v = x[i], v2 = v * v;
+        const float e = exp_f32(-v * (GELU_A + GELU_B * v2));
+        const float s = 1.0f / (1.0f + e);
+        const float one_minus_s = fminf(e * s, 1.0f);
+        const float dz = GELU_A + GELU_3B * v2;
+        dx[i] = dy[i] * (s + (v * s) * (one_minus_s * dz));
+    }
+}
+
+// out = a + b, with 16-byte accesses when all three buffers are 16-byte aligned.
+extern "C" __global__ void add(const float* __restrict__ a, const float* __restrict__ b,
+                               float* __restrict__ out, u64 n) {
+    if ((((u64)a | (u64)b | (u64)out) & 15) != 0) {
+        FOR_EACH(i, n) { out[i] = a[i] + b[i]; }
+        return;
+    }
+    const u64 n4 = n / 4;
+    const float4* a4 = reinterpret_cast<const float4*>(a);
+    const float4* b4 = reinterpret_cast<const float4*>(b);
+    float4* o4 = reinterpret_cast<float4*>(out);
+    FOR_EACH(i, n4) {
+        const float4 x = a4[i], y = b4[i];
+        o4[i] = make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w);
+    }
+    FOR_EACH(j, n - 4 * n4) { out[4 * n4 + j] = a[4 * n4 + j] + b[4 * n4 + j]; }
+}
+
+extern "C" __global__ void add_assign(float* __restrict__ acc, const float* __restrict__ x, u64 n) {
+    FOR_EACH(i, n) { acc[i] += x[i]; }
+}
+
+extern "C" __global__ void scale(float* __restrict__ x, float alpha, u64 n) {
+    FOR_EACH(i, n) { x[i] *= alpha; }
+}
+
+extern "C" __global__ void fill(float* __restrict__ x, float value, u64 n) {
+    FOR_EACH(i, n) { x[i] = value; }
+}
+
+// x[r, c] += bias[c] for a row-major [rows, cols] matrix.
+extern "C" __global__ void bias_add_forward(float* __restrict__ x, const float* __restrict__ bias,
+                                            u64 rows, u64 cols) {
+    FOR_EACH(i, rows * cols) { x[i] += bias[i % cols]; }
+}
+
+// dbias[c] = Σ_r dy[r, c], rows summed in order (one thread per column: deterministic).
+extern "C" __global__ void bias_add_backward(const float* __restrict__ dy, float* __restrict__ dbias,
+                                             u64 rows, u64 cols) {
+    FOR_EACH(c, cols) {
+        float s = 0.0f;
+        for (u64 r = 0; r < rows; ++r) s += dy[r * cols + c];
+        dbias[c] = s;
+    }
+}
+
+// bf16 ↔ f32 (round to nearest even, as half::bf16::from_f32).
+extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, unsigned short* __restrict__ y,
+                                       u64 n) {
+    FOR_EACH(i, n) {
+        const u32 b = __float_as_uint(x[i]);
+        if ((b & 0x7fffffffu) > 0x7f800000u) {
+            y[i] = (unsigned short)((b >> 16) | 0x0040u);  // NaN stays a (quiet) NaN
+        } else {
+            y[i] = (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+        }
+    }
+}
+
+extern "C" __global__ void bf16_to_f32(const unsigned short* __restrict__ x, float* __restrict__ y,
+                                       u64 n) {
+    FOR_EACH(i, n) { y[i] = __uint_as_float(((u32)x[i]) << 16); }
+}
+
+// Partial Σx² in f64 per block of `block_len` elements (one CUDA block each); the host adds the
+// partials in order, so the result does not depend on the launch.
+extern "C" __global__ void sum_squares_partials(const float* __restrict__ x, u64 n, u64 block_len,
+                                                double* __restrict__ partials) {
+    __shared__ double scratch[32];
+    const u64 start = (u64)blockIdx.x * block_len;
+    const u64 end = min(start + block_len, n);
+    double acc = 0.0;
+    for (u64 i = start + threadIdx.x; i < end; i += blockDim.x) acc += (double)x[i] * (double)x[i];
+    acc = warp_sum_f64(acc);
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    if (lane == 0) scratch[warp] = acc;
+    __syncthreads();
+    if (warp == 0) {
+        acc = lane < (int)(blockDim.x / WARP) ? scratch[lane] : 0.0;
+        acc = warp_sum_f64(acc);
+        if (lane == 0) partials[blockIdx.x] = acc;
+    }
+}

@@ -1,0 +1,109 @@
+//! `Gpu`: one rank's handle on a device: the context, its own stream, the kernels.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+
+use super::error::{CudaError, Result};
+use super::library;
+use super::programs::Kernels;
+
+/// A device and a stream of this rank on it. Several ranks (threads) may share one device, each
+/// with its own stream, as the device-local communicator does.
+#[derive(Debug, Clone)]
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: Arc<Kernels>,
+}
+
+impl Gpu {
+    /// Device `ordinal` with a new stream; compiles (first time in the process) and loads the
+    /// kernels.
+    pub fn new(ordinal: usize) -> Result<Gpu> {
+        library::require_driver()?;
+        let count = CudaContext::device_count()
+            .map_err(|e| CudaError::driver("cuDeviceGetCount", e))?;
+        if ordinal >= count as usize {
+            return Err(CudaError::Driver {
+                call: format!("opening cuda:{ordinal}"),
+                message: format!("this machine has {count} CUDA device(s)"),
+            });
+        }
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| CudaError::driver(format!("cuDevicePrimaryCtxRetain({ordinal})"), e))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| CudaError::driver("cuStreamCreate", e))?;
+        let kernels = Kernels::for_context(&ctx)?;
+        Ok(Gpu {
+            ctx,
+            stream,
+            kernels,
+        })
+    }
+
+    /// The same device and kernels with another new stream (for another rank or a side stream).
+    pub fn with_new_stream(&self) -> Result<Gpu> {
+        let stream = self
+            .ctx
+            .new_stream()
+            .map_err(|e| CudaError::driver("cuStreamCreate", e))?;
+        Ok(Gpu {
+            ctx: self.ctx.clone(),
+            stream,
+            kernels: self.kernels.clone(),
+        })
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// This rank's stream: every kernel of this handle runs on it, in order.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The loaded kernels.
+    pub fn kernels(&self) -> &Kernels {
+        &self.kernels
+    }
+
+    /// `len` zeros on the device.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
+        self.stream
+            .alloc_zeros(len)
+            .map_err(|e| CudaError::driver(format!("cuMemAllocAsync({len} elements)"), e))
+    }
+
+    /// A copy of `host` on the device.
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        self.stream
+            .clone_htod(host)
+            .map_err(|e| CudaError::driver(format!("cuMemcpyHtoDAsync({} elements)", host.len()), e))
+    }
+
+    /// A host copy of `dev` (waits for the stream).
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaSlice<T>,
+    ) -> Result<Vec<T>> {
+        self.stream
+            .clone_dtoh(dev)
+            .map_err(|e| CudaError::driver(format!("cuMemcpyDtoHAsync({} elements)", dev.len()), e))
+    }
+
+    /// Waits until everything queued on this rank's stream has run.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| CudaError::driver("cuStreamSynchronize", e))
+    }
+}

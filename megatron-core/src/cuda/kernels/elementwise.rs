@@ -1,0 +1,177 @@
+//! GeLU, add, scale, bias, casts and Σx² on the device.
+
+use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
+use half::bf16;
+
+use super::{THREADS, check_len, cover, launch, product};
+use crate::cuda::{Gpu, Result};
+
+/// `y = gelu(x)` (GPT-2's tanh form), as [`crate::kernels::elementwise::gelu_forward`].
+pub fn gelu_forward(gpu: &Gpu, x: &CudaView<f32>, y: &mut CudaViewMut<f32>) -> Result<()> {
+    const K: &str = "gelu_forward";
+    let n = x.len();
+    check_len(K, "y", y.len(), n, || format!("elements {n}"))?;
+    let f = gpu.kernels().get(K)?;
+    let n64 = n as u64;
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(x).arg(y).arg(&n64);
+    launch(K, args, cover(n))
+}
+
+/// `dx = dy · gelu'(x)`.
+pub fn gelu_backward(
+    gpu: &Gpu,
+    x: &CudaView<f32>,
+    dy: &CudaView<f32>,
+    dx: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const K: &str = "gelu_backward";
+    let n = x.len();
+    check_len(K, "dy", dy.len(), n, || format!("elements {n}"))?;
+    check_len(K, "dx", dx.len(), n, || format!("elements {n}"))?;
+    let f = gpu.kernels().get(K)?;
+    let n64 = n as u64;
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(x).arg(dy).arg(dx).arg(&n64);
+    launch(K, args, cover(n))
+}
+
+/// `out = a + b`.
+pub fn add(
+    gpu: &Gpu,
+    a: &CudaView<f32>,
+    b: &CudaView<f32>,
+    out: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const K: &str = "add";
+    let n = a.len();
+    check_len(K, "b", b.len(), n, || format!("elements {n}"))?;
+    check_len(K, "out", out.len(), n, || format!("elements {n}"))?;
+    let f = gpu.kernels().get(K)?;
+    let n64 = n as u64;
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(a).arg(b).arg(out).arg(&n64);
+    launch(K, args, cover(n.div_ceil(4)))
+}
+
+/// `acc += x`.
+pub fn add_assign(gpu: &Gpu, acc: &mut CudaViewMut<f32>, x: &CudaView<f32>) -> Result<()> {
+    const K: &str = "add_assign";
+    let n = acc.len();
+    check_len(K, "x", x.len(), n, || format!("elements {n}"))?;
+    let f = gpu.kernels().get(K)?;
+    let n64 = n as u64;
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(acc).arg(x).arg(&n64);
+    launch(K, args, cover(n))
+}
+
+/// `x *= alpha`.
+pub fn scale(gpu: &Gpu, x: &mut CudaViewMut<f32>, alpha: f32) -> Result<()> {
+    const K: &str = "scale";
+    let n = x.len();
+    let f = gpu.kernels().get(K)?;
+    let n64 = n as u64;
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(x).arg(&alpha).arg(&n64);
+    launch(K, args, cover(n))
+}
+
+/// `x = value` everywhere.
+pub fn fill(gpu: &Gpu, x: &mut CudaViewMut<f32>, value: f32) -> Result<()> {
+    const K: &str = "fill";
+    let n = x.len();
+    let f = gpu.kernels().get(K)?;
+    let n64 = n as u64;
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(x).arg(&value).arg(&n64);
+    launch(K, args, cover(n))
+}
+
+/// `x[r, c] += bias[c]` for a row-major `[rows, cols]` matrix.
+pub fn bias_add_forward(
+    gpu: &Gpu,
+    x: &mut CudaViewMut<f32>,
+    bias: &CudaView<f32>,
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
+    const K: &str = "bias_add_forward";
+    let n = product(K, &[rows, cols])?;
+    check_len(K, "x", x.len(), n, || format!("rows {rows} × cols {cols}"))?;
+    check_len(K, "bias", bias.len(), cols, || format!("cols {cols}"))?;
+    let f = gpu.kernels().get(K)?;
+    let (rows64, cols64) = (rows as u64, cols as u64);
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(x).arg(bias).arg(&rows64).arg(&cols64);
+    launch(K, args, cover(n))
+}
+
+/// `dbias[c] = Σ_r dy[r, c]` (rows added in order).
+pub fn bias_add_backward(
+    gpu: &Gpu,
+    dy: &CudaView<f32>,
+    rows: usize,
+    cols: usize,
+    dbias: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const K: &str = "bias_add_backward";
+    let n = product(K, &[rows, cols])?;
+    check_len(K, "dy", dy.len(), n, || format!("rows {rows} × cols {cols}"))?;
+    check_len(K, "dbias", dbias.len(), cols, || format!("cols {cols}"))?;
+    let f = gpu.kernels().get(K)?;
+    let (rows64, cols64) = (rows as u64, cols as u64);
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(dy).arg(dbias).arg(&rows64).arg(&cols64);
+    launch(K, args, cover(cols))
+}
+
+/// `y = x` rounded to bf16 (nearest even, as `half::bf16::from_f32`).
+pub fn f32_to_bf16(gpu: &Gpu, x: &CudaView<f32>, y: &mut CudaViewMut<bf16>) -> Result<()> {
+    const K: &str = "f32_to_bf16";
+    let n = x.len();
+    check_len(K, "y", y.len(), n, || format!("elements {n}"))?;
+    let f = gpu.kernels().get(K)?;
+    let n64 = n as u64;
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(x).arg(y).arg(&n64);
+    launch(K, args, cover(n))
+}
+
+/// `y = x` widened to f32.
+pub fn bf16_to_f32(gpu: &Gpu, x: &CudaView<bf16>, y: &mut CudaViewMut<f32>) -> Result<()> {
+    const K: &str = "bf16_to_f32";
+    let n = x.len();
+    check_len(K, "y", y.len(), n, || format!("elements {n}"))?;
+    let f = gpu.kernels().get(K)?;
+    let n64 = n as u64;
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(x).arg(y).arg(&n64);
+    launch(K, args, cover(n))
+}
+
+/// Elements per partial of [`sum_of_squares`], as the CPU's fixed blocks.
+const SQUARES_BLOCK: usize = 1 << 16;
+
+/// Σx² in f64 over fixed blocks added in order on the host (gradient norms).
+pub fn sum_of_squares(gpu: &Gpu, x: &CudaView<f32>) -> Result<f64> {
+    const K: &str = "sum_squares_partials";
+    let n = x.len();
+    let blocks = n.div_ceil(SQUARES_BLOCK).max(1);
+    let mut partials = gpu.zeros::<f64>(blocks)?;
+    let block_len = SQUARES_BLOCK as u64;
+    let f = gpu.kernels().get(K)?;
+    let n64 = n as u64;
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(x)
+        .arg(&n64)
+        .arg(&block_len)
+        .arg(&mut partials);
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (THREADS * 2, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch(K, args, cfg)?;
+    Ok(gpu.download(&partials)?.iter().sum())
+}
