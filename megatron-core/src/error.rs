@@ -26,6 +26,10 @@ pub enum Error {
     /// A parallel configuration is invalid.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// The GPU failed (driver, NVRTC, cuBLAS, NCCL).
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] crate::cuda::CudaError),
     /// A model or layer was configured or called in a way that cannot work; names the numbers.
     #[error("{0}")]
     Invalid(String),

@@ -35,5 +35,8 @@ fn a_broken_source_is_an_error_with_nvrtcs_log() {
     )
     .expect_err("does not compile");
     let msg = err.to_string();
-    assert!(msg.contains("broken.cu") && msg.contains("undefined_name"), "{msg}");
+    assert!(
+        msg.contains("broken.cu") && msg.contains("undefined_name"),
+        "{msg}"
+    );
 }

@@ -3,4 +3,6 @@
 
 pub mod allreduce;
 pub mod gemm;
+#[cfg(feature = "cuda")]
+pub mod gpu_gemm;
 pub mod machine;

@@ -25,6 +25,10 @@ enum Which {
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
+        /// `cpu`, or `cuda`: cuBLAS bf16 products of a GPT-1.2B step on GPU 0 against the
+        /// H100's dense bf16 peak (build with `--features cuda`).
+        #[arg(long, default_value = "cpu")]
+        device: String,
     },
     /// Time of an in-process all-reduce next to the memory-bandwidth floor measured in the same run.
     Allreduce {
@@ -50,7 +54,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             threads,
             repeats,
             json,
+            device,
         } => {
+            match device.as_str() {
+                "cpu" => {}
+                "cuda" => return gpu_gemm(*repeats, *json),
+                other => anyhow::bail!("--device must be cpu or cuda, got {other:?}"),
+            }
             let report = bench::gemm::run(threads.unwrap_or_else(parallel::cores), *repeats)?;
             print(&report, *json)
         }
@@ -69,6 +79,18 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             print(&report, *json)
         }
     }
+}
+
+/// `bench gemm --device cuda`.
+#[cfg(feature = "cuda")]
+fn gpu_gemm(repeats: usize, json: bool) -> Result<()> {
+    print(&bench::gpu_gemm::run(repeats)?, json)
+}
+
+/// Without the `cuda` feature, says how to get it.
+#[cfg(not(feature = "cuda"))]
+fn gpu_gemm(_repeats: usize, _json: bool) -> Result<()> {
+    anyhow::bail!("--device cuda needs a build with CUDA: cargo build --release --features cuda")
 }
 
 fn print<T: serde::Serialize + std::fmt::Display>(report: &T, json: bool) -> Result<()> {

@@ -345,8 +345,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         Backend::Threads => run_job(args, &mut |job, observers| job.run(observers)),
         Backend::Mpi => run_mpi(args),
         Backend::Nccl => bail!(
-            "--backend nccl needs the CUDA backend, which this build does not have yet; \
-             use --backend threads, or --backend mpi for several CPU processes"
+            "--backend nccl: the NCCL communicator is built (features cuda,mpi) but the model's \
+             layers do not run on GPU tensors yet; use --backend threads, or --backend mpi for \
+             several CPU processes"
         ),
     }
 }

@@ -6,8 +6,12 @@
 //! feature, `mpi` (one rank per process under `mpirun`, CPU ranks on one or many nodes).
 
 mod error;
+#[cfg(feature = "cuda")]
+pub mod gpu_local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(all(feature = "cuda", feature = "mpi"))]
+pub mod nccl;
 mod reduce;
 mod stats;
 pub mod threads;

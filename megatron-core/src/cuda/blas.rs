@@ -68,11 +68,16 @@ impl MatmulShape {
     }
 }
 
-/// A cuBLAS handle on one rank's stream.
+/// Bytes of the workspace each handle owns (cuBLAS's recommendation for Hopper).
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// A cuBLAS handle on one rank's stream, with its own workspace so that its products can be
+/// captured into CUDA graphs (cuBLAS may not allocate during a capture).
 #[derive(Debug)]
 pub struct Blas {
     handle: CudaBlas,
     stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    _workspace: cudarc::driver::CudaSlice<u8>,
 }
 
 impl Blas {
@@ -83,9 +88,28 @@ impl Blas {
             call: "cublasCreate".to_string(),
             message: format!("{e:?}"),
         })?;
+        let workspace = gpu.zeros::<u8>(WORKSPACE_BYTES)?;
+        {
+            let (ptr, _sync) = workspace.device_ptr(gpu.stream());
+            // SAFETY: the workspace lives as long as the handle (both in `Blas`).
+            let status = unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *handle.handle(),
+                    ptr as *mut std::ffi::c_void,
+                    WORKSPACE_BYTES,
+                )
+            };
+            if status != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(CudaError::Blas {
+                    call: format!("cublasSetWorkspace({WORKSPACE_BYTES} bytes)"),
+                    message: format!("{status:?}"),
+                });
+            }
+        }
         Ok(Blas {
             handle,
             stream: gpu.stream().clone(),
+            _workspace: workspace,
         })
     }
 

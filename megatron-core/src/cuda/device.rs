@@ -10,6 +10,10 @@ use super::programs::Kernels;
 
 /// A device and a stream of this rank on it. Several ranks (threads) may share one device, each
 /// with its own stream, as the device-local communicator does.
+///
+/// Everything queued through one handle runs in order on its stream. Buffers are not tracked
+/// across streams: a buffer used on another stream must be ordered with events (as the
+/// device-local communicator does), and freed only after that use.
 #[derive(Debug, Clone)]
 pub struct Gpu {
     ctx: Arc<CudaContext>,
@@ -22,8 +26,8 @@ impl Gpu {
     /// kernels.
     pub fn new(ordinal: usize) -> Result<Gpu> {
         library::require_driver()?;
-        let count = CudaContext::device_count()
-            .map_err(|e| CudaError::driver("cuDeviceGetCount", e))?;
+        let count =
+            CudaContext::device_count().map_err(|e| CudaError::driver("cuDeviceGetCount", e))?;
         if ordinal >= count as usize {
             return Err(CudaError::Driver {
                 call: format!("opening cuda:{ordinal}"),
@@ -32,6 +36,13 @@ impl Gpu {
         }
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| CudaError::driver(format!("cuDevicePrimaryCtxRetain({ordinal})"), e))?;
+        // Ordering is explicit: a rank's work runs on its stream, and the device-local
+        // communicator orders other streams' uses of its buffers with events. cudarc's
+        // automatic per-buffer events would also make graph capture fail (a capture may not
+        // wait on events recorded outside it).
+        // SAFETY: set before this context allocates anything through this handle; see above
+        // for the synchronisation that replaces the tracking.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx
             .new_stream()
             .map_err(|e| CudaError::driver("cuStreamCreate", e))?;
@@ -85,16 +96,13 @@ impl Gpu {
 
     /// A copy of `host` on the device.
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
-        self.stream
-            .clone_htod(host)
-            .map_err(|e| CudaError::driver(format!("cuMemcpyHtoDAsync({} elements)", host.len()), e))
+        self.stream.clone_htod(host).map_err(|e| {
+            CudaError::driver(format!("cuMemcpyHtoDAsync({} elements)", host.len()), e)
+        })
     }
 
     /// A host copy of `dev` (waits for the stream).
-    pub fn download<T: DeviceRepr + Default + Clone>(
-        &self,
-        dev: &CudaSlice<T>,
-    ) -> Result<Vec<T>> {
+    pub fn download<T: DeviceRepr + Default + Clone>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>> {
         self.stream
             .clone_dtoh(dev)
             .map_err(|e| CudaError::driver(format!("cuMemcpyDtoHAsync({} elements)", dev.len()), e))

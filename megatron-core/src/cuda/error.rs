@@ -51,6 +51,9 @@ pub enum CudaError {
         /// The library's error.
         message: String,
     },
+    /// A tensor cannot be used as asked (device, layout, borrow).
+    #[error(transparent)]
+    Tensor(#[from] crate::tensor::TensorError),
     /// Arguments that do not fit the kernel (lengths, ranges), as on the CPU.
     #[error(transparent)]
     Kernel(#[from] KernelError),

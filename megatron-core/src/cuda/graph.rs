@@ -6,8 +6,8 @@
 use cudarc::driver::CudaGraph;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 
-use super::error::{CudaError, Result};
 use super::Gpu;
+use super::error::{CudaError, Result};
 
 /// An instantiated graph of one stream's work.
 pub struct Graph {
@@ -36,7 +36,8 @@ impl Graph {
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| CudaError::driver("cuStreamBeginCapture", e))?;
         let body = region();
-        let end = stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        let end = stream
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
         body?;
         match end.map_err(|e| CudaError::driver("cuStreamEndCapture", e))? {
             Some(graph) => Ok(Graph { graph }),

@@ -63,10 +63,12 @@ pub fn compile(name: &'static str, source: &str, arch: &'static str) -> Result<P
     })
 }
 
+/// The PTX of every program, by program name.
+pub type CompiledPrograms = Arc<Vec<(&'static str, Ptx)>>;
+
 /// Every program compiled for `arch`, cached for the life of the process.
-pub fn compile_all(arch: &'static str) -> Result<Arc<Vec<(&'static str, Ptx)>>> {
-    static CACHE: OnceLock<Mutex<HashMap<&'static str, Arc<Vec<(&'static str, Ptx)>>>>> =
-        OnceLock::new();
+pub fn compile_all(arch: &'static str) -> Result<CompiledPrograms> {
+    static CACHE: OnceLock<Mutex<HashMap<&'static str, CompiledPrograms>>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
     if let Some(done) = cache.lock().get(arch) {
         return Ok(done.clone());
@@ -103,8 +105,7 @@ impl Kernels {
             let module = ctx
                 .load_module(ptx.clone())
                 .map_err(|e| CudaError::driver(format!("cuModuleLoadData({name})"), e))?;
-            for kernel in kernel_names(PROGRAMS.iter().find(|p| p.0 == *name).map_or("", |p| p.1))
-            {
+            for kernel in kernel_names(PROGRAMS.iter().find(|p| p.0 == *name).map_or("", |p| p.1)) {
                 let f = module
                     .load_function(kernel)
                     .map_err(|e| CudaError::driver(format!("cuModuleGetFunction({kernel})"), e))?;

@@ -27,7 +27,7 @@ pub struct AdamConfig {
 
 impl AdamConfig {
     /// Checks every hyper-parameter's range.
-    fn validate(&self, kernel: &'static str) -> Result<(), KernelError> {
+    pub(crate) fn validate(&self, kernel: &'static str) -> Result<(), KernelError> {
         let bad = |message: String| Err(KernelError::Invalid { kernel, message });
         if self.step == 0 {
             return bad("step is 1-based, got 0".into());
@@ -50,18 +50,45 @@ impl AdamConfig {
     }
 }
 
-/// The f32 scalars of one step, computed once from an [`AdamConfig`].
+/// The f32 scalars of one step, computed once from an [`AdamConfig`] (shared with the CUDA
+/// kernel, so both round the f64 hyper-parameters the same way).
 #[derive(Debug, Clone, Copy)]
-struct AdamScalars {
-    b1: f32,
-    b2: f32,
-    omb1: f32,
-    omb2: f32,
-    eps: f32,
-    step_size: f32,
-    inv_sqrt_bc2: f32,
-    decay: f32,
-    l2: f32,
+pub(crate) struct AdamScalars {
+    pub(crate) b1: f32,
+    pub(crate) b2: f32,
+    pub(crate) omb1: f32,
+    pub(crate) omb2: f32,
+    pub(crate) eps: f32,
+    pub(crate) step_size: f32,
+    pub(crate) inv_sqrt_bc2: f32,
+    pub(crate) decay: f32,
+    pub(crate) l2: f32,
+}
+
+impl AdamScalars {
+    /// The scalars of `c`'s step: bias corrections in f64, each rounded once to f32.
+    pub(crate) fn of(c: &AdamConfig) -> AdamScalars {
+        // powi needs an i32 exponent; beyond that the corrections are 1 to f64 precision anyway.
+        let t = i32::try_from(c.step).unwrap_or(i32::MAX);
+        let bc1 = 1.0 - c.beta1.powi(t);
+        let bc2 = 1.0 - c.beta2.powi(t);
+        let (decay, l2) = if c.decoupled {
+            ((1.0 - c.lr * c.weight_decay) as f32, 0.0f32)
+        } else {
+            (1.0f32, c.weight_decay as f32)
+        };
+        AdamScalars {
+            b1: c.beta1 as f32,
+            b2: c.beta2 as f32,
+            omb1: (1.0 - c.beta1) as f32,
+            omb2: (1.0 - c.beta2) as f32,
+            eps: c.eps as f32,
+            step_size: (c.lr / bc1) as f32,
+            inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
+            decay,
+            l2,
+        }
+    }
 }
 
 versioned! {
@@ -106,32 +133,7 @@ pub fn adam_step(
     check_len(K, "grad", grad.len(), n, dims)?;
     check_len(K, "exp_avg", exp_avg.len(), n, dims)?;
     check_len(K, "exp_avg_sq", exp_avg_sq.len(), n, dims)?;
-    let c = config;
-    // powi needs an i32 exponent; beyond that the corrections are 1 to f64 precision anyway.
-    let t = i32::try_from(c.step).unwrap_or(i32::MAX);
-    let bc1 = 1.0 - c.beta1.powi(t);
-    let bc2 = 1.0 - c.beta2.powi(t);
-    let step_size = (c.lr / bc1) as f32;
-    let inv_sqrt_bc2 = (1.0 / bc2.sqrt()) as f32;
-    let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
-    let (omb1, omb2) = ((1.0 - c.beta1) as f32, (1.0 - c.beta2) as f32);
-    let eps = c.eps as f32;
-    let (decay, l2) = if c.decoupled {
-        ((1.0 - c.lr * c.weight_decay) as f32, 0.0f32)
-    } else {
-        (1.0f32, c.weight_decay as f32)
-    };
-    let scalars = AdamScalars {
-        b1,
-        b2,
-        omb1,
-        omb2,
-        eps,
-        step_size,
-        inv_sqrt_bc2,
-        decay,
-        l2,
-    };
+    let scalars = AdamScalars::of(config);
     let isa = Isa::detected();
     match parallel::part_len(n) {
         None => adam_loop(isa, param, grad, exp_avg, exp_avg_sq, &scalars),

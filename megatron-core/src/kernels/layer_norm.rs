@@ -9,7 +9,7 @@ use super::shape::numel;
 use super::{KernelError, check_len};
 
 /// Checks the shared dimensions and `eps`; returns `rows × hidden`.
-fn check_dims(
+pub(crate) fn check_dims(
     kernel: &'static str,
     rows: usize,
     hidden: usize,

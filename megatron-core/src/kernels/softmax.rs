@@ -27,7 +27,7 @@ fn visible_keys(i: usize, sq: usize, sk: usize, causal: bool) -> usize {
 }
 
 /// Checks the dimensions and `scale`; returns `batches × sq × sk`.
-fn check_dims(
+pub(crate) fn check_dims(
     kernel: &'static str,
     batches: usize,
     sq: usize,

@@ -6,6 +6,8 @@
 //! copy nothing; GEMM reads transposed views in place.
 
 mod dtype;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod layout;
 mod pool;
 mod storage;
@@ -60,6 +62,19 @@ pub enum TensorError {
         op: &'static str,
         /// Whether the failed borrow was a write.
         write: bool,
+    },
+    /// The operation cannot use memory of this device (host code given a GPU tensor, or a GPU
+    /// collective given a host tensor).
+    #[error(
+        "{op}: the tensor is on {actual}, this needs it on {expected} (copy it with to_host() or to_gpu())"
+    )]
+    Device {
+        /// The operation.
+        op: &'static str,
+        /// Where the operation needs the tensor.
+        expected: &'static str,
+        /// Where it is.
+        actual: Device,
     },
     /// A kernel rejected its arguments.
     #[error(transparent)]
@@ -286,6 +301,18 @@ impl Tensor {
         }
     }
 
+    /// Checks that the elements are in host memory, naming `op` otherwise.
+    fn require_host(&self, op: &'static str) -> Result<()> {
+        match self.device() {
+            Device::Cpu => Ok(()),
+            actual => Err(TensorError::Device {
+                op,
+                expected: "the host",
+                actual,
+            }),
+        }
+    }
+
     fn require_dtype(&self, op: &'static str, expected: DType) -> Result<()> {
         if self.dtype() == expected {
             Ok(())
@@ -300,6 +327,7 @@ impl Tensor {
 
     /// Borrows the elements of a contiguous tensor for reading.
     pub fn read<T: Element>(&self) -> Result<TensorRead<'_, T>> {
+        self.require_host("read")?;
         self.require_contiguous("read")?;
         self.require_dtype("read", T::DTYPE)?;
         let borrow = self.raw_read("read")?;
@@ -313,6 +341,7 @@ impl Tensor {
 
     /// Borrows the elements of a contiguous tensor for writing.
     pub fn write<T: Element>(&self) -> Result<TensorWrite<'_, T>> {
+        self.require_host("write")?;
         self.require_contiguous("write")?;
         self.require_dtype("write", T::DTYPE)?;
         let borrow = self.raw_write("write")?;
@@ -328,6 +357,7 @@ impl Tensor {
     /// Borrows the span of storage a (possibly strided) view touches, for reading; returns it
     /// with the storage index of its first element.
     pub(crate) fn read_span<T: Element>(&self) -> Result<(TensorRead<'_, T>, usize)> {
+        self.require_host("read")?;
         self.require_dtype("read", T::DTYPE)?;
         let (start, end) = (self.layout.offset, self.layout.end());
         let borrow = self
@@ -350,6 +380,7 @@ impl Tensor {
 
     /// Borrows the span of storage a (possibly strided) view touches, for writing.
     pub(crate) fn write_span<T: Element>(&self) -> Result<(TensorWrite<'_, T>, usize)> {
+        self.require_host("write")?;
         self.require_dtype("write", T::DTYPE)?;
         let (start, end) = (self.layout.offset, self.layout.end());
         let borrow = self
@@ -371,8 +402,9 @@ impl Tensor {
         ))
     }
 
-    /// Borrows a contiguous view's elements for reading through raw pointers.
+    /// Borrows a contiguous host view's elements for reading through raw pointers.
     pub(crate) fn raw_read(&self, op: &'static str) -> Result<RawBorrow<'_>> {
+        self.require_host(op)?;
         self.require_contiguous(op)?;
         let start = self.layout.offset;
         self.storage
@@ -380,13 +412,55 @@ impl Tensor {
             .ok_or(TensorError::Borrowed { op, write: false })
     }
 
-    /// Borrows a contiguous view's elements for writing through raw pointers.
+    /// Borrows a contiguous host view's elements for writing through raw pointers.
     pub(crate) fn raw_write(&self, op: &'static str) -> Result<RawBorrow<'_>> {
+        self.require_host(op)?;
         self.require_contiguous(op)?;
         let start = self.layout.offset;
         self.storage
             .borrow(start, start + self.numel(), true)
             .ok_or(TensorError::Borrowed { op, write: true })
+    }
+
+    /// Borrows a contiguous device view's elements (device addresses) for reading.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn raw_device_read(&self, op: &'static str) -> Result<RawBorrow<'_>> {
+        self.require_gpu(op)?;
+        self.require_contiguous(op)?;
+        let start = self.layout.offset;
+        self.storage
+            .borrow(start, start + self.numel(), false)
+            .ok_or(TensorError::Borrowed { op, write: false })
+    }
+
+    /// Borrows a contiguous device view's elements (device addresses) for writing.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn raw_device_write(&self, op: &'static str) -> Result<RawBorrow<'_>> {
+        self.require_gpu(op)?;
+        self.require_contiguous(op)?;
+        let start = self.layout.offset;
+        self.storage
+            .borrow(start, start + self.numel(), true)
+            .ok_or(TensorError::Borrowed { op, write: true })
+    }
+
+    /// Checks that the elements are in device memory, naming `op` otherwise.
+    #[cfg(feature = "cuda")]
+    fn require_gpu(&self, op: &'static str) -> Result<()> {
+        match self.device() {
+            Device::Cuda(_) => Ok(()),
+            actual => Err(TensorError::Device {
+                op,
+                expected: "a CUDA device",
+                actual,
+            }),
+        }
+    }
+
+    /// The GPU handle that owns a device tensor's memory (`None` on the host).
+    #[cfg(feature = "cuda")]
+    pub fn gpu(&self) -> Option<&crate::cuda::Gpu> {
+        self.storage.gpu()
     }
 
     /// Checks that the tensor is contiguous, naming `op` otherwise.

@@ -71,6 +71,27 @@ impl CpuBuffer {
 pub enum Device {
     /// Host memory; kernels run on the CPU.
     Cpu,
+    /// Memory of CUDA device `ordinal` (feature `cuda`).
+    Cuda(usize),
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(ordinal) => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
+
+/// Device memory behind a storage: the allocation, its address, and the rank's GPU handle whose
+/// stream orders its use.
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+pub(crate) struct DeviceMemory {
+    _slice: crate::cuda::CudaSlice<u8>,
+    base: u64,
+    gpu: crate::cuda::Gpu,
 }
 
 /// One outstanding borrow of a range of elements.
@@ -92,6 +113,9 @@ pub struct Storage {
     ptr: NonNull<u8>,
     borrows: Mutex<Vec<Borrow>>,
     next_id: AtomicU64,
+    /// Set for device storage (whose `ptr` is dangling: the elements live on the device).
+    #[cfg(feature = "cuda")]
+    device: Option<DeviceMemory>,
 }
 
 // SAFETY: elements are only reached through `RawBorrow`s, which the borrow list keeps from
@@ -135,7 +159,44 @@ impl Storage {
             ptr,
             borrows: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(0),
+            #[cfg(feature = "cuda")]
+            device: None,
         }
+    }
+
+    /// `len` zeroed elements of `dtype` in `gpu`'s device memory (allocated on its stream).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn on_gpu(
+        gpu: &crate::cuda::Gpu,
+        dtype: DType,
+        len: usize,
+    ) -> crate::cuda::Result<Self> {
+        use cudarc::driver::DevicePtr;
+        // At least one byte, so that every storage has an address.
+        let slice = gpu.zeros::<u8>((len * dtype.size()).max(1))?;
+        let base = {
+            let (ptr, _sync) = slice.device_ptr(gpu.stream());
+            ptr
+        };
+        Ok(Storage {
+            dtype,
+            len,
+            cap: 0,
+            ptr: NonNull::dangling(),
+            borrows: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(0),
+            device: Some(DeviceMemory {
+                _slice: slice,
+                base,
+                gpu: gpu.clone(),
+            }),
+        })
+    }
+
+    /// The GPU handle of device storage (`None` on the host).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn gpu(&self) -> Option<&crate::cuda::Gpu> {
+        self.device.as_ref().map(|d| &d.gpu)
     }
 
     /// Takes ownership of a buffer.
@@ -152,6 +213,8 @@ impl Storage {
             ptr: NonNull::new(ptr).expect("a Vec's pointer is never null"),
             borrows: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(0),
+            #[cfg(feature = "cuda")]
+            device: None,
         }
     }
 
@@ -172,6 +235,10 @@ impl Storage {
 
     /// The device holding the memory.
     pub fn device(&self) -> Device {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.device {
+            return Device::Cuda(d.gpu.ordinal());
+        }
         Device::Cpu
     }
 
@@ -215,6 +282,11 @@ impl Storage {
 
 impl Drop for Storage {
     fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        if self.device.is_some() {
+            // The device allocation frees itself, ordered on its stream.
+            return;
+        }
         let Some(block) = pool::give(
             self.dtype,
             self.len,
@@ -248,9 +320,14 @@ pub(crate) struct RawBorrow<'a> {
 }
 
 impl RawBorrow<'_> {
-    /// Address of the first borrowed element.
+    /// Address of the first borrowed element (a device address for device storage).
     pub fn addr(&self) -> usize {
-        self.storage.ptr.as_ptr() as usize + self.start * self.storage.dtype.size()
+        let offset = self.start * self.storage.dtype.size();
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.storage.device {
+            return d.base as usize + offset;
+        }
+        self.storage.ptr.as_ptr() as usize + offset
     }
 
     /// Number of borrowed elements.

@@ -328,6 +328,17 @@ impl MpiComm {
         handshake::verify(&self.name, &self.ranks, &all)
     }
 
+    /// Checks with every member that they make the same call (and, for all-to-all, matching
+    /// splits), moving no data: the NCCL backend verifies its calls with it.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn verify_call(
+        &self,
+        desc: CallDesc,
+        splits: Option<(Vec<usize>, Vec<usize>)>,
+    ) -> Result<()> {
+        self.with_state(|state| self.handshake(state, desc, splits))
+    }
+
     /// Scratch of at least `bytes` bytes, 8-byte aligned.
     fn scratch(state: &mut State, bytes: usize) -> &mut [u8] {
         let words = bytes.div_ceil(8);

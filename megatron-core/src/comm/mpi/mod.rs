@@ -158,6 +158,11 @@ impl MpiWorld {
         Ok(mpi_world)
     }
 
+    /// How long a rank waits at a collective before failing.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// This process's rank among the processes of its node.
     pub fn local_rank(&self) -> usize {
         self.local_rank
@@ -188,11 +193,18 @@ impl World for MpiWorld {
     /// A communicator over `ranks`, created collectively by its members only
     /// (`MPI_Comm_create_group`): members must ask for their groups in the same order.
     fn communicator(&self, name: &str, ranks: &[usize]) -> Result<Arc<dyn Communicator>> {
+        Ok(self.mpi_communicator(name, ranks)? as Arc<dyn Communicator>)
+    }
+}
+
+impl MpiWorld {
+    /// [`World::communicator`] with the concrete type (other backends build on its handshake).
+    pub(crate) fn mpi_communicator(&self, name: &str, ranks: &[usize]) -> Result<Arc<MpiComm>> {
         let index = crate::comm::member_index(name, ranks, self.rank, self.size)?;
         let key = (name.to_string(), ranks.to_vec());
         let mut groups = self.groups.lock();
         if let Some(comm) = groups.get(&key) {
-            return Ok(Arc::clone(comm) as Arc<dyn Communicator>);
+            return Ok(Arc::clone(comm));
         }
         let members: Vec<i32> = ranks
             .iter()

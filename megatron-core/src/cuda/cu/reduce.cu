@@ -33,3 +33,15 @@ extern "C" __global__ void fold_bf16(const unsigned short* const* __restrict__ s
         out[i] = f32_to_bf16_bits(acc);
     }
 }
+
+extern "C" __global__ void fold_i64(const i64* const* __restrict__ srcs, int k,
+                                    i64* __restrict__ out, u64 n, int op) {
+    FOR_EACH(i, n) {
+        i64 acc = srcs[0][i];
+        for (int r = 1; r < k; ++r) {
+            const i64 v = srcs[r][i];
+            acc = op == 0 ? acc + v : op == 1 ? (v > acc ? v : acc) : (v < acc ? v : acc);
+        }
+        out[i] = acc;
+    }
+}

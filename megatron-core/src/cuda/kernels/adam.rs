@@ -1,1 +1,50 @@
-//! (being written)
+//! Adam and AdamW steps on the device, as [`crate::kernels::adam::adam_step`], with the same f32
+//! scalars (rounded once per step from the f64 hyper-parameters on the host) and the same
+//! rounding of every operation, so a GPU step gives the CPU's bits.
+
+use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
+
+use super::{check_len, cover, launch};
+use crate::cuda::{Gpu, Result};
+use crate::kernels::adam::{AdamConfig, AdamScalars};
+
+/// One Adam/AdamW step in place on `param`, `exp_avg` and `exp_avg_sq` from `grad` (all the same
+/// length), as [`crate::kernels::adam::adam_step`].
+pub fn adam_step(
+    gpu: &Gpu,
+    param: &mut CudaViewMut<f32>,
+    grad: &CudaView<f32>,
+    exp_avg: &mut CudaViewMut<f32>,
+    exp_avg_sq: &mut CudaViewMut<f32>,
+    config: &AdamConfig,
+) -> Result<()> {
+    const K: &str = "adam_step";
+    config.validate(K)?;
+    let n = param.len();
+    let dims = || format!("elements {n}");
+    check_len(K, "grad", grad.len(), n, dims)?;
+    check_len(K, "exp_avg", exp_avg.len(), n, dims)?;
+    check_len(K, "exp_avg_sq", exp_avg_sq.len(), n, dims)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let c = AdamScalars::of(config);
+    let n64 = n as u64;
+    let f = gpu.kernels().get(K)?;
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(param)
+        .arg(grad)
+        .arg(exp_avg)
+        .arg(exp_avg_sq)
+        .arg(&n64);
+    args.arg(&c.b1)
+        .arg(&c.b2)
+        .arg(&c.omb1)
+        .arg(&c.omb2)
+        .arg(&c.eps);
+    args.arg(&c.step_size)
+        .arg(&c.inv_sqrt_bc2)
+        .arg(&c.decay)
+        .arg(&c.l2);
+    launch(K, args, cover(n.div_ceil(4)))
+}

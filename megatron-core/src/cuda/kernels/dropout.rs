@@ -42,13 +42,21 @@ fn apply(
         Some((xb, yb)) => {
             args.arg(xb).arg(yb);
             args.arg(&n64).arg(&inner).arg(&stride).arg(&first);
-            args.arg(&key_lo).arg(&key_hi).arg(&id).arg(&threshold).arg(&scale);
+            args.arg(&key_lo)
+                .arg(&key_hi)
+                .arg(&id)
+                .arg(&threshold)
+                .arg(&scale);
             launch(kernel, args, cover(n))
         }
         None => {
             args.arg(&null).arg(&null);
             args.arg(&n64).arg(&inner).arg(&stride).arg(&first);
-            args.arg(&key_lo).arg(&key_hi).arg(&id).arg(&threshold).arg(&scale);
+            args.arg(&key_lo)
+                .arg(&key_hi)
+                .arg(&id)
+                .arg(&threshold)
+                .arg(&scale);
             launch(kernel, args, cover(n))
         }
     }

@@ -117,7 +117,9 @@ pub fn bias_add_backward(
 ) -> Result<()> {
     const K: &str = "bias_add_backward";
     let n = product(K, &[rows, cols])?;
-    check_len(K, "dy", dy.len(), n, || format!("rows {rows} × cols {cols}"))?;
+    check_len(K, "dy", dy.len(), n, || {
+        format!("rows {rows} × cols {cols}")
+    })?;
     check_len(K, "dbias", dbias.len(), cols, || format!("cols {cols}"))?;
     let f = gpu.kernels().get(K)?;
     let (rows64, cols64) = (rows as u64, cols as u64);
@@ -163,10 +165,7 @@ pub fn sum_of_squares(gpu: &Gpu, x: &CudaView<f32>) -> Result<f64> {
     let f = gpu.kernels().get(K)?;
     let n64 = n as u64;
     let mut args = gpu.stream().launch_builder(f);
-    args.arg(x)
-        .arg(&n64)
-        .arg(&block_len)
-        .arg(&mut partials);
+    args.arg(x).arg(&n64).arg(&block_len).arg(&mut partials);
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: (THREADS * 2, 1, 1),

@@ -1,1 +1,163 @@
-//! (being written)
+//! Layer normalisation on the device, as [`crate::kernels::layer_norm`]: the same two-pass
+//! statistics, saved `mean`/`rstd`, gradient formulas and argument checks.
+//!
+//! The row kernels run one block per row; `dgamma`/`dbeta` are f64 partial column sums over
+//! fixed chunks of rows, added in order by a second kernel (deterministic, no atomics).
+
+use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+
+use super::{check_len, cover, launch, per_row};
+use crate::cuda::{CudaError, Gpu, Result};
+use crate::kernels::layer_norm::check_dims;
+
+/// Most threads of a row block (the kernels' `__launch_bounds__`).
+const MAX_THREADS: usize = 512;
+/// Most blocks of a row launch; the kernels stride over further rows.
+const MAX_BLOCKS: usize = 1 << 20;
+/// Columns × row lanes of a partial column-sum block (`LN_COLS`, `LN_ROW_LANES` in the source).
+const COLS: u32 = 32;
+const ROW_LANES: u32 = 8;
+/// Most chunks of rows of the partial sums, and fewest rows per chunk.
+const MAX_CHUNKS: usize = 64;
+const MIN_CHUNK_ROWS: usize = 32;
+
+/// Threads for a row of `len` floats: about one float4 each, whole warps, at most 512.
+pub(crate) fn row_threads(len: usize) -> u32 {
+    (len.div_ceil(4).div_ceil(32) * 32).clamp(32, MAX_THREADS) as u32
+}
+
+/// `y = (x − mean)·rstd·gamma + beta` per row of `x[rows, hidden]`, saving `mean[rows]` and
+/// `rstd[rows]`, as [`crate::kernels::layer_norm::layer_norm_forward`].
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_forward(
+    gpu: &Gpu,
+    x: &CudaView<f32>,
+    gamma: &CudaView<f32>,
+    beta: &CudaView<f32>,
+    rows: usize,
+    hidden: usize,
+    eps: f32,
+    y: &mut CudaViewMut<f32>,
+    mean: &mut CudaViewMut<f32>,
+    rstd: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const K: &str = "layer_norm_forward";
+    let n = check_dims(K, rows, hidden, eps)?;
+    let dims = || format!("rows {rows} × hidden {hidden}");
+    check_len(K, "x", x.len(), n, dims)?;
+    check_len(K, "gamma", gamma.len(), hidden, dims)?;
+    check_len(K, "beta", beta.len(), hidden, dims)?;
+    check_len(K, "y", y.len(), n, dims)?;
+    check_len(K, "mean", mean.len(), rows, dims)?;
+    check_len(K, "rstd", rstd.len(), rows, dims)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels().get(K)?;
+    let (rows64, hidden64) = (rows as u64, hidden as u64);
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(x)
+        .arg(gamma)
+        .arg(beta)
+        .arg(y)
+        .arg(mean)
+        .arg(rstd)
+        .arg(&rows64)
+        .arg(&hidden64)
+        .arg(&eps);
+    launch(
+        K,
+        args,
+        per_row(rows.min(MAX_BLOCKS), row_threads(hidden), 0)?,
+    )
+}
+
+/// Gradients of [`layer_norm_forward`]: overwrites `dx[rows, hidden]`, accumulates `dgamma` and
+/// `dbeta` (`+=`), as [`crate::kernels::layer_norm::layer_norm_backward`].
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_backward(
+    gpu: &Gpu,
+    dy: &CudaView<f32>,
+    x: &CudaView<f32>,
+    mean: &CudaView<f32>,
+    rstd: &CudaView<f32>,
+    gamma: &CudaView<f32>,
+    rows: usize,
+    hidden: usize,
+    dx: &mut CudaViewMut<f32>,
+    dgamma: &mut CudaViewMut<f32>,
+    dbeta: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const K: &str = "layer_norm_backward";
+    let n = check_dims(K, rows, hidden, 0.0)?;
+    let dims = || format!("rows {rows} × hidden {hidden}");
+    check_len(K, "dy", dy.len(), n, dims)?;
+    check_len(K, "x", x.len(), n, dims)?;
+    check_len(K, "mean", mean.len(), rows, dims)?;
+    check_len(K, "rstd", rstd.len(), rows, dims)?;
+    check_len(K, "gamma", gamma.len(), hidden, dims)?;
+    check_len(K, "dx", dx.len(), n, dims)?;
+    check_len(K, "dgamma", dgamma.len(), hidden, dims)?;
+    check_len(K, "dbeta", dbeta.len(), hidden, dims)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let (rows64, hidden64) = (rows as u64, hidden as u64);
+
+    // dx: one block per row.
+    const DX: &str = "layer_norm_backward_dx";
+    let f = gpu.kernels().get(DX)?;
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(dy)
+        .arg(x)
+        .arg(mean)
+        .arg(rstd)
+        .arg(gamma)
+        .arg(dx)
+        .arg(&rows64)
+        .arg(&hidden64);
+    launch(
+        DX,
+        args,
+        per_row(rows.min(MAX_BLOCKS), row_threads(hidden), 0)?,
+    )?;
+
+    // dgamma, dbeta: f64 partial column sums per chunk of rows, then the chunks in order.
+    let rows_per_chunk = rows.div_ceil(MAX_CHUNKS).max(MIN_CHUNK_ROWS);
+    let chunks = rows.div_ceil(rows_per_chunk);
+    let tiles = u32::try_from(hidden.div_ceil(COLS as usize)).map_err(|_| CudaError::Driver {
+        call: format!("launching {K}"),
+        message: format!("hidden {hidden} exceeds one grid dimension"),
+    })?;
+    let mut partials = gpu.zeros::<f64>(2 * chunks * hidden)?;
+    const PARTIALS: &str = "layer_norm_backward_partials";
+    let f = gpu.kernels().get(PARTIALS)?;
+    let chunk_rows64 = rows_per_chunk as u64;
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(dy)
+        .arg(x)
+        .arg(mean)
+        .arg(rstd)
+        .arg(&mut partials)
+        .arg(&rows64)
+        .arg(&hidden64)
+        .arg(&chunk_rows64);
+    let cfg = LaunchConfig {
+        // chunks ≤ MAX_CHUNKS, so it fits the grid's y dimension.
+        grid_dim: (tiles, chunks as u32, 1),
+        block_dim: (COLS, ROW_LANES, 1),
+        shared_mem_bytes: 0,
+    };
+    launch(PARTIALS, args, cfg)?;
+
+    const FINALIZE: &str = "layer_norm_backward_finalize";
+    let f = gpu.kernels().get(FINALIZE)?;
+    let chunks64 = chunks as u64;
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(&partials)
+        .arg(dgamma)
+        .arg(dbeta)
+        .arg(&chunks64)
+        .arg(&hidden64);
+    launch(FINALIZE, args, cover(hidden))
+}

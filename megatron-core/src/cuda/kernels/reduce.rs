@@ -63,3 +63,39 @@ pub fn fold<T: Foldable>(
     drop(pointers);
     Ok(())
 }
+
+/// The fold kernel for `dtype`, if there is one (f16 reductions are not on the GPU yet).
+pub fn fold_kernel(dtype: crate::tensor::DType) -> Option<&'static str> {
+    use crate::tensor::DType;
+    match dtype {
+        DType::F32 => Some("fold_f32"),
+        DType::BF16 => Some("fold_bf16"),
+        DType::I64 => Some("fold_i64"),
+        DType::F16 => None,
+    }
+}
+
+/// [`fold`] on raw device addresses of `n` elements each (the device-local communicator's
+/// buffers belong to several ranks' tensors).
+///
+/// # Safety
+/// Every address must point to `n` elements of the kernel's type in this device's memory that
+/// stay allocated until the stream has run the kernel; `out` must not overlap a source.
+pub unsafe fn fold_raw(
+    gpu: &Gpu,
+    kernel: &'static str,
+    srcs: &[u64],
+    out: u64,
+    n: usize,
+    op: ReduceOp,
+) -> Result<()> {
+    if srcs.is_empty() || n == 0 {
+        return Ok(());
+    }
+    let table = gpu.upload(srcs)?;
+    let (k, n64, code) = (srcs.len() as i32, n as u64, op_code(op));
+    let f = gpu.kernels().get(kernel)?;
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(&table).arg(&k).arg(&out).arg(&n64).arg(&code);
+    launch(kernel, args, cover(n))
+}

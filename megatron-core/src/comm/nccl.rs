@@ -1,0 +1,692 @@
+//! The NCCL backend (features `cuda` and `mpi`): one process per GPU, started by `mpirun` or
+//! `srun`, device tensors moved by NCCL.
+//!
+//! - Bootstrapped over MPI, the way clusters launch: ranks, local ranks and the world size come
+//!   from MPI, each process takes GPU `local_rank % device_count`, and every group's NCCL unique
+//!   id is made by its first member and broadcast over the group's MPI communicator (no
+//!   rendezvous server of our own).
+//! - The same [`Communicator`] contract as the other backends: before each NCCL call the members
+//!   exchange what they are about to call over MPI (a few bytes), so a mismatch is a
+//!   [`CommError::Mismatch`] on every rank and a rank that never comes a [`CommError::Timeout`]
+//!   naming it, instead of a hang inside NCCL. After the call the rank waits for it with the
+//!   same deadline, polling NCCL's asynchronous error; a call that does not finish aborts the
+//!   NCCL communicator and is a timeout.
+//! - All-to-all with uneven splits is grouped send/recv (NCCL has no all-to-all).
+//! - NCCL reduces in its own order (rings, trees), so sums equal the host backends' within
+//!   rounding, not bit for bit.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys::{CUresult, cuStreamQuery};
+use cudarc::nccl::result as nccl;
+use cudarc::nccl::sys::{
+    ncclComm_t, ncclCommGetAsyncError, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId,
+};
+use parking_lot::Mutex;
+
+use super::mpi::{MpiComm, MpiWorld};
+use super::stats::Counters;
+use super::{CallDesc, CommError, CommStats, Communicator, OpKind, ReduceOp, Result, World};
+use crate::cuda::Gpu;
+use crate::tensor::{DType, Device, Tensor};
+
+/// A group's key: its family name and its members.
+type GroupKey = (String, Vec<usize>);
+
+/// One process's entry into an NCCL world: its MPI world and its GPU.
+pub struct NcclWorld {
+    mpi: MpiWorld,
+    gpu: Gpu,
+    timeout: Duration,
+    groups: Mutex<HashMap<GroupKey, Arc<NcclComm>>>,
+}
+
+impl std::fmt::Debug for NcclWorld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclWorld")
+            .field("rank", &self.mpi.rank())
+            .field("size", &self.mpi.size())
+            .field("gpu", &self.gpu.ordinal())
+            .finish()
+    }
+}
+
+fn world_error(call: &'static str, message: impl std::fmt::Display) -> CommError {
+    CommError::Backend {
+        group: "world".to_string(),
+        library: "NCCL",
+        call,
+        message: message.to_string(),
+    }
+}
+
+impl NcclWorld {
+    /// Opens this process's GPU (local rank modulo the devices of the node) on top of `mpi`.
+    pub fn init(mpi: MpiWorld) -> Result<NcclWorld> {
+        crate::cuda::require_nccl().map_err(|e| world_error("dlopen", e))?;
+        crate::cuda::require_driver().map_err(|e| world_error("dlopen", e))?;
+        let devices = cudarc::driver::CudaContext::device_count()
+            .map_err(|e| world_error("cuDeviceGetCount", format!("{e:?}")))?;
+        if devices < 1 {
+            return Err(world_error(
+                "cuDeviceGetCount",
+                "this node has no CUDA device",
+            ));
+        }
+        let ordinal = mpi.local_rank() % devices as usize;
+        let gpu = Gpu::new(ordinal).map_err(|e| world_error("opening the GPU", e))?;
+        Ok(NcclWorld {
+            timeout: mpi.timeout(),
+            mpi,
+            gpu,
+            groups: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// This process's GPU: allocate its tensors with it.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// The MPI world under it (e.g. to abort every process).
+    pub fn mpi(&self) -> &MpiWorld {
+        &self.mpi
+    }
+}
+
+impl World for NcclWorld {
+    fn rank(&self) -> usize {
+        self.mpi.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.mpi.size()
+    }
+
+    /// The NCCL communicator of a group, created by its members together (they must ask for
+    /// their groups in the same order, as with MPI).
+    fn communicator(&self, name: &str, ranks: &[usize]) -> Result<Arc<dyn Communicator>> {
+        let key = (name.to_string(), ranks.to_vec());
+        if let Some(comm) = self.groups.lock().get(&key) {
+            return Ok(Arc::clone(comm) as Arc<dyn Communicator>);
+        }
+        let host = self.mpi.mpi_communicator(name, ranks)?;
+        let comm = Arc::new(NcclComm::create(host, self.gpu.clone(), self.timeout)?);
+        self.groups.lock().insert(key, Arc::clone(&comm));
+        Ok(comm)
+    }
+}
+
+/// An NCCL communicator handle, destroyed with its owner.
+struct RawComm(ncclComm_t);
+
+// SAFETY: NCCL communicators may be used from any thread, one call at a time; `NcclComm`
+// serialises its calls with a mutex.
+unsafe impl Send for RawComm {}
+unsafe impl Sync for RawComm {}
+
+impl Drop for RawComm {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from ncclCommInitRank and is not used after this.
+        unsafe {
+            let _ = nccl::comm_destroy(self.0);
+        }
+    }
+}
+
+/// One rank's handle on a group's NCCL communicator.
+pub struct NcclComm {
+    host: Arc<MpiComm>,
+    comm: Mutex<Option<RawComm>>,
+    gpu: Gpu,
+    timeout: Duration,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclComm")
+            .field("group", &self.host.name())
+            .field("ranks", &self.host.ranks())
+            .field("index", &self.host.index())
+            .finish()
+    }
+}
+
+/// NCCL's type of `dtype`.
+fn nccl_type(dtype: DType) -> ncclDataType_t {
+    match dtype {
+        DType::F32 => ncclDataType_t::ncclFloat32,
+        DType::BF16 => ncclDataType_t::ncclBfloat16,
+        DType::F16 => ncclDataType_t::ncclFloat16,
+        DType::I64 => ncclDataType_t::ncclInt64,
+    }
+}
+
+/// NCCL's reduction of `op`.
+fn nccl_op(op: ReduceOp) -> ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => ncclRedOp_t::ncclSum,
+        ReduceOp::Max => ncclRedOp_t::ncclMax,
+        ReduceOp::Min => ncclRedOp_t::ncclMin,
+    }
+}
+
+impl NcclComm {
+    /// Creates the group's communicator: member 0 makes the unique id, MPI broadcasts it, every
+    /// member joins with its index.
+    fn create(host: Arc<MpiComm>, gpu: Gpu, timeout: Duration) -> Result<NcclComm> {
+        let backend = |call, e: String| CommError::Backend {
+            group: host.name().to_string(),
+            library: "NCCL",
+            call,
+            message: e,
+        };
+        let id_words = if host.index() == 0 {
+            let id =
+                nccl::get_uniqueid().map_err(|e| backend("ncclGetUniqueId", format!("{e:?}")))?;
+            id_to_words(&id)
+        } else {
+            vec![0i64; 16]
+        };
+        let id_tensor = Tensor::from_vec(id_words, [16])?;
+        host.broadcast(&id_tensor, 0)?;
+        let id = words_to_id(&id_tensor.to_vec::<i64>()?);
+        let (n, index) = (host.size() as i32, host.index() as i32);
+        gpu.context()
+            .bind_to_thread()
+            .map_err(|e| backend("cuCtxSetCurrent", format!("{e:?}")))?;
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` receives the new handle; every member calls this with the same id.
+        unsafe { nccl::comm_init_rank(&mut comm, n, id, index) }
+            .map_err(|e| backend("ncclCommInitRank", format!("{e:?}")))?;
+        Ok(NcclComm {
+            host,
+            comm: Mutex::new(Some(RawComm(comm))),
+            gpu,
+            timeout,
+            counters: Counters::default(),
+        })
+    }
+
+    fn backend(&self, call: &'static str, message: impl std::fmt::Display) -> CommError {
+        CommError::Backend {
+            group: self.name().to_string(),
+            library: "NCCL",
+            call,
+            message: message.to_string(),
+        }
+    }
+
+    fn invalid(&self, message: String) -> CommError {
+        CommError::Invalid {
+            group: self.name().to_string(),
+            message,
+        }
+    }
+
+    fn check_tensor(&self, op: &'static str, t: &Tensor) -> Result<()> {
+        t.contiguous_for(op)?;
+        let here = Device::Cuda(self.gpu.ordinal());
+        if t.device() != here {
+            return Err(self.invalid(format!(
+                "{op}: the tensor is on {}, this rank's NCCL communicator moves tensors on {here}",
+                t.device()
+            )));
+        }
+        Ok(())
+    }
+
+    fn desc(
+        &self,
+        kind: OpKind,
+        t: &Tensor,
+        op: Option<ReduceOp>,
+        peer: Option<usize>,
+    ) -> CallDesc {
+        CallDesc {
+            kind,
+            dtype: t.dtype(),
+            count: t.numel(),
+            op,
+            peer,
+        }
+    }
+
+    /// Verifies the call with every member over MPI, runs `call` with the NCCL handle and this
+    /// rank's stream, and waits for it (see the module documentation).
+    fn run(
+        &self,
+        desc: CallDesc,
+        splits: Option<(Vec<usize>, Vec<usize>)>,
+        call: impl FnOnce(ncclComm_t, cudarc::driver::sys::CUstream) -> Result<()>,
+    ) -> Result<()> {
+        let what = desc.to_string();
+        self.host.verify_call(desc, splits)?;
+        let guard = self.comm.lock();
+        let Some(comm) = guard.as_ref().map(|c| c.0) else {
+            return Err(self.backend("use", "the communicator was aborted after a timeout"));
+        };
+        let stream = self.gpu.stream().cu_stream();
+        call(comm, stream)?;
+        drop(guard);
+        self.wait(&what)
+    }
+
+    /// Polls the stream and NCCL's asynchronous error until the call is done or the deadline.
+    fn wait(&self, what: &str) -> Result<()> {
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(5);
+        loop {
+            // SAFETY: the stream belongs to this rank's live context.
+            match unsafe { cuStreamQuery(self.gpu.stream().cu_stream()) } {
+                CUresult::CUDA_SUCCESS => return Ok(()),
+                CUresult::CUDA_ERROR_NOT_READY => {}
+                other => return Err(self.backend("cuStreamQuery", format!("{other:?}"))),
+            }
+            if let Some(comm) = self.comm.lock().as_ref() {
+                let mut state = ncclResult_t::ncclSuccess;
+                // SAFETY: a live communicator and a valid out-pointer.
+                unsafe { ncclCommGetAsyncError(comm.0, &mut state) };
+                if state != ncclResult_t::ncclSuccess && state != ncclResult_t::ncclInProgress {
+                    return Err(
+                        self.backend("ncclCommGetAsyncError", format!("{state:?} during {what}"))
+                    );
+                }
+            }
+            let waited = start.elapsed();
+            if waited > self.timeout {
+                if let Some(comm) = self.comm.lock().take() {
+                    // SAFETY: the handle is not used after the abort (it was taken out).
+                    unsafe {
+                        let _ = nccl::comm_abort(comm.0);
+                    }
+                    std::mem::forget(comm);
+                }
+                return Err(CommError::Timeout {
+                    group: self.name().to_string(),
+                    call: what.to_string(),
+                    waited,
+                    missing: Vec::new(),
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+
+    fn status(
+        &self,
+        call: &'static str,
+        r: std::result::Result<nccl::NcclStatus, nccl::NcclError>,
+    ) -> Result<()> {
+        r.map(drop)
+            .map_err(|e| self.backend(call, format!("{e:?}")))
+    }
+}
+
+impl Communicator for NcclComm {
+    fn name(&self) -> &str {
+        self.host.name()
+    }
+
+    fn ranks(&self) -> &[usize] {
+        self.host.ranks()
+    }
+
+    fn index(&self) -> usize {
+        self.host.index()
+    }
+
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+        const OP: &str = "all_reduce";
+        self.check_tensor(OP, tensor)?;
+        let (count, dtype) = (tensor.numel(), tensor.dtype());
+        let buf = tensor.raw_device_write(OP)?;
+        let ptr = buf.addr() as *mut c_void;
+        self.run(
+            self.desc(OpKind::AllReduce, tensor, Some(op), None),
+            None,
+            |comm, stream| {
+                // SAFETY: `ptr` is the borrowed tensor of `count` elements of `dtype`, in place.
+                self.status("ncclAllReduce", unsafe {
+                    nccl::all_reduce(
+                        ptr,
+                        ptr,
+                        count,
+                        nccl_type(dtype),
+                        nccl_op(op),
+                        comm,
+                        stream as _,
+                    )
+                })
+            },
+        )?;
+        self.counters
+            .record(OpKind::AllReduce, count * dtype.size());
+        Ok(())
+    }
+
+    fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        const OP: &str = "all_gather";
+        self.check_tensor(OP, input)?;
+        self.check_tensor(OP, output)?;
+        let (n, count, dtype) = (self.size(), input.numel(), input.dtype());
+        if output.dtype() != dtype || output.numel() != n * count {
+            return Err(self.invalid(format!(
+                "all_gather: output has {} × {} elements, expected {dtype} × {}",
+                output.dtype(),
+                output.numel(),
+                n * count
+            )));
+        }
+        let out = output.raw_device_write(OP)?;
+        let recv = out.addr() as *mut c_void;
+        // In place (the input is this rank's slot of the output), NCCL reads the slot itself.
+        let send = if input.same_storage(output) {
+            let slot = output.layout().offset + self.index() * count;
+            if input.layout().offset != slot {
+                return Err(self.invalid(format!(
+                    "all_gather: the input shares storage with the output but is not slot {}",
+                    self.index()
+                )));
+            }
+            (out.addr() + self.index() * count * dtype.size()) as *const c_void
+        } else {
+            input.raw_device_read(OP)?.addr() as *const c_void
+        };
+        self.run(
+            self.desc(OpKind::AllGather, input, None, None),
+            None,
+            |comm, stream| {
+                // SAFETY: `send` holds `count` elements and `recv` n × count, on this device.
+                self.status("ncclAllGather", unsafe {
+                    nccl::all_gather(send, recv, count, nccl_type(dtype), comm, stream as _)
+                })
+            },
+        )?;
+        self.counters
+            .record(OpKind::AllGather, count * dtype.size());
+        Ok(())
+    }
+
+    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        const OP: &str = "reduce_scatter";
+        self.check_tensor(OP, input)?;
+        self.check_tensor(OP, output)?;
+        let (n, count, dtype) = (self.size(), output.numel(), output.dtype());
+        if input.dtype() != dtype || input.numel() != n * count {
+            return Err(self.invalid(format!(
+                "reduce_scatter: input has {} × {} elements, expected {dtype} × {}",
+                input.dtype(),
+                input.numel(),
+                n * count
+            )));
+        }
+        let whole = input.raw_device_write(OP)?;
+        let send = whole.addr() as *const c_void;
+        let recv = if input.same_storage(output) {
+            let slot = input.layout().offset + self.index() * count;
+            if output.layout().offset != slot {
+                return Err(self.invalid(format!(
+                    "reduce_scatter: the output shares storage with the input but is not slot {}",
+                    self.index()
+                )));
+            }
+            (whole.addr() + self.index() * count * dtype.size()) as *mut c_void
+        } else {
+            output.raw_device_write(OP)?.addr() as *mut c_void
+        };
+        self.run(
+            self.desc(OpKind::ReduceScatter, output, Some(op), None),
+            None,
+            |comm, stream| {
+                // SAFETY: `send` holds n × count elements and `recv` count, on this device.
+                self.status("ncclReduceScatter", unsafe {
+                    nccl::reduce_scatter(
+                        send,
+                        recv,
+                        count,
+                        nccl_type(dtype),
+                        nccl_op(op),
+                        comm,
+                        stream as _,
+                    )
+                })
+            },
+        )?;
+        self.counters
+            .record(OpKind::ReduceScatter, count * dtype.size());
+        Ok(())
+    }
+
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
+        const OP: &str = "broadcast";
+        self.check_tensor(OP, tensor)?;
+        if root >= self.size() {
+            return Err(self.invalid(format!(
+                "broadcast: root {root} is outside the group of {}",
+                self.size()
+            )));
+        }
+        let (count, dtype) = (tensor.numel(), tensor.dtype());
+        let buf = tensor.raw_device_write(OP)?;
+        let ptr = buf.addr() as *mut c_void;
+        self.run(
+            self.desc(OpKind::Broadcast, tensor, None, Some(root)),
+            None,
+            |comm, stream| {
+                // SAFETY: the borrowed tensor, in place.
+                self.status("ncclBroadcast", unsafe {
+                    nccl::broadcast(
+                        ptr,
+                        ptr,
+                        count,
+                        nccl_type(dtype),
+                        root as i32,
+                        comm,
+                        stream as _,
+                    )
+                })
+            },
+        )?;
+        self.counters
+            .record(OpKind::Broadcast, count * dtype.size());
+        Ok(())
+    }
+
+    fn all_to_all(
+        &self,
+        input: &Tensor,
+        send_splits: &[usize],
+        output: &Tensor,
+        recv_splits: &[usize],
+    ) -> Result<()> {
+        const OP: &str = "all_to_all";
+        self.check_tensor(OP, input)?;
+        self.check_tensor(OP, output)?;
+        let n = self.size();
+        let (sent, received): (usize, usize) = (send_splits.iter().sum(), recv_splits.iter().sum());
+        if send_splits.len() != n
+            || recv_splits.len() != n
+            || sent != input.numel()
+            || received != output.numel()
+            || input.dtype() != output.dtype()
+        {
+            return Err(self.invalid(format!(
+                "all_to_all: splits {send_splits:?} / {recv_splits:?} do not fit {} input and {} output elements of a group of {n}",
+                input.numel(),
+                output.numel()
+            )));
+        }
+        let dtype = input.dtype();
+        let size = dtype.size();
+        let src = input.raw_device_read(OP)?.addr();
+        let dst = output.raw_device_write(OP)?;
+        let dst = dst.addr();
+        let desc = CallDesc {
+            kind: OpKind::AllToAll,
+            dtype,
+            count: 0,
+            op: None,
+            peer: None,
+        };
+        let splits = Some((send_splits.to_vec(), recv_splits.to_vec()));
+        self.run(desc, splits, |comm, stream| {
+            self.status("ncclGroupStart", nccl::group_start())?;
+            let (mut s_at, mut r_at) = (0, 0);
+            let mut result = Ok(());
+            for peer in 0..n {
+                let (s, r) = (send_splits[peer], recv_splits[peer]);
+                // SAFETY: the offsets stay inside the input and output (the splits add up to
+                // their lengths, checked above).
+                if s > 0 && result.is_ok() {
+                    result = self.status("ncclSend", unsafe {
+                        nccl::send(
+                            (src + s_at * size) as *const c_void,
+                            s,
+                            nccl_type(dtype),
+                            peer as i32,
+                            comm,
+                            stream as _,
+                        )
+                    });
+                }
+                if r > 0 && result.is_ok() {
+                    result = self.status("ncclRecv", unsafe {
+                        nccl::recv(
+                            (dst + r_at * size) as *mut c_void,
+                            r,
+                            nccl_type(dtype),
+                            peer as i32,
+                            comm,
+                            stream as _,
+                        )
+                    });
+                }
+                s_at += s;
+                r_at += r;
+            }
+            self.status("ncclGroupEnd", nccl::group_end())?;
+            result
+        })?;
+        self.counters.record(OpKind::AllToAll, sent * size);
+        Ok(())
+    }
+
+    fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        const OP: &str = "send";
+        self.check_tensor(OP, tensor)?;
+        if dst >= self.size() || dst == self.index() {
+            return Err(self.invalid(format!("send: destination {dst} is not another member")));
+        }
+        let (count, dtype) = (tensor.numel(), tensor.dtype());
+        let src = tensor.raw_device_read(OP)?.addr() as *const c_void;
+        // Point-to-point calls are checked by the receiver (the header below) rather than by a
+        // handshake of the whole group.
+        let header = Tensor::from_vec(vec![count as i64, dtype as i64], [2])?;
+        self.host.send(&header, dst)?;
+        let guard = self.comm.lock();
+        let Some(comm) = guard.as_ref().map(|c| c.0) else {
+            return Err(self.backend("use", "the communicator was aborted after a timeout"));
+        };
+        let stream = self.gpu.stream().cu_stream();
+        // SAFETY: the borrowed tensor's `count` elements.
+        self.status("ncclSend", unsafe {
+            nccl::send(src, count, nccl_type(dtype), dst as i32, comm, stream as _)
+        })?;
+        drop(guard);
+        self.wait("send")?;
+        self.counters.record(OpKind::Send, count * dtype.size());
+        Ok(())
+    }
+
+    fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
+        const OP: &str = "recv";
+        self.check_tensor(OP, tensor)?;
+        if src >= self.size() || src == self.index() {
+            return Err(self.invalid(format!("recv: source {src} is not another member")));
+        }
+        let (count, dtype) = (tensor.numel(), tensor.dtype());
+        let header = Tensor::zeros([2], DType::I64);
+        self.host.recv(&header, src)?;
+        let sent = header.to_vec::<i64>()?;
+        if sent != [count as i64, dtype as i64] {
+            return Err(CommError::Mismatch {
+                group: self.name().to_string(),
+                rank_a: self.ranks()[src],
+                call_a: format!("send({} elements, dtype #{})", sent[0], sent[1]),
+                rank_b: self.ranks()[self.index()],
+                call_b: format!("recv({dtype} × {count})"),
+            });
+        }
+        let dst = tensor.raw_device_write(OP)?.addr() as *mut c_void;
+        let guard = self.comm.lock();
+        let Some(comm) = guard.as_ref().map(|c| c.0) else {
+            return Err(self.backend("use", "the communicator was aborted after a timeout"));
+        };
+        let stream = self.gpu.stream().cu_stream();
+        // SAFETY: the borrowed tensor's `count` elements.
+        self.status("ncclRecv", unsafe {
+            nccl::recv(dst, count, nccl_type(dtype), src as i32, comm, stream as _)
+        })?;
+        drop(guard);
+        self.wait("recv")?;
+        self.counters.record(OpKind::Recv, count * dtype.size());
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.gpu
+            .synchronize()
+            .map_err(|e| self.backend("cuStreamSynchronize", e))?;
+        self.host.barrier()?;
+        self.counters.record(OpKind::Barrier, 0);
+        Ok(())
+    }
+
+    fn stats(&self) -> CommStats {
+        self.counters.snapshot()
+    }
+}
+
+/// The 128 bytes of a unique id as 16 words (to broadcast as a tensor).
+fn id_to_words(id: &ncclUniqueId) -> Vec<i64> {
+    let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
+    bytes
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+        .collect()
+}
+
+/// The inverse of [`id_to_words`].
+fn words_to_id(words: &[i64]) -> ncclUniqueId {
+    let mut id = ncclUniqueId { internal: [0; 128] };
+    for (i, b) in words
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .enumerate()
+        .take(128)
+    {
+        id.internal[i] = b as _;
+    }
+    id
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unique_ids_survive_the_round_trip_through_words() {
+        let mut id = ncclUniqueId { internal: [0; 128] };
+        for (i, c) in id.internal.iter_mut().enumerate() {
+            *c = (i as i32 * 37 - 100) as _;
+        }
+        let back = words_to_id(&id_to_words(&id));
+        assert_eq!(back.internal, id.internal);
+    }
+}

@@ -1,0 +1,459 @@
+//! The CUDA backend against the CPU backend: element-wise kernels, dropout masks (bit for bit),
+//! cuBLAS products, graph replay (bit for bit), device tensors, and the device-local
+//! communicator (several thread ranks on one GPU) against the thread backend (bit for bit).
+//!
+//! Every test needs a GPU: they are ignored by default and run with
+//! `cargo test -p megatron-core --features cuda --test cuda_backend -- --ignored` on a GPU machine.
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+
+use half::bf16;
+use megatron_core::comm::gpu_local::LocalGpu;
+use megatron_core::comm::threads::launch;
+use megatron_core::comm::{ReduceOp, World};
+use megatron_core::cuda::blas::{Blas, MatmulShape};
+use megatron_core::cuda::graph::Graph;
+use megatron_core::cuda::kernels::{dropout as gdrop, elementwise as gew};
+use megatron_core::cuda::{CudaError, CudaSlice, Gpu};
+use megatron_core::kernels::dropout::{self as cdrop, LogicalIndex};
+use megatron_core::kernels::elementwise as cew;
+use megatron_core::kernels::gemm::{MatMut, MatRef, gemm};
+use megatron_core::rng::DropoutStream;
+use megatron_core::tensor::{DType, Device, Tensor, TensorError};
+
+type R<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// Deterministic values in about [-3, 3].
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 6.0 - 3.0
+        })
+        .collect()
+}
+
+fn assert_close(gpu: &[f32], cpu: &[f32], rel: f32, what: &str) {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
+    for (i, (g, c)) in gpu.iter().zip(cpu).enumerate() {
+        let tol = rel * c.abs().max(1.0);
+        assert!(
+            (g - c).abs() <= tol,
+            "{what}: element {i}: GPU {g} vs CPU {c} (tolerance {tol})"
+        );
+    }
+}
+
+fn gpu() -> Gpu {
+    Gpu::new(0).expect("a CUDA device")
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn gelu_add_bias_casts_and_norms_match_the_cpu() -> R {
+    let g = gpu();
+    for n in [1, 3, 4, 37, 4096, 100_003] {
+        let x = values(n, 1);
+        let dy = values(n, 2);
+        let (dx_cpu, y_cpu) = {
+            let mut y = vec![0.0; n];
+            let mut dx = vec![0.0; n];
+            cew::gelu_forward(&x, &mut y)?;
+            cew::gelu_backward(&x, &dy, &mut dx)?;
+            (dx, y)
+        };
+        let xd = g.upload(&x)?;
+        let dyd = g.upload(&dy)?;
+        let mut yd = g.zeros::<f32>(n)?;
+        let mut dxd = g.zeros::<f32>(n)?;
+        gew::gelu_forward(&g, &xd.as_view(), &mut yd.as_view_mut())?;
+        gew::gelu_backward(&g, &xd.as_view(), &dyd.as_view(), &mut dxd.as_view_mut())?;
+        assert_close(&g.download(&yd)?, &y_cpu, 1e-5, "gelu forward");
+        assert_close(&g.download(&dxd)?, &dx_cpu, 1e-5, "gelu backward");
+
+        let mut sum = g.zeros::<f32>(n)?;
+        gew::add(&g, &xd.as_view(), &dyd.as_view(), &mut sum.as_view_mut())?;
+        let expected: Vec<f32> = x.iter().zip(&dy).map(|(a, b)| a + b).collect();
+        assert_eq!(g.download(&sum)?, expected, "add is exact");
+        // Unaligned views take the scalar path and give the same sums.
+        if n > 8 {
+            let mut out = g.zeros::<f32>(n - 1)?;
+            gew::add(&g, &xd.slice(1..), &dyd.slice(1..), &mut out.as_view_mut())?;
+            assert_eq!(g.download(&out)?, expected[1..].to_vec());
+        }
+
+        let mut half = g.zeros::<bf16>(n)?;
+        gew::f32_to_bf16(&g, &xd.as_view(), &mut half.as_view_mut())?;
+        let expected: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        assert_eq!(g.download(&half)?, expected, "bf16 rounding is half's");
+        let mut back = g.zeros::<f32>(n)?;
+        gew::bf16_to_f32(&g, &half.as_view(), &mut back.as_view_mut())?;
+        let widened: Vec<f32> = expected.iter().map(|v| v.to_f32()).collect();
+        assert_eq!(g.download(&back)?, widened);
+
+        let norm = gew::sum_of_squares(&g, &xd.as_view())?;
+        let cpu = cew::sum_of_squares(&x);
+        assert!(
+            (norm - cpu).abs() <= 1e-12 * cpu.max(1.0),
+            "{norm} vs {cpu}"
+        );
+    }
+    let (rows, cols) = (33, 70);
+    let x = values(rows * cols, 3);
+    let bias = values(cols, 4);
+    let mut cpu = x.clone();
+    cew::bias_add_forward(&mut cpu, &bias, rows, cols)?;
+    let mut xd = g.upload(&x)?;
+    gew::bias_add_forward(
+        &g,
+        &mut xd.as_view_mut(),
+        &g.upload(&bias)?.as_view(),
+        rows,
+        cols,
+    )?;
+    assert_eq!(g.download(&xd)?, cpu);
+    let mut db_cpu = vec![0.0; cols];
+    cew::bias_add_backward(&x, rows, cols, &mut db_cpu)?;
+    let mut db = g.zeros::<f32>(cols)?;
+    gew::bias_add_backward(
+        &g,
+        &g.upload(&x)?.as_view(),
+        rows,
+        cols,
+        &mut db.as_view_mut(),
+    )?;
+    assert_close(&g.download(&db)?, &db_cpu, 1e-5, "bias backward");
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn dropout_masks_are_the_cpus_bit_for_bit() -> R {
+    let g = gpu();
+    let stream = DropoutStream::new(1234, &[3, 0, 7, 1]);
+    let words = g.download(&gdrop::philox_words(&g, &stream, 5, 1003)?)?;
+    let cpu: Vec<u32> = (5..1008).map(|i| stream.word(i)).collect();
+    assert_eq!(words, cpu, "Philox words");
+    for (p, index) in [
+        (0.1, LogicalIndex::contiguous(10_001)),
+        (0.5, LogicalIndex::columns(17, 24, 96, 48)),
+        (0.0, LogicalIndex::contiguous(64)),
+        (0.9, LogicalIndex::range(1 << 40, 513)),
+    ] {
+        let n = index.outer * index.inner;
+        let x = values(n, 5);
+        let mut y_cpu = vec![0.0; n];
+        cdrop::dropout_forward(&x, &mut y_cpu, p, &stream, index)?;
+        let xd = g.upload(&x)?;
+        let mut yd = g.zeros::<f32>(n)?;
+        gdrop::dropout_forward(&g, &xd.as_view(), &mut yd.as_view_mut(), p, &stream, index)?;
+        let y = g.download(&yd)?;
+        assert_eq!(
+            y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            y_cpu.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "dropout p={p} {index:?}"
+        );
+        let mut dx = g.zeros::<f32>(n)?;
+        gdrop::dropout_backward(&g, &xd.as_view(), &mut dx.as_view_mut(), p, &stream, index)?;
+        assert_eq!(g.download(&dx)?, y, "the backward regenerates the mask");
+    }
+    let err = gdrop::dropout_forward(
+        &g,
+        &g.upload(&[1.0f32; 4])?.as_view(),
+        &mut g.zeros::<f32>(3)?.as_view_mut(),
+        0.1,
+        &stream,
+        LogicalIndex::contiguous(4),
+    )
+    .expect_err("wrong length");
+    assert!(
+        err.to_string().contains("`y` has 3 elements, expected 4"),
+        "{err}"
+    );
+    Ok(())
+}
+
+/// The CPU product of row-major `[m, k] × [k, n]` with optional transposes.
+fn cpu_matmul(a: &[f32], b: &[f32], s: &MatmulShape) -> R<Vec<f32>> {
+    let mut c = vec![0.0; s.m * s.n];
+    let a = if s.trans_a {
+        MatRef::row_major(a, s.k, s.m)?.t()
+    } else {
+        MatRef::row_major(a, s.m, s.k)?
+    };
+    let b = if s.trans_b {
+        MatRef::row_major(b, s.n, s.k)?.t()
+    } else {
+        MatRef::row_major(b, s.k, s.n)?
+    };
+    gemm(s.alpha, a, b, 0.0, MatMut::row_major(&mut c, s.m, s.n)?)?;
+    Ok(c)
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cublas_products_match_the_cpu_gemm() -> R {
+    let g = gpu();
+    let blas = Blas::new(&g)?;
+    for (m, n, k) in [(1, 1, 1), (7, 5, 3), (64, 96, 128), (130, 257, 65)] {
+        for (trans_a, trans_b) in [(false, false), (true, false), (false, true), (true, true)] {
+            let shape = MatmulShape {
+                trans_a,
+                trans_b,
+                ..MatmulShape::new(m, n, k)
+            };
+            let a = values(m * k, 7);
+            let b = values(k * n, 8);
+            let cpu = cpu_matmul(&a, &b, &shape)?;
+            let mut c = g.zeros::<f32>(m * n)?;
+            blas.matmul(
+                shape,
+                &g.upload(&a)?.as_view(),
+                &g.upload(&b)?.as_view(),
+                &mut c.as_view_mut(),
+            )?;
+            assert_close(&g.download(&c)?, &cpu, 1e-4, "f32 matmul");
+            // bf16 inputs, f32 accumulation: the CPU product of the rounded inputs.
+            let round = |v: &[f32]| -> Vec<bf16> { v.iter().map(|&x| bf16::from_f32(x)).collect() };
+            let (ah, bh) = (round(&a), round(&b));
+            let widen = |v: &[bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
+            let cpu = cpu_matmul(&widen(&ah), &widen(&bh), &shape)?;
+            blas.matmul(
+                shape,
+                &g.upload(&ah)?.as_view(),
+                &g.upload(&bh)?.as_view(),
+                &mut c.as_view_mut(),
+            )?;
+            assert_close(&g.download(&c)?, &cpu, 1e-4, "bf16 matmul");
+        }
+    }
+    let err = blas
+        .matmul(
+            MatmulShape::new(2, 2, 2),
+            &g.zeros::<f32>(3)?.as_view(),
+            &g.zeros::<f32>(4)?.as_view(),
+            &mut g.zeros::<f32>(4)?.as_view_mut(),
+        )
+        .expect_err("A too short");
+    assert!(
+        err.to_string().contains("`a` has 3 elements, expected 4"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn a_captured_graph_replays_the_eager_result_bit_for_bit() -> R {
+    let g = gpu();
+    let blas = Blas::new(&g)?;
+    let (m, n, k) = (64, 48, 32);
+    let a = g.upload(&values(m * k, 9))?;
+    let b = g.upload(&values(k * n, 10))?;
+    let mut c = g.zeros::<f32>(m * n)?;
+    let mut y = g.zeros::<f32>(m * n)?;
+    let stream = DropoutStream::new(7, &[1]);
+    let region = |c: &mut CudaSlice<f32>, y: &mut CudaSlice<f32>| -> Result<(), CudaError> {
+        blas.matmul(
+            MatmulShape::new(m, n, k),
+            &a.as_view(),
+            &b.as_view(),
+            &mut c.as_view_mut(),
+        )?;
+        gew::gelu_forward(&g, &c.as_view(), &mut y.as_view_mut())?;
+        gdrop::dropout_forward(
+            &g,
+            &c.as_view(),
+            &mut y.as_view_mut(),
+            0.1,
+            &stream,
+            LogicalIndex::contiguous(m * n),
+        )
+    };
+    // Warm-up, eagerly: the reference.
+    region(&mut c, &mut y)?;
+    let eager = g.download(&y)?;
+    gew::fill(&g, &mut y.as_view_mut(), 0.0)?;
+    let graph = Graph::capture(&g, || region(&mut c, &mut y))?;
+    assert!(
+        g.download(&y)?.iter().all(|&v| v == 0.0),
+        "capture runs nothing"
+    );
+    for _ in 0..3 {
+        graph.replay()?;
+        let replayed = g.download(&y)?;
+        assert_eq!(
+            replayed.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            eager.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        gew::fill(&g, &mut y.as_view_mut(), 0.0)?;
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn device_tensors_round_trip_and_refuse_host_reads() -> R {
+    let g = gpu();
+    let host = Tensor::from_vec(values(24, 11), [4, 6])?;
+    let dev = host.to_gpu(&g)?;
+    assert_eq!(dev.device(), Device::Cuda(0));
+    assert_eq!(dev.shape(), host.shape());
+    let back = dev.to_host()?;
+    assert_eq!(back.to_vec::<f32>()?, host.to_vec::<f32>()?);
+    let err = dev.to_vec::<f32>().expect_err("host read of device memory");
+    assert!(matches!(err, TensorError::Device { .. }), "{err}");
+    assert!(err.to_string().contains("cuda:0"), "{err}");
+    // A narrowed device view copies back its rows.
+    let rows = dev.narrow(0, 1, 2)?.to_host()?;
+    assert_eq!(
+        rows.to_vec::<f32>()?,
+        host.narrow(0, 1, 2)?.contiguous()?.to_vec::<f32>()?
+    );
+    Ok(())
+}
+
+/// Per rank, the bit patterns of each result tensor.
+type RankBits = Vec<Vec<Vec<u64>>>;
+
+/// Runs `body` on `n` thread ranks twice: on host tensors with the thread backend, and on
+/// device tensors with the device-local communicator; returns both results per rank.
+fn on_both(
+    n: usize,
+    body: impl Fn(&dyn World, &dyn Fn(Tensor) -> R<Tensor>) -> R<Vec<Tensor>> + Sync,
+) -> (RankBits, RankBits) {
+    let bits = |ts: Vec<Tensor>| -> Vec<Vec<u64>> {
+        ts.iter()
+            .map(|t| {
+                let t = t.to_host().expect("to host");
+                match t.dtype() {
+                    DType::F32 => t
+                        .to_vec::<f32>()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.to_bits().into())
+                        .collect(),
+                    DType::BF16 => t
+                        .to_vec::<bf16>()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.to_bits().into())
+                        .collect(),
+                    DType::I64 => t
+                        .to_vec::<i64>()
+                        .unwrap()
+                        .iter()
+                        .map(|&v| v as u64)
+                        .collect(),
+                    DType::F16 => t
+                        .to_vec::<half::f16>()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.to_bits().into())
+                        .collect(),
+                }
+            })
+            .collect()
+    };
+    let host = launch(n, |w| -> R<Vec<Vec<u64>>> {
+        Ok(bits(body(&w, &|t| Ok(t))?))
+    })
+    .expect("host run");
+    let shared = LocalGpu::new(&gpu());
+    let device = launch(n, |w| -> R<Vec<Vec<u64>>> {
+        let world = shared.world(Arc::new(w))?;
+        let g = world.gpu().clone();
+        Ok(bits(body(&world, &move |t| Ok(t.to_gpu(&g)?))?))
+    })
+    .expect("device run");
+    (host, device)
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn the_device_local_communicator_equals_the_thread_backend_bit_for_bit() {
+    for n in [1, 2, 4] {
+        let (host, device) = on_both(n, |w, put| {
+            let ranks: Vec<usize> = (0..w.size()).collect();
+            let c = w.communicator("world", &ranks)?;
+            let me = w.rank();
+            let mut out = Vec::new();
+            for dtype in [DType::F32, DType::BF16, DType::I64] {
+                for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+                    let t =
+                        put(Tensor::from_vec(values(1001, me as u64), [1001])?.to_dtype(dtype)?)?;
+                    c.all_reduce(&t, op)?;
+                    out.push(t);
+                }
+                let input =
+                    put(Tensor::from_vec(values(5, 10 + me as u64), [5])?.to_dtype(dtype)?)?;
+                let gathered = put(Tensor::zeros([5 * w.size()], dtype))?;
+                c.all_gather(&input, &gathered)?;
+                out.push(gathered);
+                let wide = put(Tensor::from_vec(
+                    values(3 * w.size(), 20 + me as u64),
+                    [3 * w.size()],
+                )?
+                .to_dtype(dtype)?)?;
+                let part = put(Tensor::zeros([3], dtype))?;
+                c.reduce_scatter(&wide, &part, ReduceOp::Sum)?;
+                out.push(part);
+                let b = put(Tensor::from_vec(values(9, 30 + me as u64), [9])?.to_dtype(dtype)?)?;
+                c.broadcast(&b, w.size() - 1)?;
+                out.push(b);
+            }
+            // Uneven all-to-all: rank i sends i + j + 1 elements to rank j.
+            let n = w.size();
+            let send: Vec<usize> = (0..n).map(|j| me + j + 1).collect();
+            let recv: Vec<usize> = (0..n).map(|i| i + me + 1).collect();
+            let input = put(Tensor::from_vec(
+                values(send.iter().sum(), 40 + me as u64),
+                [send.iter().sum::<usize>()],
+            )?)?;
+            let output = put(Tensor::zeros([recv.iter().sum::<usize>()], DType::F32))?;
+            c.all_to_all(&input, &send, &output, &recv)?;
+            out.push(output);
+            if n > 1 {
+                let next = (me + 1) % n;
+                let prev = (me + n - 1) % n;
+                let msg = put(Tensor::from_vec(values(17, 50 + me as u64), [17])?)?;
+                let got = put(Tensor::zeros([17], DType::F32))?;
+                // Both directions at once: sends never wait for their receives.
+                c.send(&msg, next)?;
+                c.recv(&got, prev)?;
+                out.push(got);
+            }
+            c.barrier()?;
+            Ok(out)
+        });
+        assert_eq!(device, host, "{n} ranks");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn the_device_local_communicator_reports_mismatches_on_every_rank() {
+    let shared = LocalGpu::new(&gpu());
+    let errs = launch(2, |w| -> R<String> {
+        let world = shared.world(Arc::new(w))?;
+        let c = world.communicator("tp", &[0, 1])?;
+        let len = if world.rank() == 0 { 5 } else { 6 };
+        let t = Tensor::zeros([len], DType::F32).to_gpu(world.gpu())?;
+        let err = c.all_reduce(&t, ReduceOp::Sum).expect_err("sizes differ");
+        // The group goes on after a mismatch.
+        let ok = Tensor::full([3], 1.0, DType::F32).to_gpu(world.gpu())?;
+        c.all_reduce(&ok, ReduceOp::Sum)?;
+        assert_eq!(ok.to_host()?.to_vec::<f32>()?, vec![2.0; 3]);
+        Ok(err.to_string())
+    })
+    .expect("both ranks");
+    for e in &errs {
+        assert!(e.contains("f32 × 5") && e.contains("f32 × 6"), "{e}");
+    }
+}
