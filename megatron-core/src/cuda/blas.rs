@@ -71,6 +71,20 @@ impl MatmulShape {
 /// Bytes of the workspace each handle owns (cuBLAS's recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
 
+/// One operand of [`Blas::matmul_raw`]: a row-major matrix, or the transpose of one, at a
+/// device address, with its row stride (`ld`) and the distance between batch entries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Operand {
+    /// Device address of the first element.
+    pub addr: u64,
+    /// Stored as the transpose of the matrix the product reads.
+    pub trans: bool,
+    /// Elements between the starts of consecutive stored rows.
+    pub ld: usize,
+    /// Elements between consecutive batch entries.
+    pub batch_stride: usize,
+}
+
 /// A cuBLAS handle on one rank's stream, with its own workspace so that its products can be
 /// captured into CUDA graphs (cuBLAS may not allocate during a capture).
 #[derive(Debug)]
@@ -110,6 +124,75 @@ impl Blas {
             handle,
             stream: gpu.stream().clone(),
             _workspace: workspace,
+        })
+    }
+
+    /// `C = alpha·op(A)·op(B) + beta·C` on raw operands: `[m, k]·[k, n] → [m, n]`, `batch`
+    /// times, with elements of `input` type (`CUDA_R_32F` or `CUDA_R_16BF`) and an f32 `c`
+    /// (which must not be transposed).
+    ///
+    /// # Safety
+    /// Every operand must lie in live device memory of this context for all the elements its
+    /// shape, leading dimension and batch stride reach, until the stream has run the product.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn matmul_raw(
+        &self,
+        input: cudaDataType,
+        (m, n, k, batch): (usize, usize, usize, usize),
+        a: Operand,
+        b: Operand,
+        c: Operand,
+        alpha: f32,
+        beta: f32,
+    ) -> Result<()> {
+        if m == 0 || n == 0 || batch == 0 {
+            return Ok(());
+        }
+        let dims = || format!("batch {batch} × [{m}, {k}] · [{k}, {n}]");
+        let int = |v: usize| {
+            c_int::try_from(v).map_err(|_| KernelError::Invalid {
+                kernel: "matmul",
+                message: format!("{} exceeds cuBLAS's 32-bit sizes", dims()),
+            })
+        };
+        let op = |t: bool| {
+            if t {
+                cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        // SAFETY: the caller vouches for the operands; cuBLAS reads Bᵀ·Aᵀ = Cᵀ column-major.
+        unsafe {
+            gemm_strided_batched_ex(
+                *self.handle.handle(),
+                op(b.trans),
+                op(a.trans),
+                int(n)?,
+                int(m)?,
+                int(k)?,
+                (&alpha) as *const f32 as *const _,
+                b.addr as *const _,
+                input,
+                int(b.ld.max(1))?,
+                b.batch_stride as i64,
+                a.addr as *const _,
+                input,
+                int(a.ld.max(1))?,
+                a.batch_stride as i64,
+                (&beta) as *const f32 as *const _,
+                c.addr as *mut _,
+                cudaDataType::CUDA_R_32F,
+                int(c.ld.max(1))?,
+                c.batch_stride as i64,
+                int(batch)?,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| CudaError::Blas {
+            call: format!("cublasGemmStridedBatchedEx({})", dims()),
+            message: format!("{e:?}"),
         })
     }
 

@@ -1,9 +1,11 @@
 //! `Gpu`: one rank's handle on a device: the context, its own stream, the kernels.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 
+use super::blas::Blas;
 use super::error::{CudaError, Result};
 use super::library;
 use super::programs::Kernels;
@@ -19,6 +21,10 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: Arc<Kernels>,
+    /// The cuBLAS handle of this stream, made on first use.
+    blas: Arc<OnceLock<Blas>>,
+    /// Whether f32 matrix products round their operands to bf16 (f32 accumulation).
+    bf16_products: Arc<AtomicBool>,
 }
 
 impl Gpu {
@@ -51,6 +57,8 @@ impl Gpu {
             ctx,
             stream,
             kernels,
+            blas: Arc::new(OnceLock::new()),
+            bf16_products: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -64,6 +72,8 @@ impl Gpu {
             ctx: self.ctx.clone(),
             stream,
             kernels: self.kernels.clone(),
+            blas: Arc::new(OnceLock::new()),
+            bf16_products: Arc::new(AtomicBool::new(self.bf16_products())),
         })
     }
 
@@ -80,6 +90,27 @@ impl Gpu {
     /// This rank's stream: every kernel of this handle runs on it, in order.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// The cuBLAS handle on this stream (created on first use).
+    pub fn blas(&self) -> Result<&Blas> {
+        if let Some(b) = self.blas.get() {
+            return Ok(b);
+        }
+        let made = Blas::new(self)?;
+        Ok(self.blas.get_or_init(|| made))
+    }
+
+    /// Makes f32 matrix products round their operands to bf16 and multiply them on the tensor
+    /// cores with f32 accumulation (mixed precision, as Megatron-LM trains); off by default,
+    /// when products are f32 as on the CPU.
+    pub fn set_bf16_products(&self, on: bool) {
+        self.bf16_products.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether f32 products run in bf16 (see [`Gpu::set_bf16_products`]).
+    pub fn bf16_products(&self) -> bool {
+        self.bf16_products.load(Ordering::Relaxed)
     }
 
     /// The loaded kernels.

@@ -108,6 +108,47 @@ impl ParamBuffers {
         })
     }
 
+    /// Moves the flat buffers to `gpu` and rebinds every parameter of `model` (the model these
+    /// buffers were packed from) to views of the device buffers.
+    #[cfg(feature = "cuda")]
+    pub fn to_gpu<M: Module>(&mut self, model: &mut M, gpu: &crate::cuda::Gpu) -> Result<()> {
+        let values = self.values.to_gpu(gpu)?;
+        let grads = Tensor::zeros_on(self.grads.shape().clone(), DType::F32, gpu)?;
+        let mut i = 0;
+        let mut failure = None;
+        let slots = &self.slots;
+        model.visit_params_mut(&mut |p| {
+            if failure.is_some() {
+                return;
+            }
+            let Some(slot) = slots.get(i) else {
+                failure = Some(crate::Error::Invalid(
+                    "the model has more parameters than its buffers".to_string(),
+                ));
+                return;
+            };
+            let view = |t: &Tensor| {
+                t.narrow(0, slot.offset, slot.len)?
+                    .reshape(slot.spec.local.clone())
+            };
+            match (view(&values), view(&grads)) {
+                (Ok(v), Ok(g)) => {
+                    if let Err(e) = p.rebind(v, g) {
+                        failure = Some(e);
+                    }
+                }
+                (Err(e), _) | (_, Err(e)) => failure = Some(e.into()),
+            }
+            i += 1;
+        });
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        self.values = values;
+        self.grads = grads;
+        Ok(())
+    }
+
     /// The flat values.
     pub fn values(&self) -> &Tensor {
         &self.values
@@ -130,6 +171,10 @@ impl ParamBuffers {
 
     /// Sets every gradient to zero.
     pub fn zero_grads(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.grads.gpu().is_some() {
+            return Ok(self.grads.fill(0.0)?);
+        }
         crate::kernels::elementwise::fill(&mut self.grads.write::<f32>()?, 0.0);
         Ok(())
     }

@@ -132,6 +132,27 @@ pub trait Module: Sized {
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param));
 }
 
+/// Moves every parameter of `model` to `gpu`: values copied, gradients zeroed, each in its own
+/// device tensor (a model packed into flat buffers moves with [`ParamBuffers::to_gpu`] instead).
+#[cfg(feature = "cuda")]
+pub fn params_to_gpu<M: Module>(model: &mut M, gpu: &crate::cuda::Gpu) -> Result<()> {
+    let mut failure = None;
+    model.visit_params_mut(&mut |p| {
+        if failure.is_some() {
+            return;
+        }
+        let moved = (|| -> Result<()> {
+            let value = p.value().to_gpu(gpu)?;
+            let grad = Tensor::zeros_on(p.grad().shape().clone(), p.grad().dtype(), gpu)?;
+            p.rebind(value, grad)
+        })();
+        if let Err(e) = moved {
+            failure = Some(e);
+        }
+    });
+    failure.map_or(Ok(()), Err)
+}
+
 /// A layer used whole on every tensor-parallel rank, one tensor in and one out (norms, plain linears).
 pub trait Layer: Module {
     /// Computes the output and what the backward needs.

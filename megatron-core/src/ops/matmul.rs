@@ -91,9 +91,20 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
     let mut dims = ad[..ad.len() - 1].to_vec();
     dims.push(bd[bd.len() - 1]);
-    let c = Tensor::empty(dims, DType::F32);
+    let c = near(dims, a)?;
     matmul_into(1.0, a, b, 0.0, &c)?;
     Ok(c)
+}
+
+/// A new f32 output on `a`'s device.
+fn near(dims: Vec<usize>, a: &Tensor) -> Result<Tensor> {
+    Tensor::empty_near(dims, DType::F32, a).map_err(|e| match e {
+        crate::Error::Tensor(t) => t,
+        other => TensorError::Shape {
+            op: "matmul",
+            message: other.to_string(),
+        },
+    })
 }
 
 /// `c = α·(a @ b) + β·c` for an f32 `c` (with β = 0 its contents are ignored).
@@ -107,6 +118,10 @@ pub fn matmul_into(alpha: f32, a: &Tensor, b: &Tensor, beta: f32, c: &Tensor) ->
             expected: DType::F32,
             actual: c.dtype(),
         });
+    }
+    #[cfg(feature = "cuda")]
+    if c.gpu().is_some() || a.gpu().is_some() || b.gpu().is_some() {
+        return device::matmul_into(alpha, a, b, beta, c);
     }
     if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
         let a32 = if a.dtype() == DType::F32 {
@@ -192,6 +207,169 @@ pub fn matmul_into(alpha: f32, a: &Tensor, b: &Tensor, beta: f32, c: &Tensor) ->
         )?;
     }
     Ok(())
+}
+
+/// The product on the GPU: cuBLAS reads the same views (row-major or transposed matrices,
+/// folded batches) in place.
+#[cfg(feature = "cuda")]
+mod device {
+    use super::{Batched, DType, Result, Tensor, TensorError};
+    use crate::cuda::blas::Operand;
+    use cudarc::cublas::sys::cudaDataType;
+
+    fn err(message: String) -> TensorError {
+        TensorError::Shape {
+            op: "matmul",
+            message,
+        }
+    }
+
+    /// How cuBLAS reads a view of `rows × cols` matrices: row-major (unit column stride) or
+    /// the transpose of a row-major matrix (unit row stride).
+    fn operand(v: &Batched, base: u64, size: usize, what: &str) -> Result<Operand> {
+        let addr = base + (v.offset * size) as u64;
+        let batch_stride = if v.batch > 1 { v.batch_stride } else { 0 };
+        if v.col_stride == 1 || v.cols == 1 {
+            let ld = if v.rows == 1 { v.cols } else { v.row_stride };
+            Ok(Operand {
+                addr,
+                trans: false,
+                ld: ld.max(v.cols),
+                batch_stride,
+            })
+        } else if v.row_stride == 1 || v.rows == 1 {
+            let ld = if v.cols == 1 { v.rows } else { v.col_stride };
+            Ok(Operand {
+                addr,
+                trans: true,
+                ld: ld.max(v.rows),
+                batch_stride,
+            })
+        } else {
+            Err(err(format!(
+                "{what} has strides ({}, {}): cuBLAS needs a unit stride in one dimension; call .contiguous()",
+                v.row_stride, v.col_stride
+            )))
+        }
+    }
+
+    /// A bf16 copy of the storage span `t` views, with `t`'s layout relative to it.
+    fn to_bf16(t: &Tensor, gpu: &crate::cuda::Gpu) -> crate::Result<Tensor> {
+        let (start, end) = (t.layout().offset, t.layout().end());
+        let span = t.span_view(start, end - start)?;
+        let out = Tensor::zeros_on([end - start], DType::BF16, gpu)?;
+        crate::cuda::kernels::elementwise::f32_to_bf16(
+            gpu,
+            &span.device_read::<f32>()?.view(),
+            &mut out.device_write::<half::bf16>()?.view_mut(),
+        )?;
+        Ok(out.relayout(t.layout(), start)?)
+    }
+
+    pub(super) fn matmul_into(
+        alpha: f32,
+        a: &Tensor,
+        b: &Tensor,
+        beta: f32,
+        c: &Tensor,
+    ) -> Result<()> {
+        let gpu = c.gpu().cloned().ok_or_else(|| TensorError::Device {
+            op: "matmul",
+            expected: "a CUDA device",
+            actual: c.device(),
+        })?;
+        for (t, name) in [(a, "a"), (b, "b")] {
+            if t.device() != c.device() {
+                return Err(TensorError::Device {
+                    op: "matmul",
+                    expected: "the output's device",
+                    actual: t.device(),
+                })
+                .map_err(|e| err(format!("{name}: {e}")));
+            }
+        }
+        if c.dtype() != DType::F32 {
+            return Err(TensorError::DType {
+                op: "matmul",
+                expected: DType::F32,
+                actual: c.dtype(),
+            });
+        }
+        let wrap = |e: crate::Error| match e {
+            crate::Error::Tensor(t) => t,
+            other => err(other.to_string()),
+        };
+        // Operands as cuBLAS takes them: both f32, or both bf16 (rounded copies of f32 operands
+        // when the handle multiplies in bf16).
+        let bf16 = gpu.bf16_products() || a.dtype() == DType::BF16 || b.dtype() == DType::BF16;
+        let cast = |t: &Tensor| -> Result<Tensor> {
+            match (bf16, t.dtype()) {
+                (true, DType::BF16) | (false, DType::F32) => Ok(t.clone()),
+                (true, DType::F32) => to_bf16(t, &gpu).map_err(wrap),
+                (_, other) => Err(TensorError::DType {
+                    op: "matmul",
+                    expected: DType::F32,
+                    actual: other,
+                }),
+            }
+        };
+        let (a, b) = (cast(a)?, cast(b)?);
+        let mut av = Batched::of(&a, "a")?;
+        let bv = Batched::of(&b, "b")?;
+        let cv = Batched::of(c, "c")?;
+        let shared_b = b.dims().len() == 2;
+        if shared_b
+            && av.row_stride == av.cols * av.col_stride
+            && av.batch_stride == av.rows * av.row_stride
+        {
+            av.rows *= av.batch;
+            av.batch = 1;
+        }
+        let (batch, m, k, n) = (av.batch, av.rows, av.cols, bv.cols);
+        let c_fits = if batch == 1 {
+            cv.batch * cv.rows == m
+                && (cv.batch == 1 || cv.batch_stride == cv.rows * cv.row_stride)
+        } else {
+            cv.batch == batch && cv.rows == m
+        };
+        if bv.rows != k || (!shared_b && bv.batch != batch) || cv.cols != n || !c_fits {
+            return Err(err(format!(
+                "cannot multiply {} by {} into {}",
+                a.shape(),
+                b.shape(),
+                c.shape()
+            )));
+        }
+        let size = a.dtype().size();
+        let a_span = a.raw_device_span_read("matmul")?;
+        let b_span = b.raw_device_span_read("matmul")?;
+        let c_span = c.raw_device_span_write("matmul")?;
+        let mut ao = operand(&av, a_span.0, size, "a")?;
+        let mut bo = operand(&bv, b_span.0, size, "b")?;
+        let mut co = operand(&cv, c_span.0, 4, "c")?;
+        if co.trans {
+            return Err(err(format!("the output {} must have unit column stride", c.shape())));
+        }
+        if batch == 1 {
+            ao.batch_stride = 0;
+            bo.batch_stride = 0;
+            co.batch_stride = 0;
+        } else if shared_b {
+            bo.batch_stride = 0;
+        }
+        let input = if bf16 {
+            cudaDataType::CUDA_R_16BF
+        } else {
+            cudaDataType::CUDA_R_32F
+        };
+        let blas = gpu.blas().map_err(|e| err(e.to_string()))?;
+        // SAFETY: the spans are borrowed (read, read, write) for the call and cover every
+        // element the views reach; the stream orders later frees after the product.
+        unsafe { blas.matmul_raw(input, (m, n, k, batch), ao, bo, co, alpha, beta) }
+            .map_err(|e| err(e.to_string()))?;
+        drop((a_span, b_span, c_span));
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -67,3 +67,282 @@ impl Tensor {
         Ok(out)
     }
 }
+
+/// A contiguous device tensor's elements presented to cudarc as a slice it does not own: the
+/// typed views the CUDA kernels take. Holds the tensor's borrow (read or write) while it lives.
+pub struct DeviceSlice<'a, T> {
+    slice: std::mem::ManuallyDrop<crate::cuda::CudaSlice<T>>,
+    _borrow: crate::tensor::RawBorrow<'a>,
+}
+
+impl<T> DeviceSlice<'_, T> {
+    /// The elements, for reading.
+    pub fn view(&self) -> crate::cuda::CudaView<'_, T> {
+        self.slice.as_view()
+    }
+
+    /// The elements, for writing (only from [`Tensor::device_write`]).
+    pub fn view_mut(&mut self) -> crate::cuda::CudaViewMut<'_, T> {
+        self.slice.as_view_mut()
+    }
+}
+
+impl<T> Drop for DeviceSlice<'_, T> {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here; `leak` hands the memory back without freeing it (the
+        // tensor's storage owns it).
+        let slice = unsafe { std::mem::ManuallyDrop::take(&mut self.slice) };
+        slice.leak();
+    }
+}
+
+impl std::fmt::Debug for DeviceSlice<'_, f32> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceSlice({} elements)", self.slice.len())
+    }
+}
+
+impl Tensor {
+    /// Borrows a contiguous device tensor of element type `T` for reading by a kernel.
+    pub fn device_read<T: crate::tensor::Element>(
+        &self,
+    ) -> crate::tensor::Result<DeviceSlice<'_, T>> {
+        self.device_slice("device_read", false)
+    }
+
+    /// Borrows a contiguous device tensor of element type `T` for writing by a kernel.
+    pub fn device_write<T: crate::tensor::Element>(
+        &self,
+    ) -> crate::tensor::Result<DeviceSlice<'_, T>> {
+        self.device_slice("device_write", true)
+    }
+
+    fn device_slice<T: crate::tensor::Element>(
+        &self,
+        op: &'static str,
+        write: bool,
+    ) -> crate::tensor::Result<DeviceSlice<'_, T>> {
+        if self.dtype() != T::DTYPE {
+            return Err(crate::tensor::TensorError::DType {
+                op,
+                expected: T::DTYPE,
+                actual: self.dtype(),
+            });
+        }
+        let borrow = if write {
+            self.raw_device_write(op)?
+        } else {
+            self.raw_device_read(op)?
+        };
+        let gpu = self.gpu().ok_or(crate::tensor::TensorError::Device {
+            op,
+            expected: "a CUDA device",
+            actual: self.device(),
+        })?;
+        // SAFETY: the borrow covers `numel` elements of `T` at this address for the guard's
+        // life; the slice is leaked (never freed) when the guard drops.
+        let slice = unsafe {
+            gpu.stream()
+                .upgrade_device_ptr::<T>(borrow.addr() as u64, self.numel())
+        };
+        Ok(DeviceSlice {
+            slice: std::mem::ManuallyDrop::new(slice),
+            _borrow: borrow,
+        })
+    }
+}
+
+impl Tensor {
+    /// A 1-D view of `len` storage elements from `start`, whatever this view's layout.
+    pub(crate) fn span_view(&self, start: usize, len: usize) -> crate::tensor::Result<Tensor> {
+        Ok(Tensor {
+            storage: Arc::clone(&self.storage),
+            layout: Layout::contiguous(Shape::from(vec![len]), start),
+        })
+    }
+
+    /// This (new, contiguous 1-D) tensor's storage viewed with `layout` shifted down by `start`:
+    /// the copy of another tensor's span keeps that tensor's strides.
+    pub(crate) fn relayout(&self, layout: &Layout, start: usize) -> crate::tensor::Result<Tensor> {
+        let mut l = layout.clone();
+        l.offset -= start;
+        Ok(Tensor {
+            storage: Arc::clone(&self.storage),
+            layout: l,
+        })
+    }
+
+    /// Borrows the storage span a device view touches; returns the address of the storage's
+    /// element 0 (so that `layout.offset` and strides address elements) and the borrow.
+    pub(crate) fn raw_device_span_read(
+        &self,
+        op: &'static str,
+    ) -> crate::tensor::Result<(u64, crate::tensor::RawBorrow<'_>)> {
+        self.device_span(op, false)
+    }
+
+    /// [`Tensor::raw_device_span_read`] for writing.
+    pub(crate) fn raw_device_span_write(
+        &self,
+        op: &'static str,
+    ) -> crate::tensor::Result<(u64, crate::tensor::RawBorrow<'_>)> {
+        self.device_span(op, true)
+    }
+
+    fn device_span(
+        &self,
+        op: &'static str,
+        write: bool,
+    ) -> crate::tensor::Result<(u64, crate::tensor::RawBorrow<'_>)> {
+        if self.gpu().is_none() {
+            return Err(crate::tensor::TensorError::Device {
+                op,
+                expected: "a CUDA device",
+                actual: self.device(),
+            });
+        }
+        let (start, end) = (self.layout.offset, self.layout.end());
+        let borrow = self
+            .storage
+            .borrow(start, end.max(start), write)
+            .ok_or(crate::tensor::TensorError::Borrowed { op, write })?;
+        let base = borrow.addr() as u64 - (start * self.dtype().size()) as u64;
+        Ok((base, borrow))
+    }
+}
+
+/// Dimensions and strides of a view of up to 8 dimensions, passed to `copy_strided` by value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct View8 {
+    dims: [i64; 8],
+    strides: [i64; 8],
+}
+
+// SAFETY: plain integers, laid out as the kernel's struct.
+unsafe impl cudarc::driver::DeviceRepr for View8 {}
+
+/// The kernels' code of an element type (f16 has no device conversions yet).
+fn type_code(dtype: DType) -> Option<i32> {
+    match dtype {
+        DType::F32 => Some(0),
+        DType::BF16 => Some(1),
+        DType::I64 => Some(3),
+        DType::F16 => None,
+    }
+}
+
+impl Tensor {
+    /// A contiguous host copy (a download for device tensors).
+    pub(crate) fn to_host_contiguous(&self) -> crate::tensor::Result<Tensor> {
+        let dense = self.contiguous()?;
+        dense
+            .to_host()
+            .map_err(crate::tensor::gpu_error("to_host"))
+    }
+
+    /// [`Tensor::copy_from`] where either side is on a GPU (same shape, checked by the caller).
+    pub(crate) fn copy_from_device(&self, src: &Tensor) -> crate::tensor::Result<()> {
+        use cudarc::driver::PushKernelArg;
+        const OP: &str = "copy_from";
+        let Some(gpu) = self.gpu().cloned() else {
+            // Device to host: download, then copy on the host.
+            return self.copy_from(&src.to_host_contiguous()?);
+        };
+        let src = if src.gpu().is_none() {
+            src.to_gpu(&gpu).map_err(crate::tensor::gpu_error(OP))?
+        } else {
+            src.clone()
+        };
+        if src.device() != self.device() {
+            return Err(crate::tensor::TensorError::Device {
+                op: OP,
+                expected: "the destination's device",
+                actual: src.device(),
+            });
+        }
+        let n = self.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let ndim = src.dims().len();
+        let (Some(st), Some(dt)) = (type_code(src.dtype()), type_code(self.dtype())) else {
+            return Err(crate::tensor::TensorError::Gpu {
+                op: OP,
+                message: format!("{} → {} copies are not on the GPU yet", src.dtype(), self.dtype()),
+            });
+        };
+        if ndim > 8 {
+            return Err(crate::tensor::TensorError::Gpu {
+                op: OP,
+                message: format!("views of {ndim} dimensions (at most 8 on the GPU)"),
+            });
+        }
+        let mut view = View8 {
+            dims: [1; 8],
+            strides: [0; 8],
+        };
+        for (d, (&size, &stride)) in src.dims().iter().zip(&src.layout().strides).enumerate() {
+            view.dims[d] = size as i64;
+            view.strides[d] = stride as i64;
+        }
+        let (src_base, src_borrow) = src.raw_device_span_read(OP)?;
+        let dst = self.raw_device_write(OP)?;
+        let dst_addr = dst.addr() as u64;
+        let (n64, nd, offset, bytes) = (
+            n as u64,
+            ndim as i32,
+            src.layout().offset as i64,
+            self.dtype().size() as i32,
+        );
+        let f = gpu
+            .kernels()
+            .get("copy_strided")
+            .map_err(crate::tensor::gpu_error(OP))?;
+        let mut args = gpu.stream().launch_builder(f);
+        args.arg(&src_base)
+            .arg(&st)
+            .arg(&dst_addr)
+            .arg(&dt)
+            .arg(&n64)
+            .arg(&nd)
+            .arg(&offset)
+            .arg(&view)
+            .arg(&bytes);
+        crate::cuda::kernels::launch("copy_strided", args, crate::cuda::kernels::cover(n))
+            .map_err(crate::tensor::gpu_error(OP))?;
+        drop((src_borrow, dst));
+        Ok(())
+    }
+
+    /// [`Tensor::fill`] on the GPU.
+    pub(crate) fn fill_device(&self, value: f32) -> crate::tensor::Result<()> {
+        use cudarc::driver::PushKernelArg;
+        const OP: &str = "fill";
+        let Some(gpu) = self.gpu().cloned() else {
+            return self.fill(value);
+        };
+        let bits: u64 = match self.dtype() {
+            DType::F32 => u64::from(value.to_bits()),
+            DType::BF16 => u64::from(half::bf16::from_f32(value).to_bits()),
+            DType::F16 => u64::from(half::f16::from_f32(value).to_bits()),
+            DType::I64 => value as i64 as u64,
+        };
+        let n = self.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let buf = self.raw_device_write(OP)?;
+        let (addr, size, n64) = (buf.addr() as u64, self.dtype().size() as i32, n as u64);
+        let f = gpu
+            .kernels()
+            .get("fill_bits")
+            .map_err(crate::tensor::gpu_error(OP))?;
+        let mut args = gpu.stream().launch_builder(f);
+        args.arg(&addr).arg(&bits).arg(&size).arg(&n64);
+        crate::cuda::kernels::launch("fill_bits", args, crate::cuda::kernels::cover(n))
+            .map_err(crate::tensor::gpu_error(OP))?;
+        drop(buf);
+        Ok(())
+    }
+}

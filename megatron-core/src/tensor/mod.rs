@@ -8,6 +8,8 @@
 mod dtype;
 #[cfg(feature = "cuda")]
 mod gpu;
+#[cfg(feature = "cuda")]
+pub use gpu::DeviceSlice;
 mod layout;
 mod pool;
 mod storage;
@@ -76,6 +78,14 @@ pub enum TensorError {
         /// Where it is.
         actual: Device,
     },
+    /// The GPU failed to run a tensor operation (driver, kernel launch).
+    #[error("{op} on the GPU: {message}")]
+    Gpu {
+        /// The operation.
+        op: &'static str,
+        /// The backend's error.
+        message: String,
+    },
     /// A kernel rejected its arguments.
     #[error(transparent)]
     Kernel(#[from] KernelError),
@@ -128,6 +138,35 @@ impl Tensor {
             storage: Arc::new(storage),
             layout: Layout::contiguous(shape, 0),
         }
+    }
+
+    /// A new tensor on the same device as `near` (host or the same GPU handle), for outputs
+    /// that are written in full before they are read.
+    pub fn empty_near(
+        shape: impl Into<Shape>,
+        dtype: DType,
+        near: &Tensor,
+    ) -> crate::error::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = near.gpu() {
+            return Tensor::zeros_on(shape, dtype, gpu);
+        }
+        let _ = near;
+        Ok(Tensor::empty(shape, dtype))
+    }
+
+    /// Zeros on the same device as `near`.
+    pub fn zeros_near(
+        shape: impl Into<Shape>,
+        dtype: DType,
+        near: &Tensor,
+    ) -> crate::error::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = near.gpu() {
+            return Tensor::zeros_on(shape, dtype, gpu);
+        }
+        let _ = near;
+        Ok(Tensor::zeros(shape, dtype))
     }
 
     /// A tensor with every element `value` (converted to `dtype`).
@@ -470,6 +509,10 @@ impl Tensor {
 
     /// The elements in row-major order, of exactly type `T`.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        #[cfg(feature = "cuda")]
+        if self.gpu().is_some() {
+            return self.to_host_contiguous()?.to_vec();
+        }
         let (span, base) = self.read_span::<T>()?;
         let mut out = Vec::with_capacity(self.numel());
         for_each_offset(&self.layout, |i| out.push(span[i - base]));
@@ -503,6 +546,10 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
+        #[cfg(feature = "cuda")]
+        if self.gpu().is_some() {
+            return self.to_dtype(self.dtype());
+        }
         let buffer = match self.dtype() {
             DType::F32 => CpuBuffer::F32(self.to_vec()?),
             DType::BF16 => CpuBuffer::BF16(self.to_vec()?),
@@ -514,6 +561,12 @@ impl Tensor {
 
     /// A contiguous copy converted to `dtype` (float types round to nearest).
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = self.gpu() {
+            let out = Tensor::zeros_on(self.shape().clone(), dtype, gpu).map_err(gpu_error("to_dtype"))?;
+            out.copy_from(self)?;
+            return Ok(out);
+        }
         let out = Tensor::zeros(self.shape().clone(), dtype);
         out.copy_from(self)?;
         Ok(out)
@@ -548,6 +601,10 @@ impl Tensor {
         if self.same_storage(src) {
             // Copying a view onto an overlapping view needs a temporary.
             return self.copy_from(&src.deep_clone()?);
+        }
+        #[cfg(feature = "cuda")]
+        if self.gpu().is_some() || src.gpu().is_some() {
+            return self.copy_from_device(src);
         }
         macro_rules! copy_typed {
             ($dst:ty) => {{
@@ -587,6 +644,10 @@ impl Tensor {
 
     /// Sets every element to `value` (converted to the element type); the tensor must be contiguous.
     pub fn fill(&self, value: f32) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.gpu().is_some() {
+            return self.fill_device(value);
+        }
         match self.dtype() {
             DType::F32 => self.write::<f32>()?.fill(value),
             DType::BF16 => self
@@ -596,6 +657,15 @@ impl Tensor {
             DType::I64 => self.write::<i64>()?.fill(value as i64),
         }
         Ok(())
+    }
+}
+
+/// Maps a backend error of a tensor operation to [`TensorError::Gpu`].
+#[cfg(feature = "cuda")]
+pub(crate) fn gpu_error<E: std::fmt::Display>(op: &'static str) -> impl Fn(E) -> TensorError {
+    move |e| TensorError::Gpu {
+        op,
+        message: e.to_string(),
     }
 }
 

@@ -108,3 +108,59 @@ extern "C" __global__ void sum_squares_partials(const float* __restrict__ x, u64
         if (lane == 0) partials[blockIdx.x] = acc;
     }
 }
+
+// dst[i] = src[row-major index i of a strided view], converting between element types:
+// 0 = f32, 1 = bf16, 3 = i64 (same-type copies of any type move the bits).
+struct View8 {
+    long long dims[8];
+    long long strides[8];
+};
+
+__device__ __forceinline__ float load_as_f32(const void* p, int type, long long i) {
+    if (type == 0) return ((const float*)p)[i];
+    if (type == 1) return __uint_as_float(((u32)((const unsigned short*)p)[i]) << 16);
+    return (float)((const i64*)p)[i];
+}
+
+__device__ __forceinline__ void store_from_f32(void* p, int type, u64 i, float v) {
+    if (type == 0) {
+        ((float*)p)[i] = v;
+    } else if (type == 1) {
+        const u32 b = __float_as_uint(v);
+        ((unsigned short*)p)[i] = (b & 0x7fffffffu) > 0x7f800000u
+            ? (unsigned short)((b >> 16) | 0x0040u)
+            : (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+    } else {
+        ((i64*)p)[i] = (i64)v;
+    }
+}
+
+extern "C" __global__ void copy_strided(const void* __restrict__ src, int src_type,
+                                        void* __restrict__ dst, int dst_type, u64 n, int ndim,
+                                        long long offset, View8 view, int elem_bytes) {
+    FOR_EACH(i, n) {
+        long long at = offset;
+        u64 rest = i;
+        for (int d = ndim - 1; d >= 0; --d) {
+            const u64 size = (u64)view.dims[d];
+            at += (long long)(rest % size) * view.strides[d];
+            rest /= size;
+        }
+        if (src_type == dst_type) {
+            if (elem_bytes == 8) ((i64*)dst)[i] = ((const i64*)src)[at];
+            else if (elem_bytes == 4) ((u32*)dst)[i] = ((const u32*)src)[at];
+            else ((unsigned short*)dst)[i] = ((const unsigned short*)src)[at];
+        } else {
+            store_from_f32(dst, dst_type, i, load_as_f32(src, src_type, at));
+        }
+    }
+}
+
+// x[i] = value (bits of one element of `elem_bytes` bytes).
+extern "C" __global__ void fill_bits(void* __restrict__ x, u64 bits, int elem_bytes, u64 n) {
+    FOR_EACH(i, n) {
+        if (elem_bytes == 8) ((u64*)x)[i] = bits;
+        else if (elem_bytes == 4) ((u32*)x)[i] = (u32)bits;
+        else ((unsigned short*)x)[i] = (unsigned short)bits;
+    }
+}
