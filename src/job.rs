@@ -44,6 +44,22 @@ pub struct TrainJob {
     pub load: Option<PathBuf>,
     /// Facts about the run recorded in checkpoints.
     pub run_info: serde_json::Value,
+    /// Where the ranks compute.
+    pub device: Placement,
+}
+
+/// Where a job's ranks compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Placement {
+    /// On the CPU (the default).
+    #[default]
+    Cpu,
+    /// On CUDA GPUs (feature `cuda`): thread ranks share GPU 0 through the device-local
+    /// communicator; under `--backend nccl` each process takes its own GPU.
+    Cuda {
+        /// Matrix products in bf16 with f32 accumulation (mixed precision) instead of f32.
+        bf16: bool,
+    },
 }
 
 /// Periodic evaluation.
@@ -129,6 +145,9 @@ impl Summary {
     }
 }
 
+/// Moves a rank's trainer to its device (nothing on the CPU).
+type Placer<'a> = dyn Fn(&mut Trainer<Gpt>) -> Result<()> + Sync + 'a;
+
 /// What every rank of a run shares: the layout, the observers (called on global rank 0) and the
 /// summary rank 0 fills.
 struct RunContext<'a> {
@@ -139,11 +158,66 @@ struct RunContext<'a> {
 }
 
 impl TrainJob {
-    /// Runs the job on tp × dp thread ranks of this process.
+    /// Runs the job on tp × dp thread ranks of this process (sharing GPU 0 when the job is
+    /// placed on CUDA).
     pub fn run(&self, observers: &mut [Box<dyn Observer>]) -> Result<Summary> {
         let start = Instant::now();
         let context = self.context(observers)?;
-        launch(self.world_size(), |w| self.run_rank(&w, &context)).map_err(anyhow::Error::msg)?;
+        match self.device {
+            Placement::Cpu => launch(self.world_size(), |w| {
+                self.run_rank(&w, &context, &|_| Ok(()))
+            })
+            .map_err(anyhow::Error::msg)?,
+            Placement::Cuda { bf16 } => self.run_threads_on_gpu(&context, bf16)?,
+        };
+        Ok(context.finish(start))
+    }
+
+    /// Thread ranks on GPU 0, communicating with the device-local communicator.
+    #[cfg(feature = "cuda")]
+    fn run_threads_on_gpu(&self, context: &RunContext<'_>, bf16: bool) -> Result<Vec<()>> {
+        use megatron_core::comm::gpu_local::LocalGpu;
+        use megatron_core::cuda::Gpu;
+        let gpu = Gpu::new(0)?;
+        let shared = LocalGpu::new(&gpu);
+        launch(self.world_size(), |w| -> Result<()> {
+            let world = shared.world(std::sync::Arc::new(w))?;
+            let gpu = world.gpu().clone();
+            gpu.set_bf16_products(bf16);
+            self.run_rank(&world, context, &|trainer| Ok(trainer.to_gpu(&gpu)?))
+        })
+        .map_err(anyhow::Error::msg)
+    }
+
+    /// Without the `cuda` feature there is no GPU to run on.
+    #[cfg(not(feature = "cuda"))]
+    fn run_threads_on_gpu(&self, _context: &RunContext<'_>, _bf16: bool) -> Result<Vec<()>> {
+        bail!("this build has no GPU support: cargo build --release --features cuda")
+    }
+
+    /// Runs this process's rank of an NCCL world (one GPU per process): parameters, gradients
+    /// and optimizer state on the process's GPU.
+    #[cfg(all(feature = "cuda", feature = "mpi"))]
+    pub fn run_on_nccl(
+        &self,
+        world: &megatron_core::comm::nccl::NcclWorld,
+        observers: &mut [Box<dyn Observer>],
+    ) -> Result<Summary> {
+        let start = Instant::now();
+        if world.size() != self.world_size() {
+            bail!(
+                "TP={} × DP={} needs {} ranks, the world has {} (start as many processes)",
+                self.tp,
+                self.dp,
+                self.world_size(),
+                world.size()
+            );
+        }
+        let bf16 = matches!(self.device, Placement::Cuda { bf16: true });
+        let gpu = world.gpu().clone();
+        gpu.set_bf16_products(bf16);
+        let context = self.context(observers)?;
+        self.run_rank(world, &context, &|trainer| Ok(trainer.to_gpu(&gpu)?))?;
         Ok(context.finish(start))
     }
 
@@ -164,8 +238,11 @@ impl TrainJob {
                 world.size()
             );
         }
+        if self.device != Placement::Cpu {
+            bail!("a GPU job in a multi-process world runs with --backend nccl");
+        }
         let context = self.context(observers)?;
-        self.run_rank(world, &context)?;
+        self.run_rank(world, &context, &|_| Ok(()))?;
         Ok(context.finish(start))
     }
 
@@ -198,8 +275,8 @@ impl TrainJob {
         })
     }
 
-    /// One rank's whole run: build, load, train, evaluate, save.
-    fn run_rank(&self, w: &dyn World, cx: &RunContext<'_>) -> Result<()> {
+    /// One rank's whole run: build, load, place (on its device), train, evaluate, save.
+    fn run_rank(&self, w: &dyn World, cx: &RunContext<'_>, place: &Placer<'_>) -> Result<()> {
         let plan: BatchPlan = *self.train_data.plan();
         let tokens_per_step = (plan.global_batch * plan.seq_length) as u64;
         let parallel = ParallelState::new(w, &cx.layout)?;
@@ -226,6 +303,7 @@ impl TrainJob {
             Some(path) => trainer.load_checkpoint(&parallel, path)?.iteration,
             None => 0,
         };
+        place(&mut trainer)?;
         summary(&mut |s| s.first_step = first);
         report(&mut |o| o.start(self, first))?;
         for step in first..self.steps {

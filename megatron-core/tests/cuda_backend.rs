@@ -316,27 +316,46 @@ fn device_tensors_round_trip_and_refuse_host_reads() -> R {
     assert_eq!(dev.to_vec::<f32>()?, host.to_vec::<f32>()?);
     // Strided device views copy, convert and fill on the device.
     let t = dev.t()?;
-    assert_eq!(t.contiguous()?.to_vec::<f32>()?, host.t()?.contiguous()?.to_vec::<f32>()?);
+    assert_eq!(
+        t.contiguous()?.to_vec::<f32>()?,
+        host.t()?.contiguous()?.to_vec::<f32>()?
+    );
     let half = t.to_dtype(DType::BF16)?;
     assert_eq!(half.device(), Device::Cuda(0));
-    assert_eq!(half.to_vec::<bf16>()?, host.t()?.to_dtype(DType::BF16)?.to_vec::<bf16>()?);
+    assert_eq!(
+        half.to_vec::<bf16>()?,
+        host.t()?.to_dtype(DType::BF16)?.to_vec::<bf16>()?
+    );
     let filled = Tensor::zeros_on([5], DType::I64, &g)?;
     filled.fill(7.0)?;
     assert_eq!(filled.to_vec::<i64>()?, vec![7; 5]);
     let up = Tensor::zeros_on([6, 4], DType::F32, &g)?;
     up.copy_from(&host.t()?)?;
-    assert_eq!(up.to_vec::<f32>()?, host.t()?.contiguous()?.to_vec::<f32>()?);
+    assert_eq!(
+        up.to_vec::<f32>()?,
+        host.t()?.contiguous()?.to_vec::<f32>()?
+    );
     // Products of device views: transposed and batched, as on the host.
     let w = Tensor::from_vec(values(6 * 5, 12), [5, 6])?;
     let x = Tensor::from_vec(values(3 * 4 * 6, 13), [3, 4, 6])?;
     let cpu = megatron_core::ops::matmul(&x, &w.t()?)?;
     let gpu_out = megatron_core::ops::matmul(&x.to_gpu(&g)?, &w.to_gpu(&g)?.t()?)?;
     assert_eq!(gpu_out.device(), Device::Cuda(0));
-    assert_close(&gpu_out.to_vec::<f32>()?, &cpu.to_vec::<f32>()?, 1e-5, "device matmul");
+    assert_close(
+        &gpu_out.to_vec::<f32>()?,
+        &cpu.to_vec::<f32>()?,
+        1e-5,
+        "device matmul",
+    );
     let scores = megatron_core::ops::matmul(&x, &x.transpose(1, 2)?)?;
     let xd = x.to_gpu(&g)?;
     let gpu_scores = megatron_core::ops::matmul(&xd, &xd.transpose(1, 2)?)?;
-    assert_close(&gpu_scores.to_vec::<f32>()?, &scores.to_vec::<f32>()?, 1e-5, "batched");
+    assert_close(
+        &gpu_scores.to_vec::<f32>()?,
+        &scores.to_vec::<f32>()?,
+        1e-5,
+        "batched",
+    );
     // A narrowed device view copies back its rows.
     let rows = dev.narrow(0, 1, 2)?.to_host()?;
     assert_eq!(

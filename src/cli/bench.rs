@@ -5,11 +5,23 @@ use clap::{Args, Subcommand};
 use megatron::bench;
 use megatron::kernels::parallel;
 
-/// Arguments of `megatron bench`.
+/// Arguments of `megatron bench`: a subcommand, or a model's training step (`megatron bench
+/// --model gpt-1.2b --seq-length 2048 --micro-batch-size 1 --device cuda`) with `megatron
+/// train`'s flags.
 #[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct BenchArgs {
     #[command(subcommand)]
-    which: Which,
+    which: Option<Which>,
+    #[command(flatten)]
+    step: Box<super::train::TrainArgs>,
+    /// Steps run before timing starts (the timed steps are --train-iters).
+    #[arg(long, default_value_t = 2)]
+    warmup: u64,
+    /// Peak of the device in TFLOP/s for the MFU [default: 989, an H100 SXM's dense bf16 peak,
+    /// on cuda; none on the CPU].
+    #[arg(long)]
+    peak_tflops: Option<f64>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -49,7 +61,10 @@ enum Which {
 
 /// Runs `megatron bench`.
 pub fn run(args: &BenchArgs) -> Result<()> {
-    match &args.which {
+    let Some(which) = &args.which else {
+        return model_step(args);
+    };
+    match which {
         Which::Gemm {
             threads,
             repeats,
@@ -91,6 +106,70 @@ fn gpu_gemm(repeats: usize, json: bool) -> Result<()> {
 #[cfg(not(feature = "cuda"))]
 fn gpu_gemm(_repeats: usize, _json: bool) -> Result<()> {
     anyhow::bail!("--device cuda needs a build with CUDA: cargo build --release --features cuda")
+}
+
+/// Times training steps of a model: tokens/s, model FLOP/s and MFU against the peak.
+fn model_step(args: &BenchArgs) -> Result<()> {
+    use megatron::job::{Observer, Placement, StepRecord};
+    use std::sync::{Arc, Mutex};
+
+    /// Collects step times.
+    struct Times(Arc<Mutex<Vec<(f64, usize)>>>);
+    impl Observer for Times {
+        fn step(&mut self, record: &StepRecord) -> Result<()> {
+            if let Ok(mut t) = self.0.lock() {
+                t.push((record.metrics.seconds, record.metrics.tokens));
+            }
+            Ok(())
+        }
+    }
+
+    let mut job = args.step.job()?;
+    let timed = job.steps;
+    job.steps = timed + args.warmup;
+    let plan = *job.train_data.plan();
+    let flops_per_token = job.model.flops_per_token(plan.seq_length, job.tp);
+    let peak = match (args.peak_tflops, job.device) {
+        (Some(p), _) => Some(p),
+        (None, Placement::Cuda { .. }) => Some(bench::gpu_peak_tflops()),
+        (None, Placement::Cpu) => None,
+    };
+    let times = Arc::new(Mutex::new(Vec::new()));
+    let mut observers: Vec<Box<dyn Observer>> = vec![Box::new(Times(times.clone()))];
+    job.run(&mut observers)?;
+    let times = times
+        .lock()
+        .map_err(|_| anyhow::anyhow!("a rank panicked"))?
+        .clone();
+    let mut rates: Vec<f64> = times
+        .iter()
+        .skip(args.warmup as usize)
+        .map(|&(s, tokens)| tokens as f64 / s)
+        .collect();
+    if rates.is_empty() {
+        anyhow::bail!("no timed steps: --train-iters must be at least 1");
+    }
+    rates.sort_by(f64::total_cmp);
+    let tokens_per_s = rates[rates.len() / 2];
+    // The model's FLOPs per token (whole model), at the global token rate: with thread ranks
+    // every rank shares this one device (GPU 0 or this CPU).
+    let tflops = tokens_per_s * flops_per_token / 1e12;
+    let report = serde_json::json!({
+        "model": args.step.model_name(),
+        "tp": job.tp,
+        "dp": job.dp,
+        "seq_length": plan.seq_length,
+        "micro_batch": plan.micro_batch,
+        "global_batch": plan.global_batch,
+        "device": format!("{:?}", job.device),
+        "timed_steps": rates.len(),
+        "tokens_per_s": tokens_per_s,
+        "model_tflops": tflops,
+        "peak_tflops": peak,
+        "mfu": peak.map(|p| tflops / p),
+    });
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
 }
 
 fn print<T: serde::Serialize + std::fmt::Display>(report: &T, json: bool) -> Result<()> {

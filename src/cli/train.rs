@@ -10,7 +10,7 @@ use indicatif::ProgressBar;
 use megatron::data::{
     Blend, GptDatasetConfig, SampleSource, Split as DataSplit, SplitVector, build_gpt_dataset,
 };
-use megatron::job::{Eval, Observer, Summary, TrainJob};
+use megatron::job::{Eval, Observer, Placement, Summary, TrainJob};
 use megatron::models::GptConfig;
 use megatron::report::plot::Curves;
 use megatron::tokenizer::Tokenizer;
@@ -132,6 +132,13 @@ pub struct TrainArgs {
     /// by `mpirun -np N` / `srun` (N = tp × dp).
     #[arg(long, value_enum, default_value_t = Backend::Threads)]
     backend: Backend,
+    /// `cpu`, or `cuda` (build with `--features cuda`): with the threads backend every rank
+    /// shares GPU 0 through the device-local communicator; with `nccl`, one GPU per process.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// On a GPU, multiply in f32 instead of bf16 with f32 accumulation.
+    #[arg(long)]
+    fp32_products: bool,
 }
 
 /// Where the ranks of a training run live and how they communicate.
@@ -164,6 +171,11 @@ fn valid_fraction(split: &str) -> Result<(f64, f64)> {
 }
 
 impl TrainArgs {
+    /// The model's name.
+    pub(crate) fn model_name(&self) -> &str {
+        &self.arch.model
+    }
+
     /// Training and validation samples: Megatron indexed datasets (blended, split by documents
     /// as Megatron splits them), or a text file or the default corpus as bytes (split by
     /// position).
@@ -246,7 +258,8 @@ impl TrainArgs {
         Ok(c)
     }
 
-    fn job(&self) -> Result<TrainJob> {
+    /// The training job these arguments describe.
+    pub(crate) fn job(&self) -> Result<TrainJob> {
         if self.tp == 0 || self.dp == 0 {
             bail!("--tensor-model-parallel-size and --data-parallel-size must be at least 1");
         }
@@ -335,6 +348,13 @@ impl TrainArgs {
                 "global_batch_size": plan.global_batch,
                 "tokenizer": tokenizer,
             }),
+            device: match self.device.as_str() {
+                "cpu" => Placement::Cpu,
+                "cuda" => Placement::Cuda {
+                    bf16: !self.fp32_products,
+                },
+                other => bail!("--device must be cpu or cuda, got {other:?}"),
+            },
         })
     }
 }
@@ -344,11 +364,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     match args.backend {
         Backend::Threads => run_job(args, &mut |job, observers| job.run(observers)),
         Backend::Mpi => run_mpi(args),
-        Backend::Nccl => bail!(
-            "--backend nccl: the NCCL communicator is built (features cuda,mpi) but the model's \
-             layers do not run on GPU tensors yet; use --backend threads, or --backend mpi for \
-             several CPU processes"
-        ),
+        Backend::Nccl => run_nccl(args),
     }
 }
 
@@ -375,6 +391,43 @@ fn run_mpi(args: &TrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// Runs this process's rank on its GPU of an NCCL world bootstrapped over MPI.
+#[cfg(all(feature = "mpi", feature = "cuda"))]
+fn run_nccl(args: &TrainArgs) -> Result<()> {
+    use megatron_core::comm::World;
+    use megatron_core::comm::mpi::MpiWorld;
+    use megatron_core::comm::nccl::NcclWorld;
+
+    if args.device != "cuda" {
+        bail!("--backend nccl trains on GPUs: add --device cuda");
+    }
+    let world =
+        NcclWorld::init(MpiWorld::init().context("starting MPI")?).context("starting NCCL")?;
+    let rank = world.rank();
+    let result = if rank == 0 {
+        run_job(args, &mut |job, observers| {
+            job.run_on_nccl(&world, observers)
+        })
+    } else {
+        args.job()
+            .and_then(|job| job.run_on_nccl(&world, &mut []))
+            .map(drop)
+    };
+    if let Err(err) = result {
+        eprintln!("error: rank {rank} of {}: {err:#}", world.size());
+        world.mpi().abort(1);
+    }
+    Ok(())
+}
+
+/// Without the `mpi` and `cuda` features, `--backend nccl` explains how to get them.
+#[cfg(not(all(feature = "mpi", feature = "cuda")))]
+fn run_nccl(_args: &TrainArgs) -> Result<()> {
+    bail!(
+        "--backend nccl needs a build with MPI and CUDA: cargo build --release --features mpi,cuda"
+    )
+}
+
 /// Without the `mpi` feature, `--backend mpi` explains how to get it.
 #[cfg(not(feature = "mpi"))]
 fn run_mpi(_args: &TrainArgs) -> Result<()> {
@@ -397,10 +450,11 @@ fn run_job(args: &TrainArgs, run: &mut Runner<'_>) -> Result<()> {
         job.tp,
         job.dp,
         job.world_size(),
-        match args.backend {
-            Backend::Threads => "thread ranks",
-            Backend::Mpi => "MPI processes",
-            Backend::Nccl => "GPUs",
+        match (args.backend, job.device) {
+            (Backend::Threads, Placement::Cpu) => "thread ranks",
+            (Backend::Threads, Placement::Cuda { .. }) => "thread ranks sharing GPU 0",
+            (Backend::Mpi, _) => "MPI processes",
+            (Backend::Nccl, _) => "GPUs",
         },
         job.steps,
         plan.global_batch * plan.seq_length,

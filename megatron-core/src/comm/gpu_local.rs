@@ -378,6 +378,12 @@ impl Communicator for LocalGpuComm {
         self.check_tensor(OP, tensor)?;
         let desc = self.desc(OpKind::AllReduce, tensor, Some(op), None);
         let (dtype, count) = (tensor.dtype(), tensor.numel());
+        if self.size() == 1 {
+            // A group of one: the reduction of one value is itself.
+            self.counters
+                .record(OpKind::AllReduce, count * dtype.size());
+            return Ok(());
+        }
         let posts = self.exchange(desc, tensor, None)?;
         let scratch =
             Tensor::zeros_on([count], dtype, &self.gpu).map_err(|e| self.cuda("alloc", e))?;
@@ -402,6 +408,14 @@ impl Communicator for LocalGpuComm {
                 output.numel(),
                 n * count
             )));
+        }
+        if n == 1 {
+            if !input.same_storage(output) || input.layout().offset != output.layout().offset {
+                output.copy_from(&input.reshape(output.shape().clone())?)?;
+            }
+            self.counters
+                .record(OpKind::AllGather, count * dtype.size());
+            return Ok(());
         }
         let desc = self.desc(OpKind::AllGather, input, None, None);
         let posts = self.exchange(desc, input, None)?;
@@ -429,6 +443,14 @@ impl Communicator for LocalGpuComm {
                 n * count
             )));
         }
+        if n == 1 {
+            if !input.same_storage(output) || input.layout().offset != output.layout().offset {
+                output.copy_from(&input.reshape(output.shape().clone())?)?;
+            }
+            self.counters
+                .record(OpKind::ReduceScatter, count * dtype.size());
+            return Ok(());
+        }
         let desc = self.desc(OpKind::ReduceScatter, output, Some(op), None);
         let posts = self.exchange(desc, input, None)?;
         let bytes = count * dtype.size();
@@ -450,6 +472,11 @@ impl Communicator for LocalGpuComm {
                 "broadcast: root {root} is outside the group of {} ranks",
                 self.size()
             )));
+        }
+        if self.size() == 1 {
+            self.counters
+                .record(OpKind::Broadcast, tensor.numel() * tensor.dtype().size());
+            return Ok(());
         }
         let desc = self.desc(OpKind::Broadcast, tensor, None, Some(root));
         let posts = self.exchange(desc, tensor, None)?;

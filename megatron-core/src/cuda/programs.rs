@@ -18,7 +18,7 @@ use super::library;
 const COMMON: &str = include_str!("cu/common.cuh");
 
 /// The programs: (name, source). A kernel's name is unique over all of them.
-pub const PROGRAMS: [(&str, &str); 8] = [
+pub const PROGRAMS: [(&str, &str); 9] = [
     ("elementwise", include_str!("cu/elementwise.cu")),
     ("dropout", include_str!("cu/dropout.cu")),
     ("layer_norm", include_str!("cu/layer_norm.cu")),
@@ -27,6 +27,7 @@ pub const PROGRAMS: [(&str, &str); 8] = [
     ("cross_entropy", include_str!("cu/cross_entropy.cu")),
     ("adam", include_str!("cu/adam.cu")),
     ("reduce", include_str!("cu/reduce.cu")),
+    ("vocab_parallel", include_str!("cu/vocab_parallel.cu")),
 ];
 
 /// The NVRTC architecture name of compute capability `major.minor`, e.g. `sm_90`.

@@ -327,8 +327,7 @@ mod device {
         }
         let (batch, m, k, n) = (av.batch, av.rows, av.cols, bv.cols);
         let c_fits = if batch == 1 {
-            cv.batch * cv.rows == m
-                && (cv.batch == 1 || cv.batch_stride == cv.rows * cv.row_stride)
+            cv.batch * cv.rows == m && (cv.batch == 1 || cv.batch_stride == cv.rows * cv.row_stride)
         } else {
             cv.batch == batch && cv.rows == m
         };
@@ -348,7 +347,10 @@ mod device {
         let mut bo = operand(&bv, b_span.0, size, "b")?;
         let mut co = operand(&cv, c_span.0, 4, "c")?;
         if co.trans {
-            return Err(err(format!("the output {} must have unit column stride", c.shape())));
+            return Err(err(format!(
+                "the output {} must have unit column stride",
+                c.shape()
+            )));
         }
         if batch == 1 {
             ao.batch_stride = 0;

@@ -18,6 +18,10 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.shape() != b.shape() {
         return invalid!("add: shapes {} and {} differ", a.shape(), b.shape());
     }
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = a.gpu().or(b.gpu()) {
+        return device::add(gpu, a, b);
+    }
     let (a, b) = (a.to_f32_contiguous()?, b.to_f32_contiguous()?);
     let out = Tensor::empty(a.shape().clone(), DType::F32);
     elementwise::add(
@@ -37,6 +41,11 @@ pub struct GeluSaved {
 /// GeLU with GPT-2's tanh approximation.
 pub fn gelu(_cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, GeluSaved)> {
     let x = x.to_f32_contiguous()?;
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = x.gpu() {
+        let y = device::gelu(gpu, &x)?;
+        return Ok((y, GeluSaved { x }));
+    }
     let y = Tensor::empty(x.shape().clone(), DType::F32);
     elementwise::gelu_forward(&x.read::<f32>()?, &mut y.write::<f32>()?)?;
     Ok((y, GeluSaved { x }))
@@ -45,6 +54,10 @@ pub fn gelu(_cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, GeluSaved)> {
 /// Gradient of [`gelu`].
 pub fn gelu_backward(_cx: &Cx, _site: Site, saved: GeluSaved, dy: &Tensor) -> Result<Tensor> {
     let dy = dy.to_f32_contiguous()?;
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = saved.x.gpu() {
+        return device::gelu_backward(gpu, &saved.x, &dy);
+    }
     let dx = Tensor::empty(saved.x.shape().clone(), DType::F32);
     elementwise::gelu_backward(
         &saved.x.read::<f32>()?,
@@ -91,6 +104,16 @@ pub fn dropout(
     let x = x.to_f32_contiguous()?;
     let stream = cx.dropout_stream(site);
     let index = logical_index(cx, &x, sharding);
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = x.gpu() {
+        let y = device::dropout(gpu, &x, p, &stream, index, false)?;
+        return Ok((
+            y,
+            DropoutSaved {
+                mask: Some((p, stream, index)),
+            },
+        ));
+    }
     let y = Tensor::empty(x.shape().clone(), DType::F32);
     dk::dropout_forward(&x.read::<f32>()?, &mut y.write::<f32>()?, p, &stream, index)?;
     Ok((
@@ -107,6 +130,10 @@ pub fn dropout_backward(_cx: &Cx, _site: Site, saved: DropoutSaved, dy: &Tensor)
         return Ok(dy.clone());
     };
     let dy = dy.to_f32_contiguous()?;
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = dy.gpu() {
+        return device::dropout(gpu, &dy, p, &stream, index, true);
+    }
     let dx = Tensor::empty(dy.shape().clone(), DType::F32);
     dk::dropout_backward(
         &dy.read::<f32>()?,
@@ -147,6 +174,19 @@ pub fn cross_entropy(
     }
     let logits = logits.to_f32_contiguous()?;
     let targets = targets.contiguous()?;
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = logits.gpu() {
+        let targets = device::on_gpu(gpu, &targets)?;
+        let (losses, logsumexp) = device::cross_entropy(gpu, &logits, &targets, rows, vocab)?;
+        return Ok((
+            losses,
+            CrossEntropySaved {
+                logits,
+                targets,
+                logsumexp,
+            },
+        ));
+    }
     let losses = Tensor::empty(targets.shape().clone(), DType::F32);
     let logsumexp = Tensor::empty([rows], DType::F32);
     ce::cross_entropy_forward(
@@ -177,6 +217,10 @@ pub fn cross_entropy_backward(
     let vocab = last_dim(&saved.logits);
     let rows = saved.targets.numel();
     let dloss = dloss.to_f32_contiguous()?;
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = saved.logits.gpu() {
+        return device::cross_entropy_backward(gpu, &saved, &dloss, rows, vocab);
+    }
     let dlogits = Tensor::empty(saved.logits.shape().clone(), DType::F32);
     ce::cross_entropy_backward(
         &saved.logits.read::<f32>()?,
@@ -188,4 +232,127 @@ pub fn cross_entropy_backward(
         &mut dlogits.write::<f32>()?,
     )?;
     Ok(dlogits)
+}
+
+/// The primitives on a GPU: the same arguments, the CUDA kernels on the tensors' memory, outputs
+/// allocated on the device (nothing read back but cross-entropy's target check).
+#[cfg(feature = "cuda")]
+mod device {
+    use super::{CrossEntropySaved, DType, Result, Tensor, dk};
+    use crate::cuda::Gpu;
+    use crate::cuda::kernels::{cross_entropy as ce, dropout as gdk, elementwise};
+    use crate::rng::DropoutStream;
+
+    /// `a + b` (same shape, checked by the caller).
+    pub(super) fn add(gpu: &Gpu, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let (a, b) = (a.to_f32_contiguous()?, b.to_f32_contiguous()?);
+        let out = Tensor::empty_near(a.shape().clone(), DType::F32, &a)?;
+        elementwise::add(
+            gpu,
+            &a.device_read::<f32>()?.view(),
+            &b.device_read::<f32>()?.view(),
+            &mut out.device_write::<f32>()?.view_mut(),
+        )?;
+        Ok(out)
+    }
+
+    /// `gelu(x)` of a contiguous f32 `x`.
+    pub(super) fn gelu(gpu: &Gpu, x: &Tensor) -> Result<Tensor> {
+        let y = Tensor::empty_near(x.shape().clone(), DType::F32, x)?;
+        elementwise::gelu_forward(
+            gpu,
+            &x.device_read::<f32>()?.view(),
+            &mut y.device_write::<f32>()?.view_mut(),
+        )?;
+        Ok(y)
+    }
+
+    /// `dy · gelu'(x)` of contiguous f32 tensors.
+    pub(super) fn gelu_backward(gpu: &Gpu, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+        let dx = Tensor::empty_near(x.shape().clone(), DType::F32, x)?;
+        elementwise::gelu_backward(
+            gpu,
+            &x.device_read::<f32>()?.view(),
+            &dy.device_read::<f32>()?.view(),
+            &mut dx.device_write::<f32>()?.view_mut(),
+        )?;
+        Ok(dx)
+    }
+
+    /// The dropout mask of (`stream`, `index`) applied to a contiguous f32 `x` (forward), or to
+    /// `dy` (`backward`: the same mask regenerated).
+    pub(super) fn dropout(
+        gpu: &Gpu,
+        x: &Tensor,
+        p: f32,
+        stream: &DropoutStream,
+        index: dk::LogicalIndex,
+        backward: bool,
+    ) -> Result<Tensor> {
+        let y = Tensor::empty_near(x.shape().clone(), DType::F32, x)?;
+        let (xv, mut yv) = (x.device_read::<f32>()?, y.device_write::<f32>()?);
+        if backward {
+            gdk::dropout_backward(gpu, &xv.view(), &mut yv.view_mut(), p, stream, index)?;
+        } else {
+            gdk::dropout_forward(gpu, &xv.view(), &mut yv.view_mut(), p, stream, index)?;
+        }
+        drop((xv, yv));
+        Ok(y)
+    }
+
+    /// Per-row losses (the targets' shape) and `logsumexp[rows]` of contiguous f32 `logits` and
+    /// i64 `targets` on the device (shapes checked by the caller).
+    pub(super) fn cross_entropy(
+        gpu: &Gpu,
+        logits: &Tensor,
+        targets: &Tensor,
+        rows: usize,
+        vocab: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let losses = Tensor::empty_near(targets.shape().clone(), DType::F32, logits)?;
+        let logsumexp = Tensor::empty_near([rows], DType::F32, logits)?;
+        ce::cross_entropy_forward(
+            gpu,
+            &logits.device_read::<f32>()?.view(),
+            &targets.device_read::<i64>()?.view(),
+            rows,
+            vocab,
+            &mut losses.device_write::<f32>()?.view_mut(),
+            &mut logsumexp.device_write::<f32>()?.view_mut(),
+        )?;
+        Ok((losses, logsumexp))
+    }
+
+    /// Gradient of [`cross_entropy`] with respect to the logits.
+    pub(super) fn cross_entropy_backward(
+        gpu: &Gpu,
+        saved: &CrossEntropySaved,
+        dloss: &Tensor,
+        rows: usize,
+        vocab: usize,
+    ) -> Result<Tensor> {
+        let dloss = on_gpu(gpu, dloss)?;
+        let dlogits = Tensor::empty_near(saved.logits.shape().clone(), DType::F32, &saved.logits)?;
+        ce::cross_entropy_backward(
+            gpu,
+            &saved.logits.device_read::<f32>()?.view(),
+            &saved.targets.device_read::<i64>()?.view(),
+            &saved.logsumexp.device_read::<f32>()?.view(),
+            &dloss.device_read::<f32>()?.view(),
+            rows,
+            vocab,
+            &mut dlogits.device_write::<f32>()?.view_mut(),
+        )?;
+        Ok(dlogits)
+    }
+
+    /// `t` on the device: itself, or an upload of a host tensor (targets from the host data
+    /// loader; the upload waits for the stream).
+    pub(super) fn on_gpu(gpu: &Gpu, t: &Tensor) -> Result<Tensor> {
+        if t.gpu().is_some() {
+            Ok(t.clone())
+        } else {
+            t.to_gpu(gpu)
+        }
+    }
 }

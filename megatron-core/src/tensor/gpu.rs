@@ -236,9 +236,7 @@ impl Tensor {
     /// A contiguous host copy (a download for device tensors).
     pub(crate) fn to_host_contiguous(&self) -> crate::tensor::Result<Tensor> {
         let dense = self.contiguous()?;
-        dense
-            .to_host()
-            .map_err(crate::tensor::gpu_error("to_host"))
+        dense.to_host().map_err(crate::tensor::gpu_error("to_host"))
     }
 
     /// [`Tensor::copy_from`] where either side is on a GPU (same shape, checked by the caller).
@@ -269,7 +267,11 @@ impl Tensor {
         let (Some(st), Some(dt)) = (type_code(src.dtype()), type_code(self.dtype())) else {
             return Err(crate::tensor::TensorError::Gpu {
                 op: OP,
-                message: format!("{} → {} copies are not on the GPU yet", src.dtype(), self.dtype()),
+                message: format!(
+                    "{} → {} copies are not on the GPU yet",
+                    src.dtype(),
+                    self.dtype()
+                ),
             });
         };
         if ndim > 8 {

@@ -563,7 +563,8 @@ impl Tensor {
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let Some(gpu) = self.gpu() {
-            let out = Tensor::zeros_on(self.shape().clone(), dtype, gpu).map_err(gpu_error("to_dtype"))?;
+            let out = Tensor::zeros_on(self.shape().clone(), dtype, gpu)
+                .map_err(gpu_error("to_dtype"))?;
             out.copy_from(self)?;
             return Ok(out);
         }

@@ -202,6 +202,10 @@ impl Op for CausalSelfAttention {
     fn forward(&self, cx: &Cx, site: Site, qkv: &Tensor) -> Result<(Tensor, AttentionSaved)> {
         dk::keep_threshold(self.dropout)?;
         let sh = self.shape(cx, qkv)?;
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = qkv.gpu() {
+            return self.forward_gpu(cx, site, qkv, sh, gpu);
+        }
         let qkv = qkv.to_f32_contiguous()?;
         let Ok([q, k, v]) = <[Tensor; 3]>::try_from(to_heads(&qkv, sh, 3)?) else {
             unreachable!("to_heads returns one tensor per part")
@@ -254,6 +258,10 @@ impl Op for CausalSelfAttention {
                 d_out.shape()
             );
         }
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = d_out.gpu() {
+            return device::backward(saved, &d_out, gpu);
+        }
         let d_ctx = to_heads(&d_out, sh, 1)?.remove(0);
         let d_dropped = matmul(&d_ctx, &saved.v.transpose(1, 2)?)?;
         // The forward's dropped probabilities and the gradient through the dropout: one mask.
@@ -272,5 +280,178 @@ impl Op for CausalSelfAttention {
         let dq = matmul(&d_scores, &saved.k)?;
         let dk = matmul(&d_scores.transpose(1, 2)?, &saved.q)?;
         from_heads(&[&dq, &dk, &dv], sh)
+    }
+}
+
+/// Attention on the GPU (feature `cuda`), when the fused QKV is a device tensor. The batched
+/// products read and write the heads in place through strided views of the sequence-first
+/// activations (`[b, heads, s, d]` views of `[s, b, heads·parts·d]`), so no layout copies run;
+/// softmax and dropout are the device kernels, with the CPU's masks.
+#[cfg(feature = "cuda")]
+mod device {
+    use super::{AttentionSaved, CausalSelfAttention, Shape};
+    use crate::cuda::Gpu;
+    use crate::cuda::kernels::{dropout as gdk, softmax as gsm};
+    use crate::error::Result;
+    use crate::kernels::dropout::LogicalIndex;
+    use crate::module::{Cx, Site};
+    use crate::ops::{matmul, matmul_into};
+    use crate::rng::DropoutStream;
+    use crate::tensor::{DType, Tensor};
+
+    /// Part `part` of `parts` per head of a contiguous `[s, b, heads·parts·d]` tensor, viewed as
+    /// `[b, heads, s, d]` (no copy; the batch and head dimensions fold into one batch).
+    fn heads_view(x: &Tensor, sh: Shape, parts: usize, part: usize) -> Result<Tensor> {
+        let d = sh.head_dim;
+        Ok(x.reshape([sh.seq, sh.batch, sh.heads, parts * d])?
+            .narrow(3, part * d, d)?
+            .transpose(0, 1)?
+            .transpose(1, 2)?)
+    }
+
+    /// [`super::masked`] on the device.
+    fn masked(
+        x: &Tensor,
+        mask: &Option<(f32, DropoutStream, LogicalIndex)>,
+        gpu: &Gpu,
+    ) -> Result<Tensor> {
+        let Some((p, stream, index)) = mask else {
+            return Ok(x.clone());
+        };
+        let y = Tensor::zeros_on(x.shape().clone(), DType::F32, gpu)?;
+        gdk::dropout_forward(
+            gpu,
+            &x.device_read::<f32>()?.view(),
+            &mut y.device_write::<f32>()?.view_mut(),
+            *p,
+            stream,
+            *index,
+        )?;
+        Ok(y)
+    }
+
+    /// [`super::masked_pair`] on the device.
+    fn masked_pair(
+        a: &Tensor,
+        b: &Tensor,
+        mask: &Option<(f32, DropoutStream, LogicalIndex)>,
+        gpu: &Gpu,
+    ) -> Result<(Tensor, Tensor)> {
+        let Some((p, stream, index)) = mask else {
+            return Ok((a.clone(), b.clone()));
+        };
+        let ya = Tensor::zeros_on(a.shape().clone(), DType::F32, gpu)?;
+        let yb = Tensor::zeros_on(b.shape().clone(), DType::F32, gpu)?;
+        gdk::dropout_pair(
+            gpu,
+            &a.device_read::<f32>()?.view(),
+            &mut ya.device_write::<f32>()?.view_mut(),
+            &b.device_read::<f32>()?.view(),
+            &mut yb.device_write::<f32>()?.view_mut(),
+            *p,
+            stream,
+            *index,
+        )?;
+        Ok((ya, yb))
+    }
+
+    impl CausalSelfAttention {
+        pub(super) fn forward_gpu(
+            &self,
+            cx: &Cx,
+            site: Site,
+            qkv: &Tensor,
+            sh: Shape,
+            gpu: &Gpu,
+        ) -> Result<(Tensor, AttentionSaved)> {
+            let qkv = qkv.to_f32_contiguous()?;
+            let q = heads_view(&qkv, sh, 3, 0)?;
+            let k = heads_view(&qkv, sh, 3, 1)?;
+            let v = heads_view(&qkv, sh, 3, 2)?;
+            // [b, heads, s, s], contiguous.
+            let scores = matmul(&q, &k.t()?)?;
+            let probs = Tensor::zeros_on(scores.shape().clone(), DType::F32, gpu)?;
+            gsm::softmax_forward(
+                gpu,
+                &scores.device_read::<f32>()?.view(),
+                sh.batch * sh.heads,
+                sh.seq,
+                sh.seq,
+                sh.scale(),
+                true,
+                &mut probs.device_write::<f32>()?.view_mut(),
+            )?;
+            drop(scores);
+            let mask = (cx.training() && self.dropout > 0.0).then(|| {
+                (
+                    self.dropout,
+                    cx.dropout_stream(site),
+                    self.logical_index(cx, sh),
+                )
+            });
+            let out =
+                Tensor::zeros_on([sh.seq, sh.batch, sh.heads * sh.head_dim], DType::F32, gpu)?;
+            matmul_into(
+                1.0,
+                &masked(&probs, &mask, gpu)?,
+                &v,
+                0.0,
+                &heads_view(&out, sh, 1, 0)?,
+            )?;
+            Ok((
+                out,
+                AttentionSaved {
+                    q,
+                    k,
+                    v,
+                    probs,
+                    dropout: mask,
+                    shape: sh,
+                },
+            ))
+        }
+    }
+
+    /// The backward (the output gradient's size checked by the caller), writing dq, dk and dv
+    /// straight into their places in the fused gradient.
+    pub(super) fn backward(saved: AttentionSaved, d_out: &Tensor, gpu: &Gpu) -> Result<Tensor> {
+        let sh = saved.shape;
+        let d_ctx = heads_view(d_out, sh, 1, 0)?;
+        let d_dropped = matmul(&d_ctx, &saved.v.t()?)?;
+        let (dropped, d_probs) = masked_pair(&saved.probs, &d_dropped, &saved.dropout, gpu)?;
+        drop(d_dropped);
+        let dqkv = Tensor::zeros_on(
+            [sh.seq, sh.batch, sh.heads * 3 * sh.head_dim],
+            DType::F32,
+            gpu,
+        )?;
+        matmul_into(
+            1.0,
+            &dropped.t()?,
+            &d_ctx,
+            0.0,
+            &heads_view(&dqkv, sh, 3, 2)?,
+        )?;
+        drop(dropped);
+        let d_scores = Tensor::zeros_on(d_probs.shape().clone(), DType::F32, gpu)?;
+        gsm::softmax_backward(
+            gpu,
+            &saved.probs.device_read::<f32>()?.view(),
+            &d_probs.device_read::<f32>()?.view(),
+            sh.batch * sh.heads,
+            sh.seq,
+            sh.seq,
+            sh.scale(),
+            &mut d_scores.device_write::<f32>()?.view_mut(),
+        )?;
+        matmul_into(1.0, &d_scores, &saved.k, 0.0, &heads_view(&dqkv, sh, 3, 0)?)?;
+        matmul_into(
+            1.0,
+            &d_scores.t()?,
+            &saved.q,
+            0.0,
+            &heads_view(&dqkv, sh, 3, 1)?,
+        )?;
+        Ok(dqkv)
     }
 }

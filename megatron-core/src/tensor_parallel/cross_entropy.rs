@@ -46,6 +46,10 @@ pub fn vocab_parallel_cross_entropy(
             targets.dtype()
         );
     }
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = logits.gpu() {
+        return device::forward(cx, gpu, logits, targets);
+    }
     let start = cx.tp_rank() * local;
     let total = local * cx.tp_size();
     let logits = logits.to_f32_contiguous()?;
@@ -132,6 +136,10 @@ pub fn vocab_parallel_cross_entropy_backward(
             saved.targets.shape()
         );
     }
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = saved.logits.gpu().cloned() {
+        return device::backward(cx, &gpu, saved, &dloss);
+    }
     let dlogits = Tensor::empty(saved.logits.shape().clone(), DType::F32);
     {
         let l = saved.logits.read::<f32>()?;
@@ -154,4 +162,133 @@ pub fn vocab_parallel_cross_entropy_backward(
         }
     }
     Ok(dlogits)
+}
+
+/// The fused vocab-parallel cross-entropy on the GPU (feature `cuda`), when the logits are a
+/// device tensor: the same steps and all-reduces, each local step one kernel of
+/// [`crate::cuda::kernels::vocab_parallel`], nothing read back.
+#[cfg(feature = "cuda")]
+mod device {
+    use super::VocabParallelCrossEntropySaved;
+    use crate::comm::ReduceOp;
+    use crate::cuda::Gpu;
+    use crate::cuda::kernels::vocab_parallel as gvp;
+    use crate::error::Result;
+    use crate::invalid;
+    use crate::module::Cx;
+    use crate::tensor::{DType, Tensor};
+    use crate::tensor_parallel::embedding::ids_on_gpu;
+
+    /// All-reduces `t` over the tensor-parallel group; a group of one has nothing to reduce
+    /// (and a host group would stage the tensor through the host).
+    fn all_reduce(cx: &Cx, t: &Tensor, op: ReduceOp) -> Result<()> {
+        let tp = cx.tp();
+        if tp.size() > 1 {
+            tp.all_reduce(t, op)?;
+        }
+        Ok(())
+    }
+
+    /// The forward (shapes and dtypes checked by the caller). Host targets are checked as on the
+    /// CPU and uploaded; device targets are not checked (that would read them back): a target
+    /// outside the vocabulary gives a NaN loss.
+    pub(super) fn forward(
+        cx: &Cx,
+        gpu: &Gpu,
+        logits: &Tensor,
+        targets: &Tensor,
+    ) -> Result<(Tensor, VocabParallelCrossEntropySaved)> {
+        let local = logits.dims().last().copied().unwrap_or(1);
+        let rows = targets.numel();
+        let start = cx.tp_rank() * local;
+        let total = local * cx.tp_size();
+        let logits = logits.to_f32_contiguous()?;
+        if targets.gpu().is_none() {
+            let host = targets.contiguous()?;
+            let t = host.read::<i64>()?;
+            if let Some((row, &bad)) = t
+                .iter()
+                .enumerate()
+                .find(|&(_, &t)| t < 0 || t as usize >= total)
+            {
+                return invalid!(
+                    "target {bad} of row {row} is outside the (padded) vocabulary of {total}"
+                );
+            }
+        }
+        let targets = ids_on_gpu(targets, gpu)?;
+        let max = Tensor::zeros_on([rows], DType::F32, gpu)?;
+        let sum = Tensor::zeros_on([rows], DType::F32, gpu)?;
+        let target_logit = Tensor::zeros_on([rows], DType::F32, gpu)?;
+        gvp::cross_entropy_local(
+            gpu,
+            &logits.device_read::<f32>()?.view(),
+            &targets.device_read::<i64>()?.view(),
+            rows,
+            local,
+            start,
+            &mut max.device_write::<f32>()?.view_mut(),
+            &mut target_logit.device_write::<f32>()?.view_mut(),
+        )?;
+        all_reduce(cx, &max, ReduceOp::Max)?;
+        gvp::cross_entropy_sum_exp(
+            gpu,
+            &logits.device_read::<f32>()?.view(),
+            &max.device_read::<f32>()?.view(),
+            rows,
+            local,
+            &mut sum.device_write::<f32>()?.view_mut(),
+        )?;
+        all_reduce(cx, &sum, ReduceOp::Sum)?;
+        all_reduce(cx, &target_logit, ReduceOp::Sum)?;
+        let losses = Tensor::zeros_on(targets.shape().clone(), DType::F32, gpu)?;
+        let logsumexp = Tensor::zeros_on([rows], DType::F32, gpu)?;
+        gvp::cross_entropy_finish(
+            gpu,
+            &max.device_read::<f32>()?.view(),
+            &sum.device_read::<f32>()?.view(),
+            &target_logit.device_read::<f32>()?.view(),
+            &targets.device_read::<i64>()?.view(),
+            total,
+            &mut losses.device_write::<f32>()?.view_mut(),
+            &mut logsumexp.device_write::<f32>()?.view_mut(),
+        )?;
+        Ok((
+            losses,
+            VocabParallelCrossEntropySaved {
+                logits,
+                targets,
+                logsumexp,
+            },
+        ))
+    }
+
+    /// The backward (the loss gradient's size checked by the caller): one kernel, no
+    /// communication.
+    pub(super) fn backward(
+        cx: &Cx,
+        gpu: &Gpu,
+        saved: VocabParallelCrossEntropySaved,
+        dloss: &Tensor,
+    ) -> Result<Tensor> {
+        let local = saved.logits.dims().last().copied().unwrap_or(1);
+        let start = cx.tp_rank() * local;
+        let dloss = if dloss.gpu().is_some() {
+            dloss.clone()
+        } else {
+            dloss.to_gpu(gpu)?
+        };
+        let dlogits = Tensor::zeros_on(saved.logits.shape().clone(), DType::F32, gpu)?;
+        gvp::cross_entropy_backward(
+            gpu,
+            &saved.logits.device_read::<f32>()?.view(),
+            &saved.targets.device_read::<i64>()?.view(),
+            &saved.logsumexp.device_read::<f32>()?.view(),
+            &dloss.device_read::<f32>()?.view(),
+            local,
+            start,
+            &mut dlogits.device_write::<f32>()?.view_mut(),
+        )?;
+        Ok(dlogits)
+    }
 }

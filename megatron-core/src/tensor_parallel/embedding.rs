@@ -142,6 +142,10 @@ impl Embedding {
     }
 
     fn lookup(&self, ids: &Tensor) -> Result<(Tensor, EmbeddingSaved)> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = self.weight.value().gpu() {
+            return self.lookup_gpu(ids, gpu);
+        }
         let ids = self.check_ids(ids)?;
         let h = self.hidden();
         let mut dims = ids.dims().to_vec();
@@ -160,6 +164,10 @@ impl Embedding {
     }
 
     fn lookup_backward(&self, saved: EmbeddingSaved, dy: &Tensor) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = self.weight.grad().gpu() {
+            return self.lookup_backward_gpu(saved, dy, gpu);
+        }
         let dy = dy.to_f32_contiguous()?;
         ek::embedding_backward(
             &saved.ids.read::<i64>()?,
@@ -229,6 +237,10 @@ impl VocabParallel for Embedding {
                 self.weight.spec().name,
                 h.shape()
             );
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = self.weight.value().gpu() {
+            return self.logits_forward_gpu(h, gpu);
         }
         let h = h.to_f32_contiguous()?;
         let rows = h.numel() / hidden;
@@ -348,6 +360,10 @@ impl Lookup for PositionEmbedding {
                 "sequence length {seq} exceeds the {max} learned positions (--max-position-embeddings)"
             );
         }
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = self.weight.value().gpu() {
+            return self.forward_gpu(seq, batch, gpu);
+        }
         let table = self.weight.value().to_f32_contiguous()?;
         let table = table.read::<f32>()?;
         let out = Tensor::empty([seq, batch, h], DType::F32);
@@ -372,6 +388,10 @@ impl Lookup for PositionEmbedding {
                 saved.batch
             );
         }
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = self.weight.grad().gpu() {
+            return self.backward_gpu(saved, dy, gpu);
+        }
         let dy = dy.to_f32_contiguous()?;
         let dy = dy.read::<f32>()?;
         let mut g = self.weight.grad().write::<f32>()?;
@@ -384,3 +404,196 @@ impl Lookup for PositionEmbedding {
         Ok(())
     }
 }
+
+/// The embeddings on the GPU (feature `cuda`): used when the weight is a device tensor, with the
+/// CPU's results (lookups and gradients bit for bit, logits to cuBLAS's f32 rounding).
+#[cfg(feature = "cuda")]
+mod device {
+    use super::{Embedding, EmbeddingSaved, LogitsSaved, PositionEmbedding, PositionSaved};
+    use crate::cuda::kernels::{embedding as gek, vocab_parallel as gvp};
+    use crate::cuda::{CudaError, Gpu};
+    use crate::error::Result;
+    use crate::invalid;
+    use crate::ops::matmul;
+    use crate::tensor::{DType, Tensor};
+
+    /// `t` on `gpu`: itself when it is a device tensor, else an uploaded copy.
+    pub(crate) fn on_gpu(t: &Tensor, gpu: &Gpu) -> Result<Tensor> {
+        if t.gpu().is_some() {
+            Ok(t.clone())
+        } else {
+            t.to_gpu(gpu)
+        }
+    }
+
+    /// Contiguous i64 ids (tokens, targets) on `gpu`: device ids as they are, host ids queued
+    /// for upload on `gpu`'s stream without waiting for it (the caller checks host ids first).
+    pub(crate) fn ids_on_gpu(ids: &Tensor, gpu: &Gpu) -> Result<Tensor> {
+        if ids.dtype() != DType::I64 {
+            return invalid!("token ids must be i64, got {}", ids.dtype());
+        }
+        if ids.gpu().is_some() {
+            return Ok(ids.contiguous()?);
+        }
+        let host = ids.contiguous()?;
+        let out = Tensor::zeros_on(host.shape().clone(), DType::I64, gpu)?;
+        if host.numel() == 0 {
+            return Ok(out);
+        }
+        let src = host.read::<i64>()?;
+        let mut dst = out.device_write::<i64>()?;
+        // The driver stages a pageable source before the call returns.
+        gpu.stream()
+            .memcpy_htod(&*src, &mut dst.view_mut())
+            .map_err(|e| CudaError::driver(format!("cuMemcpyHtoDAsync({} ids)", src.len()), e))?;
+        drop(dst);
+        Ok(out)
+    }
+
+    impl Embedding {
+        pub(super) fn lookup_gpu(
+            &self,
+            ids: &Tensor,
+            gpu: &Gpu,
+        ) -> Result<(Tensor, EmbeddingSaved)> {
+            if ids.dtype() != DType::I64 {
+                return invalid!(
+                    "embedding {}: token ids must be i64, got {}",
+                    self.weight.spec().name,
+                    ids.dtype()
+                );
+            }
+            // Host ids are checked as on the CPU; device ids are not (that would read them back):
+            // an id this shard does not hold gives a zero row and no gradient.
+            let ids = if ids.gpu().is_some() {
+                ids.clone()
+            } else {
+                self.check_ids(ids)?
+            };
+            let ids = ids_on_gpu(&ids, gpu)?;
+            let h = self.hidden();
+            let mut dims = ids.dims().to_vec();
+            dims.push(h);
+            let out = Tensor::zeros_on(dims, DType::F32, gpu)?;
+            let table = self.weight.value().to_f32_contiguous()?;
+            gek::embedding_forward(
+                gpu,
+                &ids.device_read::<i64>()?.view(),
+                &table.device_read::<f32>()?.view(),
+                self.vocab_start,
+                self.local_rows(),
+                h,
+                &mut out.device_write::<f32>()?.view_mut(),
+            )?;
+            Ok((out, EmbeddingSaved { ids }))
+        }
+
+        pub(super) fn lookup_backward_gpu(
+            &self,
+            saved: EmbeddingSaved,
+            dy: &Tensor,
+            gpu: &Gpu,
+        ) -> Result<()> {
+            let dy = on_gpu(dy, gpu)?.to_f32_contiguous()?;
+            let ids = on_gpu(&saved.ids, gpu)?;
+            gek::embedding_backward(
+                gpu,
+                &ids.device_read::<i64>()?.view(),
+                &dy.device_read::<f32>()?.view(),
+                self.vocab_start,
+                self.local_rows(),
+                self.hidden(),
+                &mut self.weight.grad().device_write::<f32>()?.view_mut(),
+            )?;
+            Ok(())
+        }
+
+        /// The tied output layer: `h · Wᵀ` on cuBLAS, padding rows' logits −∞ (the input shape
+        /// is checked by the caller). Its backward is the host code's: products of device tensors.
+        pub(super) fn logits_forward_gpu(
+            &self,
+            h: &Tensor,
+            gpu: &Gpu,
+        ) -> Result<(Tensor, LogitsSaved)> {
+            let hidden = self.hidden();
+            let h = on_gpu(h, gpu)?.to_f32_contiguous()?;
+            let rows = h.numel() / hidden;
+            let local = self.local_rows();
+            let logits = matmul(&h.reshape([rows, hidden])?, &self.weight.value().t()?)?;
+            let real = self.vocab_size.saturating_sub(self.vocab_start).min(local);
+            if real < local {
+                gvp::mask_columns(
+                    gpu,
+                    &mut logits.device_write::<f32>()?.view_mut(),
+                    rows,
+                    local,
+                    real,
+                )?;
+            }
+            let mut dims = h.dims().to_vec();
+            *dims.last_mut().expect("h has a last dimension") = local;
+            Ok((logits.reshape(dims)?, LogitsSaved { h }))
+        }
+    }
+
+    impl PositionEmbedding {
+        /// Position ids `t / batch` made on the device for `seq × batch` tokens.
+        fn positions(seq: usize, batch: usize, gpu: &Gpu) -> Result<Tensor> {
+            let ids = Tensor::zeros_on([seq * batch], DType::I64, gpu)?;
+            gvp::position_ids(gpu, &mut ids.device_write::<i64>()?.view_mut(), batch)?;
+            Ok(ids)
+        }
+
+        /// Rows `0..seq` of the table, each repeated for the `batch` entries (a gather by
+        /// position ids; the sequence length is checked by the caller).
+        pub(super) fn forward_gpu(
+            &self,
+            seq: usize,
+            batch: usize,
+            gpu: &Gpu,
+        ) -> Result<(Tensor, PositionSaved)> {
+            let (max, h) = (self.weight.value().dims()[0], self.weight.value().dims()[1]);
+            let table = self.weight.value().to_f32_contiguous()?;
+            let out = Tensor::zeros_on([seq, batch, h], DType::F32, gpu)?;
+            gek::embedding_forward(
+                gpu,
+                &Self::positions(seq, batch, gpu)?
+                    .device_read::<i64>()?
+                    .view(),
+                &table.device_read::<f32>()?.view(),
+                0,
+                max,
+                h,
+                &mut out.device_write::<f32>()?.view_mut(),
+            )?;
+            Ok((out, PositionSaved { seq, batch }))
+        }
+
+        /// Adds each position's gradients over the batch, in the CPU's order (bit for bit).
+        pub(super) fn backward_gpu(
+            &self,
+            saved: PositionSaved,
+            dy: &Tensor,
+            gpu: &Gpu,
+        ) -> Result<()> {
+            let (max, h) = (self.weight.value().dims()[0], self.weight.value().dims()[1]);
+            // The gradient's size is checked by the caller.
+            let dy = on_gpu(dy, gpu)?.to_f32_contiguous()?;
+            gek::embedding_backward(
+                gpu,
+                &Self::positions(saved.seq, saved.batch, gpu)?
+                    .device_read::<i64>()?
+                    .view(),
+                &dy.device_read::<f32>()?.view(),
+                0,
+                max,
+                h,
+                &mut self.weight.grad().device_write::<f32>()?.view_mut(),
+            )?;
+            Ok(())
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) use device::ids_on_gpu;

@@ -88,6 +88,12 @@ impl Layer for LayerNorm {
         let rows = self.rows(x)?;
         let h = self.gamma.value().numel();
         let x = x.to_f32_contiguous()?;
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = x.gpu() {
+            let (y, mean, rstd) =
+                device::forward(gpu, &x, &self.gamma, &self.beta, rows, self.eps)?;
+            return Ok((y, LayerNormSaved { x, mean, rstd }));
+        }
         let y = Tensor::empty(x.shape().clone(), DType::F32);
         let mean = Tensor::empty([rows], DType::F32);
         let rstd = Tensor::empty([rows], DType::F32);
@@ -119,6 +125,10 @@ impl Layer for LayerNorm {
         let rows = self.rows(&saved.x)?;
         let h = self.gamma.value().numel();
         let dy = dy.to_f32_contiguous()?;
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = saved.x.gpu() {
+            return device::backward(gpu, &saved, &dy, &self.gamma, &self.beta, rows);
+        }
         let dx = Tensor::empty(saved.x.shape().clone(), DType::F32);
         let gamma = self.gamma.value().to_f32_contiguous()?;
         ln::layer_norm_backward(
@@ -132,6 +142,77 @@ impl Layer for LayerNorm {
             &mut dx.write::<f32>()?,
             &mut self.gamma.grad().write::<f32>()?,
             &mut self.beta.grad().write::<f32>()?,
+        )?;
+        Ok(dx)
+    }
+}
+
+/// The layer norm on a GPU: the CUDA kernels on the device tensors, parameters included.
+#[cfg(feature = "cuda")]
+mod device {
+    use super::LayerNormSaved;
+    use crate::cuda::Gpu;
+    use crate::cuda::kernels::layer_norm as ln;
+    use crate::error::Result;
+    use crate::module::Param;
+    use crate::tensor::{DType, Tensor};
+
+    /// `y`, `mean` and `rstd` of a contiguous f32 `x` of `rows` rows.
+    pub(super) fn forward(
+        gpu: &Gpu,
+        x: &Tensor,
+        gamma: &Param,
+        beta: &Param,
+        rows: usize,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let h = gamma.value().numel();
+        let y = Tensor::empty_near(x.shape().clone(), DType::F32, x)?;
+        let mean = Tensor::empty_near([rows], DType::F32, x)?;
+        let rstd = Tensor::empty_near([rows], DType::F32, x)?;
+        let (gamma, beta) = (
+            gamma.value().to_f32_contiguous()?,
+            beta.value().to_f32_contiguous()?,
+        );
+        ln::layer_norm_forward(
+            gpu,
+            &x.device_read::<f32>()?.view(),
+            &gamma.device_read::<f32>()?.view(),
+            &beta.device_read::<f32>()?.view(),
+            rows,
+            h,
+            eps,
+            &mut y.device_write::<f32>()?.view_mut(),
+            &mut mean.device_write::<f32>()?.view_mut(),
+            &mut rstd.device_write::<f32>()?.view_mut(),
+        )?;
+        Ok((y, mean, rstd))
+    }
+
+    /// `dx`, accumulating the parameters' gradients (`+=`).
+    pub(super) fn backward(
+        gpu: &Gpu,
+        saved: &LayerNormSaved,
+        dy: &Tensor,
+        gamma: &Param,
+        beta: &Param,
+        rows: usize,
+    ) -> Result<Tensor> {
+        let h = gamma.value().numel();
+        let dx = Tensor::empty_near(saved.x.shape().clone(), DType::F32, &saved.x)?;
+        let gamma_value = gamma.value().to_f32_contiguous()?;
+        ln::layer_norm_backward(
+            gpu,
+            &dy.device_read::<f32>()?.view(),
+            &saved.x.device_read::<f32>()?.view(),
+            &saved.mean.device_read::<f32>()?.view(),
+            &saved.rstd.device_read::<f32>()?.view(),
+            &gamma_value.device_read::<f32>()?.view(),
+            rows,
+            h,
+            &mut dx.device_write::<f32>()?.view_mut(),
+            &mut gamma.grad().device_write::<f32>()?.view_mut(),
+            &mut beta.grad().device_write::<f32>()?.view_mut(),
         )?;
         Ok(dx)
     }

@@ -135,6 +135,10 @@ impl Linear {
         if let Some(bias) = &self.bias {
             let cols = bias.value().numel();
             let bias = bias.value().to_f32_contiguous()?;
+            #[cfg(feature = "cuda")]
+            if let Some(gpu) = y.gpu() {
+                return device::bias_add(gpu, y, &bias, cols);
+            }
             elementwise::bias_add_forward(
                 &mut y.write::<f32>()?,
                 &bias.read::<f32>()?,
@@ -161,15 +165,25 @@ impl Linear {
         let x2 = saved.x.reshape([rows, inp])?;
         matmul_into(1.0, &dy2.t()?, &x2, 1.0, self.weight.grad())?;
         if with_bias && let Some(bias) = &self.bias {
-            elementwise::bias_add_backward(
-                &dy2.read::<f32>()?,
-                rows,
-                out,
-                &mut bias.grad().write::<f32>()?,
-            )?;
+            Linear::accumulate_bias_grad(&dy2, rows, out, bias)?;
         }
         let dx = matmul(&dy2, w)?;
         Ok(dx.reshape(saved.x.shape().clone())?)
+    }
+
+    /// `db += Σ_r dy[r, ·]` for `dy[rows, out]`.
+    fn accumulate_bias_grad(dy: &Tensor, rows: usize, out: usize, bias: &Param) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if dy.gpu().is_some() {
+            return device::accumulate_bias_grad(dy, bias.grad());
+        }
+        elementwise::bias_add_backward(
+            &dy.read::<f32>()?,
+            rows,
+            out,
+            &mut bias.grad().write::<f32>()?,
+        )?;
+        Ok(())
     }
 
     fn check_mode(&self, want: Mode, what: &str) -> Result<()> {
@@ -282,5 +296,41 @@ impl RowParallel for Linear {
         // The bias is replicated and dy is the same on every rank: each rank's bias gradient is
         // already the whole one.
         self.backward_product(saved, dy, true)
+    }
+}
+
+/// The bias on a GPU; the products are [`matmul`]'s, which already run there.
+#[cfg(feature = "cuda")]
+mod device {
+    use crate::cuda::Gpu;
+    use crate::cuda::kernels::elementwise;
+    use crate::error::Result;
+    use crate::ops::matmul_into;
+    use crate::tensor::{DType, Tensor};
+
+    /// `y[r, c] += bias[c]` for a contiguous f32 `y` whose rows are `cols` long.
+    pub(super) fn bias_add(gpu: &Gpu, y: &Tensor, bias: &Tensor, cols: usize) -> Result<()> {
+        elementwise::bias_add_forward(
+            gpu,
+            &mut y.device_write::<f32>()?.view_mut(),
+            &bias.device_read::<f32>()?.view(),
+            y.numel() / cols,
+            cols,
+        )?;
+        Ok(())
+    }
+
+    /// `grad += Σ_r dy[r, ·]` (the CPU's `+=`) for `dy[rows, out]`: a product with a row of
+    /// ones, accumulated by cuBLAS into the gradient in place.
+    pub(super) fn accumulate_bias_grad(dy: &Tensor, grad: &Tensor) -> Result<()> {
+        let rows = dy.dims()[0];
+        if rows == 0 {
+            return Ok(());
+        }
+        let ones = Tensor::empty_near([1, rows], DType::F32, dy)?;
+        ones.fill(1.0)?;
+        let grad_row = grad.reshape([1, grad.numel()])?;
+        matmul_into(1.0, &ones, dy, 1.0, &grad_row)?;
+        Ok(())
     }
 }

@@ -15,11 +15,16 @@ pub fn gather_last_dim(cx: &Cx, local: &Tensor) -> Result<Tensor> {
     }
     let cols = local.dims().last().copied().unwrap_or(1);
     let rows = local.numel().checked_div(cols).unwrap_or(0);
-    let parts = Tensor::empty([tp, rows, cols], DType::F32);
+    let parts = Tensor::empty_near([tp, rows, cols], DType::F32, &local)?;
     cx.tp().all_gather(&local, &parts)?;
     let mut dims = local.dims().to_vec();
     if let Some(last) = dims.last_mut() {
         *last = cols * tp;
+    }
+    #[cfg(feature = "cuda")]
+    if parts.gpu().is_some() {
+        // [tp, rows, cols] → [rows, tp, cols]: one strided copy on the device.
+        return Ok(parts.transpose(0, 1)?.contiguous()?.reshape(dims)?);
     }
     let whole = Tensor::empty(dims, DType::F32);
     {

@@ -94,6 +94,15 @@ impl<M: LanguageModel> Trainer<M> {
         })
     }
 
+    /// Moves the model's parameters, gradients and optimizer state to `gpu`: every step then
+    /// runs there (the world's communicators must move device tensors: a device-local or NCCL
+    /// world).
+    #[cfg(feature = "cuda")]
+    pub fn to_gpu(&mut self, gpu: &crate::cuda::Gpu) -> Result<()> {
+        self.buffers.to_gpu(&mut self.model, gpu)?;
+        self.optimizer.to_gpu(gpu)
+    }
+
     /// The model.
     pub fn model(&self) -> &M {
         &self.model
@@ -125,13 +134,14 @@ impl<M: LanguageModel> Trainer<M> {
                 .map(|&l| f64::from(l))
                 .sum::<f64>();
             // d(mean loss over the global batch) / d(each token's loss).
-            let dlosses = Tensor::full(losses.shape().clone(), 1.0 / tokens as f32, DType::F32);
+            let dlosses = Tensor::zeros_near(losses.shape().clone(), DType::F32, &losses)?;
+            dlosses.fill(1.0 / tokens as f32)?;
             self.model.backward_losses(&cx, saved, &dlosses)?;
         }
         reduce_gradients(&self.buffers, parallel.dp(), self.config.bucket_elements)?;
         // The reported loss: one more (4-byte) all-reduce over data parallel, as Megatron-LM's
         // loss averaging does.
-        let loss = Tensor::from_vec(vec![loss_sum as f32], [1])?;
+        let loss = optimizer::scalar_near(loss_sum as f32, self.buffers.grads())?;
         parallel.dp().all_reduce(&loss, ReduceOp::Sum)?;
         let loss = f64::from(loss.to_vec::<f32>()?[0]) / tokens as f64;
         let norm = grad_norm(
@@ -180,7 +190,7 @@ impl<M: LanguageModel> Trainer<M> {
                     .sum::<f64>();
             }
         }
-        let total = Tensor::from_vec(vec![loss_sum as f32], [1])?;
+        let total = optimizer::scalar_near(loss_sum as f32, self.buffers.grads())?;
         parallel.dp().all_reduce(&total, ReduceOp::Sum)?;
         let tokens = (iters.max(1) as usize * plan.global_batch * plan.seq_length) as f64;
         Ok(f64::from(total.to_vec::<f32>()?[0]) / tokens)

@@ -54,8 +54,8 @@ impl AdamW {
         let n = buffers.values().numel();
         Ok(AdamW {
             config,
-            exp_avg: Tensor::zeros([n], DType::F32),
-            exp_avg_sq: Tensor::zeros([n], DType::F32),
+            exp_avg: Tensor::zeros_near([n], DType::F32, buffers.values())?,
+            exp_avg_sq: Tensor::zeros_near([n], DType::F32, buffers.values())?,
             steps: 0,
         })
     }
@@ -75,28 +75,45 @@ impl AdamW {
         self.steps = steps;
     }
 
+    /// Moves the moments to `gpu` (with the parameter buffers, see `Trainer::to_gpu`).
+    #[cfg(feature = "cuda")]
+    pub fn to_gpu(&mut self, gpu: &crate::cuda::Gpu) -> Result<()> {
+        self.exp_avg = self.exp_avg.to_gpu(gpu)?;
+        self.exp_avg_sq = self.exp_avg_sq.to_gpu(gpu)?;
+        Ok(())
+    }
+
+    /// The hyper-parameters of one parameter's update.
+    fn config_for(&self, lr: f64, weight_decay: bool) -> AdamConfig {
+        AdamConfig {
+            lr,
+            beta1: self.config.beta1,
+            beta2: self.config.beta2,
+            eps: self.config.eps,
+            weight_decay: if weight_decay {
+                self.config.weight_decay
+            } else {
+                0.0
+            },
+            step: self.steps,
+            decoupled: true,
+        }
+    }
+
     /// One update of every parameter with learning rate `lr`, from the gradients in `buffers`.
     pub fn step(&mut self, buffers: &ParamBuffers, lr: f64) -> Result<()> {
         self.steps += 1;
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = buffers.values().gpu() {
+            return self.step_on_gpu(gpu, buffers, lr);
+        }
         let mut values = buffers.values().write::<f32>()?;
         let grads = buffers.grads().read::<f32>()?;
         let mut m = self.exp_avg.write::<f32>()?;
         let mut v = self.exp_avg_sq.write::<f32>()?;
         for slot in buffers.slots() {
             let r = slot.offset..slot.offset + slot.len;
-            let cfg = AdamConfig {
-                lr,
-                beta1: self.config.beta1,
-                beta2: self.config.beta2,
-                eps: self.config.eps,
-                weight_decay: if slot.spec.weight_decay {
-                    self.config.weight_decay
-                } else {
-                    0.0
-                },
-                step: self.steps,
-                decoupled: true,
-            };
+            let cfg = self.config_for(lr, slot.spec.weight_decay);
             adam_step(
                 &mut values[r.clone()],
                 &grads[r.clone()],
@@ -109,6 +126,59 @@ impl AdamW {
     }
 }
 
+/// Consecutive runs of `(offset, len)` over the slots `keep` selects, adjacent slots merged
+/// (the device updates a run with one launch).
+#[cfg(feature = "cuda")]
+fn runs<K: PartialEq + Copy>(
+    buffers: &ParamBuffers,
+    key: impl Fn(&crate::module::ParamSlot) -> Option<K>,
+) -> Vec<(K, usize, usize)> {
+    let mut slots: Vec<_> = buffers
+        .slots()
+        .iter()
+        .filter_map(|s| key(s).map(|k| (k, s.offset, s.len)))
+        .collect();
+    slots.sort_by_key(|s| s.1);
+    let mut out: Vec<(K, usize, usize)> = Vec::new();
+    for (k, offset, len) in slots {
+        match out.last_mut() {
+            Some(last) if last.0 == k && last.1 + last.2 == offset => last.2 += len,
+            _ => out.push((k, offset, len)),
+        }
+    }
+    out
+}
+
+#[cfg(feature = "cuda")]
+impl AdamW {
+    fn step_on_gpu(&self, gpu: &crate::cuda::Gpu, buffers: &ParamBuffers, lr: f64) -> Result<()> {
+        use crate::cuda::kernels::adam::adam_step as gpu_adam;
+        for (decay, offset, len) in runs(buffers, |s| Some(s.spec.weight_decay)) {
+            let part = |t: &Tensor| t.narrow(0, offset, len);
+            let (values, grads) = (part(buffers.values())?, part(buffers.grads())?);
+            let (m, v) = (part(&self.exp_avg)?, part(&self.exp_avg_sq)?);
+            let (mut values, grads) = (values.device_write::<f32>()?, grads.device_read::<f32>()?);
+            let (mut m, mut v) = (m.device_write::<f32>()?, v.device_write::<f32>()?);
+            gpu_adam(
+                gpu,
+                &mut values.view_mut(),
+                &grads.view(),
+                &mut m.view_mut(),
+                &mut v.view_mut(),
+                &self.config_for(lr, decay),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// A one-element f32 tensor on `like`'s device (scalars reduced across ranks).
+pub(crate) fn scalar_near(value: f32, like: &Tensor) -> Result<Tensor> {
+    let t = Tensor::zeros_near([1], DType::F32, like)?;
+    t.fill(value)?;
+    Ok(t)
+}
+
 /// The global L2 norm of the gradients over the model-parallel group, each parameter counted
 /// once: tensor-parallel parts by every rank, replicated parameters by tensor-parallel rank 0.
 pub fn grad_norm(
@@ -116,17 +186,31 @@ pub fn grad_norm(
     tp_rank: usize,
     model_parallel: &dyn Communicator,
 ) -> Result<f64> {
+    let counted = |split: &Split| match split {
+        Split::Dim {
+            group: GroupKind::Tp,
+            ..
+        } => true,
+        _ => tp_rank == 0,
+    };
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = buffers.grads().gpu() {
+        let mut sum = 0.0f64;
+        for ((), offset, len) in runs(buffers, |s| counted(&s.spec.split).then_some(())) {
+            let part = buffers.grads().narrow(0, offset, len)?;
+            sum += crate::cuda::kernels::elementwise::sum_of_squares(
+                gpu,
+                &part.device_read::<f32>()?.view(),
+            )?;
+        }
+        let total = scalar_near(sum as f32, buffers.grads())?;
+        model_parallel.all_reduce(&total, ReduceOp::Sum)?;
+        return Ok(f64::from(total.to_vec::<f32>()?[0]).sqrt());
+    }
     let grads = buffers.grads().read::<f32>()?;
     let mut sum = 0.0f64;
     for slot in buffers.slots() {
-        let counted = match slot.spec.split {
-            Split::Dim {
-                group: GroupKind::Tp,
-                ..
-            } => true,
-            _ => tp_rank == 0,
-        };
-        if counted {
+        if counted(&slot.spec.split) {
             sum += sum_of_squares(&grads[slot.offset..slot.offset + slot.len]);
         }
     }
@@ -142,6 +226,12 @@ pub fn clip_grads(buffers: &ParamBuffers, norm: f64, max_norm: f64) -> Result<()
     let coeff = max_norm / (norm + 1e-6);
     if max_norm > 0.0 && coeff < 1.0 {
         let c = coeff as f32;
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = buffers.grads().gpu() {
+            let mut grads = buffers.grads().device_write::<f32>()?;
+            crate::cuda::kernels::elementwise::scale(gpu, &mut grads.view_mut(), c)?;
+            return Ok(());
+        }
         buffers
             .grads()
             .write::<f32>()?

@@ -157,6 +157,12 @@ impl Communicator for ThreadComm {
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if tensor.gpu().is_some() {
+            let host = staged(tensor)?;
+            self.all_reduce(&host, op)?;
+            return unstage(tensor, &host);
+        }
         tensor.contiguous_for("all_reduce")?;
         let desc = self.desc(OpKind::AllReduce, tensor, Some(op), None);
         let borrow = tensor.raw_write("all_reduce")?;
@@ -171,6 +177,12 @@ impl Communicator for ThreadComm {
     }
 
     fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if input.gpu().is_some() || output.gpu().is_some() {
+            let (host_in, host_out) = staged_pair(input, output)?;
+            self.all_gather(&host_in, &host_out)?;
+            return unstage(output, &host_out);
+        }
         self.check_same_dtype("all_gather", input, output)?;
         let n = self.size();
         if output.numel() != n * input.numel() {
@@ -188,6 +200,12 @@ impl Communicator for ThreadComm {
     }
 
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if input.gpu().is_some() || output.gpu().is_some() {
+            let (host_out, host_in) = staged_pair(output, input)?;
+            self.reduce_scatter(&host_in, &host_out, op)?;
+            return unstage(output, &host_out);
+        }
         self.check_same_dtype("reduce_scatter", input, output)?;
         let n = self.size();
         if input.numel() != n * output.numel() {
@@ -207,6 +225,12 @@ impl Communicator for ThreadComm {
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if tensor.gpu().is_some() {
+            let host = staged(tensor)?;
+            self.broadcast(&host, root)?;
+            return unstage(tensor, &host);
+        }
         self.check_peer("broadcast root", root)?;
         tensor.contiguous_for("broadcast")?;
         let desc = self.desc(OpKind::Broadcast, tensor, None, Some(root));
@@ -228,6 +252,12 @@ impl Communicator for ThreadComm {
         output: &Tensor,
         recv_splits: &[usize],
     ) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if input.gpu().is_some() || output.gpu().is_some() {
+            let (host_in, host_out) = (staged(input)?, staged(output)?);
+            self.all_to_all(&host_in, send_splits, &host_out, recv_splits)?;
+            return unstage(output, &host_out);
+        }
         self.check_same_dtype("all_to_all", input, output)?;
         let n = self.size();
         for (name, splits, t) in [("send", send_splits, input), ("recv", recv_splits, output)] {
@@ -273,6 +303,10 @@ impl Communicator for ThreadComm {
     }
 
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if tensor.gpu().is_some() {
+            return self.send(&staged(tensor)?, dst);
+        }
         self.check_peer("send destination", dst)?;
         if dst == self.index {
             return Err(self.invalid(format!(
@@ -298,6 +332,12 @@ impl Communicator for ThreadComm {
     }
 
     fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if tensor.gpu().is_some() {
+            let host = staged(tensor)?;
+            self.recv(&host, src)?;
+            return unstage(tensor, &host);
+        }
         self.check_peer("recv source", src)?;
         if src == self.index {
             return Err(self.invalid(format!(
@@ -337,4 +377,34 @@ impl Communicator for ThreadComm {
     fn stats(&self) -> CommStats {
         self.counters.snapshot()
     }
+}
+
+/// A host copy of a device tensor, for a thread world moving device tensors through host
+/// memory (correct, not fast: device worlds move them on the device).
+#[cfg(feature = "cuda")]
+fn staged(t: &Tensor) -> Result<Tensor> {
+    Ok(t.to_host_contiguous()?)
+}
+
+/// Host copies of `whole` and `part` where `part` may be a slot of `whole` (in-place
+/// all-gather or reduce-scatter): the slot stays a slot of the copy.
+#[cfg(feature = "cuda")]
+fn staged_pair(part: &Tensor, whole: &Tensor) -> Result<(Tensor, Tensor)> {
+    let host_whole = staged(whole)?;
+    let host_part = if part.same_storage(whole) {
+        let offset = part.layout().offset - whole.layout().offset;
+        host_whole
+            .reshape([whole.numel()])?
+            .narrow(0, offset, part.numel())?
+            .reshape(part.shape().clone())?
+    } else {
+        staged(part)?
+    };
+    Ok((host_part, host_whole))
+}
+
+/// Copies a staged result back to the device tensor.
+#[cfg(feature = "cuda")]
+fn unstage(t: &Tensor, host: &Tensor) -> Result<()> {
+    Ok(t.copy_from(host)?)
 }

@@ -61,13 +61,14 @@ extern "C" __global__ void bias_add_forward(float* __restrict__ x, const float* 
     FOR_EACH(i, rows * cols) { x[i] += bias[i % cols]; }
 }
 
-// dbias[c] = Σ_r dy[r, c], rows summed in order (one thread per column: deterministic).
+// dbias[c] += Σ_r dy[r, c], the rows summed in order in f64 (one thread per column:
+// deterministic), as the CPU kernel.
 extern "C" __global__ void bias_add_backward(const float* __restrict__ dy, float* __restrict__ dbias,
                                              u64 rows, u64 cols) {
     FOR_EACH(c, cols) {
-        float s = 0.0f;
-        for (u64 r = 0; r < rows; ++r) s += dy[r * cols + c];
-        dbias[c] = s;
+        double s = 0.0;
+        for (u64 r = 0; r < rows; ++r) s += (double)dy[r * cols + c];
+        dbias[c] += (float)s;
     }
 }
 

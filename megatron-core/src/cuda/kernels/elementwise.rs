@@ -107,7 +107,7 @@ pub fn bias_add_forward(
     launch(K, args, cover(n))
 }
 
-/// `dbias[c] = Σ_r dy[r, c]` (rows added in order).
+/// `dbias[c] += Σ_r dy[r, c]` (rows added in order in f64), as the CPU kernel.
 pub fn bias_add_backward(
     gpu: &Gpu,
     dy: &CudaView<f32>,

@@ -13,6 +13,7 @@ pub mod embedding;
 pub mod layer_norm;
 pub mod reduce;
 pub mod softmax;
+pub mod vocab_parallel;
 
 use cudarc::driver::{LaunchArgs, LaunchConfig};
 

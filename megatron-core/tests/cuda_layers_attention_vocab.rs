@@ -1,0 +1,477 @@
+//! The attention, embedding and vocab-parallel cross-entropy layers on the GPU against the same
+//! layers on the host: a model built on the host, a clone moved to the GPU, the same inputs
+//! through both (host and device inputs), outputs, input gradients and parameter gradients
+//! compared (attention dropout masks are the CPU's). Then tensor parallelism 2 on one GPU (the
+//! device-local communicator) against the host at tp 1.
+//!
+//! Every test needs a GPU: they are ignored by default and run with
+//! `cargo test -p megatron-core --features cuda --test cuda_layers_attention_vocab -- --ignored`.
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+
+use megatron_core::comm::gpu_local::LocalGpu;
+use megatron_core::comm::threads::launch;
+use megatron_core::comm::{ParallelState, ReduceOp};
+use megatron_core::cuda::Gpu;
+use megatron_core::module::{
+    Builder, Cx, Lookup, Module, Op, Param, ParamSpec, Site, VocabParallel, assemble_logical,
+    params_to_gpu,
+};
+use megatron_core::parallel::{ParallelConfig, ParallelLayout};
+use megatron_core::tensor::{DType, Tensor};
+use megatron_core::tensor_parallel::{
+    CausalSelfAttention, Embedding, EmbeddingSpec, PositionEmbedding, PositionEmbeddingSpec,
+    vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward,
+};
+
+type R<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+fn gpu() -> Gpu {
+    Gpu::new(0).expect("a CUDA device")
+}
+
+/// Deterministic values in [-1, 1].
+fn det(len: usize, salt: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| (((i * 7919 + salt * 104_729) % 2003) as f32 / 2003.0 - 0.5) * 2.0)
+        .collect()
+}
+
+fn tensor(data: Vec<f32>, shape: &[usize]) -> Tensor {
+    Tensor::from_vec(data, shape).unwrap()
+}
+
+fn host(t: &Tensor) -> Vec<f32> {
+    t.to_vec::<f32>().unwrap()
+}
+
+/// `a` against `b` within `tol` relative to `b`'s largest finite magnitude; infinities and
+/// NaNs must match exactly.
+fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let scale = b
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0f32, |m, x| m.max(x.abs()))
+        .max(1e-6);
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        if !y.is_finite() {
+            assert!(
+                x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()),
+                "{what}[{i}]: {x} vs {y}"
+            );
+            continue;
+        }
+        assert!(
+            (x - y).abs() <= tol * scale,
+            "{what}[{i}]: GPU {x} vs host {y} (scale {scale})"
+        );
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// The gradient of one parameter, wherever it lives.
+fn grad(p: &Param) -> Vec<f32> {
+    host(p.grad())
+}
+
+/// Attention forward and backward: (output, input gradient).
+fn attention(op: &CausalSelfAttention, cx: &Cx, qkv: &Tensor, dy: &Tensor) -> R<(Tensor, Tensor)> {
+    let site = Site::ROOT.child("attn");
+    let (y, saved) = op.forward(cx, site, qkv)?;
+    let dx = op.backward(cx, site, saved, dy)?;
+    Ok((y, dx))
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn attention_on_the_gpu_matches_the_host() -> R {
+    let g = gpu();
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 1234);
+    // (seq, batch, heads, head_dim): odd sizes, one head, one batch entry, one position.
+    for (s, b, heads, d) in [(7, 3, 4, 8), (5, 1, 1, 3), (1, 2, 2, 4), (33, 2, 3, 16)] {
+        let width = heads * 3 * d;
+        let qkv = tensor(
+            det(s * b * width, s + d).iter().map(|x| 2.0 * x).collect(),
+            &[s, b, width],
+        );
+        let dy = tensor(det(s * b * heads * d, 3 * s + b), &[s, b, heads * d]);
+        for (p, training) in [(0.0, true), (0.3, true), (0.3, false)] {
+            let op = CausalSelfAttention::new(heads, p);
+            let cx = if training { cx.at(2, 1) } else { cx.eval() };
+            let (y_h, dx_h) = attention(&op, &cx, &qkv, &dy)?;
+            let (y_d, dx_d) = attention(&op, &cx, &qkv.to_gpu(&g)?, &dy.to_gpu(&g)?)?;
+            assert!(
+                y_d.gpu().is_some() && dx_d.gpu().is_some(),
+                "results stay on the GPU"
+            );
+            assert_eq!(y_d.dims(), y_h.dims());
+            assert_eq!(dx_d.dims(), dx_h.dims());
+            let what = format!("s {s} b {b} heads {heads} d {d} p {p} training {training}");
+            close(
+                &host(&y_d),
+                &host(&y_h),
+                1e-5,
+                &format!("attention output, {what}"),
+            );
+            close(
+                &host(&dx_d),
+                &host(&dx_h),
+                1e-5,
+                &format!("attention input grad, {what}"),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// What the embedding head gives on one rank: lookup output, logits, losses, dlogits, the input
+/// gradient of the tied layer, and the parameter gradients (word, position).
+struct Head {
+    x: Vec<f32>,
+    logits: Vec<f32>,
+    losses: Vec<f32>,
+    dlogits: Vec<f32>,
+    dh: Vec<f32>,
+    grads: Vec<(ParamSpec, Vec<f32>)>,
+}
+
+/// ids → word + position embedding → tied logits → vocab-parallel cross-entropy, and back.
+/// `put` moves an input to the layers' device (or leaves it on the host).
+fn head(
+    cx: &Cx,
+    wte: &Embedding,
+    wpe: &PositionEmbedding,
+    ids: &Tensor,
+    targets: &Tensor,
+    dloss: &Tensor,
+    put: &dyn Fn(&Tensor) -> R<Tensor>,
+) -> R<Head> {
+    let (e, s_wte) = wte.forward_vocab(cx, Site::ROOT.child("wte"), &put(ids)?)?;
+    cx.tp().all_reduce(&e, ReduceOp::Sum)?;
+    let (p, s_wpe) = Lookup::forward(wpe, cx, Site::ROOT.child("wpe"), &put(ids)?)?;
+    let x = megatron_core::ops::add(&e, &p)?;
+    let (logits, s_logits) = wte.logits_forward(cx, Site::ROOT.child("logits"), &x)?;
+    let (losses, s_ce) = vocab_parallel_cross_entropy(cx, Site::ROOT, &logits, &put(targets)?)?;
+    let dlogits = vocab_parallel_cross_entropy_backward(cx, Site::ROOT, s_ce, &put(dloss)?)?;
+    let dh = wte.logits_backward(cx, Site::ROOT.child("logits"), s_logits, &dlogits)?;
+    cx.tp().all_reduce(&dh, ReduceOp::Sum)?;
+    wte.backward_vocab(cx, Site::ROOT.child("wte"), s_wte, &dh)?;
+    Lookup::backward(wpe, cx, Site::ROOT.child("wpe"), s_wpe, &dh)?;
+    Ok(Head {
+        x: host(&x),
+        logits: host(&logits),
+        losses: host(&losses),
+        dlogits: host(&dlogits),
+        dh: host(&dh),
+        grads: [wte.weight(), wpe_weight(wpe)]
+            .iter()
+            .map(|p| (p.spec().clone(), grad(p)))
+            .collect(),
+    })
+}
+
+fn wpe_weight(wpe: &PositionEmbedding) -> &Param {
+    let mut out = None;
+    wpe.visit_params(&mut |p| out = Some(p));
+    out.expect("the position embedding has a weight")
+}
+
+fn zero_grads<M: Module>(m: &M) {
+    m.visit_params(&mut |p| p.grad().fill(0.0).unwrap());
+}
+
+const VOCAB: usize = 13;
+const HIDDEN: usize = 24;
+const SEQ: usize = 6;
+const BATCH: usize = 3;
+
+fn specs() -> (EmbeddingSpec, PositionEmbeddingSpec) {
+    (
+        EmbeddingSpec {
+            vocab_size: VOCAB,
+            hidden: HIDDEN,
+            init_std: 0.5,
+            make_vocab_size_divisible_by: 4,
+        },
+        PositionEmbeddingSpec {
+            max_positions: 8,
+            hidden: HIDDEN,
+            init_std: 0.5,
+        },
+    )
+}
+
+fn inputs() -> (Tensor, Tensor, Tensor) {
+    let n = SEQ * BATCH;
+    let ids: Vec<i64> = (0..n as i64).map(|i| (i * 5 + 2) % VOCAB as i64).collect();
+    let targets: Vec<i64> = (0..n as i64).map(|i| (i * 7 + 1) % VOCAB as i64).collect();
+    (
+        Tensor::from_slice(&ids, [SEQ, BATCH]).unwrap(),
+        Tensor::from_slice(&targets, [SEQ, BATCH]).unwrap(),
+        tensor(det(n, 11), &[SEQ, BATCH]),
+    )
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn embeddings_tied_logits_and_cross_entropy_on_the_gpu_match_the_host() -> R {
+    let g = gpu();
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 1234);
+    let mut b = Builder::for_rank(99, ps.groups());
+    let (espec, pspec) = specs();
+    let wte = Embedding::build_vocab(&espec, &mut b)?;
+    let wpe = PositionEmbedding::build(&pspec, &mut b)?;
+    let (ids, targets, dloss) = inputs();
+    let reference = head(&cx, &wte, &wpe, &ids, &targets, &dloss, &|t| Ok(t.clone()))?;
+    assert_eq!(wte.padded_vocab_size(), 16, "padding rows to mask");
+    let (mut wte_d, mut wpe_d) = (wte.clone(), wpe.clone());
+    params_to_gpu(&mut wte_d, &g)?;
+    params_to_gpu(&mut wpe_d, &g)?;
+    // Inputs left on the host (ids and targets uploaded by the layers) and put on the device.
+    let on_host: &dyn Fn(&Tensor) -> R<Tensor> = &|t| Ok(t.clone());
+    let on_device: &dyn Fn(&Tensor) -> R<Tensor> = &|t| Ok(t.to_gpu(&g)?);
+    for (how, put) in [("host inputs", on_host), ("device inputs", on_device)] {
+        zero_grads(&wte_d);
+        zero_grads(&wpe_d);
+        let out = head(&cx, &wte_d, &wpe_d, &ids, &targets, &dloss, put)?;
+        assert_eq!(
+            bits(&out.x),
+            bits(&reference.x),
+            "{how}: the lookups are exact"
+        );
+        close(
+            &out.logits,
+            &reference.logits,
+            1e-5,
+            &format!("{how}: logits"),
+        );
+        for row in 0..SEQ * BATCH {
+            assert!(
+                out.logits[row * 16 + VOCAB..(row + 1) * 16]
+                    .iter()
+                    .all(|&l| l == f32::NEG_INFINITY)
+            );
+        }
+        close(
+            &out.losses,
+            &reference.losses,
+            1e-5,
+            &format!("{how}: losses"),
+        );
+        close(
+            &out.dlogits,
+            &reference.dlogits,
+            1e-5,
+            &format!("{how}: dlogits"),
+        );
+        close(
+            &out.dh,
+            &reference.dh,
+            1e-5,
+            &format!("{how}: tied layer input grad"),
+        );
+        for ((spec, got), (_, want)) in out.grads.iter().zip(&reference.grads) {
+            close(got, want, 1e-5, &format!("{how}: {} grad", spec.name));
+        }
+    }
+
+    // The lookup's own gradient is the CPU's bit for bit (no tied product in it).
+    let dy = tensor(det(SEQ * BATCH * HIDDEN, 12), &[SEQ, BATCH, HIDDEN]);
+    zero_grads(&wte);
+    zero_grads(&wte_d);
+    let (_, s) = Lookup::forward(&wte, &cx, Site::ROOT, &ids)?;
+    Lookup::backward(&wte, &cx, Site::ROOT, s, &dy)?;
+    let (_, s) = Lookup::forward(&wte_d, &cx, Site::ROOT, &ids.to_gpu(&g)?)?;
+    Lookup::backward(&wte_d, &cx, Site::ROOT, s, &dy.to_gpu(&g)?)?;
+    assert_eq!(
+        bits(&grad(wte_d.weight())),
+        bits(&grad(wte.weight())),
+        "lookup grad bits"
+    );
+
+    // So are the position embedding's output and gradient (summed over the batch in the CPU's
+    // order).
+    zero_grads(&wpe);
+    zero_grads(&wpe_d);
+    let (p_h, s) = Lookup::forward(&wpe, &cx, Site::ROOT, &ids)?;
+    Lookup::backward(&wpe, &cx, Site::ROOT, s, &dy)?;
+    let (p_d, s) = Lookup::forward(&wpe_d, &cx, Site::ROOT, &ids)?;
+    Lookup::backward(&wpe_d, &cx, Site::ROOT, s, &dy.to_gpu(&g)?)?;
+    assert_eq!(
+        bits(&host(&p_d)),
+        bits(&host(&p_h)),
+        "position embedding bits"
+    );
+    assert_eq!(
+        bits(&grad(wpe_weight(&wpe_d))),
+        bits(&grad(wpe_weight(&wpe))),
+        "position embedding grad bits"
+    );
+
+    // Gradients accumulate, as on the host.
+    let (_, s) = Lookup::forward(&wte_d, &cx, Site::ROOT, &ids)?;
+    Lookup::backward(&wte_d, &cx, Site::ROOT, s, &dy.to_gpu(&g)?)?;
+    let twice: Vec<f32> = grad(wte.weight()).iter().map(|x| x + x).collect();
+    close(
+        &grad(wte_d.weight()),
+        &twice,
+        1e-6,
+        "accumulated lookup grad",
+    );
+
+    // Host ids and targets are checked as on the CPU; a bad target on the device gives NaN.
+    let bad = Tensor::from_slice(&[1i64, VOCAB as i64 + 5], [2])?;
+    let err =
+        Lookup::forward(&wte_d, &cx, Site::ROOT, &bad).expect_err("id outside the vocabulary");
+    assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+    let logits = Tensor::full([2, 16], 0.5, DType::F32).to_gpu(&g)?;
+    let bad = Tensor::from_slice(&[1i64, 16], [2])?;
+    let err = vocab_parallel_cross_entropy(&cx, Site::ROOT, &logits, &bad).expect_err("bad target");
+    assert!(err.to_string().contains("target 16 of row 1"), "{err}");
+    let (losses, _) = vocab_parallel_cross_entropy(&cx, Site::ROOT, &logits, &bad.to_gpu(&g)?)?;
+    let losses = host(&losses);
+    assert!(
+        (losses[0] - 16f32.ln()).abs() < 1e-5 && losses[1].is_nan(),
+        "{losses:?}"
+    );
+    Ok(())
+}
+
+/// Runs `f` on both ranks of a tp-2 world sharing one GPU (each rank on its own stream).
+fn on_gpu_tp2<T: Send>(g: &Gpu, f: impl Fn(&Cx, &mut Builder, &Gpu) -> R<T> + Sync) -> Vec<T> {
+    let layout = ParallelLayout::new(&ParallelConfig::new(2).with_tp(2)).unwrap();
+    let shared = LocalGpu::new(g);
+    launch(2, |w| -> R<T> {
+        let world = shared.world(Arc::new(w))?;
+        let ps = ParallelState::new(&world, &layout)?;
+        let cx = Cx::new(&ps, 1234);
+        let mut b = Builder::for_rank(99, ps.groups());
+        f(&cx, &mut b, world.gpu())
+    })
+    .unwrap()
+}
+
+/// This rank's `cols / tp` columns of every row of `v`.
+fn columns(v: &[f32], cols: usize, rank: usize, tp: usize) -> Vec<f32> {
+    let local = cols / tp;
+    v.chunks(cols)
+        .flat_map(|row| row[rank * local..][..local].to_vec())
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn tensor_parallel_2_on_one_gpu_matches_the_host_at_tp_1() -> R {
+    let g = gpu();
+    // Attention: each rank holds its heads' columns of the fused QKV and of the output.
+    let (s, b, heads, d) = (9, 2, 4, 8);
+    let width = heads * 3 * d;
+    let qkv = det(s * b * width, 21);
+    let dy = det(s * b * heads * d, 22);
+    let op = CausalSelfAttention::new(heads, 0.25);
+    let ps = ParallelState::solo();
+    let (y1, dx1) = attention(
+        &op,
+        &Cx::new(&ps, 1234),
+        &tensor(qkv.clone(), &[s, b, width]),
+        &tensor(dy.clone(), &[s, b, heads * d]),
+    )?;
+    let (y1, dx1) = (host(&y1), host(&dx1));
+    let parts = on_gpu_tp2(&g, |cx, _, gpu| {
+        let r = cx.tp_rank();
+        let x = tensor(columns(&qkv, width, r, 2), &[s, b, width / 2]).to_gpu(gpu)?;
+        let dy = tensor(columns(&dy, heads * d, r, 2), &[s, b, heads * d / 2]).to_gpu(gpu)?;
+        let (y, dx) = attention(&op, cx, &x, &dy)?;
+        Ok((host(&y), host(&dx)))
+    });
+    for (rank, (y, dx)) in parts.iter().enumerate() {
+        close(
+            y,
+            &columns(&y1, heads * d, rank, 2),
+            1e-5,
+            &format!("tp 2 attention output rank {rank}"),
+        );
+        close(
+            dx,
+            &columns(&dx1, width, rank, 2),
+            1e-5,
+            &format!("tp 2 attention input grad rank {rank}"),
+        );
+    }
+
+    // The embedding head: vocabulary split over the ranks, the loss replicated.
+    let (espec, pspec) = specs();
+    let (ids, targets, dloss) = inputs();
+    let reference = {
+        let ps = ParallelState::solo();
+        let cx = Cx::new(&ps, 1234);
+        let mut b = Builder::for_rank(99, ps.groups());
+        let wte = Embedding::build_vocab(&espec, &mut b)?;
+        let wpe = PositionEmbedding::build(&pspec, &mut b)?;
+        head(&cx, &wte, &wpe, &ids, &targets, &dloss, &|t| Ok(t.clone()))?
+    };
+    let ranks = on_gpu_tp2(&g, |cx, b, gpu| {
+        let mut wte = Embedding::build_vocab(&espec, b)?;
+        let mut wpe = PositionEmbedding::build(&pspec, b)?;
+        assert_eq!(wte.padded_vocab_size(), 16);
+        params_to_gpu(&mut wte, gpu)?;
+        params_to_gpu(&mut wpe, gpu)?;
+        head(cx, &wte, &wpe, &ids, &targets, &dloss, &|t| {
+            Ok(t.to_gpu(gpu)?)
+        })
+    });
+    for (rank, out) in ranks.iter().enumerate() {
+        close(
+            &out.x,
+            &reference.x,
+            1e-6,
+            &format!("tp 2 rank {rank}: lookup"),
+        );
+        close(
+            &out.logits,
+            &columns(&reference.logits, 16, rank, 2),
+            1e-5,
+            &format!("tp 2 rank {rank}: logits"),
+        );
+        close(
+            &out.losses,
+            &reference.losses,
+            1e-5,
+            &format!("tp 2 rank {rank}: losses"),
+        );
+        close(
+            &out.dlogits,
+            &columns(&reference.dlogits, 16, rank, 2),
+            1e-5,
+            &format!("tp 2 rank {rank}: dlogits"),
+        );
+        close(
+            &out.dh,
+            &reference.dh,
+            1e-5,
+            &format!("tp 2 rank {rank}: tied input grad"),
+        );
+    }
+    for (i, (spec, want)) in reference.grads.iter().enumerate() {
+        let parts: Vec<(&ParamSpec, &[f32])> = ranks
+            .iter()
+            .map(|r| (&r.grads[i].0, r.grads[i].1.as_slice()))
+            .collect();
+        let got = assemble_logical(&parts)?;
+        let real = if i == 0 { VOCAB * HIDDEN } else { want.len() };
+        close(
+            &got[..real],
+            &want[..real],
+            1e-5,
+            &format!("tp 2: {} grad", spec.name),
+        );
+    }
+    Ok(())
+}

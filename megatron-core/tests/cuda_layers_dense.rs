@@ -1,0 +1,386 @@
+#![cfg(feature = "cuda")]
+//! GPU parity of the dense layers and primitives: each layer built on the host, a clone moved to
+//! the GPU, both run forward and backward on the same inputs; outputs, input gradients and
+//! accumulated parameter gradients agree to f32 rounding, dropout masks exactly. Needs a GPU:
+//! `cargo test -p megatron-core --features cuda --test cuda_layers_dense -- --ignored`.
+
+use megatron_core::comm::ParallelState;
+use megatron_core::cuda::Gpu;
+use megatron_core::module::{
+    Builder, ColumnParallel, Cx, Layer, Module, Param, RowParallel, Sharding, Site, params_to_gpu,
+};
+use megatron_core::ops;
+use megatron_core::tensor::Tensor;
+use megatron_core::tensor_parallel::{LayerNorm, LayerNormSpec, Linear, LinearSpec};
+
+type R = Result<(), Box<dyn std::error::Error>>;
+
+fn gpu() -> Gpu {
+    Gpu::new(0).expect("a CUDA device with the driver and NVRTC on the library path")
+}
+
+/// Deterministic values in (−1, 1), never exactly zero.
+fn det(len: usize, salt: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| (((i * 7919 + salt * 104_729) % 2003) as f32 / 2003.0 - 0.5) * 2.0)
+        .collect()
+}
+
+fn tensor(data: Vec<f32>, shape: &[usize]) -> Tensor {
+    Tensor::from_vec(data, shape).unwrap()
+}
+
+/// Asserts `|got − want| ≤ tol·(|want| + max|want|)` everywhere.
+fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * (w.abs() + scale),
+            "{what}[{i}]: GPU {g} vs CPU {w} (scale {scale})"
+        );
+    }
+}
+
+/// Checks that `t` lives on the GPU and returns its elements.
+fn device_values(t: &Tensor, what: &str) -> Vec<f32> {
+    assert!(t.gpu().is_some(), "{what} is not on the GPU");
+    t.to_vec::<f32>().unwrap()
+}
+
+/// Every parameter's name and gradient.
+fn grads<M: Module>(m: &M) -> Vec<(String, Vec<f32>)> {
+    let mut out = Vec::new();
+    m.visit_params(&mut |p: &Param| {
+        out.push((p.spec().name.clone(), p.grad().to_vec::<f32>().unwrap()));
+    });
+    out
+}
+
+/// The host model's gradients against the device model's (which must be on the GPU).
+fn compare_grads<M: Module>(host: &M, device: &M, tol: f32) {
+    device.visit_params(&mut |p: &Param| {
+        assert!(
+            p.value().gpu().is_some(),
+            "{} value on the host",
+            p.spec().name
+        );
+        assert!(
+            p.grad().gpu().is_some(),
+            "{} grad on the host",
+            p.spec().name
+        );
+    });
+    for ((name, h), (_, d)) in grads(host).iter().zip(&grads(device)) {
+        assert!(h.iter().any(|&v| v != 0.0), "{name}: zero gradient");
+        close(d, h, tol, name);
+    }
+}
+
+/// A host-built layer and its clone with the parameters moved to the GPU.
+fn pair<M: Module + Clone>(
+    gpu: &Gpu,
+    build: impl FnOnce(&mut Builder) -> megatron_core::Result<M>,
+) -> (M, M) {
+    let ps = ParallelState::solo();
+    let mut b = Builder::for_rank(99, ps.groups());
+    let host = build(&mut b).unwrap();
+    let mut device = host.clone();
+    params_to_gpu(&mut device, gpu).unwrap();
+    (host, device)
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn whole_linear_matches_the_cpu() -> R {
+    let g = gpu();
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 1234);
+    let (s, b, h, f) = (5, 3, 24, 40);
+    let (host, device) = pair(&g, |bld| {
+        bld.scoped("fc", |b| Linear::build(&LinearSpec::new(h, f), b))
+    });
+    // The weights start random, the bias at zero: give the bias values too.
+    host.bias()
+        .unwrap()
+        .value()
+        .copy_from(&tensor(det(f, 9), &[f]))?;
+    device
+        .bias()
+        .unwrap()
+        .value()
+        .copy_from(&tensor(det(f, 9), &[f]))?;
+    // [b, s, h] from [s, b, h], made contiguous on each side (a strided copy on the device).
+    let base = tensor(det(s * b * h, 1), &[s, b, h]);
+    let x_host = base.transpose(0, 1)?.contiguous()?;
+    let x_dev = base.to_gpu(&g)?.transpose(0, 1)?.contiguous()?;
+    let dy = tensor(det(b * s * f, 2), &[b, s, f]);
+    let dy_dev = dy.to_gpu(&g)?;
+    // Two microbatches: the gradients accumulate.
+    for _ in 0..2 {
+        let (y_h, saved_h) = host.forward(&cx, Site::ROOT, &x_host)?;
+        let (y_d, saved_d) = device.forward(&cx, Site::ROOT, &x_dev)?;
+        assert_eq!(y_d.dims(), y_h.dims());
+        close(&device_values(&y_d, "y"), &y_h.to_vec()?, 1e-5, "linear y");
+        let dx_h = host.backward(&cx, Site::ROOT, saved_h, &dy)?;
+        let dx_d = device.backward(&cx, Site::ROOT, saved_d, &dy_dev)?;
+        assert_eq!(dx_d.dims(), dx_h.dims());
+        close(
+            &device_values(&dx_d, "dx"),
+            &dx_h.to_vec()?,
+            1e-5,
+            "linear dx",
+        );
+    }
+    compare_grads(&host, &device, 1e-5);
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn column_then_row_linear_with_gelu_matches_the_cpu() -> R {
+    let g = gpu();
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 1234);
+    let (s, b, h, f) = (4, 2, 32, 64);
+    #[derive(Clone)]
+    struct Mlp {
+        fc1: Linear,
+        fc2: Linear,
+    }
+    impl Module for Mlp {
+        type Spec = ();
+        type Saved = ();
+        fn build(_: &(), _: &mut Builder) -> megatron_core::Result<Self> {
+            unreachable!()
+        }
+        fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+            self.fc1.visit_params(f);
+            self.fc2.visit_params(f);
+        }
+        fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+            self.fc1.visit_params_mut(f);
+            self.fc2.visit_params_mut(f);
+        }
+    }
+    let (host, device) = pair(&g, |bld| {
+        Ok(Mlp {
+            fc1: bld.scoped("fc1", |b| Linear::build_column(&LinearSpec::new(h, f), b))?,
+            fc2: bld.scoped("fc2", |b| Linear::build_row(&LinearSpec::new(f, h), b))?,
+        })
+    });
+    for (m, dev) in [(&host, None), (&device, Some(&g))] {
+        for (p, n, salt) in [(&m.fc1, f, 3), (&m.fc2, h, 4)] {
+            let v = tensor(det(n, salt), &[n]);
+            let v = match dev {
+                Some(g) => v.to_gpu(g)?,
+                None => v,
+            };
+            p.bias().unwrap().value().copy_from(&v)?;
+        }
+    }
+    let x = tensor(det(s * b * h, 1), &[s, b, h]);
+    let dy = tensor(det(s * b * h, 2), &[s, b, h]);
+    let run = |m: &Mlp, x: &Tensor, dy: &Tensor| -> megatron_core::Result<(Tensor, Tensor)> {
+        let site = Site::ROOT;
+        let (a, fc1_saved) = m.fc1.forward_column(&cx, site, x)?;
+        let (gl, gelu_saved) = ops::gelu(&cx, site, &a)?;
+        let (y, fc2_saved) = m.fc2.forward_row(&cx, site, &gl)?;
+        m.fc2.add_bias(&y)?;
+        let dg = m.fc2.backward_row(&cx, site, fc2_saved, dy)?;
+        let da = ops::gelu_backward(&cx, site, gelu_saved, &dg)?;
+        let dx = m.fc1.backward_column(&cx, site, fc1_saved, &da)?;
+        Ok((y, dx))
+    };
+    for _ in 0..2 {
+        let (y_h, dx_h) = run(&host, &x, &dy)?;
+        let (y_d, dx_d) = run(&device, &x.to_gpu(&g)?, &dy.to_gpu(&g)?)?;
+        close(&device_values(&y_d, "y"), &y_h.to_vec()?, 1e-5, "mlp y");
+        close(&device_values(&dx_d, "dx"), &dx_h.to_vec()?, 1e-5, "mlp dx");
+    }
+    compare_grads(&host, &device, 1e-5);
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn linear_without_bias_matches_the_cpu() -> R {
+    let g = gpu();
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 1234);
+    let (rows, h, f) = (7, 16, 12);
+    let (host, device) = pair(&g, |bld| {
+        bld.scoped("proj", |b| {
+            Linear::build(&LinearSpec::new(h, f).with_bias(false), b)
+        })
+    });
+    let x = tensor(det(rows * h, 5), &[rows, h]);
+    let dy = tensor(det(rows * f, 6), &[rows, f]);
+    let (y_h, saved_h) = host.forward(&cx, Site::ROOT, &x)?;
+    let (y_d, saved_d) = device.forward(&cx, Site::ROOT, &x.to_gpu(&g)?)?;
+    close(&device_values(&y_d, "y"), &y_h.to_vec()?, 1e-5, "y");
+    let dx_h = host.backward(&cx, Site::ROOT, saved_h, &dy)?;
+    let dx_d = device.backward(&cx, Site::ROOT, saved_d, &dy.to_gpu(&g)?)?;
+    close(&device_values(&dx_d, "dx"), &dx_h.to_vec()?, 1e-5, "dx");
+    compare_grads(&host, &device, 1e-5);
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn layer_norm_matches_the_cpu() -> R {
+    let g = gpu();
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 1234);
+    let (s, b, h) = (6, 3, 96);
+    let (host, device) = pair(&g, |bld| {
+        bld.scoped("ln", |b| LayerNorm::build(&LayerNormSpec::new(h), b))
+    });
+    // Non-trivial γ and β on both.
+    for (m, on_gpu) in [(&host, false), (&device, true)] {
+        let mut salt = 20;
+        m.visit_params(&mut |p: &Param| {
+            let v = tensor(det(h, salt).iter().map(|v| v + 1.0).collect(), &[h]);
+            let v = if on_gpu { v.to_gpu(&g).unwrap() } else { v };
+            p.value().copy_from(&v).unwrap();
+            salt += 1;
+        });
+    }
+    let x = tensor(
+        det(s * b * h, 7).iter().map(|v| 3.0 * v + 0.5).collect(),
+        &[s, b, h],
+    );
+    let dy = tensor(det(s * b * h, 8), &[s, b, h]);
+    for _ in 0..2 {
+        let (y_h, saved_h) = host.forward(&cx, Site::ROOT, &x)?;
+        let (y_d, saved_d) = device.forward(&cx, Site::ROOT, &x.to_gpu(&g)?)?;
+        close(&device_values(&y_d, "y"), &y_h.to_vec()?, 1e-5, "ln y");
+        let dx_h = host.backward(&cx, Site::ROOT, saved_h, &dy)?;
+        let dx_d = device.backward(&cx, Site::ROOT, saved_d, &dy.to_gpu(&g)?)?;
+        close(&device_values(&dx_d, "dx"), &dx_h.to_vec()?, 1e-5, "ln dx");
+    }
+    compare_grads(&host, &device, 1e-5);
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn add_and_gelu_match_the_cpu() -> R {
+    let g = gpu();
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 1234);
+    let n = 4 * 257;
+    let a = tensor(det(n, 1).iter().map(|v| 4.0 * v).collect(), &[4, 257]);
+    let b = tensor(det(n, 2), &[4, 257]);
+    let sum_h = ops::add(&a, &b)?;
+    let sum_d = ops::add(&a.to_gpu(&g)?, &b.to_gpu(&g)?)?;
+    assert_eq!(device_values(&sum_d, "a + b"), sum_h.to_vec::<f32>()?);
+    // A transposed operand is made contiguous on the device.
+    let bt = tensor(det(n, 2), &[257, 4]);
+    let sum_h = ops::add(&a, &bt.t()?)?;
+    let sum_d = ops::add(&a.to_gpu(&g)?, &bt.to_gpu(&g)?.t()?)?;
+    assert_eq!(device_values(&sum_d, "a + bᵀ"), sum_h.to_vec::<f32>()?);
+
+    let dy = tensor(det(n, 3), &[4, 257]);
+    let (y_h, saved_h) = ops::gelu(&cx, Site::ROOT, &a)?;
+    let (y_d, saved_d) = ops::gelu(&cx, Site::ROOT, &a.to_gpu(&g)?)?;
+    close(&device_values(&y_d, "gelu"), &y_h.to_vec()?, 1e-5, "gelu");
+    let dx_h = ops::gelu_backward(&cx, Site::ROOT, saved_h, &dy)?;
+    let dx_d = ops::gelu_backward(&cx, Site::ROOT, saved_d, &dy.to_gpu(&g)?)?;
+    close(
+        &device_values(&dx_d, "gelu dx"),
+        &dx_h.to_vec()?,
+        1e-5,
+        "gelu dx",
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn dropout_masks_match_the_cpu_exactly() -> R {
+    let g = gpu();
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 1234).at(3, 1);
+    let (rows, cols) = (37, 129);
+    let x = tensor(det(rows * cols, 1), &[rows, cols]);
+    let dy = tensor(det(rows * cols, 2), &[rows, cols]);
+    for (p, sharding) in [
+        (0.1, Sharding::Replicated),
+        (0.5, Sharding::SplitLastDim),
+        (0.0, Sharding::Replicated),
+    ] {
+        let site = Site::ROOT.child("drop");
+        let (y_h, saved_h) = ops::dropout(&cx, site, &x, p, sharding)?;
+        let (y_d, saved_d) = ops::dropout(&cx, site, &x.to_gpu(&g)?, p, sharding)?;
+        let dx_h = ops::dropout_backward(&cx, site, saved_h, &dy)?;
+        let dx_d = ops::dropout_backward(&cx, site, saved_d, &dy.to_gpu(&g)?)?;
+        for (what, got, want) in [
+            ("y", device_values(&y_d, "y"), y_h.to_vec::<f32>()?),
+            ("dx", device_values(&dx_d, "dx"), dx_h.to_vec::<f32>()?),
+        ] {
+            let dropped = want.iter().filter(|&&v| v == 0.0).count();
+            if p > 0.0 {
+                assert!(dropped > 0, "p {p}: nothing dropped");
+            }
+            for (i, (&gv, &w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    gv == 0.0,
+                    w == 0.0,
+                    "p {p} {what}[{i}]: GPU {gv} vs CPU {w}"
+                );
+            }
+            close(&got, &want, 1e-6, &format!("dropout {what} p {p}"));
+        }
+    }
+    // Evaluation: the identity, on the device.
+    let (y, _) = ops::dropout(
+        &cx.eval(),
+        Site::ROOT,
+        &x.to_gpu(&g)?,
+        0.5,
+        Sharding::Replicated,
+    )?;
+    assert_eq!(device_values(&y, "eval"), x.to_vec::<f32>()?);
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn cross_entropy_matches_the_cpu() -> R {
+    let g = gpu();
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 1234);
+    let (s, b, v) = (5, 3, 1000);
+    let logits = tensor(
+        det(s * b * v, 1).iter().map(|x| 6.0 * x).collect(),
+        &[s, b, v],
+    );
+    let ids: Vec<i64> = (0..s * b).map(|i| ((i * 389 + 17) % v) as i64).collect();
+    let targets = Tensor::from_vec(ids, [s, b])?;
+    let dloss = tensor(det(s * b, 2), &[s, b]);
+    let (loss_h, saved_h) = ops::cross_entropy(&cx, Site::ROOT, &logits, &targets)?;
+    for targets_d in [targets.clone(), targets.to_gpu(&g)?] {
+        let (loss_d, saved_d) =
+            ops::cross_entropy(&cx, Site::ROOT, &logits.to_gpu(&g)?, &targets_d)?;
+        assert_eq!(loss_d.dims(), loss_h.dims());
+        close(
+            &device_values(&loss_d, "losses"),
+            &loss_h.to_vec()?,
+            1e-5,
+            "losses",
+        );
+        let dl_h = ops::cross_entropy_backward(&cx, Site::ROOT, saved_h.clone(), &dloss)?;
+        let dl_d = ops::cross_entropy_backward(&cx, Site::ROOT, saved_d, &dloss.to_gpu(&g)?)?;
+        close(
+            &device_values(&dl_d, "dlogits"),
+            &dl_h.to_vec()?,
+            1e-5,
+            "dlogits",
+        );
+    }
+    // A target outside the vocabulary is the CPU's error on the device too.
+    let bad = Tensor::from_vec(vec![v as i64; s * b], [s, b])?;
+    assert!(ops::cross_entropy(&cx, Site::ROOT, &logits.to_gpu(&g)?, &bad).is_err());
+    Ok(())
+}

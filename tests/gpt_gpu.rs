@@ -1,0 +1,108 @@
+//! The GPT written with the DSL, trained on a GPU: losses and gradient norms of every step equal
+//! the CPU run's (f32 products), and tensor parallelism on one GPU (thread ranks with the
+//! device-local communicator) reproduces TP = 1.
+//!
+//! Needs a GPU: `cargo test --features cuda --test gpt_gpu -- --ignored`.
+#![cfg(feature = "cuda")]
+
+use std::sync::{Arc, Mutex};
+
+use megatron::job::{Observer, Placement, StepRecord, TrainJob};
+use megatron::models::preset;
+use megatron::training::{
+    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig,
+};
+
+/// Collects (loss, grad norm) of every step.
+struct Curve(Arc<Mutex<Vec<(f64, f64)>>>);
+
+impl Observer for Curve {
+    fn step(&mut self, record: &StepRecord) -> anyhow::Result<()> {
+        self.0
+            .lock()
+            .expect("curve")
+            .push((record.metrics.loss, record.metrics.grad_norm));
+        Ok(())
+    }
+}
+
+fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
+    let mut model = (preset("gpt-tiny").expect("gpt-tiny").config)();
+    model.hidden_dropout = 0.1;
+    model.attention_dropout = 0.1;
+    let plan = BatchPlan {
+        seq_length: 64,
+        micro_batch: 2,
+        global_batch: 8,
+        dp,
+    };
+    let text = "the quick brown fox jumps over the lazy dog; ".repeat(200);
+    let data = Sampler::windows(TokenStream::from_bytes(text.as_bytes()), plan, 7).expect("data");
+    TrainJob {
+        model_name: "gpt-tiny".to_string(),
+        model,
+        tp,
+        dp,
+        steps: 5,
+        train_data: data,
+        eval: None,
+        train: TrainConfig {
+            schedule: LrSchedule {
+                max_lr: 1e-3,
+                min_lr: 1e-4,
+                warmup_steps: 1,
+                decay_steps: 5,
+                style: DecayStyle::Cosine,
+            },
+            adam: AdamWConfig::default(),
+            clip_grad: 1.0,
+            seed: 3,
+            bucket_elements: 1 << 20,
+        },
+        save: None,
+        load: None,
+        run_info: serde_json::json!({}),
+        device,
+    }
+}
+
+fn curve(job: &TrainJob) -> Vec<(f64, f64)> {
+    let points = Arc::new(Mutex::new(Vec::new()));
+    let mut observers: Vec<Box<dyn Observer>> = vec![Box::new(Curve(points.clone()))];
+    job.run(&mut observers).expect("the run");
+    let out = points.lock().expect("curve").clone();
+    assert_eq!(out.len(), 5);
+    out
+}
+
+fn assert_close(a: &[(f64, f64)], b: &[(f64, f64)], rel: f64, what: &str) {
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        for (u, v, name) in [(x.0, y.0, "loss"), (x.1, y.1, "grad norm")] {
+            assert!(
+                (u - v).abs() <= rel * v.abs().max(1e-3),
+                "{what}: step {i} {name} {u} vs {v}"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn gpt_training_on_the_gpu_follows_the_cpu_run() {
+    let cpu = curve(&job(1, 1, Placement::Cpu));
+    let gpu = curve(&job(1, 1, Placement::Cuda { bf16: false }));
+    assert_close(&gpu, &cpu, 2e-4, "GPU vs CPU");
+    // Mixed precision follows too, more loosely.
+    let bf16 = curve(&job(1, 1, Placement::Cuda { bf16: true }));
+    assert_close(&bf16, &cpu, 3e-2, "bf16 products vs CPU");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn tensor_and_data_parallel_ranks_on_one_gpu_reproduce_tp1() {
+    let one = curve(&job(1, 1, Placement::Cuda { bf16: false }));
+    let tp2 = curve(&job(2, 1, Placement::Cuda { bf16: false }));
+    assert_close(&tp2, &one, 2e-4, "TP=2 vs TP=1 on the GPU");
+    let tp2dp2 = curve(&job(2, 2, Placement::Cuda { bf16: false }));
+    assert_close(&tp2dp2, &one, 2e-4, "TP=2 × DP=2 vs TP=1 on the GPU");
+}
