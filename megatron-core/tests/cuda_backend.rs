@@ -145,6 +145,9 @@ fn dropout_masks_are_the_cpus_bit_for_bit() -> R {
         (0.5, LogicalIndex::columns(17, 24, 96, 48)),
         (0.0, LogicalIndex::contiguous(64)),
         (0.9, LogicalIndex::range(1 << 40, 513)),
+        // Runs of multiples of 4: one Philox block per thread, 16-byte accesses.
+        (0.1, LogicalIndex::contiguous(4096)),
+        (0.3, LogicalIndex::range(8, 4000)),
     ] {
         let n = index.outer * index.inner;
         let x = values(n, 5);

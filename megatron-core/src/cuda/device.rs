@@ -10,6 +10,35 @@ use super::error::{CudaError, Result};
 use super::library;
 use super::programs::Kernels;
 
+/// Makes the device's stream-ordered allocator keep freed memory instead of returning it at
+/// every synchronisation: a training step frees and reallocates the same activation sizes, and
+/// giving memory back to the driver each time costs more than the step's kernels.
+fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
+    use cudarc::driver::sys::{
+        CUmemPool_attribute, CUresult, cuDeviceGetDefaultMemPool, cuMemPoolSetAttribute,
+    };
+    let mut pool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: a valid device and out-pointer; the attribute takes a u64.
+    let status = unsafe {
+        match cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) {
+            CUresult::CUDA_SUCCESS => cuMemPoolSetAttribute(
+                pool,
+                CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold) as *mut u64 as *mut std::ffi::c_void,
+            ),
+            other => other,
+        }
+    };
+    match status {
+        CUresult::CUDA_SUCCESS => Ok(()),
+        other => Err(CudaError::driver(
+            "cuMemPoolSetAttribute(release threshold)",
+            other,
+        )),
+    }
+}
+
 /// A device and a stream of this rank on it. Several ranks (threads) may share one device, each
 /// with its own stream, as the device-local communicator does.
 ///
@@ -49,6 +78,7 @@ impl Gpu {
         // SAFETY: set before this context allocates anything through this handle; see above
         // for the synchronisation that replaces the tracking.
         unsafe { ctx.disable_event_tracking() };
+        keep_freed_memory(&ctx)?;
         let stream = ctx
             .new_stream()
             .map_err(|e| CudaError::driver("cuStreamCreate", e))?;
@@ -122,6 +152,14 @@ impl Gpu {
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
         self.stream
             .alloc_zeros(len)
+            .map_err(|e| CudaError::driver(format!("cuMemAllocAsync({len} elements)"), e))
+    }
+
+    /// `len` elements on the device with unspecified contents (for outputs written in full).
+    pub fn uninit<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: callers write every element before reading it (see `Tensor::empty_on`); the
+        // bytes are never read as `T` before that.
+        unsafe { self.stream.alloc(len) }
             .map_err(|e| CudaError::driver(format!("cuMemAllocAsync({len} elements)"), e))
     }
 

@@ -257,7 +257,7 @@ mod device {
     fn to_bf16(t: &Tensor, gpu: &crate::cuda::Gpu) -> crate::Result<Tensor> {
         let (start, end) = (t.layout().offset, t.layout().end());
         let span = t.span_view(start, end - start)?;
-        let out = Tensor::zeros_on([end - start], DType::BF16, gpu)?;
+        let out = Tensor::empty_on([end - start], DType::BF16, gpu)?;
         crate::cuda::kernels::elementwise::f32_to_bf16(
             gpu,
             &span.device_read::<f32>()?.view(),

@@ -15,7 +15,18 @@ impl Tensor {
     /// A tensor of zeros in `gpu`'s memory.
     pub fn zeros_on(shape: impl Into<Shape>, dtype: DType, gpu: &Gpu) -> Result<Tensor> {
         let shape = shape.into();
-        let storage = Storage::on_gpu(gpu, dtype, shape.numel())?;
+        let storage = Storage::on_gpu(gpu, dtype, shape.numel(), true)?;
+        Ok(Tensor {
+            storage: Arc::new(storage),
+            layout: Layout::contiguous(shape, 0),
+        })
+    }
+
+    /// A tensor in `gpu`'s memory with unspecified contents, for outputs written in full before
+    /// they are read (no memset).
+    pub fn empty_on(shape: impl Into<Shape>, dtype: DType, gpu: &Gpu) -> Result<Tensor> {
+        let shape = shape.into();
+        let storage = Storage::on_gpu(gpu, dtype, shape.numel(), false)?;
         Ok(Tensor {
             storage: Arc::new(storage),
             layout: Layout::contiguous(shape, 0),

@@ -149,7 +149,7 @@ impl Tensor {
     ) -> crate::error::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let Some(gpu) = near.gpu() {
-            return Tensor::zeros_on(shape, dtype, gpu);
+            return Tensor::empty_on(shape, dtype, gpu);
         }
         let _ = near;
         Ok(Tensor::empty(shape, dtype))

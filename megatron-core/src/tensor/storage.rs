@@ -170,10 +170,16 @@ impl Storage {
         gpu: &crate::cuda::Gpu,
         dtype: DType,
         len: usize,
+        zeroed: bool,
     ) -> crate::cuda::Result<Self> {
         use cudarc::driver::DevicePtr;
         // At least one byte, so that every storage has an address.
-        let slice = gpu.zeros::<u8>((len * dtype.size()).max(1))?;
+        let bytes = (len * dtype.size()).max(1);
+        let slice = if zeroed {
+            gpu.zeros::<u8>(bytes)?
+        } else {
+            gpu.uninit::<u8>(bytes)?
+        };
         let base = {
             let (ptr, _sync) = slice.device_ptr(gpu.stream());
             ptr

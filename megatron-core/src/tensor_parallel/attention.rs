@@ -318,7 +318,7 @@ mod device {
         let Some((p, stream, index)) = mask else {
             return Ok(x.clone());
         };
-        let y = Tensor::zeros_on(x.shape().clone(), DType::F32, gpu)?;
+        let y = Tensor::empty_on(x.shape().clone(), DType::F32, gpu)?;
         gdk::dropout_forward(
             gpu,
             &x.device_read::<f32>()?.view(),
@@ -340,8 +340,8 @@ mod device {
         let Some((p, stream, index)) = mask else {
             return Ok((a.clone(), b.clone()));
         };
-        let ya = Tensor::zeros_on(a.shape().clone(), DType::F32, gpu)?;
-        let yb = Tensor::zeros_on(b.shape().clone(), DType::F32, gpu)?;
+        let ya = Tensor::empty_on(a.shape().clone(), DType::F32, gpu)?;
+        let yb = Tensor::empty_on(b.shape().clone(), DType::F32, gpu)?;
         gdk::dropout_pair(
             gpu,
             &a.device_read::<f32>()?.view(),
@@ -364,13 +364,19 @@ mod device {
             sh: Shape,
             gpu: &Gpu,
         ) -> Result<(Tensor, AttentionSaved)> {
-            let qkv = qkv.to_f32_contiguous()?;
+            // With bf16 products, q, k and v are rounded once here (not once per product) and
+            // kept in bf16 for the backward.
+            let qkv = if gpu.bf16_products() {
+                qkv.to_dtype(DType::BF16)?
+            } else {
+                qkv.to_f32_contiguous()?
+            };
             let q = heads_view(&qkv, sh, 3, 0)?;
             let k = heads_view(&qkv, sh, 3, 1)?;
             let v = heads_view(&qkv, sh, 3, 2)?;
             // [b, heads, s, s], contiguous.
             let scores = matmul(&q, &k.t()?)?;
-            let probs = Tensor::zeros_on(scores.shape().clone(), DType::F32, gpu)?;
+            let probs = Tensor::empty_on(scores.shape().clone(), DType::F32, gpu)?;
             gsm::softmax_forward(
                 gpu,
                 &scores.device_read::<f32>()?.view(),
@@ -390,7 +396,7 @@ mod device {
                 )
             });
             let out =
-                Tensor::zeros_on([sh.seq, sh.batch, sh.heads * sh.head_dim], DType::F32, gpu)?;
+                Tensor::empty_on([sh.seq, sh.batch, sh.heads * sh.head_dim], DType::F32, gpu)?;
             matmul_into(
                 1.0,
                 &masked(&probs, &mask, gpu)?,
@@ -420,7 +426,7 @@ mod device {
         let d_dropped = matmul(&d_ctx, &saved.v.t()?)?;
         let (dropped, d_probs) = masked_pair(&saved.probs, &d_dropped, &saved.dropout, gpu)?;
         drop(d_dropped);
-        let dqkv = Tensor::zeros_on(
+        let dqkv = Tensor::empty_on(
             [sh.seq, sh.batch, sh.heads * 3 * sh.head_dim],
             DType::F32,
             gpu,
@@ -433,7 +439,7 @@ mod device {
             &heads_view(&dqkv, sh, 3, 2)?,
         )?;
         drop(dropped);
-        let d_scores = Tensor::zeros_on(d_probs.shape().clone(), DType::F32, gpu)?;
+        let d_scores = Tensor::empty_on(d_probs.shape().clone(), DType::F32, gpu)?;
         gsm::softmax_backward(
             gpu,
             &saved.probs.device_read::<f32>()?.view(),
@@ -444,6 +450,12 @@ mod device {
             sh.scale(),
             &mut d_scores.device_write::<f32>()?.view_mut(),
         )?;
+        // Both products read d_scores: with bf16 products, round it once.
+        let d_scores = if gpu.bf16_products() {
+            d_scores.to_dtype(DType::BF16)?
+        } else {
+            d_scores
+        };
         matmul_into(1.0, &d_scores, &saved.k, 0.0, &heads_view(&dqkv, sh, 3, 0)?)?;
         matmul_into(
             1.0,

@@ -278,7 +278,7 @@ mod device {
         } else {
             dloss.to_gpu(gpu)?
         };
-        let dlogits = Tensor::zeros_on(saved.logits.shape().clone(), DType::F32, gpu)?;
+        let dlogits = Tensor::empty_on(saved.logits.shape().clone(), DType::F32, gpu)?;
         gvp::cross_entropy_backward(
             gpu,
             &saved.logits.device_read::<f32>()?.view(),

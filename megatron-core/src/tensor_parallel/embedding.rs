@@ -474,7 +474,7 @@ mod device {
             let h = self.hidden();
             let mut dims = ids.dims().to_vec();
             dims.push(h);
-            let out = Tensor::zeros_on(dims, DType::F32, gpu)?;
+            let out = Tensor::empty_on(dims, DType::F32, gpu)?;
             let table = self.weight.value().to_f32_contiguous()?;
             gek::embedding_forward(
                 gpu,
@@ -554,7 +554,7 @@ mod device {
         ) -> Result<(Tensor, PositionSaved)> {
             let (max, h) = (self.weight.value().dims()[0], self.weight.value().dims()[1]);
             let table = self.weight.value().to_f32_contiguous()?;
-            let out = Tensor::zeros_on([seq, batch, h], DType::F32, gpu)?;
+            let out = Tensor::empty_on([seq, batch, h], DType::F32, gpu)?;
             gek::embedding_forward(
                 gpu,
                 &Self::positions(seq, batch, gpu)?
