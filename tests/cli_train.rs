@@ -265,3 +265,40 @@ fn save_resume_evaluate_plot_and_config_files() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn devices_and_backends_this_build_lacks_are_clear_errors() {
+    let tiny = ["train", "--steps", "1", "--quiet"];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> { [&tiny[..], extra].concat() };
+    let mut cases: Vec<(Vec<&str>, &str)> = vec![(
+        with(&["--device", "tpu"]),
+        "--device must be cpu or cuda, got \"tpu\"",
+    )];
+    if cfg!(not(feature = "cuda")) {
+        cases.push((
+            with(&["--device", "cuda"]),
+            "this build has no GPU support: cargo build --release --features cuda",
+        ));
+        cases.push((
+            vec!["bench", "gemm", "--device", "cuda"],
+            "--device cuda needs a build with CUDA",
+        ));
+    }
+    if cfg!(not(all(feature = "mpi", feature = "cuda"))) {
+        cases.push((
+            with(&["--backend", "nccl", "--device", "cuda"]),
+            "--backend nccl needs a build with MPI and CUDA",
+        ));
+    }
+    if cfg!(not(feature = "mpi")) {
+        cases.push((
+            with(&["--backend", "mpi"]),
+            "--backend mpi needs a build with MPI",
+        ));
+    }
+    for (args, message) in cases {
+        let (ok, _, stderr) = megatron(&args);
+        assert!(!ok, "{args:?}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+}
