@@ -204,15 +204,7 @@ impl TrainJob {
         observers: &mut [Box<dyn Observer>],
     ) -> Result<Summary> {
         let start = Instant::now();
-        if world.size() != self.world_size() {
-            bail!(
-                "TP={} × DP={} needs {} ranks, the world has {} (start as many processes)",
-                self.tp,
-                self.dp,
-                self.world_size(),
-                world.size()
-            );
-        }
+        self.check_world(world.size())?;
         let bf16 = matches!(self.device, Placement::Cuda { bf16: true });
         let gpu = world.gpu().clone();
         gpu.set_bf16_products(bf16);
@@ -229,21 +221,26 @@ impl TrainJob {
         observers: &mut [Box<dyn Observer>],
     ) -> Result<Summary> {
         let start = Instant::now();
-        if world.size() != self.world_size() {
-            bail!(
-                "TP={} × DP={} needs {} ranks, the world has {} (start as many processes)",
-                self.tp,
-                self.dp,
-                self.world_size(),
-                world.size()
-            );
-        }
+        self.check_world(world.size())?;
         if self.device != Placement::Cpu {
             bail!("a GPU job in a multi-process world runs with --backend nccl");
         }
         let context = self.context(observers)?;
         self.run_rank(world, &context, &|_| Ok(()))?;
         Ok(context.finish(start))
+    }
+
+    /// A world of `size` processes has the job's tp × dp ranks.
+    fn check_world(&self, size: usize) -> Result<()> {
+        if size != self.world_size() {
+            bail!(
+                "TP={} × DP={} needs {} ranks, the world has {size} (start as many processes)",
+                self.tp,
+                self.dp,
+                self.world_size(),
+            );
+        }
+        Ok(())
     }
 
     /// Number of ranks the job runs on.

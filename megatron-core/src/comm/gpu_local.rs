@@ -26,10 +26,11 @@ use cudarc::driver::result::memcpy_dtod_async;
 use cudarc::driver::sys::CUevent_flags;
 use parking_lot::Mutex;
 
+use super::checks::Checks;
 use super::stats::Counters;
 use super::{CallDesc, CommError, CommStats, Communicator, OpKind, ReduceOp, Result, World};
 use crate::cuda::{CudaError, Gpu, kernels};
-use crate::tensor::{DType, Device, Tensor};
+use crate::tensor::{DType, Tensor};
 
 /// A group's key: its family name and its members.
 type GroupKey = (String, Vec<usize>);
@@ -181,24 +182,17 @@ impl LocalGpuComm {
         backend(self.name(), call, e)
     }
 
-    fn invalid(&self, message: String) -> CommError {
-        CommError::Invalid {
-            group: self.name().to_string(),
-            message,
+    fn checks(&self) -> Checks<'_> {
+        Checks {
+            group: self.host.name(),
+            ranks: self.host.ranks(),
+            index: self.index,
         }
     }
 
     /// Checks that `t` is a contiguous tensor on this rank's device.
     fn check_tensor(&self, op: &'static str, t: &Tensor) -> Result<()> {
-        t.contiguous_for(op)?;
-        let here = Device::Cuda(self.gpu.ordinal());
-        if t.device() != here {
-            return Err(self.invalid(format!(
-                "{op}: the tensor is on {}, this communicator moves tensors on {here}",
-                t.device()
-            )));
-        }
-        Ok(())
+        self.checks().on_gpu(op, t, self.gpu.ordinal())
     }
 
     /// The device address of `t`'s first element.
@@ -258,7 +252,9 @@ impl LocalGpuComm {
             .cloned()
             .collect();
         if posts.len() != self.size() {
-            return Err(self.invalid("a member's call was not posted".to_string()));
+            return Err(self
+                .checks()
+                .invalid("a member's call was not posted".to_string()));
         }
         self.verify(&posts)?;
         for (j, p) in posts.iter().enumerate() {
@@ -289,7 +285,7 @@ impl LocalGpuComm {
                     let send = pi.splits.as_ref().map_or(0, |s| s.0[j]);
                     let recv = pj.splits.as_ref().map_or(0, |s| s.1[i]);
                     if send != recv {
-                        return Err(self.invalid(format!(
+                        return Err(self.checks().invalid(format!(
                             "all_to_all: rank {} sends {send} elements to rank {} but it expects {recv}",
                             self.ranks()[i],
                             self.ranks()[j]
@@ -316,22 +312,6 @@ impl LocalGpuComm {
         Ok(())
     }
 
-    fn desc(
-        &self,
-        kind: OpKind,
-        t: &Tensor,
-        op: Option<ReduceOp>,
-        peer: Option<usize>,
-    ) -> CallDesc {
-        CallDesc {
-            kind,
-            dtype: t.dtype(),
-            count: t.numel(),
-            op,
-            peer,
-        }
-    }
-
     /// Folds `out`'s length of elements at byte offset `offset` of every member's `input` into
     /// `out`.
     fn fold_into(
@@ -344,7 +324,7 @@ impl LocalGpuComm {
     ) -> Result<()> {
         let (dtype, count) = (out.dtype(), out.numel());
         let kernel = kernels::reduce::fold_kernel(dtype).ok_or_else(|| {
-            self.invalid(format!(
+            self.checks().invalid(format!(
                 "{op_name}: {dtype} reductions are not on the GPU yet"
             ))
         })?;
@@ -376,7 +356,7 @@ impl Communicator for LocalGpuComm {
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         const OP: &str = "all_reduce";
         self.check_tensor(OP, tensor)?;
-        let desc = self.desc(OpKind::AllReduce, tensor, Some(op), None);
+        let desc = CallDesc::of(OpKind::AllReduce, tensor, Some(op), None);
         let (dtype, count) = (tensor.dtype(), tensor.numel());
         if self.size() == 1 {
             // A group of one: the reduction of one value is itself.
@@ -400,14 +380,14 @@ impl Communicator for LocalGpuComm {
         const OP: &str = "all_gather";
         self.check_tensor(OP, input)?;
         self.check_tensor(OP, output)?;
-        let (n, count, dtype) = (self.size(), input.numel(), input.dtype());
-        if output.dtype() != dtype || output.numel() != n * count {
-            return Err(self.invalid(format!(
-                "all_gather: output has {} × {} elements, expected {dtype} × {} ({n} × {count})",
-                output.dtype(),
-                output.numel(),
-                n * count
-            )));
+        let (n, count, dtype) = (
+            self.size(),
+            self.checks().all_gather(input, output)?,
+            input.dtype(),
+        );
+        if input.same_storage(output) {
+            self.checks()
+                .slot(OP, output, input, count, ("output", "input"))?;
         }
         if n == 1 {
             if !input.same_storage(output) || input.layout().offset != output.layout().offset {
@@ -417,7 +397,7 @@ impl Communicator for LocalGpuComm {
                 .record(OpKind::AllGather, count * dtype.size());
             return Ok(());
         }
-        let desc = self.desc(OpKind::AllGather, input, None, None);
+        let desc = CallDesc::of(OpKind::AllGather, input, None, None);
         let posts = self.exchange(desc, input, None)?;
         let bytes = count * dtype.size();
         let out = output.raw_device_write(OP)?.addr() as u64;
@@ -434,14 +414,14 @@ impl Communicator for LocalGpuComm {
         const OP: &str = "reduce_scatter";
         self.check_tensor(OP, input)?;
         self.check_tensor(OP, output)?;
-        let (n, count, dtype) = (self.size(), output.numel(), output.dtype());
-        if input.dtype() != dtype || input.numel() != n * count {
-            return Err(self.invalid(format!(
-                "reduce_scatter: input has {} × {} elements, expected {dtype} × {} ({n} × {count})",
-                input.dtype(),
-                input.numel(),
-                n * count
-            )));
+        let (n, count, dtype) = (
+            self.size(),
+            self.checks().reduce_scatter(input, output)?,
+            output.dtype(),
+        );
+        if input.same_storage(output) {
+            self.checks()
+                .slot(OP, input, output, count, ("input", "output"))?;
         }
         if n == 1 {
             if !input.same_storage(output) || input.layout().offset != output.layout().offset {
@@ -451,7 +431,7 @@ impl Communicator for LocalGpuComm {
                 .record(OpKind::ReduceScatter, count * dtype.size());
             return Ok(());
         }
-        let desc = self.desc(OpKind::ReduceScatter, output, Some(op), None);
+        let desc = CallDesc::of(OpKind::ReduceScatter, output, Some(op), None);
         let posts = self.exchange(desc, input, None)?;
         let bytes = count * dtype.size();
         let scratch =
@@ -467,18 +447,13 @@ impl Communicator for LocalGpuComm {
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
         const OP: &str = "broadcast";
         self.check_tensor(OP, tensor)?;
-        if root >= self.size() {
-            return Err(self.invalid(format!(
-                "broadcast: root {root} is outside the group of {} ranks",
-                self.size()
-            )));
-        }
+        self.checks().peer("broadcast root", root)?;
         if self.size() == 1 {
             self.counters
                 .record(OpKind::Broadcast, tensor.numel() * tensor.dtype().size());
             return Ok(());
         }
-        let desc = self.desc(OpKind::Broadcast, tensor, None, Some(root));
+        let desc = CallDesc::of(OpKind::Broadcast, tensor, None, Some(root));
         let posts = self.exchange(desc, tensor, None)?;
         let bytes = tensor.numel() * tensor.dtype().size();
         if self.index != root {
@@ -500,22 +475,9 @@ impl Communicator for LocalGpuComm {
         const OP: &str = "all_to_all";
         self.check_tensor(OP, input)?;
         self.check_tensor(OP, output)?;
-        let n = self.size();
-        if send_splits.len() != n || recv_splits.len() != n {
-            return Err(self.invalid(format!(
-                "all_to_all: {} send and {} receive splits for a group of {n}",
-                send_splits.len(),
-                recv_splits.len()
-            )));
-        }
-        let (sent, received): (usize, usize) = (send_splits.iter().sum(), recv_splits.iter().sum());
-        if sent != input.numel() || received != output.numel() || input.dtype() != output.dtype() {
-            return Err(self.invalid(format!(
-                "all_to_all: splits send {sent} of {} input elements and receive {received} into {} output elements",
-                input.numel(),
-                output.numel()
-            )));
-        }
+        self.checks()
+            .all_to_all(input, send_splits, output, recv_splits)?;
+        let sent = input.numel();
         let desc = CallDesc {
             kind: OpKind::AllToAll,
             dtype: input.dtype(),
@@ -547,9 +509,7 @@ impl Communicator for LocalGpuComm {
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
         const OP: &str = "send";
         self.check_tensor(OP, tensor)?;
-        if dst >= self.size() || dst == self.index {
-            return Err(self.invalid(format!("send: destination {dst} is not another member")));
-        }
+        self.checks().destination(dst)?;
         let bytes = tensor.numel() * tensor.dtype().size();
         let data = Tensor::zeros_on(tensor.shape().clone(), tensor.dtype(), &self.gpu)
             .map_err(|e| self.cuda("alloc", e))?;
@@ -573,9 +533,7 @@ impl Communicator for LocalGpuComm {
     fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
         const OP: &str = "recv";
         self.check_tensor(OP, tensor)?;
-        if src >= self.size() || src == self.index {
-            return Err(self.invalid(format!("recv: source {src} is not another member")));
-        }
+        self.checks().source(src)?;
         let header = Tensor::zeros([2], DType::I64);
         self.host.recv(&header, src)?;
         let Some(message) = self
@@ -585,7 +543,9 @@ impl Communicator for LocalGpuComm {
             .get_mut(&(src, self.index))
             .and_then(VecDeque::pop_front)
         else {
-            return Err(self.invalid(format!("recv: no message from {src} in the mailbox")));
+            return Err(self
+                .checks()
+                .invalid(format!("recv: no message from {src} in the mailbox")));
         };
         if message.data.numel() != tensor.numel() || message.data.dtype() != tensor.dtype() {
             return Err(CommError::Mismatch {

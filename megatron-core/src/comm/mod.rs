@@ -5,6 +5,7 @@
 //! as OS threads of one process, the default on CPU and what tests use) and, with the `mpi`
 //! feature, `mpi` (one rank per process under `mpirun`, CPU ranks on one or many nodes).
 
+mod checks;
 mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu_local;

@@ -27,11 +27,12 @@ use cudarc::nccl::sys::{
 };
 use parking_lot::Mutex;
 
+use super::checks::Checks;
 use super::mpi::{MpiComm, MpiWorld};
 use super::stats::Counters;
 use super::{CallDesc, CommError, CommStats, Communicator, OpKind, ReduceOp, Result, World};
 use crate::cuda::Gpu;
-use crate::tensor::{DType, Device, Tensor};
+use crate::tensor::{DType, Tensor};
 
 /// A group's key: its family name and its members.
 type GroupKey = (String, Vec<usize>);
@@ -221,39 +222,16 @@ impl NcclComm {
         }
     }
 
-    fn invalid(&self, message: String) -> CommError {
-        CommError::Invalid {
-            group: self.name().to_string(),
-            message,
+    fn checks(&self) -> Checks<'_> {
+        Checks {
+            group: self.host.name(),
+            ranks: self.host.ranks(),
+            index: self.host.index(),
         }
     }
 
     fn check_tensor(&self, op: &'static str, t: &Tensor) -> Result<()> {
-        t.contiguous_for(op)?;
-        let here = Device::Cuda(self.gpu.ordinal());
-        if t.device() != here {
-            return Err(self.invalid(format!(
-                "{op}: the tensor is on {}, this rank's NCCL communicator moves tensors on {here}",
-                t.device()
-            )));
-        }
-        Ok(())
-    }
-
-    fn desc(
-        &self,
-        kind: OpKind,
-        t: &Tensor,
-        op: Option<ReduceOp>,
-        peer: Option<usize>,
-    ) -> CallDesc {
-        CallDesc {
-            kind,
-            dtype: t.dtype(),
-            count: t.numel(),
-            op,
-            peer,
-        }
+        self.checks().on_gpu(op, t, self.gpu.ordinal())
     }
 
     /// Verifies the call with every member over MPI, runs `call` with the NCCL handle and this
@@ -266,14 +244,22 @@ impl NcclComm {
     ) -> Result<()> {
         let what = desc.to_string();
         self.host.verify_call(desc, splits)?;
+        self.launch(&what, call)
+    }
+
+    /// Runs `call` with the NCCL handle and this rank's stream, and waits for it.
+    fn launch(
+        &self,
+        what: &str,
+        call: impl FnOnce(ncclComm_t, cudarc::driver::sys::CUstream) -> Result<()>,
+    ) -> Result<()> {
         let guard = self.comm.lock();
         let Some(comm) = guard.as_ref().map(|c| c.0) else {
             return Err(self.backend("use", "the communicator was aborted after a timeout"));
         };
-        let stream = self.gpu.stream().cu_stream();
-        call(comm, stream)?;
+        call(comm, self.gpu.stream().cu_stream())?;
         drop(guard);
-        self.wait(&what)
+        self.wait(what)
     }
 
     /// Polls the stream and NCCL's asynchronous error until the call is done or the deadline.
@@ -348,7 +334,7 @@ impl Communicator for NcclComm {
         let buf = tensor.raw_device_write(OP)?;
         let ptr = buf.addr() as *mut c_void;
         self.run(
-            self.desc(OpKind::AllReduce, tensor, Some(op), None),
+            CallDesc::of(OpKind::AllReduce, tensor, Some(op), None),
             None,
             |comm, stream| {
                 // SAFETY: `ptr` is the borrowed tensor of `count` elements of `dtype`, in place.
@@ -374,32 +360,19 @@ impl Communicator for NcclComm {
         const OP: &str = "all_gather";
         self.check_tensor(OP, input)?;
         self.check_tensor(OP, output)?;
-        let (n, count, dtype) = (self.size(), input.numel(), input.dtype());
-        if output.dtype() != dtype || output.numel() != n * count {
-            return Err(self.invalid(format!(
-                "all_gather: output has {} × {} elements, expected {dtype} × {}",
-                output.dtype(),
-                output.numel(),
-                n * count
-            )));
-        }
+        let (count, dtype) = (self.checks().all_gather(input, output)?, input.dtype());
         let out = output.raw_device_write(OP)?;
         let recv = out.addr() as *mut c_void;
         // In place (the input is this rank's slot of the output), NCCL reads the slot itself.
         let send = if input.same_storage(output) {
-            let slot = output.layout().offset + self.index() * count;
-            if input.layout().offset != slot {
-                return Err(self.invalid(format!(
-                    "all_gather: the input shares storage with the output but is not slot {}",
-                    self.index()
-                )));
-            }
+            self.checks()
+                .slot(OP, output, input, count, ("output", "input"))?;
             (out.addr() + self.index() * count * dtype.size()) as *const c_void
         } else {
             input.raw_device_read(OP)?.addr() as *const c_void
         };
         self.run(
-            self.desc(OpKind::AllGather, input, None, None),
+            CallDesc::of(OpKind::AllGather, input, None, None),
             None,
             |comm, stream| {
                 // SAFETY: `send` holds `count` elements and `recv` n × count, on this device.
@@ -417,31 +390,18 @@ impl Communicator for NcclComm {
         const OP: &str = "reduce_scatter";
         self.check_tensor(OP, input)?;
         self.check_tensor(OP, output)?;
-        let (n, count, dtype) = (self.size(), output.numel(), output.dtype());
-        if input.dtype() != dtype || input.numel() != n * count {
-            return Err(self.invalid(format!(
-                "reduce_scatter: input has {} × {} elements, expected {dtype} × {}",
-                input.dtype(),
-                input.numel(),
-                n * count
-            )));
-        }
+        let (count, dtype) = (self.checks().reduce_scatter(input, output)?, output.dtype());
         let whole = input.raw_device_write(OP)?;
         let send = whole.addr() as *const c_void;
         let recv = if input.same_storage(output) {
-            let slot = input.layout().offset + self.index() * count;
-            if output.layout().offset != slot {
-                return Err(self.invalid(format!(
-                    "reduce_scatter: the output shares storage with the input but is not slot {}",
-                    self.index()
-                )));
-            }
+            self.checks()
+                .slot(OP, input, output, count, ("input", "output"))?;
             (whole.addr() + self.index() * count * dtype.size()) as *mut c_void
         } else {
             output.raw_device_write(OP)?.addr() as *mut c_void
         };
         self.run(
-            self.desc(OpKind::ReduceScatter, output, Some(op), None),
+            CallDesc::of(OpKind::ReduceScatter, output, Some(op), None),
             None,
             |comm, stream| {
                 // SAFETY: `send` holds n × count elements and `recv` count, on this device.
@@ -466,17 +426,12 @@ impl Communicator for NcclComm {
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
         const OP: &str = "broadcast";
         self.check_tensor(OP, tensor)?;
-        if root >= self.size() {
-            return Err(self.invalid(format!(
-                "broadcast: root {root} is outside the group of {}",
-                self.size()
-            )));
-        }
+        self.checks().peer("broadcast root", root)?;
         let (count, dtype) = (tensor.numel(), tensor.dtype());
         let buf = tensor.raw_device_write(OP)?;
         let ptr = buf.addr() as *mut c_void;
         self.run(
-            self.desc(OpKind::Broadcast, tensor, None, Some(root)),
+            CallDesc::of(OpKind::Broadcast, tensor, None, Some(root)),
             None,
             |comm, stream| {
                 // SAFETY: the borrowed tensor, in place.
@@ -508,20 +463,9 @@ impl Communicator for NcclComm {
         const OP: &str = "all_to_all";
         self.check_tensor(OP, input)?;
         self.check_tensor(OP, output)?;
-        let n = self.size();
-        let (sent, received): (usize, usize) = (send_splits.iter().sum(), recv_splits.iter().sum());
-        if send_splits.len() != n
-            || recv_splits.len() != n
-            || sent != input.numel()
-            || received != output.numel()
-            || input.dtype() != output.dtype()
-        {
-            return Err(self.invalid(format!(
-                "all_to_all: splits {send_splits:?} / {recv_splits:?} do not fit {} input and {} output elements of a group of {n}",
-                input.numel(),
-                output.numel()
-            )));
-        }
+        self.checks()
+            .all_to_all(input, send_splits, output, recv_splits)?;
+        let (n, sent) = (self.size(), input.numel());
         let dtype = input.dtype();
         let size = dtype.size();
         let src = input.raw_device_read(OP)?.addr();
@@ -580,26 +524,19 @@ impl Communicator for NcclComm {
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
         const OP: &str = "send";
         self.check_tensor(OP, tensor)?;
-        if dst >= self.size() || dst == self.index() {
-            return Err(self.invalid(format!("send: destination {dst} is not another member")));
-        }
+        self.checks().destination(dst)?;
         let (count, dtype) = (tensor.numel(), tensor.dtype());
         let src = tensor.raw_device_read(OP)?.addr() as *const c_void;
         // Point-to-point calls are checked by the receiver (the header below) rather than by a
         // handshake of the whole group.
         let header = Tensor::from_vec(vec![count as i64, dtype as i64], [2])?;
         self.host.send(&header, dst)?;
-        let guard = self.comm.lock();
-        let Some(comm) = guard.as_ref().map(|c| c.0) else {
-            return Err(self.backend("use", "the communicator was aborted after a timeout"));
-        };
-        let stream = self.gpu.stream().cu_stream();
-        // SAFETY: the borrowed tensor's `count` elements.
-        self.status("ncclSend", unsafe {
-            nccl::send(src, count, nccl_type(dtype), dst as i32, comm, stream as _)
+        self.launch("send", |comm, stream| {
+            // SAFETY: the borrowed tensor's `count` elements.
+            self.status("ncclSend", unsafe {
+                nccl::send(src, count, nccl_type(dtype), dst as i32, comm, stream as _)
+            })
         })?;
-        drop(guard);
-        self.wait("send")?;
         self.counters.record(OpKind::Send, count * dtype.size());
         Ok(())
     }
@@ -607,9 +544,7 @@ impl Communicator for NcclComm {
     fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
         const OP: &str = "recv";
         self.check_tensor(OP, tensor)?;
-        if src >= self.size() || src == self.index() {
-            return Err(self.invalid(format!("recv: source {src} is not another member")));
-        }
+        self.checks().source(src)?;
         let (count, dtype) = (tensor.numel(), tensor.dtype());
         let header = Tensor::zeros([2], DType::I64);
         self.host.recv(&header, src)?;
@@ -624,17 +559,12 @@ impl Communicator for NcclComm {
             });
         }
         let dst = tensor.raw_device_write(OP)?.addr() as *mut c_void;
-        let guard = self.comm.lock();
-        let Some(comm) = guard.as_ref().map(|c| c.0) else {
-            return Err(self.backend("use", "the communicator was aborted after a timeout"));
-        };
-        let stream = self.gpu.stream().cu_stream();
-        // SAFETY: the borrowed tensor's `count` elements.
-        self.status("ncclRecv", unsafe {
-            nccl::recv(dst, count, nccl_type(dtype), src as i32, comm, stream as _)
+        self.launch("recv", |comm, stream| {
+            // SAFETY: the borrowed tensor's `count` elements.
+            self.status("ncclRecv", unsafe {
+                nccl::recv(dst, count, nccl_type(dtype), src as i32, comm, stream as _)
+            })
         })?;
-        drop(guard);
-        self.wait("recv")?;
         self.counters.record(OpKind::Recv, count * dtype.size());
         Ok(())
     }

@@ -227,26 +227,13 @@ impl Blas {
         super::kernels::check_len(K, "a", a.len(), elems(m, k)?, dims)?;
         super::kernels::check_len(K, "b", b.len(), elems(k, n)?, dims)?;
         super::kernels::check_len(K, "c", c.len(), elems(m, n)?, dims)?;
-        if m == 0 || n == 0 || batch == 0 {
-            return Ok(());
-        }
-        let int = |v: usize| {
-            c_int::try_from(v).map_err(|_| KernelError::Invalid {
-                kernel: K,
-                message: format!("{} exceeds cuBLAS's 32-bit sizes", dims()),
-            })
+        let operand = |addr: u64, trans: bool, rows: usize, cols: usize| Operand {
+            addr,
+            trans,
+            // Stored rows are `cols` long, or `rows` long for a stored transpose.
+            ld: if trans { rows } else { cols },
+            batch_stride: rows * cols,
         };
-        let (mi, ni, ki, bi) = (int(m)?, int(n)?, int(k)?, int(batch)?);
-        // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: cuBLAS gets B first.
-        let op = |t: bool| {
-            if t {
-                cublasOperation_t::CUBLAS_OP_T
-            } else {
-                cublasOperation_t::CUBLAS_OP_N
-            }
-        };
-        let ldb = if trans_b { ki } else { ni };
-        let lda = if trans_a { mi } else { ki };
         let stream = &self.stream;
         let (a_ptr, _a_sync) = a.device_ptr(stream);
         let (b_ptr, _b_sync) = b.device_ptr(stream);
@@ -255,35 +242,15 @@ impl Blas {
         // pointers stay valid while the stream runs the product (the views outlive the call and
         // their sync guards order later frees after it).
         unsafe {
-            gemm_strided_batched_ex(
-                *self.handle.handle(),
-                op(trans_b),
-                op(trans_a),
-                ni,
-                mi,
-                ki,
-                (&alpha) as *const f32 as *const _,
-                b_ptr as *const _,
+            self.matmul_raw(
                 T::DATA_TYPE,
-                ldb,
-                (k * n) as i64,
-                a_ptr as *const _,
-                T::DATA_TYPE,
-                lda,
-                (m * k) as i64,
-                (&beta) as *const f32 as *const _,
-                c_ptr as *mut _,
-                cudaDataType::CUDA_R_32F,
-                ni,
-                (m * n) as i64,
-                bi,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                (m, n, k, batch),
+                operand(a_ptr, trans_a, m, k),
+                operand(b_ptr, trans_b, k, n),
+                operand(c_ptr, false, m, n),
+                alpha,
+                beta,
             )
         }
-        .map_err(|e| CudaError::Blas {
-            call: format!("cublasGemmStridedBatchedEx({})", dims()),
-            message: format!("{e:?}"),
-        })
     }
 }

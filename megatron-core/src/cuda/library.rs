@@ -3,54 +3,48 @@
 
 use super::error::{CudaError, Result};
 
-/// The driver (`libcuda.so`, installed with the NVIDIA driver).
-pub fn require_driver() -> Result<()> {
-    // SAFETY: only tries to open the library.
-    if unsafe { cudarc::driver::sys::is_culib_present() } {
+/// `present` tells whether `library` (needed for `hint`) can be opened.
+fn require(present: unsafe fn() -> bool, library: &'static str, hint: &'static str) -> Result<()> {
+    // SAFETY: the probes only try to open the library.
+    if unsafe { present() } {
         Ok(())
     } else {
-        Err(CudaError::Unavailable {
-            library: "libcuda (the NVIDIA driver)",
-            hint: "a GPU and its driver are needed",
-        })
+        Err(CudaError::Unavailable { library, hint })
     }
+}
+
+/// The driver (`libcuda.so`, installed with the NVIDIA driver).
+pub fn require_driver() -> Result<()> {
+    require(
+        cudarc::driver::sys::is_culib_present,
+        "libcuda (the NVIDIA driver)",
+        "a GPU and its driver are needed",
+    )
 }
 
 /// NVRTC (`libnvrtc.so`, in the CUDA toolkit or the `nvidia-cuda-nvrtc` wheel).
 pub fn require_nvrtc() -> Result<()> {
-    // SAFETY: only tries to open the library.
-    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        Ok(())
-    } else {
-        Err(CudaError::Unavailable {
-            library: "libnvrtc",
-            hint: "kernels are compiled at run time by NVRTC",
-        })
-    }
+    require(
+        cudarc::nvrtc::sys::is_culib_present,
+        "libnvrtc",
+        "kernels are compiled at run time by NVRTC",
+    )
 }
 
 /// cuBLAS (`libcublas.so`).
 pub fn require_cublas() -> Result<()> {
-    // SAFETY: only tries to open the library.
-    if unsafe { cudarc::cublas::sys::is_culib_present() } {
-        Ok(())
-    } else {
-        Err(CudaError::Unavailable {
-            library: "libcublas",
-            hint: "matrix products run on cuBLAS",
-        })
-    }
+    require(
+        cudarc::cublas::sys::is_culib_present,
+        "libcublas",
+        "matrix products run on cuBLAS",
+    )
 }
 
 /// NCCL (`libnccl.so`).
 pub fn require_nccl() -> Result<()> {
-    // SAFETY: only tries to open the library.
-    if unsafe { cudarc::nccl::sys::is_culib_present() } {
-        Ok(())
-    } else {
-        Err(CudaError::Unavailable {
-            library: "libnccl",
-            hint: "the nccl backend communicates through NCCL",
-        })
-    }
+    require(
+        cudarc::nccl::sys::is_culib_present,
+        "libnccl",
+        "the nccl backend communicates through NCCL",
+    )
 }

@@ -27,7 +27,7 @@ pub struct AdamConfig {
 
 impl AdamConfig {
     /// Checks every hyper-parameter's range.
-    pub(crate) fn validate(&self, kernel: &'static str) -> Result<(), KernelError> {
+    fn validate(&self, kernel: &'static str) -> Result<(), KernelError> {
         let bad = |message: String| Err(KernelError::Invalid { kernel, message });
         if self.step == 0 {
             return bad("step is 1-based, got 0".into());
@@ -112,6 +112,21 @@ versioned! {
     }
 }
 
+/// The checks of [`adam_step`]: the hyper-parameters, and `[grad, exp_avg, exp_avg_sq]` of
+/// `n` elements each, like the parameters (the GPU launcher makes the same).
+pub(crate) fn check_step(
+    config: &AdamConfig,
+    n: usize,
+    [grad, exp_avg, exp_avg_sq]: [usize; 3],
+) -> Result<(), KernelError> {
+    const K: &str = "adam_step";
+    config.validate(K)?;
+    let dims = || format!("elements {n}");
+    check_len(K, "grad", grad, n, dims)?;
+    check_len(K, "exp_avg", exp_avg, n, dims)?;
+    check_len(K, "exp_avg_sq", exp_avg_sq, n, dims)
+}
+
 /// One Adam/AdamW step in place on `param`, `exp_avg` and `exp_avg_sq`, from `grad` (all the same length).
 ///
 /// Per element, with `g = grad` (plus `wd·param` when not decoupled):
@@ -126,13 +141,8 @@ pub fn adam_step(
     exp_avg_sq: &mut [f32],
     config: &AdamConfig,
 ) -> Result<(), KernelError> {
-    const K: &str = "adam_step";
-    config.validate(K)?;
     let n = param.len();
-    let dims = || format!("elements {n}");
-    check_len(K, "grad", grad.len(), n, dims)?;
-    check_len(K, "exp_avg", exp_avg.len(), n, dims)?;
-    check_len(K, "exp_avg_sq", exp_avg_sq.len(), n, dims)?;
+    check_step(config, n, [grad.len(), exp_avg.len(), exp_avg_sq.len()])?;
     let scalars = AdamScalars::of(config);
     let isa = Isa::detected();
     match parallel::part_len(n) {

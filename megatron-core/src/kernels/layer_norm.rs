@@ -9,7 +9,7 @@ use super::shape::numel;
 use super::{KernelError, check_len};
 
 /// Checks the shared dimensions and `eps`; returns `rows × hidden`.
-pub(crate) fn check_dims(
+fn check_dims(
     kernel: &'static str,
     rows: usize,
     hidden: usize,
@@ -57,6 +57,47 @@ versioned! {
     }
 }
 
+/// The checks of [`layer_norm_forward`] on its buffers' lengths `[x, gamma, beta, y, mean,
+/// rstd]` (the GPU launcher makes the same); returns `rows × hidden`.
+pub(crate) fn check_forward(
+    rows: usize,
+    hidden: usize,
+    eps: f32,
+    [x, gamma, beta, y, mean, rstd]: [usize; 6],
+) -> Result<usize, KernelError> {
+    const K: &str = "layer_norm_forward";
+    let n = check_dims(K, rows, hidden, eps)?;
+    let dims = || format!("rows {rows} × hidden {hidden}");
+    check_len(K, "x", x, n, dims)?;
+    check_len(K, "gamma", gamma, hidden, dims)?;
+    check_len(K, "beta", beta, hidden, dims)?;
+    check_len(K, "y", y, n, dims)?;
+    check_len(K, "mean", mean, rows, dims)?;
+    check_len(K, "rstd", rstd, rows, dims)?;
+    Ok(n)
+}
+
+/// The checks of [`layer_norm_backward`] on its buffers' lengths `[dy, x, mean, rstd, gamma, dx,
+/// dgamma, dbeta]`; returns `rows × hidden`.
+pub(crate) fn check_backward(
+    rows: usize,
+    hidden: usize,
+    [dy, x, mean, rstd, gamma, dx, dgamma, dbeta]: [usize; 8],
+) -> Result<usize, KernelError> {
+    const K: &str = "layer_norm_backward";
+    let n = check_dims(K, rows, hidden, 0.0)?;
+    let dims = || format!("rows {rows} × hidden {hidden}");
+    check_len(K, "dy", dy, n, dims)?;
+    check_len(K, "x", x, n, dims)?;
+    check_len(K, "mean", mean, rows, dims)?;
+    check_len(K, "rstd", rstd, rows, dims)?;
+    check_len(K, "gamma", gamma, hidden, dims)?;
+    check_len(K, "dx", dx, n, dims)?;
+    check_len(K, "dgamma", dgamma, hidden, dims)?;
+    check_len(K, "dbeta", dbeta, hidden, dims)?;
+    Ok(n)
+}
+
 /// `y = (x − mean)·rstd·gamma + beta` per row of `x[rows, hidden]`, saving `mean[rows]` and `rstd[rows]`.
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_forward(
@@ -70,15 +111,19 @@ pub fn layer_norm_forward(
     mean: &mut [f32],
     rstd: &mut [f32],
 ) -> Result<(), KernelError> {
-    const K: &str = "layer_norm_forward";
-    let n = check_dims(K, rows, hidden, eps)?;
-    let dims = || format!("rows {rows} × hidden {hidden}");
-    check_len(K, "x", x.len(), n, dims)?;
-    check_len(K, "gamma", gamma.len(), hidden, dims)?;
-    check_len(K, "beta", beta.len(), hidden, dims)?;
-    check_len(K, "y", y.len(), n, dims)?;
-    check_len(K, "mean", mean.len(), rows, dims)?;
-    check_len(K, "rstd", rstd.len(), rows, dims)?;
+    check_forward(
+        rows,
+        hidden,
+        eps,
+        [
+            x.len(),
+            gamma.len(),
+            beta.len(),
+            y.len(),
+            mean.len(),
+            rstd.len(),
+        ],
+    )?;
     forward_rows(Isa::detected(), x, gamma, beta, hidden, eps, y, mean, rstd);
     Ok(())
 }
@@ -160,17 +205,20 @@ pub fn layer_norm_backward(
     dgamma: &mut [f32],
     dbeta: &mut [f32],
 ) -> Result<(), KernelError> {
-    const K: &str = "layer_norm_backward";
-    let n = check_dims(K, rows, hidden, 0.0)?;
-    let dims = || format!("rows {rows} × hidden {hidden}");
-    check_len(K, "dy", dy.len(), n, dims)?;
-    check_len(K, "x", x.len(), n, dims)?;
-    check_len(K, "mean", mean.len(), rows, dims)?;
-    check_len(K, "rstd", rstd.len(), rows, dims)?;
-    check_len(K, "gamma", gamma.len(), hidden, dims)?;
-    check_len(K, "dx", dx.len(), n, dims)?;
-    check_len(K, "dgamma", dgamma.len(), hidden, dims)?;
-    check_len(K, "dbeta", dbeta.len(), hidden, dims)?;
+    check_backward(
+        rows,
+        hidden,
+        [
+            dy.len(),
+            x.len(),
+            mean.len(),
+            rstd.len(),
+            gamma.len(),
+            dx.len(),
+            dgamma.len(),
+            dbeta.len(),
+        ],
+    )?;
     backward_rows(
         Isa::detected(),
         dy,

@@ -27,7 +27,7 @@ fn visible_keys(i: usize, sq: usize, sk: usize, causal: bool) -> usize {
 }
 
 /// Checks the dimensions and `scale`; returns `batches × sq × sk`.
-pub(crate) fn check_dims(
+fn check_dims(
     kernel: &'static str,
     batches: usize,
     sq: usize,
@@ -41,6 +41,25 @@ pub(crate) fn check_dims(
         });
     }
     numel(kernel, &[batches, sq, sk])
+}
+
+/// The dimension checks of `kernel` and the lengths of its buffers `(name, length)`, each of
+/// `batches × sq × sk` elements (the GPU launchers make the same checks); returns that count.
+pub(crate) fn check_buffers(
+    kernel: &'static str,
+    batches: usize,
+    sq: usize,
+    sk: usize,
+    scale: f32,
+    buffers: &[(&'static str, usize)],
+) -> Result<usize, KernelError> {
+    let n = check_dims(kernel, batches, sq, sk, scale)?;
+    for &(name, len) in buffers {
+        check_len(kernel, name, len, n, || {
+            format!("batches {batches} × sq {sq} × sk {sk}")
+        })?;
+    }
+    Ok(n)
 }
 
 versioned! {
@@ -99,10 +118,7 @@ pub fn softmax_forward(
     y: &mut [f32],
 ) -> Result<(), KernelError> {
     const K: &str = "softmax_forward";
-    let n = check_dims(K, batches, sq, sk, scale)?;
-    let dims = || format!("batches {batches} × sq {sq} × sk {sk}");
-    check_len(K, "x", x.len(), n, dims)?;
-    check_len(K, "y", y.len(), n, dims)?;
+    check_buffers(K, batches, sq, sk, scale, &[("x", x.len()), ("y", y.len())])?;
     if sk == 0 {
         return Ok(());
     }
@@ -133,11 +149,14 @@ pub fn softmax_backward(
     dx: &mut [f32],
 ) -> Result<(), KernelError> {
     const K: &str = "softmax_backward";
-    let n = check_dims(K, batches, sq, sk, scale)?;
-    let dims = || format!("batches {batches} × sq {sq} × sk {sk}");
-    check_len(K, "y", y.len(), n, dims)?;
-    check_len(K, "dy", dy.len(), n, dims)?;
-    check_len(K, "dx", dx.len(), n, dims)?;
+    check_buffers(
+        K,
+        batches,
+        sq,
+        sk,
+        scale,
+        &[("y", y.len()), ("dy", dy.len()), ("dx", dx.len())],
+    )?;
     if sk == 0 {
         return Ok(());
     }

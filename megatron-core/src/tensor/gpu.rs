@@ -14,19 +14,17 @@ use crate::tensor::DType;
 impl Tensor {
     /// A tensor of zeros in `gpu`'s memory.
     pub fn zeros_on(shape: impl Into<Shape>, dtype: DType, gpu: &Gpu) -> Result<Tensor> {
-        let shape = shape.into();
-        let storage = Storage::on_gpu(gpu, dtype, shape.numel(), true)?;
-        Ok(Tensor {
-            storage: Arc::new(storage),
-            layout: Layout::contiguous(shape, 0),
-        })
+        Tensor::on_gpu(shape.into(), dtype, gpu, true)
     }
 
     /// A tensor in `gpu`'s memory with unspecified contents, for outputs written in full before
     /// they are read (no memset).
     pub fn empty_on(shape: impl Into<Shape>, dtype: DType, gpu: &Gpu) -> Result<Tensor> {
-        let shape = shape.into();
-        let storage = Storage::on_gpu(gpu, dtype, shape.numel(), false)?;
+        Tensor::on_gpu(shape.into(), dtype, gpu, false)
+    }
+
+    fn on_gpu(shape: Shape, dtype: DType, gpu: &Gpu, zeroed: bool) -> Result<Tensor> {
+        let storage = Storage::on_gpu(gpu, dtype, shape.numel(), zeroed)?;
         Ok(Tensor {
             storage: Arc::new(storage),
             layout: Layout::contiguous(shape, 0),

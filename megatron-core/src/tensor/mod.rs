@@ -147,12 +147,7 @@ impl Tensor {
         dtype: DType,
         near: &Tensor,
     ) -> crate::error::Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        if let Some(gpu) = near.gpu() {
-            return Tensor::empty_on(shape, dtype, gpu);
-        }
-        let _ = near;
-        Ok(Tensor::empty(shape, dtype))
+        Tensor::alloc_near(shape.into(), dtype, near, false)
     }
 
     /// Zeros on the same device as `near`.
@@ -161,12 +156,28 @@ impl Tensor {
         dtype: DType,
         near: &Tensor,
     ) -> crate::error::Result<Tensor> {
+        Tensor::alloc_near(shape.into(), dtype, near, true)
+    }
+
+    fn alloc_near(
+        shape: Shape,
+        dtype: DType,
+        near: &Tensor,
+        zeroed: bool,
+    ) -> crate::error::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let Some(gpu) = near.gpu() {
-            return Tensor::zeros_on(shape, dtype, gpu);
+            return if zeroed {
+                Tensor::zeros_on(shape, dtype, gpu)
+            } else {
+                Tensor::empty_on(shape, dtype, gpu)
+            };
         }
         let _ = near;
-        Ok(Tensor::zeros(shape, dtype))
+        Ok(Tensor {
+            storage: Arc::new(Storage::alloc(dtype, shape.numel(), zeroed)),
+            layout: Layout::contiguous(shape, 0),
+        })
     }
 
     /// A tensor with every element `value` (converted to `dtype`).

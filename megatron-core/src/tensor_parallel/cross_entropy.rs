@@ -60,15 +60,7 @@ pub fn vocab_parallel_cross_entropy(
     {
         let l = logits.read::<f32>()?;
         let t = targets.read::<i64>()?;
-        if let Some((row, &bad)) = t
-            .iter()
-            .enumerate()
-            .find(|&(_, &t)| t < 0 || t as usize >= total)
-        {
-            return invalid!(
-                "target {bad} of row {row} is outside the (padded) vocabulary of {total}"
-            );
-        }
+        check_targets(&t, total)?;
         let mut m = max.write::<f32>()?;
         let mut tl = target_logit.write::<f32>()?;
         for (i, row) in l.chunks_exact(local).enumerate() {
@@ -167,6 +159,18 @@ pub fn vocab_parallel_cross_entropy_backward(
 /// The fused vocab-parallel cross-entropy on the GPU (feature `cuda`), when the logits are a
 /// device tensor: the same steps and all-reduces, each local step one kernel of
 /// [`crate::cuda::kernels::vocab_parallel`], nothing read back.
+/// Every target lies in the (padded) vocabulary of `total` entries.
+fn check_targets(targets: &[i64], total: usize) -> Result<()> {
+    if let Some((row, &bad)) = targets
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| t < 0 || t as usize >= total)
+    {
+        return invalid!("target {bad} of row {row} is outside the (padded) vocabulary of {total}");
+    }
+    Ok(())
+}
+
 #[cfg(feature = "cuda")]
 mod device {
     use super::VocabParallelCrossEntropySaved;
@@ -174,20 +178,9 @@ mod device {
     use crate::cuda::Gpu;
     use crate::cuda::kernels::vocab_parallel as gvp;
     use crate::error::Result;
-    use crate::invalid;
     use crate::module::Cx;
     use crate::tensor::{DType, Tensor};
     use crate::tensor_parallel::embedding::ids_on_gpu;
-
-    /// All-reduces `t` over the tensor-parallel group; a group of one has nothing to reduce
-    /// (and a host group would stage the tensor through the host).
-    fn all_reduce(cx: &Cx, t: &Tensor, op: ReduceOp) -> Result<()> {
-        let tp = cx.tp();
-        if tp.size() > 1 {
-            tp.all_reduce(t, op)?;
-        }
-        Ok(())
-    }
 
     /// The forward (shapes and dtypes checked by the caller). Host targets are checked as on the
     /// CPU and uploaded; device targets are not checked (that would read them back): a target
@@ -204,17 +197,7 @@ mod device {
         let total = local * cx.tp_size();
         let logits = logits.to_f32_contiguous()?;
         if targets.gpu().is_none() {
-            let host = targets.contiguous()?;
-            let t = host.read::<i64>()?;
-            if let Some((row, &bad)) = t
-                .iter()
-                .enumerate()
-                .find(|&(_, &t)| t < 0 || t as usize >= total)
-            {
-                return invalid!(
-                    "target {bad} of row {row} is outside the (padded) vocabulary of {total}"
-                );
-            }
+            super::check_targets(&targets.contiguous()?.read::<i64>()?, total)?;
         }
         let targets = ids_on_gpu(targets, gpu)?;
         let max = Tensor::zeros_on([rows], DType::F32, gpu)?;
@@ -230,7 +213,7 @@ mod device {
             &mut max.device_write::<f32>()?.view_mut(),
             &mut target_logit.device_write::<f32>()?.view_mut(),
         )?;
-        all_reduce(cx, &max, ReduceOp::Max)?;
+        cx.tp().all_reduce(&max, ReduceOp::Max)?;
         gvp::cross_entropy_sum_exp(
             gpu,
             &logits.device_read::<f32>()?.view(),
@@ -239,8 +222,8 @@ mod device {
             local,
             &mut sum.device_write::<f32>()?.view_mut(),
         )?;
-        all_reduce(cx, &sum, ReduceOp::Sum)?;
-        all_reduce(cx, &target_logit, ReduceOp::Sum)?;
+        cx.tp().all_reduce(&sum, ReduceOp::Sum)?;
+        cx.tp().all_reduce(&target_logit, ReduceOp::Sum)?;
         let losses = Tensor::zeros_on(targets.shape().clone(), DType::F32, gpu)?;
         let logsumexp = Tensor::zeros_on([rows], DType::F32, gpu)?;
         gvp::cross_entropy_finish(

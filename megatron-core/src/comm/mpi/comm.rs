@@ -20,6 +20,7 @@ use parking_lot::Mutex;
 use super::handshake::{self, Announce};
 use super::raw::{self, RawComm, RawRequest, Site};
 use super::{Runtime, reduce_bytes};
+use crate::comm::checks::Checks;
 use crate::comm::stats::Counters;
 use crate::comm::{CallDesc, CommError, CommStats, Communicator, OpKind, ReduceOp, Result};
 use crate::tensor::{DType, Tensor};
@@ -149,46 +150,12 @@ impl MpiComm {
         }
     }
 
-    fn invalid(&self, message: String) -> CommError {
-        CommError::Invalid {
-            group: self.name.clone(),
-            message,
+    fn checks(&self) -> Checks<'_> {
+        Checks {
+            group: &self.name,
+            ranks: &self.ranks,
+            index: self.index,
         }
-    }
-
-    fn desc(
-        &self,
-        kind: OpKind,
-        t: &Tensor,
-        op: Option<ReduceOp>,
-        peer: Option<usize>,
-    ) -> CallDesc {
-        CallDesc {
-            kind,
-            dtype: t.dtype(),
-            count: t.numel(),
-            op,
-            peer,
-        }
-    }
-
-    fn check_peer(&self, what: &str, peer: usize) -> Result<()> {
-        let n = self.size();
-        if peer >= n {
-            return Err(self.invalid(format!("{what} {peer} is outside the group of {n} ranks")));
-        }
-        Ok(())
-    }
-
-    fn check_same_dtype(&self, op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
-        if a.dtype() != b.dtype() {
-            return Err(self.invalid(format!(
-                "{op}: input is {} but output is {}",
-                a.dtype(),
-                b.dtype()
-            )));
-        }
-        Ok(())
     }
 
     /// Runs `body` with the MPI lock and this group's state, once the group is known usable.
@@ -317,7 +284,7 @@ impl MpiComm {
             }
             let words = received.next().unwrap_or_default();
             let theirs = Announce::decode(&words, n).ok_or_else(|| {
-                self.invalid(format!(
+                self.checks().invalid(format!(
                     "rank {} sent a malformed call description ({} words)",
                     self.ranks[j],
                     words.len()
@@ -394,28 +361,6 @@ impl MpiComm {
         }
         Ok(())
     }
-
-    /// Checks that `part` is this member's slot of `whole` when both share storage.
-    fn check_slot(
-        &self,
-        op: &str,
-        whole: &Tensor,
-        part: &Tensor,
-        slot: usize,
-        names: (&str, &str),
-    ) -> Result<()> {
-        let expected = whole.layout().offset + self.index * slot;
-        if part.layout().offset != expected {
-            return Err(self.invalid(format!(
-                "{op}: the {} shares storage with the {} but is not its slot {} (offset {} ≠ {expected})",
-                names.1,
-                names.0,
-                self.index,
-                part.layout().offset
-            )));
-        }
-        Ok(())
-    }
 }
 
 /// The raw handle of a communicator.
@@ -439,7 +384,7 @@ impl Communicator for MpiComm {
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         tensor.contiguous_for("all_reduce")?;
-        let desc = self.desc(OpKind::AllReduce, tensor, Some(op), None);
+        let desc = CallDesc::of(OpKind::AllReduce, tensor, Some(op), None);
         let (dtype, count, n) = (tensor.dtype(), tensor.numel(), self.size());
         let borrow = tensor.raw_write("all_reduce")?;
         let data = borrow.addr() as *mut u8;
@@ -477,22 +422,16 @@ impl Communicator for MpiComm {
     }
 
     fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
-        self.check_same_dtype("all_gather", input, output)?;
+        let count = self.checks().all_gather(input, output)?;
         let n = self.size();
-        let count = input.numel();
-        if output.numel() != n * count {
-            return Err(self.invalid(format!(
-                "all_gather: output has {} elements, expected {n} ranks × {count} input elements",
-                output.numel(),
-            )));
-        }
         input.contiguous_for("all_gather")?;
         output.contiguous_for("all_gather")?;
-        let desc = self.desc(OpKind::AllGather, input, None, None);
+        let desc = CallDesc::of(OpKind::AllGather, input, None, None);
         let size = input.dtype().size();
         let in_place = input.same_storage(output);
         if in_place {
-            self.check_slot("all_gather", output, input, count, ("output", "input"))?;
+            self.checks()
+                .slot("all_gather", output, input, count, ("output", "input"))?;
         }
         let out_borrow = output.raw_write("all_gather")?;
         // In place, the input is read through the output's borrow.
@@ -540,22 +479,16 @@ impl Communicator for MpiComm {
     }
 
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
-        self.check_same_dtype("reduce_scatter", input, output)?;
+        let count = self.checks().reduce_scatter(input, output)?;
         let n = self.size();
-        let count = output.numel();
-        if input.numel() != n * count {
-            return Err(self.invalid(format!(
-                "reduce_scatter: input has {} elements, expected {n} ranks × {count} output elements",
-                input.numel(),
-            )));
-        }
         input.contiguous_for("reduce_scatter")?;
         output.contiguous_for("reduce_scatter")?;
-        let desc = self.desc(OpKind::ReduceScatter, output, Some(op), None);
+        let desc = CallDesc::of(OpKind::ReduceScatter, output, Some(op), None);
         let (dtype, size) = (input.dtype(), input.dtype().size());
         let in_place = input.same_storage(output);
         if in_place {
-            self.check_slot("reduce_scatter", input, output, count, ("input", "output"))?;
+            self.checks()
+                .slot("reduce_scatter", input, output, count, ("input", "output"))?;
         }
         // In place, one exclusive borrow of the input covers the output slot.
         let in_borrow = if in_place {
@@ -587,9 +520,9 @@ impl Communicator for MpiComm {
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
-        self.check_peer("broadcast root", root)?;
+        self.checks().peer("broadcast root", root)?;
         tensor.contiguous_for("broadcast")?;
-        let desc = self.desc(OpKind::Broadcast, tensor, None, Some(root));
+        let desc = CallDesc::of(OpKind::Broadcast, tensor, None, Some(root));
         let (count, size) = (tensor.numel(), tensor.dtype().size());
         let borrow = tensor.raw_write("broadcast")?;
         let data = borrow.addr() as *mut u8;
@@ -621,29 +554,11 @@ impl Communicator for MpiComm {
         output: &Tensor,
         recv_splits: &[usize],
     ) -> Result<()> {
-        self.check_same_dtype("all_to_all", input, output)?;
-        let n = self.size();
-        for (name, splits, t) in [("send", send_splits, input), ("recv", recv_splits, output)] {
-            if splits.len() != n {
-                return Err(self.invalid(format!(
-                    "all_to_all: {} {name} splits for a group of {n} ranks",
-                    splits.len()
-                )));
-            }
-            let total: usize = splits.iter().sum();
-            if total != t.numel() {
-                return Err(self.invalid(format!(
-                    "all_to_all: {name} splits {splits:?} add up to {total}, the buffer has {} elements",
-                    t.numel()
-                )));
-            }
-        }
-        if input.same_storage(output) {
-            return Err(self.invalid("all_to_all: input and output share storage".to_string()));
-        }
+        self.checks()
+            .all_to_all(input, send_splits, output, recv_splits)?;
         input.contiguous_for("all_to_all")?;
         output.contiguous_for("all_to_all")?;
-        let desc = self.desc(OpKind::AllToAll, input, None, None);
+        let desc = CallDesc::of(OpKind::AllToAll, input, None, None);
         let size = input.dtype().size();
         let in_borrow = input.raw_read("all_to_all")?;
         let out_borrow = output.raw_write("all_to_all")?;
@@ -683,10 +598,7 @@ impl Communicator for MpiComm {
     }
 
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
-        self.check_peer("send destination", dst)?;
-        if dst == self.index {
-            return Err(self.invalid(format!("send: rank {} sends to itself", self.ranks[dst])));
-        }
+        self.checks().destination(dst)?;
         tensor.contiguous_for("send")?;
         let nbytes = tensor.numel() * tensor.dtype().size();
         let mut words = vec![0u64; P2P_HEADER + nbytes.div_ceil(8)];
@@ -708,15 +620,9 @@ impl Communicator for MpiComm {
     }
 
     fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
-        self.check_peer("recv source", src)?;
-        if src == self.index {
-            return Err(self.invalid(format!(
-                "recv: rank {} receives from itself",
-                self.ranks[src]
-            )));
-        }
+        self.checks().source(src)?;
         tensor.contiguous_for("recv")?;
-        let desc = self.desc(OpKind::Recv, tensor, None, Some(src));
+        let desc = CallDesc::of(OpKind::Recv, tensor, None, Some(src));
         let nbytes = tensor.numel() * tensor.dtype().size();
         let borrow = tensor.raw_write("recv")?;
         self.with_state(|state| {

@@ -5,8 +5,9 @@ use std::sync::Arc;
 use super::exec::RawBuf;
 use super::group::{Arrival, GroupShared};
 use super::world::WorldShared;
+use crate::comm::checks::Checks;
 use crate::comm::stats::Counters;
-use crate::comm::{CallDesc, CommError, CommStats, Communicator, OpKind, ReduceOp, Result};
+use crate::comm::{CallDesc, CommStats, Communicator, OpKind, ReduceOp, Result};
 use crate::tensor::Tensor;
 
 /// One rank's handle on a group of an in-process world.
@@ -28,46 +29,12 @@ impl ThreadComm {
         }
     }
 
-    fn invalid(&self, message: String) -> CommError {
-        CommError::Invalid {
-            group: self.group.name.clone(),
-            message,
+    fn checks(&self) -> Checks<'_> {
+        Checks {
+            group: &self.group.name,
+            ranks: &self.group.ranks,
+            index: self.index,
         }
-    }
-
-    fn desc(
-        &self,
-        kind: OpKind,
-        t: &Tensor,
-        op: Option<ReduceOp>,
-        peer: Option<usize>,
-    ) -> CallDesc {
-        CallDesc {
-            kind,
-            dtype: t.dtype(),
-            count: t.numel(),
-            op,
-            peer,
-        }
-    }
-
-    fn check_peer(&self, what: &str, peer: usize) -> Result<()> {
-        let n = self.size();
-        if peer >= n {
-            return Err(self.invalid(format!("{what} {peer} is outside the group of {n} ranks")));
-        }
-        Ok(())
-    }
-
-    fn check_same_dtype(&self, op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
-        if a.dtype() != b.dtype() {
-            return Err(self.invalid(format!(
-                "{op}: input is {} but output is {}",
-                a.dtype(),
-                b.dtype()
-            )));
-        }
-        Ok(())
     }
 
     fn arrive(&self, desc: CallDesc, input: RawBuf, output: RawBuf) -> Result<()> {
@@ -102,19 +69,12 @@ impl ThreadComm {
             } else {
                 (output, input)
             };
-            let expected = whole.layout().offset + self.index * slot_len;
-            if part.layout().offset != expected {
-                let (w, p) = if output_is_slot {
-                    ("input", "output")
-                } else {
-                    ("output", "input")
-                };
-                return Err(self.invalid(format!(
-                    "{op}: the {p} shares storage with the {w} but is not its slot {} (offset {} ≠ {expected})",
-                    self.index,
-                    part.layout().offset
-                )));
-            }
+            let names = if output_is_slot {
+                ("input", "output")
+            } else {
+                ("output", "input")
+            };
+            self.checks().slot(op, whole, part, slot_len, names)?;
             let borrow = whole.raw_write(op)?;
             let whole_buf = RawBuf {
                 addr: borrow.addr(),
@@ -159,12 +119,19 @@ impl Communicator for ThreadComm {
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         #[cfg(feature = "cuda")]
         if tensor.gpu().is_some() {
+            if self.size() == 1 {
+                // The reduction of one value is itself: nothing to move.
+                tensor.contiguous_for("all_reduce")?;
+                self.counters
+                    .record(OpKind::AllReduce, tensor.numel() * tensor.dtype().size());
+                return Ok(());
+            }
             let host = staged(tensor)?;
             self.all_reduce(&host, op)?;
             return unstage(tensor, &host);
         }
         tensor.contiguous_for("all_reduce")?;
-        let desc = self.desc(OpKind::AllReduce, tensor, Some(op), None);
+        let desc = CallDesc::of(OpKind::AllReduce, tensor, Some(op), None);
         let borrow = tensor.raw_write("all_reduce")?;
         let buf = RawBuf {
             addr: borrow.addr(),
@@ -183,16 +150,8 @@ impl Communicator for ThreadComm {
             self.all_gather(&host_in, &host_out)?;
             return unstage(output, &host_out);
         }
-        self.check_same_dtype("all_gather", input, output)?;
-        let n = self.size();
-        if output.numel() != n * input.numel() {
-            return Err(self.invalid(format!(
-                "all_gather: output has {} elements, expected {n} ranks × {} input elements",
-                output.numel(),
-                input.numel()
-            )));
-        }
-        let desc = self.desc(OpKind::AllGather, input, None, None);
+        self.checks().all_gather(input, output)?;
+        let desc = CallDesc::of(OpKind::AllGather, input, None, None);
         self.two_buffer("all_gather", desc, input, output, input.numel(), false)?;
         self.counters
             .record(OpKind::AllGather, input.numel() * input.dtype().size());
@@ -206,16 +165,8 @@ impl Communicator for ThreadComm {
             self.reduce_scatter(&host_in, &host_out, op)?;
             return unstage(output, &host_out);
         }
-        self.check_same_dtype("reduce_scatter", input, output)?;
-        let n = self.size();
-        if input.numel() != n * output.numel() {
-            return Err(self.invalid(format!(
-                "reduce_scatter: input has {} elements, expected {n} ranks × {} output elements",
-                input.numel(),
-                output.numel()
-            )));
-        }
-        let desc = self.desc(OpKind::ReduceScatter, output, Some(op), None);
+        self.checks().reduce_scatter(input, output)?;
+        let desc = CallDesc::of(OpKind::ReduceScatter, output, Some(op), None);
         self.two_buffer("reduce_scatter", desc, input, output, output.numel(), true)?;
         self.counters.record(
             OpKind::ReduceScatter,
@@ -231,9 +182,9 @@ impl Communicator for ThreadComm {
             self.broadcast(&host, root)?;
             return unstage(tensor, &host);
         }
-        self.check_peer("broadcast root", root)?;
+        self.checks().peer("broadcast root", root)?;
         tensor.contiguous_for("broadcast")?;
-        let desc = self.desc(OpKind::Broadcast, tensor, None, Some(root));
+        let desc = CallDesc::of(OpKind::Broadcast, tensor, None, Some(root));
         let borrow = tensor.raw_write("broadcast")?;
         let buf = RawBuf {
             addr: borrow.addr(),
@@ -258,29 +209,11 @@ impl Communicator for ThreadComm {
             self.all_to_all(&host_in, send_splits, &host_out, recv_splits)?;
             return unstage(output, &host_out);
         }
-        self.check_same_dtype("all_to_all", input, output)?;
-        let n = self.size();
-        for (name, splits, t) in [("send", send_splits, input), ("recv", recv_splits, output)] {
-            if splits.len() != n {
-                return Err(self.invalid(format!(
-                    "all_to_all: {} {name} splits for a group of {n} ranks",
-                    splits.len()
-                )));
-            }
-            let total: usize = splits.iter().sum();
-            if total != t.numel() {
-                return Err(self.invalid(format!(
-                    "all_to_all: {name} splits {splits:?} add up to {total}, the buffer has {} elements",
-                    t.numel()
-                )));
-            }
-        }
-        if input.same_storage(output) {
-            return Err(self.invalid("all_to_all: input and output share storage".to_string()));
-        }
+        self.checks()
+            .all_to_all(input, send_splits, output, recv_splits)?;
         input.contiguous_for("all_to_all")?;
         output.contiguous_for("all_to_all")?;
-        let desc = self.desc(OpKind::AllToAll, input, None, None);
+        let desc = CallDesc::of(OpKind::AllToAll, input, None, None);
         let in_borrow = input.raw_read("all_to_all")?;
         let out_borrow = output.raw_write("all_to_all")?;
         let arrival = Arrival {
@@ -307,13 +240,7 @@ impl Communicator for ThreadComm {
         if tensor.gpu().is_some() {
             return self.send(&staged(tensor)?, dst);
         }
-        self.check_peer("send destination", dst)?;
-        if dst == self.index {
-            return Err(self.invalid(format!(
-                "send: rank {} sends to itself",
-                self.group.ranks[dst]
-            )));
-        }
+        self.checks().destination(dst)?;
         tensor.contiguous_for("send")?;
         let nbytes = tensor.numel() * tensor.dtype().size();
         let bytes = {
@@ -324,7 +251,7 @@ impl Communicator for ThreadComm {
         self.group.post(
             self.index,
             dst,
-            self.desc(OpKind::Send, tensor, None, Some(dst)),
+            CallDesc::of(OpKind::Send, tensor, None, Some(dst)),
             bytes,
         );
         self.counters.record(OpKind::Send, nbytes);
@@ -338,15 +265,9 @@ impl Communicator for ThreadComm {
             self.recv(&host, src)?;
             return unstage(tensor, &host);
         }
-        self.check_peer("recv source", src)?;
-        if src == self.index {
-            return Err(self.invalid(format!(
-                "recv: rank {} receives from itself",
-                self.group.ranks[src]
-            )));
-        }
+        self.checks().source(src)?;
         tensor.contiguous_for("recv")?;
-        let desc = self.desc(OpKind::Recv, tensor, None, Some(src));
+        let desc = CallDesc::of(OpKind::Recv, tensor, None, Some(src));
         let nbytes = tensor.numel() * tensor.dtype().size();
         let borrow = tensor.raw_write("recv")?;
         let dst = borrow.addr();

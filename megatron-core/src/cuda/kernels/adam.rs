@@ -4,9 +4,9 @@
 
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 
-use super::{check_len, cover, launch};
+use super::{cover, launch};
 use crate::cuda::{Gpu, Result};
-use crate::kernels::adam::{AdamConfig, AdamScalars};
+use crate::kernels::adam::{AdamConfig, AdamScalars, check_step};
 
 /// One Adam/AdamW step in place on `param`, `exp_avg` and `exp_avg_sq` from `grad` (all the same
 /// length), as [`crate::kernels::adam::adam_step`].
@@ -19,12 +19,8 @@ pub fn adam_step(
     config: &AdamConfig,
 ) -> Result<()> {
     const K: &str = "adam_step";
-    config.validate(K)?;
     let n = param.len();
-    let dims = || format!("elements {n}");
-    check_len(K, "grad", grad.len(), n, dims)?;
-    check_len(K, "exp_avg", exp_avg.len(), n, dims)?;
-    check_len(K, "exp_avg_sq", exp_avg_sq.len(), n, dims)?;
+    check_step(config, n, [grad.len(), exp_avg.len(), exp_avg_sq.len()])?;
     if n == 0 {
         return Ok(());
     }

@@ -6,9 +6,9 @@
 
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
-use super::{check_len, cover, launch, per_row};
+use super::{cover, launch, per_row};
 use crate::cuda::{CudaError, Gpu, Result};
-use crate::kernels::layer_norm::check_dims;
+use crate::kernels::layer_norm::{check_backward, check_forward};
 
 /// Most threads of a row block (the kernels' `__launch_bounds__`).
 const MAX_THREADS: usize = 512;
@@ -42,14 +42,19 @@ pub fn layer_norm_forward(
     rstd: &mut CudaViewMut<f32>,
 ) -> Result<()> {
     const K: &str = "layer_norm_forward";
-    let n = check_dims(K, rows, hidden, eps)?;
-    let dims = || format!("rows {rows} × hidden {hidden}");
-    check_len(K, "x", x.len(), n, dims)?;
-    check_len(K, "gamma", gamma.len(), hidden, dims)?;
-    check_len(K, "beta", beta.len(), hidden, dims)?;
-    check_len(K, "y", y.len(), n, dims)?;
-    check_len(K, "mean", mean.len(), rows, dims)?;
-    check_len(K, "rstd", rstd.len(), rows, dims)?;
+    check_forward(
+        rows,
+        hidden,
+        eps,
+        [
+            x.len(),
+            gamma.len(),
+            beta.len(),
+            y.len(),
+            mean.len(),
+            rstd.len(),
+        ],
+    )?;
     if rows == 0 {
         return Ok(());
     }
@@ -89,16 +94,20 @@ pub fn layer_norm_backward(
     dbeta: &mut CudaViewMut<f32>,
 ) -> Result<()> {
     const K: &str = "layer_norm_backward";
-    let n = check_dims(K, rows, hidden, 0.0)?;
-    let dims = || format!("rows {rows} × hidden {hidden}");
-    check_len(K, "dy", dy.len(), n, dims)?;
-    check_len(K, "x", x.len(), n, dims)?;
-    check_len(K, "mean", mean.len(), rows, dims)?;
-    check_len(K, "rstd", rstd.len(), rows, dims)?;
-    check_len(K, "gamma", gamma.len(), hidden, dims)?;
-    check_len(K, "dx", dx.len(), n, dims)?;
-    check_len(K, "dgamma", dgamma.len(), hidden, dims)?;
-    check_len(K, "dbeta", dbeta.len(), hidden, dims)?;
+    check_backward(
+        rows,
+        hidden,
+        [
+            dy.len(),
+            x.len(),
+            mean.len(),
+            rstd.len(),
+            gamma.len(),
+            dx.len(),
+            dgamma.len(),
+            dbeta.len(),
+        ],
+    )?;
     if rows == 0 {
         return Ok(());
     }

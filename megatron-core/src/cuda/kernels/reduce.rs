@@ -1,10 +1,9 @@
 //! Rank-order reductions of several device buffers into one (the device-local communicator's
 //! all-reduce): in f32, in the order given, rounded once, as `comm::reduce` on the host.
 
-use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, PushKernelArg};
-use half::bf16;
+use cudarc::driver::PushKernelArg;
 
-use super::{check_len, cover, launch};
+use super::{cover, launch};
 use crate::comm::ReduceOp;
 use crate::cuda::{Gpu, Result};
 
@@ -15,53 +14,6 @@ fn op_code(op: ReduceOp) -> i32 {
         ReduceOp::Max => 1,
         ReduceOp::Min => 2,
     }
-}
-
-/// An element type with a fold kernel.
-pub trait Foldable: cudarc::driver::DeviceRepr {
-    /// The kernel's name.
-    const KERNEL: &'static str;
-}
-
-impl Foldable for f32 {
-    const KERNEL: &'static str = "fold_f32";
-}
-
-impl Foldable for bf16 {
-    const KERNEL: &'static str = "fold_bf16";
-}
-
-/// `out = srcs[0] op srcs[1] op …`, element-wise, in f32 and in order (at least one source).
-/// `out` may not be one of the sources' memory.
-pub fn fold<T: Foldable>(
-    gpu: &Gpu,
-    srcs: &[CudaView<T>],
-    out: &mut CudaViewMut<T>,
-    op: ReduceOp,
-) -> Result<()> {
-    let n = out.len();
-    for s in srcs {
-        check_len(T::KERNEL, "source", s.len(), n, || format!("elements {n}"))?;
-    }
-    if srcs.is_empty() {
-        return Err(crate::kernels::KernelError::Invalid {
-            kernel: T::KERNEL,
-            message: "no source to reduce".to_string(),
-        }
-        .into());
-    }
-    let stream = gpu.stream();
-    let pointers: Vec<_> = srcs.iter().map(|s| s.device_ptr(stream)).collect();
-    let addresses: Vec<u64> = pointers.iter().map(|(p, _)| *p).collect();
-    let table = gpu.upload(&addresses)?;
-    let (k, n64, code) = (srcs.len() as i32, n as u64, op_code(op));
-    let f = gpu.kernels().get(T::KERNEL)?;
-    let mut args = stream.launch_builder(f);
-    args.arg(&table).arg(&k).arg(out).arg(&n64).arg(&code);
-    launch(T::KERNEL, args, cover(n))?;
-    // The sources' sync guards (in `pointers`) record the kernel's use of them when dropped.
-    drop(pointers);
-    Ok(())
 }
 
 /// The fold kernel for `dtype`, if there is one (f16 reductions are not on the GPU yet).
@@ -75,8 +27,9 @@ pub fn fold_kernel(dtype: crate::tensor::DType) -> Option<&'static str> {
     }
 }
 
-/// [`fold`] on raw device addresses of `n` elements each (the device-local communicator's
-/// buffers belong to several ranks' tensors).
+/// `out = srcs[0] op srcs[1] op …` element-wise, in f32 (exact in i64) and in order, on raw
+/// device addresses of `n` elements each (the device-local communicator's buffers belong to
+/// several ranks' tensors).
 ///
 /// # Safety
 /// Every address must point to `n` elements of the kernel's type in this device's memory that

@@ -7,9 +7,9 @@
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 
 use super::layer_norm::row_threads;
-use super::{check_len, launch, per_row};
+use super::{launch, per_row};
 use crate::cuda::{Gpu, Result};
-use crate::kernels::softmax::check_dims;
+use crate::kernels::softmax::check_buffers;
 
 /// Most blocks of a row launch; the kernels stride over further rows.
 const MAX_BLOCKS: usize = 1 << 20;
@@ -28,10 +28,7 @@ pub fn softmax_forward(
     y: &mut CudaViewMut<f32>,
 ) -> Result<()> {
     const K: &str = "softmax_forward";
-    let n = check_dims(K, batches, sq, sk, scale)?;
-    let dims = || format!("batches {batches} × sq {sq} × sk {sk}");
-    check_len(K, "x", x.len(), n, dims)?;
-    check_len(K, "y", y.len(), n, dims)?;
+    let n = check_buffers(K, batches, sq, sk, scale, &[("x", x.len()), ("y", y.len())])?;
     if n == 0 {
         return Ok(());
     }
@@ -64,11 +61,14 @@ pub fn softmax_backward(
     dx: &mut CudaViewMut<f32>,
 ) -> Result<()> {
     const K: &str = "softmax_backward";
-    let n = check_dims(K, batches, sq, sk, scale)?;
-    let dims = || format!("batches {batches} × sq {sq} × sk {sk}");
-    check_len(K, "y", y.len(), n, dims)?;
-    check_len(K, "dy", dy.len(), n, dims)?;
-    check_len(K, "dx", dx.len(), n, dims)?;
+    let n = check_buffers(
+        K,
+        batches,
+        sq,
+        sk,
+        scale,
+        &[("y", y.len()), ("dy", dy.len()), ("dx", dx.len())],
+    )?;
     if n == 0 {
         return Ok(());
     }
