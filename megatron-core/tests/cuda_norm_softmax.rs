@@ -1,12 +1,18 @@
 #![cfg(feature = "cuda")]
 //! GPU parity of layer norm and softmax: the CUDA launchers give the CPU kernels' results within
-//! f32 tolerance (exact zeros where masked, the same NaNs) and the CPU's argument errors. Needs
+//! f32 tolerance (exact zeros where masked, the same NaNs) and the CPU's argument errors; the
+//! fused softmax-and-dropout kernels of attention give the CPU's softmax and dropout composed,
+//! with the same dropped elements, in f32 and rounded to bf16. Needs
 //! a CUDA device:
 //! `cargo test -p megatron-core --features cuda --test cuda_norm_softmax -- --ignored`.
 
+use half::bf16;
+use megatron_core::cuda::kernels::softmax::Out;
 use megatron_core::cuda::kernels::{layer_norm as gpu_ln, softmax as gpu_sm};
 use megatron_core::cuda::{CudaSlice, Gpu};
+use megatron_core::kernels::dropout::{self as cpu_dropout, LogicalIndex};
 use megatron_core::kernels::{layer_norm as cpu_ln, softmax as cpu_sm};
+use megatron_core::rng::DropoutStream;
 
 /// A deterministic 64-bit LCG (Knuth's MMIX constants), uniform floats from its top 24 bits.
 struct Lcg(u64);
@@ -457,6 +463,267 @@ fn softmax_backward_matches_cpu() {
             let got = download_at(&gpu, &dx_d, offset);
             assert_close(&what, &got, &dx, 1e-5, 1e-5 * magnitude(&dx), true);
         }
+    }
+}
+
+/// The dropout of a fused-kernel case: `heads` of `all_heads` heads starting at head `first`
+/// (the tensor-parallel layout of attention probabilities `[b, heads, sq, sk]`).
+fn head_mask(
+    batches: usize,
+    sq: usize,
+    sk: usize,
+    (heads, all_heads, first): Heads,
+) -> LogicalIndex {
+    let per_head = sq * sk;
+    LogicalIndex {
+        outer: batches / heads,
+        inner: heads * per_head,
+        logical_stride: (all_heads * per_head) as u64,
+        logical_start: (first * per_head) as u64,
+    }
+}
+
+/// A device buffer of `n` bf16 NaNs after `offset` leading ones.
+fn bf16_buffer(gpu: &Gpu, n: usize, offset: usize) -> CudaSlice<bf16> {
+    gpu.upload(&vec![bf16::NAN; offset + n]).unwrap()
+}
+
+fn download_bf16(gpu: &Gpu, dev: &CudaSlice<bf16>, offset: usize) -> Vec<f32> {
+    gpu.download(dev).unwrap()[offset..]
+        .iter()
+        .map(|v| v.to_f32())
+        .collect()
+}
+
+/// `v` rounded to bf16 and back (the fused kernels' bf16 outputs round once, to nearest even).
+fn round_bf16(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+}
+
+/// Local heads, all heads, the first local head.
+type Heads = (usize, usize, usize);
+
+/// (batches, sq, sk, heads): aligned runs (one Philox block per 4
+/// elements) and odd ones, widths not a multiple of 4, a tensor-parallel shard of heads.
+const FUSED_SHAPES: [(usize, usize, usize, Heads); 5] = [
+    (4, 8, 8, (2, 4, 2)),
+    (3, 5, 5, (1, 1, 0)),
+    (2, 3, 37, (2, 2, 0)),
+    (6, 16, 768, (3, 6, 3)),
+    (2, 7, 9, (1, 3, 1)),
+];
+
+#[test]
+#[ignore = "needs a GPU"]
+fn softmax_dropout_forward_matches_the_cpus_softmax_then_dropout() {
+    let gpu = gpu();
+    let mut rng = Lcg(5);
+    let stream = DropoutStream::new(1234, &[7, 3]);
+    for (batches, sq, sk, heads) in FUSED_SHAPES {
+        let x = scores(&mut rng, batches, sq, sk);
+        let n = x.len();
+        let (scale, p) = (0.41, 0.3);
+        let index = head_mask(batches, sq, sk, heads);
+        let mut probs = vec![0.0; n];
+        cpu_sm::softmax_forward(&x, batches, sq, sk, scale, true, &mut probs).unwrap();
+        let mut dropped = vec![0.0; n];
+        cpu_dropout::dropout_forward(&probs, &mut dropped, p, &stream, index).unwrap();
+        for offset in [0, 1] {
+            let what = format!("{batches}×{sq}×{sk} heads {heads:?} offset {offset}");
+            let x_d = upload_at(&gpu, &x, offset);
+            // f32 output: the CPU's values and exactly its dropped elements.
+            let mut y_d = upload_at(&gpu, &vec![f32::NAN; n], offset);
+            let mut d_d = upload_at(&gpu, &vec![f32::NAN; n], offset);
+            gpu_sm::softmax_dropout_forward(
+                &gpu,
+                &x_d.slice(offset..),
+                batches,
+                sq,
+                sk,
+                scale,
+                true,
+                &mut y_d.slice_mut(offset..),
+                Some(Out::F32(&mut d_d.slice_mut(offset..))),
+                Some((p, &stream, index)),
+            )
+            .unwrap();
+            assert_close(
+                &what,
+                &download_at(&gpu, &y_d, offset),
+                &probs,
+                1e-5,
+                1e-7,
+                true,
+            );
+            let got = download_at(&gpu, &d_d, offset);
+            assert_close(&what, &got, &dropped, 1e-5, 1e-7, true);
+            for (i, (g, w)) in got.iter().zip(&dropped).enumerate() {
+                assert_eq!(
+                    *g == 0.0,
+                    *w == 0.0,
+                    "{what}: element {i} dropped differently"
+                );
+            }
+            // bf16 output: the same values rounded once; no dropout is a rounded copy.
+            for dropout in [Some((p, &stream, index)), None] {
+                let want = round_bf16(if dropout.is_some() { &dropped } else { &probs });
+                let mut b_d = bf16_buffer(&gpu, n, offset);
+                gpu_sm::softmax_dropout_forward(
+                    &gpu,
+                    &x_d.slice(offset..),
+                    batches,
+                    sq,
+                    sk,
+                    scale,
+                    true,
+                    &mut y_d.slice_mut(offset..),
+                    Some(Out::Bf16(&mut b_d.slice_mut(offset..))),
+                    dropout,
+                )
+                .unwrap();
+                let got = download_bf16(&gpu, &b_d, offset);
+                assert_close(&what, &got, &want, 1e-2, 1e-7, true);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn dropout_softmax_backward_matches_the_cpus_dropout_then_softmax_backward() {
+    let gpu = gpu();
+    let mut rng = Lcg(6);
+    let stream = DropoutStream::new(99, &[1, 2, 3]);
+    for (batches, sq, sk, heads) in FUSED_SHAPES {
+        let x = scores(&mut rng, batches, sq, sk);
+        let n = x.len();
+        let (scale, p) = (0.8, 0.25);
+        let index = head_mask(batches, sq, sk, heads);
+        let mut y = vec![0.0; n];
+        cpu_sm::softmax_forward(&x, batches, sq, sk, scale, true, &mut y).unwrap();
+        let d_dropped = rng.vec(n, -1.0, 1.0);
+        let (mut dropped, mut d_probs) = (vec![0.0; n], vec![0.0; n]);
+        cpu_dropout::dropout_pair(
+            &y,
+            &mut dropped,
+            &d_dropped,
+            &mut d_probs,
+            p,
+            &stream,
+            index,
+        )
+        .unwrap();
+        let mut dx = vec![0.0; n];
+        cpu_sm::softmax_backward(&y, &d_probs, batches, sq, sk, scale, &mut dx).unwrap();
+        let atol = 1e-5 * magnitude(&dx);
+        for offset in [0, 1] {
+            let what = format!("{batches}×{sq}×{sk} heads {heads:?} offset {offset}");
+            let y_d = upload_at(&gpu, &y, offset);
+            let dy_d = upload_at(&gpu, &d_dropped, offset);
+            let mut dx_d = upload_at(&gpu, &vec![f32::NAN; n], offset);
+            let mut dr_d = upload_at(&gpu, &vec![f32::NAN; n], offset);
+            gpu_sm::dropout_softmax_backward(
+                &gpu,
+                &y_d.slice(offset..),
+                &dy_d.slice(offset..),
+                batches,
+                sq,
+                sk,
+                scale,
+                Out::F32(&mut dx_d.slice_mut(offset..)),
+                Some(Out::F32(&mut dr_d.slice_mut(offset..))),
+                Some((p, &stream, index)),
+            )
+            .unwrap();
+            assert_close(
+                &what,
+                &download_at(&gpu, &dx_d, offset),
+                &dx,
+                1e-5,
+                atol,
+                true,
+            );
+            let got = download_at(&gpu, &dr_d, offset);
+            assert_close(&what, &got, &dropped, 1e-6, 0.0, true);
+            // Both outputs in bf16: the f32 results rounded once.
+            let mut dx_b = bf16_buffer(&gpu, n, offset);
+            let mut dr_b = bf16_buffer(&gpu, n, offset);
+            gpu_sm::dropout_softmax_backward(
+                &gpu,
+                &y_d.slice(offset..),
+                &dy_d.slice(offset..),
+                batches,
+                sq,
+                sk,
+                scale,
+                Out::Bf16(&mut dx_b.slice_mut(offset..)),
+                Some(Out::Bf16(&mut dr_b.slice_mut(offset..))),
+                Some((p, &stream, index)),
+            )
+            .unwrap();
+            let got = download_bf16(&gpu, &dx_b, offset);
+            assert_close(&what, &got, &round_bf16(&dx), 1e-2, 2.0 * atol, true);
+            let got = download_bf16(&gpu, &dr_b, offset);
+            assert_close(&what, &got, &round_bf16(&dropped), 0.0, 0.0, true);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn fused_softmax_kernels_check_their_mask_and_outputs() {
+    let gpu = gpu();
+    let stream = DropoutStream::new(1, &[1]);
+    let x = gpu.upload(&[0.0f32; 12]).unwrap();
+    let mut y = gpu.zeros::<f32>(12).unwrap();
+    let mut short = gpu.zeros::<bf16>(11).unwrap();
+    // A dropped output one element short.
+    let err = gpu_sm::softmax_dropout_forward(
+        &gpu,
+        &x.slice(..),
+        1,
+        3,
+        4,
+        1.0,
+        true,
+        &mut y.slice_mut(..),
+        Some(Out::Bf16(&mut short.slice_mut(..))),
+        None,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("`dropped` has 11 elements, expected 12"),
+        "{err}"
+    );
+    // A mask over 8 elements for 12, and a drop probability of 1.
+    for (p, index, want) in [
+        (
+            0.1,
+            LogicalIndex::contiguous(8),
+            "`dropout mask` has 8 elements, expected 12",
+        ),
+        (
+            1.0,
+            LogicalIndex::contiguous(12),
+            "drop probability must be in [0, 1), got 1",
+        ),
+    ] {
+        let err = gpu_sm::dropout_softmax_backward(
+            &gpu,
+            &x.slice(..),
+            &x.slice(..),
+            1,
+            3,
+            4,
+            1.0,
+            Out::F32(&mut y.slice_mut(..)),
+            None,
+            Some((p, &stream, index)),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains(want), "{err}");
     }
 }
 

@@ -26,6 +26,8 @@ pub struct ParamSlot {
 pub struct ParamBuffers {
     values: Tensor,
     grads: Tensor,
+    /// Lower-precision copies of `values` that products read, when kept (mixed precision).
+    compute: Option<Tensor>,
     slots: Vec<ParamSlot>,
     used: usize,
 }
@@ -69,84 +71,103 @@ impl ParamBuffers {
                 .narrow(0, slot.offset, slot.len)?
                 .copy_from(&value.reshape([slot.len])?.contiguous()?)?;
         }
-        let mut i = 0;
-        let mut failure = None;
-        model.visit_params_mut(&mut |p| {
-            if failure.is_some() {
-                return;
-            }
-            let slot = &slots[i];
-            let view = |t: &Tensor| {
-                t.narrow(0, slot.offset, slot.len)?
-                    .reshape(slot.spec.local.clone())
-            };
-            match (view(&values), view(&grads)) {
-                (Ok(v), Ok(g)) => {
-                    if let Err(e) = p.rebind(v, g) {
-                        failure = Some(e);
-                    }
-                }
-                (Err(e), _) | (_, Err(e)) => failure = Some(e.into()),
-            }
-            i += 1;
-        });
-        if let Some(e) = failure {
-            return Err(e);
-        }
-        if i != slots.len() {
-            return invalid!(
-                "the model visited {} parameters mutably but {} immutably",
-                i,
-                slots.len()
-            );
-        }
-        Ok(ParamBuffers {
+        let buffers = ParamBuffers {
             values,
             grads,
+            compute: None,
             slots,
             used,
-        })
+        };
+        buffers.bind(model)?;
+        Ok(buffers)
     }
 
-    /// Moves the flat buffers to `gpu` and rebinds every parameter of `model` (the model these
-    /// buffers were packed from) to views of the device buffers.
-    #[cfg(feature = "cuda")]
-    pub fn to_gpu<M: Module>(&mut self, model: &mut M, gpu: &crate::cuda::Gpu) -> Result<()> {
-        let values = self.values.to_gpu(gpu)?;
-        let grads = Tensor::zeros_on(self.grads.shape().clone(), DType::F32, gpu)?;
+    /// Rebinds every parameter of `model` (the model these buffers were packed from) to views
+    /// of the flat buffers, its compute copy included.
+    fn bind<M: Module>(&self, model: &mut M) -> Result<()> {
         let mut i = 0;
         let mut failure = None;
-        let slots = &self.slots;
         model.visit_params_mut(&mut |p| {
             if failure.is_some() {
                 return;
             }
-            let Some(slot) = slots.get(i) else {
+            let Some(slot) = self.slots.get(i) else {
                 failure = Some(crate::Error::Invalid(
                     "the model has more parameters than its buffers".to_string(),
                 ));
                 return;
             };
-            let view = |t: &Tensor| {
-                t.narrow(0, slot.offset, slot.len)?
-                    .reshape(slot.spec.local.clone())
+            let view = |t: &Tensor| -> Result<Tensor> {
+                Ok(t.narrow(0, slot.offset, slot.len)?
+                    .reshape(slot.spec.local.clone())?)
             };
-            match (view(&values), view(&grads)) {
-                (Ok(v), Ok(g)) => {
-                    if let Err(e) = p.rebind(v, g) {
-                        failure = Some(e);
-                    }
-                }
-                (Err(e), _) | (_, Err(e)) => failure = Some(e.into()),
+            let bound = (|| {
+                let compute = self.compute.as_ref().map(view).transpose()?;
+                p.rebind(view(&self.values)?, view(&self.grads)?, compute)
+            })();
+            if let Err(e) = bound {
+                failure = Some(e);
             }
             i += 1;
         });
         if let Some(e) = failure {
             return Err(e);
         }
-        self.values = values;
-        self.grads = grads;
+        if i != self.slots.len() {
+            return invalid!(
+                "the model has {} parameters but its buffers {}",
+                i,
+                self.slots.len()
+            );
+        }
         Ok(())
+    }
+
+    /// Moves the flat buffers (and compute copies) to `gpu` and rebinds every parameter of
+    /// `model` (the model these buffers were packed from) to views of the device buffers.
+    #[cfg(feature = "cuda")]
+    pub fn to_gpu<M: Module>(&mut self, model: &mut M, gpu: &crate::cuda::Gpu) -> Result<()> {
+        self.values = self.values.to_gpu(gpu)?;
+        self.grads = Tensor::zeros_on(self.grads.shape().clone(), DType::F32, gpu)?;
+        if let Some(compute) = &self.compute {
+            self.compute = Some(Tensor::empty_on(
+                compute.shape().clone(),
+                compute.dtype(),
+                gpu,
+            )?);
+            self.refresh_compute_copies()?;
+        }
+        self.bind(model)
+    }
+
+    /// Keeps a `dtype` copy of every parameter that products read (Megatron-LM's bf16 model
+    /// weights next to the f32 main values the optimizer updates): one flat buffer beside the
+    /// values, filled now and refreshed by [`ParamBuffers::refresh_compute_copies`] after every
+    /// change of the values (the trainer does it after each optimizer step).
+    pub fn keep_compute_copies<M: Module>(&mut self, model: &mut M, dtype: DType) -> Result<()> {
+        if dtype == self.values.dtype() {
+            return invalid!("compute copies must differ from the {dtype} values");
+        }
+        self.compute = Some(Tensor::empty_near(
+            self.values.shape().clone(),
+            dtype,
+            &self.values,
+        )?);
+        self.refresh_compute_copies()?;
+        self.bind(model)
+    }
+
+    /// Converts the values into the compute copies (nothing without copies).
+    pub fn refresh_compute_copies(&self) -> Result<()> {
+        if let Some(compute) = &self.compute {
+            compute.copy_from(&self.values)?;
+        }
+        Ok(())
+    }
+
+    /// The flat compute copies, when kept.
+    pub fn compute_copies(&self) -> Option<&Tensor> {
+        self.compute.as_ref()
     }
 
     /// The flat values.

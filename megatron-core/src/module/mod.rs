@@ -144,7 +144,7 @@ pub fn params_to_gpu<M: Module>(model: &mut M, gpu: &crate::cuda::Gpu) -> Result
         let moved = (|| -> Result<()> {
             let value = p.value().to_gpu(gpu)?;
             let grad = Tensor::zeros_on(p.grad().shape().clone(), p.grad().dtype(), gpu)?;
-            p.rebind(value, grad)
+            p.rebind(value, grad, None)
         })();
         if let Err(e) = moved {
             failure = Some(e);

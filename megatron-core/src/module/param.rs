@@ -94,6 +94,10 @@ impl ParamSpec {
 pub struct Param {
     value: Tensor,
     grad: Tensor,
+    /// A lower-precision copy of `value` that products read (bf16 weights next to f32 master
+    /// values), kept current by whoever owns the flat buffers (see
+    /// [`crate::module::ParamBuffers::keep_compute_copies`]).
+    compute: Option<Tensor>,
     spec: Arc<ParamSpec>,
 }
 
@@ -112,6 +116,7 @@ impl Param {
         Ok(Param {
             value,
             grad,
+            compute: None,
             spec: Arc::new(spec),
         })
     }
@@ -119,6 +124,22 @@ impl Param {
     /// This rank's values.
     pub fn value(&self) -> &Tensor {
         &self.value
+    }
+
+    /// What products read for this parameter: its compute copy (e.g. bf16 weights of a
+    /// mixed-precision run, see [`crate::module::ParamBuffers::keep_compute_copies`]) when it
+    /// has one, else its values.
+    pub fn compute_value(&self) -> &Tensor {
+        self.compute.as_ref().unwrap_or(&self.value)
+    }
+
+    /// Copies `values` into this rank's values and into the compute copy, if any.
+    pub fn set_values(&self, values: &Tensor) -> Result<()> {
+        self.value.copy_from(values)?;
+        if let Some(compute) = &self.compute {
+            compute.copy_from(values)?;
+        }
+        Ok(())
     }
 
     /// This rank's gradient (f32), accumulated by backward passes.
@@ -131,19 +152,26 @@ impl Param {
         &self.spec
     }
 
-    /// Replaces the value and gradient tensors (e.g. by views of flat buffers) with the same shapes.
-    pub fn rebind(&mut self, value: Tensor, grad: Tensor) -> Result<()> {
-        if value.shape() != &self.spec.local || grad.shape() != &self.spec.local {
+    /// Replaces the value and gradient tensors (e.g. by views of flat buffers) with the same
+    /// shapes, and the compute copy by `compute` (none: products read the values).
+    pub fn rebind(&mut self, value: Tensor, grad: Tensor, compute: Option<Tensor>) -> Result<()> {
+        let compute_shape = compute.as_ref().map(|c| c.shape());
+        if value.shape() != &self.spec.local
+            || grad.shape() != &self.spec.local
+            || compute_shape.is_some_and(|c| c != &self.spec.local)
+        {
             return invalid!(
-                "parameter {}: rebinding to shapes {} and {}, local shape is {}",
+                "parameter {}: rebinding to shapes {}, {} and {:?}, local shape is {}",
                 self.spec.name,
                 value.shape(),
                 grad.shape(),
+                compute_shape.map(|c| c.to_string()),
                 self.spec.local
             );
         }
         self.value = value;
         self.grad = grad;
+        self.compute = compute;
         Ok(())
     }
 }

@@ -96,6 +96,23 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(c)
 }
 
+/// The dtype [`matmul`] multiplies `t` in: bf16 for a device tensor on a GPU that multiplies
+/// in bf16 (see `Gpu::set_bf16_products`), else f32.
+pub fn operand_dtype(t: &Tensor) -> DType {
+    #[cfg(feature = "cuda")]
+    if t.gpu().is_some_and(|gpu| gpu.bf16_products()) {
+        return DType::BF16;
+    }
+    let _ = t;
+    DType::F32
+}
+
+/// `t` contiguous and in the dtype [`matmul`] multiplies it in ([`operand_dtype`]): a tensor
+/// that several products read is then rounded once, not once per product.
+pub fn as_operand(t: &Tensor) -> Result<Tensor> {
+    t.to_contiguous(operand_dtype(t))
+}
+
 /// A new f32 output on `a`'s device.
 fn near(dims: Vec<usize>, a: &Tensor) -> Result<Tensor> {
     Tensor::empty_near(dims, DType::F32, a).map_err(|e| match e {

@@ -574,7 +574,8 @@ impl Tensor {
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let Some(gpu) = self.gpu() {
-            let out = Tensor::zeros_on(self.shape().clone(), dtype, gpu)
+            // Every element is written by the copy.
+            let out = Tensor::empty_on(self.shape().clone(), dtype, gpu)
                 .map_err(gpu_error("to_dtype"))?;
             out.copy_from(self)?;
             return Ok(out);
@@ -586,10 +587,15 @@ impl Tensor {
 
     /// This tensor as contiguous f32: itself when it already is, else a converted copy.
     pub fn to_f32_contiguous(&self) -> Result<Tensor> {
-        if self.dtype() == DType::F32 && self.is_contiguous() {
+        self.to_contiguous(DType::F32)
+    }
+
+    /// This tensor as contiguous `dtype`: itself when it already is, else a converted copy.
+    pub fn to_contiguous(&self, dtype: DType) -> Result<Tensor> {
+        if self.dtype() == dtype && self.is_contiguous() {
             Ok(self.clone())
         } else {
-            self.to_dtype(DType::F32)
+            self.to_dtype(dtype)
         }
     }
 

@@ -285,17 +285,18 @@ impl Op for CausalSelfAttention {
 
 /// Attention on the GPU (feature `cuda`), when the fused QKV is a device tensor. The batched
 /// products read and write the heads in place through strided views of the sequence-first
-/// activations (`[b, heads, s, d]` views of `[s, b, heads·parts·d]`), so no layout copies run;
-/// softmax and dropout are the device kernels, with the CPU's masks.
+/// activations (`[b, heads, s, d]` views of `[s, b, heads·parts·d]`), so no layout copies run.
+/// Softmax, dropout and the rounding of the products' operands to bf16 are one fused kernel
+/// each way (with the CPU's masks), so the `s × s` tensors are read and written once per pass.
 #[cfg(feature = "cuda")]
 mod device {
     use super::{AttentionSaved, CausalSelfAttention, Shape};
     use crate::cuda::Gpu;
-    use crate::cuda::kernels::{dropout as gdk, softmax as gsm};
+    use crate::cuda::kernels::softmax::{self as gsm, Out};
     use crate::error::Result;
     use crate::kernels::dropout::LogicalIndex;
     use crate::module::{Cx, Site};
-    use crate::ops::{matmul, matmul_into};
+    use crate::ops::{as_operand, matmul, matmul_into, operand_dtype};
     use crate::rng::DropoutStream;
     use crate::tensor::{DType, Tensor};
 
@@ -309,50 +310,18 @@ mod device {
             .transpose(1, 2)?)
     }
 
-    /// [`super::masked`] on the device.
-    fn masked(
-        x: &Tensor,
-        mask: &Option<(f32, DropoutStream, LogicalIndex)>,
-        gpu: &Gpu,
-    ) -> Result<Tensor> {
-        let Some((p, stream, index)) = mask else {
-            return Ok(x.clone());
-        };
-        let y = Tensor::empty_on(x.shape().clone(), DType::F32, gpu)?;
-        gdk::dropout_forward(
-            gpu,
-            &x.device_read::<f32>()?.view(),
-            &mut y.device_write::<f32>()?.view_mut(),
-            *p,
-            stream,
-            *index,
-        )?;
-        Ok(y)
+    /// Runs `f` with `t` (f32 or bf16) as a fused kernel's output.
+    fn with_out<R>(t: &Tensor, f: impl FnOnce(Out<'_, '_>) -> Result<R>) -> Result<R> {
+        if t.dtype() == DType::BF16 {
+            f(Out::Bf16(&mut t.device_write::<half::bf16>()?.view_mut()))
+        } else {
+            f(Out::F32(&mut t.device_write::<f32>()?.view_mut()))
+        }
     }
 
-    /// [`super::masked_pair`] on the device.
-    fn masked_pair(
-        a: &Tensor,
-        b: &Tensor,
-        mask: &Option<(f32, DropoutStream, LogicalIndex)>,
-        gpu: &Gpu,
-    ) -> Result<(Tensor, Tensor)> {
-        let Some((p, stream, index)) = mask else {
-            return Ok((a.clone(), b.clone()));
-        };
-        let ya = Tensor::empty_on(a.shape().clone(), DType::F32, gpu)?;
-        let yb = Tensor::empty_on(b.shape().clone(), DType::F32, gpu)?;
-        gdk::dropout_pair(
-            gpu,
-            &a.device_read::<f32>()?.view(),
-            &mut ya.device_write::<f32>()?.view_mut(),
-            &b.device_read::<f32>()?.view(),
-            &mut yb.device_write::<f32>()?.view_mut(),
-            *p,
-            stream,
-            *index,
-        )?;
-        Ok((ya, yb))
+    /// The mask as the fused kernels take it.
+    fn dropout_of(mask: &Option<(f32, DropoutStream, LogicalIndex)>) -> Option<gsm::Dropout<'_>> {
+        mask.as_ref().map(|(p, stream, index)| (*p, stream, *index))
     }
 
     impl CausalSelfAttention {
@@ -366,28 +335,13 @@ mod device {
         ) -> Result<(Tensor, AttentionSaved)> {
             // With bf16 products, q, k and v are rounded once here (not once per product) and
             // kept in bf16 for the backward.
-            let qkv = if gpu.bf16_products() {
-                qkv.to_dtype(DType::BF16)?
-            } else {
-                qkv.to_f32_contiguous()?
-            };
+            let dtype = operand_dtype(qkv);
+            let qkv = qkv.to_contiguous(dtype)?;
             let q = heads_view(&qkv, sh, 3, 0)?;
             let k = heads_view(&qkv, sh, 3, 1)?;
             let v = heads_view(&qkv, sh, 3, 2)?;
             // [b, heads, s, s], contiguous.
             let scores = matmul(&q, &k.t()?)?;
-            let probs = Tensor::empty_on(scores.shape().clone(), DType::F32, gpu)?;
-            gsm::softmax_forward(
-                gpu,
-                &scores.device_read::<f32>()?.view(),
-                sh.batch * sh.heads,
-                sh.seq,
-                sh.seq,
-                sh.scale(),
-                true,
-                &mut probs.device_write::<f32>()?.view_mut(),
-            )?;
-            drop(scores);
             let mask = (cx.training() && self.dropout > 0.0).then(|| {
                 (
                     self.dropout,
@@ -395,11 +349,37 @@ mod device {
                     self.logical_index(cx, sh),
                 )
             });
+            let probs = Tensor::empty_on(scores.shape().clone(), DType::F32, gpu)?;
+            // The probabilities as the value product takes them: dropped and/or rounded, or
+            // (f32 without dropout) the probabilities themselves.
+            let dropped = (mask.is_some() || dtype != DType::F32)
+                .then(|| Tensor::empty_on(scores.shape().clone(), dtype, gpu))
+                .transpose()?;
+            let run = |out: Option<Out<'_, '_>>| -> Result<()> {
+                gsm::softmax_dropout_forward(
+                    gpu,
+                    &scores.device_read::<f32>()?.view(),
+                    sh.batch * sh.heads,
+                    sh.seq,
+                    sh.seq,
+                    sh.scale(),
+                    true,
+                    &mut probs.device_write::<f32>()?.view_mut(),
+                    out,
+                    dropout_of(&mask),
+                )?;
+                Ok(())
+            };
+            match &dropped {
+                Some(d) => with_out(d, |out| run(Some(out)))?,
+                None => run(None)?,
+            }
+            drop(scores);
             let out =
                 Tensor::empty_on([sh.seq, sh.batch, sh.heads * sh.head_dim], DType::F32, gpu)?;
             matmul_into(
                 1.0,
-                &masked(&probs, &mask, gpu)?,
+                dropped.as_ref().unwrap_or(&probs),
                 &v,
                 0.0,
                 &heads_view(&out, sh, 1, 0)?,
@@ -422,15 +402,41 @@ mod device {
     /// straight into their places in the fused gradient.
     pub(super) fn backward(saved: AttentionSaved, d_out: &Tensor, gpu: &Gpu) -> Result<Tensor> {
         let sh = saved.shape;
-        let d_ctx = heads_view(d_out, sh, 1, 0)?;
+        let dtype = operand_dtype(d_out);
+        // Both products that read the context gradient take it converted once.
+        let d_ctx = heads_view(&as_operand(d_out)?, sh, 1, 0)?;
         let d_dropped = matmul(&d_ctx, &saved.v.t()?)?;
-        let (dropped, d_probs) = masked_pair(&saved.probs, &d_dropped, &saved.dropout, gpu)?;
+        let probs_shape = saved.probs.shape().clone();
+        let d_scores = Tensor::empty_on(probs_shape.clone(), dtype, gpu)?;
+        let dropped = (saved.dropout.is_some() || dtype != DType::F32)
+            .then(|| Tensor::empty_on(probs_shape, dtype, gpu))
+            .transpose()?;
+        let run = |dx: Out<'_, '_>, out: Option<Out<'_, '_>>| -> Result<()> {
+            gsm::dropout_softmax_backward(
+                gpu,
+                &saved.probs.device_read::<f32>()?.view(),
+                &d_dropped.device_read::<f32>()?.view(),
+                sh.batch * sh.heads,
+                sh.seq,
+                sh.seq,
+                sh.scale(),
+                dx,
+                out,
+                dropout_of(&saved.dropout),
+            )?;
+            Ok(())
+        };
+        with_out(&d_scores, |dx| match &dropped {
+            Some(d) => with_out(d, |out| run(dx, Some(out))),
+            None => run(dx, None),
+        })?;
         drop(d_dropped);
         let dqkv = Tensor::empty_on(
             [sh.seq, sh.batch, sh.heads * 3 * sh.head_dim],
             DType::F32,
             gpu,
         )?;
+        let dropped = dropped.as_ref().unwrap_or(&saved.probs);
         matmul_into(
             1.0,
             &dropped.t()?,
@@ -438,24 +444,6 @@ mod device {
             0.0,
             &heads_view(&dqkv, sh, 3, 2)?,
         )?;
-        drop(dropped);
-        let d_scores = Tensor::empty_on(d_probs.shape().clone(), DType::F32, gpu)?;
-        gsm::softmax_backward(
-            gpu,
-            &saved.probs.device_read::<f32>()?.view(),
-            &d_probs.device_read::<f32>()?.view(),
-            sh.batch * sh.heads,
-            sh.seq,
-            sh.seq,
-            sh.scale(),
-            &mut d_scores.device_write::<f32>()?.view_mut(),
-        )?;
-        // Both products read d_scores: with bf16 products, round it once.
-        let d_scores = if gpu.bf16_products() {
-            d_scores.to_dtype(DType::BF16)?
-        } else {
-            d_scores
-        };
         matmul_into(1.0, &d_scores, &saved.k, 0.0, &heads_view(&dqkv, sh, 3, 0)?)?;
         matmul_into(
             1.0,

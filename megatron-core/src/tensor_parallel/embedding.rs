@@ -5,7 +5,7 @@ use crate::error::Result;
 use crate::invalid;
 use crate::kernels::embedding as ek;
 use crate::module::{Builder, Cx, Ids, Init, Lookup, Module, Param, Site, Split, VocabParallel};
-use crate::ops::{matmul, matmul_into};
+use crate::ops::{as_operand, matmul, matmul_into};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 
@@ -242,10 +242,13 @@ impl VocabParallel for Embedding {
         if let Some(gpu) = self.weight.value().gpu() {
             return self.logits_forward_gpu(h, gpu);
         }
-        let h = h.to_f32_contiguous()?;
+        let h = as_operand(h)?;
         let rows = h.numel() / hidden;
         let local = self.local_rows();
-        let logits = matmul(&h.reshape([rows, hidden])?, &self.weight.value().t()?)?;
+        let logits = matmul(
+            &h.reshape([rows, hidden])?,
+            &self.weight.compute_value().t()?,
+        )?;
         // Padding rows of the vocabulary: logits −∞, so softmax gives them nothing.
         let real = self.vocab_size.saturating_sub(self.vocab_start).min(local);
         if real < local {
@@ -276,10 +279,11 @@ impl VocabParallel for Embedding {
                 dlogits.shape()
             );
         }
-        let d = dlogits.to_f32_contiguous()?.reshape([rows, local])?;
+        // Both products read the logits' gradient: converted once.
+        let d = as_operand(dlogits)?.reshape([rows, local])?;
         let h2 = saved.h.reshape([rows, hidden])?;
         matmul_into(1.0, &d.t()?, &h2, 1.0, self.weight.grad())?;
-        let dh = matmul(&d, self.weight.value())?;
+        let dh = matmul(&d, self.weight.compute_value())?;
         Ok(dh.reshape(saved.h.shape().clone())?)
     }
 }
@@ -414,7 +418,7 @@ mod device {
     use crate::cuda::{CudaError, Gpu};
     use crate::error::Result;
     use crate::invalid;
-    use crate::ops::matmul;
+    use crate::ops::{as_operand, matmul};
     use crate::tensor::{DType, Tensor};
 
     /// `t` on `gpu`: itself when it is a device tensor, else an uploaded copy.
@@ -516,10 +520,13 @@ mod device {
             gpu: &Gpu,
         ) -> Result<(Tensor, LogitsSaved)> {
             let hidden = self.hidden();
-            let h = on_gpu(h, gpu)?.to_f32_contiguous()?;
+            let h = as_operand(&on_gpu(h, gpu)?)?;
             let rows = h.numel() / hidden;
             let local = self.local_rows();
-            let logits = matmul(&h.reshape([rows, hidden])?, &self.weight.value().t()?)?;
+            let logits = matmul(
+                &h.reshape([rows, hidden])?,
+                &self.weight.compute_value().t()?,
+            )?;
             let real = self.vocab_size.saturating_sub(self.vocab_start).min(local);
             if real < local {
                 gvp::mask_columns(

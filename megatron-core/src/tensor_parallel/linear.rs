@@ -6,7 +6,7 @@ use crate::kernels::elementwise;
 use crate::module::{
     Builder, ColumnParallel, Cx, Init, Layer, Module, Param, RowParallel, Site, Split,
 };
-use crate::ops::{matmul, matmul_into};
+use crate::ops::{as_operand, matmul, matmul_into};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 
@@ -112,9 +112,10 @@ impl Linear {
         self.bias.as_ref()
     }
 
-    /// `x·Wᵀ` over the last dimension of `x`, without bias.
+    /// `x·Wᵀ` over the last dimension of `x`, without bias (W as products read it: its
+    /// compute copy when kept).
     fn product(&self, x: &Tensor) -> Result<Tensor> {
-        let w = self.weight.value();
+        let w = self.weight.compute_value();
         let (out, inp) = (w.dims()[0], w.dims()[1]);
         let dims = x.dims();
         if dims.last() != Some(&inp) {
@@ -151,7 +152,7 @@ impl Linear {
 
     /// Accumulates dW (and db when `with_bias`) and returns dx = dy·W.
     fn backward_product(&self, saved: LinearSaved, dy: &Tensor, with_bias: bool) -> Result<Tensor> {
-        let w = self.weight.value();
+        let w = self.weight.compute_value();
         let (out, inp) = (w.dims()[0], w.dims()[1]);
         let rows = saved.x.numel() / inp;
         if dy.numel() != rows * out {
@@ -161,7 +162,8 @@ impl Linear {
                 dy.shape()
             );
         }
-        let dy2 = dy.to_f32_contiguous()?.reshape([rows, out])?;
+        // dW, dx (and db) all read dy: in the dtype the products take, converted once.
+        let dy2 = as_operand(dy)?.reshape([rows, out])?;
         let x2 = saved.x.reshape([rows, inp])?;
         matmul_into(1.0, &dy2.t()?, &x2, 1.0, self.weight.grad())?;
         if with_bias && let Some(bias) = &self.bias {
@@ -200,15 +202,16 @@ impl Linear {
     /// `x·Wᵀ + b` for a layer built as `mode`.
     fn forward_biased(&self, mode: Mode, what: &str, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
         self.check_mode(mode, what)?;
-        let y = self.product(x)?;
+        let (y, saved) = self.product_saved(x)?;
         self.add_bias_in_place(&y)?;
-        Ok((y, Linear::saved(x)?))
+        Ok((y, saved))
     }
 
-    fn saved(x: &Tensor) -> Result<LinearSaved> {
-        Ok(LinearSaved {
-            x: x.to_f32_contiguous()?,
-        })
+    /// `x·Wᵀ` and what the backward keeps: `x` in the dtype the products take (bf16 on a GPU
+    /// that multiplies in bf16), converted once for the forward and the weight gradient.
+    fn product_saved(&self, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
+        let x = as_operand(x)?;
+        Ok((self.product(&x)?, LinearSaved { x }))
     }
 }
 
@@ -272,7 +275,7 @@ impl RowParallel for Linear {
 
     fn forward_row(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
         self.check_mode(Mode::Row, "as #[row_parallel]")?;
-        Ok((self.product(x)?, Linear::saved(x)?))
+        self.product_saved(x)
     }
 
     fn add_bias(&self, y: &Tensor) -> Result<()> {

@@ -178,7 +178,7 @@ pub fn load_params<M: Module>(model: &M, loaded: &Loaded) -> Result<()> {
         let result = (|| -> Result<()> {
             let part = local_part(p.spec(), &loaded.model_tensor(&p.spec().name)?, &dir)?;
             let values = Tensor::from_vec(part, p.spec().local.clone())?;
-            p.value().copy_from(&values)?;
+            p.set_values(&values)?;
             Ok(())
         })();
         if let Err(e) = result {
@@ -211,6 +211,7 @@ fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Res
         }
     }
     drop((values, exp_avg, exp_avg_sq));
+    trainer.buffers.refresh_compute_copies()?;
     trainer.optimizer.set_steps(if with_optimizer {
         loaded.meta().adam_steps
     } else {

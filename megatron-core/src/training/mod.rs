@@ -97,10 +97,23 @@ impl<M: LanguageModel> Trainer<M> {
     /// Moves the model's parameters, gradients and optimizer state to `gpu`: every step then
     /// runs there (the world's communicators must move device tensors: a device-local or NCCL
     /// world).
+    /// When `gpu` multiplies in bf16, products read bf16 copies of the weights, converted once
+    /// per step (see [`Trainer::keep_compute_copies`]).
     #[cfg(feature = "cuda")]
     pub fn to_gpu(&mut self, gpu: &crate::cuda::Gpu) -> Result<()> {
         self.buffers.to_gpu(&mut self.model, gpu)?;
-        self.optimizer.to_gpu(gpu)
+        self.optimizer.to_gpu(gpu)?;
+        if gpu.bf16_products() && self.buffers.compute_copies().is_none() {
+            self.keep_compute_copies(DType::BF16)?;
+        }
+        Ok(())
+    }
+
+    /// Lets products read `dtype` copies of the parameters (Megatron-LM's bf16 weights): the
+    /// optimizer still updates the values, and the copies are converted from them after every
+    /// step. On the CPU this emulates bf16 weights (the products widen them back to f32).
+    pub fn keep_compute_copies(&mut self, dtype: DType) -> Result<()> {
+        self.buffers.keep_compute_copies(&mut self.model, dtype)
     }
 
     /// The model.
@@ -152,6 +165,7 @@ impl<M: LanguageModel> Trainer<M> {
         clip_grads(&self.buffers, norm, self.config.clip_grad)?;
         let lr = self.config.schedule.lr(step);
         self.optimizer.step(&self.buffers, lr)?;
+        self.buffers.refresh_compute_copies()?;
         let after = parallel.stats();
         let comm = after
             .iter()

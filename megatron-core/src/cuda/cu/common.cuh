@@ -73,6 +73,99 @@ __device__ __forceinline__ u32 word_of(uint4 b, int w) {
     return w == 0 ? b.x : w == 1 ? b.y : w == 2 ? b.z : b.w;
 }
 
+// A dropout mask over a buffer laid out in runs of `inner` local elements (see dropout.cu):
+// local element e has logical index (e / inner)·stride + start + e % inner and is kept with the
+// factor `scale` when its Philox word is >= threshold, else multiplied by 0. A threshold of 0
+// keeps everything (no Philox words are drawn).
+struct Mask {
+    u64 inner, stride, start;
+    uint2 key;
+    u64 stream;
+    u32 threshold;
+    float scale;
+};
+
+__device__ __forceinline__ Mask make_mask(u64 inner, u64 stride, u64 start, u32 key_lo, u32 key_hi,
+                                          u64 stream, u32 threshold, float scale) {
+    Mask m;
+    m.inner = inner;
+    m.stride = stride;
+    m.start = start;
+    m.key = make_uint2(key_lo, key_hi);
+    m.stream = stream;
+    m.threshold = threshold;
+    m.scale = scale;
+    return m;
+}
+
+// Whether every aligned group of 4 local elements is one Philox block (runs, their starts and
+// their stride multiples of 4).
+__device__ __forceinline__ bool mask_blocks(const Mask& m) {
+    return m.inner % 4 == 0 && m.stride % 4 == 0 && m.start % 4 == 0;
+}
+
+__device__ __forceinline__ u64 mask_logical(const Mask& m, u64 e) {
+    return (e / m.inner) * m.stride + m.start + (e % m.inner);
+}
+
+// The factor (scale or 0) of local element e.
+__device__ __forceinline__ float mask_factor(const Mask& m, u64 e) {
+    if (m.threshold == 0) return m.scale;
+    const u64 logical = mask_logical(m, e);
+    const u32 w = word_of(dropout_block(logical >> 2, m.key, m.stream), (int)(logical & 3));
+    return w >= m.threshold ? m.scale : 0.0f;
+}
+
+// The factors of local elements e .. e + 3 (e a multiple of 4): one Philox block when `blocks`.
+__device__ __forceinline__ float4 mask_factor4(const Mask& m, u64 e, bool blocks) {
+    if (m.threshold == 0) return make_float4(m.scale, m.scale, m.scale, m.scale);
+    if (!blocks) {
+        return make_float4(mask_factor(m, e), mask_factor(m, e + 1), mask_factor(m, e + 2),
+                           mask_factor(m, e + 3));
+    }
+    const uint4 w = dropout_block(mask_logical(m, e) >> 2, m.key, m.stream);
+    return make_float4(w.x >= m.threshold ? m.scale : 0.0f, w.y >= m.threshold ? m.scale : 0.0f,
+                       w.z >= m.threshold ? m.scale : 0.0f, w.w >= m.threshold ? m.scale : 0.0f);
+}
+
+// v times a mask factor, exactly 0 where dropped (also for v = ±∞ or NaN), as the CPU.
+__device__ __forceinline__ float masked(float v, float k) { return k != 0.0f ? v * k : 0.0f; }
+
+__device__ __forceinline__ float4 masked4(float4 v, float4 k) {
+    return make_float4(masked(v.x, k.x), masked(v.y, k.y), masked(v.z, k.z), masked(v.w, k.w));
+}
+
+// The bf16 bits of x rounded to nearest even, as half::bf16::from_f32 (NaN stays a quiet NaN).
+__device__ __forceinline__ u32 bf16_bits(float x) {
+    const u32 b = __float_as_uint(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (b >> 16) | 0x0040u;
+    return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+}
+
+// Element i (or elements 4k .. 4k + 3) of an output that is f32 or, with `bf16`, bf16. The
+// 4-wide store needs 16-byte (f32) or 8-byte (bf16) alignment.
+__device__ __forceinline__ void store_out(void* out, bool bf16, u64 i, float v) {
+    if (bf16) {
+        reinterpret_cast<unsigned short*>(out)[i] = (unsigned short)bf16_bits(v);
+    } else {
+        reinterpret_cast<float*>(out)[i] = v;
+    }
+}
+
+__device__ __forceinline__ void store_out4(void* out, bool bf16, u64 k, float4 v) {
+    if (bf16) {
+        reinterpret_cast<uint2*>(out)[k] =
+            make_uint2(bf16_bits(v.x) | (bf16_bits(v.y) << 16), bf16_bits(v.z) | (bf16_bits(v.w) << 16));
+    } else {
+        reinterpret_cast<float4*>(out)[k] = v;
+    }
+}
+
+// Whether `p` is null or aligned for store_out4.
+__device__ __forceinline__ bool out4_aligned(const void* p, bool bf16) {
+    return ((u64)p & (bf16 ? 7 : 15)) == 0;
+}
+
 // exp(x) for the GeLU and softmax kernels (CUDA's expf: within 2 ulp).
 __device__ __forceinline__ float exp_f32(float x) { return expf(x); }
 

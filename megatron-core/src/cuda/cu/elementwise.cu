@@ -75,14 +75,7 @@ extern "C" __global__ void bias_add_backward(const float* __restrict__ dy, float
 // bf16 ↔ f32 (round to nearest even, as half::bf16::from_f32).
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, unsigned short* __restrict__ y,
                                        u64 n) {
-    FOR_EACH(i, n) {
-        const u32 b = __float_as_uint(x[i]);
-        if ((b & 0x7fffffffu) > 0x7f800000u) {
-            y[i] = (unsigned short)((b >> 16) | 0x0040u);  // NaN stays a (quiet) NaN
-        } else {
-            y[i] = (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-        }
-    }
+    FOR_EACH(i, n) { y[i] = (unsigned short)bf16_bits(x[i]); }
 }
 
 extern "C" __global__ void bf16_to_f32(const unsigned short* __restrict__ x, float* __restrict__ y,

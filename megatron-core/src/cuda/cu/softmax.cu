@@ -3,9 +3,14 @@
 // j < visible_keys(i), all others get exactly 0. A row whose visible scaled scores are all −∞ (or
 // NaN), or that sees no key, gets 0 where the scaled score is not NaN and NaN where it is.
 //
+// Attention fuses its dropout and the bf16 rounding of the products' operands into these
+// kernels: the forward may also write the dropped probabilities (f32 or bf16), the backward
+// takes the gradient of the dropped probabilities and may also write them again. The mask is
+// the dropout kernels' (a Mask over the [batches·sq·sk] buffer); a threshold of 0 is no dropout.
+//
 // One block per row (grid-stride over rows): max, then Σexp, then normalise, each a pass over
-// the row with 16-byte float4 accesses when sk is a multiple of 4 and the buffers are 16-byte
-// aligned (checked here, at run time), scalar otherwise. The exponentials of the last pass are
+// the row with 16-byte float4 accesses when sk is a multiple of 4 and the buffers are aligned
+// (checked here, at run time), scalar otherwise. The exponentials of the last pass are
 // recomputed, bit-identical to those summed. Block reductions are in a fixed order.
 
 #define SM_MAX_THREADS 512
@@ -24,143 +29,156 @@ __device__ __forceinline__ u64 visible_keys(u64 i, u64 sq, u64 sk, bool causal) 
 // CPU: the row's maximum then gives exactly exp(0) = 1.
 __device__ __forceinline__ float scaled(float v, float scale) { return __fmul_rn(v, scale); }
 
-// The value written for visible key j of a row with maximum `m` and 1/Σ `inv`.
-__device__ __forceinline__ float prob(float v, float scale, float m, float inv) {
-    return exp_f32(scaled(v, scale) - m) * inv;
+// A row's maximum scaled score `m` (−∞ for a row with nothing to normalise) and 1/Σexp.
+struct RowStats {
+    float m, inv;
+};
+
+// Passes 1 and 2 over the `vis` visible keys of row `xr`.
+__device__ __forceinline__ RowStats row_stats(const float* __restrict__ xr, u64 vis, float scale,
+                                              bool vec, float* scratch) {
+    const u64 vis4 = (vis + 3) / 4;  // float4 groups holding a visible key
+    const float4* x4 = reinterpret_cast<const float4*>(xr);
+    // Pass 1: the maximum of the visible scaled scores (fmaxf skips NaN, as f32::max).
+    float mx = NEG_INF;
+    if (vec) {
+        for (u64 k = threadIdx.x; k < vis4; k += blockDim.x) {
+            const float4 v = x4[k];
+            const u64 j = 4 * k;
+            mx = fmaxf(mx, scaled(v.x, scale));
+            if (j + 1 < vis) mx = fmaxf(mx, scaled(v.y, scale));
+            if (j + 2 < vis) mx = fmaxf(mx, scaled(v.z, scale));
+            if (j + 3 < vis) mx = fmaxf(mx, scaled(v.w, scale));
+        }
+    } else {
+        for (u64 j = threadIdx.x; j < vis; j += blockDim.x) mx = fmaxf(mx, scaled(xr[j], scale));
+    }
+    RowStats st;
+    st.m = block_max(mx, scratch);
+    st.inv = 0.0f;
+    if (st.m == NEG_INF) return st;  // uniform over the block
+
+    // Pass 2: Σ exp(scale·x − m) over the visible keys.
+    float s = 0.0f;
+    if (vec) {
+        for (u64 k = threadIdx.x; k < vis4; k += blockDim.x) {
+            const float4 v = x4[k];
+            const u64 j = 4 * k;
+            float t = exp_f32(scaled(v.x, scale) - st.m);
+            if (j + 1 < vis) t += exp_f32(scaled(v.y, scale) - st.m);
+            if (j + 2 < vis) t += exp_f32(scaled(v.z, scale) - st.m);
+            if (j + 3 < vis) t += exp_f32(scaled(v.w, scale) - st.m);
+            s += t;
+        }
+    } else {
+        for (u64 j = threadIdx.x; j < vis; j += blockDim.x) s += exp_f32(scaled(xr[j], scale) - st.m);
+    }
+    st.inv = 1.0f / block_sum(s, scratch);
+    return st;
 }
 
+// The probability of key j with scaled score from v: 0 where masked; in a row with nothing to
+// normalise, NaN where the scaled score is NaN and 0 elsewhere.
+__device__ __forceinline__ float prob(float v, u64 j, u64 vis, float scale, RowStats st) {
+    if (j >= vis) return 0.0f;
+    if (st.m == NEG_INF) return isnan(scaled(v, scale)) ? CANONICAL_NAN : 0.0f;
+    return exp_f32(scaled(v, scale) - st.m) * st.inv;
+}
+
+// y = softmax(scale·x); with `dropped` non-null also dropped = mask(y), f32 or (dropped_bf16)
+// bf16, mask element r·sk + j for row r, key j.
 extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_forward(
-    const float* __restrict__ x, float* __restrict__ y, u64 rows, u64 sq, u64 sk, float scale,
-    int causal) {
+    const float* __restrict__ x, float* __restrict__ y, void* __restrict__ dropped,
+    int dropped_bf16, u64 rows, u64 sq, u64 sk, float scale, int causal, u64 inner, u64 stride,
+    u64 start, u32 key_lo, u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
     __shared__ float scratch[32];
-    const bool vec = sk % 4 == 0 && sm_aligned16(x) && sm_aligned16(y);
+    const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
+    const bool bf16 = dropped_bf16 != 0;
+    const bool vec = sk % 4 == 0 && sm_aligned16(x) && sm_aligned16(y) && out4_aligned(dropped, bf16);
+    const bool blocks = mask_blocks(m);
     const u64 k4 = sk / 4;
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + r * sk;
-        float* yr = y + r * sk;
         const u64 vis = visible_keys(r % sq, sq, sk, causal != 0);
-        const u64 vis4 = (vis + 3) / 4;  // float4 groups holding a visible key
-        const float4* x4 = reinterpret_cast<const float4*>(xr);
-        float4* y4 = reinterpret_cast<float4*>(yr);
-
-        // Pass 1: the maximum of the visible scaled scores (fmaxf skips NaN, as f32::max).
-        float mx = NEG_INF;
+        const RowStats st = row_stats(xr, vis, scale, vec, scratch);
+        // Pass 3: normalise (masked keys get exactly 0), then the dropout.
         if (vec) {
-            for (u64 k = threadIdx.x; k < vis4; k += blockDim.x) {
-                const float4 v = x4[k];
-                const u64 j = 4 * k;
-                mx = fmaxf(mx, scaled(v.x, scale));
-                if (j + 1 < vis) mx = fmaxf(mx, scaled(v.y, scale));
-                if (j + 2 < vis) mx = fmaxf(mx, scaled(v.z, scale));
-                if (j + 3 < vis) mx = fmaxf(mx, scaled(v.w, scale));
-            }
-        } else {
-            for (u64 j = threadIdx.x; j < vis; j += blockDim.x) {
-                mx = fmaxf(mx, scaled(xr[j], scale));
-            }
-        }
-        const float m = block_max(mx, scratch);
-
-        if (m == NEG_INF) {
-            // Nothing visible, or every visible score is −∞ or NaN: 0, NaN kept.
-            if (vec) {
-                for (u64 k = threadIdx.x; k < k4; k += blockDim.x) {
-                    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    if (k < vis4) {
-                        const float4 v = x4[k];
-                        const u64 j = 4 * k;
-                        if (isnan(scaled(v.x, scale))) o.x = CANONICAL_NAN;
-                        if (j + 1 < vis && isnan(scaled(v.y, scale))) o.y = CANONICAL_NAN;
-                        if (j + 2 < vis && isnan(scaled(v.z, scale))) o.z = CANONICAL_NAN;
-                        if (j + 3 < vis && isnan(scaled(v.w, scale))) o.w = CANONICAL_NAN;
-                    }
-                    y4[k] = o;
-                }
-            } else {
-                for (u64 j = threadIdx.x; j < sk; j += blockDim.x) {
-                    yr[j] = j < vis && isnan(scaled(xr[j], scale)) ? CANONICAL_NAN : 0.0f;
-                }
-            }
-            continue;
-        }
-
-        // Pass 2: Σ exp(scale·x − m) over the visible keys.
-        float s = 0.0f;
-        if (vec) {
-            for (u64 k = threadIdx.x; k < vis4; k += blockDim.x) {
-                const float4 v = x4[k];
-                const u64 j = 4 * k;
-                float t = exp_f32(scaled(v.x, scale) - m);
-                if (j + 1 < vis) t += exp_f32(scaled(v.y, scale) - m);
-                if (j + 2 < vis) t += exp_f32(scaled(v.z, scale) - m);
-                if (j + 3 < vis) t += exp_f32(scaled(v.w, scale) - m);
-                s += t;
-            }
-        } else {
-            for (u64 j = threadIdx.x; j < vis; j += blockDim.x) {
-                s += exp_f32(scaled(xr[j], scale) - m);
-            }
-        }
-        const float inv = 1.0f / block_sum(s, scratch);
-
-        // Pass 3: normalise; masked keys get exactly 0.
-        if (vec) {
+            const u64 vis4 = (vis + 3) / 4;
             for (u64 k = threadIdx.x; k < k4; k += blockDim.x) {
                 float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const u64 j = 4 * k;
                 if (k < vis4) {
-                    const float4 v = x4[k];
-                    const u64 j = 4 * k;
-                    o.x = prob(v.x, scale, m, inv);
-                    if (j + 1 < vis) o.y = prob(v.y, scale, m, inv);
-                    if (j + 2 < vis) o.z = prob(v.z, scale, m, inv);
-                    if (j + 3 < vis) o.w = prob(v.w, scale, m, inv);
+                    const float4 v = reinterpret_cast<const float4*>(xr)[k];
+                    o = make_float4(prob(v.x, j, vis, scale, st), prob(v.y, j + 1, vis, scale, st),
+                                    prob(v.z, j + 2, vis, scale, st),
+                                    prob(v.w, j + 3, vis, scale, st));
                 }
-                y4[k] = o;
+                reinterpret_cast<float4*>(y + r * sk)[k] = o;
+                if (dropped != nullptr) {
+                    // Masked keys are 0 whatever the mask says: no Philox words for them.
+                    const float4 d = k < vis4 ? masked4(o, mask_factor4(m, r * sk + j, blocks)) : o;
+                    store_out4(dropped, bf16, r * k4 + k, d);
+                }
             }
         } else {
             for (u64 j = threadIdx.x; j < sk; j += blockDim.x) {
-                yr[j] = j < vis ? prob(xr[j], scale, m, inv) : 0.0f;
+                const float o = prob(j < vis ? xr[j] : 0.0f, j, vis, scale, st);
+                y[r * sk + j] = o;
+                if (dropped != nullptr) {
+                    const float d = j < vis ? masked(o, mask_factor(m, r * sk + j)) : o;
+                    store_out(dropped, bf16, r * sk + j, d);
+                }
             }
         }
     }
 }
 
-// dx = scale · y ⊙ (dy − Σ_j dy·y) per row (masked keys have y = 0 and get 0); one block per row.
+// The gradient through dropout and softmax from the saved probabilities y: g = mask(dy),
+// dx = scale · y ⊙ (g − Σ_j g·y) per row (masked keys have y = 0 and get 0), f32 or (dx_bf16)
+// bf16; with `dropped` non-null also dropped = mask(y) (the forward's, for the value gradient).
 extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_backward(
-    const float* __restrict__ y, const float* __restrict__ dy, float* __restrict__ dx, u64 rows,
-    u64 sk, float scale) {
+    const float* __restrict__ y, const float* __restrict__ dy, void* __restrict__ dx, int dx_bf16,
+    void* __restrict__ dropped, int dropped_bf16, u64 rows, u64 sk, float scale, u64 inner,
+    u64 stride, u64 start, u32 key_lo, u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
     __shared__ float scratch[32];
-    const bool vec =
-        sk % 4 == 0 && sm_aligned16(y) && sm_aligned16(dy) && sm_aligned16(dx);
+    const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
+    const bool dx16 = dx_bf16 != 0, d16 = dropped_bf16 != 0;
+    const bool vec = sk % 4 == 0 && sm_aligned16(y) && sm_aligned16(dy) && out4_aligned(dx, dx16) &&
+                     out4_aligned(dropped, d16);
+    const bool blocks = mask_blocks(m);
     const u64 k4 = sk / 4;
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* yr = y + r * sk;
         const float* dyr = dy + r * sk;
-        float* dxr = dx + r * sk;
         float s = 0.0f;
         if (vec) {
-            const float4* p4 = reinterpret_cast<const float4*>(yr);
-            const float4* g4 = reinterpret_cast<const float4*>(dyr);
             for (u64 k = threadIdx.x; k < k4; k += blockDim.x) {
-                const float4 p = p4[k], g = g4[k];
+                const float4 p = reinterpret_cast<const float4*>(yr)[k];
+                const float4 g = masked4(reinterpret_cast<const float4*>(dyr)[k],
+                                         mask_factor4(m, r * sk + 4 * k, blocks));
                 s += (g.x * p.x + g.y * p.y) + (g.z * p.z + g.w * p.w);
             }
         } else {
-            for (u64 j = threadIdx.x; j < sk; j += blockDim.x) s += dyr[j] * yr[j];
+            for (u64 j = threadIdx.x; j < sk; j += blockDim.x) {
+                s += masked(dyr[j], mask_factor(m, r * sk + j)) * yr[j];
+            }
         }
         const float dot = block_sum(s, scratch);
         if (vec) {
-            const float4* p4 = reinterpret_cast<const float4*>(yr);
-            const float4* g4 = reinterpret_cast<const float4*>(dyr);
-            float4* o4 = reinterpret_cast<float4*>(dxr);
             for (u64 k = threadIdx.x; k < k4; k += blockDim.x) {
-                const float4 p = p4[k], g = g4[k];
-                o4[k] = make_float4(scale * p.x * (g.x - dot), scale * p.y * (g.y - dot),
-                                    scale * p.z * (g.z - dot), scale * p.w * (g.w - dot));
+                const float4 p = reinterpret_cast<const float4*>(yr)[k];
+                const float4 f = mask_factor4(m, r * sk + 4 * k, blocks);
+                const float4 g = masked4(reinterpret_cast<const float4*>(dyr)[k], f);
+                store_out4(dx, dx16, r * k4 + k,
+                           make_float4(scale * p.x * (g.x - dot), scale * p.y * (g.y - dot),
+                                       scale * p.z * (g.z - dot), scale * p.w * (g.w - dot)));
+                if (dropped != nullptr) store_out4(dropped, d16, r * k4 + k, masked4(p, f));
             }
         } else {
             for (u64 j = threadIdx.x; j < sk; j += blockDim.x) {
-                dxr[j] = scale * yr[j] * (dyr[j] - dot);
+                const float f = mask_factor(m, r * sk + j);
+                store_out(dx, dx16, r * sk + j, scale * yr[j] * (masked(dyr[j], f) - dot));
+                if (dropped != nullptr) store_out(dropped, d16, r * sk + j, masked(yr[j], f));
             }
         }
     }

@@ -1,12 +1,85 @@
 //! Dropout on the device with the CPU's masks: the same Philox words for the same (seed,
 //! stream, logical index), so a GPU run drops exactly the elements a CPU run drops.
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchArgs, PushKernelArg};
 
 use super::{check_len, cover, launch};
 use crate::cuda::{Gpu, Result};
 use crate::kernels::dropout::{LogicalIndex, keep_scale, keep_threshold};
 use crate::rng::DropoutStream;
+
+/// A dropout mask as the kernels take it (`make_mask` in `common.cuh`): where the buffer's
+/// elements sit logically, the Philox key and stream, the keep threshold and the kept factor.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MaskArgs {
+    inner: u64,
+    stride: u64,
+    start: u64,
+    key_lo: u32,
+    key_hi: u32,
+    stream: u64,
+    threshold: u32,
+    scale: f32,
+}
+
+impl MaskArgs {
+    /// Drop probability `p` of `stream` over the buffer `index` describes; also returns that
+    /// buffer's element count (all checked as the CPU kernels check them).
+    pub(crate) fn new(
+        kernel: &'static str,
+        p: f32,
+        stream: &DropoutStream,
+        index: LogicalIndex,
+    ) -> Result<(MaskArgs, usize)> {
+        let threshold = keep_threshold(p)?;
+        let n = index.check(kernel)?;
+        let args = MaskArgs {
+            inner: index.inner.max(1) as u64,
+            stride: index.logical_stride,
+            start: index.logical_start,
+            key_lo: stream.key[0],
+            key_hi: stream.key[1],
+            stream: stream.stream,
+            threshold,
+            scale: keep_scale(p),
+        };
+        Ok((args, n))
+    }
+
+    /// No dropout: every element kept, unscaled (no random words drawn).
+    pub(crate) fn keep_all() -> MaskArgs {
+        MaskArgs {
+            inner: 1,
+            stride: 1,
+            start: 0,
+            key_lo: 0,
+            key_hi: 0,
+            stream: 0,
+            threshold: 0,
+            scale: 1.0,
+        }
+    }
+
+    /// Whether runs, their starts and their stride are multiples of 4 elements, so that every
+    /// aligned group of 4 local elements is one Philox block.
+    fn blocks(&self) -> bool {
+        self.inner.is_multiple_of(4)
+            && self.stride.is_multiple_of(4)
+            && self.start.is_multiple_of(4)
+    }
+
+    /// Pushes the mask's kernel parameters, in `make_mask`'s order.
+    pub(crate) fn push<'a>(&'a self, args: &mut LaunchArgs<'a>) {
+        args.arg(&self.inner)
+            .arg(&self.stride)
+            .arg(&self.start)
+            .arg(&self.key_lo)
+            .arg(&self.key_hi)
+            .arg(&self.stream)
+            .arg(&self.threshold)
+            .arg(&self.scale);
+    }
+}
 
 /// Queues `dropout_apply` on one or two buffers.
 fn apply(
@@ -18,8 +91,7 @@ fn apply(
     stream: &DropoutStream,
     index: LogicalIndex,
 ) -> Result<()> {
-    let threshold = keep_threshold(p)?;
-    let n = index.check(kernel)?;
+    let (mask, n) = MaskArgs::new(kernel, p, stream, index)?;
     let dims = || format!("outer {} × inner {}", index.outer, index.inner);
     check_len(kernel, "x", x.len(), n, dims)?;
     check_len(kernel, "y", y.len(), n, dims)?;
@@ -30,39 +102,24 @@ fn apply(
     if n == 0 {
         return Ok(());
     }
-    let scale = keep_scale(p);
-    let (n64, inner) = (n as u64, index.inner.max(1) as u64);
-    let (stride, first) = (index.logical_stride, index.logical_start);
-    let (key_lo, key_hi, id) = (stream.key[0], stream.key[1], stream.stream);
+    let n64 = n as u64;
     let null: u64 = 0;
     // Aligned runs take one Philox block (4 elements) per thread (see the kernel).
-    let blocks = inner % 4 == 0 && stride % 4 == 0 && first % 4 == 0 && n % 4 == 0;
-    let threads = if blocks { n / 4 } else { n };
+    let threads = if mask.blocks() && n.is_multiple_of(4) {
+        n / 4
+    } else {
+        n
+    };
     let f = gpu.kernels().get("dropout_apply")?;
     let mut args = gpu.stream().launch_builder(f);
     args.arg(x).arg(y);
     match b {
-        Some((xb, yb)) => {
-            args.arg(xb).arg(yb);
-            args.arg(&n64).arg(&inner).arg(&stride).arg(&first);
-            args.arg(&key_lo)
-                .arg(&key_hi)
-                .arg(&id)
-                .arg(&threshold)
-                .arg(&scale);
-            launch(kernel, args, cover(threads))
-        }
-        None => {
-            args.arg(&null).arg(&null);
-            args.arg(&n64).arg(&inner).arg(&stride).arg(&first);
-            args.arg(&key_lo)
-                .arg(&key_hi)
-                .arg(&id)
-                .arg(&threshold)
-                .arg(&scale);
-            launch(kernel, args, cover(threads))
-        }
-    }
+        Some((xb, yb)) => args.arg(xb).arg(yb),
+        None => args.arg(&null).arg(&null),
+    };
+    args.arg(&n64);
+    mask.push(&mut args);
+    launch(kernel, args, cover(threads))
 }
 
 /// `y = x/(1 − p)` where kept, 0 where dropped, as [`crate::kernels::dropout::dropout_forward`].
