@@ -270,10 +270,16 @@ fn save_resume_evaluate_plot_and_config_files() {
 fn devices_and_backends_this_build_lacks_are_clear_errors() {
     let tiny = ["train", "--steps", "1", "--quiet"];
     let with = |extra: &[&'static str]| -> Vec<&'static str> { [&tiny[..], extra].concat() };
-    let mut cases: Vec<(Vec<&str>, &str)> = vec![(
-        with(&["--device", "tpu"]),
-        "--device must be cpu or cuda, got \"tpu\"",
-    )];
+    let mut cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            with(&["--device", "tpu"]),
+            "--device must be cpu or cuda, got \"tpu\"",
+        ),
+        (
+            vec!["bench", "--train-iters", "1", "--profile"],
+            "--profile times GPU kernels: add --device cuda",
+        ),
+    ];
     if cfg!(not(feature = "cuda")) {
         cases.push((
             with(&["--device", "cuda"]),

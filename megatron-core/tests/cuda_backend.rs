@@ -329,6 +329,27 @@ fn device_tensors_round_trip_and_refuse_host_reads() -> R {
         half.to_vec::<bf16>()?,
         host.t()?.to_dtype(DType::BF16)?.to_vec::<bf16>()?
     );
+    // Contiguous sources (from the start, and a row range after it) take the kernel's
+    // index-free path.
+    for (dev_view, host_view) in [
+        (dev.clone(), host.clone()),
+        (dev.narrow(0, 1, 2)?, host.narrow(0, 1, 2)?),
+    ] {
+        assert_eq!(
+            dev_view.to_dtype(DType::BF16)?.to_vec::<bf16>()?,
+            host_view.to_dtype(DType::BF16)?.to_vec::<bf16>()?
+        );
+        assert_eq!(
+            dev_view
+                .to_dtype(DType::BF16)?
+                .to_dtype(DType::F32)?
+                .to_vec::<f32>()?,
+            host_view
+                .to_dtype(DType::BF16)?
+                .to_dtype(DType::F32)?
+                .to_vec::<f32>()?
+        );
+    }
     let filled = Tensor::zeros_on([5], DType::I64, &g)?;
     filled.fill(7.0)?;
     assert_eq!(filled.to_vec::<i64>()?, vec![7; 5]);
@@ -365,6 +386,40 @@ fn device_tensors_round_trip_and_refuse_host_reads() -> R {
         rows.to_vec::<f32>()?,
         host.narrow(0, 1, 2)?.contiguous()?.to_vec::<f32>()?
     );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn the_profiler_times_kernels_and_products_by_name() -> R {
+    use megatron_core::cuda::profile;
+    let g = gpu();
+    let x = Tensor::from_vec(values(64 * 48, 21), [64, 48])?.to_gpu(&g)?;
+    let w = Tensor::from_vec(values(32 * 48, 22), [32, 48])?.to_gpu(&g)?;
+    profile::start();
+    for _ in 0..3 {
+        let y = megatron_core::ops::matmul(&x, &w.t()?)?;
+        y.fill(0.5)?;
+    }
+    let p = profile::stop()?;
+    let gemm = p
+        .rows
+        .iter()
+        .find(|r| r.name == "gemm 64×32×48×1 f32")
+        .ok_or_else(|| format!("no product row in {p}"))?;
+    assert_eq!(gemm.calls, 3);
+    assert_eq!(gemm.flops, 3.0 * 2.0 * 64.0 * 32.0 * 48.0);
+    assert!(gemm.ms > 0.0 && gemm.tflops().is_some(), "{p}");
+    let fill = p
+        .rows
+        .iter()
+        .find(|r| r.name == "fill_bits")
+        .ok_or_else(|| format!("no fill row in {p}"))?;
+    assert_eq!(fill.calls, 3);
+    assert!(fill.ms > 0.0 && fill.tflops().is_none(), "{p}");
+    // Off again: nothing more is recorded.
+    megatron_core::ops::matmul(&x, &w.t()?)?;
+    assert!(profile::stop()?.rows.is_empty());
     Ok(())
 }
 

@@ -22,6 +22,10 @@ pub struct BenchArgs {
     /// on cuda; none on the CPU].
     #[arg(long)]
     peak_tflops: Option<f64>,
+    /// With --device cuda: also time every kernel and product of the timed steps and report
+    /// where the GPU time goes (the `profile` table on stderr, its rows in the JSON).
+    #[arg(long)]
+    profile: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -113,18 +117,27 @@ fn model_step(args: &BenchArgs) -> Result<()> {
     use megatron::job::{Observer, Placement, StepRecord};
     use std::sync::{Arc, Mutex};
 
-    /// Collects step times.
-    struct Times(Arc<Mutex<Vec<(f64, usize)>>>);
+    /// Collects step times, and starts the profile once `profile_from` steps have run.
+    struct Times {
+        times: Arc<Mutex<Vec<(f64, usize)>>>,
+        profile_from: Option<u64>,
+    }
     impl Observer for Times {
         fn step(&mut self, record: &StepRecord) -> Result<()> {
-            if let Ok(mut t) = self.0.lock() {
+            if let Ok(mut t) = self.times.lock() {
                 t.push((record.metrics.seconds, record.metrics.tokens));
+            }
+            if self.profile_from == Some(record.metrics.step + 1) {
+                start_profile();
             }
             Ok(())
         }
     }
 
     let mut job = args.step.job()?;
+    if args.profile && !matches!(job.device, Placement::Cuda { .. }) {
+        anyhow::bail!("--profile times GPU kernels: add --device cuda");
+    }
     let timed = job.steps;
     job.steps = timed + args.warmup;
     let plan = *job.train_data.plan();
@@ -135,8 +148,16 @@ fn model_step(args: &BenchArgs) -> Result<()> {
         (None, Placement::Cpu) => None,
     };
     let times = Arc::new(Mutex::new(Vec::new()));
-    let mut observers: Vec<Box<dyn Observer>> = vec![Box::new(Times(times.clone()))];
+    let profile_from = args.profile.then_some(args.warmup);
+    if profile_from == Some(0) {
+        start_profile();
+    }
+    let mut observers: Vec<Box<dyn Observer>> = vec![Box::new(Times {
+        times: times.clone(),
+        profile_from,
+    })];
     job.run(&mut observers)?;
+    let kernels = args.profile.then(|| finish_profile(timed)).transpose()?;
     let times = times
         .lock()
         .map_err(|_| anyhow::anyhow!("a rank panicked"))?
@@ -167,9 +188,30 @@ fn model_step(args: &BenchArgs) -> Result<()> {
         "model_tflops": tflops,
         "peak_tflops": peak,
         "mfu": peak.map(|p| tflops / p),
+        "profile": kernels,
     });
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
+}
+
+/// Starts timing every GPU kernel and product.
+fn start_profile() {
+    #[cfg(feature = "cuda")]
+    megatron::cuda::profile::start();
+}
+
+/// Stops timing; prints the largest rows to stderr and returns them for the JSON report.
+#[cfg(feature = "cuda")]
+fn finish_profile(steps: u64) -> Result<serde_json::Value> {
+    let top = megatron::cuda::profile::stop()?.top(40);
+    eprintln!("GPU time of the {steps} timed steps, by kernel and product shape:\n{top}");
+    Ok(serde_json::to_value(&top)?)
+}
+
+/// Without the `cuda` feature there is nothing to profile (`--profile` was refused).
+#[cfg(not(feature = "cuda"))]
+fn finish_profile(_steps: u64) -> Result<serde_json::Value> {
+    anyhow::bail!("--profile needs a build with CUDA: cargo build --release --features cuda")
 }
 
 fn print<T: serde::Serialize + std::fmt::Display>(report: &T, json: bool) -> Result<()> {

@@ -6,11 +6,12 @@ use std::ffi::c_int;
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::result::gemm_strided_batched_ex;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr};
 use half::bf16;
 
 use super::error::{CudaError, Result};
-use super::{Gpu, library};
+use super::{Gpu, library, profile};
 use crate::kernels::KernelError;
 
 /// An element type cuBLAS multiplies with f32 accumulation.
@@ -162,6 +163,13 @@ impl Blas {
                 cublasOperation_t::CUBLAS_OP_N
             }
         };
+        let timed = profile::enabled()
+            .then(|| {
+                self.stream
+                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            })
+            .transpose()
+            .map_err(|e| CudaError::driver("timing a product", e))?;
         // SAFETY: the caller vouches for the operands; cuBLAS reads Bᵀ·Aᵀ = Cᵀ column-major.
         unsafe {
             gemm_strided_batched_ex(
@@ -193,7 +201,25 @@ impl Blas {
         .map_err(|e| CudaError::Blas {
             call: format!("cublasGemmStridedBatchedEx({})", dims()),
             message: format!("{e:?}"),
-        })
+        })?;
+        if let Some(start) = timed {
+            let end = self
+                .stream
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| CudaError::driver("timing a product", e))?;
+            let dtype = if input == cudaDataType::CUDA_R_16BF {
+                "bf16"
+            } else {
+                "f32"
+            };
+            let flops = 2.0 * (m * n * k * batch) as f64;
+            profile::record(
+                format!("gemm {m}×{n}×{k}×{batch} {dtype}"),
+                flops,
+                (start, end),
+            );
+        }
+        Ok(())
     }
 
     /// `C = alpha·op(A)·op(B) + beta·C` (see [`MatmulShape`]), accumulating in f32.

@@ -8,6 +8,7 @@
 //!   draws bit-identical masks from the same Philox streams.
 //! - [`blas`]: matrix products on cuBLAS: bf16 or f32 inputs, f32 accumulation.
 //! - [`graph`]: capture a region of a stream into a CUDA graph and replay it.
+//! - [`profile`]: the GPU time of every kernel and product, summed by name.
 //!
 //! The CUDA libraries (driver, NVRTC, cuBLAS, NCCL) are loaded when first used, so this builds
 //! and lints on a machine without CUDA; using it there is a [`CudaError::Unavailable`].
@@ -18,6 +19,7 @@ mod error;
 pub mod graph;
 pub mod kernels;
 mod library;
+pub mod profile;
 pub mod programs;
 
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};

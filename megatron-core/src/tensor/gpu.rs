@@ -302,7 +302,8 @@ impl Tensor {
         let dst_addr = dst.addr() as u64;
         let (n64, nd, offset, bytes) = (
             n as u64,
-            ndim as i32,
+            // 0 tells the kernel that the source is contiguous.
+            if src.is_contiguous() { 0 } else { ndim as i32 },
             src.layout().offset as i64,
             self.dtype().size() as i32,
         );

@@ -120,10 +120,7 @@ __device__ __forceinline__ void store_from_f32(void* p, int type, u64 i, float v
     if (type == 0) {
         ((float*)p)[i] = v;
     } else if (type == 1) {
-        const u32 b = __float_as_uint(v);
-        ((unsigned short*)p)[i] = (b & 0x7fffffffu) > 0x7f800000u
-            ? (unsigned short)((b >> 16) | 0x0040u)
-            : (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+        ((unsigned short*)p)[i] = (unsigned short)bf16_bits(v);
     } else {
         ((i64*)p)[i] = (i64)v;
     }
@@ -132,8 +129,9 @@ __device__ __forceinline__ void store_from_f32(void* p, int type, u64 i, float v
 extern "C" __global__ void copy_strided(const void* __restrict__ src, int src_type,
                                         void* __restrict__ dst, int dst_type, u64 n, int ndim,
                                         long long offset, View8 view, int elem_bytes) {
+    // ndim 0: the source is contiguous from `offset` (no index arithmetic per element).
     FOR_EACH(i, n) {
-        long long at = offset;
+        long long at = offset + (ndim == 0 ? (long long)i : 0);
         u64 rest = i;
         for (int d = ndim - 1; d >= 0; --d) {
             const u64 size = (u64)view.dims[d];

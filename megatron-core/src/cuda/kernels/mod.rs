@@ -15,9 +15,11 @@ pub mod reduce;
 pub mod softmax;
 pub mod vocab_parallel;
 
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{LaunchArgs, LaunchConfig};
 
 use super::error::{CudaError, Result};
+use super::profile;
 use crate::kernels::KernelError;
 
 /// Threads per block of the element-wise kernels.
@@ -46,13 +48,21 @@ pub(crate) fn per_row(rows: usize, threads: u32, shared_mem_bytes: u32) -> Resul
     })
 }
 
-/// Queues a built launch, naming the kernel if the driver refuses it.
+/// Queues a built launch, naming the kernel if the driver refuses it (and timing it while
+/// [`crate::cuda::profile`] is on).
 pub(crate) fn launch(name: &str, mut args: LaunchArgs<'_>, cfg: LaunchConfig) -> Result<()> {
+    let profiled = profile::enabled();
+    if profiled {
+        args.record_kernel_launch(CUevent_flags::CU_EVENT_DEFAULT);
+    }
     // SAFETY: every launcher passes the kernel's parameters in its C signature's order and
     // types, with device buffers whose lengths it checked against the sizes it passes.
-    unsafe { args.launch(cfg) }
-        .map(drop)
-        .map_err(|e| CudaError::driver(format!("launching {name}"), e))
+    let events = unsafe { args.launch(cfg) }
+        .map_err(|e| CudaError::driver(format!("launching {name}"), e))?;
+    if let (true, Some(events)) = (profiled, events) {
+        profile::record(name, 0.0, events);
+    }
+    Ok(())
 }
 
 /// Checks that a device buffer has `expected` elements, as the CPU kernels' `check_len`.
