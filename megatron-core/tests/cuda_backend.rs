@@ -371,6 +371,18 @@ fn device_tensors_round_trip_and_refuse_host_reads() -> R {
         1e-5,
         "device matmul",
     );
+    // Into a bf16 output: bf16 operands, the f32 accumulator rounded once.
+    let c16 = Tensor::empty_on([3, 4, 5], DType::BF16, &g)?;
+    megatron_core::ops::matmul_into(1.0, &x.to_gpu(&g)?, &w.to_gpu(&g)?.t()?, 0.0, &c16)?;
+    let rounded = |t: &Tensor| -> R<Tensor> { Ok(t.to_dtype(DType::BF16)?.to_dtype(DType::F32)?) };
+    let want = megatron_core::ops::matmul(&rounded(&x)?, &rounded(&w)?.t()?)?;
+    assert_eq!(c16.dtype(), DType::BF16);
+    assert_close(
+        &c16.to_vec_f32()?,
+        &rounded(&want)?.to_vec::<f32>()?,
+        1e-2,
+        "matmul into bf16",
+    );
     let scores = megatron_core::ops::matmul(&x, &x.transpose(1, 2)?)?;
     let xd = x.to_gpu(&g)?;
     let gpu_scores = megatron_core::ops::matmul(&xd, &xd.transpose(1, 2)?)?;
@@ -405,7 +417,7 @@ fn the_profiler_times_kernels_and_products_by_name() -> R {
     let gemm = p
         .rows
         .iter()
-        .find(|r| r.name == "gemm 64×32×48×1 f32")
+        .find(|r| r.name == "gemm 64×32×48×1 f32→f32")
         .ok_or_else(|| format!("no product row in {p}"))?;
     assert_eq!(gemm.calls, 3);
     assert_eq!(gemm.flops, 3.0 * 2.0 * 64.0 * 32.0 * 48.0);

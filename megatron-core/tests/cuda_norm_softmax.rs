@@ -7,7 +7,7 @@
 //! `cargo test -p megatron-core --features cuda --test cuda_norm_softmax -- --ignored`.
 
 use half::bf16;
-use megatron_core::cuda::kernels::softmax::Out;
+use megatron_core::cuda::kernels::softmax::{In, Out};
 use megatron_core::cuda::kernels::{layer_norm as gpu_ln, softmax as gpu_sm};
 use megatron_core::cuda::{CudaSlice, Gpu};
 use megatron_core::kernels::dropout::{self as cpu_dropout, LogicalIndex};
@@ -488,6 +488,13 @@ fn bf16_buffer(gpu: &Gpu, n: usize, offset: usize) -> CudaSlice<bf16> {
     gpu.upload(&vec![bf16::NAN; offset + n]).unwrap()
 }
 
+/// `host` rounded to bf16 on the device after `offset` leading NaNs.
+fn upload_bf16(gpu: &Gpu, host: &[f32], offset: usize) -> CudaSlice<bf16> {
+    let mut padded = vec![bf16::NAN; offset];
+    padded.extend(host.iter().map(|&v| bf16::from_f32(v)));
+    gpu.upload(&padded).unwrap()
+}
+
 fn download_bf16(gpu: &Gpu, dev: &CudaSlice<bf16>, offset: usize) -> Vec<f32> {
     gpu.download(dev).unwrap()[offset..]
         .iter()
@@ -503,8 +510,8 @@ fn round_bf16(v: &[f32]) -> Vec<f32> {
 /// Local heads, all heads, the first local head.
 type Heads = (usize, usize, usize);
 
-/// (batches, sq, sk, heads): aligned runs (one Philox block per 4
-/// elements) and odd ones, widths not a multiple of 4, a tensor-parallel shard of heads.
+/// (batches, sq, sk, heads): aligned runs (one Philox block per 4 elements) and odd ones,
+/// widths not a multiple of 4, a tensor-parallel shard of heads.
 const FUSED_SHAPES: [(usize, usize, usize, Heads); 5] = [
     (4, 8, 8, (2, 4, 2)),
     (3, 5, 5, (1, 1, 0)),
@@ -512,6 +519,35 @@ const FUSED_SHAPES: [(usize, usize, usize, Heads); 5] = [
     (6, 16, 768, (3, 6, 3)),
     (2, 7, 9, (1, 3, 1)),
 ];
+
+/// Asserts that exactly the elements `want` drops (zeros where `reference` is not zero) are
+/// zero in `got`.
+fn assert_same_drops(what: &str, got: &[f32], want: &[f32], reference: &[f32]) {
+    for (i, ((g, w), r)) in got.iter().zip(want).zip(reference).enumerate() {
+        if *r != 0.0 {
+            assert_eq!(
+                *g == 0.0,
+                *w == 0.0,
+                "{what}: element {i} dropped differently"
+            );
+        }
+    }
+}
+
+/// The CPU's softmax of `x` and its dropout.
+fn cpu_forward(
+    x: &[f32],
+    (batches, sq, sk): (usize, usize, usize),
+    scale: f32,
+    dropout: (f32, &DropoutStream, LogicalIndex),
+) -> (Vec<f32>, Vec<f32>) {
+    let mut probs = vec![0.0; x.len()];
+    cpu_sm::softmax_forward(x, batches, sq, sk, scale, true, &mut probs).unwrap();
+    let mut dropped = vec![0.0; x.len()];
+    let (p, stream, index) = dropout;
+    cpu_dropout::dropout_forward(&probs, &mut dropped, p, stream, index).unwrap();
+    (probs, dropped)
+}
 
 #[test]
 #[ignore = "needs a GPU"]
@@ -524,25 +560,25 @@ fn softmax_dropout_forward_matches_the_cpus_softmax_then_dropout() {
         let n = x.len();
         let (scale, p) = (0.41, 0.3);
         let index = head_mask(batches, sq, sk, heads);
-        let mut probs = vec![0.0; n];
-        cpu_sm::softmax_forward(&x, batches, sq, sk, scale, true, &mut probs).unwrap();
-        let mut dropped = vec![0.0; n];
-        cpu_dropout::dropout_forward(&probs, &mut dropped, p, &stream, index).unwrap();
+        let dims = (batches, sq, sk);
+        let (probs, dropped) = cpu_forward(&x, dims, scale, (p, &stream, index));
+        // bf16 scores: the CPU's results from the rounded scores, rounded.
+        let (probs16, dropped16) = cpu_forward(&round_bf16(&x), dims, scale, (p, &stream, index));
         for offset in [0, 1] {
             let what = format!("{batches}×{sq}×{sk} heads {heads:?} offset {offset}");
             let x_d = upload_at(&gpu, &x, offset);
-            // f32 output: the CPU's values and exactly its dropped elements.
+            // f32 in and out: the CPU's values and exactly its dropped elements.
             let mut y_d = upload_at(&gpu, &vec![f32::NAN; n], offset);
             let mut d_d = upload_at(&gpu, &vec![f32::NAN; n], offset);
             gpu_sm::softmax_dropout_forward(
                 &gpu,
-                &x_d.slice(offset..),
+                In::F32(&x_d.slice(offset..)),
                 batches,
                 sq,
                 sk,
                 scale,
                 true,
-                &mut y_d.slice_mut(offset..),
+                Out::F32(&mut y_d.slice_mut(offset..)),
                 Some(Out::F32(&mut d_d.slice_mut(offset..))),
                 Some((p, &stream, index)),
             )
@@ -557,35 +593,65 @@ fn softmax_dropout_forward_matches_the_cpus_softmax_then_dropout() {
             );
             let got = download_at(&gpu, &d_d, offset);
             assert_close(&what, &got, &dropped, 1e-5, 1e-7, true);
-            for (i, (g, w)) in got.iter().zip(&dropped).enumerate() {
-                assert_eq!(
-                    *g == 0.0,
-                    *w == 0.0,
-                    "{what}: element {i} dropped differently"
-                );
-            }
-            // bf16 output: the same values rounded once; no dropout is a rounded copy.
-            for dropout in [Some((p, &stream, index)), None] {
-                let want = round_bf16(if dropout.is_some() { &dropped } else { &probs });
-                let mut b_d = bf16_buffer(&gpu, n, offset);
-                gpu_sm::softmax_dropout_forward(
-                    &gpu,
-                    &x_d.slice(offset..),
-                    batches,
-                    sq,
-                    sk,
-                    scale,
-                    true,
-                    &mut y_d.slice_mut(offset..),
-                    Some(Out::Bf16(&mut b_d.slice_mut(offset..))),
-                    dropout,
-                )
-                .unwrap();
-                let got = download_bf16(&gpu, &b_d, offset);
-                assert_close(&what, &got, &want, 1e-2, 1e-7, true);
-            }
+            assert_same_drops(&what, &got, &dropped, &probs);
+            // f32 scores, a bf16 copy of the probabilities without dropout.
+            let mut c_d = bf16_buffer(&gpu, n, offset);
+            gpu_sm::softmax_dropout_forward(
+                &gpu,
+                In::F32(&x_d.slice(offset..)),
+                batches,
+                sq,
+                sk,
+                scale,
+                true,
+                Out::F32(&mut y_d.slice_mut(offset..)),
+                Some(Out::Bf16(&mut c_d.slice_mut(offset..))),
+                None,
+            )
+            .unwrap();
+            let got = download_bf16(&gpu, &c_d, offset);
+            assert_close(&what, &got, &round_bf16(&probs), 1e-2, 1e-7, true);
+            // bf16 in and out.
+            let x16 = upload_bf16(&gpu, &x, offset);
+            let mut y16 = bf16_buffer(&gpu, n, offset);
+            let mut d16 = bf16_buffer(&gpu, n, offset);
+            gpu_sm::softmax_dropout_forward(
+                &gpu,
+                In::Bf16(&x16.slice(offset..)),
+                batches,
+                sq,
+                sk,
+                scale,
+                true,
+                Out::Bf16(&mut y16.slice_mut(offset..)),
+                Some(Out::Bf16(&mut d16.slice_mut(offset..))),
+                Some((p, &stream, index)),
+            )
+            .unwrap();
+            let what = format!("{what} bf16");
+            let got = download_bf16(&gpu, &y16, offset);
+            assert_close(&what, &got, &round_bf16(&probs16), 1e-2, 1e-7, true);
+            let got = download_bf16(&gpu, &d16, offset);
+            assert_close(&what, &got, &round_bf16(&dropped16), 1e-2, 1e-7, true);
+            assert_same_drops(&what, &got, &dropped16, &probs16);
         }
     }
+}
+
+/// The CPU's gradient through dropout and softmax: (dx, the dropped probabilities).
+fn cpu_backward(
+    y: &[f32],
+    dy: &[f32],
+    (batches, sq, sk): (usize, usize, usize),
+    scale: f32,
+    (p, stream, index): (f32, &DropoutStream, LogicalIndex),
+) -> (Vec<f32>, Vec<f32>) {
+    let n = y.len();
+    let (mut dropped, mut d_probs) = (vec![0.0; n], vec![0.0; n]);
+    cpu_dropout::dropout_pair(y, &mut dropped, dy, &mut d_probs, p, stream, index).unwrap();
+    let mut dx = vec![0.0; n];
+    cpu_sm::softmax_backward(y, &d_probs, batches, sq, sk, scale, &mut dx).unwrap();
+    (dx, dropped)
 }
 
 #[test]
@@ -599,22 +665,13 @@ fn dropout_softmax_backward_matches_the_cpus_dropout_then_softmax_backward() {
         let n = x.len();
         let (scale, p) = (0.8, 0.25);
         let index = head_mask(batches, sq, sk, heads);
+        let dims = (batches, sq, sk);
         let mut y = vec![0.0; n];
         cpu_sm::softmax_forward(&x, batches, sq, sk, scale, true, &mut y).unwrap();
         let d_dropped = rng.vec(n, -1.0, 1.0);
-        let (mut dropped, mut d_probs) = (vec![0.0; n], vec![0.0; n]);
-        cpu_dropout::dropout_pair(
-            &y,
-            &mut dropped,
-            &d_dropped,
-            &mut d_probs,
-            p,
-            &stream,
-            index,
-        )
-        .unwrap();
-        let mut dx = vec![0.0; n];
-        cpu_sm::softmax_backward(&y, &d_probs, batches, sq, sk, scale, &mut dx).unwrap();
+        let (dx, dropped) = cpu_backward(&y, &d_dropped, dims, scale, (p, &stream, index));
+        let (y16, dy16) = (round_bf16(&y), round_bf16(&d_dropped));
+        let (dx16, dropped16) = cpu_backward(&y16, &dy16, dims, scale, (p, &stream, index));
         let atol = 1e-5 * magnitude(&dx);
         for offset in [0, 1] {
             let what = format!("{batches}×{sq}×{sk} heads {heads:?} offset {offset}");
@@ -624,8 +681,8 @@ fn dropout_softmax_backward_matches_the_cpus_dropout_then_softmax_backward() {
             let mut dr_d = upload_at(&gpu, &vec![f32::NAN; n], offset);
             gpu_sm::dropout_softmax_backward(
                 &gpu,
-                &y_d.slice(offset..),
-                &dy_d.slice(offset..),
+                In::F32(&y_d.slice(offset..)),
+                In::F32(&dy_d.slice(offset..)),
                 batches,
                 sq,
                 sk,
@@ -645,13 +702,15 @@ fn dropout_softmax_backward_matches_the_cpus_dropout_then_softmax_backward() {
             );
             let got = download_at(&gpu, &dr_d, offset);
             assert_close(&what, &got, &dropped, 1e-6, 0.0, true);
-            // Both outputs in bf16: the f32 results rounded once.
+            // bf16 in and out: the CPU's results from the rounded inputs, rounded once.
+            let y_b = upload_bf16(&gpu, &y, offset);
+            let dy_b = upload_bf16(&gpu, &d_dropped, offset);
             let mut dx_b = bf16_buffer(&gpu, n, offset);
             let mut dr_b = bf16_buffer(&gpu, n, offset);
             gpu_sm::dropout_softmax_backward(
                 &gpu,
-                &y_d.slice(offset..),
-                &dy_d.slice(offset..),
+                In::Bf16(&y_b.slice(offset..)),
+                In::Bf16(&dy_b.slice(offset..)),
                 batches,
                 sq,
                 sk,
@@ -661,10 +720,11 @@ fn dropout_softmax_backward_matches_the_cpus_dropout_then_softmax_backward() {
                 Some((p, &stream, index)),
             )
             .unwrap();
+            let what = format!("{what} bf16");
             let got = download_bf16(&gpu, &dx_b, offset);
-            assert_close(&what, &got, &round_bf16(&dx), 1e-2, 2.0 * atol, true);
+            assert_close(&what, &got, &round_bf16(&dx16), 1e-2, 2.0 * atol, true);
             let got = download_bf16(&gpu, &dr_b, offset);
-            assert_close(&what, &got, &round_bf16(&dropped), 0.0, 0.0, true);
+            assert_close(&what, &got, &round_bf16(&dropped16), 0.0, 0.0, true);
         }
     }
 }
@@ -680,13 +740,13 @@ fn fused_softmax_kernels_check_their_mask_and_outputs() {
     // A dropped output one element short.
     let err = gpu_sm::softmax_dropout_forward(
         &gpu,
-        &x.slice(..),
+        In::F32(&x.slice(..)),
         1,
         3,
         4,
         1.0,
         true,
-        &mut y.slice_mut(..),
+        Out::F32(&mut y.slice_mut(..)),
         Some(Out::Bf16(&mut short.slice_mut(..))),
         None,
     )
@@ -711,8 +771,8 @@ fn fused_softmax_kernels_check_their_mask_and_outputs() {
     ] {
         let err = gpu_sm::dropout_softmax_backward(
             &gpu,
-            &x.slice(..),
-            &x.slice(..),
+            In::F32(&x.slice(..)),
+            In::F32(&x.slice(..)),
             1,
             3,
             4,

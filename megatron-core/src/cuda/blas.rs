@@ -129,8 +129,9 @@ impl Blas {
     }
 
     /// `C = alpha·op(A)·op(B) + beta·C` on raw operands: `[m, k]·[k, n] → [m, n]`, `batch`
-    /// times, with elements of `input` type (`CUDA_R_32F` or `CUDA_R_16BF`) and an f32 `c`
-    /// (which must not be transposed).
+    /// times, with elements of the `input` type (`CUDA_R_32F` or `CUDA_R_16BF`), accumulated in
+    /// f32 and stored as the `output` type (`CUDA_R_32F`, or `CUDA_R_16BF` rounded once) in a
+    /// `c` that must not be transposed.
     ///
     /// # Safety
     /// Every operand must lie in live device memory of this context for all the elements its
@@ -138,7 +139,7 @@ impl Blas {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn matmul_raw(
         &self,
-        input: cudaDataType,
+        (input, output): (cudaDataType, cudaDataType),
         (m, n, k, batch): (usize, usize, usize, usize),
         a: Operand,
         b: Operand,
@@ -190,7 +191,7 @@ impl Blas {
                 a.batch_stride as i64,
                 (&beta) as *const f32 as *const _,
                 c.addr as *mut _,
-                cudaDataType::CUDA_R_32F,
+                output,
                 int(c.ld.max(1))?,
                 c.batch_stride as i64,
                 int(batch)?,
@@ -207,14 +208,16 @@ impl Blas {
                 .stream
                 .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                 .map_err(|e| CudaError::driver("timing a product", e))?;
-            let dtype = if input == cudaDataType::CUDA_R_16BF {
-                "bf16"
-            } else {
-                "f32"
+            let name = |t: cudaDataType| {
+                if t == cudaDataType::CUDA_R_16BF {
+                    "bf16"
+                } else {
+                    "f32"
+                }
             };
             let flops = 2.0 * (m * n * k * batch) as f64;
             profile::record(
-                format!("gemm {m}×{n}×{k}×{batch} {dtype}"),
+                format!("gemm {m}×{n}×{k}×{batch} {}→{}", name(input), name(output)),
                 flops,
                 (start, end),
             );
@@ -269,7 +272,7 @@ impl Blas {
         // their sync guards order later frees after it).
         unsafe {
             self.matmul_raw(
-                T::DATA_TYPE,
+                (T::DATA_TYPE, cudaDataType::CUDA_R_32F),
                 (m, n, k, batch),
                 operand(a_ptr, trans_a, m, k),
                 operand(b_ptr, trans_b, k, n),

@@ -124,21 +124,22 @@ fn near(dims: Vec<usize>, a: &Tensor) -> Result<Tensor> {
     })
 }
 
-/// `c = α·(a @ b) + β·c` for an f32 `c` (with β = 0 its contents are ignored).
+/// `c = α·(a @ b) + β·c` for an f32 `c` (with β = 0 its contents are ignored); on a GPU `c`
+/// may also be bf16 (bf16 products, the f32 accumulator rounded once).
 ///
 /// `a` and `b` may be any views (a transposed weight is read in place); bf16/f16 operands are
 /// converted to f32 first. `b` is either batched like `a` or one matrix shared by every batch.
 pub fn matmul_into(alpha: f32, a: &Tensor, b: &Tensor, beta: f32, c: &Tensor) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if c.gpu().is_some() || a.gpu().is_some() || b.gpu().is_some() {
+        return device::matmul_into(alpha, a, b, beta, c);
+    }
     if c.dtype() != DType::F32 {
         return Err(TensorError::DType {
             op: "matmul",
             expected: DType::F32,
             actual: c.dtype(),
         });
-    }
-    #[cfg(feature = "cuda")]
-    if c.gpu().is_some() || a.gpu().is_some() || b.gpu().is_some() {
-        return device::matmul_into(alpha, a, b, beta, c);
     }
     if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
         let a32 = if a.dtype() == DType::F32 {
@@ -305,20 +306,25 @@ mod device {
                 .map_err(|e| err(format!("{name}: {e}")));
             }
         }
-        if c.dtype() != DType::F32 {
-            return Err(TensorError::DType {
-                op: "matmul",
-                expected: DType::F32,
-                actual: c.dtype(),
-            });
-        }
+        // The output: f32, or bf16 (the f32 accumulator rounded once) from bf16 operands.
+        let output = match c.dtype() {
+            DType::F32 => cudaDataType::CUDA_R_32F,
+            DType::BF16 => cudaDataType::CUDA_R_16BF,
+            other => {
+                return Err(TensorError::DType {
+                    op: "matmul",
+                    expected: DType::F32,
+                    actual: other,
+                });
+            }
+        };
         let wrap = |e: crate::Error| match e {
             crate::Error::Tensor(t) => t,
             other => err(other.to_string()),
         };
         // Operands as cuBLAS takes them: both f32, or both bf16 (rounded copies of f32 operands
         // when the handle multiplies in bf16).
-        let bf16 = gpu.bf16_products() || a.dtype() == DType::BF16 || b.dtype() == DType::BF16;
+        let bf16 = gpu.bf16_products() || [a.dtype(), b.dtype(), c.dtype()].contains(&DType::BF16);
         let cast = |t: &Tensor| -> Result<Tensor> {
             match (bf16, t.dtype()) {
                 (true, DType::BF16) | (false, DType::F32) => Ok(t.clone()),
@@ -362,7 +368,7 @@ mod device {
         let c_span = c.raw_device_span_write("matmul")?;
         let mut ao = operand(&av, a_span.0, size, "a")?;
         let mut bo = operand(&bv, b_span.0, size, "b")?;
-        let mut co = operand(&cv, c_span.0, 4, "c")?;
+        let mut co = operand(&cv, c_span.0, c.dtype().size(), "c")?;
         if co.trans {
             return Err(err(format!(
                 "the output {} must have unit column stride",
@@ -384,7 +390,7 @@ mod device {
         let blas = gpu.blas().map_err(|e| err(e.to_string()))?;
         // SAFETY: the spans are borrowed (read, read, write) for the call and cover every
         // element the views reach; the stream orders later frees after the product.
-        unsafe { blas.matmul_raw(input, (m, n, k, batch), ao, bo, co, alpha, beta) }
+        unsafe { blas.matmul_raw((input, output), (m, n, k, batch), ao, bo, co, alpha, beta) }
             .map_err(|e| err(e.to_string()))?;
         drop((a_span, b_span, c_span));
         Ok(())

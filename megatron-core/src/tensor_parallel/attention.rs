@@ -286,17 +286,19 @@ impl Op for CausalSelfAttention {
 /// Attention on the GPU (feature `cuda`), when the fused QKV is a device tensor. The batched
 /// products read and write the heads in place through strided views of the sequence-first
 /// activations (`[b, heads, s, d]` views of `[s, b, heads·parts·d]`), so no layout copies run.
-/// Softmax, dropout and the rounding of the products' operands to bf16 are one fused kernel
-/// each way (with the CPU's masks), so the `s × s` tensors are read and written once per pass.
+/// Softmax, dropout and the rounding of the products' operands are one fused kernel each way
+/// (with the CPU's masks). With bf16 products every `s × s` tensor is bf16, as in Megatron-LM's
+/// bf16 training: the scores and their gradients leave cuBLAS rounded once, and the saved
+/// probabilities take half the memory.
 #[cfg(feature = "cuda")]
 mod device {
     use super::{AttentionSaved, CausalSelfAttention, Shape};
     use crate::cuda::Gpu;
-    use crate::cuda::kernels::softmax::{self as gsm, Out};
+    use crate::cuda::kernels::softmax::{self as gsm, In, Out};
     use crate::error::Result;
     use crate::kernels::dropout::LogicalIndex;
     use crate::module::{Cx, Site};
-    use crate::ops::{as_operand, matmul, matmul_into, operand_dtype};
+    use crate::ops::{as_operand, matmul_into, operand_dtype};
     use crate::rng::DropoutStream;
     use crate::tensor::{DType, Tensor};
 
@@ -310,12 +312,32 @@ mod device {
             .transpose(1, 2)?)
     }
 
+    /// Runs `f` with `t` (f32 or bf16) as a fused kernel's input.
+    fn with_in<R>(t: &Tensor, f: impl FnOnce(In<'_, '_>) -> Result<R>) -> Result<R> {
+        if t.dtype() == DType::BF16 {
+            f(In::Bf16(&t.device_read::<half::bf16>()?.view()))
+        } else {
+            f(In::F32(&t.device_read::<f32>()?.view()))
+        }
+    }
+
     /// Runs `f` with `t` (f32 or bf16) as a fused kernel's output.
     fn with_out<R>(t: &Tensor, f: impl FnOnce(Out<'_, '_>) -> Result<R>) -> Result<R> {
         if t.dtype() == DType::BF16 {
             f(Out::Bf16(&mut t.device_write::<half::bf16>()?.view_mut()))
         } else {
             f(Out::F32(&mut t.device_write::<f32>()?.view_mut()))
+        }
+    }
+
+    /// Runs `f` with `t`, if any, as a fused kernel's optional output.
+    fn with_optional_out<R>(
+        t: Option<&Tensor>,
+        f: impl FnOnce(Option<Out<'_, '_>>) -> Result<R>,
+    ) -> Result<R> {
+        match t {
+            Some(t) => with_out(t, |out| f(Some(out))),
+            None => f(None),
         }
     }
 
@@ -333,15 +355,15 @@ mod device {
             sh: Shape,
             gpu: &Gpu,
         ) -> Result<(Tensor, AttentionSaved)> {
-            // With bf16 products, q, k and v are rounded once here (not once per product) and
-            // kept in bf16 for the backward.
+            // q, k and v in the products' dtype (bf16: rounded once), kept for the backward.
             let dtype = operand_dtype(qkv);
-            let qkv = qkv.to_contiguous(dtype)?;
+            let qkv = as_operand(qkv)?;
             let q = heads_view(&qkv, sh, 3, 0)?;
             let k = heads_view(&qkv, sh, 3, 1)?;
             let v = heads_view(&qkv, sh, 3, 2)?;
-            // [b, heads, s, s], contiguous.
-            let scores = matmul(&q, &k.t()?)?;
+            let square = [sh.batch, sh.heads, sh.seq, sh.seq];
+            let scores = Tensor::empty_on(square, dtype, gpu)?;
+            matmul_into(1.0, &q, &k.t()?, 0.0, &scores)?;
             let mask = (cx.training() && self.dropout > 0.0).then(|| {
                 (
                     self.dropout,
@@ -349,31 +371,32 @@ mod device {
                     self.logical_index(cx, sh),
                 )
             });
-            let probs = Tensor::empty_on(scores.shape().clone(), DType::F32, gpu)?;
-            // The probabilities as the value product takes them: dropped and/or rounded, or
-            // (f32 without dropout) the probabilities themselves.
-            let dropped = (mask.is_some() || dtype != DType::F32)
-                .then(|| Tensor::empty_on(scores.shape().clone(), dtype, gpu))
+            let probs = Tensor::empty_on(square, dtype, gpu)?;
+            // What the value product reads: the dropped probabilities, or without dropout the
+            // probabilities themselves.
+            let dropped = mask
+                .is_some()
+                .then(|| Tensor::empty_on(square, dtype, gpu))
                 .transpose()?;
-            let run = |out: Option<Out<'_, '_>>| -> Result<()> {
-                gsm::softmax_dropout_forward(
-                    gpu,
-                    &scores.device_read::<f32>()?.view(),
-                    sh.batch * sh.heads,
-                    sh.seq,
-                    sh.seq,
-                    sh.scale(),
-                    true,
-                    &mut probs.device_write::<f32>()?.view_mut(),
-                    out,
-                    dropout_of(&mask),
-                )?;
-                Ok(())
-            };
-            match &dropped {
-                Some(d) => with_out(d, |out| run(Some(out)))?,
-                None => run(None)?,
-            }
+            with_in(&scores, |x| {
+                with_out(&probs, |y| {
+                    with_optional_out(dropped.as_ref(), |d| {
+                        gsm::softmax_dropout_forward(
+                            gpu,
+                            x,
+                            sh.batch * sh.heads,
+                            sh.seq,
+                            sh.seq,
+                            sh.scale(),
+                            true,
+                            y,
+                            d,
+                            dropout_of(&mask),
+                        )?;
+                        Ok(())
+                    })
+                })
+            })?;
             drop(scores);
             let out =
                 Tensor::empty_on([sh.seq, sh.batch, sh.heads * sh.head_dim], DType::F32, gpu)?;
@@ -405,30 +428,35 @@ mod device {
         let dtype = operand_dtype(d_out);
         // Both products that read the context gradient take it converted once.
         let d_ctx = heads_view(&as_operand(d_out)?, sh, 1, 0)?;
-        let d_dropped = matmul(&d_ctx, &saved.v.t()?)?;
-        let probs_shape = saved.probs.shape().clone();
-        let d_scores = Tensor::empty_on(probs_shape.clone(), dtype, gpu)?;
-        let dropped = (saved.dropout.is_some() || dtype != DType::F32)
-            .then(|| Tensor::empty_on(probs_shape, dtype, gpu))
+        let square = saved.probs.shape().clone();
+        let d_dropped = Tensor::empty_on(square.clone(), dtype, gpu)?;
+        matmul_into(1.0, &d_ctx, &saved.v.t()?, 0.0, &d_dropped)?;
+        let d_scores = Tensor::empty_on(square.clone(), dtype, gpu)?;
+        let dropped = saved
+            .dropout
+            .is_some()
+            .then(|| Tensor::empty_on(square, dtype, gpu))
             .transpose()?;
-        let run = |dx: Out<'_, '_>, out: Option<Out<'_, '_>>| -> Result<()> {
-            gsm::dropout_softmax_backward(
-                gpu,
-                &saved.probs.device_read::<f32>()?.view(),
-                &d_dropped.device_read::<f32>()?.view(),
-                sh.batch * sh.heads,
-                sh.seq,
-                sh.seq,
-                sh.scale(),
-                dx,
-                out,
-                dropout_of(&saved.dropout),
-            )?;
-            Ok(())
-        };
-        with_out(&d_scores, |dx| match &dropped {
-            Some(d) => with_out(d, |out| run(dx, Some(out))),
-            None => run(dx, None),
+        with_in(&saved.probs, |y| {
+            with_in(&d_dropped, |dy| {
+                with_out(&d_scores, |dx| {
+                    with_optional_out(dropped.as_ref(), |d| {
+                        gsm::dropout_softmax_backward(
+                            gpu,
+                            y,
+                            dy,
+                            sh.batch * sh.heads,
+                            sh.seq,
+                            sh.seq,
+                            sh.scale(),
+                            dx,
+                            d,
+                            dropout_of(&saved.dropout),
+                        )?;
+                        Ok(())
+                    })
+                })
+            })
         })?;
         drop(d_dropped);
         let dqkv = Tensor::empty_on(

@@ -161,9 +161,26 @@ __device__ __forceinline__ void store_out4(void* out, bool bf16, u64 k, float4 v
     }
 }
 
-// Whether `p` is null or aligned for store_out4.
+// Whether `p` is null or aligned for store_out4 and load_in4.
 __device__ __forceinline__ bool out4_aligned(const void* p, bool bf16) {
     return ((u64)p & (bf16 ? 7 : 15)) == 0;
+}
+
+__device__ __forceinline__ float bf16_to_float(u32 bits) { return __uint_as_float(bits << 16); }
+
+// Element i (or elements 4k .. 4k + 3) of an input that is f32 or, with `bf16`, bf16.
+__device__ __forceinline__ float load_in(const void* in, bool bf16, u64 i) {
+    if (bf16) return bf16_to_float(reinterpret_cast<const unsigned short*>(in)[i]);
+    return reinterpret_cast<const float*>(in)[i];
+}
+
+__device__ __forceinline__ float4 load_in4(const void* in, bool bf16, u64 k) {
+    if (bf16) {
+        const uint2 p = reinterpret_cast<const uint2*>(in)[k];
+        return make_float4(bf16_to_float(p.x & 0xffffu), bf16_to_float(p.x >> 16),
+                           bf16_to_float(p.y & 0xffffu), bf16_to_float(p.y >> 16));
+    }
+    return reinterpret_cast<const float4*>(in)[k];
 }
 
 // exp(x) for the GeLU and softmax kernels (CUDA's expf: within 2 ulp).

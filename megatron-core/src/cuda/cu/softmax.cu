@@ -4,9 +4,10 @@
 // NaN), or that sees no key, gets 0 where the scaled score is not NaN and NaN where it is.
 //
 // Attention fuses its dropout and the bf16 rounding of the products' operands into these
-// kernels: the forward may also write the dropped probabilities (f32 or bf16), the backward
-// takes the gradient of the dropped probabilities and may also write them again. The mask is
-// the dropout kernels' (a Mask over the [batches·sq·sk] buffer); a threshold of 0 is no dropout.
+// kernels: the forward may also write the dropped probabilities, the backward takes the gradient
+// of the dropped probabilities and may also write them again. Every input and output is f32 or
+// bf16 (computation in f32). The mask is the dropout kernels' (a Mask over the [batches·sq·sk]
+// buffer); a threshold of 0 is no dropout.
 //
 // One block per row (grid-stride over rows): max, then Σexp, then normalise, each a pass over
 // the row with 16-byte float4 accesses when sk is a multiple of 4 and the buffers are aligned
@@ -15,8 +16,6 @@
 
 #define SM_MAX_THREADS 512
 #define CANONICAL_NAN __int_as_float(0x7fc00000)
-
-__device__ __forceinline__ bool sm_aligned16(const void* p) { return ((u64)p & 15) == 0; }
 
 // Keys query `i` sees: min(i + 1 + sk − sq, sk), at least 0, when causal; else all sk.
 __device__ __forceinline__ u64 visible_keys(u64 i, u64 sq, u64 sk, bool causal) {
@@ -34,16 +33,16 @@ struct RowStats {
     float m, inv;
 };
 
-// Passes 1 and 2 over the `vis` visible keys of row `xr`.
-__device__ __forceinline__ RowStats row_stats(const float* __restrict__ xr, u64 vis, float scale,
-                                              bool vec, float* scratch) {
+// Passes 1 and 2 over the `vis` visible keys of row r (elements r·sk .. of x; `x16`: x is bf16).
+__device__ __forceinline__ RowStats row_stats(const void* __restrict__ x, bool x16, u64 r, u64 sk,
+                                              u64 vis, float scale, bool vec, float* scratch) {
     const u64 vis4 = (vis + 3) / 4;  // float4 groups holding a visible key
-    const float4* x4 = reinterpret_cast<const float4*>(xr);
+    const u64 at = r * sk, at4 = r * (sk / 4);
     // Pass 1: the maximum of the visible scaled scores (fmaxf skips NaN, as f32::max).
     float mx = NEG_INF;
     if (vec) {
         for (u64 k = threadIdx.x; k < vis4; k += blockDim.x) {
-            const float4 v = x4[k];
+            const float4 v = load_in4(x, x16, at4 + k);
             const u64 j = 4 * k;
             mx = fmaxf(mx, scaled(v.x, scale));
             if (j + 1 < vis) mx = fmaxf(mx, scaled(v.y, scale));
@@ -51,7 +50,9 @@ __device__ __forceinline__ RowStats row_stats(const float* __restrict__ xr, u64 
             if (j + 3 < vis) mx = fmaxf(mx, scaled(v.w, scale));
         }
     } else {
-        for (u64 j = threadIdx.x; j < vis; j += blockDim.x) mx = fmaxf(mx, scaled(xr[j], scale));
+        for (u64 j = threadIdx.x; j < vis; j += blockDim.x) {
+            mx = fmaxf(mx, scaled(load_in(x, x16, at + j), scale));
+        }
     }
     RowStats st;
     st.m = block_max(mx, scratch);
@@ -62,7 +63,7 @@ __device__ __forceinline__ RowStats row_stats(const float* __restrict__ xr, u64 
     float s = 0.0f;
     if (vec) {
         for (u64 k = threadIdx.x; k < vis4; k += blockDim.x) {
-            const float4 v = x4[k];
+            const float4 v = load_in4(x, x16, at4 + k);
             const u64 j = 4 * k;
             float t = exp_f32(scaled(v.x, scale) - st.m);
             if (j + 1 < vis) t += exp_f32(scaled(v.y, scale) - st.m);
@@ -71,7 +72,9 @@ __device__ __forceinline__ RowStats row_stats(const float* __restrict__ xr, u64 
             s += t;
         }
     } else {
-        for (u64 j = threadIdx.x; j < vis; j += blockDim.x) s += exp_f32(scaled(xr[j], scale) - st.m);
+        for (u64 j = threadIdx.x; j < vis; j += blockDim.x) {
+            s += exp_f32(scaled(load_in(x, x16, at + j), scale) - st.m);
+        }
     }
     st.inv = 1.0f / block_sum(s, scratch);
     return st;
@@ -85,22 +88,23 @@ __device__ __forceinline__ float prob(float v, u64 j, u64 vis, float scale, RowS
     return exp_f32(scaled(v, scale) - st.m) * st.inv;
 }
 
-// y = softmax(scale·x); with `dropped` non-null also dropped = mask(y), f32 or (dropped_bf16)
-// bf16, mask element r·sk + j for row r, key j.
+// y = softmax(scale·x); with `dropped` non-null also dropped = mask(y), mask element r·sk + j
+// for row r, key j. The *_bf16 flags say which buffers are bf16.
 extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_forward(
-    const float* __restrict__ x, float* __restrict__ y, void* __restrict__ dropped,
-    int dropped_bf16, u64 rows, u64 sq, u64 sk, float scale, int causal, u64 inner, u64 stride,
-    u64 start, u32 key_lo, u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
+    const void* __restrict__ x, int x_bf16, void* __restrict__ y, int y_bf16,
+    void* __restrict__ dropped, int dropped_bf16, u64 rows, u64 sq, u64 sk, float scale,
+    int causal, u64 inner, u64 stride, u64 start, u32 key_lo, u32 key_hi, u64 stream,
+    u32 threshold, float keep_scale) {
     __shared__ float scratch[32];
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
-    const bool bf16 = dropped_bf16 != 0;
-    const bool vec = sk % 4 == 0 && sm_aligned16(x) && sm_aligned16(y) && out4_aligned(dropped, bf16);
+    const bool x16 = x_bf16 != 0, y16 = y_bf16 != 0, d16 = dropped_bf16 != 0;
+    const bool vec = sk % 4 == 0 && out4_aligned(x, x16) && out4_aligned(y, y16) &&
+                     out4_aligned(dropped, d16);
     const bool blocks = mask_blocks(m);
     const u64 k4 = sk / 4;
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float* xr = x + r * sk;
         const u64 vis = visible_keys(r % sq, sq, sk, causal != 0);
-        const RowStats st = row_stats(xr, vis, scale, vec, scratch);
+        const RowStats st = row_stats(x, x16, r, sk, vis, scale, vec, scratch);
         // Pass 3: normalise (masked keys get exactly 0), then the dropout.
         if (vec) {
             const u64 vis4 = (vis + 3) / 4;
@@ -108,25 +112,25 @@ extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_forward(
                 float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 const u64 j = 4 * k;
                 if (k < vis4) {
-                    const float4 v = reinterpret_cast<const float4*>(xr)[k];
+                    const float4 v = load_in4(x, x16, r * k4 + k);
                     o = make_float4(prob(v.x, j, vis, scale, st), prob(v.y, j + 1, vis, scale, st),
                                     prob(v.z, j + 2, vis, scale, st),
                                     prob(v.w, j + 3, vis, scale, st));
                 }
-                reinterpret_cast<float4*>(y + r * sk)[k] = o;
+                store_out4(y, y16, r * k4 + k, o);
                 if (dropped != nullptr) {
                     // Masked keys are 0 whatever the mask says: no Philox words for them.
                     const float4 d = k < vis4 ? masked4(o, mask_factor4(m, r * sk + j, blocks)) : o;
-                    store_out4(dropped, bf16, r * k4 + k, d);
+                    store_out4(dropped, d16, r * k4 + k, d);
                 }
             }
         } else {
             for (u64 j = threadIdx.x; j < sk; j += blockDim.x) {
-                const float o = prob(j < vis ? xr[j] : 0.0f, j, vis, scale, st);
-                y[r * sk + j] = o;
+                const float o = prob(j < vis ? load_in(x, x16, r * sk + j) : 0.0f, j, vis, scale, st);
+                store_out(y, y16, r * sk + j, o);
                 if (dropped != nullptr) {
                     const float d = j < vis ? masked(o, mask_factor(m, r * sk + j)) : o;
-                    store_out(dropped, bf16, r * sk + j, d);
+                    store_out(dropped, d16, r * sk + j, d);
                 }
             }
         }
@@ -134,41 +138,42 @@ extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_forward(
 }
 
 // The gradient through dropout and softmax from the saved probabilities y: g = mask(dy),
-// dx = scale · y ⊙ (g − Σ_j g·y) per row (masked keys have y = 0 and get 0), f32 or (dx_bf16)
-// bf16; with `dropped` non-null also dropped = mask(y) (the forward's, for the value gradient).
+// dx = scale · y ⊙ (g − Σ_j g·y) per row (masked keys have y = 0 and get 0); with `dropped`
+// non-null also dropped = mask(y) (the forward's, for the value gradient). The *_bf16 flags say
+// which buffers are bf16.
 extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_backward(
-    const float* __restrict__ y, const float* __restrict__ dy, void* __restrict__ dx, int dx_bf16,
-    void* __restrict__ dropped, int dropped_bf16, u64 rows, u64 sk, float scale, u64 inner,
-    u64 stride, u64 start, u32 key_lo, u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
+    const void* __restrict__ y, int y_bf16, const void* __restrict__ dy, int dy_bf16,
+    void* __restrict__ dx, int dx_bf16, void* __restrict__ dropped, int dropped_bf16, u64 rows,
+    u64 sk, float scale, u64 inner, u64 stride, u64 start, u32 key_lo, u32 key_hi, u64 stream,
+    u32 threshold, float keep_scale) {
     __shared__ float scratch[32];
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
-    const bool dx16 = dx_bf16 != 0, d16 = dropped_bf16 != 0;
-    const bool vec = sk % 4 == 0 && sm_aligned16(y) && sm_aligned16(dy) && out4_aligned(dx, dx16) &&
-                     out4_aligned(dropped, d16);
+    const bool y16 = y_bf16 != 0, dy16 = dy_bf16 != 0, dx16 = dx_bf16 != 0, d16 = dropped_bf16 != 0;
+    const bool vec = sk % 4 == 0 && out4_aligned(y, y16) && out4_aligned(dy, dy16) &&
+                     out4_aligned(dx, dx16) && out4_aligned(dropped, d16);
     const bool blocks = mask_blocks(m);
     const u64 k4 = sk / 4;
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float* yr = y + r * sk;
-        const float* dyr = dy + r * sk;
         float s = 0.0f;
         if (vec) {
             for (u64 k = threadIdx.x; k < k4; k += blockDim.x) {
-                const float4 p = reinterpret_cast<const float4*>(yr)[k];
-                const float4 g = masked4(reinterpret_cast<const float4*>(dyr)[k],
+                const float4 p = load_in4(y, y16, r * k4 + k);
+                const float4 g = masked4(load_in4(dy, dy16, r * k4 + k),
                                          mask_factor4(m, r * sk + 4 * k, blocks));
                 s += (g.x * p.x + g.y * p.y) + (g.z * p.z + g.w * p.w);
             }
         } else {
             for (u64 j = threadIdx.x; j < sk; j += blockDim.x) {
-                s += masked(dyr[j], mask_factor(m, r * sk + j)) * yr[j];
+                const u64 e = r * sk + j;
+                s += masked(load_in(dy, dy16, e), mask_factor(m, e)) * load_in(y, y16, e);
             }
         }
         const float dot = block_sum(s, scratch);
         if (vec) {
             for (u64 k = threadIdx.x; k < k4; k += blockDim.x) {
-                const float4 p = reinterpret_cast<const float4*>(yr)[k];
+                const float4 p = load_in4(y, y16, r * k4 + k);
                 const float4 f = mask_factor4(m, r * sk + 4 * k, blocks);
-                const float4 g = masked4(reinterpret_cast<const float4*>(dyr)[k], f);
+                const float4 g = masked4(load_in4(dy, dy16, r * k4 + k), f);
                 store_out4(dx, dx16, r * k4 + k,
                            make_float4(scale * p.x * (g.x - dot), scale * p.y * (g.y - dot),
                                        scale * p.z * (g.z - dot), scale * p.w * (g.w - dot)));
@@ -176,9 +181,10 @@ extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_backward(
             }
         } else {
             for (u64 j = threadIdx.x; j < sk; j += blockDim.x) {
-                const float f = mask_factor(m, r * sk + j);
-                store_out(dx, dx16, r * sk + j, scale * yr[j] * (masked(dyr[j], f) - dot));
-                if (dropped != nullptr) store_out(dropped, d16, r * sk + j, masked(yr[j], f));
+                const u64 e = r * sk + j;
+                const float f = mask_factor(m, e), p = load_in(y, y16, e);
+                store_out(dx, dx16, e, scale * p * (masked(load_in(dy, dy16, e), f) - dot));
+                if (dropped != nullptr) store_out(dropped, d16, e, masked(p, f));
             }
         }
     }

@@ -21,6 +21,38 @@ use crate::rng::DropoutStream;
 /// Most blocks of a row launch; the kernels stride over further rows.
 const MAX_BLOCKS: usize = 1 << 20;
 
+/// An input of the fused kernels, f32 or bf16.
+#[derive(Clone, Copy)]
+pub enum In<'a, 'b> {
+    /// f32 values.
+    F32(&'a CudaView<'b, f32>),
+    /// bf16 values (widened to f32 in the kernel).
+    Bf16(&'a CudaView<'b, bf16>),
+}
+
+impl<'a> In<'a, '_> {
+    fn len(&self) -> usize {
+        match self {
+            In::F32(v) => v.len(),
+            In::Bf16(v) => v.len(),
+        }
+    }
+
+    /// The `bf16` flag the kernels take after the buffer.
+    fn flag(&self) -> i32 {
+        i32::from(matches!(self, In::Bf16(_)))
+    }
+
+    /// Pushes the buffer and its `bf16` flag.
+    fn push(self, args: &mut LaunchArgs<'a>, flag: &'a i32) {
+        match self {
+            In::F32(v) => args.arg(v),
+            In::Bf16(v) => args.arg(v),
+        };
+        args.arg(flag);
+    }
+}
+
 /// An output of the fused kernels, in f32 or rounded to bf16 (to nearest even).
 pub enum Out<'a, 'b> {
     /// Written as f32.
@@ -35,6 +67,11 @@ impl<'a> Out<'a, '_> {
             Out::F32(v) => v.len(),
             Out::Bf16(v) => v.len(),
         }
+    }
+
+    /// The `bf16` flag the kernels take after the buffer.
+    fn flag(&self) -> i32 {
+        i32::from(matches!(self, Out::Bf16(_)))
     }
 
     /// Pushes the buffer and its `bf16` flag (an `int` after the pointer).
@@ -63,11 +100,14 @@ fn mask(kernel: &'static str, dropout: Option<Dropout<'_>>, n: usize) -> Result<
     Ok(args)
 }
 
-/// The `bf16` flag of an optional output, and its length for the checks.
-fn flag_and_len(out: &Option<Out<'_, '_>>) -> (i32, Option<usize>) {
+/// Pushes an optional output and its flag (a null pointer without one).
+fn push_optional<'a>(out: Option<Out<'a, '_>>, args: &mut LaunchArgs<'a>, flag: &'a i32) {
+    const NULL: u64 = 0;
     match out {
-        None => (0, None),
-        Some(o) => (i32::from(matches!(o, Out::Bf16(_))), Some(o.len())),
+        Some(out) => out.push(args, flag),
+        None => {
+            args.arg(&NULL).arg(flag);
+        }
     }
 }
 
@@ -84,29 +124,40 @@ pub fn softmax_forward(
     causal: bool,
     y: &mut CudaViewMut<f32>,
 ) -> Result<()> {
-    softmax_dropout_forward(gpu, x, batches, sq, sk, scale, causal, y, None, None)
+    softmax_dropout_forward(
+        gpu,
+        In::F32(x),
+        batches,
+        sq,
+        sk,
+        scale,
+        causal,
+        Out::F32(y),
+        None,
+        None,
+    )
 }
 
-/// [`softmax_forward`] into `probs` that also writes `dropped`, the probabilities with
-/// `dropout` applied (the CPU's mask of element `r·sk + j` for row `r`, key `j`) or, without
-/// one, a copy, in f32 or rounded to bf16: attention's forward in one pass over the scores.
+/// [`softmax_forward`] from f32 or bf16 scores into `probs` that also writes `dropped`, the
+/// probabilities with `dropout` applied (the CPU's mask of element `r·sk + j` for row `r`, key
+/// `j`) or, without one, a copy, each output in f32 or rounded to bf16: attention's forward in
+/// one pass over the scores.
 #[allow(clippy::too_many_arguments)]
 pub fn softmax_dropout_forward(
     gpu: &Gpu,
-    x: &CudaView<f32>,
+    x: In<'_, '_>,
     batches: usize,
     sq: usize,
     sk: usize,
     scale: f32,
     causal: bool,
-    probs: &mut CudaViewMut<f32>,
+    probs: Out<'_, '_>,
     dropped: Option<Out<'_, '_>>,
     dropout: Option<Dropout<'_>>,
 ) -> Result<()> {
     const K: &str = "softmax_forward";
-    let (dropped_bf16, dropped_len) = flag_and_len(&dropped);
     let mut lens = vec![("x", x.len()), ("y", probs.len())];
-    lens.extend(dropped_len.map(|n| ("dropped", n)));
+    lens.extend(dropped.as_ref().map(|d| ("dropped", d.len())));
     let n = check_buffers(K, batches, sq, sk, scale, &lens)?;
     let mask = mask(K, dropout, n)?;
     if n == 0 {
@@ -114,16 +165,16 @@ pub fn softmax_dropout_forward(
     }
     let rows = batches * sq;
     let f = gpu.kernels().get(K)?;
-    let (rows64, sq64, sk64) = (rows as u64, sq as u64, sk as u64);
-    let (causal32, null) = (i32::from(causal), 0u64);
+    let flags = [
+        x.flag(),
+        probs.flag(),
+        dropped.as_ref().map_or(0, Out::flag),
+    ];
+    let (rows64, sq64, sk64, causal32) = (rows as u64, sq as u64, sk as u64, i32::from(causal));
     let mut args = gpu.stream().launch_builder(f);
-    args.arg(x).arg(probs);
-    match dropped {
-        Some(out) => out.push(&mut args, &dropped_bf16),
-        None => {
-            args.arg(&null).arg(&dropped_bf16);
-        }
-    }
+    x.push(&mut args, &flags[0]);
+    probs.push(&mut args, &flags[1]);
+    push_optional(dropped, &mut args, &flags[2]);
     args.arg(&rows64)
         .arg(&sq64)
         .arg(&sk64)
@@ -146,18 +197,30 @@ pub fn softmax_backward(
     scale: f32,
     dx: &mut CudaViewMut<f32>,
 ) -> Result<()> {
-    dropout_softmax_backward(gpu, y, dy, batches, sq, sk, scale, Out::F32(dx), None, None)
+    dropout_softmax_backward(
+        gpu,
+        In::F32(y),
+        In::F32(dy),
+        batches,
+        sq,
+        sk,
+        scale,
+        Out::F32(dx),
+        None,
+        None,
+    )
 }
 
 /// The gradient of [`softmax_dropout_forward`] from the saved probabilities `y` and the
-/// gradient `dy` of the dropped ones: `g = mask(dy)`, `dx = scale · y ⊙ (g − Σ_j g·y)`, in f32
-/// or rounded to bf16; with `dropped`, also the forward's dropped probabilities again (for the
-/// values' gradient), so that nothing between the two products makes another pass.
+/// gradient `dy` of the dropped ones (each f32 or bf16): `g = mask(dy)`,
+/// `dx = scale · y ⊙ (g − Σ_j g·y)`, in f32 or rounded to bf16; with `dropped`, also the
+/// forward's dropped probabilities again (for the values' gradient), so that nothing between the
+/// two products makes another pass.
 #[allow(clippy::too_many_arguments)]
 pub fn dropout_softmax_backward(
     gpu: &Gpu,
-    y: &CudaView<f32>,
-    dy: &CudaView<f32>,
+    y: In<'_, '_>,
+    dy: In<'_, '_>,
     batches: usize,
     sq: usize,
     sk: usize,
@@ -167,10 +230,8 @@ pub fn dropout_softmax_backward(
     dropout: Option<Dropout<'_>>,
 ) -> Result<()> {
     const K: &str = "softmax_backward";
-    let dx_bf16 = i32::from(matches!(dx, Out::Bf16(_)));
-    let (dropped_bf16, dropped_len) = flag_and_len(&dropped);
     let mut lens = vec![("y", y.len()), ("dy", dy.len()), ("dx", dx.len())];
-    lens.extend(dropped_len.map(|n| ("dropped", n)));
+    lens.extend(dropped.as_ref().map(|d| ("dropped", d.len())));
     let n = check_buffers(K, batches, sq, sk, scale, &lens)?;
     let mask = mask(K, dropout, n)?;
     if n == 0 {
@@ -178,16 +239,18 @@ pub fn dropout_softmax_backward(
     }
     let rows = batches * sq;
     let f = gpu.kernels().get(K)?;
-    let (rows64, sk64, null) = (rows as u64, sk as u64, 0u64);
+    let flags = [
+        y.flag(),
+        dy.flag(),
+        dx.flag(),
+        dropped.as_ref().map_or(0, Out::flag),
+    ];
+    let (rows64, sk64) = (rows as u64, sk as u64);
     let mut args = gpu.stream().launch_builder(f);
-    args.arg(y).arg(dy);
-    dx.push(&mut args, &dx_bf16);
-    match dropped {
-        Some(out) => out.push(&mut args, &dropped_bf16),
-        None => {
-            args.arg(&null).arg(&dropped_bf16);
-        }
-    }
+    y.push(&mut args, &flags[0]);
+    dy.push(&mut args, &flags[1]);
+    dx.push(&mut args, &flags[2]);
+    push_optional(dropped, &mut args, &flags[3]);
     args.arg(&rows64).arg(&sk64).arg(&scale);
     mask.push(&mut args);
     launch(K, args, per_row(rows.min(MAX_BLOCKS), row_threads(sk), 0)?)
