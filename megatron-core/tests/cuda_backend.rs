@@ -414,19 +414,12 @@ fn the_profiler_times_kernels_and_products_by_name() -> R {
         y.fill(0.5)?;
     }
     let p = profile::stop()?;
-    let gemm = p
-        .rows
-        .iter()
-        .find(|r| r.name == "gemm 64×32×48×1 f32→f32")
-        .ok_or_else(|| format!("no product row in {p}"))?;
+    let row = |name: &str| p.row(name).ok_or_else(|| format!("no row {name} in {p}"));
+    let gemm = row("gemm 64×32×48×1 f32→f32")?;
     assert_eq!(gemm.calls, 3);
     assert_eq!(gemm.flops, 3.0 * 2.0 * 64.0 * 32.0 * 48.0);
     assert!(gemm.ms > 0.0 && gemm.tflops().is_some(), "{p}");
-    let fill = p
-        .rows
-        .iter()
-        .find(|r| r.name == "fill_bits")
-        .ok_or_else(|| format!("no fill row in {p}"))?;
+    let fill = row("fill_bits")?;
     assert_eq!(fill.calls, 3);
     assert!(fill.ms > 0.0 && fill.tflops().is_none(), "{p}");
     // Off again: nothing more is recorded.

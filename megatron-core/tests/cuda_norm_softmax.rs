@@ -549,6 +549,32 @@ fn cpu_forward(
     (probs, dropped)
 }
 
+/// [`gpu_sm::softmax_dropout_forward`] over causal `(batches, sq, sk)` scores.
+fn fused_forward(
+    gpu: &Gpu,
+    (batches, sq, sk): (usize, usize, usize),
+    scale: f32,
+    x: In<'_, '_>,
+    (y, dropped): (Out<'_, '_>, Option<Out<'_, '_>>),
+    dropout: Option<(f32, &DropoutStream, LogicalIndex)>,
+) {
+    gpu_sm::softmax_dropout_forward(gpu, x, batches, sq, sk, scale, true, y, dropped, dropout)
+        .unwrap();
+}
+
+/// [`gpu_sm::dropout_softmax_backward`] over `(batches, sq, sk)` probabilities.
+fn fused_backward(
+    gpu: &Gpu,
+    (batches, sq, sk): (usize, usize, usize),
+    scale: f32,
+    (y, dy): (In<'_, '_>, In<'_, '_>),
+    (dx, dropped): (Out<'_, '_>, Option<Out<'_, '_>>),
+    dropout: Option<(f32, &DropoutStream, LogicalIndex)>,
+) {
+    gpu_sm::dropout_softmax_backward(gpu, y, dy, batches, sq, sk, scale, dx, dropped, dropout)
+        .unwrap();
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn softmax_dropout_forward_matches_the_cpus_softmax_then_dropout() {
@@ -570,19 +596,17 @@ fn softmax_dropout_forward_matches_the_cpus_softmax_then_dropout() {
             // f32 in and out: the CPU's values and exactly its dropped elements.
             let mut y_d = upload_at(&gpu, &vec![f32::NAN; n], offset);
             let mut d_d = upload_at(&gpu, &vec![f32::NAN; n], offset);
-            gpu_sm::softmax_dropout_forward(
+            fused_forward(
                 &gpu,
-                In::F32(&x_d.slice(offset..)),
-                batches,
-                sq,
-                sk,
+                dims,
                 scale,
-                true,
-                Out::F32(&mut y_d.slice_mut(offset..)),
-                Some(Out::F32(&mut d_d.slice_mut(offset..))),
+                In::F32(&x_d.slice(offset..)),
+                (
+                    Out::F32(&mut y_d.slice_mut(offset..)),
+                    Some(Out::F32(&mut d_d.slice_mut(offset..))),
+                ),
                 Some((p, &stream, index)),
-            )
-            .unwrap();
+            );
             assert_close(
                 &what,
                 &download_at(&gpu, &y_d, offset),
@@ -596,38 +620,34 @@ fn softmax_dropout_forward_matches_the_cpus_softmax_then_dropout() {
             assert_same_drops(&what, &got, &dropped, &probs);
             // f32 scores, a bf16 copy of the probabilities without dropout.
             let mut c_d = bf16_buffer(&gpu, n, offset);
-            gpu_sm::softmax_dropout_forward(
+            fused_forward(
                 &gpu,
-                In::F32(&x_d.slice(offset..)),
-                batches,
-                sq,
-                sk,
+                dims,
                 scale,
-                true,
-                Out::F32(&mut y_d.slice_mut(offset..)),
-                Some(Out::Bf16(&mut c_d.slice_mut(offset..))),
+                In::F32(&x_d.slice(offset..)),
+                (
+                    Out::F32(&mut y_d.slice_mut(offset..)),
+                    Some(Out::Bf16(&mut c_d.slice_mut(offset..))),
+                ),
                 None,
-            )
-            .unwrap();
+            );
             let got = download_bf16(&gpu, &c_d, offset);
             assert_close(&what, &got, &round_bf16(&probs), 1e-2, 1e-7, true);
             // bf16 in and out.
             let x16 = upload_bf16(&gpu, &x, offset);
             let mut y16 = bf16_buffer(&gpu, n, offset);
             let mut d16 = bf16_buffer(&gpu, n, offset);
-            gpu_sm::softmax_dropout_forward(
+            fused_forward(
                 &gpu,
-                In::Bf16(&x16.slice(offset..)),
-                batches,
-                sq,
-                sk,
+                dims,
                 scale,
-                true,
-                Out::Bf16(&mut y16.slice_mut(offset..)),
-                Some(Out::Bf16(&mut d16.slice_mut(offset..))),
+                In::Bf16(&x16.slice(offset..)),
+                (
+                    Out::Bf16(&mut y16.slice_mut(offset..)),
+                    Some(Out::Bf16(&mut d16.slice_mut(offset..))),
+                ),
                 Some((p, &stream, index)),
-            )
-            .unwrap();
+            );
             let what = format!("{what} bf16");
             let got = download_bf16(&gpu, &y16, offset);
             assert_close(&what, &got, &round_bf16(&probs16), 1e-2, 1e-7, true);
@@ -679,19 +699,20 @@ fn dropout_softmax_backward_matches_the_cpus_dropout_then_softmax_backward() {
             let dy_d = upload_at(&gpu, &d_dropped, offset);
             let mut dx_d = upload_at(&gpu, &vec![f32::NAN; n], offset);
             let mut dr_d = upload_at(&gpu, &vec![f32::NAN; n], offset);
-            gpu_sm::dropout_softmax_backward(
+            fused_backward(
                 &gpu,
-                In::F32(&y_d.slice(offset..)),
-                In::F32(&dy_d.slice(offset..)),
-                batches,
-                sq,
-                sk,
+                dims,
                 scale,
-                Out::F32(&mut dx_d.slice_mut(offset..)),
-                Some(Out::F32(&mut dr_d.slice_mut(offset..))),
+                (
+                    In::F32(&y_d.slice(offset..)),
+                    In::F32(&dy_d.slice(offset..)),
+                ),
+                (
+                    Out::F32(&mut dx_d.slice_mut(offset..)),
+                    Some(Out::F32(&mut dr_d.slice_mut(offset..))),
+                ),
                 Some((p, &stream, index)),
-            )
-            .unwrap();
+            );
             assert_close(
                 &what,
                 &download_at(&gpu, &dx_d, offset),
@@ -707,19 +728,20 @@ fn dropout_softmax_backward_matches_the_cpus_dropout_then_softmax_backward() {
             let dy_b = upload_bf16(&gpu, &d_dropped, offset);
             let mut dx_b = bf16_buffer(&gpu, n, offset);
             let mut dr_b = bf16_buffer(&gpu, n, offset);
-            gpu_sm::dropout_softmax_backward(
+            fused_backward(
                 &gpu,
-                In::Bf16(&y_b.slice(offset..)),
-                In::Bf16(&dy_b.slice(offset..)),
-                batches,
-                sq,
-                sk,
+                dims,
                 scale,
-                Out::Bf16(&mut dx_b.slice_mut(offset..)),
-                Some(Out::Bf16(&mut dr_b.slice_mut(offset..))),
+                (
+                    In::Bf16(&y_b.slice(offset..)),
+                    In::Bf16(&dy_b.slice(offset..)),
+                ),
+                (
+                    Out::Bf16(&mut dx_b.slice_mut(offset..)),
+                    Some(Out::Bf16(&mut dr_b.slice_mut(offset..))),
+                ),
                 Some((p, &stream, index)),
-            )
-            .unwrap();
+            );
             let what = format!("{what} bf16");
             let got = download_bf16(&gpu, &dx_b, offset);
             assert_close(&what, &got, &round_bf16(&dx16), 1e-2, 2.0 * atol, true);

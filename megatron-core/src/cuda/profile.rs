@@ -107,6 +107,11 @@ impl Profile {
         self.rows.iter().map(|r| r.ms).sum()
     }
 
+    /// The row of launches named `name`.
+    pub fn row(&self, name: &str) -> Option<&ProfileRow> {
+        self.rows.iter().find(|r| r.name == name)
+    }
+
     /// The `n` largest rows, the rest summed into one row named `other`.
     pub fn top(&self, n: usize) -> Profile {
         let mut rows: Vec<ProfileRow> = self.rows.iter().take(n).cloned().collect();
