@@ -428,6 +428,22 @@ fn the_profiler_times_kernels_and_products_by_name() -> R {
     Ok(())
 }
 
+#[test]
+#[ignore = "needs a GPU"]
+fn the_peak_memory_counts_a_large_tensor() -> R {
+    let g = gpu();
+    let bytes = 256usize << 20;
+    let t = Tensor::zeros_on([bytes / 4], DType::F32, &g)?;
+    g.synchronize()?;
+    let peak = g.peak_memory()?;
+    assert!(peak >= bytes as u64, "peak {peak} below one {bytes}-byte tensor");
+    drop(t);
+    // A high-water mark: freeing does not lower it.
+    g.synchronize()?;
+    assert!(g.peak_memory()? >= peak);
+    Ok(())
+}
+
 /// Per rank, the bit patterns of each result tensor.
 type RankBits = Vec<Vec<Vec<u64>>>;
 

@@ -156,7 +156,10 @@ fn model_step(args: &BenchArgs) -> Result<()> {
         times: times.clone(),
         profile_from,
     })];
+    // A handle on GPU 0 for the whole run keeps its memory pool's high-water mark readable.
+    let memory = GpuMemory::open(matches!(job.device, Placement::Cuda { .. }))?;
     job.run(&mut observers)?;
+    let peak_memory_gib = memory.peak_gib()?;
     let kernels = args.profile.then(|| finish_profile(timed)).transpose()?;
     let times = times
         .lock()
@@ -188,10 +191,37 @@ fn model_step(args: &BenchArgs) -> Result<()> {
         "model_tflops": tflops,
         "peak_tflops": peak,
         "mfu": peak.map(|p| tflops / p),
+        "peak_gpu_memory_gib": peak_memory_gib,
         "profile": kernels,
     });
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
+}
+
+/// GPU 0's peak memory in use over a run (nothing on the CPU or without the `cuda` feature).
+struct GpuMemory {
+    #[cfg(feature = "cuda")]
+    gpu: Option<megatron::cuda::Gpu>,
+}
+
+impl GpuMemory {
+    /// Opens GPU 0 when the run is on it.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn open(on_gpu: bool) -> Result<GpuMemory> {
+        Ok(GpuMemory {
+            #[cfg(feature = "cuda")]
+            gpu: on_gpu.then(|| megatron::cuda::Gpu::new(0)).transpose()?,
+        })
+    }
+
+    /// The most memory the run's tensors held at once, in GiB.
+    fn peak_gib(&self) -> Result<Option<f64>> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.gpu {
+            return Ok(Some(gpu.peak_memory()? as f64 / f64::from(1u32 << 30)));
+        }
+        Ok(None)
+    }
 }
 
 /// Starts timing every GPU kernel and product.

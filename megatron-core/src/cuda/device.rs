@@ -10,25 +10,31 @@ use super::error::{CudaError, Result};
 use super::library;
 use super::programs::Kernels;
 
+/// The default memory pool of `ctx`'s device (the stream-ordered allocator's).
+fn default_pool(ctx: &CudaContext) -> Result<cudarc::driver::sys::CUmemoryPool> {
+    use cudarc::driver::sys::{CUresult, cuDeviceGetDefaultMemPool};
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: a valid device and out-pointer.
+    match unsafe { cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) } {
+        CUresult::CUDA_SUCCESS => Ok(pool),
+        other => Err(CudaError::driver("cuDeviceGetDefaultMemPool", other)),
+    }
+}
+
 /// Makes the device's stream-ordered allocator keep freed memory instead of returning it at
 /// every synchronisation: a training step frees and reallocates the same activation sizes, and
 /// giving memory back to the driver each time costs more than the step's kernels.
 fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
-    use cudarc::driver::sys::{
-        CUmemPool_attribute, CUresult, cuDeviceGetDefaultMemPool, cuMemPoolSetAttribute,
-    };
-    let mut pool = std::ptr::null_mut();
+    use cudarc::driver::sys::{CUmemPool_attribute, CUresult, cuMemPoolSetAttribute};
+    let pool = default_pool(ctx)?;
     let mut threshold = u64::MAX;
-    // SAFETY: a valid device and out-pointer; the attribute takes a u64.
+    // SAFETY: a valid pool; the attribute takes a u64.
     let status = unsafe {
-        match cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) {
-            CUresult::CUDA_SUCCESS => cuMemPoolSetAttribute(
-                pool,
-                CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut threshold) as *mut u64 as *mut std::ffi::c_void,
-            ),
-            other => other,
-        }
+        cuMemPoolSetAttribute(
+            pool,
+            CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold) as *mut u64 as *mut std::ffi::c_void,
+        )
     };
     match status {
         CUresult::CUDA_SUCCESS => Ok(()),
@@ -175,6 +181,32 @@ impl Gpu {
         self.stream
             .clone_dtoh(dev)
             .map_err(|e| CudaError::driver(format!("cuMemcpyDtoHAsync({} elements)", dev.len()), e))
+    }
+
+    /// The most bytes the device's stream-ordered allocations (every tensor of this process on
+    /// it) have held at once: the default pool's high-water mark of memory in use.
+    pub fn peak_memory(&self) -> Result<u64> {
+        use cudarc::driver::sys::{CUmemPool_attribute, CUresult, cuMemPoolGetAttribute};
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| CudaError::driver("cuCtxSetCurrent", e))?;
+        let pool = default_pool(&self.ctx)?;
+        let mut bytes = 0u64;
+        // SAFETY: a valid pool; the attribute is a u64.
+        let status = unsafe {
+            cuMemPoolGetAttribute(
+                pool,
+                CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut bytes) as *mut u64 as *mut std::ffi::c_void,
+            )
+        };
+        match status {
+            CUresult::CUDA_SUCCESS => Ok(bytes),
+            other => Err(CudaError::driver(
+                "cuMemPoolGetAttribute(used memory high-water mark)",
+                other,
+            )),
+        }
     }
 
     /// Waits until everything queued on this rank's stream has run.
