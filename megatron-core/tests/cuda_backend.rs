@@ -436,7 +436,10 @@ fn the_peak_memory_counts_a_large_tensor() -> R {
     let t = Tensor::zeros_on([bytes / 4], DType::F32, &g)?;
     g.synchronize()?;
     let peak = g.peak_memory()?;
-    assert!(peak >= bytes as u64, "peak {peak} below one {bytes}-byte tensor");
+    assert!(
+        peak >= bytes as u64,
+        "peak {peak} below one {bytes}-byte tensor"
+    );
     drop(t);
     // A high-water mark: freeing does not lower it.
     g.synchronize()?;

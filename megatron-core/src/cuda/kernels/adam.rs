@@ -4,7 +4,7 @@
 
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 
-use super::{cover, launch};
+use super::{cover, launch, launch_args};
 use crate::cuda::{Gpu, Result};
 use crate::kernels::adam::{AdamConfig, AdamScalars, check_step};
 
@@ -26,8 +26,7 @@ pub fn adam_step(
     }
     let c = AdamScalars::of(config);
     let n64 = n as u64;
-    let f = gpu.kernels().get(K)?;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(param)
         .arg(grad)
         .arg(exp_avg)

@@ -10,7 +10,7 @@
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
-use super::{check_len, cover, launch, per_row, product};
+use super::{check_len, cover, launch, launch_args, per_row, product};
 use crate::cuda::{CudaError, Gpu, Result};
 use crate::kernels::KernelError;
 
@@ -39,8 +39,7 @@ fn check_targets(
     const K: &str = "cross_entropy_check_targets";
     let mut flag = gpu.upload(&[NO_BAD_ROW])?;
     let (rows64, vocab64) = (rows as u64, vocab as u64);
-    let f = gpu.kernels().get(K)?;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(targets).arg(&rows64).arg(&vocab64).arg(&mut flag);
     launch(K, args, cover(rows))?;
     Ok(flag)
@@ -95,8 +94,7 @@ pub fn cross_entropy_forward(
     let flag = check_targets(gpu, targets, rows, vocab)?;
     if vocab > 0 {
         let vocab64 = vocab as u64;
-        let f = gpu.kernels().get(K)?;
-        let mut args = gpu.stream().launch_builder(f);
+        let mut args = launch_args(gpu, K)?;
         args.arg(logits).arg(targets).arg(&flag).arg(&vocab64);
         args.arg(losses).arg(logsumexp);
         launch(K, args, row_launch(rows, vocab)?)?;
@@ -133,8 +131,7 @@ pub fn cross_entropy_backward(
     let flag = check_targets(gpu, targets, rows, vocab)?;
     if vocab > 0 {
         let vocab64 = vocab as u64;
-        let f = gpu.kernels().get(K)?;
-        let mut args = gpu.stream().launch_builder(f);
+        let mut args = launch_args(gpu, K)?;
         args.arg(logits).arg(targets).arg(logsumexp).arg(dloss);
         args.arg(&flag).arg(&vocab64).arg(dlogits);
         launch(K, args, row_launch(rows, vocab)?)?;

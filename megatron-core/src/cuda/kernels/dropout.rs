@@ -3,7 +3,7 @@
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchArgs, PushKernelArg};
 
-use super::{check_len, cover, launch};
+use super::{check_len, cover, launch, launch_args};
 use crate::cuda::{Gpu, Result};
 use crate::kernels::dropout::{LogicalIndex, keep_scale, keep_threshold};
 use crate::rng::DropoutStream;
@@ -110,8 +110,7 @@ fn apply(
     } else {
         n
     };
-    let f = gpu.kernels().get("dropout_apply")?;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, "dropout_apply")?;
     args.arg(x).arg(y);
     match b {
         Some((xb, yb)) => args.arg(xb).arg(yb),
@@ -179,8 +178,7 @@ pub fn philox_words(
     const K: &str = "philox_words";
     let mut out = gpu.zeros::<u32>(n)?;
     let (n64, key_lo, key_hi, id) = (n as u64, stream.key[0], stream.key[1], stream.stream);
-    let f = gpu.kernels().get(K)?;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(&mut out)
         .arg(&first)
         .arg(&n64)

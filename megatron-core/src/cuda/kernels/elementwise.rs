@@ -3,7 +3,7 @@
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 use half::bf16;
 
-use super::{THREADS, check_len, cover, launch, product};
+use super::{THREADS, check_len, cover, launch, launch_args, product};
 use crate::cuda::{Gpu, Result};
 
 /// `y = gelu(x)` (GPT-2's tanh form), as [`crate::kernels::elementwise::gelu_forward`].
@@ -11,9 +11,8 @@ pub fn gelu_forward(gpu: &Gpu, x: &CudaView<f32>, y: &mut CudaViewMut<f32>) -> R
     const K: &str = "gelu_forward";
     let n = x.len();
     check_len(K, "y", y.len(), n, || format!("elements {n}"))?;
-    let f = gpu.kernels().get(K)?;
     let n64 = n as u64;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(x).arg(y).arg(&n64);
     launch(K, args, cover(n))
 }
@@ -29,9 +28,8 @@ pub fn gelu_backward(
     let n = x.len();
     check_len(K, "dy", dy.len(), n, || format!("elements {n}"))?;
     check_len(K, "dx", dx.len(), n, || format!("elements {n}"))?;
-    let f = gpu.kernels().get(K)?;
     let n64 = n as u64;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(x).arg(dy).arg(dx).arg(&n64);
     launch(K, args, cover(n))
 }
@@ -47,9 +45,8 @@ pub fn add(
     let n = a.len();
     check_len(K, "b", b.len(), n, || format!("elements {n}"))?;
     check_len(K, "out", out.len(), n, || format!("elements {n}"))?;
-    let f = gpu.kernels().get(K)?;
     let n64 = n as u64;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(a).arg(b).arg(out).arg(&n64);
     launch(K, args, cover(n.div_ceil(4)))
 }
@@ -59,9 +56,8 @@ pub fn add_assign(gpu: &Gpu, acc: &mut CudaViewMut<f32>, x: &CudaView<f32>) -> R
     const K: &str = "add_assign";
     let n = acc.len();
     check_len(K, "x", x.len(), n, || format!("elements {n}"))?;
-    let f = gpu.kernels().get(K)?;
     let n64 = n as u64;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(acc).arg(x).arg(&n64);
     launch(K, args, cover(n))
 }
@@ -70,9 +66,8 @@ pub fn add_assign(gpu: &Gpu, acc: &mut CudaViewMut<f32>, x: &CudaView<f32>) -> R
 pub fn scale(gpu: &Gpu, x: &mut CudaViewMut<f32>, alpha: f32) -> Result<()> {
     const K: &str = "scale";
     let n = x.len();
-    let f = gpu.kernels().get(K)?;
     let n64 = n as u64;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(x).arg(&alpha).arg(&n64);
     launch(K, args, cover(n))
 }
@@ -81,9 +76,8 @@ pub fn scale(gpu: &Gpu, x: &mut CudaViewMut<f32>, alpha: f32) -> Result<()> {
 pub fn fill(gpu: &Gpu, x: &mut CudaViewMut<f32>, value: f32) -> Result<()> {
     const K: &str = "fill";
     let n = x.len();
-    let f = gpu.kernels().get(K)?;
     let n64 = n as u64;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(x).arg(&value).arg(&n64);
     launch(K, args, cover(n))
 }
@@ -100,9 +94,8 @@ pub fn bias_add_forward(
     let n = product(K, &[rows, cols])?;
     check_len(K, "x", x.len(), n, || format!("rows {rows} × cols {cols}"))?;
     check_len(K, "bias", bias.len(), cols, || format!("cols {cols}"))?;
-    let f = gpu.kernels().get(K)?;
     let (rows64, cols64) = (rows as u64, cols as u64);
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(x).arg(bias).arg(&rows64).arg(&cols64);
     launch(K, args, cover(n))
 }
@@ -121,9 +114,8 @@ pub fn bias_add_backward(
         format!("rows {rows} × cols {cols}")
     })?;
     check_len(K, "dbias", dbias.len(), cols, || format!("cols {cols}"))?;
-    let f = gpu.kernels().get(K)?;
     let (rows64, cols64) = (rows as u64, cols as u64);
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(dy).arg(dbias).arg(&rows64).arg(&cols64);
     launch(K, args, cover(cols))
 }
@@ -133,9 +125,8 @@ pub fn f32_to_bf16(gpu: &Gpu, x: &CudaView<f32>, y: &mut CudaViewMut<bf16>) -> R
     const K: &str = "f32_to_bf16";
     let n = x.len();
     check_len(K, "y", y.len(), n, || format!("elements {n}"))?;
-    let f = gpu.kernels().get(K)?;
     let n64 = n as u64;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(x).arg(y).arg(&n64);
     launch(K, args, cover(n))
 }
@@ -145,9 +136,8 @@ pub fn bf16_to_f32(gpu: &Gpu, x: &CudaView<bf16>, y: &mut CudaViewMut<f32>) -> R
     const K: &str = "bf16_to_f32";
     let n = x.len();
     check_len(K, "y", y.len(), n, || format!("elements {n}"))?;
-    let f = gpu.kernels().get(K)?;
     let n64 = n as u64;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(x).arg(y).arg(&n64);
     launch(K, args, cover(n))
 }
@@ -162,9 +152,8 @@ pub fn sum_of_squares(gpu: &Gpu, x: &CudaView<f32>) -> Result<f64> {
     let blocks = n.div_ceil(SQUARES_BLOCK).max(1);
     let mut partials = gpu.zeros::<f64>(blocks)?;
     let block_len = SQUARES_BLOCK as u64;
-    let f = gpu.kernels().get(K)?;
     let n64 = n as u64;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(x).arg(&n64).arg(&block_len).arg(&mut partials);
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),

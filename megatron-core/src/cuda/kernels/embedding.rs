@@ -14,7 +14,7 @@
 
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
-use super::{THREADS, check_len, launch, product};
+use super::{THREADS, check_len, launch, launch_args, product};
 use crate::cuda::{Gpu, Result};
 
 /// Largest grid y dimension the driver accepts.
@@ -66,8 +66,7 @@ pub fn embedding_forward(
     };
     let (n64, hidden64) = (n as u64, hidden as u64);
     let (start64, v_local64) = (vocab_start as u64, v_local as u64);
-    let f = gpu.kernels().get(K)?;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(ids).arg(table).arg(out);
     args.arg(&n64).arg(&hidden64).arg(&start64).arg(&v_local64);
     launch(K, args, cfg)
@@ -115,8 +114,7 @@ pub fn embedding_backward(
     };
     let (n64, hidden64) = (n as u64, hidden as u64);
     let (start64, v_local64, parts64) = (vocab_start as u64, v_local as u64, parts as u64);
-    let f = gpu.kernels().get(K)?;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(ids).arg(dout).arg(dtable);
     args.arg(&n64)
         .arg(&hidden64)

@@ -6,7 +6,7 @@
 
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
-use super::{cover, launch, per_row};
+use super::{cover, launch, launch_args, per_row};
 use crate::cuda::{CudaError, Gpu, Result};
 use crate::kernels::layer_norm::{check_backward, check_forward};
 
@@ -58,9 +58,8 @@ pub fn layer_norm_forward(
     if rows == 0 {
         return Ok(());
     }
-    let f = gpu.kernels().get(K)?;
     let (rows64, hidden64) = (rows as u64, hidden as u64);
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(x)
         .arg(gamma)
         .arg(beta)
@@ -115,8 +114,7 @@ pub fn layer_norm_backward(
 
     // dx: one block per row.
     const DX: &str = "layer_norm_backward_dx";
-    let f = gpu.kernels().get(DX)?;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, DX)?;
     args.arg(dy)
         .arg(x)
         .arg(mean)
@@ -140,9 +138,8 @@ pub fn layer_norm_backward(
     })?;
     let mut partials = gpu.zeros::<f64>(2 * chunks * hidden)?;
     const PARTIALS: &str = "layer_norm_backward_partials";
-    let f = gpu.kernels().get(PARTIALS)?;
     let chunk_rows64 = rows_per_chunk as u64;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, PARTIALS)?;
     args.arg(dy)
         .arg(x)
         .arg(mean)
@@ -160,9 +157,8 @@ pub fn layer_norm_backward(
     launch(PARTIALS, args, cfg)?;
 
     const FINALIZE: &str = "layer_norm_backward_finalize";
-    let f = gpu.kernels().get(FINALIZE)?;
     let chunks64 = chunks as u64;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, FINALIZE)?;
     args.arg(&partials)
         .arg(dgamma)
         .arg(dbeta)

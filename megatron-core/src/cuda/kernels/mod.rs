@@ -18,6 +18,7 @@ pub mod vocab_parallel;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{LaunchArgs, LaunchConfig};
 
+use super::Gpu;
 use super::error::{CudaError, Result};
 use super::profile;
 use crate::kernels::KernelError;
@@ -46,6 +47,11 @@ pub(crate) fn per_row(rows: usize, threads: u32, shared_mem_bytes: u32) -> Resul
         block_dim: (threads, 1, 1),
         shared_mem_bytes,
     })
+}
+
+/// The argument builder of kernel `name` on `gpu`'s stream.
+pub(crate) fn launch_args<'a>(gpu: &'a Gpu, name: &str) -> Result<LaunchArgs<'a>> {
+    Ok(gpu.stream().launch_builder(gpu.kernels().get(name)?))
 }
 
 /// Queues a built launch, naming the kernel if the driver refuses it (and timing it while

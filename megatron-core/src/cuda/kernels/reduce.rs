@@ -3,7 +3,7 @@
 
 use cudarc::driver::PushKernelArg;
 
-use super::{cover, launch};
+use super::{cover, launch, launch_args};
 use crate::comm::ReduceOp;
 use crate::cuda::{Gpu, Result};
 
@@ -47,8 +47,7 @@ pub unsafe fn fold_raw(
     }
     let table = gpu.upload(srcs)?;
     let (k, n64, code) = (srcs.len() as i32, n as u64, op_code(op));
-    let f = gpu.kernels().get(kernel)?;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, kernel)?;
     args.arg(&table).arg(&k).arg(&out).arg(&n64).arg(&code);
     launch(kernel, args, cover(n))
 }

@@ -12,7 +12,7 @@ use half::bf16;
 
 use super::dropout::MaskArgs;
 use super::layer_norm::row_threads;
-use super::{launch, per_row};
+use super::{launch, launch_args, per_row};
 use crate::cuda::{Gpu, Result};
 use crate::kernels::dropout::LogicalIndex;
 use crate::kernels::softmax::check_buffers;
@@ -164,14 +164,13 @@ pub fn softmax_dropout_forward(
         return Ok(());
     }
     let rows = batches * sq;
-    let f = gpu.kernels().get(K)?;
     let flags = [
         x.flag(),
         probs.flag(),
         dropped.as_ref().map_or(0, Out::flag),
     ];
     let (rows64, sq64, sk64, causal32) = (rows as u64, sq as u64, sk as u64, i32::from(causal));
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     x.push(&mut args, &flags[0]);
     probs.push(&mut args, &flags[1]);
     push_optional(dropped, &mut args, &flags[2]);
@@ -238,7 +237,6 @@ pub fn dropout_softmax_backward(
         return Ok(());
     }
     let rows = batches * sq;
-    let f = gpu.kernels().get(K)?;
     let flags = [
         y.flag(),
         dy.flag(),
@@ -246,7 +244,7 @@ pub fn dropout_softmax_backward(
         dropped.as_ref().map_or(0, Out::flag),
     ];
     let (rows64, sk64) = (rows as u64, sk as u64);
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     y.push(&mut args, &flags[0]);
     dy.push(&mut args, &flags[1]);
     dx.push(&mut args, &flags[2]);

@@ -10,7 +10,7 @@
 
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
-use super::{check_len, cover, launch, per_row, product};
+use super::{check_len, cover, launch, launch_args, per_row, product};
 use crate::cuda::{Gpu, Result};
 
 /// Most threads per row.
@@ -48,8 +48,7 @@ pub fn cross_entropy_local(
         return Ok(());
     }
     let (rows64, local64, start64) = (rows as u64, local as u64, start as u64);
-    let f = gpu.kernels().get(K)?;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(logits).arg(targets);
     args.arg(&rows64).arg(&local64).arg(&start64);
     args.arg(max).arg(target_logit);
@@ -75,8 +74,7 @@ pub fn cross_entropy_sum_exp(
         return Ok(());
     }
     let (rows64, local64) = (rows as u64, local as u64);
-    let f = gpu.kernels().get(K)?;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(logits)
         .arg(max)
         .arg(&rows64)
@@ -110,8 +108,7 @@ pub fn cross_entropy_finish(
         return Ok(());
     }
     let (rows64, total64) = (rows as u64, total as u64);
-    let f = gpu.kernels().get(K)?;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(max).arg(sum).arg(target_logit).arg(targets);
     args.arg(&rows64).arg(&total64);
     args.arg(losses).arg(logsumexp);
@@ -143,8 +140,7 @@ pub fn cross_entropy_backward(
         return Ok(());
     }
     let (rows64, local64, start64) = (rows as u64, local as u64, start as u64);
-    let f = gpu.kernels().get(K)?;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(logits).arg(targets).arg(logsumexp).arg(dloss);
     args.arg(&rows64).arg(&local64).arg(&start64);
     args.arg(dlogits);
@@ -167,8 +163,7 @@ pub fn mask_columns(
         return Ok(());
     }
     let (rows64, cols64, from64) = (rows as u64, cols as u64, from as u64);
-    let f = gpu.kernels().get(K)?;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(x).arg(&rows64).arg(&cols64).arg(&from64);
     launch(K, args, cover(rows * (cols - from)))
 }
@@ -181,8 +176,7 @@ pub fn position_ids(gpu: &Gpu, ids: &mut CudaViewMut<i64>, batch: usize) -> Resu
         return Ok(());
     }
     let (n64, batch64) = (n as u64, batch.max(1) as u64);
-    let f = gpu.kernels().get(K)?;
-    let mut args = gpu.stream().launch_builder(f);
+    let mut args = launch_args(gpu, K)?;
     args.arg(ids).arg(&n64).arg(&batch64);
     launch(K, args, cover(n))
 }
