@@ -6,6 +6,8 @@
 //! `cargo test -p megatron-core --features cuda --test cuda_backend -- --ignored` on a GPU machine.
 #![cfg(feature = "cuda")]
 
+mod support;
+
 use std::sync::Arc;
 
 use half::bf16;
@@ -15,12 +17,13 @@ use megatron_core::comm::{ReduceOp, World};
 use megatron_core::cuda::blas::{Blas, MatmulShape};
 use megatron_core::cuda::graph::Graph;
 use megatron_core::cuda::kernels::{dropout as gdrop, elementwise as gew};
-use megatron_core::cuda::{CudaError, CudaSlice, Gpu};
+use megatron_core::cuda::{CudaError, CudaSlice};
 use megatron_core::kernels::dropout::{self as cdrop, LogicalIndex};
 use megatron_core::kernels::elementwise as cew;
 use megatron_core::kernels::gemm::{MatMut, MatRef, gemm};
 use megatron_core::rng::DropoutStream;
 use megatron_core::tensor::{DType, Device, Tensor, TensorError};
+use support::gpu;
 
 type R<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -48,10 +51,6 @@ fn assert_close(gpu: &[f32], cpu: &[f32], rel: f32, what: &str) {
             "{what}: element {i}: GPU {g} vs CPU {c} (tolerance {tol})"
         );
     }
-}
-
-fn gpu() -> Gpu {
-    Gpu::new(0).expect("a CUDA device")
 }
 
 #[test]

@@ -3,12 +3,15 @@
 //! pseudo-random inputs through both, results compared (embedding and Adam bit for bit,
 //! cross-entropy to f32 rounding), edge shapes and the CPU's errors included. Needs a GPU.
 
+mod support;
+
 use megatron_core::cuda::kernels::{adam as gadam, cross_entropy as gce, embedding as gemb};
-use megatron_core::cuda::{CudaError, CudaSlice, Gpu};
+use megatron_core::cuda::CudaError;
 use megatron_core::kernels::KernelError;
 use megatron_core::kernels::adam::{AdamConfig, adam_step};
 use megatron_core::kernels::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
 use megatron_core::kernels::embedding::{embedding_backward, embedding_forward};
+use support::{download_at, gpu, upload_at};
 
 /// SplitMix64: deterministic inputs without a dependency.
 struct Rng(u64);
@@ -33,26 +36,6 @@ impl Rng {
     fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
         (0..n).map(|_| self.f32(lo, hi)).collect()
     }
-}
-
-fn gpu() -> Gpu {
-    Gpu::new(0).expect("a CUDA device with the driver and NVRTC on the library path")
-}
-
-/// `host` on the device with `pad` leading elements (`pad = 1` misaligns f32 rows for float4).
-fn upload_at<T: cudarc::driver::DeviceRepr + Copy + Default>(
-    gpu: &Gpu,
-    host: &[T],
-    pad: usize,
-) -> CudaSlice<T> {
-    let mut padded = vec![T::default(); pad];
-    padded.extend_from_slice(host);
-    gpu.upload(&padded).unwrap()
-}
-
-/// The elements after the `pad` leading ones.
-fn download_at(gpu: &Gpu, dev: &CudaSlice<f32>, pad: usize) -> Vec<f32> {
-    gpu.download(dev).unwrap()[pad..].to_vec()
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {

@@ -8,6 +8,8 @@
 //! `cargo test -p megatron-core --features cuda --test cuda_layers_attention_vocab -- --ignored`.
 #![cfg(feature = "cuda")]
 
+mod support;
+
 use std::sync::Arc;
 
 use megatron_core::comm::gpu_local::LocalGpu;
@@ -24,23 +26,9 @@ use megatron_core::tensor_parallel::{
     CausalSelfAttention, Embedding, EmbeddingSpec, PositionEmbedding, PositionEmbeddingSpec,
     vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward,
 };
+use support::{det, gpu, tensor};
 
 type R<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
-
-fn gpu() -> Gpu {
-    Gpu::new(0).expect("a CUDA device")
-}
-
-/// Deterministic values in [-1, 1].
-fn det(len: usize, salt: usize) -> Vec<f32> {
-    (0..len)
-        .map(|i| (((i * 7919 + salt * 104_729) % 2003) as f32 / 2003.0 - 0.5) * 2.0)
-        .collect()
-}
-
-fn tensor(data: Vec<f32>, shape: &[usize]) -> Tensor {
-    Tensor::from_vec(data, shape).unwrap()
-}
 
 fn host(t: &Tensor) -> Vec<f32> {
     t.to_vec::<f32>().unwrap()

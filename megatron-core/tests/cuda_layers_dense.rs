@@ -4,6 +4,8 @@
 //! accumulated parameter gradients agree to f32 rounding, dropout masks exactly. Needs a GPU:
 //! `cargo test -p megatron-core --features cuda --test cuda_layers_dense -- --ignored`.
 
+mod support;
+
 use megatron_core::comm::ParallelState;
 use megatron_core::cuda::Gpu;
 use megatron_core::module::{
@@ -12,23 +14,9 @@ use megatron_core::module::{
 use megatron_core::ops;
 use megatron_core::tensor::Tensor;
 use megatron_core::tensor_parallel::{LayerNorm, LayerNormSpec, Linear, LinearSpec};
+use support::{det, gpu, tensor};
 
 type R = Result<(), Box<dyn std::error::Error>>;
-
-fn gpu() -> Gpu {
-    Gpu::new(0).expect("a CUDA device with the driver and NVRTC on the library path")
-}
-
-/// Deterministic values in (−1, 1), never exactly zero.
-fn det(len: usize, salt: usize) -> Vec<f32> {
-    (0..len)
-        .map(|i| (((i * 7919 + salt * 104_729) % 2003) as f32 / 2003.0 - 0.5) * 2.0)
-        .collect()
-}
-
-fn tensor(data: Vec<f32>, shape: &[usize]) -> Tensor {
-    Tensor::from_vec(data, shape).unwrap()
-}
 
 /// Asserts `|got − want| ≤ tol·(|want| + max|want|)` everywhere.
 fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {

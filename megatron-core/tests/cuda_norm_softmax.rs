@@ -6,6 +6,8 @@
 //! a CUDA device:
 //! `cargo test -p megatron-core --features cuda --test cuda_norm_softmax -- --ignored`.
 
+mod support;
+
 use half::bf16;
 use megatron_core::cuda::kernels::softmax::{In, Out};
 use megatron_core::cuda::kernels::{layer_norm as gpu_ln, softmax as gpu_sm};
@@ -13,6 +15,7 @@ use megatron_core::cuda::{CudaSlice, Gpu};
 use megatron_core::kernels::dropout::{self as cpu_dropout, LogicalIndex};
 use megatron_core::kernels::{layer_norm as cpu_ln, softmax as cpu_sm};
 use megatron_core::rng::DropoutStream;
+use support::{download_at, gpu, upload_at};
 
 /// A deterministic 64-bit LCG (Knuth's MMIX constants), uniform floats from its top 24 bits.
 struct Lcg(u64);
@@ -33,23 +36,6 @@ impl Lcg {
     fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
         (0..n).map(|_| self.uniform(lo, hi)).collect()
     }
-}
-
-fn gpu() -> Gpu {
-    Gpu::new(0).expect("a CUDA device and libnvrtc")
-}
-
-/// `host` on the device after `offset` leading junk elements (offset 1 breaks 16-byte
-/// alignment, forcing the kernels' scalar paths).
-fn upload_at(gpu: &Gpu, host: &[f32], offset: usize) -> CudaSlice<f32> {
-    let mut padded = vec![f32::NAN; offset];
-    padded.extend_from_slice(host);
-    gpu.upload(&padded).unwrap()
-}
-
-/// The elements of `dev` after its first `offset`.
-fn download_at(gpu: &Gpu, dev: &CudaSlice<f32>, offset: usize) -> Vec<f32> {
-    gpu.download(dev).unwrap()[offset..].to_vec()
 }
 
 /// Asserts `|got − want| ≤ atol + rtol·|want|` everywhere, NaN where `want` is NaN, exact

@@ -1,0 +1,36 @@
+//! Helpers shared by the GPU test files: the device, deterministic inputs, and device buffers
+//! placed after padding (an offset of one element breaks the 16-byte alignment, so that the
+//! kernels' scalar paths run too). Each file uses some of them.
+#![allow(dead_code)]
+
+use megatron_core::cuda::{CudaSlice, Gpu};
+use megatron_core::tensor::Tensor;
+
+/// GPU 0.
+pub fn gpu() -> Gpu {
+    Gpu::new(0).expect("a CUDA device with the driver and NVRTC on the library path")
+}
+
+/// Deterministic values in (−1, 1).
+pub fn det(len: usize, salt: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| (((i * 7919 + salt * 104_729) % 2003) as f32 / 2003.0 - 0.5) * 2.0)
+        .collect()
+}
+
+/// A host tensor of `data` in `shape`.
+pub fn tensor(data: Vec<f32>, shape: &[usize]) -> Tensor {
+    Tensor::from_vec(data, shape).unwrap()
+}
+
+/// `host` on the device after `offset` leading NaNs.
+pub fn upload_at(gpu: &Gpu, host: &[f32], offset: usize) -> CudaSlice<f32> {
+    let mut padded = vec![f32::NAN; offset];
+    padded.extend_from_slice(host);
+    gpu.upload(&padded).unwrap()
+}
+
+/// The elements of `dev` after its first `offset`.
+pub fn download_at(gpu: &Gpu, dev: &CudaSlice<f32>, offset: usize) -> Vec<f32> {
+    gpu.download(dev).unwrap()[offset..].to_vec()
+}
