@@ -5,8 +5,8 @@
 
 mod support;
 
-use megatron_core::cuda::kernels::{adam as gadam, cross_entropy as gce, embedding as gemb};
 use megatron_core::cuda::CudaError;
+use megatron_core::cuda::kernels::{adam as gadam, cross_entropy as gce, embedding as gemb};
 use megatron_core::kernels::KernelError;
 use megatron_core::kernels::adam::{AdamConfig, adam_step};
 use megatron_core::kernels::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
