@@ -1,0 +1,494 @@
+#![cfg(target_os = "linux")]
+//! The CUDA kernels' own source run on the CPU, against the CPU kernels: `tests/emulated/shim.h`
+//! implements the CUDA execution model on threads (a thread per CUDA thread, block barriers,
+//! warp shuffles), the C++ compiler builds `src/cuda/cu/*.cu` with it, and the kernels are
+//! launched by name with cuLaunchKernel's argument convention. This checks the kernels' logic
+//! (indexing, vector and scalar paths, masks, bf16 packing, reductions) on every machine, GPU
+//! or not; the GPU tests (`--features cuda -- --ignored`) check the same kernels on a device.
+//!
+//! Needs a C++20 compiler (`c++`, or `$CXX`).
+
+use std::ffi::{CString, c_char, c_int, c_void};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+use half::bf16;
+use megatron_core::kernels::dropout::{
+    self as cpu_dropout, LogicalIndex, keep_scale, keep_threshold,
+};
+use megatron_core::kernels::softmax as cpu_sm;
+use megatron_core::rng::DropoutStream;
+
+type Launch = unsafe extern "C" fn(*const c_char, u32, u32, *mut *mut c_void) -> c_int;
+
+/// The kernels built for the CPU, loaded once per test process.
+fn launcher() -> Launch {
+    static LAUNCH: OnceLock<usize> = OnceLock::new();
+    let addr = *LAUNCH.get_or_init(|| {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let lib = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("megatron-kernels-{}.so", std::process::id()));
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+        let out = Command::new(&cxx)
+            .args([
+                "-std=c++20",
+                "-O2",
+                "-ffp-contract=off",
+                "-fPIC",
+                "-shared",
+                "-pthread",
+            ])
+            .arg("-I")
+            .arg(root.join("src/cuda/cu"))
+            .arg("-o")
+            .arg(&lib)
+            .arg(root.join("tests/emulated/launch.cpp"))
+            .output()
+            .unwrap_or_else(|e| panic!("{cxx} could not be started ({e}): install g++"));
+        assert!(
+            out.status.success(),
+            "{cxx} failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let path = CString::new(lib.to_string_lossy().as_bytes()).unwrap();
+        // SAFETY: a shared library this test just built; it stays loaded for the process.
+        unsafe {
+            let handle = libc::dlopen(path.as_ptr(), libc::RTLD_NOW);
+            assert!(!handle.is_null(), "dlopen {}", lib.display());
+            let sym = libc::dlsym(handle, c"emu_launch_kernel".as_ptr());
+            assert!(!sym.is_null(), "emu_launch_kernel not in {}", lib.display());
+            // Loaded: the file is no longer needed.
+            let _ = std::fs::remove_file(&lib);
+            sym as usize
+        }
+    });
+    // SAFETY: the address of `emu_launch_kernel`, whose C signature `Launch` is.
+    unsafe { std::mem::transmute::<usize, Launch>(addr) }
+}
+
+/// One kernel argument, as the C signature types it.
+enum Arg {
+    /// A pointer argument.
+    Ptr(*mut c_void),
+    /// A struct passed by value: where it lies.
+    ByValue(*mut c_void),
+    I32(i32),
+    U32(u32),
+    U64(u64),
+    F32(f32),
+}
+
+/// Runs kernel `name` on `grid` blocks of `block` threads with `args`.
+fn launch(name: &str, grid: usize, block: usize, mut args: Vec<Arg>) {
+    let mut ptrs: Vec<*mut c_void> = args
+        .iter_mut()
+        .map(|a| match a {
+            Arg::Ptr(p) => p as *mut *mut c_void as *mut c_void,
+            Arg::ByValue(p) => *p,
+            Arg::I32(v) => v as *mut i32 as *mut c_void,
+            Arg::U32(v) => v as *mut u32 as *mut c_void,
+            Arg::U64(v) => v as *mut u64 as *mut c_void,
+            Arg::F32(v) => v as *mut f32 as *mut c_void,
+        })
+        .collect();
+    let name_c = CString::new(name).unwrap();
+    // SAFETY: each pointer addresses a value of the type the kernel's parameter has (the
+    // callers follow the C signatures), alive for the call; buffers cover what the kernel reads.
+    let status = unsafe {
+        launcher()(
+            name_c.as_ptr(),
+            grid as u32,
+            block as u32,
+            ptrs.as_mut_ptr(),
+        )
+    };
+    assert_eq!(status, 0, "no kernel {name}");
+}
+
+/// A buffer of f32 or bf16 elements after `offset` leading NaNs (offset 1 breaks the alignment
+/// the vector paths need).
+enum Buf {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+}
+
+impl Buf {
+    fn new(values: &[f32], offset: usize, bf16: bool) -> Buf {
+        let mut v = vec![f32::NAN; offset];
+        v.extend_from_slice(values);
+        if bf16 {
+            Buf::Bf16(v.iter().map(|&x| bf16::from_f32(x)).collect())
+        } else {
+            Buf::F32(v)
+        }
+    }
+
+    fn nans(n: usize, offset: usize, bf16: bool) -> Buf {
+        Buf::new(&vec![f32::NAN; n], offset, bf16)
+    }
+
+    /// The pointer to element `offset` and the kernels' `bf16` flag.
+    fn arg(&mut self, offset: usize) -> [Arg; 2] {
+        match self {
+            Buf::F32(v) => [Arg::Ptr(v[offset..].as_mut_ptr().cast()), Arg::I32(0)],
+            Buf::Bf16(v) => [Arg::Ptr(v[offset..].as_mut_ptr().cast()), Arg::I32(1)],
+        }
+    }
+
+    fn values(&self, offset: usize) -> Vec<f32> {
+        match self {
+            Buf::F32(v) => v[offset..].to_vec(),
+            Buf::Bf16(v) => v[offset..].iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+}
+
+/// The mask arguments of `make_mask` (no dropout: threshold 0, scale 1).
+fn mask_args(dropout: Option<(f32, &DropoutStream, LogicalIndex)>) -> Vec<Arg> {
+    let (inner, stride, start, key, id, threshold, scale) = match dropout {
+        None => (1, 1, 0, [0, 0], 0, 0, 1.0),
+        Some((p, s, i)) => (
+            i.inner.max(1) as u64,
+            i.logical_stride,
+            i.logical_start,
+            s.key,
+            s.stream,
+            keep_threshold(p).unwrap(),
+            keep_scale(p),
+        ),
+    };
+    vec![
+        Arg::U64(inner),
+        Arg::U64(stride),
+        Arg::U64(start),
+        Arg::U32(key[0]),
+        Arg::U32(key[1]),
+        Arg::U64(id),
+        Arg::U32(threshold),
+        Arg::F32(scale),
+    ]
+}
+
+/// Threads per row, as the launchers choose them.
+fn row_threads(sk: usize) -> usize {
+    (sk.div_ceil(4).div_ceil(32) * 32).clamp(32, 512)
+}
+
+/// Deterministic values in [lo, hi).
+fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
+        })
+        .collect()
+}
+
+/// Scores with −∞ entries and, every fifth row, a row of only −∞.
+fn scores(n: usize, sk: usize, seed: u64) -> Vec<f32> {
+    let mut x = values(n, seed, -8.0, 8.0);
+    let flags = values(n, seed + 1, 0.0, 1.0);
+    for (i, v) in x.iter_mut().enumerate() {
+        if (i / sk) % 5 == 4 || flags[i] < 0.1 {
+            *v = f32::NEG_INFINITY;
+        }
+    }
+    x
+}
+
+fn round(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+}
+
+/// `|got − want| ≤ atol + rtol·|want|`, NaN where `want` is NaN, exact zeros where it is zero.
+fn assert_close(what: &str, got: &[f32], want: &[f32], rtol: f32, atol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if w.is_nan() {
+            assert!(g.is_nan(), "{what}[{i}]: {g}, want NaN");
+        } else if w == 0.0 {
+            assert_eq!(g, 0.0, "{what}[{i}]: want exactly 0");
+        } else {
+            assert!(
+                (g - w).abs() <= atol + rtol * w.abs(),
+                "{what}[{i}]: {g}, want {w}"
+            );
+        }
+    }
+}
+
+/// Local heads, all heads, the first local head.
+type Heads = (usize, usize, usize);
+
+/// (batches, sq, sk, heads): aligned runs and odd ones, a tensor-parallel shard of heads,
+/// widths not a multiple of 4.
+const SHAPES: [(usize, usize, usize, Heads); 5] = [
+    (4, 8, 8, (2, 4, 2)),
+    (3, 5, 5, (1, 1, 0)),
+    (2, 3, 37, (2, 2, 0)),
+    (6, 16, 256, (3, 6, 3)),
+    (2, 7, 9, (1, 3, 1)),
+];
+
+fn head_mask(batches: usize, sq: usize, sk: usize, (heads, all, first): Heads) -> LogicalIndex {
+    let per_head = sq * sk;
+    LogicalIndex {
+        outer: batches / heads,
+        inner: heads * per_head,
+        logical_stride: (all * per_head) as u64,
+        logical_start: (first * per_head) as u64,
+    }
+}
+
+/// The fused forward on the CPU-built kernel: (probabilities, dropped).
+#[allow(clippy::too_many_arguments)]
+fn fused_forward(
+    x: &[f32],
+    (batches, sq, sk): (usize, usize, usize),
+    scale: f32,
+    dropout: Option<(f32, &DropoutStream, LogicalIndex)>,
+    offset: usize,
+    (x16, y16, d16): (bool, bool, Option<bool>),
+) -> (Vec<f32>, Option<Vec<f32>>) {
+    let n = x.len();
+    let mut xb = Buf::new(x, offset, x16);
+    let mut yb = Buf::nans(n, offset, y16);
+    let mut db = d16.map(|b| Buf::nans(n, offset, b));
+    let mut args = Vec::new();
+    args.extend(xb.arg(offset));
+    args.extend(yb.arg(offset));
+    match &mut db {
+        Some(d) => args.extend(d.arg(offset)),
+        None => args.extend([Arg::Ptr(std::ptr::null_mut()), Arg::I32(0)]),
+    }
+    let rows = batches * sq;
+    args.extend([
+        Arg::U64(rows as u64),
+        Arg::U64(sq as u64),
+        Arg::U64(sk as u64),
+        Arg::F32(scale),
+        Arg::I32(1),
+    ]);
+    args.extend(mask_args(dropout));
+    launch("softmax_forward", rows, row_threads(sk), args);
+    (yb.values(offset), db.map(|d| d.values(offset)))
+}
+
+#[test]
+fn the_fused_softmax_forward_is_the_cpus_softmax_then_dropout() {
+    let stream = DropoutStream::new(1234, &[7, 3]);
+    for (batches, sq, sk, heads) in SHAPES {
+        let n = batches * sq * sk;
+        let x = scores(n, sk, (n + sk) as u64);
+        let (scale, p) = (0.41, 0.3);
+        let index = head_mask(batches, sq, sk, heads);
+        let cpu = |x: &[f32]| {
+            let mut probs = vec![0.0; n];
+            cpu_sm::softmax_forward(x, batches, sq, sk, scale, true, &mut probs).unwrap();
+            let mut dropped = vec![0.0; n];
+            cpu_dropout::dropout_forward(&probs, &mut dropped, p, &stream, index).unwrap();
+            (probs, dropped)
+        };
+        let (probs, dropped) = cpu(&x);
+        let (probs16, dropped16) = cpu(&round(&x));
+        let dims = (batches, sq, sk);
+        for offset in [0, 1] {
+            let what = format!("{dims:?} heads {heads:?} offset {offset}");
+            let mask = Some((p, &stream, index));
+            let (y, d) = fused_forward(&x, dims, scale, mask, offset, (false, false, Some(false)));
+            assert_close(&what, &y, &probs, 1e-5, 1e-7);
+            assert_close(&what, &d.unwrap(), &dropped, 1e-5, 1e-7);
+            let (y, d) = fused_forward(&x, dims, scale, None, offset, (false, false, None));
+            assert_close(&what, &y, &probs, 1e-5, 1e-7);
+            assert!(d.is_none());
+            let what = format!("{what} bf16");
+            let (y, d) = fused_forward(&x, dims, scale, mask, offset, (true, true, Some(true)));
+            assert_close(&what, &y, &round(&probs16), 1e-2, 1e-7);
+            assert_close(&what, &d.unwrap(), &round(&dropped16), 1e-2, 1e-7);
+        }
+    }
+}
+
+#[test]
+fn the_fused_softmax_backward_is_the_cpus_dropout_then_softmax_backward() {
+    let stream = DropoutStream::new(99, &[1, 2, 3]);
+    for (batches, sq, sk, heads) in SHAPES {
+        let n = batches * sq * sk;
+        let (scale, p) = (0.8, 0.25);
+        let index = head_mask(batches, sq, sk, heads);
+        let mut y = vec![0.0; n];
+        cpu_sm::softmax_forward(&scores(n, sk, 3), batches, sq, sk, scale, true, &mut y).unwrap();
+        let dy = values(n, 17, -1.0, 1.0);
+        let cpu = |y: &[f32], dy: &[f32]| {
+            let (mut dropped, mut d_probs) = (vec![0.0; n], vec![0.0; n]);
+            cpu_dropout::dropout_pair(y, &mut dropped, dy, &mut d_probs, p, &stream, index)
+                .unwrap();
+            let mut dx = vec![0.0; n];
+            cpu_sm::softmax_backward(y, &d_probs, batches, sq, sk, scale, &mut dx).unwrap();
+            (dx, dropped)
+        };
+        let (dx, dropped) = cpu(&y, &dy);
+        let (dx16, dropped16) = cpu(&round(&y), &round(&dy));
+        let atol = 1e-5 * dx.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
+        for offset in [0, 1] {
+            for bf16 in [false, true] {
+                let what =
+                    format!("{batches}×{sq}×{sk} heads {heads:?} offset {offset} bf16 {bf16}");
+                let mut yb = Buf::new(&y, offset, bf16);
+                let mut dyb = Buf::new(&dy, offset, bf16);
+                let mut dxb = Buf::nans(n, offset, bf16);
+                let mut db = Buf::nans(n, offset, bf16);
+                let mut args = Vec::new();
+                for b in [&mut yb, &mut dyb, &mut dxb, &mut db] {
+                    args.extend(b.arg(offset));
+                }
+                args.extend([
+                    Arg::U64((batches * sq) as u64),
+                    Arg::U64(sk as u64),
+                    Arg::F32(scale),
+                ]);
+                args.extend(mask_args(Some((p, &stream, index))));
+                launch("softmax_backward", batches * sq, row_threads(sk), args);
+                if bf16 {
+                    assert_close(&what, &dxb.values(offset), &round(&dx16), 1e-2, 2.0 * atol);
+                    assert_close(&what, &db.values(offset), &round(&dropped16), 0.0, 0.0);
+                } else {
+                    assert_close(&what, &dxb.values(offset), &dx, 1e-5, atol);
+                    assert_close(&what, &db.values(offset), &dropped, 1e-6, 0.0);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn dropout_drops_the_cpus_elements_bit_for_bit() {
+    let stream = DropoutStream::new(42, &[5]);
+    // Aligned runs (one Philox block per four elements) and odd ones.
+    for index in [
+        LogicalIndex::contiguous(4096),
+        LogicalIndex::columns(12, 24, 96, 48),
+        LogicalIndex::columns(7, 13, 40, 5),
+        LogicalIndex::range(3, 101),
+    ] {
+        let n = index.outer * index.inner;
+        let x = values(n, n as u64, -2.0, 2.0);
+        let mut want = vec![0.0; n];
+        cpu_dropout::dropout_forward(&x, &mut want, 0.3, &stream, index).unwrap();
+        for offset in [0, 1] {
+            let mut xb = Buf::new(&x, offset, false);
+            let mut yb = Buf::nans(n, offset, false);
+            let [xp, _] = xb.arg(offset);
+            let [yp, _] = yb.arg(offset);
+            let mut args = vec![
+                xp,
+                yp,
+                Arg::Ptr(std::ptr::null_mut()),
+                Arg::Ptr(std::ptr::null_mut()),
+                Arg::U64(n as u64),
+            ];
+            args.extend(mask_args(Some((0.3, &stream, index))));
+            launch("dropout_apply", n.div_ceil(256), 256, args);
+            let got = yb.values(offset);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{index:?} offset {offset}");
+        }
+    }
+}
+
+/// `got` is `want` bit for bit, but for NaNs (any NaN where `want` has one).
+fn assert_bf16_bits(what: &str, got: &[u16], want: &[u16]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if bf16::from_bits(w).is_nan() {
+            assert!(bf16::from_bits(g).is_nan(), "{what}[{i}]: {g:#x}, want NaN");
+        } else {
+            assert_eq!(g, w, "{what}[{i}]");
+        }
+    }
+}
+
+#[test]
+fn bf16_rounding_and_contiguous_casts_are_the_hosts() {
+    let mut x = values(1000, 9, -3.0, 3.0);
+    let half_ulp = 2f32.powi(-8);
+    x.extend([
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        1.0 + half_ulp,       // a tie: rounds down to the even 1.0
+        1.0 + 3.0 * half_ulp, // a tie: rounds up to the even neighbour
+        f32::MAX,
+        f32::MIN_POSITIVE / 3.0,
+    ]);
+    let n = x.len();
+    let want: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    let mut out = vec![0u16; n];
+    launch(
+        "f32_to_bf16",
+        n.div_ceil(256),
+        256,
+        vec![
+            Arg::Ptr(x.as_mut_ptr().cast()),
+            Arg::Ptr(out.as_mut_ptr().cast()),
+            Arg::U64(n as u64),
+        ],
+    );
+    assert_bf16_bits("f32_to_bf16", &out, &want);
+    // The same through copy_strided's contiguous path (ndim 0), from element 5 on.
+    #[repr(C)]
+    struct View8 {
+        dims: [i64; 8],
+        strides: [i64; 8],
+    }
+    let mut view = View8 {
+        dims: [1; 8],
+        strides: [0; 8],
+    };
+    let mut copied = vec![0u16; n - 5];
+    launch(
+        "copy_strided",
+        n.div_ceil(256),
+        256,
+        vec![
+            Arg::Ptr(x.as_mut_ptr().cast()),
+            Arg::I32(0),
+            Arg::Ptr(copied.as_mut_ptr().cast()),
+            Arg::I32(1),
+            Arg::U64((n - 5) as u64),
+            Arg::I32(0),
+            Arg::U64(5),
+            Arg::ByValue((&mut view as *mut View8).cast()),
+            Arg::I32(2),
+        ],
+    );
+    assert_bf16_bits("copy_strided", &copied, &want[5..]);
+    // And a strided source: every other element of the first 200, as a [100] view of stride 2.
+    view.dims[0] = 100;
+    view.strides[0] = 2;
+    let mut strided = vec![0u16; 100];
+    launch(
+        "copy_strided",
+        1,
+        256,
+        vec![
+            Arg::Ptr(x.as_mut_ptr().cast()),
+            Arg::I32(0),
+            Arg::Ptr(strided.as_mut_ptr().cast()),
+            Arg::I32(1),
+            Arg::U64(100),
+            Arg::I32(1),
+            Arg::U64(0),
+            Arg::ByValue((&mut view as *mut View8).cast()),
+            Arg::I32(2),
+        ],
+    );
+    let every_other: Vec<u16> = want.iter().step_by(2).take(100).copied().collect();
+    assert_bf16_bits("copy_strided, stride 2", &strided, &every_other);
+}
