@@ -17,10 +17,13 @@ use half::bf16;
 use megatron_core::kernels::dropout::{
     self as cpu_dropout, LogicalIndex, keep_scale, keep_threshold,
 };
+use megatron_core::kernels::embedding as cpu_emb;
+use megatron_core::kernels::layer_norm as cpu_ln;
 use megatron_core::kernels::softmax as cpu_sm;
 use megatron_core::rng::DropoutStream;
 
-type Launch = unsafe extern "C" fn(*const c_char, u32, u32, *mut *mut c_void) -> c_int;
+type Launch =
+    unsafe extern "C" fn(*const c_char, *const u32, *const u32, *mut *mut c_void) -> c_int;
 
 /// The kernels built for the CPU, loaded once per test process.
 fn launcher() -> Launch {
@@ -79,8 +82,13 @@ enum Arg {
     F32(f32),
 }
 
-/// Runs kernel `name` on `grid` blocks of `block` threads with `args`.
-fn launch(name: &str, grid: usize, block: usize, mut args: Vec<Arg>) {
+/// Runs kernel `name` on `grid` blocks of `block` threads (1-D) with `args`.
+fn launch(name: &str, grid: usize, block: usize, args: Vec<Arg>) {
+    launch_3d(name, [grid, 1, 1], [block, 1, 1], args);
+}
+
+/// Runs kernel `name` on a grid of `grid` blocks of `block` threads (x, y, z) with `args`.
+fn launch_3d(name: &str, grid: [usize; 3], block: [usize; 3], mut args: Vec<Arg>) {
     let mut ptrs: Vec<*mut c_void> = args
         .iter_mut()
         .map(|a| match a {
@@ -95,11 +103,12 @@ fn launch(name: &str, grid: usize, block: usize, mut args: Vec<Arg>) {
     let name_c = CString::new(name).unwrap();
     // SAFETY: each pointer addresses a value of the type the kernel's parameter has (the
     // callers follow the C signatures), alive for the call; buffers cover what the kernel reads.
+    let (grid, block) = (grid.map(|d| d as u32), block.map(|d| d as u32));
     let status = unsafe {
         launcher()(
             name_c.as_ptr(),
-            grid as u32,
-            block as u32,
+            grid.as_ptr(),
+            block.as_ptr(),
             ptrs.as_mut_ptr(),
         )
     };
@@ -491,4 +500,207 @@ fn bf16_rounding_and_contiguous_casts_are_the_hosts() {
     );
     let every_other: Vec<u16> = want.iter().step_by(2).take(100).copied().collect();
     assert_bf16_bits("copy_strided, stride 2", &strided, &every_other);
+}
+
+/// Pointers to the elements of `v` after `offset`.
+fn ptr(v: &mut [f32], offset: usize) -> Arg {
+    Arg::Ptr(v[offset..].as_mut_ptr().cast())
+}
+
+/// `v` after `offset` leading NaNs.
+fn padded(v: &[f32], offset: usize) -> Vec<f32> {
+    let mut out = vec![f32::NAN; offset];
+    out.extend_from_slice(v);
+    out
+}
+
+#[test]
+fn layer_norm_forward_and_backward_are_the_cpus() {
+    // (rows, hidden): widths not a multiple of 4 or 32, more rows than one gradient chunk.
+    for (rows, hidden) in [(5, 37), (4, 768), (300, 64), (70, 96), (1, 3)] {
+        let n = rows * hidden;
+        let x: Vec<f32> = values(n, 31, -2.0, 2.0)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * (1.0 + (i / hidden) as f32 * 0.1) + (i / hidden) as f32)
+            .collect();
+        let gamma = values(hidden, 32, 0.5, 1.5);
+        let beta = values(hidden, 33, -0.5, 0.5);
+        let dy = values(n, 34, -1.0, 1.0);
+        let eps = 1e-5;
+        let (mut y, mut mean, mut rstd) = (vec![0.0; n], vec![0.0; rows], vec![0.0; rows]);
+        cpu_ln::layer_norm_forward(
+            &x, &gamma, &beta, rows, hidden, eps, &mut y, &mut mean, &mut rstd,
+        )
+        .unwrap();
+        let mut dx = vec![0.0; n];
+        let (mut dgamma, mut dbeta) =
+            (values(hidden, 35, -1.0, 1.0), values(hidden, 36, -1.0, 1.0));
+        let (dgamma0, dbeta0) = (dgamma.clone(), dbeta.clone());
+        cpu_ln::layer_norm_backward(
+            &dy,
+            &x,
+            &mean,
+            &rstd,
+            &gamma,
+            rows,
+            hidden,
+            &mut dx,
+            &mut dgamma,
+            &mut dbeta,
+        )
+        .unwrap();
+        let threads = row_threads(hidden);
+        for offset in [0, 1] {
+            let what = format!("{rows}×{hidden} offset {offset}");
+            let (mut xd, mut gd, mut bd) = (
+                padded(&x, offset),
+                padded(&gamma, offset),
+                padded(&beta, offset),
+            );
+            let (mut yd, mut md, mut rd) = (
+                vec![f32::NAN; offset + n],
+                vec![f32::NAN; offset + rows],
+                vec![f32::NAN; offset + rows],
+            );
+            launch(
+                "layer_norm_forward",
+                rows,
+                threads,
+                vec![
+                    ptr(&mut xd, offset),
+                    ptr(&mut gd, offset),
+                    ptr(&mut bd, offset),
+                    ptr(&mut yd, offset),
+                    ptr(&mut md, offset),
+                    ptr(&mut rd, offset),
+                    Arg::U64(rows as u64),
+                    Arg::U64(hidden as u64),
+                    Arg::F32(eps),
+                ],
+            );
+            assert_close(&what, &yd[offset..], &y, 1e-5, 1e-5);
+            assert_close(&what, &md[offset..], &mean, 1e-5, 1e-6);
+            assert_close(&what, &rd[offset..], &rstd, 1e-5, 1e-6);
+            // The backward from the CPU's statistics: dx per row, then the parameter gradients
+            // through f64 partial sums per chunk of rows, added to what they held.
+            let (mut dyd, mut meand, mut rstdd) = (
+                padded(&dy, offset),
+                padded(&mean, offset),
+                padded(&rstd, offset),
+            );
+            let mut dxd = vec![f32::NAN; offset + n];
+            launch(
+                "layer_norm_backward_dx",
+                rows,
+                threads,
+                vec![
+                    ptr(&mut dyd, offset),
+                    ptr(&mut xd, offset),
+                    ptr(&mut meand, offset),
+                    ptr(&mut rstdd, offset),
+                    ptr(&mut gd, offset),
+                    ptr(&mut dxd, offset),
+                    Arg::U64(rows as u64),
+                    Arg::U64(hidden as u64),
+                ],
+            );
+            assert_close(&what, &dxd[offset..], &dx, 1e-4, 1e-5);
+            let rows_per_chunk = rows.div_ceil(64).max(32);
+            let chunks = rows.div_ceil(rows_per_chunk);
+            let mut partials = vec![0f64; 2 * chunks * hidden];
+            launch_3d(
+                "layer_norm_backward_partials",
+                [hidden.div_ceil(32), chunks, 1],
+                [32, 8, 1],
+                vec![
+                    ptr(&mut dyd, offset),
+                    ptr(&mut xd, offset),
+                    ptr(&mut meand, offset),
+                    ptr(&mut rstdd, offset),
+                    Arg::Ptr(partials.as_mut_ptr().cast()),
+                    Arg::U64(rows as u64),
+                    Arg::U64(hidden as u64),
+                    Arg::U64(rows_per_chunk as u64),
+                ],
+            );
+            let (mut dgd, mut dbd) = (padded(&dgamma0, offset), padded(&dbeta0, offset));
+            launch(
+                "layer_norm_backward_finalize",
+                hidden.div_ceil(256),
+                256,
+                vec![
+                    Arg::Ptr(partials.as_mut_ptr().cast()),
+                    ptr(&mut dgd, offset),
+                    ptr(&mut dbd, offset),
+                    Arg::U64(chunks as u64),
+                    Arg::U64(hidden as u64),
+                ],
+            );
+            assert_close(&what, &dgd[offset..], &dgamma, 1e-5, 1e-5);
+            assert_close(&what, &dbd[offset..], &dbeta, 1e-5, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn embedding_lookup_and_gradient_are_the_cpus_bit_for_bit() {
+    // (tokens, hidden, shard start, shard rows): whole tables and vocab-parallel shards, ids
+    // outside the shard (zero rows, no gradient), repeated ids, widths not a multiple of 4.
+    for (n, hidden, start, v_local) in [(40, 16, 0, 50), (33, 13, 20, 17), (300, 64, 7, 9)] {
+        let mut ids: Vec<i64> = values(n, n as u64, -3.0, 60.0)
+            .iter()
+            .map(|v| v.floor() as i64)
+            .collect();
+        ids[0] = ids[n - 1];
+        let table = values(v_local * hidden, 41, -1.0, 1.0);
+        let dout = values(n * hidden, 42, -1.0, 1.0);
+        let mut out = vec![0.0; n * hidden];
+        cpu_emb::embedding_forward(&ids, &table, start, v_local, hidden, &mut out).unwrap();
+        let mut dtable = values(v_local * hidden, 43, -1.0, 1.0);
+        let dtable0 = dtable.clone();
+        cpu_emb::embedding_backward(&ids, &dout, start, v_local, hidden, &mut dtable).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for offset in [0, 1] {
+            let what =
+                format!("{n} tokens × {hidden}, rows {start}.. of {v_local}, offset {offset}");
+            let (mut t, mut o) = (padded(&table, offset), vec![f32::NAN; offset + n * hidden]);
+            let q = hidden.div_ceil(4);
+            let threads = q.next_multiple_of(32).min(256);
+            launch_3d(
+                "embedding_forward",
+                [q.div_ceil(threads), n, 1],
+                [threads, 1, 1],
+                vec![
+                    Arg::Ptr(ids.as_mut_ptr().cast()),
+                    ptr(&mut t, offset),
+                    ptr(&mut o, offset),
+                    Arg::U64(n as u64),
+                    Arg::U64(hidden as u64),
+                    Arg::U64(start as u64),
+                    Arg::U64(v_local as u64),
+                ],
+            );
+            assert_eq!(bits(&o[offset..]), bits(&out), "{what}: forward");
+            let (mut d, mut dt) = (padded(&dout, offset), padded(&dtable0, offset));
+            let tiles = q.div_ceil(256);
+            let parts = 1024usize.div_ceil(tiles).min(v_local).min(n).max(1);
+            launch_3d(
+                "embedding_backward",
+                [tiles, parts, 1],
+                [256, 1, 1],
+                vec![
+                    Arg::Ptr(ids.as_mut_ptr().cast()),
+                    ptr(&mut d, offset),
+                    ptr(&mut dt, offset),
+                    Arg::U64(n as u64),
+                    Arg::U64(hidden as u64),
+                    Arg::U64(start as u64),
+                    Arg::U64(v_local as u64),
+                    Arg::U64(parts as u64),
+                ],
+            );
+            assert_eq!(bits(&dt[offset..]), bits(&dtable), "{what}: backward");
+        }
+    }
 }

@@ -8,9 +8,15 @@
 #include "shim.h"
 
 #include "common.cuh"
+#include "adam.cu"
+#include "cross_entropy.cu"
 #include "dropout.cu"
 #include "elementwise.cu"
+#include "embedding.cu"
+#include "layer_norm.cu"
+#include "reduce.cu"
 #include "softmax.cu"
+#include "vocab_parallel.cu"
 
 template <class... A, std::size_t... I>
 void emu_call(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
@@ -18,30 +24,40 @@ void emu_call(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
 }
 
 template <class... A>
-void emu_run(void (*kernel)(A...), unsigned grid, unsigned block, void** args) {
+void emu_run(void (*kernel)(A...), emu_dim3 grid, emu_dim3 block, void** args) {
     emu_launch(grid, block, [&] { emu_call(kernel, args, std::index_sequence_for<A...>{}); });
 }
 
 struct EmuKernel {
     const char* name;
-    void (*run)(unsigned, unsigned, void**);
+    void (*run)(emu_dim3, emu_dim3, void**);
 };
 
-#define EMU_KERNEL(k) {#k, [](unsigned g, unsigned b, void** a) { emu_run(k, g, b, a); }}
+#define EMU_KERNEL(k) {#k, [](emu_dim3 g, emu_dim3 b, void** a) { emu_run(k, g, b, a); }}
 
 static const EmuKernel EMU_KERNELS[] = {
-    EMU_KERNEL(softmax_forward), EMU_KERNEL(softmax_backward), EMU_KERNEL(dropout_apply),
-    EMU_KERNEL(f32_to_bf16),     EMU_KERNEL(copy_strided),
+    EMU_KERNEL(softmax_forward),
+    EMU_KERNEL(softmax_backward),
+    EMU_KERNEL(dropout_apply),
+    EMU_KERNEL(f32_to_bf16),
+    EMU_KERNEL(copy_strided),
+    EMU_KERNEL(layer_norm_forward),
+    EMU_KERNEL(layer_norm_backward_dx),
+    EMU_KERNEL(layer_norm_backward_partials),
+    EMU_KERNEL(layer_norm_backward_finalize),
+    EMU_KERNEL(embedding_forward),
+    EMU_KERNEL(embedding_backward),
 };
 
-// Runs kernel `name` on `grid` blocks of `block` threads; 0, or -1 for an unknown name. One
-// launch at a time (the emulated grid and its barriers are process-wide).
-extern "C" int emu_launch_kernel(const char* name, unsigned grid, unsigned block, void** args) {
+// Runs kernel `name` on a grid of grid[0..3] blocks of block[0..3] threads; 0, or -1 for an
+// unknown name. One launch at a time (the emulated grid and its barriers are process-wide).
+extern "C" int emu_launch_kernel(const char* name, const unsigned* grid, const unsigned* block,
+                                 void** args) {
     static std::mutex one_at_a_time;
     const std::lock_guard<std::mutex> lock(one_at_a_time);
     for (const auto& k : EMU_KERNELS) {
         if (std::strcmp(k.name, name) == 0) {
-            k.run(grid, block, args);
+            k.run({grid[0], grid[1], grid[2]}, {block[0], block[1], block[2]}, args);
             return 0;
         }
     }

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -29,6 +30,8 @@ struct emu_dim3 {
 
 inline thread_local emu_dim3 threadIdx, blockIdx;
 inline emu_dim3 blockDim, gridDim;
+// The thread's index in its block, x fastest (what lanes and warps are counted in).
+inline thread_local unsigned emu_tid;
 
 struct float4 {
     float x, y, z, w;
@@ -59,6 +62,16 @@ inline unsigned __umulhi(unsigned a, unsigned b) {
     return (unsigned)(((unsigned long long)a * b) >> 32);
 }
 inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline double __longlong_as_double(long long i) {
+    double d;
+    std::memcpy(&d, &i, 8);
+    return d;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 
 using std::isnan;
 using std::max;
@@ -76,8 +89,8 @@ inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
 
 template <class T>
 inline T emu_shfl_xor(T v, int lane_mask) {
-    const unsigned lane = threadIdx.x % 32;
-    EmuWarp& w = emu_warps[threadIdx.x / 32];
+    const unsigned lane = emu_tid % 32;
+    EmuWarp& w = emu_warps[emu_tid / 32];
     w.lanes[lane] = (double)v;
     w.bar->arrive_and_wait();
     const T r = (T)w.lanes[lane ^ (unsigned)lane_mask];
@@ -87,27 +100,59 @@ inline T emu_shfl_xor(T v, int lane_mask) {
 inline float __shfl_xor_sync(unsigned, float v, int m) { return emu_shfl_xor(v, m); }
 inline double __shfl_xor_sync(unsigned, double v, int m) { return emu_shfl_xor(v, m); }
 
+// Bit i set when lane i's predicate holds (every lane of a full warp takes part).
+inline unsigned __ballot_sync(unsigned, int predicate) {
+    const unsigned lane = emu_tid % 32, first = emu_tid - lane;
+    const unsigned threads = blockDim.x * blockDim.y * blockDim.z;
+    EmuWarp& w = emu_warps[emu_tid / 32];
+    w.lanes[lane] = predicate != 0 ? 1.0 : 0.0;
+    w.bar->arrive_and_wait();
+    unsigned bits = 0;
+    for (unsigned i = 0; i < 32 && first + i < threads; ++i) {
+        if (w.lanes[i] != 0.0) bits |= 1u << i;
+    }
+    w.bar->arrive_and_wait();
+    return bits;
+}
+
+// Atomics: one lock for all (the emulation's threads of a block run concurrently).
+inline std::mutex emu_atomics;
+template <class T>
+inline T atomicMin(T* address, T value) {
+    const std::lock_guard<std::mutex> lock(emu_atomics);
+    const T old = *address;
+    if (value < old) *address = value;
+    return old;
+}
+
 // Runs `kernel` (a call of one kernel with its arguments bound) over a grid of `grid` blocks of
-// `block` threads (1-D; `block` a multiple of 32 when the kernel uses warp functions).
-inline void emu_launch(unsigned grid, unsigned block, const std::function<void()>& kernel) {
-    gridDim = {grid, 1, 1};
-    blockDim = {block, 1, 1};
-    const unsigned warps = (block + 31) / 32;
-    for (unsigned b = 0; b < grid; ++b) {
-        emu_block_barrier = std::make_unique<std::barrier<>>(block);
-        emu_warps = std::vector<EmuWarp>(warps);
-        for (unsigned w = 0; w < warps; ++w) {
-            emu_warps[w].bar = std::make_unique<std::barrier<>>(std::min(32u, block - 32 * w));
+// `block` threads (x fastest, as CUDA numbers them).
+inline void emu_launch(emu_dim3 grid, emu_dim3 block, const std::function<void()>& kernel) {
+    gridDim = grid;
+    blockDim = block;
+    const unsigned threads = block.x * block.y * block.z;
+    const unsigned warps = (threads + 31) / 32;
+    for (unsigned bz = 0; bz < grid.z; ++bz) {
+        for (unsigned by = 0; by < grid.y; ++by) {
+            for (unsigned bx = 0; bx < grid.x; ++bx) {
+                emu_block_barrier = std::make_unique<std::barrier<>>(threads);
+                emu_warps = std::vector<EmuWarp>(warps);
+                for (unsigned w = 0; w < warps; ++w) {
+                    emu_warps[w].bar =
+                        std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * w));
+                }
+                std::vector<std::thread> pool;
+                pool.reserve(threads);
+                for (unsigned t = 0; t < threads; ++t) {
+                    pool.emplace_back([=, &kernel] {
+                        emu_tid = t;
+                        threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+                        blockIdx = {bx, by, bz};
+                        kernel();
+                    });
+                }
+                for (auto& th : pool) th.join();
+            }
         }
-        std::vector<std::thread> threads;
-        threads.reserve(block);
-        for (unsigned t = 0; t < block; ++t) {
-            threads.emplace_back([=, &kernel] {
-                threadIdx = {t, 0, 0};
-                blockIdx = {b, 0, 0};
-                kernel();
-            });
-        }
-        for (auto& th : threads) th.join();
     }
 }
