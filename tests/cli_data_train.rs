@@ -2,19 +2,8 @@
 //! indexed datasets (blended, with a validation split), generate text from the checkpoint, and
 //! export to Hugging Face.
 
-use std::process::Command;
-
-fn megatron(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_megatron"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod support;
+use support::megatron;
 
 #[test]
 fn preprocess_train_on_a_blend_generate_and_export() {

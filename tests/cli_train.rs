@@ -1,18 +1,7 @@
 //! `megatron train`, `inspect` and `models` from the command line: logs, reports and errors.
 
-use std::process::Command;
-
-fn megatron(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_megatron"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod support;
+use support::megatron;
 
 #[test]
 fn train_writes_a_json_line_per_step_with_the_communication_report() {

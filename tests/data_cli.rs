@@ -3,22 +3,12 @@
 //! and a word-level one).
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use megatron::data::{DType, IndexedDataset};
 use serde_json::{Value, json};
 
-fn megatron(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_megatron"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod support;
+use support::megatron;
 
 struct TempDir(PathBuf);
 

@@ -2,11 +2,13 @@
 //! over many configurations against an independent brute-force grouping.
 
 use std::collections::BTreeMap;
-use std::process::Command;
 
 use megatron::parallel::{
     Axis, ConfigError, GroupKind, GroupToken, Layout, Order, ParallelConfig, ParallelLayout,
 };
+
+mod support;
+use support::megatron;
 
 fn layout(config: ParallelConfig) -> ParallelLayout {
     ParallelLayout::new(&config).expect("valid config")
@@ -375,18 +377,6 @@ fn check_layout(l: &ParallelLayout) {
             assert_eq!(group.ranks[group.index], rank);
         }
     }
-}
-
-fn megatron(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_megatron"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 #[test]

@@ -14,6 +14,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use half::bf16;
+use megatron_core::kernels::cross_entropy as cpu_ce;
 use megatron_core::kernels::dropout::{
     self as cpu_dropout, LogicalIndex, keep_scale, keep_threshold,
 };
@@ -702,5 +703,102 @@ fn embedding_lookup_and_gradient_are_the_cpus_bit_for_bit() {
             );
             assert_eq!(bits(&dt[offset..]), bits(&dtable), "{what}: backward");
         }
+    }
+}
+
+#[test]
+fn cross_entropy_and_its_target_check_are_the_cpus() {
+    // (rows, vocab): widths not a multiple of 4, rows of only −∞ (NaN losses, as on the CPU).
+    for (rows, vocab) in [(6, 37), (5, 256), (3, 1000)] {
+        let n = rows * vocab;
+        let mut logits = values(n, 51, -6.0, 6.0);
+        logits[vocab..2 * vocab].fill(f32::NEG_INFINITY);
+        let mut targets: Vec<i64> = (0..rows).map(|r| ((r * 7919) % vocab) as i64).collect();
+        let dloss = values(rows, 52, 0.5, 1.5);
+        let (mut losses, mut lse) = (vec![0.0; rows], vec![0.0; rows]);
+        cpu_ce::cross_entropy_forward(&logits, &targets, rows, vocab, &mut losses, &mut lse)
+            .unwrap();
+        let mut dlogits = vec![0.0; n];
+        cpu_ce::cross_entropy_backward(&logits, &targets, &lse, &dloss, rows, vocab, &mut dlogits)
+            .unwrap();
+        let threads = vocab.div_ceil(4).next_multiple_of(32).clamp(32, 512);
+        let check = |targets: &mut [i64]| -> u64 {
+            let mut bad = u64::MAX;
+            launch(
+                "cross_entropy_check_targets",
+                rows.div_ceil(256),
+                256,
+                vec![
+                    Arg::Ptr(targets.as_mut_ptr().cast()),
+                    Arg::U64(rows as u64),
+                    Arg::U64(vocab as u64),
+                    Arg::Ptr((&mut bad as *mut u64).cast()),
+                ],
+            );
+            bad
+        };
+        for offset in [0, 1] {
+            let what = format!("{rows}×{vocab} offset {offset}");
+            let mut bad = check(&mut targets);
+            assert_eq!(bad, u64::MAX, "{what}: no bad target");
+            let mut l = padded(&logits, offset);
+            let (mut lo, mut ls) = (vec![f32::NAN; offset + rows], vec![f32::NAN; offset + rows]);
+            launch(
+                "cross_entropy_forward",
+                rows,
+                threads,
+                vec![
+                    ptr(&mut l, offset),
+                    Arg::Ptr(targets.as_mut_ptr().cast()),
+                    Arg::Ptr((&mut bad as *mut u64).cast()),
+                    Arg::U64(vocab as u64),
+                    ptr(&mut lo, offset),
+                    ptr(&mut ls, offset),
+                ],
+            );
+            assert_close(&what, &lo[offset..], &losses, 1e-5, 1e-6);
+            assert_close(&what, &ls[offset..], &lse, 1e-6, 1e-6);
+            let (mut lsd, mut dl) = (padded(&lse, offset), padded(&dloss, offset));
+            let mut dx = vec![f32::NAN; offset + n];
+            launch(
+                "cross_entropy_backward",
+                rows,
+                threads,
+                vec![
+                    ptr(&mut l, offset),
+                    Arg::Ptr(targets.as_mut_ptr().cast()),
+                    ptr(&mut lsd, offset),
+                    ptr(&mut dl, offset),
+                    Arg::Ptr((&mut bad as *mut u64).cast()),
+                    Arg::U64(vocab as u64),
+                    ptr(&mut dx, offset),
+                ],
+            );
+            assert_close(&what, &dx[offset..], &dlogits, 1e-5, 1e-6);
+        }
+        // A target outside the vocabulary: the first bad row is found, and the forward leaves
+        // its outputs untouched.
+        let mut wrong = targets.clone();
+        wrong[rows - 1] = vocab as i64;
+        wrong[1] = -1;
+        let mut bad = check(&mut wrong);
+        assert_eq!(bad, 1);
+        let mut l = logits.clone();
+        let mut lo = vec![7.0f32; rows];
+        let mut ls = vec![7.0f32; rows];
+        launch(
+            "cross_entropy_forward",
+            rows,
+            threads,
+            vec![
+                ptr(&mut l, 0),
+                Arg::Ptr(wrong.as_mut_ptr().cast()),
+                Arg::Ptr((&mut bad as *mut u64).cast()),
+                Arg::U64(vocab as u64),
+                ptr(&mut lo, 0),
+                ptr(&mut ls, 0),
+            ],
+        );
+        assert_eq!((lo, ls), (vec![7.0; rows], vec![7.0; rows]));
     }
 }

@@ -60,6 +60,73 @@ impl Batched {
     }
 }
 
+/// `a @ b → c` as batched matrices: `batch` products of `[m, k]·[k, n]`, `a`'s batches folded
+/// into its rows when `b` is one shared matrix and `a`'s rows are row-major.
+struct Product {
+    a: Batched,
+    b: Batched,
+    c: Batched,
+    /// `b` is one matrix for every batch.
+    shared_b: bool,
+    batch: usize,
+    m: usize,
+    n: usize,
+}
+
+impl Product {
+    /// The product's matrices, checked to fit one another.
+    fn of(a: &Tensor, b: &Tensor, c: &Tensor) -> Result<Product> {
+        let mut av = Batched::of(a, "a")?;
+        let bv = Batched::of(b, "b")?;
+        let cv = Batched::of(c, "c")?;
+        let shared_b = b.dims().len() == 2;
+        if shared_b
+            && av.row_stride == av.cols * av.col_stride
+            && av.batch_stride == av.rows * av.row_stride
+        {
+            // [.., m, k] @ [k, n] with row-major rows: one matrix of (batch·m) rows.
+            av.rows *= av.batch;
+            av.batch = 1;
+        }
+        let (batch, m, k, n) = (av.batch, av.rows, av.cols, bv.cols);
+        let c_fits = if batch == 1 {
+            cv.batch * cv.rows == m
+        } else {
+            cv.batch == batch && cv.rows == m
+        };
+        if bv.rows != k || (!shared_b && bv.batch != batch) || cv.cols != n || !c_fits {
+            return Err(TensorError::Shape {
+                op: "matmul",
+                message: format!(
+                    "cannot multiply {} by {} into {}",
+                    a.shape(),
+                    b.shape(),
+                    c.shape()
+                ),
+            });
+        }
+        // C seen as one m × n matrix: its batch dimensions must fold onto its rows.
+        if batch == 1 && cv.batch > 1 && cv.batch_stride != cv.rows * cv.row_stride {
+            return Err(TensorError::Shape {
+                op: "matmul",
+                message: format!(
+                    "output {} cannot be written as {m} rows; make it contiguous",
+                    c.shape()
+                ),
+            });
+        }
+        Ok(Product {
+            a: av,
+            b: bv,
+            c: cv,
+            shared_b,
+            batch,
+            m,
+            n,
+        })
+    }
+}
+
 /// Folds dimensions into one `(count, stride)` if they are evenly strided (outer = inner · size).
 fn fold(dims: &[usize], strides: &[usize]) -> Option<(usize, usize)> {
     let mut count = 1;
@@ -154,54 +221,23 @@ pub fn matmul_into(alpha: f32, a: &Tensor, b: &Tensor, beta: f32, c: &Tensor) ->
         };
         return matmul_into(alpha, &a32, &b32, beta, c);
     }
-    let mut av = Batched::of(a, "a")?;
-    let bv = Batched::of(b, "b")?;
-    let cv = Batched::of(c, "c")?;
-    let shared_b = b.dims().len() == 2;
-    if shared_b
-        && av.row_stride == av.cols * av.col_stride
-        && av.batch_stride == av.rows * av.row_stride
-    {
-        // [.., m, k] @ [k, n] with row-major rows: one matrix of (batch·m) rows.
-        av.rows *= av.batch;
-        av.batch = 1;
-    }
-    let (batch, m, k, n) = (av.batch, av.rows, av.cols, bv.cols);
-    let c_fits = if batch == 1 {
-        cv.batch * cv.rows == m
-    } else {
-        cv.batch == batch && cv.rows == m
-    };
-    if bv.rows != k || (!shared_b && bv.batch != batch) || cv.cols != n || !c_fits {
-        return Err(TensorError::Shape {
-            op: "matmul",
-            message: format!(
-                "cannot multiply {} by {} into {}",
-                a.shape(),
-                b.shape(),
-                c.shape()
-            ),
-        });
-    }
+    let Product {
+        a: mut av,
+        b: mut bv,
+        c: mut cv,
+        shared_b,
+        batch,
+        m,
+        n,
+    } = Product::of(a, b, c)?;
     // Borrow the spans the views touch; offsets below are relative to each span.
     let (a_data, a_base) = a.read_span::<f32>()?;
     let (b_data, b_base) = b.read_span::<f32>()?;
     let (mut c_data, c_base) = c.write_span::<f32>()?;
-    let (mut av, mut bv, mut cv) = (av, bv, cv);
     av.offset -= a_base;
     bv.offset -= b_base;
     cv.offset -= c_base;
     if batch == 1 {
-        // C seen as one m × n matrix: its batch dimensions must fold onto its rows.
-        if cv.batch > 1 && cv.batch_stride != cv.rows * cv.row_stride {
-            return Err(TensorError::Shape {
-                op: "matmul",
-                message: format!(
-                    "output {} cannot be written as {m} rows; make it contiguous",
-                    c.shape()
-                ),
-            });
-        }
         let out = MatMut::new(&mut c_data[cv.offset..], m, n, cv.row_stride, cv.col_stride)?;
         gemm(
             alpha,
@@ -231,7 +267,7 @@ pub fn matmul_into(alpha: f32, a: &Tensor, b: &Tensor, beta: f32, c: &Tensor) ->
 /// folded batches) in place.
 #[cfg(feature = "cuda")]
 mod device {
-    use super::{Batched, DType, Result, Tensor, TensorError};
+    use super::{Batched, DType, Product, Result, Tensor, TensorError};
     use crate::cuda::blas::Operand;
     use cudarc::cublas::sys::cudaDataType;
 
@@ -337,31 +373,16 @@ mod device {
             }
         };
         let (a, b) = (cast(a)?, cast(b)?);
-        let mut av = Batched::of(&a, "a")?;
-        let bv = Batched::of(&b, "b")?;
-        let cv = Batched::of(c, "c")?;
-        let shared_b = b.dims().len() == 2;
-        if shared_b
-            && av.row_stride == av.cols * av.col_stride
-            && av.batch_stride == av.rows * av.row_stride
-        {
-            av.rows *= av.batch;
-            av.batch = 1;
-        }
-        let (batch, m, k, n) = (av.batch, av.rows, av.cols, bv.cols);
-        let c_fits = if batch == 1 {
-            cv.batch * cv.rows == m && (cv.batch == 1 || cv.batch_stride == cv.rows * cv.row_stride)
-        } else {
-            cv.batch == batch && cv.rows == m
-        };
-        if bv.rows != k || (!shared_b && bv.batch != batch) || cv.cols != n || !c_fits {
-            return Err(err(format!(
-                "cannot multiply {} by {} into {}",
-                a.shape(),
-                b.shape(),
-                c.shape()
-            )));
-        }
+        let Product {
+            a: av,
+            b: bv,
+            c: cv,
+            shared_b,
+            batch,
+            m,
+            n,
+        } = Product::of(&a, &b, c)?;
+        let k = av.cols;
         let size = a.dtype().size();
         let a_span = a.raw_device_span_read("matmul")?;
         let b_span = b.raw_device_span_read("matmul")?;

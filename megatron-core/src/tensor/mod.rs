@@ -455,43 +455,36 @@ impl Tensor {
     /// Borrows a contiguous host view's elements for reading through raw pointers.
     pub(crate) fn raw_read(&self, op: &'static str) -> Result<RawBorrow<'_>> {
         self.require_host(op)?;
-        self.require_contiguous(op)?;
-        let start = self.layout.offset;
-        self.storage
-            .borrow(start, start + self.numel(), false)
-            .ok_or(TensorError::Borrowed { op, write: false })
+        self.raw_borrow(op, false)
     }
 
     /// Borrows a contiguous host view's elements for writing through raw pointers.
     pub(crate) fn raw_write(&self, op: &'static str) -> Result<RawBorrow<'_>> {
         self.require_host(op)?;
-        self.require_contiguous(op)?;
-        let start = self.layout.offset;
-        self.storage
-            .borrow(start, start + self.numel(), true)
-            .ok_or(TensorError::Borrowed { op, write: true })
+        self.raw_borrow(op, true)
     }
 
     /// Borrows a contiguous device view's elements (device addresses) for reading.
     #[cfg(feature = "cuda")]
     pub(crate) fn raw_device_read(&self, op: &'static str) -> Result<RawBorrow<'_>> {
         self.require_gpu(op)?;
-        self.require_contiguous(op)?;
-        let start = self.layout.offset;
-        self.storage
-            .borrow(start, start + self.numel(), false)
-            .ok_or(TensorError::Borrowed { op, write: false })
+        self.raw_borrow(op, false)
     }
 
     /// Borrows a contiguous device view's elements (device addresses) for writing.
     #[cfg(feature = "cuda")]
     pub(crate) fn raw_device_write(&self, op: &'static str) -> Result<RawBorrow<'_>> {
         self.require_gpu(op)?;
+        self.raw_borrow(op, true)
+    }
+
+    /// Borrows a contiguous view's elements, wherever they live, naming `op` if it cannot.
+    fn raw_borrow(&self, op: &'static str, write: bool) -> Result<RawBorrow<'_>> {
         self.require_contiguous(op)?;
         let start = self.layout.offset;
         self.storage
-            .borrow(start, start + self.numel(), true)
-            .ok_or(TensorError::Borrowed { op, write: true })
+            .borrow(start, start + self.numel(), write)
+            .ok_or(TensorError::Borrowed { op, write })
     }
 
     /// Checks that the elements are in device memory, naming `op` otherwise.

@@ -156,6 +156,19 @@ impl CausalSelfAttention {
     }
 }
 
+impl CausalSelfAttention {
+    /// The attention dropout of this call: none when evaluating or with no dropout.
+    fn mask(&self, cx: &Cx, site: Site, sh: Shape) -> Option<(f32, DropoutStream, LogicalIndex)> {
+        (cx.training() && self.dropout > 0.0).then(|| {
+            (
+                self.dropout,
+                cx.dropout_stream(site),
+                self.logical_index(cx, sh),
+            )
+        })
+    }
+}
+
 /// Applies the dropout mask of `mask` to `x` (or returns `x` unchanged without one).
 fn masked(x: &Tensor, mask: &Option<(f32, DropoutStream, LogicalIndex)>) -> Result<Tensor> {
     let Some((p, stream, index)) = mask else {
@@ -221,13 +234,7 @@ impl Op for CausalSelfAttention {
             true,
             &mut probs.write::<f32>()?,
         )?;
-        let mask = (cx.training() && self.dropout > 0.0).then(|| {
-            (
-                self.dropout,
-                cx.dropout_stream(site),
-                self.logical_index(cx, sh),
-            )
-        });
+        let mask = self.mask(cx, site, sh);
         let ctx = matmul(&masked(&probs, &mask)?, &v)?;
         let out = from_heads(&[&ctx], sh)?;
         Ok((
@@ -364,13 +371,7 @@ mod device {
             let square = [sh.batch, sh.heads, sh.seq, sh.seq];
             let scores = Tensor::empty_on(square, dtype, gpu)?;
             matmul_into(1.0, &q, &k.t()?, 0.0, &scores)?;
-            let mask = (cx.training() && self.dropout > 0.0).then(|| {
-                (
-                    self.dropout,
-                    cx.dropout_stream(site),
-                    self.logical_index(cx, sh),
-                )
-            });
+            let mask = self.mask(cx, site, sh);
             let probs = Tensor::empty_on(square, dtype, gpu)?;
             // What the value product reads: the dropped probabilities, or without dropout the
             // probabilities themselves.

@@ -238,10 +238,12 @@ impl VocabParallel for Embedding {
                 h.shape()
             );
         }
+        // On the weight's device (a host input is uploaded to a GPU weight).
         #[cfg(feature = "cuda")]
-        if let Some(gpu) = self.weight.value().gpu() {
-            return self.logits_forward_gpu(h, gpu);
-        }
+        let h = &match self.weight.value().gpu() {
+            Some(gpu) => device::on_gpu(h, gpu)?,
+            None => h.clone(),
+        };
         let h = as_operand(h)?;
         let rows = h.numel() / hidden;
         let local = self.local_rows();
@@ -252,10 +254,7 @@ impl VocabParallel for Embedding {
         // Padding rows of the vocabulary: logits −∞, so softmax gives them nothing.
         let real = self.vocab_size.saturating_sub(self.vocab_start).min(local);
         if real < local {
-            let mut l = logits.write::<f32>()?;
-            for row in l.chunks_exact_mut(local) {
-                row[real..].fill(f32::NEG_INFINITY);
-            }
+            mask_columns(&logits, local, real)?;
         }
         let mut dims = h.dims().to_vec();
         *dims.last_mut().expect("h has a last dimension") = local;
@@ -286,6 +285,26 @@ impl VocabParallel for Embedding {
         let dh = matmul(&d, self.weight.compute_value())?;
         Ok(dh.reshape(saved.h.shape().clone())?)
     }
+}
+
+/// Sets columns `from..cols` of every row of the contiguous f32 matrix `x[.., cols]` to −∞.
+fn mask_columns(x: &Tensor, cols: usize, from: usize) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = x.gpu() {
+        crate::cuda::kernels::vocab_parallel::mask_columns(
+            gpu,
+            &mut x.device_write::<f32>()?.view_mut(),
+            x.numel() / cols,
+            cols,
+            from,
+        )?;
+        return Ok(());
+    }
+    let mut x = x.write::<f32>()?;
+    for row in x.chunks_exact_mut(cols) {
+        row[from..].fill(f32::NEG_INFINITY);
+    }
+    Ok(())
 }
 
 /// The logical description of a learned position embedding.
@@ -413,12 +432,11 @@ impl Lookup for PositionEmbedding {
 /// CPU's results (lookups and gradients bit for bit, logits to cuBLAS's f32 rounding).
 #[cfg(feature = "cuda")]
 mod device {
-    use super::{Embedding, EmbeddingSaved, LogitsSaved, PositionEmbedding, PositionSaved};
+    use super::{Embedding, EmbeddingSaved, PositionEmbedding, PositionSaved};
     use crate::cuda::kernels::{embedding as gek, vocab_parallel as gvp};
     use crate::cuda::{CudaError, Gpu};
     use crate::error::Result;
     use crate::invalid;
-    use crate::ops::{as_operand, matmul};
     use crate::tensor::{DType, Tensor};
 
     /// `t` on `gpu`: itself when it is a device tensor, else an uploaded copy.
@@ -510,36 +528,6 @@ mod device {
                 &mut self.weight.grad().device_write::<f32>()?.view_mut(),
             )?;
             Ok(())
-        }
-
-        /// The tied output layer: `h · Wᵀ` on cuBLAS, padding rows' logits −∞ (the input shape
-        /// is checked by the caller). Its backward is the host code's: products of device tensors.
-        pub(super) fn logits_forward_gpu(
-            &self,
-            h: &Tensor,
-            gpu: &Gpu,
-        ) -> Result<(Tensor, LogitsSaved)> {
-            let hidden = self.hidden();
-            let h = as_operand(&on_gpu(h, gpu)?)?;
-            let rows = h.numel() / hidden;
-            let local = self.local_rows();
-            let logits = matmul(
-                &h.reshape([rows, hidden])?,
-                &self.weight.compute_value().t()?,
-            )?;
-            let real = self.vocab_size.saturating_sub(self.vocab_start).min(local);
-            if real < local {
-                gvp::mask_columns(
-                    gpu,
-                    &mut logits.device_write::<f32>()?.view_mut(),
-                    rows,
-                    local,
-                    real,
-                )?;
-            }
-            let mut dims = h.dims().to_vec();
-            *dims.last_mut().expect("h has a last dimension") = local;
-            Ok((logits.reshape(dims)?, LogitsSaved { h }))
         }
     }
 

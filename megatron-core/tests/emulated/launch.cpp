@@ -47,6 +47,9 @@ static const EmuKernel EMU_KERNELS[] = {
     EMU_KERNEL(layer_norm_backward_finalize),
     EMU_KERNEL(embedding_forward),
     EMU_KERNEL(embedding_backward),
+    EMU_KERNEL(cross_entropy_check_targets),
+    EMU_KERNEL(cross_entropy_forward),
+    EMU_KERNEL(cross_entropy_backward),
 };
 
 // Runs kernel `name` on a grid of grid[0..3] blocks of block[0..3] threads; 0, or -1 for an

@@ -38,6 +38,18 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
+// block_sum in f64 (`scratch` holds 32 doubles).
+__device__ __forceinline__ double block_sum(double v, double* scratch) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int warps = blockDim.x / WARP;
+    v = warp_sum_f64(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : 0.0;
+    return warp_sum_f64(v);
+}
+
 __device__ __forceinline__ float block_max(float v, float* scratch) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int warps = blockDim.x / WARP;

@@ -8,18 +8,6 @@
 
 #define NO_BAD_ROW 0xffffffffffffffffull
 
-// Sum of `v` over the block in f64 (blockDim.x a multiple of 32); every thread gets it.
-__device__ __forceinline__ double ce_block_sum_f64(double v, double* scratch) {
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int warps = blockDim.x / WARP;
-    v = warp_sum_f64(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < warps ? scratch[lane] : 0.0;
-    return warp_sum_f64(v);
-}
-
 // Adds one group of values to a thread's running (max m, Σ exp(x − m) in f64): the sum is
 // rescaled (in f64) only when the maximum grows. A −inf logit adds exp(−inf) = 0 as on the CPU
 // (where the row's maximum is finite; a row of −inf only is handled by the caller), rather than
@@ -71,7 +59,7 @@ extern "C" __global__ void cross_entropy_forward(const float* __restrict__ logit
     const float row_max = block_max(m, fscratch);
     // A thread with nothing to add contributes 0; a NaN sum (from NaN or ±inf logits) stays NaN.
     const double part = s == 0.0 ? 0.0 : s * exp((double)m - (double)row_max);
-    double sum = ce_block_sum_f64(part, dscratch);
+    double sum = block_sum(part, dscratch);
     // Every logit −inf: the CPU's exp(−inf − (−inf)) makes the sum, and so the row, NaN.
     if (row_max == NEG_INF) sum = __longlong_as_double(0x7ff8000000000000ll);
     if (threadIdx.x == 0) {

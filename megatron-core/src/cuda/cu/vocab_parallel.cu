@@ -9,18 +9,6 @@
 
 #define CANONICAL_NAN __int_as_float(0x7fc00000)
 
-// Sum of `v` over the block in f64 (blockDim.x a multiple of 32); every thread gets it.
-__device__ __forceinline__ double vp_block_sum_f64(double v, double* scratch) {
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int warps = blockDim.x / WARP;
-    v = warp_sum_f64(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < warps ? scratch[lane] : 0.0;
-    return warp_sum_f64(v);
-}
-
 // Column of this slice holding global vocabulary entry `t`, or ~0 when the slice does not hold it.
 __device__ __forceinline__ u64 vp_local_column(i64 t, u64 start, u64 local) {
     if (t < 0) return ~0ull;
@@ -59,7 +47,7 @@ extern "C" __global__ void vocab_parallel_ce_sum_exp(const float* __restrict__ l
         const float m = max[r];
         double s = 0.0;
         for (u64 c = threadIdx.x; c < local; c += blockDim.x) s += (double)exp_f32(row[c] - m);
-        s = vp_block_sum_f64(s, scratch);
+        s = block_sum(s, scratch);
         if (threadIdx.x == 0) sum[r] = (float)s;
     }
 }
