@@ -59,7 +59,24 @@ pub enum Placement {
     Cuda {
         /// Matrix products in bf16 with f32 accumulation (mixed precision) instead of f32.
         bf16: bool,
+        /// Attention as tiled flash kernels where it can (bf16 products, a built head size).
+        flash_attention: bool,
     },
+}
+
+#[cfg(feature = "cuda")]
+impl Placement {
+    /// Sets a rank's GPU handle to compute as this placement says.
+    fn configure(&self, gpu: &megatron_core::cuda::Gpu) {
+        if let Placement::Cuda {
+            bf16,
+            flash_attention,
+        } = *self
+        {
+            gpu.set_bf16_products(bf16);
+            gpu.set_flash_attention(flash_attention);
+        }
+    }
 }
 
 /// Periodic evaluation.
@@ -168,14 +185,14 @@ impl TrainJob {
                 self.run_rank(&w, &context, &|_| Ok(()))
             })
             .map_err(anyhow::Error::msg)?,
-            Placement::Cuda { bf16 } => self.run_threads_on_gpu(&context, bf16)?,
+            Placement::Cuda { .. } => self.run_threads_on_gpu(&context)?,
         };
         Ok(context.finish(start))
     }
 
     /// Thread ranks on GPU 0, communicating with the device-local communicator.
     #[cfg(feature = "cuda")]
-    fn run_threads_on_gpu(&self, context: &RunContext<'_>, bf16: bool) -> Result<Vec<()>> {
+    fn run_threads_on_gpu(&self, context: &RunContext<'_>) -> Result<Vec<()>> {
         use megatron_core::comm::gpu_local::LocalGpu;
         use megatron_core::cuda::Gpu;
         let gpu = Gpu::new(0)?;
@@ -183,7 +200,7 @@ impl TrainJob {
         launch(self.world_size(), |w| -> Result<()> {
             let world = shared.world(std::sync::Arc::new(w))?;
             let gpu = world.gpu().clone();
-            gpu.set_bf16_products(bf16);
+            self.device.configure(&gpu);
             self.run_rank(&world, context, &|trainer| Ok(trainer.to_gpu(&gpu)?))
         })
         .map_err(anyhow::Error::msg)
@@ -191,7 +208,7 @@ impl TrainJob {
 
     /// Without the `cuda` feature there is no GPU to run on.
     #[cfg(not(feature = "cuda"))]
-    fn run_threads_on_gpu(&self, _context: &RunContext<'_>, _bf16: bool) -> Result<Vec<()>> {
+    fn run_threads_on_gpu(&self, _context: &RunContext<'_>) -> Result<Vec<()>> {
         bail!("this build has no GPU support: cargo build --release --features cuda")
     }
 
@@ -205,9 +222,8 @@ impl TrainJob {
     ) -> Result<Summary> {
         let start = Instant::now();
         self.check_world(world.size())?;
-        let bf16 = matches!(self.device, Placement::Cuda { bf16: true });
         let gpu = world.gpu().clone();
-        gpu.set_bf16_products(bf16);
+        self.device.configure(&gpu);
         let context = self.context(observers)?;
         self.run_rank(world, &context, &|trainer| Ok(trainer.to_gpu(&gpu)?))?;
         Ok(context.finish(start))

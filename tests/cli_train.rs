@@ -268,6 +268,20 @@ fn devices_and_backends_this_build_lacks_are_clear_errors() {
             vec!["bench", "--train-iters", "1", "--profile"],
             "--profile times GPU kernels: add --device cuda",
         ),
+        (
+            with(&["--attention-backend", "flash"]),
+            "--attention-backend flash runs on a GPU: add --device cuda",
+        ),
+        (
+            with(&[
+                "--attention-backend",
+                "flash",
+                "--device",
+                "cuda",
+                "--fp32-products",
+            ]),
+            "--attention-backend flash multiplies in bf16: drop --fp32-products",
+        ),
     ];
     if cfg!(not(feature = "cuda")) {
         cases.push((

@@ -26,6 +26,20 @@ impl Observer for Curve {
     }
 }
 
+/// f32 products; bf16 products; bf16 products with flash attention.
+const F32: Placement = Placement::Cuda {
+    bf16: false,
+    flash_attention: false,
+};
+const BF16: Placement = Placement::Cuda {
+    bf16: true,
+    flash_attention: false,
+};
+const FLASH: Placement = Placement::Cuda {
+    bf16: true,
+    flash_attention: true,
+};
+
 fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
     let mut model = (preset("gpt-tiny").expect("gpt-tiny").config)();
     model.hidden_dropout = 0.1;
@@ -90,19 +104,24 @@ fn assert_close(a: &[(f64, f64)], b: &[(f64, f64)], rel: f64, what: &str) {
 #[ignore = "needs a GPU"]
 fn gpt_training_on_the_gpu_follows_the_cpu_run() {
     let cpu = curve(&job(1, 1, Placement::Cpu));
-    let gpu = curve(&job(1, 1, Placement::Cuda { bf16: false }));
+    let gpu = curve(&job(1, 1, F32));
     assert_close(&gpu, &cpu, 2e-4, "GPU vs CPU");
     // Mixed precision follows too, more loosely.
-    let bf16 = curve(&job(1, 1, Placement::Cuda { bf16: true }));
+    let bf16 = curve(&job(1, 1, BF16));
     assert_close(&bf16, &cpu, 3e-2, "bf16 products vs CPU");
+    // So does attention in flash kernels (gpt-tiny's heads are 32 wide), at tp 1 and 2.
+    let flash = curve(&job(1, 1, FLASH));
+    assert_close(&flash, &cpu, 3e-2, "flash attention vs CPU");
+    let flash_tp2 = curve(&job(2, 1, FLASH));
+    assert_close(&flash_tp2, &cpu, 3e-2, "flash attention at TP=2 vs CPU");
 }
 
 #[test]
 #[ignore = "needs a GPU"]
 fn tensor_and_data_parallel_ranks_on_one_gpu_reproduce_tp1() {
-    let one = curve(&job(1, 1, Placement::Cuda { bf16: false }));
-    let tp2 = curve(&job(2, 1, Placement::Cuda { bf16: false }));
+    let one = curve(&job(1, 1, F32));
+    let tp2 = curve(&job(2, 1, F32));
     assert_close(&tp2, &one, 2e-4, "TP=2 vs TP=1 on the GPU");
-    let tp2dp2 = curve(&job(2, 2, Placement::Cuda { bf16: false }));
+    let tp2dp2 = curve(&job(2, 2, F32));
     assert_close(&tp2dp2, &one, 2e-4, "TP=2 × DP=2 vs TP=1 on the GPU");
 }

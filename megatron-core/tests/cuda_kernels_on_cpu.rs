@@ -8,10 +8,7 @@
 //!
 //! Needs a C++20 compiler (`c++`, or `$CXX`).
 
-use std::ffi::{CString, c_char, c_int, c_void};
-use std::path::PathBuf;
-use std::process::Command;
-use std::sync::OnceLock;
+mod emulated;
 
 use half::bf16;
 use megatron_core::kernels::cross_entropy as cpu_ce;
@@ -23,98 +20,7 @@ use megatron_core::kernels::layer_norm as cpu_ln;
 use megatron_core::kernels::softmax as cpu_sm;
 use megatron_core::rng::DropoutStream;
 
-type Launch =
-    unsafe extern "C" fn(*const c_char, *const u32, *const u32, *mut *mut c_void) -> c_int;
-
-/// The kernels built for the CPU, loaded once per test process.
-fn launcher() -> Launch {
-    static LAUNCH: OnceLock<usize> = OnceLock::new();
-    let addr = *LAUNCH.get_or_init(|| {
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-        let lib = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("megatron-kernels-{}.so", std::process::id()));
-        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
-        let out = Command::new(&cxx)
-            .args([
-                "-std=c++20",
-                "-O2",
-                "-ffp-contract=off",
-                "-fPIC",
-                "-shared",
-                "-pthread",
-            ])
-            .arg("-I")
-            .arg(root.join("src/cuda/cu"))
-            .arg("-o")
-            .arg(&lib)
-            .arg(root.join("tests/emulated/launch.cpp"))
-            .output()
-            .unwrap_or_else(|e| panic!("{cxx} could not be started ({e}): install g++"));
-        assert!(
-            out.status.success(),
-            "{cxx} failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let path = CString::new(lib.to_string_lossy().as_bytes()).unwrap();
-        // SAFETY: a shared library this test just built; it stays loaded for the process.
-        unsafe {
-            let handle = libc::dlopen(path.as_ptr(), libc::RTLD_NOW);
-            assert!(!handle.is_null(), "dlopen {}", lib.display());
-            let sym = libc::dlsym(handle, c"emu_launch_kernel".as_ptr());
-            assert!(!sym.is_null(), "emu_launch_kernel not in {}", lib.display());
-            // Loaded: the file is no longer needed.
-            let _ = std::fs::remove_file(&lib);
-            sym as usize
-        }
-    });
-    // SAFETY: the address of `emu_launch_kernel`, whose C signature `Launch` is.
-    unsafe { std::mem::transmute::<usize, Launch>(addr) }
-}
-
-/// One kernel argument, as the C signature types it.
-enum Arg {
-    /// A pointer argument.
-    Ptr(*mut c_void),
-    /// A struct passed by value: where it lies.
-    ByValue(*mut c_void),
-    I32(i32),
-    U32(u32),
-    U64(u64),
-    F32(f32),
-}
-
-/// Runs kernel `name` on `grid` blocks of `block` threads (1-D) with `args`.
-fn launch(name: &str, grid: usize, block: usize, args: Vec<Arg>) {
-    launch_3d(name, [grid, 1, 1], [block, 1, 1], args);
-}
-
-/// Runs kernel `name` on a grid of `grid` blocks of `block` threads (x, y, z) with `args`.
-fn launch_3d(name: &str, grid: [usize; 3], block: [usize; 3], mut args: Vec<Arg>) {
-    let mut ptrs: Vec<*mut c_void> = args
-        .iter_mut()
-        .map(|a| match a {
-            Arg::Ptr(p) => p as *mut *mut c_void as *mut c_void,
-            Arg::ByValue(p) => *p,
-            Arg::I32(v) => v as *mut i32 as *mut c_void,
-            Arg::U32(v) => v as *mut u32 as *mut c_void,
-            Arg::U64(v) => v as *mut u64 as *mut c_void,
-            Arg::F32(v) => v as *mut f32 as *mut c_void,
-        })
-        .collect();
-    let name_c = CString::new(name).unwrap();
-    // SAFETY: each pointer addresses a value of the type the kernel's parameter has (the
-    // callers follow the C signatures), alive for the call; buffers cover what the kernel reads.
-    let (grid, block) = (grid.map(|d| d as u32), block.map(|d| d as u32));
-    let status = unsafe {
-        launcher()(
-            name_c.as_ptr(),
-            grid.as_ptr(),
-            block.as_ptr(),
-            ptrs.as_mut_ptr(),
-        )
-    };
-    assert_eq!(status, 0, "no kernel {name}");
-}
+use emulated::{Arg, launch, launch_3d};
 
 /// A buffer of f32 or bf16 elements after `offset` leading NaNs (offset 1 breaks the alignment
 /// the vector paths need).

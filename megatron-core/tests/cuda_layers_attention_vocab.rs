@@ -118,6 +118,101 @@ fn attention_on_the_gpu_matches_the_host() -> R {
     Ok(())
 }
 
+#[test]
+#[ignore = "needs a GPU"]
+fn flash_attention_on_the_gpu_matches_the_host() -> R {
+    // A handle of its own: the products and attention settings are per handle.
+    let g = gpu().with_new_stream()?;
+    g.set_bf16_products(true);
+    g.set_flash_attention(true);
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 99);
+    // (seq, batch, heads, head_dim): every built head size, partial tiles, several tiles; and
+    // a head size the kernels lack (attention stays unfused there).
+    for (s, b, heads, d) in [
+        (70, 2, 2, 64),
+        (37, 1, 3, 96),
+        (130, 1, 1, 128),
+        (33, 2, 2, 32),
+        (7, 3, 4, 8),
+    ] {
+        let width = heads * 3 * d;
+        let qkv = tensor(
+            det(s * b * width, s + d).iter().map(|x| 2.0 * x).collect(),
+            &[s, b, width],
+        );
+        let dy = tensor(det(s * b * heads * d, 3 * s + b), &[s, b, heads * d]);
+        for (p, training) in [(0.0, true), (0.3, true), (0.3, false)] {
+            let op = CausalSelfAttention::new(heads, p);
+            let cx = if training { cx.at(2, 1) } else { cx.eval() };
+            let (y_h, dx_h) = attention(&op, &cx, &qkv, &dy)?;
+            let (y_d, dx_d) = attention(&op, &cx, &qkv.to_gpu(&g)?, &dy.to_gpu(&g)?)?;
+            let what = format!("s {s} b {b} heads {heads} d {d} p {p} training {training}");
+            // bf16 operands against f32 ones.
+            close(
+                &host(&y_d),
+                &host(&y_h),
+                2e-2,
+                &format!("flash output, {what}"),
+            );
+            close(
+                &host(&dx_d),
+                &host(&dx_h),
+                3e-2,
+                &format!("flash input grad, {what}"),
+            );
+            // The backward has no atomics: a second run is the same bit for bit.
+            let (y_2, dx_2) = attention(&op, &cx, &qkv.to_gpu(&g)?, &dy.to_gpu(&g)?)?;
+            assert_eq!(bits(&host(&y_2)), bits(&host(&y_d)), "{what}");
+            assert_eq!(bits(&host(&dx_2)), bits(&host(&dx_d)), "{what}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn flash_kernels_refuse_what_they_lack_with_the_numbers() -> R {
+    use megatron_core::cuda::kernels::flash_attention::{FlashShape, flash_attention_forward};
+    let g = gpu();
+    let sh = FlashShape {
+        seq: 4,
+        batch: 1,
+        heads: 1,
+        head_dim: 48,
+    };
+    let qkv = g.zeros::<half::bf16>(sh.qkv_len())?;
+    let mut out = g.zeros::<f32>(sh.out_len())?;
+    let mut lse = g.zeros::<f32>(sh.rows())?;
+    let run = |sh: FlashShape,
+               out: &mut cudarc::driver::CudaSlice<f32>,
+               lse: &mut cudarc::driver::CudaSlice<f32>| {
+        flash_attention_forward(
+            &g,
+            &qkv.as_view(),
+            sh,
+            1.0,
+            None,
+            &mut out.as_view_mut(),
+            &mut lse.as_view_mut(),
+        )
+        .expect_err("refused")
+        .to_string()
+    };
+    let msg = run(sh, &mut out, &mut lse);
+    assert!(
+        msg.contains("head size 48 is not one of the built ones [32, 64, 96, 128]"),
+        "{msg}"
+    );
+    let sh = FlashShape { head_dim: 32, ..sh };
+    let msg = run(sh, &mut out, &mut lse);
+    assert!(
+        msg.contains("`qkv` has 576 elements, expected 384"),
+        "{msg}"
+    );
+    Ok(())
+}
+
 /// What the embedding head gives on one rank: lookup output, logits, losses, dlogits, the input
 /// gradient of the tied layer, and the parameter gradients (word, position).
 struct Head {

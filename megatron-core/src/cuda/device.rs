@@ -60,6 +60,8 @@ pub struct Gpu {
     blas: Arc<OnceLock<Blas>>,
     /// Whether f32 matrix products round their operands to bf16 (f32 accumulation).
     bf16_products: Arc<AtomicBool>,
+    /// Whether attention runs as tiled (flash) kernels where it can.
+    flash_attention: Arc<AtomicBool>,
 }
 
 impl Gpu {
@@ -95,6 +97,7 @@ impl Gpu {
             kernels,
             blas: Arc::new(OnceLock::new()),
             bf16_products: Arc::new(AtomicBool::new(false)),
+            flash_attention: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -110,6 +113,7 @@ impl Gpu {
             kernels: self.kernels.clone(),
             blas: Arc::new(OnceLock::new()),
             bf16_products: Arc::new(AtomicBool::new(self.bf16_products())),
+            flash_attention: Arc::new(AtomicBool::new(self.flash_attention())),
         })
     }
 
@@ -147,6 +151,19 @@ impl Gpu {
     /// Whether f32 products run in bf16 (see [`Gpu::set_bf16_products`]).
     pub fn bf16_products(&self) -> bool {
         self.bf16_products.load(Ordering::Relaxed)
+    }
+
+    /// Makes causal self-attention run as tiled kernels on the tensor cores (FlashAttention-2's
+    /// algorithm, [`crate::cuda::kernels::flash_attention`]) where it can: bf16 products and a
+    /// head size the kernels are built for; elsewhere attention keeps its unfused kernels. Off
+    /// by default.
+    pub fn set_flash_attention(&self, on: bool) {
+        self.flash_attention.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether attention may run as flash kernels (see [`Gpu::set_flash_attention`]).
+    pub fn flash_attention(&self) -> bool {
+        self.flash_attention.load(Ordering::Relaxed)
     }
 
     /// The loaded kernels.

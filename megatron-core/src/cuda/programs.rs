@@ -18,11 +18,12 @@ use super::library;
 const COMMON: &str = include_str!("cu/common.cuh");
 
 /// The programs: (name, source). A kernel's name is unique over all of them.
-pub const PROGRAMS: [(&str, &str); 9] = [
+pub const PROGRAMS: [(&str, &str); 10] = [
     ("elementwise", include_str!("cu/elementwise.cu")),
     ("dropout", include_str!("cu/dropout.cu")),
     ("layer_norm", include_str!("cu/layer_norm.cu")),
     ("softmax", include_str!("cu/softmax.cu")),
+    ("flash_attention", include_str!("cu/flash_attention.cu")),
     ("embedding", include_str!("cu/embedding.cu")),
     ("cross_entropy", include_str!("cu/cross_entropy.cu")),
     ("adam", include_str!("cu/adam.cu")),

@@ -30,15 +30,33 @@ impl CausalSelfAttention {
     }
 }
 
-/// What attention keeps: queries, keys, values and the attention weights before dropout.
+/// What attention keeps for its backward, and its dropout mask.
 #[derive(Debug, Clone)]
 pub struct AttentionSaved {
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    probs: Tensor,
+    kept: Kept,
     dropout: Option<(f32, DropoutStream, LogicalIndex)>,
     shape: Shape,
+}
+
+/// The tensors the backward reads.
+#[derive(Debug, Clone)]
+enum Kept {
+    /// Queries, keys and values (`[b·heads, s, d]`, or views of the fused projection) and the
+    /// attention weights before dropout.
+    Weights {
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        probs: Tensor,
+    },
+    /// The flash kernels': the fused projection in bf16, the output and the log-sum-exp of
+    /// every row's scaled scores (the weights are recomputed from them).
+    #[cfg(feature = "cuda")]
+    Flash {
+        qkv: Tensor,
+        out: Tensor,
+        lse: Tensor,
+    },
 }
 
 /// Sizes of one call.
@@ -240,10 +258,7 @@ impl Op for CausalSelfAttention {
         Ok((
             out,
             AttentionSaved {
-                q,
-                k,
-                v,
-                probs,
+                kept: Kept::Weights { q, k, v, probs },
                 dropout: mask,
                 shape: sh,
             },
@@ -269,14 +284,23 @@ impl Op for CausalSelfAttention {
         if let Some(gpu) = d_out.gpu() {
             return device::backward(saved, &d_out, gpu);
         }
+        let (q, k, v, probs) = match &saved.kept {
+            Kept::Weights { q, k, v, probs } => (q, k, v, probs),
+            #[cfg(feature = "cuda")]
+            Kept::Flash { .. } => {
+                return invalid!(
+                    "attention: the forward ran on the GPU, the output gradient is on the host"
+                );
+            }
+        };
         let d_ctx = to_heads(&d_out, sh, 1)?.remove(0);
-        let d_dropped = matmul(&d_ctx, &saved.v.transpose(1, 2)?)?;
+        let d_dropped = matmul(&d_ctx, &v.transpose(1, 2)?)?;
         // The forward's dropped probabilities and the gradient through the dropout: one mask.
-        let (dropped, d_probs) = masked_pair(&saved.probs, &d_dropped, &saved.dropout)?;
+        let (dropped, d_probs) = masked_pair(probs, &d_dropped, &saved.dropout)?;
         let dv = matmul(&dropped.transpose(1, 2)?, &d_ctx)?;
         let d_scores = Tensor::empty(d_probs.shape().clone(), DType::F32);
         softmax::softmax_backward(
-            &saved.probs.read::<f32>()?,
+            &probs.read::<f32>()?,
             &d_probs.read::<f32>()?,
             sh.batch * sh.heads,
             sh.seq,
@@ -284,8 +308,8 @@ impl Op for CausalSelfAttention {
             sh.scale(),
             &mut d_scores.write::<f32>()?,
         )?;
-        let dq = matmul(&d_scores, &saved.k)?;
-        let dk = matmul(&d_scores.transpose(1, 2)?, &saved.q)?;
+        let dq = matmul(&d_scores, k)?;
+        let dk = matmul(&d_scores.transpose(1, 2)?, q)?;
         from_heads(&[&dq, &dk, &dv], sh)
     }
 }
@@ -299,8 +323,11 @@ impl Op for CausalSelfAttention {
 /// probabilities take half the memory.
 #[cfg(feature = "cuda")]
 mod device {
-    use super::{AttentionSaved, CausalSelfAttention, Shape};
+    use super::{AttentionSaved, CausalSelfAttention, Kept, Shape};
     use crate::cuda::Gpu;
+    use crate::cuda::kernels::flash_attention::{
+        FlashShape, flash_attention_backward, flash_attention_forward,
+    };
     use crate::cuda::kernels::softmax::{self as gsm, In, Out};
     use crate::error::Result;
     use crate::kernels::dropout::LogicalIndex;
@@ -348,6 +375,16 @@ mod device {
         }
     }
 
+    /// The flash kernels' view of the sizes.
+    fn flash_shape(sh: Shape) -> FlashShape {
+        FlashShape {
+            seq: sh.seq,
+            batch: sh.batch,
+            heads: sh.heads,
+            head_dim: sh.head_dim,
+        }
+    }
+
     /// The mask as the fused kernels take it.
     fn dropout_of(mask: &Option<(f32, DropoutStream, LogicalIndex)>) -> Option<gsm::Dropout<'_>> {
         mask.as_ref().map(|(p, stream, index)| (*p, stream, *index))
@@ -362,8 +399,11 @@ mod device {
             sh: Shape,
             gpu: &Gpu,
         ) -> Result<(Tensor, AttentionSaved)> {
-            // q, k and v in the products' dtype (bf16: rounded once), kept for the backward.
             let dtype = operand_dtype(qkv);
+            if gpu.flash_attention() && dtype == DType::BF16 && flash_shape(sh).supported() {
+                return self.forward_flash(cx, site, qkv, sh, gpu);
+            }
+            // q, k and v in the products' dtype (bf16: rounded once), kept for the backward.
             let qkv = as_operand(qkv)?;
             let q = heads_view(&qkv, sh, 3, 0)?;
             let k = heads_view(&qkv, sh, 3, 1)?;
@@ -411,10 +451,42 @@ mod device {
             Ok((
                 out,
                 AttentionSaved {
-                    q,
-                    k,
-                    v,
-                    probs,
+                    kept: Kept::Weights { q, k, v, probs },
+                    dropout: mask,
+                    shape: sh,
+                },
+            ))
+        }
+
+        /// The forward as tiled flash kernels: no `s × s` tensor; the backward recomputes the
+        /// weights from the fused projection (rounded to bf16 once) and the rows' log-sum-exp.
+        fn forward_flash(
+            &self,
+            cx: &Cx,
+            site: Site,
+            qkv: &Tensor,
+            sh: Shape,
+            gpu: &Gpu,
+        ) -> Result<(Tensor, AttentionSaved)> {
+            let qkv = qkv.to_contiguous(DType::BF16)?;
+            let mask = self.mask(cx, site, sh);
+            let fsh = flash_shape(sh);
+            let out =
+                Tensor::empty_on([sh.seq, sh.batch, sh.heads * sh.head_dim], DType::F32, gpu)?;
+            let lse = Tensor::empty_on([fsh.rows()], DType::F32, gpu)?;
+            flash_attention_forward(
+                gpu,
+                &qkv.device_read::<half::bf16>()?.view(),
+                fsh,
+                sh.scale(),
+                dropout_of(&mask),
+                &mut out.device_write::<f32>()?.view_mut(),
+                &mut lse.device_write::<f32>()?.view_mut(),
+            )?;
+            Ok((
+                out.clone(),
+                AttentionSaved {
+                    kept: Kept::Flash { qkv, out, lse },
                     dropout: mask,
                     shape: sh,
                 },
@@ -422,23 +494,56 @@ mod device {
         }
     }
 
+    /// The flash backward: the fused projection's gradient from the output's.
+    fn backward_flash(
+        saved: &AttentionSaved,
+        (qkv, out, lse): (&Tensor, &Tensor, &Tensor),
+        d_out: &Tensor,
+        gpu: &Gpu,
+    ) -> Result<Tensor> {
+        let sh = saved.shape;
+        let dqkv = Tensor::empty_on(
+            [sh.seq, sh.batch, sh.heads * 3 * sh.head_dim],
+            DType::F32,
+            gpu,
+        )?;
+        flash_attention_backward(
+            gpu,
+            &qkv.device_read::<half::bf16>()?.view(),
+            &out.device_read::<f32>()?.view(),
+            &lse.device_read::<f32>()?.view(),
+            &d_out.device_read::<f32>()?.view(),
+            flash_shape(sh),
+            sh.scale(),
+            dropout_of(&saved.dropout),
+            &mut dqkv.device_write::<f32>()?.view_mut(),
+        )?;
+        Ok(dqkv)
+    }
+
     /// The backward (the output gradient's size checked by the caller), writing dq, dk and dv
     /// straight into their places in the fused gradient.
     pub(super) fn backward(saved: AttentionSaved, d_out: &Tensor, gpu: &Gpu) -> Result<Tensor> {
+        let (q, k, v, probs) = match &saved.kept {
+            Kept::Weights { q, k, v, probs } => (q, k, v, probs),
+            Kept::Flash { qkv, out, lse } => {
+                return backward_flash(&saved, (qkv, out, lse), d_out, gpu);
+            }
+        };
         let sh = saved.shape;
         let dtype = operand_dtype(d_out);
         // Both products that read the context gradient take it converted once.
         let d_ctx = heads_view(&as_operand(d_out)?, sh, 1, 0)?;
-        let square = saved.probs.shape().clone();
+        let square = probs.shape().clone();
         let d_dropped = Tensor::empty_on(square.clone(), dtype, gpu)?;
-        matmul_into(1.0, &d_ctx, &saved.v.t()?, 0.0, &d_dropped)?;
+        matmul_into(1.0, &d_ctx, &v.t()?, 0.0, &d_dropped)?;
         let d_scores = Tensor::empty_on(square.clone(), dtype, gpu)?;
         let dropped = saved
             .dropout
             .is_some()
             .then(|| Tensor::empty_on(square, dtype, gpu))
             .transpose()?;
-        with_in(&saved.probs, |y| {
+        with_in(probs, |y| {
             with_in(&d_dropped, |dy| {
                 with_out(&d_scores, |dx| {
                     with_optional_out(dropped.as_ref(), |d| {
@@ -465,7 +570,7 @@ mod device {
             DType::F32,
             gpu,
         )?;
-        let dropped = dropped.as_ref().unwrap_or(&saved.probs);
+        let dropped = dropped.as_ref().unwrap_or(probs);
         matmul_into(
             1.0,
             &dropped.t()?,
@@ -473,14 +578,8 @@ mod device {
             0.0,
             &heads_view(&dqkv, sh, 3, 2)?,
         )?;
-        matmul_into(1.0, &d_scores, &saved.k, 0.0, &heads_view(&dqkv, sh, 3, 0)?)?;
-        matmul_into(
-            1.0,
-            &d_scores.t()?,
-            &saved.q,
-            0.0,
-            &heads_view(&dqkv, sh, 3, 1)?,
-        )?;
+        matmul_into(1.0, &d_scores, k, 0.0, &heads_view(&dqkv, sh, 3, 0)?)?;
+        matmul_into(1.0, &d_scores.t()?, q, 0.0, &heads_view(&dqkv, sh, 3, 1)?)?;
         Ok(dqkv)
     }
 }

@@ -13,6 +13,7 @@
 #include "dropout.cu"
 #include "elementwise.cu"
 #include "embedding.cu"
+#include "flash_attention.cu"
 #include "layer_norm.cu"
 #include "reduce.cu"
 #include "softmax.cu"
@@ -50,6 +51,10 @@ static const EmuKernel EMU_KERNELS[] = {
     EMU_KERNEL(cross_entropy_check_targets),
     EMU_KERNEL(cross_entropy_forward),
     EMU_KERNEL(cross_entropy_backward),
+    EMU_KERNEL(flash_forward),
+    EMU_KERNEL(flash_backward_prepare),
+    EMU_KERNEL(flash_backward_kv),
+    EMU_KERNEL(flash_backward_q),
 };
 
 // Runs kernel `name` on a grid of grid[0..3] blocks of block[0..3] threads; 0, or -1 for an

@@ -23,6 +23,9 @@
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
 #define __shared__ static
+#define __align__(n) alignas(n)
+// Kernels that need another path under emulation (the tensor-core products) test this.
+#define EMULATED_CUDA 1
 
 struct emu_dim3 {
     unsigned x = 1, y = 1, z = 1;
@@ -42,10 +45,14 @@ struct uint4 {
 struct uint2 {
     unsigned x, y;
 };
+struct float2 {
+    float x, y;
+};
 
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline float2 make_float2(float x, float y) { return {x, y}; }
 
 inline unsigned __float_as_uint(float f) {
     unsigned u;
@@ -80,6 +87,8 @@ using std::min;
 // The running block's barrier and its warps' exchange buffers and barriers.
 struct EmuWarp {
     double lanes[32];
+    // Every lane's fragments of a tensor-core product.
+    unsigned mma_a[32][4], mma_b[32][2];
     std::unique_ptr<std::barrier<>> bar;
 };
 inline std::unique_ptr<std::barrier<>> emu_block_barrier;
@@ -113,6 +122,40 @@ inline unsigned __ballot_sync(unsigned, int predicate) {
     }
     w.bar->arrive_and_wait();
     return bits;
+}
+
+// The block's dynamic shared memory (blocks run one at a time): as much as a Hopper SM has.
+alignas(16) inline unsigned char emu_dynamic_shared[232448];
+
+// d += a·b for one warp-wide m16n8k16 product of bf16 fragments with f32 accumulation
+// (mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32), the fragments laid out over the lanes
+// as the PTX ISA specifies (lane = 4g + t): A[r][c] is half (c & 1) of register
+// (r >= 8) + 2·(c >= 8) of lane 4·(r % 8) + (c % 8) / 2; B[k][n] is half (k & 1) of register
+// (k >= 8) of lane 4n + (k % 8) / 2; lane 4g + t holds D[g][2t, 2t+1] and D[g+8][2t, 2t+1].
+// Every lane of the warp must call it.
+inline void emu_mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b) {
+    const unsigned lane = emu_tid % 32;
+    EmuWarp& w = emu_warps[emu_tid / 32];
+    for (int i = 0; i < 4; ++i) w.mma_a[lane][i] = a[i];
+    for (int i = 0; i < 2; ++i) w.mma_b[lane][i] = b[i];
+    w.bar->arrive_and_wait();
+    const auto bf16 = [](unsigned reg, int half) {
+        return __uint_as_float(((reg >> (16 * half)) & 0xffffu) << 16);
+    };
+    const auto A = [&](int r, int c) {
+        return bf16(w.mma_a[4 * (r % 8) + (c % 8) / 2][(r >= 8) + 2 * (c >= 8)], c & 1);
+    };
+    const auto B = [&](int k, int n) { return bf16(w.mma_b[4 * n + (k % 8) / 2][k >= 8], k & 1); };
+    const int g = (int)lane >> 2, t = (int)lane & 3;
+    float out[4];
+    for (int c = 0; c < 4; ++c) {
+        const int row = g + 8 * (c >> 1), col = 2 * t + (c & 1);
+        float sum = 0.0f;
+        for (int k = 0; k < 16; ++k) sum += A(row, k) * B(k, col);
+        out[c] = d[c] + sum;
+    }
+    w.bar->arrive_and_wait();
+    for (int c = 0; c < 4; ++c) d[c] = out[c];
 }
 
 // Atomics: one lock for all (the emulation's threads of a block run concurrently).

@@ -10,6 +10,7 @@ pub mod cross_entropy;
 pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
+pub mod flash_attention;
 pub mod layer_norm;
 pub mod reduce;
 pub mod softmax;

@@ -89,7 +89,11 @@ impl<'a> Out<'a, '_> {
 pub type Dropout<'a> = (f32, &'a DropoutStream, LogicalIndex);
 
 /// The mask arguments of `dropout` over `n` elements (none: everything kept).
-fn mask(kernel: &'static str, dropout: Option<Dropout<'_>>, n: usize) -> Result<MaskArgs> {
+pub(crate) fn mask(
+    kernel: &'static str,
+    dropout: Option<Dropout<'_>>,
+    n: usize,
+) -> Result<MaskArgs> {
     let Some((p, stream, index)) = dropout else {
         return Ok(MaskArgs::keep_all());
     };

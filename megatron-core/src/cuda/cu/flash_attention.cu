@@ -1,0 +1,628 @@
+// Causal self-attention in tiles (the FlashAttention-2 algorithm): the scores, probabilities
+// and their gradients live in registers, a tile at a time, and never reach global memory. The
+// products run on the tensor cores (mma.sync m16n8k16, bf16 operands, f32 accumulation); the
+// softmax is online (running row maximum and sum, rescaling the partial output), and the
+// backward recomputes the probabilities from the saved log-sum-exp of every row.
+//
+// Layout: the fused projection `qkv` (bf16) holds, per position, batch entry and head, the
+// head's query, key and value (d elements each, in that order); row i of head h of batch entry
+// b starts `i·seq_stride + b·batch_stride + h·head_stride` elements in (Megatron-LM's
+// [s, b, heads·3·d]: seq_stride = b·heads·3d, batch_stride = heads·3d, head_stride = 3d). Its
+// gradient `dqkv` (f32) has the same layout; the output o, its gradient and its bf16 copy have
+// theirs (o_*). The log-sum-exp and the backward's row sums are [b, heads, s].
+//
+// Semantics are the CPU's attention with queries and keys of one sequence (sq = sk = s): query
+// i sees keys j ≤ i, probabilities softmax(scale·q·kᵀ) over them, attention dropout with the
+// CPU's Philox mask over the [b, heads, s, s] probabilities (the mask's local element
+// ((b·heads + h)·s + i)·s + j), and the output the dropped probabilities times v. The
+// probabilities are rounded to bf16 for their product with v, as the unfused kernels store
+// them with bf16 products. Rows are assumed finite (no ±∞/NaN scores).
+//
+// Warps own 16 rows of a tile each; FA_THREADS threads per block. Head dimensions 32, 64, 96
+// and 128 are instantiated; the kernels take the head dimension at run time.
+
+#define FA_WARPS 4
+#define FA_THREADS (FA_WARPS * WARP)
+// Rows of a block: queries of the forward and the query gradient, keys of the key gradient.
+#define FA_ROWS (16 * FA_WARPS)
+// Keys per tile of the forward; keys per tile of the query gradient, queries per tile of the
+// key gradient.
+#define FA_FWD_KEYS 64
+#define FA_BWD_COLS 32
+// Padding (in bf16 elements) of every shared row, so that the 8 rows a fragment load touches
+// fall on different banks.
+#define FA_PAD 8
+
+typedef unsigned short bf16_t;
+
+// The block's dynamic shared memory (16-byte aligned), as `unsigned char* name`.
+#ifdef EMULATED_CUDA
+#define DYNAMIC_SHARED(name) unsigned char* name = emu_dynamic_shared
+#else
+#define DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+// Two bf16 (the first in the low half) of two floats, rounded to nearest even.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    return bf16_bits(lo) | (bf16_bits(hi) << 16);
+}
+
+__device__ __forceinline__ u32 load_pair(const bf16_t* p) { return *reinterpret_cast<const u32*>(p); }
+
+// d += a·b on the tensor cores: one m16n8k16 product of bf16 fragments with f32 accumulation.
+// Fragments (PTX ISA, lane = 4g + t): a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1],
+// a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9]; b[0] = B[2t, 2t+1][g],
+// b[1] = B[2t+8, 2t+9][g]; d[0], d[1] = D[g][2t, 2t+1], d[2], d[3] = D[g+8][2t, 2t+1].
+__device__ __forceinline__ void mma_bf16(float* d, const u32* a, const u32* b) {
+#ifdef EMULATED_CUDA
+    emu_mma_m16n8k16_bf16(d, a, b);
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// The A fragment of the 16×16 tile at (row0, col0) of a row-major shared matrix (ld elements
+// per row).
+__device__ __forceinline__ void frag_a(u32* a, const bf16_t* x, int ld, int row0, int col0) {
+    const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+    const bf16_t* p = x + (row0 + g) * ld + col0 + 2 * t;
+    a[0] = load_pair(p);
+    a[1] = load_pair(p + 8 * ld);
+    a[2] = load_pair(p + 8);
+    a[3] = load_pair(p + 8 * ld + 8);
+}
+
+// The B fragment of B[k0 .. k0+16][n0 .. n0+8] from Bᵀ held row-major in shared memory (row n
+// of `bt` is column n of B).
+__device__ __forceinline__ void frag_b(u32* b, const bf16_t* bt, int ld, int n0, int k0) {
+    const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+    const bf16_t* p = bt + (n0 + g) * ld + k0 + 2 * t;
+    b[0] = load_pair(p);
+    b[1] = load_pair(p + 8);
+}
+
+// The A fragments of a 16-column slice k of accumulator tiles: the m16n8 tiles 2k and 2k + 1
+// of `c` (rounded to bf16) are the A operand of a product over their columns.
+__device__ __forceinline__ void acc_to_a(u32* a, const float (*c)[4], int k) {
+    a[0] = pack_bf16(c[2 * k][0], c[2 * k][1]);
+    a[1] = pack_bf16(c[2 * k][2], c[2 * k][3]);
+    a[2] = pack_bf16(c[2 * k + 1][0], c[2 * k + 1][1]);
+    a[3] = pack_bf16(c[2 * k + 1][2], c[2 * k + 1][3]);
+}
+
+// Element e of an 8-element group of bf16 packed in a uint4.
+__device__ __forceinline__ bf16_t unpack8(uint4 v, int e) {
+    const u32 w = e < 2 ? v.x : e < 4 ? v.y : e < 6 ? v.z : v.w;
+    return (bf16_t)((e & 1) ? w >> 16 : w & 0xffffu);
+}
+
+// Rows row0 .. row0 + rows of one head (D elements each, rows seq_stride apart) into shared
+// memory: row-major into `x` (ld elements per row) and transposed into `xt` (row d holding
+// element d of every row, ldt elements per row), each when not null. Rows from `s` on are
+// zeros. 16-byte loads when `vec` (the head's rows 16-byte aligned), else 2-byte ones.
+template <int D>
+__device__ __forceinline__ void load_rows(bf16_t* x, int ld, bf16_t* xt, int ldt,
+                                          const bf16_t* __restrict__ src, i64 seq_stride,
+                                          u64 row0, int rows, u64 s, bool vec) {
+    constexpr int CHUNKS = D / 8;
+    for (int c = threadIdx.x; c < rows * CHUNKS; c += blockDim.x) {
+        const int r = c / CHUNKS, k = c % CHUNKS;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (row0 + r < s) {
+            const bf16_t* p = src + (i64)(row0 + r) * seq_stride + 8 * k;
+            if (vec) {
+                v = *reinterpret_cast<const uint4*>(p);
+            } else {
+                v = make_uint4(p[0] | ((u32)p[1] << 16), p[2] | ((u32)p[3] << 16),
+                               p[4] | ((u32)p[5] << 16), p[6] | ((u32)p[7] << 16));
+            }
+        }
+        if (x != nullptr) *reinterpret_cast<uint4*>(x + r * ld + 8 * k) = v;
+        if (xt != nullptr) {
+            for (int e = 0; e < 8; ++e) xt[(8 * k + e) * ldt + r] = unpack8(v, e);
+        }
+    }
+}
+
+// The A fragments (16 rows, all D columns) of rows row0 .. row0 + 16 of one head, straight from
+// global memory (zeros from row `s` on).
+template <int D>
+__device__ __forceinline__ void global_frags(u32 (*a)[4], const bf16_t* __restrict__ src,
+                                             i64 seq_stride, u64 row0, u64 s) {
+    const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+    const u64 r0 = row0 + g, r1 = r0 + 8;
+    const bf16_t* p0 = src + (i64)r0 * seq_stride + 2 * t;
+    const bf16_t* p1 = src + (i64)r1 * seq_stride + 2 * t;
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        a[kk][0] = r0 < s ? (u32)p0[16 * kk] | ((u32)p0[16 * kk + 1] << 16) : 0u;
+        a[kk][1] = r1 < s ? (u32)p1[16 * kk] | ((u32)p1[16 * kk + 1] << 16) : 0u;
+        a[kk][2] = r0 < s ? (u32)p0[16 * kk + 8] | ((u32)p0[16 * kk + 9] << 16) : 0u;
+        a[kk][3] = r1 < s ? (u32)p1[16 * kk + 8] | ((u32)p1[16 * kk + 9] << 16) : 0u;
+    }
+}
+
+// The dropout factors (scale or 0) of mask elements e and e + 1 (e even): one Philox block for
+// both when every aligned group of 4 local elements is one block.
+__device__ __forceinline__ float2 mask_factor2(const Mask& m, u64 e, bool blocks) {
+    if (m.threshold == 0) return make_float2(m.scale, m.scale);
+    if (!blocks) return make_float2(mask_factor(m, e), mask_factor(m, e + 1));
+    const u64 logical = mask_logical(m, e);
+    const uint4 w = dropout_block(logical >> 2, m.key, m.stream);
+    const int i = (int)(logical & 3);
+    const u32 w0 = word_of(w, i), w1 = word_of(w, i + 1);
+    return make_float2(w0 >= m.threshold ? m.scale : 0.0f, w1 >= m.threshold ? m.scale : 0.0f);
+}
+
+// Where one (batch entry, head) sits: element offsets of its row 0 in the q/k/v layout and in
+// the output layout, and the index of its row 0 in [b, heads, s].
+struct HeadAt {
+    i64 qkv, o;
+    u64 row;
+};
+
+__device__ __forceinline__ HeadAt head_at(i64 batch_stride, i64 head_stride, i64 o_batch_stride,
+                                          i64 o_head_stride, u64 heads, u64 s) {
+    const u64 b = blockIdx.z, h = blockIdx.y;
+    HeadAt at;
+    at.qkv = (i64)b * batch_stride + (i64)h * head_stride;
+    at.o = (i64)b * o_batch_stride + (i64)h * o_head_stride;
+    at.row = (b * heads + h) * s;
+    return at;
+}
+
+// Whether every row of one head, at q, k and v, is 16-byte aligned.
+__device__ __forceinline__ bool rows_aligned(const void* q, const void* k, const void* v,
+                                             i64 seq_stride, i64 batch_stride, i64 head_stride) {
+    return (((u64)q | (u64)k | (u64)v) & 15) == 0 &&
+           ((seq_stride | batch_stride | head_stride) & 7) == 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward: o = dropout(softmax(scale·q·kᵀ)) v and lse = log Σ exp(scale·q·kᵀ) per row. Grid:
+// (query tiles, heads, batch); the last query tiles (the most keys) start first.
+template <int D>
+__device__ __forceinline__ void fa_forward(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
+    i64 seq_stride, i64 batch_stride, i64 head_stride, float* __restrict__ o, i64 o_seq_stride,
+    i64 o_batch_stride, i64 o_head_stride, float* __restrict__ lse, u64 s, u64 heads,
+    float scale, const Mask& m, unsigned char* smem) {
+    constexpr int LDK = D + FA_PAD, LDV = FA_FWD_KEYS + FA_PAD;
+    bf16_t* ks = reinterpret_cast<bf16_t*>(smem);  // the tile's keys
+    bf16_t* vt = ks + FA_FWD_KEYS * LDK;            // its values, transposed
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
+    const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
+    const bool vec = rows_aligned(q, k, v, seq_stride, batch_stride, head_stride);
+    const bool blocks = mask_blocks(m);
+    const u64 q0 = (gridDim.x - 1 - blockIdx.x) * (u64)FA_ROWS;
+    const u64 i0 = q0 + 16 * warp + g;  // this thread's rows: i0 and i0 + 8
+
+    u32 qa[D / 16][4];
+    global_frags<D>(qa, q + at.qkv, seq_stride, q0 + 16 * warp, s);
+    float acc[D / 8][4];
+    #pragma unroll
+    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0.0f, 0.0f};
+
+    const u64 last = min(q0 + FA_ROWS, s) - 1;  // the block's last query sees keys 0 ..= last
+    for (u64 k0 = 0; k0 <= last; k0 += FA_FWD_KEYS) {
+        __syncthreads();
+        load_rows<D>(ks, LDK, nullptr, 0, k + at.qkv, seq_stride, k0, FA_FWD_KEYS, s, vec);
+        load_rows<D>(nullptr, 0, vt, LDV, v + at.qkv, seq_stride, k0, FA_FWD_KEYS, s, vec);
+        __syncthreads();
+
+        // Scores of this warp's 16 queries and the tile's keys.
+        float sc[FA_FWD_KEYS / 8][4];
+        #pragma unroll
+        for (int n = 0; n < FA_FWD_KEYS / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            #pragma unroll
+            for (int n = 0; n < FA_FWD_KEYS / 8; ++n) {
+                u32 b[2];
+                frag_b(b, ks, LDK, 8 * n, 16 * kk);
+                mma_bf16(sc[n], qa[kk], b);
+            }
+        }
+        // Scale and mask; the new row maxima (over the 4 lanes holding a row).
+        float tile_mx[2] = {mx[0], mx[1]};
+        #pragma unroll
+        for (int n = 0; n < FA_FWD_KEYS / 8; ++n) {
+            #pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const u64 i = i0 + 8 * (c >> 1), j = k0 + 8 * n + 2 * t + (c & 1);
+                const float x = j <= i && j < s ? __fmul_rn(sc[n][c], scale) : NEG_INF;
+                sc[n][c] = x;
+                tile_mx[c >> 1] = fmaxf(tile_mx[c >> 1], x);
+            }
+        }
+        float base[2];
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tile_mx[r] = fmaxf(tile_mx[r], __shfl_xor_sync(0xffffffffu, tile_mx[r], 1));
+            tile_mx[r] = fmaxf(tile_mx[r], __shfl_xor_sync(0xffffffffu, tile_mx[r], 2));
+            // A row that has seen only masked keys keeps nothing (its maximum stays −∞).
+            base[r] = tile_mx[r] == NEG_INF ? 0.0f : tile_mx[r];
+            const float corr = exp_f32(mx[r] - base[r]);
+            mx[r] = tile_mx[r];
+            sum[r] *= corr;
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                acc[n][2 * r] *= corr;
+                acc[n][2 * r + 1] *= corr;
+            }
+        }
+        // Unnormalised probabilities, their sums, then the dropout of what meets v.
+        #pragma unroll
+        for (int n = 0; n < FA_FWD_KEYS / 8; ++n) {
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float p0 = exp_f32(sc[n][2 * r] - base[r]);
+                const float p1 = exp_f32(sc[n][2 * r + 1] - base[r]);
+                sum[r] += p0 + p1;
+                float2 f = make_float2(1.0f, 1.0f);
+                if (p0 != 0.0f || p1 != 0.0f) {
+                    const u64 i = i0 + 8 * r, j = k0 + 8 * n + 2 * t;
+                    f = mask_factor2(m, (at.row + i) * s + j, blocks);
+                }
+                sc[n][2 * r] = masked(p0, f.x);
+                sc[n][2 * r + 1] = masked(p1, f.y);
+            }
+        }
+        #pragma unroll
+        for (int kk = 0; kk < FA_FWD_KEYS / 16; ++kk) {
+            u32 pa[4];
+            acc_to_a(pa, sc, kk);
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                u32 b[2];
+                frag_b(b, vt, LDV, 8 * n, 16 * kk);
+                mma_bf16(acc[n], pa, b);
+            }
+        }
+    }
+
+    // Normalise by the row sums (over the 4 lanes of a row) and store.
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
+        sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
+        const u64 i = i0 + 8 * r;
+        if (i >= s) continue;
+        const float inv = 1.0f / sum[r];
+        float* row = o + at.o + (i64)i * o_seq_stride + 2 * t;
+        #pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            row[8 * n] = acc[n][2 * r] * inv;
+            row[8 * n + 1] = acc[n][2 * r + 1] * inv;
+        }
+        if (t == 0) lse[at.row + i] = mx[r] + logf(sum[r]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward, step 1: delta = Σ_d do·o per row (the row sums of the probability gradient's
+// softmax term, dropout included) and do rounded to bf16 for the products. One warp per row.
+extern "C" __global__ __launch_bounds__(256) void flash_backward_prepare(
+    const float* __restrict__ o, const float* __restrict__ d_o, bf16_t* __restrict__ d_o16,
+    i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, float* __restrict__ delta, u64 s,
+    u64 heads, u64 batch, u64 d) {
+    const int lane = threadIdx.x % WARP;
+    const u64 warps = (u64)gridDim.x * (blockDim.x / WARP);
+    const u64 rows = batch * heads * s;
+    for (u64 r = (u64)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP; r < rows; r += warps) {
+        const u64 i = r % s, h = (r / s) % heads, b = r / (s * heads);
+        const i64 at = (i64)i * o_seq_stride + (i64)b * o_batch_stride + (i64)h * o_head_stride;
+        float acc = 0.0f;
+        for (u64 e = lane; e < d; e += WARP) {
+            const float g = d_o[at + e];
+            acc += g * o[at + e];
+            d_o16[at + e] = (bf16_t)bf16_bits(g);
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) delta[r] = acc;
+    }
+}
+
+// The probability, dropped probability and score gradient of one (query i, key j) element from
+// its scaled-score product `x`, its dropped-probability gradient product `dz`, the query's
+// log-sum-exp and delta, and the mask factor `f`.
+struct Grad {
+    float dropped, d_score;
+};
+
+__device__ __forceinline__ Grad element_grad(float x, float dz, float lse_i, float delta_i,
+                                             float f, float scale) {
+    const float p = exp_f32(__fmul_rn(x, scale) - lse_i);
+    Grad g;
+    g.dropped = masked(p, f);
+    g.d_score = scale * p * (masked(dz, f) - delta_i);
+    return g;
+}
+
+// Backward, step 2: dk and dv of FA_ROWS keys per block (16 per warp), over the tiles of the
+// queries that see them. Grid: (key tiles, heads, batch). Shared memory (dynamic): the keys and
+// values of the block, and per query tile q and do row-major and transposed, lse and delta.
+template <int D>
+__device__ __forceinline__ void fa_backward_kv(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
+    i64 seq_stride, i64 batch_stride, i64 head_stride, const bf16_t* __restrict__ d_o16,
+    i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, const float* __restrict__ lse,
+    const float* __restrict__ delta, float* __restrict__ dk, float* __restrict__ dv, u64 s,
+    u64 heads, float scale, const Mask& m, unsigned char* smem) {
+    constexpr int LD = D + FA_PAD, LDT = FA_BWD_COLS + FA_PAD;
+    bf16_t* ks = reinterpret_cast<bf16_t*>(smem);
+    bf16_t* vs = ks + FA_ROWS * LD;
+    bf16_t* qs = vs + FA_ROWS * LD;
+    bf16_t* dos = qs + FA_BWD_COLS * LD;
+    bf16_t* qt = dos + FA_BWD_COLS * LD;
+    bf16_t* dot = qt + D * LDT;
+    float* lse_s = reinterpret_cast<float*>(dot + D * LDT);
+    float* delta_s = lse_s + FA_BWD_COLS;
+
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
+    const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
+    const bool vec = rows_aligned(q, k, v, seq_stride, batch_stride, head_stride) &&
+                     rows_aligned(d_o16, d_o16, d_o16, o_seq_stride, o_batch_stride,
+                                  o_head_stride);
+    const u64 k0 = (u64)blockIdx.x * FA_ROWS;
+    const int w0 = 16 * warp;  // this warp's first key in the block's tile
+
+    load_rows<D>(ks, LD, nullptr, 0, k + at.qkv, seq_stride, k0, FA_ROWS, s, vec);
+    load_rows<D>(vs, LD, nullptr, 0, v + at.qkv, seq_stride, k0, FA_ROWS, s, vec);
+    float dk_acc[D / 8][4], dv_acc[D / 8][4];
+    #pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        #pragma unroll
+        for (int c = 0; c < 4; ++c) dk_acc[n][c] = dv_acc[n][c] = 0.0f;
+    }
+
+    for (u64 c0 = k0 - k0 % FA_BWD_COLS; c0 < s; c0 += FA_BWD_COLS) {
+        __syncthreads();
+        load_rows<D>(qs, LD, qt, LDT, q + at.qkv, seq_stride, c0, FA_BWD_COLS, s, vec);
+        load_rows<D>(dos, LD, dot, LDT, d_o16 + at.o, o_seq_stride, c0, FA_BWD_COLS, s, vec);
+        for (int r = threadIdx.x; r < FA_BWD_COLS; r += blockDim.x) {
+            lse_s[r] = c0 + r < s ? lse[at.row + c0 + r] : 0.0f;
+            delta_s[r] = c0 + r < s ? delta[at.row + c0 + r] : 0.0f;
+        }
+        __syncthreads();
+
+        // Transposed scores kᵀ-rows · q and the dropped-probability gradient v · doᵀ.
+        float st[FA_BWD_COLS / 8][4], dz[FA_BWD_COLS / 8][4];
+        #pragma unroll
+        for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
+            #pragma unroll
+            for (int c = 0; c < 4; ++c) st[n][c] = dz[n][c] = 0.0f;
+        }
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 ka[4], va[4];
+            frag_a(ka, ks, LD, w0, 16 * kk);
+            frag_a(va, vs, LD, w0, 16 * kk);
+            #pragma unroll
+            for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
+                u32 b[2];
+                frag_b(b, qs, LD, 8 * n, 16 * kk);
+                mma_bf16(st[n], ka, b);
+                frag_b(b, dos, LD, 8 * n, 16 * kk);
+                mma_bf16(dz[n], va, b);
+            }
+        }
+        // Element (key j = row, query i = column): dropped probabilities into st, score
+        // gradients into dz.
+        #pragma unroll
+        for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
+            #pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const u64 j = k0 + w0 + g + 8 * (c >> 1);
+                const int col = 8 * n + 2 * t + (c & 1);
+                const u64 i = c0 + col;
+                Grad e = {0.0f, 0.0f};
+                if (j <= i && i < s && j < s) {
+                    const float f = mask_factor(m, (at.row + i) * s + j);
+                    e = element_grad(st[n][c], dz[n][c], lse_s[col], delta_s[col], f, scale);
+                }
+                st[n][c] = e.dropped;
+                dz[n][c] = e.d_score;
+            }
+        }
+        // dv += droppedᵀ-rows · do and dk += d_scoreᵀ-rows · q over the tile's queries.
+        #pragma unroll
+        for (int kk = 0; kk < FA_BWD_COLS / 16; ++kk) {
+            u32 pa[4], da[4];
+            acc_to_a(pa, st, kk);
+            acc_to_a(da, dz, kk);
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                u32 b[2];
+                frag_b(b, dot, LDT, 8 * n, 16 * kk);
+                mma_bf16(dv_acc[n], pa, b);
+                frag_b(b, qt, LDT, 8 * n, 16 * kk);
+                mma_bf16(dk_acc[n], da, b);
+            }
+        }
+    }
+
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const u64 j = k0 + w0 + g + 8 * r;
+        if (j >= s) continue;
+        float* dk_row = dk + at.qkv + (i64)j * seq_stride + 2 * t;
+        float* dv_row = dv + at.qkv + (i64)j * seq_stride + 2 * t;
+        #pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            dk_row[8 * n] = dk_acc[n][2 * r];
+            dk_row[8 * n + 1] = dk_acc[n][2 * r + 1];
+            dv_row[8 * n] = dv_acc[n][2 * r];
+            dv_row[8 * n + 1] = dv_acc[n][2 * r + 1];
+        }
+    }
+}
+
+// Backward, step 3: dq of FA_ROWS queries per block (16 per warp), over the tiles of the keys
+// they see. Grid: (query tiles, heads, batch); the last query tiles start first.
+template <int D>
+__device__ __forceinline__ void fa_backward_q(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
+    i64 seq_stride, i64 batch_stride, i64 head_stride, const bf16_t* __restrict__ d_o16,
+    i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, const float* __restrict__ lse,
+    const float* __restrict__ delta, float* __restrict__ dq, u64 s, u64 heads, float scale,
+    const Mask& m, unsigned char* smem) {
+    constexpr int LD = D + FA_PAD, LDT = FA_BWD_COLS + FA_PAD;
+    bf16_t* ks = reinterpret_cast<bf16_t*>(smem);  // the tile's keys,
+    bf16_t* vs = ks + FA_BWD_COLS * LD;             // its values,
+    bf16_t* kt = vs + FA_BWD_COLS * LD;             // its keys transposed
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
+    const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
+    const bool vec = rows_aligned(q, k, v, seq_stride, batch_stride, head_stride);
+    const bool blocks = mask_blocks(m);
+    const u64 q0 = (gridDim.x - 1 - blockIdx.x) * (u64)FA_ROWS;
+    const u64 i0 = q0 + 16 * warp + g;  // this thread's rows: i0 and i0 + 8
+
+    u32 qa[D / 16][4], da[D / 16][4];
+    global_frags<D>(qa, q + at.qkv, seq_stride, q0 + 16 * warp, s);
+    global_frags<D>(da, d_o16 + at.o, o_seq_stride, q0 + 16 * warp, s);
+    float lse_r[2], delta_r[2];
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const u64 i = i0 + 8 * r;
+        lse_r[r] = i < s ? lse[at.row + i] : 0.0f;
+        delta_r[r] = i < s ? delta[at.row + i] : 0.0f;
+    }
+    float acc[D / 8][4];
+    #pragma unroll
+    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+    const u64 last = min(q0 + FA_ROWS, s) - 1;
+    for (u64 c0 = 0; c0 <= last; c0 += FA_BWD_COLS) {
+        __syncthreads();
+        load_rows<D>(ks, LD, kt, LDT, k + at.qkv, seq_stride, c0, FA_BWD_COLS, s, vec);
+        load_rows<D>(vs, LD, nullptr, 0, v + at.qkv, seq_stride, c0, FA_BWD_COLS, s, vec);
+        __syncthreads();
+
+        float sc[FA_BWD_COLS / 8][4], dz[FA_BWD_COLS / 8][4];
+        #pragma unroll
+        for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
+            #pragma unroll
+            for (int c = 0; c < 4; ++c) sc[n][c] = dz[n][c] = 0.0f;
+        }
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            #pragma unroll
+            for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
+                u32 b[2];
+                frag_b(b, ks, LD, 8 * n, 16 * kk);
+                mma_bf16(sc[n], qa[kk], b);
+                frag_b(b, vs, LD, 8 * n, 16 * kk);
+                mma_bf16(dz[n], da[kk], b);
+            }
+        }
+        // Element (query i = row, key j = column): score gradients into sc.
+        #pragma unroll
+        for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const u64 i = i0 + 8 * r, j = c0 + 8 * n + 2 * t;
+                float2 f = make_float2(0.0f, 0.0f);
+                if (i < s && j <= i && j < s) f = mask_factor2(m, (at.row + i) * s + j, blocks);
+                #pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const u64 jc = j + c;
+                    float d = 0.0f;
+                    if (i < s && jc <= i && jc < s) {
+                        d = element_grad(sc[n][2 * r + c], dz[n][2 * r + c], lse_r[r],
+                                         delta_r[r], c == 0 ? f.x : f.y, scale)
+                                .d_score;
+                    }
+                    sc[n][2 * r + c] = d;
+                }
+            }
+        }
+        // dq += d_score · k over the tile's keys.
+        #pragma unroll
+        for (int kk = 0; kk < FA_BWD_COLS / 16; ++kk) {
+            u32 pa[4];
+            acc_to_a(pa, sc, kk);
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                u32 b[2];
+                frag_b(b, kt, LDT, 8 * n, 16 * kk);
+                mma_bf16(acc[n], pa, b);
+            }
+        }
+    }
+
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const u64 i = i0 + 8 * r;
+        if (i >= s) continue;
+        float* row = dq + at.qkv + (i64)i * seq_stride + 2 * t;
+        #pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            row[8 * n] = acc[n][2 * r];
+            row[8 * n + 1] = acc[n][2 * r + 1];
+        }
+    }
+}
+
+// The kernels take the head dimension at run time and run the instantiation for it (32, 64,
+// 96 or 128; others do nothing: the launchers refuse them). Shared memory is dynamic, as many
+// bytes as the launchers' `shared_bytes` say for (kernel, d).
+#define FA_DISPATCH(d, CALL) \
+    switch (d) {             \
+        case 32: CALL(32); break; \
+        case 64: CALL(64); break; \
+        case 96: CALL(96); break; \
+        case 128: CALL(128); break; \
+        default: break;      \
+    }
+
+extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_forward(
+    const bf16_t* __restrict__ qkv, i64 seq_stride, i64 batch_stride, i64 head_stride,
+    float* __restrict__ o, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
+    float* __restrict__ lse, u64 s, u64 heads, int d, float scale, u64 inner, u64 stride,
+    u64 start, u32 key_lo, u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
+    DYNAMIC_SHARED(smem);
+    const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
+#define FA_CALL(D)                                                                            \
+    fa_forward<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride, o,    \
+                  o_seq_stride, o_batch_stride, o_head_stride, lse, s, heads, scale, m, smem)
+    FA_DISPATCH(d, FA_CALL)
+#undef FA_CALL
+}
+
+extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_kv(
+    const bf16_t* __restrict__ qkv, i64 seq_stride, i64 batch_stride, i64 head_stride,
+    const bf16_t* __restrict__ d_o16, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
+    const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dqkv,
+    u64 s, u64 heads, int d, float scale, u64 inner, u64 stride, u64 start, u32 key_lo,
+    u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
+    DYNAMIC_SHARED(smem);
+    const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
+#define FA_CALL(D)                                                                            \
+    fa_backward_kv<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride,   \
+                      d_o16, o_seq_stride, o_batch_stride, o_head_stride, lse, delta,         \
+                      dqkv + (D), dqkv + 2 * (D), s, heads, scale, m, smem)
+    FA_DISPATCH(d, FA_CALL)
+#undef FA_CALL
+}
+
+extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_q(
+    const bf16_t* __restrict__ qkv, i64 seq_stride, i64 batch_stride, i64 head_stride,
+    const bf16_t* __restrict__ d_o16, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
+    const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dqkv,
+    u64 s, u64 heads, int d, float scale, u64 inner, u64 stride, u64 start, u32 key_lo,
+    u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
+    DYNAMIC_SHARED(smem);
+    const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
+#define FA_CALL(D)                                                                            \
+    fa_backward_q<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride,    \
+                     d_o16, o_seq_stride, o_batch_stride, o_head_stride, lse, delta, dqkv, s, \
+                     heads, scale, m, smem)
+    FA_DISPATCH(d, FA_CALL)
+#undef FA_CALL
+}

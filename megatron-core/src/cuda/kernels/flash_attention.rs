@@ -1,0 +1,253 @@
+//! Causal self-attention in tiles on the tensor cores (FlashAttention-2's algorithm, see
+//! `cu/flash_attention.cu`): the `s × s` scores, probabilities and their gradients stay in
+//! registers a tile at a time, so attention reads the fused projection and writes its output
+//! (forward), and reads them again with the output gradient and writes the projection's gradient
+//! (backward), with no `s × s` tensor in memory. The dropout is the CPU's: the same Philox mask
+//! over the `[b, heads, s, s]` attention weights as the unfused kernels.
+//!
+//! The operands are bf16 (the fused projection rounded once, the probabilities and gradients
+//! rounded as they enter a product), accumulation f32, the output and the gradients f32. The
+//! backward is deterministic: one kernel for the key and value gradients and one for the query
+//! gradient, no atomics.
+
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{CudaView, CudaViewMut, LaunchArgs, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::softmax::{Dropout, mask};
+use super::{check_len, launch, launch_args};
+use crate::cuda::error::CudaError;
+use crate::cuda::{Gpu, Result};
+use crate::kernels::KernelError;
+
+/// The head sizes the kernels are built for.
+pub const HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
+
+/// Threads per block: 4 warps of 16 rows each (`FA_THREADS`).
+const THREADS: u32 = 128;
+/// Rows of a block (`FA_ROWS`), keys per forward tile (`FA_FWD_KEYS`), columns per backward
+/// tile (`FA_BWD_COLS`) and the padding of shared rows (`FA_PAD`), as in the kernels.
+const ROWS: usize = 64;
+const FWD_KEYS: usize = 64;
+const BWD_COLS: usize = 32;
+const PAD: usize = 8;
+
+/// The sizes of one attention call: the fused projection is `[seq, batch, heads·3·head_dim]`
+/// (per head its query, key and value), the output `[seq, batch, heads·head_dim]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlashShape {
+    /// Sequence length (queries and keys).
+    pub seq: usize,
+    /// Batch entries.
+    pub batch: usize,
+    /// Heads (on this rank).
+    pub heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+}
+
+impl FlashShape {
+    /// Whether the kernels are built for this head size.
+    pub fn supported(&self) -> bool {
+        HEAD_DIMS.contains(&self.head_dim)
+    }
+
+    /// Elements of the fused projection (and of its gradient).
+    pub fn qkv_len(&self) -> usize {
+        self.seq * self.batch * self.heads * 3 * self.head_dim
+    }
+
+    /// Elements of the output (and of its gradient).
+    pub fn out_len(&self) -> usize {
+        self.seq * self.batch * self.heads * self.head_dim
+    }
+
+    /// Rows of all heads: the length of the log-sum-exp `[batch, heads, seq]`.
+    pub fn rows(&self) -> usize {
+        self.batch * self.heads * self.seq
+    }
+
+    fn dims(&self) -> String {
+        format!(
+            "seq {} × batch {} × heads {} × head size {}",
+            self.seq, self.batch, self.heads, self.head_dim
+        )
+    }
+
+    /// Element strides (position, batch entry, head) of the fused projection and the output.
+    fn strides(&self) -> ([i64; 3], [i64; 3]) {
+        let (b, h, d) = (self.batch as i64, self.heads as i64, self.head_dim as i64);
+        ([b * h * 3 * d, h * 3 * d, 3 * d], [b * h * d, h * d, d])
+    }
+
+    /// The grid (row tiles, heads, batch), checked against the launch limits, and the head
+    /// size the kernels are built for.
+    fn grid(&self, kernel: &'static str) -> Result<(u32, u32, u32)> {
+        let invalid = |message: String| CudaError::from(KernelError::Invalid { kernel, message });
+        if !self.supported() {
+            return Err(invalid(format!(
+                "head size {} is not one of the built ones {HEAD_DIMS:?}",
+                self.head_dim
+            )));
+        }
+        if self.seq == 0 || self.batch == 0 || self.heads == 0 {
+            return Err(invalid(format!("empty attention: {}", self.dims())));
+        }
+        let tiles = u32::try_from(self.seq.div_ceil(ROWS)).ok();
+        let heads = u16::try_from(self.heads).ok();
+        let batch = u16::try_from(self.batch).ok();
+        match (tiles, heads, batch) {
+            (Some(t), Some(h), Some(b)) if t < 1 << 31 && h < u16::MAX && b < u16::MAX => {
+                Ok((t, h.into(), b.into()))
+            }
+            _ => Err(invalid(format!(
+                "{} exceeds the grid's limits (heads and batch below 65535)",
+                self.dims()
+            ))),
+        }
+    }
+}
+
+/// Bytes of dynamic shared memory `kernel` uses for head size `d` (the kernels' layouts).
+fn shared_bytes(kernel: &str, d: usize) -> usize {
+    let bf16 = 2;
+    match kernel {
+        "flash_forward" => (FWD_KEYS * (d + PAD) + d * (FWD_KEYS + PAD)) * bf16,
+        "flash_backward_kv" => {
+            (2 * ROWS + 2 * BWD_COLS) * (d + PAD) * bf16
+                + 2 * d * (BWD_COLS + PAD) * bf16
+                + 2 * BWD_COLS * 4
+        }
+        _ => (2 * BWD_COLS * (d + PAD) + d * (BWD_COLS + PAD)) * bf16,
+    }
+}
+
+/// Queues one of the tiled kernels over the shape's grid with its shared memory (raising the
+/// kernel's limit beyond the default 48 KiB where it needs more).
+fn launch_tiles(
+    gpu: &Gpu,
+    kernel: &'static str,
+    args: LaunchArgs<'_>,
+    grid: (u32, u32, u32),
+    d: usize,
+) -> Result<()> {
+    let bytes = shared_bytes(kernel, d);
+    gpu.kernels()
+        .get(kernel)?
+        .set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(|e| {
+            CudaError::driver(format!("cuFuncSetAttribute({kernel}, {bytes} B shared)"), e)
+        })?;
+    let cfg = LaunchConfig {
+        grid_dim: grid,
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: bytes as u32,
+    };
+    launch(kernel, args, cfg)
+}
+
+/// Checks a buffer's length against the shape.
+fn check(
+    kernel: &'static str,
+    buffer: &'static str,
+    actual: usize,
+    expected: usize,
+    sh: &FlashShape,
+) -> Result<()> {
+    check_len(kernel, buffer, actual, expected, || sh.dims())
+}
+
+/// `out = dropout(softmax(scale·q·kᵀ, causal)) · v` per head, and the log-sum-exp of each row's
+/// scaled scores (`[batch, heads, seq]`, for the backward). `dropout` is the CPU's mask over the
+/// `[batch, heads, seq, seq]` attention weights.
+pub fn flash_attention_forward(
+    gpu: &Gpu,
+    qkv: &CudaView<bf16>,
+    sh: FlashShape,
+    scale: f32,
+    dropout: Option<Dropout<'_>>,
+    out: &mut CudaViewMut<f32>,
+    lse: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const K: &str = "flash_forward";
+    let grid = sh.grid(K)?;
+    check(K, "qkv", qkv.len(), sh.qkv_len(), &sh)?;
+    check(K, "out", out.len(), sh.out_len(), &sh)?;
+    check(K, "lse", lse.len(), sh.rows(), &sh)?;
+    let mask = mask(K, dropout, sh.rows() * sh.seq)?;
+    let ([ss, bs, hs], [os, ob, oh]) = sh.strides();
+    let (s, heads, d) = (sh.seq as u64, sh.heads as u64, sh.head_dim as i32);
+    let mut args = launch_args(gpu, K)?;
+    args.arg(qkv).arg(&ss).arg(&bs).arg(&hs);
+    args.arg(out).arg(&os).arg(&ob).arg(&oh);
+    args.arg(lse).arg(&s).arg(&heads).arg(&d).arg(&scale);
+    mask.push(&mut args);
+    launch_tiles(gpu, K, args, grid, sh.head_dim)
+}
+
+/// The gradient of the fused projection (`d_qkv`, every element written) from the output
+/// gradient, with the forward's fused projection, output and log-sum-exp, scale and dropout.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_backward(
+    gpu: &Gpu,
+    qkv: &CudaView<bf16>,
+    out: &CudaView<f32>,
+    lse: &CudaView<f32>,
+    d_out: &CudaView<f32>,
+    sh: FlashShape,
+    scale: f32,
+    dropout: Option<Dropout<'_>>,
+    d_qkv: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const K: &str = "flash_backward";
+    let grid = sh.grid(K)?;
+    check(K, "qkv", qkv.len(), sh.qkv_len(), &sh)?;
+    check(K, "out", out.len(), sh.out_len(), &sh)?;
+    check(K, "lse", lse.len(), sh.rows(), &sh)?;
+    check(K, "d_out", d_out.len(), sh.out_len(), &sh)?;
+    check(K, "d_qkv", d_qkv.len(), sh.qkv_len(), &sh)?;
+    let mask = mask(K, dropout, sh.rows() * sh.seq)?;
+    let ([ss, bs, hs], [os, ob, oh]) = sh.strides();
+    let (s, heads, batch, d) = (
+        sh.seq as u64,
+        sh.heads as u64,
+        sh.batch as u64,
+        sh.head_dim as u64,
+    );
+
+    // The output gradient in bf16 and each row's Σ d_out·out: one warp per row.
+    let d_out16 = gpu.uninit::<bf16>(sh.out_len())?;
+    let delta = gpu.uninit::<f32>(sh.rows())?;
+    const PREPARE: &str = "flash_backward_prepare";
+    let mut args = launch_args(gpu, PREPARE)?;
+    args.arg(out)
+        .arg(d_out)
+        .arg(&d_out16)
+        .arg(&os)
+        .arg(&ob)
+        .arg(&oh);
+    args.arg(&delta).arg(&s).arg(&heads).arg(&batch).arg(&d);
+    let warps_per_block = 256 / 32;
+    let blocks = sh.rows().div_ceil(warps_per_block).clamp(1, 1 << 16) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch(PREPARE, args, cfg)?;
+
+    let d32 = sh.head_dim as i32;
+    for kernel in ["flash_backward_kv", "flash_backward_q"] {
+        let mut args = launch_args(gpu, kernel)?;
+        args.arg(qkv).arg(&ss).arg(&bs).arg(&hs);
+        args.arg(&d_out16).arg(&os).arg(&ob).arg(&oh);
+        args.arg(lse).arg(&delta).arg(&mut *d_qkv);
+        args.arg(&s).arg(&heads).arg(&d32).arg(&scale);
+        mask.push(&mut args);
+        launch_tiles(gpu, kernel, args, grid, sh.head_dim)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,433 @@
+#![cfg(target_os = "linux")]
+//! The flash-attention kernels (`src/cuda/cu/flash_attention.cu`) run on the CPU through the
+//! CUDA emulation (`tests/emulated`, tensor-core products included), against attention computed
+//! the plain way from the same bf16 inputs: scores, the CPU's causal softmax and dropout masks,
+//! f64 products. Forward output and log-sum-exp, and the gradients of q, k and v, for every head
+//! size the kernels have, partial tiles, tensor-parallel shards of heads, with and without
+//! dropout. Needs a C++20 compiler (`c++`, or `$CXX`).
+
+mod emulated;
+
+use half::bf16;
+use megatron_core::kernels::dropout::{
+    self as cpu_dropout, LogicalIndex, keep_scale, keep_threshold,
+};
+use megatron_core::kernels::softmax as cpu_sm;
+use megatron_core::rng::DropoutStream;
+
+use emulated::{Arg, launch, launch_3d};
+
+/// One attention call: batch, sequence, local heads, all heads, the first local head, head size.
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    all_heads: usize,
+    first_head: usize,
+    d: usize,
+}
+
+impl Case {
+    const fn new(
+        batch: usize,
+        seq: usize,
+        (heads, all_heads, first_head): (usize, usize, usize),
+        d: usize,
+    ) -> Case {
+        Case {
+            batch,
+            seq,
+            heads,
+            all_heads,
+            first_head,
+            d,
+        }
+    }
+
+    /// Elements of the fused projection `[s, b, heads, 3, d]`.
+    fn qkv_len(&self) -> usize {
+        self.seq * self.batch * self.heads * 3 * self.d
+    }
+
+    /// Elements of the output `[s, b, heads, d]`.
+    fn out_len(&self) -> usize {
+        self.seq * self.batch * self.heads * self.d
+    }
+
+    /// Offset of element `e` of part `part` (0 q, 1 k, 2 v) of head `h`, batch entry `b`,
+    /// position `i` in the fused projection.
+    fn qkv_at(&self, i: usize, b: usize, h: usize, part: usize, e: usize) -> usize {
+        (((i * self.batch + b) * self.heads + h) * 3 + part) * self.d + e
+    }
+
+    fn out_at(&self, i: usize, b: usize, h: usize, e: usize) -> usize {
+        ((i * self.batch + b) * self.heads + h) * self.d + e
+    }
+
+    /// The element strides (seq, batch, head) of the fused projection and of the output.
+    fn strides(&self) -> ([i64; 3], [i64; 3]) {
+        let (b, h, d) = (self.batch as i64, self.heads as i64, self.d as i64);
+        ([b * h * 3 * d, h * 3 * d, 3 * d], [b * h * d, h * d, d])
+    }
+
+    /// Where this rank's `[b, heads, s, s]` attention weights sit among all heads'.
+    fn index(&self) -> LogicalIndex {
+        let per_head = self.seq * self.seq;
+        LogicalIndex {
+            outer: self.batch,
+            inner: self.heads * per_head,
+            logical_stride: (self.all_heads * per_head) as u64,
+            logical_start: (self.first_head * per_head) as u64,
+        }
+    }
+
+    fn scale(&self) -> f32 {
+        1.0 / (self.d as f32).sqrt()
+    }
+
+    /// The kernels' grid: (row tiles of 64, heads, batch).
+    fn grid(&self) -> [usize; 3] {
+        [self.seq.div_ceil(64), self.heads, self.batch]
+    }
+}
+
+/// Two query tiles (the second partial) over a tensor-parallel shard of heads; odd lengths; one
+/// case per head size the kernels have.
+const CASES: [Case; 4] = [
+    Case::new(2, 80, (2, 4, 2), 64),
+    Case::new(1, 37, (1, 1, 0), 96),
+    Case::new(1, 70, (1, 3, 1), 128),
+    Case::new(2, 33, (2, 2, 0), 32),
+];
+
+/// Deterministic values in [lo, hi).
+fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
+        })
+        .collect()
+}
+
+/// The mask arguments of `make_mask` (no dropout: threshold 0, scale 1).
+fn mask_args(dropout: Option<(f32, &DropoutStream, LogicalIndex)>) -> Vec<Arg> {
+    let (inner, stride, start, key, id, threshold, scale) = match dropout {
+        None => (1, 1, 0, [0, 0], 0, 0, 1.0),
+        Some((p, s, i)) => (
+            i.inner.max(1) as u64,
+            i.logical_stride,
+            i.logical_start,
+            s.key,
+            s.stream,
+            keep_threshold(p).unwrap(),
+            keep_scale(p),
+        ),
+    };
+    vec![
+        Arg::U64(inner),
+        Arg::U64(stride),
+        Arg::U64(start),
+        Arg::U32(key[0]),
+        Arg::U32(key[1]),
+        Arg::U64(id),
+        Arg::U32(threshold),
+        Arg::F32(scale),
+    ]
+}
+
+/// `|got − want| ≤ tol·(|want| + max |want|)`: products of bf16 operands against f64 ones.
+fn assert_near(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let top = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * (w.abs() + top),
+            "{what}[{i}]: {g}, want {w} (largest {top})"
+        );
+    }
+}
+
+/// Attention computed the plain way from the (bf16) fused projection, per (batch entry, head)
+/// `[s, s]` blocks of a `[b, heads, s, s]` buffer, as the CPU's attention op lays them out.
+struct Reference {
+    case: Case,
+    qkv: Vec<f32>,
+    probs: Vec<f32>,
+    dropped: Vec<f32>,
+    dropout: Option<(f32, DropoutStream)>,
+}
+
+impl Reference {
+    fn new(case: Case, qkv: &[bf16], dropout: Option<(f32, DropoutStream)>) -> Reference {
+        let qkv: Vec<f32> = qkv.iter().map(|x| x.to_f32()).collect();
+        let (s, bh) = (case.seq, case.batch * case.heads);
+        let mut scores = vec![0.0f32; bh * s * s];
+        for b in 0..case.batch {
+            for h in 0..case.heads {
+                for i in 0..s {
+                    for j in 0..s {
+                        scores[((b * case.heads + h) * s + i) * s + j] =
+                            Self::dot(&case, &qkv, (i, 0), (j, 1), b, h) as f32;
+                    }
+                }
+            }
+        }
+        let mut probs = vec![0.0; scores.len()];
+        cpu_sm::softmax_forward(&scores, bh, s, s, case.scale(), true, &mut probs).unwrap();
+        let dropped = Self::mask(&case, &dropout, &probs);
+        Reference {
+            case,
+            qkv,
+            probs,
+            dropped,
+            dropout,
+        }
+    }
+
+    /// Σ_e part_a(i)[e] · part_b(j)[e] of head h, batch entry b.
+    fn dot(
+        case: &Case,
+        qkv: &[f32],
+        (i, pa): (usize, usize),
+        (j, pb): (usize, usize),
+        b: usize,
+        h: usize,
+    ) -> f64 {
+        (0..case.d)
+            .map(|e| {
+                qkv[case.qkv_at(i, b, h, pa, e)] as f64 * qkv[case.qkv_at(j, b, h, pb, e)] as f64
+            })
+            .sum()
+    }
+
+    /// The attention dropout of a `[b, heads, s, s]` buffer (unchanged without one).
+    fn mask(case: &Case, dropout: &Option<(f32, DropoutStream)>, x: &[f32]) -> Vec<f32> {
+        let Some((p, stream)) = dropout else {
+            return x.to_vec();
+        };
+        let mut y = vec![0.0; x.len()];
+        cpu_dropout::dropout_forward(x, &mut y, *p, stream, case.index()).unwrap();
+        y
+    }
+
+    fn weight(&self, w: &[f32], b: usize, h: usize, i: usize, j: usize) -> f64 {
+        let s = self.case.seq;
+        w[((b * self.case.heads + h) * s + i) * s + j] as f64
+    }
+
+    /// The output `[s, b, heads·d]` and the log-sum-exp `[b, heads, s]` of the scaled scores.
+    fn forward(&self) -> (Vec<f32>, Vec<f32>) {
+        let c = self.case;
+        let mut out = vec![0.0; c.out_len()];
+        let mut lse = vec![0.0; c.batch * c.heads * c.seq];
+        for b in 0..c.batch {
+            for h in 0..c.heads {
+                for i in 0..c.seq {
+                    for e in 0..c.d {
+                        out[c.out_at(i, b, h, e)] = (0..=i)
+                            .map(|j| {
+                                self.weight(&self.dropped, b, h, i, j)
+                                    * self.qkv[c.qkv_at(j, b, h, 2, e)] as f64
+                            })
+                            .sum::<f64>()
+                            as f32;
+                    }
+                    let scaled: Vec<f64> = (0..=i)
+                        .map(|j| Self::dot(&c, &self.qkv, (i, 0), (j, 1), b, h) * c.scale() as f64)
+                        .collect();
+                    let m = scaled.iter().fold(f64::NEG_INFINITY, |a, &v| a.max(v));
+                    let sum: f64 = scaled.iter().map(|v| (v - m).exp()).sum();
+                    lse[(b * c.heads + h) * c.seq + i] = (m + sum.ln()) as f32;
+                }
+            }
+        }
+        (out, lse)
+    }
+
+    /// The gradient of the fused projection `[s, b, heads·3·d]` from the output's.
+    fn backward(&self, d_out: &[f32]) -> Vec<f32> {
+        let c = self.case;
+        let s = c.seq;
+        // d(dropped) = d_out · vᵀ, through the dropout, then through the softmax.
+        let mut d_dropped = vec![0.0f32; self.probs.len()];
+        for b in 0..c.batch {
+            for h in 0..c.heads {
+                for i in 0..s {
+                    for j in 0..s {
+                        d_dropped[((b * c.heads + h) * s + i) * s + j] = (0..c.d)
+                            .map(|e| {
+                                d_out[c.out_at(i, b, h, e)] as f64
+                                    * self.qkv[c.qkv_at(j, b, h, 2, e)] as f64
+                            })
+                            .sum::<f64>()
+                            as f32;
+                    }
+                }
+            }
+        }
+        let d_probs = Self::mask(&c, &self.dropout, &d_dropped);
+        let mut d_scores = vec![0.0; d_probs.len()];
+        cpu_sm::softmax_backward(
+            &self.probs,
+            &d_probs,
+            c.batch * c.heads,
+            s,
+            s,
+            c.scale(),
+            &mut d_scores,
+        )
+        .unwrap();
+        let mut dqkv = vec![0.0; c.qkv_len()];
+        for b in 0..c.batch {
+            for h in 0..c.heads {
+                for i in 0..s {
+                    for e in 0..c.d {
+                        // dq = d_scores · k, dk = d_scoresᵀ · q, dv = droppedᵀ · d_out.
+                        let dq: f64 = (0..s)
+                            .map(|j| {
+                                self.weight(&d_scores, b, h, i, j)
+                                    * self.qkv[c.qkv_at(j, b, h, 1, e)] as f64
+                            })
+                            .sum();
+                        let dk: f64 = (0..s)
+                            .map(|j| {
+                                self.weight(&d_scores, b, h, j, i)
+                                    * self.qkv[c.qkv_at(j, b, h, 0, e)] as f64
+                            })
+                            .sum();
+                        let dv: f64 = (0..s)
+                            .map(|j| {
+                                self.weight(&self.dropped, b, h, j, i)
+                                    * d_out[c.out_at(j, b, h, e)] as f64
+                            })
+                            .sum();
+                        dqkv[c.qkv_at(i, b, h, 0, e)] = dq as f32;
+                        dqkv[c.qkv_at(i, b, h, 1, e)] = dk as f32;
+                        dqkv[c.qkv_at(i, b, h, 2, e)] = dv as f32;
+                    }
+                }
+            }
+        }
+        dqkv
+    }
+}
+
+/// The arguments every flash kernel starts with: the fused projection and its strides.
+fn qkv_args(case: &Case, qkv: &mut [bf16]) -> Vec<Arg> {
+    let ([ss, bs, hs], _) = case.strides();
+    vec![
+        Arg::Ptr(qkv.as_mut_ptr().cast()),
+        Arg::I64(ss),
+        Arg::I64(bs),
+        Arg::I64(hs),
+    ]
+}
+
+/// The output strides.
+fn out_strides(case: &Case) -> [Arg; 3] {
+    let (_, [ss, bs, hs]) = case.strides();
+    [Arg::I64(ss), Arg::I64(bs), Arg::I64(hs)]
+}
+
+/// The sizes, scale and mask every flash kernel ends with.
+fn tail_args(case: &Case, dropout: &Option<(f32, DropoutStream)>) -> Vec<Arg> {
+    let mut args = vec![
+        Arg::U64(case.seq as u64),
+        Arg::U64(case.heads as u64),
+        Arg::I32(case.d as i32),
+        Arg::F32(case.scale()),
+    ];
+    args.extend(mask_args(
+        dropout.as_ref().map(|(p, s)| (*p, s, case.index())),
+    ));
+    args
+}
+
+/// The flash forward on the CPU-built kernel: (output, log-sum-exp).
+fn flash_forward(
+    case: &Case,
+    qkv: &mut [bf16],
+    dropout: &Option<(f32, DropoutStream)>,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut out = vec![f32::NAN; case.out_len()];
+    let mut lse = vec![f32::NAN; case.batch * case.heads * case.seq];
+    let mut args = qkv_args(case, qkv);
+    args.push(Arg::Ptr(out.as_mut_ptr().cast()));
+    args.extend(out_strides(case));
+    args.push(Arg::Ptr(lse.as_mut_ptr().cast()));
+    args.extend(tail_args(case, dropout));
+    launch_3d("flash_forward", case.grid(), [128, 1, 1], args);
+    (out, lse)
+}
+
+/// The flash backward on the CPU-built kernels: the fused projection's gradient.
+fn flash_backward(
+    case: &Case,
+    qkv: &mut [bf16],
+    (out, lse): &mut (Vec<f32>, Vec<f32>),
+    d_out: &mut [f32],
+    dropout: &Option<(f32, DropoutStream)>,
+) -> Vec<f32> {
+    let rows = case.batch * case.heads * case.seq;
+    let mut d_out16 = vec![bf16::NAN; case.out_len()];
+    let mut delta = vec![f32::NAN; rows];
+    let mut args = vec![
+        Arg::Ptr(out.as_mut_ptr().cast()),
+        Arg::Ptr(d_out.as_mut_ptr().cast()),
+        Arg::Ptr(d_out16.as_mut_ptr().cast()),
+    ];
+    args.extend(out_strides(case));
+    args.extend([
+        Arg::Ptr(delta.as_mut_ptr().cast()),
+        Arg::U64(case.seq as u64),
+        Arg::U64(case.heads as u64),
+        Arg::U64(case.batch as u64),
+        Arg::U64(case.d as u64),
+    ]);
+    launch("flash_backward_prepare", 3, 256, args);
+
+    let mut dqkv = vec![f32::NAN; case.qkv_len()];
+    for kernel in ["flash_backward_kv", "flash_backward_q"] {
+        let mut args = qkv_args(case, qkv);
+        args.push(Arg::Ptr(d_out16.as_mut_ptr().cast()));
+        args.extend(out_strides(case));
+        args.extend([
+            Arg::Ptr(lse.as_mut_ptr().cast()),
+            Arg::Ptr(delta.as_mut_ptr().cast()),
+            Arg::Ptr(dqkv.as_mut_ptr().cast()),
+        ]);
+        args.extend(tail_args(case, dropout));
+        launch_3d(kernel, case.grid(), [128, 1, 1], args);
+    }
+    dqkv
+}
+
+#[test]
+fn flash_attention_is_plain_attention_forward_and_backward() {
+    for (n, case) in CASES.into_iter().enumerate() {
+        let seed = 10 * n as u64;
+        let mut qkv: Vec<bf16> = values(case.qkv_len(), seed, -2.0, 2.0)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        let mut d_out = values(case.out_len(), seed + 1, -1.0, 1.0);
+        for dropout in [None, Some((0.3, DropoutStream::new(77 + seed, &[4, 1])))] {
+            let what = format!("{case:?} dropout {}", dropout.is_some());
+            let reference = Reference::new(case, &qkv, dropout);
+            let (out, lse) = reference.forward();
+            let mut got = flash_forward(&case, &mut qkv, &dropout);
+            assert_near(&format!("{what}: output"), &got.0, &out, 1e-2);
+            assert_near(&format!("{what}: log-sum-exp"), &got.1, &lse, 1e-5);
+            // The gradients of bf16 products: the reference's d_out as the kernels round it.
+            let d_out16: Vec<f32> = d_out.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
+            let want = reference.backward(&d_out16);
+            let dqkv = flash_backward(&case, &mut qkv, &mut got, &mut d_out, &dropout);
+            assert_near(&format!("{what}: gradient"), &dqkv, &want, 2e-2);
+        }
+    }
+}
