@@ -72,3 +72,60 @@ fn bench_rejects_empty_worlds() {
         String::from_utf8_lossy(&out.stderr).contains("--ranks and --elements must be at least 1")
     );
 }
+
+#[test]
+fn bench_attention_times_the_layer_forward_and_backward() {
+    let r = megatron_json(&[
+        "bench",
+        "attention",
+        "--seq-length",
+        "64",
+        "--heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--repeats",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(r["bench"]["seq"], 64);
+    assert_eq!(r["device"], "CPU");
+    let cpu = &r["results"][0];
+    assert_eq!(cpu["backend"], "cpu");
+    for key in [
+        "forward_ms",
+        "forward_backward_ms",
+        "forward_tflops",
+        "forward_backward_tflops",
+    ] {
+        assert!(cpu[key].as_f64().unwrap() > 0.0, "{key}: {r}");
+    }
+    // The backward costs something on top of the forward.
+    assert!(
+        cpu["forward_backward_ms"].as_f64() > cpu["forward_ms"].as_f64(),
+        "{r}"
+    );
+}
+
+#[test]
+fn bench_attention_rejects_bad_sizes_with_the_numbers() {
+    for (args, message) in [
+        (
+            vec!["--heads", "0"],
+            "attention sizes must be at least 1: seq 2048, batch 1, heads 0, head dim 96",
+        ),
+        (
+            vec!["--dropout", "1.5"],
+            "--dropout must be in [0, 1), got 1.5",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_megatron"))
+            .args(["bench", "attention"])
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+}

@@ -2,6 +2,7 @@
 //! reports the result as a fraction of it.
 
 pub mod allreduce;
+pub mod attention;
 pub mod gemm;
 #[cfg(feature = "cuda")]
 pub mod gpu_gemm;

@@ -46,6 +46,35 @@ enum Which {
         #[arg(long, default_value = "cpu")]
         device: String,
     },
+    /// Time and TFLOP/s of one causal self-attention layer, forward and backward: the CPU
+    /// kernels, or on a GPU the unfused and the flash kernels side by side (defaults: a
+    /// GPT-1.2B layer at sequence 2048).
+    Attention {
+        /// Sequence length.
+        #[arg(long, default_value_t = 2048)]
+        seq_length: usize,
+        /// Batch entries.
+        #[arg(long, default_value_t = 1)]
+        micro_batch_size: usize,
+        /// Attention heads.
+        #[arg(long, default_value_t = 16)]
+        heads: usize,
+        /// Elements per head.
+        #[arg(long, default_value_t = 96)]
+        head_dim: usize,
+        /// Attention dropout.
+        #[arg(long, default_value_t = 0.1)]
+        dropout: f32,
+        /// Timed runs (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        repeats: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// `cpu`, or `cuda` (build with `--features cuda`).
+        #[arg(long, default_value = "cpu")]
+        device: String,
+    },
     /// Time of an in-process all-reduce next to the memory-bandwidth floor measured in the same run.
     Allreduce {
         /// Thread-ranks in the group.
@@ -83,6 +112,31 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             let report = bench::gemm::run(threads.unwrap_or_else(parallel::cores), *repeats)?;
             print(&report, *json)
         }
+        Which::Attention {
+            seq_length,
+            micro_batch_size,
+            heads,
+            head_dim,
+            dropout,
+            repeats,
+            json,
+            device,
+        } => {
+            let b = bench::attention::AttentionBench {
+                seq: *seq_length,
+                batch: *micro_batch_size,
+                heads: *heads,
+                head_dim: *head_dim,
+                dropout: *dropout,
+                repeats: *repeats,
+            };
+            let report = match device.as_str() {
+                "cpu" => bench::attention::run_cpu(b)?,
+                "cuda" => gpu_attention(b)?,
+                other => anyhow::bail!("--device must be cpu or cuda, got {other:?}"),
+            };
+            print(&report, *json)
+        }
         Which::Allreduce {
             ranks,
             elements,
@@ -109,6 +163,20 @@ fn gpu_gemm(repeats: usize, json: bool) -> Result<()> {
 /// Without the `cuda` feature, says how to get it.
 #[cfg(not(feature = "cuda"))]
 fn gpu_gemm(_repeats: usize, _json: bool) -> Result<()> {
+    anyhow::bail!("--device cuda needs a build with CUDA: cargo build --release --features cuda")
+}
+
+/// `bench attention --device cuda`.
+#[cfg(feature = "cuda")]
+fn gpu_attention(b: bench::attention::AttentionBench) -> Result<bench::attention::AttentionReport> {
+    bench::attention::run_gpu(b)
+}
+
+/// Without the `cuda` feature, says how to get it.
+#[cfg(not(feature = "cuda"))]
+fn gpu_attention(
+    _b: bench::attention::AttentionBench,
+) -> Result<bench::attention::AttentionReport> {
     anyhow::bail!("--device cuda needs a build with CUDA: cargo build --release --features cuda")
 }
 

@@ -1,0 +1,217 @@
+//! `megatron bench attention`: the time of one causal self-attention layer (the op between the
+//! QKV and output projections), forward and forward + backward, with dropout, in each way this
+//! build can run it: the CPU kernels, and on a GPU the unfused kernels (batched cuBLAS products
+//! with fused softmax/dropout kernels, bf16) and the flash kernels. Throughput counts the
+//! products a causal layer needs (half the `s × s` ones, FlashAttention's convention: 4·b·h·s²·d
+//! FLOPs forward ×½, backward 2.5× the forward).
+
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use megatron_core::comm::ParallelState;
+use megatron_core::module::{Cx, Op, Site};
+use megatron_core::tensor::Tensor;
+use megatron_core::tensor_parallel::CausalSelfAttention;
+
+/// The layer's sizes and the measurement's settings.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct AttentionBench {
+    /// Sequence length.
+    pub seq: usize,
+    /// Batch entries.
+    pub batch: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Attention dropout.
+    pub dropout: f32,
+    /// Timed runs (the median is reported).
+    pub repeats: usize,
+}
+
+impl AttentionBench {
+    /// Causal forward FLOPs: q·kᵀ and p·v over the visible half of the `s × s` weights.
+    pub fn forward_flops(&self) -> f64 {
+        2.0 * (self.batch * self.heads * self.head_dim) as f64 * (self.seq * self.seq) as f64
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.seq == 0 || self.batch == 0 || self.heads == 0 || self.head_dim == 0 {
+            bail!(
+                "attention sizes must be at least 1: seq {}, batch {}, heads {}, head dim {}",
+                self.seq,
+                self.batch,
+                self.heads,
+                self.head_dim
+            );
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            bail!("--dropout must be in [0, 1), got {}", self.dropout);
+        }
+        Ok(())
+    }
+}
+
+/// One way of running the layer, measured.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AttentionResult {
+    /// `cpu`, `cuda unfused` or `cuda flash`.
+    pub backend: String,
+    /// Median forward time, milliseconds.
+    pub forward_ms: f64,
+    /// Median forward + backward time, milliseconds.
+    pub forward_backward_ms: f64,
+    /// Forward TFLOP/s (causal FLOPs).
+    pub forward_tflops: f64,
+    /// Forward + backward TFLOP/s (causal FLOPs, backward 2.5× the forward).
+    pub forward_backward_tflops: f64,
+}
+
+/// The whole report.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AttentionReport {
+    /// The settings.
+    pub bench: AttentionBench,
+    /// Where it ran (the GPU's name, or `CPU`).
+    pub device: String,
+    /// One entry per way of running it.
+    pub results: Vec<AttentionResult>,
+}
+
+/// Deterministic values in [−1, 1).
+fn values(n: usize, mut s: u64) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// The layer's inputs on the host: the fused projection and the output gradient.
+fn inputs(b: &AttentionBench) -> Result<(Tensor, Tensor)> {
+    let (s, n, h, d) = (b.seq, b.batch, b.heads, b.head_dim);
+    let qkv = Tensor::from_vec(values(s * n * h * 3 * d, 1), [s, n, h * 3 * d])?;
+    let dy = Tensor::from_vec(values(s * n * h * d, 2), [s, n, h * d])?;
+    Ok((qkv, dy))
+}
+
+/// Median seconds of `run` over `repeats` timed runs after one warm-up; `sync` waits for the
+/// device.
+fn median(
+    repeats: usize,
+    sync: &dyn Fn() -> Result<()>,
+    run: &dyn Fn() -> Result<()>,
+) -> Result<f64> {
+    let mut times = Vec::new();
+    for round in 0..=repeats.max(1) {
+        sync()?;
+        let start = Instant::now();
+        run()?;
+        sync()?;
+        if round > 0 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// Times the layer on `qkv`/`dy` (host or device tensors).
+fn measure(
+    b: &AttentionBench,
+    backend: &str,
+    (qkv, dy): (&Tensor, &Tensor),
+    sync: &dyn Fn() -> Result<()>,
+) -> Result<AttentionResult> {
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 1234).at(1, 0);
+    let op = CausalSelfAttention::new(b.heads, b.dropout);
+    let site = Site::ROOT.child("attention");
+    let forward = median(b.repeats, sync, &|| {
+        op.forward(&cx, site, qkv)?;
+        Ok(())
+    })?;
+    let both = median(b.repeats, sync, &|| {
+        let (_, saved) = op.forward(&cx, site, qkv)?;
+        op.backward(&cx, site, saved, dy)?;
+        Ok(())
+    })?;
+    let flops = b.forward_flops();
+    Ok(AttentionResult {
+        backend: backend.to_string(),
+        forward_ms: 1e3 * forward,
+        forward_backward_ms: 1e3 * both,
+        forward_tflops: flops / forward / 1e12,
+        forward_backward_tflops: 3.5 * flops / both / 1e12,
+    })
+}
+
+/// Measures the layer on the CPU.
+pub fn run_cpu(b: AttentionBench) -> Result<AttentionReport> {
+    b.check()?;
+    let (qkv, dy) = inputs(&b)?;
+    let result = measure(&b, "cpu", (&qkv, &dy), &|| Ok(()))?;
+    Ok(AttentionReport {
+        bench: b,
+        device: "CPU".to_string(),
+        results: vec![result],
+    })
+}
+
+/// Measures the layer on GPU 0, unfused and (for a head size they are built for) flash, with
+/// bf16 products.
+#[cfg(feature = "cuda")]
+pub fn run_gpu(b: AttentionBench) -> Result<AttentionReport> {
+    use megatron_core::cuda::Gpu;
+    use megatron_core::cuda::kernels::flash_attention::HEAD_DIMS;
+    b.check()?;
+    let gpu = Gpu::new(0)?;
+    gpu.set_bf16_products(true);
+    let device = gpu
+        .context()
+        .name()
+        .unwrap_or_else(|_| "CUDA device 0".to_string());
+    let (qkv, dy) = inputs(&b)?;
+    let (qkv, dy) = (qkv.to_gpu(&gpu)?, dy.to_gpu(&gpu)?);
+    let sync = || Ok(gpu.synchronize()?);
+    let mut results = Vec::new();
+    // The flash kernels only where they are built for the head size.
+    let flash_too = HEAD_DIMS.contains(&b.head_dim);
+    for flash in [false, true].into_iter().filter(|&f| !f || flash_too) {
+        gpu.set_flash_attention(flash);
+        let backend = if flash { "cuda flash" } else { "cuda unfused" };
+        results.push(measure(&b, backend, (&qkv, &dy), &sync)?);
+    }
+    Ok(AttentionReport {
+        bench: b,
+        device,
+        results,
+    })
+}
+
+impl std::fmt::Display for AttentionReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let b = &self.bench;
+        writeln!(
+            f,
+            "causal self-attention, seq {} × batch {} × {} heads of {}, dropout {}, on {}:",
+            b.seq, b.batch, b.heads, b.head_dim, b.dropout, self.device
+        )?;
+        for r in &self.results {
+            writeln!(
+                f,
+                "  {:<13} forward {:>9.3} ms {:>8.2} TFLOP/s   forward+backward {:>9.3} ms {:>8.2} TFLOP/s",
+                r.backend,
+                r.forward_ms,
+                r.forward_tflops,
+                r.forward_backward_ms,
+                r.forward_backward_tflops
+            )?;
+        }
+        Ok(())
+    }
+}
