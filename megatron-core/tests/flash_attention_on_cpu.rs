@@ -411,23 +411,29 @@ fn flash_backward(
 fn flash_attention_is_plain_attention_forward_and_backward() {
     for (n, case) in CASES.into_iter().enumerate() {
         let seed = 10 * n as u64;
-        let mut qkv: Vec<bf16> = values(case.qkv_len(), seed, -2.0, 2.0)
+        let qkv: Vec<bf16> = values(case.qkv_len(), seed, -2.0, 2.0)
             .into_iter()
             .map(bf16::from_f32)
             .collect();
         let mut d_out = values(case.out_len(), seed + 1, -1.0, 1.0);
-        for dropout in [None, Some((0.3, DropoutStream::new(77 + seed, &[4, 1])))] {
-            let what = format!("{case:?} dropout {}", dropout.is_some());
-            let reference = Reference::new(case, &qkv, dropout);
-            let (out, lse) = reference.forward();
-            let mut got = flash_forward(&case, &mut qkv, &dropout);
-            assert_near(&format!("{what}: output"), &got.0, &out, 1e-2);
-            assert_near(&format!("{what}: log-sum-exp"), &got.1, &lse, 1e-5);
-            // The gradients of bf16 products: the reference's d_out as the kernels round it.
-            let d_out16: Vec<f32> = d_out.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
-            let want = reference.backward(&d_out16);
-            let dqkv = flash_backward(&case, &mut qkv, &mut got, &mut d_out, &dropout);
-            assert_near(&format!("{what}: gradient"), &dqkv, &want, 2e-2);
+        // Offset 1 puts the rows off 16-byte alignment: the kernels' 2-byte load path.
+        for offset in [0, 1] {
+            let mut buf = vec![bf16::NAN; offset];
+            buf.extend_from_slice(&qkv);
+            let qkv_at = &mut buf[offset..];
+            for dropout in [None, Some((0.3, DropoutStream::new(77 + seed, &[4, 1])))] {
+                let what = format!("{case:?} offset {offset} dropout {}", dropout.is_some());
+                let reference = Reference::new(case, &qkv, dropout);
+                let (out, lse) = reference.forward();
+                let mut got = flash_forward(&case, qkv_at, &dropout);
+                assert_near(&format!("{what}: output"), &got.0, &out, 1e-2);
+                assert_near(&format!("{what}: log-sum-exp"), &got.1, &lse, 1e-5);
+                // The gradients of bf16 products: the reference's d_out as the kernels round it.
+                let d_out16: Vec<f32> = d_out.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
+                let want = reference.backward(&d_out16);
+                let dqkv = flash_backward(&case, qkv_at, &mut got, &mut d_out, &dropout);
+                assert_near(&format!("{what}: gradient"), &dqkv, &want, 2e-2);
+            }
         }
     }
 }
