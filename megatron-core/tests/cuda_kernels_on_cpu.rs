@@ -12,15 +12,13 @@ mod emulated;
 
 use half::bf16;
 use megatron_core::kernels::cross_entropy as cpu_ce;
-use megatron_core::kernels::dropout::{
-    self as cpu_dropout, LogicalIndex, keep_scale, keep_threshold,
-};
+use megatron_core::kernels::dropout::{self as cpu_dropout, LogicalIndex};
 use megatron_core::kernels::embedding as cpu_emb;
 use megatron_core::kernels::layer_norm as cpu_ln;
 use megatron_core::kernels::softmax as cpu_sm;
 use megatron_core::rng::DropoutStream;
 
-use emulated::{Arg, launch, launch_3d};
+use emulated::{Arg, launch, launch_3d, mask_args, values};
 
 /// A buffer of f32 or bf16 elements after `offset` leading NaNs (offset 1 breaks the alignment
 /// the vector paths need).
@@ -60,48 +58,9 @@ impl Buf {
     }
 }
 
-/// The mask arguments of `make_mask` (no dropout: threshold 0, scale 1).
-fn mask_args(dropout: Option<(f32, &DropoutStream, LogicalIndex)>) -> Vec<Arg> {
-    let (inner, stride, start, key, id, threshold, scale) = match dropout {
-        None => (1, 1, 0, [0, 0], 0, 0, 1.0),
-        Some((p, s, i)) => (
-            i.inner.max(1) as u64,
-            i.logical_stride,
-            i.logical_start,
-            s.key,
-            s.stream,
-            keep_threshold(p).unwrap(),
-            keep_scale(p),
-        ),
-    };
-    vec![
-        Arg::U64(inner),
-        Arg::U64(stride),
-        Arg::U64(start),
-        Arg::U32(key[0]),
-        Arg::U32(key[1]),
-        Arg::U64(id),
-        Arg::U32(threshold),
-        Arg::F32(scale),
-    ]
-}
-
 /// Threads per row, as the launchers choose them.
 fn row_threads(sk: usize) -> usize {
     (sk.div_ceil(4).div_ceil(32) * 32).clamp(32, 512)
-}
-
-/// Deterministic values in [lo, hi).
-fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
-        })
-        .collect()
 }
 
 /// Scores with −∞ entries and, every fifth row, a row of only −∞.

@@ -9,13 +9,11 @@
 mod emulated;
 
 use half::bf16;
-use megatron_core::kernels::dropout::{
-    self as cpu_dropout, LogicalIndex, keep_scale, keep_threshold,
-};
+use megatron_core::kernels::dropout::{self as cpu_dropout, LogicalIndex};
 use megatron_core::kernels::softmax as cpu_sm;
 use megatron_core::rng::DropoutStream;
 
-use emulated::{Arg, launch, launch_3d};
+use emulated::{Arg, launch, launch_3d, mask_args, values};
 
 /// One attention call: batch, sequence, local heads, all heads, the first local head, head size.
 #[derive(Debug, Clone, Copy)]
@@ -100,45 +98,6 @@ const CASES: [Case; 4] = [
     Case::new(1, 70, (1, 3, 1), 128),
     Case::new(2, 33, (2, 2, 0), 32),
 ];
-
-/// Deterministic values in [lo, hi).
-fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
-        })
-        .collect()
-}
-
-/// The mask arguments of `make_mask` (no dropout: threshold 0, scale 1).
-fn mask_args(dropout: Option<(f32, &DropoutStream, LogicalIndex)>) -> Vec<Arg> {
-    let (inner, stride, start, key, id, threshold, scale) = match dropout {
-        None => (1, 1, 0, [0, 0], 0, 0, 1.0),
-        Some((p, s, i)) => (
-            i.inner.max(1) as u64,
-            i.logical_stride,
-            i.logical_start,
-            s.key,
-            s.stream,
-            keep_threshold(p).unwrap(),
-            keep_scale(p),
-        ),
-    };
-    vec![
-        Arg::U64(inner),
-        Arg::U64(stride),
-        Arg::U64(start),
-        Arg::U32(key[0]),
-        Arg::U32(key[1]),
-        Arg::U64(id),
-        Arg::U32(threshold),
-        Arg::F32(scale),
-    ]
-}
 
 /// `|got − want| ≤ tol·(|want| + max |want|)`: products of bf16 operands against f64 ones.
 fn assert_near(what: &str, got: &[f32], want: &[f32], tol: f32) {

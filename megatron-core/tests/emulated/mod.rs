@@ -9,6 +9,9 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
+use megatron_core::kernels::dropout::{LogicalIndex, keep_scale, keep_threshold};
+use megatron_core::rng::DropoutStream;
+
 type Launch =
     unsafe extern "C" fn(*const c_char, *const u32, *const u32, *mut *mut c_void) -> c_int;
 
@@ -103,4 +106,43 @@ pub fn launch_3d(name: &str, grid: [usize; 3], block: [usize; 3], mut args: Vec<
         )
     };
     assert_eq!(status, 0, "no kernel {name}");
+}
+
+/// Deterministic values in [lo, hi).
+pub fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
+        })
+        .collect()
+}
+
+/// The mask arguments of `make_mask` (no dropout: threshold 0, scale 1).
+pub fn mask_args(dropout: Option<(f32, &DropoutStream, LogicalIndex)>) -> Vec<Arg> {
+    let (inner, stride, start, key, id, threshold, scale) = match dropout {
+        None => (1, 1, 0, [0, 0], 0, 0, 1.0),
+        Some((p, s, i)) => (
+            i.inner.max(1) as u64,
+            i.logical_stride,
+            i.logical_start,
+            s.key,
+            s.stream,
+            keep_threshold(p).unwrap(),
+            keep_scale(p),
+        ),
+    };
+    vec![
+        Arg::U64(inner),
+        Arg::U64(stride),
+        Arg::U64(start),
+        Arg::U32(key[0]),
+        Arg::U32(key[1]),
+        Arg::U64(id),
+        Arg::U32(threshold),
+        Arg::F32(scale),
+    ]
 }
