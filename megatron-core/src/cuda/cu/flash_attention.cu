@@ -391,7 +391,7 @@ __device__ __forceinline__ void fa_backward_kv(
         }
         __syncthreads();
 
-        // Transposed scores kᵀ-rows · q and the dropped-probability gradient v · doᵀ.
+        // The transposed scores k·qᵀ (keys × queries) and dropped-probability gradient v·doᵀ.
         float st[FA_BWD_COLS / 8][4], dz[FA_BWD_COLS / 8][4];
         #pragma unroll
         for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
@@ -430,7 +430,8 @@ __device__ __forceinline__ void fa_backward_kv(
                 dz[n][c] = e.d_score;
             }
         }
-        // dv += droppedᵀ-rows · do and dk += d_scoreᵀ-rows · q over the tile's queries.
+        // dv += droppedᵀ·do and dk += d_scoresᵀ·q over the tile's queries (st and dz hold the
+        // transposes).
         #pragma unroll
         for (int kk = 0; kk < FA_BWD_COLS / 16; ++kk) {
             u32 pa[4], da[4];
