@@ -94,6 +94,58 @@ __device__ __forceinline__ void acc_to_a(u32* a, const float (*c)[4], int k) {
     a[3] = pack_bf16(c[2 * k + 1][2], c[2 * k + 1][3]);
 }
 
+// N accumulator tiles set to zero.
+template <int N>
+__device__ __forceinline__ void zero_tiles(float (*c)[4]) {
+    #pragma unroll
+    for (int n = 0; n < N; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+}
+
+// acc (N tiles of 8 columns) += A · B over 16·KS rows of B: A's k-th 16-column slice in the
+// fragments a[k], B from Bᵀ held row-major in shared memory.
+template <int KS, int N>
+__device__ __forceinline__ void product_frags(float (*acc)[4], const u32 (*a)[4], const bf16_t* bt,
+                                              int ld) {
+    #pragma unroll
+    for (int k = 0; k < KS; ++k) {
+        #pragma unroll
+        for (int n = 0; n < N; ++n) {
+            u32 b[2];
+            frag_b(b, bt, ld, 8 * n, 16 * k);
+            mma_bf16(acc[n], a[k], b);
+        }
+    }
+}
+
+// acc (N tiles of 8 columns) += A · B where A is the 2·KS accumulator tiles `c` (rounded to
+// bf16, see acc_to_a) and B comes from Bᵀ held row-major in shared memory.
+template <int KS, int N>
+__device__ __forceinline__ void product_tiles(float (*acc)[4], const float (*c)[4],
+                                              const bf16_t* bt, int ld) {
+    #pragma unroll
+    for (int k = 0; k < KS; ++k) {
+        u32 a[4];
+        acc_to_a(a, c, k);
+        #pragma unroll
+        for (int n = 0; n < N; ++n) {
+            u32 b[2];
+            frag_b(b, bt, ld, 8 * n, 16 * k);
+            mma_bf16(acc[n], a, b);
+        }
+    }
+}
+
+// Stores half r of N accumulator tiles (r = 0: row g, 1: row g + 8) times `scale` into the row
+// `row` points at (this lane's first column, 2t).
+template <int N>
+__device__ __forceinline__ void store_row(float* row, const float (*acc)[4], int r, float scale) {
+    #pragma unroll
+    for (int n = 0; n < N; ++n) {
+        row[8 * n] = acc[n][2 * r] * scale;
+        row[8 * n + 1] = acc[n][2 * r + 1] * scale;
+    }
+}
+
 // Element e of an 8-element group of bf16 packed in a uint4.
 __device__ __forceinline__ bf16_t unpack8(uint4 v, int e) {
     const u32 w = e < 2 ? v.x : e < 4 ? v.y : e < 6 ? v.z : v.w;
@@ -204,8 +256,7 @@ __device__ __forceinline__ void fa_forward(
     u32 qa[D / 16][4];
     global_frags<D>(qa, q + at.qkv, seq_stride, q0 + 16 * warp, s);
     float acc[D / 8][4];
-    #pragma unroll
-    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    zero_tiles<D / 8>(acc);
     float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0.0f, 0.0f};
 
     const u64 last = min(q0 + FA_ROWS, s) - 1;  // the block's last query sees keys 0 ..= last
@@ -217,17 +268,8 @@ __device__ __forceinline__ void fa_forward(
 
         // Scores of this warp's 16 queries and the tile's keys.
         float sc[FA_FWD_KEYS / 8][4];
-        #pragma unroll
-        for (int n = 0; n < FA_FWD_KEYS / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
-        #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            #pragma unroll
-            for (int n = 0; n < FA_FWD_KEYS / 8; ++n) {
-                u32 b[2];
-                frag_b(b, ks, LDK, 8 * n, 16 * kk);
-                mma_bf16(sc[n], qa[kk], b);
-            }
-        }
+        zero_tiles<FA_FWD_KEYS / 8>(sc);
+        product_frags<D / 16, FA_FWD_KEYS / 8>(sc, qa, ks, LDK);
         // Scale and mask; the new row maxima (over the 4 lanes holding a row).
         float tile_mx[2] = {mx[0], mx[1]};
         #pragma unroll
@@ -273,17 +315,7 @@ __device__ __forceinline__ void fa_forward(
                 sc[n][2 * r + 1] = masked(p1, f.y);
             }
         }
-        #pragma unroll
-        for (int kk = 0; kk < FA_FWD_KEYS / 16; ++kk) {
-            u32 pa[4];
-            acc_to_a(pa, sc, kk);
-            #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                u32 b[2];
-                frag_b(b, vt, LDV, 8 * n, 16 * kk);
-                mma_bf16(acc[n], pa, b);
-            }
-        }
+        product_tiles<FA_FWD_KEYS / 16, D / 8>(acc, sc, vt, LDV);
     }
 
     // Normalise by the row sums (over the 4 lanes of a row) and store.
@@ -293,13 +325,7 @@ __device__ __forceinline__ void fa_forward(
         sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
         const u64 i = i0 + 8 * r;
         if (i >= s) continue;
-        const float inv = 1.0f / sum[r];
-        float* row = o + at.o + (i64)i * o_seq_stride + 2 * t;
-        #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            row[8 * n] = acc[n][2 * r] * inv;
-            row[8 * n + 1] = acc[n][2 * r + 1] * inv;
-        }
+        store_row<D / 8>(o + at.o + (i64)i * o_seq_stride + 2 * t, acc, r, 1.0f / sum[r]);
         if (t == 0) lse[at.row + i] = mx[r] + logf(sum[r]);
     }
 }
@@ -375,11 +401,8 @@ __device__ __forceinline__ void fa_backward_kv(
     load_rows<D>(ks, LD, nullptr, 0, k + at.qkv, seq_stride, k0, FA_ROWS, s, vec);
     load_rows<D>(vs, LD, nullptr, 0, v + at.qkv, seq_stride, k0, FA_ROWS, s, vec);
     float dk_acc[D / 8][4], dv_acc[D / 8][4];
-    #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-        #pragma unroll
-        for (int c = 0; c < 4; ++c) dk_acc[n][c] = dv_acc[n][c] = 0.0f;
-    }
+    zero_tiles<D / 8>(dk_acc);
+    zero_tiles<D / 8>(dv_acc);
 
     for (u64 c0 = k0 - k0 % FA_BWD_COLS; c0 < s; c0 += FA_BWD_COLS) {
         __syncthreads();
@@ -393,11 +416,8 @@ __device__ __forceinline__ void fa_backward_kv(
 
         // The transposed scores k·qᵀ (keys × queries) and dropped-probability gradient v·doᵀ.
         float st[FA_BWD_COLS / 8][4], dz[FA_BWD_COLS / 8][4];
-        #pragma unroll
-        for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
-            #pragma unroll
-            for (int c = 0; c < 4; ++c) st[n][c] = dz[n][c] = 0.0f;
-        }
+        zero_tiles<FA_BWD_COLS / 8>(st);
+        zero_tiles<FA_BWD_COLS / 8>(dz);
         #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             u32 ka[4], va[4];
@@ -432,35 +452,17 @@ __device__ __forceinline__ void fa_backward_kv(
         }
         // dv += droppedᵀ·do and dk += d_scoresᵀ·q over the tile's queries (st and dz hold the
         // transposes).
-        #pragma unroll
-        for (int kk = 0; kk < FA_BWD_COLS / 16; ++kk) {
-            u32 pa[4], da[4];
-            acc_to_a(pa, st, kk);
-            acc_to_a(da, dz, kk);
-            #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                u32 b[2];
-                frag_b(b, dot, LDT, 8 * n, 16 * kk);
-                mma_bf16(dv_acc[n], pa, b);
-                frag_b(b, qt, LDT, 8 * n, 16 * kk);
-                mma_bf16(dk_acc[n], da, b);
-            }
-        }
+        product_tiles<FA_BWD_COLS / 16, D / 8>(dv_acc, st, dot, LDT);
+        product_tiles<FA_BWD_COLS / 16, D / 8>(dk_acc, dz, qt, LDT);
     }
 
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const u64 j = k0 + w0 + g + 8 * r;
         if (j >= s) continue;
-        float* dk_row = dk + at.qkv + (i64)j * seq_stride + 2 * t;
-        float* dv_row = dv + at.qkv + (i64)j * seq_stride + 2 * t;
-        #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            dk_row[8 * n] = dk_acc[n][2 * r];
-            dk_row[8 * n + 1] = dk_acc[n][2 * r + 1];
-            dv_row[8 * n] = dv_acc[n][2 * r];
-            dv_row[8 * n + 1] = dv_acc[n][2 * r + 1];
-        }
+        const i64 at_j = at.qkv + (i64)j * seq_stride + 2 * t;
+        store_row<D / 8>(dk + at_j, dk_acc, r, 1.0f);
+        store_row<D / 8>(dv + at_j, dv_acc, r, 1.0f);
     }
 }
 
@@ -495,8 +497,7 @@ __device__ __forceinline__ void fa_backward_q(
         delta_r[r] = i < s ? delta[at.row + i] : 0.0f;
     }
     float acc[D / 8][4];
-    #pragma unroll
-    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    zero_tiles<D / 8>(acc);
 
     const u64 last = min(q0 + FA_ROWS, s) - 1;
     for (u64 c0 = 0; c0 <= last; c0 += FA_BWD_COLS) {
@@ -506,22 +507,10 @@ __device__ __forceinline__ void fa_backward_q(
         __syncthreads();
 
         float sc[FA_BWD_COLS / 8][4], dz[FA_BWD_COLS / 8][4];
-        #pragma unroll
-        for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
-            #pragma unroll
-            for (int c = 0; c < 4; ++c) sc[n][c] = dz[n][c] = 0.0f;
-        }
-        #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            #pragma unroll
-            for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
-                u32 b[2];
-                frag_b(b, ks, LD, 8 * n, 16 * kk);
-                mma_bf16(sc[n], qa[kk], b);
-                frag_b(b, vs, LD, 8 * n, 16 * kk);
-                mma_bf16(dz[n], da[kk], b);
-            }
-        }
+        zero_tiles<FA_BWD_COLS / 8>(sc);
+        zero_tiles<FA_BWD_COLS / 8>(dz);
+        product_frags<D / 16, FA_BWD_COLS / 8>(sc, qa, ks, LD);
+        product_frags<D / 16, FA_BWD_COLS / 8>(dz, da, vs, LD);
         // Element (query i = row, key j = column): score gradients into sc.
         #pragma unroll
         for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
@@ -544,29 +533,14 @@ __device__ __forceinline__ void fa_backward_q(
             }
         }
         // dq += d_score · k over the tile's keys.
-        #pragma unroll
-        for (int kk = 0; kk < FA_BWD_COLS / 16; ++kk) {
-            u32 pa[4];
-            acc_to_a(pa, sc, kk);
-            #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                u32 b[2];
-                frag_b(b, kt, LDT, 8 * n, 16 * kk);
-                mma_bf16(acc[n], pa, b);
-            }
-        }
+        product_tiles<FA_BWD_COLS / 16, D / 8>(acc, sc, kt, LDT);
     }
 
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const u64 i = i0 + 8 * r;
         if (i >= s) continue;
-        float* row = dq + at.qkv + (i64)i * seq_stride + 2 * t;
-        #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            row[8 * n] = acc[n][2 * r];
-            row[8 * n + 1] = acc[n][2 * r + 1];
-        }
+        store_row<D / 8>(dq + at.qkv + (i64)i * seq_stride + 2 * t, acc, r, 1.0f);
     }
 }
 
