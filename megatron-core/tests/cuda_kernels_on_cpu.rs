@@ -58,9 +58,14 @@ impl Buf {
     }
 }
 
-/// Threads per row, as the launchers choose them.
+/// Threads per row, as the layer norm launchers choose them.
 fn row_threads(sk: usize) -> usize {
     (sk.div_ceil(4).div_ceil(32) * 32).clamp(32, 512)
+}
+
+/// Threads per row, as the softmax launchers choose them.
+fn softmax_threads(sk: usize) -> usize {
+    row_threads(sk).min(128)
 }
 
 /// Scores with −∞ entries and, every fifth row, a row of only −∞.
@@ -101,12 +106,14 @@ type Heads = (usize, usize, usize);
 
 /// (batches, sq, sk, heads): aligned runs and odd ones, a tensor-parallel shard of heads,
 /// widths not a multiple of 4.
-const SHAPES: [(usize, usize, usize, Heads); 5] = [
+const SHAPES: [(usize, usize, usize, Heads); 6] = [
     (4, 8, 8, (2, 4, 2)),
     (3, 5, 5, (1, 1, 0)),
     (2, 3, 37, (2, 2, 0)),
     (6, 16, 256, (3, 6, 3)),
     (2, 7, 9, (1, 3, 1)),
+    // Rows longer than 4 float4 per thread of the softmax's 128.
+    (1, 3, 700, (1, 1, 0)),
 ];
 
 fn head_mask(batches: usize, sq: usize, sk: usize, (heads, all, first): Heads) -> LogicalIndex {
@@ -149,7 +156,7 @@ fn fused_forward(
         Arg::I32(1),
     ]);
     args.extend(mask_args(dropout));
-    launch("softmax_forward", rows, row_threads(sk), args);
+    launch("softmax_forward", rows, softmax_threads(sk), args);
     (yb.values(offset), db.map(|d| d.values(offset)))
 }
 
@@ -227,7 +234,7 @@ fn the_fused_softmax_backward_is_the_cpus_dropout_then_softmax_backward() {
                     Arg::F32(scale),
                 ]);
                 args.extend(mask_args(Some((p, &stream, index))));
-                launch("softmax_backward", batches * sq, row_threads(sk), args);
+                launch("softmax_backward", batches * sq, softmax_threads(sk), args);
                 if bf16 {
                     assert_close(&what, &dxb.values(offset), &round(&dx16), 1e-2, 2.0 * atol);
                     assert_close(&what, &db.values(offset), &round(&dropped16), 0.0, 0.0);
@@ -316,56 +323,100 @@ fn bf16_rounding_and_contiguous_casts_are_the_hosts() {
         ],
     );
     assert_bf16_bits("f32_to_bf16", &out, &want);
-    // The same through copy_strided's contiguous path (ndim 0), from element 5 on.
+    // The same through copy_dense, from element 4 on (16-byte aligned: four elements per thread
+    // and a tail) and from element 5 on (one element per thread).
+    for first in [4, 5] {
+        let mut copied = vec![0u16; n - first];
+        launch(
+            "copy_dense",
+            n.div_ceil(256),
+            256,
+            vec![
+                Arg::Ptr(x[first..].as_mut_ptr().cast()),
+                Arg::I32(0),
+                Arg::Ptr(copied.as_mut_ptr().cast()),
+                Arg::I32(1),
+                Arg::U64((n - first) as u64),
+                Arg::I32(2),
+            ],
+        );
+        assert_bf16_bits("copy_dense f32 → bf16", &copied, &want[first..]);
+        // And back, widening exactly; then bf16 → bf16 moves the bits.
+        let mut wide = vec![0f32; n - first];
+        launch(
+            "copy_dense",
+            n.div_ceil(256),
+            256,
+            vec![
+                Arg::Ptr(copied.as_mut_ptr().cast()),
+                Arg::I32(1),
+                Arg::Ptr(wide.as_mut_ptr().cast()),
+                Arg::I32(0),
+                Arg::U64((n - first) as u64),
+                Arg::I32(4),
+            ],
+        );
+        let widened: Vec<u32> = copied.iter().map(|&b| u32::from(b) << 16).collect();
+        let got: Vec<u32> = wide.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(got, widened, "copy_dense bf16 → f32 from element {first}");
+        let mut same = vec![0u16; n - first];
+        launch(
+            "copy_dense",
+            n.div_ceil(256),
+            256,
+            vec![
+                Arg::Ptr(copied.as_mut_ptr().cast()),
+                Arg::I32(1),
+                Arg::Ptr(same.as_mut_ptr().cast()),
+                Arg::I32(1),
+                Arg::U64((n - first) as u64),
+                Arg::I32(2),
+            ],
+        );
+        assert_eq!(same, copied, "copy_dense bf16 → bf16 from element {first}");
+    }
+    // A strided source: element (i, j, k) of a [3, 4, 5] view with strides (7, 40, 2) from
+    // element 3, rounded to bf16 in row-major order.
     #[repr(C)]
     struct View8 {
         dims: [i64; 8],
         strides: [i64; 8],
     }
+    let (dims, strides) = ([3usize, 4, 5], [7usize, 40, 2]);
     let mut view = View8 {
         dims: [1; 8],
         strides: [0; 8],
     };
-    let mut copied = vec![0u16; n - 5];
-    launch(
-        "copy_strided",
-        n.div_ceil(256),
-        256,
-        vec![
-            Arg::Ptr(x.as_mut_ptr().cast()),
-            Arg::I32(0),
-            Arg::Ptr(copied.as_mut_ptr().cast()),
-            Arg::I32(1),
-            Arg::U64((n - 5) as u64),
-            Arg::I32(0),
-            Arg::U64(5),
-            Arg::ByValue((&mut view as *mut View8).cast()),
-            Arg::I32(2),
-        ],
-    );
-    assert_bf16_bits("copy_strided", &copied, &want[5..]);
-    // And a strided source: every other element of the first 200, as a [100] view of stride 2.
-    view.dims[0] = 100;
-    view.strides[0] = 2;
-    let mut strided = vec![0u16; 100];
+    for d in 0..3 {
+        view.dims[d] = dims[d] as i64;
+        view.strides[d] = strides[d] as i64;
+    }
+    let mut expected = Vec::new();
+    for i in 0..dims[0] {
+        for j in 0..dims[1] {
+            for k in 0..dims[2] {
+                expected.push(want[3 + i * strides[0] + j * strides[1] + k * strides[2]]);
+            }
+        }
+    }
+    let mut strided = vec![0u16; expected.len()];
     launch(
         "copy_strided",
         1,
-        256,
+        32,
         vec![
             Arg::Ptr(x.as_mut_ptr().cast()),
             Arg::I32(0),
             Arg::Ptr(strided.as_mut_ptr().cast()),
             Arg::I32(1),
-            Arg::U64(100),
-            Arg::I32(1),
-            Arg::U64(0),
+            Arg::U64(expected.len() as u64),
+            Arg::I32(3),
+            Arg::U64(3),
             Arg::ByValue((&mut view as *mut View8).cast()),
             Arg::I32(2),
         ],
     );
-    let every_other: Vec<u16> = want.iter().step_by(2).take(100).copied().collect();
-    assert_bf16_bits("copy_strided, stride 2", &strided, &every_other);
+    assert_bf16_bits("copy_strided, a [3, 4, 5] view", &strided, &expected);
 }
 
 /// Pointers to the elements of `v` after `offset`.

@@ -68,17 +68,32 @@ pub fn compile(name: &'static str, source: &str, arch: &'static str) -> Result<P
 /// The PTX of every program, by program name.
 pub type CompiledPrograms = Arc<Vec<(&'static str, Ptx)>>;
 
-/// Every program compiled for `arch`, cached for the life of the process.
+/// Every program compiled for `arch` (in parallel), cached for the life of the process.
 pub fn compile_all(arch: &'static str) -> Result<CompiledPrograms> {
     static CACHE: OnceLock<Mutex<HashMap<&'static str, CompiledPrograms>>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
     if let Some(done) = cache.lock().get(arch) {
         return Ok(done.clone());
     }
-    let ptx = PROGRAMS
-        .iter()
-        .map(|&(name, source)| Ok((name, compile(name, source, arch)?)))
-        .collect::<Result<Vec<_>>>()?;
+    // One thread per program: NVRTC compiles independent programs in parallel.
+    let ptx = std::thread::scope(|scope| {
+        let jobs: Vec<_> = PROGRAMS
+            .iter()
+            .map(|&(name, source)| scope.spawn(move || compile(name, source, arch)))
+            .collect();
+        PROGRAMS
+            .iter()
+            .zip(jobs)
+            .map(|(&(name, _), job)| {
+                let ptx = job.join().map_err(|_| CudaError::Compile {
+                    program: name,
+                    arch: arch.to_string(),
+                    log: "the compiling thread panicked".to_string(),
+                })??;
+                Ok((name, ptx))
+            })
+            .collect::<Result<Vec<_>>>()
+    })?;
     Ok(cache.lock().entry(arch).or_insert(Arc::new(ptx)).clone())
 }
 

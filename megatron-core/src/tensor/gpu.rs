@@ -231,6 +231,27 @@ struct View8 {
 // SAFETY: plain integers, laid out as the kernel's struct.
 unsafe impl cudarc::driver::DeviceRepr for View8 {}
 
+/// A view's (size, stride) pairs with the dimensions of size 1 dropped and each dimension
+/// merged into the one before it where the two walk memory as one (outer stride = inner size ×
+/// inner stride): a contiguous view becomes one dimension of stride 1, and a strided copy does
+/// the least index arithmetic per element.
+fn merged_view(dims: &[usize], strides: &[usize]) -> Vec<(usize, usize)> {
+    let mut merged: Vec<(usize, usize)> = Vec::with_capacity(dims.len());
+    for (&size, &stride) in dims.iter().zip(strides) {
+        if size == 1 {
+            continue;
+        }
+        match merged.last_mut() {
+            Some(last) if last.1 == size * stride => *last = (last.0 * size, stride),
+            _ => merged.push((size, stride)),
+        }
+    }
+    if merged.is_empty() {
+        merged.push((1, 1));
+    }
+    merged
+}
+
 /// The kernels' code of an element type (f16 has no device conversions yet).
 fn type_code(dtype: DType) -> Option<i32> {
     match dtype {
@@ -272,7 +293,6 @@ impl Tensor {
         if n == 0 {
             return Ok(());
         }
-        let ndim = src.dims().len();
         let (Some(st), Some(dt)) = (type_code(src.dtype()), type_code(self.dtype())) else {
             return Err(crate::tensor::TensorError::Gpu {
                 op: OP,
@@ -283,45 +303,75 @@ impl Tensor {
                 ),
             });
         };
-        if ndim > 8 {
+        let merged = merged_view(src.dims(), &src.layout().strides);
+        if merged.len() > 8 {
             return Err(crate::tensor::TensorError::Gpu {
                 op: OP,
-                message: format!("views of {ndim} dimensions (at most 8 on the GPU)"),
+                message: format!(
+                    "views of {} dimensions that do not merge (at most 8 on the GPU)",
+                    merged.len()
+                ),
             });
         }
-        let mut view = View8 {
-            dims: [1; 8],
-            strides: [0; 8],
-        };
-        for (d, (&size, &stride)) in src.dims().iter().zip(&src.layout().strides).enumerate() {
-            view.dims[d] = size as i64;
-            view.strides[d] = stride as i64;
+        let dense = merged.iter().all(|&(_, stride)| stride == 1);
+        if !dense && u32::try_from(n).is_err() {
+            return Err(crate::tensor::TensorError::Gpu {
+                op: OP,
+                message: format!("strided views of {n} elements (at most 2³² − 1 on the GPU)"),
+            });
         }
         let (src_base, src_borrow) = src.raw_device_span_read(OP)?;
         let dst = self.raw_device_write(OP)?;
         let dst_addr = dst.addr() as u64;
-        let (n64, nd, offset, bytes) = (
-            n as u64,
-            // 0 tells the kernel that the source is contiguous.
-            if src.is_contiguous() { 0 } else { ndim as i32 },
-            src.layout().offset as i64,
-            self.dtype().size() as i32,
-        );
+        let bytes = self.dtype().size() as i32;
+        let offset = src.layout().offset as i64;
+        let kernel = if dense { "copy_dense" } else { "copy_strided" };
+        // Under the profiler, copies are told apart by their types and view.
+        let label = if crate::cuda::profile::enabled() {
+            let view = if dense {
+                "contiguous".to_string()
+            } else {
+                format!("{merged:?}")
+            };
+            format!("{kernel} {}→{} {view}", src.dtype(), self.dtype())
+        } else {
+            kernel.to_string()
+        };
         let f = gpu
             .kernels()
-            .get("copy_strided")
+            .get(kernel)
             .map_err(crate::tensor::gpu_error(OP))?;
         let mut args = gpu.stream().launch_builder(f);
-        args.arg(&src_base)
-            .arg(&st)
-            .arg(&dst_addr)
-            .arg(&dt)
-            .arg(&n64)
-            .arg(&nd)
-            .arg(&offset)
-            .arg(&view)
-            .arg(&bytes);
-        crate::cuda::kernels::launch("copy_strided", args, crate::cuda::kernels::cover(n))
+        let n64 = n as u64;
+        let src_first = src_base + (offset as u64) * (src.dtype().size() as u64);
+        let mut view = View8 {
+            dims: [1; 8],
+            strides: [0; 8],
+        };
+        for (d, &(size, stride)) in merged.iter().enumerate() {
+            view.dims[d] = size as i64;
+            view.strides[d] = stride as i64;
+        }
+        let nd = merged.len() as i32;
+        if dense {
+            args.arg(&src_first)
+                .arg(&st)
+                .arg(&dst_addr)
+                .arg(&dt)
+                .arg(&n64)
+                .arg(&bytes);
+        } else {
+            args.arg(&src_base)
+                .arg(&st)
+                .arg(&dst_addr)
+                .arg(&dt)
+                .arg(&n64)
+                .arg(&nd)
+                .arg(&offset)
+                .arg(&view)
+                .arg(&bytes);
+        }
+        crate::cuda::kernels::launch(&label, args, crate::cuda::kernels::cover(n))
             .map_err(crate::tensor::gpu_error(OP))?;
         drop((src_borrow, dst));
         Ok(())
@@ -356,5 +406,24 @@ impl Tensor {
             .map_err(crate::tensor::gpu_error(OP))?;
         drop(buf);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merged_view;
+
+    #[test]
+    fn views_merge_into_the_fewest_dimensions_that_walk_memory_alike() {
+        // Contiguous: one dimension of stride 1, size-1 dimensions dropped.
+        assert_eq!(merged_view(&[2, 1, 3, 4], &[12, 99, 4, 1]), vec![(24, 1)]);
+        // A scalar.
+        assert_eq!(merged_view(&[], &[]), vec![(1, 1)]);
+        // A transpose does not merge.
+        assert_eq!(merged_view(&[4, 6], &[1, 4]), vec![(4, 1), (6, 4)]);
+        // Rows narrowed out of a wider matrix: the rows stay apart, the leading batch merges.
+        assert_eq!(merged_view(&[2, 3, 5], &[30, 10, 1]), vec![(6, 10), (5, 1)]);
+        // Every other element.
+        assert_eq!(merged_view(&[3, 4], &[8, 2]), vec![(12, 2)]);
     }
 }

@@ -41,6 +41,7 @@ static const EmuKernel EMU_KERNELS[] = {
     EMU_KERNEL(softmax_backward),
     EMU_KERNEL(dropout_apply),
     EMU_KERNEL(f32_to_bf16),
+    EMU_KERNEL(copy_dense),
     EMU_KERNEL(copy_strided),
     EMU_KERNEL(layer_norm_forward),
     EMU_KERNEL(layer_norm_backward_dx),

@@ -108,6 +108,7 @@ inline T emu_shfl_xor(T v, int lane_mask) {
 }
 inline float __shfl_xor_sync(unsigned, float v, int m) { return emu_shfl_xor(v, m); }
 inline double __shfl_xor_sync(unsigned, double v, int m) { return emu_shfl_xor(v, m); }
+inline unsigned __shfl_xor_sync(unsigned, unsigned v, int m) { return emu_shfl_xor(v, m); }
 
 // Bit i set when lane i's predicate holds (every lane of a full warp takes part).
 inline unsigned __ballot_sync(unsigned, int predicate) {

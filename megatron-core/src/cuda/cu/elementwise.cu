@@ -103,14 +103,8 @@ extern "C" __global__ void sum_squares_partials(const float* __restrict__ x, u64
     }
 }
 
-// dst[i] = src[row-major index i of a strided view], converting between element types:
-// 0 = f32, 1 = bf16, 3 = i64 (same-type copies of any type move the bits).
-struct View8 {
-    long long dims[8];
-    long long strides[8];
-};
-
-__device__ __forceinline__ float load_as_f32(const void* p, int type, long long i) {
+// Element type codes of the copies: 0 = f32, 1 = bf16, 3 = i64.
+__device__ __forceinline__ float load_as_f32(const void* p, int type, i64 i) {
     if (type == 0) return ((const float*)p)[i];
     if (type == 1) return __uint_as_float(((u32)((const unsigned short*)p)[i]) << 16);
     return (float)((const i64*)p)[i];
@@ -126,25 +120,75 @@ __device__ __forceinline__ void store_from_f32(void* p, int type, u64 i, float v
     }
 }
 
+// One element from src[at] to dst[i]: the bits when the types match, else through f32.
+__device__ __forceinline__ void copy_element(const void* src, int src_type, i64 at, void* dst,
+                                             int dst_type, u64 i, int elem_bytes) {
+    if (src_type == dst_type) {
+        if (elem_bytes == 8) ((i64*)dst)[i] = ((const i64*)src)[at];
+        else if (elem_bytes == 4) ((u32*)dst)[i] = ((const u32*)src)[at];
+        else ((unsigned short*)dst)[i] = ((const unsigned short*)src)[at];
+    } else {
+        store_from_f32(dst, dst_type, i, load_as_f32(src, src_type, at));
+    }
+}
+
+// dst[i] = src[i] for a contiguous source: the bits of one type 16 bytes per thread, f32 and
+// bf16 either way four elements per thread, when both ends are aligned for it (else one
+// element per thread).
+extern "C" __global__ void copy_dense(const void* __restrict__ src, int src_type,
+                                      void* __restrict__ dst, int dst_type, u64 n, int elem_bytes) {
+    if (src_type == dst_type && (((u64)src | (u64)dst) & 15) == 0) {
+        // The bits, 16 bytes per thread, then the elements past the last whole 16 bytes.
+        const u64 chunks = n * elem_bytes / 16, done = chunks * 16 / elem_bytes;
+        FOR_EACH(k, chunks) { reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(src)[k]; }
+        FOR_EACH(i, n - done) { copy_element(src, src_type, (i64)(done + i), dst, dst_type, done + i, elem_bytes); }
+        return;
+    }
+    const bool floats = src_type <= 1 && dst_type <= 1;
+    const u64 align = (src_type == 1 ? 7 : 15) | (dst_type == 1 ? 7 : 15);
+    if (floats && (((u64)src | (u64)dst) & align) == 0) {
+        FOR_EACH(k, n / 4) {
+            float4 v;
+            if (src_type == 0) {
+                v = reinterpret_cast<const float4*>(src)[k];
+            } else {
+                const uint2 b = reinterpret_cast<const uint2*>(src)[k];
+                v = make_float4(bf16_to_float(b.x & 0xffffu), bf16_to_float(b.x >> 16),
+                                bf16_to_float(b.y & 0xffffu), bf16_to_float(b.y >> 16));
+            }
+            store_out4(dst, dst_type == 1, k, v);
+        }
+        FOR_EACH(i, n % 4) {
+            const u64 e = n - n % 4 + i;
+            copy_element(src, src_type, (i64)e, dst, dst_type, e, elem_bytes);
+        }
+        return;
+    }
+    FOR_EACH(i, n) { copy_element(src, src_type, (i64)i, dst, dst_type, i, elem_bytes); }
+}
+
+// dst[i] = src[offset + the strided view's element i, row-major], converting between element
+// types. The view has at most 8 dimensions (the launcher merges what it can) and fewer than
+// 2³² elements, so the index arithmetic is 32-bit.
+struct View8 {
+    long long dims[8];
+    long long strides[8];
+};
+
 extern "C" __global__ void copy_strided(const void* __restrict__ src, int src_type,
                                         void* __restrict__ dst, int dst_type, u64 n, int ndim,
                                         long long offset, View8 view, int elem_bytes) {
-    // ndim 0: the source is contiguous from `offset` (no index arithmetic per element).
     FOR_EACH(i, n) {
-        long long at = offset + (ndim == 0 ? (long long)i : 0);
-        u64 rest = i;
-        for (int d = ndim - 1; d >= 0; --d) {
-            const u64 size = (u64)view.dims[d];
-            at += (long long)(rest % size) * view.strides[d];
-            rest /= size;
+        i64 at = offset;
+        u32 rest = (u32)i;
+        for (int d = ndim - 1; d > 0; --d) {
+            const u32 size = (u32)view.dims[d];
+            const u32 q = rest / size;
+            at += (i64)(rest - q * size) * view.strides[d];
+            rest = q;
         }
-        if (src_type == dst_type) {
-            if (elem_bytes == 8) ((i64*)dst)[i] = ((const i64*)src)[at];
-            else if (elem_bytes == 4) ((u32*)dst)[i] = ((const u32*)src)[at];
-            else ((unsigned short*)dst)[i] = ((const unsigned short*)src)[at];
-        } else {
-            store_from_f32(dst, dst_type, i, load_as_f32(src, src_type, at));
-        }
+        at += (i64)rest * view.strides[0];
+        copy_element(src, src_type, at, dst, dst_type, i, elem_bytes);
     }
 }
 

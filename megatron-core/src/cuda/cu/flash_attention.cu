@@ -152,19 +152,27 @@ __device__ __forceinline__ bf16_t unpack8(uint4 v, int e) {
     return (bf16_t)((e & 1) ? w >> 16 : w & 0xffffu);
 }
 
-// Rows row0 .. row0 + rows of one head (D elements each, rows seq_stride apart) into shared
-// memory: row-major into `x` (ld elements per row) and transposed into `xt` (row d holding
-// element d of every row, ldt elements per row), each when not null. Rows from `s` on are
-// zeros. 16-byte loads when `vec` (the head's rows 16-byte aligned), else 2-byte ones.
-template <int D>
-__device__ __forceinline__ void load_rows(bf16_t* x, int ld, bf16_t* xt, int ldt,
-                                          const bf16_t* __restrict__ src, i64 seq_stride,
-                                          u64 row0, int rows, u64 s, bool vec) {
-    constexpr int CHUNKS = D / 8;
-    for (int c = threadIdx.x; c < rows * CHUNKS; c += blockDim.x) {
-        const int r = c / CHUNKS, k = c % CHUNKS;
+// ROWS rows of one head (D elements each) held in registers on their way to shared memory,
+// 16 bytes (8 elements) per chunk, the block's threads taking chunks in turn.
+template <int D, int ROWS>
+struct RowChunks {
+    static constexpr int CHUNKS = D / 8;
+    static constexpr int PER_THREAD = (ROWS * CHUNKS + FA_THREADS - 1) / FA_THREADS;
+    uint4 v[PER_THREAD];
+};
+
+// Reads rows row0 .. row0 + ROWS of one head (rows seq_stride apart; zeros from row `s` on)
+// into registers: every load of the thread issued before any is used, so that their latencies
+// overlap. 16-byte loads when `vec` (the head's rows 16-byte aligned), else 2-byte ones.
+template <int D, int ROWS>
+__device__ __forceinline__ void fetch_rows(RowChunks<D, ROWS>& c, const bf16_t* __restrict__ src,
+                                           i64 seq_stride, u64 row0, u64 s, bool vec) {
+    constexpr int CHUNKS = RowChunks<D, ROWS>::CHUNKS;
+    #pragma unroll
+    for (int it = 0; it < RowChunks<D, ROWS>::PER_THREAD; ++it) {
+        const int chunk = threadIdx.x + it * FA_THREADS, r = chunk / CHUNKS, k = chunk % CHUNKS;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (row0 + r < s) {
+        if (r < ROWS && row0 + r < s) {
             const bf16_t* p = src + (i64)(row0 + r) * seq_stride + 8 * k;
             if (vec) {
                 v = *reinterpret_cast<const uint4*>(p);
@@ -173,11 +181,46 @@ __device__ __forceinline__ void load_rows(bf16_t* x, int ld, bf16_t* xt, int ldt
                                p[4] | ((u32)p[5] << 16), p[6] | ((u32)p[7] << 16));
             }
         }
-        if (x != nullptr) *reinterpret_cast<uint4*>(x + r * ld + 8 * k) = v;
+        c.v[it] = v;
+    }
+}
+
+// Writes fetched rows to shared memory: row-major into `x` (ld elements per row) and
+// transposed into `xt` (row d holding element d of every row, ldt elements per row), each
+// when not null.
+template <int D, int ROWS>
+__device__ __forceinline__ void store_rows(const RowChunks<D, ROWS>& c, bf16_t* x, int ld,
+                                           bf16_t* xt, int ldt) {
+    constexpr int CHUNKS = RowChunks<D, ROWS>::CHUNKS;
+    #pragma unroll
+    for (int it = 0; it < RowChunks<D, ROWS>::PER_THREAD; ++it) {
+        const int chunk = threadIdx.x + it * FA_THREADS, r = chunk / CHUNKS, k = chunk % CHUNKS;
+        if (r >= ROWS) continue;
+        if (x != nullptr) *reinterpret_cast<uint4*>(x + r * ld + 8 * k) = c.v[it];
         if (xt != nullptr) {
-            for (int e = 0; e < 8; ++e) xt[(8 * k + e) * ldt + r] = unpack8(v, e);
+            // Rotated by k, so that the lanes of a warp (neighbouring chunks of a row) write
+            // rows 8k + e in different banks at each step instead of all in one.
+            #pragma unroll
+            for (int step = 0; step < 8; ++step) {
+                const int e = (step + k) & 7;
+                xt[(8 * k + e) * ldt + r] = unpack8(c.v[it], e);
+            }
         }
     }
+}
+
+// Two heads' row tiles (e.g. keys and values) from global to shared memory, both fetched
+// before either is stored.
+template <int D, int ROWS>
+__device__ __forceinline__ void load_two(const bf16_t* a, i64 a_stride, bf16_t* x_a, int ld_a,
+                                         bf16_t* xt_a, int ldt_a, const bf16_t* b, i64 b_stride,
+                                         bf16_t* x_b, int ld_b, bf16_t* xt_b, int ldt_b, u64 row0,
+                                         u64 s, bool vec) {
+    RowChunks<D, ROWS> ca, cb;
+    fetch_rows<D, ROWS>(ca, a, a_stride, row0, s, vec);
+    fetch_rows<D, ROWS>(cb, b, b_stride, row0, s, vec);
+    store_rows<D, ROWS>(ca, x_a, ld_a, xt_a, ldt_a);
+    store_rows<D, ROWS>(cb, x_b, ld_b, xt_b, ldt_b);
 }
 
 // The A fragments (16 rows, all D columns) of rows row0 .. row0 + 16 of one head, straight from
@@ -198,16 +241,74 @@ __device__ __forceinline__ void global_frags(u32 (*a)[4], const bf16_t* __restri
     }
 }
 
-// The dropout factors (scale or 0) of mask elements e and e + 1 (e even): one Philox block for
-// both when every aligned group of 4 local elements is one block.
-__device__ __forceinline__ float2 mask_factor2(const Mask& m, u64 e, bool blocks) {
-    if (m.threshold == 0) return make_float2(m.scale, m.scale);
-    if (!blocks) return make_float2(mask_factor(m, e), mask_factor(m, e + 1));
-    const u64 logical = mask_logical(m, e);
-    const uint4 w = dropout_block(logical >> 2, m.key, m.stream);
-    const int i = (int)(logical & 3);
-    const u32 w0 = word_of(w, i), w1 = word_of(w, i + 1);
-    return make_float2(w0 >= m.threshold ? m.scale : 0.0f, w1 >= m.threshold ? m.scale : 0.0f);
+// The dropout mask, row by row. Row r of the [b·heads·s, s] probabilities starts at local mask
+// element r·s; when every row lies inside one run of the mask (`inner` a multiple of s, always
+// so for attention), element j of the row is logical element `start + j` of that row, and the
+// kernels find a row's logical start once instead of dividing for every element.
+struct RowMask {
+    // Whether rows lie inside runs (else `start`s are local elements, mapped per element).
+    bool whole;
+    // Whether also every row's logical start is a multiple of 4, so that the 4 elements a lane
+    // pair holds in two neighbouring 8-column tiles are two whole Philox blocks (see
+    // mask_pairs). The same for every lane of the kernel.
+    bool aligned;
+};
+
+__device__ __forceinline__ RowMask row_mask(const Mask& m, u64 s) {
+    RowMask rm;
+    rm.whole = m.inner % s == 0;
+    rm.aligned = rm.whole && mask_blocks(m) && s % 4 == 0;
+    return rm;
+}
+
+// Where row `row` starts: its logical element when rows are whole, else its local one.
+__device__ __forceinline__ u64 row_start(const Mask& m, const RowMask& rm, u64 row, u64 s) {
+    return rm.whole ? mask_logical(m, row * s) : row * s;
+}
+
+__device__ __forceinline__ float keep_factor(const Mask& m, u32 word) {
+    return word >= m.threshold ? m.scale : 0.0f;
+}
+
+// The dropout factor (scale or 0) of element j of the row starting at `start` (row_start).
+__device__ __forceinline__ float row_factor(const Mask& m, const RowMask& rm, u64 start, u64 j) {
+    if (m.threshold == 0) return m.scale;
+    if (!rm.whole) return mask_factor(m, start + j);
+    const u64 l = start + j;
+    return keep_factor(m, word_of(dropout_block(l >> 2, m.key, m.stream), (int)(l & 3)));
+}
+
+// The factors of elements j, j + 1 (f0) and j + 8, j + 9 (f1) of the row starting at `start`,
+// where j = col0 + 2t is this lane's pair in an 8-column accumulator tile and j + 8 its pair in
+// the next. Every lane of the warp calls it together: with aligned rows each lane draws one
+// Philox block, whose other half its neighbour t ^ 1 needs, and the two swap halves.
+__device__ __forceinline__ void mask_pairs(const Mask& m, const RowMask& rm, u64 start, u64 col0,
+                                           float2& f0, float2& f1) {
+    const int t = threadIdx.x % 4;
+    if (m.threshold == 0) {
+        f0 = f1 = make_float2(m.scale, m.scale);
+        return;
+    }
+    if (!rm.aligned) {
+        const u64 j = col0 + 2 * t;
+        f0 = make_float2(row_factor(m, rm, start, j), row_factor(m, rm, start, j + 1));
+        f1 = make_float2(row_factor(m, rm, start, j + 8), row_factor(m, rm, start, j + 9));
+        return;
+    }
+    // Lanes t = 0, 1 hold columns 0..3 of each tile, t = 2, 3 columns 4..7; the even lane of
+    // a pair draws the block of the first tile, the odd lane that of the second.
+    const int odd = t & 1;
+    const u64 l = start + col0 + 8 * odd + 4 * (t >> 1);
+    const uint4 w = dropout_block(l >> 2, m.key, m.stream);
+    // Each lane keeps words 2·odd, 2·odd + 1 of its block and gets the same words of its
+    // neighbour's.
+    const u32 give_lo = odd ? w.x : w.z, give_hi = odd ? w.y : w.w;
+    const u32 got_lo = __shfl_xor_sync(0xffffffffu, give_lo, 1);
+    const u32 got_hi = __shfl_xor_sync(0xffffffffu, give_hi, 1);
+    const float2 own = make_float2(keep_factor(m, odd ? w.z : w.x), keep_factor(m, odd ? w.w : w.y));
+    const float2 other = make_float2(keep_factor(m, got_lo), keep_factor(m, got_hi));
+    f0 = odd ? other : own;
+    f1 = odd ? own : other;
 }
 
 // Where one (batch entry, head) sits: element offsets of its row 0 in the q/k/v layout and in
@@ -249,9 +350,10 @@ __device__ __forceinline__ void fa_forward(
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
     const bool vec = rows_aligned(q, k, v, seq_stride, batch_stride, head_stride);
-    const bool blocks = mask_blocks(m);
     const u64 q0 = (gridDim.x - 1 - blockIdx.x) * (u64)FA_ROWS;
     const u64 i0 = q0 + 16 * warp + g;  // this thread's rows: i0 and i0 + 8
+    const RowMask rm = row_mask(m, s);
+    const u64 row_at[2] = {row_start(m, rm, at.row + i0, s), row_start(m, rm, at.row + i0 + 8, s)};
 
     u32 qa[D / 16][4];
     global_frags<D>(qa, q + at.qkv, seq_stride, q0 + 16 * warp, s);
@@ -262,8 +364,8 @@ __device__ __forceinline__ void fa_forward(
     const u64 last = min(q0 + FA_ROWS, s) - 1;  // the block's last query sees keys 0 ..= last
     for (u64 k0 = 0; k0 <= last; k0 += FA_FWD_KEYS) {
         __syncthreads();
-        load_rows<D>(ks, LDK, nullptr, 0, k + at.qkv, seq_stride, k0, FA_FWD_KEYS, s, vec);
-        load_rows<D>(nullptr, 0, vt, LDV, v + at.qkv, seq_stride, k0, FA_FWD_KEYS, s, vec);
+        load_two<D, FA_FWD_KEYS>(k + at.qkv, seq_stride, ks, LDK, nullptr, 0, v + at.qkv,
+                                 seq_stride, nullptr, 0, vt, LDV, k0, s, vec);
         __syncthreads();
 
         // Scores of this warp's 16 queries and the tile's keys.
@@ -300,19 +402,19 @@ __device__ __forceinline__ void fa_forward(
         }
         // Unnormalised probabilities, their sums, then the dropout of what meets v.
         #pragma unroll
-        for (int n = 0; n < FA_FWD_KEYS / 8; ++n) {
+        for (int n = 0; n < FA_FWD_KEYS / 8; n += 2) {
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const float p0 = exp_f32(sc[n][2 * r] - base[r]);
-                const float p1 = exp_f32(sc[n][2 * r + 1] - base[r]);
-                sum[r] += p0 + p1;
-                float2 f = make_float2(1.0f, 1.0f);
-                if (p0 != 0.0f || p1 != 0.0f) {
-                    const u64 i = i0 + 8 * r, j = k0 + 8 * n + 2 * t;
-                    f = mask_factor2(m, (at.row + i) * s + j, blocks);
+                float2 f[2];
+                mask_pairs(m, rm, row_at[r], k0 + 8 * n, f[0], f[1]);
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float p0 = exp_f32(sc[n + h][2 * r] - base[r]);
+                    const float p1 = exp_f32(sc[n + h][2 * r + 1] - base[r]);
+                    sum[r] += p0 + p1;
+                    sc[n + h][2 * r] = masked(p0, f[h].x);
+                    sc[n + h][2 * r + 1] = masked(p1, f[h].y);
                 }
-                sc[n][2 * r] = masked(p0, f.x);
-                sc[n][2 * r + 1] = masked(p1, f.y);
             }
         }
         product_tiles<FA_FWD_KEYS / 16, D / 8>(acc, sc, vt, LDV);
@@ -372,7 +474,8 @@ __device__ __forceinline__ Grad element_grad(float x, float dz, float lse_i, flo
 
 // Backward, step 2: dk and dv of FA_ROWS keys per block (16 per warp), over the tiles of the
 // queries that see them. Grid: (key tiles, heads, batch). Shared memory (dynamic): the keys and
-// values of the block, and per query tile q and do row-major and transposed, lse and delta.
+// values of the block, and per query tile q and do row-major and transposed, lse, delta and
+// where each query's row of the dropout mask starts.
 template <int D>
 __device__ __forceinline__ void fa_backward_kv(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
@@ -389,6 +492,7 @@ __device__ __forceinline__ void fa_backward_kv(
     bf16_t* dot = qt + D * LDT;
     float* lse_s = reinterpret_cast<float*>(dot + D * LDT);
     float* delta_s = lse_s + FA_BWD_COLS;
+    u64* start_s = reinterpret_cast<u64*>(delta_s + FA_BWD_COLS);  // each query row's row_start
 
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
@@ -397,20 +501,22 @@ __device__ __forceinline__ void fa_backward_kv(
                                   o_head_stride);
     const u64 k0 = (u64)blockIdx.x * FA_ROWS;
     const int w0 = 16 * warp;  // this warp's first key in the block's tile
+    const RowMask rm = row_mask(m, s);
 
-    load_rows<D>(ks, LD, nullptr, 0, k + at.qkv, seq_stride, k0, FA_ROWS, s, vec);
-    load_rows<D>(vs, LD, nullptr, 0, v + at.qkv, seq_stride, k0, FA_ROWS, s, vec);
+    load_two<D, FA_ROWS>(k + at.qkv, seq_stride, ks, LD, nullptr, 0, v + at.qkv, seq_stride, vs,
+                         LD, nullptr, 0, k0, s, vec);
     float dk_acc[D / 8][4], dv_acc[D / 8][4];
     zero_tiles<D / 8>(dk_acc);
     zero_tiles<D / 8>(dv_acc);
 
     for (u64 c0 = k0 - k0 % FA_BWD_COLS; c0 < s; c0 += FA_BWD_COLS) {
         __syncthreads();
-        load_rows<D>(qs, LD, qt, LDT, q + at.qkv, seq_stride, c0, FA_BWD_COLS, s, vec);
-        load_rows<D>(dos, LD, dot, LDT, d_o16 + at.o, o_seq_stride, c0, FA_BWD_COLS, s, vec);
+        load_two<D, FA_BWD_COLS>(q + at.qkv, seq_stride, qs, LD, qt, LDT, d_o16 + at.o,
+                                 o_seq_stride, dos, LD, dot, LDT, c0, s, vec);
         for (int r = threadIdx.x; r < FA_BWD_COLS; r += blockDim.x) {
             lse_s[r] = c0 + r < s ? lse[at.row + c0 + r] : 0.0f;
             delta_s[r] = c0 + r < s ? delta[at.row + c0 + r] : 0.0f;
+            start_s[r] = row_start(m, rm, at.row + c0 + r, s);
         }
         __syncthreads();
 
@@ -443,7 +549,7 @@ __device__ __forceinline__ void fa_backward_kv(
                 const u64 i = c0 + col;
                 Grad e = {0.0f, 0.0f};
                 if (j <= i && i < s && j < s) {
-                    const float f = mask_factor(m, (at.row + i) * s + j);
+                    const float f = row_factor(m, rm, start_s[col], j);
                     e = element_grad(st[n][c], dz[n][c], lse_s[col], delta_s[col], f, scale);
                 }
                 st[n][c] = e.dropped;
@@ -482,9 +588,10 @@ __device__ __forceinline__ void fa_backward_q(
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
     const bool vec = rows_aligned(q, k, v, seq_stride, batch_stride, head_stride);
-    const bool blocks = mask_blocks(m);
     const u64 q0 = (gridDim.x - 1 - blockIdx.x) * (u64)FA_ROWS;
     const u64 i0 = q0 + 16 * warp + g;  // this thread's rows: i0 and i0 + 8
+    const RowMask rm = row_mask(m, s);
+    const u64 row_at[2] = {row_start(m, rm, at.row + i0, s), row_start(m, rm, at.row + i0 + 8, s)};
 
     u32 qa[D / 16][4], da[D / 16][4];
     global_frags<D>(qa, q + at.qkv, seq_stride, q0 + 16 * warp, s);
@@ -502,8 +609,8 @@ __device__ __forceinline__ void fa_backward_q(
     const u64 last = min(q0 + FA_ROWS, s) - 1;
     for (u64 c0 = 0; c0 <= last; c0 += FA_BWD_COLS) {
         __syncthreads();
-        load_rows<D>(ks, LD, kt, LDT, k + at.qkv, seq_stride, c0, FA_BWD_COLS, s, vec);
-        load_rows<D>(vs, LD, nullptr, 0, v + at.qkv, seq_stride, c0, FA_BWD_COLS, s, vec);
+        load_two<D, FA_BWD_COLS>(k + at.qkv, seq_stride, ks, LD, kt, LDT, v + at.qkv, seq_stride,
+                                 vs, LD, nullptr, 0, c0, s, vec);
         __syncthreads();
 
         float sc[FA_BWD_COLS / 8][4], dz[FA_BWD_COLS / 8][4];
@@ -513,22 +620,25 @@ __device__ __forceinline__ void fa_backward_q(
         product_frags<D / 16, FA_BWD_COLS / 8>(dz, da, vs, LD);
         // Element (query i = row, key j = column): score gradients into sc.
         #pragma unroll
-        for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
+        for (int n = 0; n < FA_BWD_COLS / 8; n += 2) {
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const u64 i = i0 + 8 * r, j = c0 + 8 * n + 2 * t;
-                float2 f = make_float2(0.0f, 0.0f);
-                if (i < s && j <= i && j < s) f = mask_factor2(m, (at.row + i) * s + j, blocks);
+                float2 f[2];
+                mask_pairs(m, rm, row_at[r], c0 + 8 * n, f[0], f[1]);
+                const u64 i = i0 + 8 * r;
                 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const u64 jc = j + c;
-                    float d = 0.0f;
-                    if (i < s && jc <= i && jc < s) {
-                        d = element_grad(sc[n][2 * r + c], dz[n][2 * r + c], lse_r[r],
-                                         delta_r[r], c == 0 ? f.x : f.y, scale)
-                                .d_score;
+                for (int h = 0; h < 2; ++h) {
+                    #pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const u64 j = c0 + 8 * (n + h) + 2 * t + c;
+                        float d = 0.0f;
+                        if (i < s && j <= i) {
+                            d = element_grad(sc[n + h][2 * r + c], dz[n + h][2 * r + c], lse_r[r],
+                                             delta_r[r], c == 0 ? f[h].x : f[h].y, scale)
+                                    .d_score;
+                        }
+                        sc[n + h][2 * r + c] = d;
                     }
-                    sc[n][2 * r + c] = d;
                 }
             }
         }

@@ -117,6 +117,7 @@ fn shared_bytes(kernel: &str, d: usize) -> usize {
             (2 * ROWS + 2 * BWD_COLS) * (d + PAD) * bf16
                 + 2 * d * (BWD_COLS + PAD) * bf16
                 + 2 * BWD_COLS * 4
+                + BWD_COLS * 8
         }
         _ => (2 * BWD_COLS * (d + PAD) + d * (BWD_COLS + PAD)) * bf16,
     }

@@ -21,6 +21,14 @@ use crate::rng::DropoutStream;
 /// Most blocks of a row launch; the kernels stride over further rows.
 const MAX_BLOCKS: usize = 1 << 20;
 
+/// Threads per row: about one float4 each for short rows, at most 4 warps. Long rows take
+/// several float4 per thread: on an H100, GPT-1.2B's attention (rows of 2048 keys) ran 20%
+/// faster forward and backward with 128 threads per row than with 512 (`megatron bench
+/// attention --device cuda`, BENCHMARKS.md).
+fn softmax_threads(sk: usize) -> u32 {
+    row_threads(sk).min(128)
+}
+
 /// An input of the fused kernels, f32 or bf16.
 #[derive(Clone, Copy)]
 pub enum In<'a, 'b> {
@@ -184,7 +192,11 @@ pub fn softmax_dropout_forward(
         .arg(&scale)
         .arg(&causal32);
     mask.push(&mut args);
-    launch(K, args, per_row(rows.min(MAX_BLOCKS), row_threads(sk), 0)?)
+    launch(
+        K,
+        args,
+        per_row(rows.min(MAX_BLOCKS), softmax_threads(sk), 0)?,
+    )
 }
 
 /// Gradient of [`softmax_forward`] from its output, `dx = scale · y ⊙ (dy − Σ_j dy·y)`
@@ -255,5 +267,9 @@ pub fn dropout_softmax_backward(
     push_optional(dropped, &mut args, &flags[3]);
     args.arg(&rows64).arg(&sk64).arg(&scale);
     mask.push(&mut args);
-    launch(K, args, per_row(rows.min(MAX_BLOCKS), row_threads(sk), 0)?)
+    launch(
+        K,
+        args,
+        per_row(rows.min(MAX_BLOCKS), softmax_threads(sk), 0)?,
+    )
 }
