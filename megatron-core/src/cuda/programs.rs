@@ -1,10 +1,13 @@
 //! The CUDA C sources of the kernels, compiled at run time by NVRTC for the GPU at hand, once per
-//! process and architecture, and loaded once per device.
+//! process and architecture, and loaded once per device. The PTX is also kept on disk (see
+//! [`cache_dir`]), so that later processes skip NVRTC: the flash attention program alone takes
+//! NVRTC over 10 seconds.
 //!
 //! Every program is `cu/common.cuh` followed by its own file; each kernel is `extern "C"` so that
 //! it is found by its name.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaFunction};
@@ -41,18 +44,26 @@ pub fn arch_name(major: i32, minor: i32) -> &'static str {
         .or_insert_with(|| Box::leak(format!("sm_{major}{minor}").into_boxed_str()))
 }
 
-/// Compiles one program for `arch` (e.g. `sm_90`) to PTX.
-pub fn compile(name: &'static str, source: &str, arch: &'static str) -> Result<Ptx> {
-    library::require_nvrtc()?;
-    let options = CompileOptions {
+/// NVRTC's options for `arch`.
+fn options(name: &str, arch: &'static str) -> CompileOptions {
+    CompileOptions {
         arch: Some(arch),
         name: Some(format!("{name}.cu")),
         options: vec!["--std=c++17".to_string()],
         ..Default::default()
-    };
-    // `#line` keeps NVRTC's messages pointing at the lines of the file they are about.
-    let text = format!("#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{name}.cu\"\n{source}");
-    compile_ptx_with_opts(text, options).map_err(|e| {
+    }
+}
+
+/// The text NVRTC compiles: the shared helpers, then the program. `#line` keeps NVRTC's
+/// messages pointing at the lines of the file they are about.
+fn full_text(name: &str, source: &str) -> String {
+    format!("#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{name}.cu\"\n{source}")
+}
+
+/// Compiles one program for `arch` (e.g. `sm_90`) to PTX.
+pub fn compile(name: &'static str, source: &str, arch: &'static str) -> Result<Ptx> {
+    library::require_nvrtc()?;
+    compile_ptx_with_opts(full_text(name, source), options(name, arch)).map_err(|e| {
         let log = match &e {
             CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
             other => format!("{other:?}"),
@@ -65,10 +76,86 @@ pub fn compile(name: &'static str, source: &str, arch: &'static str) -> Result<P
     })
 }
 
+/// Where compiled PTX is kept between processes: `$MEGATRON_KERNEL_CACHE` when set (empty or
+/// `off`: nowhere), else `$XDG_CACHE_HOME/megatron-rs/kernels`, else
+/// `$HOME/.cache/megatron-rs/kernels`.
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("MEGATRON_KERNEL_CACHE") {
+        return (!dir.is_empty() && dir != "off").then(|| PathBuf::from(dir));
+    }
+    let base = match std::env::var_os("XDG_CACHE_HOME") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => PathBuf::from(std::env::var_os("HOME")?).join(".cache"),
+    };
+    Some(base.join("megatron-rs").join("kernels"))
+}
+
+/// NVRTC's version, part of what decides the PTX.
+fn nvrtc_version() -> (i32, i32) {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two out-pointers to live integers; the library is loaded (require_nvrtc).
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    (major, minor)
+}
+
+/// The cache file of one compilation: named for the program and architecture, with a SHA-256
+/// of everything that decides the PTX (NVRTC's version, the options, the full source text).
+fn cache_file(dir: &Path, name: &'static str, source: &str, arch: &'static str) -> PathBuf {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    hash.update(format!("{:?}", nvrtc_version()));
+    hash.update(format!("{:?}", options(name, arch).options));
+    hash.update(arch);
+    hash.update(full_text(name, source));
+    let digest: String = hash.finalize()[..12]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    dir.join(format!("{name}-{arch}-{digest}.ptx"))
+}
+
+/// Whether `text` is whole PTX for `arch` (a file cut short or from elsewhere is not).
+fn is_ptx_for(text: &str, arch: &str) -> bool {
+    text.contains(".version") && text.contains(&format!(".target {arch}")) && text.ends_with('\n')
+}
+
+/// [`compile`], through the cache in `dir` (none: always NVRTC): a cached PTX file for the same
+/// NVRTC, options and source is read instead of compiling; a fresh compilation is written there
+/// whole or not at all (a temporary file renamed into place). The cache is only a shortcut:
+/// failing to read or write it falls back to NVRTC.
+pub fn compile_cached(
+    name: &'static str,
+    source: &str,
+    arch: &'static str,
+    dir: Option<&Path>,
+) -> Result<Ptx> {
+    library::require_nvrtc()?;
+    let Some(dir) = dir else {
+        return compile(name, source, arch);
+    };
+    let path = cache_file(dir, name, source, arch);
+    if let Ok(text) = std::fs::read_to_string(&path)
+        && is_ptx_for(&text, arch)
+    {
+        return Ok(Ptx::from_src(text));
+    }
+    let ptx = compile(name, source, arch)?;
+    let text = ptx.to_src();
+    let temp = path.with_extension(format!("ptx.{}.tmp", std::process::id()));
+    let stored = std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&temp, text.as_bytes()))
+        .and_then(|()| std::fs::rename(&temp, &path));
+    if stored.is_err() {
+        let _ = std::fs::remove_file(&temp);
+    }
+    Ok(Ptx::from_src(text))
+}
+
 /// The PTX of every program, by program name.
 pub type CompiledPrograms = Arc<Vec<(&'static str, Ptx)>>;
 
-/// Every program compiled for `arch` (in parallel), cached for the life of the process.
+/// Every program compiled for `arch` (in parallel, or read from [`cache_dir`]), kept for the
+/// life of the process.
 pub fn compile_all(arch: &'static str) -> Result<CompiledPrograms> {
     static CACHE: OnceLock<Mutex<HashMap<&'static str, CompiledPrograms>>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
@@ -76,10 +163,14 @@ pub fn compile_all(arch: &'static str) -> Result<CompiledPrograms> {
         return Ok(done.clone());
     }
     // One thread per program: NVRTC compiles independent programs in parallel.
+    let dir = cache_dir();
     let ptx = std::thread::scope(|scope| {
         let jobs: Vec<_> = PROGRAMS
             .iter()
-            .map(|&(name, source)| scope.spawn(move || compile(name, source, arch)))
+            .map(|&(name, source)| {
+                let dir = dir.as_deref();
+                scope.spawn(move || compile_cached(name, source, arch, dir))
+            })
             .collect();
         PROGRAMS
             .iter()

@@ -32,6 +32,9 @@
 // Padding (in bf16 elements) of every shared row, so that the 8 rows a fragment load touches
 // fall on different banks.
 #define FA_PAD 8
+// Bytes per query row of the key-gradient kernel's dropout flags (FA_ROWS keys, padded so that
+// the lanes reading a fragment's flags hit different banks).
+#define FA_KEEP_LD (FA_ROWS + 4)
 
 typedef unsigned short bf16_t;
 
@@ -472,10 +475,35 @@ __device__ __forceinline__ Grad element_grad(float x, float dz, float lse_i, flo
     return g;
 }
 
+// The key-gradient kernel's dropout flags for FA_ROWS keys from k0 and FA_BWD_COLS queries
+// from c0: keep[col·FA_KEEP_LD + key] = 1 where element (query c0 + col, key k0 + key) is kept.
+// The block's threads draw one Philox block each per 4 keys of a query (a lane of the products
+// holds keys 8 apart, so drawing there would take one block per element); groups no query
+// sees are skipped.
+__device__ __forceinline__ void keep_flags(unsigned char* keep, const Mask& m, const RowMask& rm,
+                                           const u64* start, u64 k0, u64 c0, u64 s) {
+    constexpr int GROUPS = FA_ROWS / 4;
+    for (int b = threadIdx.x; b < FA_BWD_COLS * GROUPS; b += blockDim.x) {
+        const int col = b / GROUPS, kg = b % GROUPS;
+        const u64 i = c0 + col, j = k0 + 4 * kg;
+        if (i >= s || j > i) continue;
+        unsigned char* out = keep + col * FA_KEEP_LD + 4 * kg;
+        if (rm.aligned) {
+            const uint4 w = dropout_block((start[col] + j) >> 2, m.key, m.stream);
+            out[0] = w.x >= m.threshold;
+            out[1] = w.y >= m.threshold;
+            out[2] = w.z >= m.threshold;
+            out[3] = w.w >= m.threshold;
+        } else {
+            for (int e = 0; e < 4; ++e) out[e] = row_factor(m, rm, start[col], j + e) != 0.0f;
+        }
+    }
+}
+
 // Backward, step 2: dk and dv of FA_ROWS keys per block (16 per warp), over the tiles of the
 // queries that see them. Grid: (key tiles, heads, batch). Shared memory (dynamic): the keys and
-// values of the block, and per query tile q and do row-major and transposed, lse, delta and
-// where each query's row of the dropout mask starts.
+// values of the block, and per query tile q and do row-major and transposed, lse, delta,
+// where each query's row of the dropout mask starts, and the tile's dropout flags.
 template <int D>
 __device__ __forceinline__ void fa_backward_kv(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
@@ -493,6 +521,7 @@ __device__ __forceinline__ void fa_backward_kv(
     float* lse_s = reinterpret_cast<float*>(dot + D * LDT);
     float* delta_s = lse_s + FA_BWD_COLS;
     u64* start_s = reinterpret_cast<u64*>(delta_s + FA_BWD_COLS);  // each query row's row_start
+    unsigned char* keep_s = reinterpret_cast<unsigned char*>(start_s + FA_BWD_COLS);
 
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
@@ -519,6 +548,11 @@ __device__ __forceinline__ void fa_backward_kv(
             start_s[r] = row_start(m, rm, at.row + c0 + r, s);
         }
         __syncthreads();
+
+        if (m.threshold != 0) {
+            keep_flags(keep_s, m, rm, start_s, k0, c0, s);
+            __syncthreads();
+        }
 
         // The transposed scores k·qᵀ (keys × queries) and dropped-probability gradient v·doᵀ.
         float st[FA_BWD_COLS / 8][4], dz[FA_BWD_COLS / 8][4];
@@ -549,7 +583,9 @@ __device__ __forceinline__ void fa_backward_kv(
                 const u64 i = c0 + col;
                 Grad e = {0.0f, 0.0f};
                 if (j <= i && i < s && j < s) {
-                    const float f = row_factor(m, rm, start_s[col], j);
+                    const float f = m.threshold == 0 ? m.scale
+                                    : keep_s[col * FA_KEEP_LD + w0 + g + 8 * (c >> 1)] ? m.scale
+                                                                                      : 0.0f;
                     e = element_grad(st[n][c], dz[n][c], lse_s[col], delta_s[col], f, scale);
                 }
                 st[n][c] = e.dropped;

@@ -118,6 +118,7 @@ fn shared_bytes(kernel: &str, d: usize) -> usize {
                 + 2 * d * (BWD_COLS + PAD) * bf16
                 + 2 * BWD_COLS * 4
                 + BWD_COLS * 8
+                + BWD_COLS * (ROWS + 4)
         }
         _ => (2 * BWD_COLS * (d + PAD) + d * (BWD_COLS + PAD)) * bf16,
     }
