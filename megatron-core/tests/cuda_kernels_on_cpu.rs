@@ -326,52 +326,35 @@ fn bf16_rounding_and_contiguous_casts_are_the_hosts() {
     // The same through copy_dense, from element 4 on (16-byte aligned: four elements per thread
     // and a tail) and from element 5 on (one element per thread).
     for first in [4, 5] {
-        let mut copied = vec![0u16; n - first];
-        launch(
-            "copy_dense",
-            n.div_ceil(256),
-            256,
-            vec![
-                Arg::Ptr(x[first..].as_mut_ptr().cast()),
-                Arg::I32(0),
-                Arg::Ptr(copied.as_mut_ptr().cast()),
-                Arg::I32(1),
-                Arg::U64((n - first) as u64),
-                Arg::I32(2),
-            ],
+        let m = n - first;
+        let mut copied = vec![0u16; m];
+        copy_dense(
+            x[first..].as_mut_ptr().cast(),
+            F32,
+            copied.as_mut_ptr().cast(),
+            BF16,
+            m,
         );
         assert_bf16_bits("copy_dense f32 → bf16", &copied, &want[first..]);
         // And back, widening exactly; then bf16 → bf16 moves the bits.
-        let mut wide = vec![0f32; n - first];
-        launch(
-            "copy_dense",
-            n.div_ceil(256),
-            256,
-            vec![
-                Arg::Ptr(copied.as_mut_ptr().cast()),
-                Arg::I32(1),
-                Arg::Ptr(wide.as_mut_ptr().cast()),
-                Arg::I32(0),
-                Arg::U64((n - first) as u64),
-                Arg::I32(4),
-            ],
+        let mut wide = vec![0f32; m];
+        copy_dense(
+            copied.as_mut_ptr().cast(),
+            BF16,
+            wide.as_mut_ptr().cast(),
+            F32,
+            m,
         );
         let widened: Vec<u32> = copied.iter().map(|&b| u32::from(b) << 16).collect();
         let got: Vec<u32> = wide.iter().map(|v| v.to_bits()).collect();
         assert_eq!(got, widened, "copy_dense bf16 → f32 from element {first}");
-        let mut same = vec![0u16; n - first];
-        launch(
-            "copy_dense",
-            n.div_ceil(256),
-            256,
-            vec![
-                Arg::Ptr(copied.as_mut_ptr().cast()),
-                Arg::I32(1),
-                Arg::Ptr(same.as_mut_ptr().cast()),
-                Arg::I32(1),
-                Arg::U64((n - first) as u64),
-                Arg::I32(2),
-            ],
+        let mut same = vec![0u16; m];
+        copy_dense(
+            copied.as_mut_ptr().cast(),
+            BF16,
+            same.as_mut_ptr().cast(),
+            BF16,
+            m,
         );
         assert_eq!(same, copied, "copy_dense bf16 → bf16 from element {first}");
     }
@@ -406,9 +389,9 @@ fn bf16_rounding_and_contiguous_casts_are_the_hosts() {
         32,
         vec![
             Arg::Ptr(x.as_mut_ptr().cast()),
-            Arg::I32(0),
+            Arg::I32(F32),
             Arg::Ptr(strided.as_mut_ptr().cast()),
-            Arg::I32(1),
+            Arg::I32(BF16),
             Arg::U64(expected.len() as u64),
             Arg::I32(3),
             Arg::U64(3),
@@ -417,6 +400,34 @@ fn bf16_rounding_and_contiguous_casts_are_the_hosts() {
         ],
     );
     assert_bf16_bits("copy_strided, a [3, 4, 5] view", &strided, &expected);
+}
+
+/// The copy kernels' element type codes.
+const F32: i32 = 0;
+const BF16: i32 = 1;
+
+/// `copy_dense` of `n` elements from `src` (type code `src_type`) to `dst`.
+fn copy_dense(
+    src: *mut std::ffi::c_void,
+    src_type: i32,
+    dst: *mut std::ffi::c_void,
+    dst_type: i32,
+    n: usize,
+) {
+    let bytes = if dst_type == F32 { 4 } else { 2 };
+    launch(
+        "copy_dense",
+        n.div_ceil(256),
+        256,
+        vec![
+            Arg::Ptr(src),
+            Arg::I32(src_type),
+            Arg::Ptr(dst),
+            Arg::I32(dst_type),
+            Arg::U64(n as u64),
+            Arg::I32(bytes),
+        ],
+    );
 }
 
 /// Pointers to the elements of `v` after `offset`.
