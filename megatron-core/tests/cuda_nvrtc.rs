@@ -43,7 +43,7 @@ fn a_broken_source_is_an_error_with_nvrtcs_log() {
 
 #[test]
 fn compiled_ptx_is_kept_on_disk_and_read_back() {
-    use megatron_core::cuda::programs::compile_cached;
+    use megatron_core::cuda::programs::{compile_cached, sealed, unsealed};
     megatron_core::cuda::require_nvrtc().expect("libnvrtc");
     let dir = std::env::temp_dir().join(format!("megatron-kernel-cache-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -52,7 +52,9 @@ fn compiled_ptx_is_kept_on_disk_and_read_back() {
         .copied()
         .find(|p| p.0 == "reduce")
         .expect("the reduce program");
-    let first = compile_cached(name, source, "sm_90", Some(&dir)).unwrap_or_else(|e| panic!("{e}"));
+    let compile =
+        |arch| compile_cached(name, source, arch, Some(&dir)).unwrap_or_else(|e| panic!("{e}"));
+    let first = compile("sm_90").to_src();
     let files: Vec<_> = std::fs::read_dir(&dir)
         .expect("the cache directory is created")
         .map(|e| e.expect("entry").path())
@@ -63,19 +65,28 @@ fn compiled_ptx_is_kept_on_disk_and_read_back() {
         "one whole file, no temporary left: {files:?}"
     );
     let file = &files[0];
-    assert_eq!(std::fs::read_to_string(file).expect("read"), first.to_src());
-    // A later compilation reads the file: mark it and see the mark come back.
-    let marked = format!("// kept\n{}", first.to_src());
-    std::fs::write(file, &marked).expect("write");
-    let again = compile_cached(name, source, "sm_90", Some(&dir)).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(again.to_src(), marked);
-    // Another architecture or source is another file; a damaged file is compiled again.
-    compile_cached(name, source, "sm_80", Some(&dir)).unwrap_or_else(|e| panic!("{e}"));
+    let stored = std::fs::read_to_string(file).expect("read");
+    assert_eq!(unsealed(&stored), Some(first.as_str()));
+    // A later compilation reads the file: seal a marked copy and see the mark come back.
+    let marked = format!("// kept\n{first}");
+    std::fs::write(file, sealed(&marked)).expect("write");
+    assert_eq!(compile("sm_90").to_src(), marked);
+    // Another architecture is another file.
+    compile("sm_80");
     assert_eq!(std::fs::read_dir(&dir).expect("dir").count(), 2);
-    std::fs::write(file, &marked[..marked.len() / 2]).expect("write");
-    let mended =
-        compile_cached(name, source, "sm_90", Some(&dir)).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(mended.to_src(), first.to_src());
-    assert_eq!(std::fs::read_to_string(file).expect("read"), first.to_src());
+    // A file cut short, or changed under its seal, is compiled again and replaced.
+    let resealed = sealed(&marked);
+    for damaged in [
+        resealed[..resealed.len() / 2].to_string(),
+        resealed.replacen("kept", "kapt", 1),
+    ] {
+        assert_eq!(unsealed(&damaged), None);
+        std::fs::write(file, &damaged).expect("write");
+        assert_eq!(compile("sm_90").to_src(), first);
+        assert_eq!(
+            unsealed(&std::fs::read_to_string(file).expect("read")),
+            Some(first.as_str())
+        );
+    }
     std::fs::remove_dir_all(&dir).expect("clean up");
 }

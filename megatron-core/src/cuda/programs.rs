@@ -114,14 +114,41 @@ fn cache_file(dir: &Path, name: &'static str, source: &str, arch: &'static str) 
     dir.join(format!("{name}-{arch}-{digest}.ptx"))
 }
 
-/// Whether `text` is whole PTX for `arch` (a file cut short or from elsewhere is not).
-fn is_ptx_for(text: &str, arch: &str) -> bool {
-    text.contains(".version") && text.contains(&format!(".target {arch}")) && text.ends_with('\n')
+/// The last line of a cache file: a PTX comment with the SHA-256 of everything before it.
+const SEAL: &str = "// megatron-rs sha256 ";
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The PTX of a cache file's contents: `Some` only when its seal matches (a file cut short,
+/// damaged or from elsewhere is refused).
+pub fn unsealed(file: &str) -> Option<&str> {
+    let body = file.strip_suffix('\n')?;
+    let at = body.rfind('\n')? + 1;
+    let (ptx, seal) = body.split_at(at);
+    (seal.strip_prefix(SEAL)? == sha256_hex(ptx.as_bytes())).then_some(ptx)
+}
+
+/// `ptx` followed by its seal (see [`unsealed`]).
+pub fn sealed(ptx: &str) -> String {
+    let ptx = if ptx.ends_with('\n') {
+        ptx.to_string()
+    } else {
+        format!("{ptx}\n")
+    };
+    let seal = sha256_hex(ptx.as_bytes());
+    format!("{ptx}{SEAL}{seal}\n")
 }
 
 /// [`compile`], through the cache in `dir` (none: always NVRTC): a cached PTX file for the same
-/// NVRTC, options and source is read instead of compiling; a fresh compilation is written there
-/// whole or not at all (a temporary file renamed into place). The cache is only a shortcut:
+/// NVRTC, options and source, with an intact seal, is read instead of compiling; a fresh
+/// compilation is written there sealed, whole or not at all (a temporary file renamed into
+/// place). The cache is only a shortcut:
 /// failing to read or write it falls back to NVRTC.
 pub fn compile_cached(
     name: &'static str,
@@ -134,16 +161,16 @@ pub fn compile_cached(
         return compile(name, source, arch);
     };
     let path = cache_file(dir, name, source, arch);
-    if let Ok(text) = std::fs::read_to_string(&path)
-        && is_ptx_for(&text, arch)
+    if let Ok(file) = std::fs::read_to_string(&path)
+        && let Some(ptx) = unsealed(&file)
     {
-        return Ok(Ptx::from_src(text));
+        return Ok(Ptx::from_src(ptx));
     }
     let ptx = compile(name, source, arch)?;
     let text = ptx.to_src();
     let temp = path.with_extension(format!("ptx.{}.tmp", std::process::id()));
     let stored = std::fs::create_dir_all(dir)
-        .and_then(|()| std::fs::write(&temp, text.as_bytes()))
+        .and_then(|()| std::fs::write(&temp, sealed(&text).as_bytes()))
         .and_then(|()| std::fs::rename(&temp, &path));
     if stored.is_err() {
         let _ = std::fs::remove_file(&temp);
