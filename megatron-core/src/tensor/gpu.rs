@@ -313,7 +313,7 @@ impl Tensor {
                 ),
             });
         }
-        let dense = merged.iter().all(|&(_, stride)| stride == 1);
+        let dense = matches!(merged[..], [(_, 1)]);
         if !dense && u32::try_from(n).is_err() {
             return Err(crate::tensor::TensorError::Gpu {
                 op: OP,
@@ -425,5 +425,9 @@ mod tests {
         assert_eq!(merged_view(&[2, 3, 5], &[30, 10, 1]), vec![(6, 10), (5, 1)]);
         // Every other element.
         assert_eq!(merged_view(&[3, 4], &[8, 2]), vec![(12, 2)]);
+        // Overlapping unit strides stay two dimensions (not a contiguous run of 12).
+        assert_eq!(merged_view(&[3, 4], &[1, 1]), vec![(3, 1), (4, 1)]);
+        // Broadcast dimensions merge with each other only.
+        assert_eq!(merged_view(&[2, 3, 4], &[0, 0, 1]), vec![(6, 0), (4, 1)]);
     }
 }
