@@ -117,13 +117,7 @@ const SHAPES: [(usize, usize, usize, Heads); 6] = [
 ];
 
 fn head_mask(batches: usize, sq: usize, sk: usize, (heads, all, first): Heads) -> LogicalIndex {
-    let per_head = sq * sk;
-    LogicalIndex {
-        outer: batches / heads,
-        inner: heads * per_head,
-        logical_stride: (all * per_head) as u64,
-        logical_start: (first * per_head) as u64,
-    }
+    LogicalIndex::heads(batches / heads, sq * sk, heads, all, first)
 }
 
 /// The fused forward on the CPU-built kernel: (probabilities, dropped).

@@ -67,6 +67,18 @@ fn grad(p: &Param) -> Vec<f32> {
     host(p.grad())
 }
 
+/// Deterministic attention inputs of `(seq, batch, heads, head_dim)`: the fused projection
+/// `[s, b, heads·3·d]` and an output gradient `[s, b, heads·d]`.
+fn attention_inputs(s: usize, b: usize, heads: usize, d: usize) -> (Tensor, Tensor) {
+    let width = heads * 3 * d;
+    let qkv = tensor(
+        det(s * b * width, s + d).iter().map(|x| 2.0 * x).collect(),
+        &[s, b, width],
+    );
+    let dy = tensor(det(s * b * heads * d, 3 * s + b), &[s, b, heads * d]);
+    (qkv, dy)
+}
+
 /// Attention forward and backward: (output, input gradient).
 fn attention(op: &CausalSelfAttention, cx: &Cx, qkv: &Tensor, dy: &Tensor) -> R<(Tensor, Tensor)> {
     let site = Site::ROOT.child("attn");
@@ -83,12 +95,7 @@ fn attention_on_the_gpu_matches_the_host() -> R {
     let cx = Cx::new(&ps, 1234);
     // (seq, batch, heads, head_dim): odd sizes, one head, one batch entry, one position.
     for (s, b, heads, d) in [(7, 3, 4, 8), (5, 1, 1, 3), (1, 2, 2, 4), (33, 2, 3, 16)] {
-        let width = heads * 3 * d;
-        let qkv = tensor(
-            det(s * b * width, s + d).iter().map(|x| 2.0 * x).collect(),
-            &[s, b, width],
-        );
-        let dy = tensor(det(s * b * heads * d, 3 * s + b), &[s, b, heads * d]);
+        let (qkv, dy) = attention_inputs(s, b, heads, d);
         for (p, training) in [(0.0, true), (0.3, true), (0.3, false)] {
             let op = CausalSelfAttention::new(heads, p);
             let cx = if training { cx.at(2, 1) } else { cx.eval() };
@@ -136,12 +143,7 @@ fn flash_attention_on_the_gpu_matches_the_host() -> R {
         (33, 2, 2, 32),
         (7, 3, 4, 8),
     ] {
-        let width = heads * 3 * d;
-        let qkv = tensor(
-            det(s * b * width, s + d).iter().map(|x| 2.0 * x).collect(),
-            &[s, b, width],
-        );
-        let dy = tensor(det(s * b * heads * d, 3 * s + b), &[s, b, heads * d]);
+        let (qkv, dy) = attention_inputs(s, b, heads, d);
         for (p, training) in [(0.0, true), (0.3, true), (0.3, false)] {
             let op = CausalSelfAttention::new(heads, p);
             let cx = if training { cx.at(2, 1) } else { cx.eval() };

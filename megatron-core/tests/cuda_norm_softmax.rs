@@ -460,13 +460,7 @@ fn head_mask(
     sk: usize,
     (heads, all_heads, first): Heads,
 ) -> LogicalIndex {
-    let per_head = sq * sk;
-    LogicalIndex {
-        outer: batches / heads,
-        inner: heads * per_head,
-        logical_stride: (all_heads * per_head) as u64,
-        logical_start: (first * per_head) as u64,
-    }
+    LogicalIndex::heads(batches / heads, sq * sk, heads, all_heads, first)
 }
 
 /// A device buffer of `n` bf16 NaNs after `offset` leading ones.

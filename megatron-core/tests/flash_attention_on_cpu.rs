@@ -71,13 +71,13 @@ impl Case {
 
     /// Where this rank's `[b, heads, s, s]` attention weights sit among all heads'.
     fn index(&self) -> LogicalIndex {
-        let per_head = self.seq * self.seq;
-        LogicalIndex {
-            outer: self.batch,
-            inner: self.heads * per_head,
-            logical_stride: (self.all_heads * per_head) as u64,
-            logical_start: (self.first_head * per_head) as u64,
-        }
+        LogicalIndex::heads(
+            self.batch,
+            self.seq * self.seq,
+            self.heads,
+            self.all_heads,
+            self.first_head,
+        )
     }
 
     fn scale(&self) -> f32 {

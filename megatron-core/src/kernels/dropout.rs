@@ -68,6 +68,23 @@ impl LogicalIndex {
         }
     }
 
+    /// Heads `first_head .. first_head + local_heads` of a `[batch, all_heads, per_head]` tensor
+    /// (e.g. a tensor-parallel rank's attention weights, `per_head` = sq·sk).
+    pub fn heads(
+        batch: usize,
+        per_head: usize,
+        local_heads: usize,
+        all_heads: usize,
+        first_head: usize,
+    ) -> Self {
+        Self::columns(
+            batch,
+            local_heads * per_head,
+            all_heads * per_head,
+            first_head * per_head,
+        )
+    }
+
     /// Logical index of local element `(o, k)` (wrapping; kernels check the range first).
     #[inline]
     pub fn logical(&self, o: usize, k: usize) -> u64 {
@@ -411,12 +428,7 @@ mod tests {
         let full = mask(p, &s, LogicalIndex::contiguous(b * heads * per_head));
         for rank in 0..2 {
             let local_heads = heads / 2;
-            let index = LogicalIndex {
-                outer: b,
-                inner: local_heads * per_head,
-                logical_stride: (heads * per_head) as u64,
-                logical_start: (rank * local_heads * per_head) as u64,
-            };
+            let index = LogicalIndex::heads(b, per_head, local_heads, heads, rank * local_heads);
             let shard = mask(p, &s, index);
             for bi in 0..b {
                 let inner = local_heads * per_head;

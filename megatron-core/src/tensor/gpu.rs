@@ -327,15 +327,15 @@ impl Tensor {
         let offset = src.layout().offset as i64;
         let kernel = if dense { "copy_dense" } else { "copy_strided" };
         // Under the profiler, copies are told apart by their types and view.
-        let label = if crate::cuda::profile::enabled() {
+        let label: std::borrow::Cow<'static, str> = if crate::cuda::profile::enabled() {
             let view = if dense {
                 "contiguous".to_string()
             } else {
                 format!("{merged:?}")
             };
-            format!("{kernel} {}→{} {view}", src.dtype(), self.dtype())
+            format!("{kernel} {}→{} {view}", src.dtype(), self.dtype()).into()
         } else {
-            kernel.to_string()
+            kernel.into()
         };
         let f = gpu
             .kernels()

@@ -72,6 +72,12 @@ impl Shape {
     fn scale(&self) -> f32 {
         1.0 / (self.head_dim as f32).sqrt()
     }
+
+    /// The sequence-first layout `[s, b, heads·parts·d]` with `parts` blocks of `d` per head
+    /// (1: the context, 3: the fused q/k/v projection).
+    fn dims(&self, parts: usize) -> [usize; 3] {
+        [self.seq, self.batch, self.heads * parts * self.head_dim]
+    }
 }
 
 /// Every `d`-element block of the two layouts attention moves between: yields, for each
@@ -119,7 +125,7 @@ fn to_heads(x: &Tensor, sh: Shape, parts: usize) -> Result<Vec<Tensor>> {
 /// The inverse of [`to_heads`]: `parts` tensors `[b·heads, s, d]` → `[s, b, heads·parts·d]`.
 fn from_heads(xs: &[&Tensor], sh: Shape) -> Result<Tensor> {
     let d = sh.head_dim;
-    let out = Tensor::empty([sh.seq, sh.batch, sh.heads * xs.len() * d], DType::F32);
+    let out = Tensor::empty(sh.dims(xs.len()), DType::F32);
     {
         let srcs: Vec<_> = xs
             .iter()
@@ -164,13 +170,13 @@ impl CausalSelfAttention {
 
     /// Where this rank's attention weights `[b, local heads, s, s]` lie among all heads'.
     fn logical_index(&self, cx: &Cx, sh: Shape) -> LogicalIndex {
-        let per_head = sh.seq * sh.seq;
-        LogicalIndex {
-            outer: sh.batch,
-            inner: sh.heads * per_head,
-            logical_stride: (self.heads * per_head) as u64,
-            logical_start: (cx.tp_rank() * sh.heads * per_head) as u64,
-        }
+        LogicalIndex::heads(
+            sh.batch,
+            sh.seq * sh.seq,
+            sh.heads,
+            self.heads,
+            cx.tp_rank() * sh.heads,
+        )
     }
 }
 
@@ -274,7 +280,7 @@ impl Op for CausalSelfAttention {
     ) -> Result<Tensor> {
         let sh = saved.shape;
         let d_out = d_out.to_f32_contiguous()?;
-        if d_out.numel() != sh.seq * sh.batch * sh.heads * sh.head_dim {
+        if d_out.numel() != sh.dims(1).iter().product::<usize>() {
             return invalid!(
                 "attention: output gradient {} does not fit the forward's output",
                 d_out.shape()
@@ -439,8 +445,7 @@ mod device {
                 })
             })?;
             drop(scores);
-            let out =
-                Tensor::empty_on([sh.seq, sh.batch, sh.heads * sh.head_dim], DType::F32, gpu)?;
+            let out = Tensor::empty_on(sh.dims(1), DType::F32, gpu)?;
             matmul_into(
                 1.0,
                 dropped.as_ref().unwrap_or(&probs),
@@ -471,8 +476,7 @@ mod device {
             let qkv = qkv.to_contiguous(DType::BF16)?;
             let mask = self.mask(cx, site, sh);
             let fsh = flash_shape(sh);
-            let out =
-                Tensor::empty_on([sh.seq, sh.batch, sh.heads * sh.head_dim], DType::F32, gpu)?;
+            let out = Tensor::empty_on(sh.dims(1), DType::F32, gpu)?;
             let lse = Tensor::empty_on([fsh.rows()], DType::F32, gpu)?;
             flash_attention_forward(
                 gpu,
@@ -502,11 +506,7 @@ mod device {
         gpu: &Gpu,
     ) -> Result<Tensor> {
         let sh = saved.shape;
-        let dqkv = Tensor::empty_on(
-            [sh.seq, sh.batch, sh.heads * 3 * sh.head_dim],
-            DType::F32,
-            gpu,
-        )?;
+        let dqkv = Tensor::empty_on(sh.dims(3), DType::F32, gpu)?;
         flash_attention_backward(
             gpu,
             &qkv.device_read::<half::bf16>()?.view(),
@@ -565,11 +565,7 @@ mod device {
             })
         })?;
         drop(d_dropped);
-        let dqkv = Tensor::empty_on(
-            [sh.seq, sh.batch, sh.heads * 3 * sh.head_dim],
-            DType::F32,
-            gpu,
-        )?;
+        let dqkv = Tensor::empty_on(sh.dims(3), DType::F32, gpu)?;
         let dropped = dropped.as_ref().unwrap_or(probs);
         matmul_into(
             1.0,

@@ -275,9 +275,8 @@ __device__ __forceinline__ float keep_factor(const Mask& m, u32 word) {
 
 // The dropout factor (scale or 0) of element j of the row starting at `start` (row_start).
 // The paths for rows that are not aligned call it, one Philox block per element; kept out of
-// line so that those paths, rarely taken, do not multiply the kernels' code (the forward's
-// machine code for one head size was 140 KB with them inlined, far beyond the instruction
-// cache).
+// line so that those paths, rarely taken, do not multiply the kernels' code (inlined, they
+// doubled the forward's machine code, to about 140 KB per head size; see BENCHMARKS.md).
 __device__ __noinline__ float row_factor(const Mask& m, const RowMask& rm, u64 start, u64 j) {
     if (m.threshold == 0) return m.scale;
     if (!rm.whole) return mask_factor(m, start + j);

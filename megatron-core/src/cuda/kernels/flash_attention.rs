@@ -14,6 +14,7 @@ use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaView, CudaViewMut, LaunchArgs, LaunchConfig, PushKernelArg};
 use half::bf16;
 
+use super::dropout::MaskArgs;
 use super::softmax::{Dropout, mask};
 use super::{check_len, launch, launch_args};
 use crate::cuda::error::CudaError;
@@ -162,6 +163,21 @@ fn check(
     check_len(kernel, buffer, actual, expected, || sh.dims())
 }
 
+/// The grid and mask arguments of a pass over `sh`, after checking the lengths of the buffers
+/// both passes read: the fused projection, the output and the log-sum-exp.
+fn checked(
+    kernel: &'static str,
+    sh: &FlashShape,
+    [qkv, out, lse]: [usize; 3],
+    dropout: Option<Dropout<'_>>,
+) -> Result<((u32, u32, u32), MaskArgs)> {
+    let grid = sh.grid(kernel)?;
+    check(kernel, "qkv", qkv, sh.qkv_len(), sh)?;
+    check(kernel, "out", out, sh.out_len(), sh)?;
+    check(kernel, "lse", lse, sh.rows(), sh)?;
+    Ok((grid, mask(kernel, dropout, sh.rows() * sh.seq)?))
+}
+
 /// `out = dropout(softmax(scale·q·kᵀ, causal)) · v` per head, and the log-sum-exp of each row's
 /// scaled scores (`[batch, heads, seq]`, for the backward). `dropout` is the CPU's mask over the
 /// `[batch, heads, seq, seq]` attention weights.
@@ -175,11 +191,7 @@ pub fn flash_attention_forward(
     lse: &mut CudaViewMut<f32>,
 ) -> Result<()> {
     const K: &str = "flash_forward";
-    let grid = sh.grid(K)?;
-    check(K, "qkv", qkv.len(), sh.qkv_len(), &sh)?;
-    check(K, "out", out.len(), sh.out_len(), &sh)?;
-    check(K, "lse", lse.len(), sh.rows(), &sh)?;
-    let mask = mask(K, dropout, sh.rows() * sh.seq)?;
+    let (grid, mask) = checked(K, &sh, [qkv.len(), out.len(), lse.len()], dropout)?;
     let ([ss, bs, hs], [os, ob, oh]) = sh.strides();
     let (s, heads, d) = (sh.seq as u64, sh.heads as u64, sh.head_dim as i32);
     let mut args = launch_args(gpu, K)?;
@@ -205,13 +217,9 @@ pub fn flash_attention_backward(
     d_qkv: &mut CudaViewMut<f32>,
 ) -> Result<()> {
     const K: &str = "flash_backward";
-    let grid = sh.grid(K)?;
-    check(K, "qkv", qkv.len(), sh.qkv_len(), &sh)?;
-    check(K, "out", out.len(), sh.out_len(), &sh)?;
-    check(K, "lse", lse.len(), sh.rows(), &sh)?;
+    let (grid, mask) = checked(K, &sh, [qkv.len(), out.len(), lse.len()], dropout)?;
     check(K, "d_out", d_out.len(), sh.out_len(), &sh)?;
     check(K, "d_qkv", d_qkv.len(), sh.qkv_len(), &sh)?;
-    let mask = mask(K, dropout, sh.rows() * sh.seq)?;
     let ([ss, bs, hs], [os, ob, oh]) = sh.strides();
     let (s, heads, batch, d) = (
         sh.seq as u64,
