@@ -16,6 +16,7 @@ use megatron_core::comm::threads::launch;
 use megatron_core::comm::{ReduceOp, World};
 use megatron_core::cuda::blas::{Blas, MatmulShape};
 use megatron_core::cuda::graph::Graph;
+use megatron_core::cuda::kernels::operand::{In, Out};
 use megatron_core::cuda::kernels::{dropout as gdrop, elementwise as gew};
 use megatron_core::cuda::{CudaError, CudaSlice};
 use megatron_core::kernels::dropout::{self as cdrop, LogicalIndex};
@@ -71,8 +72,13 @@ fn gelu_add_bias_casts_and_norms_match_the_cpu() -> R {
         let dyd = g.upload(&dy)?;
         let mut yd = g.zeros::<f32>(n)?;
         let mut dxd = g.zeros::<f32>(n)?;
-        gew::gelu_forward(&g, &xd.as_view(), &mut yd.as_view_mut())?;
-        gew::gelu_backward(&g, &xd.as_view(), &dyd.as_view(), &mut dxd.as_view_mut())?;
+        gew::gelu_forward(&g, In::F32(&xd.as_view()), Out::F32(&mut yd.as_view_mut()))?;
+        gew::gelu_backward(
+            &g,
+            In::F32(&xd.as_view()),
+            In::F32(&dyd.as_view()),
+            Out::F32(&mut dxd.as_view_mut()),
+        )?;
         assert_close(&g.download(&yd)?, &y_cpu, 1e-5, "gelu forward");
         assert_close(&g.download(&dxd)?, &dx_cpu, 1e-5, "gelu backward");
 
@@ -268,7 +274,7 @@ fn a_captured_graph_replays_the_eager_result_bit_for_bit() -> R {
             &b.as_view(),
             &mut c.as_view_mut(),
         )?;
-        gew::gelu_forward(&g, &c.as_view(), &mut y.as_view_mut())?;
+        gew::gelu_forward(&g, In::F32(&c.as_view()), Out::F32(&mut y.as_view_mut()))?;
         gdrop::dropout_forward(
             &g,
             &c.as_view(),

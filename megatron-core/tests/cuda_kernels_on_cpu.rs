@@ -13,6 +13,7 @@ mod emulated;
 use half::bf16;
 use megatron_core::kernels::cross_entropy as cpu_ce;
 use megatron_core::kernels::dropout::{self as cpu_dropout, LogicalIndex};
+use megatron_core::kernels::elementwise as cpu_ew;
 use megatron_core::kernels::embedding as cpu_emb;
 use megatron_core::kernels::layer_norm as cpu_ln;
 use megatron_core::kernels::softmax as cpu_sm;
@@ -436,6 +437,104 @@ fn padded(v: &[f32], offset: usize) -> Vec<f32> {
     out
 }
 
+/// One bf16 step relative to a value: two f32 results that agree to rounding may round to
+/// neighbouring bf16 values.
+const BF16_STEP: f32 = 1.0 / 128.0;
+
+/// The CPU's result of an element-wise kernel as a kernel writing `bf16` would give it.
+fn as_written(v: Vec<f32>, bf16: bool) -> Vec<f32> {
+    if bf16 { round(&v) } else { v }
+}
+
+/// The values a kernel reading `bf16` sees.
+fn as_read(v: &[f32], bf16: bool) -> Vec<f32> {
+    as_written(v.to_vec(), bf16)
+}
+
+#[test]
+fn gelu_reads_and_writes_f32_or_bf16_as_the_cpu() {
+    // Not a multiple of 4 (the tail), offsets 0 and 1 (the 4-wide path and the scalar one).
+    let n = 1003;
+    let x = values(n, 41, -6.0, 6.0);
+    let dy = values(n, 42, -2.0, 2.0);
+    for offset in [0, 1] {
+        for (x16, y16) in [(false, false), (true, false), (false, true), (true, true)] {
+            let what = format!("gelu offset {offset}, bf16 in {x16} out {y16}");
+            let mut want = vec![0.0; n];
+            cpu_ew::gelu_forward(&as_read(&x, x16), &mut want).unwrap();
+            let (mut xb, mut yb) = (Buf::new(&x, offset, x16), Buf::nans(n, offset, y16));
+            let mut args = Vec::from(xb.arg(offset));
+            args.extend(yb.arg(offset));
+            args.push(Arg::U64(n as u64));
+            launch("gelu_forward", 2, 64, args);
+            let tol = if y16 { BF16_STEP } else { 1e-5 };
+            assert_close(&what, &yb.values(offset), &as_written(want, y16), tol, 1e-6);
+        }
+        for (x16, dy16, dx16) in [
+            (false, false, false),
+            (true, false, true),
+            (true, true, true),
+            (false, true, false),
+        ] {
+            let what = format!("gelu backward offset {offset}, bf16 x {x16} dy {dy16} dx {dx16}");
+            let mut want = vec![0.0; n];
+            cpu_ew::gelu_backward(&as_read(&x, x16), &as_read(&dy, dy16), &mut want).unwrap();
+            let (mut xb, mut dyb, mut dxb) = (
+                Buf::new(&x, offset, x16),
+                Buf::new(&dy, offset, dy16),
+                Buf::nans(n, offset, dx16),
+            );
+            let mut args = Vec::from(xb.arg(offset));
+            args.extend(dyb.arg(offset));
+            args.extend(dxb.arg(offset));
+            args.push(Arg::U64(n as u64));
+            launch("gelu_backward", 2, 64, args);
+            let tol = if dx16 { BF16_STEP } else { 1e-5 };
+            assert_close(
+                &what,
+                &dxb.values(offset),
+                &as_written(want, dx16),
+                tol,
+                1e-6,
+            );
+        }
+    }
+}
+
+#[test]
+fn bias_adds_in_place_and_into_bf16_as_the_cpu() {
+    // Widths a multiple of 4 and not; grids smaller than the matrix in both directions (the
+    // kernels stride over rows and columns) and larger.
+    for (rows, cols) in [(7, 200), (5, 13), (4, 12), (1, 3)] {
+        let n = rows * cols;
+        let x = values(n, 51, -3.0, 3.0);
+        let bias = values(cols, 52, -1.0, 1.0);
+        let mut want = x.clone();
+        cpu_ew::bias_add_forward(&mut want, &bias, rows, cols).unwrap();
+        for (grid, offset) in [([1, 3, 1], 0), ([2, 9, 1], 1), ([1, 1, 1], 1)] {
+            let what = format!("{rows}×{cols} grid {grid:?} offset {offset}");
+            let (mut xd, mut bd) = (padded(&x, offset), padded(&bias, offset));
+            let dims = [Arg::U64(rows as u64), Arg::U64(cols as u64)];
+            let mut args = vec![ptr(&mut xd, offset), ptr(&mut bd, offset)];
+            args.extend(dims);
+            launch_3d("bias_add_forward", grid, [32, 1, 1], args);
+            assert_close(&what, &xd[offset..], &want, 0.0, 0.0);
+            for to_bf16 in [false, true] {
+                let mut xd = padded(&x, offset);
+                let mut y = Buf::nans(n, offset, to_bf16);
+                let mut args = vec![ptr(&mut xd, offset), ptr(&mut bd, offset)];
+                args.extend(y.arg(offset));
+                args.extend([Arg::U64(rows as u64), Arg::U64(cols as u64)]);
+                launch_3d("bias_add_cast", grid, [32, 1, 1], args);
+                // The f32 sum rounded once: exactly the host's conversion.
+                let got = y.values(offset);
+                assert_close(&what, &got, &as_written(want.clone(), to_bf16), 0.0, 0.0);
+                assert_eq!(&xd[offset..], &x[..], "{what}: the input changed");
+            }
+        }
+    }
+}
+
 #[test]
 fn layer_norm_forward_and_backward_are_the_cpus() {
     // (rows, hidden): widths not a multiple of 4 or 32, more rows than one gradient chunk.
@@ -494,6 +593,7 @@ fn layer_norm_forward_and_backward_are_the_cpus() {
                     ptr(&mut gd, offset),
                     ptr(&mut bd, offset),
                     ptr(&mut yd, offset),
+                    Arg::I32(F32),
                     ptr(&mut md, offset),
                     ptr(&mut rd, offset),
                     Arg::U64(rows as u64),
@@ -504,6 +604,28 @@ fn layer_norm_forward_and_backward_are_the_cpus() {
             assert_close(&what, &yd[offset..], &y, 1e-5, 1e-5);
             assert_close(&what, &md[offset..], &mean, 1e-5, 1e-6);
             assert_close(&what, &rd[offset..], &rstd, 1e-5, 1e-6);
+            // The output rounded to bf16 for bf16 products (within one bf16 step: the f32
+            // values agree to rounding, which may fall on either side of a bf16 midpoint).
+            let mut y16 = Buf::nans(n, offset, true);
+            let [y16_ptr, y16_flag] = y16.arg(offset);
+            launch(
+                "layer_norm_forward",
+                rows,
+                threads,
+                vec![
+                    ptr(&mut xd, offset),
+                    ptr(&mut gd, offset),
+                    ptr(&mut bd, offset),
+                    y16_ptr,
+                    y16_flag,
+                    ptr(&mut md, offset),
+                    ptr(&mut rd, offset),
+                    Arg::U64(rows as u64),
+                    Arg::U64(hidden as u64),
+                    Arg::F32(eps),
+                ],
+            );
+            assert_close(&what, &y16.values(offset), &round(&y), BF16_STEP, 1e-5);
             // The backward from the CPU's statistics: dx per row, then the parameter gradients
             // through f64 partial sums per chunk of rows, added to what they held.
             let (mut dyd, mut meand, mut rstdd) = (

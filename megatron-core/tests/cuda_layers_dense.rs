@@ -12,7 +12,7 @@ use megatron_core::module::{
     Builder, ColumnParallel, Cx, Layer, Module, Param, RowParallel, Sharding, Site, params_to_gpu,
 };
 use megatron_core::ops;
-use megatron_core::tensor::Tensor;
+use megatron_core::tensor::{DType, Tensor};
 use megatron_core::tensor_parallel::{LayerNorm, LayerNormSpec, Linear, LinearSpec};
 use support::{det, gpu, tensor};
 
@@ -124,40 +124,38 @@ fn whole_linear_matches_the_cpu() -> R {
     Ok(())
 }
 
-#[test]
-#[ignore = "needs a GPU"]
-fn column_then_row_linear_with_gelu_matches_the_cpu() -> R {
-    let g = gpu();
-    let ps = ParallelState::solo();
-    let cx = Cx::new(&ps, 1234);
-    let (s, b, h, f) = (4, 2, 32, 64);
-    #[derive(Clone)]
-    struct Mlp {
-        fc1: Linear,
-        fc2: Linear,
+/// Megatron-LM's MLP: a column-parallel layer, GeLU, a row-parallel layer.
+#[derive(Clone)]
+struct Mlp {
+    fc1: Linear,
+    fc2: Linear,
+}
+
+impl Module for Mlp {
+    type Spec = ();
+    type Saved = ();
+    fn build(_: &(), _: &mut Builder) -> megatron_core::Result<Self> {
+        unreachable!()
     }
-    impl Module for Mlp {
-        type Spec = ();
-        type Saved = ();
-        fn build(_: &(), _: &mut Builder) -> megatron_core::Result<Self> {
-            unreachable!()
-        }
-        fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
-            self.fc1.visit_params(f);
-            self.fc2.visit_params(f);
-        }
-        fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
-            self.fc1.visit_params_mut(f);
-            self.fc2.visit_params_mut(f);
-        }
+    fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+        self.fc1.visit_params(f);
+        self.fc2.visit_params(f);
     }
-    let (host, device) = pair(&g, |bld| {
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        self.fc1.visit_params_mut(f);
+        self.fc2.visit_params_mut(f);
+    }
+}
+
+/// An `h → f → h` MLP on the host and its copy on `g`, with the same non-zero biases.
+fn mlp_pair(g: &Gpu, h: usize, f: usize) -> megatron_core::Result<(Mlp, Mlp)> {
+    let (host, device) = pair(g, |bld| {
         Ok(Mlp {
             fc1: bld.scoped("fc1", |b| Linear::build_column(&LinearSpec::new(h, f), b))?,
             fc2: bld.scoped("fc2", |b| Linear::build_row(&LinearSpec::new(f, h), b))?,
         })
     });
-    for (m, dev) in [(&host, None), (&device, Some(&g))] {
+    for (m, dev) in [(&host, None), (&device, Some(g))] {
         for (p, n, salt) in [(&m.fc1, f, 3), (&m.fc2, h, 4)] {
             let v = tensor(det(n, salt), &[n]);
             let v = match dev {
@@ -167,26 +165,93 @@ fn column_then_row_linear_with_gelu_matches_the_cpu() -> R {
             p.bias().unwrap().value().copy_from(&v)?;
         }
     }
+    Ok((host, device))
+}
+
+/// The MLP forward and backward as the DSL's generated code runs it: every intermediate
+/// (fc1's output, GeLU's, fc2's output, and their gradients back to the input's), in order.
+fn mlp_steps(cx: &Cx, m: &Mlp, x: &Tensor, dy: &Tensor) -> megatron_core::Result<Vec<Tensor>> {
+    let site = Site::ROOT;
+    let (a, fc1_saved) = m.fc1.forward_column(cx, site, x)?;
+    let (gl, gelu_saved) = ops::gelu(cx, site, &a)?;
+    let (y, fc2_saved) = m.fc2.forward_row(cx, site, &gl)?;
+    m.fc2.add_bias(&y)?;
+    let dg = m.fc2.backward_row(cx, site, fc2_saved, dy)?;
+    let da = ops::gelu_backward(cx, site, gelu_saved, &dg)?;
+    let dx = m.fc1.backward_column(cx, site, fc1_saved, &da)?;
+    Ok(vec![a, gl, y, dg, da, dx])
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn column_then_row_linear_with_gelu_matches_the_cpu() -> R {
+    let g = gpu();
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 1234);
+    let (s, b, h, f) = (4, 2, 32, 64);
+    let (host, device) = mlp_pair(&g, h, f)?;
     let x = tensor(det(s * b * h, 1), &[s, b, h]);
     let dy = tensor(det(s * b * h, 2), &[s, b, h]);
-    let run = |m: &Mlp, x: &Tensor, dy: &Tensor| -> megatron_core::Result<(Tensor, Tensor)> {
-        let site = Site::ROOT;
-        let (a, fc1_saved) = m.fc1.forward_column(&cx, site, x)?;
-        let (gl, gelu_saved) = ops::gelu(&cx, site, &a)?;
-        let (y, fc2_saved) = m.fc2.forward_row(&cx, site, &gl)?;
-        m.fc2.add_bias(&y)?;
-        let dg = m.fc2.backward_row(&cx, site, fc2_saved, dy)?;
-        let da = ops::gelu_backward(&cx, site, gelu_saved, &dg)?;
-        let dx = m.fc1.backward_column(&cx, site, fc1_saved, &da)?;
-        Ok((y, dx))
-    };
     for _ in 0..2 {
-        let (y_h, dx_h) = run(&host, &x, &dy)?;
-        let (y_d, dx_d) = run(&device, &x.to_gpu(&g)?, &dy.to_gpu(&g)?)?;
-        close(&device_values(&y_d, "y"), &y_h.to_vec()?, 1e-5, "mlp y");
-        close(&device_values(&dx_d, "dx"), &dx_h.to_vec()?, 1e-5, "mlp dx");
+        let on_host = mlp_steps(&cx, &host, &x, &dy)?;
+        let on_device = mlp_steps(&cx, &device, &x.to_gpu(&g)?, &dy.to_gpu(&g)?)?;
+        let (y_h, dx_h) = (&on_host[2], &on_host[5]);
+        let (y_d, dx_d) = (&on_device[2], &on_device[5]);
+        close(&device_values(y_d, "y"), &y_h.to_vec()?, 1e-5, "mlp y");
+        close(&device_values(dx_d, "dx"), &dx_h.to_vec()?, 1e-5, "mlp dx");
     }
     compare_grads(&host, &device, 1e-5);
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn with_bf16_products_layers_hand_the_next_products_bf16() -> R {
+    // A handle of its own: the products' dtype is per handle.
+    let g = gpu().with_new_stream()?;
+    g.set_bf16_products(true);
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 1234);
+    let (s, b, h, f) = (5, 2, 64, 96);
+    let (ln_host, ln_device) = pair(&g, |bld| {
+        bld.scoped("ln", |b| LayerNorm::build(&LayerNormSpec::new(h), b))
+    });
+    let (host, device) = mlp_pair(&g, h, f)?;
+    let x = tensor(
+        det(s * b * h, 5).iter().map(|v| 2.0 * v + 0.3).collect(),
+        &[s, b, h],
+    );
+    let dy = tensor(det(s * b * h, 6), &[s, b, h]);
+    let (n_h, _) = ln_host.forward(&cx, Site::ROOT, &x)?;
+    let (n_d, _) = ln_device.forward(&cx, Site::ROOT, &x.to_gpu(&g)?)?;
+    assert_eq!(n_d.dtype(), DType::BF16, "layer norm output");
+    close(&n_d.to_vec_f32()?, &n_h.to_vec()?, 1e-2, "ln y");
+    let on_host = mlp_steps(&cx, &host, &n_h, &dy)?;
+    let on_device = mlp_steps(&cx, &device, &n_d, &dy.to_gpu(&g)?)?;
+    // What products read next is bf16; what is summed across ranks or reaches the residual
+    // stream is f32.
+    let names = [
+        "fc1 output",
+        "gelu output",
+        "fc2 output",
+        "fc2 dx",
+        "gelu dx",
+        "fc1 dx",
+    ];
+    let dtypes = [
+        DType::BF16,
+        DType::BF16,
+        DType::F32,
+        DType::BF16,
+        DType::BF16,
+        DType::F32,
+    ];
+    for ((name, want), (d, h)) in names.iter().zip(dtypes).zip(on_device.iter().zip(&on_host)) {
+        assert_eq!(d.dtype(), want, "{name}");
+        assert!(d.gpu().is_some(), "{name} is not on the GPU");
+        close(&d.to_vec_f32()?, &h.to_vec()?, 3e-2, name);
+    }
+    compare_grads(&host, &device, 3e-2);
     Ok(())
 }
 

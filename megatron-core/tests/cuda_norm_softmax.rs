@@ -142,7 +142,7 @@ fn layer_norm_forward_matches_cpu() {
                 rows,
                 hidden,
                 eps,
-                &mut y_d.slice_mut(offset..),
+                Out::F32(&mut y_d.slice_mut(offset..)),
                 &mut m_d.slice_mut(offset..),
                 &mut r_d.slice_mut(offset..),
             )
@@ -827,7 +827,7 @@ fn wrong_lengths_and_arguments_give_the_cpus_errors() {
             2,
             hidden,
             eps,
-            &mut y.as_view_mut(),
+            Out::F32(&mut y.as_view_mut()),
             &mut m.slice_mut(..mean_len),
             &mut r.as_view_mut(),
         )
@@ -846,7 +846,7 @@ fn wrong_lengths_and_arguments_give_the_cpus_errors() {
         2,
         0,
         1e-5,
-        &mut y.slice_mut(0..0),
+        Out::F32(&mut y.slice_mut(0..0)),
         &mut m.as_view_mut(),
         &mut r.as_view_mut(),
     )

@@ -39,25 +39,31 @@ pub struct GeluSaved {
 }
 
 /// GeLU with GPT-2's tanh approximation.
+///
+/// On a GPU that multiplies in bf16 the output is bf16 (the next product's operand, rounded
+/// once), and a bf16 input is read as it is and kept so for the backward.
 pub fn gelu(_cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, GeluSaved)> {
-    let x = x.to_f32_contiguous()?;
     #[cfg(feature = "cuda")]
     if let Some(gpu) = x.gpu() {
+        let x = crate::cuda::kernels::operand::contiguous_input(x)?;
         let y = device::gelu(gpu, &x)?;
         return Ok((y, GeluSaved { x }));
     }
+    let x = x.to_f32_contiguous()?;
     let y = Tensor::empty(x.shape().clone(), DType::F32);
     elementwise::gelu_forward(&x.read::<f32>()?, &mut y.write::<f32>()?)?;
     Ok((y, GeluSaved { x }))
 }
 
-/// Gradient of [`gelu`].
+/// Gradient of [`gelu`] (on a GPU that multiplies in bf16, bf16: the gradient goes to the
+/// products of the layer before).
 pub fn gelu_backward(_cx: &Cx, _site: Site, saved: GeluSaved, dy: &Tensor) -> Result<Tensor> {
-    let dy = dy.to_f32_contiguous()?;
     #[cfg(feature = "cuda")]
     if let Some(gpu) = saved.x.gpu() {
+        let dy = crate::cuda::kernels::operand::contiguous_input(dy)?;
         return device::gelu_backward(gpu, &saved.x, &dy);
     }
+    let dy = dy.to_f32_contiguous()?;
     let dx = Tensor::empty(saved.x.shape().clone(), DType::F32);
     elementwise::gelu_backward(
         &saved.x.read::<f32>()?,
@@ -240,7 +246,9 @@ pub fn cross_entropy_backward(
 mod device {
     use super::{CrossEntropySaved, DType, Result, Tensor, dk};
     use crate::cuda::Gpu;
+    use crate::cuda::kernels::operand::{with_in, with_out};
     use crate::cuda::kernels::{cross_entropy as ce, dropout as gdk, elementwise};
+    use crate::ops::operand_dtype;
     use crate::rng::DropoutStream;
 
     /// `a + b` (same shape, checked by the caller).
@@ -256,26 +264,23 @@ mod device {
         Ok(out)
     }
 
-    /// `gelu(x)` of a contiguous f32 `x`.
+    /// `gelu(x)` of a contiguous f32 or bf16 `x`, in the products' dtype.
     pub(super) fn gelu(gpu: &Gpu, x: &Tensor) -> Result<Tensor> {
-        let y = Tensor::empty_near(x.shape().clone(), DType::F32, x)?;
-        elementwise::gelu_forward(
-            gpu,
-            &x.device_read::<f32>()?.view(),
-            &mut y.device_write::<f32>()?.view_mut(),
-        )?;
+        let y = Tensor::empty_near(x.shape().clone(), operand_dtype(x), x)?;
+        with_in(x, |x| {
+            with_out(&y, |y| Ok(elementwise::gelu_forward(gpu, x, y)?))
+        })?;
         Ok(y)
     }
 
-    /// `dy · gelu'(x)` of contiguous f32 tensors.
+    /// `dy · gelu'(x)` of contiguous f32 or bf16 tensors, in the products' dtype.
     pub(super) fn gelu_backward(gpu: &Gpu, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-        let dx = Tensor::empty_near(x.shape().clone(), DType::F32, x)?;
-        elementwise::gelu_backward(
-            gpu,
-            &x.device_read::<f32>()?.view(),
-            &dy.device_read::<f32>()?.view(),
-            &mut dx.device_write::<f32>()?.view_mut(),
-        )?;
+        let dx = Tensor::empty_near(x.shape().clone(), operand_dtype(x), x)?;
+        with_in(x, |x| {
+            with_in(dy, |dy| {
+                with_out(&dx, |dx| Ok(elementwise::gelu_backward(gpu, x, dy, dx)?))
+            })
+        })?;
         Ok(dx)
     }
 

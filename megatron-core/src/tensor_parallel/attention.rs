@@ -279,7 +279,6 @@ impl Op for CausalSelfAttention {
         d_out: &Tensor,
     ) -> Result<Tensor> {
         let sh = saved.shape;
-        let d_out = d_out.to_f32_contiguous()?;
         if d_out.numel() != sh.dims(1).iter().product::<usize>() {
             return invalid!(
                 "attention: output gradient {} does not fit the forward's output",
@@ -288,8 +287,9 @@ impl Op for CausalSelfAttention {
         }
         #[cfg(feature = "cuda")]
         if let Some(gpu) = d_out.gpu() {
-            return device::backward(saved, &d_out, gpu);
+            return device::backward(saved, d_out, gpu);
         }
+        let d_out = d_out.to_f32_contiguous()?;
         let (q, k, v, probs) = match &saved.kept {
             Kept::Weights { q, k, v, probs } => (q, k, v, probs),
             #[cfg(feature = "cuda")]
@@ -334,7 +334,8 @@ mod device {
     use crate::cuda::kernels::flash_attention::{
         FlashShape, flash_attention_backward, flash_attention_forward,
     };
-    use crate::cuda::kernels::softmax::{self as gsm, In, Out};
+    use crate::cuda::kernels::operand::{with_in, with_optional_out, with_out};
+    use crate::cuda::kernels::softmax as gsm;
     use crate::error::Result;
     use crate::kernels::dropout::LogicalIndex;
     use crate::module::{Cx, Site};
@@ -350,35 +351,6 @@ mod device {
             .narrow(3, part * d, d)?
             .transpose(0, 1)?
             .transpose(1, 2)?)
-    }
-
-    /// Runs `f` with `t` (f32 or bf16) as a fused kernel's input.
-    fn with_in<R>(t: &Tensor, f: impl FnOnce(In<'_, '_>) -> Result<R>) -> Result<R> {
-        if t.dtype() == DType::BF16 {
-            f(In::Bf16(&t.device_read::<half::bf16>()?.view()))
-        } else {
-            f(In::F32(&t.device_read::<f32>()?.view()))
-        }
-    }
-
-    /// Runs `f` with `t` (f32 or bf16) as a fused kernel's output.
-    fn with_out<R>(t: &Tensor, f: impl FnOnce(Out<'_, '_>) -> Result<R>) -> Result<R> {
-        if t.dtype() == DType::BF16 {
-            f(Out::Bf16(&mut t.device_write::<half::bf16>()?.view_mut()))
-        } else {
-            f(Out::F32(&mut t.device_write::<f32>()?.view_mut()))
-        }
-    }
-
-    /// Runs `f` with `t`, if any, as a fused kernel's optional output.
-    fn with_optional_out<R>(
-        t: Option<&Tensor>,
-        f: impl FnOnce(Option<Out<'_, '_>>) -> Result<R>,
-    ) -> Result<R> {
-        match t {
-            Some(t) => with_out(t, |out| f(Some(out))),
-            None => f(None),
-        }
     }
 
     /// The flash kernels' view of the sizes.
@@ -445,7 +417,8 @@ mod device {
                 })
             })?;
             drop(scores);
-            let out = Tensor::empty_on(sh.dims(1), DType::F32, gpu)?;
+            // The context is the output projection's operand: written in its dtype.
+            let out = Tensor::empty_on(sh.dims(1), dtype, gpu)?;
             matmul_into(
                 1.0,
                 dropped.as_ref().unwrap_or(&probs),
@@ -521,13 +494,14 @@ mod device {
         Ok(dqkv)
     }
 
-    /// The backward (the output gradient's size checked by the caller), writing dq, dk and dv
-    /// straight into their places in the fused gradient.
+    /// The backward (the output gradient's size checked by the caller, its dtype and layout
+    /// any), writing dq, dk and dv straight into their places in the fused gradient.
     pub(super) fn backward(saved: AttentionSaved, d_out: &Tensor, gpu: &Gpu) -> Result<Tensor> {
         let (q, k, v, probs) = match &saved.kept {
             Kept::Weights { q, k, v, probs } => (q, k, v, probs),
             Kept::Flash { qkv, out, lse } => {
-                return backward_flash(&saved, (qkv, out, lse), d_out, gpu);
+                let d_out = d_out.to_f32_contiguous()?;
+                return backward_flash(&saved, (qkv, out, lse), &d_out, gpu);
             }
         };
         let sh = saved.shape;
@@ -565,7 +539,8 @@ mod device {
             })
         })?;
         drop(d_dropped);
-        let dqkv = Tensor::empty_on(sh.dims(3), DType::F32, gpu)?;
+        // The fused projection's gradient goes to its products: written in their dtype.
+        let dqkv = Tensor::empty_on(sh.dims(3), dtype, gpu)?;
         let dropped = dropped.as_ref().unwrap_or(probs);
         matmul_into(
             1.0,

@@ -153,11 +153,15 @@ mod device {
     use super::LayerNormSaved;
     use crate::cuda::Gpu;
     use crate::cuda::kernels::layer_norm as ln;
+    use crate::cuda::kernels::operand::with_out;
     use crate::error::Result;
     use crate::module::Param;
+    use crate::ops::operand_dtype;
     use crate::tensor::{DType, Tensor};
 
-    /// `y`, `mean` and `rstd` of a contiguous f32 `x` of `rows` rows.
+    /// `y`, `mean` and `rstd` of a contiguous f32 `x` of `rows` rows; `y` in the products'
+    /// dtype (bf16 when the GPU multiplies in bf16: the normalised rows are the next products'
+    /// operand, rounded once here instead of converted by them).
     pub(super) fn forward(
         gpu: &Gpu,
         x: &Tensor,
@@ -167,25 +171,27 @@ mod device {
         eps: f32,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let h = gamma.value().numel();
-        let y = Tensor::empty_near(x.shape().clone(), DType::F32, x)?;
+        let y = Tensor::empty_near(x.shape().clone(), operand_dtype(x), x)?;
         let mean = Tensor::empty_near([rows], DType::F32, x)?;
         let rstd = Tensor::empty_near([rows], DType::F32, x)?;
         let (gamma, beta) = (
             gamma.value().to_f32_contiguous()?,
             beta.value().to_f32_contiguous()?,
         );
-        ln::layer_norm_forward(
-            gpu,
-            &x.device_read::<f32>()?.view(),
-            &gamma.device_read::<f32>()?.view(),
-            &beta.device_read::<f32>()?.view(),
-            rows,
-            h,
-            eps,
-            &mut y.device_write::<f32>()?.view_mut(),
-            &mut mean.device_write::<f32>()?.view_mut(),
-            &mut rstd.device_write::<f32>()?.view_mut(),
-        )?;
+        with_out(&y, |out| {
+            Ok(ln::layer_norm_forward(
+                gpu,
+                &x.device_read::<f32>()?.view(),
+                &gamma.device_read::<f32>()?.view(),
+                &beta.device_read::<f32>()?.view(),
+                rows,
+                h,
+                eps,
+                out,
+                &mut mean.device_write::<f32>()?.view_mut(),
+                &mut rstd.device_write::<f32>()?.view_mut(),
+            )?)
+        })?;
         Ok((y, mean, rstd))
     }
 

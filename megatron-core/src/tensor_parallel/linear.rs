@@ -6,7 +6,7 @@ use crate::kernels::elementwise;
 use crate::module::{
     Builder, ColumnParallel, Cx, Init, Layer, Module, Param, RowParallel, Site, Split,
 };
-use crate::ops::{as_operand, matmul, matmul_into};
+use crate::ops::{as_operand, matmul_into, operand_dtype};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 
@@ -113,8 +113,9 @@ impl Linear {
     }
 
     /// `x·Wᵀ` over the last dimension of `x`, without bias (W as products read it: its
-    /// compute copy when kept).
-    fn product(&self, x: &Tensor) -> Result<Tensor> {
+    /// compute copy when kept), in `dtype`: f32, or on a GPU bf16 (the f32 accumulator rounded
+    /// once).
+    fn product(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
         let w = self.weight.compute_value();
         let (out, inp) = (w.dims()[0], w.dims()[1]);
         let dims = x.dims();
@@ -126,10 +127,29 @@ impl Linear {
             );
         }
         let rows = x.numel() / inp;
-        let y = matmul(&x.reshape([rows, inp])?, &w.t()?)?;
+        let y = Tensor::empty_near([rows, out], dtype, x)?;
+        matmul_into(1.0, &x.reshape([rows, inp])?, &w.t()?, 0.0, &y)?;
         let mut out_dims = dims.to_vec();
         *out_dims.last_mut().expect("checked above") = out;
         Ok(y.reshape(out_dims)?)
+    }
+
+    /// `x·Wᵀ + b` in `dtype`: the bias added to the f32 product, the sum rounded once.
+    fn biased_product(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        if self.bias.is_none() {
+            return self.product(x, dtype);
+        }
+        let y = self.product(x, DType::F32)?;
+        #[cfg(feature = "cuda")]
+        if dtype != DType::F32
+            && let (Some(gpu), Some(bias)) = (y.gpu(), &self.bias)
+        {
+            // One pass: the sum written in `dtype`.
+            let bias = bias.value().to_f32_contiguous()?;
+            return device::bias_add_cast(gpu, &y, &bias, dtype);
+        }
+        self.add_bias_in_place(&y)?;
+        Ok(y.to_contiguous(dtype)?)
     }
 
     fn add_bias_in_place(&self, y: &Tensor) -> Result<()> {
@@ -150,8 +170,15 @@ impl Linear {
         Ok(())
     }
 
-    /// Accumulates dW (and db when `with_bias`) and returns dx = dy·W.
-    fn backward_product(&self, saved: LinearSaved, dy: &Tensor, with_bias: bool) -> Result<Tensor> {
+    /// Accumulates dW (and db when `with_bias`) and returns dx = dy·W in `dx_dtype` (bf16 only
+    /// on a GPU).
+    fn backward_product(
+        &self,
+        saved: LinearSaved,
+        dy: &Tensor,
+        with_bias: bool,
+        dx_dtype: DType,
+    ) -> Result<Tensor> {
         let w = self.weight.compute_value();
         let (out, inp) = (w.dims()[0], w.dims()[1]);
         let rows = saved.x.numel() / inp;
@@ -169,7 +196,8 @@ impl Linear {
         if with_bias && let Some(bias) = &self.bias {
             Linear::accumulate_bias_grad(&dy2, rows, out, bias)?;
         }
-        let dx = matmul(&dy2, w)?;
+        let dx = Tensor::empty_near([rows, inp], dx_dtype, &dy2)?;
+        matmul_into(1.0, &dy2, w, 0.0, &dx)?;
         Ok(dx.reshape(saved.x.shape().clone())?)
     }
 
@@ -199,19 +227,25 @@ impl Linear {
         Ok(())
     }
 
-    /// `x·Wᵀ + b` for a layer built as `mode`.
-    fn forward_biased(&self, mode: Mode, what: &str, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
+    /// `x·Wᵀ + b` for a layer built as `mode`, in `dtype`.
+    fn forward_biased(
+        &self,
+        mode: Mode,
+        what: &str,
+        x: &Tensor,
+        dtype: DType,
+    ) -> Result<(Tensor, LinearSaved)> {
         self.check_mode(mode, what)?;
-        let (y, saved) = self.product_saved(x)?;
-        self.add_bias_in_place(&y)?;
-        Ok((y, saved))
+        let x = as_operand(x)?;
+        let y = self.biased_product(&x, dtype)?;
+        Ok((y, LinearSaved { x }))
     }
 
     /// `x·Wᵀ` and what the backward keeps: `x` in the dtype the products take (bf16 on a GPU
     /// that multiplies in bf16), converted once for the forward and the weight gradient.
     fn product_saved(&self, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
         let x = as_operand(x)?;
-        Ok((self.product(&x)?, LinearSaved { x }))
+        Ok((self.product(&x, DType::F32)?, LinearSaved { x }))
     }
 }
 
@@ -240,11 +274,11 @@ impl Module for Linear {
 
 impl Layer for Linear {
     fn forward(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
-        self.forward_biased(Mode::Whole, "unsharded", x)
+        self.forward_biased(Mode::Whole, "unsharded", x, DType::F32)
     }
 
     fn backward(&self, _cx: &Cx, _site: Site, saved: LinearSaved, dy: &Tensor) -> Result<Tensor> {
-        self.backward_product(saved, dy, true)
+        self.backward_product(saved, dy, true, DType::F32)
     }
 }
 
@@ -253,8 +287,11 @@ impl ColumnParallel for Linear {
         Linear::build_as(spec, b, Mode::Column)
     }
 
+    /// The output is in the products' dtype (bf16 on a GPU that multiplies in bf16): a
+    /// column-parallel output is what the next products read (attention's, or the second
+    /// layer's after the activation), as Megatron-LM's bf16 activations.
     fn forward_column(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
-        self.forward_biased(Mode::Column, "as #[column_parallel]", x)
+        self.forward_biased(Mode::Column, "as #[column_parallel]", x, operand_dtype(x))
     }
 
     fn backward_column(
@@ -264,7 +301,8 @@ impl ColumnParallel for Linear {
         saved: LinearSaved,
         dy: &Tensor,
     ) -> Result<Tensor> {
-        self.backward_product(saved, dy, true)
+        // dx goes to the all-reduce of the f operator and the residual stream: f32.
+        self.backward_product(saved, dy, true, DType::F32)
     }
 }
 
@@ -297,8 +335,10 @@ impl RowParallel for Linear {
         dy: &Tensor,
     ) -> Result<Tensor> {
         // The bias is replicated and dy is the same on every rank: each rank's bias gradient is
-        // already the whole one.
-        self.backward_product(saved, dy, true)
+        // already the whole one. dx is the gradient of a sharded activation, on its way to the
+        // products before it: in their dtype.
+        let dx_dtype = operand_dtype(&saved.x);
+        self.backward_product(saved, dy, true, dx_dtype)
     }
 }
 
@@ -307,9 +347,33 @@ impl RowParallel for Linear {
 mod device {
     use crate::cuda::Gpu;
     use crate::cuda::kernels::elementwise;
+    use crate::cuda::kernels::operand::with_out;
     use crate::error::Result;
     use crate::ops::matmul_into;
     use crate::tensor::{DType, Tensor};
+
+    /// `y + bias` (rows `bias.numel()` long) of a contiguous f32 `y`, as a new `dtype` tensor:
+    /// the f32 sum rounded once.
+    pub(super) fn bias_add_cast(
+        gpu: &Gpu,
+        y: &Tensor,
+        bias: &Tensor,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let cols = bias.numel();
+        let out = Tensor::empty_near(y.shape().clone(), dtype, y)?;
+        with_out(&out, |o| {
+            Ok(elementwise::bias_add_cast(
+                gpu,
+                &y.device_read::<f32>()?.view(),
+                &bias.device_read::<f32>()?.view(),
+                o,
+                y.numel().checked_div(cols).unwrap_or(0),
+                cols,
+            )?)
+        })?;
+        Ok(out)
+    }
 
     /// `y[r, c] += bias[c]` for a contiguous f32 `y` whose rows are `cols` long.
     pub(super) fn bias_add(gpu: &Gpu, y: &Tensor, bias: &Tensor, cols: usize) -> Result<()> {

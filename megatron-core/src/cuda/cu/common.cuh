@@ -173,6 +173,9 @@ __device__ __forceinline__ void store_out4(void* out, bool bf16, u64 k, float4 v
     }
 }
 
+// Whether `p` is 16-byte aligned (for float4 accesses).
+__device__ __forceinline__ bool aligned16(const void* p) { return ((u64)p & 15) == 0; }
+
 // Whether `p` is null or aligned for store_out4 and load_in4.
 __device__ __forceinline__ bool out4_aligned(const void* p, bool bf16) {
     return ((u64)p & (bf16 ? 7 : 15)) == 0;

@@ -4,24 +4,52 @@
 #define GELU_B 0.071354816f          // 2·√(2/π)·0.044715
 #define GELU_3B 0.21406445f          // 3·GELU_B
 
-// y = x·σ(2u), u = √(2/π)(x + 0.044715x³), as the CPU kernel: x / (1 + e^(−2u)).
-extern "C" __global__ void gelu_forward(const float* __restrict__ x, float* __restrict__ y, u64 n) {
-    FOR_EACH(i, n) {
-        const float v = x[i];
-        const float e = exp_f32(-v * (GELU_A + GELU_B * v * v));
-        y[i] = v / (1.0f + e);
+// gelu(v) = v·σ(2u), u = √(2/π)(v + 0.044715v³), as the CPU kernel: v / (1 + e^(−2u)).
+__device__ __forceinline__ float gelu_of(float v) {
+    const float e = exp_f32(-v * (GELU_A + GELU_B * v * v));
+    return v / (1.0f + e);
+}
+
+// dy · gelu'(v), as the CPU kernel.
+__device__ __forceinline__ float gelu_grad_of(float v, float dy) {
+    const float v2 = v * v;
+    const float e = exp_f32(-v * (GELU_A + GELU_B * v2));
+    const float s = 1.0f / (1.0f + e);
+    const float one_minus_s = fminf(e * s, 1.0f);
+    const float dz = GELU_A + GELU_3B * v2;
+    return dy * (s + (v * s) * (one_minus_s * dz));
+}
+
+// y = gelu(x); x and y each f32 or, with their flags, bf16 (y rounded once). Four elements
+// per thread when every buffer is aligned for it.
+extern "C" __global__ void gelu_forward(const void* __restrict__ x, int x_bf16, void* __restrict__ y,
+                                        int y_bf16, u64 n) {
+    const u64 n4 = out4_aligned(x, x_bf16) && out4_aligned(y, y_bf16) ? n / 4 : 0;
+    FOR_EACH(k, n4) {
+        const float4 v = load_in4(x, x_bf16, k);
+        store_out4(y, y_bf16, k, make_float4(gelu_of(v.x), gelu_of(v.y), gelu_of(v.z), gelu_of(v.w)));
+    }
+    FOR_EACH(i, n - 4 * n4) {
+        const u64 j = 4 * n4 + i;
+        store_out(y, y_bf16, j, gelu_of(load_in(x, x_bf16, j)));
     }
 }
 
-extern "C" __global__ void gelu_backward(const float* __restrict__ x, const float* __restrict__ dy,
-                                         float* __restrict__ dx, u64 n) {
-    FOR_EACH(i, n) {
-        const float v = x[i], v2 = v * v;
-        const float e = exp_f32(-v * (GELU_A + GELU_B * v2));
-        const float s = 1.0f / (1.0f + e);
-        const float one_minus_s = fminf(e * s, 1.0f);
-        const float dz = GELU_A + GELU_3B * v2;
-        dx[i] = dy[i] * (s + (v * s) * (one_minus_s * dz));
+// dx = dy · gelu'(x); each buffer f32 or, with its flag, bf16.
+extern "C" __global__ void gelu_backward(const void* __restrict__ x, int x_bf16,
+                                         const void* __restrict__ dy, int dy_bf16,
+                                         void* __restrict__ dx, int dx_bf16, u64 n) {
+    const bool vec = out4_aligned(x, x_bf16) && out4_aligned(dy, dy_bf16) && out4_aligned(dx, dx_bf16);
+    const u64 n4 = vec ? n / 4 : 0;
+    FOR_EACH(k, n4) {
+        const float4 v = load_in4(x, x_bf16, k), g = load_in4(dy, dy_bf16, k);
+        store_out4(dx, dx_bf16, k,
+                   make_float4(gelu_grad_of(v.x, g.x), gelu_grad_of(v.y, g.y),
+                               gelu_grad_of(v.z, g.z), gelu_grad_of(v.w, g.w)));
+    }
+    FOR_EACH(i, n - 4 * n4) {
+        const u64 j = 4 * n4 + i;
+        store_out(dx, dx_bf16, j, gelu_grad_of(load_in(x, x_bf16, j), load_in(dy, dy_bf16, j)));
     }
 }
 
@@ -55,10 +83,39 @@ extern "C" __global__ void fill(float* __restrict__ x, float value, u64 n) {
     FOR_EACH(i, n) { x[i] = value; }
 }
 
-// x[r, c] += bias[c] for a row-major [rows, cols] matrix.
-extern "C" __global__ void bias_add_forward(float* __restrict__ x, const float* __restrict__ bias,
-                                            u64 rows, u64 cols) {
-    FOR_EACH(i, rows * cols) { x[i] += bias[i % cols]; }
+// y[r, c] = x[r, c] + bias[c] for a row-major f32 [rows, cols] x; y f32 or bf16 (the sum
+// rounded once), possibly x itself. Columns along the grid's x (four per thread when cols is a
+// multiple of 4 and the buffers are aligned for it), rows along its y, both grid-strided: no
+// division per element.
+__device__ __forceinline__ void bias_rows(const float* x, const float* __restrict__ bias, void* y,
+                                          bool y_bf16, u64 rows, u64 cols) {
+    const bool vec = cols % 4 == 0 && aligned16(x) && aligned16(bias) && out4_aligned(y, y_bf16);
+    const u64 units = vec ? cols / 4 : cols;
+    for (u64 r = blockIdx.y; r < rows; r += gridDim.y) {
+        for (u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x; c < units;
+             c += (u64)gridDim.x * blockDim.x) {
+            if (vec) {
+                const float4 v = reinterpret_cast<const float4*>(x)[r * units + c];
+                const float4 b = reinterpret_cast<const float4*>(bias)[c];
+                store_out4(y, y_bf16, r * units + c,
+                           make_float4(v.x + b.x, v.y + b.y, v.z + b.z, v.w + b.w));
+            } else {
+                store_out(y, y_bf16, r * cols + c, x[r * cols + c] + bias[c]);
+            }
+        }
+    }
+}
+
+// x[r, c] += bias[c], in place.
+extern "C" __global__ void bias_add_forward(float* x, const float* __restrict__ bias, u64 rows,
+                                            u64 cols) {
+    bias_rows(x, bias, x, false, rows, cols);
+}
+
+// y[r, c] = x[r, c] + bias[c] into another buffer, f32 or (with y_bf16) bf16.
+extern "C" __global__ void bias_add_cast(const float* __restrict__ x, const float* __restrict__ bias,
+                                         void* __restrict__ y, int y_bf16, u64 rows, u64 cols) {
+    bias_rows(x, bias, y, y_bf16 != 0, rows, cols);
 }
 
 // dbias[c] += Σ_r dy[r, c], the rows summed in order in f64 (one thread per column:

@@ -1,6 +1,7 @@
 // Layer normalisation over the last dimension of a row-major [rows, hidden] matrix, as
 // megatron-core's kernels::layer_norm: two-pass f32 mean and biased variance, rstd = 1/sqrt(var +
-// eps) (correctly rounded division and square root), mean and rstd saved per row.
+// eps) (correctly rounded division and square root), mean and rstd saved per row. The forward's
+// output is f32 or, for bf16 products, bf16 (rounded once).
 //
 // Row kernels: one block per row (grid-stride over rows), 16-byte float4 accesses when hidden is a
 // multiple of 4 and every row buffer is 16-byte aligned (checked here, at run time), scalar
@@ -14,20 +15,17 @@
 #define LN_COLS 32
 #define LN_ROW_LANES 8
 
-__device__ __forceinline__ bool aligned16(const void* p) { return ((u64)p & 15) == 0; }
-
 extern "C" __global__ __launch_bounds__(LN_MAX_THREADS) void layer_norm_forward(
     const float* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ beta,
-    float* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd, u64 rows, u64 hidden,
-    float eps) {
+    void* __restrict__ y, int y_bf16, float* __restrict__ mean, float* __restrict__ rstd, u64 rows,
+    u64 hidden, float eps) {
     __shared__ float scratch[32];
     const float inv_h = 1.0f / (float)hidden;
     const bool vec = hidden % 4 == 0 && aligned16(x) && aligned16(gamma) && aligned16(beta) &&
-                     aligned16(y);
+                     out4_aligned(y, y_bf16);
     const u64 h4 = hidden / 4;
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + r * hidden;
-        float* yr = y + r * hidden;
         // Pass 1: the mean.
         float s = 0.0f;
         if (vec) {
@@ -62,15 +60,15 @@ extern "C" __global__ __launch_bounds__(LN_MAX_THREADS) void layer_norm_forward(
             const float4* x4 = reinterpret_cast<const float4*>(xr);
             const float4* g4 = reinterpret_cast<const float4*>(gamma);
             const float4* b4 = reinterpret_cast<const float4*>(beta);
-            float4* y4 = reinterpret_cast<float4*>(yr);
             for (u64 k = threadIdx.x; k < h4; k += blockDim.x) {
                 const float4 v = x4[k], g = g4[k], b = b4[k];
-                y4[k] = make_float4((v.x - m) * rs * g.x + b.x, (v.y - m) * rs * g.y + b.y,
-                                    (v.z - m) * rs * g.z + b.z, (v.w - m) * rs * g.w + b.w);
+                store_out4(y, y_bf16, r * h4 + k,
+                           make_float4((v.x - m) * rs * g.x + b.x, (v.y - m) * rs * g.y + b.y,
+                                       (v.z - m) * rs * g.z + b.z, (v.w - m) * rs * g.w + b.w));
             }
         } else {
             for (u64 k = threadIdx.x; k < hidden; k += blockDim.x) {
-                yr[k] = (xr[k] - m) * rs * gamma[k] + beta[k];
+                store_out(y, y_bf16, r * hidden + k, (xr[k] - m) * rs * gamma[k] + beta[k]);
             }
         }
         if (threadIdx.x == 0) {

@@ -1,37 +1,41 @@
 //! GeLU, add, scale, bias, casts and Σx² on the device.
 
-use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
+use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use half::bf16;
 
+use super::operand::{In, Out};
 use super::{THREADS, check_len, cover, launch, launch_args, product};
 use crate::cuda::{Gpu, Result};
 
-/// `y = gelu(x)` (GPT-2's tanh form), as [`crate::kernels::elementwise::gelu_forward`].
-pub fn gelu_forward(gpu: &Gpu, x: &CudaView<f32>, y: &mut CudaViewMut<f32>) -> Result<()> {
+/// `y = gelu(x)` (GPT-2's tanh form), as [`crate::kernels::elementwise::gelu_forward`]; `x` and
+/// `y` each f32 or bf16 (`y` rounded once).
+pub fn gelu_forward(gpu: &Gpu, x: In<'_, '_>, y: Out<'_, '_>) -> Result<()> {
     const K: &str = "gelu_forward";
     let n = x.len();
     check_len(K, "y", y.len(), n, || format!("elements {n}"))?;
     let n64 = n as u64;
+    let flags = [x.flag(), y.flag()];
     let mut args = launch_args(gpu, K)?;
-    args.arg(x).arg(y).arg(&n64);
-    launch(K, args, cover(n))
+    x.push(&mut args, &flags[0]);
+    y.push(&mut args, &flags[1]);
+    args.arg(&n64);
+    launch(K, args, cover(n.div_ceil(4)))
 }
 
-/// `dx = dy · gelu'(x)`.
-pub fn gelu_backward(
-    gpu: &Gpu,
-    x: &CudaView<f32>,
-    dy: &CudaView<f32>,
-    dx: &mut CudaViewMut<f32>,
-) -> Result<()> {
+/// `dx = dy · gelu'(x)`, each buffer f32 or bf16.
+pub fn gelu_backward(gpu: &Gpu, x: In<'_, '_>, dy: In<'_, '_>, dx: Out<'_, '_>) -> Result<()> {
     const K: &str = "gelu_backward";
     let n = x.len();
     check_len(K, "dy", dy.len(), n, || format!("elements {n}"))?;
     check_len(K, "dx", dx.len(), n, || format!("elements {n}"))?;
     let n64 = n as u64;
+    let flags = [x.flag(), dy.flag(), dx.flag()];
     let mut args = launch_args(gpu, K)?;
-    args.arg(x).arg(dy).arg(dx).arg(&n64);
-    launch(K, args, cover(n))
+    x.push(&mut args, &flags[0]);
+    dy.push(&mut args, &flags[1]);
+    dx.push(&mut args, &flags[2]);
+    args.arg(&n64);
+    launch(K, args, cover(n.div_ceil(4)))
 }
 
 /// `out = a + b`.
@@ -82,6 +86,27 @@ pub fn fill(gpu: &Gpu, x: &mut CudaViewMut<f32>, value: f32) -> Result<()> {
     launch(K, args, cover(n))
 }
 
+/// The grid of the bias kernels: columns (four per thread) along x, rows along y; both kernels
+/// stride over what the grid does not cover.
+fn bias_grid(rows: usize, cols: usize) -> LaunchConfig {
+    let blocks_x = cols
+        .div_ceil(4)
+        .div_ceil(THREADS as usize)
+        .clamp(1, 1 << 16) as u32;
+    LaunchConfig {
+        grid_dim: (blocks_x, rows.clamp(1, 65_535) as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Checks the bias kernels' lengths: `rows × cols` elements and a bias of `cols`.
+fn check_bias(k: &'static str, len: usize, bias: usize, rows: usize, cols: usize) -> Result<()> {
+    let n = product(k, &[rows, cols])?;
+    check_len(k, "x", len, n, || format!("rows {rows} × cols {cols}"))?;
+    check_len(k, "bias", bias, cols, || format!("cols {cols}"))
+}
+
 /// `x[r, c] += bias[c]` for a row-major `[rows, cols]` matrix.
 pub fn bias_add_forward(
     gpu: &Gpu,
@@ -91,13 +116,35 @@ pub fn bias_add_forward(
     cols: usize,
 ) -> Result<()> {
     const K: &str = "bias_add_forward";
-    let n = product(K, &[rows, cols])?;
-    check_len(K, "x", x.len(), n, || format!("rows {rows} × cols {cols}"))?;
-    check_len(K, "bias", bias.len(), cols, || format!("cols {cols}"))?;
+    check_bias(K, x.len(), bias.len(), rows, cols)?;
     let (rows64, cols64) = (rows as u64, cols as u64);
     let mut args = launch_args(gpu, K)?;
     args.arg(x).arg(bias).arg(&rows64).arg(&cols64);
-    launch(K, args, cover(n))
+    launch(K, args, bias_grid(rows, cols))
+}
+
+/// `y[r, c] = x[r, c] + bias[c]` for a row-major `[rows, cols]` matrix, `y` f32 or bf16 (the
+/// f32 sum rounded once: a biased product handed to the next products in their dtype).
+pub fn bias_add_cast(
+    gpu: &Gpu,
+    x: &CudaView<f32>,
+    bias: &CudaView<f32>,
+    y: Out<'_, '_>,
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
+    const K: &str = "bias_add_cast";
+    check_bias(K, x.len(), bias.len(), rows, cols)?;
+    check_len(K, "y", y.len(), x.len(), || {
+        format!("rows {rows} × cols {cols}")
+    })?;
+    let (rows64, cols64) = (rows as u64, cols as u64);
+    let flag = y.flag();
+    let mut args = launch_args(gpu, K)?;
+    args.arg(x).arg(bias);
+    y.push(&mut args, &flag);
+    args.arg(&rows64).arg(&cols64);
+    launch(K, args, bias_grid(rows, cols))
 }
 
 /// `dbias[c] += Σ_r dy[r, c]` (rows added in order in f64), as the CPU kernel.

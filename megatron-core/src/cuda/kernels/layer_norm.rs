@@ -6,6 +6,7 @@
 
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
+use super::operand::Out;
 use super::{cover, launch, launch_args, per_row};
 use crate::cuda::{CudaError, Gpu, Result};
 use crate::kernels::layer_norm::{check_backward, check_forward};
@@ -27,7 +28,8 @@ pub(crate) fn row_threads(len: usize) -> u32 {
 }
 
 /// `y = (x − mean)·rstd·gamma + beta` per row of `x[rows, hidden]`, saving `mean[rows]` and
-/// `rstd[rows]`, as [`crate::kernels::layer_norm::layer_norm_forward`].
+/// `rstd[rows]`, as [`crate::kernels::layer_norm::layer_norm_forward`]; `y` f32 or bf16 (rounded
+/// once, for bf16 products).
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_forward(
     gpu: &Gpu,
@@ -37,7 +39,7 @@ pub fn layer_norm_forward(
     rows: usize,
     hidden: usize,
     eps: f32,
-    y: &mut CudaViewMut<f32>,
+    y: Out<'_, '_>,
     mean: &mut CudaViewMut<f32>,
     rstd: &mut CudaViewMut<f32>,
 ) -> Result<()> {
@@ -59,12 +61,11 @@ pub fn layer_norm_forward(
         return Ok(());
     }
     let (rows64, hidden64) = (rows as u64, hidden as u64);
+    let flag = y.flag();
     let mut args = launch_args(gpu, K)?;
-    args.arg(x)
-        .arg(gamma)
-        .arg(beta)
-        .arg(y)
-        .arg(mean)
+    args.arg(x).arg(gamma).arg(beta);
+    y.push(&mut args, &flag);
+    args.arg(mean)
         .arg(rstd)
         .arg(&rows64)
         .arg(&hidden64)

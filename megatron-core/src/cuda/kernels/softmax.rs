@@ -8,10 +8,10 @@
 //! CPU's dropout masks. One block per row (grid-stride beyond 2²⁰ rows): max, Σexp, normalise.
 
 use cudarc::driver::{CudaView, CudaViewMut, LaunchArgs, PushKernelArg};
-use half::bf16;
 
 use super::dropout::MaskArgs;
 use super::layer_norm::row_threads;
+pub use super::operand::{In, Out};
 use super::{launch, launch_args, per_row};
 use crate::cuda::{Gpu, Result};
 use crate::kernels::dropout::LogicalIndex;
@@ -27,69 +27,6 @@ const MAX_BLOCKS: usize = 1 << 20;
 /// attention --device cuda`, BENCHMARKS.md).
 fn softmax_threads(sk: usize) -> u32 {
     row_threads(sk).min(128)
-}
-
-/// An input of the fused kernels, f32 or bf16.
-#[derive(Clone, Copy)]
-pub enum In<'a, 'b> {
-    /// f32 values.
-    F32(&'a CudaView<'b, f32>),
-    /// bf16 values (widened to f32 in the kernel).
-    Bf16(&'a CudaView<'b, bf16>),
-}
-
-impl<'a> In<'a, '_> {
-    fn len(&self) -> usize {
-        match self {
-            In::F32(v) => v.len(),
-            In::Bf16(v) => v.len(),
-        }
-    }
-
-    /// The `bf16` flag the kernels take after the buffer.
-    fn flag(&self) -> i32 {
-        i32::from(matches!(self, In::Bf16(_)))
-    }
-
-    /// Pushes the buffer and its `bf16` flag.
-    fn push(self, args: &mut LaunchArgs<'a>, flag: &'a i32) {
-        match self {
-            In::F32(v) => args.arg(v),
-            In::Bf16(v) => args.arg(v),
-        };
-        args.arg(flag);
-    }
-}
-
-/// An output of the fused kernels, in f32 or rounded to bf16 (to nearest even).
-pub enum Out<'a, 'b> {
-    /// Written as f32.
-    F32(&'a mut CudaViewMut<'b, f32>),
-    /// Rounded to bf16, for bf16 products.
-    Bf16(&'a mut CudaViewMut<'b, bf16>),
-}
-
-impl<'a> Out<'a, '_> {
-    fn len(&self) -> usize {
-        match self {
-            Out::F32(v) => v.len(),
-            Out::Bf16(v) => v.len(),
-        }
-    }
-
-    /// The `bf16` flag the kernels take after the buffer.
-    fn flag(&self) -> i32 {
-        i32::from(matches!(self, Out::Bf16(_)))
-    }
-
-    /// Pushes the buffer and its `bf16` flag (an `int` after the pointer).
-    fn push(self, args: &mut LaunchArgs<'a>, flag: &'a i32) {
-        match self {
-            Out::F32(v) => args.arg(v),
-            Out::Bf16(v) => args.arg(v),
-        };
-        args.arg(flag);
-    }
 }
 
 /// The dropout of a fused kernel: drop probability, the stream, and where the
