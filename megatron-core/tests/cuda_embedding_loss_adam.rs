@@ -5,6 +5,7 @@
 
 mod support;
 
+use half::bf16;
 use megatron_core::cuda::CudaError;
 use megatron_core::cuda::kernels::{adam as gadam, cross_entropy as gce, embedding as gemb};
 use megatron_core::kernels::KernelError;
@@ -462,6 +463,7 @@ fn adam_config(decoupled: bool, step: u64) -> AdamConfig {
         weight_decay: 0.1,
         step,
         decoupled,
+        grad_scale: 1.0,
     }
 }
 
@@ -477,24 +479,38 @@ fn adam_matches_the_cpu_bit_for_bit_over_several_steps() {
             let mut d_p = upload_at(&gpu, &p, pad);
             let mut d_m = upload_at(&gpu, &m, pad);
             let mut d_v = upload_at(&gpu, &v, pad);
+            let mut d_copy = gpu.zeros::<bf16>(n + pad).unwrap();
             for step in 1..=5 {
                 let g = rng.vec(n, -1.0, 1.0);
+                // Every other step clipped (a gradient scale), and then the bf16 copies written.
+                let clipped = step % 2 == 0;
                 let c = AdamConfig {
                     lr: 1e-2 / step as f64,
+                    grad_scale: if clipped { 0.37 } else { 1.0 },
                     ..adam_config(decoupled, step)
                 };
                 adam_step(&mut p, &g, &mut m, &mut v, &c).unwrap();
                 let d_g = upload_at(&gpu, &g, pad);
+                let mut copy = d_copy.slice_mut(pad..);
                 gadam::adam_step(
                     &gpu,
                     &mut d_p.slice_mut(pad..),
                     &d_g.slice(pad..),
                     &mut d_m.slice_mut(pad..),
                     &mut d_v.slice_mut(pad..),
+                    clipped.then_some(&mut copy),
                     &c,
                 )
                 .unwrap();
                 let what = format!("n {n}, pad {pad}, decoupled {decoupled}, step {step}");
+                if clipped {
+                    let copies: Vec<u16> = gpu.download(&d_copy).unwrap()[pad..]
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect();
+                    let want: Vec<u16> = p.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+                    assert!(copies == want, "bf16 copies, {what}");
+                }
                 assert!(
                     bits(&download_at(&gpu, &d_p, pad)) == bits(&p),
                     "param, {what}"
@@ -527,6 +543,7 @@ fn adam_checks_as_the_cpu() {
         &g2.as_view(),
         &mut m.as_view_mut(),
         &mut v.as_view_mut(),
+        None,
         &adam_config(true, 1),
     )
     .unwrap_err();
@@ -545,6 +562,7 @@ fn adam_checks_as_the_cpu() {
         &g3.as_view(),
         &mut m.slice_mut(..2),
         &mut v.as_view_mut(),
+        None,
         &adam_config(true, 1),
     )
     .unwrap_err();
@@ -552,6 +570,26 @@ fn adam_checks_as_the_cpu() {
         e,
         CudaError::Kernel(KernelError::Length {
             buffer: "exp_avg",
+            ..
+        })
+    ));
+    let mut short = gpu.zeros::<bf16>(2).unwrap();
+    let e = gadam::adam_step(
+        &gpu,
+        &mut p.as_view_mut(),
+        &g3.as_view(),
+        &mut m.as_view_mut(),
+        &mut v.as_view_mut(),
+        Some(&mut short.as_view_mut()),
+        &adam_config(true, 1),
+    )
+    .unwrap_err();
+    assert!(matches!(
+        e,
+        CudaError::Kernel(KernelError::Length {
+            buffer: "copy",
+            expected: 3,
+            actual: 2,
             ..
         })
     ));
@@ -578,6 +616,7 @@ fn adam_checks_as_the_cpu() {
             &g3.as_view(),
             &mut m.as_view_mut(),
             &mut v.as_view_mut(),
+            None,
             &bad,
         )
         .unwrap_err();

@@ -11,6 +11,7 @@
 mod emulated;
 
 use half::bf16;
+use megatron_core::kernels::adam::{self as cpu_adam, AdamConfig, AdamScalars};
 use megatron_core::kernels::cross_entropy as cpu_ce;
 use megatron_core::kernels::dropout::{self as cpu_dropout, LogicalIndex};
 use megatron_core::kernels::elementwise as cpu_ew;
@@ -531,6 +532,84 @@ fn bias_adds_in_place_and_into_bf16_as_the_cpu() {
                 assert_close(&what, &got, &as_written(want.clone(), to_bf16), 0.0, 0.0);
                 assert_eq!(&xd[offset..], &x[..], "{what}: the input changed");
             }
+        }
+    }
+}
+
+#[test]
+fn adam_scales_the_gradients_and_writes_bf16_copies_as_the_cpu() {
+    // Not a multiple of 4; offset 1 takes the scalar path. The CPU step with the same scale,
+    // bit for bit, and its parameters rounded to bf16 for the copies.
+    let n = 1003;
+    let p0 = values(n, 61, -1.0, 1.0);
+    let g = values(n, 62, -2.0, 2.0);
+    let m0 = values(n, 63, -0.1, 0.1);
+    let v0 = values(n, 64, 0.0, 0.01);
+    for (offset, grad_scale, decoupled, with_copy) in [
+        (0, 0.37, true, true),
+        (1, 0.37, false, true),
+        (0, 1.0, true, false),
+        (1, 1.0, true, false),
+    ] {
+        let what = format!("offset {offset} scale {grad_scale} decoupled {decoupled}");
+        let config = AdamConfig {
+            lr: 3e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 4,
+            decoupled,
+            grad_scale,
+        };
+        let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+        cpu_adam::adam_step(&mut p, &g, &mut m, &mut v, &config).unwrap();
+        let (mut pd, mut gd, mut md, mut vd) = (
+            padded(&p0, offset),
+            padded(&g, offset),
+            padded(&m0, offset),
+            padded(&v0, offset),
+        );
+        let mut copy = Buf::nans(n, offset, true);
+        let copy_ptr = if with_copy {
+            let [ptr, _bf16_flag] = copy.arg(offset);
+            ptr
+        } else {
+            Arg::Ptr(std::ptr::null_mut())
+        };
+        let c = AdamScalars::of(&config);
+        let mut args = vec![
+            ptr(&mut pd, offset),
+            ptr(&mut gd, offset),
+            ptr(&mut md, offset),
+            ptr(&mut vd, offset),
+            copy_ptr,
+            Arg::U64(n as u64),
+            Arg::F32(c.grad_scale),
+        ];
+        args.extend(
+            [
+                c.b1,
+                c.b2,
+                c.omb1,
+                c.omb2,
+                c.eps,
+                c.step_size,
+                c.inv_sqrt_bc2,
+                c.decay,
+                c.l2,
+            ]
+            .map(Arg::F32),
+        );
+        launch("adam_step", 2, 64, args);
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&pd[offset..]), bits(&p), "param, {what}");
+        assert_eq!(bits(&md[offset..]), bits(&m), "exp_avg, {what}");
+        assert_eq!(bits(&vd[offset..]), bits(&v), "exp_avg_sq, {what}");
+        if with_copy {
+            assert_eq!(copy.values(offset), round(&p), "bf16 copies, {what}");
+        } else {
+            assert!(copy.values(offset).iter().all(|x| x.is_nan()), "{what}");
         }
     }
 }

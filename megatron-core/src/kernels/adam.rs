@@ -23,6 +23,9 @@ pub struct AdamConfig {
     pub step: u64,
     /// `true`: AdamW (`param ← param·(1 − lr·wd)` before the update); `false`: L2 (`grad + wd·param`).
     pub decoupled: bool,
+    /// Multiplies every gradient before the update: gradient clipping's coefficient (1 without
+    /// clipping), applied here so that the gradients are read once (apex `FusedAdam`'s scale).
+    pub grad_scale: f64,
 }
 
 impl AdamConfig {
@@ -41,6 +44,7 @@ impl AdamConfig {
             ("lr", self.lr),
             ("eps", self.eps),
             ("weight_decay", self.weight_decay),
+            ("grad_scale", self.grad_scale),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return bad(format!("{name} must be finite and non-negative, got {v}"));
@@ -50,24 +54,35 @@ impl AdamConfig {
     }
 }
 
-/// The f32 scalars of one step, computed once from an [`AdamConfig`] (shared with the CUDA
-/// kernel, so both round the f64 hyper-parameters the same way).
+/// The f32 scalars of one step, computed once from an [`AdamConfig`]: what the CPU loop and the
+/// CUDA kernel take, so both round the f64 hyper-parameters the same way.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct AdamScalars {
-    pub(crate) b1: f32,
-    pub(crate) b2: f32,
-    pub(crate) omb1: f32,
-    pub(crate) omb2: f32,
-    pub(crate) eps: f32,
-    pub(crate) step_size: f32,
-    pub(crate) inv_sqrt_bc2: f32,
-    pub(crate) decay: f32,
-    pub(crate) l2: f32,
+pub struct AdamScalars {
+    /// β₁.
+    pub b1: f32,
+    /// β₂.
+    pub b2: f32,
+    /// 1 − β₁.
+    pub omb1: f32,
+    /// 1 − β₂.
+    pub omb2: f32,
+    /// ε.
+    pub eps: f32,
+    /// lr / (1 − β₁ᵗ).
+    pub step_size: f32,
+    /// 1 / √(1 − β₂ᵗ).
+    pub inv_sqrt_bc2: f32,
+    /// AdamW's 1 − lr·wd (1 for Adam).
+    pub decay: f32,
+    /// Adam's L2 coefficient wd (0 for AdamW).
+    pub l2: f32,
+    /// The gradients' multiplier.
+    pub grad_scale: f32,
 }
 
 impl AdamScalars {
     /// The scalars of `c`'s step: bias corrections in f64, each rounded once to f32.
-    pub(crate) fn of(c: &AdamConfig) -> AdamScalars {
+    pub fn of(c: &AdamConfig) -> AdamScalars {
         // powi needs an i32 exponent; beyond that the corrections are 1 to f64 precision anyway.
         let t = i32::try_from(c.step).unwrap_or(i32::MAX);
         let bc1 = 1.0 - c.beta1.powi(t);
@@ -87,6 +102,7 @@ impl AdamScalars {
             inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
             decay,
             l2,
+            grad_scale: c.grad_scale as f32,
         }
     }
 }
@@ -103,7 +119,7 @@ versioned! {
         let c = *c;
         let state = exp_avg.iter_mut().zip(exp_avg_sq.iter_mut());
         for ((p, &g), (m, v)) in param.iter_mut().zip(grad).zip(state) {
-            let g = g + c.l2 * *p;
+            let g = g * c.grad_scale + c.l2 * *p;
             *m = c.b1 * *m + c.omb1 * g;
             *v = c.b2 * *v + c.omb2 * g * g;
             let denom = v.sqrt() * c.inv_sqrt_bc2 + c.eps;
@@ -129,7 +145,7 @@ pub(crate) fn check_step(
 
 /// One Adam/AdamW step in place on `param`, `exp_avg` and `exp_avg_sq`, from `grad` (all the same length).
 ///
-/// Per element, with `g = grad` (plus `wd·param` when not decoupled):
+/// Per element, with `g = grad_scale·grad` (plus `wd·param` when not decoupled):
 /// `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`,
 /// `param ← param − (lr/(1−β₁ᵗ))·m / (√v/√(1−β₂ᵗ) + eps)`,
 /// after `param ← param·(1 − lr·wd)` when decoupled (PyTorch `AdamW`, apex `FusedAdam` with
@@ -173,6 +189,7 @@ mod tests {
             weight_decay: 0.1,
             step,
             decoupled,
+            grad_scale: 1.0,
         }
     }
 
@@ -180,7 +197,7 @@ mod tests {
     fn reference(p: &mut [f64], g: &[f64], m: &mut [f64], v: &mut [f64], c: &AdamConfig) {
         let t = c.step as i32;
         for i in 0..p.len() {
-            let mut gi = g[i];
+            let mut gi = g[i] * c.grad_scale;
             if c.decoupled {
                 p[i] *= 1.0 - c.lr * c.weight_decay;
             } else {
@@ -255,6 +272,35 @@ mod tests {
     }
 
     #[test]
+    fn a_gradient_scale_is_the_step_on_gradients_scaled_first() {
+        // What gradient clipping did before the update (g ← g·c in f32, then the step) is what
+        // the step's own scale does, bit for bit; a scale of 1 changes nothing.
+        let mut rng = Rng::new(82);
+        let n = 257;
+        let (p0, g) = (rng.vec(n, -1.0, 1.0), rng.vec(n, -3.0, 3.0));
+        let (m0, v0) = (rng.vec(n, -0.1, 0.1), rng.vec(n, 0.0, 0.01));
+        for (decoupled, scale) in [(true, 0.37f64), (false, 0.37), (true, 1.0)] {
+            let c = AdamConfig {
+                grad_scale: scale,
+                ..config(decoupled, 3)
+            };
+            let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+            adam_step(&mut p, &g, &mut m, &mut v, &c).unwrap();
+            let scaled: Vec<f32> = g.iter().map(|&x| x * scale as f32).collect();
+            let first = AdamConfig {
+                grad_scale: 1.0,
+                ..c
+            };
+            let (mut pw, mut mw, mut vw) = (p0.clone(), m0.clone(), v0.clone());
+            adam_step(&mut pw, &scaled, &mut mw, &mut vw, &first).unwrap();
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&p), bits(&pw), "scale {scale} decoupled {decoupled}");
+            assert_eq!(bits(&m), bits(&mw));
+            assert_eq!(bits(&v), bits(&vw));
+        }
+    }
+
+    #[test]
     fn every_compiled_version_gives_the_same_bits() {
         let mut rng = Rng::new(81);
         let n = 1001;
@@ -270,6 +316,7 @@ mod tests {
             inv_sqrt_bc2: 1.3,
             decay: 0.9999,
             l2: 0.01,
+            grad_scale: 0.7,
         };
         let run = |isa: Isa| {
             let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
@@ -331,6 +378,10 @@ mod tests {
             },
             AdamConfig {
                 weight_decay: f64::INFINITY,
+                ..config(true, 1)
+            },
+            AdamConfig {
+                grad_scale: -0.5,
                 ..config(true, 1)
             },
         ] {

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 pub use checkpointing::{SaveInfo, load_params, open_checkpoint};
 pub use data::{BatchPlan, Sampler, TokenStream, Windows};
-pub use optimizer::{AdamW, AdamWConfig, clip_grads, grad_norm};
+pub use optimizer::{AdamW, AdamWConfig, clip_coefficient, grad_norm};
 pub use schedule::{DecayStyle, LrSchedule};
 
 use crate::comm::{CommStats, Communicator, ParallelState, ReduceOp};
@@ -162,10 +162,10 @@ impl<M: LanguageModel> Trainer<M> {
             parallel.groups().tp_rank(),
             parallel.comm(GroupKind::TpPp),
         )?;
-        clip_grads(&self.buffers, norm, self.config.clip_grad)?;
+        // Clipping is the update's gradient scale: the gradients are read once.
+        let grad_scale = clip_coefficient(norm, self.config.clip_grad);
         let lr = self.config.schedule.lr(step);
-        self.optimizer.step(&self.buffers, lr)?;
-        self.buffers.refresh_compute_copies()?;
+        self.optimizer.step(&self.buffers, lr, grad_scale)?;
         let after = parallel.stats();
         let comm = after
             .iter()

@@ -84,7 +84,7 @@ impl AdamW {
     }
 
     /// The hyper-parameters of one parameter's update.
-    fn config_for(&self, lr: f64, weight_decay: bool) -> AdamConfig {
+    fn config_for(&self, lr: f64, weight_decay: bool, grad_scale: f64) -> AdamConfig {
         AdamConfig {
             lr,
             beta1: self.config.beta1,
@@ -97,32 +97,38 @@ impl AdamW {
             },
             step: self.steps,
             decoupled: true,
+            grad_scale,
         }
     }
 
-    /// One update of every parameter with learning rate `lr`, from the gradients in `buffers`.
-    pub fn step(&mut self, buffers: &ParamBuffers, lr: f64) -> Result<()> {
+    /// One update of every parameter with learning rate `lr`, from the gradients in `buffers`
+    /// multiplied by `grad_scale` (gradient clipping's coefficient, see [`clip_coefficient`];
+    /// the gradients themselves are left as they are), then the refresh of the compute copies.
+    /// On a GPU with bf16 copies the scale, the update and the refresh are one pass.
+    pub fn step(&mut self, buffers: &ParamBuffers, lr: f64, grad_scale: f64) -> Result<()> {
         self.steps += 1;
         #[cfg(feature = "cuda")]
         if let Some(gpu) = buffers.values().gpu() {
-            return self.step_on_gpu(gpu, buffers, lr);
+            return self.step_on_gpu(gpu, buffers, lr, grad_scale);
         }
-        let mut values = buffers.values().write::<f32>()?;
-        let grads = buffers.grads().read::<f32>()?;
-        let mut m = self.exp_avg.write::<f32>()?;
-        let mut v = self.exp_avg_sq.write::<f32>()?;
-        for slot in buffers.slots() {
-            let r = slot.offset..slot.offset + slot.len;
-            let cfg = self.config_for(lr, slot.spec.weight_decay);
-            adam_step(
-                &mut values[r.clone()],
-                &grads[r.clone()],
-                &mut m[r.clone()],
-                &mut v[r],
-                &cfg,
-            )?;
+        {
+            let mut values = buffers.values().write::<f32>()?;
+            let grads = buffers.grads().read::<f32>()?;
+            let mut m = self.exp_avg.write::<f32>()?;
+            let mut v = self.exp_avg_sq.write::<f32>()?;
+            for slot in buffers.slots() {
+                let r = slot.offset..slot.offset + slot.len;
+                let cfg = self.config_for(lr, slot.spec.weight_decay, grad_scale);
+                adam_step(
+                    &mut values[r.clone()],
+                    &grads[r.clone()],
+                    &mut m[r.clone()],
+                    &mut v[r],
+                    &cfg,
+                )?;
+            }
         }
-        Ok(())
+        buffers.refresh_compute_copies()
     }
 }
 
@@ -151,22 +157,42 @@ fn runs<K: PartialEq + Copy>(
 
 #[cfg(feature = "cuda")]
 impl AdamW {
-    fn step_on_gpu(&self, gpu: &crate::cuda::Gpu, buffers: &ParamBuffers, lr: f64) -> Result<()> {
+    fn step_on_gpu(
+        &self,
+        gpu: &crate::cuda::Gpu,
+        buffers: &ParamBuffers,
+        lr: f64,
+        grad_scale: f64,
+    ) -> Result<()> {
         use crate::cuda::kernels::adam::adam_step as gpu_adam;
+        // bf16 compute copies are written by the update itself; others are refreshed after.
+        let copies = buffers
+            .compute_copies()
+            .filter(|c| c.dtype() == DType::BF16);
         for (decay, offset, len) in runs(buffers, |s| Some(s.spec.weight_decay)) {
             let part = |t: &Tensor| t.narrow(0, offset, len);
             let (values, grads) = (part(buffers.values())?, part(buffers.grads())?);
             let (m, v) = (part(&self.exp_avg)?, part(&self.exp_avg_sq)?);
             let (mut values, grads) = (values.device_write::<f32>()?, grads.device_read::<f32>()?);
             let (mut m, mut v) = (m.device_write::<f32>()?, v.device_write::<f32>()?);
+            let copy = copies.map(part).transpose()?;
+            let mut copy = copy
+                .as_ref()
+                .map(|c| c.device_write::<half::bf16>())
+                .transpose()?;
+            let mut copy_view = copy.as_mut().map(|c| c.view_mut());
             gpu_adam(
                 gpu,
                 &mut values.view_mut(),
                 &grads.view(),
                 &mut m.view_mut(),
                 &mut v.view_mut(),
-                &self.config_for(lr, decay),
+                copy_view.as_mut(),
+                &self.config_for(lr, decay, grad_scale),
             )?;
+        }
+        if copies.is_none() {
+            buffers.refresh_compute_copies()?;
         }
         Ok(())
     }
@@ -221,22 +247,13 @@ pub fn grad_norm(
     Ok(f64::from(total.to_vec::<f32>()?[0]).sqrt())
 }
 
-/// Scales every gradient by `max_norm / (norm + 1e-6)` when that is below 1.
-pub fn clip_grads(buffers: &ParamBuffers, norm: f64, max_norm: f64) -> Result<()> {
+/// Megatron-LM's gradient clipping coefficient: `max_norm / (norm + 1e-6)` when that is below
+/// 1 (and clipping is on, `max_norm > 0`), else 1. [`AdamW::step`] multiplies the gradients by it.
+pub fn clip_coefficient(norm: f64, max_norm: f64) -> f64 {
     let coeff = max_norm / (norm + 1e-6);
     if max_norm > 0.0 && coeff < 1.0 {
-        let c = coeff as f32;
-        #[cfg(feature = "cuda")]
-        if let Some(gpu) = buffers.grads().gpu() {
-            let mut grads = buffers.grads().device_write::<f32>()?;
-            crate::cuda::kernels::elementwise::scale(gpu, &mut grads.view_mut(), c)?;
-            return Ok(());
-        }
-        buffers
-            .grads()
-            .write::<f32>()?
-            .iter_mut()
-            .for_each(|g| *g *= c);
+        coeff
+    } else {
+        1.0
     }
-    Ok(())
 }

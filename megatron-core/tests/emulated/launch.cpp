@@ -47,6 +47,7 @@ static const EmuKernel EMU_KERNELS[] = {
     EMU_KERNEL(gelu_backward),
     EMU_KERNEL(bias_add_forward),
     EMU_KERNEL(bias_add_cast),
+    EMU_KERNEL(adam_step),
     EMU_KERNEL(layer_norm_forward),
     EMU_KERNEL(layer_norm_backward_dx),
     EMU_KERNEL(layer_norm_backward_partials),
