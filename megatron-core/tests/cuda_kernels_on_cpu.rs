@@ -212,10 +212,19 @@ fn the_fused_softmax_backward_is_the_cpus_dropout_then_softmax_backward() {
         let (dx, dropped) = cpu(&y, &dy);
         let (dx16, dropped16) = cpu(&round(&y), &round(&dy));
         let atol = 1e-5 * dx.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
-        for offset in [0, 1] {
-            for bf16 in [false, true] {
-                let what =
-                    format!("{batches}×{sq}×{sk} heads {heads:?} offset {offset} bf16 {bf16}");
+        // The probabilities are causal: skipping the keys a query does not see (`causal`)
+        // gives what the whole rows give.
+        for (offset, bf16, causal) in [
+            (0, false, false),
+            (1, false, true),
+            (0, true, true),
+            (1, true, false),
+            (0, false, true),
+        ] {
+            {
+                let what = format!(
+                    "{batches}×{sq}×{sk} heads {heads:?} offset {offset} bf16 {bf16} causal {causal}"
+                );
                 let mut yb = Buf::new(&y, offset, bf16);
                 let mut dyb = Buf::new(&dy, offset, bf16);
                 let mut dxb = Buf::nans(n, offset, bf16);
@@ -226,8 +235,10 @@ fn the_fused_softmax_backward_is_the_cpus_dropout_then_softmax_backward() {
                 }
                 args.extend([
                     Arg::U64((batches * sq) as u64),
+                    Arg::U64(sq as u64),
                     Arg::U64(sk as u64),
                     Arg::F32(scale),
+                    Arg::I32(i32::from(causal)),
                 ]);
                 args.extend(mask_args(Some((p, &stream, index))));
                 launch("softmax_backward", batches * sq, softmax_threads(sk), args);

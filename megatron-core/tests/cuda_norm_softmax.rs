@@ -542,7 +542,8 @@ fn fused_forward(
         .unwrap();
 }
 
-/// [`gpu_sm::dropout_softmax_backward`] over `(batches, sq, sk)` probabilities.
+/// [`gpu_sm::dropout_softmax_backward`] over `(batches, sq, sk)` causal probabilities (the
+/// keys a query does not see skipped).
 fn fused_backward(
     gpu: &Gpu,
     (batches, sq, sk): (usize, usize, usize),
@@ -551,8 +552,10 @@ fn fused_backward(
     (dx, dropped): (Out<'_, '_>, Option<Out<'_, '_>>),
     dropout: Option<(f32, &DropoutStream, LogicalIndex)>,
 ) {
-    gpu_sm::dropout_softmax_backward(gpu, y, dy, batches, sq, sk, scale, dx, dropped, dropout)
-        .unwrap();
+    gpu_sm::dropout_softmax_backward(
+        gpu, y, dy, batches, sq, sk, scale, true, dx, dropped, dropout,
+    )
+    .unwrap();
 }
 
 #[test]
@@ -779,6 +782,7 @@ fn fused_softmax_kernels_check_their_mask_and_outputs() {
             3,
             4,
             1.0,
+            true,
             Out::F32(&mut y.slice_mut(..)),
             None,
             Some((p, &stream, index)),

@@ -529,6 +529,7 @@ mod device {
                             sh.seq,
                             sh.seq,
                             sh.scale(),
+                            true,
                             dx,
                             d,
                             dropout_of(&saved.dropout),

@@ -139,13 +139,14 @@ extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_forward(
 
 // The gradient through dropout and softmax from the saved probabilities y: g = mask(dy),
 // dx = scale · y ⊙ (g − Σ_j g·y) per row (masked keys have y = 0 and get 0); with `dropped`
-// non-null also dropped = mask(y) (the forward's, for the value gradient). The *_bf16 flags say
-// which buffers are bf16.
+// non-null also dropped = mask(y) (the forward's, for the value gradient). With `causal` the
+// keys a query does not see (y = 0 there) are not read and draw no mask: they get 0 in dx and
+// in dropped. The *_bf16 flags say which buffers are bf16.
 extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_backward(
     const void* __restrict__ y, int y_bf16, const void* __restrict__ dy, int dy_bf16,
     void* __restrict__ dx, int dx_bf16, void* __restrict__ dropped, int dropped_bf16, u64 rows,
-    u64 sk, float scale, u64 inner, u64 stride, u64 start, u32 key_lo, u32 key_hi, u64 stream,
-    u32 threshold, float keep_scale) {
+    u64 sq, u64 sk, float scale, int causal, u64 inner, u64 stride, u64 start, u32 key_lo,
+    u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
     __shared__ float scratch[32];
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
     const bool y16 = y_bf16 != 0, dy16 = dy_bf16 != 0, dx16 = dx_bf16 != 0, d16 = dropped_bf16 != 0;
@@ -153,17 +154,20 @@ extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_backward(
                      out4_aligned(dx, dx16) && out4_aligned(dropped, d16);
     const bool blocks = mask_blocks(m);
     const u64 k4 = sk / 4;
+    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const u64 vis = visible_keys(r % sq, sq, sk, causal != 0);
+        const u64 vis4 = (vis + 3) / 4;  // float4 groups holding a visible key
         float s = 0.0f;
         if (vec) {
-            for (u64 k = threadIdx.x; k < k4; k += blockDim.x) {
+            for (u64 k = threadIdx.x; k < vis4; k += blockDim.x) {
                 const float4 p = load_in4(y, y16, r * k4 + k);
                 const float4 g = masked4(load_in4(dy, dy16, r * k4 + k),
                                          mask_factor4(m, r * sk + 4 * k, blocks));
                 s += (g.x * p.x + g.y * p.y) + (g.z * p.z + g.w * p.w);
             }
         } else {
-            for (u64 j = threadIdx.x; j < sk; j += blockDim.x) {
+            for (u64 j = threadIdx.x; j < vis; j += blockDim.x) {
                 const u64 e = r * sk + j;
                 s += masked(load_in(dy, dy16, e), mask_factor(m, e)) * load_in(y, y16, e);
             }
@@ -171,6 +175,11 @@ extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_backward(
         const float dot = block_sum(s, scratch);
         if (vec) {
             for (u64 k = threadIdx.x; k < k4; k += blockDim.x) {
+                if (k >= vis4) {
+                    store_out4(dx, dx16, r * k4 + k, zero4);
+                    if (dropped != nullptr) store_out4(dropped, d16, r * k4 + k, zero4);
+                    continue;
+                }
                 const float4 p = load_in4(y, y16, r * k4 + k);
                 const float4 f = mask_factor4(m, r * sk + 4 * k, blocks);
                 const float4 g = masked4(load_in4(dy, dy16, r * k4 + k), f);
@@ -182,6 +191,11 @@ extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_backward(
         } else {
             for (u64 j = threadIdx.x; j < sk; j += blockDim.x) {
                 const u64 e = r * sk + j;
+                if (j >= vis) {
+                    store_out(dx, dx16, e, 0.0f);
+                    if (dropped != nullptr) store_out(dropped, d16, e, 0.0f);
+                    continue;
+                }
                 const float f = mask_factor(m, e), p = load_in(y, y16, e);
                 store_out(dx, dx16, e, scale * p * (masked(load_in(dy, dy16, e), f) - dot));
                 if (dropped != nullptr) store_out(dropped, d16, e, masked(p, f));

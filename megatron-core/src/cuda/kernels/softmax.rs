@@ -157,6 +157,7 @@ pub fn softmax_backward(
         sq,
         sk,
         scale,
+        false,
         Out::F32(dx),
         None,
         None,
@@ -167,7 +168,8 @@ pub fn softmax_backward(
 /// gradient `dy` of the dropped ones (each f32 or bf16): `g = mask(dy)`,
 /// `dx = scale · y ⊙ (g − Σ_j g·y)`, in f32 or rounded to bf16; with `dropped`, also the
 /// forward's dropped probabilities again (for the values' gradient), so that nothing between the
-/// two products makes another pass.
+/// two products makes another pass. With `causal` (the forward's), the keys a query does not
+/// see are neither read nor masked: they get 0 (their probability is 0).
 #[allow(clippy::too_many_arguments)]
 pub fn dropout_softmax_backward(
     gpu: &Gpu,
@@ -177,6 +179,7 @@ pub fn dropout_softmax_backward(
     sq: usize,
     sk: usize,
     scale: f32,
+    causal: bool,
     dx: Out<'_, '_>,
     dropped: Option<Out<'_, '_>>,
     dropout: Option<Dropout<'_>>,
@@ -196,13 +199,17 @@ pub fn dropout_softmax_backward(
         dx.flag(),
         dropped.as_ref().map_or(0, Out::flag),
     ];
-    let (rows64, sk64) = (rows as u64, sk as u64);
+    let (rows64, sq64, sk64, causal32) = (rows as u64, sq as u64, sk as u64, i32::from(causal));
     let mut args = launch_args(gpu, K)?;
     y.push(&mut args, &flags[0]);
     dy.push(&mut args, &flags[1]);
     dx.push(&mut args, &flags[2]);
     push_optional(dropped, &mut args, &flags[3]);
-    args.arg(&rows64).arg(&sk64).arg(&scale);
+    args.arg(&rows64)
+        .arg(&sq64)
+        .arg(&sk64)
+        .arg(&scale)
+        .arg(&causal32);
     mask.push(&mut args);
     launch(
         K,
