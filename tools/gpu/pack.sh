@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds what the GPU checks run (the CLI and every test binary that touches CUDA or NCCL, release,
+# features cuda and mpi) and gathers it in target/gpu with tools/gpu/run.sh and the shared
+# libraries a bare CUDA machine may lack (OpenMPI and its plugins, fontconfig...). The project's
+# `device` tool then carries target/gpu to a GPU machine (no Rust toolchain there):
+#   tools/gpu/pack.sh
+#   run: carry ["target/gpu"], command "bash target/gpu/run.sh 2>&1 | tee $OUT/log"
+# See the knobs at the top of run.sh.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=target/gpu
+tests="cuda_nvrtc cuda_backend cuda_norm_softmax cuda_embedding_loss_adam cuda_layers_dense
+       cuda_layers_attention_vocab gpt_gpu nccl_backend"
+cargo build --release --locked --features cuda,mpi
+cargo test --release --locked --workspace --features cuda,mpi --no-run --message-format=json \
+    > target/gpu-tests.json
+rm -rf "$out" && mkdir -p "$out/lib/openmpi"
+cp target/release/megatron "$out/"
+for t in $tests; do
+    exe=$(python3 -c '
+import json, sys
+for line in open("target/gpu-tests.json"):
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == sys.argv[1] \
+            and m["target"]["kind"] == ["test"] and m.get("executable"):
+        print(m["executable"])' "$t" | tail -1)
+    [ -n "$exe" ] || { echo "no test binary $t" >&2; exit 1; }
+    cp "$exe" "$out/$t"
+done
+strip "$out"/megatron "$out"/cuda_* "$out"/gpt_gpu "$out"/nccl_backend
+# Libraries the binaries link beyond glibc, and OpenMPI's plugins with their helpers.
+ldd "$out"/megatron "$out"/nccl_backend | awk '/=> \//{print $3}' | sort -u |
+    grep -vE '/(libc|libm|libgcc_s|libpthread|libdl|librt|ld-linux[^/]*)\.so' |
+    xargs -r cp -L -t "$out/lib/"
+multiarch=/usr/lib/x86_64-linux-gnu
+cp -L "$multiarch"/libevent-2.1.so.7 "$multiarch"/libmca_common_*.so "$out/lib/"
+cp -rL "$multiarch/openmpi/lib/openmpi3" "$out/lib/openmpi/"
+cp tools/gpu/run.sh "$out/"
+du -sh "$out"

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# GPU checks, run on the GPU machine from the folder tools/gpu/pack.sh filled (target/gpu): every
+# GPU test (full output under $OUT/tests), the attention bench, gpt-1.2b benches ($OUT/bench).
+# Knobs: TESTS=0 skips tests; ONLY="a b" limits test binaries; TT=seconds per test binary;
+# ATT=0 skips the attention bench; DROPOUTS="0.1 0" its dropouts; BINS="megatron other" CLI
+# builds to compare; BENCH="name[@bin]:args;..." replaces the benches.
+cd "$(dirname "$0")"
+cuda_libs=$(ls -d /usr/local/cuda*/targets/x86_64-linux/lib /usr/local/cuda/lib64 2>/dev/null | tr '\n' ':')
+export LD_LIBRARY_PATH="$cuda_libs/usr/lib/x86_64-linux-gnu:$PWD/lib:${LD_LIBRARY_PATH:-}"
+export OMPI_MCA_mca_base_component_path="$PWD/lib/openmpi/openmpi3" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+mkdir -p "$OUT/tests" "$OUT/bench"
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+if [ "${TESTS:-1}" = 1 ]; then
+for t in ${ONLY:-cuda_nvrtc cuda_backend cuda_norm_softmax cuda_embedding_loss_adam cuda_layers_dense cuda_layers_attention_vocab gpt_gpu nccl_backend}; do
+  s=$(date +%s)
+  timeout ${TT:-100} ./$t --include-ignored --test-threads=1 > "$OUT/tests/$t.log" 2>&1; rc=$?
+  echo "=== $t rc=$rc $(( $(date +%s) - s ))s: $(grep -E '^test result' "$OUT/tests/$t.log" | tail -1)"
+  grep -E "^test .*FAILED|panicked" "$OUT/tests/$t.log" | head -10
+done
+fi
+G="--model gpt-1.2b --seq-length 2048 --max-position-embeddings 2048 --train-iters 4 --warmup 2 --device cuda --quiet"
+if [ "${ATT:-1}" = 1 ]; then for bin in ${BINS:-megatron}; do for dp in ${DROPOUTS:-0.1}; do
+  echo "=== $bin bench attention --dropout $dp"; timeout 120 ./$bin bench attention --device cuda --dropout $dp 2>&1 | tail -3
+done; done; fi
+IFS=';' read -ra runs <<< "${BENCH:-mb4:--micro-batch-size 4;mb4flash:--micro-batch-size 4 --attention-backend flash;mb4prof:--micro-batch-size 4 --profile}"
+for r in "${runs[@]}"; do
+  name=${r%%:*}; args=${r#*:}; s=$(date +%s); bin=megatron
+  case $name in *@*) bin=${name#*@}; name=${name%@*};; esac
+  timeout 150 ./$bin bench $G $args > "$OUT/bench/$name.json" 2> "$OUT/bench/$name.err"; rc=$?
+  echo "=== $name rc=$rc $(( $(date +%s) - s ))s $(grep -E '"(tokens_per_s|mfu|peak_gpu_memory_gib)"' "$OUT/bench/$name.json" | tr -d '\n ')"
+  grep -iE "error" "$OUT/bench/$name.err" | head -3
+done
