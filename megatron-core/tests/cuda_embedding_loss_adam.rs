@@ -6,8 +6,8 @@
 mod support;
 
 use half::bf16;
-use megatron_core::cuda::CudaError;
 use megatron_core::cuda::kernels::{adam as gadam, cross_entropy as gce, embedding as gemb};
+use megatron_core::cuda::{CudaError, CudaView, CudaViewMut};
 use megatron_core::kernels::KernelError;
 use megatron_core::kernels::adam::{AdamConfig, adam_step};
 use megatron_core::kernels::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
@@ -537,62 +537,47 @@ fn adam_checks_as_the_cpu() {
     let mut v = gpu.zeros::<f32>(3).unwrap();
     let g2 = gpu.zeros::<f32>(2).unwrap();
     let g3 = gpu.zeros::<f32>(3).unwrap();
-    let e = gadam::adam_step(
-        &gpu,
-        &mut p.as_view_mut(),
-        &g2.as_view(),
-        &mut m.as_view_mut(),
-        &mut v.as_view_mut(),
-        None,
-        &adam_config(true, 1),
-    )
-    .unwrap_err();
-    assert!(matches!(
-        e,
-        CudaError::Kernel(KernelError::Length {
-            buffer: "grad",
-            expected: 3,
-            actual: 2,
-            ..
-        })
-    ));
-    let e = gadam::adam_step(
-        &gpu,
-        &mut p.as_view_mut(),
-        &g3.as_view(),
-        &mut m.slice_mut(..2),
-        &mut v.as_view_mut(),
-        None,
-        &adam_config(true, 1),
-    )
-    .unwrap_err();
-    assert!(matches!(
-        e,
-        CudaError::Kernel(KernelError::Length {
-            buffer: "exp_avg",
-            ..
-        })
-    ));
     let mut short = gpu.zeros::<bf16>(2).unwrap();
-    let e = gadam::adam_step(
-        &gpu,
-        &mut p.as_view_mut(),
-        &g3.as_view(),
-        &mut m.as_view_mut(),
-        &mut v.as_view_mut(),
-        Some(&mut short.as_view_mut()),
-        &adam_config(true, 1),
-    )
-    .unwrap_err();
-    assert!(matches!(
-        e,
-        CudaError::Kernel(KernelError::Length {
-            buffer: "copy",
-            expected: 3,
-            actual: 2,
-            ..
-        })
-    ));
+    // One step whose gradient, first moment or copy has the wrong length: the error's buffer
+    // and lengths.
+    let mut step =
+        |grad: &CudaView<f32>, m: &mut CudaViewMut<f32>, copy: Option<&mut CudaViewMut<bf16>>| {
+            let e = gadam::adam_step(
+                &gpu,
+                &mut p.as_view_mut(),
+                grad,
+                m,
+                &mut v.as_view_mut(),
+                copy,
+                &adam_config(true, 1),
+            )
+            .unwrap_err();
+            match e {
+                CudaError::Kernel(KernelError::Length {
+                    buffer,
+                    expected,
+                    actual,
+                    ..
+                }) => (buffer, expected, actual),
+                other => panic!("{other}"),
+            }
+        };
+    assert_eq!(
+        step(&g2.as_view(), &mut m.as_view_mut(), None),
+        ("grad", 3, 2)
+    );
+    assert_eq!(
+        step(&g3.as_view(), &mut m.slice_mut(..2), None),
+        ("exp_avg", 3, 2)
+    );
+    assert_eq!(
+        step(
+            &g3.as_view(),
+            &mut m.as_view_mut(),
+            Some(&mut short.as_view_mut())
+        ),
+        ("copy", 3, 2)
+    );
     for bad in [
         adam_config(true, 0),
         AdamConfig {

@@ -674,47 +674,35 @@ fn layer_norm_forward_and_backward_are_the_cpus() {
                 vec![f32::NAN; offset + rows],
                 vec![f32::NAN; offset + rows],
             );
-            launch(
-                "layer_norm_forward",
-                rows,
-                threads,
-                vec![
-                    ptr(&mut xd, offset),
-                    ptr(&mut gd, offset),
-                    ptr(&mut bd, offset),
-                    ptr(&mut yd, offset),
-                    Arg::I32(F32),
-                    ptr(&mut md, offset),
-                    ptr(&mut rd, offset),
-                    Arg::U64(rows as u64),
-                    Arg::U64(hidden as u64),
-                    Arg::F32(eps),
-                ],
-            );
+            // The forward into `y` (a pointer and its bf16 flag).
+            let mut forward = |[y_ptr, y_flag]: [Arg; 2]| {
+                launch(
+                    "layer_norm_forward",
+                    rows,
+                    threads,
+                    vec![
+                        ptr(&mut xd, offset),
+                        ptr(&mut gd, offset),
+                        ptr(&mut bd, offset),
+                        y_ptr,
+                        y_flag,
+                        ptr(&mut md, offset),
+                        ptr(&mut rd, offset),
+                        Arg::U64(rows as u64),
+                        Arg::U64(hidden as u64),
+                        Arg::F32(eps),
+                    ],
+                )
+            };
+            // In f32, and rounded to bf16 for bf16 products.
+            let mut y16 = Buf::nans(n, offset, true);
+            forward(y16.arg(offset));
+            forward([ptr(&mut yd, offset), Arg::I32(F32)]);
             assert_close(&what, &yd[offset..], &y, 1e-5, 1e-5);
             assert_close(&what, &md[offset..], &mean, 1e-5, 1e-6);
             assert_close(&what, &rd[offset..], &rstd, 1e-5, 1e-6);
-            // The output rounded to bf16 for bf16 products (within one bf16 step: the f32
-            // values agree to rounding, which may fall on either side of a bf16 midpoint).
-            let mut y16 = Buf::nans(n, offset, true);
-            let [y16_ptr, y16_flag] = y16.arg(offset);
-            launch(
-                "layer_norm_forward",
-                rows,
-                threads,
-                vec![
-                    ptr(&mut xd, offset),
-                    ptr(&mut gd, offset),
-                    ptr(&mut bd, offset),
-                    y16_ptr,
-                    y16_flag,
-                    ptr(&mut md, offset),
-                    ptr(&mut rd, offset),
-                    Arg::U64(rows as u64),
-                    Arg::U64(hidden as u64),
-                    Arg::F32(eps),
-                ],
-            );
+            // Within one bf16 step: the f32 values agree to rounding, which may fall on either
+            // side of a bf16 midpoint.
             assert_close(&what, &y16.values(offset), &round(&y), BF16_STEP, 1e-5);
             // The backward from the CPU's statistics: dx per row, then the parameter gradients
             // through f64 partial sums per chunk of rows, added to what they held.
