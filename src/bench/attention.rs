@@ -1,7 +1,8 @@
 //! `megatron bench attention`: the time of one causal self-attention layer (the op between the
 //! QKV and output projections), forward and forward + backward, with dropout, in each way this
 //! build can run it: the CPU kernels, and on a GPU the unfused kernels (batched cuBLAS products
-//! with fused softmax/dropout kernels, bf16) and the flash kernels. Throughput counts the
+//! with fused softmax/dropout kernels, bf16) and the flash kernels, from bf16 inputs as the
+//! model's layers hand them over. Throughput counts the
 //! products a causal layer needs (half the `s × s` ones, FlashAttention's convention: 4·b·h·s²·d
 //! FLOPs forward ×½, backward 2.5× the forward).
 
@@ -163,11 +164,12 @@ pub fn run_cpu(b: AttentionBench) -> Result<AttentionReport> {
 }
 
 /// Measures the layer on GPU 0, unfused and (for a head size they are built for) flash, with
-/// bf16 products.
+/// bf16 products and bf16 inputs.
 #[cfg(feature = "cuda")]
 pub fn run_gpu(b: AttentionBench) -> Result<AttentionReport> {
     use megatron_core::cuda::Gpu;
     use megatron_core::cuda::kernels::flash_attention::HEAD_DIMS;
+    use megatron_core::tensor::DType;
     b.check()?;
     let gpu = Gpu::new(0)?;
     gpu.set_bf16_products(true);
@@ -176,7 +178,10 @@ pub fn run_gpu(b: AttentionBench) -> Result<AttentionReport> {
         .name()
         .unwrap_or_else(|_| "CUDA device 0".to_string());
     let (qkv, dy) = inputs(&b)?;
-    let (qkv, dy) = (qkv.to_gpu(&gpu)?, dy.to_gpu(&gpu)?);
+    // In the products' dtype, as the model hands them over (the fused projection and the output
+    // projection's input gradient are bf16 there): the times are the layer's, no conversion.
+    let on_gpu = |t: &Tensor| -> Result<Tensor> { Ok(t.to_gpu(&gpu)?.to_contiguous(DType::BF16)?) };
+    let (qkv, dy) = (on_gpu(&qkv)?, on_gpu(&dy)?);
     let sync = || Ok(gpu.synchronize()?);
     let mut results = Vec::new();
     // The flash kernels only where they are built for the head size.
