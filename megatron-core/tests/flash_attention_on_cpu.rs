@@ -324,20 +324,29 @@ fn flash_forward(
     (out, lse)
 }
 
-/// The flash backward on the CPU-built kernels: the fused projection's gradient.
+/// The flash backward on the CPU-built kernels: the fused projection's gradient, from `d_out`
+/// handed over in f32 or (with `d_out_bf16`) rounded to bf16.
 fn flash_backward(
     case: &Case,
     qkv: &mut [bf16],
     (out, lse): &mut (Vec<f32>, Vec<f32>),
     d_out: &mut [f32],
+    d_out_bf16: bool,
     dropout: &Option<(f32, DropoutStream)>,
 ) -> Vec<f32> {
     let rows = case.batch * case.heads * case.seq;
     let mut d_out16 = vec![bf16::NAN; case.out_len()];
     let mut delta = vec![f32::NAN; rows];
+    let mut d_out_in: Vec<bf16> = d_out.iter().map(|&x| bf16::from_f32(x)).collect();
+    let d_out_ptr = if d_out_bf16 {
+        d_out_in.as_mut_ptr().cast()
+    } else {
+        d_out.as_mut_ptr().cast()
+    };
     let mut args = vec![
         Arg::Ptr(out.as_mut_ptr().cast()),
-        Arg::Ptr(d_out.as_mut_ptr().cast()),
+        Arg::Ptr(d_out_ptr),
+        Arg::I32(i32::from(d_out_bf16)),
         Arg::Ptr(d_out16.as_mut_ptr().cast()),
     ];
     args.extend(out_strides(case));
@@ -374,7 +383,11 @@ fn flash_attention_is_plain_attention_forward_and_backward() {
             .into_iter()
             .map(bf16::from_f32)
             .collect();
-        let mut d_out = values(case.out_len(), seed + 1, -1.0, 1.0);
+        // bf16 values, so that handing them over in f32 or in bf16 must give the same bits.
+        let mut d_out: Vec<f32> = values(case.out_len(), seed + 1, -1.0, 1.0)
+            .into_iter()
+            .map(|x| bf16::from_f32(x).to_f32())
+            .collect();
         // Offset 1 puts the rows off 16-byte alignment: the kernels' 2-byte load path.
         for offset in [0, 1] {
             let mut buf = vec![bf16::NAN; offset];
@@ -390,8 +403,11 @@ fn flash_attention_is_plain_attention_forward_and_backward() {
                 // The gradients of bf16 products: the reference's d_out as the kernels round it.
                 let d_out16: Vec<f32> = d_out.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
                 let want = reference.backward(&d_out16);
-                let dqkv = flash_backward(&case, qkv_at, &mut got, &mut d_out, &dropout);
+                let dqkv = flash_backward(&case, qkv_at, &mut got, &mut d_out, false, &dropout);
                 assert_near(&format!("{what}: gradient"), &dqkv, &want, 2e-2);
+                let from16 = flash_backward(&case, qkv_at, &mut got, &mut d_out, true, &dropout);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert!(bits(&from16) == bits(&dqkv), "{what}: bf16 d_out");
             }
         }
     }

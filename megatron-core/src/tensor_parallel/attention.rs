@@ -334,7 +334,7 @@ mod device {
     use crate::cuda::kernels::flash_attention::{
         FlashShape, flash_attention_backward, flash_attention_forward,
     };
-    use crate::cuda::kernels::operand::{with_in, with_optional_out, with_out};
+    use crate::cuda::kernels::operand::{contiguous_input, with_in, with_optional_out, with_out};
     use crate::cuda::kernels::softmax as gsm;
     use crate::error::Result;
     use crate::kernels::dropout::LogicalIndex;
@@ -480,17 +480,21 @@ mod device {
     ) -> Result<Tensor> {
         let sh = saved.shape;
         let dqkv = Tensor::empty_on(sh.dims(3), DType::F32, gpu)?;
-        flash_attention_backward(
-            gpu,
-            &qkv.device_read::<half::bf16>()?.view(),
-            &out.device_read::<f32>()?.view(),
-            &lse.device_read::<f32>()?.view(),
-            &d_out.device_read::<f32>()?.view(),
-            flash_shape(sh),
-            sh.scale(),
-            dropout_of(&saved.dropout),
-            &mut dqkv.device_write::<f32>()?.view_mut(),
-        )?;
+        // The output gradient as it comes (bf16 from a row-parallel projection), read once.
+        let d_out = contiguous_input(d_out)?;
+        with_in(&d_out, |d_out| {
+            Ok(flash_attention_backward(
+                gpu,
+                &qkv.device_read::<half::bf16>()?.view(),
+                &out.device_read::<f32>()?.view(),
+                &lse.device_read::<f32>()?.view(),
+                d_out,
+                flash_shape(sh),
+                sh.scale(),
+                dropout_of(&saved.dropout),
+                &mut dqkv.device_write::<f32>()?.view_mut(),
+            )?)
+        })?;
         Ok(dqkv)
     }
 
@@ -500,8 +504,7 @@ mod device {
         let (q, k, v, probs) = match &saved.kept {
             Kept::Weights { q, k, v, probs } => (q, k, v, probs),
             Kept::Flash { qkv, out, lse } => {
-                let d_out = d_out.to_f32_contiguous()?;
-                return backward_flash(&saved, (qkv, out, lse), &d_out, gpu);
+                return backward_flash(&saved, (qkv, out, lse), d_out, gpu);
             }
         };
         let sh = saved.shape;

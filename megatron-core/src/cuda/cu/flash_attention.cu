@@ -440,9 +440,10 @@ __device__ __forceinline__ void fa_forward(
 
 // ---------------------------------------------------------------------------------------------
 // Backward, step 1: delta = Σ_d do·o per row (the row sums of the probability gradient's
-// softmax term, dropout included) and do rounded to bf16 for the products. One warp per row.
+// softmax term, dropout included) and do rounded to bf16 for the products (do is f32, or with
+// d_o_bf16 already bf16). One warp per row.
 extern "C" __global__ __launch_bounds__(256) void flash_backward_prepare(
-    const float* __restrict__ o, const float* __restrict__ d_o, bf16_t* __restrict__ d_o16,
+    const float* __restrict__ o, const void* __restrict__ d_o, int d_o_bf16, bf16_t* __restrict__ d_o16,
     i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, float* __restrict__ delta, u64 s,
     u64 heads, u64 batch, u64 d) {
     const int lane = threadIdx.x % WARP;
@@ -453,7 +454,7 @@ extern "C" __global__ __launch_bounds__(256) void flash_backward_prepare(
         const i64 at = (i64)i * o_seq_stride + (i64)b * o_batch_stride + (i64)h * o_head_stride;
         float acc = 0.0f;
         for (u64 e = lane; e < d; e += WARP) {
-            const float g = d_o[at + e];
+            const float g = load_in(d_o, d_o_bf16 != 0, at + e);
             acc += g * o[at + e];
             d_o16[at + e] = (bf16_t)bf16_bits(g);
         }

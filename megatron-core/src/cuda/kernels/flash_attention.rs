@@ -15,6 +15,7 @@ use cudarc::driver::{CudaView, CudaViewMut, LaunchArgs, LaunchConfig, PushKernel
 use half::bf16;
 
 use super::dropout::MaskArgs;
+use super::operand::In;
 use super::softmax::{Dropout, mask};
 use super::{check_len, launch, launch_args};
 use crate::cuda::error::CudaError;
@@ -203,14 +204,15 @@ pub fn flash_attention_forward(
 }
 
 /// The gradient of the fused projection (`d_qkv`, every element written) from the output
-/// gradient, with the forward's fused projection, output and log-sum-exp, scale and dropout.
+/// gradient (f32 or bf16), with the forward's fused projection, output and log-sum-exp, scale and
+/// dropout.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward(
     gpu: &Gpu,
     qkv: &CudaView<bf16>,
     out: &CudaView<f32>,
     lse: &CudaView<f32>,
-    d_out: &CudaView<f32>,
+    d_out: In<'_, '_>,
     sh: FlashShape,
     scale: f32,
     dropout: Option<Dropout<'_>>,
@@ -232,13 +234,11 @@ pub fn flash_attention_backward(
     let d_out16 = gpu.uninit::<bf16>(sh.out_len())?;
     let delta = gpu.uninit::<f32>(sh.rows())?;
     const PREPARE: &str = "flash_backward_prepare";
+    let d_out_flag = d_out.flag();
     let mut args = launch_args(gpu, PREPARE)?;
-    args.arg(out)
-        .arg(d_out)
-        .arg(&d_out16)
-        .arg(&os)
-        .arg(&ob)
-        .arg(&oh);
+    args.arg(out);
+    d_out.push(&mut args, &d_out_flag);
+    args.arg(&d_out16).arg(&os).arg(&ob).arg(&oh);
     args.arg(&delta).arg(&s).arg(&heads).arg(&batch).arg(&d);
     let warps_per_block = 256 / 32;
     let blocks = sh.rows().div_ceil(warps_per_block).clamp(1, 1 << 16) as u32;
