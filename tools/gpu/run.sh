@@ -3,7 +3,9 @@
 # GPU test (full output under $OUT/tests), the attention bench, gpt-1.2b benches ($OUT/bench).
 # Knobs: TESTS=0 skips tests; ONLY="a b" limits test binaries; TT=seconds per test binary;
 # ATT=0 skips the attention bench; DROPOUTS="0.1 0" its dropouts; BINS="megatron other" CLI
-# builds to compare; BENCH="name[@bin]:args;..." replaces the benches.
+# builds to compare; BENCH="name[@bin]:args;..." replaces the benches; NCU="regex" also profiles
+# the attention bench's kernels matching it with Nsight Compute ($OUT/ncu.csv: speed of light,
+# occupancy, warp stall reasons), e.g. NCU="flash".
 cd "$(dirname "$0")"
 cuda_libs=$(ls -d /usr/local/cuda*/targets/x86_64-linux/lib /usr/local/cuda/lib64 2>/dev/null | tr '\n' ':')
 export LD_LIBRARY_PATH="$cuda_libs/usr/lib/x86_64-linux-gnu:$PWD/lib:${LD_LIBRARY_PATH:-}"
@@ -30,3 +32,14 @@ for r in "${runs[@]}"; do
   echo "=== $name rc=$rc $(( $(date +%s) - s ))s $(grep -E '"(tokens_per_s|mfu|peak_gpu_memory_gib)"' "$OUT/bench/$name.json" | tr -d '\n ')"
   grep -iE "error" "$OUT/bench/$name.err" | head -3
 done
+if [ -n "${NCU:-}" ]; then
+  ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  echo "=== ncu $NCU (${ncu_bin:-not found})"
+  if [ -n "$ncu_bin" ]; then
+    timeout 400 "$ncu_bin" --kernel-name "regex:$NCU" --launch-count 6 --csv --page details \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis \
+      ./megatron bench attention --device cuda --repeats 1 > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
+    echo "rc=$? $(wc -l < "$OUT/ncu.csv") lines"
+  fi
+fi
