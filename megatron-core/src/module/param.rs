@@ -2,9 +2,12 @@
 
 use std::sync::Arc;
 
+use rayon::prelude::*;
+
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::dropout::LogicalIndex;
+use crate::kernels::parallel;
 use crate::parallel::GroupKind;
 use crate::rng::{philox4x32_10, stream_id};
 use crate::tensor::{DType, Shape, Tensor};
@@ -367,11 +370,26 @@ pub fn initial_values(seed: u64, spec: &ParamSpec) -> Vec<f32> {
             let key = [seed as u32, (seed >> 32) as u32];
             let stream = stream_id(&[name_hash(&spec.name)]);
             let index = spec.logical_index();
-            let mut out = Vec::with_capacity(n);
-            for o in 0..index.outer {
-                for k in 0..index.inner {
-                    out.push(std * normal(index.logical(o, k), key, stream));
+            let mut out = vec![0.0f32; n];
+            // Local element l is (o, k) = (l / inner, l % inner); each value depends only on its
+            // logical index, so parts of the buffer fill independently (the same bits however
+            // the work is split).
+            let fill = |start: usize, part: &mut [f32]| {
+                let (mut l, mut j) = (start, 0);
+                while j < part.len() {
+                    let (o, k) = (l / index.inner, l % index.inner);
+                    let len = (index.inner - k).min(part.len() - j);
+                    normals_into(&mut part[j..j + len], index.logical(o, k), key, stream, std);
+                    (l, j) = (l + len, j + len);
                 }
+            };
+            match parallel::part_len(n) {
+                None => fill(0, &mut out),
+                Some(len) => parallel::on_pool(|| {
+                    out.par_chunks_mut(len)
+                        .enumerate()
+                        .for_each(|(c, part)| fill(c * len, part))
+                }),
             }
             out
         }
@@ -426,10 +444,9 @@ fn name_hash(name: &str) -> u64 {
     })
 }
 
-/// The standard normal sample of logical element `i`: Box–Muller on words of Philox block i / 4.
-fn normal(i: u64, key: [u32; 2], stream: u64) -> f32 {
-    let block = i / 4;
-    let w = philox4x32_10(
+/// Philox block `block` of `stream` under `key`: the words of logical elements 4·block .. + 4.
+fn normal_block(block: u64, key: [u32; 2], stream: u64) -> [u32; 4] {
+    philox4x32_10(
         [
             block as u32,
             (block >> 32) as u32,
@@ -437,7 +454,33 @@ fn normal(i: u64, key: [u32; 2], stream: u64) -> f32 {
             (stream >> 32) as u32,
         ],
         key,
-    );
+    )
+}
+
+/// `std ×` the standard normal samples of the consecutive logical elements `first ..` into
+/// `out`: [`normal`] of each, with one Philox block per four elements.
+fn normals_into(out: &mut [f32], first: u64, key: [u32; 2], stream: u64, std: f32) {
+    let mut j = 0;
+    while j < out.len() {
+        let i = first.wrapping_add(j as u64);
+        let w = normal_block(i / 4, key, stream);
+        let len = ((4 - i % 4) as usize).min(out.len() - j);
+        for (t, v) in out[j..j + len].iter_mut().enumerate() {
+            *v = std * normal_of(&w, i + t as u64);
+        }
+        j += len;
+    }
+}
+
+/// The standard normal sample of logical element `i`: Box–Muller on words of Philox block i / 4.
+#[cfg(test)]
+fn normal(i: u64, key: [u32; 2], stream: u64) -> f32 {
+    normal_of(&normal_block(i / 4, key, stream), i)
+}
+
+/// Element `i`'s sample from its block's words `w`: words 2·pair and 2·pair + 1 (pair = which
+/// half of the block) give one Box–Muller pair, the cosine for even `i`, the sine for odd.
+fn normal_of(w: &[u32; 4], i: u64) -> f32 {
     let pair = (i % 4) as usize / 2;
     let unit = |x: u32| (f64::from(x) + 0.5) / 4_294_967_296.0;
     let (u1, u2) = (unit(w[2 * pair]), unit(w[2 * pair + 1]));
@@ -460,6 +503,67 @@ mod tests {
             .value()
             .to_vec::<f32>()
             .unwrap()
+    }
+
+    #[test]
+    fn initial_values_are_each_elements_sample_however_the_work_is_split() {
+        // Parts of rows that start mid-block (odd widths and shard offsets), a parameter large
+        // enough to be filled in parallel, on one compute thread and on three.
+        let cases: [([usize; 2], Split, usize, usize); 3] = [
+            ([7, 9], Split::Replicated, 0, 1),
+            (
+                [5, 15],
+                Split::Dim {
+                    dim: 1,
+                    group: GroupKind::Tp,
+                },
+                1,
+                3,
+            ),
+            (
+                [331, 2409],
+                Split::Dim {
+                    dim: 1,
+                    group: GroupKind::Tp,
+                },
+                2,
+                11,
+            ),
+        ];
+        for threads in [1, 3] {
+            parallel::set_threads(threads);
+            for (logical, split, part, parts) in cases {
+                let local = match split {
+                    Split::Replicated => logical,
+                    Split::Dim { .. } => [logical[0], logical[1] / parts],
+                };
+                let spec = ParamSpec {
+                    name: "blocks.0.w".to_string(),
+                    logical: Shape::from(logical),
+                    local: Shape::from(local),
+                    split,
+                    part,
+                    parts,
+                    init: Init::Normal { std: 0.5 },
+                    weight_decay: true,
+                    real_rows: None,
+                };
+                let got = initial_values(9, &spec);
+                let index = spec.logical_index();
+                let key = [9, 0];
+                let stream = stream_id(&[name_hash(&spec.name)]);
+                let want: Vec<f32> = (0..index.outer)
+                    .flat_map(|o| (0..index.inner).map(move |k| index.logical(o, k)))
+                    .map(|i| 0.5 * normal(i, key, stream))
+                    .collect();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert!(
+                    bits(&got) == bits(&want),
+                    "{logical:?} part {part}, {threads} threads"
+                );
+            }
+        }
+        parallel::set_threads(parallel::cores());
     }
 
     #[test]
