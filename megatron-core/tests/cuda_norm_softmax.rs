@@ -9,7 +9,7 @@
 mod support;
 
 use half::bf16;
-use megatron_core::cuda::kernels::softmax::{In, Out};
+use megatron_core::cuda::kernels::operand::{In, Out};
 use megatron_core::cuda::kernels::{layer_norm as gpu_ln, softmax as gpu_sm};
 use megatron_core::cuda::{CudaSlice, Gpu};
 use megatron_core::kernels::dropout::{self as cpu_dropout, LogicalIndex};

@@ -13,7 +13,9 @@ export OMPI_MCA_mca_base_component_path="$PWD/lib/openmpi/openmpi3" OMPI_ALLOW_R
 mkdir -p "$OUT/tests" "$OUT/bench"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 if [ "${TESTS:-1}" = 1 ]; then
-for t in ${ONLY:-cuda_nvrtc cuda_backend cuda_norm_softmax cuda_embedding_loss_adam cuda_layers_dense cuda_layers_attention_vocab gpt_gpu nccl_backend}; do
+# Every test binary pack.sh put here (all executables but the CLI builds, megatron*).
+tests=$(find . -maxdepth 1 -type f -perm -u+x ! -name 'megatron*' ! -name run.sh -printf '%f\n' | sort)
+for t in ${ONLY:-$tests}; do
   s=$(date +%s)
   timeout ${TT:-100} ./$t --include-ignored --test-threads=1 > "$OUT/tests/$t.log" 2>&1; rc=$?
   echo "=== $t rc=$rc $(( $(date +%s) - s ))s: $(grep -E '^test result' "$OUT/tests/$t.log" | tail -1)"

@@ -1,4 +1,4 @@
-// Element-wise kernels: GeLU (tanh form, as GPT-2), add, scale, bias, casts, Σx².
+// Element-wise kernels: GeLU (tanh form, as GPT-2), add, fill, bias, casts, copies, Σx².
 
 #define GELU_A 1.5957691216057308f   // 2·√(2/π)
 #define GELU_B 0.071354816f          // 2·√(2/π)·0.044715
@@ -73,10 +73,6 @@ extern "C" __global__ void add(const float* __restrict__ a, const float* __restr
 
 extern "C" __global__ void add_assign(float* __restrict__ acc, const float* __restrict__ x, u64 n) {
     FOR_EACH(i, n) { acc[i] += x[i]; }
-}
-
-extern "C" __global__ void scale(float* __restrict__ x, float alpha, u64 n) {
-    FOR_EACH(i, n) { x[i] *= alpha; }
 }
 
 extern "C" __global__ void fill(float* __restrict__ x, float value, u64 n) {
@@ -204,17 +200,7 @@ extern "C" __global__ void copy_dense(const void* __restrict__ src, int src_type
     const bool floats = src_type <= 1 && dst_type <= 1;
     const u64 align = (src_type == 1 ? 7 : 15) | (dst_type == 1 ? 7 : 15);
     if (floats && (((u64)src | (u64)dst) & align) == 0) {
-        FOR_EACH(k, n / 4) {
-            float4 v;
-            if (src_type == 0) {
-                v = reinterpret_cast<const float4*>(src)[k];
-            } else {
-                const uint2 b = reinterpret_cast<const uint2*>(src)[k];
-                v = make_float4(bf16_to_float(b.x & 0xffffu), bf16_to_float(b.x >> 16),
-                                bf16_to_float(b.y & 0xffffu), bf16_to_float(b.y >> 16));
-            }
-            store_out4(dst, dst_type == 1, k, v);
-        }
+        FOR_EACH(k, n / 4) { store_out4(dst, dst_type == 1, k, load_in4(src, src_type == 1, k)); }
         FOR_EACH(i, n % 4) {
             const u64 e = n - n % 4 + i;
             copy_element(src, src_type, (i64)e, dst, dst_type, e, elem_bytes);

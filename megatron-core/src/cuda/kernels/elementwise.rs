@@ -1,4 +1,4 @@
-//! GeLU, add, scale, bias, casts and Σx² on the device.
+//! GeLU, add, fill, bias, casts and Σx² on the device.
 
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use half::bf16;
@@ -63,16 +63,6 @@ pub fn add_assign(gpu: &Gpu, acc: &mut CudaViewMut<f32>, x: &CudaView<f32>) -> R
     let n64 = n as u64;
     let mut args = launch_args(gpu, K)?;
     args.arg(acc).arg(x).arg(&n64);
-    launch(K, args, cover(n))
-}
-
-/// `x *= alpha`.
-pub fn scale(gpu: &Gpu, x: &mut CudaViewMut<f32>, alpha: f32) -> Result<()> {
-    const K: &str = "scale";
-    let n = x.len();
-    let n64 = n as u64;
-    let mut args = launch_args(gpu, K)?;
-    args.arg(x).arg(&alpha).arg(&n64);
     launch(K, args, cover(n))
 }
 

@@ -11,7 +11,7 @@ use cudarc::driver::{CudaView, CudaViewMut, LaunchArgs, PushKernelArg};
 
 use super::dropout::MaskArgs;
 use super::layer_norm::row_threads;
-pub use super::operand::{In, Out};
+use super::operand::{In, Out};
 use super::{launch, launch_args, per_row};
 use crate::cuda::{Gpu, Result};
 use crate::kernels::dropout::LogicalIndex;
