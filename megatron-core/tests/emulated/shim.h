@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -90,6 +91,8 @@ struct EmuWarp {
     double lanes[32];
     // Every lane's fragments of a tensor-core product.
     unsigned mma_a[32][4], mma_b[32][2];
+    // Every lane's row address of a shared-memory matrix load.
+    const unsigned short* rows[32];
     std::unique_ptr<std::barrier<>> bar;
 };
 inline std::unique_ptr<std::barrier<>> emu_block_barrier;
@@ -158,6 +161,53 @@ inline void emu_mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b
     }
     w.bar->arrive_and_wait();
     for (int c = 0; c < 4; ++c) d[c] = out[c];
+}
+
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: four 8×8 matrices of 16-bit elements,
+// lanes 8i .. 8i + 7 giving the addresses of matrix i's rows 0..7; lane 4g + t receives in r[i]
+// the elements (g, 2t) and (g, 2t + 1) of matrix i, or with `trans` (2t, g) and (2t + 1, g).
+// Every lane of the warp must call it.
+inline void emu_ldmatrix_x4(unsigned* r, const void* p, bool trans) {
+    const unsigned lane = emu_tid % 32;
+    EmuWarp& w = emu_warps[emu_tid / 32];
+    w.rows[lane] = static_cast<const unsigned short*>(p);
+    w.bar->arrive_and_wait();
+    const unsigned g = lane >> 2, t = lane & 3;
+    unsigned out[4];
+    for (int i = 0; i < 4; ++i) {
+        const unsigned short* const* m = &w.rows[8 * i];
+        const unsigned lo = trans ? m[2 * t][g] : m[g][2 * t];
+        const unsigned hi = trans ? m[2 * t + 1][g] : m[g][2 * t + 1];
+        out[i] = lo | (hi << 16);
+    }
+    w.bar->arrive_and_wait();
+    for (int i = 0; i < 4; ++i) r[i] = out[i];
+}
+
+// cp.async: a thread's copies from global to shared memory, grouped by commit_group. They
+// land as late as wait_group allows (when it is called), so that a kernel reading a tile
+// before waiting for it reads stale data here as it could on a GPU.
+struct EmuCopy {
+    void* dst;
+    const void* src;
+    int bytes;
+};
+inline thread_local std::vector<EmuCopy> emu_copies_open;
+inline thread_local std::deque<std::vector<EmuCopy>> emu_copy_groups;
+
+inline void emu_cp_async(void* dst, const void* src, int bytes) {
+    emu_copies_open.push_back({dst, src, bytes});
+}
+inline void emu_cp_async_commit() {
+    emu_copy_groups.push_back(std::move(emu_copies_open));
+    emu_copies_open.clear();
+}
+// Completes every group but the newest `pending`.
+inline void emu_cp_async_wait(int pending) {
+    while ((int)emu_copy_groups.size() > pending) {
+        for (const EmuCopy& c : emu_copy_groups.front()) std::memcpy(c.dst, c.src, c.bytes);
+        emu_copy_groups.pop_front();
+    }
 }
 
 // Atomics: one lock for all (the emulation's threads of a block run concurrently).

@@ -18,8 +18,16 @@
 // probabilities are rounded to bf16 for their product with v, as the unfused kernels store
 // them with bf16 products. Rows are assumed finite (no ±∞/NaN scores).
 //
+// Tiles move through shared memory FlashAttention-2's way: global → shared by asynchronous
+// 16-byte copies (cp.async) into two stages, the next tile's copies in flight while the
+// current one is multiplied; shared → registers by ldmatrix, transposing (.trans) where a
+// product needs a tile's columns (values, keys, queries and output gradients are read as they
+// lie, never stored transposed). Only tiles that cross the causal diagonal or the sequence's
+// end evaluate the mask per element.
+//
 // Warps own 16 rows of a tile each; FA_THREADS threads per block. Head dimensions 32, 64, 96
-// and 128 are instantiated; the kernels take the head dimension at run time.
+// and 128 are instantiated; the kernels take the head dimension at run time. Positions are
+// 32-bit (the launchers refuse sequences of 2^31 and more).
 
 #define FA_WARPS 4
 #define FA_THREADS (FA_WARPS * WARP)
@@ -29,8 +37,9 @@
 // key gradient.
 #define FA_FWD_KEYS 64
 #define FA_BWD_COLS 32
-// Padding (in bf16 elements) of every shared row, so that the 8 rows a fragment load touches
-// fall on different banks.
+// Padding (in bf16 elements) of every shared row, so that the 8 rows an ldmatrix reads fall
+// on different banks: rows of 2·D + 16 bytes (D a multiple of 32) put 8 consecutive rows'
+// 16-byte pieces on 8 different groups of 4 banks.
 #define FA_PAD 8
 // Bytes per query row of the key-gradient kernel's dropout flags (FA_ROWS keys, padded so that
 // the lanes reading a fragment's flags hit different banks).
@@ -45,12 +54,80 @@ typedef unsigned short bf16_t;
 #define DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
+// ---------------------------------------------------------------------------------------------
+// Shared memory: asynchronous copies in, matrix loads out.
+
+#ifndef EMULATED_CUDA
+// The shared-state-space address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 shared_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+#endif
+
+// Starts copying `BYTES` (4 or 16, both addresses aligned to it) from global to shared memory;
+// the copy lands once a later `copies_wait` covers the group it was committed in.
+template <int BYTES>
+__device__ __forceinline__ void copy_async(void* dst, const void* src) {
+#ifdef EMULATED_CUDA
+    emu_cp_async(dst, src, BYTES);
+#else
+    if (BYTES == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_addr(dst)), "l"(src)
+                     : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(shared_addr(dst)),
+                     "l"(src), "n"(BYTES)
+                     : "memory");
+    }
+#endif
+}
+
+// Closes the group of this thread's copies started since the last commit.
+__device__ __forceinline__ void copies_commit() {
+#ifdef EMULATED_CUDA
+    emu_cp_async_commit();
+#else
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most the newest `PENDING` committed groups of this thread are in flight (a
+// barrier then makes every thread's landed copies visible to the block).
+template <int PENDING>
+__device__ __forceinline__ void copies_wait() {
+#ifdef EMULATED_CUDA
+    emu_cp_async_wait(PENDING);
+#else
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+#endif
+}
+
+// Four 8×8 bf16 matrices from shared memory (ldmatrix .x4): lane 8i + r gives the address of
+// row r of matrix i; lane 4g + t receives in x[i] the elements (g, 2t), (g, 2t + 1) of matrix
+// i, or with TRANS (2t, g), (2t + 1, g). Rows are 16-byte aligned.
+template <bool TRANS>
+__device__ __forceinline__ void load_matrices(u32* x, const bf16_t* row) {
+#ifdef EMULATED_CUDA
+    emu_ldmatrix_x4(x, row, TRANS);
+#else
+    if (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
+                     : "r"(shared_addr(row)));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
+                     : "r"(shared_addr(row)));
+    }
+#endif
+}
+
 // Two bf16 (the first in the low half) of two floats, rounded to nearest even.
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return bf16_bits(lo) | (bf16_bits(hi) << 16);
 }
-
-__device__ __forceinline__ u32 load_pair(const bf16_t* p) { return *reinterpret_cast<const u32*>(p); }
 
 // d += a·b on the tensor cores: one m16n8k16 product of bf16 fragments with f32 accumulation.
 // Fragments (PTX ISA, lane = 4g + t): a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1],
@@ -69,23 +146,36 @@ __device__ __forceinline__ void mma_bf16(float* d, const u32* a, const u32* b) {
 }
 
 // The A fragment of the 16×16 tile at (row0, col0) of a row-major shared matrix (ld elements
-// per row).
+// per row): matrices (rows +0, cols +0), (+8, +0), (+0, +8), (+8, +8) are a[0..3].
 __device__ __forceinline__ void frag_a(u32* a, const bf16_t* x, int ld, int row0, int col0) {
-    const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
-    const bf16_t* p = x + (row0 + g) * ld + col0 + 2 * t;
-    a[0] = load_pair(p);
-    a[1] = load_pair(p + 8 * ld);
-    a[2] = load_pair(p + 8);
-    a[3] = load_pair(p + 8 * ld + 8);
+    const int lane = threadIdx.x % WARP, i = lane >> 3;
+    load_matrices<false>(a, x + (row0 + (lane & 7) + 8 * (i & 1)) * ld + col0 + 8 * (i >> 1));
 }
 
-// The B fragment of B[k0 .. k0+16][n0 .. n0+8] from Bᵀ held row-major in shared memory (row n
-// of `bt` is column n of B).
-__device__ __forceinline__ void frag_b(u32* b, const bf16_t* bt, int ld, int n0, int k0) {
-    const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
-    const bf16_t* p = bt + (n0 + g) * ld + k0 + 2 * t;
-    b[0] = load_pair(p);
-    b[1] = load_pair(p + 8);
+// The B fragments of two neighbouring 8-column tiles, B[k0 .. k0+16][n0 .. n0+16], from Bᵀ
+// held row-major in shared memory (row n of `bt` is column n of B): b[0] for columns n0 ..
+// n0+8, b[1] for n0+8 .. n0+16.
+__device__ __forceinline__ void frags_b(u32 (*b)[2], const bf16_t* bt, int ld, int n0, int k0) {
+    const int lane = threadIdx.x % WARP, i = lane >> 3;
+    u32 x[4];
+    load_matrices<false>(x, bt + (n0 + (lane & 7) + 8 * (i >> 1)) * ld + k0 + 8 * (i & 1));
+    b[0][0] = x[0];
+    b[0][1] = x[1];
+    b[1][0] = x[2];
+    b[1][1] = x[3];
+}
+
+// The same two B fragments from B itself held row-major in shared memory (row k of `bm` is
+// row k of B), transposed on the way.
+__device__ __forceinline__ void frags_b_trans(u32 (*b)[2], const bf16_t* bm, int ld, int n0,
+                                              int k0) {
+    const int lane = threadIdx.x % WARP, i = lane >> 3;
+    u32 x[4];
+    load_matrices<true>(x, bm + (k0 + (lane & 7) + 8 * (i & 1)) * ld + n0 + 8 * (i >> 1));
+    b[0][0] = x[0];
+    b[0][1] = x[1];
+    b[1][0] = x[2];
+    b[1][1] = x[3];
 }
 
 // The A fragments of a 16-column slice k of accumulator tiles: the m16n8 tiles 2k and 2k + 1
@@ -104,36 +194,38 @@ __device__ __forceinline__ void zero_tiles(float (*c)[4]) {
     for (int n = 0; n < N; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
 }
 
-// acc (N tiles of 8 columns) += A · B over 16·KS rows of B: A's k-th 16-column slice in the
-// fragments a[k], B from Bᵀ held row-major in shared memory.
+// acc (N tiles of 8 columns, N even) += A · B over 16·KS rows of B: A's k-th 16-column slice
+// in the fragments a[k], B from Bᵀ held row-major in shared memory.
 template <int KS, int N>
 __device__ __forceinline__ void product_frags(float (*acc)[4], const u32 (*a)[4], const bf16_t* bt,
                                               int ld) {
     #pragma unroll
     for (int k = 0; k < KS; ++k) {
         #pragma unroll
-        for (int n = 0; n < N; ++n) {
-            u32 b[2];
-            frag_b(b, bt, ld, 8 * n, 16 * k);
-            mma_bf16(acc[n], a[k], b);
+        for (int n = 0; n < N; n += 2) {
+            u32 b[2][2];
+            frags_b(b, bt, ld, 8 * n, 16 * k);
+            mma_bf16(acc[n], a[k], b[0]);
+            mma_bf16(acc[n + 1], a[k], b[1]);
         }
     }
 }
 
-// acc (N tiles of 8 columns) += A · B where A is the 2·KS accumulator tiles `c` (rounded to
-// bf16, see acc_to_a) and B comes from Bᵀ held row-major in shared memory.
+// acc (N tiles of 8 columns, N even) += A · B where A is the 2·KS accumulator tiles `c`
+// (rounded to bf16, see acc_to_a) and B is held row-major in shared memory.
 template <int KS, int N>
 __device__ __forceinline__ void product_tiles(float (*acc)[4], const float (*c)[4],
-                                              const bf16_t* bt, int ld) {
+                                              const bf16_t* bm, int ld) {
     #pragma unroll
     for (int k = 0; k < KS; ++k) {
         u32 a[4];
         acc_to_a(a, c, k);
         #pragma unroll
-        for (int n = 0; n < N; ++n) {
-            u32 b[2];
-            frag_b(b, bt, ld, 8 * n, 16 * k);
-            mma_bf16(acc[n], a, b);
+        for (int n = 0; n < N; n += 2) {
+            u32 b[2][2];
+            frags_b_trans(b, bm, ld, 8 * n, 16 * k);
+            mma_bf16(acc[n], a, b[0]);
+            mma_bf16(acc[n + 1], a, b[1]);
         }
     }
 }
@@ -149,90 +241,53 @@ __device__ __forceinline__ void store_row(float* row, const float (*acc)[4], int
     }
 }
 
-// Element e of an 8-element group of bf16 packed in a uint4.
-__device__ __forceinline__ bf16_t unpack8(uint4 v, int e) {
-    const u32 w = e < 2 ? v.x : e < 4 ? v.y : e < 6 ? v.z : v.w;
-    return (bf16_t)((e & 1) ? w >> 16 : w & 0xffffu);
-}
-
-// ROWS rows of one head (D elements each) held in registers on their way to shared memory,
-// 16 bytes (8 elements) per chunk, the block's threads taking chunks in turn.
+// Rows row0 .. row0 + ROWS of one head (D elements each, rows `stride` elements apart) into a
+// shared tile of `ld` elements per row, zeros from row `s` on (so that masked keys meet finite
+// values). With `vec` (the head's rows 16-byte aligned) as 16-byte asynchronous copies for
+// the caller to commit and wait for; else loaded and stored here, 2 bytes at a time.
 template <int D, int ROWS>
-struct RowChunks {
-    static constexpr int CHUNKS = D / 8;
-    static constexpr int PER_THREAD = (ROWS * CHUNKS + FA_THREADS - 1) / FA_THREADS;
-    uint4 v[PER_THREAD];
-};
-
-// Reads rows row0 .. row0 + ROWS of one head (rows seq_stride apart; zeros from row `s` on)
-// into registers: every load of the thread issued before any is used, so that their latencies
-// overlap. 16-byte loads when `vec` (the head's rows 16-byte aligned), else 2-byte ones.
-template <int D, int ROWS>
-__device__ __forceinline__ void fetch_rows(RowChunks<D, ROWS>& c, const bf16_t* __restrict__ src,
-                                           i64 seq_stride, u64 row0, u64 s, bool vec) {
-    constexpr int CHUNKS = RowChunks<D, ROWS>::CHUNKS;
+__device__ __forceinline__ void tile_to_shared(bf16_t* dst, int ld, const bf16_t* __restrict__ src,
+                                               i64 stride, u32 row0, u32 s, bool vec) {
+    constexpr int CHUNKS = D / 8;
+    static_assert(ROWS * CHUNKS % FA_THREADS == 0, "whole rounds of chunks");
     #pragma unroll
-    for (int it = 0; it < RowChunks<D, ROWS>::PER_THREAD; ++it) {
+    for (int it = 0; it < ROWS * CHUNKS / FA_THREADS; ++it) {
         const int chunk = threadIdx.x + it * FA_THREADS, r = chunk / CHUNKS, k = chunk % CHUNKS;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (r < ROWS && row0 + r < s) {
-            const bf16_t* p = src + (i64)(row0 + r) * seq_stride + 8 * k;
-            if (vec) {
-                v = *reinterpret_cast<const uint4*>(p);
-            } else {
-                v = make_uint4(p[0] | ((u32)p[1] << 16), p[2] | ((u32)p[3] << 16),
-                               p[4] | ((u32)p[5] << 16), p[6] | ((u32)p[7] << 16));
-            }
-        }
-        c.v[it] = v;
-    }
-}
-
-// Writes fetched rows to shared memory: row-major into `x` (ld elements per row) and
-// transposed into `xt` (row d holding element d of every row, ldt elements per row), each
-// when not null.
-template <int D, int ROWS>
-__device__ __forceinline__ void store_rows(const RowChunks<D, ROWS>& c, bf16_t* x, int ld,
-                                           bf16_t* xt, int ldt) {
-    constexpr int CHUNKS = RowChunks<D, ROWS>::CHUNKS;
-    #pragma unroll
-    for (int it = 0; it < RowChunks<D, ROWS>::PER_THREAD; ++it) {
-        const int chunk = threadIdx.x + it * FA_THREADS, r = chunk / CHUNKS, k = chunk % CHUNKS;
-        if (r >= ROWS) continue;
-        if (x != nullptr) *reinterpret_cast<uint4*>(x + r * ld + 8 * k) = c.v[it];
-        if (xt != nullptr) {
-            // Rotated by k, so that the lanes of a warp (neighbouring chunks of a row) write
-            // rows 8k + e in different banks at each step instead of all in one.
-            #pragma unroll
-            for (int step = 0; step < 8; ++step) {
-                const int e = (step + k) & 7;
-                xt[(8 * k + e) * ldt + r] = unpack8(c.v[it], e);
-            }
+        bf16_t* d = dst + r * ld + 8 * k;
+        const bf16_t* p = src + (i64)(row0 + r) * stride + 8 * k;
+        if (row0 + r >= s) {
+            *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+        } else if (vec) {
+            copy_async<16>(d, p);
+        } else {
+            *reinterpret_cast<uint4*>(d) =
+                make_uint4(p[0] | ((u32)p[1] << 16), p[2] | ((u32)p[3] << 16),
+                           p[4] | ((u32)p[5] << 16), p[6] | ((u32)p[7] << 16));
         }
     }
 }
 
-// Two heads' row tiles (e.g. keys and values) from global to shared memory, both fetched
-// before either is stored.
-template <int D, int ROWS>
-__device__ __forceinline__ void load_two(const bf16_t* a, i64 a_stride, bf16_t* x_a, int ld_a,
-                                         bf16_t* xt_a, int ldt_a, const bf16_t* b, i64 b_stride,
-                                         bf16_t* x_b, int ld_b, bf16_t* xt_b, int ldt_b, u64 row0,
-                                         u64 s, bool vec) {
-    RowChunks<D, ROWS> ca, cb;
-    fetch_rows<D, ROWS>(ca, a, a_stride, row0, s, vec);
-    fetch_rows<D, ROWS>(cb, b, b_stride, row0, s, vec);
-    store_rows<D, ROWS>(ca, x_a, ld_a, xt_a, ldt_a);
-    store_rows<D, ROWS>(cb, x_b, ld_b, xt_b, ldt_b);
+// N floats of rows row0 .. row0 + N of a [b, heads, s] vector (from `src`, its row 0 of this
+// head) into shared memory as asynchronous copies, zeros from row `s` on.
+template <int N>
+__device__ __forceinline__ void rows_to_shared(float* dst, const float* __restrict__ src, u32 row0,
+                                               u32 s) {
+    for (int r = threadIdx.x; r < N; r += FA_THREADS) {
+        if (row0 + r < s) {
+            copy_async<4>(dst + r, src + row0 + r);
+        } else {
+            dst[r] = 0.0f;
+        }
+    }
 }
 
 // The A fragments (16 rows, all D columns) of rows row0 .. row0 + 16 of one head, straight from
 // global memory (zeros from row `s` on).
 template <int D>
 __device__ __forceinline__ void global_frags(u32 (*a)[4], const bf16_t* __restrict__ src,
-                                             i64 seq_stride, u64 row0, u64 s) {
+                                             i64 seq_stride, u32 row0, u32 s) {
     const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
-    const u64 r0 = row0 + g, r1 = r0 + 8;
+    const u32 r0 = row0 + g, r1 = r0 + 8;
     const bf16_t* p0 = src + (i64)r0 * seq_stride + 2 * t;
     const bf16_t* p1 = src + (i64)r1 * seq_stride + 2 * t;
     #pragma unroll
@@ -343,49 +398,71 @@ __device__ __forceinline__ bool rows_aligned(const void* q, const void* k, const
 
 // ---------------------------------------------------------------------------------------------
 // Forward: o = dropout(softmax(scale·q·kᵀ)) v and lse = log Σ exp(scale·q·kᵀ) per row. Grid:
-// (query tiles, heads, batch); the last query tiles (the most keys) start first.
+// (query tiles, heads, batch); the last query tiles (the most keys) start first. Shared memory
+// (dynamic): two stages of a key tile and its value tile, FA_FWD_KEYS rows each.
 template <int D>
 __device__ __forceinline__ void fa_forward(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
     i64 seq_stride, i64 batch_stride, i64 head_stride, float* __restrict__ o, i64 o_seq_stride,
-    i64 o_batch_stride, i64 o_head_stride, float* __restrict__ lse, u64 s, u64 heads,
+    i64 o_batch_stride, i64 o_head_stride, float* __restrict__ lse, u32 s, u64 heads,
     float scale, const Mask& m, unsigned char* smem) {
-    constexpr int LDK = D + FA_PAD, LDV = FA_FWD_KEYS + FA_PAD;
-    bf16_t* ks = reinterpret_cast<bf16_t*>(smem);  // the tile's keys
-    bf16_t* vt = ks + FA_FWD_KEYS * LDK;            // its values, transposed
+    constexpr int LD = D + FA_PAD, TILE = FA_FWD_KEYS * LD;
+    bf16_t* stages = reinterpret_cast<bf16_t*>(smem);  // per stage: keys, then values
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
     const bool vec = rows_aligned(q, k, v, seq_stride, batch_stride, head_stride);
-    const u64 q0 = (gridDim.x - 1 - blockIdx.x) * (u64)FA_ROWS;
-    const u64 i0 = q0 + 16 * warp + g;  // this thread's rows: i0 and i0 + 8
+    const u32 q0 = (gridDim.x - 1 - blockIdx.x) * FA_ROWS;
+    const u32 wq0 = q0 + 16 * warp;  // this warp's first query
+    const u32 i0 = wq0 + g;          // this thread's rows: i0 and i0 + 8
     const RowMask rm = row_mask(m, s);
     const u64 row_at[2] = {row_start(m, rm, at.row + i0, s), row_start(m, rm, at.row + i0 + 8, s)};
 
+    // Key tile `it` and its values into stage it % 2.
+    const auto fetch = [&](int it) {
+        bf16_t* ks = stages + (it & 1) * 2 * TILE;
+        const u32 k0 = it * FA_FWD_KEYS;
+        tile_to_shared<D, FA_FWD_KEYS>(ks, LD, k + at.qkv, seq_stride, k0, s, vec);
+        tile_to_shared<D, FA_FWD_KEYS>(ks + TILE, LD, v + at.qkv, seq_stride, k0, s, vec);
+        copies_commit();
+    };
+    // The block's last query sees keys 0 ..= last.
+    const u32 last = min(q0 + FA_ROWS, s) - 1;
+    const int tiles = last / FA_FWD_KEYS + 1;
+    fetch(0);
+
     u32 qa[D / 16][4];
-    global_frags<D>(qa, q + at.qkv, seq_stride, q0 + 16 * warp, s);
+    global_frags<D>(qa, q + at.qkv, seq_stride, wq0, s);
     float acc[D / 8][4];
     zero_tiles<D / 8>(acc);
     float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0.0f, 0.0f};
 
-    const u64 last = min(q0 + FA_ROWS, s) - 1;  // the block's last query sees keys 0 ..= last
-    for (u64 k0 = 0; k0 <= last; k0 += FA_FWD_KEYS) {
+    for (int it = 0; it < tiles; ++it) {
+        if (it + 1 < tiles) {
+            fetch(it + 1);
+            copies_wait<1>();
+        } else {
+            copies_wait<0>();
+        }
         __syncthreads();
-        load_two<D, FA_FWD_KEYS>(k + at.qkv, seq_stride, ks, LDK, nullptr, 0, v + at.qkv,
-                                 seq_stride, nullptr, 0, vt, LDV, k0, s, vec);
-        __syncthreads();
+        const bf16_t* ks = stages + (it & 1) * 2 * TILE;
+        const bf16_t* vs = ks + TILE;
+        const u32 k0 = it * FA_FWD_KEYS;
 
         // Scores of this warp's 16 queries and the tile's keys.
         float sc[FA_FWD_KEYS / 8][4];
         zero_tiles<FA_FWD_KEYS / 8>(sc);
-        product_frags<D / 16, FA_FWD_KEYS / 8>(sc, qa, ks, LDK);
-        // Scale and mask; the new row maxima (over the 4 lanes holding a row).
+        product_frags<D / 16, FA_FWD_KEYS / 8>(sc, qa, ks, LD);
+        // Scale, and mask where the tile crosses the diagonal or the end of the sequence; the
+        // new row maxima (over the 4 lanes holding a row).
+        const bool edge = k0 + FA_FWD_KEYS - 1 > wq0 || k0 + FA_FWD_KEYS > s;
         float tile_mx[2] = {mx[0], mx[1]};
         #pragma unroll
         for (int n = 0; n < FA_FWD_KEYS / 8; ++n) {
             #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const u64 i = i0 + 8 * (c >> 1), j = k0 + 8 * n + 2 * t + (c & 1);
-                const float x = j <= i && j < s ? __fmul_rn(sc[n][c], scale) : NEG_INF;
+                const u32 i = i0 + 8 * (c >> 1), j = k0 + 8 * n + 2 * t + (c & 1);
+                float x = __fmul_rn(sc[n][c], scale);
+                if (edge && (j > i || j >= s)) x = NEG_INF;
                 sc[n][c] = x;
                 tile_mx[c >> 1] = fmaxf(tile_mx[c >> 1], x);
             }
@@ -423,7 +500,9 @@ __device__ __forceinline__ void fa_forward(
                 }
             }
         }
-        product_tiles<FA_FWD_KEYS / 16, D / 8>(acc, sc, vt, LDV);
+        product_tiles<FA_FWD_KEYS / 16, D / 8>(acc, sc, vs, LD);
+        // Every warp is done with this stage before the next iteration refills it.
+        __syncthreads();
     }
 
     // Normalise by the row sums (over the 4 lanes of a row) and store.
@@ -431,14 +510,13 @@ __device__ __forceinline__ void fa_forward(
     for (int r = 0; r < 2; ++r) {
         sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
         sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
-        const u64 i = i0 + 8 * r;
+        const u32 i = i0 + 8 * r;
         if (i >= s) continue;
         store_row<D / 8>(o + at.o + (i64)i * o_seq_stride + 2 * t, acc, r, 1.0f / sum[r]);
         if (t == 0) lse[at.row + i] = mx[r] + logf(sum[r]);
     }
 }
 
-// ---------------------------------------------------------------------------------------------
 // Backward, step 1: delta = Σ_d do·o per row (the row sums of the probability gradient's
 // softmax term, dropout included) and do rounded to bf16 for the products (do is f32, or with
 // d_o_bf16 already bf16). One warp per row.
@@ -485,11 +563,11 @@ __device__ __forceinline__ Grad element_grad(float x, float dz, float lse_i, flo
 // holds keys 8 apart, so drawing there would take one block per element); groups no query
 // sees are skipped.
 __device__ __forceinline__ void keep_flags(unsigned char* keep, const Mask& m, const RowMask& rm,
-                                           const u64* start, u64 k0, u64 c0, u64 s) {
+                                           const u64* start, u32 k0, u32 c0, u32 s) {
     constexpr int GROUPS = FA_ROWS / 4;
     for (int b = threadIdx.x; b < FA_BWD_COLS * GROUPS; b += blockDim.x) {
         const int col = b / GROUPS, kg = b % GROUPS;
-        const u64 i = c0 + col, j = k0 + 4 * kg;
+        const u32 i = c0 + col, j = k0 + 4 * kg;
         if (i >= s || j > i) continue;
         unsigned char* out = keep + col * FA_KEEP_LD + 4 * kg;
         if (rm.aligned) {
@@ -504,27 +582,43 @@ __device__ __forceinline__ void keep_flags(unsigned char* keep, const Mask& m, c
     }
 }
 
+// One query tile of the key-gradient kernel in shared memory: its queries and output
+// gradients (FA_BWD_COLS rows each), their log-sum-exps and deltas.
+template <int D>
+struct QueryTile {
+    static constexpr int LD = D + FA_PAD;
+    // Bytes of one stage (a multiple of 16).
+    static constexpr int BYTES = 2 * FA_BWD_COLS * LD * 2 + 2 * FA_BWD_COLS * 4;
+    bf16_t* q;
+    bf16_t* d_o;
+    float* lse;
+    float* delta;
+
+    __device__ __forceinline__ explicit QueryTile(unsigned char* at) {
+        q = reinterpret_cast<bf16_t*>(at);
+        d_o = q + FA_BWD_COLS * LD;
+        lse = reinterpret_cast<float*>(d_o + FA_BWD_COLS * LD);
+        delta = lse + FA_BWD_COLS;
+    }
+};
+
 // Backward, step 2: dk and dv of FA_ROWS keys per block (16 per warp), over the tiles of the
-// queries that see them. Grid: (key tiles, heads, batch). Shared memory (dynamic): the keys and
-// values of the block, and per query tile q and do row-major and transposed, lse, delta,
-// where each query's row of the dropout mask starts, and the tile's dropout flags.
+// queries that see them. Grid: (key tiles, heads, batch). Shared memory (dynamic): the block's
+// keys and values, two stages of a query tile (QueryTile), where each query's row of the
+// dropout mask starts, and the tile's dropout flags.
 template <int D>
 __device__ __forceinline__ void fa_backward_kv(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
     i64 seq_stride, i64 batch_stride, i64 head_stride, const bf16_t* __restrict__ d_o16,
     i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, const float* __restrict__ lse,
-    const float* __restrict__ delta, float* __restrict__ dk, float* __restrict__ dv, u64 s,
+    const float* __restrict__ delta, float* __restrict__ dk, float* __restrict__ dv, u32 s,
     u64 heads, float scale, const Mask& m, unsigned char* smem) {
-    constexpr int LD = D + FA_PAD, LDT = FA_BWD_COLS + FA_PAD;
+    constexpr int LD = D + FA_PAD;
     bf16_t* ks = reinterpret_cast<bf16_t*>(smem);
     bf16_t* vs = ks + FA_ROWS * LD;
-    bf16_t* qs = vs + FA_ROWS * LD;
-    bf16_t* dos = qs + FA_BWD_COLS * LD;
-    bf16_t* qt = dos + FA_BWD_COLS * LD;
-    bf16_t* dot = qt + D * LDT;
-    float* lse_s = reinterpret_cast<float*>(dot + D * LDT);
-    float* delta_s = lse_s + FA_BWD_COLS;
-    u64* start_s = reinterpret_cast<u64*>(delta_s + FA_BWD_COLS);  // each query row's row_start
+    unsigned char* stages = reinterpret_cast<unsigned char*>(vs + FA_ROWS * LD);
+    // Each query row's row_start, and the dropout flags.
+    u64* start_s = reinterpret_cast<u64*>(stages + 2 * QueryTile<D>::BYTES);
     unsigned char* keep_s = reinterpret_cast<unsigned char*>(start_s + FA_BWD_COLS);
 
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
@@ -532,31 +626,51 @@ __device__ __forceinline__ void fa_backward_kv(
     const bool vec = rows_aligned(q, k, v, seq_stride, batch_stride, head_stride) &&
                      rows_aligned(d_o16, d_o16, d_o16, o_seq_stride, o_batch_stride,
                                   o_head_stride);
-    const u64 k0 = (u64)blockIdx.x * FA_ROWS;
+    const u32 k0 = blockIdx.x * FA_ROWS;
     const int w0 = 16 * warp;  // this warp's first key in the block's tile
+    const u32 wk_last = k0 + w0 + 15;  // and its last key
     const RowMask rm = row_mask(m, s);
+    const bool dropout = m.threshold != 0;
 
-    load_two<D, FA_ROWS>(k + at.qkv, seq_stride, ks, LD, nullptr, 0, v + at.qkv, seq_stride, vs,
-                         LD, nullptr, 0, k0, s, vec);
+    // Query tile `it` (queries c_first + it·FA_BWD_COLS ..) into stage it % 2.
+    const u32 c_first = k0 - k0 % FA_BWD_COLS;
+    const auto fetch = [&](int it) {
+        const QueryTile<D> tile(stages + (it & 1) * QueryTile<D>::BYTES);
+        const u32 c0 = c_first + it * FA_BWD_COLS;
+        tile_to_shared<D, FA_BWD_COLS>(tile.q, LD, q + at.qkv, seq_stride, c0, s, vec);
+        tile_to_shared<D, FA_BWD_COLS>(tile.d_o, LD, d_o16 + at.o, o_seq_stride, c0, s, vec);
+        rows_to_shared<FA_BWD_COLS>(tile.lse, lse + at.row, c0, s);
+        rows_to_shared<FA_BWD_COLS>(tile.delta, delta + at.row, c0, s);
+        copies_commit();
+    };
+    const int tiles = (s - c_first + FA_BWD_COLS - 1) / FA_BWD_COLS;
+    tile_to_shared<D, FA_ROWS>(ks, LD, k + at.qkv, seq_stride, k0, s, vec);
+    tile_to_shared<D, FA_ROWS>(vs, LD, v + at.qkv, seq_stride, k0, s, vec);
+    fetch(0);
+
     float dk_acc[D / 8][4], dv_acc[D / 8][4];
     zero_tiles<D / 8>(dk_acc);
     zero_tiles<D / 8>(dv_acc);
 
-    for (u64 c0 = k0 - k0 % FA_BWD_COLS; c0 < s; c0 += FA_BWD_COLS) {
-        __syncthreads();
-        load_two<D, FA_BWD_COLS>(q + at.qkv, seq_stride, qs, LD, qt, LDT, d_o16 + at.o,
-                                 o_seq_stride, dos, LD, dot, LDT, c0, s, vec);
-        for (int r = threadIdx.x; r < FA_BWD_COLS; r += blockDim.x) {
-            lse_s[r] = c0 + r < s ? lse[at.row + c0 + r] : 0.0f;
-            delta_s[r] = c0 + r < s ? delta[at.row + c0 + r] : 0.0f;
-            start_s[r] = row_start(m, rm, at.row + c0 + r, s);
+    for (int it = 0; it < tiles; ++it) {
+        const u32 c0 = c_first + it * FA_BWD_COLS;
+        if (it + 1 < tiles) {
+            fetch(it + 1);
+            copies_wait<1>();
+        } else {
+            copies_wait<0>();
+        }
+        if (dropout) {
+            for (int r = threadIdx.x; r < FA_BWD_COLS; r += FA_THREADS) {
+                start_s[r] = row_start(m, rm, at.row + c0 + r, s);
+            }
         }
         __syncthreads();
-
-        if (m.threshold != 0) {
+        if (dropout) {
             keep_flags(keep_s, m, rm, start_s, k0, c0, s);
             __syncthreads();
         }
+        const QueryTile<D> tile(stages + (it & 1) * QueryTile<D>::BYTES);
 
         // The transposed scores k·qᵀ (keys × queries) and dropped-probability gradient v·doᵀ.
         float st[FA_BWD_COLS / 8][4], dz[FA_BWD_COLS / 8][4];
@@ -564,33 +678,29 @@ __device__ __forceinline__ void fa_backward_kv(
         zero_tiles<FA_BWD_COLS / 8>(dz);
         #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            u32 ka[4], va[4];
-            frag_a(ka, ks, LD, w0, 16 * kk);
-            frag_a(va, vs, LD, w0, 16 * kk);
-            #pragma unroll
-            for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
-                u32 b[2];
-                frag_b(b, qs, LD, 8 * n, 16 * kk);
-                mma_bf16(st[n], ka, b);
-                frag_b(b, dos, LD, 8 * n, 16 * kk);
-                mma_bf16(dz[n], va, b);
-            }
+            u32 ka[1][4], va[1][4];
+            frag_a(ka[0], ks, LD, w0, 16 * kk);
+            frag_a(va[0], vs, LD, w0, 16 * kk);
+            product_frags<1, FA_BWD_COLS / 8>(st, ka, tile.q + 16 * kk, LD);
+            product_frags<1, FA_BWD_COLS / 8>(dz, va, tile.d_o + 16 * kk, LD);
         }
         // Element (key j = row, query i = column): dropped probabilities into st, score
-        // gradients into dz.
+        // gradients into dz. Masked where the tile crosses the diagonal or the sequence's end.
+        const bool edge = c0 < wk_last || c0 + FA_BWD_COLS > s;
         #pragma unroll
         for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
             #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const u64 j = k0 + w0 + g + 8 * (c >> 1);
+                const int key = w0 + g + 8 * (c >> 1);
                 const int col = 8 * n + 2 * t + (c & 1);
-                const u64 i = c0 + col;
+                const u32 j = k0 + key, i = c0 + col;
                 Grad e = {0.0f, 0.0f};
-                if (j <= i && i < s && j < s) {
-                    const float f = m.threshold == 0 ? m.scale
-                                    : keep_s[col * FA_KEEP_LD + w0 + g + 8 * (c >> 1)] ? m.scale
-                                                                                      : 0.0f;
-                    e = element_grad(st[n][c], dz[n][c], lse_s[col], delta_s[col], f, scale);
+                if (!edge || (j <= i && i < s)) {
+                    const float f = !dropout                           ? m.scale
+                                    : keep_s[col * FA_KEEP_LD + key] ? m.scale
+                                                                       : 0.0f;
+                    e = element_grad(st[n][c], dz[n][c], tile.lse[col], tile.delta[col], f,
+                                     scale);
                 }
                 st[n][c] = e.dropped;
                 dz[n][c] = e.d_score;
@@ -598,13 +708,15 @@ __device__ __forceinline__ void fa_backward_kv(
         }
         // dv += droppedᵀ·do and dk += d_scoresᵀ·q over the tile's queries (st and dz hold the
         // transposes).
-        product_tiles<FA_BWD_COLS / 16, D / 8>(dv_acc, st, dot, LDT);
-        product_tiles<FA_BWD_COLS / 16, D / 8>(dk_acc, dz, qt, LDT);
+        product_tiles<FA_BWD_COLS / 16, D / 8>(dv_acc, st, tile.d_o, LD);
+        product_tiles<FA_BWD_COLS / 16, D / 8>(dk_acc, dz, tile.q, LD);
+        // Every warp is done with this stage (and the flags) before they are refilled.
+        __syncthreads();
     }
 
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const u64 j = k0 + w0 + g + 8 * r;
+        const u32 j = k0 + w0 + g + 8 * r;
         if (j >= s) continue;
         const i64 at_j = at.qkv + (i64)j * seq_stride + 2 * t;
         store_row<D / 8>(dk + at_j, dk_acc, r, 1.0f);
@@ -613,66 +725,85 @@ __device__ __forceinline__ void fa_backward_kv(
 }
 
 // Backward, step 3: dq of FA_ROWS queries per block (16 per warp), over the tiles of the keys
-// they see. Grid: (query tiles, heads, batch); the last query tiles start first.
+// they see. Grid: (query tiles, heads, batch); the last query tiles start first. Shared memory
+// (dynamic): two stages of a key tile and its value tile, FA_BWD_COLS rows each.
 template <int D>
 __device__ __forceinline__ void fa_backward_q(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
     i64 seq_stride, i64 batch_stride, i64 head_stride, const bf16_t* __restrict__ d_o16,
     i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, const float* __restrict__ lse,
-    const float* __restrict__ delta, float* __restrict__ dq, u64 s, u64 heads, float scale,
+    const float* __restrict__ delta, float* __restrict__ dq, u32 s, u64 heads, float scale,
     const Mask& m, unsigned char* smem) {
-    constexpr int LD = D + FA_PAD, LDT = FA_BWD_COLS + FA_PAD;
-    bf16_t* ks = reinterpret_cast<bf16_t*>(smem);  // the tile's keys,
-    bf16_t* vs = ks + FA_BWD_COLS * LD;             // its values,
-    bf16_t* kt = vs + FA_BWD_COLS * LD;             // its keys transposed
+    constexpr int LD = D + FA_PAD, TILE = FA_BWD_COLS * LD;
+    bf16_t* stages = reinterpret_cast<bf16_t*>(smem);  // per stage: keys, then values
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
     const bool vec = rows_aligned(q, k, v, seq_stride, batch_stride, head_stride);
-    const u64 q0 = (gridDim.x - 1 - blockIdx.x) * (u64)FA_ROWS;
-    const u64 i0 = q0 + 16 * warp + g;  // this thread's rows: i0 and i0 + 8
+    const u32 q0 = (gridDim.x - 1 - blockIdx.x) * FA_ROWS;
+    const u32 wq0 = q0 + 16 * warp;
+    const u32 i0 = wq0 + g;  // this thread's rows: i0 and i0 + 8
     const RowMask rm = row_mask(m, s);
     const u64 row_at[2] = {row_start(m, rm, at.row + i0, s), row_start(m, rm, at.row + i0 + 8, s)};
 
+    // Key tile `it` and its values into stage it % 2.
+    const auto fetch = [&](int it) {
+        bf16_t* ks = stages + (it & 1) * 2 * TILE;
+        const u32 c0 = it * FA_BWD_COLS;
+        tile_to_shared<D, FA_BWD_COLS>(ks, LD, k + at.qkv, seq_stride, c0, s, vec);
+        tile_to_shared<D, FA_BWD_COLS>(ks + TILE, LD, v + at.qkv, seq_stride, c0, s, vec);
+        copies_commit();
+    };
+    const u32 last = min(q0 + FA_ROWS, s) - 1;
+    const int tiles = last / FA_BWD_COLS + 1;
+    fetch(0);
+
     u32 qa[D / 16][4], da[D / 16][4];
-    global_frags<D>(qa, q + at.qkv, seq_stride, q0 + 16 * warp, s);
-    global_frags<D>(da, d_o16 + at.o, o_seq_stride, q0 + 16 * warp, s);
+    global_frags<D>(qa, q + at.qkv, seq_stride, wq0, s);
+    global_frags<D>(da, d_o16 + at.o, o_seq_stride, wq0, s);
     float lse_r[2], delta_r[2];
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const u64 i = i0 + 8 * r;
+        const u32 i = i0 + 8 * r;
         lse_r[r] = i < s ? lse[at.row + i] : 0.0f;
         delta_r[r] = i < s ? delta[at.row + i] : 0.0f;
     }
     float acc[D / 8][4];
     zero_tiles<D / 8>(acc);
 
-    const u64 last = min(q0 + FA_ROWS, s) - 1;
-    for (u64 c0 = 0; c0 <= last; c0 += FA_BWD_COLS) {
+    for (int it = 0; it < tiles; ++it) {
+        if (it + 1 < tiles) {
+            fetch(it + 1);
+            copies_wait<1>();
+        } else {
+            copies_wait<0>();
+        }
         __syncthreads();
-        load_two<D, FA_BWD_COLS>(k + at.qkv, seq_stride, ks, LD, kt, LDT, v + at.qkv, seq_stride,
-                                 vs, LD, nullptr, 0, c0, s, vec);
-        __syncthreads();
+        const bf16_t* ks = stages + (it & 1) * 2 * TILE;
+        const bf16_t* vs = ks + TILE;
+        const u32 c0 = it * FA_BWD_COLS;
 
         float sc[FA_BWD_COLS / 8][4], dz[FA_BWD_COLS / 8][4];
         zero_tiles<FA_BWD_COLS / 8>(sc);
         zero_tiles<FA_BWD_COLS / 8>(dz);
         product_frags<D / 16, FA_BWD_COLS / 8>(sc, qa, ks, LD);
         product_frags<D / 16, FA_BWD_COLS / 8>(dz, da, vs, LD);
-        // Element (query i = row, key j = column): score gradients into sc.
+        // Element (query i = row, key j = column): score gradients into sc. Masked where the
+        // tile crosses the diagonal or the sequence's end.
+        const bool edge = c0 + FA_BWD_COLS - 1 > wq0 || c0 + FA_BWD_COLS > s || wq0 + 16 > s;
         #pragma unroll
         for (int n = 0; n < FA_BWD_COLS / 8; n += 2) {
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 float2 f[2];
                 mask_pairs(m, rm, row_at[r], c0 + 8 * n, f[0], f[1]);
-                const u64 i = i0 + 8 * r;
+                const u32 i = i0 + 8 * r;
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     #pragma unroll
                     for (int c = 0; c < 2; ++c) {
-                        const u64 j = c0 + 8 * (n + h) + 2 * t + c;
+                        const u32 j = c0 + 8 * (n + h) + 2 * t + c;
                         float d = 0.0f;
-                        if (i < s && j <= i) {
+                        if (!edge || (i < s && j <= i)) {
                             d = element_grad(sc[n + h][2 * r + c], dz[n + h][2 * r + c], lse_r[r],
                                              delta_r[r], c == 0 ? f[h].x : f[h].y, scale)
                                     .d_score;
@@ -683,12 +814,14 @@ __device__ __forceinline__ void fa_backward_q(
             }
         }
         // dq += d_score · k over the tile's keys.
-        product_tiles<FA_BWD_COLS / 16, D / 8>(acc, sc, kt, LDT);
+        product_tiles<FA_BWD_COLS / 16, D / 8>(acc, sc, ks, LD);
+        // Every warp is done with this stage before the next iteration refills it.
+        __syncthreads();
     }
 
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const u64 i = i0 + 8 * r;
+        const u32 i = i0 + 8 * r;
         if (i >= s) continue;
         store_row<D / 8>(dq + at.qkv + (i64)i * seq_stride + 2 * t, acc, r, 1.0f);
     }

@@ -33,6 +33,10 @@ const ROWS: usize = 64;
 const FWD_KEYS: usize = 64;
 const BWD_COLS: usize = 32;
 const PAD: usize = 8;
+/// Bytes per query row of the key-gradient kernel's dropout flags (`FA_KEEP_LD`).
+const KEEP_LD: usize = ROWS + 4;
+/// The longest sequence the kernels take (their positions are 32-bit, signed-safe).
+const MAX_SEQ: usize = (1 << 31) - 1;
 
 /// The sizes of one attention call: the fused projection is `[seq, batch, heads·3·head_dim]`
 /// (per head its query, key and value), the output `[seq, batch, heads·head_dim]`.
@@ -95,13 +99,18 @@ impl FlashShape {
         if self.seq == 0 || self.batch == 0 || self.heads == 0 {
             return Err(invalid(format!("empty attention: {}", self.dims())));
         }
-        let tiles = u32::try_from(self.seq.div_ceil(ROWS)).ok();
+        // Positions are 32-bit in the kernels.
+        if self.seq > MAX_SEQ {
+            return Err(invalid(format!(
+                "{}: sequences of more than {MAX_SEQ} positions are not supported",
+                self.dims()
+            )));
+        }
+        let tiles = self.seq.div_ceil(ROWS) as u32;
         let heads = u16::try_from(self.heads).ok();
         let batch = u16::try_from(self.batch).ok();
-        match (tiles, heads, batch) {
-            (Some(t), Some(h), Some(b)) if t < 1 << 31 && h < u16::MAX && b < u16::MAX => {
-                Ok((t, h.into(), b.into()))
-            }
+        match (heads, batch) {
+            (Some(h), Some(b)) if h < u16::MAX && b < u16::MAX => Ok((tiles, h.into(), b.into())),
             _ => Err(invalid(format!(
                 "{} exceeds the grid's limits (heads and batch below 65535)",
                 self.dims()
@@ -110,19 +119,20 @@ impl FlashShape {
     }
 }
 
-/// Bytes of dynamic shared memory `kernel` uses for head size `d` (the kernels' layouts).
+/// Bytes of dynamic shared memory `kernel` uses for head size `d` (the kernels' layouts: two
+/// stages of the tiles they stream, rows of `d + PAD` bf16).
 fn shared_bytes(kernel: &str, d: usize) -> usize {
-    let bf16 = 2;
+    let row = (d + PAD) * 2;
     match kernel {
-        "flash_forward" => (FWD_KEYS * (d + PAD) + d * (FWD_KEYS + PAD)) * bf16,
+        // Keys and values of a tile, twice.
+        "flash_forward" => 2 * 2 * FWD_KEYS * row,
+        // The block's keys and values; twice a query tile (queries, output gradients,
+        // log-sum-exps, deltas); each query's mask row start; the dropout flags.
         "flash_backward_kv" => {
-            (2 * ROWS + 2 * BWD_COLS) * (d + PAD) * bf16
-                + 2 * d * (BWD_COLS + PAD) * bf16
-                + 2 * BWD_COLS * 4
-                + BWD_COLS * 8
-                + BWD_COLS * (ROWS + 4)
+            2 * ROWS * row + 2 * (2 * BWD_COLS * row + 2 * BWD_COLS * 4) + BWD_COLS * 8 + BWD_COLS * KEEP_LD
         }
-        _ => (2 * BWD_COLS * (d + PAD) + d * (BWD_COLS + PAD)) * bf16,
+        // Keys and values of a tile, twice.
+        _ => 2 * 2 * BWD_COLS * row,
     }
 }
 
