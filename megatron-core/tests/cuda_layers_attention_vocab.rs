@@ -187,13 +187,14 @@ fn flash_kernels_refuse_what_they_lack_with_the_numbers() -> R {
     let mut out = g.zeros::<f32>(sh.out_len())?;
     let mut lse = g.zeros::<f32>(sh.rows())?;
     let run = |sh: FlashShape,
+               scale: f32,
                out: &mut cudarc::driver::CudaSlice<f32>,
                lse: &mut cudarc::driver::CudaSlice<f32>| {
         flash_attention_forward(
             &g,
             &qkv.as_view(),
             sh,
-            1.0,
+            scale,
             None,
             &mut out.as_view_mut(),
             &mut lse.as_view_mut(),
@@ -201,15 +202,20 @@ fn flash_kernels_refuse_what_they_lack_with_the_numbers() -> R {
         .expect_err("refused")
         .to_string()
     };
-    let msg = run(sh, &mut out, &mut lse);
+    let msg = run(sh, 1.0, &mut out, &mut lse);
     assert!(
         msg.contains("head size 48 is not one of the built ones [32, 64, 96, 128]"),
         "{msg}"
     );
     let sh = FlashShape { head_dim: 32, ..sh };
-    let msg = run(sh, &mut out, &mut lse);
+    let msg = run(sh, 1.0, &mut out, &mut lse);
     assert!(
         msg.contains("`qkv` has 576 elements, expected 384"),
+        "{msg}"
+    );
+    let msg = run(sh, -0.5, &mut out, &mut lse);
+    assert!(
+        msg.contains("the score scale must be positive and finite, not -0.5"),
         "{msg}"
     );
     Ok(())

@@ -61,24 +61,46 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
-// Philox4x32-10 (Random123), bit-identical to megatron-core's rng::philox4x32_10.
-__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
-    const u32 M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;
-    const u32 W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
+// Philox4x32-10's round keys for key k: round r adds r·(W0, W1) to k (mod 2^32).
+struct PhiloxKeys {
+    u32 x[10], y[10];
+};
+
+__device__ __forceinline__ PhiloxKeys philox_keys(uint2 k) {
+    PhiloxKeys keys;
     #pragma unroll
     for (int r = 0; r < 10; ++r) {
-        if (r > 0) { k.x += W0; k.y += W1; }
+        keys.x[r] = k.x + (u32)r * 0x9E3779B9u;
+        keys.y[r] = k.y + (u32)r * 0xBB67AE85u;
+    }
+    return keys;
+}
+
+// Philox4x32-10 (Random123) of counter c under the round keys `keys`, bit-identical to
+// megatron-core's rng::philox4x32_10. Kernels drawing many blocks compute the keys once.
+__device__ __forceinline__ uint4 philox_rounds(uint4 c, const PhiloxKeys& keys) {
+    const u32 M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;
+    #pragma unroll
+    for (int r = 0; r < 10; ++r) {
         const u32 hi0 = __umulhi(M0, c.x), lo0 = M0 * c.x;
         const u32 hi1 = __umulhi(M1, c.z), lo1 = M1 * c.z;
-        c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+        c = make_uint4(hi1 ^ c.y ^ keys.x[r], lo1, hi0 ^ c.w ^ keys.y[r], lo0);
     }
     return c;
 }
 
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
+    return philox_rounds(c, philox_keys(k));
+}
+
+// The counter of Philox block `block` of stream `stream`.
+__device__ __forceinline__ uint4 philox_counter(u64 block, u64 stream) {
+    return make_uint4((u32)block, (u32)(block >> 32), (u32)stream, (u32)(stream >> 32));
+}
+
 // The random word of logical element `i` of stream (key, stream): word i % 4 of block i / 4.
 __device__ __forceinline__ uint4 dropout_block(u64 block, uint2 key, u64 stream) {
-    return philox4x32_10(
-        make_uint4((u32)block, (u32)(block >> 32), (u32)stream, (u32)(stream >> 32)), key);
+    return philox4x32_10(philox_counter(block, stream), key);
 }
 
 __device__ __forceinline__ u32 word_of(uint4 b, int w) {

@@ -57,9 +57,15 @@ typedef unsigned short bf16_t;
 // ---------------------------------------------------------------------------------------------
 // Shared memory: asynchronous copies in, matrix loads out.
 
-#ifndef EMULATED_CUDA
-// The shared-state-space address of a generic pointer into shared memory.
-__device__ __forceinline__ u32 shared_addr(const void* p) {
+// An address in shared memory: on a GPU the shared state space's 32-bit byte address (so that
+// the constant parts of tile offsets fold into the instructions), in the emulation a pointer.
+// Both take byte offsets with `+`.
+#ifdef EMULATED_CUDA
+typedef unsigned char* smem_t;
+__device__ __forceinline__ smem_t smem(void* p) { return static_cast<unsigned char*>(p); }
+#else
+typedef u32 smem_t;
+__device__ __forceinline__ smem_t smem(void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
@@ -69,16 +75,14 @@ __device__ __forceinline__ u32 shared_addr(const void* p) {
 // Starts copying `BYTES` (4 or 16, both addresses aligned to it) from global to shared memory;
 // the copy lands once a later `copies_wait` covers the group it was committed in.
 template <int BYTES>
-__device__ __forceinline__ void copy_async(void* dst, const void* src) {
+__device__ __forceinline__ void copy_async(smem_t dst, const void* src) {
 #ifdef EMULATED_CUDA
     emu_cp_async(dst, src, BYTES);
 #else
     if (BYTES == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_addr(dst)), "l"(src)
-                     : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
     } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(shared_addr(dst)),
-                     "l"(src), "n"(BYTES)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(BYTES)
                      : "memory");
     }
 #endif
@@ -104,30 +108,63 @@ __device__ __forceinline__ void copies_wait() {
 #endif
 }
 
+// Stores 16 bytes (4 words) to shared memory.
+__device__ __forceinline__ void store16(smem_t dst, uint4 v) {
+#ifdef EMULATED_CUDA
+    std::memcpy(dst, &v, 16);
+#else
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y),
+                 "r"(v.z), "r"(v.w)
+                 : "memory");
+#endif
+}
+
 // Four 8×8 bf16 matrices from shared memory (ldmatrix .x4): lane 8i + r gives the address of
 // row r of matrix i; lane 4g + t receives in x[i] the elements (g, 2t), (g, 2t + 1) of matrix
 // i, or with TRANS (2t, g), (2t + 1, g). Rows are 16-byte aligned.
 template <bool TRANS>
-__device__ __forceinline__ void load_matrices(u32* x, const bf16_t* row) {
+__device__ __forceinline__ void load_matrices(u32* x, smem_t row) {
 #ifdef EMULATED_CUDA
     emu_ldmatrix_x4(x, row, TRANS);
 #else
     if (TRANS) {
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
-                     : "r"(shared_addr(row)));
+                     : "r"(row));
     } else {
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
-                     : "r"(shared_addr(row)));
+                     : "r"(row));
     }
 #endif
 }
 
-// Two bf16 (the first in the low half) of two floats, rounded to nearest even.
+// Two bf16 (the first in the low half) of two floats, rounded to nearest even (finite values:
+// the emulation rounds as bf16_bits, a GPU in one conversion of the pair).
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+#ifdef EMULATED_CUDA
     return bf16_bits(lo) | (bf16_bits(hi) << 16);
+#else
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#endif
 }
+
+// 2^x, ex2.approx.ftz on a GPU (relative error below 2^-22; results below 2^-126 flush to 0;
+// 2^-∞ = 0).
+__device__ __forceinline__ float exp2_fast(float x) {
+#ifdef EMULATED_CUDA
+    return exp2f(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
+// log2(e): natural exponents times it are base-2 exponents.
+#define LOG2E 1.4426950408889634f
 
 // d += a·b on the tensor cores: one m16n8k16 product of bf16 fragments with f32 accumulation.
 // Fragments (PTX ISA, lane = 4g + t): a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1],
@@ -147,18 +184,18 @@ __device__ __forceinline__ void mma_bf16(float* d, const u32* a, const u32* b) {
 
 // The A fragment of the 16×16 tile at (row0, col0) of a row-major shared matrix (ld elements
 // per row): matrices (rows +0, cols +0), (+8, +0), (+0, +8), (+8, +8) are a[0..3].
-__device__ __forceinline__ void frag_a(u32* a, const bf16_t* x, int ld, int row0, int col0) {
+__device__ __forceinline__ void frag_a(u32* a, smem_t x, int ld, int row0, int col0) {
     const int lane = threadIdx.x % WARP, i = lane >> 3;
-    load_matrices<false>(a, x + (row0 + (lane & 7) + 8 * (i & 1)) * ld + col0 + 8 * (i >> 1));
+    load_matrices<false>(a, x + 2 * ((row0 + (lane & 7) + 8 * (i & 1)) * ld + col0 + 8 * (i >> 1)));
 }
 
 // The B fragments of two neighbouring 8-column tiles, B[k0 .. k0+16][n0 .. n0+16], from Bᵀ
 // held row-major in shared memory (row n of `bt` is column n of B): b[0] for columns n0 ..
 // n0+8, b[1] for n0+8 .. n0+16.
-__device__ __forceinline__ void frags_b(u32 (*b)[2], const bf16_t* bt, int ld, int n0, int k0) {
+__device__ __forceinline__ void frags_b(u32 (*b)[2], smem_t bt, int ld, int n0, int k0) {
     const int lane = threadIdx.x % WARP, i = lane >> 3;
     u32 x[4];
-    load_matrices<false>(x, bt + (n0 + (lane & 7) + 8 * (i >> 1)) * ld + k0 + 8 * (i & 1));
+    load_matrices<false>(x, bt + 2 * ((n0 + (lane & 7) + 8 * (i >> 1)) * ld + k0 + 8 * (i & 1)));
     b[0][0] = x[0];
     b[0][1] = x[1];
     b[1][0] = x[2];
@@ -167,11 +204,10 @@ __device__ __forceinline__ void frags_b(u32 (*b)[2], const bf16_t* bt, int ld, i
 
 // The same two B fragments from B itself held row-major in shared memory (row k of `bm` is
 // row k of B), transposed on the way.
-__device__ __forceinline__ void frags_b_trans(u32 (*b)[2], const bf16_t* bm, int ld, int n0,
-                                              int k0) {
+__device__ __forceinline__ void frags_b_trans(u32 (*b)[2], smem_t bm, int ld, int n0, int k0) {
     const int lane = threadIdx.x % WARP, i = lane >> 3;
     u32 x[4];
-    load_matrices<true>(x, bm + (k0 + (lane & 7) + 8 * (i & 1)) * ld + n0 + 8 * (i >> 1));
+    load_matrices<true>(x, bm + 2 * ((k0 + (lane & 7) + 8 * (i & 1)) * ld + n0 + 8 * (i >> 1)));
     b[0][0] = x[0];
     b[0][1] = x[1];
     b[1][0] = x[2];
@@ -197,7 +233,7 @@ __device__ __forceinline__ void zero_tiles(float (*c)[4]) {
 // acc (N tiles of 8 columns, N even) += A · B over 16·KS rows of B: A's k-th 16-column slice
 // in the fragments a[k], B from Bᵀ held row-major in shared memory.
 template <int KS, int N>
-__device__ __forceinline__ void product_frags(float (*acc)[4], const u32 (*a)[4], const bf16_t* bt,
+__device__ __forceinline__ void product_frags(float (*acc)[4], const u32 (*a)[4], smem_t bt,
                                               int ld) {
     #pragma unroll
     for (int k = 0; k < KS; ++k) {
@@ -214,8 +250,8 @@ __device__ __forceinline__ void product_frags(float (*acc)[4], const u32 (*a)[4]
 // acc (N tiles of 8 columns, N even) += A · B where A is the 2·KS accumulator tiles `c`
 // (rounded to bf16, see acc_to_a) and B is held row-major in shared memory.
 template <int KS, int N>
-__device__ __forceinline__ void product_tiles(float (*acc)[4], const float (*c)[4],
-                                              const bf16_t* bm, int ld) {
+__device__ __forceinline__ void product_tiles(float (*acc)[4], const float (*c)[4], smem_t bm,
+                                              int ld) {
     #pragma unroll
     for (int k = 0; k < KS; ++k) {
         u32 a[4];
@@ -244,39 +280,55 @@ __device__ __forceinline__ void store_row(float* row, const float (*acc)[4], int
 // Rows row0 .. row0 + ROWS of one head (D elements each, rows `stride` elements apart) into a
 // shared tile of `ld` elements per row, zeros from row `s` on (so that masked keys meet finite
 // values). With `vec` (the head's rows 16-byte aligned) as 16-byte asynchronous copies for
-// the caller to commit and wait for; else loaded and stored here, 2 bytes at a time.
+// the caller to commit and wait for; else loaded and stored here, 2 bytes at a time. Thread
+// `tid` copies chunk tid % (D/8) of rows tid / (D/8) + every (FA_THREADS / (D/8))-th row (the
+// threads left over when D/8 does not divide FA_THREADS copy nothing).
 template <int D, int ROWS>
-__device__ __forceinline__ void tile_to_shared(bf16_t* dst, int ld, const bf16_t* __restrict__ src,
+__device__ __forceinline__ void tile_to_shared(smem_t dst, int ld, const bf16_t* __restrict__ src,
                                                i64 stride, u32 row0, u32 s, bool vec) {
-    constexpr int CHUNKS = D / 8;
-    static_assert(ROWS * CHUNKS % FA_THREADS == 0, "whole rounds of chunks");
+    constexpr int CHUNKS = D / 8, STEP = FA_THREADS / CHUNKS;
+    constexpr int PASSES = (ROWS + STEP - 1) / STEP;
+    const int tr = threadIdx.x / CHUNKS, tk = threadIdx.x % CHUNKS;
+    if (tr >= STEP) return;
+    const bf16_t* from = src + (i64)(row0 + tr) * stride + 8 * tk;
+    const smem_t to = dst + 2 * (tr * ld + 8 * tk);
+    if (vec && row0 + ROWS <= s) {
+        #pragma unroll
+        for (int pass = 0; pass < PASSES; ++pass) {
+            if (ROWS % STEP == 0 || tr + pass * STEP < ROWS) {
+                copy_async<16>(to + 2 * pass * STEP * ld, from + pass * STEP * stride);
+            }
+        }
+        return;
+    }
     #pragma unroll
-    for (int it = 0; it < ROWS * CHUNKS / FA_THREADS; ++it) {
-        const int chunk = threadIdx.x + it * FA_THREADS, r = chunk / CHUNKS, k = chunk % CHUNKS;
-        bf16_t* d = dst + r * ld + 8 * k;
-        const bf16_t* p = src + (i64)(row0 + r) * stride + 8 * k;
+    for (int pass = 0; pass < PASSES; ++pass) {
+        const int r = tr + pass * STEP;
+        if (ROWS % STEP != 0 && r >= ROWS) break;
+        const smem_t d = to + 2 * pass * STEP * ld;
+        const bf16_t* p = from + pass * STEP * stride;
         if (row0 + r >= s) {
-            *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+            store16(d, make_uint4(0u, 0u, 0u, 0u));
         } else if (vec) {
             copy_async<16>(d, p);
         } else {
-            *reinterpret_cast<uint4*>(d) =
-                make_uint4(p[0] | ((u32)p[1] << 16), p[2] | ((u32)p[3] << 16),
-                           p[4] | ((u32)p[5] << 16), p[6] | ((u32)p[7] << 16));
+            store16(d, make_uint4(p[0] | ((u32)p[1] << 16), p[2] | ((u32)p[3] << 16),
+                                  p[4] | ((u32)p[5] << 16), p[6] | ((u32)p[7] << 16)));
         }
     }
 }
 
 // N floats of rows row0 .. row0 + N of a [b, heads, s] vector (from `src`, its row 0 of this
-// head) into shared memory as asynchronous copies, zeros from row `s` on.
+// head) into shared memory (`dst` its address, `at` the same as a pointer) as asynchronous
+// copies, zeros from row `s` on.
 template <int N>
-__device__ __forceinline__ void rows_to_shared(float* dst, const float* __restrict__ src, u32 row0,
-                                               u32 s) {
+__device__ __forceinline__ void rows_to_shared(smem_t dst, float* at, const float* __restrict__ src,
+                                               u32 row0, u32 s) {
     for (int r = threadIdx.x; r < N; r += FA_THREADS) {
         if (row0 + r < s) {
-            copy_async<4>(dst + r, src + row0 + r);
+            copy_async<4>(dst + 4 * r, src + row0 + r);
         } else {
-            dst[r] = 0.0f;
+            at[r] = 0.0f;
         }
     }
 }
@@ -310,13 +362,21 @@ struct RowMask {
     // pair holds in two neighbouring 8-column tiles are two whole Philox blocks (see
     // mask_pairs). The same for every lane of the kernel.
     bool aligned;
+    // The round keys of the mask's Philox key, computed once for every block drawn.
+    PhiloxKeys keys;
 };
 
 __device__ __forceinline__ RowMask row_mask(const Mask& m, u64 s) {
     RowMask rm;
     rm.whole = m.inner % s == 0;
     rm.aligned = rm.whole && mask_blocks(m) && s % 4 == 0;
+    rm.keys = philox_keys(m.key);
     return rm;
+}
+
+// Philox block `block` of the mask's stream.
+__device__ __forceinline__ uint4 mask_block(const Mask& m, const RowMask& rm, u64 block) {
+    return philox_rounds(philox_counter(block, m.stream), rm.keys);
 }
 
 // Where row `row` starts: its logical element when rows are whole, else its local one.
@@ -360,7 +420,7 @@ __device__ __forceinline__ void mask_pairs(const Mask& m, const RowMask& rm, u64
     // a pair draws the block of the first tile, the odd lane that of the second.
     const int odd = t & 1;
     const u64 l = start + col0 + 8 * odd + 4 * (t >> 1);
-    const uint4 w = dropout_block(l >> 2, m.key, m.stream);
+    const uint4 w = mask_block(m, rm, l >> 2);
     // Each lane keeps words 2·odd, 2·odd + 1 of its block and gets the same words of its
     // neighbour's.
     const u32 give_lo = odd ? w.x : w.z, give_hi = odd ? w.y : w.w;
@@ -405,9 +465,9 @@ __device__ __forceinline__ void fa_forward(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
     i64 seq_stride, i64 batch_stride, i64 head_stride, float* __restrict__ o, i64 o_seq_stride,
     i64 o_batch_stride, i64 o_head_stride, float* __restrict__ lse, u32 s, u64 heads,
-    float scale, const Mask& m, unsigned char* smem) {
-    constexpr int LD = D + FA_PAD, TILE = FA_FWD_KEYS * LD;
-    bf16_t* stages = reinterpret_cast<bf16_t*>(smem);  // per stage: keys, then values
+    float scale, const Mask& m, unsigned char* smem_raw) {
+    constexpr int LD = D + FA_PAD, TILE = 2 * FA_FWD_KEYS * LD;  // TILE in bytes
+    const smem_t stages = smem(smem_raw);  // per stage: keys, then values
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
     const bool vec = rows_aligned(q, k, v, seq_stride, batch_stride, head_stride);
@@ -416,10 +476,12 @@ __device__ __forceinline__ void fa_forward(
     const u32 i0 = wq0 + g;          // this thread's rows: i0 and i0 + 8
     const RowMask rm = row_mask(m, s);
     const u64 row_at[2] = {row_start(m, rm, at.row + i0, s), row_start(m, rm, at.row + i0 + 8, s)};
+    // Raw scores times this are base-2 exponents of the scaled scores.
+    const float scale2 = scale * LOG2E;
 
     // Key tile `it` and its values into stage it % 2.
     const auto fetch = [&](int it) {
-        bf16_t* ks = stages + (it & 1) * 2 * TILE;
+        const smem_t ks = stages + (it & 1) * 2 * TILE;
         const u32 k0 = it * FA_FWD_KEYS;
         tile_to_shared<D, FA_FWD_KEYS>(ks, LD, k + at.qkv, seq_stride, k0, s, vec);
         tile_to_shared<D, FA_FWD_KEYS>(ks + TILE, LD, v + at.qkv, seq_stride, k0, s, vec);
@@ -434,6 +496,7 @@ __device__ __forceinline__ void fa_forward(
     global_frags<D>(qa, q + at.qkv, seq_stride, wq0, s);
     float acc[D / 8][4];
     zero_tiles<D / 8>(acc);
+    // Per row (i0, i0 + 8): the largest raw score so far and the sum of exponentials.
     float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0.0f, 0.0f};
 
     for (int it = 0; it < tiles; ++it) {
@@ -444,28 +507,32 @@ __device__ __forceinline__ void fa_forward(
             copies_wait<0>();
         }
         __syncthreads();
-        const bf16_t* ks = stages + (it & 1) * 2 * TILE;
-        const bf16_t* vs = ks + TILE;
+        const smem_t ks = stages + (it & 1) * 2 * TILE;
         const u32 k0 = it * FA_FWD_KEYS;
 
-        // Scores of this warp's 16 queries and the tile's keys.
+        // Raw scores q·kᵀ of this warp's 16 queries and the tile's keys.
         float sc[FA_FWD_KEYS / 8][4];
         zero_tiles<FA_FWD_KEYS / 8>(sc);
         product_frags<D / 16, FA_FWD_KEYS / 8>(sc, qa, ks, LD);
-        // Scale, and mask where the tile crosses the diagonal or the end of the sequence; the
-        // new row maxima (over the 4 lanes holding a row).
-        const bool edge = k0 + FA_FWD_KEYS - 1 > wq0 || k0 + FA_FWD_KEYS > s;
+        // Where the tile crosses the diagonal, keys after the query are masked: query i sees key
+        // k0 + jj when jj <= i − k0 (so a query before the end sees no key past it).
+        if (k0 + FA_FWD_KEYS - 1 > wq0) {
+            const int lim[2] = {(int)i0 - (int)k0 - 2 * t, (int)i0 + 8 - (int)k0 - 2 * t};
+            #pragma unroll
+            for (int n = 0; n < FA_FWD_KEYS / 8; ++n) {
+                #pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    if (8 * n + (c & 1) > lim[c >> 1]) sc[n][c] = NEG_INF;
+                }
+            }
+        }
+        // The new row maxima (over the 4 lanes holding a row); the scale is positive, so the
+        // largest raw score is the largest scaled one.
         float tile_mx[2] = {mx[0], mx[1]};
         #pragma unroll
         for (int n = 0; n < FA_FWD_KEYS / 8; ++n) {
             #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const u32 i = i0 + 8 * (c >> 1), j = k0 + 8 * n + 2 * t + (c & 1);
-                float x = __fmul_rn(sc[n][c], scale);
-                if (edge && (j > i || j >= s)) x = NEG_INF;
-                sc[n][c] = x;
-                tile_mx[c >> 1] = fmaxf(tile_mx[c >> 1], x);
-            }
+            for (int c = 0; c < 4; ++c) tile_mx[c >> 1] = fmaxf(tile_mx[c >> 1], sc[n][c]);
         }
         float base[2];
         #pragma unroll
@@ -473,8 +540,9 @@ __device__ __forceinline__ void fa_forward(
             tile_mx[r] = fmaxf(tile_mx[r], __shfl_xor_sync(0xffffffffu, tile_mx[r], 1));
             tile_mx[r] = fmaxf(tile_mx[r], __shfl_xor_sync(0xffffffffu, tile_mx[r], 2));
             // A row that has seen only masked keys keeps nothing (its maximum stays −∞).
-            base[r] = tile_mx[r] == NEG_INF ? 0.0f : tile_mx[r];
-            const float corr = exp_f32(mx[r] - base[r]);
+            const float top = tile_mx[r] == NEG_INF ? 0.0f : tile_mx[r];
+            const float corr = exp2_fast((mx[r] - top) * scale2);
+            base[r] = top * scale2;
             mx[r] = tile_mx[r];
             sum[r] *= corr;
             #pragma unroll
@@ -483,7 +551,8 @@ __device__ __forceinline__ void fa_forward(
                 acc[n][2 * r + 1] *= corr;
             }
         }
-        // Unnormalised probabilities, their sums, then the dropout of what meets v.
+        // Unnormalised probabilities exp(scale·(x − max)), their sums, then the dropout of
+        // what meets v.
         #pragma unroll
         for (int n = 0; n < FA_FWD_KEYS / 8; n += 2) {
             #pragma unroll
@@ -492,20 +561,22 @@ __device__ __forceinline__ void fa_forward(
                 mask_pairs(m, rm, row_at[r], k0 + 8 * n, f[0], f[1]);
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const float p0 = exp_f32(sc[n + h][2 * r] - base[r]);
-                    const float p1 = exp_f32(sc[n + h][2 * r + 1] - base[r]);
+                    const float p0 = exp2_fast(fmaf(sc[n + h][2 * r], scale2, -base[r]));
+                    const float p1 = exp2_fast(fmaf(sc[n + h][2 * r + 1], scale2, -base[r]));
                     sum[r] += p0 + p1;
-                    sc[n + h][2 * r] = masked(p0, f[h].x);
-                    sc[n + h][2 * r + 1] = masked(p1, f[h].y);
+                    // Probabilities are finite: a product is exactly the masked value.
+                    sc[n + h][2 * r] = p0 * f[h].x;
+                    sc[n + h][2 * r + 1] = p1 * f[h].y;
                 }
             }
         }
-        product_tiles<FA_FWD_KEYS / 16, D / 8>(acc, sc, vs, LD);
+        product_tiles<FA_FWD_KEYS / 16, D / 8>(acc, sc, ks + TILE, LD);
         // Every warp is done with this stage before the next iteration refills it.
         __syncthreads();
     }
 
-    // Normalise by the row sums (over the 4 lanes of a row) and store.
+    // Normalise by the row sums (over the 4 lanes of a row) and store; the log-sum-exp is of
+    // the scaled scores.
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
@@ -513,7 +584,7 @@ __device__ __forceinline__ void fa_forward(
         const u32 i = i0 + 8 * r;
         if (i >= s) continue;
         store_row<D / 8>(o + at.o + (i64)i * o_seq_stride + 2 * t, acc, r, 1.0f / sum[r]);
-        if (t == 0) lse[at.row + i] = mx[r] + logf(sum[r]);
+        if (t == 0) lse[at.row + i] = __fmul_rn(mx[r], scale) + logf(sum[r]);
     }
 }
 
@@ -542,18 +613,21 @@ extern "C" __global__ __launch_bounds__(256) void flash_backward_prepare(
 }
 
 // The probability, dropped probability and score gradient of one (query i, key j) element from
-// its scaled-score product `x`, its dropped-probability gradient product `dz`, the query's
-// log-sum-exp and delta, and the mask factor `f`.
+// its raw score `x`, its dropped-probability gradient product `dz`, the query's log-sum-exp in
+// base 2 (times LOG2E) and delta, the mask factor `f`, and the scale (also times LOG2E). Finite
+// for any finite inputs except where the probability overflows (masked elements, which the
+// callers then overwrite).
 struct Grad {
     float dropped, d_score;
 };
 
-__device__ __forceinline__ Grad element_grad(float x, float dz, float lse_i, float delta_i,
-                                             float f, float scale) {
-    const float p = exp_f32(__fmul_rn(x, scale) - lse_i);
+__device__ __forceinline__ Grad element_grad(float x, float dz, float lse2_i, float delta_i,
+                                             float f, float scale, float scale2) {
+    const float p = exp2_fast(fmaf(x, scale2, -lse2_i));
     Grad g;
-    g.dropped = masked(p, f);
-    g.d_score = scale * p * (masked(dz, f) - delta_i);
+    // Plain products are the masked values for finite p and dz (see above for the others).
+    g.dropped = p * f;
+    g.d_score = scale * p * (dz * f - delta_i);
     return g;
 }
 
@@ -571,7 +645,7 @@ __device__ __forceinline__ void keep_flags(unsigned char* keep, const Mask& m, c
         if (i >= s || j > i) continue;
         unsigned char* out = keep + col * FA_KEEP_LD + 4 * kg;
         if (rm.aligned) {
-            const uint4 w = dropout_block((start[col] + j) >> 2, m.key, m.stream);
+            const uint4 w = mask_block(m, rm, (start[col] + j) >> 2);
             out[0] = w.x >= m.threshold;
             out[1] = w.y >= m.threshold;
             out[2] = w.z >= m.threshold;
@@ -587,17 +661,19 @@ __device__ __forceinline__ void keep_flags(unsigned char* keep, const Mask& m, c
 template <int D>
 struct QueryTile {
     static constexpr int LD = D + FA_PAD;
-    // Bytes of one stage (a multiple of 16).
-    static constexpr int BYTES = 2 * FA_BWD_COLS * LD * 2 + 2 * FA_BWD_COLS * 4;
-    bf16_t* q;
-    bf16_t* d_o;
-    float* lse;
-    float* delta;
+    // Bytes of one stage (a multiple of 16): the two row tiles, then the two vectors.
+    static constexpr int ROWS_BYTES = FA_BWD_COLS * LD * 2;
+    static constexpr int BYTES = 2 * ROWS_BYTES + 2 * FA_BWD_COLS * 4;
+    smem_t q, d_o, lse_at, delta_at;
+    const float* lse;
+    const float* delta;
 
-    __device__ __forceinline__ explicit QueryTile(unsigned char* at) {
-        q = reinterpret_cast<bf16_t*>(at);
-        d_o = q + FA_BWD_COLS * LD;
-        lse = reinterpret_cast<float*>(d_o + FA_BWD_COLS * LD);
+    __device__ __forceinline__ QueryTile(unsigned char* raw, smem_t at) {
+        q = at;
+        d_o = at + ROWS_BYTES;
+        lse_at = at + 2 * ROWS_BYTES;
+        delta_at = lse_at + 4 * FA_BWD_COLS;
+        lse = reinterpret_cast<const float*>(raw + 2 * ROWS_BYTES);
         delta = lse + FA_BWD_COLS;
     }
 };
@@ -612,13 +688,13 @@ __device__ __forceinline__ void fa_backward_kv(
     i64 seq_stride, i64 batch_stride, i64 head_stride, const bf16_t* __restrict__ d_o16,
     i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, const float* __restrict__ lse,
     const float* __restrict__ delta, float* __restrict__ dk, float* __restrict__ dv, u32 s,
-    u64 heads, float scale, const Mask& m, unsigned char* smem) {
-    constexpr int LD = D + FA_PAD;
-    bf16_t* ks = reinterpret_cast<bf16_t*>(smem);
-    bf16_t* vs = ks + FA_ROWS * LD;
-    unsigned char* stages = reinterpret_cast<unsigned char*>(vs + FA_ROWS * LD);
+    u64 heads, float scale, const Mask& m, unsigned char* smem_raw) {
+    constexpr int LD = D + FA_PAD, KV_BYTES = FA_ROWS * LD * 2;
+    const smem_t ks = smem(smem_raw), vs = ks + KV_BYTES;
+    unsigned char* stages_raw = smem_raw + 2 * KV_BYTES;
+    const smem_t stages = ks + 2 * KV_BYTES;
     // Each query row's row_start, and the dropout flags.
-    u64* start_s = reinterpret_cast<u64*>(stages + 2 * QueryTile<D>::BYTES);
+    u64* start_s = reinterpret_cast<u64*>(stages_raw + 2 * QueryTile<D>::BYTES);
     unsigned char* keep_s = reinterpret_cast<unsigned char*>(start_s + FA_BWD_COLS);
 
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
@@ -627,20 +703,27 @@ __device__ __forceinline__ void fa_backward_kv(
                      rows_aligned(d_o16, d_o16, d_o16, o_seq_stride, o_batch_stride,
                                   o_head_stride);
     const u32 k0 = blockIdx.x * FA_ROWS;
-    const int w0 = 16 * warp;  // this warp's first key in the block's tile
+    const int w0 = 16 * warp;          // this warp's first key in the block's tile
     const u32 wk_last = k0 + w0 + 15;  // and its last key
     const RowMask rm = row_mask(m, s);
     const bool dropout = m.threshold != 0;
+    const float scale2 = scale * LOG2E;
 
     // Query tile `it` (queries c_first + it·FA_BWD_COLS ..) into stage it % 2.
     const u32 c_first = k0 - k0 % FA_BWD_COLS;
+    const auto stage = [&](int it) {
+        const int at_byte = (it & 1) * QueryTile<D>::BYTES;
+        return QueryTile<D>(stages_raw + at_byte, stages + at_byte);
+    };
     const auto fetch = [&](int it) {
-        const QueryTile<D> tile(stages + (it & 1) * QueryTile<D>::BYTES);
+        const QueryTile<D> tile = stage(it);
         const u32 c0 = c_first + it * FA_BWD_COLS;
         tile_to_shared<D, FA_BWD_COLS>(tile.q, LD, q + at.qkv, seq_stride, c0, s, vec);
         tile_to_shared<D, FA_BWD_COLS>(tile.d_o, LD, d_o16 + at.o, o_seq_stride, c0, s, vec);
-        rows_to_shared<FA_BWD_COLS>(tile.lse, lse + at.row, c0, s);
-        rows_to_shared<FA_BWD_COLS>(tile.delta, delta + at.row, c0, s);
+        rows_to_shared<FA_BWD_COLS>(tile.lse_at, const_cast<float*>(tile.lse), lse + at.row, c0,
+                                    s);
+        rows_to_shared<FA_BWD_COLS>(tile.delta_at, const_cast<float*>(tile.delta),
+                                    delta + at.row, c0, s);
         copies_commit();
     };
     const int tiles = (s - c_first + FA_BWD_COLS - 1) / FA_BWD_COLS;
@@ -670,7 +753,7 @@ __device__ __forceinline__ void fa_backward_kv(
             keep_flags(keep_s, m, rm, start_s, k0, c0, s);
             __syncthreads();
         }
-        const QueryTile<D> tile(stages + (it & 1) * QueryTile<D>::BYTES);
+        const QueryTile<D> tile = stage(it);
 
         // The transposed scores k·qᵀ (keys × queries) and dropped-probability gradient v·doᵀ.
         float st[FA_BWD_COLS / 8][4], dz[FA_BWD_COLS / 8][4];
@@ -681,29 +764,38 @@ __device__ __forceinline__ void fa_backward_kv(
             u32 ka[1][4], va[1][4];
             frag_a(ka[0], ks, LD, w0, 16 * kk);
             frag_a(va[0], vs, LD, w0, 16 * kk);
-            product_frags<1, FA_BWD_COLS / 8>(st, ka, tile.q + 16 * kk, LD);
-            product_frags<1, FA_BWD_COLS / 8>(dz, va, tile.d_o + 16 * kk, LD);
+            product_frags<1, FA_BWD_COLS / 8>(st, ka, tile.q + 32 * kk, LD);
+            product_frags<1, FA_BWD_COLS / 8>(dz, va, tile.d_o + 32 * kk, LD);
         }
         // Element (key j = row, query i = column): dropped probabilities into st, score
-        // gradients into dz. Masked where the tile crosses the diagonal or the sequence's end.
-        const bool edge = c0 < wk_last || c0 + FA_BWD_COLS > s;
+        // gradients into dz.
         #pragma unroll
         for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
             #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const int key = w0 + g + 8 * (c >> 1);
-                const int col = 8 * n + 2 * t + (c & 1);
-                const u32 j = k0 + key, i = c0 + col;
-                Grad e = {0.0f, 0.0f};
-                if (!edge || (j <= i && i < s)) {
-                    const float f = !dropout                           ? m.scale
-                                    : keep_s[col * FA_KEEP_LD + key] ? m.scale
-                                                                       : 0.0f;
-                    e = element_grad(st[n][c], dz[n][c], tile.lse[col], tile.delta[col], f,
-                                     scale);
-                }
+                const int key = w0 + g + 8 * (c >> 1), col = 8 * n + 2 * t + (c & 1);
+                const float f = !dropout                         ? m.scale
+                                : keep_s[col * FA_KEEP_LD + key] ? m.scale
+                                                                 : 0.0f;
+                const Grad e = element_grad(st[n][c], dz[n][c], tile.lse[col] * LOG2E,
+                                            tile.delta[col], f, scale, scale2);
                 st[n][c] = e.dropped;
                 dz[n][c] = e.d_score;
+            }
+        }
+        // Where the tile crosses the diagonal or the end, only queries i with j <= i < s
+        // count: column col holds query c0 + col, row (c >> 1) key k0 + w0 + g + 8·(c >> 1).
+        if (c0 < wk_last || c0 + FA_BWD_COLS > s) {
+            const int lo[2] = {(int)(k0 + w0 + g) - (int)c0 - 2 * t,
+                               (int)(k0 + w0 + g + 8) - (int)c0 - 2 * t};
+            const int hi = (int)s - 1 - (int)c0 - 2 * t;
+            #pragma unroll
+            for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
+                #pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int col = 8 * n + (c & 1);
+                    if (col < lo[c >> 1] || col > hi) st[n][c] = dz[n][c] = 0.0f;
+                }
             }
         }
         // dv += droppedᵀ·do and dk += d_scoresᵀ·q over the tile's queries (st and dz hold the
@@ -733,9 +825,9 @@ __device__ __forceinline__ void fa_backward_q(
     i64 seq_stride, i64 batch_stride, i64 head_stride, const bf16_t* __restrict__ d_o16,
     i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, const float* __restrict__ lse,
     const float* __restrict__ delta, float* __restrict__ dq, u32 s, u64 heads, float scale,
-    const Mask& m, unsigned char* smem) {
-    constexpr int LD = D + FA_PAD, TILE = FA_BWD_COLS * LD;
-    bf16_t* stages = reinterpret_cast<bf16_t*>(smem);  // per stage: keys, then values
+    const Mask& m, unsigned char* smem_raw) {
+    constexpr int LD = D + FA_PAD, TILE = 2 * FA_BWD_COLS * LD;  // TILE in bytes
+    const smem_t stages = smem(smem_raw);  // per stage: keys, then values
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
     const bool vec = rows_aligned(q, k, v, seq_stride, batch_stride, head_stride);
@@ -744,10 +836,11 @@ __device__ __forceinline__ void fa_backward_q(
     const u32 i0 = wq0 + g;  // this thread's rows: i0 and i0 + 8
     const RowMask rm = row_mask(m, s);
     const u64 row_at[2] = {row_start(m, rm, at.row + i0, s), row_start(m, rm, at.row + i0 + 8, s)};
+    const float scale2 = scale * LOG2E;
 
     // Key tile `it` and its values into stage it % 2.
     const auto fetch = [&](int it) {
-        bf16_t* ks = stages + (it & 1) * 2 * TILE;
+        const smem_t ks = stages + (it & 1) * 2 * TILE;
         const u32 c0 = it * FA_BWD_COLS;
         tile_to_shared<D, FA_BWD_COLS>(ks, LD, k + at.qkv, seq_stride, c0, s, vec);
         tile_to_shared<D, FA_BWD_COLS>(ks + TILE, LD, v + at.qkv, seq_stride, c0, s, vec);
@@ -760,11 +853,11 @@ __device__ __forceinline__ void fa_backward_q(
     u32 qa[D / 16][4], da[D / 16][4];
     global_frags<D>(qa, q + at.qkv, seq_stride, wq0, s);
     global_frags<D>(da, d_o16 + at.o, o_seq_stride, wq0, s);
-    float lse_r[2], delta_r[2];
+    float lse2[2], delta_r[2];
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const u32 i = i0 + 8 * r;
-        lse_r[r] = i < s ? lse[at.row + i] : 0.0f;
+        lse2[r] = i < s ? lse[at.row + i] * LOG2E : 0.0f;
         delta_r[r] = i < s ? delta[at.row + i] : 0.0f;
     }
     float acc[D / 8][4];
@@ -778,38 +871,42 @@ __device__ __forceinline__ void fa_backward_q(
             copies_wait<0>();
         }
         __syncthreads();
-        const bf16_t* ks = stages + (it & 1) * 2 * TILE;
-        const bf16_t* vs = ks + TILE;
+        const smem_t ks = stages + (it & 1) * 2 * TILE;
         const u32 c0 = it * FA_BWD_COLS;
 
         float sc[FA_BWD_COLS / 8][4], dz[FA_BWD_COLS / 8][4];
         zero_tiles<FA_BWD_COLS / 8>(sc);
         zero_tiles<FA_BWD_COLS / 8>(dz);
         product_frags<D / 16, FA_BWD_COLS / 8>(sc, qa, ks, LD);
-        product_frags<D / 16, FA_BWD_COLS / 8>(dz, da, vs, LD);
-        // Element (query i = row, key j = column): score gradients into sc. Masked where the
-        // tile crosses the diagonal or the sequence's end.
-        const bool edge = c0 + FA_BWD_COLS - 1 > wq0 || c0 + FA_BWD_COLS > s || wq0 + 16 > s;
+        product_frags<D / 16, FA_BWD_COLS / 8>(dz, da, ks + TILE, LD);
+        // Element (query i = row, key j = column): score gradients into sc.
         #pragma unroll
         for (int n = 0; n < FA_BWD_COLS / 8; n += 2) {
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 float2 f[2];
                 mask_pairs(m, rm, row_at[r], c0 + 8 * n, f[0], f[1]);
-                const u32 i = i0 + 8 * r;
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     #pragma unroll
                     for (int c = 0; c < 2; ++c) {
-                        const u32 j = c0 + 8 * (n + h) + 2 * t + c;
-                        float d = 0.0f;
-                        if (!edge || (i < s && j <= i)) {
-                            d = element_grad(sc[n + h][2 * r + c], dz[n + h][2 * r + c], lse_r[r],
-                                             delta_r[r], c == 0 ? f[h].x : f[h].y, scale)
-                                    .d_score;
-                        }
-                        sc[n + h][2 * r + c] = d;
+                        sc[n + h][2 * r + c] =
+                            element_grad(sc[n + h][2 * r + c], dz[n + h][2 * r + c], lse2[r],
+                                         delta_r[r], c == 0 ? f[h].x : f[h].y, scale, scale2)
+                                .d_score;
                     }
+                }
+            }
+        }
+        // Where the tile crosses the diagonal, keys after the query count nothing: query i
+        // sees key c0 + jj when jj <= i − c0 (rows past the end are not stored).
+        if (c0 + FA_BWD_COLS - 1 > wq0) {
+            const int lim[2] = {(int)i0 - (int)c0 - 2 * t, (int)i0 + 8 - (int)c0 - 2 * t};
+            #pragma unroll
+            for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
+                #pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    if (8 * n + (c & 1) > lim[c >> 1]) sc[n][c] = 0.0f;
                 }
             }
         }
@@ -844,11 +941,11 @@ extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_forward(
     float* __restrict__ o, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
     float* __restrict__ lse, u64 s, u64 heads, int d, float scale, u64 inner, u64 stride,
     u64 start, u32 key_lo, u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
-    DYNAMIC_SHARED(smem);
+    DYNAMIC_SHARED(smem_raw);
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
 #define FA_CALL(D)                                                                            \
     fa_forward<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride, o,    \
-                  o_seq_stride, o_batch_stride, o_head_stride, lse, s, heads, scale, m, smem)
+                  o_seq_stride, o_batch_stride, o_head_stride, lse, s, heads, scale, m, smem_raw)
     FA_DISPATCH(d, FA_CALL)
 #undef FA_CALL
 }
@@ -859,12 +956,12 @@ extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_kv(
     const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dqkv,
     u64 s, u64 heads, int d, float scale, u64 inner, u64 stride, u64 start, u32 key_lo,
     u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
-    DYNAMIC_SHARED(smem);
+    DYNAMIC_SHARED(smem_raw);
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
 #define FA_CALL(D)                                                                            \
     fa_backward_kv<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride,   \
                       d_o16, o_seq_stride, o_batch_stride, o_head_stride, lse, delta,         \
-                      dqkv + (D), dqkv + 2 * (D), s, heads, scale, m, smem)
+                      dqkv + (D), dqkv + 2 * (D), s, heads, scale, m, smem_raw)
     FA_DISPATCH(d, FA_CALL)
 #undef FA_CALL
 }
@@ -875,12 +972,12 @@ extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_q(
     const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dqkv,
     u64 s, u64 heads, int d, float scale, u64 inner, u64 stride, u64 start, u32 key_lo,
     u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
-    DYNAMIC_SHARED(smem);
+    DYNAMIC_SHARED(smem_raw);
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
 #define FA_CALL(D)                                                                            \
     fa_backward_q<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride,    \
                      d_o16, o_seq_stride, o_batch_stride, o_head_stride, lse, delta, dqkv, s, \
-                     heads, scale, m, smem)
+                     heads, scale, m, smem_raw)
     FA_DISPATCH(d, FA_CALL)
 #undef FA_CALL
 }

@@ -129,7 +129,10 @@ fn shared_bytes(kernel: &str, d: usize) -> usize {
         // The block's keys and values; twice a query tile (queries, output gradients,
         // log-sum-exps, deltas); each query's mask row start; the dropout flags.
         "flash_backward_kv" => {
-            2 * ROWS * row + 2 * (2 * BWD_COLS * row + 2 * BWD_COLS * 4) + BWD_COLS * 8 + BWD_COLS * KEEP_LD
+            2 * ROWS * row
+                + 2 * (2 * BWD_COLS * row + 2 * BWD_COLS * 4)
+                + BWD_COLS * 8
+                + BWD_COLS * KEEP_LD
         }
         // Keys and values of a tile, twice.
         _ => 2 * 2 * BWD_COLS * row,
@@ -174,14 +177,23 @@ fn check(
     check_len(kernel, buffer, actual, expected, || sh.dims())
 }
 
-/// The grid and mask arguments of a pass over `sh`, after checking the lengths of the buffers
-/// both passes read: the fused projection, the output and the log-sum-exp.
+/// The grid and mask arguments of a pass over `sh`, after checking the scale (positive and
+/// finite: the kernels find each row's largest scaled score as its largest raw one) and the
+/// lengths of the buffers both passes read: the fused projection, the output and the
+/// log-sum-exp.
 fn checked(
     kernel: &'static str,
     sh: &FlashShape,
+    scale: f32,
     [qkv, out, lse]: [usize; 3],
     dropout: Option<Dropout<'_>>,
 ) -> Result<((u32, u32, u32), MaskArgs)> {
+    if !(scale > 0.0 && scale.is_finite()) {
+        return Err(CudaError::from(KernelError::Invalid {
+            kernel,
+            message: format!("the score scale must be positive and finite, not {scale}"),
+        }));
+    }
     let grid = sh.grid(kernel)?;
     check(kernel, "qkv", qkv, sh.qkv_len(), sh)?;
     check(kernel, "out", out, sh.out_len(), sh)?;
@@ -202,7 +214,7 @@ pub fn flash_attention_forward(
     lse: &mut CudaViewMut<f32>,
 ) -> Result<()> {
     const K: &str = "flash_forward";
-    let (grid, mask) = checked(K, &sh, [qkv.len(), out.len(), lse.len()], dropout)?;
+    let (grid, mask) = checked(K, &sh, scale, [qkv.len(), out.len(), lse.len()], dropout)?;
     let ([ss, bs, hs], [os, ob, oh]) = sh.strides();
     let (s, heads, d) = (sh.seq as u64, sh.heads as u64, sh.head_dim as i32);
     let mut args = launch_args(gpu, K)?;
@@ -229,7 +241,7 @@ pub fn flash_attention_backward(
     d_qkv: &mut CudaViewMut<f32>,
 ) -> Result<()> {
     const K: &str = "flash_backward";
-    let (grid, mask) = checked(K, &sh, [qkv.len(), out.len(), lse.len()], dropout)?;
+    let (grid, mask) = checked(K, &sh, scale, [qkv.len(), out.len(), lse.len()], dropout)?;
     check(K, "d_out", d_out.len(), sh.out_len(), &sh)?;
     check(K, "d_qkv", d_qkv.len(), sh.qkv_len(), &sh)?;
     let ([ss, bs, hs], [os, ob, oh]) = sh.strides();
