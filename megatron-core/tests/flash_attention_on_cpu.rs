@@ -13,7 +13,7 @@ use megatron_core::kernels::dropout::{self as cpu_dropout, LogicalIndex};
 use megatron_core::kernels::softmax as cpu_sm;
 use megatron_core::rng::DropoutStream;
 
-use emulated::{Arg, launch, launch_3d, mask_args, values};
+use emulated::{Arg, launch, launch_3d, mask_args, round_keys, values};
 
 /// One attention call: batch, sequence, local heads, all heads, the first local head, head size.
 #[derive(Debug, Clone, Copy)]
@@ -321,6 +321,8 @@ fn flash_forward(
     args.extend(out_strides(case));
     args.push(Arg::Ptr(lse.as_mut_ptr().cast()));
     args.extend(tail_args(case, dropout));
+    let mut keys = round_keys(dropout.as_ref().map(|(_, s)| s));
+    args.push(Arg::ByValue(keys.as_mut_ptr().cast()));
     launch_3d("flash_forward", case.grid(), [128, 1, 1], args);
     (out, lse)
 }
@@ -361,6 +363,7 @@ fn flash_backward(
     launch("flash_backward_prepare", 3, 256, args);
 
     let mut dqkv = vec![f32::NAN; case.qkv_len()];
+    let mut keys = round_keys(dropout.as_ref().map(|(_, s)| s));
     for kernel in ["flash_backward_kv", "flash_backward_q"] {
         let mut args = qkv_args(case, qkv);
         args.push(Arg::Ptr(d_out16.as_mut_ptr().cast()));
@@ -371,6 +374,7 @@ fn flash_backward(
             Arg::Ptr(dqkv.as_mut_ptr().cast()),
         ]);
         args.extend(tail_args(case, dropout));
+        args.push(Arg::ByValue(keys.as_mut_ptr().cast()));
         launch_3d(kernel, case.grid(), [128, 1, 1], args);
     }
     dqkv

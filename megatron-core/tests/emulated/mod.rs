@@ -10,7 +10,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use megatron_core::kernels::dropout::{LogicalIndex, keep_scale, keep_threshold};
-use megatron_core::rng::DropoutStream;
+use megatron_core::rng::{DropoutStream, PHILOX_W32};
 
 type Launch =
     unsafe extern "C" fn(*const c_char, *const u32, *const u32, *mut *mut c_void) -> c_int;
@@ -145,4 +145,18 @@ pub fn mask_args(dropout: Option<(f32, &DropoutStream, LogicalIndex)>) -> Vec<Ar
         Arg::U32(threshold),
         Arg::F32(scale),
     ]
+}
+
+/// Philox4x32-10's round keys of a stream's key as the flash kernels take them (`PhiloxKeys`:
+/// the 10 low words, then the 10 high words; round r adds r·W to the key, wrapping), zeros
+/// without dropout.
+pub fn round_keys(stream: Option<&DropoutStream>) -> [u32; 20] {
+    let mut keys = [0u32; 20];
+    if let Some(s) = stream {
+        for r in 0..10u32 {
+            keys[r as usize] = s.key[0].wrapping_add(r.wrapping_mul(PHILOX_W32[0]));
+            keys[10 + r as usize] = s.key[1].wrapping_add(r.wrapping_mul(PHILOX_W32[1]));
+        }
+    }
+    keys
 }

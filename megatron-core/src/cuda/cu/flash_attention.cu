@@ -362,15 +362,16 @@ struct RowMask {
     // pair holds in two neighbouring 8-column tiles are two whole Philox blocks (see
     // mask_pairs). The same for every lane of the kernel.
     bool aligned;
-    // The round keys of the mask's Philox key, computed once for every block drawn.
+    // The round keys of the mask's Philox key (the kernels' parameter: the rounds read them from
+    // the constant bank).
     PhiloxKeys keys;
 };
 
-__device__ __forceinline__ RowMask row_mask(const Mask& m, u64 s) {
+__device__ __forceinline__ RowMask row_mask(const Mask& m, u64 s, const PhiloxKeys& keys) {
     RowMask rm;
     rm.whole = m.inner % s == 0;
     rm.aligned = rm.whole && mask_blocks(m) && s % 4 == 0;
-    rm.keys = philox_keys(m.key);
+    rm.keys = keys;
     return rm;
 }
 
@@ -465,7 +466,7 @@ __device__ __forceinline__ void fa_forward(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
     i64 seq_stride, i64 batch_stride, i64 head_stride, float* __restrict__ o, i64 o_seq_stride,
     i64 o_batch_stride, i64 o_head_stride, float* __restrict__ lse, u32 s, u64 heads,
-    float scale, const Mask& m, unsigned char* smem_raw) {
+    float scale, const Mask& m, const PhiloxKeys& keys, unsigned char* smem_raw) {
     constexpr int LD = D + FA_PAD, TILE = 2 * FA_FWD_KEYS * LD;  // TILE in bytes
     const smem_t stages = smem(smem_raw);  // per stage: keys, then values
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
@@ -474,7 +475,7 @@ __device__ __forceinline__ void fa_forward(
     const u32 q0 = (gridDim.x - 1 - blockIdx.x) * FA_ROWS;
     const u32 wq0 = q0 + 16 * warp;  // this warp's first query
     const u32 i0 = wq0 + g;          // this thread's rows: i0 and i0 + 8
-    const RowMask rm = row_mask(m, s);
+    const RowMask rm = row_mask(m, s, keys);
     const u64 row_at[2] = {row_start(m, rm, at.row + i0, s), row_start(m, rm, at.row + i0 + 8, s)};
     // Raw scores times this are base-2 exponents of the scaled scores.
     const float scale2 = scale * LOG2E;
@@ -688,7 +689,7 @@ __device__ __forceinline__ void fa_backward_kv(
     i64 seq_stride, i64 batch_stride, i64 head_stride, const bf16_t* __restrict__ d_o16,
     i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, const float* __restrict__ lse,
     const float* __restrict__ delta, float* __restrict__ dk, float* __restrict__ dv, u32 s,
-    u64 heads, float scale, const Mask& m, unsigned char* smem_raw) {
+    u64 heads, float scale, const Mask& m, const PhiloxKeys& keys, unsigned char* smem_raw) {
     constexpr int LD = D + FA_PAD, KV_BYTES = FA_ROWS * LD * 2;
     const smem_t ks = smem(smem_raw), vs = ks + KV_BYTES;
     unsigned char* stages_raw = smem_raw + 2 * KV_BYTES;
@@ -705,7 +706,7 @@ __device__ __forceinline__ void fa_backward_kv(
     const u32 k0 = blockIdx.x * FA_ROWS;
     const int w0 = 16 * warp;          // this warp's first key in the block's tile
     const u32 wk_last = k0 + w0 + 15;  // and its last key
-    const RowMask rm = row_mask(m, s);
+    const RowMask rm = row_mask(m, s, keys);
     const bool dropout = m.threshold != 0;
     const float scale2 = scale * LOG2E;
 
@@ -825,7 +826,7 @@ __device__ __forceinline__ void fa_backward_q(
     i64 seq_stride, i64 batch_stride, i64 head_stride, const bf16_t* __restrict__ d_o16,
     i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, const float* __restrict__ lse,
     const float* __restrict__ delta, float* __restrict__ dq, u32 s, u64 heads, float scale,
-    const Mask& m, unsigned char* smem_raw) {
+    const Mask& m, const PhiloxKeys& keys, unsigned char* smem_raw) {
     constexpr int LD = D + FA_PAD, TILE = 2 * FA_BWD_COLS * LD;  // TILE in bytes
     const smem_t stages = smem(smem_raw);  // per stage: keys, then values
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
@@ -834,7 +835,7 @@ __device__ __forceinline__ void fa_backward_q(
     const u32 q0 = (gridDim.x - 1 - blockIdx.x) * FA_ROWS;
     const u32 wq0 = q0 + 16 * warp;
     const u32 i0 = wq0 + g;  // this thread's rows: i0 and i0 + 8
-    const RowMask rm = row_mask(m, s);
+    const RowMask rm = row_mask(m, s, keys);
     const u64 row_at[2] = {row_start(m, rm, at.row + i0, s), row_start(m, rm, at.row + i0 + 8, s)};
     const float scale2 = scale * LOG2E;
 
@@ -940,12 +941,14 @@ extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_forward(
     const bf16_t* __restrict__ qkv, i64 seq_stride, i64 batch_stride, i64 head_stride,
     float* __restrict__ o, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
     float* __restrict__ lse, u64 s, u64 heads, int d, float scale, u64 inner, u64 stride,
-    u64 start, u32 key_lo, u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
+    u64 start, u32 key_lo, u32 key_hi, u64 stream, u32 threshold, float keep_scale,
+    PhiloxKeys keys) {
     DYNAMIC_SHARED(smem_raw);
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
 #define FA_CALL(D)                                                                            \
     fa_forward<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride, o,    \
-                  o_seq_stride, o_batch_stride, o_head_stride, lse, s, heads, scale, m, smem_raw)
+                  o_seq_stride, o_batch_stride, o_head_stride, lse, s, heads, scale, m, keys,  \
+                  smem_raw)
     FA_DISPATCH(d, FA_CALL)
 #undef FA_CALL
 }
@@ -955,13 +958,13 @@ extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_kv(
     const bf16_t* __restrict__ d_o16, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
     const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dqkv,
     u64 s, u64 heads, int d, float scale, u64 inner, u64 stride, u64 start, u32 key_lo,
-    u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
+    u32 key_hi, u64 stream, u32 threshold, float keep_scale, PhiloxKeys keys) {
     DYNAMIC_SHARED(smem_raw);
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
 #define FA_CALL(D)                                                                            \
     fa_backward_kv<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride,   \
                       d_o16, o_seq_stride, o_batch_stride, o_head_stride, lse, delta,         \
-                      dqkv + (D), dqkv + 2 * (D), s, heads, scale, m, smem_raw)
+                      dqkv + (D), dqkv + 2 * (D), s, heads, scale, m, keys, smem_raw)
     FA_DISPATCH(d, FA_CALL)
 #undef FA_CALL
 }
@@ -971,13 +974,13 @@ extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_q(
     const bf16_t* __restrict__ d_o16, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
     const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dqkv,
     u64 s, u64 heads, int d, float scale, u64 inner, u64 stride, u64 start, u32 key_lo,
-    u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
+    u32 key_hi, u64 stream, u32 threshold, float keep_scale, PhiloxKeys keys) {
     DYNAMIC_SHARED(smem_raw);
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
 #define FA_CALL(D)                                                                            \
     fa_backward_q<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride,    \
                      d_o16, o_seq_stride, o_batch_stride, o_head_stride, lse, delta, dqkv, s, \
-                     heads, scale, m, smem_raw)
+                     heads, scale, m, keys, smem_raw)
     FA_DISPATCH(d, FA_CALL)
 #undef FA_CALL
 }

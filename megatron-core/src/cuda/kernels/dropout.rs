@@ -1,12 +1,12 @@
 //! Dropout on the device with the CPU's masks: the same Philox words for the same (seed,
 //! stream, logical index), so a GPU run drops exactly the elements a CPU run drops.
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchArgs, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchArgs, PushKernelArg};
 
 use super::{check_len, cover, launch, launch_args};
 use crate::cuda::{Gpu, Result};
 use crate::kernels::dropout::{LogicalIndex, keep_scale, keep_threshold};
-use crate::rng::DropoutStream;
+use crate::rng::{DropoutStream, PHILOX_W32};
 
 /// A dropout mask as the kernels take it (`make_mask` in `common.cuh`): where the buffer's
 /// elements sit logically, the Philox key and stream, the keep threshold and the kept factor.
@@ -68,6 +68,19 @@ impl MaskArgs {
             && self.start.is_multiple_of(4)
     }
 
+    /// The Philox round keys of the mask's key, for kernels that take them as a parameter.
+    pub(crate) fn round_keys(&self) -> RoundKeys {
+        let mut keys = RoundKeys {
+            x: [0; 10],
+            y: [0; 10],
+        };
+        for r in 0..10u32 {
+            keys.x[r as usize] = self.key_lo.wrapping_add(r.wrapping_mul(PHILOX_W32[0]));
+            keys.y[r as usize] = self.key_hi.wrapping_add(r.wrapping_mul(PHILOX_W32[1]));
+        }
+        keys
+    }
+
     /// Pushes the mask's kernel parameters, in `make_mask`'s order.
     pub(crate) fn push<'a>(&'a self, args: &mut LaunchArgs<'a>) {
         args.arg(&self.inner)
@@ -80,6 +93,19 @@ impl MaskArgs {
             .arg(&self.scale);
     }
 }
+
+/// Philox4x32-10's round keys (`PhiloxKeys` in `common.cuh`): round r adds r·(W0, W1) to the
+/// key, wrapping. Kernels drawing many blocks per thread take them as a parameter, so that the
+/// rounds read them from the constant bank instead of recomputing them.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RoundKeys {
+    x: [u32; 10],
+    y: [u32; 10],
+}
+
+// SAFETY: plain integers with `PhiloxKeys`'s C layout; any bits are a valid value.
+unsafe impl DeviceRepr for RoundKeys {}
 
 /// Queues `dropout_apply` on one or two buffers.
 fn apply(
@@ -187,4 +213,28 @@ pub fn philox_words(
         .arg(&id);
     launch(K, args, cover(n))?;
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_keys_are_the_keys_philox_bumps_between_rounds() {
+        // Keys near 2^32, so that the bumps wrap.
+        let mask = MaskArgs {
+            key_lo: 0xFFFF_FFF0,
+            key_hi: 0x8000_0001,
+            ..MaskArgs::keep_all()
+        };
+        let keys = mask.round_keys();
+        let mut k = [mask.key_lo, mask.key_hi];
+        for r in 0..10 {
+            assert_eq!([keys.x[r], keys.y[r]], k, "round {r}");
+            k = [
+                k[0].wrapping_add(PHILOX_W32[0]),
+                k[1].wrapping_add(PHILOX_W32[1]),
+            ];
+        }
+    }
 }

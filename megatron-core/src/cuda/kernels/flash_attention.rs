@@ -221,7 +221,9 @@ pub fn flash_attention_forward(
     args.arg(qkv).arg(&ss).arg(&bs).arg(&hs);
     args.arg(out).arg(&os).arg(&ob).arg(&oh);
     args.arg(lse).arg(&s).arg(&heads).arg(&d).arg(&scale);
+    let keys = mask.round_keys();
     mask.push(&mut args);
+    args.arg(&keys);
     launch_tiles(gpu, K, args, grid, sh.head_dim)
 }
 
@@ -272,6 +274,7 @@ pub fn flash_attention_backward(
     launch(PREPARE, args, cfg)?;
 
     let d32 = sh.head_dim as i32;
+    let keys = mask.round_keys();
     for kernel in ["flash_backward_kv", "flash_backward_q"] {
         let mut args = launch_args(gpu, kernel)?;
         args.arg(qkv).arg(&ss).arg(&bs).arg(&hs);
@@ -279,6 +282,7 @@ pub fn flash_attention_backward(
         args.arg(lse).arg(&delta).arg(&mut *d_qkv);
         args.arg(&s).arg(&heads).arg(&d32).arg(&scale);
         mask.push(&mut args);
+        args.arg(&keys);
         launch_tiles(gpu, kernel, args, grid, sh.head_dim)?;
     }
     Ok(())
