@@ -457,6 +457,64 @@ __device__ __forceinline__ bool rows_aligned(const void* q, const void* k, const
            ((seq_stride | batch_stride | head_stride) & 7) == 0;
 }
 
+// Key tiles (KEYS keys each, from key 0) and their value tiles of one head, streamed through
+// two shared-memory stages: tile `it` lies in stage it % 2. For the kernels whose block of
+// queries walks the keys it sees (the forward and the query gradients).
+template <int D, int KEYS>
+struct KeyValueStream {
+    static constexpr int LD = D + FA_PAD, TILE = 2 * KEYS * LD;  // TILE in bytes
+    smem_t stages;  // per stage: keys, then values
+    const bf16_t* k;
+    const bf16_t* v;
+    i64 stride;
+    u32 s;
+    bool vec;
+    // Tiles up to the one holding key `last`.
+    int tiles;
+
+    __device__ __forceinline__ smem_t keys(int it) const { return stages + (it & 1) * 2 * TILE; }
+    __device__ __forceinline__ smem_t values(int it) const { return keys(it) + TILE; }
+
+    // Starts copying tile `it` into its stage.
+    __device__ __forceinline__ void fetch(int it) const {
+        const u32 k0 = it * KEYS;
+        tile_to_shared<D, KEYS>(keys(it), LD, k, stride, k0, s, vec);
+        tile_to_shared<D, KEYS>(values(it), LD, v, stride, k0, s, vec);
+        copies_commit();
+    }
+
+    // Starts the tile after `it` (if any) and waits until tile `it` is in shared memory for the
+    // whole block. Every warp must be done with stage (it + 1) % 2 (a barrier after its use).
+    __device__ __forceinline__ void advance(int it) const {
+        if (it + 1 < tiles) {
+            fetch(it + 1);
+            copies_wait<1>();
+        } else {
+            copies_wait<0>();
+        }
+        __syncthreads();
+    }
+};
+
+// Keys from k and values from v (rows `stride` apart) up to key `last`, the first tile's copies
+// started.
+template <int D, int KEYS>
+__device__ __forceinline__ KeyValueStream<D, KEYS> stream_keys(unsigned char* smem_raw,
+                                                               const bf16_t* k, const bf16_t* v,
+                                                               i64 stride, u32 last, u32 s,
+                                                               bool vec) {
+    KeyValueStream<D, KEYS> kv;
+    kv.stages = smem(smem_raw);
+    kv.k = k;
+    kv.v = v;
+    kv.stride = stride;
+    kv.s = s;
+    kv.vec = vec;
+    kv.tiles = last / KEYS + 1;
+    kv.fetch(0);
+    return kv;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward: o = dropout(softmax(scale·q·kᵀ)) v and lse = log Σ exp(scale·q·kᵀ) per row. Grid:
 // (query tiles, heads, batch); the last query tiles (the most keys) start first. Shared memory
@@ -467,8 +525,6 @@ __device__ __forceinline__ void fa_forward(
     i64 seq_stride, i64 batch_stride, i64 head_stride, float* __restrict__ o, i64 o_seq_stride,
     i64 o_batch_stride, i64 o_head_stride, float* __restrict__ lse, u32 s, u64 heads,
     float scale, const Mask& m, const PhiloxKeys& keys, unsigned char* smem_raw) {
-    constexpr int LD = D + FA_PAD, TILE = 2 * FA_FWD_KEYS * LD;  // TILE in bytes
-    const smem_t stages = smem(smem_raw);  // per stage: keys, then values
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
     const bool vec = rows_aligned(q, k, v, seq_stride, batch_stride, head_stride);
@@ -479,19 +535,10 @@ __device__ __forceinline__ void fa_forward(
     const u64 row_at[2] = {row_start(m, rm, at.row + i0, s), row_start(m, rm, at.row + i0 + 8, s)};
     // Raw scores times this are base-2 exponents of the scaled scores.
     const float scale2 = scale * LOG2E;
-
-    // Key tile `it` and its values into stage it % 2.
-    const auto fetch = [&](int it) {
-        const smem_t ks = stages + (it & 1) * 2 * TILE;
-        const u32 k0 = it * FA_FWD_KEYS;
-        tile_to_shared<D, FA_FWD_KEYS>(ks, LD, k + at.qkv, seq_stride, k0, s, vec);
-        tile_to_shared<D, FA_FWD_KEYS>(ks + TILE, LD, v + at.qkv, seq_stride, k0, s, vec);
-        copies_commit();
-    };
-    // The block's last query sees keys 0 ..= last.
-    const u32 last = min(q0 + FA_ROWS, s) - 1;
-    const int tiles = last / FA_FWD_KEYS + 1;
-    fetch(0);
+    // The block's last query sees keys 0 ..= min(q0 + FA_ROWS, s) − 1.
+    const auto kv = stream_keys<D, FA_FWD_KEYS>(smem_raw, k + at.qkv, v + at.qkv, seq_stride,
+                                                min(q0 + FA_ROWS, s) - 1, s, vec);
+    constexpr int LD = KeyValueStream<D, FA_FWD_KEYS>::LD;
 
     u32 qa[D / 16][4];
     global_frags<D>(qa, q + at.qkv, seq_stride, wq0, s);
@@ -500,21 +547,14 @@ __device__ __forceinline__ void fa_forward(
     // Per row (i0, i0 + 8): the largest raw score so far and the sum of exponentials.
     float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0.0f, 0.0f};
 
-    for (int it = 0; it < tiles; ++it) {
-        if (it + 1 < tiles) {
-            fetch(it + 1);
-            copies_wait<1>();
-        } else {
-            copies_wait<0>();
-        }
-        __syncthreads();
-        const smem_t ks = stages + (it & 1) * 2 * TILE;
+    for (int it = 0; it < kv.tiles; ++it) {
+        kv.advance(it);
         const u32 k0 = it * FA_FWD_KEYS;
 
         // Raw scores q·kᵀ of this warp's 16 queries and the tile's keys.
         float sc[FA_FWD_KEYS / 8][4];
         zero_tiles<FA_FWD_KEYS / 8>(sc);
-        product_frags<D / 16, FA_FWD_KEYS / 8>(sc, qa, ks, LD);
+        product_frags<D / 16, FA_FWD_KEYS / 8>(sc, qa, kv.keys(it), LD);
         // Where the tile crosses the diagonal, keys after the query are masked: query i sees key
         // k0 + jj when jj <= i − k0 (so a query before the end sees no key past it).
         if (k0 + FA_FWD_KEYS - 1 > wq0) {
@@ -571,7 +611,7 @@ __device__ __forceinline__ void fa_forward(
                 }
             }
         }
-        product_tiles<FA_FWD_KEYS / 16, D / 8>(acc, sc, ks + TILE, LD);
+        product_tiles<FA_FWD_KEYS / 16, D / 8>(acc, sc, kv.values(it), LD);
         // Every warp is done with this stage before the next iteration refills it.
         __syncthreads();
     }
@@ -827,8 +867,6 @@ __device__ __forceinline__ void fa_backward_q(
     i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, const float* __restrict__ lse,
     const float* __restrict__ delta, float* __restrict__ dq, u32 s, u64 heads, float scale,
     const Mask& m, const PhiloxKeys& keys, unsigned char* smem_raw) {
-    constexpr int LD = D + FA_PAD, TILE = 2 * FA_BWD_COLS * LD;  // TILE in bytes
-    const smem_t stages = smem(smem_raw);  // per stage: keys, then values
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
     const bool vec = rows_aligned(q, k, v, seq_stride, batch_stride, head_stride);
@@ -838,18 +876,9 @@ __device__ __forceinline__ void fa_backward_q(
     const RowMask rm = row_mask(m, s, keys);
     const u64 row_at[2] = {row_start(m, rm, at.row + i0, s), row_start(m, rm, at.row + i0 + 8, s)};
     const float scale2 = scale * LOG2E;
-
-    // Key tile `it` and its values into stage it % 2.
-    const auto fetch = [&](int it) {
-        const smem_t ks = stages + (it & 1) * 2 * TILE;
-        const u32 c0 = it * FA_BWD_COLS;
-        tile_to_shared<D, FA_BWD_COLS>(ks, LD, k + at.qkv, seq_stride, c0, s, vec);
-        tile_to_shared<D, FA_BWD_COLS>(ks + TILE, LD, v + at.qkv, seq_stride, c0, s, vec);
-        copies_commit();
-    };
-    const u32 last = min(q0 + FA_ROWS, s) - 1;
-    const int tiles = last / FA_BWD_COLS + 1;
-    fetch(0);
+    const auto kv = stream_keys<D, FA_BWD_COLS>(smem_raw, k + at.qkv, v + at.qkv, seq_stride,
+                                                min(q0 + FA_ROWS, s) - 1, s, vec);
+    constexpr int LD = KeyValueStream<D, FA_BWD_COLS>::LD;
 
     u32 qa[D / 16][4], da[D / 16][4];
     global_frags<D>(qa, q + at.qkv, seq_stride, wq0, s);
@@ -864,22 +893,15 @@ __device__ __forceinline__ void fa_backward_q(
     float acc[D / 8][4];
     zero_tiles<D / 8>(acc);
 
-    for (int it = 0; it < tiles; ++it) {
-        if (it + 1 < tiles) {
-            fetch(it + 1);
-            copies_wait<1>();
-        } else {
-            copies_wait<0>();
-        }
-        __syncthreads();
-        const smem_t ks = stages + (it & 1) * 2 * TILE;
+    for (int it = 0; it < kv.tiles; ++it) {
+        kv.advance(it);
         const u32 c0 = it * FA_BWD_COLS;
 
         float sc[FA_BWD_COLS / 8][4], dz[FA_BWD_COLS / 8][4];
         zero_tiles<FA_BWD_COLS / 8>(sc);
         zero_tiles<FA_BWD_COLS / 8>(dz);
-        product_frags<D / 16, FA_BWD_COLS / 8>(sc, qa, ks, LD);
-        product_frags<D / 16, FA_BWD_COLS / 8>(dz, da, ks + TILE, LD);
+        product_frags<D / 16, FA_BWD_COLS / 8>(sc, qa, kv.keys(it), LD);
+        product_frags<D / 16, FA_BWD_COLS / 8>(dz, da, kv.values(it), LD);
         // Element (query i = row, key j = column): score gradients into sc.
         #pragma unroll
         for (int n = 0; n < FA_BWD_COLS / 8; n += 2) {
@@ -912,7 +934,7 @@ __device__ __forceinline__ void fa_backward_q(
             }
         }
         // dq += d_score · k over the tile's keys.
-        product_tiles<FA_BWD_COLS / 16, D / 8>(acc, sc, ks, LD);
+        product_tiles<FA_BWD_COLS / 16, D / 8>(acc, sc, kv.keys(it), LD);
         // Every warp is done with this stage before the next iteration refills it.
         __syncthreads();
     }
