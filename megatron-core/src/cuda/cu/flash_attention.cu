@@ -397,6 +397,8 @@ __device__ __noinline__ float row_factor(const Mask& m, const RowMask& rm, u64 s
     if (m.threshold == 0) return m.scale;
     if (!rm.whole) return mask_factor(m, start + j);
     const u64 l = start + j;
+    // Not mask_block: reading rm.keys through this out-of-line call's reference makes every
+    // kernel keep RowMask in memory (more registers and instructions, tools/gpu/sass.sh).
     return keep_factor(m, word_of(dropout_block(l >> 2, m.key, m.stream), (int)(l & 3)));
 }
 
@@ -455,6 +457,23 @@ __device__ __forceinline__ bool rows_aligned(const void* q, const void* k, const
                                              i64 seq_stride, i64 batch_stride, i64 head_stride) {
     return (((u64)q | (u64)k | (u64)v) & 15) == 0 &&
            ((seq_stride | batch_stride | head_stride) & 7) == 0;
+}
+
+// Sets `fill` where a tile of N 8-column accumulator tiles crosses the causal diagonal: this
+// lane's element (row g + 8·(c >> 1), column 8n + 2t + (c & 1)) is past it when its column
+// exceeds the row's limit, `lim0` for row g (lim0 + 8 for row g + 8): the row's position minus
+// the tile's first column.
+template <int N>
+__device__ __forceinline__ void mask_past_diagonal(float (*x)[4], int lim0, float fill) {
+    const int t = threadIdx.x % 4;
+    const int lim[2] = {lim0 - 2 * t, lim0 + 8 - 2 * t};
+    #pragma unroll
+    for (int n = 0; n < N; ++n) {
+        #pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            if (8 * n + (c & 1) > lim[c >> 1]) x[n][c] = fill;
+        }
+    }
 }
 
 // Key tiles (KEYS keys each, from key 0) and their value tiles of one head, streamed through
@@ -558,14 +577,7 @@ __device__ __forceinline__ void fa_forward(
         // Where the tile crosses the diagonal, keys after the query are masked: query i sees key
         // k0 + jj when jj <= i − k0 (so a query before the end sees no key past it).
         if (k0 + FA_FWD_KEYS - 1 > wq0) {
-            const int lim[2] = {(int)i0 - (int)k0 - 2 * t, (int)i0 + 8 - (int)k0 - 2 * t};
-            #pragma unroll
-            for (int n = 0; n < FA_FWD_KEYS / 8; ++n) {
-                #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    if (8 * n + (c & 1) > lim[c >> 1]) sc[n][c] = NEG_INF;
-                }
-            }
+            mask_past_diagonal<FA_FWD_KEYS / 8>(sc, (int)i0 - (int)k0, NEG_INF);
         }
         // The new row maxima (over the 4 lanes holding a row); the scale is positive, so the
         // largest raw score is the largest scaled one.
@@ -705,16 +717,18 @@ struct QueryTile {
     // Bytes of one stage (a multiple of 16): the two row tiles, then the two vectors.
     static constexpr int ROWS_BYTES = FA_BWD_COLS * LD * 2;
     static constexpr int BYTES = 2 * ROWS_BYTES + 2 * FA_BWD_COLS * 4;
+    // Shared addresses for the copies and products, and pointers where the kernel reads the
+    // vectors: both held, as converting per copy costs the loop ~40 instructions a tile.
     smem_t q, d_o, lse_at, delta_at;
-    const float* lse;
-    const float* delta;
+    float* lse;
+    float* delta;
 
     __device__ __forceinline__ QueryTile(unsigned char* raw, smem_t at) {
         q = at;
         d_o = at + ROWS_BYTES;
         lse_at = at + 2 * ROWS_BYTES;
         delta_at = lse_at + 4 * FA_BWD_COLS;
-        lse = reinterpret_cast<const float*>(raw + 2 * ROWS_BYTES);
+        lse = reinterpret_cast<float*>(raw + 2 * ROWS_BYTES);
         delta = lse + FA_BWD_COLS;
     }
 };
@@ -761,10 +775,8 @@ __device__ __forceinline__ void fa_backward_kv(
         const u32 c0 = c_first + it * FA_BWD_COLS;
         tile_to_shared<D, FA_BWD_COLS>(tile.q, LD, q + at.qkv, seq_stride, c0, s, vec);
         tile_to_shared<D, FA_BWD_COLS>(tile.d_o, LD, d_o16 + at.o, o_seq_stride, c0, s, vec);
-        rows_to_shared<FA_BWD_COLS>(tile.lse_at, const_cast<float*>(tile.lse), lse + at.row, c0,
-                                    s);
-        rows_to_shared<FA_BWD_COLS>(tile.delta_at, const_cast<float*>(tile.delta),
-                                    delta + at.row, c0, s);
+        rows_to_shared<FA_BWD_COLS>(tile.lse_at, tile.lse, lse + at.row, c0, s);
+        rows_to_shared<FA_BWD_COLS>(tile.delta_at, tile.delta, delta + at.row, c0, s);
         copies_commit();
     };
     const int tiles = (s - c_first + FA_BWD_COLS - 1) / FA_BWD_COLS;
@@ -924,14 +936,7 @@ __device__ __forceinline__ void fa_backward_q(
         // Where the tile crosses the diagonal, keys after the query count nothing: query i
         // sees key c0 + jj when jj <= i − c0 (rows past the end are not stored).
         if (c0 + FA_BWD_COLS - 1 > wq0) {
-            const int lim[2] = {(int)i0 - (int)c0 - 2 * t, (int)i0 + 8 - (int)c0 - 2 * t};
-            #pragma unroll
-            for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
-                #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    if (8 * n + (c & 1) > lim[c >> 1]) sc[n][c] = 0.0f;
-                }
-            }
+            mask_past_diagonal<FA_BWD_COLS / 8>(sc, (int)i0 - (int)c0, 0.0f);
         }
         // dq += d_score · k over the tile's keys.
         product_tiles<FA_BWD_COLS / 16, D / 8>(acc, sc, kv.keys(it), LD);
