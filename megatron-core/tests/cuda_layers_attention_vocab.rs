@@ -174,6 +174,81 @@ fn flash_attention_on_the_gpu_matches_the_host() -> R {
 
 #[test]
 #[ignore = "needs a GPU"]
+fn flash_backward_in_chunks_of_queries_matches_one_chunk() -> R {
+    use megatron_core::cuda::kernels::flash_attention::{
+        FlashShape, flash_attention_backward, flash_attention_backward_within,
+        flash_attention_forward,
+    };
+    use megatron_core::cuda::kernels::operand::In;
+    let g = gpu();
+    // Four chunks of 64 queries with the smallest budget, the last partial.
+    let sh = FlashShape {
+        seq: 200,
+        batch: 2,
+        heads: 2,
+        head_dim: 64,
+    };
+    let qkv: Vec<half::bf16> = det(sh.qkv_len(), 3)
+        .into_iter()
+        .map(half::bf16::from_f32)
+        .collect();
+    let qkv = g.upload(&qkv)?;
+    let d_out = g.upload(&det(sh.out_len(), 4))?;
+    let mut out = g.zeros::<f32>(sh.out_len())?;
+    let mut lse = g.zeros::<f32>(sh.rows())?;
+    let scale = 0.125;
+    flash_attention_forward(
+        &g,
+        &qkv.as_view(),
+        sh,
+        scale,
+        None,
+        &mut out.as_view_mut(),
+        &mut lse.as_view_mut(),
+    )?;
+    let mut whole = g.zeros::<f32>(sh.qkv_len())?;
+    let mut chunked = g.zeros::<f32>(sh.qkv_len())?;
+    let (qkv_v, out_v, lse_v, d_out_v) =
+        (qkv.as_view(), out.as_view(), lse.as_view(), d_out.as_view());
+    flash_attention_backward(
+        &g,
+        &qkv_v,
+        &out_v,
+        &lse_v,
+        In::F32(&d_out_v),
+        sh,
+        scale,
+        None,
+        &mut whole.as_view_mut(),
+    )?;
+    flash_attention_backward_within(
+        &g,
+        &qkv_v,
+        &out_v,
+        &lse_v,
+        In::F32(&d_out_v),
+        sh,
+        scale,
+        None,
+        &mut chunked.as_view_mut(),
+        1,
+    )?;
+    let (whole, chunked) = (g.download(&whole)?, g.download(&chunked)?);
+    close(&chunked, &whole, 1e-5, "flash gradient in chunks");
+    // The query gradients of a chunk do not depend on the others: the same bits.
+    let dq = |v: &[f32]| -> Vec<u32> {
+        v.chunks(sh.head_dim)
+            .step_by(3)
+            .flatten()
+            .map(|x| x.to_bits())
+            .collect()
+    };
+    assert_eq!(dq(&chunked), dq(&whole));
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
 fn flash_kernels_refuse_what_they_lack_with_the_numbers() -> R {
     use megatron_core::cuda::kernels::flash_attention::{FlashShape, flash_attention_forward};
     let g = gpu();

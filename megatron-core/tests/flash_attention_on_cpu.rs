@@ -328,7 +328,9 @@ fn flash_forward(
 }
 
 /// The flash backward on the CPU-built kernels: the fused projection's gradient, from `d_out`
-/// handed over in f32 or (with `d_out_bf16`) rounded to bf16.
+/// handed over in f32 or (with `d_out_bf16`) rounded to bf16, over chunks of `chunk` queries
+/// (a multiple of 64).
+#[allow(clippy::too_many_arguments)]
 fn flash_backward(
     case: &Case,
     qkv: &mut [bf16],
@@ -336,6 +338,7 @@ fn flash_backward(
     d_out: &mut [f32],
     d_out_bf16: bool,
     dropout: &Option<(f32, DropoutStream)>,
+    chunk: usize,
 ) -> Vec<f32> {
     let rows = case.batch * case.heads * case.seq;
     let mut d_out16 = vec![bf16::NAN; case.out_len()];
@@ -362,9 +365,15 @@ fn flash_backward(
     ]);
     launch("flash_backward_prepare", 3, 256, args);
 
+    // The score gradients pass through a buffer of `chunk` query columns per key row (rows
+    // up to the sequence rounded up to 64), both kernels running once per chunk of queries.
+    let rows = case.seq.div_ceil(64) * 64;
+    let chunk = chunk.min(rows);
+    let mut ds = vec![bf16::NAN; case.batch * case.heads * rows * chunk];
     let mut dqkv = vec![f32::NAN; case.qkv_len()];
     let mut keys = round_keys(dropout.as_ref().map(|(_, s)| s));
-    for kernel in ["flash_backward_kv", "flash_backward_q"] {
+    for c_begin in (0..rows).step_by(chunk) {
+        let c_end = (c_begin + chunk).min(rows);
         let mut args = qkv_args(case, qkv);
         args.push(Arg::Ptr(d_out16.as_mut_ptr().cast()));
         args.extend(out_strides(case));
@@ -372,10 +381,38 @@ fn flash_backward(
             Arg::Ptr(lse.as_mut_ptr().cast()),
             Arg::Ptr(delta.as_mut_ptr().cast()),
             Arg::Ptr(dqkv.as_mut_ptr().cast()),
+            Arg::Ptr(ds.as_mut_ptr().cast()),
+            Arg::U32(chunk as u32),
+            Arg::U32(c_begin as u32),
+            Arg::U32(c_end as u32),
         ]);
         args.extend(tail_args(case, dropout));
         args.push(Arg::ByValue(keys.as_mut_ptr().cast()));
-        launch_3d(kernel, case.grid(), [128, 1, 1], args);
+        let [_, heads, batch] = case.grid();
+        launch_3d(
+            "flash_backward_kv",
+            [c_end / 64, heads, batch],
+            [128, 1, 1],
+            args,
+        );
+
+        let mut args = qkv_args(case, qkv);
+        args.extend([
+            Arg::Ptr(ds.as_mut_ptr().cast()),
+            Arg::U32(chunk as u32),
+            Arg::U32(c_begin as u32),
+            Arg::Ptr(dqkv.as_mut_ptr().cast()),
+            Arg::U64(case.seq as u64),
+            Arg::U64(case.heads as u64),
+            Arg::I32(case.d as i32),
+        ]);
+        let blocks = (c_end.min(case.seq) - c_begin).div_ceil(64);
+        launch_3d(
+            "flash_backward_q",
+            [blocks, heads, batch],
+            [128, 1, 1],
+            args,
+        );
     }
     dqkv
 }
@@ -408,11 +445,39 @@ fn flash_attention_is_plain_attention_forward_and_backward() {
                 // The gradients of bf16 products: the reference's d_out as the kernels round it.
                 let d_out16: Vec<f32> = d_out.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
                 let want = reference.backward(&d_out16);
-                let dqkv = flash_backward(&case, qkv_at, &mut got, &mut d_out, false, &dropout);
+                let whole = usize::MAX;
+                let dqkv =
+                    flash_backward(&case, qkv_at, &mut got, &mut d_out, false, &dropout, whole);
                 assert_near(&format!("{what}: gradient"), &dqkv, &want, 2e-2);
-                let from16 = flash_backward(&case, qkv_at, &mut got, &mut d_out, true, &dropout);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                let from16 =
+                    flash_backward(&case, qkv_at, &mut got, &mut d_out, true, &dropout, whole);
                 assert!(bits(&from16) == bits(&dqkv), "{what}: bf16 d_out");
+                // Queries in chunks of 64: the key and value gradients summed over chunks, the
+                // query gradients as before (each query's row of scores is in one chunk).
+                if case.seq > 64 {
+                    let chunked =
+                        flash_backward(&case, qkv_at, &mut got, &mut d_out, false, &dropout, 64);
+                    assert_near(
+                        &format!("{what}: gradient in chunks"),
+                        &chunked,
+                        &want,
+                        2e-2,
+                    );
+                    assert_near(
+                        &format!("{what}: chunks against one"),
+                        &chunked,
+                        &dqkv,
+                        1e-5,
+                    );
+                    let dq = |v: &[f32]| {
+                        (0..case.qkv_len())
+                            .filter(|e| (e / case.d) % 3 == 0)
+                            .map(|e| v[e].to_bits())
+                            .collect::<Vec<_>>()
+                    };
+                    assert!(dq(&chunked) == dq(&dqkv), "{what}: chunked dq");
+                }
             }
         }
     }

@@ -2,7 +2,11 @@
 // and their gradients live in registers, a tile at a time, and never reach global memory. The
 // products run on the tensor cores (mma.sync m16n8k16, bf16 operands, f32 accumulation); the
 // softmax is online (running row maximum and sum, rescaling the partial output), and the
-// backward recomputes the probabilities from the saved log-sum-exp of every row.
+// backward recomputes the probabilities from the saved log-sum-exp of every row. The backward
+// has FlashAttention-2's five products without its atomics: one kernel per block of keys
+// recomputes the scores and the probability gradients and gives dk and dv, storing the score
+// gradients (bf16) of a chunk of queries; a second kernel per block of queries multiplies them
+// by the keys (dq). Each gradient element is summed in one fixed order: the same bits every run.
 //
 // Layout: the fused projection `qkv` (bf16) holds, per position, batch entry and head, the
 // head's query, key and value (d elements each, in that order); row i of head h of batch entry
@@ -33,10 +37,11 @@
 #define FA_THREADS (FA_WARPS * WARP)
 // Rows of a block: queries of the forward and the query gradient, keys of the key gradient.
 #define FA_ROWS (16 * FA_WARPS)
-// Keys per tile of the forward; keys per tile of the query gradient, queries per tile of the
-// key gradient.
+// Keys per tile of the forward; queries per tile of the key gradient.
 #define FA_FWD_KEYS 64
 #define FA_BWD_COLS 32
+// Keys per tile of the query gradient.
+#define FA_DQ_KEYS 64
 // Padding (in bf16 elements) of every shared row, so that the 8 rows an ldmatrix reads fall
 // on different banks: rows of 2·D + 16 bytes (D a multiple of 32) put 8 consecutive rows'
 // 16-byte pieces on 8 different groups of 4 banks.
@@ -189,6 +194,14 @@ __device__ __forceinline__ void frag_a(u32* a, smem_t x, int ld, int row0, int c
     load_matrices<false>(a, x + 2 * ((row0 + (lane & 7) + 8 * (i & 1)) * ld + col0 + 8 * (i >> 1)));
 }
 
+// The A fragment of the 16×16 tile at (row0, col0) of A = Mᵀ, where M is held row-major in
+// shared memory (ld elements per row): the tile is M's rows col0 .. col0 + 16, columns row0 ..
+// row0 + 16, read transposed; matrices (M rows +0, cols +0), (+0, +8), (+8, +0), (+8, +8).
+__device__ __forceinline__ void frag_a_trans(u32* a, smem_t m, int ld, int row0, int col0) {
+    const int lane = threadIdx.x % WARP, i = lane >> 3;
+    load_matrices<true>(a, m + 2 * ((col0 + (lane & 7) + 8 * (i >> 1)) * ld + row0 + 8 * (i & 1)));
+}
+
 // The B fragments of two neighbouring 8-column tiles, B[k0 .. k0+16][n0 .. n0+16], from Bᵀ
 // held row-major in shared memory (row n of `bt` is column n of B): b[0] for columns n0 ..
 // n0+8, b[1] for n0+8 .. n0+16.
@@ -231,16 +244,21 @@ __device__ __forceinline__ void zero_tiles(float (*c)[4]) {
 }
 
 // acc (N tiles of 8 columns, N even) += A · B over 16·KS rows of B: A's k-th 16-column slice
-// in the fragments a[k], B from Bᵀ held row-major in shared memory.
-template <int KS, int N>
-__device__ __forceinline__ void product_frags(float (*acc)[4], const u32 (*a)[4], smem_t bt,
+// in the fragments a[k], B from Bᵀ held row-major in shared memory (or, with B_ROWS, from B
+// itself held row-major).
+template <int KS, int N, bool B_ROWS = false>
+__device__ __forceinline__ void product_frags(float (*acc)[4], const u32 (*a)[4], smem_t b_at,
                                               int ld) {
     #pragma unroll
     for (int k = 0; k < KS; ++k) {
         #pragma unroll
         for (int n = 0; n < N; n += 2) {
             u32 b[2][2];
-            frags_b(b, bt, ld, 8 * n, 16 * k);
+            if (B_ROWS) {
+                frags_b_trans(b, b_at, ld, 8 * n, 16 * k);
+            } else {
+                frags_b(b, b_at, ld, 8 * n, 16 * k);
+            }
             mma_bf16(acc[n], a[k], b[0]);
             mma_bf16(acc[n + 1], a[k], b[1]);
         }
@@ -267,13 +285,15 @@ __device__ __forceinline__ void product_tiles(float (*acc)[4], const float (*c)[
 }
 
 // Stores half r of N accumulator tiles (r = 0: row g, 1: row g + 8) times `scale` into the row
-// `row` points at (this lane's first column, 2t).
+// `row` points at (this lane's first column, 2t), or with `add` adds them to what it holds.
 template <int N>
-__device__ __forceinline__ void store_row(float* row, const float (*acc)[4], int r, float scale) {
+__device__ __forceinline__ void store_row(float* row, const float (*acc)[4], int r, float scale,
+                                          bool add = false) {
     #pragma unroll
     for (int n = 0; n < N; ++n) {
-        row[8 * n] = acc[n][2 * r] * scale;
-        row[8 * n + 1] = acc[n][2 * r + 1] * scale;
+        const float x0 = acc[n][2 * r] * scale, x1 = acc[n][2 * r + 1] * scale;
+        row[8 * n] = add ? row[8 * n] + x0 : x0;
+        row[8 * n + 1] = add ? row[8 * n + 1] + x1 : x1;
     }
 }
 
@@ -476,29 +496,32 @@ __device__ __forceinline__ void mask_past_diagonal(float (*x)[4], int lim0, floa
     }
 }
 
-// Key tiles (KEYS keys each, from key 0) and their value tiles of one head, streamed through
-// two shared-memory stages: tile `it` lies in stage it % 2. For the kernels whose block of
-// queries walks the keys it sees (the forward and the query gradients).
-template <int D, int KEYS>
-struct KeyValueStream {
-    static constexpr int LD = D + FA_PAD, TILE = 2 * KEYS * LD;  // TILE in bytes
-    smem_t stages;  // per stage: keys, then values
+// Key tiles (KEYS keys each, from key 0) of one head and the tiles paired with them (W
+// elements per key: the values, or the query-gradient kernel's transposed score gradients),
+// streamed through two shared-memory stages: tile `it` lies in stage it % 2. For the kernels
+// whose block of queries walks the keys it sees (the forward and the query gradients).
+template <int D, int KEYS, int W = D>
+struct KeyStream {
+    static constexpr int LD = D + FA_PAD, LD_PAIRED = W + FA_PAD;
+    // Bytes of a key tile and of a stage (the key tile, then the paired one).
+    static constexpr int KEY_TILE = 2 * KEYS * LD, STAGE = KEY_TILE + 2 * KEYS * LD_PAIRED;
+    smem_t stages;
     const bf16_t* k;
     const bf16_t* v;
-    i64 stride;
+    i64 k_stride, v_stride;
     u32 s;
-    bool vec;
+    bool k_vec, v_vec;
     // Tiles up to the one holding key `last`.
     int tiles;
 
-    __device__ __forceinline__ smem_t keys(int it) const { return stages + (it & 1) * 2 * TILE; }
-    __device__ __forceinline__ smem_t values(int it) const { return keys(it) + TILE; }
+    __device__ __forceinline__ smem_t keys(int it) const { return stages + (it & 1) * STAGE; }
+    __device__ __forceinline__ smem_t paired(int it) const { return keys(it) + KEY_TILE; }
 
     // Starts copying tile `it` into its stage.
     __device__ __forceinline__ void fetch(int it) const {
         const u32 k0 = it * KEYS;
-        tile_to_shared<D, KEYS>(keys(it), LD, k, stride, k0, s, vec);
-        tile_to_shared<D, KEYS>(values(it), LD, v, stride, k0, s, vec);
+        tile_to_shared<D, KEYS>(keys(it), LD, k, k_stride, k0, s, k_vec);
+        tile_to_shared<W, KEYS>(paired(it), LD_PAIRED, v, v_stride, k0, s, v_vec);
         copies_commit();
     }
 
@@ -515,20 +538,23 @@ struct KeyValueStream {
     }
 };
 
-// Keys from k and values from v (rows `stride` apart) up to key `last`, the first tile's copies
-// started.
-template <int D, int KEYS>
-__device__ __forceinline__ KeyValueStream<D, KEYS> stream_keys(unsigned char* smem_raw,
-                                                               const bf16_t* k, const bf16_t* v,
-                                                               i64 stride, u32 last, u32 s,
-                                                               bool vec) {
-    KeyValueStream<D, KEYS> kv;
+// Keys from k (rows `k_stride` elements apart, 16-byte aligned with `k_vec`) and their paired
+// rows from v (likewise) up to key `last`, the first tile's copies started.
+template <int D, int KEYS, int W = D>
+__device__ __forceinline__ KeyStream<D, KEYS, W> stream_keys(unsigned char* smem_raw,
+                                                             const bf16_t* k, i64 k_stride,
+                                                             bool k_vec, const bf16_t* v,
+                                                             i64 v_stride, bool v_vec, u32 last,
+                                                             u32 s) {
+    KeyStream<D, KEYS, W> kv;
     kv.stages = smem(smem_raw);
     kv.k = k;
     kv.v = v;
-    kv.stride = stride;
+    kv.k_stride = k_stride;
+    kv.v_stride = v_stride;
     kv.s = s;
-    kv.vec = vec;
+    kv.k_vec = k_vec;
+    kv.v_vec = v_vec;
     kv.tiles = last / KEYS + 1;
     kv.fetch(0);
     return kv;
@@ -555,9 +581,10 @@ __device__ __forceinline__ void fa_forward(
     // Raw scores times this are base-2 exponents of the scaled scores.
     const float scale2 = scale * LOG2E;
     // The block's last query sees keys 0 ..= min(q0 + FA_ROWS, s) − 1.
-    const auto kv = stream_keys<D, FA_FWD_KEYS>(smem_raw, k + at.qkv, v + at.qkv, seq_stride,
-                                                min(q0 + FA_ROWS, s) - 1, s, vec);
-    constexpr int LD = KeyValueStream<D, FA_FWD_KEYS>::LD;
+    const auto kv = stream_keys<D, FA_FWD_KEYS>(smem_raw, k + at.qkv, seq_stride, vec,
+                                                v + at.qkv, seq_stride, vec,
+                                                min(q0 + FA_ROWS, s) - 1, s);
+    constexpr int LD = KeyStream<D, FA_FWD_KEYS>::LD;
 
     u32 qa[D / 16][4];
     global_frags<D>(qa, q + at.qkv, seq_stride, wq0, s);
@@ -623,7 +650,8 @@ __device__ __forceinline__ void fa_forward(
                 }
             }
         }
-        product_tiles<FA_FWD_KEYS / 16, D / 8>(acc, sc, kv.values(it), LD);
+        // Paired with the keys: their values.
+        product_tiles<FA_FWD_KEYS / 16, D / 8>(acc, sc, kv.paired(it), LD);
         // Every warp is done with this stage before the next iteration refills it.
         __syncthreads();
     }
@@ -733,17 +761,30 @@ struct QueryTile {
     }
 };
 
+// The backward's score gradients dS (bf16) pass from the key/value kernel to the query-gradient
+// kernel through a buffer that holds, per (batch entry, head), rows for keys 0 ..
+// score_rows(s) − 1 and `ds_cols` columns for the queries c_begin .. c_begin + ds_cols − 1 of
+// one chunk: element (key j, query i) at (head·score_rows(s) + j)·ds_cols + i − c_begin. The
+// launcher runs both kernels once per chunk of queries (ds_cols and c_begin multiples of
+// FA_ROWS), so the buffer stays within a budget whatever the sequence.
+__device__ __forceinline__ u64 score_rows(u32 s) {
+    return (u64)((s + FA_ROWS - 1) / FA_ROWS) * FA_ROWS;
+}
+
 // Backward, step 2: dk and dv of FA_ROWS keys per block (16 per warp), over the tiles of the
-// queries that see them. Grid: (key tiles, heads, batch). Shared memory (dynamic): the block's
-// keys and values, two stages of a query tile (QueryTile), where each query's row of the
-// dropout mask starts, and the tile's dropout flags.
+// queries c_begin .. c_end that see them, stored (the first chunk of queries that sees the
+// block's keys) or added to the earlier chunks' sums; and the score gradients of those
+// (key, query) pairs into `ds`. Grid: (key tiles up to c_end, heads, batch). Shared memory
+// (dynamic): the block's keys and values, two stages of a query tile (QueryTile), where each
+// query's row of the dropout mask starts, and the tile's dropout flags.
 template <int D>
 __device__ __forceinline__ void fa_backward_kv(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
     i64 seq_stride, i64 batch_stride, i64 head_stride, const bf16_t* __restrict__ d_o16,
     i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, const float* __restrict__ lse,
-    const float* __restrict__ delta, float* __restrict__ dk, float* __restrict__ dv, u32 s,
-    u64 heads, float scale, const Mask& m, const PhiloxKeys& keys, unsigned char* smem_raw) {
+    const float* __restrict__ delta, float* __restrict__ dk, float* __restrict__ dv,
+    bf16_t* __restrict__ ds, u32 ds_cols, u32 c_begin, u32 c_end, u32 s, u64 heads,
+    float scale, const Mask& m, const PhiloxKeys& keys, unsigned char* smem_raw) {
     constexpr int LD = D + FA_PAD, KV_BYTES = FA_ROWS * LD * 2;
     const smem_t ks = smem(smem_raw), vs = ks + KV_BYTES;
     unsigned char* stages_raw = smem_raw + 2 * KV_BYTES;
@@ -764,8 +805,9 @@ __device__ __forceinline__ void fa_backward_kv(
     const bool dropout = m.threshold != 0;
     const float scale2 = scale * LOG2E;
 
-    // Query tile `it` (queries c_first + it·FA_BWD_COLS ..) into stage it % 2.
-    const u32 c_first = k0 - k0 % FA_BWD_COLS;
+    // Query tile `it` (queries c_first + it·FA_BWD_COLS ..) into stage it % 2; queries before
+    // the block's first key see none of its keys.
+    const u32 c_first = max(k0, c_begin);
     const auto stage = [&](int it) {
         const int at_byte = (it & 1) * QueryTile<D>::BYTES;
         return QueryTile<D>(stages_raw + at_byte, stages + at_byte);
@@ -779,7 +821,10 @@ __device__ __forceinline__ void fa_backward_kv(
         rows_to_shared<FA_BWD_COLS>(tile.delta_at, tile.delta, delta + at.row, c0, s);
         copies_commit();
     };
-    const int tiles = (s - c_first + FA_BWD_COLS - 1) / FA_BWD_COLS;
+    const int tiles = (min(c_end, s) - c_first + FA_BWD_COLS - 1) / FA_BWD_COLS;
+    // This warp's rows of the score gradients (row g; row g + 8 is 8·ds_cols further).
+    bf16_t* const ds_warp = ds + ((u64)blockIdx.z * heads + blockIdx.y) * score_rows(s) * ds_cols +
+                            (u64)(k0 + w0 + g) * ds_cols + 2 * t;
     tile_to_shared<D, FA_ROWS>(ks, LD, k + at.qkv, seq_stride, k0, s, vec);
     tile_to_shared<D, FA_ROWS>(vs, LD, v + at.qkv, seq_stride, k0, s, vec);
     fetch(0);
@@ -852,103 +897,81 @@ __device__ __forceinline__ void fa_backward_kv(
             }
         }
         // dv += droppedᵀ·do and dk += d_scoresᵀ·q over the tile's queries (st and dz hold the
-        // transposes).
+        // transposes); the score gradients in bf16 are also stored for dq.
         product_tiles<FA_BWD_COLS / 16, D / 8>(dv_acc, st, tile.d_o, LD);
-        product_tiles<FA_BWD_COLS / 16, D / 8>(dk_acc, dz, tile.q, LD);
+        u32 dsa[FA_BWD_COLS / 16][4];
+        #pragma unroll
+        for (int kq = 0; kq < FA_BWD_COLS / 16; ++kq) {
+            acc_to_a(dsa[kq], dz, kq);
+            // Fragment words: (row g, columns 16kq + 2t ..), (g + 8, same), (g, + 8), (g + 8, + 8).
+            bf16_t* const row_g = ds_warp + (c0 - c_begin) + 16 * kq;
+            u32* at_g = reinterpret_cast<u32*>(row_g);
+            u32* at_g8 = reinterpret_cast<u32*>(row_g + 8 * (u64)ds_cols);
+            at_g[0] = dsa[kq][0];
+            at_g8[0] = dsa[kq][1];
+            at_g[4] = dsa[kq][2];
+            at_g8[4] = dsa[kq][3];
+        }
+        product_frags<FA_BWD_COLS / 16, D / 8, true>(dk_acc, dsa, tile.q, LD);
         // Every warp is done with this stage (and the flags) before they are refilled.
         __syncthreads();
     }
 
+    // Queries before c_begin that see these keys were an earlier chunk's.
+    const bool add = c_begin > k0;
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const u32 j = k0 + w0 + g + 8 * r;
         if (j >= s) continue;
         const i64 at_j = at.qkv + (i64)j * seq_stride + 2 * t;
-        store_row<D / 8>(dk + at_j, dk_acc, r, 1.0f);
-        store_row<D / 8>(dv + at_j, dv_acc, r, 1.0f);
+        store_row<D / 8>(dk + at_j, dk_acc, r, 1.0f, add);
+        store_row<D / 8>(dv + at_j, dv_acc, r, 1.0f, add);
     }
 }
 
-// Backward, step 3: dq of FA_ROWS queries per block (16 per warp), over the tiles of the keys
-// they see. Grid: (query tiles, heads, batch); the last query tiles start first. Shared memory
-// (dynamic): two stages of a key tile and its value tile, FA_BWD_COLS rows each.
+// Backward, step 3: dq = dS·k for FA_ROWS queries per block (16 per warp) of the chunk from
+// c_begin, from the score gradients the key/value kernel stored, over the tiles of the keys
+// they see. Grid: (query tiles of the chunk, heads, batch); the last query tiles start first.
+// Shared memory (dynamic): two stages of a key tile (FA_DQ_KEYS keys) and the score gradients
+// of those keys and the block's queries.
 template <int D>
-__device__ __forceinline__ void fa_backward_q(
-    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
-    i64 seq_stride, i64 batch_stride, i64 head_stride, const bf16_t* __restrict__ d_o16,
-    i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, const float* __restrict__ lse,
-    const float* __restrict__ delta, float* __restrict__ dq, u32 s, u64 heads, float scale,
-    const Mask& m, const PhiloxKeys& keys, unsigned char* smem_raw) {
+__device__ __forceinline__ void fa_backward_q(const bf16_t* __restrict__ k, i64 seq_stride,
+                                              i64 batch_stride, i64 head_stride,
+                                              const bf16_t* __restrict__ ds, u32 ds_cols,
+                                              u32 c_begin, float* __restrict__ dq, u32 s,
+                                              u64 heads, unsigned char* smem_raw) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
-    const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
-    const bool vec = rows_aligned(q, k, v, seq_stride, batch_stride, head_stride);
-    const u32 q0 = (gridDim.x - 1 - blockIdx.x) * FA_ROWS;
-    const u32 wq0 = q0 + 16 * warp;
-    const u32 i0 = wq0 + g;  // this thread's rows: i0 and i0 + 8
-    const RowMask rm = row_mask(m, s, keys);
-    const u64 row_at[2] = {row_start(m, rm, at.row + i0, s), row_start(m, rm, at.row + i0 + 8, s)};
-    const float scale2 = scale * LOG2E;
-    const auto kv = stream_keys<D, FA_BWD_COLS>(smem_raw, k + at.qkv, v + at.qkv, seq_stride,
-                                                min(q0 + FA_ROWS, s) - 1, s, vec);
-    constexpr int LD = KeyValueStream<D, FA_BWD_COLS>::LD;
+    const i64 at = (i64)blockIdx.z * batch_stride + (i64)blockIdx.y * head_stride;
+    const bool vec = rows_aligned(k, k, k, seq_stride, batch_stride, head_stride);
+    const u32 q0 = c_begin + (gridDim.x - 1 - blockIdx.x) * FA_ROWS;
+    // The block's columns of the score gradients (rows: keys; 16-byte aligned).
+    const bf16_t* ds_at = ds + ((u64)blockIdx.z * heads + blockIdx.y) * score_rows(s) * ds_cols +
+                          (q0 - c_begin);
+    using Stream = KeyStream<D, FA_DQ_KEYS, FA_ROWS>;
+    const Stream kv = stream_keys<D, FA_DQ_KEYS, FA_ROWS>(
+        smem_raw, k + at, seq_stride, vec, ds_at, ds_cols, true, min(q0 + FA_ROWS, s) - 1, s);
 
-    u32 qa[D / 16][4], da[D / 16][4];
-    global_frags<D>(qa, q + at.qkv, seq_stride, wq0, s);
-    global_frags<D>(da, d_o16 + at.o, o_seq_stride, wq0, s);
-    float lse2[2], delta_r[2];
-    #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const u32 i = i0 + 8 * r;
-        lse2[r] = i < s ? lse[at.row + i] * LOG2E : 0.0f;
-        delta_r[r] = i < s ? delta[at.row + i] : 0.0f;
-    }
     float acc[D / 8][4];
     zero_tiles<D / 8>(acc);
-
     for (int it = 0; it < kv.tiles; ++it) {
         kv.advance(it);
-        const u32 c0 = it * FA_BWD_COLS;
-
-        float sc[FA_BWD_COLS / 8][4], dz[FA_BWD_COLS / 8][4];
-        zero_tiles<FA_BWD_COLS / 8>(sc);
-        zero_tiles<FA_BWD_COLS / 8>(dz);
-        product_frags<D / 16, FA_BWD_COLS / 8>(sc, qa, kv.keys(it), LD);
-        product_frags<D / 16, FA_BWD_COLS / 8>(dz, da, kv.values(it), LD);
-        // Element (query i = row, key j = column): score gradients into sc.
+        // This warp's queries' score gradients over the tile's keys (stored as rows per key:
+        // read transposed), times the keys. Keys past a query hold zeros.
+        u32 a[FA_DQ_KEYS / 16][4];
         #pragma unroll
-        for (int n = 0; n < FA_BWD_COLS / 8; n += 2) {
-            #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float2 f[2];
-                mask_pairs(m, rm, row_at[r], c0 + 8 * n, f[0], f[1]);
-                #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    #pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        sc[n + h][2 * r + c] =
-                            element_grad(sc[n + h][2 * r + c], dz[n + h][2 * r + c], lse2[r],
-                                         delta_r[r], c == 0 ? f[h].x : f[h].y, scale, scale2)
-                                .d_score;
-                    }
-                }
-            }
+        for (int kk = 0; kk < FA_DQ_KEYS / 16; ++kk) {
+            frag_a_trans(a[kk], kv.paired(it), Stream::LD_PAIRED, 16 * warp, 16 * kk);
         }
-        // Where the tile crosses the diagonal, keys after the query count nothing: query i
-        // sees key c0 + jj when jj <= i − c0 (rows past the end are not stored).
-        if (c0 + FA_BWD_COLS - 1 > wq0) {
-            mask_past_diagonal<FA_BWD_COLS / 8>(sc, (int)i0 - (int)c0, 0.0f);
-        }
-        // dq += d_score · k over the tile's keys.
-        product_tiles<FA_BWD_COLS / 16, D / 8>(acc, sc, kv.keys(it), LD);
+        product_frags<FA_DQ_KEYS / 16, D / 8, true>(acc, a, kv.keys(it), Stream::LD);
         // Every warp is done with this stage before the next iteration refills it.
         __syncthreads();
     }
 
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const u32 i = i0 + 8 * r;
+        const u32 i = q0 + 16 * warp + g + 8 * r;
         if (i >= s) continue;
-        store_row<D / 8>(dq + at.qkv + (i64)i * seq_stride + 2 * t, acc, r, 1.0f);
+        store_row<D / 8>(dq + at + (i64)i * seq_stride + 2 * t, acc, r, 1.0f);
     }
 }
 
@@ -984,30 +1007,28 @@ extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_kv(
     const bf16_t* __restrict__ qkv, i64 seq_stride, i64 batch_stride, i64 head_stride,
     const bf16_t* __restrict__ d_o16, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
     const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dqkv,
-    u64 s, u64 heads, int d, float scale, u64 inner, u64 stride, u64 start, u32 key_lo,
-    u32 key_hi, u64 stream, u32 threshold, float keep_scale, PhiloxKeys keys) {
+    bf16_t* __restrict__ ds, u32 ds_cols, u32 c_begin, u32 c_end, u64 s, u64 heads, int d,
+    float scale, u64 inner, u64 stride, u64 start, u32 key_lo, u32 key_hi, u64 stream,
+    u32 threshold, float keep_scale, PhiloxKeys keys) {
     DYNAMIC_SHARED(smem_raw);
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
 #define FA_CALL(D)                                                                            \
     fa_backward_kv<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride,   \
                       d_o16, o_seq_stride, o_batch_stride, o_head_stride, lse, delta,         \
-                      dqkv + (D), dqkv + 2 * (D), s, heads, scale, m, keys, smem_raw)
+                      dqkv + (D), dqkv + 2 * (D), ds, ds_cols, c_begin, c_end, s, heads,      \
+                      scale, m, keys, smem_raw)
     FA_DISPATCH(d, FA_CALL)
 #undef FA_CALL
 }
 
 extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_q(
     const bf16_t* __restrict__ qkv, i64 seq_stride, i64 batch_stride, i64 head_stride,
-    const bf16_t* __restrict__ d_o16, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
-    const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dqkv,
-    u64 s, u64 heads, int d, float scale, u64 inner, u64 stride, u64 start, u32 key_lo,
-    u32 key_hi, u64 stream, u32 threshold, float keep_scale, PhiloxKeys keys) {
+    const bf16_t* __restrict__ ds, u32 ds_cols, u32 c_begin, float* __restrict__ dqkv, u64 s,
+    u64 heads, int d) {
     DYNAMIC_SHARED(smem_raw);
-    const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
 #define FA_CALL(D)                                                                            \
-    fa_backward_q<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride,    \
-                     d_o16, o_seq_stride, o_batch_stride, o_head_stride, lse, delta, dqkv, s, \
-                     heads, scale, m, keys, smem_raw)
+    fa_backward_q<D>(qkv + (D), seq_stride, batch_stride, head_stride, ds, ds_cols, c_begin,  \
+                     dqkv, s, heads, smem_raw)
     FA_DISPATCH(d, FA_CALL)
 #undef FA_CALL
 }

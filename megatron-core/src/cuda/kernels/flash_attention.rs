@@ -7,8 +7,12 @@
 //!
 //! The operands are bf16 (the fused projection rounded once, the probabilities and gradients
 //! rounded as they enter a product), accumulation f32, the output and the gradients f32. The
-//! backward is deterministic: one kernel for the key and value gradients and one for the query
-//! gradient, no atomics.
+//! backward is deterministic and has FlashAttention-2's five products: one kernel recomputes
+//! the probabilities and gives the key and value gradients, storing the score gradients (bf16)
+//! for a second kernel's `dq = dS·k`; no atomics. The score gradients pass a chunk of queries
+//! at a time through a buffer of at most [`SCORE_GRADIENT_BUDGET`] bytes (for any sequence
+//! whose `batch·heads·seq·64` score gradients fit in it), so memory stays linear in the
+//! sequence.
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaView, CudaViewMut, LaunchArgs, LaunchConfig, PushKernelArg};
@@ -27,16 +31,21 @@ pub const HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
 
 /// Threads per block: 4 warps of 16 rows each (`FA_THREADS`).
 const THREADS: u32 = 128;
-/// Rows of a block (`FA_ROWS`), keys per forward tile (`FA_FWD_KEYS`), columns per backward
-/// tile (`FA_BWD_COLS`) and the padding of shared rows (`FA_PAD`), as in the kernels.
+/// Rows of a block (`FA_ROWS`), keys per forward tile (`FA_FWD_KEYS`), queries per key-gradient
+/// tile (`FA_BWD_COLS`), keys per query-gradient tile (`FA_DQ_KEYS`) and the padding of shared
+/// rows (`FA_PAD`), as in the kernels.
 const ROWS: usize = 64;
 const FWD_KEYS: usize = 64;
 const BWD_COLS: usize = 32;
+const DQ_KEYS: usize = 64;
 const PAD: usize = 8;
 /// Bytes per query row of the key-gradient kernel's dropout flags (`FA_KEEP_LD`).
 const KEEP_LD: usize = ROWS + 4;
 /// The longest sequence the kernels take (their positions are 32-bit, signed-safe).
 const MAX_SEQ: usize = (1 << 31) - 1;
+/// Bytes the backward's score-gradient buffer may take: 512 MiB, the whole `[b, heads, s, s]`
+/// of GPT-1.2B at sequence 2048 and micro-batch 4 in one chunk.
+pub const SCORE_GRADIENT_BUDGET: usize = 512 << 20;
 
 /// The sizes of one attention call: the fused projection is `[seq, batch, heads·3·head_dim]`
 /// (per head its query, key and value), the output `[seq, batch, heads·head_dim]`.
@@ -134,8 +143,8 @@ fn shared_bytes(kernel: &str, d: usize) -> usize {
                 + BWD_COLS * 8
                 + BWD_COLS * KEEP_LD
         }
-        // Keys and values of a tile, twice.
-        _ => 2 * 2 * BWD_COLS * row,
+        // A key tile and its keys' score gradients for the block's queries, twice.
+        _ => 2 * DQ_KEYS * (row + (ROWS + PAD) * 2),
     }
 }
 
@@ -242,6 +251,37 @@ pub fn flash_attention_backward(
     dropout: Option<Dropout<'_>>,
     d_qkv: &mut CudaViewMut<f32>,
 ) -> Result<()> {
+    flash_attention_backward_within(
+        gpu,
+        qkv,
+        out,
+        lse,
+        d_out,
+        sh,
+        scale,
+        dropout,
+        d_qkv,
+        SCORE_GRADIENT_BUDGET,
+    )
+}
+
+/// [`flash_attention_backward`] with the score-gradient buffer held to `budget` bytes (at least
+/// one chunk of 64 queries: `batch·heads·⌈seq/64⌉·64·64` bf16). The key and value gradients are
+/// sums over the chunks (equal to one chunk's within rounding), the query gradients the same
+/// bits whatever the budget.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_backward_within(
+    gpu: &Gpu,
+    qkv: &CudaView<bf16>,
+    out: &CudaView<f32>,
+    lse: &CudaView<f32>,
+    d_out: In<'_, '_>,
+    sh: FlashShape,
+    scale: f32,
+    dropout: Option<Dropout<'_>>,
+    d_qkv: &mut CudaViewMut<f32>,
+    budget: usize,
+) -> Result<()> {
     const K: &str = "flash_backward";
     let (grid, mask) = checked(K, &sh, scale, [qkv.len(), out.len(), lse.len()], dropout)?;
     check(K, "d_out", d_out.len(), sh.out_len(), &sh)?;
@@ -273,17 +313,103 @@ pub fn flash_attention_backward(
     };
     launch(PREPARE, args, cfg)?;
 
-    let d32 = sh.head_dim as i32;
+    // The score gradients: rows for the keys up to the sequence rounded up to a block, columns
+    // for one chunk of queries (a multiple of a block).
+    let rows = sh.seq.div_ceil(ROWS) * ROWS;
+    let (chunk, elements) = score_chunk(&sh, budget)?;
+    let ds = gpu.uninit::<bf16>(elements)?;
+    let (d32, chunk32) = (sh.head_dim as i32, chunk as u32);
     let keys = mask.round_keys();
-    for kernel in ["flash_backward_kv", "flash_backward_q"] {
-        let mut args = launch_args(gpu, kernel)?;
+    let (_, grid_heads, grid_batch) = grid;
+    for c_begin in (0..rows).step_by(chunk) {
+        let c_end = (c_begin + chunk).min(rows);
+        let (begin32, end32) = (c_begin as u32, c_end as u32);
+        const KV: &str = "flash_backward_kv";
+        let mut args = launch_args(gpu, KV)?;
         args.arg(qkv).arg(&ss).arg(&bs).arg(&hs);
         args.arg(&d_out16).arg(&os).arg(&ob).arg(&oh);
         args.arg(lse).arg(&delta).arg(&mut *d_qkv);
+        args.arg(&ds).arg(&chunk32).arg(&begin32).arg(&end32);
         args.arg(&s).arg(&heads).arg(&d32).arg(&scale);
         mask.push(&mut args);
         args.arg(&keys);
-        launch_tiles(gpu, kernel, args, grid, sh.head_dim)?;
+        // The key blocks the chunk's queries see: those before its end.
+        let key_blocks = (c_end / ROWS) as u32;
+        launch_tiles(
+            gpu,
+            KV,
+            args,
+            (key_blocks, grid_heads, grid_batch),
+            sh.head_dim,
+        )?;
+
+        const Q: &str = "flash_backward_q";
+        let mut args = launch_args(gpu, Q)?;
+        args.arg(qkv).arg(&ss).arg(&bs).arg(&hs);
+        args.arg(&ds).arg(&chunk32).arg(&begin32).arg(&mut *d_qkv);
+        args.arg(&s).arg(&heads).arg(&d32);
+        let query_blocks = (c_end.min(sh.seq) - c_begin).div_ceil(ROWS) as u32;
+        launch_tiles(
+            gpu,
+            Q,
+            args,
+            (query_blocks, grid_heads, grid_batch),
+            sh.head_dim,
+        )?;
     }
     Ok(())
+}
+
+/// Queries per chunk of the backward, and the elements of its score-gradient buffer: the most
+/// whole blocks of queries whose score gradients (bf16, all heads, rows up to the sequence
+/// rounded up to a block) fit in `budget` bytes, at least one block, at most the whole sequence.
+fn score_chunk(sh: &FlashShape, budget: usize) -> Result<(usize, usize)> {
+    let rows = sh.seq.div_ceil(ROWS) * ROWS;
+    let per_query = (sh.batch * sh.heads).checked_mul(rows);
+    let chunk = per_query.map(|n| (budget / (2 * n) / ROWS * ROWS).clamp(ROWS, rows));
+    match (chunk, per_query.and_then(|n| n.checked_mul(chunk?))) {
+        (Some(chunk), Some(elements)) => Ok((chunk, elements)),
+        _ => Err(CudaError::from(KernelError::Invalid {
+            kernel: "flash_backward",
+            message: format!("{}: the score-gradient buffer overflows", sh.dims()),
+        })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn score_gradient_chunks_fit_the_budget_in_whole_blocks() {
+        let sh = |seq, batch, heads| FlashShape {
+            seq,
+            batch,
+            heads,
+            head_dim: 96,
+        };
+        // GPT-1.2B, micro-batch 4: the whole [4, 16, 2048, 2048] in 512 MiB.
+        let big = sh(2048, 4, 16);
+        assert_eq!(
+            score_chunk(&big, SCORE_GRADIENT_BUDGET).unwrap(),
+            (2048, 64 * 2048 * 2048)
+        );
+        assert_eq!(
+            score_chunk(&big, SCORE_GRADIENT_BUDGET - 1).unwrap().0,
+            1984
+        );
+        // Rows and columns in whole blocks of 64; never less than one block.
+        assert_eq!(
+            score_chunk(&sh(100, 1, 1), 1 << 30).unwrap(),
+            (128, 128 * 128)
+        );
+        assert_eq!(score_chunk(&sh(100, 1, 1), 1).unwrap(), (64, 128 * 64));
+        // 32k positions, 16 heads: 512 queries a chunk (16 · 32768 · 512 · 2 bytes = 512 MiB).
+        assert_eq!(
+            score_chunk(&sh(32768, 1, 16), SCORE_GRADIENT_BUDGET)
+                .unwrap()
+                .0,
+            512
+        );
+    }
 }
