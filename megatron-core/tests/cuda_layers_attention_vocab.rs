@@ -194,7 +194,7 @@ fn flash_backward_in_chunks_of_queries_matches_one_chunk() -> R {
         .collect();
     let qkv = g.upload(&qkv)?;
     let d_out = g.upload(&det(sh.out_len(), 4))?;
-    let mut out = g.zeros::<f32>(sh.out_len())?;
+    let mut out = g.zeros::<half::bf16>(sh.out_len())?;
     let mut lse = g.zeros::<f32>(sh.rows())?;
     let scale = 0.125;
     flash_attention_forward(
@@ -206,8 +206,8 @@ fn flash_backward_in_chunks_of_queries_matches_one_chunk() -> R {
         &mut out.as_view_mut(),
         &mut lse.as_view_mut(),
     )?;
-    let mut whole = g.zeros::<f32>(sh.qkv_len())?;
-    let mut chunked = g.zeros::<f32>(sh.qkv_len())?;
+    let mut whole = g.zeros::<half::bf16>(sh.qkv_len())?;
+    let mut chunked = g.zeros::<half::bf16>(sh.qkv_len())?;
     let (qkv_v, out_v, lse_v, d_out_v) =
         (qkv.as_view(), out.as_view(), lse.as_view(), d_out.as_view());
     flash_attention_backward(
@@ -233,8 +233,10 @@ fn flash_backward_in_chunks_of_queries_matches_one_chunk() -> R {
         &mut chunked.as_view_mut(),
         1,
     )?;
-    let (whole, chunked) = (g.download(&whole)?, g.download(&chunked)?);
-    close(&chunked, &whole, 1e-5, "flash gradient in chunks");
+    let widen = |v: Vec<half::bf16>| v.into_iter().map(f32::from).collect::<Vec<f32>>();
+    let (whole, chunked) = (widen(g.download(&whole)?), widen(g.download(&chunked)?));
+    // Key and value gradients rounded to bf16 once per chunk.
+    close(&chunked, &whole, 1e-2, "flash gradient in chunks");
     // The query gradients of a chunk do not depend on the others: the same bits.
     let dq = |v: &[f32]| -> Vec<u32> {
         v.chunks(sh.head_dim)
@@ -259,11 +261,11 @@ fn flash_kernels_refuse_what_they_lack_with_the_numbers() -> R {
         head_dim: 48,
     };
     let qkv = g.zeros::<half::bf16>(sh.qkv_len())?;
-    let mut out = g.zeros::<f32>(sh.out_len())?;
+    let mut out = g.zeros::<half::bf16>(sh.out_len())?;
     let mut lse = g.zeros::<f32>(sh.rows())?;
     let run = |sh: FlashShape,
                scale: f32,
-               out: &mut cudarc::driver::CudaSlice<f32>,
+               out: &mut cudarc::driver::CudaSlice<half::bf16>,
                lse: &mut cudarc::driver::CudaSlice<f32>| {
         flash_attention_forward(
             &g,

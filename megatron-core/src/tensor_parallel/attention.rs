@@ -449,7 +449,8 @@ mod device {
             let qkv = qkv.to_contiguous(DType::BF16)?;
             let mask = self.mask(cx, site, sh);
             let fsh = flash_shape(sh);
-            let out = Tensor::empty_on(sh.dims(1), DType::F32, gpu)?;
+            // bf16: the output projection's operand (flash runs with bf16 products).
+            let out = Tensor::empty_on(sh.dims(1), DType::BF16, gpu)?;
             let lse = Tensor::empty_on([fsh.rows()], DType::F32, gpu)?;
             flash_attention_forward(
                 gpu,
@@ -457,7 +458,7 @@ mod device {
                 fsh,
                 sh.scale(),
                 dropout_of(&mask),
-                &mut out.device_write::<f32>()?.view_mut(),
+                &mut out.device_write::<half::bf16>()?.view_mut(),
                 &mut lse.device_write::<f32>()?.view_mut(),
             )?;
             Ok((
@@ -479,20 +480,21 @@ mod device {
         gpu: &Gpu,
     ) -> Result<Tensor> {
         let sh = saved.shape;
-        let dqkv = Tensor::empty_on(sh.dims(3), DType::F32, gpu)?;
+        // bf16: the fused projection's backward multiplies by it.
+        let dqkv = Tensor::empty_on(sh.dims(3), DType::BF16, gpu)?;
         // The output gradient as it comes (bf16 from a row-parallel projection), read once.
         let d_out = contiguous_input(d_out)?;
         with_in(&d_out, |d_out| {
             Ok(flash_attention_backward(
                 gpu,
                 &qkv.device_read::<half::bf16>()?.view(),
-                &out.device_read::<f32>()?.view(),
+                &out.device_read::<half::bf16>()?.view(),
                 &lse.device_read::<f32>()?.view(),
                 d_out,
                 flash_shape(sh),
                 sh.scale(),
                 dropout_of(&saved.dropout),
-                &mut dqkv.device_write::<f32>()?.view_mut(),
+                &mut dqkv.device_write::<half::bf16>()?.view_mut(),
             )?)
         })?;
         Ok(dqkv)

@@ -12,8 +12,10 @@
 // head's query, key and value (d elements each, in that order); row i of head h of batch entry
 // b starts `i·seq_stride + b·batch_stride + h·head_stride` elements in (Megatron-LM's
 // [s, b, heads·3·d]: seq_stride = b·heads·3d, batch_stride = heads·3d, head_stride = 3d). Its
-// gradient `dqkv` (f32) has the same layout; the output o, its gradient and its bf16 copy have
-// theirs (o_*). The log-sum-exp and the backward's row sums are [b, heads, s].
+// gradient `dqkv` (bf16, what the projection's backward multiplies by) has the same layout; the
+// output o (bf16, the output projection's operand), its gradient and its bf16 copy have theirs
+// (o_*). Outputs are rounded once from the f32 accumulators. The log-sum-exp and the
+// backward's row sums are [b, heads, s] (f32).
 //
 // Semantics are the CPU's attention with queries and keys of one sequence (sq = sk = s): query
 // i sees keys j ≤ i, probabilities softmax(scale·q·kᵀ) over them, attention dropout with the
@@ -284,18 +286,30 @@ __device__ __forceinline__ void product_tiles(float (*acc)[4], const float (*c)[
     }
 }
 
-// Stores half r of N accumulator tiles (r = 0: row g, 1: row g + 8) times `scale` into the row
-// `row` points at (this lane's first column, 2t), or with `add` adds them to what it holds.
+// Stores half r of N accumulator tiles (r = 0: row g, 1: row g + 8) times `scale`, rounded to
+// bf16, into the row `row` points at (this lane's first column, 2t), or with `add` adds them to
+// what it holds first. With `pairs` (the row 4-byte aligned) a pair of columns at a time.
 template <int N>
-__device__ __forceinline__ void store_row(float* row, const float (*acc)[4], int r, float scale,
-                                          bool add = false) {
+__device__ __forceinline__ void store_row(bf16_t* row, const float (*acc)[4], int r, float scale,
+                                          bool pairs, bool add = false) {
     #pragma unroll
     for (int n = 0; n < N; ++n) {
-        const float x0 = acc[n][2 * r] * scale, x1 = acc[n][2 * r + 1] * scale;
-        row[8 * n] = add ? row[8 * n] + x0 : x0;
-        row[8 * n + 1] = add ? row[8 * n + 1] + x1 : x1;
+        float x0 = acc[n][2 * r] * scale, x1 = acc[n][2 * r + 1] * scale;
+        if (add) {
+            x0 += bf16_to_float(row[8 * n]);
+            x1 += bf16_to_float(row[8 * n + 1]);
+        }
+        if (pairs) {
+            *reinterpret_cast<u32*>(row + 8 * n) = pack_bf16(x0, x1);
+        } else {
+            row[8 * n] = (bf16_t)bf16_bits(x0);
+            row[8 * n + 1] = (bf16_t)bf16_bits(x1);
+        }
     }
 }
+
+// Whether `p` is 4-byte aligned (rows of bf16 pairs, see store_row).
+__device__ __forceinline__ bool pairs_aligned(const void* p) { return ((u64)p & 3) == 0; }
 
 // Rows row0 .. row0 + ROWS of one head (D elements each, rows `stride` elements apart) into a
 // shared tile of `ld` elements per row, zeros from row `s` on (so that masked keys meet finite
@@ -567,7 +581,7 @@ __device__ __forceinline__ KeyStream<D, KEYS, W> stream_keys(unsigned char* smem
 template <int D>
 __device__ __forceinline__ void fa_forward(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
-    i64 seq_stride, i64 batch_stride, i64 head_stride, float* __restrict__ o, i64 o_seq_stride,
+    i64 seq_stride, i64 batch_stride, i64 head_stride, bf16_t* __restrict__ o, i64 o_seq_stride,
     i64 o_batch_stride, i64 o_head_stride, float* __restrict__ lse, u32 s, u64 heads,
     float scale, const Mask& m, const PhiloxKeys& keys, unsigned char* smem_raw) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
@@ -664,16 +678,18 @@ __device__ __forceinline__ void fa_forward(
         sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
         const u32 i = i0 + 8 * r;
         if (i >= s) continue;
-        store_row<D / 8>(o + at.o + (i64)i * o_seq_stride + 2 * t, acc, r, 1.0f / sum[r]);
+        store_row<D / 8>(o + at.o + (i64)i * o_seq_stride + 2 * t, acc, r, 1.0f / sum[r],
+                         pairs_aligned(o));
         if (t == 0) lse[at.row + i] = __fmul_rn(mx[r], scale) + logf(sum[r]);
     }
 }
 
 // Backward, step 1: delta = Σ_d do·o per row (the row sums of the probability gradient's
-// softmax term, dropout included) and do rounded to bf16 for the products (do is f32, or with
-// d_o_bf16 already bf16). One warp per row.
+// softmax term, dropout included; o as the forward stored it, in bf16) and do rounded to bf16
+// for the products (do is f32, or with d_o_bf16 already bf16). One warp per row.
 extern "C" __global__ __launch_bounds__(256) void flash_backward_prepare(
-    const float* __restrict__ o, const void* __restrict__ d_o, int d_o_bf16, bf16_t* __restrict__ d_o16,
+    const bf16_t* __restrict__ o, const void* __restrict__ d_o, int d_o_bf16,
+    bf16_t* __restrict__ d_o16,
     i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, float* __restrict__ delta, u64 s,
     u64 heads, u64 batch, u64 d) {
     const int lane = threadIdx.x % WARP;
@@ -685,7 +701,7 @@ extern "C" __global__ __launch_bounds__(256) void flash_backward_prepare(
         float acc = 0.0f;
         for (u64 e = lane; e < d; e += WARP) {
             const float g = load_in(d_o, d_o_bf16 != 0, at + e);
-            acc += g * o[at + e];
+            acc += g * bf16_to_float(o[at + e]);
             d_o16[at + e] = (bf16_t)bf16_bits(g);
         }
         acc = warp_sum(acc);
@@ -782,7 +798,7 @@ __device__ __forceinline__ void fa_backward_kv(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
     i64 seq_stride, i64 batch_stride, i64 head_stride, const bf16_t* __restrict__ d_o16,
     i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, const float* __restrict__ lse,
-    const float* __restrict__ delta, float* __restrict__ dk, float* __restrict__ dv,
+    const float* __restrict__ delta, bf16_t* __restrict__ dk, bf16_t* __restrict__ dv,
     bf16_t* __restrict__ ds, u32 ds_cols, u32 c_begin, u32 c_end, u32 s, u64 heads,
     float scale, const Mask& m, const PhiloxKeys& keys, unsigned char* smem_raw) {
     constexpr int LD = D + FA_PAD, KV_BYTES = FA_ROWS * LD * 2;
@@ -918,14 +934,14 @@ __device__ __forceinline__ void fa_backward_kv(
     }
 
     // Queries before c_begin that see these keys were an earlier chunk's.
-    const bool add = c_begin > k0;
+    const bool add = c_begin > k0, pairs = pairs_aligned(dk);
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const u32 j = k0 + w0 + g + 8 * r;
         if (j >= s) continue;
         const i64 at_j = at.qkv + (i64)j * seq_stride + 2 * t;
-        store_row<D / 8>(dk + at_j, dk_acc, r, 1.0f, add);
-        store_row<D / 8>(dv + at_j, dv_acc, r, 1.0f, add);
+        store_row<D / 8>(dk + at_j, dk_acc, r, 1.0f, pairs, add);
+        store_row<D / 8>(dv + at_j, dv_acc, r, 1.0f, pairs, add);
     }
 }
 
@@ -938,7 +954,7 @@ template <int D>
 __device__ __forceinline__ void fa_backward_q(const bf16_t* __restrict__ k, i64 seq_stride,
                                               i64 batch_stride, i64 head_stride,
                                               const bf16_t* __restrict__ ds, u32 ds_cols,
-                                              u32 c_begin, float* __restrict__ dq, u32 s,
+                                              u32 c_begin, bf16_t* __restrict__ dq, u32 s,
                                               u64 heads, unsigned char* smem_raw) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const i64 at = (i64)blockIdx.z * batch_stride + (i64)blockIdx.y * head_stride;
@@ -971,7 +987,7 @@ __device__ __forceinline__ void fa_backward_q(const bf16_t* __restrict__ k, i64 
     for (int r = 0; r < 2; ++r) {
         const u32 i = q0 + 16 * warp + g + 8 * r;
         if (i >= s) continue;
-        store_row<D / 8>(dq + at + (i64)i * seq_stride + 2 * t, acc, r, 1.0f);
+        store_row<D / 8>(dq + at + (i64)i * seq_stride + 2 * t, acc, r, 1.0f, pairs_aligned(dq));
     }
 }
 
@@ -989,7 +1005,7 @@ __device__ __forceinline__ void fa_backward_q(const bf16_t* __restrict__ k, i64 
 
 extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_forward(
     const bf16_t* __restrict__ qkv, i64 seq_stride, i64 batch_stride, i64 head_stride,
-    float* __restrict__ o, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
+    bf16_t* __restrict__ o, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
     float* __restrict__ lse, u64 s, u64 heads, int d, float scale, u64 inner, u64 stride,
     u64 start, u32 key_lo, u32 key_hi, u64 stream, u32 threshold, float keep_scale,
     PhiloxKeys keys) {
@@ -1006,7 +1022,7 @@ extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_forward(
 extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_kv(
     const bf16_t* __restrict__ qkv, i64 seq_stride, i64 batch_stride, i64 head_stride,
     const bf16_t* __restrict__ d_o16, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
-    const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dqkv,
+    const float* __restrict__ lse, const float* __restrict__ delta, bf16_t* __restrict__ dqkv,
     bf16_t* __restrict__ ds, u32 ds_cols, u32 c_begin, u32 c_end, u64 s, u64 heads, int d,
     float scale, u64 inner, u64 stride, u64 start, u32 key_lo, u32 key_hi, u64 stream,
     u32 threshold, float keep_scale, PhiloxKeys keys) {
@@ -1023,7 +1039,7 @@ extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_kv(
 
 extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_q(
     const bf16_t* __restrict__ qkv, i64 seq_stride, i64 batch_stride, i64 head_stride,
-    const bf16_t* __restrict__ ds, u32 ds_cols, u32 c_begin, float* __restrict__ dqkv, u64 s,
+    const bf16_t* __restrict__ ds, u32 ds_cols, u32 c_begin, bf16_t* __restrict__ dqkv, u64 s,
     u64 heads, int d) {
     DYNAMIC_SHARED(smem_raw);
 #define FA_CALL(D)                                                                            \

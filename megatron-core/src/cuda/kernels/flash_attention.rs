@@ -6,7 +6,8 @@
 //! over the `[b, heads, s, s]` attention weights as the unfused kernels.
 //!
 //! The operands are bf16 (the fused projection rounded once, the probabilities and gradients
-//! rounded as they enter a product), accumulation f32, the output and the gradients f32. The
+//! rounded as they enter a product), accumulation f32, the output and the fused projection's
+//! gradient bf16 (the projections' operands, rounded once from the accumulators). The
 //! backward is deterministic and has FlashAttention-2's five products: one kernel recomputes
 //! the probabilities and gives the key and value gradients, storing the score gradients (bf16)
 //! for a second kernel's `dq = dS·k`; no atomics. The score gradients pass a chunk of queries
@@ -219,7 +220,7 @@ pub fn flash_attention_forward(
     sh: FlashShape,
     scale: f32,
     dropout: Option<Dropout<'_>>,
-    out: &mut CudaViewMut<f32>,
+    out: &mut CudaViewMut<bf16>,
     lse: &mut CudaViewMut<f32>,
 ) -> Result<()> {
     const K: &str = "flash_forward";
@@ -243,13 +244,13 @@ pub fn flash_attention_forward(
 pub fn flash_attention_backward(
     gpu: &Gpu,
     qkv: &CudaView<bf16>,
-    out: &CudaView<f32>,
+    out: &CudaView<bf16>,
     lse: &CudaView<f32>,
     d_out: In<'_, '_>,
     sh: FlashShape,
     scale: f32,
     dropout: Option<Dropout<'_>>,
-    d_qkv: &mut CudaViewMut<f32>,
+    d_qkv: &mut CudaViewMut<bf16>,
 ) -> Result<()> {
     flash_attention_backward_within(
         gpu,
@@ -273,13 +274,13 @@ pub fn flash_attention_backward(
 pub fn flash_attention_backward_within(
     gpu: &Gpu,
     qkv: &CudaView<bf16>,
-    out: &CudaView<f32>,
+    out: &CudaView<bf16>,
     lse: &CudaView<f32>,
     d_out: In<'_, '_>,
     sh: FlashShape,
     scale: f32,
     dropout: Option<Dropout<'_>>,
-    d_qkv: &mut CudaViewMut<f32>,
+    d_qkv: &mut CudaViewMut<bf16>,
     budget: usize,
 ) -> Result<()> {
     const K: &str = "flash_backward";
