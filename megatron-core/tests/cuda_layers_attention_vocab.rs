@@ -176,8 +176,7 @@ fn flash_attention_on_the_gpu_matches_the_host() -> R {
 #[ignore = "needs a GPU"]
 fn flash_backward_in_chunks_of_queries_matches_one_chunk() -> R {
     use megatron_core::cuda::kernels::flash_attention::{
-        FlashShape, flash_attention_backward, flash_attention_backward_within,
-        flash_attention_forward,
+        FlashShape, SCORE_GRADIENT_BUDGET, flash_attention_backward, flash_attention_forward,
     };
     use megatron_core::cuda::kernels::operand::In;
     let g = gpu();
@@ -206,35 +205,27 @@ fn flash_backward_in_chunks_of_queries_matches_one_chunk() -> R {
         &mut out.as_view_mut(),
         &mut lse.as_view_mut(),
     )?;
-    let mut whole = g.zeros::<half::bf16>(sh.qkv_len())?;
-    let mut chunked = g.zeros::<half::bf16>(sh.qkv_len())?;
     let (qkv_v, out_v, lse_v, d_out_v) =
         (qkv.as_view(), out.as_view(), lse.as_view(), d_out.as_view());
-    flash_attention_backward(
-        &g,
-        &qkv_v,
-        &out_v,
-        &lse_v,
-        In::F32(&d_out_v),
-        sh,
-        scale,
-        None,
-        &mut whole.as_view_mut(),
-    )?;
-    flash_attention_backward_within(
-        &g,
-        &qkv_v,
-        &out_v,
-        &lse_v,
-        In::F32(&d_out_v),
-        sh,
-        scale,
-        None,
-        &mut chunked.as_view_mut(),
-        1,
-    )?;
+    let backward = |budget: usize| -> R<Vec<half::bf16>> {
+        let mut d_qkv = g.zeros::<half::bf16>(sh.qkv_len())?;
+        flash_attention_backward(
+            &g,
+            &qkv_v,
+            &out_v,
+            &lse_v,
+            In::F32(&d_out_v),
+            sh,
+            scale,
+            None,
+            &mut d_qkv.as_view_mut(),
+            budget,
+        )?;
+        Ok(g.download(&d_qkv)?)
+    };
+    let (whole, chunked) = (backward(SCORE_GRADIENT_BUDGET)?, backward(1)?);
     let widen = |v: Vec<half::bf16>| v.into_iter().map(f32::from).collect::<Vec<f32>>();
-    let (whole, chunked) = (widen(g.download(&whole)?), widen(g.download(&chunked)?));
+    let (whole, chunked) = (widen(whole), widen(chunked));
     // Key and value gradients rounded to bf16 once per chunk.
     close(&chunked, &whole, 1e-2, "flash gradient in chunks");
     // The query gradients of a chunk do not depend on the others: the same bits.

@@ -332,7 +332,7 @@ mod device {
     use super::{AttentionSaved, CausalSelfAttention, Kept, Shape};
     use crate::cuda::Gpu;
     use crate::cuda::kernels::flash_attention::{
-        FlashShape, flash_attention_backward, flash_attention_forward,
+        FlashShape, SCORE_GRADIENT_BUDGET, flash_attention_backward, flash_attention_forward,
     };
     use crate::cuda::kernels::operand::{contiguous_input, with_in, with_optional_out, with_out};
     use crate::cuda::kernels::softmax as gsm;
@@ -495,6 +495,7 @@ mod device {
                 sh.scale(),
                 dropout_of(&saved.dropout),
                 &mut dqkv.device_write::<half::bf16>()?.view_mut(),
+                SCORE_GRADIENT_BUDGET,
             )?)
         })?;
         Ok(dqkv)

@@ -239,39 +239,13 @@ pub fn flash_attention_forward(
 
 /// The gradient of the fused projection (`d_qkv`, every element written) from the output
 /// gradient (f32 or bf16), with the forward's fused projection, output and log-sum-exp, scale and
-/// dropout.
+/// dropout. The score gradients pass through a buffer of at most `budget` bytes
+/// ([`SCORE_GRADIENT_BUDGET`] in the attention layer; at least one chunk of 64 queries:
+/// `batch·heads·⌈seq/64⌉·64·64` bf16), a chunk of queries at a time: the key and value
+/// gradients are sums over the chunks (equal to one chunk's within bf16 rounding), the query
+/// gradients the same bits whatever the budget.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward(
-    gpu: &Gpu,
-    qkv: &CudaView<bf16>,
-    out: &CudaView<bf16>,
-    lse: &CudaView<f32>,
-    d_out: In<'_, '_>,
-    sh: FlashShape,
-    scale: f32,
-    dropout: Option<Dropout<'_>>,
-    d_qkv: &mut CudaViewMut<bf16>,
-) -> Result<()> {
-    flash_attention_backward_within(
-        gpu,
-        qkv,
-        out,
-        lse,
-        d_out,
-        sh,
-        scale,
-        dropout,
-        d_qkv,
-        SCORE_GRADIENT_BUDGET,
-    )
-}
-
-/// [`flash_attention_backward`] with the score-gradient buffer held to `budget` bytes (at least
-/// one chunk of 64 queries: `batch·heads·⌈seq/64⌉·64·64` bf16). The key and value gradients are
-/// sums over the chunks (equal to one chunk's within rounding), the query gradients the same
-/// bits whatever the budget.
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attention_backward_within(
     gpu: &Gpu,
     qkv: &CudaView<bf16>,
     out: &CudaView<bf16>,
