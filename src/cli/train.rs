@@ -140,7 +140,7 @@ pub struct TrainArgs {
     #[arg(long)]
     fp32_products: bool,
     /// On a GPU, how attention runs: `unfused` (batched products and fused softmax/dropout
-    /// kernels) or `flash` (tiled kernels on the tensor cores with no s × s tensor; head sizes
+    /// kernels) or `flash` (tiled kernels on the tensor cores, no s × s tensor kept; head sizes
     /// 32, 64, 96, 128 with bf16 products, other layers stay unfused).
     #[arg(long, value_enum, default_value_t = AttentionBackend::Unfused)]
     attention_backend: AttentionBackend,

@@ -436,7 +436,7 @@ mod device {
             ))
         }
 
-        /// The forward as tiled flash kernels: no `s × s` tensor; the backward recomputes the
+        /// The forward as tiled flash kernels: no `s × s` tensor kept; the backward recomputes the
         /// weights from the fused projection (rounded to bf16 once) and the rows' log-sum-exp.
         fn forward_flash(
             &self,

@@ -1,9 +1,10 @@
 //! Causal self-attention in tiles on the tensor cores (FlashAttention-2's algorithm, see
-//! `cu/flash_attention.cu`): the `s × s` scores, probabilities and their gradients stay in
-//! registers a tile at a time, so attention reads the fused projection and writes its output
-//! (forward), and reads them again with the output gradient and writes the projection's gradient
-//! (backward), with no `s × s` tensor in memory. The dropout is the CPU's: the same Philox mask
-//! over the `[b, heads, s, s]` attention weights as the unfused kernels.
+//! `cu/flash_attention.cu`): the `s × s` scores and probabilities stay in registers a tile at a
+//! time, so the forward reads the fused projection and writes its output, and the backward reads
+//! them again with the output gradient and writes the projection's gradient, with no `s × s`
+//! tensor kept from one to the other (the backward's score gradients pass through a bounded
+//! buffer, below). The dropout is the CPU's: the same Philox mask over the `[b, heads, s, s]`
+//! attention weights as the unfused kernels.
 //!
 //! The operands are bf16 (the fused projection rounded once, the probabilities and gradients
 //! rounded as they enter a product), accumulation f32, the output and the fused projection's
