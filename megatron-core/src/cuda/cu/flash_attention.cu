@@ -274,15 +274,10 @@ __device__ __forceinline__ void product_tiles(float (*acc)[4], const float (*c)[
                                               int ld) {
     #pragma unroll
     for (int k = 0; k < KS; ++k) {
-        u32 a[4];
-        acc_to_a(a, c, k);
-        #pragma unroll
-        for (int n = 0; n < N; n += 2) {
-            u32 b[2][2];
-            frags_b_trans(b, bm, ld, 8 * n, 16 * k);
-            mma_bf16(acc[n], a, b[0]);
-            mma_bf16(acc[n + 1], a, b[1]);
-        }
+        // One 16-row slice of B at a time, so that one slice's A fragments are live at once.
+        u32 a[1][4];
+        acc_to_a(a[0], c, k);
+        product_frags<1, N, true>(acc, a, bm + 2 * 16 * k * ld, ld);
     }
 }
 
