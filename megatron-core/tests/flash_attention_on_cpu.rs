@@ -4,7 +4,9 @@
 //! the plain way from the same bf16 inputs: scores, the CPU's causal softmax and dropout masks,
 //! f64 products. Forward output and log-sum-exp, and the gradients of q, k and v, for every head
 //! size the kernels have, partial tiles, tensor-parallel shards of heads, with and without
-//! dropout. Needs a C++20 compiler (`c++`, or `$CXX`).
+//! dropout. Every launch also passes the emulation's shared-memory race check (a missing
+//! barrier or copy wait fails it; the last test shows the check itself reporting). Needs a
+//! C++20 compiler (`c++`, or `$CXX`).
 
 mod emulated;
 
@@ -13,7 +15,7 @@ use megatron_core::kernels::dropout::{self as cpu_dropout, LogicalIndex};
 use megatron_core::kernels::softmax as cpu_sm;
 use megatron_core::rng::DropoutStream;
 
-use emulated::{Arg, launch, launch_3d, mask_args, round_keys, values};
+use emulated::{Arg, launch, launch_3d, mask_args, round_keys, try_launch_3d, values};
 
 /// One attention call: batch, sequence, local heads, all heads, the first local head, head size.
 #[derive(Debug, Clone, Copy)]
@@ -493,5 +495,51 @@ fn flash_attention_is_plain_attention_forward_and_backward() {
                 }
             }
         }
+    }
+}
+
+/// The race check behind every emulated launch (`tests/emulated/shim.h`) reports shared memory
+/// that two threads touch between the same two barriers, one of them writing, and an
+/// asynchronous copy read by another thread before its own thread waited for it; the same
+/// exchanges with the barrier and the wait pass and give the neighbours' values.
+#[test]
+fn the_race_check_reports_what_a_missing_barrier_or_copy_wait_leaves_unordered() {
+    const THREADS: usize = 64;
+    let run = |async_copy: bool, wait: bool, sync: bool| {
+        let mut input: Vec<u32> = (0..THREADS as u32).map(|t| 1000 + t).collect();
+        let mut out = vec![0u32; THREADS];
+        let flag = |b: bool| Arg::I32(b.into());
+        let args = vec![
+            Arg::Ptr(input.as_mut_ptr().cast()),
+            Arg::Ptr(out.as_mut_ptr().cast()),
+            flag(async_copy),
+            flag(wait),
+            flag(sync),
+        ];
+        try_launch_3d(
+            "emu_race_check_neighbours",
+            [1, 1, 1],
+            [THREADS, 1, 1],
+            args,
+        )
+        .map(|()| out)
+    };
+    let neighbours: Vec<u32> = (0..THREADS as u32)
+        .map(|t| 1000 + (t + 1) % THREADS as u32)
+        .collect();
+    for async_copy in [false, true] {
+        assert_eq!(run(async_copy, true, true).as_ref(), Ok(&neighbours));
+    }
+    let races = [
+        ("a store, no barrier", run(false, true, false)),
+        ("a copy, no barrier", run(true, true, false)),
+        ("a copy not waited for", run(true, false, true)),
+    ];
+    for (what, result) in races {
+        let report = result.expect_err(what);
+        assert!(
+            report.contains("with no barrier between") && report.contains("written by thread"),
+            "{what}: {report}"
+        );
     }
 }

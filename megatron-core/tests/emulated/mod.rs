@@ -1,6 +1,7 @@
 //! The CUDA kernels' own source built for the CPU (`shim.h` + `launch.cpp`, compiled with the
 //! system's C++ compiler once per test process) and launched by name with cuLaunchKernel's
-//! argument convention. Needs a C++20 compiler (`c++`, or `$CXX`).
+//! argument convention. Needs a C++20 compiler (`c++`, or `$CXX`). Every launch is checked for
+//! shared-memory races (see `shim.h`): a launch with one fails.
 // Each test binary uses part of it.
 #![allow(dead_code)]
 
@@ -12,8 +13,13 @@ use std::sync::OnceLock;
 use megatron_core::kernels::dropout::{LogicalIndex, keep_scale, keep_threshold};
 use megatron_core::rng::{DropoutStream, PHILOX_W32};
 
-type Launch =
-    unsafe extern "C" fn(*const c_char, *const u32, *const u32, *mut *mut c_void) -> c_int;
+type Launch = unsafe extern "C" fn(
+    *const c_char,
+    *const u32,
+    *const u32,
+    *mut *mut c_void,
+    *mut *mut c_char,
+) -> c_int;
 
 /// The kernels built for the CPU, loaded once per test process.
 fn launcher() -> Launch {
@@ -79,8 +85,21 @@ pub fn launch(name: &str, grid: usize, block: usize, args: Vec<Arg>) {
     launch_3d(name, [grid, 1, 1], [block, 1, 1], args);
 }
 
-/// Runs kernel `name` on a grid of `grid` blocks of `block` threads (x, y, z) with `args`.
-pub fn launch_3d(name: &str, grid: [usize; 3], block: [usize; 3], mut args: Vec<Arg>) {
+/// Runs kernel `name` on a grid of `grid` blocks of `block` threads (x, y, z) with `args`;
+/// panics if it races on shared memory.
+pub fn launch_3d(name: &str, grid: [usize; 3], block: [usize; 3], args: Vec<Arg>) {
+    if let Err(races) = try_launch_3d(name, grid, block, args) {
+        panic!("{name} races on shared memory:\n{races}");
+    }
+}
+
+/// [`launch_3d`], returning the race check's report (one race per line) instead of panicking.
+pub fn try_launch_3d(
+    name: &str,
+    grid: [usize; 3],
+    block: [usize; 3],
+    mut args: Vec<Arg>,
+) -> Result<(), String> {
     let mut ptrs: Vec<*mut c_void> = args
         .iter_mut()
         .map(|a| match a {
@@ -94,18 +113,31 @@ pub fn launch_3d(name: &str, grid: [usize; 3], block: [usize; 3], mut args: Vec<
         })
         .collect();
     let name_c = CString::new(name).unwrap();
+    let (grid, block) = (grid.map(|d| d as u32), block.map(|d| d as u32));
+    let mut races: *mut c_char = std::ptr::null_mut();
     // SAFETY: each pointer addresses a value of the type the kernel's parameter has (the
     // callers follow the C signatures), alive for the call; buffers cover what the kernel reads.
-    let (grid, block) = (grid.map(|d| d as u32), block.map(|d| d as u32));
     let status = unsafe {
         launcher()(
             name_c.as_ptr(),
             grid.as_ptr(),
             block.as_ptr(),
             ptrs.as_mut_ptr(),
+            &mut races,
         )
     };
-    assert_eq!(status, 0, "no kernel {name}");
+    match status {
+        0 => Ok(()),
+        // SAFETY: on -2 the library set `races` to a NUL-terminated string from malloc.
+        -2 => unsafe {
+            let report = std::ffi::CStr::from_ptr(races)
+                .to_string_lossy()
+                .into_owned();
+            libc::free(races.cast());
+            Err(report)
+        },
+        _ => panic!("no kernel {name}"),
+    }
 }
 
 /// Deterministic values in [lo, hi).

@@ -4,6 +4,13 @@
 // running), `__syncthreads` a barrier of the block, and warp shuffles exchange through a
 // per-warp buffer between two barriers of the warp. Compile with -ffp-contract=off, as NVRTC
 // keeps the kernels' explicit roundings.
+//
+// Accesses to the dynamic shared memory that go through the shim (asynchronous copies, matrix
+// loads, and the kernels' `emu_shared_read`/`emu_shared_write` hooks) are checked for races, as
+// compute-sanitizer's racecheck does on a GPU: two threads of a block touching a byte between
+// the same two barriers, at least one of them writing, is reported (`emu_take_races`). An
+// asynchronous copy counts as writing its destination from the moment it starts until its
+// thread waits for it, whatever barriers pass in between.
 #pragma once
 
 #include <algorithm>
@@ -15,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -86,6 +94,14 @@ using std::isnan;
 using std::max;
 using std::min;
 
+inline void emu_next_epoch();
+
+// Runs when every thread of the block has reached a barrier: the next interval between
+// barriers begins.
+struct EmuBarrierDone {
+    void operator()() noexcept { emu_next_epoch(); }
+};
+
 // The running block's barrier and its warps' exchange buffers and barriers.
 struct EmuWarp {
     double lanes[32];
@@ -95,7 +111,7 @@ struct EmuWarp {
     const unsigned short* rows[32];
     std::unique_ptr<std::barrier<>> bar;
 };
-inline std::unique_ptr<std::barrier<>> emu_block_barrier;
+inline std::unique_ptr<std::barrier<EmuBarrierDone>> emu_block_barrier;
 inline std::vector<EmuWarp> emu_warps;
 
 inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
@@ -131,6 +147,92 @@ inline unsigned __ballot_sync(unsigned, int predicate) {
 
 // The block's dynamic shared memory (blocks run one at a time): as much as a Hopper SM has.
 alignas(16) inline unsigned char emu_dynamic_shared[232448];
+
+// The race check's record of one byte of dynamic shared memory: the last interval between
+// barriers (epoch) in which it was written and by which thread, and the last in which it was
+// read and by which thread (EMU_READERS when by several).
+struct EmuShadow {
+    unsigned long long write_epoch = 0, read_epoch = 0;
+    int writer = -1, reader = -1;
+};
+constexpr int EMU_READERS = -2;
+// Reports kept per launch (the first ones; later races are counted).
+constexpr std::size_t EMU_MAX_REPORTS = 4;
+
+inline std::mutex emu_shadow_lock;
+inline std::vector<EmuShadow> emu_shadow(sizeof emu_dynamic_shared);
+// The current interval between barriers: it grows with every barrier and every block, so that
+// records of earlier intervals and blocks never meet the current one.
+inline unsigned long long emu_epoch = 0;
+// The current block's first epoch (to number its barriers in reports).
+inline unsigned long long emu_block_epoch = 0;
+inline std::vector<std::string> emu_race_reports;
+inline std::size_t emu_races_found = 0;
+
+// Records that thread `tid` reads (or writes) `bytes` bytes at `p`; reports a race when another
+// thread wrote them (or read or wrote them) since the last barrier. Addresses outside the
+// dynamic shared memory are not checked.
+inline void emu_shared_access(const void* p, std::size_t bytes, bool write, int tid) {
+    const auto* at = static_cast<const unsigned char*>(p);
+    if (at < emu_dynamic_shared || at + bytes > emu_dynamic_shared + sizeof emu_dynamic_shared) {
+        return;
+    }
+    const std::size_t offset = at - emu_dynamic_shared;
+    const std::lock_guard<std::mutex> lock(emu_shadow_lock);
+    bool reported = false;
+    for (std::size_t i = 0; i < bytes; ++i) {
+        EmuShadow& b = emu_shadow[offset + i];
+        std::string other;
+        if (b.write_epoch == emu_epoch && b.writer != tid) {
+            other = "written by thread " + std::to_string(b.writer);
+        } else if (write && b.read_epoch == emu_epoch && b.reader != tid) {
+            other = b.reader == EMU_READERS ? std::string("read by several threads")
+                                            : "read by thread " + std::to_string(b.reader);
+        }
+        if (!other.empty() && !reported) {
+            reported = true;
+            if (emu_races_found++ < EMU_MAX_REPORTS) {
+                emu_race_reports.push_back(
+                    "block (" + std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) +
+                    ", " + std::to_string(blockIdx.z) + "), after barrier " +
+                    std::to_string(emu_epoch - emu_block_epoch) + ": shared byte " +
+                    std::to_string(offset + i) + " " + other + " and " +
+                    (write ? "written" : "read") + " by thread " + std::to_string(tid) +
+                    " with no barrier between");
+            }
+        }
+        if (write) {
+            b.write_epoch = emu_epoch;
+            b.writer = tid;
+        } else if (b.read_epoch != emu_epoch) {
+            b.read_epoch = emu_epoch;
+            b.reader = tid;
+        } else if (b.reader != tid) {
+            b.reader = EMU_READERS;
+        }
+    }
+}
+
+// The kernels' hooks: this thread reads (writes) `bytes` bytes of shared memory at `p`.
+inline void emu_shared_read(const void* p, std::size_t bytes) {
+    emu_shared_access(p, bytes, false, (int)emu_tid);
+}
+inline void emu_shared_write(const void* p, std::size_t bytes) {
+    emu_shared_access(p, bytes, true, (int)emu_tid);
+}
+
+// The races reported since the last call, one line each (empty when none), and how many
+// there were in all.
+inline std::string emu_take_races() {
+    std::string out;
+    for (const std::string& r : emu_race_reports) out += r + "\n";
+    if (emu_races_found > emu_race_reports.size()) {
+        out += std::to_string(emu_races_found - emu_race_reports.size()) + " more\n";
+    }
+    emu_race_reports.clear();
+    emu_races_found = 0;
+    return out;
+}
 
 // d += a·b for one warp-wide m16n8k16 product of bf16 fragments with f32 accumulation
 // (mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32), the fragments laid out over the lanes
@@ -171,6 +273,7 @@ inline void emu_ldmatrix_x4(unsigned* r, const void* p, bool trans) {
     const unsigned lane = emu_tid % 32;
     EmuWarp& w = emu_warps[emu_tid / 32];
     w.rows[lane] = static_cast<const unsigned short*>(p);
+    emu_shared_read(p, 16);
     w.bar->arrive_and_wait();
     const unsigned g = lane >> 2, t = lane & 3;
     unsigned out[4];
@@ -186,27 +289,53 @@ inline void emu_ldmatrix_x4(unsigned* r, const void* p, bool trans) {
 
 // cp.async: a thread's copies from global to shared memory, grouped by commit_group. They
 // land as late as wait_group allows (when it is called), so that a kernel reading a tile
-// before waiting for it reads stale data here as it could on a GPU.
+// before waiting for it reads stale data here as it could on a GPU. Until then the race check
+// counts their destinations as written by their thread in every interval between barriers.
 struct EmuCopy {
     void* dst;
     const void* src;
     int bytes;
 };
-inline thread_local std::vector<EmuCopy> emu_copies_open;
-inline thread_local std::deque<std::vector<EmuCopy>> emu_copy_groups;
+struct EmuThreadCopies {
+    std::vector<EmuCopy> open;
+    std::deque<std::vector<EmuCopy>> groups;
+};
+// Every thread's copies in flight (slot `emu_tid`), set up per block.
+inline std::vector<EmuThreadCopies> emu_copies;
 
 inline void emu_cp_async(void* dst, const void* src, int bytes) {
-    emu_copies_open.push_back({dst, src, bytes});
+    emu_shared_write(dst, bytes);
+    emu_copies[emu_tid].open.push_back({dst, src, bytes});
 }
 inline void emu_cp_async_commit() {
-    emu_copy_groups.push_back(std::move(emu_copies_open));
-    emu_copies_open.clear();
+    EmuThreadCopies& c = emu_copies[emu_tid];
+    c.groups.push_back(std::move(c.open));
+    c.open.clear();
 }
 // Completes every group but the newest `pending`.
 inline void emu_cp_async_wait(int pending) {
-    while ((int)emu_copy_groups.size() > pending) {
-        for (const EmuCopy& c : emu_copy_groups.front()) std::memcpy(c.dst, c.src, c.bytes);
-        emu_copy_groups.pop_front();
+    EmuThreadCopies& mine = emu_copies[emu_tid];
+    while ((int)mine.groups.size() > pending) {
+        for (const EmuCopy& c : mine.groups.front()) {
+            emu_shared_write(c.dst, c.bytes);
+            std::memcpy(c.dst, c.src, c.bytes);
+        }
+        mine.groups.pop_front();
+    }
+}
+
+// The next interval between barriers of the running block (every thread waits in the barrier):
+// copies still in flight write their destinations in it too.
+inline void emu_next_epoch() {
+    ++emu_epoch;
+    for (std::size_t tid = 0; tid < emu_copies.size(); ++tid) {
+        const EmuThreadCopies& c = emu_copies[tid];
+        for (const EmuCopy& copy : c.open) emu_shared_access(copy.dst, copy.bytes, true, (int)tid);
+        for (const auto& group : c.groups) {
+            for (const EmuCopy& copy : group) {
+                emu_shared_access(copy.dst, copy.bytes, true, (int)tid);
+            }
+        }
     }
 }
 
@@ -230,7 +359,9 @@ inline void emu_launch(emu_dim3 grid, emu_dim3 block, const std::function<void()
     for (unsigned bz = 0; bz < grid.z; ++bz) {
         for (unsigned by = 0; by < grid.y; ++by) {
             for (unsigned bx = 0; bx < grid.x; ++bx) {
-                emu_block_barrier = std::make_unique<std::barrier<>>(threads);
+                emu_block_barrier = std::make_unique<std::barrier<EmuBarrierDone>>(threads);
+                emu_copies = std::vector<EmuThreadCopies>(threads);
+                emu_block_epoch = ++emu_epoch;
                 emu_warps = std::vector<EmuWarp>(warps);
                 for (unsigned w = 0; w < warps; ++w) {
                     emu_warps[w].bar =

@@ -118,12 +118,31 @@ __device__ __forceinline__ void copies_wait() {
 // Stores 16 bytes (4 words) to shared memory.
 __device__ __forceinline__ void store16(smem_t dst, uint4 v) {
 #ifdef EMULATED_CUDA
+    emu_shared_write(dst, 16);
     std::memcpy(dst, &v, 16);
 #else
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y),
                  "r"(v.z), "r"(v.w)
                  : "memory");
 #endif
+}
+
+// A value of shared memory read (written) through a plain pointer: on a GPU the access
+// itself; the emulation also checks it for races with the block's other threads.
+template <class T>
+__device__ __forceinline__ T shared_load(const T* p) {
+#ifdef EMULATED_CUDA
+    emu_shared_read(p, sizeof(T));
+#endif
+    return *p;
+}
+
+template <class T>
+__device__ __forceinline__ void shared_store(T* p, T v) {
+#ifdef EMULATED_CUDA
+    emu_shared_write(p, sizeof(T));
+#endif
+    *p = v;
 }
 
 // Four 8×8 bf16 matrices from shared memory (ldmatrix .x4): lane 8i + r gives the address of
@@ -357,7 +376,7 @@ __device__ __forceinline__ void rows_to_shared(smem_t dst, float* at, const floa
         if (row0 + r < s) {
             copy_async<4>(dst + 4 * r, src + row0 + r);
         } else {
-            at[r] = 0.0f;
+            shared_store(&at[r], 0.0f);
         }
     }
 }
@@ -737,13 +756,17 @@ __device__ __forceinline__ void keep_flags(unsigned char* keep, const Mask& m, c
         if (i >= s || j > i) continue;
         unsigned char* out = keep + col * FA_KEEP_LD + 4 * kg;
         if (rm.aligned) {
-            const uint4 w = mask_block(m, rm, (start[col] + j) >> 2);
-            out[0] = w.x >= m.threshold;
-            out[1] = w.y >= m.threshold;
-            out[2] = w.z >= m.threshold;
-            out[3] = w.w >= m.threshold;
+            const uint4 w = mask_block(m, rm, (shared_load(&start[col]) + j) >> 2);
+            const u32 words[4] = {w.x, w.y, w.z, w.w};
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                shared_store(&out[e], (unsigned char)(words[e] >= m.threshold));
+            }
         } else {
-            for (int e = 0; e < 4; ++e) out[e] = row_factor(m, rm, start[col], j + e) != 0.0f;
+            for (int e = 0; e < 4; ++e) {
+                const u64 row = shared_load(&start[col]);
+                shared_store(&out[e], (unsigned char)(row_factor(m, rm, row, j + e) != 0.0f));
+            }
         }
     }
 }
@@ -854,7 +877,7 @@ __device__ __forceinline__ void fa_backward_kv(
         }
         if (dropout) {
             for (int r = threadIdx.x; r < FA_BWD_COLS; r += FA_THREADS) {
-                start_s[r] = row_start(m, rm, at.row + c0 + r, s);
+                shared_store(&start_s[r], row_start(m, rm, at.row + c0 + r, s));
             }
         }
         __syncthreads();
@@ -883,11 +906,11 @@ __device__ __forceinline__ void fa_backward_kv(
             #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int key = w0 + g + 8 * (c >> 1), col = 8 * n + 2 * t + (c & 1);
-                const float f = !dropout                         ? m.scale
-                                : keep_s[col * FA_KEEP_LD + key] ? m.scale
-                                                                 : 0.0f;
-                const Grad e = element_grad(st[n][c], dz[n][c], tile.lse[col] * LOG2E,
-                                            tile.delta[col], f, scale, scale2);
+                const float f = !dropout                                      ? m.scale
+                                : shared_load(&keep_s[col * FA_KEEP_LD + key]) ? m.scale
+                                                                              : 0.0f;
+                const Grad e = element_grad(st[n][c], dz[n][c], shared_load(&tile.lse[col]) * LOG2E,
+                                            shared_load(&tile.delta[col]), f, scale, scale2);
                 st[n][c] = e.dropped;
                 dz[n][c] = e.d_score;
             }
