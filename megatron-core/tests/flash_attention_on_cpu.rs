@@ -316,24 +316,82 @@ fn shift(qkv: &[bf16]) -> usize {
     (qkv.as_ptr() as usize / 2) % 2
 }
 
-/// The flash forward on the CPU-built kernel: (output, log-sum-exp).
-fn flash_forward(
-    case: &Case,
-    qkv: &mut [bf16],
-    dropout: &Option<(f32, DropoutStream)>,
-) -> (Vec<bf16>, Vec<f32>) {
+/// What the flash forward gives: the output, the log-sum-exp, and with dropout the kept
+/// elements as bits (64-bit words per head, block of 64 keys and query; rows up to the sequence
+/// rounded up to 64).
+struct Forward {
+    out: Vec<bf16>,
+    lse: Vec<f32>,
+    keep: Vec<u64>,
+}
+
+impl Forward {
+    /// Word `keep` of query i, key block kb of head bh: the kernels' keep_word_at.
+    fn keep_word(case: &Case, bh: usize, kb: usize, i: usize) -> usize {
+        let blocks = case.seq.div_ceil(64);
+        (bh * blocks + kb) * blocks * 64 + i
+    }
+
+    /// Where the kernels take the words: null without dropout.
+    fn keep_arg(&mut self) -> Arg {
+        Arg::Ptr(if self.keep.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            self.keep.as_mut_ptr().cast()
+        })
+    }
+}
+
+/// The flash forward on the CPU-built kernel.
+fn flash_forward(case: &Case, qkv: &mut [bf16], dropout: &Option<(f32, DropoutStream)>) -> Forward {
     let shift = shift(qkv);
-    let mut out = vec![bf16::NAN; shift + case.out_len()];
-    let mut lse = vec![f32::NAN; case.batch * case.heads * case.seq];
+    let words = Forward::keep_word(case, case.batch * case.heads, 0, 0);
+    let mut got = Forward {
+        out: vec![bf16::NAN; shift + case.out_len()],
+        lse: vec![f32::NAN; case.batch * case.heads * case.seq],
+        keep: vec![u64::MAX; if dropout.is_some() { words } else { 0 }],
+    };
     let mut args = qkv_args(case, qkv);
-    args.push(Arg::Ptr(out[shift..].as_mut_ptr().cast()));
+    args.push(Arg::Ptr(got.out[shift..].as_mut_ptr().cast()));
     args.extend(out_strides(case));
-    args.push(Arg::Ptr(lse.as_mut_ptr().cast()));
+    args.push(Arg::Ptr(got.lse.as_mut_ptr().cast()));
+    args.push(got.keep_arg());
     args.extend(tail_args(case, dropout));
     let mut keys = round_keys(dropout.as_ref().map(|(_, s)| s));
     args.push(Arg::ByValue(keys.as_mut_ptr().cast()));
     launch_3d("flash_forward", case.grid(), [128, 1, 1], args);
-    (out[shift..].to_vec(), lse)
+    got.out.drain(..shift);
+    got
+}
+
+/// Checks the forward's kept-element bits against the CPU's dropout mask: every word a query
+/// has for the key blocks it sees, bit for bit over the keys of the sequence.
+fn assert_keep_bits(
+    what: &str,
+    case: &Case,
+    dropout: &Option<(f32, DropoutStream)>,
+    got: &Forward,
+) {
+    if dropout.is_none() {
+        return;
+    }
+    let (s, bh) = (case.seq, case.batch * case.heads);
+    let kept = Reference::mask(case, dropout, &vec![1.0; bh * s * s]);
+    for h in 0..bh {
+        for i in 0..s {
+            for kb in 0..=i / 64 {
+                let word = got.keep[Forward::keep_word(case, h, kb, i)];
+                for j in 64 * kb..(64 * kb + 64).min(s) {
+                    let want = kept[(h * s + i) * s + j] != 0.0;
+                    assert_eq!(
+                        (word >> (j - 64 * kb)) & 1 == 1,
+                        want,
+                        "{what}: kept bit of head {h}, query {i}, key {j}"
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// The flash backward on the CPU-built kernels: the fused projection's gradient, from `d_out`
@@ -343,7 +401,7 @@ fn flash_forward(
 fn flash_backward(
     case: &Case,
     qkv: &mut [bf16],
-    (out, lse): &mut (Vec<bf16>, Vec<f32>),
+    forward: &mut Forward,
     d_out: &mut [f32],
     d_out_bf16: bool,
     dropout: &Option<(f32, DropoutStream)>,
@@ -359,7 +417,7 @@ fn flash_backward(
         d_out.as_mut_ptr().cast()
     };
     let mut args = vec![
-        Arg::Ptr(out.as_mut_ptr().cast()),
+        Arg::Ptr(forward.out.as_mut_ptr().cast()),
         Arg::Ptr(d_out_ptr),
         Arg::I32(i32::from(d_out_bf16)),
         Arg::Ptr(d_out16.as_mut_ptr().cast()),
@@ -381,23 +439,29 @@ fn flash_backward(
     let mut ds = vec![bf16::NAN; case.batch * case.heads * rows * chunk];
     let shift = shift(qkv);
     let mut dqkv = vec![bf16::NAN; shift + case.qkv_len()];
-    let mut keys = round_keys(dropout.as_ref().map(|(_, s)| s));
+    let keep_scale = dropout
+        .as_ref()
+        .map_or(1.0, |(p, _)| cpu_dropout::keep_scale(*p));
     for c_begin in (0..rows).step_by(chunk) {
         let c_end = (c_begin + chunk).min(rows);
         let mut args = qkv_args(case, qkv);
         args.push(Arg::Ptr(d_out16.as_mut_ptr().cast()));
         args.extend(out_strides(case));
         args.extend([
-            Arg::Ptr(lse.as_mut_ptr().cast()),
+            Arg::Ptr(forward.lse.as_mut_ptr().cast()),
             Arg::Ptr(delta.as_mut_ptr().cast()),
             Arg::Ptr(dqkv[shift..].as_mut_ptr().cast()),
             Arg::Ptr(ds.as_mut_ptr().cast()),
             Arg::U32(chunk as u32),
             Arg::U32(c_begin as u32),
             Arg::U32(c_end as u32),
+            Arg::U64(case.seq as u64),
+            Arg::U64(case.heads as u64),
+            Arg::I32(case.d as i32),
+            Arg::F32(case.scale()),
+            forward.keep_arg(),
+            Arg::F32(keep_scale),
         ]);
-        args.extend(tail_args(case, dropout));
-        args.push(Arg::ByValue(keys.as_mut_ptr().cast()));
         let [_, heads, batch] = case.grid();
         launch_3d(
             "flash_backward_kv",
@@ -454,8 +518,9 @@ fn flash_attention_is_plain_attention_forward_and_backward() {
                 let reference = Reference::new(case, &qkv, dropout);
                 let (out, lse) = reference.forward();
                 let mut got = flash_forward(&case, qkv_at, &dropout);
-                assert_near(&format!("{what}: output"), &widen(&got.0), &out, 1e-2);
-                assert_near(&format!("{what}: log-sum-exp"), &got.1, &lse, 1e-5);
+                assert_near(&format!("{what}: output"), &widen(&got.out), &out, 1e-2);
+                assert_near(&format!("{what}: log-sum-exp"), &got.lse, &lse, 1e-5);
+                assert_keep_bits(&what, &case, &dropout, &got);
                 // The gradients of bf16 products: the reference's d_out as the kernels round it.
                 let d_out16: Vec<f32> = d_out.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
                 let want = reference.backward(&d_out16);

@@ -50,12 +50,14 @@ enum Kept {
         probs: Tensor,
     },
     /// The flash kernels': the fused projection in bf16, the output and the log-sum-exp of
-    /// every row's scaled scores (the weights are recomputed from them).
+    /// every row's scaled scores (the weights are recomputed from them), and with dropout the
+    /// bits of the elements it kept (64-bit words, as I64).
     #[cfg(feature = "cuda")]
     Flash {
         qkv: Tensor,
         out: Tensor,
         lse: Tensor,
+        keep: Option<Tensor>,
     },
 }
 
@@ -452,19 +454,33 @@ mod device {
             // bf16: the output projection's operand (flash runs with bf16 products).
             let out = Tensor::empty_on(sh.dims(1), DType::BF16, gpu)?;
             let lse = Tensor::empty_on([fsh.rows()], DType::F32, gpu)?;
-            flash_attention_forward(
-                gpu,
-                &qkv.device_read::<half::bf16>()?.view(),
-                fsh,
-                sh.scale(),
-                dropout_of(&mask),
-                &mut out.device_write::<half::bf16>()?.view_mut(),
-                &mut lse.device_write::<f32>()?.view_mut(),
-            )?;
+            let keep = mask
+                .is_some()
+                .then(|| Tensor::empty_on([fsh.keep_words()], DType::I64, gpu))
+                .transpose()?;
+            // The kept-element bits, written by the forward while borrowed here.
+            {
+                let mut keep_write = keep.as_ref().map(|k| k.device_write::<i64>()).transpose()?;
+                let mut keep_view = keep_write.as_mut().map(|k| k.view_mut());
+                flash_attention_forward(
+                    gpu,
+                    &qkv.device_read::<half::bf16>()?.view(),
+                    fsh,
+                    sh.scale(),
+                    dropout_of(&mask).zip(keep_view.as_mut()),
+                    &mut out.device_write::<half::bf16>()?.view_mut(),
+                    &mut lse.device_write::<f32>()?.view_mut(),
+                )?;
+            }
             Ok((
                 out.clone(),
                 AttentionSaved {
-                    kept: Kept::Flash { qkv, out, lse },
+                    kept: Kept::Flash {
+                        qkv,
+                        out,
+                        lse,
+                        keep,
+                    },
                     dropout: mask,
                     shape: sh,
                 },
@@ -475,7 +491,7 @@ mod device {
     /// The flash backward: the fused projection's gradient from the output's.
     fn backward_flash(
         saved: &AttentionSaved,
-        (qkv, out, lse): (&Tensor, &Tensor, &Tensor),
+        (qkv, out, lse, keep): (&Tensor, &Tensor, &Tensor, Option<&Tensor>),
         d_out: &Tensor,
         gpu: &Gpu,
     ) -> Result<Tensor> {
@@ -484,6 +500,13 @@ mod device {
         let dqkv = Tensor::empty_on(sh.dims(3), DType::BF16, gpu)?;
         // The output gradient as it comes (bf16 from a row-parallel projection), read once.
         let d_out = contiguous_input(d_out)?;
+        let keep_read = keep.map(|k| k.device_read::<i64>()).transpose()?;
+        let keep_view = keep_read.as_ref().map(|k| k.view());
+        let dropout = saved
+            .dropout
+            .as_ref()
+            .map(|(p, ..)| *p)
+            .zip(keep_view.as_ref());
         with_in(&d_out, |d_out| {
             Ok(flash_attention_backward(
                 gpu,
@@ -493,7 +516,7 @@ mod device {
                 d_out,
                 flash_shape(sh),
                 sh.scale(),
-                dropout_of(&saved.dropout),
+                dropout,
                 &mut dqkv.device_write::<half::bf16>()?.view_mut(),
                 SCORE_GRADIENT_BUDGET,
             )?)
@@ -506,8 +529,13 @@ mod device {
     pub(super) fn backward(saved: AttentionSaved, d_out: &Tensor, gpu: &Gpu) -> Result<Tensor> {
         let (q, k, v, probs) = match &saved.kept {
             Kept::Weights { q, k, v, probs } => (q, k, v, probs),
-            Kept::Flash { qkv, out, lse } => {
-                return backward_flash(&saved, (qkv, out, lse), d_out, gpu);
+            Kept::Flash {
+                qkv,
+                out,
+                lse,
+                keep,
+            } => {
+                return backward_flash(&saved, (qkv, out, lse, keep.as_ref()), d_out, gpu);
             }
         };
         let sh = saved.shape;

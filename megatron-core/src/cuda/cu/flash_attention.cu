@@ -7,6 +7,8 @@
 // recomputes the scores and the probability gradients and gives dk and dv, storing the score
 // gradients (bf16) of a chunk of queries; a second kernel per block of queries multiplies them
 // by the keys (dq). Each gradient element is summed in one fixed order: the same bits every run.
+// With dropout the forward also stores which elements it kept, a bit each (see keep_word_at),
+// and the backward reads them instead of drawing the mask a second time.
 //
 // Layout: the fused projection `qkv` (bf16) holds, per position, batch entry and head, the
 // head's query, key and value (d elements each, in that order); row i of head h of batch entry
@@ -48,9 +50,6 @@
 // on different banks: rows of 2·D + 16 bytes (D a multiple of 32) put 8 consecutive rows'
 // 16-byte pieces on 8 different groups of 4 banks.
 #define FA_PAD 8
-// Bytes per query row of the key-gradient kernel's dropout flags (FA_ROWS keys, padded so that
-// the lanes reading a fragment's flags hit different banks).
-#define FA_KEEP_LD (FA_ROWS + 4)
 
 typedef unsigned short bf16_t;
 
@@ -483,6 +482,16 @@ __device__ __forceinline__ void mask_pairs(const Mask& m, const RowMask& rm, u64
     f1 = odd ? own : other;
 }
 
+// The dropout's kept elements as bits, which the forward stores and the key/value kernel reads:
+// per (batch entry, head) and block of 64 keys, a 64-bit word per query, rows up to the
+// sequence rounded up to 64; bit jj of the word of query i and key block kb is element (i,
+// 64·kb + jj). Only words of blocks a query sees (kb ≤ i / 64, i < s) are written. The word of
+// query 0 of key block kb of head bh (bh = batch entry · heads + head).
+__device__ __forceinline__ u64 keep_word_at(u64 bh, u32 kb, u32 s) {
+    const u64 blocks = (s + 63) / 64;
+    return (bh * blocks + kb) * (blocks * 64);
+}
+
 // Where one (batch entry, head) sits: element offsets of its row 0 in the q/k/v layout and in
 // the output layout, and the index of its row 0 in [b, heads, s].
 struct HeadAt {
@@ -596,11 +605,15 @@ template <int D>
 __device__ __forceinline__ void fa_forward(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
     i64 seq_stride, i64 batch_stride, i64 head_stride, bf16_t* __restrict__ o, i64 o_seq_stride,
-    i64 o_batch_stride, i64 o_head_stride, float* __restrict__ lse, u32 s, u64 heads,
-    float scale, const Mask& m, const PhiloxKeys& keys, unsigned char* smem_raw) {
+    i64 o_batch_stride, i64 o_head_stride, float* __restrict__ lse, u64* __restrict__ keep_bits,
+    u32 s, u64 heads, float scale, const Mask& m, const PhiloxKeys& keys,
+    unsigned char* smem_raw) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
     const bool vec = rows_aligned(q, k, v, seq_stride, batch_stride, head_stride);
+    // With dropout, this head's kept-element words (see keep_word_at).
+    u64* const keep_head =
+        keep_bits ? keep_bits + keep_word_at((u64)blockIdx.z * heads + blockIdx.y, 0, s) : nullptr;
     const u32 q0 = (gridDim.x - 1 - blockIdx.x) * FA_ROWS;
     const u32 wq0 = q0 + 16 * warp;  // this warp's first query
     const u32 i0 = wq0 + g;          // this thread's rows: i0 and i0 + 8
@@ -660,7 +673,9 @@ __device__ __forceinline__ void fa_forward(
             }
         }
         // Unnormalised probabilities exp(scale·(x − max)), their sums, then the dropout of
-        // what meets v.
+        // what meets v; with keep_bits, this lane's kept elements of rows i0 and i0 + 8 as bits
+        // (keys 0..31 and 32..63 of the tile).
+        u32 kept[2][2] = {{0u, 0u}, {0u, 0u}};
         #pragma unroll
         for (int n = 0; n < FA_FWD_KEYS / 8; n += 2) {
             #pragma unroll
@@ -675,6 +690,27 @@ __device__ __forceinline__ void fa_forward(
                     // Probabilities are finite: a product is exactly the masked value.
                     sc[n + h][2 * r] = p0 * f[h].x;
                     sc[n + h][2 * r + 1] = p1 * f[h].y;
+                    if (keep_head) {
+                        const int bit = (8 * (n + h) + 2 * t) % 32;
+                        kept[r][(n + h) / 4] |= ((u32)(f[h].x != 0.0f) << bit) |
+                                                ((u32)(f[h].y != 0.0f) << (bit + 1));
+                    }
+                }
+            }
+        }
+        if (keep_head) {
+            // A row's 64 bits are spread over its 4 lanes: gathered, stored by lane t = 0.
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                #pragma unroll
+                for (int w = 0; w < 2; ++w) {
+                    kept[r][w] |= __shfl_xor_sync(0xffffffffu, kept[r][w], 1);
+                    kept[r][w] |= __shfl_xor_sync(0xffffffffu, kept[r][w], 2);
+                }
+                const u32 i = i0 + 8 * r;
+                if (t == 0 && i < s) {
+                    keep_head[(u64)it * (((s + 63) / 64) * 64) + i] =
+                        (u64)kept[r][0] | ((u64)kept[r][1] << 32);
                 }
             }
         }
@@ -742,56 +778,31 @@ __device__ __forceinline__ Grad element_grad(float x, float dz, float lse2_i, fl
     return g;
 }
 
-// The key-gradient kernel's dropout flags for FA_ROWS keys from k0 and FA_BWD_COLS queries
-// from c0: keep[col·FA_KEEP_LD + key] = 1 where element (query c0 + col, key k0 + key) is kept.
-// The block's threads draw one Philox block each per 4 keys of a query (a lane of the products
-// holds keys 8 apart, so drawing there would take one block per element); groups no query
-// sees are skipped.
-__device__ __forceinline__ void keep_flags(unsigned char* keep, const Mask& m, const RowMask& rm,
-                                           const u64* start, u32 k0, u32 c0, u32 s) {
-    constexpr int GROUPS = FA_ROWS / 4;
-    for (int b = threadIdx.x; b < FA_BWD_COLS * GROUPS; b += blockDim.x) {
-        const int col = b / GROUPS, kg = b % GROUPS;
-        const u32 i = c0 + col, j = k0 + 4 * kg;
-        if (i >= s || j > i) continue;
-        unsigned char* out = keep + col * FA_KEEP_LD + 4 * kg;
-        if (rm.aligned) {
-            const uint4 w = mask_block(m, rm, (shared_load(&start[col]) + j) >> 2);
-            const u32 words[4] = {w.x, w.y, w.z, w.w};
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                shared_store(&out[e], (unsigned char)(words[e] >= m.threshold));
-            }
-        } else {
-            for (int e = 0; e < 4; ++e) {
-                const u64 row = shared_load(&start[col]);
-                shared_store(&out[e], (unsigned char)(row_factor(m, rm, row, j + e) != 0.0f));
-            }
-        }
-    }
-}
-
 // One query tile of the key-gradient kernel in shared memory: its queries and output
-// gradients (FA_BWD_COLS rows each), their log-sum-exps and deltas.
+// gradients (FA_BWD_COLS rows each), their log-sum-exps and deltas, and with dropout the words
+// of their kept elements for the block's keys (keep_word_at).
 template <int D>
 struct QueryTile {
     static constexpr int LD = D + FA_PAD;
-    // Bytes of one stage (a multiple of 16): the two row tiles, then the two vectors.
+    // Bytes of one stage (a multiple of 16): the two row tiles, the two vectors, the words.
     static constexpr int ROWS_BYTES = FA_BWD_COLS * LD * 2;
-    static constexpr int BYTES = 2 * ROWS_BYTES + 2 * FA_BWD_COLS * 4;
+    static constexpr int BYTES = 2 * ROWS_BYTES + 2 * FA_BWD_COLS * 4 + FA_BWD_COLS * 8;
     // Shared addresses for the copies and products, and pointers where the kernel reads the
     // vectors: both held, as converting per copy costs the loop ~40 instructions a tile.
-    smem_t q, d_o, lse_at, delta_at;
+    smem_t q, d_o, lse_at, delta_at, keep_at;
     float* lse;
     float* delta;
+    u32* keep;
 
     __device__ __forceinline__ QueryTile(unsigned char* raw, smem_t at) {
         q = at;
         d_o = at + ROWS_BYTES;
         lse_at = at + 2 * ROWS_BYTES;
         delta_at = lse_at + 4 * FA_BWD_COLS;
+        keep_at = delta_at + 4 * FA_BWD_COLS;
         lse = reinterpret_cast<float*>(raw + 2 * ROWS_BYTES);
         delta = lse + FA_BWD_COLS;
+        keep = reinterpret_cast<u32*>(delta + FA_BWD_COLS);
     }
 };
 
@@ -808,9 +819,10 @@ __device__ __forceinline__ u64 score_rows(u32 s) {
 // Backward, step 2: dk and dv of FA_ROWS keys per block (16 per warp), over the tiles of the
 // queries c_begin .. c_end that see them, stored (the first chunk of queries that sees the
 // block's keys) or added to the earlier chunks' sums; and the score gradients of those
-// (key, query) pairs into `ds`. Grid: (key tiles up to c_end, heads, batch). Shared memory
-// (dynamic): the block's keys and values, two stages of a query tile (QueryTile), where each
-// query's row of the dropout mask starts, and the tile's dropout flags.
+// (key, query) pairs into `ds`. The dropout is the forward's: its kept elements from
+// `keep_bits` (none without dropout: null), each kept one scaled by `keep_scale`. Grid: (key
+// tiles up to c_end, heads, batch). Shared memory (dynamic): the block's keys and values and
+// two stages of a query tile (QueryTile).
 template <int D>
 __device__ __forceinline__ void fa_backward_kv(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
@@ -818,14 +830,11 @@ __device__ __forceinline__ void fa_backward_kv(
     i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, const float* __restrict__ lse,
     const float* __restrict__ delta, bf16_t* __restrict__ dk, bf16_t* __restrict__ dv,
     bf16_t* __restrict__ ds, u32 ds_cols, u32 c_begin, u32 c_end, u32 s, u64 heads,
-    float scale, const Mask& m, const PhiloxKeys& keys, unsigned char* smem_raw) {
+    float scale, const u64* __restrict__ keep_bits, float keep_scale, unsigned char* smem_raw) {
     constexpr int LD = D + FA_PAD, KV_BYTES = FA_ROWS * LD * 2;
     const smem_t ks = smem(smem_raw), vs = ks + KV_BYTES;
     unsigned char* stages_raw = smem_raw + 2 * KV_BYTES;
     const smem_t stages = ks + 2 * KV_BYTES;
-    // Each query row's row_start, and the dropout flags.
-    u64* start_s = reinterpret_cast<u64*>(stages_raw + 2 * QueryTile<D>::BYTES);
-    unsigned char* keep_s = reinterpret_cast<unsigned char*>(start_s + FA_BWD_COLS);
 
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
@@ -835,8 +844,13 @@ __device__ __forceinline__ void fa_backward_kv(
     const u32 k0 = blockIdx.x * FA_ROWS;
     const int w0 = 16 * warp;          // this warp's first key in the block's tile
     const u32 wk_last = k0 + w0 + 15;  // and its last key
-    const RowMask rm = row_mask(m, s, keys);
-    const bool dropout = m.threshold != 0;
+    const bool dropout = keep_bits != nullptr;
+    // The words of this block of keys, from query 0 (16-byte aligned: rows of 64 words).
+    const u64* const keep_block =
+        dropout ? keep_bits + keep_word_at((u64)blockIdx.z * heads + blockIdx.y, blockIdx.x, s)
+                : nullptr;
+    // Which half of a word holds this warp's keys.
+    const int keep_half = w0 / 32;
     const float scale2 = scale * LOG2E;
 
     // Query tile `it` (queries c_first + it·FA_BWD_COLS ..) into stage it % 2; queries before
@@ -853,6 +867,11 @@ __device__ __forceinline__ void fa_backward_kv(
         tile_to_shared<D, FA_BWD_COLS>(tile.d_o, LD, d_o16 + at.o, o_seq_stride, c0, s, vec);
         rows_to_shared<FA_BWD_COLS>(tile.lse_at, tile.lse, lse + at.row, c0, s);
         rows_to_shared<FA_BWD_COLS>(tile.delta_at, tile.delta, delta + at.row, c0, s);
+        // The tile's words, whole (rows up to the sequence rounded up to 64 exist; those of
+        // queries past the end are never used).
+        if (dropout && threadIdx.x < FA_BWD_COLS * 8 / 16) {
+            copy_async<16>(tile.keep_at + 16 * threadIdx.x, keep_block + c0 + 2 * threadIdx.x);
+        }
         copies_commit();
     };
     const int tiles = (min(c_end, s) - c_first + FA_BWD_COLS - 1) / FA_BWD_COLS;
@@ -875,16 +894,7 @@ __device__ __forceinline__ void fa_backward_kv(
         } else {
             copies_wait<0>();
         }
-        if (dropout) {
-            for (int r = threadIdx.x; r < FA_BWD_COLS; r += FA_THREADS) {
-                shared_store(&start_s[r], row_start(m, rm, at.row + c0 + r, s));
-            }
-        }
         __syncthreads();
-        if (dropout) {
-            keep_flags(keep_s, m, rm, start_s, k0, c0, s);
-            __syncthreads();
-        }
         const QueryTile<D> tile = stage(it);
 
         // The transposed scores k·qᵀ (keys × queries) and dropped-probability gradient v·doᵀ.
@@ -905,10 +915,12 @@ __device__ __forceinline__ void fa_backward_kv(
         for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
             #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const int key = w0 + g + 8 * (c >> 1), col = 8 * n + 2 * t + (c & 1);
-                const float f = !dropout                                      ? m.scale
-                                : shared_load(&keep_s[col * FA_KEEP_LD + key]) ? m.scale
-                                                                              : 0.0f;
+                const int key = w0 % 32 + g + 8 * (c >> 1), col = 8 * n + 2 * t + (c & 1);
+                // Bit w0 + g + 8·(c >> 1) of the column's word: bit `key` of this warp's half.
+                const float f =
+                    !dropout ? keep_scale
+                    : (shared_load(&tile.keep[2 * col + keep_half]) >> key) & 1u ? keep_scale
+                                                                                 : 0.0f;
                 const Grad e = element_grad(st[n][c], dz[n][c], shared_load(&tile.lse[col]) * LOG2E,
                                             shared_load(&tile.delta[col]), f, scale, scale2);
                 st[n][c] = e.dropped;
@@ -1024,15 +1036,15 @@ __device__ __forceinline__ void fa_backward_q(const bf16_t* __restrict__ k, i64 
 extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_forward(
     const bf16_t* __restrict__ qkv, i64 seq_stride, i64 batch_stride, i64 head_stride,
     bf16_t* __restrict__ o, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
-    float* __restrict__ lse, u64 s, u64 heads, int d, float scale, u64 inner, u64 stride,
-    u64 start, u32 key_lo, u32 key_hi, u64 stream, u32 threshold, float keep_scale,
-    PhiloxKeys keys) {
+    float* __restrict__ lse, u64* __restrict__ keep_bits, u64 s, u64 heads, int d, float scale,
+    u64 inner, u64 stride, u64 start, u32 key_lo, u32 key_hi, u64 stream, u32 threshold,
+    float keep_scale, PhiloxKeys keys) {
     DYNAMIC_SHARED(smem_raw);
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
 #define FA_CALL(D)                                                                            \
     fa_forward<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride, o,    \
-                  o_seq_stride, o_batch_stride, o_head_stride, lse, s, heads, scale, m, keys,  \
-                  smem_raw)
+                  o_seq_stride, o_batch_stride, o_head_stride, lse, keep_bits, s, heads,      \
+                  scale, m, keys, smem_raw)
     FA_DISPATCH(d, FA_CALL)
 #undef FA_CALL
 }
@@ -1042,15 +1054,13 @@ extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_kv(
     const bf16_t* __restrict__ d_o16, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
     const float* __restrict__ lse, const float* __restrict__ delta, bf16_t* __restrict__ dqkv,
     bf16_t* __restrict__ ds, u32 ds_cols, u32 c_begin, u32 c_end, u64 s, u64 heads, int d,
-    float scale, u64 inner, u64 stride, u64 start, u32 key_lo, u32 key_hi, u64 stream,
-    u32 threshold, float keep_scale, PhiloxKeys keys) {
+    float scale, const u64* __restrict__ keep_bits, float keep_scale) {
     DYNAMIC_SHARED(smem_raw);
-    const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
 #define FA_CALL(D)                                                                            \
     fa_backward_kv<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride,   \
                       d_o16, o_seq_stride, o_batch_stride, o_head_stride, lse, delta,         \
                       dqkv + (D), dqkv + 2 * (D), ds, ds_cols, c_begin, c_end, s, heads,      \
-                      scale, m, keys, smem_raw)
+                      scale, keep_bits, keep_scale, smem_raw)
     FA_DISPATCH(d, FA_CALL)
 #undef FA_CALL
 }

@@ -4,7 +4,9 @@
 //! them again with the output gradient and writes the projection's gradient, with no `s × s`
 //! tensor kept from one to the other (the backward's score gradients pass through a bounded
 //! buffer, below). The dropout is the CPU's: the same Philox mask over the `[b, heads, s, s]`
-//! attention weights as the unfused kernels.
+//! attention weights as the unfused kernels. The forward draws it and stores which elements it
+//! kept, a bit each ([`FlashShape::keep_words`]); the backward reads those bits instead of
+//! drawing the mask again.
 //!
 //! The operands are bf16 (the fused projection rounded once, the probabilities and gradients
 //! rounded as they enter a product), accumulation f32, the output and the fused projection's
@@ -27,6 +29,7 @@ use super::{check_len, launch, launch_args};
 use crate::cuda::error::CudaError;
 use crate::cuda::{Gpu, Result};
 use crate::kernels::KernelError;
+use crate::kernels::dropout::{keep_scale, keep_threshold};
 
 /// The head sizes the kernels are built for.
 pub const HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
@@ -41,8 +44,6 @@ const FWD_KEYS: usize = 64;
 const BWD_COLS: usize = 32;
 const DQ_KEYS: usize = 64;
 const PAD: usize = 8;
-/// Bytes per query row of the key-gradient kernel's dropout flags (`FA_KEEP_LD`).
-const KEEP_LD: usize = ROWS + 4;
 /// The longest sequence the kernels take (their positions are 32-bit, signed-safe).
 const MAX_SEQ: usize = (1 << 31) - 1;
 /// Bytes the backward's score-gradient buffer may take: 512 MiB, the whole `[b, heads, s, s]`
@@ -82,6 +83,13 @@ impl FlashShape {
     /// Rows of all heads: the length of the log-sum-exp `[batch, heads, seq]`.
     pub fn rows(&self) -> usize {
         self.batch * self.heads * self.seq
+    }
+
+    /// 64-bit words of the dropout's kept-element bits: per head, block of 64 keys and query
+    /// (queries up to the sequence rounded up to 64), a bit per key of the block.
+    pub fn keep_words(&self) -> usize {
+        let blocks = self.seq.div_ceil(ROWS);
+        self.batch * self.heads * blocks * blocks * ROWS
     }
 
     fn dims(&self) -> String {
@@ -138,12 +146,9 @@ fn shared_bytes(kernel: &str, d: usize) -> usize {
         // Keys and values of a tile, twice.
         "flash_forward" => 2 * 2 * FWD_KEYS * row,
         // The block's keys and values; twice a query tile (queries, output gradients,
-        // log-sum-exps, deltas); each query's mask row start; the dropout flags.
+        // log-sum-exps, deltas, kept-element words).
         "flash_backward_kv" => {
-            2 * ROWS * row
-                + 2 * (2 * BWD_COLS * row + 2 * BWD_COLS * 4)
-                + BWD_COLS * 8
-                + BWD_COLS * KEEP_LD
+            2 * ROWS * row + 2 * (2 * BWD_COLS * row + 2 * BWD_COLS * 4 + BWD_COLS * 8)
         }
         // A key tile and its keys' score gradients for the block's queries, twice.
         _ => 2 * DQ_KEYS * (row + (ROWS + PAD) * 2),
@@ -212,26 +217,39 @@ fn checked(
     Ok((grid, mask(kernel, dropout, sh.rows() * sh.seq)?))
 }
 
+/// A null pointer, for the kept-element words without dropout.
+const NULL: u64 = 0;
+
 /// `out = dropout(softmax(scale·q·kᵀ, causal)) · v` per head, and the log-sum-exp of each row's
 /// scaled scores (`[batch, heads, seq]`, for the backward). `dropout` is the CPU's mask over the
-/// `[batch, heads, seq, seq]` attention weights.
+/// `[batch, heads, seq, seq]` attention weights, with where to store which elements it kept
+/// for the backward ([`FlashShape::keep_words`] 64-bit words).
 pub fn flash_attention_forward(
     gpu: &Gpu,
     qkv: &CudaView<bf16>,
     sh: FlashShape,
     scale: f32,
-    dropout: Option<Dropout<'_>>,
+    dropout: Option<(Dropout<'_>, &mut CudaViewMut<i64>)>,
     out: &mut CudaViewMut<bf16>,
     lse: &mut CudaViewMut<f32>,
 ) -> Result<()> {
     const K: &str = "flash_forward";
-    let (grid, mask) = checked(K, &sh, scale, [qkv.len(), out.len(), lse.len()], dropout)?;
+    let (mask, keep) = dropout.unzip();
+    let (grid, mask) = checked(K, &sh, scale, [qkv.len(), out.len(), lse.len()], mask)?;
+    if let Some(keep) = &keep {
+        check(K, "keep bits", keep.len(), sh.keep_words(), &sh)?;
+    }
     let ([ss, bs, hs], [os, ob, oh]) = sh.strides();
     let (s, heads, d) = (sh.seq as u64, sh.heads as u64, sh.head_dim as i32);
     let mut args = launch_args(gpu, K)?;
     args.arg(qkv).arg(&ss).arg(&bs).arg(&hs);
     args.arg(out).arg(&os).arg(&ob).arg(&oh);
-    args.arg(lse).arg(&s).arg(&heads).arg(&d).arg(&scale);
+    args.arg(lse);
+    match keep {
+        Some(keep) => args.arg(keep),
+        None => args.arg(&NULL),
+    };
+    args.arg(&s).arg(&heads).arg(&d).arg(&scale);
     let keys = mask.round_keys();
     mask.push(&mut args);
     args.arg(&keys);
@@ -240,7 +258,7 @@ pub fn flash_attention_forward(
 
 /// The gradient of the fused projection (`d_qkv`, every element written) from the output
 /// gradient (f32 or bf16), with the forward's fused projection, output and log-sum-exp, scale and
-/// dropout. The score gradients pass through a buffer of at most `budget` bytes
+/// dropout (its probability and the kept-element bits the forward stored). The score gradients pass through a buffer of at most `budget` bytes
 /// ([`SCORE_GRADIENT_BUDGET`] in the attention layer; at least one chunk of 64 queries:
 /// `batch·heads·⌈seq/64⌉·64·64` bf16), a chunk of queries at a time: the key and value
 /// gradients are sums over the chunks (equal to one chunk's within bf16 rounding), the query
@@ -254,14 +272,22 @@ pub fn flash_attention_backward(
     d_out: In<'_, '_>,
     sh: FlashShape,
     scale: f32,
-    dropout: Option<Dropout<'_>>,
+    dropout: Option<(f32, &CudaView<i64>)>,
     d_qkv: &mut CudaViewMut<bf16>,
     budget: usize,
 ) -> Result<()> {
     const K: &str = "flash_backward";
-    let (grid, mask) = checked(K, &sh, scale, [qkv.len(), out.len(), lse.len()], dropout)?;
+    let (grid, _) = checked(K, &sh, scale, [qkv.len(), out.len(), lse.len()], None)?;
     check(K, "d_out", d_out.len(), sh.out_len(), &sh)?;
     check(K, "d_qkv", d_qkv.len(), sh.qkv_len(), &sh)?;
+    let keep_scale = match &dropout {
+        Some((p, keep)) => {
+            check(K, "keep bits", keep.len(), sh.keep_words(), &sh)?;
+            keep_threshold(*p).map_err(CudaError::from)?;
+            keep_scale(*p)
+        }
+        None => 1.0,
+    };
     let ([ss, bs, hs], [os, ob, oh]) = sh.strides();
     let (s, heads, batch, d) = (
         sh.seq as u64,
@@ -295,7 +321,6 @@ pub fn flash_attention_backward(
     let (chunk, elements) = score_chunk(&sh, budget)?;
     let ds = gpu.uninit::<bf16>(elements)?;
     let (d32, chunk32) = (sh.head_dim as i32, chunk as u32);
-    let keys = mask.round_keys();
     let (_, grid_heads, grid_batch) = grid;
     for c_begin in (0..rows).step_by(chunk) {
         let c_end = (c_begin + chunk).min(rows);
@@ -307,8 +332,11 @@ pub fn flash_attention_backward(
         args.arg(lse).arg(&delta).arg(&mut *d_qkv);
         args.arg(&ds).arg(&chunk32).arg(&begin32).arg(&end32);
         args.arg(&s).arg(&heads).arg(&d32).arg(&scale);
-        mask.push(&mut args);
-        args.arg(&keys);
+        match &dropout {
+            Some((_, keep)) => args.arg(*keep),
+            None => args.arg(&NULL),
+        };
+        args.arg(&keep_scale);
         // The key blocks the chunk's queries see: those before its end.
         let key_blocks = (c_end / ROWS) as u32;
         launch_tiles(
