@@ -959,7 +959,7 @@ __device__ __forceinline__ void fa_backward_kv(
             at_g8[4] = dsa[kq][3];
         }
         product_frags<FA_BWD_COLS / 16, D / 8, true>(dk_acc, dsa, tile.q, LD);
-        // Every warp is done with this stage (and the flags) before they are refilled.
+        // Every warp is done with this stage before it is refilled.
         __syncthreads();
     }
 
