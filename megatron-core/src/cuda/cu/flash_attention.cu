@@ -533,6 +533,21 @@ __device__ __forceinline__ void mask_past_diagonal(float (*x)[4], int lim0, floa
     }
 }
 
+// The step of a loop over `tiles` tiles streamed through two shared-memory stages: starts tile
+// it + 1 (if any) by `fetch(it + 1)`, which commits its copies, and waits until tile `it` is in
+// shared memory for the whole block. Every warp must be done with stage (it + 1) % 2 (a barrier
+// after its use).
+template <class Fetch>
+__device__ __forceinline__ void advance_tiles(int it, int tiles, const Fetch& fetch) {
+    if (it + 1 < tiles) {
+        fetch(it + 1);
+        copies_wait<1>();
+    } else {
+        copies_wait<0>();
+    }
+    __syncthreads();
+}
+
 // Key tiles (KEYS keys each, from key 0) of one head and the tiles paired with them (W
 // elements per key: the values, or the query-gradient kernel's transposed score gradients),
 // streamed through two shared-memory stages: tile `it` lies in stage it % 2. For the kernels
@@ -563,15 +578,9 @@ struct KeyStream {
     }
 
     // Starts the tile after `it` (if any) and waits until tile `it` is in shared memory for the
-    // whole block. Every warp must be done with stage (it + 1) % 2 (a barrier after its use).
+    // whole block (see advance_tiles).
     __device__ __forceinline__ void advance(int it) const {
-        if (it + 1 < tiles) {
-            fetch(it + 1);
-            copies_wait<1>();
-        } else {
-            copies_wait<0>();
-        }
-        __syncthreads();
+        advance_tiles(it, tiles, [this](int next) { fetch(next); });
     }
 };
 
@@ -709,7 +718,7 @@ __device__ __forceinline__ void fa_forward(
                 }
                 const u32 i = i0 + 8 * r;
                 if (t == 0 && i < s) {
-                    keep_head[(u64)it * (((s + 63) / 64) * 64) + i] =
+                    keep_head[keep_word_at(0, it, s) + i] =
                         (u64)kept[r][0] | ((u64)kept[r][1] << 32);
                 }
             }
@@ -888,13 +897,7 @@ __device__ __forceinline__ void fa_backward_kv(
 
     for (int it = 0; it < tiles; ++it) {
         const u32 c0 = c_first + it * FA_BWD_COLS;
-        if (it + 1 < tiles) {
-            fetch(it + 1);
-            copies_wait<1>();
-        } else {
-            copies_wait<0>();
-        }
-        __syncthreads();
+        advance_tiles(it, tiles, fetch);
         const QueryTile<D> tile = stage(it);
 
         // The transposed scores k·qᵀ (keys × queries) and dropped-probability gradient v·doᵀ.

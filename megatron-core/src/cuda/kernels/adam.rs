@@ -5,7 +5,7 @@
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 use half::bf16;
 
-use super::{check_len, cover, launch, launch_args};
+use super::{NULL, check_len, cover, launch, launch_args};
 use crate::cuda::{Gpu, Result};
 use crate::kernels::adam::{AdamConfig, AdamScalars, check_step};
 
@@ -34,7 +34,6 @@ pub fn adam_step(
     let n64 = n as u64;
     let mut args = launch_args(gpu, K)?;
     args.arg(param).arg(grad).arg(exp_avg).arg(exp_avg_sq);
-    const NULL: u64 = 0;
     match copy {
         Some(copy) => args.arg(copy),
         None => args.arg(&NULL),

@@ -25,7 +25,7 @@ use half::bf16;
 use super::dropout::MaskArgs;
 use super::operand::In;
 use super::softmax::{Dropout, mask};
-use super::{check_len, launch, launch_args};
+use super::{NULL, check_len, launch, launch_args};
 use crate::cuda::error::CudaError;
 use crate::cuda::{Gpu, Result};
 use crate::kernels::KernelError;
@@ -216,9 +216,6 @@ fn checked(
     check(kernel, "lse", lse, sh.rows(), sh)?;
     Ok((grid, mask(kernel, dropout, sh.rows() * sh.seq)?))
 }
-
-/// A null pointer, for the kept-element words without dropout.
-const NULL: u64 = 0;
 
 /// `out = dropout(softmax(scale·q·kᵀ, causal)) · v` per head, and the log-sum-exp of each row's
 /// scaled scores (`[batch, heads, seq]`, for the backward). `dropout` is the CPU's mask over the

@@ -28,6 +28,9 @@ use crate::kernels::KernelError;
 /// Threads per block of the element-wise kernels.
 pub(crate) const THREADS: u32 = 256;
 
+/// A null device pointer: pushed where a kernel's optional buffer is absent.
+pub(crate) const NULL: u64 = 0;
+
 /// A 1-D launch covering `n` items with `THREADS`-thread blocks (grid-stride beyond 2²⁰ blocks).
 pub(crate) fn cover(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(THREADS as usize).clamp(1, 1 << 20) as u32;

@@ -12,7 +12,7 @@ use cudarc::driver::{CudaView, CudaViewMut, LaunchArgs, PushKernelArg};
 use super::dropout::MaskArgs;
 use super::layer_norm::row_threads;
 use super::operand::{In, Out};
-use super::{launch, launch_args, per_row};
+use super::{NULL, launch, launch_args, per_row};
 use crate::cuda::{Gpu, Result};
 use crate::kernels::dropout::LogicalIndex;
 use crate::kernels::softmax::check_buffers;
@@ -51,7 +51,6 @@ pub(crate) fn mask(
 
 /// Pushes an optional output and its flag (a null pointer without one).
 fn push_optional<'a>(out: Option<Out<'a, '_>>, args: &mut LaunchArgs<'a>, flag: &'a i32) {
-    const NULL: u64 = 0;
     match out {
         Some(out) => out.push(args, flag),
         None => {
