@@ -2,8 +2,12 @@
 //! the CPU run's (f32 products), and tensor parallelism on one GPU (thread ranks with the
 //! device-local communicator) reproduces TP = 1.
 //!
-//! Needs a GPU: `cargo test --features cuda --test gpt_gpu -- --ignored`.
+//! Needs a GPU: `cargo test --features cuda --test gpt_gpu -- --ignored`, or the emulated one
+//! (`MEGATRON_EMULATED_GPU=1`, see `megatron-core/tests/emulated/device.rs`).
 #![cfg(feature = "cuda")]
+
+#[path = "../megatron-core/tests/emulated/device.rs"]
+mod device;
 
 use std::sync::{Arc, Mutex};
 
@@ -81,6 +85,10 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
 }
 
 fn curve(job: &TrainJob) -> Vec<(f64, f64)> {
+    device::install_if_requested(std::path::Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/megatron-core"
+    )));
     let points = Arc::new(Mutex::new(Vec::new()));
     let mut observers: Vec<Box<dyn Observer>> = vec![Box::new(Curve(points.clone()))];
     job.run(&mut observers).expect("the run");

@@ -30,8 +30,9 @@ use support::{det, gpu, tensor};
 
 type R<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
+/// `t`'s elements as f32 (bf16 outputs widened).
 fn host(t: &Tensor) -> Vec<f32> {
-    t.to_vec::<f32>().unwrap()
+    t.to_f32_contiguous().unwrap().to_vec::<f32>().unwrap()
 }
 
 /// `a` against `b` within `tol` relative to `b`'s largest finite magnitude; infinities and

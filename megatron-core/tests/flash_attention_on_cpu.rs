@@ -608,3 +608,21 @@ fn the_race_check_reports_what_a_missing_barrier_or_copy_wait_leaves_unordered()
         );
     }
 }
+
+#[test]
+fn a_barrier_some_threads_never_reach_is_reported_as_a_deadlock() {
+    let run = |early: bool| {
+        try_launch_3d(
+            "emu_deadlock_check",
+            [2, 1, 1],
+            [64, 1, 1],
+            vec![Arg::I32(early.into())],
+        )
+    };
+    assert_eq!(run(false), Ok(()));
+    let report = run(true).expect_err("thread 0 returns before the barrier");
+    assert!(
+        report.starts_with("deadlock: block (0, 0, 0): 63 of 64 threads wait at a barrier"),
+        "{report}"
+    );
+}

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "shim.h"
 
@@ -40,69 +41,120 @@ extern "C" __global__ void emu_race_check_neighbours(const u32* in, u32* out, in
     copies_wait<0>();
 }
 
+// A kernel for the deadlock check's own test: every thread but (with `early`) thread 0 waits
+// at a barrier.
+extern "C" __global__ void emu_deadlock_check(int early) {
+    if (early && threadIdx.x == 0) return;
+    __syncthreads();
+}
+
 template <class... A, std::size_t... I>
 void emu_call(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
     kernel(*static_cast<std::remove_reference_t<A>*>(args[I])...);
 }
 
 template <class... A>
-void emu_run(void (*kernel)(A...), emu_dim3 grid, emu_dim3 block, void** args) {
-    emu_launch(grid, block, [&] { emu_call(kernel, args, std::index_sequence_for<A...>{}); });
+bool emu_run(void (*kernel)(A...), emu_dim3 grid, emu_dim3 block, void** args) {
+    return emu_launch(grid, block,
+                      [&] { emu_call(kernel, args, std::index_sequence_for<A...>{}); });
+}
+
+// The sizes of a kernel's parameters, in order (what a graph keeps of a launch's arguments).
+template <class... A>
+std::vector<std::size_t> emu_param_sizes(void (*)(A...)) {
+    return {sizeof(std::remove_reference_t<A>)...};
 }
 
 struct EmuKernel {
     const char* name;
-    void (*run)(emu_dim3, emu_dim3, void**);
+    bool (*run)(emu_dim3, emu_dim3, void**);
+    std::vector<std::size_t> (*param_sizes)();
 };
 
-#define EMU_KERNEL(k) {#k, [](emu_dim3 g, emu_dim3 b, void** a) { emu_run(k, g, b, a); }}
+#define EMU_KERNEL(k)                                                              \
+    {#k, [](emu_dim3 g, emu_dim3 b, void** a) { return emu_run(k, g, b, a); }, \
+     [] { return emu_param_sizes(k); }}
 
+// Every kernel of the programs (programs.rs), in their order, and the emulation's own.
 static const EmuKernel EMU_KERNELS[] = {
-    EMU_KERNEL(softmax_forward),
-    EMU_KERNEL(softmax_backward),
+    EMU_KERNEL(adam_step),
+    EMU_KERNEL(cross_entropy_check_targets),
+    EMU_KERNEL(cross_entropy_forward),
+    EMU_KERNEL(cross_entropy_backward),
     EMU_KERNEL(dropout_apply),
-    EMU_KERNEL(f32_to_bf16),
-    EMU_KERNEL(copy_dense),
-    EMU_KERNEL(copy_strided),
+    EMU_KERNEL(philox_words),
     EMU_KERNEL(gelu_forward),
     EMU_KERNEL(gelu_backward),
+    EMU_KERNEL(add),
+    EMU_KERNEL(add_assign),
+    EMU_KERNEL(fill),
     EMU_KERNEL(bias_add_forward),
     EMU_KERNEL(bias_add_cast),
-    EMU_KERNEL(adam_step),
+    EMU_KERNEL(bias_add_backward),
+    EMU_KERNEL(f32_to_bf16),
+    EMU_KERNEL(bf16_to_f32),
+    EMU_KERNEL(sum_squares_partials),
+    EMU_KERNEL(copy_dense),
+    EMU_KERNEL(copy_strided),
+    EMU_KERNEL(fill_bits),
+    EMU_KERNEL(embedding_forward),
+    EMU_KERNEL(embedding_backward),
+    EMU_KERNEL(flash_backward_prepare),
+    EMU_KERNEL(flash_forward),
+    EMU_KERNEL(flash_backward_kv),
+    EMU_KERNEL(flash_backward_q),
     EMU_KERNEL(layer_norm_forward),
     EMU_KERNEL(layer_norm_backward_dx),
     EMU_KERNEL(layer_norm_backward_partials),
     EMU_KERNEL(layer_norm_backward_finalize),
-    EMU_KERNEL(embedding_forward),
-    EMU_KERNEL(embedding_backward),
-    EMU_KERNEL(cross_entropy_check_targets),
-    EMU_KERNEL(cross_entropy_forward),
-    EMU_KERNEL(cross_entropy_backward),
-    EMU_KERNEL(flash_forward),
-    EMU_KERNEL(flash_backward_prepare),
-    EMU_KERNEL(flash_backward_kv),
-    EMU_KERNEL(flash_backward_q),
+    EMU_KERNEL(fold_f32),
+    EMU_KERNEL(fold_bf16),
+    EMU_KERNEL(fold_i64),
+    EMU_KERNEL(softmax_forward),
+    EMU_KERNEL(softmax_backward),
+    EMU_KERNEL(vocab_parallel_ce_local),
+    EMU_KERNEL(vocab_parallel_ce_sum_exp),
+    EMU_KERNEL(vocab_parallel_ce_finish),
+    EMU_KERNEL(vocab_parallel_ce_backward),
+    EMU_KERNEL(vocab_parallel_mask_columns),
+    EMU_KERNEL(position_ids),
     EMU_KERNEL(emu_race_check_neighbours),
+    EMU_KERNEL(emu_deadlock_check),
 };
 
-// Runs kernel `name` on a grid of grid[0..3] blocks of block[0..3] threads; 0, -1 for an
-// unknown name, or -2 when the race check found shared memory touched by two threads between
-// the same two barriers: then `*races` is set to the report (one race per line; malloc'd, for
-// the caller to free). One launch at a time (the emulated grid and its barriers are
-// process-wide).
-extern "C" int emu_launch_kernel(const char* name, const unsigned* grid, const unsigned* block,
-                                 void** args, char** races) {
+// The kernel called `name`, or null.
+inline const EmuKernel* emu_find_kernel(const char* name) {
+    for (const auto& k : EMU_KERNELS) {
+        if (std::strcmp(k.name, name) == 0) return &k;
+    }
+    return nullptr;
+}
+
+// Runs `kernel`; 0, -2 when the race check found shared memory touched by two threads between
+// the same two barriers, or -3 when a block deadlocked at a barrier: then `*report` is set to
+// what was found (races one per line; malloc'd, for the caller to free). One launch at a time
+// (the emulated grid and its barriers are process-wide).
+inline int emu_run_kernel(const EmuKernel& kernel, const unsigned* grid, const unsigned* block,
+                          void** args, char** report) {
     static std::mutex one_at_a_time;
     const std::lock_guard<std::mutex> lock(one_at_a_time);
-    for (const auto& k : EMU_KERNELS) {
-        if (std::strcmp(k.name, name) == 0) {
-            emu_take_races();
-            k.run({grid[0], grid[1], grid[2]}, {block[0], block[1], block[2]}, args);
-            const std::string found = emu_take_races();
-            if (found.empty()) return 0;
-            *races = strdup(found.c_str());
-            return -2;
-        }
+    emu_take_races();
+    const bool finished =
+        kernel.run({grid[0], grid[1], grid[2]}, {block[0], block[1], block[2]}, args);
+    const std::string found = emu_take_races();
+    if (!finished) {
+        *report = strdup((emu_fault + "\n" + found).c_str());
+        return -3;
     }
-    return -1;
+    if (found.empty()) return 0;
+    *report = strdup(found.c_str());
+    return -2;
+}
+
+// Runs kernel `name` on a grid of grid[0..3] blocks of block[0..3] threads: what
+// `emu_run_kernel` returns, or -1 for an unknown name.
+extern "C" int emu_launch_kernel(const char* name, const unsigned* grid, const unsigned* block,
+                                 void** args, char** report) {
+    const EmuKernel* kernel = emu_find_kernel(name);
+    return kernel ? emu_run_kernel(*kernel, grid, block, args, report) : -1;
 }

@@ -86,14 +86,15 @@ pub fn launch(name: &str, grid: usize, block: usize, args: Vec<Arg>) {
 }
 
 /// Runs kernel `name` on a grid of `grid` blocks of `block` threads (x, y, z) with `args`;
-/// panics if it races on shared memory.
+/// panics if it races on shared memory or deadlocks at a barrier.
 pub fn launch_3d(name: &str, grid: [usize; 3], block: [usize; 3], args: Vec<Arg>) {
-    if let Err(races) = try_launch_3d(name, grid, block, args) {
-        panic!("{name} races on shared memory:\n{races}");
+    if let Err(report) = try_launch_3d(name, grid, block, args) {
+        panic!("{name} failed under the emulation:\n{report}");
     }
 }
 
-/// [`launch_3d`], returning the race check's report (one race per line) instead of panicking.
+/// [`launch_3d`], returning the race check's report (one race per line) or the deadlock's
+/// (starting `deadlock:`) instead of panicking.
 pub fn try_launch_3d(
     name: &str,
     grid: [usize; 3],
@@ -126,16 +127,20 @@ pub fn try_launch_3d(
             &mut races,
         )
     };
-    match status {
-        0 => Ok(()),
-        // SAFETY: on -2 the library set `races` to a NUL-terminated string from malloc.
-        -2 => unsafe {
+    let take_report = || {
+        // SAFETY: on -2 and -3 the library set `races` to a NUL-terminated string from malloc.
+        unsafe {
             let report = std::ffi::CStr::from_ptr(races)
                 .to_string_lossy()
                 .into_owned();
             libc::free(races.cast());
-            Err(report)
-        },
+            report
+        }
+    };
+    match status {
+        0 => Ok(()),
+        -2 => Err(take_report()),
+        -3 => Err(format!("deadlock: {}", take_report())),
         _ => panic!("no kernel {name}"),
     }
 }

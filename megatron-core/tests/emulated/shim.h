@@ -1,8 +1,10 @@
-// The CUDA execution model on CPU threads, enough to run megatron-rs's kernel sources unchanged
-// on a machine without a GPU (for tests): a block is one OS thread per CUDA thread, blocks run
-// one after another, `__shared__` memory is a function-local static (shared by the one block
-// running), `__syncthreads` a barrier of the block, and warp shuffles exchange through a
-// per-warp buffer between two barriers of the warp. Compile with -ffp-contract=off, as NVRTC
+// The CUDA execution model on the CPU, enough to run megatron-rs's kernel sources unchanged on a
+// machine without a GPU (for tests): blocks run one after another on the launching thread, each
+// CUDA thread of a block is a fiber (its own stack, switched to and from in user space), so that
+// `__syncthreads` and the warp-wide operations suspend a thread until its block (warp) has
+// arrived, as on a GPU. `__shared__` memory is a function-local static (shared by the one block
+// running). A block whose threads wait at a barrier that the others never reach (they finished)
+// is reported as a deadlock, where a GPU would hang. Compile with -ffp-contract=off, as NVRTC
 // keeps the kernels' explicit roundings.
 //
 // Accesses to the dynamic shared memory that go through the shim (asynchronous copies, matrix
@@ -14,7 +16,6 @@
 #pragma once
 
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -23,8 +24,10 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
+
+#include <sys/mman.h>
+#include <ucontext.h>
 
 #define __global__
 #define __device__
@@ -41,10 +44,11 @@ struct emu_dim3 {
     unsigned x = 1, y = 1, z = 1;
 };
 
-inline thread_local emu_dim3 threadIdx, blockIdx;
+// The running fiber's indices (one block runs at a time, its fibers on one thread).
+inline emu_dim3 threadIdx, blockIdx;
 inline emu_dim3 blockDim, gridDim;
 // The thread's index in its block, x fastest (what lanes and warps are counted in).
-inline thread_local unsigned emu_tid;
+inline unsigned emu_tid;
 
 struct float4 {
     float x, y, z, w;
@@ -96,11 +100,106 @@ using std::min;
 
 inline void emu_next_epoch();
 
-// Runs when every thread of the block has reached a barrier: the next interval between
-// barriers begins.
-struct EmuBarrierDone {
-    void operator()() noexcept { emu_next_epoch(); }
+// A suspended fiber (or the scheduler): where it goes on. On x86-64 a switch saves the
+// callee-saved registers and the floating-point control words on the stack it leaves and keeps
+// the stack pointer; elsewhere it is ucontext's (whose switches also make a system call).
+#if defined(__x86_64__)
+struct EmuContext {
+    void* sp = nullptr;
 };
+extern "C" void emu_switch_x86_64(void** save_sp, void* load_sp);
+asm(R"(
+    .text
+    .globl emu_switch_x86_64
+    .hidden emu_switch_x86_64
+    .type emu_switch_x86_64, @function
+emu_switch_x86_64:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_switch_x86_64, .-emu_switch_x86_64
+)");
+// Saves the running context in `from` and resumes `to`.
+inline void emu_switch(EmuContext& from, const EmuContext& to) { emu_switch_x86_64(&from.sp, to.sp); }
+// A context that starts `entry` (which must never return) on the stack ending at `top`.
+inline void emu_make_context(EmuContext& c, char* top, void (*entry)()) {
+    // `entry` is "returned" to from the switch, with the stack as a call would leave it.
+    auto* a = reinterpret_cast<std::uint64_t*>(
+        (reinterpret_cast<std::uintptr_t>(top) - 16) & ~std::uintptr_t{15});
+    a[0] = reinterpret_cast<std::uint64_t>(entry);
+    a[1] = 0;
+    std::uint64_t* sp = a - 7;  // rbp, rbx, r12..r15, then the control words
+    for (int i = 1; i < 7; ++i) sp[i] = 0;
+    const std::uint32_t mxcsr = 0x1f80, fpucw = 0x037f;  // the defaults
+    sp[0] = mxcsr | (std::uint64_t{fpucw} << 32);
+    c.sp = sp;
+}
+#else
+struct EmuContext {
+    ucontext_t uc;
+};
+inline void emu_switch(EmuContext& from, const EmuContext& to) { swapcontext(&from.uc, &to.uc); }
+inline void emu_make_context(EmuContext& c, char* top, void (*entry)()) {
+    getcontext(&c.uc);
+    constexpr std::size_t bytes = 1 << 20;
+    c.uc.uc_stack.ss_sp = top - bytes;
+    c.uc.uc_stack.ss_size = bytes;
+    c.uc.uc_link = nullptr;
+    makecontext(&c.uc, entry, 0);
+}
+#endif
+
+// One CUDA thread of the running block: its context and whether it finished or waits at a
+// barrier.
+struct EmuFiber {
+    EmuContext context;
+    bool done = false, waiting = false;
+};
+// A barrier of fibers: `expected` arrivals release it; `on_release` runs once, before any of
+// them goes on.
+struct EmuBarrier {
+    unsigned expected = 0, arrived = 0;
+    std::vector<unsigned> waiters;
+    void (*on_release)() = nullptr;
+};
+inline std::vector<EmuFiber> emu_fibers;
+// The scheduler's context (the launching thread's own stack), and the fiber running.
+inline EmuContext emu_scheduler;
+inline unsigned emu_running;
+
+// Suspends the running fiber until the scheduler resumes it.
+inline void emu_yield() { emu_switch(emu_fibers[emu_running].context, emu_scheduler); }
+
+inline void emu_arrive_and_wait(EmuBarrier& b) {
+    if (++b.arrived == b.expected) {
+        b.arrived = 0;
+        if (b.on_release) b.on_release();
+        for (unsigned w : b.waiters) emu_fibers[w].waiting = false;
+        b.waiters.clear();
+        return;
+    }
+    b.waiters.push_back(emu_running);
+    emu_fibers[emu_running].waiting = true;
+    emu_yield();
+}
 
 // The running block's barrier and its warps' exchange buffers and barriers.
 struct EmuWarp {
@@ -109,21 +208,21 @@ struct EmuWarp {
     unsigned mma_a[32][4], mma_b[32][2];
     // Every lane's row address of a shared-memory matrix load.
     const unsigned short* rows[32];
-    std::unique_ptr<std::barrier<>> bar;
+    EmuBarrier bar;
 };
-inline std::unique_ptr<std::barrier<EmuBarrierDone>> emu_block_barrier;
+inline EmuBarrier emu_block_barrier;
 inline std::vector<EmuWarp> emu_warps;
 
-inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
+inline void __syncthreads() { emu_arrive_and_wait(emu_block_barrier); }
 
 template <class T>
 inline T emu_shfl_xor(T v, int lane_mask) {
     const unsigned lane = emu_tid % 32;
     EmuWarp& w = emu_warps[emu_tid / 32];
     w.lanes[lane] = (double)v;
-    w.bar->arrive_and_wait();
+    emu_arrive_and_wait(w.bar);
     const T r = (T)w.lanes[lane ^ (unsigned)lane_mask];
-    w.bar->arrive_and_wait();
+    emu_arrive_and_wait(w.bar);
     return r;
 }
 inline float __shfl_xor_sync(unsigned, float v, int m) { return emu_shfl_xor(v, m); }
@@ -136,12 +235,12 @@ inline unsigned __ballot_sync(unsigned, int predicate) {
     const unsigned threads = blockDim.x * blockDim.y * blockDim.z;
     EmuWarp& w = emu_warps[emu_tid / 32];
     w.lanes[lane] = predicate != 0 ? 1.0 : 0.0;
-    w.bar->arrive_and_wait();
+    emu_arrive_and_wait(w.bar);
     unsigned bits = 0;
     for (unsigned i = 0; i < 32 && first + i < threads; ++i) {
         if (w.lanes[i] != 0.0) bits |= 1u << i;
     }
-    w.bar->arrive_and_wait();
+    emu_arrive_and_wait(w.bar);
     return bits;
 }
 
@@ -245,7 +344,7 @@ inline void emu_mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b
     EmuWarp& w = emu_warps[emu_tid / 32];
     for (int i = 0; i < 4; ++i) w.mma_a[lane][i] = a[i];
     for (int i = 0; i < 2; ++i) w.mma_b[lane][i] = b[i];
-    w.bar->arrive_and_wait();
+    emu_arrive_and_wait(w.bar);
     const auto bf16 = [](unsigned reg, int half) {
         return __uint_as_float(((reg >> (16 * half)) & 0xffffu) << 16);
     };
@@ -261,7 +360,7 @@ inline void emu_mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b
         for (int k = 0; k < 16; ++k) sum += A(row, k) * B(k, col);
         out[c] = d[c] + sum;
     }
-    w.bar->arrive_and_wait();
+    emu_arrive_and_wait(w.bar);
     for (int c = 0; c < 4; ++c) d[c] = out[c];
 }
 
@@ -274,7 +373,7 @@ inline void emu_ldmatrix_x4(unsigned* r, const void* p, bool trans) {
     EmuWarp& w = emu_warps[emu_tid / 32];
     w.rows[lane] = static_cast<const unsigned short*>(p);
     emu_shared_read(p, 16);
-    w.bar->arrive_and_wait();
+    emu_arrive_and_wait(w.bar);
     const unsigned g = lane >> 2, t = lane & 3;
     unsigned out[4];
     for (int i = 0; i < 4; ++i) {
@@ -283,7 +382,7 @@ inline void emu_ldmatrix_x4(unsigned* r, const void* p, bool trans) {
         const unsigned hi = trans ? m[2 * t + 1][g] : m[g][2 * t + 1];
         out[i] = lo | (hi << 16);
     }
-    w.bar->arrive_and_wait();
+    emu_arrive_and_wait(w.bar);
     for (int i = 0; i < 4; ++i) r[i] = out[i];
 }
 
@@ -349,36 +448,104 @@ inline T atomicMin(T* address, T value) {
     return old;
 }
 
+// Fiber stacks, kept from launch to launch (mapped on demand, only touched pages are backed).
+constexpr std::size_t EMU_STACK_BYTES = 1 << 20;
+inline std::vector<void*> emu_stacks;
+inline const std::function<void()>* emu_kernel;
+
+// A fiber's life: the kernel, then back to the scheduler for good.
+inline void emu_fiber_main() {
+    (*emu_kernel)();
+    emu_fibers[emu_running].done = true;
+    emu_yield();
+}
+
+// Makes the running fiber's CUDA indices those of thread `t` of block `b` (`block` threads).
+inline void emu_enter(unsigned t, emu_dim3 b, emu_dim3 block) {
+    emu_running = t;
+    emu_tid = t;
+    threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+    blockIdx = b;
+}
+
+// Why the last launch stopped early (a deadlock), empty when it ran to the end.
+inline std::string emu_fault;
+
 // Runs `kernel` (a call of one kernel with its arguments bound) over a grid of `grid` blocks of
-// `block` threads (x fastest, as CUDA numbers them).
-inline void emu_launch(emu_dim3 grid, emu_dim3 block, const std::function<void()>& kernel) {
+// `block` threads (x fastest, as CUDA numbers them); false, with `emu_fault` set, when a block's
+// threads wait at a barrier the others never reach (the rest of the grid does not run).
+inline bool emu_launch(emu_dim3 grid, emu_dim3 block, const std::function<void()>& kernel) {
     gridDim = grid;
     blockDim = block;
+    emu_fault.clear();
+    emu_kernel = &kernel;
     const unsigned threads = block.x * block.y * block.z;
     const unsigned warps = (threads + 31) / 32;
+    while (emu_stacks.size() < threads) {
+        // Each stack grows down towards an unmapped page: an overflow stops the process.
+        const std::size_t guard = 1 << 16;
+        auto* stack = static_cast<char*>(mmap(nullptr, EMU_STACK_BYTES + guard,
+                                              PROT_READ | PROT_WRITE,
+                                              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+        if (stack == MAP_FAILED) {
+            emu_fault = "no memory for " + std::to_string(threads) + " thread stacks";
+            return false;
+        }
+        mprotect(stack, guard, PROT_NONE);
+        emu_stacks.push_back(stack + guard);
+    }
     for (unsigned bz = 0; bz < grid.z; ++bz) {
         for (unsigned by = 0; by < grid.y; ++by) {
             for (unsigned bx = 0; bx < grid.x; ++bx) {
-                emu_block_barrier = std::make_unique<std::barrier<EmuBarrierDone>>(threads);
-                emu_copies = std::vector<EmuThreadCopies>(threads);
+                // The block's state, reset in place (its buffers are reused block to block).
+                emu_block_barrier.expected = threads;
+                emu_block_barrier.arrived = 0;
+                emu_block_barrier.waiters.clear();
+                emu_block_barrier.on_release = [] { emu_next_epoch(); };
+                emu_copies.resize(threads);
+                for (EmuThreadCopies& c : emu_copies) {
+                    c.open.clear();
+                    c.groups.clear();
+                }
                 emu_block_epoch = ++emu_epoch;
-                emu_warps = std::vector<EmuWarp>(warps);
+                emu_warps.resize(warps);
                 for (unsigned w = 0; w < warps; ++w) {
-                    emu_warps[w].bar =
-                        std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * w));
+                    emu_warps[w].bar.expected = std::min(32u, threads - 32 * w);
+                    emu_warps[w].bar.arrived = 0;
+                    emu_warps[w].bar.waiters.clear();
                 }
-                std::vector<std::thread> pool;
-                pool.reserve(threads);
+                emu_fibers.assign(threads, EmuFiber{});
                 for (unsigned t = 0; t < threads; ++t) {
-                    pool.emplace_back([=, &kernel] {
-                        emu_tid = t;
-                        threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-                        blockIdx = {bx, by, bz};
-                        kernel();
-                    });
+                    emu_make_context(emu_fibers[t].context,
+                                     static_cast<char*>(emu_stacks[t]) + EMU_STACK_BYTES,
+                                     emu_fiber_main);
                 }
-                for (auto& th : pool) th.join();
+                // Round robin: each thread runs until it finishes or waits at a barrier.
+                for (;;) {
+                    bool ran = false, all_done = true;
+                    for (unsigned t = 0; t < threads; ++t) {
+                        EmuFiber& f = emu_fibers[t];
+                        if (f.done) continue;
+                        all_done = false;
+                        if (f.waiting) continue;
+                        ran = true;
+                        emu_enter(t, {bx, by, bz}, block);
+                        emu_switch(emu_scheduler, f.context);
+                    }
+                    if (all_done) break;
+                    if (!ran) {
+                        unsigned waiting = 0;
+                        for (const EmuFiber& f : emu_fibers) waiting += f.waiting ? 1 : 0;
+                        emu_fault = "block (" + std::to_string(bx) + ", " + std::to_string(by) +
+                                    ", " + std::to_string(bz) + "): " + std::to_string(waiting) +
+                                    " of " + std::to_string(threads) +
+                                    " threads wait at a barrier the others never reach "
+                                    "(they finished): a GPU would hang";
+                        return false;
+                    }
+                }
             }
         }
     }
+    return true;
 }

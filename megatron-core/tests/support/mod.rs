@@ -6,8 +6,12 @@
 use megatron_core::cuda::{CudaSlice, Gpu};
 use megatron_core::tensor::Tensor;
 
-/// GPU 0.
+#[path = "../emulated/device.rs"]
+pub mod device;
+
+/// GPU 0 (the emulated GPU with `MEGATRON_EMULATED_GPU=1`, see [`device`]).
 pub fn gpu() -> Gpu {
+    device::install_if_requested(std::path::Path::new(env!("CARGO_MANIFEST_DIR")));
     Gpu::new(0).expect("a CUDA device with the driver and NVRTC on the library path")
 }
 

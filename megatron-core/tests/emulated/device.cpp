@@ -1,0 +1,690 @@
+// An emulated GPU for tests on machines without one: the part of the CUDA driver API and of
+// cuBLAS that megatron-rs calls (through cudarc), implemented on the CPU, with the kernels' own
+// CUDA C run by the emulation of launch.cpp. Built as `libcuda.so` (whose cuBLAS functions an
+// empty `libcublas.so` that depends on it hands out, see device.rs); kernels are compiled by the
+// real NVRTC, and their PTX tells each kernel's thread limit.
+//
+// What it models: device memory is host memory (each allocation ends at an unmapped page, so a
+// kernel reading or writing past a buffer stops the process with the buffer named, as
+// compute-sanitizer's memcheck would); streams run their work at once, in the order it is queued
+// (a valid order of any CUDA program that orders its streams with events); a stream being
+// captured records its work into a graph instead, replayed by cuGraphLaunch; launches are
+// checked against Hopper's limits (threads per block, the kernel's `.maxntid`, grid sizes,
+// dynamic shared memory against what cuFuncSetAttribute allowed), and a kernel that races on
+// shared memory or deadlocks at a barrier fails its launch with CUDA_ERROR_LAUNCH_FAILED and a
+// report on stderr.
+#include "launch.cpp"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <unordered_map>
+
+namespace emu {
+
+using CUresult = int;
+constexpr CUresult OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, INVALID_DEVICE = 101,
+                   INVALID_IMAGE = 200, INVALID_HANDLE = 400, NOT_FOUND = 500,
+                   LAUNCH_OUT_OF_RESOURCES = 701, LAUNCH_FAILED = 719, NOT_SUPPORTED = 801,
+                   CAPTURE_UNSUPPORTED = 900;
+
+// Hopper (H100 SXM) as the kernels see it.
+constexpr int SMS = 132, MAX_THREADS = 1024, DEFAULT_SHARED = 48 * 1024,
+              MAX_SHARED_OPTIN = 227 * 1024;
+constexpr unsigned long long TOTAL_MEMORY = 80ull << 30;
+
+// One work item of a stream: runs it, or returns why not.
+using Work = std::function<CUresult()>;
+
+struct Stream {
+    bool capturing = false;
+    std::vector<Work> captured;
+};
+struct Graph {
+    std::vector<Work> work;
+};
+struct Event {
+    double ms = 0;
+};
+struct Function {
+    const EmuKernel* kernel;
+    // The PTX's `.maxntid` product (threads per block the kernel is compiled for), 0 if none.
+    unsigned max_threads = 0;
+    int max_dynamic_shared = DEFAULT_SHARED;
+};
+struct Module {
+    std::map<std::string, Function> functions;
+    std::map<std::string, unsigned> max_threads;
+};
+
+// Every allocation: where its mapping starts and how long it is, and its size.
+struct Allocation {
+    void* mapping;
+    std::size_t mapped, bytes;
+};
+std::mutex memory_lock;
+std::unordered_map<unsigned long long, Allocation> allocations;
+unsigned long long used_bytes = 0, used_high = 0;
+// The stream whose work runs now (for the fault handler's message) and the kernel.
+thread_local const char* running_kernel = nullptr;
+
+double now_ms() {
+    using namespace std::chrono;
+    return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
+}
+
+CUresult run_or_capture(void* stream, Work work) {
+    auto* s = static_cast<Stream*>(stream);
+    if (s && s->capturing) {
+        s->captured.push_back(std::move(work));
+        return OK;
+    }
+    return work();
+}
+
+// A device allocation of `bytes`: 256-byte aligned, ending as close to an unmapped page as the
+// alignment allows.
+unsigned long long allocate(std::size_t bytes) {
+    const std::size_t page = (std::size_t)sysconf(_SC_PAGESIZE);
+    const std::size_t rounded = (bytes + 255) / 256 * 256;
+    const std::size_t data_pages = (rounded + page - 1) / page * page;
+    const std::size_t mapped = data_pages + page;
+    void* m = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return 0;
+    char* guard = static_cast<char*>(m) + data_pages;
+    mprotect(guard, page, PROT_NONE);
+    // Fresh device memory is not zero on a GPU: fill with a pattern that reads as NaN in f32.
+    char* data = guard - rounded;
+    std::memset(static_cast<char*>(m), 0xff, data_pages);
+    const auto ptr = reinterpret_cast<unsigned long long>(data);
+    const std::lock_guard<std::mutex> lock(memory_lock);
+    allocations[ptr] = {m, mapped, bytes};
+    used_bytes += bytes;
+    used_high = std::max(used_high, used_bytes);
+    return ptr;
+}
+
+CUresult release(unsigned long long ptr) {
+    if (ptr == 0) return OK;
+    const std::lock_guard<std::mutex> lock(memory_lock);
+    const auto it = allocations.find(ptr);
+    if (it == allocations.end()) return INVALID_VALUE;
+    munmap(it->second.mapping, it->second.mapped);
+    used_bytes -= it->second.bytes;
+    allocations.erase(it);
+    return OK;
+}
+
+// Names the allocation an address lies in or just past, for the fault handler.
+std::string describe(const void* address) {
+    const auto a = reinterpret_cast<unsigned long long>(address);
+    for (const auto& [ptr, alloc] : allocations) {
+        const auto begin = reinterpret_cast<unsigned long long>(alloc.mapping);
+        if (a >= begin && a < begin + alloc.mapped) {
+            char text[160];
+            std::snprintf(text, sizeof text,
+                          "%lld bytes from the start of a %zu-byte device buffer at 0x%llx",
+                          (long long)(a - ptr), alloc.bytes, ptr);
+            return text;
+        }
+    }
+    return "no device buffer";
+}
+
+void on_fault(int, siginfo_t* info, void*) {
+    // Not async-signal-safe, but the process is about to end: say where as well as we can.
+    std::fprintf(stderr,
+                 "emulated GPU: kernel %s accessed address %p (%s): an out-of-bounds access "
+                 "(CUDA_ERROR_ILLEGAL_ADDRESS on a GPU)\n",
+                 running_kernel ? running_kernel : "(none: host code)", info->si_addr,
+                 describe(info->si_addr).c_str());
+    std::abort();
+}
+
+void install_fault_handler() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        struct sigaction sa {};
+        sa.sa_sigaction = on_fault;
+        sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+        sigaction(SIGSEGV, &sa, nullptr);
+        sigaction(SIGBUS, &sa, nullptr);
+    });
+}
+
+// Each `.entry name` of a PTX text with the product of its `.maxntid` (0 when it has none).
+std::map<std::string, unsigned> entries(const std::string& ptx) {
+    std::map<std::string, unsigned> out;
+    std::size_t at = 0;
+    while ((at = ptx.find(".entry ", at)) != std::string::npos) {
+        at += 7;
+        std::size_t end = ptx.find_first_of("( \n", at);
+        const std::string name = ptx.substr(at, end - at);
+        unsigned threads = 0;
+        const std::size_t next = ptx.find(".entry ", at);
+        const std::size_t body = ptx.find('{', at);
+        const std::size_t maxntid = ptx.find(".maxntid", at);
+        if (maxntid != std::string::npos && maxntid < body && maxntid < next) {
+            unsigned x = 1, y = 1, z = 1;
+            const int n = std::sscanf(ptx.c_str() + maxntid, ".maxntid %u, %u, %u", &x, &y, &z);
+            if (n >= 1) threads = x * (n >= 2 ? y : 1) * (n >= 3 ? z : 1);
+        }
+        out[name] = threads;
+    }
+    return out;
+}
+
+// A launch of `f` with `params` (pointers to the arguments, cuLaunchKernel's convention),
+// checked against the device's limits, its arguments copied (so that a graph can replay it).
+CUresult launch(Function* f, const unsigned grid[3], const unsigned block[3], unsigned shared,
+                void* stream, void** params) {
+    const unsigned threads = block[0] * block[1] * block[2];
+    const char* name = f->kernel->name;
+    auto refuse = [&](CUresult code, const std::string& why) {
+        std::fprintf(stderr, "emulated GPU: launch of %s refused: %s\n", name, why.c_str());
+        return code;
+    };
+    if (threads == 0 || grid[0] * grid[1] * grid[2] == 0) {
+        return refuse(INVALID_VALUE, "an empty grid or block");
+    }
+    if (threads > MAX_THREADS || block[0] > 1024 || block[1] > 1024 || block[2] > 64) {
+        return refuse(INVALID_VALUE, "block of " + std::to_string(threads) + " threads");
+    }
+    if (f->max_threads && threads > f->max_threads) {
+        return refuse(INVALID_VALUE, std::to_string(threads) +
+                                         " threads per block, more than its __launch_bounds__ (" +
+                                         std::to_string(f->max_threads) + ")");
+    }
+    if (grid[1] > 65535 || grid[2] > 65535 || grid[0] > 0x7fffffffu) {
+        return refuse(INVALID_VALUE, "grid (" + std::to_string(grid[0]) + ", " +
+                                         std::to_string(grid[1]) + ", " +
+                                         std::to_string(grid[2]) + ")");
+    }
+    if ((int)shared > f->max_dynamic_shared) {
+        return refuse(INVALID_VALUE,
+                      std::to_string(shared) + " bytes of dynamic shared memory, more than the " +
+                          std::to_string(f->max_dynamic_shared) +
+                          " its CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES allows");
+    }
+    if (shared > sizeof emu_dynamic_shared) {
+        return refuse(LAUNCH_OUT_OF_RESOURCES, std::to_string(shared) + " bytes of shared memory");
+    }
+    const std::vector<std::size_t> sizes = f->kernel->param_sizes();
+    std::vector<std::vector<unsigned char>> args;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+        const auto* p = static_cast<const unsigned char*>(params[i]);
+        args.emplace_back(p, p + sizes[i]);
+    }
+    const EmuKernel* kernel = f->kernel;
+    const std::array<unsigned, 3> g{grid[0], grid[1], grid[2]}, b{block[0], block[1], block[2]};
+    return run_or_capture(stream, [kernel, g, b, args = std::move(args)]() mutable {
+        std::vector<void*> pointers;
+        for (auto& a : args) pointers.push_back(a.data());
+        char* report = nullptr;
+        running_kernel = kernel->name;
+        const int status = emu_run_kernel(*kernel, g.data(), b.data(), pointers.data(), &report);
+        running_kernel = nullptr;
+        if (status == 0) return OK;
+        std::fprintf(stderr, "emulated GPU: kernel %s %s:\n%s", kernel->name,
+                     status == -3 ? "deadlocked" : "races on shared memory",
+                     report ? report : "");
+        std::free(report);
+        return LAUNCH_FAILED;
+    });
+}
+
+// A column-major matrix of cuBLAS, one element read or written as f32.
+struct Matrix {
+    void* data;
+    int type;  // cudaDataType: 0 f32, 2 f16, 14 bf16
+    long long ld;
+};
+
+float bf16_to_f32(std::uint16_t h) { return __uint_as_float((unsigned)h << 16); }
+std::uint16_t f32_to_bf16(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (std::uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1);
+    return (std::uint16_t)(u >> 16);
+}
+float f16_to_f32(std::uint16_t h) {
+    const unsigned sign = (h >> 15) & 1, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    float v;
+    if (exp == 0) {
+        v = std::ldexp((float)man, -24);
+    } else if (exp == 31) {
+        v = man ? NAN : INFINITY;
+    } else {
+        v = std::ldexp((float)(man | 0x400), (int)exp - 25);
+    }
+    return sign ? -v : v;
+}
+
+float load(const Matrix& m, long long i) {
+    switch (m.type) {
+        case 0: return static_cast<const float*>(m.data)[i];
+        case 14: return bf16_to_f32(static_cast<const std::uint16_t*>(m.data)[i]);
+        default: return f16_to_f32(static_cast<const std::uint16_t*>(m.data)[i]);
+    }
+}
+void store(const Matrix& m, long long i, float v) {
+    if (m.type == 0) {
+        static_cast<float*>(m.data)[i] = v;
+    } else {
+        static_cast<std::uint16_t*>(m.data)[i] = f32_to_bf16(v);
+    }
+}
+
+}  // namespace emu
+
+using namespace emu;
+
+// The library's interface; everything else stays inside it (built with -fvisibility=hidden).
+#pragma GCC visibility push(default)
+extern "C" {
+
+// ---- The driver API ----
+
+CUresult cuInit(unsigned) {
+    install_fault_handler();
+    return OK;
+}
+CUresult cuDriverGetVersion(int* version) {
+    *version = 13000;
+    return OK;
+}
+CUresult cuDeviceGetCount(int* count) {
+    *count = 1;
+    return OK;
+}
+CUresult cuDeviceGet(int* device, int ordinal) {
+    if (ordinal != 0) return INVALID_DEVICE;
+    *device = 0;
+    return OK;
+}
+CUresult cuDeviceGetName(char* name, int len, int) {
+    std::snprintf(name, (std::size_t)len, "megatron-rs emulated GPU (sm_90, on the CPU)");
+    return OK;
+}
+CUresult cuDeviceTotalMem_v2(std::size_t* bytes, int) {
+    *bytes = TOTAL_MEMORY;
+    return OK;
+}
+CUresult cuMemGetInfo_v2(std::size_t* free, std::size_t* total) {
+    *total = TOTAL_MEMORY;
+    *free = TOTAL_MEMORY - used_bytes;
+    return OK;
+}
+CUresult cuDeviceGetAttribute(int* value, int attribute, int) {
+    switch (attribute) {
+        case 1: *value = MAX_THREADS; break;                  // threads per block
+        case 2: case 3: *value = 1024; break;                 // block x, y
+        case 4: *value = 64; break;                           // block z
+        case 5: *value = 0x7fffffff; break;                   // grid x
+        case 6: case 7: *value = 65535; break;                // grid y, z
+        case 8: *value = DEFAULT_SHARED; break;               // shared per block
+        case 10: *value = 32; break;                          // warp size
+        case 16: *value = SMS; break;                         // multiprocessors
+        case 39: *value = 2048; break;                        // threads per multiprocessor
+        case 75: *value = 9; break;                           // compute capability
+        case 76: *value = 0; break;
+        case 81: *value = 228 * 1024; break;                  // shared per multiprocessor
+        case 97: *value = MAX_SHARED_OPTIN; break;            // shared per block, opt-in
+        case 115: *value = 1; break;                          // memory pools
+        default: *value = 0;
+    }
+    return OK;
+}
+
+static int primary_context;
+thread_local void* current_context = nullptr;
+CUresult cuDevicePrimaryCtxRetain(void** ctx, int) {
+    *ctx = &primary_context;
+    return OK;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(int) { return OK; }
+CUresult cuCtxSetCurrent(void* ctx) {
+    current_context = ctx;
+    return OK;
+}
+CUresult cuCtxGetCurrent(void** ctx) {
+    *ctx = current_context;
+    return OK;
+}
+CUresult cuCtxSynchronize() { return OK; }
+CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
+    *least = 0;
+    *greatest = -5;
+    return OK;
+}
+
+CUresult cuDeviceGetDefaultMemPool(void** pool, int) {
+    static int the_pool;
+    *pool = &the_pool;
+    return OK;
+}
+CUresult cuMemPoolSetAttribute(void*, int, void*) { return OK; }
+CUresult cuMemPoolGetAttribute(void*, int attribute, void* value) {
+    const std::lock_guard<std::mutex> lock(memory_lock);
+    auto* out = static_cast<unsigned long long*>(value);
+    switch (attribute) {
+        case 5: case 7: *out = used_bytes; break;  // reserved / used memory, current
+        case 6: case 8: *out = used_high; break;   // their high-water marks
+        default: *out = 0;
+    }
+    return OK;
+}
+CUresult cuMemPoolTrimTo(void*, std::size_t) { return OK; }
+
+CUresult cuStreamCreate(void** stream, unsigned) {
+    *stream = new Stream;
+    return OK;
+}
+CUresult cuStreamCreateWithPriority(void** stream, unsigned, int) {
+    *stream = new Stream;
+    return OK;
+}
+CUresult cuStreamDestroy_v2(void* stream) {
+    delete static_cast<Stream*>(stream);
+    return OK;
+}
+CUresult cuStreamSynchronize(void* stream) {
+    auto* s = static_cast<Stream*>(stream);
+    return s && s->capturing ? CAPTURE_UNSUPPORTED : OK;
+}
+CUresult cuStreamQuery(void*) { return OK; }
+CUresult cuStreamWaitEvent(void*, void*, unsigned) { return OK; }
+CUresult cuLaunchHostFunc(void* stream, void (*fn)(void*), void* data) {
+    return run_or_capture(stream, [fn, data] {
+        fn(data);
+        return OK;
+    });
+}
+
+CUresult cuEventCreate(void** event, unsigned) {
+    *event = new Event;
+    return OK;
+}
+CUresult cuEventDestroy_v2(void* event) {
+    delete static_cast<Event*>(event);
+    return OK;
+}
+CUresult cuEventRecord(void* event, void* stream) {
+    auto* e = static_cast<Event*>(event);
+    return run_or_capture(stream, [e] {
+        e->ms = now_ms();
+        return OK;
+    });
+}
+CUresult cuEventSynchronize(void*) { return OK; }
+CUresult cuEventQuery(void*) { return OK; }
+CUresult cuEventElapsedTime(float* ms, void* start, void* end) {
+    *ms = (float)(static_cast<Event*>(end)->ms - static_cast<Event*>(start)->ms);
+    return OK;
+}
+CUresult cuEventElapsedTime_v2(float* ms, void* start, void* end) {
+    return cuEventElapsedTime(ms, start, end);
+}
+
+CUresult cuMemAlloc_v2(unsigned long long* ptr, std::size_t bytes) {
+    *ptr = allocate(bytes);
+    return *ptr ? OK : OUT_OF_MEMORY;
+}
+// Allocations are made at once, also while a stream is captured: the graph then keeps using
+// that memory (a captured free does nothing, the buffer outlives the graph).
+CUresult cuMemAllocAsync(unsigned long long* ptr, std::size_t bytes, void*) {
+    return cuMemAlloc_v2(ptr, bytes);
+}
+CUresult cuMemFree_v2(unsigned long long ptr) { return release(ptr); }
+CUresult cuMemFreeAsync(unsigned long long ptr, void* stream) {
+    auto* s = static_cast<Stream*>(stream);
+    if (s && s->capturing) return OK;
+    return release(ptr);
+}
+CUresult cuMemsetD8Async(unsigned long long ptr, unsigned char value, std::size_t n,
+                         void* stream) {
+    return run_or_capture(stream, [=] {
+        std::memset(reinterpret_cast<void*>(ptr), value, n);
+        return OK;
+    });
+}
+CUresult cuMemsetD8_v2(unsigned long long ptr, unsigned char value, std::size_t n) {
+    return cuMemsetD8Async(ptr, value, n, nullptr);
+}
+CUresult cuMemsetD32Async(unsigned long long ptr, unsigned value, std::size_t n, void* stream) {
+    return run_or_capture(stream, [=] {
+        auto* p = reinterpret_cast<unsigned*>(ptr);
+        std::fill(p, p + n, value);
+        return OK;
+    });
+}
+CUresult cuMemcpyHtoDAsync_v2(unsigned long long dst, const void* src, std::size_t n,
+                              void* stream) {
+    return run_or_capture(stream, [=] {
+        std::memcpy(reinterpret_cast<void*>(dst), src, n);
+        return OK;
+    });
+}
+CUresult cuMemcpyDtoHAsync_v2(void* dst, unsigned long long src, std::size_t n, void* stream) {
+    return run_or_capture(stream, [=] {
+        std::memcpy(dst, reinterpret_cast<const void*>(src), n);
+        return OK;
+    });
+}
+CUresult cuMemcpyDtoDAsync_v2(unsigned long long dst, unsigned long long src, std::size_t n,
+                              void* stream) {
+    return run_or_capture(stream, [=] {
+        std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+        return OK;
+    });
+}
+CUresult cuMemcpyHtoD_v2(unsigned long long dst, const void* src, std::size_t n) {
+    return cuMemcpyHtoDAsync_v2(dst, src, n, nullptr);
+}
+CUresult cuMemcpyDtoH_v2(void* dst, unsigned long long src, std::size_t n) {
+    return cuMemcpyDtoHAsync_v2(dst, src, n, nullptr);
+}
+CUresult cuMemcpyDtoD_v2(unsigned long long dst, unsigned long long src, std::size_t n) {
+    return cuMemcpyDtoDAsync_v2(dst, src, n, nullptr);
+}
+CUresult cuMemcpyAsync(unsigned long long dst, unsigned long long src, std::size_t n,
+                       void* stream) {
+    return cuMemcpyDtoDAsync_v2(dst, src, n, stream);
+}
+
+// PTX from NVRTC: its entries name the kernels (which must all be emulated).
+CUresult cuModuleLoadData(void** module, const void* image) {
+    const std::string ptx(static_cast<const char*>(image));
+    auto* m = new Module;
+    m->max_threads = entries(ptx);
+    for (const auto& [name, threads] : m->max_threads) {
+        if (!emu_find_kernel(name.c_str())) {
+            std::fprintf(stderr,
+                         "emulated GPU: the PTX has a kernel %s that launch.cpp does not "
+                         "emulate (add it to EMU_KERNELS)\n",
+                         name.c_str());
+            delete m;
+            return INVALID_IMAGE;
+        }
+    }
+    *module = m;
+    return OK;
+}
+CUresult cuModuleUnload(void* module) {
+    delete static_cast<Module*>(module);
+    return OK;
+}
+CUresult cuModuleGetFunction(void** function, void* module, const char* name) {
+    auto* m = static_cast<Module*>(module);
+    const auto known = m->max_threads.find(name);
+    const EmuKernel* kernel = emu_find_kernel(name);
+    if (known == m->max_threads.end() || !kernel) return NOT_FOUND;
+    auto [it, _] = m->functions.try_emplace(name, Function{kernel, known->second});
+    *function = &it->second;
+    return OK;
+}
+CUresult cuFuncSetAttribute(void* function, int attribute, int value) {
+    auto* f = static_cast<Function*>(function);
+    if (attribute == 8) {  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        if (value < 0 || value > MAX_SHARED_OPTIN) return INVALID_VALUE;
+        f->max_dynamic_shared = value;
+    }
+    return OK;
+}
+CUresult cuFuncGetAttribute(int* value, int attribute, void* function) {
+    auto* f = static_cast<Function*>(function);
+    switch (attribute) {
+        case 0: *value = f->max_threads ? (int)f->max_threads : MAX_THREADS; break;
+        case 8: *value = f->max_dynamic_shared; break;
+        default: *value = 0;
+    }
+    return OK;
+}
+CUresult cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                        unsigned by, unsigned bz, unsigned shared, void* stream, void** params,
+                        void** extra) {
+    if (extra) return NOT_SUPPORTED;
+    const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+    return launch(static_cast<Function*>(function), grid, block, shared, stream, params);
+}
+
+CUresult cuStreamBeginCapture_v2(void* stream, int) {
+    auto* s = static_cast<Stream*>(stream);
+    if (!s || s->capturing) return INVALID_VALUE;
+    s->capturing = true;
+    s->captured.clear();
+    return OK;
+}
+CUresult cuStreamEndCapture(void* stream, void** graph) {
+    auto* s = static_cast<Stream*>(stream);
+    if (!s || !s->capturing) return INVALID_VALUE;
+    s->capturing = false;
+    *graph = new Graph{std::move(s->captured)};
+    s->captured.clear();
+    return OK;
+}
+CUresult cuStreamIsCapturing(void* stream, int* status) {
+    auto* s = static_cast<Stream*>(stream);
+    *status = s && s->capturing ? 1 : 0;
+    return OK;
+}
+CUresult cuGraphInstantiateWithFlags(void** exec, void* graph, unsigned long long) {
+    *exec = new Graph(*static_cast<Graph*>(graph));
+    return OK;
+}
+CUresult cuGraphLaunch(void* exec, void* stream) {
+    auto* g = static_cast<Graph*>(exec);
+    return run_or_capture(stream, [g] {
+        for (Work& w : g->work) {
+            if (const CUresult r = w(); r != OK) return r;
+        }
+        return OK;
+    });
+}
+CUresult cuGraphUpload(void*, void*) { return OK; }
+CUresult cuGraphDestroy(void* graph) {
+    delete static_cast<Graph*>(graph);
+    return OK;
+}
+CUresult cuGraphExecDestroy(void* exec) {
+    delete static_cast<Graph*>(exec);
+    return OK;
+}
+
+CUresult cuGetErrorName(CUresult, const char** name) {
+    *name = "CUDA_ERROR (emulated)";
+    return OK;
+}
+CUresult cuGetErrorString(CUresult, const char** text) {
+    *text = "see the emulated GPU's message on stderr";
+    return OK;
+}
+
+// ---- cuBLAS ----
+
+struct BlasHandle {
+    void* stream = nullptr;
+};
+
+int cublasCreate_v2(void** handle) {
+    *handle = new BlasHandle;
+    return 0;
+}
+int cublasDestroy_v2(void* handle) {
+    delete static_cast<BlasHandle*>(handle);
+    return 0;
+}
+int cublasSetStream_v2(void* handle, void* stream) {
+    static_cast<BlasHandle*>(handle)->stream = stream;
+    return 0;
+}
+int cublasSetWorkspace_v2(void*, void*, std::size_t) { return 0; }
+int cublasSetMathMode(void*, int) { return 0; }
+
+// C = alpha·op(A)·op(B) + beta·C for each of `batch` matrices, column-major, f32 accumulation
+// in the order of k, as the products' reference (cuBLAS's own order differs, within rounding).
+int cublasGemmStridedBatchedEx(void* handle, int transa, int transb, int m, int n, int k,
+                               const void* alpha, const void* a, int atype, int lda,
+                               long long stride_a, const void* b, int btype, int ldb,
+                               long long stride_b, const void* beta, void* c, int ctype, int ldc,
+                               long long stride_c, int batch, int compute, int) {
+    const bool known_types = (atype == 0 || atype == 2 || atype == 14) && atype == btype &&
+                             (ctype == 0 || ctype == atype);
+    const bool f32_compute = compute == 68 || compute == 75 || compute == 77 || compute == 0;
+    if (!known_types || !f32_compute || m < 0 || n < 0 || k < 0 || batch < 0) return 15;
+    if (lda < std::max(1, transa ? k : m) || ldb < std::max(1, transb ? n : k) ||
+        ldc < std::max(1, m)) {
+        return 7;  // CUBLAS_STATUS_INVALID_VALUE
+    }
+    const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
+    auto* h = static_cast<BlasHandle*>(handle);
+    const int esize_a = atype == 0 ? 4 : 2, esize_c = ctype == 0 ? 4 : 2;
+    const CUresult r = run_or_capture(h->stream, [=] {
+        for (int p = 0; p < batch; ++p) {
+            const Matrix A{(char*)a + stride_a * p * esize_a, atype, lda};
+            const Matrix B{(char*)b + stride_b * p * esize_a, btype, ldb};
+            const Matrix C{(char*)c + stride_c * p * esize_c, ctype, ldc};
+            // op(A) as rows of k (m of them) and op(B) as columns of k (n), in f32.
+            std::vector<float> rows((std::size_t)m * k), columns((std::size_t)n * k);
+            for (int i = 0; i < m; ++i) {
+                for (int l = 0; l < k; ++l) {
+                    rows[(std::size_t)i * k + l] =
+                        load(A, transa ? l + (long long)i * lda : i + (long long)l * lda);
+                }
+            }
+            for (int j = 0; j < n; ++j) {
+                for (int l = 0; l < k; ++l) {
+                    columns[(std::size_t)j * k + l] =
+                        load(B, transb ? j + (long long)l * ldb : l + (long long)j * ldb);
+                }
+            }
+            for (int j = 0; j < n; ++j) {
+                const float* column = &columns[(std::size_t)j * k];
+                for (int i = 0; i < m; ++i) {
+                    const float* row = &rows[(std::size_t)i * k];
+                    float sum = 0.0f;
+                    for (int l = 0; l < k; ++l) sum += row[l] * column[l];
+                    const long long at = i + (long long)j * ldc;
+                    // beta = 0 does not read C (it may hold NaN), as cuBLAS.
+                    const float old = be == 0.0f ? 0.0f : be * load(C, at);
+                    store(C, at, al * sum + old);
+                }
+            }
+        }
+        return OK;
+    });
+    return r == OK ? 0 : 13;  // CUBLAS_STATUS_EXECUTION_FAILED
+}
+int cublasGemmEx(void* handle, int transa, int transb, int m, int n, int k, const void* alpha,
+                 const void* a, int atype, int lda, const void* b, int btype, int ldb,
+                 const void* beta, void* c, int ctype, int ldc, int compute, int algo) {
+    return cublasGemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, a, atype, lda, 0, b,
+                                      btype, ldb, 0, beta, c, ctype, ldc, 0, 1, compute, algo);
+}
+
+}  // extern "C"
+#pragma GCC visibility pop
