@@ -109,7 +109,7 @@ fn assert_close(a: &[(f64, f64)], b: &[(f64, f64)], rel: f64, what: &str) {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn gpt_training_on_the_gpu_follows_the_cpu_run() {
     let cpu = curve(&job(1, 1, Placement::Cpu));
     let gpu = curve(&job(1, 1, F32));
@@ -125,7 +125,7 @@ fn gpt_training_on_the_gpu_follows_the_cpu_run() {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn tensor_and_data_parallel_ranks_on_one_gpu_reproduce_tp1() {
     let one = curve(&job(1, 1, F32));
     let tp2 = curve(&job(2, 1, F32));

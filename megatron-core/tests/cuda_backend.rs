@@ -55,7 +55,7 @@ fn assert_close(gpu: &[f32], cpu: &[f32], rel: f32, what: &str) {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn gelu_add_bias_casts_and_norms_match_the_cpu() -> R {
     let g = gpu();
     for n in [1, 3, 4, 37, 4096, 100_003] {
@@ -138,7 +138,7 @@ fn gelu_add_bias_casts_and_norms_match_the_cpu() -> R {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn dropout_masks_are_the_cpus_bit_for_bit() -> R {
     let g = gpu();
     let stream = DropoutStream::new(1234, &[3, 0, 7, 1]);
@@ -205,7 +205,7 @@ fn cpu_matmul(a: &[f32], b: &[f32], s: &MatmulShape) -> R<Vec<f32>> {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn cublas_products_match_the_cpu_gemm() -> R {
     let g = gpu();
     let blas = Blas::new(&g)?;
@@ -257,7 +257,7 @@ fn cublas_products_match_the_cpu_gemm() -> R {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn a_captured_graph_replays_the_eager_result_bit_for_bit() -> R {
     let g = gpu();
     let blas = Blas::new(&g)?;
@@ -306,7 +306,7 @@ fn a_captured_graph_replays_the_eager_result_bit_for_bit() -> R {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn device_tensors_round_trip_and_refuse_host_reads() -> R {
     let g = gpu();
     let host = Tensor::from_vec(values(24, 11), [4, 6])?;
@@ -407,7 +407,7 @@ fn device_tensors_round_trip_and_refuse_host_reads() -> R {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn the_profiler_times_kernels_and_products_by_name() -> R {
     use megatron_core::cuda::profile;
     let g = gpu();
@@ -434,7 +434,7 @@ fn the_profiler_times_kernels_and_products_by_name() -> R {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn the_peak_memory_counts_a_large_tensor() -> R {
     let g = gpu();
     let bytes = 256usize << 20;
@@ -509,7 +509,7 @@ fn on_both(
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn the_device_local_communicator_equals_the_thread_backend_bit_for_bit() {
     for n in [1, 2, 4] {
         let (host, device) = on_both(n, |w, put| {
@@ -570,7 +570,7 @@ fn the_device_local_communicator_equals_the_thread_backend_bit_for_bit() {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn the_device_local_communicator_reports_mismatches_on_every_rank() {
     let shared = LocalGpu::new(&gpu());
     let errs = launch(2, |w| -> R<String> {

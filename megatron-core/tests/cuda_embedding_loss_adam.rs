@@ -90,7 +90,7 @@ const EMBEDDING_CASES: [(usize, usize, usize, usize, usize, usize); 10] = [
 ];
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn embedding_forward_matches_the_cpu_bit_for_bit() {
     let gpu = gpu();
     let mut rng = Rng(11);
@@ -121,7 +121,7 @@ fn embedding_forward_matches_the_cpu_bit_for_bit() {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn embedding_backward_matches_the_cpu_bit_for_bit_with_repeated_ids() {
     let gpu = gpu();
     let mut rng = Rng(12);
@@ -172,7 +172,7 @@ fn embedding_backward_matches_the_cpu_bit_for_bit_with_repeated_ids() {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn embedding_checks_lengths_as_the_cpu() {
     let gpu = gpu();
     let d_ids = gpu.upload(&[0i64, 1]).unwrap();
@@ -266,7 +266,7 @@ fn logits(rng: &mut Rng, rows: usize, vocab: usize) -> Vec<f32> {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn cross_entropy_matches_the_cpu() {
     let gpu = gpu();
     let mut rng = Rng(21);
@@ -345,7 +345,7 @@ fn cross_entropy_matches_the_cpu() {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn cross_entropy_rows_of_only_minus_infinity_are_nan_as_on_the_cpu() {
     let gpu = gpu();
     let x = [f32::NEG_INFINITY; 8];
@@ -369,7 +369,7 @@ fn cross_entropy_rows_of_only_minus_infinity_are_nan_as_on_the_cpu() {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn cross_entropy_targets_outside_the_vocabulary_are_the_cpus_error() {
     let gpu = gpu();
     let (rows, vocab) = (3, 4);
@@ -468,7 +468,7 @@ fn adam_config(decoupled: bool, step: u64) -> AdamConfig {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn adam_matches_the_cpu_bit_for_bit_over_several_steps() {
     let gpu = gpu();
     let mut rng = Rng(31);
@@ -529,7 +529,7 @@ fn adam_matches_the_cpu_bit_for_bit_over_several_steps() {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn adam_checks_as_the_cpu() {
     let gpu = gpu();
     let mut p = gpu.zeros::<f32>(3).unwrap();

@@ -89,7 +89,7 @@ fn attention(op: &CausalSelfAttention, cx: &Cx, qkv: &Tensor, dy: &Tensor) -> R<
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn attention_on_the_gpu_matches_the_host() -> R {
     let g = gpu();
     let ps = ParallelState::solo();
@@ -127,7 +127,7 @@ fn attention_on_the_gpu_matches_the_host() -> R {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn flash_attention_on_the_gpu_matches_the_host() -> R {
     // A handle of its own: the products and attention settings are per handle.
     let g = gpu().with_new_stream()?;
@@ -174,7 +174,7 @@ fn flash_attention_on_the_gpu_matches_the_host() -> R {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn flash_backward_in_chunks_of_queries_matches_one_chunk() -> R {
     use megatron_core::cuda::kernels::flash_attention::{
         FlashShape, SCORE_GRADIENT_BUDGET, flash_attention_backward, flash_attention_forward,
@@ -242,7 +242,7 @@ fn flash_backward_in_chunks_of_queries_matches_one_chunk() -> R {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn flash_kernels_refuse_what_they_lack_with_the_numbers() -> R {
     use megatron_core::cuda::kernels::flash_attention::{FlashShape, flash_attention_forward};
     let g = gpu();
@@ -379,7 +379,7 @@ fn inputs() -> (Tensor, Tensor, Tensor) {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn embeddings_tied_logits_and_cross_entropy_on_the_gpu_match_the_host() -> R {
     let g = gpu();
     let ps = ParallelState::solo();
@@ -527,7 +527,7 @@ fn columns(v: &[f32], cols: usize, rank: usize, tp: usize) -> Vec<f32> {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn tensor_parallel_2_on_one_gpu_matches_the_host_at_tp_1() -> R {
     let g = gpu();
     // Attention: each rank holds its heads' columns of the fused QKV and of the output.

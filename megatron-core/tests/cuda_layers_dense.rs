@@ -79,7 +79,7 @@ fn pair<M: Module + Clone>(
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn whole_linear_matches_the_cpu() -> R {
     let g = gpu();
     let ps = ParallelState::solo();
@@ -183,7 +183,7 @@ fn mlp_steps(cx: &Cx, m: &Mlp, x: &Tensor, dy: &Tensor) -> megatron_core::Result
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn column_then_row_linear_with_gelu_matches_the_cpu() -> R {
     let g = gpu();
     let ps = ParallelState::solo();
@@ -205,7 +205,7 @@ fn column_then_row_linear_with_gelu_matches_the_cpu() -> R {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn with_bf16_products_layers_hand_the_next_products_bf16() -> R {
     // A handle of its own: the products' dtype is per handle.
     let g = gpu().with_new_stream()?;
@@ -256,7 +256,7 @@ fn with_bf16_products_layers_hand_the_next_products_bf16() -> R {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn linear_without_bias_matches_the_cpu() -> R {
     let g = gpu();
     let ps = ParallelState::solo();
@@ -280,7 +280,7 @@ fn linear_without_bias_matches_the_cpu() -> R {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn layer_norm_matches_the_cpu() -> R {
     let g = gpu();
     let ps = ParallelState::solo();
@@ -317,7 +317,7 @@ fn layer_norm_matches_the_cpu() -> R {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn add_and_gelu_match_the_cpu() -> R {
     let g = gpu();
     let ps = ParallelState::solo();
@@ -350,7 +350,7 @@ fn add_and_gelu_match_the_cpu() -> R {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn dropout_masks_match_the_cpu_exactly() -> R {
     let g = gpu();
     let ps = ParallelState::solo();
@@ -399,7 +399,7 @@ fn dropout_masks_match_the_cpu_exactly() -> R {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn cross_entropy_matches_the_cpu() -> R {
     let g = gpu();
     let ps = ParallelState::solo();

@@ -114,7 +114,7 @@ fn ln_case(rng: &mut Lcg, rows: usize, hidden: usize) -> LnCase {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn layer_norm_forward_matches_cpu() {
     let gpu = gpu();
     let mut rng = Lcg(1);
@@ -178,7 +178,7 @@ fn layer_norm_forward_matches_cpu() {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn layer_norm_backward_matches_cpu() {
     let gpu = gpu();
     let mut rng = Lcg(2);
@@ -264,7 +264,7 @@ fn layer_norm_backward_matches_cpu() {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn layer_norm_with_no_rows_leaves_parameter_gradients() {
     let gpu = gpu();
     let hidden = 5;
@@ -353,7 +353,7 @@ fn gpu_softmax(
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn softmax_forward_matches_cpu() {
     let gpu = gpu();
     let mut rng = Lcg(3);
@@ -371,7 +371,7 @@ fn softmax_forward_matches_cpu() {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn softmax_forward_keeps_the_cpus_infinity_and_nan_rules() {
     let gpu = gpu();
     let (ninf, nan) = (f32::NEG_INFINITY, f32::NAN);
@@ -417,7 +417,7 @@ fn softmax_forward_keeps_the_cpus_infinity_and_nan_rules() {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn softmax_backward_matches_cpu() {
     let gpu = gpu();
     let mut rng = Lcg(4);
@@ -559,7 +559,7 @@ fn fused_backward(
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn softmax_dropout_forward_matches_the_cpus_softmax_then_dropout() {
     let gpu = gpu();
     let mut rng = Lcg(5);
@@ -658,7 +658,7 @@ fn cpu_backward(
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn dropout_softmax_backward_matches_the_cpus_dropout_then_softmax_backward() {
     let gpu = gpu();
     let mut rng = Lcg(6);
@@ -735,7 +735,7 @@ fn dropout_softmax_backward_matches_the_cpus_dropout_then_softmax_backward() {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn fused_softmax_kernels_check_their_mask_and_outputs() {
     let gpu = gpu();
     let stream = DropoutStream::new(1, &[1]);
@@ -794,7 +794,7 @@ fn fused_softmax_kernels_check_their_mask_and_outputs() {
 }
 
 #[test]
-#[ignore = "needs a GPU"]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn wrong_lengths_and_arguments_give_the_cpus_errors() {
     let gpu = gpu();
     let buf = |n: usize| gpu.upload(&vec![0.0f32; n]).unwrap();

@@ -101,8 +101,9 @@ using std::min;
 inline void emu_next_epoch();
 
 // A suspended fiber (or the scheduler): where it goes on. On x86-64 a switch saves the
-// callee-saved registers and the floating-point control words on the stack it leaves and keeps
-// the stack pointer; elsewhere it is ucontext's (whose switches also make a system call).
+// callee-saved registers on the stack it leaves and keeps the stack pointer (the kernels never
+// change the floating-point control words, so those are not switched); elsewhere it is
+// ucontext's (whose switches also make a system call).
 #if defined(__x86_64__)
 struct EmuContext {
     void* sp = nullptr;
@@ -120,14 +121,8 @@ emu_switch_x86_64:
     pushq %r13
     pushq %r14
     pushq %r15
-    subq $8, %rsp
-    stmxcsr (%rsp)
-    fnstcw 4(%rsp)
     movq %rsp, (%rdi)
     movq %rsi, %rsp
-    ldmxcsr (%rsp)
-    fldcw 4(%rsp)
-    addq $8, %rsp
     popq %r15
     popq %r14
     popq %r13
@@ -146,10 +141,8 @@ inline void emu_make_context(EmuContext& c, char* top, void (*entry)()) {
         (reinterpret_cast<std::uintptr_t>(top) - 16) & ~std::uintptr_t{15});
     a[0] = reinterpret_cast<std::uint64_t>(entry);
     a[1] = 0;
-    std::uint64_t* sp = a - 7;  // rbp, rbx, r12..r15, then the control words
-    for (int i = 1; i < 7; ++i) sp[i] = 0;
-    const std::uint32_t mxcsr = 0x1f80, fpucw = 0x037f;  // the defaults
-    sp[0] = mxcsr | (std::uint64_t{fpucw} << 32);
+    std::uint64_t* sp = a - 6;  // r15..r12, rbx, rbp
+    for (int i = 0; i < 6; ++i) sp[i] = 0;
     c.sp = sp;
 }
 #else
@@ -171,6 +164,8 @@ inline void emu_make_context(EmuContext& c, char* top, void (*entry)()) {
 // barrier.
 struct EmuFiber {
     EmuContext context;
+    // The top of its stack, once started.
+    char* stack = nullptr;
     bool done = false, waiting = false;
 };
 // A barrier of fibers: `expected` arrivals release it; `on_release` runs once, before any of
@@ -188,11 +183,22 @@ inline unsigned emu_running;
 // Suspends the running fiber until the scheduler resumes it.
 inline void emu_yield() { emu_switch(emu_fibers[emu_running].context, emu_scheduler); }
 
+// The fibers ready to run, in order (a ring: each fiber is in it at most once).
+inline std::vector<unsigned> emu_ready;
+inline std::size_t emu_ready_head = 0, emu_ready_count = 0;
+
+inline void emu_make_ready(unsigned fiber) {
+    emu_ready[(emu_ready_head + emu_ready_count++) % emu_ready.size()] = fiber;
+}
+
 inline void emu_arrive_and_wait(EmuBarrier& b) {
     if (++b.arrived == b.expected) {
         b.arrived = 0;
         if (b.on_release) b.on_release();
-        for (unsigned w : b.waiters) emu_fibers[w].waiting = false;
+        for (unsigned w : b.waiters) {
+            emu_fibers[w].waiting = false;
+            emu_make_ready(w);
+        }
         b.waiters.clear();
         return;
     }
@@ -201,11 +207,17 @@ inline void emu_arrive_and_wait(EmuBarrier& b) {
     emu_yield();
 }
 
-// The running block's barrier and its warps' exchange buffers and barriers.
+// The running block's barrier and its warps' exchange buffers and barriers. A warp-wide
+// exchange of values (shuffle, ballot, tensor-core product) writes this lane's part, waits for
+// the warp and reads the others': one barrier, as the buffers alternate between two copies (a
+// lane can only come back to a copy after the next exchange's barrier, which every lane
+// reaches after reading it).
 struct EmuWarp {
-    double lanes[32];
+    double lanes[2][32];
     // Every lane's fragments of a tensor-core product.
-    unsigned mma_a[32][4], mma_b[32][2];
+    unsigned mma_a[2][32][4], mma_b[2][32][2];
+    // Which copy each lane's next exchange uses.
+    unsigned char copy[32];
     // Every lane's row address of a shared-memory matrix load.
     const unsigned short* rows[32];
     EmuBarrier bar;
@@ -215,15 +227,21 @@ inline std::vector<EmuWarp> emu_warps;
 
 inline void __syncthreads() { emu_arrive_and_wait(emu_block_barrier); }
 
+// The copy of the exchange buffers this lane's next exchange uses (see EmuWarp).
+inline unsigned emu_exchange_copy(EmuWarp& w, unsigned lane) {
+    const unsigned c = w.copy[lane];
+    w.copy[lane] = (unsigned char)(c ^ 1);
+    return c;
+}
+
 template <class T>
 inline T emu_shfl_xor(T v, int lane_mask) {
     const unsigned lane = emu_tid % 32;
     EmuWarp& w = emu_warps[emu_tid / 32];
-    w.lanes[lane] = (double)v;
+    const unsigned c = emu_exchange_copy(w, lane);
+    w.lanes[c][lane] = (double)v;
     emu_arrive_and_wait(w.bar);
-    const T r = (T)w.lanes[lane ^ (unsigned)lane_mask];
-    emu_arrive_and_wait(w.bar);
-    return r;
+    return (T)w.lanes[c][lane ^ (unsigned)lane_mask];
 }
 inline float __shfl_xor_sync(unsigned, float v, int m) { return emu_shfl_xor(v, m); }
 inline double __shfl_xor_sync(unsigned, double v, int m) { return emu_shfl_xor(v, m); }
@@ -234,13 +252,13 @@ inline unsigned __ballot_sync(unsigned, int predicate) {
     const unsigned lane = emu_tid % 32, first = emu_tid - lane;
     const unsigned threads = blockDim.x * blockDim.y * blockDim.z;
     EmuWarp& w = emu_warps[emu_tid / 32];
-    w.lanes[lane] = predicate != 0 ? 1.0 : 0.0;
+    const unsigned c = emu_exchange_copy(w, lane);
+    w.lanes[c][lane] = predicate != 0 ? 1.0 : 0.0;
     emu_arrive_and_wait(w.bar);
     unsigned bits = 0;
     for (unsigned i = 0; i < 32 && first + i < threads; ++i) {
-        if (w.lanes[i] != 0.0) bits |= 1u << i;
+        if (w.lanes[c][i] != 0.0) bits |= 1u << i;
     }
-    emu_arrive_and_wait(w.bar);
     return bits;
 }
 
@@ -342,16 +360,19 @@ inline std::string emu_take_races() {
 inline void emu_mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b) {
     const unsigned lane = emu_tid % 32;
     EmuWarp& w = emu_warps[emu_tid / 32];
-    for (int i = 0; i < 4; ++i) w.mma_a[lane][i] = a[i];
-    for (int i = 0; i < 2; ++i) w.mma_b[lane][i] = b[i];
+    const unsigned copy = emu_exchange_copy(w, lane);
+    for (int i = 0; i < 4; ++i) w.mma_a[copy][lane][i] = a[i];
+    for (int i = 0; i < 2; ++i) w.mma_b[copy][lane][i] = b[i];
     emu_arrive_and_wait(w.bar);
     const auto bf16 = [](unsigned reg, int half) {
         return __uint_as_float(((reg >> (16 * half)) & 0xffffu) << 16);
     };
     const auto A = [&](int r, int c) {
-        return bf16(w.mma_a[4 * (r % 8) + (c % 8) / 2][(r >= 8) + 2 * (c >= 8)], c & 1);
+        return bf16(w.mma_a[copy][4 * (r % 8) + (c % 8) / 2][(r >= 8) + 2 * (c >= 8)], c & 1);
     };
-    const auto B = [&](int k, int n) { return bf16(w.mma_b[4 * n + (k % 8) / 2][k >= 8], k & 1); };
+    const auto B = [&](int k, int n) {
+        return bf16(w.mma_b[copy][4 * n + (k % 8) / 2][k >= 8], k & 1);
+    };
     const int g = (int)lane >> 2, t = (int)lane & 3;
     float out[4];
     for (int c = 0; c < 4; ++c) {
@@ -360,14 +381,15 @@ inline void emu_mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b
         for (int k = 0; k < 16; ++k) sum += A(row, k) * B(k, col);
         out[c] = d[c] + sum;
     }
-    emu_arrive_and_wait(w.bar);
     for (int c = 0; c < 4; ++c) d[c] = out[c];
 }
 
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: four 8×8 matrices of 16-bit elements,
 // lanes 8i .. 8i + 7 giving the addresses of matrix i's rows 0..7; lane 4g + t receives in r[i]
 // the elements (g, 2t) and (g, 2t + 1) of matrix i, or with `trans` (2t, g) and (2t + 1, g).
-// Every lane of the warp must call it.
+// Every lane of the warp must call it. Unlike the value exchanges it waits for the warp twice:
+// it reads shared memory, and no lane may go on (and store there) before every lane has read,
+// as none can past one warp instruction on a GPU.
 inline void emu_ldmatrix_x4(unsigned* r, const void* p, bool trans) {
     const unsigned lane = emu_tid % 32;
     EmuWarp& w = emu_warps[emu_tid / 32];
@@ -448,10 +470,25 @@ inline T atomicMin(T* address, T value) {
     return old;
 }
 
-// Fiber stacks, kept from launch to launch (mapped on demand, only touched pages are backed).
+// Fiber stacks (their tops), kept from launch to launch (mapped on demand, only touched pages
+// are backed). A fiber takes one when it starts and gives it back when it finishes, so that a
+// kernel without barriers runs every thread on the same, cache-warm stack.
 constexpr std::size_t EMU_STACK_BYTES = 1 << 20;
-inline std::vector<void*> emu_stacks;
+inline std::vector<char*> emu_free_stacks;
 inline const std::function<void()>* emu_kernel;
+
+// Maps one more stack into the free ones; false when there is no memory.
+inline bool emu_new_stack() {
+    // Each stack grows down towards an unmapped page: an overflow stops the process.
+    const std::size_t guard = 1 << 16;
+    auto* base = static_cast<char*>(mmap(nullptr, EMU_STACK_BYTES + guard,
+                                         PROT_READ | PROT_WRITE,
+                                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+    if (base == MAP_FAILED) return false;
+    mprotect(base, guard, PROT_NONE);
+    emu_free_stacks.push_back(base + guard + EMU_STACK_BYTES);
+    return true;
+}
 
 // A fiber's life: the kernel, then back to the scheduler for good.
 inline void emu_fiber_main() {
@@ -460,13 +497,8 @@ inline void emu_fiber_main() {
     emu_yield();
 }
 
-// Makes the running fiber's CUDA indices those of thread `t` of block `b` (`block` threads).
-inline void emu_enter(unsigned t, emu_dim3 b, emu_dim3 block) {
-    emu_running = t;
-    emu_tid = t;
-    threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-    blockIdx = b;
-}
+// Each thread's index in its block, by its number (x fastest).
+inline std::vector<emu_dim3> emu_thread_index;
 
 // Why the last launch stopped early (a deadlock), empty when it ran to the end.
 inline std::string emu_fault;
@@ -481,18 +513,9 @@ inline bool emu_launch(emu_dim3 grid, emu_dim3 block, const std::function<void()
     emu_kernel = &kernel;
     const unsigned threads = block.x * block.y * block.z;
     const unsigned warps = (threads + 31) / 32;
-    while (emu_stacks.size() < threads) {
-        // Each stack grows down towards an unmapped page: an overflow stops the process.
-        const std::size_t guard = 1 << 16;
-        auto* stack = static_cast<char*>(mmap(nullptr, EMU_STACK_BYTES + guard,
-                                              PROT_READ | PROT_WRITE,
-                                              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
-        if (stack == MAP_FAILED) {
-            emu_fault = "no memory for " + std::to_string(threads) + " thread stacks";
-            return false;
-        }
-        mprotect(stack, guard, PROT_NONE);
-        emu_stacks.push_back(stack + guard);
+    emu_thread_index.resize(threads);
+    for (unsigned t = 0; t < threads; ++t) {
+        emu_thread_index[t] = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
     }
     for (unsigned bz = 0; bz < grid.z; ++bz) {
         for (unsigned by = 0; by < grid.y; ++by) {
@@ -513,36 +536,50 @@ inline bool emu_launch(emu_dim3 grid, emu_dim3 block, const std::function<void()
                     emu_warps[w].bar.expected = std::min(32u, threads - 32 * w);
                     emu_warps[w].bar.arrived = 0;
                     emu_warps[w].bar.waiters.clear();
+                    std::fill(std::begin(emu_warps[w].copy), std::end(emu_warps[w].copy), 0);
                 }
                 emu_fibers.assign(threads, EmuFiber{});
-                for (unsigned t = 0; t < threads; ++t) {
-                    emu_make_context(emu_fibers[t].context,
-                                     static_cast<char*>(emu_stacks[t]) + EMU_STACK_BYTES,
-                                     emu_fiber_main);
+                // Each ready thread in turn runs until it finishes or waits at a barrier (and
+                // is made ready again when the barrier releases it).
+                blockIdx = {bx, by, bz};
+                emu_ready.resize(threads);
+                emu_ready_head = 0;
+                emu_ready_count = 0;
+                for (unsigned t = 0; t < threads; ++t) emu_make_ready(t);
+                unsigned finished = 0;
+                while (emu_ready_count > 0) {
+                    const unsigned t = emu_ready[emu_ready_head];
+                    emu_ready_head = (emu_ready_head + 1) % threads;
+                    --emu_ready_count;
+                    EmuFiber& f = emu_fibers[t];
+                    if (!f.stack) {
+                        if (emu_free_stacks.empty() && !emu_new_stack()) {
+                            emu_fault = "no memory for another thread stack";
+                            return false;
+                        }
+                        f.stack = emu_free_stacks.back();
+                        emu_free_stacks.pop_back();
+                        emu_make_context(f.context, f.stack, emu_fiber_main);
+                    }
+                    emu_running = emu_tid = t;
+                    threadIdx = emu_thread_index[t];
+                    emu_switch(emu_scheduler, f.context);
+                    if (f.done) {
+                        emu_free_stacks.push_back(f.stack);
+                        ++finished;
+                    }
                 }
-                // Round robin: each thread runs until it finishes or waits at a barrier.
-                for (;;) {
-                    bool ran = false, all_done = true;
-                    for (unsigned t = 0; t < threads; ++t) {
-                        EmuFiber& f = emu_fibers[t];
-                        if (f.done) continue;
-                        all_done = false;
-                        if (f.waiting) continue;
-                        ran = true;
-                        emu_enter(t, {bx, by, bz}, block);
-                        emu_switch(emu_scheduler, f.context);
+                if (finished < threads) {
+                    for (const EmuFiber& f : emu_fibers) {
+                        // Abandoned: its stack is free again.
+                        if (f.waiting) emu_free_stacks.push_back(f.stack);
                     }
-                    if (all_done) break;
-                    if (!ran) {
-                        unsigned waiting = 0;
-                        for (const EmuFiber& f : emu_fibers) waiting += f.waiting ? 1 : 0;
-                        emu_fault = "block (" + std::to_string(bx) + ", " + std::to_string(by) +
-                                    ", " + std::to_string(bz) + "): " + std::to_string(waiting) +
-                                    " of " + std::to_string(threads) +
-                                    " threads wait at a barrier the others never reach "
-                                    "(they finished): a GPU would hang";
-                        return false;
-                    }
+                    emu_fault = "block (" + std::to_string(bx) + ", " + std::to_string(by) + ", " +
+                                std::to_string(bz) + "): " + std::to_string(threads - finished) +
+                                " of " + std::to_string(threads) +
+                                " threads wait at a barrier the others never reach "
+                                "(they finished): a GPU would hang";
+                    return false;
                 }
             }
         }
