@@ -2,8 +2,12 @@
 //! operation runs through NCCL on device tensors, bootstrapped over MPI, and gives the
 //! single-rank results; host tensors are refused with a clear error.
 //!
-//! Needs a GPU and NCCL: `cargo test -p megatron-core --features cuda,mpi --test nccl_backend -- --ignored`.
+//! Needs a GPU and NCCL: `cargo test -p megatron-core --features cuda,mpi --test nccl_backend -- --ignored`,
+//! or the emulated GPU and its NCCL (`MEGATRON_EMULATED_GPU=1`, `tests/emulated/device.rs`).
 #![cfg(all(feature = "cuda", feature = "mpi"))]
+
+#[path = "emulated/device.rs"]
+mod device;
 
 use megatron_core::comm::mpi::MpiWorld;
 use megatron_core::comm::nccl::NcclWorld;
@@ -13,8 +17,9 @@ use megatron_core::tensor::{DType, Tensor};
 type R<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 #[test]
-#[ignore = "needs a GPU and NCCL"]
+#[ignore = "needs a GPU and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
 fn a_world_of_one_runs_every_operation_through_nccl() -> R {
+    device::install_if_requested(std::path::Path::new(env!("CARGO_MANIFEST_DIR")));
     let world = NcclWorld::init(MpiWorld::init()?)?;
     assert_eq!(world.size(), 1);
     let g = world.gpu().clone();

@@ -251,12 +251,19 @@ impl LocalGpuComm {
             .flatten()
             .cloned()
             .collect();
-        if posts.len() != self.size() {
-            return Err(self
+        let checked = if posts.len() != self.size() {
+            Err(self
                 .checks()
-                .invalid("a member's call was not posted".to_string()));
+                .invalid("a member's call was not posted".to_string()))
+        } else {
+            self.verify(&posts)
+        };
+        if let Err(e) = checked {
+            // Every member read the same posts and returns the same error; none may post its
+            // next call (overwriting its post here) before all have read these.
+            self.host.barrier()?;
+            return Err(e);
         }
-        self.verify(&posts)?;
         for (j, p) in posts.iter().enumerate() {
             if j != self.index {
                 self.wait(&p.ready)?;

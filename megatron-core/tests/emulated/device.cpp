@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdio>
 #include <map>
+#include <thread>
 #include <unordered_map>
 
 namespace emu {
@@ -40,10 +41,28 @@ constexpr unsigned long long TOTAL_MEMORY = 80ull << 30;
 // One work item of a stream: runs it, or returns why not.
 using Work = std::function<CUresult()>;
 
+// Work another thread does for a stream (an emulated NCCL call): the stream's later work waits
+// for it, and cuStreamQuery reports the stream busy until it is done.
+struct Pending {
+    std::atomic<bool> done{false};
+};
+
 struct Stream {
     bool capturing = false;
     std::vector<Work> captured;
+    std::vector<std::shared_ptr<Pending>> pending;
 };
+
+// Waits for the work other threads do for `s`.
+void wait_pending(Stream* s) {
+    if (!s) return;
+    for (const auto& p : s->pending) {
+        while (!p->done.load(std::memory_order_acquire)) {
+            std::this_thread::sleep_for(std::chrono::microseconds(20));
+        }
+    }
+    s->pending.clear();
+}
 struct Graph {
     std::vector<Work> work;
 };
@@ -83,6 +102,7 @@ CUresult run_or_capture(void* stream, Work work) {
         s->captured.push_back(std::move(work));
         return OK;
     }
+    wait_pending(s);
     return work();
 }
 
@@ -271,6 +291,27 @@ float f16_to_f32(std::uint16_t h) {
     return sign ? -v : v;
 }
 
+std::uint16_t f32_to_f16(float f) {
+    const unsigned u = __float_as_uint(f), sign = (u >> 16) & 0x8000u;
+    const float a = std::fabs(f);
+    if (std::isnan(f)) return (std::uint16_t)(sign | 0x7e00u);
+    if (a >= 65520.0f) return (std::uint16_t)(sign | 0x7c00u);  // rounds to infinity
+    if (a < std::ldexp(1.0f, -14)) {
+        // Subnormal: a multiple of 2^-24, rounded to nearest even.
+        return (std::uint16_t)(sign | (unsigned)std::nearbyint(a * 16777216.0f));
+    }
+    int e;
+    const float m = std::frexp(a, &e);  // a = m · 2^e, m in [0.5, 1)
+    unsigned man = (unsigned)std::nearbyint(std::ldexp(m, 11));  // 11 significant bits
+    int exp = e + 14;
+    if (man == 2048) {
+        man = 1024;
+        ++exp;
+    }
+    if (exp >= 31) return (std::uint16_t)(sign | 0x7c00u);
+    return (std::uint16_t)(sign | ((unsigned)exp << 10) | (man - 1024));
+}
+
 float load(const Matrix& m, long long i) {
     switch (m.type) {
         case 0: return static_cast<const float*>(m.data)[i];
@@ -401,9 +442,20 @@ CUresult cuStreamDestroy_v2(void* stream) {
 }
 CUresult cuStreamSynchronize(void* stream) {
     auto* s = static_cast<Stream*>(stream);
-    return s && s->capturing ? CAPTURE_UNSUPPORTED : OK;
+    if (s && s->capturing) return CAPTURE_UNSUPPORTED;
+    wait_pending(s);
+    return OK;
 }
-CUresult cuStreamQuery(void*) { return OK; }
+CUresult cuStreamQuery(void* stream) {
+    auto* s = static_cast<Stream*>(stream);
+    if (s) {
+        for (const auto& p : s->pending) {
+            if (!p->done.load(std::memory_order_acquire)) return 600;  // CUDA_ERROR_NOT_READY
+        }
+        s->pending.clear();
+    }
+    return OK;
+}
 CUresult cuStreamWaitEvent(void*, void*, unsigned) { return OK; }
 CUresult cuLaunchHostFunc(void* stream, void (*fn)(void*), void* data) {
     return run_or_capture(stream, [fn, data] {
@@ -702,3 +754,5 @@ int cublasGemmEx(void* handle, int transa, int transb, int m, int n, int k, cons
 
 }  // extern "C"
 #pragma GCC visibility pop
+
+#include "nccl.cpp"

@@ -1,15 +1,19 @@
-//! The emulated GPU (`device.cpp`: the CUDA driver and cuBLAS calls megatron-rs makes,
-//! implemented on the CPU, running the kernels' own CUDA C) for the GPU tests on a machine
-//! without one. With `MEGATRON_EMULATED_GPU=1`, [`install_if_requested`] builds it with the
-//! system's C++ compiler (once per source text, under the test target's temporary folder) and
-//! loads it before cudarc looks for `libcuda.so` and `libcublas.so`, which then finds it: the
-//! libraries are loaded under those names (their sonames), and a name already loaded is not
-//! searched for again. NVRTC stays the real one (it needs no GPU): its PTX tells the emulation
+//! The emulated GPU (`device.cpp`: the CUDA driver, cuBLAS and NCCL calls megatron-rs makes,
+//! implemented on the CPU, running the kernels' own CUDA C; `nccl.cpp` between processes through
+//! shared memory) for the GPU tests on a machine without one. With `MEGATRON_EMULATED_GPU=1`,
+//! [`install_if_requested`] builds it with the system's C++ compiler (once per source text,
+//! under the test target's temporary folder) and loads it before cudarc looks for `libcuda.so`,
+//! `libcublas.so` and `libnccl.so`, which then finds it: the libraries are loaded under those
+//! names (their sonames), and a name already loaded is not searched for again. [`build`] gives
+//! the folder, for processes started with it on their library path. NVRTC stays the real one (it needs no GPU): its PTX tells the emulation
 //! which kernels a program has and their thread limits.
 //!
 //! ```sh
 //! MEGATRON_EMULATED_GPU=1 cargo test -p megatron-core --features cuda --test cuda_backend -- --include-ignored
 //! ```
+
+// Each test file uses part of it.
+#![allow(dead_code)]
 
 use std::ffi::CString;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -38,7 +42,7 @@ fn sources(core: &Path) -> Vec<PathBuf> {
         .map(|e| e.expect("a kernel source").path())
         .collect();
     files.sort();
-    for f in ["shim.h", "launch.cpp", "device.cpp"] {
+    for f in ["shim.h", "launch.cpp", "device.cpp", "nccl.cpp"] {
         files.push(core.join("tests/emulated").join(f));
     }
     files
@@ -55,7 +59,14 @@ fn run(cmd: &mut Command, what: &str) {
     );
 }
 
-fn install(core: &Path) {
+/// The libraries the emulation is loaded as: the driver (with cuBLAS's and NCCL's functions in
+/// it, as they share its streams), then libraries that only depend on it, which is enough for
+/// those functions to be found through them.
+const LIBRARIES: [&str; 3] = ["libcuda.so", "libcublas.so", "libnccl.so"];
+
+/// Builds the emulated GPU's libraries (once per source text) and returns their folder: put it
+/// first on `LD_LIBRARY_PATH` for a process of its own (with NVRTC's folder after it).
+pub fn build(core: &Path) -> PathBuf {
     let mut hash = DefaultHasher::new();
     for f in sources(core) {
         std::fs::read(&f)
@@ -64,60 +75,63 @@ fn install(core: &Path) {
     }
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("emulated-gpu-{:016x}", hash.finish()));
-    let (cuda, cublas) = (dir.join("libcuda.so"), dir.join("libcublas.so"));
-    if !cublas.exists() {
-        // Built aside and renamed into place, so that a concurrent or interrupted build never
-        // leaves a partial library where the next process looks.
-        let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
-        std::fs::create_dir_all(&tmp).expect("a folder for the emulated GPU");
-        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+    let built = || LIBRARIES.iter().all(|l| dir.join(l).exists());
+    if built() {
+        return dir;
+    }
+    // Built aside and renamed into place, so that a concurrent or interrupted build never
+    // leaves a partial library where the next process looks.
+    let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).expect("a folder for the emulated GPU");
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+    run(
+        Command::new(&cxx)
+            .args([
+                "-std=c++20",
+                "-O2",
+                "-ffp-contract=off",
+                "-fno-strict-aliasing",
+            ])
+            .args(["-fPIC", "-fvisibility=hidden", "-shared", "-pthread"])
+            .arg("-Wl,-soname,libcuda.so")
+            .arg("-I")
+            .arg(core.join("src/cuda/cu"))
+            .arg("-o")
+            .arg(tmp.join(LIBRARIES[0]))
+            .arg(core.join("tests/emulated/device.cpp")),
+        &format!("{cxx} (the emulated GPU)"),
+    );
+    let empty = tmp.join("empty.cpp");
+    std::fs::write(&empty, "").expect("an empty source");
+    for name in &LIBRARIES[1..] {
         run(
             Command::new(&cxx)
-                .args([
-                    "-std=c++20",
-                    "-O2",
-                    "-ffp-contract=off",
-                    "-fno-strict-aliasing",
-                ])
-                .args(["-fPIC", "-fvisibility=hidden", "-shared", "-pthread"])
-                .arg("-Wl,-soname,libcuda.so")
-                .arg("-I")
-                .arg(core.join("src/cuda/cu"))
+                .args(["-fPIC", "-shared", "-Wl,--no-as-needed"])
+                .arg(format!("-Wl,-soname,{name}"))
                 .arg("-o")
-                .arg(tmp.join("libcuda.so"))
-                .arg(core.join("tests/emulated/device.cpp")),
-            &format!("{cxx} (the emulated GPU)"),
-        );
-        // cuBLAS's functions are in libcuda.so (they share its streams); libcublas.so only
-        // depends on it, which is enough for symbols to be found through it.
-        let empty = tmp.join("empty.cpp");
-        std::fs::write(&empty, "").expect("an empty source");
-        run(
-            Command::new(&cxx)
-                .args([
-                    "-fPIC",
-                    "-shared",
-                    "-Wl,-soname,libcublas.so",
-                    "-Wl,--no-as-needed",
-                ])
-                .arg("-o")
-                .arg(tmp.join("libcublas.so"))
+                .arg(tmp.join(name))
                 .arg(&empty)
                 .arg("-L")
                 .arg(&tmp)
                 .arg("-l:libcuda.so"),
-            &format!("{cxx} (the emulated cuBLAS)"),
+            &format!("{cxx} (the emulated {name})"),
         );
-        match std::fs::rename(&tmp, &dir) {
-            Ok(()) => {}
-            // Another process put the same build there first.
-            Err(_) if cublas.exists() => {
-                let _ = std::fs::remove_dir_all(&tmp);
-            }
-            Err(e) => panic!("{}: {e}", dir.display()),
-        }
     }
-    for lib in [&cuda, &cublas] {
+    match std::fs::rename(&tmp, &dir) {
+        Ok(()) => {}
+        // Another process put the same build there first.
+        Err(_) if built() => {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        Err(e) => panic!("{}: {e}", dir.display()),
+    }
+    dir
+}
+
+fn install(core: &Path) {
+    let dir = build(core);
+    for lib in LIBRARIES {
+        let lib = dir.join(lib);
         let path = CString::new(lib.to_string_lossy().as_bytes()).expect("a path");
         // SAFETY: libraries this module built; they stay loaded for the process.
         let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
