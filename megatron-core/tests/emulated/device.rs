@@ -48,6 +48,35 @@ fn sources(core: &Path) -> Vec<PathBuf> {
     files
 }
 
+/// The system's C++ compiler: `$CXX`, or `c++`.
+fn compiler() -> String {
+    std::env::var("CXX").unwrap_or_else(|_| "c++".to_string())
+}
+
+/// Compiles `source` into the shared library `out` the way the emulation needs (C++20; the
+/// kernels' explicit roundings kept, as NVRTC keeps them; the kernels' folder on the include
+/// path), with `extra` flags.
+pub fn compile(core: &Path, source: &Path, out: &Path, extra: &[&str]) {
+    let cxx = compiler();
+    run(
+        Command::new(&cxx)
+            .args([
+                "-std=c++20",
+                "-O2",
+                "-ffp-contract=off",
+                "-fno-strict-aliasing",
+            ])
+            .args(["-fPIC", "-shared", "-pthread"])
+            .args(extra)
+            .arg("-I")
+            .arg(core.join("src/cuda/cu"))
+            .arg("-o")
+            .arg(out)
+            .arg(source),
+        &format!("{cxx} ({})", source.display()),
+    );
+}
+
 fn run(cmd: &mut Command, what: &str) {
     let out = cmd
         .output()
@@ -83,24 +112,13 @@ pub fn build(core: &Path) -> PathBuf {
     // leaves a partial library where the next process looks.
     let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
     std::fs::create_dir_all(&tmp).expect("a folder for the emulated GPU");
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
-    run(
-        Command::new(&cxx)
-            .args([
-                "-std=c++20",
-                "-O2",
-                "-ffp-contract=off",
-                "-fno-strict-aliasing",
-            ])
-            .args(["-fPIC", "-fvisibility=hidden", "-shared", "-pthread"])
-            .arg("-Wl,-soname,libcuda.so")
-            .arg("-I")
-            .arg(core.join("src/cuda/cu"))
-            .arg("-o")
-            .arg(tmp.join(LIBRARIES[0]))
-            .arg(core.join("tests/emulated/device.cpp")),
-        &format!("{cxx} (the emulated GPU)"),
+    compile(
+        core,
+        &core.join("tests/emulated/device.cpp"),
+        &tmp.join(LIBRARIES[0]),
+        &["-fvisibility=hidden", "-Wl,-soname,libcuda.so"],
     );
+    let cxx = compiler();
     let empty = tmp.join("empty.cpp");
     std::fs::write(&empty, "").expect("an empty source");
     for name in &LIBRARIES[1..] {

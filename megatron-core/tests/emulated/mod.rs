@@ -7,8 +7,9 @@
 
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::OnceLock;
+
+pub mod device;
 
 use megatron_core::kernels::dropout::{LogicalIndex, keep_scale, keep_threshold};
 use megatron_core::rng::{DropoutStream, PHILOX_W32};
@@ -28,29 +29,7 @@ fn launcher() -> Launch {
         let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
         let lib = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
             .join(format!("megatron-kernels-{}.so", std::process::id()));
-        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
-        let out = Command::new(&cxx)
-            .args([
-                "-std=c++20",
-                "-O2",
-                "-ffp-contract=off",
-                "-fno-strict-aliasing",
-                "-fPIC",
-                "-shared",
-                "-pthread",
-            ])
-            .arg("-I")
-            .arg(root.join("src/cuda/cu"))
-            .arg("-o")
-            .arg(&lib)
-            .arg(root.join("tests/emulated/launch.cpp"))
-            .output()
-            .unwrap_or_else(|e| panic!("{cxx} could not be started ({e}): install g++"));
-        assert!(
-            out.status.success(),
-            "{cxx} failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        device::compile(&root, &root.join("tests/emulated/launch.cpp"), &lib, &[]);
         let path = CString::new(lib.to_string_lossy().as_bytes()).unwrap();
         // SAFETY: a shared library this test just built; it stays loaded for the process.
         unsafe {
