@@ -50,6 +50,16 @@ fn local_part(spec: &ParamSpec, whole: &Whole, file: &str) -> Result<Vec<f32>> {
     Ok(out)
 }
 
+/// `len` f32 elements where `like` lives (the host or its GPU): a collective's output beside
+/// its input.
+fn empty_beside(like: &Tensor, len: usize) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = like.gpu() {
+        return Ok(Tensor::empty_on([len], DType::F32, gpu)?);
+    }
+    Ok(Tensor::empty([len], DType::F32))
+}
+
 /// The whole, unpadded tensor of one parameter (or moment), assembled from every part over its
 /// split group (a collective of that group).
 fn gather_whole(parallel: &ParallelState, spec: &ParamSpec, local: &Tensor) -> Result<Whole> {
@@ -58,7 +68,7 @@ fn gather_whole(parallel: &ParallelState, spec: &ParamSpec, local: &Tensor) -> R
         Split::Dim { group, .. } => {
             let comm = parallel.comm(group);
             let n = local.numel();
-            let all = Tensor::empty([comm.size() * n], DType::F32);
+            let all = empty_beside(local, comm.size() * n)?;
             comm.all_gather(local, &all)?;
             let all = all.to_vec::<f32>()?;
             let specs: Vec<ParamSpec> = (0..comm.size())
