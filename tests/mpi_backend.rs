@@ -599,6 +599,43 @@ fn training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `megatron bench` under `mpirun` runs the job on the launch's ranks (it used to run the whole
+/// job as thread ranks in every process) and only rank 0 reports.
+#[test]
+fn bench_under_mpirun_runs_on_the_processes_and_reports_once() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let mut cmd = mpirun(2);
+    cmd.arg(env!("CARGO_BIN_EXE_megatron")).args([
+        "bench",
+        "--model",
+        "gpt-tiny",
+        "--backend",
+        "mpi",
+        "--tp",
+        "2",
+        "--train-iters",
+        "2",
+        "--warmup",
+        "1",
+        "--seq-length",
+        "64",
+        "--quiet",
+    ]);
+    let out = output_of(cmd);
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("one JSON report ({e}): {all}"));
+    assert_eq!(report["tp"], 2, "{all}");
+    assert_eq!(report["timed_steps"], 2, "{all}");
+    assert!(
+        report["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0),
+        "{all}"
+    );
+}
+
 #[test]
 fn a_bad_flag_under_mpirun_fails_fast_with_its_message() {
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {

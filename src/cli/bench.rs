@@ -182,6 +182,37 @@ fn gpu_attention(
 
 /// Times training steps of a model: tokens/s, model FLOP/s and MFU against the peak.
 fn model_step(args: &BenchArgs) -> Result<()> {
+    use megatron::job::Placement;
+
+    let mut job = args.step.job()?;
+    if args.profile && !matches!(job.device, Placement::Cuda { .. }) {
+        anyhow::bail!("--profile times GPU kernels: add --device cuda");
+    }
+    let timed = job.steps;
+    job.steps = timed + args.warmup;
+    let plan = *job.train_data.plan();
+    let flops_per_token = job.model.flops_per_token(plan.seq_length, job.tp);
+    let peak = match (args.peak_tflops, job.device) {
+        (Some(p), _) => Some(p),
+        (None, Placement::Cuda { .. }) => Some(bench::gpu_peak_tflops()),
+        (None, Placement::Cpu) => None,
+    };
+    // Every rank runs the job; rank 0 (of a multi-process launch) times it and reports.
+    super::train::on_ranks(args.step.backend(), &job, &mut |runner, gpus| {
+        report_steps(args, &job, runner, gpus, flops_per_token, peak)
+    })
+}
+
+/// Runs `job` with `runner` on the ranks it runs on (`gpus` GPUs, or the CPU), timing its steps,
+/// and prints the report: tokens/s, model FLOP/s and MFU per GPU.
+fn report_steps(
+    args: &BenchArgs,
+    job: &megatron::job::TrainJob,
+    runner: &mut super::train::Runner<'_>,
+    gpus: usize,
+    flops_per_token: f64,
+    peak: Option<f64>,
+) -> Result<()> {
     use megatron::job::{Observer, Placement, StepRecord};
     use std::sync::{Arc, Mutex};
 
@@ -202,19 +233,7 @@ fn model_step(args: &BenchArgs) -> Result<()> {
         }
     }
 
-    let mut job = args.step.job()?;
-    if args.profile && !matches!(job.device, Placement::Cuda { .. }) {
-        anyhow::bail!("--profile times GPU kernels: add --device cuda");
-    }
-    let timed = job.steps;
-    job.steps = timed + args.warmup;
     let plan = *job.train_data.plan();
-    let flops_per_token = job.model.flops_per_token(plan.seq_length, job.tp);
-    let peak = match (args.peak_tflops, job.device) {
-        (Some(p), _) => Some(p),
-        (None, Placement::Cuda { .. }) => Some(bench::gpu_peak_tflops()),
-        (None, Placement::Cpu) => None,
-    };
     let times = Arc::new(Mutex::new(Vec::new()));
     let profile_from = args.profile.then_some(args.warmup);
     if profile_from == Some(0) {
@@ -224,10 +243,12 @@ fn model_step(args: &BenchArgs) -> Result<()> {
         times: times.clone(),
         profile_from,
     })];
-    // A handle on GPU 0 for the whole run keeps its memory pool's high-water mark readable.
+    // A handle on GPU 0 for the whole run keeps its memory pool's high-water mark readable
+    // (this process's GPU: with NCCL, rank 0's).
     let memory = GpuMemory::open(matches!(job.device, Placement::Cuda { .. }))?;
-    job.run(&mut observers)?;
+    runner(job, &mut observers)?;
     let peak_memory_gib = memory.peak_gib()?;
+    let timed = job.steps - args.warmup;
     let kernels = args.profile.then(|| finish_profile(timed)).transpose()?;
     let times = times
         .lock()
@@ -243,8 +264,8 @@ fn model_step(args: &BenchArgs) -> Result<()> {
     }
     rates.sort_by(f64::total_cmp);
     let tokens_per_s = rates[rates.len() / 2];
-    // The model's FLOPs per token (whole model), at the global token rate: with thread ranks
-    // every rank shares this one device (GPU 0 or this CPU).
+    // The model's FLOPs per token (whole model), at the global token rate, over the GPUs the
+    // ranks run on (thread ranks share one device: GPU 0 or this CPU).
     let tflops = tokens_per_s * flops_per_token / 1e12;
     let report = serde_json::json!({
         "model": args.step.model_name(),
@@ -256,9 +277,10 @@ fn model_step(args: &BenchArgs) -> Result<()> {
         "device": format!("{:?}", job.device),
         "timed_steps": rates.len(),
         "tokens_per_s": tokens_per_s,
+        "gpus": matches!(job.device, Placement::Cuda { .. }).then_some(gpus),
         "model_tflops": tflops,
         "peak_tflops": peak,
-        "mfu": peak.map(|p| tflops / p),
+        "mfu": peak.map(|p| tflops / (p * gpus as f64)),
         "peak_gpu_memory_gib": peak_memory_gib,
         "profile": kernels,
     });

@@ -157,7 +157,7 @@ enum AttentionBackend {
 
 /// Where the ranks of a training run live and how they communicate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum Backend {
+pub(super) enum Backend {
     /// Thread ranks in this process.
     Threads,
     /// One CPU process per rank, launched by `mpirun`/`srun` (build with `--features mpi`).
@@ -382,30 +382,51 @@ impl TrainArgs {
     }
 }
 
-/// Runs `megatron train` on the chosen backend.
-pub fn run(args: &TrainArgs) -> Result<()> {
-    match args.backend {
-        Backend::Threads => run_job(args, &mut |job, observers| job.run(observers)),
-        Backend::Mpi => run_mpi(args),
-        Backend::Nccl => run_nccl(args),
+impl TrainArgs {
+    /// Where the ranks run.
+    pub(super) fn backend(&self) -> Backend {
+        self.backend
     }
 }
 
-/// Runs this process's rank of an MPI launch: rank 0 prints and reports; a rank that fails
-/// prints its error and aborts every process of the job.
+/// Runs `megatron train` on the chosen backend.
+pub fn run(args: &TrainArgs) -> Result<()> {
+    let job = args.job()?;
+    on_ranks(args.backend, &job, &mut |runner, _| run_job(args, runner))
+}
+
+/// Runs `job` on this process's ranks of `backend`. Rank 0 (every thread rank of one process,
+/// or process 0 of an `mpirun`/`srun` launch) calls `report` with a runner of the job (which
+/// it may run with its observers, and prints) and the number of GPUs the ranks run on (one per
+/// process with NCCL, else 1); the other processes run `job` without observers. A process whose
+/// rank fails prints its error and aborts every process of the launch.
+pub(super) fn on_ranks(
+    backend: Backend,
+    job: &TrainJob,
+    report: &mut dyn FnMut(&mut Runner<'_>, usize) -> Result<()>,
+) -> Result<()> {
+    match backend {
+        Backend::Threads => report(&mut |job, observers| job.run(observers), 1),
+        Backend::Mpi => on_mpi_ranks(job, report),
+        Backend::Nccl => on_nccl_ranks(job, report),
+    }
+}
+
+/// [`on_ranks`] of one process of an MPI launch.
 #[cfg(feature = "mpi")]
-fn run_mpi(args: &TrainArgs) -> Result<()> {
+fn on_mpi_ranks(
+    job: &TrainJob,
+    report: &mut dyn FnMut(&mut Runner<'_>, usize) -> Result<()>,
+) -> Result<()> {
     use megatron_core::comm::World;
     use megatron_core::comm::mpi::MpiWorld;
 
     let world = MpiWorld::init().context("starting MPI")?;
     let rank = world.rank();
     let result = if rank == 0 {
-        run_job(args, &mut |job, observers| job.run_on(&world, observers))
+        report(&mut |job, observers| job.run_on(&world, observers), 1)
     } else {
-        args.job()
-            .and_then(|job| job.run_on(&world, &mut []))
-            .map(drop)
+        job.run_on(&world, &mut []).map(drop)
     };
     if let Err(err) = result {
         eprintln!("error: rank {rank} of {}: {err:#}", world.size());
@@ -414,27 +435,29 @@ fn run_mpi(args: &TrainArgs) -> Result<()> {
     Ok(())
 }
 
-/// Runs this process's rank on its GPU of an NCCL world bootstrapped over MPI.
+/// [`on_ranks`] of one process of an NCCL world bootstrapped over MPI, on its GPU.
 #[cfg(all(feature = "mpi", feature = "cuda"))]
-fn run_nccl(args: &TrainArgs) -> Result<()> {
+fn on_nccl_ranks(
+    job: &TrainJob,
+    report: &mut dyn FnMut(&mut Runner<'_>, usize) -> Result<()>,
+) -> Result<()> {
     use megatron_core::comm::World;
     use megatron_core::comm::mpi::MpiWorld;
     use megatron_core::comm::nccl::NcclWorld;
 
-    if args.device != "cuda" {
+    if job.device == Placement::Cpu {
         bail!("--backend nccl trains on GPUs: add --device cuda");
     }
     let world =
         NcclWorld::init(MpiWorld::init().context("starting MPI")?).context("starting NCCL")?;
     let rank = world.rank();
     let result = if rank == 0 {
-        run_job(args, &mut |job, observers| {
-            job.run_on_nccl(&world, observers)
-        })
+        report(
+            &mut |job, observers| job.run_on_nccl(&world, observers),
+            world.size(),
+        )
     } else {
-        args.job()
-            .and_then(|job| job.run_on_nccl(&world, &mut []))
-            .map(drop)
+        job.run_on_nccl(&world, &mut []).map(drop)
     };
     if let Err(err) = result {
         eprintln!("error: rank {rank} of {}: {err:#}", world.size());
@@ -445,7 +468,10 @@ fn run_nccl(args: &TrainArgs) -> Result<()> {
 
 /// Without the `mpi` and `cuda` features, `--backend nccl` explains how to get them.
 #[cfg(not(all(feature = "mpi", feature = "cuda")))]
-fn run_nccl(_args: &TrainArgs) -> Result<()> {
+fn on_nccl_ranks(
+    _job: &TrainJob,
+    _report: &mut dyn FnMut(&mut Runner<'_>, usize) -> Result<()>,
+) -> Result<()> {
     bail!(
         "--backend nccl needs a build with MPI and CUDA: cargo build --release --features mpi,cuda"
     )
@@ -453,12 +479,15 @@ fn run_nccl(_args: &TrainArgs) -> Result<()> {
 
 /// Without the `mpi` feature, `--backend mpi` explains how to get it.
 #[cfg(not(feature = "mpi"))]
-fn run_mpi(_args: &TrainArgs) -> Result<()> {
+fn on_mpi_ranks(
+    _job: &TrainJob,
+    _report: &mut dyn FnMut(&mut Runner<'_>, usize) -> Result<()>,
+) -> Result<()> {
     bail!("--backend mpi needs a build with MPI: cargo build --release --features mpi")
 }
 
 /// Runs a job on some ranks with the observers given, returning rank 0's summary.
-type Runner<'a> = dyn FnMut(&TrainJob, &mut [Box<dyn Observer>]) -> Result<Summary> + 'a;
+pub(super) type Runner<'a> = dyn FnMut(&TrainJob, &mut [Box<dyn Observer>]) -> Result<Summary> + 'a;
 
 /// Runs the job with `run` on the chosen ranks, printing the plan, progress and the summary.
 fn run_job(args: &TrainArgs, run: &mut Runner<'_>) -> Result<()> {
