@@ -88,7 +88,7 @@ struct Allocation {
 std::mutex memory_lock;
 std::unordered_map<unsigned long long, Allocation> allocations;
 unsigned long long used_bytes = 0, used_high = 0;
-// The stream whose work runs now (for the fault handler's message) and the kernel.
+// The kernel this thread runs now, for the fault handler's message.
 thread_local const char* running_kernel = nullptr;
 
 double now_ms() {

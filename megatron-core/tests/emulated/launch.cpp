@@ -75,7 +75,8 @@ struct EmuKernel {
     {#k, [](emu_dim3 g, emu_dim3 b, void** a) { return emu_run(k, g, b, a); }, \
      [] { return emu_param_sizes(k); }}
 
-// Every kernel of the programs (programs.rs), in their order, and the emulation's own.
+// Every kernel of the programs (programs.rs), by file, and the emulation's own; a program
+// with a kernel missing here fails to load on the emulated GPU.
 static const EmuKernel EMU_KERNELS[] = {
     EMU_KERNEL(adam_step),
     EMU_KERNEL(cross_entropy_check_targets),
