@@ -590,3 +590,38 @@ fn the_device_local_communicator_reports_mismatches_on_every_rank() {
         assert!(e.contains("f32 × 5") && e.contains("f32 × 6"), "{e}");
     }
 }
+
+/// Work on two streams is ordered only by an event: a buffer written on one stream and read on
+/// another after waiting for an event recorded behind the write holds the written values; read
+/// without that wait, the emulated GPU refuses the read (on a GPU it is a race: either order).
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn buffers_shared_by_two_streams_need_an_event_between_their_uses() -> R {
+    use cudarc::driver::sys::CUevent_flags;
+    let a = gpu();
+    let b = a.with_new_stream()?;
+    let source = Tensor::full([4096], 2.5, DType::F32).to_gpu(&a)?;
+    // Written on stream a by a kernel, with no synchronisation after it.
+    let shared = Tensor::zeros_on([4096], DType::F32, &a)?;
+    shared.copy_from(&source)?;
+    let ready = a
+        .stream()
+        .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
+    b.stream().wait(&ready)?;
+    let out = Tensor::zeros_on([4096], DType::F32, &b)?;
+    out.copy_from(&shared)?;
+    assert_eq!(out.to_host()?.to_vec::<f32>()?, vec![2.5; 4096]);
+    if support::device::requested() {
+        let again = Tensor::zeros_on([4096], DType::F32, &a)?;
+        again.copy_from(&source)?;
+        let unordered = Tensor::zeros_on([4096], DType::F32, &b)?;
+        let err = unordered
+            .copy_from(&again)
+            .expect_err("a read on stream b of a buffer stream a writes, with no event");
+        assert!(
+            err.to_string().contains("CUDA_ERROR_LAUNCH_FAILED"),
+            "{err}"
+        );
+    }
+    Ok(())
+}

@@ -7,12 +7,16 @@
 // What it models: device memory is host memory (each allocation ends at an unmapped page, so a
 // kernel reading or writing past a buffer stops the process with the buffer named, as
 // compute-sanitizer's memcheck would); streams run their work at once, in the order it is queued
-// (a valid order of any CUDA program that orders its streams with events); a stream being
-// captured records its work into a graph instead, replayed by cuGraphLaunch; launches are
-// checked against Hopper's limits (threads per block, the kernel's `.maxntid`, grid sizes,
-// dynamic shared memory against what cuFuncSetAttribute allowed), and a kernel that races on
-// shared memory or deadlocks at a barrier fails its launch with CUDA_ERROR_LAUNCH_FAILED and a
-// report on stderr.
+// (a valid order of any CUDA program that orders its streams with events), and every buffer a
+// kernel, copy, product or NCCL call touches is checked to be ordered after the other streams'
+// conflicting uses of it (vector clocks over streams, joined by event waits and host
+// synchronisations: a use on two streams that nothing orders fails, as it is a race on a GPU;
+// the host's synchronisations count for every thread, so some races between threads are
+// missed, none is reported that is not one); a stream being captured records its work into a
+// graph instead, replayed by cuGraphLaunch; launches are checked against Hopper's limits
+// (threads per block, the kernel's `.maxntid`, grid sizes, dynamic shared memory against what
+// cuFuncSetAttribute allowed), and a kernel that races on shared memory or deadlocks at a
+// barrier fails its launch with CUDA_ERROR_LAUNCH_FAILED and a report on stderr.
 #include "launch.cpp"
 
 #include <signal.h>
@@ -47,10 +51,27 @@ struct Pending {
     std::atomic<bool> done{false};
 };
 
+// What a stream (or the host) has waited for: per stream, the last of its operations ordered
+// before (a vector clock; stream ids start at 1).
+struct Clock {
+    std::vector<std::uint64_t> t;
+    std::uint64_t at(unsigned stream) const { return stream < t.size() ? t[stream] : 0; }
+    void join(const Clock& other) {
+        if (t.size() < other.t.size()) t.resize(other.t.size());
+        for (std::size_t i = 0; i < other.t.size(); ++i) t[i] = std::max(t[i], other.t[i]);
+    }
+    std::uint64_t tick(unsigned stream) {
+        if (t.size() <= stream) t.resize(stream + 1);
+        return ++t[stream];
+    }
+};
+
 struct Stream {
     bool capturing = false;
     std::vector<Work> captured;
     std::vector<std::shared_ptr<Pending>> pending;
+    unsigned id = 0;
+    Clock clock;
 };
 
 // Waits for the work other threads do for `s`.
@@ -68,6 +89,8 @@ struct Graph {
 };
 struct Event {
     double ms = 0;
+    // The recording stream's clock when it ran the record.
+    Clock clock;
 };
 struct Function {
     const EmuKernel* kernel;
@@ -80,13 +103,27 @@ struct Module {
     std::map<std::string, unsigned> max_threads;
 };
 
-// Every allocation: where its mapping starts and how long it is, and its size.
+// One stream's operation on a buffer: which stream, its clock then.
+struct Use {
+    unsigned stream = 0;
+    std::uint64_t time = 0;
+};
+
+// Every allocation: where its mapping starts and how long it is, and its size; the last write
+// to it and the reads since, for the stream-order check.
 struct Allocation {
     void* mapping;
     std::size_t mapped, bytes;
+    Use written;
+    std::vector<Use> reads;
 };
+// Guards the allocations, their uses and every clock.
 std::mutex memory_lock;
-std::unordered_map<unsigned long long, Allocation> allocations;
+std::map<unsigned long long, Allocation> allocations;
+// What the host has waited for (stream and event synchronisations): work it ordered before
+// later work on any stream.
+Clock synced;
+unsigned streams_made = 0;
 unsigned long long used_bytes = 0, used_high = 0;
 // The kernel this thread runs now, for the fault handler's message.
 thread_local const char* running_kernel = nullptr;
@@ -96,6 +133,9 @@ double now_ms() {
     return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
 }
 
+// The stream whose work this thread runs now (null: the host's synchronous calls).
+thread_local Stream* executing = nullptr;
+
 CUresult run_or_capture(void* stream, Work work) {
     auto* s = static_cast<Stream*>(stream);
     if (s && s->capturing) {
@@ -103,7 +143,85 @@ CUresult run_or_capture(void* stream, Work work) {
         return OK;
     }
     wait_pending(s);
-    return work();
+    Stream* outer = executing;
+    executing = s;
+    const CUresult r = work();
+    executing = outer;
+    return r;
+}
+
+// The pointers in the device buffer that `table` starts (as many as the rest of it holds).
+std::vector<const void*> pointer_table(const void* table) {
+    const std::lock_guard<std::mutex> lock(memory_lock);
+    const auto addr = reinterpret_cast<unsigned long long>(table);
+    auto it = allocations.upper_bound(addr);
+    if (it == allocations.begin()) return {};
+    --it;
+    if (addr >= it->first + it->second.bytes) return {};
+    const std::size_t n = (it->first + it->second.bytes - addr) / sizeof(void*);
+    const auto* entries = static_cast<const void* const*>(table);
+    return {entries, entries + n};
+}
+
+// A buffer one operation reads or writes.
+struct Access {
+    const void* at;
+    bool write;
+};
+
+// Checks that the running stream's operation `what` (one clock tick) is ordered after every
+// other stream's use of the buffers it touches that conflicts with it (a write and any use),
+// as an event the stream waited for or a host synchronisation orders them, and records its
+// uses; reports the first unordered pair on stderr and returns false. A GPU would run them in
+// either order. Buffers are found by any address inside them; other addresses are ignored.
+bool check_order(const char* what, std::initializer_list<Access> accesses) {
+    Stream* s = executing;
+    if (!s) return true;
+    const std::lock_guard<std::mutex> lock(memory_lock);
+    const Use now{s->id, s->clock.tick(s->id)};
+    auto ordered = [&](const Use& u) {
+        return u.stream == 0 || u.stream == s->id || s->clock.at(u.stream) >= u.time ||
+               synced.at(u.stream) >= u.time;
+    };
+    for (const Access& a : accesses) {
+        const auto addr = reinterpret_cast<unsigned long long>(a.at);
+        auto it = allocations.upper_bound(addr);
+        if (it == allocations.begin()) continue;
+        --it;
+        Allocation& alloc = it->second;
+        if (addr >= it->first + std::max<std::size_t>(alloc.bytes, 1)) continue;
+        const Use* conflict = ordered(alloc.written) ? nullptr : &alloc.written;
+        const char* earlier = "written";
+        for (const Use& r : alloc.reads) {
+            if (a.write && !conflict && !ordered(r)) {
+                conflict = &r;
+                earlier = "read";
+            }
+        }
+        if (conflict) {
+            std::fprintf(stderr,
+                         "emulated GPU: %s on stream %u %s the %zu-byte device buffer at 0x%llx, "
+                         "%s on stream %u with nothing ordering the two (an event recorded after "
+                         "it and waited for, or a synchronisation): a GPU may run them in either "
+                         "order\n",
+                         what, s->id, a.write ? "writes" : "reads", alloc.bytes, it->first,
+                         earlier, conflict->stream);
+            return false;
+        }
+        if (a.write) {
+            alloc.written = now;
+            alloc.reads.clear();
+        } else {
+            auto mine = std::find_if(alloc.reads.begin(), alloc.reads.end(),
+                                     [&](const Use& r) { return r.stream == s->id; });
+            if (mine == alloc.reads.end()) {
+                alloc.reads.push_back(now);
+            } else {
+                *mine = now;
+            }
+        }
+    }
+    return true;
 }
 
 // A device allocation of `bytes`: 256-byte aligned, ending as close to an unmapped page as the
@@ -122,7 +240,7 @@ unsigned long long allocate(std::size_t bytes) {
     std::memset(static_cast<char*>(m), 0xff, data_pages);
     const auto ptr = reinterpret_cast<unsigned long long>(data);
     const std::lock_guard<std::mutex> lock(memory_lock);
-    allocations[ptr] = {m, mapped, bytes};
+    allocations[ptr] = {m, mapped, bytes, {}, {}};
     used_bytes += bytes;
     used_high = std::max(used_high, used_bytes);
     return ptr;
@@ -251,6 +369,17 @@ CUresult launch(Function* f, const unsigned grid[3], const unsigned block[3], un
     return run_or_capture(stream, [kernel, g, b, args = std::move(args)]() mutable {
         std::vector<void*> pointers;
         for (auto& a : args) pointers.push_back(a.data());
+        const std::vector<int> kinds = kernel->param_kinds();
+        for (std::size_t i = 0; i < kinds.size(); ++i) {
+            if (kinds[i] == 0) continue;
+            const void* p = *static_cast<void* const*>(pointers[i]);
+            if (!check_order(kernel->name, {{p, kinds[i] == 2}})) return LAUNCH_FAILED;
+            // A table of pointers: every buffer it points to (as many as its buffer holds).
+            if (kinds[i] < 3) continue;
+            for (const void* q : pointer_table(p)) {
+                if (!check_order(kernel->name, {{q, kinds[i] == 4}})) return LAUNCH_FAILED;
+            }
+        }
         char* report = nullptr;
         running_kernel = kernel->name;
         const int status = emu_run_kernel(*kernel, g.data(), b.data(), pointers.data(), &report);
@@ -428,12 +557,19 @@ CUresult cuMemPoolGetAttribute(void*, int attribute, void* value) {
 }
 CUresult cuMemPoolTrimTo(void*, std::size_t) { return OK; }
 
+// A new stream with the next id.
+Stream* new_stream() {
+    auto* s = new Stream;
+    const std::lock_guard<std::mutex> lock(memory_lock);
+    s->id = ++streams_made;
+    return s;
+}
 CUresult cuStreamCreate(void** stream, unsigned) {
-    *stream = new Stream;
+    *stream = new_stream();
     return OK;
 }
 CUresult cuStreamCreateWithPriority(void** stream, unsigned, int) {
-    *stream = new Stream;
+    *stream = new_stream();
     return OK;
 }
 CUresult cuStreamDestroy_v2(void* stream) {
@@ -444,6 +580,10 @@ CUresult cuStreamSynchronize(void* stream) {
     auto* s = static_cast<Stream*>(stream);
     if (s && s->capturing) return CAPTURE_UNSUPPORTED;
     wait_pending(s);
+    if (s) {
+        const std::lock_guard<std::mutex> lock(memory_lock);
+        synced.join(s->clock);
+    }
     return OK;
 }
 CUresult cuStreamQuery(void* stream) {
@@ -456,7 +596,16 @@ CUresult cuStreamQuery(void* stream) {
     }
     return OK;
 }
-CUresult cuStreamWaitEvent(void*, void*, unsigned) { return OK; }
+CUresult cuStreamWaitEvent(void* stream, void* event, unsigned) {
+    auto* e = static_cast<Event*>(event);
+    return run_or_capture(stream, [e] {
+        if (Stream* s = executing) {
+            const std::lock_guard<std::mutex> lock(memory_lock);
+            s->clock.join(e->clock);
+        }
+        return OK;
+    });
+}
 CUresult cuLaunchHostFunc(void* stream, void (*fn)(void*), void* data) {
     return run_or_capture(stream, [fn, data] {
         fn(data);
@@ -476,10 +625,16 @@ CUresult cuEventRecord(void* event, void* stream) {
     auto* e = static_cast<Event*>(event);
     return run_or_capture(stream, [e] {
         e->ms = now_ms();
+        const std::lock_guard<std::mutex> lock(memory_lock);
+        e->clock = executing ? executing->clock : Clock{};
         return OK;
     });
 }
-CUresult cuEventSynchronize(void*) { return OK; }
+CUresult cuEventSynchronize(void* event) {
+    const std::lock_guard<std::mutex> lock(memory_lock);
+    synced.join(static_cast<Event*>(event)->clock);
+    return OK;
+}
 CUresult cuEventQuery(void*) { return OK; }
 CUresult cuEventElapsedTime(float* ms, void* start, void* end) {
     *ms = (float)(static_cast<Event*>(end)->ms - static_cast<Event*>(start)->ms);
@@ -502,11 +657,19 @@ CUresult cuMemFree_v2(unsigned long long ptr) { return release(ptr); }
 CUresult cuMemFreeAsync(unsigned long long ptr, void* stream) {
     auto* s = static_cast<Stream*>(stream);
     if (s && s->capturing) return OK;
-    return release(ptr);
+    return run_or_capture(stream, [ptr] {
+        if (!check_order("cuMemFreeAsync", {{reinterpret_cast<void*>(ptr), true}})) {
+            return LAUNCH_FAILED;
+        }
+        return release(ptr);
+    });
 }
 CUresult cuMemsetD8Async(unsigned long long ptr, unsigned char value, std::size_t n,
                          void* stream) {
     return run_or_capture(stream, [=] {
+        if (!check_order("cuMemsetD8Async", {{reinterpret_cast<void*>(ptr), true}})) {
+            return LAUNCH_FAILED;
+        }
         std::memset(reinterpret_cast<void*>(ptr), value, n);
         return OK;
     });
@@ -524,12 +687,18 @@ CUresult cuMemsetD32Async(unsigned long long ptr, unsigned value, std::size_t n,
 CUresult cuMemcpyHtoDAsync_v2(unsigned long long dst, const void* src, std::size_t n,
                               void* stream) {
     return run_or_capture(stream, [=] {
+        if (!check_order("cuMemcpyHtoDAsync", {{reinterpret_cast<void*>(dst), true}})) {
+            return LAUNCH_FAILED;
+        }
         std::memcpy(reinterpret_cast<void*>(dst), src, n);
         return OK;
     });
 }
 CUresult cuMemcpyDtoHAsync_v2(void* dst, unsigned long long src, std::size_t n, void* stream) {
     return run_or_capture(stream, [=] {
+        if (!check_order("cuMemcpyDtoHAsync", {{reinterpret_cast<void*>(src), false}})) {
+            return LAUNCH_FAILED;
+        }
         std::memcpy(dst, reinterpret_cast<const void*>(src), n);
         return OK;
     });
@@ -537,6 +706,10 @@ CUresult cuMemcpyDtoHAsync_v2(void* dst, unsigned long long src, std::size_t n, 
 CUresult cuMemcpyDtoDAsync_v2(unsigned long long dst, unsigned long long src, std::size_t n,
                               void* stream) {
     return run_or_capture(stream, [=] {
+        if (!check_order("cuMemcpyDtoDAsync", {{reinterpret_cast<void*>(src), false},
+                                               {reinterpret_cast<void*>(dst), true}})) {
+            return LAUNCH_FAILED;
+        }
         std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
         return OK;
     });
@@ -703,6 +876,9 @@ int cublasGemmStridedBatchedEx(void* handle, int transa, int transb, int m, int 
     auto* h = static_cast<BlasHandle*>(handle);
     const int esize_a = atype == 0 ? 4 : 2, esize_c = ctype == 0 ? 4 : 2;
     const CUresult r = run_or_capture(h->stream, [=] {
+        if (!check_order("cublasGemmStridedBatchedEx", {{a, false}, {b, false}, {c, true}})) {
+            return LAUNCH_FAILED;
+        }
         for (int p = 0; p < batch; ++p) {
             const Matrix A{(char*)a + stride_a * p * esize_a, atype, lda};
             const Matrix B{(char*)b + stride_b * p * esize_a, btype, ldb};

@@ -173,9 +173,17 @@ Result reduce_parts(Comm& c, const std::vector<const unsigned char*>& parts, uns
     return SUCCESS;
 }
 
-// Queues `call` on the communicator's thread and marks `stream` busy until it has run.
-Result enqueue(Comm* c, void* stream, std::function<Result()> call) {
+// Queues `call` (which touches `buffers`) on the communicator's thread and marks `stream` busy
+// until it has run; INVALID_USAGE when the stream-order check finds the buffers' other uses
+// unordered with it.
+Result enqueue(Comm* c, void* stream, std::function<Result()> call,
+               std::initializer_list<Access> buffers) {
     if (!c) return INVALID_ARGUMENT;
+    Stream* outer = executing;
+    executing = static_cast<Stream*>(stream);
+    const bool ordered = check_order("an NCCL call", buffers);
+    executing = outer;
+    if (!ordered) return INVALID_USAGE;
     auto pending = std::make_shared<Pending>();
     if (auto* s = static_cast<Stream*>(stream)) {
         // Work queued on the stream before the call runs before it.
@@ -234,10 +242,13 @@ Result transfer(Comm* c, void* stream, Transfer t) {
         grouped.push_back({c, stream, {t}});
         return SUCCESS;
     }
-    return enqueue(c, stream, [c, t]() mutable {
-        std::vector<Transfer> one{t};
-        return exchange(*c, one);
-    });
+    return enqueue(
+        c, stream,
+        [c, t]() mutable {
+            std::vector<Transfer> one{t};
+            return exchange(*c, one);
+        },
+        {{t.data, !t.send}});
 }
 
 }  // namespace emu::nccl
@@ -350,9 +361,19 @@ Result ncclGroupEnd() {
     grouped.clear();
     for (Grouped& g : groups) {
         Comm* c = g.comm;
-        const Result r = enqueue(c, g.stream, [c, transfers = std::move(g.transfers)]() mutable {
-            return exchange(*c, transfers);
-        });
+        // The group's buffers are checked as they run (a group's list has no fixed length).
+        Stream* outer = executing;
+        executing = static_cast<Stream*>(g.stream);
+        bool ordered = true;
+        for (const Transfer& t : g.transfers) {
+            ordered = ordered && check_order("an NCCL send or receive", {{t.data, !t.send}});
+        }
+        executing = outer;
+        if (!ordered) return INVALID_USAGE;
+        const Result r = enqueue(
+            c, g.stream,
+            [c, transfers = std::move(g.transfers)]() mutable { return exchange(*c, transfers); },
+            {});
         if (r != SUCCESS) return r;
     }
     return SUCCESS;
@@ -389,7 +410,7 @@ Result ncclAllReduce(const void* send, void* recv, std::size_t count, int type, 
                                        (const unsigned char*)send + bytes);
         for (int p = 0; p < c->size; ++p) parts[p] = p == c->rank ? own.data() : others[p].data();
         return reduce_parts(*c, parts, static_cast<unsigned char*>(recv), count, type, op);
-    });
+    }, {{send, false}, {recv, true}});
 }
 
 Result ncclReduceScatter(const void* send, void* recv, std::size_t count, int type, int op,
@@ -410,7 +431,7 @@ Result ncclReduceScatter(const void* send, void* recv, std::size_t count, int ty
         std::vector<const unsigned char*> parts(c->size);
         for (int p = 0; p < c->size; ++p) parts[p] = p == c->rank ? own.data() : others[p].data();
         return reduce_parts(*c, parts, static_cast<unsigned char*>(recv), count, type, op);
-    });
+    }, {{send, false}, {recv, true}});
 }
 
 Result ncclAllGather(const void* send, void* recv, std::size_t count, int type, Comm* c,
@@ -428,7 +449,7 @@ Result ncclAllGather(const void* send, void* recv, std::size_t count, int type, 
         if (const Result r = exchange(*c, transfers); r != SUCCESS) return r;
         std::memmove(out + c->rank * bytes, send, bytes);
         return SUCCESS;
-    });
+    }, {{send, false}, {recv, true}});
 }
 
 Result ncclBroadcast(const void* send, void* recv, std::size_t count, int type, int root,
@@ -449,7 +470,7 @@ Result ncclBroadcast(const void* send, void* recv, std::size_t count, int type, 
         if (const Result r = exchange(*c, transfers); r != SUCCESS) return r;
         if (c->rank == root && send != recv) std::memmove(recv, send, bytes);
         return SUCCESS;
-    });
+    }, {{send, false}, {recv, true}});
 }
 
 }  // extern "C"
