@@ -55,15 +55,21 @@ fn text(out: &Output) -> String {
 /// In a copy started by `mpirun`: runs `body` on this rank and aborts the job if it fails.
 fn on_ranks(name: &str, options: MpiOptions, body: fn(&MpiWorld) -> R<()>) -> Option<Output> {
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_none() {
-        let mut cmd = mpirun(RANKS);
-        cmd.arg(std::env::current_exe().expect("test binary path"))
-            .args([name, "--exact", "--nocapture", "--test-threads=1"]);
-        return Some(output_of(cmd));
+        return Some(this_test_on_ranks(name, &[]));
     }
     let world = MpiWorld::init_with(&options).expect("MPI world");
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&world)));
     report(&world, result);
     None
+}
+
+/// Runs test `name` of this binary (with `extra` test flags) on `RANKS` MPI processes.
+fn this_test_on_ranks(name: &str, extra: &[&str]) -> Output {
+    let mut cmd = mpirun(RANKS);
+    cmd.arg(std::env::current_exe().expect("test binary path"))
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .args(extra);
+    output_of(cmd)
 }
 
 /// Prints that this rank passed, or aborts the job with why not.
@@ -90,16 +96,7 @@ fn on_nccl_ranks(
 ) -> Option<Output> {
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_none() {
         // The copies run the test though it is ignored (it is, without a GPU).
-        let mut cmd = mpirun(RANKS);
-        cmd.arg(std::env::current_exe().expect("test binary path"))
-            .args([
-                name,
-                "--exact",
-                "--nocapture",
-                "--test-threads=1",
-                "--include-ignored",
-            ]);
-        return Some(output_of(cmd));
+        return Some(this_test_on_ranks(name, &["--include-ignored"]));
     }
     device::install_if_requested(Path::new(concat!(
         env!("CARGO_MANIFEST_DIR"),

@@ -188,8 +188,7 @@ fn model_step(args: &BenchArgs) -> Result<()> {
     if args.profile && !matches!(job.device, Placement::Cuda { .. }) {
         anyhow::bail!("--profile times GPU kernels: add --device cuda");
     }
-    let timed = job.steps;
-    job.steps = timed + args.warmup;
+    job.steps += args.warmup;
     let plan = *job.train_data.plan();
     let flops_per_token = job.model.flops_per_token(plan.seq_length, job.tp);
     let peak = match (args.peak_tflops, job.device) {

@@ -380,9 +380,7 @@ impl TrainArgs {
             },
         })
     }
-}
 
-impl TrainArgs {
     /// Where the ranks run.
     pub(super) fn backend(&self) -> Backend {
         self.backend
@@ -392,7 +390,9 @@ impl TrainArgs {
 /// Runs `megatron train` on the chosen backend.
 pub fn run(args: &TrainArgs) -> Result<()> {
     let job = args.job()?;
-    on_ranks(args.backend, &job, &mut |runner, _| run_job(args, runner))
+    on_ranks(args.backend, &job, &mut |runner, _| {
+        run_job(args, &job, runner)
+    })
 }
 
 /// Runs `job` on this process's ranks of `backend`. Rank 0 (every thread rank of one process,
@@ -400,11 +400,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
 /// it may run with its observers, and prints) and the number of GPUs the ranks run on (one per
 /// process with NCCL, else 1); the other processes run `job` without observers. A process whose
 /// rank fails prints its error and aborts every process of the launch.
-pub(super) fn on_ranks(
-    backend: Backend,
-    job: &TrainJob,
-    report: &mut dyn FnMut(&mut Runner<'_>, usize) -> Result<()>,
-) -> Result<()> {
+pub(super) fn on_ranks(backend: Backend, job: &TrainJob, report: &mut Report<'_>) -> Result<()> {
     match backend {
         Backend::Threads => report(&mut |job, observers| job.run(observers), 1),
         Backend::Mpi => on_mpi_ranks(job, report),
@@ -414,10 +410,7 @@ pub(super) fn on_ranks(
 
 /// [`on_ranks`] of one process of an MPI launch.
 #[cfg(feature = "mpi")]
-fn on_mpi_ranks(
-    job: &TrainJob,
-    report: &mut dyn FnMut(&mut Runner<'_>, usize) -> Result<()>,
-) -> Result<()> {
+fn on_mpi_ranks(job: &TrainJob, report: &mut Report<'_>) -> Result<()> {
     use megatron_core::comm::World;
     use megatron_core::comm::mpi::MpiWorld;
 
@@ -437,10 +430,7 @@ fn on_mpi_ranks(
 
 /// [`on_ranks`] of one process of an NCCL world bootstrapped over MPI, on its GPU.
 #[cfg(all(feature = "mpi", feature = "cuda"))]
-fn on_nccl_ranks(
-    job: &TrainJob,
-    report: &mut dyn FnMut(&mut Runner<'_>, usize) -> Result<()>,
-) -> Result<()> {
+fn on_nccl_ranks(job: &TrainJob, report: &mut Report<'_>) -> Result<()> {
     use megatron_core::comm::World;
     use megatron_core::comm::mpi::MpiWorld;
     use megatron_core::comm::nccl::NcclWorld;
@@ -468,10 +458,7 @@ fn on_nccl_ranks(
 
 /// Without the `mpi` and `cuda` features, `--backend nccl` explains how to get them.
 #[cfg(not(all(feature = "mpi", feature = "cuda")))]
-fn on_nccl_ranks(
-    _job: &TrainJob,
-    _report: &mut dyn FnMut(&mut Runner<'_>, usize) -> Result<()>,
-) -> Result<()> {
+fn on_nccl_ranks(_job: &TrainJob, _report: &mut Report<'_>) -> Result<()> {
     bail!(
         "--backend nccl needs a build with MPI and CUDA: cargo build --release --features mpi,cuda"
     )
@@ -479,19 +466,19 @@ fn on_nccl_ranks(
 
 /// Without the `mpi` feature, `--backend mpi` explains how to get it.
 #[cfg(not(feature = "mpi"))]
-fn on_mpi_ranks(
-    _job: &TrainJob,
-    _report: &mut dyn FnMut(&mut Runner<'_>, usize) -> Result<()>,
-) -> Result<()> {
+fn on_mpi_ranks(_job: &TrainJob, _report: &mut Report<'_>) -> Result<()> {
     bail!("--backend mpi needs a build with MPI: cargo build --release --features mpi")
 }
+
+/// What rank 0 of [`on_ranks`] does: given a runner of the job and the number of GPUs the ranks
+/// run on, runs it with its observers and reports.
+pub(super) type Report<'a> = dyn FnMut(&mut Runner<'_>, usize) -> Result<()> + 'a;
 
 /// Runs a job on some ranks with the observers given, returning rank 0's summary.
 pub(super) type Runner<'a> = dyn FnMut(&TrainJob, &mut [Box<dyn Observer>]) -> Result<Summary> + 'a;
 
 /// Runs the job with `run` on the chosen ranks, printing the plan, progress and the summary.
-fn run_job(args: &TrainArgs, run: &mut Runner<'_>) -> Result<()> {
-    let job = args.job()?;
+fn run_job(args: &TrainArgs, job: &TrainJob, run: &mut Runner<'_>) -> Result<()> {
     let plan = *job.train_data.plan();
     let params = job.model.num_params(job.tp);
     let flops_per_token = job.model.flops_per_token(plan.seq_length, job.tp);
@@ -541,7 +528,7 @@ fn run_job(args: &TrainArgs, run: &mut Runner<'_>) -> Result<()> {
     if let Some(dir) = &args.tensorboard_dir {
         observers.push(Box::new(TensorBoard::create(dir)?));
     }
-    let summary = run(&job, &mut observers)?;
+    let summary = run(job, &mut observers)?;
     let (Some(first), Some(last)) = (summary.steps.first(), summary.steps.last()) else {
         println!(
             "no steps run (the checkpoint is at step {} of {})",

@@ -27,7 +27,6 @@
 #include <cstdio>
 #include <map>
 #include <thread>
-#include <unordered_map>
 
 namespace emu {
 
@@ -136,6 +135,26 @@ double now_ms() {
 // The stream whose work this thread runs now (null: the host's synchronous calls).
 thread_local Stream* executing = nullptr;
 
+// A buffer one operation reads or writes.
+struct Access {
+    const void* at;
+    bool write;
+};
+
+// Makes `stream` the one whose work this thread runs, for its lifetime.
+class Executing {
+  public:
+    explicit Executing(void* stream) : outer_(executing) {
+        executing = static_cast<Stream*>(stream);
+    }
+    ~Executing() { executing = outer_; }
+    Executing(const Executing&) = delete;
+    Executing& operator=(const Executing&) = delete;
+
+  private:
+    Stream* outer_;
+};
+
 CUresult run_or_capture(void* stream, Work work) {
     auto* s = static_cast<Stream*>(stream);
     if (s && s->capturing) {
@@ -143,38 +162,37 @@ CUresult run_or_capture(void* stream, Work work) {
         return OK;
     }
     wait_pending(s);
-    Stream* outer = executing;
-    executing = s;
-    const CUresult r = work();
-    executing = outer;
-    return r;
+    Executing on(s);
+    return work();
+}
+
+// The allocation `at` lies in, or the end of `allocations` (under memory_lock).
+std::map<unsigned long long, Allocation>::iterator allocation_of(const void* at) {
+    const auto addr = reinterpret_cast<unsigned long long>(at);
+    auto it = allocations.upper_bound(addr);
+    if (it == allocations.begin()) return allocations.end();
+    --it;
+    return addr < it->first + std::max<std::size_t>(it->second.bytes, 1) ? it
+                                                                          : allocations.end();
 }
 
 // The pointers in the device buffer that `table` starts (as many as the rest of it holds).
 std::vector<const void*> pointer_table(const void* table) {
     const std::lock_guard<std::mutex> lock(memory_lock);
+    const auto it = allocation_of(table);
+    if (it == allocations.end()) return {};
     const auto addr = reinterpret_cast<unsigned long long>(table);
-    auto it = allocations.upper_bound(addr);
-    if (it == allocations.begin()) return {};
-    --it;
-    if (addr >= it->first + it->second.bytes) return {};
     const std::size_t n = (it->first + it->second.bytes - addr) / sizeof(void*);
     const auto* entries = static_cast<const void* const*>(table);
     return {entries, entries + n};
 }
-
-// A buffer one operation reads or writes.
-struct Access {
-    const void* at;
-    bool write;
-};
 
 // Checks that the running stream's operation `what` (one clock tick) is ordered after every
 // other stream's use of the buffers it touches that conflicts with it (a write and any use),
 // as an event the stream waited for or a host synchronisation orders them, and records its
 // uses; reports the first unordered pair on stderr and returns false. A GPU would run them in
 // either order. Buffers are found by any address inside them; other addresses are ignored.
-bool check_order(const char* what, std::initializer_list<Access> accesses) {
+bool check_order(const char* what, const std::vector<Access>& accesses) {
     Stream* s = executing;
     if (!s) return true;
     const std::lock_guard<std::mutex> lock(memory_lock);
@@ -184,12 +202,9 @@ bool check_order(const char* what, std::initializer_list<Access> accesses) {
                synced.at(u.stream) >= u.time;
     };
     for (const Access& a : accesses) {
-        const auto addr = reinterpret_cast<unsigned long long>(a.at);
-        auto it = allocations.upper_bound(addr);
-        if (it == allocations.begin()) continue;
-        --it;
+        const auto it = allocation_of(a.at);
+        if (it == allocations.end()) continue;
         Allocation& alloc = it->second;
-        if (addr >= it->first + std::max<std::size_t>(alloc.bytes, 1)) continue;
         const Use* conflict = ordered(alloc.written) ? nullptr : &alloc.written;
         const char* earlier = "written";
         for (const Use& r : alloc.reads) {

@@ -162,14 +162,23 @@ void fold(void* acc, const void* x, std::size_t count, int type, int op) {
     }
 }
 
-// Every member's `bytes` at `mine` (this member's own part is read from `mine`), then
-// `out` = their fold in rank order.
-Result reduce_parts(Comm& c, const std::vector<const unsigned char*>& parts, unsigned char* out,
-                    std::size_t count, int type, int op) {
+// Sends each member p this member's `count` elements at `part_for(p)` and folds, in rank
+// order, what every member sent this one (its own part included) into `out` (which may overlap
+// the parts: they are read before it is written).
+Result fold_from_all(Comm& c, const std::function<const unsigned char*(int)>& part_for,
+                     unsigned char* out, std::size_t count, int type, int op) {
     const std::size_t bytes = count * element_size(type);
-    std::vector<unsigned char> acc(parts[0], parts[0] + bytes);
-    for (int r = 1; r < c.size; ++r) fold(acc.data(), parts[r], count, type, op);
-    std::memcpy(out, acc.data(), bytes);
+    std::vector<std::vector<unsigned char>> parts(c.size, std::vector<unsigned char>(bytes));
+    std::vector<Transfer> transfers;
+    for (int p = 0; p < c.size; ++p) {
+        if (p == c.rank || bytes == 0) continue;
+        transfers.push_back({true, p, const_cast<unsigned char*>(part_for(p)), bytes});
+        transfers.push_back({false, p, parts[p].data(), bytes});
+    }
+    std::memcpy(parts[c.rank].data(), part_for(c.rank), bytes);
+    if (const Result r = exchange(c, transfers); r != SUCCESS) return r;
+    for (int p = 1; p < c.size; ++p) fold(parts[0].data(), parts[p].data(), count, type, op);
+    std::memcpy(out, parts[0].data(), bytes);
     return SUCCESS;
 }
 
@@ -177,13 +186,12 @@ Result reduce_parts(Comm& c, const std::vector<const unsigned char*>& parts, uns
 // until it has run; INVALID_USAGE when the stream-order check finds the buffers' other uses
 // unordered with it.
 Result enqueue(Comm* c, void* stream, std::function<Result()> call,
-               std::initializer_list<Access> buffers) {
+               const std::vector<Access>& buffers) {
     if (!c) return INVALID_ARGUMENT;
-    Stream* outer = executing;
-    executing = static_cast<Stream*>(stream);
-    const bool ordered = check_order("an NCCL call", buffers);
-    executing = outer;
-    if (!ordered) return INVALID_USAGE;
+    {
+        const Executing on(stream);
+        if (!check_order("an NCCL call", buffers)) return INVALID_USAGE;
+    }
     auto pending = std::make_shared<Pending>();
     if (auto* s = static_cast<Stream*>(stream)) {
         // Work queued on the stream before the call runs before it.
@@ -361,19 +369,12 @@ Result ncclGroupEnd() {
     grouped.clear();
     for (Grouped& g : groups) {
         Comm* c = g.comm;
-        // The group's buffers are checked as they run (a group's list has no fixed length).
-        Stream* outer = executing;
-        executing = static_cast<Stream*>(g.stream);
-        bool ordered = true;
-        for (const Transfer& t : g.transfers) {
-            ordered = ordered && check_order("an NCCL send or receive", {{t.data, !t.send}});
-        }
-        executing = outer;
-        if (!ordered) return INVALID_USAGE;
+        std::vector<Access> buffers;
+        for (const Transfer& t : g.transfers) buffers.push_back({t.data, !t.send});
         const Result r = enqueue(
             c, g.stream,
             [c, transfers = std::move(g.transfers)]() mutable { return exchange(*c, transfers); },
-            {});
+            buffers);
         if (r != SUCCESS) return r;
     }
     return SUCCESS;
@@ -394,44 +395,29 @@ Result ncclRecv(void* data, std::size_t count, int type, int peer, Comm* c, void
 
 Result ncclAllReduce(const void* send, void* recv, std::size_t count, int type, int op, Comm* c,
                      void* stream) {
-    const std::size_t bytes = count * element_size(type);
     if (!c || element_size(type) == 0) return INVALID_ARGUMENT;
-    return enqueue(c, stream, [=]() {
-        std::vector<std::vector<unsigned char>> others(c->size, std::vector<unsigned char>(bytes));
-        std::vector<Transfer> transfers;
-        for (int p = 0; p < c->size; ++p) {
-            if (p == c->rank || bytes == 0) continue;
-            transfers.push_back({true, p, (unsigned char*)send, bytes});
-            transfers.push_back({false, p, others[p].data(), bytes});
-        }
-        if (const Result r = exchange(*c, transfers); r != SUCCESS) return r;
-        std::vector<const unsigned char*> parts(c->size);
-        std::vector<unsigned char> own((const unsigned char*)send,
-                                       (const unsigned char*)send + bytes);
-        for (int p = 0; p < c->size; ++p) parts[p] = p == c->rank ? own.data() : others[p].data();
-        return reduce_parts(*c, parts, static_cast<unsigned char*>(recv), count, type, op);
-    }, {{send, false}, {recv, true}});
+    const auto* mine = static_cast<const unsigned char*>(send);
+    return enqueue(
+        c, stream,
+        [=]() {
+            return fold_from_all(*c, [mine](int) { return mine; },
+                                 static_cast<unsigned char*>(recv), count, type, op);
+        },
+        {{send, false}, {recv, true}});
 }
 
 Result ncclReduceScatter(const void* send, void* recv, std::size_t count, int type, int op,
                          Comm* c, void* stream) {
     const std::size_t bytes = count * element_size(type);
     if (!c || element_size(type) == 0) return INVALID_ARGUMENT;
-    return enqueue(c, stream, [=]() {
-        const auto* whole = static_cast<const unsigned char*>(send);
-        std::vector<std::vector<unsigned char>> others(c->size, std::vector<unsigned char>(bytes));
-        std::vector<Transfer> transfers;
-        for (int p = 0; p < c->size; ++p) {
-            if (p == c->rank || bytes == 0) continue;
-            transfers.push_back({true, p, (unsigned char*)whole + p * bytes, bytes});
-            transfers.push_back({false, p, others[p].data(), bytes});
-        }
-        if (const Result r = exchange(*c, transfers); r != SUCCESS) return r;
-        std::vector<unsigned char> own(whole + c->rank * bytes, whole + (c->rank + 1) * bytes);
-        std::vector<const unsigned char*> parts(c->size);
-        for (int p = 0; p < c->size; ++p) parts[p] = p == c->rank ? own.data() : others[p].data();
-        return reduce_parts(*c, parts, static_cast<unsigned char*>(recv), count, type, op);
-    }, {{send, false}, {recv, true}});
+    const auto* whole = static_cast<const unsigned char*>(send);
+    return enqueue(
+        c, stream,
+        [=]() {
+            return fold_from_all(*c, [whole, bytes](int p) { return whole + p * bytes; },
+                                 static_cast<unsigned char*>(recv), count, type, op);
+        },
+        {{send, false}, {recv, true}});
 }
 
 Result ncclAllGather(const void* send, void* recv, std::size_t count, int type, Comm* c,

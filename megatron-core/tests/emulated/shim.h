@@ -100,6 +100,9 @@ using std::min;
 
 inline void emu_next_epoch();
 
+// The bytes of each fiber's stack.
+constexpr std::size_t EMU_STACK_BYTES = 1 << 20;
+
 // A suspended fiber (or the scheduler): where it goes on. On x86-64 a switch saves the
 // callee-saved registers on the stack it leaves and keeps the stack pointer (the kernels never
 // change the floating-point control words, so those are not switched); elsewhere it is
@@ -152,9 +155,8 @@ struct EmuContext {
 inline void emu_switch(EmuContext& from, const EmuContext& to) { swapcontext(&from.uc, &to.uc); }
 inline void emu_make_context(EmuContext& c, char* top, void (*entry)()) {
     getcontext(&c.uc);
-    constexpr std::size_t bytes = 1 << 20;
-    c.uc.uc_stack.ss_sp = top - bytes;
-    c.uc.uc_stack.ss_size = bytes;
+    c.uc.uc_stack.ss_sp = top - EMU_STACK_BYTES;
+    c.uc.uc_stack.ss_size = EMU_STACK_BYTES;
     c.uc.uc_link = nullptr;
     makecontext(&c.uc, entry, 0);
 }
@@ -473,7 +475,6 @@ inline T atomicMin(T* address, T value) {
 // Fiber stacks (their tops), kept from launch to launch (mapped on demand, only touched pages
 // are backed). A fiber takes one when it starts and gives it back when it finishes, so that a
 // kernel without barriers runs every thread on the same, cache-warm stack.
-constexpr std::size_t EMU_STACK_BYTES = 1 << 20;
 inline std::vector<char*> emu_free_stacks;
 inline const std::function<void()>* emu_kernel;
 
