@@ -258,6 +258,77 @@ fn cublas_products_match_the_cpu_gemm() -> R {
 
 #[test]
 #[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn cublaslt_adds_the_bias_in_the_products_epilogue() -> R {
+    use megatron_core::ops::matmul_bias_into;
+    // A handle of its own: the products' dtype and the epilogue switch are per handle.
+    let g = gpu().with_new_stream()?;
+    for (m, n, k) in [(1, 1, 1), (7, 5, 3), (64, 96, 128), (130, 257, 65)] {
+        // x [m, k] times the transpose of a weight [n, k] (read in place), as a linear layer.
+        let (x, w, bias) = (values(m * k, 31), values(n * k, 32), values(n, 33));
+        let shape = MatmulShape {
+            trans_b: true,
+            ..MatmulShape::new(m, n, k)
+        };
+        for bf16_products in [false, true] {
+            g.set_bf16_products(bf16_products);
+            let round =
+                |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect() };
+            let (xr, wr) = if bf16_products {
+                (round(&x), round(&w))
+            } else {
+                (x.clone(), w.clone())
+            };
+            let mut want = cpu_matmul(&xr, &wr, &shape)?;
+            for (i, v) in want.iter_mut().enumerate() {
+                *v += bias[i % n];
+            }
+            let xd = Tensor::from_vec(x.clone(), [m, k])?.to_gpu(&g)?;
+            let wd = Tensor::from_vec(w.clone(), [n, k])?.to_gpu(&g)?;
+            let bd = Tensor::from_vec(bias.clone(), [n])?.to_gpu(&g)?;
+            let outputs: &[DType] = if bf16_products {
+                &[DType::F32, DType::BF16]
+            } else {
+                &[DType::F32]
+            };
+            for &dtype in outputs {
+                let what = format!("{m}×{n}×{k}, bf16 products {bf16_products}, {dtype:?} out");
+                let c = Tensor::empty_on([m, n], dtype, &g)?;
+                g.set_bias_epilogues(true);
+                assert!(
+                    matmul_bias_into(&xd, &wd.t()?, &bd, &c)?,
+                    "{what}: cuBLASLt took no bias epilogue"
+                );
+                let got = c.to_vec_f32()?;
+                if dtype == DType::BF16 {
+                    // The f32 sum rounded once: within half a bf16 step of the exact one.
+                    assert_close(&got, &want, 1.0 / 256.0, &what);
+                } else {
+                    assert_close(&got, &want, 1e-4, &what);
+                }
+                // Switched off, it leaves the product to the caller and writes nothing.
+                let untouched = Tensor::full([m, n], 7.0, dtype).to_gpu(&g)?;
+                g.set_bias_epilogues(false);
+                assert!(!matmul_bias_into(&xd, &wd.t()?, &bd, &untouched)?, "{what}");
+                assert!(untouched.to_vec_f32()?.iter().all(|&v| v == 7.0), "{what}");
+            }
+        }
+    }
+    g.set_bias_epilogues(true);
+    let x = Tensor::zeros([2, 3], DType::F32).to_gpu(&g)?;
+    let w = Tensor::zeros([4, 3], DType::F32).to_gpu(&g)?;
+    let short = Tensor::zeros([3], DType::F32).to_gpu(&g)?;
+    let c = Tensor::empty_on([2, 4], DType::F32, &g)?;
+    let err = matmul_bias_into(&x, &w.t()?, &short, &c).expect_err("a bias of 3 for 4 columns");
+    assert!(
+        err.to_string()
+            .contains("the bias has 3 elements, the product [2, 4] has 4 columns"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn a_captured_graph_replays_the_eager_result_bit_for_bit() -> R {
     let g = gpu();
     let blas = Blas::new(&g)?;
@@ -413,10 +484,18 @@ fn the_profiler_times_kernels_and_products_by_name() -> R {
     let g = gpu();
     let x = Tensor::from_vec(values(64 * 48, 21), [64, 48])?.to_gpu(&g)?;
     let w = Tensor::from_vec(values(32 * 48, 22), [32, 48])?.to_gpu(&g)?;
+    let bias = Tensor::from_vec(values(32, 23), [32])?.to_gpu(&g)?;
+    let biased = Tensor::empty_on([64, 32], DType::F32, &g)?;
     profile::start();
     for _ in 0..3 {
         let y = megatron_core::ops::matmul(&x, &w.t()?)?;
         y.fill(0.5)?;
+        assert!(megatron_core::ops::matmul_bias_into(
+            &x,
+            &w.t()?,
+            &bias,
+            &biased
+        )?);
     }
     let p = profile::stop()?;
     let row = |name: &str| p.row(name).ok_or_else(|| format!("no row {name} in {p}"));
@@ -424,6 +503,9 @@ fn the_profiler_times_kernels_and_products_by_name() -> R {
     assert_eq!(gemm.calls, 3);
     assert_eq!(gemm.flops, 3.0 * 2.0 * 64.0 * 32.0 * 48.0);
     assert!(gemm.ms > 0.0 && gemm.tflops().is_some(), "{p}");
+    let with_bias = row("gemm+bias 64×32×48 f32→f32")?;
+    assert_eq!(with_bias.calls, 3);
+    assert_eq!(with_bias.flops, gemm.flops);
     let fill = row("fill_bits")?;
     assert_eq!(fill.calls, 3);
     assert!(fill.ms > 0.0 && fill.tflops().is_none(), "{p}");

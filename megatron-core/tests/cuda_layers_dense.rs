@@ -207,27 +207,37 @@ fn column_then_row_linear_with_gelu_matches_the_cpu() -> R {
 #[test]
 #[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn with_bf16_products_layers_hand_the_next_products_bf16() -> R {
-    // A handle of its own: the products' dtype is per handle.
-    let g = gpu().with_new_stream()?;
-    g.set_bf16_products(true);
+    // Biases added in the products' cuBLASLt epilogue (the default), and by a kernel after
+    // the product: the same dtypes and values.
+    for epilogues in [true, false] {
+        // A handle of its own: the products' dtype is per handle.
+        let g = gpu().with_new_stream()?;
+        g.set_bf16_products(true);
+        g.set_bias_epilogues(epilogues);
+        bf16_mlp_matches_the_cpu(&g)?;
+    }
+    Ok(())
+}
+
+fn bf16_mlp_matches_the_cpu(g: &Gpu) -> R {
     let ps = ParallelState::solo();
     let cx = Cx::new(&ps, 1234);
     let (s, b, h, f) = (5, 2, 64, 96);
-    let (ln_host, ln_device) = pair(&g, |bld| {
+    let (ln_host, ln_device) = pair(g, |bld| {
         bld.scoped("ln", |b| LayerNorm::build(&LayerNormSpec::new(h), b))
     });
-    let (host, device) = mlp_pair(&g, h, f)?;
+    let (host, device) = mlp_pair(g, h, f)?;
     let x = tensor(
         det(s * b * h, 5).iter().map(|v| 2.0 * v + 0.3).collect(),
         &[s, b, h],
     );
     let dy = tensor(det(s * b * h, 6), &[s, b, h]);
     let (n_h, _) = ln_host.forward(&cx, Site::ROOT, &x)?;
-    let (n_d, _) = ln_device.forward(&cx, Site::ROOT, &x.to_gpu(&g)?)?;
+    let (n_d, _) = ln_device.forward(&cx, Site::ROOT, &x.to_gpu(g)?)?;
     assert_eq!(n_d.dtype(), DType::BF16, "layer norm output");
     close(&n_d.to_vec_f32()?, &n_h.to_vec()?, 1e-2, "ln y");
     let on_host = mlp_steps(&cx, &host, &n_h, &dy)?;
-    let on_device = mlp_steps(&cx, &device, &n_d, &dy.to_gpu(&g)?)?;
+    let on_device = mlp_steps(&cx, &device, &n_d, &dy.to_gpu(g)?)?;
     // What products read next is bf16; what is summed across ranks or reaches the residual
     // stream is f32.
     let names = [

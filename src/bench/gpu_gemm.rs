@@ -1,11 +1,16 @@
 //! `megatron bench gemm --device cuda`: TFLOP/s of cuBLAS products (bf16 inputs, f32
 //! accumulation and output, as training runs them) on the shapes of a GPT-1.2B step, next to
-//! the GPU's dense bf16 peak.
+//! the GPU's dense bf16 peak; and a column-parallel linear layer's forward with its bias added
+//! by a kernel after the product against cuBLASLt's bias epilogue.
 
 use std::time::Instant;
 
+use megatron_core::comm::ParallelState;
 use megatron_core::cuda::Gpu;
 use megatron_core::cuda::blas::{Blas, MatmulShape};
+use megatron_core::module::{Builder, ColumnParallel, Cx, Module, Site};
+use megatron_core::tensor::{DType, Tensor};
+use megatron_core::tensor_parallel::{Linear, LinearSpec};
 
 use super::gemm::GemmShape;
 
@@ -57,6 +62,39 @@ pub const SHAPES: [GemmShape; 5] = [
     },
 ];
 
+/// GPT-1.2B's column-parallel layers at micro-batch 4 × 2048 tokens (hidden 1536): the fused
+/// QKV projection and the MLP's first layer, `Y = X·Wᵀ + b` with bf16 `X`, `W` and `Y`.
+pub const BIASED: [GemmShape; 2] = [
+    GemmShape {
+        name: "qkv  Y = X·Wᵀ + b",
+        m: 8192,
+        k: 1536,
+        n: 4608,
+        trans_a: false,
+        trans_b: true,
+    },
+    GemmShape {
+        name: "fc1  Y = X·Wᵀ + b",
+        m: 8192,
+        k: 1536,
+        n: 6144,
+        trans_a: false,
+        trans_b: true,
+    },
+];
+
+/// A linear layer's forward measured both ways.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BiasedResult {
+    /// The layer's product.
+    #[serde(flatten)]
+    pub shape: GemmShape,
+    /// Median ms of the product (f32 out) then the bias kernel (bf16 out).
+    pub separate_ms: f64,
+    /// Median ms of the one cuBLASLt product with the bias epilogue (bf16 out).
+    pub epilogue_ms: f64,
+}
+
 /// A measured shape.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct GpuGemmResult {
@@ -78,6 +116,68 @@ pub struct GpuGemmReport {
     pub peak_tflops: f64,
     /// One entry per shape.
     pub results: Vec<GpuGemmResult>,
+    /// One entry per biased layer.
+    pub biased: Vec<BiasedResult>,
+}
+
+/// The median of `repeats` timed batches of 10 runs of `step` (after a warm-up batch), in
+/// seconds per run.
+fn median_seconds(
+    gpu: &Gpu,
+    repeats: usize,
+    mut step: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<f64> {
+    let mut times = Vec::new();
+    for round in 0..=repeats.max(1) {
+        gpu.synchronize()?;
+        let start = Instant::now();
+        for _ in 0..10 {
+            step()?;
+        }
+        gpu.synchronize()?;
+        if round > 0 {
+            times.push(start.elapsed().as_secs_f64() / 10.0);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// A column-parallel layer's forward (one rank) on `gpu` in bf16, with its bias added after
+/// the product and in the product's epilogue.
+pub fn biased_layer(gpu: &Gpu, shape: GemmShape, repeats: usize) -> anyhow::Result<BiasedResult> {
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 1);
+    let mut b = Builder::for_rank(1, ps.groups());
+    let mut layer = Linear::build_column(&LinearSpec::new(shape.k, shape.n), &mut b)?;
+    // f32 values with bf16 compute copies, as a mixed-precision run keeps them.
+    let mut moved = Ok(());
+    layer.visit_params_mut(&mut |p| {
+        if moved.is_ok() {
+            moved = (|| {
+                let value = p.value().to_gpu(gpu)?;
+                let grad = Tensor::zeros_on(p.grad().shape().clone(), DType::F32, gpu)?;
+                let compute = value.to_dtype(DType::BF16)?;
+                p.rebind(value, grad, Some(compute))
+            })();
+        }
+    });
+    moved?;
+    let x = Tensor::zeros_on([shape.m, shape.k], DType::BF16, gpu)?;
+    let time = |epilogue: bool| {
+        gpu.set_bias_epilogues(epilogue);
+        median_seconds(gpu, repeats, || {
+            layer.forward_column(&cx, Site::ROOT, &x)?;
+            Ok(())
+        })
+    };
+    let separate = time(false)?;
+    let epilogue = time(true)?;
+    Ok(BiasedResult {
+        shape,
+        separate_ms: separate * 1e3,
+        epilogue_ms: epilogue * 1e3,
+    })
 }
 
 /// Measures every shape on GPU 0, `repeats` timed batches of 10 products after a warm-up.
@@ -99,20 +199,10 @@ pub fn run(repeats: usize) -> anyhow::Result<GpuGemmReport> {
             trans_b: shape.trans_b,
             ..MatmulShape::new(m, n, k)
         };
-        let mut times = Vec::new();
-        for round in 0..=repeats.max(1) {
-            gpu.synchronize()?;
-            let start = Instant::now();
-            for _ in 0..10 {
-                blas.matmul(product, &a.as_view(), &b.as_view(), &mut c.as_view_mut())?;
-            }
-            gpu.synchronize()?;
-            if round > 0 {
-                times.push(start.elapsed().as_secs_f64() / 10.0);
-            }
-        }
-        times.sort_by(f64::total_cmp);
-        let median = times[times.len() / 2];
+        let median = median_seconds(&gpu, repeats, || {
+            blas.matmul(product, &a.as_view(), &b.as_view(), &mut c.as_view_mut())?;
+            Ok(())
+        })?;
         let tflops = 2.0 * (m * n * k) as f64 / median / 1e12;
         results.push(GpuGemmResult {
             shape,
@@ -120,10 +210,16 @@ pub fn run(repeats: usize) -> anyhow::Result<GpuGemmReport> {
             fraction_of_peak: tflops / H100_SXM_BF16_TFLOPS,
         });
     }
+    gpu.set_bf16_products(true);
+    let biased = BIASED
+        .into_iter()
+        .map(|shape| biased_layer(&gpu, shape, repeats))
+        .collect::<anyhow::Result<_>>()?;
     Ok(GpuGemmReport {
         device,
         peak_tflops: H100_SXM_BF16_TFLOPS,
         results,
+        biased,
     })
 }
 
@@ -144,6 +240,26 @@ impl std::fmt::Display for GpuGemmReport {
                 r.shape.n,
                 r.tflops_median,
                 100.0 * r.fraction_of_peak
+            )?;
+        }
+        writeln!(
+            f,
+            "A column-parallel layer's forward, bf16 in and out (ms, TFLOP/s of the product):"
+        )?;
+        for r in &self.biased {
+            let tflops = |ms: f64| 2.0 * (r.shape.m * r.shape.n * r.shape.k) as f64 / ms / 1e9;
+            writeln!(
+                f,
+                "  {:<26} {:>5}×{:<5}×{:>5}  product then bias kernel {:.3} ms ({:.1})  \
+                 bias in cuBLASLt's epilogue {:.3} ms ({:.1})",
+                r.shape.name,
+                r.shape.m,
+                r.shape.k,
+                r.shape.n,
+                r.separate_ms,
+                tflops(r.separate_ms),
+                r.epilogue_ms,
+                tflops(r.epilogue_ms),
             )?;
         }
         Ok(())

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=target/gpu
 tests="cuda_nvrtc cuda_backend cuda_norm_softmax cuda_embedding_loss_adam cuda_layers_dense
-       cuda_layers_attention_vocab gpt_gpu nccl_backend"
+       cuda_layers_attention_vocab gpt_gpu bench_gpu nccl_backend"
 cargo build --release --locked --features cuda,mpi
 cargo test --release --locked --workspace --features cuda,mpi --no-run --message-format=json \
     > target/gpu-tests.json
@@ -27,7 +27,7 @@ for line in open("target/gpu-tests.json"):
     [ -n "$exe" ] || { echo "no test binary $t" >&2; exit 1; }
     cp "$exe" "$out/$t"
 done
-strip "$out"/megatron "$out"/cuda_* "$out"/gpt_gpu "$out"/nccl_backend
+strip "$out"/megatron "$out"/cuda_* "$out"/gpt_gpu "$out"/bench_gpu "$out"/nccl_backend
 # Libraries the binaries link beyond glibc, and OpenMPI's plugins with their helpers.
 ldd "$out"/megatron "$out"/nccl_backend | awk '/=> \//{print $3}' | sort -u |
     grep -vE '/(libc|libm|libgcc_s|libpthread|libdl|librt|ld-linux[^/]*)\.so' |

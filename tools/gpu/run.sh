@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks, run on the GPU machine from the folder tools/gpu/pack.sh filled (target/gpu): every
-# GPU test (full output under $OUT/tests), the attention bench, gpt-1.2b benches ($OUT/bench).
+# GPU test (full output under $OUT/tests), the product bench (cuBLAS shapes, and biased layers
+# with and without cuBLASLt's epilogue), the attention bench, gpt-1.2b benches ($OUT/bench).
 # Knobs: TESTS=0 skips tests; ONLY="a b" limits test binaries; TT=seconds per test binary;
-# ATT=0 skips the attention bench; DROPOUTS="0.1 0" its dropouts; BINS="megatron other" CLI
+# GEMM=0 skips the product bench; ATT=0 skips the attention bench; DROPOUTS="0.1 0" its dropouts; BINS="megatron other" CLI
 # builds to compare; BENCH="name[@bin]:args;..." replaces the benches; NCU="regex" also profiles
 # the attention bench's kernels matching it with Nsight Compute ($OUT/ncu.csv: speed of light,
 # occupancy, warp stall reasons), e.g. NCU="flash".
@@ -21,6 +22,9 @@ for t in ${ONLY:-$tests}; do
   echo "=== $t rc=$rc $(( $(date +%s) - s ))s: $(grep -E '^test result' "$OUT/tests/$t.log" | tail -1)"
   grep -E "^test .*FAILED|panicked" "$OUT/tests/$t.log" | head -10
 done
+fi
+if [ "${GEMM:-1}" = 1 ]; then
+  echo "=== bench gemm"; timeout 120 ./megatron bench gemm --device cuda --repeats 7 2>&1 | tee "$OUT/bench/gemm.txt"
 fi
 G="--model gpt-1.2b --seq-length 2048 --max-position-embeddings 2048 --train-iters 4 --warmup 2 --device cuda --quiet"
 if [ "${ATT:-1}" = 1 ]; then for bin in ${BINS:-megatron}; do for dp in ${DROPOUTS:-0.1}; do

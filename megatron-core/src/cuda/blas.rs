@@ -10,6 +10,7 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr};
 use half::bf16;
 
+use super::blas_lt::{BlasLt, LtType};
 use super::error::{CudaError, Result};
 use super::{Gpu, library, profile};
 use crate::kernels::KernelError;
@@ -92,7 +93,10 @@ pub struct Operand {
 pub struct Blas {
     handle: CudaBlas,
     stream: std::sync::Arc<cudarc::driver::CudaStream>,
-    _workspace: cudarc::driver::CudaSlice<u8>,
+    workspace: cudarc::driver::CudaSlice<u8>,
+    /// cuBLASLt on the same stream and workspace, for products with a bias epilogue: made on
+    /// first use, `None` where the library is missing.
+    lt: std::sync::OnceLock<Option<BlasLt>>,
 }
 
 impl Blas {
@@ -124,8 +128,80 @@ impl Blas {
         Ok(Blas {
             handle,
             stream: gpu.stream().clone(),
-            _workspace: workspace,
+            workspace,
+            lt: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Records the product `what` (`flops` floating-point operations) that `run` queues in the
+    /// profile, when profiling is on.
+    fn timed<R>(
+        &self,
+        what: impl FnOnce() -> String,
+        flops: f64,
+        run: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        let event = || {
+            self.stream
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| CudaError::driver("timing a product", e))
+        };
+        let start = profile::enabled().then(event).transpose()?;
+        let out = run()?;
+        if let Some(start) = start {
+            profile::record(what(), flops, (start, event()?));
+        }
+        Ok(out)
+    }
+
+    /// `C = op(A)·op(B) + bias` on raw operands, one row-major `[m, k]·[k, n] → [m, n]`
+    /// product (operands as [`Blas::matmul_raw`]'s), `bias` an f32 vector of `n` added to
+    /// every row: one cuBLASLt kernel, the f32 sum rounded once to `output`. Returns `false`,
+    /// having queued nothing, where cuBLASLt cannot (no library, or no algorithm for the
+    /// problem): the caller then adds the bias itself.
+    ///
+    /// # Safety
+    /// As [`Blas::matmul_raw`]; the bias must hold `n` f32 values.
+    pub unsafe fn matmul_bias_raw(
+        &self,
+        (input, output): (LtType, LtType),
+        (m, n, k): (usize, usize, usize),
+        (a, b, c): (Operand, Operand, Operand),
+        bias: u64,
+    ) -> Result<bool> {
+        if m == 0 || n == 0 {
+            return Ok(true);
+        }
+        let lt = match self.lt.get() {
+            Some(lt) => lt,
+            None => {
+                let (ptr, _sync) = self.workspace.device_ptr(&self.stream);
+                let made = match BlasLt::new((ptr, WORKSPACE_BYTES)) {
+                    Ok(lt) => Some(lt),
+                    Err(CudaError::Unavailable { .. }) => None,
+                    Err(e) => return Err(e),
+                };
+                self.lt.get_or_init(|| made)
+            }
+        };
+        let Some(lt) = lt else {
+            return Ok(false);
+        };
+        let Some(plan) = lt.plan((input, output), (m, n, k), (a, b, c), bias)? else {
+            return Ok(false);
+        };
+        let name = |t: LtType| match t {
+            LtType::F32 => "f32",
+            LtType::Bf16 => "bf16",
+        };
+        let stream = self.stream.cu_stream() as *mut std::ffi::c_void;
+        self.timed(
+            || format!("gemm+bias {m}×{n}×{k} {}→{}", name(input), name(output)),
+            2.0 * (m * n * k) as f64,
+            // SAFETY: the caller vouches for the operands and the bias (the plan's).
+            || unsafe { lt.run(&plan, (a, b, c), stream) },
+        )?;
+        Ok(true)
     }
 
     /// `C = alpha·op(A)·op(B) + beta·C` on raw operands: `[m, k]·[k, n] → [m, n]`, `batch`
@@ -164,64 +240,52 @@ impl Blas {
                 cublasOperation_t::CUBLAS_OP_N
             }
         };
-        let timed = profile::enabled()
-            .then(|| {
-                self.stream
-                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            })
-            .transpose()
-            .map_err(|e| CudaError::driver("timing a product", e))?;
-        // SAFETY: the caller vouches for the operands; cuBLAS reads Bᵀ·Aᵀ = Cᵀ column-major.
-        unsafe {
-            gemm_strided_batched_ex(
-                *self.handle.handle(),
-                op(b.trans),
-                op(a.trans),
-                int(n)?,
-                int(m)?,
-                int(k)?,
-                (&alpha) as *const f32 as *const _,
-                b.addr as *const _,
-                input,
-                int(b.ld.max(1))?,
-                b.batch_stride as i64,
-                a.addr as *const _,
-                input,
-                int(a.ld.max(1))?,
-                a.batch_stride as i64,
-                (&beta) as *const f32 as *const _,
-                c.addr as *mut _,
-                output,
-                int(c.ld.max(1))?,
-                c.batch_stride as i64,
-                int(batch)?,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| CudaError::Blas {
-            call: format!("cublasGemmStridedBatchedEx({})", dims()),
-            message: format!("{e:?}"),
-        })?;
-        if let Some(start) = timed {
-            let end = self
-                .stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| CudaError::driver("timing a product", e))?;
-            let name = |t: cudaDataType| {
-                if t == cudaDataType::CUDA_R_16BF {
-                    "bf16"
-                } else {
-                    "f32"
+        let name = |t: cudaDataType| {
+            if t == cudaDataType::CUDA_R_16BF {
+                "bf16"
+            } else {
+                "f32"
+            }
+        };
+        self.timed(
+            || format!("gemm {m}×{n}×{k}×{batch} {}→{}", name(input), name(output)),
+            2.0 * (m * n * k * batch) as f64,
+            || {
+                // SAFETY: the caller vouches for the operands; cuBLAS reads Bᵀ·Aᵀ = Cᵀ
+                // column-major.
+                unsafe {
+                    gemm_strided_batched_ex(
+                        *self.handle.handle(),
+                        op(b.trans),
+                        op(a.trans),
+                        int(n)?,
+                        int(m)?,
+                        int(k)?,
+                        (&alpha) as *const f32 as *const _,
+                        b.addr as *const _,
+                        input,
+                        int(b.ld.max(1))?,
+                        b.batch_stride as i64,
+                        a.addr as *const _,
+                        input,
+                        int(a.ld.max(1))?,
+                        a.batch_stride as i64,
+                        (&beta) as *const f32 as *const _,
+                        c.addr as *mut _,
+                        output,
+                        int(c.ld.max(1))?,
+                        c.batch_stride as i64,
+                        int(batch)?,
+                        cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
                 }
-            };
-            let flops = 2.0 * (m * n * k * batch) as f64;
-            profile::record(
-                format!("gemm {m}×{n}×{k}×{batch} {}→{}", name(input), name(output)),
-                flops,
-                (start, end),
-            );
-        }
+                .map_err(|e| CudaError::Blas {
+                    call: format!("cublasGemmStridedBatchedEx({})", dims()),
+                    message: format!("{e:?}"),
+                })
+            },
+        )?;
         Ok(())
     }
 

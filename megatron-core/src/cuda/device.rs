@@ -62,6 +62,8 @@ pub struct Gpu {
     bf16_products: Arc<AtomicBool>,
     /// Whether attention runs as tiled (flash) kernels where it can.
     flash_attention: Arc<AtomicBool>,
+    /// Whether products followed by a bias add it in cuBLASLt's epilogue.
+    bias_epilogues: Arc<AtomicBool>,
 }
 
 impl Gpu {
@@ -98,6 +100,7 @@ impl Gpu {
             blas: Arc::new(OnceLock::new()),
             bf16_products: Arc::new(AtomicBool::new(false)),
             flash_attention: Arc::new(AtomicBool::new(false)),
+            bias_epilogues: Arc::new(AtomicBool::new(true)),
         })
     }
 
@@ -114,6 +117,7 @@ impl Gpu {
             blas: Arc::new(OnceLock::new()),
             bf16_products: Arc::new(AtomicBool::new(self.bf16_products())),
             flash_attention: Arc::new(AtomicBool::new(self.flash_attention())),
+            bias_epilogues: Arc::new(AtomicBool::new(self.bias_epilogues())),
         })
     }
 
@@ -164,6 +168,18 @@ impl Gpu {
     /// Whether attention may run as flash kernels (see [`Gpu::set_flash_attention`]).
     pub fn flash_attention(&self) -> bool {
         self.flash_attention.load(Ordering::Relaxed)
+    }
+
+    /// Makes a layer's product and bias one cuBLASLt call whose epilogue adds the bias (the
+    /// f32 sum rounded once to the output's dtype), where cuBLASLt has an algorithm for it; off,
+    /// a product then a bias kernel. On by default.
+    pub fn set_bias_epilogues(&self, on: bool) {
+        self.bias_epilogues.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether biases go in the products' epilogues (see [`Gpu::set_bias_epilogues`]).
+    pub fn bias_epilogues(&self) -> bool {
+        self.bias_epilogues.load(Ordering::Relaxed)
     }
 
     /// The loaded kernels.

@@ -6,7 +6,8 @@
 //!   run time by NVRTC for the device's architecture (once per process) and launched with the
 //!   CPU kernels' argument checks; each gives the CPU result within f32 tolerance, and dropout
 //!   draws bit-identical masks from the same Philox streams.
-//! - [`blas`]: matrix products on cuBLAS: bf16 or f32 inputs, f32 accumulation.
+//! - [`blas`]: matrix products on cuBLAS: bf16 or f32 inputs, f32 accumulation; [`blas_lt`]:
+//!   products whose cuBLASLt epilogue adds a bias.
 //! - [`graph`]: capture a region of a stream into a CUDA graph and replay it.
 //! - [`profile`]: the GPU time of every kernel and product, summed by name.
 //!
@@ -14,6 +15,7 @@
 //! and lints on a machine without CUDA; using it there is a [`CudaError::Unavailable`].
 
 pub mod blas;
+pub mod blas_lt;
 mod device;
 mod error;
 pub mod graph;

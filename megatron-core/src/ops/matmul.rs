@@ -263,6 +263,20 @@ pub fn matmul_into(alpha: f32, a: &Tensor, b: &Tensor, beta: f32, c: &Tensor) ->
     Ok(())
 }
 
+/// `c = a @ b + bias` (`bias` f32, one value per column of `c`, added to every row) as one
+/// cuBLASLt product whose epilogue adds the bias, the f32 sum rounded once to `c`'s dtype; for
+/// one (unbatched) matrix product on a GPU with bias epilogues on (`Gpu::set_bias_epilogues`).
+/// Returns `false`, having done nothing, anywhere else (the CPU, a batch, a transposed `c`, a
+/// problem cuBLASLt has no algorithm for): the caller then multiplies and adds the bias itself.
+pub fn matmul_bias_into(a: &Tensor, b: &Tensor, bias: &Tensor, c: &Tensor) -> Result<bool> {
+    #[cfg(feature = "cuda")]
+    if c.gpu().is_some() {
+        return device::matmul_bias_into(a, b, bias, c);
+    }
+    let _ = (a, b, bias, c);
+    Ok(false)
+}
+
 /// The product on the GPU: cuBLAS reads the same views (row-major or transposed matrices,
 /// folded batches) in place.
 #[cfg(feature = "cuda")]
@@ -320,13 +334,24 @@ mod device {
         Ok(out.relayout(t.layout(), start)?)
     }
 
-    pub(super) fn matmul_into(
-        alpha: f32,
-        a: &Tensor,
-        b: &Tensor,
-        beta: f32,
-        c: &Tensor,
-    ) -> Result<()> {
+    /// A product's operands as cuBLAS takes them: both f32, or both bf16 (rounded copies of
+    /// f32 operands when the handle multiplies in bf16), on the output's GPU.
+    struct Prepared {
+        gpu: crate::cuda::Gpu,
+        a: Tensor,
+        b: Tensor,
+        bf16: bool,
+        output: cudaDataType,
+    }
+
+    fn wrap(e: crate::Error) -> TensorError {
+        match e {
+            crate::Error::Tensor(t) => t,
+            other => err(other.to_string()),
+        }
+    }
+
+    fn prepare(a: &Tensor, b: &Tensor, c: &Tensor) -> Result<Prepared> {
         let gpu = c.gpu().cloned().ok_or_else(|| TensorError::Device {
             op: "matmul",
             expected: "a CUDA device",
@@ -354,12 +379,6 @@ mod device {
                 });
             }
         };
-        let wrap = |e: crate::Error| match e {
-            crate::Error::Tensor(t) => t,
-            other => err(other.to_string()),
-        };
-        // Operands as cuBLAS takes them: both f32, or both bf16 (rounded copies of f32 operands
-        // when the handle multiplies in bf16).
         let bf16 = gpu.bf16_products() || [a.dtype(), b.dtype(), c.dtype()].contains(&DType::BF16);
         let cast = |t: &Tensor| -> Result<Tensor> {
             match (bf16, t.dtype()) {
@@ -373,6 +392,96 @@ mod device {
             }
         };
         let (a, b) = (cast(a)?, cast(b)?);
+        Ok(Prepared {
+            a,
+            b,
+            bf16,
+            output,
+            gpu,
+        })
+    }
+
+    /// `c = a @ b + bias` in one cuBLASLt product where it can (see
+    /// [`super::matmul_bias_into`]); `false`, with nothing queued, where it cannot.
+    pub(super) fn matmul_bias_into(
+        a: &Tensor,
+        b: &Tensor,
+        bias: &Tensor,
+        c: &Tensor,
+    ) -> Result<bool> {
+        use crate::cuda::blas_lt::LtType;
+        if c.gpu().is_none_or(|gpu| !gpu.bias_epilogues())
+            || bias.device() != c.device()
+            || bias.dtype() != DType::F32
+            || !bias.is_contiguous()
+        {
+            return Ok(false);
+        }
+        let Prepared {
+            gpu,
+            a,
+            b,
+            bf16,
+            output,
+        } = prepare(a, b, c)?;
+        let Product {
+            a: av,
+            b: bv,
+            c: cv,
+            batch,
+            m,
+            n,
+            ..
+        } = Product::of(&a, &b, c)?;
+        if bias.numel() != n {
+            return Err(err(format!(
+                "the bias has {} elements, the product {} has {n} columns",
+                bias.numel(),
+                c.shape()
+            )));
+        }
+        if batch != 1 {
+            return Ok(false);
+        }
+        let size = a.dtype().size();
+        let a_span = a.raw_device_span_read("matmul")?;
+        let b_span = b.raw_device_span_read("matmul")?;
+        let bias_span = bias.raw_device_span_read("matmul")?;
+        let c_span = c.raw_device_span_write("matmul")?;
+        let ao = operand(&av, a_span.0, size, "a")?;
+        let bo = operand(&bv, b_span.0, size, "b")?;
+        let co = operand(&cv, c_span.0, c.dtype().size(), "c")?;
+        if co.trans {
+            return Ok(false);
+        }
+        let lt_type = |bf16: bool| if bf16 { LtType::Bf16 } else { LtType::F32 };
+        let types = (lt_type(bf16), lt_type(output == cudaDataType::CUDA_R_16BF));
+        let bias_addr = bias_span.0 + (bias.layout().offset * 4) as u64;
+        let blas = gpu.blas().map_err(|e| err(e.to_string()))?;
+        // SAFETY: the spans are borrowed (read, read, read, write) for the call and cover every
+        // element the views reach, the bias is `n` contiguous f32 values; the stream orders
+        // later frees after the product.
+        let fused =
+            unsafe { blas.matmul_bias_raw(types, (m, n, av.cols), (ao, bo, co), bias_addr) }
+                .map_err(|e| err(e.to_string()))?;
+        drop((a_span, b_span, bias_span, c_span));
+        Ok(fused)
+    }
+
+    pub(super) fn matmul_into(
+        alpha: f32,
+        a: &Tensor,
+        b: &Tensor,
+        beta: f32,
+        c: &Tensor,
+    ) -> Result<()> {
+        let Prepared {
+            gpu,
+            a,
+            b,
+            bf16,
+            output,
+        } = prepare(a, b, c)?;
         let Product {
             a: av,
             b: bv,

@@ -6,7 +6,7 @@
 mod matmul;
 mod primitives;
 
-pub use matmul::{as_operand, matmul, matmul_into, operand_dtype};
+pub use matmul::{as_operand, matmul, matmul_bias_into, matmul_into, operand_dtype};
 pub use primitives::{
     CrossEntropySaved, DropoutSaved, GeluSaved, add, cross_entropy, cross_entropy_backward,
     dropout, dropout_backward, gelu, gelu_backward,

@@ -112,62 +112,62 @@ impl Linear {
         self.bias.as_ref()
     }
 
+    /// `x` as the rows `[rows, in]` a product reads, and the shape of the output `x·Wᵀ` (`x`'s
+    /// with the last dimension `out`); `x`'s last dimension must be the layer's local inputs.
+    fn rows(&self, x: &Tensor) -> Result<(Tensor, Vec<usize>)> {
+        let w = self.weight.compute_value();
+        let (out, inp) = (w.dims()[0], w.dims()[1]);
+        let mut dims = x.dims().to_vec();
+        match dims.last_mut() {
+            Some(last) if *last == inp => *last = out,
+            _ => {
+                return invalid!(
+                    "linear {}: input of shape {} has last dimension ≠ {inp} local input features",
+                    self.weight.spec().name,
+                    x.shape()
+                );
+            }
+        }
+        Ok((x.reshape([x.numel() / inp, inp])?, dims))
+    }
+
     /// `x·Wᵀ` over the last dimension of `x`, without bias (W as products read it: its
     /// compute copy when kept), in `dtype`: f32, or on a GPU bf16 (the f32 accumulator rounded
     /// once).
     fn product(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
         let w = self.weight.compute_value();
-        let (out, inp) = (w.dims()[0], w.dims()[1]);
-        let dims = x.dims();
-        if dims.last() != Some(&inp) {
-            return invalid!(
-                "linear {}: input of shape {} has last dimension ≠ {inp} local input features",
-                self.weight.spec().name,
-                x.shape()
-            );
-        }
-        let rows = x.numel() / inp;
-        let y = Tensor::empty_near([rows, out], dtype, x)?;
-        matmul_into(1.0, &x.reshape([rows, inp])?, &w.t()?, 0.0, &y)?;
-        let mut out_dims = dims.to_vec();
-        *out_dims.last_mut().expect("checked above") = out;
-        Ok(y.reshape(out_dims)?)
+        let (x2, dims) = self.rows(x)?;
+        let y = Tensor::empty_near([x2.dims()[0], w.dims()[0]], dtype, x)?;
+        matmul_into(1.0, &x2, &w.t()?, 0.0, &y)?;
+        Ok(y.reshape(dims)?)
     }
 
-    /// `x·Wᵀ + b` in `dtype`: the bias added to the f32 product, the sum rounded once.
+    /// `x·Wᵀ + b` in `dtype`: the bias added to the f32 product, the sum rounded once (on a
+    /// GPU in the product's epilogue where cuBLASLt can).
     fn biased_product(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
-        if self.bias.is_none() {
+        let Some(bias) = &self.bias else {
             return self.product(x, dtype);
+        };
+        let bias = bias.value().to_f32_contiguous()?;
+        #[cfg(feature = "cuda")]
+        if x.gpu().is_some() {
+            let w = self.weight.compute_value();
+            let (x2, dims) = self.rows(x)?;
+            let y = Tensor::empty_near([x2.dims()[0], w.dims()[0]], dtype, x)?;
+            if crate::ops::matmul_bias_into(&x2, &w.t()?, &bias, &y)? {
+                return Ok(y.reshape(dims)?);
+            }
         }
         let y = self.product(x, DType::F32)?;
         #[cfg(feature = "cuda")]
         if dtype != DType::F32
-            && let (Some(gpu), Some(bias)) = (y.gpu(), &self.bias)
+            && let Some(gpu) = y.gpu()
         {
             // One pass: the sum written in `dtype`.
-            let bias = bias.value().to_f32_contiguous()?;
             return device::bias_add_cast(gpu, &y, &bias, dtype);
         }
-        self.add_bias_in_place(&y)?;
+        add_bias_in_place(&y, &bias)?;
         Ok(y.to_contiguous(dtype)?)
-    }
-
-    fn add_bias_in_place(&self, y: &Tensor) -> Result<()> {
-        if let Some(bias) = &self.bias {
-            let cols = bias.value().numel();
-            let bias = bias.value().to_f32_contiguous()?;
-            #[cfg(feature = "cuda")]
-            if let Some(gpu) = y.gpu() {
-                return device::bias_add(gpu, y, &bias, cols);
-            }
-            elementwise::bias_add_forward(
-                &mut y.write::<f32>()?,
-                &bias.read::<f32>()?,
-                y.numel() / cols,
-                cols,
-            )?;
-        }
-        Ok(())
     }
 
     /// Accumulates dW (and db when `with_bias`) and returns dx = dy·W in `dx_dtype` (bf16 only
@@ -324,7 +324,10 @@ impl RowParallel for Linear {
                 y.dtype()
             );
         }
-        self.add_bias_in_place(y)
+        match &self.bias {
+            Some(bias) => add_bias_in_place(y, &bias.value().to_f32_contiguous()?),
+            None => Ok(()),
+        }
     }
 
     fn backward_row(
@@ -340,6 +343,23 @@ impl RowParallel for Linear {
         let dx_dtype = operand_dtype(&saved.x);
         self.backward_product(saved, dy, true, dx_dtype)
     }
+}
+
+/// `y[r, c] += bias[c]` for a contiguous f32 `y` whose rows are `bias.numel()` long and a
+/// contiguous f32 `bias`.
+fn add_bias_in_place(y: &Tensor, bias: &Tensor) -> Result<()> {
+    let cols = bias.numel();
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = y.gpu() {
+        return device::bias_add(gpu, y, bias, cols);
+    }
+    elementwise::bias_add_forward(
+        &mut y.write::<f32>()?,
+        &bias.read::<f32>()?,
+        y.numel() / cols,
+        cols,
+    )?;
+    Ok(())
 }
 
 /// The bias on a GPU; the products are [`matmul`]'s, which already run there.

@@ -872,8 +872,59 @@ int cublasSetStream_v2(void* handle, void* stream) {
 int cublasSetWorkspace_v2(void*, void*, std::size_t) { return 0; }
 int cublasSetMathMode(void*, int) { return 0; }
 
-// C = alpha·op(A)·op(B) + beta·C for each of `batch` matrices, column-major, with f32
-// accumulation (in its own order: cuBLAS's differs, within rounding).
+// One product D = alpha·op(A)·op(B) + beta·C (+ bias[row]), column-major, accumulated in f32
+// (in its own order: cuBLAS's differs, within rounding). D may be C. beta = 0 does not read C
+// (it may hold NaN), as cuBLAS.
+struct Gemm {
+    bool transa, transb;
+    int m, n, k;
+    float alpha, beta;
+    Matrix a, b, c, d;
+    const void* bias;  // null, or `m` elements of `bias_type` added to each column
+    int bias_type;
+};
+
+static void gemm(const Gemm& g) {
+    const int m = g.m, n = g.n, k = g.k;
+    // op(A) as rows of k (m of them) and op(B) as columns of k (n), in f32.
+    std::vector<float> rows((std::size_t)m * k), columns((std::size_t)n * k);
+    for (int i = 0; i < m; ++i) {
+        for (int l = 0; l < k; ++l) {
+            rows[(std::size_t)i * k + l] =
+                load(g.a, g.transa ? l + (long long)i * g.a.ld : i + (long long)l * g.a.ld);
+        }
+    }
+    for (int j = 0; j < n; ++j) {
+        for (int l = 0; l < k; ++l) {
+            columns[(std::size_t)j * k + l] =
+                load(g.b, g.transb ? j + (long long)l * g.b.ld : l + (long long)j * g.b.ld);
+        }
+    }
+    const Matrix bias{const_cast<void*>(g.bias), g.bias_type, 0};
+    for (int j = 0; j < n; ++j) {
+        const float* column = &columns[(std::size_t)j * k];
+        for (int i = 0; i < m; ++i) {
+            const float* row = &rows[(std::size_t)i * k];
+            // Eight partial sums (as a GEMM's vector lanes would), then their sum.
+            float part[8] = {};
+            int l = 0;
+            for (; l + 8 <= k; l += 8) {
+                for (int v = 0; v < 8; ++v) part[v] += row[l + v] * column[l + v];
+            }
+            for (; l < k; ++l) part[l % 8] += row[l] * column[l];
+            float sum = 0.0f;
+            for (float p : part) sum += p;
+            const float old = g.beta == 0.0f ? 0.0f : g.beta * load(g.c, i + (long long)j * g.c.ld);
+            float v = g.alpha * sum + old;
+            if (g.bias) v += load(bias, i);
+            store(g.d, i + (long long)j * g.d.ld, v);
+        }
+    }
+}
+
+static int gemm_element_size(int type) { return type == 0 ? 4 : 2; }
+
+// C = alpha·op(A)·op(B) + beta·C for each of `batch` matrices.
 int cublasGemmStridedBatchedEx(void* handle, int transa, int transb, int m, int n, int k,
                                const void* alpha, const void* a, int atype, int lda,
                                long long stride_a, const void* b, int btype, int ldb,
@@ -889,48 +940,16 @@ int cublasGemmStridedBatchedEx(void* handle, int transa, int transb, int m, int 
     }
     const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
     auto* h = static_cast<BlasHandle*>(handle);
-    const int esize_a = atype == 0 ? 4 : 2, esize_c = ctype == 0 ? 4 : 2;
+    const int esize_a = gemm_element_size(atype), esize_c = gemm_element_size(ctype);
     const CUresult r = run_or_capture(h->stream, [=] {
         if (!check_order("cublasGemmStridedBatchedEx", {{a, false}, {b, false}, {c, true}})) {
             return LAUNCH_FAILED;
         }
         for (int p = 0; p < batch; ++p) {
-            const Matrix A{(char*)a + stride_a * p * esize_a, atype, lda};
-            const Matrix B{(char*)b + stride_b * p * esize_a, btype, ldb};
             const Matrix C{(char*)c + stride_c * p * esize_c, ctype, ldc};
-            // op(A) as rows of k (m of them) and op(B) as columns of k (n), in f32.
-            std::vector<float> rows((std::size_t)m * k), columns((std::size_t)n * k);
-            for (int i = 0; i < m; ++i) {
-                for (int l = 0; l < k; ++l) {
-                    rows[(std::size_t)i * k + l] =
-                        load(A, transa ? l + (long long)i * lda : i + (long long)l * lda);
-                }
-            }
-            for (int j = 0; j < n; ++j) {
-                for (int l = 0; l < k; ++l) {
-                    columns[(std::size_t)j * k + l] =
-                        load(B, transb ? j + (long long)l * ldb : l + (long long)j * ldb);
-                }
-            }
-            for (int j = 0; j < n; ++j) {
-                const float* column = &columns[(std::size_t)j * k];
-                for (int i = 0; i < m; ++i) {
-                    const float* row = &rows[(std::size_t)i * k];
-                    // Eight partial sums (as a GEMM's vector lanes would), then their sum.
-                    float part[8] = {};
-                    int l = 0;
-                    for (; l + 8 <= k; l += 8) {
-                        for (int v = 0; v < 8; ++v) part[v] += row[l + v] * column[l + v];
-                    }
-                    for (; l < k; ++l) part[l % 8] += row[l] * column[l];
-                    float sum = 0.0f;
-                    for (float p : part) sum += p;
-                    const long long at = i + (long long)j * ldc;
-                    // beta = 0 does not read C (it may hold NaN), as cuBLAS.
-                    const float old = be == 0.0f ? 0.0f : be * load(C, at);
-                    store(C, at, al * sum + old);
-                }
-            }
+            gemm(Gemm{transa != 0, transb != 0, m, n, k, al, be,
+                      Matrix{(char*)a + stride_a * p * esize_a, atype, lda},
+                      Matrix{(char*)b + stride_b * p * esize_a, btype, ldb}, C, C, nullptr, 0});
         }
         return OK;
     });
@@ -941,6 +960,174 @@ int cublasGemmEx(void* handle, int transa, int transb, int m, int n, int k, cons
                  const void* beta, void* c, int ctype, int ldc, int compute, int algo) {
     return cublasGemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, a, atype, lda, 0, b,
                                       btype, ldb, 0, beta, c, ctype, ldc, 0, 1, compute, algo);
+}
+
+// ---- cuBLASLt: single (unbatched) products with the default or the bias epilogue ----
+
+struct LtLayout {
+    int type;
+    unsigned long long rows, cols;
+    long long ld;
+    int batch = 1;
+};
+struct LtDesc {
+    int compute, scale;
+    int transa = 0, transb = 0;
+    int epilogue = 1;  // CUBLASLT_EPILOGUE_DEFAULT
+    const void* bias = nullptr;
+    int bias_type = -1;  // -1: D's type
+};
+// cublasLtMatmulHeuristicResult_t: the algorithm's 64 bytes, workspace size, state, waves.
+struct LtHeuristic {
+    unsigned long long algo[8];
+    std::size_t workspace;
+    int state;
+    float waves;
+    int reserved[4];
+};
+
+// Attribute numbers of cublasLt.h (CUDA 13).
+constexpr int LT_TRANSA = 3, LT_TRANSB = 4, LT_EPILOGUE = 7, LT_BIAS_POINTER = 8,
+              LT_BIAS_DATA_TYPE = 26, LT_LAYOUT_BATCH_COUNT = 1;
+constexpr int LT_EPILOGUE_DEFAULT = 1, LT_EPILOGUE_BIAS = 4;
+
+// Copies an attribute's value into `out` if it has `out`'s size.
+static bool read_attribute(const void* buf, std::size_t size, void* out, std::size_t want) {
+    if (size != want) return false;
+    std::memcpy(out, buf, want);
+    return true;
+}
+#define READ_ATTRIBUTE(field) read_attribute(buf, size, &(field), sizeof(field))
+
+int cublasLtCreate(void** handle) {
+    *handle = new BlasHandle;
+    return 0;
+}
+int cublasLtDestroy(void* handle) {
+    delete static_cast<BlasHandle*>(handle);
+    return 0;
+}
+int cublasLtMatmulDescCreate(void** desc, int compute, int scale) {
+    *desc = new LtDesc{compute, scale};
+    return 0;
+}
+int cublasLtMatmulDescDestroy(void* desc) {
+    delete static_cast<LtDesc*>(desc);
+    return 0;
+}
+int cublasLtMatmulDescSetAttribute(void* desc, int attr, const void* buf, std::size_t size) {
+    auto* d = static_cast<LtDesc*>(desc);
+    bool ok = false;
+    switch (attr) {
+        case LT_TRANSA: ok = READ_ATTRIBUTE(d->transa); break;
+        case LT_TRANSB: ok = READ_ATTRIBUTE(d->transb); break;
+        case LT_EPILOGUE: ok = READ_ATTRIBUTE(d->epilogue); break;
+        case LT_BIAS_POINTER: ok = READ_ATTRIBUTE(d->bias); break;
+        case LT_BIAS_DATA_TYPE: ok = READ_ATTRIBUTE(d->bias_type); break;
+        default:
+            std::fprintf(stderr, "emulated cuBLASLt: matmul attribute %d is not modelled\n", attr);
+            return 15;  // CUBLAS_STATUS_NOT_SUPPORTED
+    }
+    return ok ? 0 : 7;
+}
+int cublasLtMatrixLayoutCreate(void** layout, int type, unsigned long long rows,
+                               unsigned long long cols, long long ld) {
+    *layout = new LtLayout{type, rows, cols, ld};
+    return 0;
+}
+int cublasLtMatrixLayoutDestroy(void* layout) {
+    delete static_cast<LtLayout*>(layout);
+    return 0;
+}
+int cublasLtMatrixLayoutSetAttribute(void* layout, int attr, const void* buf, std::size_t size) {
+    if (attr != LT_LAYOUT_BATCH_COUNT) return 15;
+    return READ_ATTRIBUTE(static_cast<LtLayout*>(layout)->batch) ? 0 : 7;
+}
+int cublasLtMatmulPreferenceCreate(void** pref) {
+    *pref = new std::size_t(0);
+    return 0;
+}
+int cublasLtMatmulPreferenceDestroy(void* pref) {
+    delete static_cast<std::size_t*>(pref);
+    return 0;
+}
+int cublasLtMatmulPreferenceSetAttribute(void*, int, const void*, std::size_t) { return 0; }
+
+// The product a descriptor and four layouts describe, or why it is not one the emulation (and,
+// as far as it models it, cuBLASLt) runs: returns null with `why` set.
+static const char* lt_check(const LtDesc& d, const LtLayout& a, const LtLayout& b,
+                            const LtLayout& c, const LtLayout& dl) {
+    if (d.compute != 68 || d.scale != 0) return "compute or scale type other than f32";
+    if (a.type != b.type || (a.type != 0 && a.type != 14)) return "A and B not both f32 or bf16";
+    if (c.type != dl.type || (dl.type != 0 && dl.type != a.type)) return "C/D type";
+    if (d.epilogue != LT_EPILOGUE_DEFAULT && d.epilogue != LT_EPILOGUE_BIAS) return "epilogue";
+    if (d.epilogue == LT_EPILOGUE_BIAS) {
+        const int bt = d.bias_type < 0 ? dl.type : d.bias_type;
+        if (bt != 0 && bt != dl.type) return "bias type";
+    }
+    if (a.batch != 1 || b.batch != 1 || c.batch != 1 || dl.batch != 1) return "batched layouts";
+    const unsigned long long m = d.transa ? a.cols : a.rows, k = d.transa ? a.rows : a.cols;
+    const unsigned long long kb = d.transb ? b.cols : b.rows, n = d.transb ? b.rows : b.cols;
+    if (k != kb || c.rows != m || c.cols != n || dl.rows != m || dl.cols != n) return "shapes";
+    if (a.ld < (long long)std::max(1ull, a.rows) || b.ld < (long long)std::max(1ull, b.rows) ||
+        c.ld < (long long)std::max(1ull, m) || dl.ld < (long long)std::max(1ull, m)) {
+        return "leading dimensions";
+    }
+    return nullptr;
+}
+
+int cublasLtMatmulAlgoGetHeuristic(void*, void* desc, void* a, void* b, void* c, void* d, void*,
+                                   int requested, void* results, int* returned) {
+    *returned = 0;
+    if (requested < 1) return 7;
+    if (lt_check(*static_cast<LtDesc*>(desc), *static_cast<LtLayout*>(a),
+                 *static_cast<LtLayout*>(b), *static_cast<LtLayout*>(c),
+                 *static_cast<LtLayout*>(d))) {
+        return 15;  // no algorithm: CUBLAS_STATUS_NOT_SUPPORTED
+    }
+    LtHeuristic h{};
+    h.algo[0] = 0x1e;  // an algorithm the emulated cublasLtMatmul recognises
+    h.waves = 1.0f;
+    std::memcpy(results, &h, sizeof h);
+    *returned = 1;
+    return 0;
+}
+
+int cublasLtMatmul(void*, void* desc, const void* alpha, const void* a, void* adesc,
+                   const void* b, void* bdesc, const void* beta, const void* c, void* cdesc,
+                   void* d, void* ddesc, const void* algo, void*, std::size_t, void* stream) {
+    const LtDesc& ds = *static_cast<LtDesc*>(desc);
+    const LtLayout &al = *static_cast<LtLayout*>(adesc), &bl = *static_cast<LtLayout*>(bdesc),
+                   &cl = *static_cast<LtLayout*>(cdesc), &dl = *static_cast<LtLayout*>(ddesc);
+    if (const char* why = lt_check(ds, al, bl, cl, dl)) {
+        std::fprintf(stderr, "emulated cublasLtMatmul: unsupported product (%s)\n", why);
+        return 15;
+    }
+    if (!algo || static_cast<const unsigned long long*>(algo)[0] != 0x1e) {
+        std::fprintf(stderr, "emulated cublasLtMatmul: the algorithm is not the heuristic's\n");
+        return 7;
+    }
+    const bool with_bias = ds.epilogue == LT_EPILOGUE_BIAS;
+    if (with_bias && !ds.bias) {
+        std::fprintf(stderr, "emulated cublasLtMatmul: the bias epilogue has no bias pointer\n");
+        return 7;
+    }
+    const Gemm g{ds.transa != 0, ds.transb != 0, (int)dl.rows, (int)dl.cols,
+                 (int)(ds.transa ? al.rows : al.cols), *static_cast<const float*>(alpha),
+                 *static_cast<const float*>(beta), Matrix{const_cast<void*>(a), al.type, al.ld},
+                 Matrix{const_cast<void*>(b), bl.type, bl.ld},
+                 Matrix{const_cast<void*>(c), cl.type, cl.ld}, Matrix{d, dl.type, dl.ld},
+                 with_bias ? ds.bias : nullptr,
+                 ds.bias_type < 0 ? dl.type : ds.bias_type};
+    const CUresult r = run_or_capture(stream, [g] {
+        std::vector<Access> uses{{g.a.data, false}, {g.b.data, false}, {g.d.data, true}};
+        if (g.beta != 0.0f) uses.push_back({g.c.data, false});
+        if (g.bias) uses.push_back({g.bias, false});
+        if (!check_order("cublasLtMatmul", uses)) return LAUNCH_FAILED;
+        gemm(g);
+        return OK;
+    });
+    return r == OK ? 0 : 13;
 }
 
 }  // extern "C"

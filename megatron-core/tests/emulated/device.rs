@@ -1,12 +1,13 @@
-//! The emulated GPU (`device.cpp`: the CUDA driver, cuBLAS and NCCL calls megatron-rs makes,
+//! The emulated GPU (`device.cpp`: the CUDA driver, cuBLAS, cuBLASLt and NCCL calls megatron-rs makes,
 //! implemented on the CPU, running the kernels' own CUDA C; `nccl.cpp` between processes through
 //! shared memory) for the GPU tests on a machine without one. With `MEGATRON_EMULATED_GPU=1`,
 //! [`install_if_requested`] builds it with the system's C++ compiler (once per source text,
 //! under the test target's temporary folder) and loads it before cudarc looks for `libcuda.so`,
-//! `libcublas.so` and `libnccl.so`, which then finds it: the libraries are loaded under those
-//! names (their sonames), and a name already loaded is not searched for again. [`build`] gives
-//! the folder, for processes started with it on their library path. NVRTC stays the real one (it needs no GPU): its PTX tells the emulation
-//! which kernels a program has and their thread limits.
+//! `libcublas.so`, `libcublasLt.so` and `libnccl.so`, which then finds it: the libraries are
+//! loaded under those names (their sonames), and a name already loaded is not searched for
+//! again. [`build`] gives the folder, for processes started with it on their library path.
+//! NVRTC stays the real one (it needs no GPU): its PTX tells the emulation which kernels a
+//! program has and their thread limits.
 //!
 //! ```sh
 //! MEGATRON_EMULATED_GPU=1 cargo test -p megatron-core --features cuda --test cuda_backend -- --include-ignored
@@ -91,7 +92,7 @@ fn run(cmd: &mut Command, what: &str) {
 /// The libraries the emulation is loaded as: the driver (with cuBLAS's and NCCL's functions in
 /// it, as they share its streams), then libraries that only depend on it, which is enough for
 /// those functions to be found through them.
-const LIBRARIES: [&str; 3] = ["libcuda.so", "libcublas.so", "libnccl.so"];
+const LIBRARIES: [&str; 4] = ["libcuda.so", "libcublas.so", "libcublasLt.so", "libnccl.so"];
 
 /// Builds the emulated GPU's libraries (once per source text) and returns their folder: put it
 /// first on `LD_LIBRARY_PATH` for a process of its own (with NVRTC's folder after it).
