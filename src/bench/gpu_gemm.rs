@@ -17,8 +17,9 @@ use super::gemm::GemmShape;
 /// H100 SXM dense bf16 tensor-core peak, TFLOP/s (NVIDIA's data sheet, without sparsity).
 pub const H100_SXM_BF16_TFLOPS: f64 = 989.0;
 
-/// The shapes: the 8192³ product NVIDIA quotes, and GPT-1.2B's layer at micro-batch 4 × 2048
-/// tokens (hidden 2048, ffn 8192): the QKV, MLP and output products, forward and backward.
+/// The shapes: the 8192³ product NVIDIA quotes, and a layer of hidden 2048 and ffn 8192 at
+/// 8192 tokens (GPT-1.2B's is hidden 1536: see [`BIASED`]): the QKV and MLP products, forward
+/// and backward.
 pub const SHAPES: [GemmShape; 5] = [
     GemmShape {
         name: "square 8192³",
