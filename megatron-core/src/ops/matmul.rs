@@ -342,6 +342,8 @@ mod device {
         b: Tensor,
         bf16: bool,
         output: cudaDataType,
+        /// How the product reads `a`, `b` and the output.
+        product: Product,
     }
 
     fn wrap(e: crate::Error) -> TensorError {
@@ -392,12 +394,52 @@ mod device {
             }
         };
         let (a, b) = (cast(a)?, cast(b)?);
+        let product = Product::of(&a, &b, c)?;
         Ok(Prepared {
             a,
             b,
             bf16,
             output,
             gpu,
+            product,
+        })
+    }
+
+    /// A prepared product's operands as cuBLAS reads them, with their storage borrowed
+    /// (read, read, write) for as long as this lives.
+    struct Operands<'t> {
+        a: Operand,
+        b: Operand,
+        c: Operand,
+        _spans: [crate::tensor::RawBorrow<'t>; 3],
+    }
+
+    fn operands<'t>(p: &'t Prepared, c: &'t Tensor) -> Result<Operands<'t>> {
+        let size = p.a.dtype().size();
+        let (a_addr, a_span) = p.a.raw_device_span_read("matmul")?;
+        let (b_addr, b_span) = p.b.raw_device_span_read("matmul")?;
+        let (c_addr, c_span) = c.raw_device_span_write("matmul")?;
+        let mut ao = operand(&p.product.a, a_addr, size, "a")?;
+        let mut bo = operand(&p.product.b, b_addr, size, "b")?;
+        let mut co = operand(&p.product.c, c_addr, c.dtype().size(), "c")?;
+        if co.trans {
+            return Err(err(format!(
+                "the output {} must have unit column stride",
+                c.shape()
+            )));
+        }
+        if p.product.batch == 1 {
+            ao.batch_stride = 0;
+            bo.batch_stride = 0;
+            co.batch_stride = 0;
+        } else if p.product.shared_b {
+            bo.batch_stride = 0;
+        }
+        Ok(Operands {
+            a: ao,
+            b: bo,
+            c: co,
+            _spans: [a_span, b_span, c_span],
         })
     }
 
@@ -417,22 +459,8 @@ mod device {
         {
             return Ok(false);
         }
-        let Prepared {
-            gpu,
-            a,
-            b,
-            bf16,
-            output,
-        } = prepare(a, b, c)?;
-        let Product {
-            a: av,
-            b: bv,
-            c: cv,
-            batch,
-            m,
-            n,
-            ..
-        } = Product::of(&a, &b, c)?;
+        let p = prepare(a, b, c)?;
+        let (m, n, k) = (p.product.m, p.product.n, p.product.a.cols);
         if bias.numel() != n {
             return Err(err(format!(
                 "the bias has {} elements, the product {} has {n} columns",
@@ -440,31 +468,24 @@ mod device {
                 c.shape()
             )));
         }
-        if batch != 1 {
+        if p.product.batch != 1 || p.product.c.col_stride != 1 {
             return Ok(false);
         }
-        let size = a.dtype().size();
-        let a_span = a.raw_device_span_read("matmul")?;
-        let b_span = b.raw_device_span_read("matmul")?;
-        let bias_span = bias.raw_device_span_read("matmul")?;
-        let c_span = c.raw_device_span_write("matmul")?;
-        let ao = operand(&av, a_span.0, size, "a")?;
-        let bo = operand(&bv, b_span.0, size, "b")?;
-        let co = operand(&cv, c_span.0, c.dtype().size(), "c")?;
-        if co.trans {
-            return Ok(false);
-        }
+        let o = operands(&p, c)?;
+        let (bias_base, bias_span) = bias.raw_device_span_read("matmul")?;
+        let bias_addr = bias_base + (bias.layout().offset * 4) as u64;
         let lt_type = |bf16: bool| if bf16 { LtType::Bf16 } else { LtType::F32 };
-        let types = (lt_type(bf16), lt_type(output == cudaDataType::CUDA_R_16BF));
-        let bias_addr = bias_span.0 + (bias.layout().offset * 4) as u64;
-        let blas = gpu.blas().map_err(|e| err(e.to_string()))?;
-        // SAFETY: the spans are borrowed (read, read, read, write) for the call and cover every
-        // element the views reach, the bias is `n` contiguous f32 values; the stream orders
-        // later frees after the product.
-        let fused =
-            unsafe { blas.matmul_bias_raw(types, (m, n, av.cols), (ao, bo, co), bias_addr) }
-                .map_err(|e| err(e.to_string()))?;
-        drop((a_span, b_span, bias_span, c_span));
+        let types = (
+            lt_type(p.bf16),
+            lt_type(p.output == cudaDataType::CUDA_R_16BF),
+        );
+        let blas = p.gpu.blas().map_err(|e| err(e.to_string()))?;
+        // SAFETY: the operands and the bias are borrowed for the call and cover every element
+        // the views reach, the bias is `n` contiguous f32 values; the stream orders later frees
+        // after the product.
+        let fused = unsafe { blas.matmul_bias_raw(types, (m, n, k), (o.a, o.b, o.c), bias_addr) }
+            .map_err(|e| err(e.to_string()))?;
+        drop((o, bias_span));
         Ok(fused)
     }
 
@@ -475,54 +496,31 @@ mod device {
         beta: f32,
         c: &Tensor,
     ) -> Result<()> {
-        let Prepared {
-            gpu,
-            a,
-            b,
-            bf16,
-            output,
-        } = prepare(a, b, c)?;
-        let Product {
-            a: av,
-            b: bv,
-            c: cv,
-            shared_b,
-            batch,
-            m,
-            n,
-        } = Product::of(&a, &b, c)?;
-        let k = av.cols;
-        let size = a.dtype().size();
-        let a_span = a.raw_device_span_read("matmul")?;
-        let b_span = b.raw_device_span_read("matmul")?;
-        let c_span = c.raw_device_span_write("matmul")?;
-        let mut ao = operand(&av, a_span.0, size, "a")?;
-        let mut bo = operand(&bv, b_span.0, size, "b")?;
-        let mut co = operand(&cv, c_span.0, c.dtype().size(), "c")?;
-        if co.trans {
-            return Err(err(format!(
-                "the output {} must have unit column stride",
-                c.shape()
-            )));
-        }
-        if batch == 1 {
-            ao.batch_stride = 0;
-            bo.batch_stride = 0;
-            co.batch_stride = 0;
-        } else if shared_b {
-            bo.batch_stride = 0;
-        }
-        let input = if bf16 {
+        let p = prepare(a, b, c)?;
+        let o = operands(&p, c)?;
+        let input = if p.bf16 {
             cudaDataType::CUDA_R_16BF
         } else {
             cudaDataType::CUDA_R_32F
         };
-        let blas = gpu.blas().map_err(|e| err(e.to_string()))?;
-        // SAFETY: the spans are borrowed (read, read, write) for the call and cover every
+        let Product { m, n, batch, .. } = p.product;
+        let k = p.product.a.cols;
+        let blas = p.gpu.blas().map_err(|e| err(e.to_string()))?;
+        // SAFETY: the operands are borrowed (read, read, write) for the call and cover every
         // element the views reach; the stream orders later frees after the product.
-        unsafe { blas.matmul_raw((input, output), (m, n, k, batch), ao, bo, co, alpha, beta) }
-            .map_err(|e| err(e.to_string()))?;
-        drop((a_span, b_span, c_span));
+        unsafe {
+            blas.matmul_raw(
+                (input, p.output),
+                (m, n, k, batch),
+                o.a,
+                o.b,
+                o.c,
+                alpha,
+                beta,
+            )
+        }
+        .map_err(|e| err(e.to_string()))?;
+        drop(o);
         Ok(())
     }
 }
