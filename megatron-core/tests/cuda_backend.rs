@@ -282,9 +282,19 @@ fn cublaslt_adds_the_bias_in_the_products_epilogue() -> R {
             for (i, v) in want.iter_mut().enumerate() {
                 *v += bias[i % n];
             }
-            let xd = Tensor::from_vec(x.clone(), [m, k])?.to_gpu(&g)?;
-            let wd = Tensor::from_vec(w.clone(), [n, k])?.to_gpu(&g)?;
-            let bd = Tensor::from_vec(bias.clone(), [n])?.to_gpu(&g)?;
+            // Operands at the start of their buffers, and one row (or element) into them, as
+            // views into flat parameter buffers are: cuBLASLt must be told their alignment.
+            let (skip, shapes) = (shape.m % 2, [[m, k], [n, k]]);
+            let after_a_row = |v: &[f32], [rows, cols]: [usize; 2]| -> R<Tensor> {
+                let mut data = vec![0.0; skip * cols];
+                data.extend_from_slice(v);
+                Ok(Tensor::from_vec(data, [rows + skip, cols])?
+                    .to_gpu(&g)?
+                    .narrow(0, skip, rows)?)
+            };
+            let xd = after_a_row(&x, shapes[0])?;
+            let wd = after_a_row(&w, shapes[1])?;
+            let bd = after_a_row(&bias, [n, 1])?.reshape([n])?;
             let outputs: &[DType] = if bf16_products {
                 &[DType::F32, DType::BF16]
             } else {

@@ -39,15 +39,21 @@ impl LtType {
     }
 }
 
-/// What decides cuBLASLt's algorithm for a product: sizes, types, layouts and whether each
-/// address is 16-byte aligned.
+/// What decides cuBLASLt's algorithm for a product: sizes, types, layouts and the alignment of
+/// each address (cuBLASLt's A, B, C/D, then the bias).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Problem {
     types: (LtType, LtType),
     mnk: (usize, usize, usize),
     trans: (bool, bool),
     ld: (usize, usize, usize),
-    aligned: [bool; 4],
+    align: [u32; 4],
+}
+
+/// The largest power of two up to 256 that divides `addr`: the alignment the heuristic is told
+/// (it assumes 256 bytes unless told less, and may pick an algorithm that needs them).
+fn alignment(addr: u64) -> u32 {
+    1 << addr.trailing_zeros().min(8)
 }
 
 /// A cuBLASLt handle on one stream, sharing the cuBLAS handle's workspace.
@@ -140,14 +146,14 @@ impl BlasLt {
             mnk: (m, n, k),
             trans: (a.trans, b.trans),
             ld: (a.ld, b.ld, c.ld),
-            aligned: [a.addr, b.addr, c.addr, bias].map(|p| p % 16 == 0),
+            align: [b.addr, a.addr, c.addr, bias].map(alignment),
         };
         let descriptors = self.descriptors(problem, bias)?;
         let mut algos = self.algos.lock().unwrap_or_else(|p| p.into_inner());
         let algo = match algos.get(&problem) {
             Some(known) => *known,
             None => {
-                let found = self.heuristic(&descriptors)?;
+                let found = self.heuristic(&descriptors, problem.align)?;
                 algos.insert(problem, found);
                 found
             }
@@ -273,24 +279,35 @@ impl BlasLt {
         })
     }
 
-    /// cuBLASLt's best algorithm for the product the descriptors describe, or `None`.
-    fn heuristic(&self, d: &Descriptors) -> Result<Option<cublasLtMatmulAlgo_t>> {
+    /// cuBLASLt's best algorithm for the product the descriptors describe, with its A, B and
+    /// C/D addresses aligned to `align` bytes, or `None`.
+    fn heuristic(&self, d: &Descriptors, align: [u32; 4]) -> Result<Option<cublasLtMatmulAlgo_t>> {
+        use cublasLtMatmulPreferenceAttributes_t as Pref;
         let pref = Owned {
             raw: lt::create_matmul_pref()
                 .map_err(|e| failed("cublasLtMatmulPreferenceCreate", e))?,
             destroy: lt::destroy_matmul_pref,
         };
+        let set = |attr: Pref, value: *const c_void, size: usize| {
+            // SAFETY: `value` points at `size` bytes of the attribute's type, alive for the call.
+            unsafe { lt::set_matmul_pref_attribute(pref.raw, attr, value, size) }
+                .map_err(|e| failed(format!("cublasLtMatmulPreferenceSetAttribute({attr:?})"), e))
+        };
         let bytes = self.workspace.1;
-        // SAFETY: the attribute is a size_t, passed by address for the call.
-        unsafe {
-            lt::set_matmul_pref_attribute(
-                pref.raw,
-                cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                ptr(&bytes),
-                size(&bytes),
-            )
+        set(
+            Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            ptr(&bytes),
+            size(&bytes),
+        )?;
+        let [a_align, b_align, c_align, _] = align;
+        for (attr, value) in [
+            (Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, a_align),
+            (Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, b_align),
+            (Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c_align),
+            (Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c_align),
+        ] {
+            set(attr, ptr(&value), size(&value))?;
         }
-        .map_err(|e| failed("cublasLtMatmulPreferenceSetAttribute", e))?;
         let [a, b, c] = &d.layouts;
         // SAFETY: every descriptor is live (owned by `d` and `pref`).
         let found = unsafe {

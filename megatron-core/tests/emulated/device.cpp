@@ -1043,15 +1043,27 @@ int cublasLtMatrixLayoutSetAttribute(void* layout, int attr, const void* buf, st
     if (attr != LT_LAYOUT_BATCH_COUNT) return 15;
     return READ_ATTRIBUTE(static_cast<LtLayout*>(layout)->batch) ? 0 : 7;
 }
+// The preference's minimum alignments of A, B, C and D: cuBLASLt assumes 256 bytes unless told
+// less, and its algorithm may then need them.
+struct LtPreference {
+    unsigned align[4] = {256, 256, 256, 256};
+};
+constexpr int LT_PREF_MIN_ALIGNMENT_A = 5;  // B, C, D follow
+
 int cublasLtMatmulPreferenceCreate(void** pref) {
-    *pref = new std::size_t(0);
+    *pref = new LtPreference;
     return 0;
 }
 int cublasLtMatmulPreferenceDestroy(void* pref) {
-    delete static_cast<std::size_t*>(pref);
+    delete static_cast<LtPreference*>(pref);
     return 0;
 }
-int cublasLtMatmulPreferenceSetAttribute(void*, int, const void*, std::size_t) { return 0; }
+int cublasLtMatmulPreferenceSetAttribute(void* pref, int attr, const void* buf,
+                                         std::size_t size) {
+    const int which = attr - LT_PREF_MIN_ALIGNMENT_A;
+    if (which < 0 || which > 3) return 0;  // the workspace limit: nothing to model
+    return READ_ATTRIBUTE(static_cast<LtPreference*>(pref)->align[which]) ? 0 : 7;
+}
 
 // The product a descriptor and four layouts describe, or why it is not one the emulation (and,
 // as far as it models it, cuBLASLt) runs: returns null with `why` set.
@@ -1076,8 +1088,8 @@ static const char* lt_check(const LtDesc& d, const LtLayout& a, const LtLayout& 
     return nullptr;
 }
 
-int cublasLtMatmulAlgoGetHeuristic(void*, void* desc, void* a, void* b, void* c, void* d, void*,
-                                   int requested, void* results, int* returned) {
+int cublasLtMatmulAlgoGetHeuristic(void*, void* desc, void* a, void* b, void* c, void* d,
+                                   void* pref, int requested, void* results, int* returned) {
     *returned = 0;
     if (requested < 1) return 7;
     if (lt_check(*static_cast<LtDesc*>(desc), *static_cast<LtLayout*>(a),
@@ -1087,6 +1099,8 @@ int cublasLtMatmulAlgoGetHeuristic(void*, void* desc, void* a, void* b, void* c,
     }
     LtHeuristic h{};
     h.algo[0] = 0x1e;  // an algorithm the emulated cublasLtMatmul recognises
+    // The alignments it was chosen for, which cublasLtMatmul's pointers must then have.
+    for (int i = 0; i < 4; ++i) h.algo[1 + i] = static_cast<LtPreference*>(pref)->align[i];
     h.waves = 1.0f;
     std::memcpy(results, &h, sizeof h);
     *returned = 1;
@@ -1106,6 +1120,17 @@ int cublasLtMatmul(void*, void* desc, const void* alpha, const void* a, void* ad
     if (!algo || static_cast<const unsigned long long*>(algo)[0] != 0x1e) {
         std::fprintf(stderr, "emulated cublasLtMatmul: the algorithm is not the heuristic's\n");
         return 7;
+    }
+    const auto* chosen = static_cast<const unsigned long long*>(algo);
+    const void* pointers[4] = {a, b, c, d};
+    for (int i = 0; i < 4; ++i) {
+        if (reinterpret_cast<std::uintptr_t>(pointers[i]) % chosen[1 + i] != 0) {
+            std::fprintf(stderr,
+                         "emulated cublasLtMatmul: %c at %p is not aligned to the %llu bytes "
+                         "the algorithm was chosen for\n",
+                         "ABCD"[i], pointers[i], chosen[1 + i]);
+            return 7;
+        }
     }
     const bool with_bias = ds.epilogue == LT_EPILOGUE_BIAS;
     if (with_bias && !ds.bias) {
