@@ -471,6 +471,17 @@ void store(const Matrix& m, long long i, float v) {
     }
 }
 
+// Queues `op` on `stream`: a copy or fill named `what` that touches `uses`, checked against
+// other streams' uses of those buffers first.
+template <class Op>
+CUresult ordered_on(void* stream, const char* what, std::vector<Access> uses, Op op) {
+    return run_or_capture(stream, [what, uses = std::move(uses), op] {
+        if (!check_order(what, uses)) return LAUNCH_FAILED;
+        op();
+        return OK;
+    });
+}
+
 }  // namespace emu
 
 using namespace emu;
@@ -681,53 +692,31 @@ CUresult cuMemFreeAsync(unsigned long long ptr, void* stream) {
 }
 CUresult cuMemsetD8Async(unsigned long long ptr, unsigned char value, std::size_t n,
                          void* stream) {
-    return run_or_capture(stream, [=] {
-        if (!check_order("cuMemsetD8Async", {{reinterpret_cast<void*>(ptr), true}})) {
-            return LAUNCH_FAILED;
-        }
-        std::memset(reinterpret_cast<void*>(ptr), value, n);
-        return OK;
-    });
+    auto* p = reinterpret_cast<void*>(ptr);
+    return ordered_on(stream, "cuMemsetD8Async", {{p, true}}, [=] { std::memset(p, value, n); });
 }
 CUresult cuMemsetD8_v2(unsigned long long ptr, unsigned char value, std::size_t n) {
     return cuMemsetD8Async(ptr, value, n, nullptr);
 }
 CUresult cuMemsetD32Async(unsigned long long ptr, unsigned value, std::size_t n, void* stream) {
-    return run_or_capture(stream, [=] {
-        auto* p = reinterpret_cast<unsigned*>(ptr);
-        std::fill(p, p + n, value);
-        return OK;
-    });
+    auto* p = reinterpret_cast<unsigned*>(ptr);
+    return ordered_on(stream, "cuMemsetD32Async", {{p, true}}, [=] { std::fill(p, p + n, value); });
 }
 CUresult cuMemcpyHtoDAsync_v2(unsigned long long dst, const void* src, std::size_t n,
                               void* stream) {
-    return run_or_capture(stream, [=] {
-        if (!check_order("cuMemcpyHtoDAsync", {{reinterpret_cast<void*>(dst), true}})) {
-            return LAUNCH_FAILED;
-        }
-        std::memcpy(reinterpret_cast<void*>(dst), src, n);
-        return OK;
-    });
+    auto* d = reinterpret_cast<void*>(dst);
+    return ordered_on(stream, "cuMemcpyHtoDAsync", {{d, true}}, [=] { std::memcpy(d, src, n); });
 }
 CUresult cuMemcpyDtoHAsync_v2(void* dst, unsigned long long src, std::size_t n, void* stream) {
-    return run_or_capture(stream, [=] {
-        if (!check_order("cuMemcpyDtoHAsync", {{reinterpret_cast<void*>(src), false}})) {
-            return LAUNCH_FAILED;
-        }
-        std::memcpy(dst, reinterpret_cast<const void*>(src), n);
-        return OK;
-    });
+    auto* s = reinterpret_cast<const void*>(src);
+    return ordered_on(stream, "cuMemcpyDtoHAsync", {{s, false}}, [=] { std::memcpy(dst, s, n); });
 }
 CUresult cuMemcpyDtoDAsync_v2(unsigned long long dst, unsigned long long src, std::size_t n,
                               void* stream) {
-    return run_or_capture(stream, [=] {
-        if (!check_order("cuMemcpyDtoDAsync", {{reinterpret_cast<void*>(src), false},
-                                               {reinterpret_cast<void*>(dst), true}})) {
-            return LAUNCH_FAILED;
-        }
-        std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
-        return OK;
-    });
+    auto* d = reinterpret_cast<void*>(dst);
+    auto* s = reinterpret_cast<const void*>(src);
+    return ordered_on(stream, "cuMemcpyDtoDAsync", {{s, false}, {d, true}},
+                      [=] { std::memmove(d, s, n); });
 }
 CUresult cuMemcpyHtoD_v2(unsigned long long dst, const void* src, std::size_t n) {
     return cuMemcpyHtoDAsync_v2(dst, src, n, nullptr);
