@@ -497,8 +497,6 @@ fn training_under_mpirun_equals_training_on_threads() {
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
         return;
     }
-    let exe = env!("CARGO_BIN_EXE_megatron");
-    let dir = scratch_dir("train");
     let args = [
         "--tp",
         "2",
@@ -515,13 +513,7 @@ fn training_under_mpirun_equals_training_on_threads() {
         "--eval-iters",
         "2",
     ];
-    let threads = train_log(Command::new(exe), &dir.join("threads.jsonl"), &args);
-    let mut mpi = mpirun(4);
-    mpi.arg(exe);
-    let with_mpi = [&args[..], &["--backend", "mpi"]].concat();
-    let processes = train_log(mpi, &dir.join("mpi.jsonl"), &with_mpi);
-    assert_eq!(processes, threads);
-    let _ = std::fs::remove_dir_all(&dir);
+    processes_train_as_threads("train", &args, "mpi", &[]);
 }
 
 /// Every collective and point-to-point call of the NCCL communicator between four processes,
@@ -562,8 +554,6 @@ fn training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
         return;
     }
-    let exe = env!("CARGO_BIN_EXE_megatron");
-    let dir = scratch_dir("nccl");
     let mut library_path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
     if device::requested() {
         let core = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/megatron-core"));
@@ -583,15 +573,25 @@ fn training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
         "--device",
         "cuda",
     ];
+    processes_train_as_threads("nccl", &args, "nccl", &[("LD_LIBRARY_PATH", &library_path)]);
+}
+
+/// Runs `megatron train` with `args` as four thread ranks, then as four processes under
+/// `mpirun` with `--backend <backend>` (`env` set for both, and passed on by mpirun), and
+/// asserts that the two step logs are the same.
+fn processes_train_as_threads(name: &str, args: &[&str], backend: &str, env: &[(&str, &str)]) {
+    let exe = env!("CARGO_BIN_EXE_megatron");
+    let dir = scratch_dir(name);
     let mut threads = Command::new(exe);
-    threads.env("LD_LIBRARY_PATH", &library_path);
-    let on_threads = train_log(threads, &dir.join("threads.jsonl"), &args);
     let mut mpi = mpirun(4);
-    mpi.env("LD_LIBRARY_PATH", &library_path)
-        .args(["-x", "LD_LIBRARY_PATH"])
-        .arg(exe);
-    let with_nccl = [&args[..], &["--backend", "nccl"]].concat();
-    let processes = train_log(mpi, &dir.join("nccl.jsonl"), &with_nccl);
+    for &(key, value) in env {
+        threads.env(key, value);
+        mpi.env(key, value).args(["-x", key]);
+    }
+    mpi.arg(exe);
+    let on_threads = train_log(threads, &dir.join("threads.jsonl"), args);
+    let with_backend = [args, &["--backend", backend]].concat();
+    let processes = train_log(mpi, &dir.join(format!("{backend}.jsonl")), &with_backend);
     assert_eq!(processes, on_threads);
     let _ = std::fs::remove_dir_all(&dir);
 }
