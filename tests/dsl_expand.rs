@@ -270,7 +270,7 @@ impl HandMlp {
         let (g, s2) = ops::gelu(cx, site.child("gelu"), &a)?;
         let (y, s3) = self.fc2.forward_row(cx, site.child("fc2"), &g)?;
         cx.tp().all_reduce(&y, ReduceOp::Sum)?;
-        self.fc2.add_bias(&y)?;
+        self.fc2.add_bias(cx, &y)?;
         Ok((y, (s1, s2, s3)))
     }
 
@@ -341,7 +341,7 @@ impl HandBlock {
         let (c, core) = Op::forward(&self.core, cx, attn.child("core"), &q)?;
         let (o, proj) = self.proj.forward_row(cx, attn.child("proj"), &c)?;
         cx.tp().all_reduce(&o, ReduceOp::Sum)?;
-        self.proj.add_bias(&o)?;
+        self.proj.add_bias(cx, &o)?;
         let (d1, drop1) = ops::dropout(cx, site.child("dropout"), &o, P, Sharding::Replicated)?;
         let h = ops::add(x, &d1)?;
         let (n, ln2) = self.ln2.forward(cx, site.child("ln2"), &h)?;
@@ -628,7 +628,7 @@ fn gathers_splits_fan_out_and_multi_input_sub_modules_match_the_hand_written_one
     let v_local = tp::split_last_dim(&cx, &v)?;
     let (y, s_down) = down.forward_row(&cx, pair.child("down"), &v_local)?;
     cx.tp().all_reduce(&y, ReduceOp::Sum)?;
-    down.add_bias(&y)?;
+    down.add_bias(&cx, &y)?;
     let (dr, s_drop) = ops::dropout(&cx, site.child("dropout"), &y, P, Sharding::Replicated)?;
     let z = ops::add(&dr, &y)?;
     let (logits, s_head) = Layer::forward(&head, &cx, site.child("head"), &z)?;

@@ -87,7 +87,7 @@ fn column_then_row_parallel_mlp_matches_the_unsharded_one() {
             let (g, gelu_saved) = ops::gelu(cx, site, &a)?;
             let (y, fc2_saved) = fc2.forward_row(cx, site, &g)?;
             cx.tp().all_reduce(&y, ReduceOp::Sum)?;
-            fc2.add_bias(&y)?;
+            fc2.add_bias(cx, &y)?;
             let d = tensor(dy.clone(), &[s, b, h]);
             let dg = fc2.backward_row(cx, site, fc2_saved, &d)?;
             let da = ops::gelu_backward(cx, site, gelu_saved, &dg)?;

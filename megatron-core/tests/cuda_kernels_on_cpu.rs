@@ -266,25 +266,39 @@ fn dropout_drops_the_cpus_elements_bit_for_bit() {
     ] {
         let n = index.outer * index.inner;
         let x = values(n, n as u64, -2.0, 2.0);
-        let mut want = vec![0.0; n];
-        cpu_dropout::dropout_forward(&x, &mut want, 0.3, &stream, index).unwrap();
-        for offset in [0, 1] {
-            let mut xb = Buf::new(&x, offset, false);
-            let mut yb = Buf::nans(n, offset, false);
-            let [xp, _] = xb.arg(offset);
-            let [yp, _] = yb.arg(offset);
-            let mut args = vec![
-                xp,
-                yp,
-                Arg::Ptr(std::ptr::null_mut()),
-                Arg::Ptr(std::ptr::null_mut()),
-                Arg::U64(n as u64),
-            ];
-            args.extend(mask_args(Some((0.3, &stream, index))));
-            launch("dropout_apply", n.div_ceil(256), 256, args);
-            let got = yb.values(offset);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got), bits(&want), "{index:?} offset {offset}");
+        let residual = values(n, n as u64 + 1, -2.0, 2.0);
+        let mut dropped = vec![0.0; n];
+        cpu_dropout::dropout_forward(&x, &mut dropped, 0.3, &stream, index).unwrap();
+        let mut summed = vec![0.0; n];
+        cpu_dropout::dropout_add_forward(&residual, &x, &mut summed, 0.3, &stream, index).unwrap();
+        // Without and with the residual (dropout, and dropout with the residual connection).
+        for (with_residual, want) in [(false, &dropped), (true, &summed)] {
+            for offset in [0, 1] {
+                let mut xb = Buf::new(&x, offset, false);
+                let mut yb = Buf::nans(n, offset, false);
+                let mut rb = Buf::new(&residual, offset, false);
+                let [xp, _] = xb.arg(offset);
+                let [yp, _] = yb.arg(offset);
+                let [rp, _] = rb.arg(offset);
+                let mut args = vec![
+                    xp,
+                    yp,
+                    Arg::Ptr(std::ptr::null_mut()),
+                    Arg::Ptr(std::ptr::null_mut()),
+                    if with_residual {
+                        rp
+                    } else {
+                        Arg::Ptr(std::ptr::null_mut())
+                    },
+                    Arg::U64(n as u64),
+                ];
+                args.extend(mask_args(Some((0.3, &stream, index))));
+                launch("dropout_apply", n.div_ceil(256), 256, args);
+                let got = yb.values(offset);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                let what = format!("{index:?} offset {offset} residual {with_residual}");
+                assert_eq!(bits(&got), bits(want), "{what}");
+            }
         }
     }
 }

@@ -175,7 +175,7 @@ fn mlp_steps(cx: &Cx, m: &Mlp, x: &Tensor, dy: &Tensor) -> megatron_core::Result
     let (a, fc1_saved) = m.fc1.forward_column(cx, site, x)?;
     let (gl, gelu_saved) = ops::gelu(cx, site, &a)?;
     let (y, fc2_saved) = m.fc2.forward_row(cx, site, &gl)?;
-    m.fc2.add_bias(&y)?;
+    m.fc2.add_bias(cx, &y)?;
     let dg = m.fc2.backward_row(cx, site, fc2_saved, dy)?;
     let da = ops::gelu_backward(cx, site, gelu_saved, &dg)?;
     let dx = m.fc1.backward_column(cx, site, fc1_saved, &da)?;
@@ -405,6 +405,63 @@ fn dropout_masks_match_the_cpu_exactly() -> R {
         Sharding::Replicated,
     )?;
     assert_eq!(device_values(&y, "eval"), x.to_vec::<f32>()?);
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn dropout_with_the_residual_is_the_cpus_dropout_then_sum_bit_for_bit() -> R {
+    let g = gpu();
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 99).at(2, 0);
+    let (rows, cols) = (37, 128);
+    let residual = tensor(det(rows * cols, 3), &[rows, cols]);
+    let x = tensor(det(rows * cols, 4), &[rows, cols]);
+    let dy = tensor(det(rows * cols, 5), &[rows, cols]);
+    // The first element whose bits differ, and how many do.
+    let same_bits = |what: &str, got: Vec<f32>, want: Vec<f32>| {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        let differ: Vec<_> = (0..got.len())
+            .filter(|&i| got[i].to_bits() != want[i].to_bits())
+            .collect();
+        if let Some(&i) = differ.first() {
+            let n = differ.len();
+            panic!(
+                "{what}: {n} elements differ, first [{i}]: {} vs {}",
+                got[i], want[i]
+            );
+        }
+    };
+    let site = Site::ROOT.child("drop");
+    for (p, sharding, cx) in [
+        (0.1, Sharding::Replicated, cx.at(2, 0)),
+        (0.5, Sharding::SplitLastDim, cx.at(2, 0)),
+        (0.0, Sharding::Replicated, cx.at(2, 0)),
+        (0.5, Sharding::Replicated, cx.eval()),
+    ] {
+        // The CPU's unfused pair is the reference.
+        let (dropped, saved) = ops::dropout(&cx, site, &x, p, sharding)?;
+        let want = ops::add(&residual, &dropped)?.to_vec::<f32>()?;
+        let want_dx = ops::dropout_backward(&cx, site, saved, &dy)?.to_vec::<f32>()?;
+        let (rd, xd) = (residual.to_gpu(&g)?, x.to_gpu(&g)?);
+        let (y, saved) = ops::dropout_add(&cx, site, &rd, &xd, p, sharding)?;
+        let (d_residual, dx) = ops::dropout_add_backward(&cx, site, saved, &dy.to_gpu(&g)?)?;
+        let what = format!("p {p} {sharding:?} training {}", cx.training());
+        same_bits(&format!("y, {what}"), device_values(&y, "y"), want);
+        same_bits(&format!("dx, {what}"), device_values(&dx, "dx"), want_dx);
+        let d_residual = device_values(&d_residual, "d_residual");
+        same_bits(
+            &format!("d_residual, {what}"),
+            d_residual,
+            dy.to_vec::<f32>()?,
+        );
+    }
+    // Shapes that differ are an error naming both.
+    let short = tensor(det(rows * cols, 6), &[cols, rows]).to_gpu(&g)?;
+    let e = ops::dropout_add(&cx, site, &short, &x.to_gpu(&g)?, 0.1, Sharding::Replicated)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[128, 37]") && e.contains("[37, 128]"), "{e}");
     Ok(())
 }
 

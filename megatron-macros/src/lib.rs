@@ -67,7 +67,9 @@ use crate::root::Root;
 /// Tensor` is straight-line code: `let` statements, loops `for elem in &self.list { h =
 /// elem(h); }` and a final expression, built from field calls `self.field(x)`, the tied output
 /// layer `self.wte.logits(h)`, `gelu(x)`, `dropout(x, p)`, `cross_entropy(logits, targets)`,
-/// `a + b`, parentheses and variables. Misplaced sharding (a row-parallel layer fed a replicated
+/// `a + b`, parentheses and variables. A sum with a dropout written on one side,
+/// `x + dropout(y, p)`, becomes one `ops::dropout_add` (dropout and the residual connection in
+/// one pass, as Megatron-LM fuses them; same mask, same result). Misplaced sharding (a row-parallel layer fed a replicated
 /// value, a split value returned, ...) is a compile error naming the value and the fix.
 #[proc_macro_attribute]
 pub fn module(attr: TokenStream, item: TokenStream) -> TokenStream {

@@ -111,6 +111,13 @@ pub enum NodeOp {
     },
     /// `a + b`.
     Add,
+    /// `a + dropout(b, p)` or `dropout(b, p) + a` in one pass: args `[a, b]`, the site is the
+    /// dropout's (Megatron-LM's bias-dropout-add fusion; the mask and result are the unfused
+    /// ones).
+    DropoutAdd {
+        /// dropout's probability expression.
+        p: Box<syn::Expr>,
+    },
     /// `for elem in &self.list { var = elem(var); }`.
     Loop {
         /// The `Vec` field.
@@ -356,6 +363,20 @@ impl Builder {
         ok.then_some(out)
     }
 
+    /// The fused node of `residual + dropout(branch, p)`, `args = [residual, branch]`.
+    fn dropout_add(
+        &mut self,
+        p: &syn::Expr,
+        args: Vec<(ValueId, Src)>,
+        site: String,
+        src: &Src,
+    ) -> ValueId {
+        let op = NodeOp::DropoutAdd {
+            p: Box::new(p.clone()),
+        };
+        self.node(op, args, Some(site), src.clone())
+    }
+
     /// The value of an expression (new nodes in evaluation order); `None` after an error.
     fn expr(&mut self, expr: &Expr) -> Option<ValueId> {
         match expr {
@@ -404,6 +425,22 @@ impl Builder {
                 ))
             }
             Expr::Add { lhs, rhs, src } => {
+                // A dropout on either side fuses with the sum (the right one when both are);
+                // sites are named in evaluation order, as without the fusion.
+                if let Some((x, p)) = dropout_call(rhs) {
+                    let a = self.expr(lhs);
+                    let b = self.expr(x);
+                    let site = self.site(Builtin::Dropout.name());
+                    let args = vec![(a?, lhs.src()), (b?, x.src())];
+                    return Some(self.dropout_add(p, args, site, src));
+                }
+                if let Some((x, p)) = dropout_call(lhs) {
+                    let b = self.expr(x);
+                    let site = self.site(Builtin::Dropout.name());
+                    let a = self.expr(rhs);
+                    let args = vec![(a?, rhs.src()), (b?, x.src())];
+                    return Some(self.dropout_add(p, args, site, src));
+                }
                 let a = self.expr(lhs);
                 let b = self.expr(rhs);
                 let (a, b) = (a?, b?);
@@ -415,5 +452,21 @@ impl Builder {
                 ))
             }
         }
+    }
+}
+
+/// `dropout(x, p)`'s tensor argument and probability, if `expr` is that call.
+fn dropout_call(expr: &Expr) -> Option<(&Expr, &syn::Expr)> {
+    match expr {
+        Expr::Builtin {
+            builtin: Builtin::Dropout,
+            args,
+            p: Some(p),
+            ..
+        } => match args.as_slice() {
+            [x] => Some((x, &**p)),
+            _ => None,
+        },
+        _ => None,
     }
 }

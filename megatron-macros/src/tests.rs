@@ -79,6 +79,7 @@ fn op_name(op: &NodeOp) -> String {
         NodeOp::Logits { field } => format!("self.{field}.logits"),
         NodeOp::Builtin { builtin, .. } => builtin.name().to_string(),
         NodeOp::Add => "+".into(),
+        NodeOp::DropoutAdd { .. } => "+ dropout".into(),
         NodeOp::Loop { list, .. } => format!("for &self.{list}"),
     }
 }
@@ -323,8 +324,67 @@ fn repeated_call_sites_get_numbered_names() {
         } }",
     )
     .unwrap();
-    let sites: Vec<_> = g.nodes.iter().filter_map(|n| n.site.clone()).collect();
-    assert_eq!(sites, ["ln", "dropout", "ln_1", "dropout_1", "gelu"]);
+    let sites: Vec<_> = g
+        .nodes
+        .iter()
+        .filter_map(|n| Some((op_name(&n.op), n.site.clone()?)))
+        .collect();
+    // The second dropout fuses with the sum, which comes after gelu, but its site is named
+    // where the dropout is, before gelu's: the names are those of the unfused forward.
+    let want = [
+        ("self.ln", "ln"),
+        ("dropout", "dropout"),
+        ("self.ln", "ln_1"),
+        ("gelu", "gelu"),
+        ("+ dropout", "dropout_1"),
+    ];
+    let want: Vec<_> = want.map(|(o, s)| (o.to_string(), s.to_string())).into();
+    assert_eq!(sites, want);
+}
+
+#[test]
+fn a_dropout_beside_a_sum_fuses_with_it() {
+    let s = "struct M { ln: LayerNorm, f: Linear, #[config] p: f32 }";
+    // Either side; with dropouts on both sides the right one fuses; a dropout bound to a name
+    // first does not.
+    let cases = [
+        (
+            "x + dropout(self.f(x), self.p)",
+            vec!["self.f", "+ dropout"],
+            Some(("self.f", "dropout")),
+        ),
+        (
+            "dropout(self.f(x), self.p) + self.ln(x)",
+            vec!["self.f", "self.ln", "+ dropout"],
+            Some(("self.f", "dropout")),
+        ),
+        (
+            "dropout(self.f(x), self.p) + dropout(self.ln(x), self.p)",
+            vec!["self.f", "dropout", "self.ln", "+ dropout"],
+            Some(("self.ln", "dropout_1")),
+        ),
+        (
+            "let d = dropout(x, self.p); x + d",
+            vec!["dropout", "+"],
+            None,
+        ),
+    ];
+    for (body, want, fused) in cases {
+        let imp = format!("impl M {{ fn forward(&self, x: Tensor) -> Tensor {{ {body} }} }}");
+        let (_, _, g, _) = analyse(s, &imp).unwrap_or_else(|e| panic!("{body}: {e:?}"));
+        let ops: Vec<_> = g.nodes.iter().map(|n| op_name(&n.op)).collect();
+        assert_eq!(ops, want, "{body}");
+        let Some((branch_op, site)) = fused else {
+            continue;
+        };
+        // The fused node takes [residual, branch]: the branch is the dropout's input.
+        let node = g.nodes.last().expect("nodes");
+        let Def::Node(n) = g.values[node.args[1]].def else {
+            panic!("{body}: the branch is a node's output")
+        };
+        assert_eq!(op_name(&g.nodes[n].op), branch_op, "{body}");
+        assert_eq!(node.site.as_deref(), Some(site), "{body}");
+    }
 }
 
 #[test]
@@ -581,7 +641,7 @@ fn mlp_expansion_has_f_and_g_where_megatron_puts_them() {
         "let (fc1_out , fc1) = < Linear as ColumnParallel > :: forward_column (& self . fc1 , cx , site . child (\"fc1\") , x) ? ;",
         "let (h , gelu) = :: megatron :: ops :: gelu (cx , site . child (\"gelu\") , & fc1_out) ? ;",
         "let (fc2_out , fc2) = < Linear as RowParallel > :: forward_row (& self . fc2 , cx , site . child (\"fc2\") , & h) ? ;",
-        "cx . tp () . all_reduce (& fc2_out , ReduceOp :: Sum) ? ; < Linear as RowParallel > :: add_bias (& self . fc2 , & fc2_out) ? ;",
+        "cx . tp () . all_reduce (& fc2_out , ReduceOp :: Sum) ? ; < Linear as RowParallel > :: add_bias (& self . fc2 , cx , & fc2_out) ? ;",
         "Ok ((fc2_out , MlpSaved { fc1 , gelu , fc2 }))",
         "let MlpSaved { fc1 , gelu , fc2 } = saved ;",
         "let d_h = < Linear as RowParallel > :: backward_row (& self . fc2 , cx , site . child (\"fc2\") , fc2 , d_out) ? ;",

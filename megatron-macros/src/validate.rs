@@ -120,7 +120,7 @@ impl Checker<'_> {
                     format!("the output of `self.{}.logits(..)`", field.unraw())
                 }
                 NodeOp::Builtin { builtin, .. } => format!("the output of {}", builtin.name()),
-                NodeOp::Add => "the sum".into(),
+                NodeOp::Add | NodeOp::DropoutAdd { .. } => "the sum".into(),
                 NodeOp::Loop { list, .. } => format!("the output of the `{}` loop", list.unraw()),
             },
         }
@@ -374,11 +374,15 @@ impl Checker<'_> {
                     }
                 }
             },
-            NodeOp::Add => {
+            NodeOp::Add | NodeOp::DropoutAdd { .. } => {
                 let (a, asrc) = arg(0);
                 let (b, bsrc) = arg(1);
                 let sa = self.arg("`+`", Want::Tensor, a, asrc);
-                let sb = self.arg("`+`", Want::Tensor, b, bsrc);
+                let b_user = match node.op {
+                    NodeOp::Add => "`+`",
+                    _ => Builtin::Dropout.name(),
+                };
+                let sb = self.arg(b_user, Want::Tensor, b, bsrc);
                 let (Some(sa), Some(sb)) = (sa, sb) else {
                     return;
                 };

@@ -6,8 +6,9 @@
 //! `1/(1 − p)` ([`keep_scale`]). No mask is stored: the backward regenerates it. A local buffer
 //! maps to logical indices through a [`LogicalIndex`], so a tensor-parallel shard draws exactly the
 //! decisions the unsharded tensor would draw for the same elements. The words are generated
-//! [`PHILOX_BATCH`] blocks at a time ([`DropoutStream::words`], vectorised), and
-//! [`dropout_pair`] applies one mask to two buffers while generating it once.
+//! [`PHILOX_BATCH`] blocks at a time ([`DropoutStream::words`], vectorised);
+//! [`dropout_pair`] applies one mask to two buffers while generating it once, and
+//! [`dropout_add_forward`] adds the dropped values to a residual in the same pass.
 
 use rayon::prelude::*;
 
@@ -155,11 +156,22 @@ fn select(xs: &[f32], ys: &mut [f32], words: &[u32], threshold: u32, scale: f32)
     }
 }
 
+/// `ys[k] = rs[k] + (xs[k]·scale` where `words[k] >= threshold`, else 0): the sum `+` computes
+/// from a residual and [`select`]'s value, bit for bit.
+#[inline(always)]
+fn select_add(rs: &[f32], xs: &[f32], ys: &mut [f32], words: &[u32], threshold: u32, scale: f32) {
+    for (((y, &r), &x), &w) in ys.iter_mut().zip(rs).zip(xs).zip(words) {
+        *y = r + if w >= threshold { x * scale } else { 0.0 };
+    }
+}
+
 versioned! {
     /// One run of logical elements `base, base + 1, ..`: `ya[k] = xa[k]·scale` where the word of
-    /// logical element `base + k` is `>= threshold`, else 0; the same mask takes `xb` to `yb`
-    /// unless they are empty. The words come [`PHILOX_BATCH`] blocks at a time.
+    /// logical element `base + k` is `>= threshold`, else 0, plus `r[k]` unless `r` is empty; the
+    /// same mask takes `xb` to `yb` unless they are empty. The words come [`PHILOX_BATCH`] blocks
+    /// at a time.
     fn apply_run(
+        r: &[f32],
         xa: &[f32],
         ya: &mut [f32],
         xb: &[f32],
@@ -179,10 +191,15 @@ versioned! {
             let words = stream.words(block);
             let take = (BATCH_WORDS - skip).min(n - done);
             let w = &words[skip..skip + take];
-            let r = done..done + take;
-            select(&xa[r.clone()], &mut ya[r.clone()], w, threshold, scale);
+            let run = done..done + take;
+            if r.is_empty() {
+                select(&xa[run.clone()], &mut ya[run.clone()], w, threshold, scale);
+            } else {
+                let (rs, xs) = (&r[run.clone()], &xa[run.clone()]);
+                select_add(rs, xs, &mut ya[run.clone()], w, threshold, scale);
+            }
             if two {
-                select(&xb[r.clone()], &mut yb[r], w, threshold, scale);
+                select(&xb[run.clone()], &mut yb[run], w, threshold, scale);
             }
             done += take;
             // At most 2⁶² + 2⁴: no overflow.
@@ -192,11 +209,13 @@ versioned! {
     }
 }
 
-/// Shared body of every dropout: `y = mask(x)·1/(1 − p)`, and `y_b = mask(x_b)·1/(1 − p)` with
-/// the same mask when `b` is given.
+/// Shared body of every dropout: `y = mask(x)·1/(1 − p)`, plus `residual` unless it is `None`,
+/// and `y_b = mask(x_b)·1/(1 − p)` with the same mask when `b` is given.
+#[allow(clippy::too_many_arguments)]
 fn apply(
     kernel: &'static str,
     names: [&'static str; 2],
+    residual: Option<&[f32]>,
     (x, y): (&[f32], &mut [f32]),
     b: Option<(&[f32], &mut [f32])>,
     p: f32,
@@ -206,8 +225,12 @@ fn apply(
     check_p(kernel, p)?;
     let n = index.check(kernel)?;
     let dims = || format!("outer {} × inner {}", index.outer, index.inner);
+    if let Some(r) = residual {
+        check_len(kernel, "residual", r.len(), n, dims)?;
+    }
     check_len(kernel, names[0], x.len(), n, dims)?;
     check_len(kernel, names[1], y.len(), n, dims)?;
+    let r = residual.unwrap_or(&[]);
     let (xb, yb): (&[f32], &mut [f32]) = match b {
         Some((xb, yb)) => {
             check_len(kernel, "x_b", xb.len(), n, dims)?;
@@ -217,7 +240,13 @@ fn apply(
         None => (&[], &mut []),
     };
     if p == 0.0 {
-        y.copy_from_slice(x);
+        if r.is_empty() {
+            y.copy_from_slice(x);
+        } else {
+            for ((y, &r), &x) in y.iter_mut().zip(r).zip(x) {
+                *y = r + x;
+            }
+        }
         yb.copy_from_slice(xb);
         return Ok(());
     }
@@ -234,16 +263,22 @@ fn apply(
         while pos < x.len() {
             let (o, k) = ((start + pos) / index.inner, (start + pos) % index.inner);
             let take = (index.inner - k).min(x.len() - pos);
-            let r = pos..pos + take;
+            let run = pos..pos + take;
             let (xbr, ybr): (&[f32], &mut [f32]) = if xb.is_empty() {
                 (&[], &mut [])
             } else {
-                (&xb[r.clone()], &mut yb[r.clone()])
+                (&xb[run.clone()], &mut yb[run.clone()])
+            };
+            let rr: &[f32] = if r.is_empty() {
+                &[]
+            } else {
+                &r[start + run.start..start + run.end]
             };
             apply_run(
                 isa,
-                &x[r.clone()],
-                &mut y[r],
+                rr,
+                &x[run.clone()],
+                &mut y[run],
                 xbr,
                 ybr,
                 index.logical(o, k),
@@ -284,6 +319,7 @@ pub fn dropout_forward(
     apply(
         "dropout_forward",
         ["x", "y"],
+        None,
         (x, y),
         None,
         p,
@@ -303,7 +339,32 @@ pub fn dropout_backward(
     apply(
         "dropout_backward",
         ["dy", "dx"],
+        None,
         (dy, dx),
+        None,
+        p,
+        stream,
+        index,
+    )
+}
+
+/// Dropout and a residual connection in one pass: `y = residual + mask(x)/(1 − p)`, bit for bit
+/// what [`dropout_forward`] followed by an element-wise sum gives (Megatron-LM's
+/// bias-dropout-add fusion, the bias aside). Its gradient is `dy` for the residual and
+/// [`dropout_backward`]'s for `x`.
+pub fn dropout_add_forward(
+    residual: &[f32],
+    x: &[f32],
+    y: &mut [f32],
+    p: f32,
+    stream: &DropoutStream,
+    index: LogicalIndex,
+) -> Result<(), KernelError> {
+    apply(
+        "dropout_add_forward",
+        ["x", "y"],
+        Some(residual),
+        (x, y),
         None,
         p,
         stream,
@@ -330,6 +391,7 @@ pub fn dropout_pair(
     apply(
         "dropout_pair",
         ["x_a", "y_a"],
+        None,
         (x_a, y_a),
         Some((x_b, y_b)),
         p,
@@ -574,21 +636,38 @@ mod tests {
                         "{start} + {k}"
                     );
                 }
-                // Every compiled version draws the same.
+                // Every compiled version draws the same, and adds a residual as `+` does.
+                let r: Vec<f32> = (0..len).map(|i| i as f32 * 0.37 - 5.0).collect();
+                let summed: Vec<f32> = r.iter().zip(&y).map(|(r, y)| r + y).collect();
                 for isa in Isa::supported() {
                     let mut z = vec![f32::NAN; len];
+                    let scale = keep_scale(p);
                     apply_run(
                         isa,
+                        &[],
                         &x[..len],
                         &mut z,
                         &[],
                         &mut [],
                         start,
                         t,
-                        keep_scale(p),
+                        scale,
                         &s,
                     );
                     assert_eq!(y, z, "{}", isa.name());
+                    apply_run(
+                        isa,
+                        &r,
+                        &x[..len],
+                        &mut z,
+                        &[],
+                        &mut [],
+                        start,
+                        t,
+                        scale,
+                        &s,
+                    );
+                    assert_eq!(summed, z, "{} with a residual", isa.name());
                 }
             }
         }
@@ -619,6 +698,41 @@ mod tests {
         let mut y = vec![0.0; n];
         let e = dropout_pair(&xa, &mut y.clone(), &xb[1..], &mut y, 0.1, &s, index).unwrap_err();
         assert!(matches!(e, KernelError::Length { buffer: "x_b", .. }));
+    }
+
+    #[test]
+    fn dropout_add_is_dropout_then_the_sum_bit_for_bit() {
+        let s = stream();
+        let mut rng = Rng::new(77);
+        // A column shard (runs of 70 of 150) and a replicated buffer long enough to be cut into
+        // parts across threads.
+        let shard = LogicalIndex::columns(3, 70, 150, 37);
+        for index in [shard, LogicalIndex::contiguous(1 << 17)] {
+            let n = index.outer * index.inner;
+            let (r, x) = (rng.vec(n, -1.0, 1.0), rng.vec(n, -1.0, 1.0));
+            for p in [0.0, 0.1, 0.5] {
+                let mut got = vec![f32::NAN; n];
+                dropout_add_forward(&r, &x, &mut got, p, &s, index).unwrap();
+                let mut dropped = vec![f32::NAN; n];
+                dropout_forward(&x, &mut dropped, p, &s, index).unwrap();
+                let want: Vec<f32> = r.iter().zip(&dropped).map(|(a, b)| a + b).collect();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{index:?} p {p}");
+            }
+        }
+        let mut y = vec![0.0; 8];
+        let idx = LogicalIndex::contiguous(8);
+        let e = dropout_add_forward(&[0.0; 7], &[0.0; 8], &mut y, 0.1, &s, idx).unwrap_err();
+        assert!(matches!(
+            e,
+            KernelError::Length {
+                kernel: "dropout_add_forward",
+                buffer: "residual",
+                expected: 8,
+                actual: 7,
+                ..
+            }
+        ));
     }
 
     #[test]

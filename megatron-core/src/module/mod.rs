@@ -205,10 +205,12 @@ pub trait ColumnParallel: Module {
 pub trait RowParallel: Module {
     /// Builds this rank's part: input features `rank·n/tp .. (rank+1)·n/tp`; the bias is whole.
     fn build_row(spec: &Self::Spec, b: &mut Builder) -> Result<Self>;
-    /// Computes this rank's partial output (no bias) from its slice of the input features.
+    /// Computes this rank's partial output (no bias) from its slice of the input features;
+    /// with one tensor-parallel rank, whose output is whole, it may add the bias itself (in the
+    /// product's epilogue on a GPU), and then [`RowParallel::add_bias`] adds nothing.
     fn forward_row(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, Self::Saved)>;
-    /// Adds the bias, in place, to the all-reduced output.
-    fn add_bias(&self, y: &Tensor) -> Result<()>;
+    /// Adds the bias, in place, to the all-reduced output, unless `forward_row` added it.
+    fn add_bias(&self, cx: &Cx, y: &Tensor) -> Result<()>;
     /// Accumulates parameter gradients and returns the gradient of this rank's input slice.
     fn backward_row(&self, cx: &Cx, site: Site, saved: Self::Saved, dy: &Tensor) -> Result<Tensor>;
 }

@@ -1,7 +1,8 @@
 //! Tensor-level operations: shape checks, dtype conversion at the boundary, then the kernels.
 //!
 //! [`matmul`] and [`matmul_into`] multiply (transposed) views; the primitives (`add`, `gelu`,
-//! `dropout`, `cross_entropy`) are the builtin functions of a `#[megatron::module]` forward.
+//! `dropout`, `cross_entropy`, and `dropout_add` for `a + dropout(b, p)`) are the builtin
+//! functions of a `#[megatron::module]` forward.
 
 mod matmul;
 mod primitives;
@@ -9,5 +10,5 @@ mod primitives;
 pub use matmul::{as_operand, matmul, matmul_bias_into, matmul_into, operand_dtype};
 pub use primitives::{
     CrossEntropySaved, DropoutSaved, GeluSaved, add, cross_entropy, cross_entropy_backward,
-    dropout, dropout_backward, gelu, gelu_backward,
+    dropout, dropout_add, dropout_add_backward, dropout_backward, gelu, gelu_backward,
 };

@@ -1,5 +1,6 @@
-//! The builtin functions of a module's forward (`gelu`, `dropout`, `cross_entropy`, `+`), each a
-//! forward that returns what its backward needs and that backward.
+//! The builtin functions of a module's forward (`gelu`, `dropout`, `cross_entropy`, `+`, and
+//! `a + dropout(b, p)` fused), each a forward that returns what its backward needs and that
+//! backward.
 
 use crate::error::Result;
 use crate::invalid;
@@ -149,6 +150,64 @@ pub fn dropout_backward(_cx: &Cx, _site: Site, saved: DropoutSaved, dy: &Tensor)
         index,
     )?;
     Ok(dx)
+}
+
+/// Dropout on a residual branch and the residual connection in one pass:
+/// `residual + dropout(x, p)`, bit for bit what [`dropout`] then [`add`] give, with the same
+/// mask at the same `site` (Megatron-LM's bias-dropout-add fusion; a row-parallel layer's bias
+/// is added by the layer). It reads `residual` and `x` and writes the sum, where the two calls
+/// wrote and read the dropped branch in between. The macros emit it for `a + dropout(b, p)` and
+/// `dropout(b, p) + a`.
+pub fn dropout_add(
+    cx: &Cx,
+    site: Site,
+    residual: &Tensor,
+    x: &Tensor,
+    p: f32,
+    sharding: Sharding,
+) -> Result<(Tensor, DropoutSaved)> {
+    dk::keep_threshold(p)?;
+    if residual.shape() != x.shape() {
+        return invalid!(
+            "dropout_add: the residual's shape {} differs from the branch's {}",
+            residual.shape(),
+            x.shape()
+        );
+    }
+    if !cx.training() || p == 0.0 {
+        return Ok((add(residual, x)?, DropoutSaved { mask: None }));
+    }
+    let (residual, x) = (residual.to_f32_contiguous()?, x.to_f32_contiguous()?);
+    let stream = cx.dropout_stream(site);
+    let index = logical_index(cx, &x, sharding);
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = x.gpu().or(residual.gpu()) {
+        let y = device::dropout_add(gpu, &residual, &x, p, &stream, index)?;
+        let mask = Some((p, stream, index));
+        return Ok((y, DropoutSaved { mask }));
+    }
+    let y = Tensor::empty(x.shape().clone(), DType::F32);
+    dk::dropout_add_forward(
+        &residual.read::<f32>()?,
+        &x.read::<f32>()?,
+        &mut y.write::<f32>()?,
+        p,
+        &stream,
+        index,
+    )?;
+    let mask = Some((p, stream, index));
+    Ok((y, DropoutSaved { mask }))
+}
+
+/// Gradients of [`dropout_add`]: `(d_residual, d_x)`, `dy` itself and the mask applied to it.
+pub fn dropout_add_backward(
+    cx: &Cx,
+    site: Site,
+    saved: DropoutSaved,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let d_x = dropout_backward(cx, site, saved, dy)?;
+    Ok((dy.clone(), d_x))
 }
 
 /// What [`cross_entropy`] keeps.
@@ -302,6 +361,30 @@ mod device {
             gdk::dropout_forward(gpu, &xv.view(), &mut yv.view_mut(), p, stream, index)?;
         }
         drop((xv, yv));
+        Ok(y)
+    }
+
+    /// `residual + mask(x)` of contiguous f32 tensors, one kernel (shapes checked by the caller;
+    /// a host operand is uploaded).
+    pub(super) fn dropout_add(
+        gpu: &Gpu,
+        residual: &Tensor,
+        x: &Tensor,
+        p: f32,
+        stream: &DropoutStream,
+        index: dk::LogicalIndex,
+    ) -> Result<Tensor> {
+        let (residual, x) = (on_gpu(gpu, residual)?, on_gpu(gpu, x)?);
+        let y = Tensor::empty_near(x.shape().clone(), DType::F32, &x)?;
+        gdk::dropout_add_forward(
+            gpu,
+            &residual.device_read::<f32>()?.view(),
+            &x.device_read::<f32>()?.view(),
+            &mut y.device_write::<f32>()?.view_mut(),
+            p,
+            stream,
+            index,
+        )?;
         Ok(y)
     }
 

@@ -311,18 +311,28 @@ impl RowParallel for Linear {
         Linear::build_as(spec, b, Mode::Row)
     }
 
-    fn forward_row(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
-        self.check_mode(Mode::Row, "as #[row_parallel]")?;
+    /// With one tensor-parallel rank there is nothing to all-reduce: the bias goes in with the
+    /// product (cuBLASLt's epilogue on a GPU, saving a pass over the output), and
+    /// [`RowParallel::add_bias`] adds nothing.
+    fn forward_row(&self, cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
+        let what = "as #[row_parallel]";
+        if cx.tp_size() == 1 {
+            return self.forward_biased(Mode::Row, what, x, DType::F32);
+        }
+        self.check_mode(Mode::Row, what)?;
         self.product_saved(x)
     }
 
-    fn add_bias(&self, y: &Tensor) -> Result<()> {
+    fn add_bias(&self, cx: &Cx, y: &Tensor) -> Result<()> {
         if y.dtype() != DType::F32 {
             return invalid!(
                 "linear {}: bias added to a {} output",
                 self.weight.spec().name,
                 y.dtype()
             );
+        }
+        if cx.tp_size() == 1 {
+            return Ok(());
         }
         match &self.bias {
             Some(bias) => add_bias_in_place(y, &bias.value().to_f32_contiguous()?),

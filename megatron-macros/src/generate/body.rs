@@ -158,7 +158,8 @@ impl<'a> Ctx<'a> {
                     NodeOp::Builtin {
                         builtin: Builtin::Dropout,
                         ..
-                    },
+                    }
+                    | NodeOp::DropoutAdd { .. },
                     _,
                 ) => sharding |= !backward,
                 _ => {}
@@ -215,9 +216,9 @@ fn value_base(g: &Graph, v: usize) -> String {
         return name.clone();
     }
     match value.def {
-        Def::Node(n) => match &g.nodes[n].site {
-            Some(site) => format!("{site}_out"),
-            None => "add_out".into(),
+        Def::Node(n) => match (&g.nodes[n].op, &g.nodes[n].site) {
+            (NodeOp::Add | NodeOp::DropoutAdd { .. }, _) | (_, None) => "add_out".into(),
+            (_, Some(site)) => format!("{site}_out"),
         },
         Def::Input { .. } => "input".into(),
     }
@@ -434,7 +435,7 @@ fn forward_node<'a>(
                             let (#o, #s) = #call(&#this_field, cx, #site, #xr)?;
                             #doc
                             cx.tp().all_reduce(&#oi, ReduceOp::Sum)?;
-                            #add_bias(&#this_field, &#oi)?;
+                            #add_bias(&#this_field, cx, &#oi)?;
                         }
                     });
                 }
@@ -548,6 +549,27 @@ fn forward_node<'a>(
             b.push(move |nm| {
                 let (xr, yr, o) = (nm.by_ref(x), nm.by_ref(y), nm.pat(out));
                 quote!(let #o = #rt::ops::add(#xr, #yr)?;)
+            });
+        }
+        NodeOp::DropoutAdd { p } => {
+            let (residual, x) = (args[0], args[1]);
+            let saved = saved.expect("dropout saves");
+            let sharding = match cx.a.sharding[node.args[1]] {
+                Sharding::Split => quote!(Sharding::SplitLastDim),
+                _ => quote!(Sharding::Replicated),
+            };
+            let doc = comment(
+                "`+` of a dropout: dropout and the residual connection in one pass (Megatron's \
+                 bias-dropout-add fusion).",
+            );
+            let p = p.clone();
+            b.push(move |nm| {
+                let (rr, xr) = (nm.by_ref(residual), nm.by_ref(x));
+                let (s, o) = (nm.pat(saved), nm.pat(out));
+                quote! {
+                    #doc
+                    let (#o, #s) = #rt::ops::dropout_add(cx, #site, #rr, #xr, #p, #sharding)?;
+                }
             });
         }
         NodeOp::Loop { elem, .. } => {
@@ -983,6 +1005,24 @@ fn backward_node<'a>(
             b.push(move |nm| {
                 let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
                 quote!(let #dx = #function(cx, #site, #s, #dy)?;)
+            });
+        }
+        NodeOp::DropoutAdd { .. } => {
+            let saved = saved.expect("dropout saves");
+            let (d_a, d_b) = (
+                d_args[0].expect("sums are of tensors"),
+                d_args[1].expect("sums are of tensors"),
+            );
+            let doc = comment(
+                "`+` of a dropout: the gradient flows to the residual as it is and through the \
+                 dropout's mask to the branch.",
+            );
+            b.push(move |nm| {
+                let (s, dy, a, bb) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_a), nm.pat(d_b));
+                quote! {
+                    #doc
+                    let (#a, #bb) = #rt::ops::dropout_add_backward(cx, #site, #s, #dy)?;
+                }
             });
         }
         NodeOp::Add => {

@@ -268,6 +268,7 @@ pub fn saved_field_type(
     let field = a.field[n].map(|i| &s.fields[i]);
     Some(match &node.op {
         NodeOp::Add => return None,
+        NodeOp::DropoutAdd { .. } => quote!(#rt::ops::DropoutSaved),
         NodeOp::Field { .. } => {
             let f = field.expect("validated");
             let ty = &f.ty;
@@ -315,6 +316,7 @@ fn saved_field_doc(s: &ModuleStruct, g: &Graph, a: &Analysis, n: usize) -> Strin
             field.unwrap_or_default()
         ),
         NodeOp::Builtin { builtin, .. } => format!("What {} keeps.", builtin.name()),
+        NodeOp::DropoutAdd { .. } => "What dropout keeps (fused with the sum after it).".into(),
         NodeOp::Add => String::new(),
     }
 }

@@ -107,10 +107,12 @@ pub(crate) struct RoundKeys {
 // SAFETY: plain integers with `PhiloxKeys`'s C layout; any bits are a valid value.
 unsafe impl DeviceRepr for RoundKeys {}
 
-/// Queues `dropout_apply` on one or two buffers.
+/// Queues `dropout_apply` on one or two buffers, adding `residual` to the first when given.
+#[allow(clippy::too_many_arguments)]
 fn apply(
     gpu: &Gpu,
     kernel: &'static str,
+    residual: Option<&CudaView<f32>>,
     (x, y): (&CudaView<f32>, &mut CudaViewMut<f32>),
     b: Option<(&CudaView<f32>, &mut CudaViewMut<f32>)>,
     p: f32,
@@ -119,6 +121,9 @@ fn apply(
 ) -> Result<()> {
     let (mask, n) = MaskArgs::new(kernel, p, stream, index)?;
     let dims = || format!("outer {} × inner {}", index.outer, index.inner);
+    if let Some(r) = residual {
+        check_len(kernel, "residual", r.len(), n, dims)?;
+    }
     check_len(kernel, "x", x.len(), n, dims)?;
     check_len(kernel, "y", y.len(), n, dims)?;
     if let Some((xb, yb)) = &b {
@@ -142,6 +147,10 @@ fn apply(
         Some((xb, yb)) => args.arg(xb).arg(yb),
         None => args.arg(&null).arg(&null),
     };
+    match residual {
+        Some(r) => args.arg(r),
+        None => args.arg(&null),
+    };
     args.arg(&n64);
     mask.push(&mut args);
     launch(kernel, args, cover(threads))
@@ -156,7 +165,32 @@ pub fn dropout_forward(
     stream: &DropoutStream,
     index: LogicalIndex,
 ) -> Result<()> {
-    apply(gpu, "dropout_forward", (x, y), None, p, stream, index)
+    apply(gpu, "dropout_forward", None, (x, y), None, p, stream, index)
+}
+
+/// `y = residual + x/(1 − p)` where kept, `residual` where dropped, in one pass, as
+/// [`crate::kernels::dropout::dropout_add_forward`] (bit for bit: the sum is not contracted
+/// with the product).
+pub fn dropout_add_forward(
+    gpu: &Gpu,
+    residual: &CudaView<f32>,
+    x: &CudaView<f32>,
+    y: &mut CudaViewMut<f32>,
+    p: f32,
+    stream: &DropoutStream,
+    index: LogicalIndex,
+) -> Result<()> {
+    let pair = (x, y);
+    apply(
+        gpu,
+        "dropout_add_forward",
+        Some(residual),
+        pair,
+        None,
+        p,
+        stream,
+        index,
+    )
 }
 
 /// The gradient: the same mask regenerated, `dx = mask(dy)/(1 − p)`.
@@ -168,7 +202,16 @@ pub fn dropout_backward(
     stream: &DropoutStream,
     index: LogicalIndex,
 ) -> Result<()> {
-    apply(gpu, "dropout_backward", (dy, dx), None, p, stream, index)
+    apply(
+        gpu,
+        "dropout_backward",
+        None,
+        (dy, dx),
+        None,
+        p,
+        stream,
+        index,
+    )
 }
 
 /// One mask on two buffers, as [`crate::kernels::dropout::dropout_pair`].
@@ -186,6 +229,7 @@ pub fn dropout_pair(
     apply(
         gpu,
         "dropout_pair",
+        None,
         (x_a, y_a),
         Some((x_b, y_b)),
         p,
