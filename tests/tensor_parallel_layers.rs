@@ -81,6 +81,14 @@ fn column_then_row_parallel_mlp_matches_the_unsharded_one() {
         on_tp(tp, |cx, bld| {
             let fc1 = bld.scoped("fc1", |b| Linear::build_column(&LinearSpec::new(h, f), b))?;
             let fc2 = bld.scoped("fc2", |b| Linear::build_row(&LinearSpec::new(f, h), b))?;
+            // Biases that are not zero (as initialised), so that one added twice, or not at
+            // all, shows: fc1's split by output features, fc2's whole on every rank.
+            let part = f / cx.tp_size();
+            let b1 = det(f, 3)[cx.tp_rank() * part..][..part].to_vec();
+            let fc1_bias = fc1.bias().expect("a bias");
+            fc1_bias.set_values(&tensor(b1, &[part]))?;
+            let fc2_bias = fc2.bias().expect("a bias");
+            fc2_bias.set_values(&tensor(det(h, 4), &[h]))?;
             let x = tensor(x.clone(), &[s, b, h]);
             let site = Site::ROOT;
             let (a, fc1_saved) = fc1.forward_column(cx, site, &x)?;
