@@ -725,23 +725,37 @@ fn layer_norm_forward_and_backward_are_the_cpus() {
                 padded(&mean, offset),
                 padded(&rstd, offset),
             );
-            let mut dxd = vec![f32::NAN; offset + n];
-            launch(
-                "layer_norm_backward_dx",
-                rows,
-                threads,
-                vec![
-                    ptr(&mut dyd, offset),
-                    ptr(&mut xd, offset),
-                    ptr(&mut meand, offset),
-                    ptr(&mut rstdd, offset),
-                    ptr(&mut gd, offset),
-                    ptr(&mut dxd, offset),
-                    Arg::U64(rows as u64),
-                    Arg::U64(hidden as u64),
-                ],
-            );
-            assert_close(&what, &dxd[offset..], &dx, 1e-4, 1e-5);
+            // dx alone, and with another gradient of x added (`plus`).
+            let plus = values(n, 37, -2.0, 2.0);
+            let dx_plus: Vec<f32> = plus.iter().zip(&dx).map(|(p, d)| p + d).collect();
+            let mut plusd = padded(&plus, offset);
+            for with_plus in [false, true] {
+                let mut dxd = vec![f32::NAN; offset + n];
+                let plus_arg = if with_plus {
+                    ptr(&mut plusd, offset)
+                } else {
+                    Arg::Ptr(std::ptr::null_mut())
+                };
+                launch(
+                    "layer_norm_backward_dx",
+                    rows,
+                    threads,
+                    vec![
+                        ptr(&mut dyd, offset),
+                        ptr(&mut xd, offset),
+                        ptr(&mut meand, offset),
+                        ptr(&mut rstdd, offset),
+                        ptr(&mut gd, offset),
+                        plus_arg,
+                        ptr(&mut dxd, offset),
+                        Arg::U64(rows as u64),
+                        Arg::U64(hidden as u64),
+                    ],
+                );
+                let want = if with_plus { &dx_plus } else { &dx };
+                let what = format!("{what} plus {with_plus}");
+                assert_close(&what, &dxd[offset..], want, 1e-4, 1e-5);
+            }
             let rows_per_chunk = rows.div_ceil(64).max(32);
             let chunks = rows.div_ceil(rows_per_chunk);
             let mut partials = vec![0f64; 2 * chunks * hidden];

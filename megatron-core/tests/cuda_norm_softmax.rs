@@ -209,6 +209,9 @@ fn layer_norm_backward_matches_cpu() {
             &mut dbeta,
         )
         .unwrap();
+        // Another gradient of x, which `layer_norm_backward_plus` adds to dx in its pass.
+        let plus = rng.vec(n, -2.0, 2.0);
+        let dx_plus: Vec<f32> = plus.iter().zip(&dx).map(|(p, d)| p + d).collect();
         for offset in [0, 1] {
             let dy_d = upload_at(&gpu, &dy, offset);
             let x_d = upload_at(&gpu, &c.x, offset);
@@ -257,6 +260,48 @@ fn layer_norm_backward_matches_cpu() {
                 &dbeta,
                 tol,
                 tol * magnitude(&dbeta),
+                false,
+            );
+            let plus_d = upload_at(&gpu, &plus, offset);
+            let mut dx_d = upload_at(&gpu, &vec![f32::NAN; n], offset);
+            let mut dg_d = upload_at(&gpu, &g0, offset);
+            let mut db_d = upload_at(&gpu, &b0, offset);
+            let (x, m, r, g) = (
+                x_d.slice(offset..),
+                m_d.slice(offset..),
+                r_d.slice(offset..),
+                g_d.slice(offset..),
+            );
+            gpu_ln::layer_norm_backward_plus(
+                &gpu,
+                &dy_d.slice(offset..),
+                (&x, &m, &r, &g),
+                rows,
+                hidden,
+                Some(&plus_d.slice(offset..)),
+                &mut dx_d.slice_mut(offset..),
+                &mut dg_d.slice_mut(offset..),
+                &mut db_d.slice_mut(offset..),
+            )
+            .unwrap();
+            let got = download_at(&gpu, &dx_d, offset);
+            let scale = tol * magnitude(&dx_plus);
+            assert_close(
+                &format!("{what} dx plus"),
+                &got,
+                &dx_plus,
+                tol,
+                scale,
+                false,
+            );
+            let got = download_at(&gpu, &dg_d, offset);
+            let scale = tol * magnitude(&dgamma);
+            assert_close(
+                &format!("{what} dgamma, plus"),
+                &got,
+                &dgamma,
+                tol,
+                scale,
                 false,
             );
         }
@@ -881,6 +926,30 @@ fn wrong_lengths_and_arguments_give_the_cpus_errors() {
     .unwrap_err()
     .to_string();
     assert!(got.contains("`dbeta` has 3 elements, expected 4"), "{got}");
+    assert_eq!(got, want);
+    // layer_norm_backward_plus: plus too short.
+    let (mut db4, mut hdb4, p7) = (buf(4), vec![0.0f32; 4], buf(7));
+    let saved = (&hx[..], &hm[..], &hr[..], &hg[..]);
+    let want = cpu_ln::layer_norm_backward_plus(
+        &hy, saved, 2, 4, &[0.0; 7], &mut hdx, &mut hdg, &mut hdb4,
+    )
+    .unwrap_err()
+    .to_string();
+    let (xv, mv, rv, gv) = (x.as_view(), m.as_view(), r.as_view(), g4.as_view());
+    let got = gpu_ln::layer_norm_backward_plus(
+        &gpu,
+        &y.as_view(),
+        (&xv, &mv, &rv, &gv),
+        2,
+        4,
+        Some(&p7.as_view()),
+        &mut dx.as_view_mut(),
+        &mut dg.as_view_mut(),
+        &mut db4.as_view_mut(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(got.contains("`plus` has 7 elements, expected 8"), "{got}");
     assert_eq!(got, want);
 
     // softmax_forward: x too short; NaN scale. softmax_backward: dx too short.

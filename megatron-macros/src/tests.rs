@@ -685,13 +685,14 @@ fn shadowed_names_stay_readable_and_unambiguous() {
         out.contains(&squash("let add_out = ::megatron::ops::add(&c_out, &h)?;")),
         "{out}"
     );
-    // In backward, `h` receives two contributions, summed in reverse order of use; the first
-    // one's name is taken by then, so `h_1`'s gradient is `d_h_1_1`.
+    // In backward, `h` receives two contributions, in reverse order of use; the first one's
+    // name is taken by then, so `h_1`'s gradient is `d_h_1_1`. The layer that makes the second
+    // adds the first in its own backward (`backward_plus`): its result is `h`'s whole gradient.
     for line in [
         "let d_c_out = d_out.clone(); let d_h_1 = d_out.clone();",
         "let d_h_1_1 = self.c.backward(cx, site.child(\"c\"), c, &d_c_out)?;",
-        "let d_h_2 = self.b.backward(cx, site.child(\"b\"), b, &d_h_1_1)?;",
-        "let d_h = ::megatron::ops::add(&d_h_1, &d_h_2)?;",
+        "let d_h = self.b.backward_plus(cx, site.child(\"b\"), b, &d_h_1_1, &d_h_1)?;",
+        "let d_x = self.a.backward(cx, site.child(\"a\"), a, &d_h)?;",
     ] {
         assert!(out.contains(&squash(line)), "{line}\n{out}");
     }

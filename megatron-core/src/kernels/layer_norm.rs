@@ -163,21 +163,30 @@ versioned! {
         rstd: &[f32],
         gamma: &[f32],
         hidden: usize,
+        plus: &[f32],
         dx: &mut [f32],
         dgamma: &mut [f32],
         dbeta: &mut [f32],
     ) {
         let inv_h = 1.0 / hidden as f32;
         let rows_iter = dy.chunks_exact(hidden).zip(x.chunks_exact(hidden));
-        let rows_iter = rows_iter.zip(dx.chunks_exact_mut(hidden));
-        for (((dyr, xr), dxr), (&m, &rs)) in rows_iter.zip(mean.iter().zip(rstd)) {
+        let rows_iter = rows_iter.zip(dx.chunks_exact_mut(hidden)).enumerate();
+        for ((r, ((dyr, xr), dxr)), (&m, &rs)) in rows_iter.zip(mean.iter().zip(rstd)) {
             let (sum_g, sum_gxc) = row_sums(dyr, gamma, xr, m);
             let a = sum_g * inv_h;
             // mean(g·x̂) = rstd·mean(g·(x − m)).
             let b = sum_gxc * rs * inv_h;
-            for (((o, &d), &g), &v) in dxr.iter_mut().zip(dyr).zip(gamma).zip(xr) {
-                let xhat = (v - m) * rs;
-                *o = rs * (d * g - a - xhat * b);
+            let row = dxr.iter_mut().zip(dyr).zip(gamma).zip(xr);
+            if plus.is_empty() {
+                for (((o, &d), &g), &v) in row {
+                    let xhat = (v - m) * rs;
+                    *o = rs * (d * g - a - xhat * b);
+                }
+            } else {
+                for ((((o, &d), &g), &v), &p) in row.zip(&plus[r * hidden..]) {
+                    let xhat = (v - m) * rs;
+                    *o = p + rs * (d * g - a - xhat * b);
+                }
             }
         }
         add_column_sums(dy, x, hidden, dgamma, |r| {
@@ -205,7 +214,29 @@ pub fn layer_norm_backward(
     dgamma: &mut [f32],
     dbeta: &mut [f32],
 ) -> Result<(), KernelError> {
-    check_backward(
+    let x_rows = (x, mean, rstd, gamma);
+    layer_norm_backward_plus(dy, x_rows, rows, hidden, &[], dx, dgamma, dbeta)
+}
+
+/// [`layer_norm_backward`] with another gradient of the same input added to `dx` in the same
+/// pass: `dx = plus + ∂loss/∂x` (`plus` empty: nothing added). A residual stream's input is
+/// used twice, by the norm and by the residual connection; its two gradients are summed here
+/// instead of by a separate pass. The result is, bit for bit, `plus + dx` of
+/// [`layer_norm_backward`]'s `dx`.
+///
+/// `(x, mean, rstd, gamma)` are the forward's input, its saved row statistics and the weight.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_backward_plus(
+    dy: &[f32],
+    (x, mean, rstd, gamma): (&[f32], &[f32], &[f32], &[f32]),
+    rows: usize,
+    hidden: usize,
+    plus: &[f32],
+    dx: &mut [f32],
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+) -> Result<(), KernelError> {
+    let n = check_backward(
         rows,
         hidden,
         [
@@ -219,6 +250,10 @@ pub fn layer_norm_backward(
             dbeta.len(),
         ],
     )?;
+    if !plus.is_empty() {
+        let dims = || format!("rows {rows} × hidden {hidden}");
+        check_len("layer_norm_backward", "plus", plus.len(), n, dims)?;
+    }
     backward_rows(
         Isa::detected(),
         dy,
@@ -227,6 +262,7 @@ pub fn layer_norm_backward(
         rstd,
         gamma,
         hidden,
+        plus,
         dx,
         dgamma,
         dbeta,
@@ -371,14 +407,76 @@ mod tests {
             let mut dx = vec![0.0f32; rows * hidden];
             let (mut dg, mut db) = (c.gamma.clone(), c.beta.clone());
             backward_rows(
-                isa, &dy, &c.x, &m, &r, &c.gamma, hidden, &mut dx, &mut dg, &mut db,
+                isa,
+                &dy,
+                &c.x,
+                &m,
+                &r,
+                &c.gamma,
+                hidden,
+                &[],
+                &mut dx,
+                &mut dg,
+                &mut db,
             );
+            // With another gradient of x added: bit for bit the sum, in every version.
+            let mut dx_plus = vec![0.0f32; rows * hidden];
+            backward_rows(
+                isa,
+                &dy,
+                &c.x,
+                &m,
+                &r,
+                &c.gamma,
+                hidden,
+                &dy,
+                &mut dx_plus,
+                &mut dg,
+                &mut db,
+            );
+            let summed: Vec<f32> = dy.iter().zip(&dx).map(|(p, d)| p + d).collect();
+            assert_eq!(dx_plus, summed, "{}", isa.name());
             [y, m, r, dx, dg, db].map(|v| v.into_iter().map(f32::to_bits).collect::<Vec<_>>())
         };
         let want = run(Isa::BASELINE);
         for isa in Isa::supported() {
             assert!(run(isa) == want, "{}", isa.name());
         }
+    }
+
+    #[test]
+    fn the_gradient_with_plus_is_the_sum_and_plus_is_checked() {
+        let c = case(33, 5, 24);
+        let (rows, hidden, n) = (c.rows, c.hidden, c.rows * c.hidden);
+        let mut rng = Rng::new(34);
+        let (dy, plus) = (rng.vec(n, -1.0, 1.0), rng.vec(n, -3.0, 3.0));
+        let (mut y, mut m, mut r) = (vec![0.0; n], vec![0.0; rows], vec![0.0; rows]);
+        let (x, gamma, beta) = (&c.x, &c.gamma, &c.beta);
+        layer_norm_forward(x, gamma, beta, rows, hidden, 1e-5, &mut y, &mut m, &mut r).unwrap();
+        let run = |plus: &[f32]| {
+            let mut dx = vec![f32::NAN; n];
+            let (mut dg, mut db) = (vec![0.5; hidden], vec![0.25; hidden]);
+            let saved = (&x[..], &m[..], &r[..], &gamma[..]);
+            layer_norm_backward_plus(&dy, saved, rows, hidden, plus, &mut dx, &mut dg, &mut db)
+                .map(|()| (dx, dg, db))
+        };
+        let (dx, dg, db) = run(&[]).unwrap();
+        let (dx_plus, dg_plus, db_plus) = run(&plus).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let summed: Vec<f32> = plus.iter().zip(&dx).map(|(p, d)| p + d).collect();
+        assert_eq!(bits(&dx_plus), bits(&summed));
+        // The parameters' gradients do not see it.
+        assert_eq!((bits(&dg_plus), bits(&db_plus)), (bits(&dg), bits(&db)));
+        let e = run(&plus[1..]).unwrap_err();
+        assert!(matches!(
+            e,
+            KernelError::Length {
+                buffer: "plus",
+                expected,
+                actual,
+                ..
+            } if expected == n && actual == n - 1
+        ));
     }
 
     #[test]

@@ -159,6 +159,22 @@ pub trait Layer: Module {
     fn forward(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, Self::Saved)>;
     /// Accumulates parameter gradients and returns the input gradient.
     fn backward(&self, cx: &Cx, site: Site, saved: Self::Saved, dy: &Tensor) -> Result<Tensor>;
+    /// [`Layer::backward`] plus `plus`, the gradient the input already has from another use:
+    /// `plus + dx`, which generated code computes this way when the layer's input has exactly
+    /// two uses (a pre-norm block's input: the norm and the residual). Layers whose input
+    /// gradient kernel can add it in its own pass override this; the result must equal the
+    /// default's.
+    fn backward_plus(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: Self::Saved,
+        dy: &Tensor,
+        plus: &Tensor,
+    ) -> Result<Tensor> {
+        let dx = self.backward(cx, site, saved, dy)?;
+        crate::ops::add(plus, &dx)
+    }
 }
 
 /// A layer whose input is token ids (no input gradient), used whole on every rank.

@@ -122,23 +122,64 @@ impl Layer for LayerNorm {
         saved: LayerNormSaved,
         dy: &Tensor,
     ) -> Result<Tensor> {
+        self.input_gradient(saved, dy, None)
+    }
+
+    /// The sum in the input-gradient kernel's pass: the residual stream's gradient reaches a
+    /// pre-norm block's input by the norm and by the residual connection.
+    fn backward_plus(
+        &self,
+        _cx: &Cx,
+        _site: Site,
+        saved: LayerNormSaved,
+        dy: &Tensor,
+        plus: &Tensor,
+    ) -> Result<Tensor> {
+        self.input_gradient(saved, dy, Some(plus))
+    }
+}
+
+impl LayerNorm {
+    /// The input gradient (plus `plus` when given), accumulating the parameters' gradients.
+    fn input_gradient(
+        &self,
+        saved: LayerNormSaved,
+        dy: &Tensor,
+        plus: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let rows = self.rows(&saved.x)?;
         let h = self.gamma.value().numel();
         let dy = dy.to_f32_contiguous()?;
+        let plus = match plus {
+            Some(p) if p.shape() != saved.x.shape() => {
+                return invalid!(
+                    "layer norm: the gradient to add, of shape {}, is not the input's {}",
+                    p.shape(),
+                    saved.x.shape()
+                );
+            }
+            Some(p) => Some(p.to_f32_contiguous()?),
+            None => None,
+        };
         #[cfg(feature = "cuda")]
         if let Some(gpu) = saved.x.gpu() {
-            return device::backward(gpu, &saved, &dy, &self.gamma, &self.beta, rows);
+            let params = (&self.gamma, &self.beta);
+            return device::backward(gpu, &saved, &dy, plus.as_ref(), params, rows);
         }
         let dx = Tensor::empty(saved.x.shape().clone(), DType::F32);
         let gamma = self.gamma.value().to_f32_contiguous()?;
-        ln::layer_norm_backward(
+        let plus_values = plus.as_ref().map(|p| p.read::<f32>()).transpose()?;
+        ln::layer_norm_backward_plus(
             &dy.read::<f32>()?,
-            &saved.x.read::<f32>()?,
-            &saved.mean.read::<f32>()?,
-            &saved.rstd.read::<f32>()?,
-            &gamma.read::<f32>()?,
+            (
+                &saved.x.read::<f32>()?,
+                &saved.mean.read::<f32>()?,
+                &saved.rstd.read::<f32>()?,
+                &gamma.read::<f32>()?,
+            ),
             rows,
             h,
+            plus_values.as_deref().unwrap_or(&[]),
             &mut dx.write::<f32>()?,
             &mut self.gamma.grad().write::<f32>()?,
             &mut self.beta.grad().write::<f32>()?,
@@ -195,27 +236,35 @@ mod device {
         Ok((y, mean, rstd))
     }
 
-    /// `dx`, accumulating the parameters' gradients (`+=`).
+    /// `dx` (plus `plus` when given, f32 contiguous), accumulating the parameters' gradients
+    /// (`+=`).
     pub(super) fn backward(
         gpu: &Gpu,
         saved: &LayerNormSaved,
         dy: &Tensor,
-        gamma: &Param,
-        beta: &Param,
+        plus: Option<&Tensor>,
+        (gamma, beta): (&Param, &Param),
         rows: usize,
     ) -> Result<Tensor> {
         let h = gamma.value().numel();
         let dx = Tensor::empty_near(saved.x.shape().clone(), DType::F32, &saved.x)?;
         let gamma_value = gamma.value().to_f32_contiguous()?;
-        ln::layer_norm_backward(
+        let plus = plus.map(|p| p.device_read::<f32>()).transpose()?;
+        let (x, mean) = (
+            saved.x.device_read::<f32>()?,
+            saved.mean.device_read::<f32>()?,
+        );
+        let (rstd, g) = (
+            saved.rstd.device_read::<f32>()?,
+            gamma_value.device_read::<f32>()?,
+        );
+        ln::layer_norm_backward_plus(
             gpu,
             &dy.device_read::<f32>()?.view(),
-            &saved.x.device_read::<f32>()?.view(),
-            &saved.mean.device_read::<f32>()?.view(),
-            &saved.rstd.device_read::<f32>()?.view(),
-            &gamma_value.device_read::<f32>()?.view(),
+            (&x.view(), &mean.view(), &rstd.view(), &g.view()),
             rows,
             h,
+            plus.as_ref().map(|p| p.view()).as_ref(),
             &mut dx.device_write::<f32>()?.view_mut(),
             &mut gamma.grad().device_write::<f32>()?.view_mut(),
             &mut beta.grad().device_write::<f32>()?.view_mut(),

@@ -691,7 +691,7 @@ pub fn backward(
     let mut grads = Grads {
         g,
         fwd,
-        expected: &expected,
+        expected,
         contributions: &mut contributions,
     };
     for n in (0..g.nodes.len()).rev() {
@@ -704,12 +704,26 @@ pub fn backward(
             b.locals.use_at(sv, pos);
         }
         let span = node.src.span();
-        let d_args: Vec<Option<LocalId>> = node
-            .args
-            .iter()
-            .map(|&v| grads.contribution(&mut b, v, pos, span))
-            .collect();
-        backward_node(cx, &mut b, n, d_y, saved, &d_args, pos);
+        // A layer's input with two uses whose other gradient has arrived: the layer adds it
+        // (`backward_plus`), and its result is the input's whole gradient.
+        let plus = match (&node.op, cx.a.field[n].map(|i| &cx.s.fields[i].kind)) {
+            (NodeOp::Field { .. }, Some(FieldKind::Replicated)) if node.args.len() == 1 => {
+                grads.pending_other(node.args[0])
+            }
+            _ => None,
+        };
+        let d_args: Vec<Option<LocalId>> = match plus {
+            Some(p) => {
+                b.locals.use_at(p, pos);
+                vec![Some(grads.total_with(&mut b, node.args[0], pos, span))]
+            }
+            None => node
+                .args
+                .iter()
+                .map(|&v| grads.contribution(&mut b, v, pos, span))
+                .collect(),
+        };
+        backward_node(cx, &mut b, n, d_y, saved, &d_args, plus, pos);
     }
     // The input gradients.
     let mut results = Vec::new();
@@ -767,11 +781,29 @@ pub fn backward(
 struct Grads<'g> {
     g: &'g Graph,
     fwd: &'g GeneratedForward,
-    expected: &'g [usize],
+    expected: Vec<usize>,
     contributions: &'g mut Vec<Vec<LocalId>>,
 }
 
 impl<'g> Grads<'g> {
+    /// The contribution `v` already has when it has two uses and only one has contributed.
+    fn pending_other(&self, v: usize) -> Option<LocalId> {
+        match self.contributions[v].as_slice() {
+            [other] if self.expected[v] == 2 => Some(*other),
+            _ => None,
+        }
+    }
+
+    /// A new local holding `v`'s whole gradient, computed by the node at `pos` from the
+    /// contribution [`Grads::pending_other`] returned and its own.
+    fn total_with(&mut self, b: &mut Body<'_>, v: usize, pos: usize, span: Span) -> LocalId {
+        let name = &self.fwd.value_names[v];
+        let l = b.locals.owned(&format!("d_{name}"), pos, span);
+        self.contributions[v] = vec![l];
+        self.expected[v] = 1;
+        l
+    }
+
     /// A new gradient contribution to `v` defined at `pos`, or `None` for ids.
     fn contribution(
         &mut self,
@@ -834,7 +866,9 @@ impl<'g> Grads<'g> {
     }
 }
 
-/// The statements of one node in backward.
+/// The statements of one node in backward; `plus`: the other gradient of a layer's input, which
+/// the layer adds (`backward_plus`).
+#[allow(clippy::too_many_arguments)]
 fn backward_node<'a>(
     cx: &'a Ctx<'a>,
     b: &mut Body<'a>,
@@ -842,6 +876,7 @@ fn backward_node<'a>(
     d_y: LocalId,
     saved: Option<LocalId>,
     d_args: &[Option<LocalId>],
+    plus: Option<LocalId>,
     pos: usize,
 ) {
     let rt = &cx.root.runtime;
@@ -940,10 +975,22 @@ fn backward_node<'a>(
                     let d_args = d_args.to_vec();
                     let this = &cx.imp.forward.self_token;
                     let f = &field.ident;
-                    let method = cx.spanned(n, quote!(backward));
+                    let method = match plus {
+                        Some(_) => cx.spanned(n, quote!(backward_plus)),
+                        None => cx.spanned(n, quote!(backward)),
+                    };
+                    let doc = plus.map(|_| {
+                        comment(&format!(
+                            "`{name}`: its input's other gradient is added in its backward's pass."
+                        ))
+                    });
                     b.push(move |nm| {
                         let (s, dy) = (nm.ident(saved), nm.by_ref(d_y));
-                        let call = quote!(#this.#f.#method(cx, #site, #s, #dy)?);
+                        let extra = plus.map(|p| {
+                            let p = nm.by_ref(p);
+                            quote!(, #p)
+                        });
+                        let call = quote!(#this.#f.#method(cx, #site, #s, #dy #extra)?);
                         let pats: Vec<_> = d_args
                             .iter()
                             .map(|d| match d {
@@ -954,7 +1001,7 @@ fn backward_node<'a>(
                         if d_args.iter().all(Option::is_none) {
                             quote!(#call;)
                         } else if let [one] = pats.as_slice() {
-                            quote!(let #one = #call;)
+                            quote!(#doc let #one = #call;)
                         } else {
                             quote!(let (#(#pats),*) = #call;)
                         }

@@ -351,6 +351,8 @@ pub fn impl_items(
     let bwd = backward(root, s, imp, g, a, &fwd);
     let forward_fn = fwd.tokens;
     let backward_fn = bwd;
+    let inputs: Vec<InputType> = imp.forward.inputs.iter().map(|i| i.ty).collect();
+    let plus_fn = backward_plus(root, s, &inputs, false);
     let attrs = &imp.attrs;
     let others = &imp.others;
     quote! {
@@ -365,9 +367,57 @@ pub fn impl_items(
 
             #backward_fn
 
+            #plus_fn
+
             #(#others)*
         }
     }
+}
+
+/// For a module of one tensor input, `backward_plus`: the input gradient plus another gradient
+/// of the same input, which modules calling this one use when that input has two uses (the
+/// sum `Layer::backward_plus` computes for layers). `placeholder`: the body is unreachable (an
+/// impl with errors).
+fn backward_plus(
+    root: &Root,
+    s: &ModuleStruct,
+    inputs: &[InputType],
+    placeholder: bool,
+) -> Option<TokenStream> {
+    if inputs != [InputType::Tensor] {
+        return None;
+    }
+    let rt = &root.runtime;
+    let ident = &s.ident;
+    let saved = saved_name(ident);
+    let doc = comment(&format!(
+        "[`{ident}::backward`] plus `plus`, another gradient of the input: `plus + d_x` (generated \
+         by `#[megatron::module]`)."
+    ));
+    let body = if placeholder {
+        quote! {
+            let _ = (cx, site, saved, d_out, plus);
+            ::std::unreachable!()
+        }
+    } else {
+        quote! {
+            let d_x = self.backward(cx, site, saved, d_out)?;
+            #rt::ops::add(plus, &d_x)
+        }
+    };
+    Some(quote! {
+        #doc
+        pub fn backward_plus(
+            &self,
+            cx: &#rt::module::Cx<'_>,
+            site: #rt::module::Site,
+            saved: #saved,
+            d_out: &#rt::tensor::Tensor,
+            plus: &#rt::tensor::Tensor,
+        ) -> #rt::Result<#rt::tensor::Tensor> {
+            #body
+        }
+    })
 }
 
 /// What the impl emits when it has errors: the errors, a placeholder Saved struct (the struct's
@@ -393,6 +443,7 @@ pub fn impl_error_items(
             })
             .collect();
         let grads = gradient_type(root, inputs);
+        let plus_fn = backward_plus(root, s, inputs, true).map(|f| quote!(#[doc(hidden)] #f));
         quote! {
             impl #self_ident {
                 #[doc(hidden)]
@@ -405,6 +456,7 @@ pub fn impl_error_items(
                     -> #rt::Result<#grads> {
                     ::std::unreachable!()
                 }
+                #plus_fn
             }
         }
     });

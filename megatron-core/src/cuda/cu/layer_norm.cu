@@ -87,19 +87,21 @@ __device__ __forceinline__ float ln_dx(float d, float g, float v, float m, float
 }
 
 // dx = rstd·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·gamma, x̂ = (x − mean)·rstd; one block per
-// row. mean(g·x̂) is computed as rstd·Σ(g·(x − mean))/hidden, as the CPU kernel.
+// row. mean(g·x̂) is computed as rstd·Σ(g·(x − mean))/hidden, as the CPU kernel. With `plus`
+// non-null, dx = plus + that (another gradient of the same input, summed in the same pass).
 extern "C" __global__ __launch_bounds__(LN_MAX_THREADS) void layer_norm_backward_dx(
     const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ mean,
-    const float* __restrict__ rstd, const float* __restrict__ gamma, float* __restrict__ dx,
-    u64 rows, u64 hidden) {
+    const float* __restrict__ rstd, const float* __restrict__ gamma,
+    const float* __restrict__ plus, float* __restrict__ dx, u64 rows, u64 hidden) {
     __shared__ float scratch[32];
     const float inv_h = 1.0f / (float)hidden;
     const bool vec = hidden % 4 == 0 && aligned16(dy) && aligned16(x) && aligned16(gamma) &&
-                     aligned16(dx);
+                     aligned16(dx) && (plus == nullptr || aligned16(plus));
     const u64 h4 = hidden / 4;
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* dyr = dy + r * hidden;
         const float* xr = x + r * hidden;
+        const float* pr = plus != nullptr ? plus + r * hidden : nullptr;
         float* dxr = dx + r * hidden;
         const float m = mean[r], rs = rstd[r];
         float s1 = 0.0f, s2 = 0.0f;
@@ -130,14 +132,21 @@ extern "C" __global__ __launch_bounds__(LN_MAX_THREADS) void layer_norm_backward
             float4* o4 = reinterpret_cast<float4*>(dxr);
             for (u64 k = threadIdx.x; k < h4; k += blockDim.x) {
                 const float4 d = d4[k], v = x4[k], g = g4[k];
-                o4[k] = make_float4(ln_dx(d.x, g.x, v.x, m, rs, a, b),
-                                    ln_dx(d.y, g.y, v.y, m, rs, a, b),
-                                    ln_dx(d.z, g.z, v.z, m, rs, a, b),
-                                    ln_dx(d.w, g.w, v.w, m, rs, a, b));
+                float4 o = make_float4(ln_dx(d.x, g.x, v.x, m, rs, a, b),
+                                       ln_dx(d.y, g.y, v.y, m, rs, a, b),
+                                       ln_dx(d.z, g.z, v.z, m, rs, a, b),
+                                       ln_dx(d.w, g.w, v.w, m, rs, a, b));
+                if (pr != nullptr) {
+                    const float4 p = reinterpret_cast<const float4*>(pr)[k];
+                    o = make_float4(__fadd_rn(p.x, o.x), __fadd_rn(p.y, o.y), __fadd_rn(p.z, o.z),
+                                    __fadd_rn(p.w, o.w));
+                }
+                o4[k] = o;
             }
         } else {
             for (u64 k = threadIdx.x; k < hidden; k += blockDim.x) {
-                dxr[k] = ln_dx(dyr[k], gamma[k], xr[k], m, rs, a, b);
+                const float o = ln_dx(dyr[k], gamma[k], xr[k], m, rs, a, b);
+                dxr[k] = pr != nullptr ? __fadd_rn(pr[k], o) : o;
             }
         }
     }

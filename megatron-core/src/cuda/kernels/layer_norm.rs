@@ -7,7 +7,7 @@
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
 use super::operand::Out;
-use super::{cover, launch, launch_args, per_row};
+use super::{check_len, cover, launch, launch_args, per_row};
 use crate::cuda::{CudaError, Gpu, Result};
 use crate::kernels::layer_norm::{check_backward, check_forward};
 
@@ -93,8 +93,31 @@ pub fn layer_norm_backward(
     dgamma: &mut CudaViewMut<f32>,
     dbeta: &mut CudaViewMut<f32>,
 ) -> Result<()> {
+    let saved = (x, mean, rstd, gamma);
+    layer_norm_backward_plus(gpu, dy, saved, rows, hidden, None, dx, dgamma, dbeta)
+}
+
+/// [`layer_norm_backward`] with `plus`, another gradient of the same input, added to `dx` in
+/// the same pass, as [`crate::kernels::layer_norm::layer_norm_backward_plus`].
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_backward_plus(
+    gpu: &Gpu,
+    dy: &CudaView<f32>,
+    (x, mean, rstd, gamma): (
+        &CudaView<f32>,
+        &CudaView<f32>,
+        &CudaView<f32>,
+        &CudaView<f32>,
+    ),
+    rows: usize,
+    hidden: usize,
+    plus: Option<&CudaView<f32>>,
+    dx: &mut CudaViewMut<f32>,
+    dgamma: &mut CudaViewMut<f32>,
+    dbeta: &mut CudaViewMut<f32>,
+) -> Result<()> {
     const K: &str = "layer_norm_backward";
-    check_backward(
+    let n = check_backward(
         rows,
         hidden,
         [
@@ -108,6 +131,10 @@ pub fn layer_norm_backward(
             dbeta.len(),
         ],
     )?;
+    if let Some(p) = plus {
+        let dims = || format!("rows {rows} × hidden {hidden}");
+        check_len(K, "plus", p.len(), n, dims)?;
+    }
     if rows == 0 {
         return Ok(());
     }
@@ -116,14 +143,13 @@ pub fn layer_norm_backward(
     // dx: one block per row.
     const DX: &str = "layer_norm_backward_dx";
     let mut args = launch_args(gpu, DX)?;
-    args.arg(dy)
-        .arg(x)
-        .arg(mean)
-        .arg(rstd)
-        .arg(gamma)
-        .arg(dx)
-        .arg(&rows64)
-        .arg(&hidden64);
+    args.arg(dy).arg(x).arg(mean).arg(rstd).arg(gamma);
+    let null: u64 = 0;
+    match plus {
+        Some(p) => args.arg(p),
+        None => args.arg(&null),
+    };
+    args.arg(dx).arg(&rows64).arg(&hidden64);
     launch(
         DX,
         args,
