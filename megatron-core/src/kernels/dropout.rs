@@ -640,34 +640,17 @@ mod tests {
                 let r: Vec<f32> = (0..len).map(|i| i as f32 * 0.37 - 5.0).collect();
                 let summed: Vec<f32> = r.iter().zip(&y).map(|(r, y)| r + y).collect();
                 for isa in Isa::supported() {
-                    let mut z = vec![f32::NAN; len];
-                    let scale = keep_scale(p);
-                    apply_run(
-                        isa,
-                        &[],
-                        &x[..len],
-                        &mut z,
-                        &[],
-                        &mut [],
-                        start,
-                        t,
-                        scale,
-                        &s,
-                    );
-                    assert_eq!(y, z, "{}", isa.name());
-                    apply_run(
-                        isa,
-                        &r,
-                        &x[..len],
-                        &mut z,
-                        &[],
-                        &mut [],
-                        start,
-                        t,
-                        scale,
-                        &s,
-                    );
-                    assert_eq!(summed, z, "{} with a residual", isa.name());
+                    for (residual, want) in [(&[][..], &y), (&r[..], &summed)] {
+                        let mut z = vec![f32::NAN; len];
+                        let (xs, scale) = (&x[..len], keep_scale(p));
+                        apply_run(isa, residual, xs, &mut z, &[], &mut [], start, t, scale, &s);
+                        let with = if residual.is_empty() {
+                            ""
+                        } else {
+                            " with a residual"
+                        };
+                        assert_eq!(want, &z, "{}{with}", isa.name());
+                    }
                 }
             }
         }
