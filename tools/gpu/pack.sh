@@ -5,7 +5,11 @@
 # `device` tool then carries target/gpu to a GPU machine (no Rust toolchain there):
 #   tools/gpu/pack.sh
 #   run: carry ["target/gpu"], command "bash target/gpu/run.sh 2>&1 | tee $OUT/log"
-# See the knobs at the top of run.sh.
+# See the knobs at the top of run.sh. REVS="rev ..." also builds the CLI at each git revision
+# (exported by `git archive`, built in target/rev-build) as megatron-<rev>, so that one GPU run
+# compares whole steps across commits: run.sh with BINS="megatron megatron-<rev>", or BENCH
+# entries "name@megatron-<rev>:args". Each CLI adds about 10 MB to the 37 MB carried (the
+# device tool carries 64 MiB in all).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=target/gpu
@@ -36,4 +40,15 @@ multiarch=/usr/lib/x86_64-linux-gnu
 cp -L "$multiarch"/libevent-2.1.so.7 "$multiarch"/libmca_common_*.so "$out/lib/"
 cp -rL "$multiarch/openmpi/lib/openmpi3" "$out/lib/openmpi/"
 cp tools/gpu/run.sh "$out/"
+for rev in ${REVS:-}; do
+    name=${rev//[^A-Za-z0-9._-]/_}
+    src="target/rev-src/$name"
+    rm -rf "$src" && mkdir -p "$src"
+    # -m: files dated now, not at the commit (cargo compares dates with its last build's).
+    git archive "$rev" | tar -x -m -C "$src"
+    (cd "$src" && cargo build --release --locked --features cuda,mpi --target-dir "$OLDPWD/target/rev-build")
+    cp target/rev-build/release/megatron "$out/megatron-$name"
+    strip "$out/megatron-$name"
+    rm -rf "$src"
+done
 du -sh "$out"

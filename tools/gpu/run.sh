@@ -4,7 +4,7 @@
 # with and without cuBLASLt's epilogue), the attention bench, gpt-1.2b benches ($OUT/bench).
 # Knobs: TESTS=0 skips tests; ONLY="a b" limits test binaries; TT=seconds per test binary;
 # GEMM=0 skips the product bench; ATT=0 skips the attention bench; DROPOUTS="0.1 0" its dropouts; BINS="megatron other" CLI
-# builds to compare; BENCH="name[@bin]:args;..." replaces the benches; NCU="regex" also profiles
+# builds to compare (pack.sh's REVS builds megatron-<rev>); BENCH="name[@bin]:args;..." replaces the benches; NCU="regex" also profiles
 # the attention bench's kernels matching it with Nsight Compute ($OUT/ncu.csv: speed of light,
 # occupancy, warp stall reasons), e.g. NCU="flash".
 cd "$(dirname "$0")"
