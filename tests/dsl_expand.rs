@@ -395,6 +395,31 @@ impl HandBlock {
 // ---------------------------------------------------------------------------------------------
 
 #[test]
+fn modules_say_whether_their_backward_only_multiplies_the_output_gradient() {
+    // A row-parallel layer's output: the gradient goes to its products (the residual branch's
+    // gradient may then come in their dtype). A sum, a loss or a module whose output is
+    // another's sum: no.
+    use megatron::module::Module;
+    let said = [
+        ("Mlp", Mlp::GRADIENT_FEEDS_PRODUCTS),
+        ("Attention", Attention::GRADIENT_FEEDS_PRODUCTS),
+        ("Block", Block::GRADIENT_FEEDS_PRODUCTS),
+        ("Gpt", Gpt::GRADIENT_FEEDS_PRODUCTS),
+        ("Linear", <Linear as Module>::GRADIENT_FEEDS_PRODUCTS),
+        ("LayerNorm", <LayerNorm as Module>::GRADIENT_FEEDS_PRODUCTS),
+    ];
+    let want = [
+        ("Mlp", true),
+        ("Attention", true),
+        ("Block", false),
+        ("Gpt", false),
+        ("Linear", true),
+        ("LayerNorm", false),
+    ];
+    assert_eq!(said, want);
+}
+
+#[test]
 fn mlp_matches_the_hand_written_one() -> R<()> {
     let ps = ParallelState::solo();
     let cx = Cx::new(&ps, 5);

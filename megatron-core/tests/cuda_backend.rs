@@ -168,7 +168,14 @@ fn dropout_masks_are_the_cpus_bit_for_bit() -> R {
             "dropout p={p} {index:?}"
         );
         let mut dx = g.zeros::<f32>(n)?;
-        gdrop::dropout_backward(&g, &xd.as_view(), &mut dx.as_view_mut(), p, &stream, index)?;
+        gdrop::dropout_backward(
+            &g,
+            &xd.as_view(),
+            Out::F32(&mut dx.as_view_mut()),
+            p,
+            &stream,
+            index,
+        )?;
         assert_eq!(g.download(&dx)?, y, "the backward regenerates the mask");
     }
     let err = gdrop::dropout_forward(

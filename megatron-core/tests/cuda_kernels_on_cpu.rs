@@ -271,18 +271,25 @@ fn dropout_drops_the_cpus_elements_bit_for_bit() {
         cpu_dropout::dropout_forward(&x, &mut dropped, 0.3, &stream, index).unwrap();
         let mut summed = vec![0.0; n];
         cpu_dropout::dropout_add_forward(&residual, &x, &mut summed, 0.3, &stream, index).unwrap();
-        // Without and with the residual (dropout, and dropout with the residual connection).
-        for (with_residual, want) in [(false, &dropped), (true, &summed)] {
+        // Without and with the residual (dropout, and dropout with the residual connection),
+        // written in f32 and in bf16 (rounded once).
+        for (with_residual, y_bf16, want) in [
+            (false, false, dropped.clone()),
+            (true, false, summed.clone()),
+            (false, true, round(&dropped)),
+            (true, true, round(&summed)),
+        ] {
             for offset in [0, 1] {
                 let mut xb = Buf::new(&x, offset, false);
-                let mut yb = Buf::nans(n, offset, false);
+                let mut yb = Buf::nans(n, offset, y_bf16);
                 let mut rb = Buf::new(&residual, offset, false);
                 let [xp, _] = xb.arg(offset);
-                let [yp, _] = yb.arg(offset);
+                let [yp, y_flag] = yb.arg(offset);
                 let [rp, _] = rb.arg(offset);
                 let mut args = vec![
                     xp,
                     yp,
+                    y_flag,
                     Arg::Ptr(std::ptr::null_mut()),
                     Arg::Ptr(std::ptr::null_mut()),
                     if with_residual {
@@ -297,7 +304,7 @@ fn dropout_drops_the_cpus_elements_bit_for_bit() {
                 let got = yb.values(offset);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 let what = format!("{index:?} offset {offset} residual {with_residual}");
-                assert_eq!(bits(&got), bits(want), "{what}");
+                assert_eq!(bits(&got), bits(&want), "{what} bf16 {y_bf16}");
             }
         }
     }

@@ -6,6 +6,7 @@
 
 mod support;
 
+use half::bf16;
 use megatron_core::comm::ParallelState;
 use megatron_core::cuda::Gpu;
 use megatron_core::module::{
@@ -445,10 +446,28 @@ fn dropout_with_the_residual_is_the_cpus_dropout_then_sum_bit_for_bit() -> R {
         let want_dx = ops::dropout_backward(&cx, site, saved, &dy)?.to_vec::<f32>()?;
         let (rd, xd) = (residual.to_gpu(&g)?, x.to_gpu(&g)?);
         let (y, saved) = ops::dropout_add(&cx, site, &rd, &xd, p, sharding)?;
-        let (d_residual, dx) = ops::dropout_add_backward(&cx, site, saved, &dy.to_gpu(&g)?)?;
+        let saved_again = saved.clone();
+        let (d_residual, dx) = ops::dropout_add_backward(&cx, site, saved, &dy.to_gpu(&g)?, false)?;
         let what = format!("p {p} {sharding:?} training {}", cx.training());
         same_bits(&format!("y, {what}"), device_values(&y, "y"), want);
-        same_bits(&format!("dx, {what}"), device_values(&dx, "dx"), want_dx);
+        same_bits(
+            &format!("dx, {what}"),
+            device_values(&dx, "dx"),
+            want_dx.clone(),
+        );
+        // For a branch whose backward feeds products, on a handle that multiplies in bf16: the
+        // gradient in bf16, the CPU's rounded once (without dropout it is `dy` as it is).
+        let b16 = g.with_new_stream()?;
+        b16.set_bf16_products(true);
+        let dy16 = dy.to_gpu(&b16)?;
+        let (_, dx) = ops::dropout_add_backward(&cx, site, saved_again, &dy16, true)?;
+        if p > 0.0 && cx.training() {
+            assert_eq!(dx.dtype(), DType::BF16, "{what}");
+            let rounded = Tensor::from_vec(want_dx, [rows, cols])?.to_dtype(DType::BF16)?;
+            let (got, want) = (dx.to_vec::<bf16>()?, rounded.to_vec::<bf16>()?);
+            let bits = |v: Vec<bf16>| v.into_iter().map(bf16::to_bits).collect::<Vec<_>>();
+            assert_eq!(bits(got), bits(want), "dx in bf16, {what}");
+        }
         let d_residual = device_values(&d_residual, "d_residual");
         same_bits(
             &format!("d_residual, {what}"),

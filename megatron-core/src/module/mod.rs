@@ -122,6 +122,12 @@ pub trait Module: Sized {
     /// What a forward keeps for its backward.
     type Saved;
 
+    /// Whether backward reads its output gradient only as a product's operand (a linear layer,
+    /// or a module whose output is one's), so that a caller may hand that gradient over in the
+    /// products' dtype ([`crate::ops::operand_dtype`]). Generated modules define an inherent
+    /// constant of this name from their forward.
+    const GRADIENT_FEEDS_PRODUCTS: bool = false;
+
     /// Builds the module unsharded (replicated), naming its parameters under `b`'s scope.
     fn build(spec: &Self::Spec, b: &mut Builder) -> Result<Self>;
 

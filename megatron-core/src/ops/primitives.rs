@@ -113,7 +113,7 @@ pub fn dropout(
     let index = logical_index(cx, &x, sharding);
     #[cfg(feature = "cuda")]
     if let Some(gpu) = x.gpu() {
-        let y = device::dropout(gpu, &x, p, &stream, index, false)?;
+        let y = device::dropout(gpu, &x, p, &stream, index)?;
         return Ok((
             y,
             DropoutSaved {
@@ -132,15 +132,28 @@ pub fn dropout(
 }
 
 /// Gradient of [`dropout`]: the same mask applied to `dy`.
-pub fn dropout_backward(_cx: &Cx, _site: Site, saved: DropoutSaved, dy: &Tensor) -> Result<Tensor> {
+pub fn dropout_backward(cx: &Cx, site: Site, saved: DropoutSaved, dy: &Tensor) -> Result<Tensor> {
+    masked_gradient(cx, site, saved, dy, DType::F32)
+}
+
+/// [`dropout_backward`] written in `dtype` (f32, or on a GPU bf16: rounded once, as a
+/// conversion of the f32 gradient would round it).
+fn masked_gradient(
+    _cx: &Cx,
+    _site: Site,
+    saved: DropoutSaved,
+    dy: &Tensor,
+    dtype: DType,
+) -> Result<Tensor> {
     let Some((p, stream, index)) = saved.mask else {
         return Ok(dy.clone());
     };
     let dy = dy.to_f32_contiguous()?;
     #[cfg(feature = "cuda")]
     if let Some(gpu) = dy.gpu() {
-        return device::dropout(gpu, &dy, p, &stream, index, true);
+        return device::dropout_backward(gpu, &dy, p, &stream, index, dtype);
     }
+    let _ = dtype;
     let dx = Tensor::empty(dy.shape().clone(), DType::F32);
     dk::dropout_backward(
         &dy.read::<f32>()?,
@@ -200,13 +213,23 @@ pub fn dropout_add(
 }
 
 /// Gradients of [`dropout_add`]: `(d_residual, d_x)`, `dy` itself and the mask applied to it.
+///
+/// `to_products`: the branch's backward reads its gradient only as a product's operand (its
+/// last layer is a linear one), so on a GPU that multiplies in bf16 `d_x` is written in bf16,
+/// the same bits as the product's own conversion of the f32 gradient, one pass fewer.
 pub fn dropout_add_backward(
     cx: &Cx,
     site: Site,
     saved: DropoutSaved,
     dy: &Tensor,
+    to_products: bool,
 ) -> Result<(Tensor, Tensor)> {
-    let d_x = dropout_backward(cx, site, saved, dy)?;
+    let dtype = if to_products {
+        crate::ops::operand_dtype(dy)
+    } else {
+        DType::F32
+    };
+    let d_x = masked_gradient(cx, site, saved, dy, dtype)?;
     Ok((dy.clone(), d_x))
 }
 
@@ -343,25 +366,45 @@ mod device {
         Ok(dx)
     }
 
-    /// The dropout mask of (`stream`, `index`) applied to a contiguous f32 `x` (forward), or to
-    /// `dy` (`backward`: the same mask regenerated).
+    /// The dropout mask of (`stream`, `index`) applied to a contiguous f32 `x`.
     pub(super) fn dropout(
         gpu: &Gpu,
         x: &Tensor,
         p: f32,
         stream: &DropoutStream,
         index: dk::LogicalIndex,
-        backward: bool,
     ) -> Result<Tensor> {
         let y = Tensor::empty_near(x.shape().clone(), DType::F32, x)?;
         let (xv, mut yv) = (x.device_read::<f32>()?, y.device_write::<f32>()?);
-        if backward {
-            gdk::dropout_backward(gpu, &xv.view(), &mut yv.view_mut(), p, stream, index)?;
-        } else {
-            gdk::dropout_forward(gpu, &xv.view(), &mut yv.view_mut(), p, stream, index)?;
-        }
+        gdk::dropout_forward(gpu, &xv.view(), &mut yv.view_mut(), p, stream, index)?;
         drop((xv, yv));
         Ok(y)
+    }
+
+    /// The mask regenerated and applied to a contiguous f32 `dy`, written in `dtype` (f32 or
+    /// bf16).
+    pub(super) fn dropout_backward(
+        gpu: &Gpu,
+        dy: &Tensor,
+        p: f32,
+        stream: &DropoutStream,
+        index: dk::LogicalIndex,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let dx = Tensor::empty_near(dy.shape().clone(), dtype, dy)?;
+        let dyv = dy.device_read::<f32>()?;
+        with_out(&dx, |out| {
+            Ok(gdk::dropout_backward(
+                gpu,
+                &dyv.view(),
+                out,
+                p,
+                stream,
+                index,
+            )?)
+        })?;
+        drop(dyv);
+        Ok(dx)
     }
 
     /// `residual + mask(x)` of contiguous f32 tensors, one kernel (shapes checked by the caller;

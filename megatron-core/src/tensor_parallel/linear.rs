@@ -253,6 +253,9 @@ impl Module for Linear {
     type Spec = LinearSpec;
     type Saved = LinearSaved;
 
+    /// Its backward converts the output gradient to the products' dtype first.
+    const GRADIENT_FEEDS_PRODUCTS: bool = true;
+
     fn build(spec: &LinearSpec, b: &mut Builder) -> Result<Self> {
         Linear::build_as(spec, b, Mode::Whole)
     }

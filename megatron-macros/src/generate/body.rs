@@ -1062,13 +1062,15 @@ fn backward_node<'a>(
             );
             let doc = comment(
                 "`+` of a dropout: the gradient flows to the residual as it is and through the \
-                 dropout's mask to the branch.",
+                 dropout's mask to the branch (in the products' dtype when the branch's \
+                 backward only multiplies it).",
             );
+            let feeds = super::feeds_products(cx.root, cx.s, cx.g, cx.a, node.args[1]);
             b.push(move |nm| {
                 let (s, dy, a, bb) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_a), nm.pat(d_b));
                 quote! {
                     #doc
-                    let (#a, #bb) = #rt::ops::dropout_add_backward(cx, #site, #s, #dy)?;
+                    let (#a, #bb) = #rt::ops::dropout_add_backward(cx, #site, #s, #dy, #feeds)?;
                 }
             });
         }

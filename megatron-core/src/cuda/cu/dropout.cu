@@ -7,18 +7,21 @@ __device__ __forceinline__ float plus_residual(const float* r, u64 e, float v) {
     return r != nullptr ? __fadd_rn(r[e], v) : v;
 }
 
-// y = mask(x), plus r when r is non-null (dropout and the residual connection in one pass); with
-// x_b non-null, y_b = mask(x_b) too (one mask, two buffers). When runs, their starts and their
+// y = mask(x), plus r when r is non-null (dropout and the residual connection in one pass), in
+// f32 or, with y_bf16, rounded to bf16 (a gradient on its way to bf16 products); with x_b
+// non-null, y_b = mask(x_b) too (one mask, two buffers). When runs, their starts and their
 // stride are multiples of 4 elements, every aligned group of 4 local elements is one Philox block:
 // one block per thread, 16-byte accesses when aligned.
-extern "C" __global__ void dropout_apply(const float* __restrict__ x, float* __restrict__ y,
-                                         const float* __restrict__ x_b, float* __restrict__ y_b,
+extern "C" __global__ void dropout_apply(const float* __restrict__ x, void* __restrict__ y,
+                                         int y_bf16, const float* __restrict__ x_b,
+                                         float* __restrict__ y_b,
                                          const float* __restrict__ r, u64 n, u64 inner, u64 stride,
                                          u64 start, u32 key_lo, u32 key_hi, u64 stream,
                                          u32 threshold, float scale) {
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, scale);
     const bool blocks = mask_blocks(m) && n % 4 == 0;
-    const bool vec = blocks && (((u64)x | (u64)y | (u64)x_b | (u64)y_b | (u64)r) & 15) == 0;
+    const bool vec = blocks && (((u64)x | (u64)x_b | (u64)y_b | (u64)r) & 15) == 0 &&
+                     out4_aligned(y, y_bf16);
     if (blocks) {
         FOR_EACH(g, n / 4) {
             const u64 e = 4 * g;
@@ -30,7 +33,7 @@ extern "C" __global__ void dropout_apply(const float* __restrict__ x, float* __r
                     v = make_float4(__fadd_rn(rv.x, v.x), __fadd_rn(rv.y, v.y),
                                     __fadd_rn(rv.z, v.z), __fadd_rn(rv.w, v.w));
                 }
-                reinterpret_cast<float4*>(y)[g] = v;
+                store_out4(y, y_bf16, g, v);
                 if (x_b != nullptr) {
                     reinterpret_cast<float4*>(y_b)[g] =
                         masked4(reinterpret_cast<const float4*>(x_b)[g], k);
@@ -38,7 +41,7 @@ extern "C" __global__ void dropout_apply(const float* __restrict__ x, float* __r
             } else {
                 const float ks[4] = {k.x, k.y, k.z, k.w};
                 for (int j = 0; j < 4; ++j) {
-                    y[e + j] = plus_residual(r, e + j, masked(x[e + j], ks[j]));
+                    store_out(y, y_bf16, e + j, plus_residual(r, e + j, masked(x[e + j], ks[j])));
                     if (x_b != nullptr) y_b[e + j] = masked(x_b[e + j], ks[j]);
                 }
             }
@@ -47,7 +50,7 @@ extern "C" __global__ void dropout_apply(const float* __restrict__ x, float* __r
     }
     FOR_EACH(e, n) {
         const float k = mask_factor(m, e);
-        y[e] = plus_residual(r, e, masked(x[e], k));
+        store_out(y, y_bf16, e, plus_residual(r, e, masked(x[e], k)));
         if (x_b != nullptr) y_b[e] = masked(x_b[e], k);
     }
 }

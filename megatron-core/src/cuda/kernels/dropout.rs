@@ -3,6 +3,7 @@
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchArgs, PushKernelArg};
 
+use super::operand::Out;
 use super::{check_len, cover, launch, launch_args};
 use crate::cuda::{Gpu, Result};
 use crate::kernels::dropout::{LogicalIndex, keep_scale, keep_threshold};
@@ -113,7 +114,7 @@ fn apply(
     gpu: &Gpu,
     kernel: &'static str,
     residual: Option<&CudaView<f32>>,
-    (x, y): (&CudaView<f32>, &mut CudaViewMut<f32>),
+    (x, y): (&CudaView<f32>, Out<'_, '_>),
     b: Option<(&CudaView<f32>, &mut CudaViewMut<f32>)>,
     p: f32,
     stream: &DropoutStream,
@@ -141,8 +142,10 @@ fn apply(
     } else {
         n
     };
+    let y_flag = y.flag();
     let mut args = launch_args(gpu, "dropout_apply")?;
-    args.arg(x).arg(y);
+    args.arg(x);
+    y.push(&mut args, &y_flag);
     match b {
         Some((xb, yb)) => args.arg(xb).arg(yb),
         None => args.arg(&null).arg(&null),
@@ -165,6 +168,7 @@ pub fn dropout_forward(
     stream: &DropoutStream,
     index: LogicalIndex,
 ) -> Result<()> {
+    let y = Out::F32(y);
     apply(gpu, "dropout_forward", None, (x, y), None, p, stream, index)
 }
 
@@ -180,7 +184,7 @@ pub fn dropout_add_forward(
     stream: &DropoutStream,
     index: LogicalIndex,
 ) -> Result<()> {
-    let pair = (x, y);
+    let pair = (x, Out::F32(y));
     apply(
         gpu,
         "dropout_add_forward",
@@ -193,11 +197,12 @@ pub fn dropout_add_forward(
     )
 }
 
-/// The gradient: the same mask regenerated, `dx = mask(dy)/(1 − p)`.
+/// The gradient: the same mask regenerated, `dx = mask(dy)/(1 − p)`, in f32 or rounded to bf16
+/// (for a gradient that only bf16 products read).
 pub fn dropout_backward(
     gpu: &Gpu,
     dy: &CudaView<f32>,
-    dx: &mut CudaViewMut<f32>,
+    dx: Out<'_, '_>,
     p: f32,
     stream: &DropoutStream,
     index: LogicalIndex,
@@ -230,7 +235,7 @@ pub fn dropout_pair(
         gpu,
         "dropout_pair",
         None,
-        (x_a, y_a),
+        (x_a, Out::F32(y_a)),
         Some((x_b, y_b)),
         p,
         stream,
