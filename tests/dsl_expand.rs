@@ -399,7 +399,7 @@ fn modules_say_whether_their_backward_only_multiplies_the_output_gradient() {
     // A row-parallel layer's output: the gradient goes to its products (the residual branch's
     // gradient may then come in their dtype). A sum, a loss or a module whose output is
     // another's sum: no.
-    use megatron::module::Module;
+    use megatron::module::{Module, VocabParallel};
     let said = [
         ("Mlp", Mlp::GRADIENT_FEEDS_PRODUCTS),
         ("Attention", Attention::GRADIENT_FEEDS_PRODUCTS),
@@ -407,6 +407,10 @@ fn modules_say_whether_their_backward_only_multiplies_the_output_gradient() {
         ("Gpt", Gpt::GRADIENT_FEEDS_PRODUCTS),
         ("Linear", <Linear as Module>::GRADIENT_FEEDS_PRODUCTS),
         ("LayerNorm", <LayerNorm as Module>::GRADIENT_FEEDS_PRODUCTS),
+        (
+            "Embedding's logits",
+            <Embedding as VocabParallel>::LOGITS_GRADIENT_FEEDS_PRODUCTS,
+        ),
     ];
     let want = [
         ("Mlp", true),
@@ -415,6 +419,7 @@ fn modules_say_whether_their_backward_only_multiplies_the_output_gradient() {
         ("Gpt", false),
         ("Linear", true),
         ("LayerNorm", false),
+        ("Embedding's logits", true),
     ];
     assert_eq!(said, want);
 }

@@ -25,6 +25,7 @@ use megatron_core::tensor::{DType, Tensor};
 use megatron_core::tensor_parallel::{
     CausalSelfAttention, Embedding, EmbeddingSpec, PositionEmbedding, PositionEmbeddingSpec,
     vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward,
+    vocab_parallel_cross_entropy_backward_to,
 };
 use support::{det, gpu, tensor};
 
@@ -376,6 +377,37 @@ fn inputs() -> (Tensor, Tensor, Tensor) {
         Tensor::from_slice(&targets, [SEQ, BATCH]).unwrap(),
         tensor(det(n, 11), &[SEQ, BATCH]),
     )
+}
+
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn the_logits_gradient_for_products_is_bf16_with_the_f32_ones_bits_rounded() -> R {
+    // A handle that multiplies in bf16; logits of 6 rows × 16 (a vocabulary slice).
+    let g = gpu().with_new_stream()?;
+    g.set_bf16_products(true);
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 1234);
+    let (rows, vocab) = (6, 16);
+    let logits = tensor(
+        det(rows * vocab, 41).iter().map(|x| 4.0 * x).collect(),
+        &[rows, vocab],
+    );
+    let targets = Tensor::from_vec((0..rows as i64).map(|r| (r * 5) % 16).collect(), [rows])?;
+    let dloss = tensor(det(rows, 42), &[rows]).to_gpu(&g)?;
+    let (_, saved) = vocab_parallel_cross_entropy(&cx, Site::ROOT, &logits.to_gpu(&g)?, &targets)?;
+    let f32_grad = vocab_parallel_cross_entropy_backward(&cx, Site::ROOT, saved.clone(), &dloss)?;
+    let to_products = true;
+    let bf16_grad =
+        vocab_parallel_cross_entropy_backward_to(&cx, Site::ROOT, saved, &dloss, to_products)?;
+    assert_eq!(
+        (f32_grad.dtype(), bf16_grad.dtype()),
+        (DType::F32, DType::BF16)
+    );
+    let rounded = f32_grad.to_dtype(DType::BF16)?.to_vec::<half::bf16>()?;
+    let got = bf16_grad.to_vec::<half::bf16>()?;
+    let bits16 = |v: Vec<half::bf16>| v.into_iter().map(half::bf16::to_bits).collect::<Vec<_>>();
+    assert_eq!(bits16(got), bits16(rounded));
+    Ok(())
 }
 
 #[test]

@@ -248,6 +248,9 @@ pub trait RowParallel: Module {
 pub trait VocabParallel: Module {
     /// What the tied output layer keeps for its backward.
     type LogitsSaved;
+    /// Whether `logits_backward` reads the logits' gradient only as a product's operand, so
+    /// that the cross-entropy may write it in the products' dtype.
+    const LOGITS_GRADIENT_FEEDS_PRODUCTS: bool = false;
     /// Builds this rank's rows of the padded vocabulary.
     fn build_vocab(spec: &Self::Spec, b: &mut Builder) -> Result<Self>;
     /// Looks up ids in this rank's rows (zeros for other ranks' ids): a partial output.

@@ -114,9 +114,24 @@ pub fn vocab_parallel_cross_entropy(
 /// Gradient of the logits slice: `(softmax − onehot) · dloss`, with no communication.
 pub fn vocab_parallel_cross_entropy_backward(
     cx: &Cx,
+    site: Site,
+    saved: VocabParallelCrossEntropySaved,
+    dloss: &Tensor,
+) -> Result<Tensor> {
+    vocab_parallel_cross_entropy_backward_to(cx, site, saved, dloss, false)
+}
+
+/// [`vocab_parallel_cross_entropy_backward`] for logits whose layer reads their gradient only
+/// as a product's operand (`to_products`, the tied output layer's
+/// `VocabParallel::LOGITS_GRADIENT_FEEDS_PRODUCTS`): on a GPU that multiplies in bf16 the
+/// gradient is then written in bf16, the bits that layer's own conversion gave, one pass and
+/// half the memory fewer (the logits' gradient is the step's largest tensor).
+pub fn vocab_parallel_cross_entropy_backward_to(
+    cx: &Cx,
     _site: Site,
     saved: VocabParallelCrossEntropySaved,
     dloss: &Tensor,
+    to_products: bool,
 ) -> Result<Tensor> {
     let local = saved.logits.dims().last().copied().unwrap_or(1);
     let start = cx.tp_rank() * local;
@@ -130,8 +145,14 @@ pub fn vocab_parallel_cross_entropy_backward(
     }
     #[cfg(feature = "cuda")]
     if let Some(gpu) = saved.logits.gpu().cloned() {
-        return device::backward(cx, &gpu, saved, &dloss);
+        let dtype = if to_products {
+            crate::ops::operand_dtype(&saved.logits)
+        } else {
+            DType::F32
+        };
+        return device::backward(cx, &gpu, saved, &dloss, dtype);
     }
+    let _ = to_products;
     let dlogits = Tensor::empty(saved.logits.shape().clone(), DType::F32);
     {
         let l = saved.logits.read::<f32>()?;
@@ -176,6 +197,7 @@ mod device {
     use super::VocabParallelCrossEntropySaved;
     use crate::comm::ReduceOp;
     use crate::cuda::Gpu;
+    use crate::cuda::kernels::operand::with_out;
     use crate::cuda::kernels::vocab_parallel as gvp;
     use crate::error::Result;
     use crate::module::Cx;
@@ -253,6 +275,7 @@ mod device {
         gpu: &Gpu,
         saved: VocabParallelCrossEntropySaved,
         dloss: &Tensor,
+        dtype: DType,
     ) -> Result<Tensor> {
         let local = saved.logits.dims().last().copied().unwrap_or(1);
         let start = cx.tp_rank() * local;
@@ -261,17 +284,22 @@ mod device {
         } else {
             dloss.to_gpu(gpu)?
         };
-        let dlogits = Tensor::empty_on(saved.logits.shape().clone(), DType::F32, gpu)?;
-        gvp::cross_entropy_backward(
-            gpu,
-            &saved.logits.device_read::<f32>()?.view(),
-            &saved.targets.device_read::<i64>()?.view(),
-            &saved.logsumexp.device_read::<f32>()?.view(),
-            &dloss.device_read::<f32>()?.view(),
-            local,
-            start,
-            &mut dlogits.device_write::<f32>()?.view_mut(),
-        )?;
+        let dlogits = Tensor::empty_on(saved.logits.shape().clone(), dtype, gpu)?;
+        let (logits, targets) = (
+            saved.logits.device_read::<f32>()?,
+            saved.targets.device_read::<i64>()?,
+        );
+        let (lse, dloss) = (
+            saved.logsumexp.device_read::<f32>()?,
+            dloss.device_read::<f32>()?,
+        );
+        with_out(&dlogits, |out| {
+            let (l, t, s, d) = (logits.view(), targets.view(), lse.view(), dloss.view());
+            Ok(gvp::cross_entropy_backward(
+                gpu, &l, &t, &s, &d, local, start, out,
+            )?)
+        })?;
+        drop((logits, targets, lse, dloss));
         Ok(dlogits)
     }
 }

@@ -211,6 +211,9 @@ impl Lookup for Embedding {
 impl VocabParallel for Embedding {
     type LogitsSaved = LogitsSaved;
 
+    /// Its backward converts the logits' gradient to the products' dtype first.
+    const LOGITS_GRADIENT_FEEDS_PRODUCTS: bool = true;
+
     fn build_vocab(spec: &EmbeddingSpec, b: &mut Builder) -> Result<Self> {
         Embedding::build_as(spec, b, true)
     }

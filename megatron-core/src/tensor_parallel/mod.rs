@@ -15,7 +15,7 @@ mod mappings;
 pub use attention::{AttentionSaved, CausalSelfAttention};
 pub use cross_entropy::{
     VocabParallelCrossEntropySaved, vocab_parallel_cross_entropy,
-    vocab_parallel_cross_entropy_backward,
+    vocab_parallel_cross_entropy_backward, vocab_parallel_cross_entropy_backward_to,
 };
 pub use embedding::{
     Embedding, EmbeddingSaved, EmbeddingSpec, LogitsSaved, PositionEmbedding,

@@ -1041,17 +1041,23 @@ fn backward_node<'a>(
             let saved = saved.expect("builtins save");
             let d_x = d_args[0].expect("builtin inputs are tensors");
             let split = cx.a.sharding[node.args[0]] == Sharding::Split;
-            let function = match builtin {
-                Builtin::Gelu => quote!(#rt::ops::gelu_backward),
-                Builtin::Dropout => quote!(#rt::ops::dropout_backward),
+            // The split logits' gradient in the products' dtype when their layer only
+            // multiplies it (the tied output layer).
+            let (function, extra) = match builtin {
+                Builtin::Gelu => (quote!(#rt::ops::gelu_backward), None),
+                Builtin::Dropout => (quote!(#rt::ops::dropout_backward), None),
                 Builtin::CrossEntropy if split => {
-                    quote!(#rt::tensor_parallel::vocab_parallel_cross_entropy_backward)
+                    let feeds = super::feeds_products(cx.root, cx.s, cx.g, cx.a, node.args[0]);
+                    (
+                        quote!(#rt::tensor_parallel::vocab_parallel_cross_entropy_backward_to),
+                        Some(quote!(, #feeds)),
+                    )
                 }
-                Builtin::CrossEntropy => quote!(#rt::ops::cross_entropy_backward),
+                Builtin::CrossEntropy => (quote!(#rt::ops::cross_entropy_backward), None),
             };
             b.push(move |nm| {
                 let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
-                quote!(let #dx = #function(cx, #site, #s, #dy)?;)
+                quote!(let #dx = #function(cx, #site, #s, #dy #extra)?;)
             });
         }
         NodeOp::DropoutAdd { .. } => {

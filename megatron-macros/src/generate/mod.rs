@@ -322,9 +322,10 @@ fn saved_field_doc(s: &ModuleStruct, g: &Graph, a: &Analysis, n: usize) -> Strin
 }
 
 /// Whether the backward of what defines `v` reads `v`'s gradient only as a product's operand
-/// (`Module::GRADIENT_FEEDS_PRODUCTS`), as an expression: a split linear layer, or a layer or
-/// sub-module that says so; `false` for anything else, or when `v` has other uses (its
-/// gradient is then also a sum).
+/// (`Module::GRADIENT_FEEDS_PRODUCTS`), as an expression: a split linear layer, a layer or
+/// sub-module that says so, or tied logits whose embedding says so
+/// (`VocabParallel::LOGITS_GRADIENT_FEEDS_PRODUCTS`); `false` for anything else, or when `v`
+/// has other uses (its gradient is then also a sum).
 pub fn feeds_products(
     root: &Root,
     s: &ModuleStruct,
@@ -352,6 +353,10 @@ pub fn feeds_products(
                 use #rt::module::Module as _;
                 <#ty>::GRADIENT_FEEDS_PRODUCTS
             })
+        }
+        (NodeOp::Logits { .. }, _) if single_use => {
+            let ty = &field.expect("the embedding").ty;
+            quote!(<#ty as #rt::module::VocabParallel>::LOGITS_GRADIENT_FEEDS_PRODUCTS)
         }
         _ => quote!(false),
     }

@@ -70,21 +70,22 @@ extern "C" __global__ void vocab_parallel_ce_finish(const float* __restrict__ ma
 }
 
 // The backward: dlogits[r, c] = exp(logit − logsumexp[r])·dloss[r], minus dloss[r] at the target
-// when this slice holds it (product, then difference, each rounded: no fused multiply-add).
+// when this slice holds it (product, then difference, each rounded: no fused multiply-add); in
+// f32 or, with dlogits_bf16, rounded to bf16 (a gradient only the output layer's products read).
 extern "C" __global__ void vocab_parallel_ce_backward(const float* __restrict__ logits,
                                                       const i64* __restrict__ targets,
                                                       const float* __restrict__ logsumexp,
                                                       const float* __restrict__ dloss, u64 rows,
                                                       u64 local, u64 start,
-                                                      float* __restrict__ dlogits) {
+                                                      void* __restrict__ dlogits,
+                                                      int dlogits_bf16) {
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* row = logits + r * local;
-        float* drow = dlogits + r * local;
         const float lse = logsumexp[r], g = dloss[r];
         const u64 hit = vp_local_column(targets[r], start, local);
         for (u64 c = threadIdx.x; c < local; c += blockDim.x) {
             const float o = __fmul_rn(exp_f32(row[c] - lse), g);
-            drow[c] = c == hit ? __fsub_rn(o, g) : o;
+            store_out(dlogits, dlogits_bf16, r * local + c, c == hit ? __fsub_rn(o, g) : o);
         }
     }
 }

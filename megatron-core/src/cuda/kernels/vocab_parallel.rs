@@ -10,6 +10,7 @@
 
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
+use super::operand::Out;
 use super::{check_len, cover, launch, launch_args, per_row, product};
 use crate::cuda::{Gpu, Result};
 
@@ -116,7 +117,8 @@ pub fn cross_entropy_finish(
 }
 
 /// The gradient of this slice's logits: `dlogits[r] = exp(logits[r] − logsumexp[r])·dloss[r]`,
-/// minus `dloss[r]` at the target where this slice holds it (overwrites `dlogits`).
+/// minus `dloss[r]` at the target where this slice holds it (overwrites `dlogits`, f32 or rounded
+/// to bf16).
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_backward(
     gpu: &Gpu,
@@ -126,7 +128,7 @@ pub fn cross_entropy_backward(
     dloss: &CudaView<f32>,
     local: usize,
     start: usize,
-    dlogits: &mut CudaViewMut<f32>,
+    dlogits: Out<'_, '_>,
 ) -> Result<()> {
     const K: &str = "vocab_parallel_ce_backward";
     let rows = targets.len();
@@ -140,10 +142,11 @@ pub fn cross_entropy_backward(
         return Ok(());
     }
     let (rows64, local64, start64) = (rows as u64, local as u64, start as u64);
+    let flag = dlogits.flag();
     let mut args = launch_args(gpu, K)?;
     args.arg(logits).arg(targets).arg(logsumexp).arg(dloss);
     args.arg(&rows64).arg(&local64).arg(&start64);
-    args.arg(dlogits);
+    dlogits.push(&mut args, &flag);
     launch(K, args, row_launch(rows, local)?)
 }
 
