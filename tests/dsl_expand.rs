@@ -401,10 +401,10 @@ fn modules_say_whether_their_backward_only_multiplies_the_output_gradient() {
     // another's sum: no.
     use megatron::module::{Module, VocabParallel};
     let said = [
-        ("Mlp", Mlp::GRADIENT_FEEDS_PRODUCTS),
-        ("Attention", Attention::GRADIENT_FEEDS_PRODUCTS),
-        ("Block", Block::GRADIENT_FEEDS_PRODUCTS),
-        ("Gpt", Gpt::GRADIENT_FEEDS_PRODUCTS),
+        ("Mlp", <Mlp as Module>::GRADIENT_FEEDS_PRODUCTS),
+        ("Attention", <Attention as Module>::GRADIENT_FEEDS_PRODUCTS),
+        ("Block", <Block as Module>::GRADIENT_FEEDS_PRODUCTS),
+        ("Gpt", <Gpt as Module>::GRADIENT_FEEDS_PRODUCTS),
         ("Linear", <Linear as Module>::GRADIENT_FEEDS_PRODUCTS),
         ("LayerNorm", <LayerNorm as Module>::GRADIENT_FEEDS_PRODUCTS),
         (

@@ -160,7 +160,8 @@ fn dropout_masks_are_the_cpus_bit_for_bit() -> R {
         cdrop::dropout_forward(&x, &mut y_cpu, p, &stream, index)?;
         let xd = g.upload(&x)?;
         let mut yd = g.zeros::<f32>(n)?;
-        gdrop::dropout_forward(&g, &xd.as_view(), &mut yd.as_view_mut(), p, &stream, index)?;
+        let y_out = Out::F32(&mut yd.as_view_mut());
+        gdrop::dropout_forward(&g, &xd.as_view(), y_out, p, &stream, index)?;
         let y = g.download(&yd)?;
         assert_eq!(
             y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
@@ -181,7 +182,7 @@ fn dropout_masks_are_the_cpus_bit_for_bit() -> R {
     let err = gdrop::dropout_forward(
         &g,
         &g.upload(&[1.0f32; 4])?.as_view(),
-        &mut g.zeros::<f32>(3)?.as_view_mut(),
+        Out::F32(&mut g.zeros::<f32>(3)?.as_view_mut()),
         0.1,
         &stream,
         LogicalIndex::contiguous(4),
@@ -366,7 +367,7 @@ fn a_captured_graph_replays_the_eager_result_bit_for_bit() -> R {
         gdrop::dropout_forward(
             &g,
             &c.as_view(),
-            &mut y.as_view_mut(),
+            Out::F32(&mut y.as_view_mut()),
             0.1,
             &stream,
             LogicalIndex::contiguous(m * n),

@@ -124,8 +124,8 @@ pub trait Module: Sized {
 
     /// Whether backward reads its output gradient only as a product's operand (a linear layer,
     /// or a module whose output is one's), so that a caller may hand that gradient over in the
-    /// products' dtype ([`crate::ops::operand_dtype`]). Generated modules define an inherent
-    /// constant of this name from their forward.
+    /// products' dtype ([`crate::ops::operand_dtype`]). Generated modules derive it from their
+    /// forward: true when the output is a linear layer's (or such a module's) with one use.
     const GRADIENT_FEEDS_PRODUCTS: bool = false;
 
     /// Builds the module unsharded (replicated), naming its parameters under `b`'s scope.

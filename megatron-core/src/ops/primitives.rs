@@ -111,49 +111,37 @@ pub fn dropout(
     let x = x.to_f32_contiguous()?;
     let stream = cx.dropout_stream(site);
     let index = logical_index(cx, &x, sharding);
+    let mask = (p, stream, index);
     #[cfg(feature = "cuda")]
     if let Some(gpu) = x.gpu() {
-        let y = device::dropout(gpu, &x, p, &stream, index)?;
-        return Ok((
-            y,
-            DropoutSaved {
-                mask: Some((p, stream, index)),
-            },
-        ));
+        let y = device::dropout(gpu, &x, &mask, DType::F32, false)?;
+        let mask = Some(mask);
+        return Ok((y, DropoutSaved { mask }));
     }
     let y = Tensor::empty(x.shape().clone(), DType::F32);
-    dk::dropout_forward(&x.read::<f32>()?, &mut y.write::<f32>()?, p, &stream, index)?;
-    Ok((
-        y,
-        DropoutSaved {
-            mask: Some((p, stream, index)),
-        },
-    ))
+    dk::dropout_forward(&x.read::<f32>()?, &mut y.write::<f32>()?, p, &mask.1, index)?;
+    let mask = Some(mask);
+    Ok((y, DropoutSaved { mask }))
 }
 
 /// Gradient of [`dropout`]: the same mask applied to `dy`.
-pub fn dropout_backward(cx: &Cx, site: Site, saved: DropoutSaved, dy: &Tensor) -> Result<Tensor> {
-    masked_gradient(cx, site, saved, dy, DType::F32)
+pub fn dropout_backward(_cx: &Cx, _site: Site, saved: DropoutSaved, dy: &Tensor) -> Result<Tensor> {
+    masked_gradient(saved, dy, DType::F32)
 }
 
 /// [`dropout_backward`] written in `dtype` (f32, or on a GPU bf16: rounded once, as a
 /// conversion of the f32 gradient would round it).
-fn masked_gradient(
-    _cx: &Cx,
-    _site: Site,
-    saved: DropoutSaved,
-    dy: &Tensor,
-    dtype: DType,
-) -> Result<Tensor> {
-    let Some((p, stream, index)) = saved.mask else {
+fn masked_gradient(saved: DropoutSaved, dy: &Tensor, dtype: DType) -> Result<Tensor> {
+    let Some(mask) = saved.mask else {
         return Ok(dy.clone());
     };
     let dy = dy.to_f32_contiguous()?;
     #[cfg(feature = "cuda")]
     if let Some(gpu) = dy.gpu() {
-        return device::dropout_backward(gpu, &dy, p, &stream, index, dtype);
+        return device::dropout(gpu, &dy, &mask, dtype, true);
     }
     let _ = dtype;
+    let (p, stream, index) = mask;
     let dx = Tensor::empty(dy.shape().clone(), DType::F32);
     dk::dropout_backward(
         &dy.read::<f32>()?,
@@ -191,24 +179,18 @@ pub fn dropout_add(
         return Ok((add(residual, x)?, DropoutSaved { mask: None }));
     }
     let (residual, x) = (residual.to_f32_contiguous()?, x.to_f32_contiguous()?);
-    let stream = cx.dropout_stream(site);
-    let index = logical_index(cx, &x, sharding);
+    let mask = (p, cx.dropout_stream(site), logical_index(cx, &x, sharding));
     #[cfg(feature = "cuda")]
     if let Some(gpu) = x.gpu().or(residual.gpu()) {
-        let y = device::dropout_add(gpu, &residual, &x, p, &stream, index)?;
-        let mask = Some((p, stream, index));
+        let y = device::dropout_add(gpu, &residual, &x, &mask)?;
+        let mask = Some(mask);
         return Ok((y, DropoutSaved { mask }));
     }
     let y = Tensor::empty(x.shape().clone(), DType::F32);
-    dk::dropout_add_forward(
-        &residual.read::<f32>()?,
-        &x.read::<f32>()?,
-        &mut y.write::<f32>()?,
-        p,
-        &stream,
-        index,
-    )?;
-    let mask = Some((p, stream, index));
+    let (r, xs) = (residual.read::<f32>()?, x.read::<f32>()?);
+    dk::dropout_add_forward(&r, &xs, &mut y.write::<f32>()?, p, &mask.1, mask.2)?;
+    drop((r, xs));
+    let mask = Some(mask);
     Ok((y, DropoutSaved { mask }))
 }
 
@@ -218,8 +200,8 @@ pub fn dropout_add(
 /// last layer is a linear one), so on a GPU that multiplies in bf16 `d_x` is written in bf16,
 /// the same bits as the product's own conversion of the f32 gradient, one pass fewer.
 pub fn dropout_add_backward(
-    cx: &Cx,
-    site: Site,
+    _cx: &Cx,
+    _site: Site,
     saved: DropoutSaved,
     dy: &Tensor,
     to_products: bool,
@@ -229,7 +211,7 @@ pub fn dropout_add_backward(
     } else {
         DType::F32
     };
-    let d_x = masked_gradient(cx, site, saved, dy, dtype)?;
+    let d_x = masked_gradient(saved, dy, dtype)?;
     Ok((dy.clone(), d_x))
 }
 
@@ -366,45 +348,27 @@ mod device {
         Ok(dx)
     }
 
-    /// The dropout mask of (`stream`, `index`) applied to a contiguous f32 `x`.
+    /// The dropout mask `(p, stream, index)` applied to a contiguous f32 `x`, written in
+    /// `dtype` (f32 or bf16): the forward, or the backward (the same mask regenerated).
     pub(super) fn dropout(
         gpu: &Gpu,
         x: &Tensor,
-        p: f32,
-        stream: &DropoutStream,
-        index: dk::LogicalIndex,
-    ) -> Result<Tensor> {
-        let y = Tensor::empty_near(x.shape().clone(), DType::F32, x)?;
-        let (xv, mut yv) = (x.device_read::<f32>()?, y.device_write::<f32>()?);
-        gdk::dropout_forward(gpu, &xv.view(), &mut yv.view_mut(), p, stream, index)?;
-        drop((xv, yv));
-        Ok(y)
-    }
-
-    /// The mask regenerated and applied to a contiguous f32 `dy`, written in `dtype` (f32 or
-    /// bf16).
-    pub(super) fn dropout_backward(
-        gpu: &Gpu,
-        dy: &Tensor,
-        p: f32,
-        stream: &DropoutStream,
-        index: dk::LogicalIndex,
+        (p, stream, index): &(f32, DropoutStream, dk::LogicalIndex),
         dtype: DType,
+        backward: bool,
     ) -> Result<Tensor> {
-        let dx = Tensor::empty_near(dy.shape().clone(), dtype, dy)?;
-        let dyv = dy.device_read::<f32>()?;
-        with_out(&dx, |out| {
-            Ok(gdk::dropout_backward(
-                gpu,
-                &dyv.view(),
-                out,
-                p,
-                stream,
-                index,
-            )?)
+        let y = Tensor::empty_near(x.shape().clone(), dtype, x)?;
+        let xv = x.device_read::<f32>()?;
+        let kernel = if backward {
+            gdk::dropout_backward
+        } else {
+            gdk::dropout_forward
+        };
+        with_out(&y, |out| {
+            Ok(kernel(gpu, &xv.view(), out, *p, stream, *index)?)
         })?;
-        drop(dyv);
-        Ok(dx)
+        drop(xv);
+        Ok(y)
     }
 
     /// `residual + mask(x)` of contiguous f32 tensors, one kernel (shapes checked by the caller;
@@ -413,9 +377,7 @@ mod device {
         gpu: &Gpu,
         residual: &Tensor,
         x: &Tensor,
-        p: f32,
-        stream: &DropoutStream,
-        index: dk::LogicalIndex,
+        (p, stream, index): &(f32, DropoutStream, dk::LogicalIndex),
     ) -> Result<Tensor> {
         let (residual, x) = (on_gpu(gpu, residual)?, on_gpu(gpu, x)?);
         let y = Tensor::empty_near(x.shape().clone(), DType::F32, &x)?;
@@ -424,9 +386,9 @@ mod device {
             &residual.device_read::<f32>()?.view(),
             &x.device_read::<f32>()?.view(),
             &mut y.device_write::<f32>()?.view_mut(),
-            p,
+            *p,
             stream,
-            index,
+            *index,
         )?;
         Ok(y)
     }

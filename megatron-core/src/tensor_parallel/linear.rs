@@ -135,11 +135,16 @@ impl Linear {
     /// compute copy when kept), in `dtype`: f32, or on a GPU bf16 (the f32 accumulator rounded
     /// once).
     fn product(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
-        let w = self.weight.compute_value();
         let (x2, dims) = self.rows(x)?;
-        let y = Tensor::empty_near([x2.dims()[0], w.dims()[0]], dtype, x)?;
-        matmul_into(1.0, &x2, &w.t()?, 0.0, &y)?;
-        Ok(y.reshape(dims)?)
+        Ok(self.rows_product(&x2, dtype)?.reshape(dims)?)
+    }
+
+    /// `x2·Wᵀ` of the rows [`Linear::rows`] gives, `[rows, out]` in `dtype`.
+    fn rows_product(&self, x2: &Tensor, dtype: DType) -> Result<Tensor> {
+        let w = self.weight.compute_value();
+        let y = Tensor::empty_near([x2.dims()[0], w.dims()[0]], dtype, x2)?;
+        matmul_into(1.0, x2, &w.t()?, 0.0, &y)?;
+        Ok(y)
     }
 
     /// `x·Wᵀ + b` in `dtype`: the bias added to the f32 product, the sum rounded once (on a
@@ -149,25 +154,26 @@ impl Linear {
             return self.product(x, dtype);
         };
         let bias = bias.value().to_f32_contiguous()?;
+        let (x2, dims) = self.rows(x)?;
         #[cfg(feature = "cuda")]
         if x.gpu().is_some() {
             let w = self.weight.compute_value();
-            let (x2, dims) = self.rows(x)?;
             let y = Tensor::empty_near([x2.dims()[0], w.dims()[0]], dtype, x)?;
             if crate::ops::matmul_bias_into(&x2, &w.t()?, &bias, &y)? {
                 return Ok(y.reshape(dims)?);
             }
         }
-        let y = self.product(x, DType::F32)?;
+        // The product in f32, then the bias.
+        let y = self.rows_product(&x2, DType::F32)?;
         #[cfg(feature = "cuda")]
         if dtype != DType::F32
             && let Some(gpu) = y.gpu()
         {
             // One pass: the sum written in `dtype`.
-            return device::bias_add_cast(gpu, &y, &bias, dtype);
+            return Ok(device::bias_add_cast(gpu, &y, &bias, dtype)?.reshape(dims)?);
         }
         add_bias_in_place(&y, &bias)?;
-        Ok(y.to_contiguous(dtype)?)
+        Ok(y.to_contiguous(dtype)?.reshape(dims)?)
     }
 
     /// Accumulates dW (and db when `with_bias`) and returns dx = dy·W in `dx_dtype` (bf16 only

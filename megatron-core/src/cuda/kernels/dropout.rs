@@ -159,16 +159,16 @@ fn apply(
     launch(kernel, args, cover(threads))
 }
 
-/// `y = x/(1 − p)` where kept, 0 where dropped, as [`crate::kernels::dropout::dropout_forward`].
+/// `y = x/(1 − p)` where kept, 0 where dropped, as [`crate::kernels::dropout::dropout_forward`]
+/// (in f32, or rounded to bf16).
 pub fn dropout_forward(
     gpu: &Gpu,
     x: &CudaView<f32>,
-    y: &mut CudaViewMut<f32>,
+    y: Out<'_, '_>,
     p: f32,
     stream: &DropoutStream,
     index: LogicalIndex,
 ) -> Result<()> {
-    let y = Out::F32(y);
     apply(gpu, "dropout_forward", None, (x, y), None, p, stream, index)
 }
 
