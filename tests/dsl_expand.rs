@@ -80,6 +80,22 @@ impl Block {
     }
 }
 
+/// A layer's output used three times: its gradients meet in the layer of its first use.
+#[megatron::module]
+pub struct Fan {
+    a: LayerNorm,
+    b: LayerNorm,
+}
+
+#[megatron::module]
+impl Fan {
+    fn forward(&self, x: Tensor) -> Tensor {
+        let h = self.a(x);
+        let y = self.b(h);
+        (y + h) + h
+    }
+}
+
 #[megatron::module]
 pub struct Gpt {
     #[vocab_parallel]
@@ -468,6 +484,47 @@ fn block_with_residuals_and_dropout_matches_the_hand_written_one() -> R<()> {
     // Dropout was active: some elements of the output differ from a run without it.
     let (y_eval, _) = block.forward(&cx.eval(), site, &x)?;
     assert_ne!(values(&y), values(&y_eval));
+    Ok(())
+}
+
+#[test]
+fn a_value_used_three_times_matches_the_hand_written_sums() -> R<()> {
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 2);
+    let site = Site::ROOT.child("fan");
+    let spec = FanSpec {
+        a: LayerNormSpec::new(H),
+        b: LayerNormSpec::new(H),
+    };
+    let fan = Fan::build(&spec, &mut Builder::new(4))?;
+    let mut bld = Builder::new(4);
+    let a = bld.scoped("a", |b| LayerNorm::build(&spec.a, b))?;
+    let b = bld.scoped("b", |b| LayerNorm::build(&spec.b, b))?;
+    // Non-trivial scales and shifts, the same on both.
+    for (i, p) in params_of(&fan).into_iter().enumerate() {
+        p.value().copy_from(&tensor(det(H, 40 + i), &[H]))?;
+    }
+    let hand: Vec<&Param> = params_of(&a).into_iter().chain(params_of(&b)).collect();
+    for (i, p) in hand.iter().enumerate() {
+        p.value().copy_from(&tensor(det(H, 40 + i), &[H]))?;
+    }
+    let x = tensor(det(S * B * H, 5), &[S, B, H]);
+    let dy = tensor(det(S * B * H, 6), &[S, B, H]);
+
+    let (out, saved) = fan.forward(&cx, site, &x)?;
+    let dx = fan.backward(&cx, site, saved, &dy)?;
+
+    let (h, s_a) = Layer::forward(&a, &cx, site.child("a"), &x)?;
+    let (y, s_b) = Layer::forward(&b, &cx, site.child("b"), &h)?;
+    let out_ref = ops::add(&ops::add(&y, &h)?, &h)?;
+    // h's gradients in reverse order of use: the outer sum's, the inner sum's, then b's.
+    let d_h_b = Layer::backward(&b, &cx, site.child("b"), s_b, &dy)?;
+    let d_h = ops::add(&ops::add(&dy, &dy)?, &d_h_b)?;
+    let dx_ref = Layer::backward(&a, &cx, site.child("a"), s_a, &d_h)?;
+
+    assert_eq!(values(&out), values(&out_ref));
+    assert_eq!(values(&dx), values(&dx_ref));
+    assert_eq!(grads_of(&fan), grads_of_params(&hand));
     Ok(())
 }
 

@@ -109,6 +109,30 @@ fn gelu_add_bias_casts_and_norms_match_the_cpu() -> R {
             "{norm} vs {cpu}"
         );
     }
+    // Several parts read back once: each part's sum, added in order, whatever the part sizes
+    // (empty, under a block, over several blocks).
+    let x = values(200_000, 5);
+    let xd = g.upload(&x)?;
+    let bounds = [
+        (0, 0),
+        (3, 40),
+        (40, 131_075),
+        (131_075, 131_076),
+        (150_000, 200_000),
+    ];
+    let parts: Vec<_> = bounds.iter().map(|&(a, b)| xd.slice(a..b)).collect();
+    let mut each = 0.0;
+    for p in &parts {
+        each += gew::sum_of_squares(&g, p)?;
+    }
+    let together = gew::sum_of_squares_of(&g, &parts)?;
+    assert_eq!(together.to_bits(), each.to_bits(), "{together} vs {each}");
+    let cpu: f64 = bounds
+        .iter()
+        .map(|&(a, b)| cew::sum_of_squares(&x[a..b]))
+        .sum();
+    assert!((together - cpu).abs() <= 1e-12 * cpu, "{together} vs {cpu}");
+    assert_eq!(gew::sum_of_squares_of(&g, &[])?, 0.0);
     let (rows, cols) = (33, 70);
     let x = values(rows * cols, 3);
     let bias = values(cols, 4);

@@ -24,7 +24,7 @@ use megatron_core::parallel::{ParallelConfig, ParallelLayout};
 use megatron_core::tensor::{DType, Tensor};
 use megatron_core::tensor_parallel::{
     CausalSelfAttention, Embedding, EmbeddingSpec, PositionEmbedding, PositionEmbeddingSpec,
-    vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward,
+    split_last_dim, vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward,
     vocab_parallel_cross_entropy_backward_to,
 };
 use support::{det, gpu, tensor};
@@ -556,6 +556,36 @@ fn columns(v: &[f32], cols: usize, rank: usize, tp: usize) -> Vec<f32> {
     v.chunks(cols)
         .flat_map(|row| row[rank * local..][..local].to_vec())
         .collect()
+}
+
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn the_split_of_a_gathered_output_keeps_its_dtype() -> R {
+    // A bf16 output gradient split for a column-parallel product stays bf16 (no widening pass),
+    // an f32 one f32; both are this rank's columns exactly.
+    let g = gpu();
+    let (rows, cols) = (5, 12);
+    let whole = det(rows * cols, 31);
+    let parts = on_gpu_tp2(&g, |cx, _, gpu| {
+        let f32_whole = tensor(whole.clone(), &[rows, cols]).to_gpu(gpu)?;
+        let bf16_whole = f32_whole.to_dtype(DType::BF16)?;
+        let from_f32 = split_last_dim(cx, &f32_whole)?;
+        let from_bf16 = split_last_dim(cx, &bf16_whole)?;
+        assert_eq!(from_f32.dtype(), DType::F32);
+        assert_eq!(from_bf16.dtype(), DType::BF16);
+        assert_eq!(from_bf16.dims(), &[rows, cols / 2]);
+        Ok((host(&from_f32), host(&from_bf16)))
+    });
+    for (rank, (f, b)) in parts.iter().enumerate() {
+        let want = columns(&whole, cols, rank, 2);
+        assert_eq!(f, &want, "f32 split, rank {rank}");
+        let rounded: Vec<f32> = want
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        assert_eq!(b, &rounded, "bf16 split, rank {rank}");
+    }
+    Ok(())
 }
 
 #[test]

@@ -699,6 +699,28 @@ fn shadowed_names_stay_readable_and_unambiguous() {
 }
 
 #[test]
+fn a_layer_adds_the_sum_of_its_inputs_other_gradients() {
+    let out = generated(
+        "struct M { a: LayerNorm, b: LayerNorm }",
+        "impl M { fn forward(&self, x: Tensor) -> Tensor {
+            let h = self.a(x);
+            let y = self.b(h);
+            (y + h) + h
+        } }",
+    );
+    // `h` has three uses: the two later ones' gradients are summed first (in reverse order of
+    // use), and `b`, its first use, adds that sum in its backward.
+    for line in [
+        "let d_h = ::megatron::ops::add(&d_h_1, &d_h_2)?;",
+        "let d_h_1 = self.b.backward_plus(cx, site.child(\"b\"), b, &d_y, &d_h)?;",
+        "let d_x = self.a.backward(cx, site.child(\"a\"), a, &d_h_1)?;",
+    ] {
+        assert!(out.contains(&squash(line)), "{line}\n{out}");
+    }
+    assert!(!out.contains("backward(cx, site.child(\"b\")"), "{out}");
+}
+
+#[test]
 fn a_saved_name_equal_to_a_value_name_is_renamed_locally() {
     let out = generated(
         "struct M { fc: LayerNorm }",

@@ -40,7 +40,8 @@ pub fn gather_last_dim(cx: &Cx, local: &Tensor) -> Result<Tensor> {
     Ok(whole)
 }
 
-/// This rank's slice of the last dimension of a whole tensor (a contiguous copy).
+/// This rank's slice of the last dimension of a whole tensor, contiguous and in the tensor's
+/// dtype (a bf16 output gradient on its way to a column-parallel product stays bf16).
 pub fn split_last_dim(cx: &Cx, whole: &Tensor) -> Result<Tensor> {
     let tp = cx.tp_size();
     let last = whole.dims().len().saturating_sub(1);
@@ -51,5 +52,7 @@ pub fn split_last_dim(cx: &Cx, whole: &Tensor) -> Result<Tensor> {
             whole.shape()
         );
     }
-    Ok(whole.chunk(tp, cx.tp_rank(), last)?.to_f32_contiguous()?)
+    Ok(whole
+        .chunk(tp, cx.tp_rank(), last)?
+        .to_contiguous(whole.dtype())?)
 }

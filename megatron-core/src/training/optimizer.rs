@@ -221,14 +221,21 @@ pub fn grad_norm(
     };
     #[cfg(feature = "cuda")]
     if let Some(gpu) = buffers.grads().gpu() {
-        let mut sum = 0.0f64;
-        for ((), offset, len) in runs(buffers, |s| counted(&s.spec.split).then_some(())) {
-            let part = buffers.grads().narrow(0, offset, len)?;
-            sum += crate::cuda::kernels::elementwise::sum_of_squares(
-                gpu,
-                &part.device_read::<f32>()?.view(),
-            )?;
-        }
+        // One read back for every run of counted parameters: a host wait per run would leave
+        // the GPU idle that many times a step on tensor-parallel ranks past the first, where
+        // replicated parameters split the runs.
+        let parts = runs(buffers, |s| counted(&s.spec.split).then_some(()))
+            .into_iter()
+            .map(|((), offset, len)| buffers.grads().narrow(0, offset, len))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let reads = parts
+            .iter()
+            .map(|p| p.device_read::<f32>())
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let views: Vec<_> = reads.iter().map(|r| r.view()).collect();
+        let sum = crate::cuda::kernels::elementwise::sum_of_squares_of(gpu, &views)?;
+        drop(views);
+        drop(reads);
         let total = scalar_near(sum as f32, buffers.grads())?;
         model_parallel.all_reduce(&total, ReduceOp::Sum)?;
         return Ok(f64::from(total.to_vec::<f32>()?[0]).sqrt());

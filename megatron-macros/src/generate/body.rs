@@ -704,11 +704,11 @@ pub fn backward(
             b.locals.use_at(sv, pos);
         }
         let span = node.src.span();
-        // A layer's input with two uses whose other gradient has arrived: the layer adds it
-        // (`backward_plus`), and its result is the input's whole gradient.
+        // A layer's input used several times, whose other gradients have all arrived: the layer
+        // adds their sum (`backward_plus`), and its result is the input's whole gradient.
         let plus = match (&node.op, cx.a.field[n].map(|i| &cx.s.fields[i].kind)) {
             (NodeOp::Field { .. }, Some(FieldKind::Replicated)) if node.args.len() == 1 => {
-                grads.pending_other(node.args[0])
+                grads.pending_others(&mut b, node.args[0], rt)
             }
             _ => None,
         };
@@ -786,12 +786,16 @@ struct Grads<'g> {
 }
 
 impl<'g> Grads<'g> {
-    /// The contribution `v` already has when it has two uses and only one has contributed.
-    fn pending_other(&self, v: usize) -> Option<LocalId> {
-        match self.contributions[v].as_slice() {
-            [other] if self.expected[v] == 2 => Some(*other),
-            _ => None,
-        }
+    /// The sum of the contributions `v` already has when it has several uses and all but one
+    /// have contributed (the one left is the caller's), summed as [`Grads::total`] would.
+    fn pending_others<'a>(
+        &mut self,
+        b: &mut Body<'a>,
+        v: usize,
+        rt: &'a TokenStream,
+    ) -> Option<LocalId> {
+        let arrived = self.contributions[v].len();
+        (self.expected[v] >= 2 && arrived + 1 == self.expected[v]).then(|| self.sum(b, v, rt))
     }
 
     /// A new local holding `v`'s whole gradient, computed by the node at `pos` from the
@@ -828,18 +832,24 @@ impl<'g> Grads<'g> {
 
     /// The whole gradient of `v`: its only contribution, or their sum.
     fn total<'a>(&mut self, b: &mut Body<'a>, v: usize, rt: &'a TokenStream) -> LocalId {
-        let cs = self.contributions[v].clone();
         assert_eq!(
-            cs.len(),
+            self.contributions[v].len(),
             self.expected[v],
             "every use of a value has contributed"
         );
+        self.sum(b, v, rt)
+    }
+
+    /// The contributions `v` has so far, summed in the order they arrived (reverse order of
+    /// use) into one local, which replaces them.
+    fn sum<'a>(&mut self, b: &mut Body<'a>, v: usize, rt: &'a TokenStream) -> LocalId {
+        let cs = self.contributions[v].clone();
         if cs.len() == 1 {
             return cs[0];
         }
         let name = &self.fwd.value_names[v];
         let span = self.g.values[v].src.span();
-        let count = cs.len();
+        let (uses, summed) = (self.expected[v], cs.len());
         let mut acc = cs[0];
         for (j, &c) in cs[1..].iter().enumerate() {
             let pos = b.pos();
@@ -847,10 +857,17 @@ impl<'g> Grads<'g> {
             b.locals.use_at(c, pos);
             let sum = b.locals.owned(&format!("d_{name}"), pos, span);
             let doc = (j == 0).then(|| {
-                comment(&format!(
-                    "`{name}` is used {count} times: its gradient is the sum of theirs, in \
-                     reverse order of use."
-                ))
+                comment(&if summed == uses {
+                    format!(
+                        "`{name}` is used {uses} times: its gradient is the sum of theirs, in \
+                         reverse order of use."
+                    )
+                } else {
+                    format!(
+                        "`{name}` is used {uses} times: the sum of the gradients of its last \
+                         {summed} uses, in reverse order; its first use's backward adds its own."
+                    )
+                })
             });
             b.push(move |nm| {
                 let (s, x, y) = (nm.pat(sum), nm.by_ref(acc), nm.by_ref(c));

@@ -184,19 +184,40 @@ const SQUARES_BLOCK: usize = 1 << 16;
 
 /// Σx² in f64 over fixed blocks added in order on the host (gradient norms).
 pub fn sum_of_squares(gpu: &Gpu, x: &CudaView<f32>) -> Result<f64> {
+    sum_of_squares_of(gpu, std::slice::from_ref(x))
+}
+
+/// Σx² over every part, each part's fixed blocks added in order, then the parts in order: the
+/// sum of [`sum_of_squares`] of each part, with one read back (one wait for the stream) for all
+/// of them.
+pub fn sum_of_squares_of(gpu: &Gpu, parts: &[CudaView<f32>]) -> Result<f64> {
     const K: &str = "sum_squares_partials";
-    let n = x.len();
-    let blocks = n.div_ceil(SQUARES_BLOCK).max(1);
-    let mut partials = gpu.zeros::<f64>(blocks)?;
+    let blocks: Vec<usize> = parts
+        .iter()
+        .map(|x| x.len().div_ceil(SQUARES_BLOCK).max(1))
+        .collect();
+    let mut partials = gpu.zeros::<f64>(blocks.iter().sum::<usize>().max(1))?;
     let block_len = SQUARES_BLOCK as u64;
-    let n64 = n as u64;
-    let mut args = launch_args(gpu, K)?;
-    args.arg(x).arg(&n64).arg(&block_len).arg(&mut partials);
-    let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (THREADS * 2, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    launch(K, args, cfg)?;
-    Ok(gpu.download(&partials)?.iter().sum())
+    let mut start = 0;
+    for (x, &n_blocks) in parts.iter().zip(&blocks) {
+        let n64 = x.len() as u64;
+        let mut out = partials.slice_mut(start..start + n_blocks);
+        let mut args = launch_args(gpu, K)?;
+        args.arg(x).arg(&n64).arg(&block_len).arg(&mut out);
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (n_blocks as u32, 1, 1),
+            block_dim: (THREADS * 2, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch(K, args, cfg)?;
+        start += n_blocks;
+    }
+    let host = gpu.download(&partials)?;
+    let mut sum = 0.0;
+    let mut start = 0;
+    for n_blocks in blocks {
+        sum += host[start..start + n_blocks].iter().sum::<f64>();
+        start += n_blocks;
+    }
+    Ok(sum)
 }
