@@ -27,8 +27,8 @@
 //! that callback, which calls `__module_impl!` with both: it emits `MlpSaved` (what forward
 //! keeps for backward) and the inherent `forward` and `backward`, with every tensor-parallel
 //! collective where Megatron-LM puts it (and, for a forward of one tensor input,
-//! `backward_plus`, the input gradient plus another, which callers use when that input has two
-//! uses). **The impl must come after the struct, in the same
+//! `backward_plus`, the input gradient plus another, which callers use when that input has
+//! several uses). **The impl must come after the struct, in the same
 //! module** (the callback is a `macro_rules!` in textual scope).
 //!
 //! Inside, the crate runs like a compiler: [`parse`] (syn into fields and forward statements),

@@ -166,8 +166,9 @@ pub trait Layer: Module {
     /// Accumulates parameter gradients and returns the input gradient.
     fn backward(&self, cx: &Cx, site: Site, saved: Self::Saved, dy: &Tensor) -> Result<Tensor>;
     /// [`Layer::backward`] plus `plus`, the gradient the input already has from another use:
-    /// `plus + dx`, which generated code computes this way when the layer's input has exactly
-    /// two uses (a pre-norm block's input: the norm and the residual). Layers whose input
+    /// `plus + dx`, which generated code computes this way when the layer's input has several
+    /// uses and this one is the first (a pre-norm block's input: the norm and the residual;
+    /// with more uses, `plus` is the others' gradients summed). Layers whose input
     /// gradient kernel can add it in its own pass override this; the result must equal the
     /// default's.
     fn backward_plus(

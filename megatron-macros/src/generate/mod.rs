@@ -423,7 +423,7 @@ pub fn impl_items(
 }
 
 /// For a module of one tensor input, `backward_plus`: the input gradient plus another gradient
-/// of the same input, which modules calling this one use when that input has two uses (the
+/// of the same input, which modules calling this one use when that input has several uses (the
 /// sum `Layer::backward_plus` computes for layers). `placeholder`: the body is unreachable (an
 /// impl with errors).
 fn backward_plus(
