@@ -931,7 +931,14 @@ fn wrong_lengths_and_arguments_give_the_cpus_errors() {
     let (mut db4, mut hdb4, p7) = (buf(4), vec![0.0f32; 4], buf(7));
     let saved = (&hx[..], &hm[..], &hr[..], &hg[..]);
     let want = cpu_ln::layer_norm_backward_plus(
-        &hy, saved, 2, 4, &[0.0; 7], &mut hdx, &mut hdg, &mut hdb4,
+        &hy,
+        saved,
+        2,
+        4,
+        Some(&[0.0; 7]),
+        &mut hdx,
+        &mut hdg,
+        &mut hdb4,
     )
     .unwrap_err()
     .to_string();

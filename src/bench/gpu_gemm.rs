@@ -8,7 +8,7 @@ use std::time::Instant;
 use megatron_core::comm::ParallelState;
 use megatron_core::cuda::Gpu;
 use megatron_core::cuda::blas::{Blas, MatmulShape};
-use megatron_core::module::{Builder, ColumnParallel, Cx, Module, Site};
+use megatron_core::module::{Builder, ColumnParallel, Cx, Site, params_to_gpu_with_copies};
 use megatron_core::tensor::{DType, Tensor};
 use megatron_core::tensor_parallel::{Linear, LinearSpec};
 
@@ -152,18 +152,7 @@ pub fn biased_layer(gpu: &Gpu, shape: GemmShape, repeats: usize) -> anyhow::Resu
     let mut b = Builder::for_rank(1, ps.groups());
     let mut layer = Linear::build_column(&LinearSpec::new(shape.k, shape.n), &mut b)?;
     // f32 values with bf16 compute copies, as a mixed-precision run keeps them.
-    let mut moved = Ok(());
-    layer.visit_params_mut(&mut |p| {
-        if moved.is_ok() {
-            moved = (|| {
-                let value = p.value().to_gpu(gpu)?;
-                let grad = Tensor::zeros_on(p.grad().shape().clone(), DType::F32, gpu)?;
-                let compute = value.to_dtype(DType::BF16)?;
-                p.rebind(value, grad, Some(compute))
-            })();
-        }
-    });
-    moved?;
+    params_to_gpu_with_copies(&mut layer, gpu, Some(DType::BF16))?;
     let x = Tensor::zeros_on([shape.m, shape.k], DType::BF16, gpu)?;
     let time = |epilogue: bool| {
         gpu.set_bias_epilogues(epilogue);

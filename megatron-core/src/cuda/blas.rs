@@ -99,6 +99,12 @@ pub struct Blas {
     lt: std::sync::OnceLock<Option<BlasLt>>,
 }
 
+/// `input→output` as the profile names a product's types (whether each is bf16, else f32).
+fn type_names((input, output): (bool, bool)) -> String {
+    let name = |bf16: bool| if bf16 { "bf16" } else { "f32" };
+    format!("{}→{}", name(input), name(output))
+}
+
 impl Blas {
     /// A handle whose products run on `gpu`'s stream.
     pub fn new(gpu: &Gpu) -> Result<Blas> {
@@ -190,13 +196,10 @@ impl Blas {
         let Some(plan) = lt.plan((input, output), (m, n, k), (a, b, c), bias)? else {
             return Ok(false);
         };
-        let name = |t: LtType| match t {
-            LtType::F32 => "f32",
-            LtType::Bf16 => "bf16",
-        };
+        let bf16 = (input == LtType::Bf16, output == LtType::Bf16);
         let stream = self.stream.cu_stream() as *mut std::ffi::c_void;
         self.timed(
-            || format!("gemm+bias {m}×{n}×{k} {}→{}", name(input), name(output)),
+            || format!("gemm+bias {m}×{n}×{k} {}", type_names(bf16)),
             2.0 * (m * n * k) as f64,
             // SAFETY: the caller vouches for the operands and the bias (the plan's).
             || unsafe { lt.run(&plan, (a, b, c), stream) },
@@ -240,15 +243,14 @@ impl Blas {
                 cublasOperation_t::CUBLAS_OP_N
             }
         };
-        let name = |t: cudaDataType| {
-            if t == cudaDataType::CUDA_R_16BF {
-                "bf16"
-            } else {
-                "f32"
-            }
-        };
         self.timed(
-            || format!("gemm {m}×{n}×{k}×{batch} {}→{}", name(input), name(output)),
+            || {
+                let bf16 = |t| t == cudaDataType::CUDA_R_16BF;
+                format!(
+                    "gemm {m}×{n}×{k}×{batch} {}",
+                    type_names((bf16(input), bf16(output)))
+                )
+            },
             2.0 * (m * n * k * batch) as f64,
             || {
                 // SAFETY: the caller vouches for the operands; cuBLAS reads Bᵀ·Aᵀ = Cᵀ

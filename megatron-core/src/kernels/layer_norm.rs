@@ -163,7 +163,7 @@ versioned! {
         rstd: &[f32],
         gamma: &[f32],
         hidden: usize,
-        plus: &[f32],
+        plus: Option<&[f32]>,
         dx: &mut [f32],
         dgamma: &mut [f32],
         dbeta: &mut [f32],
@@ -177,15 +177,18 @@ versioned! {
             // mean(g·x̂) = rstd·mean(g·(x − m)).
             let b = sum_gxc * rs * inv_h;
             let row = dxr.iter_mut().zip(dyr).zip(gamma).zip(xr);
-            if plus.is_empty() {
-                for (((o, &d), &g), &v) in row {
-                    let xhat = (v - m) * rs;
-                    *o = rs * (d * g - a - xhat * b);
+            match plus {
+                None => {
+                    for (((o, &d), &g), &v) in row {
+                        let xhat = (v - m) * rs;
+                        *o = rs * (d * g - a - xhat * b);
+                    }
                 }
-            } else {
-                for ((((o, &d), &g), &v), &p) in row.zip(&plus[r * hidden..]) {
-                    let xhat = (v - m) * rs;
-                    *o = p + rs * (d * g - a - xhat * b);
+                Some(plus) => {
+                    for ((((o, &d), &g), &v), &p) in row.zip(&plus[r * hidden..]) {
+                        let xhat = (v - m) * rs;
+                        *o = p + rs * (d * g - a - xhat * b);
+                    }
                 }
             }
         }
@@ -215,12 +218,11 @@ pub fn layer_norm_backward(
     dbeta: &mut [f32],
 ) -> Result<(), KernelError> {
     let x_rows = (x, mean, rstd, gamma);
-    layer_norm_backward_plus(dy, x_rows, rows, hidden, &[], dx, dgamma, dbeta)
+    layer_norm_backward_plus(dy, x_rows, rows, hidden, None, dx, dgamma, dbeta)
 }
 
 /// [`layer_norm_backward`] with another gradient of the same input added to `dx` in the same
-/// pass: `dx = plus + ∂loss/∂x` (`plus` empty: nothing added). A residual stream's input is
-/// used twice, by the norm and by the residual connection; its two gradients are summed here
+/// pass: `dx = plus + ∂loss/∂x`. A residual stream's input is used twice, by the norm and by the residual connection; its two gradients are summed here
 /// instead of by a separate pass. The result is, bit for bit, `plus + dx` of
 /// [`layer_norm_backward`]'s `dx`.
 ///
@@ -231,7 +233,7 @@ pub fn layer_norm_backward_plus(
     (x, mean, rstd, gamma): (&[f32], &[f32], &[f32], &[f32]),
     rows: usize,
     hidden: usize,
-    plus: &[f32],
+    plus: Option<&[f32]>,
     dx: &mut [f32],
     dgamma: &mut [f32],
     dbeta: &mut [f32],
@@ -250,9 +252,9 @@ pub fn layer_norm_backward_plus(
             dbeta.len(),
         ],
     )?;
-    if !plus.is_empty() {
+    if let Some(p) = plus {
         let dims = || format!("rows {rows} × hidden {hidden}");
-        check_len("layer_norm_backward", "plus", plus.len(), n, dims)?;
+        check_len("layer_norm_backward", "plus", p.len(), n, dims)?;
     }
     backward_rows(
         Isa::detected(),
@@ -406,7 +408,7 @@ mod tests {
             );
             // dx alone, and with another gradient of x added (bit for bit the sum).
             let (mut dg, mut db) = (c.gamma.clone(), c.beta.clone());
-            let mut input_gradient = |plus: &[f32]| {
+            let mut input_gradient = |plus: Option<&[f32]>| {
                 let mut dx = vec![0.0f32; rows * hidden];
                 let (x, m, r, g) = (&c.x[..], &m[..], &r[..], &c.gamma[..]);
                 backward_rows(
@@ -414,9 +416,9 @@ mod tests {
                 );
                 dx
             };
-            let dx = input_gradient(&[]);
+            let dx = input_gradient(None);
             let summed: Vec<f32> = dy.iter().zip(&dx).map(|(p, d)| p + d).collect();
-            assert_eq!(input_gradient(&dy), summed, "{}", isa.name());
+            assert_eq!(input_gradient(Some(&dy)), summed, "{}", isa.name());
             [y, m, r, dx, dg, db].map(|v| v.into_iter().map(f32::to_bits).collect::<Vec<_>>())
         };
         let want = run(Isa::BASELINE);
@@ -434,21 +436,21 @@ mod tests {
         let (mut y, mut m, mut r) = (vec![0.0; n], vec![0.0; rows], vec![0.0; rows]);
         let (x, gamma, beta) = (&c.x, &c.gamma, &c.beta);
         layer_norm_forward(x, gamma, beta, rows, hidden, 1e-5, &mut y, &mut m, &mut r).unwrap();
-        let run = |plus: &[f32]| {
+        let run = |plus: Option<&[f32]>| {
             let mut dx = vec![f32::NAN; n];
             let (mut dg, mut db) = (vec![0.5; hidden], vec![0.25; hidden]);
             let saved = (&x[..], &m[..], &r[..], &gamma[..]);
             layer_norm_backward_plus(&dy, saved, rows, hidden, plus, &mut dx, &mut dg, &mut db)
                 .map(|()| (dx, dg, db))
         };
-        let (dx, dg, db) = run(&[]).unwrap();
-        let (dx_plus, dg_plus, db_plus) = run(&plus).unwrap();
+        let (dx, dg, db) = run(None).unwrap();
+        let (dx_plus, dg_plus, db_plus) = run(Some(&plus)).unwrap();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let summed: Vec<f32> = plus.iter().zip(&dx).map(|(p, d)| p + d).collect();
         assert_eq!(bits(&dx_plus), bits(&summed));
         // The parameters' gradients do not see it.
         assert_eq!((bits(&dg_plus), bits(&db_plus)), (bits(&dg), bits(&db)));
-        let e = run(&plus[1..]).unwrap_err();
+        let e = run(Some(&plus[1..])).unwrap_err();
         assert!(matches!(
             e,
             KernelError::Length {

@@ -142,6 +142,17 @@ pub trait Module: Sized {
 /// device tensor (a model packed into flat buffers moves with [`ParamBuffers::to_gpu`] instead).
 #[cfg(feature = "cuda")]
 pub fn params_to_gpu<M: Module>(model: &mut M, gpu: &crate::cuda::Gpu) -> Result<()> {
+    params_to_gpu_with_copies(model, gpu, None)
+}
+
+/// [`params_to_gpu`], each parameter also given a compute copy in `compute` when it is given
+/// (the bf16 copies products read in mixed-precision training).
+#[cfg(feature = "cuda")]
+pub fn params_to_gpu_with_copies<M: Module>(
+    model: &mut M,
+    gpu: &crate::cuda::Gpu,
+    compute: Option<crate::tensor::DType>,
+) -> Result<()> {
     let mut failure = None;
     model.visit_params_mut(&mut |p| {
         if failure.is_some() {
@@ -150,7 +161,8 @@ pub fn params_to_gpu<M: Module>(model: &mut M, gpu: &crate::cuda::Gpu) -> Result
         let moved = (|| -> Result<()> {
             let value = p.value().to_gpu(gpu)?;
             let grad = Tensor::zeros_on(p.grad().shape().clone(), p.grad().dtype(), gpu)?;
-            p.rebind(value, grad, None)
+            let copy = compute.map(|dtype| value.to_dtype(dtype)).transpose()?;
+            p.rebind(value, grad, copy)
         })();
         if let Err(e) = moved {
             failure = Some(e);

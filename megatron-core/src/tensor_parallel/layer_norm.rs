@@ -179,7 +179,7 @@ impl LayerNorm {
             ),
             rows,
             h,
-            plus_values.as_deref().unwrap_or(&[]),
+            plus_values.as_deref(),
             &mut dx.write::<f32>()?,
             &mut self.gamma.grad().write::<f32>()?,
             &mut self.beta.grad().write::<f32>()?,

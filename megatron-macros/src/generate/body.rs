@@ -513,10 +513,7 @@ fn forward_node<'a>(
                 Builtin::Dropout => {
                     let x = args[0];
                     let p = p.clone().expect("dropout has a probability");
-                    let sharding = match cx.a.sharding[node.args[0]] {
-                        Sharding::Split => quote!(Sharding::SplitLastDim),
-                        _ => quote!(Sharding::Replicated),
-                    };
+                    let sharding = dropout_sharding(cx, node.args[0]);
                     b.push(move |nm| {
                         let (xr, s, o) = (nm.by_ref(x), nm.pat(saved), nm.pat(out));
                         quote!(let (#o, #s) = #rt::ops::dropout(cx, #site, #xr, #p, #sharding)?;)
@@ -554,10 +551,7 @@ fn forward_node<'a>(
         NodeOp::DropoutAdd { p } => {
             let (residual, x) = (args[0], args[1]);
             let saved = saved.expect("dropout saves");
-            let sharding = match cx.a.sharding[node.args[1]] {
-                Sharding::Split => quote!(Sharding::SplitLastDim),
-                _ => quote!(Sharding::Replicated),
-            };
+            let sharding = dropout_sharding(cx, node.args[1]);
             let doc = comment(
                 "`+` of a dropout: dropout and the residual connection in one pass (Megatron's \
                  bias-dropout-add fusion).",
@@ -799,7 +793,7 @@ impl<'g> Grads<'g> {
     }
 
     /// A new local holding `v`'s whole gradient, computed by the node at `pos` from the
-    /// contribution [`Grads::pending_other`] returned and its own.
+    /// contributions [`Grads::pending_others`] summed and its own.
     fn total_with(&mut self, b: &mut Body<'_>, v: usize, pos: usize, span: Span) -> LocalId {
         let name = &self.fwd.value_names[v];
         let l = b.locals.owned(&format!("d_{name}"), pos, span);
@@ -880,6 +874,15 @@ impl<'g> Grads<'g> {
         }
         self.contributions[v] = vec![acc];
         acc
+    }
+}
+
+/// The `Sharding` a dropout of value `v` draws its mask with: split by the last dimension when
+/// `v` is tensor-parallel split, else replicated.
+fn dropout_sharding(cx: &Ctx<'_>, v: usize) -> TokenStream {
+    match cx.a.sharding[v] {
+        Sharding::Split => quote!(Sharding::SplitLastDim),
+        _ => quote!(Sharding::Replicated),
     }
 }
 

@@ -323,9 +323,9 @@ fn saved_field_doc(s: &ModuleStruct, g: &Graph, a: &Analysis, n: usize) -> Strin
     }
 }
 
-/// Whether the backward of what defines `v` reads `v`'s gradient only as a product's operand
-/// (`Module::GRADIENT_FEEDS_PRODUCTS`), as an expression: a split linear layer, a layer or
-/// sub-module that says so, or tied logits whose embedding says so
+/// Whether the backward of what defines `v` reads `v`'s gradient only as a product's operand,
+/// as an expression: a field's type that says so (`Module::GRADIENT_FEEDS_PRODUCTS`, whatever
+/// its split: a linear layer does), or tied logits whose embedding says so
 /// (`VocabParallel::LOGITS_GRADIENT_FEEDS_PRODUCTS`); `false` for anything else, or when `v`
 /// has other uses (its gradient is then also a sum).
 pub fn feeds_products(
@@ -343,12 +343,10 @@ pub fn feeds_products(
     };
     let field = a.field[n].map(|i| &s.fields[i]);
     match (&g.nodes[n].op, field.map(|f| &f.kind)) {
-        (NodeOp::Field { .. }, Some(FieldKind::Row { .. } | FieldKind::Column { .. }))
-            if single_use =>
-        {
-            quote!(true)
-        }
-        (NodeOp::Field { .. }, Some(FieldKind::Replicated)) if single_use => {
+        (
+            NodeOp::Field { .. },
+            Some(FieldKind::Row { .. } | FieldKind::Column { .. } | FieldKind::Replicated),
+        ) if single_use => {
             let ty = &field.expect("a field").ty;
             quote!(<#ty as #rt::module::Module>::GRADIENT_FEEDS_PRODUCTS)
         }
