@@ -172,6 +172,14 @@ fn the_loss_plot_is_a_png_from_the_log() {
     assert_eq!(&png[12..16], b"IHDR");
     assert_eq!(u32::from_be_bytes(png[16..20].try_into().unwrap()), 960);
     assert_eq!(u32::from_be_bytes(png[20..24].try_into().unwrap()), 540);
+    // The title is drawn (the font is embedded, no system font is looked up): the caption's band
+    // above the chart holds dark pixels, and only text is drawn there.
+    let image = image::load_from_memory(&png).unwrap().to_rgb8();
+    let dark = (0..30)
+        .flat_map(|y| (300..660).map(move |x| (x, y)))
+        .filter(|&(x, y)| image.get_pixel(x, y).0.iter().all(|&c| c < 128))
+        .count();
+    assert!(dark > 20, "{dark} dark pixels where the title should be");
     std::fs::remove_file(&path).ok();
     assert!(
         Curves::from_log("{\"loss\": 1}")

@@ -50,8 +50,26 @@ impl Curves {
     }
 }
 
+/// The font family the plot's text is drawn in.
+const FONT: &str = "sans-serif";
+
+/// Registers DejaVu Sans, embedded in the binary, as [`FONT`] (once): the plot's text needs no
+/// system font library and no installed font.
+fn register_font() -> Result<()> {
+    static REGISTERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let ok = *REGISTERED.get_or_init(|| {
+        plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular()).is_ok()
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(anyhow!("the embedded DejaVu Sans font did not load"))
+    }
+}
+
 /// Draws the curves into a PNG at `path` (written through a temporary file).
 pub fn draw(curves: &Curves, title: &str, path: &Path) -> Result<()> {
+    register_font()?;
     let all = curves.train.iter().chain(&curves.valid);
     let max_tokens = all.clone().map(|p| p.tokens).fold(0.0, f64::max).max(1.0);
     let (lo, hi) = all
@@ -61,12 +79,12 @@ pub fn draw(curves: &Curves, title: &str, path: &Path) -> Result<()> {
     let (lo, hi) = if lo > hi { (0.0, 1.0) } else { (lo, hi) };
     let pad = ((hi - lo) * 0.05).max(1e-3);
     let tmp = path.with_extension("tmp.png");
-    {
+    let drawn = (|| -> Result<()> {
         let root = BitMapBackend::new(&tmp, (960, 540)).into_drawing_area();
         root.fill(&WHITE)
             .map_err(|e| anyhow!("drawing {}: {e}", path.display()))?;
         let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 22))
+            .caption(title, (FONT, 22))
             .margin(12)
             .x_label_area_size(44)
             .y_label_area_size(56)
@@ -104,17 +122,26 @@ pub fn draw(curves: &Curves, title: &str, path: &Path) -> Result<()> {
             .draw()
             .map_err(|e| anyhow!("drawing {}: {e}", path.display()))?;
         root.present()
-            .map_err(|e| anyhow!("writing {}: {e}", path.display()))?;
+            .map_err(|e| anyhow!("writing {}: {e}", path.display()))
+    })()
+    .and_then(|()| {
+        std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+    });
+    if drawn.is_err() {
+        // No half-drawn image is left behind.
+        let _ = std::fs::remove_file(&tmp);
     }
-    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+    drawn
 }
 
 /// `1.5M`, `320k`, `900`.
 fn format_tokens(t: f64) -> String {
     if t >= 1e6 {
         format!("{:.1}M", t / 1e6)
-    } else if t >= 1e3 {
+    } else if t >= 1e4 {
         format!("{:.0}k", t / 1e3)
+    } else if t >= 1e3 {
+        format!("{:.1}k", t / 1e3)
     } else {
         format!("{t:.0}")
     }
