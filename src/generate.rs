@@ -63,6 +63,15 @@ pub fn pick(logits: &[f32], sampling: &Sampling, uniform: f64) -> usize {
     order[order.len() - 1]
 }
 
+/// The most tokens the model of checkpoint `ckpt` sees at once (its learned positions): a
+/// longer text is cut to its last tokens.
+pub fn context_length(ckpt: &Path) -> Result<usize> {
+    let meta = megatron_core::checkpoint::read_meta(ckpt)?;
+    let config: GptConfig =
+        serde_json::from_value(meta.model).context("the checkpoint's model config")?;
+    Ok(config.max_position_embeddings)
+}
+
 /// Continues `prompt` (token ids) by up to `max_new_tokens` tokens with the model of checkpoint
 /// `ckpt` on `tp` thread ranks; stops early at `stop` when given. Returns the new tokens.
 pub fn generate(
@@ -75,6 +84,12 @@ pub fn generate(
 ) -> Result<Vec<u32>> {
     if prompt.is_empty() {
         bail!("the prompt has no tokens");
+    }
+    if !sampling.temperature.is_finite() || sampling.temperature < 0.0 {
+        bail!(
+            "the temperature must be a finite number ≥ 0 (0 is greedy), got {}",
+            sampling.temperature
+        );
     }
     let meta = megatron_core::checkpoint::read_meta(ckpt)?;
     let config: GptConfig =

@@ -6,14 +6,16 @@
 //! observers on global rank 0.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use megatron_core::comm::threads::launch;
-use megatron_core::comm::{CommStats, ParallelState, World};
+use megatron_core::comm::{CommStats, ParallelState, ReduceOp, World};
 use megatron_core::module::{Builder, Module};
 use megatron_core::parallel::{GroupKind, ParallelConfig, ParallelLayout};
+use megatron_core::tensor::{DType, Tensor};
 use megatron_core::training::{BatchPlan, Sampler, SaveInfo, StepMetrics, TrainConfig, Trainer};
 use megatron_models::GptConfig;
 use megatron_models::gpt::Gpt;
@@ -44,8 +46,45 @@ pub struct TrainJob {
     pub load: Option<PathBuf>,
     /// Facts about the run recorded in checkpoints.
     pub run_info: serde_json::Value,
+    /// Files saved into every checkpoint beside the tensors (the tokenizer's `tokenizer.json`).
+    pub files: Vec<(String, Vec<u8>)>,
     /// Where the ranks compute.
     pub device: Placement,
+    /// Asks the run to stop early (a signal handler sets it): see [`StopRequest`].
+    pub stop: Option<StopRequest>,
+}
+
+/// A request to stop a run before its last step (Megatron-LM's `--exit-signal-handler`), set
+/// from anywhere, e.g. a signal handler. After each step the ranks agree (one all-reduce of a
+/// flag over the world, so every rank stops after the same step, whichever saw the request);
+/// they then save a checkpoint when the run saves checkpoints, the observers finish, and the
+/// summary says where the run stopped.
+#[derive(Debug, Clone, Default)]
+pub struct StopRequest(Arc<AtomicUsize>);
+
+impl StopRequest {
+    /// No stop requested yet.
+    pub fn new() -> Self {
+        StopRequest::default()
+    }
+
+    /// The counter a signal handler sets to its signal number (0: no request).
+    pub fn signal_slot(&self) -> Arc<AtomicUsize> {
+        Arc::clone(&self.0)
+    }
+
+    /// Requests the stop, for `reason` (e.g. a signal number; not 0).
+    pub fn request(&self, reason: usize) {
+        self.0.store(reason.max(1), Ordering::SeqCst);
+    }
+
+    /// The reason given, if a stop was requested.
+    pub fn requested(&self) -> Option<usize> {
+        match self.0.load(Ordering::SeqCst) {
+            0 => None,
+            why => Some(why),
+        }
+    }
 }
 
 /// Where a job's ranks compute.
@@ -150,6 +189,8 @@ pub struct Summary {
     pub evals: Vec<EvalRecord>,
     /// Wall time of the whole run.
     pub seconds: f64,
+    /// Set when a [`StopRequest`] ended the run early: the steps completed by then.
+    pub stopped_after: Option<u64>,
 }
 
 impl Summary {
@@ -284,6 +325,7 @@ impl TrainJob {
             info: SaveInfo {
                 model: serde_json::to_value(&self.model).context("serialising the model config")?,
                 run: self.run_info.clone(),
+                files: self.files.clone(),
             },
         })
     }
@@ -346,15 +388,43 @@ impl TrainJob {
                 summary(&mut |s| s.evals.push(record));
                 report(&mut |o| o.eval(&record))?;
             }
+            let mut saved = false;
             if let Some((dir, interval)) = &self.save
                 && (done % (*interval).max(1) == 0 || last)
             {
                 trainer.save_checkpoint(&parallel, dir, done, &cx.info)?;
                 report(&mut |o| o.saved(done, dir))?;
+                saved = true;
+            }
+            if let Some(stop) = &self.stop
+                && !last
+                && any_rank_asks(&parallel, trainer.buffers().grads(), stop.requested())?
+            {
+                if let Some((dir, _)) = &self.save
+                    && !saved
+                {
+                    trainer.save_checkpoint(&parallel, dir, done, &cx.info)?;
+                    report(&mut |o| o.saved(done, dir))?;
+                }
+                summary(&mut |s| s.stopped_after = Some(done));
+                break;
             }
         }
         report(&mut |o| o.finish())
     }
+}
+
+/// Whether any rank of the world has a stop request (a collective: every rank calls it after
+/// the same step; one 4-byte all-reduce beside `like`, on its device).
+fn any_rank_asks(parallel: &ParallelState, like: &Tensor, request: Option<usize>) -> Result<bool> {
+    let flag = Tensor::zeros_near([1], DType::F32, like)?;
+    if request.is_some() {
+        flag.fill(1.0)?;
+    }
+    parallel
+        .comm(GroupKind::World)
+        .all_reduce(&flag, ReduceOp::Max)?;
+    Ok(flag.to_vec::<f32>()?[0] > 0.0)
 }
 
 impl RunContext<'_> {

@@ -18,7 +18,7 @@ enum Command {
     Groups(cli::groups::GroupsArgs),
     /// Benchmarks against this machine's limits: `gemm`, `allreduce`.
     Bench(cli::bench::BenchArgs),
-    /// Train a registered model with tensor × data parallelism on thread ranks.
+    /// Train a registered model with tensor × data parallelism on thread ranks (or processes).
     Train(Box<cli::train::TrainArgs>),
     /// Show a model's vocabulary padding, parameters (logical, local, split) and per-layer collectives.
     Inspect(cli::inspect::InspectArgs),
@@ -34,6 +34,8 @@ enum Command {
     Preprocess(cli::preprocess::PreprocessArgs),
     /// Indexed datasets: `inspect`.
     Data(cli::data_cmd::DataArgs),
+    /// Tokenizers: `train` a byte-level BPE tokenizer on JSON lines.
+    Tokenizer(cli::tokenizer_cmd::TokenizerArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -56,6 +58,7 @@ fn main() -> std::process::ExitCode {
         Command::Generate(args) => cli::generate::run(args),
         Command::Preprocess(args) => cli::preprocess::run(args),
         Command::Data(args) => cli::data_cmd::run(args),
+        Command::Tokenizer(args) => cli::tokenizer_cmd::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

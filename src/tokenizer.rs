@@ -106,6 +106,17 @@ impl Tokenizer {
         }
     }
 
+    /// The `tokenizer.json` the tokenizer was read from, as bytes (`None` for `byte`): what a
+    /// checkpoint carries so that it does not depend on where training ran.
+    pub fn file_bytes(&self) -> Result<Option<Vec<u8>>> {
+        match self {
+            Tokenizer::Byte => Ok(None),
+            Tokenizer::HuggingFace { path, .. } => std::fs::read(path)
+                .map(Some)
+                .with_context(|| format!("reading the tokenizer {}", path.display())),
+        }
+    }
+
     /// Token ids of `text` (no special tokens added).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match self {
@@ -179,6 +190,83 @@ impl Tokenizer {
             )
         })
     }
+}
+
+/// The smallest vocabulary [`train_byte_level_bpe`] builds: the 256 byte symbols and
+/// `<|endoftext|>`.
+pub const MIN_BPE_VOCAB: usize = 257;
+
+/// Trains a byte-level BPE tokenizer of GPT-2's kind (bytes as symbols, GPT-2's
+/// pre-tokenization without a prefix space, `<|endoftext|>` as a special token) of at most
+/// `vocab_size` tokens on `texts` (fewer when the texts have fewer pairs to merge). Returns its
+/// `tokenizer.json`.
+pub fn train_byte_level_bpe<I, S>(texts: I, vocab_size: usize) -> Result<String>
+where
+    I: Iterator<Item = S> + Send,
+    S: AsRef<str> + Send,
+{
+    use tokenizers::models::bpe::{BPE, BpeTrainer};
+    use tokenizers::normalizers::NormalizerWrapper;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::{AddedToken, TokenizerBuilder};
+
+    if vocab_size < MIN_BPE_VOCAB {
+        bail!(
+            "a byte-level BPE vocabulary of {vocab_size} tokens cannot hold the 256 byte \
+             symbols and {ENDOFTEXT}: give at least {MIN_BPE_VOCAB}"
+        );
+    }
+    // GPT-2's: no space added before the first word, offsets trimmed, its split pattern.
+    let byte_level = ByteLevel::new(false, true, true);
+    let mut trainer = BpeTrainer::builder()
+        .vocab_size(vocab_size)
+        .min_frequency(0)
+        .show_progress(false)
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .special_tokens(vec![AddedToken::from(ENDOFTEXT, true)])
+        .build();
+    let mut tokenizer =
+        TokenizerBuilder::<BPE, NormalizerWrapper, ByteLevel, ByteLevel, ByteLevel>::new()
+            .with_model(BPE::default())
+            .with_normalizer(None)
+            .with_pre_tokenizer(Some(byte_level))
+            .with_post_processor(Some(byte_level))
+            .with_decoder(Some(byte_level))
+            .build()
+            .map_err(|e| anyhow!("building the tokenizer: {e}"))?;
+    tokenizer
+        .train(&mut trainer, texts)
+        .map_err(|e| anyhow!("training the tokenizer: {e}"))?;
+    tokenizer
+        .to_string(true)
+        .map_err(|e| anyhow!("writing the tokenizer as JSON: {e}"))
+}
+
+/// The tokenizer a checkpoint records, as a SPEC for [`Tokenizer::from_spec`]: `byte`, the
+/// checkpoint's own copy of its `tokenizer.json`, or (checkpoints saved before they carried it)
+/// the path they recorded. `None` when it records none.
+pub fn checkpoint_tokenizer(ckpt: &Path) -> Result<Option<String>> {
+    use megatron_core::checkpoint::{TOKENIZER_FILE, read_meta, resolve};
+    let dir = resolve(ckpt)?;
+    let meta = read_meta(&dir)?;
+    if meta.files.contains_key(TOKENIZER_FILE) {
+        return Ok(Some(dir.join(TOKENIZER_FILE).display().to_string()));
+    }
+    Ok(meta.run["tokenizer"].as_str().map(str::to_string))
+}
+
+/// What a checkpoint records as its tokenizer (`run.tokenizer`) and the files it carries for
+/// it: `byte` and nothing, or [`TOKENIZER_FILE`](megatron_core::checkpoint::TOKENIZER_FILE)
+/// and that file's bytes.
+pub fn checkpoint_record(tokenizer: &Tokenizer) -> Result<(String, Vec<(String, Vec<u8>)>)> {
+    use megatron_core::checkpoint::TOKENIZER_FILE;
+    Ok(match tokenizer.file_bytes()? {
+        None => ("byte".to_string(), Vec::new()),
+        Some(bytes) => (
+            TOKENIZER_FILE.to_string(),
+            vec![(TOKENIZER_FILE.to_string(), bytes)],
+        ),
+    })
 }
 
 #[cfg(test)]

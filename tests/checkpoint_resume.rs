@@ -66,6 +66,7 @@ fn run(
             clip_grad: 1.0,
             seed: 5,
             bucket_elements: 4096,
+            check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
         if let Some(path) = load {
@@ -80,6 +81,7 @@ fn run(
             let info = SaveInfo {
                 model: serde_json::json!({"test": true}),
                 run: serde_json::Value::Null,
+                files: Vec::new(),
             };
             trainer.save_checkpoint(&ps, path, to, &info)?;
         }
@@ -177,5 +179,61 @@ fn corrupt_checkpoints_are_refused_and_failed_saves_leave_the_old_ones() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("not a checkpoint"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn files_beside_the_tensors_are_checksummed_and_non_finite_values_are_never_saved() {
+    use megatron::checkpoint::{self, CheckpointMeta, Whole};
+    use std::collections::BTreeMap;
+
+    let dir = scratch("files");
+    let _ = std::fs::remove_dir_all(&dir);
+    let meta = |iteration| CheckpointMeta {
+        format: String::new(),
+        iteration,
+        adam_steps: 0,
+        seed: 0,
+        consumed_samples: 0,
+        saved_tp: 1,
+        saved_dp: 1,
+        model: serde_json::json!({}),
+        run: serde_json::json!({}),
+        files: BTreeMap::new(),
+    };
+    let tensor = |v: f32| {
+        BTreeMap::from([(
+            "w".to_string(),
+            Whole {
+                shape: vec![3],
+                data: vec![1.0, v, 2.0],
+            },
+        )])
+    };
+    let files = [(checkpoint::TOKENIZER_FILE, b"{\"a\": 1}".as_slice())];
+    checkpoint::save(&dir, &tensor(0.5), None, &files, meta(1)).unwrap();
+    let loaded = checkpoint::open(&dir).unwrap();
+    let path = loaded.file(checkpoint::TOKENIZER_FILE).unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), b"{\"a\": 1}");
+    assert!(loaded.file("other.json").is_none());
+    // A changed file fails its checksum like a tensor file.
+    std::fs::write(&path, b"{\"a\": 2}").unwrap();
+    let err = checkpoint::open(&dir).unwrap_err().to_string();
+    assert!(err.contains("tokenizer.json: checksum mismatch"), "{err}");
+    // NaN or infinities: refused, nothing written.
+    for bad in [f32::NAN, f32::INFINITY] {
+        let err = checkpoint::save(&dir, &tensor(bad), None, &[], meta(2))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`w` holds") && err.contains("at element 1"),
+            "{err}"
+        );
+    }
+    assert!(!dir.join("iter_0000002").exists());
+    assert_eq!(
+        std::fs::read_to_string(dir.join("latest_checkpointed_iteration.txt")).unwrap(),
+        "1"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }

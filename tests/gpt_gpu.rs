@@ -76,11 +76,14 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
             clip_grad: 1.0,
             seed: 3,
             bucket_elements: 1 << 20,
+            check_for_nan: true,
         },
         save: None,
         load: None,
         run_info: serde_json::json!({}),
+        files: Vec::new(),
         device,
+        stop: None,
     }
 }
 

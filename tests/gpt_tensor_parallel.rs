@@ -191,6 +191,7 @@ fn curve(tp: usize, dp: usize) -> Vec<(f64, f64)> {
             clip_grad: 1.0,
             seed: 9,
             bucket_elements: 10_000,
+            check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
         (0..20)
@@ -260,6 +261,7 @@ fn a_training_step_reduces_gradients_once_per_bucket_on_dp() {
             clip_grad: 1.0,
             seed: 9,
             bucket_elements: 8192,
+            check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
         let elements = trainer.buffers().grads().numel() as u64;

@@ -168,6 +168,7 @@ fn train(copies: bool, steps: u64) -> Vec<f64> {
             clip_grad: 1.0,
             seed: 5,
             bucket_elements: usize::MAX,
+            check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
         if copies {
@@ -186,6 +187,7 @@ fn train(copies: bool, steps: u64) -> Vec<f64> {
             let info = SaveInfo {
                 model: serde_json::json!({"test": true}),
                 run: serde_json::Value::Null,
+                files: Vec::new(),
             };
             trainer.save_checkpoint(&ps, &path, steps, &info)?;
             let values = trainer.buffers().values().to_vec::<f32>()?;

@@ -206,14 +206,18 @@ fn order_with_dp_last() {
     let l = layout(moe.clone().with_order(order));
     assert_eq!(groups(&l, "ep")[1], vec![4, 5, 6, 7]);
     assert_eq!(groups(&l, "edp")[0], vec![0, 8]);
-    // ... and a mismatch is refused, as Megatron asserts.
+    // ... and a mismatch is refused, as Megatron asserts: first that dp and edp agree when pp is
+    // not last (dp 2, edp 4 here), which is what keeps the pipeline groups equal.
     let bad = ParallelConfig::new(16)
         .with_tp(4)
         .with_pp(2)
         .with_etp(1)
         .with_ep(2);
     let err = ParallelLayout::new(&bad.with_order(order)).unwrap_err();
-    assert!(err.to_string().contains("pipeline groups"), "{err}");
+    assert!(
+        err.to_string().contains("pp 2 gives dp 2 and edp 4"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -233,8 +237,36 @@ fn bad_configs_name_the_numbers() {
         "tp must be at least 1, got 0"
     );
     assert!(msg(ParallelConfig::new(8).with_vpp(2)).contains("pp = 1"));
-    let order_err = Order::parse("tp-cp-dp-pp").unwrap_err().to_string();
-    assert!(order_err.contains("missing ep"), "{order_err}");
+    // As Megatron's RankGenerator: an order may leave out axes of size 1 (appended at its end),
+    // not larger ones.
+    let short = Order::parse("tp-cp-dp-pp").unwrap();
+    assert_eq!(short.to_string(), "tp-cp-dp-pp-ep");
+    assert!(
+        ParallelConfig::new(8)
+            .with_tp(2)
+            .with_order(short)
+            .validate()
+            .is_ok()
+    );
+    assert_eq!(
+        msg(ParallelConfig::new(8).with_ep(2).with_order(short)),
+        "the size of ep is 2, but the order `tp-cp-dp-pp` does not name it (Megatron-LM's \
+         RankGenerator appends only the axes of size 1 an order leaves out)"
+    );
+    assert!(
+        msg(ParallelConfig::new(8)
+            .with_cp(2)
+            .with_order(Order::parse("tp-dp").unwrap()))
+        .starts_with("the size of cp is 2")
+    );
+    // Megatron's assertion for orders not ending in pp.
+    assert!(
+        msg(ParallelConfig::new(8)
+            .with_ep(2)
+            .with_pp(2)
+            .with_order(Order::parse("tp-cp-ep-pp-dp").unwrap()))
+        .starts_with("when not using pp-last rank ordering")
+    );
     assert!(
         Order::parse("tp-tp-ep-dp-pp")
             .unwrap_err()
@@ -325,7 +357,7 @@ fn check_layout(l: &ParallelLayout) {
     for layout in [Layout::Dense, Layout::Expert] {
         let g = l.generator(layout);
         let order = g.order();
-        let sizes: Vec<(Axis, usize)> = order.0.iter().map(|&a| (a, g.size(a))).collect();
+        let sizes: Vec<(Axis, usize)> = order.axes().iter().map(|&a| (a, g.size(a))).collect();
         for axes in subsets(&Axis::ALL) {
             let got = g.groups(&axes);
             assert_eq!(
@@ -439,4 +471,42 @@ fn cli_table_and_errors() {
     let (ok, _, stderr) = megatron(&["groups", "--world-size", "8", "--group", "tp-zz"]);
     assert!(!ok);
     assert!(stderr.contains("`zz` is not an axis"), "{stderr}");
+}
+
+#[test]
+fn groups_takes_an_order_as_megatron_does_and_refuses_with_megatrons_reason() {
+    // Axes of size 1 may be left out; the printed order has them appended.
+    let (ok, stdout, stderr) = megatron(&[
+        "groups",
+        "--world-size",
+        "8",
+        "--tp",
+        "2",
+        "--order",
+        "tp-dp-pp",
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("order tp-dp-pp-ep-cp"), "{stdout}");
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &["--cp", "2", "--order", "tp-dp-pp"],
+            "the size of cp is 2, but the order `tp-dp-pp` does not name it",
+        ),
+        (
+            &["--ep", "2", "--order", "tp-cp-dp-pp"],
+            "the size of ep is 2, but the order `tp-cp-dp-pp` does not name it",
+        ),
+        (
+            &["--ep", "2", "--pp", "2", "--order", "tp-cp-ep-pp-dp"],
+            "when not using pp-last rank ordering, the data parallel size of the attention and \
+             moe layers must be the same",
+        ),
+    ];
+    for (flags, expected) in cases {
+        let mut args = vec!["groups", "--world-size", "8", "--tp", "2"];
+        args.extend(flags);
+        let (ok, _, stderr) = megatron(&args);
+        assert!(!ok && stderr.contains(expected), "{flags:?}: {stderr}");
+        assert!(!stderr.contains("permutation"), "{stderr}");
+    }
 }

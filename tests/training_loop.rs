@@ -128,6 +128,7 @@ fn train(
             clip_grad: 1.0,
             seed: 5,
             bucket_elements: bucket,
+            check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, config)?;
         let mut losses = Vec::new();

@@ -30,6 +30,21 @@ pub enum Error {
     #[cfg(feature = "cuda")]
     #[error(transparent)]
     Cuda(#[from] crate::cuda::CudaError),
+    /// A training step's loss or gradient norm is NaN or infinite (Megatron-LM's
+    /// `--check-for-nan-in-loss-and-grad`); the step stopped before updating anything.
+    #[error(
+        "step {step}: the loss is {loss} and the gradient norm {grad_norm}; one is not finite, so \
+         training stops before this step's update (lower --lr, check --init-method-std and the \
+         data; --no-check-for-nan-in-loss-and-grad trains on)"
+    )]
+    NotFinite {
+        /// The 0-based step.
+        step: u64,
+        /// Its mean loss per token.
+        loss: f64,
+        /// Its global gradient norm.
+        grad_norm: f64,
+    },
     /// A model or layer was configured or called in a way that cannot work; names the numbers.
     #[error("{0}")]
     Invalid(String),

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use megatron::generate::{Sampling, generate};
 use megatron::tokenizer::Tokenizer;
@@ -20,7 +20,7 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f64,
     /// Sample among the k most likely tokens only (0: all).
     #[arg(long, default_value_t = 0)]
@@ -42,16 +42,28 @@ pub struct GenerateArgs {
 
 /// Runs `megatron generate`.
 pub fn run(args: &GenerateArgs) -> Result<()> {
+    if !args.temperature.is_finite() || args.temperature < 0.0 {
+        bail!(
+            "--temperature must be a finite number ≥ 0 (0 is greedy), got {}",
+            args.temperature
+        );
+    }
     let spec = match &args.tokenizer {
         Some(s) => s.clone(),
-        None => {
-            let meta = megatron::checkpoint::read_meta(&args.load)?;
-            meta.run["tokenizer"].as_str().unwrap_or("byte").to_string()
-        }
+        None => megatron::tokenizer::checkpoint_tokenizer(&args.load)?
+            .unwrap_or_else(|| "byte".to_string()),
     };
     let tokenizer =
         Tokenizer::from_spec(&spec).with_context(|| format!("the tokenizer `{spec}`"))?;
     let prompt = tokenizer.encode(&args.prompt)?;
+    let context = megatron::generate::context_length(&args.load)?;
+    if prompt.len() > context {
+        eprintln!(
+            "note: the prompt is {} tokens, more than the model's context of {context}: the \
+             model sees its last {context} tokens",
+            prompt.len()
+        );
+    }
     let sampling = Sampling {
         temperature: args.temperature,
         top_k: args.top_k,

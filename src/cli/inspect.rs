@@ -141,7 +141,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
                 .collect()
         };
         let out = json!({
-            "model": args.arch.model,
+            "model": args.arch.model_name(),
             "tp": args.tp,
             "vocab_size": config.vocab_size,
             "padded_vocab_size": padded,
@@ -157,7 +157,8 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     let _ = writeln!(
         out,
         "{} at tensor-parallel size {}",
-        args.arch.model, args.tp
+        args.arch.model_name(),
+        args.tp
     );
     let _ = writeln!(
         out,

@@ -13,4 +13,5 @@ pub mod models;
 pub mod observers;
 pub mod plot;
 pub mod preprocess;
+pub mod tokenizer_cmd;
 pub mod train;

@@ -7,9 +7,10 @@ use megatron::models::{GptConfig, preset, presets};
 /// A registered model and explicit overrides of its architecture.
 #[derive(Debug, Args)]
 pub struct ArchitectureArgs {
-    /// Registered model preset; explicit architecture flags override it (see `megatron models`).
-    #[arg(long, default_value = "gpt-tiny")]
-    pub model: String,
+    /// Registered model preset; explicit architecture flags override it (see `megatron models`)
+    /// [default: gpt-tiny, or a loaded checkpoint's model].
+    #[arg(long)]
+    model: Option<String>,
     /// Transformer layers [default: the preset's].
     #[arg(long)]
     num_layers: Option<usize>,
@@ -42,18 +43,111 @@ pub struct ArchitectureArgs {
     attention_dropout: Option<f32>,
 }
 
+/// The preset a run uses when none is named.
+pub const DEFAULT_MODEL: &str = "gpt-tiny";
+
+/// The architecture of the registered preset `name`.
+fn preset_config(name: &str) -> Result<GptConfig> {
+    let Some(p) = preset(name) else {
+        let names: Vec<&str> = presets().iter().map(|p| p.name).collect();
+        bail!(
+            "unknown model `{name}`; registered models: {}",
+            names.join(", ")
+        );
+    };
+    Ok((p.config)())
+}
+
 impl ArchitectureArgs {
+    /// The model named with `--model`, if it was.
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+
+    /// The model's name: `--model`'s, else [`DEFAULT_MODEL`].
+    pub fn model_name(&self) -> &str {
+        self.model().unwrap_or(DEFAULT_MODEL)
+    }
+
+    /// `--vocab-size`, if given.
+    pub fn vocab_size(&self) -> Option<usize> {
+        self.vocab_size
+    }
+
     /// The preset with the overrides applied, checked for `tp` tensor-parallel ranks.
     pub fn config(&self, tp: usize) -> Result<GptConfig> {
-        let Some(p) = preset(&self.model) else {
-            let names: Vec<&str> = presets().iter().map(|p| p.name).collect();
-            bail!(
-                "unknown model `{}`; registered models: {}",
-                self.model,
-                names.join(", ")
-            );
+        self.apply(preset_config(self.model_name())?, tp)
+    }
+
+    /// Refuses flags that contradict the architecture of a checkpoint (`saved`, recorded as
+    /// model `saved_name` when the checkpoint says): a flag that changes a parameter's shape,
+    /// or a `--model` other than the checkpoint's, would load weights into another model.
+    /// Dropout, initialisation and vocabulary padding may differ (they do not change what the
+    /// checkpoint holds).
+    pub fn check_against(&self, saved: &GptConfig, saved_name: Option<&str>) -> Result<()> {
+        for (flag, given, held) in [
+            ("num-layers", self.num_layers, saved.num_layers),
+            ("hidden-size", self.hidden_size, saved.hidden_size),
+            (
+                "ffn-hidden-size",
+                self.ffn_hidden_size,
+                saved.ffn_hidden_size,
+            ),
+            (
+                "num-attention-heads",
+                self.num_attention_heads,
+                saved.num_attention_heads,
+            ),
+            (
+                "max-position-embeddings",
+                self.max_position_embeddings,
+                saved.max_position_embeddings,
+            ),
+            ("vocab-size", self.vocab_size, saved.vocab_size),
+        ] {
+            if let Some(given) = given
+                && given != held
+            {
+                bail!(
+                    "--{flag} {given} contradicts the checkpoint, whose model has {held}: drop the \
+                     flag (a loaded model keeps its checkpoint's architecture)"
+                );
+            }
+        }
+        let Some(model) = self.model() else {
+            return Ok(());
         };
-        self.apply((p.config)(), tp)
+        let contradicts = match saved_name {
+            Some(name) => name != model,
+            // A checkpoint that does not record its preset: compare the preset's shapes.
+            None => {
+                let p = preset_config(model)?;
+                (
+                    p.num_layers,
+                    p.hidden_size,
+                    p.ffn_hidden_size,
+                    p.num_attention_heads,
+                    p.max_position_embeddings,
+                ) != (
+                    saved.num_layers,
+                    saved.hidden_size,
+                    saved.ffn_hidden_size,
+                    saved.num_attention_heads,
+                    saved.max_position_embeddings,
+                )
+            }
+        };
+        if contradicts {
+            bail!(
+                "--model {model} contradicts the checkpoint, which holds {} ({} layers, hidden \
+                 size {}, {} heads): drop --model to train the checkpoint's model",
+                saved_name.unwrap_or("another model"),
+                saved.num_layers,
+                saved.hidden_size,
+                saved.num_attention_heads
+            );
+        }
+        Ok(())
     }
 
     /// `base` (a preset, or the architecture a checkpoint records) with the overrides applied,

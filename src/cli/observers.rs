@@ -69,7 +69,7 @@ impl Observer for Progress {
     }
 }
 
-/// One JSON object per step and per evaluation, one per line.
+/// One JSON object per step and per evaluation, one per line, each flushed as it is written.
 pub struct JsonLog {
     path: PathBuf,
     out: BufWriter<File>,
@@ -92,8 +92,11 @@ impl JsonLog {
         })
     }
 
+    /// Writes one line and flushes it: a run killed at any point keeps every step it logged.
     fn line(&mut self, v: serde_json::Value) -> Result<()> {
-        writeln!(self.out, "{v}").with_context(|| format!("writing {}", self.path.display()))
+        writeln!(self.out, "{v}")
+            .and_then(|()| self.out.flush())
+            .with_context(|| format!("writing --log-json {}", self.path.display()))
     }
 }
 
@@ -125,7 +128,7 @@ impl Observer for JsonLog {
     }
 }
 
-/// TensorBoard scalars under Megatron-LM's tags.
+/// TensorBoard scalars under Megatron-LM's tags, flushed every step.
 pub struct TensorBoard {
     writer: EventWriter,
 }
@@ -146,7 +149,9 @@ impl Observer for TensorBoard {
         self.writer.scalar("lm loss", step, m.loss)?;
         self.writer.scalar("learning-rate", step, m.lr)?;
         self.writer.scalar("grad-norm", step, m.grad_norm)?;
-        self.writer.scalar("lm loss vs tokens", r.tokens, m.loss)
+        self.writer.scalar("lm loss vs tokens", r.tokens, m.loss)?;
+        // Every step reaches the file: a killed run keeps what it logged.
+        self.writer.flush()
     }
 
     fn eval(&mut self, r: &EvalRecord) -> Result<()> {

@@ -58,6 +58,35 @@ pub fn output_prefix(prefix: &std::path::Path, key: &str) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// The texts of `key` in one JSON line, as `preprocess_data.py` reads them: a string (one
+/// sequence) or a list of strings (one sequence each).
+pub fn key_texts<'a>(
+    object: &'a serde_json::Map<String, Value>,
+    key: &str,
+    line_no: u64,
+) -> Result<Vec<&'a str>> {
+    match object.get(key) {
+        Some(Value::String(s)) => Ok(vec![s.as_str()]),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_str())
+            .collect::<Option<Vec<_>>>()
+            .with_context(|| format!("line {line_no}: \"{key}\" is a list of non-strings")),
+        Some(_) => bail!("line {line_no}: \"{key}\" is not a string or a list of strings"),
+        None => bail!("line {line_no}: no key \"{key}\""),
+    }
+}
+
+/// One line of a JSON-lines file, which must be a JSON object.
+pub fn parse_line(line: &str, line_no: u64) -> Result<serde_json::Map<String, Value>> {
+    let value: Value = serde_json::from_str(line)
+        .with_context(|| format!("line {line_no}: not a JSON document"))?;
+    let Value::Object(object) = value else {
+        bail!("line {line_no}: not a JSON object");
+    };
+    Ok(object)
+}
+
 /// Tokenizes one JSON line as `preprocess_data.py`'s `Encoder.encode`: a key's value is a
 /// string (one sequence) or a list of strings (one sequence each); empty sequences are dropped;
 /// the end-of-document token goes at the end of a non-empty document.
@@ -68,23 +97,10 @@ fn encode_line(
     tokenizer: &Tokenizer,
     eod: Option<u32>,
 ) -> Result<Encoded> {
-    let value: Value = serde_json::from_str(line)
-        .with_context(|| format!("line {line_no}: not a JSON document"))?;
-    let Value::Object(object) = value else {
-        bail!("line {line_no}: not a JSON object");
-    };
+    let object = parse_line(line, line_no)?;
     let mut out = Vec::with_capacity(keys.len());
     for key in keys {
-        let texts: Vec<&str> = match object.get(key) {
-            Some(Value::String(s)) => vec![s.as_str()],
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|v| v.as_str())
-                .collect::<Option<Vec<_>>>()
-                .with_context(|| format!("line {line_no}: \"{key}\" is a list of non-strings"))?,
-            Some(_) => bail!("line {line_no}: \"{key}\" is not a string or a list of strings"),
-            None => bail!("line {line_no}: no key \"{key}\""),
-        };
+        let texts = key_texts(&object, key, line_no)?;
         let mut tokens = Vec::new();
         let mut lengths = Vec::new();
         for text in texts {

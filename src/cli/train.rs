@@ -10,7 +10,7 @@ use indicatif::ProgressBar;
 use megatron::data::{
     Blend, GptDatasetConfig, SampleSource, Split as DataSplit, SplitVector, build_gpt_dataset,
 };
-use megatron::job::{Eval, Observer, Placement, Summary, TrainJob};
+use megatron::job::{Eval, Observer, Placement, StopRequest, Summary, TrainJob};
 use megatron::models::GptConfig;
 use megatron::report::plot::Curves;
 use megatron::tokenizer::Tokenizer;
@@ -25,28 +25,27 @@ use super::observers::{JsonLog, Plot, Progress, TensorBoard};
 /// A source of training or validation samples.
 type Source = Arc<dyn SampleSource>;
 
-/// Arguments of `megatron train`, named as Megatron-LM's.
+/// Arguments of `megatron train`, named as Megatron-LM's. With `--load`, the parallel layout,
+/// batch, data, tokenizer and seed a flag leaves out are the checkpoint's (printed at the start).
 #[derive(Debug, Args)]
 pub struct TrainArgs {
     #[command(flatten)]
     arch: ArchitectureArgs,
-    /// Tensor-parallel size.
-    #[arg(
-        long = "tensor-model-parallel-size",
-        visible_alias = "tp",
-        default_value_t = 1
-    )]
-    tp: usize,
-    /// Data-parallel size (the world is tp × dp thread ranks).
-    #[arg(long = "data-parallel-size", visible_alias = "dp", default_value_t = 1)]
-    dp: usize,
-    /// Tokens per sample.
-    #[arg(long, default_value_t = 128)]
-    seq_length: usize,
-    /// Samples per microbatch on one rank.
-    #[arg(long, default_value_t = 4)]
-    micro_batch_size: usize,
-    /// Samples per step over all data-parallel ranks [default: micro batch × dp].
+    /// Tensor-parallel size [default: 1, or the loaded checkpoint's].
+    #[arg(long = "tensor-model-parallel-size", visible_alias = "tp")]
+    tp: Option<usize>,
+    /// Data-parallel size (the world is tp × dp thread ranks) [default: 1, or the loaded
+    /// checkpoint's].
+    #[arg(long = "data-parallel-size", visible_alias = "dp")]
+    dp: Option<usize>,
+    /// Tokens per sample [default: 128, or the loaded checkpoint's].
+    #[arg(long)]
+    seq_length: Option<usize>,
+    /// Samples per microbatch on one rank [default: 4, or the loaded checkpoint's].
+    #[arg(long)]
+    micro_batch_size: Option<usize>,
+    /// Samples per step over all data-parallel ranks [default: micro batch × dp, or the loaded
+    /// checkpoint's].
     #[arg(long)]
     global_batch_size: Option<usize>,
     /// Optimizer steps to reach (a resumed run continues up to this step).
@@ -82,49 +81,57 @@ pub struct TrainArgs {
     /// Adam ε.
     #[arg(long, default_value_t = 1e-8)]
     adam_eps: f64,
-    /// Seed of parameters, data order and dropout.
-    #[arg(long, default_value_t = 1234)]
-    seed: u64,
+    /// Seed of parameters, data order and dropout [default: 1234, or the loaded checkpoint's].
+    #[arg(long)]
+    seed: Option<u64>,
     /// Training data: Megatron-LM indexed datasets as `PREFIX` or weighted `W1,PREFIX1,W2,PREFIX2`
     /// (also space-separated, as Megatron's `--data-path`), or one text file read as bytes
-    /// [default: megatron-rs's own sources and docs, as bytes].
+    /// [default: the loaded checkpoint's, else megatron-rs's own sources and docs, as bytes].
     #[arg(long, visible_alias = "data-path", num_args = 1..)]
     data: Vec<String>,
     /// The tokenizer the data was made with (`byte` or a tokenizer.json): sets the model's
-    /// vocabulary and is recorded in checkpoints for `megatron generate`.
+    /// vocabulary; checkpoints carry a copy for `megatron generate` [default: the loaded
+    /// checkpoint's, else byte].
     #[arg(long)]
     tokenizer: Option<String>,
-    /// Fractions of the data for training, validation and test (Megatron's `--split`).
-    #[arg(long, default_value = "969,30,1")]
-    split: String,
+    /// Fractions of the data for training, validation and test (Megatron's `--split`)
+    /// [default: 969,30,1, or the loaded checkpoint's].
+    #[arg(long)]
+    split: Option<String>,
     /// Evaluate on the validation split every N steps (and at the end) [default: never].
     #[arg(long)]
     eval_interval: Option<u64>,
     /// Global batches per evaluation.
     #[arg(long, default_value_t = 10)]
     eval_iters: u64,
-    /// Save checkpoints into this directory (every --save-interval steps and at the end).
+    /// Save checkpoints into this directory (every --save-interval steps, at the end, and when
+    /// SIGINT or SIGTERM stops the run).
     #[arg(long)]
     save: Option<PathBuf>,
     /// Steps between checkpoints [default: only at the end].
     #[arg(long)]
     save_interval: Option<u64>,
     /// Start from this checkpoint (a save directory or an iteration directory): parameters,
-    /// optimizer state and step; the architecture is the checkpoint's unless flags override it.
+    /// optimizer state and step; its architecture, and the settings other flags leave out.
     #[arg(long)]
     load: Option<PathBuf>,
-    /// Write one JSON object per step and evaluation to this file, and the loss plot next to it.
+    /// Write one JSON object per step and evaluation to this file (flushed every step), and
+    /// the loss plot next to it.
     #[arg(long)]
     log_json: Option<PathBuf>,
     /// Add each step's communication on global rank 0 (per group and operation) to the log.
     #[arg(long)]
     comm_report: bool,
-    /// Write TensorBoard scalars into this directory.
+    /// Write TensorBoard scalars into this directory (flushed every step).
     #[arg(long)]
     tensorboard_dir: Option<PathBuf>,
     /// Elements per data-parallel gradient all-reduce [default: max(40M, 1M × dp)].
     #[arg(long)]
     ddp_bucket_size: Option<usize>,
+    /// Train on when a step's loss or gradient norm is NaN or infinite (by default the run
+    /// stops with an error naming the step, before its update, as Megatron-LM does).
+    #[arg(long)]
+    no_check_for_nan_in_loss_and_grad: bool,
     /// No progress bar (the summary and the log are still written).
     #[arg(long)]
     quiet: bool,
@@ -184,18 +191,55 @@ fn valid_fraction(split: &str) -> Result<(f64, f64)> {
     Ok((train, valid))
 }
 
+/// The split used when neither `--split` nor a loaded checkpoint gives one.
+const DEFAULT_SPLIT: &str = "969,30,1";
+
+/// The run's settings once `--load` is read: each as a flag gives it, else as the checkpoint
+/// recorded it, else the default.
+struct Settings {
+    /// The model's preset name (for reports and checkpoints).
+    model_name: String,
+    /// The architecture.
+    model: GptConfig,
+    tp: usize,
+    dp: usize,
+    seq_length: usize,
+    micro_batch: usize,
+    global_batch: usize,
+    seed: u64,
+    /// `--data` values, dataset prefixes and files made absolute (empty: the built-in corpus).
+    data: Vec<String>,
+    split: String,
+    tokenizer: Tokenizer,
+    /// What was taken from the checkpoint, as the flags that would give it.
+    taken: Vec<String>,
+}
+
+/// `--data` values with every path made absolute (weights stay as they are), so that a
+/// checkpoint's record of them holds wherever the run resumes.
+fn absolute_data(values: &[String]) -> Result<Vec<String>> {
+    values
+        .iter()
+        .map(|v| {
+            if v.trim().parse::<f64>().is_ok() {
+                return Ok(v.trim().to_string());
+            }
+            let path = std::path::absolute(v.trim())
+                .with_context(|| format!("--data {v}: cannot make the path absolute"))?;
+            Ok(path.display().to_string())
+        })
+        .collect()
+}
+
 impl TrainArgs {
     /// The model's name.
     pub(crate) fn model_name(&self) -> &str {
-        &self.arch.model
+        self.arch.model_name()
     }
 
-    /// Training and validation samples: Megatron indexed datasets (blended, split by documents
-    /// as Megatron splits them), or a text file or the default corpus as bytes (split by
-    /// position).
-    fn data_sources(&self, plan: BatchPlan) -> Result<(Source, Option<Source>)> {
-        let values: Vec<String> = self
-            .data
+    /// `--data` split into its values (commas and spaces separate them).
+    fn data_values(&self) -> Vec<String> {
+        self.data
             .iter()
             .flat_map(|v| {
                 v.split(',')
@@ -203,7 +247,210 @@ impl TrainArgs {
                     .filter(|s| !s.is_empty())
                     .map(str::to_string)
             })
-            .collect();
+            .collect()
+    }
+
+    /// Reads `--load`'s checkpoint (if any) and settles every setting: a flag wins, then the
+    /// checkpoint's record, then the default. A flag that contradicts the checkpoint's model is
+    /// an error.
+    fn settings(&self) -> Result<Settings> {
+        let meta = match &self.load {
+            Some(path) => {
+                // A save killed while replacing the iteration to load left it aside: put it back
+                // (and remove what killed saves left) before reading it.
+                if let Some(save) = megatron::checkpoint::save_dir_of(path) {
+                    megatron::checkpoint::remove_interrupted_saves(&save);
+                }
+                Some(megatron::checkpoint::read_meta(path)?)
+            }
+            None => None,
+        };
+        let run = meta.as_ref().map(|m| &m.run);
+        let recorded_usize = |key: &str| run.and_then(|r| r[key].as_u64()).map(|v| v as usize);
+        let mut taken = Vec::new();
+        let mut pick = |flag: &str,
+                        given: Option<usize>,
+                        recorded: Option<usize>,
+                        default: usize| match (given, recorded) {
+            (Some(v), _) => v,
+            (None, Some(v)) => {
+                taken.push(format!("--{flag} {v}"));
+                v
+            }
+            (None, None) => default,
+        };
+        let tp = pick("tp", self.tp, meta.as_ref().map(|m| m.saved_tp), 1);
+        let dp = pick("dp", self.dp, meta.as_ref().map(|m| m.saved_dp), 1);
+        if tp == 0 || dp == 0 {
+            bail!("--tensor-model-parallel-size and --data-parallel-size must be at least 1");
+        }
+        let seq_length = pick(
+            "seq-length",
+            self.seq_length,
+            recorded_usize("seq_length"),
+            128,
+        );
+        let micro_batch = pick(
+            "micro-batch-size",
+            self.micro_batch_size,
+            recorded_usize("micro_batch_size"),
+            4,
+        );
+        let global_batch = pick(
+            "global-batch-size",
+            self.global_batch_size,
+            recorded_usize("global_batch_size"),
+            micro_batch * dp,
+        );
+        let seed = match (self.seed, &meta) {
+            (Some(seed), _) => seed,
+            (None, Some(m)) => {
+                taken.push(format!("--seed {}", m.seed));
+                m.seed
+            }
+            (None, None) => 1234,
+        };
+        let recorded_data: Option<Vec<String>> = run.and_then(|r| {
+            r["data"].as_array().map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(str::to_string))
+                    .collect()
+            })
+        });
+        let data = match (self.data_values(), recorded_data) {
+            (given, _) if !given.is_empty() => absolute_data(&given)?,
+            (_, Some(recorded)) => {
+                taken.push(if recorded.is_empty() {
+                    "--data (the built-in corpus)".to_string()
+                } else {
+                    format!("--data {}", recorded.join(" "))
+                });
+                recorded
+            }
+            _ => Vec::new(),
+        };
+        let split = match (&self.split, run.and_then(|r| r["split"].as_str())) {
+            (Some(split), _) => split.clone(),
+            (None, Some(split)) => {
+                taken.push(format!("--split {split}"));
+                split.to_string()
+            }
+            (None, None) => DEFAULT_SPLIT.to_string(),
+        };
+        let tokenizer_spec = match (&self.tokenizer, &self.load) {
+            (Some(spec), _) => spec.clone(),
+            (None, Some(load)) => match megatron::tokenizer::checkpoint_tokenizer(load)? {
+                Some(spec) => {
+                    taken.push(format!("--tokenizer {spec}"));
+                    spec
+                }
+                None => "byte".to_string(),
+            },
+            (None, None) => "byte".to_string(),
+        };
+        let tokenizer = Tokenizer::from_spec(&tokenizer_spec)?;
+        let (model_name, model) = match &meta {
+            Some(m) => {
+                let path = self.load.as_deref().unwrap_or(Path::new(""));
+                let saved: GptConfig =
+                    serde_json::from_value(m.model.clone()).with_context(|| {
+                        format!("{}: the checkpoint's model config", path.display())
+                    })?;
+                let saved_name = m.run["model"].as_str();
+                self.arch.check_against(&saved, saved_name)?;
+                if let Some(spec) = &self.tokenizer
+                    && saved.vocab_size != tokenizer.vocab_size()
+                {
+                    bail!(
+                        "--tokenizer {spec} has {} tokens, the checkpoint's model {}",
+                        tokenizer.vocab_size(),
+                        saved.vocab_size
+                    );
+                }
+                let name = saved_name.unwrap_or(self.arch.model_name()).to_string();
+                (name, self.arch.apply(saved, tp)?)
+            }
+            None => {
+                let mut model = self.arch.config(tp)?;
+                if let Some(spec) = &self.tokenizer {
+                    if let Some(given) = self.arch.vocab_size()
+                        && given != tokenizer.vocab_size()
+                    {
+                        bail!(
+                            "--vocab-size {given} contradicts --tokenizer {spec}, which has {} \
+                             tokens: drop --vocab-size (the tokenizer sets it)",
+                            tokenizer.vocab_size()
+                        );
+                    }
+                    model.vocab_size = tokenizer.vocab_size();
+                    model.validate(tp)?;
+                }
+                (self.arch.model_name().to_string(), model)
+            }
+        };
+        if seq_length > model.max_position_embeddings {
+            bail!(
+                "--seq-length {seq_length} exceeds --max-position-embeddings {}",
+                model.max_position_embeddings
+            );
+        }
+        Ok(Settings {
+            model_name,
+            model,
+            tp,
+            dp,
+            seq_length,
+            micro_batch,
+            global_batch,
+            seed,
+            data,
+            split,
+            tokenizer,
+            taken,
+        })
+    }
+
+    /// Checks the flags that need no data or checkpoint to check.
+    fn check_flags(&self) -> Result<()> {
+        if !self.lr.is_finite() || self.lr < 0.0 {
+            bail!("--lr must be a finite number ≥ 0, got {}", self.lr);
+        }
+        if let Some(min_lr) = self.min_lr
+            && (!min_lr.is_finite() || min_lr < 0.0 || min_lr > self.lr)
+        {
+            bail!(
+                "--min-lr {min_lr} must be between 0 and --lr {} (the decay ends at it)",
+                self.lr
+            );
+        }
+        if self.ddp_bucket_size == Some(0) {
+            bail!(
+                "--ddp-bucket-size 0: a bucket needs at least one element (the default is \
+                 max(40M, 1M × dp) elements)"
+            );
+        }
+        if self.eval_iters == 0 {
+            bail!(
+                "--eval-iters 0 evaluates nothing: give at least 1 (leave out --eval-interval \
+                 to train without evaluation)"
+            );
+        }
+        for (flag, value) in [
+            ("eval-interval", self.eval_interval),
+            ("save-interval", self.save_interval),
+        ] {
+            if value == Some(0) {
+                bail!("--{flag} must be at least 1 step");
+            }
+        }
+        Ok(())
+    }
+
+    /// Training and validation samples: Megatron indexed datasets (blended, split by documents
+    /// as Megatron splits them, every index checked first), or a text file or the default
+    /// corpus as bytes (split by position).
+    fn data_sources(&self, s: &Settings, plan: BatchPlan) -> Result<(Source, Option<Source>)> {
+        let values = &s.data;
         let text = match values.as_slice() {
             [] => Some(megatron::data::default_corpus().to_vec()),
             [one] if Path::new(one).is_file() && !Path::new(&format!("{one}.idx")).exists() => {
@@ -212,23 +459,24 @@ impl TrainArgs {
             _ => None,
         };
         if let Some(bytes) = text {
-            let (train_fraction, valid_fraction) = valid_fraction(&self.split)?;
+            let (train_fraction, valid_fraction) = valid_fraction(&s.split)?;
             let stream = TokenStream::from_bytes(&bytes);
             let (train, rest) = stream.split(train_fraction);
             let (valid, _test) =
                 rest.split(valid_fraction / (1.0 - train_fraction).max(f64::MIN_POSITIVE));
             let train: Arc<dyn SampleSource> =
-                Arc::new(Windows::new(train, plan.seq_length, self.seed)?);
-            let valid = Windows::new(valid, plan.seq_length, self.seed ^ 0x0076_616c_6964)
+                Arc::new(Windows::new(train, plan.seq_length, s.seed)?);
+            let valid = Windows::new(valid, plan.seq_length, s.seed ^ 0x0076_616c_6964)
                 .ok()
                 .map(|w| Arc::new(w) as Arc<dyn SampleSource>);
             return Ok((train, valid));
         }
-        let blend = Blend::open(&values)?;
-        let split: SplitVector = self.split.parse()?;
+        let blend = Blend::open(values)?;
+        blend.validate()?;
+        let split: SplitVector = s.split.parse()?;
         let config = GptDatasetConfig {
             seq_length: plan.seq_length,
-            seed: self.seed as u32,
+            seed: s.seed as u32,
             split,
         };
         let global = plan.global_batch as u64;
@@ -240,7 +488,7 @@ impl TrainArgs {
         let Some(train) =
             build_gpt_dataset(&blend, &config, DataSplit::Train, Some(train_samples))?
         else {
-            bail!("--split {} leaves no training data", self.split);
+            bail!("--split {} leaves no training data", s.split);
         };
         let valid = if valid_samples > 0 {
             build_gpt_dataset(&blend, &config, DataSplit::Valid, Some(valid_samples))?
@@ -250,68 +498,31 @@ impl TrainArgs {
         Ok((train, valid))
     }
 
-    /// The architecture: the loaded checkpoint's or the preset's, then explicit flags.
-    fn model_config(&self) -> Result<GptConfig> {
-        let c = match &self.load {
-            Some(path) => {
-                let meta = megatron::checkpoint::read_meta(path)?;
-                let base: GptConfig = serde_json::from_value(meta.model).with_context(|| {
-                    format!("{}: the checkpoint's model config", path.display())
-                })?;
-                self.arch.apply(base, self.tp)?
-            }
-            None => self.arch.config(self.tp)?,
-        };
-        if self.seq_length > c.max_position_embeddings {
-            bail!(
-                "--seq-length {} exceeds --max-position-embeddings {}",
-                self.seq_length,
-                c.max_position_embeddings
-            );
-        }
-        Ok(c)
+    /// The training job these arguments describe, and the flags taken from the checkpoint.
+    pub(crate) fn job(&self) -> Result<TrainJob> {
+        self.job_and_notes().map(|(job, _)| job)
     }
 
-    /// The training job these arguments describe.
-    pub(crate) fn job(&self) -> Result<TrainJob> {
-        if self.tp == 0 || self.dp == 0 {
-            bail!("--tensor-model-parallel-size and --data-parallel-size must be at least 1");
-        }
-        let mut model = self.model_config()?;
-        let tokenizer = match &self.tokenizer {
-            Some(spec) => {
-                let t = Tokenizer::from_spec(spec)?;
-                if self.load.is_none() {
-                    model.vocab_size = t.vocab_size();
-                    model.validate(self.tp)?;
-                } else if model.vocab_size != t.vocab_size() {
-                    bail!(
-                        "--tokenizer {spec} has {} tokens, the checkpoint's model {}",
-                        t.vocab_size(),
-                        model.vocab_size
-                    );
-                }
-                spec.clone()
-            }
-            None => "byte".to_string(),
-        };
+    /// [`TrainArgs::job`], with what was taken from the loaded checkpoint (as the flags that
+    /// would give it) for the run to print.
+    fn job_and_notes(&self) -> Result<(TrainJob, Vec<String>)> {
+        self.check_flags()?;
+        let s = self.settings()?;
         let plan = BatchPlan {
-            seq_length: self.seq_length,
-            micro_batch: self.micro_batch_size,
-            global_batch: self
-                .global_batch_size
-                .unwrap_or(self.micro_batch_size * self.dp),
-            dp: self.dp,
+            seq_length: s.seq_length,
+            micro_batch: s.micro_batch,
+            global_batch: s.global_batch,
+            dp: s.dp,
         };
         plan.validate()?;
-        let (train_data, valid_data) = self.data_sources(plan)?;
+        let (train_data, valid_data) = self.data_sources(&s, plan)?;
         let train_data = Sampler::new(train_data, plan)?;
         let eval = match self.eval_interval {
             Some(interval) => {
                 let Some(valid) = valid_data else {
                     bail!(
                         "--eval-interval needs a validation split, but --split {} gives it nothing",
-                        self.split
+                        s.split
                     );
                 };
                 Some(Eval {
@@ -337,16 +548,18 @@ impl TrainArgs {
                 weight_decay: self.weight_decay,
             },
             clip_grad: self.clip_grad,
-            seed: self.seed,
+            seed: s.seed,
             bucket_elements: self
                 .ddp_bucket_size
-                .unwrap_or_else(|| default_bucket_elements(self.dp)),
+                .unwrap_or_else(|| default_bucket_elements(s.dp)),
+            check_for_nan: !self.no_check_for_nan_in_loss_and_grad,
         };
-        Ok(TrainJob {
-            model_name: self.arch.model.clone(),
-            model,
-            tp: self.tp,
-            dp: self.dp,
+        let (tokenizer, files) = megatron::tokenizer::checkpoint_record(&s.tokenizer)?;
+        let job = TrainJob {
+            model_name: s.model_name.clone(),
+            model: s.model,
+            tp: s.tp,
+            dp: s.dp,
             steps: self.train_iters,
             train_data,
             eval,
@@ -357,11 +570,15 @@ impl TrainArgs {
                 .map(|dir| (dir, self.save_interval.unwrap_or(self.train_iters))),
             load: self.load.clone(),
             run_info: serde_json::json!({
-                "seq_length": self.seq_length,
-                "micro_batch_size": self.micro_batch_size,
-                "global_batch_size": plan.global_batch,
+                "model": s.model_name,
+                "seq_length": s.seq_length,
+                "micro_batch_size": s.micro_batch,
+                "global_batch_size": s.global_batch,
+                "data": s.data,
+                "split": s.split,
                 "tokenizer": tokenizer,
             }),
+            files,
             device: match self.device.as_str() {
                 "cpu" if self.attention_backend == AttentionBackend::Flash => {
                     bail!("--attention-backend flash runs on a GPU: add --device cuda")
@@ -378,7 +595,9 @@ impl TrainArgs {
                 },
                 other => bail!("--device must be cpu or cuda, got {other:?}"),
             },
-        })
+            stop: None,
+        };
+        Ok((job, s.taken))
     }
 
     /// Where the ranks run.
@@ -389,9 +608,56 @@ impl TrainArgs {
 
 /// Runs `megatron train` on the chosen backend.
 pub fn run(args: &TrainArgs) -> Result<()> {
-    let job = args.job()?;
+    let (mut job, taken) = args.job_and_notes()?;
+    let stop = StopRequest::new();
+    on_signals(&stop)?;
+    job.stop = Some(stop.clone());
     on_ranks(args.backend, &job, &mut |runner, _| {
-        run_job(args, &job, runner)
+        run_job(args, &job, &taken, runner)
+    })
+}
+
+/// SIGINT and SIGTERM ask the run to stop after the current step (Megatron-LM's
+/// `--exit-signal-handler`): `stop` records the signal. A second signal exits at once, with
+/// status 128 + its number, as a shell reports a process killed by it.
+fn on_signals(stop: &StopRequest) -> Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let first_seen = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for signal in [SIGINT, SIGTERM] {
+        // Registered first, so it runs first: on the second signal, the flag is already set.
+        signal_hook::flag::register_conditional_shutdown(signal, 128 + signal, first_seen.clone())
+            .context("installing the signal handler")?;
+        signal_hook::flag::register(signal, first_seen.clone())
+            .context("installing the signal handler")?;
+        signal_hook::flag::register_usize(signal, stop.signal_slot(), signal as usize)
+            .context("installing the signal handler")?;
+    }
+    Ok(())
+}
+
+/// A signal's name, for messages.
+fn signal_name(signal: usize) -> String {
+    match signal as i32 {
+        signal_hook::consts::SIGINT => "SIGINT".to_string(),
+        signal_hook::consts::SIGTERM => "SIGTERM".to_string(),
+        other => format!("signal {other}"),
+    }
+}
+
+/// Makes sure `dir` can take a checkpoint before the first step (a save that fails after the
+/// whole run would lose it): creates it and writes and removes a probe file.
+fn check_writable_dir(dir: &Path, flag: &str) -> Result<()> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("{flag} {}: cannot create the directory", dir.display()))?;
+    let probe = dir.join(format!(".megatron-write-check-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .with_context(|| format!("{flag} {}: cannot write into the directory", dir.display()))?;
+    std::fs::remove_file(&probe).with_context(|| {
+        format!(
+            "{flag} {}: cannot remove {}",
+            dir.display(),
+            probe.display()
+        )
     })
 }
 
@@ -478,7 +744,19 @@ pub(super) type Report<'a> = dyn FnMut(&mut Runner<'_>, usize) -> Result<()> + '
 pub(super) type Runner<'a> = dyn FnMut(&TrainJob, &mut [Box<dyn Observer>]) -> Result<Summary> + 'a;
 
 /// Runs the job with `run` on the chosen ranks, printing the plan, progress and the summary.
-fn run_job(args: &TrainArgs, job: &TrainJob, run: &mut Runner<'_>) -> Result<()> {
+fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<'_>) -> Result<()> {
+    if let Some(load) = &args.load
+        && !taken.is_empty()
+    {
+        println!(
+            "from the checkpoint {}: {}",
+            load.display(),
+            taken.join(" ")
+        );
+    }
+    if let Some((dir, _)) = &job.save {
+        check_writable_dir(dir, "--save")?;
+    }
     let plan = *job.train_data.plan();
     let params = job.model.num_params(job.tp);
     let flops_per_token = job.model.flops_per_token(plan.seq_length, job.tp);
@@ -556,6 +834,21 @@ fn run_job(args: &TrainArgs, job: &TrainJob, run: &mut Runner<'_>) -> Result<()>
             e.loss,
             e.perplexity(),
             e.step
+        );
+    }
+    if let Some(done) = summary.stopped_after {
+        let why = job
+            .stop
+            .as_ref()
+            .and_then(StopRequest::requested)
+            .map_or("a stop request".to_string(), signal_name);
+        let saved = match &job.save {
+            Some((dir, _)) => format!("the checkpoint of step {done} is in {}", dir.display()),
+            None => "no checkpoint saved (no --save)".to_string(),
+        };
+        bail!(
+            "stopped by {why} after step {done} of {}: {saved}; the logs hold every step",
+            job.steps
         );
     }
     Ok(())

@@ -18,6 +18,8 @@ use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{Value, json};
 
+use crate::tokenizer::{self, Tokenizer};
+
 /// The architecture a GPT-2 `config.json` describes.
 pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
     let int = |key: &str| -> Result<usize> {
@@ -38,6 +40,12 @@ pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
             bail!("config.json: `{flag}` = true is not supported");
         }
     }
+    if config["scale_attn_weights"].as_bool() == Some(false) {
+        bail!(
+            "config.json: `scale_attn_weights` = false (attention scores not divided by √d) is \
+             not supported: megatron-rs always scales them, as GPT-2 and Megatron-LM do"
+        );
+    }
     let hidden = int("n_embd")?;
     let float = |key: &str, default: f64| config[key].as_f64().unwrap_or(default);
     let mut c = GptConfig::new(
@@ -57,8 +65,9 @@ pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
     Ok(c)
 }
 
-/// A GPT-2 `config.json` for an architecture.
-pub fn config_to_hf(c: &GptConfig) -> Value {
+/// A GPT-2 `config.json` for an architecture whose tokenizer ends documents with `eod` (GPT-2's
+/// `<|endoftext|>`, its `bos_token_id` and `eos_token_id`; left out when unknown).
+pub fn config_to_hf(c: &GptConfig, eod: Option<u32>) -> Value {
     json!({
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -77,8 +86,8 @@ pub fn config_to_hf(c: &GptConfig) -> Value {
         "initializer_range": c.init_method_std,
         "tie_word_embeddings": true,
         "scale_attn_weights": true,
-        "bos_token_id": c.vocab_size.saturating_sub(1),
-        "eos_token_id": c.vocab_size.saturating_sub(1),
+        "bos_token_id": eod,
+        "eos_token_id": eod,
     })
 }
 
@@ -163,9 +172,27 @@ fn read_safetensors(path: &Path) -> Result<HashMap<String, Whole>> {
     Ok(out)
 }
 
+/// Refuses to write a conversion into `dir` when it already holds files (a save directory's
+/// checkpoints, or another model): a conversion never overwrites.
+pub fn refuse_existing(dir: &Path) -> Result<()> {
+    let Ok(mut entries) = fs::read_dir(dir) else {
+        return Ok(());
+    };
+    if let Some(Ok(entry)) = entries.next() {
+        bail!(
+            "{} already holds files (e.g. {}): convert into a new or empty directory",
+            dir.display(),
+            entry.file_name().to_string_lossy()
+        );
+    }
+    Ok(())
+}
+
 /// Converts a Hugging Face GPT-2 directory into a megatron-rs checkpoint (iteration 0, no
-/// optimizer state) in the save directory `out`; returns the architecture.
+/// optimizer state) in the save directory `out`, which must be new or empty; the directory's
+/// `tokenizer.json`, when it has one, goes into the checkpoint. Returns the architecture.
 pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
+    refuse_existing(out)?;
     let config_path = hf_dir.join("config.json");
     let config: Value = serde_json::from_str(
         &fs::read_to_string(&config_path)
@@ -267,6 +294,25 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
     if let Some(extra) = hf.keys().next() {
         bail!("{}: unexpected tensor `{extra}`", weights.display());
     }
+    let tokenizer_path = hf_dir.join(checkpoint::TOKENIZER_FILE);
+    let (tokenizer, files) = if tokenizer_path.is_file() {
+        let t = Tokenizer::from_file(&tokenizer_path)?;
+        if t.vocab_size() > c.vocab_size {
+            bail!(
+                "{}: {} tokens, more than the model's vocabulary of {}",
+                tokenizer_path.display(),
+                t.vocab_size(),
+                c.vocab_size
+            );
+        }
+        tokenizer::checkpoint_record(&t)?
+    } else {
+        (String::new(), Vec::new())
+    };
+    let mut run = json!({ "imported_from": hf_dir.display().to_string(), "format": "hf-gpt2" });
+    if !tokenizer.is_empty() {
+        run["tokenizer"] = json!(tokenizer);
+    }
     let meta = CheckpointMeta {
         format: checkpoint::FORMAT.to_string(),
         iteration: 0,
@@ -276,17 +322,31 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
         saved_tp: 1,
         saved_dp: 1,
         model: serde_json::to_value(&c)?,
-        run: json!({ "imported_from": hf_dir.display().to_string(), "format": "hf-gpt2" }),
+        run,
         files: BTreeMap::new(),
     };
-    checkpoint::save(out, &model, None, meta)?;
+    let files: Vec<(&str, &[u8])> = files
+        .iter()
+        .map(|(name, bytes)| (name.as_str(), bytes.as_slice()))
+        .collect();
+    checkpoint::save(out, &model, None, &files, meta)?;
     Ok(c)
 }
 
-/// Writes the checkpoint `ckpt` as a Hugging Face GPT-2 directory `hf_dir` (`config.json`,
-/// `model.safetensors` with `transformer.`-prefixed names; the head is tied).
+/// Writes the checkpoint `ckpt` as a Hugging Face GPT-2 directory `hf_dir`, new or empty
+/// (`config.json`, `model.safetensors` with `transformer.`-prefixed names, the head tied; and
+/// the checkpoint's `tokenizer.json` when it has one, whose end-of-text id becomes the
+/// config's `bos_token_id` and `eos_token_id`).
 pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<GptConfig> {
+    refuse_existing(hf_dir)?;
     let loaded = checkpoint::open(ckpt)?;
+    let tokenizer =
+        match tokenizer::checkpoint_tokenizer(ckpt)? {
+            Some(spec) => Some(Tokenizer::from_spec(&spec).with_context(|| {
+                format!("{}: the checkpoint's tokenizer", loaded.dir().display())
+            })?),
+            None => None,
+        };
     let c: GptConfig = serde_json::from_value(loaded.meta().model.clone())
         .with_context(|| format!("{}: the model config", loaded.dir().display()))?;
     let (h, heads) = (c.hidden_size, c.num_attention_heads);
@@ -344,9 +404,18 @@ pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<GptConfig> {
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     let bytes = safetensors::serialize(views, Some(metadata))?;
     checkpoint::write_atomically(&hf_dir.join("model.safetensors"), &bytes)?;
+    let eod = tokenizer.as_ref().and_then(Tokenizer::eod);
+    if let Some(bytes) = tokenizer
+        .as_ref()
+        .map(Tokenizer::file_bytes)
+        .transpose()?
+        .flatten()
+    {
+        checkpoint::write_atomically(&hf_dir.join(checkpoint::TOKENIZER_FILE), &bytes)?;
+    }
     checkpoint::write_atomically(
         &hf_dir.join("config.json"),
-        serde_json::to_string_pretty(&config_to_hf(&c))?.as_bytes(),
+        serde_json::to_string_pretty(&config_to_hf(&c, eod))?.as_bytes(),
     )?;
     Ok(c)
 }

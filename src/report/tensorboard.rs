@@ -104,6 +104,7 @@ impl EventWriter {
             out: BufWriter::new(file),
         };
         writer.record(&event(wall, 0, Some("brain.Event:2"), None))?;
+        writer.flush()?;
         Ok(writer)
     }
 

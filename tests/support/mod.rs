@@ -1,16 +1,75 @@
 //! Helpers shared by the integration tests that run the `megatron` binary.
 
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Runs `megatron` with `args`: (success, stdout, stderr).
 pub fn megatron(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_megatron"))
+    run(Command::new(env!("CARGO_BIN_EXE_megatron")).args(args))
+}
+
+/// Runs `megatron` with `args` in the working directory `dir`: (success, stdout, stderr).
+pub fn megatron_in(dir: &Path, args: &[&str]) -> (bool, String, String) {
+    run(Command::new(env!("CARGO_BIN_EXE_megatron"))
         .args(args)
-        .output()
-        .unwrap();
+        .current_dir(dir))
+}
+
+fn run(command: &mut Command) -> (bool, String, String) {
+    let out = command.output().unwrap();
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// A fresh directory under the system's temporary directory, removed when dropped.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// `megatron-NAME-PID`, empty.
+    pub fn new(name: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!("megatron-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// `name` inside the directory, as a string for command lines.
+    pub fn join(&self, name: &str) -> String {
+        self.0.join(name).to_string_lossy().into_owned()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The JSON objects of a `--log-json` file, one per line.
+pub fn log_lines(path: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// A small, fast training run's flags: gpt-tiny cut to one layer and 16-token samples.
+pub const SMALL: [&str; 6] = [
+    "--num-layers",
+    "1",
+    "--seq-length",
+    "16",
+    "--quiet",
+    "--micro-batch-size=2",
+];

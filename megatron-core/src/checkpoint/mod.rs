@@ -4,8 +4,10 @@
 //! A save directory holds one directory per saved iteration, `iter_0000100/`, and
 //! `latest_checkpointed_iteration.txt`, as Megatron-LM lays them out. An iteration directory is
 //! written under a temporary name, every file synced, then renamed into place; the `latest` file
-//! is replaced the same way. A failed save leaves the earlier checkpoints as they were, and a
-//! checkpoint that does not match its checksums is refused on load.
+//! is replaced the same way. A failed save leaves the earlier checkpoints as they were, a save
+//! killed midway leaves a working directory that the next save or training load removes, and a
+//! checkpoint that does not match its checksums is refused on load. Values that are not finite
+//! are never saved.
 //!
 //! Tensors are stored whole and unpadded (the vocabulary without Megatron's padding rows), so a
 //! checkpoint does not depend on the tensor-, data- or pipeline-parallel layout that wrote it.
@@ -30,6 +32,9 @@ pub const MODEL_FILE: &str = "model.safetensors";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 /// Metadata, with the files' checksums.
 pub const META_FILE: &str = "meta.json";
+/// The tokenizer the run trained with, when it is a file (a Hugging Face `tokenizer.json`):
+/// a checkpoint carries it, so it does not depend on where training ran.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 /// Why a checkpoint could not be written or read.
 #[derive(Debug, Clone, Error)]
@@ -61,6 +66,20 @@ pub enum CheckpointError {
         expected: String,
         /// SHA-256 of the file now.
         found: String,
+    },
+    /// A tensor to save holds NaN or an infinity: such a checkpoint is never written.
+    #[error(
+        "{path}: `{name}` holds {value} at element {index}; a checkpoint of non-finite values is not saved"
+    )]
+    NotFinite {
+        /// The save directory.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// Its first non-finite element.
+        index: usize,
+        /// That element's value.
+        value: f32,
     },
     /// A tensor the model needs is not in the checkpoint, or has another shape.
     #[error("{path}: {message}")]
@@ -202,17 +221,101 @@ fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
 }
 
+/// The first non-finite value of `tensors`, as an error naming it.
+fn check_finite(save: &Path, tensors: &BTreeMap<String, Whole>) -> Result<(), CheckpointError> {
+    for (name, t) in tensors {
+        if let Some(index) = t.data.iter().position(|v| !v.is_finite()) {
+            return Err(CheckpointError::NotFinite {
+                path: save.to_path_buf(),
+                name: name.clone(),
+                index,
+                value: t.data[index],
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The process id in the name of a save's working directory (`.iter_0000100.tmp-4242`).
+fn writer_pid(name: &str, marker: &str) -> Option<u32> {
+    name.strip_prefix(".iter_")?
+        .split_once(marker)?
+        .1
+        .parse()
+        .ok()
+}
+
+/// Whether the process `pid` still runs (on Linux; elsewhere every other process counts as
+/// gone). Another live process's save in progress is left alone.
+fn is_running(pid: u32) -> bool {
+    pid == std::process::id() || Path::new("/proc").join(pid.to_string()).is_dir()
+}
+
+/// Removes what saves interrupted by a kill left in the save directory `save`: the working
+/// directories of unfinished iterations (`.iter_N.tmp-PID`), and the old copy of an iteration
+/// being replaced (`.iter_N.old-PID`), which is moved back into place if the replacement never
+/// arrived. Returns the directories removed or restored. Best effort: what cannot be removed
+/// stays (a read-only checkpoint still loads).
+pub fn remove_interrupted_saves(save: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = fs::read_dir(save) else {
+        return Vec::new();
+    };
+    let mut cleaned = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let path = entry.path();
+        if let Some(pid) = writer_pid(&name, ".tmp-") {
+            if pid != std::process::id() && !is_running(pid) && fs::remove_dir_all(&path).is_ok() {
+                cleaned.push(path);
+            }
+        } else if let Some(pid) = writer_pid(&name, ".old-")
+            && pid != std::process::id()
+            && !is_running(pid)
+        {
+            let iteration = name.trim_start_matches('.').split('.').next().unwrap_or("");
+            let target = save.join(iteration);
+            let done = if target.exists() {
+                fs::remove_dir_all(&path).is_ok()
+            } else {
+                fs::rename(&path, &target).is_ok()
+            };
+            if done {
+                cleaned.push(path);
+            }
+        }
+    }
+    cleaned
+}
+
+/// The save directory a checkpoint path belongs to: itself when it holds [`LATEST`], the parent
+/// of an iteration directory otherwise.
+pub fn save_dir_of(path: &Path) -> Option<PathBuf> {
+    if path.join(LATEST).is_file() {
+        return Some(path.to_path_buf());
+    }
+    let parent = path.parent()?;
+    parent.join(LATEST).is_file().then(|| parent.to_path_buf())
+}
+
 /// Saves iteration `meta.iteration` into `save` (created if needed): the model's tensors, the
-/// optimizer's if given, and the metadata with the files' checksums. Returns the iteration's
-/// directory. An existing directory of the same iteration is replaced only once the new one is
-/// complete.
+/// optimizer's if given, `files` (name and contents, e.g. [`TOKENIZER_FILE`]) and the metadata
+/// with every file's checksum. Returns the iteration's directory. An existing directory of the
+/// same iteration is replaced only once the new one is complete; what interrupted saves left
+/// behind is removed first ([`remove_interrupted_saves`]). Tensors holding NaN or infinities
+/// are refused before anything is written.
 pub fn save(
     save: &Path,
     model: &BTreeMap<String, Whole>,
     optimizer: Option<&BTreeMap<String, Whole>>,
+    files: &[(&str, &[u8])],
     mut meta: CheckpointMeta,
 ) -> Result<PathBuf, CheckpointError> {
+    check_finite(save, model)?;
+    if let Some(opt) = optimizer {
+        check_finite(save, opt)?;
+    }
     fs::create_dir_all(save).map_err(io(save))?;
+    remove_interrupted_saves(save);
     let target = iteration_dir(save, meta.iteration);
     let tmp = save.join(format!(
         ".iter_{:07}.tmp-{}",
@@ -224,13 +327,18 @@ pub fn save(
         fs::create_dir(&tmp).map_err(io(&tmp))?;
         meta.format = FORMAT.to_string();
         meta.files.clear();
-        let mut files = vec![(MODEL_FILE, model)];
+        let mut tensor_files = vec![(MODEL_FILE, model)];
         if let Some(opt) = optimizer {
-            files.push((OPTIMIZER_FILE, opt));
+            tensor_files.push((OPTIMIZER_FILE, opt));
         }
-        for (name, tensors) in files {
+        for (name, tensors) in tensor_files {
             let path = tmp.join(name);
             write_tensors(&path, tensors)?;
+            meta.files.insert(name.to_string(), sha256_file(&path)?);
+        }
+        for (name, bytes) in files {
+            let path = tmp.join(name);
+            write_atomically(&path, bytes)?;
             meta.files.insert(name.to_string(), sha256_file(&path)?);
         }
         let json = serde_json::to_vec_pretty(&meta).map_err(|e| CheckpointError::Format {
@@ -310,14 +418,7 @@ fn map_file(
         });
     };
     if verify {
-        let found = sha256_file(&path)?;
-        if found != *expected {
-            return Err(CheckpointError::Checksum {
-                path,
-                expected: expected.sha256.clone(),
-                found: found.sha256,
-            });
-        }
+        verify_file(dir, name, expected)?;
     }
     let file = File::open(&path).map_err(io(&path))?;
     // SAFETY: the file is only read; a concurrent writer would be a user error that the
@@ -359,9 +460,30 @@ pub fn open_unverified(path: &Path) -> Result<Loaded, CheckpointError> {
     open_with(path, false)
 }
 
+/// Checks a file of the checkpoint against the size and checksum recorded for it.
+fn verify_file(dir: &Path, name: &str, expected: &FileDigest) -> Result<(), CheckpointError> {
+    let path = dir.join(name);
+    let found = sha256_file(&path)?;
+    if found != *expected {
+        return Err(CheckpointError::Checksum {
+            path,
+            expected: expected.sha256.clone(),
+            found: found.sha256,
+        });
+    }
+    Ok(())
+}
+
 fn open_with(path: &Path, verify: bool) -> Result<Loaded, CheckpointError> {
     let dir = resolve(path)?;
     let meta = read_meta(&dir)?;
+    if verify {
+        for (name, digest) in &meta.files {
+            if name != MODEL_FILE && name != OPTIMIZER_FILE {
+                verify_file(&dir, name, digest)?;
+            }
+        }
+    }
     let model = map_file(&dir, MODEL_FILE, &meta, verify)?;
     let optimizer = if meta.files.contains_key(OPTIMIZER_FILE) {
         Some(map_file(&dir, OPTIMIZER_FILE, &meta, verify)?)
@@ -385,6 +507,15 @@ impl Loaded {
     /// The metadata.
     pub fn meta(&self) -> &CheckpointMeta {
         &self.meta
+    }
+
+    /// The path of a file saved beside the tensors (e.g. [`TOKENIZER_FILE`]), if the checkpoint
+    /// holds one of that name.
+    pub fn file(&self, name: &str) -> Option<PathBuf> {
+        self.meta
+            .files
+            .contains_key(name)
+            .then(|| self.dir.join(name))
     }
 
     /// Whether optimizer state was saved.

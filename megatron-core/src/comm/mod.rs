@@ -4,6 +4,7 @@
 //! so mismatch checks, timeouts and byte counters live in one place. Backends: [`threads`] (ranks
 //! as OS threads of one process, the default on CPU and what tests use) and, with the `mpi`
 //! feature, `mpi` (one rank per process under `mpirun`, CPU ranks on one or many nodes).
+//! [`recording`] wraps any of them to log each call in order.
 
 mod checks;
 mod error;
@@ -13,6 +14,7 @@ pub mod gpu_local;
 pub mod mpi;
 #[cfg(all(feature = "cuda", feature = "mpi"))]
 pub mod nccl;
+pub mod recording;
 mod reduce;
 mod stats;
 pub mod threads;

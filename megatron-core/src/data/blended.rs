@@ -247,6 +247,15 @@ impl Blend {
             .collect::<Result<Vec<_>>>()?;
         Ok(Blend { datasets, weights })
     }
+
+    /// Checks every entry of every dataset's index ([`IndexedDataset::validate`]), so that a
+    /// damaged index is refused before training starts rather than when a step reaches it.
+    pub fn validate(&self) -> Result<()> {
+        for dataset in &self.datasets {
+            dataset.validate()?;
+        }
+        Ok(())
+    }
 }
 
 /// Megatron-LM's `get_blend_from_list`: `PREFIX...` (no weights) or `W1 PREFIX1 W2 PREFIX2 ...`.
@@ -255,6 +264,17 @@ pub fn parse_data_path(args: &[String]) -> Result<(Vec<String>, Option<Vec<f64>>
         return data_invalid!("no data path given");
     }
     if args.len() % 2 == 1 {
+        // Megatron reads an odd list as prefixes only; a number among them that names no
+        // dataset is a weight whose prefix is missing.
+        if let Some(weight) = args.iter().map(|s| s.trim()).find(|s| {
+            s.parse::<f64>().is_ok() && !std::path::Path::new(&format!("{s}.idx")).exists()
+        }) {
+            return data_invalid!(
+                "the data path {args:?} has {} items, and `{weight}` looks like a weight: give \
+                 prefixes only, or a weight before every prefix (W1 PREFIX1 W2 PREFIX2 ...)",
+                args.len()
+            );
+        }
         return Ok((args.iter().map(|s| s.trim().to_string()).collect(), None));
     }
     let parsed: Vec<Option<f64>> = args
@@ -268,7 +288,18 @@ pub fn parse_data_path(args: &[String]) -> Result<(Vec<String>, Option<Vec<f64>>
         return data_invalid!("bad data path {args:?}: give prefixes only, or weight-prefix pairs");
     }
     let prefixes = args.chunks(2).map(|c| c[1].trim().to_string()).collect();
-    Ok((prefixes, Some(parsed.into_iter().flatten().collect())))
+    let weights: Vec<f64> = parsed.into_iter().flatten().collect();
+    if let Some(bad) = weights.iter().find(|w| !w.is_finite() || **w < 0.0) {
+        return data_invalid!(
+            "the data path {args:?} has weight {bad}: weights must be finite and not negative"
+        );
+    }
+    if weights.iter().sum::<f64>() <= 0.0 {
+        return data_invalid!(
+            "the data path {args:?} gives every dataset weight 0: at least one weight must be positive"
+        );
+    }
+    Ok((prefixes, Some(weights)))
 }
 
 /// Megatron-LM's `BlendedMegatronDatasetBuilder` for one split of GPT data: the dataset the

@@ -13,16 +13,17 @@ pub enum DataError {
         /// The missing file.
         path: PathBuf,
     },
-    /// The operating system refused an operation on a file.
-    #[error("{}: cannot {action}: {source}", path.display())]
+    /// The operating system refused an operation on a file. Its words are part of the
+    /// message (not a separate `source`, which reports that print after the message would
+    /// repeat).
+    #[error("{}: cannot {action}: {cause}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
         /// What was being done ("open", "map", "write", ...).
         action: &'static str,
         /// The system's error.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// A file is not in the format it should be, or is inconsistent with its partner file.
     #[error("{}: {message}", path.display())]
@@ -38,8 +39,10 @@ pub enum DataError {
 }
 
 impl DataError {
-    pub(crate) fn io(path: &Path, action: &'static str, source: std::io::Error) -> Self {
-        if source.kind() == std::io::ErrorKind::NotFound {
+    /// The system's error `cause` of `action` on `path`: a dataset file missing when opened
+    /// is [`DataError::Missing`]; anything else keeps the system's words.
+    pub(crate) fn io(path: &Path, action: &'static str, cause: std::io::Error) -> Self {
+        if action == "open" && cause.kind() == std::io::ErrorKind::NotFound {
             DataError::Missing {
                 path: path.to_path_buf(),
             }
@@ -47,7 +50,7 @@ impl DataError {
             DataError::Io {
                 path: path.to_path_buf(),
                 action,
-                source,
+                cause,
             }
         }
     }

@@ -40,8 +40,40 @@ pub enum ConfigError {
         /// The dp the world size implies.
         needed: usize,
     },
-    /// The order is not a permutation of the five dimension names.
-    #[error("order `{order}` is not a permutation of tp, cp, ep, dp, pp: {reason}")]
+    /// An axis of size greater than 1 is missing from the order (Megatron appends only the
+    /// axes of size 1 that an order leaves out).
+    #[error(
+        "the size of {axis} is {size}, but the order `{order}` does not name it (Megatron-LM's \
+         RankGenerator appends only the axes of size 1 an order leaves out)"
+    )]
+    UnorderedAxis {
+        /// The axis as the layout names it, e.g. `cp`, or `ep` of the expert layout.
+        axis: &'static str,
+        /// Its size.
+        size: usize,
+        /// The order as given.
+        order: String,
+    },
+    /// With pp not the order's last axis, the expert layout's data-parallel size must equal the
+    /// dense one (Megatron-LM's assertion in `initialize_model_parallel`).
+    #[error(
+        "when not using pp-last rank ordering, the data parallel size of the attention and moe \
+         layers must be the same: order `{order}` with pp {pp} gives dp {dp} and edp {edp}"
+    )]
+    PpNotLast {
+        /// The order as given.
+        order: String,
+        /// Pipeline-parallel size.
+        pp: usize,
+        /// Dense data-parallel size.
+        dp: usize,
+        /// Expert data-parallel size.
+        edp: usize,
+    },
+    /// The order names something that is not an axis, or names an axis twice.
+    #[error(
+        "order `{order}` is not a dash-separated list of distinct tp, cp, ep, dp, pp: {reason}"
+    )]
     BadOrder {
         /// The order as given.
         order: String,
@@ -110,14 +142,26 @@ impl fmt::Display for Axis {
 }
 
 /// The order in which the parallel dimensions are laid over ranks; the first varies fastest.
+///
+/// As in Megatron-LM, an order may leave axes out: they are appended at its end, which is valid
+/// only for axes of size 1 ([`ParallelConfig::validate`] checks it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Order(pub [Axis; 5]);
+pub struct Order {
+    /// Every axis, the named ones first in the order given.
+    axes: [Axis; 5],
+    /// How many axes the order named; the rest were appended.
+    named: usize,
+}
 
 impl Order {
     /// Megatron's default, `tp-cp-ep-dp-pp`.
-    pub const DEFAULT: Order = Order(Axis::ALL);
+    pub const DEFAULT: Order = Order {
+        axes: Axis::ALL,
+        named: 5,
+    };
 
-    /// Parses an order such as `tp-cp-ep-pp-dp`; it must name each of the five axes once.
+    /// Parses an order such as `tp-cp-ep-pp-dp` or `tp-dp-pp`; the axes it leaves out are
+    /// appended in Megatron's order (tp, pp, dp, ep, cp).
     pub fn parse(order: &str) -> Result<Order, ConfigError> {
         let bad = |reason: String| ConfigError::BadOrder {
             order: order.to_string(),
@@ -132,23 +176,46 @@ impl Order {
             }
             axes.push(axis);
         }
-        let missing: Vec<&str> = Axis::ALL
-            .iter()
-            .filter(|a| !axes.contains(a))
-            .map(|a| a.name())
-            .collect();
-        if !missing.is_empty() {
-            return Err(bad(format!("missing {}", missing.join(", "))));
+        let named = axes.len();
+        // Megatron's RankGenerator walks its sizes in this order when it appends.
+        for axis in [Axis::Tp, Axis::Pp, Axis::Dp, Axis::Ep, Axis::Cp] {
+            if !axes.contains(&axis) {
+                axes.push(axis);
+            }
         }
-        Ok(Order([axes[0], axes[1], axes[2], axes[3], axes[4]]))
+        Ok(Order {
+            axes: [axes[0], axes[1], axes[2], axes[3], axes[4]],
+            named,
+        })
+    }
+
+    /// Every axis, fastest-varying first.
+    pub fn axes(&self) -> [Axis; 5] {
+        self.axes
+    }
+
+    /// The axes the order string named.
+    pub fn named(&self) -> &[Axis] {
+        &self.axes[..self.named]
+    }
+
+    /// The axes appended because the order string left them out.
+    pub fn appended(&self) -> &[Axis] {
+        &self.axes[self.named..]
     }
 
     /// Position of `axis` in the order.
     pub fn position(&self, axis: Axis) -> usize {
-        self.0
+        self.axes
             .iter()
             .position(|a| *a == axis)
             .expect("an order holds every axis")
+    }
+
+    /// The order as given (the named axes only).
+    fn given(&self) -> String {
+        let names: Vec<&str> = self.named().iter().map(|a| a.name()).collect();
+        names.join("-")
     }
 }
 
@@ -160,7 +227,7 @@ impl Default for Order {
 
 impl fmt::Display for Order {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let names: Vec<&str> = self.0.iter().map(|a| a.name()).collect();
+        let names: Vec<&str> = self.axes.iter().map(|a| a.name()).collect();
         f.write_str(&names.join("-"))
     }
 }
@@ -305,6 +372,43 @@ impl ParallelConfig {
             });
         }
         let edp = world / expert_mp;
+        // Megatron's two RankGenerators: the dense one has no ep, the expert one no cp.
+        let layouts: [[(Axis, &'static str, usize); 5]; 2] = [
+            [
+                (Axis::Tp, "tp", self.tp),
+                (Axis::Cp, "cp", self.cp),
+                (Axis::Ep, "ep", 1),
+                (Axis::Dp, "dp", dp),
+                (Axis::Pp, "pp", self.pp),
+            ],
+            [
+                (Axis::Tp, "etp (tp of the expert layout)", etp),
+                (Axis::Cp, "cp", 1),
+                (Axis::Ep, "ep", self.ep),
+                (Axis::Dp, "edp (dp of the expert layout)", edp),
+                (Axis::Pp, "pp", self.pp),
+            ],
+        ];
+        for sizes in layouts {
+            if let Some(&(_, axis, size)) = sizes
+                .iter()
+                .find(|(a, _, size)| *size != 1 && self.order.appended().contains(a))
+            {
+                return Err(ConfigError::UnorderedAxis {
+                    axis,
+                    size,
+                    order: self.order.given(),
+                });
+            }
+        }
+        if self.order.named().last() != Some(&Axis::Pp) && self.pp > 1 && edp != dp {
+            return Err(ConfigError::PpNotLast {
+                order: self.order.given(),
+                pp: self.pp,
+                dp,
+                edp,
+            });
+        }
         if self.vpp > 1 && self.pp < 2 {
             return Err(ConfigError::VppWithoutPipeline {
                 vpp: self.vpp,

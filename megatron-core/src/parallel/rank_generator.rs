@@ -21,7 +21,7 @@ pub struct RankGenerator {
 impl RankGenerator {
     /// A generator for the given size of each axis (indexed like [`Axis::ALL`]) laid out in `order`.
     pub fn new(order: Order, size_of: impl Fn(Axis) -> usize) -> Self {
-        let sizes = order.0.map(&size_of);
+        let sizes = order.axes().map(&size_of);
         let world_size = sizes.iter().product();
         RankGenerator {
             order,
@@ -88,7 +88,7 @@ impl RankGenerator {
         let mut index = 0;
         let mut span = 1;
         let mut base = rank;
-        for (pos, &axis) in self.order.0.iter().enumerate() {
+        for (pos, &axis) in self.order.axes().iter().enumerate() {
             if !axes.contains(&axis) {
                 continue;
             }

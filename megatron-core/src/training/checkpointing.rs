@@ -20,6 +20,8 @@ pub struct SaveInfo {
     pub model: serde_json::Value,
     /// Free-form facts about the run.
     pub run: serde_json::Value,
+    /// Files saved beside the tensors, by name (e.g. the tokenizer's `tokenizer.json`).
+    pub files: Vec<(String, Vec<u8>)>,
 }
 
 /// This rank's part of a logical tensor `whole` (unpadded rows `real_rows` padded with zeros).
@@ -145,7 +147,12 @@ impl<M: LanguageModel> Trainer<M> {
             run: info.run.clone(),
             files: BTreeMap::new(),
         };
-        checkpoint::save(save, &model, Some(&optimizer), meta)?;
+        let files: Vec<(&str, &[u8])> = info
+            .files
+            .iter()
+            .map(|(name, bytes)| (name.as_str(), bytes.as_slice()))
+            .collect();
+        checkpoint::save(save, &model, Some(&optimizer), &files, meta)?;
         Ok(())
     }
 
@@ -163,12 +170,16 @@ impl<M: LanguageModel> Trainer<M> {
     }
 }
 
-/// Opens a checkpoint on every rank of a world: global rank 0 verifies the checksums while the
-/// others wait, so a corrupt file is reported as such (its error stops every rank), never as a
-/// parse error of another rank.
+/// Opens a checkpoint on every rank of a world: global rank 0 removes what interrupted saves
+/// left in its save directory and verifies the checksums while the others wait, so a corrupt
+/// file is reported as such (its error stops every rank), never as a parse error of another
+/// rank.
 pub fn open_checkpoint(parallel: &ParallelState, path: &Path) -> Result<Loaded> {
     let world = parallel.comm(crate::parallel::GroupKind::World);
     if parallel.groups().rank() == 0 {
+        if let Some(save) = checkpoint::save_dir_of(path) {
+            checkpoint::remove_interrupted_saves(&save);
+        }
         let loaded = checkpoint::open(path)?;
         world.barrier()?;
         Ok(loaded)

@@ -14,7 +14,7 @@ pub use optimizer::{AdamW, AdamWConfig, clip_coefficient, grad_norm};
 pub use schedule::{DecayStyle, LrSchedule};
 
 use crate::comm::{CommStats, Communicator, ParallelState, ReduceOp};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::module::{Cx, Ids, Module, ParamBuffers};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
@@ -45,6 +45,9 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Elements per data-parallel all-reduce bucket of the gradient buffer.
     pub bucket_elements: usize,
+    /// Stop with [`Error::NotFinite`] before the update of a step whose loss or gradient norm is
+    /// NaN or infinite (Megatron-LM's `--check-for-nan-in-loss-and-grad`, on by default there).
+    pub check_for_nan: bool,
 }
 
 /// What one step did, as seen by one rank.
@@ -162,6 +165,15 @@ impl<M: LanguageModel> Trainer<M> {
             parallel.groups().tp_rank(),
             parallel.comm(GroupKind::TpPp),
         )?;
+        // Every rank holds the same loss and norm (reduced over dp and the model-parallel
+        // group), so every rank stops at the same step.
+        if self.config.check_for_nan && !(loss.is_finite() && norm.is_finite()) {
+            return Err(Error::NotFinite {
+                step,
+                loss,
+                grad_norm: norm,
+            });
+        }
         // Clipping is the update's gradient scale: the gradients are read once.
         let grad_scale = clip_coefficient(norm, self.config.clip_grad);
         let lr = self.config.schedule.lr(step);

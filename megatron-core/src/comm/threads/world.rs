@@ -241,7 +241,9 @@ where
                         match catch_unwind(AssertUnwindSafe(|| f(world))) {
                             Ok(Ok(value)) => Some(value),
                             Ok(Err(err)) => {
-                                shared.fail(rank, err.to_string(), false);
+                                // `{:#}` keeps an error's chain of causes (anyhow's
+                                // contexts down to the OS's own words).
+                                shared.fail(rank, format!("{err:#}"), false);
                                 None
                             }
                             Err(panic) => {

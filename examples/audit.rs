@@ -1,0 +1,129 @@
+//! What the generated code communicates: every collective one GPT transformer block calls at
+//! tensor-parallel size 2, forward then backward, in the order rank 0 calls them, and then those
+//! of the whole model (embedding, blocks, the fused cross-entropy) for one microbatch.
+//!
+//! The calls are recorded by wrapping the thread world in a `RecordingWorld`, so what is printed
+//! is what ran, not a description of it; `docs/expanded-mlp.md` shows the generated code that
+//! makes each call. The run checks the block against Megatron-LM's pattern: in forward, one
+//! all-reduce of the activations after each row-parallel layer (its g); in backward, one
+//! all-reduce of the input gradient before each column-parallel layer (its f).
+//!
+//! ```sh
+//! cargo run --release --example audit
+//! ```
+
+use megatron::comm::ParallelState;
+use megatron::comm::recording::{Call, RecordingWorld};
+use megatron::comm::threads::launch;
+use megatron::models::GptConfig;
+use megatron::models::gpt::{Block, Gpt};
+use megatron::module::{Builder, Cx, Module, Site};
+use megatron::parallel::{ParallelConfig, ParallelLayout};
+use megatron::tensor::{DType, Tensor};
+use megatron::training::LanguageModel;
+
+const TP: usize = 2;
+const S: usize = 8;
+const B: usize = 2;
+
+/// A call's size in the units of the model: `b·s·h`, `b·s`, or elements.
+fn size(call: &Call, hidden: usize) -> String {
+    let n = call.desc.count;
+    if n == B * S * hidden {
+        "b·s·h".to_string()
+    } else if n == B * S {
+        "b·s".to_string()
+    } else {
+        format!("{n} elements")
+    }
+}
+
+fn print_calls(title: &str, calls: &[Call], hidden: usize) {
+    println!("{title}");
+    if calls.is_empty() {
+        println!("    (none)");
+    }
+    for (i, call) in calls.iter().enumerate() {
+        println!(
+            "  {:>2}. {:<44} {}",
+            i + 1,
+            call.to_string(),
+            size(call, hidden)
+        );
+    }
+}
+
+/// Rank 0's calls: a block's forward and backward, then the whole model's.
+type Recorded = (Vec<Call>, Vec<Call>, Vec<Call>, Vec<Call>);
+
+fn record(config: &GptConfig) -> megatron::Result<Recorded> {
+    let layout = ParallelLayout::new(&ParallelConfig::new(TP).with_tp(TP))?;
+    let spec = config.spec();
+    let h = config.hidden_size;
+    let ranks = launch(TP, |world| -> megatron::Result<Recorded> {
+        let recording = RecordingWorld::new(&world);
+        let parallel = ParallelState::new(&recording, &layout)?;
+        let log = recording.log();
+        log.take();
+        let cx = Cx::new(&parallel, 0);
+        let mut builder = Builder::for_rank(0, parallel.groups());
+
+        let block = Block::build(&spec.blocks[0], &mut builder)?;
+        let x = Tensor::zeros([S, B, h], DType::F32);
+        let (y, saved) = block.forward(&cx, Site::ROOT, &x)?;
+        let block_forward = log.take();
+        block.backward(&cx, Site::ROOT, saved, &y)?;
+        let block_backward = log.take();
+
+        let gpt = Gpt::build(&spec, &mut Builder::for_rank(0, parallel.groups()))?;
+        let tokens = Tensor::from_vec((0..(S * B) as i64).collect::<Vec<_>>(), [S, B])?;
+        let (losses, saved) = gpt.losses(&cx, &tokens, &tokens)?;
+        let model_forward = log.take();
+        gpt.backward_losses(&cx, saved, &losses)?;
+        let model_backward = log.take();
+        Ok((block_forward, block_backward, model_forward, model_backward))
+    })
+    .map_err(|e| megatron::Error::Invalid(e.to_string()))?;
+    Ok(ranks.into_iter().next().expect("rank 0"))
+}
+
+fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+    let config = (megatron::models::preset("gpt-tiny")
+        .ok_or("gpt-tiny is registered")?
+        .config)();
+    let h = config.hidden_size;
+    let (block_forward, block_backward, model_forward, model_backward) = record(&config)?;
+    println!(
+        "gpt-tiny at tensor-parallel size {TP}, s = {S}, b = {B}, h = {h}: rank 0's collectives\n"
+    );
+    print_calls("one transformer block, forward", &block_forward, h);
+    print_calls("one transformer block, backward", &block_backward, h);
+    println!();
+    print_calls(
+        &format!(
+            "the whole model ({} blocks), forward with the loss",
+            config.num_layers
+        ),
+        &model_forward,
+        h,
+    );
+    print_calls("the whole model, backward", &model_backward, h);
+
+    // Megatron-LM's block: attention's and the MLP's row-parallel outputs summed in forward
+    // (g), the column-parallel inputs' gradients summed in backward (f), all b·s·h, all on tp.
+    let megatron_block = |calls: &[Call]| {
+        calls.len() == 2
+            && calls
+                .iter()
+                .all(|c| c.group == "tp" && c.desc.count == B * S * h)
+    };
+    if !megatron_block(&block_forward) || !megatron_block(&block_backward) {
+        return Err(
+            "the block's collectives are not Megatron-LM's two all-reduces each way".into(),
+        );
+    }
+    println!(
+        "\nthe block makes Megatron-LM's collectives: 2 all-reduces of b·s·h forward, 2 backward"
+    );
+    Ok(())
+}
