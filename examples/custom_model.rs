@@ -6,7 +6,8 @@
 //! MLP both read the same layer norm of the residual stream, and both outputs join it in one
 //! step) and no position embedding (the causal mask alone tells the tokens apart by order). The
 //! field attributes are the whole tensor-parallel plan; the macros write the forward, the
-//! backward and every collective.
+//! backward and every collective. The attention and MLP branches are the modules of the GPT in
+//! `megatron-models`, used as a library: generated modules compose like any other layer.
 //!
 //! ```sh
 //! cargo run --release --example custom_model
@@ -16,6 +17,7 @@ use std::time::Instant;
 
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
+use megatron::models::gpt::{Attention, AttentionSpec, Mlp, MlpSpec};
 use megatron::module::{Ids, Site};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::prelude::*;
@@ -23,42 +25,6 @@ use megatron::training::{
     AdamWConfig, BatchPlan, DecayStyle, LanguageModel, LrSchedule, Sampler, TokenStream,
     TrainConfig, Trainer,
 };
-
-/// The feed-forward branch: fc1 split by output features, fc2 by input features.
-#[megatron::module]
-pub struct Mlp {
-    #[column_parallel]
-    fc1: Linear,
-    #[row_parallel]
-    fc2: Linear,
-}
-
-#[megatron::module]
-impl Mlp {
-    fn forward(&self, x: Tensor) -> Tensor {
-        let h = gelu(self.fc1(x));
-        self.fc2(h)
-    }
-}
-
-/// The attention branch: whole heads on each tensor-parallel rank.
-#[megatron::module]
-pub struct Attention {
-    #[column_parallel]
-    qkv: Linear,
-    #[op]
-    core: CausalSelfAttention,
-    #[row_parallel]
-    proj: Linear,
-}
-
-#[megatron::module]
-impl Attention {
-    fn forward(&self, x: Tensor) -> Tensor {
-        let ctx = self.core(self.qkv(x));
-        self.proj(ctx)
-    }
-}
 
 /// A parallel block: one layer norm feeds both branches, and both add to the residual.
 #[megatron::module]

@@ -47,7 +47,7 @@ pub struct TrainJob {
     /// Facts about the run recorded in checkpoints.
     pub run_info: serde_json::Value,
     /// Files saved into every checkpoint beside the tensors (the tokenizer's `tokenizer.json`).
-    pub files: Vec<(String, Vec<u8>)>,
+    pub files: megatron_core::checkpoint::Files,
     /// Where the ranks compute.
     pub device: Placement,
     /// Asks the run to stop early (a signal handler sets it): see [`StopRequest`].

@@ -11,6 +11,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
+use megatron_core::checkpoint::Files;
 
 /// The end-of-document token's name.
 pub const ENDOFTEXT: &str = "<|endoftext|>";
@@ -258,7 +259,7 @@ pub fn checkpoint_tokenizer(ckpt: &Path) -> Result<Option<String>> {
 /// What a checkpoint records as its tokenizer (`run.tokenizer`) and the files it carries for
 /// it: `byte` and nothing, or [`TOKENIZER_FILE`](megatron_core::checkpoint::TOKENIZER_FILE)
 /// and that file's bytes.
-pub fn checkpoint_record(tokenizer: &Tokenizer) -> Result<(String, Vec<(String, Vec<u8>)>)> {
+pub fn checkpoint_record(tokenizer: &Tokenizer) -> Result<(String, Files)> {
     use megatron_core::checkpoint::TOKENIZER_FILE;
     Ok(match tokenizer.file_bytes()? {
         None => ("byte".to_string(), Vec::new()),

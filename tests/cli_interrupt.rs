@@ -6,7 +6,7 @@ mod support;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use support::{TempDir, log_lines, megatron};
+use support::{TempDir, log_lines, megatron, small_checkpoint};
 
 /// Starts `megatron train` with a model slow enough to interrupt mid-run.
 fn start(extra: &[&str]) -> Child {
@@ -167,11 +167,7 @@ fn dead_pid() -> u32 {
 fn what_a_killed_save_left_is_removed_at_the_next_load_and_save() {
     let dir = TempDir::new("killed-save");
     let save = dir.join("ckpt");
-    let small = ["--quiet", "--num-layers", "1", "--seq-length", "16"];
-    let mut args = vec!["train", "--train-iters", "1", "--save", &save];
-    args.extend(small);
-    let (ok, _, stderr) = megatron(&args);
-    assert!(ok, "{stderr}");
+    small_checkpoint(&save, 1, &[]);
     // A save killed while writing iteration 2, and one killed while replacing iteration 1.
     let pid = dead_pid();
     let partial = format!("{save}/.iter_0000002.tmp-{pid}");
@@ -189,20 +185,13 @@ fn what_a_killed_save_left_is_removed_at_the_next_load_and_save() {
     let iter1 = format!("{save}/iter_0000001");
     std::fs::rename(&iter1, &replaced).unwrap();
     std::fs::create_dir_all(&partial).unwrap();
-    let mut args = vec![
-        "train",
-        "--train-iters",
-        "3",
-        "--save",
-        &save,
-        "--load",
-        &save,
-    ];
-    args.extend(small);
     // Iteration 1 cannot load until it is back: the load puts it back first.
-    let (ok, _, stderr) = megatron(&args);
-    assert!(ok, "{stderr}");
+    small_checkpoint(&save, 3, &["--load", &save]);
     assert!(std::path::Path::new(&iter1).is_dir());
+    assert!(!std::path::Path::new(&partial).exists());
+    // A save without a load cleans up too.
+    std::fs::create_dir_all(&partial).unwrap();
+    small_checkpoint(&save, 1, &[]);
     assert!(!std::path::Path::new(&partial).exists());
 }
 
@@ -211,19 +200,7 @@ fn convert_never_writes_into_a_directory_that_holds_files() {
     let dir = TempDir::new("convert-into");
     let save = dir.join("ckpt");
     let hf = dir.join("hf");
-    let (ok, _, stderr) = megatron(&[
-        "train",
-        "--quiet",
-        "--num-layers",
-        "1",
-        "--seq-length",
-        "16",
-        "--train-iters",
-        "3",
-        "--save",
-        &save,
-    ]);
-    assert!(ok, "{stderr}");
+    small_checkpoint(&save, 3, &[]);
     let (ok, _, stderr) = megatron(&["convert", "--from", &save, "--to", "hf-gpt2", &hf]);
     assert!(ok, "{stderr}");
     let (ok, _, stderr) = megatron(&["convert", "--from", "hf-gpt2", &hf, "--to", &save]);

@@ -4,7 +4,7 @@
 
 mod support;
 use megatron::tokenizer::{ENDOFTEXT, Tokenizer};
-use support::{TempDir, megatron, megatron_in};
+use support::{TempDir, megatron, megatron_in, small_checkpoint};
 
 /// JSON lines of varied text (megatron-rs's own sources, a document per file).
 fn corpus(dir: &TempDir) -> String {
@@ -205,21 +205,7 @@ fn a_tokenizer_too_small_or_without_documents_is_an_error() {
 fn generation_refuses_a_temperature_it_cannot_sample_with_and_says_when_it_cuts_a_prompt() {
     let dir = TempDir::new("generate-checks");
     let save = dir.join("ckpt");
-    let (ok, _, stderr) = megatron(&[
-        "train",
-        "--quiet",
-        "--num-layers",
-        "1",
-        "--seq-length",
-        "16",
-        "--train-iters",
-        "1",
-        "--max-position-embeddings",
-        "16",
-        "--save",
-        &save,
-    ]);
-    assert!(ok, "{stderr}");
+    small_checkpoint(&save, 1, &["--max-position-embeddings", "16"]);
     for t in ["-1", "NaN", "inf"] {
         let (ok, _, stderr) = megatron(&[
             "generate",

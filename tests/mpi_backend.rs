@@ -670,4 +670,29 @@ fn a_bad_flag_under_mpirun_fails_fast_with_its_message() {
     let all = text(&out);
     assert!(!out.status.success(), "{all}");
     assert!(all.contains("needs 4 ranks, the world has 3"), "{all}");
+
+    // A step that fails on every rank at once: each process's error is one whole line (they
+    // share the terminal; a line written in parts interleaved with the others').
+    let mut cmd = mpirun(4);
+    cmd.args(train).args([
+        "--num-layers",
+        "1",
+        "--seq-length",
+        "16",
+        "--train-iters",
+        "2",
+        "--init-method-std",
+        "1e30",
+    ]);
+    let out = output_of(cmd);
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    let errors: Vec<&str> = all.lines().filter(|l| l.contains("error")).collect();
+    assert!(!errors.is_empty(), "{all}");
+    for line in errors.iter().filter(|l| l.contains("error: rank")) {
+        assert!(
+            line.starts_with("error: rank ") && line.contains(" of 4: step 0: the loss is "),
+            "{all}"
+        );
+    }
 }

@@ -14,20 +14,27 @@ use megatron::core::data::{DType, IndexedDatasetBuilder};
 use megatron::tokenizer::Tokenizer;
 use serde_json::Value;
 
-/// Arguments of `megatron preprocess`, named as `preprocess_data.py`'s.
+/// A JSON-lines corpus and the keys to read of it (`preprocess` and `tokenizer train`).
 #[derive(Debug, Args)]
-pub struct PreprocessArgs {
+pub struct JsonLines {
     /// JSON-lines file: one document per line, a JSON object.
     #[arg(long)]
-    input: PathBuf,
-    /// Keys whose text to tokenize; each gives a dataset PREFIX_KEY_document.
+    pub input: PathBuf,
+    /// Keys whose text to read (preprocess: each gives a dataset PREFIX_KEY_document).
     #[arg(
         long = "json-keys",
         visible_alias = "json-key",
         num_args = 1..,
         default_value = "text"
     )]
-    json_keys: Vec<String>,
+    pub json_keys: Vec<String>,
+}
+
+/// Arguments of `megatron preprocess`, named as `preprocess_data.py`'s.
+#[derive(Debug, Args)]
+pub struct PreprocessArgs {
+    #[command(flatten)]
+    corpus: JsonLines,
     /// `byte`, or the path of a Hugging Face tokenizer.json (GPT-2's included).
     #[arg(long)]
     tokenizer: String,
@@ -140,13 +147,13 @@ pub fn run(args: &PreprocessArgs) -> Result<()> {
         .map(NonZeroUsize::get)
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get));
 
-    let file = File::open(&args.input)
-        .with_context(|| format!("{}: cannot open", args.input.display()))?;
+    let file = File::open(&args.corpus.input)
+        .with_context(|| format!("{}: cannot open", args.corpus.input.display()))?;
     let input_len = file.metadata().map(|m| m.len()).unwrap_or(0);
     let mut reader = BufReader::with_capacity(1 << 20, file);
 
-    let mut builders = Vec::with_capacity(args.json_keys.len());
-    for key in &args.json_keys {
+    let mut builders = Vec::with_capacity(args.corpus.json_keys.len());
+    for key in &args.corpus.json_keys {
         let prefix = output_prefix(&args.output_prefix, key);
         builders.push((
             prefix.clone(),
@@ -180,7 +187,7 @@ pub fn run(args: &PreprocessArgs) -> Result<()> {
             let mut raw = Vec::new();
             let n = reader
                 .read_until(b'\n', &mut raw)
-                .with_context(|| format!("{}: cannot read", args.input.display()))?;
+                .with_context(|| format!("{}: cannot read", args.corpus.input.display()))?;
             if n == 0 {
                 eof = true;
                 break;
@@ -190,7 +197,7 @@ pub fn run(args: &PreprocessArgs) -> Result<()> {
             let line = String::from_utf8(raw).map_err(|_| {
                 anyhow::anyhow!(
                     "{}: line {line_no} is not valid UTF-8",
-                    args.input.display()
+                    args.corpus.input.display()
                 )
             })?;
             // Blank lines (a trailing newline, say) hold no document.
@@ -198,8 +205,8 @@ pub fn run(args: &PreprocessArgs) -> Result<()> {
                 batch.push((line_no, line));
             }
         }
-        let encoded = encode_batch(&batch, workers, &args.json_keys, &tokenizer, eod)
-            .with_context(|| args.input.display().to_string())?;
+        let encoded = encode_batch(&batch, workers, &args.corpus.json_keys, &tokenizer, eod)
+            .with_context(|| args.corpus.input.display().to_string())?;
         for doc in encoded {
             for ((_, builder), (tokens, lengths)) in builders.iter_mut().zip(doc) {
                 builder.add_document(&tokens, &lengths)?;

@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use megatron::tokenizer::{ENDOFTEXT, Tokenizer, train_byte_level_bpe};
 
-use super::preprocess::{key_texts, parse_line};
+use super::preprocess::{JsonLines, key_texts, parse_line};
 
 /// Arguments of `megatron tokenizer`.
 #[derive(Debug, Args)]
@@ -29,17 +29,8 @@ enum Which {
 /// Arguments of `megatron tokenizer train`.
 #[derive(Debug, Args)]
 struct TrainArgs {
-    /// JSON-lines file: one document per line, a JSON object (as `megatron preprocess` reads).
-    #[arg(long)]
-    input: PathBuf,
-    /// Keys whose text to train on.
-    #[arg(
-        long = "json-keys",
-        visible_alias = "json-key",
-        num_args = 1..,
-        default_value = "text"
-    )]
-    json_keys: Vec<String>,
+    #[command(flatten)]
+    corpus: JsonLines,
     /// Most tokens in the vocabulary: 256 byte symbols, <|endoftext|>, and the merges learned.
     #[arg(long)]
     vocab_size: usize,
@@ -56,18 +47,18 @@ pub fn run(args: &TokenizerArgs) -> Result<()> {
 }
 
 fn run_train(args: &TrainArgs) -> Result<()> {
-    let file = File::open(&args.input)
-        .with_context(|| format!("{}: cannot open", args.input.display()))?;
+    let file = File::open(&args.corpus.input)
+        .with_context(|| format!("{}: cannot open", args.corpus.input.display()))?;
     // The lines stream into the trainer; the first bad one stops it and is reported.
     let failure: Mutex<Option<anyhow::Error>> = Mutex::new(None);
     let documents = Mutex::new(0u64);
-    let keys = &args.json_keys;
+    let keys = &args.corpus.json_keys;
     let texts = BufReader::new(file)
         .lines()
         .zip(1u64..)
         .map_while(|(line, no)| {
             let texts = line
-                .with_context(|| format!("{}: reading line {no}", args.input.display()))
+                .with_context(|| format!("{}: reading line {no}", args.corpus.input.display()))
                 .and_then(|line| {
                     if line.trim().is_empty() {
                         return Ok(Vec::new());
@@ -99,13 +90,13 @@ fn run_train(args: &TrainArgs) -> Result<()> {
         .flatten();
     let json = train_byte_level_bpe(texts, args.vocab_size)?;
     if let Some(e) = failure.into_inner().ok().flatten() {
-        return Err(e.context(format!("{}", args.input.display())));
+        return Err(e.context(format!("{}", args.corpus.input.display())));
     }
     let documents = documents.into_inner().unwrap_or(0);
     if documents == 0 {
         anyhow::bail!(
             "{}: no documents with keys {keys:?} to train on",
-            args.input.display()
+            args.corpus.input.display()
         );
     }
     megatron::checkpoint::write_atomically(&args.output, json.as_bytes())
@@ -117,7 +108,7 @@ fn run_train(args: &TrainArgs) -> Result<()> {
         tokenizer
             .eod()
             .map_or("none".to_string(), |id| id.to_string()),
-        args.input.display(),
+        args.corpus.input.display(),
         args.output.display()
     );
     Ok(())

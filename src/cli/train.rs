@@ -367,7 +367,11 @@ impl TrainArgs {
                         saved.vocab_size
                     );
                 }
-                let name = saved_name.unwrap_or(self.arch.model_name()).to_string();
+                // An imported checkpoint records no preset.
+                let name = saved_name
+                    .or(self.arch.model())
+                    .unwrap_or("the checkpoint's model")
+                    .to_string();
                 (name, self.arch.apply(saved, tp)?)
             }
             None => {
@@ -498,7 +502,7 @@ impl TrainArgs {
         Ok((train, valid))
     }
 
-    /// The training job these arguments describe, and the flags taken from the checkpoint.
+    /// The training job these arguments describe.
     pub(crate) fn job(&self) -> Result<TrainJob> {
         self.job_and_notes().map(|(job, _)| job)
     }
@@ -688,7 +692,7 @@ fn on_mpi_ranks(job: &TrainJob, report: &mut Report<'_>) -> Result<()> {
         job.run_on(&world, &mut []).map(drop)
     };
     if let Err(err) = result {
-        eprintln!("error: rank {rank} of {}: {err:#}", world.size());
+        report_rank_error(rank, world.size(), &err);
         world.abort(1);
     }
     Ok(())
@@ -716,10 +720,19 @@ fn on_nccl_ranks(job: &TrainJob, report: &mut Report<'_>) -> Result<()> {
         job.run_on_nccl(&world, &mut []).map(drop)
     };
     if let Err(err) = result {
-        eprintln!("error: rank {rank} of {}: {err:#}", world.size());
+        report_rank_error(rank, world.size(), &err);
         world.mpi().abort(1);
     }
     Ok(())
+}
+
+/// Prints a process's failure as one line, written in one piece: the processes of a launch
+/// share the terminal, and a line written in parts interleaves with the others' lines.
+#[cfg(feature = "mpi")]
+fn report_rank_error(rank: usize, size: usize, err: &anyhow::Error) {
+    use std::io::Write as _;
+    let line = format!("error: rank {rank} of {size}: {err:#}\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
 
 /// Without the `mpi` and `cuda` features, `--backend nccl` explains how to get them.

@@ -73,3 +73,20 @@ pub const SMALL: [&str; 6] = [
     "--quiet",
     "--micro-batch-size=2",
 ];
+
+/// `megatron train` with the small run's flags ([`SMALL`]) and `extra`.
+pub fn train_small(extra: &[&str]) -> (bool, String, String) {
+    let mut args = vec!["train"];
+    args.extend(SMALL);
+    args.extend(extra);
+    megatron(&args)
+}
+
+/// Saves a checkpoint of `steps` steps of the small run (with `extra` flags) into `save`.
+pub fn small_checkpoint(save: &str, steps: u64, extra: &[&str]) {
+    let steps = steps.to_string();
+    let mut args = vec!["--train-iters", &steps, "--save", save];
+    args.extend(extra);
+    let (ok, _, stderr) = train_small(&args);
+    assert!(ok, "{stderr}");
+}

@@ -22,6 +22,10 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 
+/// Files saved beside a checkpoint's tensors, each a name and its contents (e.g.
+/// [`TOKENIZER_FILE`]).
+pub type Files = Vec<(String, Vec<u8>)>;
+
 /// The format tag written into every checkpoint.
 pub const FORMAT: &str = "megatron-rs/1";
 /// File naming the newest iteration of a save directory.

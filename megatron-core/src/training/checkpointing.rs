@@ -21,7 +21,7 @@ pub struct SaveInfo {
     /// Free-form facts about the run.
     pub run: serde_json::Value,
     /// Files saved beside the tensors, by name (e.g. the tokenizer's `tokenizer.json`).
-    pub files: Vec<(String, Vec<u8>)>,
+    pub files: checkpoint::Files,
 }
 
 /// This rank's part of a logical tensor `whole` (unpadded rows `real_rows` padded with zeros).
