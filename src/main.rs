@@ -36,6 +36,8 @@ enum Command {
     Data(cli::data_cmd::DataArgs),
     /// Tokenizers: `train` a byte-level BPE tokenizer on JSON lines.
     Tokenizer(cli::tokenizer_cmd::TokenizerArgs),
+    /// A pipeline schedule (1F1B or interleaved) as Megatron-LM orders it, with its timeline.
+    Schedule(cli::schedule::ScheduleArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -59,6 +61,7 @@ fn main() -> std::process::ExitCode {
         Command::Preprocess(args) => cli::preprocess::run(args),
         Command::Data(args) => cli::data_cmd::run(args),
         Command::Tokenizer(args) => cli::tokenizer_cmd::run(args),
+        Command::Schedule(args) => cli::schedule::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

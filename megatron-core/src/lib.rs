@@ -14,6 +14,7 @@ pub mod kernels;
 pub mod module;
 pub mod ops;
 pub mod parallel;
+pub mod pipeline_parallel;
 pub mod prelude;
 pub mod rng;
 pub mod tensor;

@@ -13,5 +13,6 @@ pub mod models;
 pub mod observers;
 pub mod plot;
 pub mod preprocess;
+pub mod schedule;
 pub mod tokenizer_cmd;
 pub mod train;

@@ -1,0 +1,350 @@
+//! Pipeline schedules against Megatron-LM: the seed's worked PP=4, VPP=2, M=8 orders, the
+//! example in Megatron-LM's own docstring, Megatron's argument checks, and, over every small
+//! configuration, a valid pipeline (each backward after its forward, messages awaited in the
+//! order they are sent, no deadlock), activations held bounded by the warm-up, and the bubble
+//! of Megatron-LM's theory. `megatron schedule` prints what the executor walks.
+
+mod support;
+use megatron::pipeline_parallel::{
+    Pass, RankCounts, Schedule, ScheduleConfig, ScheduleError, Slot, order_from_table,
+    schedule_table, simulate, traces,
+};
+use support::megatron;
+
+/// The orders of the seed's PP = 4, VPP = 2, 8 microbatches (group size 4), each rank's by the
+/// seed's step-by-step derivation: warm-up forwards, forward/backward pairs, cool-down.
+const SEED_ORDERS: [[i32; 32]; 4] = [
+    [
+        1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 1, -2, 1, -2, 2, -2, 2, -2, 2, -1, 2, -1, -1, -1, -2, -2, -2,
+        -2, -1, -1, -1, -1,
+    ],
+    [
+        1, 1, 1, 1, 2, 2, 2, 2, 1, -2, 1, -2, 1, -2, 1, -2, 2, -1, 2, -1, 2, -1, 2, -1, -2, -2, -2,
+        -2, -1, -1, -1, -1,
+    ],
+    [
+        1, 1, 1, 1, 2, 2, 2, -2, 2, -2, 1, -2, 1, -2, 1, -1, 1, -1, 2, -1, 2, -1, 2, -2, 2, -2, -2,
+        -2, -1, -1, -1, -1,
+    ],
+    [
+        1, 1, 1, 1, 2, -2, 2, -2, 2, -2, 2, -2, 1, -1, 1, -1, 1, -1, 1, -1, 2, -2, 2, -2, 2, -2, 2,
+        -2, -1, -1, -1, -1,
+    ],
+];
+
+#[test]
+fn the_seeds_interleaved_orders_for_every_rank() {
+    let schedule = Schedule::new(ScheduleConfig::new(4, 2, 8)).unwrap();
+    // The seed's table: chunk 0 then chunk 1 for microbatches 0–3, then for 4–7.
+    let chunks: Vec<usize> = schedule.table.iter().map(|s| s.chunk).collect();
+    assert_eq!(chunks, [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1]);
+    for (rank, expected) in SEED_ORDERS.iter().enumerate() {
+        let r = &schedule.ranks[rank];
+        // (PP − rank − 1)·2 + (VPP − 1)·group size.
+        assert_eq!(r.counts.warmup, (4 - rank - 1) * 2 + 4, "rank {rank}");
+        assert_eq!(r.counts.total, 16);
+        assert_eq!(r.order, expected, "rank {rank}");
+    }
+}
+
+#[test]
+fn megatrons_docstring_example() {
+    // cuda_graphs.convert_schedule_table_to_order's docstring: PP 2, N 3, M 5, VP 2.
+    let table = schedule_table(5, 2, 3);
+    let (mbs, chunks): (Vec<usize>, Vec<usize>) =
+        table.iter().map(|s| (s.microbatch, s.chunk)).unzip();
+    assert_eq!(mbs, [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]);
+    assert_eq!(chunks, [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]);
+    assert_eq!(
+        order_from_table(&table, 2, 5),
+        [
+            1, 1, 1, 2, 2, 2, -2, 1, -2, 1, -2, 2, -1, 2, -1, -1, -2, -2, -1, -1
+        ]
+    );
+    // The same configuration through the schedule: rank 1 has (2 − 1 − 1)·2 + 3 warm-up.
+    let mut config = ScheduleConfig::new(2, 2, 5);
+    config.group_size = Some(3);
+    let schedule = Schedule::new(config).unwrap();
+    assert_eq!(schedule.ranks[1].counts.warmup, 3);
+    assert_eq!(schedule.ranks[0].counts.warmup, 5);
+    assert_eq!(
+        schedule.ranks[0].order,
+        order_from_table(&table, 2, 5).as_slice()
+    );
+}
+
+#[test]
+fn counts_for_training_forward_only_and_moe_overlap() {
+    // 1F1B: pp − rank − 1 warm-up forwards, capped by the microbatches.
+    let c = ScheduleConfig::new(4, 1, 2);
+    let counts: Vec<(usize, usize, bool)> = (0..4)
+        .map(|r| {
+            let k = RankCounts::of(&c, r);
+            (k.warmup, k.remaining, k.all_in_warmup)
+        })
+        .collect();
+    assert_eq!(
+        counts,
+        [(2, 0, true), (2, 0, true), (1, 1, false), (0, 2, false)]
+    );
+    // Forward-only: everything is warm-up.
+    let mut f = ScheduleConfig::new(4, 2, 8);
+    f.forward_only = true;
+    let k = RankCounts::of(&f, 3);
+    assert_eq!(
+        (k.total, k.warmup, k.remaining, k.all_in_warmup),
+        (16, 16, 0, true)
+    );
+    let schedule = Schedule::new(f).unwrap();
+    assert!(
+        schedule
+            .ranks
+            .iter()
+            .all(|r| r.order.iter().all(|&e| e > 0))
+    );
+    assert_eq!(schedule.ranks[0].order.len(), 16);
+    // MoE overlap: one more warm-up forward in the interleaved schedule only.
+    let mut m = ScheduleConfig::new(4, 2, 8);
+    m.overlap_moe_comm = true;
+    assert_eq!(RankCounts::of(&m, 0).warmup, 11);
+    assert_eq!(RankCounts::of(&m, 3).warmup, 5);
+    let mut one = ScheduleConfig::new(4, 1, 8);
+    one.overlap_moe_comm = true;
+    assert_eq!(RankCounts::of(&one, 0).warmup, 3);
+    // No pipeline: no warm-up.
+    assert_eq!(RankCounts::of(&ScheduleConfig::new(1, 1, 4), 0).warmup, 0);
+}
+
+#[test]
+fn megatrons_checks_name_the_numbers() {
+    let err = |c: ScheduleConfig| Schedule::new(c).unwrap_err();
+    let with_group = |pp, vpp, m, g| {
+        let mut c = ScheduleConfig::new(pp, vpp, m);
+        c.group_size = Some(g);
+        c
+    };
+    assert_eq!(
+        err(with_group(4, 2, 8, 3)),
+        ScheduleError::GroupSize {
+            group: 3,
+            pp: 4,
+            microbatches: 8
+        }
+    );
+    assert!(matches!(
+        err(with_group(4, 2, 8, 9)),
+        ScheduleError::GroupSize { group: 9, .. }
+    ));
+    // 10 = 4 + 4 + 2: a last group of 2 < pp.
+    let e = err(ScheduleConfig::new(4, 2, 10));
+    assert_eq!(
+        e,
+        ScheduleError::ShortLastGroup {
+            microbatches: 10,
+            group: 4,
+            remainder: 2,
+            pp: 4
+        }
+    );
+    assert!(
+        e.to_string()
+            .contains("is 2: it must be 0 or at least the pipeline-parallel size 4")
+    );
+    assert_eq!(
+        err(ScheduleConfig::new(1, 2, 8)),
+        ScheduleError::VirtualWithoutPipeline { vpp: 2, pp: 1 }
+    );
+    assert!(matches!(
+        err(ScheduleConfig::new(4, 1, 0)),
+        ScheduleError::Zero { .. }
+    ));
+    // The non-interleaved schedule takes any group size and any M.
+    assert!(Schedule::new(with_group(4, 1, 3, 7)).is_ok());
+}
+
+/// Every configuration Megatron-LM accepts with pp ≤ 8, V ≤ 4, M ≤ 16 (and every group size).
+fn configurations() -> Vec<ScheduleConfig> {
+    let mut out = Vec::new();
+    for pp in 1..=8 {
+        for vpp in 1..=4 {
+            for m in 1..=16 {
+                let groups: Vec<Option<usize>> = if vpp == 1 {
+                    vec![None]
+                } else {
+                    (1..=m).map(Some).collect()
+                };
+                for group_size in groups {
+                    let c = ScheduleConfig {
+                        group_size,
+                        ..ScheduleConfig::new(pp, vpp, m)
+                    };
+                    if c.validate().is_ok() {
+                        out.push(c);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_order_is_a_valid_pipeline_holding_at_most_warmup_plus_one_activations() {
+    let configs = configurations();
+    assert!(configs.len() > 500, "{} configurations", configs.len());
+    for config in configs {
+        let schedule = Schedule::new(config).unwrap();
+        // No deadlock, and every channel awaits its messages in the order they are sent.
+        let timeline = simulate(&schedule, 1, 2).unwrap_or_else(|e| panic!("{config:?}: {e}"));
+        let walked = traces(&schedule).unwrap();
+        let m = config.microbatches;
+        for (rank, (ops, stats)) in walked.iter().enumerate() {
+            let counts = &schedule.ranks[rank].counts;
+            assert_eq!(counts.warmup + counts.remaining, counts.total);
+            assert_eq!(stats.forwards, m * config.vpp, "{config:?}");
+            assert_eq!(stats.backwards, m * config.vpp, "{config:?}");
+            assert!(
+                stats.max_live <= counts.warmup + 1,
+                "{config:?} rank {rank}: {} live > warm-up {} + 1",
+                stats.max_live,
+                counts.warmup
+            );
+            // Each microbatch goes through each chunk once each way, forward first; the n-th
+            // forward is the table's n-th slot, the n-th backward that slot's mirrored chunk.
+            let forwards: Vec<Slot> = ops
+                .iter()
+                .filter(|o| o.pass == Pass::Forward)
+                .map(|o| Slot {
+                    microbatch: o.microbatch,
+                    chunk: o.chunk,
+                })
+                .collect();
+            assert_eq!(forwards, schedule.table, "{config:?}");
+            let backwards: Vec<Slot> = ops
+                .iter()
+                .filter(|o| o.pass == Pass::Backward)
+                .map(|o| Slot {
+                    microbatch: o.microbatch,
+                    chunk: config.vpp - 1 - o.chunk,
+                })
+                .collect();
+            assert_eq!(backwards, schedule.table, "{config:?}");
+        }
+        // The bubble of the theory when the microbatches fill whole groups of pp.
+        if m % config.pp == 0 && config.group() == config.pp {
+            let theory = (config.pp - 1) as f64 / (config.vpp * m) as f64;
+            assert!(
+                (timeline.bubble() - theory).abs() < 1e-12,
+                "{config:?}: bubble {} vs {theory}",
+                timeline.bubble()
+            );
+        }
+    }
+}
+
+#[test]
+fn a_broken_order_is_found() {
+    // A backward before its forward is refused by the walk.
+    let mut schedule = Schedule::new(ScheduleConfig::new(4, 1, 8)).unwrap();
+    schedule.ranks[3].order.swap(0, 1);
+    assert!(traces(&schedule).is_err());
+    // Rank 0 running rank 1's order and the other way round: rank 0 waits for the gradient of
+    // microbatch 0, which rank 1 computes only after microbatch 1, which rank 0 sends only after
+    // that gradient.
+    let mut schedule = Schedule::new(ScheduleConfig::new(2, 1, 2)).unwrap();
+    assert_eq!(schedule.ranks[0].order, [1, 1, -1, -1]);
+    assert_eq!(schedule.ranks[1].order, [1, -1, 1, -1]);
+    let (a, b) = (
+        schedule.ranks[0].order.clone(),
+        schedule.ranks[1].order.clone(),
+    );
+    schedule.ranks[0].order = b;
+    schedule.ranks[1].order = a;
+    let err = simulate(&schedule, 1, 2).unwrap_err().to_string();
+    assert!(err.contains("deadlock"), "{err}");
+    assert!(
+        err.contains("rank 0 at Backward of chunk 0 microbatch 0 waits for the Backward of virtual stage 1 microbatch 0"),
+        "{err}"
+    );
+    // Rank 1 of the seed's schedule running a chunk-1 forward before the last chunk-0 one of
+    // the first group: it would take the wrong activation off rank 0's channel.
+    let mut schedule = Schedule::new(ScheduleConfig::new(4, 2, 8)).unwrap();
+    schedule.ranks[1].order.swap(3, 4);
+    let err = simulate(&schedule, 1, 2).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            megatron::pipeline_parallel::PipelineError::ChannelOrder {
+                pass: Pass::Forward,
+                from: 0,
+                to: 1,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_schedule_command_prints_what_the_executor_walks() {
+    let (ok, stdout, stderr) = megatron(&[
+        "schedule",
+        "--pp",
+        "4",
+        "--vpp",
+        "2",
+        "--microbatches",
+        "8",
+        "--json",
+    ]);
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["pp"], 4);
+    assert_eq!(v["vpp"], 2);
+    assert_eq!(v["num_microbatches"], 8);
+    assert_eq!(v["group_size"], 4);
+    assert_eq!(v["schedule_table"][4], serde_json::json!([0, 1]));
+    for (rank, expected) in SEED_ORDERS.iter().enumerate() {
+        let r = &v["per_rank"][rank];
+        assert_eq!(r["pp_rank"], rank);
+        assert_eq!(r["total_num_microbatches"], 16);
+        assert_eq!(r["num_warmup_microbatches"], (4 - rank - 1) * 2 + 4);
+        assert_eq!(
+            r["num_microbatches_remaining"],
+            16 - ((4 - rank - 1) * 2 + 4)
+        );
+        assert_eq!(r["are_all_microbatches_in_warmup"], false);
+        let order: Vec<i64> = serde_json::from_value(r["order"].clone()).unwrap();
+        let expected: Vec<i64> = expected.iter().map(|&e| i64::from(e)).collect();
+        assert_eq!(order, expected);
+        // The trace follows the order: its k-th pass is the order's k-th entry's chunk.
+        let trace = r["trace"].as_array().unwrap();
+        assert_eq!(trace.len(), 32);
+        for (entry, pass) in expected.iter().zip(trace) {
+            let kind = if *entry > 0 { "F" } else { "B" };
+            assert_eq!(pass[0], kind);
+            assert_eq!(pass[1], entry.unsigned_abs() - 1);
+        }
+        assert!(r["max_live_activations"].as_u64().unwrap() <= (4 - rank as u64 - 1) * 2 + 5);
+    }
+    // The text timeline: a row per rank.
+    let (ok, stdout, _) = megatron(&["schedule", "--pp", "2", "--microbatches", "4"]);
+    assert!(ok);
+    assert!(
+        stdout.contains("rank 0 |") && stdout.contains("rank 1 |"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("bubble 0.250"), "{stdout}");
+    // A configuration Megatron-LM refuses.
+    let (ok, _, stderr) = megatron(&[
+        "schedule",
+        "--pp",
+        "4",
+        "--vpp",
+        "2",
+        "--microbatches",
+        "10",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("the remainder of M=10"), "{stderr}");
+}
