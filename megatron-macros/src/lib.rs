@@ -38,6 +38,7 @@
 mod generate;
 mod model;
 mod parse;
+mod pipeline;
 mod root;
 mod src_span;
 mod validate;
@@ -130,11 +131,12 @@ fn item_head(item: &syn::Item) -> TokenStream2 {
 }
 
 /// The DSL's field attributes and those it reserves.
-const DSL_ATTRIBUTES: [&str; 8] = [
+const DSL_ATTRIBUTES: [&str; 9] = [
     "column_parallel",
     "row_parallel",
     "vocab_parallel",
     "replicated",
+    "pipeline",
     "op",
     "config",
     "expert_parallel",
@@ -218,7 +220,7 @@ fn module_impl(root: &Root, input: TokenStream2) -> TokenStream2 {
     let result = parse::parse_impl(both.item_impl).and_then(|imp| {
         let g = model::build(&imp.forward)?;
         let a = validate::validate(&s, &g)?;
-        Ok(generate::impl_items(root, &s, &imp, &g, &a))
+        generate::impl_items(root, &s, &imp, &g, &a)
     });
     match result {
         Ok(tokens) => tokens,

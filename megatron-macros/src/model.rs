@@ -91,6 +91,7 @@ pub struct Node {
 }
 
 /// The operation of a node.
+#[derive(Clone)]
 pub enum NodeOp {
     /// `self.field(args..)`.
     Field {

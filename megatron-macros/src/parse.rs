@@ -53,6 +53,18 @@ impl Field {
     pub fn name(&self) -> String {
         self.ident.unraw().to_string()
     }
+
+    /// Whether the field is the `#[pipeline]` stack.
+    pub fn is_pipeline(&self) -> bool {
+        matches!(self.kind, FieldKind::Stack { pipeline: true, .. })
+    }
+}
+
+impl ModuleStruct {
+    /// The index of the `#[pipeline]` field, if the struct has one.
+    pub fn pipeline_field(&self) -> Option<usize> {
+        self.fields.iter().position(Field::is_pipeline)
+    }
 }
 
 /// What a field is, from its attribute.
@@ -72,10 +84,13 @@ pub enum FieldKind {
     Vocab,
     /// No attribute or `#[replicated]`: a layer or a sub-module, whole on every rank.
     Replicated,
-    /// A `Vec<T>` without attribute (or `#[replicated]`): a stack of sub-modules.
+    /// A `Vec<T>` without attribute (or `#[replicated]`): a stack of sub-modules; with
+    /// `#[pipeline]`, the stack pipeline parallelism cuts into stages.
     Stack {
         /// The element type `T`.
         elem: Box<Type>,
+        /// `#[pipeline]`: each pipeline stage holds and runs a run of the stack's modules.
+        pipeline: bool,
     },
     /// `#[op]`: a parameterless op; its value is its configuration.
     Op,
@@ -101,7 +116,10 @@ impl FieldKind {
             } => "#[row_parallel(input_is_parallel = false)]",
             FieldKind::Vocab => "#[vocab_parallel]",
             FieldKind::Replicated => "a replicated layer or module (no attribute)",
-            FieldKind::Stack { .. } => "a list of modules (`Vec<..>`)",
+            FieldKind::Stack {
+                pipeline: false, ..
+            } => "a list of modules (`Vec<..>`)",
+            FieldKind::Stack { pipeline: true, .. } => "#[pipeline]",
             FieldKind::Op => "#[op]",
             FieldKind::Config => "#[config]",
         }
@@ -109,14 +127,19 @@ impl FieldKind {
 }
 
 /// The DSL's field attributes.
-const KIND_ATTRIBUTES: [&str; 6] = [
+const KIND_ATTRIBUTES: [&str; 7] = [
     "column_parallel",
     "row_parallel",
     "vocab_parallel",
     "replicated",
+    "pipeline",
     "op",
     "config",
 ];
+
+/// The kinds a field may take, for messages.
+const KINDS_HELP: &str = "#[column_parallel], #[row_parallel], #[vocab_parallel], #[replicated], \
+     #[pipeline], #[op], #[config]";
 
 /// Attributes the design names but this version does not implement.
 const FUTURE_ATTRIBUTES: [&str; 2] = ["expert_parallel", "graph_scope"];
@@ -150,10 +173,23 @@ pub fn parse_struct(item: syn::ItemStruct) -> syn::Result<ModuleStruct> {
             return Err(errors.finish(()).unwrap_err());
         }
     };
-    let mut fields = Vec::new();
+    let mut fields: Vec<Field> = Vec::new();
     for field in named.named {
+        let span = Src::of(&field);
         match parse_field(field) {
-            Ok(f) => fields.push(f),
+            Ok(f) => {
+                if f.is_pipeline()
+                    && let Some(first) = fields.iter().find(|f| f.is_pipeline())
+                {
+                    errors.push(span.error(format!(
+                        "`{}` and `{}` are both #[pipeline]; a model has one stack that pipeline \
+                         parallelism cuts into stages",
+                        first.name(),
+                        f.name()
+                    )));
+                }
+                fields.push(f)
+            }
             Err(e) => errors.push(e),
         }
     }
@@ -179,10 +215,7 @@ fn parse_field(field: syn::Field) -> syn::Result<Field> {
         if let Some(future) = FUTURE_ATTRIBUTES.iter().find(|a| **a == name) {
             errors.push(syn::Error::new_spanned(
                 &attr,
-                format!(
-                    "#[{future}] is not supported yet; a field takes one of #[column_parallel], \
-                     #[row_parallel], #[vocab_parallel], #[replicated], #[op], #[config]"
-                ),
+                format!("#[{future}] is not supported yet; a field takes one of {KINDS_HELP}"),
             ));
             continue;
         }
@@ -202,8 +235,7 @@ fn parse_field(field: syn::Field) -> syn::Result<Field> {
                 &attr,
                 format!(
                     "`{}` has two kinds: #[{first}] and #[{attr_name}]; a field takes one of \
-                     #[column_parallel], #[row_parallel], #[vocab_parallel], #[replicated], #[op], \
-                     #[config]",
+                     {KINDS_HELP}",
                     ident.unraw()
                 ),
             ));
@@ -215,8 +247,23 @@ fn parse_field(field: syn::Field) -> syn::Result<Field> {
         Some((FieldKind::Replicated, _, _)) | None => match vec_element(&field.ty) {
             Some(elem) => FieldKind::Stack {
                 elem: Box::new(elem.clone()),
+                pipeline: false,
             },
             None => FieldKind::Replicated,
+        },
+        Some((FieldKind::Stack { pipeline: true, .. }, _, src)) => match vec_element(&field.ty) {
+            Some(elem) => FieldKind::Stack {
+                elem: Box::new(elem.clone()),
+                pipeline: true,
+            },
+            None => {
+                errors.push(src.error(format!(
+                    "#[pipeline] marks the list of layers pipeline parallelism cuts into stages, a \
+                     `Vec<..>` of modules, but `{}` is not a `Vec`",
+                    ident.unraw()
+                )));
+                FieldKind::Replicated
+            }
         },
         Some((k, _, _)) => k,
     };
@@ -297,6 +344,11 @@ fn parse_kind_attribute(name: &str, attr: &Attribute) -> syn::Result<FieldKind> 
         },
         "vocab_parallel" => FieldKind::Vocab,
         "replicated" => FieldKind::Replicated,
+        // The element type is read from the field's type by the caller.
+        "pipeline" => FieldKind::Stack {
+            elem: Box::new(Type::Verbatim(proc_macro2::TokenStream::new())),
+            pipeline: true,
+        },
         "op" => FieldKind::Op,
         "config" => FieldKind::Config,
         _ => unreachable!("only the DSL's attributes are parsed"),
@@ -950,7 +1002,8 @@ fn parse_loop(l: &syn::ExprForLoop) -> syn::Result<Stmt> {
         syn::Error::new_spanned(
             &l.body,
             format!(
-                "the loop body is one assignment `var = {}(var);`; {LOOP_FORM}",
+                "the loop body is one assignment `var = {}(var);`: a loop carries one value (for \
+                 a #[pipeline] stack, the one sent from stage to stage); {LOOP_FORM}",
                 elem.unraw()
             ),
         )

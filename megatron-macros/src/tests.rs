@@ -131,7 +131,8 @@ fn struct_errors_name_the_problem() {
         e("struct M { #[column_parallel] #[row_parallel] fc: Linear }"),
         [
             "`fc` has two kinds: #[column_parallel] and #[row_parallel]; a field takes one of \
-          #[column_parallel], #[row_parallel], #[vocab_parallel], #[replicated], #[op], #[config]"
+          #[column_parallel], #[row_parallel], #[vocab_parallel], #[replicated], #[pipeline], \
+          #[op], #[config]"
         ]
     );
     assert_eq!(
@@ -622,7 +623,11 @@ fn root() -> Root {
 /// The generated impl items, without whitespace.
 fn generated(s: &str, i: &str) -> String {
     let (s, imp, g, a) = analyse(s, i).unwrap();
-    squash(&generate::impl_items(&root(), &s, &imp, &g, &a).to_string())
+    squash(
+        &generate::impl_items(&root(), &s, &imp, &g, &a)
+            .expect("generates")
+            .to_string(),
+    )
 }
 
 /// `s` without whitespace (token spacing differs between written and generated code).

@@ -89,7 +89,8 @@ pub struct Gpt {
     pub wte: Embedding,
     /// Learned positions.
     pub wpe: PositionEmbedding,
-    /// The transformer blocks.
+    /// The transformer blocks: pipeline parallelism cuts them into stages.
+    #[pipeline]
     pub blocks: Vec<Block>,
     /// Final norm.
     pub ln_f: LayerNorm,

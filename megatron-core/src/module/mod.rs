@@ -138,6 +138,20 @@ pub trait Module: Sized {
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param));
 }
 
+/// A module whose forward runs a `#[pipeline]` stack, built for one pipeline stage (or whole):
+/// `#[megatron::module]` implements it, with the parts of the forward a stage runs
+/// (`forward_pre`, `forward_layers`, `forward_post` and their backwards).
+pub trait Pipelined: Module {
+    /// What this instance holds: its run of the stack, and whether it is the first or the last
+    /// virtual stage.
+    fn stage(&self) -> &crate::pipeline_parallel::StagePart;
+
+    /// Calls `f` on the parameters both the first and the last stage hold (the fields used before
+    /// and after the stack: a tied embedding). Their gradients are summed over the embedding
+    /// group (the two stages) every step, so that the copies stay equal.
+    fn visit_shared_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param));
+}
+
 /// Moves every parameter of `model` to `gpu`: values copied, gradients zeroed, each in its own
 /// device tensor (a model packed into flat buffers moves with [`ParamBuffers::to_gpu`] instead).
 #[cfg(feature = "cuda")]

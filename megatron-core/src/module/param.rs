@@ -9,6 +9,7 @@ use crate::invalid;
 use crate::kernels::dropout::LogicalIndex;
 use crate::kernels::parallel;
 use crate::parallel::GroupKind;
+use crate::pipeline_parallel::StagePart;
 use crate::rng::{philox4x32_10, stream_id};
 use crate::tensor::{DType, Shape, Tensor};
 
@@ -191,6 +192,9 @@ pub struct Builder {
     dtype: DType,
     /// Shapes only: parameters are zeros that are never written (untouched pages cost no memory).
     meta: bool,
+    /// The pipeline stage being built (what a `#[pipeline]` stack and the parts around it hold);
+    /// `None` builds the whole model.
+    stage: Option<StagePart>,
 }
 
 impl Builder {
@@ -202,7 +206,31 @@ impl Builder {
             groups: Vec::new(),
             dtype: DType::F32,
             meta: false,
+            stage: None,
         }
+    }
+
+    /// A builder of one pipeline stage's part of a model (see [`StagePart`]): a `#[pipeline]`
+    /// stack builds the stage's layers, under their global indices, and the fields used only
+    /// before (after) the stack are built only on the first (last) stage.
+    pub fn with_stage(mut self, stage: StagePart) -> Self {
+        self.stage = Some(stage);
+        self
+    }
+
+    /// The pipeline stage being built, if the builder builds one.
+    pub fn stage(&self) -> Option<&StagePart> {
+        self.stage.as_ref()
+    }
+
+    /// Runs `f` building shapes only (see [`Builder::meta`]): for a field that another pipeline
+    /// stage holds, which this stage keeps only as a placeholder (never visited, trained or
+    /// saved).
+    pub fn placeholder<T>(&mut self, f: impl FnOnce(&mut Builder) -> Result<T>) -> Result<T> {
+        let meta = std::mem::replace(&mut self.meta, true);
+        let out = f(self);
+        self.meta = meta;
+        out
     }
 
     /// A builder that skips initial values: every parameter is zeros, allocated but never

@@ -1,17 +1,19 @@
 //! Pipeline parallelism: Megatron-LM's 1F1B and interleaved 1F1B schedules as data, the
 //! executor that walks a rank's order, and a simulation of the whole pipeline.
 //!
-//! [`schedule`] computes what Megatron-LM's `get_schedule_table`, `get_pp_rank_microbatches`
+//! [`layout`] assigns the layers to the ranks' chunks; [`schedule`] computes what Megatron-LM's `get_schedule_table`, `get_pp_rank_microbatches`
 //! and `convert_schedule_table_to_order` compute, with Megatron-LM's argument checks;
 //! [`executor`] runs one rank's order over a [`Stage`](executor::Stage) (a model's, or a
 //! recording one); [`simulate`] checks that the ranks' orders make a valid pipeline and times
 //! it.
 
 pub mod executor;
+pub mod layout;
 pub mod schedule;
 pub mod simulate;
 
 pub use executor::{Op, Pass, RecordingStage, Stage, WalkError, WalkStats, walk};
+pub use layout::{LayoutError, PipelineLayout, StagePart};
 pub use schedule::{
     RankCounts, RankSchedule, Schedule, ScheduleConfig, ScheduleError, Slot, order_from_table,
     schedule_table,

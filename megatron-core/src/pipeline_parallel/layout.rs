@@ -1,0 +1,189 @@
+//! Which layers each pipeline stage holds, as Megatron-LM assigns them.
+//!
+//! Chunk `k` of pipeline rank `r` is virtual stage `s = k·pp + r`; virtual stages take the
+//! layers in order, so stage `s` starts where stage `s − 1` ends. A rank holds the same number
+//! of layers in each of its chunks: `L / (pp·V)` in the even layout; with
+//! `--decoder-first-pipeline-num-layers` (`--decoder-last-...`) the first (last) rank holds that
+//! many and the other ranks share the rest evenly (Megatron-LM's `get_num_layers_to_build` and
+//! `get_transformer_layer_offset`).
+
+use std::ops::Range;
+
+use thiserror::Error;
+
+/// A layer assignment Megatron-LM refuses; the messages name the numbers.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum LayoutError {
+    /// The layers do not divide over the stages.
+    #[error("{layers} layers {what} do not divide over {stages}: {hint}")]
+    NotDivisible {
+        /// The layers to divide.
+        layers: usize,
+        /// Which layers, e.g. "left after the first and last stages".
+        what: &'static str,
+        /// What they divide over, e.g. "pp = 4 stages".
+        stages: String,
+        /// How to fix it.
+        hint: &'static str,
+    },
+    /// The uneven first and last stages hold more, or other than, all the layers.
+    #[error(
+        "the first stage's {first} and the last stage's {last} layers {relation} the model's \
+         {layers} layers (pp = {pp})"
+    )]
+    UnevenEnds {
+        /// Layers of the first stage.
+        first: usize,
+        /// Layers of the last stage.
+        last: usize,
+        /// How they compare.
+        relation: &'static str,
+        /// The model's layers.
+        layers: usize,
+        /// Pipeline stages.
+        pp: usize,
+    },
+}
+
+/// What one model chunk of a pipeline rank holds of a model whose layers are a `#[pipeline]`
+/// stack: a run of layers, and the parts before and after the stack when it is the first or the
+/// last virtual stage.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StagePart {
+    /// The global indices of its layers.
+    pub layers: Range<usize>,
+    /// It is the first virtual stage: it runs what comes before the layers (the embedding).
+    pub first: bool,
+    /// It is the last virtual stage: it runs what comes after them (the head and the loss).
+    pub last: bool,
+}
+
+impl StagePart {
+    /// The whole model: every one of `layers` layers, and both ends (no pipeline).
+    pub fn whole(layers: usize) -> StagePart {
+        StagePart {
+            layers: 0..layers,
+            first: true,
+            last: true,
+        }
+    }
+}
+
+/// How a model's layers are laid over `pp` ranks of `vpp` chunks each.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PipelineLayout {
+    pp: usize,
+    vpp: usize,
+    /// Layers per chunk of each rank.
+    per_chunk: Vec<usize>,
+}
+
+impl PipelineLayout {
+    /// The layout of `layers` layers over `pp` ranks of `vpp` chunks, the first (last) rank
+    /// holding `first` (`last`) layers when given.
+    pub fn new(
+        layers: usize,
+        pp: usize,
+        vpp: usize,
+        first: Option<usize>,
+        last: Option<usize>,
+    ) -> Result<PipelineLayout, LayoutError> {
+        let (pp, vpp) = (pp.max(1), vpp.max(1));
+        let mut per_rank = vec![0usize; pp];
+        if first.is_none() && last.is_none() {
+            if !layers.is_multiple_of(pp) {
+                return Err(LayoutError::NotDivisible {
+                    layers,
+                    what: "of the model",
+                    stages: format!("pp = {pp} stages"),
+                    hint: "give a multiple of pp, or uneven ends with \
+                           --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers",
+                });
+            }
+            per_rank.fill(layers / pp);
+        } else {
+            let (f, l) = (first.unwrap_or(0), last.unwrap_or(0));
+            let ends = usize::from(first.is_some()) + usize::from(last.is_some());
+            let middle_stages = pp.saturating_sub(ends);
+            if f + l > layers {
+                return Err(LayoutError::UnevenEnds {
+                    first: f,
+                    last: l,
+                    relation: "exceed",
+                    layers,
+                    pp,
+                });
+            }
+            let middle = layers - f - l;
+            if middle_stages == 0 {
+                if middle != 0 {
+                    return Err(LayoutError::UnevenEnds {
+                        first: f,
+                        last: l,
+                        relation: "do not add up to",
+                        layers,
+                        pp,
+                    });
+                }
+            } else if !middle.is_multiple_of(middle_stages) {
+                return Err(LayoutError::NotDivisible {
+                    layers: middle,
+                    what: "left after the uneven first and last stages",
+                    stages: format!("the {middle_stages} other stages"),
+                    hint: "with uneven pipelining the left-over layers must divide over the \
+                           left-over stages",
+                });
+            }
+            let each = middle.checked_div(middle_stages).unwrap_or(0);
+            per_rank.fill(each);
+            if let Some(f) = first {
+                per_rank[0] = f;
+            }
+            if let Some(l) = last {
+                per_rank[pp - 1] = l;
+            }
+        }
+        if vpp > 1
+            && let Some(&bad) = per_rank.iter().find(|n| !n.is_multiple_of(vpp))
+        {
+            return Err(LayoutError::NotDivisible {
+                layers: bad,
+                what: "of a pipeline rank",
+                stages: format!("its {vpp} virtual stages"),
+                hint: "each rank's layers must divide over its model chunks (pp·V must divide \
+                       the layers in the even layout)",
+            });
+        }
+        Ok(PipelineLayout {
+            pp,
+            vpp,
+            per_chunk: per_rank.iter().map(|n| n / vpp).collect(),
+        })
+    }
+
+    /// Pipeline ranks.
+    pub fn pp(&self) -> usize {
+        self.pp
+    }
+
+    /// Chunks per rank.
+    pub fn vpp(&self) -> usize {
+        self.vpp
+    }
+
+    /// The virtual stage of chunk `chunk` of rank `rank`: `chunk·pp + rank`.
+    pub fn virtual_stage(&self, rank: usize, chunk: usize) -> usize {
+        chunk * self.pp + rank
+    }
+
+    /// What chunk `chunk` of rank `rank` holds.
+    pub fn part(&self, rank: usize, chunk: usize) -> StagePart {
+        let stage = self.virtual_stage(rank, chunk);
+        let start: usize = (0..stage).map(|s| self.per_chunk[s % self.pp]).sum();
+        StagePart {
+            layers: start..start + self.per_chunk[rank],
+            first: stage == 0,
+            last: stage + 1 == self.pp * self.vpp,
+        }
+    }
+}
