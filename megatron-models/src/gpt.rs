@@ -10,7 +10,7 @@
 use megatron_core::Result;
 use megatron_core::module::{Cx, Ids, Site};
 use megatron_core::prelude::*;
-use megatron_core::training::LanguageModel;
+use megatron_core::training::{LanguageModel, PipelinedLanguageModel};
 use megatron_macros::module;
 
 use crate::config::GptConfig;
@@ -165,6 +165,40 @@ impl LanguageModel for Gpt {
     fn backward_losses(&self, cx: &Cx, saved: GptSaved, dlosses: &Tensor) -> Result<()> {
         self.backward(cx, Site::ROOT, saved, dlosses)?;
         Ok(())
+    }
+}
+
+impl PipelinedLanguageModel for Gpt {
+    type FirstSaved = GptPreSaved;
+    type LayersSaved = GptLayersSaved;
+    type LastSaved = GptPostSaved;
+
+    fn carried_width(&self) -> usize {
+        self.ln_f.hidden()
+    }
+
+    fn first_forward(&self, cx: &Cx, tokens: &Ids) -> Result<(Tensor, GptPreSaved)> {
+        self.forward_pre(cx, Site::ROOT, tokens)
+    }
+
+    fn first_backward(&self, cx: &Cx, saved: GptPreSaved, d_out: &Tensor) -> Result<()> {
+        self.backward_pre(cx, Site::ROOT, saved, d_out)
+    }
+
+    fn layers_forward(&self, cx: &Cx, h: &Tensor) -> Result<(Tensor, GptLayersSaved)> {
+        self.forward_layers(cx, Site::ROOT, h)
+    }
+
+    fn layers_backward(&self, cx: &Cx, saved: GptLayersSaved, d_out: &Tensor) -> Result<Tensor> {
+        self.backward_layers(cx, Site::ROOT, saved, d_out)
+    }
+
+    fn last_forward(&self, cx: &Cx, h: &Tensor, targets: &Ids) -> Result<(Tensor, GptPostSaved)> {
+        self.forward_post(cx, Site::ROOT, h, targets)
+    }
+
+    fn last_backward(&self, cx: &Cx, saved: GptPostSaved, dlosses: &Tensor) -> Result<Tensor> {
+        Ok(self.backward_post(cx, Site::ROOT, saved, dlosses)?.0)
     }
 }
 

@@ -256,7 +256,14 @@ pub(crate) fn member_index(
 pub struct ParallelState {
     groups: RankGroups,
     comms: Vec<(GroupKind, Arc<dyn Communicator>)>,
+    /// With a pipeline, a second communicator over the pipeline group for the gradients going
+    /// back, so that activations and gradients between the same two ranks (both ways round
+    /// with pp = 2 and virtual stages) never share a channel.
+    pp_grads: Option<Arc<dyn Communicator>>,
 }
+
+/// The name of the pipeline group's second communicator, for the gradients.
+pub const PP_GRADS: &str = "pp-grad";
 
 impl ParallelState {
     /// Builds a communicator for every group family this rank belongs to.
@@ -279,7 +286,15 @@ impl ParallelState {
             .iter()
             .map(|g| Ok((g.kind, world.communicator(g.kind.name(), &g.ranks)?)))
             .collect::<Result<Vec<_>>>()?;
-        Ok(ParallelState { groups, comms })
+        let pp_grads = match groups.get(GroupKind::Pp) {
+            Some(pp) if pp.size() > 1 => Some(world.communicator(PP_GRADS, &pp.ranks)?),
+            _ => None,
+        };
+        Ok(ParallelState {
+            groups,
+            comms,
+            pp_grads,
+        })
     }
 
     /// The parallel state of a single rank (every group of size 1), for single-process use.
@@ -317,13 +332,33 @@ impl ParallelState {
         self.comm(GroupKind::Dp)
     }
 
-    /// The pipeline communicator.
+    /// The pipeline communicator (the activations going forward).
     pub fn pp(&self) -> &dyn Communicator {
         self.comm(GroupKind::Pp)
     }
 
-    /// Counters of every group, by family name.
+    /// The pipeline group's communicator for the gradients going back (the pipeline
+    /// communicator itself without a pipeline).
+    pub fn pp_grads(&self) -> &dyn Communicator {
+        match &self.pp_grads {
+            Some(c) => c.as_ref(),
+            None => self.pp(),
+        }
+    }
+
+    /// Counters of every group, by family name (the pipeline's two communicators together).
     pub fn stats(&self) -> Vec<(GroupKind, CommStats)> {
-        self.comms.iter().map(|(k, c)| (*k, c.stats())).collect()
+        self.comms
+            .iter()
+            .map(|(k, c)| {
+                let mut stats = c.stats();
+                if *k == GroupKind::Pp
+                    && let Some(grads) = &self.pp_grads
+                {
+                    stats.add(&grads.stats());
+                }
+                (*k, stats)
+            })
+            .collect()
     }
 }

@@ -14,6 +14,9 @@ pub struct ParamSlot {
     pub len: usize,
     /// The parameter's name, shapes and split.
     pub spec: ParamSpec,
+    /// A copy of a parameter another pipeline stage holds too (the tied embedding on the last
+    /// stage): trained alike, but counted once in the gradient norm (on the first stage).
+    pub shared_copy: bool,
 }
 
 /// One flat value buffer and one flat f32 gradient buffer holding every parameter of a model.
@@ -54,6 +57,7 @@ impl ParamBuffers {
                 offset,
                 len,
                 spec: spec.clone(),
+                shared_copy: false,
             });
             offset += len;
         }
@@ -183,6 +187,16 @@ impl ParamBuffers {
     /// Every parameter's place, in the model's visit order.
     pub fn slots(&self) -> &[ParamSlot] {
         &self.slots
+    }
+
+    /// Marks the parameters at these visit positions as copies another pipeline stage holds
+    /// too ([`ParamSlot::shared_copy`]).
+    pub fn mark_shared_copies(&mut self, positions: &[usize]) {
+        for &i in positions {
+            if let Some(slot) = self.slots.get_mut(i) {
+                slot.shared_copy = true;
+            }
+        }
     }
 
     /// Elements used by parameters (the buffers may be padded beyond).

@@ -39,6 +39,11 @@ pub struct LayerNormSaved {
 }
 
 impl LayerNorm {
+    /// The width it normalises (its input's last dimension).
+    pub fn hidden(&self) -> usize {
+        self.gamma.spec().logical.numel()
+    }
+
     fn rows(&self, x: &Tensor) -> Result<usize> {
         let h = self.gamma.value().numel();
         if x.dims().last() != Some(&h) {

@@ -4,6 +4,7 @@
 mod checkpointing;
 mod data;
 mod optimizer;
+mod pipeline;
 mod schedule;
 
 use std::time::Instant;
@@ -11,10 +12,12 @@ use std::time::Instant;
 pub use checkpointing::{SaveInfo, load_params, open_checkpoint};
 pub use data::{BatchPlan, Sampler, TokenStream, Windows};
 pub use optimizer::{AdamW, AdamWConfig, clip_coefficient, grad_norm};
+pub use pipeline::{Chunks, PipelinedLanguageModel};
 pub use schedule::{DecayStyle, LrSchedule};
 
 use crate::comm::{CommStats, Communicator, ParallelState, ReduceOp};
 use crate::error::{Error, Result};
+use crate::invalid;
 use crate::module::{Cx, Ids, Module, ParamBuffers};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
@@ -69,31 +72,52 @@ pub struct StepMetrics {
     pub comm: Vec<(GroupKind, CommStats)>,
 }
 
-/// One rank's training state: its model shard, flat buffers and optimizer state.
+/// One rank's training state: its model shard (a chunk per virtual pipeline stage), flat
+/// buffers and optimizer state.
 pub struct Trainer<M: LanguageModel> {
-    model: M,
+    chunks: Chunks<M>,
     buffers: ParamBuffers,
     optimizer: AdamW,
     sampler: Sampler,
     config: TrainConfig,
+    /// How the microbatches go through a pipeline; `None` without one.
+    pipeline: Option<pipeline::Pipeline<M>>,
 }
 
 impl<M: LanguageModel> Trainer<M> {
-    /// Moves `model`'s parameters into flat buffers (padded to the data-parallel size).
+    /// Moves `model`'s parameters into flat buffers (padded to the data-parallel size). Without
+    /// a pipeline; a rank of a pipeline is built with [`Trainer::pipelined`].
     pub fn new(
-        mut model: M,
+        model: M,
         parallel: &ParallelState,
         sampler: Sampler,
         config: TrainConfig,
     ) -> Result<Self> {
-        let buffers = ParamBuffers::pack(&mut model, parallel.groups().config().dp)?;
+        let pp = parallel.groups().config().pp;
+        if pp > 1 {
+            return invalid!(
+                "a rank of a pipeline of {pp} stages trains its stage's chunks: build it with \
+                 Trainer::pipelined"
+            );
+        }
+        Trainer::build(Chunks(vec![model]), parallel, sampler, config)
+    }
+
+    fn build(
+        mut chunks: Chunks<M>,
+        parallel: &ParallelState,
+        sampler: Sampler,
+        config: TrainConfig,
+    ) -> Result<Self> {
+        let buffers = ParamBuffers::pack(&mut chunks, parallel.groups().config().dp)?;
         let optimizer = AdamW::new(&buffers, config.adam)?;
         Ok(Trainer {
-            model,
+            chunks,
             buffers,
             optimizer,
             sampler,
             config,
+            pipeline: None,
         })
     }
 
@@ -104,7 +128,7 @@ impl<M: LanguageModel> Trainer<M> {
     /// per step (see [`Trainer::keep_compute_copies`]).
     #[cfg(feature = "cuda")]
     pub fn to_gpu(&mut self, gpu: &crate::cuda::Gpu) -> Result<()> {
-        self.buffers.to_gpu(&mut self.model, gpu)?;
+        self.buffers.to_gpu(&mut self.chunks, gpu)?;
         self.optimizer.to_gpu(gpu)?;
         if gpu.bf16_products() && self.buffers.compute_copies().is_none() {
             self.keep_compute_copies(DType::BF16)?;
@@ -116,12 +140,17 @@ impl<M: LanguageModel> Trainer<M> {
     /// optimizer still updates the values, and the copies are converted from them after every
     /// step. On the CPU this emulates bf16 weights (the products widen them back to f32).
     pub fn keep_compute_copies(&mut self, dtype: DType) -> Result<()> {
-        self.buffers.keep_compute_copies(&mut self.model, dtype)
+        self.buffers.keep_compute_copies(&mut self.chunks, dtype)
     }
 
-    /// The model.
+    /// The model (the first chunk on a pipeline rank).
     pub fn model(&self) -> &M {
-        &self.model
+        &self.chunks.0[0]
+    }
+
+    /// The model chunks of this rank, one per virtual pipeline stage (one without a pipeline).
+    pub fn chunks(&self) -> &[M] {
+        &self.chunks.0
     }
 
     /// The flat parameter and gradient buffers.
@@ -138,26 +167,43 @@ impl<M: LanguageModel> Trainer<M> {
         let dp_rank = parallel.groups().dp_rank();
         let tokens = plan.global_batch * plan.seq_length;
         self.buffers.zero_grads()?;
-        let mut loss_sum = 0.0f64;
-        for micro in 0..plan.microbatches() {
-            let (x, y) = self.sampler.microbatch(step, dp_rank, micro)?;
-            let cx = Cx::new(parallel, self.config.seed)
-                .at(step, plan.global_microbatch(dp_rank, micro) as u64);
-            let (losses, saved) = self.model.losses(&cx, &x, &y)?;
-            loss_sum += losses
-                .to_vec_f32()?
-                .iter()
-                .map(|&l| f64::from(l))
-                .sum::<f64>();
-            // d(mean loss over the global batch) / d(each token's loss).
-            let dlosses = Tensor::zeros_near(losses.shape().clone(), DType::F32, &losses)?;
-            dlosses.fill(1.0 / tokens as f32)?;
-            self.model.backward_losses(&cx, saved, &dlosses)?;
-        }
+        let loss_sum = match &self.pipeline {
+            None => {
+                let model = &self.chunks.0[0];
+                let mut loss_sum = 0.0f64;
+                for micro in 0..plan.microbatches() {
+                    let (x, y) = self.sampler.microbatch(step, dp_rank, micro)?;
+                    let cx = Cx::new(parallel, self.config.seed)
+                        .at(step, plan.global_microbatch(dp_rank, micro) as u64);
+                    let (losses, saved) = model.losses(&cx, &x, &y)?;
+                    loss_sum += losses
+                        .to_vec_f32()?
+                        .iter()
+                        .map(|&l| f64::from(l))
+                        .sum::<f64>();
+                    // d(mean loss over the global batch) / d(each token's loss).
+                    let dlosses = Tensor::zeros_near(losses.shape().clone(), DType::F32, &losses)?;
+                    dlosses.fill(1.0 / tokens as f32)?;
+                    model.backward_losses(&cx, saved, &dlosses)?;
+                }
+                loss_sum
+            }
+            Some(p) => (p.run)(
+                self,
+                parallel,
+                &self.sampler,
+                step,
+                &p.order,
+                pipeline::Mode::Train { step },
+            )?,
+        };
         reduce_gradients(&self.buffers, parallel.dp(), self.config.bucket_elements)?;
         // The reported loss: one more (4-byte) all-reduce over data parallel, as Megatron-LM's
-        // loss averaging does.
+        // loss averaging does (and, with a pipeline, over it: only the last stage has losses).
         let loss = optimizer::scalar_near(loss_sum as f32, self.buffers.grads())?;
+        if self.pipeline.is_some() {
+            parallel.pp().all_reduce(&loss, ReduceOp::Sum)?;
+        }
         parallel.dp().all_reduce(&loss, ReduceOp::Sum)?;
         let loss = f64::from(loss.to_vec::<f32>()?[0]) / tokens as f64;
         let norm = grad_norm(
@@ -205,18 +251,29 @@ impl<M: LanguageModel> Trainer<M> {
         let dp_rank = parallel.groups().dp_rank();
         let mut loss_sum = 0.0f64;
         for i in 0..iters {
-            for micro in 0..plan.microbatches() {
-                let (x, y) = data.microbatch(i, dp_rank, micro)?;
-                let cx = Cx::new(parallel, self.config.seed).eval();
-                let (losses, _saved) = self.model.losses(&cx, &x, &y)?;
-                loss_sum += losses
-                    .to_vec_f32()?
-                    .iter()
-                    .map(|&l| f64::from(l))
-                    .sum::<f64>();
+            match &self.pipeline {
+                None => {
+                    for micro in 0..plan.microbatches() {
+                        let (x, y) = data.microbatch(i, dp_rank, micro)?;
+                        let cx = Cx::new(parallel, self.config.seed).eval();
+                        let (losses, _saved) = self.chunks.0[0].losses(&cx, &x, &y)?;
+                        loss_sum += losses
+                            .to_vec_f32()?
+                            .iter()
+                            .map(|&l| f64::from(l))
+                            .sum::<f64>();
+                    }
+                }
+                Some(p) => {
+                    loss_sum +=
+                        (p.run)(self, parallel, data, i, &p.eval_order, pipeline::Mode::Eval)?;
+                }
             }
         }
         let total = optimizer::scalar_near(loss_sum as f32, self.buffers.grads())?;
+        if self.pipeline.is_some() {
+            parallel.pp().all_reduce(&total, ReduceOp::Sum)?;
+        }
         parallel.dp().all_reduce(&total, ReduceOp::Sum)?;
         let tokens = (iters.max(1) as usize * plan.global_batch * plan.seq_length) as f64;
         Ok(f64::from(total.to_vec::<f32>()?[0]) / tokens)

@@ -5,7 +5,7 @@ use crate::error::Result;
 use crate::invalid;
 use crate::kernels::adam::{AdamConfig, adam_step};
 use crate::kernels::elementwise::sum_of_squares;
-use crate::module::{ParamBuffers, Split};
+use crate::module::{ParamBuffers, ParamSlot, Split};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 
@@ -212,19 +212,24 @@ pub fn grad_norm(
     tp_rank: usize,
     model_parallel: &dyn Communicator,
 ) -> Result<f64> {
-    let counted = |split: &Split| match split {
-        Split::Dim {
-            group: GroupKind::Tp,
-            ..
-        } => true,
-        _ => tp_rank == 0,
+    // Split parameters on every tensor-parallel rank, the others on the first; a copy another
+    // pipeline stage holds too (the tied embedding of the last stage) nowhere.
+    let counted = |slot: &ParamSlot| {
+        !slot.shared_copy
+            && match slot.spec.split {
+                Split::Dim {
+                    group: GroupKind::Tp,
+                    ..
+                } => true,
+                _ => tp_rank == 0,
+            }
     };
     #[cfg(feature = "cuda")]
     if let Some(gpu) = buffers.grads().gpu() {
         // One read back for every run of counted parameters: a host wait per run would leave
         // the GPU idle that many times a step on tensor-parallel ranks past the first, where
         // replicated parameters split the runs.
-        let parts = runs(buffers, |s| counted(&s.spec.split).then_some(()))
+        let parts = runs(buffers, |s| counted(s).then_some(()))
             .into_iter()
             .map(|((), offset, len)| buffers.grads().narrow(0, offset, len))
             .collect::<std::result::Result<Vec<_>, _>>()?;
@@ -243,7 +248,7 @@ pub fn grad_norm(
     let grads = buffers.grads().read::<f32>()?;
     let mut sum = 0.0f64;
     for slot in buffers.slots() {
-        if counted(&slot.spec.split) {
+        if counted(slot) {
             sum += sum_of_squares(&grads[slot.offset..slot.offset + slot.len]);
         }
     }

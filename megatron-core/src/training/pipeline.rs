@@ -1,0 +1,383 @@
+//! Training through a pipeline: a rank holds one model chunk per virtual stage and walks its
+//! schedule's order; each pass receives its input from the previous stage and sends its output
+//! to the next (the gradients the other way round), and the last stage computes the losses.
+
+use std::collections::HashMap;
+
+use super::{LanguageModel, Sampler, Trainer};
+use crate::comm::{ParallelState, ReduceOp};
+use crate::error::{Error, Result};
+use crate::invalid;
+use crate::module::{Builder, Cx, Ids, Module, Param, Pipelined};
+use crate::parallel::GroupKind;
+use crate::pipeline_parallel::{Schedule, ScheduleConfig, Stage, WalkError, walk};
+use crate::tensor::{DType, Tensor};
+
+/// A language model that pipeline parallelism cuts into stages (its layers a `#[pipeline]`
+/// stack): the first stage embeds the token ids, every stage runs its layers, the last computes
+/// the per-token losses. The `#[pipeline]` expansion generates the parts; a model implements
+/// this trait by calling them.
+pub trait PipelinedLanguageModel: LanguageModel + Pipelined {
+    /// What the first stage's part keeps.
+    type FirstSaved;
+    /// What a stage's layers keep.
+    type LayersSaved;
+    /// What the last stage's part keeps.
+    type LastSaved;
+
+    /// The width of the value that goes from stage to stage (`[s, b, width]`).
+    fn carried_width(&self) -> usize;
+
+    /// The first stage's part: token ids `[s, b]` to the value the layers start from.
+    fn first_forward(&self, cx: &Cx, tokens: &Ids) -> Result<(Tensor, Self::FirstSaved)>;
+
+    /// The first stage part's backward, from the gradient of its output.
+    fn first_backward(&self, cx: &Cx, saved: Self::FirstSaved, d_out: &Tensor) -> Result<()>;
+
+    /// This stage's layers.
+    fn layers_forward(&self, cx: &Cx, h: &Tensor) -> Result<(Tensor, Self::LayersSaved)>;
+
+    /// The layers' backward: the gradient of their input.
+    fn layers_backward(&self, cx: &Cx, saved: Self::LayersSaved, d_out: &Tensor) -> Result<Tensor>;
+
+    /// The last stage's part: the layers' output and the targets `[s, b]` to per-token losses.
+    fn last_forward(&self, cx: &Cx, h: &Tensor, targets: &Ids)
+    -> Result<(Tensor, Self::LastSaved)>;
+
+    /// The last stage part's backward, from the losses' gradient: the gradient of its input.
+    fn last_backward(&self, cx: &Cx, saved: Self::LastSaved, dlosses: &Tensor) -> Result<Tensor>;
+}
+
+/// A rank's model chunks, one per virtual stage, as one module (their parameters in chunk
+/// order): what the trainer packs into its flat buffers.
+#[derive(Debug)]
+pub struct Chunks<M>(pub Vec<M>);
+
+impl<M: Module> Module for Chunks<M> {
+    type Spec = Vec<M::Spec>;
+    type Saved = ();
+
+    fn build(spec: &Self::Spec, b: &mut Builder) -> Result<Self> {
+        spec.iter()
+            .map(|s| M::build(s, b))
+            .collect::<Result<_>>()
+            .map(Chunks)
+    }
+
+    fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+        for m in &self.0 {
+            m.visit_params(f);
+        }
+    }
+
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        for m in &mut self.0 {
+            m.visit_params_mut(f);
+        }
+    }
+}
+
+impl From<WalkError> for Error {
+    fn from(e: WalkError) -> Self {
+        Error::Invalid(e.to_string())
+    }
+}
+
+/// How a pipelined trainer runs its microbatches.
+pub(super) struct Pipeline<M: LanguageModel> {
+    /// This rank's pipeline rank and the pipeline's size.
+    pub rank: usize,
+    pub size: usize,
+    /// The training schedule's order of this rank, and the evaluation one's.
+    pub order: Vec<i32>,
+    pub eval_order: Vec<i32>,
+    /// Runs one batch's microbatches through the order (generic over the model's pipelined
+    /// parts, which the trainer's own impl cannot name).
+    pub run: RunFn<M>,
+    /// Sum the tied copies' gradients over the embedding group (off only to show it is needed).
+    pub sync_shared: bool,
+}
+
+/// Runs batch `batch` of `data` through `order` (training unless `forward_only`): the sum of the
+/// per-token losses this rank computed (the last stage's; 0 elsewhere).
+pub(super) type RunFn<M> =
+    fn(&Trainer<M>, &ParallelState, &Sampler, u64, &[i32], Mode) -> Result<f64>;
+
+/// What a walk is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// Forward and backward, at this step (dropout as training).
+    Train { step: u64 },
+    /// Forwards only, nothing kept, no dropout.
+    Eval,
+}
+
+impl<M: PipelinedLanguageModel> Trainer<M> {
+    /// A trainer of one rank of a pipeline: `chunks` are its model chunks, one per virtual
+    /// stage (each built with [`Builder::with_stage`] for its part of the layers), run in the
+    /// order of Megatron-LM's schedule over `parallel`'s pipeline group with
+    /// `microbatch_group_size` (`None`: pp) contiguous microbatches per virtual stage.
+    pub fn pipelined(
+        chunks: Vec<M>,
+        parallel: &ParallelState,
+        sampler: Sampler,
+        config: super::TrainConfig,
+        microbatch_group_size: Option<usize>,
+    ) -> Result<Self> {
+        let pp = parallel.pp();
+        let (rank, size) = (pp.index(), pp.size());
+        if chunks.is_empty() {
+            return invalid!("a pipeline rank needs at least one model chunk");
+        }
+        let plan = *sampler.plan();
+        let schedule_config = ScheduleConfig {
+            group_size: microbatch_group_size,
+            ..ScheduleConfig::new(size, chunks.len(), plan.microbatches())
+        };
+        let schedule = Schedule::new(schedule_config).map_err(|e| Error::Invalid(e.to_string()))?;
+        let eval = Schedule::new(ScheduleConfig {
+            forward_only: true,
+            ..schedule_config
+        })
+        .map_err(|e| Error::Invalid(e.to_string()))?;
+        // The last stage's copy of a parameter the first stage holds too is counted once.
+        let mut shared = Vec::new();
+        let mut position = 0;
+        for chunk in &chunks {
+            let copy = chunk.stage().last && !chunk.stage().first;
+            let mut names = Vec::new();
+            chunk.visit_shared_params(&mut |p| names.push(p.spec().name.clone()));
+            chunk.visit_params(&mut |p| {
+                if copy && names.contains(&p.spec().name) {
+                    shared.push(position);
+                }
+                position += 1;
+            });
+        }
+        let mut trainer = Trainer::build(Chunks(chunks), parallel, sampler, config)?;
+        trainer.buffers.mark_shared_copies(&shared);
+        trainer.pipeline = Some(Pipeline {
+            rank,
+            size,
+            order: schedule.ranks[rank].order.clone(),
+            eval_order: eval.ranks[rank].order.clone(),
+            run: run_walk::<M>,
+            sync_shared: true,
+        });
+        Ok(trainer)
+    }
+}
+
+impl<M: LanguageModel> Trainer<M> {
+    /// Leaves the tied copies' gradients unsummed over the embedding group: the first and the
+    /// last stage's copies then drift apart (for the test that shows the sum is needed).
+    #[doc(hidden)]
+    pub fn skip_shared_gradient_sum(&mut self) {
+        if let Some(p) = &mut self.pipeline {
+            p.sync_shared = false;
+        }
+    }
+}
+
+/// Sums the gradients of the parameters the first and the last stage both hold over the
+/// embedding group (a collective of the two stages' ranks, in visit order).
+fn sum_shared_gradients<M: Pipelined>(chunks: &[M], parallel: &ParallelState) -> Result<()> {
+    let Some(group) = parallel.get(GroupKind::Embedding) else {
+        return Ok(());
+    };
+    if group.size() < 2 {
+        return Ok(());
+    }
+    let mut grads = Vec::new();
+    for chunk in chunks {
+        chunk.visit_shared_params(&mut |p| grads.push(p.grad().clone()));
+    }
+    for g in &grads {
+        group.all_reduce(g, ReduceOp::Sum)?;
+    }
+    Ok(())
+}
+
+/// What a microbatch's passes through one chunk keep for its backward.
+struct Kept<M: PipelinedLanguageModel> {
+    first: Option<M::FirstSaved>,
+    layers: M::LayersSaved,
+    last: Option<(M::LastSaved, crate::tensor::Shape)>,
+}
+
+/// One rank's stage of the pipeline for one batch: its chunks' passes, with the activations
+/// and gradients they exchange with the neighbouring stages.
+struct Walker<'a, M: PipelinedLanguageModel> {
+    trainer: &'a Trainer<M>,
+    parallel: &'a ParallelState,
+    data: &'a Sampler,
+    batch: u64,
+    mode: Mode,
+    kept: HashMap<(usize, usize), Kept<M>>,
+    loss_sum: f64,
+    /// The shape of the value between stages, `[s, b, width]`.
+    carried: [usize; 3],
+}
+
+fn run_walk<M: PipelinedLanguageModel>(
+    trainer: &Trainer<M>,
+    parallel: &ParallelState,
+    data: &Sampler,
+    batch: u64,
+    order: &[i32],
+    mode: Mode,
+) -> Result<f64> {
+    let plan = *data.plan();
+    let chunks = &trainer.chunks.0;
+    let mut walker = Walker {
+        trainer,
+        parallel,
+        data,
+        batch,
+        mode,
+        kept: HashMap::new(),
+        loss_sum: 0.0,
+        carried: [plan.seq_length, plan.micro_batch, chunks[0].carried_width()],
+    };
+    walk(
+        order,
+        chunks.len(),
+        plan.microbatches(),
+        mode == Mode::Eval,
+        &mut walker,
+    )?;
+    // After the flush, the tied embedding's two copies (first and last stage) get one gradient.
+    let sync = trainer.pipeline.as_ref().is_some_and(|p| p.sync_shared);
+    if mode != Mode::Eval && sync {
+        sum_shared_gradients(chunks, parallel)?;
+    }
+    Ok(walker.loss_sum)
+}
+
+impl<M: PipelinedLanguageModel> Walker<'_, M> {
+    fn cx(&self, microbatch: usize) -> Cx<'_> {
+        let cx = Cx::new(self.parallel, self.trainer.config.seed);
+        match self.mode {
+            Mode::Train { step } => {
+                let plan = self.data.plan();
+                let dp_rank = self.parallel.groups().dp_rank();
+                cx.at(step, plan.global_microbatch(dp_rank, microbatch) as u64)
+            }
+            Mode::Eval => cx.eval(),
+        }
+    }
+
+    fn neighbours(&self) -> (usize, usize) {
+        let p = self.trainer.pipeline.as_ref().expect("a pipelined trainer");
+        ((p.rank + p.size - 1) % p.size, (p.rank + 1) % p.size)
+    }
+
+    /// A buffer for the value (or its gradient) another stage sends.
+    fn carried_buffer(&self) -> Result<Tensor> {
+        Tensor::empty_near(self.carried, DType::F32, self.trainer.buffers.grads())
+    }
+
+    fn check_carried(&self, t: &Tensor, what: &str) -> Result<()> {
+        if t.dims() != self.carried || t.dtype() != DType::F32 {
+            return invalid!(
+                "the pipeline sends {what} of shape {:?} and dtype f32 between stages, but this \
+                 stage produced {:?} {}",
+                self.carried,
+                t.dims(),
+                t.dtype()
+            );
+        }
+        Ok(())
+    }
+}
+
+impl<M: PipelinedLanguageModel> Stage for Walker<'_, M> {
+    type Error = Error;
+
+    fn forward(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
+        let model = &self.trainer.chunks.0[chunk];
+        let part = model.stage().clone();
+        let cx = self.cx(microbatch);
+        let (prev, next) = self.neighbours();
+        let dp_rank = self.parallel.groups().dp_rank();
+        let data = if part.first || part.last {
+            Some(self.data.microbatch(self.batch, dp_rank, microbatch)?)
+        } else {
+            None
+        };
+        let (h, first) = match (&data, part.first) {
+            (Some((tokens, _)), true) => {
+                let (h, saved) = model.first_forward(&cx, tokens)?;
+                (h, Some(saved))
+            }
+            _ => {
+                let h = self.carried_buffer()?;
+                self.parallel.pp().recv(&h, prev)?;
+                (h, None)
+            }
+        };
+        let (out, layers) = model.layers_forward(&cx, &h)?;
+        let last = match (&data, part.last) {
+            (Some((_, targets)), true) => {
+                let (losses, saved) = model.last_forward(&cx, &out, targets)?;
+                self.loss_sum += losses
+                    .to_vec_f32()?
+                    .iter()
+                    .map(|&l| f64::from(l))
+                    .sum::<f64>();
+                Some((saved, losses.shape().clone()))
+            }
+            _ => {
+                self.check_carried(&out, "activations")?;
+                self.parallel.pp().send(&out, next)?;
+                None
+            }
+        };
+        if matches!(self.mode, Mode::Train { .. }) {
+            self.kept.insert(
+                (chunk, microbatch),
+                Kept {
+                    first,
+                    layers,
+                    last,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    fn backward(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
+        let Some(kept) = self.kept.remove(&(chunk, microbatch)) else {
+            return invalid!(
+                "backward of chunk {chunk} microbatch {microbatch} before its forward"
+            );
+        };
+        let model = &self.trainer.chunks.0[chunk];
+        let cx = self.cx(microbatch);
+        let (prev, next) = self.neighbours();
+        let d = match kept.last {
+            Some((saved, shape)) => {
+                let plan = self.data.plan();
+                let tokens = plan.global_batch * plan.seq_length;
+                // d(mean loss over the global batch) / d(each token's loss).
+                let dlosses = Tensor::zeros_near(shape, DType::F32, self.trainer.buffers.grads())?;
+                dlosses.fill(1.0 / tokens as f32)?;
+                model.last_backward(&cx, saved, &dlosses)?
+            }
+            None => {
+                let d = self.carried_buffer()?;
+                self.parallel.pp_grads().recv(&d, next)?;
+                d
+            }
+        };
+        let d = model.layers_backward(&cx, kept.layers, &d)?;
+        match kept.first {
+            Some(saved) => model.first_backward(&cx, saved, &d)?,
+            None => {
+                self.check_carried(&d, "gradients")?;
+                self.parallel.pp_grads().send(&d, prev)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,184 @@
+//! Pipeline-parallel training of the DSL's GPT on thread ranks against the same run without a
+//! pipeline: pp ∈ {2, 4} × V ∈ {1, 2}, with tensor and data parallelism, give the same losses and
+//! gradient norms (to 1e-5 of their size: only the order of f32 sums differs), and the tied
+//! embedding's gradient sum over the embedding group is what keeps them so.
+
+use megatron::comm::ParallelState;
+use megatron::comm::threads::launch;
+use megatron::models::GptConfig;
+use megatron::models::gpt::Gpt;
+use megatron::module::{Builder, Module};
+use megatron::parallel::{ParallelConfig, ParallelLayout};
+use megatron::pipeline_parallel::PipelineLayout;
+use megatron::training::{
+    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
+};
+
+type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+const LAYERS: usize = 8;
+const STEPS: u64 = 6;
+
+fn config() -> GptConfig {
+    let mut c = GptConfig::new(LAYERS, 32, 4, 256, 32);
+    c.hidden_dropout = 0.1;
+    c.attention_dropout = 0.1;
+    c
+}
+
+/// A run's layout.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    tp: usize,
+    pp: usize,
+    dp: usize,
+    vpp: usize,
+    /// Sum the tied embedding's gradients over the embedding group.
+    sync: bool,
+}
+
+impl Run {
+    fn new(tp: usize, pp: usize, dp: usize, vpp: usize) -> Run {
+        Run {
+            tp,
+            pp,
+            dp,
+            vpp,
+            sync: true,
+        }
+    }
+}
+
+/// Loss and gradient norm of every step (rank 0's, which every rank agrees with), and rank 0's
+/// embedding values after the last step with the last stage's copy of them.
+fn train(run: Run) -> (Vec<(f64, f64)>, Vec<f32>, Vec<f32>) {
+    let Run {
+        tp,
+        pp,
+        dp,
+        vpp,
+        sync,
+    } = run;
+    let world = tp * pp * dp;
+    let layout = ParallelLayout::new(&ParallelConfig::new(world).with_tp(tp).with_pp(pp)).unwrap();
+    let stages = PipelineLayout::new(LAYERS, pp, vpp, None, None).unwrap();
+    let text =
+        "Megatron-LM pipelines the layers over stages and interleaves their chunks. ".repeat(30);
+    let spec = config().spec();
+    let mut ranks = launch(world, |w| -> R<_> {
+        let ps = ParallelState::new(&w, &layout)?;
+        let sampler = Sampler::windows(
+            TokenStream::from_bytes(text.as_bytes()),
+            BatchPlan {
+                seq_length: 16,
+                micro_batch: 1,
+                global_batch: 8,
+                dp,
+            },
+            3,
+        )?;
+        let train = TrainConfig {
+            schedule: LrSchedule {
+                max_lr: 2e-3,
+                min_lr: 2e-4,
+                warmup_steps: 2,
+                decay_steps: STEPS,
+                style: DecayStyle::Cosine,
+            },
+            adam: AdamWConfig::default(),
+            clip_grad: 1.0,
+            seed: 9,
+            bucket_elements: 10_000,
+            check_for_nan: true,
+        };
+        let pp_rank = ps.pp().index();
+        let mut trainer = if pp == 1 {
+            let model = Gpt::build(&spec, &mut Builder::for_rank(17, ps.groups()))?;
+            Trainer::new(model, &ps, sampler, train)?
+        } else {
+            let chunks = (0..vpp)
+                .map(|c| {
+                    let b = Builder::for_rank(17, ps.groups()).with_stage(stages.part(pp_rank, c));
+                    Gpt::build(&spec, &mut { b })
+                })
+                .collect::<megatron::Result<Vec<_>>>()?;
+            Trainer::pipelined(chunks, &ps, sampler, train, None)?
+        };
+        if !sync {
+            trainer.skip_shared_gradient_sum();
+        }
+        let curve = (0..STEPS)
+            .map(|s| {
+                let m = trainer.step(&ps, s)?;
+                Ok((m.loss, m.grad_norm))
+            })
+            .collect::<R<Vec<_>>>()?;
+        let mut wte = Vec::new();
+        for chunk in trainer.chunks() {
+            chunk.visit_params(&mut |p| {
+                if p.spec().name == "wte.weight" && wte.is_empty() {
+                    wte = p.value().to_vec::<f32>().unwrap();
+                }
+            });
+        }
+        Ok((curve, wte))
+    })
+    .unwrap();
+    // The last pipeline stage's rank with the same tp and dp coordinates as rank 0.
+    let last = layout.groups(megatron::parallel::GroupKind::Pp)[0][pp - 1];
+    let last_wte = ranks[last].1.clone();
+    let (curve, wte) = ranks.remove(0);
+    (curve, wte, last_wte)
+}
+
+fn assert_close(a: &[(f64, f64)], b: &[(f64, f64)], what: &str) {
+    for (i, ((loss, norm), (l0, n0))) in a.iter().zip(b).enumerate() {
+        assert!(
+            (loss - l0).abs() <= 1e-5 * l0.abs(),
+            "{what} step {i}: loss {loss} vs {l0}"
+        );
+        assert!(
+            (norm - n0).abs() <= 1e-5 * n0.abs(),
+            "{what} step {i}: grad norm {norm} vs {n0}"
+        );
+    }
+}
+
+#[test]
+fn pipelines_train_as_one_stage_does() {
+    let (reference, _, _) = train(Run::new(1, 1, 1, 1));
+    assert!(
+        reference[STEPS as usize - 1].0 < reference[0].0,
+        "{reference:?}"
+    );
+    for run in [
+        Run::new(1, 2, 1, 1),
+        Run::new(1, 4, 1, 1),
+        Run::new(1, 2, 1, 2),
+        Run::new(1, 4, 1, 2),
+        Run::new(2, 2, 1, 2),
+        Run::new(1, 2, 2, 1),
+        Run::new(2, 2, 2, 2),
+    ] {
+        let (curve, wte, last_wte) = train(run);
+        assert_close(&curve, &reference, &format!("{run:?}"));
+        // The first and the last stage's copies of the tied embedding stay equal.
+        assert_eq!(wte, last_wte, "{run:?}");
+    }
+}
+
+#[test]
+fn without_the_embedding_groups_sum_the_tied_copies_drift_apart() {
+    let (reference, _, _) = train(Run::new(1, 1, 1, 1));
+    let (curve, wte, last_wte) = train(Run {
+        sync: false,
+        ..Run::new(1, 2, 1, 1)
+    });
+    assert_ne!(wte, last_wte);
+    let drift = curve
+        .iter()
+        .zip(&reference)
+        .map(|(a, b)| (a.0 - b.0).abs() / b.0)
+        .fold(0.0, f64::max);
+    assert!(drift > 1e-4, "the losses should differ: {drift}");
+}
