@@ -15,6 +15,7 @@ use megatron_core::comm::threads::launch;
 use megatron_core::comm::{CommStats, ParallelState, ReduceOp, World};
 use megatron_core::module::{Builder, Module};
 use megatron_core::parallel::{GroupKind, ParallelConfig, ParallelLayout};
+use megatron_core::pipeline_parallel::{PipelineLayout, Schedule, ScheduleConfig};
 use megatron_core::tensor::{DType, Tensor};
 use megatron_core::training::{BatchPlan, Sampler, SaveInfo, StepMetrics, TrainConfig, Trainer};
 use megatron_models::GptConfig;
@@ -31,6 +32,8 @@ pub struct TrainJob {
     pub tp: usize,
     /// Data-parallel size.
     pub dp: usize,
+    /// Pipeline parallelism: stages, virtual stages, how the layers are cut.
+    pub pipeline: PipelineSettings,
     /// Optimizer steps to reach (counted from 0, including steps a loaded checkpoint did).
     pub steps: u64,
     /// Training samples.
@@ -84,6 +87,60 @@ impl StopRequest {
             0 => None,
             why => Some(why),
         }
+    }
+}
+
+/// How a job cuts its model into pipeline stages (Megatron-LM's pipeline flags).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PipelineSettings {
+    /// Pipeline stages (`--pipeline-model-parallel-size`).
+    pub pp: usize,
+    /// Model chunks (virtual stages) per stage; 1 is the non-interleaved 1F1B schedule.
+    pub vpp: usize,
+    /// Contiguous microbatches per virtual stage (`--microbatch-group-size-per-vp-stage`;
+    /// `None`: pp).
+    pub group_size: Option<usize>,
+    /// Layers of the first stage when uneven (`--decoder-first-pipeline-num-layers`).
+    pub first_stage_layers: Option<usize>,
+    /// Layers of the last stage when uneven (`--decoder-last-pipeline-num-layers`).
+    pub last_stage_layers: Option<usize>,
+}
+
+impl Default for PipelineSettings {
+    fn default() -> Self {
+        PipelineSettings {
+            pp: 1,
+            vpp: 1,
+            group_size: None,
+            first_stage_layers: None,
+            last_stage_layers: None,
+        }
+    }
+}
+
+impl PipelineSettings {
+    /// Whether the model runs as one stage.
+    pub fn is_single_stage(&self) -> bool {
+        self.pp == 1 && self.vpp == 1
+    }
+
+    /// The layers of a model of `layers` laid over the stages (Megatron-LM's checks).
+    pub fn layout(&self, layers: usize) -> Result<PipelineLayout> {
+        Ok(PipelineLayout::new(
+            layers,
+            self.pp,
+            self.vpp,
+            self.first_stage_layers,
+            self.last_stage_layers,
+        )?)
+    }
+
+    /// The training schedule for `microbatches` per step (Megatron-LM's checks).
+    pub fn schedule(&self, microbatches: usize) -> Result<Schedule> {
+        Ok(Schedule::new(ScheduleConfig {
+            group_size: self.group_size,
+            ..ScheduleConfig::new(self.pp, self.vpp, microbatches)
+        })?)
     }
 }
 
@@ -287,13 +344,12 @@ impl TrainJob {
         Ok(context.finish(start))
     }
 
-    /// A world of `size` processes has the job's tp × dp ranks.
+    /// A world of `size` processes has the job's tp × pp × dp ranks.
     fn check_world(&self, size: usize) -> Result<()> {
         if size != self.world_size() {
             bail!(
-                "TP={} × DP={} needs {} ranks, the world has {size} (start as many processes)",
-                self.tp,
-                self.dp,
+                "{} needs {} ranks, the world has {size} (start as many processes)",
+                self.layout_name(),
                 self.world_size(),
             );
         }
@@ -302,14 +358,33 @@ impl TrainJob {
 
     /// Number of ranks the job runs on.
     pub fn world_size(&self) -> usize {
-        self.tp * self.dp
+        self.tp * self.pipeline.pp * self.dp
+    }
+
+    /// The parallel layout as `TP=2 × PP=2 × DP=1` (PP left out without a pipeline, and the
+    /// virtual stages shown when there are some).
+    pub fn layout_name(&self) -> String {
+        let p = &self.pipeline;
+        let pp = match (p.pp, p.vpp) {
+            (1, 1) => String::new(),
+            (pp, 1) => format!(" × PP={pp}"),
+            (pp, v) => format!(" × PP={pp} (V={v})"),
+        };
+        format!("TP={}{pp} × DP={}", self.tp, self.dp)
     }
 
     fn context<'a>(&self, observers: &'a mut [Box<dyn Observer>]) -> Result<RunContext<'a>> {
-        if self.tp == 0 || self.dp == 0 {
-            bail!("--tensor-model-parallel-size and --data-parallel-size must be at least 1");
+        if self.tp == 0 || self.dp == 0 || self.pipeline.pp == 0 {
+            bail!(
+                "--tensor-model-parallel-size, --pipeline-model-parallel-size and \
+                 --data-parallel-size must be at least 1"
+            );
         }
-        let layout = ParallelLayout::new(&ParallelConfig::new(self.world_size()).with_tp(self.tp))?;
+        let layout = ParallelLayout::new(
+            &ParallelConfig::new(self.world_size())
+                .with_tp(self.tp)
+                .with_pp(self.pipeline.pp),
+        )?;
         let plan: BatchPlan = *self.train_data.plan();
         if plan.dp != self.dp {
             bail!(
@@ -349,11 +424,32 @@ impl TrainJob {
                 f(&mut cx.summary.lock().expect("summary lock"));
             }
         };
-        let model = Gpt::build(
-            &self.model.spec(),
-            &mut Builder::for_rank(self.train.seed, parallel.groups()),
-        )?;
-        let mut trainer = Trainer::new(model, &parallel, self.train_data.clone(), self.train)?;
+        let spec = self.model.spec();
+        let mut trainer = if self.pipeline.is_single_stage() {
+            let model = Gpt::build(
+                &spec,
+                &mut Builder::for_rank(self.train.seed, parallel.groups()),
+            )?;
+            Trainer::new(model, &parallel, self.train_data.clone(), self.train)?
+        } else {
+            // This rank's chunk of each virtual stage it holds.
+            let layout = self.pipeline.layout(self.model.num_layers)?;
+            let pp_rank = parallel.pp().index();
+            let chunks = (0..self.pipeline.vpp)
+                .map(|chunk| {
+                    let mut b = Builder::for_rank(self.train.seed, parallel.groups())
+                        .with_stage(layout.part(pp_rank, chunk));
+                    Gpt::build(&spec, &mut b)
+                })
+                .collect::<megatron_core::Result<Vec<_>>>()?;
+            Trainer::pipelined(
+                chunks,
+                &parallel,
+                self.train_data.clone(),
+                self.train,
+                self.pipeline.group_size,
+            )?
+        };
         let first = match &self.load {
             Some(path) => trainer.load_checkpoint(&parallel, path)?.iteration,
             None => 0,

@@ -197,6 +197,7 @@ fn files_beside_the_tensors_are_checksummed_and_non_finite_values_are_never_save
         consumed_samples: 0,
         saved_tp: 1,
         saved_dp: 1,
+        saved_pp: 1,
         model: serde_json::json!({}),
         run: serde_json::json!({}),
         files: BTreeMap::new(),

@@ -61,6 +61,7 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
         model,
         tp,
         dp,
+        pipeline: Default::default(),
         steps: 5,
         train_data: data,
         eval: None,

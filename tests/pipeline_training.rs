@@ -182,3 +182,87 @@ fn without_the_embedding_groups_sum_the_tied_copies_drift_apart() {
         .fold(0.0, f64::max);
     assert!(drift > 1e-4, "the losses should differ: {drift}");
 }
+
+/// A stage of 1F1B that passes a small tensor along and fails at its `fail_at`-th forward.
+struct Relay<'a> {
+    parallel: &'a ParallelState,
+    forwards: usize,
+    fail_at: Option<usize>,
+}
+
+impl megatron::pipeline_parallel::Stage for Relay<'_> {
+    type Error = megatron::Error;
+
+    fn forward(&mut self, _chunk: usize, microbatch: usize) -> megatron::Result<()> {
+        let pp = self.parallel.pp();
+        let (rank, size) = (pp.index(), pp.size());
+        let t = megatron::tensor::Tensor::zeros([4], megatron::tensor::DType::F32);
+        if rank > 0 {
+            pp.recv(&t, rank - 1)?;
+        }
+        self.forwards += 1;
+        if Some(self.forwards) == self.fail_at {
+            return megatron::invalid!("rank {rank} fails at microbatch {microbatch}");
+        }
+        if rank + 1 < size {
+            pp.send(&t, rank + 1)?;
+        }
+        Ok(())
+    }
+
+    fn backward(&mut self, _chunk: usize, _microbatch: usize) -> megatron::Result<()> {
+        let grads = self.parallel.pp_grads();
+        let (rank, size) = (grads.index(), grads.size());
+        let t = megatron::tensor::Tensor::zeros([4], megatron::tensor::DType::F32);
+        if rank + 1 < size {
+            grads.recv(&t, rank + 1)?;
+        }
+        if rank > 0 {
+            grads.send(&t, rank - 1)?;
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_rank_failing_mid_pipeline_stops_every_rank_with_its_error() {
+    use megatron::pipeline_parallel::{Schedule, ScheduleConfig, walk};
+    let layout = ParallelLayout::new(&ParallelConfig::new(4).with_pp(4)).unwrap();
+    let schedule = Schedule::new(ScheduleConfig::new(4, 1, 8)).unwrap();
+    let start = std::time::Instant::now();
+    let result = launch(4, |w| -> megatron::Result<()> {
+        let ps = ParallelState::new(&w, &layout)?;
+        let rank = ps.pp().index();
+        let mut stage = Relay {
+            parallel: &ps,
+            forwards: 0,
+            // Rank 2 fails at its fourth forward, in the middle of the steady phase.
+            fail_at: (rank == 2).then_some(4),
+        };
+        walk(&schedule.ranks[rank].order, 1, 8, false, &mut stage)?;
+        Ok(())
+    });
+    let err = result.unwrap_err().to_string();
+    assert!(
+        err.contains("rank 2") && err.contains("fails at microbatch"),
+        "{err}"
+    );
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(30),
+        "stopped at once"
+    );
+    // Without the failure the same walk completes on every rank.
+    launch(4, |w| -> megatron::Result<()> {
+        let ps = ParallelState::new(&w, &layout)?;
+        let rank = ps.pp().index();
+        let mut stage = Relay {
+            parallel: &ps,
+            forwards: 0,
+            fail_at: None,
+        };
+        let stats = walk(&schedule.ranks[rank].order, 1, 8, false, &mut stage)?;
+        assert_eq!(stats.max_live, schedule.ranks[rank].counts.warmup + 1);
+        Ok(())
+    })
+    .unwrap();
+}

@@ -10,7 +10,7 @@ use indicatif::ProgressBar;
 use megatron::data::{
     Blend, GptDatasetConfig, SampleSource, Split as DataSplit, SplitVector, build_gpt_dataset,
 };
-use megatron::job::{Eval, Observer, Placement, StopRequest, Summary, TrainJob};
+use megatron::job::{Eval, Observer, PipelineSettings, Placement, StopRequest, Summary, TrainJob};
 use megatron::models::GptConfig;
 use megatron::report::plot::Curves;
 use megatron::tokenizer::Tokenizer;
@@ -34,10 +34,34 @@ pub struct TrainArgs {
     /// Tensor-parallel size [default: 1, or the loaded checkpoint's].
     #[arg(long = "tensor-model-parallel-size", visible_alias = "tp")]
     tp: Option<usize>,
-    /// Data-parallel size (the world is tp × dp thread ranks) [default: 1, or the loaded
+    /// Data-parallel size (the world is tp × pp × dp ranks) [default: 1, or the loaded
     /// checkpoint's].
     #[arg(long = "data-parallel-size", visible_alias = "dp")]
     dp: Option<usize>,
+    /// Pipeline stages: the layers are cut into this many stages, one per rank of a pipeline
+    /// group, trained with Megatron-LM's 1F1B schedule [default: 1, or the loaded checkpoint's].
+    #[arg(long = "pipeline-model-parallel-size", visible_alias = "pp")]
+    pp: Option<usize>,
+    /// Model chunks (virtual stages) per pipeline stage: the interleaved 1F1B schedule
+    /// [default: 1].
+    #[arg(
+        long = "virtual-pipeline-model-parallel-size",
+        visible_aliases = ["vpp", "num-virtual-stages-per-pipeline-rank"]
+    )]
+    vpp: Option<usize>,
+    /// Layers per virtual pipeline stage (the interleaved schedule, the number of chunks
+    /// derived: layers / pp / this).
+    #[arg(long)]
+    num_layers_per_virtual_pipeline_stage: Option<usize>,
+    /// Contiguous microbatches each virtual stage runs (interleaved schedule) [default: pp].
+    #[arg(long)]
+    microbatch_group_size_per_vp_stage: Option<usize>,
+    /// Layers of the first pipeline stage, the others sharing the rest evenly.
+    #[arg(long)]
+    decoder_first_pipeline_num_layers: Option<usize>,
+    /// Layers of the last pipeline stage, the others sharing the rest evenly.
+    #[arg(long)]
+    decoder_last_pipeline_num_layers: Option<usize>,
     /// Tokens per sample [default: 128, or the loaded checkpoint's].
     #[arg(long)]
     seq_length: Option<usize>,
@@ -136,7 +160,7 @@ pub struct TrainArgs {
     #[arg(long)]
     quiet: bool,
     /// Where the ranks run: `threads` in this process, or `mpi`, one process per rank started
-    /// by `mpirun -np N` / `srun` (N = tp × dp).
+    /// by `mpirun -np N` / `srun` (N = tp × pp × dp).
     #[arg(long, value_enum, default_value_t = Backend::Threads)]
     backend: Backend,
     /// `cpu`, or `cuda` (build with `--features cuda`): with the threads backend every rank
@@ -203,6 +227,7 @@ struct Settings {
     model: GptConfig,
     tp: usize,
     dp: usize,
+    pp: usize,
     seq_length: usize,
     micro_batch: usize,
     global_batch: usize,
@@ -281,8 +306,12 @@ impl TrainArgs {
         };
         let tp = pick("tp", self.tp, meta.as_ref().map(|m| m.saved_tp), 1);
         let dp = pick("dp", self.dp, meta.as_ref().map(|m| m.saved_dp), 1);
-        if tp == 0 || dp == 0 {
-            bail!("--tensor-model-parallel-size and --data-parallel-size must be at least 1");
+        let pp = pick("pp", self.pp, meta.as_ref().map(|m| m.saved_pp), 1);
+        if tp == 0 || dp == 0 || pp == 0 {
+            bail!(
+                "--tensor-model-parallel-size, --pipeline-model-parallel-size and \
+                 --data-parallel-size must be at least 1"
+            );
         }
         let seq_length = pick(
             "seq-length",
@@ -403,6 +432,7 @@ impl TrainArgs {
             model,
             tp,
             dp,
+            pp,
             seq_length,
             micro_batch,
             global_batch,
@@ -412,6 +442,51 @@ impl TrainArgs {
             tokenizer,
             taken,
         })
+    }
+
+    /// The pipeline settings of a model of `layers` layers on `pp` stages, with Megatron-LM's
+    /// checks of the layer assignment and of the schedule of `microbatches` per step.
+    fn pipeline(&self, pp: usize, layers: usize, microbatches: usize) -> Result<PipelineSettings> {
+        let uneven = self.decoder_first_pipeline_num_layers.is_some()
+            || self.decoder_last_pipeline_num_layers.is_some();
+        let vpp = match (self.vpp, self.num_layers_per_virtual_pipeline_stage) {
+            (Some(_), Some(_)) => bail!(
+                "give one of --virtual-pipeline-model-parallel-size and \
+                 --num-layers-per-virtual-pipeline-stage, not both"
+            ),
+            (Some(v), None) => v,
+            (None, Some(_)) if uneven => bail!(
+                "with uneven first or last stages, give the virtual stages with \
+                 --virtual-pipeline-model-parallel-size (--num-virtual-stages-per-pipeline-rank), \
+                 not --num-layers-per-virtual-pipeline-stage"
+            ),
+            (None, Some(0)) => bail!("--num-layers-per-virtual-pipeline-stage must be at least 1"),
+            (None, Some(per_stage)) => {
+                if !layers.is_multiple_of(pp) || !(layers / pp).is_multiple_of(per_stage) {
+                    bail!(
+                        "--num-layers-per-virtual-pipeline-stage {per_stage}: the {layers} layers \
+                         over pp = {pp} stages ({} each) must divide into virtual stages of \
+                         {per_stage}",
+                        layers as f64 / pp as f64
+                    );
+                }
+                layers / pp / per_stage
+            }
+            (None, None) => 1,
+        };
+        let settings = PipelineSettings {
+            pp,
+            vpp,
+            group_size: self.microbatch_group_size_per_vp_stage,
+            first_stage_layers: self.decoder_first_pipeline_num_layers,
+            last_stage_layers: self.decoder_last_pipeline_num_layers,
+        };
+        if uneven && pp == 1 {
+            bail!("--decoder-first/last-pipeline-num-layers need a pipeline: add --pp");
+        }
+        settings.schedule(microbatches)?;
+        settings.layout(layers)?;
+        Ok(settings)
     }
 
     /// Checks the flags that need no data or checkpoint to check.
@@ -519,6 +594,14 @@ impl TrainArgs {
             dp: s.dp,
         };
         plan.validate()?;
+        let pipeline = self.pipeline(s.pp, s.model.num_layers, plan.microbatches())?;
+        if self.backend == Backend::Nccl && !pipeline.is_single_stage() {
+            bail!(
+                "pipeline parallelism does not run over NCCL yet: its schedule needs sends that \
+                 do not wait for their receive, and NCCL's do; use --backend mpi (CPU) or thread \
+                 ranks sharing a GPU (--device cuda)"
+            );
+        }
         let (train_data, valid_data) = self.data_sources(&s, plan)?;
         let train_data = Sampler::new(train_data, plan)?;
         let eval = match self.eval_interval {
@@ -564,6 +647,7 @@ impl TrainArgs {
             model: s.model,
             tp: s.tp,
             dp: s.dp,
+            pipeline,
             steps: self.train_iters,
             train_data,
             eval,
@@ -774,11 +858,10 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
     let params = job.model.num_params(job.tp);
     let flops_per_token = job.model.flops_per_token(plan.seq_length, job.tp);
     println!(
-        "training {} ({:.2}M parameters) with TP={} × DP={} on {} {}: {} steps of {} tokens ({} microbatches of {} per rank)",
+        "training {} ({:.2}M parameters) with {} on {} {}: {} steps of {} tokens ({} microbatches of {} per rank)",
         job.model_name,
         params as f64 / 1e6,
-        job.tp,
-        job.dp,
+        job.layout_name(),
         job.world_size(),
         match (args.backend, job.device) {
             (Backend::Threads, Placement::Cpu) => "thread ranks",
@@ -812,7 +895,7 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
         let png = path.with_extension("png");
         observers.push(Box::new(Plot::new(
             png,
-            format!("{} (TP={} × DP={})", job.model_name, job.tp, job.dp),
+            format!("{} ({})", job.model_name, job.layout_name()),
             earlier,
         )));
     }

@@ -321,6 +321,7 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
         consumed_samples: 0,
         saved_tp: 1,
         saved_dp: 1,
+        saved_pp: 1,
         model: serde_json::to_value(&c)?,
         run,
         files: BTreeMap::new(),

@@ -146,6 +146,9 @@ pub struct CheckpointMeta {
     pub saved_tp: usize,
     /// Data-parallel size of the run that saved it (informational).
     pub saved_dp: usize,
+    /// Pipeline-parallel size of the run that saved it (informational: the tensors are whole).
+    #[serde(default = "one")]
+    pub saved_pp: usize,
     /// The model's architecture, as its config serialises.
     pub model: serde_json::Value,
     /// Free-form facts about the run (training arguments, tokenizer...).
@@ -154,6 +157,46 @@ pub struct CheckpointMeta {
     /// Size and checksum of every tensor file, filled in by [`save`].
     #[serde(default)]
     pub files: BTreeMap<String, FileDigest>,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// Tensors as the bytes of a safetensors file (to send them to another rank).
+pub fn tensors_to_bytes(tensors: &BTreeMap<String, Whole>) -> Result<Vec<u8>, CheckpointError> {
+    let views = tensors
+        .iter()
+        .map(|(name, t)| {
+            TensorView::new(Dtype::F32, t.shape.clone(), bytemuck::cast_slice(&t.data))
+                .map(|v| (name.clone(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| CheckpointError::Format {
+            path: PathBuf::from("(in memory)"),
+            message: e.to_string(),
+        })?;
+    safetensors::serialize(views, None).map_err(|e| CheckpointError::Format {
+        path: PathBuf::from("(in memory)"),
+        message: e.to_string(),
+    })
+}
+
+/// Tensors from the bytes [`tensors_to_bytes`] made.
+pub fn tensors_from_bytes(bytes: &[u8]) -> Result<BTreeMap<String, Whole>, CheckpointError> {
+    let bad = |message: String| CheckpointError::Format {
+        path: PathBuf::from("(in memory)"),
+        message,
+    };
+    let st = SafeTensors::deserialize(bytes).map_err(|e| bad(e.to_string()))?;
+    let mut out = BTreeMap::new();
+    for (name, view) in st.tensors() {
+        if view.dtype() != Dtype::F32 {
+            return Err(bad(format!("`{name}` is {:?}, expected F32", view.dtype())));
+        }
+        out.insert(name, whole(view.shape().to_vec(), view.data()));
+    }
+    Ok(out)
 }
 
 /// The directory of iteration `iteration` inside a save directory.

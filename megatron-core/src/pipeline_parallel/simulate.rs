@@ -6,7 +6,10 @@
 //!
 //! Virtual stage `s = chunk·pp + rank` holds chunk `chunk` of pipeline rank `rank`; stage `s`
 //! receives activations from `s − 1` and gradients from `s + 1`. Sends never wait (they are
-//! buffered, as the thread communicator's are); a receive waits for its message.
+//! buffered, as the thread, MPI and device-local communicators' are); a receive waits for its
+//! message. The executor relies on it: with sends that wait for their receive, some of these
+//! orders deadlock (1F1B with pp = 2 and M = 2 already: both ranks send at once), which is why
+//! Megatron-LM batches a send with the next receive.
 
 use std::collections::HashMap;
 

@@ -64,6 +64,58 @@ fn empty_beside(like: &Tensor, len: usize) -> Result<Tensor> {
     Ok(Tensor::empty([len], DType::F32))
 }
 
+/// `values` as a tensor where `like` lives (the host or its GPU), for a communicator.
+fn i64_beside(values: Vec<i64>, like: &Tensor) -> Result<Tensor> {
+    let n = values.len();
+    let host = Tensor::from_vec(values, [n])?;
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = like.gpu() {
+        return Ok(host.to_gpu(gpu)?);
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = like;
+    Ok(host)
+}
+
+/// Sends whole tensors to the pipeline's first rank: their length in bytes, then the bytes (a
+/// safetensors image, padded to whole 8-byte words).
+fn send_tensors(
+    pp: &dyn crate::comm::Communicator,
+    tensors: &BTreeMap<String, Whole>,
+    like: &Tensor,
+) -> Result<()> {
+    let mut bytes = checkpoint::tensors_to_bytes(tensors)?;
+    let len = bytes.len();
+    bytes.resize(len.div_ceil(8) * 8, 0);
+    let words: Vec<i64> = bytes
+        .chunks_exact(8)
+        .map(|w| i64::from_le_bytes(w.try_into().expect("8 bytes")))
+        .collect();
+    pp.send(&i64_beside(vec![len as i64], like)?, 0)?;
+    pp.send(&i64_beside(words, like)?, 0)?;
+    Ok(())
+}
+
+/// Receives what [`send_tensors`] sent from pipeline rank `from`.
+fn recv_tensors(
+    pp: &dyn crate::comm::Communicator,
+    from: usize,
+    like: &Tensor,
+) -> Result<BTreeMap<String, Whole>> {
+    let len = i64_beside(vec![0], like)?;
+    pp.recv(&len, from)?;
+    let len = len.to_vec::<i64>()?[0] as usize;
+    let words = i64_beside(vec![0; len.div_ceil(8)], like)?;
+    pp.recv(&words, from)?;
+    let mut bytes: Vec<u8> = words
+        .to_vec::<i64>()?
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    bytes.truncate(len);
+    Ok(checkpoint::tensors_from_bytes(&bytes)?)
+}
+
 /// The whole, unpadded tensor of one parameter (or moment), assembled from every part over its
 /// split group (a collective of that group).
 fn gather_whole(parallel: &ParallelState, spec: &ParamSpec, local: &Tensor) -> Result<Whole> {
@@ -131,6 +183,29 @@ impl<M: LanguageModel> Trainer<M> {
                 gather_whole(parallel, spec, &view(v)?)?,
             );
         }
+        // With a pipeline, the first tensor-parallel rank of each stage holds its stage's whole
+        // tensors: they go to the first stage (global rank 0), which writes them all.
+        if groups.config().pp > 1 {
+            if groups.tp_rank() != 0 {
+                return Ok(());
+            }
+            let pp = parallel.pp();
+            let like = self.buffers.grads();
+            if pp.index() != 0 {
+                send_tensors(pp, &model, like)?;
+                send_tensors(pp, &optimizer, like)?;
+                return Ok(());
+            }
+            for stage in 1..pp.size() {
+                // The shared embedding arrives again from the last stage: the first copy stays.
+                for (name, t) in recv_tensors(pp, stage, like)? {
+                    model.entry(name).or_insert(t);
+                }
+                for (name, t) in recv_tensors(pp, stage, like)? {
+                    optimizer.entry(name).or_insert(t);
+                }
+            }
+        }
         if groups.rank() != 0 {
             return Ok(());
         }
@@ -143,6 +218,7 @@ impl<M: LanguageModel> Trainer<M> {
             consumed_samples: steps_done * self.sampler.plan().global_batch as u64,
             saved_tp: config.tp,
             saved_dp: config.dp,
+            saved_pp: config.pp,
             model: info.model.clone(),
             run: info.run.clone(),
             files: BTreeMap::new(),

@@ -1,0 +1,199 @@
+//! `megatron train --pp`: the pipeline-parallel runs of the command line against one stage, a
+//! checkpoint saved at one pipeline size resumed at others, and the configurations Megatron-LM
+//! refuses.
+
+mod support;
+use support::{TempDir, log_lines, megatron};
+
+/// The flags every run here shares: gpt-tiny cut to 4 layers, 8 microbatches a step.
+const COMMON: [&str; 11] = [
+    "train",
+    "--quiet",
+    "--num-layers",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--seed=5",
+];
+
+/// The (step, loss, grad_norm) of every line of a run with `extra` flags.
+fn curve(dir: &TempDir, name: &str, extra: &[&str]) -> Vec<(u64, f64, f64)> {
+    let log = dir.join(&format!("{name}.jsonl"));
+    let mut args: Vec<&str> = COMMON.to_vec();
+    args.extend(extra);
+    args.extend(["--log-json", &log]);
+    let (ok, stdout, stderr) = megatron(&args);
+    assert!(ok, "{extra:?}: {stderr}");
+    assert!(stdout.contains("steps of"), "{stdout}");
+    log_lines(&log)
+        .iter()
+        .map(|l| {
+            (
+                l["step"].as_u64().unwrap(),
+                l["loss"].as_f64().unwrap(),
+                l["grad_norm"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn assert_close(a: &[(u64, f64, f64)], b: &[(u64, f64, f64)], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.0, y.0, "{what}");
+        assert!(
+            (x.1 - y.1).abs() <= 1e-6 * y.1,
+            "{what}: loss {x:?} vs {y:?}"
+        );
+        assert!(
+            (x.2 - y.2).abs() <= 1e-6 * y.2,
+            "{what}: grad norm {x:?} vs {y:?}"
+        );
+    }
+}
+
+#[test]
+fn pipelines_of_the_command_line_train_as_one_stage() {
+    let dir = TempDir::new("cli-pp");
+    let steps = ["--train-iters", "4"];
+    let reference = curve(&dir, "pp1", &steps);
+    for (name, flags) in [
+        ("pp2", &["--pp", "2"][..]),
+        ("pp4", &["--pp", "4"]),
+        ("pp2v2", &["--pp", "2", "--vpp", "2"]),
+        (
+            "pp2v2l",
+            &["--pp", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+        ),
+        ("tp2pp2", &["--tp", "2", "--pp", "2", "--dp", "2"]),
+        (
+            "uneven",
+            &[
+                "--pp",
+                "2",
+                "--decoder-first-pipeline-num-layers",
+                "1",
+                "--decoder-last-pipeline-num-layers",
+                "3",
+            ],
+        ),
+    ] {
+        let mut args = flags.to_vec();
+        args.extend(steps);
+        assert_close(&curve(&dir, name, &args), &reference, name);
+    }
+}
+
+#[test]
+fn a_checkpoint_saved_at_one_pipeline_size_resumes_at_others() {
+    let dir = TempDir::new("cli-pp-ckpt");
+    let save = dir.join("ckpt");
+    let whole = curve(
+        &dir,
+        "whole",
+        &[
+            "--pp",
+            "2",
+            "--train-iters",
+            "6",
+            "--save",
+            &save,
+            "--save-interval",
+            "3",
+        ],
+    );
+    let from = format!("{save}/iter_0000003");
+    for pp in ["1", "4"] {
+        let resumed = curve(
+            &dir,
+            &format!("resumed{pp}"),
+            &["--load", &from, "--pp", pp, "--train-iters", "6"],
+        );
+        // The checkpoint's whole tensors load bit for bit at any pipeline size: the same
+        // losses; the gradient norm's squares are summed in f32 over other stages, in another
+        // order.
+        for (r, w) in resumed.iter().zip(&whole[3..]) {
+            assert_eq!((r.0, r.1), (w.0, w.1), "resumed at pp {pp}");
+            assert!(
+                (r.2 - w.2).abs() <= 1e-6 * w.2,
+                "resumed at pp {pp}: {r:?} vs {w:?}"
+            );
+        }
+        assert_eq!(resumed.len(), 3);
+    }
+    // The checkpoint holds every stage's tensors under their logical names, once.
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(format!("{from}/meta.json")).unwrap())
+            .unwrap();
+    assert_eq!(meta["saved_pp"], 2);
+    let (ok, stdout, stderr) =
+        megatron(&["generate", "--load", &save, "--prompt", "fn", "--tp", "2"]);
+    assert!(ok && stdout.starts_with("fn"), "{stderr}");
+}
+
+#[test]
+fn pipeline_configurations_megatron_refuses_are_errors_with_the_numbers() {
+    let cases: [(&[&str], &str); 7] = [
+        (
+            &["--pp", "3"],
+            "4 layers of the model do not divide over pp = 3 stages",
+        ),
+        (
+            &["--vpp", "2"],
+            "2 virtual stages per rank need a pipeline of at least 2 stages, got pp = 1",
+        ),
+        (
+            &["--pp", "2", "--vpp", "4"],
+            "2 layers of a pipeline rank do not divide over its 4 virtual stages",
+        ),
+        (
+            &[
+                "--pp",
+                "4",
+                "--vpp",
+                "2",
+                "--global-batch-size",
+                "6",
+                "--num-layers",
+                "8",
+            ],
+            "the remainder of M=6 microbatches divided by N=4",
+        ),
+        (
+            &[
+                "--pp",
+                "2",
+                "--vpp",
+                "2",
+                "--microbatch-group-size-per-vp-stage",
+                "1",
+            ],
+            "should range in [PP=2, M=8]",
+        ),
+        (
+            &[
+                "--pp",
+                "2",
+                "--vpp",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+            ],
+            "give one of --virtual-pipeline-model-parallel-size and",
+        ),
+        (
+            &["--pp", "2", "--decoder-first-pipeline-num-layers", "5"],
+            "the first stage's 5 and the last stage's 0 layers exceed the model's 4 layers",
+        ),
+    ];
+    for (flags, expected) in cases {
+        let mut args: Vec<&str> = COMMON.to_vec();
+        args.extend(flags);
+        let (ok, _, stderr) = megatron(&args);
+        assert!(!ok && stderr.contains(expected), "{flags:?}: {stderr}");
+    }
+}
