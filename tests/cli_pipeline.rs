@@ -197,3 +197,59 @@ fn pipeline_configurations_megatron_refuses_are_errors_with_the_numbers() {
         assert!(!ok && stderr.contains(expected), "{flags:?}: {stderr}");
     }
 }
+
+#[test]
+fn inspect_shows_which_layers_each_stage_and_chunk_holds() {
+    let (ok, stdout, stderr) = megatron(&[
+        "inspect",
+        "--num-layers",
+        "8",
+        "--pp",
+        "2",
+        "--vpp",
+        "2",
+        "--json",
+    ]);
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let stages: Vec<(u64, u64, u64, u64)> = v["pipeline"]["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["pp_rank"].as_u64().unwrap(),
+                s["chunk"].as_u64().unwrap(),
+                s["layers"][0].as_u64().unwrap(),
+                s["layers"][1].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    // Megatron's assignment: chunk k of rank r is virtual stage k·pp + r, 2 layers each.
+    assert_eq!(
+        stages,
+        [(0, 0, 0, 2), (0, 1, 4, 6), (1, 0, 2, 4), (1, 1, 6, 8)]
+    );
+    assert_eq!(v["pipeline"]["stages"][0]["embedding"], true);
+    assert_eq!(v["pipeline"]["stages"][3]["head"], true);
+    assert_eq!(v["pipeline"]["p2p_per_microbatch"]["boundaries"], 3);
+    // Uneven ends.
+    let (ok, stdout, _) = megatron(&[
+        "inspect",
+        "--num-layers",
+        "8",
+        "--pp",
+        "3",
+        "--decoder-first-pipeline-num-layers",
+        "2",
+    ]);
+    assert!(ok);
+    assert!(
+        stdout.contains("rank 0 chunk 0 (virtual stage 0): blocks 0..2"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("rank 2 chunk 0 (virtual stage 2): blocks 5..8"),
+        "{stdout}"
+    );
+}

@@ -161,3 +161,41 @@ fn a_checkpoint_saved_on_the_gpu_resumes_bit_for_bit() {
     assert_eq!(run(&resumed), straight[3..]);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `job` with 4 layers cut into `pp` stages of `vpp` chunks.
+fn pipelined(tp: usize, pp: usize, vpp: usize, device: Placement) -> TrainJob {
+    let mut job = job(tp, 1, device);
+    job.model.num_layers = 4;
+    job.pipeline = megatron::job::PipelineSettings {
+        pp,
+        vpp,
+        ..Default::default()
+    };
+    job
+}
+
+/// Pipeline stages as thread ranks sharing the GPU: activations and gradients go between
+/// stages over the device-local communicator, and the run follows one stage's; a checkpoint
+/// saved by the stages (each stage's tensors gathered from the GPU to rank 0) resumes.
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn pipeline_stages_on_one_gpu_reproduce_one_stage() {
+    let one = curve(&pipelined(1, 1, 1, F32));
+    let pp2 = curve(&pipelined(1, 2, 2, F32));
+    assert_close(&pp2, &one, 2e-4, "PP=2 (V=2) vs PP=1 on the GPU");
+    let dir = std::env::temp_dir().join(format!("megatron-gpu-pp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut saving = pipelined(2, 2, 1, F32);
+    saving.save = Some((dir.clone(), 3));
+    let straight = curve(&saving);
+    assert_close(&straight, &one, 2e-4, "TP=2 × PP=2 vs PP=1 on the GPU");
+    let mut resumed = pipelined(1, 2, 1, F32);
+    resumed.load = Some(dir.join("iter_0000003"));
+    assert_close(
+        &run(&resumed),
+        &straight[3..],
+        2e-4,
+        "resumed at TP=1 × PP=2",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

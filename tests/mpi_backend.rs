@@ -516,6 +516,38 @@ fn training_under_mpirun_equals_training_on_threads() {
     processes_train_as_threads("train", &args, "mpi", &[]);
 }
 
+/// A pipeline of two stages, each of two tensor-parallel processes, with the interleaved
+/// schedule: its activations and gradients go between processes over MPI.
+#[test]
+fn a_pipeline_under_mpirun_equals_the_pipeline_on_threads() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--vpp",
+        "2",
+        "--num-layers",
+        "4",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "2",
+        "--seq-length",
+        "32",
+        "--eval-interval",
+        "2",
+        "--eval-iters",
+        "1",
+    ];
+    processes_train_as_threads("pipeline", &args, "mpi", &[]);
+}
+
 /// Every collective and point-to-point call of the NCCL communicator between four processes,
 /// on the world and on pairs, against the same folds as MPI's (floating-point sums excepted,
 /// which NCCL adds in its own order; the training test below covers them): uneven all-to-all

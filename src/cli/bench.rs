@@ -217,13 +217,14 @@ fn report_steps(
 
     /// Collects step times, and starts the profile once `profile_from` steps have run.
     struct Times {
-        times: Arc<Mutex<Vec<(f64, usize)>>>,
+        times: Arc<Mutex<Vec<(f64, usize, f64)>>>,
         profile_from: Option<u64>,
     }
     impl Observer for Times {
         fn step(&mut self, record: &StepRecord) -> Result<()> {
             if let Ok(mut t) = self.times.lock() {
-                t.push((record.metrics.seconds, record.metrics.tokens));
+                let m = &record.metrics;
+                t.push((m.seconds, m.tokens, m.pipeline_wait));
             }
             if self.profile_from == Some(record.metrics.step + 1) {
                 start_profile();
@@ -256,8 +257,22 @@ fn report_steps(
     let mut rates: Vec<f64> = times
         .iter()
         .skip(args.warmup as usize)
-        .map(|&(s, tokens)| tokens as f64 / s)
+        .map(|&(s, tokens, _)| tokens as f64 / s)
         .collect();
+    // Rank 0's wait for the other stages over its compute time, per step (the median): the
+    // bubble the schedule leaves, next to Megatron-LM's (pp − 1)/(V·M).
+    let mut bubbles: Vec<f64> = times
+        .iter()
+        .skip(args.warmup as usize)
+        .map(|&(s, _, wait)| wait / (s - wait).max(f64::MIN_POSITIVE))
+        .collect();
+    bubbles.sort_by(f64::total_cmp);
+    let pipelined = !job.pipeline.is_single_stage();
+    let bubble = pipelined
+        .then(|| bubbles.get(bubbles.len() / 2).copied())
+        .flatten();
+    let theory = pipelined
+        .then(|| (job.pipeline.pp - 1) as f64 / (job.pipeline.vpp * plan.microbatches()) as f64);
     if rates.is_empty() {
         anyhow::bail!("no timed steps: --train-iters must be at least 1");
     }
@@ -269,7 +284,11 @@ fn report_steps(
     let report = serde_json::json!({
         "model": args.step.model_name(),
         "tp": job.tp,
+        "pp": job.pipeline.pp,
+        "vpp": job.pipeline.vpp,
         "dp": job.dp,
+        "pipeline_bubble": bubble,
+        "theoretical_bubble": theory,
         "seq_length": plan.seq_length,
         "micro_batch": plan.micro_batch,
         "global_batch": plan.global_batch,

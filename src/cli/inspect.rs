@@ -11,6 +11,7 @@ use megatron::models::GptConfig;
 use megatron::models::gpt::{Block, Gpt};
 use megatron::module::{Builder, Cx, Module, ParamSpec, Site, Split};
 use megatron::parallel::{GroupKind, ParallelConfig, ParallelLayout};
+use megatron::pipeline_parallel::PipelineLayout;
 use megatron::tensor::{DType, Tensor};
 use serde_json::{Value, json};
 
@@ -28,9 +29,72 @@ pub struct InspectArgs {
         default_value_t = 1
     )]
     tp: usize,
+    /// Pipeline stages: show which layers each stage and chunk holds, and what goes between
+    /// them.
+    #[arg(
+        long = "pipeline-model-parallel-size",
+        visible_alias = "pp",
+        default_value_t = 1
+    )]
+    pp: usize,
+    /// Model chunks (virtual stages) per pipeline stage.
+    #[arg(
+        long = "virtual-pipeline-model-parallel-size",
+        visible_alias = "vpp",
+        default_value_t = 1
+    )]
+    vpp: usize,
+    /// Layers of the first pipeline stage, the others sharing the rest evenly.
+    #[arg(long)]
+    decoder_first_pipeline_num_layers: Option<usize>,
+    /// Layers of the last pipeline stage, the others sharing the rest evenly.
+    #[arg(long)]
+    decoder_last_pipeline_num_layers: Option<usize>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+/// One pipeline chunk: its rank, chunk, virtual stage, layers and ends.
+struct StageRow {
+    rank: usize,
+    chunk: usize,
+    stage: usize,
+    layers: std::ops::Range<usize>,
+    first: bool,
+    last: bool,
+}
+
+/// The chunks of every pipeline rank, in rank then chunk order.
+fn stage_rows(args: &InspectArgs, layers: usize) -> Result<Vec<StageRow>> {
+    if args.vpp > 1 && args.pp < 2 {
+        bail!(
+            "{} virtual stages per rank need a pipeline of at least 2 stages, got pp = {}",
+            args.vpp,
+            args.pp
+        );
+    }
+    let layout = PipelineLayout::new(
+        layers,
+        args.pp,
+        args.vpp,
+        args.decoder_first_pipeline_num_layers,
+        args.decoder_last_pipeline_num_layers,
+    )?;
+    Ok((0..args.pp)
+        .flat_map(|rank| (0..args.vpp).map(move |chunk| (rank, chunk)))
+        .map(|(rank, chunk)| {
+            let part = layout.part(rank, chunk);
+            StageRow {
+                rank,
+                chunk,
+                stage: layout.virtual_stage(rank, chunk),
+                layers: part.layers,
+                first: part.first,
+                last: part.last,
+            }
+        })
+        .collect())
 }
 
 /// Micro batch and sequence length of the measured layer (any values work; the report divides them out).
@@ -130,6 +194,10 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     let (fwd, bwd) = layer_collectives(&config, args.tp)?;
     let padded = config.padded_vocab_size(args.tp);
     let h = config.hidden_size;
+    let stages = stage_rows(args, config.num_layers)?;
+    // Each boundary between virtual stages carries a b·s·h f32 activation forward and its
+    // gradient back, per microbatch.
+    let boundaries = args.pp * args.vpp - 1;
     if args.json {
         let params: Vec<Value> = specs
             .iter()
@@ -149,6 +217,24 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             "parameters_per_rank": local,
             "parameters": params,
             "layer_collectives": { "forward": phase(&fwd), "backward": phase(&bwd) },
+            "pipeline": {
+                "pp": args.pp,
+                "vpp": args.vpp,
+                "stages": stages.iter().map(|r| json!({
+                    "pp_rank": r.rank,
+                    "chunk": r.chunk,
+                    "virtual_stage": r.stage,
+                    "layers": [r.layers.start, r.layers.end],
+                    "embedding": r.first,
+                    "head": r.last,
+                })).collect::<Vec<_>>(),
+                "p2p_per_microbatch": {
+                    "boundaries": boundaries,
+                    "forward_elements": "b·s·h",
+                    "backward_elements": "b·s·h",
+                    "bytes_per_boundary": "2·4·b·s·h",
+                },
+            },
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
@@ -215,6 +301,34 @@ pub fn run(args: &InspectArgs) -> Result<()> {
                 in_bsh(c.elements_per_call, h)
             );
         }
+    }
+    if args.pp > 1 {
+        let _ = writeln!(
+            out,
+            "\npipeline: {} stages × {} chunk{} (chunk k of rank r is virtual stage k·pp + r)",
+            args.pp,
+            args.vpp,
+            if args.vpp == 1 { "" } else { "s" }
+        );
+        for r in &stages {
+            let ends = match (r.first, r.last) {
+                (true, _) => " + embedding (wte, wpe)",
+                (_, true) => " + ln_f, tied output layer (wte) and loss",
+                _ => "",
+            };
+            let _ = writeln!(
+                out,
+                "  rank {} chunk {} (virtual stage {}): blocks {}..{}{ends}",
+                r.rank, r.chunk, r.stage, r.layers.start, r.layers.end
+            );
+        }
+        let _ = writeln!(
+            out,
+            "p2p per microbatch: {boundaries} stage boundar{}, each an f32 activation of b·s·h \
+             forward and its gradient back (2·4·b·s·h bytes); the tied embedding's gradient \
+             all-reduced over the embedding group (first and last stage) once a step",
+            if boundaries == 1 { "y" } else { "ies" }
+        );
     }
     print!("{out}");
     Ok(())

@@ -70,7 +70,7 @@ fn i64_beside(values: Vec<i64>, like: &Tensor) -> Result<Tensor> {
     let host = Tensor::from_vec(values, [n])?;
     #[cfg(feature = "cuda")]
     if let Some(gpu) = like.gpu() {
-        return Ok(host.to_gpu(gpu)?);
+        return host.to_gpu(gpu);
     }
     #[cfg(not(feature = "cuda"))]
     let _ = like;

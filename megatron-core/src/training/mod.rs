@@ -68,6 +68,9 @@ pub struct StepMetrics {
     pub tokens: usize,
     /// Wall time of the step.
     pub seconds: f64,
+    /// Of which the time this rank waited for other pipeline stages (its receives): the
+    /// pipeline's bubble as this rank sees it (0 without a pipeline).
+    pub pipeline_wait: f64,
     /// This rank's communication during the step, per group.
     pub comm: Vec<(GroupKind, CommStats)>,
 }
@@ -167,7 +170,7 @@ impl<M: LanguageModel> Trainer<M> {
         let dp_rank = parallel.groups().dp_rank();
         let tokens = plan.global_batch * plan.seq_length;
         self.buffers.zero_grads()?;
-        let loss_sum = match &self.pipeline {
+        let (loss_sum, pipeline_wait) = match &self.pipeline {
             None => {
                 let model = &self.chunks.0[0];
                 let mut loss_sum = 0.0f64;
@@ -186,7 +189,7 @@ impl<M: LanguageModel> Trainer<M> {
                     dlosses.fill(1.0 / tokens as f32)?;
                     model.backward_losses(&cx, saved, &dlosses)?;
                 }
-                loss_sum
+                (loss_sum, 0.0)
             }
             Some(p) => (p.run)(
                 self,
@@ -238,6 +241,7 @@ impl<M: LanguageModel> Trainer<M> {
             grad_norm: norm,
             tokens,
             seconds: start.elapsed().as_secs_f64(),
+            pipeline_wait,
             comm,
         })
     }
@@ -266,7 +270,7 @@ impl<M: LanguageModel> Trainer<M> {
                 }
                 Some(p) => {
                     loss_sum +=
-                        (p.run)(self, parallel, data, i, &p.eval_order, pipeline::Mode::Eval)?;
+                        (p.run)(self, parallel, data, i, &p.eval_order, pipeline::Mode::Eval)?.0;
                 }
             }
         }

@@ -98,10 +98,10 @@ pub(super) struct Pipeline<M: LanguageModel> {
     pub sync_shared: bool,
 }
 
-/// Runs batch `batch` of `data` through `order` (training unless `forward_only`): the sum of the
-/// per-token losses this rank computed (the last stage's; 0 elsewhere).
+/// Runs batch `batch` of `data` through `order`: the sum of the per-token losses this rank
+/// computed (the last stage's; 0 elsewhere) and the seconds it waited for other stages.
 pub(super) type RunFn<M> =
-    fn(&Trainer<M>, &ParallelState, &Sampler, u64, &[i32], Mode) -> Result<f64>;
+    fn(&Trainer<M>, &ParallelState, &Sampler, u64, &[i32], Mode) -> Result<(f64, f64)>;
 
 /// What a walk is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -215,6 +215,8 @@ struct Walker<'a, M: PipelinedLanguageModel> {
     mode: Mode,
     kept: HashMap<(usize, usize), Kept<M>>,
     loss_sum: f64,
+    /// Time spent waiting in receives.
+    waited: std::time::Duration,
     /// The shape of the value between stages, `[s, b, width]`.
     carried: [usize; 3],
 }
@@ -226,7 +228,7 @@ fn run_walk<M: PipelinedLanguageModel>(
     batch: u64,
     order: &[i32],
     mode: Mode,
-) -> Result<f64> {
+) -> Result<(f64, f64)> {
     let plan = *data.plan();
     let chunks = &trainer.chunks.0;
     let mut walker = Walker {
@@ -237,6 +239,7 @@ fn run_walk<M: PipelinedLanguageModel>(
         mode,
         kept: HashMap::new(),
         loss_sum: 0.0,
+        waited: std::time::Duration::ZERO,
         carried: [plan.seq_length, plan.micro_batch, chunks[0].carried_width()],
     };
     walk(
@@ -251,11 +254,11 @@ fn run_walk<M: PipelinedLanguageModel>(
     if mode != Mode::Eval && sync {
         sum_shared_gradients(chunks, parallel)?;
     }
-    Ok(walker.loss_sum)
+    Ok((walker.loss_sum, walker.waited.as_secs_f64()))
 }
 
-impl<M: PipelinedLanguageModel> Walker<'_, M> {
-    fn cx(&self, microbatch: usize) -> Cx<'_> {
+impl<'a, M: PipelinedLanguageModel> Walker<'a, M> {
+    fn cx(&self, microbatch: usize) -> Cx<'a> {
         let cx = Cx::new(self.parallel, self.trainer.config.seed);
         match self.mode {
             Mode::Train { step } => {
@@ -275,6 +278,19 @@ impl<M: PipelinedLanguageModel> Walker<'_, M> {
     /// A buffer for the value (or its gradient) another stage sends.
     fn carried_buffer(&self) -> Result<Tensor> {
         Tensor::empty_near(self.carried, DType::F32, self.trainer.buffers.grads())
+    }
+
+    /// Receives from another stage into `t`, timing the wait.
+    fn receive(
+        &mut self,
+        comm: &dyn crate::comm::Communicator,
+        t: &Tensor,
+        from: usize,
+    ) -> Result<()> {
+        let start = std::time::Instant::now();
+        comm.recv(t, from)?;
+        self.waited += start.elapsed();
+        Ok(())
     }
 
     fn check_carried(&self, t: &Tensor, what: &str) -> Result<()> {
@@ -312,7 +328,8 @@ impl<M: PipelinedLanguageModel> Stage for Walker<'_, M> {
             }
             _ => {
                 let h = self.carried_buffer()?;
-                self.parallel.pp().recv(&h, prev)?;
+                let pp = self.parallel.pp();
+                self.receive(pp, &h, prev)?;
                 (h, None)
             }
         };
@@ -366,7 +383,8 @@ impl<M: PipelinedLanguageModel> Stage for Walker<'_, M> {
             }
             None => {
                 let d = self.carried_buffer()?;
-                self.parallel.pp_grads().recv(&d, next)?;
+                let grads = self.parallel.pp_grads();
+                self.receive(grads, &d, next)?;
                 d
             }
         };

@@ -603,7 +603,7 @@ fn stage_items(
         Presence::Always | Presence::Stack => quote!(true),
         Presence::First => quote!(stage.first),
         Presence::Last => quote!(stage.last),
-        Presence::Ends => quote!((stage.first || stage.last)),
+        Presence::Ends => quote!(stage.first || stage.last),
     };
     let build_fields = s.fields.iter().zip(&cut.presence).map(|(f, &p)| {
         let name = &f.ident;
