@@ -137,7 +137,7 @@ fn a_checkpoint_saved_at_one_pipeline_size_resumes_at_others() {
 
 #[test]
 fn pipeline_configurations_megatron_refuses_are_errors_with_the_numbers() {
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 8] = [
         (
             &["--pp", "3"],
             "4 layers of the model do not divide over pp = 3 stages",
@@ -188,6 +188,19 @@ fn pipeline_configurations_megatron_refuses_are_errors_with_the_numbers() {
         (
             &["--pp", "2", "--decoder-first-pipeline-num-layers", "5"],
             "the first stage's 5 and the last stage's 0 layers exceed the model's 4 layers",
+        ),
+        (
+            &[
+                "--pp",
+                "2",
+                "--vpp",
+                "2",
+                "--backend",
+                "nccl",
+                "--device",
+                "cuda",
+            ],
+            "the interleaved schedule (--vpp 2) does not run over NCCL yet",
         ),
     ];
     for (flags, expected) in cases {

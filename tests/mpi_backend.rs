@@ -586,11 +586,6 @@ fn training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
         return;
     }
-    let mut library_path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-    if device::requested() {
-        let core = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/megatron-core"));
-        library_path = format!("{}:{library_path}", device::build(core).display());
-    }
     let args = [
         "--tp",
         "2",
@@ -605,7 +600,60 @@ fn training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
         "--device",
         "cuda",
     ];
+    let library_path = gpu_library_path();
     processes_train_as_threads("nccl", &args, "nccl", &[("LD_LIBRARY_PATH", &library_path)]);
+}
+
+/// A pipeline of two stages (1F1B), each of two tensor-parallel GPUs, over NCCL: activations
+/// and gradients between the stages' processes (each send held and launched with the next
+/// receive in one NCCL group), against the same pipeline of thread ranks sharing one GPU.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs 4 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
+fn a_pipeline_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    // The end's checkpoint gathers the second stage's tensors to rank 0 over NCCL too.
+    let save = scratch_dir("nccl-pipeline-save").join("ckpt");
+    let args = [
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--num-layers",
+        "4",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "2",
+        "--seq-length",
+        "64",
+        "--device",
+        "cuda",
+        "--save",
+        save.to_str().expect("a UTF-8 path"),
+    ];
+    let library_path = gpu_library_path();
+    processes_train_as_threads(
+        "nccl-pipeline",
+        &args,
+        "nccl",
+        &[("LD_LIBRARY_PATH", &library_path)],
+    );
+}
+
+/// `LD_LIBRARY_PATH` with the emulated GPU's libraries first when it is requested.
+#[cfg(feature = "cuda")]
+fn gpu_library_path() -> String {
+    let library_path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    if device::requested() {
+        let core = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/megatron-core"));
+        return format!("{}:{library_path}", device::build(core).display());
+    }
+    library_path
 }
 
 /// Runs `megatron train` with `args` as four thread ranks, then as four processes under

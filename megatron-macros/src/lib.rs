@@ -63,6 +63,7 @@ use crate::root::Root;
 /// | `#[row_parallel]`, `#[row_parallel(input_is_parallel = false)]` | a layer whose input features are split (`RowParallel`) | `build_row` |
 /// | `#[vocab_parallel]` | an embedding whose vocabulary rows are split (`VocabParallel`) | `build_vocab` |
 /// | none or `#[replicated]` | a layer or sub-module, whole on every rank; `Vec<T>`: a stack | `Module::build` |
+/// | `#[pipeline]` on a `Vec<T>` | the stack pipeline parallelism cuts into stages (one per model) | the builder's stage's run of it |
 /// | `#[op]` | a parameterless op (`Op`), its value its configuration | cloned from the spec |
 /// | `#[config]` | plain data | cloned from the spec |
 ///
@@ -74,6 +75,11 @@ use crate::root::Root;
 /// `x + dropout(y, p)`, becomes one `ops::dropout_add` (dropout and the residual connection in
 /// one pass, as Megatron-LM fuses them; same mask, same result). Misplaced sharding (a row-parallel layer fed a replicated
 /// value, a split value returned, ...) is a compile error naming the value and the fix.
+///
+/// With a `#[pipeline]` stack, the impl also gets the parts a pipeline stage runs:
+/// `forward_pre` (before the stack's loop: the first stage), `forward_layers` (the run of the
+/// stack an instance holds) and `forward_post` (after the loop: the last stage), each with its
+/// backward and Saved struct, and `impl Pipelined` (docs/expanded-pipeline.md).
 #[proc_macro_attribute]
 pub fn module(attr: TokenStream, item: TokenStream) -> TokenStream {
     let attr = TokenStream2::from(attr);

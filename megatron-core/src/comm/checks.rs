@@ -16,6 +16,17 @@ impl CallDesc {
             peer,
         }
     }
+
+    /// A barrier's description (no data).
+    pub(crate) fn barrier() -> Self {
+        CallDesc {
+            kind: OpKind::Barrier,
+            dtype: crate::tensor::DType::F32,
+            count: 0,
+            op: None,
+            peer: None,
+        }
+    }
 }
 
 /// One member's view of its group, for checking its calls.

@@ -582,13 +582,7 @@ impl Communicator for LocalGpuComm {
     fn barrier(&self) -> Result<()> {
         let dummy =
             Tensor::zeros_on([0], DType::F32, &self.gpu).map_err(|e| self.cuda("alloc", e))?;
-        let desc = CallDesc {
-            kind: OpKind::Barrier,
-            dtype: DType::F32,
-            count: 0,
-            op: None,
-            peer: None,
-        };
+        let desc = CallDesc::barrier();
         self.exchange(desc, &dummy, None)?;
         self.finish()?;
         self.counters.record(OpKind::Barrier, 0);

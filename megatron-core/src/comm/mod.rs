@@ -195,6 +195,13 @@ pub trait Communicator: Send + Sync {
     /// Returns once every rank of the group has called it.
     fn barrier(&self) -> Result<()>;
 
+    /// Completes the sends this rank has posted. Sends never wait for their receive; a backend
+    /// whose library's sends do (NCCL) holds them until this rank's next receive or other call,
+    /// so a rank that sends last calls this (the pipeline's walk and a checkpoint's gather do).
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Calls and bytes so far, per operation kind, as seen by this rank.
     fn stats(&self) -> CommStats;
 }

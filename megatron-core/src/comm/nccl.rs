@@ -12,6 +12,12 @@
 //!   same deadline, polling NCCL's asynchronous error; a call that does not finish aborts the
 //!   NCCL communicator and is a timeout.
 //! - All-to-all with uneven splits is grouped send/recv (NCCL has no all-to-all).
+//! - A send does not wait for its receive, as the other backends' do not: NCCL's send does, so
+//!   a send is held (its header already sent) and launched together with this process's next
+//!   receive in one NCCL group, or alone before its next other call or at [`Communicator::flush`]
+//!   (Megatron-LM batches a pipeline's sends with the next receive the same way). A receive
+//!   launches its group before it reads the sender's header (the sender may be waiting for one
+//!   of the held sends), and aborts the communicator when the header disagrees.
 //! - NCCL reduces in its own order (rings, trees), so sums equal the host backends' within
 //!   rounding, not bit for bit.
 
@@ -43,7 +49,29 @@ pub struct NcclWorld {
     gpu: Gpu,
     timeout: Duration,
     groups: Mutex<HashMap<GroupKey, Arc<NcclComm>>>,
+    held: Arc<HeldSends>,
 }
+
+/// A send posted but not launched yet (see the module documentation).
+struct HeldSend {
+    /// The communicator's handle (a held send is launched before any call that could abort it).
+    comm: ncclComm_t,
+    data: *const c_void,
+    count: usize,
+    dtype: DType,
+    peer: usize,
+    /// Keeps the tensor's memory until the send is done.
+    _keep: Tensor,
+}
+
+/// The sends a process holds, over all its communicators, in the order they were posted.
+#[derive(Default)]
+struct HeldSends(Mutex<Vec<HeldSend>>);
+
+// SAFETY: the handles and pointers are used by the process's one rank, one call at a time,
+// under the mutex.
+unsafe impl Send for HeldSends {}
+unsafe impl Sync for HeldSends {}
 
 impl std::fmt::Debug for NcclWorld {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -84,6 +112,7 @@ impl NcclWorld {
             mpi,
             gpu,
             groups: Mutex::new(HashMap::new()),
+            held: Arc::new(HeldSends::default()),
         })
     }
 
@@ -115,7 +144,12 @@ impl World for NcclWorld {
             return Ok(Arc::clone(comm) as Arc<dyn Communicator>);
         }
         let host = self.mpi.mpi_communicator(name, ranks)?;
-        let comm = Arc::new(NcclComm::create(host, self.gpu.clone(), self.timeout)?);
+        let comm = Arc::new(NcclComm::create(
+            host,
+            self.gpu.clone(),
+            self.timeout,
+            Arc::clone(&self.held),
+        )?);
         self.groups.lock().insert(key, Arc::clone(&comm));
         Ok(comm)
     }
@@ -145,6 +179,8 @@ pub struct NcclComm {
     gpu: Gpu,
     timeout: Duration,
     counters: Counters,
+    /// The process's held sends, shared with its other communicators.
+    held: Arc<HeldSends>,
 }
 
 impl std::fmt::Debug for NcclComm {
@@ -179,7 +215,12 @@ fn nccl_op(op: ReduceOp) -> ncclRedOp_t {
 impl NcclComm {
     /// Creates the group's communicator: member 0 makes the unique id, MPI broadcasts it, every
     /// member joins with its index.
-    fn create(host: Arc<MpiComm>, gpu: Gpu, timeout: Duration) -> Result<NcclComm> {
+    fn create(
+        host: Arc<MpiComm>,
+        gpu: Gpu,
+        timeout: Duration,
+        held: Arc<HeldSends>,
+    ) -> Result<NcclComm> {
         let backend = |call, e: String| CommError::Backend {
             group: host.name().to_string(),
             library: "NCCL",
@@ -210,7 +251,70 @@ impl NcclComm {
             gpu,
             timeout,
             counters: Counters::default(),
+            held,
         })
+    }
+
+    /// Launches the process's held sends and `then` (with this communicator's handle) in one
+    /// NCCL group, runs `meanwhile` on the host, and waits for the group. An error of
+    /// `meanwhile` aborts the communicator: the group may never finish.
+    fn launch_held(
+        &self,
+        what: &str,
+        then: Option<&dyn Fn(ncclComm_t, cudarc::driver::sys::CUstream) -> Result<()>>,
+        meanwhile: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        let held = std::mem::take(&mut *self.held.0.lock());
+        if held.is_empty() && then.is_none() {
+            return meanwhile();
+        }
+        let guard = self.comm.lock();
+        let Some(comm) = guard.as_ref().map(|c| c.0) else {
+            return Err(self.backend("use", "the communicator was aborted after a timeout"));
+        };
+        let stream = self.gpu.stream().cu_stream();
+        let enqueued = (|| {
+            self.status("ncclGroupStart", nccl::group_start())?;
+            let mut result = Ok(());
+            for h in &held {
+                if result.is_ok() {
+                    // SAFETY: the held tensor's `count` elements, kept alive by `_keep`.
+                    result = self.status("ncclSend", unsafe {
+                        nccl::send(
+                            h.data,
+                            h.count,
+                            nccl_type(h.dtype),
+                            h.peer as i32,
+                            h.comm,
+                            stream as _,
+                        )
+                    });
+                }
+            }
+            if let (Some(call), true) = (then, result.is_ok()) {
+                result = call(comm, stream);
+            }
+            self.status("ncclGroupEnd", nccl::group_end())?;
+            result
+        })();
+        drop(guard);
+        enqueued?;
+        if let Err(e) = meanwhile() {
+            if let Some(comm) = self.comm.lock().take() {
+                // SAFETY: the handle is not used after the abort (it was taken out).
+                unsafe {
+                    let _ = nccl::comm_abort(comm.0);
+                }
+                std::mem::forget(comm);
+            }
+            return Err(e);
+        }
+        self.wait(what)
+    }
+
+    /// Launches the held sends before a call that is not a receive.
+    fn flush_held(&self) -> Result<()> {
+        self.launch_held("held sends", None, &mut || Ok(()))
     }
 
     fn backend(&self, call: &'static str, message: impl std::fmt::Display) -> CommError {
@@ -243,6 +347,7 @@ impl NcclComm {
         call: impl FnOnce(ncclComm_t, cudarc::driver::sys::CUstream) -> Result<()>,
     ) -> Result<()> {
         let what = desc.to_string();
+        self.flush_held()?;
         self.host.verify_call(desc, splits)?;
         self.launch(&what, call)
     }
@@ -526,17 +631,24 @@ impl Communicator for NcclComm {
         self.check_tensor(OP, tensor)?;
         self.checks().destination(dst)?;
         let (count, dtype) = (tensor.numel(), tensor.dtype());
-        let src = tensor.raw_device_read(OP)?.addr() as *const c_void;
+        let data = tensor.raw_device_read(OP)?.addr() as *const c_void;
         // Point-to-point calls are checked by the receiver (the header below) rather than by a
         // handshake of the whole group.
         let header = Tensor::from_vec(vec![count as i64, dtype as i64], [2])?;
         self.host.send(&header, dst)?;
-        self.launch("send", |comm, stream| {
-            // SAFETY: the borrowed tensor's `count` elements.
-            self.status("ncclSend", unsafe {
-                nccl::send(src, count, nccl_type(dtype), dst as i32, comm, stream as _)
-            })
-        })?;
+        let comm = match self.comm.lock().as_ref() {
+            Some(c) => c.0,
+            None => return Err(self.backend("use", "the communicator was aborted after a timeout")),
+        };
+        // Held until this process's next receive or other call (see the module documentation).
+        self.held.0.lock().push(HeldSend {
+            comm,
+            data,
+            count,
+            dtype,
+            peer: dst,
+            _keep: tensor.clone(),
+        });
         self.counters.record(OpKind::Send, count * dtype.size());
         Ok(())
     }
@@ -546,36 +658,47 @@ impl Communicator for NcclComm {
         self.check_tensor(OP, tensor)?;
         self.checks().source(src)?;
         let (count, dtype) = (tensor.numel(), tensor.dtype());
-        let header = Tensor::zeros([2], DType::I64);
-        self.host.recv(&header, src)?;
-        let sent = header.to_vec::<i64>()?;
-        if sent != [count as i64, dtype as i64] {
-            return Err(CommError::Mismatch {
-                group: self.name().to_string(),
-                rank_a: self.ranks()[src],
-                call_a: format!("send({} elements, dtype #{})", sent[0], sent[1]),
-                rank_b: self.ranks()[self.index()],
-                call_b: format!("recv({dtype} × {count})"),
-            });
-        }
         let dst = tensor.raw_device_write(OP)?.addr() as *mut c_void;
-        self.launch("recv", |comm, stream| {
+        // The held sends go in the same NCCL group, so neither waits for the other; they go
+        // before the sender's header is read, since the sender may wait for one of them first.
+        let receive = |comm: ncclComm_t, stream: cudarc::driver::sys::CUstream| {
             // SAFETY: the borrowed tensor's `count` elements.
             self.status("ncclRecv", unsafe {
                 nccl::recv(dst, count, nccl_type(dtype), src as i32, comm, stream as _)
             })
-        })?;
+        };
+        let mut check_header = || {
+            let header = Tensor::zeros([2], DType::I64);
+            self.host.recv(&header, src)?;
+            let sent = header.to_vec::<i64>()?;
+            if sent != [count as i64, dtype as i64] {
+                return Err(CommError::Mismatch {
+                    group: self.name().to_string(),
+                    rank_a: self.ranks()[src],
+                    call_a: format!("send({} elements, dtype #{})", sent[0], sent[1]),
+                    rank_b: self.ranks()[self.index()],
+                    call_b: format!("recv({dtype} × {count})"),
+                });
+            }
+            Ok(())
+        };
+        self.launch_held("recv", Some(&receive), &mut check_header)?;
         self.counters.record(OpKind::Recv, count * dtype.size());
         Ok(())
     }
 
     fn barrier(&self) -> Result<()> {
+        self.flush_held()?;
         self.gpu
             .synchronize()
             .map_err(|e| self.backend("cuStreamSynchronize", e))?;
         self.host.barrier()?;
         self.counters.record(OpKind::Barrier, 0);
         Ok(())
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.flush_held()
     }
 
     fn stats(&self) -> CommStats {

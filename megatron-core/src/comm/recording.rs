@@ -149,17 +149,12 @@ impl Communicator for Recording {
     }
 
     fn barrier(&self) -> Result<()> {
-        self.log.push(
-            self.inner.name(),
-            CallDesc {
-                kind: OpKind::Barrier,
-                dtype: crate::tensor::DType::F32,
-                count: 0,
-                op: None,
-                peer: None,
-            },
-        );
+        self.log.push(self.inner.name(), CallDesc::barrier());
         self.inner.barrier()
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.inner.flush()
     }
 
     fn stats(&self) -> CommStats {

@@ -93,6 +93,7 @@ fn send_tensors(
         .collect();
     pp.send(&i64_beside(vec![len as i64], like)?, 0)?;
     pp.send(&i64_beside(words, like)?, 0)?;
+    pp.flush()?;
     Ok(())
 }
 

@@ -249,6 +249,9 @@ fn run_walk<M: PipelinedLanguageModel>(
         mode == Mode::Eval,
         &mut walker,
     )?;
+    // A backend may hold this rank's last sends (NCCL's wait for their receive): complete them.
+    parallel.pp().flush()?;
+    parallel.pp_grads().flush()?;
     // After the flush, the tied embedding's two copies (first and last stage) get one gradient.
     let sync = trainer.pipeline.as_ref().is_some_and(|p| p.sync_shared);
     if mode != Mode::Eval && sync {

@@ -672,13 +672,7 @@ impl Communicator for MpiComm {
     }
 
     fn barrier(&self) -> Result<()> {
-        let desc = CallDesc {
-            kind: OpKind::Barrier,
-            dtype: DType::F32,
-            count: 0,
-            op: None,
-            peer: None,
-        };
+        let desc = CallDesc::barrier();
         // The handshake is a barrier: it returns once every member's announcement arrived.
         self.with_state(|state| self.handshake(state, desc, None))?;
         self.counters.record(OpKind::Barrier, 0);

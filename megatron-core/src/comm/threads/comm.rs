@@ -282,13 +282,7 @@ impl Communicator for ThreadComm {
     }
 
     fn barrier(&self) -> Result<()> {
-        let desc = CallDesc {
-            kind: OpKind::Barrier,
-            dtype: crate::tensor::DType::F32,
-            count: 0,
-            op: None,
-            peer: None,
-        };
+        let desc = CallDesc::barrier();
         let empty = RawBuf { addr: 0, len: 0 };
         self.arrive(desc, empty, empty)?;
         self.counters.record(OpKind::Barrier, 0);
