@@ -305,6 +305,24 @@ fn check_collectives(c: &dyn Communicator, place: &Place) -> R<()> {
             }
             assert_eq!(bits(&got)?, bits(&input(prev, 100 + k, DType::F32, k)?)?);
         }
+        // One exchange, every rank sending first: around the ring both ways (one way for a
+        // pair), messages larger than any library buffers (sends that wait for their receive
+        // complete only because the batch holds both ends).
+        const LEN: usize = 50_000;
+        let to_next = at(input(me, LEN, DType::F32, 7)?)?;
+        let to_prev = at(input(me, LEN, DType::F32, 8)?)?;
+        let from_prev = at(Tensor::zeros([LEN], DType::F32))?;
+        let from_next = at(Tensor::zeros([LEN], DType::F32))?;
+        if n > 2 {
+            c.exchange(
+                &[(&to_next, next), (&to_prev, prev)],
+                &[(&from_prev, prev), (&from_next, next)],
+            )?;
+            assert_eq!(bits(&from_next)?, bits(&input(next, LEN, DType::F32, 8)?)?);
+        } else {
+            c.exchange(&[(&to_next, next)], &[(&from_prev, prev)])?;
+        }
+        assert_eq!(bits(&from_prev)?, bits(&input(prev, LEN, DType::F32, 7)?)?);
     }
     Ok(c.barrier()?)
 }
@@ -605,8 +623,8 @@ fn training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
 }
 
 /// A pipeline of two stages (1F1B), each of two tensor-parallel GPUs, over NCCL: activations
-/// and gradients between the stages' processes (each send held and launched with the next
-/// receive in one NCCL group), against the same pipeline of thread ranks sharing one GPU.
+/// and gradients between the stages' processes (each step's sends and receives in one NCCL
+/// group), against the same pipeline of thread ranks sharing one GPU.
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs 4 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
@@ -639,6 +657,44 @@ fn a_pipeline_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
     let library_path = gpu_library_path();
     processes_train_as_threads(
         "nccl-pipeline",
+        &args,
+        "nccl",
+        &[("LD_LIBRARY_PATH", &library_path)],
+    );
+}
+
+/// The interleaved schedule over NCCL: four stages of two chunks each (the last stage's
+/// activations going back to the first), against the same pipeline of thread ranks. The
+/// messages (128 KiB) are larger than what the emulated NCCL buffers, so a send waits for its
+/// receive as NCCL's does.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs 4 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
+fn an_interleaved_pipeline_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--pp",
+        "4",
+        "--vpp",
+        "2",
+        "--num-layers",
+        "8",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--seq-length",
+        "128",
+        "--device",
+        "cuda",
+    ];
+    let library_path = gpu_library_path();
+    processes_train_as_threads(
+        "nccl-interleaved",
         &args,
         "nccl",
         &[("LD_LIBRARY_PATH", &library_path)],

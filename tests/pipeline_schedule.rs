@@ -350,21 +350,85 @@ fn the_schedule_command_prints_what_the_executor_walks() {
 }
 
 #[test]
-fn every_1f1b_order_runs_when_sends_wait_for_a_receive_and_go_with_the_next() {
-    use megatron::pipeline_parallel::simulate::check_held_sends;
-    let configs = configurations();
-    let mut interleaved_blocked = 0;
-    for config in configs {
-        let schedule = Schedule::new(config).unwrap();
-        let result = check_held_sends(&schedule);
-        if config.vpp == 1 {
-            result.unwrap_or_else(|e| panic!("{config:?}: {e}"));
-        } else if result.is_err() {
-            interleaved_blocked += 1;
+fn every_plan_runs_its_order_and_completes_under_either_delivery() {
+    use megatron::pipeline_parallel::plan::{Action, Delivery, check, plan};
+    use megatron::pipeline_parallel::traces;
+    let mut checked = 0;
+    for config in configurations() {
+        for (forward_only, delivery) in [
+            (false, Delivery::Buffered),
+            (false, Delivery::Rendezvous),
+            (true, Delivery::Rendezvous),
+        ] {
+            let config = ScheduleConfig {
+                forward_only,
+                ..config
+            };
+            let schedule = Schedule::new(config).unwrap();
+            let what = format!("{config:?} {delivery:?}");
+            let plans = plan(&schedule, delivery).unwrap_or_else(|e| panic!("{what}: {e}"));
+            check(&plans, config.pp, config.vpp, delivery)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            for (rank_plan, (ops, _)) in plans.iter().zip(traces(&schedule).unwrap()) {
+                // The passes are the rank's order, unchanged.
+                let runs: Vec<_> = rank_plan
+                    .actions
+                    .iter()
+                    .filter_map(|a| match a {
+                        Action::Run(op) => Some(*op),
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(runs, ops, "{what} rank {}", rank_plan.rank);
+                // A batch holds at most one message to and one from each peer.
+                for a in &rank_plan.actions {
+                    if let Action::Exchange { sends, recvs, .. } = a {
+                        for list in [sends, recvs] {
+                            let mut peers: Vec<_> = list.iter().map(|t| t.peer).collect();
+                            peers.sort();
+                            peers.dedup();
+                            assert_eq!(peers.len(), list.len(), "{what}: {a:?}");
+                        }
+                    }
+                }
+            }
+            checked += 1;
         }
     }
-    // Why the NCCL communicator refuses the interleaved schedule for now.
-    assert!(interleaved_blocked > 0);
-    let blocked = check_held_sends(&Schedule::new(ScheduleConfig::new(2, 2, 4)).unwrap());
-    assert!(blocked.unwrap_err().to_string().contains("deadlock"));
+    assert!(checked > 1000, "{checked}");
+}
+
+#[test]
+fn sends_that_wait_deadlock_the_buffered_plan_and_not_the_batched_one() {
+    use megatron::pipeline_parallel::plan::{Action, Delivery, PlanError, check, plan};
+    // In the interleaved schedule two ranks send at once, each waiting for the other's
+    // receive, where the sends go as soon as they are produced.
+    for config in [ScheduleConfig::new(2, 2, 4), ScheduleConfig::new(4, 2, 8)] {
+        let schedule = Schedule::new(config).unwrap();
+        let buffered = plan(&schedule, Delivery::Buffered).unwrap();
+        check(&buffered, config.pp, config.vpp, Delivery::Buffered).unwrap();
+        assert!(
+            matches!(
+                check(&buffered, config.pp, config.vpp, Delivery::Rendezvous),
+                Err(PlanError::Deadlock(_))
+            ),
+            "{config:?}"
+        );
+        let batched = plan(&schedule, Delivery::Rendezvous).unwrap();
+        check(&batched, config.pp, config.vpp, Delivery::Rendezvous).unwrap();
+    }
+    // A pass moved before the exchange that brings its input is caught.
+    let schedule = Schedule::new(ScheduleConfig::new(2, 1, 2)).unwrap();
+    let mut plans = plan(&schedule, Delivery::Rendezvous).unwrap();
+    let actions = &mut plans[1].actions;
+    let first_run = actions
+        .iter()
+        .position(|a| matches!(a, Action::Run(_)))
+        .unwrap();
+    let run = actions.remove(first_run);
+    actions.insert(0, run);
+    assert!(matches!(
+        check(&plans, 2, 1, Delivery::Rendezvous),
+        Err(PlanError::Early { rank: 1, .. })
+    ));
 }

@@ -1,7 +1,8 @@
 //! Pipeline-parallel training of the DSL's GPT on thread ranks against the same run without a
 //! pipeline: pp ∈ {2, 4} × V ∈ {1, 2}, with tensor and data parallelism, give the same losses and
-//! gradient norms (to 1e-5 of their size: only the order of f32 sums differs), and the tied
-//! embedding's gradient sum over the embedding group is what keeps them so.
+//! gradient norms (to 1e-5 of their size: only the order of f32 sums differs), also with the
+//! exchanges planned as NCCL needs them, and the tied embedding's gradient sum over the
+//! embedding group is what keeps them so.
 
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
@@ -35,6 +36,8 @@ struct Run {
     vpp: usize,
     /// Sum the tied embedding's gradients over the embedding group.
     sync: bool,
+    /// The exchanges planned for a backend whose sends wait for their receive (NCCL's).
+    rendezvous: bool,
 }
 
 impl Run {
@@ -45,6 +48,7 @@ impl Run {
             dp,
             vpp,
             sync: true,
+            rendezvous: false,
         }
     }
 }
@@ -58,6 +62,7 @@ fn train(run: Run) -> (Vec<(f64, f64)>, Vec<f32>, Vec<f32>) {
         dp,
         vpp,
         sync,
+        rendezvous,
     } = run;
     let world = tp * pp * dp;
     let layout = ParallelLayout::new(&ParallelConfig::new(world).with_tp(tp).with_pp(pp)).unwrap();
@@ -106,6 +111,9 @@ fn train(run: Run) -> (Vec<(f64, f64)>, Vec<f32>, Vec<f32>) {
         };
         if !sync {
             trainer.skip_shared_gradient_sum();
+        }
+        if rendezvous {
+            trainer.plan_pipeline_for(megatron::pipeline_parallel::Delivery::Rendezvous)?;
         }
         let curve = (0..STEPS)
             .map(|s| {
@@ -159,6 +167,10 @@ fn pipelines_train_as_one_stage_does() {
         Run::new(2, 2, 1, 2),
         Run::new(1, 2, 2, 1),
         Run::new(2, 2, 2, 2),
+        Run {
+            rendezvous: true,
+            ..Run::new(1, 4, 1, 2)
+        },
     ] {
         let (curve, wte, last_wte) = train(run);
         assert_close(&curve, &reference, &format!("{run:?}"));
@@ -183,7 +195,8 @@ fn without_the_embedding_groups_sum_the_tied_copies_drift_apart() {
     assert!(drift > 1e-4, "the losses should differ: {drift}");
 }
 
-/// A stage of 1F1B that passes a small tensor along and fails at its `fail_at`-th forward.
+/// A stage of 1F1B that exchanges small tensors as its plan says and fails at its
+/// `fail_at`-th forward.
 struct Relay<'a> {
     parallel: &'a ParallelState,
     forwards: usize,
@@ -194,41 +207,48 @@ impl megatron::pipeline_parallel::Stage for Relay<'_> {
     type Error = megatron::Error;
 
     fn forward(&mut self, _chunk: usize, microbatch: usize) -> megatron::Result<()> {
-        let pp = self.parallel.pp();
-        let (rank, size) = (pp.index(), pp.size());
-        let t = megatron::tensor::Tensor::zeros([4], megatron::tensor::DType::F32);
-        if rank > 0 {
-            pp.recv(&t, rank - 1)?;
-        }
         self.forwards += 1;
         if Some(self.forwards) == self.fail_at {
+            let rank = self.parallel.pp().index();
             return megatron::invalid!("rank {rank} fails at microbatch {microbatch}");
-        }
-        if rank + 1 < size {
-            pp.send(&t, rank + 1)?;
         }
         Ok(())
     }
 
     fn backward(&mut self, _chunk: usize, _microbatch: usize) -> megatron::Result<()> {
-        let grads = self.parallel.pp_grads();
-        let (rank, size) = (grads.index(), grads.size());
-        let t = megatron::tensor::Tensor::zeros([4], megatron::tensor::DType::F32);
-        if rank + 1 < size {
-            grads.recv(&t, rank + 1)?;
+        Ok(())
+    }
+
+    fn exchange(
+        &mut self,
+        sends: &[megatron::pipeline_parallel::Transfer],
+        recvs: &[megatron::pipeline_parallel::Transfer],
+    ) -> megatron::Result<()> {
+        use megatron::tensor::{DType, Tensor};
+        let outgoing: Vec<_> = sends
+            .iter()
+            .map(|t| (Tensor::zeros([4], DType::F32), t.peer))
+            .collect();
+        let incoming: Vec<_> = recvs
+            .iter()
+            .map(|t| (Tensor::zeros([4], DType::F32), t.peer))
+            .collect();
+        fn pairs(v: &[(Tensor, usize)]) -> Vec<(&Tensor, usize)> {
+            v.iter().map(|(t, p)| (t, *p)).collect()
         }
-        if rank > 0 {
-            grads.send(&t, rank - 1)?;
-        }
+        self.parallel
+            .pp()
+            .exchange(&pairs(&outgoing), &pairs(&incoming))?;
         Ok(())
     }
 }
 
 #[test]
 fn a_rank_failing_mid_pipeline_stops_every_rank_with_its_error() {
-    use megatron::pipeline_parallel::{Schedule, ScheduleConfig, walk};
+    use megatron::pipeline_parallel::{Delivery, Schedule, ScheduleConfig, execute, plan};
     let layout = ParallelLayout::new(&ParallelConfig::new(4).with_pp(4)).unwrap();
     let schedule = Schedule::new(ScheduleConfig::new(4, 1, 8)).unwrap();
+    let plans = plan(&schedule, Delivery::Rendezvous).unwrap();
     let start = std::time::Instant::now();
     let result = launch(4, |w| -> megatron::Result<()> {
         let ps = ParallelState::new(&w, &layout)?;
@@ -239,7 +259,7 @@ fn a_rank_failing_mid_pipeline_stops_every_rank_with_its_error() {
             // Rank 2 fails at its fourth forward, in the middle of the steady phase.
             fail_at: (rank == 2).then_some(4),
         };
-        walk(&schedule.ranks[rank].order, 1, 8, false, &mut stage)?;
+        execute(&plans[rank].actions, &mut stage)?;
         Ok(())
     });
     let err = result.unwrap_err().to_string();
@@ -260,7 +280,7 @@ fn a_rank_failing_mid_pipeline_stops_every_rank_with_its_error() {
             forwards: 0,
             fail_at: None,
         };
-        let stats = walk(&schedule.ranks[rank].order, 1, 8, false, &mut stage)?;
+        let stats = execute(&plans[rank].actions, &mut stage)?;
         assert_eq!(stats.max_live, schedule.ranks[rank].counts.warmup + 1);
         Ok(())
     })

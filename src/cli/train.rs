@@ -595,15 +595,6 @@ impl TrainArgs {
         };
         plan.validate()?;
         let pipeline = self.pipeline(s.pp, s.model.num_layers, plan.microbatches())?;
-        if self.backend == Backend::Nccl && pipeline.vpp > 1 {
-            bail!(
-                "the interleaved schedule (--vpp {}) does not run over NCCL yet: NCCL's sends wait \
-                 for their receives, and its orders need a forward's and a backward's messages \
-                 batched together; use --vpp 1 (1F1B), --backend mpi (CPU) or thread ranks \
-                 sharing a GPU (--device cuda)",
-                pipeline.vpp
-            );
-        }
         let (train_data, valid_data) = self.data_sources(&s, plan)?;
         let train_data = Sampler::new(train_data, plan)?;
         let eval = match self.eval_interval {

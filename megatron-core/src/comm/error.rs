@@ -28,7 +28,8 @@ pub enum CommError {
     },
     /// Some ranks of the group did not arrive in time.
     #[error(
-        "timeout after {waited:?} in group {group} waiting for {call}: global ranks {missing:?} never arrived"
+        "timeout after {waited:?} in group {group} waiting for {call}: {}",
+        describe_missing(.missing)
     )]
     Timeout {
         /// The group's name.
@@ -71,4 +72,13 @@ pub enum CommError {
     /// A tensor could not be used (not contiguous, borrowed, wrong dtype).
     #[error(transparent)]
     Tensor(#[from] TensorError),
+}
+
+/// Which ranks a timed-out call waited for: none known means the library's call never finished.
+fn describe_missing(missing: &[usize]) -> String {
+    if missing.is_empty() {
+        "the call never finished (a peer did not join it)".to_string()
+    } else {
+        format!("global ranks {missing:?} never arrived")
+    }
 }

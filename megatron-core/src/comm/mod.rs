@@ -192,12 +192,33 @@ pub trait Communicator: Send + Sync {
     /// Receives into `tensor` the next message from group rank `src` (same dtype and size).
     fn recv(&self, tensor: &Tensor, src: usize) -> Result<()>;
 
+    /// Sends each `(tensor, dst)` of `sends` and receives each `(tensor, src)` of `recvs` as
+    /// one batch, in which no call waits for another (Megatron-LM's `batch_isend_irecv`):
+    /// returns once all are done. Within a batch a rank sends at most one message to each peer
+    /// and receives at most one from each. This default suits backends whose sends never wait.
+    fn exchange(&self, sends: &[(&Tensor, usize)], recvs: &[(&Tensor, usize)]) -> Result<()> {
+        for &(tensor, dst) in sends {
+            self.send(tensor, dst)?;
+        }
+        for &(tensor, src) in recvs {
+            self.recv(tensor, src)?;
+        }
+        Ok(())
+    }
+
+    /// Whether an [`exchange`](Communicator::exchange)'s sends complete only together with
+    /// their receives (NCCL's do), so that peers must exchange both ends of a message in one
+    /// call each; other backends deliver a send at once.
+    fn rendezvous(&self) -> bool {
+        false
+    }
+
     /// Returns once every rank of the group has called it.
     fn barrier(&self) -> Result<()>;
 
     /// Completes the sends this rank has posted. Sends never wait for their receive; a backend
     /// whose library's sends do (NCCL) holds them until this rank's next receive or other call,
-    /// so a rank that sends last calls this (the pipeline's walk and a checkpoint's gather do).
+    /// so a rank that sends last calls this (a checkpoint's gather does).
     fn flush(&self) -> Result<()> {
         Ok(())
     }
@@ -263,14 +284,7 @@ pub(crate) fn member_index(
 pub struct ParallelState {
     groups: RankGroups,
     comms: Vec<(GroupKind, Arc<dyn Communicator>)>,
-    /// With a pipeline, a second communicator over the pipeline group for the gradients going
-    /// back, so that activations and gradients between the same two ranks (both ways round
-    /// with pp = 2 and virtual stages) never share a channel.
-    pp_grads: Option<Arc<dyn Communicator>>,
 }
-
-/// The name of the pipeline group's second communicator, for the gradients.
-pub const PP_GRADS: &str = "pp-grad";
 
 impl ParallelState {
     /// Builds a communicator for every group family this rank belongs to.
@@ -293,15 +307,7 @@ impl ParallelState {
             .iter()
             .map(|g| Ok((g.kind, world.communicator(g.kind.name(), &g.ranks)?)))
             .collect::<Result<Vec<_>>>()?;
-        let pp_grads = match groups.get(GroupKind::Pp) {
-            Some(pp) if pp.size() > 1 => Some(world.communicator(PP_GRADS, &pp.ranks)?),
-            _ => None,
-        };
-        Ok(ParallelState {
-            groups,
-            comms,
-            pp_grads,
-        })
+        Ok(ParallelState { groups, comms })
     }
 
     /// The parallel state of a single rank (every group of size 1), for single-process use.
@@ -339,33 +345,13 @@ impl ParallelState {
         self.comm(GroupKind::Dp)
     }
 
-    /// The pipeline communicator (the activations going forward).
+    /// The pipeline communicator (activations and gradients between stages).
     pub fn pp(&self) -> &dyn Communicator {
         self.comm(GroupKind::Pp)
     }
 
-    /// The pipeline group's communicator for the gradients going back (the pipeline
-    /// communicator itself without a pipeline).
-    pub fn pp_grads(&self) -> &dyn Communicator {
-        match &self.pp_grads {
-            Some(c) => c.as_ref(),
-            None => self.pp(),
-        }
-    }
-
-    /// Counters of every group, by family name (the pipeline's two communicators together).
+    /// Counters of every group, by family name.
     pub fn stats(&self) -> Vec<(GroupKind, CommStats)> {
-        self.comms
-            .iter()
-            .map(|(k, c)| {
-                let mut stats = c.stats();
-                if *k == GroupKind::Pp
-                    && let Some(grads) = &self.pp_grads
-                {
-                    stats.add(&grads.stats());
-                }
-                (*k, stats)
-            })
-            .collect()
+        self.comms.iter().map(|(k, c)| (*k, c.stats())).collect()
     }
 }

@@ -14,10 +14,11 @@
 //! - All-to-all with uneven splits is grouped send/recv (NCCL has no all-to-all).
 //! - A send does not wait for its receive, as the other backends' do not: NCCL's send does, so
 //!   a send is held (its header already sent) and launched together with this process's next
-//!   receive in one NCCL group, or alone before its next other call or at [`Communicator::flush`]
-//!   (Megatron-LM batches a pipeline's sends with the next receive the same way). A receive
-//!   launches its group before it reads the sender's header (the sender may be waiting for one
-//!   of the held sends), and aborts the communicator when the header disagrees.
+//!   receive in one NCCL group, or alone before its next other call or at [`Communicator::flush`].
+//!   A receive launches its group before it reads the sender's header (the sender may be
+//!   waiting for one of the held sends), and aborts the communicator when the header disagrees.
+//!   [`Communicator::exchange`] launches its sends and receives in one NCCL group the same way
+//!   (the pipeline's batches, as Megatron-LM's `batch_isend_irecv`).
 //! - NCCL reduces in its own order (rings, trees), so sums equal the host backends' within
 //!   rounding, not bit for bit.
 
@@ -310,6 +311,24 @@ impl NcclComm {
             return Err(e);
         }
         self.wait(what)
+    }
+
+    /// Reads the header of the next message from `src` and checks it against a receive of
+    /// `count` elements of `dtype`.
+    fn check_header(&self, src: usize, count: usize, dtype: DType) -> Result<()> {
+        let header = Tensor::zeros([2], DType::I64);
+        self.host.recv(&header, src)?;
+        let sent = header.to_vec::<i64>()?;
+        if sent != [count as i64, dtype as i64] {
+            return Err(CommError::Mismatch {
+                group: self.name().to_string(),
+                rank_a: self.ranks()[src],
+                call_a: format!("send({} elements, dtype #{})", sent[0], sent[1]),
+                rank_b: self.ranks()[self.index()],
+                call_b: format!("recv({dtype} × {count})"),
+            });
+        }
+        Ok(())
     }
 
     /// Launches the held sends before a call that is not a receive.
@@ -667,24 +686,68 @@ impl Communicator for NcclComm {
                 nccl::recv(dst, count, nccl_type(dtype), src as i32, comm, stream as _)
             })
         };
-        let mut check_header = || {
-            let header = Tensor::zeros([2], DType::I64);
-            self.host.recv(&header, src)?;
-            let sent = header.to_vec::<i64>()?;
-            if sent != [count as i64, dtype as i64] {
-                return Err(CommError::Mismatch {
-                    group: self.name().to_string(),
-                    rank_a: self.ranks()[src],
-                    call_a: format!("send({} elements, dtype #{})", sent[0], sent[1]),
-                    rank_b: self.ranks()[self.index()],
-                    call_b: format!("recv({dtype} × {count})"),
-                });
-            }
-            Ok(())
-        };
+        let mut check_header = || self.check_header(src, count, dtype);
         self.launch_held("recv", Some(&receive), &mut check_header)?;
         self.counters.record(OpKind::Recv, count * dtype.size());
         Ok(())
+    }
+
+    fn exchange(&self, sends: &[(&Tensor, usize)], recvs: &[(&Tensor, usize)]) -> Result<()> {
+        const OP: &str = "exchange";
+        let mut outgoing = Vec::with_capacity(sends.len());
+        for &(tensor, dst) in sends {
+            self.check_tensor(OP, tensor)?;
+            self.checks().destination(dst)?;
+            let data = tensor.raw_device_read(OP)?.addr() as *const c_void;
+            outgoing.push((data, tensor.numel(), tensor.dtype(), dst));
+        }
+        let mut incoming = Vec::with_capacity(recvs.len());
+        for &(tensor, src) in recvs {
+            self.check_tensor(OP, tensor)?;
+            self.checks().source(src)?;
+            let data = tensor.raw_device_write(OP)?.addr() as *mut c_void;
+            incoming.push((data, tensor.numel(), tensor.dtype(), src));
+        }
+        // Each send's header goes ahead over MPI, as a single send's does.
+        for &(_, count, dtype, dst) in &outgoing {
+            let header = Tensor::from_vec(vec![count as i64, dtype as i64], [2])?;
+            self.host.send(&header, dst)?;
+        }
+        // Every send and receive in one NCCL group (with any held sends), so none waits for
+        // another; the headers are read once the group is launched.
+        let batch = |comm: ncclComm_t, stream: cudarc::driver::sys::CUstream| {
+            for &(data, count, dtype, dst) in &outgoing {
+                // SAFETY: the borrowed tensor's `count` elements.
+                self.status("ncclSend", unsafe {
+                    nccl::send(data, count, nccl_type(dtype), dst as i32, comm, stream as _)
+                })?;
+            }
+            for &(data, count, dtype, src) in &incoming {
+                // SAFETY: the borrowed tensor's `count` elements.
+                self.status("ncclRecv", unsafe {
+                    nccl::recv(data, count, nccl_type(dtype), src as i32, comm, stream as _)
+                })?;
+            }
+            Ok(())
+        };
+        let mut check_headers = || {
+            for &(_, count, dtype, src) in &incoming {
+                self.check_header(src, count, dtype)?;
+            }
+            Ok(())
+        };
+        self.launch_held("exchange", Some(&batch), &mut check_headers)?;
+        for &(_, count, dtype, _) in &outgoing {
+            self.counters.record(OpKind::Send, count * dtype.size());
+        }
+        for &(_, count, dtype, _) in &incoming {
+            self.counters.record(OpKind::Recv, count * dtype.size());
+        }
+        Ok(())
+    }
+
+    fn rendezvous(&self) -> bool {
+        true
     }
 
     fn barrier(&self) -> Result<()> {

@@ -148,6 +148,20 @@ impl Communicator for Recording {
         self.inner.recv(tensor, src)
     }
 
+    fn exchange(&self, sends: &[(&Tensor, usize)], recvs: &[(&Tensor, usize)]) -> Result<()> {
+        for &(tensor, dst) in sends {
+            self.record(OpKind::Send, tensor, None, Some(dst));
+        }
+        for &(tensor, src) in recvs {
+            self.record(OpKind::Recv, tensor, None, Some(src));
+        }
+        self.inner.exchange(sends, recvs)
+    }
+
+    fn rendezvous(&self) -> bool {
+        self.inner.rendezvous()
+    }
+
     fn barrier(&self) -> Result<()> {
         self.log.push(self.inner.name(), CallDesc::barrier());
         self.inner.barrier()

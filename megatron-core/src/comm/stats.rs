@@ -44,15 +44,6 @@ impl CommStats {
         CommStats { ops }
     }
 
-    /// Adds `other`'s counters to these.
-    pub fn add(&mut self, other: &CommStats) {
-        for (&kind, o) in &other.ops {
-            let s = self.ops.entry(kind).or_default();
-            s.calls += o.calls;
-            s.bytes += o.bytes;
-        }
-    }
-
     /// Total bytes over every kind.
     pub fn total_bytes(&self) -> u64 {
         self.ops.values().map(|s| s.bytes).sum()

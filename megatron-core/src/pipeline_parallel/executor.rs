@@ -1,11 +1,15 @@
-//! The schedule executor: walks one rank's order over a [`Stage`], and nothing else.
+//! The schedule executor: walks one rank's order, or runs its [plan](super::plan), over a
+//! [`Stage`], and nothing else.
 //!
 //! The walk is pure: the order says which chunk runs a forward or a backward next, and the j-th
 //! forward (or backward) of a chunk is its j-th microbatch, as every chunk takes the microbatches
-//! in order. What a pass does (receive its input, compute, send its output) is the stage's: the
-//! same walk drives a model's stage and a [`RecordingStage`] that only notes the passes.
+//! in order. What a pass does (compute, take its input, keep its output) and what an exchange
+//! does (send and receive) is the stage's: the same walk drives a model's stage and a
+//! [`RecordingStage`] that only notes the passes.
 
 use thiserror::Error;
+
+use super::plan::{Action, Transfer};
 
 /// A forward or a backward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -37,6 +41,13 @@ pub trait Stage {
 
     /// Runs `microbatch` backward through local chunk `chunk`.
     fn backward(&mut self, chunk: usize, microbatch: usize) -> Result<(), Self::Error>;
+
+    /// Sends the outputs `sends` name and receives the inputs `recvs` name, in one batch (see
+    /// [`plan`](super::plan)). A stage that moves nothing between ranks keeps this default.
+    fn exchange(&mut self, sends: &[Transfer], recvs: &[Transfer]) -> Result<(), Self::Error> {
+        let _ = (sends, recvs);
+        Ok(())
+    }
 }
 
 /// An order the executor cannot walk.
@@ -149,6 +160,34 @@ pub fn walk<S: Stage>(
             stats.backwards += 1;
             live -= 1;
         }
+    }
+    Ok(stats)
+}
+
+/// Runs a rank's plan (its passes, checked by [`walk`] when the plan was made, and its
+/// exchanges) over `stage`.
+pub fn execute<S: Stage>(actions: &[Action], stage: &mut S) -> Result<WalkStats, S::Error> {
+    let mut stats = WalkStats::default();
+    let mut live = 0usize;
+    for action in actions {
+        match action {
+            Action::Run(op) if op.pass == Pass::Forward => {
+                stage.forward(op.chunk, op.microbatch)?;
+                stats.forwards += 1;
+                live += 1;
+            }
+            Action::Run(op) => {
+                stage.backward(op.chunk, op.microbatch)?;
+                stats.backwards += 1;
+                live = live.saturating_sub(1);
+            }
+            Action::Exchange { sends, recvs, .. } => stage.exchange(sends, recvs)?,
+        }
+        stats.max_live = stats.max_live.max(live);
+    }
+    if stats.backwards == 0 {
+        // Forwards only (evaluation): nothing is held for a backward.
+        stats.max_live = 0;
     }
     Ok(stats)
 }

@@ -5,15 +5,17 @@
 //! and `convert_schedule_table_to_order` compute, with Megatron-LM's argument checks;
 //! [`executor`] runs one rank's order over a [`Stage`](executor::Stage) (a model's, or a
 //! recording one); [`simulate`] checks that the ranks' orders make a valid pipeline and times
-//! it.
+//! it; [`plan`] adds to each rank's order the batched exchanges that run it on any backend.
 
 pub mod executor;
 pub mod layout;
+pub mod plan;
 pub mod schedule;
 pub mod simulate;
 
-pub use executor::{Op, Pass, RecordingStage, Stage, WalkError, WalkStats, walk};
+pub use executor::{Op, Pass, RecordingStage, Stage, WalkError, WalkStats, execute, walk};
 pub use layout::{LayoutError, PipelineLayout, StagePart};
+pub use plan::{Action, Delivery, PlanError, RankPlan, Transfer, plan};
 pub use schedule::{
     RankCounts, RankSchedule, Schedule, ScheduleConfig, ScheduleError, Slot, order_from_table,
     schedule_table,

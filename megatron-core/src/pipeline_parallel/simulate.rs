@@ -5,11 +5,9 @@
 //! waits forever) and times it with given pass costs: the timeline, its length and its bubble.
 //!
 //! Virtual stage `s = chunk·pp + rank` holds chunk `chunk` of pipeline rank `rank`; stage `s`
-//! receives activations from `s − 1` and gradients from `s + 1`. Sends never wait (they are
-//! buffered, as the thread, MPI and device-local communicators' are); a receive waits for its
-//! message. The executor relies on it: with sends that wait for their receive, some of these
-//! orders deadlock (1F1B with pp = 2 and M = 2 already: both ranks send at once), which is why
-//! Megatron-LM batches a send with the next receive.
+//! receives activations from `s − 1` and gradients from `s + 1`. Sends never wait; a receive
+//! waits for its message. (With sends that wait for their receive, sending and receiving one
+//! message at a time deadlocks some of these orders: [`plan`](super::plan) batches them.)
 
 use std::collections::HashMap;
 
@@ -282,107 +280,4 @@ pub fn draw(timeline: &Timeline, chunks: usize) -> String {
         out.push('\n');
     }
     out
-}
-
-/// A message between virtual stages: activations (forward) or gradients (backward) of the
-/// sending virtual stage's microbatch.
-type Message = (Pass, usize, usize);
-
-/// Each rank's point-to-point calls as groups, the way a backend whose sends wait for their
-/// receive runs them when it holds a rank's sends until its next receive and launches them
-/// together with it (the NCCL communicator does): per group, the sends held since the previous
-/// receive and the receive (none for the sends left at the end).
-fn held_send_groups(
-    schedule: &Schedule,
-    traces: &[(Vec<Op>, WalkStats)],
-) -> Vec<Vec<(Vec<Message>, Option<Message>)>> {
-    let pp = schedule.config.pp;
-    let stages = pp * schedule.config.vpp;
-    traces
-        .iter()
-        .enumerate()
-        .map(|(rank, (ops, _))| {
-            let mut groups = Vec::new();
-            let mut held = Vec::new();
-            for op in ops {
-                let s = op.chunk * pp + rank;
-                let m = op.microbatch;
-                let (recv, send) = match op.pass {
-                    Pass::Forward => (
-                        s.checked_sub(1).map(|from| (Pass::Forward, from, m)),
-                        (s + 1 < stages).then_some((Pass::Forward, s, m)),
-                    ),
-                    Pass::Backward => (
-                        (s + 1 < stages).then_some((Pass::Backward, s + 1, m)),
-                        s.checked_sub(1).map(|_| (Pass::Backward, s, m)),
-                    ),
-                };
-                if let Some(recv) = recv {
-                    groups.push((std::mem::take(&mut held), Some(recv)));
-                }
-                held.extend(send);
-            }
-            groups.push((held, None));
-            groups
-        })
-        .collect()
-}
-
-/// Checks that the schedule runs on a backend whose sends wait for their receive when each
-/// rank holds its sends until its next receive and posts them in one group with it (the NCCL
-/// communicator's way): a group completes once every peer has posted the group holding the
-/// other end of each of its messages. Every 1F1B order passes; interleaved orders need a
-/// forward's and a backward's messages batched together, which this does not do.
-pub fn check_held_sends(schedule: &Schedule) -> Result<(), PipelineError> {
-    let traces = traces(schedule)?;
-    let groups = held_send_groups(schedule, &traces);
-    let pp = schedule.config.pp;
-    // Which rank's which group posts each message's send and receive.
-    let mut sent = HashMap::new();
-    let mut received = HashMap::new();
-    for (rank, gs) in groups.iter().enumerate() {
-        for (g, (sends, recv)) in gs.iter().enumerate() {
-            for &m in sends {
-                sent.insert(m, (rank, g));
-            }
-            if let Some(m) = *recv {
-                received.insert(m, (rank, g));
-            }
-        }
-    }
-    let mut current = vec![0usize; pp];
-    loop {
-        let mut progress = false;
-        for rank in 0..pp {
-            let Some((sends, recv)) = groups[rank].get(current[rank]) else {
-                continue;
-            };
-            let posted =
-                |other: Option<&(usize, usize)>| other.is_some_and(|&(r, g)| current[r] >= g);
-            let ready = sends.iter().all(|m| posted(received.get(m)))
-                && recv.is_none_or(|m| posted(sent.get(&m)));
-            if ready {
-                current[rank] += 1;
-                progress = true;
-            }
-        }
-        if (0..pp).all(|r| current[r] == groups[r].len()) {
-            return Ok(());
-        }
-        if !progress {
-            let waiting = (0..pp)
-                .filter_map(|rank| {
-                    let (_, recv) = groups[rank].get(current[rank])?;
-                    let (pass, stage, mb) = (*recv)?;
-                    let op = Op {
-                        pass,
-                        chunk: 0,
-                        microbatch: mb,
-                    };
-                    Some((rank, op, pass, stage, mb))
-                })
-                .collect();
-            return Err(PipelineError::Deadlock { waiting });
-        }
-    }
 }

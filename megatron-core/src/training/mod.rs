@@ -196,7 +196,7 @@ impl<M: LanguageModel> Trainer<M> {
                 parallel,
                 &self.sampler,
                 step,
-                &p.order,
+                &p.plan,
                 pipeline::Mode::Train { step },
             )?,
         };
@@ -270,7 +270,7 @@ impl<M: LanguageModel> Trainer<M> {
                 }
                 Some(p) => {
                     loss_sum +=
-                        (p.run)(self, parallel, data, i, &p.eval_order, pipeline::Mode::Eval)?.0;
+                        (p.run)(self, parallel, data, i, &p.eval_plan, pipeline::Mode::Eval)?.0;
                 }
             }
         }

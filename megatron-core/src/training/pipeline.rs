@@ -1,6 +1,8 @@
-//! Training through a pipeline: a rank holds one model chunk per virtual stage and walks its
-//! schedule's order; each pass receives its input from the previous stage and sends its output
-//! to the next (the gradients the other way round), and the last stage computes the losses.
+//! Training through a pipeline: a rank holds one model chunk per virtual stage and runs its
+//! schedule's [plan](crate::pipeline_parallel::plan): its passes in Megatron-LM's order, each
+//! taking its input from the previous stage and giving its output to the next (the gradients
+//! the other way round), and between them the batched exchanges that move those values. The
+//! last stage computes the losses.
 
 use std::collections::HashMap;
 
@@ -10,7 +12,10 @@ use crate::error::{Error, Result};
 use crate::invalid;
 use crate::module::{Builder, Cx, Ids, Module, Param, Pipelined};
 use crate::parallel::GroupKind;
-use crate::pipeline_parallel::{Schedule, ScheduleConfig, Stage, WalkError, walk};
+use crate::pipeline_parallel::{
+    Action, Delivery, Pass, PlanError, Schedule, ScheduleConfig, Stage, Transfer, WalkError,
+    execute, plan,
+};
 use crate::tensor::{DType, Tensor};
 
 /// A language model that pipeline parallelism cuts into stages (its layers a `#[pipeline]`
@@ -83,25 +88,31 @@ impl From<WalkError> for Error {
     }
 }
 
+impl From<PlanError> for Error {
+    fn from(e: PlanError) -> Self {
+        Error::Invalid(e.to_string())
+    }
+}
+
 /// How a pipelined trainer runs its microbatches.
 pub(super) struct Pipeline<M: LanguageModel> {
-    /// This rank's pipeline rank and the pipeline's size.
+    /// This rank's pipeline rank, and the training and evaluation schedules.
     pub rank: usize,
-    pub size: usize,
-    /// The training schedule's order of this rank, and the evaluation one's.
-    pub order: Vec<i32>,
-    pub eval_order: Vec<i32>,
-    /// Runs one batch's microbatches through the order (generic over the model's pipelined
+    pub schedules: [Schedule; 2],
+    /// The training schedule's plan of this rank, and the evaluation one's.
+    pub plan: Vec<Action>,
+    pub eval_plan: Vec<Action>,
+    /// Runs one batch's microbatches through a plan (generic over the model's pipelined
     /// parts, which the trainer's own impl cannot name).
     pub run: RunFn<M>,
     /// Sum the tied copies' gradients over the embedding group (off only to show it is needed).
     pub sync_shared: bool,
 }
 
-/// Runs batch `batch` of `data` through `order`: the sum of the per-token losses this rank
+/// Runs batch `batch` of `data` through a plan: the sum of the per-token losses this rank
 /// computed (the last stage's; 0 elsewhere) and the seconds it waited for other stages.
 pub(super) type RunFn<M> =
-    fn(&Trainer<M>, &ParallelState, &Sampler, u64, &[i32], Mode) -> Result<(f64, f64)>;
+    fn(&Trainer<M>, &ParallelState, &Sampler, u64, &[Action], Mode) -> Result<(f64, f64)>;
 
 /// What a walk is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,13 +137,18 @@ impl<M: PipelinedLanguageModel> Trainer<M> {
     ) -> Result<Self> {
         let pp = parallel.pp();
         let (rank, size) = (pp.index(), pp.size());
+        let delivery = if pp.rendezvous() {
+            Delivery::Rendezvous
+        } else {
+            Delivery::Buffered
+        };
         if chunks.is_empty() {
             return invalid!("a pipeline rank needs at least one model chunk");
         }
-        let plan = *sampler.plan();
+        let microbatches = sampler.plan().microbatches();
         let schedule_config = ScheduleConfig {
             group_size: microbatch_group_size,
-            ..ScheduleConfig::new(size, chunks.len(), plan.microbatches())
+            ..ScheduleConfig::new(size, chunks.len(), microbatches)
         };
         let schedule = Schedule::new(schedule_config).map_err(|e| Error::Invalid(e.to_string()))?;
         let eval = Schedule::new(ScheduleConfig {
@@ -156,15 +172,27 @@ impl<M: PipelinedLanguageModel> Trainer<M> {
         }
         let mut trainer = Trainer::build(Chunks(chunks), parallel, sampler, config)?;
         trainer.buffers.mark_shared_copies(&shared);
-        trainer.pipeline = Some(Pipeline {
+        let mut pipeline = Pipeline {
             rank,
-            size,
-            order: schedule.ranks[rank].order.clone(),
-            eval_order: eval.ranks[rank].order.clone(),
+            schedules: [schedule, eval],
+            plan: Vec::new(),
+            eval_plan: Vec::new(),
             run: run_walk::<M>,
             sync_shared: true,
-        });
+        };
+        pipeline.replan(delivery)?;
+        trainer.pipeline = Some(pipeline);
         Ok(trainer)
+    }
+}
+
+impl<M: LanguageModel> Pipeline<M> {
+    /// Makes this rank's plans for a backend of `delivery`.
+    fn replan(&mut self, delivery: Delivery) -> Result<()> {
+        let [train, eval] = &self.schedules;
+        self.plan = plan(train, delivery)?.swap_remove(self.rank).actions;
+        self.eval_plan = plan(eval, delivery)?.swap_remove(self.rank).actions;
+        Ok(())
     }
 }
 
@@ -175,6 +203,16 @@ impl<M: LanguageModel> Trainer<M> {
     pub fn skip_shared_gradient_sum(&mut self) {
         if let Some(p) = &mut self.pipeline {
             p.sync_shared = false;
+        }
+    }
+
+    /// Plans the pipeline's exchanges for `delivery` rather than the pipeline communicator's
+    /// own (to run the plan of a backend whose sends wait on one whose sends do not).
+    #[doc(hidden)]
+    pub fn plan_pipeline_for(&mut self, delivery: Delivery) -> Result<()> {
+        match &mut self.pipeline {
+            Some(p) => p.replan(delivery),
+            None => Ok(()),
         }
     }
 }
@@ -214,8 +252,12 @@ struct Walker<'a, M: PipelinedLanguageModel> {
     batch: u64,
     mode: Mode,
     kept: HashMap<(usize, usize), Kept<M>>,
+    /// Values received and not used yet, and values produced and not sent yet, by (pass, local
+    /// chunk, microbatch): activations (forward) and gradients (backward).
+    inbox: HashMap<(Pass, usize, usize), Tensor>,
+    outbox: HashMap<(Pass, usize, usize), Tensor>,
     loss_sum: f64,
-    /// Time spent waiting in receives.
+    /// Time spent in exchanges.
     waited: std::time::Duration,
     /// The shape of the value between stages, `[s, b, width]`.
     carried: [usize; 3],
@@ -226,7 +268,7 @@ fn run_walk<M: PipelinedLanguageModel>(
     parallel: &ParallelState,
     data: &Sampler,
     batch: u64,
-    order: &[i32],
+    actions: &[Action],
     mode: Mode,
 ) -> Result<(f64, f64)> {
     let plan = *data.plan();
@@ -238,21 +280,21 @@ fn run_walk<M: PipelinedLanguageModel>(
         batch,
         mode,
         kept: HashMap::new(),
+        inbox: HashMap::new(),
+        outbox: HashMap::new(),
         loss_sum: 0.0,
         waited: std::time::Duration::ZERO,
         carried: [plan.seq_length, plan.micro_batch, chunks[0].carried_width()],
     };
-    walk(
-        order,
-        chunks.len(),
-        plan.microbatches(),
-        mode == Mode::Eval,
-        &mut walker,
-    )?;
-    // A backend may hold this rank's last sends (NCCL's wait for their receive): complete them.
-    parallel.pp().flush()?;
-    parallel.pp_grads().flush()?;
-    // After the flush, the tied embedding's two copies (first and last stage) get one gradient.
+    execute(actions, &mut walker)?;
+    if !(walker.inbox.is_empty() && walker.outbox.is_empty()) {
+        return invalid!(
+            "the pipeline's plan left {} values unused and {} unsent",
+            walker.inbox.len(),
+            walker.outbox.len()
+        );
+    }
+    // The tied embedding's two copies (first and last stage) get one gradient.
     let sync = trainer.pipeline.as_ref().is_some_and(|p| p.sync_shared);
     if mode != Mode::Eval && sync {
         sum_shared_gradients(chunks, parallel)?;
@@ -273,27 +315,20 @@ impl<'a, M: PipelinedLanguageModel> Walker<'a, M> {
         }
     }
 
-    fn neighbours(&self) -> (usize, usize) {
-        let p = self.trainer.pipeline.as_ref().expect("a pipelined trainer");
-        ((p.rank + p.size - 1) % p.size, (p.rank + 1) % p.size)
-    }
-
     /// A buffer for the value (or its gradient) another stage sends.
     fn carried_buffer(&self) -> Result<Tensor> {
         Tensor::empty_near(self.carried, DType::F32, self.trainer.buffers.grads())
     }
 
-    /// Receives from another stage into `t`, timing the wait.
-    fn receive(
-        &mut self,
-        comm: &dyn crate::comm::Communicator,
-        t: &Tensor,
-        from: usize,
-    ) -> Result<()> {
-        let start = std::time::Instant::now();
-        comm.recv(t, from)?;
-        self.waited += start.elapsed();
-        Ok(())
+    /// The value `pass` of `microbatch` brought for local chunk `chunk`.
+    fn take_input(&mut self, pass: Pass, chunk: usize, microbatch: usize) -> Result<Tensor> {
+        match self.inbox.remove(&(pass, chunk, microbatch)) {
+            Some(t) => Ok(t),
+            None => invalid!(
+                "the {pass:?} input of chunk {chunk} microbatch {microbatch} was not received \
+                 before its pass"
+            ),
+        }
     }
 
     fn check_carried(&self, t: &Tensor, what: &str) -> Result<()> {
@@ -317,7 +352,6 @@ impl<M: PipelinedLanguageModel> Stage for Walker<'_, M> {
         let model = &self.trainer.chunks.0[chunk];
         let part = model.stage().clone();
         let cx = self.cx(microbatch);
-        let (prev, next) = self.neighbours();
         let dp_rank = self.parallel.groups().dp_rank();
         let data = if part.first || part.last {
             Some(self.data.microbatch(self.batch, dp_rank, microbatch)?)
@@ -329,12 +363,7 @@ impl<M: PipelinedLanguageModel> Stage for Walker<'_, M> {
                 let (h, saved) = model.first_forward(&cx, tokens)?;
                 (h, Some(saved))
             }
-            _ => {
-                let h = self.carried_buffer()?;
-                let pp = self.parallel.pp();
-                self.receive(pp, &h, prev)?;
-                (h, None)
-            }
+            _ => (self.take_input(Pass::Forward, chunk, microbatch)?, None),
         };
         let (out, layers) = model.layers_forward(&cx, &h)?;
         let last = match (&data, part.last) {
@@ -349,7 +378,7 @@ impl<M: PipelinedLanguageModel> Stage for Walker<'_, M> {
             }
             _ => {
                 self.check_carried(&out, "activations")?;
-                self.parallel.pp().send(&out, next)?;
+                self.outbox.insert((Pass::Forward, chunk, microbatch), out);
                 None
             }
         };
@@ -374,7 +403,6 @@ impl<M: PipelinedLanguageModel> Stage for Walker<'_, M> {
         };
         let model = &self.trainer.chunks.0[chunk];
         let cx = self.cx(microbatch);
-        let (prev, next) = self.neighbours();
         let d = match kept.last {
             Some((saved, shape)) => {
                 let plan = self.data.plan();
@@ -384,20 +412,45 @@ impl<M: PipelinedLanguageModel> Stage for Walker<'_, M> {
                 dlosses.fill(1.0 / tokens as f32)?;
                 model.last_backward(&cx, saved, &dlosses)?
             }
-            None => {
-                let d = self.carried_buffer()?;
-                let grads = self.parallel.pp_grads();
-                self.receive(grads, &d, next)?;
-                d
-            }
+            None => self.take_input(Pass::Backward, chunk, microbatch)?,
         };
         let d = model.layers_backward(&cx, kept.layers, &d)?;
         match kept.first {
             Some(saved) => model.first_backward(&cx, saved, &d)?,
             None => {
                 self.check_carried(&d, "gradients")?;
-                self.parallel.pp_grads().send(&d, prev)?;
+                self.outbox.insert((Pass::Backward, chunk, microbatch), d);
             }
+        }
+        Ok(())
+    }
+
+    fn exchange(&mut self, sends: &[Transfer], recvs: &[Transfer]) -> Result<()> {
+        let key = |t: &Transfer| (t.pass, t.chunk, t.microbatch);
+        let outgoing = sends
+            .iter()
+            .map(|t| match self.outbox.remove(&key(t)) {
+                Some(v) => Ok((v, t.peer)),
+                None => invalid!(
+                    "{:?} output of chunk {} microbatch {} is sent before it is computed",
+                    t.pass,
+                    t.chunk,
+                    t.microbatch
+                ),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let incoming = recvs
+            .iter()
+            .map(|t| Ok((self.carried_buffer()?, t.peer)))
+            .collect::<Result<Vec<_>>>()?;
+        let start = std::time::Instant::now();
+        self.parallel.pp().exchange(
+            &outgoing.iter().map(|(v, p)| (v, *p)).collect::<Vec<_>>(),
+            &incoming.iter().map(|(v, p)| (v, *p)).collect::<Vec<_>>(),
+        )?;
+        self.waited += start.elapsed();
+        for (t, (v, _)) in recvs.iter().zip(incoming) {
+            self.inbox.insert(key(t), v);
         }
         Ok(())
     }
