@@ -13,6 +13,7 @@ mod error;
 pub mod kernels;
 pub mod module;
 pub mod ops;
+pub mod optimizer;
 pub mod parallel;
 pub mod pipeline_parallel;
 pub mod prelude;

@@ -7,6 +7,7 @@ pub mod data_cmd;
 pub mod generate;
 pub mod groups;
 pub mod inspect;
+pub mod layout;
 pub mod logging;
 pub mod model_args;
 pub mod models;
