@@ -130,6 +130,7 @@ fn train(tp: usize, dp: usize) -> Result<(Vec<f64>, f64)> {
         clip_grad: 1.0,
         seed: SEED,
         bucket_elements: 1 << 20,
+        distributed_optimizer: false,
         check_for_nan: true,
     };
     let start = Instant::now();

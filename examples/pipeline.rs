@@ -49,6 +49,7 @@ fn job(tp: usize, pipeline: PipelineSettings) -> Result<TrainJob, Box<dyn std::e
             clip_grad: 1.0,
             seed: 1234,
             bucket_elements: 1 << 20,
+            distributed_optimizer: false,
             check_for_nan: true,
         },
         save: None,

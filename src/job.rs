@@ -248,6 +248,8 @@ pub struct Summary {
     pub seconds: f64,
     /// Set when a [`StopRequest`] ended the run early: the steps completed by then.
     pub stopped_after: Option<u64>,
+    /// Global rank 0's training state in bytes.
+    pub state: megatron_core::training::StateMemory,
 }
 
 impl Summary {
@@ -370,7 +372,12 @@ impl TrainJob {
             (pp, 1) => format!(" × PP={pp}"),
             (pp, v) => format!(" × PP={pp} (V={v})"),
         };
-        format!("TP={}{pp} × DP={}", self.tp, self.dp)
+        let sharded = if self.train.distributed_optimizer {
+            " (distributed optimizer)"
+        } else {
+            ""
+        };
+        format!("TP={}{pp} × DP={}{sharded}", self.tp, self.dp)
     }
 
     fn context<'a>(&self, observers: &'a mut [Box<dyn Observer>]) -> Result<RunContext<'a>> {
@@ -455,7 +462,11 @@ impl TrainJob {
             None => 0,
         };
         place(&mut trainer)?;
-        summary(&mut |s| s.first_step = first);
+        let state = trainer.state_memory();
+        summary(&mut |s| {
+            s.first_step = first;
+            s.state = state;
+        });
         report(&mut |o| o.start(self, first))?;
         for step in first..self.steps {
             let metrics = trainer.step(&parallel, step)?;

@@ -66,6 +66,7 @@ fn run(
             clip_grad: 1.0,
             seed: 5,
             bucket_elements: 4096,
+            distributed_optimizer: false,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;

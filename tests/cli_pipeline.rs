@@ -3,7 +3,7 @@
 //! refuses.
 
 mod support;
-use support::{TempDir, log_lines, megatron};
+use support::{TempDir, megatron};
 
 /// The flags every run here shares: gpt-tiny cut to 4 layers, 8 microbatches a step.
 const COMMON: [&str; 11] = [
@@ -22,23 +22,7 @@ const COMMON: [&str; 11] = [
 
 /// The (step, loss, grad_norm) of every line of a run with `extra` flags.
 fn curve(dir: &TempDir, name: &str, extra: &[&str]) -> Vec<(u64, f64, f64)> {
-    let log = dir.join(&format!("{name}.jsonl"));
-    let mut args: Vec<&str> = COMMON.to_vec();
-    args.extend(extra);
-    args.extend(["--log-json", &log]);
-    let (ok, stdout, stderr) = megatron(&args);
-    assert!(ok, "{extra:?}: {stderr}");
-    assert!(stdout.contains("steps of"), "{stdout}");
-    log_lines(&log)
-        .iter()
-        .map(|l| {
-            (
-                l["step"].as_u64().unwrap(),
-                l["loss"].as_f64().unwrap(),
-                l["grad_norm"].as_f64().unwrap(),
-            )
-        })
-        .collect()
+    support::curve(&COMMON, dir, name, extra)
 }
 
 fn assert_close(a: &[(u64, f64, f64)], b: &[(u64, f64, f64)], what: &str) {
@@ -49,8 +33,10 @@ fn assert_close(a: &[(u64, f64, f64)], b: &[(u64, f64, f64)], what: &str) {
             (x.1 - y.1).abs() <= 1e-6 * y.1,
             "{what}: loss {x:?} vs {y:?}"
         );
+        // Gradients amplify the last-bit differences of tensor parallelism's sums (another
+        // order of the partial products): norms to 1e-5.
         assert!(
-            (x.2 - y.2).abs() <= 1e-6 * y.2,
+            (x.2 - y.2).abs() <= 1e-5 * y.2,
             "{what}: grad norm {x:?} vs {y:?}"
         );
     }

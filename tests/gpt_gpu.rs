@@ -77,6 +77,7 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
             clip_grad: 1.0,
             seed: 3,
             bucket_elements: 1 << 20,
+            distributed_optimizer: false,
             check_for_nan: true,
         },
         save: None,

@@ -191,6 +191,7 @@ fn curve(tp: usize, dp: usize) -> Vec<(f64, f64)> {
             clip_grad: 1.0,
             seed: 9,
             bucket_elements: 10_000,
+            distributed_optimizer: false,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
@@ -232,6 +233,7 @@ fn twenty_steps_with_dropout_match_across_layouts() {
 
 #[test]
 fn a_training_step_reduces_gradients_once_per_bucket_on_dp() {
+    const BUCKET: usize = 2048;
     let config = tiny(0.0);
     let layout = ParallelLayout::new(&ParallelConfig::new(4).with_tp(2)).unwrap();
     let text = "0123456789".repeat(50);
@@ -260,16 +262,29 @@ fn a_training_step_reduces_gradients_once_per_bucket_on_dp() {
             adam: AdamWConfig::default(),
             clip_grad: 1.0,
             seed: 9,
-            bucket_elements: 8192,
+            bucket_elements: BUCKET,
+            distributed_optimizer: false,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
         let elements = trainer.buffers().grads().numel() as u64;
-        Ok((trainer.step(&ps, 0)?.comm, elements))
+        // Megatron-LM's buckets: a bucket closes after the parameter that takes it to BUCKET
+        // elements or more.
+        let buckets = trainer.buffers().buckets();
+        for b in &buckets[..buckets.len() - 1] {
+            let last = trainer.buffers().slots()[*b.slots.last().unwrap()].len;
+            assert!(
+                b.range.len() >= BUCKET && b.range.len() - last < BUCKET,
+                "{b:?}"
+            );
+        }
+        let buckets = buckets.len() as u64;
+        Ok((trainer.step(&ps, 0)?.comm, (elements, buckets)))
     })
     .unwrap()
     .remove(0);
-    let (stats, elements) = comm;
+    let (stats, (elements, buckets)) = comm;
+    assert!(buckets > 2, "{buckets} buckets of {elements}");
     let dp = stats
         .iter()
         .find(|(k, _)| *k == GroupKind::Dp)
@@ -278,7 +293,7 @@ fn a_training_step_reduces_gradients_once_per_bucket_on_dp() {
         .get(OpKind::AllReduce);
     assert_eq!(
         dp.calls,
-        elements.div_ceil(8192) + 1,
+        buckets + 1,
         "one per bucket, and the reported loss"
     );
     assert_eq!(dp.bytes, elements * 4 + 4);

@@ -73,7 +73,7 @@ fn linear_layers_multiply_by_the_bf16_copies() {
         let (rows, k, n) = (5, 24, 7);
         let spec = LinearSpec::new(k, n).with_init_std(0.7);
         let mut linear = Linear::build(&spec, &mut Builder::new(9))?;
-        let mut buffers = ParamBuffers::pack(&mut linear, 1)?;
+        let mut buffers = ParamBuffers::pack(&mut linear, &megatron::module::PackLayout::plain())?;
         let weight = linear.weight().value().to_vec::<f32>()?;
         buffers.keep_compute_copies(&mut linear, DType::BF16)?;
         assert_copies_follow(&linear);
@@ -168,6 +168,7 @@ fn train(copies: bool, steps: u64) -> Vec<f64> {
             clip_grad: 1.0,
             seed: 5,
             bucket_elements: usize::MAX,
+            distributed_optimizer: false,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;

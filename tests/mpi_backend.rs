@@ -534,6 +534,31 @@ fn training_under_mpirun_equals_training_on_threads() {
     processes_train_as_threads("train", &args, "mpi", &[]);
 }
 
+/// The distributed optimizer over four data-parallel processes: gradients reduce-scattered and
+/// parameters all-gathered over MPI, bucket by bucket, as on thread ranks.
+#[test]
+fn the_distributed_optimizer_under_mpirun_equals_thread_ranks() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--dp",
+        "4",
+        "--use-distributed-optimizer",
+        "--ddp-bucket-size",
+        "100000",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "1",
+        "--seq-length",
+        "64",
+    ];
+    processes_train_as_threads("distopt", &args, "mpi", &[]);
+}
+
 /// A pipeline of two stages, each of two tensor-parallel processes, with the interleaved
 /// schedule: its activations and gradients go between processes over MPI.
 #[test]
@@ -620,6 +645,41 @@ fn training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
     ];
     let library_path = gpu_library_path();
     processes_train_as_threads("nccl", &args, "nccl", &[("LD_LIBRARY_PATH", &library_path)]);
+}
+
+/// The distributed optimizer over NCCL: two data-parallel pairs of tensor-parallel GPUs,
+/// gradients reduce-scattered and parameters all-gathered by NCCL, bucket by bucket.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs 4 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
+fn the_distributed_optimizer_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--use-distributed-optimizer",
+        "--ddp-bucket-size",
+        "100000",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        "64",
+        "--device",
+        "cuda",
+    ];
+    let library_path = gpu_library_path();
+    processes_train_as_threads(
+        "nccl-distopt",
+        &args,
+        "nccl",
+        &[("LD_LIBRARY_PATH", &library_path)],
+    );
 }
 
 /// A pipeline of two stages (1F1B), each of two tensor-parallel GPUs, over NCCL: activations

@@ -38,6 +38,8 @@ struct Run {
     sync: bool,
     /// The exchanges planned for a backend whose sends wait for their receive (NCCL's).
     rendezvous: bool,
+    /// Megatron-LM's distributed optimizer.
+    distopt: bool,
 }
 
 impl Run {
@@ -49,6 +51,7 @@ impl Run {
             vpp,
             sync: true,
             rendezvous: false,
+            distopt: false,
         }
     }
 }
@@ -63,6 +66,7 @@ fn train(run: Run) -> (Vec<(f64, f64)>, Vec<f32>, Vec<f32>) {
         vpp,
         sync,
         rendezvous,
+        distopt,
     } = run;
     let world = tp * pp * dp;
     let layout = ParallelLayout::new(&ParallelConfig::new(world).with_tp(tp).with_pp(pp)).unwrap();
@@ -94,6 +98,7 @@ fn train(run: Run) -> (Vec<(f64, f64)>, Vec<f32>, Vec<f32>) {
             clip_grad: 1.0,
             seed: 9,
             bucket_elements: 10_000,
+            distributed_optimizer: distopt,
             check_for_nan: true,
         };
         let pp_rank = ps.pp().index();
@@ -170,6 +175,15 @@ fn pipelines_train_as_one_stage_does() {
         Run {
             rendezvous: true,
             ..Run::new(1, 4, 1, 2)
+        },
+        // The distributed optimizer, the tied embedding alone in its bucket on both ends.
+        Run {
+            distopt: true,
+            ..Run::new(1, 2, 2, 1)
+        },
+        Run {
+            distopt: true,
+            ..Run::new(2, 2, 2, 2)
         },
     ] {
         let (curve, wte, last_wte) = train(run);

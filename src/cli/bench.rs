@@ -246,7 +246,8 @@ fn report_steps(
     // A handle on GPU 0 for the whole run keeps its memory pool's high-water mark readable
     // (this process's GPU: with NCCL, rank 0's).
     let memory = GpuMemory::open(matches!(job.device, Placement::Cuda { .. }))?;
-    runner(job, &mut observers)?;
+    let summary = runner(job, &mut observers)?;
+    let state = summary.state;
     let peak_memory_gib = memory.peak_gib()?;
     let timed = job.steps - args.warmup;
     let kernels = args.profile.then(|| finish_profile(timed)).transpose()?;
@@ -287,6 +288,14 @@ fn report_steps(
         "pp": job.pipeline.pp,
         "vpp": job.pipeline.vpp,
         "dp": job.dp,
+        "distributed_optimizer": job.train.distributed_optimizer,
+        "state_bytes_per_param": {
+            "total": state.per_param(state.total()),
+            "values": state.per_param(state.values),
+            "copies": state.per_param(state.copies),
+            "grads": state.per_param(state.grads),
+            "optimizer": state.per_param(state.optimizer),
+        },
         "pipeline_bubble": bubble,
         "theoretical_bubble": theory,
         "seq_length": plan.seq_length,

@@ -50,9 +50,44 @@ pub struct InspectArgs {
     /// Layers of the last pipeline stage, the others sharing the rest evenly.
     #[arg(long)]
     decoder_last_pipeline_num_layers: Option<usize>,
+    /// Data-parallel ranks: the bytes of each rank's parameters, gradients and optimizer state.
+    #[arg(long = "data-parallel-size", visible_alias = "dp", default_value_t = 1)]
+    dp: usize,
+    /// With Megatron-LM's distributed optimizer (the optimizer state split over the
+    /// data-parallel ranks).
+    #[arg(long)]
+    use_distributed_optimizer: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+/// Bytes per parameter of a rank holding `specs` (pp = 1): f32 values and gradients over the
+/// buffers the trainer lays out, and Adam's two f32 moments, split over `dp` ranks with the
+/// distributed optimizer: (total, values, gradients, optimizer).
+fn state_bytes(specs: &[ParamSpec], dp: usize, distributed: bool) -> Result<(f64, f64, f64, f64)> {
+    use megatron::optimizer::{LayoutConfig, ParamInfo, layout};
+    let params: Vec<ParamInfo> = specs
+        .iter()
+        .map(|s| ParamInfo {
+            name: s.name.clone(),
+            numel: s.local.numel(),
+            dtype: DType::F32,
+            shared_embedding: false,
+            expert: false,
+        })
+        .collect();
+    let config = LayoutConfig {
+        bucket_size: Some(megatron::training::default_bucket_elements(dp)),
+        distributed_optimizer: distributed,
+        ..LayoutConfig::new(dp)
+    };
+    let buffer: usize = layout(&params, &config)?.iter().map(|b| b.numel()).sum();
+    let state = if distributed { buffer / dp } else { buffer };
+    let per =
+        |bytes: usize| bytes as f64 / params.iter().map(|p| p.numel).sum::<usize>().max(1) as f64;
+    let (values, grads, optimizer) = (per(4 * buffer), per(4 * buffer), per(8 * state));
+    Ok((values + grads + optimizer, values, grads, optimizer))
 }
 
 /// One pipeline chunk: its rank, chunk, virtual stage, layers and ends.
@@ -198,6 +233,11 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     // Each boundary between virtual stages carries a b·s·h f32 activation forward and its
     // gradient back, per microbatch.
     let boundaries = args.pp * args.vpp - 1;
+    if args.dp == 0 {
+        bail!("--data-parallel-size must be at least 1");
+    }
+    let (state_total, state_values, state_grads, state_optimizer) =
+        state_bytes(&specs, args.dp, args.use_distributed_optimizer)?;
     if args.json {
         let params: Vec<Value> = specs
             .iter()
@@ -216,6 +256,14 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             "parameters_total": total,
             "parameters_per_rank": local,
             "parameters": params,
+            "state_bytes_per_param": {
+                "dp": args.dp,
+                "distributed_optimizer": args.use_distributed_optimizer,
+                "total": state_total,
+                "values": state_values,
+                "grads": state_grads,
+                "optimizer": state_optimizer,
+            },
             "layer_collectives": { "forward": phase(&fwd), "backward": phase(&bwd) },
             "pipeline": {
                 "pp": args.pp,
@@ -256,6 +304,17 @@ pub fn run(args: &InspectArgs) -> Result<()> {
         "parameters: {:.2}M in total, {:.2}M on each rank\n",
         total as f64 / 1e6,
         local as f64 / 1e6
+    );
+    let _ = writeln!(
+        out,
+        "state of a rank at dp {}{}: {state_total:.1} bytes per parameter (values \
+         {state_values:.1}, gradients {state_grads:.1}, optimizer {state_optimizer:.1})\n",
+        args.dp,
+        if args.use_distributed_optimizer {
+            " with the distributed optimizer"
+        } else {
+            ""
+        }
     );
     let _ = writeln!(
         out,

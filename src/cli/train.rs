@@ -149,9 +149,15 @@ pub struct TrainArgs {
     /// Write TensorBoard scalars into this directory (flushed every step).
     #[arg(long)]
     tensorboard_dir: Option<PathBuf>,
-    /// Elements per data-parallel gradient all-reduce [default: max(40M, 1M × dp)].
+    /// Elements after which a gradient bucket closes (in the first model chunk of the first
+    /// pipeline stage, as Megatron-LM) [default: max(40M, 1M × dp)].
     #[arg(long)]
     ddp_bucket_size: Option<usize>,
+    /// Megatron-LM's distributed optimizer (ZeRO-1): gradients reduce-scattered per bucket,
+    /// each data-parallel rank updating its shard of the parameters with its shard of the
+    /// optimizer state, then the parameters all-gathered.
+    #[arg(long)]
+    use_distributed_optimizer: bool,
     /// Train on when a step's loss or gradient norm is NaN or infinite (by default the run
     /// stops with an error naming the step, before its update, as Megatron-LM does).
     #[arg(long)]
@@ -633,6 +639,7 @@ impl TrainArgs {
                 .ddp_bucket_size
                 .unwrap_or_else(|| default_bucket_elements(s.dp)),
             check_for_nan: !self.no_check_for_nan_in_loss_and_grad,
+            distributed_optimizer: self.use_distributed_optimizer,
         };
         let (tokenizer, files) = megatron::tokenizer::checkpoint_record(&s.tokenizer)?;
         let job = TrainJob {
@@ -916,6 +923,19 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
         median_ms,
         tokens_per_s,
         tokens_per_s * flops_per_token / 1e9
+    );
+    let state = summary.state;
+    println!(
+        "rank 0's state: {:.1} bytes per parameter (values {:.1}, gradients {:.1}{}, optimizer {:.1})",
+        state.per_param(state.total()),
+        state.per_param(state.values),
+        state.per_param(state.grads),
+        if state.copies > 0 {
+            format!(", copies {:.1}", state.per_param(state.copies))
+        } else {
+            String::new()
+        },
+        state.per_param(state.optimizer),
     );
     if let Some(e) = summary.evals.last() {
         println!(

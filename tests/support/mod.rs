@@ -90,3 +90,25 @@ pub fn small_checkpoint(save: &str, steps: u64, extra: &[&str]) {
     let (ok, _, stderr) = train_small(&args);
     assert!(ok, "{stderr}");
 }
+
+/// The (step, loss, grad_norm) of every logged step of `megatron` run with `common` then
+/// `extra` flags (a `train` command), its log written into `dir` as NAME.jsonl.
+pub fn curve(common: &[&str], dir: &TempDir, name: &str, extra: &[&str]) -> Vec<(u64, f64, f64)> {
+    let log = dir.join(&format!("{name}.jsonl"));
+    let mut args: Vec<&str> = common.to_vec();
+    args.extend(extra);
+    args.extend(["--log-json", &log]);
+    let (ok, stdout, stderr) = megatron(&args);
+    assert!(ok, "{extra:?}: {stderr}");
+    assert!(stdout.contains("steps of"), "{stdout}");
+    log_lines(&log)
+        .iter()
+        .map(|l| {
+            (
+                l["step"].as_u64().unwrap(),
+                l["loss"].as_f64().unwrap(),
+                l["grad_norm"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}

@@ -407,12 +407,29 @@ impl Communicator for LocalGpuComm {
         let desc = CallDesc::of(OpKind::AllGather, input, None, None);
         let posts = self.exchange(desc, input, None)?;
         let bytes = count * dtype.size();
+        // In place, the other members read this rank's slot of `output` while it would write
+        // the other slots: the slots are gathered into scratch first, and `output` written once
+        // every member's reads are done.
+        let scratch = if input.same_storage(output) {
+            Some(
+                Tensor::empty_on([n * count], dtype, &self.gpu)
+                    .map_err(|e| self.cuda("alloc", e))?,
+            )
+        } else {
+            None
+        };
         let out = output.raw_device_write(OP)?.addr() as u64;
+        let gather = match &scratch {
+            Some(s) => self.addr(OP, s)?,
+            None => out,
+        };
         for (j, p) in posts.iter().enumerate() {
-            // In place, this rank's slot already holds its input: the copy is skipped.
-            self.copy(out + (j * bytes) as u64, self.addr(OP, &p.input)?, bytes)?;
+            self.copy(gather + (j * bytes) as u64, self.addr(OP, &p.input)?, bytes)?;
         }
         self.finish()?;
+        if scratch.is_some() {
+            self.copy(out, gather, n * bytes)?;
+        }
         self.counters.record(OpKind::AllGather, bytes);
         Ok(())
     }

@@ -1,8 +1,12 @@
-//! `ParamBuffers`: every parameter and gradient of a model as views into two flat buffers.
+//! `ParamBuffers`: every parameter and gradient of a model as views into two flat buffers, laid
+//! out as Megatron-LM lays them out ([`crate::optimizer::layout`]).
+
+use std::ops::Range;
 
 use super::{Module, ParamSpec};
 use crate::error::Result;
 use crate::invalid;
+use crate::optimizer::{LayoutConfig, ParamInfo, layout};
 use crate::tensor::{DType, Tensor};
 
 /// Where one parameter lives in the flat buffers.
@@ -19,12 +23,99 @@ pub struct ParamSlot {
     pub shared_copy: bool,
 }
 
+impl ParamSlot {
+    /// The slot's elements in the flat buffers.
+    pub fn range(&self) -> Range<usize> {
+        self.offset..self.offset + self.len
+    }
+}
+
+/// One bucket of the buffers: the unit of the data-parallel gradient reduction (and, with the
+/// distributed optimizer, of its sharding).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bucket {
+    /// Its elements in the flat buffers, padding included.
+    pub range: Range<usize>,
+    /// The equal shards it is cut into (the data-parallel ranks), with the distributed
+    /// optimizer.
+    pub shards: Option<usize>,
+    /// The slots of its parameters, in buffer order.
+    pub slots: Vec<usize>,
+}
+
+/// One parameter's part in a rank's shard of a bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardPart {
+    /// The parameter's slot.
+    pub slot: usize,
+    /// The part's elements in the flat buffers.
+    pub range: Range<usize>,
+}
+
+impl Bucket {
+    /// Rank `rank`'s shard: its elements in the flat buffers and the parameters' parts in it
+    /// (`None` without shards).
+    pub fn shard(
+        &self,
+        rank: usize,
+        slots: &[ParamSlot],
+    ) -> Option<(Range<usize>, Vec<ShardPart>)> {
+        let shards = self.shards?;
+        let size = self.range.len() / shards;
+        let world = self.range.start + rank * size..self.range.start + (rank + 1) * size;
+        let parts = self
+            .slots
+            .iter()
+            .filter_map(|&slot| {
+                let r = slots[slot].range();
+                let (start, end) = (r.start.max(world.start), r.end.min(world.end));
+                (end > start).then_some(ShardPart {
+                    slot,
+                    range: start..end,
+                })
+            })
+            .collect();
+        Some((world, parts))
+    }
+}
+
+/// How [`ParamBuffers::pack`] lays out a model's parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PackLayout {
+    /// Each model chunk's parameter count (in visit order; a count past the parameters left
+    /// takes them all) and layout: Megatron-LM gives every model chunk its own buffer, placed
+    /// here one after the other.
+    pub chunks: Vec<(usize, LayoutConfig)>,
+    /// Visit positions of the parameters the first and the last pipeline stage both hold (the
+    /// tied embedding): alone in their bucket with the distributed optimizer.
+    pub shared_embedding: Vec<usize>,
+}
+
+impl PackLayout {
+    /// Every parameter in one buffer laid out by `config`.
+    pub fn single(config: LayoutConfig) -> Self {
+        PackLayout {
+            chunks: vec![(usize::MAX, config)],
+            shared_embedding: Vec::new(),
+        }
+    }
+
+    /// One buffer, unpadded, one bucket (a model outside data parallelism).
+    pub fn plain() -> Self {
+        PackLayout::single(LayoutConfig {
+            distributed_optimizer: false,
+            ..LayoutConfig::new(1)
+        })
+    }
+}
+
 /// One flat value buffer and one flat f32 gradient buffer holding every parameter of a model.
 ///
 /// Parameters are laid out in reverse order of the model's visit order, as Megatron-LM does: the
 /// backward produces the last layers' gradients first, so the front of the gradient buffer is
-/// complete first and data-parallel buckets can be reduced while the backward goes on. The total
-/// is padded to a multiple of `pad_to` (the data-parallel size) so that it cuts into equal shards.
+/// complete first and data-parallel buckets can be reduced while the backward goes on. With the
+/// distributed optimizer, starts are aligned and bucket ends padded so that every bucket cuts
+/// into equal shards (see [`crate::optimizer::layout`]).
 #[derive(Debug, Clone)]
 pub struct ParamBuffers {
     values: Tensor,
@@ -32,13 +123,14 @@ pub struct ParamBuffers {
     /// Lower-precision copies of `values` that products read, when kept (mixed precision).
     compute: Option<Tensor>,
     slots: Vec<ParamSlot>,
+    buckets: Vec<Bucket>,
     used: usize,
 }
 
 impl ParamBuffers {
-    /// Moves every parameter of `model` into the flat buffers (values copied once) and rebinds
-    /// the model's parameters to views of them.
-    pub fn pack<M: Module>(model: &mut M, pad_to: usize) -> Result<ParamBuffers> {
+    /// Moves every parameter of `model` into the flat buffers (values copied once), laid out
+    /// by `plan`, and rebinds the model's parameters to views of them.
+    pub fn pack<M: Module>(model: &mut M, plan: &PackLayout) -> Result<ParamBuffers> {
         let mut params: Vec<(ParamSpec, Tensor)> = Vec::new();
         model.visit_params(&mut |p| params.push((p.spec().clone(), p.value().clone())));
         let dtype = params.first().map_or(DType::F32, |(_, v)| v.dtype());
@@ -49,27 +141,64 @@ impl ParamBuffers {
                 v.dtype()
             );
         }
-        let mut slots = vec![None; params.len()];
-        let mut offset = 0;
-        for (i, (spec, _)) in params.iter().enumerate().rev() {
-            let len = spec.local.numel();
-            slots[i] = Some(ParamSlot {
+        let mut offsets = vec![0usize; params.len()];
+        let mut buckets = Vec::new();
+        let (mut first, mut base) = (0usize, 0usize);
+        for &(count, config) in &plan.chunks {
+            let members = first..first.saturating_add(count).min(params.len());
+            let infos: Vec<ParamInfo> = members
+                .clone()
+                .map(|i| ParamInfo {
+                    name: params[i].0.name.clone(),
+                    numel: params[i].0.local.numel(),
+                    dtype,
+                    shared_embedding: plan.shared_embedding.contains(&i),
+                    expert: false,
+                })
+                .collect();
+            let buffers =
+                layout(&infos, &config).map_err(|e| crate::Error::Invalid(e.to_string()))?;
+            // One dtype, no experts: at most one buffer per chunk.
+            for buffer in &buffers {
+                for p in &buffer.placements {
+                    offsets[first + p.param] = base + p.range.start;
+                }
+                for (b, range) in buffer.buckets.iter().enumerate() {
+                    buckets.push(Bucket {
+                        range: base + range.start..base + range.end,
+                        shards: buffer.shards,
+                        slots: buffer
+                            .placements
+                            .iter()
+                            .filter(|p| p.bucket == b)
+                            .map(|p| first + p.param)
+                            .collect(),
+                    });
+                }
+                base += buffer.numel();
+            }
+            first = members.end;
+        }
+        if first != params.len() {
+            return invalid!(
+                "the pack layout's chunks hold {first} of the model's {} parameters",
+                params.len()
+            );
+        }
+        let total = base;
+        let slots: Vec<ParamSlot> = params
+            .iter()
+            .zip(&offsets)
+            .map(|((spec, _), &offset)| ParamSlot {
                 offset,
-                len,
+                len: spec.local.numel(),
                 spec: spec.clone(),
                 shared_copy: false,
-            });
-            offset += len;
-        }
-        let used = offset;
-        let pad_to = pad_to.max(1);
-        let total = used.div_ceil(pad_to) * pad_to;
+            })
+            .collect();
+        let used = slots.iter().map(|s| s.len).sum();
         let values = Tensor::zeros([total], dtype);
         let grads = Tensor::zeros([total], DType::F32);
-        let slots: Vec<ParamSlot> = slots
-            .into_iter()
-            .map(|s| s.expect("every slot is set"))
-            .collect();
         for (slot, (_, value)) in slots.iter().zip(&params) {
             values
                 .narrow(0, slot.offset, slot.len)?
@@ -80,6 +209,7 @@ impl ParamBuffers {
             grads,
             compute: None,
             slots,
+            buckets,
             used,
         };
         buffers.bind(model)?;
@@ -189,6 +319,25 @@ impl ParamBuffers {
         &self.slots
     }
 
+    /// The buckets, in buffer order.
+    pub fn buckets(&self) -> &[Bucket] {
+        &self.buckets
+    }
+
+    /// Whether the buckets are cut into shards (the distributed optimizer's layout).
+    pub fn sharded(&self) -> bool {
+        self.buckets.iter().any(|b| b.shards.is_some())
+    }
+
+    /// Rank `rank`'s shard of every bucket: its range and its parameters' parts (empty without
+    /// the distributed optimizer).
+    pub fn shards(&self, rank: usize) -> Vec<(Range<usize>, Vec<ShardPart>)> {
+        self.buckets
+            .iter()
+            .filter_map(|b| b.shard(rank, &self.slots))
+            .collect()
+    }
+
     /// Marks the parameters at these visit positions as copies another pipeline stage holds
     /// too ([`ParamSlot::shared_copy`]).
     pub fn mark_shared_copies(&mut self, positions: &[usize]) {
@@ -199,7 +348,8 @@ impl ParamBuffers {
         }
     }
 
-    /// Elements used by parameters (the buffers may be padded beyond).
+    /// Elements used by parameters (the buffers are padded beyond, with the distributed
+    /// optimizer).
     pub fn used(&self) -> usize {
         self.used
     }

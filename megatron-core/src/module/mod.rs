@@ -15,7 +15,7 @@ mod site;
 
 use std::fmt;
 
-pub use buffers::{ParamBuffers, ParamSlot};
+pub use buffers::{Bucket, PackLayout, ParamBuffers, ParamSlot, ShardPart};
 pub use param::{Builder, Init, Param, ParamSpec, Split, assemble_logical, initial_values};
 pub use site::Site;
 

@@ -161,11 +161,14 @@ impl<M: LanguageModel> Trainer<M> {
         info: &SaveInfo,
     ) -> Result<()> {
         let groups = parallel.groups();
+        // With the distributed optimizer each data-parallel rank holds a shard of the moments:
+        // they are gathered first (Megatron-LM's gather to data-parallel rank 0).
+        let (m, v) = self.optimizer.whole_moments(&self.buffers, parallel.dp())?;
+        let (m, v) = (&m, &v);
         // Data-parallel replicas hold the same state: the first one saves it.
         if groups.dp_rank() != 0 {
             return Ok(());
         }
-        let (m, v) = self.optimizer.moments();
         let mut model = BTreeMap::new();
         let mut optimizer = BTreeMap::new();
         for slot in self.buffers.slots() {
@@ -291,13 +294,12 @@ pub fn load_params<M: Module>(model: &M, loaded: &Loaded) -> Result<()> {
 fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Result<()> {
     let dir = loaded.dir().display().to_string();
     let with_optimizer = loaded.has_optimizer();
-    let (m, v) = trainer.optimizer.moments();
+    let n = trainer.buffers.values().numel();
+    let (mut exp_avg, mut exp_avg_sq) = (vec![0.0f32; n], vec![0.0f32; n]);
     let mut values = trainer.buffers.values().write::<f32>()?;
-    let mut exp_avg = m.write::<f32>()?;
-    let mut exp_avg_sq = v.write::<f32>()?;
     for slot in trainer.buffers.slots() {
         let spec = &slot.spec;
-        let r = slot.offset..slot.offset + slot.len;
+        let r = slot.range();
         values[r.clone()].copy_from_slice(&local_part(
             spec,
             &loaded.model_tensor(&spec.name)?,
@@ -310,7 +312,10 @@ fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Res
             exp_avg_sq[r].copy_from_slice(&local_part(spec, &v, &dir)?);
         }
     }
-    drop((values, exp_avg, exp_avg_sq));
+    drop(values);
+    trainer
+        .optimizer
+        .set_whole_moments(&trainer.buffers, &exp_avg, &exp_avg_sq)?;
     trainer.buffers.refresh_compute_copies()?;
     trainer.optimizer.set_steps(if with_optimizer {
         loaded.meta().adam_steps

@@ -1,5 +1,7 @@
-//! Training: microbatches with gradient accumulation, the data-parallel gradient all-reduce on
-//! the flat gradient buffer, global gradient-norm clipping, AdamW and the learning-rate schedule.
+//! Training: microbatches with gradient accumulation, the data-parallel gradient reduction on
+//! the flat gradient buffer's buckets (an all-reduce, or with the distributed optimizer a
+//! reduce-scatter and, after the update of each rank's shard, an all-gather of the parameters),
+//! global gradient-norm clipping, AdamW and the learning-rate schedule.
 
 mod checkpointing;
 mod data;
@@ -18,7 +20,8 @@ pub use schedule::{DecayStyle, LrSchedule};
 use crate::comm::{CommStats, Communicator, ParallelState, ReduceOp};
 use crate::error::{Error, Result};
 use crate::invalid;
-use crate::module::{Cx, Ids, Module, ParamBuffers};
+use crate::module::{Cx, Ids, Module, PackLayout, ParamBuffers};
+use crate::optimizer::LayoutConfig;
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 
@@ -46,8 +49,13 @@ pub struct TrainConfig {
     pub clip_grad: f64,
     /// Seed of dropout masks (parameters and data have their own seeds).
     pub seed: u64,
-    /// Elements per data-parallel all-reduce bucket of the gradient buffer.
+    /// Elements after which a bucket of the gradient buffer closes (Megatron-LM's
+    /// `--ddp-bucket-size`; the first model chunk of the first pipeline stage only, as there).
     pub bucket_elements: usize,
+    /// Megatron-LM's distributed optimizer (ZeRO-1, `--use-distributed-optimizer`): gradients
+    /// reduce-scattered per bucket, each data-parallel rank updating its shard of every bucket
+    /// with its shard of the optimizer state, parameters all-gathered.
+    pub distributed_optimizer: bool,
     /// Stop with [`Error::NotFinite`] before the update of a step whose loss or gradient norm is
     /// NaN or infinite (Megatron-LM's `--check-for-nan-in-loss-and-grad`, on by default there).
     pub check_for_nan: bool,
@@ -73,6 +81,34 @@ pub struct StepMetrics {
     pub pipeline_wait: f64,
     /// This rank's communication during the step, per group.
     pub comm: Vec<(GroupKind, CommStats)>,
+}
+
+/// The bytes of one rank's training state, measured from its allocations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StateMemory {
+    /// The rank's parameters (elements, padding excluded).
+    pub params: usize,
+    /// Bytes of the parameter values (padding included).
+    pub values: usize,
+    /// Bytes of their lower-precision copies, when kept.
+    pub copies: usize,
+    /// Bytes of the gradients.
+    pub grads: usize,
+    /// Bytes of the optimizer's state (Adam's moments: with the distributed optimizer, the
+    /// rank's shards).
+    pub optimizer: usize,
+}
+
+impl StateMemory {
+    /// All of it.
+    pub fn total(&self) -> usize {
+        self.values + self.copies + self.grads + self.optimizer
+    }
+
+    /// `bytes` per parameter of the rank.
+    pub fn per_param(&self, bytes: usize) -> f64 {
+        bytes as f64 / self.params.max(1) as f64
+    }
 }
 
 /// One rank's training state: its model shard (a chunk per virtual pipeline stage), flat
@@ -103,17 +139,42 @@ impl<M: LanguageModel> Trainer<M> {
                  Trainer::pipelined"
             );
         }
-        Trainer::build(Chunks(vec![model]), parallel, sampler, config)
+        Trainer::build(Chunks(vec![model]), parallel, sampler, config, Vec::new())
     }
 
+    /// Packs `chunks` into flat buffers, one Megatron-LM buffer per chunk (`shared_embedding`:
+    /// visit positions of parameters the first and the last pipeline stage both hold), and
+    /// makes the optimizer.
     fn build(
         mut chunks: Chunks<M>,
         parallel: &ParallelState,
         sampler: Sampler,
         config: TrainConfig,
+        shared_embedding: Vec<usize>,
     ) -> Result<Self> {
-        let buffers = ParamBuffers::pack(&mut chunks, parallel.groups().config().dp)?;
-        let optimizer = AdamW::new(&buffers, config.adam)?;
+        let dp = parallel.dp();
+        let first_stage = parallel.pp().index() == 0;
+        let plan = PackLayout {
+            chunks: chunks
+                .0
+                .iter()
+                .enumerate()
+                .map(|(k, chunk)| {
+                    let mut params = 0;
+                    chunk.visit_params(&mut |_| params += 1);
+                    let layout = LayoutConfig {
+                        bucket_size: (k == 0 && first_stage).then_some(config.bucket_elements),
+                        distributed_optimizer: config.distributed_optimizer,
+                        ..LayoutConfig::new(dp.size())
+                    };
+                    (params, layout)
+                })
+                .collect(),
+            shared_embedding,
+        };
+        let buffers = ParamBuffers::pack(&mut chunks, &plan)?;
+        let shard = config.distributed_optimizer.then(|| dp.index());
+        let optimizer = AdamW::new(&buffers, config.adam, shard)?;
         Ok(Trainer {
             chunks,
             buffers,
@@ -161,6 +222,24 @@ impl<M: LanguageModel> Trainer<M> {
         &self.buffers
     }
 
+    /// The bytes this rank's parameters, gradients and optimizer state take.
+    pub fn state_memory(&self) -> StateMemory {
+        let bytes = |t: &Tensor| t.numel() * t.dtype().size();
+        let (m, v) = self.optimizer.moments();
+        StateMemory {
+            params: self.buffers.used(),
+            values: bytes(self.buffers.values()),
+            copies: self.buffers.compute_copies().map_or(0, bytes),
+            grads: bytes(self.buffers.grads()),
+            optimizer: bytes(m) + bytes(v),
+        }
+    }
+
+    /// The optimizer and its state (with the distributed optimizer, this rank's shards).
+    pub fn optimizer(&self) -> &AdamW {
+        &self.optimizer
+    }
+
     /// Runs step `step`: every microbatch forward and backward, the gradient all-reduce over the
     /// data-parallel group, clipping and the optimizer update.
     pub fn step(&mut self, parallel: &ParallelState, step: u64) -> Result<StepMetrics> {
@@ -200,7 +279,7 @@ impl<M: LanguageModel> Trainer<M> {
                 pipeline::Mode::Train { step },
             )?,
         };
-        reduce_gradients(&self.buffers, parallel.dp(), self.config.bucket_elements)?;
+        reduce_gradients(&self.buffers, parallel.dp())?;
         // The reported loss: one more (4-byte) all-reduce over data parallel, as Megatron-LM's
         // loss averaging does (and, with a pipeline, over it: only the last stage has losses).
         let loss = optimizer::scalar_near(loss_sum as f32, self.buffers.grads())?;
@@ -213,6 +292,7 @@ impl<M: LanguageModel> Trainer<M> {
             &self.buffers,
             parallel.groups().tp_rank(),
             parallel.comm(GroupKind::TpPp),
+            Some(parallel.dp()),
         )?;
         // Every rank holds the same loss and norm (reduced over dp and the model-parallel
         // group), so every rank stops at the same step.
@@ -227,6 +307,7 @@ impl<M: LanguageModel> Trainer<M> {
         let grad_scale = clip_coefficient(norm, self.config.clip_grad);
         let lr = self.config.schedule.lr(step);
         self.optimizer.step(&self.buffers, lr, grad_scale)?;
+        gather_parameters(&self.buffers, parallel.dp())?;
         let after = parallel.stats();
         let comm = after
             .iter()
@@ -284,24 +365,40 @@ impl<M: LanguageModel> Trainer<M> {
     }
 }
 
-/// Sums the gradient buffer over the data-parallel group, one all-reduce per bucket of
-/// `bucket_elements` consecutive elements (the buffer's front holds the last layers).
-pub fn reduce_gradients(
-    buffers: &ParamBuffers,
-    dp: &dyn Communicator,
-    bucket_elements: usize,
-) -> Result<()> {
+/// Sums the gradient buffer over the data-parallel group, bucket by bucket (the buffer's front
+/// holds the last layers): an all-reduce of each bucket, or for a sharded bucket (the
+/// distributed optimizer) a reduce-scatter that leaves each rank the sum of its shard.
+pub fn reduce_gradients(buffers: &ParamBuffers, dp: &dyn Communicator) -> Result<()> {
     if dp.size() == 1 {
         return Ok(());
     }
     let grads = buffers.grads();
-    let n = grads.numel();
-    let bucket = bucket_elements.max(1);
-    let mut start = 0;
-    while start < n {
-        let len = bucket.min(n - start);
-        dp.all_reduce(&grads.narrow(0, start, len)?, ReduceOp::Sum)?;
-        start += len;
+    for bucket in buffers.buckets() {
+        let whole = grads.narrow(0, bucket.range.start, bucket.range.len())?;
+        match bucket.shard(dp.index(), buffers.slots()) {
+            Some((shard, _)) => {
+                let mine = grads.narrow(0, shard.start, shard.len())?;
+                dp.reduce_scatter(&whole, &mine, ReduceOp::Sum)?;
+            }
+            None => dp.all_reduce(&whole, ReduceOp::Sum)?,
+        }
     }
     Ok(())
+}
+
+/// With the distributed optimizer, gives every data-parallel rank the parameters the others
+/// updated: an all-gather of each bucket's shards. Then refreshes the compute copies.
+pub fn gather_parameters(buffers: &ParamBuffers, dp: &dyn Communicator) -> Result<()> {
+    if dp.size() == 1 || !buffers.sharded() {
+        return Ok(());
+    }
+    let values = buffers.values();
+    for bucket in buffers.buckets() {
+        if let Some((shard, _)) = bucket.shard(dp.index(), buffers.slots()) {
+            let whole = values.narrow(0, bucket.range.start, bucket.range.len())?;
+            let mine = values.narrow(0, shard.start, shard.len())?;
+            dp.all_gather(&mine, &whole)?;
+        }
+    }
+    buffers.refresh_compute_copies()
 }

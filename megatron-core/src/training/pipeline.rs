@@ -156,22 +156,26 @@ impl<M: PipelinedLanguageModel> Trainer<M> {
             ..schedule_config
         })
         .map_err(|e| Error::Invalid(e.to_string()))?;
-        // The last stage's copy of a parameter the first stage holds too is counted once.
-        let mut shared = Vec::new();
+        // The parameters the first and the last stage both hold (the tied embedding): alone in
+        // their bucket (distributed optimizer), and the last stage's copy counted once.
+        let (mut shared, mut copies) = (Vec::new(), Vec::new());
         let mut position = 0;
         for chunk in &chunks {
-            let copy = chunk.stage().last && !chunk.stage().first;
+            let part = chunk.stage();
             let mut names = Vec::new();
             chunk.visit_shared_params(&mut |p| names.push(p.spec().name.clone()));
             chunk.visit_params(&mut |p| {
-                if copy && names.contains(&p.spec().name) {
+                if part.first != part.last && names.contains(&p.spec().name) {
                     shared.push(position);
+                    if part.last {
+                        copies.push(position);
+                    }
                 }
                 position += 1;
             });
         }
-        let mut trainer = Trainer::build(Chunks(chunks), parallel, sampler, config)?;
-        trainer.buffers.mark_shared_copies(&shared);
+        let mut trainer = Trainer::build(Chunks(chunks), parallel, sampler, config, shared)?;
+        trainer.buffers.mark_shared_copies(&copies);
         let mut pipeline = Pipeline {
             rank,
             schedules: [schedule, eval],
