@@ -131,6 +131,7 @@ fn train(tp: usize, dp: usize) -> Result<(Vec<f64>, f64)> {
         seed: SEED,
         bucket_elements: 1 << 20,
         distributed_optimizer: false,
+        recompute: megatron::module::Recompute::Off,
         check_for_nan: true,
     };
     let start = Instant::now();

@@ -50,6 +50,7 @@ fn job(tp: usize, pipeline: PipelineSettings) -> Result<TrainJob, Box<dyn std::e
             seed: 1234,
             bucket_elements: 1 << 20,
             distributed_optimizer: false,
+            recompute: megatron::module::Recompute::Off,
             check_for_nan: true,
         },
         save: None,

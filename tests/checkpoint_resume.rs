@@ -67,6 +67,7 @@ fn run(
             seed: 5,
             bucket_elements: 4096,
             distributed_optimizer: false,
+            recompute: megatron::module::Recompute::Off,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;

@@ -67,6 +67,7 @@ fn train(tp: usize, dp: usize, distopt: bool) -> Outcome {
             // Several buckets.
             bucket_elements: 3000,
             distributed_optimizer: distopt,
+            recompute: megatron::module::Recompute::Off,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;

@@ -78,6 +78,7 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
             seed: 3,
             bucket_elements: 1 << 20,
             distributed_optimizer: false,
+            recompute: megatron::module::Recompute::Off,
             check_for_nan: true,
         },
         save: None,

@@ -192,6 +192,7 @@ fn curve(tp: usize, dp: usize) -> Vec<(f64, f64)> {
             seed: 9,
             bucket_elements: 10_000,
             distributed_optimizer: false,
+            recompute: megatron::module::Recompute::Off,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
@@ -264,6 +265,7 @@ fn a_training_step_reduces_gradients_once_per_bucket_on_dp() {
             seed: 9,
             bucket_elements: BUCKET,
             distributed_optimizer: false,
+            recompute: megatron::module::Recompute::Off,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;

@@ -169,6 +169,7 @@ fn train(copies: bool, steps: u64) -> Vec<f64> {
             seed: 5,
             bucket_elements: usize::MAX,
             distributed_optimizer: false,
+            recompute: megatron::module::Recompute::Off,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;

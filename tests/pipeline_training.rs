@@ -99,6 +99,7 @@ fn train(run: Run) -> (Vec<(f64, f64)>, Vec<f32>, Vec<f32>) {
             seed: 9,
             bucket_elements: 10_000,
             distributed_optimizer: distopt,
+            recompute: megatron::module::Recompute::Off,
             check_for_nan: true,
         };
         let pp_rank = ps.pp().index();

@@ -129,6 +129,7 @@ fn train(
             seed: 5,
             bucket_elements: bucket,
             distributed_optimizer: false,
+            recompute: megatron::module::Recompute::Off,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, config)?;

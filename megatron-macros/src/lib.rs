@@ -224,6 +224,7 @@ fn module_impl(root: &Root, input: TokenStream2) -> TokenStream2 {
     };
     let signature = forward_input_types(&both.item_impl);
     let result = parse::parse_impl(both.item_impl).and_then(|imp| {
+        validate::recompute(&imp)?;
         let g = model::build(&imp.forward)?;
         let a = validate::validate(&s, &g)?;
         generate::impl_items(root, &s, &imp, &g, &a)

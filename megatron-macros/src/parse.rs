@@ -421,6 +421,8 @@ pub struct Input {
 pub struct Forward {
     /// Attributes of the user's forward (docs), put on the generated forward.
     pub attrs: Vec<Attribute>,
+    /// `#[recompute]`: the module keeps only its input, and its backward reruns the forward.
+    pub recompute: Option<Src>,
     /// The `self` of the receiver: generated code uses this token so that `self` in user
     /// expressions (dropout probabilities) resolves to the generated method's receiver.
     pub self_token: Token![self],
@@ -699,11 +701,34 @@ fn parse_forward(f: syn::ImplItemFn) -> syn::Result<Forward> {
             return Err(errors.finish(()).unwrap_err());
         }
     };
+    let mut recompute = None;
+    let mut attrs = Vec::new();
+    for attr in f.attrs {
+        if !attr.path().is_ident("recompute") {
+            attrs.push(attr);
+            continue;
+        }
+        if !matches!(attr.meta, syn::Meta::Path(_)) {
+            errors.push(syn::Error::new_spanned(
+                &attr,
+                "#[recompute] takes no arguments (which layers recompute at run time is \
+                 --recompute-granularity / --recompute-method / --recompute-num-layers)",
+            ));
+        } else if recompute.is_some() {
+            errors.push(syn::Error::new_spanned(
+                &attr,
+                "#[recompute] is given twice",
+            ));
+        } else {
+            recompute = Some(Src::of(&attr));
+        }
+    }
     let self_token = errors
         .finish(self_token)?
         .expect("a forward with inputs has a receiver");
     Ok(Forward {
-        attrs: f.attrs,
+        attrs,
+        recompute,
         self_token,
         inputs,
         stmts,

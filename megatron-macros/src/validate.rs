@@ -9,7 +9,7 @@
 use syn::ext::IdentExt;
 
 use crate::model::{Def, Graph, NodeId, NodeOp, ValueId};
-use crate::parse::{Builtin, FieldKind, InputType, ModuleStruct};
+use crate::parse::{Builtin, FieldKind, InputType, ModuleImpl, ModuleStruct};
 use crate::src_span::{Errors, Src};
 
 /// How a value is held across the tensor-parallel group.
@@ -477,4 +477,26 @@ impl Checker<'_> {
             }
         }
     }
+}
+
+/// `#[recompute]` goes on the forward of a module that takes one `Tensor` (a layer of a stack
+/// or a field of another module): what it keeps is that input.
+pub fn recompute(imp: &ModuleImpl) -> syn::Result<()> {
+    let Some(src) = &imp.forward.recompute else {
+        return Ok(());
+    };
+    let inputs: Vec<InputType> = imp.forward.inputs.iter().map(|i| i.ty).collect();
+    if inputs != [InputType::Tensor] {
+        return Err(src.error(format!(
+            "#[recompute] keeps a module's input and reruns its forward from it: it goes on a \
+             forward taking one `Tensor`, and this one takes {}",
+            imp.forward
+                .inputs
+                .iter()
+                .map(|i| format!("{}: {:?}", i.ident, i.ty))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    Ok(())
 }

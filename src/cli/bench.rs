@@ -246,7 +246,9 @@ fn report_steps(
     // A handle on GPU 0 for the whole run keeps its memory pool's high-water mark readable
     // (this process's GPU: with NCCL, rank 0's).
     let memory = GpuMemory::open(matches!(job.device, Placement::Cuda { .. }))?;
+    megatron::tensor::host_memory::reset_peak();
     let summary = runner(job, &mut observers)?;
+    let peak_host = megatron::tensor::host_memory::peak_bytes();
     let state = summary.state;
     let peak_memory_gib = memory.peak_gib()?;
     let timed = job.steps - args.warmup;
@@ -309,6 +311,10 @@ fn report_steps(
         "peak_tflops": peak,
         "mfu": peak.map(|p| tflops / (p * gpus as f64)),
         "peak_gpu_memory_gib": peak_memory_gib,
+        // Every host tensor of the process (all thread ranks), at its most during the run.
+        "peak_host_tensor_memory_gib": peak_host as f64 / f64::from(1u32 << 30),
+        "state_bytes_rank0": state.total(),
+        "recompute": format!("{:?}", job.train.recompute),
         "profile": kernels,
     });
     println!("{}", serde_json::to_string_pretty(&report)?);

@@ -158,6 +158,17 @@ pub struct TrainArgs {
     /// optimizer state, then the parameters all-gathered.
     #[arg(long)]
     use_distributed_optimizer: bool,
+    /// Activation recompute: `full` (whole transformer layers, with --recompute-method and
+    /// --recompute-num-layers) or `selective` (the core attention's weights).
+    #[arg(long)]
+    recompute_granularity: Option<String>,
+    /// With `full`: `uniform` (every layer, in groups of --recompute-num-layers keeping only
+    /// their input) or `block` (the first --recompute-num-layers layers of each pipeline stage).
+    #[arg(long)]
+    recompute_method: Option<String>,
+    /// With `full`: the layers per group (`uniform`) or per stage (`block`).
+    #[arg(long)]
+    recompute_num_layers: Option<usize>,
     /// Train on when a step's loss or gradient norm is NaN or infinite (by default the run
     /// stops with an error naming the step, before its update, as Megatron-LM does).
     #[arg(long)]
@@ -601,6 +612,20 @@ impl TrainArgs {
         };
         plan.validate()?;
         let pipeline = self.pipeline(s.pp, s.model.num_layers, plan.microbatches())?;
+        // Each stack of layers a recompute setting applies to: a pipeline stage's chunk.
+        let stages = pipeline.layout(s.model.num_layers)?;
+        let per_stack = (0..pipeline.pp)
+            .flat_map(|r| (0..pipeline.vpp).map(move |c| (r, c)))
+            .map(|(r, c)| stages.part(r, c).layers.len())
+            .min()
+            .unwrap_or(s.model.num_layers);
+        let recompute = megatron::module::Recompute::from_flags(
+            self.recompute_granularity.as_deref(),
+            self.recompute_method.as_deref(),
+            self.recompute_num_layers,
+            per_stack,
+            pipeline.vpp > 1,
+        )?;
         let (train_data, valid_data) = self.data_sources(&s, plan)?;
         let train_data = Sampler::new(train_data, plan)?;
         let eval = match self.eval_interval {
@@ -640,6 +665,7 @@ impl TrainArgs {
                 .unwrap_or_else(|| default_bucket_elements(s.dp)),
             check_for_nan: !self.no_check_for_nan_in_loss_and_grad,
             distributed_optimizer: self.use_distributed_optimizer,
+            recompute,
         };
         let (tokenizer, files) = megatron::tokenizer::checkpoint_record(&s.tokenizer)?;
         let job = TrainJob {

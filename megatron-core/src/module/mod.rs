@@ -11,12 +11,14 @@
 
 mod buffers;
 mod param;
+pub mod recompute;
 mod site;
 
 use std::fmt;
 
 pub use buffers::{Bucket, PackLayout, ParamBuffers, ParamSlot, ShardPart};
 pub use param::{Builder, Init, Param, ParamSpec, Split, assemble_logical, initial_values};
+pub use recompute::{Recompute, StackSaved, stack_backward, stack_forward};
 pub use site::Site;
 
 use crate::comm::{Communicator, ParallelState};
@@ -36,6 +38,7 @@ pub struct Cx<'a> {
     step: u64,
     microbatch: u64,
     training: bool,
+    recompute: Recompute,
 }
 
 impl<'a> Cx<'a> {
@@ -47,7 +50,18 @@ impl<'a> Cx<'a> {
             step: 0,
             microbatch: 0,
             training: true,
+            recompute: Recompute::Off,
         }
+    }
+
+    /// The same context recomputing the activations `recompute` names in the backward.
+    pub fn with_recompute(&self, recompute: Recompute) -> Cx<'a> {
+        Cx { recompute, ..*self }
+    }
+
+    /// Which activations the backward recomputes.
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
     }
 
     /// The same context at another step and microbatch (dropout masks change with both).

@@ -10,6 +10,7 @@ mod dtype;
 mod gpu;
 #[cfg(feature = "cuda")]
 pub use gpu::DeviceSlice;
+pub mod host_memory;
 mod layout;
 mod pool;
 mod storage;

@@ -152,6 +152,7 @@ impl Storage {
     }
 
     fn from_parts(dtype: DType, ptr: NonNull<u8>, len: usize, cap: usize) -> Self {
+        super::host_memory::allocated(cap * dtype.size());
         Storage {
             dtype,
             len,
@@ -212,6 +213,7 @@ impl Storage {
             let mut v = std::mem::ManuallyDrop::new(v);
             (v.as_mut_ptr() as *mut u8, v.len(), v.capacity())
         });
+        super::host_memory::allocated(cap * dtype.size());
         Storage {
             dtype,
             len,
@@ -293,6 +295,7 @@ impl Drop for Storage {
             // The device allocation frees itself, ordered on its stream.
             return;
         }
+        super::host_memory::freed(self.cap * self.dtype.size());
         let Some(block) = pool::give(
             self.dtype,
             self.len,

@@ -5,7 +5,7 @@ use crate::error::Result;
 use crate::invalid;
 use crate::kernels::dropout::{self as dk, LogicalIndex};
 use crate::kernels::softmax;
-use crate::module::{Cx, Op, Site};
+use crate::module::{Cx, Op, Recompute, Site};
 use crate::ops::matmul;
 use crate::rng::DropoutStream;
 use crate::tensor::{DType, Tensor};
@@ -49,6 +49,9 @@ enum Kept {
         v: Tensor,
         probs: Tensor,
     },
+    /// Queries, keys and values only: the weights are recomputed in the backward (selective
+    /// activation recompute, on the CPU).
+    Inputs { q: Tensor, k: Tensor, v: Tensor },
     /// The flash kernels': the fused projection in bf16, the output and the log-sum-exp of
     /// every row's scaled scores (the weights are recomputed from them), and with dropout the
     /// bits of the elements it kept (64-bit words, as I64).
@@ -211,6 +214,23 @@ fn masked(x: &Tensor, mask: &Option<(f32, DropoutStream, LogicalIndex)>) -> Resu
     Ok(y)
 }
 
+/// The attention weights of queries `q` and keys `k` (`[b·heads, s, d]`): the causal softmax
+/// of their scaled products.
+fn weights(q: &Tensor, k: &Tensor, sh: Shape) -> Result<Tensor> {
+    let scores = matmul(q, &k.transpose(1, 2)?)?;
+    let probs = Tensor::empty(scores.shape().clone(), DType::F32);
+    softmax::softmax_forward(
+        &scores.read::<f32>()?,
+        sh.batch * sh.heads,
+        sh.seq,
+        sh.seq,
+        sh.scale(),
+        true,
+        &mut probs.write::<f32>()?,
+    )?;
+    Ok(probs)
+}
+
 /// [`masked`] of two tensors with one mask, generated once: the forward's dropout of `a` and
 /// the backward's of `b` (or both unchanged without a mask).
 fn masked_pair(
@@ -249,24 +269,19 @@ impl Op for CausalSelfAttention {
         let Ok([q, k, v]) = <[Tensor; 3]>::try_from(to_heads(&qkv, sh, 3)?) else {
             unreachable!("to_heads returns one tensor per part")
         };
-        let scores = matmul(&q, &k.transpose(1, 2)?)?;
-        let probs = Tensor::empty(scores.shape().clone(), DType::F32);
-        softmax::softmax_forward(
-            &scores.read::<f32>()?,
-            sh.batch * sh.heads,
-            sh.seq,
-            sh.seq,
-            sh.scale(),
-            true,
-            &mut probs.write::<f32>()?,
-        )?;
+        let probs = weights(&q, &k, sh)?;
         let mask = self.mask(cx, site, sh);
         let ctx = matmul(&masked(&probs, &mask)?, &v)?;
         let out = from_heads(&[&ctx], sh)?;
+        let kept = if cx.recompute() == Recompute::Selective && cx.training() {
+            Kept::Inputs { q, k, v }
+        } else {
+            Kept::Weights { q, k, v, probs }
+        };
         Ok((
             out,
             AttentionSaved {
-                kept: Kept::Weights { q, k, v, probs },
+                kept,
                 dropout: mask,
                 shape: sh,
             },
@@ -292,8 +307,13 @@ impl Op for CausalSelfAttention {
             return device::backward(saved, d_out, gpu);
         }
         let d_out = d_out.to_f32_contiguous()?;
+        let recomputed;
         let (q, k, v, probs) = match &saved.kept {
             Kept::Weights { q, k, v, probs } => (q, k, v, probs),
+            Kept::Inputs { q, k, v } => {
+                recomputed = weights(q, k, sh)?;
+                (q, k, v, &recomputed)
+            }
             #[cfg(feature = "cuda")]
             Kept::Flash { .. } => {
                 return invalid!(
@@ -382,6 +402,14 @@ mod device {
             let dtype = operand_dtype(qkv);
             if gpu.flash_attention() && dtype == DType::BF16 && flash_shape(sh).supported() {
                 return self.forward_flash(cx, site, qkv, sh, gpu);
+            }
+            if cx.recompute() == crate::module::Recompute::Selective && cx.training() {
+                return crate::invalid!(
+                    "selective activation recompute on the GPU runs with the flash attention \
+                     kernels (bf16 products), which keep no weights; this attention (head \
+                     dimension {}) runs the unfused kernels, which would keep them",
+                    sh.head_dim
+                );
             }
             // q, k and v in the products' dtype (bf16: rounded once), kept for the backward.
             let qkv = as_operand(qkv)?;
@@ -529,6 +557,11 @@ mod device {
     pub(super) fn backward(saved: AttentionSaved, d_out: &Tensor, gpu: &Gpu) -> Result<Tensor> {
         let (q, k, v, probs) = match &saved.kept {
             Kept::Weights { q, k, v, probs } => (q, k, v, probs),
+            Kept::Inputs { .. } => {
+                return crate::invalid!(
+                    "attention: the forward ran on the host, the output gradient is on the GPU"
+                );
+            }
             Kept::Flash {
                 qkv,
                 out,

@@ -56,6 +56,9 @@ pub struct TrainConfig {
     /// reduce-scattered per bucket, each data-parallel rank updating its shard of every bucket
     /// with its shard of the optimizer state, parameters all-gathered.
     pub distributed_optimizer: bool,
+    /// Which activations the backward recomputes instead of keeping them (Megatron-LM's
+    /// `--recompute-granularity`, `--recompute-method`, `--recompute-num-layers`).
+    pub recompute: crate::module::Recompute,
     /// Stop with [`Error::NotFinite`] before the update of a step whose loss or gradient norm is
     /// NaN or infinite (Megatron-LM's `--check-for-nan-in-loss-and-grad`, on by default there).
     pub check_for_nan: bool,
@@ -256,7 +259,8 @@ impl<M: LanguageModel> Trainer<M> {
                 for micro in 0..plan.microbatches() {
                     let (x, y) = self.sampler.microbatch(step, dp_rank, micro)?;
                     let cx = Cx::new(parallel, self.config.seed)
-                        .at(step, plan.global_microbatch(dp_rank, micro) as u64);
+                        .at(step, plan.global_microbatch(dp_rank, micro) as u64)
+                        .with_recompute(self.config.recompute);
                     let (losses, saved) = model.losses(&cx, &x, &y)?;
                     loss_sum += losses
                         .to_vec_f32()?

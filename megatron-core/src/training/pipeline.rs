@@ -308,7 +308,8 @@ fn run_walk<M: PipelinedLanguageModel>(
 
 impl<'a, M: PipelinedLanguageModel> Walker<'a, M> {
     fn cx(&self, microbatch: usize) -> Cx<'a> {
-        let cx = Cx::new(self.parallel, self.trainer.config.seed);
+        let cx = Cx::new(self.parallel, self.trainer.config.seed)
+            .with_recompute(self.trainer.config.recompute);
         match self.mode {
             Mode::Train { step } => {
                 let plan = self.data.plan();

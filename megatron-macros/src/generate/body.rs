@@ -620,47 +620,35 @@ fn forward_node<'a>(
                 }
             });
         }
-        NodeOp::Loop { elem, .. } => {
+        NodeOp::Loop { .. } => {
             let before = args[0];
             let saved = saved.expect("loops save");
             let this_field = cx.this_field(n);
             let span = node.src.span();
             let i = b.locals.temp("i", pos, span);
-            let element = b.locals.temp(
-                &syn::ext::IdentExt::unraw(elem).to_string(),
-                pos,
-                elem.span(),
-            );
+            let x = b.locals.temp("x", pos, span);
             let step = b.locals.temp("out", pos, span);
-            let element_saved = b.locals.temp(
-                &format!("{}_saved", syn::ext::IdentExt::unraw(elem)),
-                pos,
-                span,
-            );
             b.carried.push((before, out));
             let name = cx.field(n).name();
             let doc = if cx.field(n).is_pipeline() {
                 comment(&format!(
                     "`{name}` (#[pipeline]): each module this stage holds in turn, at site \
                      `{name}.i` with `i` the module's index in the whole stack (the same sites, \
-                     dropout masks and parameter names as without a pipeline); their saved values \
-                     are kept in order."
+                     dropout masks and parameter names as without a pipeline); what they save is \
+                     kept, or with activation recompute only the input of each recomputed group \
+                     of modules (`cx.recompute()`)."
                 ))
             } else {
                 comment(&format!(
-                    "`{name}`: each module in turn, at site `{name}.i`; their saved values are kept \
-                     in order."
+                    "`{name}`: each module in turn, at site `{name}.i`; what they save is kept, or \
+                     with activation recompute only the input of each recomputed group of modules \
+                     (`cx.recompute()`)."
                 ))
             };
             let first = cx.first_index(n);
             b.push(move |nm| {
                 let (v, s) = (nm.ident(out), nm.ident(saved));
-                let (ii, e, st, es) = (
-                    nm.ident(i),
-                    nm.ident(element),
-                    nm.ident(step),
-                    nm.ident(element_saved),
-                );
+                let (ii, xx, st) = (nm.ident(i), nm.ident(x), nm.ident(step));
                 let init = if carried_in_place(nm, before, out) {
                     quote!()
                 } else {
@@ -668,14 +656,15 @@ fn forward_node<'a>(
                     quote!(let mut #v = #value;)
                 };
                 quote! {
-                    #doc
-                    let mut #s = ::std::vec::Vec::with_capacity(#this_field.len());
                     #init
-                    for (#ii, #e) in #this_field.iter().enumerate() {
-                        let (#st, #es) = #e.forward(cx, #site.index(#first #ii), &#v)?;
-                        #v = #st;
-                        #s.push(#es);
-                    }
+                    #doc
+                    let (#st, #s) = #rt::module::stack_forward(
+                        cx,
+                        #this_field.len(),
+                        #v,
+                        |#ii, #xx| #this_field[#ii].forward(cx, #site.index(#first #ii), #xx),
+                    )?;
+                    #v = #st;
                 }
             });
         }
@@ -1182,25 +1171,25 @@ fn backward_node<'a>(
             let saved = saved.expect("loops save");
             let this_field = cx.this_field(n);
             let i = b.locals.temp("i", pos, span);
-            let element = b.locals.temp(
-                &syn::ext::IdentExt::unraw(elem).to_string(),
-                pos,
-                elem.span(),
-            );
+            let x = b.locals.temp("x", pos, span);
             let element_saved = b.locals.temp(
                 &format!("{}_saved", syn::ext::IdentExt::unraw(elem)),
                 pos,
                 span,
             );
+            let dy = b.locals.temp("dy", pos, span);
+            let d_in = b.locals.temp("d_in", pos, span);
             b.carried.push((d_y, d_before));
             let name = cx.field(n).name();
             let doc = comment(&format!(
-                "`{name}`: each module's backward, last module first."
+                "`{name}`: each module's backward, last module first (a recomputed group's \
+                 forward rerun first, from its input)."
             ));
             let first = cx.first_index(n);
             b.push(move |nm| {
                 let (s, v) = (nm.ident(saved), nm.ident(d_before));
-                let (ii, e, es) = (nm.ident(i), nm.ident(element), nm.ident(element_saved));
+                let (ii, xx) = (nm.ident(i), nm.ident(x));
+                let (es, dd, din) = (nm.ident(element_saved), nm.ident(dy), nm.ident(d_in));
                 let init = if carried_in_place(nm, d_y, d_before) {
                     quote!()
                 } else {
@@ -1208,11 +1197,17 @@ fn backward_node<'a>(
                     quote!(let mut #v = #value;)
                 };
                 quote! {
-                    #doc
                     #init
-                    for (#ii, (#e, #es)) in #this_field.iter().zip(#s).enumerate().rev() {
-                        #v = #e.backward(cx, #site.index(#first #ii), #es, &#v)?;
-                    }
+                    #doc
+                    let #din = #rt::module::stack_backward(
+                        #s,
+                        #v,
+                        |#ii, #xx| #this_field[#ii].forward(cx, #site.index(#first #ii), #xx),
+                        |#ii, #es, #dd| {
+                            #this_field[#ii].backward(cx, #site.index(#first #ii), #es, #dd)
+                        },
+                    )?;
+                    #v = #din;
                 }
             });
         }
