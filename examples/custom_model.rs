@@ -132,6 +132,7 @@ fn train(tp: usize, dp: usize) -> Result<(Vec<f64>, f64)> {
         bucket_elements: 1 << 20,
         distributed_optimizer: false,
         recompute: megatron::module::Recompute::Off,
+        precision: megatron::optimizer::Precision::FP32,
         check_for_nan: true,
     };
     let start = Instant::now();

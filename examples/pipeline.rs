@@ -51,6 +51,7 @@ fn job(tp: usize, pipeline: PipelineSettings) -> Result<TrainJob, Box<dyn std::e
             bucket_elements: 1 << 20,
             distributed_optimizer: false,
             recompute: megatron::module::Recompute::Off,
+            precision: megatron::optimizer::Precision::FP32,
             check_for_nan: true,
         },
         save: None,

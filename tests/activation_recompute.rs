@@ -110,6 +110,7 @@ fn train(tp: usize, pp: usize, vpp: usize, recompute: Recompute) -> (Vec<(f64, f
             bucket_elements: 10_000,
             distributed_optimizer: false,
             recompute,
+            precision: megatron::optimizer::Precision::FP32,
             check_for_nan: true,
         };
         let mut trainer = if pp == 1 {

@@ -68,6 +68,7 @@ fn run(
             bucket_elements: 4096,
             distributed_optimizer: false,
             recompute: megatron::module::Recompute::Off,
+            precision: megatron::optimizer::Precision::FP32,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
@@ -203,6 +204,7 @@ fn files_beside_the_tensors_are_checksummed_and_non_finite_values_are_never_save
         model: serde_json::json!({}),
         run: serde_json::json!({}),
         files: BTreeMap::new(),
+        grad_scaler: None,
     };
     let tensor = |v: f32| {
         BTreeMap::from([(

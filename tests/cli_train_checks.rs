@@ -218,7 +218,33 @@ fn an_unwritable_save_directory_is_found_before_the_first_step() {
 #[test]
 fn flags_that_cannot_work_are_refused_with_their_numbers() {
     let dir = TempDir::new("bad-flags");
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 12] = [
+        (
+            &["--device", "cuda", "--bf16"],
+            "--bf16 and --fp16 train on the CPU for now",
+        ),
+        (
+            &["--fp16", "--bf16"],
+            "--fp16 and --bf16 both given: the parameters take one 16-bit format",
+        ),
+        (
+            &["--fp16", "--loss-scale", "0"],
+            "--loss-scale is 0: a loss scale must be a finite number above 0",
+        ),
+        (
+            &["--bf16", "--loss-scale=-8"],
+            "--loss-scale is -8: a loss scale must be a finite number above 0",
+        ),
+        (
+            &[
+                "--fp16",
+                "--initial-loss-scale",
+                "16",
+                "--min-loss-scale",
+                "32",
+            ],
+            "--min-loss-scale 32 is above --initial-loss-scale 16",
+        ),
         (
             &["--ddp-bucket-size", "0"],
             "--ddp-bucket-size 0: a bucket needs at least one element",
@@ -316,4 +342,33 @@ fn an_error_from_the_system_keeps_its_words() {
     assert!(!ok);
     assert!(stderr.contains("d.idx: cannot map: "), "{stderr}");
     assert_eq!(stderr.matches("(os error").count(), 1, "{stderr}");
+}
+
+#[test]
+fn fp16_logs_its_loss_scale_and_the_steps_it_skips() {
+    let dir = TempDir::new("fp16-log");
+    let log = dir.join("log.jsonl");
+    let (ok, stdout, stderr) = train(&[
+        "--train-iters",
+        "4",
+        "--fp16",
+        "--dp",
+        "2",
+        "--use-distributed-optimizer",
+        "--log-json",
+        &log,
+    ]);
+    assert!(ok, "{stderr}");
+    // Megatron-LM's 2^32 start overflows fp16 gradients: the first steps are skipped, the
+    // second halves the scale (hysteresis 2).
+    assert!(stderr.contains("skipped the update"), "{stderr}");
+    let lines = log_lines(&log);
+    let scales: Vec<f64> = lines
+        .iter()
+        .map(|l| l["loss_scale"].as_f64().unwrap())
+        .collect();
+    assert_eq!(scales[..3], [4294967296.0, 4294967296.0, 2147483648.0]);
+    assert!(lines.iter().all(|l| l["skipped"] == true), "{lines:?}");
+    // 16-bit values and gradients: 4 + 16/2 bytes per parameter, up to padding.
+    assert!(stdout.contains("rank 0's state: 12."), "{stdout}");
 }

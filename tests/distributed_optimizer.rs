@@ -68,6 +68,7 @@ fn train(tp: usize, dp: usize, distopt: bool) -> Outcome {
             bucket_elements: 3000,
             distributed_optimizer: distopt,
             recompute: megatron::module::Recompute::Off,
+            precision: megatron::optimizer::Precision::FP32,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
@@ -279,9 +280,21 @@ fn bytes_per_parameter_follow_the_seeds_table_8_plus_8_over_d() {
 
 #[test]
 fn inspect_shows_a_ranks_state_at_a_data_parallel_size() {
-    for (dp, distopt, total) in [(4, true, 10.0), (4, false, 16.0), (8, true, 9.0)] {
+    // The seed's table: f32 8 + 8/d, 16-bit values with f32 gradients 6 + 12/d, 16-bit values
+    // and gradients 4 + 16/d.
+    let cases: [(usize, bool, &[&str], f64); 7] = [
+        (4, true, &[], 10.0),
+        (4, false, &[], 16.0),
+        (8, true, &[], 9.0),
+        (4, true, &["--bf16"], 9.0),
+        (1, false, &["--bf16"], 18.0),
+        (8, true, &["--fp16"], 6.0),
+        (1, false, &["--bf16", "--grad-reduce-in-bf16"], 20.0),
+    ];
+    for (dp, distopt, precision, total) in cases {
         let dp = dp.to_string();
         let mut args = vec!["inspect", "--model", "gpt2-small", "--dp", &dp, "--json"];
+        args.extend(precision);
         if distopt {
             args.push("--use-distributed-optimizer");
         }
@@ -292,7 +305,7 @@ fn inspect_shows_a_ranks_state_at_a_data_parallel_size() {
         // Padding adds a little: under 0.01 bytes per parameter for gpt2-small.
         assert!(
             got >= total && got < total + 0.01,
-            "dp {dp} {distopt}: {got}"
+            "dp {dp} {distopt} {precision:?}: {got}"
         );
     }
 }

@@ -79,6 +79,7 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
             bucket_elements: 1 << 20,
             distributed_optimizer: false,
             recompute: megatron::module::Recompute::Off,
+            precision: megatron::optimizer::Precision::FP32,
             check_for_nan: true,
         },
         save: None,

@@ -193,6 +193,7 @@ fn curve(tp: usize, dp: usize) -> Vec<(f64, f64)> {
             bucket_elements: 10_000,
             distributed_optimizer: false,
             recompute: megatron::module::Recompute::Off,
+            precision: megatron::optimizer::Precision::FP32,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
@@ -266,6 +267,7 @@ fn a_training_step_reduces_gradients_once_per_bucket_on_dp() {
             bucket_elements: BUCKET,
             distributed_optimizer: false,
             recompute: megatron::module::Recompute::Off,
+            precision: megatron::optimizer::Precision::FP32,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;

@@ -170,6 +170,7 @@ fn train(copies: bool, steps: u64) -> Vec<f64> {
             bucket_elements: usize::MAX,
             distributed_optimizer: false,
             recompute: megatron::module::Recompute::Off,
+            precision: megatron::optimizer::Precision::FP32,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;

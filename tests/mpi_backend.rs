@@ -559,6 +559,36 @@ fn the_distributed_optimizer_under_mpirun_equals_thread_ranks() {
     processes_train_as_threads("distopt", &args, "mpi", &[]);
 }
 
+/// Mixed precision over MPI: fp16 parameters and gradients (16-bit messages: the gradients'
+/// reduce-scatter and the parameters' all-gather) with dynamic loss scaling, whose first steps
+/// overflow and are skipped by every process alike; and bf16 parameters with f32 gradients.
+#[test]
+fn sixteen_bit_training_under_mpirun_equals_thread_ranks() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    for (name, precision) in [
+        ("fp16", ["--fp16", "--initial-loss-scale", "262144"]),
+        ("bf16", ["--bf16", "--loss-scale", "8"]),
+    ] {
+        let mut args = vec![
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--use-distributed-optimizer",
+            "--train-iters",
+            "4",
+            "--global-batch-size",
+            "8",
+            "--seq-length",
+            "32",
+        ];
+        args.extend(precision);
+        processes_train_as_threads(name, &args, "mpi", &[]);
+    }
+}
+
 /// A pipeline of two stages, each of two tensor-parallel processes, with the interleaved
 /// schedule: its activations and gradients go between processes over MPI.
 #[test]

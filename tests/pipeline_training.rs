@@ -100,6 +100,7 @@ fn train(run: Run) -> (Vec<(f64, f64)>, Vec<f32>, Vec<f32>) {
             bucket_elements: 10_000,
             distributed_optimizer: distopt,
             recompute: megatron::module::Recompute::Off,
+            precision: megatron::optimizer::Precision::FP32,
             check_for_nan: true,
         };
         let pp_rank = ps.pp().index();

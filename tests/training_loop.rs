@@ -130,6 +130,7 @@ fn train(
             bucket_elements: bucket,
             distributed_optimizer: false,
             recompute: megatron::module::Recompute::Off,
+            precision: megatron::optimizer::Precision::FP32,
             check_for_nan: true,
         };
         let mut trainer = Trainer::new(model, &ps, sampler, config)?;

@@ -315,6 +315,8 @@ fn report_steps(
         "peak_host_tensor_memory_gib": peak_host as f64 / f64::from(1u32 << 30),
         "state_bytes_rank0": state.total(),
         "recompute": format!("{:?}", job.train.recompute),
+        "param_dtype": job.train.precision.params.name(),
+        "grad_dtype": job.train.precision.grads.name(),
         "profile": kernels,
     });
     println!("{}", serde_json::to_string_pretty(&report)?);

@@ -10,6 +10,7 @@ use megatron::comm::{CommStats, ParallelState};
 use megatron::models::GptConfig;
 use megatron::models::gpt::{Block, Gpt};
 use megatron::module::{Builder, Cx, Module, ParamSpec, Site, Split};
+use megatron::optimizer::{Precision, PrecisionFlags};
 use megatron::parallel::{GroupKind, ParallelConfig, ParallelLayout};
 use megatron::pipeline_parallel::PipelineLayout;
 use megatron::tensor::{DType, Tensor};
@@ -57,6 +58,18 @@ pub struct InspectArgs {
     /// data-parallel ranks).
     #[arg(long)]
     use_distributed_optimizer: bool,
+    /// bf16 parameters (f32 gradients unless --grad-reduce-in-bf16) with f32 main parameters.
+    #[arg(long)]
+    bf16: bool,
+    /// fp16 parameters and gradients (f32 gradients with --accumulate-allreduce-grads-in-fp32).
+    #[arg(long)]
+    fp16: bool,
+    /// f32 gradients under --fp16.
+    #[arg(long, visible_alias = "grad-reduce-in-fp32")]
+    accumulate_allreduce_grads_in_fp32: bool,
+    /// bf16 gradients under --bf16.
+    #[arg(long)]
+    grad_reduce_in_bf16: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -65,14 +78,19 @@ pub struct InspectArgs {
 /// Bytes per parameter of a rank holding `specs` (pp = 1): f32 values and gradients over the
 /// buffers the trainer lays out, and Adam's two f32 moments, split over `dp` ranks with the
 /// distributed optimizer: (total, values, gradients, optimizer).
-fn state_bytes(specs: &[ParamSpec], dp: usize, distributed: bool) -> Result<(f64, f64, f64, f64)> {
+fn state_bytes(
+    specs: &[ParamSpec],
+    dp: usize,
+    distributed: bool,
+    precision: &Precision,
+) -> Result<(f64, f64, f64, f64)> {
     use megatron::optimizer::{LayoutConfig, ParamInfo, layout};
     let params: Vec<ParamInfo> = specs
         .iter()
         .map(|s| ParamInfo {
             name: s.name.clone(),
             numel: s.local.numel(),
-            dtype: DType::F32,
+            dtype: precision.params,
             shared_embedding: false,
             expert: false,
         })
@@ -80,13 +98,23 @@ fn state_bytes(specs: &[ParamSpec], dp: usize, distributed: bool) -> Result<(f64
     let config = LayoutConfig {
         bucket_size: Some(megatron::training::default_bucket_elements(dp)),
         distributed_optimizer: distributed,
+        grad_reduce_in_fp32: precision.grads == DType::F32,
         ..LayoutConfig::new(dp)
     };
     let buffer: usize = layout(&params, &config)?.iter().map(|b| b.numel()).sum();
     let state = if distributed { buffer / dp } else { buffer };
     let per =
         |bytes: usize| bytes as f64 / params.iter().map(|p| p.numel).sum::<usize>().max(1) as f64;
-    let (values, grads, optimizer) = (per(4 * buffer), per(4 * buffer), per(8 * state));
+    // Adam's two moments, and with 16-bit parameters the f32 main parameters (and main
+    // gradients for 16-bit gradients), all of the rank's shard with the distributed optimizer.
+    let optimizer_words = 2
+        + usize::from(precision.params != DType::F32)
+        + usize::from(precision.grads != DType::F32);
+    let (values, grads, optimizer) = (
+        per(precision.params.size() * buffer),
+        per(precision.grads.size() * buffer),
+        per(4 * optimizer_words * state),
+    );
     Ok((values + grads + optimizer, values, grads, optimizer))
 }
 
@@ -236,8 +264,15 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     if args.dp == 0 {
         bail!("--data-parallel-size must be at least 1");
     }
+    let precision = Precision::from_flags(&PrecisionFlags {
+        bf16: args.bf16,
+        fp16: args.fp16,
+        grads_in_fp32: args.accumulate_allreduce_grads_in_fp32,
+        grad_reduce_in_bf16: args.grad_reduce_in_bf16,
+        ..PrecisionFlags::default()
+    })?;
     let (state_total, state_values, state_grads, state_optimizer) =
-        state_bytes(&specs, args.dp, args.use_distributed_optimizer)?;
+        state_bytes(&specs, args.dp, args.use_distributed_optimizer, &precision)?;
     if args.json {
         let params: Vec<Value> = specs
             .iter()
@@ -259,6 +294,8 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             "state_bytes_per_param": {
                 "dp": args.dp,
                 "distributed_optimizer": args.use_distributed_optimizer,
+                "param_dtype": precision.params.name(),
+                "grad_dtype": precision.grads.name(),
                 "total": state_total,
                 "values": state_values,
                 "grads": state_grads,
@@ -307,14 +344,17 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     );
     let _ = writeln!(
         out,
-        "state of a rank at dp {}{}: {state_total:.1} bytes per parameter (values \
-         {state_values:.1}, gradients {state_grads:.1}, optimizer {state_optimizer:.1})\n",
+        "state of a rank at dp {}{}, {} parameters and {} gradients: {state_total:.1} bytes per \
+         parameter (values {state_values:.1}, gradients {state_grads:.1}, optimizer \
+         {state_optimizer:.1})\n",
         args.dp,
         if args.use_distributed_optimizer {
             " with the distributed optimizer"
         } else {
             ""
-        }
+        },
+        precision.params,
+        precision.grads
     );
     let _ = writeln!(
         out,

@@ -39,6 +39,15 @@ impl Observer for Progress {
 
     fn step(&mut self, r: &StepRecord) -> Result<()> {
         let m = &r.metrics;
+        if m.skipped {
+            // Megatron-LM's skipped iteration: the loss scaler saw an overflow.
+            tracing::warn!(
+                step = m.step,
+                loss_scale = m.loss_scale.unwrap_or(1.0),
+                "skipped the update: inf or NaN in the scaled gradients (the loss scale drops \
+                 after --hysteresis such steps)"
+            );
+        }
         self.bar.set_message(format!(
             "loss {:.4} | {:.0} tok/s",
             m.loss,
@@ -111,6 +120,10 @@ impl Observer for JsonLog {
             "grad_norm": m.grad_norm,
             "tokens_per_s": m.tokens as f64 / m.seconds,
         });
+        if let Some(scale) = m.loss_scale {
+            v["loss_scale"] = json!(scale);
+            v["skipped"] = json!(m.skipped);
+        }
         if self.comm {
             v["comm"] = comm_json(&m.comm);
         }
@@ -148,7 +161,12 @@ impl Observer for TensorBoard {
         let step = m.step + 1;
         self.writer.scalar("lm loss", step, m.loss)?;
         self.writer.scalar("learning-rate", step, m.lr)?;
-        self.writer.scalar("grad-norm", step, m.grad_norm)?;
+        if !m.skipped {
+            self.writer.scalar("grad-norm", step, m.grad_norm)?;
+        }
+        if let Some(scale) = m.loss_scale {
+            self.writer.scalar("loss-scale", step, scale)?;
+        }
         self.writer.scalar("lm loss vs tokens", r.tokens, m.loss)?;
         // Every step reaches the file: a killed run keeps what it logged.
         self.writer.flush()

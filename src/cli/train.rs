@@ -12,6 +12,7 @@ use megatron::data::{
 };
 use megatron::job::{Eval, Observer, PipelineSettings, Placement, StopRequest, Summary, TrainJob};
 use megatron::models::GptConfig;
+use megatron::optimizer::{LossScaling, Precision, PrecisionFlags};
 use megatron::report::plot::Curves;
 use megatron::tokenizer::Tokenizer;
 use megatron::training::{
@@ -170,9 +171,45 @@ pub struct TrainArgs {
     #[arg(long)]
     recompute_num_layers: Option<usize>,
     /// Train on when a step's loss or gradient norm is NaN or infinite (by default the run
-    /// stops with an error naming the step, before its update, as Megatron-LM does).
+    /// stops with an error naming the step, before its update, as Megatron-LM does; off with
+    /// --fp16's dynamic loss scaling, where an overflow skips the step instead).
     #[arg(long)]
     no_check_for_nan_in_loss_and_grad: bool,
+    /// Mixed precision with bf16 parameters (stored and communicated in 16 bits, computed in
+    /// f32 on the CPU), f32 gradients unless --grad-reduce-in-bf16, f32 main parameters and
+    /// Adam state in the optimizer.
+    #[arg(long)]
+    bf16: bool,
+    /// Mixed precision with fp16 parameters and gradients (f32 gradients with
+    /// --accumulate-allreduce-grads-in-fp32) and dynamic loss scaling (or --loss-scale).
+    #[arg(long)]
+    fp16: bool,
+    /// A static loss scale (with --fp16 or --bf16); without it --fp16 scales dynamically.
+    #[arg(long)]
+    loss_scale: Option<f64>,
+    /// The dynamic loss scale's start [default: 2^32].
+    #[arg(long)]
+    initial_loss_scale: Option<f64>,
+    /// The dynamic loss scale's floor [default: 1].
+    #[arg(long)]
+    min_loss_scale: Option<f64>,
+    /// Steps without inf/NaN gradients after which the dynamic loss scale doubles
+    /// [default: 1000].
+    #[arg(long)]
+    loss_scale_window: Option<u64>,
+    /// Steps with inf/NaN gradients (since the last growth) before each halving of the dynamic
+    /// loss scale [default: 2].
+    #[arg(long)]
+    hysteresis: Option<u64>,
+    /// Accumulate and reduce gradients in f32 (with --fp16; --bf16 does by default).
+    #[arg(long)]
+    accumulate_allreduce_grads_in_fp32: bool,
+    /// The same as --accumulate-allreduce-grads-in-fp32 (Megatron-LM's DDP setting's name).
+    #[arg(long)]
+    grad_reduce_in_fp32: bool,
+    /// With --bf16, accumulate and reduce gradients in bf16 instead of f32.
+    #[arg(long)]
+    grad_reduce_in_bf16: bool,
     /// No progress bar (the summary and the log are still written).
     #[arg(long)]
     quiet: bool,
@@ -626,6 +663,7 @@ impl TrainArgs {
             per_stack,
             pipeline.vpp > 1,
         )?;
+        let precision = Precision::from_flags(&self.precision_flags())?;
         let (train_data, valid_data) = self.data_sources(&s, plan)?;
         let train_data = Sampler::new(train_data, plan)?;
         let eval = match self.eval_interval {
@@ -663,9 +701,13 @@ impl TrainArgs {
             bucket_elements: self
                 .ddp_bucket_size
                 .unwrap_or_else(|| default_bucket_elements(s.dp)),
-            check_for_nan: !self.no_check_for_nan_in_loss_and_grad,
+            // Megatron-LM turns the check off under dynamic loss scaling: an overflow there
+            // is the scaler's signal, and the step is skipped instead.
+            check_for_nan: !self.no_check_for_nan_in_loss_and_grad
+                && !matches!(precision.scaling, LossScaling::Dynamic { .. }),
             distributed_optimizer: self.use_distributed_optimizer,
             recompute,
+            precision,
         };
         let (tokenizer, files) = megatron::tokenizer::checkpoint_record(&s.tokenizer)?;
         let job = TrainJob {
@@ -703,6 +745,11 @@ impl TrainArgs {
                     bail!("--attention-backend flash multiplies in bf16: drop --fp32-products")
                 }
                 "cpu" => Placement::Cpu,
+                "cuda" if precision.mixed() => bail!(
+                    "--bf16 and --fp16 train on the CPU for now; on a GPU the parameters stay f32 \
+                     and products read bf16 copies of them by default: drop --{}",
+                    if self.bf16 { "bf16" } else { "fp16" }
+                ),
                 "cuda" => Placement::Cuda {
                     bf16: !self.fp32_products,
                     flash_attention: self.attention_backend == AttentionBackend::Flash,
@@ -712,6 +759,21 @@ impl TrainArgs {
             stop: None,
         };
         Ok((job, s.taken))
+    }
+
+    /// The mixed-precision flags as given.
+    fn precision_flags(&self) -> PrecisionFlags {
+        PrecisionFlags {
+            bf16: self.bf16,
+            fp16: self.fp16,
+            loss_scale: self.loss_scale,
+            initial_loss_scale: self.initial_loss_scale,
+            min_loss_scale: self.min_loss_scale,
+            loss_scale_window: self.loss_scale_window,
+            hysteresis: self.hysteresis,
+            grads_in_fp32: self.accumulate_allreduce_grads_in_fp32 || self.grad_reduce_in_fp32,
+            grad_reduce_in_bf16: self.grad_reduce_in_bf16,
+        }
     }
 
     /// Where the ranks run.

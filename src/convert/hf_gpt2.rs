@@ -325,6 +325,7 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
         model: serde_json::to_value(&c)?,
         run,
         files: BTreeMap::new(),
+        grad_scaler: None,
     };
     let files: Vec<(&str, &[u8])> = files
         .iter()

@@ -157,6 +157,9 @@ pub struct CheckpointMeta {
     /// Size and checksum of every tensor file, filled in by [`save`].
     #[serde(default)]
     pub files: BTreeMap<String, FileDigest>,
+    /// The loss scale and its trackers, for a run with loss scaling (`--fp16`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_scaler: Option<crate::optimizer::GradScaler>,
 }
 
 fn one() -> usize {

@@ -89,6 +89,9 @@ pub struct PackLayout {
     /// Visit positions of the parameters the first and the last pipeline stage both hold (the
     /// tied embedding): alone in their bucket with the distributed optimizer.
     pub shared_embedding: Vec<usize>,
+    /// The dtype the values are kept in (`--bf16`, `--fp16`: converted once, here); `None`
+    /// keeps the model's. The gradients' dtype is the layout's (`grad_reduce_in_fp32`).
+    pub param_dtype: Option<DType>,
 }
 
 impl PackLayout {
@@ -97,6 +100,7 @@ impl PackLayout {
         PackLayout {
             chunks: vec![(usize::MAX, config)],
             shared_embedding: Vec::new(),
+            param_dtype: None,
         }
     }
 
@@ -109,7 +113,8 @@ impl PackLayout {
     }
 }
 
-/// One flat value buffer and one flat f32 gradient buffer holding every parameter of a model.
+/// One flat value buffer and one flat gradient buffer holding every parameter of a model (f32,
+/// or with mixed precision 16-bit values and 16-bit or f32 gradients).
 ///
 /// Parameters are laid out in reverse order of the model's visit order, as Megatron-LM does: the
 /// backward produces the last layers' gradients first, so the front of the gradient buffer is
@@ -133,14 +138,16 @@ impl ParamBuffers {
     pub fn pack<M: Module>(model: &mut M, plan: &PackLayout) -> Result<ParamBuffers> {
         let mut params: Vec<(ParamSpec, Tensor)> = Vec::new();
         model.visit_params(&mut |p| params.push((p.spec().clone(), p.value().clone())));
-        let dtype = params.first().map_or(DType::F32, |(_, v)| v.dtype());
-        if let Some((spec, v)) = params.iter().find(|(_, v)| v.dtype() != dtype) {
+        let model_dtype = params.first().map_or(DType::F32, |(_, v)| v.dtype());
+        if let Some((spec, v)) = params.iter().find(|(_, v)| v.dtype() != model_dtype) {
             return invalid!(
-                "parameter {} is {} but the others are {dtype}",
+                "parameter {} is {} but the others are {model_dtype}",
                 spec.name,
                 v.dtype()
             );
         }
+        let dtype = plan.param_dtype.unwrap_or(model_dtype);
+        let mut grad_dtype = DType::F32;
         let mut offsets = vec![0usize; params.len()];
         let mut buckets = Vec::new();
         let (mut first, mut base) = (0usize, 0usize);
@@ -160,6 +167,7 @@ impl ParamBuffers {
                 layout(&infos, &config).map_err(|e| crate::Error::Invalid(e.to_string()))?;
             // One dtype, no experts: at most one buffer per chunk.
             for buffer in &buffers {
+                grad_dtype = buffer.key.grad_dtype;
                 for p in &buffer.placements {
                     offsets[first + p.param] = base + p.range.start;
                 }
@@ -198,7 +206,7 @@ impl ParamBuffers {
             .collect();
         let used = slots.iter().map(|s| s.len).sum();
         let values = Tensor::zeros([total], dtype);
-        let grads = Tensor::zeros([total], DType::F32);
+        let grads = Tensor::zeros([total], grad_dtype);
         for (slot, (_, value)) in slots.iter().zip(&params) {
             values
                 .narrow(0, slot.offset, slot.len)?
@@ -262,6 +270,14 @@ impl ParamBuffers {
     #[cfg(feature = "cuda")]
     pub fn to_gpu<M: Module>(&mut self, model: &mut M, gpu: &crate::cuda::Gpu) -> Result<()> {
         self.values = self.values.to_gpu(gpu)?;
+        if self.values.dtype() != DType::F32 || self.grads.dtype() != DType::F32 {
+            return invalid!(
+                "{} parameters with {} gradients train on the CPU for now: on a GPU the values \
+                 stay f32 and products read bf16 copies of them (the default; drop --bf16/--fp16)",
+                self.values.dtype(),
+                self.grads.dtype()
+            );
+        }
         self.grads = Tensor::zeros_on(self.grads.shape().clone(), DType::F32, gpu)?;
         if let Some(compute) = &self.compute {
             self.compute = Some(Tensor::empty_on(
@@ -279,6 +295,12 @@ impl ParamBuffers {
     /// values, filled now and refreshed by [`ParamBuffers::refresh_compute_copies`] after every
     /// change of the values (the trainer does it after each optimizer step).
     pub fn keep_compute_copies<M: Module>(&mut self, model: &mut M, dtype: DType) -> Result<()> {
+        if self.values.dtype() != DType::F32 {
+            return invalid!(
+                "compute copies are kept beside f32 values; these are {} already",
+                self.values.dtype()
+            );
+        }
         if dtype == self.values.dtype() {
             return invalid!("compute copies must differ from the {dtype} values");
         }
@@ -309,7 +331,7 @@ impl ParamBuffers {
         &self.values
     }
 
-    /// The flat f32 gradients.
+    /// The flat gradients (f32, or 16-bit with mixed precision).
     pub fn grads(&self) -> &Tensor {
         &self.grads
     }
@@ -358,6 +380,9 @@ impl ParamBuffers {
     pub fn zero_grads(&self) -> Result<()> {
         #[cfg(feature = "cuda")]
         if self.grads.gpu().is_some() {
+            return Ok(self.grads.fill(0.0)?);
+        }
+        if self.grads.dtype() != DType::F32 {
             return Ok(self.grads.fill(0.0)?);
         }
         crate::kernels::elementwise::fill(&mut self.grads.write::<f32>()?, 0.0);

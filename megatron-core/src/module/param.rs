@@ -146,9 +146,23 @@ impl Param {
         Ok(())
     }
 
-    /// This rank's gradient (f32), accumulated by backward passes.
+    /// This rank's gradient (f32, or 16-bit with mixed precision), accumulated by backward
+    /// passes.
     pub fn grad(&self) -> &Tensor {
         &self.grad
+    }
+
+    /// Runs `f` on the gradient as an f32 tensor, for kernels that accumulate in f32: the
+    /// gradient itself, or for a 16-bit gradient a widened copy that is rounded back after
+    /// (Megatron-LM's 16-bit `main_grad` accumulation, computed in f32 on the CPU).
+    pub fn accumulate_grad<R>(&self, f: impl FnOnce(&Tensor) -> Result<R>) -> Result<R> {
+        if self.grad.dtype() == DType::F32 {
+            return f(&self.grad);
+        }
+        let wide = self.grad.to_dtype(DType::F32)?;
+        let out = f(&wide)?;
+        self.grad.copy_from(&wide)?;
+        Ok(out)
     }
 
     /// Name, shapes, split and init.

@@ -169,15 +169,16 @@ impl Embedding {
             return self.lookup_backward_gpu(saved, dy, gpu);
         }
         let dy = dy.to_f32_contiguous()?;
-        ek::embedding_backward(
-            &saved.ids.read::<i64>()?,
-            &dy.read::<f32>()?,
-            self.vocab_start,
-            self.local_rows(),
-            self.hidden(),
-            &mut self.weight.grad().write::<f32>()?,
-        )?;
-        Ok(())
+        self.weight.accumulate_grad(|grad| {
+            Ok(ek::embedding_backward(
+                &saved.ids.read::<i64>()?,
+                &dy.read::<f32>()?,
+                self.vocab_start,
+                self.local_rows(),
+                self.hidden(),
+                &mut grad.write::<f32>()?,
+            )?)
+        })
     }
 }
 
@@ -284,7 +285,8 @@ impl VocabParallel for Embedding {
         // Both products read the logits' gradient: converted once.
         let d = as_operand(dlogits)?.reshape([rows, local])?;
         let h2 = saved.h.reshape([rows, hidden])?;
-        matmul_into(1.0, &d.t()?, &h2, 1.0, self.weight.grad())?;
+        self.weight
+            .accumulate_grad(|grad| Ok(matmul_into(1.0, &d.t()?, &h2, 1.0, grad)?))?;
         let dh = matmul(&d, self.weight.compute_value())?;
         Ok(dh.reshape(saved.h.shape().clone())?)
     }
@@ -420,14 +422,16 @@ impl Lookup for PositionEmbedding {
         }
         let dy = dy.to_f32_contiguous()?;
         let dy = dy.read::<f32>()?;
-        let mut g = self.weight.grad().write::<f32>()?;
-        for (i, block) in dy.chunks_exact(saved.batch * h).enumerate() {
-            let gi = &mut g[i * h..(i + 1) * h];
-            for row in block.chunks_exact(h) {
-                gi.iter_mut().zip(row).for_each(|(a, b)| *a += b);
+        self.weight.accumulate_grad(|grad| {
+            let mut g = grad.write::<f32>()?;
+            for (i, block) in dy.chunks_exact(saved.batch * h).enumerate() {
+                let gi = &mut g[i * h..(i + 1) * h];
+                for row in block.chunks_exact(h) {
+                    gi.iter_mut().zip(row).for_each(|(a, b)| *a += b);
+                }
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 }
 

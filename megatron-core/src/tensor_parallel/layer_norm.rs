@@ -174,21 +174,25 @@ impl LayerNorm {
         let dx = Tensor::empty(saved.x.shape().clone(), DType::F32);
         let gamma = self.gamma.value().to_f32_contiguous()?;
         let plus_values = plus.as_ref().map(|p| p.read::<f32>()).transpose()?;
-        ln::layer_norm_backward_plus(
-            &dy.read::<f32>()?,
-            (
-                &saved.x.read::<f32>()?,
-                &saved.mean.read::<f32>()?,
-                &saved.rstd.read::<f32>()?,
-                &gamma.read::<f32>()?,
-            ),
-            rows,
-            h,
-            plus_values.as_deref(),
-            &mut dx.write::<f32>()?,
-            &mut self.gamma.grad().write::<f32>()?,
-            &mut self.beta.grad().write::<f32>()?,
-        )?;
+        self.gamma.accumulate_grad(|dgamma| {
+            self.beta.accumulate_grad(|dbeta| {
+                Ok(ln::layer_norm_backward_plus(
+                    &dy.read::<f32>()?,
+                    (
+                        &saved.x.read::<f32>()?,
+                        &saved.mean.read::<f32>()?,
+                        &saved.rstd.read::<f32>()?,
+                        &gamma.read::<f32>()?,
+                    ),
+                    rows,
+                    h,
+                    plus_values.as_deref(),
+                    &mut dx.write::<f32>()?,
+                    &mut dgamma.write::<f32>()?,
+                    &mut dbeta.write::<f32>()?,
+                )?)
+            })
+        })?;
         Ok(dx)
     }
 }

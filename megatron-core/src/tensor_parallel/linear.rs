@@ -198,7 +198,8 @@ impl Linear {
         // dW, dx (and db) all read dy: in the dtype the products take, converted once.
         let dy2 = as_operand(dy)?.reshape([rows, out])?;
         let x2 = saved.x.reshape([rows, inp])?;
-        matmul_into(1.0, &dy2.t()?, &x2, 1.0, self.weight.grad())?;
+        self.weight
+            .accumulate_grad(|grad| Ok(matmul_into(1.0, &dy2.t()?, &x2, 1.0, grad)?))?;
         if with_bias && let Some(bias) = &self.bias {
             Linear::accumulate_bias_grad(&dy2, rows, out, bias)?;
         }
@@ -213,13 +214,14 @@ impl Linear {
         if dy.gpu().is_some() {
             return device::accumulate_bias_grad(dy, bias.grad());
         }
-        elementwise::bias_add_backward(
-            &dy.read::<f32>()?,
-            rows,
-            out,
-            &mut bias.grad().write::<f32>()?,
-        )?;
-        Ok(())
+        bias.accumulate_grad(|grad| {
+            Ok(elementwise::bias_add_backward(
+                &dy.read::<f32>()?,
+                rows,
+                out,
+                &mut grad.write::<f32>()?,
+            )?)
+        })
     }
 
     fn check_mode(&self, want: Mode, what: &str) -> Result<()> {

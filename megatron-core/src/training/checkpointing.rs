@@ -165,6 +165,11 @@ impl<M: LanguageModel> Trainer<M> {
         // they are gathered first (Megatron-LM's gather to data-parallel rank 0).
         let (m, v) = self.optimizer.whole_moments(&self.buffers, parallel.dp())?;
         let (m, v) = (&m, &v);
+        // The f32 values: with 16-bit parameters the optimizer's main parameters, gathered
+        // likewise (a loaded run rounds them to its own precision).
+        let values = self
+            .optimizer
+            .whole_main_params(&self.buffers, parallel.dp())?;
         // Data-parallel replicas hold the same state: the first one saves it.
         if groups.dp_rank() != 0 {
             return Ok(());
@@ -176,7 +181,7 @@ impl<M: LanguageModel> Trainer<M> {
             let view = |t: &Tensor| t.narrow(0, slot.offset, slot.len);
             model.insert(
                 spec.name.clone(),
-                gather_whole(parallel, spec, &view(self.buffers.values())?)?,
+                gather_whole(parallel, spec, &view(&values)?)?,
             );
             optimizer.insert(
                 format!("{}.exp_avg", spec.name),
@@ -226,6 +231,7 @@ impl<M: LanguageModel> Trainer<M> {
             model: info.model.clone(),
             run: info.run.clone(),
             files: BTreeMap::new(),
+            grad_scaler: self.scaler,
         };
         let files: Vec<(&str, &[u8])> = info
             .files
@@ -296,7 +302,7 @@ fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Res
     let with_optimizer = loaded.has_optimizer();
     let n = trainer.buffers.values().numel();
     let (mut exp_avg, mut exp_avg_sq) = (vec![0.0f32; n], vec![0.0f32; n]);
-    let mut values = trainer.buffers.values().write::<f32>()?;
+    let mut values = vec![0.0f32; n];
     for slot in trainer.buffers.slots() {
         let spec = &slot.spec;
         let r = slot.range();
@@ -312,11 +318,19 @@ fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Res
             exp_avg_sq[r].copy_from_slice(&local_part(spec, &v, &dir)?);
         }
     }
-    drop(values);
+    trainer
+        .optimizer
+        .set_whole_main_params(&trainer.buffers, &values)?;
     trainer
         .optimizer
         .set_whole_moments(&trainer.buffers, &exp_avg, &exp_avg_sq)?;
-    trainer.buffers.refresh_compute_copies()?;
+    // A dynamic loss scale goes on from the saved one; a static scale is the flag's.
+    if let (Some(scaler), Some(saved)) = (&mut trainer.scaler, loaded.meta().grad_scaler)
+        && scaler.dynamic
+        && saved.dynamic
+    {
+        *scaler = saved;
+    }
     trainer.optimizer.set_steps(if with_optimizer {
         loaded.meta().adam_steps
     } else {

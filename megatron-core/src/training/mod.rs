@@ -21,7 +21,7 @@ use crate::comm::{CommStats, Communicator, ParallelState, ReduceOp};
 use crate::error::{Error, Result};
 use crate::invalid;
 use crate::module::{Cx, Ids, Module, PackLayout, ParamBuffers};
-use crate::optimizer::LayoutConfig;
+use crate::optimizer::{GradScaler, LayoutConfig, Precision};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 
@@ -62,6 +62,8 @@ pub struct TrainConfig {
     /// Stop with [`Error::NotFinite`] before the update of a step whose loss or gradient norm is
     /// NaN or infinite (Megatron-LM's `--check-for-nan-in-loss-and-grad`, on by default there).
     pub check_for_nan: bool,
+    /// The parameters' and gradients' dtypes and the loss scaling (`--bf16`, `--fp16`, ...).
+    pub precision: Precision,
 }
 
 /// What one step did, as seen by one rank.
@@ -84,6 +86,11 @@ pub struct StepMetrics {
     pub pipeline_wait: f64,
     /// This rank's communication during the step, per group.
     pub comm: Vec<(GroupKind, CommStats)>,
+    /// The loss scale the step's backward ran with (`None` without loss scaling).
+    pub loss_scale: Option<f64>,
+    /// The step found inf or NaN in its scaled gradients and skipped its update (Megatron-LM's
+    /// skipped iteration; the gradient norm is then NaN and the scale moves).
+    pub skipped: bool,
 }
 
 /// The bytes of one rank's training state, measured from its allocations.
@@ -97,8 +104,8 @@ pub struct StateMemory {
     pub copies: usize,
     /// Bytes of the gradients.
     pub grads: usize,
-    /// Bytes of the optimizer's state (Adam's moments: with the distributed optimizer, the
-    /// rank's shards).
+    /// Bytes of the optimizer's state: Adam's moments and, with 16-bit parameters, the f32
+    /// main parameters (and main gradients); with the distributed optimizer, the rank's shards.
     pub optimizer: usize,
 }
 
@@ -124,6 +131,8 @@ pub struct Trainer<M: LanguageModel> {
     config: TrainConfig,
     /// How the microbatches go through a pipeline; `None` without one.
     pipeline: Option<pipeline::Pipeline<M>>,
+    /// The loss scale and its trackers, with loss scaling.
+    scaler: Option<GradScaler>,
 }
 
 impl<M: LanguageModel> Trainer<M> {
@@ -168,12 +177,14 @@ impl<M: LanguageModel> Trainer<M> {
                     let layout = LayoutConfig {
                         bucket_size: (k == 0 && first_stage).then_some(config.bucket_elements),
                         distributed_optimizer: config.distributed_optimizer,
+                        grad_reduce_in_fp32: config.precision.grads == DType::F32,
                         ..LayoutConfig::new(dp.size())
                     };
                     (params, layout)
                 })
                 .collect(),
             shared_embedding,
+            param_dtype: Some(config.precision.params),
         };
         let buffers = ParamBuffers::pack(&mut chunks, &plan)?;
         let shard = config.distributed_optimizer.then(|| dp.index());
@@ -185,6 +196,7 @@ impl<M: LanguageModel> Trainer<M> {
             sampler,
             config,
             pipeline: None,
+            scaler: config.precision.grad_scaler(),
         })
     }
 
@@ -229,18 +241,30 @@ impl<M: LanguageModel> Trainer<M> {
     pub fn state_memory(&self) -> StateMemory {
         let bytes = |t: &Tensor| t.numel() * t.dtype().size();
         let (m, v) = self.optimizer.moments();
+        let main = self.optimizer.main_params().map_or(0, bytes);
+        let main_grads = self.optimizer.main_grads().map_or(0, bytes);
         StateMemory {
             params: self.buffers.used(),
             values: bytes(self.buffers.values()),
             copies: self.buffers.compute_copies().map_or(0, bytes),
             grads: bytes(self.buffers.grads()),
-            optimizer: bytes(m) + bytes(v),
+            optimizer: bytes(m) + bytes(v) + main + main_grads,
         }
     }
 
     /// The optimizer and its state (with the distributed optimizer, this rank's shards).
     pub fn optimizer(&self) -> &AdamW {
         &self.optimizer
+    }
+
+    /// The loss scaler and its state, with loss scaling.
+    pub fn grad_scaler(&self) -> Option<&GradScaler> {
+        self.scaler.as_ref()
+    }
+
+    /// The loss the backward starts from is the mean loss times this.
+    fn loss_scale(&self) -> f32 {
+        self.scaler.map_or(1.0, |s| s.scale)
     }
 
     /// Runs step `step`: every microbatch forward and backward, the gradient all-reduce over the
@@ -267,9 +291,9 @@ impl<M: LanguageModel> Trainer<M> {
                         .iter()
                         .map(|&l| f64::from(l))
                         .sum::<f64>();
-                    // d(mean loss over the global batch) / d(each token's loss).
+                    // d(scaled mean loss over the global batch) / d(each token's loss).
                     let dlosses = Tensor::zeros_near(losses.shape().clone(), DType::F32, &losses)?;
-                    dlosses.fill(1.0 / tokens as f32)?;
+                    dlosses.fill(self.loss_scale() / tokens as f32)?;
                     model.backward_losses(&cx, saved, &dlosses)?;
                 }
                 (loss_sum, 0.0)
@@ -292,11 +316,33 @@ impl<M: LanguageModel> Trainer<M> {
         }
         parallel.dp().all_reduce(&loss, ReduceOp::Sum)?;
         let loss = f64::from(loss.to_vec::<f32>()?[0]) / tokens as f64;
+        // With loss scaling the gradients are unscaled, and a step with inf or NaN in them on
+        // any rank is skipped by all (Megatron-LM reduces the flag over every rank that holds
+        // gradients: the whole world here).
+        let loss_scale = self.scaler.map(|s| f64::from(s.scale));
+        let found_inf = self
+            .optimizer
+            .prepare_grads(&self.buffers, self.scaler.map(|s| s.inv_scale()))?;
+        if let Some(scaler) = &mut self.scaler {
+            let flag =
+                optimizer::scalar_near(f32::from(u8::from(found_inf)), self.buffers.grads())?;
+            parallel
+                .comm(GroupKind::World)
+                .all_reduce(&flag, ReduceOp::Max)?;
+            let found_inf = flag.to_vec::<f32>()?[0] > 0.0;
+            scaler.update(found_inf);
+            if found_inf {
+                return Ok(self
+                    .metrics(parallel, &before, start, step, loss, f64::NAN, tokens)
+                    .skipped(loss_scale, pipeline_wait));
+            }
+        }
         let norm = grad_norm(
             &self.buffers,
+            &self.optimizer,
             parallel.groups().tp_rank(),
             parallel.comm(GroupKind::TpPp),
-            Some(parallel.dp()),
+            parallel.dp(),
         )?;
         // Every rank holds the same loss and norm (reduced over dp and the model-parallel
         // group), so every rank stops at the same step.
@@ -312,23 +358,54 @@ impl<M: LanguageModel> Trainer<M> {
         let lr = self.config.schedule.lr(step);
         self.optimizer.step(&self.buffers, lr, grad_scale)?;
         gather_parameters(&self.buffers, parallel.dp())?;
+        let mut metrics = self.metrics(parallel, &before, start, step, loss, norm, tokens);
+        metrics.lr = lr;
+        metrics.pipeline_wait = pipeline_wait;
+        metrics.loss_scale = loss_scale;
+        Ok(metrics)
+    }
+
+    /// What step `step` did so far: its communication since `before`, its time since `start`.
+    #[allow(clippy::too_many_arguments)]
+    fn metrics(
+        &self,
+        parallel: &ParallelState,
+        before: &[(GroupKind, CommStats)],
+        start: Instant,
+        step: u64,
+        loss: f64,
+        grad_norm: f64,
+        tokens: usize,
+    ) -> StepMetrics {
         let after = parallel.stats();
         let comm = after
             .iter()
-            .zip(&before)
+            .zip(before)
             .map(|((kind, now), (_, then))| (*kind, now.since(then)))
             .filter(|(_, s)| !s.ops.is_empty())
             .collect();
-        Ok(StepMetrics {
+        StepMetrics {
             step,
             loss,
-            lr,
-            grad_norm: norm,
+            lr: self.config.schedule.lr(step),
+            grad_norm,
             tokens,
             seconds: start.elapsed().as_secs_f64(),
-            pipeline_wait,
+            pipeline_wait: 0.0,
             comm,
-        })
+            loss_scale: None,
+            skipped: false,
+        }
+    }
+}
+
+impl StepMetrics {
+    /// Marks the step skipped (inf or NaN in its gradients under loss scale `loss_scale`).
+    fn skipped(mut self, loss_scale: Option<f64>, pipeline_wait: f64) -> StepMetrics {
+        self.skipped = true;
+        self.loss_scale = loss_scale;
+        self.pipeline_wait = pipeline_wait;
+        self
     }
 }
 

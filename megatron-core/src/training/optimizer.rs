@@ -1,5 +1,7 @@
 //! AdamW over the flat parameter buffers (all of them, or with the distributed optimizer this
-//! rank's shard of every bucket), with Megatron-LM's global gradient-norm clipping.
+//! rank's shard of every bucket), with Megatron-LM's global gradient-norm clipping. With 16-bit
+//! parameters the optimizer keeps f32 main parameters (and, for 16-bit gradients, f32 main
+//! gradients) laid out like its moments, as Megatron-LM's mixed-precision optimizers do.
 
 use std::ops::Range;
 
@@ -46,12 +48,17 @@ struct Run {
 }
 
 /// AdamW state for one rank's parameters: first and second moments, flat like the buffers, or
-/// (with the distributed optimizer) like the rank's shards of the buckets, one after the other.
+/// (with the distributed optimizer) like the rank's shards of the buckets, one after the other;
+/// with 16-bit parameters, f32 main parameters (and main gradients) laid out alike.
 #[derive(Debug)]
 pub struct AdamW {
     config: AdamWConfig,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
+    /// f32 main parameters, when the buffers' values are 16-bit.
+    main: Option<Tensor>,
+    /// f32 main gradients, when the buffers' gradients are 16-bit.
+    main_grads: Option<Tensor>,
     steps: u64,
     runs: Vec<Run>,
     /// The data-parallel rank whose shards these are (distributed optimizer).
@@ -61,10 +68,14 @@ pub struct AdamW {
 impl AdamW {
     /// Zero moments for every element of `buffers`, or with `shard = Some(dp_rank)` and sharded
     /// buffers (the distributed optimizer), for that rank's shard of every bucket.
+    /// With 16-bit values the main parameters start as the values widened (Megatron-LM's
+    /// `param.detach().clone().float()`).
     pub fn new(buffers: &ParamBuffers, config: AdamWConfig, shard: Option<usize>) -> Result<AdamW> {
-        if buffers.values().dtype() != DType::F32 {
+        if buffers.values().dtype() != DType::F32
+            && buffers.values().device() != crate::tensor::Device::Cpu
+        {
             return invalid!(
-                "AdamW updates f32 parameters; the buffers hold {}",
+                "{} parameters train on the CPU for now",
                 buffers.values().dtype()
             );
         }
@@ -106,14 +117,94 @@ impl AdamW {
                 buffers.values().numel()
             }
         };
-        Ok(AdamW {
+        let f32_unless = |dtype: DType| -> Result<Option<Tensor>> {
+            (dtype != DType::F32)
+                .then(|| Tensor::zeros_near([n], DType::F32, buffers.values()))
+                .transpose()
+        };
+        let adam = AdamW {
             config,
             exp_avg: Tensor::zeros_near([n], DType::F32, buffers.values())?,
             exp_avg_sq: Tensor::zeros_near([n], DType::F32, buffers.values())?,
+            main: f32_unless(buffers.values().dtype())?,
+            main_grads: f32_unless(buffers.grads().dtype())?,
             steps: 0,
             runs,
             shard,
-        })
+        };
+        if let Some(main) = &adam.main {
+            let mut main = main.write::<f32>()?;
+            for run in &adam.runs {
+                let part = buffers
+                    .values()
+                    .narrow(0, run.range.start, run.range.len())?;
+                main[run.moments..run.moments + run.range.len()]
+                    .copy_from_slice(&part.to_vec_f32()?);
+            }
+        }
+        Ok(adam)
+    }
+
+    /// The f32 main parameters (laid out like the moments), when the values are 16-bit.
+    pub fn main_params(&self) -> Option<&Tensor> {
+        self.main.as_ref()
+    }
+
+    /// The f32 main gradients (laid out like the moments), when the gradients are 16-bit.
+    pub fn main_grads(&self) -> Option<&Tensor> {
+        self.main_grads.as_ref()
+    }
+
+    /// Where the elements `range` of the buffers (inside one of this rank's parts) lie in the
+    /// moments.
+    fn to_moments(&self, buffers: &ParamBuffers, range: &Range<usize>) -> Range<usize> {
+        let start = match self.shard {
+            None => range.start,
+            Some(_) => self
+                .shard_offsets(buffers)
+                .into_iter()
+                .find(|(world, _)| world.contains(&range.start))
+                .map_or(range.start, |(world, at)| at + range.start - world.start),
+        };
+        start..start + range.len()
+    }
+
+    /// Makes the gradients the update reads: with 16-bit gradients their f32 main copies, and
+    /// with loss scaling (`inv_scale`) unscaled in place, checking as it goes for inf and NaN
+    /// (Megatron-LM's `_unscale_main_grads_and_check_for_nan`). Returns whether one was found
+    /// on this rank (`false` without scaling: nothing is checked).
+    pub fn prepare_grads(&self, buffers: &ParamBuffers, inv_scale: Option<f32>) -> Result<bool> {
+        if self.main_grads.is_none() && inv_scale.is_none() {
+            return Ok(false);
+        }
+        let scale = inv_scale.unwrap_or(1.0);
+        let mut found = false;
+        let mut unscale = |g: &mut [f32]| {
+            for x in g {
+                *x *= scale;
+                found |= !x.is_finite();
+            }
+        };
+        match &self.main_grads {
+            Some(main) => {
+                let mut main = main.write::<f32>()?;
+                for run in &self.runs {
+                    let part = buffers
+                        .grads()
+                        .narrow(0, run.range.start, run.range.len())?;
+                    let to = &mut main[run.moments..run.moments + run.range.len()];
+                    to.copy_from_slice(&part.to_vec_f32()?);
+                    unscale(to);
+                }
+            }
+            None => {
+                let mut grads = buffers.grads().write::<f32>()?;
+                for run in &self.runs {
+                    unscale(&mut grads[run.range.clone()]);
+                }
+            }
+        }
+        Ok(found && inv_scale.is_some())
     }
 
     /// The data-parallel rank whose shards the moments are (the distributed optimizer), or
@@ -180,6 +271,62 @@ impl AdamW {
         Ok(whole)
     }
 
+    /// The f32 parameter values laid out like the whole buffers: the values themselves, or
+    /// with 16-bit values the main parameters (with the distributed optimizer every rank's
+    /// shards all-gathered over `dp`, a collective of the group).
+    pub fn whole_main_params(
+        &self,
+        buffers: &ParamBuffers,
+        dp: &dyn Communicator,
+    ) -> Result<Tensor> {
+        let Some(main) = &self.main else {
+            return Ok(buffers.values().clone());
+        };
+        if self.shard.is_none() {
+            return Ok(main.clone());
+        }
+        let whole = Tensor::zeros_near([buffers.values().numel()], DType::F32, buffers.values())?;
+        for ((world, at), bucket) in self
+            .shard_offsets(buffers)
+            .into_iter()
+            .zip(buffers.buckets())
+        {
+            dp.all_gather(
+                &main.narrow(0, at, world.len())?,
+                &whole.narrow(0, bucket.range.start, bucket.range.len())?,
+            )?;
+        }
+        Ok(whole)
+    }
+
+    /// Sets the parameter values from f32 values laid out like the whole buffers: the buffers'
+    /// values (rounded when 16-bit) and the main parameters (this rank's shards of them with the
+    /// distributed optimizer).
+    pub fn set_whole_main_params(&mut self, buffers: &ParamBuffers, values: &[f32]) -> Result<()> {
+        let n = buffers.values().numel();
+        if values.len() != n {
+            return invalid!("values of {} elements for buffers of {n}", values.len());
+        }
+        buffers
+            .values()
+            .copy_from(&Tensor::from_slice(values, [n])?)?;
+        if let Some(main) = &self.main {
+            let mut main = main.write::<f32>()?;
+            for (world, at) in self.pieces(buffers) {
+                main[at..at + world.len()].copy_from_slice(&values[world]);
+            }
+        }
+        buffers.refresh_compute_copies()
+    }
+
+    /// The stretches of the whole buffers the moments hold, with where each starts in them.
+    fn pieces(&self, buffers: &ParamBuffers) -> Vec<(Range<usize>, usize)> {
+        match self.shard {
+            None => vec![(0..buffers.values().numel(), 0)],
+            Some(_) => self.shard_offsets(buffers),
+        }
+    }
+
     /// Sets the moments (on the host) from values laid out like the whole buffers, keeping this
     /// rank's shards with the distributed optimizer.
     pub fn set_whole_moments(
@@ -196,13 +343,9 @@ impl AdamW {
                 v.len()
             );
         }
-        let pieces = match self.shard {
-            None => vec![(0..n, 0)],
-            Some(_) => self.shard_offsets(buffers),
-        };
         let mut exp_avg = self.exp_avg.write::<f32>()?;
         let mut exp_avg_sq = self.exp_avg_sq.write::<f32>()?;
-        for (world, at) in pieces {
+        for (world, at) in self.pieces(buffers) {
             let to = at..at + world.len();
             exp_avg[to.clone()].copy_from_slice(&m[world.clone()]);
             exp_avg_sq[to].copy_from_slice(&v[world]);
@@ -251,7 +394,9 @@ impl AdamW {
         if let Some(gpu) = buffers.values().gpu() {
             return self.step_on_gpu(gpu, buffers, lr, grad_scale);
         }
-        {
+        if self.main.is_some() || self.main_grads.is_some() {
+            self.step_mixed(buffers, lr, grad_scale)?;
+        } else {
             let mut values = buffers.values().write::<f32>()?;
             let grads = buffers.grads().read::<f32>()?;
             let mut m = self.exp_avg.write::<f32>()?;
@@ -272,6 +417,58 @@ impl AdamW {
         // Sharded, the copies are refreshed once the parameters are all-gathered.
         if self.shard.is_none() {
             buffers.refresh_compute_copies()?;
+        }
+        Ok(())
+    }
+}
+
+impl AdamW {
+    /// The update with main parameters or main gradients (16-bit buffers, on the host): Adam
+    /// reads the main gradients (prepared by [`AdamW::prepare_grads`]) or the f32 gradients,
+    /// updates the main parameters, and rounds them into the 16-bit values.
+    fn step_mixed(&self, buffers: &ParamBuffers, lr: f64, grad_scale: f64) -> Result<()> {
+        let mut m = self.exp_avg.write::<f32>()?;
+        let mut v = self.exp_avg_sq.write::<f32>()?;
+        let mut main = self.main.as_ref().map(|t| t.write::<f32>()).transpose()?;
+        let main_grads = self
+            .main_grads
+            .as_ref()
+            .map(|t| t.read::<f32>())
+            .transpose()?;
+        let grads = match main_grads {
+            Some(_) => None,
+            None => Some(buffers.grads().read::<f32>()?),
+        };
+        let mut values = match main {
+            Some(_) => None,
+            None => Some(buffers.values().write::<f32>()?),
+        };
+        for run in &self.runs {
+            let r = run.range.clone();
+            let mr = run.moments..run.moments + r.len();
+            let g = match (&main_grads, &grads) {
+                (Some(main_grads), _) => &main_grads[mr.clone()],
+                (None, Some(grads)) => &grads[r.clone()],
+                (None, None) => unreachable!("one of the two is read"),
+            };
+            let p = match (&mut main, &mut values) {
+                (Some(main), _) => &mut main[mr.clone()],
+                (None, Some(values)) => &mut values[r.clone()],
+                (None, None) => unreachable!("one of the two is written"),
+            };
+            let cfg = self.config_for(lr, run.decay, grad_scale);
+            adam_step(p, g, &mut m[mr.clone()], &mut v[mr.clone()], &cfg)?;
+        }
+        if let Some(main) = &main {
+            for run in &self.runs {
+                let r = run.range.clone();
+                let mr = run.moments..run.moments + r.len();
+                let main_part = Tensor::from_slice(&main[mr], [r.len()])?;
+                buffers
+                    .values()
+                    .narrow(0, r.start, r.len())?
+                    .copy_from(&main_part)?;
+            }
         }
         Ok(())
     }
@@ -399,19 +596,29 @@ fn sum_of_squares_over(grads: &Tensor, ranges: &[Range<usize>]) -> Result<f64> {
         .sum())
 }
 
-/// The global L2 norm of the gradients, each parameter counted once: summed over this rank's
-/// parameters (see [`counted_ranges`]), then over the model-parallel group, and with the
-/// distributed optimizer (`dp` given and the buffers sharded) first over the data-parallel
-/// group, each rank having summed its shards only.
+/// The global L2 norm of the gradients (the main gradients when kept), each parameter counted
+/// once: summed over this rank's parameters (see [`counted_ranges`]), then over the
+/// model-parallel group, and with the distributed optimizer first over the data-parallel group
+/// `dp`, each rank having summed its shards only.
 pub fn grad_norm(
     buffers: &ParamBuffers,
+    optimizer: &AdamW,
     tp_rank: usize,
     model_parallel: &dyn Communicator,
-    dp: Option<&dyn Communicator>,
+    dp: &dyn Communicator,
 ) -> Result<f64> {
-    let dp = dp.filter(|_| buffers.sharded());
-    let ranges = counted_ranges(buffers, tp_rank, dp.map(|c| c.index()));
-    let sum = sum_of_squares_over(buffers.grads(), &ranges)?;
+    let dp = optimizer.shard().map(|_| dp);
+    let ranges = counted_ranges(buffers, tp_rank, optimizer.shard());
+    let sum = match optimizer.main_grads() {
+        Some(main) => {
+            let ranges: Vec<Range<usize>> = ranges
+                .iter()
+                .map(|r| optimizer.to_moments(buffers, r))
+                .collect();
+            sum_of_squares_over(main, &ranges)?
+        }
+        None => sum_of_squares_over(buffers.grads(), &ranges)?,
+    };
     // f32 carries the partial sums across ranks, as Megatron-LM does.
     let total = scalar_near(sum as f32, buffers.grads())?;
     if let Some(dp) = dp {

@@ -412,9 +412,9 @@ impl<M: PipelinedLanguageModel> Stage for Walker<'_, M> {
             Some((saved, shape)) => {
                 let plan = self.data.plan();
                 let tokens = plan.global_batch * plan.seq_length;
-                // d(mean loss over the global batch) / d(each token's loss).
+                // d(scaled mean loss over the global batch) / d(each token's loss).
                 let dlosses = Tensor::zeros_near(shape, DType::F32, self.trainer.buffers.grads())?;
-                dlosses.fill(1.0 / tokens as f32)?;
+                dlosses.fill(self.trainer.loss_scale() / tokens as f32)?;
                 model.last_backward(&cx, saved, &dlosses)?
             }
             None => self.take_input(Pass::Backward, chunk, microbatch)?,
