@@ -75,6 +75,44 @@ fn pipelines_of_the_command_line_train_as_one_stage() {
 }
 
 #[test]
+fn sixteen_bit_pipelines_train_as_one_stage() {
+    // 16-bit parameters on both pipeline ends (the tied embedding's gradients all-reduced
+    // between them), loss scaling and the distributed optimizer. bf16 keeps f32 gradients: the
+    // same run to the usual bounds. fp16 accumulates gradients in fp16: one stage adds the
+    // embedding's two gradients in its buffer (rounding each time), a pipeline adds them in the
+    // all-reduce (rounding once), so they differ by about fp16's last place (2^-10).
+    let dir = TempDir::new("cli-pp-16");
+    for (name, precision, bound) in [
+        ("bf16", &["--bf16"][..], 1e-5),
+        ("fp16", &["--fp16", "--initial-loss-scale", "4096"], 2e-3),
+    ] {
+        let mut common = vec![
+            "--train-iters",
+            "4",
+            "--dp",
+            "2",
+            "--use-distributed-optimizer",
+        ];
+        common.extend(precision);
+        let reference = curve(&dir, &format!("{name}-pp1"), &common);
+        for (i, flags) in [&["--pp", "2"][..], &["--pp", "2", "--vpp", "2"]]
+            .into_iter()
+            .enumerate()
+        {
+            let mut args = flags.to_vec();
+            args.extend(&common);
+            let run = curve(&dir, &format!("{name}-{i}"), &args);
+            assert_eq!(run.len(), reference.len());
+            for (x, y) in run.iter().zip(&reference) {
+                let what = format!("{name} {flags:?}: {x:?} vs {y:?}");
+                assert!((x.1 - y.1).abs() <= bound * y.1, "loss of {what}");
+                assert!((x.2 - y.2).abs() <= bound * y.2, "grad norm of {what}");
+            }
+        }
+    }
+}
+
+#[test]
 fn a_checkpoint_saved_at_one_pipeline_size_resumes_at_others() {
     let dir = TempDir::new("cli-pp-ckpt");
     let save = dir.join("ckpt");
