@@ -191,6 +191,21 @@ fn a_sharded_checkpoint_resumes_at_its_own_and_at_other_data_parallel_sizes() {
         ],
     );
     let from = format!("{save}/iter_0000003");
+    // Each rank wrote its shard of the optimizer state; no rank gathered it.
+    let files: Vec<String> = std::fs::read_dir(&from)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    for shard in [
+        "optimizer.rank00000.safetensors",
+        "optimizer.rank00001.safetensors",
+    ] {
+        assert!(files.iter().any(|f| f == shard), "{files:?}");
+    }
+    assert!(
+        !files.iter().any(|f| f == "optimizer.safetensors"),
+        "{files:?}"
+    );
     // At the same data-parallel size the moments go back to the same shards: bit for bit.
     let same = run(
         "same",
@@ -219,6 +234,72 @@ fn a_sharded_checkpoint_resumes_at_its_own_and_at_other_data_parallel_sizes() {
             assert!((r.2 - w.2).abs() <= 1e-5 * w.2, "{name}: {r:?} vs {w:?}");
         }
     }
+}
+
+#[test]
+fn sharded_checkpoints_reshard_over_tensor_and_pipeline_parallelism() {
+    let dir = support::TempDir::new("distopt-ckpt-tp-pp");
+    let save = dir.join("ckpt");
+    let run = |name: &str, extra: &[&str]| support::curve(&COMMON, &dir, name, extra);
+    // Saved by 8 ranks, each with its shard of a tensor-parallel part of a stage.
+    let layout = [
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--use-distributed-optimizer",
+    ];
+    let mut args = layout.to_vec();
+    args.extend([
+        "--train-iters",
+        "6",
+        "--save",
+        &save,
+        "--save-interval",
+        "3",
+    ]);
+    let whole = run("whole", &args);
+    let from = format!("{save}/iter_0000003");
+    let mut args = layout.to_vec();
+    args.extend(["--load", &from, "--train-iters", "6"]);
+    assert_eq!(run("same", &args), whole[3..]);
+    for (name, extra) in [
+        ("dp4", &["--dp", "4", "--use-distributed-optimizer"][..]),
+        ("tp2dp1", &["--tp", "2", "--dp", "1"]),
+    ] {
+        let mut args = vec!["--load", &from, "--train-iters", "6"];
+        args.extend(extra);
+        let resumed = run(name, &args);
+        assert_eq!(resumed.len(), 3, "{name}");
+        for (r, w) in resumed.iter().zip(&whole[3..]) {
+            assert!((r.1 - w.1).abs() <= 1e-6 * w.1, "{name}: {r:?} vs {w:?}");
+            assert!((r.2 - w.2).abs() <= 1e-5 * w.2, "{name}: {r:?} vs {w:?}");
+        }
+    }
+    // A shard missing (its file and its checksum gone): the others do not cover the buffer.
+    let meta_path = format!("{from}/meta.json");
+    let mut meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&meta_path).unwrap()).unwrap();
+    let files = meta["files"].as_object_mut().unwrap();
+    assert_eq!(
+        files
+            .keys()
+            .filter(|f| f.starts_with("optimizer.rank"))
+            .count(),
+        8
+    );
+    files.remove("optimizer.rank00005.safetensors");
+    std::fs::write(&meta_path, serde_json::to_vec(&meta).unwrap()).unwrap();
+    std::fs::remove_file(format!("{from}/optimizer.rank00005.safetensors")).unwrap();
+    let (ok, _, stderr) =
+        support::megatron(&["train", "--quiet", "--load", &from, "--train-iters", "6"]);
+    assert!(!ok, "{stderr}");
+    assert!(
+        stderr.contains("the shards do not cover the buffer") && stderr.contains("7 shard files"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -541,6 +541,9 @@ fn the_distributed_optimizer_under_mpirun_equals_thread_ranks() {
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
         return;
     }
+    // Each process writes its shard of the optimizer state at the end.
+    let save = scratch_dir("distopt-save").join("ckpt");
+    let save = save.to_str().expect("a UTF-8 path");
     let args = [
         "--dp",
         "4",
@@ -555,8 +558,27 @@ fn the_distributed_optimizer_under_mpirun_equals_thread_ranks() {
         "1",
         "--seq-length",
         "64",
+        "--save",
+        save,
     ];
     processes_train_as_threads("distopt", &args, "mpi", &[]);
+    // The processes' checkpoint (written last) holds four shards and resumes on threads.
+    let iteration = format!("{save}/iter_0000003");
+    for rank in 0..4 {
+        let shard = format!("{iteration}/optimizer.rank{rank:05}.safetensors");
+        assert!(Path::new(&shard).is_file(), "{shard}");
+    }
+    let mut resume = Command::new(env!("CARGO_BIN_EXE_megatron"));
+    resume.args([
+        "train",
+        "--quiet",
+        "--load",
+        &iteration,
+        "--train-iters",
+        "4",
+    ]);
+    let out = output_of(resume);
+    assert!(out.status.success(), "{}", text(&out));
 }
 
 /// Mixed precision over MPI: fp16 parameters and gradients (16-bit messages: the gradients'
@@ -686,6 +708,9 @@ fn the_distributed_optimizer_with_nccl_under_mpirun_follows_thread_ranks_on_one_
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
         return;
     }
+    // Each process writes its shard of the optimizer state at the end (over NCCL, the
+    // writer's id is broadcast from a device tensor).
+    let save = scratch_dir("nccl-distopt-save").join("ckpt");
     let args = [
         "--tp",
         "2",
@@ -702,6 +727,8 @@ fn the_distributed_optimizer_with_nccl_under_mpirun_follows_thread_ranks_on_one_
         "64",
         "--device",
         "cuda",
+        "--save",
+        save.to_str().expect("a UTF-8 path"),
     ];
     let library_path = gpu_library_path();
     processes_train_as_threads(

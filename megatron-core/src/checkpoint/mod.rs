@@ -11,6 +11,9 @@
 //!
 //! Tensors are stored whole and unpadded (the vocabulary without Megatron's padding rows), so a
 //! checkpoint does not depend on the tensor-, data- or pipeline-parallel layout that wrote it.
+//! The distributed optimizer's state is the exception: every rank writes its own shard
+//! ([`OptimizerShard`], `optimizer.rank00003.safetensors`), each piece with the logical
+//! elements it holds, and a load puts the pieces back together whatever the layout.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
@@ -36,6 +39,32 @@ pub const MODEL_FILE: &str = "model.safetensors";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 /// Metadata, with the files' checksums.
 pub const META_FILE: &str = "meta.json";
+/// The start of every optimizer shard file's name (the distributed optimizer).
+pub const OPTIMIZER_SHARD_PREFIX: &str = "optimizer.rank";
+
+/// The name of global rank `rank`'s optimizer shard file.
+pub fn optimizer_shard_file(rank: usize) -> String {
+    format!("{OPTIMIZER_SHARD_PREFIX}{rank:05}.safetensors")
+}
+
+/// Whether `name` is an optimizer shard file's.
+fn is_optimizer_shard(name: &str) -> bool {
+    name.starts_with(OPTIMIZER_SHARD_PREFIX) && name.ends_with(".safetensors")
+}
+
+/// One parameter's piece of a rank's optimizer shard: which logical elements of the whole,
+/// unpadded tensor it holds, as runs `(first, length)` in row-major order, and the values of
+/// each state tensor (`exp_avg`, `exp_avg_sq`) at them, run after run.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ShardPiece {
+    /// Runs of consecutive logical elements.
+    pub runs: Vec<(u64, u64)>,
+    /// Each state tensor's values, by suffix.
+    pub values: BTreeMap<String, Vec<f32>>,
+}
+
+/// A rank's shard of the distributed optimizer's state: its pieces, by parameter name.
+pub type OptimizerShard = BTreeMap<String, ShardPiece>;
 /// The tokenizer the run trained with, when it is a file (a Hugging Face `tokenizer.json`):
 /// a checkpoint carries it, so it does not depend on where training ran.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -358,25 +387,137 @@ pub fn save(
     model: &BTreeMap<String, Whole>,
     optimizer: Option<&BTreeMap<String, Whole>>,
     files: &[(&str, &[u8])],
-    mut meta: CheckpointMeta,
+    meta: CheckpointMeta,
 ) -> Result<PathBuf, CheckpointError> {
     check_finite(save, model)?;
     if let Some(opt) = optimizer {
         check_finite(save, opt)?;
     }
+    let tmp = begin_save(save, meta.iteration)?;
+    finish_save(save, &tmp, model, optimizer, files, meta)
+}
+
+/// The working directory a save of `iteration` by process `pid` writes into before it is
+/// renamed into place.
+pub fn working_dir(save: &Path, iteration: u64, pid: u32) -> PathBuf {
+    save.join(format!(".iter_{iteration:07}.tmp-{pid}"))
+}
+
+/// Starts a save of `iteration` into `save` (created if needed): removes what interrupted saves
+/// left and creates this process's empty working directory, which other ranks may write their
+/// [`OptimizerShard`]s into ([`write_optimizer_shard`]) before [`finish_save`].
+pub fn begin_save(save: &Path, iteration: u64) -> Result<PathBuf, CheckpointError> {
     fs::create_dir_all(save).map_err(io(save))?;
     remove_interrupted_saves(save);
-    let target = iteration_dir(save, meta.iteration);
-    let tmp = save.join(format!(
-        ".iter_{:07}.tmp-{}",
-        meta.iteration,
-        std::process::id()
-    ));
+    let tmp = working_dir(save, iteration, std::process::id());
     let _ = fs::remove_dir_all(&tmp);
+    fs::create_dir(&tmp).map_err(io(&tmp))?;
+    Ok(tmp)
+}
+
+/// Gives up a save begun by [`begin_save`]: its working directory is removed.
+pub fn abandon_save(tmp: &Path) {
+    let _ = fs::remove_dir_all(tmp);
+}
+
+/// Writes global rank `rank`'s shard of the optimizer state into a save's working directory
+/// (synced; [`finish_save`] records its checksum). Values that are not finite are refused.
+pub fn write_optimizer_shard(
+    tmp: &Path,
+    rank: usize,
+    shard: &OptimizerShard,
+) -> Result<(), CheckpointError> {
+    let path = tmp.join(optimizer_shard_file(rank));
+    let mut index: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    for (name, piece) in shard {
+        let n: u64 = piece.runs.iter().map(|r| r.1).sum();
+        for (suffix, values) in &piece.values {
+            if values.len() as u64 != n {
+                return Err(CheckpointError::Format {
+                    path: path.clone(),
+                    message: format!(
+                        "`{name}.{suffix}` has {} values for runs of {n} elements",
+                        values.len()
+                    ),
+                });
+            }
+            if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+                return Err(CheckpointError::NotFinite {
+                    path: tmp.to_path_buf(),
+                    name: format!("{name}.{suffix}"),
+                    index: i,
+                    value: values[i],
+                });
+            }
+        }
+        let words: Vec<i64> = piece
+            .runs
+            .iter()
+            .flat_map(|&(start, len)| [start as i64, len as i64])
+            .collect();
+        index.insert(name.clone(), bytemuck::cast_slice(&words).to_vec());
+    }
+    let mut views = Vec::new();
+    for (name, piece) in shard {
+        let runs = piece.runs.len();
+        views.push((
+            format!("{name}.index"),
+            TensorView::new(Dtype::I64, vec![runs, 2], &index[name]),
+        ));
+        for (suffix, values) in &piece.values {
+            views.push((
+                format!("{name}.{suffix}"),
+                TensorView::new(Dtype::F32, vec![values.len()], bytemuck::cast_slice(values)),
+            ));
+        }
+    }
+    let views = views
+        .into_iter()
+        .map(|(name, view)| {
+            view.map(|v| (name.clone(), v))
+                .map_err(|e| CheckpointError::Format {
+                    path: path.clone(),
+                    message: format!("{name}: {e}"),
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let metadata = HashMap::from([("format".to_string(), FORMAT.to_string())]);
+    safetensors::serialize_to_file(views, Some(metadata), &path).map_err(|e| {
+        CheckpointError::Format {
+            path: path.clone(),
+            message: e.to_string(),
+        }
+    })?;
+    File::open(&path)
+        .and_then(|f| f.sync_all())
+        .map_err(io(&path))
+}
+
+/// Completes a save begun by [`begin_save`] in `tmp`: writes the model's tensors, the whole
+/// optimizer's if given, `files` and the metadata with the checksum of every file (the
+/// optimizer shards other ranks wrote included), then renames the working directory into
+/// place. On failure the working directory is removed.
+pub fn finish_save(
+    save: &Path,
+    tmp: &Path,
+    model: &BTreeMap<String, Whole>,
+    optimizer: Option<&BTreeMap<String, Whole>>,
+    files: &[(&str, &[u8])],
+    mut meta: CheckpointMeta,
+) -> Result<PathBuf, CheckpointError> {
+    let target = iteration_dir(save, meta.iteration);
     let result = (|| {
-        fs::create_dir(&tmp).map_err(io(&tmp))?;
+        check_finite(save, model)?;
         meta.format = FORMAT.to_string();
         meta.files.clear();
+        for entry in fs::read_dir(tmp).map_err(io(tmp))? {
+            let name = entry.map_err(io(tmp))?.file_name();
+            let name = name.to_string_lossy();
+            if is_optimizer_shard(&name) {
+                meta.files
+                    .insert(name.to_string(), sha256_file(&tmp.join(&*name))?);
+            }
+        }
         let mut tensor_files = vec![(MODEL_FILE, model)];
         if let Some(opt) = optimizer {
             tensor_files.push((OPTIMIZER_FILE, opt));
@@ -396,7 +537,7 @@ pub fn save(
             message: e.to_string(),
         })?;
         write_atomically(&tmp.join(META_FILE), &json)?;
-        sync_dir(&tmp)?;
+        sync_dir(tmp)?;
         if target.exists() {
             let old = save.join(format!(
                 ".iter_{:07}.old-{}",
@@ -404,16 +545,16 @@ pub fn save(
                 std::process::id()
             ));
             fs::rename(&target, &old).map_err(io(&target))?;
-            fs::rename(&tmp, &target).map_err(io(&target))?;
+            fs::rename(tmp, &target).map_err(io(&target))?;
             let _ = fs::remove_dir_all(&old);
         } else {
-            fs::rename(&tmp, &target).map_err(io(&target))?;
+            fs::rename(tmp, &target).map_err(io(&target))?;
         }
         write_atomically(&save.join(LATEST), meta.iteration.to_string().as_bytes())?;
         sync_dir(save)
     })();
     if result.is_err() {
-        let _ = fs::remove_dir_all(&tmp);
+        abandon_save(tmp);
     }
     result.map(|()| target)
 }
@@ -443,6 +584,8 @@ pub struct Loaded {
     meta: CheckpointMeta,
     model: memmap2::Mmap,
     optimizer: Option<memmap2::Mmap>,
+    /// The distributed optimizer's shard files, by name.
+    shards: Vec<(String, memmap2::Mmap)>,
 }
 
 impl std::fmt::Debug for Loaded {
@@ -529,7 +672,7 @@ fn open_with(path: &Path, verify: bool) -> Result<Loaded, CheckpointError> {
     let meta = read_meta(&dir)?;
     if verify {
         for (name, digest) in &meta.files {
-            if name != MODEL_FILE && name != OPTIMIZER_FILE {
+            if name != MODEL_FILE && name != OPTIMIZER_FILE && !is_optimizer_shard(name) {
                 verify_file(&dir, name, digest)?;
             }
         }
@@ -540,11 +683,18 @@ fn open_with(path: &Path, verify: bool) -> Result<Loaded, CheckpointError> {
     } else {
         None
     };
+    let shards = meta
+        .files
+        .keys()
+        .filter(|name| is_optimizer_shard(name))
+        .map(|name| Ok((name.clone(), map_file(&dir, name, &meta, verify)?)))
+        .collect::<Result<Vec<_>, CheckpointError>>()?;
     Ok(Loaded {
         dir,
         meta,
         model,
         optimizer,
+        shards,
     })
 }
 
@@ -570,7 +720,101 @@ impl Loaded {
 
     /// Whether optimizer state was saved.
     pub fn has_optimizer(&self) -> bool {
-        self.optimizer.is_some()
+        self.optimizer.is_some() || !self.shards.is_empty()
+    }
+
+    /// The whole values of a parameter's optimizer state `suffix` (e.g. `exp_avg`), of the
+    /// parameter's whole, unpadded `shape`: from the optimizer file, or put together from every
+    /// rank's shard, which must cover each element exactly once.
+    pub fn optimizer_state(
+        &self,
+        name: &str,
+        suffix: &str,
+        shape: &[usize],
+    ) -> Result<Whole, CheckpointError> {
+        if self.shards.is_empty() {
+            let whole = self.optimizer_tensor(&format!("{name}.{suffix}"))?;
+            if whole.shape != shape {
+                return Err(CheckpointError::Tensor {
+                    path: self.dir.join(OPTIMIZER_FILE),
+                    message: format!(
+                        "`{name}.{suffix}` has shape {:?}, the model needs {shape:?}",
+                        whole.shape
+                    ),
+                });
+            }
+            return Ok(whole);
+        }
+        let n: usize = shape.iter().product();
+        let mut data = vec![0.0f32; n];
+        let mut seen = vec![false; n];
+        let mut covered = 0usize;
+        for (file, map) in &self.shards {
+            let path = self.dir.join(file);
+            let st = SafeTensors::deserialize(map).map_err(|e| CheckpointError::Format {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
+            let Ok(index) = st.tensor(&format!("{name}.index")) else {
+                continue;
+            };
+            let bad = |message: String| CheckpointError::Tensor {
+                path: path.clone(),
+                message,
+            };
+            let values = st
+                .tensor(&format!("{name}.{suffix}"))
+                .map_err(|_| bad(format!("`{name}` has no `{suffix}`")))?;
+            if index.dtype() != Dtype::I64 || values.dtype() != Dtype::F32 {
+                return Err(bad(format!(
+                    "`{name}`'s index or `{suffix}` has the wrong dtype"
+                )));
+            }
+            let words: Vec<i64> = index
+                .data()
+                .chunks_exact(8)
+                .map(|w| i64::from_le_bytes(w.try_into().expect("8 bytes")))
+                .collect();
+            let values = whole(vec![], values.data()).data;
+            let mut at = 0usize;
+            for run in words.chunks_exact(2) {
+                let (start, len) = (run[0] as usize, run[1] as usize);
+                let (end, next) = (start.saturating_add(len), at.saturating_add(len));
+                if run[0] < 0 || run[1] < 0 || end > n || next > values.len() {
+                    return Err(bad(format!(
+                        "`{name}`: a run of {len} elements at {start} lies outside its {n} \
+                         elements or its {} values",
+                        values.len()
+                    )));
+                }
+                for (i, &v) in (start..end).zip(&values[at..next]) {
+                    if seen[i] {
+                        return Err(bad(format!(
+                            "`{name}`: element {i} of its {suffix} is in two shards"
+                        )));
+                    }
+                    seen[i] = true;
+                    data[i] = v;
+                }
+                covered += len;
+                at = next;
+            }
+        }
+        if covered != n {
+            return Err(CheckpointError::Tensor {
+                path: self.dir.clone(),
+                message: format!(
+                    "the optimizer shards cover {covered} of the {n} elements of `{name}.{suffix}` \
+                     ({} shard files): the shards do not cover the buffer, a shard file is \
+                     missing",
+                    self.shards.len()
+                ),
+            });
+        }
+        Ok(Whole {
+            shape: shape.to_vec(),
+            data,
+        })
     }
 
     fn tensor_in<'a>(

@@ -1,13 +1,15 @@
-//! Saving and loading a [`Trainer`]'s state: parameters and optimizer moments gathered to whole,
-//! unpadded tensors on global rank 0; loaded by every rank as its own part of them, whatever the
-//! layout that saved them.
+//! Saving and loading a [`Trainer`]'s state: parameters (and the plain optimizer's moments)
+//! gathered to whole, unpadded tensors on global rank 0; the distributed optimizer's moments
+//! written by every rank as its shard, each piece with its logical elements. Loaded by every
+//! rank as its own part of them, whatever the layout that saved them.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use super::{LanguageModel, Trainer};
+use super::{LanguageModel, Trainer, optimizer};
 use crate::checkpoint::{self, CheckpointMeta, Loaded, Whole};
 use crate::comm::ParallelState;
+use crate::comm::ReduceOp;
 use crate::error::Result;
 use crate::invalid;
 use crate::module::{Module, ParamSpec, Split, assemble_logical};
@@ -152,7 +154,9 @@ fn gather_whole(parallel: &ParallelState, spec: &ParamSpec, local: &Tensor) -> R
 
 impl<M: LanguageModel> Trainer<M> {
     /// Saves the state after `steps_done` steps into the save directory `save` (a collective:
-    /// every rank calls it; global rank 0 writes).
+    /// every rank calls it). Global rank 0 writes the whole parameters (and, without the
+    /// distributed optimizer, the whole optimizer state); with it, every rank writes its own
+    /// shard of the optimizer state into the save's working directory first.
     pub fn save_checkpoint(
         &self,
         parallel: &ParallelState,
@@ -160,65 +164,11 @@ impl<M: LanguageModel> Trainer<M> {
         steps_done: u64,
         info: &SaveInfo,
     ) -> Result<()> {
-        let groups = parallel.groups();
-        // With the distributed optimizer each data-parallel rank holds a shard of the moments:
-        // they are gathered first (Megatron-LM's gather to data-parallel rank 0).
-        let (m, v) = self.optimizer.whole_moments(&self.buffers, parallel.dp())?;
-        let (m, v) = (&m, &v);
-        // The f32 values: with 16-bit parameters the optimizer's main parameters, gathered
-        // likewise (a loaded run rounds them to its own precision).
-        let values = self
-            .optimizer
-            .whole_main_params(&self.buffers, parallel.dp())?;
-        // Data-parallel replicas hold the same state: the first one saves it.
-        if groups.dp_rank() != 0 {
-            return Ok(());
-        }
-        let mut model = BTreeMap::new();
-        let mut optimizer = BTreeMap::new();
-        for slot in self.buffers.slots() {
-            let spec = &slot.spec;
-            let view = |t: &Tensor| t.narrow(0, slot.offset, slot.len);
-            model.insert(
-                spec.name.clone(),
-                gather_whole(parallel, spec, &view(&values)?)?,
-            );
-            optimizer.insert(
-                format!("{}.exp_avg", spec.name),
-                gather_whole(parallel, spec, &view(m)?)?,
-            );
-            optimizer.insert(
-                format!("{}.exp_avg_sq", spec.name),
-                gather_whole(parallel, spec, &view(v)?)?,
-            );
-        }
-        // With a pipeline, the first tensor-parallel rank of each stage holds its stage's whole
-        // tensors: they go to the first stage (global rank 0), which writes them all.
-        if groups.config().pp > 1 {
-            if groups.tp_rank() != 0 {
-                return Ok(());
-            }
-            let pp = parallel.pp();
-            let like = self.buffers.grads();
-            if pp.index() != 0 {
-                send_tensors(pp, &model, like)?;
-                send_tensors(pp, &optimizer, like)?;
-                return Ok(());
-            }
-            for stage in 1..pp.size() {
-                // The shared embedding arrives again from the last stage: the first copy stays.
-                for (name, t) in recv_tensors(pp, stage, like)? {
-                    model.entry(name).or_insert(t);
-                }
-                for (name, t) in recv_tensors(pp, stage, like)? {
-                    optimizer.entry(name).or_insert(t);
-                }
-            }
-        }
-        if groups.rank() != 0 {
-            return Ok(());
-        }
-        let config = groups.config();
+        let sharded = self.optimizer.shard().is_some();
+        let tensors = self.gather_tensors(parallel, !sharded)?;
+        let world = parallel.comm(crate::parallel::GroupKind::World);
+        let rank0 = parallel.groups().rank() == 0;
+        let config = parallel.groups().config();
         let meta = CheckpointMeta {
             format: checkpoint::FORMAT.to_string(),
             iteration: steps_done,
@@ -238,8 +188,196 @@ impl<M: LanguageModel> Trainer<M> {
             .iter()
             .map(|(name, bytes)| (name.as_str(), bytes.as_slice()))
             .collect();
-        checkpoint::save(save, &model, Some(&optimizer), &files, meta)?;
+        if !sharded {
+            if let Some((model, optimizer)) = tensors {
+                checkpoint::save(save, &model, Some(&optimizer), &files, meta)?;
+            }
+            return Ok(());
+        }
+        // Global rank 0 opens the working directory and tells every rank its writer's id (-1:
+        // it could not; its error is the run's).
+        let begun = if rank0 {
+            Some(checkpoint::begin_save(save, steps_done))
+        } else {
+            None
+        };
+        let pid = match &begun {
+            Some(Ok(_)) => i64::from(std::process::id()),
+            _ => -1,
+        };
+        let pid_tensor = i64_beside(vec![pid], self.buffers.grads())?;
+        world.broadcast(&pid_tensor, 0)?;
+        let pid = pid_tensor.to_vec::<i64>()?[0];
+        if let Some(Err(e)) = begun {
+            return Err(e.into());
+        }
+        let Ok(pid) = u32::try_from(pid) else {
+            return invalid!(
+                "global rank 0 could not start the save in {}",
+                save.display()
+            );
+        };
+        let tmp = checkpoint::working_dir(save, steps_done, pid);
+        // Every rank writes its shard; all learn whether every write succeeded.
+        let written = self
+            .optimizer_shard(parallel.groups().tp_rank())
+            .and_then(|shard| {
+                Ok(checkpoint::write_optimizer_shard(
+                    &tmp,
+                    world.index(),
+                    &shard,
+                )?)
+            });
+        let failed =
+            optimizer::scalar_near(f32::from(u8::from(written.is_err())), self.buffers.grads())?;
+        world.all_reduce(&failed, ReduceOp::Max)?;
+        let failed = failed.to_vec::<f32>()?[0] > 0.0;
+        if rank0 {
+            match (failed, tensors) {
+                (false, Some((model, _))) => {
+                    checkpoint::finish_save(save, &tmp, &model, None, &files, meta)?;
+                }
+                _ => checkpoint::abandon_save(&tmp),
+            }
+        }
+        written?;
+        if failed {
+            return invalid!(
+                "another rank could not write its optimizer shard into {}: nothing was saved",
+                save.display()
+            );
+        }
+        // Nobody returns before the checkpoint is complete (a load may follow at once).
+        world.barrier()?;
         Ok(())
+    }
+
+    /// The whole parameters and (with `optimizer`) the whole optimizer state, on global rank 0
+    /// (`None` elsewhere): a collective of every rank. With 16-bit parameters the values are
+    /// the f32 main parameters (a loaded run rounds them to its own precision).
+    #[allow(clippy::type_complexity)]
+    fn gather_tensors(
+        &self,
+        parallel: &ParallelState,
+        optimizer_state: bool,
+    ) -> Result<Option<(BTreeMap<String, Whole>, BTreeMap<String, Whole>)>> {
+        let groups = parallel.groups();
+        // With the distributed optimizer each data-parallel rank holds a shard of the main
+        // parameters (and, for the whole format, of the moments): gathered first.
+        let values = self
+            .optimizer
+            .whole_main_params(&self.buffers, parallel.dp())?;
+        let moments = if optimizer_state {
+            Some(self.optimizer.whole_moments(&self.buffers, parallel.dp())?)
+        } else {
+            None
+        };
+        // Data-parallel replicas hold the same state: the first one saves it.
+        if groups.dp_rank() != 0 {
+            return Ok(None);
+        }
+        let mut model = BTreeMap::new();
+        let mut optimizer = BTreeMap::new();
+        for slot in self.buffers.slots() {
+            let spec = &slot.spec;
+            let view = |t: &Tensor| t.narrow(0, slot.offset, slot.len);
+            model.insert(
+                spec.name.clone(),
+                gather_whole(parallel, spec, &view(&values)?)?,
+            );
+            if let Some((m, v)) = &moments {
+                optimizer.insert(
+                    format!("{}.exp_avg", spec.name),
+                    gather_whole(parallel, spec, &view(m)?)?,
+                );
+                optimizer.insert(
+                    format!("{}.exp_avg_sq", spec.name),
+                    gather_whole(parallel, spec, &view(v)?)?,
+                );
+            }
+        }
+        // With a pipeline, the first tensor-parallel rank of each stage holds its stage's whole
+        // tensors: they go to the first stage (global rank 0), which writes them all.
+        if groups.config().pp > 1 {
+            if groups.tp_rank() != 0 {
+                return Ok(None);
+            }
+            let pp = parallel.pp();
+            let like = self.buffers.grads();
+            if pp.index() != 0 {
+                send_tensors(pp, &model, like)?;
+                send_tensors(pp, &optimizer, like)?;
+                return Ok(None);
+            }
+            for stage in 1..pp.size() {
+                // The shared embedding arrives again from the last stage: the first copy stays.
+                for (name, t) in recv_tensors(pp, stage, like)? {
+                    model.entry(name).or_insert(t);
+                }
+                for (name, t) in recv_tensors(pp, stage, like)? {
+                    optimizer.entry(name).or_insert(t);
+                }
+            }
+        }
+        Ok((groups.rank() == 0).then_some((model, optimizer)))
+    }
+
+    /// This rank's shard of the distributed optimizer's state: for each part of a parameter in
+    /// its shards, the logical elements it covers and the moments there. Each element is
+    /// written once: a copy another pipeline stage holds too is left to that stage, and a
+    /// parameter every tensor-parallel rank holds whole to tensor-parallel rank 0 (`tp_rank`).
+    fn optimizer_shard(&self, tp_rank: usize) -> Result<checkpoint::OptimizerShard> {
+        let mut shard = checkpoint::OptimizerShard::new();
+        let Some(rank) = self.optimizer.shard() else {
+            return Ok(shard);
+        };
+        let (m, v) = self.optimizer.moments();
+        let (m, v) = (m.to_vec::<f32>()?, v.to_vec::<f32>()?);
+        let slots = self.buffers.slots();
+        for (_, parts) in self.buffers.shards(rank) {
+            for part in parts {
+                let slot = &slots[part.slot];
+                let tp_split = matches!(
+                    slot.spec.split,
+                    Split::Dim {
+                        group: crate::parallel::GroupKind::Tp,
+                        ..
+                    }
+                );
+                if slot.shared_copy || (!tp_split && tp_rank != 0) {
+                    continue;
+                }
+                let spec = &slot.spec;
+                let local = part.range.start - slot.offset..part.range.end - slot.offset;
+                let at = self.optimizer.to_moments(&self.buffers, &part.range).start;
+                let index = spec.logical_index();
+                // Logical elements past the real rows are the vocabulary's padding: not saved.
+                let real = spec.real_rows.map_or(u64::MAX, |rows| {
+                    (rows * spec.logical.dims()[1..].iter().product::<usize>()) as u64
+                });
+                let mut piece = checkpoint::ShardPiece::default();
+                let (mut exp_avg, mut exp_avg_sq) = (Vec::new(), Vec::new());
+                let inner = index.inner.max(1);
+                let mut k = local.start;
+                while k < local.end {
+                    let (o, i) = (k / inner, k % inner);
+                    let len = (inner - i).min(local.end - k);
+                    let first = index.logical(o, i);
+                    let kept = real.saturating_sub(first).min(len as u64) as usize;
+                    if kept > 0 {
+                        piece.runs.push((first, kept as u64));
+                        let from = at + k - local.start;
+                        exp_avg.extend_from_slice(&m[from..from + kept]);
+                        exp_avg_sq.extend_from_slice(&v[from..from + kept]);
+                    }
+                    k += len;
+                }
+                piece.values.insert("exp_avg".into(), exp_avg);
+                piece.values.insert("exp_avg_sq".into(), exp_avg_sq);
+                shard.insert(spec.name.clone(), piece);
+            }
+        }
+        Ok(shard)
     }
 
     /// Loads a checkpoint into this rank's parameters (and optimizer moments when saved):
@@ -312,9 +450,13 @@ fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Res
             &dir,
         )?);
         if with_optimizer {
-            let m = loaded.optimizer_tensor(&format!("{}.exp_avg", spec.name))?;
+            let mut shape = spec.logical.dims().to_vec();
+            if let Some(rows) = spec.real_rows {
+                shape[0] = rows;
+            }
+            let m = loaded.optimizer_state(&spec.name, "exp_avg", &shape)?;
             exp_avg[r.clone()].copy_from_slice(&local_part(spec, &m, &dir)?);
-            let v = loaded.optimizer_tensor(&format!("{}.exp_avg_sq", spec.name))?;
+            let v = loaded.optimizer_state(&spec.name, "exp_avg_sq", &shape)?;
             exp_avg_sq[r].copy_from_slice(&local_part(spec, &v, &dir)?);
         }
     }

@@ -157,7 +157,7 @@ impl AdamW {
 
     /// Where the elements `range` of the buffers (inside one of this rank's parts) lie in the
     /// moments.
-    fn to_moments(&self, buffers: &ParamBuffers, range: &Range<usize>) -> Range<usize> {
+    pub(super) fn to_moments(&self, buffers: &ParamBuffers, range: &Range<usize>) -> Range<usize> {
         let start = match self.shard {
             None => range.start,
             Some(_) => self
