@@ -737,6 +737,14 @@ fn the_distributed_optimizer_with_nccl_under_mpirun_follows_thread_ranks_on_one_
         "nccl",
         &[("LD_LIBRARY_PATH", &library_path)],
     );
+    // bf16 parameters: the all-gather moves bf16 values over NCCL.
+    let bf16 = [&args[..], &["--bf16"]].concat();
+    processes_train_as_threads(
+        "nccl-distopt-bf16",
+        &bf16,
+        "nccl",
+        &[("LD_LIBRARY_PATH", &library_path)],
+    );
 }
 
 /// A pipeline of two stages (1F1B), each of two tensor-parallel GPUs, over NCCL: activations

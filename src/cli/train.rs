@@ -176,12 +176,13 @@ pub struct TrainArgs {
     #[arg(long)]
     no_check_for_nan_in_loss_and_grad: bool,
     /// Mixed precision with bf16 parameters (stored and communicated in 16 bits, computed in
-    /// f32 on the CPU), f32 gradients unless --grad-reduce-in-bf16, f32 main parameters and
-    /// Adam state in the optimizer.
+    /// f32 on the CPU, read by the bf16 products on a GPU), f32 gradients unless
+    /// --grad-reduce-in-bf16, f32 main parameters and Adam state in the optimizer.
     #[arg(long)]
     bf16: bool,
     /// Mixed precision with fp16 parameters and gradients (f32 gradients with
-    /// --accumulate-allreduce-grads-in-fp32) and dynamic loss scaling (or --loss-scale).
+    /// --accumulate-allreduce-grads-in-fp32) and dynamic loss scaling (or --loss-scale); on
+    /// the CPU only.
     #[arg(long)]
     fp16: bool,
     /// A static loss scale (with --fp16 or --bf16); without it --fp16 scales dynamically.
@@ -745,10 +746,13 @@ impl TrainArgs {
                     bail!("--attention-backend flash multiplies in bf16: drop --fp32-products")
                 }
                 "cpu" => Placement::Cpu,
-                "cuda" if precision.mixed() => bail!(
-                    "--bf16 and --fp16 train on the CPU for now; on a GPU the parameters stay f32 \
-                     and products read bf16 copies of them by default: drop --{}",
-                    if self.bf16 { "bf16" } else { "fp16" }
+                "cuda" if self.fp16 => bail!(
+                    "--fp16 trains on the CPU for now: the GPU kernels convert between f32 and \
+                     bf16 only (use --bf16 on a GPU)"
+                ),
+                "cuda" if precision.scaling != LossScaling::None => bail!(
+                    "loss scaling runs on the CPU for now: drop --loss-scale on a GPU (bf16 \
+                     trains unscaled, as in Megatron-LM)"
                 ),
                 "cuda" => Placement::Cuda {
                     bf16: !self.fp32_products,

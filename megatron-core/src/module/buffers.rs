@@ -270,15 +270,13 @@ impl ParamBuffers {
     #[cfg(feature = "cuda")]
     pub fn to_gpu<M: Module>(&mut self, model: &mut M, gpu: &crate::cuda::Gpu) -> Result<()> {
         self.values = self.values.to_gpu(gpu)?;
-        if self.values.dtype() != DType::F32 || self.grads.dtype() != DType::F32 {
+        if [self.values.dtype(), self.grads.dtype()].contains(&DType::F16) {
             return invalid!(
-                "{} parameters with {} gradients train on the CPU for now: on a GPU the values \
-                 stay f32 and products read bf16 copies of them (the default; drop --bf16/--fp16)",
-                self.values.dtype(),
-                self.grads.dtype()
+                "fp16 parameters or gradients train on the CPU for now: the GPU kernels convert \
+                 between f32 and bf16 only (use --bf16 on a GPU)"
             );
         }
-        self.grads = Tensor::zeros_on(self.grads.shape().clone(), DType::F32, gpu)?;
+        self.grads = Tensor::zeros_on(self.grads.shape().clone(), self.grads.dtype(), gpu)?;
         if let Some(compute) = &self.compute {
             self.compute = Some(Tensor::empty_on(
                 compute.shape().clone(),

@@ -525,16 +525,17 @@ mod device {
         ) -> Result<()> {
             let dy = on_gpu(dy, gpu)?.to_f32_contiguous()?;
             let ids = on_gpu(&saved.ids, gpu)?;
-            gek::embedding_backward(
-                gpu,
-                &ids.device_read::<i64>()?.view(),
-                &dy.device_read::<f32>()?.view(),
-                self.vocab_start,
-                self.local_rows(),
-                self.hidden(),
-                &mut self.weight.grad().device_write::<f32>()?.view_mut(),
-            )?;
-            Ok(())
+            self.weight.accumulate_grad(|grad| {
+                Ok(gek::embedding_backward(
+                    gpu,
+                    &ids.device_read::<i64>()?.view(),
+                    &dy.device_read::<f32>()?.view(),
+                    self.vocab_start,
+                    self.local_rows(),
+                    self.hidden(),
+                    &mut grad.device_write::<f32>()?.view_mut(),
+                )?)
+            })
         }
     }
 
@@ -581,18 +582,18 @@ mod device {
             let (max, h) = (self.weight.value().dims()[0], self.weight.value().dims()[1]);
             // The gradient's size is checked by the caller.
             let dy = on_gpu(dy, gpu)?.to_f32_contiguous()?;
-            gek::embedding_backward(
-                gpu,
-                &Self::positions(saved.seq, saved.batch, gpu)?
-                    .device_read::<i64>()?
-                    .view(),
-                &dy.device_read::<f32>()?.view(),
-                0,
-                max,
-                h,
-                &mut self.weight.grad().device_write::<f32>()?.view_mut(),
-            )?;
-            Ok(())
+            let positions = Self::positions(saved.seq, saved.batch, gpu)?;
+            self.weight.accumulate_grad(|grad| {
+                Ok(gek::embedding_backward(
+                    gpu,
+                    &positions.device_read::<i64>()?.view(),
+                    &dy.device_read::<f32>()?.view(),
+                    0,
+                    max,
+                    h,
+                    &mut grad.device_write::<f32>()?.view_mut(),
+                )?)
+            })
         }
     }
 }

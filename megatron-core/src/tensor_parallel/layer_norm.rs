@@ -267,17 +267,21 @@ mod device {
             saved.rstd.device_read::<f32>()?,
             gamma_value.device_read::<f32>()?,
         );
-        ln::layer_norm_backward_plus(
-            gpu,
-            &dy.device_read::<f32>()?.view(),
-            (&x.view(), &mean.view(), &rstd.view(), &g.view()),
-            rows,
-            h,
-            plus.as_ref().map(|p| p.view()).as_ref(),
-            &mut dx.device_write::<f32>()?.view_mut(),
-            &mut gamma.grad().device_write::<f32>()?.view_mut(),
-            &mut beta.grad().device_write::<f32>()?.view_mut(),
-        )?;
+        gamma.accumulate_grad(|dgamma| {
+            beta.accumulate_grad(|dbeta| {
+                Ok(ln::layer_norm_backward_plus(
+                    gpu,
+                    &dy.device_read::<f32>()?.view(),
+                    (&x.view(), &mean.view(), &rstd.view(), &g.view()),
+                    rows,
+                    h,
+                    plus.as_ref().map(|p| p.view()).as_ref(),
+                    &mut dx.device_write::<f32>()?.view_mut(),
+                    &mut dgamma.device_write::<f32>()?.view_mut(),
+                    &mut dbeta.device_write::<f32>()?.view_mut(),
+                )?)
+            })
+        })?;
         Ok(dx)
     }
 }

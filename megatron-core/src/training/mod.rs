@@ -209,7 +209,11 @@ impl<M: LanguageModel> Trainer<M> {
     pub fn to_gpu(&mut self, gpu: &crate::cuda::Gpu) -> Result<()> {
         self.buffers.to_gpu(&mut self.chunks, gpu)?;
         self.optimizer.to_gpu(gpu)?;
-        if gpu.bf16_products() && self.buffers.compute_copies().is_none() {
+        // 16-bit values are what products read already.
+        if gpu.bf16_products()
+            && self.buffers.compute_copies().is_none()
+            && self.buffers.values().dtype() == DType::F32
+        {
             self.keep_compute_copies(DType::BF16)?;
         }
         Ok(())

@@ -71,14 +71,6 @@ impl AdamW {
     /// With 16-bit values the main parameters start as the values widened (Megatron-LM's
     /// `param.detach().clone().float()`).
     pub fn new(buffers: &ParamBuffers, config: AdamWConfig, shard: Option<usize>) -> Result<AdamW> {
-        if buffers.values().dtype() != DType::F32
-            && buffers.values().device() != crate::tensor::Device::Cpu
-        {
-            return invalid!(
-                "{} parameters train on the CPU for now",
-                buffers.values().dtype()
-            );
-        }
         let shard = shard.filter(|_| buffers.sharded());
         let mut runs: Vec<Run> = Vec::new();
         let mut push = |range: Range<usize>, moments: usize, decay: bool| match runs.last_mut() {
@@ -175,6 +167,23 @@ impl AdamW {
     /// on this rank (`false` without scaling: nothing is checked).
     pub fn prepare_grads(&self, buffers: &ParamBuffers, inv_scale: Option<f32>) -> Result<bool> {
         if self.main_grads.is_none() && inv_scale.is_none() {
+            return Ok(false);
+        }
+        #[cfg(feature = "cuda")]
+        if buffers.grads().gpu().is_some() {
+            if inv_scale.is_some() {
+                return invalid!(
+                    "loss scaling runs on the CPU for now: a bf16 run on a GPU trains unscaled \
+                     (drop --loss-scale)"
+                );
+            }
+            if let Some(main) = &self.main_grads {
+                for run in &self.runs {
+                    let len = run.range.len();
+                    main.narrow(0, run.moments, len)?
+                        .copy_from(&buffers.grads().narrow(0, run.range.start, len)?)?;
+                }
+            }
             return Ok(false);
         }
         let scale = inv_scale.unwrap_or(1.0);
@@ -363,6 +372,12 @@ impl AdamW {
     pub fn to_gpu(&mut self, gpu: &crate::cuda::Gpu) -> Result<()> {
         self.exp_avg = self.exp_avg.to_gpu(gpu)?;
         self.exp_avg_sq = self.exp_avg_sq.to_gpu(gpu)?;
+        self.main = self.main.as_ref().map(|t| t.to_gpu(gpu)).transpose()?;
+        self.main_grads = self
+            .main_grads
+            .as_ref()
+            .map(|t| t.to_gpu(gpu))
+            .transpose()?;
         Ok(())
     }
 
@@ -484,15 +499,33 @@ impl AdamW {
         grad_scale: f64,
     ) -> Result<()> {
         use crate::cuda::kernels::adam::adam_step as gpu_adam;
-        // bf16 compute copies are written by the update itself; others are refreshed after.
-        let copies = buffers
-            .compute_copies()
-            .filter(|c| c.dtype() == DType::BF16);
+        // bf16 compute copies (or, with f32 main parameters, the bf16 values themselves) are
+        // written by the update itself; others are refreshed after.
+        let copies = match &self.main {
+            Some(_) if buffers.values().dtype() == DType::BF16 => Some(buffers.values()),
+            Some(_) => {
+                return invalid!(
+                    "{} parameters train on the CPU for now",
+                    buffers.values().dtype()
+                );
+            }
+            None => buffers
+                .compute_copies()
+                .filter(|c| c.dtype() == DType::BF16),
+        };
         for run in &self.runs {
             let (offset, len) = (run.range.start, run.range.len());
             let part = |t: &Tensor| t.narrow(0, offset, len);
             let moments = |t: &Tensor| t.narrow(0, run.moments, len);
-            let (values, grads) = (part(buffers.values())?, part(buffers.grads())?);
+            // Adam updates the main parameters from the main gradients when kept.
+            let values = match &self.main {
+                Some(main) => moments(main)?,
+                None => part(buffers.values())?,
+            };
+            let grads = match &self.main_grads {
+                Some(main_grads) => moments(main_grads)?,
+                None => part(buffers.grads())?,
+            };
             let (m, v) = (moments(&self.exp_avg)?, moments(&self.exp_avg_sq)?);
             let (mut values, grads) = (values.device_write::<f32>()?, grads.device_read::<f32>()?);
             let (mut m, mut v) = (m.device_write::<f32>()?, v.device_write::<f32>()?);
