@@ -208,6 +208,41 @@ fn bf16_parameters_on_the_gpu_follow_the_bf16_copies_run() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Activation recompute on the GPU: full recompute (uniform and block) reruns the layers'
+/// forwards (the same dropout masks) and gives the very same run; selective recompute with the
+/// flash kernels (which keep no attention weights) too; the unfused kernels refuse it.
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn activation_recompute_on_the_gpu_gives_the_same_run() {
+    use megatron::module::Recompute;
+    let with = |device, recompute| {
+        let mut job = job(2, 1, device);
+        job.train.recompute = recompute;
+        job
+    };
+    let plain = curve(&with(BF16, Recompute::Off));
+    for recompute in [Recompute::Uniform(1), Recompute::Block(1)] {
+        assert_eq!(curve(&with(BF16, recompute)), plain, "{recompute:?}");
+    }
+    let flash = curve(&with(FLASH, Recompute::Off));
+    assert_eq!(
+        curve(&with(FLASH, Recompute::Selective)),
+        flash,
+        "selective"
+    );
+    device::install_if_requested(std::path::Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/megatron-core"
+    )));
+    let err = with(BF16, Recompute::Selective)
+        .run(&mut Vec::new())
+        .expect_err("the unfused kernels keep the weights");
+    assert!(
+        format!("{err:#}").contains("selective activation recompute on the GPU"),
+        "{err:#}"
+    );
+}
+
 /// `job` with 4 layers cut into `pp` stages of `vpp` chunks.
 fn pipelined(tp: usize, pp: usize, vpp: usize, device: Placement) -> TrainJob {
     let mut job = job(tp, 1, device);
