@@ -208,6 +208,48 @@ fn bf16_parameters_on_the_gpu_follow_the_bf16_copies_run() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `job` with Megatron-LM's `--fp16` from the loss scale `initial` (fp16 gradients too unless
+/// `fp32_grads`), with the distributed optimizer when `distributed`.
+fn fp16_job(initial: f64, fp32_grads: bool, distributed: bool) -> TrainJob {
+    let mut job = job(1, 2, BF16);
+    job.train.precision =
+        megatron::optimizer::Precision::from_flags(&megatron::optimizer::PrecisionFlags {
+            fp16: true,
+            initial_loss_scale: Some(initial),
+            grads_in_fp32: fp32_grads,
+            ..Default::default()
+        })
+        .expect("fp16");
+    job.train.distributed_optimizer = distributed;
+    job.train.check_for_nan = false;
+    job
+}
+
+/// fp16 parameters and gradients on the GPU with dynamic loss scaling: the scale's start 2^32
+/// overflows the fp16 gradients, so the first steps are skipped (no gradient norm) as on the
+/// CPU; from a scale that fits, the run follows the bf16-copies run; the distributed
+/// optimizer gives the same run; f32 gradients follow.
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn fp16_parameters_with_loss_scaling_on_the_gpu() {
+    let overflowing = curve(&fp16_job(2f64.powi(32), false, false));
+    assert!(
+        overflowing[0].1.is_nan() && overflowing[1].1.is_nan(),
+        "{overflowing:?}"
+    );
+    assert!(
+        overflowing.iter().all(|s| s.0.is_finite()),
+        "{overflowing:?}"
+    );
+    let copies = curve(&job(1, 2, BF16));
+    let fitting = curve(&fp16_job(1024.0, false, false));
+    assert_close(&fitting, &copies, 3e-2, "--fp16 vs bf16 copies");
+    let sharded = curve(&fp16_job(1024.0, false, true));
+    assert_close(&sharded, &fitting, 1e-5, "--fp16 distributed vs plain");
+    let fp32_grads = curve(&fp16_job(1024.0, true, true));
+    assert_close(&fp32_grads, &fitting, 3e-2, "f32 gradients vs fp16");
+}
+
 /// Activation recompute on the GPU: full recompute (uniform and block) reruns the layers'
 /// forwards (the same dropout masks) and gives the very same run; selective recompute with the
 /// flash kernels (which keep no attention weights) too; the unfused kernels refuse it.

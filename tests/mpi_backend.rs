@@ -737,14 +737,18 @@ fn the_distributed_optimizer_with_nccl_under_mpirun_follows_thread_ranks_on_one_
         "nccl",
         &[("LD_LIBRARY_PATH", &library_path)],
     );
-    // bf16 parameters: the all-gather moves bf16 values over NCCL.
-    let bf16 = [&args[..], &["--bf16"]].concat();
-    processes_train_as_threads(
-        "nccl-distopt-bf16",
-        &bf16,
-        "nccl",
-        &[("LD_LIBRARY_PATH", &library_path)],
-    );
+    // 16-bit parameters: the all-gather moves bf16 or fp16 values over NCCL, and with fp16
+    // the reduce-scatter fp16 gradients (scaled; the first steps overflow and are skipped).
+    for (name, precision) in [
+        ("nccl-distopt-bf16", &["--bf16"][..]),
+        (
+            "nccl-distopt-fp16",
+            &["--fp16", "--initial-loss-scale", "1048576"],
+        ),
+    ] {
+        let with = [&args[..], precision].concat();
+        processes_train_as_threads(name, &with, "nccl", &[("LD_LIBRARY_PATH", &library_path)]);
+    }
 }
 
 /// A pipeline of two stages (1F1B), each of two tensor-parallel GPUs, over NCCL: activations

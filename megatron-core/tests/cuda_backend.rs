@@ -641,7 +641,7 @@ fn the_device_local_communicator_equals_the_thread_backend_bit_for_bit() {
             let c = w.communicator("world", &ranks)?;
             let me = w.rank();
             let mut out = Vec::new();
-            for dtype in [DType::F32, DType::BF16, DType::I64] {
+            for dtype in [DType::F32, DType::BF16, DType::F16, DType::I64] {
                 for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
                     let t =
                         put(Tensor::from_vec(values(1001, me as u64), [1001])?.to_dtype(dtype)?)?;

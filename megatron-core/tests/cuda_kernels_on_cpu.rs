@@ -433,6 +433,152 @@ fn bf16_rounding_and_contiguous_casts_are_the_hosts() {
 /// The copy kernels' element type codes.
 const F32: i32 = 0;
 const BF16: i32 = 1;
+const F16: i32 = 2;
+
+#[test]
+fn fp16_conversions_are_the_hosts() {
+    use half::f16;
+    // Every fp16 widens exactly (NaNs stay NaN).
+    let mut all: Vec<u16> = (0..=u16::MAX).collect();
+    let n = all.len();
+    let mut wide = vec![0f32; n];
+    copy_dense(
+        all.as_mut_ptr().cast(),
+        F16,
+        wide.as_mut_ptr().cast(),
+        F32,
+        n,
+    );
+    for (i, (&h, &w)) in all.iter().zip(&wide).enumerate() {
+        let want = f16::from_bits(h).to_f32();
+        assert!(
+            w.to_bits() == want.to_bits() || (want.is_nan() && w.is_nan()),
+            "fp16 {i:#06x}: {w} vs {want}"
+        );
+    }
+    // f32 rounds to the nearest fp16, ties to even, as the half crate does: random values of
+    // every magnitude, every fp16 and the midpoints between neighbours, and the edges.
+    let mut x: Vec<f32> = values(4000, 11, -1.0, 1.0)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v * 2f32.powi(i as i32 % 44 - 28))
+        .collect();
+    for h in (0..0x7c00u16).step_by(7) {
+        let (a, b) = (f16::from_bits(h).to_f32(), f16::from_bits(h + 1).to_f32());
+        x.extend([a, -a, (a + b) / 2.0, -(a + b) / 2.0]);
+    }
+    x.extend([
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        65504.0,
+        65519.0,
+        65520.0,
+        1e9,
+        2f32.powi(-25),
+        2f32.powi(-25) * 1.0001,
+        2f32.powi(-24) * 1.5,
+        2f32.powi(-14) * 0.99999,
+        f32::MIN_POSITIVE,
+    ]);
+    let n = x.len();
+    let mut narrow = vec![0u16; n];
+    copy_dense(
+        x.as_mut_ptr().cast(),
+        F32,
+        narrow.as_mut_ptr().cast(),
+        F16,
+        n,
+    );
+    for (i, (&v, &got)) in x.iter().zip(&narrow).enumerate() {
+        let want = f16::from_f32(v);
+        assert!(
+            got == want.to_bits() || (want.is_nan() && f16::from_bits(got).is_nan()),
+            "{i}: f32 {v:e} ({:#010x}) gave {got:#06x}, the host {:#06x}",
+            v.to_bits(),
+            want.to_bits()
+        );
+    }
+    // fold_f16 adds in f32, in rank order, rounding once.
+    let (mut a, mut b): (Vec<u16>, Vec<u16>) = x[..1000]
+        .iter()
+        .map(|&v| {
+            (
+                f16::from_f32(v).to_bits(),
+                f16::from_f32(v * 0.75 + 0.5).to_bits(),
+            )
+        })
+        .unzip();
+    let mut out = vec![0u16; 1000];
+    let mut srcs = [a.as_mut_ptr(), b.as_mut_ptr()];
+    launch(
+        "fold_f16",
+        4,
+        256,
+        vec![
+            Arg::Ptr(srcs.as_mut_ptr().cast()),
+            Arg::I32(2),
+            Arg::Ptr(out.as_mut_ptr().cast()),
+            Arg::U64(1000),
+            Arg::I32(0),
+        ],
+    );
+    for i in 0..1000 {
+        let sum = f16::from_bits(a[i]).to_f32() + f16::from_bits(b[i]).to_f32();
+        assert_eq!(out[i], f16::from_f32(sum).to_bits(), "fold_f16 [{i}]");
+    }
+}
+
+#[test]
+fn unscale_and_check_scales_and_finds_inf_and_nan() {
+    for (bad, want) in [
+        (None, false),
+        (Some(f32::INFINITY), true),
+        (Some(f32::NAN), true),
+    ] {
+        let mut x = values(3000, 5, -1e6, 1e6);
+        if let Some(v) = bad {
+            x[2345] = v;
+        }
+        let want_x: Vec<f32> = x.iter().map(|v| v * 0.25).collect();
+        let mut found = [0f32];
+        launch(
+            "unscale_and_check",
+            4,
+            256,
+            vec![
+                Arg::Ptr(x.as_mut_ptr().cast()),
+                Arg::U64(3000),
+                Arg::F32(0.25),
+                Arg::Ptr(found.as_mut_ptr().cast()),
+            ],
+        );
+        assert_eq!(found[0] != 0.0, want, "{bad:?}");
+        for (i, (g, w)) in x.iter().zip(&want_x).enumerate() {
+            assert!(
+                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                "[{i}]"
+            );
+        }
+    }
+    // A finite value that overflows once scaled is found too.
+    let mut x = vec![1.0f32, f32::MAX];
+    let mut found = [0f32];
+    launch(
+        "unscale_and_check",
+        1,
+        32,
+        vec![
+            Arg::Ptr(x.as_mut_ptr().cast()),
+            Arg::U64(2),
+            Arg::F32(4.0),
+            Arg::Ptr(found.as_mut_ptr().cast()),
+        ],
+    );
+    assert_eq!(found[0], 1.0);
+}
 
 /// `copy_dense` of `n` elements from `src` (type code `src_type`) to `dst`.
 fn copy_dense(

@@ -25,7 +25,7 @@ fn a_world_of_one_runs_every_operation_through_nccl() -> R {
     let g = world.gpu().clone();
     let c = world.communicator("world", &[0])?;
     let data: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 7.0).collect();
-    for dtype in [DType::F32, DType::BF16, DType::I64] {
+    for dtype in [DType::F32, DType::BF16, DType::F16, DType::I64] {
         let host = Tensor::from_vec(data.clone(), [1000])?.to_dtype(dtype)?;
         let t = host.to_gpu(&g)?;
         c.all_reduce(&t, ReduceOp::Sum)?;

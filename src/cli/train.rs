@@ -181,8 +181,7 @@ pub struct TrainArgs {
     #[arg(long)]
     bf16: bool,
     /// Mixed precision with fp16 parameters and gradients (f32 gradients with
-    /// --accumulate-allreduce-grads-in-fp32) and dynamic loss scaling (or --loss-scale); on
-    /// the CPU only.
+    /// --accumulate-allreduce-grads-in-fp32) and dynamic loss scaling (or --loss-scale).
     #[arg(long)]
     fp16: bool,
     /// A static loss scale (with --fp16 or --bf16); without it --fp16 scales dynamically.
@@ -746,14 +745,6 @@ impl TrainArgs {
                     bail!("--attention-backend flash multiplies in bf16: drop --fp32-products")
                 }
                 "cpu" => Placement::Cpu,
-                "cuda" if self.fp16 => bail!(
-                    "--fp16 trains on the CPU for now: the GPU kernels convert between f32 and \
-                     bf16 only (use --bf16 on a GPU)"
-                ),
-                "cuda" if precision.scaling != LossScaling::None => bail!(
-                    "loss scaling runs on the CPU for now: drop --loss-scale on a GPU (bf16 \
-                     trains unscaled, as in Megatron-LM)"
-                ),
                 "cuda" => Placement::Cuda {
                     bf16: !self.fp32_products,
                     flash_attention: self.attention_backend == AttentionBackend::Flash,

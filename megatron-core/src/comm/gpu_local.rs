@@ -418,16 +418,18 @@ impl Communicator for LocalGpuComm {
         } else {
             None
         };
-        let out = output.raw_device_write(OP)?.addr() as u64;
+        // In place, `output` is not even borrowed before then: the other members borrow this
+        // rank's input (the same storage) to read it.
         let gather = match &scratch {
             Some(s) => self.addr(OP, s)?,
-            None => out,
+            None => output.raw_device_write(OP)?.addr() as u64,
         };
         for (j, p) in posts.iter().enumerate() {
             self.copy(gather + (j * bytes) as u64, self.addr(OP, &p.input)?, bytes)?;
         }
         self.finish()?;
         if scratch.is_some() {
+            let out = output.raw_device_write(OP)?.addr() as u64;
             self.copy(out, gather, n * bytes)?;
         }
         self.counters.record(OpKind::AllGather, bytes);

@@ -270,12 +270,6 @@ impl ParamBuffers {
     #[cfg(feature = "cuda")]
     pub fn to_gpu<M: Module>(&mut self, model: &mut M, gpu: &crate::cuda::Gpu) -> Result<()> {
         self.values = self.values.to_gpu(gpu)?;
-        if [self.values.dtype(), self.grads.dtype()].contains(&DType::F16) {
-            return invalid!(
-                "fp16 parameters or gradients train on the CPU for now: the GPU kernels convert \
-                 between f32 and bf16 only (use --bf16 on a GPU)"
-            );
-        }
         self.grads = Tensor::zeros_on(self.grads.shape().clone(), self.grads.dtype(), gpu)?;
         if let Some(compute) = &self.compute {
             self.compute = Some(Tensor::empty_on(

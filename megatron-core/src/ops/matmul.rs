@@ -386,6 +386,9 @@ mod device {
             match (bf16, t.dtype()) {
                 (true, DType::BF16) | (false, DType::F32) => Ok(t.clone()),
                 (true, DType::F32) => to_bf16(t, &gpu).map_err(wrap),
+                // fp16 weights (--fp16): a converted copy in the products' type.
+                (true, DType::F16) => t.to_dtype(DType::BF16),
+                (false, DType::F16) => t.to_dtype(DType::F32),
                 (_, other) => Err(TensorError::DType {
                     op: "matmul",
                     expected: DType::F32,

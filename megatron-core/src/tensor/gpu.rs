@@ -252,13 +252,13 @@ fn merged_view(dims: &[usize], strides: &[usize]) -> Vec<(usize, usize)> {
     merged
 }
 
-/// The kernels' code of an element type (f16 has no device conversions yet).
+/// The kernels' code of an element type.
 fn type_code(dtype: DType) -> Option<i32> {
     match dtype {
         DType::F32 => Some(0),
         DType::BF16 => Some(1),
+        DType::F16 => Some(2),
         DType::I64 => Some(3),
-        DType::F16 => None,
     }
 }
 

@@ -212,7 +212,7 @@ impl Linear {
     fn accumulate_bias_grad(dy: &Tensor, rows: usize, out: usize, bias: &Param) -> Result<()> {
         #[cfg(feature = "cuda")]
         if dy.gpu().is_some() {
-            return device::accumulate_bias_grad(dy, bias.grad());
+            return bias.accumulate_grad(|grad| device::accumulate_bias_grad(dy, grad));
         }
         bias.accumulate_grad(|grad| {
             Ok(elementwise::bias_add_backward(

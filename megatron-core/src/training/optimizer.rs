@@ -170,21 +170,8 @@ impl AdamW {
             return Ok(false);
         }
         #[cfg(feature = "cuda")]
-        if buffers.grads().gpu().is_some() {
-            if inv_scale.is_some() {
-                return invalid!(
-                    "loss scaling runs on the CPU for now: a bf16 run on a GPU trains unscaled \
-                     (drop --loss-scale)"
-                );
-            }
-            if let Some(main) = &self.main_grads {
-                for run in &self.runs {
-                    let len = run.range.len();
-                    main.narrow(0, run.moments, len)?
-                        .copy_from(&buffers.grads().narrow(0, run.range.start, len)?)?;
-                }
-            }
-            return Ok(false);
+        if let Some(gpu) = buffers.grads().gpu() {
+            return self.prepare_grads_on_gpu(gpu, buffers, inv_scale);
         }
         let scale = inv_scale.unwrap_or(1.0);
         let mut found = false;
@@ -491,6 +478,43 @@ impl AdamW {
 
 #[cfg(feature = "cuda")]
 impl AdamW {
+    /// [`AdamW::prepare_grads`] on the GPU: the main gradients converted run by run, then
+    /// unscaled and checked in one pass, read back once.
+    fn prepare_grads_on_gpu(
+        &self,
+        gpu: &crate::cuda::Gpu,
+        buffers: &ParamBuffers,
+        inv_scale: Option<f32>,
+    ) -> Result<bool> {
+        let parts = self
+            .runs
+            .iter()
+            .map(|run| {
+                let len = run.range.len();
+                let grads = buffers.grads().narrow(0, run.range.start, len)?;
+                Ok(match &self.main_grads {
+                    Some(main) => {
+                        let main = main.narrow(0, run.moments, len)?;
+                        main.copy_from(&grads)?;
+                        main
+                    }
+                    None => grads,
+                })
+            })
+            .collect::<Result<Vec<Tensor>>>()?;
+        let Some(scale) = inv_scale else {
+            return Ok(false);
+        };
+        let mut writes = parts
+            .iter()
+            .map(|p| p.device_write::<f32>())
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let mut views: Vec<_> = writes.iter_mut().map(|w| w.view_mut()).collect();
+        Ok(crate::cuda::kernels::elementwise::unscale_and_check(
+            gpu, &mut views, scale,
+        )?)
+    }
+
     fn step_on_gpu(
         &self,
         gpu: &crate::cuda::Gpu,
@@ -503,12 +527,8 @@ impl AdamW {
         // written by the update itself; others are refreshed after.
         let copies = match &self.main {
             Some(_) if buffers.values().dtype() == DType::BF16 => Some(buffers.values()),
-            Some(_) => {
-                return invalid!(
-                    "{} parameters train on the CPU for now",
-                    buffers.values().dtype()
-                );
-            }
+            // fp16 values are rounded from the main parameters after the update.
+            Some(_) => None,
             None => buffers
                 .compute_copies()
                 .filter(|c| c.dtype() == DType::BF16),
@@ -544,6 +564,15 @@ impl AdamW {
                 copy_view.as_mut(),
                 &self.config_for(lr, run.decay, grad_scale),
             )?;
+        }
+        if let (Some(main), None) = (&self.main, copies) {
+            for run in &self.runs {
+                let len = run.range.len();
+                buffers
+                    .values()
+                    .narrow(0, run.range.start, len)?
+                    .copy_from(&main.narrow(0, run.moments, len)?)?;
+            }
         }
         if copies.is_none() && self.shard.is_none() {
             buffers.refresh_compute_copies()?;

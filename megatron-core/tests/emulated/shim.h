@@ -94,6 +94,7 @@ inline double __longlong_as_double(long long i) {
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 
+using std::isfinite;
 using std::isnan;
 using std::max;
 using std::min;

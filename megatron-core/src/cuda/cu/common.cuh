@@ -176,6 +176,31 @@ __device__ __forceinline__ u32 bf16_bits(float x) {
     return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
 }
 
+// IEEE half precision (fp16) bits widened to f32: exact.
+__device__ __forceinline__ float f16_bits_to_f32(u32 h) {
+    const u32 sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (man << 13));  // inf, NaN
+    if (exp != 0u) return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));
+    const float v = (float)man * 5.9604644775390625e-8f;  // subnormal: man × 2^-24
+    return sign ? -v : v;
+}
+
+// f32 rounded to the nearest fp16 (ties to even; past 65504 to infinity), as bits.
+__device__ __forceinline__ u32 f16_bits(float x) {
+    const u32 b = __float_as_uint(x), sign = (b >> 16) & 0x8000u, a = b & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u | ((a >> 13) & 0x3ffu);  // NaN stays NaN
+    if (a >= 0x477ff000u) return sign | 0x7c00u;                       // 65520 and up: inf
+    if (a >= 0x38800000u) {                                            // a normal fp16
+        const u32 r = a - 0x38000000u;                                 // exponent rebiased
+        return sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13);
+    }
+    if (a <= 0x33000000u) return sign;  // at most 2^-25: zero (2^-25 itself ties to even)
+    // A subnormal fp16: the significand in units of 2^-24, rounded to nearest even.
+    const u32 e = a >> 23, m = (a & 0x7fffffu) | 0x800000u, shift = 126u - e;
+    const u32 q = m >> shift, rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    return sign | (q + ((rem > half || (rem == half && (q & 1u))) ? 1u : 0u));
+}
+
 // Element i (or elements 4k .. 4k + 3) of an output that is f32 or, with `bf16`, bf16. The
 // 4-wide store needs 16-byte (f32) or 8-byte (bf16) alignment.
 __device__ __forceinline__ void store_out(void* out, bool bf16, u64 i, float v) {

@@ -157,9 +157,11 @@ extern "C" __global__ void sum_squares_partials(const float* __restrict__ x, u64
 }
 
 // Element type codes of the copies: 0 = f32, 1 = bf16, 3 = i64.
+// Element types: 0 f32, 1 bf16, 2 fp16, 3 i64.
 __device__ __forceinline__ float load_as_f32(const void* p, int type, i64 i) {
     if (type == 0) return ((const float*)p)[i];
     if (type == 1) return __uint_as_float(((u32)((const unsigned short*)p)[i]) << 16);
+    if (type == 2) return f16_bits_to_f32(((const unsigned short*)p)[i]);
     return (float)((const i64*)p)[i];
 }
 
@@ -168,8 +170,21 @@ __device__ __forceinline__ void store_from_f32(void* p, int type, u64 i, float v
         ((float*)p)[i] = v;
     } else if (type == 1) {
         ((unsigned short*)p)[i] = (unsigned short)bf16_bits(v);
+    } else if (type == 2) {
+        ((unsigned short*)p)[i] = (unsigned short)f16_bits(v);
     } else {
         ((i64*)p)[i] = (i64)v;
+    }
+}
+
+// x *= scale (the loss scale's inverse), and found[0] = 1 when an element is then infinite or
+// NaN (Megatron-LM's unscale of the main gradients with its check for inf and NaN).
+extern "C" __global__ void unscale_and_check(float* __restrict__ x, u64 n, float scale,
+                                             float* __restrict__ found) {
+    FOR_EACH(i, n) {
+        const float v = x[i] * scale;
+        x[i] = v;
+        if (!isfinite(v)) found[0] = 1.0f;
     }
 }
 

@@ -34,6 +34,15 @@ extern "C" __global__ void fold_bf16(const unsigned short* const* __restrict__ s
     }
 }
 
+extern "C" __global__ void fold_f16(const unsigned short* const* __restrict__ srcs, int k,
+                                    unsigned short* __restrict__ out, u64 n, int op) {
+    FOR_EACH(i, n) {
+        float acc = f16_bits_to_f32(srcs[0][i]);
+        for (int r = 1; r < k; ++r) acc = combine(acc, f16_bits_to_f32(srcs[r][i]), op);
+        out[i] = (unsigned short)f16_bits(acc);
+    }
+}
+
 extern "C" __global__ void fold_i64(const i64* const* __restrict__ srcs, int k,
                                     i64* __restrict__ out, u64 n, int op) {
     FOR_EACH(i, n) {

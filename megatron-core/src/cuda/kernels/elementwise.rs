@@ -221,3 +221,22 @@ pub fn sum_of_squares_of(gpu: &Gpu, parts: &[CudaView<f32>]) -> Result<f64> {
     }
     Ok(sum)
 }
+
+/// Multiplies every part by `scale` (the loss scale's inverse) in place; returns whether an
+/// element is then infinite or NaN, with one read back for all parts (Megatron-LM's unscale of
+/// the main gradients and its check).
+pub fn unscale_and_check(gpu: &Gpu, parts: &mut [CudaViewMut<f32>], scale: f32) -> Result<bool> {
+    const K: &str = "unscale_and_check";
+    let mut found = gpu.zeros::<f32>(1)?;
+    for x in parts.iter_mut() {
+        let n = x.len();
+        if n == 0 {
+            continue;
+        }
+        let n64 = n as u64;
+        let mut args = launch_args(gpu, K)?;
+        args.arg(x).arg(&n64).arg(&scale).arg(&mut found);
+        launch(K, args, cover(n))?;
+    }
+    Ok(gpu.download(&found)?[0] != 0.0)
+}

@@ -23,7 +23,7 @@ pub fn fold_kernel(dtype: crate::tensor::DType) -> Option<&'static str> {
         DType::F32 => Some("fold_f32"),
         DType::BF16 => Some("fold_bf16"),
         DType::I64 => Some("fold_i64"),
-        DType::F16 => None,
+        DType::F16 => Some("fold_f16"),
     }
 }
 
