@@ -531,6 +531,23 @@ fn fp16_conversions_are_the_hosts() {
     }
 }
 
+/// `unscale_and_check` of `x` by `scale`: whether it flagged an element.
+fn unscale_and_check(x: &mut [f32], scale: f32) -> bool {
+    let mut found = [0f32];
+    launch(
+        "unscale_and_check",
+        x.len().div_ceil(256).min(4),
+        256,
+        vec![
+            Arg::Ptr(x.as_mut_ptr().cast()),
+            Arg::U64(x.len() as u64),
+            Arg::F32(scale),
+            Arg::Ptr(found.as_mut_ptr().cast()),
+        ],
+    );
+    found[0] != 0.0
+}
+
 #[test]
 fn unscale_and_check_scales_and_finds_inf_and_nan() {
     for (bad, want) in [
@@ -543,19 +560,7 @@ fn unscale_and_check_scales_and_finds_inf_and_nan() {
             x[2345] = v;
         }
         let want_x: Vec<f32> = x.iter().map(|v| v * 0.25).collect();
-        let mut found = [0f32];
-        launch(
-            "unscale_and_check",
-            4,
-            256,
-            vec![
-                Arg::Ptr(x.as_mut_ptr().cast()),
-                Arg::U64(3000),
-                Arg::F32(0.25),
-                Arg::Ptr(found.as_mut_ptr().cast()),
-            ],
-        );
-        assert_eq!(found[0] != 0.0, want, "{bad:?}");
+        assert_eq!(unscale_and_check(&mut x, 0.25), want, "{bad:?}");
         for (i, (g, w)) in x.iter().zip(&want_x).enumerate() {
             assert!(
                 g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
@@ -564,20 +569,7 @@ fn unscale_and_check_scales_and_finds_inf_and_nan() {
         }
     }
     // A finite value that overflows once scaled is found too.
-    let mut x = vec![1.0f32, f32::MAX];
-    let mut found = [0f32];
-    launch(
-        "unscale_and_check",
-        1,
-        32,
-        vec![
-            Arg::Ptr(x.as_mut_ptr().cast()),
-            Arg::U64(2),
-            Arg::F32(4.0),
-            Arg::Ptr(found.as_mut_ptr().cast()),
-        ],
-    );
-    assert_eq!(found[0], 1.0);
+    assert!(unscale_and_check(&mut [1.0, f32::MAX], 4.0));
 }
 
 /// `copy_dense` of `n` elements from `src` (type code `src_type`) to `dst`.
