@@ -12,6 +12,7 @@ pub mod data;
 mod error;
 pub mod kernels;
 pub mod module;
+pub mod moe;
 pub mod ops;
 pub mod optimizer;
 pub mod parallel;
