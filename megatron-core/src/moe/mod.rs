@@ -1,5 +1,7 @@
-//! Mixture of experts: the router (top-k scores, capacity, load-balancing losses).
+//! Mixture of experts: the router (top-k scores, capacity, load-balancing losses) and the
+//! all-to-all token dispatcher.
 
+pub mod dispatcher;
 pub mod router;
 
 pub use router::{

@@ -1,0 +1,175 @@
+//! The all-to-all token dispatcher on thread ranks: tokens routed to experts held by other
+//! ranks of the expert-parallel group, each expert applied there, and brought back weighted by
+//! the routing probabilities equal the same experts applied on the token's own rank, at every
+//! expert-parallel size; the backward gives the gradients the routed sum implies; the
+//! all-to-alls move exactly the rows the routing implies.
+
+use megatron::comm::threads::launch;
+use megatron::comm::{OpKind, World};
+use megatron::moe::dispatcher::{combine, combine_backward, dispatch, dispatch_backward};
+use megatron::moe::{RouterConfig, route};
+use megatron::tensor::Tensor;
+
+type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+const EXPERTS: usize = 8;
+const TOKENS: usize = 12;
+const HIDDEN: usize = 5;
+
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Expert `e`'s function, and its derivative (a scale).
+fn expert(e: usize, v: f32) -> f32 {
+    v * (e as f32 + 1.0) + e as f32
+}
+
+/// What each rank computes: its output, its input gradient and its probabilities' gradient,
+/// the rows it sent and received, and the all-to-all bytes it recorded.
+type Outcome = (Vec<f32>, Vec<f32>, Vec<f32>, (usize, usize), u64);
+
+fn run(ep: usize, capacity: Option<f32>) -> Vec<Outcome> {
+    launch(ep, |w| -> R<Outcome> {
+        let ranks: Vec<usize> = (0..w.size()).collect();
+        let c = w.communicator("ep", &ranks)?;
+        let me = w.rank();
+        let config = RouterConfig {
+            capacity_factor: capacity,
+            ..RouterConfig::new(EXPERTS, 2)
+        };
+        let logits = values(TOKENS * EXPERTS, 100 + me as u64);
+        let routing = route(&logits, TOKENS, &config, None)?;
+        let x = Tensor::from_vec(values(TOKENS * HIDDEN, 200 + me as u64), [TOKENS, HIDDEN])?;
+        let before = c.stats();
+        let (rows, plan) = dispatch(c.as_ref(), &x, &routing)?;
+        // Each local expert applies its function to its contiguous rows.
+        let local = EXPERTS / w.size();
+        let mut y = rows.to_vec::<f32>()?;
+        let mut at = 0;
+        for (le, n) in plan.rows_per_local_expert().into_iter().enumerate() {
+            let e = me * local + le;
+            for v in &mut y[at * HIDDEN..(at + n) * HIDDEN] {
+                *v = expert(e, *v);
+            }
+            at += n;
+        }
+        let y = Tensor::from_vec(y, [plan.rows(), HIDDEN])?;
+        let (out, saved) = combine(c.as_ref(), &plan, &y, &routing)?;
+        let dout = Tensor::from_vec(values(TOKENS * HIDDEN, 300 + me as u64), [TOKENS, HIDDEN])?;
+        let (dy, dprobs) = combine_backward(c.as_ref(), &plan, &saved, &routing, &dout)?;
+        let mut drows = dy.to_vec::<f32>()?;
+        let mut at = 0;
+        for (le, n) in plan.rows_per_local_expert().into_iter().enumerate() {
+            let e = me * local + le;
+            for v in &mut drows[at * HIDDEN..(at + n) * HIDDEN] {
+                *v *= e as f32 + 1.0;
+            }
+            at += n;
+        }
+        let dx = dispatch_backward(
+            c.as_ref(),
+            &plan,
+            &Tensor::from_vec(drows, [plan.rows(), HIDDEN])?,
+        )?;
+        let bytes = c.stats().since(&before).get(OpKind::AllToAll).bytes;
+        Ok((
+            out.to_vec()?,
+            dx.to_vec()?,
+            dprobs,
+            plan.sent_and_received(),
+            bytes,
+        ))
+    })
+    .unwrap()
+}
+
+/// The same on one rank without any exchange: Σ_e p[t, e]·expert_e(x[t]).
+fn reference(rank: usize, capacity: Option<f32>) -> (Vec<f32>, Vec<f32>, Vec<f32>, usize) {
+    let config = RouterConfig {
+        capacity_factor: capacity,
+        ..RouterConfig::new(EXPERTS, 2)
+    };
+    let routing = route(
+        &values(TOKENS * EXPERTS, 100 + rank as u64),
+        TOKENS,
+        &config,
+        None,
+    )
+    .unwrap();
+    let x = values(TOKENS * HIDDEN, 200 + rank as u64);
+    let dout = values(TOKENS * HIDDEN, 300 + rank as u64);
+    let (mut out, mut dx) = (vec![0.0f32; TOKENS * HIDDEN], vec![0.0f32; TOKENS * HIDDEN]);
+    let mut dprobs = vec![0.0f32; TOKENS * EXPERTS];
+    for e in 0..EXPERTS {
+        for t in 0..TOKENS {
+            if !routing.map[t * EXPERTS + e] {
+                continue;
+            }
+            let p = routing.probs[t * EXPERTS + e];
+            let mut dot = 0.0;
+            for i in 0..HIDDEN {
+                let (v, d) = (x[t * HIDDEN + i], dout[t * HIDDEN + i]);
+                out[t * HIDDEN + i] += p * expert(e, v);
+                dx[t * HIDDEN + i] += p * d * (e as f32 + 1.0);
+                dot += expert(e, v) * d;
+            }
+            dprobs[t * EXPERTS + e] = dot;
+        }
+    }
+    let pairs = routing.map.iter().filter(|&&m| m).count();
+    (out, dx, dprobs, pairs)
+}
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+            "{what}[{i}]: {g} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn experts_on_other_ranks_give_what_they_give_on_the_tokens_rank() {
+    for capacity in [None, Some(1.0)] {
+        for ep in [1, 2, 4] {
+            let outcomes = run(ep, capacity);
+            let mut rows_sent = 0;
+            let mut rows_received = 0;
+            for (rank, (out, dx, dprobs, (sent, received), bytes)) in outcomes.iter().enumerate() {
+                let what = format!("ep {ep} capacity {capacity:?} rank {rank}");
+                let (want_out, want_dx, want_dprobs, pairs) = reference(rank, capacity);
+                assert_close(out, &want_out, &format!("{what} output"));
+                assert_close(dx, &want_dx, &format!("{what} input gradient"));
+                assert_close(
+                    dprobs,
+                    &want_dprobs,
+                    &format!("{what} probability gradient"),
+                );
+                // Every routed (token, expert) pair leaves once, as a row of HIDDEN f32: in
+                // the dispatch, the combine, and both backwards (plus the counts' exchange).
+                assert_eq!(*sent, pairs, "{what}");
+                let counts = (EXPERTS * 8) as u64;
+                let row_bytes = (pairs * HIDDEN * 4) as u64;
+                assert_eq!(
+                    *bytes,
+                    counts + 2 * row_bytes + (2 * received * HIDDEN * 4) as u64,
+                    "{what}"
+                );
+                rows_sent += sent;
+                rows_received += received;
+            }
+            assert_eq!(rows_sent, rows_received, "ep {ep}");
+        }
+    }
+}
