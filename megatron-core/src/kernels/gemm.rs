@@ -278,6 +278,107 @@ pub fn gemm(
     Ok(())
 }
 
+/// One product of a grouped GEMM: `C = α·A·B + β·C` for one group (one expert's rows).
+#[derive(Debug)]
+pub struct Group<'a> {
+    /// The group's A.
+    pub a: MatRef<'a>,
+    /// The group's B.
+    pub b: MatRef<'a>,
+    /// The group's C (disjoint from every other group's).
+    pub c: MatMut<'a>,
+}
+
+/// Every group's `C = α·A·B + β·C` as one parallel job (a grouped GEMM, as MoE experts need):
+/// each group's C is cut into blocks of rows, and all groups' blocks share the compute pool at
+/// once, so many small products keep every thread busy. Groups may differ in every dimension.
+pub fn grouped_gemm(alpha: f32, groups: Vec<Group<'_>>, beta: f32) -> Result<(), KernelError> {
+    let mut items = Vec::new();
+    let mut raws = Vec::with_capacity(groups.len());
+    let mut operands = Vec::with_capacity(groups.len());
+    for (g, group) in groups.into_iter().enumerate() {
+        let (m, k, n) = (group.a.rows, group.a.cols, group.b.cols);
+        if group.b.rows != k || group.c.rows != m || group.c.cols != n {
+            return Err(KernelError::Invalid {
+                kernel: "grouped_gemm",
+                message: format!(
+                    "group {g}: A is {m} × {k}, B is {} × {n}, C is {} × {}: expected B {k} × {n} \
+                     and C {m} × {n}",
+                    group.b.rows, group.c.rows, group.c.cols
+                ),
+            });
+        }
+        raws.push(RawC {
+            ptr: group.c.data.as_mut_ptr(),
+            row_stride: group.c.row_stride as isize,
+            col_stride: group.c.col_stride as isize,
+        });
+        operands.push((group.a, group.b));
+        if m == 0 || n == 0 {
+            continue;
+        }
+        // Blocks of rows sized so that each holds about a thread's share of work.
+        let rows_per_block = (MIN_WORK_PER_THREAD / (n * k.max(1)).max(1))
+            .max(1)
+            .div_ceil(SPLIT_ALIGN)
+            * SPLIT_ALIGN;
+        let mut start = 0;
+        while start < m {
+            let end = (start + rows_per_block).min(m);
+            items.push((g, start, end));
+            start = end;
+        }
+    }
+    let run = |&(g, start, end): &(usize, usize, usize)| {
+        let (a, b) = &operands[g];
+        let (k, n) = (a.cols, b.cols);
+        if k == 0 {
+            for i in start..end {
+                for j in 0..n {
+                    // SAFETY: (i, j) is inside this group's C, and only this item touches row i.
+                    unsafe {
+                        let e = raws[g].ptr.offset(
+                            i as isize * raws[g].row_stride + j as isize * raws[g].col_stride,
+                        );
+                        *e = if beta == 0.0 { 0.0 } else { beta * *e };
+                    }
+                }
+            }
+            return;
+        }
+        // SAFETY: A and B are in bounds (checked at construction); items cover disjoint rows of
+        // their group's C, groups' C do not overlap, and the borrows outlive the scope.
+        unsafe {
+            sgemm(
+                alpha,
+                a,
+                start,
+                end - start,
+                b,
+                0,
+                n,
+                k,
+                beta,
+                raws[g],
+                start,
+                0,
+            );
+        }
+    };
+    match items.len() {
+        0 => {}
+        1 => run(&items[0]),
+        _ => parallel::pool().scope(|s| {
+            for item in &items[1..] {
+                let run = &run;
+                s.spawn(move |_| run(item));
+            }
+            run(&items[0]);
+        }),
+    }
+    Ok(())
+}
+
 /// One block: rows `[r0, r0+mb)` of A times columns `[c0, c0+nb)` of B into the same block of C.
 ///
 /// # Safety
@@ -369,6 +470,50 @@ mod tests {
                 "element {i}: {g} vs {w}"
             );
         }
+    }
+
+    #[test]
+    fn a_grouped_gemm_is_each_groups_product() {
+        // Groups of 0, 1, 37, 300 and 2,000 rows (the last split into several blocks), each
+        // with its own B (an expert's transposed weight, read in place) and C.
+        let (k, n) = (96, 80);
+        let rows = [0usize, 1, 37, 300, 2000];
+        let a: Vec<Vec<f32>> = rows.iter().map(|&m| data(m * k, m as u32)).collect();
+        let w: Vec<Vec<f32>> = (0..rows.len())
+            .map(|g| data(n * k, 99 + g as u32))
+            .collect();
+        let c0: Vec<Vec<f32>> = rows.iter().map(|&m| data(m * n, 7 + m as u32)).collect();
+        let mut c = c0.clone();
+        let groups = c
+            .iter_mut()
+            .enumerate()
+            .map(|(g, cg)| Group {
+                a: MatRef::row_major(&a[g], rows[g], k).unwrap(),
+                b: MatRef::row_major(&w[g], n, k).unwrap().t(),
+                c: MatMut::row_major(cg, rows[g], n).unwrap(),
+            })
+            .collect();
+        grouped_gemm(0.5, groups, 2.0).unwrap();
+        for g in 0..rows.len() {
+            let want = reference(
+                0.5,
+                &a[g],
+                &transpose(&w[g], n, k),
+                2.0,
+                &c0[g],
+                (rows[g], k, n),
+            );
+            close(&c[g], &want, k);
+        }
+        // Shapes that do not fit are an error naming the group.
+        let (a, b, mut out) = (vec![0.0; 6], vec![0.0; 6], vec![0.0; 4]);
+        let bad = vec![Group {
+            a: MatRef::row_major(&a, 2, 3).unwrap(),
+            b: MatRef::row_major(&b, 2, 3).unwrap(),
+            c: MatMut::row_major(&mut out, 2, 2).unwrap(),
+        }];
+        let err = grouped_gemm(1.0, bad, 0.0).unwrap_err().to_string();
+        assert!(err.contains("group 0: A is 2 × 3, B is 2 × 3"), "{err}");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! all-to-all token dispatcher.
 
 pub mod dispatcher;
+pub mod experts;
 pub mod router;
 
 pub use router::{

@@ -1,0 +1,304 @@
+//! A rank's local experts as grouped products (Megatron-LM's `GroupedMLP`): every expert is an
+//! MLP `fc2(gelu(fc1(x)))` without biases, its weights one slice of `fc1: [experts, ffn,
+//! hidden]` and `fc2: [experts, hidden, ffn]`, and each product runs for all experts at once
+//! ([`grouped_gemm`]) over their contiguous rows, as the dispatcher lays them out.
+
+use crate::error::Result;
+use crate::invalid;
+use crate::kernels::elementwise::{gelu_backward, gelu_forward};
+use crate::kernels::gemm::{Group, MatMut, MatRef, grouped_gemm};
+
+/// The shapes of a rank's local experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertShape {
+    /// Local experts.
+    pub experts: usize,
+    /// The model's hidden size.
+    pub hidden: usize,
+    /// Each expert's hidden layer (`--moe-ffn-hidden-size`).
+    pub ffn: usize,
+}
+
+/// What [`experts_backward`] needs of the forward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertsSaved {
+    x: Vec<f32>,
+    pre: Vec<f32>,
+    act: Vec<f32>,
+    rows: Vec<usize>,
+}
+
+/// `buf` cut into consecutive pieces of `rows[g] × width` elements.
+fn pieces<'a>(mut buf: &'a mut [f32], rows: &[usize], width: usize) -> Vec<&'a mut [f32]> {
+    let mut out = Vec::with_capacity(rows.len());
+    for &r in rows {
+        let (head, tail) = std::mem::take(&mut buf).split_at_mut(r * width);
+        out.push(head);
+        buf = tail;
+    }
+    out
+}
+
+/// `C_g = A_g · op(W_g)` for every expert g at once: A_g the `rows[g] × width` piece of `a`
+/// after the pieces before it, W_g expert g's `w_rows × w_cols` weight (transposed with `t`),
+/// C_g the matching piece of `c`.
+fn rows_times_weights(
+    a: &[f32],
+    width: usize,
+    weights: &[f32],
+    (w_rows, w_cols, t): (usize, usize, bool),
+    rows: &[usize],
+    c: &mut [f32],
+) -> Result<()> {
+    let out = if t { w_rows } else { w_cols };
+    let mut groups = Vec::with_capacity(rows.len());
+    let mut at = 0;
+    for (g, (&r, c_g)) in rows.iter().zip(pieces(c, rows, out)).enumerate() {
+        let a_g = MatRef::row_major(&a[at..at + r * width], r, width)?;
+        at += r * width;
+        let w = MatRef::row_major(
+            &weights[g * w_rows * w_cols..(g + 1) * w_rows * w_cols],
+            w_rows,
+            w_cols,
+        )?;
+        groups.push(Group {
+            a: a_g,
+            b: if t { w.t() } else { w },
+            c: MatMut::row_major(c_g, r, out)?,
+        });
+    }
+    grouped_gemm(1.0, groups, 0.0)?;
+    Ok(())
+}
+
+/// `dW_g += D_gᵀ · A_g` for every expert g at once: D_g and A_g the `rows[g]`-row pieces of
+/// `d` (`d_width` wide) and `a` (`a_width` wide), dW_g expert g's `d_width × a_width` slice.
+fn weight_grads(
+    d: &[f32],
+    a: &[f32],
+    rows: &[usize],
+    (d_width, a_width): (usize, usize),
+    dw: &mut [f32],
+) -> Result<()> {
+    let mut groups = Vec::with_capacity(rows.len());
+    let (mut d_at, mut a_at) = (0, 0);
+    for (&r, dw_g) in rows
+        .iter()
+        .zip(pieces(dw, &vec![d_width; rows.len()], a_width))
+    {
+        let d_g = MatRef::row_major(&d[d_at..d_at + r * d_width], r, d_width)?;
+        let a_g = MatRef::row_major(&a[a_at..a_at + r * a_width], r, a_width)?;
+        d_at += r * d_width;
+        a_at += r * a_width;
+        groups.push(Group {
+            a: d_g.t(),
+            b: a_g,
+            c: MatMut::row_major(dw_g, d_width, a_width)?,
+        });
+    }
+    grouped_gemm(1.0, groups, 1.0)?;
+    Ok(())
+}
+
+fn check(
+    shape: &ExpertShape,
+    rows: &[usize],
+    x_len: usize,
+    fc1: &[f32],
+    fc2: &[f32],
+) -> Result<()> {
+    let ExpertShape {
+        experts,
+        hidden,
+        ffn,
+    } = *shape;
+    let n: usize = rows.iter().sum();
+    if rows.len() != experts {
+        return invalid!("{} row groups for {experts} local experts", rows.len());
+    }
+    if x_len != n * hidden {
+        return invalid!(
+            "the experts' input has {x_len} values, {n} rows × hidden {hidden} need {}",
+            n * hidden
+        );
+    }
+    for (name, w) in [("fc1", fc1), ("fc2", fc2)] {
+        if w.len() != experts * hidden * ffn {
+            return invalid!(
+                "the experts' {name} has {} values, {experts} experts × {ffn} × {hidden} need {}",
+                w.len(),
+                experts * hidden * ffn
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The local experts on their rows: `x` is `[rows, hidden]`, the rows of expert g the
+/// `rows[g]` after those of the experts before it. Returns `[rows, hidden]`.
+pub fn experts_forward(
+    shape: &ExpertShape,
+    x: &[f32],
+    rows: &[usize],
+    fc1: &[f32],
+    fc2: &[f32],
+) -> Result<(Vec<f32>, ExpertsSaved)> {
+    check(shape, rows, x.len(), fc1, fc2)?;
+    let (h, f) = (shape.hidden, shape.ffn);
+    let n: usize = rows.iter().sum();
+    // pre = x · fc1ᵀ, act = gelu(pre), y = act · fc2ᵀ.
+    let mut pre = vec![0.0f32; n * f];
+    rows_times_weights(x, h, fc1, (f, h, true), rows, &mut pre)?;
+    let mut act = vec![0.0f32; n * f];
+    gelu_forward(&pre, &mut act)?;
+    let mut y = vec![0.0f32; n * h];
+    rows_times_weights(&act, f, fc2, (h, f, true), rows, &mut y)?;
+    Ok((
+        y,
+        ExpertsSaved {
+            x: x.to_vec(),
+            pre,
+            act,
+            rows: rows.to_vec(),
+        },
+    ))
+}
+
+/// The backward of [`experts_forward`]: accumulates the weights' gradients into `dfc1` and
+/// `dfc2` (`+=`, laid out as the weights) and returns the input's gradient `[rows, hidden]`.
+pub fn experts_backward(
+    shape: &ExpertShape,
+    saved: &ExpertsSaved,
+    dy: &[f32],
+    (fc1, fc2): (&[f32], &[f32]),
+    (dfc1, dfc2): (&mut [f32], &mut [f32]),
+) -> Result<Vec<f32>> {
+    let rows = &saved.rows;
+    check(shape, rows, dy.len(), fc1, fc2)?;
+    check(shape, rows, saved.x.len(), dfc1, dfc2)?;
+    let (h, f) = (shape.hidden, shape.ffn);
+    let n: usize = rows.iter().sum();
+    // dact = dy · fc2; dfc2 += dyᵀ · act; dpre = gelu'(pre) ⊙ dact; dfc1 += dpreᵀ · x;
+    // dx = dpre · fc1.
+    let mut dact = vec![0.0f32; n * f];
+    rows_times_weights(dy, h, fc2, (h, f, false), rows, &mut dact)?;
+    weight_grads(dy, &saved.act, rows, (h, f), dfc2)?;
+    let mut dpre = vec![0.0f32; n * f];
+    gelu_backward(&saved.pre, &dact, &mut dpre)?;
+    weight_grads(&dpre, &saved.x, rows, (f, h), dfc1)?;
+    let mut dx = vec![0.0f32; n * h];
+    rows_times_weights(&dpre, f, fc1, (f, h, false), rows, &mut dx)?;
+    Ok(dx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::elementwise::{gelu_backward, gelu_forward};
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
+    /// `a[r × k] · w[n × k]ᵀ` in f64, rounded.
+    fn times_t(a: &[f32], w: &[f32], r: usize, k: usize, n: usize) -> Vec<f32> {
+        (0..r * n)
+            .map(|i| {
+                let (row, col) = (i / n, i % n);
+                (0..k)
+                    .map(|p| f64::from(a[row * k + p]) * f64::from(w[col * k + p]))
+                    .sum::<f64>() as f32
+            })
+            .collect()
+    }
+
+    fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+        (0..rows * cols)
+            .map(|i| x[(i % rows) * cols + i / rows])
+            .collect()
+    }
+
+    fn close(got: &[f32], want: &[f32], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                "{what}[{i}]: {g} vs {w}"
+            );
+        }
+    }
+
+    #[test]
+    fn grouped_experts_are_each_experts_mlp() {
+        let shape = ExpertShape {
+            experts: 4,
+            hidden: 6,
+            ffn: 10,
+        };
+        let (h, f) = (shape.hidden, shape.ffn);
+        let rows = [3usize, 0, 17, 1];
+        let n: usize = rows.iter().sum();
+        let x = values(n * h, 1);
+        let fc1 = values(4 * f * h, 2);
+        let fc2 = values(4 * h * f, 3);
+        let dy = values(n * h, 4);
+        let (y, saved) = experts_forward(&shape, &x, &rows, &fc1, &fc2).unwrap();
+        let (mut dfc1, mut dfc2) = (vec![0.5f32; fc1.len()], vec![0.25f32; fc2.len()]);
+        let dx =
+            experts_backward(&shape, &saved, &dy, (&fc1, &fc2), (&mut dfc1, &mut dfc2)).unwrap();
+        // Each expert on its own rows, by plain loops.
+        let mut at = 0;
+        for (g, &r) in rows.iter().enumerate() {
+            let xg = &x[at * h..(at + r) * h];
+            let w1 = &fc1[g * f * h..(g + 1) * f * h];
+            let w2 = &fc2[g * h * f..(g + 1) * h * f];
+            let pre = times_t(xg, w1, r, h, f);
+            let mut act = vec![0.0; r * f];
+            gelu_forward(&pre, &mut act).unwrap();
+            close(
+                &y[at * h..(at + r) * h],
+                &times_t(&act, w2, r, f, h),
+                &format!("y {g}"),
+            );
+            let dyg = &dy[at * h..(at + r) * h];
+            let dact = times_t(dyg, &transpose(w2, h, f), r, h, f);
+            let mut dpre = vec![0.0; r * f];
+            gelu_backward(&pre, &dact, &mut dpre).unwrap();
+            let want_dx = times_t(&dpre, &transpose(w1, f, h), r, f, h);
+            close(&dx[at * h..(at + r) * h], &want_dx, &format!("dx {g}"));
+            // dW2 = dyᵀ·act (+ the 0.25 already there), dW1 = dpreᵀ·x (+ 0.5).
+            let dw2: Vec<f32> = times_t(&transpose(dyg, r, h), &transpose(&act, r, f), h, r, f)
+                .iter()
+                .map(|v| v + 0.25)
+                .collect();
+            close(
+                &dfc2[g * h * f..(g + 1) * h * f],
+                &dw2,
+                &format!("dfc2 {g}"),
+            );
+            let dw1: Vec<f32> = times_t(&transpose(&dpre, r, f), &transpose(xg, r, h), f, r, h)
+                .iter()
+                .map(|v| v + 0.5)
+                .collect();
+            close(
+                &dfc1[g * f * h..(g + 1) * f * h],
+                &dw1,
+                &format!("dfc1 {g}"),
+            );
+            at += r;
+        }
+        let err = experts_forward(&shape, &x, &[3, 0, 17], &fc1, &fc2).unwrap_err();
+        assert!(
+            err.to_string().contains("3 row groups for 4 local experts"),
+            "{err}"
+        );
+    }
+}
