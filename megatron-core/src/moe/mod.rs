@@ -3,6 +3,7 @@
 
 pub mod dispatcher;
 pub mod experts;
+pub mod layer;
 pub mod router;
 
 pub use router::{
