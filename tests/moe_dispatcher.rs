@@ -4,6 +4,8 @@
 //! expert-parallel size; the backward gives the gradients the routed sum implies; the
 //! all-to-alls move exactly the rows the routing implies.
 
+mod support;
+
 use megatron::comm::threads::launch;
 use megatron::comm::{OpKind, World};
 use megatron::moe::dispatcher::{combine, combine_backward, dispatch, dispatch_backward};
@@ -17,15 +19,7 @@ const TOKENS: usize = 12;
 const HIDDEN: usize = 5;
 
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        })
-        .collect()
+    support::values(n, seed, 2.0)
 }
 
 /// Expert `e`'s function, and its derivative (a scale).
@@ -129,16 +123,6 @@ fn reference(rank: usize, capacity: Option<f32>) -> (Vec<f32>, Vec<f32>, Vec<f32
     (out, dx, dprobs, pairs)
 }
 
-fn assert_close(got: &[f32], want: &[f32], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
-            "{what}[{i}]: {g} vs {w}"
-        );
-    }
-}
-
 #[test]
 fn experts_on_other_ranks_give_what_they_give_on_the_tokens_rank() {
     for capacity in [None, Some(1.0)] {
@@ -149,9 +133,9 @@ fn experts_on_other_ranks_give_what_they_give_on_the_tokens_rank() {
             for (rank, (out, dx, dprobs, (sent, received), bytes)) in outcomes.iter().enumerate() {
                 let what = format!("ep {ep} capacity {capacity:?} rank {rank}");
                 let (want_out, want_dx, want_dprobs, pairs) = reference(rank, capacity);
-                assert_close(out, &want_out, &format!("{what} output"));
-                assert_close(dx, &want_dx, &format!("{what} input gradient"));
-                assert_close(
+                support::assert_close_f32(out, &want_out, &format!("{what} output"));
+                support::assert_close_f32(dx, &want_dx, &format!("{what} input gradient"));
+                support::assert_close_f32(
                     dprobs,
                     &want_dprobs,
                     &format!("{what} probability gradient"),

@@ -4,12 +4,15 @@
 //! it, as the expert-data-parallel reduction makes it), and one expert with top-1 routing is the
 //! dense MLP.
 
+mod support;
+
 use megatron::comm::World;
 use megatron::comm::threads::launch;
 use megatron::kernels::elementwise::gelu_forward;
 use megatron::moe::experts::ExpertShape;
 use megatron::moe::layer::{MoeGrads, MoeWeights, moe_backward, moe_forward};
 use megatron::moe::{LoadBalancing, RouterConfig};
+use support::{assert_close_f32, values};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -19,18 +22,6 @@ const FFN: usize = 12;
 const SEQ: usize = 5;
 const BATCH: usize = 2;
 const TOKENS: usize = SEQ * BATCH;
-
-fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-        })
-        .collect()
-}
 
 fn config() -> RouterConfig {
     RouterConfig {
@@ -109,16 +100,6 @@ fn step(w: &dyn World, data_rank: usize) -> R<Outcome> {
     ))
 }
 
-fn close(got: &[f32], want: &[f32], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
-            "{what}[{i}]: {g} vs {w}"
-        );
-    }
-}
-
 #[test]
 fn expert_parallelism_equals_one_rank_holding_every_expert() {
     for ep in [2, 4] {
@@ -129,9 +110,9 @@ fn expert_parallelism_equals_one_rank_holding_every_expert() {
         let local = EXPERTS / ep;
         for (r, (got, want)) in parallel.iter().zip(&alone).enumerate() {
             let what = format!("ep {ep} rank {r}");
-            close(&got.0, &want.0, &format!("{what} output"));
-            close(&got.1, &want.1, &format!("{what} input gradient"));
-            close(&got.2, &want.2, &format!("{what} gate gradient"));
+            assert_close_f32(&got.0, &want.0, &format!("{what} output"));
+            assert_close_f32(&got.1, &want.1, &format!("{what} input gradient"));
+            assert_close_f32(&got.2, &want.2, &format!("{what} gate gradient"));
             assert_eq!((got.5, got.6), (want.5, want.6), "{what} aux and z losses");
             // Rank r's experts receive every rank's tokens: their gradients are the sum of
             // what each rank alone gives them.
@@ -145,7 +126,7 @@ fn expert_parallelism_equals_one_rank_holding_every_expert() {
                         *s += v;
                     }
                 }
-                close(&pick(got), &sum, &format!("{what} {name} gradient"));
+                assert_close_f32(&pick(got), &sum, &format!("{what} {name} gradient"));
             }
         }
     }
@@ -189,7 +170,7 @@ fn one_expert_with_top_1_is_the_dense_mlp() {
         let want: Vec<f32> = (0..HIDDEN)
             .map(|i| (0..FFN).map(|j| fc2[i * FFN + j] * act[j]).sum())
             .collect();
-        close(
+        assert_close_f32(
             &out[t * HIDDEN..(t + 1) * HIDDEN],
             &want,
             &format!("token {t}"),

@@ -1,4 +1,5 @@
-//! Helpers shared by the integration tests that run the `megatron` binary.
+//! Helpers shared by the integration tests: running the `megatron` binary, and deterministic
+//! values and close comparisons for the numeric ones.
 
 #![allow(dead_code)]
 
@@ -111,4 +112,29 @@ pub fn curve(common: &[&str], dir: &TempDir, name: &str, extra: &[&str]) -> Vec<
             )
         })
         .collect()
+}
+
+/// `n` deterministic values in [-scale/2, scale/2) (a xorshift stream from `seed`).
+pub fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+        })
+        .collect()
+}
+
+/// Asserts that `got` and `want` have the same length and agree to 1e-5 (relative, plus 1e-5
+/// absolute), naming `what` and the first element that does not.
+pub fn assert_close_f32(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+            "{what}[{i}]: {g} vs {w}"
+        );
+    }
 }
