@@ -127,11 +127,8 @@ impl AdamW {
         if let Some(main) = &adam.main {
             let mut main = main.write::<f32>()?;
             for run in &adam.runs {
-                let part = buffers
-                    .values()
-                    .narrow(0, run.range.start, run.range.len())?;
-                main[run.moments..run.moments + run.range.len()]
-                    .copy_from_slice(&part.to_vec_f32()?);
+                let to = &mut main[run.moments..run.moments + run.range.len()];
+                widen_into(buffers.values(), run.range.clone(), to)?;
             }
         }
         Ok(adam)
@@ -185,11 +182,8 @@ impl AdamW {
             Some(main) => {
                 let mut main = main.write::<f32>()?;
                 for run in &self.runs {
-                    let part = buffers
-                        .grads()
-                        .narrow(0, run.range.start, run.range.len())?;
                     let to = &mut main[run.moments..run.moments + run.range.len()];
-                    to.copy_from_slice(&part.to_vec_f32()?);
+                    widen_into(buffers.grads(), run.range.clone(), to)?;
                     unscale(to);
                 }
             }
@@ -465,11 +459,7 @@ impl AdamW {
             for run in &self.runs {
                 let r = run.range.clone();
                 let mr = run.moments..run.moments + r.len();
-                let main_part = Tensor::from_slice(&main[mr], [r.len()])?;
-                buffers
-                    .values()
-                    .narrow(0, r.start, r.len())?
-                    .copy_from(&main_part)?;
+                round_into(buffers.values(), r, &main[mr])?;
             }
         }
         Ok(())
@@ -579,6 +569,32 @@ impl AdamW {
         }
         Ok(())
     }
+}
+
+/// `to = from[range]` widened to f32, for a host tensor of f32, bf16 or fp16 (no copy of the
+/// tensor: each step's main gradients are made this way).
+fn widen_into(from: &Tensor, range: Range<usize>, to: &mut [f32]) -> Result<()> {
+    use half::slice::HalfFloatSliceExt;
+    match from.dtype() {
+        DType::F32 => to.copy_from_slice(&from.read::<f32>()?[range]),
+        DType::BF16 => from.read::<half::bf16>()?[range].convert_to_f32_slice(to),
+        DType::F16 => from.read::<half::f16>()?[range].convert_to_f32_slice(to),
+        other => return invalid!("{other} parameters or gradients cannot be widened to f32"),
+    }
+    Ok(())
+}
+
+/// `to[range] = from` rounded to `to`'s dtype (nearest even), for a host tensor of f32, bf16 or
+/// fp16: the 16-bit values after each update.
+fn round_into(to: &Tensor, range: Range<usize>, from: &[f32]) -> Result<()> {
+    use half::slice::HalfFloatSliceExt;
+    match to.dtype() {
+        DType::F32 => to.write::<f32>()?[range].copy_from_slice(from),
+        DType::BF16 => to.write::<half::bf16>()?[range].convert_from_f32_slice(from),
+        DType::F16 => to.write::<half::f16>()?[range].convert_from_f32_slice(from),
+        other => return invalid!("f32 values cannot be rounded into {other}"),
+    }
+    Ok(())
 }
 
 /// A one-element f32 tensor on `like`'s device (scalars reduced across ranks).
