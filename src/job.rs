@@ -30,6 +30,10 @@ pub struct TrainJob {
     pub model: GptConfig,
     /// Tensor-parallel size.
     pub tp: usize,
+    /// Expert-parallel size (folded into tp × dp, as Megatron-LM folds it).
+    pub ep: usize,
+    /// Expert tensor-parallel size.
+    pub etp: usize,
     /// Data-parallel size.
     pub dp: usize,
     /// Pipeline parallelism: stages, virtual stages, how the layers are cut.
@@ -377,7 +381,12 @@ impl TrainJob {
         } else {
             ""
         };
-        format!("TP={}{pp} × DP={}{sharded}", self.tp, self.dp)
+        let ep = match (self.ep, self.etp) {
+            (1, 1) => String::new(),
+            (ep, 1) => format!(" (EP={ep})"),
+            (ep, etp) => format!(" (EP={ep}, ETP={etp})"),
+        };
+        format!("TP={}{pp} × DP={}{ep}{sharded}", self.tp, self.dp)
     }
 
     fn context<'a>(&self, observers: &'a mut [Box<dyn Observer>]) -> Result<RunContext<'a>> {
@@ -390,7 +399,9 @@ impl TrainJob {
         let layout = ParallelLayout::new(
             &ParallelConfig::new(self.world_size())
                 .with_tp(self.tp)
-                .with_pp(self.pipeline.pp),
+                .with_pp(self.pipeline.pp)
+                .with_ep(self.ep)
+                .with_etp(self.etp),
         )?;
         let plan: BatchPlan = *self.train_data.plan();
         if plan.dp != self.dp {
@@ -457,6 +468,9 @@ impl TrainJob {
                 self.pipeline.group_size,
             )?
         };
+        if let Some(moe) = &self.model.moe {
+            trainer.log_routing(moe.router.num_experts);
+        }
         let first = match &self.load {
             Some(path) => trainer.load_checkpoint(&parallel, path)?.iteration,
             None => 0,

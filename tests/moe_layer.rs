@@ -1,17 +1,19 @@
-//! A MoE layer (router, all-to-all dispatcher, grouped experts) on thread ranks: expert
-//! parallelism over 2 and 4 ranks routes, computes and differentiates exactly as one rank
-//! holding every expert (each expert's gradient being the sum of what every rank's tokens give
-//! it, as the expert-data-parallel reduction makes it), and one expert with top-1 routing is the
-//! dense MLP.
+//! A MoE layer written with the DSL (`#[expert_parallel]`: router, all-to-all dispatcher,
+//! grouped experts, combine) on thread ranks: expert parallelism over 2 and 4 ranks routes,
+//! computes and differentiates exactly as one rank holding every expert (each expert's gradient
+//! being the sum of what every rank's tokens give it, as the expert-data-parallel reduction
+//! makes it), the all-to-alls move exactly the rows the routing implies, and one expert with
+//! top-1 routing is the dense MLP.
 
 mod support;
 
-use megatron::comm::World;
 use megatron::comm::threads::launch;
+use megatron::comm::{OpKind, ParallelState};
 use megatron::kernels::elementwise::gelu_forward;
-use megatron::moe::experts::ExpertShape;
-use megatron::moe::layer::{MoeGrads, MoeWeights, moe_backward, moe_forward};
-use megatron::moe::{LoadBalancing, RouterConfig};
+use megatron::module::{Builder, Cx, Module, Site};
+use megatron::moe::{LoadBalancing, RoutedExperts, RoutedExpertsSpec, RouterConfig};
+use megatron::parallel::{GroupKind, ParallelConfig, ParallelLayout};
+use megatron::prelude::*;
 use support::{assert_close_f32, values};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -23,7 +25,33 @@ const SEQ: usize = 5;
 const BATCH: usize = 2;
 const TOKENS: usize = SEQ * BATCH;
 
-fn config() -> RouterConfig {
+/// The MoE MLP of the tests.
+#[megatron::module]
+pub struct Moe {
+    #[expert_parallel]
+    experts: RoutedExperts,
+}
+
+#[megatron::module]
+impl Moe {
+    fn forward(&self, x: Tensor) -> Tensor {
+        self.experts(x)
+    }
+}
+
+fn spec(router: RouterConfig) -> MoeSpec {
+    MoeSpec {
+        experts: RoutedExpertsSpec {
+            router,
+            hidden: HIDDEN,
+            ffn: FFN,
+            init_std: 0.8,
+            out_init_std: 0.5,
+        },
+    }
+}
+
+fn router() -> RouterConfig {
     RouterConfig {
         aux_loss_coeff: 0.01,
         z_loss_coeff: Some(0.001),
@@ -32,131 +60,116 @@ fn config() -> RouterConfig {
     }
 }
 
-/// Every expert's weights, by global index: fc1 [E, F, H], fc2 [E, H, F]; and the gate.
-fn weights() -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    (
-        values(EXPERTS * HIDDEN, 1, 2.0),
-        values(EXPERTS * FFN * HIDDEN, 2, 0.8),
-        values(EXPERTS * HIDDEN * FFN, 3, 0.8),
-    )
+/// A rank's result: output, input gradient, every parameter's gradient (gate, its experts' fc1
+/// and fc2), and the all-to-alls over ep in forward and backward: (calls, bytes sent) counted
+/// by the communicator, and the bytes the routing implies.
+struct Outcome {
+    out: Vec<f32>,
+    dx: Vec<f32>,
+    grads: Vec<Vec<f32>>,
+    all_to_all: (u64, u64),
+    implied_bytes: u64,
 }
 
-/// A rank's result: output, input gradient, gate gradient, its experts' fc1 and fc2
-/// gradients, aux and z losses.
-type Outcome = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, f32, f32);
-
-/// Token rank `data_rank`'s layer with `ep` ranks of experts, `ep_rank` among them.
-fn step(w: &dyn World, data_rank: usize) -> R<Outcome> {
-    let ranks: Vec<usize> = (0..w.size()).collect();
-    let ep = w.communicator("ep", &ranks)?;
-    let local = EXPERTS / w.size();
-    let shape = ExpertShape {
-        experts: local,
-        hidden: HIDDEN,
-        ffn: FFN,
-    };
-    let (gate, fc1, fc2) = weights();
-    let mine = |all: &[f32]| {
-        let per = all.len() / EXPERTS;
-        all[w.rank() * local * per..(w.rank() + 1) * local * per].to_vec()
-    };
-    let (fc1, fc2) = (mine(&fc1), mine(&fc2));
-    let x = values(TOKENS * HIDDEN, 10 + data_rank as u64, 2.0);
-    let weights = MoeWeights {
-        gate: &gate,
-        fc1: &fc1,
-        fc2: &fc2,
-    };
-    let (out, saved) = moe_forward(ep.as_ref(), &config(), &shape, &x, SEQ, weights, None)?;
-    let dout = values(TOKENS * HIDDEN, 20 + data_rank as u64, 1.0);
-    let (mut dgate, mut dfc1, mut dfc2) = (
-        vec![0.0f32; gate.len()],
-        vec![0.0f32; fc1.len()],
-        vec![0.0f32; fc2.len()],
-    );
-    let grads = MoeGrads {
-        gate: &mut dgate,
-        fc1: &mut dfc1,
-        fc2: &mut dfc2,
-    };
-    let dx = moe_backward(
-        ep.as_ref(),
-        &config(),
-        &shape,
-        &saved,
-        &dout,
-        0.5,
-        weights,
-        grads,
-    )?;
-    Ok((
-        out,
-        dx,
-        dgate,
-        dfc1,
-        dfc2,
-        saved.routing.aux_loss,
-        saved.routing.z_loss,
-    ))
+/// The layer of an ep group of `ep` thread ranks (every rank one data-parallel rank) on token
+/// rank `data_rank`'s tokens, seen from the rank itself.
+fn step(ep: usize, data_rank: Option<usize>, router: RouterConfig) -> R<Vec<Outcome>> {
+    let layout = ParallelLayout::new(&ParallelConfig::new(ep).with_ep(ep))?;
+    Ok(launch(ep, move |w| -> R<Outcome> {
+        let ps = ParallelState::new(&w, &layout)?;
+        let model = Moe::build(&spec(router), &mut Builder::for_rank(7, ps.groups()))?;
+        let rank = data_rank.unwrap_or(ps.groups().rank()) as u64;
+        let x = Tensor::from_vec(
+            values(TOKENS * HIDDEN, 10 + rank, 2.0),
+            [SEQ, BATCH, HIDDEN],
+        )?;
+        let cx = Cx::new(&ps, 3).with_aux_loss_scale(0.5);
+        let before = ps.comm(GroupKind::Ep).stats();
+        let (out, saved) = model.forward(&cx, Site::ROOT, &x)?;
+        let (sent_rows, received_rows) = saved.experts.plan.sent_and_received();
+        let dout = Tensor::from_vec(
+            values(TOKENS * HIDDEN, 20 + rank, 1.0),
+            [SEQ, BATCH, HIDDEN],
+        )?;
+        let dx = model.backward(&cx, Site::ROOT, saved, &dout)?;
+        let stats = ps.comm(GroupKind::Ep).stats().since(&before);
+        let a2a = stats.get(OpKind::AllToAll);
+        let mut grads = Vec::new();
+        model.visit_params(&mut |p| grads.push(p.grad().to_vec::<f32>().unwrap()));
+        // Forward: the per-expert counts (one i64 per expert) and the rows out and back;
+        // backward: the rows out and back again (f32 rows of HIDDEN values).
+        let rows = 2 * (sent_rows + received_rows) * HIDDEN * 4;
+        Ok(Outcome {
+            out: out.to_vec()?,
+            dx: dx.to_vec()?,
+            grads,
+            all_to_all: (a2a.calls, a2a.bytes),
+            implied_bytes: (8 * EXPERTS + rows) as u64,
+        })
+    })?)
 }
 
 #[test]
 fn expert_parallelism_equals_one_rank_holding_every_expert() {
     for ep in [2, 4] {
-        let parallel = launch(ep, |w| step(&w, w.rank())).unwrap();
+        let parallel = step(ep, None, router()).unwrap();
         let alone: Vec<Outcome> = (0..ep)
-            .map(|r| launch(1, move |w| step(&w, r)).unwrap().remove(0))
+            .map(|r| step(1, Some(r), router()).unwrap().remove(0))
             .collect();
         let local = EXPERTS / ep;
         for (r, (got, want)) in parallel.iter().zip(&alone).enumerate() {
             let what = format!("ep {ep} rank {r}");
-            assert_close_f32(&got.0, &want.0, &format!("{what} output"));
-            assert_close_f32(&got.1, &want.1, &format!("{what} input gradient"));
-            assert_close_f32(&got.2, &want.2, &format!("{what} gate gradient"));
-            assert_eq!((got.5, got.6), (want.5, want.6), "{what} aux and z losses");
+            assert_close_f32(&got.out, &want.out, &format!("{what} output"));
+            assert_close_f32(&got.dx, &want.dx, &format!("{what} input gradient"));
+            assert_close_f32(
+                &got.grads[0],
+                &want.grads[0],
+                &format!("{what} gate gradient"),
+            );
             // Rank r's experts receive every rank's tokens: their gradients are the sum of
             // what each rank alone gives them.
-            for (k, name) in [(3, "fc1"), (4, "fc2")] {
-                let pick = |o: &Outcome| if k == 3 { o.3.clone() } else { o.4.clone() };
-                let per = pick(&alone[0]).len() / EXPERTS;
+            for (k, name) in [(1, "fc1"), (2, "fc2")] {
+                let per = alone[0].grads[k].len() / EXPERTS;
                 let span = r * local * per..(r + 1) * local * per;
                 let mut sum = vec![0.0f32; span.len()];
                 for a in &alone {
-                    for (s, v) in sum.iter_mut().zip(&pick(a)[span.clone()]) {
+                    for (s, v) in sum.iter_mut().zip(&a.grads[k][span.clone()]) {
                         *s += v;
                     }
                 }
-                assert_close_f32(&pick(got), &sum, &format!("{what} {name} gradient"));
+                assert_close_f32(&got.grads[k], &sum, &format!("{what} {name} gradient"));
             }
+            // The all-to-alls move exactly what the routing implies.
+            assert_eq!(
+                got.all_to_all,
+                (5, got.implied_bytes),
+                "{what}: all-to-all calls and bytes"
+            );
         }
     }
 }
 
 #[test]
 fn one_expert_with_top_1_is_the_dense_mlp() {
-    let config = RouterConfig {
+    let router = RouterConfig {
         aux_loss_coeff: 0.0,
         ..RouterConfig::new(1, 1)
     };
-    let shape = ExpertShape {
-        experts: 1,
-        hidden: HIDDEN,
-        ffn: FFN,
-    };
-    let x = values(TOKENS * HIDDEN, 5, 2.0);
-    let (gate, fc1, fc2) = (
-        values(HIDDEN, 6, 1.0),
-        values(FFN * HIDDEN, 7, 0.8),
-        values(HIDDEN * FFN, 8, 0.8),
-    );
-    let out = launch(1, |w| -> R<Vec<f32>> {
-        let ep = w.communicator("ep", &[0])?;
-        let weights = MoeWeights {
-            gate: &gate,
-            fc1: &fc1,
-            fc2: &fc2,
-        };
-        Ok(moe_forward(ep.as_ref(), &config, &shape, &x, SEQ, weights, None)?.0)
+    let layout = ParallelLayout::new(&ParallelConfig::new(1)).unwrap();
+    let (x, out, fc1, fc2) = launch(1, |w| -> R<_> {
+        let ps = ParallelState::new(&w, &layout)?;
+        let model = Moe::build(&spec(router), &mut Builder::for_rank(5, ps.groups()))?;
+        let x = values(TOKENS * HIDDEN, 5, 2.0);
+        let input = Tensor::from_vec(x.clone(), [SEQ, BATCH, HIDDEN])?;
+        let (out, _) = model.forward(&Cx::new(&ps, 1), Site::ROOT, &input)?;
+        let mut weights = Vec::new();
+        model.visit_params(&mut |p| weights.push(p.value().to_vec::<f32>().unwrap()));
+        Ok((
+            x,
+            out.to_vec::<f32>()?,
+            weights[1].clone(),
+            weights[2].clone(),
+        ))
     })
     .unwrap()
     .remove(0);

@@ -82,6 +82,9 @@ pub enum FieldKind {
     },
     /// `#[vocab_parallel]`: an embedding whose vocabulary rows are split.
     Vocab,
+    /// `#[expert_parallel]`: a router and experts split over expert parallelism; tokens go to
+    /// their experts and back by the dispatcher's all-to-alls.
+    Expert,
     /// No attribute or `#[replicated]`: a layer or a sub-module, whole on every rank.
     Replicated,
     /// A `Vec<T>` without attribute (or `#[replicated]`): a stack of sub-modules; with
@@ -115,6 +118,7 @@ impl FieldKind {
                 input_is_parallel: false,
             } => "#[row_parallel(input_is_parallel = false)]",
             FieldKind::Vocab => "#[vocab_parallel]",
+            FieldKind::Expert => "#[expert_parallel]",
             FieldKind::Replicated => "a replicated layer or module (no attribute)",
             FieldKind::Stack {
                 pipeline: false, ..
@@ -127,10 +131,11 @@ impl FieldKind {
 }
 
 /// The DSL's field attributes.
-const KIND_ATTRIBUTES: [&str; 7] = [
+const KIND_ATTRIBUTES: [&str; 8] = [
     "column_parallel",
     "row_parallel",
     "vocab_parallel",
+    "expert_parallel",
     "replicated",
     "pipeline",
     "op",
@@ -138,11 +143,11 @@ const KIND_ATTRIBUTES: [&str; 7] = [
 ];
 
 /// The kinds a field may take, for messages.
-const KINDS_HELP: &str = "#[column_parallel], #[row_parallel], #[vocab_parallel], #[replicated], \
-     #[pipeline], #[op], #[config]";
+const KINDS_HELP: &str = "#[column_parallel], #[row_parallel], #[vocab_parallel], \
+     #[expert_parallel], #[replicated], #[pipeline], #[op], #[config]";
 
 /// Attributes the design names but this version does not implement.
-const FUTURE_ATTRIBUTES: [&str; 2] = ["expert_parallel", "graph_scope"];
+const FUTURE_ATTRIBUTES: [&str; 1] = ["graph_scope"];
 
 /// Parses a struct given to `#[megatron::module]`.
 pub fn parse_struct(item: syn::ItemStruct) -> syn::Result<ModuleStruct> {
@@ -343,6 +348,7 @@ fn parse_kind_attribute(name: &str, attr: &Attribute) -> syn::Result<FieldKind> 
             input_is_parallel: input_is_parallel.unwrap_or(true),
         },
         "vocab_parallel" => FieldKind::Vocab,
+        "expert_parallel" => FieldKind::Expert,
         "replicated" => FieldKind::Replicated,
         // The element type is read from the field's type by the caller.
         "pipeline" => FieldKind::Stack {

@@ -288,6 +288,19 @@ impl Checker<'_> {
                         );
                         self.set(out, Sharding::Replicated, Origin { text, column: None });
                     }
+                    FieldKind::Expert => {
+                        let who = format!("#[expert_parallel] `{name}`");
+                        if !self.arity(n, &who, 1) {
+                            return;
+                        }
+                        let (v, src) = arg(0);
+                        self.arg(&who, Want::Replicated, v, src);
+                        let text = format!(
+                            "it comes from #[expert_parallel] `{name}`, whose combine brings every \
+                             token's expert outputs back"
+                        );
+                        self.set(out, Sharding::Replicated, Origin { text, column: None });
+                    }
                     FieldKind::Replicated => {
                         let who =
                             format!("`{name}` (no split attribute: it runs whole on every rank)");

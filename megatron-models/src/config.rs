@@ -2,7 +2,96 @@
 
 use megatron_core::Result;
 use megatron_core::invalid;
+use megatron_core::moe::RouterConfig;
 use megatron_core::tensor_parallel::padded_vocab_size;
+
+/// Which layers are MoE layers (`--moe-layer-freq`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MoeLayerFreq {
+    /// Every k-th layer, starting with the first (`--moe-layer-freq k`; 1: all of them).
+    Every(usize),
+    /// One entry per layer, 1 for MoE and 0 for dense (`--moe-layer-freq [0,1,1,1]`).
+    Pattern(Vec<u8>),
+}
+
+impl MoeLayerFreq {
+    /// Parses Megatron-LM's forms: an integer, or a list of 0s and 1s such as `[0,1,1]` (a
+    /// repetition such as `[0]*1+[1]*3` is also accepted, as Megatron-LM evaluates it).
+    pub fn parse(text: &str) -> std::result::Result<MoeLayerFreq, String> {
+        let t = text.trim();
+        if let Ok(k) = t.parse::<usize>() {
+            return if k == 0 {
+                Err("--moe-layer-freq must be at least 1".into())
+            } else {
+                Ok(MoeLayerFreq::Every(k))
+            };
+        }
+        let mut pattern = Vec::new();
+        for term in t.split('+') {
+            let term = term.trim();
+            let (list, times) = match term.split_once('*') {
+                Some((list, n)) => (
+                    list.trim(),
+                    n.trim()
+                        .parse::<usize>()
+                        .map_err(|_| format!("--moe-layer-freq {text}: `{n}` is not a count"))?,
+                ),
+                None => (term, 1),
+            };
+            let inner = list
+                .strip_prefix('[')
+                .and_then(|l| l.strip_suffix(']'))
+                .ok_or_else(|| {
+                    format!("--moe-layer-freq {text}: write an integer or a list such as [0,1,1,1]")
+                })?;
+            let mut items = Vec::new();
+            for item in inner.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+                match item {
+                    "0" => items.push(0),
+                    "1" => items.push(1),
+                    _ => {
+                        return Err(format!(
+                            "--moe-layer-freq {text}: `{item}` is not 0 (dense) or 1 (MoE)"
+                        ));
+                    }
+                }
+            }
+            for _ in 0..times {
+                pattern.extend_from_slice(&items);
+            }
+        }
+        Ok(MoeLayerFreq::Pattern(pattern))
+    }
+
+    /// Whether each of `layers` layers is a MoE layer, or why the pattern does not fit.
+    pub fn layers(&self, layers: usize) -> Result<Vec<bool>> {
+        match self {
+            MoeLayerFreq::Every(k) => Ok((0..layers).map(|i| i % k.max(&1) == 0).collect()),
+            MoeLayerFreq::Pattern(p) if p.len() == layers => {
+                Ok(p.iter().map(|&b| b == 1).collect())
+            }
+            MoeLayerFreq::Pattern(p) => invalid!(
+                "--moe-layer-freq lists {} layers but the model has --num-layers {layers}",
+                p.len()
+            ),
+        }
+    }
+}
+
+/// A GPT's mixture-of-experts settings (Megatron-LM's `--num-experts` family).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MoeConfig {
+    /// The router: `--num-experts`, `--moe-router-topk`, scores, losses and capacity.
+    pub router: RouterConfig,
+    /// Each expert's hidden layer (`--moe-ffn-hidden-size`).
+    pub ffn_hidden_size: usize,
+    /// Which layers are MoE layers (`--moe-layer-freq`).
+    pub layer_freq: MoeLayerFreq,
+    /// The shared experts' hidden layer, summed with the routed experts' output
+    /// (`--moe-shared-expert-intermediate-size`); `None` without shared experts.
+    pub shared_expert_ffn: Option<usize>,
+}
 
 /// The architecture of a GPT (GPT-2 / Megatron-LM style).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -29,6 +118,10 @@ pub struct GptConfig {
     pub make_vocab_size_divisible_by: usize,
     /// Layer-norm ε.
     pub layernorm_epsilon: f32,
+    /// Mixture of experts in the MLPs (`--num-experts` and the `--moe-*` flags); `None`: a
+    /// dense GPT.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
 }
 
 impl GptConfig {
@@ -53,7 +146,53 @@ impl GptConfig {
             init_method_std: 0.02,
             make_vocab_size_divisible_by: 128,
             layernorm_epsilon: 1e-5,
+            moe: None,
         }
+    }
+
+    /// The same GPT with mixture-of-experts MLPs.
+    pub fn with_moe(mut self, moe: MoeConfig) -> Self {
+        self.moe = Some(moe);
+        self
+    }
+
+    /// Whether each layer's MLP is a MoE layer (none for a dense GPT).
+    pub fn moe_layers(&self) -> Result<Vec<bool>> {
+        match &self.moe {
+            None => Ok(vec![false; self.num_layers]),
+            Some(moe) => moe.layer_freq.layers(self.num_layers),
+        }
+    }
+
+    /// Checks that the sizes divide as tensor parallelism over `tp` ranks and expert
+    /// parallelism over `ep` ranks need; every message names the numbers.
+    pub fn validate_parallel(&self, tp: usize, ep: usize) -> Result<()> {
+        self.validate(tp)?;
+        let Some(moe) = &self.moe else {
+            return Ok(());
+        };
+        moe.router
+            .validate()
+            .map_err(|e| megatron_core::Error::Invalid(e.to_string()))?;
+        self.moe_layers()?;
+        let experts = moe.router.num_experts;
+        if !experts.is_multiple_of(ep) {
+            return invalid!(
+                "--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}"
+            );
+        }
+        if moe.ffn_hidden_size == 0 {
+            return invalid!("--moe-ffn-hidden-size must be at least 1");
+        }
+        if let Some(shared) = moe.shared_expert_ffn
+            && !shared.is_multiple_of(tp)
+        {
+            return invalid!(
+                "--moe-shared-expert-intermediate-size {shared} is not divisible by \
+                 tensor-parallel size {tp}"
+            );
+        }
+        Ok(())
     }
 
     /// Checks that the sizes divide as tensor parallelism over `tp` ranks needs; every message
@@ -114,17 +253,45 @@ impl GptConfig {
     }
 
     /// Parameters of the whole model (the padded vocabulary at `tp`; the tied output layer
-    /// counted once).
+    /// counted once; every expert).
     pub fn num_params(&self, tp: usize) -> usize {
-        let (h, f, l) = (self.hidden_size, self.ffn_hidden_size, self.num_layers);
-        let block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (f * h + f) + (h * f + h);
-        self.padded_vocab_size(tp) * h + self.max_position_embeddings * h + l * block + 2 * h
+        self.params(tp, false)
     }
 
-    /// Model FLOPs of one training token of a sequence of `seq` tokens: 6 per parameter (forward
-    /// and backward), plus attention's two batched products (12·layers·seq·hidden).
+    /// Parameters one token uses: [`GptConfig::num_params`] with each MoE layer's experts
+    /// counted top-k times, not every one (the same as `num_params` for a dense GPT).
+    pub fn active_params(&self, tp: usize) -> usize {
+        self.params(tp, true)
+    }
+
+    fn params(&self, tp: usize, active: bool) -> usize {
+        let (h, f) = (self.hidden_size, self.ffn_hidden_size);
+        let mlp = |f: usize| (f * h + f) + (h * f + h);
+        let common = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h);
+        let moe_layers = self.moe_layers().unwrap_or_default();
+        let layers: usize = moe_layers
+            .iter()
+            .map(|&is_moe| match (&self.moe, is_moe) {
+                (Some(moe), true) => {
+                    let e = moe.router.num_experts;
+                    let used = if active { moe.router.topk } else { e };
+                    common
+                        + e * h
+                        + used * 2 * h * moe.ffn_hidden_size
+                        + moe.shared_expert_ffn.map_or(0, mlp)
+                }
+                _ => common + mlp(f),
+            })
+            .sum();
+        self.padded_vocab_size(tp) * h + self.max_position_embeddings * h + layers + 2 * h
+    }
+
+    /// Model FLOPs of one training token of a sequence of `seq` tokens: 6 per parameter the
+    /// token uses (forward and backward), plus attention's two batched products
+    /// (12·layers·seq·hidden).
     pub fn flops_per_token(&self, seq: usize, tp: usize) -> f64 {
-        6.0 * self.num_params(tp) as f64 + 12.0 * (self.num_layers * seq * self.hidden_size) as f64
+        6.0 * self.active_params(tp) as f64
+            + 12.0 * (self.num_layers * seq * self.hidden_size) as f64
     }
 }
 
@@ -170,7 +337,7 @@ mod init_tests {
         let spec = c.spec();
         let out_std = 0.02 / 4.0; // 1/√(2·8)
         assert_eq!(spec.blocks[3].attn.proj.init_std, out_std);
-        assert_eq!(spec.blocks[3].mlp.fc2.init_std, out_std);
+        assert_eq!(spec.blocks[3].mlp.dense().unwrap().fc2.init_std, out_std);
         assert_eq!(spec.blocks[3].attn.qkv.init_std, 0.02);
         assert_eq!(spec.wte.init_std, 0.02);
         // The drawn weights have those spreads, and biases start at zero.
@@ -178,12 +345,30 @@ mod init_tests {
         let std = |v: Vec<f32>| {
             (v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>() / v.len() as f64).sqrt()
         };
-        let fc1 = std(model.blocks[0].mlp.fc1.weight().value().to_vec().unwrap());
-        let fc2 = std(model.blocks[0].mlp.fc2.weight().value().to_vec().unwrap());
+        let fc1 = std(model.blocks[0]
+            .mlp
+            .dense()
+            .unwrap()
+            .fc1
+            .weight()
+            .value()
+            .to_vec()
+            .unwrap());
+        let fc2 = std(model.blocks[0]
+            .mlp
+            .dense()
+            .unwrap()
+            .fc2
+            .weight()
+            .value()
+            .to_vec()
+            .unwrap());
         assert!((fc1 - 0.02).abs() < 0.002, "{fc1}");
         assert!((fc2 - 0.005).abs() < 0.0005, "{fc2}");
         let bias = model.blocks[0]
             .mlp
+            .dense()
+            .unwrap()
             .fc1
             .bias()
             .unwrap()

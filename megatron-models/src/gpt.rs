@@ -9,11 +9,13 @@
 
 use megatron_core::Result;
 use megatron_core::module::{Cx, Ids, Site};
+use megatron_core::moe::RoutedExpertsSpec;
 use megatron_core::prelude::*;
 use megatron_core::training::{LanguageModel, PipelinedLanguageModel};
 use megatron_macros::module;
 
 use crate::config::GptConfig;
+use crate::moe::{Ffn, FfnSpec, MoeMlpSpec, SharedMoeMlpSpec};
 
 /// The feed-forward block: fc1 split by output features, GeLU, fc2 split by input features.
 #[module]
@@ -66,8 +68,8 @@ pub struct Block {
     pub attn: Attention,
     /// Norm before the MLP.
     pub ln2: LayerNorm,
-    /// The MLP.
-    pub mlp: Mlp,
+    /// The MLP: dense, or a mixture of experts (see [`Ffn`]).
+    pub mlp: Ffn,
     /// Dropout on the branches' outputs.
     #[config]
     pub hidden_dropout: f32,
@@ -124,20 +126,50 @@ impl GptConfig {
             hidden: h,
             eps: self.layernorm_epsilon,
         };
-        let block = BlockSpec {
-            ln1: ln.clone(),
-            attn: AttentionSpec {
-                qkv: LinearSpec::new(h, 3 * h).with_init_std(std),
-                core: CausalSelfAttention::new(self.num_attention_heads, self.attention_dropout),
-                proj: LinearSpec::new(h, h).with_init_std(out_std),
-            },
-            ln2: ln.clone(),
-            mlp: MlpSpec {
-                fc1: LinearSpec::new(h, self.ffn_hidden_size).with_init_std(std),
-                fc2: LinearSpec::new(self.ffn_hidden_size, h).with_init_std(out_std),
-            },
-            hidden_dropout: self.hidden_dropout,
+        let mlp = |ffn: usize| MlpSpec {
+            fc1: LinearSpec::new(h, ffn).with_init_std(std),
+            fc2: LinearSpec::new(ffn, h).with_init_std(out_std),
         };
+        let ffn = |is_moe: bool| match (&self.moe, is_moe) {
+            (Some(moe), true) => {
+                let experts = RoutedExpertsSpec {
+                    router: moe.router,
+                    hidden: h,
+                    ffn: moe.ffn_hidden_size,
+                    init_std: std,
+                    out_init_std: out_std,
+                };
+                match moe.shared_expert_ffn {
+                    None => FfnSpec::Moe(MoeMlpSpec { experts }),
+                    Some(shared) => FfnSpec::SharedMoe(SharedMoeMlpSpec {
+                        experts,
+                        shared: mlp(shared),
+                    }),
+                }
+            }
+            _ => FfnSpec::Dense(mlp(self.ffn_hidden_size)),
+        };
+        // A pattern that does not fit is reported by `validate_parallel`; here it is dense.
+        let moe_layers = self
+            .moe_layers()
+            .unwrap_or_else(|_| vec![false; self.num_layers]);
+        let blocks = moe_layers
+            .into_iter()
+            .map(|is_moe| BlockSpec {
+                ln1: ln.clone(),
+                attn: AttentionSpec {
+                    qkv: LinearSpec::new(h, 3 * h).with_init_std(std),
+                    core: CausalSelfAttention::new(
+                        self.num_attention_heads,
+                        self.attention_dropout,
+                    ),
+                    proj: LinearSpec::new(h, h).with_init_std(out_std),
+                },
+                ln2: ln.clone(),
+                mlp: ffn(is_moe),
+                hidden_dropout: self.hidden_dropout,
+            })
+            .collect();
         GptSpec {
             wte: EmbeddingSpec {
                 vocab_size: self.vocab_size,
@@ -150,7 +182,7 @@ impl GptConfig {
                 hidden: h,
                 init_std: std,
             },
-            blocks: vec![block; self.num_layers],
+            blocks,
             ln_f: ln,
             embedding_dropout: self.hidden_dropout,
         }

@@ -2,7 +2,8 @@
 
 pub mod config;
 pub mod gpt;
+pub mod moe;
 pub mod registry;
 
-pub use config::GptConfig;
+pub use config::{GptConfig, MoeConfig, MoeLayerFreq};
 pub use registry::{ModelPreset, preset, presets};

@@ -1,6 +1,8 @@
 //! Models registered by name: `megatron train --model NAME` looks them up here.
 
-use crate::config::GptConfig;
+use megatron_core::moe::RouterConfig;
+
+use crate::config::{GptConfig, MoeConfig, MoeLayerFreq};
 
 /// A named architecture.
 #[derive(Debug)]
@@ -39,6 +41,44 @@ inventory::submit! {
 
 inventory::submit! {
     ModelPreset {
+        name: "gpt-moe-tiny",
+        description: "gpt-tiny with MoE MLPs: 8 experts of ffn 256, top-2, aux loss 0.01: trains on a CPU in minutes",
+        config: || {
+            GptConfig::new(4, 128, 4, 256, 256).with_moe(MoeConfig {
+                router: RouterConfig {
+                    aux_loss_coeff: 0.01,
+                    ..RouterConfig::new(8, 2)
+                },
+                ffn_hidden_size: 256,
+                layer_freq: MoeLayerFreq::Every(1),
+                shared_expert_ffn: None,
+            })
+        },
+    }
+}
+
+inventory::submit! {
+    ModelPreset {
+        name: "mixtral-8x7b",
+        description: "Mixtral-8x7B-shaped (for inspect): 32 layers, hidden 4096, 32 heads, 8 experts of ffn 14336, top-2; GeLU experts, full heads, learned positions: 32.5B parameters, 9.9B active",
+        config: || {
+            let mut c = GptConfig::new(32, 4096, 32, 32000, 32768);
+            c.ffn_hidden_size = 14336;
+            c.with_moe(MoeConfig {
+                router: RouterConfig {
+                    aux_loss_coeff: 0.02,
+                    ..RouterConfig::new(8, 2)
+                },
+                ffn_hidden_size: 14336,
+                layer_freq: MoeLayerFreq::Every(1),
+                shared_expert_ffn: None,
+            })
+        },
+    }
+}
+
+inventory::submit! {
+    ModelPreset {
         name: "gpt2-small",
         description: "GPT-2 small (124M): 12 layers, hidden 768, 12 heads, vocabulary 50,257",
         config: || GptConfig::new(12, 768, 12, 50257, 1024),
@@ -68,10 +108,30 @@ mod tests {
     #[test]
     fn presets_are_registered() {
         let names: Vec<&str> = presets().iter().map(|p| p.name).collect();
-        assert_eq!(names, ["gpt-1.2b", "gpt-tiny", "gpt2-medium", "gpt2-small"]);
+        assert_eq!(
+            names,
+            [
+                "gpt-1.2b",
+                "gpt-moe-tiny",
+                "gpt-tiny",
+                "gpt2-medium",
+                "gpt2-small",
+                "mixtral-8x7b"
+            ]
+        );
         let big = (preset("gpt-1.2b").unwrap().config)();
         let params = big.num_params(1) as f64 / 1e9;
         assert!((1.15..1.3).contains(&params), "{params}");
         assert!(preset("gpt-3").is_none());
+        // Mixtral-8x7B has 46.7B parameters, 12.9B active per token. Its experts are SwiGLU
+        // (three h × ffn matrices, 45.1B over 32 layers × 8 experts), these GeLU MLPs (two:
+        // 30.1B); its attention has 8 key-value heads (1.34B), this one full heads (2.15B); and
+        // learned positions add 0.13B: 46.7 − 15.0 + 0.8 + 0.13 ≈ 32.5B. Active: two experts
+        // of each layer (7.5B) and the rest (2.4B).
+        let mixtral = (preset("mixtral-8x7b").unwrap().config)();
+        let total = mixtral.num_params(1) as f64 / 1e9;
+        let active = mixtral.active_params(1) as f64 / 1e9;
+        assert!((32.3..32.7).contains(&total), "{total}");
+        assert!((9.7..10.1).contains(&active), "{active}");
     }
 }

@@ -54,6 +54,13 @@ pub struct InspectArgs {
     /// Data-parallel ranks: the bytes of each rank's parameters, gradients and optimizer state.
     #[arg(long = "data-parallel-size", visible_alias = "dp", default_value_t = 1)]
     dp: usize,
+    /// Expert-parallel ranks (MoE models): each holds its share of every MoE layer's experts.
+    #[arg(
+        long = "expert-model-parallel-size",
+        visible_alias = "ep",
+        default_value_t = 1
+    )]
+    ep: usize,
     /// With Megatron-LM's distributed optimizer (the optimizer state split over the
     /// data-parallel ranks).
     #[arg(long)]
@@ -80,7 +87,7 @@ pub struct InspectArgs {
 /// distributed optimizer: (total, values, gradients, optimizer).
 fn state_bytes(
     specs: &[ParamSpec],
-    dp: usize,
+    (dp, edp): (usize, usize),
     distributed: bool,
     precision: &Precision,
 ) -> Result<(f64, f64, f64, f64)> {
@@ -92,17 +99,24 @@ fn state_bytes(
             numel: s.local.numel(),
             dtype: precision.params,
             shared_embedding: false,
-            expert: false,
+            expert: s.is_expert(),
         })
         .collect();
     let config = LayoutConfig {
         bucket_size: Some(megatron::training::default_bucket_elements(dp)),
         distributed_optimizer: distributed,
         grad_reduce_in_fp32: precision.grads == DType::F32,
+        edp,
         ..LayoutConfig::new(dp)
     };
-    let buffer: usize = layout(&params, &config)?.iter().map(|b| b.numel()).sum();
-    let state = if distributed { buffer / dp } else { buffer };
+    let buffers = layout(&params, &config)?;
+    let buffer: usize = buffers.iter().map(|b| b.numel()).sum();
+    // With the distributed optimizer each buffer's state is split over its shards (dp for
+    // dense parameters, edp for the experts').
+    let state: usize = buffers
+        .iter()
+        .map(|b| b.numel() / b.shards.unwrap_or(1))
+        .sum();
     let per =
         |bytes: usize| bytes as f64 / params.iter().map(|p| p.numel).sum::<usize>().max(1) as f64;
     // Adam's two moments, and with 16-bit parameters the f32 main parameters (and main
@@ -244,10 +258,26 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     if args.tp == 0 {
         bail!("--tensor-model-parallel-size must be at least 1");
     }
-    let config = args.arch.config(args.tp)?;
+    if args.dp == 0 || args.ep == 0 {
+        bail!("--data-parallel-size and --expert-model-parallel-size must be at least 1");
+    }
+    if !(args.tp * args.dp).is_multiple_of(args.ep) {
+        bail!(
+            "--expert-model-parallel-size {} does not divide tp × dp = {} × {} (the expert \
+             layout folds the same ranks as ep × edp)",
+            args.ep,
+            args.tp,
+            args.dp
+        );
+    }
+    let edp = args.tp * args.dp / args.ep;
+    let config = args.arch.config(args.tp, args.ep)?;
     let model = Gpt::build(
         &config.spec(),
-        &mut Builder::new(0).with_group(GroupKind::Tp, 0, args.tp).meta(),
+        &mut Builder::new(0)
+            .with_group(GroupKind::Tp, 0, args.tp)
+            .with_group(GroupKind::Ep, 0, args.ep)
+            .meta(),
     )?;
     let mut specs = Vec::new();
     model.visit_params(&mut |p| specs.push(p.spec().clone()));
@@ -261,9 +291,6 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     // Each boundary between virtual stages carries a b·s·h f32 activation forward and its
     // gradient back, per microbatch.
     let boundaries = args.pp * args.vpp - 1;
-    if args.dp == 0 {
-        bail!("--data-parallel-size must be at least 1");
-    }
     let precision = Precision::from_flags(&PrecisionFlags {
         bf16: args.bf16,
         fp16: args.fp16,
@@ -271,8 +298,13 @@ pub fn run(args: &InspectArgs) -> Result<()> {
         grad_reduce_in_bf16: args.grad_reduce_in_bf16,
         ..PrecisionFlags::default()
     })?;
-    let (state_total, state_values, state_grads, state_optimizer) =
-        state_bytes(&specs, args.dp, args.use_distributed_optimizer, &precision)?;
+    let (state_total, state_values, state_grads, state_optimizer) = state_bytes(
+        &specs,
+        (args.dp, edp),
+        args.use_distributed_optimizer,
+        &precision,
+    )?;
+    let active = config.active_params(args.tp);
     if args.json {
         let params: Vec<Value> = specs
             .iter()
@@ -290,6 +322,15 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             "padded_vocab_size": padded,
             "parameters_total": total,
             "parameters_per_rank": local,
+            "parameters_active_per_token": active,
+            "moe": config.moe.as_ref().map(|m| json!({
+                "num_experts": m.router.num_experts,
+                "topk": m.router.topk,
+                "ffn_hidden_size": m.ffn_hidden_size,
+                "moe_layers": config.moe_layers().unwrap_or_default().iter().filter(|&&b| b).count(),
+                "ep": args.ep,
+                "edp": edp,
+            })),
             "parameters": params,
             "state_bytes_per_param": {
                 "dp": args.dp,
@@ -338,10 +379,26 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     );
     let _ = writeln!(
         out,
-        "parameters: {:.2}M in total, {:.2}M on each rank\n",
+        "parameters: {:.2}M in total, {:.2}M on each rank",
         total as f64 / 1e6,
         local as f64 / 1e6
     );
+    if let Some(moe) = &config.moe {
+        let layers = config.moe_layers()?;
+        let _ = writeln!(
+            out,
+            "mixture of experts: {} of {} layers, {} experts of ffn {} each, top-{}; {:.2}M \
+             parameters active per token; experts split over ep {} (edp {edp})",
+            layers.iter().filter(|&&b| b).count(),
+            layers.len(),
+            moe.router.num_experts,
+            moe.ffn_hidden_size,
+            moe.router.topk,
+            active as f64 / 1e6,
+            args.ep
+        );
+    }
+    out.push('\n');
     let _ = writeln!(
         out,
         "state of a rank at dp {}{}, {} parameters and {} gradients: {state_total:.1} bytes per \
@@ -361,9 +418,15 @@ pub fn run(args: &InspectArgs) -> Result<()> {
         "{:<28} {:<16} {:<16} split",
         "parameter", "logical", "local"
     );
+    // The first dense block and the first MoE block stand for the others.
+    let layers = config.moe_layers()?;
+    let shown: Vec<String> = [false, true]
+        .iter()
+        .filter_map(|kind| layers.iter().position(|b| b == kind))
+        .map(|i| format!("blocks.{i}."))
+        .collect();
     for s in &specs {
-        // One block stands for all of them.
-        if s.name.starts_with("blocks.") && !s.name.starts_with("blocks.0.") {
+        if s.name.starts_with("blocks.") && !shown.iter().any(|b| s.name.starts_with(b)) {
             continue;
         }
         let _ = writeln!(
@@ -374,13 +437,17 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             s.local.to_string(),
             split_name(s)
         );
-        if s.name == "blocks.0.mlp.fc2.bias" && config.num_layers > 1 {
-            let _ = writeln!(
-                out,
-                "{:<28} (as blocks.0)",
-                format!("blocks.1 … blocks.{}", config.num_layers - 1)
-            );
-        }
+    }
+    if config.num_layers > shown.len() {
+        let _ = writeln!(
+            out,
+            "(the other blocks as the one shown of their kind{})",
+            if config.moe.is_some() {
+                ": dense or MoE"
+            } else {
+                ""
+            }
+        );
     }
     let _ = writeln!(
         out,

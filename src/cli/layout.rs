@@ -133,7 +133,7 @@ fn model_params(args: &LayoutArgs) -> Result<Vec<ParamInfo>> {
     if args.tp == 0 {
         bail!("--tensor-model-parallel-size must be at least 1");
     }
-    let config = args.arch.config(args.tp)?;
+    let config = args.arch.config(args.tp, 1)?;
     let model = Gpt::build(
         &config.spec(),
         &mut Builder::new(0).with_group(GroupKind::Tp, 0, args.tp).meta(),
@@ -152,7 +152,7 @@ fn model_params(args: &LayoutArgs) -> Result<Vec<ParamInfo>> {
             numel: p.spec().local.numel(),
             dtype,
             shared_embedding: false,
-            expert: false,
+            expert: p.spec().is_expert(),
         })
     });
     Ok(params)

@@ -11,6 +11,7 @@ pub mod layout;
 pub mod logging;
 pub mod model_args;
 pub mod models;
+pub mod moe_args;
 pub mod observers;
 pub mod plot;
 pub mod preprocess;

@@ -4,6 +4,8 @@ use anyhow::{Result, bail};
 use clap::Args;
 use megatron::models::{GptConfig, preset, presets};
 
+use super::moe_args::MoeArgs;
+
 /// A registered model and explicit overrides of its architecture.
 #[derive(Debug, Args)]
 pub struct ArchitectureArgs {
@@ -41,6 +43,8 @@ pub struct ArchitectureArgs {
     /// Dropout on attention weights [default: the preset's, 0.1].
     #[arg(long)]
     attention_dropout: Option<f32>,
+    #[command(flatten)]
+    moe: MoeArgs,
 }
 
 /// The preset a run uses when none is named.
@@ -74,9 +78,10 @@ impl ArchitectureArgs {
         self.vocab_size
     }
 
-    /// The preset with the overrides applied, checked for `tp` tensor-parallel ranks.
-    pub fn config(&self, tp: usize) -> Result<GptConfig> {
-        self.apply(preset_config(self.model_name())?, tp)
+    /// The preset with the overrides applied, checked for `tp` tensor-parallel and `ep`
+    /// expert-parallel ranks.
+    pub fn config(&self, tp: usize, ep: usize) -> Result<GptConfig> {
+        self.apply(preset_config(self.model_name())?, tp, ep)
     }
 
     /// Refuses flags that contradict the architecture of a checkpoint (`saved`, recorded as
@@ -104,6 +109,11 @@ impl ArchitectureArgs {
                 saved.max_position_embeddings,
             ),
             ("vocab-size", self.vocab_size, saved.vocab_size),
+            (
+                "num-experts",
+                self.moe.num_experts(),
+                saved.moe.as_ref().map_or(0, |m| m.router.num_experts),
+            ),
         ] {
             if let Some(given) = given
                 && given != held
@@ -151,8 +161,8 @@ impl ArchitectureArgs {
     }
 
     /// `base` (a preset, or the architecture a checkpoint records) with the overrides applied,
-    /// checked for `tp` tensor-parallel ranks.
-    pub fn apply(&self, base: GptConfig, tp: usize) -> Result<GptConfig> {
+    /// checked for `tp` tensor-parallel and `ep` expert-parallel ranks.
+    pub fn apply(&self, base: GptConfig, tp: usize, ep: usize) -> Result<GptConfig> {
         let mut c = base;
         if let Some(v) = self.hidden_size {
             c.hidden_size = v;
@@ -181,7 +191,8 @@ impl ArchitectureArgs {
                 *field = v;
             }
         }
-        c.validate(tp)?;
+        self.moe.apply(&mut c)?;
+        c.validate_parallel(tp, ep)?;
         Ok(c)
     }
 }

@@ -48,8 +48,16 @@ impl Observer for Progress {
                  after --hysteresis such steps)"
             );
         }
+        let moe = m.routing.as_ref().map_or(String::new(), |r| {
+            let (min, _, max) = r.tokens_min_mean_max();
+            format!(
+                " | aux {:.4} | tokens/expert {min}..{max} | dropped {:.1}%",
+                r.mean_aux_loss(),
+                100.0 * r.dropped_fraction()
+            )
+        });
         self.bar.set_message(format!(
-            "loss {:.4} | {:.0} tok/s",
+            "loss {:.4}{moe} | {:.0} tok/s",
             m.loss,
             m.tokens as f64 / m.seconds
         ));
@@ -124,6 +132,18 @@ impl Observer for JsonLog {
             v["loss_scale"] = json!(scale);
             v["skipped"] = json!(m.skipped);
         }
+        if let Some(r) = &m.routing {
+            let (min, mean, max) = r.tokens_min_mean_max();
+            v["moe"] = json!({
+                "aux_loss": r.mean_aux_loss(),
+                "z_loss": r.mean_z_loss(),
+                "tokens_per_expert": r.tokens_per_expert,
+                "tokens_per_expert_min": min,
+                "tokens_per_expert_mean": mean,
+                "tokens_per_expert_max": max,
+                "dropped_fraction": r.dropped_fraction(),
+            });
+        }
         if self.comm {
             v["comm"] = comm_json(&m.comm);
         }
@@ -166,6 +186,20 @@ impl Observer for TensorBoard {
         }
         if let Some(scale) = m.loss_scale {
             self.writer.scalar("loss-scale", step, scale)?;
+        }
+        if let Some(r) = &m.routing {
+            // Megatron-LM's MoE tags, and the spread of the experts' loads.
+            let (min, mean, max) = r.tokens_min_mean_max();
+            self.writer
+                .scalar("load_balancing_loss", step, r.mean_aux_loss())?;
+            self.writer.scalar("z_loss", step, r.mean_z_loss())?;
+            self.writer
+                .scalar("tokens-per-expert-min", step, min as f64)?;
+            self.writer.scalar("tokens-per-expert-mean", step, mean)?;
+            self.writer
+                .scalar("tokens-per-expert-max", step, max as f64)?;
+            self.writer
+                .scalar("dropped-token-fraction", step, r.dropped_fraction())?;
         }
         self.writer.scalar("lm loss vs tokens", r.tokens, m.loss)?;
         // Every step reaches the file: a killed run keeps what it logged.

@@ -43,6 +43,17 @@ pub struct TrainArgs {
     /// group, trained with Megatron-LM's 1F1B schedule [default: 1, or the loaded checkpoint's].
     #[arg(long = "pipeline-model-parallel-size", visible_alias = "pp")]
     pp: Option<usize>,
+    /// Expert-parallel size: each MoE layer's experts are split over this many ranks, which
+    /// exchange tokens by all-to-all (Megatron-LM's MoE folding: ep divides tp × dp) [default: 1].
+    #[arg(long = "expert-model-parallel-size", visible_alias = "ep")]
+    ep: Option<usize>,
+    /// Expert tensor-parallel size: each expert's linears split over this many ranks
+    /// [default: 1].
+    #[arg(long = "expert-tensor-parallel-size", visible_alias = "etp")]
+    etp: Option<usize>,
+    /// How tokens reach their experts: all-to-all over the expert-parallel group.
+    #[arg(long, value_enum, default_value_t = Dispatcher::Alltoall)]
+    moe_token_dispatcher_type: Dispatcher,
     /// Model chunks (virtual stages) per pipeline stage: the interleaved 1F1B schedule
     /// [default: 1].
     #[arg(
@@ -231,6 +242,15 @@ pub struct TrainArgs {
     attention_backend: AttentionBackend,
 }
 
+/// How tokens reach their experts (Megatron-LM's `--moe-token-dispatcher-type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Dispatcher {
+    /// Permute, exchange the per-expert counts, one all-to-all with uneven splits, and back.
+    Alltoall,
+    /// All-gather every rank's tokens over the expert-parallel group, reduce-scatter back.
+    Allgather,
+}
+
 /// How attention runs on a GPU (Megatron-LM's `--attention-backend`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum AttentionBackend {
@@ -280,6 +300,7 @@ struct Settings {
     /// The architecture.
     model: GptConfig,
     tp: usize,
+    ep: usize,
     dp: usize,
     pp: usize,
     seq_length: usize,
@@ -367,6 +388,8 @@ impl TrainArgs {
                  --data-parallel-size must be at least 1"
             );
         }
+        // Checkpoints hold logical experts: a run resumes at any expert-parallel size.
+        let ep = self.ep.unwrap_or(1);
         let seq_length = pick(
             "seq-length",
             self.seq_length,
@@ -455,10 +478,10 @@ impl TrainArgs {
                     .or(self.arch.model())
                     .unwrap_or("the checkpoint's model")
                     .to_string();
-                (name, self.arch.apply(saved, tp)?)
+                (name, self.arch.apply(saved, tp, ep)?)
             }
             None => {
-                let mut model = self.arch.config(tp)?;
+                let mut model = self.arch.config(tp, ep)?;
                 if let Some(spec) = &self.tokenizer {
                     if let Some(given) = self.arch.vocab_size()
                         && given != tokenizer.vocab_size()
@@ -470,7 +493,7 @@ impl TrainArgs {
                         );
                     }
                     model.vocab_size = tokenizer.vocab_size();
-                    model.validate(tp)?;
+                    model.validate_parallel(tp, ep)?;
                 }
                 (self.arch.model_name().to_string(), model)
             }
@@ -485,6 +508,7 @@ impl TrainArgs {
             model_name,
             model,
             tp,
+            ep,
             dp,
             pp,
             seq_length,
@@ -710,10 +734,33 @@ impl TrainArgs {
             precision,
         };
         let (tokenizer, files) = megatron::tokenizer::checkpoint_record(&s.tokenizer)?;
+        let etp = self.etp.unwrap_or(1);
+        match (&s.model.moe, s.ep, etp) {
+            (None, ep, etp) if ep > 1 || etp > 1 => bail!(
+                "--expert-model-parallel-size {ep} and --expert-tensor-parallel-size {etp} split \
+                 experts, but the model has none: add --num-experts (or --model gpt-moe-tiny)"
+            ),
+            (_, 0, _) | (_, _, 0) => bail!(
+                "--expert-model-parallel-size and --expert-tensor-parallel-size must be at least 1"
+            ),
+            (Some(_), _, etp) if etp > 1 => bail!(
+                "--expert-tensor-parallel-size {etp}: experts split over tensor parallelism are \
+                 not supported yet (each expert is whole on its rank: use 1)"
+            ),
+            _ => {}
+        }
+        if self.moe_token_dispatcher_type == Dispatcher::Allgather {
+            bail!(
+                "--moe-token-dispatcher-type allgather is not supported yet: use alltoall \
+                 (the default)"
+            );
+        }
         let job = TrainJob {
             model_name: s.model_name.clone(),
             model: s.model,
             tp: s.tp,
+            ep: s.ep,
+            etp,
             dp: s.dp,
             pipeline,
             steps: self.train_iters,

@@ -4,9 +4,11 @@
 use std::ops::Range;
 
 use super::{Module, ParamSpec};
+use crate::comm::{Communicator, ParallelState};
 use crate::error::Result;
 use crate::invalid;
 use crate::optimizer::{LayoutConfig, ParamInfo, layout};
+use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 
 /// Where one parameter lives in the flat buffers.
@@ -41,6 +43,67 @@ pub struct Bucket {
     pub shards: Option<usize>,
     /// The slots of its parameters, in buffer order.
     pub slots: Vec<usize>,
+    /// Whether it holds experts' parameters: reduced (and sharded) over the expert
+    /// data-parallel group instead of the data-parallel one.
+    pub expert: bool,
+}
+
+/// A rank's index in the groups the buckets are sharded over: data parallelism for dense
+/// buckets, expert data parallelism for the experts' buckets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardRanks {
+    /// The data-parallel rank.
+    pub dense: usize,
+    /// The expert data-parallel rank.
+    pub expert: usize,
+}
+
+impl ShardRanks {
+    /// The rank whose shard of `bucket` this rank holds.
+    pub fn of(&self, bucket: &Bucket) -> usize {
+        if bucket.expert {
+            self.expert
+        } else {
+            self.dense
+        }
+    }
+}
+
+/// The groups the gradient buckets are reduced over (Megatron-LM's data-parallel and expert
+/// data-parallel groups).
+#[derive(Clone, Copy)]
+pub struct ReduceGroups<'a> {
+    /// Data parallelism: the dense buckets.
+    pub dense: &'a dyn Communicator,
+    /// Expert data parallelism: the experts' buckets.
+    pub expert: &'a dyn Communicator,
+}
+
+impl<'a> ReduceGroups<'a> {
+    /// The rank's data-parallel and expert data-parallel groups.
+    pub fn of(parallel: &'a ParallelState) -> Self {
+        ReduceGroups {
+            dense: parallel.dp(),
+            expert: parallel.comm(GroupKind::Edp),
+        }
+    }
+
+    /// The group `bucket` is reduced over.
+    pub fn of_bucket(&self, bucket: &Bucket) -> &'a dyn Communicator {
+        if bucket.expert {
+            self.expert
+        } else {
+            self.dense
+        }
+    }
+
+    /// The rank's index in each group.
+    pub fn ranks(&self) -> ShardRanks {
+        ShardRanks {
+            dense: self.dense.index(),
+            expert: self.expert.index(),
+        }
+    }
 }
 
 /// One parameter's part in a rank's shard of a bucket.
@@ -160,12 +223,12 @@ impl ParamBuffers {
                     numel: params[i].0.local.numel(),
                     dtype,
                     shared_embedding: plan.shared_embedding.contains(&i),
-                    expert: false,
+                    expert: params[i].0.is_expert(),
                 })
                 .collect();
             let buffers =
                 layout(&infos, &config).map_err(|e| crate::Error::Invalid(e.to_string()))?;
-            // One dtype, no experts: at most one buffer per chunk.
+            // One dtype: at most two buffers per chunk, the dense one and the experts'.
             for buffer in &buffers {
                 grad_dtype = buffer.key.grad_dtype;
                 for p in &buffer.placements {
@@ -181,6 +244,7 @@ impl ParamBuffers {
                             .filter(|p| p.bucket == b)
                             .map(|p| first + p.param)
                             .collect(),
+                        expert: buffer.key.expert,
                     });
                 }
                 base += buffer.numel();
@@ -343,13 +407,18 @@ impl ParamBuffers {
         self.buckets.iter().any(|b| b.shards.is_some())
     }
 
-    /// Rank `rank`'s shard of every bucket: its range and its parameters' parts (empty without
-    /// the distributed optimizer).
-    pub fn shards(&self, rank: usize) -> Vec<(Range<usize>, Vec<ShardPart>)> {
+    /// The shard of every bucket a rank at `ranks` holds: its range and its parameters' parts
+    /// (empty without the distributed optimizer).
+    pub fn shards(&self, ranks: ShardRanks) -> Vec<(Range<usize>, Vec<ShardPart>)> {
         self.buckets
             .iter()
-            .filter_map(|b| b.shard(rank, &self.slots))
+            .filter_map(|b| b.shard(ranks.of(b), &self.slots))
             .collect()
+    }
+
+    /// Whether some parameters are experts' (in buckets of their own).
+    pub fn has_experts(&self) -> bool {
+        self.buckets.iter().any(|b| b.expert)
     }
 
     /// Marks the parameters at these visit positions as copies another pipeline stage holds

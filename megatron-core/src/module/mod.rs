@@ -16,13 +16,18 @@ mod site;
 
 use std::fmt;
 
-pub use buffers::{Bucket, PackLayout, ParamBuffers, ParamSlot, ShardPart};
+pub use buffers::{
+    Bucket, PackLayout, ParamBuffers, ParamSlot, ReduceGroups, ShardPart, ShardRanks,
+};
 pub use param::{Builder, Init, Param, ParamSpec, Split, assemble_logical, initial_values};
 pub use recompute::{Recompute, StackSaved, stack_backward, stack_forward};
 pub use site::Site;
 
 use crate::comm::{Communicator, ParallelState};
 use crate::error::Result;
+#[cfg(doc)]
+use crate::moe::ExpertParallelSaved;
+use crate::moe::{Dispatch, Routing, RoutingLog};
 use crate::parallel::GroupKind;
 use crate::rng::DropoutStream;
 use crate::tensor::Tensor;
@@ -39,6 +44,10 @@ pub struct Cx<'a> {
     microbatch: u64,
     training: bool,
     recompute: Recompute,
+    /// The backward scale of the routers' auxiliary losses.
+    aux_loss_scale: f32,
+    /// Where MoE layers report their routing, when someone listens.
+    routing_log: Option<&'a RoutingLog>,
 }
 
 impl<'a> Cx<'a> {
@@ -51,7 +60,42 @@ impl<'a> Cx<'a> {
             microbatch: 0,
             training: true,
             recompute: Recompute::Off,
+            aux_loss_scale: 1.0,
+            routing_log: None,
         }
+    }
+
+    /// The same context with the routers' auxiliary losses (load balancing, z loss) entering
+    /// the backward times `scale`: Megatron-LM's `MoEAuxLossAutoScaler` scale, the main loss's
+    /// backward scale per micro-batch (loss scale / micro-batches of the global batch).
+    pub fn with_aux_loss_scale(&self, scale: f32) -> Cx<'a> {
+        Cx {
+            aux_loss_scale: scale,
+            ..*self
+        }
+    }
+
+    /// The backward scale of the routers' auxiliary losses (1 unless set).
+    pub fn aux_loss_scale(&self) -> f32 {
+        self.aux_loss_scale
+    }
+
+    /// The same context with MoE layers reporting their routing to `log`.
+    pub fn with_routing_log(&self, log: &'a RoutingLog) -> Cx<'a> {
+        Cx {
+            routing_log: Some(log),
+            ..*self
+        }
+    }
+
+    /// Where MoE layers report their routing, if anywhere.
+    pub fn routing_log(&self) -> Option<&'a RoutingLog> {
+        self.routing_log
+    }
+
+    /// The expert-parallel communicator (the MoE dispatcher's all-to-alls).
+    pub fn ep(&self) -> &'a dyn Communicator {
+        self.parallel.comm(GroupKind::Ep)
     }
 
     /// The same context recomputing the activations `recompute` names in the backward.
@@ -312,6 +356,61 @@ pub trait VocabParallel: Module {
         site: Site,
         saved: Self::LogitsSaved,
         dlogits: &Tensor,
+    ) -> Result<Tensor>;
+}
+
+/// Experts split over the expert-parallel group (`#[expert_parallel]`): a router chooses each
+/// token's experts, the dispatcher's all-to-all over `cx.ep()` brings every rank the rows of
+/// its local experts, which run as grouped products, and the combine brings their outputs back
+/// to the tokens, weighted by the routing probabilities (Megatron-LM's `MoELayer`).
+///
+/// Generated code calls the four steps, the two all-to-alls in plain sight, and their
+/// backwards in reverse; what the steps keep makes up an [`ExpertParallelSaved`].
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be split by #[expert_parallel]",
+    label = "not a layer of experts with a router",
+    note = "#[expert_parallel] applies to layers such as `megatron::moe::RoutedExperts`"
+)]
+pub trait ExpertParallel: Module {
+    /// What the router keeps for its backward.
+    type RouterSaved;
+    /// What the local experts keep for their backward.
+    type LocalSaved;
+    /// Builds this rank's part: the whole router and the local experts (`E / ep` of them,
+    /// each split further over expert tensor parallelism).
+    fn build_experts(spec: &Self::Spec, b: &mut Builder) -> Result<Self>;
+    /// Routes this rank's tokens `x` (`[seq, batch, hidden]`): which experts each goes to and
+    /// with what weight.
+    fn route(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Routing, Self::RouterSaved)>;
+    /// Runs the local experts on the rows the dispatcher brought them (`[rows, hidden]`,
+    /// local-expert-major as `plan` says).
+    fn forward_local(
+        &self,
+        cx: &Cx,
+        site: Site,
+        rows: &Tensor,
+        plan: &Dispatch,
+    ) -> Result<(Tensor, Self::LocalSaved)>;
+    /// Accumulates the local experts' gradients and returns their rows' input gradient.
+    fn backward_local(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: Self::LocalSaved,
+        dy: &Tensor,
+    ) -> Result<Tensor>;
+    /// The router's backward from the routing probabilities' gradient `dprobs`
+    /// (`[tokens, experts]`) and its auxiliary losses (scaled by [`Cx::aux_loss_scale`]):
+    /// accumulates its gradients and returns `dx` (the input's gradient through the experts)
+    /// plus the input's gradient through the router.
+    fn backward_route(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: Self::RouterSaved,
+        routing: &Routing,
+        dprobs: &[f32],
+        dx: Tensor,
     ) -> Result<Tensor>;
 }
 

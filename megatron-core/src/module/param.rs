@@ -71,6 +71,18 @@ pub struct ParamSpec {
 }
 
 impl ParamSpec {
+    /// Whether this is an expert's parameter (split over expert parallelism): its gradient is
+    /// reduced over the expert data-parallel group, in buffers of its own.
+    pub fn is_expert(&self) -> bool {
+        matches!(
+            self.split,
+            Split::Dim {
+                group: GroupKind::Ep | GroupKind::Etp | GroupKind::EtpEp,
+                ..
+            }
+        )
+    }
+
     /// Where this rank's part lies in the logical tensor, element by element.
     pub fn logical_index(&self) -> LogicalIndex {
         let dims = self.logical.dims();

@@ -18,6 +18,9 @@ use super::Routing;
 /// Where a micro-batch's (token, expert) pairs went: what [`combine`] and the backwards need.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Dispatch {
+    /// The tokens' shape (`[tokens, hidden]`, or `[seq, batch, hidden]`), which the combine's
+    /// output and the input's gradient take.
+    shape: Vec<usize>,
     tokens: usize,
     hidden: usize,
     experts: usize,
@@ -98,7 +101,8 @@ fn counts_tensor(counts: &[usize]) -> Result<Tensor> {
     )?)
 }
 
-/// Sends `x` (`[tokens, hidden]`, f32) to the experts `routing` chose: returns the rows each
+/// Sends `x` (`[tokens, hidden]` or `[seq, batch, hidden]`, f32) to the experts `routing`
+/// chose: returns the rows each
 /// local expert of this rank received (`[rows, hidden]`, local-expert-major) and the plan.
 /// A collective of the expert-parallel group `ep`.
 pub fn dispatch(
@@ -113,13 +117,15 @@ pub fn dispatch(
         );
     }
     let tokens = routing.tokens;
-    if x.dims().len() != 2 || x.dims()[0] != tokens {
+    let shape = x.dims().to_vec();
+    let hidden = shape.last().copied().unwrap_or(0);
+    if shape.len() < 2 || shape[..shape.len() - 1].iter().product::<usize>() != tokens {
         return invalid!(
             "the dispatcher takes [tokens, hidden] of {tokens} tokens, got {}",
             x.shape()
         );
     }
-    let (hidden, local_experts) = (x.dims()[1], experts / ranks);
+    let local_experts = experts / ranks;
     let mut pairs = Vec::new();
     for e in 0..experts {
         for t in 0..tokens {
@@ -154,6 +160,7 @@ pub fn dispatch(
         .map(|c| c.iter().sum())
         .collect();
     let plan = Dispatch {
+        shape,
         tokens,
         hidden,
         experts,
@@ -194,7 +201,8 @@ pub struct CombineSaved {
 }
 
 /// Brings the experts' outputs `y` (`[rows, hidden]`, as [`dispatch`] gave the rows) back to
-/// their tokens and sums them weighted by the routing probabilities: `[tokens, hidden]`, and
+/// their tokens and sums them weighted by the routing probabilities (shaped as the dispatched
+/// input), and
 /// what [`combine_backward`] needs.
 pub fn combine(
     ep: &dyn Communicator,
@@ -215,7 +223,7 @@ pub fn combine(
         }
     }
     Ok((
-        Tensor::from_vec(out, [plan.tokens, h])?,
+        Tensor::from_vec(out, plan.shape.clone())?,
         CombineSaved { rows },
     ))
 }
@@ -272,7 +280,7 @@ pub fn combine_backward(
 }
 
 /// The backward of [`dispatch`]: the gradient of the dispatched rows (`[rows, hidden]`) back
-/// to the tokens, each token's copies summed: `[tokens, hidden]`.
+/// to the tokens, each token's copies summed (shaped as the dispatched input).
 pub fn dispatch_backward(ep: &dyn Communicator, plan: &Dispatch, drows: &Tensor) -> Result<Tensor> {
     let rows = returned_rows(ep, plan, drows)?;
     let h = plan.hidden;
@@ -285,5 +293,5 @@ pub fn dispatch_backward(ep: &dyn Communicator, plan: &Dispatch, drows: &Tensor)
             *o += g;
         }
     }
-    Ok(Tensor::from_vec(dx, [plan.tokens, h])?)
+    Ok(Tensor::from_vec(dx, plan.shape.clone())?)
 }

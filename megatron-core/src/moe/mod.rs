@@ -1,11 +1,18 @@
-//! Mixture of experts: the router (top-k scores, capacity, load-balancing losses) and the
-//! all-to-all token dispatcher.
+//! Mixture of experts: the router (top-k scores, capacity, load-balancing losses), the
+//! all-to-all token dispatcher, the grouped experts, and [`RoutedExperts`], the
+//! `#[expert_parallel]` layer made of them.
 
 pub mod dispatcher;
 pub mod experts;
-pub mod layer;
+pub mod routed;
 pub mod router;
 
+pub use dispatcher::{
+    CombineSaved, Dispatch, combine, combine_backward, dispatch, dispatch_backward,
+};
+pub use routed::{
+    ExpertParallelSaved, RoutedExperts, RoutedExpertsSpec, RouterSaved, RoutingLog, RoutingTotals,
+};
 pub use router::{
     DropPolicy, LoadBalancing, RouterConfig, RouterError, Routing, ScoreFunction, route,
     route_backward, update_expert_bias,

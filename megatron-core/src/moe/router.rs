@@ -66,7 +66,8 @@ pub enum RouterError {
 }
 
 /// How the router turns logits into scores (`--moe-router-score-function`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ScoreFunction {
     /// Softmax over the experts.
     Softmax,
@@ -75,7 +76,8 @@ pub enum ScoreFunction {
 }
 
 /// The load-balancing loss (`--moe-router-load-balancing-type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum LoadBalancing {
     /// None.
     None,
@@ -86,7 +88,8 @@ pub enum LoadBalancing {
 }
 
 /// Which tokens an expert over capacity keeps (`--moe-token-drop-policy`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum DropPolicy {
     /// Those with the highest routing probabilities.
     Probs,
@@ -95,7 +98,7 @@ pub enum DropPolicy {
 }
 
 /// The router's settings, as Megatron-LM's flags name them.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RouterConfig {
     /// `--num-experts`.
     pub num_experts: usize,

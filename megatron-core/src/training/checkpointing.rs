@@ -12,7 +12,8 @@ use crate::comm::ParallelState;
 use crate::comm::ReduceOp;
 use crate::error::Result;
 use crate::invalid;
-use crate::module::{Module, ParamSpec, Split, assemble_logical};
+use crate::module::{Module, ParamSpec, ReduceGroups, Split, assemble_logical};
+use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 
 /// What to record about the run besides its tensors.
@@ -220,7 +221,7 @@ impl<M: LanguageModel> Trainer<M> {
         let tmp = checkpoint::working_dir(save, steps_done, pid);
         // Every rank writes its shard; all learn whether every write succeeded.
         let written = self
-            .optimizer_shard(parallel.groups().tp_rank())
+            .optimizer_shard((parallel.groups().tp_rank(), parallel.groups().etp_rank()))
             .and_then(|shard| {
                 Ok(checkpoint::write_optimizer_shard(
                     &tmp,
@@ -266,20 +267,29 @@ impl<M: LanguageModel> Trainer<M> {
         // parameters (and, for the whole format, of the moments): gathered first.
         let values = self
             .optimizer
-            .whole_main_params(&self.buffers, parallel.dp())?;
+            .whole_main_params(&self.buffers, ReduceGroups::of(parallel))?;
         let moments = if optimizer_state {
-            Some(self.optimizer.whole_moments(&self.buffers, parallel.dp())?)
+            Some(
+                self.optimizer
+                    .whole_moments(&self.buffers, ReduceGroups::of(parallel))?,
+            )
         } else {
             None
         };
-        // Data-parallel replicas hold the same state: the first one saves it.
-        if groups.dp_rank() != 0 {
+        // Data-parallel replicas hold the same state: the first one saves it (of the experts'
+        // parameters, the first expert data-parallel replica, whose expert-parallel group
+        // gathers them all).
+        let (dense, experts) = (groups.dp_rank() == 0, groups.edp_rank() == 0);
+        if !dense && !experts {
             return Ok(None);
         }
         let mut model = BTreeMap::new();
         let mut optimizer = BTreeMap::new();
         for slot in self.buffers.slots() {
             let spec = &slot.spec;
+            if !(if spec.is_expert() { experts } else { dense }) {
+                continue;
+            }
             let view = |t: &Tensor| t.narrow(0, slot.offset, slot.len);
             model.insert(
                 spec.name.clone(),
@@ -295,6 +305,9 @@ impl<M: LanguageModel> Trainer<M> {
                     gather_whole(parallel, spec, &view(v)?)?,
                 );
             }
+        }
+        if !dense {
+            return Ok(None);
         }
         // With a pipeline, the first tensor-parallel rank of each stage holds its stage's whole
         // tensors: they go to the first stage (global rank 0), which writes them all.
@@ -325,26 +338,34 @@ impl<M: LanguageModel> Trainer<M> {
     /// This rank's shard of the distributed optimizer's state: for each part of a parameter in
     /// its shards, the logical elements it covers and the moments there. Each element is
     /// written once: a copy another pipeline stage holds too is left to that stage, and a
-    /// parameter every tensor-parallel rank holds whole to tensor-parallel rank 0 (`tp_rank`).
-    fn optimizer_shard(&self, tp_rank: usize) -> Result<checkpoint::OptimizerShard> {
+    /// parameter every tensor-parallel rank holds whole to tensor-parallel rank 0 (of the
+    /// experts' parameters, expert-tensor-parallel rank 0).
+    fn optimizer_shard(
+        &self,
+        (tp_rank, etp_rank): (usize, usize),
+    ) -> Result<checkpoint::OptimizerShard> {
         let mut shard = checkpoint::OptimizerShard::new();
-        let Some(rank) = self.optimizer.shard() else {
+        let Some(ranks) = self.optimizer.shard() else {
             return Ok(shard);
         };
         let (m, v) = self.optimizer.moments();
         let (m, v) = (m.to_vec::<f32>()?, v.to_vec::<f32>()?);
         let slots = self.buffers.slots();
-        for (_, parts) in self.buffers.shards(rank) {
+        for (_, parts) in self.buffers.shards(ranks) {
             for part in parts {
                 let slot = &slots[part.slot];
-                let tp_split = matches!(
-                    slot.spec.split,
+                let left_to_another_rank = match slot.spec.split {
                     Split::Dim {
-                        group: crate::parallel::GroupKind::Tp,
+                        group: GroupKind::Tp | GroupKind::Etp | GroupKind::EtpEp,
                         ..
-                    }
-                );
-                if slot.shared_copy || (!tp_split && tp_rank != 0) {
+                    } => false,
+                    Split::Dim {
+                        group: GroupKind::Ep,
+                        ..
+                    } => etp_rank != 0,
+                    _ => tp_rank != 0,
+                };
+                if slot.shared_copy || left_to_another_rank {
                     continue;
                 }
                 let spec = &slot.spec;

@@ -17,10 +17,11 @@ pub use optimizer::{AdamW, AdamWConfig, clip_coefficient, grad_norm};
 pub use pipeline::{Chunks, PipelinedLanguageModel};
 pub use schedule::{DecayStyle, LrSchedule};
 
-use crate::comm::{CommStats, Communicator, ParallelState, ReduceOp};
+use crate::comm::{CommStats, ParallelState, ReduceOp};
 use crate::error::{Error, Result};
 use crate::invalid;
-use crate::module::{Cx, Ids, Module, PackLayout, ParamBuffers};
+use crate::module::{Cx, Ids, Module, PackLayout, ParamBuffers, ReduceGroups};
+use crate::moe::{RoutingLog, RoutingTotals};
 use crate::optimizer::{GradScaler, LayoutConfig, Precision};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
@@ -91,6 +92,9 @@ pub struct StepMetrics {
     /// The step found inf or NaN in its scaled gradients and skipped its update (Megatron-LM's
     /// skipped iteration; the gradient norm is then NaN and the scale moves).
     pub skipped: bool,
+    /// What the MoE layers' routers did, summed over the step's micro-batches, layers and
+    /// data-parallel ranks (with [`Trainer::log_routing`]).
+    pub routing: Option<RoutingTotals>,
 }
 
 /// The bytes of one rank's training state, measured from its allocations.
@@ -133,6 +137,10 @@ pub struct Trainer<M: LanguageModel> {
     pipeline: Option<pipeline::Pipeline<M>>,
     /// The loss scale and its trackers, with loss scaling.
     scaler: Option<GradScaler>,
+    /// Where the MoE layers' routers report.
+    routing_log: RoutingLog,
+    /// The experts per MoE layer whose routing statistics each step reports (0: none).
+    routing_experts: usize,
 }
 
 impl<M: LanguageModel> Trainer<M> {
@@ -164,7 +172,7 @@ impl<M: LanguageModel> Trainer<M> {
         config: TrainConfig,
         shared_embedding: Vec<usize>,
     ) -> Result<Self> {
-        let dp = parallel.dp();
+        let groups = ReduceGroups::of(parallel);
         let first_stage = parallel.pp().index() == 0;
         let plan = PackLayout {
             chunks: chunks
@@ -178,7 +186,8 @@ impl<M: LanguageModel> Trainer<M> {
                         bucket_size: (k == 0 && first_stage).then_some(config.bucket_elements),
                         distributed_optimizer: config.distributed_optimizer,
                         grad_reduce_in_fp32: config.precision.grads == DType::F32,
-                        ..LayoutConfig::new(dp.size())
+                        edp: groups.expert.size(),
+                        ..LayoutConfig::new(groups.dense.size())
                     };
                     (params, layout)
                 })
@@ -187,7 +196,7 @@ impl<M: LanguageModel> Trainer<M> {
             param_dtype: Some(config.precision.params),
         };
         let buffers = ParamBuffers::pack(&mut chunks, &plan)?;
-        let shard = config.distributed_optimizer.then(|| dp.index());
+        let shard = config.distributed_optimizer.then(|| groups.ranks());
         let optimizer = AdamW::new(&buffers, config.adam, shard)?;
         Ok(Trainer {
             chunks,
@@ -197,6 +206,8 @@ impl<M: LanguageModel> Trainer<M> {
             config,
             pipeline: None,
             scaler: config.precision.grad_scaler(),
+            routing_log: RoutingLog::default(),
+            routing_experts: 0,
         })
     }
 
@@ -224,6 +235,12 @@ impl<M: LanguageModel> Trainer<M> {
     /// step. On the CPU this emulates bf16 weights (the products widen them back to f32).
     pub fn keep_compute_copies(&mut self, dtype: DType) -> Result<()> {
         self.buffers.keep_compute_copies(&mut self.chunks, dtype)
+    }
+
+    /// Reports the MoE routers' statistics (over `experts` experts per layer) in every step's
+    /// metrics ([`StepMetrics::routing`]): every rank of the run must say the same.
+    pub fn log_routing(&mut self, experts: usize) {
+        self.routing_experts = experts;
     }
 
     /// The model (the first chunk on a pipeline rank).
@@ -271,6 +288,55 @@ impl<M: LanguageModel> Trainer<M> {
         self.scaler.map_or(1.0, |s| s.scale)
     }
 
+    /// The context a training micro-batch runs in: the run's seed and recompute setting, the
+    /// routers' auxiliary losses entering the backward with the loss scale over the global
+    /// batch's micro-batches (each micro-batch's losses weigh as its share of the mean loss),
+    /// and their routings logged.
+    fn train_cx<'p>(&'p self, parallel: &'p ParallelState) -> Cx<'p> {
+        let plan = self.sampler.plan();
+        let microbatches = (plan.microbatches() * plan.dp).max(1);
+        Cx::new(parallel, self.config.seed)
+            .with_recompute(self.config.recompute)
+            .with_aux_loss_scale(self.loss_scale() / microbatches as f32)
+            .with_routing_log(&self.routing_log)
+    }
+
+    /// What the MoE layers' routers did in the step just run, summed over the data-parallel
+    /// ranks and the pipeline stages (a collective of both groups); `None` without MoE layers.
+    fn routing_totals(&self, parallel: &ParallelState) -> Result<Option<RoutingTotals>> {
+        let mine = self.routing_log.take();
+        let experts = self.routing_experts;
+        if experts == 0 {
+            return Ok(None);
+        }
+        let mut row = vec![
+            mine.routings as f64,
+            mine.aux_loss,
+            mine.z_loss,
+            mine.chosen as f64,
+            mine.dropped as f64,
+        ];
+        row.extend((0..experts).map(|e| mine.tokens_per_expert.get(e).map_or(0.0, |&t| t as f64)));
+        // f32 holds the counts exactly up to 2^24 tokens per expert and step.
+        let host = Tensor::from_vec(
+            row.iter().map(|&v| v as f32).collect::<Vec<_>>(),
+            [row.len()],
+        )?;
+        let t = Tensor::zeros_near([row.len()], DType::F32, self.buffers.grads())?;
+        t.copy_from(&host)?;
+        parallel.dp().all_reduce(&t, ReduceOp::Sum)?;
+        parallel.pp().all_reduce(&t, ReduceOp::Sum)?;
+        let v = t.to_vec::<f32>()?;
+        Ok(Some(RoutingTotals {
+            routings: v[0] as usize,
+            aux_loss: f64::from(v[1]),
+            z_loss: f64::from(v[2]),
+            chosen: v[3] as u64,
+            dropped: v[4] as u64,
+            tokens_per_expert: v[5..].iter().map(|&c| c as u64).collect(),
+        }))
+    }
+
     /// Runs step `step`: every microbatch forward and backward, the gradient all-reduce over the
     /// data-parallel group, clipping and the optimizer update.
     pub fn step(&mut self, parallel: &ParallelState, step: u64) -> Result<StepMetrics> {
@@ -286,9 +352,9 @@ impl<M: LanguageModel> Trainer<M> {
                 let mut loss_sum = 0.0f64;
                 for micro in 0..plan.microbatches() {
                     let (x, y) = self.sampler.microbatch(step, dp_rank, micro)?;
-                    let cx = Cx::new(parallel, self.config.seed)
-                        .at(step, plan.global_microbatch(dp_rank, micro) as u64)
-                        .with_recompute(self.config.recompute);
+                    let cx = self
+                        .train_cx(parallel)
+                        .at(step, plan.global_microbatch(dp_rank, micro) as u64);
                     let (losses, saved) = model.losses(&cx, &x, &y)?;
                     loss_sum += losses
                         .to_vec_f32()?
@@ -311,7 +377,7 @@ impl<M: LanguageModel> Trainer<M> {
                 pipeline::Mode::Train { step },
             )?,
         };
-        reduce_gradients(&self.buffers, parallel.dp())?;
+        reduce_gradients(&self.buffers, ReduceGroups::of(parallel))?;
         // The reported loss: one more (4-byte) all-reduce over data parallel, as Megatron-LM's
         // loss averaging does (and, with a pipeline, over it: only the last stage has losses).
         let loss = optimizer::scalar_near(loss_sum as f32, self.buffers.grads())?;
@@ -320,6 +386,7 @@ impl<M: LanguageModel> Trainer<M> {
         }
         parallel.dp().all_reduce(&loss, ReduceOp::Sum)?;
         let loss = f64::from(loss.to_vec::<f32>()?[0]) / tokens as f64;
+        let routing = self.routing_totals(parallel)?;
         // With loss scaling the gradients are unscaled, and a step with inf or NaN in them on
         // any rank is skipped by all (Megatron-LM reduces the flag over every rank that holds
         // gradients: the whole world here).
@@ -336,18 +403,14 @@ impl<M: LanguageModel> Trainer<M> {
             let found_inf = flag.to_vec::<f32>()?[0] > 0.0;
             scaler.update(found_inf);
             if found_inf {
-                return Ok(self
+                let mut metrics = self
                     .metrics(parallel, &before, start, step, loss, f64::NAN, tokens)
-                    .skipped(loss_scale, pipeline_wait));
+                    .skipped(loss_scale, pipeline_wait);
+                metrics.routing = routing;
+                return Ok(metrics);
             }
         }
-        let norm = grad_norm(
-            &self.buffers,
-            &self.optimizer,
-            parallel.groups().tp_rank(),
-            parallel.comm(GroupKind::TpPp),
-            parallel.dp(),
-        )?;
+        let norm = grad_norm(&self.buffers, &self.optimizer, parallel)?;
         // Every rank holds the same loss and norm (reduced over dp and the model-parallel
         // group), so every rank stops at the same step.
         if self.config.check_for_nan && !(loss.is_finite() && norm.is_finite()) {
@@ -361,11 +424,12 @@ impl<M: LanguageModel> Trainer<M> {
         let grad_scale = clip_coefficient(norm, self.config.clip_grad);
         let lr = self.config.schedule.lr(step);
         self.optimizer.step(&self.buffers, lr, grad_scale)?;
-        gather_parameters(&self.buffers, parallel.dp())?;
+        gather_parameters(&self.buffers, ReduceGroups::of(parallel))?;
         let mut metrics = self.metrics(parallel, &before, start, step, loss, norm, tokens);
         metrics.lr = lr;
         metrics.pipeline_wait = pipeline_wait;
         metrics.loss_scale = loss_scale;
+        metrics.routing = routing;
         Ok(metrics)
     }
 
@@ -399,6 +463,7 @@ impl<M: LanguageModel> Trainer<M> {
             comm,
             loss_scale: None,
             skipped: false,
+            routing: None,
         }
     }
 }
@@ -450,39 +515,46 @@ impl<M: LanguageModel> Trainer<M> {
     }
 }
 
-/// Sums the gradient buffer over the data-parallel group, bucket by bucket (the buffer's front
-/// holds the last layers): an all-reduce of each bucket, or for a sharded bucket (the
-/// distributed optimizer) a reduce-scatter that leaves each rank the sum of its shard.
-pub fn reduce_gradients(buffers: &ParamBuffers, dp: &dyn Communicator) -> Result<()> {
-    if dp.size() == 1 {
-        return Ok(());
-    }
+/// Sums the gradient buffer over the data-parallel groups, bucket by bucket (the buffer's front
+/// holds the last layers; dense buckets over data parallelism, the experts' over expert data
+/// parallelism): an all-reduce of each bucket, or for a sharded bucket (the distributed
+/// optimizer) a reduce-scatter that leaves each rank the sum of its shard.
+pub fn reduce_gradients(buffers: &ParamBuffers, groups: ReduceGroups<'_>) -> Result<()> {
     let grads = buffers.grads();
     for bucket in buffers.buckets() {
+        let group = groups.of_bucket(bucket);
+        if group.size() == 1 {
+            continue;
+        }
         let whole = grads.narrow(0, bucket.range.start, bucket.range.len())?;
-        match bucket.shard(dp.index(), buffers.slots()) {
+        match bucket.shard(group.index(), buffers.slots()) {
             Some((shard, _)) => {
                 let mine = grads.narrow(0, shard.start, shard.len())?;
-                dp.reduce_scatter(&whole, &mine, ReduceOp::Sum)?;
+                group.reduce_scatter(&whole, &mine, ReduceOp::Sum)?;
             }
-            None => dp.all_reduce(&whole, ReduceOp::Sum)?,
+            None => group.all_reduce(&whole, ReduceOp::Sum)?,
         }
     }
     Ok(())
 }
 
 /// With the distributed optimizer, gives every data-parallel rank the parameters the others
-/// updated: an all-gather of each bucket's shards. Then refreshes the compute copies.
-pub fn gather_parameters(buffers: &ParamBuffers, dp: &dyn Communicator) -> Result<()> {
-    if dp.size() == 1 || !buffers.sharded() {
+/// updated: an all-gather of each bucket's shards over its group. Then refreshes the compute
+/// copies.
+pub fn gather_parameters(buffers: &ParamBuffers, groups: ReduceGroups<'_>) -> Result<()> {
+    if !buffers.sharded() {
         return Ok(());
     }
     let values = buffers.values();
     for bucket in buffers.buckets() {
-        if let Some((shard, _)) = bucket.shard(dp.index(), buffers.slots()) {
+        let group = groups.of_bucket(bucket);
+        if group.size() == 1 {
+            continue;
+        }
+        if let Some((shard, _)) = bucket.shard(group.index(), buffers.slots()) {
             let whole = values.narrow(0, bucket.range.start, bucket.range.len())?;
             let mine = values.narrow(0, shard.start, shard.len())?;
-            dp.all_gather(&mine, &whole)?;
+            group.all_gather(&mine, &whole)?;
         }
     }
     buffers.refresh_compute_copies()

@@ -5,12 +5,12 @@
 
 use std::ops::Range;
 
-use crate::comm::{Communicator, ReduceOp};
+use crate::comm::{ParallelState, ReduceOp};
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::adam::{AdamConfig, adam_step};
 use crate::kernels::elementwise::sum_of_squares;
-use crate::module::{ParamBuffers, ParamSlot, Split};
+use crate::module::{ParamBuffers, ParamSlot, ReduceGroups, ShardRanks, Split};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 
@@ -61,16 +61,20 @@ pub struct AdamW {
     main_grads: Option<Tensor>,
     steps: u64,
     runs: Vec<Run>,
-    /// The data-parallel rank whose shards these are (distributed optimizer).
-    shard: Option<usize>,
+    /// The data-parallel ranks whose shards these are (distributed optimizer).
+    shard: Option<ShardRanks>,
 }
 
 impl AdamW {
-    /// Zero moments for every element of `buffers`, or with `shard = Some(dp_rank)` and sharded
+    /// Zero moments for every element of `buffers`, or with `shard = Some(ranks)` and sharded
     /// buffers (the distributed optimizer), for that rank's shard of every bucket.
     /// With 16-bit values the main parameters start as the values widened (Megatron-LM's
     /// `param.detach().clone().float()`).
-    pub fn new(buffers: &ParamBuffers, config: AdamWConfig, shard: Option<usize>) -> Result<AdamW> {
+    pub fn new(
+        buffers: &ParamBuffers,
+        config: AdamWConfig,
+        shard: Option<ShardRanks>,
+    ) -> Result<AdamW> {
         let shard = shard.filter(|_| buffers.sharded());
         let mut runs: Vec<Run> = Vec::new();
         let mut push = |range: Range<usize>, moments: usize, decay: bool| match runs.last_mut() {
@@ -89,9 +93,9 @@ impl AdamW {
         };
         let slots = buffers.slots();
         let n = match shard {
-            Some(rank) => {
+            Some(ranks) => {
                 let mut moments = 0;
-                for (world, parts) in buffers.shards(rank) {
+                for (world, parts) in buffers.shards(ranks) {
                     for part in parts {
                         let at = moments + part.range.start - world.start;
                         push(part.range, at, slots[part.slot].spec.weight_decay);
@@ -199,7 +203,7 @@ impl AdamW {
 
     /// The data-parallel rank whose shards the moments are (the distributed optimizer), or
     /// `None` when they cover the whole buffers.
-    pub fn shard(&self) -> Option<usize> {
+    pub fn shard(&self) -> Option<ShardRanks> {
         self.shard
     }
 
@@ -216,12 +220,12 @@ impl AdamW {
     /// Each bucket's shard of the moments: (the shard's range in the buffers, where it starts in
     /// the moments), in bucket order (empty when the moments cover the whole buffers).
     fn shard_offsets(&self, buffers: &ParamBuffers) -> Vec<(Range<usize>, usize)> {
-        let Some(rank) = self.shard else {
+        let Some(ranks) = self.shard else {
             return Vec::new();
         };
         let mut at = 0;
         buffers
-            .shards(rank)
+            .shards(ranks)
             .into_iter()
             .map(|(world, _)| {
                 let start = at;
@@ -232,11 +236,11 @@ impl AdamW {
     }
 
     /// The moments laid out like the whole buffers: themselves, or with the distributed
-    /// optimizer every rank's shards all-gathered over `dp` (a collective of the group).
+    /// optimizer every rank's shards all-gathered over each bucket's group (a collective).
     pub fn whole_moments(
         &self,
         buffers: &ParamBuffers,
-        dp: &dyn Communicator,
+        groups: ReduceGroups<'_>,
     ) -> Result<(Tensor, Tensor)> {
         if self.shard.is_none() {
             return Ok((self.exp_avg.clone(), self.exp_avg_sq.clone()));
@@ -252,7 +256,7 @@ impl AdamW {
             .zip(buffers.buckets())
         {
             for (mine, all) in [(&self.exp_avg, &whole.0), (&self.exp_avg_sq, &whole.1)] {
-                dp.all_gather(
+                groups.of_bucket(bucket).all_gather(
                     &mine.narrow(0, at, world.len())?,
                     &all.narrow(0, bucket.range.start, bucket.range.len())?,
                 )?;
@@ -263,11 +267,11 @@ impl AdamW {
 
     /// The f32 parameter values laid out like the whole buffers: the values themselves, or
     /// with 16-bit values the main parameters (with the distributed optimizer every rank's
-    /// shards all-gathered over `dp`, a collective of the group).
+    /// shards all-gathered over each bucket's group, a collective).
     pub fn whole_main_params(
         &self,
         buffers: &ParamBuffers,
-        dp: &dyn Communicator,
+        groups: ReduceGroups<'_>,
     ) -> Result<Tensor> {
         let Some(main) = &self.main else {
             return Ok(buffers.values().clone());
@@ -281,7 +285,7 @@ impl AdamW {
             .into_iter()
             .zip(buffers.buckets())
         {
-            dp.all_gather(
+            groups.of_bucket(bucket).all_gather(
                 &main.narrow(0, at, world.len())?,
                 &whole.narrow(0, bucket.range.start, bucket.range.len())?,
             )?;
@@ -604,29 +608,36 @@ pub(crate) fn scalar_near(value: f32, like: &Tensor) -> Result<Tensor> {
     Ok(t)
 }
 
-/// The ranges of the gradient buffer this rank counts in the norm, merged: each parameter
-/// once over the model-parallel group (tensor-parallel parts by every rank, replicated
-/// parameters by tensor-parallel rank 0, a copy another pipeline stage holds too nowhere), and
-/// with `shard = Some(dp_rank)` only the parts in that rank's shards.
+/// The ranges of the gradient buffer this rank counts in the norm, merged, of the dense
+/// parameters or (`experts`) of the experts'. Each parameter once over the model-parallel
+/// group: tensor-parallel parts by every rank, replicated parameters by tensor-parallel rank 0
+/// (`tp_rank`; for experts, expert-tensor-parallel rank 0), a copy another pipeline stage holds
+/// too nowhere; and with `shard = Some(ranks)` only the parts in that rank's shards.
 fn counted_ranges(
     buffers: &ParamBuffers,
-    tp_rank: usize,
-    shard: Option<usize>,
+    (tp_rank, etp_rank): (usize, usize),
+    shard: Option<ShardRanks>,
+    experts: bool,
 ) -> Vec<Range<usize>> {
     let counted = |slot: &ParamSlot| {
         !slot.shared_copy
+            && slot.spec.is_expert() == experts
             && match slot.spec.split {
                 Split::Dim {
-                    group: GroupKind::Tp,
+                    group: GroupKind::Tp | GroupKind::Etp | GroupKind::EtpEp,
                     ..
                 } => true,
+                Split::Dim {
+                    group: GroupKind::Ep,
+                    ..
+                } => etp_rank == 0,
                 _ => tp_rank == 0,
             }
     };
     let slots = buffers.slots();
     let mut ranges: Vec<Range<usize>> = match shard {
-        Some(rank) => buffers
-            .shards(rank)
+        Some(ranks) => buffers
+            .shards(ranks)
             .into_iter()
             .flat_map(|(_, parts)| parts)
             .filter(|part| counted(&slots[part.slot]))
@@ -676,33 +687,58 @@ fn sum_of_squares_over(grads: &Tensor, ranges: &[Range<usize>]) -> Result<f64> {
 
 /// The global L2 norm of the gradients (the main gradients when kept), each parameter counted
 /// once: summed over this rank's parameters (see [`counted_ranges`]), then over the
-/// model-parallel group, and with the distributed optimizer first over the data-parallel group
-/// `dp`, each rank having summed its shards only.
+/// model-parallel group, and with the distributed optimizer first over the data-parallel group,
+/// each rank having summed its shards only. The experts' parameters are summed apart, over the
+/// expert data-parallel and expert model-parallel groups, and added before the sum over the
+/// pipeline (Megatron-LM's separate norm of the expert parameters, combined).
 pub fn grad_norm(
     buffers: &ParamBuffers,
     optimizer: &AdamW,
-    tp_rank: usize,
-    model_parallel: &dyn Communicator,
-    dp: &dyn Communicator,
+    parallel: &ParallelState,
 ) -> Result<f64> {
-    let dp = optimizer.shard().map(|_| dp);
-    let ranges = counted_ranges(buffers, tp_rank, optimizer.shard());
-    let sum = match optimizer.main_grads() {
-        Some(main) => {
-            let ranges: Vec<Range<usize>> = ranges
-                .iter()
-                .map(|r| optimizer.to_moments(buffers, r))
-                .collect();
-            sum_of_squares_over(main, &ranges)?
-        }
-        None => sum_of_squares_over(buffers.grads(), &ranges)?,
+    let groups = parallel.groups();
+    let ranks = (groups.tp_rank(), groups.etp_rank());
+    let local_sum = |experts: bool| -> Result<Tensor> {
+        let ranges = counted_ranges(buffers, ranks, optimizer.shard(), experts);
+        let sum = match optimizer.main_grads() {
+            Some(main) => {
+                let ranges: Vec<Range<usize>> = ranges
+                    .iter()
+                    .map(|r| optimizer.to_moments(buffers, r))
+                    .collect();
+                sum_of_squares_over(main, &ranges)?
+            }
+            None => sum_of_squares_over(buffers.grads(), &ranges)?,
+        };
+        // f32 carries the partial sums across ranks, as Megatron-LM does.
+        scalar_near(sum as f32, buffers.grads())
     };
-    // f32 carries the partial sums across ranks, as Megatron-LM does.
-    let total = scalar_near(sum as f32, buffers.grads())?;
-    if let Some(dp) = dp {
-        dp.all_reduce(&total, ReduceOp::Sum)?;
+    let sharded = optimizer.shard().is_some();
+    let total = local_sum(false)?;
+    if sharded {
+        parallel.dp().all_reduce(&total, ReduceOp::Sum)?;
     }
-    model_parallel.all_reduce(&total, ReduceOp::Sum)?;
+    if !buffers.has_experts() {
+        parallel
+            .comm(GroupKind::TpPp)
+            .all_reduce(&total, ReduceOp::Sum)?;
+        return Ok(f64::from(total.to_vec::<f32>()?[0]).sqrt());
+    }
+    parallel.tp().all_reduce(&total, ReduceOp::Sum)?;
+    let experts = local_sum(true)?;
+    if sharded {
+        parallel
+            .comm(GroupKind::Edp)
+            .all_reduce(&experts, ReduceOp::Sum)?;
+    }
+    parallel
+        .comm(GroupKind::EtpEp)
+        .all_reduce(&experts, ReduceOp::Sum)?;
+    let total = scalar_near(
+        total.to_vec::<f32>()?[0] + experts.to_vec::<f32>()?[0],
+        buffers.grads(),
+    )?;
+    parallel.pp().all_reduce(&total, ReduceOp::Sum)?;
     Ok(f64::from(total.to_vec::<f32>()?[0]).sqrt())
 }
 

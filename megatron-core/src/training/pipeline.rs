@@ -308,8 +308,7 @@ fn run_walk<M: PipelinedLanguageModel>(
 
 impl<'a, M: PipelinedLanguageModel> Walker<'a, M> {
     fn cx(&self, microbatch: usize) -> Cx<'a> {
-        let cx = Cx::new(self.parallel, self.trainer.config.seed)
-            .with_recompute(self.trainer.config.recompute);
+        let cx = self.trainer.train_cx(self.parallel);
         match self.mode {
             Mode::Train { step } => {
                 let plan = self.data.plan();

@@ -187,6 +187,7 @@ impl<'a> Ctx<'a> {
         let rt = &self.root.runtime;
         let (mut column, mut row, mut vocab, mut op, mut layer, mut lookup) =
             (false, false, false, false, false, false);
+        let mut expert = false;
         let (mut reduce, mut sharding) = (false, false);
         for (n, o, kind) in self.kinds() {
             match (o, kind) {
@@ -207,6 +208,7 @@ impl<'a> Ctx<'a> {
                     reduce |= backward;
                 }
                 (NodeOp::Field { .. }, Some(FieldKind::Op)) => op = true,
+                (NodeOp::Field { .. }, Some(FieldKind::Expert)) => expert = true,
                 (NodeOp::Field { .. }, Some(FieldKind::Replicated)) => {
                     let args = &self.g.nodes[n].args;
                     if args.len() == 1 && self.a.sharding[args[0]] == Sharding::Ids {
@@ -232,6 +234,7 @@ impl<'a> Ctx<'a> {
             (column, quote!(ColumnParallel)),
             (row, quote!(RowParallel)),
             (vocab, quote!(VocabParallel)),
+            (expert, quote!(ExpertParallel)),
             (op, quote!(Op)),
             (sharding, quote!(Sharding)),
         ] {
@@ -507,6 +510,60 @@ fn forward_node<'a>(
                             let (#o, #s) = #call(&#this_field, cx, #site, #ir)?;
                             #doc
                             cx.tp().all_reduce(&#oi, ReduceOp::Sum)?;
+                        }
+                    });
+                }
+                FieldKind::Expert => {
+                    let x = args[0];
+                    let route = cx.qualified(n, quote!(ExpertParallel::route));
+                    let local = cx.qualified(n, quote!(ExpertParallel::forward_local));
+                    let span = node.src.span();
+                    let mut temp = |what: &str| b.locals.temp(&format!("{name}_{what}"), pos, span);
+                    let (routing, router, rows, plan, y, kept, combined) = (
+                        temp("routing"),
+                        temp("router"),
+                        temp("rows"),
+                        temp("plan"),
+                        temp("y"),
+                        temp("local"),
+                        temp("combine"),
+                    );
+                    let rdoc = comment(&format!(
+                        "`{name}`: #[expert_parallel]. The router chooses each token's experts."
+                    ));
+                    let ddoc = comment(&format!(
+                        "`{name}`: dispatch. The per-expert counts, then the rows, to the ranks \
+                         holding their experts: all-to-alls over ep with uneven splits."
+                    ));
+                    let ldoc = comment(&format!(
+                        "`{name}`: this rank's experts, one grouped product per layer over their \
+                         rows."
+                    ));
+                    let cdoc = comment(&format!(
+                        "`{name}`: combine. The rows back to their tokens (all-to-all over ep), \
+                         summed with the routing's weights."
+                    ));
+                    b.push(move |nm| {
+                        let xr = nm.by_ref(x);
+                        let (o, s) = (nm.pat(out), nm.pat(saved));
+                        let [routing, router, rows, plan, y, kept, combined] =
+                            [routing, router, rows, plan, y, kept, combined].map(|l| nm.ident(l));
+                        quote! {
+                            #rdoc
+                            let (#routing, #router) = #route(&#this_field, cx, #site, #xr)?;
+                            #ddoc
+                            let (#rows, #plan) = #rt::moe::dispatch(cx.ep(), #xr, &#routing)?;
+                            #ldoc
+                            let (#y, #kept) = #local(&#this_field, cx, #site, &#rows, &#plan)?;
+                            #cdoc
+                            let (#o, #combined) = #rt::moe::combine(cx.ep(), &#plan, &#y, &#routing)?;
+                            let #s = #rt::moe::ExpertParallelSaved {
+                                routing: #routing,
+                                router: #router,
+                                plan: #plan,
+                                local: #kept,
+                                combine: #combined,
+                            };
                         }
                     });
                 }
@@ -1038,6 +1095,61 @@ fn backward_node<'a>(
                         quote! {
                             #doc
                             #call(&#this_field, cx, #site, #s, #dy)?;
+                        }
+                    });
+                }
+                FieldKind::Expert => {
+                    let d_x = d_args[0].expect("expert-parallel inputs are tensors");
+                    let local = cx.qualified(n, quote!(ExpertParallel::backward_local));
+                    let route = cx.qualified(n, quote!(ExpertParallel::backward_route));
+                    let mut temp =
+                        |what: &str| b.locals.temp(&format!("d_{name}_{what}"), pos, span);
+                    let (d_rows_out, d_probs, d_rows, d_tokens) =
+                        (temp("y"), temp("probs"), temp("rows"), temp("tokens"));
+                    let mut temp = |what: &str| b.locals.temp(&format!("{name}_{what}"), pos, span);
+                    let kept = [
+                        temp("routing"),
+                        temp("router"),
+                        temp("plan"),
+                        temp("local"),
+                        temp("combine"),
+                    ];
+                    let cdoc = comment(&format!(
+                        "`{name}`: combine's backward. The output gradient to the experts' rows \
+                         (all-to-all over ep) and to the routing's weights."
+                    ));
+                    let ddoc = comment(&format!(
+                        "`{name}`: dispatch's backward. The rows' gradient back to their tokens \
+                         (all-to-all over ep), each token's copies summed."
+                    ));
+                    let rdoc = comment(&format!(
+                        "`{name}`: the router's backward (the weights' gradient and the auxiliary \
+                         losses) adds its part of the input gradient."
+                    ));
+                    b.push(move |nm| {
+                        let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
+                        let [d_rows_out, d_probs, d_rows, d_tokens] =
+                            [d_rows_out, d_probs, d_rows, d_tokens].map(|l| nm.ident(l));
+                        let [routing, router, plan, kept, combine] = kept.map(|l| nm.ident(l));
+                        quote! {
+                            let #rt::moe::ExpertParallelSaved {
+                                routing: #routing,
+                                router: #router,
+                                plan: #plan,
+                                local: #kept,
+                                combine: #combine,
+                            } = #s;
+                            #cdoc
+                            let (#d_rows_out, #d_probs) = #rt::moe::combine_backward(
+                                cx.ep(), &#plan, &#combine, &#routing, #dy,
+                            )?;
+                            let #d_rows = #local(&#this_field, cx, #site, #kept, &#d_rows_out)?;
+                            #ddoc
+                            let #d_tokens = #rt::moe::dispatch_backward(cx.ep(), &#plan, &#d_rows)?;
+                            #rdoc
+                            let #dx = #route(
+                                &#this_field, cx, #site, #router, &#routing, &#d_probs, #d_tokens,
+                            )?;
                         }
                     });
                 }

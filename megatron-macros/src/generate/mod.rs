@@ -107,6 +107,9 @@ fn build_param_field(root: &Root, f: &Field, indices: TokenStream) -> Option<Tok
         FieldKind::Vocab => {
             scoped(quote_spanned!(sp=> <#ty as #rt::module::VocabParallel>::build_vocab))
         }
+        FieldKind::Expert => {
+            scoped(quote_spanned!(sp=> <#ty as #rt::module::ExpertParallel>::build_experts))
+        }
         FieldKind::Replicated => scoped(quote_spanned!(sp=> <#ty as #rt::module::Module>::build)),
         FieldKind::Stack { elem, .. } => {
             let build = quote_spanned!(elem.span()=> <#elem as #rt::module::Module>::build);
@@ -326,6 +329,14 @@ pub fn saved_field_type(
             let ty = &f.ty;
             match f.kind {
                 FieldKind::Op => quote!(<#ty as #rt::module::Op>::Saved),
+                FieldKind::Expert => {
+                    let sp = ty.span();
+                    let t = quote_spanned!(sp=> #rt::module::ExpertParallel);
+                    quote!(#rt::moe::ExpertParallelSaved<
+                        <#ty as #t>::RouterSaved,
+                        <#ty as #t>::LocalSaved,
+                    >)
+                }
                 _ => quote!(<#ty as #rt::module::Module>::Saved),
             }
         }

@@ -1,0 +1,444 @@
+//! [`RoutedExperts`]: a MoE layer's router and routed experts as one `#[expert_parallel]`
+//! layer (Megatron-LM's `TopKRouter` and `GroupedMLP` under `MoELayer`), host f32.
+//!
+//! Its parameters: the router's gate `router.weight` `[experts, hidden]`, whole on every rank
+//! (a dense parameter, reduced over data parallelism), and the experts' `fc1.weight`
+//! `[experts, ffn, hidden]` and `fc2.weight` `[experts, hidden, ffn]`, whose first dimension
+//! (the expert) is split over the expert-parallel group: rank r holds the logical experts
+//! r·E/ep .. (r + 1)·E/ep, so checkpoints hold logical experts whatever the ep they were saved
+//! at, and their gradients go to the expert buffers, reduced over expert data parallelism.
+
+use std::sync::Mutex;
+
+use super::dispatcher::{CombineSaved, Dispatch};
+use super::experts::{ExpertShape, ExpertsSaved, experts_backward, experts_forward};
+use super::{RouterConfig, Routing, route, route_backward};
+use crate::error::Result;
+use crate::invalid;
+use crate::kernels::gemm::{MatMut, MatRef, gemm};
+use crate::module::{Builder, Cx, ExpertParallel, Init, Module, Param, Site, Split};
+use crate::parallel::GroupKind;
+use crate::tensor::{DType, Tensor};
+
+/// What an `#[expert_parallel]` call keeps for its backward: the routing, what the router and
+/// the local experts keep, the dispatch plan and the combine's rows.
+#[derive(Debug)]
+pub struct ExpertParallelSaved<R, L> {
+    /// The routing of the call's tokens.
+    pub routing: Routing,
+    /// What the router keeps.
+    pub router: R,
+    /// Where the dispatcher sent the rows.
+    pub plan: Dispatch,
+    /// What the local experts keep.
+    pub local: L,
+    /// What the combine keeps.
+    pub combine: CombineSaved,
+}
+
+/// What [`RoutedExperts`] is built from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutedExpertsSpec {
+    /// The router's settings (experts, top-k, scores, losses, capacity).
+    pub router: RouterConfig,
+    /// The model's hidden size.
+    pub hidden: usize,
+    /// Each expert's hidden layer (`--moe-ffn-hidden-size`).
+    pub ffn: usize,
+    /// The standard deviation of the gate's and fc1's initial values.
+    pub init_std: f32,
+    /// The standard deviation of fc2's (the residual branch's output layer).
+    pub out_init_std: f32,
+}
+
+/// A MoE layer's router and this rank's routed experts (see the module's documentation).
+#[derive(Debug, Clone)]
+pub struct RoutedExperts {
+    gate: Param,
+    fc1: Param,
+    fc2: Param,
+    router: RouterConfig,
+    local: ExpertShape,
+}
+
+/// What the router keeps: its input and logits.
+#[derive(Debug)]
+pub struct RouterSaved {
+    x: Tensor,
+    logits: Vec<f32>,
+}
+
+impl RoutedExperts {
+    /// The router's settings.
+    pub fn router(&self) -> &RouterConfig {
+        &self.router
+    }
+
+    /// The shapes of this rank's local experts.
+    pub fn local_shape(&self) -> ExpertShape {
+        self.local
+    }
+
+    fn build_with(spec: &RoutedExpertsSpec, b: &mut Builder, ep: (usize, usize)) -> Result<Self> {
+        let RoutedExpertsSpec {
+            router,
+            hidden,
+            ffn,
+            init_std,
+            out_init_std,
+        } = *spec;
+        router
+            .validate()
+            .map_err(|e| crate::Error::Invalid(e.to_string()))?;
+        if router.expert_bias {
+            return invalid!(
+                "--moe-router-enable-expert-bias: the aux-loss-free expert bias is routed but not \
+                 yet updated in training"
+            );
+        }
+        let (experts, size) = (router.num_experts, ep.1);
+        if !experts.is_multiple_of(size) {
+            return invalid!(
+                "--num-experts {experts} is not divisible by the expert-parallel size {size}"
+            );
+        }
+        let split = Split::Dim {
+            dim: 0,
+            group: GroupKind::Ep,
+        };
+        let normal = |std| Init::Normal { std };
+        Ok(RoutedExperts {
+            gate: b.scoped("router", |b| {
+                b.param(
+                    "weight",
+                    [experts, hidden],
+                    Split::Replicated,
+                    normal(init_std),
+                    true,
+                )
+            })?,
+            fc1: b.scoped("fc1", |b| {
+                b.param(
+                    "weight",
+                    [experts, ffn, hidden],
+                    split,
+                    normal(init_std),
+                    true,
+                )
+            })?,
+            fc2: b.scoped("fc2", |b| {
+                b.param(
+                    "weight",
+                    [experts, hidden, ffn],
+                    split,
+                    normal(out_init_std),
+                    true,
+                )
+            })?,
+            router,
+            local: ExpertShape {
+                experts: experts / size,
+                hidden,
+                ffn,
+            },
+        })
+    }
+}
+
+impl Module for RoutedExperts {
+    type Spec = RoutedExpertsSpec;
+    type Saved = ExpertParallelSaved<RouterSaved, ExpertsSaved>;
+
+    /// Every expert on this rank (an expert-parallel group of one).
+    fn build(spec: &RoutedExpertsSpec, b: &mut Builder) -> Result<Self> {
+        RoutedExperts::build_with(spec, b, (0, 1))
+    }
+
+    fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+        f(&self.gate);
+        f(&self.fc1);
+        f(&self.fc2);
+    }
+
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        f(&mut self.gate);
+        f(&mut self.fc1);
+        f(&mut self.fc2);
+    }
+}
+
+/// `t`'s values as f32 on the host (MoE layers run on the CPU for now).
+fn host_f32(t: &Tensor, what: &str) -> Result<Vec<f32>> {
+    #[cfg(feature = "cuda")]
+    if t.gpu().is_some() {
+        return invalid!("{what} is on a GPU: MoE layers run on the CPU only for now");
+    }
+    let _ = what;
+    Ok(t.to_vec_f32()?)
+}
+
+/// `C = op(A) · op(B) + β·C` for row-major `A` (`am × ak`) and `B` (`bm × bk`), each
+/// transposed when its flag says so.
+fn product(
+    a: &[f32],
+    (am, ak, a_t): (usize, usize, bool),
+    b: &[f32],
+    (bm, bk, b_t): (usize, usize, bool),
+    beta: f32,
+    c: &mut [f32],
+) -> Result<()> {
+    let a = MatRef::row_major(a, am, ak)?;
+    let b = MatRef::row_major(b, bm, bk)?;
+    let (a, b) = (if a_t { a.t() } else { a }, if b_t { b.t() } else { b });
+    let (m, n) = (a.rows(), b.cols());
+    gemm(1.0, a, b, beta, MatMut::row_major(c, m, n)?)?;
+    Ok(())
+}
+
+/// Adds `f`'s contribution into `p`'s f32 gradient (widened and rounded back when 16-bit).
+fn accumulate(p: &Param, f: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
+    p.accumulate_grad(|g| {
+        if g.dtype() != DType::F32 {
+            return invalid!("{}: gradient is {}", p.spec().name, g.dtype());
+        }
+        f(&mut g.write::<f32>()?)
+    })
+}
+
+impl ExpertParallel for RoutedExperts {
+    type RouterSaved = RouterSaved;
+    type LocalSaved = ExpertsSaved;
+
+    fn build_experts(spec: &RoutedExpertsSpec, b: &mut Builder) -> Result<Self> {
+        let ep = b.group(GroupKind::Ep);
+        RoutedExperts::build_with(spec, b, ep)
+    }
+
+    fn route(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Routing, RouterSaved)> {
+        let (e, h) = (self.router.num_experts, self.local.hidden);
+        let dims = x.dims();
+        if dims.len() < 2 || dims[dims.len() - 1] != h {
+            return invalid!("the router takes [.., hidden {h}], got {}", x.shape());
+        }
+        let tokens = x.numel() / h;
+        let values = host_f32(x, "the router's input")?;
+        let gate = host_f32(self.gate.compute_value(), "the router's gate")?;
+        let mut logits = vec![0.0f32; tokens * e];
+        product(
+            &values,
+            (tokens, h, false),
+            &gate,
+            (e, h, true),
+            0.0,
+            &mut logits,
+        )?;
+        // Tokens are in [seq, batch] order: sequences of dims[0] tokens.
+        let seq = if dims.len() == 3 { dims[0] } else { tokens };
+        let routing = route(&logits, seq, &self.router, None)
+            .map_err(|err| crate::Error::Invalid(err.to_string()))?;
+        Ok((
+            routing,
+            RouterSaved {
+                x: x.clone(),
+                logits,
+            },
+        ))
+    }
+
+    fn forward_local(
+        &self,
+        _cx: &Cx,
+        _site: Site,
+        rows: &Tensor,
+        plan: &Dispatch,
+    ) -> Result<(Tensor, ExpertsSaved)> {
+        let (y, saved) = experts_forward(
+            &self.local,
+            &host_f32(rows, "the experts' rows")?,
+            &plan.rows_per_local_expert(),
+            &host_f32(self.fc1.compute_value(), "fc1")?,
+            &host_f32(self.fc2.compute_value(), "fc2")?,
+        )?;
+        Ok((
+            Tensor::from_vec(y, [plan.rows(), self.local.hidden])?,
+            saved,
+        ))
+    }
+
+    fn backward_local(
+        &self,
+        _cx: &Cx,
+        _site: Site,
+        saved: ExpertsSaved,
+        dy: &Tensor,
+    ) -> Result<Tensor> {
+        let fc1 = host_f32(self.fc1.compute_value(), "fc1")?;
+        let fc2 = host_f32(self.fc2.compute_value(), "fc2")?;
+        let dy = host_f32(dy, "the experts' output gradient")?;
+        let h = self.local.hidden;
+        let mut dx = Vec::new();
+        accumulate(&self.fc1, |dfc1| {
+            accumulate(&self.fc2, |dfc2| {
+                dx = experts_backward(&self.local, &saved, &dy, (&fc1, &fc2), (dfc1, dfc2))?;
+                Ok(())
+            })
+        })?;
+        let rows = dx.len() / h.max(1);
+        Ok(Tensor::from_vec(dx, [rows, h])?)
+    }
+
+    fn backward_route(
+        &self,
+        cx: &Cx,
+        _site: Site,
+        saved: RouterSaved,
+        routing: &Routing,
+        dprobs: &[f32],
+        dx: Tensor,
+    ) -> Result<Tensor> {
+        if let Some(log) = cx.routing_log() {
+            log.record(routing, self.router.topk);
+        }
+        let (e, h) = (self.router.num_experts, self.local.hidden);
+        let tokens = routing.tokens;
+        let dlogits = route_backward(
+            routing,
+            &saved.logits,
+            dprobs,
+            cx.aux_loss_scale(),
+            &self.router,
+        )
+        .map_err(|err| crate::Error::Invalid(err.to_string()))?;
+        let x = host_f32(&saved.x, "the router's input")?;
+        // logits = x · gateᵀ: dgate += dlogitsᵀ · x, dx += dlogits · gate.
+        accumulate(&self.gate, |dgate| {
+            product(
+                &dlogits,
+                (tokens, e, true),
+                &x,
+                (tokens, h, false),
+                1.0,
+                dgate,
+            )
+        })?;
+        let gate = host_f32(self.gate.compute_value(), "the router's gate")?;
+        let mut d = host_f32(&dx, "the input gradient")?;
+        product(
+            &dlogits,
+            (tokens, e, false),
+            &gate,
+            (e, h, false),
+            1.0,
+            &mut d,
+        )?;
+        Ok(Tensor::from_vec(d, dx.shape().clone())?)
+    }
+}
+
+/// What the MoE layers' routers did, summed over the layers and micro-batches of a step (what
+/// Megatron-LM's MoE metrics tracker logs).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RoutingTotals {
+    /// Routings recorded (MoE layers × micro-batches).
+    pub routings: usize,
+    /// Sum of their load-balancing losses (coefficient included).
+    pub aux_loss: f64,
+    /// Sum of their z losses (coefficient included).
+    pub z_loss: f64,
+    /// Tokens each expert received.
+    pub tokens_per_expert: Vec<u64>,
+    /// Token-expert pairs the top-k chose.
+    pub chosen: u64,
+    /// Of which capacity dropped.
+    pub dropped: u64,
+}
+
+impl RoutingTotals {
+    /// Adds `other`'s counts (another rank's).
+    pub fn add(&mut self, other: &RoutingTotals) {
+        self.routings += other.routings;
+        self.aux_loss += other.aux_loss;
+        self.z_loss += other.z_loss;
+        if self.tokens_per_expert.len() < other.tokens_per_expert.len() {
+            self.tokens_per_expert
+                .resize(other.tokens_per_expert.len(), 0);
+        }
+        for (a, b) in self
+            .tokens_per_expert
+            .iter_mut()
+            .zip(&other.tokens_per_expert)
+        {
+            *a += b;
+        }
+        self.chosen += other.chosen;
+        self.dropped += other.dropped;
+    }
+
+    /// The mean load-balancing loss per routing.
+    pub fn mean_aux_loss(&self) -> f64 {
+        self.aux_loss / self.routings.max(1) as f64
+    }
+
+    /// The mean z loss per routing.
+    pub fn mean_z_loss(&self) -> f64 {
+        self.z_loss / self.routings.max(1) as f64
+    }
+
+    /// The fraction of chosen token-expert pairs that capacity dropped.
+    pub fn dropped_fraction(&self) -> f64 {
+        self.dropped as f64 / self.chosen.max(1) as f64
+    }
+
+    /// The fewest, mean and most tokens an expert received.
+    pub fn tokens_min_mean_max(&self) -> (u64, f64, u64) {
+        let t = &self.tokens_per_expert;
+        let mean = t.iter().sum::<u64>() as f64 / t.len().max(1) as f64;
+        (
+            t.iter().copied().min().unwrap_or(0),
+            mean,
+            t.iter().copied().max().unwrap_or(0),
+        )
+    }
+}
+
+/// Collects the routings of a step (the trainer hands it to the context; each MoE layer
+/// records its routing once, in its backward, so a recomputed forward is not counted twice).
+#[derive(Debug, Default)]
+pub struct RoutingLog {
+    totals: Mutex<RoutingTotals>,
+}
+
+impl RoutingLog {
+    /// Adds one routing of top-`topk` experts.
+    pub fn record(&self, routing: &Routing, topk: usize) {
+        let mut t = self
+            .totals
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        t.routings += 1;
+        t.aux_loss += f64::from(routing.aux_loss);
+        t.z_loss += f64::from(routing.z_loss);
+        if t.tokens_per_expert.len() < routing.experts {
+            t.tokens_per_expert.resize(routing.experts, 0);
+        }
+        for (a, &b) in t
+            .tokens_per_expert
+            .iter_mut()
+            .zip(&routing.tokens_per_expert)
+        {
+            *a += b as u64;
+        }
+        t.chosen += (routing.tokens * topk) as u64;
+        t.dropped += routing.dropped as u64;
+    }
+
+    /// What was recorded since the last take, leaving the log empty.
+    pub fn take(&self) -> RoutingTotals {
+        std::mem::take(
+            &mut *self
+                .totals
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+}

@@ -1,0 +1,189 @@
+//! GPT's mixture-of-experts MLP, written with the DSL: `#[expert_parallel]` is the whole
+//! expert-parallel plan. The macros insert the dispatcher's all-to-alls over the
+//! expert-parallel group around the local experts, and the combine's back; the router's gate
+//! is a dense parameter (reduced over data parallelism), the experts' weights are split over
+//! expert parallelism (reduced over expert data parallelism).
+//!
+//! [`Ffn`] is a layer's feed-forward block, dense or MoE (`--moe-layer-freq` mixes them in one
+//! stack).
+
+use megatron_core::Result;
+use megatron_core::module::{Builder, Cx, Module, Param, Site};
+use megatron_core::moe::RoutedExperts;
+use megatron_core::prelude::*;
+use megatron_macros::module;
+
+use crate::gpt::{Mlp, MlpSaved, MlpSpec};
+
+/// A MoE MLP: the router sends each token to its top-k experts, split over expert parallelism.
+#[module]
+pub struct MoeMlp {
+    /// The router and the routed experts.
+    #[expert_parallel]
+    pub experts: RoutedExperts,
+}
+
+#[module]
+impl MoeMlp {
+    fn forward(&self, x: Tensor) -> Tensor {
+        self.experts(x)
+    }
+}
+
+/// A MoE MLP with shared experts: a dense MLP every token goes through, added to the routed
+/// experts' output (Megatron-LM's `--moe-shared-expert-intermediate-size`).
+#[module]
+pub struct SharedMoeMlp {
+    /// The router and the routed experts.
+    #[expert_parallel]
+    pub experts: RoutedExperts,
+    /// The shared experts, tensor-parallel as a dense MLP.
+    pub shared: Mlp,
+}
+
+#[module]
+impl SharedMoeMlp {
+    fn forward(&self, x: Tensor) -> Tensor {
+        self.experts(x) + self.shared(x)
+    }
+}
+
+/// A transformer layer's feed-forward block: dense, or mixture of experts with or without
+/// shared experts. Written by hand (the DSL's modules are structs): each variant's forward and
+/// backward are its module's.
+pub enum Ffn {
+    /// The dense MLP.
+    Dense(Mlp),
+    /// Routed experts.
+    Moe(MoeMlp),
+    /// Routed and shared experts.
+    SharedMoe(SharedMoeMlp),
+}
+
+/// What an [`Ffn`] is built from.
+#[derive(Debug, Clone)]
+pub enum FfnSpec {
+    /// A dense MLP.
+    Dense(MlpSpec),
+    /// Routed experts.
+    Moe(MoeMlpSpec),
+    /// Routed and shared experts.
+    SharedMoe(SharedMoeMlpSpec),
+}
+
+/// What [`Ffn::forward`] keeps for [`Ffn::backward`]: its variant's.
+pub enum FfnSaved {
+    /// The dense MLP's.
+    Dense(MlpSaved),
+    /// The MoE MLP's.
+    Moe(MoeMlpSaved),
+    /// The MoE MLP with shared experts'.
+    SharedMoe(SharedMoeMlpSaved),
+}
+
+impl Module for Ffn {
+    type Spec = FfnSpec;
+    type Saved = FfnSaved;
+    /// The dense MLP's (a MoE block widens a narrower gradient itself).
+    const GRADIENT_FEEDS_PRODUCTS: bool = <Mlp as Module>::GRADIENT_FEEDS_PRODUCTS;
+
+    fn build(spec: &FfnSpec, b: &mut Builder) -> Result<Self> {
+        Ok(match spec {
+            FfnSpec::Dense(s) => Ffn::Dense(Mlp::build(s, b)?),
+            FfnSpec::Moe(s) => Ffn::Moe(MoeMlp::build(s, b)?),
+            FfnSpec::SharedMoe(s) => Ffn::SharedMoe(SharedMoeMlp::build(s, b)?),
+        })
+    }
+
+    fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+        match self {
+            Ffn::Dense(m) => m.visit_params(f),
+            Ffn::Moe(m) => m.visit_params(f),
+            Ffn::SharedMoe(m) => m.visit_params(f),
+        }
+    }
+
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        match self {
+            Ffn::Dense(m) => m.visit_params_mut(f),
+            Ffn::Moe(m) => m.visit_params_mut(f),
+            Ffn::SharedMoe(m) => m.visit_params_mut(f),
+        }
+    }
+}
+
+/// `dy` in f32: the MoE blocks read their output gradient in f32 (a caller may hand a
+/// narrower one to a block whose gradient feeds products, see [`Ffn::GRADIENT_FEEDS_PRODUCTS`]).
+fn f32_gradient(dy: &Tensor) -> Result<Tensor> {
+    Ok(dy.to_f32_contiguous()?)
+}
+
+impl FfnSpec {
+    /// The dense MLP's spec, if the block is dense.
+    pub fn dense(&self) -> Option<&MlpSpec> {
+        match self {
+            FfnSpec::Dense(m) => Some(m),
+            _ => None,
+        }
+    }
+}
+
+impl Ffn {
+    /// The dense MLP, if the block is dense.
+    pub fn dense(&self) -> Option<&Mlp> {
+        match self {
+            Ffn::Dense(m) => Some(m),
+            _ => None,
+        }
+    }
+
+    /// Whether this is a mixture-of-experts block.
+    pub fn is_moe(&self) -> bool {
+        !matches!(self, Ffn::Dense(_))
+    }
+
+    /// Runs the block's variant.
+    pub fn forward(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, FfnSaved)> {
+        Ok(match self {
+            Ffn::Dense(m) => {
+                let (y, s) = m.forward(cx, site, x)?;
+                (y, FfnSaved::Dense(s))
+            }
+            Ffn::Moe(m) => {
+                let (y, s) = m.forward(cx, site, x)?;
+                (y, FfnSaved::Moe(s))
+            }
+            Ffn::SharedMoe(m) => {
+                let (y, s) = m.forward(cx, site, x)?;
+                (y, FfnSaved::SharedMoe(s))
+            }
+        })
+    }
+
+    /// The backward of [`Ffn::forward`].
+    pub fn backward(&self, cx: &Cx, site: Site, saved: FfnSaved, dy: &Tensor) -> Result<Tensor> {
+        match (self, saved) {
+            (Ffn::Dense(m), FfnSaved::Dense(s)) => m.backward(cx, site, s, dy),
+            (Ffn::Moe(m), FfnSaved::Moe(s)) => m.backward(cx, site, s, &f32_gradient(dy)?),
+            (Ffn::SharedMoe(m), FfnSaved::SharedMoe(s)) => {
+                m.backward(cx, site, s, &f32_gradient(dy)?)
+            }
+            _ => {
+                megatron_core::invalid!("an Ffn backward got what another variant's forward saved")
+            }
+        }
+    }
+
+    /// [`Ffn::backward`] plus `plus`, another gradient of the input.
+    pub fn backward_plus(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: FfnSaved,
+        dy: &Tensor,
+        plus: &Tensor,
+    ) -> Result<Tensor> {
+        let dx = self.backward(cx, site, saved, dy)?;
+        megatron_core::ops::add(plus, &dx)
+    }
+}

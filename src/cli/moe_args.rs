@@ -1,0 +1,190 @@
+//! The mixture-of-experts architecture flags (`--num-experts` and the `--moe-*` family), named and
+//! defaulted as Megatron-LM's.
+
+use anyhow::{Result, bail};
+use clap::{Args, ValueEnum};
+use megatron::models::{GptConfig, MoeConfig, MoeLayerFreq};
+use megatron::moe::{DropPolicy, LoadBalancing, RouterConfig, ScoreFunction};
+
+/// `--moe-router-load-balancing-type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BalancingArg {
+    /// The switch loss over each micro-batch.
+    #[value(name = "aux_loss")]
+    AuxLoss,
+    /// The switch loss over each sequence.
+    #[value(name = "seq_aux_loss")]
+    SeqAuxLoss,
+    /// No load-balancing loss.
+    #[value(name = "none")]
+    None,
+}
+
+/// `--moe-router-score-function`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ScoreArg {
+    /// Softmax over the experts.
+    Softmax,
+    /// Sigmoid, normalised over the chosen experts.
+    Sigmoid,
+}
+
+/// `--moe-token-drop-policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DropArg {
+    /// Keep the tokens with the highest probabilities.
+    Probs,
+    /// Keep the first tokens.
+    Position,
+}
+
+/// Mixture-of-experts flags: given on a dense preset, `--num-experts` makes its MLPs MoE layers;
+/// on a MoE preset (`gpt-moe-tiny`) they override its settings.
+#[derive(Debug, Args)]
+pub struct MoeArgs {
+    /// Experts per MoE layer (makes the model a mixture of experts) [default: the preset's].
+    #[arg(long)]
+    num_experts: Option<usize>,
+    /// Experts each token goes to [default: the preset's, or 2].
+    #[arg(long)]
+    moe_router_topk: Option<usize>,
+    /// Each expert's hidden size [default: the preset's, or --ffn-hidden-size].
+    #[arg(long)]
+    moe_ffn_hidden_size: Option<usize>,
+    /// Which layers are MoE: every k-th (`2`), or per layer (`[0,1,1,1]`, `[0]*1+[1]*3`)
+    /// [default: the preset's, or 1: all].
+    #[arg(long)]
+    moe_layer_freq: Option<String>,
+    /// Softmax over all experts before the top-k (else after it, over the chosen ones).
+    #[arg(long)]
+    moe_router_pre_softmax: bool,
+    /// How logits become scores [default: the preset's, or softmax].
+    #[arg(long, value_enum)]
+    moe_router_score_function: Option<ScoreArg>,
+    /// Multiplies the chosen experts' weights.
+    #[arg(long)]
+    moe_router_topk_scaling_factor: Option<f32>,
+    /// The load-balancing loss [default: the preset's, or aux_loss].
+    #[arg(long, value_enum)]
+    moe_router_load_balancing_type: Option<BalancingArg>,
+    /// The load-balancing loss's coefficient [default: the preset's, or 0].
+    #[arg(long)]
+    moe_aux_loss_coeff: Option<f32>,
+    /// The router z loss's coefficient (none by default).
+    #[arg(long)]
+    moe_z_loss_coeff: Option<f32>,
+    /// Each expert takes at most ⌈tokens·topk/experts·factor⌉ tokens, the rest dropped
+    /// (no capacity by default).
+    #[arg(long)]
+    moe_expert_capacity_factor: Option<f32>,
+    /// Pad every expert's input to its capacity.
+    #[arg(long)]
+    moe_pad_expert_input_to_capacity: bool,
+    /// Which tokens an expert over capacity keeps [default: probs].
+    #[arg(long, value_enum)]
+    moe_token_drop_policy: Option<DropArg>,
+    /// The aux-loss-free expert bias (with sigmoid scores).
+    #[arg(long)]
+    moe_router_enable_expert_bias: bool,
+    /// Hidden size of the shared experts every token also goes through (none by default).
+    #[arg(long)]
+    moe_shared_expert_intermediate_size: Option<usize>,
+}
+
+impl MoeArgs {
+    /// Whether any MoE flag was given.
+    fn any(&self) -> bool {
+        self.num_experts.is_some()
+            || self.moe_router_topk.is_some()
+            || self.moe_ffn_hidden_size.is_some()
+            || self.moe_layer_freq.is_some()
+            || self.moe_router_pre_softmax
+            || self.moe_router_score_function.is_some()
+            || self.moe_router_topk_scaling_factor.is_some()
+            || self.moe_router_load_balancing_type.is_some()
+            || self.moe_aux_loss_coeff.is_some()
+            || self.moe_z_loss_coeff.is_some()
+            || self.moe_expert_capacity_factor.is_some()
+            || self.moe_pad_expert_input_to_capacity
+            || self.moe_token_drop_policy.is_some()
+            || self.moe_router_enable_expert_bias
+            || self.moe_shared_expert_intermediate_size.is_some()
+    }
+
+    /// `--num-experts`, if given.
+    pub fn num_experts(&self) -> Option<usize> {
+        self.num_experts
+    }
+
+    /// `c`'s MoE settings with the flags applied: a dense `c` becomes MoE with
+    /// `--num-experts`; MoE flags without experts are refused.
+    pub fn apply(&self, c: &mut GptConfig) -> Result<()> {
+        if !self.any() {
+            return Ok(());
+        }
+        let mut moe = match (c.moe.clone(), self.num_experts) {
+            (Some(moe), _) => moe,
+            (None, Some(experts)) => MoeConfig {
+                router: RouterConfig::new(experts, 2),
+                ffn_hidden_size: c.ffn_hidden_size,
+                layer_freq: MoeLayerFreq::Every(1),
+                shared_expert_ffn: None,
+            },
+            (None, None) => bail!(
+                "the --moe-* flags configure MoE layers: add --num-experts (the model is dense)"
+            ),
+        };
+        let r = &mut moe.router;
+        if let Some(e) = self.num_experts {
+            r.num_experts = e;
+        }
+        if let Some(k) = self.moe_router_topk {
+            r.topk = k;
+        }
+        r.pre_softmax |= self.moe_router_pre_softmax;
+        if let Some(s) = self.moe_router_score_function {
+            r.score_function = match s {
+                ScoreArg::Softmax => ScoreFunction::Softmax,
+                ScoreArg::Sigmoid => ScoreFunction::Sigmoid,
+            };
+        }
+        if let Some(f) = self.moe_router_topk_scaling_factor {
+            r.topk_scaling_factor = Some(f);
+        }
+        if let Some(b) = self.moe_router_load_balancing_type {
+            r.load_balancing = match b {
+                BalancingArg::AuxLoss => LoadBalancing::AuxLoss,
+                BalancingArg::SeqAuxLoss => LoadBalancing::SeqAuxLoss,
+                BalancingArg::None => LoadBalancing::None,
+            };
+        }
+        if let Some(c) = self.moe_aux_loss_coeff {
+            r.aux_loss_coeff = c;
+        }
+        if let Some(z) = self.moe_z_loss_coeff {
+            r.z_loss_coeff = Some(z);
+        }
+        if let Some(f) = self.moe_expert_capacity_factor {
+            r.capacity_factor = Some(f);
+        }
+        r.pad_to_capacity |= self.moe_pad_expert_input_to_capacity;
+        if let Some(d) = self.moe_token_drop_policy {
+            r.drop_policy = match d {
+                DropArg::Probs => DropPolicy::Probs,
+                DropArg::Position => DropPolicy::Position,
+            };
+        }
+        r.expert_bias |= self.moe_router_enable_expert_bias;
+        if let Some(f) = self.moe_ffn_hidden_size {
+            moe.ffn_hidden_size = f;
+        }
+        if let Some(freq) = &self.moe_layer_freq {
+            moe.layer_freq = MoeLayerFreq::parse(freq).map_err(anyhow::Error::msg)?;
+        }
+        if let Some(s) = self.moe_shared_expert_intermediate_size {
+            moe.shared_expert_ffn = Some(s);
+        }
+        c.moe = Some(moe);
+        Ok(())
+    }
+}
