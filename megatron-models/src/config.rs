@@ -171,6 +171,13 @@ impl GptConfig {
         let Some(moe) = &self.moe else {
             return Ok(());
         };
+        if tp > 1 {
+            return invalid!(
+                "MoE layers with tensor-parallel size {tp} need sequence parallelism (Megatron-LM \
+                 refuses to train them without it), which megatron-rs does not have yet: use \
+                 --tensor-model-parallel-size 1 with expert and data parallelism"
+            );
+        }
         moe.router
             .validate()
             .map_err(|e| megatron_core::Error::Invalid(e.to_string()))?;

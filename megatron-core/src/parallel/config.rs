@@ -19,8 +19,8 @@ pub enum ConfigError {
     NotDivisible {
         /// Total number of ranks.
         world: usize,
-        /// The product spelled out, e.g. `tp·cp·pp`.
-        what: &'static str,
+        /// The product spelled out with its factors, e.g. `tp·cp·pp = 2·1·2`.
+        what: String,
         /// The product's value.
         product: usize,
     },
@@ -347,7 +347,7 @@ impl ParallelConfig {
         if !world.is_multiple_of(dense_mp) {
             return Err(ConfigError::NotDivisible {
                 world,
-                what: "tp·cp·pp",
+                what: format!("tp·cp·pp = {}·{}·{}", self.tp, self.cp, self.pp),
                 product: dense_mp,
             });
         }
@@ -367,7 +367,7 @@ impl ParallelConfig {
         if !world.is_multiple_of(expert_mp) {
             return Err(ConfigError::NotDivisible {
                 world,
-                what: "etp·ep·pp",
+                what: format!("etp·ep·pp = {etp}·{}·{}", self.ep, self.pp),
                 product: expert_mp,
             });
         }

@@ -1,0 +1,201 @@
+//! `megatron train` of mixture-of-experts GPTs: expert parallelism (with data parallelism, the
+//! distributed optimizer and a pipeline) trains as one rank holding every expert, with the same
+//! routing decisions; checkpoints hold logical experts, so a run saved at ep 4 resumes at ep 1 and
+//! 2; and the configurations that cannot work are refused, naming the numbers.
+
+mod support;
+use support::{TempDir, log_lines, megatron};
+
+/// The flags every run here shares: gpt-moe-tiny cut to 2 layers, 4 micro-batches of 2 a step,
+/// with the z loss on beside the aux loss.
+const COMMON: [&str; 16] = [
+    "train",
+    "--quiet",
+    "--model",
+    "gpt-moe-tiny",
+    "--num-layers",
+    "2",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--seed=5",
+    "--moe-z-loss-coeff",
+    "0.001",
+    "--train-iters=4",
+];
+
+/// One logged step: loss, gradient norm, tokens per expert and aux loss.
+#[derive(Debug)]
+struct Step {
+    loss: f64,
+    grad_norm: f64,
+    tokens_per_expert: Vec<u64>,
+    aux_loss: f64,
+}
+
+/// The logged steps of a run with `extra` flags.
+fn run(dir: &TempDir, name: &str, extra: &[&str]) -> Vec<Step> {
+    let log = dir.join(&format!("{name}.jsonl"));
+    let mut args: Vec<&str> = COMMON.to_vec();
+    args.extend(extra);
+    args.extend(["--log-json", &log]);
+    let (ok, _, stderr) = megatron(&args);
+    assert!(ok, "{name}: {stderr}");
+    log_lines(&log)
+        .iter()
+        .map(|l| Step {
+            loss: l["loss"].as_f64().unwrap(),
+            grad_norm: l["grad_norm"].as_f64().unwrap(),
+            tokens_per_expert: l["moe"]["tokens_per_expert"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect(),
+            aux_loss: l["moe"]["aux_loss"].as_f64().unwrap(),
+        })
+        .collect()
+}
+
+/// f32 tolerance: the sums of expert parallelism run in another order (the experts' gradients
+/// gathered by all-to-all instead of reduced over data parallelism), which moves the last bits.
+fn assert_same_training(got: &[Step], want: &[Step], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(
+            g.tokens_per_expert, w.tokens_per_expert,
+            "{what} step {i}: routing decisions"
+        );
+        assert!(
+            (g.loss - w.loss).abs() <= 1e-5 * w.loss,
+            "{what} step {i}: loss {} vs {}",
+            g.loss,
+            w.loss
+        );
+        assert!(
+            (g.grad_norm - w.grad_norm).abs() <= 1e-4 * w.grad_norm,
+            "{what} step {i}: grad norm {} vs {}",
+            g.grad_norm,
+            w.grad_norm
+        );
+        assert!(
+            (g.aux_loss - w.aux_loss).abs() <= 1e-5 * w.aux_loss.abs().max(1e-3),
+            "{what} step {i}: aux loss {} vs {}",
+            g.aux_loss,
+            w.aux_loss
+        );
+    }
+}
+
+#[test]
+fn expert_parallelism_trains_as_one_rank_holding_every_expert() {
+    let dir = TempDir::new("cli-moe-ep");
+    let reference = run(&dir, "ep1", &["--dp", "4"]);
+    // Training moves: the loss falls, every expert gets tokens, the aux loss is logged.
+    assert!(reference[3].loss < reference[0].loss, "{reference:?}");
+    let routed: u64 = reference[0].tokens_per_expert.iter().sum();
+    // 2 MoE layers × 8 sequences × 16 tokens × top-2.
+    assert_eq!(routed, 2 * 8 * 16 * 2);
+    assert!(reference[0].aux_loss > 0.0);
+    for (name, flags) in [
+        ("ep2", &["--dp", "4", "--ep", "2"][..]),
+        ("ep4", &["--dp", "4", "--ep", "4"]),
+        ("ep2-dp2", &["--dp", "2", "--ep", "2"]),
+        (
+            "ep2-distopt",
+            &["--dp", "4", "--ep", "2", "--use-distributed-optimizer"],
+        ),
+        ("ep2-pp2", &["--dp", "2", "--ep", "2", "--pp", "2"]),
+    ] {
+        assert_same_training(&run(&dir, name, flags), &reference, name);
+    }
+}
+
+#[test]
+fn dense_and_moe_layers_with_shared_experts_train_alike_at_every_ep() {
+    let dir = TempDir::new("cli-moe-mixed");
+    let flags = [
+        "--num-layers",
+        "4",
+        "--moe-layer-freq",
+        "[0,1,0,1]",
+        "--moe-shared-expert-intermediate-size",
+        "64",
+        "--moe-expert-capacity-factor",
+        "1.0",
+        "--dp",
+        "2",
+    ];
+    let reference = run(&dir, "ep1", &flags);
+    let mut ep2 = flags.to_vec();
+    ep2.extend(["--ep", "2"]);
+    assert_same_training(&run(&dir, "ep2", &ep2), &reference, "mixed ep 2");
+}
+
+#[test]
+fn a_checkpoint_saved_at_ep_4_resumes_at_ep_1_and_2() {
+    let dir = TempDir::new("cli-moe-ckpt");
+    let sharded = ["--dp", "4", "--use-distributed-optimizer"];
+    let mut whole = sharded.to_vec();
+    whole.extend(["--ep", "4"]);
+    let straight = run(&dir, "straight", &whole);
+    let save = dir.join("save");
+    let mut first = whole.clone();
+    // The first two steps of the same schedule (decaying over 4 steps).
+    first.extend(["--save", &save, "--train-iters=2", "--lr-decay-iters=4"]);
+    run(&dir, "first", &first);
+    for ep in ["1", "2", "4"] {
+        let mut resume = sharded.to_vec();
+        resume.extend(["--ep", ep, "--load", &save]);
+        let rest = run(&dir, &format!("resume-ep{ep}"), &resume);
+        assert_same_training(&rest, &straight[2..], &format!("resumed at ep {ep}"));
+    }
+}
+
+#[test]
+fn configurations_that_cannot_work_name_the_numbers() {
+    for (flags, message) in [
+        (
+            &["--num-experts", "6", "--dp", "4", "--ep", "4"][..],
+            "--num-experts 6 is not divisible by --expert-model-parallel-size 4",
+        ),
+        (
+            &["--moe-router-topk", "9"],
+            "--moe-router-topk 9 must be between 1 and --num-experts 8",
+        ),
+        (
+            &["--num-experts", "6", "--dp", "4", "--ep", "3"],
+            "world size 4 is not divisible by etp·ep·pp = 1·3·1 = 3",
+        ),
+        (
+            &["--moe-expert-capacity-factor", "0"],
+            "--moe-expert-capacity-factor 0 must be a finite number above 0",
+        ),
+        (&["--tp", "2"], "sequence parallelism"),
+        (
+            &["--model", "gpt-tiny", "--ep", "2", "--dp", "2"],
+            "the model has none: add --num-experts",
+        ),
+        (
+            &["--model", "gpt-tiny", "--moe-router-topk", "2"],
+            "add --num-experts (the model is dense)",
+        ),
+        (
+            &["--moe-layer-freq", "[1,1,1]"],
+            "--moe-layer-freq lists 3 layers but the model has --num-layers 2",
+        ),
+    ] {
+        // The dense model's runs without the MoE flag COMMON sets.
+        let mut args: Vec<&str> = COMMON.to_vec();
+        if flags.contains(&"gpt-tiny") {
+            args.retain(|a| !a.starts_with("--moe") && *a != "0.001");
+        }
+        args.extend(flags);
+        let (ok, _, stderr) = megatron(&args);
+        assert!(!ok, "{flags:?} ran");
+        assert!(stderr.contains(message), "{flags:?}: {stderr}");
+    }
+}
