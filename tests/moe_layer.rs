@@ -10,7 +10,7 @@ mod support;
 use megatron::comm::threads::launch;
 use megatron::comm::{OpKind, ParallelState};
 use megatron::kernels::elementwise::gelu_forward;
-use megatron::module::{Builder, Cx, Module, Site};
+use megatron::module::{Builder, Cx, Layer, Module, Site};
 use megatron::moe::{LoadBalancing, RoutedExperts, RoutedExpertsSpec, RouterConfig};
 use megatron::parallel::{GroupKind, ParallelConfig, ParallelLayout};
 use megatron::prelude::*;
@@ -36,6 +36,25 @@ pub struct Moe {
 impl Moe {
     fn forward(&self, x: Tensor) -> Tensor {
         self.experts(x)
+    }
+}
+
+/// Routed experts beside shared experts (a dense MLP every token goes through): the input
+/// feeds both, so its gradient is the sum of the two.
+#[megatron::module]
+pub struct SharedMoe {
+    #[expert_parallel]
+    experts: RoutedExperts,
+    #[column_parallel]
+    fc1: Linear,
+    #[row_parallel]
+    fc2: Linear,
+}
+
+#[megatron::module]
+impl SharedMoe {
+    fn forward(&self, x: Tensor) -> Tensor {
+        self.experts(x) + self.fc2(gelu(self.fc1(x)))
     }
 }
 
@@ -189,4 +208,52 @@ fn one_expert_with_top_1_is_the_dense_mlp() {
             &format!("token {t}"),
         );
     }
+}
+
+#[test]
+fn shared_experts_add_a_dense_mlp_on_every_rank() {
+    // SharedMoe at ep 2 = the routed experts (Moe, the same parameters by name) plus the MLP
+    // written by hand from the same layers; the input's gradient is both gradients' sum.
+    let layout = ParallelLayout::new(&ParallelConfig::new(2).with_ep(2)).unwrap();
+    launch(2, |w| -> R<()> {
+        let ps = ParallelState::new(&w, &layout)?;
+        let mlp = |name: &str, b: &mut Builder| -> R<Linear> {
+            let spec = if name == "fc1" {
+                LinearSpec::new(HIDDEN, 16).with_init_std(0.5)
+            } else {
+                LinearSpec::new(16, HIDDEN).with_init_std(0.5)
+            };
+            Ok(b.scoped(name, |b| Linear::build(&spec, b))?)
+        };
+        let spec = SharedMoeSpec {
+            experts: spec(router()).experts,
+            fc1: LinearSpec::new(HIDDEN, 16).with_init_std(0.5),
+            fc2: LinearSpec::new(16, HIDDEN).with_init_std(0.5),
+        };
+        let shared = SharedMoe::build(&spec, &mut Builder::for_rank(7, ps.groups()))?;
+        let moe = Moe::build(&self::spec(router()), &mut Builder::for_rank(7, ps.groups()))?;
+        let mut b = Builder::for_rank(7, ps.groups());
+        let (fc1, fc2) = (mlp("fc1", &mut b)?, mlp("fc2", &mut b)?);
+        let rank = ps.groups().rank() as u64;
+        let x = Tensor::from_vec(values(TOKENS * HIDDEN, 30 + rank, 2.0), [SEQ, BATCH, HIDDEN])?;
+        let dout = Tensor::from_vec(values(TOKENS * HIDDEN, 40 + rank, 1.0), [SEQ, BATCH, HIDDEN])?;
+        let cx = Cx::new(&ps, 3);
+        let (y, saved) = shared.forward(&cx, Site::ROOT, &x)?;
+        let dx = shared.backward(&cx, Site::ROOT, saved, &dout)?;
+        let (routed, routed_saved) = moe.forward(&cx, Site::ROOT, &x)?;
+        let d_routed = moe.backward(&cx, Site::ROOT, routed_saved, &dout)?;
+        let (h, h_saved) = Layer::forward(&fc1, &cx, Site::ROOT, &x)?;
+        let (a, a_saved) = megatron::ops::gelu(&cx, Site::ROOT, &h)?;
+        let (dense, dense_saved) = Layer::forward(&fc2, &cx, Site::ROOT, &a)?;
+        let da = Layer::backward(&fc2, &cx, Site::ROOT, dense_saved, &dout)?;
+        let dh = megatron::ops::gelu_backward(&cx, Site::ROOT, a_saved, &da)?;
+        let d_dense = Layer::backward(&fc1, &cx, Site::ROOT, h_saved, &dh)?;
+        let sum = |a: &Tensor, b: &Tensor| -> R<Vec<f32>> {
+            Ok(megatron::ops::add(a, b)?.to_vec::<f32>()?)
+        };
+        assert_close_f32(&y.to_vec::<f32>()?, &sum(&routed, &dense)?, "output");
+        assert_close_f32(&dx.to_vec::<f32>()?, &sum(&d_routed, &d_dense)?, "input gradient");
+        Ok(())
+    })
+    .unwrap();
 }

@@ -534,6 +534,39 @@ fn training_under_mpirun_equals_training_on_threads() {
     processes_train_as_threads("train", &args, "mpi", &[]);
 }
 
+/// A MoE GPT with its experts split over two processes of each four (ep 2, edp 2): the
+/// dispatcher's uneven all-to-alls through `MPI_Alltoallv`, the experts' gradients reduced and
+/// sharded over the expert data-parallel pairs, as on thread ranks (the log's routing statistics
+/// included).
+#[test]
+fn moe_training_under_mpirun_equals_thread_ranks() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--model",
+        "gpt-moe-tiny",
+        "--dp",
+        "4",
+        "--ep",
+        "2",
+        "--use-distributed-optimizer",
+        "--moe-expert-capacity-factor",
+        "1.5",
+        "--moe-z-loss-coeff",
+        "0.001",
+        "--train-iters",
+        "3",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "16",
+        "--seq-length",
+        "64",
+    ];
+    processes_train_as_threads("moe", &args, "mpi", &[]);
+}
+
 /// The distributed optimizer over four data-parallel processes: gradients reduce-scattered and
 /// parameters all-gathered over MPI, bucket by bucket, as on thread ranks.
 #[test]

@@ -62,6 +62,7 @@ use crate::root::Root;
 /// | `#[column_parallel]`, `#[column_parallel(gather_output = true)]` | a layer whose output features are split (`ColumnParallel`) | `build_column` |
 /// | `#[row_parallel]`, `#[row_parallel(input_is_parallel = false)]` | a layer whose input features are split (`RowParallel`) | `build_row` |
 /// | `#[vocab_parallel]` | an embedding whose vocabulary rows are split (`VocabParallel`) | `build_vocab` |
+/// | `#[expert_parallel]` | a router and experts split over expert parallelism (`ExpertParallel`); its call is the route, the dispatcher's all-to-alls over `cx.ep()`, the local experts and the combine (docs/expanded-moe.md) | `build_experts` |
 /// | none or `#[replicated]` | a layer or sub-module, whole on every rank; `Vec<T>`: a stack | `Module::build` |
 /// | `#[pipeline]` on a `Vec<T>` | the stack pipeline parallelism cuts into stages (one per model) | the builder's stage's run of it |
 /// | `#[op]` | a parameterless op (`Op`), its value its configuration | cloned from the spec |
