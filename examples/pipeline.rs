@@ -32,6 +32,8 @@ fn job(tp: usize, pipeline: PipelineSettings) -> Result<TrainJob, Box<dyn std::e
         model_name: "gpt-tiny".to_string(),
         model,
         tp,
+        ep: 1,
+        etp: 1,
         dp: 1,
         pipeline,
         steps: STEPS,

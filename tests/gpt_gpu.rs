@@ -60,6 +60,8 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
         model_name: "gpt-tiny".to_string(),
         model,
         tp,
+        ep: 1,
+        etp: 1,
         dp,
         pipeline: Default::default(),
         steps: 5,

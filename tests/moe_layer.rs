@@ -231,12 +231,21 @@ fn shared_experts_add_a_dense_mlp_on_every_rank() {
             fc2: LinearSpec::new(16, HIDDEN).with_init_std(0.5),
         };
         let shared = SharedMoe::build(&spec, &mut Builder::for_rank(7, ps.groups()))?;
-        let moe = Moe::build(&self::spec(router()), &mut Builder::for_rank(7, ps.groups()))?;
+        let moe = Moe::build(
+            &self::spec(router()),
+            &mut Builder::for_rank(7, ps.groups()),
+        )?;
         let mut b = Builder::for_rank(7, ps.groups());
         let (fc1, fc2) = (mlp("fc1", &mut b)?, mlp("fc2", &mut b)?);
         let rank = ps.groups().rank() as u64;
-        let x = Tensor::from_vec(values(TOKENS * HIDDEN, 30 + rank, 2.0), [SEQ, BATCH, HIDDEN])?;
-        let dout = Tensor::from_vec(values(TOKENS * HIDDEN, 40 + rank, 1.0), [SEQ, BATCH, HIDDEN])?;
+        let x = Tensor::from_vec(
+            values(TOKENS * HIDDEN, 30 + rank, 2.0),
+            [SEQ, BATCH, HIDDEN],
+        )?;
+        let dout = Tensor::from_vec(
+            values(TOKENS * HIDDEN, 40 + rank, 1.0),
+            [SEQ, BATCH, HIDDEN],
+        )?;
         let cx = Cx::new(&ps, 3);
         let (y, saved) = shared.forward(&cx, Site::ROOT, &x)?;
         let dx = shared.backward(&cx, Site::ROOT, saved, &dout)?;
@@ -252,7 +261,11 @@ fn shared_experts_add_a_dense_mlp_on_every_rank() {
             Ok(megatron::ops::add(a, b)?.to_vec::<f32>()?)
         };
         assert_close_f32(&y.to_vec::<f32>()?, &sum(&routed, &dense)?, "output");
-        assert_close_f32(&dx.to_vec::<f32>()?, &sum(&d_routed, &d_dense)?, "input gradient");
+        assert_close_f32(
+            &dx.to_vec::<f32>()?,
+            &sum(&d_routed, &d_dense)?,
+            "input gradient",
+        );
         Ok(())
     })
     .unwrap();

@@ -178,12 +178,13 @@ fn stage_rows(args: &InspectArgs, layers: usize) -> Result<Vec<StageRow>> {
 const B: usize = 2;
 const S: usize = 3;
 
-/// One collective of a phase: group, operation, calls and elements per call.
+/// One collective of a phase: group, operation, calls and elements per call (`None`: sizes the
+/// routing sets at run time, the MoE dispatcher's all-to-alls).
 struct Collective {
     group: &'static str,
     op: &'static str,
     calls: u64,
-    elements_per_call: u64,
+    elements_per_call: Option<u64>,
 }
 
 /// The collectives in `stats` (f32 payloads: bytes / 4 elements).
@@ -195,14 +196,18 @@ fn collectives(stats: &[(GroupKind, CommStats)]) -> Vec<Collective> {
                 group: kind.name(),
                 op: op.name(),
                 calls: o.calls,
-                elements_per_call: o.bytes / 4 / o.calls.max(1),
+                elements_per_call: (*op != megatron::comm::OpKind::AllToAll)
+                    .then(|| o.bytes / 4 / o.calls.max(1)),
             })
         })
         .collect()
 }
 
 /// `elements` as a multiple of b·s·h (the layer's activation size) when it is one.
-fn in_bsh(elements: u64, hidden: usize) -> String {
+fn in_bsh(elements: Option<u64>, hidden: usize) -> String {
+    let Some(elements) = elements else {
+        return "sizes the routing sets at run time".to_string();
+    };
     let bsh = (B * S * hidden) as u64;
     if elements.is_multiple_of(bsh) {
         match elements / bsh {
@@ -225,7 +230,14 @@ fn split_name(spec: &ParamSpec) -> String {
 /// communication in each.
 fn layer_collectives(config: &GptConfig, tp: usize) -> Result<(Vec<Collective>, Vec<Collective>)> {
     let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp))?;
-    let spec = config.spec().blocks.remove(0);
+    // A MoE layer (the first, if any) with experts of one hidden unit: the same collectives,
+    // without a model's worth of expert weights.
+    let mut config = config.clone();
+    let first_moe = config.moe_layers()?.iter().position(|&m| m);
+    if let Some(moe) = &mut config.moe {
+        moe.ffn_hidden_size = 1;
+    }
+    let spec = config.spec().blocks.remove(first_moe.unwrap_or(0));
     let h = config.hidden_size;
     let out = launch(tp, |w| -> Result<_> {
         let ps = ParallelState::new(&w, &layout)?;
@@ -458,14 +470,13 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             let _ = writeln!(out, "  {name:<9} none");
         }
         for c in cs.iter() {
-            let _ = writeln!(
-                out,
-                "  {name:<9} {} {} × {} of {} f32",
-                c.group,
-                c.op,
-                c.calls,
-                in_bsh(c.elements_per_call, h)
-            );
+            let size = match c.elements_per_call {
+                Some(_) => format!("of {} f32", in_bsh(c.elements_per_call, h)),
+                // The MoE dispatcher: the per-expert counts, then the rows of h values.
+                None => "(rows of h f32, in forward after the per-expert counts: sizes the routing sets at run time)"
+                    .into(),
+            };
+            let _ = writeln!(out, "  {name:<9} {} {} × {} {size}", c.group, c.op, c.calls);
         }
     }
     if args.pp > 1 {
