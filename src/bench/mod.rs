@@ -4,6 +4,7 @@
 pub mod allreduce;
 pub mod attention;
 pub mod gemm;
+pub mod grouped_gemm;
 #[cfg(feature = "cuda")]
 pub mod gpu_gemm;
 pub mod machine;

@@ -46,6 +46,19 @@ enum Which {
         #[arg(long, default_value = "cpu")]
         device: String,
     },
+    /// GFLOP/s of the MoE experts' grouped product (8 experts, uneven rows) next to a loop of
+    /// one product per expert and one dense product of the same size, with the FMA peak.
+    GroupedGemm {
+        /// Threads for the products and the peak (default: every core).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Timed runs per variant (the median is reported).
+        #[arg(long, default_value_t = 7)]
+        repeats: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Time and TFLOP/s of one causal self-attention layer, forward and backward: the CPU
     /// kernels, or on a GPU the unfused and the flash kernels side by side (defaults: a
     /// GPT-1.2B layer at sequence 2048).
@@ -110,6 +123,15 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 other => anyhow::bail!("--device must be cpu or cuda, got {other:?}"),
             }
             let report = bench::gemm::run(threads.unwrap_or_else(parallel::cores), *repeats)?;
+            print(&report, *json)
+        }
+        Which::GroupedGemm {
+            threads,
+            repeats,
+            json,
+        } => {
+            let report =
+                bench::grouped_gemm::run(threads.unwrap_or_else(parallel::cores), *repeats)?;
             print(&report, *json)
         }
         Which::Attention {
@@ -290,6 +312,7 @@ fn report_steps(
         "pp": job.pipeline.pp,
         "vpp": job.pipeline.vpp,
         "dp": job.dp,
+        "ep": job.ep,
         "distributed_optimizer": job.train.distributed_optimizer,
         "state_bytes_per_param": {
             "total": state.per_param(state.total()),

@@ -293,6 +293,14 @@ pub struct Group<'a> {
 /// each group's C is cut into blocks of rows, and all groups' blocks share the compute pool at
 /// once, so many small products keep every thread busy. Groups may differ in every dimension.
 pub fn grouped_gemm(alpha: f32, groups: Vec<Group<'_>>, beta: f32) -> Result<(), KernelError> {
+    // Each block holds about half a thread's share of the whole job (two blocks a thread balance
+    // uneven groups), and never less than a block worth a thread: a block packs its B once, so
+    // blocks much smaller than that would spend their time packing.
+    let work: usize = groups
+        .iter()
+        .map(|g| g.a.rows * g.a.cols.max(1) * g.b.cols)
+        .sum();
+    let per_block = (work / (2 * parallel::threads())).max(MIN_WORK_PER_THREAD);
     let mut items = Vec::new();
     let mut raws = Vec::with_capacity(groups.len());
     let mut operands = Vec::with_capacity(groups.len());
@@ -317,8 +325,7 @@ pub fn grouped_gemm(alpha: f32, groups: Vec<Group<'_>>, beta: f32) -> Result<(),
         if m == 0 || n == 0 {
             continue;
         }
-        // Blocks of rows sized so that each holds about a thread's share of work.
-        let rows_per_block = (MIN_WORK_PER_THREAD / (n * k.max(1)).max(1))
+        let rows_per_block = (per_block / (n * k.max(1)).max(1))
             .max(1)
             .div_ceil(SPLIT_ALIGN)
             * SPLIT_ALIGN;
@@ -365,15 +372,26 @@ pub fn grouped_gemm(alpha: f32, groups: Vec<Group<'_>>, beta: f32) -> Result<(),
             );
         }
     };
-    match items.len() {
+    // The calling rank's threads take the blocks in turn, the largest first.
+    items.sort_by_key(|&(g, start, end)| {
+        std::cmp::Reverse((end - start) * operands[g].0.cols.max(1) * operands[g].1.cols)
+    });
+    let workers = parallel::threads().min(items.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let work = || {
+        while let Some(item) = items.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+            run(item);
+        }
+    };
+    match workers {
         0 => {}
-        1 => run(&items[0]),
+        1 => work(),
         _ => parallel::pool().scope(|s| {
-            for item in &items[1..] {
-                let run = &run;
-                s.spawn(move |_| run(item));
+            for _ in 1..workers {
+                let work = &work;
+                s.spawn(move |_| work());
             }
-            run(&items[0]);
+            work();
         }),
     }
     Ok(())
