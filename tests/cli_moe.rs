@@ -109,6 +109,17 @@ fn expert_parallelism_trains_as_one_rank_holding_every_expert() {
             &["--dp", "4", "--ep", "2", "--use-distributed-optimizer"],
         ),
         ("ep2-pp2", &["--dp", "2", "--ep", "2", "--pp", "2"]),
+        (
+            "ep2-allgather",
+            &[
+                "--dp",
+                "4",
+                "--ep",
+                "2",
+                "--moe-token-dispatcher-type",
+                "allgather",
+            ],
+        ),
     ] {
         assert_same_training(&run(&dir, name, flags), &reference, name);
     }

@@ -1,14 +1,16 @@
-//! The all-to-all token dispatcher on thread ranks: tokens routed to experts held by other
-//! ranks of the expert-parallel group, each expert applied there, and brought back weighted by
-//! the routing probabilities equal the same experts applied on the token's own rank, at every
-//! expert-parallel size; the backward gives the gradients the routed sum implies; the
-//! all-to-alls move exactly the rows the routing implies.
+//! The token dispatchers (all-to-all and all-gather) on thread ranks: tokens routed to experts
+//! held by other ranks of the expert-parallel group, each expert applied there, and brought back
+//! weighted by the routing probabilities equal the same experts applied on the token's own
+//! rank, at every expert-parallel size; the backward gives the gradients the routed sum
+//! implies; the all-to-alls move exactly the rows the routing implies.
 
 mod support;
 
 use megatron::comm::threads::launch;
 use megatron::comm::{OpKind, World};
-use megatron::moe::dispatcher::{combine, combine_backward, dispatch, dispatch_backward};
+use megatron::moe::dispatcher::{
+    DispatcherKind, combine, combine_backward, dispatch, dispatch_backward,
+};
 use megatron::moe::{RouterConfig, route};
 use megatron::tensor::Tensor;
 
@@ -28,10 +30,18 @@ fn expert(e: usize, v: f32) -> f32 {
 }
 
 /// What each rank computes: its output, its input gradient and its probabilities' gradient,
-/// the rows it sent and received, and the all-to-all bytes it recorded.
-type Outcome = (Vec<f32>, Vec<f32>, Vec<f32>, (usize, usize), u64);
+/// the rows it sent and received, the all-to-all bytes it recorded, and its calls of
+/// all-to-all, all-gather and reduce-scatter.
+type Outcome = (
+    Vec<f32>,
+    Vec<f32>,
+    Vec<f32>,
+    (usize, usize),
+    u64,
+    (u64, u64, u64),
+);
 
-fn run(ep: usize, capacity: Option<f32>) -> Vec<Outcome> {
+fn run(ep: usize, capacity: Option<f32>, kind: DispatcherKind) -> Vec<Outcome> {
     launch(ep, |w| -> R<Outcome> {
         let ranks: Vec<usize> = (0..w.size()).collect();
         let c = w.communicator("ep", &ranks)?;
@@ -44,7 +54,7 @@ fn run(ep: usize, capacity: Option<f32>) -> Vec<Outcome> {
         let routing = route(&logits, TOKENS, &config, None)?;
         let x = Tensor::from_vec(values(TOKENS * HIDDEN, 200 + me as u64), [TOKENS, HIDDEN])?;
         let before = c.stats();
-        let (rows, plan) = dispatch(c.as_ref(), &x, &routing)?;
+        let (rows, plan) = dispatch(c.as_ref(), kind, &x, &routing)?;
         // Each local expert applies its function to its contiguous rows.
         let local = EXPERTS / w.size();
         let mut y = rows.to_vec::<f32>()?;
@@ -74,13 +84,19 @@ fn run(ep: usize, capacity: Option<f32>) -> Vec<Outcome> {
             &plan,
             &Tensor::from_vec(drows, [plan.rows(), HIDDEN])?,
         )?;
-        let bytes = c.stats().since(&before).get(OpKind::AllToAll).bytes;
+        let stats = c.stats().since(&before);
+        let calls = |kind| stats.get(kind).calls;
         Ok((
             out.to_vec()?,
             dx.to_vec()?,
             dprobs,
             plan.sent_and_received(),
-            bytes,
+            stats.get(OpKind::AllToAll).bytes,
+            (
+                calls(OpKind::AllToAll),
+                calls(OpKind::AllGather),
+                calls(OpKind::ReduceScatter),
+            ),
         ))
     })
     .unwrap()
@@ -127,10 +143,11 @@ fn reference(rank: usize, capacity: Option<f32>) -> (Vec<f32>, Vec<f32>, Vec<f32
 fn experts_on_other_ranks_give_what_they_give_on_the_tokens_rank() {
     for capacity in [None, Some(1.0)] {
         for ep in [1, 2, 4] {
-            let outcomes = run(ep, capacity);
+            let outcomes = run(ep, capacity, DispatcherKind::AllToAll);
             let mut rows_sent = 0;
             let mut rows_received = 0;
-            for (rank, (out, dx, dprobs, (sent, received), bytes)) in outcomes.iter().enumerate() {
+            for (rank, (out, dx, dprobs, (sent, received), bytes, _)) in outcomes.iter().enumerate()
+            {
                 let what = format!("ep {ep} capacity {capacity:?} rank {rank}");
                 let (want_out, want_dx, want_dprobs, pairs) = reference(rank, capacity);
                 support::assert_close_f32(out, &want_out, &format!("{what} output"));
@@ -154,6 +171,36 @@ fn experts_on_other_ranks_give_what_they_give_on_the_tokens_rank() {
                 rows_received += received;
             }
             assert_eq!(rows_sent, rows_received, "ep {ep}");
+        }
+    }
+}
+
+#[test]
+fn the_all_gather_dispatcher_gives_what_the_experts_give_on_the_tokens_rank() {
+    for capacity in [None, Some(1.0)] {
+        for ep in [1, 2, 4] {
+            let outcomes = run(ep, capacity, DispatcherKind::AllGather);
+            for (rank, (out, dx, dprobs, (sent, received), _, calls)) in outcomes.iter().enumerate()
+            {
+                let what = format!("ep {ep} capacity {capacity:?} rank {rank}");
+                let (want_out, want_dx, want_dprobs, _) = reference(rank, capacity);
+                support::assert_close_f32(out, &want_out, &format!("{what} output"));
+                support::assert_close_f32(dx, &want_dx, &format!("{what} input gradient"));
+                support::assert_close_f32(
+                    dprobs,
+                    &want_dprobs,
+                    &format!("{what} probability gradient"),
+                );
+                // Every rank's tokens reach every rank: the tokens, probabilities and map
+                // gathered forward and the output gradient backward; the outputs, the
+                // probabilities' gradients and the input gradients reduce-scattered back.
+                assert_eq!((*sent, *received), (TOKENS, TOKENS * ep), "{what}");
+                assert_eq!(
+                    *calls,
+                    (0, 4, 3),
+                    "{what}: all-to-all, all-gather, reduce-scatter"
+                );
+            }
         }
     }
 }

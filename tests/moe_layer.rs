@@ -11,7 +11,9 @@ use megatron::comm::threads::launch;
 use megatron::comm::{OpKind, ParallelState};
 use megatron::kernels::elementwise::gelu_forward;
 use megatron::module::{Builder, Cx, Layer, Module, Site};
-use megatron::moe::{LoadBalancing, RoutedExperts, RoutedExpertsSpec, RouterConfig};
+use megatron::moe::{
+    DispatcherKind, LoadBalancing, RoutedExperts, RoutedExpertsSpec, RouterConfig,
+};
 use megatron::parallel::{GroupKind, ParallelConfig, ParallelLayout};
 use megatron::prelude::*;
 use support::{assert_close_f32, values};
@@ -59,6 +61,10 @@ impl SharedMoe {
 }
 
 fn spec(router: RouterConfig) -> MoeSpec {
+    spec_with(router, DispatcherKind::AllToAll)
+}
+
+fn spec_with(router: RouterConfig, dispatcher: DispatcherKind) -> MoeSpec {
     MoeSpec {
         experts: RoutedExpertsSpec {
             router,
@@ -66,6 +72,7 @@ fn spec(router: RouterConfig) -> MoeSpec {
             ffn: FFN,
             init_std: 0.8,
             out_init_std: 0.5,
+            dispatcher,
         },
     }
 }
@@ -92,11 +99,19 @@ struct Outcome {
 
 /// The layer of an ep group of `ep` thread ranks (every rank one data-parallel rank) on token
 /// rank `data_rank`'s tokens, seen from the rank itself.
-fn step(ep: usize, data_rank: Option<usize>, router: RouterConfig) -> R<Vec<Outcome>> {
+fn step(
+    ep: usize,
+    data_rank: Option<usize>,
+    router: RouterConfig,
+    dispatcher: DispatcherKind,
+) -> R<Vec<Outcome>> {
     let layout = ParallelLayout::new(&ParallelConfig::new(ep).with_ep(ep))?;
     Ok(launch(ep, move |w| -> R<Outcome> {
         let ps = ParallelState::new(&w, &layout)?;
-        let model = Moe::build(&spec(router), &mut Builder::for_rank(7, ps.groups()))?;
+        let model = Moe::build(
+            &spec_with(router, dispatcher),
+            &mut Builder::for_rank(7, ps.groups()),
+        )?;
         let rank = data_rank.unwrap_or(ps.groups().rank()) as u64;
         let x = Tensor::from_vec(
             values(TOKENS * HIDDEN, 10 + rank, 2.0),
@@ -130,14 +145,19 @@ fn step(ep: usize, data_rank: Option<usize>, router: RouterConfig) -> R<Vec<Outc
 
 #[test]
 fn expert_parallelism_equals_one_rank_holding_every_expert() {
-    for ep in [2, 4] {
-        let parallel = step(ep, None, router()).unwrap();
+    for (ep, dispatcher) in [
+        (2, DispatcherKind::AllToAll),
+        (4, DispatcherKind::AllToAll),
+        (2, DispatcherKind::AllGather),
+        (4, DispatcherKind::AllGather),
+    ] {
+        let parallel = step(ep, None, router(), dispatcher).unwrap();
         let alone: Vec<Outcome> = (0..ep)
-            .map(|r| step(1, Some(r), router()).unwrap().remove(0))
+            .map(|r| step(1, Some(r), router(), dispatcher).unwrap().remove(0))
             .collect();
         let local = EXPERTS / ep;
         for (r, (got, want)) in parallel.iter().zip(&alone).enumerate() {
-            let what = format!("ep {ep} rank {r}");
+            let what = format!("ep {ep} {dispatcher:?} rank {r}");
             assert_close_f32(&got.out, &want.out, &format!("{what} output"));
             assert_close_f32(&got.dx, &want.dx, &format!("{what} input gradient"));
             assert_close_f32(
@@ -159,6 +179,9 @@ fn expert_parallelism_equals_one_rank_holding_every_expert() {
                 assert_close_f32(&got.grads[k], &sum, &format!("{what} {name} gradient"));
             }
             // The all-to-alls move exactly what the routing implies.
+            if dispatcher == DispatcherKind::AllGather {
+                continue;
+            }
             assert_eq!(
                 got.all_to_all,
                 (5, got.implied_bytes),

@@ -2,7 +2,7 @@
 
 use megatron_core::Result;
 use megatron_core::invalid;
-use megatron_core::moe::RouterConfig;
+use megatron_core::moe::{DispatcherKind, RouterConfig};
 use megatron_core::tensor_parallel::padded_vocab_size;
 
 /// Which layers are MoE layers (`--moe-layer-freq`).
@@ -91,6 +91,9 @@ pub struct MoeConfig {
     /// The shared experts' hidden layer, summed with the routed experts' output
     /// (`--moe-shared-expert-intermediate-size`); `None` without shared experts.
     pub shared_expert_ffn: Option<usize>,
+    /// How tokens reach the experts (`--moe-token-dispatcher-type`).
+    #[serde(default)]
+    pub dispatcher: DispatcherKind,
 }
 
 /// The architecture of a GPT (GPT-2 / Megatron-LM style).

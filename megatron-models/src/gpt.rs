@@ -138,6 +138,7 @@ impl GptConfig {
                     ffn: moe.ffn_hidden_size,
                     init_std: std,
                     out_init_std: out_std,
+                    dispatcher: moe.dispatcher,
                 };
                 match moe.shared_expert_ffn {
                     None => FfnSpec::Moe(MoeMlpSpec { experts }),

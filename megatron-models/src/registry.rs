@@ -52,6 +52,7 @@ inventory::submit! {
                 ffn_hidden_size: 256,
                 layer_freq: MoeLayerFreq::Every(1),
                 shared_expert_ffn: None,
+                dispatcher: Default::default(),
             })
         },
     }
@@ -72,6 +73,7 @@ inventory::submit! {
                 ffn_hidden_size: 14336,
                 layer_freq: MoeLayerFreq::Every(1),
                 shared_expert_ffn: None,
+                dispatcher: Default::default(),
             })
         },
     }

@@ -240,6 +240,9 @@ impl std::fmt::Display for GroupedGemmReport {
                 )?;
             }
         }
-        write!(f, "  (GFLOP/s; 'of peak' is the median over the widest FMA peak)")
+        write!(
+            f,
+            "  (GFLOP/s; 'of peak' is the median over the widest FMA peak)"
+        )
     }
 }

@@ -4,9 +4,9 @@
 pub mod allreduce;
 pub mod attention;
 pub mod gemm;
-pub mod grouped_gemm;
 #[cfg(feature = "cuda")]
 pub mod gpu_gemm;
+pub mod grouped_gemm;
 pub mod machine;
 
 /// The dense bf16 peak MFU is measured against: an H100 SXM's 989 TFLOP/s.

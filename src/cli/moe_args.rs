@@ -129,6 +129,7 @@ impl MoeArgs {
                 ffn_hidden_size: c.ffn_hidden_size,
                 layer_freq: MoeLayerFreq::Every(1),
                 shared_expert_ffn: None,
+                dispatcher: Default::default(),
             },
             (None, None) => bail!(
                 "the --moe-* flags configure MoE layers: add --num-experts (the model is dense)"

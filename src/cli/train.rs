@@ -12,6 +12,7 @@ use megatron::data::{
 };
 use megatron::job::{Eval, Observer, PipelineSettings, Placement, StopRequest, Summary, TrainJob};
 use megatron::models::GptConfig;
+use megatron::moe::DispatcherKind;
 use megatron::optimizer::{LossScaling, Precision, PrecisionFlags};
 use megatron::report::plot::Curves;
 use megatron::tokenizer::Tokenizer;
@@ -664,7 +665,7 @@ impl TrainArgs {
     /// would give it) for the run to print.
     fn job_and_notes(&self) -> Result<(TrainJob, Vec<String>)> {
         self.check_flags()?;
-        let s = self.settings()?;
+        let mut s = self.settings()?;
         let plan = BatchPlan {
             seq_length: s.seq_length,
             micro_batch: s.micro_batch,
@@ -749,11 +750,11 @@ impl TrainArgs {
             ),
             _ => {}
         }
-        if self.moe_token_dispatcher_type == Dispatcher::Allgather {
-            bail!(
-                "--moe-token-dispatcher-type allgather is not supported yet: use alltoall \
-                 (the default)"
-            );
+        if let Some(moe) = &mut s.model.moe {
+            moe.dispatcher = match self.moe_token_dispatcher_type {
+                Dispatcher::Alltoall => DispatcherKind::AllToAll,
+                Dispatcher::Allgather => DispatcherKind::AllGather,
+            };
         }
         let job = TrainJob {
             model_name: s.model_name.clone(),

@@ -27,7 +27,7 @@ use crate::comm::{Communicator, ParallelState};
 use crate::error::Result;
 #[cfg(doc)]
 use crate::moe::ExpertParallelSaved;
-use crate::moe::{Dispatch, Routing, RoutingLog};
+use crate::moe::{Dispatch, DispatcherKind, Routing, RoutingLog};
 use crate::parallel::GroupKind;
 use crate::rng::DropoutStream;
 use crate::tensor::Tensor;
@@ -379,6 +379,8 @@ pub trait ExpertParallel: Module {
     /// Builds this rank's part: the whole router and the local experts (`E / ep` of them,
     /// each split further over expert tensor parallelism).
     fn build_experts(spec: &Self::Spec, b: &mut Builder) -> Result<Self>;
+    /// How tokens reach the experts: the dispatcher the generated code calls.
+    fn dispatcher(&self) -> DispatcherKind;
     /// Routes this rank's tokens `x` (`[seq, batch, hidden]`): which experts each goes to and
     /// with what weight.
     fn route(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Routing, Self::RouterSaved)>;

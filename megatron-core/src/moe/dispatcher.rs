@@ -1,19 +1,35 @@
-//! The all-to-all token dispatcher (Megatron-LM's `MoEAlltoAllTokenDispatcher`), on host f32
-//! tensors: a rank's tokens are permuted so that each expert's are contiguous (expert-major,
-//! token order within), the per-expert counts are exchanged over the expert-parallel group,
-//! the rows go to the ranks that hold their experts in one all-to-all with uneven splits, and
-//! the received chunks are sorted by local expert, so every local expert's rows are contiguous
-//! for one grouped product. [`combine`] runs the same way back and sums each token's expert
-//! outputs weighted by its routing probabilities; the backwards are the transposes.
+//! The token dispatchers, on host f32 tensors; the experts are split evenly over the
+//! expert-parallel group (rank r holds experts r·L .. (r + 1)·L):
 //!
-//! The experts are split evenly over the group: rank r holds experts r·L .. (r + 1)·L.
+//! - all-to-all (Megatron-LM's `MoEAlltoAllTokenDispatcher`): a rank's tokens are permuted so
+//!   that each expert's are contiguous (expert-major, token order within), the per-expert
+//!   counts are exchanged over the group, the rows go to the ranks that hold their experts in
+//!   one all-to-all with uneven splits, and the received chunks are sorted by local expert, so
+//!   every local expert's rows are contiguous for one grouped product;
+//! - all-gather (`MoEAllGatherTokenDispatcher`): every rank gathers all the group's tokens and
+//!   routings and takes the rows of its local experts; the combine sums the weighted outputs
+//!   into the gathered tokens and reduce-scatters them back.
+//!
+//! [`combine`] brings the experts' outputs back and sums each token's, weighted by its routing
+//! probabilities; the backwards are the transposes.
 
-use crate::comm::Communicator;
+use crate::comm::{Communicator, ReduceOp};
 use crate::error::Result;
 use crate::invalid;
 use crate::tensor::{DType, Tensor};
 
 use super::Routing;
+
+/// How tokens reach their experts (`--moe-token-dispatcher-type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DispatcherKind {
+    /// Rows sent to their experts' ranks by all-to-alls with uneven splits.
+    #[default]
+    AllToAll,
+    /// Every rank gathers all tokens, keeps its experts' rows; outputs reduce-scattered back.
+    AllGather,
+}
 
 /// Where a micro-batch's (token, expert) pairs went: what [`combine`] and the backwards need.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,61 +41,100 @@ pub struct Dispatch {
     hidden: usize,
     experts: usize,
     local_experts: usize,
-    /// The pairs in the order they were sent: (token, global expert), expert-major.
-    pairs: Vec<(usize, usize)>,
-    /// Rows sent to each rank of the group.
-    send: Vec<usize>,
-    /// Rows received from each rank.
-    recv: Vec<usize>,
-    /// Rows received from each rank for each local expert: `[ranks, local experts]`.
-    recv_per_expert: Vec<usize>,
+    route: Route,
+}
+
+/// What each dispatcher remembers.
+#[derive(Debug, Clone, PartialEq)]
+enum Route {
+    AllToAll {
+        /// The pairs in the order they were sent: (token, global expert), expert-major.
+        pairs: Vec<(usize, usize)>,
+        /// Rows sent to each rank of the group.
+        send: Vec<usize>,
+        /// Rows received from each rank.
+        recv: Vec<usize>,
+        /// Rows received from each rank for each local expert: `[ranks, local experts]`.
+        recv_per_expert: Vec<usize>,
+    },
+    AllGather {
+        /// The local experts' pairs, local-expert-major: (gathered token, global expert).
+        pairs: Vec<(usize, usize)>,
+        /// Rows of each local expert.
+        per_expert: Vec<usize>,
+        /// The gathered probabilities `[ranks · tokens, experts]`.
+        probs: Vec<f32>,
+        /// Ranks of the group.
+        ranks: usize,
+    },
 }
 
 impl Dispatch {
     /// Rows each local expert received (the grouped product's group sizes).
     pub fn rows_per_local_expert(&self) -> Vec<usize> {
-        let ranks = self.recv.len();
-        (0..self.local_experts)
-            .map(|le| {
-                (0..ranks)
-                    .map(|r| self.recv_per_expert[r * self.local_experts + le])
-                    .sum()
-            })
-            .collect()
+        match &self.route {
+            Route::AllToAll {
+                recv,
+                recv_per_expert,
+                ..
+            } => (0..self.local_experts)
+                .map(|le| {
+                    (0..recv.len())
+                        .map(|r| recv_per_expert[r * self.local_experts + le])
+                        .sum()
+                })
+                .collect(),
+            Route::AllGather { per_expert, .. } => per_expert.clone(),
+        }
     }
 
     /// Rows this rank received (all local experts).
     pub fn rows(&self) -> usize {
-        self.recv.iter().sum()
+        match &self.route {
+            Route::AllToAll { recv, .. } => recv.iter().sum(),
+            Route::AllGather { pairs, .. } => pairs.len(),
+        }
     }
 
-    /// Rows this rank sent and received, for the all-to-alls' byte counts.
+    /// With the all-to-all dispatcher, the rows this rank sent and received, for the
+    /// all-to-alls' byte counts; with the all-gather one, the tokens it sent and received.
     pub fn sent_and_received(&self) -> (usize, usize) {
-        (self.send.iter().sum(), self.rows())
+        match &self.route {
+            Route::AllToAll { send, .. } => (send.iter().sum(), self.rows()),
+            Route::AllGather { ranks, .. } => (self.tokens, self.tokens * ranks),
+        }
     }
 
-    /// The received rows' order after sorting by local expert: for each position, the
-    /// position it had in the all-to-all's output (ranks in order, each rank's chunk
-    /// expert-major).
-    fn sorted_order(&self) -> Vec<usize> {
-        let (ranks, l) = (self.recv.len(), self.local_experts);
-        let mut start = vec![0usize; ranks * l];
-        let mut at = 0;
-        for r in 0..ranks {
-            for le in 0..l {
-                start[r * l + le] = at;
-                at += self.recv_per_expert[r * l + le];
-            }
+    /// Which dispatcher made the plan.
+    pub fn kind(&self) -> DispatcherKind {
+        match self.route {
+            Route::AllToAll { .. } => DispatcherKind::AllToAll,
+            Route::AllGather { .. } => DispatcherKind::AllGather,
         }
-        let mut order = Vec::with_capacity(at);
-        for le in 0..l {
-            for r in 0..ranks {
-                let s = start[r * l + le];
-                order.extend(s..s + self.recv_per_expert[r * l + le]);
-            }
-        }
-        order
     }
+}
+
+/// The received rows' order after sorting by local expert (`local` of them; `recv_per_expert`
+/// is `[ranks, local]`): for each position, the position it had in the all-to-all's output
+/// (ranks in order, each rank's chunk expert-major).
+fn sorted_order(recv_per_expert: &[usize], local: usize) -> Vec<usize> {
+    let ranks = recv_per_expert.len() / local.max(1);
+    let mut start = vec![0usize; ranks * local];
+    let mut at = 0;
+    for r in 0..ranks {
+        for le in 0..local {
+            start[r * local + le] = at;
+            at += recv_per_expert[r * local + le];
+        }
+    }
+    let mut order = Vec::with_capacity(at);
+    for le in 0..local {
+        for r in 0..ranks {
+            let s = start[r * local + le];
+            order.extend(s..s + recv_per_expert[r * local + le]);
+        }
+    }
+    order
 }
 
 /// Rows `order[i]` of `rows` (`[n, hidden]`) to row i, or with `inverse` row i to row
@@ -102,11 +157,12 @@ fn counts_tensor(counts: &[usize]) -> Result<Tensor> {
 }
 
 /// Sends `x` (`[tokens, hidden]` or `[seq, batch, hidden]`, f32) to the experts `routing`
-/// chose: returns the rows each
-/// local expert of this rank received (`[rows, hidden]`, local-expert-major) and the plan.
-/// A collective of the expert-parallel group `ep`.
+/// chose, by the dispatcher `kind`: returns the rows each local expert of this rank received
+/// (`[rows, hidden]`, local-expert-major) and the plan. A collective of the expert-parallel
+/// group `ep`.
 pub fn dispatch(
     ep: &dyn Communicator,
+    kind: DispatcherKind,
     x: &Tensor,
     routing: &Routing,
 ) -> Result<(Tensor, Dispatch)> {
@@ -126,6 +182,40 @@ pub fn dispatch(
         );
     }
     let local_experts = experts / ranks;
+    let x = x.to_f32_contiguous()?.to_vec::<f32>()?;
+    let plan = |route| Dispatch {
+        shape: shape.clone(),
+        tokens,
+        hidden,
+        experts,
+        local_experts,
+        route,
+    };
+    match kind {
+        DispatcherKind::AllToAll => {
+            let (rows, route) = all_to_all_dispatch(ep, &x, hidden, routing, local_experts)?;
+            let plan = plan(route);
+            let n = plan.rows();
+            Ok((Tensor::from_vec(rows, [n, hidden])?, plan))
+        }
+        DispatcherKind::AllGather => {
+            let (rows, route) = all_gather_dispatch(ep, &x, hidden, routing, local_experts)?;
+            let plan = plan(route);
+            let n = plan.rows();
+            Ok((Tensor::from_vec(rows, [n, hidden])?, plan))
+        }
+    }
+}
+
+/// The all-to-all dispatcher's forward: the rows, sorted by local expert, and its route.
+fn all_to_all_dispatch(
+    ep: &dyn Communicator,
+    x: &[f32],
+    hidden: usize,
+    routing: &Routing,
+    local_experts: usize,
+) -> Result<(Vec<f32>, Route)> {
+    let (ranks, experts, tokens) = (ep.size(), routing.experts, routing.tokens);
     let mut pairs = Vec::new();
     for e in 0..experts {
         for t in 0..tokens {
@@ -159,23 +249,81 @@ pub fn dispatch(
         .chunks_exact(local_experts)
         .map(|c| c.iter().sum())
         .collect();
-    let plan = Dispatch {
-        shape,
-        tokens,
+    let order: Vec<usize> = pairs.iter().map(|&(t, _)| t).collect();
+    let permuted = gather_rows(x, hidden, &order, false);
+    let received = exchange(ep, &permuted, hidden, &send, &recv)?;
+    let sorted = gather_rows(
+        &received,
         hidden,
-        experts,
-        local_experts,
+        &sorted_order(&recv_per_expert, local_experts),
+        false,
+    );
+    let route = Route::AllToAll {
         pairs,
         send,
         recv,
         recv_per_expert,
     };
-    let x = x.to_f32_contiguous()?.to_vec::<f32>()?;
-    let order: Vec<usize> = plan.pairs.iter().map(|&(t, _)| t).collect();
-    let permuted = gather_rows(&x, hidden, &order, false);
-    let received = exchange(ep, &permuted, hidden, &plan.send, &plan.recv)?;
-    let sorted = gather_rows(&received, hidden, &plan.sorted_order(), false);
-    Ok((Tensor::from_vec(sorted, [plan.rows(), hidden])?, plan))
+    Ok((sorted, route))
+}
+
+/// The all-gather dispatcher's forward: every rank's tokens and routing gathered over `ep`, the
+/// rows of this rank's experts taken from them (local-expert-major, gathered-token order).
+fn all_gather_dispatch(
+    ep: &dyn Communicator,
+    x: &[f32],
+    hidden: usize,
+    routing: &Routing,
+    local_experts: usize,
+) -> Result<(Vec<f32>, Route)> {
+    let (ranks, experts, tokens) = (ep.size(), routing.experts, routing.tokens);
+    let all_x = gather(ep, x)?;
+    let all_probs = gather(ep, &routing.probs)?;
+    let map: Vec<f32> = routing
+        .map
+        .iter()
+        .map(|&m| f32::from(u8::from(m)))
+        .collect();
+    let all_map = gather(ep, &map)?;
+    let first = ep.index() * local_experts;
+    let mut pairs = Vec::new();
+    let mut per_expert = Vec::with_capacity(local_experts);
+    for e in first..first + local_experts {
+        let before = pairs.len();
+        for t in 0..ranks * tokens {
+            if all_map[t * experts + e] > 0.5 {
+                pairs.push((t, e));
+            }
+        }
+        per_expert.push(pairs.len() - before);
+    }
+    let order: Vec<usize> = pairs.iter().map(|&(t, _)| t).collect();
+    let rows = gather_rows(&all_x, hidden, &order, false);
+    Ok((
+        rows,
+        Route::AllGather {
+            pairs,
+            per_expert,
+            probs: all_probs,
+            ranks,
+        },
+    ))
+}
+
+/// Every rank's `values` (equal lengths) gathered over `ep`, in rank order.
+fn gather(ep: &dyn Communicator, values: &[f32]) -> Result<Vec<f32>> {
+    let input = Tensor::from_slice(values, [values.len()])?;
+    let output = Tensor::zeros([values.len() * ep.size()], DType::F32);
+    ep.all_gather(&input, &output)?;
+    Ok(output.to_vec::<f32>()?)
+}
+
+/// The sum over `ep` of `values` (`ranks` equal parts), this rank's part of it.
+fn reduce_scatter(ep: &dyn Communicator, values: &[f32]) -> Result<Vec<f32>> {
+    let input = Tensor::from_slice(values, [values.len()])?;
+    let output = Tensor::zeros([values.len() / ep.size().max(1)], DType::F32);
+    ep.reduce_scatter(&input, &output, ReduceOp::Sum)?;
+    Ok(output.to_vec::<f32>()?)
 }
 
 /// One all-to-all of rows of `hidden` values with the given row counts.
@@ -194,7 +342,9 @@ fn exchange(
     Ok(output.to_vec::<f32>()?)
 }
 
-/// The experts' outputs as [`combine`] brought them back, kept for its backward.
+/// The experts' outputs as [`combine`] had them, kept for its backward: with the all-to-all
+/// dispatcher the rows brought back (in the order they were sent), with the all-gather one the
+/// local experts' own rows.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CombineSaved {
     rows: Vec<f32>,
@@ -202,50 +352,81 @@ pub struct CombineSaved {
 
 /// Brings the experts' outputs `y` (`[rows, hidden]`, as [`dispatch`] gave the rows) back to
 /// their tokens and sums them weighted by the routing probabilities (shaped as the dispatched
-/// input), and
-/// what [`combine_backward`] needs.
+/// input), and what [`combine_backward`] needs.
 pub fn combine(
     ep: &dyn Communicator,
     plan: &Dispatch,
     y: &Tensor,
     routing: &Routing,
 ) -> Result<(Tensor, CombineSaved)> {
-    let rows = returned_rows(ep, plan, y)?;
     let h = plan.hidden;
-    let mut out = vec![0.0f32; plan.tokens * h];
-    for (i, &(t, e)) in plan.pairs.iter().enumerate() {
-        let p = routing.probs[t * plan.experts + e];
-        for (o, &v) in out[t * h..(t + 1) * h]
-            .iter_mut()
-            .zip(&rows[i * h..(i + 1) * h])
-        {
-            *o += p * v;
+    let y = plan.check_rows(y, "the experts' output")?;
+    let (out, rows) = match &plan.route {
+        Route::AllToAll {
+            pairs,
+            send,
+            recv,
+            recv_per_expert,
+        } => {
+            let unsorted = gather_rows(
+                &y,
+                h,
+                &sorted_order(recv_per_expert, plan.local_experts),
+                true,
+            );
+            let rows = exchange(ep, &unsorted, h, recv, send)?;
+            let mut out = vec![0.0f32; plan.tokens * h];
+            for (i, &(t, e)) in pairs.iter().enumerate() {
+                let p = routing.probs[t * plan.experts + e];
+                axpy(&mut out[t * h..(t + 1) * h], p, &rows[i * h..(i + 1) * h]);
+            }
+            (out, rows)
         }
-    }
+        Route::AllGather {
+            pairs,
+            probs,
+            ranks,
+            ..
+        } => {
+            let mut all = vec![0.0f32; ranks * plan.tokens * h];
+            for (i, &(t, e)) in pairs.iter().enumerate() {
+                let p = probs[t * plan.experts + e];
+                axpy(&mut all[t * h..(t + 1) * h], p, &y[i * h..(i + 1) * h]);
+            }
+            (reduce_scatter(ep, &all)?, y)
+        }
+    };
     Ok((
         Tensor::from_vec(out, plan.shape.clone())?,
         CombineSaved { rows },
     ))
 }
 
-/// The experts' outputs back on the rank that sent their rows, in the order it sent them.
-fn returned_rows(ep: &dyn Communicator, plan: &Dispatch, y: &Tensor) -> Result<Vec<f32>> {
-    if y.dims() != [plan.rows(), plan.hidden] {
-        return invalid!(
-            "the experts' output has shape {}, the dispatch gave [{}, {}]",
-            y.shape(),
-            plan.rows(),
-            plan.hidden
-        );
+/// `out += a · x`.
+fn axpy(out: &mut [f32], a: f32, x: &[f32]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o += a * v;
     }
-    let y = y.to_f32_contiguous()?.to_vec::<f32>()?;
-    let unsorted = gather_rows(&y, plan.hidden, &plan.sorted_order(), true);
-    exchange(ep, &unsorted, plan.hidden, &plan.recv, &plan.send)
 }
 
-/// The backward of [`combine`]: from the tokens' output gradient `dout` (`[tokens, hidden]`),
-/// the gradient of the experts' outputs (laid out as they were) and of the routing
-/// probabilities (`[tokens, experts]`, zero where a token did not go).
+impl Dispatch {
+    /// `y`'s values, checked to be the plan's `[rows, hidden]`.
+    fn check_rows(&self, y: &Tensor, what: &str) -> Result<Vec<f32>> {
+        if y.dims() != [self.rows(), self.hidden] {
+            return invalid!(
+                "{what} has shape {}, the dispatch gave [{}, {}]",
+                y.shape(),
+                self.rows(),
+                self.hidden
+            );
+        }
+        Ok(y.to_f32_contiguous()?.to_vec::<f32>()?)
+    }
+}
+
+/// The backward of [`combine`]: from the tokens' output gradient `dout`, the gradient of the
+/// experts' outputs (laid out as they were) and of the routing probabilities (`[tokens,
+/// experts]`, zero where a token did not go).
 pub fn combine_backward(
     ep: &dyn Communicator,
     plan: &Dispatch,
@@ -254,7 +435,7 @@ pub fn combine_backward(
     dout: &Tensor,
 ) -> Result<(Tensor, Vec<f32>)> {
     let rows = &saved.rows;
-    let h = plan.hidden;
+    let (h, e) = (plan.hidden, plan.experts);
     let dout = dout.to_f32_contiguous()?.to_vec::<f32>()?;
     if dout.len() != plan.tokens * h {
         return invalid!(
@@ -264,34 +445,93 @@ pub fn combine_backward(
             plan.tokens * h
         );
     }
-    let mut drows = vec![0.0f32; plan.pairs.len() * h];
-    let mut dprobs = vec![0.0f32; plan.tokens * plan.experts];
-    for (i, &(t, e)) in plan.pairs.iter().enumerate() {
-        let p = routing.probs[t * plan.experts + e];
-        let (d, row) = (&dout[t * h..(t + 1) * h], &rows[i * h..(i + 1) * h]);
-        dprobs[t * plan.experts + e] = d.iter().zip(row).map(|(a, b)| a * b).sum();
-        for (o, &g) in drows[i * h..(i + 1) * h].iter_mut().zip(d) {
-            *o = p * g;
+    match &plan.route {
+        Route::AllToAll {
+            pairs,
+            send,
+            recv,
+            recv_per_expert,
+        } => {
+            let mut drows = vec![0.0f32; pairs.len() * h];
+            let mut dprobs = vec![0.0f32; plan.tokens * e];
+            for (i, &(t, x)) in pairs.iter().enumerate() {
+                let p = routing.probs[t * e + x];
+                let (d, row) = (&dout[t * h..(t + 1) * h], &rows[i * h..(i + 1) * h]);
+                dprobs[t * e + x] = dot(d, row);
+                axpy(&mut drows[i * h..(i + 1) * h], p, d);
+            }
+            let received = exchange(ep, &drows, h, send, recv)?;
+            let sorted = gather_rows(
+                &received,
+                h,
+                &sorted_order(recv_per_expert, plan.local_experts),
+                false,
+            );
+            Ok((Tensor::from_vec(sorted, [plan.rows(), h])?, dprobs))
+        }
+        Route::AllGather {
+            pairs,
+            probs,
+            ranks,
+            ..
+        } => {
+            // Every rank's output gradient, the local experts' rows' gradients from it, and the
+            // probabilities' gradients (each pair's on its expert's rank) summed back to the
+            // tokens' ranks.
+            let all = gather(ep, &dout)?;
+            let mut drows = vec![0.0f32; pairs.len() * h];
+            let mut dprobs = vec![0.0f32; ranks * plan.tokens * e];
+            for (i, &(t, x)) in pairs.iter().enumerate() {
+                let d = &all[t * h..(t + 1) * h];
+                dprobs[t * e + x] = dot(d, &rows[i * h..(i + 1) * h]);
+                axpy(&mut drows[i * h..(i + 1) * h], probs[t * e + x], d);
+            }
+            let dprobs = reduce_scatter(ep, &dprobs)?;
+            Ok((Tensor::from_vec(drows, [plan.rows(), h])?, dprobs))
         }
     }
-    let received = exchange(ep, &drows, h, &plan.send, &plan.recv)?;
-    let sorted = gather_rows(&received, h, &plan.sorted_order(), false);
-    Ok((Tensor::from_vec(sorted, [plan.rows(), h])?, dprobs))
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 /// The backward of [`dispatch`]: the gradient of the dispatched rows (`[rows, hidden]`) back
 /// to the tokens, each token's copies summed (shaped as the dispatched input).
 pub fn dispatch_backward(ep: &dyn Communicator, plan: &Dispatch, drows: &Tensor) -> Result<Tensor> {
-    let rows = returned_rows(ep, plan, drows)?;
     let h = plan.hidden;
-    let mut dx = vec![0.0f32; plan.tokens * h];
-    for (i, &(t, _)) in plan.pairs.iter().enumerate() {
-        for (o, &g) in dx[t * h..(t + 1) * h]
-            .iter_mut()
-            .zip(&rows[i * h..(i + 1) * h])
-        {
-            *o += g;
+    let drows = plan.check_rows(drows, "the rows' gradient")?;
+    let dx = match &plan.route {
+        Route::AllToAll {
+            pairs,
+            send,
+            recv,
+            recv_per_expert,
+        } => {
+            let unsorted = gather_rows(
+                &drows,
+                h,
+                &sorted_order(recv_per_expert, plan.local_experts),
+                true,
+            );
+            let rows = exchange(ep, &unsorted, h, recv, send)?;
+            let mut dx = vec![0.0f32; plan.tokens * h];
+            for (i, &(t, _)) in pairs.iter().enumerate() {
+                axpy(&mut dx[t * h..(t + 1) * h], 1.0, &rows[i * h..(i + 1) * h]);
+            }
+            dx
         }
-    }
+        Route::AllGather { pairs, ranks, .. } => {
+            let mut all = vec![0.0f32; ranks * plan.tokens * h];
+            for (i, &(t, _)) in pairs.iter().enumerate() {
+                axpy(
+                    &mut all[t * h..(t + 1) * h],
+                    1.0,
+                    &drows[i * h..(i + 1) * h],
+                );
+            }
+            reduce_scatter(ep, &all)?
+        }
+    };
     Ok(Tensor::from_vec(dx, plan.shape.clone())?)
 }

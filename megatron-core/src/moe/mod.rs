@@ -8,7 +8,7 @@ pub mod routed;
 pub mod router;
 
 pub use dispatcher::{
-    CombineSaved, Dispatch, combine, combine_backward, dispatch, dispatch_backward,
+    CombineSaved, Dispatch, DispatcherKind, combine, combine_backward, dispatch, dispatch_backward,
 };
 pub use routed::{
     ExpertParallelSaved, RoutedExperts, RoutedExpertsSpec, RouterSaved, RoutingLog, RoutingTotals,

@@ -10,7 +10,7 @@
 
 use std::sync::Mutex;
 
-use super::dispatcher::{CombineSaved, Dispatch};
+use super::dispatcher::{CombineSaved, Dispatch, DispatcherKind};
 use super::experts::{ExpertShape, ExpertsSaved, experts_backward, experts_forward};
 use super::{RouterConfig, Routing, route, route_backward};
 use crate::error::Result;
@@ -49,6 +49,8 @@ pub struct RoutedExpertsSpec {
     pub init_std: f32,
     /// The standard deviation of fc2's (the residual branch's output layer).
     pub out_init_std: f32,
+    /// How tokens reach the experts (`--moe-token-dispatcher-type`).
+    pub dispatcher: DispatcherKind,
 }
 
 /// A MoE layer's router and this rank's routed experts (see the module's documentation).
@@ -59,6 +61,7 @@ pub struct RoutedExperts {
     fc2: Param,
     router: RouterConfig,
     local: ExpertShape,
+    dispatcher: DispatcherKind,
 }
 
 /// What the router keeps: its input and logits.
@@ -86,6 +89,7 @@ impl RoutedExperts {
             ffn,
             init_std,
             out_init_std,
+            dispatcher,
         } = *spec;
         router
             .validate()
@@ -141,6 +145,7 @@ impl RoutedExperts {
                 hidden,
                 ffn,
             },
+            dispatcher,
         })
     }
 }
@@ -212,6 +217,10 @@ impl ExpertParallel for RoutedExperts {
     fn build_experts(spec: &RoutedExpertsSpec, b: &mut Builder) -> Result<Self> {
         let ep = b.group(GroupKind::Ep);
         RoutedExperts::build_with(spec, b, ep)
+    }
+
+    fn dispatcher(&self) -> DispatcherKind {
+        self.dispatcher
     }
 
     fn route(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Routing, RouterSaved)> {

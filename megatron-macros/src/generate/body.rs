@@ -516,6 +516,7 @@ fn forward_node<'a>(
                 FieldKind::Expert => {
                     let x = args[0];
                     let route = cx.qualified(n, quote!(ExpertParallel::route));
+                    let dispatcher = cx.qualified(n, quote!(ExpertParallel::dispatcher));
                     let local = cx.qualified(n, quote!(ExpertParallel::forward_local));
                     let span = node.src.span();
                     let mut temp = |what: &str| b.locals.temp(&format!("{name}_{what}"), pos, span);
@@ -532,16 +533,18 @@ fn forward_node<'a>(
                         "`{name}`: #[expert_parallel]. The router chooses each token's experts."
                     ));
                     let ddoc = comment(&format!(
-                        "`{name}`: dispatch. The per-expert counts, then the rows, to the ranks \
-                         holding their experts: all-to-alls over ep with uneven splits."
+                        "`{name}`: dispatch over ep, by the layer's dispatcher. All-to-all: the \
+                         per-expert counts, then the rows to the ranks holding their experts \
+                         (uneven splits); all-gather: every rank's tokens, each keeping its \
+                         experts' rows."
                     ));
                     let ldoc = comment(&format!(
                         "`{name}`: this rank's experts, one grouped product per layer over their \
                          rows."
                     ));
                     let cdoc = comment(&format!(
-                        "`{name}`: combine. The rows back to their tokens (all-to-all over ep), \
-                         summed with the routing's weights."
+                        "`{name}`: combine. The rows back to their tokens (the reverse all-to-all, or \
+                         a reduce-scatter, over ep), summed with the routing's weights."
                     ));
                     b.push(move |nm| {
                         let xr = nm.by_ref(x);
@@ -552,7 +555,9 @@ fn forward_node<'a>(
                             #rdoc
                             let (#routing, #router) = #route(&#this_field, cx, #site, #xr)?;
                             #ddoc
-                            let (#rows, #plan) = #rt::moe::dispatch(cx.ep(), #xr, &#routing)?;
+                            let (#rows, #plan) = #rt::moe::dispatch(
+                                cx.ep(), #dispatcher(&#this_field), #xr, &#routing,
+                            )?;
                             #ldoc
                             let (#y, #kept) = #local(&#this_field, cx, #site, &#rows, &#plan)?;
                             #cdoc
@@ -1115,12 +1120,12 @@ fn backward_node<'a>(
                         temp("combine"),
                     ];
                     let cdoc = comment(&format!(
-                        "`{name}`: combine's backward. The output gradient to the experts' rows \
-                         (all-to-all over ep) and to the routing's weights."
+                        "`{name}`: combine's backward. The output gradient to the experts' rows (an \
+                         all-to-all, or an all-gather, over ep) and to the routing's weights."
                     ));
                     let ddoc = comment(&format!(
-                        "`{name}`: dispatch's backward. The rows' gradient back to their tokens \
-                         (all-to-all over ep), each token's copies summed."
+                        "`{name}`: dispatch's backward. The rows' gradient back to their tokens (an \
+                         all-to-all, or a reduce-scatter, over ep), each token's copies summed."
                     ));
                     let rdoc = comment(&format!(
                         "`{name}`: the router's backward (the weights' gradient and the auxiliary \
