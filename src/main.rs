@@ -21,7 +21,7 @@ enum Command {
     /// Train a registered model with tensor × data parallelism on thread ranks (or processes).
     Train(Box<cli::train::TrainArgs>),
     /// Show a model's vocabulary padding, parameters (logical, local, split) and per-layer collectives.
-    Inspect(cli::inspect::InspectArgs),
+    Inspect(Box<cli::inspect::InspectArgs>),
     /// List the registered models.
     Models,
     /// Draw the loss curve of a `megatron train --log-json` log as a PNG.

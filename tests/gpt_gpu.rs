@@ -324,3 +324,31 @@ fn pipeline_stages_on_one_gpu_reproduce_one_stage() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// gpt-moe-tiny cut to 2 layers on `dp` data-parallel ranks, its experts over `ep` of them.
+fn moe_job(dp: usize, ep: usize, device: Placement) -> TrainJob {
+    let mut job = job(1, dp, device);
+    job.model_name = "gpt-moe-tiny".to_string();
+    job.model = (preset("gpt-moe-tiny").expect("gpt-moe-tiny").config)();
+    job.model.num_layers = 2;
+    if let Some(moe) = &mut job.model.moe {
+        moe.router.z_loss_coeff = Some(1e-3);
+    }
+    job.ep = ep;
+    job
+}
+
+/// A MoE GPT on the GPU (its MoE layers compute on the host, their all-to-alls between the
+/// ranks' device tensors through the device-local communicator) follows the CPU run, and expert
+/// parallelism over two thread ranks sharing the GPU follows one rank of every expert.
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn moe_training_on_the_gpu_follows_the_cpu_run() {
+    let cpu = curve(&moe_job(2, 2, Placement::Cpu));
+    let gpu = curve(&moe_job(2, 2, F32));
+    assert_close(&gpu, &cpu, 2e-4, "MoE GPU vs CPU at ep 2");
+    let gpu_ep1 = curve(&moe_job(2, 1, F32));
+    assert_close(&gpu_ep1, &gpu, 2e-4, "MoE GPU ep 1 vs ep 2");
+    let bf16 = curve(&moe_job(2, 2, BF16));
+    assert_close(&bf16, &cpu, 3e-2, "MoE bf16 products vs CPU");
+}

@@ -784,6 +784,55 @@ fn the_distributed_optimizer_with_nccl_under_mpirun_follows_thread_ranks_on_one_
     }
 }
 
+/// A MoE GPT with its experts over two of four GPU processes (ep 2, edp 2) over NCCL: the
+/// dispatcher's uneven all-to-alls as grouped NCCL sends and receives between the processes,
+/// the experts' gradients reduced over the expert data-parallel pairs, against the same run of
+/// thread ranks sharing one GPU. The MoE layers compute on the host (no device kernels yet).
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs 4 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
+fn moe_training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--model",
+        "gpt-moe-tiny",
+        "--num-layers",
+        "2",
+        "--dp",
+        "4",
+        "--ep",
+        "2",
+        "--moe-expert-capacity-factor",
+        "1.5",
+        "--train-iters",
+        "3",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "16",
+        "--seq-length",
+        "32",
+        "--device",
+        "cuda",
+    ];
+    let library_path = gpu_library_path();
+    processes_train_as_threads(
+        "nccl-moe",
+        &args,
+        "nccl",
+        &[("LD_LIBRARY_PATH", &library_path)],
+    );
+    let allgather = [&args[..], &["--moe-token-dispatcher-type", "allgather"]].concat();
+    processes_train_as_threads(
+        "nccl-moe-allgather",
+        &allgather,
+        "nccl",
+        &[("LD_LIBRARY_PATH", &library_path)],
+    );
+}
+
 /// A pipeline of two stages (1F1B), each of two tensor-parallel GPUs, over NCCL: activations
 /// and gradients between the stages' processes (each step's sends and receives in one NCCL
 /// group), against the same pipeline of thread ranks sharing one GPU.

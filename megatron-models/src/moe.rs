@@ -56,8 +56,8 @@ pub enum Ffn {
     Dense(Mlp),
     /// Routed experts.
     Moe(MoeMlp),
-    /// Routed and shared experts.
-    SharedMoe(SharedMoeMlp),
+    /// Routed and shared experts (boxed: the largest by far).
+    SharedMoe(Box<SharedMoeMlp>),
 }
 
 /// What an [`Ffn`] is built from.
@@ -91,7 +91,7 @@ impl Module for Ffn {
         Ok(match spec {
             FfnSpec::Dense(s) => Ffn::Dense(Mlp::build(s, b)?),
             FfnSpec::Moe(s) => Ffn::Moe(MoeMlp::build(s, b)?),
-            FfnSpec::SharedMoe(s) => Ffn::SharedMoe(SharedMoeMlp::build(s, b)?),
+            FfnSpec::SharedMoe(s) => Ffn::SharedMoe(Box::new(SharedMoeMlp::build(s, b)?)),
         })
     }
 

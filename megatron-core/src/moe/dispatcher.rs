@@ -149,11 +149,26 @@ fn gather_rows(rows: &[f32], hidden: usize, order: &[usize], inverse: bool) -> V
     out
 }
 
-fn counts_tensor(counts: &[usize]) -> Result<Tensor> {
-    Ok(Tensor::from_vec(
-        counts.iter().map(|&c| c as i64).collect::<Vec<_>>(),
-        [counts.len()],
-    )?)
+fn counts_tensor(counts: &[usize], like: &Tensor) -> Result<Tensor> {
+    placed(
+        Tensor::from_vec(
+            counts.iter().map(|&c| c as i64).collect::<Vec<_>>(),
+            [counts.len()],
+        )?,
+        like,
+    )
+}
+
+/// `t` (on the host) on `like`'s device: the communicators of a GPU run move device tensors,
+/// and the layers after the dispatcher expect theirs there. (The dispatcher computes on the
+/// host: on a GPU, each step copies its rows there and back.)
+pub(crate) fn placed(t: Tensor, like: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = like.gpu() {
+        return t.to_gpu(gpu);
+    }
+    let _ = like;
+    Ok(t)
 }
 
 /// Sends `x` (`[tokens, hidden]` or `[seq, batch, hidden]`, f32) to the experts `routing`
@@ -182,6 +197,7 @@ pub fn dispatch(
         );
     }
     let local_experts = experts / ranks;
+    let like = x;
     let x = x.to_f32_contiguous()?.to_vec::<f32>()?;
     let plan = |route| Dispatch {
         shape: shape.clone(),
@@ -193,16 +209,16 @@ pub fn dispatch(
     };
     match kind {
         DispatcherKind::AllToAll => {
-            let (rows, route) = all_to_all_dispatch(ep, &x, hidden, routing, local_experts)?;
+            let (rows, route) = all_to_all_dispatch(ep, &x, hidden, routing, local_experts, like)?;
             let plan = plan(route);
             let n = plan.rows();
-            Ok((Tensor::from_vec(rows, [n, hidden])?, plan))
+            Ok((placed(Tensor::from_vec(rows, [n, hidden])?, like)?, plan))
         }
         DispatcherKind::AllGather => {
-            let (rows, route) = all_gather_dispatch(ep, &x, hidden, routing, local_experts)?;
+            let (rows, route) = all_gather_dispatch(ep, &x, hidden, routing, local_experts, like)?;
             let plan = plan(route);
             let n = plan.rows();
-            Ok((Tensor::from_vec(rows, [n, hidden])?, plan))
+            Ok((placed(Tensor::from_vec(rows, [n, hidden])?, like)?, plan))
         }
     }
 }
@@ -214,6 +230,7 @@ fn all_to_all_dispatch(
     hidden: usize,
     routing: &Routing,
     local_experts: usize,
+    like: &Tensor,
 ) -> Result<(Vec<f32>, Route)> {
     let (ranks, experts, tokens) = (ep.size(), routing.experts, routing.tokens);
     let mut pairs = Vec::new();
@@ -233,9 +250,9 @@ fn all_to_all_dispatch(
         })
         .collect();
     // The counts first: each rank learns how many rows of each of its experts come from whom.
-    let counts_out = Tensor::zeros([ranks * local_experts], DType::I64);
+    let counts_out = Tensor::zeros_near([ranks * local_experts], DType::I64, like)?;
     ep.all_to_all(
-        &counts_tensor(per_expert)?,
+        &counts_tensor(per_expert, like)?,
         &vec![local_experts; ranks],
         &counts_out,
         &vec![local_experts; ranks],
@@ -251,7 +268,7 @@ fn all_to_all_dispatch(
         .collect();
     let order: Vec<usize> = pairs.iter().map(|&(t, _)| t).collect();
     let permuted = gather_rows(x, hidden, &order, false);
-    let received = exchange(ep, &permuted, hidden, &send, &recv)?;
+    let received = exchange(ep, &permuted, hidden, (&send, &recv), like)?;
     let sorted = gather_rows(
         &received,
         hidden,
@@ -275,16 +292,17 @@ fn all_gather_dispatch(
     hidden: usize,
     routing: &Routing,
     local_experts: usize,
+    like: &Tensor,
 ) -> Result<(Vec<f32>, Route)> {
     let (ranks, experts, tokens) = (ep.size(), routing.experts, routing.tokens);
-    let all_x = gather(ep, x)?;
-    let all_probs = gather(ep, &routing.probs)?;
+    let all_x = gather(ep, x, like)?;
+    let all_probs = gather(ep, &routing.probs, like)?;
     let map: Vec<f32> = routing
         .map
         .iter()
         .map(|&m| f32::from(u8::from(m)))
         .collect();
-    let all_map = gather(ep, &map)?;
+    let all_map = gather(ep, &map, like)?;
     let first = ep.index() * local_experts;
     let mut pairs = Vec::new();
     let mut per_expert = Vec::with_capacity(local_experts);
@@ -310,34 +328,37 @@ fn all_gather_dispatch(
     ))
 }
 
-/// Every rank's `values` (equal lengths) gathered over `ep`, in rank order.
-fn gather(ep: &dyn Communicator, values: &[f32]) -> Result<Vec<f32>> {
-    let input = Tensor::from_slice(values, [values.len()])?;
-    let output = Tensor::zeros([values.len() * ep.size()], DType::F32);
+/// Every rank's `values` (equal lengths) gathered over `ep`, in rank order (through `like`'s
+/// device).
+fn gather(ep: &dyn Communicator, values: &[f32], like: &Tensor) -> Result<Vec<f32>> {
+    let input = placed(Tensor::from_slice(values, [values.len()])?, like)?;
+    let output = Tensor::zeros_near([values.len() * ep.size()], DType::F32, like)?;
     ep.all_gather(&input, &output)?;
     Ok(output.to_vec::<f32>()?)
 }
 
-/// The sum over `ep` of `values` (`ranks` equal parts), this rank's part of it.
-fn reduce_scatter(ep: &dyn Communicator, values: &[f32]) -> Result<Vec<f32>> {
-    let input = Tensor::from_slice(values, [values.len()])?;
-    let output = Tensor::zeros([values.len() / ep.size().max(1)], DType::F32);
+/// The sum over `ep` of `values` (`ranks` equal parts), this rank's part of it (through
+/// `like`'s device).
+fn reduce_scatter(ep: &dyn Communicator, values: &[f32], like: &Tensor) -> Result<Vec<f32>> {
+    let input = placed(Tensor::from_slice(values, [values.len()])?, like)?;
+    let output = Tensor::zeros_near([values.len() / ep.size().max(1)], DType::F32, like)?;
     ep.reduce_scatter(&input, &output, ReduceOp::Sum)?;
     Ok(output.to_vec::<f32>()?)
 }
 
-/// One all-to-all of rows of `hidden` values with the given row counts.
+/// One all-to-all of rows of `hidden` values with the given row counts (sent, received),
+/// through `like`'s device.
 fn exchange(
     ep: &dyn Communicator,
     rows: &[f32],
     hidden: usize,
-    send: &[usize],
-    recv: &[usize],
+    (send, recv): (&[usize], &[usize]),
+    like: &Tensor,
 ) -> Result<Vec<f32>> {
     let send_elems: Vec<usize> = send.iter().map(|&r| r * hidden).collect();
     let recv_elems: Vec<usize> = recv.iter().map(|&r| r * hidden).collect();
-    let input = Tensor::from_slice(rows, [rows.len()])?;
-    let output = Tensor::zeros([recv_elems.iter().sum::<usize>()], DType::F32);
+    let input = placed(Tensor::from_slice(rows, [rows.len()])?, like)?;
+    let output = Tensor::zeros_near([recv_elems.iter().sum::<usize>()], DType::F32, like)?;
     ep.all_to_all(&input, &send_elems, &output, &recv_elems)?;
     Ok(output.to_vec::<f32>()?)
 }
@@ -359,7 +380,7 @@ pub fn combine(
     y: &Tensor,
     routing: &Routing,
 ) -> Result<(Tensor, CombineSaved)> {
-    let h = plan.hidden;
+    let (h, like) = (plan.hidden, y);
     let y = plan.check_rows(y, "the experts' output")?;
     let (out, rows) = match &plan.route {
         Route::AllToAll {
@@ -374,7 +395,7 @@ pub fn combine(
                 &sorted_order(recv_per_expert, plan.local_experts),
                 true,
             );
-            let rows = exchange(ep, &unsorted, h, recv, send)?;
+            let rows = exchange(ep, &unsorted, h, (recv, send), like)?;
             let mut out = vec![0.0f32; plan.tokens * h];
             for (i, &(t, e)) in pairs.iter().enumerate() {
                 let p = routing.probs[t * plan.experts + e];
@@ -393,11 +414,11 @@ pub fn combine(
                 let p = probs[t * plan.experts + e];
                 axpy(&mut all[t * h..(t + 1) * h], p, &y[i * h..(i + 1) * h]);
             }
-            (reduce_scatter(ep, &all)?, y)
+            (reduce_scatter(ep, &all, like)?, y)
         }
     };
     Ok((
-        Tensor::from_vec(out, plan.shape.clone())?,
+        placed(Tensor::from_vec(out, plan.shape.clone())?, like)?,
         CombineSaved { rows },
     ))
 }
@@ -435,7 +456,7 @@ pub fn combine_backward(
     dout: &Tensor,
 ) -> Result<(Tensor, Vec<f32>)> {
     let rows = &saved.rows;
-    let (h, e) = (plan.hidden, plan.experts);
+    let (h, e, like) = (plan.hidden, plan.experts, dout);
     let dout = dout.to_f32_contiguous()?.to_vec::<f32>()?;
     if dout.len() != plan.tokens * h {
         return invalid!(
@@ -460,14 +481,13 @@ pub fn combine_backward(
                 dprobs[t * e + x] = dot(d, row);
                 axpy(&mut drows[i * h..(i + 1) * h], p, d);
             }
-            let received = exchange(ep, &drows, h, send, recv)?;
-            let sorted = gather_rows(
-                &received,
-                h,
-                &sorted_order(recv_per_expert, plan.local_experts),
-                false,
-            );
-            Ok((Tensor::from_vec(sorted, [plan.rows(), h])?, dprobs))
+            let received = exchange(ep, &drows, h, (send, recv), like)?;
+            let order = sorted_order(recv_per_expert, plan.local_experts);
+            let sorted = gather_rows(&received, h, &order, false);
+            Ok((
+                placed(Tensor::from_vec(sorted, [plan.rows(), h])?, like)?,
+                dprobs,
+            ))
         }
         Route::AllGather {
             pairs,
@@ -478,7 +498,7 @@ pub fn combine_backward(
             // Every rank's output gradient, the local experts' rows' gradients from it, and the
             // probabilities' gradients (each pair's on its expert's rank) summed back to the
             // tokens' ranks.
-            let all = gather(ep, &dout)?;
+            let all = gather(ep, &dout, like)?;
             let mut drows = vec![0.0f32; pairs.len() * h];
             let mut dprobs = vec![0.0f32; ranks * plan.tokens * e];
             for (i, &(t, x)) in pairs.iter().enumerate() {
@@ -486,8 +506,11 @@ pub fn combine_backward(
                 dprobs[t * e + x] = dot(d, &rows[i * h..(i + 1) * h]);
                 axpy(&mut drows[i * h..(i + 1) * h], probs[t * e + x], d);
             }
-            let dprobs = reduce_scatter(ep, &dprobs)?;
-            Ok((Tensor::from_vec(drows, [plan.rows(), h])?, dprobs))
+            let dprobs = reduce_scatter(ep, &dprobs, like)?;
+            Ok((
+                placed(Tensor::from_vec(drows, [plan.rows(), h])?, like)?,
+                dprobs,
+            ))
         }
     }
 }
@@ -499,7 +522,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// The backward of [`dispatch`]: the gradient of the dispatched rows (`[rows, hidden]`) back
 /// to the tokens, each token's copies summed (shaped as the dispatched input).
 pub fn dispatch_backward(ep: &dyn Communicator, plan: &Dispatch, drows: &Tensor) -> Result<Tensor> {
-    let h = plan.hidden;
+    let (h, like) = (plan.hidden, drows);
     let drows = plan.check_rows(drows, "the rows' gradient")?;
     let dx = match &plan.route {
         Route::AllToAll {
@@ -514,7 +537,7 @@ pub fn dispatch_backward(ep: &dyn Communicator, plan: &Dispatch, drows: &Tensor)
                 &sorted_order(recv_per_expert, plan.local_experts),
                 true,
             );
-            let rows = exchange(ep, &unsorted, h, recv, send)?;
+            let rows = exchange(ep, &unsorted, h, (recv, send), like)?;
             let mut dx = vec![0.0f32; plan.tokens * h];
             for (i, &(t, _)) in pairs.iter().enumerate() {
                 axpy(&mut dx[t * h..(t + 1) * h], 1.0, &rows[i * h..(i + 1) * h]);
@@ -530,8 +553,8 @@ pub fn dispatch_backward(ep: &dyn Communicator, plan: &Dispatch, drows: &Tensor)
                     &drows[i * h..(i + 1) * h],
                 );
             }
-            reduce_scatter(ep, &all)?
+            reduce_scatter(ep, &all, like)?
         }
     };
-    Ok(Tensor::from_vec(dx, plan.shape.clone())?)
+    placed(Tensor::from_vec(dx, plan.shape.clone())?, like)
 }

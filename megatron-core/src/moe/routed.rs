@@ -10,7 +10,7 @@
 
 use std::sync::Mutex;
 
-use super::dispatcher::{CombineSaved, Dispatch, DispatcherKind};
+use super::dispatcher::{CombineSaved, Dispatch, DispatcherKind, placed};
 use super::experts::{ExpertShape, ExpertsSaved, experts_backward, experts_forward};
 use super::{RouterConfig, Routing, route, route_backward};
 use crate::error::Result;
@@ -172,13 +172,9 @@ impl Module for RoutedExperts {
     }
 }
 
-/// `t`'s values as f32 on the host (MoE layers run on the CPU for now).
-fn host_f32(t: &Tensor, what: &str) -> Result<Vec<f32>> {
-    #[cfg(feature = "cuda")]
-    if t.gpu().is_some() {
-        return invalid!("{what} is on a GPU: MoE layers run on the CPU only for now");
-    }
-    let _ = what;
+/// `t`'s values as f32 on the host, where the layer computes (on a GPU run, copied there and
+/// the results back: the layer has no device kernels yet).
+fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.to_vec_f32()?)
 }
 
@@ -200,14 +196,24 @@ fn product(
     Ok(())
 }
 
-/// Adds `f`'s contribution into `p`'s f32 gradient (widened and rounded back when 16-bit).
+/// Adds `f`'s contribution into `p`'s gradient: in place for an f32 host gradient, else on a
+/// host copy written back (widened and rounded back when 16-bit, copied from and to a GPU).
 fn accumulate(p: &Param, f: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
-    p.accumulate_grad(|g| {
-        if g.dtype() != DType::F32 {
-            return invalid!("{}: gradient is {}", p.spec().name, g.dtype());
-        }
-        f(&mut g.write::<f32>()?)
-    })
+    let grad = p.grad();
+    #[cfg(feature = "cuda")]
+    let on_gpu = grad.gpu().is_some();
+    #[cfg(not(feature = "cuda"))]
+    let on_gpu = false;
+    if grad.dtype() == DType::F32 && !on_gpu {
+        return f(&mut grad.write::<f32>()?);
+    }
+    let mut host = grad.to_vec_f32()?;
+    f(&mut host)?;
+    grad.copy_from(&placed(
+        Tensor::from_vec(host, grad.shape().clone())?,
+        grad,
+    )?)?;
+    Ok(())
 }
 
 impl ExpertParallel for RoutedExperts {
@@ -230,8 +236,8 @@ impl ExpertParallel for RoutedExperts {
             return invalid!("the router takes [.., hidden {h}], got {}", x.shape());
         }
         let tokens = x.numel() / h;
-        let values = host_f32(x, "the router's input")?;
-        let gate = host_f32(self.gate.compute_value(), "the router's gate")?;
+        let values = host_f32(x)?;
+        let gate = host_f32(self.gate.compute_value())?;
         let mut logits = vec![0.0f32; tokens * e];
         product(
             &values,
@@ -263,13 +269,13 @@ impl ExpertParallel for RoutedExperts {
     ) -> Result<(Tensor, ExpertsSaved)> {
         let (y, saved) = experts_forward(
             &self.local,
-            &host_f32(rows, "the experts' rows")?,
+            &host_f32(rows)?,
             &plan.rows_per_local_expert(),
-            &host_f32(self.fc1.compute_value(), "fc1")?,
-            &host_f32(self.fc2.compute_value(), "fc2")?,
+            &host_f32(self.fc1.compute_value())?,
+            &host_f32(self.fc2.compute_value())?,
         )?;
         Ok((
-            Tensor::from_vec(y, [plan.rows(), self.local.hidden])?,
+            placed(Tensor::from_vec(y, [plan.rows(), self.local.hidden])?, rows)?,
             saved,
         ))
     }
@@ -281,9 +287,10 @@ impl ExpertParallel for RoutedExperts {
         saved: ExpertsSaved,
         dy: &Tensor,
     ) -> Result<Tensor> {
-        let fc1 = host_f32(self.fc1.compute_value(), "fc1")?;
-        let fc2 = host_f32(self.fc2.compute_value(), "fc2")?;
-        let dy = host_f32(dy, "the experts' output gradient")?;
+        let fc1 = host_f32(self.fc1.compute_value())?;
+        let fc2 = host_f32(self.fc2.compute_value())?;
+        let dy_like = dy;
+        let dy = host_f32(dy)?;
         let h = self.local.hidden;
         let mut dx = Vec::new();
         accumulate(&self.fc1, |dfc1| {
@@ -293,7 +300,7 @@ impl ExpertParallel for RoutedExperts {
             })
         })?;
         let rows = dx.len() / h.max(1);
-        Ok(Tensor::from_vec(dx, [rows, h])?)
+        placed(Tensor::from_vec(dx, [rows, h])?, dy_like)
     }
 
     fn backward_route(
@@ -318,7 +325,7 @@ impl ExpertParallel for RoutedExperts {
             &self.router,
         )
         .map_err(|err| crate::Error::Invalid(err.to_string()))?;
-        let x = host_f32(&saved.x, "the router's input")?;
+        let x = host_f32(&saved.x)?;
         // logits = x · gateᵀ: dgate += dlogitsᵀ · x, dx += dlogits · gate.
         accumulate(&self.gate, |dgate| {
             product(
@@ -330,8 +337,8 @@ impl ExpertParallel for RoutedExperts {
                 dgate,
             )
         })?;
-        let gate = host_f32(self.gate.compute_value(), "the router's gate")?;
-        let mut d = host_f32(&dx, "the input gradient")?;
+        let gate = host_f32(self.gate.compute_value())?;
+        let mut d = host_f32(&dx)?;
         product(
             &dlogits,
             (tokens, e, false),
@@ -340,7 +347,7 @@ impl ExpertParallel for RoutedExperts {
             1.0,
             &mut d,
         )?;
-        Ok(Tensor::from_vec(d, dx.shape().clone())?)
+        placed(Tensor::from_vec(d, dx.shape().clone())?, &dx)
     }
 }
 
