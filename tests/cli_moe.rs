@@ -1,7 +1,8 @@
 //! `megatron train` of mixture-of-experts GPTs: expert parallelism (with data parallelism, the
-//! distributed optimizer and a pipeline) trains as one rank holding every expert, with the same
-//! routing decisions; checkpoints hold logical experts, so a run saved at ep 4 resumes at ep 1 and
-//! 2; and the configurations that cannot work are refused, naming the numbers.
+//! distributed optimizer, a pipeline, and expert tensor parallelism) trains as one rank holding
+//! every expert, with the same routing decisions; checkpoints hold logical experts, so a run saved
+//! at ep 4 resumes at other ep and etp; and the configurations that cannot work are refused,
+//! naming the numbers.
 
 mod support;
 use support::{TempDir, log_lines, megatron};
@@ -109,6 +110,20 @@ fn expert_parallelism_trains_as_one_rank_holding_every_expert() {
             &["--dp", "4", "--ep", "2", "--use-distributed-optimizer"],
         ),
         ("ep2-pp2", &["--dp", "2", "--ep", "2", "--pp", "2"]),
+        ("etp2", &["--dp", "4", "--etp", "2"]),
+        ("ep2-etp2", &["--dp", "4", "--ep", "2", "--etp", "2"]),
+        (
+            "ep2-etp2-distopt",
+            &[
+                "--dp",
+                "4",
+                "--ep",
+                "2",
+                "--etp",
+                "2",
+                "--use-distributed-optimizer",
+            ],
+        ),
         (
             "ep2-allgather",
             &[
@@ -147,7 +162,7 @@ fn dense_and_moe_layers_with_shared_experts_train_alike_at_every_ep() {
 }
 
 #[test]
-fn a_checkpoint_saved_at_ep_4_resumes_at_ep_1_and_2() {
+fn a_checkpoint_saved_at_ep_4_resumes_at_other_ep_and_etp() {
     let dir = TempDir::new("cli-moe-ckpt");
     let sharded = ["--dp", "4", "--use-distributed-optimizer"];
     let mut whole = sharded.to_vec();
@@ -158,11 +173,15 @@ fn a_checkpoint_saved_at_ep_4_resumes_at_ep_1_and_2() {
     // The first two steps of the same schedule (decaying over 4 steps).
     first.extend(["--save", &save, "--train-iters=2", "--lr-decay-iters=4"]);
     run(&dir, "first", &first);
-    for ep in ["1", "2", "4"] {
+    for (ep, etp) in [("1", "1"), ("2", "1"), ("4", "1"), ("2", "2"), ("1", "4")] {
         let mut resume = sharded.to_vec();
-        resume.extend(["--ep", ep, "--load", &save]);
-        let rest = run(&dir, &format!("resume-ep{ep}"), &resume);
-        assert_same_training(&rest, &straight[2..], &format!("resumed at ep {ep}"));
+        resume.extend(["--ep", ep, "--etp", etp, "--load", &save]);
+        let rest = run(&dir, &format!("resume-ep{ep}-etp{etp}"), &resume);
+        assert_same_training(
+            &rest,
+            &straight[2..],
+            &format!("resumed at ep {ep} etp {etp}"),
+        );
     }
 }
 
@@ -193,6 +212,10 @@ fn configurations_that_cannot_work_name_the_numbers() {
         (
             &["--model", "gpt-tiny", "--moe-router-topk", "2"],
             "add --num-experts (the model is dense)",
+        ),
+        (
+            &["--moe-ffn-hidden-size", "6", "--dp", "4", "--etp", "4"],
+            "--moe-ffn-hidden-size 6 is not divisible by the expert-tensor-parallel size 4",
         ),
         (
             &["--moe-layer-freq", "[1,1,1]"],

@@ -351,4 +351,9 @@ fn moe_training_on_the_gpu_follows_the_cpu_run() {
     assert_close(&gpu_ep1, &gpu, 2e-4, "MoE GPU ep 1 vs ep 2");
     let bf16 = curve(&moe_job(2, 2, BF16));
     assert_close(&bf16, &cpu, 3e-2, "MoE bf16 products vs CPU");
+    // Each expert's slices over two expert-tensor-parallel ranks (their rows gathered and
+    // partial outputs reduce-scattered between device tensors).
+    let mut etp = moe_job(2, 1, F32);
+    etp.etp = 2;
+    assert_close(&curve(&etp), &gpu_ep1, 2e-4, "MoE GPU etp 2 vs etp 1");
 }

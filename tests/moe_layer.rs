@@ -10,7 +10,7 @@ mod support;
 use megatron::comm::threads::launch;
 use megatron::comm::{OpKind, ParallelState};
 use megatron::kernels::elementwise::gelu_forward;
-use megatron::module::{Builder, Cx, Layer, Module, Site};
+use megatron::module::{Builder, Cx, Layer, Module, ParamSpec, Site};
 use megatron::moe::{
     DispatcherKind, LoadBalancing, RoutedExperts, RoutedExpertsSpec, RouterConfig,
 };
@@ -93,6 +93,7 @@ struct Outcome {
     out: Vec<f32>,
     dx: Vec<f32>,
     grads: Vec<Vec<f32>>,
+    specs: Vec<ParamSpec>,
     all_to_all: (u64, u64),
     implied_bytes: u64,
 }
@@ -100,13 +101,14 @@ struct Outcome {
 /// The layer of an ep group of `ep` thread ranks (every rank one data-parallel rank) on token
 /// rank `data_rank`'s tokens, seen from the rank itself.
 fn step(
-    ep: usize,
+    (ep, etp): (usize, usize),
     data_rank: Option<usize>,
     router: RouterConfig,
     dispatcher: DispatcherKind,
 ) -> R<Vec<Outcome>> {
-    let layout = ParallelLayout::new(&ParallelConfig::new(ep).with_ep(ep))?;
-    Ok(launch(ep, move |w| -> R<Outcome> {
+    let world = ep * etp;
+    let layout = ParallelLayout::new(&ParallelConfig::new(world).with_ep(ep).with_etp(etp))?;
+    Ok(launch(world, move |w| -> R<Outcome> {
         let ps = ParallelState::new(&w, &layout)?;
         let model = Moe::build(
             &spec_with(router, dispatcher),
@@ -128,8 +130,11 @@ fn step(
         let dx = model.backward(&cx, Site::ROOT, saved, &dout)?;
         let stats = ps.comm(GroupKind::Ep).stats().since(&before);
         let a2a = stats.get(OpKind::AllToAll);
-        let mut grads = Vec::new();
-        model.visit_params(&mut |p| grads.push(p.grad().to_vec::<f32>().unwrap()));
+        let (mut grads, mut specs) = (Vec::new(), Vec::new());
+        model.visit_params(&mut |p| {
+            grads.push(p.grad().to_vec::<f32>().unwrap());
+            specs.push(p.spec().clone());
+        });
         // Forward: the per-expert counts (one i64 per expert) and the rows out and back;
         // backward: the rows out and back again (f32 rows of HIDDEN values).
         let rows = 2 * (sent_rows + received_rows) * HIDDEN * 4;
@@ -137,6 +142,7 @@ fn step(
             out: out.to_vec()?,
             dx: dx.to_vec()?,
             grads,
+            specs,
             all_to_all: (a2a.calls, a2a.bytes),
             implied_bytes: (8 * EXPERTS + rows) as u64,
         })
@@ -145,19 +151,25 @@ fn step(
 
 #[test]
 fn expert_parallelism_equals_one_rank_holding_every_expert() {
-    for (ep, dispatcher) in [
-        (2, DispatcherKind::AllToAll),
-        (4, DispatcherKind::AllToAll),
-        (2, DispatcherKind::AllGather),
-        (4, DispatcherKind::AllGather),
+    for (ep, etp, dispatcher) in [
+        (2, 1, DispatcherKind::AllToAll),
+        (4, 1, DispatcherKind::AllToAll),
+        (2, 1, DispatcherKind::AllGather),
+        (4, 1, DispatcherKind::AllGather),
+        (2, 2, DispatcherKind::AllToAll),
+        (1, 2, DispatcherKind::AllToAll),
+        (2, 2, DispatcherKind::AllGather),
     ] {
-        let parallel = step(ep, None, router(), dispatcher).unwrap();
-        let alone: Vec<Outcome> = (0..ep)
-            .map(|r| step(1, Some(r), router(), dispatcher).unwrap().remove(0))
+        let parallel = step((ep, etp), None, router(), dispatcher).unwrap();
+        let alone: Vec<Outcome> = (0..ep * etp)
+            .map(|r| {
+                step((1, 1), Some(r), router(), dispatcher)
+                    .unwrap()
+                    .remove(0)
+            })
             .collect();
-        let local = EXPERTS / ep;
         for (r, (got, want)) in parallel.iter().zip(&alone).enumerate() {
-            let what = format!("ep {ep} {dispatcher:?} rank {r}");
+            let what = format!("ep {ep} etp {etp} {dispatcher:?} rank {r}");
             assert_close_f32(&got.out, &want.out, &format!("{what} output"));
             assert_close_f32(&got.dx, &want.dx, &format!("{what} input gradient"));
             assert_close_f32(
@@ -165,21 +177,25 @@ fn expert_parallelism_equals_one_rank_holding_every_expert() {
                 &want.grads[0],
                 &format!("{what} gate gradient"),
             );
-            // Rank r's experts receive every rank's tokens: their gradients are the sum of
-            // what each rank alone gives them.
+            // Rank r's slices of its experts receive every rank's tokens: their gradients are
+            // the sum of what each rank alone gives the whole experts, at the slices' logical
+            // places.
             for (k, name) in [(1, "fc1"), (2, "fc2")] {
-                let per = alone[0].grads[k].len() / EXPERTS;
-                let span = r * local * per..(r + 1) * local * per;
-                let mut sum = vec![0.0f32; span.len()];
+                let mut sum = vec![0.0f32; alone[0].grads[k].len()];
                 for a in &alone {
-                    for (s, v) in sum.iter_mut().zip(&a.grads[k][span.clone()]) {
+                    for (s, v) in sum.iter_mut().zip(&a.grads[k]) {
                         *s += v;
                     }
                 }
-                assert_close_f32(&got.grads[k], &sum, &format!("{what} {name} gradient"));
+                let index = got.specs[k].logical_index();
+                let mine: Vec<f32> = (0..index.outer)
+                    .flat_map(|o| (0..index.inner).map(move |i| index.logical(o, i)))
+                    .map(|l| sum[l as usize])
+                    .collect();
+                assert_close_f32(&got.grads[k], &mine, &format!("{what} {name} gradient"));
             }
-            // The all-to-alls move exactly what the routing implies.
-            if dispatcher == DispatcherKind::AllGather {
+            // The all-to-alls over ep move exactly what the routing implies.
+            if dispatcher == DispatcherKind::AllGather || etp > 1 {
                 continue;
             }
             assert_eq!(

@@ -61,6 +61,13 @@ pub struct InspectArgs {
         default_value_t = 1
     )]
     ep: usize,
+    /// Expert tensor-parallel ranks (MoE models): each holds a slice of every local expert.
+    #[arg(
+        long = "expert-tensor-parallel-size",
+        visible_alias = "etp",
+        default_value_t = 1
+    )]
+    etp: usize,
     /// With Megatron-LM's distributed optimizer (the optimizer state split over the
     /// data-parallel ranks).
     #[arg(long)]
@@ -223,6 +230,9 @@ fn split_name(spec: &ParamSpec) -> String {
     match spec.split {
         Split::Replicated => "replicated".to_string(),
         Split::Dim { dim, group } => format!("dim {dim} over {group} ({} parts)", spec.parts),
+        Split::Experts { dim } => {
+            format!("dim 0 over ep, dim {dim} over etp ({} parts)", spec.parts)
+        }
     }
 }
 
@@ -270,25 +280,30 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     if args.tp == 0 {
         bail!("--tensor-model-parallel-size must be at least 1");
     }
-    if args.dp == 0 || args.ep == 0 {
-        bail!("--data-parallel-size and --expert-model-parallel-size must be at least 1");
-    }
-    if !(args.tp * args.dp).is_multiple_of(args.ep) {
+    if args.dp == 0 || args.ep == 0 || args.etp == 0 {
         bail!(
-            "--expert-model-parallel-size {} does not divide tp × dp = {} × {} (the expert \
-             layout folds the same ranks as ep × edp)",
+            "--data-parallel-size, --expert-model-parallel-size and \
+             --expert-tensor-parallel-size must be at least 1"
+        );
+    }
+    if !(args.tp * args.dp).is_multiple_of(args.ep * args.etp) {
+        bail!(
+            "etp × ep = {} × {} does not divide tp × dp = {} × {} (the expert layout folds the \
+             same ranks as etp × ep × edp)",
+            args.etp,
             args.ep,
             args.tp,
             args.dp
         );
     }
-    let edp = args.tp * args.dp / args.ep;
+    let edp = args.tp * args.dp / (args.ep * args.etp);
     let config = args.arch.config(args.tp, args.ep)?;
     let model = Gpt::build(
         &config.spec(),
         &mut Builder::new(0)
             .with_group(GroupKind::Tp, 0, args.tp)
             .with_group(GroupKind::Ep, 0, args.ep)
+            .with_group(GroupKind::Etp, 0, args.etp)
             .meta(),
     )?;
     let mut specs = Vec::new();
@@ -341,6 +356,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
                 "ffn_hidden_size": m.ffn_hidden_size,
                 "moe_layers": config.moe_layers().unwrap_or_default().iter().filter(|&&b| b).count(),
                 "ep": args.ep,
+                "etp": args.etp,
                 "edp": edp,
             })),
             "parameters": params,
@@ -400,14 +416,16 @@ pub fn run(args: &InspectArgs) -> Result<()> {
         let _ = writeln!(
             out,
             "mixture of experts: {} of {} layers, {} experts of ffn {} each, top-{}; {:.2}M \
-             parameters active per token; experts split over ep {} (edp {edp})",
+             parameters active per token; experts split over ep {}, each over etp {} (edp \
+             {edp})",
             layers.iter().filter(|&&b| b).count(),
             layers.len(),
             moe.router.num_experts,
             moe.ffn_hidden_size,
             moe.router.topk,
             active as f64 / 1e6,
-            args.ep
+            args.ep,
+            args.etp
         );
     }
     out.push('\n');

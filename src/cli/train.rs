@@ -744,10 +744,6 @@ impl TrainArgs {
             (_, 0, _) | (_, _, 0) => bail!(
                 "--expert-model-parallel-size and --expert-tensor-parallel-size must be at least 1"
             ),
-            (Some(_), _, etp) if etp > 1 => bail!(
-                "--expert-tensor-parallel-size {etp}: experts split over tensor parallelism are \
-                 not supported yet (each expert is whole on its rank: use 1)"
-            ),
             _ => {}
         }
         if let Some(moe) = &mut s.model.moe {

@@ -27,7 +27,7 @@ use crate::comm::{Communicator, ParallelState};
 use crate::error::Result;
 #[cfg(doc)]
 use crate::moe::ExpertParallelSaved;
-use crate::moe::{Dispatch, DispatcherKind, Routing, RoutingLog};
+use crate::moe::{DispatcherKind, Routing, RoutingLog, TpRows};
 use crate::parallel::GroupKind;
 use crate::rng::DropoutStream;
 use crate::tensor::Tensor;
@@ -96,6 +96,12 @@ impl<'a> Cx<'a> {
     /// The expert-parallel communicator (the MoE dispatcher's all-to-alls).
     pub fn ep(&self) -> &'a dyn Communicator {
         self.parallel.comm(GroupKind::Ep)
+    }
+
+    /// The expert-tensor-parallel communicator (the experts' rows gathered and their partial
+    /// outputs reduce-scattered).
+    pub fn etp(&self) -> &'a dyn Communicator {
+        self.parallel.comm(GroupKind::Etp)
     }
 
     /// The same context recomputing the activations `recompute` names in the backward.
@@ -384,14 +390,15 @@ pub trait ExpertParallel: Module {
     /// Routes this rank's tokens `x` (`[seq, batch, hidden]`): which experts each goes to and
     /// with what weight.
     fn route(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Routing, Self::RouterSaved)>;
-    /// Runs the local experts on the rows the dispatcher brought them (`[rows, hidden]`,
-    /// local-expert-major as `plan` says).
+    /// Runs the local experts (this rank's slices of them) on the rows the dispatcher brought
+    /// the expert-tensor-parallel group (`[rows, hidden]`, local-expert-major as `tp` says):
+    /// their outputs, partial over the group's ranks.
     fn forward_local(
         &self,
         cx: &Cx,
         site: Site,
         rows: &Tensor,
-        plan: &Dispatch,
+        tp: &TpRows,
     ) -> Result<(Tensor, Self::LocalSaved)>;
     /// Accumulates the local experts' gradients and returns their rows' input gradient.
     fn backward_local(

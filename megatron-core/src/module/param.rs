@@ -25,6 +25,14 @@ pub enum Split {
         /// The group whose ranks hold the parts.
         group: GroupKind,
     },
+    /// Experts' weights `[experts, ..]`: dimension 0 (the expert) cut over expert parallelism
+    /// and, in each expert, dimension `dim` over expert tensor parallelism (the expert's
+    /// column- or row-parallel split). Part `ep_rank · etp + etp_rank` of `ep · etp`: the
+    /// rank's index in the expert model-parallel group.
+    Experts {
+        /// The dimension split over expert tensor parallelism (at least 1).
+        dim: usize,
+    },
 }
 
 /// How a parameter's logical values are drawn.
@@ -76,10 +84,11 @@ impl ParamSpec {
     pub fn is_expert(&self) -> bool {
         matches!(
             self.split,
-            Split::Dim {
-                group: GroupKind::Ep | GroupKind::Etp | GroupKind::EtpEp,
-                ..
-            }
+            Split::Experts { .. }
+                | Split::Dim {
+                    group: GroupKind::Ep | GroupKind::Etp | GroupKind::EtpEp,
+                    ..
+                }
         )
     }
 
@@ -96,6 +105,22 @@ impl ParamSpec {
                     inner: local_dim * inner,
                     logical_stride: (dims[dim] * inner) as u64,
                     logical_start: (self.part * local_dim * inner) as u64,
+                }
+            }
+            Split::Experts { dim } => {
+                // The expert-parallel part offsets whole experts; the expert-tensor-parallel
+                // part, dimension `dim` inside each.
+                let local = self.local.dims();
+                let etp = dims[dim] / local[dim].max(1);
+                let (ep_part, etp_part) = (self.part / etp.max(1), self.part % etp.max(1));
+                let inner: usize = dims[dim + 1..].iter().product();
+                let expert: usize = dims[1..].iter().product();
+                LogicalIndex {
+                    outer: local[..dim].iter().product(),
+                    inner: local[dim] * inner,
+                    logical_stride: (dims[dim] * inner) as u64,
+                    logical_start: (ep_part * local[0] * expert + etp_part * local[dim] * inner)
+                        as u64,
                 }
             }
         }
@@ -384,6 +409,28 @@ impl Builder {
                 local.0[dim] = d / size;
                 (rank, size, local)
             }
+            Split::Experts { dim } => {
+                let (ep, eps) = self.group(GroupKind::Ep);
+                let (etp, etps) = self.group(GroupKind::Etp);
+                let dims = logical.dims();
+                if dim == 0 || dim >= dims.len() {
+                    return invalid!(
+                        "parameter {name}: experts' shape {logical} has no dimension {dim} to split \
+                         over expert tensor parallelism"
+                    );
+                }
+                if dims[0] % eps != 0 || dims[dim] % etps != 0 {
+                    return invalid!(
+                        "parameter {name}: {logical} does not split into {eps} expert-parallel \
+                         parts of dimension 0 and {etps} expert-tensor-parallel parts of \
+                         dimension {dim}"
+                    );
+                }
+                let mut local = logical.clone();
+                local.0[0] = dims[0] / eps;
+                local.0[dim] = dims[dim] / etps;
+                (ep * etps + etp, eps * etps, local)
+            }
         };
         if let Some(rows) = real_rows
             && logical.dims().first().is_none_or(|&d| rows > d)
@@ -589,7 +636,7 @@ mod tests {
             for (logical, split, part, parts) in cases {
                 let local = match split {
                     Split::Replicated => logical,
-                    Split::Dim { .. } => [logical[0], logical[1] / parts],
+                    _ => [logical[0], logical[1] / parts],
                 };
                 let spec = ParamSpec {
                     name: "blocks.0.w".to_string(),
@@ -734,6 +781,61 @@ mod tests {
                     .contains("is missing")
             );
         }
+    }
+
+    #[test]
+    fn experts_split_over_ep_and_etp_assemble_to_the_logical_tensor() {
+        for (shape, dim) in [([4usize, 6, 3], 1usize), ([4, 3, 6], 2)] {
+            let full = Builder::new(7)
+                .param(
+                    "e",
+                    shape,
+                    Split::Replicated,
+                    Init::Normal { std: 0.1 },
+                    true,
+                )
+                .unwrap()
+                .value()
+                .to_vec::<f32>()
+                .unwrap();
+            let parts: Vec<(ParamSpec, Vec<f32>)> = (0..2)
+                .flat_map(|ep| (0..2).map(move |etp| (ep, etp)))
+                .map(|(ep, etp)| {
+                    let mut b = Builder::new(7).with_group(GroupKind::Ep, ep, 2).with_group(
+                        GroupKind::Etp,
+                        etp,
+                        2,
+                    );
+                    let p = b
+                        .param(
+                            "e",
+                            shape,
+                            Split::Experts { dim },
+                            Init::Normal { std: 0.1 },
+                            true,
+                        )
+                        .unwrap();
+                    let mut local = shape;
+                    local[0] /= 2;
+                    local[dim] /= 2;
+                    assert_eq!(p.spec().local.dims(), local);
+                    assert_eq!((p.spec().part, p.spec().parts), (2 * ep + etp, 4));
+                    assert!(p.spec().is_expert());
+                    (p.spec().clone(), p.value().to_vec::<f32>().unwrap())
+                })
+                .collect();
+            let refs: Vec<(&ParamSpec, &[f32])> =
+                parts.iter().map(|(s, v)| (s, v.as_slice())).collect();
+            assert_eq!(assemble_logical(&refs).unwrap(), full, "dim {dim}");
+        }
+        let err = Builder::new(0)
+            .with_group(GroupKind::Etp, 0, 4)
+            .param("e", [2, 6, 3], Split::Experts { dim: 1 }, Init::ZEROS, true)
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("4 expert-tensor-parallel parts"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -117,7 +117,7 @@ impl Dispatch {
 /// The received rows' order after sorting by local expert (`local` of them; `recv_per_expert`
 /// is `[ranks, local]`): for each position, the position it had in the all-to-all's output
 /// (ranks in order, each rank's chunk expert-major).
-fn sorted_order(recv_per_expert: &[usize], local: usize) -> Vec<usize> {
+pub(crate) fn sorted_order(recv_per_expert: &[usize], local: usize) -> Vec<usize> {
     let ranks = recv_per_expert.len() / local.max(1);
     let mut start = vec![0usize; ranks * local];
     let mut at = 0;
@@ -139,7 +139,7 @@ fn sorted_order(recv_per_expert: &[usize], local: usize) -> Vec<usize> {
 
 /// Rows `order[i]` of `rows` (`[n, hidden]`) to row i, or with `inverse` row i to row
 /// `order[i]`.
-fn gather_rows(rows: &[f32], hidden: usize, order: &[usize], inverse: bool) -> Vec<f32> {
+pub(crate) fn gather_rows(rows: &[f32], hidden: usize, order: &[usize], inverse: bool) -> Vec<f32> {
     let mut out = vec![0.0f32; order.len() * hidden];
     for (i, &o) in order.iter().enumerate() {
         let (to, from) = if inverse { (o, i) } else { (i, o) };

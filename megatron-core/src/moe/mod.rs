@@ -3,6 +3,7 @@
 //! `#[expert_parallel]` layer made of them.
 
 pub mod dispatcher;
+pub mod expert_tp;
 pub mod experts;
 pub mod routed;
 pub mod router;
@@ -10,6 +11,7 @@ pub mod router;
 pub use dispatcher::{
     CombineSaved, Dispatch, DispatcherKind, combine, combine_backward, dispatch, dispatch_backward,
 };
+pub use expert_tp::{TpRows, gather_expert_rows, reduce_scatter_expert_rows, regather_expert_rows};
 pub use routed::{
     ExpertParallelSaved, RoutedExperts, RoutedExpertsSpec, RouterSaved, RoutingLog, RoutingTotals,
 };

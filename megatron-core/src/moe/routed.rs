@@ -4,13 +4,16 @@
 //! Its parameters: the router's gate `router.weight` `[experts, hidden]`, whole on every rank
 //! (a dense parameter, reduced over data parallelism), and the experts' `fc1.weight`
 //! `[experts, ffn, hidden]` and `fc2.weight` `[experts, hidden, ffn]`, whose first dimension
-//! (the expert) is split over the expert-parallel group: rank r holds the logical experts
-//! r·E/ep .. (r + 1)·E/ep, so checkpoints hold logical experts whatever the ep they were saved
-//! at, and their gradients go to the expert buffers, reduced over expert data parallelism.
+//! (the expert) is split over the expert-parallel group, rank r holding the logical experts
+//! r·E/ep .. (r + 1)·E/ep, and each expert's hidden layer over the expert-tensor-parallel group
+//! (fc1 by its outputs, fc2 by its inputs). Checkpoints hold logical experts whatever the ep and
+//! etp they were saved at, and the experts' gradients go to the expert buffers, reduced over
+//! expert data parallelism.
 
 use std::sync::Mutex;
 
 use super::dispatcher::{CombineSaved, Dispatch, DispatcherKind, placed};
+use super::expert_tp::TpRows;
 use super::experts::{ExpertShape, ExpertsSaved, experts_backward, experts_forward};
 use super::{RouterConfig, Routing, route, route_backward};
 use crate::error::Result;
@@ -30,6 +33,8 @@ pub struct ExpertParallelSaved<R, L> {
     pub router: R,
     /// Where the dispatcher sent the rows.
     pub plan: Dispatch,
+    /// Where the expert-tensor-parallel group's rows came from.
+    pub tp: TpRows,
     /// What the local experts keep.
     pub local: L,
     /// What the combine keeps.
@@ -82,7 +87,8 @@ impl RoutedExperts {
         self.local
     }
 
-    fn build_with(spec: &RoutedExpertsSpec, b: &mut Builder, ep: (usize, usize)) -> Result<Self> {
+    /// This rank's part on the expert-parallel and expert-tensor-parallel groups `b` knows.
+    fn build_with(spec: &RoutedExpertsSpec, b: &mut Builder) -> Result<Self> {
         let RoutedExpertsSpec {
             router,
             hidden,
@@ -100,16 +106,24 @@ impl RoutedExperts {
                  yet updated in training"
             );
         }
-        let (experts, size) = (router.num_experts, ep.1);
-        if !experts.is_multiple_of(size) {
+        let (experts, ep, etp) = (
+            router.num_experts,
+            b.group(GroupKind::Ep).1,
+            b.group(GroupKind::Etp).1,
+        );
+        if !experts.is_multiple_of(ep) {
             return invalid!(
-                "--num-experts {experts} is not divisible by the expert-parallel size {size}"
+                "--num-experts {experts} is not divisible by the expert-parallel size {ep}"
             );
         }
-        let split = Split::Dim {
-            dim: 0,
-            group: GroupKind::Ep,
-        };
+        if !ffn.is_multiple_of(etp) {
+            return invalid!(
+                "--moe-ffn-hidden-size {ffn} is not divisible by the expert-tensor-parallel size \
+                 {etp}"
+            );
+        }
+        // Each expert's fc1 split by its outputs, fc2 by its inputs (column and row parallel).
+        let (fc1_split, fc2_split) = (Split::Experts { dim: 1 }, Split::Experts { dim: 2 });
         let normal = |std| Init::Normal { std };
         Ok(RoutedExperts {
             gate: b.scoped("router", |b| {
@@ -125,7 +139,7 @@ impl RoutedExperts {
                 b.param(
                     "weight",
                     [experts, ffn, hidden],
-                    split,
+                    fc1_split,
                     normal(init_std),
                     true,
                 )
@@ -134,16 +148,16 @@ impl RoutedExperts {
                 b.param(
                     "weight",
                     [experts, hidden, ffn],
-                    split,
+                    fc2_split,
                     normal(out_init_std),
                     true,
                 )
             })?,
             router,
             local: ExpertShape {
-                experts: experts / size,
+                experts: experts / ep,
                 hidden,
-                ffn,
+                ffn: ffn / etp,
             },
             dispatcher,
         })
@@ -154,9 +168,13 @@ impl Module for RoutedExperts {
     type Spec = RoutedExpertsSpec;
     type Saved = ExpertParallelSaved<RouterSaved, ExpertsSaved>;
 
-    /// Every expert on this rank (an expert-parallel group of one).
+    /// Every expert whole on this rank (expert groups of one).
     fn build(spec: &RoutedExpertsSpec, b: &mut Builder) -> Result<Self> {
-        RoutedExperts::build_with(spec, b, (0, 1))
+        let mut whole = b
+            .clone()
+            .with_group(GroupKind::Ep, 0, 1)
+            .with_group(GroupKind::Etp, 0, 1);
+        RoutedExperts::build_with(spec, &mut whole)
     }
 
     fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
@@ -221,8 +239,7 @@ impl ExpertParallel for RoutedExperts {
     type LocalSaved = ExpertsSaved;
 
     fn build_experts(spec: &RoutedExpertsSpec, b: &mut Builder) -> Result<Self> {
-        let ep = b.group(GroupKind::Ep);
-        RoutedExperts::build_with(spec, b, ep)
+        RoutedExperts::build_with(spec, b)
     }
 
     fn dispatcher(&self) -> DispatcherKind {
@@ -265,17 +282,17 @@ impl ExpertParallel for RoutedExperts {
         _cx: &Cx,
         _site: Site,
         rows: &Tensor,
-        plan: &Dispatch,
+        tp: &TpRows,
     ) -> Result<(Tensor, ExpertsSaved)> {
         let (y, saved) = experts_forward(
             &self.local,
             &host_f32(rows)?,
-            &plan.rows_per_local_expert(),
+            &tp.rows_per_local_expert(),
             &host_f32(self.fc1.compute_value())?,
             &host_f32(self.fc2.compute_value())?,
         )?;
         Ok((
-            placed(Tensor::from_vec(y, [plan.rows(), self.local.hidden])?, rows)?,
+            placed(Tensor::from_vec(y, [tp.rows(), self.local.hidden])?, rows)?,
             saved,
         ))
     }

@@ -123,9 +123,15 @@ fn recv_tensors(
 /// The whole, unpadded tensor of one parameter (or moment), assembled from every part over its
 /// split group (a collective of that group).
 fn gather_whole(parallel: &ParallelState, spec: &ParamSpec, local: &Tensor) -> Result<Whole> {
-    let values = match spec.split {
-        Split::Replicated => local.to_vec::<f32>()?,
-        Split::Dim { group, .. } => {
+    let group = match spec.split {
+        Split::Replicated => None,
+        Split::Dim { group, .. } => Some(group),
+        // The expert model-parallel group's index is the part's: etp · ep_rank + etp_rank.
+        Split::Experts { .. } => Some(GroupKind::EtpEp),
+    };
+    let values = match group {
+        None => local.to_vec::<f32>()?,
+        Some(group) => {
             let comm = parallel.comm(group);
             let n = local.numel();
             let all = empty_beside(local, comm.size() * n)?;
@@ -355,6 +361,7 @@ impl<M: LanguageModel> Trainer<M> {
             for part in parts {
                 let slot = &slots[part.slot];
                 let left_to_another_rank = match slot.spec.split {
+                    Split::Experts { .. } => false,
                     Split::Dim {
                         group: GroupKind::Tp | GroupKind::Etp | GroupKind::EtpEp,
                         ..

@@ -623,7 +623,8 @@ fn counted_ranges(
         !slot.shared_copy
             && slot.spec.is_expert() == experts
             && match slot.spec.split {
-                Split::Dim {
+                Split::Experts { .. }
+                | Split::Dim {
                     group: GroupKind::Tp | GroupKind::Etp | GroupKind::EtpEp,
                     ..
                 } => true,

@@ -520,11 +520,14 @@ fn forward_node<'a>(
                     let local = cx.qualified(n, quote!(ExpertParallel::forward_local));
                     let span = node.src.span();
                     let mut temp = |what: &str| b.locals.temp(&format!("{name}_{what}"), pos, span);
-                    let (routing, router, rows, plan, y, kept, combined) = (
+                    let (routing, router, rows, plan, group_rows, tp, partial, y, kept, combined) = (
                         temp("routing"),
                         temp("router"),
                         temp("rows"),
                         temp("plan"),
+                        temp("group_rows"),
+                        temp("tp"),
+                        temp("partial"),
                         temp("y"),
                         temp("local"),
                         temp("combine"),
@@ -538,9 +541,17 @@ fn forward_node<'a>(
                          (uneven splits); all-gather: every rank's tokens, each keeping its \
                          experts' rows."
                     ));
+                    let gdoc = comment(&format!(
+                        "`{name}`: the rows of every rank of the expert-tensor-parallel group \
+                         (an all-gather with uneven sizes over etp; nothing with one rank)."
+                    ));
                     let ldoc = comment(&format!(
-                        "`{name}`: this rank's experts, one grouped product per layer over their \
-                         rows."
+                        "`{name}`: this rank's slices of its experts, one grouped product per \
+                         layer over the group's rows: partial outputs."
+                    ));
+                    let sdoc = comment(&format!(
+                        "`{name}`: the partial outputs summed, each rank's rows back to it (a \
+                         reduce-scatter with uneven sizes over etp)."
                     ));
                     let cdoc = comment(&format!(
                         "`{name}`: combine. The rows back to their tokens (the reverse all-to-all, or \
@@ -549,8 +560,22 @@ fn forward_node<'a>(
                     b.push(move |nm| {
                         let xr = nm.by_ref(x);
                         let (o, s) = (nm.pat(out), nm.pat(saved));
-                        let [routing, router, rows, plan, y, kept, combined] =
-                            [routing, router, rows, plan, y, kept, combined].map(|l| nm.ident(l));
+                        let [
+                            routing,
+                            router,
+                            rows,
+                            plan,
+                            group_rows,
+                            tp,
+                            partial,
+                            y,
+                            kept,
+                            combined,
+                        ] = [
+                            routing, router, rows, plan, group_rows, tp, partial, y, kept,
+                            combined,
+                        ]
+                        .map(|l| nm.ident(l));
                         quote! {
                             #rdoc
                             let (#routing, #router) = #route(&#this_field, cx, #site, #xr)?;
@@ -558,14 +583,22 @@ fn forward_node<'a>(
                             let (#rows, #plan) = #rt::moe::dispatch(
                                 cx.ep(), #dispatcher(&#this_field), #xr, &#routing,
                             )?;
+                            #gdoc
+                            let (#group_rows, #tp) = #rt::moe::gather_expert_rows(
+                                cx.etp(), &#rows, &#plan.rows_per_local_expert(),
+                            )?;
                             #ldoc
-                            let (#y, #kept) = #local(&#this_field, cx, #site, &#rows, &#plan)?;
+                            let (#partial, #kept) =
+                                #local(&#this_field, cx, #site, &#group_rows, &#tp)?;
+                            #sdoc
+                            let #y = #rt::moe::reduce_scatter_expert_rows(cx.etp(), &#partial, &#tp)?;
                             #cdoc
                             let (#o, #combined) = #rt::moe::combine(cx.ep(), &#plan, &#y, &#routing)?;
                             let #s = #rt::moe::ExpertParallelSaved {
                                 routing: #routing,
                                 router: #router,
                                 plan: #plan,
+                                tp: #tp,
                                 local: #kept,
                                 combine: #combined,
                             };
@@ -1109,13 +1142,20 @@ fn backward_node<'a>(
                     let route = cx.qualified(n, quote!(ExpertParallel::backward_route));
                     let mut temp =
                         |what: &str| b.locals.temp(&format!("d_{name}_{what}"), pos, span);
-                    let (d_rows_out, d_probs, d_rows, d_tokens) =
-                        (temp("y"), temp("probs"), temp("rows"), temp("tokens"));
+                    let grads = [
+                        temp("y"),
+                        temp("probs"),
+                        temp("group_y"),
+                        temp("group_rows"),
+                        temp("rows"),
+                        temp("tokens"),
+                    ];
                     let mut temp = |what: &str| b.locals.temp(&format!("{name}_{what}"), pos, span);
                     let kept = [
                         temp("routing"),
                         temp("router"),
                         temp("plan"),
+                        temp("tp"),
                         temp("local"),
                         temp("combine"),
                     ];
@@ -1131,16 +1171,25 @@ fn backward_node<'a>(
                         "`{name}`: the router's backward (the weights' gradient and the auxiliary \
                          losses) adds its part of the input gradient."
                     ));
+                    let gdoc = comment(&format!(
+                        "`{name}`: the reduce-scatter's backward, the group's output gradients \
+                         (an all-gather with uneven sizes over etp)."
+                    ));
+                    let sdoc = comment(&format!(
+                        "`{name}`: the gather's backward, the group's partial row gradients \
+                         summed, each rank's rows back to it (a reduce-scatter over etp)."
+                    ));
                     b.push(move |nm| {
                         let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
-                        let [d_rows_out, d_probs, d_rows, d_tokens] =
-                            [d_rows_out, d_probs, d_rows, d_tokens].map(|l| nm.ident(l));
-                        let [routing, router, plan, kept, combine] = kept.map(|l| nm.ident(l));
+                        let [d_rows_out, d_probs, d_group_y, d_group_rows, d_rows, d_tokens] =
+                            grads.map(|l| nm.ident(l));
+                        let [routing, router, plan, tp, kept, combine] = kept.map(|l| nm.ident(l));
                         quote! {
                             let #rt::moe::ExpertParallelSaved {
                                 routing: #routing,
                                 router: #router,
                                 plan: #plan,
+                                tp: #tp,
                                 local: #kept,
                                 combine: #combine,
                             } = #s;
@@ -1148,7 +1197,13 @@ fn backward_node<'a>(
                             let (#d_rows_out, #d_probs) = #rt::moe::combine_backward(
                                 cx.ep(), &#plan, &#combine, &#routing, #dy,
                             )?;
-                            let #d_rows = #local(&#this_field, cx, #site, #kept, &#d_rows_out)?;
+                            #gdoc
+                            let #d_group_y = #rt::moe::regather_expert_rows(cx.etp(), &#d_rows_out, &#tp)?;
+                            let #d_group_rows =
+                                #local(&#this_field, cx, #site, #kept, &#d_group_y)?;
+                            #sdoc
+                            let #d_rows =
+                                #rt::moe::reduce_scatter_expert_rows(cx.etp(), &#d_group_rows, &#tp)?;
                             #ddoc
                             let #d_tokens = #rt::moe::dispatch_backward(cx.ep(), &#plan, &#d_rows)?;
                             #rdoc
