@@ -21,40 +21,29 @@ pub struct ExpertsShape {
 }
 
 impl ExpertsShape {
-    /// 4096 tokens routed top-2 over 8 experts of a GPT-2-small-sized MLP (hidden 768, ffn 3072),
-    /// as unevenly as a router early in training spreads them (from 1.6× to 0.5× the mean).
-    pub fn gpt2_small_top2() -> Self {
-        let weights = [1.6, 1.3, 1.1, 1.0, 0.9, 0.8, 0.8, 0.5];
-        let total = 4096 * 2;
+    /// `total` rows spread over experts in proportion to `weights`, `k` in and `n` out.
+    fn spread(total: usize, weights: &[f64], k: usize, n: usize) -> Self {
         let sum: f64 = weights.iter().sum();
         let mut rows: Vec<usize> = weights
             .iter()
             .map(|w| (w / sum * total as f64) as usize)
             .collect();
         rows[0] += total - rows.iter().sum::<usize>();
-        ExpertsShape {
-            rows,
-            k: 768,
-            n: 3072,
-        }
+        ExpertsShape { rows, k, n }
+    }
+
+    /// 4096 tokens routed top-2 over 8 experts of a GPT-2-small-sized MLP (hidden 768, ffn 3072),
+    /// as unevenly as a router early in training spreads them (from 1.6× to 0.5× the mean).
+    pub fn gpt2_small_top2() -> Self {
+        let weights = [1.6, 1.3, 1.1, 1.0, 0.9, 0.8, 0.8, 0.5];
+        ExpertsShape::spread(4096 * 2, &weights, 768, 3072)
     }
 
     /// Fine-grained experts (as DeepSeek-style MoE layers have): 4096 tokens routed top-8 over
     /// 64 experts of ffn 384 at hidden 768, from 1.6× to 0.4× the mean.
     pub fn fine_grained_top8() -> Self {
-        let total = 4096 * 8;
         let weights: Vec<f64> = (0..64).map(|e| 1.6 - 1.2 * e as f64 / 63.0).collect();
-        let sum: f64 = weights.iter().sum();
-        let mut rows: Vec<usize> = weights
-            .iter()
-            .map(|w| (w / sum * total as f64) as usize)
-            .collect();
-        rows[0] += total - rows.iter().sum::<usize>();
-        ExpertsShape {
-            rows,
-            k: 768,
-            n: 384,
-        }
+        ExpertsShape::spread(4096 * 8, &weights, 768, 384)
     }
 
     fn flops(&self) -> f64 {

@@ -419,7 +419,7 @@ impl Builder {
                          over expert tensor parallelism"
                     );
                 }
-                if dims[0] % eps != 0 || dims[dim] % etps != 0 {
+                if !dims[0].is_multiple_of(eps) || !dims[dim].is_multiple_of(etps) {
                     return invalid!(
                         "parameter {name}: {logical} does not split into {eps} expert-parallel \
                          parts of dimension 0 and {etps} expert-tensor-parallel parts of \

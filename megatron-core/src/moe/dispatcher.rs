@@ -380,47 +380,61 @@ pub fn combine(
     y: &Tensor,
     routing: &Routing,
 ) -> Result<(Tensor, CombineSaved)> {
-    let (h, like) = (plan.hidden, y);
-    let y = plan.check_rows(y, "the experts' output")?;
-    let (out, rows) = match &plan.route {
-        Route::AllToAll {
-            pairs,
-            send,
-            recv,
-            recv_per_expert,
-        } => {
-            let unsorted = gather_rows(
-                &y,
-                h,
-                &sorted_order(recv_per_expert, plan.local_experts),
-                true,
-            );
-            let rows = exchange(ep, &unsorted, h, (recv, send), like)?;
-            let mut out = vec![0.0f32; plan.tokens * h];
-            for (i, &(t, e)) in pairs.iter().enumerate() {
-                let p = routing.probs[t * plan.experts + e];
-                axpy(&mut out[t * h..(t + 1) * h], p, &rows[i * h..(i + 1) * h]);
-            }
-            (out, rows)
-        }
-        Route::AllGather {
-            pairs,
-            probs,
-            ranks,
-            ..
-        } => {
-            let mut all = vec![0.0f32; ranks * plan.tokens * h];
-            for (i, &(t, e)) in pairs.iter().enumerate() {
-                let p = probs[t * plan.experts + e];
-                axpy(&mut all[t * h..(t + 1) * h], p, &y[i * h..(i + 1) * h]);
-            }
-            (reduce_scatter(ep, &all, like)?, y)
-        }
-    };
+    let y_values = plan.check_rows(y, "the experts' output")?;
+    let (out, rows) = plan.to_tokens(ep, y_values, Some(&routing.probs), y)?;
     Ok((
-        placed(Tensor::from_vec(out, plan.shape.clone())?, like)?,
+        placed(Tensor::from_vec(out, plan.shape.clone())?, y)?,
         CombineSaved { rows },
     ))
+}
+
+impl Dispatch {
+    /// The way back of the local experts' rows `y` (laid out as the dispatch gave them): each
+    /// token's rows summed, weighted by its routing probabilities (`probs`, this rank's
+    /// `[tokens, experts]`) or not (`None`); with the all-to-all dispatcher, the rows first go
+    /// back to the ranks that sent them (and are returned as they arrived, in sending order),
+    /// with the all-gather one, the sums over the gathered tokens are reduce-scattered (and `y`
+    /// is returned). A collective of `ep`, through `like`'s device.
+    fn to_tokens(
+        &self,
+        ep: &dyn Communicator,
+        y: Vec<f32>,
+        probs: Option<&[f32]>,
+        like: &Tensor,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (h, e) = (self.hidden, self.experts);
+        match &self.route {
+            Route::AllToAll {
+                pairs,
+                send,
+                recv,
+                recv_per_expert,
+            } => {
+                let order = sorted_order(recv_per_expert, self.local_experts);
+                let unsorted = gather_rows(&y, h, &order, true);
+                let rows = exchange(ep, &unsorted, h, (recv, send), like)?;
+                let mut out = vec![0.0f32; self.tokens * h];
+                for (i, &(t, x)) in pairs.iter().enumerate() {
+                    let p = probs.map_or(1.0, |p| p[t * e + x]);
+                    axpy(&mut out[t * h..(t + 1) * h], p, &rows[i * h..(i + 1) * h]);
+                }
+                Ok((out, rows))
+            }
+            Route::AllGather {
+                pairs,
+                probs: gathered,
+                ranks,
+                ..
+            } => {
+                let mut all = vec![0.0f32; ranks * self.tokens * h];
+                for (i, &(t, x)) in pairs.iter().enumerate() {
+                    let p = probs.map_or(1.0, |_| gathered[t * e + x]);
+                    axpy(&mut all[t * h..(t + 1) * h], p, &y[i * h..(i + 1) * h]);
+                }
+                Ok((reduce_scatter(ep, &all, like)?, y))
+            }
+        }
+    }
 }
 
 /// `out += a · x`.
@@ -522,39 +536,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// The backward of [`dispatch`]: the gradient of the dispatched rows (`[rows, hidden]`) back
 /// to the tokens, each token's copies summed (shaped as the dispatched input).
 pub fn dispatch_backward(ep: &dyn Communicator, plan: &Dispatch, drows: &Tensor) -> Result<Tensor> {
-    let (h, like) = (plan.hidden, drows);
-    let drows = plan.check_rows(drows, "the rows' gradient")?;
-    let dx = match &plan.route {
-        Route::AllToAll {
-            pairs,
-            send,
-            recv,
-            recv_per_expert,
-        } => {
-            let unsorted = gather_rows(
-                &drows,
-                h,
-                &sorted_order(recv_per_expert, plan.local_experts),
-                true,
-            );
-            let rows = exchange(ep, &unsorted, h, (recv, send), like)?;
-            let mut dx = vec![0.0f32; plan.tokens * h];
-            for (i, &(t, _)) in pairs.iter().enumerate() {
-                axpy(&mut dx[t * h..(t + 1) * h], 1.0, &rows[i * h..(i + 1) * h]);
-            }
-            dx
-        }
-        Route::AllGather { pairs, ranks, .. } => {
-            let mut all = vec![0.0f32; ranks * plan.tokens * h];
-            for (i, &(t, _)) in pairs.iter().enumerate() {
-                axpy(
-                    &mut all[t * h..(t + 1) * h],
-                    1.0,
-                    &drows[i * h..(i + 1) * h],
-                );
-            }
-            reduce_scatter(ep, &all, like)?
-        }
-    };
-    placed(Tensor::from_vec(dx, plan.shape.clone())?, like)
+    let values = plan.check_rows(drows, "the rows' gradient")?;
+    let (dx, _) = plan.to_tokens(ep, values, None, drows)?;
+    placed(Tensor::from_vec(dx, plan.shape.clone())?, drows)
 }
