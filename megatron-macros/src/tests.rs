@@ -131,8 +131,8 @@ fn struct_errors_name_the_problem() {
         e("struct M { #[column_parallel] #[row_parallel] fc: Linear }"),
         [
             "`fc` has two kinds: #[column_parallel] and #[row_parallel]; a field takes one of \
-          #[column_parallel], #[row_parallel], #[vocab_parallel], #[replicated], #[pipeline], \
-          #[op], #[config]"
+          #[column_parallel], #[row_parallel], #[vocab_parallel], #[expert_parallel], \
+          #[replicated], #[pipeline], #[op], #[config]"
         ]
     );
     assert_eq!(
@@ -152,7 +152,11 @@ fn struct_errors_name_the_problem() {
     );
     assert!(e("struct M<T> { fc: T }")[0].contains("cannot be generic"));
     assert!(e("struct M(Linear);")[0].contains("named fields"));
-    assert!(e("struct M { #[expert_parallel] e: Experts }")[0].contains("not supported yet"));
+    assert!(e("struct M { #[graph_scope(attn)] a: Attention }")[0].contains("not supported yet"));
+    assert_eq!(
+        e("struct M { #[expert_parallel(topk = 2)] e: RoutedExperts }"),
+        ["#[expert_parallel] takes no options"]
+    );
     // Errors of several fields are reported together.
     assert_eq!(e("struct M { #[op(x)] a: A, #[config = 1] b: B }").len(), 2);
 }
