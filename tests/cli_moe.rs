@@ -135,8 +135,56 @@ fn expert_parallelism_trains_as_one_rank_holding_every_expert() {
                 "allgather",
             ],
         ),
+        (
+            "ep2-recompute",
+            &[
+                "--dp",
+                "4",
+                "--ep",
+                "2",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+            ],
+        ),
     ] {
         assert_same_training(&run(&dir, name, flags), &reference, name);
+    }
+}
+
+#[test]
+fn sixteen_bit_moe_training_at_ep_2_follows_ep_1() {
+    // bf16 parameters (the experts read them widened; f32 gradients, Megatron-LM's default)
+    // and fp16 with loss scaling: expert parallelism and the distributed optimizer change the
+    // order of sums only.
+    let dir = TempDir::new("cli-moe-16");
+    for (name, precision) in [
+        ("bf16", &["--bf16"][..]),
+        ("fp16", &["--fp16", "--initial-loss-scale", "4096"]),
+    ] {
+        let mut one = vec!["--dp", "4"];
+        one.extend(precision);
+        let reference = run(&dir, &format!("{name}-ep1"), &one);
+        let mut two = one.clone();
+        two.extend(["--ep", "2", "--use-distributed-optimizer"]);
+        let got = run(&dir, &format!("{name}-ep2"), &two);
+        assert_eq!(got.len(), reference.len(), "{name}");
+        for (i, (g, w)) in got.iter().zip(&reference).enumerate() {
+            assert_eq!(
+                g.tokens_per_expert, w.tokens_per_expert,
+                "{name} step {i}: routing decisions"
+            );
+            // 16-bit values round differently when their f32 sums do.
+            assert!(
+                (g.loss - w.loss).abs() <= 1e-3 * w.loss,
+                "{name} step {i}: loss {} vs {}",
+                g.loss,
+                w.loss
+            );
+        }
     }
 }
 
