@@ -149,6 +149,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // are two runs of one model, close but not equal.
     let mut worst_before_flip = 0.0f64;
     let mut worst = 0.0f64;
+    let mut worst_first_steps = 0.0f64;
     for (ep, steps) in &runs[1..] {
         let mut flipped = None;
         for (a, b) in steps.iter().zip(reference) {
@@ -162,6 +163,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             if flipped.is_none() {
                 worst_before_flip = worst_before_flip.max(diff);
+            }
+            if ma.step < 2 {
+                worst_first_steps = worst_first_steps.max(diff);
             }
             worst = worst.max(diff);
         }
@@ -188,10 +192,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if last >= first {
         return Err("the MoE model does not learn".into());
     }
-    // Experts that lost or doubled tokens differ by more than 1e-2 from the first step.
-    if worst_before_flip > 1e-5 || worst > 2e-2 {
+    // Sums in another order differ in the last bits at first (below 1e-6 over the first two
+    // steps) and drift apart slowly (about 3e-5 in 20 steps, the corpus, this repository's
+    // sources, moves it); experts that lost or doubled tokens differ by more than 1e-2 from the
+    // first step.
+    if worst_first_steps > 1e-6 || worst_before_flip > 1e-4 || worst > 2e-2 {
         return Err(format!(
-            "expert parallelism does not train as EP=1: {worst_before_flip:e}, {worst:e}"
+            "expert parallelism does not train as EP=1: {worst_first_steps:e} over the first \
+             steps, {worst_before_flip:e} with the same routing, {worst:e} in all"
         )
         .into());
     }

@@ -189,6 +189,50 @@ fn sixteen_bit_moe_training_at_ep_2_follows_ep_1() {
 }
 
 #[test]
+fn the_expert_bias_moves_towards_balanced_loads_each_step() {
+    // One MoE layer with sigmoid scores and the aux-loss-free bias: after each step, each
+    // expert's bias moves by the rate towards the mean of the step's loads (the logged tokens
+    // per expert, summed over every data-parallel rank); the bias is saved with the model; and
+    // expert parallelism routes with it as one rank does.
+    let dir = TempDir::new("cli-moe-bias");
+    let save = dir.join("save");
+    let flags = [
+        "--num-layers",
+        "1",
+        "--moe-router-score-function",
+        "sigmoid",
+        "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate",
+        "0.01",
+        "--moe-router-load-balancing-type",
+        "none",
+        "--dp",
+        "4",
+    ];
+    let reference = run(&dir, "ep1", &flags);
+    let mut saved = flags.to_vec();
+    saved.extend(["--ep", "2", "--save", &save]);
+    let steps = run(&dir, "ep2", &saved);
+    assert_same_training(&steps, &reference, "the expert bias at ep 2");
+    let mut bias = [0.0f32; 8];
+    for step in &steps {
+        let load: Vec<f32> = step.tokens_per_expert.iter().map(|&n| n as f32).collect();
+        let mean = load.iter().sum::<f32>() / 8.0;
+        for (b, n) in bias.iter_mut().zip(&load) {
+            *b += 0.01 * (mean - n).signum() * f32::from(u8::from(mean != *n));
+        }
+    }
+    assert!(bias.iter().any(|&b| b != 0.0), "{bias:?}");
+    let loaded = megatron::checkpoint::open(std::path::Path::new(&save)).unwrap();
+    let stored = loaded
+        .model_tensor("blocks.0.mlp.experts.router.expert_bias")
+        .unwrap();
+    for (got, want) in stored.data.iter().zip(&bias) {
+        assert!((got - want).abs() < 1e-6, "{:?} vs {bias:?}", stored.data);
+    }
+}
+
+#[test]
 fn dense_and_moe_layers_with_shared_experts_train_alike_at_every_ep() {
     let dir = TempDir::new("cli-moe-mixed");
     let flags = [

@@ -83,9 +83,13 @@ pub struct MoeArgs {
     /// Which tokens an expert over capacity keeps [default: probs].
     #[arg(long, value_enum)]
     moe_token_drop_policy: Option<DropArg>,
-    /// The aux-loss-free expert bias (with sigmoid scores).
+    /// The aux-loss-free expert bias (with sigmoid scores): each step moves it towards
+    /// balanced loads.
     #[arg(long)]
     moe_router_enable_expert_bias: bool,
+    /// How far the expert bias moves each step [default: the preset's, or 0.001].
+    #[arg(long)]
+    moe_router_bias_update_rate: Option<f32>,
     /// Hidden size of the shared experts every token also goes through (none by default).
     #[arg(long)]
     moe_shared_expert_intermediate_size: Option<usize>,
@@ -108,6 +112,7 @@ impl MoeArgs {
             || self.moe_pad_expert_input_to_capacity
             || self.moe_token_drop_policy.is_some()
             || self.moe_router_enable_expert_bias
+            || self.moe_router_bias_update_rate.is_some()
             || self.moe_shared_expert_intermediate_size.is_some()
     }
 
@@ -176,6 +181,9 @@ impl MoeArgs {
             };
         }
         r.expert_bias |= self.moe_router_enable_expert_bias;
+        if let Some(rate) = self.moe_router_bias_update_rate {
+            r.bias_update_rate = rate;
+        }
         if let Some(f) = self.moe_ffn_hidden_size {
             moe.ffn_hidden_size = f;
         }

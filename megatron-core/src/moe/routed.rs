@@ -10,6 +10,7 @@
 //! etp they were saved at, and the experts' gradients go to the expert buffers, reduced over
 //! expert data parallelism.
 
+use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use super::dispatcher::{CombineSaved, Dispatch, DispatcherKind, placed};
@@ -62,6 +63,10 @@ pub struct RoutedExpertsSpec {
 #[derive(Debug, Clone)]
 pub struct RoutedExperts {
     gate: Param,
+    /// The aux-loss-free expert bias `[experts]` (with `--moe-router-enable-expert-bias`): a
+    /// parameter the optimizer leaves alone (no gradient, no weight decay), moved after each
+    /// step towards the mean load by [`crate::training::Trainer`], saved with the model.
+    expert_bias: Option<Param>,
     fc1: Param,
     fc2: Param,
     router: RouterConfig,
@@ -100,12 +105,6 @@ impl RoutedExperts {
         router
             .validate()
             .map_err(|e| crate::Error::Invalid(e.to_string()))?;
-        if router.expert_bias {
-            return invalid!(
-                "--moe-router-enable-expert-bias: the aux-loss-free expert bias is routed but not \
-                 yet updated in training"
-            );
-        }
         let (experts, ep, etp) = (
             router.num_experts,
             b.group(GroupKind::Ep).1,
@@ -135,6 +134,20 @@ impl RoutedExperts {
                     true,
                 )
             })?,
+            expert_bias: router
+                .expert_bias
+                .then(|| {
+                    b.scoped("router", |b| {
+                        b.param(
+                            "expert_bias",
+                            [experts],
+                            Split::Replicated,
+                            Init::ZEROS,
+                            false,
+                        )
+                    })
+                })
+                .transpose()?,
             fc1: b.scoped("fc1", |b| {
                 b.param(
                     "weight",
@@ -179,12 +192,18 @@ impl Module for RoutedExperts {
 
     fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
         f(&self.gate);
+        if let Some(bias) = &self.expert_bias {
+            f(bias);
+        }
         f(&self.fc1);
         f(&self.fc2);
     }
 
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
         f(&mut self.gate);
+        if let Some(bias) = &mut self.expert_bias {
+            f(bias);
+        }
         f(&mut self.fc1);
         f(&mut self.fc2);
     }
@@ -266,7 +285,12 @@ impl ExpertParallel for RoutedExperts {
         )?;
         // Tokens are in [seq, batch] order: sequences of dims[0] tokens.
         let seq = if dims.len() == 3 { dims[0] } else { tokens };
-        let routing = route(&logits, seq, &self.router, None)
+        let bias = self
+            .expert_bias
+            .as_ref()
+            .map(|b| host_f32(b.value()))
+            .transpose()?;
+        let routing = route(&logits, seq, &self.router, bias.as_deref())
             .map_err(|err| crate::Error::Invalid(err.to_string()))?;
         Ok((
             routing,
@@ -331,6 +355,13 @@ impl ExpertParallel for RoutedExperts {
     ) -> Result<Tensor> {
         if let Some(log) = cx.routing_log() {
             log.record(routing, self.router.topk);
+            if let Some(bias) = &self.expert_bias {
+                log.record_load(
+                    &bias.spec().name,
+                    &routing.tokens_per_expert,
+                    self.router.bias_update_rate,
+                );
+            }
         }
         let (e, h) = (self.router.num_experts, self.local.hidden);
         let tokens = routing.tokens;
@@ -439,6 +470,9 @@ impl RoutingTotals {
 #[derive(Debug, Default)]
 pub struct RoutingLog {
     totals: Mutex<RoutingTotals>,
+    /// Each biased router's tokens per expert over the step, by its bias parameter's name,
+    /// with its update rate.
+    loads: Mutex<BTreeMap<String, (Vec<f64>, f32)>>,
 }
 
 impl RoutingLog {
@@ -463,6 +497,32 @@ impl RoutingLog {
         }
         t.chosen += (routing.tokens * topk) as u64;
         t.dropped += routing.dropped as u64;
+    }
+
+    /// Adds one routing's tokens per expert to the load of the router whose expert bias is the
+    /// parameter `bias` (moved by `rate` at the step's end).
+    pub fn record_load(&self, bias: &str, tokens_per_expert: &[usize], rate: f32) {
+        let mut loads = self
+            .loads
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (load, r) = loads
+            .entry(bias.to_string())
+            .or_insert_with(|| (vec![0.0; tokens_per_expert.len()], rate));
+        *r = rate;
+        for (l, &n) in load.iter_mut().zip(tokens_per_expert) {
+            *l += n as f64;
+        }
+    }
+
+    /// The biased routers' loads since the last take, by bias parameter name, leaving none.
+    pub fn take_loads(&self) -> BTreeMap<String, (Vec<f64>, f32)> {
+        std::mem::take(
+            &mut *self
+                .loads
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
     }
 
     /// What was recorded since the last take, leaving the log empty.

@@ -124,6 +124,14 @@ pub struct RouterConfig {
     pub drop_policy: DropPolicy,
     /// `--moe-router-enable-expert-bias`.
     pub expert_bias: bool,
+    /// `--moe-router-bias-update-rate`: how far the expert bias moves each step.
+    #[serde(default = "default_bias_update_rate")]
+    pub bias_update_rate: f32,
+}
+
+/// Megatron-LM's `--moe-router-bias-update-rate` default.
+fn default_bias_update_rate() -> f32 {
+    1e-3
 }
 
 impl RouterConfig {
@@ -143,6 +151,7 @@ impl RouterConfig {
             pad_to_capacity: false,
             drop_policy: DropPolicy::Probs,
             expert_bias: false,
+            bias_update_rate: default_bias_update_rate(),
         }
     }
 

@@ -301,6 +301,43 @@ impl<M: LanguageModel> Trainer<M> {
             .with_routing_log(&self.routing_log)
     }
 
+    /// Megatron-LM's aux-loss-free balancing, at the end of a step's backward (before the
+    /// update, as Megatron-LM's `finalize_model_grads`, skipped steps included): each biased
+    /// router's expert bias moves by its rate towards the mean load of the step's tokens,
+    /// summed over the data-parallel ranks (a collective of dp, with biased routers only).
+    fn update_expert_biases(&mut self, parallel: &ParallelState) -> Result<()> {
+        let loads = self.routing_log.take_loads();
+        if loads.is_empty() {
+            return Ok(());
+        }
+        // f32 holds the counts exactly up to 2^24 tokens per expert and step.
+        let row: Vec<f32> = loads
+            .values()
+            .flat_map(|(load, _)| load.iter().map(|&n| n as f32))
+            .collect();
+        let total = Tensor::zeros_near([row.len()], DType::F32, self.buffers.grads())?;
+        total.copy_from(&Tensor::from_vec(row, [total.numel()])?)?;
+        parallel.dp().all_reduce(&total, ReduceOp::Sum)?;
+        let total = total.to_vec::<f32>()?;
+        let mut at = 0;
+        for (name, (load, rate)) in &loads {
+            let experts = load.len();
+            let Some(slot) = self.buffers.slots().iter().find(|s| &s.spec.name == name) else {
+                return invalid!("the expert bias {name} is not among the trained parameters");
+            };
+            let range = slot.range();
+            let mut bias = self
+                .buffers
+                .values()
+                .narrow(0, range.start, range.len())?
+                .to_vec_f32()?;
+            crate::moe::update_expert_bias(&mut bias, &total[at..at + experts], *rate);
+            self.optimizer.set_values(&self.buffers, range, &bias)?;
+            at += experts;
+        }
+        Ok(())
+    }
+
     /// What the MoE layers' routers did in the step just run, summed over the data-parallel
     /// ranks and the pipeline stages (a collective of both groups); `None` without MoE layers.
     fn routing_totals(&self, parallel: &ParallelState) -> Result<Option<RoutingTotals>> {
@@ -387,6 +424,7 @@ impl<M: LanguageModel> Trainer<M> {
         parallel.dp().all_reduce(&loss, ReduceOp::Sum)?;
         let loss = f64::from(loss.to_vec::<f32>()?[0]) / tokens as f64;
         let routing = self.routing_totals(parallel)?;
+        self.update_expert_biases(parallel)?;
         // With loss scaling the gradients are unscaled, and a step with inf or NaN in them on
         // any rank is skipped by all (Megatron-LM reduces the flag over every rank that holds
         // gradients: the whole world here).

@@ -313,6 +313,46 @@ impl AdamW {
         buffers.refresh_compute_copies()
     }
 
+    /// Overwrites the parameter values in `range` of the buffers (a value the optimizer does
+    /// not move, such as an expert bias) with `values`: the buffers' values (rounded when
+    /// 16-bit), their compute copies, and this rank's main parameters there.
+    pub fn set_values(
+        &self,
+        buffers: &ParamBuffers,
+        range: Range<usize>,
+        values: &[f32],
+    ) -> Result<()> {
+        if values.len() != range.len() {
+            return invalid!(
+                "{} values for the {} elements at {range:?}",
+                values.len(),
+                range.len()
+            );
+        }
+        let write = |to: &Tensor, at: usize, from: &[f32]| -> Result<()> {
+            let dst = to.narrow(0, at, from.len())?;
+            let src = crate::moe::dispatcher::placed(Tensor::from_slice(from, [from.len()])?, to)?;
+            Ok(dst.copy_from(&src)?)
+        };
+        write(buffers.values(), range.start, values)?;
+        if let Some(compute) = buffers.compute_copies() {
+            write(compute, range.start, values)?;
+        }
+        if let Some(main) = &self.main {
+            for (world, at) in self.pieces(buffers) {
+                let (start, end) = (world.start.max(range.start), world.end.min(range.end));
+                if start < end {
+                    write(
+                        main,
+                        at + start - world.start,
+                        &values[start - range.start..end - range.start],
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The stretches of the whole buffers the moments hold, with where each starts in them.
     fn pieces(&self, buffers: &ParamBuffers) -> Vec<(Range<usize>, usize)> {
         match self.shard {
