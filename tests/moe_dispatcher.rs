@@ -139,6 +139,25 @@ fn reference(rank: usize, capacity: Option<f32>) -> (Vec<f32>, Vec<f32>, Vec<f32
     (out, dx, dprobs, pairs)
 }
 
+/// Asserts that a rank's output, input gradient and probabilities' gradient are the
+/// [`reference`]'s; returns the routed pairs.
+fn assert_as_on_the_tokens_rank(
+    (out, dx, dprobs): (&[f32], &[f32], &[f32]),
+    rank: usize,
+    capacity: Option<f32>,
+    what: &str,
+) -> usize {
+    let (want_out, want_dx, want_dprobs, pairs) = reference(rank, capacity);
+    support::assert_close_f32(out, &want_out, &format!("{what} output"));
+    support::assert_close_f32(dx, &want_dx, &format!("{what} input gradient"));
+    support::assert_close_f32(
+        dprobs,
+        &want_dprobs,
+        &format!("{what} probability gradient"),
+    );
+    pairs
+}
+
 #[test]
 fn experts_on_other_ranks_give_what_they_give_on_the_tokens_rank() {
     for capacity in [None, Some(1.0)] {
@@ -149,14 +168,7 @@ fn experts_on_other_ranks_give_what_they_give_on_the_tokens_rank() {
             for (rank, (out, dx, dprobs, (sent, received), bytes, _)) in outcomes.iter().enumerate()
             {
                 let what = format!("ep {ep} capacity {capacity:?} rank {rank}");
-                let (want_out, want_dx, want_dprobs, pairs) = reference(rank, capacity);
-                support::assert_close_f32(out, &want_out, &format!("{what} output"));
-                support::assert_close_f32(dx, &want_dx, &format!("{what} input gradient"));
-                support::assert_close_f32(
-                    dprobs,
-                    &want_dprobs,
-                    &format!("{what} probability gradient"),
-                );
+                let pairs = assert_as_on_the_tokens_rank((out, dx, dprobs), rank, capacity, &what);
                 // Every routed (token, expert) pair leaves once, as a row of HIDDEN f32: in
                 // the dispatch, the combine, and both backwards (plus the counts' exchange).
                 assert_eq!(*sent, pairs, "{what}");
@@ -183,14 +195,7 @@ fn the_all_gather_dispatcher_gives_what_the_experts_give_on_the_tokens_rank() {
             for (rank, (out, dx, dprobs, (sent, received), _, calls)) in outcomes.iter().enumerate()
             {
                 let what = format!("ep {ep} capacity {capacity:?} rank {rank}");
-                let (want_out, want_dx, want_dprobs, _) = reference(rank, capacity);
-                support::assert_close_f32(out, &want_out, &format!("{what} output"));
-                support::assert_close_f32(dx, &want_dx, &format!("{what} input gradient"));
-                support::assert_close_f32(
-                    dprobs,
-                    &want_dprobs,
-                    &format!("{what} probability gradient"),
-                );
+                assert_as_on_the_tokens_rank((out, dx, dprobs), rank, capacity, &what);
                 // Every rank's tokens reach every rank: the tokens, probabilities and map
                 // gathered forward and the output gradient backward; the outputs, the
                 // probabilities' gradients and the input gradients reduce-scattered back.

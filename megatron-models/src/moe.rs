@@ -137,11 +137,6 @@ impl Ffn {
         }
     }
 
-    /// Whether this is a mixture-of-experts block.
-    pub fn is_moe(&self) -> bool {
-        !matches!(self, Ffn::Dense(_))
-    }
-
     /// Runs the block's variant.
     pub fn forward(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, FfnSaved)> {
         Ok(match self {

@@ -104,14 +104,6 @@ impl Dispatch {
             Route::AllGather { ranks, .. } => (self.tokens, self.tokens * ranks),
         }
     }
-
-    /// Which dispatcher made the plan.
-    pub fn kind(&self) -> DispatcherKind {
-        match self.route {
-            Route::AllToAll { .. } => DispatcherKind::AllToAll,
-            Route::AllGather { .. } => DispatcherKind::AllGather,
-        }
-    }
 }
 
 /// The received rows' order after sorting by local expert (`local` of them; `recv_per_expert`

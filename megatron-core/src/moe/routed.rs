@@ -22,7 +22,7 @@ use crate::invalid;
 use crate::kernels::gemm::{MatMut, MatRef, gemm};
 use crate::module::{Builder, Cx, ExpertParallel, Init, Module, Param, Site, Split};
 use crate::parallel::GroupKind;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, Tensor, TensorRead};
 
 /// What an `#[expert_parallel]` call keeps for its backward: the routing, what the router and
 /// the local experts keep, the dispatch plan and the combine's rows.
@@ -82,16 +82,6 @@ pub struct RouterSaved {
 }
 
 impl RoutedExperts {
-    /// The router's settings.
-    pub fn router(&self) -> &RouterConfig {
-        &self.router
-    }
-
-    /// The shapes of this rank's local experts.
-    pub fn local_shape(&self) -> ExpertShape {
-        self.local
-    }
-
     /// This rank's part on the expert-parallel and expert-tensor-parallel groups `b` knows.
     fn build_with(spec: &RoutedExpertsSpec, b: &mut Builder) -> Result<Self> {
         let RoutedExpertsSpec {
@@ -209,10 +199,30 @@ impl Module for RoutedExperts {
     }
 }
 
-/// `t`'s values as f32 on the host, where the layer computes (on a GPU run, copied there and
-/// the results back: the layer has no device kernels yet).
-fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_vec_f32()?)
+/// A tensor's values as f32 on the host, where the layer computes: borrowed when they are
+/// there already (the f32 weights, read every call), else a copy (widened from 16 bits, or from
+/// a GPU, the results going back: the layer has no device kernels yet).
+enum HostF32<'a> {
+    Borrowed(TensorRead<'a, f32>),
+    Copied(Vec<f32>),
+}
+
+impl std::ops::Deref for HostF32<'_> {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            HostF32::Borrowed(values) => values,
+            HostF32::Copied(values) => values,
+        }
+    }
+}
+
+/// `t`'s values as f32 on the host (see [`HostF32`]).
+fn host_f32(t: &Tensor) -> Result<HostF32<'_>> {
+    match t.read::<f32>() {
+        Ok(values) => Ok(HostF32::Borrowed(values)),
+        Err(_) => Ok(HostF32::Copied(t.to_vec_f32()?)),
+    }
 }
 
 /// `C = op(A) · op(B) + β·C` for row-major `A` (`am × ak`) and `B` (`bm × bk`), each
@@ -386,7 +396,7 @@ impl ExpertParallel for RoutedExperts {
             )
         })?;
         let gate = host_f32(self.gate.compute_value())?;
-        let mut d = host_f32(&dx)?;
+        let mut d = dx.to_vec_f32()?;
         product(
             &dlogits,
             (tokens, e, false),
@@ -418,26 +428,6 @@ pub struct RoutingTotals {
 }
 
 impl RoutingTotals {
-    /// Adds `other`'s counts (another rank's).
-    pub fn add(&mut self, other: &RoutingTotals) {
-        self.routings += other.routings;
-        self.aux_loss += other.aux_loss;
-        self.z_loss += other.z_loss;
-        if self.tokens_per_expert.len() < other.tokens_per_expert.len() {
-            self.tokens_per_expert
-                .resize(other.tokens_per_expert.len(), 0);
-        }
-        for (a, b) in self
-            .tokens_per_expert
-            .iter_mut()
-            .zip(&other.tokens_per_expert)
-        {
-            *a += b;
-        }
-        self.chosen += other.chosen;
-        self.dropped += other.dropped;
-    }
-
     /// The mean load-balancing loss per routing.
     pub fn mean_aux_loss(&self) -> f64 {
         self.aux_loss / self.routings.max(1) as f64
