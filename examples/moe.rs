@@ -71,6 +71,7 @@ fn job(ep: usize) -> Result<TrainJob, Box<dyn std::error::Error>> {
         run_info: serde_json::json!({}),
         files: Vec::new(),
         device: Placement::Cpu,
+        cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
         stop: None,
     })
 }

@@ -61,6 +61,7 @@ fn job(tp: usize, pipeline: PipelineSettings) -> Result<TrainJob, Box<dyn std::e
         run_info: serde_json::json!({}),
         files: Vec::new(),
         device: Placement::Cpu,
+        cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
         stop: None,
     })
 }

@@ -57,6 +57,8 @@ pub struct TrainJob {
     pub files: megatron_core::checkpoint::Files,
     /// Where the ranks compute.
     pub device: Placement,
+    /// The graph scopes captured (`--cuda-graph-scope`); none: everything eager.
+    pub cuda_graph_scope: megatron_core::cuda_graphs::ScopeSet,
     /// Asks the run to stop early (a signal handler sets it): see [`StopRequest`].
     pub stop: Option<StopRequest>,
 }
@@ -279,6 +281,19 @@ struct RunContext<'a> {
 }
 
 impl TrainJob {
+    /// Checks `--cuda-graph-scope` against the model (Megatron-LM's rules: MoE scopes need MoE
+    /// layers, `mlp` dense ones, `moe_preprocess` the router's; no full recompute).
+    pub fn check_graph_scopes(&self) -> Result<()> {
+        let full = matches!(
+            self.train.recompute,
+            megatron_core::module::Recompute::Uniform(_)
+                | megatron_core::module::Recompute::Block(_)
+        );
+        self.cuda_graph_scope
+            .validate(&self.model.scoped_model(full)?)?;
+        Ok(())
+    }
+
     /// Runs the job on tp × dp thread ranks of this process (sharing GPU 0 when the job is
     /// placed on CUDA).
     pub fn run(&self, observers: &mut [Box<dyn Observer>]) -> Result<Summary> {
@@ -470,6 +485,10 @@ impl TrainJob {
         };
         if let Some(moe) = &self.model.moe {
             trainer.log_routing(moe.router.num_experts);
+        }
+        if !self.cuda_graph_scope.is_empty() {
+            self.check_graph_scopes()?;
+            trainer.set_graph_scopes(self.cuda_graph_scope);
         }
         let first = match &self.load {
             Some(path) => trainer.load_checkpoint(&parallel, path)?.iteration,

@@ -38,6 +38,8 @@ enum Command {
     Tokenizer(cli::tokenizer_cmd::TokenizerArgs),
     /// A pipeline schedule (1F1B or interleaved) as Megatron-LM orders it, with its timeline.
     Schedule(cli::schedule::ScheduleArgs),
+    /// The CUDA graphs and static buffers --cuda-graph-scope captures, per pipeline rank.
+    Graphs(Box<cli::graphs::GraphsArgs>),
     /// The distributed optimizer's buffers, buckets and per-rank shards for a parameter list.
     Layout(Box<cli::layout::LayoutArgs>),
 }
@@ -64,6 +66,7 @@ fn main() -> std::process::ExitCode {
         Command::Data(args) => cli::data_cmd::run(args),
         Command::Tokenizer(args) => cli::tokenizer_cmd::run(args),
         Command::Schedule(args) => cli::schedule::run(args),
+        Command::Graphs(args) => cli::graphs::run(args),
         Command::Layout(args) => cli::layout::run(args),
     };
     match result {

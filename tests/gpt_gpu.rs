@@ -89,6 +89,7 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
         run_info: serde_json::json!({}),
         files: Vec::new(),
         device,
+        cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
         stop: None,
     }
 }

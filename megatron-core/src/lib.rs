@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod cuda_graphs;
 pub mod data;
 mod error;
 pub mod kernels;

@@ -46,6 +46,125 @@ pub struct Field {
     pub ty: Type,
     /// What the field is.
     pub kind: FieldKind,
+    /// `#[graph_scope(..)]`: the scope its call is (`attn`, `mlp`; `moe_router` and
+    /// `moe_preprocess` on an `#[expert_parallel]` field), if any.
+    pub graph_scopes: Vec<GraphScopeName>,
+}
+
+/// A scope named in `#[graph_scope(..)]`, with where it was written.
+#[derive(Clone)]
+pub struct GraphScopeName {
+    /// `attn`, `mlp`, `moe_router` or `moe_preprocess`.
+    pub name: String,
+    /// The name's span.
+    pub span: proc_macro2::Span,
+}
+
+impl GraphScopeName {
+    /// The runtime's `GraphScope` variant.
+    pub fn variant(&self) -> &'static str {
+        match self.name.as_str() {
+            "attn" => "Attn",
+            "mlp" => "Mlp",
+            "moe_router" => "MoeRouter",
+            _ => "MoePreprocess",
+        }
+    }
+}
+
+/// The scopes `#[graph_scope(..)]` takes.
+const GRAPH_SCOPES: [&str; 4] = ["attn", "mlp", "moe_router", "moe_preprocess"];
+
+/// Parses `#[graph_scope(attn)]` or `#[graph_scope(moe_router, moe_preprocess)]`.
+fn parse_graph_scope(attr: &Attribute) -> syn::Result<Vec<GraphScopeName>> {
+    let syn::Meta::List(_) = &attr.meta else {
+        return Err(syn::Error::new_spanned(
+            attr,
+            "#[graph_scope(..)] names its scope: one of attn, mlp, moe_router, moe_preprocess",
+        ));
+    };
+    let mut names: Vec<GraphScopeName> = Vec::new();
+    attr.parse_nested_meta(|meta| {
+        let Some(ident) = meta.path.get_ident() else {
+            return Err(meta.error("a graph scope is one of attn, mlp, moe_router, moe_preprocess"));
+        };
+        let name = ident.to_string();
+        if !GRAPH_SCOPES.contains(&name.as_str()) {
+            return Err(meta.error(format!(
+                "unknown graph scope `{name}`: the scopes are attn, mlp, moe_router and \
+                 moe_preprocess"
+            )));
+        }
+        if names.iter().any(|n| n.name == name) {
+            return Err(meta.error(format!("graph scope `{name}` is named twice")));
+        }
+        names.push(GraphScopeName {
+            name,
+            span: ident.span(),
+        });
+        Ok(())
+    })?;
+    Ok(names)
+}
+
+/// Checks that a field's scopes fit its kind: attention and dense MLPs are whole calls of a
+/// replicated sub-module, the MoE scopes the router (and preprocessing) of an expert layer.
+fn check_graph_scopes(
+    ident: &Ident,
+    kind: &FieldKind,
+    scopes: &[GraphScopeName],
+    errors: &mut Errors,
+) {
+    let field = ident.unraw();
+    let moe = |s: &GraphScopeName| s.name.starts_with("moe_");
+    match kind {
+        FieldKind::Replicated => {
+            if let Some(s) = scopes.iter().find(|s| moe(s)) {
+                errors.push(syn::Error::new(
+                    s.span,
+                    format!(
+                        "graph scope `{}` marks the router of an #[expert_parallel] field, but \
+                         `{field}` is a replicated module (give it attn or mlp)",
+                        s.name
+                    ),
+                ));
+            } else if let [_, second, ..] = scopes {
+                errors.push(syn::Error::new(
+                    second.span,
+                    format!(
+                        "`{field}` is one call, captured as one scope: give it one of attn, mlp"
+                    ),
+                ));
+            }
+        }
+        FieldKind::Expert => {
+            if let Some(s) = scopes.iter().find(|s| !moe(s)) {
+                errors.push(syn::Error::new(
+                    s.span,
+                    format!(
+                        "graph scope `{}` cannot hold `{field}`: an #[expert_parallel] layer's \
+                         dispatch is an all-to-all whose sizes are known only at run time, and \
+                         a graph replays fixed sizes; capture its router with moe_router \
+                         (and moe_preprocess)",
+                        s.name
+                    ),
+                ));
+            } else if scopes.iter().all(|s| s.name != "moe_router") {
+                errors.push(syn::Error::new(
+                    scopes[0].span,
+                    "moe_preprocess is captured in the router's graph: give moe_router too",
+                ));
+            }
+        }
+        other => errors.push(syn::Error::new(
+            scopes[0].span,
+            format!(
+                "#[graph_scope] marks a replicated sub-module (attn, mlp) or an \
+                 #[expert_parallel] layer (moe_router, moe_preprocess), not {} `{field}`",
+                other.attribute()
+            ),
+        )),
+    }
 }
 
 impl Field {
@@ -146,9 +265,6 @@ const KIND_ATTRIBUTES: [&str; 8] = [
 const KINDS_HELP: &str = "#[column_parallel], #[row_parallel], #[vocab_parallel], \
      #[expert_parallel], #[replicated], #[pipeline], #[op], #[config]";
 
-/// Attributes the design names but this version does not implement.
-const FUTURE_ATTRIBUTES: [&str; 1] = ["graph_scope"];
-
 /// Parses a struct given to `#[megatron::module]`.
 pub fn parse_struct(item: syn::ItemStruct) -> syn::Result<ModuleStruct> {
     let mut errors = Errors::default();
@@ -212,16 +328,24 @@ fn parse_field(field: syn::Field) -> syn::Result<Field> {
     let mut errors = Errors::default();
     let mut kept = Vec::new();
     let mut kind: Option<(FieldKind, &'static str, Src)> = None;
+    let mut graph_scopes: Option<Vec<GraphScopeName>> = None;
     for attr in field.attrs {
         let Some(name) = attr.path().get_ident().map(|i| i.to_string()) else {
             kept.push(attr);
             continue;
         };
-        if let Some(future) = FUTURE_ATTRIBUTES.iter().find(|a| **a == name) {
-            errors.push(syn::Error::new_spanned(
-                &attr,
-                format!("#[{future}] is not supported yet; a field takes one of {KINDS_HELP}"),
-            ));
+        if name == "graph_scope" {
+            if graph_scopes.is_some() {
+                errors.push(syn::Error::new_spanned(
+                    &attr,
+                    "`#[graph_scope]` is given twice: list the scopes in one",
+                ));
+                continue;
+            }
+            match parse_graph_scope(&attr) {
+                Ok(names) => graph_scopes = Some(names),
+                Err(e) => errors.push(e),
+            }
             continue;
         }
         let Some(attr_name) = KIND_ATTRIBUTES.iter().find(|a| **a == name) else {
@@ -272,12 +396,17 @@ fn parse_field(field: syn::Field) -> syn::Result<Field> {
         },
         Some((k, _, _)) => k,
     };
+    let graph_scopes = graph_scopes.unwrap_or_default();
+    if !graph_scopes.is_empty() {
+        check_graph_scopes(&ident, &kind, &graph_scopes, &mut errors);
+    }
     errors.finish(Field {
         attrs: kept,
         vis: field.vis,
         ident,
         ty: field.ty,
         kind,
+        graph_scopes,
     })
 }
 

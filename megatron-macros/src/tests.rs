@@ -152,7 +152,31 @@ fn struct_errors_name_the_problem() {
     );
     assert!(e("struct M<T> { fc: T }")[0].contains("cannot be generic"));
     assert!(e("struct M(Linear);")[0].contains("named fields"));
-    assert!(e("struct M { #[graph_scope(attn)] a: Attention }")[0].contains("not supported yet"));
+    assert!(
+        e("struct M { #[graph_scope(attention)] a: Attention }")[0]
+            .contains("unknown graph scope `attention`")
+    );
+    assert!(
+        e("struct M { #[graph_scope(moe_router)] a: Attention }")[0]
+            .contains("marks the router of an #[expert_parallel] field")
+    );
+    assert!(
+        e("struct M { #[graph_scope(attn, mlp)] a: Attention }")[0]
+            .contains("one call, captured as one scope")
+    );
+    assert!(
+        e("struct M { #[expert_parallel] #[graph_scope(attn)] e: RoutedExperts }")[0]
+            .contains("sizes are known only at run time")
+    );
+    assert!(
+        e("struct M { #[expert_parallel] #[graph_scope(moe_preprocess)] e: RoutedExperts }")[0]
+            .contains("give moe_router too")
+    );
+    assert!(
+        e("struct M { #[column_parallel] #[graph_scope(attn)] fc: Linear }")[0]
+            .contains("not #[column_parallel] `fc`")
+    );
+    assert!(e("struct M { #[graph_scope] a: Attention }")[0].contains("names its scope"));
     assert_eq!(
         e("struct M { #[expert_parallel(topk = 2)] e: RoutedExperts }"),
         ["#[expert_parallel] takes no options"]

@@ -1,6 +1,7 @@
 //! `GptConfig`: the architecture of a GPT, with Megatron-LM's argument names, and its checks.
 
 use megatron_core::Result;
+use megatron_core::cuda_graphs::ScopedModel;
 use megatron_core::invalid;
 use megatron_core::moe::{DispatcherKind, RouterConfig};
 use megatron_core::tensor_parallel::padded_vocab_size;
@@ -165,6 +166,23 @@ impl GptConfig {
             None => Ok(vec![false; self.num_layers]),
             Some(moe) => moe.layer_freq.layers(self.num_layers),
         }
+    }
+
+    /// What the checks of `--cuda-graph-scope` need to know of this model, with full
+    /// activation recompute or not.
+    pub fn scoped_model(&self, full_recompute: bool) -> Result<ScopedModel> {
+        let moe = self.moe_layers()?;
+        let moe_layers = moe.iter().filter(|&&m| m).count();
+        Ok(ScopedModel {
+            dense_layers: moe.len() - moe_layers,
+            moe_layers,
+            capacity_factor: self.moe.as_ref().and_then(|m| m.router.capacity_factor),
+            alltoall: self
+                .moe
+                .as_ref()
+                .is_some_and(|m| m.dispatcher == DispatcherKind::AllToAll),
+            full_recompute,
+        })
     }
 
     /// Checks that the sizes divide as tensor parallelism over `tp` ranks and expert

@@ -64,7 +64,8 @@ impl Attention {
 pub struct Block {
     /// Norm before attention.
     pub ln1: LayerNorm,
-    /// Attention.
+    /// Attention: graph scope `attn`.
+    #[graph_scope(attn)]
     pub attn: Attention,
     /// Norm before the MLP.
     pub ln2: LayerNorm,

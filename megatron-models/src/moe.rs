@@ -8,6 +8,7 @@
 //! stack).
 
 use megatron_core::Result;
+use megatron_core::cuda_graphs::{self, GraphScope};
 use megatron_core::module::{Builder, Cx, Module, Param, Site};
 use megatron_core::moe::RoutedExperts;
 use megatron_core::prelude::*;
@@ -18,8 +19,10 @@ use crate::gpt::{Mlp, MlpSaved, MlpSpec};
 /// A MoE MLP: the router sends each token to its top-k experts, split over expert parallelism.
 #[module]
 pub struct MoeMlp {
-    /// The router and the routed experts.
+    /// The router and the routed experts; graph scopes `moe_router` and `moe_preprocess`
+    /// capture the router.
     #[expert_parallel]
+    #[graph_scope(moe_router, moe_preprocess)]
     pub experts: RoutedExperts,
 }
 
@@ -34,8 +37,9 @@ impl MoeMlp {
 /// experts' output (Megatron-LM's `--moe-shared-expert-intermediate-size`).
 #[module]
 pub struct SharedMoeMlp {
-    /// The router and the routed experts.
+    /// The router and the routed experts (graph scopes as [`MoeMlp`]'s).
     #[expert_parallel]
+    #[graph_scope(moe_router, moe_preprocess)]
     pub experts: RoutedExperts,
     /// The shared experts, tensor-parallel as a dense MLP.
     pub shared: Mlp,
@@ -72,6 +76,7 @@ pub enum FfnSpec {
 }
 
 /// What [`Ffn::forward`] keeps for [`Ffn::backward`]: its variant's.
+#[derive(Clone)]
 pub enum FfnSaved {
     /// The dense MLP's.
     Dense(MlpSaved),
@@ -86,6 +91,8 @@ impl Module for Ffn {
     type Saved = FfnSaved;
     /// The dense MLP's (a MoE block widens a narrower gradient itself).
     const GRADIENT_FEEDS_PRODUCTS: bool = <Mlp as Module>::GRADIENT_FEEDS_PRODUCTS;
+    /// A MoE variant dispatches with run-time sizes: the dense one is graph scope `mlp` inside.
+    const CAPTURABLE: bool = false;
 
     fn build(spec: &FfnSpec, b: &mut Builder) -> Result<Self> {
         Ok(match spec {
@@ -141,7 +148,10 @@ impl Ffn {
     pub fn forward(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, FfnSaved)> {
         Ok(match self {
             Ffn::Dense(m) => {
-                let (y, s) = m.forward(cx, site, x)?;
+                // Graph scope `mlp` (dense layers only, as in Megatron-LM).
+                let (y, s) = cuda_graphs::forward(cx, GraphScope::Mlp, site, &[x], |cx, x| {
+                    m.forward(cx, site, &x[0])
+                })?;
                 (y, FfnSaved::Dense(s))
             }
             Ffn::Moe(m) => {
@@ -158,7 +168,11 @@ impl Ffn {
     /// The backward of [`Ffn::forward`].
     pub fn backward(&self, cx: &Cx, site: Site, saved: FfnSaved, dy: &Tensor) -> Result<Tensor> {
         match (self, saved) {
-            (Ffn::Dense(m), FfnSaved::Dense(s)) => m.backward(cx, site, s, dy),
+            (Ffn::Dense(m), FfnSaved::Dense(s)) => {
+                cuda_graphs::backward(cx, GraphScope::Mlp, site, s, &[dy], |cx, s, dy| {
+                    m.backward(cx, site, s, &dy[0])
+                })
+            }
             (Ffn::Moe(m), FfnSaved::Moe(s)) => m.backward(cx, site, s, &f32_gradient(dy)?),
             (Ffn::SharedMoe(m), FfnSaved::SharedMoe(s)) => {
                 m.backward(cx, site, s, &f32_gradient(dy)?)

@@ -5,6 +5,7 @@ pub mod config_file;
 pub mod convert;
 pub mod data_cmd;
 pub mod generate;
+pub mod graphs;
 pub mod groups;
 pub mod inspect;
 pub mod layout;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::ProgressBar;
+use megatron::cuda_graphs::{GraphScope, ScopeSet};
 use megatron::data::{
     Blend, GptDatasetConfig, SampleSource, Split as DataSplit, SplitVector, build_gpt_dataset,
 };
@@ -171,6 +172,12 @@ pub struct TrainArgs {
     /// optimizer state, then the parameters all-gathered.
     #[arg(long)]
     use_distributed_optimizer: bool,
+    /// Graph scopes to capture as CUDA graphs (Megatron-LM's --cuda-graph-scope): attn, mlp
+    /// (dense layers), moe_router, moe_preprocess. Each is run eagerly once per in-flight
+    /// slot, captured, then replayed; on the CPU the scopes are counted and run eagerly.
+    /// Without it everything runs eagerly.
+    #[arg(long = "cuda-graph-scope", num_args = 1.., value_name = "SCOPE")]
+    cuda_graph_scope: Vec<String>,
     /// Activation recompute: `full` (whole transformer layers, with --recompute-method and
     /// --recompute-num-layers) or `selective` (the core attention's weights).
     #[arg(long)]
@@ -796,7 +803,21 @@ impl TrainArgs {
                 other => bail!("--device must be cpu or cuda, got {other:?}"),
             },
             stop: None,
+            cuda_graph_scope: ScopeSet::parse(&self.cuda_graph_scope)?,
         };
+        job.check_graph_scopes()?;
+        if self.device == "cuda"
+            && let Some(scope) = job
+                .cuda_graph_scope
+                .iter()
+                .find(|s| matches!(s, GraphScope::MoeRouter | GraphScope::MoePreprocess))
+        {
+            bail!(
+                "--cuda-graph-scope {scope} on a GPU: the MoE router still computes on the host \
+                 there (it reads the tokens back), so no graph can capture it yet; capture attn \
+                 (and mlp for dense layers), or train on the CPU, where the scopes are counted"
+            );
+        }
         Ok((job, s.taken))
     }
 

@@ -24,6 +24,7 @@ pub use recompute::{Recompute, StackSaved, stack_backward, stack_forward};
 pub use site::Site;
 
 use crate::comm::{Communicator, ParallelState};
+use crate::cuda_graphs::GraphRuntime;
 use crate::error::Result;
 #[cfg(doc)]
 use crate::moe::ExpertParallelSaved;
@@ -48,6 +49,10 @@ pub struct Cx<'a> {
     aux_loss_scale: f32,
     /// Where MoE layers report their routing, when someone listens.
     routing_log: Option<&'a RoutingLog>,
+    /// The graph scopes' runtime, when the run selected any.
+    graphs: Option<&'a GraphRuntime>,
+    /// The in-flight slot of this microbatch (its graphs and static buffers).
+    graph_slot: usize,
 }
 
 impl<'a> Cx<'a> {
@@ -62,7 +67,36 @@ impl<'a> Cx<'a> {
             recompute: Recompute::Off,
             aux_loss_scale: 1.0,
             routing_log: None,
+            graphs: None,
+            graph_slot: 0,
         }
+    }
+
+    /// The same context with `#[graph_scope(..)]` fields going through `graphs`.
+    pub fn with_graphs(&self, graphs: &'a GraphRuntime) -> Cx<'a> {
+        Cx {
+            graphs: Some(graphs),
+            ..*self
+        }
+    }
+
+    /// The graph scopes' runtime, if any.
+    pub fn graphs(&self) -> Option<&'a GraphRuntime> {
+        self.graphs
+    }
+
+    /// The same context for a microbatch in in-flight slot `slot` (a pipeline's forward takes
+    /// the lowest free slot of its chunk; its backward frees it).
+    pub fn in_slot(&self, slot: usize) -> Cx<'a> {
+        Cx {
+            graph_slot: slot,
+            ..*self
+        }
+    }
+
+    /// This microbatch's in-flight slot.
+    pub fn graph_slot(&self) -> usize {
+        self.graph_slot
     }
 
     /// The same context with the routers' auxiliary losses (load balancing, z loss) entering
@@ -163,6 +197,9 @@ impl<'a> Cx<'a> {
 
     /// The random stream of the dropout at `site` for this step and microbatch.
     pub fn dropout_stream(&self, site: Site) -> DropoutStream {
+        if let Some(graphs) = self.graphs {
+            graphs.note_random_draw(site);
+        }
         DropoutStream::new(self.seed, &[self.step, self.microbatch, site.0])
     }
 }
@@ -191,6 +228,11 @@ pub trait Module: Sized {
     /// products' dtype ([`crate::ops::operand_dtype`]). Generated modules derive it from their
     /// forward: true when the output is a linear layer's (or such a module's) with one use.
     const GRADIENT_FEEDS_PRODUCTS: bool = false;
+
+    /// Whether a `#[graph_scope]` may capture the module whole: false when it holds a
+    /// collective whose sizes are known only at run time or reads values back to the host (an
+    /// `#[expert_parallel]` layer's dispatch). Generated modules derive it from their fields.
+    const CAPTURABLE: bool = true;
 
     /// Builds the module unsharded (replicated), naming its parameters under `b`'s scope.
     fn build(spec: &Self::Spec, b: &mut Builder) -> Result<Self>;

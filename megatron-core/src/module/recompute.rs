@@ -160,12 +160,12 @@ impl Recompute {
 
 /// What a stack keeps for its backward: per group of layers, what each layer saved, or for a
 /// recomputed group its input.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct StackSaved<S> {
     groups: Vec<Group<S>>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 enum Group<S> {
     Kept(usize, Vec<S>),
     Input(Range<usize>, Tensor),

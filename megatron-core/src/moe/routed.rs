@@ -26,7 +26,7 @@ use crate::tensor::{DType, Tensor, TensorRead};
 
 /// What an `#[expert_parallel]` call keeps for its backward: the routing, what the router and
 /// the local experts keep, the dispatch plan and the combine's rows.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ExpertParallelSaved<R, L> {
     /// The routing of the call's tokens.
     pub routing: Routing,
@@ -75,7 +75,7 @@ pub struct RoutedExperts {
 }
 
 /// What the router keeps: its input and logits.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct RouterSaved {
     x: Tensor,
     logits: Vec<f32>,
@@ -170,6 +170,8 @@ impl RoutedExperts {
 impl Module for RoutedExperts {
     type Spec = RoutedExpertsSpec;
     type Saved = ExpertParallelSaved<RouterSaved, ExpertsSaved>;
+    /// The dispatch's sizes are known only at run time.
+    const CAPTURABLE: bool = false;
 
     /// Every expert whole on this rank (expert groups of one).
     fn build(spec: &RoutedExpertsSpec, b: &mut Builder) -> Result<Self> {

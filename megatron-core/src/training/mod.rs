@@ -18,6 +18,7 @@ pub use pipeline::{Chunks, PipelinedLanguageModel};
 pub use schedule::{DecayStyle, LrSchedule};
 
 use crate::comm::{CommStats, ParallelState, ReduceOp};
+use crate::cuda_graphs::{GraphRuntime, GraphStats, ScopeSet};
 use crate::error::{Error, Result};
 use crate::invalid;
 use crate::module::{Cx, Ids, Module, PackLayout, ParamBuffers, ReduceGroups};
@@ -141,6 +142,8 @@ pub struct Trainer<M: LanguageModel> {
     routing_log: RoutingLog,
     /// The experts per MoE layer whose routing statistics each step reports (0: none).
     routing_experts: usize,
+    /// The graph scopes the run captures (`--cuda-graph-scope`) and what they captured.
+    graphs: GraphRuntime,
 }
 
 impl<M: LanguageModel> Trainer<M> {
@@ -208,6 +211,7 @@ impl<M: LanguageModel> Trainer<M> {
             scaler: config.precision.grad_scaler(),
             routing_log: RoutingLog::default(),
             routing_experts: 0,
+            graphs: GraphRuntime::new(ScopeSet::NONE),
         })
     }
 
@@ -295,10 +299,27 @@ impl<M: LanguageModel> Trainer<M> {
     fn train_cx<'p>(&'p self, parallel: &'p ParallelState) -> Cx<'p> {
         let plan = self.sampler.plan();
         let microbatches = (plan.microbatches() * plan.dp).max(1);
-        Cx::new(parallel, self.config.seed)
+        let cx = Cx::new(parallel, self.config.seed)
             .with_recompute(self.config.recompute)
             .with_aux_loss_scale(self.loss_scale() / microbatches as f32)
-            .with_routing_log(&self.routing_log)
+            .with_routing_log(&self.routing_log);
+        if self.graphs.scopes().is_empty() {
+            cx
+        } else {
+            cx.with_graphs(&self.graphs)
+        }
+    }
+
+    /// Captures `scopes` from now on (Megatron-LM's `--cuda-graph-scope`): each scoped call
+    /// runs eagerly the first time in its slot, is captured the second time and replayed after
+    /// (on the CPU, counted and run eagerly). Whatever was captured before is dropped.
+    pub fn set_graph_scopes(&mut self, scopes: ScopeSet) {
+        self.graphs = GraphRuntime::new(scopes);
+    }
+
+    /// What the graph scopes captured and replayed so far.
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graphs.stats()
     }
 
     /// Megatron-LM's aux-loss-free balancing, at the end of a step's backward (before the

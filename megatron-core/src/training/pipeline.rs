@@ -8,6 +8,7 @@ use std::collections::HashMap;
 
 use super::{LanguageModel, Sampler, Trainer};
 use crate::comm::{ParallelState, ReduceOp};
+use crate::cuda_graphs::SlotAllocator;
 use crate::error::{Error, Result};
 use crate::invalid;
 use crate::module::{Builder, Cx, Ids, Module, Param, Pipelined};
@@ -265,6 +266,8 @@ struct Walker<'a, M: PipelinedLanguageModel> {
     waited: std::time::Duration,
     /// The shape of the value between stages, `[s, b, width]`.
     carried: [usize; 3],
+    /// The microbatches' in-flight slots (their graph scopes' graphs and static buffers).
+    slots: SlotAllocator,
 }
 
 fn run_walk<M: PipelinedLanguageModel>(
@@ -289,6 +292,7 @@ fn run_walk<M: PipelinedLanguageModel>(
         loss_sum: 0.0,
         waited: std::time::Duration::ZERO,
         carried: [plan.seq_length, plan.micro_batch, chunks[0].carried_width()],
+        slots: SlotAllocator::new(),
     };
     execute(actions, &mut walker)?;
     if !(walker.inbox.is_empty() && walker.outbox.is_empty()) {
@@ -355,7 +359,8 @@ impl<M: PipelinedLanguageModel> Stage for Walker<'_, M> {
     fn forward(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
         let model = &self.trainer.chunks.0[chunk];
         let part = model.stage().clone();
-        let cx = self.cx(microbatch);
+        let slot = self.slots.take(chunk, microbatch);
+        let cx = self.cx(microbatch).in_slot(slot);
         let dp_rank = self.parallel.groups().dp_rank();
         let data = if part.first || part.last {
             Some(self.data.microbatch(self.batch, dp_rank, microbatch)?)
@@ -406,7 +411,8 @@ impl<M: PipelinedLanguageModel> Stage for Walker<'_, M> {
             );
         };
         let model = &self.trainer.chunks.0[chunk];
-        let cx = self.cx(microbatch);
+        let slot = self.slots.free(chunk, microbatch);
+        let cx = self.cx(microbatch).in_slot(slot);
         let d = match kept.last {
             Some((saved, shape)) => {
                 let plan = self.data.plan();

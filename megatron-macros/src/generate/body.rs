@@ -402,6 +402,23 @@ pub fn forward(
 }
 
 /// The statements of one node in forward.
+/// The runtime's `GraphScope` for a field's `#[graph_scope(..)]` (the router's for an expert
+/// layer, whose preprocessing is captured with it), spanned at the name; `None` without one.
+fn graph_scope(rt: &TokenStream, field: &crate::parse::Field) -> Option<TokenStream> {
+    let first = field.graph_scopes.first()?;
+    let scope = if matches!(field.kind, FieldKind::Expert) {
+        field
+            .graph_scopes
+            .iter()
+            .find(|s| s.name == "moe_router")
+            .unwrap_or(first)
+    } else {
+        first
+    };
+    let variant = proc_macro2::Ident::new(scope.variant(), scope.span);
+    Some(quote!(#rt::cuda_graphs::GraphScope::#variant))
+}
+
 fn forward_node<'a>(
     cx: &'a Ctx<'a>,
     b: &mut Body<'a>,
@@ -532,8 +549,15 @@ fn forward_node<'a>(
                         temp("local"),
                         temp("combine"),
                     );
+                    let scope = graph_scope(rt, field);
                     let rdoc = comment(&format!(
-                        "`{name}`: #[expert_parallel]. The router chooses each token's experts."
+                        "`{name}`: #[expert_parallel]. The router chooses each token's experts{}",
+                        if scope.is_some() {
+                            " (graph scope moe_router: captured and replayed when selected; the \
+                             dispatch after it runs eagerly, its sizes known only now)."
+                        } else {
+                            "."
+                        }
                     ));
                     let ddoc = comment(&format!(
                         "`{name}`: dispatch over ep, by the layer's dispatcher. All-to-all: the \
@@ -576,9 +600,18 @@ fn forward_node<'a>(
                             combined,
                         ]
                         .map(|l| nm.ident(l));
+                        let routed = match &scope {
+                            None => quote!(#route(&#this_field, cx, #site, #xr)?),
+                            Some(scope) => quote! {
+                                #rt::cuda_graphs::forward(
+                                    cx, #scope, #site, &[#xr],
+                                    |cx, __in| #route(&#this_field, cx, #site, &__in[0]),
+                                )?
+                            },
+                        };
                         quote! {
                             #rdoc
-                            let (#routing, #router) = #route(&#this_field, cx, #site, #xr)?;
+                            let (#routing, #router) = #routed;
                             #ddoc
                             let (#rows, #plan) = #rt::moe::dispatch(
                                 cx.ep(), #dispatcher(&#this_field), #xr, &#routing,
@@ -610,11 +643,33 @@ fn forward_node<'a>(
                     let this = &cx.imp.forward.self_token;
                     let f = &field.ident;
                     let method = cx.spanned(n, quote!(forward));
+                    let scope = graph_scope(rt, field);
+                    let doc = scope.as_ref().map(|_| {
+                        comment(&format!(
+                            "`{name}`: graph scope `{}`. Eager the first time; with the scope \
+                             selected (--cuda-graph-scope), captured in this microbatch's \
+                             in-flight slot the second time, its input copied into the slot's \
+                             static buffer, and replayed after.",
+                            field.graph_scopes[0].name
+                        ))
+                    });
                     b.push(move |nm| {
-                        let refs = args.iter().map(|&l| nm.by_ref(l));
+                        let refs: Vec<_> = args.iter().map(|&l| nm.by_ref(l)).collect();
                         let (s, o) = (nm.pat(saved), nm.pat(out));
-                        quote! {
-                            let (#o, #s) = #this.#f.#method(cx, #site, #(#refs),*)?;
+                        match &scope {
+                            None => quote! {
+                                let (#o, #s) = #this.#f.#method(cx, #site, #(#refs),*)?;
+                            },
+                            Some(scope) => {
+                                let ins = (0..refs.len()).map(|i| quote!(&__in[#i]));
+                                quote! {
+                                    #doc
+                                    let (#o, #s) = #rt::cuda_graphs::forward(
+                                        cx, #scope, #site, &[#(#refs),*],
+                                        |cx, __in| #this.#f.#method(cx, #site, #(#ins),*),
+                                    )?;
+                                }
+                            }
                         }
                     });
                 }
@@ -1140,6 +1195,7 @@ fn backward_node<'a>(
                     let d_x = d_args[0].expect("expert-parallel inputs are tensors");
                     let local = cx.qualified(n, quote!(ExpertParallel::backward_local));
                     let route = cx.qualified(n, quote!(ExpertParallel::backward_route));
+                    let scope = graph_scope(rt, field);
                     let mut temp =
                         |what: &str| b.locals.temp(&format!("d_{name}_{what}"), pos, span);
                     let grads = [
@@ -1184,6 +1240,22 @@ fn backward_node<'a>(
                         let [d_rows_out, d_probs, d_group_y, d_group_rows, d_rows, d_tokens] =
                             grads.map(|l| nm.ident(l));
                         let [routing, router, plan, tp, kept, combine] = kept.map(|l| nm.ident(l));
+                        let routed = match &scope {
+                            None => quote! {
+                                #route(
+                                    &#this_field, cx, #site, #router, &#routing, &#d_probs, #d_tokens,
+                                )?
+                            },
+                            Some(scope) => quote! {
+                                #rt::cuda_graphs::backward(
+                                    cx, #scope, #site, #router, &[&#d_tokens],
+                                    |cx, __saved, __in| #route(
+                                        &#this_field, cx, #site, __saved, &#routing, &#d_probs,
+                                        __in[0].clone(),
+                                    ),
+                                )?
+                            },
+                        };
                         quote! {
                             let #rt::moe::ExpertParallelSaved {
                                 routing: #routing,
@@ -1207,9 +1279,7 @@ fn backward_node<'a>(
                             #ddoc
                             let #d_tokens = #rt::moe::dispatch_backward(cx.ep(), &#plan, &#d_rows)?;
                             #rdoc
-                            let #dx = #route(
-                                &#this_field, cx, #site, #router, &#routing, &#d_probs, #d_tokens,
-                            )?;
+                            let #dx = #routed;
                         }
                     });
                 }
@@ -1226,13 +1296,41 @@ fn backward_node<'a>(
                             "`{name}`: its input's other gradient is added in its backward's pass."
                         ))
                     });
+                    let scope = graph_scope(rt, field);
+                    let sdoc = scope.as_ref().map(|_| {
+                        comment(&format!(
+                            "`{name}`: graph scope `{}`'s backward, captured and replayed as \
+                             its forward (a replay reads the slot's saved buffers).",
+                            field.graph_scopes[0].name
+                        ))
+                    });
                     b.push(move |nm| {
                         let (s, dy) = (nm.ident(saved), nm.by_ref(d_y));
                         let extra = plus.map(|p| {
                             let p = nm.by_ref(p);
                             quote!(, #p)
                         });
-                        let call = quote!(#this.#f.#method(cx, #site, #s, #dy #extra)?);
+                        let call = match &scope {
+                            None => quote!(#this.#f.#method(cx, #site, #s, #dy #extra)?),
+                            Some(scope) => {
+                                let (grads, extra_in) = match plus {
+                                    Some(p) => {
+                                        let p = nm.by_ref(p);
+                                        (quote!(&[#dy, #p]), quote!(, &__in[1]))
+                                    }
+                                    None => (quote!(&[#dy]), quote!()),
+                                };
+                                quote! {
+                                    #rt::cuda_graphs::backward(
+                                        cx, #scope, #site, #s, #grads,
+                                        |cx, __saved, __in| #this.#f.#method(
+                                            cx, #site, __saved, &__in[0] #extra_in
+                                        ),
+                                    )?
+                                }
+                            }
+                        };
+                        let doc = quote!(#doc #sdoc);
                         let pats: Vec<_> = d_args
                             .iter()
                             .map(|d| match d {

@@ -239,6 +239,36 @@ pub fn struct_items(root: &Root, s: &ModuleStruct, original: &TokenStream) -> To
         )
     };
 
+    // Whether a graph may capture this module whole: not when it holds an expert layer.
+    let capturable = s.fields.iter().filter_map(|f| {
+        let ty = &f.ty;
+        match &f.kind {
+            FieldKind::Replicated => {
+                Some(quote_spanned!(ty.span()=> <#ty as #rt::module::Module>::CAPTURABLE))
+            }
+            FieldKind::Stack { elem, .. } => {
+                Some(quote_spanned!(ty.span()=> <#elem as #rt::module::Module>::CAPTURABLE))
+            }
+            FieldKind::Expert => Some(quote!(false)),
+            _ => None,
+        }
+    });
+    let scope_checks = s
+        .fields
+        .iter()
+        .filter(|f| !f.graph_scopes.is_empty() && matches!(f.kind, FieldKind::Replicated))
+        .map(|f| {
+            let ty = &f.ty;
+            quote_spanned! {ty.span()=>
+                const _: () = ::std::assert!(
+                    <#ty as #rt::module::Module>::CAPTURABLE,
+                    "#[graph_scope] cannot capture this module: it holds an #[expert_parallel] \
+                     layer, whose dispatch is an all-to-all with sizes known only at run time \
+                     (mark the expert field #[graph_scope(moe_router)] instead)"
+                );
+            }
+        });
+
     let callback = callback_name(ident);
     let callback_doc = format!(
         " Carries `{ident}`'s fields to `#[megatron::module] impl {ident}`, which must follow \
@@ -259,6 +289,7 @@ pub fn struct_items(root: &Root, s: &ModuleStruct, original: &TokenStream) -> To
             type Saved = #saved;
             // From the forward: the impl attribute defines it, as it defines the Saved struct.
             const GRADIENT_FEEDS_PRODUCTS: bool = #ident::__GRADIENT_FEEDS_PRODUCTS;
+            const CAPTURABLE: bool = true #(&& #capturable)*;
 
             fn build(#spec_arg: &#spec, #b: &mut #rt::module::Builder) -> #rt::Result<Self> {
                 #build_body
@@ -272,6 +303,8 @@ pub fn struct_items(root: &Root, s: &ModuleStruct, original: &TokenStream) -> To
                 #visit_mut
             }
         }
+
+        #(#scope_checks)*
 
         #[doc = #callback_doc]
         #[doc(hidden)]
@@ -443,6 +476,7 @@ fn saved_struct(
     let doc = comment(doc);
     quote! {
         #doc
+        #[derive(::std::clone::Clone)]
         #vis struct #name {
             #(#fields,)*
         }
@@ -555,6 +589,7 @@ fn recompute_items(
     let forward_docs = &inner.forward_docs;
     let saved_item = quote! {
         #saved_doc
+        #[derive(::std::clone::Clone)]
         #vis struct #saved {
             /// The forward's input, for the backward to rerun the forward from.
             pub input: #rt::tensor::Tensor,
@@ -915,6 +950,7 @@ pub fn impl_error_items(
     quote! {
         #errors
         #[doc(hidden)]
+        #[derive(::std::clone::Clone)]
         #vis struct #saved {}
         #methods
         #stage_fns

@@ -1,0 +1,18 @@
+//! Partial CUDA graphs: the scopes `#[graph_scope(..)]` marks and `--cuda-graph-scope` selects,
+//! the in-flight slots that bound their graphs and static buffers by the pipeline schedule,
+//! the counts, and the runtime that captures a scope on first use and replays it after.
+//!
+//! Megatron-LM captures attention, the MoE router and the MoE preprocessing with
+//! TransformerEngine's `make_graphed_callables` and runs the dispatch's all-to-all (whose sizes
+//! are known only at run time), the experts and the combine eagerly. Here the macros put the
+//! boundary around the scoped field's call, forward and backward, in the generated code.
+
+mod plan;
+mod runtime;
+mod scope;
+mod slots;
+
+pub use plan::{RankGraphs, plan_graphs};
+pub use runtime::{GraphRuntime, GraphStats, backward, forward};
+pub use scope::{GraphScope, ScopeError, ScopeSet, ScopedModel};
+pub use slots::{SlotAllocator, SlotPlan};

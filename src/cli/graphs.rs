@@ -1,0 +1,137 @@
+//! `megatron graphs`: the CUDA graphs and static buffers a run with `--cuda-graph-scope`
+//! captures, per pipeline rank: one graph each way per scoped part of a layer and in-flight
+//! slot, the slots bounded by the schedule, so the counts stay put as the microbatches grow.
+
+use anyhow::Result;
+use clap::Args;
+use megatron::cuda_graphs::{ScopeSet, plan_graphs};
+use megatron::pipeline_parallel::{PipelineLayout, Schedule, ScheduleConfig};
+use serde_json::json;
+
+use super::model_args::ArchitectureArgs;
+
+/// Arguments of `megatron graphs`.
+#[derive(Debug, Args)]
+pub struct GraphsArgs {
+    #[command(flatten)]
+    arch: ArchitectureArgs,
+    /// Pipeline stages.
+    #[arg(
+        long = "pp",
+        visible_alias = "pipeline-model-parallel-size",
+        default_value_t = 1
+    )]
+    pp: usize,
+    /// Model chunks per pipeline stage (virtual stages).
+    #[arg(
+        long = "vpp",
+        visible_alias = "virtual-pipeline-model-parallel-size",
+        default_value_t = 1
+    )]
+    vpp: usize,
+    /// Microbatches per step.
+    #[arg(long = "microbatches", visible_alias = "num-microbatches")]
+    microbatches: usize,
+    /// Contiguous microbatches per virtual stage [default: pp].
+    #[arg(
+        long = "group-size",
+        visible_alias = "microbatch-group-size-per-vp-stage"
+    )]
+    group_size: Option<usize>,
+    /// The scopes captured: attn, mlp, moe_router, moe_preprocess.
+    #[arg(long = "cuda-graph-scope", num_args = 1.., value_name = "SCOPE", required = true)]
+    cuda_graph_scope: Vec<String>,
+    /// Tokens per sequence (the static buffers' size).
+    #[arg(long, default_value_t = 128)]
+    seq_length: usize,
+    /// Sequences per microbatch (the static buffers' size).
+    #[arg(long, default_value_t = 1)]
+    micro_batch_size: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `megatron graphs`.
+pub fn run(args: &GraphsArgs) -> Result<()> {
+    let config = args.arch.config(1, 1)?;
+    let scopes = ScopeSet::parse(&args.cuda_graph_scope)?;
+    scopes.validate(&config.scoped_model(false)?)?;
+    let schedule = Schedule::new(ScheduleConfig {
+        group_size: args.group_size,
+        ..ScheduleConfig::new(args.pp, args.vpp, args.microbatches)
+    })?;
+    let layout = PipelineLayout::new(config.num_layers, args.pp, args.vpp, None, None)?;
+    let moe = config.moe_layers()?;
+    // Each static buffer is a [seq, micro-batch, hidden] f32 activation or gradient.
+    let bytes = (args.seq_length * args.micro_batch_size * config.hidden_size * 4) as u64;
+    let ranks = plan_graphs(&schedule, &layout, scopes, &|l| moe[l], bytes)?;
+    if args.json {
+        let per_rank: Vec<_> = ranks
+            .iter()
+            .map(|r| {
+                json!({
+                    "pp_rank": r.pp_rank,
+                    "layers": r.layers,
+                    "scoped_parts_per_chunk": r.scoped_parts,
+                    "slots_per_chunk": r.slots,
+                    "max_in_flight": r.max_live,
+                    "graphs": r.graphs(),
+                    "forward_graphs": r.forward_graphs,
+                    "backward_graphs": r.backward_graphs,
+                    "static_input_buffers": r.static_inputs,
+                    "static_grad_buffers": r.static_grads,
+                    "static_buffer_bytes": r.static_bytes,
+                    "graphs_one_per_microbatch": r.graphs_per_microbatch,
+                })
+            })
+            .collect();
+        let out = json!({
+            "model": args.arch.model_name(),
+            "num_layers": config.num_layers,
+            "moe_layers": moe.iter().filter(|&&m| m).count(),
+            "pp": args.pp,
+            "vpp": args.vpp,
+            "num_microbatches": args.microbatches,
+            "cuda_graph_scope": scopes.iter().map(|s| s.name()).collect::<Vec<_>>(),
+            "per_rank": per_rank,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!(
+        "{}: {} layers ({} MoE), pp {}, vpp {}, {} microbatches, scopes {scopes}",
+        args.arch.model_name(),
+        config.num_layers,
+        moe.iter().filter(|&&m| m).count(),
+        args.pp,
+        args.vpp,
+        args.microbatches
+    );
+    println!(
+        "{:<5} {:>6} {:>8} {:>9} {:>7} {:>14} {:>12} {:>16}",
+        "rank",
+        "layers",
+        "slots",
+        "in flight",
+        "graphs",
+        "static buffers",
+        "MiB",
+        "one per microbatch"
+    );
+    for r in &ranks {
+        let slots: Vec<String> = r.slots.iter().map(usize::to_string).collect();
+        println!(
+            "{:<5} {:>6} {:>8} {:>9} {:>7} {:>14} {:>12.2} {:>16}",
+            r.pp_rank,
+            r.layers,
+            slots.join("+"),
+            r.max_live,
+            r.graphs(),
+            r.static_inputs + r.static_grads,
+            r.static_bytes as f64 / (1 << 20) as f64,
+            r.graphs_per_microbatch
+        );
+    }
+    Ok(())
+}
