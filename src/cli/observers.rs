@@ -144,6 +144,17 @@ impl Observer for JsonLog {
                 "dropped_fraction": r.dropped_fraction(),
             });
         }
+        if let Some(g) = &m.graphs {
+            v["graphs"] = json!({
+                "captured": g.graphs(),
+                "forward_captured": g.forward_captures,
+                "backward_captured": g.backward_captures,
+                "replays": g.replays,
+                "eager_warmups": g.warmups,
+                "static_buffers": g.static_inputs + g.static_grads,
+                "static_buffer_bytes": g.static_bytes,
+            });
+        }
         if self.comm {
             v["comm"] = comm_json(&m.comm);
         }

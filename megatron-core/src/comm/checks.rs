@@ -62,6 +62,15 @@ impl Checks<'_> {
     #[cfg(feature = "cuda")]
     pub fn on_gpu(&self, op: &'static str, t: &Tensor, ordinal: usize) -> Result<()> {
         t.contiguous_for(op)?;
+        if self.ranks.len() > 1
+            && let Some(scope) = crate::cuda_graphs::capturing()
+        {
+            return Err(self.invalid(format!(
+                "{op} inside the capture of graph scope {scope}: this backend's collectives \
+                 synchronise the ranks on the host, which a replayed graph would skip (leave \
+                 {scope} out of --cuda-graph-scope with more than one rank in this group)"
+            )));
+        }
         let here = crate::tensor::Device::Cuda(ordinal);
         if t.device() != here {
             return Err(self.invalid(format!(

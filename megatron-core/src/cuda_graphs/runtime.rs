@@ -91,6 +91,17 @@ struct State {
     stats: GraphStats,
 }
 
+thread_local! {
+    /// The scope this thread captures now, if any (a capture is thread-local).
+    static CAPTURING: std::cell::Cell<Option<GraphScope>> = const { std::cell::Cell::new(None) };
+}
+
+/// The graph scope this thread is capturing now, if any: what a communicator asks before a
+/// collective that cannot be captured.
+pub fn capturing() -> Option<GraphScope> {
+    CAPTURING.with(|c| c.get())
+}
+
 /// A rank's graph scopes: which are selected, and what was captured.
 pub struct GraphRuntime {
     scopes: ScopeSet,
@@ -203,10 +214,12 @@ impl GraphRuntime {
                     state.random_draws.clear();
                     drop(state);
                     let mut out = None;
+                    CAPTURING.with(|c| c.set(Some(scope)));
                     let graph = crate::cuda::graph::Graph::capture(&gpu, || -> Result<()> {
                         out = Some(body(cx, &inputs)?);
                         Ok(())
                     });
+                    CAPTURING.with(|c| c.set(None));
                     let mut state = self.lock();
                     state.capturing = None;
                     if let Some(site) = state.random_draws.iter().next() {

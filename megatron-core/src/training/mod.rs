@@ -96,6 +96,9 @@ pub struct StepMetrics {
     /// What the MoE layers' routers did, summed over the step's micro-batches, layers and
     /// data-parallel ranks (with [`Trainer::log_routing`]).
     pub routing: Option<RoutingTotals>,
+    /// What this rank's graph scopes captured and replayed so far, when the run selected any
+    /// (`--cuda-graph-scope`; each pipeline rank has its own counts).
+    pub graphs: Option<GraphStats>,
 }
 
 /// The bytes of one rank's training state, measured from its allocations.
@@ -322,6 +325,10 @@ impl<M: LanguageModel> Trainer<M> {
         self.graphs.stats()
     }
 
+    fn graph_stats_if_any(&self) -> Option<GraphStats> {
+        (!self.graphs.scopes().is_empty()).then(|| self.graphs.stats())
+    }
+
     /// Megatron-LM's aux-loss-free balancing, at the end of a step's backward (before the
     /// update, as Megatron-LM's `finalize_model_grads`, skipped steps included): each biased
     /// router's expert bias moves by its rate towards the mean load of the step's tokens,
@@ -466,6 +473,7 @@ impl<M: LanguageModel> Trainer<M> {
                     .metrics(parallel, &before, start, step, loss, f64::NAN, tokens)
                     .skipped(loss_scale, pipeline_wait);
                 metrics.routing = routing;
+                metrics.graphs = self.graph_stats_if_any();
                 return Ok(metrics);
             }
         }
@@ -489,6 +497,7 @@ impl<M: LanguageModel> Trainer<M> {
         metrics.pipeline_wait = pipeline_wait;
         metrics.loss_scale = loss_scale;
         metrics.routing = routing;
+        metrics.graphs = self.graph_stats_if_any();
         Ok(metrics)
     }
 
@@ -523,6 +532,7 @@ impl<M: LanguageModel> Trainer<M> {
             loss_scale: None,
             skipped: false,
             routing: None,
+            graphs: None,
         }
     }
 }

@@ -155,12 +155,18 @@ class Executing {
     Stream* outer_;
 };
 
+// What the host asked of the device: operations it queued itself (kernel launches, copies,
+// products, collectives and graph launches; not the work a graph replays), the kernels run
+// (replayed or not), and the graph launches. Read with megatron_emu_launches().
+std::atomic<unsigned long long> host_ops{0}, kernels_run{0}, graph_launches{0};
+
 CUresult run_or_capture(void* stream, Work work) {
     auto* s = static_cast<Stream*>(stream);
     if (s && s->capturing) {
         s->captured.push_back(std::move(work));
         return OK;
     }
+    host_ops.fetch_add(1, std::memory_order_relaxed);
     wait_pending(s);
     Executing on(s);
     return work();
@@ -382,6 +388,7 @@ CUresult launch(Function* f, const unsigned grid[3], const unsigned block[3], un
     const EmuKernel* kernel = f->kernel;
     const std::array<unsigned, 3> g{grid[0], grid[1], grid[2]}, b{block[0], block[1], block[2]};
     return run_or_capture(stream, [kernel, g, b, args = std::move(args)]() mutable {
+        kernels_run.fetch_add(1, std::memory_order_relaxed);
         std::vector<void*> pointers;
         for (auto& a : args) pointers.push_back(a.data());
         const std::vector<int> kinds = kernel->param_kinds();
@@ -812,8 +819,16 @@ CUresult cuGraphInstantiateWithFlags(void** exec, void* graph, unsigned long lon
     *exec = new Graph(*static_cast<Graph*>(graph));
     return OK;
 }
+// The counters of what the host asked (see host_ops): out[0] operations the host queued,
+// out[1] kernels run, out[2] graph launches.
+void megatron_emu_launches(unsigned long long* out) {
+    out[0] = host_ops.load();
+    out[1] = kernels_run.load();
+    out[2] = graph_launches.load();
+}
 CUresult cuGraphLaunch(void* exec, void* stream) {
     auto* g = static_cast<Graph*>(exec);
+    graph_launches.fetch_add(1, std::memory_order_relaxed);
     return run_or_capture(stream, [g] {
         for (Work& w : g->work) {
             if (const CUresult r = w(); r != OK) return r;

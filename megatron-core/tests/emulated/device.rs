@@ -157,3 +157,45 @@ fn install(core: &Path) {
         assert!(!handle.is_null(), "dlopen {}", lib.display());
     }
 }
+
+/// What the host asked of the emulated GPU so far (`megatron_emu_launches` in device.cpp).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Launches {
+    /// Operations the host queued itself: kernel launches, copies, products, collectives and
+    /// graph launches (not the work a graph replays).
+    pub host_ops: u64,
+    /// Kernels run, replayed by a graph or not.
+    pub kernels: u64,
+    /// Graph launches.
+    pub graphs: u64,
+}
+
+impl std::ops::Sub for Launches {
+    type Output = Launches;
+    fn sub(self, before: Launches) -> Launches {
+        Launches {
+            host_ops: self.host_ops - before.host_ops,
+            kernels: self.kernels - before.kernels,
+            graphs: self.graphs - before.graphs,
+        }
+    }
+}
+
+/// The emulated GPU's counters, if it is loaded.
+pub fn launches() -> Option<Launches> {
+    let name = CString::new("megatron_emu_launches").expect("no NUL");
+    // SAFETY: a lookup in the process's loaded libraries.
+    let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+    if f.is_null() {
+        return None;
+    }
+    // SAFETY: device.cpp defines it as `void (unsigned long long*)`, writing three values.
+    let f: extern "C" fn(*mut u64) = unsafe { std::mem::transmute(f) };
+    let mut out = [0u64; 3];
+    f(out.as_mut_ptr());
+    Some(Launches {
+        host_ops: out[0],
+        kernels: out[1],
+        graphs: out[2],
+    })
+}
