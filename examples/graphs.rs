@@ -7,7 +7,7 @@
 use anyhow::{Result, ensure};
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
-use megatron::cuda_graphs::{GraphScope, ScopeSet, plan_graphs};
+use megatron::cuda_graphs::{BufferBytes, GraphScope, ScopeSet, plan_graphs};
 use megatron::models::gpt::Gpt;
 use megatron::models::preset;
 use megatron::module::{Builder, Module};
@@ -33,7 +33,11 @@ fn main() -> Result<()> {
     scopes.validate(&model.scoped_model(false)?)?;
     let moe = model.moe_layers()?;
     let layout = PipelineLayout::new(model.num_layers, PP, VPP, None, None)?;
-    let bytes = (SEQ * model.hidden_size * 4) as u64;
+    let experts = model.moe.as_ref().map_or(0, |m| m.router.num_experts);
+    let bytes = BufferBytes {
+        activation: (SEQ * model.hidden_size * 4) as u64,
+        logits: (SEQ * experts * 4) as u64,
+    };
     println!(
         "gpt-moe-tiny, {} layers, pp {PP} × vpp {VPP}, scopes {scopes}",
         model.num_layers

@@ -417,6 +417,24 @@ fn graph_scopes_on_the_gpu_replay_the_eager_run_bit_for_bit() {
         assert!(g.graphs > 0 && e.graphs == 0, "{what}: {e:?} vs {g:?}");
         assert!(g.host_ops < e.host_ops, "{what}: {e:?} vs {g:?}");
     }
+    // MoE GPT with its experts over 2 expert-parallel ranks: the router's gate captured
+    // (moe_router), the logits read back after its graph, the dispatch, experts and combine
+    // eager.
+    let eager = bits(curve(&scoped(moe_job(2, 2, F32), &[])));
+    let graphed = bits(curve(&scoped(
+        moe_job(2, 2, F32),
+        &["attn", "moe_router", "moe_preprocess"],
+    )));
+    assert_eq!(graphed, eager, "MoE at ep 2: graphed vs eager");
+    // bf16 parameters with the distributed optimizer over 2 data-parallel ranks: the graphs
+    // read the bf16 compute copies and the all-gathered parameters the optimizer rewrote in
+    // place after each step.
+    let eager = bits(curve(&scoped(bf16_job(2, true, true), &[])));
+    let graphed = bits(curve(&scoped(bf16_job(2, true, true), &["attn", "mlp"])));
+    assert_eq!(
+        graphed, eager,
+        "bf16, distributed optimizer: graphed vs eager"
+    );
     // A dropout mask drawn inside a captured scope is refused, not replayed.
     let mut dropping = scoped(job(1, 1, F32), &["attn"]);
     dropping.model.attention_dropout = 0.1;

@@ -7,7 +7,7 @@
 
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
-use megatron::cuda_graphs::{GraphScope, GraphStats, ScopeSet, plan_graphs};
+use megatron::cuda_graphs::{BufferBytes, GraphScope, GraphStats, ScopeSet, plan_graphs};
 use megatron::models::gpt::Gpt;
 use megatron::models::{GptConfig, MoeConfig, MoeLayerFreq};
 use megatron::module::{Builder, Module};
@@ -137,7 +137,10 @@ fn check(config: &GptConfig, pp: usize, vpp: usize, ep: usize, m: usize, scopes:
     let schedule = Schedule::new(ScheduleConfig::new(pp, vpp, m)).unwrap();
     let layout = PipelineLayout::new(LAYERS, pp, vpp, None, None).unwrap();
     let is_moe = config.moe_layers().unwrap();
-    let bytes = (SEQ * HIDDEN * 4) as u64;
+    let bytes = BufferBytes {
+        activation: (SEQ * HIDDEN * 4) as u64,
+        logits: (SEQ * config.moe.as_ref().map_or(0, |m| m.router.num_experts) * 4) as u64,
+    };
     let plan = plan_graphs(&schedule, &layout, scopes, &|l| is_moe[l], bytes).unwrap();
     for (pp_rank, s) in stats {
         let p = &plan[pp_rank];

@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 use clap::Args;
-use megatron::cuda_graphs::{ScopeSet, plan_graphs};
+use megatron::cuda_graphs::{BufferBytes, ScopeSet, plan_graphs};
 use megatron::pipeline_parallel::{PipelineLayout, Schedule, ScheduleConfig};
 use serde_json::json;
 
@@ -64,7 +64,11 @@ pub fn run(args: &GraphsArgs) -> Result<()> {
     let layout = PipelineLayout::new(config.num_layers, args.pp, args.vpp, None, None)?;
     let moe = config.moe_layers()?;
     // Each static buffer is a [seq, micro-batch, hidden] f32 activation or gradient.
-    let bytes = (args.seq_length * args.micro_batch_size * config.hidden_size * 4) as u64;
+    let tokens = args.seq_length * args.micro_batch_size;
+    let bytes = BufferBytes {
+        activation: (tokens * config.hidden_size * 4) as u64,
+        logits: (tokens * config.moe.as_ref().map_or(0, |m| m.router.num_experts) * 4) as u64,
+    };
     let ranks = plan_graphs(&schedule, &layout, scopes, &|l| moe[l], bytes)?;
     if args.json {
         let per_rank: Vec<_> = ranks

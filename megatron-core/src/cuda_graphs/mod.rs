@@ -12,7 +12,7 @@ mod runtime;
 mod scope;
 mod slots;
 
-pub use plan::{RankGraphs, plan_graphs};
+pub use plan::{BufferBytes, RankGraphs, plan_graphs};
 pub use runtime::{GraphRuntime, GraphStats, backward, capturing, forward};
 pub use scope::{GraphScope, ScopeError, ScopeSet, ScopedModel};
 pub use slots::{SlotAllocator, SlotPlan};

@@ -5,7 +5,8 @@
 //! forward graph and a backward graph. The forward graph reads its input from a static buffer
 //! of its slot (the saved activations may alias it until the backward); the backward graph
 //! reads the output gradient from a static buffer of its layer's part, shared by the slots
-//! (it is consumed by the replay right after the copy). Slots follow the schedule's in-flight
+//! (it is consumed by the replay right after the copy); the MoE router's backward also reads
+//! the logits' gradient. Slots follow the schedule's in-flight
 //! bound ([`SlotPlan`]), so the counts do not grow with the microbatches; a graph per
 //! microbatch (Megatron-LM's count in the seed) is given for comparison.
 
@@ -48,15 +49,25 @@ impl RankGraphs {
     }
 }
 
+/// The sizes of the scopes' static buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BufferBytes {
+    /// A scope's input or its gradient: a `[seq, micro-batch, hidden]` activation.
+    pub activation: u64,
+    /// The router's logits' gradient, `[seq · micro-batch, experts]` (the MoE router's
+    /// backward graph reads it beside its input's gradient).
+    pub logits: u64,
+}
+
 /// The graphs of every pipeline rank of `schedule` for a model laid out by `layout`, whose
-/// layer `l` is a MoE layer when `is_moe(l)`, capturing `scopes`, each scope's input and
-/// output gradient being `activation_bytes` bytes (a `[seq, micro-batch, hidden]` tensor).
+/// layer `l` is a MoE layer when `is_moe(l)`, capturing `scopes`, with static buffers of
+/// `bytes`.
 pub fn plan_graphs(
     schedule: &Schedule,
     layout: &PipelineLayout,
     scopes: ScopeSet,
     is_moe: &dyn Fn(usize) -> bool,
-    activation_bytes: u64,
+    bytes: BufferBytes,
 ) -> Result<Vec<RankGraphs>, WalkError> {
     let config = schedule.config;
     schedule
@@ -79,20 +90,28 @@ pub fn plan_graphs(
             };
             for chunk in 0..config.vpp {
                 let part = layout.part(rank.rank, chunk);
+                let n = slots.slots(chunk);
                 graphs.layers += part.layers.len();
-                let parts: usize = part
-                    .layers
-                    .map(|l| scopes.graphs_per_layer(is_moe(l)))
-                    .sum();
+                let mut parts = 0;
+                for l in part.layers {
+                    let moe = is_moe(l);
+                    let count = scopes.graphs_per_layer(moe);
+                    parts += count;
+                    // Each part: its input in every slot, its output gradient once.
+                    graphs.static_inputs += count * n;
+                    graphs.static_grads += count;
+                    graphs.static_bytes += (count * (n + 1)) as u64 * bytes.activation;
+                    if moe && scopes.contains(super::GraphScope::MoeRouter) {
+                        // The router's backward also reads the logits' gradient.
+                        graphs.static_grads += 1;
+                        graphs.static_bytes += bytes.logits;
+                    }
+                }
                 graphs.scoped_parts.push(parts);
-                graphs.forward_graphs += parts * slots.slots(chunk);
-                graphs.backward_graphs += parts * slots.slots(chunk);
-                graphs.static_inputs += parts * slots.slots(chunk);
-                graphs.static_grads += parts;
+                graphs.forward_graphs += parts * n;
+                graphs.backward_graphs += parts * n;
                 graphs.graphs_per_microbatch += 2 * parts * config.microbatches;
             }
-            graphs.static_bytes =
-                (graphs.static_inputs + graphs.static_grads) as u64 * activation_bytes;
             Ok(graphs)
         })
         .collect()
@@ -113,7 +132,11 @@ mod tests {
     ) -> Vec<RankGraphs> {
         let schedule = Schedule::new(ScheduleConfig::new(pp, vpp, m)).unwrap();
         let layout = PipelineLayout::new(layers, pp, vpp, None, None).unwrap();
-        plan_graphs(&schedule, &layout, ScopeSet::of(scopes), &|_| false, 1).unwrap()
+        let bytes = BufferBytes {
+            activation: 1,
+            logits: 1,
+        };
+        plan_graphs(&schedule, &layout, ScopeSet::of(scopes), &|_| false, bytes).unwrap()
     }
 
     #[test]

@@ -420,6 +420,8 @@ pub trait VocabParallel: Module {
     note = "#[expert_parallel] applies to layers such as `megatron::moe::RoutedExperts`"
 )]
 pub trait ExpertParallel: Module {
+    /// What the router's gate keeps for its backward.
+    type GateSaved;
     /// What the router keeps for its backward.
     type RouterSaved;
     /// What the local experts keep for their backward.
@@ -429,9 +431,20 @@ pub trait ExpertParallel: Module {
     fn build_experts(spec: &Self::Spec, b: &mut Builder) -> Result<Self>;
     /// How tokens reach the experts: the dispatcher the generated code calls.
     fn dispatcher(&self) -> DispatcherKind;
-    /// Routes this rank's tokens `x` (`[seq, batch, hidden]`): which experts each goes to and
-    /// with what weight.
-    fn route(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Routing, Self::RouterSaved)>;
+    /// The router's gate on this rank's tokens `x` (`[seq, batch, hidden]`): the logits
+    /// `[tokens, experts]`, computed where `x` lives without reading anything back (graph scope
+    /// `moe_router` captures it).
+    fn gate(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, Self::GateSaved)>;
+    /// Routes the tokens `x` by their `logits`: which experts each goes to and with what
+    /// weight (on the host: the read-back of the logits is the device-to-host sync, after the
+    /// gate's graph).
+    fn route(
+        &self,
+        cx: &Cx,
+        site: Site,
+        x: &Tensor,
+        logits: &Tensor,
+    ) -> Result<(Routing, Self::RouterSaved)>;
     /// Runs the local experts (this rank's slices of them) on the rows the dispatcher brought
     /// the expert-tensor-parallel group (`[rows, hidden]`, local-expert-major as `tp` says):
     /// their outputs, partial over the group's ranks.
@@ -451,9 +464,8 @@ pub trait ExpertParallel: Module {
         dy: &Tensor,
     ) -> Result<Tensor>;
     /// The router's backward from the routing probabilities' gradient `dprobs`
-    /// (`[tokens, experts]`) and its auxiliary losses (scaled by [`Cx::aux_loss_scale`]):
-    /// accumulates its gradients and returns `dx` (the input's gradient through the experts)
-    /// plus the input's gradient through the router.
+    /// (`[tokens, experts]`) and its auxiliary losses (scaled by [`Cx::aux_loss_scale`]): the
+    /// logits' gradient, where the logits live.
     fn backward_route(
         &self,
         cx: &Cx,
@@ -461,6 +473,15 @@ pub trait ExpertParallel: Module {
         saved: Self::RouterSaved,
         routing: &Routing,
         dprobs: &[f32],
+    ) -> Result<Tensor>;
+    /// The gate's backward: accumulates its gradient from `dlogits` and returns `dx` (the
+    /// input's gradient through the experts) plus the input's gradient through the gate.
+    fn backward_gate(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: Self::GateSaved,
+        dlogits: &Tensor,
         dx: Tensor,
     ) -> Result<Tensor>;
 }

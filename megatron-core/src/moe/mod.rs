@@ -13,7 +13,8 @@ pub use dispatcher::{
 };
 pub use expert_tp::{TpRows, gather_expert_rows, reduce_scatter_expert_rows, regather_expert_rows};
 pub use routed::{
-    ExpertParallelSaved, RoutedExperts, RoutedExpertsSpec, RouterSaved, RoutingLog, RoutingTotals,
+    ExpertParallelSaved, GateSaved, RoutedExperts, RoutedExpertsSpec, RouterSaved, RoutingLog,
+    RoutingTotals,
 };
 pub use router::{
     DropPolicy, LoadBalancing, RouterConfig, RouterError, Routing, ScoreFunction, route,

@@ -27,9 +27,11 @@ use crate::tensor::{DType, Tensor, TensorRead};
 /// What an `#[expert_parallel]` call keeps for its backward: the routing, what the router and
 /// the local experts keep, the dispatch plan and the combine's rows.
 #[derive(Debug, Clone)]
-pub struct ExpertParallelSaved<R, L> {
+pub struct ExpertParallelSaved<G, R, L> {
     /// The routing of the call's tokens.
     pub routing: Routing,
+    /// What the router's gate keeps.
+    pub gate: G,
     /// What the router keeps.
     pub router: R,
     /// Where the dispatcher sent the rows.
@@ -74,11 +76,18 @@ pub struct RoutedExperts {
     dispatcher: DispatcherKind,
 }
 
-/// What the router keeps: its input and logits.
+/// What the router's gate keeps: its input.
+#[derive(Debug, Clone)]
+pub struct GateSaved {
+    x: Tensor,
+}
+
+/// What the router keeps: the logits, on the host (their device tensor for placing the
+/// gradient).
 #[derive(Debug, Clone)]
 pub struct RouterSaved {
-    x: Tensor,
     logits: Vec<f32>,
+    like: Tensor,
 }
 
 impl RoutedExperts {
@@ -169,7 +178,7 @@ impl RoutedExperts {
 
 impl Module for RoutedExperts {
     type Spec = RoutedExpertsSpec;
-    type Saved = ExpertParallelSaved<RouterSaved, ExpertsSaved>;
+    type Saved = ExpertParallelSaved<GateSaved, RouterSaved, ExpertsSaved>;
     /// The dispatch's sizes are known only at run time.
     const CAPTURABLE: bool = false;
 
@@ -266,6 +275,7 @@ fn accumulate(p: &Param, f: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()>
 }
 
 impl ExpertParallel for RoutedExperts {
+    type GateSaved = GateSaved;
     type RouterSaved = RouterSaved;
     type LocalSaved = ExpertsSaved;
 
@@ -277,13 +287,22 @@ impl ExpertParallel for RoutedExperts {
         self.dispatcher
     }
 
-    fn route(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Routing, RouterSaved)> {
+    fn gate(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, GateSaved)> {
         let (e, h) = (self.router.num_experts, self.local.hidden);
         let dims = x.dims();
         if dims.len() < 2 || dims[dims.len() - 1] != h {
             return invalid!("the router takes [.., hidden {h}], got {}", x.shape());
         }
         let tokens = x.numel() / h;
+        let saved = GateSaved { x: x.clone() };
+        #[cfg(feature = "cuda")]
+        if x.gpu().is_some() {
+            // On the device: no read-back, so a graph can capture it.
+            let rows = x.to_f32_contiguous()?.reshape([tokens, h])?;
+            let logits = Tensor::empty_near([tokens, e], DType::F32, x)?;
+            crate::ops::matmul_into(1.0, &rows, &self.gate.compute_value().t()?, 0.0, &logits)?;
+            return Ok((logits, saved));
+        }
         let values = host_f32(x)?;
         let gate = host_f32(self.gate.compute_value())?;
         let mut logits = vec![0.0f32; tokens * e];
@@ -295,20 +314,33 @@ impl ExpertParallel for RoutedExperts {
             0.0,
             &mut logits,
         )?;
+        Ok((Tensor::from_vec(logits, [tokens, e])?, saved))
+    }
+
+    fn route(
+        &self,
+        _cx: &Cx,
+        _site: Site,
+        x: &Tensor,
+        logits: &Tensor,
+    ) -> Result<(Routing, RouterSaved)> {
+        let dims = x.dims();
+        let tokens = logits.dims()[0];
         // Tokens are in [seq, batch] order: sequences of dims[0] tokens.
         let seq = if dims.len() == 3 { dims[0] } else { tokens };
+        let host = host_f32(logits)?.to_vec();
         let bias = self
             .expert_bias
             .as_ref()
             .map(|b| host_f32(b.value()))
             .transpose()?;
-        let routing = route(&logits, seq, &self.router, bias.as_deref())
+        let routing = route(&host, seq, &self.router, bias.as_deref())
             .map_err(|err| crate::Error::Invalid(err.to_string()))?;
         Ok((
             routing,
             RouterSaved {
-                x: x.clone(),
-                logits,
+                logits: host,
+                like: logits.clone(),
             },
         ))
     }
@@ -363,7 +395,6 @@ impl ExpertParallel for RoutedExperts {
         saved: RouterSaved,
         routing: &Routing,
         dprobs: &[f32],
-        dx: Tensor,
     ) -> Result<Tensor> {
         if let Some(log) = cx.routing_log() {
             log.record(routing, self.router.topk);
@@ -375,8 +406,6 @@ impl ExpertParallel for RoutedExperts {
                 );
             }
         }
-        let (e, h) = (self.router.num_experts, self.local.hidden);
-        let tokens = routing.tokens;
         let dlogits = route_backward(
             routing,
             &saved.logits,
@@ -385,8 +414,41 @@ impl ExpertParallel for RoutedExperts {
             &self.router,
         )
         .map_err(|err| crate::Error::Invalid(err.to_string()))?;
-        let x = host_f32(&saved.x)?;
+        let shape = saved.like.shape().clone();
+        placed(Tensor::from_vec(dlogits, shape)?, &saved.like)
+    }
+
+    fn backward_gate(
+        &self,
+        _cx: &Cx,
+        _site: Site,
+        saved: GateSaved,
+        dlogits: &Tensor,
+        dx: Tensor,
+    ) -> Result<Tensor> {
+        let (e, h) = (self.router.num_experts, self.local.hidden);
+        let tokens = dlogits.dims()[0];
         // logits = x · gateᵀ: dgate += dlogitsᵀ · x, dx += dlogits · gate.
+        #[cfg(feature = "cuda")]
+        if dx.gpu().is_some() {
+            let rows = saved.x.to_f32_contiguous()?.reshape([tokens, h])?;
+            let dlogits = dlogits.to_f32_contiguous()?;
+            self.gate.accumulate_grad(|dgate| {
+                Ok(crate::ops::matmul_into(
+                    1.0,
+                    &dlogits.t()?,
+                    &rows,
+                    1.0,
+                    dgate,
+                )?)
+            })?;
+            let dx = dx.to_f32_contiguous()?;
+            let d = dx.reshape([tokens, h])?;
+            crate::ops::matmul_into(1.0, &dlogits, self.gate.compute_value(), 1.0, &d)?;
+            return Ok(dx);
+        }
+        let dlogits = host_f32(dlogits)?;
+        let x = host_f32(&saved.x)?;
         accumulate(&self.gate, |dgate| {
             product(
                 &dlogits,

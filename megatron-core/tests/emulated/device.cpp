@@ -709,12 +709,24 @@ CUresult cuMemsetD32Async(unsigned long long ptr, unsigned value, std::size_t n,
     auto* p = reinterpret_cast<unsigned*>(ptr);
     return ordered_on(stream, "cuMemsetD32Async", {{p, true}}, [=] { std::fill(p, p + n, value); });
 }
+// Whether `stream` is being captured: a copy between the host and the device may not be, as
+// the graph would read (or write) host memory at replay that the program may have freed, and a
+// read-back would need a synchronisation inside the capture.
+bool host_copy_in_capture(void* stream, const char* what) {
+    auto* s = static_cast<Stream*>(stream);
+    if (!s || !s->capturing) return false;
+    std::fprintf(stderr, "emulated GPU: %s while the stream is captured\n", what);
+    return true;
+}
+
 CUresult cuMemcpyHtoDAsync_v2(unsigned long long dst, const void* src, std::size_t n,
                               void* stream) {
+    if (host_copy_in_capture(stream, "cuMemcpyHtoDAsync")) return CAPTURE_UNSUPPORTED;
     auto* d = reinterpret_cast<void*>(dst);
     return ordered_on(stream, "cuMemcpyHtoDAsync", {{d, true}}, [=] { std::memcpy(d, src, n); });
 }
 CUresult cuMemcpyDtoHAsync_v2(void* dst, unsigned long long src, std::size_t n, void* stream) {
+    if (host_copy_in_capture(stream, "cuMemcpyDtoHAsync")) return CAPTURE_UNSUPPORTED;
     auto* s = reinterpret_cast<const void*>(src);
     return ordered_on(stream, "cuMemcpyDtoHAsync", {{s, false}}, [=] { std::memcpy(dst, s, n); });
 }

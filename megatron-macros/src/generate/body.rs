@@ -532,6 +532,7 @@ fn forward_node<'a>(
                 }
                 FieldKind::Expert => {
                     let x = args[0];
+                    let gate = cx.qualified(n, quote!(ExpertParallel::gate));
                     let route = cx.qualified(n, quote!(ExpertParallel::route));
                     let dispatcher = cx.qualified(n, quote!(ExpertParallel::dispatcher));
                     let local = cx.qualified(n, quote!(ExpertParallel::forward_local));
@@ -549,15 +550,20 @@ fn forward_node<'a>(
                         temp("local"),
                         temp("combine"),
                     );
+                    let (logits, gate_kept) = (temp("logits"), temp("gate"));
                     let scope = graph_scope(rt, field);
                     let rdoc = comment(&format!(
-                        "`{name}`: #[expert_parallel]. The router chooses each token's experts{}",
+                        "`{name}`: #[expert_parallel]. The router's gate: each token's logits, \
+                         where the tokens live{}",
                         if scope.is_some() {
-                            " (graph scope moe_router: captured and replayed when selected; the \
-                             dispatch after it runs eagerly, its sizes known only now)."
+                            " (graph scope moe_router: captured and replayed when selected)."
                         } else {
                             "."
                         }
+                    ));
+                    let chdoc = comment(&format!(
+                        "`{name}`: the router chooses each token's experts from its logits (read \
+                         back to the host here, after the gate: the device-to-host sync)."
                     ));
                     let ddoc = comment(&format!(
                         "`{name}`: dispatch over ep, by the layer's dispatcher. All-to-all: the \
@@ -600,18 +606,21 @@ fn forward_node<'a>(
                             combined,
                         ]
                         .map(|l| nm.ident(l));
-                        let routed = match &scope {
-                            None => quote!(#route(&#this_field, cx, #site, #xr)?),
+                        let (logits, gate_kept) = (nm.ident(logits), nm.ident(gate_kept));
+                        let gated = match &scope {
+                            None => quote!(#gate(&#this_field, cx, #site, #xr)?),
                             Some(scope) => quote! {
                                 #rt::cuda_graphs::forward(
                                     cx, #scope, #site, &[#xr],
-                                    |cx, __in| #route(&#this_field, cx, #site, &__in[0]),
+                                    |cx, __in| #gate(&#this_field, cx, #site, &__in[0]),
                                 )?
                             },
                         };
                         quote! {
                             #rdoc
-                            let (#routing, #router) = #routed;
+                            let (#logits, #gate_kept) = #gated;
+                            #chdoc
+                            let (#routing, #router) = #route(&#this_field, cx, #site, #xr, &#logits)?;
                             #ddoc
                             let (#rows, #plan) = #rt::moe::dispatch(
                                 cx.ep(), #dispatcher(&#this_field), #xr, &#routing,
@@ -629,6 +638,7 @@ fn forward_node<'a>(
                             let (#o, #combined) = #rt::moe::combine(cx.ep(), &#plan, &#y, &#routing)?;
                             let #s = #rt::moe::ExpertParallelSaved {
                                 routing: #routing,
+                                gate: #gate_kept,
                                 router: #router,
                                 plan: #plan,
                                 tp: #tp,
@@ -1195,6 +1205,7 @@ fn backward_node<'a>(
                     let d_x = d_args[0].expect("expert-parallel inputs are tensors");
                     let local = cx.qualified(n, quote!(ExpertParallel::backward_local));
                     let route = cx.qualified(n, quote!(ExpertParallel::backward_route));
+                    let gate = cx.qualified(n, quote!(ExpertParallel::backward_gate));
                     let scope = graph_scope(rt, field);
                     let mut temp =
                         |what: &str| b.locals.temp(&format!("d_{name}_{what}"), pos, span);
@@ -1205,9 +1216,11 @@ fn backward_node<'a>(
                         temp("group_rows"),
                         temp("rows"),
                         temp("tokens"),
+                        temp("logits"),
                     ];
                     let mut temp = |what: &str| b.locals.temp(&format!("{name}_{what}"), pos, span);
                     let kept = [
+                        temp("gate"),
                         temp("routing"),
                         temp("router"),
                         temp("plan"),
@@ -1224,8 +1237,16 @@ fn backward_node<'a>(
                          all-to-all, or a reduce-scatter, over ep), each token's copies summed."
                     ));
                     let rdoc = comment(&format!(
-                        "`{name}`: the router's backward (the weights' gradient and the auxiliary \
-                         losses) adds its part of the input gradient."
+                        "`{name}`: the router's backward: the logits' gradient from the weights' \
+                         and the auxiliary losses'."
+                    ));
+                    let gtdoc = comment(&format!(
+                        "`{name}`: the gate's backward adds its part of the input gradient{}",
+                        if scope.is_some() {
+                            " (graph scope moe_router's backward)."
+                        } else {
+                            "."
+                        }
                     ));
                     let gdoc = comment(&format!(
                         "`{name}`: the reduce-scatter's backward, the group's output gradients \
@@ -1237,21 +1258,26 @@ fn backward_node<'a>(
                     ));
                     b.push(move |nm| {
                         let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
-                        let [d_rows_out, d_probs, d_group_y, d_group_rows, d_rows, d_tokens] =
-                            grads.map(|l| nm.ident(l));
-                        let [routing, router, plan, tp, kept, combine] = kept.map(|l| nm.ident(l));
-                        let routed = match &scope {
+                        let [
+                            d_rows_out,
+                            d_probs,
+                            d_group_y,
+                            d_group_rows,
+                            d_rows,
+                            d_tokens,
+                            d_logits,
+                        ] = grads.map(|l| nm.ident(l));
+                        let [gate_kept, routing, router, plan, tp, kept, combine] =
+                            kept.map(|l| nm.ident(l));
+                        let gated = match &scope {
                             None => quote! {
-                                #route(
-                                    &#this_field, cx, #site, #router, &#routing, &#d_probs, #d_tokens,
-                                )?
+                                #gate(&#this_field, cx, #site, #gate_kept, &#d_logits, #d_tokens)?
                             },
                             Some(scope) => quote! {
                                 #rt::cuda_graphs::backward(
-                                    cx, #scope, #site, #router, &[&#d_tokens],
-                                    |cx, __saved, __in| #route(
-                                        &#this_field, cx, #site, __saved, &#routing, &#d_probs,
-                                        __in[0].clone(),
+                                    cx, #scope, #site, #gate_kept, &[&#d_logits, &#d_tokens],
+                                    |cx, __saved, __in| #gate(
+                                        &#this_field, cx, #site, __saved, &__in[0], __in[1].clone(),
                                     ),
                                 )?
                             },
@@ -1259,6 +1285,7 @@ fn backward_node<'a>(
                         quote! {
                             let #rt::moe::ExpertParallelSaved {
                                 routing: #routing,
+                                gate: #gate_kept,
                                 router: #router,
                                 plan: #plan,
                                 tp: #tp,
@@ -1279,7 +1306,10 @@ fn backward_node<'a>(
                             #ddoc
                             let #d_tokens = #rt::moe::dispatch_backward(cx.ep(), &#plan, &#d_rows)?;
                             #rdoc
-                            let #dx = #routed;
+                            let #d_logits =
+                                #route(&#this_field, cx, #site, #router, &#routing, &#d_probs)?;
+                            #gtdoc
+                            let #dx = #gated;
                         }
                     });
                 }

@@ -366,6 +366,7 @@ pub fn saved_field_type(
                     let sp = ty.span();
                     let t = quote_spanned!(sp=> #rt::module::ExpertParallel);
                     quote!(#rt::moe::ExpertParallelSaved<
+                        <#ty as #t>::GateSaved,
                         <#ty as #t>::RouterSaved,
                         <#ty as #t>::LocalSaved,
                     >)
