@@ -914,6 +914,59 @@ fn an_interleaved_pipeline_with_nccl_under_mpirun_follows_thread_ranks_on_one_gp
 
 /// `LD_LIBRARY_PATH` with the emulated GPU's libraries first when it is requested.
 #[cfg(feature = "cuda")]
+/// `--cuda-graph-scope attn mlp` with tensor parallelism over NCCL, one process per GPU: the
+/// row-parallel layers' all-reduces are recorded in the graphs and run at each replay (the
+/// members replay in the same order), and the two processes give the eager run's losses and
+/// gradient norms bit for bit.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs 2 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
+fn graph_scopes_with_tensor_parallelism_over_nccl_replay_the_eager_run() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--tp",
+        "2",
+        "--train-iters",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        "64",
+        "--device",
+        "cuda",
+        "--backend",
+        "nccl",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+    ];
+    let library_path = gpu_library_path();
+    let dir = scratch_dir("nccl-graphs");
+    let run = |name: &str, extra: &[&str]| -> Vec<serde_json::Value> {
+        let mut mpi = mpirun(2);
+        mpi.env("LD_LIBRARY_PATH", &library_path)
+            .args(["-x", "LD_LIBRARY_PATH"])
+            .arg(env!("CARGO_BIN_EXE_megatron"));
+        train_log(mpi, &dir.join(name), &[&args[..], extra].concat())
+            .iter()
+            .map(|l| serde_json::from_str(l).expect("JSON line"))
+            .collect()
+    };
+    let eager = run("eager.jsonl", &[]);
+    let mut graphed = run("graphs.jsonl", &["--cuda-graph-scope", "attn", "mlp"]);
+    let last = graphed.last().expect("a step")["graphs"].clone();
+    assert!(last["captured"].as_u64() > Some(0), "{last}");
+    assert!(last["replays"].as_u64() > Some(0), "{last}");
+    for line in &mut graphed {
+        line.as_object_mut().expect("object").remove("graphs");
+    }
+    assert_eq!(graphed, eager);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn gpu_library_path() -> String {
     let library_path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
     if device::requested() {

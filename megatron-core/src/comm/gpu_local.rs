@@ -192,6 +192,7 @@ impl LocalGpuComm {
 
     /// Checks that `t` is a contiguous tensor on this rank's device.
     fn check_tensor(&self, op: &'static str, t: &Tensor) -> Result<()> {
+        self.checks().not_in_capture(op)?;
         self.checks().on_gpu(op, t, self.gpu.ordinal())
     }
 

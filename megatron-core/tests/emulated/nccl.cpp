@@ -188,6 +188,30 @@ Result fold_from_all(Comm& c, const std::function<const unsigned char*(int)>& pa
 Result enqueue(Comm* c, void* stream, std::function<Result()> call,
                const std::vector<Access>& buffers) {
     if (!c) return INVALID_ARGUMENT;
+    if (auto* s = static_cast<Stream*>(stream); s && s->capturing) {
+        // Captured into a graph: each replay runs the call on the communicator's thread (the
+        // members replay their graphs in the same order) and the graph's next work waits for it.
+        s->captured.push_back([c, call, buffers]() -> CUresult {
+            if (!check_order("an NCCL call", buffers)) return LAUNCH_FAILED;
+            auto done = std::make_shared<Pending>();
+            auto result = std::make_shared<std::atomic<Result>>(SUCCESS);
+            {
+                const std::lock_guard<std::mutex> guard(c->lock);
+                c->calls.push_back([call, done, result]() {
+                    const Result r = call();
+                    result->store(r);
+                    done->done.store(true, std::memory_order_release);
+                    return r;
+                });
+            }
+            c->wake.notify_one();
+            while (!done->done.load(std::memory_order_acquire)) {
+                std::this_thread::sleep_for(std::chrono::microseconds(20));
+            }
+            return result->load() == SUCCESS ? OK : LAUNCH_FAILED;
+        });
+        return SUCCESS;
+    }
     {
         const Executing on(stream);
         if (!check_order("an NCCL call", buffers)) return INVALID_USAGE;
