@@ -426,6 +426,10 @@ fn graph_scopes_on_the_gpu_replay_the_eager_run_bit_for_bit() {
         &["attn", "moe_router", "moe_preprocess"],
     )));
     assert_eq!(graphed, eager, "MoE at ep 2: graphed vs eager");
+    // bf16 products with flash attention (the tiled kernels inside the attn graphs).
+    let eager = bits(curve(&scoped(job(1, 1, FLASH), &[])));
+    let graphed = bits(curve(&scoped(job(1, 1, FLASH), &["attn", "mlp"])));
+    assert_eq!(graphed, eager, "flash attention: graphed vs eager");
     // bf16 parameters with the distributed optimizer over 2 data-parallel ranks: the graphs
     // read the bf16 compute copies and the all-gathered parameters the optimizer rewrote in
     // place after each step.

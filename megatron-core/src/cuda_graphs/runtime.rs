@@ -8,6 +8,16 @@
 //! has run (see [`super::SlotPlan`]), so a replay never overwrites what a live microbatch still
 //! reads. On the CPU a scope is a boundary that counts what a GPU would capture and replay
 //! and runs its body eagerly: every model runs everywhere, and the counts are the same.
+//!
+//! What a capture allocates comes from the device's graph memory pool, which every graph of
+//! the process shares (the driver reuses physical memory between graphs of one stream); a
+//! graph frees its previous launch's allocations when it is launched again (it is
+//! instantiated with auto-free on launch), at the same addresses, so the outputs the runtime
+//! keeps stay valid until their slot's next replay. Collectives inside a scope are captured
+//! with NCCL (recorded, run at each replay); the device-local communicator refuses them, and a
+//! dropout draw inside a capture is an error (a graph would replay its masks). The parameters
+//! a graph reads are the ones the optimizer updates in place (values, bf16 compute copies,
+//! the distributed optimizer's all-gathered shards), so no hook has to run before a replay.
 
 #[cfg(feature = "cuda")]
 use std::any::Any;
