@@ -6,10 +6,14 @@
 mod support;
 use support::{TempDir, megatron};
 
-fn plan(args: &[&str]) -> serde_json::Value {
-    let mut all = vec!["graphs", "--json"];
-    all.extend_from_slice(args);
-    let (ok, out, err) = megatron(&all);
+/// Runs `megatron` with the space-separated `args`.
+fn run(args: &str) -> (bool, String, String) {
+    megatron(&args.split_whitespace().collect::<Vec<_>>())
+}
+
+/// `megatron graphs --json` with `args`.
+fn plan(args: &str) -> serde_json::Value {
+    let (ok, out, err) = run(&format!("graphs --json {args}"));
     assert!(ok, "{err}");
     serde_json::from_str(&out).expect("one JSON object")
 }
@@ -26,41 +30,22 @@ fn graphs(v: &serde_json::Value) -> Vec<u64> {
 #[test]
 fn graph_counts_follow_the_schedule_not_the_microbatches() {
     // No pipeline: 2 × num_layers, whatever M.
-    let dense = |m: &str| {
-        plan(&[
-            "--model",
-            "gpt-tiny",
-            "--num-layers",
-            "6",
-            "--microbatches",
-            m,
-            "--cuda-graph-scope",
-            "attn",
-        ])
+    let dense = |m: usize| {
+        plan(&format!(
+            "--model gpt-tiny --num-layers 6 --pp 1 --microbatches {m} --cuda-graph-scope attn"
+        ))
     };
-    assert_eq!(graphs(&dense("8")), [12]);
-    assert_eq!(graphs(&dense("64")), [12]);
+    assert_eq!(graphs(&dense(8)), [12]);
+    assert_eq!(graphs(&dense(64)), [12]);
     // PP 4 × VPP 2, 8 layers: rank r holds (PP − r − 1)·2 + (VPP − 1)·PP + 1 microbatches in
     // flight at most; the counts are the same at M = 8 and 64, and far below one per microbatch.
-    let moe = |m: &str| {
-        plan(&[
-            "--model",
-            "gpt-moe-tiny",
-            "--num-layers",
-            "8",
-            "--pp",
-            "4",
-            "--vpp",
-            "2",
-            "--microbatches",
-            m,
-            "--cuda-graph-scope",
-            "attn",
-            "moe_router",
-            "moe_preprocess",
-        ])
+    let moe = |m: usize| {
+        plan(&format!(
+            "--model gpt-moe-tiny --num-layers 8 --pp 4 --vpp 2 --microbatches {m} \
+             --cuda-graph-scope attn moe_router moe_preprocess"
+        ))
     };
-    let (at8, at64) = (moe("8"), moe("64"));
+    let (at8, at64) = (moe(8), moe(64));
     assert_eq!(graphs(&at8), graphs(&at64));
     for (r, rank) in at64["per_rank"].as_array().unwrap().iter().enumerate() {
         assert_eq!(rank["max_in_flight"], (4 - r - 1) * 2 + 4 + 1, "rank {r}");
@@ -84,54 +69,23 @@ fn graph_counts_follow_the_schedule_not_the_microbatches() {
 fn a_scoped_run_logs_the_captures_the_plan_counts() {
     let dir = TempDir::new("cli-graphs");
     let log = dir.join("run.jsonl");
-    let (ok, _, err) = megatron(&[
-        "train",
-        "--quiet",
-        "--model",
-        "gpt-moe-tiny",
-        "--dp",
-        "2",
-        "--ep",
-        "2",
-        "--pp",
-        "2",
-        "--seq-length",
-        "16",
-        "--micro-batch-size",
-        "1",
-        "--global-batch-size",
-        "8",
-        "--train-iters",
-        "3",
-        "--cuda-graph-scope",
-        "attn",
-        "moe_router",
-        "--log-json",
-        &log,
-    ]);
+    let (ok, _, err) = run(&format!(
+        "train --quiet --model gpt-moe-tiny --dp 2 --ep 2 --pp 2 --seq-length 16 \
+         --micro-batch-size 1 --global-batch-size 8 --train-iters 3 \
+         --cuda-graph-scope attn moe_router --log-json {log}"
+    ));
     assert!(ok, "{err}");
     let last = support::log_lines(&log).pop().expect("a step");
-    let planned = plan(&[
-        "--model",
-        "gpt-moe-tiny",
-        "--pp",
-        "2",
-        "--microbatches",
-        "4",
-        "--seq-length",
-        "16",
-        "--cuda-graph-scope",
-        "attn",
-        "moe_router",
-    ]);
+    let planned = plan(
+        "--model gpt-moe-tiny --pp 2 --microbatches 4 --seq-length 16 \
+         --cuda-graph-scope attn moe_router",
+    );
     let rank0 = &planned["per_rank"][0];
+    let buffers = |key: &str| rank0[key].as_u64().unwrap();
     assert_eq!(last["graphs"]["captured"], rank0["graphs"], "{last}");
     assert_eq!(
         last["graphs"]["static_buffers"].as_u64(),
-        Some(
-            rank0["static_input_buffers"].as_u64().unwrap()
-                + rank0["static_grad_buffers"].as_u64().unwrap()
-        )
+        Some(buffers("static_input_buffers") + buffers("static_grad_buffers"))
     );
     assert_eq!(
         last["graphs"]["static_buffer_bytes"],
@@ -141,41 +95,36 @@ fn a_scoped_run_logs_the_captures_the_plan_counts() {
 
 #[test]
 fn scopes_the_model_lacks_or_unknown_names_are_refused() {
-    let train = |extra: &[&str]| {
-        let mut args = vec!["train", "--quiet", "--train-iters", "1"];
-        args.extend_from_slice(extra);
-        megatron(&args)
+    let refused = |args: &str, why: &str| {
+        let (ok, _, err) = run(args);
+        assert!(!ok && err.contains(why), "{args}: {err}");
     };
-    let (ok, _, err) = train(&["--cuda-graph-scope", "attention"]);
-    assert!(
-        !ok && err.contains("unknown CUDA graph scope `attention`"),
-        "{err}"
+    let train = "train --quiet --train-iters 1";
+    refused(
+        &format!("{train} --cuda-graph-scope attention"),
+        "unknown CUDA graph scope `attention`",
     );
-    let (ok, _, err) = train(&["--cuda-graph-scope", "moe_router"]);
-    assert!(!ok && err.contains("needs MoE layers"), "{err}");
-    let (ok, _, err) = train(&["--model", "gpt-moe-tiny", "--cuda-graph-scope", "mlp"]);
-    assert!(
-        !ok && err.contains("all 4 layers of the model are MoE"),
-        "{err}"
+    refused(
+        &format!("{train} --cuda-graph-scope moe_router"),
+        "needs MoE layers",
     );
-    let (ok, _, err) = train(&[
-        "--model",
-        "gpt-moe-tiny",
+    refused(
+        &format!("{train} --model gpt-moe-tiny --cuda-graph-scope mlp"),
+        "all 4 layers of the model are MoE",
+    );
+    refused(
+        &format!("{train} --model gpt-moe-tiny --cuda-graph-scope moe_preprocess"),
+        "give moe_router too",
+    );
+    refused(
+        &format!(
+            "{train} --cuda-graph-scope attn --recompute-granularity full \
+             --recompute-method uniform --recompute-num-layers 1"
+        ),
+        "full recompute",
+    );
+    refused(
+        "graphs --model gpt-tiny --pp 1 --microbatches 8",
         "--cuda-graph-scope",
-        "moe_preprocess",
-    ]);
-    assert!(!ok && err.contains("give moe_router too"), "{err}");
-    let (ok, _, err) = train(&[
-        "--cuda-graph-scope",
-        "attn",
-        "--recompute-granularity",
-        "full",
-        "--recompute-method",
-        "uniform",
-        "--recompute-num-layers",
-        "1",
-    ]);
-    assert!(!ok && err.contains("full recompute"), "{err}");
-    let (ok, _, err) = megatron(&["graphs", "--model", "gpt-tiny", "--microbatches", "8"]);
-    assert!(!ok && err.contains("--cuda-graph-scope"), "{err}");
+    );
 }

@@ -912,8 +912,6 @@ fn an_interleaved_pipeline_with_nccl_under_mpirun_follows_thread_ranks_on_one_gp
     );
 }
 
-/// `LD_LIBRARY_PATH` with the emulated GPU's libraries first when it is requested.
-#[cfg(feature = "cuda")]
 /// `--cuda-graph-scope attn mlp` with tensor parallelism over NCCL, one process per GPU: the
 /// row-parallel layers' all-reduces are recorded in the graphs and run at each replay (the
 /// members replay in the same order), and the two processes give the eager run's losses and
@@ -967,6 +965,8 @@ fn graph_scopes_with_tensor_parallelism_over_nccl_replay_the_eager_run() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `LD_LIBRARY_PATH` with the emulated GPU's libraries first when it is requested.
+#[cfg(feature = "cuda")]
 fn gpu_library_path() -> String {
     let library_path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
     if device::requested() {

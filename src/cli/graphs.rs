@@ -5,39 +5,19 @@
 use anyhow::Result;
 use clap::Args;
 use megatron::cuda_graphs::{BufferBytes, ScopeSet, plan_graphs};
-use megatron::pipeline_parallel::{PipelineLayout, Schedule, ScheduleConfig};
+use megatron::pipeline_parallel::{PipelineLayout, Schedule};
 use serde_json::json;
 
 use super::model_args::ArchitectureArgs;
+use super::schedule::ScheduleShape;
 
 /// Arguments of `megatron graphs`.
 #[derive(Debug, Args)]
 pub struct GraphsArgs {
     #[command(flatten)]
     arch: ArchitectureArgs,
-    /// Pipeline stages.
-    #[arg(
-        long = "pp",
-        visible_alias = "pipeline-model-parallel-size",
-        default_value_t = 1
-    )]
-    pp: usize,
-    /// Model chunks per pipeline stage (virtual stages).
-    #[arg(
-        long = "vpp",
-        visible_alias = "virtual-pipeline-model-parallel-size",
-        default_value_t = 1
-    )]
-    vpp: usize,
-    /// Microbatches per step.
-    #[arg(long = "microbatches", visible_alias = "num-microbatches")]
-    microbatches: usize,
-    /// Contiguous microbatches per virtual stage [default: pp].
-    #[arg(
-        long = "group-size",
-        visible_alias = "microbatch-group-size-per-vp-stage"
-    )]
-    group_size: Option<usize>,
+    #[command(flatten)]
+    shape: ScheduleShape,
     /// The scopes captured: attn, mlp, moe_router, moe_preprocess.
     #[arg(long = "cuda-graph-scope", num_args = 1.., value_name = "SCOPE", required = true)]
     cuda_graph_scope: Vec<String>,
@@ -57,11 +37,9 @@ pub fn run(args: &GraphsArgs) -> Result<()> {
     let config = args.arch.config(1, 1)?;
     let scopes = ScopeSet::parse(&args.cuda_graph_scope)?;
     scopes.validate(&config.scoped_model(false)?)?;
-    let schedule = Schedule::new(ScheduleConfig {
-        group_size: args.group_size,
-        ..ScheduleConfig::new(args.pp, args.vpp, args.microbatches)
-    })?;
-    let layout = PipelineLayout::new(config.num_layers, args.pp, args.vpp, None, None)?;
+    let schedule = Schedule::new(args.shape.config())?;
+    let sizes = schedule.config;
+    let layout = PipelineLayout::new(config.num_layers, sizes.pp, sizes.vpp, None, None)?;
     let moe = config.moe_layers()?;
     // Each static buffer is a [seq, micro-batch, hidden] f32 activation or gradient.
     let tokens = args.seq_length * args.micro_batch_size;
@@ -94,9 +72,9 @@ pub fn run(args: &GraphsArgs) -> Result<()> {
             "model": args.arch.model_name(),
             "num_layers": config.num_layers,
             "moe_layers": moe.iter().filter(|&&m| m).count(),
-            "pp": args.pp,
-            "vpp": args.vpp,
-            "num_microbatches": args.microbatches,
+            "pp": sizes.pp,
+            "vpp": sizes.vpp,
+            "num_microbatches": sizes.microbatches,
             "cuda_graph_scope": scopes.iter().map(|s| s.name()).collect::<Vec<_>>(),
             "per_rank": per_rank,
         });
@@ -108,9 +86,9 @@ pub fn run(args: &GraphsArgs) -> Result<()> {
         args.arch.model_name(),
         config.num_layers,
         moe.iter().filter(|&&m| m).count(),
-        args.pp,
-        args.vpp,
-        args.microbatches
+        sizes.pp,
+        sizes.vpp,
+        sizes.microbatches
     );
     println!(
         "{:<5} {:>6} {:>8} {:>9} {:>7} {:>14} {:>12} {:>16}",

@@ -6,9 +6,9 @@ use clap::Args;
 use megatron::pipeline_parallel::{Pass, Schedule, ScheduleConfig, draw, simulate, traces};
 use serde_json::{Value, json};
 
-/// Arguments of `megatron schedule`.
+/// The schedule's sizes, as `schedule` and `graphs` take them.
 #[derive(Debug, Args)]
-pub struct ScheduleArgs {
+pub struct ScheduleShape {
     /// Pipeline stages (Megatron's --pipeline-model-parallel-size).
     #[arg(long = "pp", visible_alias = "pipeline-model-parallel-size")]
     pp: usize,
@@ -29,6 +29,23 @@ pub struct ScheduleArgs {
         visible_alias = "microbatch-group-size-per-vp-stage"
     )]
     group_size: Option<usize>,
+}
+
+impl ScheduleShape {
+    /// The training schedule of these sizes.
+    pub fn config(&self) -> ScheduleConfig {
+        ScheduleConfig {
+            group_size: self.group_size,
+            ..ScheduleConfig::new(self.pp, self.vpp, self.microbatches)
+        }
+    }
+}
+
+/// Arguments of `megatron schedule`.
+#[derive(Debug, Args)]
+pub struct ScheduleArgs {
+    #[command(flatten)]
+    shape: ScheduleShape,
     /// Evaluation: forwards only.
     #[arg(long)]
     forward_only: bool,
@@ -43,12 +60,9 @@ pub struct ScheduleArgs {
 /// Runs `megatron schedule`.
 pub fn run(args: &ScheduleArgs) -> Result<()> {
     let config = ScheduleConfig {
-        pp: args.pp,
-        vpp: args.vpp,
-        microbatches: args.microbatches,
-        group_size: args.group_size,
         forward_only: args.forward_only,
         overlap_moe_comm: args.overlap_moe_expert_parallel_comm,
+        ..args.shape.config()
     };
     let schedule = Schedule::new(config)?;
     let walked = traces(&schedule)?;
