@@ -106,7 +106,8 @@ fn run(job: &TrainJob) -> Vec<(f64, f64)> {
     points.lock().expect("curve").clone()
 }
 
-/// Notes the emulated GPU's counters after every step.
+/// Notes the emulated GPU's counters of global rank 0's thread (where observers run) after
+/// every step.
 struct Launched(Arc<Mutex<Vec<device::Launches>>>);
 
 impl Observer for Launched {

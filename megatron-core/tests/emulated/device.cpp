@@ -155,10 +155,11 @@ class Executing {
     Stream* outer_;
 };
 
-// What the host asked of the device: operations it queued itself (kernel launches, copies,
-// products, collectives and graph launches; not the work a graph replays), the kernels run
-// (replayed or not), and the graph launches. Read with megatron_emu_launches().
-std::atomic<unsigned long long> host_ops{0}, kernels_run{0}, graph_launches{0};
+// What this host thread asked of the device (a rank's thread, so that ranks and concurrent
+// tests do not mix): operations it queued itself (kernel launches, copies, products,
+// collectives and graph launches; not the work a graph replays), the kernels it ran (replayed
+// or not), and its graph launches. Read with megatron_emu_launches().
+thread_local unsigned long long host_ops = 0, kernels_run = 0, graph_launches = 0;
 
 CUresult run_or_capture(void* stream, Work work) {
     auto* s = static_cast<Stream*>(stream);
@@ -166,7 +167,7 @@ CUresult run_or_capture(void* stream, Work work) {
         s->captured.push_back(std::move(work));
         return OK;
     }
-    host_ops.fetch_add(1, std::memory_order_relaxed);
+    ++host_ops;
     wait_pending(s);
     Executing on(s);
     return work();
@@ -388,7 +389,7 @@ CUresult launch(Function* f, const unsigned grid[3], const unsigned block[3], un
     const EmuKernel* kernel = f->kernel;
     const std::array<unsigned, 3> g{grid[0], grid[1], grid[2]}, b{block[0], block[1], block[2]};
     return run_or_capture(stream, [kernel, g, b, args = std::move(args)]() mutable {
-        kernels_run.fetch_add(1, std::memory_order_relaxed);
+        ++kernels_run;
         std::vector<void*> pointers;
         for (auto& a : args) pointers.push_back(a.data());
         const std::vector<int> kinds = kernel->param_kinds();
@@ -831,16 +832,16 @@ CUresult cuGraphInstantiateWithFlags(void** exec, void* graph, unsigned long lon
     *exec = new Graph(*static_cast<Graph*>(graph));
     return OK;
 }
-// The counters of what the host asked (see host_ops): out[0] operations the host queued,
+// The counters of what the calling thread asked (see host_ops): out[0] operations it queued,
 // out[1] kernels run, out[2] graph launches.
 void megatron_emu_launches(unsigned long long* out) {
-    out[0] = host_ops.load();
-    out[1] = kernels_run.load();
-    out[2] = graph_launches.load();
+    out[0] = host_ops;
+    out[1] = kernels_run;
+    out[2] = graph_launches;
 }
 CUresult cuGraphLaunch(void* exec, void* stream) {
     auto* g = static_cast<Graph*>(exec);
-    graph_launches.fetch_add(1, std::memory_order_relaxed);
+    ++graph_launches;
     return run_or_capture(stream, [g] {
         for (Work& w : g->work) {
             if (const CUresult r = w(); r != OK) return r;

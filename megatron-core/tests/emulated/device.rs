@@ -158,7 +158,8 @@ fn install(core: &Path) {
     }
 }
 
-/// What the host asked of the emulated GPU so far (`megatron_emu_launches` in device.cpp).
+/// What the calling thread (a rank's) asked of the emulated GPU so far (`megatron_emu_launches`
+/// in device.cpp).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Launches {
     /// Operations the host queued itself: kernel launches, copies, products, collectives and
@@ -181,7 +182,7 @@ impl std::ops::Sub for Launches {
     }
 }
 
-/// The emulated GPU's counters, if it is loaded.
+/// The emulated GPU's counters of the calling thread, if it is loaded.
 pub fn launches() -> Option<Launches> {
     let name = CString::new("megatron_emu_launches").expect("no NUL");
     // SAFETY: a lookup in the process's loaded libraries.
