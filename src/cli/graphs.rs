@@ -91,7 +91,7 @@ pub fn run(args: &GraphsArgs) -> Result<()> {
         sizes.microbatches
     );
     println!(
-        "{:<5} {:>6} {:>8} {:>9} {:>7} {:>14} {:>12} {:>16}",
+        "{:<5} {:>6} {:>8} {:>9} {:>7} {:>14} {:>8} {:>18}",
         "rank",
         "layers",
         "slots",
@@ -104,7 +104,7 @@ pub fn run(args: &GraphsArgs) -> Result<()> {
     for r in &ranks {
         let slots: Vec<String> = r.slots.iter().map(usize::to_string).collect();
         println!(
-            "{:<5} {:>6} {:>8} {:>9} {:>7} {:>14} {:>12.2} {:>16}",
+            "{:<5} {:>6} {:>8} {:>9} {:>7} {:>14} {:>8.2} {:>18}",
             r.pp_rank,
             r.layers,
             slots.join("+"),
