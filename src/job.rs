@@ -283,7 +283,7 @@ struct RunContext<'a> {
 impl TrainJob {
     /// Checks `--cuda-graph-scope` against the model (Megatron-LM's rules: MoE scopes need MoE
     /// layers, `mlp` dense ones, `moe_preprocess` the router's; no full recompute).
-    pub fn check_graph_scopes(&self) -> Result<()> {
+    fn check_graph_scopes(&self) -> Result<()> {
         let full = matches!(
             self.train.recompute,
             megatron_core::module::Recompute::Uniform(_)
@@ -418,6 +418,7 @@ impl TrainJob {
                 .with_ep(self.ep)
                 .with_etp(self.etp),
         )?;
+        self.check_graph_scopes()?;
         let plan: BatchPlan = *self.train_data.plan();
         if plan.dp != self.dp {
             bail!(
@@ -487,7 +488,6 @@ impl TrainJob {
             trainer.log_routing(moe.router.num_experts);
         }
         if !self.cuda_graph_scope.is_empty() {
-            self.check_graph_scopes()?;
             trainer.set_graph_scopes(self.cuda_graph_scope);
         }
         let first = match &self.load {

@@ -96,14 +96,7 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
 
 /// (loss, grad norm) of every step `job` runs.
 fn run(job: &TrainJob) -> Vec<(f64, f64)> {
-    device::install_if_requested(std::path::Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/megatron-core"
-    )));
-    let points = Arc::new(Mutex::new(Vec::new()));
-    let mut observers: Vec<Box<dyn Observer>> = vec![Box::new(Curve(points.clone()))];
-    job.run(&mut observers).expect("the run");
-    points.lock().expect("curve").clone()
+    counted(job).0
 }
 
 /// Notes the emulated GPU's counters of global rank 0's thread (where observers run) after

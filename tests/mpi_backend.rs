@@ -942,12 +942,10 @@ fn graph_scopes_with_tensor_parallelism_over_nccl_replay_the_eager_run() {
         "0",
     ];
     let library_path = gpu_library_path();
+    let env = [("LD_LIBRARY_PATH", library_path.as_str())];
     let dir = scratch_dir("nccl-graphs");
     let run = |name: &str, extra: &[&str]| -> Vec<serde_json::Value> {
-        let mut mpi = mpirun(2);
-        mpi.env("LD_LIBRARY_PATH", &library_path)
-            .args(["-x", "LD_LIBRARY_PATH"])
-            .arg(env!("CARGO_BIN_EXE_megatron"));
+        let mpi = megatron_under_mpirun(2, &env);
         train_log(mpi, &dir.join(name), &[&args[..], extra].concat())
             .iter()
             .map(|l| serde_json::from_str(l).expect("JSON line"))
@@ -976,19 +974,24 @@ fn gpu_library_path() -> String {
     library_path
 }
 
+/// `megatron` under `mpirun -np np`, with `env` set and passed on to the processes.
+fn megatron_under_mpirun(np: usize, env: &[(&str, &str)]) -> Command {
+    let mut mpi = mpirun(np);
+    for &(key, value) in env {
+        mpi.env(key, value).args(["-x", key]);
+    }
+    mpi.arg(env!("CARGO_BIN_EXE_megatron"));
+    mpi
+}
+
 /// Runs `megatron train` with `args` as four thread ranks, then as four processes under
 /// `mpirun` with `--backend <backend>` (`env` set for both, and passed on by mpirun), and
 /// asserts that the two step logs are the same.
 fn processes_train_as_threads(name: &str, args: &[&str], backend: &str, env: &[(&str, &str)]) {
-    let exe = env!("CARGO_BIN_EXE_megatron");
     let dir = scratch_dir(name);
-    let mut threads = Command::new(exe);
-    let mut mpi = mpirun(4);
-    for &(key, value) in env {
-        threads.env(key, value);
-        mpi.env(key, value).args(["-x", key]);
-    }
-    mpi.arg(exe);
+    let mut threads = Command::new(env!("CARGO_BIN_EXE_megatron"));
+    threads.envs(env.iter().copied());
+    let mpi = megatron_under_mpirun(4, env);
     let on_threads = train_log(threads, &dir.join("threads.jsonl"), args);
     let with_backend = [args, &["--backend", backend]].concat();
     let processes = train_log(mpi, &dir.join(format!("{backend}.jsonl")), &with_backend);

@@ -805,7 +805,6 @@ impl TrainArgs {
             stop: None,
             cuda_graph_scope: ScopeSet::parse(&self.cuda_graph_scope)?,
         };
-        job.check_graph_scopes()?;
         Ok((job, s.taken))
     }
 

@@ -10,10 +10,11 @@
 //! and runs its body eagerly: every model runs everywhere, and the counts are the same.
 //!
 //! What a capture allocates comes from the device's graph memory pool, which every graph of
-//! the process shares (the driver reuses physical memory between graphs of one stream); a
-//! graph frees its previous launch's allocations when it is launched again (it is
-//! instantiated with auto-free on launch), at the same addresses, so the outputs the runtime
-//! keeps stay valid until their slot's next replay. Collectives inside a scope are captured
+//! the process shares; a graph frees its previous launch's allocations when it is launched
+//! again (it is instantiated with auto-free on launch) and allocates them at the same
+//! addresses, so the outputs the runtime keeps stay valid until their slot's next replay. That
+//! is CUDA's documented behaviour of graph memory nodes; it has run on the emulated GPU only
+//! (whose captured allocations are plain, never-freed buffers), not yet on a real one. Collectives inside a scope are captured
 //! with NCCL (recorded, run at each replay); the device-local communicator refuses them, and a
 //! dropout draw inside a capture is an error (a graph would replay its masks). The parameters
 //! a graph reads are the ones the optimizer updates in place (values, bf16 compute copies,
@@ -26,7 +27,8 @@ use std::sync::Mutex;
 
 use crate::Result;
 use crate::module::{Cx, Site};
-use crate::tensor::Tensor;
+use crate::pipeline_parallel::Pass;
+use crate::tensor::{Device, Tensor};
 
 use super::{GraphScope, ScopeSet};
 
@@ -54,13 +56,6 @@ impl GraphStats {
     pub fn graphs(&self) -> usize {
         self.forward_captures + self.backward_captures
     }
-}
-
-/// Which pass of a scope.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Pass {
-    Forward,
-    Backward,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -95,8 +90,7 @@ struct State {
     uses: HashMap<Key, Use>,
     /// The backward graphs' static output-gradient buffers, shared by a site's slots.
     grads: HashMap<Site, Vec<Tensor>>,
-    /// The scope being captured now, if any, and the random draws seen in it.
-    capturing: Option<(GraphScope, Site)>,
+    /// The random draws seen in the capture under way.
     random_draws: HashSet<Site>,
     stats: GraphStats,
 }
@@ -154,9 +148,8 @@ impl GraphRuntime {
     /// Notes that `site` draws random numbers (a dropout mask) now: inside a capture that is
     /// an error, reported when the capture ends.
     pub(crate) fn note_random_draw(&self, site: Site) {
-        let mut state = self.lock();
-        if state.capturing.is_some() {
-            state.random_draws.insert(site);
+        if capturing().is_some() {
+            self.lock().random_draws.insert(site);
         }
     }
 
@@ -220,7 +213,6 @@ impl GraphRuntime {
                 }
                 #[cfg(feature = "cuda")]
                 if let Some(gpu) = inputs.first().and_then(|x| x.gpu()).cloned() {
-                    state.capturing = Some((scope, key.site));
                     state.random_draws.clear();
                     drop(state);
                     let mut out = None;
@@ -231,7 +223,6 @@ impl GraphRuntime {
                     });
                     CAPTURING.with(|c| c.set(None));
                     let mut state = self.lock();
-                    state.capturing = None;
                     if let Some(site) = state.random_draws.iter().next() {
                         return crate::invalid!(
                             "graph scope {scope} draws a dropout mask at {site:?}: a captured \
@@ -282,7 +273,7 @@ impl GraphRuntime {
             .iter()
             .map(|x| (x.numel() * x.dtype().size()) as u64)
             .sum();
-        let on_gpu = inputs.first().is_some_and(|x| is_on_gpu(x));
+        let on_gpu = inputs.first().is_some_and(|x| x.device() != Device::Cpu);
         let fresh = |inputs: &[&Tensor]| -> Result<Vec<Tensor>> {
             if on_gpu {
                 inputs.iter().map(|x| Ok(x.deep_clone()?)).collect()
@@ -318,18 +309,6 @@ impl GraphRuntime {
 
 fn owned(inputs: &[&Tensor]) -> Vec<Tensor> {
     inputs.iter().map(|&x| x.clone()).collect()
-}
-
-fn is_on_gpu(x: &Tensor) -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        x.gpu().is_some()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = x;
-        false
-    }
 }
 
 /// The runtime that captures `scope` in this context, if any: training, the scope selected.
