@@ -411,15 +411,36 @@ fn graph_scopes_on_the_gpu_replay_the_eager_run_bit_for_bit() {
         assert!(g.graphs > 0 && e.graphs == 0, "{what}: {e:?} vs {g:?}");
         assert!(g.host_ops < e.host_ops, "{what}: {e:?} vs {g:?}");
     }
-    // MoE GPT with its experts over 2 expert-parallel ranks: the router's gate captured
-    // (moe_router), the logits read back after its graph, the dispatch, experts and combine
-    // eager.
-    let eager = bits(curve(&scoped(moe_job(2, 2, F32), &[])));
-    let graphed = bits(curve(&scoped(
+    // MoE GPT with its experts over 2 expert-parallel ranks: the router (gate, top-k, losses,
+    // counts) and the dispatcher's preprocessing (the tokens laid out expert-major) captured
+    // (moe_router, moe_preprocess), the routing read back after the graph, the all-to-alls,
+    // experts and combine eager.
+    let (eager, eager_ops) = counted(&scoped(moe_job(2, 2, F32), &[]));
+    let (graphed, graphed_ops) = counted(&scoped(
         moe_job(2, 2, F32),
         &["attn", "moe_router", "moe_preprocess"],
-    )));
-    assert_eq!(graphed, eager, "MoE at ep 2: graphed vs eager");
+    ));
+    let eager = bits(eager);
+    assert_eq!(bits(graphed), eager, "MoE at ep 2: graphed vs eager");
+    let (e, g) = (eager_ops[4] - eager_ops[3], graphed_ops[4] - graphed_ops[3]);
+    eprintln!("MoE at ep 2: a step queues {e:?} eager, {g:?} with graphs");
+    assert!(
+        g.graphs > 0 && g.host_ops < e.host_ops,
+        "MoE: {e:?} vs {g:?}"
+    );
+    // The router's graph alone: the tokens laid out by the dispatcher after the read-back.
+    let (router_only, router_ops) = counted(&scoped(moe_job(2, 2, F32), &["moe_router"]));
+    assert_eq!(
+        bits(router_only),
+        eager,
+        "MoE, moe_router alone: graphed vs eager"
+    );
+    let r = router_ops[4] - router_ops[3];
+    eprintln!("MoE at ep 2, moe_router alone: a step queues {r:?}");
+    assert!(
+        r.graphs > 0 && r.host_ops < e.host_ops,
+        "MoE router only: {r:?} vs {e:?}"
+    );
     // bf16 products with flash attention (the tiled kernels inside the attn graphs).
     let eager = bits(curve(&scoped(job(1, 1, FLASH), &[])));
     let graphed = bits(curve(&scoped(job(1, 1, FLASH), &["attn", "mlp"])));

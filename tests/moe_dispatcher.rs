@@ -54,7 +54,7 @@ fn run(ep: usize, capacity: Option<f32>, kind: DispatcherKind) -> Vec<Outcome> {
         let routing = route(&logits, TOKENS, &config, None)?;
         let x = Tensor::from_vec(values(TOKENS * HIDDEN, 200 + me as u64), [TOKENS, HIDDEN])?;
         let before = c.stats();
-        let (rows, plan) = dispatch(c.as_ref(), kind, &x, &routing)?;
+        let (rows, plan) = dispatch(c.as_ref(), kind, &x, &routing, None)?;
         // Each local expert applies its function to its contiguous rows.
         let local = EXPERTS / w.size();
         let mut y = rows.to_vec::<f32>()?;

@@ -317,6 +317,12 @@ fn selected<'a>(cx: &Cx<'a>, scope: GraphScope) -> Option<&'a GraphRuntime> {
         .filter(|rt| cx.training() && rt.scopes.contains(scope))
 }
 
+/// Whether this context captures `scope` (training, with the scope selected): what a layer
+/// asks to put its work inside or after a graph.
+pub fn captures(cx: &Cx, scope: GraphScope) -> bool {
+    selected(cx, scope).is_some()
+}
+
 /// The forward of a `#[graph_scope(..)]` field at `site`: `body` on `inputs`, eagerly unless
 /// the run selected `scope`; then run once, captured in this microbatch's slot, replayed.
 pub fn forward<T: Clone + Send + 'static>(

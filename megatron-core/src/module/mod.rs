@@ -28,7 +28,7 @@ use crate::cuda_graphs::GraphRuntime;
 use crate::error::Result;
 #[cfg(doc)]
 use crate::moe::ExpertParallelSaved;
-use crate::moe::{DispatcherKind, Routing, RoutingLog, TpRows};
+use crate::moe::{DispatcherKind, RouterOutput, Routing, RoutingLog, TpRows};
 use crate::parallel::GroupKind;
 use crate::rng::DropoutStream;
 use crate::tensor::Tensor;
@@ -432,18 +432,18 @@ pub trait ExpertParallel: Module {
     /// How tokens reach the experts: the dispatcher the generated code calls.
     fn dispatcher(&self) -> DispatcherKind;
     /// The router's gate on this rank's tokens `x` (`[seq, batch, hidden]`): the logits
-    /// `[tokens, experts]`, computed where `x` lives without reading anything back (graph scope
-    /// `moe_router` captures it).
-    fn gate(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, Self::GateSaved)>;
-    /// Routes the tokens `x` by their `logits`: which experts each goes to and with what
-    /// weight (on the host: the read-back of the logits is the device-to-host sync, after the
-    /// gate's graph).
+    /// `[tokens, experts]` and, on a device that can, the routing and the dispatcher's
+    /// preprocessing (the tokens laid out expert-major), computed where `x` lives without
+    /// reading anything back (graph scopes `moe_router` and `moe_preprocess` capture it).
+    fn gate(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(RouterOutput, Self::GateSaved)>;
+    /// Routes the tokens `x` by what the gate gave: which experts each goes to and with what
+    /// weight, on the host (the read-back is the device-to-host sync, after the gate's graph).
     fn route(
         &self,
         cx: &Cx,
         site: Site,
         x: &Tensor,
-        logits: &Tensor,
+        gated: &RouterOutput,
     ) -> Result<(Routing, Self::RouterSaved)>;
     /// Runs the local experts (this rank's slices of them) on the rows the dispatcher brought
     /// the expert-tensor-parallel group (`[rows, hidden]`, local-expert-major as `tp` says):

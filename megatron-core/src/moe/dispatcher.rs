@@ -166,12 +166,15 @@ pub(crate) fn placed(t: Tensor, like: &Tensor) -> Result<Tensor> {
 /// Sends `x` (`[tokens, hidden]` or `[seq, batch, hidden]`, f32) to the experts `routing`
 /// chose, by the dispatcher `kind`: returns the rows each local expert of this rank received
 /// (`[rows, hidden]`, local-expert-major) and the plan. A collective of the expert-parallel
-/// group `ep`.
+/// group `ep`. `permuted`, when given, is `x` already laid out expert-major by the device
+/// (`[at least the routed rows, hidden]`, f32: [`super::RouterOutput::permuted`]), which the
+/// all-to-all sends as it is.
 pub fn dispatch(
     ep: &dyn Communicator,
     kind: DispatcherKind,
     x: &Tensor,
     routing: &Routing,
+    permuted: Option<&Tensor>,
 ) -> Result<(Tensor, Dispatch)> {
     let (ranks, experts) = (ep.size(), routing.experts);
     if experts % ranks != 0 {
@@ -190,7 +193,7 @@ pub fn dispatch(
     }
     let local_experts = experts / ranks;
     let like = x;
-    let x = x.to_f32_contiguous()?.to_vec::<f32>()?;
+    let host = || -> Result<Vec<f32>> { Ok(x.to_f32_contiguous()?.to_vec::<f32>()?) };
     let plan = |route| Dispatch {
         shape: shape.clone(),
         tokens,
@@ -201,13 +204,19 @@ pub fn dispatch(
     };
     match kind {
         DispatcherKind::AllToAll => {
-            let (rows, route) = all_to_all_dispatch(ep, &x, hidden, routing, local_experts, like)?;
+            let rows = match permuted {
+                Some(p) => Rows::Permuted(p),
+                None => Rows::Tokens(host()?),
+            };
+            let (rows, route) =
+                all_to_all_dispatch(ep, rows, hidden, routing, local_experts, like)?;
             let plan = plan(route);
             let n = plan.rows();
             Ok((placed(Tensor::from_vec(rows, [n, hidden])?, like)?, plan))
         }
         DispatcherKind::AllGather => {
-            let (rows, route) = all_gather_dispatch(ep, &x, hidden, routing, local_experts, like)?;
+            let (rows, route) =
+                all_gather_dispatch(ep, &host()?, hidden, routing, local_experts, like)?;
             let plan = plan(route);
             let n = plan.rows();
             Ok((placed(Tensor::from_vec(rows, [n, hidden])?, like)?, plan))
@@ -215,10 +224,17 @@ pub fn dispatch(
     }
 }
 
+/// What the all-to-all dispatcher sends from: the tokens on the host, or the rows the device
+/// laid out expert-major.
+enum Rows<'a> {
+    Tokens(Vec<f32>),
+    Permuted(&'a Tensor),
+}
+
 /// The all-to-all dispatcher's forward: the rows, sorted by local expert, and its route.
 fn all_to_all_dispatch(
     ep: &dyn Communicator,
-    x: &[f32],
+    x: Rows<'_>,
     hidden: usize,
     routing: &Routing,
     local_experts: usize,
@@ -258,9 +274,31 @@ fn all_to_all_dispatch(
         .chunks_exact(local_experts)
         .map(|c| c.iter().sum())
         .collect();
-    let order: Vec<usize> = pairs.iter().map(|&(t, _)| t).collect();
-    let permuted = gather_rows(x, hidden, &order, false);
-    let received = exchange(ep, &permuted, hidden, (&send, &recv), like)?;
+    let permuted = match x {
+        Rows::Tokens(x) => {
+            let order: Vec<usize> = pairs.iter().map(|&(t, _)| t).collect();
+            placed(
+                Tensor::from_vec(
+                    gather_rows(&x, hidden, &order, false),
+                    [pairs.len() * hidden],
+                )?,
+                like,
+            )?
+        }
+        Rows::Permuted(rows) => {
+            let have = rows.numel() / hidden.max(1);
+            if rows.dims().len() != 2 || rows.dims()[1] != hidden || have < pairs.len() {
+                return invalid!(
+                    "the permuted tokens are {}, the routing sends {} rows of {hidden}",
+                    rows.shape(),
+                    pairs.len()
+                );
+            }
+            rows.narrow(0, 0, pairs.len())?
+                .reshape([pairs.len() * hidden])?
+        }
+    };
+    let received = exchange_tensor(ep, &permuted, hidden, (&send, &recv), like)?;
     let sorted = gather_rows(
         &received,
         hidden,
@@ -344,14 +382,25 @@ fn exchange(
     ep: &dyn Communicator,
     rows: &[f32],
     hidden: usize,
+    counts: (&[usize], &[usize]),
+    like: &Tensor,
+) -> Result<Vec<f32>> {
+    let input = placed(Tensor::from_slice(rows, [rows.len()])?, like)?;
+    exchange_tensor(ep, &input, hidden, counts, like)
+}
+
+/// [`exchange`] of the rows `input` (flat, on `like`'s device).
+fn exchange_tensor(
+    ep: &dyn Communicator,
+    input: &Tensor,
+    hidden: usize,
     (send, recv): (&[usize], &[usize]),
     like: &Tensor,
 ) -> Result<Vec<f32>> {
     let send_elems: Vec<usize> = send.iter().map(|&r| r * hidden).collect();
     let recv_elems: Vec<usize> = recv.iter().map(|&r| r * hidden).collect();
-    let input = placed(Tensor::from_slice(rows, [rows.len()])?, like)?;
     let output = Tensor::zeros_near([recv_elems.iter().sum::<usize>()], DType::F32, like)?;
-    ep.all_to_all(&input, &send_elems, &output, &recv_elems)?;
+    ep.all_to_all(input, &send_elems, &output, &recv_elems)?;
     Ok(output.to_vec::<f32>()?)
 }
 

@@ -2,6 +2,8 @@
 //! all-to-all token dispatcher, the grouped experts, and [`RoutedExperts`], the
 //! `#[expert_parallel]` layer made of them.
 
+#[cfg(feature = "cuda")]
+pub mod device;
 pub mod dispatcher;
 pub mod expert_tp;
 pub mod experts;
@@ -13,8 +15,8 @@ pub use dispatcher::{
 };
 pub use expert_tp::{TpRows, gather_expert_rows, reduce_scatter_expert_rows, regather_expert_rows};
 pub use routed::{
-    ExpertParallelSaved, GateSaved, RoutedExperts, RoutedExpertsSpec, RouterSaved, RoutingLog,
-    RoutingTotals,
+    ExpertParallelSaved, GateSaved, RoutedExperts, RoutedExpertsSpec, RouterOutput, RouterSaved,
+    RoutingLog, RoutingTotals,
 };
 pub use router::{
     DropPolicy, LoadBalancing, RouterConfig, RouterError, Routing, ScoreFunction, route,

@@ -82,6 +82,57 @@ pub struct GateSaved {
     x: Tensor,
 }
 
+/// What the router's gate hands the rest of the layer (a graph scope's outputs): each token's
+/// logits and, on a GPU, the routing computed from them there, with the tokens laid out
+/// expert-major for the all-to-all dispatcher (the dispatcher's preprocessing).
+#[derive(Debug, Clone)]
+pub struct RouterOutput {
+    logits: Tensor,
+    #[cfg(feature = "cuda")]
+    device: Option<super::device::DeviceRouting>,
+}
+
+impl RouterOutput {
+    /// The logits `[tokens, experts]` alone: the routing is chosen from them afterwards.
+    pub fn new(logits: Tensor) -> RouterOutput {
+        RouterOutput {
+            logits,
+            #[cfg(feature = "cuda")]
+            device: None,
+        }
+    }
+
+    /// The logits and the routing the device computed from them.
+    #[cfg(feature = "cuda")]
+    pub fn on_device(logits: Tensor, routing: super::device::DeviceRouting) -> RouterOutput {
+        RouterOutput {
+            logits,
+            device: Some(routing),
+        }
+    }
+
+    /// The logits `[tokens, experts]`, where the tokens live.
+    pub fn logits(&self) -> &Tensor {
+        &self.logits
+    }
+
+    /// The routing the device computed, if it did.
+    #[cfg(feature = "cuda")]
+    pub fn device(&self) -> Option<&super::device::DeviceRouting> {
+        self.device.as_ref()
+    }
+
+    /// The tokens laid out expert-major on the device (`[rows, hidden]`, f32, zeros past the
+    /// routed rows), for the all-to-all dispatcher, if the gate's device did it.
+    pub fn permuted(&self) -> Option<&Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(routing) = &self.device {
+            return routing.permuted();
+        }
+        None
+    }
+}
+
 /// What the router keeps: the logits, on the host (their device tensor for placing the
 /// gradient).
 #[derive(Debug, Clone)]
@@ -236,6 +287,12 @@ fn host_f32(t: &Tensor) -> Result<HostF32<'_>> {
     }
 }
 
+/// The sequence length of tokens `x` of shape `dims` holding `tokens` tokens: `[seq, batch,
+/// hidden]` tokens are in sequence-first order, anything else is one sequence.
+fn sequence_length(dims: &[usize], tokens: usize) -> usize {
+    if dims.len() == 3 { dims[0] } else { tokens }
+}
+
 /// `C = op(A) · op(B) + β·C` for row-major `A` (`am × ak`) and `B` (`bm × bk`), each
 /// transposed when its flag says so.
 fn product(
@@ -287,7 +344,7 @@ impl ExpertParallel for RoutedExperts {
         self.dispatcher
     }
 
-    fn gate(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, GateSaved)> {
+    fn gate(&self, cx: &Cx, _site: Site, x: &Tensor) -> Result<(RouterOutput, GateSaved)> {
         let (e, h) = (self.router.num_experts, self.local.hidden);
         let dims = x.dims();
         if dims.len() < 2 || dims[dims.len() - 1] != h {
@@ -297,11 +354,26 @@ impl ExpertParallel for RoutedExperts {
         let saved = GateSaved { x: x.clone() };
         #[cfg(feature = "cuda")]
         if x.gpu().is_some() {
-            // On the device: no read-back, so a graph can capture it.
+            // On the device: the logits, the routing and (for the all-to-all) the tokens laid
+            // out expert-major, with no read-back, so that a graph can capture them. With the
+            // router's graph alone (moe_router without moe_preprocess), the tokens are laid out
+            // after the read-back, by the dispatcher, as Megatron-LM's dispatcher does then.
             let rows = x.to_f32_contiguous()?.reshape([tokens, h])?;
             let logits = Tensor::empty_near([tokens, e], DType::F32, x)?;
             crate::ops::matmul_into(1.0, &rows, &self.gate.compute_value().t()?, 0.0, &logits)?;
-            return Ok((logits, saved));
+            let mut routing = super::device::DeviceRouting::new(
+                &logits,
+                sequence_length(dims, tokens),
+                &self.router,
+                self.expert_bias.as_ref().map(Param::value),
+            )?;
+            use crate::cuda_graphs::{GraphScope, captures};
+            let router_graph_only =
+                captures(cx, GraphScope::MoeRouter) && !captures(cx, GraphScope::MoePreprocess);
+            if self.dispatcher == DispatcherKind::AllToAll && !router_graph_only {
+                routing = routing.with_permuted(&rows)?;
+            }
+            return Ok((RouterOutput::on_device(logits, routing), saved));
         }
         let values = host_f32(x)?;
         let gate = host_f32(self.gate.compute_value())?;
@@ -314,7 +386,10 @@ impl ExpertParallel for RoutedExperts {
             0.0,
             &mut logits,
         )?;
-        Ok((Tensor::from_vec(logits, [tokens, e])?, saved))
+        Ok((
+            RouterOutput::new(Tensor::from_vec(logits, [tokens, e])?),
+            saved,
+        ))
     }
 
     fn route(
@@ -322,13 +397,17 @@ impl ExpertParallel for RoutedExperts {
         _cx: &Cx,
         _site: Site,
         x: &Tensor,
-        logits: &Tensor,
+        gated: &RouterOutput,
     ) -> Result<(Routing, RouterSaved)> {
-        let dims = x.dims();
-        let tokens = logits.dims()[0];
-        // Tokens are in [seq, batch] order: sequences of dims[0] tokens.
-        let seq = if dims.len() == 3 { dims[0] } else { tokens };
+        let logits = gated.logits();
         let host = host_f32(logits)?.to_vec();
+        #[cfg(feature = "cuda")]
+        if let Some(device) = gated.device() {
+            let routing = device.read_back()?;
+            let like = logits.clone();
+            return Ok((routing, RouterSaved { logits: host, like }));
+        }
+        let seq = sequence_length(x.dims(), logits.dims()[0]);
         let bias = self
             .expert_bias
             .as_ref()

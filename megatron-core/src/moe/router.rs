@@ -215,6 +215,65 @@ pub struct Routing {
     saved: Saved,
 }
 
+/// A routing computed elsewhere (by the device's kernels, [`crate::moe::device`]), laid out as
+/// [`route`] lays out its own.
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct RoutingParts {
+    pub tokens: usize,
+    pub experts: usize,
+    pub probs: Vec<f32>,
+    pub map: Vec<bool>,
+    pub tokens_per_expert: Vec<usize>,
+    pub aux_loss: f32,
+    pub z_loss: f32,
+    pub dropped: usize,
+    pub chosen: Vec<usize>,
+    pub scores: Vec<f32>,
+    pub aux_grad: Vec<f32>,
+    pub aux_scores: Vec<f32>,
+    pub lse: Vec<f32>,
+}
+
+#[cfg(feature = "cuda")]
+impl Routing {
+    /// The routing whose parts `parts` are.
+    pub(crate) fn from_parts(parts: RoutingParts) -> Routing {
+        let RoutingParts {
+            tokens,
+            experts,
+            probs,
+            map,
+            tokens_per_expert,
+            aux_loss,
+            z_loss,
+            dropped,
+            chosen,
+            scores,
+            aux_grad,
+            aux_scores,
+            lse,
+        } = parts;
+        Routing {
+            tokens,
+            experts,
+            probs,
+            map,
+            tokens_per_expert,
+            aux_loss,
+            z_loss,
+            dropped,
+            chosen,
+            saved: Saved {
+                scores,
+                aux_grad,
+                aux_scores,
+                lse,
+            },
+        }
+    }
+}
+
 /// Intermediate values [`route_backward`] reuses.
 #[derive(Debug, Clone, PartialEq)]
 struct Saved {
@@ -275,6 +334,27 @@ fn check_len(
     Ok(())
 }
 
+/// Checks what [`route`] is given: the settings, `len` logits (whole tokens, in sequences of
+/// `seq`) and the expert bias's length; returns the tokens.
+pub(crate) fn check_route(
+    config: &RouterConfig,
+    len: usize,
+    seq: usize,
+    bias: Option<usize>,
+) -> Result<usize, RouterError> {
+    config.validate()?;
+    let e = config.num_experts;
+    let tokens = len / e;
+    check_len("logits", len, tokens, e)?;
+    if seq == 0 || !tokens.is_multiple_of(seq) {
+        return Err(RouterError::Sequences { tokens, seq });
+    }
+    if let Some(bias) = bias {
+        check_len("expert bias", bias, 1, e)?;
+    }
+    Ok(tokens)
+}
+
 /// Routes `logits` (`[tokens, experts]`, tokens in `[seq, batch]` order with sequences of
 /// `seq` tokens) as `config` says, with the expert bias when it is enabled.
 pub fn route(
@@ -283,16 +363,8 @@ pub fn route(
     config: &RouterConfig,
     expert_bias: Option<&[f32]>,
 ) -> Result<Routing, RouterError> {
-    config.validate()?;
+    let tokens = check_route(config, logits.len(), seq, expert_bias.map(<[f32]>::len))?;
     let (e, k) = (config.num_experts, config.topk);
-    let tokens = logits.len() / e;
-    check_len("logits", logits.len(), tokens, e)?;
-    if seq == 0 || !tokens.is_multiple_of(seq) {
-        return Err(RouterError::Sequences { tokens, seq });
-    }
-    if let Some(bias) = expert_bias {
-        check_len("expert bias", bias.len(), 1, e)?;
-    }
     let scale = config.topk_scaling_factor.unwrap_or(1.0);
     let mut probs = vec![0.0f32; tokens * e];
     let mut chosen = Vec::with_capacity(tokens * k);
@@ -417,6 +489,33 @@ pub fn route(
     })
 }
 
+/// The groups of tokens the load-balancing loss balances over, when there is one.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct AuxGroups {
+    /// The groups: 1 (the micro-batch), or each sequence (token t in group t % groups).
+    pub groups: usize,
+    /// loss = factor · Σ_groups Σ_e count_e · Σ_t score[t, e], with factor = E·coeff /
+    /// (k·T²) / groups (T the tokens per group): the mean over the groups.
+    pub factor: f32,
+}
+
+/// The load-balancing loss's groups for `tokens` tokens in sequences of `seq`, or `None`
+/// without the loss (no balancing, or a coefficient of 0).
+pub(crate) fn aux_groups(config: &RouterConfig, tokens: usize, seq: usize) -> Option<AuxGroups> {
+    if config.load_balancing == LoadBalancing::None || config.aux_loss_coeff == 0.0 {
+        return None;
+    }
+    let (e, k) = (config.num_experts, config.topk);
+    let (groups, per_group) = match config.load_balancing {
+        LoadBalancing::SeqAuxLoss => (tokens / seq, seq),
+        _ => (1, tokens),
+    };
+    let factor = e as f32 * config.aux_loss_coeff
+        / (k as f32 * per_group as f32 * per_group as f32)
+        / groups as f32;
+    Some(AuxGroups { groups, factor })
+}
+
 /// The load-balancing loss (Megatron-LM's `switch_load_balancing_loss_func` on the scores
 /// `compute_routing_scores_for_aux_loss` gives: a fresh top-k, no capacity), its gradient
 /// with respect to those scores, and the scores.
@@ -427,9 +526,9 @@ fn aux_loss(
     config: &RouterConfig,
 ) -> (f32, Vec<f32>, Vec<f32>) {
     let (e, k) = (config.num_experts, config.topk);
-    if config.load_balancing == LoadBalancing::None || config.aux_loss_coeff == 0.0 {
+    let Some(AuxGroups { groups, factor }) = aux_groups(config, tokens, seq) else {
         return (0.0, Vec::new(), Vec::new());
-    }
+    };
     let mut scores = vec![0.0f32; tokens * e];
     for t in 0..tokens {
         let (row, s) = (&logits[t * e..(t + 1) * e], &mut scores[t * e..(t + 1) * e]);
@@ -442,24 +541,13 @@ fn aux_loss(
             }
         }
     }
-    // Groups of tokens the loss balances over, and how many there are: the micro-batch, or
-    // each sequence (tokens t with t % batch == b).
-    let batch = tokens / seq;
-    let (groups, per_group) = match config.load_balancing {
-        LoadBalancing::SeqAuxLoss => (batch, seq),
-        _ => (1, tokens),
-    };
-    let group_of = |t: usize| if groups == 1 { 0 } else { t % batch };
+    let group_of = |t: usize| if groups == 1 { 0 } else { t % groups };
     let mut counts = vec![0.0f32; groups * e];
     for t in 0..tokens {
         for j in top_k(&scores[t * e..(t + 1) * e], k) {
             counts[group_of(t) * e + j] += 1.0;
         }
     }
-    // loss = E·coeff / (k·T²) · Σ_e count_e · Σ_t score[t, e], per group, averaged over groups.
-    let factor = e as f32 * config.aux_loss_coeff
-        / (k as f32 * per_group as f32 * per_group as f32)
-        / groups as f32;
     let mut loss = 0.0f32;
     let mut grad = vec![0.0f32; tokens * e];
     for t in 0..tokens {

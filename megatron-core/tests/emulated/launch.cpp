@@ -18,6 +18,7 @@
 #include "embedding.cu"
 #include "flash_attention.cu"
 #include "layer_norm.cu"
+#include "moe.cu"
 #include "reduce.cu"
 #include "softmax.cu"
 #include "vocab_parallel.cu"
@@ -145,6 +146,15 @@ static const EmuKernel EMU_KERNELS[] = {
     EMU_KERNEL(vocab_parallel_ce_backward),
     EMU_KERNEL(vocab_parallel_mask_columns),
     EMU_KERNEL(position_ids),
+    EMU_KERNEL(moe_route_topk),
+    EMU_KERNEL(moe_route_keep),
+    EMU_KERNEL(moe_route_counts),
+    EMU_KERNEL(moe_aux_scores),
+    EMU_KERNEL(moe_aux_counts),
+    EMU_KERNEL(moe_logsumexp),
+    EMU_KERNEL(moe_route_losses),
+    EMU_KERNEL(moe_permute_index),
+    EMU_KERNEL(moe_permute_rows),
     EMU_KERNEL(emu_race_check_neighbours),
     EMU_KERNEL(emu_deadlock_check),
 };

@@ -624,6 +624,7 @@ fn forward_node<'a>(
                             #ddoc
                             let (#rows, #plan) = #rt::moe::dispatch(
                                 cx.ep(), #dispatcher(&#this_field), #xr, &#routing,
+                                #logits.permuted(),
                             )?;
                             #gdoc
                             let (#group_rows, #tp) = #rt::moe::gather_expert_rows(

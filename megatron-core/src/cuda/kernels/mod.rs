@@ -12,6 +12,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod flash_attention;
 pub mod layer_norm;
+pub mod moe;
 pub mod operand;
 pub mod reduce;
 pub mod softmax;

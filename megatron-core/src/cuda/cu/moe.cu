@@ -1,0 +1,265 @@
+// The MoE router and the all-to-all dispatcher's preprocessing on the device (Megatron-LM's
+// TopKRouter and MoEAlltoAllTokenDispatcher's preprocess and first permutation), computed as
+// megatron-core's host router computes them (moe/router.rs): f32, the same operations in the same
+// order, products rounded on their own (no fused multiply-add); a top-k orders by IEEE total order
+// (f32::total_cmp), ties to the lower index.
+//
+// Per-token kernels take a thread per token. A sum over tokens runs in token order on one thread
+// (per expert, or one for a loss), so no result depends on the launch. Nothing is read back: the
+// counts and the routing stay on the device until the host asks for them (after a graph's replay).
+
+// The routers' score functions (`mode`).
+#define MOE_SOFTMAX_AFTER_TOPK 0
+#define MOE_SOFTMAX_BEFORE_TOPK 1
+#define MOE_SIGMOID 2
+
+// f32::total_cmp's key: two floats compare as their keys do as signed integers.
+__device__ __forceinline__ int moe_total_key(float x) {
+    const int b = (int)__float_as_uint(x);
+    return b ^ (int)(((u32)(b >> 31)) >> 1);
+}
+
+// The indices of the k largest of v[0..n) (plus bias[j] when bias is not null) into out[0..k),
+// largest first, ties to the lower index.
+__device__ void moe_top_k(const float* v, const float* bias, u64 n, u64 k, i64* out) {
+    for (u64 i = 0; i < k; ++i) {
+        i64 best = -1;
+        int best_key = 0;
+        for (u64 j = 0; j < n; ++j) {
+            bool taken = false;
+            for (u64 q = 0; q < i; ++q) taken = taken || out[q] == (i64)j;
+            if (taken) continue;
+            const int key = moe_total_key(bias ? __fadd_rn(v[j], bias[j]) : v[j]);
+            if (best < 0 || key > best_key) {
+                best = (i64)j;
+                best_key = key;
+            }
+        }
+        out[i] = best;
+    }
+}
+
+// out[0..n) = softmax(x[0..n)) (in place when out == x): the maximum skips NaN, as f32::max.
+__device__ void moe_softmax(const float* x, u64 n, float* out) {
+    float m = NEG_INF;
+    for (u64 j = 0; j < n; ++j) m = fmaxf(m, x[j]);
+    float sum = 0.0f;
+    for (u64 j = 0; j < n; ++j) {
+        out[j] = exp_f32(__fsub_rn(x[j], m));
+        sum = __fadd_rn(sum, out[j]);
+    }
+    for (u64 j = 0; j < n; ++j) out[j] = __fdiv_rn(out[j], sum);
+}
+
+__device__ __forceinline__ float moe_sigmoid(float x) {
+    return __fdiv_rn(1.0f, __fadd_rn(1.0f, exp_f32(-x)));
+}
+
+// Each token's top-k experts and their weights: chosen[t, k] (best first), probs[t, experts]
+// (scaled by `scale`, 0 where the token does not go), map[t, experts] (1 where it goes), and the
+// scores the backward reads: [t, experts] before the top-k (softmax or sigmoid), [t, k] after it.
+// bias (sigmoid only, may be null) moves the choice, not the weights.
+extern "C" __global__ void moe_route_topk(const float* __restrict__ logits,
+                                          const float* __restrict__ bias, u64 tokens, u64 experts,
+                                          u64 k, int mode, float scale, float* __restrict__ probs,
+                                          i64* __restrict__ map, i64* __restrict__ chosen,
+                                          float* __restrict__ scores) {
+    FOR_EACH(t, tokens) {
+        const float* row = logits + t * experts;
+        float* p = probs + t * experts;
+        i64* m = map + t * experts;
+        i64* c = chosen + t * k;
+        for (u64 j = 0; j < experts; ++j) {
+            p[j] = 0.0f;
+            m[j] = 0;
+        }
+        if (mode == MOE_SOFTMAX_BEFORE_TOPK) {
+            float* s = scores + t * experts;
+            moe_softmax(row, experts, s);
+            moe_top_k(s, nullptr, experts, k, c);
+            for (u64 i = 0; i < k; ++i) p[c[i]] = __fmul_rn(s[c[i]], scale);
+        } else if (mode == MOE_SOFTMAX_AFTER_TOPK) {
+            moe_top_k(row, nullptr, experts, k, c);
+            float* s = scores + t * k;
+            for (u64 i = 0; i < k; ++i) s[i] = row[c[i]];
+            moe_softmax(s, k, s);
+            for (u64 i = 0; i < k; ++i) p[c[i]] = __fmul_rn(s[i], scale);
+        } else {
+            float* s = scores + t * experts;
+            for (u64 j = 0; j < experts; ++j) s[j] = moe_sigmoid(row[j]);
+            moe_top_k(s, bias, experts, k, c);
+            float sum = 0.0f;
+            for (u64 i = 0; i < k; ++i) sum = __fadd_rn(sum, s[c[i]]);
+            sum = __fadd_rn(sum, 1e-20f);
+            for (u64 i = 0; i < k; ++i) {
+                const float w = k > 1 ? __fdiv_rn(s[c[i]], sum) : s[c[i]];
+                p[c[i]] = __fmul_rn(w, scale);
+            }
+        }
+        for (u64 i = 0; i < k; ++i) m[c[i]] = 1;
+    }
+}
+
+// Capacity: keep[t, e] = 1 when token t is among expert e's first `capacity` tokens, ordered by
+// probability (highest first, ties to the lower token) or, `by_position`, routed tokens first in
+// token order. A thread per (token, expert) counts the tokens ahead of it.
+extern "C" __global__ void moe_route_keep(const float* __restrict__ probs,
+                                          const i64* __restrict__ map, u64 tokens, u64 experts,
+                                          u64 capacity, int by_position, i64* __restrict__ keep) {
+    FOR_EACH(i, tokens * experts) {
+        const u64 t = i / experts, e = i % experts;
+        u64 ahead = 0;
+        if (by_position) {
+            const bool mine = map[i] != 0;
+            for (u64 u = 0; u < tokens; ++u) {
+                const bool theirs = map[u * experts + e] != 0;
+                ahead += (theirs && !mine) || (theirs == mine && u < t);
+            }
+        } else {
+            const int mine = moe_total_key(probs[i]);
+            for (u64 u = 0; u < tokens; ++u) {
+                const int theirs = moe_total_key(probs[u * experts + e]);
+                ahead += theirs > mine || (theirs == mine && u < t);
+            }
+        }
+        keep[i] = ahead < capacity ? 1 : 0;
+    }
+}
+
+// Per expert, in token order: applies the capacity (with `all`, every token goes to every expert,
+// as padding to a capacity above the tokens does; with keep, a token stays where kept — or, `pad`,
+// goes wherever kept — and a dropped one's weight is 0), then counts tokens_per_expert[e] and the
+// chosen pairs capacity dropped, dropped[e].
+extern "C" __global__ void moe_route_counts(float* __restrict__ probs, i64* __restrict__ map,
+                                            const i64* __restrict__ keep, u64 tokens, u64 experts,
+                                            int all, int pad, i64* __restrict__ tokens_per_expert,
+                                            i64* __restrict__ dropped) {
+    FOR_EACH(e, experts) {
+        i64 n = 0, d = 0;
+        for (u64 t = 0; t < tokens; ++t) {
+            const u64 i = t * experts + e;
+            if (all) {
+                map[i] = 1;
+            } else if (keep) {
+                const bool routed = map[i] != 0, kept_here = keep[i] != 0;
+                const bool kept = pad ? kept_here : routed && kept_here;
+                d += routed && !kept_here;
+                map[i] = kept ? 1 : 0;
+                if (!kept) probs[i] = 0.0f;
+            }
+            n += map[i];
+        }
+        tokens_per_expert[e] = n;
+        dropped[e] = d;
+    }
+}
+
+// The load-balancing loss's scores (softmax of the logits, or their sigmoids normalised) and each
+// token's top-k of them (a fresh choice, no bias, no capacity).
+extern "C" __global__ void moe_aux_scores(const float* __restrict__ logits, u64 tokens,
+                                          u64 experts, u64 k, int sigmoid,
+                                          float* __restrict__ scores, i64* __restrict__ chosen) {
+    FOR_EACH(t, tokens) {
+        const float* row = logits + t * experts;
+        float* s = scores + t * experts;
+        if (sigmoid) {
+            float sum = 0.0f;
+            for (u64 j = 0; j < experts; ++j) {
+                s[j] = moe_sigmoid(row[j]);
+                sum = __fadd_rn(sum, s[j]);
+            }
+            sum = __fadd_rn(sum, 1e-20f);
+            for (u64 j = 0; j < experts; ++j) s[j] = __fdiv_rn(s[j], sum);
+        } else {
+            moe_softmax(row, experts, s);
+        }
+        moe_top_k(s, nullptr, experts, k, chosen + t * k);
+    }
+}
+
+// counts[g, e]: the tokens of group g whose top-k holds expert e. One group (the micro-batch), or
+// `groups` sequences, token t in sequence t % groups.
+extern "C" __global__ void moe_aux_counts(const i64* __restrict__ chosen, u64 tokens, u64 experts,
+                                          u64 k, u64 groups, float* __restrict__ counts) {
+    FOR_EACH(i, groups * experts) {
+        const u64 g = i / experts, e = i % experts;
+        float n = 0.0f;
+        for (u64 t = 0; t < tokens; ++t) {
+            if (groups > 1 && t % groups != g) continue;
+            for (u64 q = 0; q < k; ++q) n += chosen[t * k + q] == (i64)e ? 1.0f : 0.0f;
+        }
+        counts[i] = n;
+    }
+}
+
+// Each token's log-sum-exp of its logits (the z loss's).
+extern "C" __global__ void moe_logsumexp(const float* __restrict__ logits, u64 tokens,
+                                         u64 experts, float* __restrict__ lse) {
+    FOR_EACH(t, tokens) {
+        const float* row = logits + t * experts;
+        float m = NEG_INF;
+        for (u64 j = 0; j < experts; ++j) m = fmaxf(m, row[j]);
+        float sum = 0.0f;
+        for (u64 j = 0; j < experts; ++j) sum = __fadd_rn(sum, exp_f32(__fsub_rn(row[j], m)));
+        lse[t] = __fadd_rn(m, logf(sum));
+    }
+}
+
+// One thread, in token order: losses[0] = Σ score·count·factor (the load-balancing loss) with its
+// gradient aux_grad[t, e] = count·factor, when scores is not null; losses[1] = Σ lse² / tokens ·
+// z_coeff (the z loss), when lse is not null.
+extern "C" __global__ void moe_route_losses(const float* __restrict__ scores,
+                                            const float* __restrict__ counts, u64 tokens,
+                                            u64 experts, u64 groups, float factor,
+                                            const float* __restrict__ lse, float z_coeff,
+                                            float* __restrict__ aux_grad,
+                                            float* __restrict__ losses) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    float aux = 0.0f;
+    if (scores) {
+        for (u64 t = 0; t < tokens; ++t) {
+            const u64 g = groups > 1 ? t % groups : 0;
+            for (u64 e = 0; e < experts; ++e) {
+                const float c = counts[g * experts + e];
+                aux = __fadd_rn(aux, __fmul_rn(__fmul_rn(scores[t * experts + e], c), factor));
+                aux_grad[t * experts + e] = __fmul_rn(c, factor);
+            }
+        }
+    }
+    float z = 0.0f;
+    if (lse) {
+        for (u64 t = 0; t < tokens; ++t) z = __fadd_rn(z, __fmul_rn(lse[t], lse[t]));
+        z = __fmul_rn(__fdiv_rn(z, (float)tokens), z_coeff);
+    }
+    losses[0] = aux;
+    losses[1] = z;
+}
+
+// The permutation's source rows: source[r] = the token of row r when the tokens are laid out
+// expert-major (each expert's in token order), −1 past the last row (a buffer of `rows` rows
+// holds at most that many). Thread e writes its expert's rows; the last also the tail.
+extern "C" __global__ void moe_permute_index(const i64* __restrict__ map,
+                                             const i64* __restrict__ tokens_per_expert,
+                                             u64 tokens, u64 experts, u64 rows,
+                                             i64* __restrict__ source) {
+    FOR_EACH(e, experts) {
+        u64 at = 0;
+        for (u64 q = 0; q < e; ++q) at += (u64)tokens_per_expert[q];
+        for (u64 t = 0; t < tokens && at < rows; ++t) {
+            if (map[t * experts + e]) source[at++] = (i64)t;
+        }
+        if (e + 1 == experts) {
+            for (; at < rows; ++at) source[at] = -1;
+        }
+    }
+}
+
+// out[r, :] = x[source[r], :] (rows of `hidden` f32), zeros where source[r] < 0.
+extern "C" __global__ void moe_permute_rows(const float* __restrict__ x,
+                                            const i64* __restrict__ source, u64 rows, u64 hidden,
+                                            float* __restrict__ out) {
+    FOR_EACH(i, rows * hidden) {
+        const i64 s = source[i / hidden];
+        out[i] = s >= 0 ? x[(u64)s * hidden + i % hidden] : 0.0f;
+    }
+}

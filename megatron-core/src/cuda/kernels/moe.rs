@@ -1,0 +1,410 @@
+//! The MoE router's and the all-to-all dispatcher's preprocessing kernels (`cu/moe.cu`): top-k
+//! routing, capacity, the counts, the load-balancing and z losses, and the tokens' permutation
+//! expert-major, as [`crate::moe::route`] and [`crate::moe::dispatch`] compute them on the host.
+//! Nothing is read back (a graph can capture them); [`crate::moe::device`] strings them together.
+
+use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
+
+use super::{NULL, check_len, cover, launch, launch_args, product};
+use crate::cuda::{Gpu, Result};
+
+/// How the router scores the logits (`moe.cu`'s `mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScoreMode {
+    /// Softmax over the chosen experts (Megatron-LM's default).
+    SoftmaxAfterTopK = 0,
+    /// Softmax over all experts, then the top-k (`--moe-router-pre-softmax`).
+    SoftmaxBeforeTopK = 1,
+    /// Sigmoid of each logit, normalised over the chosen experts.
+    Sigmoid = 2,
+}
+
+/// The routing's shape: tokens, experts and the top-k.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteDims {
+    /// Tokens routed.
+    pub tokens: usize,
+    /// Experts.
+    pub experts: usize,
+    /// Experts per token.
+    pub topk: usize,
+}
+
+impl RouteDims {
+    fn describe(&self) -> String {
+        let RouteDims {
+            tokens,
+            experts,
+            topk,
+        } = self;
+        format!("{tokens} tokens × {experts} experts, top-{topk}")
+    }
+
+    fn cells(&self, kernel: &'static str) -> Result<usize> {
+        product(kernel, &[self.tokens, self.experts])
+    }
+}
+
+/// The top-k outputs of [`route_topk`].
+pub struct TopK<'a, 'b> {
+    /// `[tokens, experts]`: each token's weights, 0 where it does not go.
+    pub probs: &'a mut CudaViewMut<'b, f32>,
+    /// `[tokens, experts]`: 1 where the token goes.
+    pub map: &'a mut CudaViewMut<'b, i64>,
+    /// `[tokens, topk]`: each token's experts, best first.
+    pub chosen: &'a mut CudaViewMut<'b, i64>,
+    /// The scores the backward reads: `[tokens, experts]` before a top-k, `[tokens, topk]` after.
+    pub scores: &'a mut CudaViewMut<'b, f32>,
+}
+
+/// Each token's top-k experts and weights from its `logits` (`[tokens, experts]`), scored by
+/// `mode`; `bias` (`[experts]`, sigmoid scores only) moves the choice.
+pub fn route_topk(
+    gpu: &Gpu,
+    logits: &CudaView<f32>,
+    bias: Option<&CudaView<f32>>,
+    dims: RouteDims,
+    mode: ScoreMode,
+    scale: f32,
+    out: TopK<'_, '_>,
+) -> Result<()> {
+    const K: &str = "moe_route_topk";
+    let cells = dims.cells(K)?;
+    let describe = || dims.describe();
+    let score_cells = match mode {
+        ScoreMode::SoftmaxAfterTopK => product(K, &[dims.tokens, dims.topk])?,
+        _ => cells,
+    };
+    check_len(K, "logits", logits.len(), cells, describe)?;
+    if let Some(bias) = bias {
+        check_len(K, "bias", bias.len(), dims.experts, describe)?;
+    }
+    check_len(K, "probs", out.probs.len(), cells, describe)?;
+    check_len(K, "map", out.map.len(), cells, describe)?;
+    let chosen = product(K, &[dims.tokens, dims.topk])?;
+    check_len(K, "chosen", out.chosen.len(), chosen, describe)?;
+    check_len(K, "scores", out.scores.len(), score_cells, describe)?;
+    if dims.tokens == 0 {
+        return Ok(());
+    }
+    let (t, e, k, m) = (
+        dims.tokens as u64,
+        dims.experts as u64,
+        dims.topk as u64,
+        mode as i32,
+    );
+    let mut args = launch_args(gpu, K)?;
+    args.arg(logits);
+    match bias {
+        Some(bias) => args.arg(bias),
+        None => args.arg(&NULL),
+    };
+    args.arg(&t).arg(&e).arg(&k).arg(&m).arg(&scale);
+    args.arg(out.probs)
+        .arg(out.map)
+        .arg(out.chosen)
+        .arg(out.scores);
+    launch(K, args, cover(dims.tokens))
+}
+
+/// Capacity: `keep[t, e] = 1` where token `t` is among expert `e`'s first `capacity` by
+/// probability (or, `by_position`, routed tokens first in token order).
+pub fn route_keep(
+    gpu: &Gpu,
+    probs: &CudaView<f32>,
+    map: &CudaView<i64>,
+    dims: RouteDims,
+    capacity: usize,
+    by_position: bool,
+    keep: &mut CudaViewMut<i64>,
+) -> Result<()> {
+    const K: &str = "moe_route_keep";
+    let cells = dims.cells(K)?;
+    let describe = || dims.describe();
+    check_len(K, "probs", probs.len(), cells, describe)?;
+    check_len(K, "map", map.len(), cells, describe)?;
+    check_len(K, "keep", keep.len(), cells, describe)?;
+    if cells == 0 {
+        return Ok(());
+    }
+    let (t, e, c, p) = (
+        dims.tokens as u64,
+        dims.experts as u64,
+        capacity as u64,
+        i32::from(by_position),
+    );
+    let mut args = launch_args(gpu, K)?;
+    args.arg(probs)
+        .arg(map)
+        .arg(&t)
+        .arg(&e)
+        .arg(&c)
+        .arg(&p)
+        .arg(keep);
+    launch(K, args, cover(cells))
+}
+
+/// What capacity does to the top-k's choice in [`route_counts`].
+#[derive(Debug, Clone, Copy)]
+pub enum Capacity<'a, 'b> {
+    /// Nothing (no capacity, or one that holds every token).
+    Unlimited,
+    /// Every token goes to every expert (padding to a capacity above the tokens).
+    All,
+    /// The tokens [`route_keep`] kept (with `pad`, wherever kept, routed or not).
+    Keep {
+        /// `[tokens, experts]`.
+        keep: &'a CudaView<'b, i64>,
+        /// `--moe-pad-expert-input-to-capacity`.
+        pad: bool,
+    },
+}
+
+/// Applies `capacity` to `probs` and `map`, and counts each expert's tokens
+/// (`tokens_per_expert[experts]`) and the chosen pairs capacity dropped (`dropped[experts]`).
+pub fn route_counts(
+    gpu: &Gpu,
+    probs: &mut CudaViewMut<f32>,
+    map: &mut CudaViewMut<i64>,
+    capacity: Capacity<'_, '_>,
+    dims: RouteDims,
+    tokens_per_expert: &mut CudaViewMut<i64>,
+    dropped: &mut CudaViewMut<i64>,
+) -> Result<()> {
+    const K: &str = "moe_route_counts";
+    let cells = dims.cells(K)?;
+    let describe = || dims.describe();
+    check_len(K, "probs", probs.len(), cells, describe)?;
+    check_len(K, "map", map.len(), cells, describe)?;
+    check_len(
+        K,
+        "tokens_per_expert",
+        tokens_per_expert.len(),
+        dims.experts,
+        describe,
+    )?;
+    check_len(K, "dropped", dropped.len(), dims.experts, describe)?;
+    if dims.experts == 0 {
+        return Ok(());
+    }
+    let (t, e) = (dims.tokens as u64, dims.experts as u64);
+    let mut args = launch_args(gpu, K)?;
+    args.arg(probs).arg(map);
+    let (all, pad) = match capacity {
+        Capacity::Unlimited => {
+            args.arg(&NULL);
+            (0i32, 0i32)
+        }
+        Capacity::All => {
+            args.arg(&NULL);
+            (1, 0)
+        }
+        Capacity::Keep { keep, pad } => {
+            check_len(K, "keep", keep.len(), cells, describe)?;
+            args.arg(keep);
+            (0, i32::from(pad))
+        }
+    };
+    args.arg(&t).arg(&e).arg(&all).arg(&pad);
+    args.arg(tokens_per_expert).arg(dropped);
+    launch(K, args, cover(dims.experts))
+}
+
+/// The load-balancing loss's scores `[tokens, experts]` (softmax, or `sigmoid`s normalised)
+/// and each token's fresh top-k of them `[tokens, topk]`.
+pub fn aux_scores(
+    gpu: &Gpu,
+    logits: &CudaView<f32>,
+    dims: RouteDims,
+    sigmoid: bool,
+    scores: &mut CudaViewMut<f32>,
+    chosen: &mut CudaViewMut<i64>,
+) -> Result<()> {
+    const K: &str = "moe_aux_scores";
+    let cells = dims.cells(K)?;
+    let describe = || dims.describe();
+    check_len(K, "logits", logits.len(), cells, describe)?;
+    check_len(K, "scores", scores.len(), cells, describe)?;
+    let picks = product(K, &[dims.tokens, dims.topk])?;
+    check_len(K, "chosen", chosen.len(), picks, describe)?;
+    if dims.tokens == 0 {
+        return Ok(());
+    }
+    let (t, e, k, s) = (
+        dims.tokens as u64,
+        dims.experts as u64,
+        dims.topk as u64,
+        i32::from(sigmoid),
+    );
+    let mut args = launch_args(gpu, K)?;
+    args.arg(logits).arg(&t).arg(&e).arg(&k).arg(&s);
+    args.arg(scores).arg(chosen);
+    launch(K, args, cover(dims.tokens))
+}
+
+/// `counts[groups, experts]`: the tokens of each group (the micro-batch, or each of `groups`
+/// sequences) whose top-k `chosen` holds the expert.
+pub fn aux_counts(
+    gpu: &Gpu,
+    chosen: &CudaView<i64>,
+    dims: RouteDims,
+    groups: usize,
+    counts: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const K: &str = "moe_aux_counts";
+    let describe = || format!("{}, {groups} groups", dims.describe());
+    let picks = product(K, &[dims.tokens, dims.topk])?;
+    check_len(K, "chosen", chosen.len(), picks, describe)?;
+    let cells = product(K, &[groups, dims.experts])?;
+    check_len(K, "counts", counts.len(), cells, describe)?;
+    if cells == 0 {
+        return Ok(());
+    }
+    let (t, e, k, g) = (
+        dims.tokens as u64,
+        dims.experts as u64,
+        dims.topk as u64,
+        groups as u64,
+    );
+    let mut args = launch_args(gpu, K)?;
+    args.arg(chosen).arg(&t).arg(&e).arg(&k).arg(&g).arg(counts);
+    launch(K, args, cover(cells))
+}
+
+/// Each token's log-sum-exp of its logits, `lse[tokens]`.
+pub fn logsumexp(
+    gpu: &Gpu,
+    logits: &CudaView<f32>,
+    dims: RouteDims,
+    lse: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const K: &str = "moe_logsumexp";
+    let describe = || dims.describe();
+    check_len(K, "logits", logits.len(), dims.cells(K)?, describe)?;
+    check_len(K, "lse", lse.len(), dims.tokens, describe)?;
+    if dims.tokens == 0 {
+        return Ok(());
+    }
+    let (t, e) = (dims.tokens as u64, dims.experts as u64);
+    let mut args = launch_args(gpu, K)?;
+    args.arg(logits).arg(&t).arg(&e).arg(lse);
+    launch(K, args, cover(dims.tokens))
+}
+
+/// The load-balancing loss's inputs for [`route_losses`]: its scores, the groups' counts, the
+/// factor, and where its gradient goes.
+pub struct AuxLoss<'a, 'b> {
+    /// `[tokens, experts]` from [`aux_scores`].
+    pub scores: &'a CudaView<'b, f32>,
+    /// `[groups, experts]` from [`aux_counts`].
+    pub counts: &'a CudaView<'b, f32>,
+    /// Groups (1: the micro-batch).
+    pub groups: usize,
+    /// `experts · coeff / (topk · per_group²) / groups`.
+    pub factor: f32,
+    /// `[tokens, experts]`: the loss's gradient with respect to the scores.
+    pub grad: &'a mut CudaViewMut<'b, f32>,
+}
+
+/// `losses[2]`: the load-balancing loss (0 without `aux`) and the z loss `Σ lse² / tokens ·
+/// coeff` (0 without `z`), each summed in token order.
+pub fn route_losses(
+    gpu: &Gpu,
+    dims: RouteDims,
+    aux: Option<AuxLoss<'_, '_>>,
+    z: Option<(&CudaView<f32>, f32)>,
+    losses: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const K: &str = "moe_route_losses";
+    let cells = dims.cells(K)?;
+    let describe = || dims.describe();
+    check_len(K, "losses", losses.len(), 2, describe)?;
+    let (t, e) = (dims.tokens as u64, dims.experts as u64);
+    let mut args = launch_args(gpu, K)?;
+    let (mut groups, mut factor) = (1u64, 0.0f32);
+    match &aux {
+        Some(aux) => {
+            check_len(K, "scores", aux.scores.len(), cells, describe)?;
+            let counts = product(K, &[aux.groups, dims.experts])?;
+            check_len(K, "counts", aux.counts.len(), counts, describe)?;
+            check_len(K, "aux_grad", aux.grad.len(), cells, describe)?;
+            (groups, factor) = (aux.groups as u64, aux.factor);
+            args.arg(aux.scores).arg(aux.counts);
+        }
+        None => {
+            args.arg(&NULL).arg(&NULL);
+        }
+    }
+    args.arg(&t).arg(&e).arg(&groups).arg(&factor);
+    let z_coeff = match z {
+        Some((lse, coeff)) => {
+            check_len(K, "lse", lse.len(), dims.tokens, describe)?;
+            args.arg(lse);
+            coeff
+        }
+        None => {
+            args.arg(&NULL);
+            0.0
+        }
+    };
+    args.arg(&z_coeff);
+    match aux {
+        Some(aux) => args.arg(aux.grad),
+        None => args.arg(&NULL),
+    };
+    args.arg(losses);
+    launch(K, args, cover(1))
+}
+
+/// The tokens `x` (`[tokens, hidden]`, f32) laid out expert-major as `map` routes them (each
+/// expert's in token order) into `out` (`[rows, hidden]`, zeros past the last routed row), and
+/// each row's token in `source[rows]` (−1 past the last).
+#[allow(clippy::too_many_arguments)]
+pub fn permute(
+    gpu: &Gpu,
+    x: &CudaView<f32>,
+    map: &CudaView<i64>,
+    tokens_per_expert: &CudaView<i64>,
+    dims: RouteDims,
+    hidden: usize,
+    source: &mut CudaViewMut<i64>,
+    out: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const I: &str = "moe_permute_index";
+    const R: &str = "moe_permute_rows";
+    let rows = source.len();
+    let describe = || format!("{}, hidden {hidden}, {rows} rows", dims.describe());
+    check_len(
+        I,
+        "x",
+        x.len(),
+        product(I, &[dims.tokens, hidden])?,
+        describe,
+    )?;
+    check_len(I, "map", map.len(), dims.cells(I)?, describe)?;
+    check_len(
+        I,
+        "tokens_per_expert",
+        tokens_per_expert.len(),
+        dims.experts,
+        describe,
+    )?;
+    check_len(R, "out", out.len(), product(R, &[rows, hidden])?, describe)?;
+    if rows == 0 || dims.experts == 0 {
+        return Ok(());
+    }
+    let (t, e, r, h) = (
+        dims.tokens as u64,
+        dims.experts as u64,
+        rows as u64,
+        hidden as u64,
+    );
+    let mut args = launch_args(gpu, I)?;
+    args.arg(map).arg(tokens_per_expert).arg(&t).arg(&e).arg(&r);
+    args.arg(&mut *source);
+    launch(I, args, cover(dims.experts))?;
+    let source = source.as_view();
+    let mut args = launch_args(gpu, R)?;
+    args.arg(x).arg(&source).arg(&r).arg(&h).arg(out);
+    launch(R, args, cover(rows * hidden))
+}

@@ -1,0 +1,323 @@
+//! The router and the all-to-all dispatcher's preprocessing on a GPU (`cu/moe.cu`): from the
+//! gate's logits, each token's top-k experts and weights, the capacity, the load-balancing and
+//! z losses, each expert's count, and the tokens permuted expert-major for the all-to-all, all
+//! on the device with nothing read back, so that the graph scopes `moe_router` and
+//! `moe_preprocess` capture them. [`DeviceRouting::read_back`] is the device-to-host sync after
+//! the graph (Megatron-LM's `cuda_dtoh_point = "before_ep_alltoall"`): the same [`Routing`]
+//! the host's [`super::route`] gives, for the eager all-to-all and combine.
+
+use crate::cuda::kernels::moe::{self as k, Capacity, RouteDims, ScoreMode, TopK};
+use crate::error::Result;
+use crate::tensor::{DType, Tensor};
+
+use super::router::{RoutingParts, aux_groups, check_route};
+use super::{RouterConfig, Routing, ScoreFunction};
+
+/// A routing computed on the device: every part of a [`Routing`] as a device tensor, and the
+/// permuted tokens when they were asked for.
+#[derive(Debug, Clone)]
+pub struct DeviceRouting {
+    dims: RouteDims,
+    probs: Tensor,
+    map: Tensor,
+    chosen: Tensor,
+    scores: Tensor,
+    tokens_per_expert: Tensor,
+    dropped: Tensor,
+    losses: Tensor,
+    aux: Option<(Tensor, Tensor)>,
+    lse: Option<Tensor>,
+    permuted: Option<Tensor>,
+    /// The most rows the routing can send.
+    rows_bound: usize,
+}
+
+impl DeviceRouting {
+    /// Routes the tokens whose `logits` (`[tokens, experts]`, f32, on a GPU) the gate gave, in
+    /// sequences of `seq` tokens, as `config` says (with the expert bias `bias` when enabled).
+    pub fn new(
+        logits: &Tensor,
+        seq: usize,
+        config: &RouterConfig,
+        bias: Option<&Tensor>,
+    ) -> Result<DeviceRouting> {
+        let Some(gpu) = logits.gpu() else {
+            return crate::invalid!("the device router takes logits on a GPU");
+        };
+        let bias = bias.filter(|_| config.expert_bias);
+        let t = check_route(config, logits.numel(), seq, bias.map(Tensor::numel))
+            .map_err(|err| crate::Error::Invalid(err.to_string()))?;
+        let dims = RouteDims {
+            tokens: t,
+            experts: config.num_experts,
+            topk: config.topk,
+        };
+        let (e, topk) = (dims.experts, dims.topk);
+        let mode = match (config.score_function, config.pre_softmax) {
+            (ScoreFunction::Softmax, false) => ScoreMode::SoftmaxAfterTopK,
+            (ScoreFunction::Softmax, true) => ScoreMode::SoftmaxBeforeTopK,
+            (ScoreFunction::Sigmoid, _) => ScoreMode::Sigmoid,
+        };
+        let score_width = if mode == ScoreMode::SoftmaxAfterTopK {
+            topk
+        } else {
+            e
+        };
+        let new = |shape: &[usize], dtype| Tensor::empty_near(shape.to_vec(), dtype, logits);
+        let (probs, map, chosen, scores) = (
+            new(&[t, e], DType::F32)?,
+            new(&[t, e], DType::I64)?,
+            new(&[t, topk], DType::I64)?,
+            new(&[t, score_width], DType::F32)?,
+        );
+        let (tokens_per_expert, dropped) = (new(&[e], DType::I64)?, new(&[e], DType::I64)?);
+        let logits_f32 = logits.device_read::<f32>()?;
+        {
+            let bias_view = bias.map(|b| b.device_read::<f32>()).transpose()?;
+            let (mut p, mut m, mut c, mut s) = (
+                probs.device_write::<f32>()?,
+                map.device_write::<i64>()?,
+                chosen.device_write::<i64>()?,
+                scores.device_write::<f32>()?,
+            );
+            k::route_topk(
+                gpu,
+                &logits_f32.view(),
+                bias_view.as_ref().map(|b| b.view()).as_ref(),
+                dims,
+                mode,
+                config.topk_scaling_factor.unwrap_or(1.0),
+                TopK {
+                    probs: &mut p.view_mut(),
+                    map: &mut m.view_mut(),
+                    chosen: &mut c.view_mut(),
+                    scores: &mut s.view_mut(),
+                },
+            )?;
+        }
+        // Capacity, as the host router applies it.
+        let capacity = config.capacity(t);
+        let keep = match capacity {
+            Some(c) if c <= t => {
+                let keep = new(&[t, e], DType::I64)?;
+                let by_position = config.drop_policy == super::DropPolicy::Position;
+                k::route_keep(
+                    gpu,
+                    &probs.device_read::<f32>()?.view(),
+                    &map.device_read::<i64>()?.view(),
+                    dims,
+                    c,
+                    by_position,
+                    &mut keep.device_write::<i64>()?.view_mut(),
+                )?;
+                Some(keep)
+            }
+            _ => None,
+        };
+        {
+            let keep_view = keep.as_ref().map(|k| k.device_read::<i64>()).transpose()?;
+            let keep_view = keep_view.as_ref().map(|k| k.view());
+            let applied = match (&keep_view, capacity) {
+                (Some(keep), _) => Capacity::Keep {
+                    keep,
+                    pad: config.pad_to_capacity,
+                },
+                (None, Some(c)) if config.pad_to_capacity && c > t => Capacity::All,
+                _ => Capacity::Unlimited,
+            };
+            k::route_counts(
+                gpu,
+                &mut probs.device_write::<f32>()?.view_mut(),
+                &mut map.device_write::<i64>()?.view_mut(),
+                applied,
+                dims,
+                &mut tokens_per_expert.device_write::<i64>()?.view_mut(),
+                &mut dropped.device_write::<i64>()?.view_mut(),
+            )?;
+        }
+        // The losses: the load-balancing loss's scores, counts and gradient; the z loss's lse.
+        let losses = new(&[2], DType::F32)?;
+        let groups = aux_groups(config, t, seq);
+        let aux = match groups {
+            Some(g) => {
+                let (aux_scores, aux_chosen) =
+                    (new(&[t, e], DType::F32)?, new(&[t, topk], DType::I64)?);
+                k::aux_scores(
+                    gpu,
+                    &logits_f32.view(),
+                    dims,
+                    config.score_function == ScoreFunction::Sigmoid,
+                    &mut aux_scores.device_write::<f32>()?.view_mut(),
+                    &mut aux_chosen.device_write::<i64>()?.view_mut(),
+                )?;
+                let counts = new(&[g.groups, e], DType::F32)?;
+                k::aux_counts(
+                    gpu,
+                    &aux_chosen.device_read::<i64>()?.view(),
+                    dims,
+                    g.groups,
+                    &mut counts.device_write::<f32>()?.view_mut(),
+                )?;
+                Some((aux_scores, counts, new(&[t, e], DType::F32)?, g))
+            }
+            None => None,
+        };
+        let lse = match config.z_loss_coeff {
+            Some(_) => {
+                let lse = new(&[t], DType::F32)?;
+                k::logsumexp(
+                    gpu,
+                    &logits_f32.view(),
+                    dims,
+                    &mut lse.device_write::<f32>()?.view_mut(),
+                )?;
+                Some(lse)
+            }
+            None => None,
+        };
+        {
+            let mut aux_slices = aux
+                .as_ref()
+                .map(|(s, c, g, groups)| -> Result<_> {
+                    Ok((
+                        s.device_read::<f32>()?,
+                        c.device_read::<f32>()?,
+                        g.device_write::<f32>()?,
+                        *groups,
+                    ))
+                })
+                .transpose()?;
+            let (scores_view, counts_view, mut grad_view);
+            let aux_arg = match &mut aux_slices {
+                Some((s, c, g, groups)) => {
+                    (scores_view, counts_view, grad_view) = (s.view(), c.view(), g.view_mut());
+                    Some(k::AuxLoss {
+                        scores: &scores_view,
+                        counts: &counts_view,
+                        groups: groups.groups,
+                        factor: groups.factor,
+                        grad: &mut grad_view,
+                    })
+                }
+                None => None,
+            };
+            let lse_slice = lse.as_ref().map(|l| l.device_read::<f32>()).transpose()?;
+            let lse_view = lse_slice.as_ref().map(|l| l.view());
+            k::route_losses(
+                gpu,
+                dims,
+                aux_arg,
+                lse_view.as_ref().zip(config.z_loss_coeff),
+                &mut losses.device_write::<f32>()?.view_mut(),
+            )?;
+        }
+        Ok(DeviceRouting {
+            dims,
+            probs,
+            map,
+            chosen,
+            scores,
+            tokens_per_expert,
+            dropped,
+            losses,
+            aux: aux.map(|(s, _, g, _)| (s, g)),
+            lse,
+            permuted: None,
+            rows_bound: permuted_rows(dims, config),
+        })
+    }
+
+    /// The routing with the `tokens` (`[tokens, hidden]`) laid out expert-major for the
+    /// all-to-all dispatcher (each expert's rows in token order): the dispatcher's
+    /// preprocessing, on the device.
+    pub fn with_permuted(mut self, tokens: &Tensor) -> Result<DeviceRouting> {
+        self.permuted = Some(permute(
+            tokens,
+            &self.map,
+            &self.tokens_per_expert,
+            self.dims,
+            self.rows_bound,
+        )?);
+        Ok(self)
+    }
+
+    /// The tokens laid out expert-major (`[rows, hidden]`, f32; the rows past the routed ones
+    /// are zeros), when they were asked for.
+    pub fn permuted(&self) -> Option<&Tensor> {
+        self.permuted.as_ref()
+    }
+
+    /// The routing, read back to the host (the device-to-host sync).
+    pub fn read_back(&self) -> Result<Routing> {
+        let RouteDims {
+            tokens, experts, ..
+        } = self.dims;
+        let count = |v: Vec<i64>| v.into_iter().map(|c| c.max(0) as usize).collect::<Vec<_>>();
+        let losses = self.losses.to_vec::<f32>()?;
+        let (aux_scores, aux_grad) = match &self.aux {
+            Some((s, g)) => (s.to_vec::<f32>()?, g.to_vec::<f32>()?),
+            None => (Vec::new(), Vec::new()),
+        };
+        Ok(Routing::from_parts(RoutingParts {
+            tokens,
+            experts,
+            probs: self.probs.to_vec::<f32>()?,
+            map: self.map.to_vec::<i64>()?.iter().map(|&m| m != 0).collect(),
+            tokens_per_expert: count(self.tokens_per_expert.to_vec::<i64>()?),
+            aux_loss: losses[0],
+            z_loss: losses[1],
+            dropped: count(self.dropped.to_vec::<i64>()?).iter().sum(),
+            chosen: count(self.chosen.to_vec::<i64>()?),
+            scores: self.scores.to_vec::<f32>()?,
+            aux_grad,
+            aux_scores,
+            lse: match &self.lse {
+                Some(lse) => lse.to_vec::<f32>()?,
+                None => Vec::new(),
+            },
+        }))
+    }
+}
+
+/// The most rows a routing of `dims` by `config` sends: tokens × top-k, or every expert's
+/// capacity when padded to it.
+fn permuted_rows(dims: RouteDims, config: &RouterConfig) -> usize {
+    match config.capacity(dims.tokens) {
+        Some(c) if config.pad_to_capacity => dims.experts * c.min(dims.tokens),
+        _ => dims.tokens * dims.topk,
+    }
+}
+
+/// `x` (`[tokens, hidden]`) laid out expert-major as `map` routes it, in a buffer of `rows`
+/// rows (as many as the routing can send).
+fn permute(
+    x: &Tensor,
+    map: &Tensor,
+    tokens_per_expert: &Tensor,
+    dims: RouteDims,
+    rows: usize,
+) -> Result<Tensor> {
+    let gpu = map.gpu().expect("the routing lives on a GPU");
+    let t = dims.tokens;
+    let hidden = x.numel() / t.max(1);
+    if x.numel() != t * hidden {
+        return crate::invalid!(
+            "the dispatcher's preprocessing takes [{t} tokens, hidden], got {}",
+            x.shape()
+        );
+    }
+    let x = x.to_f32_contiguous()?;
+    let source = Tensor::empty_near([rows], DType::I64, map)?;
+    let out = Tensor::empty_near([rows, hidden], DType::F32, map)?;
+    k::permute(
+        gpu,
+        &x.device_read::<f32>()?.view(),
+        &map.device_read::<i64>()?.view(),
+        &tokens_per_expert.device_read::<i64>()?.view(),
+        dims,
+        hidden,
+        &mut source.device_write::<i64>()?.view_mut(),
+        &mut out.device_write::<f32>()?.view_mut(),
+    )?;
+    Ok(out)
+}
