@@ -362,8 +362,9 @@ fn moe_job(dp: usize, ep: usize, device: Placement) -> TrainJob {
     job
 }
 
-/// A MoE GPT on the GPU (its MoE layers compute on the host, their all-to-alls between the
-/// ranks' device tensors through the device-local communicator) follows the CPU run, and expert
+/// A MoE GPT on the GPU (its router on the device, its experts on the host, their all-to-alls
+/// between the ranks' device tensors through the device-local communicator) follows the CPU
+/// run (whose router computes on the host), and expert
 /// parallelism over two thread ranks sharing the GPU follows one rank of every expert.
 #[test]
 #[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]

@@ -550,26 +550,34 @@ fn forward_node<'a>(
                         temp("local"),
                         temp("combine"),
                     );
-                    let (logits, gate_kept) = (temp("logits"), temp("gate"));
+                    let (logits, gate_kept) = (temp("routed"), temp("gate"));
                     let scope = graph_scope(rt, field);
                     let rdoc = comment(&format!(
-                        "`{name}`: #[expert_parallel]. The router's gate: each token's logits, \
-                         where the tokens live{}",
+                        "`{name}`: #[expert_parallel]. The router where the tokens live: each \
+                         token's logits and, on a GPU, its experts and weights, the counts and \
+                         (the dispatcher's preprocessing) the tokens laid out expert-major, with \
+                         nothing read back{}",
                         if scope.is_some() {
-                            " (graph scope moe_router: captured and replayed when selected)."
+                            let names: Vec<&str> =
+                                field.graph_scopes.iter().map(|s| s.name.as_str()).collect();
+                            format!(
+                                " (graph scope {}: captured and replayed when selected; the \
+                                 permutation inside the graph when moe_preprocess is).",
+                                names.join(", ")
+                            )
                         } else {
-                            "."
+                            ".".to_string()
                         }
                     ));
                     let chdoc = comment(&format!(
-                        "`{name}`: the router chooses each token's experts from its logits (read \
-                         back to the host here, after the gate: the device-to-host sync)."
+                        "`{name}`: the routing on the host: read back after the router (the \
+                         device-to-host sync), or chosen here from the logits on the CPU."
                     ));
                     let ddoc = comment(&format!(
                         "`{name}`: dispatch over ep, by the layer's dispatcher. All-to-all: the \
-                         per-expert counts, then the rows to the ranks holding their experts \
-                         (uneven splits); all-gather: every rank's tokens, each keeping its \
-                         experts' rows."
+                         per-expert counts, then the rows (laid out expert-major by the router's \
+                         device, or here) to the ranks holding their experts (uneven splits); \
+                         all-gather: every rank's tokens, each keeping its experts' rows."
                     ));
                     let gdoc = comment(&format!(
                         "`{name}`: the rows of every rank of the expert-tensor-parallel group \
