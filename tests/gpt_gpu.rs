@@ -442,6 +442,34 @@ fn graph_scopes_on_the_gpu_replay_the_eager_run_bit_for_bit() {
         r.graphs > 0 && r.host_ops < e.host_ops,
         "MoE router only: {r:?} vs {e:?}"
     );
+    // MoE with pipeline stages (4 layers at pp 2, dp 2 × ep 2 on each stage) and with tensor
+    // parallelism (tp 2: the router's graph holds no collective; attention, whose all-reduces
+    // the device-local communicator cannot capture, stays eager).
+    let moe_pp = |scopes: &[&str]| {
+        let mut job = moe_job(2, 2, F32);
+        job.model.num_layers = 4;
+        job.pipeline = megatron::job::PipelineSettings {
+            pp: 2,
+            ..Default::default()
+        };
+        bits(curve(&scoped(job, scopes)))
+    };
+    let all = ["attn", "moe_router", "moe_preprocess"];
+    assert_eq!(
+        moe_pp(&all),
+        moe_pp(&[]),
+        "MoE at pp 2 × ep 2: graphed vs eager"
+    );
+    let moe_tp = |scopes: &[&str]| {
+        let mut job = moe_job(2, 2, F32);
+        job.tp = 2;
+        bits(curve(&scoped(job, scopes)))
+    };
+    assert_eq!(
+        moe_tp(&all[1..]),
+        moe_tp(&[]),
+        "MoE at tp 2 × ep 2: graphed vs eager"
+    );
     // bf16 products with flash attention (the tiled kernels inside the attn graphs).
     let eager = bits(curve(&scoped(job(1, 1, FLASH), &[])));
     let graphed = bits(curve(&scoped(job(1, 1, FLASH), &["attn", "mlp"])));
