@@ -36,7 +36,7 @@ fn main() -> Result<()> {
     let experts = model.moe.as_ref().map_or(0, |m| m.router.num_experts);
     let bytes = BufferBytes {
         activation: (SEQ * model.hidden_size * 4) as u64,
-        logits: (SEQ * experts * 4) as u64,
+        probs: (SEQ * experts * 4) as u64,
     };
     println!(
         "gpt-moe-tiny, {} layers, pp {PP} × vpp {VPP}, scopes {scopes}",

@@ -139,7 +139,7 @@ fn check(config: &GptConfig, pp: usize, vpp: usize, ep: usize, m: usize, scopes:
     let is_moe = config.moe_layers().unwrap();
     let bytes = BufferBytes {
         activation: (SEQ * HIDDEN * 4) as u64,
-        logits: (SEQ * config.moe.as_ref().map_or(0, |m| m.router.num_experts) * 4) as u64,
+        probs: (SEQ * config.moe.as_ref().map_or(0, |m| m.router.num_experts) * 4) as u64,
     };
     let plan = plan_graphs(&schedule, &layout, scopes, &|l| is_moe[l], bytes).unwrap();
     for (pp_rank, s) in stats {

@@ -2,8 +2,8 @@
 //! `cu/moe.cu`) against the host router (`moe::route`) for every router setting: scores
 //! (softmax after or before the top-k, sigmoid with and without the expert bias), the top-k
 //! scaling, capacity (by probability, by position, padded), the load-balancing losses (micro-batch
-//! and per sequence) and the z loss; and the tokens laid out expert-major against the host's
-//! order. On the emulated GPU (the kernels' own source on the CPU, the same libm) the routings
+//! and per sequence) and the z loss, forward and backward; and the tokens laid out expert-major
+//! against the host's order. On the emulated GPU (the kernels' own source on the CPU, the same libm) the routings
 //! are equal bit for bit; on a GPU the choices and counts are equal and the weights and losses
 //! agree to float rounding (CUDA's `expf` is within 2 ulp).
 //!
@@ -14,7 +14,9 @@
 mod support;
 
 use megatron_core::moe::device::DeviceRouting;
-use megatron_core::moe::{DropPolicy, LoadBalancing, RouterConfig, Routing, ScoreFunction, route};
+use megatron_core::moe::{
+    DropPolicy, LoadBalancing, RouterConfig, Routing, ScoreFunction, route, route_backward,
+};
 use megatron_core::tensor::Tensor;
 use support::{det, gpu};
 
@@ -148,6 +150,27 @@ fn the_device_router_routes_as_the_host_router() {
         );
         if emulated() {
             assert_eq!(got, host, "{name}: the whole routing, bit for bit");
+        }
+        // The backward: the logits' gradient from the weights' and the losses' (scaled).
+        let dprobs = det(TOKENS * EXPERTS, 11);
+        let want = route_backward(&host, &logits, &dprobs, 0.5, &config).unwrap();
+        let got = device
+            .backward(
+                &logits_d,
+                &on_gpu(&dprobs, &[TOKENS, EXPERTS]),
+                &on_gpu(&[0.5], &[1]),
+            )
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        close(&got, &want, &format!("{name}: the logits' gradient"));
+        if emulated() {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "{name}: the logits' gradient, bit for bit"
+            );
         }
         // The tokens expert-major, each expert's in token order, zeros after.
         let permuted = device.permuted().unwrap().to_vec::<f32>().unwrap();

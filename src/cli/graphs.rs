@@ -45,7 +45,7 @@ pub fn run(args: &GraphsArgs) -> Result<()> {
     let tokens = args.seq_length * args.micro_batch_size;
     let bytes = BufferBytes {
         activation: (tokens * config.hidden_size * 4) as u64,
-        logits: (tokens * config.moe.as_ref().map_or(0, |m| m.router.num_experts) * 4) as u64,
+        probs: (tokens * config.moe.as_ref().map_or(0, |m| m.router.num_experts) * 4) as u64,
     };
     let ranks = plan_graphs(&schedule, &layout, scopes, &|l| moe[l], bytes)?;
     if args.json {

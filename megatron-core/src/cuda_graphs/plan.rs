@@ -6,9 +6,9 @@
 //! of its slot (the saved activations may alias it until the backward); the backward graph
 //! reads the output gradient from a static buffer of its layer's part, shared by the slots
 //! (it is consumed by the replay right after the copy); the MoE router's backward also reads
-//! the logits' gradient. Slots follow the schedule's in-flight
-//! bound ([`SlotPlan`]), so the counts do not grow with the microbatches; a graph per
-//! microbatch (Megatron-LM's count in the seed) is given for comparison.
+//! the routing weights' gradient and the auxiliary losses' scale. Slots follow the schedule's
+//! in-flight bound ([`SlotPlan`]), so the counts do not grow with the microbatches; a graph
+//! per microbatch (Megatron-LM's count in the seed) is given for comparison.
 
 use crate::pipeline_parallel::{PipelineLayout, Schedule, WalkError};
 
@@ -54,9 +54,9 @@ impl RankGraphs {
 pub struct BufferBytes {
     /// A scope's input or its gradient: a `[seq, micro-batch, hidden]` activation.
     pub activation: u64,
-    /// The router's logits' gradient, `[seq · micro-batch, experts]` (the MoE router's
-    /// backward graph reads it beside its input's gradient).
-    pub logits: u64,
+    /// The routing weights' gradient, `[seq · micro-batch, experts]` f32 (the MoE router's
+    /// backward graph reads it, and the auxiliary losses' scale, beside its input's gradient).
+    pub probs: u64,
 }
 
 /// The graphs of every pipeline rank of `schedule` for a model laid out by `layout`, whose
@@ -102,9 +102,10 @@ pub fn plan_graphs(
                     graphs.static_grads += count;
                     graphs.static_bytes += (count * (n + 1)) as u64 * bytes.activation;
                     if moe && scopes.contains(super::GraphScope::MoeRouter) {
-                        // The router's backward also reads the logits' gradient.
-                        graphs.static_grads += 1;
-                        graphs.static_bytes += bytes.logits;
+                        // The router's backward also reads the weights' gradient and
+                        // the losses' scale (one f32).
+                        graphs.static_grads += 2;
+                        graphs.static_bytes += bytes.probs + 4;
                     }
                 }
                 graphs.scoped_parts.push(parts);
@@ -134,7 +135,7 @@ mod tests {
         let layout = PipelineLayout::new(layers, pp, vpp, None, None).unwrap();
         let bytes = BufferBytes {
             activation: 1,
-            logits: 1,
+            probs: 1,
         };
         plan_graphs(&schedule, &layout, ScopeSet::of(scopes), &|_| false, bytes).unwrap()
     }

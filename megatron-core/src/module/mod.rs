@@ -463,16 +463,30 @@ pub trait ExpertParallel: Module {
         saved: Self::LocalSaved,
         dy: &Tensor,
     ) -> Result<Tensor>;
-    /// The router's backward from the routing probabilities' gradient `dprobs`
-    /// (`[tokens, experts]`) and its auxiliary losses (scaled by [`Cx::aux_loss_scale`]): the
-    /// logits' gradient, where the logits live.
+    /// Records `routing` in the step's log and places what the router's backward reads besides
+    /// what its forward kept, where `like` lives: the routing weights' gradient `dprobs`
+    /// (`[tokens, experts]`) and the auxiliary losses' scale ([`Cx::aux_loss_scale`], one
+    /// value), as tensors, so that a graph of the router's backward reads the current ones.
+    /// Runs eagerly, before that backward.
+    fn router_grads(
+        &self,
+        cx: &Cx,
+        site: Site,
+        routing: &Routing,
+        dprobs: &[f32],
+        like: &Tensor,
+    ) -> Result<[Tensor; 2]>;
+    /// The router's backward from the weights' gradient `dprobs` and its auxiliary losses
+    /// scaled by `loss_scale` (as [`Self::router_grads`] placed them): the logits' gradient,
+    /// where the logits live (graph scope `moe_router` captures it with the gate's backward).
     fn backward_route(
         &self,
         cx: &Cx,
         site: Site,
         saved: Self::RouterSaved,
         routing: &Routing,
-        dprobs: &[f32],
+        dprobs: &Tensor,
+        loss_scale: &Tensor,
     ) -> Result<Tensor>;
     /// The gate's backward: accumulates its gradient from `dlogits` and returns `dx` (the
     /// input's gradient through the experts) plus the input's gradient through the gate.

@@ -18,6 +18,10 @@ use super::{RouterConfig, Routing, ScoreFunction};
 #[derive(Debug, Clone)]
 pub struct DeviceRouting {
     dims: RouteDims,
+    mode: ScoreMode,
+    /// The top-k scaling factor.
+    scale: f32,
+    z_coeff: Option<f32>,
     probs: Tensor,
     map: Tensor,
     chosen: Tensor,
@@ -213,6 +217,9 @@ impl DeviceRouting {
         }
         Ok(DeviceRouting {
             dims,
+            mode,
+            scale: config.topk_scaling_factor.unwrap_or(1.0),
+            z_coeff: config.z_loss_coeff,
             probs,
             map,
             chosen,
@@ -239,6 +246,60 @@ impl DeviceRouting {
             self.rows_bound,
         )?);
         Ok(self)
+    }
+
+    /// The router's backward on the device: the gradient of the `logits` this routing came from
+    /// (`[tokens, experts]`), from the weights' gradient `dprobs` (`[tokens, experts]`, f32)
+    /// and the losses' gradients scaled by `loss_scale` (one f32 on the device, so that a graph
+    /// replays the current one), as [`super::route_backward`] computes it on the host.
+    pub fn backward(
+        &self,
+        logits: &Tensor,
+        dprobs: &Tensor,
+        loss_scale: &Tensor,
+    ) -> Result<Tensor> {
+        let Some(gpu) = logits.gpu() else {
+            return crate::invalid!("the device router's backward takes logits on a GPU");
+        };
+        let dlogits = Tensor::empty_near(logits.shape().clone(), DType::F32, logits)?;
+        let (logits, map, chosen, scores) = (
+            logits.device_read::<f32>()?,
+            self.map.device_read::<i64>()?,
+            self.chosen.device_read::<i64>()?,
+            self.scores.device_read::<f32>()?,
+        );
+        let aux = self
+            .aux
+            .as_ref()
+            .map(|(s, g)| -> Result<_> { Ok((s.device_read::<f32>()?, g.device_read::<f32>()?)) })
+            .transpose()?;
+        let aux_views = aux.as_ref().map(|(s, g)| (s.view(), g.view()));
+        let lse = self
+            .lse
+            .as_ref()
+            .map(|l| l.device_read::<f32>())
+            .transpose()?;
+        let lse_view = lse.as_ref().map(|l| l.view());
+        let (logits_view, map_view, chosen_view, scores_view) =
+            (logits.view(), map.view(), chosen.view(), scores.view());
+        k::route_backward(
+            gpu,
+            k::RouteSaved {
+                logits: &logits_view,
+                map: &map_view,
+                chosen: &chosen_view,
+                scores: &scores_view,
+                aux: aux_views.as_ref().map(|(s, g)| (s, g)),
+                z: lse_view.as_ref().zip(self.z_coeff),
+            },
+            &dprobs.to_f32_contiguous()?.device_read::<f32>()?.view(),
+            &loss_scale.device_read::<f32>()?.view(),
+            self.dims,
+            self.mode,
+            self.scale,
+            &mut dlogits.device_write::<f32>()?.view_mut(),
+        )?;
+        Ok(dlogits)
     }
 
     /// The tokens laid out expert-major (`[rows, hidden]`, f32; the rows past the routed ones

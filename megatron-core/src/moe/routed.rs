@@ -133,12 +133,14 @@ impl RouterOutput {
     }
 }
 
-/// What the router keeps: the logits, on the host (their device tensor for placing the
-/// gradient).
+/// What the router keeps: the logits (on the CPU also their host values), and on a GPU what
+/// the device's routing kept.
 #[derive(Debug, Clone)]
 pub struct RouterSaved {
     logits: Vec<f32>,
     like: Tensor,
+    #[cfg(feature = "cuda")]
+    device: Option<super::device::DeviceRouting>,
 }
 
 impl RoutedExperts {
@@ -401,13 +403,16 @@ impl ExpertParallel for RoutedExperts {
         gated: &RouterOutput,
     ) -> Result<(Routing, RouterSaved)> {
         let logits = gated.logits();
-        let host = host_f32(logits)?.to_vec();
         #[cfg(feature = "cuda")]
         if let Some(device) = gated.device() {
-            let routing = device.read_back()?;
-            let like = logits.clone();
-            return Ok((routing, RouterSaved { logits: host, like }));
+            let saved = RouterSaved {
+                logits: Vec::new(),
+                like: logits.clone(),
+                device: Some(device.clone()),
+            };
+            return Ok((device.read_back()?, saved));
         }
+        let host = host_f32(logits)?.to_vec();
         let seq = sequence_length(x.dims(), logits.dims()[0]);
         let bias = self
             .expert_bias
@@ -421,6 +426,8 @@ impl ExpertParallel for RoutedExperts {
             RouterSaved {
                 logits: host,
                 like: logits.clone(),
+                #[cfg(feature = "cuda")]
+                device: None,
             },
         ))
     }
@@ -468,14 +475,14 @@ impl ExpertParallel for RoutedExperts {
         placed(Tensor::from_vec(dx, [rows, h])?, dy_like)
     }
 
-    fn backward_route(
+    fn router_grads(
         &self,
         cx: &Cx,
         _site: Site,
-        saved: RouterSaved,
         routing: &Routing,
         dprobs: &[f32],
-    ) -> Result<Tensor> {
+        like: &Tensor,
+    ) -> Result<[Tensor; 2]> {
         if let Some(log) = cx.routing_log() {
             log.record(routing, self.router.topk);
             if let Some(bias) = &self.expert_bias {
@@ -486,11 +493,37 @@ impl ExpertParallel for RoutedExperts {
                 );
             }
         }
+        let shape = [routing.tokens, routing.experts];
+        Ok([
+            placed(Tensor::from_slice(dprobs, shape)?, like)?,
+            placed(Tensor::from_vec(vec![cx.aux_loss_scale()], [1])?, like)?,
+        ])
+    }
+
+    fn backward_route(
+        &self,
+        _cx: &Cx,
+        _site: Site,
+        saved: RouterSaved,
+        routing: &Routing,
+        dprobs: &Tensor,
+        loss_scale: &Tensor,
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(device) = &saved.device {
+            return device.backward(&saved.like, dprobs, loss_scale);
+        }
+        let &[scale] = loss_scale.to_vec_f32()?.as_slice() else {
+            return invalid!(
+                "the router's loss scale is one value, got {}",
+                loss_scale.shape()
+            );
+        };
         let dlogits = route_backward(
             routing,
             &saved.logits,
-            dprobs,
-            cx.aux_loss_scale(),
+            &host_f32(dprobs)?,
+            scale,
             &self.router,
         )
         .map_err(|err| crate::Error::Invalid(err.to_string()))?;

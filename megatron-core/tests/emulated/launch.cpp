@@ -155,6 +155,7 @@ static const EmuKernel EMU_KERNELS[] = {
     EMU_KERNEL(moe_route_losses),
     EMU_KERNEL(moe_permute_index),
     EMU_KERNEL(moe_permute_rows),
+    EMU_KERNEL(moe_route_backward),
     EMU_KERNEL(emu_race_check_neighbours),
     EMU_KERNEL(emu_deadlock_check),
 };

@@ -1214,6 +1214,7 @@ fn backward_node<'a>(
                     let d_x = d_args[0].expect("expert-parallel inputs are tensors");
                     let local = cx.qualified(n, quote!(ExpertParallel::backward_local));
                     let route = cx.qualified(n, quote!(ExpertParallel::backward_route));
+                    let router_grads = cx.qualified(n, quote!(ExpertParallel::router_grads));
                     let gate = cx.qualified(n, quote!(ExpertParallel::backward_gate));
                     let scope = graph_scope(rt, field);
                     let mut temp =
@@ -1225,7 +1226,7 @@ fn backward_node<'a>(
                         temp("group_rows"),
                         temp("rows"),
                         temp("tokens"),
-                        temp("logits"),
+                        temp("router"),
                     ];
                     let mut temp = |what: &str| b.locals.temp(&format!("{name}_{what}"), pos, span);
                     let kept = [
@@ -1246,11 +1247,14 @@ fn backward_node<'a>(
                          all-to-all, or a reduce-scatter, over ep), each token's copies summed."
                     ));
                     let rdoc = comment(&format!(
-                        "`{name}`: the router's backward: the logits' gradient from the weights' \
-                         and the auxiliary losses'."
+                        "`{name}`: the routing recorded in the step's log; the weights' gradient \
+                         and the auxiliary losses' scale placed where the router's backward \
+                         reads them."
                     ));
                     let gtdoc = comment(&format!(
-                        "`{name}`: the gate's backward adds its part of the input gradient{}",
+                        "`{name}`: the router's backward (the logits' gradient from the weights' \
+                         and the auxiliary losses'), then the gate's, which adds its part of the \
+                         input gradient{}",
                         if scope.is_some() {
                             " (graph scope moe_router's backward)."
                         } else {
@@ -1274,20 +1278,32 @@ fn backward_node<'a>(
                             d_group_rows,
                             d_rows,
                             d_tokens,
-                            d_logits,
+                            d_router,
                         ] = grads.map(|l| nm.ident(l));
                         let [gate_kept, routing, router, plan, tp, kept, combine] =
                             kept.map(|l| nm.ident(l));
                         let gated = match &scope {
-                            None => quote! {
-                                #gate(&#this_field, cx, #site, #gate_kept, &#d_logits, #d_tokens)?
-                            },
+                            None => quote! {{
+                                let __d_logits = #route(
+                                    &#this_field, cx, #site, #router, &#routing,
+                                    &#d_router[0], &#d_router[1],
+                                )?;
+                                #gate(&#this_field, cx, #site, #gate_kept, &__d_logits, #d_tokens)?
+                            }},
                             Some(scope) => quote! {
                                 #rt::cuda_graphs::backward(
-                                    cx, #scope, #site, #gate_kept, &[&#d_logits, &#d_tokens],
-                                    |cx, __saved, __in| #gate(
-                                        &#this_field, cx, #site, __saved, &__in[0], __in[1].clone(),
-                                    ),
+                                    cx, #scope, #site, (#gate_kept, #router),
+                                    &[&#d_router[0], &#d_router[1], &#d_tokens],
+                                    |cx, (__gate, __router), __in| {
+                                        let __d_logits = #route(
+                                            &#this_field, cx, #site, __router, &#routing,
+                                            &__in[0], &__in[1],
+                                        )?;
+                                        #gate(
+                                            &#this_field, cx, #site, __gate, &__d_logits,
+                                            __in[2].clone(),
+                                        )
+                                    },
                                 )?
                             },
                         };
@@ -1315,8 +1331,8 @@ fn backward_node<'a>(
                             #ddoc
                             let #d_tokens = #rt::moe::dispatch_backward(cx.ep(), &#plan, &#d_rows)?;
                             #rdoc
-                            let #d_logits =
-                                #route(&#this_field, cx, #site, #router, &#routing, &#d_probs)?;
+                            let #d_router =
+                                #router_grads(&#this_field, cx, #site, &#routing, &#d_probs, &#d_tokens)?;
                             #gtdoc
                             let #dx = #gated;
                         }

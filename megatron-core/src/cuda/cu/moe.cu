@@ -263,3 +263,91 @@ extern "C" __global__ void moe_permute_rows(const float* __restrict__ x,
         out[i] = s >= 0 ? x[(u64)s * hidden + i % hidden] : 0.0f;
     }
 }
+
+// The router's backward, a thread per token: dlogits[t, :] from the weights' gradient
+// dprobs[t, experts] (only the pairs capacity kept reach the output), plus loss_scale[0] times the
+// gradients of the load-balancing loss (when aux_grad is not null) and of the z loss (when lse is
+// not null). As route_backward on the host: the same operations in the same order, sums starting
+// from −0 as Rust's f32 sums do. loss_scale lives on the device, so that a graph replays the
+// current one.
+extern "C" __global__ void moe_route_backward(
+    const float* __restrict__ logits, const float* __restrict__ dprobs,
+    const i64* __restrict__ map, const i64* __restrict__ chosen, const float* __restrict__ scores,
+    const float* __restrict__ aux_scores, const float* __restrict__ aux_grad,
+    const float* __restrict__ lse, const float* __restrict__ loss_scale, u64 tokens, u64 experts,
+    u64 k, int mode, float scale, float z_coeff, float* __restrict__ dlogits) {
+    const float ls = loss_scale[0];
+    FOR_EACH(t, tokens) {
+        const float* row = logits + t * experts;
+        const i64* top = chosen + t * k;
+        float* d = dlogits + t * experts;
+        for (u64 j = 0; j < experts; ++j) d[j] = 0.0f;
+#define MOE_DP(j) (map[t * experts + (j)] ? __fmul_rn(dprobs[t * experts + (j)], scale) : 0.0f)
+        if (mode == MOE_SOFTMAX_BEFORE_TOPK) {
+            const float* s = scores + t * experts;
+            float dot = -0.0f;
+            for (u64 i = 0; i < k; ++i) dot = __fadd_rn(dot, __fmul_rn(s[top[i]], MOE_DP(top[i])));
+            for (u64 j = 0; j < experts; ++j) {
+                bool in_top = false;
+                for (u64 i = 0; i < k; ++i) in_top = in_top || top[i] == (i64)j;
+                const float ds = in_top ? MOE_DP(j) : 0.0f;
+                d[j] = __fmul_rn(s[j], __fsub_rn(ds, dot));
+            }
+        } else if (mode == MOE_SOFTMAX_AFTER_TOPK) {
+            const float* s = scores + t * k;
+            float dot = -0.0f;
+            for (u64 i = 0; i < k; ++i) dot = __fadd_rn(dot, __fmul_rn(s[i], MOE_DP(top[i])));
+            for (u64 i = 0; i < k; ++i) d[top[i]] = __fmul_rn(s[i], __fsub_rn(MOE_DP(top[i]), dot));
+        } else {
+            const float* s = scores + t * experts;
+            float sum = -0.0f, dot = -0.0f;
+            for (u64 i = 0; i < k; ++i) sum = __fadd_rn(sum, s[top[i]]);
+            sum = __fadd_rn(sum, 1e-20f);
+            for (u64 i = 0; i < k; ++i) dot = __fadd_rn(dot, __fmul_rn(MOE_DP(top[i]), s[top[i]]));
+            for (u64 i = 0; i < k; ++i) {
+                const u64 j = (u64)top[i];
+                const float ds = k > 1 ? __fsub_rn(__fdiv_rn(MOE_DP(j), sum),
+                                                   __fdiv_rn(dot, __fmul_rn(sum, sum)))
+                                       : MOE_DP(j);
+                d[j] = __fmul_rn(__fmul_rn(ds, s[j]), __fsub_rn(1.0f, s[j]));
+            }
+        }
+#undef MOE_DP
+        if (aux_grad) {
+            const float* s = aux_scores + t * experts;
+            const float* g = aux_grad + t * experts;
+            if (mode != MOE_SIGMOID) {
+                float dot = -0.0f;
+                for (u64 j = 0; j < experts; ++j) dot = __fadd_rn(dot, __fmul_rn(s[j], g[j]));
+                for (u64 j = 0; j < experts; ++j)
+                    d[j] = __fadd_rn(d[j], __fmul_rn(__fmul_rn(ls, s[j]), __fsub_rn(g[j], dot)));
+            } else {
+                float sum = -0.0f, dot = -0.0f;
+                for (u64 j = 0; j < experts; ++j) sum = __fadd_rn(sum, moe_sigmoid(row[j]));
+                sum = __fadd_rn(sum, 1e-20f);
+                for (u64 j = 0; j < experts; ++j)
+                    dot = __fadd_rn(dot, __fmul_rn(g[j], moe_sigmoid(row[j])));
+                for (u64 j = 0; j < experts; ++j) {
+                    const float sig = moe_sigmoid(row[j]);
+                    const float dsig =
+                        __fsub_rn(__fdiv_rn(g[j], sum), __fdiv_rn(dot, __fmul_rn(sum, sum)));
+                    const float v = __fmul_rn(__fmul_rn(__fmul_rn(ls, dsig), sig), __fsub_rn(1.0f, sig));
+                    d[j] = __fadd_rn(d[j], v);
+                }
+            }
+        }
+        if (lse) {
+            // z = coeff · mean_t lse_t²: d/dlogit = coeff · 2 lse_t · softmax_t / T.
+            float m = NEG_INF;
+            for (u64 j = 0; j < experts; ++j) m = fmaxf(m, row[j]);
+            float sum = 0.0f;
+            for (u64 j = 0; j < experts; ++j) sum = __fadd_rn(sum, exp_f32(__fsub_rn(row[j], m)));
+            const float c = __fdiv_rn(
+                __fmul_rn(__fmul_rn(__fmul_rn(ls, z_coeff), 2.0f), lse[t]), (float)tokens);
+            for (u64 j = 0; j < experts; ++j) {
+                const float sm = __fdiv_rn(exp_f32(__fsub_rn(row[j], m)), sum);
+                d[j] = __fadd_rn(d[j], __fmul_rn(c, sm));
+            }
+        }
+    }
+}

@@ -408,3 +408,91 @@ pub fn permute(
     args.arg(x).arg(&source).arg(&r).arg(&h).arg(out);
     launch(R, args, cover(rows * hidden))
 }
+
+/// What the router's forward kept, for [`route_backward`].
+pub struct RouteSaved<'a, 'b> {
+    /// `[tokens, experts]`: the logits.
+    pub logits: &'a CudaView<'b, f32>,
+    /// `[tokens, experts]`: 1 where a token went (after capacity).
+    pub map: &'a CudaView<'b, i64>,
+    /// `[tokens, topk]`: each token's experts, best first.
+    pub chosen: &'a CudaView<'b, i64>,
+    /// The scores [`route_topk`] wrote.
+    pub scores: &'a CudaView<'b, f32>,
+    /// The load-balancing loss's scores and gradient (`[tokens, experts]` each), with the loss.
+    pub aux: Option<(&'a CudaView<'b, f32>, &'a CudaView<'b, f32>)>,
+    /// Each token's log-sum-exp and the z loss's coefficient, with the z loss.
+    pub z: Option<(&'a CudaView<'b, f32>, f32)>,
+}
+
+/// The router's backward: `dlogits[tokens, experts]` from the weights' gradient `dprobs`
+/// (`[tokens, experts]`), plus `loss_scale[0]` (on the device) times the losses' gradients.
+#[allow(clippy::too_many_arguments)]
+pub fn route_backward(
+    gpu: &Gpu,
+    saved: RouteSaved<'_, '_>,
+    dprobs: &CudaView<f32>,
+    loss_scale: &CudaView<f32>,
+    dims: RouteDims,
+    mode: ScoreMode,
+    scale: f32,
+    dlogits: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const K: &str = "moe_route_backward";
+    let cells = dims.cells(K)?;
+    let describe = || dims.describe();
+    let score_cells = match mode {
+        ScoreMode::SoftmaxAfterTopK => product(K, &[dims.tokens, dims.topk])?,
+        _ => cells,
+    };
+    check_len(K, "logits", saved.logits.len(), cells, describe)?;
+    check_len(K, "map", saved.map.len(), cells, describe)?;
+    let picks = product(K, &[dims.tokens, dims.topk])?;
+    check_len(K, "chosen", saved.chosen.len(), picks, describe)?;
+    check_len(K, "scores", saved.scores.len(), score_cells, describe)?;
+    check_len(K, "dprobs", dprobs.len(), cells, describe)?;
+    check_len(K, "loss_scale", loss_scale.len(), 1, describe)?;
+    check_len(K, "dlogits", dlogits.len(), cells, describe)?;
+    if dims.tokens == 0 {
+        return Ok(());
+    }
+    let (t, e, k, m) = (
+        dims.tokens as u64,
+        dims.experts as u64,
+        dims.topk as u64,
+        mode as i32,
+    );
+    let mut args = launch_args(gpu, K)?;
+    args.arg(saved.logits)
+        .arg(dprobs)
+        .arg(saved.map)
+        .arg(saved.chosen);
+    args.arg(saved.scores);
+    match saved.aux {
+        Some((scores, grad)) => {
+            check_len(K, "aux_scores", scores.len(), cells, describe)?;
+            check_len(K, "aux_grad", grad.len(), cells, describe)?;
+            args.arg(scores).arg(grad)
+        }
+        None => args.arg(&NULL).arg(&NULL),
+    };
+    let z_coeff = match saved.z {
+        Some((lse, coeff)) => {
+            check_len(K, "lse", lse.len(), dims.tokens, describe)?;
+            args.arg(lse);
+            coeff
+        }
+        None => {
+            args.arg(&NULL);
+            0.0
+        }
+    };
+    args.arg(loss_scale)
+        .arg(&t)
+        .arg(&e)
+        .arg(&k)
+        .arg(&m)
+        .arg(&scale);
+    args.arg(&z_coeff).arg(dlogits);
+    launch(K, args, cover(dims.tokens))
+}
