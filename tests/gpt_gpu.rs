@@ -455,6 +455,20 @@ fn graph_scopes_on_the_gpu_replay_the_eager_run_bit_for_bit() {
         bits(curve(&scoped(job, scopes)))
     };
     let all = ["attn", "moe_router", "moe_preprocess"];
+    // An expert capacity that drops tokens: the preprocessing's rows go to a buffer of the
+    // most the routing can send, the all-to-all sends the routed ones.
+    let dropping = |scopes: &[&str]| {
+        let mut job = moe_job(2, 2, F32);
+        if let Some(moe) = &mut job.model.moe {
+            moe.router.capacity_factor = Some(0.75);
+        }
+        bits(curve(&scoped(job, scopes)))
+    };
+    assert_eq!(
+        dropping(&all),
+        dropping(&[]),
+        "MoE with capacity 0.75: graphed vs eager"
+    );
     assert_eq!(
         moe_pp(&all),
         moe_pp(&[]),

@@ -176,11 +176,6 @@ impl GptConfig {
         Ok(ScopedModel {
             dense_layers: moe.len() - moe_layers,
             moe_layers,
-            capacity_factor: self.moe.as_ref().and_then(|m| m.router.capacity_factor),
-            alltoall: self
-                .moe
-                .as_ref()
-                .is_some_and(|m| m.dispatcher == DispatcherKind::AllToAll),
             full_recompute,
         })
     }

@@ -14,10 +14,15 @@ pub enum GraphScope {
     Attn,
     /// A dense layer's MLP.
     Mlp,
-    /// A MoE layer's router: the gate's product, the scores, the top-k.
+    /// A MoE layer's router: the gate's product, the scores, the top-k, capacity, the counts and
+    /// the auxiliary losses, forward and backward.
     MoeRouter,
-    /// A MoE layer's preprocessing before the dispatch (the tokens' permutation and counts),
-    /// captured with the router: the graph ends where the all-to-all needs host-side sizes.
+    /// A MoE layer's preprocessing before the dispatch (the tokens laid out expert-major for
+    /// the all-to-all), captured in the router's graph: the graph ends where the all-to-all
+    /// needs host-side sizes. Unlike Megatron-LM, which reads the counts back inside its
+    /// preprocessing when an expert capacity drops tokens, the device's preprocessing never
+    /// reads back (the rows go to a buffer of the most the routing can send), so capacity is
+    /// allowed.
     MoePreprocess,
 }
 
@@ -101,16 +106,6 @@ pub enum ScopeError {
         "--cuda-graph-scope moe_preprocess is captured in the router's graph: give moe_router too"
     )]
     PreprocessWithoutRouter,
-    /// `moe_preprocess` where the preprocessing reads sizes back to the host.
-    #[error(
-        "--cuda-graph-scope moe_preprocess cannot be captured with an expert capacity (factor \
-         {factor}) and the all-to-all dispatcher: dropping tokens to capacity reads the counts \
-         back to the host inside the preprocessing"
-    )]
-    PreprocessReadsBack {
-        /// The capacity factor.
-        factor: f32,
-    },
     /// Full activation recompute reruns whole layers in the backward.
     #[error(
         "--cuda-graph-scope {scope} with --recompute-granularity full: full recompute reruns \
@@ -134,10 +129,6 @@ pub struct ScopedModel {
     pub dense_layers: usize,
     /// Layers with routed experts.
     pub moe_layers: usize,
-    /// The experts' capacity factor, when tokens are dropped or padded to a capacity.
-    pub capacity_factor: Option<f32>,
-    /// Whether the dispatcher is the all-to-all one.
-    pub alltoall: bool,
     /// Whether whole layers are recomputed in the backward.
     pub full_recompute: bool,
 }
@@ -203,12 +194,6 @@ impl ScopeSet {
                 moe: model.moe_layers,
             });
         }
-        if self.contains(GraphScope::MoePreprocess)
-            && model.alltoall
-            && let Some(factor) = model.capacity_factor
-        {
-            return Err(ScopeError::PreprocessReadsBack { factor });
-        }
         if model.full_recompute
             && let Some(scope) = self.iter().next()
         {
@@ -268,7 +253,6 @@ mod tests {
         let moe = ScopedModel {
             dense_layers: 1,
             moe_layers: 3,
-            alltoall: true,
             ..ScopedModel::default()
         };
         let set = |names: &[&str]| ScopeSet::parse(names).unwrap();
@@ -290,15 +274,6 @@ mod tests {
             set(&["moe_preprocess"]).validate(&moe),
             Err(ScopeError::PreprocessWithoutRouter)
         );
-        let capacity = ScopedModel {
-            capacity_factor: Some(1.5),
-            ..moe
-        };
-        let err = set(&["moe_router", "moe_preprocess"])
-            .validate(&capacity)
-            .unwrap_err();
-        assert!(err.to_string().contains("1.5"), "{err}");
-        assert!(set(&["moe_router"]).validate(&capacity).is_ok());
         let full = ScopedModel {
             full_recompute: true,
             ..dense(2)
