@@ -215,9 +215,8 @@ pub struct Routing {
     saved: Saved,
 }
 
-/// A routing computed elsewhere (by the device's kernels, [`crate::moe::device`]), laid out as
-/// [`route`] lays out its own.
-#[cfg(feature = "cuda")]
+/// A routing's parts, as [`route`] (or the device's kernels, `crate::moe::device`) computes
+/// them.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct RoutingParts {
     pub tokens: usize,
@@ -235,7 +234,6 @@ pub(crate) struct RoutingParts {
     pub lse: Vec<f32>,
 }
 
-#[cfg(feature = "cuda")]
 impl Routing {
     /// The routing whose parts `parts` are.
     pub(crate) fn from_parts(parts: RoutingParts) -> Routing {
@@ -470,7 +468,7 @@ pub fn route(
         z_loss = lse.iter().map(|l| l * l).sum::<f32>() / tokens as f32 * coeff;
     }
     let (aux_loss, aux_grad, aux_scores) = aux_loss(logits, tokens, seq, config);
-    Ok(Routing {
+    Ok(Routing::from_parts(RoutingParts {
         tokens,
         experts: e,
         probs,
@@ -480,13 +478,11 @@ pub fn route(
         z_loss,
         dropped,
         chosen,
-        saved: Saved {
-            scores,
-            aux_grad,
-            aux_scores,
-            lse,
-        },
-    })
+        scores,
+        aux_grad,
+        aux_scores,
+        lse,
+    }))
 }
 
 /// The groups of tokens the load-balancing loss balances over, when there is one.
