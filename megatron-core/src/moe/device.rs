@@ -74,10 +74,10 @@ impl DeviceRouting {
             new(&[t, topk], DType::I64)?,
             new(&[t, score_width], DType::F32)?,
         );
-        let (tokens_per_expert, dropped) = (new(&[e], DType::I64)?, new(&[e], DType::I64)?);
-        let logits_f32 = logits.device_read::<f32>()?;
+        let scale = config.topk_scaling_factor.unwrap_or(1.0);
         {
-            let bias_view = bias.map(|b| b.device_read::<f32>()).transpose()?;
+            let logits = logits.device_read::<f32>()?;
+            let bias = bias.map(|b| b.device_read::<f32>()).transpose()?;
             let (mut p, mut m, mut c, mut s) = (
                 probs.device_write::<f32>()?,
                 map.device_write::<i64>()?,
@@ -86,11 +86,11 @@ impl DeviceRouting {
             );
             k::route_topk(
                 gpu,
-                &logits_f32.view(),
-                bias_view.as_ref().map(|b| b.view()).as_ref(),
+                &logits.view(),
+                bias.as_ref().map(|b| b.view()).as_ref(),
                 dims,
                 mode,
-                config.topk_scaling_factor.unwrap_or(1.0),
+                scale,
                 TopK {
                     probs: &mut p.view_mut(),
                     map: &mut m.view_mut(),
@@ -99,126 +99,12 @@ impl DeviceRouting {
                 },
             )?;
         }
-        // Capacity, as the host router applies it.
-        let capacity = config.capacity(t);
-        let keep = match capacity {
-            Some(c) if c <= t => {
-                let keep = new(&[t, e], DType::I64)?;
-                let by_position = config.drop_policy == super::DropPolicy::Position;
-                k::route_keep(
-                    gpu,
-                    &probs.device_read::<f32>()?.view(),
-                    &map.device_read::<i64>()?.view(),
-                    dims,
-                    c,
-                    by_position,
-                    &mut keep.device_write::<i64>()?.view_mut(),
-                )?;
-                Some(keep)
-            }
-            _ => None,
-        };
-        {
-            let keep_view = keep.as_ref().map(|k| k.device_read::<i64>()).transpose()?;
-            let keep_view = keep_view.as_ref().map(|k| k.view());
-            let applied = match (&keep_view, capacity) {
-                (Some(keep), _) => Capacity::Keep {
-                    keep,
-                    pad: config.pad_to_capacity,
-                },
-                (None, Some(c)) if config.pad_to_capacity && c > t => Capacity::All,
-                _ => Capacity::Unlimited,
-            };
-            k::route_counts(
-                gpu,
-                &mut probs.device_write::<f32>()?.view_mut(),
-                &mut map.device_write::<i64>()?.view_mut(),
-                applied,
-                dims,
-                &mut tokens_per_expert.device_write::<i64>()?.view_mut(),
-                &mut dropped.device_write::<i64>()?.view_mut(),
-            )?;
-        }
-        // The losses: the load-balancing loss's scores, counts and gradient; the z loss's lse.
-        let losses = new(&[2], DType::F32)?;
-        let groups = aux_groups(config, t, seq);
-        let aux = match groups {
-            Some(g) => {
-                let (aux_scores, aux_chosen) =
-                    (new(&[t, e], DType::F32)?, new(&[t, topk], DType::I64)?);
-                k::aux_scores(
-                    gpu,
-                    &logits_f32.view(),
-                    dims,
-                    config.score_function == ScoreFunction::Sigmoid,
-                    &mut aux_scores.device_write::<f32>()?.view_mut(),
-                    &mut aux_chosen.device_write::<i64>()?.view_mut(),
-                )?;
-                let counts = new(&[g.groups, e], DType::F32)?;
-                k::aux_counts(
-                    gpu,
-                    &aux_chosen.device_read::<i64>()?.view(),
-                    dims,
-                    g.groups,
-                    &mut counts.device_write::<f32>()?.view_mut(),
-                )?;
-                Some((aux_scores, counts, new(&[t, e], DType::F32)?, g))
-            }
-            None => None,
-        };
-        let lse = match config.z_loss_coeff {
-            Some(_) => {
-                let lse = new(&[t], DType::F32)?;
-                k::logsumexp(
-                    gpu,
-                    &logits_f32.view(),
-                    dims,
-                    &mut lse.device_write::<f32>()?.view_mut(),
-                )?;
-                Some(lse)
-            }
-            None => None,
-        };
-        {
-            let mut aux_slices = aux
-                .as_ref()
-                .map(|(s, c, g, groups)| -> Result<_> {
-                    Ok((
-                        s.device_read::<f32>()?,
-                        c.device_read::<f32>()?,
-                        g.device_write::<f32>()?,
-                        *groups,
-                    ))
-                })
-                .transpose()?;
-            let (scores_view, counts_view, mut grad_view);
-            let aux_arg = match &mut aux_slices {
-                Some((s, c, g, groups)) => {
-                    (scores_view, counts_view, grad_view) = (s.view(), c.view(), g.view_mut());
-                    Some(k::AuxLoss {
-                        scores: &scores_view,
-                        counts: &counts_view,
-                        groups: groups.groups,
-                        factor: groups.factor,
-                        grad: &mut grad_view,
-                    })
-                }
-                None => None,
-            };
-            let lse_slice = lse.as_ref().map(|l| l.device_read::<f32>()).transpose()?;
-            let lse_view = lse_slice.as_ref().map(|l| l.view());
-            k::route_losses(
-                gpu,
-                dims,
-                aux_arg,
-                lse_view.as_ref().zip(config.z_loss_coeff),
-                &mut losses.device_write::<f32>()?.view_mut(),
-            )?;
-        }
+        let (tokens_per_expert, dropped) = apply_capacity(&probs, &map, dims, config)?;
+        let (losses, aux, lse) = router_losses(logits, dims, seq, config)?;
         Ok(DeviceRouting {
             dims,
             mode,
-            scale: config.topk_scaling_factor.unwrap_or(1.0),
+            scale,
             z_coeff: config.z_loss_coeff,
             probs,
             map,
@@ -227,7 +113,7 @@ impl DeviceRouting {
             tokens_per_expert,
             dropped,
             losses,
-            aux: aux.map(|(s, _, g, _)| (s, g)),
+            aux,
             lse,
             permuted: None,
             rows_bound: permuted_rows(dims, config),
@@ -338,6 +224,151 @@ impl DeviceRouting {
             },
         }))
     }
+}
+
+/// Applies `config`'s capacity to the top-k's `probs` and `map` (`[tokens, experts]`, in
+/// place), as the host router does; returns each expert's tokens and the chosen pairs it
+/// dropped (`[experts]` each).
+fn apply_capacity(
+    probs: &Tensor,
+    map: &Tensor,
+    dims: RouteDims,
+    config: &RouterConfig,
+) -> Result<(Tensor, Tensor)> {
+    let gpu = map.gpu().expect("the routing lives on a GPU");
+    let (t, e) = (dims.tokens, dims.experts);
+    let capacity = config.capacity(t);
+    let keep = match capacity {
+        Some(c) if c <= t => {
+            let keep = Tensor::empty_near([t, e], DType::I64, map)?;
+            k::route_keep(
+                gpu,
+                &probs.device_read::<f32>()?.view(),
+                &map.device_read::<i64>()?.view(),
+                dims,
+                c,
+                config.drop_policy == super::DropPolicy::Position,
+                &mut keep.device_write::<i64>()?.view_mut(),
+            )?;
+            Some(keep)
+        }
+        _ => None,
+    };
+    let keep = keep.as_ref().map(|k| k.device_read::<i64>()).transpose()?;
+    let keep = keep.as_ref().map(|k| k.view());
+    let applied = match (&keep, capacity) {
+        (Some(keep), _) => Capacity::Keep {
+            keep,
+            pad: config.pad_to_capacity,
+        },
+        (None, Some(c)) if config.pad_to_capacity && c > t => Capacity::All,
+        _ => Capacity::Unlimited,
+    };
+    let tokens_per_expert = Tensor::empty_near([e], DType::I64, map)?;
+    let dropped = Tensor::empty_near([e], DType::I64, map)?;
+    k::route_counts(
+        gpu,
+        &mut probs.device_write::<f32>()?.view_mut(),
+        &mut map.device_write::<i64>()?.view_mut(),
+        applied,
+        dims,
+        &mut tokens_per_expert.device_write::<i64>()?.view_mut(),
+        &mut dropped.device_write::<i64>()?.view_mut(),
+    )?;
+    Ok((tokens_per_expert, dropped))
+}
+
+/// What [`router_losses`] gives: the losses `[2]` (aux, z), the load-balancing loss's scores and
+/// gradient (`[tokens, experts]` each) when it is on, and each token's log-sum-exp when the z
+/// loss is.
+type Losses = (Tensor, Option<(Tensor, Tensor)>, Option<Tensor>);
+
+/// The load-balancing and z losses of the tokens whose `logits` these are, in sequences of
+/// `seq`, as the host router computes them.
+fn router_losses(
+    logits: &Tensor,
+    dims: RouteDims,
+    seq: usize,
+    config: &RouterConfig,
+) -> Result<Losses> {
+    let gpu = logits.gpu().expect("the routing lives on a GPU");
+    let (t, e) = (dims.tokens, dims.experts);
+    let new = |shape: &[usize], dtype| Tensor::empty_near(shape.to_vec(), dtype, logits);
+    let logits_view = logits.device_read::<f32>()?;
+    let aux = match aux_groups(config, t, seq) {
+        Some(groups) => {
+            let (scores, chosen) = (new(&[t, e], DType::F32)?, new(&[t, dims.topk], DType::I64)?);
+            k::aux_scores(
+                gpu,
+                &logits_view.view(),
+                dims,
+                config.score_function == ScoreFunction::Sigmoid,
+                &mut scores.device_write::<f32>()?.view_mut(),
+                &mut chosen.device_write::<i64>()?.view_mut(),
+            )?;
+            let counts = new(&[groups.groups, e], DType::F32)?;
+            k::aux_counts(
+                gpu,
+                &chosen.device_read::<i64>()?.view(),
+                dims,
+                groups.groups,
+                &mut counts.device_write::<f32>()?.view_mut(),
+            )?;
+            Some((scores, counts, new(&[t, e], DType::F32)?, groups))
+        }
+        None => None,
+    };
+    let lse = match config.z_loss_coeff {
+        Some(_) => {
+            let lse = new(&[t], DType::F32)?;
+            k::logsumexp(
+                gpu,
+                &logits_view.view(),
+                dims,
+                &mut lse.device_write::<f32>()?.view_mut(),
+            )?;
+            Some(lse)
+        }
+        None => None,
+    };
+    let losses = new(&[2], DType::F32)?;
+    {
+        let mut aux_slices = aux
+            .as_ref()
+            .map(|(s, c, g, groups)| -> Result<_> {
+                Ok((
+                    s.device_read::<f32>()?,
+                    c.device_read::<f32>()?,
+                    g.device_write::<f32>()?,
+                    *groups,
+                ))
+            })
+            .transpose()?;
+        let (scores_view, counts_view, mut grad_view);
+        let aux_arg = match &mut aux_slices {
+            Some((s, c, g, groups)) => {
+                (scores_view, counts_view, grad_view) = (s.view(), c.view(), g.view_mut());
+                Some(k::AuxLoss {
+                    scores: &scores_view,
+                    counts: &counts_view,
+                    groups: groups.groups,
+                    factor: groups.factor,
+                    grad: &mut grad_view,
+                })
+            }
+            None => None,
+        };
+        let lse_slice = lse.as_ref().map(|l| l.device_read::<f32>()).transpose()?;
+        let lse_view = lse_slice.as_ref().map(|l| l.view());
+        k::route_losses(
+            gpu,
+            dims,
+            aux_arg,
+            lse_view.as_ref().zip(config.z_loss_coeff),
+            &mut losses.device_write::<f32>()?.view_mut(),
+        )?;
+    }
+    Ok((losses, aux.map(|(s, _, g, _)| (s, g)), lse))
 }
 
 /// The most rows a routing of `dims` by `config` sends: tokens × top-k, or every expert's
