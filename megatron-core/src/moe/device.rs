@@ -194,17 +194,16 @@ impl DeviceRouting {
         self.permuted.as_ref()
     }
 
-    /// The routing, read back to the host (the device-to-host sync).
+    /// The routing, read back to the host (the device-to-host sync): what the dispatch, the
+    /// combine and the step's metrics read (the weights, where each token goes, the counts, the
+    /// losses, the drops). What the backward reads stays on the device:
+    /// [`super::route_backward`] refuses this routing, [`DeviceRouting::backward`] takes it.
     pub fn read_back(&self) -> Result<Routing> {
         let RouteDims {
             tokens, experts, ..
         } = self.dims;
         let count = |v: Vec<i64>| v.into_iter().map(|c| c.max(0) as usize).collect::<Vec<_>>();
         let losses = self.losses.to_vec::<f32>()?;
-        let (aux_scores, aux_grad) = match &self.aux {
-            Some((s, g)) => (s.to_vec::<f32>()?, g.to_vec::<f32>()?),
-            None => (Vec::new(), Vec::new()),
-        };
         Ok(Routing::from_parts(RoutingParts {
             tokens,
             experts,
@@ -214,14 +213,11 @@ impl DeviceRouting {
             aux_loss: losses[0],
             z_loss: losses[1],
             dropped: count(self.dropped.to_vec::<i64>()?).iter().sum(),
-            chosen: count(self.chosen.to_vec::<i64>()?),
-            scores: self.scores.to_vec::<f32>()?,
-            aux_grad,
-            aux_scores,
-            lse: match &self.lse {
-                Some(lse) => lse.to_vec::<f32>()?,
-                None => Vec::new(),
-            },
+            chosen: Vec::new(),
+            scores: Vec::new(),
+            aux_grad: Vec::new(),
+            aux_scores: Vec::new(),
+            lse: Vec::new(),
         }))
     }
 }

@@ -55,6 +55,12 @@ pub enum RouterError {
         /// tokens × experts.
         need: usize,
     },
+    /// A routing read back from the device without what its backward reads.
+    #[error(
+        "this routing was read back from the device without what its backward reads: run the \
+         backward there (moe::device::DeviceRouting::backward)"
+    )]
+    NothingSaved,
     /// Tokens that do not cut into sequences of the given length.
     #[error("{tokens} tokens do not cut into sequences of {seq}")]
     Sequences {
@@ -568,6 +574,9 @@ pub fn route_backward(
     config: &RouterConfig,
 ) -> Result<Vec<f32>, RouterError> {
     let (tokens, e, k) = (routing.tokens, routing.experts, config.topk);
+    if routing.chosen.len() != tokens * k {
+        return Err(RouterError::NothingSaved);
+    }
     check_len("logits", logits.len(), tokens, e)?;
     check_len("probability gradient", dprobs.len(), tokens, e)?;
     let scale = config.topk_scaling_factor.unwrap_or(1.0);
