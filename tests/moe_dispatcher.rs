@@ -209,3 +209,49 @@ fn the_all_gather_dispatcher_gives_what_the_experts_give_on_the_tokens_rank() {
         }
     }
 }
+
+/// Rows the caller already laid out expert-major (as the GPU router does, in a buffer with room
+/// to spare) are sent as they are: the dispatch equals the one that lays them out itself; a
+/// buffer shorter than the routed rows is refused with the numbers.
+#[test]
+fn rows_laid_out_before_the_dispatch_are_sent_as_they_are() {
+    let out = launch(2, |w| -> R<()> {
+        let ranks: Vec<usize> = (0..w.size()).collect();
+        let c = w.communicator("ep", &ranks)?;
+        let me = w.rank();
+        let config = RouterConfig::new(EXPERTS, 2);
+        let routing = route(
+            &values(TOKENS * EXPERTS, 100 + me as u64),
+            TOKENS,
+            &config,
+            None,
+        )?;
+        let tokens = values(TOKENS * HIDDEN, 200 + me as u64);
+        let x = Tensor::from_vec(tokens.clone(), [TOKENS, HIDDEN])?;
+        // Expert-major, each expert's tokens in order, then one spare row of zeros.
+        let mut laid = Vec::new();
+        for e in 0..EXPERTS {
+            for t in (0..TOKENS).filter(|&t| routing.map[t * EXPERTS + e]) {
+                laid.extend_from_slice(&tokens[t * HIDDEN..(t + 1) * HIDDEN]);
+            }
+        }
+        let routed = laid.len() / HIDDEN;
+        laid.extend_from_slice(&[0.0; HIDDEN]);
+        let laid = Tensor::from_vec(laid, [routed + 1, HIDDEN])?;
+        let kind = DispatcherKind::AllToAll;
+        let (want, want_plan) = dispatch(c.as_ref(), kind, &x, &routing, None)?;
+        let (got, got_plan) = dispatch(c.as_ref(), kind, &x, &routing, Some(&laid))?;
+        assert_eq!(got.to_vec::<f32>()?, want.to_vec::<f32>()?);
+        assert_eq!(got_plan, want_plan);
+        let short = laid.narrow(0, 0, routed - 1)?;
+        let err = dispatch(c.as_ref(), kind, &x, &routing, Some(&short))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("the routing sends {routed} rows of {HIDDEN}")),
+            "{err}"
+        );
+        Ok(())
+    });
+    out.expect("both ranks");
+}

@@ -787,7 +787,7 @@ fn the_distributed_optimizer_with_nccl_under_mpirun_follows_thread_ranks_on_one_
 /// A MoE GPT with its experts over two of four GPU processes (ep 2, edp 2) over NCCL: the
 /// dispatcher's uneven all-to-alls as grouped NCCL sends and receives between the processes,
 /// the experts' gradients reduced over the expert data-parallel pairs, against the same run of
-/// thread ranks sharing one GPU. The MoE layers compute on the host (no device kernels yet).
+/// thread ranks sharing one GPU. The router runs on each GPU, the experts on the host.
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs 4 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]

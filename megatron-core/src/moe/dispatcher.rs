@@ -205,7 +205,19 @@ pub fn dispatch(
     match kind {
         DispatcherKind::AllToAll => {
             let rows = match permuted {
-                Some(p) => Rows::Permuted(p),
+                Some(p) => {
+                    // Checked before any collective, so that every rank stops here alike.
+                    let routed: usize = routing.tokens_per_expert.iter().sum();
+                    let dims = p.dims();
+                    if dims.len() != 2 || dims[1] != hidden || dims[0] < routed {
+                        return invalid!(
+                            "the permuted tokens are {}, the routing sends {routed} rows of \
+                             {hidden}",
+                            p.shape()
+                        );
+                    }
+                    Rows::Permuted(p)
+                }
                 None => Rows::Tokens(host()?),
             };
             let (rows, route) =
@@ -285,18 +297,9 @@ fn all_to_all_dispatch(
                 like,
             )?
         }
-        Rows::Permuted(rows) => {
-            let have = rows.numel() / hidden.max(1);
-            if rows.dims().len() != 2 || rows.dims()[1] != hidden || have < pairs.len() {
-                return invalid!(
-                    "the permuted tokens are {}, the routing sends {} rows of {hidden}",
-                    rows.shape(),
-                    pairs.len()
-                );
-            }
-            rows.narrow(0, 0, pairs.len())?
-                .reshape([pairs.len() * hidden])?
-        }
+        Rows::Permuted(rows) => rows
+            .narrow(0, 0, pairs.len())?
+            .reshape([pairs.len() * hidden])?,
     };
     let received = exchange_tensor(ep, &permuted, hidden, (&send, &recv), like)?;
     let sorted = gather_rows(

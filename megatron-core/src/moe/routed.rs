@@ -265,7 +265,7 @@ impl Module for RoutedExperts {
 
 /// A tensor's values as f32 on the host, where the layer computes: borrowed when they are
 /// there already (the f32 weights, read every call), else a copy (widened from 16 bits, or from
-/// a GPU, the results going back: the layer has no device kernels yet).
+/// a GPU, the results going back: the experts have no device kernels yet).
 enum HostF32<'a> {
     Borrowed(TensorRead<'a, f32>),
     Copied(Vec<f32>),

@@ -40,8 +40,28 @@ impl RouteDims {
         format!("{tokens} tokens × {experts} experts, top-{topk}")
     }
 
+    /// `tokens × experts`.
     fn cells(&self, kernel: &'static str) -> Result<usize> {
         product(kernel, &[self.tokens, self.experts])
+    }
+
+    /// `tokens × topk`.
+    fn picks(&self, kernel: &'static str) -> Result<usize> {
+        product(kernel, &[self.tokens, self.topk])
+    }
+
+    /// The scores [`route_topk`] keeps for `mode`: `tokens × experts` before a top-k,
+    /// `tokens × topk` after it.
+    fn score_cells(&self, kernel: &'static str, mode: ScoreMode) -> Result<usize> {
+        match mode {
+            ScoreMode::SoftmaxAfterTopK => self.picks(kernel),
+            _ => self.cells(kernel),
+        }
+    }
+
+    /// Tokens, experts and top-k as the kernels take them.
+    fn args(&self) -> (u64, u64, u64) {
+        (self.tokens as u64, self.experts as u64, self.topk as u64)
     }
 }
 
@@ -71,28 +91,20 @@ pub fn route_topk(
     const K: &str = "moe_route_topk";
     let cells = dims.cells(K)?;
     let describe = || dims.describe();
-    let score_cells = match mode {
-        ScoreMode::SoftmaxAfterTopK => product(K, &[dims.tokens, dims.topk])?,
-        _ => cells,
-    };
+    let score_cells = dims.score_cells(K, mode)?;
     check_len(K, "logits", logits.len(), cells, describe)?;
     if let Some(bias) = bias {
         check_len(K, "bias", bias.len(), dims.experts, describe)?;
     }
     check_len(K, "probs", out.probs.len(), cells, describe)?;
     check_len(K, "map", out.map.len(), cells, describe)?;
-    let chosen = product(K, &[dims.tokens, dims.topk])?;
+    let chosen = dims.picks(K)?;
     check_len(K, "chosen", out.chosen.len(), chosen, describe)?;
     check_len(K, "scores", out.scores.len(), score_cells, describe)?;
     if dims.tokens == 0 {
         return Ok(());
     }
-    let (t, e, k, m) = (
-        dims.tokens as u64,
-        dims.experts as u64,
-        dims.topk as u64,
-        mode as i32,
-    );
+    let ((t, e, k), m) = (dims.args(), mode as i32);
     let mut args = launch_args(gpu, K)?;
     args.arg(logits);
     match bias {
@@ -127,12 +139,7 @@ pub fn route_keep(
     if cells == 0 {
         return Ok(());
     }
-    let (t, e, c, p) = (
-        dims.tokens as u64,
-        dims.experts as u64,
-        capacity as u64,
-        i32::from(by_position),
-    );
+    let ((t, e, _), c, p) = (dims.args(), capacity as u64, i32::from(by_position));
     let mut args = launch_args(gpu, K)?;
     args.arg(probs)
         .arg(map)
@@ -187,7 +194,7 @@ pub fn route_counts(
     if dims.experts == 0 {
         return Ok(());
     }
-    let (t, e) = (dims.tokens as u64, dims.experts as u64);
+    let (t, e, _) = dims.args();
     let mut args = launch_args(gpu, K)?;
     args.arg(probs).arg(map);
     let (all, pad) = match capacity {
@@ -225,17 +232,12 @@ pub fn aux_scores(
     let describe = || dims.describe();
     check_len(K, "logits", logits.len(), cells, describe)?;
     check_len(K, "scores", scores.len(), cells, describe)?;
-    let picks = product(K, &[dims.tokens, dims.topk])?;
+    let picks = dims.picks(K)?;
     check_len(K, "chosen", chosen.len(), picks, describe)?;
     if dims.tokens == 0 {
         return Ok(());
     }
-    let (t, e, k, s) = (
-        dims.tokens as u64,
-        dims.experts as u64,
-        dims.topk as u64,
-        i32::from(sigmoid),
-    );
+    let ((t, e, k), s) = (dims.args(), i32::from(sigmoid));
     let mut args = launch_args(gpu, K)?;
     args.arg(logits).arg(&t).arg(&e).arg(&k).arg(&s);
     args.arg(scores).arg(chosen);
@@ -253,19 +255,14 @@ pub fn aux_counts(
 ) -> Result<()> {
     const K: &str = "moe_aux_counts";
     let describe = || format!("{}, {groups} groups", dims.describe());
-    let picks = product(K, &[dims.tokens, dims.topk])?;
+    let picks = dims.picks(K)?;
     check_len(K, "chosen", chosen.len(), picks, describe)?;
     let cells = product(K, &[groups, dims.experts])?;
     check_len(K, "counts", counts.len(), cells, describe)?;
     if cells == 0 {
         return Ok(());
     }
-    let (t, e, k, g) = (
-        dims.tokens as u64,
-        dims.experts as u64,
-        dims.topk as u64,
-        groups as u64,
-    );
+    let ((t, e, k), g) = (dims.args(), groups as u64);
     let mut args = launch_args(gpu, K)?;
     args.arg(chosen).arg(&t).arg(&e).arg(&k).arg(&g).arg(counts);
     launch(K, args, cover(cells))
@@ -285,7 +282,7 @@ pub fn logsumexp(
     if dims.tokens == 0 {
         return Ok(());
     }
-    let (t, e) = (dims.tokens as u64, dims.experts as u64);
+    let (t, e, _) = dims.args();
     let mut args = launch_args(gpu, K)?;
     args.arg(logits).arg(&t).arg(&e).arg(lse);
     launch(K, args, cover(dims.tokens))
@@ -319,7 +316,7 @@ pub fn route_losses(
     let cells = dims.cells(K)?;
     let describe = || dims.describe();
     check_len(K, "losses", losses.len(), 2, describe)?;
-    let (t, e) = (dims.tokens as u64, dims.experts as u64);
+    let (t, e, _) = dims.args();
     let mut args = launch_args(gpu, K)?;
     let (mut groups, mut factor) = (1u64, 0.0f32);
     match &aux {
@@ -393,12 +390,7 @@ pub fn permute(
     if rows == 0 || dims.experts == 0 {
         return Ok(());
     }
-    let (t, e, r, h) = (
-        dims.tokens as u64,
-        dims.experts as u64,
-        rows as u64,
-        hidden as u64,
-    );
+    let ((t, e, _), r, h) = (dims.args(), rows as u64, hidden as u64);
     let mut args = launch_args(gpu, I)?;
     args.arg(map).arg(tokens_per_expert).arg(&t).arg(&e).arg(&r);
     args.arg(&mut *source);
@@ -441,13 +433,10 @@ pub fn route_backward(
     const K: &str = "moe_route_backward";
     let cells = dims.cells(K)?;
     let describe = || dims.describe();
-    let score_cells = match mode {
-        ScoreMode::SoftmaxAfterTopK => product(K, &[dims.tokens, dims.topk])?,
-        _ => cells,
-    };
+    let score_cells = dims.score_cells(K, mode)?;
     check_len(K, "logits", saved.logits.len(), cells, describe)?;
     check_len(K, "map", saved.map.len(), cells, describe)?;
-    let picks = product(K, &[dims.tokens, dims.topk])?;
+    let picks = dims.picks(K)?;
     check_len(K, "chosen", saved.chosen.len(), picks, describe)?;
     check_len(K, "scores", saved.scores.len(), score_cells, describe)?;
     check_len(K, "dprobs", dprobs.len(), cells, describe)?;
@@ -456,12 +445,7 @@ pub fn route_backward(
     if dims.tokens == 0 {
         return Ok(());
     }
-    let (t, e, k, m) = (
-        dims.tokens as u64,
-        dims.experts as u64,
-        dims.topk as u64,
-        mode as i32,
-    );
+    let ((t, e, k), m) = (dims.args(), mode as i32);
     let mut args = launch_args(gpu, K)?;
     args.arg(saved.logits)
         .arg(dprobs)
