@@ -103,7 +103,7 @@ pub struct PipelineSettings {
     pub pp: usize,
     /// Model chunks (virtual stages) per stage; 1 is the non-interleaved 1F1B schedule.
     pub vpp: usize,
-    /// Contiguous microbatches per virtual stage (`--microbatch-group-size-per-vp-stage`;
+    /// Contiguous microbatches per virtual stage (`--microbatch-group-size-per-virtual-pipeline-stage`;
     /// `None`: pp).
     pub group_size: Option<usize>,
     /// Layers of the first stage when uneven (`--decoder-first-pipeline-num-layers`).

@@ -48,7 +48,7 @@ fn main() -> std::process::ExitCode {
     let args = match cli::config_file::expand(std::env::args().collect()) {
         Ok(args) => args,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            cli::output::error_line(&format!("error: {err:#}"));
             return std::process::ExitCode::FAILURE;
         }
     };
@@ -71,8 +71,16 @@ fn main() -> std::process::ExitCode {
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // A reader that left (`| head`) ends a command quietly, as Unix tools end.
+        Err(err)
+            if err
+                .downcast_ref::<cli::output::StdoutError>()
+                .is_some_and(cli::output::StdoutError::reader_left) =>
+        {
+            std::process::ExitCode::SUCCESS
+        }
         Err(err) => {
-            eprintln!("error: {err:#}");
+            cli::output::error_line(&format!("error: {err:#}"));
             std::process::ExitCode::FAILURE
         }
     }

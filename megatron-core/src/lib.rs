@@ -12,6 +12,7 @@ pub mod cuda_graphs;
 pub mod data;
 mod error;
 pub mod kernels;
+pub mod limits;
 pub mod module;
 pub mod moe;
 pub mod ops;

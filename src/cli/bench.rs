@@ -1,5 +1,7 @@
 //! `megatron bench`: GEMM and all-reduce benchmarks against this machine's limits.
 
+use super::output::say;
+use super::values;
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use megatron::bench;
@@ -16,11 +18,11 @@ pub struct BenchArgs {
     #[command(flatten)]
     step: Box<super::train::TrainArgs>,
     /// Steps run before timing starts (the timed steps are --train-iters).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = values::steps_or_none)]
     warmup: u64,
     /// Peak of the device in TFLOP/s for the MFU [default: 989, an H100 SXM's dense bf16 peak,
     /// on cuda; none on the CPU].
-    #[arg(long)]
+    #[arg(long, value_parser = values::positive)]
     peak_tflops: Option<f64>,
     /// With --device cuda: also time every kernel and product of the timed steps and report
     /// where the GPU time goes (the `profile` table on stderr, its rows in the JSON).
@@ -33,10 +35,10 @@ enum Which {
     /// GFLOP/s of a training step's GEMM shapes next to the FMA peak measured in the same run.
     Gemm {
         /// Threads for the GEMMs and the peak (default: every core).
-        #[arg(long)]
+        #[arg(long, value_parser = values::count)]
         threads: Option<usize>,
         /// Timed runs per shape (the median is reported).
-        #[arg(long, default_value_t = 7)]
+        #[arg(long, default_value_t = 7, value_parser = values::count)]
         repeats: usize,
         /// Print one JSON object.
         #[arg(long)]
@@ -50,10 +52,10 @@ enum Which {
     /// one product per expert and one dense product of the same size, with the FMA peak.
     GroupedGemm {
         /// Threads for the products and the peak (default: every core).
-        #[arg(long)]
+        #[arg(long, value_parser = values::count)]
         threads: Option<usize>,
         /// Timed runs per variant (the median is reported).
-        #[arg(long, default_value_t = 7)]
+        #[arg(long, default_value_t = 7, value_parser = values::count)]
         repeats: usize,
         /// Print one JSON object.
         #[arg(long)]
@@ -64,22 +66,22 @@ enum Which {
     /// GPT-1.2B layer at sequence 2048).
     Attention {
         /// Sequence length.
-        #[arg(long, default_value_t = 2048)]
+        #[arg(long, default_value_t = 2048, value_parser = values::batch)]
         seq_length: usize,
         /// Batch entries.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, value_parser = values::batch)]
         micro_batch_size: usize,
         /// Attention heads.
-        #[arg(long, default_value_t = 16)]
+        #[arg(long, default_value_t = 16, value_parser = values::dim)]
         heads: usize,
         /// Elements per head.
-        #[arg(long, default_value_t = 96)]
+        #[arg(long, default_value_t = 96, value_parser = values::dim)]
         head_dim: usize,
         /// Attention dropout.
-        #[arg(long, default_value_t = 0.1)]
+        #[arg(long, default_value_t = 0.1, value_parser = values::dropout)]
         dropout: f32,
         /// Timed runs (the median is reported).
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, default_value_t = 5, value_parser = values::count)]
         repeats: usize,
         /// Print one JSON object.
         #[arg(long)]
@@ -91,13 +93,13 @@ enum Which {
     /// Time of an in-process all-reduce next to the memory-bandwidth floor measured in the same run.
     Allreduce {
         /// Thread-ranks in the group.
-        #[arg(long, default_value_t = 2)]
+        #[arg(long, default_value_t = 2, value_parser = values::ranks)]
         ranks: usize,
         /// f32 elements per rank (default 4096 × 768, one GPT-2-small activation of 4096 tokens).
-        #[arg(long, default_value_t = 4096 * 768)]
+        #[arg(long, default_value_t = 4096 * 768, value_parser = values::elements)]
         elements: usize,
         /// Timed all-reduces (the median is reported).
-        #[arg(long, default_value_t = 30)]
+        #[arg(long, default_value_t = 30, value_parser = values::count)]
         iters: usize,
         /// Print one JSON object.
         #[arg(long)]
@@ -342,7 +344,7 @@ fn report_steps(
         "grad_dtype": job.train.precision.grads.name(),
         "profile": kernels,
     });
-    println!("{}", serde_json::to_string_pretty(&report)?);
+    say!("{}", serde_json::to_string_pretty(&report)?)?;
     Ok(())
 }
 
@@ -382,7 +384,9 @@ fn start_profile() {
 #[cfg(feature = "cuda")]
 fn finish_profile(steps: u64) -> Result<serde_json::Value> {
     let top = megatron::cuda::profile::stop()?.top(40);
-    eprintln!("GPU time of the {steps} timed steps, by kernel and product shape:\n{top}");
+    super::output::error_line(&format!(
+        "GPU time of the {steps} timed steps, by kernel and product shape:\n{top}"
+    ));
     Ok(serde_json::to_value(&top)?)
 }
 
@@ -394,9 +398,9 @@ fn finish_profile(_steps: u64) -> Result<serde_json::Value> {
 
 fn print<T: serde::Serialize + std::fmt::Display>(report: &T, json: bool) -> Result<()> {
     if json {
-        println!("{}", serde_json::to_string(report)?);
+        say!("{}", serde_json::to_string(report)?)?;
     } else {
-        println!("{report}");
+        say!("{report}")?;
     }
     Ok(())
 }

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use super::output::say;
 use anyhow::{Result, bail};
 use clap::Args;
 use megatron::convert::hf_gpt2;
@@ -41,23 +42,23 @@ pub fn run(args: &ConvertArgs) -> Result<()> {
     match (side(&args.from, "from")?, side(&args.to, "to")?) {
         (Side::HfGpt2(hf), Side::Checkpoint(out)) => {
             let c = hf_gpt2::import(&hf, &out)?;
-            println!(
+            say!(
                 "converted {} (GPT-2, {} layers, hidden {}, vocabulary {}) into {}",
                 hf.display(),
                 c.num_layers,
                 c.hidden_size,
                 c.vocab_size,
                 out.display()
-            );
+            )?;
         }
         (Side::Checkpoint(ckpt), Side::HfGpt2(hf)) => {
             let c = hf_gpt2::export(&ckpt, &hf)?;
-            println!(
+            say!(
                 "wrote {} as a Hugging Face GPT-2 ({} layers, hidden {})",
                 hf.display(),
                 c.num_layers,
                 c.hidden_size
-            );
+            )?;
         }
         _ => bail!("convert goes from hf-gpt2 to a checkpoint or from a checkpoint to hf-gpt2"),
     }

@@ -1,9 +1,9 @@
 //! `megatron data inspect`: the facts of an indexed dataset and the tokens of chosen documents.
 
 use std::fmt::Write as _;
-use std::io::Write as _;
 use std::ops::Range;
 
+use super::output;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use megatron::core::data::IndexedDataset;
@@ -133,9 +133,5 @@ fn inspect(args: &InspectArgs) -> Result<()> {
             }
         }
     }
-    // A reader that stops early (`| head`) is not an error.
-    match std::io::stdout().lock().write_all(out.as_bytes()) {
-        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
-        _ => Ok(()),
-    }
+    Ok(output::text(&out)?)
 }

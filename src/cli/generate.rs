@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use super::output::{self, say};
+use super::values;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use megatron::generate::{Sampling, generate};
@@ -17,7 +19,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     prompt: String,
     /// Most tokens to add.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = values::batch)]
     max_new_tokens: usize,
     /// Sampling temperature; 0 is greedy.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
@@ -29,7 +31,8 @@ pub struct GenerateArgs {
     #[arg(
         long = "tensor-model-parallel-size",
         visible_alias = "tp",
-        default_value_t = 1
+        default_value_t = 1,
+        value_parser = values::ranks
     )]
     tp: usize,
     /// Tokenizer (`byte` or a tokenizer.json) [default: the one the checkpoint records].
@@ -58,11 +61,11 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     let prompt = tokenizer.encode(&args.prompt)?;
     let context = megatron::generate::context_length(&args.load)?;
     if prompt.len() > context {
-        eprintln!(
+        output::error_line(&format!(
             "note: the prompt is {} tokens, more than the model's context of {context}: the \
              model sees its last {context} tokens",
             prompt.len()
-        );
+        ));
     }
     let sampling = Sampling {
         temperature: args.temperature,
@@ -78,6 +81,6 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         tokenizer.eod(),
     )?;
     let text = tokenizer.decode(&new)?;
-    println!("{}{}", args.prompt, text);
+    say!("{}{}", args.prompt, text)?;
     Ok(())
 }

@@ -9,7 +9,9 @@ use megatron::pipeline_parallel::{PipelineLayout, Schedule};
 use serde_json::json;
 
 use super::model_args::ArchitectureArgs;
+use super::output::say;
 use super::schedule::ScheduleShape;
+use super::values;
 
 /// Arguments of `megatron graphs`.
 #[derive(Debug, Args)]
@@ -22,10 +24,10 @@ pub struct GraphsArgs {
     #[arg(long = "cuda-graph-scope", num_args = 1.., value_name = "SCOPE", required = true)]
     cuda_graph_scope: Vec<String>,
     /// Tokens per sequence (the static buffers' size).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = values::batch)]
     seq_length: usize,
     /// Sequences per microbatch (the static buffers' size).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = values::batch)]
     micro_batch_size: usize,
     /// Print one JSON object.
     #[arg(long)]
@@ -78,10 +80,10 @@ pub fn run(args: &GraphsArgs) -> Result<()> {
             "cuda_graph_scope": scopes.iter().map(|s| s.name()).collect::<Vec<_>>(),
             "per_rank": per_rank,
         });
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        say!("{}", serde_json::to_string_pretty(&out)?)?;
         return Ok(());
     }
-    println!(
+    say!(
         "{}: {} layers ({} MoE), pp {}, vpp {}, {} microbatches, scopes {scopes}",
         args.arch.model_name(),
         config.num_layers,
@@ -89,8 +91,8 @@ pub fn run(args: &GraphsArgs) -> Result<()> {
         sizes.pp,
         sizes.vpp,
         sizes.microbatches
-    );
-    println!(
+    )?;
+    say!(
         "{:<5} {:>6} {:>8} {:>9} {:>7} {:>14} {:>8} {:>18}",
         "rank",
         "layers",
@@ -100,10 +102,10 @@ pub fn run(args: &GraphsArgs) -> Result<()> {
         "static buffers",
         "MiB",
         "one per microbatch"
-    );
+    )?;
     for r in &ranks {
         let slots: Vec<String> = r.slots.iter().map(usize::to_string).collect();
-        println!(
+        say!(
             "{:<5} {:>6} {:>8} {:>9} {:>7} {:>14} {:>8.2} {:>18}",
             r.pp_rank,
             r.layers,
@@ -113,7 +115,7 @@ pub fn run(args: &GraphsArgs) -> Result<()> {
             r.static_inputs + r.static_grads,
             r.static_bytes as f64 / (1 << 20) as f64,
             r.graphs_per_microbatch
-        );
+        )?;
     }
     Ok(())
 }

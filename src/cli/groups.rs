@@ -2,6 +2,8 @@
 
 use std::fmt::Write as _;
 
+use super::output::{self, say};
+use super::values;
 use anyhow::Result;
 use clap::Args;
 use megatron_core::parallel::{
@@ -13,29 +15,45 @@ use serde_json::{Map, Value, json};
 #[derive(Debug, Args)]
 pub struct GroupsArgs {
     /// Total number of ranks.
-    #[arg(long = "world-size", alias = "world_size")]
+    #[arg(long = "world-size", alias = "world_size", value_parser = values::ranks)]
     world_size: usize,
     /// Tensor-parallel size.
-    #[arg(long = "tp", alias = "tensor-model-parallel-size", default_value_t = 1)]
+    #[arg(
+        long = "tp",
+        alias = "tensor-model-parallel-size",
+        default_value_t = 1,
+        value_parser = values::ranks
+    )]
     tp: usize,
     /// Pipeline-parallel size.
     #[arg(
         long = "pp",
         alias = "pipeline-model-parallel-size",
-        default_value_t = 1
+        default_value_t = 1,
+        value_parser = values::ranks
     )]
     pp: usize,
     /// Context-parallel size.
-    #[arg(long = "cp", alias = "context-parallel-size", default_value_t = 1)]
+    #[arg(
+        long = "cp",
+        alias = "context-parallel-size",
+        default_value_t = 1,
+        value_parser = values::ranks
+    )]
     cp: usize,
     /// Expert-parallel size.
-    #[arg(long = "ep", alias = "expert-model-parallel-size", default_value_t = 1)]
+    #[arg(
+        long = "ep",
+        alias = "expert-model-parallel-size",
+        default_value_t = 1,
+        value_parser = values::ranks
+    )]
     ep: usize,
     /// Expert tensor-parallel size (default: the tensor-parallel size).
-    #[arg(long = "etp", alias = "expert-tensor-parallel-size")]
+    #[arg(long = "etp", alias = "expert-tensor-parallel-size", value_parser = values::ranks)]
     etp: Option<usize>,
     /// Data-parallel size; derived from the world size when omitted, checked when given.
-    #[arg(long = "dp")]
+    #[arg(long = "dp", value_parser = values::ranks)]
     dp: Option<usize>,
     /// Layout order of the axes, first varying fastest.
     #[arg(long, default_value = "tp-cp-ep-dp-pp")]
@@ -101,9 +119,9 @@ pub fn run(args: &GroupsArgs) -> Result<()> {
             Value::Object(map)
         };
         let out = json!({ "dense": section(&dense), "expert": section(&expert) });
-        println!("{}", serde_json::to_string(&out)?);
+        say!("{}", serde_json::to_string(&out)?)?;
     } else {
-        print!("{}", table(layout.config(), &dense, &expert));
+        output::text(&table(layout.config(), &dense, &expert))?;
     }
     Ok(())
 }

@@ -17,6 +17,8 @@ use megatron::tensor::{DType, Tensor};
 use serde_json::{Value, json};
 
 use super::model_args::ArchitectureArgs;
+use super::output::{self, say};
+use super::values;
 
 /// Arguments of `megatron inspect`.
 #[derive(Debug, Args)]
@@ -27,7 +29,8 @@ pub struct InspectArgs {
     #[arg(
         long = "tensor-model-parallel-size",
         visible_alias = "tp",
-        default_value_t = 1
+        default_value_t = 1,
+        value_parser = values::ranks
     )]
     tp: usize,
     /// Pipeline stages: show which layers each stage and chunk holds, and what goes between
@@ -35,37 +38,46 @@ pub struct InspectArgs {
     #[arg(
         long = "pipeline-model-parallel-size",
         visible_alias = "pp",
-        default_value_t = 1
+        default_value_t = 1,
+        value_parser = values::ranks
     )]
     pp: usize,
     /// Model chunks (virtual stages) per pipeline stage.
     #[arg(
         long = "virtual-pipeline-model-parallel-size",
         visible_alias = "vpp",
-        default_value_t = 1
+        default_value_t = 1,
+        value_parser = values::ranks
     )]
     vpp: usize,
     /// Layers of the first pipeline stage, the others sharing the rest evenly.
-    #[arg(long)]
+    #[arg(long, value_parser = values::layers)]
     decoder_first_pipeline_num_layers: Option<usize>,
     /// Layers of the last pipeline stage, the others sharing the rest evenly.
-    #[arg(long)]
+    #[arg(long, value_parser = values::layers)]
     decoder_last_pipeline_num_layers: Option<usize>,
     /// Data-parallel ranks: the bytes of each rank's parameters, gradients and optimizer state.
-    #[arg(long = "data-parallel-size", visible_alias = "dp", default_value_t = 1)]
+    #[arg(
+        long = "data-parallel-size",
+        visible_alias = "dp",
+        default_value_t = 1,
+        value_parser = values::ranks
+    )]
     dp: usize,
     /// Expert-parallel ranks (MoE models): each holds its share of every MoE layer's experts.
     #[arg(
         long = "expert-model-parallel-size",
         visible_alias = "ep",
-        default_value_t = 1
+        default_value_t = 1,
+        value_parser = values::ranks
     )]
     ep: usize,
     /// Expert tensor-parallel ranks (MoE models): each holds a slice of every local expert.
     #[arg(
         long = "expert-tensor-parallel-size",
         visible_alias = "etp",
-        default_value_t = 1
+        default_value_t = 1,
+        value_parser = values::ranks
     )]
     etp: usize,
     /// With Megatron-LM's distributed optimizer (the optimizer state split over the
@@ -390,7 +402,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
                 },
             },
         });
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        say!("{}", serde_json::to_string_pretty(&out)?)?;
         return Ok(());
     }
     let mut out = String::new();
@@ -525,6 +537,6 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             if boundaries == 1 { "y" } else { "ies" }
         );
     }
-    print!("{out}");
+    output::text(&out)?;
     Ok(())
 }

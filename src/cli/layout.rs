@@ -14,6 +14,8 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::model_args::ArchitectureArgs;
+use super::output::say;
+use super::values;
 
 /// Arguments of `megatron layout`.
 #[derive(Debug, Args)]
@@ -29,7 +31,8 @@ pub struct LayoutArgs {
     #[arg(
         long = "tensor-model-parallel-size",
         visible_alias = "tp",
-        default_value_t = 1
+        default_value_t = 1,
+        value_parser = values::ranks
     )]
     tp: usize,
     /// With `--model`: parameters in bf16.
@@ -39,14 +42,14 @@ pub struct LayoutArgs {
     #[arg(long)]
     fp16: bool,
     /// Data-parallel ranks (the shards of a dense buffer's buckets).
-    #[arg(long = "dp", visible_alias = "data-parallel-size")]
+    #[arg(long = "dp", visible_alias = "data-parallel-size", value_parser = values::ranks)]
     dp: usize,
     /// Expert data-parallel ranks (the shards of an expert buffer's buckets) [default: dp].
-    #[arg(long = "edp", visible_alias = "expert-data-parallel-size")]
+    #[arg(long = "edp", visible_alias = "expert-data-parallel-size", value_parser = values::ranks)]
     edp: Option<usize>,
     /// Elements after which a bucket closes [default: one bucket per buffer, as Megatron-LM
     /// without --overlap-grad-reduce].
-    #[arg(long = "bucket-size", visible_alias = "ddp-bucket-size")]
+    #[arg(long = "bucket-size", visible_alias = "ddp-bucket-size", value_parser = values::elements)]
     bucket_size: Option<usize>,
     /// Pad bucket ends to a multiple of lcm(dp, 128, 65536) rather than lcm(dp, 128).
     #[arg(long)]
@@ -233,14 +236,14 @@ pub fn run(args: &LayoutArgs) -> Result<()> {
         let out = json!({
             "buffers": buffers.iter().map(|b| buffer_json(b, &params)).collect::<Vec<_>>(),
         });
-        println!("{}", serde_json::to_string(&out)?);
+        say!("{}", serde_json::to_string(&out)?)?;
         return Ok(());
     }
     for (i, b) in buffers.iter().enumerate() {
         let shards = b.shards.map_or("not sharded".to_string(), |n| {
             format!("{n} shards per bucket")
         });
-        println!(
+        say!(
             "buffer {i}: {} parameters, {} gradients{}: {} elements ({} unpadded), {} bucket(s), {shards}",
             dtype_name(b.key.param_dtype),
             dtype_name(b.key.grad_dtype),
@@ -248,24 +251,26 @@ pub fn run(args: &LayoutArgs) -> Result<()> {
             b.numel(),
             b.numel_unpadded(),
             b.buckets.len(),
-        );
+        )?;
         for (id, range) in b.buckets.iter().enumerate() {
-            println!("  bucket {id}: [{}, {})", range.start, range.end);
+            say!("  bucket {id}: [{}, {})", range.start, range.end)?;
             for p in b.placements.iter().filter(|p| p.bucket == id) {
-                println!(
+                say!(
                     "    [{:>10}, {:>10})  {}",
-                    p.range.start, p.range.end, params[p.param].name
-                );
+                    p.range.start,
+                    p.range.end,
+                    params[p.param].name
+                )?;
             }
             if let Some(n) = b.shards {
                 let owners: Vec<String> = (0..n)
                     .filter_map(|r| b.shard(r, id))
                     .map(|s| format!("{}", s.parts.len()))
                     .collect();
-                println!(
+                say!(
                     "    parameters touched per rank's shard: {}",
                     owners.join(" ")
-                );
+                )?;
             }
         }
     }

@@ -5,6 +5,7 @@ use clap::Args;
 use megatron::models::{GptConfig, preset, presets};
 
 use super::moe_args::MoeArgs;
+use super::values;
 
 /// A registered model and explicit overrides of its architecture.
 #[derive(Debug, Args)]
@@ -14,34 +15,34 @@ pub struct ArchitectureArgs {
     #[arg(long)]
     model: Option<String>,
     /// Transformer layers [default: the preset's].
-    #[arg(long)]
+    #[arg(long, value_parser = values::layers)]
     num_layers: Option<usize>,
     /// Model width [default: the preset's].
-    #[arg(long)]
+    #[arg(long, value_parser = values::dim)]
     hidden_size: Option<usize>,
     /// MLP width [default: 4 × hidden size].
-    #[arg(long)]
+    #[arg(long, value_parser = values::dim)]
     ffn_hidden_size: Option<usize>,
     /// Attention heads [default: the preset's].
-    #[arg(long)]
+    #[arg(long, value_parser = values::dim)]
     num_attention_heads: Option<usize>,
     /// Learned positions [default: the preset's].
-    #[arg(long)]
+    #[arg(long, value_parser = values::dim)]
     max_position_embeddings: Option<usize>,
     /// Real vocabulary size [default: the preset's].
-    #[arg(long)]
+    #[arg(long, value_parser = values::vocab)]
     vocab_size: Option<usize>,
     /// Vocabulary padding unit [default: the preset's, 128].
-    #[arg(long)]
+    #[arg(long, value_parser = values::dim)]
     make_vocab_size_divisible_by: Option<usize>,
     /// Weight initialisation standard deviation [default: 0.02].
-    #[arg(long)]
+    #[arg(long, value_parser = values::non_negative_f32)]
     init_method_std: Option<f32>,
     /// Dropout after embeddings and residual branches [default: the preset's, 0.1].
-    #[arg(long)]
+    #[arg(long, value_parser = values::dropout)]
     hidden_dropout: Option<f32>,
     /// Dropout on attention weights [default: the preset's, 0.1].
-    #[arg(long)]
+    #[arg(long, value_parser = values::dropout)]
     attention_dropout: Option<f32>,
     #[command(flatten)]
     moe: MoeArgs,

@@ -1,6 +1,7 @@
 //! The mixture-of-experts architecture flags (`--num-experts` and the `--moe-*` family), named and
 //! defaulted as Megatron-LM's.
 
+use super::values;
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 use megatron::models::{GptConfig, MoeConfig, MoeLayerFreq};
@@ -43,13 +44,13 @@ pub enum DropArg {
 #[derive(Debug, Args)]
 pub struct MoeArgs {
     /// Experts per MoE layer (makes the model a mixture of experts) [default: the preset's].
-    #[arg(long)]
+    #[arg(long, value_parser = values::experts)]
     num_experts: Option<usize>,
     /// Experts each token goes to [default: the preset's, or 2].
-    #[arg(long)]
+    #[arg(long, value_parser = values::experts)]
     moe_router_topk: Option<usize>,
     /// Each expert's hidden size [default: the preset's, or --ffn-hidden-size].
-    #[arg(long)]
+    #[arg(long, value_parser = values::dim)]
     moe_ffn_hidden_size: Option<usize>,
     /// Which layers are MoE: every k-th (`2`), or per layer (`[0,1,1,1]`, `[0]*1+[1]*3`)
     /// [default: the preset's, or 1: all].
@@ -62,20 +63,20 @@ pub struct MoeArgs {
     #[arg(long, value_enum)]
     moe_router_score_function: Option<ScoreArg>,
     /// Multiplies the chosen experts' weights.
-    #[arg(long)]
+    #[arg(long, value_parser = values::positive_f32)]
     moe_router_topk_scaling_factor: Option<f32>,
     /// The load-balancing loss [default: the preset's, or aux_loss].
     #[arg(long, value_enum)]
     moe_router_load_balancing_type: Option<BalancingArg>,
     /// The load-balancing loss's coefficient [default: the preset's, or 0].
-    #[arg(long)]
+    #[arg(long, value_parser = values::non_negative_f32)]
     moe_aux_loss_coeff: Option<f32>,
     /// The router z loss's coefficient (none by default).
-    #[arg(long)]
+    #[arg(long, value_parser = values::non_negative_f32)]
     moe_z_loss_coeff: Option<f32>,
     /// Each expert takes at most ⌈tokens·topk/experts·factor⌉ tokens, the rest dropped
     /// (no capacity by default).
-    #[arg(long)]
+    #[arg(long, value_parser = values::positive_f32)]
     moe_expert_capacity_factor: Option<f32>,
     /// Pad every expert's input to its capacity.
     #[arg(long)]
@@ -88,10 +89,10 @@ pub struct MoeArgs {
     #[arg(long)]
     moe_router_enable_expert_bias: bool,
     /// How far the expert bias moves each step [default: the preset's, or 0.001].
-    #[arg(long)]
+    #[arg(long, value_parser = values::non_negative_f32)]
     moe_router_bias_update_rate: Option<f32>,
     /// Hidden size of the shared experts every token also goes through (none by default).
-    #[arg(long)]
+    #[arg(long, value_parser = values::dim)]
     moe_shared_expert_intermediate_size: Option<usize>,
 }
 

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use super::output::say;
 use anyhow::{Context, Result};
 use clap::Args;
 use megatron::report::plot::{Curves, draw};
@@ -31,11 +32,11 @@ pub fn run(args: &PlotArgs) -> Result<()> {
         .file_stem()
         .map_or_else(|| "loss".to_string(), |s| s.to_string_lossy().into_owned());
     draw(&curves, &title, &out)?;
-    println!(
+    say!(
         "wrote {} ({} training steps, {} evaluations)",
         out.display(),
         curves.train.len(),
         curves.valid.len()
-    );
+    )?;
     Ok(())
 }

@@ -7,6 +7,7 @@ use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use super::output::say;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -222,17 +223,17 @@ pub fn run(args: &PreprocessArgs) -> Result<()> {
         let (sequences, tokens) = (builder.sequences(), builder.tokens());
         let docs = builder.documents();
         builder.finish()?;
-        println!(
+        say!(
             "{}.{{bin,idx}}: {docs} documents, {sequences} sequences, {tokens} tokens ({dtype}, \
              vocabulary {vocab})",
             prefix.display()
-        );
+        )?;
     }
-    println!(
+    say!(
         "{line_no} lines in {:.1} s with {workers} worker{}",
         start.elapsed().as_secs_f64(),
         if workers == 1 { "" } else { "s" }
-    );
+    )?;
     Ok(())
 }
 

@@ -1,6 +1,8 @@
 //! `megatron schedule`: a pipeline schedule as Megatron-LM computes it (the schedule table, each
 //! rank's counts and order) and as the executor walks it, with the simulated timeline.
 
+use super::output::{self, say};
+use super::values;
 use anyhow::Result;
 use clap::Args;
 use megatron::pipeline_parallel::{Pass, Schedule, ScheduleConfig, draw, simulate, traces};
@@ -10,23 +12,36 @@ use serde_json::{Value, json};
 #[derive(Debug, Args)]
 pub struct ScheduleShape {
     /// Pipeline stages (Megatron's --pipeline-model-parallel-size).
-    #[arg(long = "pp", visible_alias = "pipeline-model-parallel-size")]
+    #[arg(
+        long = "pp",
+        visible_alias = "pipeline-model-parallel-size",
+        value_parser = values::ranks
+    )]
     pp: usize,
     /// Model chunks per rank (virtual pipeline stages); 1 is the non-interleaved 1F1B schedule.
     #[arg(
         long = "vpp",
         visible_alias = "virtual-pipeline-model-parallel-size",
-        default_value_t = 1
+        default_value_t = 1,
+        value_parser = values::ranks
     )]
     vpp: usize,
     /// Microbatches per step.
-    #[arg(long = "microbatches", visible_alias = "num-microbatches")]
+    #[arg(
+        long = "microbatches",
+        visible_alias = "num-microbatches",
+        value_parser = values::microbatches
+    )]
     microbatches: usize,
     /// Contiguous microbatches per virtual stage (Megatron's
-    /// --microbatch-group-size-per-vp-stage) [default: pp].
+    /// --microbatch-group-size-per-virtual-pipeline-stage) [default: pp].
     #[arg(
         long = "group-size",
-        visible_alias = "microbatch-group-size-per-vp-stage"
+        visible_aliases = [
+            "microbatch-group-size-per-virtual-pipeline-stage",
+            "microbatch-group-size-per-vp-stage"
+        ],
+        value_parser = values::microbatches
     )]
     group_size: Option<usize>,
 }
@@ -40,6 +55,9 @@ impl ScheduleShape {
         }
     }
 }
+
+/// The largest timeline drawn, in cells (ranks × time units): a few megabytes of text.
+const MAX_DRAWN_CELLS: u64 = 1 << 20;
 
 /// Arguments of `megatron schedule`.
 #[derive(Debug, Args)]
@@ -114,7 +132,7 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
                 "bubble": timeline.bubble(),
             },
         });
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        say!("{}", serde_json::to_string_pretty(&out)?)?;
         return Ok(());
     }
     let kind = match (config.forward_only, config.interleaved()) {
@@ -122,21 +140,25 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
         (false, false) => "1F1B",
         (false, true) => "interleaved 1F1B",
     };
-    println!(
+    say!(
         "{kind} schedule: pp {}, {} chunk{} per rank, {} microbatches, group size {}",
         config.pp,
         config.vpp,
         if config.vpp == 1 { "" } else { "s" },
         config.microbatches,
         config.group()
-    );
-    println!(
+    )?;
+    say!(
         "{:<6} {:>7} {:>7} {:>9} {:>9}  order",
-        "rank", "passes", "warm-up", "remaining", "max live"
-    );
+        "rank",
+        "passes",
+        "warm-up",
+        "remaining",
+        "max live"
+    )?;
     for (r, (_, stats)) in schedule.ranks.iter().zip(&walked) {
         let order: Vec<String> = r.order.iter().map(i32::to_string).collect();
-        println!(
+        say!(
             "{:<6} {:>7} {:>7} {:>9} {:>9}  {}",
             r.rank,
             r.counts.total,
@@ -144,22 +166,31 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
             r.counts.remaining,
             stats.max_live,
             order.join(" ")
-        );
+        )?;
     }
-    println!(
+    say!(
         "\ntimeline (a forward takes 1 unit, a backward 2; {}: microbatch, ' backward, . idle):",
         if config.vpp > 1 {
             "letter: chunk"
         } else {
             "number"
         }
-    );
-    print!("{}", draw(&timeline, config.vpp));
+    )?;
+    let cells = timeline.makespan.saturating_mul(config.pp as u64);
+    if cells <= MAX_DRAWN_CELLS {
+        output::text(&draw(&timeline, config.vpp))?;
+    } else {
+        say!(
+            "(not drawn: {} ranks × {} units is more than {MAX_DRAWN_CELLS} cells)",
+            config.pp,
+            timeline.makespan
+        )?;
+    }
     let theory = (config.pp - 1) as f64 / (config.vpp * config.microbatches) as f64;
-    println!(
+    say!(
         "\n{} units; bubble {:.3} of the compute time (Megatron-LM's theory: (pp − 1)/(V·M) = {theory:.3})",
         timeline.makespan,
         timeline.bubble()
-    );
+    )?;
     Ok(())
 }

@@ -10,7 +10,9 @@ use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use megatron::tokenizer::{ENDOFTEXT, Tokenizer, train_byte_level_bpe};
 
+use super::output::say;
 use super::preprocess::{JsonLines, key_texts, parse_line};
+use super::values;
 
 /// Arguments of `megatron tokenizer`.
 #[derive(Debug, Args)]
@@ -32,7 +34,7 @@ struct TrainArgs {
     #[command(flatten)]
     corpus: JsonLines,
     /// Most tokens in the vocabulary: 256 byte symbols, <|endoftext|>, and the merges learned.
-    #[arg(long)]
+    #[arg(long, value_parser = values::vocab)]
     vocab_size: usize,
     /// Where to write the tokenizer.json.
     #[arg(long)]
@@ -102,7 +104,7 @@ fn run_train(args: &TrainArgs) -> Result<()> {
     megatron::checkpoint::write_atomically(&args.output, json.as_bytes())
         .with_context(|| format!("writing --output {}", args.output.display()))?;
     let tokenizer = Tokenizer::from_file(&args.output)?;
-    println!(
+    say!(
         "trained a byte-level BPE tokenizer of {} tokens ({ENDOFTEXT} = {}) on {documents} documents of {} into {}",
         tokenizer.vocab_size(),
         tokenizer
@@ -110,6 +112,6 @@ fn run_train(args: &TrainArgs) -> Result<()> {
             .map_or("none".to_string(), |id| id.to_string()),
         args.corpus.input.display(),
         args.output.display()
-    );
+    )?;
     Ok(())
 }

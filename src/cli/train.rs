@@ -24,6 +24,8 @@ use megatron::training::{
 
 use super::model_args::ArchitectureArgs;
 use super::observers::{JsonLog, Plot, Progress, TensorBoard};
+use super::output::note;
+use super::values;
 
 /// A source of training or validation samples.
 type Source = Arc<dyn SampleSource>;
@@ -35,23 +37,31 @@ pub struct TrainArgs {
     #[command(flatten)]
     arch: ArchitectureArgs,
     /// Tensor-parallel size [default: 1, or the loaded checkpoint's].
-    #[arg(long = "tensor-model-parallel-size", visible_alias = "tp")]
+    #[arg(long = "tensor-model-parallel-size", visible_alias = "tp", value_parser = values::ranks)]
     tp: Option<usize>,
     /// Data-parallel size (the world is tp × pp × dp ranks) [default: 1, or the loaded
     /// checkpoint's].
-    #[arg(long = "data-parallel-size", visible_alias = "dp")]
+    #[arg(long = "data-parallel-size", visible_alias = "dp", value_parser = values::ranks)]
     dp: Option<usize>,
     /// Pipeline stages: the layers are cut into this many stages, one per rank of a pipeline
     /// group, trained with Megatron-LM's 1F1B schedule [default: 1, or the loaded checkpoint's].
-    #[arg(long = "pipeline-model-parallel-size", visible_alias = "pp")]
+    #[arg(
+        long = "pipeline-model-parallel-size",
+        visible_alias = "pp",
+        value_parser = values::ranks
+    )]
     pp: Option<usize>,
     /// Expert-parallel size: each MoE layer's experts are split over this many ranks, which
     /// exchange tokens by all-to-all (Megatron-LM's MoE folding: ep divides tp × dp) [default: 1].
-    #[arg(long = "expert-model-parallel-size", visible_alias = "ep")]
+    #[arg(long = "expert-model-parallel-size", visible_alias = "ep", value_parser = values::ranks)]
     ep: Option<usize>,
     /// Expert tensor-parallel size: each expert's linears split over this many ranks
     /// [default: 1].
-    #[arg(long = "expert-tensor-parallel-size", visible_alias = "etp")]
+    #[arg(
+        long = "expert-tensor-parallel-size",
+        visible_alias = "etp",
+        value_parser = values::ranks
+    )]
     etp: Option<usize>,
     /// How tokens reach their experts: all-to-all over the expert-parallel group.
     #[arg(long, value_enum, default_value_t = Dispatcher::Alltoall)]
@@ -60,64 +70,74 @@ pub struct TrainArgs {
     /// [default: 1].
     #[arg(
         long = "virtual-pipeline-model-parallel-size",
-        visible_aliases = ["vpp", "num-virtual-stages-per-pipeline-rank"]
+        visible_aliases = ["vpp", "num-virtual-stages-per-pipeline-rank"],
+        value_parser = values::ranks
     )]
     vpp: Option<usize>,
     /// Layers per virtual pipeline stage (the interleaved schedule, the number of chunks
     /// derived: layers / pp / this).
-    #[arg(long)]
+    #[arg(long, value_parser = values::layers)]
     num_layers_per_virtual_pipeline_stage: Option<usize>,
     /// Contiguous microbatches each virtual stage runs (interleaved schedule) [default: pp].
-    #[arg(long)]
+    #[arg(
+        long = "microbatch-group-size-per-virtual-pipeline-stage",
+        visible_alias = "microbatch-group-size-per-vp-stage",
+        value_parser = values::microbatches
+    )]
     microbatch_group_size_per_vp_stage: Option<usize>,
     /// Layers of the first pipeline stage, the others sharing the rest evenly.
-    #[arg(long)]
+    #[arg(long, value_parser = values::layers)]
     decoder_first_pipeline_num_layers: Option<usize>,
     /// Layers of the last pipeline stage, the others sharing the rest evenly.
-    #[arg(long)]
+    #[arg(long, value_parser = values::layers)]
     decoder_last_pipeline_num_layers: Option<usize>,
     /// Tokens per sample [default: 128, or the loaded checkpoint's].
-    #[arg(long)]
+    #[arg(long, value_parser = values::batch)]
     seq_length: Option<usize>,
     /// Samples per microbatch on one rank [default: 4, or the loaded checkpoint's].
-    #[arg(long)]
+    #[arg(long, value_parser = values::batch)]
     micro_batch_size: Option<usize>,
     /// Samples per step over all data-parallel ranks [default: micro batch × dp, or the loaded
     /// checkpoint's].
-    #[arg(long)]
+    #[arg(long, value_parser = values::batch)]
     global_batch_size: Option<usize>,
     /// Optimizer steps to reach (a resumed run continues up to this step).
-    #[arg(long = "train-iters", visible_alias = "steps", default_value_t = 100)]
+    #[arg(
+        long = "train-iters",
+        visible_alias = "steps",
+        default_value_t = 100,
+        value_parser = values::steps
+    )]
     train_iters: u64,
     /// Peak learning rate.
-    #[arg(long, default_value_t = 1e-3)]
+    #[arg(long, default_value_t = 1e-3, value_parser = values::non_negative)]
     lr: f64,
     /// Learning rate at the end of the decay [default: lr / 10].
-    #[arg(long)]
+    #[arg(long, value_parser = values::non_negative)]
     min_lr: Option<f64>,
     /// Steps of linear warmup.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = values::steps_or_none)]
     lr_warmup_iters: u64,
     /// Step at which the decay ends [default: train-iters].
-    #[arg(long)]
+    #[arg(long, value_parser = values::steps)]
     lr_decay_iters: Option<u64>,
     /// Decay shape: constant, linear or cosine.
     #[arg(long, default_value = "cosine")]
     lr_decay_style: DecayStyle,
     /// Decoupled weight decay (not on biases and norms).
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, default_value_t = 0.01, value_parser = values::non_negative)]
     weight_decay: f64,
     /// Global gradient-norm clipping (0 disables).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = values::non_negative)]
     clip_grad: f64,
     /// Adam β₁.
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, default_value_t = 0.9, value_parser = values::fraction)]
     adam_beta1: f64,
     /// Adam β₂.
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.95, value_parser = values::fraction)]
     adam_beta2: f64,
     /// Adam ε.
-    #[arg(long, default_value_t = 1e-8)]
+    #[arg(long, default_value_t = 1e-8, value_parser = values::positive)]
     adam_eps: f64,
     /// Seed of parameters, data order and dropout [default: 1234, or the loaded checkpoint's].
     #[arg(long)]
@@ -137,17 +157,17 @@ pub struct TrainArgs {
     #[arg(long)]
     split: Option<String>,
     /// Evaluate on the validation split every N steps (and at the end) [default: never].
-    #[arg(long)]
+    #[arg(long, value_parser = values::steps)]
     eval_interval: Option<u64>,
     /// Global batches per evaluation.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = values::steps)]
     eval_iters: u64,
     /// Save checkpoints into this directory (every --save-interval steps, at the end, and when
     /// SIGINT or SIGTERM stops the run).
     #[arg(long)]
     save: Option<PathBuf>,
     /// Steps between checkpoints [default: only at the end].
-    #[arg(long)]
+    #[arg(long, value_parser = values::steps)]
     save_interval: Option<u64>,
     /// Start from this checkpoint (a save directory or an iteration directory): parameters,
     /// optimizer state and step; its architecture, and the settings other flags leave out.
@@ -165,7 +185,7 @@ pub struct TrainArgs {
     tensorboard_dir: Option<PathBuf>,
     /// Elements after which a gradient bucket closes (in the first model chunk of the first
     /// pipeline stage, as Megatron-LM) [default: max(40M, 1M × dp)].
-    #[arg(long)]
+    #[arg(long, value_parser = values::elements)]
     ddp_bucket_size: Option<usize>,
     /// Megatron-LM's distributed optimizer (ZeRO-1): gradients reduce-scattered per bucket,
     /// each data-parallel rank updating its shard of the parameters with its shard of the
@@ -187,7 +207,7 @@ pub struct TrainArgs {
     #[arg(long)]
     recompute_method: Option<String>,
     /// With `full`: the layers per group (`uniform`) or per stage (`block`).
-    #[arg(long)]
+    #[arg(long, value_parser = values::layers)]
     recompute_num_layers: Option<usize>,
     /// Train on when a step's loss or gradient norm is NaN or infinite (by default the run
     /// stops with an error naming the step, before its update, as Megatron-LM does; off with
@@ -204,21 +224,21 @@ pub struct TrainArgs {
     #[arg(long)]
     fp16: bool,
     /// A static loss scale (with --fp16 or --bf16); without it --fp16 scales dynamically.
-    #[arg(long)]
+    #[arg(long, value_parser = values::loss_scale)]
     loss_scale: Option<f64>,
     /// The dynamic loss scale's start [default: 2^32].
-    #[arg(long)]
+    #[arg(long, value_parser = values::loss_scale)]
     initial_loss_scale: Option<f64>,
     /// The dynamic loss scale's floor [default: 1].
-    #[arg(long)]
+    #[arg(long, value_parser = values::loss_scale)]
     min_loss_scale: Option<f64>,
     /// Steps without inf/NaN gradients after which the dynamic loss scale doubles
     /// [default: 1000].
-    #[arg(long)]
+    #[arg(long, value_parser = values::steps)]
     loss_scale_window: Option<u64>,
     /// Steps with inf/NaN gradients (since the last growth) before each halving of the dynamic
     /// loss scale [default: 2].
-    #[arg(long)]
+    #[arg(long, value_parser = values::steps)]
     hysteresis: Option<u64>,
     /// Accumulate and reduce gradients in f32 (with --fp16; --bf16 does by default).
     #[arg(long)]
@@ -980,7 +1000,7 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
     if let Some(load) = &args.load
         && !taken.is_empty()
     {
-        println!(
+        note!(
             "from the checkpoint {}: {}",
             load.display(),
             taken.join(" ")
@@ -992,7 +1012,7 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
     let plan = *job.train_data.plan();
     let params = job.model.num_params(job.tp);
     let flops_per_token = job.model.flops_per_token(plan.seq_length, job.tp);
-    println!(
+    note!(
         "training {} ({:.2}M parameters) with {} on {} {}: {} steps of {} tokens ({} microbatches of {} per rank)",
         job.model_name,
         params as f64 / 1e6,
@@ -1039,9 +1059,10 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
     }
     let summary = run(job, &mut observers)?;
     let (Some(first), Some(last)) = (summary.steps.first(), summary.steps.last()) else {
-        println!(
+        note!(
             "no steps run (the checkpoint is at step {} of {})",
-            summary.first_step, job.steps
+            summary.first_step,
+            job.steps
         );
         return Ok(());
     };
@@ -1049,7 +1070,7 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
     let median_ms = plan.global_batch as f64 * plan.seq_length as f64
         / tokens_per_s.max(f64::MIN_POSITIVE)
         * 1e3;
-    println!(
+    note!(
         "loss {:.4} → {:.4} over {} steps in {:.1} s; median step {:.1} ms: {:.0} tokens/s, {:.1} GFLOP/s of model FLOPs",
         first.0,
         last.0,
@@ -1060,7 +1081,7 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
         tokens_per_s * flops_per_token / 1e9
     );
     let state = summary.state;
-    println!(
+    note!(
         "rank 0's state: {:.1} bytes per parameter (values {:.1}, gradients {:.1}{}, optimizer {:.1})",
         state.per_param(state.total()),
         state.per_param(state.values),
@@ -1073,7 +1094,7 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
         state.per_param(state.optimizer),
     );
     if let Some(e) = summary.evals.last() {
-        println!(
+        note!(
             "validation loss {:.4}, perplexity {:.2} at step {}",
             e.loss,
             e.perplexity(),

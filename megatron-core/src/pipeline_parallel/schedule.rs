@@ -31,10 +31,27 @@ pub enum ScheduleError {
         /// Pipeline stages.
         pp: usize,
     },
+    /// The schedule has more passes than megatron-rs accepts.
+    #[error(transparent)]
+    TooLong(#[from] crate::limits::LimitError),
+    /// Too few microbatches for the interleaved schedule (the group size left at its default,
+    /// pp).
+    #[error(
+        "the interleaved schedule needs at least pp = {pp} microbatches per step, got \
+         {microbatches} (raise --global-batch-size, or lower --micro-batch-size or \
+         --data-parallel-size)"
+    )]
+    TooFewMicrobatches {
+        /// Pipeline stages.
+        pp: usize,
+        /// Microbatches per step.
+        microbatches: usize,
+    },
     /// The group of contiguous microbatches per virtual stage is outside `[pp, M]`.
     #[error(
         "the number of contiguous microbatches in a virtual pipeline stage \
-         (--microbatch-group-size-per-vp-stage {group}) should range in [PP={pp}, M={microbatches}]"
+         (--microbatch-group-size-per-virtual-pipeline-stage {group}) should range in \
+         [PP={pp}, M={microbatches}]"
     )]
     GroupSize {
         /// The group size given.
@@ -110,12 +127,25 @@ impl ScheduleConfig {
             ("the pipeline-parallel size", self.pp),
             ("the number of virtual stages per rank", self.vpp),
             ("the number of microbatches", self.microbatches),
-            ("--microbatch-group-size-per-vp-stage", self.group()),
+            (
+                "--microbatch-group-size-per-virtual-pipeline-stage",
+                self.group(),
+            ),
         ] {
             if v == 0 {
                 return Err(ScheduleError::Zero { what });
             }
         }
+        let passes = crate::limits::product(&[self.pp, self.vpp, self.microbatches]);
+        crate::limits::check(
+            format!(
+                "a schedule of pp × vpp × microbatches = {} × {} × {} =",
+                self.pp, self.vpp, self.microbatches
+            ),
+            passes,
+            crate::limits::MAX_SCHEDULE_PASSES,
+            "forward passes per step",
+        )?;
         if self.vpp > 1 && self.pp < 2 {
             return Err(ScheduleError::VirtualWithoutPipeline {
                 vpp: self.vpp,
@@ -124,6 +154,12 @@ impl ScheduleConfig {
         }
         if self.interleaved() {
             let (g, m, pp) = (self.group(), self.microbatches, self.pp);
+            if self.group_size.is_none() && m < pp {
+                return Err(ScheduleError::TooFewMicrobatches {
+                    pp,
+                    microbatches: m,
+                });
+            }
             if g > m || g < pp {
                 return Err(ScheduleError::GroupSize {
                     group: g,

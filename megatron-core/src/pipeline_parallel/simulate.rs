@@ -189,50 +189,56 @@ pub fn simulate(
     let pp = schedule.config.pp;
     let stages = pp * schedule.config.vpp;
     let mut done: HashMap<(Pass, usize, usize), u64> = HashMap::new();
+    // The ranks blocked on each pass not yet done; a rank runs again once its pass is done, so
+    // every pass is timed once: linear in the schedule's length.
+    let mut blocked: HashMap<(Pass, usize, usize), Vec<usize>> = HashMap::new();
+    let mut runnable: Vec<usize> = (0..pp).rev().collect();
     let mut next = vec![0usize; pp];
     let mut free = vec![0u64; pp];
     let mut timed: Vec<Vec<Timed>> = vec![Vec::new(); pp];
-    loop {
-        let mut progress = false;
-        for rank in 0..pp {
-            let ops = &traces[rank].0;
-            while let Some(op) = ops.get(next[rank]) {
-                let stage = op.chunk * pp + rank;
-                let ready = match dependency(op, stage, stages) {
-                    None => Some(0),
-                    Some(dep) => done.get(&dep).copied(),
-                };
-                let Some(ready) = ready else { break };
-                let start = ready.max(free[rank]);
-                let cost = match op.pass {
-                    Pass::Forward => forward,
-                    Pass::Backward => backward,
-                };
-                let end = start + cost;
-                done.insert((op.pass, stage, op.microbatch), end);
-                timed[rank].push(Timed {
-                    op: *op,
-                    start,
-                    end,
-                });
-                free[rank] = end;
-                next[rank] += 1;
-                progress = true;
+    while let Some(rank) = runnable.pop() {
+        let ops = &traces[rank].0;
+        while let Some(op) = ops.get(next[rank]) {
+            let stage = op.chunk * pp + rank;
+            let ready = match dependency(op, stage, stages) {
+                None => 0,
+                Some(dep) => match done.get(&dep) {
+                    Some(&end) => end,
+                    None => {
+                        blocked.entry(dep).or_default().push(rank);
+                        break;
+                    }
+                },
+            };
+            let start = ready.max(free[rank]);
+            let cost = match op.pass {
+                Pass::Forward => forward,
+                Pass::Backward => backward,
+            };
+            let end = start + cost;
+            let key = (op.pass, stage, op.microbatch);
+            done.insert(key, end);
+            if let Some(ranks) = blocked.remove(&key) {
+                runnable.extend(ranks);
             }
+            timed[rank].push(Timed {
+                op: *op,
+                start,
+                end,
+            });
+            free[rank] = end;
+            next[rank] += 1;
         }
-        if (0..pp).all(|r| next[r] == traces[r].0.len()) {
-            break;
-        }
-        if !progress {
-            let waiting = (0..pp)
-                .filter_map(|rank| {
-                    let op = traces[rank].0.get(next[rank])?;
-                    let (pass, stage, mb) = dependency(op, op.chunk * pp + rank, stages)?;
-                    Some((rank, *op, pass, stage, mb))
-                })
-                .collect();
-            return Err(PipelineError::Deadlock { waiting });
-        }
+    }
+    if (0..pp).any(|r| next[r] < traces[r].0.len()) {
+        let waiting = (0..pp)
+            .filter_map(|rank| {
+                let op = traces[rank].0.get(next[rank])?;
+                let (pass, stage, mb) = dependency(op, op.chunk * pp + rank, stages)?;
+                Some((rank, *op, pass, stage, mb))
+            })
+            .collect();
+        return Err(PipelineError::Deadlock { waiting });
     }
     let makespan = free.iter().copied().max().unwrap_or(0);
     let busy = timed[0].iter().map(|t| t.end - t.start).sum();
