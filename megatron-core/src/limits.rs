@@ -27,6 +27,9 @@ pub const MAX_EXPERTS: usize = 1 << 16;
 /// Tokens of a vocabulary: 2^24 (the largest in use have a few hundred thousand).
 pub const MAX_VOCAB: usize = 1 << 24;
 
+/// Parameters of a model: 2^50, about 10^15 (a thousand times the largest models trained).
+pub const MAX_PARAMS: usize = 1 << 50;
+
 /// Tokens per sample, samples per microbatch, samples per global batch: 2^30.
 pub const MAX_BATCH: usize = 1 << 30;
 

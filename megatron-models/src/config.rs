@@ -3,6 +3,7 @@
 use megatron_core::Result;
 use megatron_core::cuda_graphs::ScopedModel;
 use megatron_core::invalid;
+use megatron_core::limits::{MAX_LAYERS, MAX_PARAMS};
 use megatron_core::moe::{DispatcherKind, RouterConfig};
 use megatron_core::tensor_parallel::padded_vocab_size;
 
@@ -57,6 +58,13 @@ impl MoeLayerFreq {
                         ));
                     }
                 }
+            }
+            let length = pattern.len() as u128 + items.len() as u128 * times as u128;
+            if length > MAX_LAYERS as u128 {
+                return Err(format!(
+                    "--moe-layer-freq {text}: lists {length} layers or more, more than \
+                     megatron-rs accepts (at most {MAX_LAYERS}: a model's layers)"
+                ));
             }
             for _ in 0..times {
                 pattern.extend_from_slice(&items);
@@ -259,6 +267,16 @@ impl GptConfig {
                 c.ffn_hidden_size
             );
         }
+        let params = c.params_exact(tp, false);
+        if params > MAX_PARAMS as u128 {
+            return invalid!(
+                "the model has {params} parameters (--num-layers {} × --hidden-size {} ...), more \
+                 than megatron-rs accepts (at most {MAX_PARAMS}, a thousand times the largest \
+                 models trained)",
+                c.num_layers,
+                c.hidden_size
+            );
+        }
         for (name, p) in [
             ("hidden-dropout", c.hidden_dropout),
             ("attention-dropout", c.attention_dropout),
@@ -288,25 +306,34 @@ impl GptConfig {
     }
 
     fn params(&self, tp: usize, active: bool) -> usize {
-        let (h, f) = (self.hidden_size, self.ffn_hidden_size);
-        let mlp = |f: usize| (f * h + f) + (h * f + h);
+        // A validated config has at most `MAX_PARAMS` parameters.
+        usize::try_from(self.params_exact(tp, active)).unwrap_or(usize::MAX)
+    }
+
+    /// The parameter count in u128, where no product of sizes overflows.
+    fn params_exact(&self, tp: usize, active: bool) -> u128 {
+        let (h, f) = (self.hidden_size as u128, self.ffn_hidden_size as u128);
+        let mlp = |f: u128| (f * h + f) + (h * f + h);
         let common = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h);
         let moe_layers = self.moe_layers().unwrap_or_default();
-        let layers: usize = moe_layers
+        let layers: u128 = moe_layers
             .iter()
             .map(|&is_moe| match (&self.moe, is_moe) {
                 (Some(moe), true) => {
-                    let e = moe.router.num_experts;
-                    let used = if active { moe.router.topk } else { e };
+                    let e = moe.router.num_experts as u128;
+                    let used = if active { moe.router.topk as u128 } else { e };
                     common
                         + e * h
-                        + used * 2 * h * moe.ffn_hidden_size
-                        + moe.shared_expert_ffn.map_or(0, mlp)
+                        + used * 2 * h * moe.ffn_hidden_size as u128
+                        + moe.shared_expert_ffn.map_or(0, |s| mlp(s as u128))
                 }
                 _ => common + mlp(f),
             })
             .sum();
-        self.padded_vocab_size(tp) * h + self.max_position_embeddings * h + layers + 2 * h
+        self.padded_vocab_size(tp) as u128 * h
+            + self.max_position_embeddings as u128 * h
+            + layers
+            + 2 * h
     }
 
     /// Model FLOPs of one training token of a sequence of `seq` tokens: 6 per parameter the

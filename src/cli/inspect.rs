@@ -248,18 +248,34 @@ fn split_name(spec: &ParamSpec) -> String {
     }
 }
 
-/// Runs one forward and one backward of a transformer layer on tp ranks; returns rank 0's
-/// communication in each.
-fn layer_collectives(config: &GptConfig, tp: usize) -> Result<(Vec<Collective>, Vec<Collective>)> {
+/// The most ranks the layer's collectives are measured on: from 2 ranks on, a layer makes the
+/// same calls of the same activation-sized payloads at any tensor-parallel size.
+const MEASURED_TP: usize = 8;
+
+/// Runs one forward and one backward of a stand-in for a transformer layer on `min(tp, 8)`
+/// ranks; returns rank 0's communication in each, and the stand-in's hidden size (the unit
+/// of its payloads). The stand-in has the layer's kind (dense or the first MoE layer, with
+/// its top-k) and structure at the smallest sizes tp divides (a head and 2 hidden units a
+/// rank, MLPs and experts of 1 unit a rank, top-k experts): the same collectives, without a
+/// model's worth of weights.
+fn layer_collectives(
+    config: &GptConfig,
+    tp: usize,
+) -> Result<(Vec<Collective>, Vec<Collective>, usize)> {
+    let tp = tp.min(MEASURED_TP);
     let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp))?;
-    // A MoE layer (the first, if any) with experts of one hidden unit: the same collectives,
-    // without a model's worth of expert weights.
     let mut config = config.clone();
-    let first_moe = config.moe_layers()?.iter().position(|&m| m);
+    config.num_layers = 1;
+    config.num_attention_heads = tp;
+    config.hidden_size = 2 * tp;
+    config.ffn_hidden_size = tp;
     if let Some(moe) = &mut config.moe {
         moe.ffn_hidden_size = 1;
+        moe.router.num_experts = moe.router.topk;
+        moe.shared_expert_ffn = moe.shared_expert_ffn.map(|_| tp);
+        moe.layer_freq = megatron::models::MoeLayerFreq::Every(1);
     }
-    let spec = config.spec().blocks.remove(first_moe.unwrap_or(0));
+    let spec = config.spec().blocks.remove(0);
     let h = config.hidden_size;
     let out = launch(tp, |w| -> Result<_> {
         let ps = ParallelState::new(&w, &layout)?;
@@ -284,7 +300,7 @@ fn layer_collectives(config: &GptConfig, tp: usize) -> Result<(Vec<Collective>, 
     })
     .map_err(anyhow::Error::msg)?;
     let (fwd, bwd) = out.into_iter().next().expect("at least one rank");
-    Ok((collectives(&fwd), collectives(&bwd)))
+    Ok((collectives(&fwd), collectives(&bwd), h))
 }
 
 /// Runs `megatron inspect`.
@@ -323,9 +339,8 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     drop(model);
     let total: usize = specs.iter().map(|s| s.logical.numel()).sum();
     let local: usize = specs.iter().map(|s| s.local.numel()).sum();
-    let (fwd, bwd) = layer_collectives(&config, args.tp)?;
+    let (fwd, bwd, measured_h) = layer_collectives(&config, args.tp)?;
     let padded = config.padded_vocab_size(args.tp);
-    let h = config.hidden_size;
     let stages = stage_rows(args, config.num_layers)?;
     // Each boundary between virtual stages carries a b·s·h f32 activation forward and its
     // gradient back, per microbatch.
@@ -351,7 +366,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             .collect();
         let phase = |cs: &[Collective]| -> Vec<Value> {
             cs.iter()
-                .map(|c| json!({ "group": c.group, "op": c.op, "calls": c.calls, "elements_per_call": in_bsh(c.elements_per_call, h) }))
+                .map(|c| json!({ "group": c.group, "op": c.op, "calls": c.calls, "elements_per_call": in_bsh(c.elements_per_call, measured_h) }))
                 .collect()
         };
         let out = json!({
@@ -501,7 +516,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
         }
         for c in cs.iter() {
             let size = match c.elements_per_call {
-                Some(_) => format!("of {} f32", in_bsh(c.elements_per_call, h)),
+                Some(_) => format!("of {} f32", in_bsh(c.elements_per_call, measured_h)),
                 // The MoE dispatcher: the per-expert counts, then the rows of h values.
                 None => "(rows of h f32, in forward after the per-expert counts: sizes the routing sets at run time)"
                     .into(),

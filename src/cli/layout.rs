@@ -1,10 +1,12 @@
 //! `megatron layout`: the distributed optimizer's buffers for a list of parameters (or a
 //! registered model), as Megatron-LM lays them out, and each data-parallel rank's shards.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use megatron::limits::MAX_PARAMS;
 use megatron::models::gpt::Gpt;
 use megatron::module::{Builder, Module};
 use megatron::optimizer::{BufferLayout, LayoutConfig, ParamInfo, layout};
@@ -16,6 +18,10 @@ use serde_json::{Value, json};
 use super::model_args::ArchitectureArgs;
 use super::output::say;
 use super::values;
+
+/// The most shards (buckets × data-parallel ranks) `layout` lists: some tens of megabytes of
+/// JSON at most, written in seconds.
+const MAX_LISTED_SHARDS: usize = 1 << 17;
 
 /// Arguments of `megatron layout`.
 #[derive(Debug, Args)]
@@ -102,12 +108,25 @@ fn read_params(path: &PathBuf) -> Result<Vec<ParamInfo>> {
     let entries: Vec<ParamEntry> = serde_json::from_str(&text)
         .with_context(|| format!("{}: not a JSON list of parameters", path.display()))?;
     let mut params: Vec<ParamInfo> = Vec::with_capacity(entries.len());
+    let mut seen: HashMap<String, usize> = HashMap::with_capacity(entries.len());
+    let mut total: u128 = 0;
     for (i, e) in entries.into_iter().enumerate() {
-        if let Some(j) = params.iter().position(|p| p.name == e.name) {
+        if let Some(j) = seen.insert(e.name.clone(), i) {
             bail!(
                 "{}: parameter {:?} appears twice (entries {j} and {i})",
                 path.display(),
                 e.name
+            );
+        }
+        let numel = megatron::limits::product(&e.shape);
+        total += numel;
+        if numel > MAX_PARAMS as u128 || total > MAX_PARAMS as u128 {
+            bail!(
+                "{}: parameter {:?} of shape {:?} brings the list to {total} elements or more, \
+                 more than megatron-rs accepts (at most {MAX_PARAMS} parameters)",
+                path.display(),
+                e.name,
+                e.shape
             );
         }
         let dtype = match &e.dtype {
@@ -121,7 +140,7 @@ fn read_params(path: &PathBuf) -> Result<Vec<ParamInfo>> {
             })?,
         };
         params.push(ParamInfo {
-            numel: e.shape.iter().product(),
+            numel: numel as usize,
             name: e.name,
             dtype,
             shared_embedding: e.shared_embedding.unwrap_or(false),
@@ -232,6 +251,19 @@ pub fn run(args: &LayoutArgs) -> Result<()> {
         distributed_optimizer: !args.no_distributed_optimizer,
     };
     let buffers = layout(&params, &config)?;
+    let shards: u128 = buffers
+        .iter()
+        .map(|b| b.buckets.len() as u128 * b.shards.unwrap_or(0) as u128)
+        .sum();
+    if shards > MAX_LISTED_SHARDS as u128 {
+        bail!(
+            "--dp {} (--edp {}): {shards} shards to list over {} buckets, more than `megatron \
+             layout` prints (at most {MAX_LISTED_SHARDS}): raise --bucket-size or lower --dp",
+            config.dp,
+            config.edp,
+            buffers.iter().map(|b| b.buckets.len()).sum::<usize>()
+        );
+    }
     if args.json {
         let out = json!({
             "buffers": buffers.iter().map(|b| buffer_json(b, &params)).collect::<Vec<_>>(),
