@@ -205,6 +205,7 @@ fn files_beside_the_tensors_are_checksummed_and_non_finite_values_are_never_save
         run: serde_json::json!({}),
         files: BTreeMap::new(),
         grad_scaler: None,
+        meta_sha256: None,
     };
     let tensor = |v: f32| {
         BTreeMap::from([(

@@ -69,7 +69,7 @@ fn bench_rejects_empty_worlds() {
         .unwrap();
     assert!(!out.status.success());
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("--ranks and --elements must be at least 1")
+        String::from_utf8_lossy(&out.stderr).contains("invalid value '0' for '--ranks <RANKS>': must be at least 1")
     );
 }
 
@@ -109,11 +109,11 @@ fn bench_attention_rejects_bad_sizes_with_the_numbers() {
     for (args, message) in [
         (
             vec!["--heads", "0"],
-            "attention sizes must be at least 1: seq 2048, batch 1, heads 0, head dim 96",
+            "invalid value '0' for '--heads <HEADS>': must be at least 1",
         ),
         (
             vec!["--dropout", "1.5"],
-            "--dropout must be in [0, 1), got 1.5",
+            "invalid value '1.5' for '--dropout <DROPOUT>': must be at least 0 and less than 1",
         ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_megatron"))

@@ -304,7 +304,7 @@ fn configurations_that_cannot_work_name_the_numbers() {
         ),
         (
             &["--moe-expert-capacity-factor", "0"],
-            "--moe-expert-capacity-factor 0 must be a finite number above 0",
+            "invalid value '0' for '--moe-expert-capacity-factor <MOE_EXPERT_CAPACITY_FACTOR>': must be more than 0",
         ),
         (&["--tp", "2"], "sequence parallelism"),
         (

@@ -225,11 +225,11 @@ fn flags_that_cannot_work_are_refused_with_their_numbers() {
         ),
         (
             &["--fp16", "--loss-scale", "0"],
-            "--loss-scale is 0: a loss scale must be a finite number above 0",
+            "invalid value '0' for '--loss-scale <LOSS_SCALE>': must be more than 0",
         ),
         (
             &["--bf16", "--loss-scale=-8"],
-            "--loss-scale is -8: a loss scale must be a finite number above 0",
+            "invalid value '-8' for '--loss-scale <LOSS_SCALE>': must be more than 0",
         ),
         (
             &[
@@ -243,7 +243,7 @@ fn flags_that_cannot_work_are_refused_with_their_numbers() {
         ),
         (
             &["--ddp-bucket-size", "0"],
-            "--ddp-bucket-size 0: a bucket needs at least one element",
+            "invalid value '0' for '--ddp-bucket-size <DDP_BUCKET_SIZE>': must be at least 1",
         ),
         (
             &["--lr", "0.1", "--min-lr", "0.5"],
@@ -260,11 +260,11 @@ fn flags_that_cannot_work_are_refused_with_their_numbers() {
         (&["--data", "0,a,0,b"], "gives every dataset weight 0"),
         (
             &["--eval-iters", "0", "--eval-interval", "1"],
-            "--eval-iters 0 evaluates nothing",
+            "invalid value '0' for '--eval-iters <EVAL_ITERS>': must be at least 1",
         ),
         (
             &["--save-interval", "0"],
-            "--save-interval must be at least 1",
+            "invalid value '0' for '--save-interval <SAVE_INTERVAL>': must be at least 1",
         ),
     ];
     for (flags, expected) in cases {

@@ -230,7 +230,7 @@ fn bad_input_is_a_clear_error() {
     std::fs::write(&path, r#"[{"name": "w", "shape": [4]}]"#).unwrap();
     let (ok, _, stderr) = megatron(&["layout", "--params", &path, "--dp", "0"]);
     assert!(
-        !ok && stderr.contains("the data-parallel size must be at least 1, got 0"),
+        !ok && stderr.contains("invalid value '0' for '--dp <DP>': must be at least 1"),
         "{stderr}"
     );
     let (ok, _, stderr) = megatron(&["layout", "--params", "/nonexistent.json", "--dp", "2"]);

@@ -10,6 +10,7 @@ pub mod comm;
 pub mod cuda;
 pub mod cuda_graphs;
 pub mod data;
+pub mod files;
 mod error;
 pub mod kernels;
 pub mod limits;

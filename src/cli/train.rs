@@ -169,6 +169,11 @@ pub struct TrainArgs {
     /// Steps between checkpoints [default: only at the end].
     #[arg(long, value_parser = values::steps)]
     save_interval: Option<u64>,
+    /// Let this run replace the iterations in --save after the step it starts from (a run
+    /// resumed from an earlier iteration, or a new run saving where another saved); without it
+    /// such a run is refused before its first step.
+    #[arg(long)]
+    overwrite_checkpoints: bool,
     /// Start from this checkpoint (a save directory or an iteration directory): parameters,
     /// optimizer state and step; its architecture, and the settings other flags leave out.
     #[arg(long)]
@@ -341,6 +346,8 @@ struct Settings {
     tokenizer: Tokenizer,
     /// What was taken from the checkpoint, as the flags that would give it.
     taken: Vec<String>,
+    /// The step the run starts from: the loaded checkpoint's iteration, else 0.
+    start_step: u64,
 }
 
 /// `--data` values with every path made absolute (weights stay as they are), so that a
@@ -547,6 +554,7 @@ impl TrainArgs {
             split,
             tokenizer,
             taken,
+            start_step: meta.as_ref().map_or(0, |m| m.iteration),
         })
     }
 
@@ -595,38 +603,40 @@ impl TrainArgs {
         Ok(settings)
     }
 
-    /// Checks the flags that need no data or checkpoint to check.
+    /// Checks the flags that need no data or checkpoint to check (each value alone was
+    /// checked as it was parsed, by [`values`]).
     fn check_flags(&self) -> Result<()> {
-        if !self.lr.is_finite() || self.lr < 0.0 {
-            bail!("--lr must be a finite number ≥ 0, got {}", self.lr);
-        }
         if let Some(min_lr) = self.min_lr
-            && (!min_lr.is_finite() || min_lr < 0.0 || min_lr > self.lr)
+            && min_lr > self.lr
         {
             bail!(
                 "--min-lr {min_lr} must be between 0 and --lr {} (the decay ends at it)",
                 self.lr
             );
         }
-        if self.ddp_bucket_size == Some(0) {
+        Ok(())
+    }
+
+    /// Refuses to save over iterations of --save after `start` (the step the run starts
+    /// from) unless --overwrite-checkpoints says to.
+    fn check_later_checkpoints(&self, start: u64) -> Result<()> {
+        let Some(save) = &self.save else {
+            return Ok(());
+        };
+        let later: Vec<String> = megatron::checkpoint::saved_iterations(save)
+            .into_iter()
+            .filter(|&i| i > start)
+            .map(|i| i.to_string())
+            .collect();
+        if !later.is_empty() && !self.overwrite_checkpoints {
             bail!(
-                "--ddp-bucket-size 0: a bucket needs at least one element (the default is \
-                 max(40M, 1M × dp) elements)"
+                "--save {} holds iteration{} {} after step {start}, where this run starts: its \
+                 saves would replace them; add --overwrite-checkpoints to allow it, or give \
+                 another --save",
+                save.display(),
+                if later.len() == 1 { "" } else { "s" },
+                later.join(", ")
             );
-        }
-        if self.eval_iters == 0 {
-            bail!(
-                "--eval-iters 0 evaluates nothing: give at least 1 (leave out --eval-interval \
-                 to train without evaluation)"
-            );
-        }
-        for (flag, value) in [
-            ("eval-interval", self.eval_interval),
-            ("save-interval", self.save_interval),
-        ] {
-            if value == Some(0) {
-                bail!("--{flag} must be at least 1 step");
-            }
         }
         Ok(())
     }
@@ -693,6 +703,7 @@ impl TrainArgs {
     fn job_and_notes(&self) -> Result<(TrainJob, Vec<String>)> {
         self.check_flags()?;
         let mut s = self.settings()?;
+        self.check_later_checkpoints(s.start_step)?;
         let plan = BatchPlan {
             seq_length: s.seq_length,
             micro_batch: s.micro_batch,
@@ -1006,9 +1017,21 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
             taken.join(" ")
         );
     }
-    if let Some((dir, _)) = &job.save {
-        check_writable_dir(dir, "--save")?;
-    }
+    let _lock = match &job.save {
+        Some((dir, _)) => {
+            check_writable_dir(dir, "--save")?;
+            let lock = megatron::checkpoint::SaveLock::acquire(dir)?;
+            if let Some(pid) = lock.took_over() {
+                note!(
+                    "--save {}: process {pid}, which saved here, ended without releasing the \
+                     directory; this run takes it over",
+                    dir.display()
+                );
+            }
+            Some(lock)
+        }
+        None => None,
+    };
     let plan = *job.train_data.plan();
     let params = job.model.num_params(job.tp);
     let flops_per_token = job.model.flops_per_token(plan.seq_length, job.tp);

@@ -326,6 +326,7 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
         run,
         files: BTreeMap::new(),
         grad_scaler: None,
+        meta_sha256: None,
     };
     let files: Vec<(&str, &[u8])> = files
         .iter()

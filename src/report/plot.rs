@@ -125,7 +125,9 @@ pub fn draw(curves: &Curves, title: &str, path: &Path) -> Result<()> {
             .map_err(|e| anyhow!("writing {}: {e}", path.display()))
     })()
     .and_then(|()| {
-        std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+        let target = megatron_core::files::output_path(path)
+            .with_context(|| format!("writing {}", path.display()))?;
+        std::fs::rename(&tmp, &target).with_context(|| format!("writing {}", path.display()))
     });
     if drawn.is_err() {
         // No half-drawn image is left behind.

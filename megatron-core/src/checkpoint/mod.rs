@@ -14,10 +14,16 @@
 //! The distributed optimizer's state is the exception: every rank writes its own shard
 //! ([`OptimizerShard`], `optimizer.rank00003.safetensors`), each piece with the logical
 //! elements it holds, and a load puts the pieces back together whatever the layout.
+//!
+//! A run that saves holds the directory's lock ([`SaveLock`]): one writer per save directory.
+
+mod lock;
+
+pub use lock::{LOCK_FILE, SaveLock};
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
@@ -189,6 +195,58 @@ pub struct CheckpointMeta {
     /// The loss scale and its trackers, for a run with loss scaling (`--fp16`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_scaler: Option<crate::optimizer::GradScaler>,
+    /// SHA-256 of this metadata as written without this field, filled in by [`save`]: an
+    /// edited `meta.json` (its iteration, its record of the run) is refused as a changed tensor
+    /// file is. Checkpoints written before it existed have none and load unchecked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub meta_sha256: Option<String>,
+}
+
+impl CheckpointMeta {
+    /// The metadata as `meta.json` holds it, with [`CheckpointMeta::meta_sha256`] set to the
+    /// digest of the rest.
+    fn sealed_json(&mut self, path: &Path) -> Result<Vec<u8>, CheckpointError> {
+        let json = |meta: &CheckpointMeta| {
+            serde_json::to_vec_pretty(meta).map_err(|e| CheckpointError::Format {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })
+        };
+        self.meta_sha256 = None;
+        self.meta_sha256 = Some(sha256_hex(&json(self)?));
+        json(self)
+    }
+
+    /// Checks [`CheckpointMeta::meta_sha256`] against the rest of the metadata read from
+    /// `path`.
+    fn check_seal(&self, path: &Path) -> Result<(), CheckpointError> {
+        let Some(expected) = &self.meta_sha256 else {
+            return Ok(());
+        };
+        let mut unsealed = self.clone();
+        unsealed.meta_sha256 = None;
+        let body = serde_json::to_vec_pretty(&unsealed).map_err(|e| CheckpointError::Format {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        let found = sha256_hex(&body);
+        if &found != expected {
+            return Err(CheckpointError::Checksum {
+                path: path.to_path_buf(),
+                expected: expected.clone(),
+                found,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The SHA-256 of `bytes` in hexadecimal.
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 fn one() -> usize {
@@ -236,6 +294,20 @@ pub fn iteration_dir(save: &Path, iteration: u64) -> PathBuf {
     save.join(format!("iter_{iteration:07}"))
 }
 
+/// The iterations saved in `save` (its `iter_N` directories), in order; none when it cannot be
+/// read.
+pub fn saved_iterations(save: &Path) -> Vec<u64> {
+    let mut found: Vec<u64> = fs::read_dir(save)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .filter_map(|e| e.file_name().to_str()?.strip_prefix("iter_")?.parse().ok())
+        .collect();
+    found.sort_unstable();
+    found
+}
+
 fn sha256_file(path: &Path) -> Result<FileDigest, CheckpointError> {
     let mut file = File::open(path).map_err(io(path))?;
     let mut hasher = Sha256::new();
@@ -281,19 +353,11 @@ fn write_tensors(path: &Path, tensors: &BTreeMap<String, Whole>) -> Result<(), C
         .map_err(io(path))
 }
 
-/// Writes `content` to `path` through a temporary file, synced, then renamed into place.
+/// Writes `content` to `path` through a temporary file, synced, then renamed into place
+/// ([`crate::files::write_atomically`]: through a symbolic link, never over a directory or a
+/// device).
 pub fn write_atomically(path: &Path, content: &[u8]) -> Result<(), CheckpointError> {
-    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-    let result = (|| {
-        let mut f = File::create(&tmp).map_err(io(&tmp))?;
-        f.write_all(content).map_err(io(&tmp))?;
-        f.sync_all().map_err(io(&tmp))?;
-        fs::rename(&tmp, path).map_err(io(path))
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
+    crate::files::write_atomically(path, content).map_err(|(path, e)| io(&path)(e))
 }
 
 fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
@@ -532,10 +596,7 @@ pub fn finish_save(
             write_atomically(&path, bytes)?;
             meta.files.insert(name.to_string(), sha256_file(&path)?);
         }
-        let json = serde_json::to_vec_pretty(&meta).map_err(|e| CheckpointError::Format {
-            path: tmp.join(META_FILE),
-            message: e.to_string(),
-        })?;
+        let json = meta.sealed_json(&tmp.join(META_FILE))?;
         write_atomically(&tmp.join(META_FILE), &json)?;
         sync_dir(tmp)?;
         if target.exists() {
@@ -640,6 +701,7 @@ pub fn read_meta(path: &Path) -> Result<CheckpointMeta, CheckpointError> {
             message: format!("format `{}`, this build reads `{FORMAT}`", meta.format),
         });
     }
+    meta.check_seal(&meta_path)?;
     Ok(meta)
 }
 

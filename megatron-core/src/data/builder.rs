@@ -34,6 +34,9 @@ impl IndexedDatasetBuilder {
         if !dtype.is_integer() {
             return data_invalid!("cannot write token ids as {dtype}");
         }
+        for path in [bin_path(&prefix), idx_path(&prefix)] {
+            crate::files::output_path(&path).map_err(|e| DataError::io(&path, "write", e))?;
+        }
         let pid = std::process::id();
         let bin_tmp = with_suffix(&prefix, &format!(".bin.{pid}.tmp"));
         let idx_tmp = with_suffix(&prefix, &format!(".idx.{pid}.tmp"));
@@ -151,7 +154,13 @@ impl IndexedDatasetBuilder {
             .map_err(|e| DataError::io(&self.idx_tmp, "write", e))?;
         drop(file);
 
-        let (bin_path, idx_path) = (bin_path(&self.prefix), idx_path(&self.prefix));
+        let mut targets = [bin_path(&self.prefix), idx_path(&self.prefix)];
+        for path in &mut targets {
+            let target = crate::files::output_path(path)
+                .map_err(|e| DataError::io(path, "rename into place", e))?;
+            *path = target;
+        }
+        let [bin_path, idx_path] = targets;
         std::fs::rename(&self.bin_tmp, &bin_path)
             .map_err(|e| DataError::io(&bin_path, "rename into place", e))?;
         if let Err(e) = std::fs::rename(&self.idx_tmp, &idx_path) {

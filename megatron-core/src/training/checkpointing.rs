@@ -189,6 +189,7 @@ impl<M: LanguageModel> Trainer<M> {
             run: info.run.clone(),
             files: BTreeMap::new(),
             grad_scaler: self.scaler,
+            meta_sha256: None,
         };
         let files: Vec<(&str, &[u8])> = info
             .files
