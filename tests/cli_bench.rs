@@ -69,7 +69,8 @@ fn bench_rejects_empty_worlds() {
         .unwrap();
     assert!(!out.status.success());
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("invalid value '0' for '--ranks <RANKS>': must be at least 1")
+        String::from_utf8_lossy(&out.stderr)
+            .contains("invalid value '0' for '--ranks <RANKS>': must be at least 1")
     );
 }
 

@@ -146,7 +146,10 @@ fn later_checkpoints_are_replaced_only_when_the_run_is_told_to() {
     assert_eq!(latest().unwrap(), "3");
     // A new run into a directory another run saved into, likewise.
     let (ok, _, stderr) = train(&save, "1", &[]);
-    assert!(!ok && stderr.contains("holds iterations 1, 2, 3 after step 0"), "{stderr}");
+    assert!(
+        !ok && stderr.contains("holds iterations 1, 2, 3 after step 0"),
+        "{stderr}"
+    );
     // Told to, it replaces them.
     let (ok, _, stderr) = train(&save, "2", &["--load", &first, "--overwrite-checkpoints"]);
     assert!(ok, "{stderr}");

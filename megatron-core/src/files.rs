@@ -107,7 +107,8 @@ mod tests {
     use super::*;
 
     fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("megatron-files-{name}-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("megatron-files-{name}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).unwrap();
         dir
@@ -126,8 +127,18 @@ mod tests {
         let link2 = dir.join("link2.json");
         std::os::unix::fs::symlink(&link, &link2).unwrap();
         write_atomically(&link2, b"2").unwrap();
-        assert!(fs::symlink_metadata(&link2).unwrap().file_type().is_symlink());
-        assert!(fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        assert!(
+            fs::symlink_metadata(&link2)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        assert!(
+            fs::symlink_metadata(&link)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
         assert_eq!(fs::read(&file).unwrap(), b"2");
         // A dangling link: the file it names is created.
         let dangling = dir.join("dangling.json");
@@ -141,7 +152,10 @@ mod tests {
         assert!(err.contains("/dev/null is a character device"), "{err}");
         let to_device = dir.join("null");
         std::os::unix::fs::symlink("/dev/null", &to_device).unwrap();
-        let err = write_atomically(&to_device, b"5").unwrap_err().1.to_string();
+        let err = write_atomically(&to_device, b"5")
+            .unwrap_err()
+            .1
+            .to_string();
         assert!(
             err.contains("(where the link") && err.contains("character device"),
             "{err}"

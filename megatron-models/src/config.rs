@@ -205,6 +205,18 @@ impl GptConfig {
         moe.router
             .validate()
             .map_err(|e| megatron_core::Error::Invalid(e.to_string()))?;
+        let r = &moe.router;
+        // Megatron-LM's TransformerConfig: a softmax over one chosen expert is always 1, so
+        // top-1 softmax routing would give the router no gradient.
+        if r.topk == 1
+            && r.score_function == megatron_core::moe::ScoreFunction::Softmax
+            && !r.pre_softmax
+        {
+            return invalid!(
+                "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a \
+                 softmax over the one chosen expert is always 1: the router would learn nothing)"
+            );
+        }
         self.moe_layers()?;
         let experts = moe.router.num_experts;
         if !experts.is_multiple_of(ep) {

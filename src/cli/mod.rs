@@ -17,6 +17,7 @@ pub mod observers;
 pub mod output;
 pub mod plot;
 pub mod preprocess;
+pub mod resume;
 pub mod schedule;
 pub mod tokenizer_cmd;
 pub mod train;

@@ -125,6 +125,7 @@ impl ArchitectureArgs {
                 );
             }
         }
+        self.moe.check_against(saved)?;
         let Some(model) = self.model() else {
             return Ok(());
         };

@@ -122,6 +122,101 @@ impl MoeArgs {
         self.num_experts
     }
 
+    /// Refuses a flag given where it does nothing (Megatron-LM accepts some of these and
+    /// ignores them): a drop policy without a capacity, a bias update rate without the bias, an
+    /// aux-loss coefficient without an aux loss.
+    fn check_effect(&self, r: &RouterConfig) -> Result<()> {
+        if let Some(policy) = self.moe_token_drop_policy
+            && r.capacity_factor.is_none()
+        {
+            bail!(
+                "--moe-token-drop-policy {} does nothing without --moe-expert-capacity-factor \
+                 (no token is dropped): drop it or give a capacity",
+                policy
+                    .to_possible_value()
+                    .map_or(String::new(), |v| v.get_name().to_string())
+            );
+        }
+        if let Some(rate) = self.moe_router_bias_update_rate
+            && !r.expert_bias
+        {
+            bail!(
+                "--moe-router-bias-update-rate {rate} does nothing without \
+                 --moe-router-enable-expert-bias: drop it or enable the bias"
+            );
+        }
+        if let Some(coeff) = self.moe_aux_loss_coeff
+            && coeff > 0.0
+            && r.load_balancing == LoadBalancing::None
+        {
+            bail!(
+                "--moe-aux-loss-coeff {coeff} does nothing with --moe-router-load-balancing-type \
+                 none: drop one of them"
+            );
+        }
+        Ok(())
+    }
+
+    /// Refuses the flags that would change the shapes of `saved`'s MoE parameters (which layers
+    /// hold experts, the experts' and the shared experts' sizes, the expert bias), naming the
+    /// flag and what the checkpoint holds.
+    pub fn check_against(&self, saved: &GptConfig) -> Result<()> {
+        let Some(moe) = &saved.moe else {
+            return Ok(());
+        };
+        let contradiction = |flag: &str, given: String, held: String| {
+            anyhow::anyhow!(
+                "--{flag} {given} contradicts the checkpoint, whose model has {held}: drop the \
+                 flag (a loaded model keeps its checkpoint's architecture)"
+            )
+        };
+        if let Some(freq) = &self.moe_layer_freq {
+            let given = MoeLayerFreq::parse(freq)
+                .map_err(anyhow::Error::msg)?
+                .layers(saved.num_layers)?;
+            let held = saved.moe_layers()?;
+            if given != held {
+                let pattern = |l: &[bool]| {
+                    let ones: Vec<&str> = l.iter().map(|&m| if m { "1" } else { "0" }).collect();
+                    format!("[{}]", ones.join(","))
+                };
+                return Err(contradiction(
+                    "moe-layer-freq",
+                    freq.clone(),
+                    format!("MoE layers {}", pattern(&held)),
+                ));
+            }
+        }
+        if let Some(f) = self.moe_ffn_hidden_size
+            && f != moe.ffn_hidden_size
+        {
+            return Err(contradiction(
+                "moe-ffn-hidden-size",
+                f.to_string(),
+                format!("experts of ffn {}", moe.ffn_hidden_size),
+            ));
+        }
+        if let Some(f) = self.moe_shared_expert_intermediate_size
+            && Some(f) != moe.shared_expert_ffn
+        {
+            return Err(contradiction(
+                "moe-shared-expert-intermediate-size",
+                f.to_string(),
+                moe.shared_expert_ffn
+                    .map_or("no shared experts".to_string(), |s| {
+                        format!("shared experts of {s}")
+                    }),
+            ));
+        }
+        if self.moe_router_enable_expert_bias && !moe.router.expert_bias {
+            bail!(
+                "--moe-router-enable-expert-bias adds a parameter the checkpoint's routers do \
+                 not have: drop the flag (a loaded model keeps its checkpoint's architecture)"
+            );
+        }
+        Ok(())
+    }
+
     /// `c`'s MoE settings with the flags applied: a dense `c` becomes MoE with
     /// `--num-experts`; MoE flags without experts are refused.
     pub fn apply(&self, c: &mut GptConfig) -> Result<()> {
@@ -194,6 +289,7 @@ impl MoeArgs {
         if let Some(s) = self.moe_shared_expert_intermediate_size {
             moe.shared_expert_ffn = Some(s);
         }
+        self.check_effect(&moe.router)?;
         c.moe = Some(moe);
         Ok(())
     }

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use megatron::job::{EvalRecord, Observer, StepRecord, TrainJob, comm_json};
+use megatron::optimizer::LossScaling;
 use megatron::report::plot::{self, Curves, Point};
 use megatron::report::tensorboard::EventWriter;
 use serde_json::json;
@@ -15,6 +16,8 @@ use serde_json::json;
 /// The progress bar: loss, tokens/s and ETA.
 pub struct Progress {
     bar: ProgressBar,
+    /// What lowers the loss scale after an overflow, for the skipped step's warning.
+    after_overflow: &'static str,
 }
 
 impl Progress {
@@ -26,7 +29,10 @@ impl Progress {
             )
             .expect("a valid progress template"),
         );
-        Progress { bar }
+        Progress {
+            bar,
+            after_overflow: "",
+        }
     }
 }
 
@@ -34,6 +40,10 @@ impl Observer for Progress {
     fn start(&mut self, job: &TrainJob, first_step: u64) -> Result<()> {
         self.bar.set_length(job.steps);
         self.bar.set_position(first_step);
+        self.after_overflow = match job.train.precision.scaling {
+            LossScaling::Dynamic { .. } => "the loss scale drops after --hysteresis such steps",
+            _ => "the static --loss-scale stays: a lower one may overflow less",
+        };
         Ok(())
     }
 
@@ -44,8 +54,8 @@ impl Observer for Progress {
             tracing::warn!(
                 step = m.step,
                 loss_scale = m.loss_scale.unwrap_or(1.0),
-                "skipped the update: inf or NaN in the scaled gradients (the loss scale drops \
-                 after --hysteresis such steps)"
+                "skipped the update: inf or NaN in the scaled gradients ({})",
+                self.after_overflow
             );
         }
         let moe = m.routing.as_ref().map_or(String::new(), |r| {

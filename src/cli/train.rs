@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use indicatif::ProgressBar;
 use megatron::cuda_graphs::ScopeSet;
 use megatron::data::{
@@ -25,6 +25,7 @@ use megatron::training::{
 use super::model_args::ArchitectureArgs;
 use super::observers::{JsonLog, Plot, Progress, TensorBoard};
 use super::output::note;
+use super::resume::{self, Recorded, RecordedPipeline};
 use super::values;
 
 /// A source of training or validation samples.
@@ -63,9 +64,9 @@ pub struct TrainArgs {
         value_parser = values::ranks
     )]
     etp: Option<usize>,
-    /// How tokens reach their experts: all-to-all over the expert-parallel group.
-    #[arg(long, value_enum, default_value_t = Dispatcher::Alltoall)]
-    moe_token_dispatcher_type: Dispatcher,
+    /// How tokens reach their experts [default: alltoall, or the loaded checkpoint's].
+    #[arg(long, value_enum)]
+    moe_token_dispatcher_type: Option<Dispatcher>,
     /// Model chunks (virtual stages) per pipeline stage: the interleaved 1F1B schedule
     /// [default: 1].
     #[arg(
@@ -275,6 +276,21 @@ pub struct TrainArgs {
     attention_backend: AttentionBackend,
 }
 
+/// The pipeline schedule's flags (Megatron-LM's names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct ScheduleFlags {
+    /// `--virtual-pipeline-model-parallel-size`.
+    vpp: Option<usize>,
+    /// `--num-layers-per-virtual-pipeline-stage`.
+    layers_per_virtual_stage: Option<usize>,
+    /// `--microbatch-group-size-per-virtual-pipeline-stage`.
+    group_size: Option<usize>,
+    /// `--decoder-first-pipeline-num-layers`.
+    first_stage_layers: Option<usize>,
+    /// `--decoder-last-pipeline-num-layers`.
+    last_stage_layers: Option<usize>,
+}
+
 /// How tokens reach their experts (Megatron-LM's `--moe-token-dispatcher-type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Dispatcher {
@@ -334,8 +350,15 @@ struct Settings {
     model: GptConfig,
     tp: usize,
     ep: usize,
+    etp: usize,
     dp: usize,
     pp: usize,
+    /// The pipeline schedule's flags.
+    schedule: ScheduleFlags,
+    /// The mixed-precision flags.
+    precision: PrecisionFlags,
+    /// The MoE token dispatcher.
+    dispatcher: Dispatcher,
     seq_length: usize,
     micro_batch: usize,
     global_batch: usize,
@@ -424,7 +447,12 @@ impl TrainArgs {
             );
         }
         // Checkpoints hold logical experts: a run resumes at any expert-parallel size.
-        let ep = self.ep.unwrap_or(1);
+        let recorded = meta
+            .as_ref()
+            .map(|m| Recorded::from_run(&m.run))
+            .unwrap_or_default();
+        let ep = pick("ep", self.ep, recorded.ep, 1);
+        let etp = pick("etp", self.etp, recorded.etp, 1);
         let seq_length = pick(
             "seq-length",
             self.seq_length,
@@ -490,6 +518,28 @@ impl TrainArgs {
             (None, None) => "byte".to_string(),
         };
         let tokenizer = Tokenizer::from_spec(&tokenizer_spec)?;
+        let precision = match &meta {
+            Some(m) => resume::precision(
+                self.precision_flags(),
+                recorded.precision,
+                m.grad_scaler.is_some(),
+                &mut taken,
+            )?,
+            None => self.precision_flags(),
+        };
+        let dispatcher = match (
+            self.moe_token_dispatcher_type,
+            &recorded.moe_token_dispatcher_type,
+        ) {
+            (Some(d), _) => d,
+            (None, Some(name)) => {
+                let d = Dispatcher::from_str(name, true).map_err(anyhow::Error::msg)?;
+                taken.push(format!("--moe-token-dispatcher-type {name}"));
+                d
+            }
+            (None, None) => Dispatcher::Alltoall,
+        };
+        let schedule = self.schedule_flags(pp, recorded.pipeline, &mut taken);
         let (model_name, model) = match &meta {
             Some(m) => {
                 let path = self.load.as_deref().unwrap_or(Path::new(""));
@@ -544,8 +594,12 @@ impl TrainArgs {
             model,
             tp,
             ep,
+            etp,
             dp,
             pp,
+            schedule,
+            precision,
+            dispatcher,
             seq_length,
             micro_batch,
             global_batch,
@@ -558,12 +612,58 @@ impl TrainArgs {
         })
     }
 
+    /// The schedule's flags as given; when none is and the run keeps the checkpoint's `pp`,
+    /// the checkpoint's schedule (each setting taken added to `taken`).
+    fn schedule_flags(
+        &self,
+        pp: usize,
+        recorded: Option<RecordedPipeline>,
+        taken: &mut Vec<String>,
+    ) -> ScheduleFlags {
+        let given = ScheduleFlags {
+            vpp: self.vpp,
+            layers_per_virtual_stage: self.num_layers_per_virtual_pipeline_stage,
+            group_size: self.microbatch_group_size_per_vp_stage,
+            first_stage_layers: self.decoder_first_pipeline_num_layers,
+            last_stage_layers: self.decoder_last_pipeline_num_layers,
+        };
+        match recorded {
+            Some(r) if given == ScheduleFlags::default() && r.pp == pp => {
+                for (flag, value) in [
+                    ("vpp", (r.vpp > 1).then_some(r.vpp)),
+                    (
+                        "microbatch-group-size-per-virtual-pipeline-stage",
+                        r.group_size,
+                    ),
+                    ("decoder-first-pipeline-num-layers", r.first_stage_layers),
+                    ("decoder-last-pipeline-num-layers", r.last_stage_layers),
+                ] {
+                    if let Some(v) = value {
+                        taken.push(format!("--{flag} {v}"));
+                    }
+                }
+                ScheduleFlags {
+                    vpp: Some(r.vpp),
+                    layers_per_virtual_stage: None,
+                    group_size: r.group_size,
+                    first_stage_layers: r.first_stage_layers,
+                    last_stage_layers: r.last_stage_layers,
+                }
+            }
+            _ => given,
+        }
+    }
+
     /// The pipeline settings of a model of `layers` layers on `pp` stages, with Megatron-LM's
     /// checks of the layer assignment and of the schedule of `microbatches` per step.
-    fn pipeline(&self, pp: usize, layers: usize, microbatches: usize) -> Result<PipelineSettings> {
-        let uneven = self.decoder_first_pipeline_num_layers.is_some()
-            || self.decoder_last_pipeline_num_layers.is_some();
-        let vpp = match (self.vpp, self.num_layers_per_virtual_pipeline_stage) {
+    fn pipeline(
+        f: &ScheduleFlags,
+        pp: usize,
+        layers: usize,
+        microbatches: usize,
+    ) -> Result<PipelineSettings> {
+        let uneven = f.first_stage_layers.is_some() || f.last_stage_layers.is_some();
+        let vpp = match (f.vpp, f.layers_per_virtual_stage) {
             (Some(_), Some(_)) => bail!(
                 "give one of --virtual-pipeline-model-parallel-size and \
                  --num-layers-per-virtual-pipeline-stage, not both"
@@ -591,9 +691,9 @@ impl TrainArgs {
         let settings = PipelineSettings {
             pp,
             vpp,
-            group_size: self.microbatch_group_size_per_vp_stage,
-            first_stage_layers: self.decoder_first_pipeline_num_layers,
-            last_stage_layers: self.decoder_last_pipeline_num_layers,
+            group_size: f.group_size,
+            first_stage_layers: f.first_stage_layers,
+            last_stage_layers: f.last_stage_layers,
         };
         if uneven && pp == 1 {
             bail!("--decoder-first/last-pipeline-num-layers need a pipeline: add --pp");
@@ -711,7 +811,7 @@ impl TrainArgs {
             dp: s.dp,
         };
         plan.validate()?;
-        let pipeline = self.pipeline(s.pp, s.model.num_layers, plan.microbatches())?;
+        let pipeline = Self::pipeline(&s.schedule, s.pp, s.model.num_layers, plan.microbatches())?;
         // Each stack of layers a recompute setting applies to: a pipeline stage's chunk.
         let stages = pipeline.layout(s.model.num_layers)?;
         let per_stack = (0..pipeline.pp)
@@ -726,7 +826,7 @@ impl TrainArgs {
             per_stack,
             pipeline.vpp > 1,
         )?;
-        let precision = Precision::from_flags(&self.precision_flags())?;
+        let precision = Precision::from_flags(&s.precision)?;
         let (train_data, valid_data) = self.data_sources(&s, plan)?;
         let train_data = Sampler::new(train_data, plan)?;
         let eval = match self.eval_interval {
@@ -773,7 +873,7 @@ impl TrainArgs {
             precision,
         };
         let (tokenizer, files) = megatron::tokenizer::checkpoint_record(&s.tokenizer)?;
-        let etp = self.etp.unwrap_or(1);
+        let etp = s.etp;
         match (&s.model.moe, s.ep, etp) {
             (None, ep, etp) if ep > 1 || etp > 1 => bail!(
                 "--expert-model-parallel-size {ep} and --expert-tensor-parallel-size {etp} split \
@@ -785,11 +885,16 @@ impl TrainArgs {
             _ => {}
         }
         if let Some(moe) = &mut s.model.moe {
-            moe.dispatcher = match self.moe_token_dispatcher_type {
+            moe.dispatcher = match s.dispatcher {
                 Dispatcher::Alltoall => DispatcherKind::AllToAll,
                 Dispatcher::Allgather => DispatcherKind::AllGather,
             };
         }
+        let dispatcher_name = s.model.moe.as_ref().map(|_| {
+            s.dispatcher
+                .to_possible_value()
+                .map_or(String::new(), |v| v.get_name().to_string())
+        });
         let job = TrainJob {
             model_name: s.model_name.clone(),
             model: s.model,
@@ -815,6 +920,14 @@ impl TrainArgs {
                 "data": s.data,
                 "split": s.split,
                 "tokenizer": tokenizer,
+                "training": Recorded {
+                    precision: Some(s.precision),
+                    ep: Some(s.ep),
+                    etp: Some(etp),
+                    moe_token_dispatcher_type: dispatcher_name,
+                    pipeline: Some(RecordedPipeline::from(&pipeline)),
+                }
+                .to_value(),
             }),
             files,
             device: match self.device.as_str() {

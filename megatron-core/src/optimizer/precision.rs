@@ -43,6 +43,14 @@ pub enum PrecisionError {
         flag: &'static str,
     },
     /// `--grad-reduce-in-bf16` without `--bf16`.
+    /// A dynamic-scaling flag where nothing scales dynamically.
+    #[error("--{flag} does nothing {why}: drop it")]
+    NoEffect {
+        /// The flag, without its dashes.
+        flag: &'static str,
+        /// Why: which setting makes the flag moot.
+        why: &'static str,
+    },
     #[error("--grad-reduce-in-bf16 needs --bf16")]
     Bf16GradsWithoutBf16,
     /// `--grad-reduce-in-bf16` together with fp32 gradients.
@@ -50,8 +58,10 @@ pub enum PrecisionError {
     Bf16GradsAndFp32,
 }
 
-/// Megatron-LM's mixed-precision flags, as a user gives them.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+/// Megatron-LM's mixed-precision flags, as a user gives them (and as a checkpoint records
+/// them).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct PrecisionFlags {
     /// `--bf16`: bf16 parameters (gradients in f32 unless `grad_reduce_in_bf16`).
     pub bf16: bool,
@@ -153,6 +163,27 @@ impl Precision {
             }
             if value.is_some() && !half {
                 return Err(PrecisionError::ScaleWithoutHalf { flag });
+            }
+        }
+        // The dynamic scaler's settings act only under --fp16 without a static scale.
+        if half {
+            let why = if !flags.fp16 {
+                Some("with --bf16, whose loss is scaled only statically (--loss-scale)")
+            } else if flags.loss_scale.is_some() {
+                Some("with a static --loss-scale (it sets the dynamic scaler)")
+            } else {
+                None
+            };
+            let dynamic_only = [
+                ("initial-loss-scale", flags.initial_loss_scale.is_some()),
+                ("min-loss-scale", flags.min_loss_scale.is_some()),
+                ("loss-scale-window", flags.loss_scale_window.is_some()),
+                ("hysteresis", flags.hysteresis.is_some()),
+            ];
+            if let (Some(why), Some((flag, _))) =
+                (why, dynamic_only.iter().find(|(_, given)| *given))
+            {
+                return Err(PrecisionError::NoEffect { flag, why });
             }
         }
         if flags.grad_reduce_in_bf16 && !flags.bf16 {

@@ -47,6 +47,16 @@ pub enum ScheduleError {
         /// Microbatches per step.
         microbatches: usize,
     },
+    /// A group size given for a schedule without virtual stages.
+    #[error(
+        "--microbatch-group-size-per-virtual-pipeline-stage {group} does nothing without \
+         virtual stages (it groups the interleaved schedule's microbatches): add \
+         --virtual-pipeline-model-parallel-size or drop it"
+    )]
+    GroupWithoutVirtualStages {
+        /// The group size given.
+        group: usize,
+    },
     /// The group of contiguous microbatches per virtual stage is outside `[pp, M]`.
     #[error(
         "the number of contiguous microbatches in a virtual pipeline stage \
@@ -146,6 +156,11 @@ impl ScheduleConfig {
             crate::limits::MAX_SCHEDULE_PASSES,
             "forward passes per step",
         )?;
+        if let Some(group) = self.group_size
+            && !self.interleaved()
+        {
+            return Err(ScheduleError::GroupWithoutVirtualStages { group });
+        }
         if self.vpp > 1 && self.pp < 2 {
             return Err(ScheduleError::VirtualWithoutPipeline {
                 vpp: self.vpp,
