@@ -154,6 +154,10 @@ fn a_second_sigint_exits_at_once() {
     signal(&child, libc::SIGINT);
     let (status, _, stderr) = finish(child);
     assert_eq!(status.code(), Some(128 + libc::SIGINT), "{stderr}");
+    assert!(
+        stderr.contains("error: a second SIGINT: stopped at once, without finishing the step"),
+        "{stderr}"
+    );
 }
 
 /// The pid of a process that has exited.

@@ -986,14 +986,32 @@ pub fn run(args: &TrainArgs) -> Result<()> {
 
 /// SIGINT and SIGTERM ask the run to stop after the current step (Megatron-LM's
 /// `--exit-signal-handler`): `stop` records the signal. A second signal exits at once, with
-/// status 128 + its number, as a shell reports a process killed by it.
+/// status 128 + its number, as a shell reports a process killed by it, after one line on
+/// standard error that says what was lost.
 fn on_signals(stop: &StopRequest) -> Result<()> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let first_seen = Arc::new(std::sync::atomic::AtomicBool::new(false));
     for signal in [SIGINT, SIGTERM] {
+        let seen = first_seen.clone();
+        let message: &'static [u8] = if signal == SIGINT {
+            b"error: a second SIGINT: stopped at once, without finishing the step or saving it; \
+              the checkpoints saved before stay\n"
+        } else {
+            b"error: a second SIGTERM: stopped at once, without finishing the step or saving \
+              it; the checkpoints saved before stay\n"
+        };
         // Registered first, so it runs first: on the second signal, the flag is already set.
-        signal_hook::flag::register_conditional_shutdown(signal, 128 + signal, first_seen.clone())
-            .context("installing the signal handler")?;
+        // SAFETY: the handler only loads an atomic, writes a static buffer with write(2) and
+        // exits with _exit(2), all async-signal-safe.
+        unsafe {
+            signal_hook::low_level::register(signal, move || {
+                if seen.load(std::sync::atomic::Ordering::SeqCst) {
+                    let _ = libc::write(2, message.as_ptr().cast(), message.len());
+                    signal_hook::low_level::exit(128 + signal);
+                }
+            })
+        }
+        .context("installing the signal handler")?;
         signal_hook::flag::register(signal, first_seen.clone())
             .context("installing the signal handler")?;
         signal_hook::flag::register_usize(signal, stop.signal_slot(), signal as usize)
