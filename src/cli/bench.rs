@@ -2,6 +2,7 @@
 
 use super::output::say;
 use super::values;
+use megatron::limits;
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use megatron::bench;
@@ -35,7 +36,7 @@ enum Which {
     /// GFLOP/s of a training step's GEMM shapes next to the FMA peak measured in the same run.
     Gemm {
         /// Threads for the GEMMs and the peak (default: every core).
-        #[arg(long, value_parser = values::count)]
+        #[arg(long, value_parser = values::threads)]
         threads: Option<usize>,
         /// Timed runs per shape (the median is reported).
         #[arg(long, default_value_t = 7, value_parser = values::count)]
@@ -52,7 +53,7 @@ enum Which {
     /// one product per expert and one dense product of the same size, with the FMA peak.
     GroupedGemm {
         /// Threads for the products and the peak (default: every core).
-        #[arg(long, value_parser = values::count)]
+        #[arg(long, value_parser = values::threads)]
         threads: Option<usize>,
         /// Timed runs per variant (the median is reported).
         #[arg(long, default_value_t = 7, value_parser = values::count)]
@@ -93,7 +94,7 @@ enum Which {
     /// Time of an in-process all-reduce next to the memory-bandwidth floor measured in the same run.
     Allreduce {
         /// Thread-ranks in the group.
-        #[arg(long, default_value_t = 2, value_parser = values::ranks)]
+        #[arg(long, default_value_t = 2, value_parser = values::threads)]
         ranks: usize,
         /// f32 elements per rank (default 4096 × 768, one GPT-2-small activation of 4096 tokens).
         #[arg(long, default_value_t = 4096 * 768, value_parser = values::elements)]
@@ -146,6 +147,17 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             json,
             device,
         } => {
+            // Scores, probabilities and their gradients (b·heads·s² each), the inputs, outputs
+            // and their gradients (b·s·heads·d each), in f32.
+            let scores = limits::product(&[*micro_batch_size, *heads, *seq_length, *seq_length]);
+            let rows = limits::product(&[*micro_batch_size, *seq_length, *heads, *head_dim]);
+            limits::check_memory(
+                &format!(
+                    "an attention layer of --seq-length {seq_length}, --micro-batch-size \
+                     {micro_batch_size}, --heads {heads}, --head-dim {head_dim}"
+                ),
+                4 * (4 * scores + 8 * rows),
+            )?;
             let b = bench::attention::AttentionBench {
                 seq: *seq_length,
                 batch: *micro_batch_size,
@@ -167,11 +179,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             iters,
             json,
         } => {
-            if *ranks == 0 || *elements == 0 {
-                anyhow::bail!(
-                    "--ranks and --elements must be at least 1 (got {ranks} and {elements})"
-                );
-            }
+            limits::check(
+                "--ranks",
+                *ranks as u128,
+                limits::MAX_THREAD_RANKS,
+                "thread ranks of one process",
+            )?;
+            limits::check_memory(
+                &format!("an all-reduce of --elements {elements} on --ranks {ranks}"),
+                3 * 4 * limits::product(&[*ranks, *elements]),
+            )?;
             let report = bench::allreduce::run(*ranks, *elements, *iters)?;
             print(&report, *json)
         }

@@ -7,6 +7,7 @@ use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use super::values;
 use super::output::say;
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -49,8 +50,8 @@ pub struct PreprocessArgs {
     #[arg(long)]
     eod_token: Option<String>,
     /// Tokenizing threads [default: the machine's cores].
-    #[arg(long)]
-    workers: Option<NonZeroUsize>,
+    #[arg(long, value_parser = values::threads)]
+    workers: Option<usize>,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -145,7 +146,6 @@ pub fn run(args: &PreprocessArgs) -> Result<()> {
     let dtype = DType::optimal(vocab);
     let workers = args
         .workers
-        .map(NonZeroUsize::get)
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get));
 
     let file = File::open(&args.corpus.input)

@@ -976,12 +976,44 @@ impl TrainArgs {
 /// Runs `megatron train` on the chosen backend.
 pub fn run(args: &TrainArgs) -> Result<()> {
     let (mut job, taken) = args.job_and_notes()?;
+    check_machine(args.backend, &job)?;
     let stop = StopRequest::new();
     on_signals(&stop)?;
     job.stop = Some(stop.clone());
     on_ranks(args.backend, &job, &mut |runner, _| {
         run_job(args, &job, &taken, runner)
     })
+}
+
+/// Refuses a job this process cannot hold: more thread ranks than it can run, or more memory
+/// for the parameters, gradients and Adam's state of its ranks than the machine has.
+fn check_machine(backend: Backend, job: &TrainJob) -> Result<()> {
+    let world = job.world_size();
+    if backend != Backend::Threads {
+        return Ok(());
+    }
+    megatron::limits::check(
+        format!("the thread ranks of {}:", job.layout_name()),
+        world as u128,
+        megatron::limits::MAX_THREAD_RANKS,
+        "thread ranks of one process: run more as processes, --backend mpi",
+    )?;
+    if job.device != Placement::Cpu {
+        return Ok(());
+    }
+    // Each data-parallel replica holds the model once over its tp × pp ranks: values,
+    // gradients and two Adam moments in f32 at most, plus f32 main values with 16 bits.
+    let replica = job.model.num_params(job.tp) as u128 * 20;
+    megatron::limits::check_memory(
+        &format!(
+            "{} ({} parameters) at data-parallel size {} in this process",
+            job.model_name,
+            job.model.num_params(job.tp),
+            job.dp
+        ),
+        replica * job.dp as u128,
+    )?;
+    Ok(())
 }
 
 /// SIGINT and SIGTERM ask the run to stop after the current step (Megatron-LM's

@@ -88,9 +88,14 @@ pub fn elements(s: &str) -> Result<usize, String> {
     whole_usize(s, 1, MAX_ELEMENTS, "elements of a buffer")
 }
 
-/// A count of repetitions, threads or workers: 1 to 2^20.
+/// A count of timed repetitions or iterations: 1 to 10,000.
 pub fn count(s: &str) -> Result<usize, String> {
-    whole_usize(s, 1, 1 << 20, "repetitions")
+    whole_usize(s, 1, 10_000, "timed repetitions")
+}
+
+/// A number of threads of this process: 1 to 1,024.
+pub fn threads(s: &str) -> Result<usize, String> {
+    whole_usize(s, 1, megatron::limits::MAX_THREAD_RANKS, "threads of one process")
 }
 
 /// A number in f64.

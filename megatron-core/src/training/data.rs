@@ -82,7 +82,7 @@ pub struct BatchPlan {
 impl BatchPlan {
     /// Checks that the global batch cuts into whole microbatches on every data-parallel rank.
     pub fn validate(&self) -> Result<()> {
-        let per_step = self.micro_batch * self.dp;
+        let per_step = self.micro_batch.saturating_mul(self.dp);
         if self.seq_length == 0 || self.micro_batch == 0 || self.global_batch == 0 {
             return invalid!("sequence length, micro batch and global batch must be at least 1");
         }
@@ -92,6 +92,17 @@ impl BatchPlan {
                 self.global_batch,
                 self.micro_batch,
                 self.dp
+            );
+        }
+        if self.microbatches() > crate::limits::MAX_SCHEDULE_PASSES {
+            return invalid!(
+                "--global-batch-size {} over --micro-batch-size {} × data-parallel size {} is {} \
+                 microbatches per step, more than megatron-rs accepts (at most {})",
+                self.global_batch,
+                self.micro_batch,
+                self.dp,
+                self.microbatches(),
+                crate::limits::MAX_SCHEDULE_PASSES
             );
         }
         Ok(())
