@@ -213,8 +213,8 @@ where
 
     if vocab_size < MIN_BPE_VOCAB {
         bail!(
-            "a byte-level BPE vocabulary of {vocab_size} tokens cannot hold the 256 byte \
-             symbols and {ENDOFTEXT}: give at least {MIN_BPE_VOCAB}"
+            "--vocab-size {vocab_size}: a byte-level BPE vocabulary of that many tokens cannot \
+             hold the 256 byte symbols and {ENDOFTEXT}: give at least {MIN_BPE_VOCAB}"
         );
     }
     // GPT-2's: no space added before the first word, offsets trimmed, its split pattern.

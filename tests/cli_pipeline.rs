@@ -174,11 +174,11 @@ fn pipeline_configurations_megatron_refuses_are_errors_with_the_numbers() {
     let cases: [(&[&str], &str); 7] = [
         (
             &["--pp", "3"],
-            "4 layers of the model do not divide over pp = 3 stages",
+            "4 layers of the model do not divide over --pipeline-model-parallel-size 3 stages",
         ),
         (
             &["--vpp", "2"],
-            "2 virtual stages per rank need a pipeline of at least 2 stages, got pp = 1",
+            "--virtual-pipeline-model-parallel-size 2 needs a pipeline of at least 2 stages, got --pipeline-model-parallel-size 1",
         ),
         (
             &["--pp", "2", "--vpp", "4"],
@@ -221,7 +221,7 @@ fn pipeline_configurations_megatron_refuses_are_errors_with_the_numbers() {
         ),
         (
             &["--pp", "2", "--decoder-first-pipeline-num-layers", "5"],
-            "the first stage's 5 and the last stage's 0 layers exceed the model's 4 layers",
+            "the first stage's 5 (--decoder-first-pipeline-num-layers) and the last stage's 0 layers (--decoder-last-pipeline-num-layers) exceed the model's 4 layers",
         ),
     ];
     for (flags, expected) in cases {

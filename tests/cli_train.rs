@@ -60,7 +60,7 @@ fn bad_configurations_are_clear_errors() {
     let cases: [(&[&str], &str); 5] = [
         (
             &["train", "--tp", "3"],
-            "4 attention heads are not divisible by tensor-parallel size 3",
+            "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3",
         ),
         (
             &[
@@ -72,7 +72,7 @@ fn bad_configurations_are_clear_errors() {
                 "--global-batch-size",
                 "8",
             ],
-            "global batch size 8 is not divisible by micro batch size 3 × data-parallel size 2 = 6",
+            "--global-batch-size 8 is not divisible by --micro-batch-size 3 × --data-parallel-size 2 = 6",
         ),
         (
             &["train", "--seq-length", "512"],

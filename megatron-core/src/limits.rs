@@ -132,6 +132,10 @@ mod tests {
         assert_eq!(product(&[1 << 20, 1 << 20]), 1 << 40);
         assert!(check_memory("nothing", 0).is_ok());
         let err = check_memory("a bench of --elements 2^70", 1 << 70).unwrap_err();
-        assert!(err.to_string().starts_with("a bench of --elements 2^70 needs about"), "{err}");
+        assert!(
+            err.to_string()
+                .starts_with("a bench of --elements 2^70 needs about"),
+            "{err}"
+        );
     }
 }

@@ -232,7 +232,7 @@ impl GptConfig {
         {
             return invalid!(
                 "--moe-shared-expert-intermediate-size {shared} is not divisible by \
-                 tensor-parallel size {tp}"
+                 --tensor-model-parallel-size {tp}"
             );
         }
         Ok(())
@@ -256,26 +256,26 @@ impl GptConfig {
         }
         if !c.hidden_size.is_multiple_of(c.num_attention_heads) {
             return invalid!(
-                "hidden size {} is not divisible by {} attention heads",
+                "--hidden-size {} is not divisible by --num-attention-heads {}",
                 c.hidden_size,
                 c.num_attention_heads
             );
         }
         if !c.num_attention_heads.is_multiple_of(tp) {
             return invalid!(
-                "{} attention heads are not divisible by tensor-parallel size {tp}",
+                "--num-attention-heads {} is not divisible by --tensor-model-parallel-size {tp}",
                 c.num_attention_heads
             );
         }
         if !c.hidden_size.is_multiple_of(tp) {
             return invalid!(
-                "hidden size {} is not divisible by tensor-parallel size {tp}",
+                "--hidden-size {} is not divisible by --tensor-model-parallel-size {tp}",
                 c.hidden_size
             );
         }
         if !c.ffn_hidden_size.is_multiple_of(tp) {
             return invalid!(
-                "ffn hidden size {} is not divisible by tensor-parallel size {tp}",
+                "--ffn-hidden-size {} is not divisible by --tensor-model-parallel-size {tp}",
                 c.ffn_hidden_size
             );
         }
@@ -298,6 +298,30 @@ impl GptConfig {
             }
         }
         Ok(())
+    }
+
+    /// Elements of the largest parameter tensor one rank holds at `tp` tensor-parallel and `ep`
+    /// expert-parallel ranks (the word embedding, the QKV or MLP weights, a rank's experts):
+    /// an upper bound on one allocation of a model built from this config.
+    pub fn largest_param(&self, tp: usize, ep: usize) -> u128 {
+        let h = self.hidden_size as u128;
+        let (tp, ep) = (tp.max(1) as u128, ep.max(1) as u128);
+        let mut rows = [
+            self.padded_vocab_size(tp as usize) as u128,
+            self.max_position_embeddings as u128,
+            3 * h / tp,
+            self.ffn_hidden_size as u128 / tp,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+        if let Some(moe) = &self.moe {
+            let experts = (moe.router.num_experts as u128).div_ceil(ep);
+            rows = rows
+                .max(experts * moe.ffn_hidden_size as u128)
+                .max(moe.shared_expert_ffn.unwrap_or(0) as u128 / tp);
+        }
+        rows * h
     }
 
     /// The vocabulary padded for `tp` ranks.

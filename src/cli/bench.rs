@@ -2,11 +2,11 @@
 
 use super::output::say;
 use super::values;
-use megatron::limits;
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use megatron::bench;
 use megatron::kernels::parallel;
+use megatron::limits;
 
 /// Arguments of `megatron bench`: a subcommand, or a model's training step (`megatron bench
 /// --model gpt-1.2b --seq-length 2048 --micro-batch-size 1 --device cuda`) with `megatron

@@ -165,7 +165,8 @@ struct StageRow {
 fn stage_rows(args: &InspectArgs, layers: usize) -> Result<Vec<StageRow>> {
     if args.vpp > 1 && args.pp < 2 {
         bail!(
-            "{} virtual stages per rank need a pipeline of at least 2 stages, got pp = {}",
+            "--virtual-pipeline-model-parallel-size {} needs a pipeline of at least 2 stages, got \
+             --pipeline-model-parallel-size {}",
             args.vpp,
             args.pp
         );
@@ -316,8 +317,9 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     }
     if !(args.tp * args.dp).is_multiple_of(args.ep * args.etp) {
         bail!(
-            "etp × ep = {} × {} does not divide tp × dp = {} × {} (the expert layout folds the \
-             same ranks as etp × ep × edp)",
+            "--expert-tensor-parallel-size {} × --expert-model-parallel-size {} does not divide \
+             --tensor-model-parallel-size {} × --data-parallel-size {} (the expert layout folds \
+             the same ranks as etp × ep × edp)",
             args.etp,
             args.ep,
             args.tp,
@@ -326,6 +328,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     }
     let edp = args.tp * args.dp / (args.ep * args.etp);
     let config = args.arch.config(args.tp, args.ep)?;
+    super::layout::check_listable(&config, args.tp, args.ep)?;
     let model = Gpt::build(
         &config.spec(),
         &mut Builder::new(0)

@@ -579,6 +579,14 @@ impl TrainArgs {
                     }
                     model.vocab_size = tokenizer.vocab_size();
                     model.validate_parallel(tp, ep)?;
+                } else if model.vocab_size < tokenizer.vocab_size() {
+                    bail!(
+                        "--vocab-size {} is smaller than the {} tokens of the tokenizer ({}): the \
+                         data's token ids would fall outside the vocabulary",
+                        model.vocab_size,
+                        tokenizer.vocab_size(),
+                        tokenizer_spec
+                    );
                 }
                 (self.arch.model_name().to_string(), model)
             }
@@ -1003,15 +1011,30 @@ fn check_machine(backend: Backend, job: &TrainJob) -> Result<()> {
     }
     // Each data-parallel replica holds the model once over its tp × pp ranks: values,
     // gradients and two Adam moments in f32 at most, plus f32 main values with 16 bits.
-    let replica = job.model.num_params(job.tp) as u128 * 20;
+    let state = job.model.num_params(job.tp) as u128 * 20;
+    // The activations a microbatch keeps for its backward, after Megatron-LM's estimate
+    // (s·b·h·(34 + 5·a·s/h) bytes a layer in 16 bits; twice that in f32), for the
+    // microbatches a pipeline keeps in flight (one a stage's layers, up to pp of them).
+    let plan = job.train_data.plan();
+    let m = &job.model;
+    let (s, b, h, a) = (
+        plan.seq_length as u128,
+        plan.micro_batch as u128,
+        m.hidden_size as u128,
+        m.num_attention_heads as u128,
+    );
+    let activations = m.num_layers as u128 * (68 * s * b * h + 10 * a * s * s * b);
     megatron::limits::check_memory(
         &format!(
-            "{} ({} parameters) at data-parallel size {} in this process",
+            "{} ({} parameters, --seq-length {}, --micro-batch-size {}) at data-parallel size {} \
+             in this process",
             job.model_name,
             job.model.num_params(job.tp),
+            plan.seq_length,
+            plan.micro_batch,
             job.dp
         ),
-        replica * job.dp as u128,
+        (state + activations) * job.dp as u128,
     )?;
     Ok(())
 }

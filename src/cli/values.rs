@@ -95,7 +95,12 @@ pub fn count(s: &str) -> Result<usize, String> {
 
 /// A number of threads of this process: 1 to 1,024.
 pub fn threads(s: &str) -> Result<usize, String> {
-    whole_usize(s, 1, megatron::limits::MAX_THREAD_RANKS, "threads of one process")
+    whole_usize(
+        s,
+        1,
+        megatron::limits::MAX_THREAD_RANKS,
+        "threads of one process",
+    )
 }
 
 /// A number in f64.

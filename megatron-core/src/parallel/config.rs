@@ -15,7 +15,7 @@ pub enum ConfigError {
         name: &'static str,
     },
     /// The world size is not a multiple of the product of the model-parallel sizes.
-    #[error("world size {world} is not divisible by {what} = {product}")]
+    #[error("world size {world} is not divisible by {what} = {product} (the sizes of {flags})")]
     NotDivisible {
         /// Total number of ranks.
         world: usize,
@@ -23,10 +23,12 @@ pub enum ConfigError {
         what: String,
         /// The product's value.
         product: usize,
+        /// The flags that give the factors.
+        flags: &'static str,
     },
     /// An explicitly given data-parallel size disagrees with the world size.
     #[error(
-        "world size {world} ≠ {what} = {product} (dp {dp} was given; the world needs dp {needed})"
+        "world size {world} ≠ {what} = {product} (--dp {dp} was given; the world needs --dp {needed})"
     )]
     DpMismatch {
         /// Total number of ranks.
@@ -349,6 +351,7 @@ impl ParallelConfig {
                 world,
                 what: format!("tp·cp·pp = {}·{}·{}", self.tp, self.cp, self.pp),
                 product: dense_mp,
+                flags: "--tp, --cp and --pp",
             });
         }
         let dp = world / dense_mp;
@@ -369,6 +372,7 @@ impl ParallelConfig {
                 world,
                 what: format!("etp·ep·pp = {etp}·{}·{}", self.ep, self.pp),
                 product: expert_mp,
+                flags: "--etp, --ep and --pp",
             });
         }
         let edp = world / expert_mp;

@@ -28,8 +28,9 @@ pub enum LayoutError {
     },
     /// The uneven first and last stages hold more, or other than, all the layers.
     #[error(
-        "the first stage's {first} and the last stage's {last} layers {relation} the model's \
-         {layers} layers (pp = {pp})"
+        "the first stage's {first} (--decoder-first-pipeline-num-layers) and the last stage's \
+         {last} layers (--decoder-last-pipeline-num-layers) {relation} the model's {layers} \
+         layers (--pipeline-model-parallel-size {pp})"
     )]
     UnevenEnds {
         /// Layers of the first stage.
@@ -95,7 +96,7 @@ impl PipelineLayout {
                 return Err(LayoutError::NotDivisible {
                     layers,
                     what: "of the model",
-                    stages: format!("pp = {pp} stages"),
+                    stages: format!("--pipeline-model-parallel-size {pp} stages"),
                     hint: "give a multiple of pp, or uneven ends with \
                            --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers",
                 });
@@ -130,8 +131,8 @@ impl PipelineLayout {
                     layers: middle,
                     what: "left after the uneven first and last stages",
                     stages: format!("the {middle_stages} other stages"),
-                    hint: "with uneven pipelining the left-over layers must divide over the \
-                           left-over stages",
+                    hint: "with uneven pipelining (--decoder-first/last-pipeline-num-layers) \
+                           the left-over layers must divide over the left-over stages",
                 });
             }
             let each = middle.checked_div(middle_stages).unwrap_or(0);
@@ -149,7 +150,7 @@ impl PipelineLayout {
             return Err(LayoutError::NotDivisible {
                 layers: bad,
                 what: "of a pipeline rank",
-                stages: format!("its {vpp} virtual stages"),
+                stages: format!("its --virtual-pipeline-model-parallel-size {vpp} virtual stages"),
                 hint: "each rank's layers must divide over its model chunks (pp·V must divide \
                        the layers in the even layout)",
             });

@@ -22,8 +22,9 @@ pub enum ScheduleError {
     },
     /// Virtual stages without a pipeline.
     #[error(
-        "{vpp} virtual stages per rank need a pipeline of at least 2 stages, got pp = {pp} \
-         (the interleaved schedule interleaves the chunks of several ranks)"
+        "--virtual-pipeline-model-parallel-size {vpp} needs a pipeline of at least 2 stages, got \
+         --pipeline-model-parallel-size {pp} (the interleaved schedule interleaves the chunks of \
+         several ranks)"
     )]
     VirtualWithoutPipeline {
         /// Virtual stages (model chunks) per rank.
@@ -149,7 +150,8 @@ impl ScheduleConfig {
         let passes = crate::limits::product(&[self.pp, self.vpp, self.microbatches]);
         crate::limits::check(
             format!(
-                "a schedule of pp × vpp × microbatches = {} × {} × {} =",
+                "a schedule of --pipeline-model-parallel-size {} × \
+                 --virtual-pipeline-model-parallel-size {} × {} microbatches =",
                 self.pp, self.vpp, self.microbatches
             ),
             passes,

@@ -88,7 +88,8 @@ impl BatchPlan {
         }
         if !self.global_batch.is_multiple_of(per_step) {
             return invalid!(
-                "global batch size {} is not divisible by micro batch size {} × data-parallel size {} = {per_step}",
+                "--global-batch-size {} is not divisible by --micro-batch-size {} × \
+                 --data-parallel-size {} = {per_step}",
                 self.global_batch,
                 self.micro_batch,
                 self.dp
@@ -294,7 +295,7 @@ mod tests {
         };
         assert_eq!(
             plan.validate().unwrap_err().to_string(),
-            "global batch size 8 is not divisible by micro batch size 3 × data-parallel size 2 = 6"
+            "--global-batch-size 8 is not divisible by --micro-batch-size 3 × --data-parallel-size 2 = 6"
         );
         let short = Sampler::windows(
             TokenStream::from_bytes(b"abc"),
