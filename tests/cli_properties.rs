@@ -12,6 +12,8 @@ mod support;
 
 use std::io::Read;
 use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use support::TempDir;
@@ -381,22 +383,27 @@ fn no_number_on_any_flag_panics_hangs_or_fails_without_naming_a_flag() {
         }
         cases.push(args);
     }
-    let mut failures = Vec::new();
-    for args in &cases {
-        let outcome = run(args);
-        if let Some(why) = violation(&outcome) {
-            failures.push(format!(
-                "megatron {}: {why}\n{}",
-                args.join(" "),
-                outcome
-                    .stderr
-                    .lines()
-                    .take(6)
-                    .collect::<Vec<_>>()
-                    .join("\n")
-            ));
+    // Two runs at a time (most end at once, while another starts).
+    let next = AtomicUsize::new(0);
+    let failures = Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..2 {
+            scope.spawn(|| {
+                while let Some(args) = cases.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    let outcome = run(args);
+                    if let Some(why) = violation(&outcome) {
+                        let stderr: Vec<&str> = outcome.stderr.lines().take(6).collect();
+                        failures.lock().unwrap().push(format!(
+                            "megatron {}: {why}\n{}",
+                            args.join(" "),
+                            stderr.join("\n")
+                        ));
+                    }
+                }
+            });
         }
-    }
+    });
+    let failures = failures.into_inner().unwrap();
     assert!(
         failures.is_empty(),
         "{} of {} command lines broke the property:\n{}",

@@ -579,13 +579,13 @@ impl TrainArgs {
                     }
                     model.vocab_size = tokenizer.vocab_size();
                     model.validate_parallel(tp, ep)?;
-                } else if model.vocab_size < tokenizer.vocab_size() {
+                } else if model.vocab_size < 256 {
+                    // Without --tokenizer the data is bytes: ids up to 255.
                     bail!(
-                        "--vocab-size {} is smaller than the {} tokens of the tokenizer ({}): the \
-                         data's token ids would fall outside the vocabulary",
-                        model.vocab_size,
-                        tokenizer.vocab_size(),
-                        tokenizer_spec
+                        "--vocab-size {} is smaller than the 256 byte values of the data (read \
+                         as bytes without --tokenizer): its token ids would fall outside the \
+                         vocabulary",
+                        model.vocab_size
                     );
                 }
                 (self.arch.model_name().to_string(), model)

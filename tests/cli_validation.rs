@@ -1,0 +1,283 @@
+//! Every command validates its settings with the same shared code: numbers past their bounds,
+//! values that cannot work in the precision they are used in, Megatron-LM's own rules, and
+//! flags that would do nothing are refused before anything runs, naming the flag; the messages
+//! name the cause the user can act on.
+
+mod support;
+
+use support::megatron;
+
+/// Runs each command line and checks it fails with one `error:` line holding `expected`.
+fn refused(cases: &[(&[&str], &str)]) {
+    for (args, expected) in cases {
+        let (ok, _, stderr) = megatron(args);
+        assert!(!ok, "{args:?} was accepted");
+        let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(errors.len(), 1, "{args:?}: {stderr}");
+        assert!(errors[0].contains(expected), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn numbers_past_their_bounds_are_refused_naming_the_flag() {
+    refused(&[
+        (
+            &[
+                "schedule",
+                "--pp",
+                "2",
+                "--microbatches",
+                "18446744073709551615",
+            ],
+            "'--microbatches <MICROBATCHES>': must be at most 262144",
+        ),
+        (
+            &["groups", "--world-size", "18446744073709551615"],
+            "'--world-size <WORLD_SIZE>': must be at most 1048576 (the ranks of a job)",
+        ),
+        (
+            &["layout", "--model", "gpt-tiny", "--dp", "1000000007"],
+            "'--dp <DP>': must be at most 1048576",
+        ),
+        (
+            &["inspect", "--num-experts", "100000"],
+            "'--num-experts <NUM_EXPERTS>': must be at most 65536",
+        ),
+        (
+            &[
+                "inspect",
+                "--num-experts",
+                "4",
+                "--moe-layer-freq",
+                "[1]*1000000000000",
+            ],
+            "--moe-layer-freq [1]*1000000000000: lists 1000000000000 layers or more",
+        ),
+        (
+            &[
+                "inspect",
+                "--hidden-size",
+                "16777216",
+                "--num-attention-heads",
+                "16",
+            ],
+            "parameters (--num-layers 4 × --hidden-size 16777216 ...), more than megatron-rs accepts",
+        ),
+        (
+            &[
+                "schedule",
+                "--pp",
+                "65536",
+                "--vpp",
+                "2",
+                "--microbatches",
+                "4",
+            ],
+            "a schedule of --pipeline-model-parallel-size 65536 × \
+             --virtual-pipeline-model-parallel-size 2 × 4 microbatches = 524288",
+        ),
+        (
+            &["inspect", "--pp", "0"],
+            "'--pipeline-model-parallel-size <PP>': must be at least 1",
+        ),
+        (
+            &["inspect", "--vpp", "0"],
+            "'--virtual-pipeline-model-parallel-size <VPP>': must be at least 1",
+        ),
+        (
+            &[
+                "graphs",
+                "--pp",
+                "2",
+                "--microbatches",
+                "4",
+                "--cuda-graph-scope",
+                "attn",
+                "--seq-length",
+                "0",
+            ],
+            "'--seq-length <SEQ_LENGTH>': must be at least 1",
+        ),
+        (
+            &[
+                "tokenizer",
+                "train",
+                "--input",
+                "x.jsonl",
+                "--output",
+                "t.json",
+                "--vocab-size",
+                "18446744073709551615",
+            ],
+            "'--vocab-size <VOCAB_SIZE>': must be at most 16777216",
+        ),
+        (
+            &[
+                "train",
+                "--moe-shared-expert-intermediate-size",
+                "0",
+                "--num-experts",
+                "4",
+            ],
+            "'--moe-shared-expert-intermediate-size <MOE_SHARED_EXPERT_INTERMEDIATE_SIZE>': must be at least 1",
+        ),
+        (
+            &["train", "--dp", "2048"],
+            "2048 is more than megatron-rs accepts (at most 1024: thread ranks of one process",
+        ),
+        (
+            &["bench", "attention", "--seq-length", "1073741824"],
+            "needs about 274877956096.0 GiB of memory, more than",
+        ),
+    ]);
+    // A schedule of many stages answers (its simulation is linear in the schedule's length).
+    let (ok, stdout, stderr) = megatron(&["schedule", "--pp", "65536", "--microbatches", "4"]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("(not drawn: 65536 ranks × "), "{stdout}");
+}
+
+#[test]
+fn values_that_cannot_work_are_refused_as_the_command_line_is_read() {
+    refused(&[
+        (
+            &["train", "--fp16", "--initial-loss-scale", "1e300"],
+            "'--initial-loss-scale <INITIAL_LOSS_SCALE>': 1e300 is infinite in f32",
+        ),
+        (
+            &["train", "--fp16", "--loss-scale", "1e39"],
+            "'--loss-scale <LOSS_SCALE>': 1e39 is infinite in f32",
+        ),
+        (
+            &["train", "--lr", "NaN"],
+            "'--lr <LR>': must be a finite number",
+        ),
+        (
+            &["train", "--moe-aux-loss-coeff=-1", "--num-experts", "4"],
+            "'--moe-aux-loss-coeff <MOE_AUX_LOSS_COEFF>': must be at least 0",
+        ),
+        (
+            &["train", "--moe-z-loss-coeff", "inf", "--num-experts", "4"],
+            "'--moe-z-loss-coeff <MOE_Z_LOSS_COEFF>': must be a finite number",
+        ),
+        (
+            &[
+                "train",
+                "--moe-router-topk-scaling-factor",
+                "0",
+                "--num-experts",
+                "4",
+            ],
+            "'--moe-router-topk-scaling-factor <MOE_ROUTER_TOPK_SCALING_FACTOR>': must be more than 0",
+        ),
+        (
+            &["train", "--ep", "0"],
+            "'--expert-model-parallel-size <EP>': must be at least 1",
+        ),
+        (
+            &["train", "--etp", "0"],
+            "'--expert-tensor-parallel-size <ETP>': must be at least 1",
+        ),
+    ]);
+}
+
+#[test]
+fn megatrons_rules_and_flags_that_would_do_nothing_are_refused() {
+    refused(&[
+        (
+            &["train", "--num-experts", "4", "--moe-router-topk", "1"],
+            "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax",
+        ),
+        (
+            &["train", "--bf16", "--initial-loss-scale", "8"],
+            "--initial-loss-scale does nothing with --bf16",
+        ),
+        (
+            &["train", "--fp16", "--loss-scale", "8", "--hysteresis", "3"],
+            "--hysteresis does nothing with a static --loss-scale",
+        ),
+        (
+            &[
+                "train",
+                "--num-experts",
+                "4",
+                "--moe-token-drop-policy",
+                "position",
+            ],
+            "--moe-token-drop-policy position does nothing without --moe-expert-capacity-factor",
+        ),
+        (
+            &[
+                "train",
+                "--num-experts",
+                "4",
+                "--moe-router-bias-update-rate",
+                "0.01",
+            ],
+            "--moe-router-bias-update-rate 0.01 does nothing without --moe-router-enable-expert-bias",
+        ),
+        (
+            &[
+                "train",
+                "--num-experts",
+                "4",
+                "--moe-router-load-balancing-type",
+                "none",
+                "--moe-aux-loss-coeff",
+                "0.1",
+            ],
+            "--moe-aux-loss-coeff 0.1 does nothing with --moe-router-load-balancing-type none",
+        ),
+        (
+            &[
+                "train",
+                "--pp",
+                "2",
+                "--num-layers",
+                "2",
+                "--microbatch-group-size-per-virtual-pipeline-stage",
+                "2",
+            ],
+            "--microbatch-group-size-per-virtual-pipeline-stage 2 does nothing without virtual stages",
+        ),
+        // Too few microbatches for the interleaved schedule: the batch, not a flag never given.
+        (
+            &[
+                "train",
+                "--pp",
+                "4",
+                "--vpp",
+                "2",
+                "--num-layers",
+                "8",
+                "--global-batch-size",
+                "12",
+                "--micro-batch-size",
+                "4",
+            ],
+            "the interleaved schedule needs at least pp = 4 microbatches per step, got 3 (raise \
+             --global-batch-size",
+        ),
+        (
+            &["train", "--vocab-size", "100"],
+            "--vocab-size 100 is smaller than the 256 byte values",
+        ),
+    ]);
+    // Megatron-LM's spelling of the group size, and the short one kept as an alias.
+    for flag in [
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        "--microbatch-group-size-per-vp-stage",
+    ] {
+        let (ok, _, stderr) = megatron(&[
+            "schedule",
+            "--pp",
+            "2",
+            "--vpp",
+            "2",
+            "--microbatches",
+            "4",
+            flag,
+            "2",
+        ]);
+        assert!(ok, "{flag}: {stderr}");
+    }
+}
