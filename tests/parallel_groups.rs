@@ -225,11 +225,11 @@ fn bad_configs_name_the_numbers() {
     let msg = |c: ParallelConfig| ParallelLayout::new(&c).unwrap_err().to_string();
     assert_eq!(
         msg(ParallelConfig::new(12).with_tp(4).with_pp(2)),
-        "world size 12 is not divisible by tp·cp·pp = 4·1·2 = 8"
+        "world size 12 is not divisible by tp·cp·pp = 4·1·2 = 8 (the sizes of --tp, --cp and --pp)"
     );
     assert_eq!(
         msg(ParallelConfig::new(16).with_tp(2).with_etp(1).with_ep(3)),
-        "world size 16 is not divisible by etp·ep·pp = 1·3·1 = 3"
+        "world size 16 is not divisible by etp·ep·pp = 1·3·1 = 3 (the sizes of --etp, --ep and --pp)"
     );
     assert!(msg(ParallelConfig::new(16).with_tp(4).with_dp(2)).contains("dp 2 was given"));
     assert_eq!(
@@ -465,7 +465,7 @@ fn cli_table_and_errors() {
     let (ok, _, stderr) = megatron(&["groups", "--world-size", "12", "--tp", "4", "--pp", "2"]);
     assert!(!ok);
     assert!(
-        stderr.contains("world size 12 is not divisible by tp·cp·pp = 4·1·2 = 8"),
+        stderr.contains("world size 12 is not divisible by tp·cp·pp = 4·1·2 = 8 (the sizes of --tp, --cp and --pp)"),
         "{stderr}"
     );
     let (ok, _, stderr) = megatron(&["groups", "--world-size", "8", "--group", "tp-zz"]);

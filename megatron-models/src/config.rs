@@ -399,12 +399,12 @@ mod tests {
         let c = GptConfig::new(2, 96, 6, 256, 64);
         assert_eq!(
             c.validate(4).unwrap_err().to_string(),
-            "6 attention heads are not divisible by tensor-parallel size 4"
+            "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"
         );
         let c = GptConfig::new(2, 100, 3, 256, 64);
         assert_eq!(
             c.validate(1).unwrap_err().to_string(),
-            "hidden size 100 is not divisible by 3 attention heads"
+            "--hidden-size 100 is not divisible by --num-attention-heads 3"
         );
         assert!(GptConfig::new(2, 96, 6, 256, 64).validate(3).is_ok());
     }

@@ -39,7 +39,7 @@ pub fn run(args: &GraphsArgs) -> Result<()> {
     let config = args.arch.config(1, 1)?;
     let scopes = ScopeSet::parse(&args.cuda_graph_scope)?;
     scopes.validate(&config.scoped_model(false)?)?;
-    let schedule = Schedule::new(args.shape.config())?;
+    let schedule = Schedule::new(args.shape.config()?)?;
     let sizes = schedule.config;
     let layout = PipelineLayout::new(config.num_layers, sizes.pp, sizes.vpp, None, None)?;
     let moe = config.moe_layers()?;

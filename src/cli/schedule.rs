@@ -47,12 +47,14 @@ pub struct ScheduleShape {
 }
 
 impl ScheduleShape {
-    /// The training schedule of these sizes.
-    pub fn config(&self) -> ScheduleConfig {
-        ScheduleConfig {
+    /// The training schedule of these sizes (a group size without virtual stages refused).
+    pub fn config(&self) -> Result<ScheduleConfig> {
+        let config = ScheduleConfig {
             group_size: self.group_size,
             ..ScheduleConfig::new(self.pp, self.vpp, self.microbatches)
-        }
+        };
+        config.check_group_used()?;
+        Ok(config)
     }
 }
 
@@ -80,7 +82,7 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
     let config = ScheduleConfig {
         forward_only: args.forward_only,
         overlap_moe_comm: args.overlap_moe_expert_parallel_comm,
-        ..args.shape.config()
+        ..args.shape.config()?
     };
     let schedule = Schedule::new(config)?;
     let walked = traces(&schedule)?;

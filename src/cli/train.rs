@@ -706,6 +706,11 @@ impl TrainArgs {
         if uneven && pp == 1 {
             bail!("--decoder-first/last-pipeline-num-layers need a pipeline: add --pp");
         }
+        if let Some(group) = settings.group_size
+            && settings.vpp == 1
+        {
+            Err(megatron::pipeline_parallel::ScheduleError::GroupWithoutVirtualStages { group })?;
+        }
         settings.schedule(microbatches)?;
         settings.layout(layers)?;
         Ok(settings)

@@ -48,7 +48,8 @@ pub enum ScheduleError {
         /// Microbatches per step.
         microbatches: usize,
     },
-    /// A group size given for a schedule without virtual stages.
+    /// A group size given for a schedule without virtual stages: Megatron-LM ignores it, and
+    /// so does [`ScheduleConfig::validate`]; [`ScheduleConfig::check_group_used`] refuses it.
     #[error(
         "--microbatch-group-size-per-virtual-pipeline-stage {group} does nothing without \
          virtual stages (it groups the interleaved schedule's microbatches): add \
@@ -132,6 +133,17 @@ impl ScheduleConfig {
         self.vpp > 1
     }
 
+    /// Refuses a group size given for a schedule without virtual stages, where it would do
+    /// nothing (the command line's check: Megatron-LM ignores such a group size).
+    pub fn check_group_used(&self) -> Result<(), ScheduleError> {
+        match self.group_size {
+            Some(group) if !self.interleaved() => {
+                Err(ScheduleError::GroupWithoutVirtualStages { group })
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Megatron-LM's checks of a schedule.
     pub fn validate(&self) -> Result<(), ScheduleError> {
         for (what, v) in [
@@ -158,11 +170,6 @@ impl ScheduleConfig {
             crate::limits::MAX_SCHEDULE_PASSES,
             "forward passes per step",
         )?;
-        if let Some(group) = self.group_size
-            && !self.interleaved()
-        {
-            return Err(ScheduleError::GroupWithoutVirtualStages { group });
-        }
         if self.vpp > 1 && self.pp < 2 {
             return Err(ScheduleError::VirtualWithoutPipeline {
                 vpp: self.vpp,
