@@ -992,8 +992,16 @@ fn processes_train_as_threads(name: &str, args: &[&str], backend: &str, env: &[(
     let mut threads = Command::new(env!("CARGO_BIN_EXE_megatron"));
     threads.envs(env.iter().copied());
     let mpi = megatron_under_mpirun(4, env);
+    // Both runs save into the same directory (the processes' checkpoint last): the second
+    // replaces the first's iterations, as it is told to.
+    let replace: &[&str] = if args.contains(&"--save") {
+        &["--overwrite-checkpoints"]
+    } else {
+        &[]
+    };
+    let args = &[args, replace].concat();
     let on_threads = train_log(threads, &dir.join("threads.jsonl"), args);
-    let with_backend = [args, &["--backend", backend]].concat();
+    let with_backend = [&args[..], &["--backend", backend]].concat();
     let processes = train_log(mpi, &dir.join(format!("{backend}.jsonl")), &with_backend);
     assert_eq!(processes, on_threads);
     let _ = std::fs::remove_dir_all(&dir);
