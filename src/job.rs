@@ -96,8 +96,9 @@ impl StopRequest {
     }
 }
 
-/// How a job cuts its model into pipeline stages (Megatron-LM's pipeline flags).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How a job cuts its model into pipeline stages (Megatron-LM's pipeline flags); a
+/// checkpoint records it (`megatron train` resumes with it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PipelineSettings {
     /// Pipeline stages (`--pipeline-model-parallel-size`).
     pub pp: usize,

@@ -10,33 +10,6 @@ use megatron::optimizer::PrecisionFlags;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-/// The pipeline schedule a run trained with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct RecordedPipeline {
-    /// Pipeline stages (the schedule below holds only at this size).
-    pub pp: usize,
-    /// Model chunks per stage.
-    pub vpp: usize,
-    /// `--microbatch-group-size-per-virtual-pipeline-stage`, if given.
-    pub group_size: Option<usize>,
-    /// `--decoder-first-pipeline-num-layers`, if given.
-    pub first_stage_layers: Option<usize>,
-    /// `--decoder-last-pipeline-num-layers`, if given.
-    pub last_stage_layers: Option<usize>,
-}
-
-impl From<&PipelineSettings> for RecordedPipeline {
-    fn from(p: &PipelineSettings) -> Self {
-        RecordedPipeline {
-            pp: p.pp,
-            vpp: p.vpp,
-            group_size: p.group_size,
-            first_stage_layers: p.first_stage_layers,
-            last_stage_layers: p.last_stage_layers,
-        }
-    }
-}
-
 /// What `run.training` of a checkpoint holds (each part absent in checkpoints saved before
 /// it was recorded).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -51,7 +24,7 @@ pub struct Recorded {
     /// `--moe-token-dispatcher-type` (MoE models).
     pub moe_token_dispatcher_type: Option<String>,
     /// The pipeline schedule.
-    pub pipeline: Option<RecordedPipeline>,
+    pub pipeline: Option<PipelineSettings>,
 }
 
 impl Recorded {

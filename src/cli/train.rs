@@ -25,7 +25,7 @@ use megatron::training::{
 use super::model_args::ArchitectureArgs;
 use super::observers::{JsonLog, Plot, Progress, TensorBoard};
 use super::output::note;
-use super::resume::{self, Recorded, RecordedPipeline};
+use super::resume::{self, Recorded};
 use super::values;
 
 /// A source of training or validation samples.
@@ -625,7 +625,7 @@ impl TrainArgs {
     fn schedule_flags(
         &self,
         pp: usize,
-        recorded: Option<RecordedPipeline>,
+        recorded: Option<PipelineSettings>,
         taken: &mut Vec<String>,
     ) -> ScheduleFlags {
         let given = ScheduleFlags {
@@ -938,7 +938,7 @@ impl TrainArgs {
                     ep: Some(s.ep),
                     etp: Some(etp),
                     moe_token_dispatcher_type: dispatcher_name,
-                    pipeline: Some(RecordedPipeline::from(&pipeline)),
+                    pipeline: Some(pipeline),
                 }
                 .to_value(),
             }),
