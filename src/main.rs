@@ -52,7 +52,20 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    let cli = Cli::parse_from(args);
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        // Help and the version are the command's output: written as any report is.
+        Err(e) if !e.use_stderr() => {
+            return match cli::output::text(&e.render().to_string()) {
+                Err(err) if !err.reader_left() => {
+                    cli::output::error_line(&format!("error: {:#}", anyhow::Error::new(err)));
+                    std::process::ExitCode::FAILURE
+                }
+                _ => std::process::ExitCode::SUCCESS,
+            };
+        }
+        Err(e) => e.exit(),
+    };
     let result = match &cli.command {
         Command::Groups(args) => cli::groups::run(args),
         Command::Bench(args) => cli::bench::run(args),

@@ -22,10 +22,15 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 64, value_parser = values::batch)]
     max_new_tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    #[arg(
+        long,
+        default_value_t = 0.0,
+        allow_negative_numbers = true,
+        value_parser = values::non_negative
+    )]
     temperature: f64,
     /// Sample among the k most likely tokens only (0: all).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = values::vocab_or_all)]
     top_k: usize,
     /// Tensor-parallel size to run the model with.
     #[arg(
@@ -45,10 +50,11 @@ pub struct GenerateArgs {
 
 /// Runs `megatron generate`.
 pub fn run(args: &GenerateArgs) -> Result<()> {
-    if !args.temperature.is_finite() || args.temperature < 0.0 {
+    if args.top_k > 0 && args.temperature == 0.0 {
         bail!(
-            "--temperature must be a finite number ≥ 0 (0 is greedy), got {}",
-            args.temperature
+            "--top-k {} does nothing with greedy decoding (--temperature 0, the default): give a \
+             --temperature above 0 to sample",
+            args.top_k
         );
     }
     let spec = match &args.tokenizer {

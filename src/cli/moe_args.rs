@@ -137,6 +137,12 @@ impl MoeArgs {
                     .map_or(String::new(), |v| v.get_name().to_string())
             );
         }
+        if self.moe_router_pre_softmax && r.score_function == ScoreFunction::Sigmoid {
+            bail!(
+                "--moe-router-pre-softmax does nothing with --moe-router-score-function sigmoid \
+                 (it places the softmax): drop one of them"
+            );
+        }
         if let Some(rate) = self.moe_router_bias_update_rate
             && !r.expert_bias
         {

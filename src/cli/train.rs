@@ -155,14 +155,14 @@ pub struct TrainArgs {
     tokenizer: Option<String>,
     /// Fractions of the data for training, validation and test (Megatron's `--split`)
     /// [default: 969,30,1, or the loaded checkpoint's].
-    #[arg(long)]
+    #[arg(long, value_parser = values::split)]
     split: Option<String>,
     /// Evaluate on the validation split every N steps (and at the end) [default: never].
     #[arg(long, value_parser = values::steps)]
     eval_interval: Option<u64>,
-    /// Global batches per evaluation.
-    #[arg(long, default_value_t = 10, value_parser = values::steps)]
-    eval_iters: u64,
+    /// Global batches per evaluation (with --eval-interval) [default: 10].
+    #[arg(long, value_parser = values::steps)]
+    eval_iters: Option<u64>,
     /// Save checkpoints into this directory (every --save-interval steps, at the end, and when
     /// SIGINT or SIGTERM stops the run).
     #[arg(long)]
@@ -320,22 +320,14 @@ pub(super) enum Backend {
     Nccl,
 }
 
-/// The validation fraction of a `--split` such as `969,30,1`.
+/// The training and validation fractions of a `--split` such as `969,30,1` (Megatron-LM's
+/// split vector, normalized).
 fn valid_fraction(split: &str) -> Result<(f64, f64)> {
-    let parts: Vec<f64> = split
-        .split(',')
-        .map(|p| p.trim().parse::<f64>())
-        .collect::<Result<_, _>>()
-        .with_context(|| {
-            format!("--split `{split}`: expected comma-separated numbers like 969,30,1")
-        })?;
-    let total: f64 = parts.iter().sum();
-    if parts.is_empty() || parts.len() > 3 || parts.iter().any(|p| *p < 0.0) || total <= 0.0 {
-        bail!("--split `{split}`: expected up to three non-negative weights, not all zero");
-    }
-    let train = parts[0] / total;
-    let valid = parts.get(1).copied().unwrap_or(0.0) / total;
-    Ok((train, valid))
+    let shares = split
+        .parse::<SplitVector>()
+        .with_context(|| format!("--split {split}"))?
+        .shares();
+    Ok((shares[0], shares[1]))
 }
 
 /// The split used when neither `--split` nor a loaded checkpoint gives one.
@@ -719,6 +711,59 @@ impl TrainArgs {
     /// Checks the flags that need no data or checkpoint to check (each value alone was
     /// checked as it was parsed, by [`values`]).
     fn check_flags(&self) -> Result<()> {
+        // Flags that do nothing in the combination given (Megatron-LM ignores most of them).
+        for (flag, given, needs, present) in [
+            (
+                "--save-interval",
+                self.save_interval.is_some(),
+                "--save",
+                self.save.is_some(),
+            ),
+            (
+                "--eval-iters",
+                self.eval_iters.is_some(),
+                "--eval-interval",
+                self.eval_interval.is_some(),
+            ),
+            (
+                "--comm-report",
+                self.comm_report,
+                "--log-json",
+                self.log_json.is_some(),
+            ),
+        ] {
+            if given && !present {
+                bail!("{flag} does nothing without {needs}: add {needs} or drop {flag}");
+            }
+        }
+        if self.fp32_products && self.device == "cpu" {
+            bail!(
+                "--fp32-products does nothing on the CPU, which multiplies in f32 (it chooses a \
+                 GPU's products): drop it or add --device cuda"
+            );
+        }
+        if self.lr_decay_style == DecayStyle::Constant {
+            for (flag, given) in [
+                ("--min-lr", self.min_lr.is_some()),
+                ("--lr-decay-iters", self.lr_decay_iters.is_some()),
+            ] {
+                if given {
+                    bail!(
+                        "{flag} does nothing with --lr-decay-style constant (the rate never \
+                         decays): drop it or choose linear or cosine"
+                    );
+                }
+            }
+        }
+        // Megatron-LM's OptimizerParamScheduler: the warm-up ends before the decay does.
+        let decay = self.lr_decay_iters.unwrap_or(self.train_iters);
+        if self.lr_warmup_iters >= decay && self.lr_warmup_iters > 0 {
+            bail!(
+                "--lr-warmup-iters {} must be less than --lr-decay-iters {decay} (which is \
+                 --train-iters when not given): the warm-up would never end",
+                self.lr_warmup_iters
+            );
+        }
         if let Some(min_lr) = self.min_lr
             && min_lr > self.lr
         {
@@ -728,6 +773,11 @@ impl TrainArgs {
             );
         }
         Ok(())
+    }
+
+    /// Global batches per evaluation: --eval-iters, else 10.
+    fn eval_iters(&self) -> u64 {
+        self.eval_iters.unwrap_or(10)
     }
 
     /// Refuses to save over iterations of --save after `start` (the step the run starts
@@ -792,7 +842,7 @@ impl TrainArgs {
         let evals = self
             .eval_interval
             .map_or(0, |i| self.train_iters / i.max(1) + 1);
-        let valid_samples = evals * self.eval_iters * global;
+        let valid_samples = evals * self.eval_iters() * global;
         let Some(train) =
             build_gpt_dataset(&blend, &config, DataSplit::Train, Some(train_samples))?
         else {
@@ -853,7 +903,7 @@ impl TrainArgs {
                 Some(Eval {
                     data: Sampler::new(valid, plan)?,
                     interval,
-                    iters: self.eval_iters,
+                    iters: self.eval_iters(),
                 })
             }
             None => None,
@@ -896,6 +946,16 @@ impl TrainArgs {
                 "--expert-model-parallel-size and --expert-tensor-parallel-size must be at least 1"
             ),
             _ => {}
+        }
+        if s.model.moe.is_none()
+            && let Some(kind) = self.moe_token_dispatcher_type
+        {
+            bail!(
+                "--moe-token-dispatcher-type {} does nothing without MoE layers: add \
+                 --num-experts or drop it",
+                kind.to_possible_value()
+                    .map_or(String::new(), |v| v.get_name().to_string())
+            );
         }
         if let Some(moe) = &mut s.model.moe {
             moe.dispatcher = match s.dispatcher {

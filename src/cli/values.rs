@@ -58,6 +58,11 @@ pub fn vocab(s: &str) -> Result<usize, String> {
     whole_usize(s, 1, MAX_VOCAB, "a vocabulary's tokens")
 }
 
+/// A number of tokens of a vocabulary where 0 means all of them (`--top-k`): 0 to 2^24.
+pub fn vocab_or_all(s: &str) -> Result<usize, String> {
+    whole_usize(s, 0, MAX_VOCAB, "a vocabulary's tokens")
+}
+
 /// A number of experts (or of experts per token): 1 to 2^16.
 pub fn experts(s: &str) -> Result<usize, String> {
     whole_usize(s, 1, MAX_EXPERTS, "experts per MoE layer")
@@ -101,6 +106,13 @@ pub fn threads(s: &str) -> Result<usize, String> {
         megatron::limits::MAX_THREAD_RANKS,
         "threads of one process",
     )
+}
+
+/// Megatron-LM's `--split`: up to three non-negative shares, not all zero.
+pub fn split(s: &str) -> Result<String, String> {
+    s.parse::<megatron::data::SplitVector>()
+        .map_err(|e| e.to_string())?;
+    Ok(s.to_string())
 }
 
 /// A number in f64.

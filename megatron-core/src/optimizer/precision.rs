@@ -186,6 +186,12 @@ impl Precision {
                 return Err(PrecisionError::NoEffect { flag, why });
             }
         }
+        if flags.grads_in_fp32 && !half {
+            return Err(PrecisionError::NoEffect {
+                flag: "accumulate-allreduce-grads-in-fp32",
+                why: "in an f32 run (its gradients are f32 already)",
+            });
+        }
         if flags.grad_reduce_in_bf16 && !flags.bf16 {
             return Err(PrecisionError::Bf16GradsWithoutBf16);
         }
