@@ -217,7 +217,8 @@ fn generation_refuses_a_temperature_it_cannot_sample_with_and_says_when_it_cuts_
             t,
         ]);
         assert!(
-            !ok && stderr.contains("--temperature must be a finite number"),
+            !ok && stderr.contains("invalid value")
+                && stderr.contains("'--temperature <TEMPERATURE>'"),
             "{t}: {stderr}"
         );
     }

@@ -261,6 +261,59 @@ fn megatrons_rules_and_flags_that_would_do_nothing_are_refused() {
             &["train", "--vocab-size", "100"],
             "--vocab-size 100 is smaller than the 256 byte values",
         ),
+        (
+            &["train", "--save-interval", "5"],
+            "--save-interval does nothing without --save",
+        ),
+        (
+            &["train", "--eval-iters", "5"],
+            "--eval-iters does nothing without --eval-interval",
+        ),
+        (
+            &["train", "--comm-report"],
+            "--comm-report does nothing without --log-json",
+        ),
+        (
+            &["train", "--fp32-products"],
+            "--fp32-products does nothing on the CPU",
+        ),
+        (
+            &["train", "--lr-decay-style", "constant", "--min-lr", "0"],
+            "--min-lr does nothing with --lr-decay-style constant",
+        ),
+        (
+            &["train", "--moe-token-dispatcher-type", "allgather"],
+            "--moe-token-dispatcher-type allgather does nothing without MoE layers",
+        ),
+        (
+            &[
+                "train",
+                "--num-experts",
+                "4",
+                "--moe-router-score-function",
+                "sigmoid",
+                "--moe-router-pre-softmax",
+            ],
+            "--moe-router-pre-softmax does nothing with --moe-router-score-function sigmoid",
+        ),
+        (
+            &["train", "--accumulate-allreduce-grads-in-fp32"],
+            "--accumulate-allreduce-grads-in-fp32 does nothing in an f32 run",
+        ),
+        (
+            &["train", "--lr-warmup-iters", "100", "--train-iters", "10"],
+            "--lr-warmup-iters 100 must be less than --lr-decay-iters 10",
+        ),
+        (
+            &["train", "--split", "NaN,1,1"],
+            "'--split <SPLIT>': bad split \"NaN,1,1\"",
+        ),
+        (
+            &[
+                "generate", "--load", "ckpt", "--prompt", "a", "--top-k", "5",
+            ],
+            "--top-k 5 does nothing with greedy decoding",
+        ),
     ]);
     // Megatron-LM's spelling of the group size, and the short one kept as an alias.
     for flag in [
