@@ -53,6 +53,14 @@ fn outputs_never_replace_what_is_not_a_regular_file() {
             "{output}: {stderr}"
         );
     }
+    // A log is read back on resume, and a pipe would block the run until read: refused.
+    let mut args = vec!["train", "--train-iters", "1", "--log-json", &pipe];
+    args.extend(SMALL);
+    let (ok, _, stderr) = megatron(&args);
+    assert!(
+        !ok && stderr.contains("--log-json") && stderr.contains("is a named pipe"),
+        "{stderr}"
+    );
     assert!(fs::metadata(&pipe).unwrap().file_type().is_fifo());
     assert!(fs::symlink_metadata(&to_pipe).unwrap().is_symlink());
     assert!(fs::metadata(&folder).unwrap().is_dir());

@@ -314,6 +314,10 @@ fn megatrons_rules_and_flags_that_would_do_nothing_are_refused() {
             ],
             "--top-k 5 does nothing with greedy decoding",
         ),
+        (
+            &["plot", "/dev/null"],
+            "/dev/null holds no training step: nothing to draw",
+        ),
     ]);
     // Megatron-LM's spelling of the group size, and the short one kept as an alias.
     for flag in [

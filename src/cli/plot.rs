@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use super::output::say;
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use megatron::report::plot::{Curves, draw};
 
@@ -23,6 +23,12 @@ pub fn run(args: &PlotArgs) -> Result<()> {
         .with_context(|| format!("reading {}", args.log.display()))?;
     let curves =
         Curves::from_log(&text).with_context(|| format!("reading {}", args.log.display()))?;
+    if curves.train.is_empty() {
+        bail!(
+            "{} holds no training step: nothing to draw (give the --log-json of a run)",
+            args.log.display()
+        );
+    }
     let out = args
         .output
         .clone()

@@ -1311,6 +1311,10 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
     let _logging = super::logging::init(bar.clone());
     let mut observers: Vec<Box<dyn Observer>> = vec![Box::new(Progress::new(bar))];
     if let Some(path) = &args.log_json {
+        // A regular file (or none yet), or the file a link names: the log is read back when a
+        // run resumes, and a pipe would block the run until something reads it.
+        let path = &megatron_core::files::output_path(path)
+            .with_context(|| format!("--log-json {}", path.display()))?;
         let resuming = args.load.is_some() && path.exists();
         let earlier = if resuming {
             Curves::from_log(
