@@ -106,12 +106,38 @@ pub struct JsonLog {
 impl JsonLog {
     /// Appends to `path` when resuming (`append`), else creates it.
     pub fn create(path: &Path, comm: bool, append: bool) -> Result<Self> {
-        let file = if append {
-            File::options().create(true).append(true).open(path)
-        } else {
-            File::create(path)
-        }
-        .with_context(|| format!("opening --log-json {}", path.display()))?;
+        use std::os::unix::fs::OpenOptionsExt;
+        // Opened without waiting: a named pipe that nothing reads is an error (ENXIO) instead
+        // of a run blocked before its first step; then writes wait as usual.
+        let file = File::options()
+            .write(true)
+            .create(true)
+            .append(append)
+            .truncate(!append)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .and_then(|f| {
+                use std::os::fd::AsRawFd;
+                // SAFETY: fcntl on a descriptor this function owns; it touches no memory.
+                let blocking = unsafe {
+                    let flags = libc::fcntl(f.as_raw_fd(), libc::F_GETFL);
+                    libc::fcntl(f.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK)
+                };
+                if blocking < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(f)
+            })
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::ENXIO) => anyhow::anyhow!(
+                    "--log-json {}: a named pipe that no process reads (the run would wait for \
+                     one)",
+                    path.display()
+                ),
+                _ => {
+                    anyhow::Error::new(e).context(format!("opening --log-json {}", path.display()))
+                }
+            })?;
         Ok(JsonLog {
             path: path.to_path_buf(),
             out: BufWriter::new(file),

@@ -1311,11 +1311,10 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
     let _logging = super::logging::init(bar.clone());
     let mut observers: Vec<Box<dyn Observer>> = vec![Box::new(Progress::new(bar))];
     if let Some(path) = &args.log_json {
-        // A regular file (or none yet), or the file a link names: the log is read back when a
-        // run resumes, and a pipe would block the run until something reads it.
-        let path = &megatron_core::files::output_path(path)
-            .with_context(|| format!("--log-json {}", path.display()))?;
-        let resuming = args.load.is_some() && path.exists();
+        // Only a regular file is read back (a resumed run's earlier steps) and drawn beside;
+        // a device or a pipe that something reads takes the lines as they come.
+        let regular = path.is_file() || !path.exists();
+        let resuming = args.load.is_some() && path.is_file();
         let earlier = if resuming {
             Curves::from_log(
                 &std::fs::read_to_string(path)
@@ -1325,12 +1324,14 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
             Curves::default()
         };
         observers.push(Box::new(JsonLog::create(path, args.comm_report, resuming)?));
-        let png = path.with_extension("png");
-        observers.push(Box::new(Plot::new(
-            png,
-            format!("{} ({})", job.model_name, job.layout_name()),
-            earlier,
-        )));
+        if regular {
+            let png = path.with_extension("png");
+            observers.push(Box::new(Plot::new(
+                png,
+                format!("{} ({})", job.model_name, job.layout_name()),
+                earlier,
+            )));
+        }
     }
     if let Some(dir) = &args.tensorboard_dir {
         observers.push(Box::new(TensorBoard::create(dir)?));
