@@ -130,6 +130,19 @@ fn numbers_past_their_bounds_are_refused_naming_the_flag() {
             "needs about 274877956096.0 GiB of memory, more than",
         ),
     ]);
+    // A model of a trillion parameters is listed from its specs, without its memory.
+    let (ok, stdout, stderr) = megatron(&[
+        "inspect",
+        "--model",
+        "gpt-moe-tiny",
+        "--hidden-size",
+        "262144",
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("parameters: 1103958.11M in total"),
+        "{stdout}"
+    );
     // A schedule of many stages answers (its simulation is linear in the schedule's length).
     let (ok, stdout, stderr) = megatron(&["schedule", "--pp", "65536", "--microbatches", "4"]);
     assert!(ok, "{stderr}");

@@ -300,30 +300,6 @@ impl GptConfig {
         Ok(())
     }
 
-    /// Elements of the largest parameter tensor one rank holds at `tp` tensor-parallel and `ep`
-    /// expert-parallel ranks (the word embedding, the QKV or MLP weights, a rank's experts):
-    /// an upper bound on one allocation of a model built from this config.
-    pub fn largest_param(&self, tp: usize, ep: usize) -> u128 {
-        let h = self.hidden_size as u128;
-        let (tp, ep) = (tp.max(1) as u128, ep.max(1) as u128);
-        let mut rows = [
-            self.padded_vocab_size(tp as usize) as u128,
-            self.max_position_embeddings as u128,
-            3 * h / tp,
-            self.ffn_hidden_size as u128 / tp,
-        ]
-        .into_iter()
-        .max()
-        .unwrap_or(0);
-        if let Some(moe) = &self.moe {
-            let experts = (moe.router.num_experts as u128).div_ceil(ep);
-            rows = rows
-                .max(experts * moe.ffn_hidden_size as u128)
-                .max(moe.shared_expert_ffn.unwrap_or(0) as u128 / tp);
-        }
-        rows * h
-    }
-
     /// The vocabulary padded for `tp` ranks.
     pub fn padded_vocab_size(&self, tp: usize) -> usize {
         padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
@@ -416,6 +392,26 @@ mod init_tests {
 
     use super::*;
     use crate::gpt::Gpt;
+
+    #[test]
+    fn a_specs_only_build_lists_the_same_parameters_without_their_values() {
+        use megatron_core::parallel::GroupKind;
+        let c = crate::preset("gpt-moe-tiny").map(|p| (p.config)()).unwrap();
+        let specs = |b: Builder| {
+            let model = Gpt::build(&c.spec(), &mut b.with_group(GroupKind::Ep, 1, 2)).unwrap();
+            let mut out = Vec::new();
+            model.visit_params(&mut |p| out.push((p.spec().clone(), p.value().numel())));
+            out
+        };
+        let with_values = specs(Builder::new(0).meta());
+        let without = specs(Builder::new(0).specs_only());
+        assert_eq!(with_values.len(), without.len());
+        for ((a, numel), (b, none)) in with_values.iter().zip(&without) {
+            assert_eq!(a, b);
+            assert_eq!(*numel, a.local.numel());
+            assert_eq!(*none, 0, "{}", b.name);
+        }
+    }
 
     #[test]
     fn residual_output_layers_are_scaled_by_the_depth() {

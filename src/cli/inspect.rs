@@ -328,14 +328,13 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     }
     let edp = args.tp * args.dp / (args.ep * args.etp);
     let config = args.arch.config(args.tp, args.ep)?;
-    super::layout::check_listable(&config, args.tp, args.ep)?;
     let model = Gpt::build(
         &config.spec(),
         &mut Builder::new(0)
             .with_group(GroupKind::Tp, 0, args.tp)
             .with_group(GroupKind::Ep, 0, args.ep)
             .with_group(GroupKind::Etp, 0, args.etp)
-            .meta(),
+            .specs_only(),
     )?;
     let mut specs = Vec::new();
     model.visit_params(&mut |p| specs.push(p.spec().clone()));

@@ -150,32 +150,17 @@ fn read_params(path: &PathBuf) -> Result<Vec<ParamInfo>> {
     Ok(params)
 }
 
-/// Refuses a model whose parameter list cannot be built here: the list is built from a
-/// model's shapes with lazily zeroed tensors, and one larger than the machine's available
-/// memory cannot be allocated even so.
-pub fn check_listable(config: &megatron::models::GptConfig, tp: usize, ep: usize) -> Result<()> {
-    let largest = config.largest_param(tp, ep);
-    megatron::limits::check_memory(
-        &format!(
-            "listing this model's parameters (--hidden-size {}: its largest tensor has {largest} \
-             elements)",
-            config.hidden_size
-        ),
-        4 * largest,
-    )?;
-    Ok(())
-}
-
 /// The rank-0 parameters of the registered model, in model order.
 fn model_params(args: &LayoutArgs) -> Result<Vec<ParamInfo>> {
     if args.tp == 0 {
         bail!("--tensor-model-parallel-size must be at least 1");
     }
     let config = args.arch.config(args.tp, 1)?;
-    check_listable(&config, args.tp, 1)?;
     let model = Gpt::build(
         &config.spec(),
-        &mut Builder::new(0).with_group(GroupKind::Tp, 0, args.tp).meta(),
+        &mut Builder::new(0)
+            .with_group(GroupKind::Tp, 0, args.tp)
+            .specs_only(),
     )?;
     let dtype = if args.bf16 {
         DType::BF16

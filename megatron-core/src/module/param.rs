@@ -162,6 +162,17 @@ impl Param {
         })
     }
 
+    /// A parameter that holds its spec and no values (empty value and gradient tensors), for
+    /// listing a model's parameters without their memory ([`Builder::specs_only`]).
+    fn spec_only(spec: ParamSpec, dtype: DType) -> Param {
+        Param {
+            value: Tensor::zeros([0], dtype),
+            grad: Tensor::zeros([0], DType::F32),
+            compute: None,
+            spec: Arc::new(spec),
+        }
+    }
+
     /// This rank's values.
     pub fn value(&self) -> &Tensor {
         &self.value
@@ -243,6 +254,8 @@ pub struct Builder {
     dtype: DType,
     /// Shapes only: parameters are zeros that are never written (untouched pages cost no memory).
     meta: bool,
+    /// Specs only: parameters hold no values at all ([`Builder::specs_only`]).
+    specs_only: bool,
     /// The pipeline stage being built (what a `#[pipeline]` stack and the parts around it hold);
     /// `None` builds the whole model.
     stage: Option<StagePart>,
@@ -257,6 +270,7 @@ impl Builder {
             groups: Vec::new(),
             dtype: DType::F32,
             meta: false,
+            specs_only: false,
             stage: None,
         }
     }
@@ -288,6 +302,15 @@ impl Builder {
     /// written, so a model's shapes and names can be listed without the memory of its values.
     pub fn meta(mut self) -> Self {
         self.meta = true;
+        self
+    }
+
+    /// A builder that allocates nothing: every parameter has its spec (name, logical and local
+    /// shapes, split) and empty values, so that a model of any size can be listed (`megatron
+    /// inspect`, `megatron layout`). Such a model is only for reading specs: it cannot run.
+    pub fn specs_only(mut self) -> Self {
+        self.meta = true;
+        self.specs_only = true;
         self
     }
 
@@ -448,6 +471,9 @@ impl Builder {
             weight_decay,
             real_rows,
         };
+        if self.specs_only {
+            return Ok(Param::spec_only(spec, self.dtype));
+        }
         if self.meta {
             return Param::new(spec.clone(), Tensor::zeros(spec.local, self.dtype));
         }
