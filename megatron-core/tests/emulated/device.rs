@@ -110,8 +110,11 @@ pub fn build(core: &Path) -> PathBuf {
         return dir;
     }
     // Built aside and renamed into place, so that a concurrent or interrupted build never
-    // leaves a partial library where the next process looks.
-    let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
+    // leaves a partial library where the next process or thread looks.
+    // Per process and per call: test threads of one process may build at once.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.with_extension(format!("tmp{}-{call}", std::process::id()));
     std::fs::create_dir_all(&tmp).expect("a folder for the emulated GPU");
     compile(
         core,
