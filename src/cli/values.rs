@@ -124,31 +124,44 @@ fn number(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
-/// A finite f64 ≥ 0 (rates, decay, clipping).
-pub fn non_negative(s: &str) -> Result<f64, String> {
-    let v = number(s)?;
-    if v < 0.0 {
-        return Err("must be at least 0".to_string());
-    }
-    Ok(v)
+/// Which values of a finite number a flag takes.
+#[derive(Clone, Copy)]
+enum Range {
+    /// `v ≥ 0`.
+    NonNegative,
+    /// `v > 0`.
+    Positive,
+    /// `0 ≤ v < 1`.
+    Fraction,
 }
 
-/// A finite f64 > 0 (Adam's ε, a sampling temperature).
+/// `v` if it lies in `range`, else what it must be.
+fn within<T: Into<f64> + Copy>(v: T, range: Range) -> Result<T, String> {
+    let x: f64 = v.into();
+    let (ok, must) = match range {
+        Range::NonNegative => (x >= 0.0, "must be at least 0"),
+        Range::Positive => (x > 0.0, "must be more than 0"),
+        Range::Fraction => (
+            (0.0..1.0).contains(&x),
+            "must be at least 0 and less than 1",
+        ),
+    };
+    if ok { Ok(v) } else { Err(must.to_string()) }
+}
+
+/// A finite f64 ≥ 0 (rates, decay, clipping).
+pub fn non_negative(s: &str) -> Result<f64, String> {
+    within(number(s)?, Range::NonNegative)
+}
+
+/// A finite f64 > 0 (Adam's ε).
 pub fn positive(s: &str) -> Result<f64, String> {
-    let v = number(s)?;
-    if v <= 0.0 {
-        return Err("must be more than 0".to_string());
-    }
-    Ok(v)
+    within(number(s)?, Range::Positive)
 }
 
 /// An f64 in [0, 1) (Adam's β).
 pub fn fraction(s: &str) -> Result<f64, String> {
-    let v = number(s)?;
-    if !(0.0..1.0).contains(&v) {
-        return Err("must be at least 0 and less than 1".to_string());
-    }
-    Ok(v)
+    within(number(s)?, Range::Fraction)
 }
 
 /// A number that is finite as an f32, where the value is used.
@@ -172,20 +185,12 @@ fn number_f32(s: &str) -> Result<f32, String> {
 
 /// A finite f32 > 0 (a loss scale, a capacity factor, a scaling factor).
 pub fn positive_f32(s: &str) -> Result<f32, String> {
-    let v = number_f32(s)?;
-    if v <= 0.0 {
-        return Err("must be more than 0".to_string());
-    }
-    Ok(v)
+    within(number_f32(s)?, Range::Positive)
 }
 
 /// A finite f32 ≥ 0 (a loss coefficient, an update rate, an initialisation's deviation).
 pub fn non_negative_f32(s: &str) -> Result<f32, String> {
-    let v = number_f32(s)?;
-    if v < 0.0 {
-        return Err("must be at least 0".to_string());
-    }
-    Ok(v)
+    within(number_f32(s)?, Range::NonNegative)
 }
 
 /// A loss scale given in f64 that must be finite and positive in f32.
@@ -195,11 +200,7 @@ pub fn loss_scale(s: &str) -> Result<f64, String> {
 
 /// A probability of dropping, in [0, 1).
 pub fn dropout(s: &str) -> Result<f32, String> {
-    let v = number_f32(s)?;
-    if !(0.0..1.0).contains(&v) {
-        return Err("must be at least 0 and less than 1".to_string());
-    }
-    Ok(v)
+    within(number_f32(s)?, Range::Fraction)
 }
 
 #[cfg(test)]
