@@ -73,7 +73,7 @@ pub fn batch(s: &str) -> Result<usize, String> {
     whole_usize(s, 1, MAX_BATCH, "tokens or samples of a batch")
 }
 
-/// Microbatches per step: 1 to 2^20.
+/// Microbatches per step: 1 to 2^18.
 pub fn microbatches(s: &str) -> Result<usize, String> {
     whole_usize(s, 1, MAX_SCHEDULE_PASSES, "forward passes per step")
 }
