@@ -383,7 +383,19 @@ fn no_number_on_any_flag_panics_hangs_or_fails_without_naming_a_flag() {
         }
         cases.push(args);
     }
-    // Two runs at a time (most end at once, while another starts).
+    let failures = broken(&cases);
+    assert!(
+        failures.is_empty(),
+        "{} of {} command lines broke the property:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n\n")
+    );
+}
+
+/// The command lines of `cases` that break the property, each with why and its first lines of
+/// standard error; two run at a time (most end at once, while another starts).
+fn broken(cases: &[Vec<String>]) -> Vec<String> {
     let next = AtomicUsize::new(0);
     let failures = Mutex::new(Vec::new());
     std::thread::scope(|scope| {
@@ -403,7 +415,105 @@ fn no_number_on_any_flag_panics_hangs_or_fails_without_naming_a_flag() {
             });
         }
     });
-    let failures = failures.into_inner().unwrap();
+    failures.into_inner().unwrap()
+}
+
+/// Odd text for the flags that take names, lists and expressions.
+const TEXTS: &[&str] = &[
+    "",
+    " ",
+    "-",
+    "x",
+    "0",
+    "-1",
+    "NaN",
+    "[",
+    "[]",
+    "[1",
+    "[1]*-1",
+    "[1]*99999999999999999999",
+    "a,b,c",
+    ",,,",
+    "tp-tp",
+    "ep-edp",
+    "ATTN",
+    "attn,mlp",
+    "é",
+    "../../nonexistent",
+    "/",
+    "/dev/null",
+    "1e400,1,1",
+];
+
+#[test]
+fn no_text_on_any_flag_panics_hangs_or_fails_without_naming_a_flag() {
+    let dir = TempDir::new("cli-properties-text");
+    let ckpt = dir.join("ckpt");
+    support::small_checkpoint(&ckpt, 1, &[]);
+    let mut train = strings(&["train", "--train-iters", "1"]);
+    train.extend(strings(&support::SMALL));
+    let commands: Vec<(Vec<String>, &[&str])> = vec![
+        (
+            strings(&["groups", "--world-size", "8"]),
+            &["--order", "--group"],
+        ),
+        (
+            strings(&[
+                "graphs",
+                "--pp",
+                "2",
+                "--microbatches",
+                "4",
+                "--cuda-graph-scope",
+                "attn",
+            ]),
+            &["--cuda-graph-scope", "--model", "--moe-layer-freq"],
+        ),
+        (
+            strings(&["inspect", "--num-experts", "4"]),
+            &[
+                "--model",
+                "--moe-layer-freq",
+                "--moe-router-score-function",
+                "--moe-router-load-balancing-type",
+                "--moe-token-drop-policy",
+            ],
+        ),
+        (
+            train,
+            &[
+                "--data",
+                "--split",
+                "--tokenizer",
+                "--recompute-granularity",
+                "--recompute-method",
+                "--lr-decay-style",
+                "--device",
+                "--backend",
+                "--cuda-graph-scope",
+                "--attention-backend",
+                "--config",
+                "--load",
+            ],
+        ),
+        (
+            strings(&["generate", "--load", &ckpt, "--prompt", "the"]),
+            &["--prompt", "--tokenizer"],
+        ),
+    ];
+    let cases: Vec<Vec<String>> = commands
+        .iter()
+        .flat_map(|(base, flags)| {
+            flags.iter().flat_map(move |flag| {
+                TEXTS.iter().map(move |text| {
+                    let mut args = base.clone();
+                    args.push(format!("{flag}={text}"));
+                    args
+                })
+            })
+        })
+        .collect();
+    let failures = broken(&cases);
     assert!(
         failures.is_empty(),
         "{} of {} command lines broke the property:\n{}",

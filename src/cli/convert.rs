@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use super::output::say;
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use megatron::convert::hf_gpt2;
 
@@ -41,7 +41,9 @@ fn side(values: &[String], flag: &str) -> Result<Side> {
 pub fn run(args: &ConvertArgs) -> Result<()> {
     match (side(&args.from, "from")?, side(&args.to, "to")?) {
         (Side::HfGpt2(hf), Side::Checkpoint(out)) => {
-            let c = hf_gpt2::import(&hf, &out)?;
+            let c = hf_gpt2::import(&hf, &out).with_context(|| {
+                format!("--from hf-gpt2 {} --to {}", hf.display(), out.display())
+            })?;
             say!(
                 "converted {} (GPT-2, {} layers, hidden {}, vocabulary {}) into {}",
                 hf.display(),
@@ -52,7 +54,9 @@ pub fn run(args: &ConvertArgs) -> Result<()> {
             )?;
         }
         (Side::Checkpoint(ckpt), Side::HfGpt2(hf)) => {
-            let c = hf_gpt2::export(&ckpt, &hf)?;
+            let c = hf_gpt2::export(&ckpt, &hf).with_context(|| {
+                format!("--from {} --to hf-gpt2 {}", ckpt.display(), hf.display())
+            })?;
             say!(
                 "wrote {} as a Hugging Face GPT-2 ({} layers, hidden {})",
                 hf.display(),

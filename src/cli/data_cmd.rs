@@ -84,7 +84,7 @@ fn inspect(args: &InspectArgs) -> Result<()> {
     let tokenizer = args
         .tokenizer
         .as_deref()
-        .map(Tokenizer::from_spec)
+        .map(|spec| Tokenizer::from_spec(spec).with_context(|| format!("--tokenizer {spec}")))
         .transpose()?;
 
     let mut docs = Vec::with_capacity(range.len());

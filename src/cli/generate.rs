@@ -59,13 +59,19 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     }
     let spec = match &args.tokenizer {
         Some(s) => s.clone(),
-        None => megatron::tokenizer::checkpoint_tokenizer(&args.load)?
+        None => megatron::tokenizer::checkpoint_tokenizer(&args.load)
+            .context("--load")?
             .unwrap_or_else(|| "byte".to_string()),
     };
-    let tokenizer =
-        Tokenizer::from_spec(&spec).with_context(|| format!("the tokenizer `{spec}`"))?;
+    let tokenizer = Tokenizer::from_spec(&spec).with_context(|| format!("--tokenizer {spec}"))?;
     let prompt = tokenizer.encode(&args.prompt)?;
-    let context = megatron::generate::context_length(&args.load)?;
+    if prompt.is_empty() {
+        bail!(
+            "--prompt {:?} has no tokens: give some text to continue",
+            args.prompt
+        );
+    }
+    let context = megatron::generate::context_length(&args.load).context("--load")?;
     if prompt.len() > context {
         output::error_line(&format!(
             "note: the prompt is {} tokens, more than the model's context of {context}: the \

@@ -2,7 +2,7 @@
 //! captures, per pipeline rank: one graph each way per scoped part of a layer and in-flight
 //! slot, the slots bounded by the schedule, so the counts stay put as the microbatches grow.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use megatron::cuda_graphs::{BufferBytes, ScopeSet, plan_graphs};
 use megatron::pipeline_parallel::{PipelineLayout, Schedule};
@@ -37,7 +37,7 @@ pub struct GraphsArgs {
 /// Runs `megatron graphs`.
 pub fn run(args: &GraphsArgs) -> Result<()> {
     let config = args.arch.config(1, 1)?;
-    let scopes = ScopeSet::parse(&args.cuda_graph_scope)?;
+    let scopes = ScopeSet::parse(&args.cuda_graph_scope).context("--cuda-graph-scope")?;
     scopes.validate(&config.scoped_model(false)?)?;
     let schedule = Schedule::new(args.shape.config()?)?;
     let sizes = schedule.config;

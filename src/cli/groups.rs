@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use super::output::{self, say};
 use super::values;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use megatron_core::parallel::{
     GroupToken, Layout, Order, ParallelConfig, ParallelLayout, ValidConfig,
@@ -77,7 +77,7 @@ pub fn run(args: &GroupsArgs) -> Result<()> {
         .with_pp(args.pp)
         .with_cp(args.cp)
         .with_ep(args.ep)
-        .with_order(Order::parse(&args.order)?);
+        .with_order(Order::parse(&args.order).context("--order")?);
     if let Some(etp) = args.etp {
         config = config.with_etp(etp);
     }
@@ -95,7 +95,7 @@ pub fn run(args: &GroupsArgs) -> Result<()> {
     let mut parsed: Vec<(String, GroupToken)> = Vec::new();
     for (i, token) in tokens.chain(extra).enumerate() {
         // The first four tokens are dense, the next four expert (`pp` appears in both).
-        let mut parsed_token = GroupToken::parse(&token)?;
+        let mut parsed_token = GroupToken::parse(&token).context("--group")?;
         if (DENSE_TOKENS.len()..DENSE_TOKENS.len() + EXPERT_TOKENS.len()).contains(&i) {
             parsed_token.layout = Layout::Expert;
         }

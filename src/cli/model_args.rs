@@ -56,7 +56,7 @@ fn preset_config(name: &str) -> Result<GptConfig> {
     let Some(p) = preset(name) else {
         let names: Vec<&str> = presets().iter().map(|p| p.name).collect();
         bail!(
-            "unknown model `{name}`; registered models: {}",
+            "--model: unknown model `{name}`; registered models: {}",
             names.join(", ")
         );
     };

@@ -133,7 +133,8 @@ fn encode_line(
 /// Runs `megatron preprocess`.
 pub fn run(args: &PreprocessArgs) -> Result<()> {
     let start = Instant::now();
-    let mut tokenizer = Tokenizer::from_spec(&args.tokenizer)?;
+    let mut tokenizer = Tokenizer::from_spec(&args.tokenizer)
+        .with_context(|| format!("--tokenizer {}", args.tokenizer))?;
     if let Some(token) = &args.eod_token {
         tokenizer = tokenizer.with_eod_token(token)?;
     }

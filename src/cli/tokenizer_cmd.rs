@@ -92,7 +92,7 @@ fn run_train(args: &TrainArgs) -> Result<()> {
         .flatten();
     let json = train_byte_level_bpe(texts, args.vocab_size)?;
     if let Some(e) = failure.into_inner().ok().flatten() {
-        return Err(e.context(format!("{}", args.corpus.input.display())));
+        return Err(e.context("--input"));
     }
     let documents = documents.into_inner().unwrap_or(0);
     if documents == 0 {

@@ -411,7 +411,7 @@ impl TrainArgs {
                 if let Some(save) = megatron::checkpoint::save_dir_of(path) {
                     megatron::checkpoint::remove_interrupted_saves(&save);
                 }
-                Some(megatron::checkpoint::read_meta(path)?)
+                Some(megatron::checkpoint::read_meta(path).context("--load")?)
             }
             None => None,
         };
@@ -509,7 +509,8 @@ impl TrainArgs {
             },
             (None, None) => "byte".to_string(),
         };
-        let tokenizer = Tokenizer::from_spec(&tokenizer_spec)?;
+        let tokenizer = Tokenizer::from_spec(&tokenizer_spec)
+            .with_context(|| format!("--tokenizer {tokenizer_spec}"))?;
         let precision = match &meta {
             Some(m) => resume::precision(
                 self.precision_flags(),
@@ -829,8 +830,8 @@ impl TrainArgs {
                 .map(|w| Arc::new(w) as Arc<dyn SampleSource>);
             return Ok((train, valid));
         }
-        let blend = Blend::open(values)?;
-        blend.validate()?;
+        let blend = Blend::open(values).context("--data")?;
+        blend.validate().context("--data")?;
         let split: SplitVector = s.split.parse()?;
         let config = GptDatasetConfig {
             seq_length: plan.seq_length,
@@ -1020,7 +1021,8 @@ impl TrainArgs {
                 other => bail!("--device must be cpu or cuda, got {other:?}"),
             },
             stop: None,
-            cuda_graph_scope: ScopeSet::parse(&self.cuda_graph_scope)?,
+            cuda_graph_scope: ScopeSet::parse(&self.cuda_graph_scope)
+                .context("--cuda-graph-scope")?,
         };
         Ok((job, s.taken))
     }
