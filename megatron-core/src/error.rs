@@ -26,6 +26,21 @@ pub enum Error {
     /// A parallel configuration is invalid.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// A pipeline schedule Megatron-LM refuses.
+    #[error(transparent)]
+    Schedule(#[from] crate::pipeline_parallel::ScheduleError),
+    /// A rank's schedule order cannot be walked.
+    #[error(transparent)]
+    Walk(#[from] crate::pipeline_parallel::WalkError),
+    /// A pipeline's transfers cannot be planned.
+    #[error(transparent)]
+    Plan(#[from] crate::pipeline_parallel::PlanError),
+    /// The distributed optimizer's buffers cannot be laid out.
+    #[error(transparent)]
+    BufferLayout(#[from] crate::optimizer::LayoutError),
+    /// A MoE router's settings or inputs cannot work.
+    #[error(transparent)]
+    Router(#[from] crate::moe::RouterError),
     /// The GPU failed (driver, NVRTC, cuBLAS, NCCL).
     #[cfg(feature = "cuda")]
     #[error(transparent)]

@@ -202,9 +202,7 @@ impl GptConfig {
                  --tensor-model-parallel-size 1 with expert and data parallelism"
             );
         }
-        moe.router
-            .validate()
-            .map_err(|e| megatron_core::Error::Invalid(e.to_string()))?;
+        moe.router.validate()?;
         let r = &moe.router;
         // Megatron-LM's TransformerConfig: a softmax over one chosen expert is always 1, so
         // top-1 softmax routing would give the router no gradient.

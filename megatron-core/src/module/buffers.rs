@@ -226,8 +226,7 @@ impl ParamBuffers {
                     expert: params[i].0.is_expert(),
                 })
                 .collect();
-            let buffers =
-                layout(&infos, &config).map_err(|e| crate::Error::Invalid(e.to_string()))?;
+            let buffers = layout(&infos, &config)?;
             // One dtype: at most two buffers per chunk, the dense one and the experts'.
             for buffer in &buffers {
                 grad_dtype = buffer.key.grad_dtype;

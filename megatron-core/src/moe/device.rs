@@ -49,8 +49,7 @@ impl DeviceRouting {
             return crate::invalid!("the device router takes logits on a GPU");
         };
         let bias = bias.filter(|_| config.expert_bias);
-        let t = check_route(config, logits.numel(), seq, bias.map(Tensor::numel))
-            .map_err(|err| crate::Error::Invalid(err.to_string()))?;
+        let t = check_route(config, logits.numel(), seq, bias.map(Tensor::numel))?;
         let dims = RouteDims {
             tokens: t,
             experts: config.num_experts,

@@ -154,9 +154,7 @@ impl RoutedExperts {
             out_init_std,
             dispatcher,
         } = *spec;
-        router
-            .validate()
-            .map_err(|e| crate::Error::Invalid(e.to_string()))?;
+        router.validate()?;
         let (experts, ep, etp) = (
             router.num_experts,
             b.group(GroupKind::Ep).1,
@@ -419,8 +417,7 @@ impl ExpertParallel for RoutedExperts {
             .as_ref()
             .map(|b| host_f32(b.value()))
             .transpose()?;
-        let routing = route(&host, seq, &self.router, bias.as_deref())
-            .map_err(|err| crate::Error::Invalid(err.to_string()))?;
+        let routing = route(&host, seq, &self.router, bias.as_deref())?;
         Ok((
             routing,
             RouterSaved {
@@ -525,8 +522,7 @@ impl ExpertParallel for RoutedExperts {
             &host_f32(dprobs)?,
             scale,
             &self.router,
-        )
-        .map_err(|err| crate::Error::Invalid(err.to_string()))?;
+        )?;
         let shape = saved.like.shape().clone();
         placed(Tensor::from_vec(dlogits, shape)?, &saved.like)
     }

@@ -14,8 +14,7 @@ use crate::invalid;
 use crate::module::{Builder, Cx, Ids, Module, Param, Pipelined};
 use crate::parallel::GroupKind;
 use crate::pipeline_parallel::{
-    Action, Delivery, Pass, PlanError, Schedule, ScheduleConfig, Stage, Transfer, WalkError,
-    execute, plan,
+    Action, Delivery, Pass, Schedule, ScheduleConfig, Stage, Transfer, execute, plan,
 };
 use crate::tensor::{DType, Tensor};
 
@@ -83,18 +82,6 @@ impl<M: Module> Module for Chunks<M> {
     }
 }
 
-impl From<WalkError> for Error {
-    fn from(e: WalkError) -> Self {
-        Error::Invalid(e.to_string())
-    }
-}
-
-impl From<PlanError> for Error {
-    fn from(e: PlanError) -> Self {
-        Error::Invalid(e.to_string())
-    }
-}
-
 /// How a pipelined trainer runs its microbatches.
 pub(super) struct Pipeline<M: LanguageModel> {
     /// This rank's pipeline rank, and the training and evaluation schedules.
@@ -151,12 +138,11 @@ impl<M: PipelinedLanguageModel> Trainer<M> {
             group_size: microbatch_group_size,
             ..ScheduleConfig::new(size, chunks.len(), microbatches)
         };
-        let schedule = Schedule::new(schedule_config).map_err(|e| Error::Invalid(e.to_string()))?;
+        let schedule = Schedule::new(schedule_config)?;
         let eval = Schedule::new(ScheduleConfig {
             forward_only: true,
             ..schedule_config
-        })
-        .map_err(|e| Error::Invalid(e.to_string()))?;
+        })?;
         // The parameters the first and the last stage both hold (the tied embedding): alone in
         // their bucket (distributed optimizer), and the last stage's copy counted once.
         let (mut shared, mut copies) = (Vec::new(), Vec::new());
