@@ -383,19 +383,13 @@ fn no_number_on_any_flag_panics_hangs_or_fails_without_naming_a_flag() {
         }
         cases.push(args);
     }
-    let failures = broken(&cases);
-    assert!(
-        failures.is_empty(),
-        "{} of {} command lines broke the property:\n{}",
-        failures.len(),
-        cases.len(),
-        failures.join("\n\n")
-    );
+    assert_property(&cases);
 }
 
-/// The command lines of `cases` that break the property, each with why and its first lines of
-/// standard error; two run at a time (most end at once, while another starts).
-fn broken(cases: &[Vec<String>]) -> Vec<String> {
+/// Runs every command line of `cases` and fails naming each that breaks the property, with why
+/// and its first lines of standard error; two run at a time (most end at once, while another
+/// starts).
+fn assert_property(cases: &[Vec<String>]) {
     let next = AtomicUsize::new(0);
     let failures = Mutex::new(Vec::new());
     std::thread::scope(|scope| {
@@ -415,7 +409,14 @@ fn broken(cases: &[Vec<String>]) -> Vec<String> {
             });
         }
     });
-    failures.into_inner().unwrap()
+    let failures = failures.into_inner().unwrap();
+    assert!(
+        failures.is_empty(),
+        "{} of {} command lines broke the property:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n\n")
+    );
 }
 
 /// Odd text for the flags that take names, lists and expressions.
@@ -513,12 +514,5 @@ fn no_text_on_any_flag_panics_hangs_or_fails_without_naming_a_flag() {
             })
         })
         .collect();
-    let failures = broken(&cases);
-    assert!(
-        failures.is_empty(),
-        "{} of {} command lines broke the property:\n{}",
-        failures.len(),
-        cases.len(),
-        failures.join("\n\n")
-    );
+    assert_property(&cases);
 }

@@ -699,11 +699,12 @@ impl TrainArgs {
         if uneven && pp == 1 {
             bail!("--decoder-first/last-pipeline-num-layers need a pipeline: add --pp");
         }
-        if let Some(group) = settings.group_size
-            && settings.vpp == 1
-        {
-            Err(megatron::pipeline_parallel::ScheduleError::GroupWithoutVirtualStages { group })?;
+        // Megatron-LM ignores a group size without virtual stages; the command line says so.
+        megatron::pipeline_parallel::ScheduleConfig {
+            group_size: settings.group_size,
+            ..megatron::pipeline_parallel::ScheduleConfig::new(pp, settings.vpp, microbatches)
         }
+        .check_group_used()?;
         settings.schedule(microbatches)?;
         settings.layout(layers)?;
         Ok(settings)
@@ -1078,7 +1079,8 @@ fn check_machine(backend: Backend, job: &TrainJob) -> Result<()> {
     }
     // Each data-parallel replica holds the model once over its tp × pp ranks: values,
     // gradients and two Adam moments in f32 at most, plus f32 main values with 16 bits.
-    let state = job.model.num_params(job.tp) as u128 * 20;
+    let params = job.model.num_params(job.tp);
+    let state = params as u128 * 20;
     // The activations a microbatch keeps for its backward, after Megatron-LM's estimate
     // (s·b·h·(34 + 5·a·s/h) bytes a layer in 16 bits; twice that in f32), for the
     // microbatches a pipeline keeps in flight (one a stage's layers, up to pp of them).
@@ -1095,11 +1097,7 @@ fn check_machine(backend: Backend, job: &TrainJob) -> Result<()> {
         &format!(
             "{} ({} parameters, --seq-length {}, --micro-batch-size {}) at data-parallel size {} \
              in this process",
-            job.model_name,
-            job.model.num_params(job.tp),
-            plan.seq_length,
-            plan.micro_batch,
-            job.dp
+            job.model_name, params, plan.seq_length, plan.micro_batch, job.dp
         ),
         (state + activations) * job.dp as u128,
     )?;
