@@ -42,7 +42,6 @@ pub enum Error {
     #[error(transparent)]
     Router(#[from] crate::moe::RouterError),
     /// The GPU failed (driver, NVRTC, cuBLAS, NCCL).
-    #[cfg(feature = "cuda")]
     #[error(transparent)]
     Cuda(#[from] crate::cuda::CudaError),
     /// A training step's loss or gradient norm is NaN or infinite (Megatron-LM's

@@ -4,9 +4,9 @@
 //! ranks, [`tensor`] holds local (sharded) data and [`kernels`] computes on it; [`rng`] gives
 //! layout-invariant random streams.
 
+mod backend;
 pub mod checkpoint;
 pub mod comm;
-#[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod cuda_graphs;
 pub mod data;

@@ -249,3 +249,43 @@ impl Gpu {
             .map_err(|e| CudaError::driver("cuStreamSynchronize", e))
     }
 }
+
+/// Device memory behind a tensor's storage: the allocation, its address, and the rank's GPU
+/// handle whose stream orders its use.
+#[derive(Debug)]
+pub(crate) struct DeviceMemory {
+    _slice: CudaSlice<u8>,
+    base: u64,
+    gpu: Gpu,
+}
+
+impl DeviceMemory {
+    /// `bytes` bytes on `gpu`'s stream, zeroed when `zeroed`.
+    pub(crate) fn alloc(gpu: &Gpu, bytes: usize, zeroed: bool) -> Result<DeviceMemory> {
+        use cudarc::driver::DevicePtr;
+        let slice = if zeroed {
+            gpu.zeros::<u8>(bytes)?
+        } else {
+            gpu.uninit::<u8>(bytes)?
+        };
+        let base = {
+            let (base, _sync) = slice.device_ptr(gpu.stream());
+            base
+        };
+        Ok(DeviceMemory {
+            base,
+            _slice: slice,
+            gpu: gpu.clone(),
+        })
+    }
+
+    /// The device address of the first byte.
+    pub(crate) fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// The handle whose stream orders this memory's use.
+    pub(crate) fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+}

@@ -7,6 +7,9 @@ use crate::kernels::KernelError;
 /// An error of the CUDA backend.
 #[derive(Debug, Clone, Error)]
 pub enum CudaError {
+    /// This build has no CUDA support (the `cuda` feature is off).
+    #[error("this build has no CUDA support: build with --features cuda")]
+    NotBuilt,
     /// A CUDA library could not be loaded (no driver, no toolkit on the library path).
     #[error(
         "{library} could not be loaded: {hint} (set LD_LIBRARY_PATH to the CUDA libraries, e.g. /usr/local/cuda/lib64)"
@@ -61,6 +64,7 @@ pub enum CudaError {
 
 impl CudaError {
     /// A driver error of `call`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn driver(call: impl Into<String>, err: impl std::fmt::Debug) -> CudaError {
         CudaError::Driver {
             call: call.into(),

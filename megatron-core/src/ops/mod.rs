@@ -4,7 +4,7 @@
 //! `dropout`, `cross_entropy`, and `dropout_add` for `a + dropout(b, p)`) are the builtin
 //! functions of a `#[megatron::module]` forward.
 
-mod matmul;
+pub(crate) mod matmul;
 mod primitives;
 
 pub use matmul::{as_operand, matmul, matmul_bias_into, matmul_into, operand_dtype};

@@ -2,11 +2,11 @@
 //! `a + dropout(b, p)` fused), each a forward that returns what its backward needs and that
 //! backward.
 
+use crate::backend::{self, DropoutMask};
 use crate::error::Result;
 use crate::invalid;
-use crate::kernels::{cross_entropy as ce, dropout as dk, elementwise};
+use crate::kernels::dropout as dk;
 use crate::module::{Cx, Sharding, Site};
-use crate::rng::DropoutStream;
 use crate::tensor::{DType, Tensor};
 
 /// The last dimension of a tensor (1 for a scalar).
@@ -19,18 +19,7 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.shape() != b.shape() {
         return invalid!("add: shapes {} and {} differ", a.shape(), b.shape());
     }
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = a.gpu().or(b.gpu()) {
-        return device::add(gpu, a, b);
-    }
-    let (a, b) = (a.to_f32_contiguous()?, b.to_f32_contiguous()?);
-    let out = Tensor::empty(a.shape().clone(), DType::F32);
-    elementwise::add(
-        &a.read::<f32>()?,
-        &b.read::<f32>()?,
-        &mut out.write::<f32>()?,
-    )?;
-    Ok(out)
+    backend::of_any(&[a, b]).add(a, b)
 }
 
 /// What [`gelu`] keeps: its input.
@@ -44,41 +33,21 @@ pub struct GeluSaved {
 /// On a GPU that multiplies in bf16 the output is bf16 (the next product's operand, rounded
 /// once), and a bf16 input is read as it is and kept so for the backward.
 pub fn gelu(_cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, GeluSaved)> {
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = x.gpu() {
-        let x = crate::cuda::kernels::operand::contiguous_input(x)?;
-        let y = device::gelu(gpu, &x)?;
-        return Ok((y, GeluSaved { x }));
-    }
-    let x = x.to_f32_contiguous()?;
-    let y = Tensor::empty(x.shape().clone(), DType::F32);
-    elementwise::gelu_forward(&x.read::<f32>()?, &mut y.write::<f32>()?)?;
+    let (y, x) = backend::of(x).gelu(x)?;
     Ok((y, GeluSaved { x }))
 }
 
 /// Gradient of [`gelu`] (on a GPU that multiplies in bf16, bf16: the gradient goes to the
 /// products of the layer before).
 pub fn gelu_backward(_cx: &Cx, _site: Site, saved: GeluSaved, dy: &Tensor) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = saved.x.gpu() {
-        let dy = crate::cuda::kernels::operand::contiguous_input(dy)?;
-        return device::gelu_backward(gpu, &saved.x, &dy);
-    }
-    let dy = dy.to_f32_contiguous()?;
-    let dx = Tensor::empty(saved.x.shape().clone(), DType::F32);
-    elementwise::gelu_backward(
-        &saved.x.read::<f32>()?,
-        &dy.read::<f32>()?,
-        &mut dx.write::<f32>()?,
-    )?;
-    Ok(dx)
+    backend::of(&saved.x).gelu_backward(&saved.x, dy)
 }
 
 /// What [`dropout`] keeps: the mask's key (the mask itself is regenerated).
 #[derive(Debug, Clone)]
 pub struct DropoutSaved {
     /// `None` when dropout was the identity (evaluation or p = 0).
-    mask: Option<(f32, DropoutStream, dk::LogicalIndex)>,
+    mask: Option<DropoutMask>,
 }
 
 /// Where this rank's elements of `x` lie in the logical (unsharded) tensor.
@@ -112,14 +81,7 @@ pub fn dropout(
     let stream = cx.dropout_stream(site);
     let index = logical_index(cx, &x, sharding);
     let mask = (p, stream, index);
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = x.gpu() {
-        let y = device::dropout(gpu, &x, &mask, DType::F32, false)?;
-        let mask = Some(mask);
-        return Ok((y, DropoutSaved { mask }));
-    }
-    let y = Tensor::empty(x.shape().clone(), DType::F32);
-    dk::dropout_forward(&x.read::<f32>()?, &mut y.write::<f32>()?, p, &mask.1, index)?;
+    let y = backend::of(&x).dropout(&x, &mask, DType::F32, false)?;
     let mask = Some(mask);
     Ok((y, DropoutSaved { mask }))
 }
@@ -136,21 +98,7 @@ fn masked_gradient(saved: DropoutSaved, dy: &Tensor, dtype: DType) -> Result<Ten
         return Ok(dy.clone());
     };
     let dy = dy.to_f32_contiguous()?;
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = dy.gpu() {
-        return device::dropout(gpu, &dy, &mask, dtype, true);
-    }
-    let _ = dtype;
-    let (p, stream, index) = mask;
-    let dx = Tensor::empty(dy.shape().clone(), DType::F32);
-    dk::dropout_backward(
-        &dy.read::<f32>()?,
-        &mut dx.write::<f32>()?,
-        p,
-        &stream,
-        index,
-    )?;
-    Ok(dx)
+    backend::of(&dy).dropout(&dy, &mask, dtype, true)
 }
 
 /// Dropout on a residual branch and the residual connection in one pass:
@@ -180,16 +128,7 @@ pub fn dropout_add(
     }
     let (residual, x) = (residual.to_f32_contiguous()?, x.to_f32_contiguous()?);
     let mask = (p, cx.dropout_stream(site), logical_index(cx, &x, sharding));
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = x.gpu().or(residual.gpu()) {
-        let y = device::dropout_add(gpu, &residual, &x, &mask)?;
-        let mask = Some(mask);
-        return Ok((y, DropoutSaved { mask }));
-    }
-    let y = Tensor::empty(x.shape().clone(), DType::F32);
-    let (r, xs) = (residual.read::<f32>()?, x.read::<f32>()?);
-    dk::dropout_add_forward(&r, &xs, &mut y.write::<f32>()?, p, &mask.1, mask.2)?;
-    drop((r, xs));
+    let y = backend::of_any(&[&x, &residual]).dropout_add(&residual, &x, &mask)?;
     let mask = Some(mask);
     Ok((y, DropoutSaved { mask }))
 }
@@ -244,29 +183,8 @@ pub fn cross_entropy(
     }
     let logits = logits.to_f32_contiguous()?;
     let targets = targets.contiguous()?;
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = logits.gpu() {
-        let targets = device::on_gpu(gpu, &targets)?;
-        let (losses, logsumexp) = device::cross_entropy(gpu, &logits, &targets, rows, vocab)?;
-        return Ok((
-            losses,
-            CrossEntropySaved {
-                logits,
-                targets,
-                logsumexp,
-            },
-        ));
-    }
-    let losses = Tensor::empty(targets.shape().clone(), DType::F32);
-    let logsumexp = Tensor::empty([rows], DType::F32);
-    ce::cross_entropy_forward(
-        &logits.read::<f32>()?,
-        &targets.read::<i64>()?,
-        rows,
-        vocab,
-        &mut losses.write::<f32>()?,
-        &mut logsumexp.write::<f32>()?,
-    )?;
+    let (losses, logsumexp, targets) =
+        backend::of(&logits).cross_entropy(&logits, &targets, rows, vocab)?;
     Ok((
         losses,
         CrossEntropySaved {
@@ -287,165 +205,12 @@ pub fn cross_entropy_backward(
     let vocab = last_dim(&saved.logits);
     let rows = saved.targets.numel();
     let dloss = dloss.to_f32_contiguous()?;
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = saved.logits.gpu() {
-        return device::cross_entropy_backward(gpu, &saved, &dloss, rows, vocab);
-    }
-    let dlogits = Tensor::empty(saved.logits.shape().clone(), DType::F32);
-    ce::cross_entropy_backward(
-        &saved.logits.read::<f32>()?,
-        &saved.targets.read::<i64>()?,
-        &saved.logsumexp.read::<f32>()?,
-        &dloss.read::<f32>()?,
+    backend::of(&saved.logits).cross_entropy_backward(
+        &saved.logits,
+        &saved.targets,
+        &saved.logsumexp,
+        &dloss,
         rows,
         vocab,
-        &mut dlogits.write::<f32>()?,
-    )?;
-    Ok(dlogits)
-}
-
-/// The primitives on a GPU: the same arguments, the CUDA kernels on the tensors' memory, outputs
-/// allocated on the device (nothing read back but cross-entropy's target check).
-#[cfg(feature = "cuda")]
-mod device {
-    use super::{CrossEntropySaved, DType, Result, Tensor, dk};
-    use crate::cuda::Gpu;
-    use crate::cuda::kernels::operand::{with_in, with_out};
-    use crate::cuda::kernels::{cross_entropy as ce, dropout as gdk, elementwise};
-    use crate::ops::operand_dtype;
-    use crate::rng::DropoutStream;
-
-    /// `a + b` (same shape, checked by the caller).
-    pub(super) fn add(gpu: &Gpu, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-        let (a, b) = (a.to_f32_contiguous()?, b.to_f32_contiguous()?);
-        let out = Tensor::empty_near(a.shape().clone(), DType::F32, &a)?;
-        elementwise::add(
-            gpu,
-            &a.device_read::<f32>()?.view(),
-            &b.device_read::<f32>()?.view(),
-            &mut out.device_write::<f32>()?.view_mut(),
-        )?;
-        Ok(out)
-    }
-
-    /// `gelu(x)` of a contiguous f32 or bf16 `x`, in the products' dtype.
-    pub(super) fn gelu(gpu: &Gpu, x: &Tensor) -> Result<Tensor> {
-        let y = Tensor::empty_near(x.shape().clone(), operand_dtype(x), x)?;
-        with_in(x, |x| {
-            with_out(&y, |y| Ok(elementwise::gelu_forward(gpu, x, y)?))
-        })?;
-        Ok(y)
-    }
-
-    /// `dy · gelu'(x)` of contiguous f32 or bf16 tensors, in the products' dtype.
-    pub(super) fn gelu_backward(gpu: &Gpu, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-        let dx = Tensor::empty_near(x.shape().clone(), operand_dtype(x), x)?;
-        with_in(x, |x| {
-            with_in(dy, |dy| {
-                with_out(&dx, |dx| Ok(elementwise::gelu_backward(gpu, x, dy, dx)?))
-            })
-        })?;
-        Ok(dx)
-    }
-
-    /// The dropout mask `(p, stream, index)` applied to a contiguous f32 `x`, written in
-    /// `dtype` (f32 or bf16): the forward, or the backward (the same mask regenerated).
-    pub(super) fn dropout(
-        gpu: &Gpu,
-        x: &Tensor,
-        (p, stream, index): &(f32, DropoutStream, dk::LogicalIndex),
-        dtype: DType,
-        backward: bool,
-    ) -> Result<Tensor> {
-        let y = Tensor::empty_near(x.shape().clone(), dtype, x)?;
-        let xv = x.device_read::<f32>()?;
-        let kernel = if backward {
-            gdk::dropout_backward
-        } else {
-            gdk::dropout_forward
-        };
-        with_out(&y, |out| {
-            Ok(kernel(gpu, &xv.view(), out, *p, stream, *index)?)
-        })?;
-        drop(xv);
-        Ok(y)
-    }
-
-    /// `residual + mask(x)` of contiguous f32 tensors, one kernel (shapes checked by the caller;
-    /// a host operand is uploaded).
-    pub(super) fn dropout_add(
-        gpu: &Gpu,
-        residual: &Tensor,
-        x: &Tensor,
-        (p, stream, index): &(f32, DropoutStream, dk::LogicalIndex),
-    ) -> Result<Tensor> {
-        let (residual, x) = (on_gpu(gpu, residual)?, on_gpu(gpu, x)?);
-        let y = Tensor::empty_near(x.shape().clone(), DType::F32, &x)?;
-        gdk::dropout_add_forward(
-            gpu,
-            &residual.device_read::<f32>()?.view(),
-            &x.device_read::<f32>()?.view(),
-            &mut y.device_write::<f32>()?.view_mut(),
-            *p,
-            stream,
-            *index,
-        )?;
-        Ok(y)
-    }
-
-    /// Per-row losses (the targets' shape) and `logsumexp[rows]` of contiguous f32 `logits` and
-    /// i64 `targets` on the device (shapes checked by the caller).
-    pub(super) fn cross_entropy(
-        gpu: &Gpu,
-        logits: &Tensor,
-        targets: &Tensor,
-        rows: usize,
-        vocab: usize,
-    ) -> Result<(Tensor, Tensor)> {
-        let losses = Tensor::empty_near(targets.shape().clone(), DType::F32, logits)?;
-        let logsumexp = Tensor::empty_near([rows], DType::F32, logits)?;
-        ce::cross_entropy_forward(
-            gpu,
-            &logits.device_read::<f32>()?.view(),
-            &targets.device_read::<i64>()?.view(),
-            rows,
-            vocab,
-            &mut losses.device_write::<f32>()?.view_mut(),
-            &mut logsumexp.device_write::<f32>()?.view_mut(),
-        )?;
-        Ok((losses, logsumexp))
-    }
-
-    /// Gradient of [`cross_entropy`] with respect to the logits.
-    pub(super) fn cross_entropy_backward(
-        gpu: &Gpu,
-        saved: &CrossEntropySaved,
-        dloss: &Tensor,
-        rows: usize,
-        vocab: usize,
-    ) -> Result<Tensor> {
-        let dloss = on_gpu(gpu, dloss)?;
-        let dlogits = Tensor::empty_near(saved.logits.shape().clone(), DType::F32, &saved.logits)?;
-        ce::cross_entropy_backward(
-            gpu,
-            &saved.logits.device_read::<f32>()?.view(),
-            &saved.targets.device_read::<i64>()?.view(),
-            &saved.logsumexp.device_read::<f32>()?.view(),
-            &dloss.device_read::<f32>()?.view(),
-            rows,
-            vocab,
-            &mut dlogits.device_write::<f32>()?.view_mut(),
-        )?;
-        Ok(dlogits)
-    }
-
-    /// `t` on the device: itself, or an upload of a host tensor (targets from the host data
-    /// loader; the upload waits for the stream).
-    pub(super) fn on_gpu(gpu: &Gpu, t: &Tensor) -> Result<Tensor> {
-        if t.gpu().is_some() {
-            Ok(t.clone())
-        } else {
-            t.to_gpu(gpu)
-        }
-    }
+    )
 }

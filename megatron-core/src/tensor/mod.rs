@@ -6,10 +6,6 @@
 //! copy nothing; GEMM reads transposed views in place.
 
 mod dtype;
-#[cfg(feature = "cuda")]
-mod gpu;
-#[cfg(feature = "cuda")]
-pub use gpu::DeviceSlice;
 pub mod host_memory;
 mod layout;
 mod pool;
@@ -25,6 +21,7 @@ pub use layout::{Layout, Shape};
 pub(crate) use storage::RawBorrow;
 pub use storage::{CpuBuffer, Device, Storage};
 
+use crate::backend::MemoryOps;
 use crate::kernels::KernelError;
 
 /// A tensor operation was given tensors it cannot work on.
@@ -166,7 +163,6 @@ impl Tensor {
         near: &Tensor,
         zeroed: bool,
     ) -> crate::error::Result<Tensor> {
-        #[cfg(feature = "cuda")]
         if let Some(gpu) = near.gpu() {
             return if zeroed {
                 Tensor::zeros_on(shape, dtype, gpu)
@@ -174,7 +170,6 @@ impl Tensor {
                 Tensor::empty_on(shape, dtype, gpu)
             };
         }
-        let _ = near;
         Ok(Tensor {
             storage: Arc::new(Storage::alloc(dtype, shape.numel(), zeroed)),
             layout: Layout::contiguous(shape, 0),
@@ -187,6 +182,43 @@ impl Tensor {
         t.fill(value)
             .expect("a new tensor is contiguous and not borrowed");
         t
+    }
+
+    /// A tensor of zeros in `gpu`'s memory.
+    pub fn zeros_on(
+        shape: impl Into<Shape>,
+        dtype: DType,
+        gpu: &crate::cuda::Gpu,
+    ) -> crate::error::Result<Tensor> {
+        Tensor::on_gpu(shape.into(), dtype, gpu, true)
+    }
+
+    /// A tensor in `gpu`'s memory with unspecified contents, for outputs written in full before
+    /// they are read (no memset).
+    pub fn empty_on(
+        shape: impl Into<Shape>,
+        dtype: DType,
+        gpu: &crate::cuda::Gpu,
+    ) -> crate::error::Result<Tensor> {
+        Tensor::on_gpu(shape.into(), dtype, gpu, false)
+    }
+
+    fn on_gpu(
+        shape: Shape,
+        dtype: DType,
+        gpu: &crate::cuda::Gpu,
+        zeroed: bool,
+    ) -> crate::error::Result<Tensor> {
+        let storage = Storage::on_gpu(gpu, dtype, shape.numel(), zeroed)?;
+        Ok(Tensor::from_storage(
+            Arc::new(storage),
+            Layout::contiguous(shape, 0),
+        ))
+    }
+
+    /// A view of `storage` through `layout` (the GPU backend's allocations).
+    pub(crate) fn from_storage(storage: Arc<Storage>, layout: Layout) -> Tensor {
+        Tensor { storage, layout }
     }
 
     fn from_buffer(buffer: CpuBuffer, shape: Shape) -> Tensor {
@@ -410,7 +442,7 @@ impl Tensor {
     pub(crate) fn read_span<T: Element>(&self) -> Result<(TensorRead<'_, T>, usize)> {
         self.require_host("read")?;
         self.require_dtype("read", T::DTYPE)?;
-        let (start, end) = (self.layout.offset, self.layout.end());
+        let (start, end) = (self.layout().offset, self.layout().end());
         let borrow = self
             .storage
             .borrow(start, end, false)
@@ -433,7 +465,7 @@ impl Tensor {
     pub(crate) fn write_span<T: Element>(&self) -> Result<(TensorWrite<'_, T>, usize)> {
         self.require_host("write")?;
         self.require_dtype("write", T::DTYPE)?;
-        let (start, end) = (self.layout.offset, self.layout.end());
+        let (start, end) = (self.layout().offset, self.layout().end());
         let borrow = self
             .storage
             .borrow(start, end, true)
@@ -465,22 +497,8 @@ impl Tensor {
         self.raw_borrow(op, true)
     }
 
-    /// Borrows a contiguous device view's elements (device addresses) for reading.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn raw_device_read(&self, op: &'static str) -> Result<RawBorrow<'_>> {
-        self.require_gpu(op)?;
-        self.raw_borrow(op, false)
-    }
-
-    /// Borrows a contiguous device view's elements (device addresses) for writing.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn raw_device_write(&self, op: &'static str) -> Result<RawBorrow<'_>> {
-        self.require_gpu(op)?;
-        self.raw_borrow(op, true)
-    }
-
     /// Borrows a contiguous view's elements, wherever they live, naming `op` if it cannot.
-    fn raw_borrow(&self, op: &'static str, write: bool) -> Result<RawBorrow<'_>> {
+    pub(crate) fn raw_borrow(&self, op: &'static str, write: bool) -> Result<RawBorrow<'_>> {
         self.require_contiguous(op)?;
         let start = self.layout.offset;
         self.storage
@@ -488,21 +506,7 @@ impl Tensor {
             .ok_or(TensorError::Borrowed { op, write })
     }
 
-    /// Checks that the elements are in device memory, naming `op` otherwise.
-    #[cfg(feature = "cuda")]
-    fn require_gpu(&self, op: &'static str) -> Result<()> {
-        match self.device() {
-            Device::Cuda(_) => Ok(()),
-            actual => Err(TensorError::Device {
-                op,
-                expected: "a CUDA device",
-                actual,
-            }),
-        }
-    }
-
     /// The GPU handle that owns a device tensor's memory (`None` on the host).
-    #[cfg(feature = "cuda")]
     pub fn gpu(&self) -> Option<&crate::cuda::Gpu> {
         self.storage.gpu()
     }
@@ -514,9 +518,8 @@ impl Tensor {
 
     /// The elements in row-major order, of exactly type `T`.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
-        #[cfg(feature = "cuda")]
-        if self.gpu().is_some() {
-            return self.to_host_contiguous()?.to_vec();
+        if let Some(gpu) = self.gpu() {
+            return gpu.download_tensor(self)?.to_vec();
         }
         let (span, base) = self.read_span::<T>()?;
         let mut out = Vec::with_capacity(self.numel());
@@ -551,7 +554,6 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
-        #[cfg(feature = "cuda")]
         if self.gpu().is_some() {
             return self.to_dtype(self.dtype());
         }
@@ -566,7 +568,6 @@ impl Tensor {
 
     /// A contiguous copy converted to `dtype` (float types round to nearest).
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
         if let Some(gpu) = self.gpu() {
             // Every element is written by the copy.
             let out = Tensor::empty_on(self.shape().clone(), dtype, gpu)
@@ -614,9 +615,8 @@ impl Tensor {
             // Copying a view onto an overlapping view needs a temporary.
             return self.copy_from(&src.deep_clone()?);
         }
-        #[cfg(feature = "cuda")]
-        if self.gpu().is_some() || src.gpu().is_some() {
-            return self.copy_from_device(src);
+        if let Some(gpu) = self.gpu().or(src.gpu()) {
+            return gpu.copy_tensor(self, src);
         }
         macro_rules! copy_typed {
             ($dst:ty) => {{
@@ -656,9 +656,8 @@ impl Tensor {
 
     /// Sets every element to `value` (converted to the element type); the tensor must be contiguous.
     pub fn fill(&self, value: f32) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if self.gpu().is_some() {
-            return self.fill_device(value);
+        if let Some(gpu) = self.gpu() {
+            return gpu.fill_tensor(self, value);
         }
         match self.dtype() {
             DType::F32 => self.write::<f32>()?.fill(value),
@@ -673,7 +672,6 @@ impl Tensor {
 }
 
 /// Maps a backend error of a tensor operation to [`TensorError::Gpu`].
-#[cfg(feature = "cuda")]
 pub(crate) fn gpu_error<E: std::fmt::Display>(op: &'static str) -> impl Fn(E) -> TensorError {
     move |e| TensorError::Gpu {
         op,

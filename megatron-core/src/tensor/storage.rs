@@ -14,6 +14,7 @@ use parking_lot::Mutex;
 
 use super::dtype::DType;
 use super::pool;
+use crate::cuda::{DeviceMemory, Gpu, Result as CudaResult};
 
 /// Host memory of one dtype, as handed to a new storage.
 #[derive(Debug, Clone, PartialEq)]
@@ -84,16 +85,6 @@ impl std::fmt::Display for Device {
     }
 }
 
-/// Device memory behind a storage: the allocation, its address, and the rank's GPU handle whose
-/// stream orders its use.
-#[cfg(feature = "cuda")]
-#[derive(Debug)]
-pub(crate) struct DeviceMemory {
-    _slice: crate::cuda::CudaSlice<u8>,
-    base: u64,
-    gpu: crate::cuda::Gpu,
-}
-
 /// One outstanding borrow of a range of elements.
 #[derive(Debug, Clone, Copy)]
 struct Borrow {
@@ -114,7 +105,6 @@ pub struct Storage {
     borrows: Mutex<Vec<Borrow>>,
     next_id: AtomicU64,
     /// Set for device storage (whose `ptr` is dangling: the elements live on the device).
-    #[cfg(feature = "cuda")]
     device: Option<DeviceMemory>,
 }
 
@@ -160,31 +150,15 @@ impl Storage {
             ptr,
             borrows: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(0),
-            #[cfg(feature = "cuda")]
             device: None,
         }
     }
 
-    /// `len` zeroed elements of `dtype` in `gpu`'s device memory (allocated on its stream).
-    #[cfg(feature = "cuda")]
-    pub(crate) fn on_gpu(
-        gpu: &crate::cuda::Gpu,
-        dtype: DType,
-        len: usize,
-        zeroed: bool,
-    ) -> crate::cuda::Result<Self> {
-        use cudarc::driver::DevicePtr;
+    /// `len` elements of `dtype` in `gpu`'s device memory (allocated on its stream), zeroed when
+    /// `zeroed`.
+    pub(crate) fn on_gpu(gpu: &Gpu, dtype: DType, len: usize, zeroed: bool) -> CudaResult<Self> {
         // At least one byte, so that every storage has an address.
-        let bytes = (len * dtype.size()).max(1);
-        let slice = if zeroed {
-            gpu.zeros::<u8>(bytes)?
-        } else {
-            gpu.uninit::<u8>(bytes)?
-        };
-        let base = {
-            let (ptr, _sync) = slice.device_ptr(gpu.stream());
-            ptr
-        };
+        let memory = DeviceMemory::alloc(gpu, (len * dtype.size()).max(1), zeroed)?;
         Ok(Storage {
             dtype,
             len,
@@ -192,18 +166,13 @@ impl Storage {
             ptr: NonNull::dangling(),
             borrows: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(0),
-            device: Some(DeviceMemory {
-                _slice: slice,
-                base,
-                gpu: gpu.clone(),
-            }),
+            device: Some(memory),
         })
     }
 
     /// The GPU handle of device storage (`None` on the host).
-    #[cfg(feature = "cuda")]
-    pub(crate) fn gpu(&self) -> Option<&crate::cuda::Gpu> {
-        self.device.as_ref().map(|d| &d.gpu)
+    pub(crate) fn gpu(&self) -> Option<&Gpu> {
+        self.device.as_ref().map(DeviceMemory::gpu)
     }
 
     /// Takes ownership of a buffer.
@@ -221,7 +190,6 @@ impl Storage {
             ptr: NonNull::new(ptr).expect("a Vec's pointer is never null"),
             borrows: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(0),
-            #[cfg(feature = "cuda")]
             device: None,
         }
     }
@@ -243,11 +211,10 @@ impl Storage {
 
     /// The device holding the memory.
     pub fn device(&self) -> Device {
-        #[cfg(feature = "cuda")]
-        if let Some(d) = &self.device {
-            return Device::Cuda(d.gpu.ordinal());
+        match self.gpu() {
+            Some(gpu) => Device::Cuda(gpu.ordinal()),
+            None => Device::Cpu,
         }
-        Device::Cpu
     }
 
     /// Borrows elements `start..end` for reading (shared) or writing (exclusive); `None` if the
@@ -290,7 +257,6 @@ impl Storage {
 
 impl Drop for Storage {
     fn drop(&mut self) {
-        #[cfg(feature = "cuda")]
         if self.device.is_some() {
             // The device allocation frees itself, ordered on its stream.
             return;
@@ -332,9 +298,8 @@ impl RawBorrow<'_> {
     /// Address of the first borrowed element (a device address for device storage).
     pub fn addr(&self) -> usize {
         let offset = self.start * self.storage.dtype.size();
-        #[cfg(feature = "cuda")]
         if let Some(d) = &self.storage.device {
-            return d.base as usize + offset;
+            return d.base() as usize + offset;
         }
         self.storage.ptr.as_ptr() as usize + offset
     }

@@ -1,9 +1,9 @@
 //! Embeddings: the word embedding (whole or split by vocabulary, with its tied output layer) and
 //! the learned position embedding.
 
+use crate::backend;
 use crate::error::Result;
 use crate::invalid;
-use crate::kernels::embedding as ek;
 use crate::module::{Builder, Cx, Ids, Init, Lookup, Module, Param, Site, Split, VocabParallel};
 use crate::ops::{as_operand, matmul, matmul_into};
 use crate::parallel::GroupKind;
@@ -117,8 +117,8 @@ impl Embedding {
         self.weight.value().dims()[1]
     }
 
-    /// Checks that every id is a token of the real vocabulary.
-    fn check_ids(&self, ids: &Tensor) -> Result<Tensor> {
+    /// Checks that the ids are i64.
+    fn check_id_type(&self, ids: &Tensor) -> Result<()> {
         if ids.dtype() != DType::I64 {
             return invalid!(
                 "embedding {}: token ids must be i64, got {}",
@@ -126,6 +126,12 @@ impl Embedding {
                 ids.dtype()
             );
         }
+        Ok(())
+    }
+
+    /// Checks that every id is a token of the real vocabulary.
+    fn check_ids(&self, ids: &Tensor) -> Result<Tensor> {
+        self.check_id_type(ids)?;
         let ids = ids.contiguous()?;
         if let Some((pos, &id)) = ids
             .read::<i64>()?
@@ -141,44 +147,26 @@ impl Embedding {
         Ok(ids)
     }
 
+    /// Host ids are checked; device ids are not (that would read them back): an id this
+    /// shard does not hold gives a zero row and no gradient.
     fn lookup(&self, ids: &Tensor) -> Result<(Tensor, EmbeddingSaved)> {
-        #[cfg(feature = "cuda")]
-        if let Some(gpu) = self.weight.value().gpu() {
-            return self.lookup_gpu(ids, gpu);
-        }
-        let ids = self.check_ids(ids)?;
-        let h = self.hidden();
-        let mut dims = ids.dims().to_vec();
-        dims.push(h);
-        let out = Tensor::empty(dims, DType::F32);
+        let ids = if ids.gpu().is_some() {
+            self.check_id_type(ids)?;
+            ids.clone()
+        } else {
+            self.check_ids(ids)?
+        };
         let table = self.weight.value().to_f32_contiguous()?;
-        ek::embedding_forward(
-            &ids.read::<i64>()?,
-            &table.read::<f32>()?,
-            self.vocab_start,
-            self.local_rows(),
-            h,
-            &mut out.write::<f32>()?,
-        )?;
+        let rows = (self.vocab_start, self.local_rows());
+        let (out, ids) = backend::of(self.weight.value()).embedding_lookup(&ids, &table, rows)?;
         Ok((out, EmbeddingSaved { ids }))
     }
 
     fn lookup_backward(&self, saved: EmbeddingSaved, dy: &Tensor) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if let Some(gpu) = self.weight.grad().gpu() {
-            return self.lookup_backward_gpu(saved, dy, gpu);
-        }
-        let dy = dy.to_f32_contiguous()?;
-        self.weight.accumulate_grad(|grad| {
-            Ok(ek::embedding_backward(
-                &saved.ids.read::<i64>()?,
-                &dy.read::<f32>()?,
-                self.vocab_start,
-                self.local_rows(),
-                self.hidden(),
-                &mut grad.write::<f32>()?,
-            )?)
-        })
+        let ops = backend::of(self.weight.grad());
+        let rows = (self.vocab_start, self.local_rows());
+        self.weight
+            .accumulate_grad(|grad| ops.embedding_lookup_backward(&saved.ids, dy, rows, grad))
     }
 }
 
@@ -243,12 +231,7 @@ impl VocabParallel for Embedding {
             );
         }
         // On the weight's device (a host input is uploaded to a GPU weight).
-        #[cfg(feature = "cuda")]
-        let h = &match self.weight.value().gpu() {
-            Some(gpu) => device::on_gpu(h, gpu)?,
-            None => h.clone(),
-        };
-        let h = as_operand(h)?;
+        let h = as_operand(&backend::of(self.weight.value()).place(h)?)?;
         let rows = h.numel() / hidden;
         let local = self.local_rows();
         let logits = matmul(
@@ -294,22 +277,7 @@ impl VocabParallel for Embedding {
 
 /// Sets columns `from..cols` of every row of the contiguous f32 matrix `x[.., cols]` to −∞.
 fn mask_columns(x: &Tensor, cols: usize, from: usize) -> Result<()> {
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = x.gpu() {
-        crate::cuda::kernels::vocab_parallel::mask_columns(
-            gpu,
-            &mut x.device_write::<f32>()?.view_mut(),
-            x.numel() / cols,
-            cols,
-            from,
-        )?;
-        return Ok(());
-    }
-    let mut x = x.write::<f32>()?;
-    for row in x.chunks_exact_mut(cols) {
-        row[from..].fill(f32::NEG_INFINITY);
-    }
-    Ok(())
+    backend::of(x).mask_columns(x, cols, from)
 }
 
 /// The logical description of a learned position embedding.
@@ -382,27 +350,13 @@ impl Lookup for PositionEmbedding {
         };
         let (seq, batch) = (*seq, *batch);
         let max = self.weight.value().dims()[0];
-        let h = self.weight.value().dims()[1];
         if seq > max {
             return invalid!(
                 "sequence length {seq} exceeds the {max} learned positions (--max-position-embeddings)"
             );
         }
-        #[cfg(feature = "cuda")]
-        if let Some(gpu) = self.weight.value().gpu() {
-            return self.forward_gpu(seq, batch, gpu);
-        }
         let table = self.weight.value().to_f32_contiguous()?;
-        let table = table.read::<f32>()?;
-        let out = Tensor::empty([seq, batch, h], DType::F32);
-        {
-            let mut o = out.write::<f32>()?;
-            for (i, block) in o.chunks_exact_mut(batch * h).enumerate() {
-                for row in block.chunks_exact_mut(h) {
-                    row.copy_from_slice(&table[i * h..(i + 1) * h]);
-                }
-            }
-        }
+        let out = backend::of(self.weight.value()).positions_forward(&table, seq, batch)?;
         Ok((out, PositionSaved { seq, batch }))
     }
 
@@ -416,187 +370,9 @@ impl Lookup for PositionEmbedding {
                 saved.batch
             );
         }
-        #[cfg(feature = "cuda")]
-        if let Some(gpu) = self.weight.grad().gpu() {
-            return self.backward_gpu(saved, dy, gpu);
-        }
-        let dy = dy.to_f32_contiguous()?;
-        let dy = dy.read::<f32>()?;
-        self.weight.accumulate_grad(|grad| {
-            let mut g = grad.write::<f32>()?;
-            for (i, block) in dy.chunks_exact(saved.batch * h).enumerate() {
-                let gi = &mut g[i * h..(i + 1) * h];
-                for row in block.chunks_exact(h) {
-                    gi.iter_mut().zip(row).for_each(|(a, b)| *a += b);
-                }
-            }
-            Ok(())
-        })
+        let ops = backend::of(self.weight.grad());
+        let (seq, batch) = (saved.seq, saved.batch);
+        self.weight
+            .accumulate_grad(|grad| ops.positions_backward(dy, seq, batch, grad))
     }
 }
-
-/// The embeddings on the GPU (feature `cuda`): used when the weight is a device tensor, with the
-/// CPU's results (lookups and gradients bit for bit, logits to cuBLAS's f32 rounding).
-#[cfg(feature = "cuda")]
-mod device {
-    use super::{Embedding, EmbeddingSaved, PositionEmbedding, PositionSaved};
-    use crate::cuda::kernels::{embedding as gek, vocab_parallel as gvp};
-    use crate::cuda::{CudaError, Gpu};
-    use crate::error::Result;
-    use crate::invalid;
-    use crate::tensor::{DType, Tensor};
-
-    /// `t` on `gpu`: itself when it is a device tensor, else an uploaded copy.
-    pub(crate) fn on_gpu(t: &Tensor, gpu: &Gpu) -> Result<Tensor> {
-        if t.gpu().is_some() {
-            Ok(t.clone())
-        } else {
-            t.to_gpu(gpu)
-        }
-    }
-
-    /// Contiguous i64 ids (tokens, targets) on `gpu`: device ids as they are, host ids queued
-    /// for upload on `gpu`'s stream without waiting for it (the caller checks host ids first).
-    pub(crate) fn ids_on_gpu(ids: &Tensor, gpu: &Gpu) -> Result<Tensor> {
-        if ids.dtype() != DType::I64 {
-            return invalid!("token ids must be i64, got {}", ids.dtype());
-        }
-        if ids.gpu().is_some() {
-            return Ok(ids.contiguous()?);
-        }
-        let host = ids.contiguous()?;
-        let out = Tensor::zeros_on(host.shape().clone(), DType::I64, gpu)?;
-        if host.numel() == 0 {
-            return Ok(out);
-        }
-        let src = host.read::<i64>()?;
-        let mut dst = out.device_write::<i64>()?;
-        // The driver stages a pageable source before the call returns.
-        gpu.stream()
-            .memcpy_htod(&*src, &mut dst.view_mut())
-            .map_err(|e| CudaError::driver(format!("cuMemcpyHtoDAsync({} ids)", src.len()), e))?;
-        drop(dst);
-        Ok(out)
-    }
-
-    impl Embedding {
-        pub(super) fn lookup_gpu(
-            &self,
-            ids: &Tensor,
-            gpu: &Gpu,
-        ) -> Result<(Tensor, EmbeddingSaved)> {
-            if ids.dtype() != DType::I64 {
-                return invalid!(
-                    "embedding {}: token ids must be i64, got {}",
-                    self.weight.spec().name,
-                    ids.dtype()
-                );
-            }
-            // Host ids are checked as on the CPU; device ids are not (that would read them back):
-            // an id this shard does not hold gives a zero row and no gradient.
-            let ids = if ids.gpu().is_some() {
-                ids.clone()
-            } else {
-                self.check_ids(ids)?
-            };
-            let ids = ids_on_gpu(&ids, gpu)?;
-            let h = self.hidden();
-            let mut dims = ids.dims().to_vec();
-            dims.push(h);
-            let out = Tensor::empty_on(dims, DType::F32, gpu)?;
-            let table = self.weight.value().to_f32_contiguous()?;
-            gek::embedding_forward(
-                gpu,
-                &ids.device_read::<i64>()?.view(),
-                &table.device_read::<f32>()?.view(),
-                self.vocab_start,
-                self.local_rows(),
-                h,
-                &mut out.device_write::<f32>()?.view_mut(),
-            )?;
-            Ok((out, EmbeddingSaved { ids }))
-        }
-
-        pub(super) fn lookup_backward_gpu(
-            &self,
-            saved: EmbeddingSaved,
-            dy: &Tensor,
-            gpu: &Gpu,
-        ) -> Result<()> {
-            let dy = on_gpu(dy, gpu)?.to_f32_contiguous()?;
-            let ids = on_gpu(&saved.ids, gpu)?;
-            self.weight.accumulate_grad(|grad| {
-                Ok(gek::embedding_backward(
-                    gpu,
-                    &ids.device_read::<i64>()?.view(),
-                    &dy.device_read::<f32>()?.view(),
-                    self.vocab_start,
-                    self.local_rows(),
-                    self.hidden(),
-                    &mut grad.device_write::<f32>()?.view_mut(),
-                )?)
-            })
-        }
-    }
-
-    impl PositionEmbedding {
-        /// Position ids `t / batch` made on the device for `seq × batch` tokens.
-        fn positions(seq: usize, batch: usize, gpu: &Gpu) -> Result<Tensor> {
-            let ids = Tensor::zeros_on([seq * batch], DType::I64, gpu)?;
-            gvp::position_ids(gpu, &mut ids.device_write::<i64>()?.view_mut(), batch)?;
-            Ok(ids)
-        }
-
-        /// Rows `0..seq` of the table, each repeated for the `batch` entries (a gather by
-        /// position ids; the sequence length is checked by the caller).
-        pub(super) fn forward_gpu(
-            &self,
-            seq: usize,
-            batch: usize,
-            gpu: &Gpu,
-        ) -> Result<(Tensor, PositionSaved)> {
-            let (max, h) = (self.weight.value().dims()[0], self.weight.value().dims()[1]);
-            let table = self.weight.value().to_f32_contiguous()?;
-            let out = Tensor::empty_on([seq, batch, h], DType::F32, gpu)?;
-            gek::embedding_forward(
-                gpu,
-                &Self::positions(seq, batch, gpu)?
-                    .device_read::<i64>()?
-                    .view(),
-                &table.device_read::<f32>()?.view(),
-                0,
-                max,
-                h,
-                &mut out.device_write::<f32>()?.view_mut(),
-            )?;
-            Ok((out, PositionSaved { seq, batch }))
-        }
-
-        /// Adds each position's gradients over the batch, in the CPU's order (bit for bit).
-        pub(super) fn backward_gpu(
-            &self,
-            saved: PositionSaved,
-            dy: &Tensor,
-            gpu: &Gpu,
-        ) -> Result<()> {
-            let (max, h) = (self.weight.value().dims()[0], self.weight.value().dims()[1]);
-            // The gradient's size is checked by the caller.
-            let dy = on_gpu(dy, gpu)?.to_f32_contiguous()?;
-            let positions = Self::positions(saved.seq, saved.batch, gpu)?;
-            self.weight.accumulate_grad(|grad| {
-                Ok(gek::embedding_backward(
-                    gpu,
-                    &positions.device_read::<i64>()?.view(),
-                    &dy.device_read::<f32>()?.view(),
-                    0,
-                    max,
-                    h,
-                    &mut grad.device_write::<f32>()?.view_mut(),
-                )?)
-            })
-        }
-    }
-}
-
-#[cfg(feature = "cuda")]
-pub(crate) use device::ids_on_gpu;

@@ -1,8 +1,8 @@
 //! `LayerNorm` over the last dimension, replicated over tensor parallelism.
 
+use crate::backend;
 use crate::error::Result;
 use crate::invalid;
-use crate::kernels::layer_norm as ln;
 use crate::module::{Builder, Cx, Init, Layer, Module, Param, Site, Split};
 use crate::tensor::{DType, Tensor};
 
@@ -93,30 +93,11 @@ impl Layer for LayerNorm {
         let rows = self.rows(x)?;
         let h = self.gamma.value().numel();
         let x = x.to_f32_contiguous()?;
-        #[cfg(feature = "cuda")]
-        if let Some(gpu) = x.gpu() {
-            let (y, mean, rstd) =
-                device::forward(gpu, &x, &self.gamma, &self.beta, rows, self.eps)?;
-            return Ok((y, LayerNormSaved { x, mean, rstd }));
-        }
-        let y = Tensor::empty(x.shape().clone(), DType::F32);
-        let mean = Tensor::empty([rows], DType::F32);
-        let rstd = Tensor::empty([rows], DType::F32);
         let (gamma, beta) = (
             self.gamma.value().to_f32_contiguous()?,
             self.beta.value().to_f32_contiguous()?,
         );
-        ln::layer_norm_forward(
-            &x.read::<f32>()?,
-            &gamma.read::<f32>()?,
-            &beta.read::<f32>()?,
-            rows,
-            h,
-            self.eps,
-            &mut y.write::<f32>()?,
-            &mut mean.write::<f32>()?,
-            &mut rstd.write::<f32>()?,
-        )?;
+        let (y, mean, rstd) = backend::of(&x).layer_norm(&x, &gamma, &beta, rows, h, self.eps)?;
         Ok((y, LayerNormSaved { x, mean, rstd }))
     }
 
@@ -166,120 +147,14 @@ impl LayerNorm {
             Some(p) => Some(p.to_f32_contiguous()?),
             None => None,
         };
-        #[cfg(feature = "cuda")]
-        if let Some(gpu) = saved.x.gpu() {
-            let params = (&self.gamma, &self.beta);
-            return device::backward(gpu, &saved, &dy, plus.as_ref(), params, rows);
-        }
-        let dx = Tensor::empty(saved.x.shape().clone(), DType::F32);
+        let dx = Tensor::empty_near(saved.x.shape().clone(), DType::F32, &saved.x)?;
         let gamma = self.gamma.value().to_f32_contiguous()?;
-        let plus_values = plus.as_ref().map(|p| p.read::<f32>()).transpose()?;
+        let ops = backend::of(&saved.x);
+        let kept = (&saved.x, &saved.mean, &saved.rstd, &gamma);
         self.gamma.accumulate_grad(|dgamma| {
             self.beta.accumulate_grad(|dbeta| {
-                Ok(ln::layer_norm_backward_plus(
-                    &dy.read::<f32>()?,
-                    (
-                        &saved.x.read::<f32>()?,
-                        &saved.mean.read::<f32>()?,
-                        &saved.rstd.read::<f32>()?,
-                        &gamma.read::<f32>()?,
-                    ),
-                    rows,
-                    h,
-                    plus_values.as_deref(),
-                    &mut dx.write::<f32>()?,
-                    &mut dgamma.write::<f32>()?,
-                    &mut dbeta.write::<f32>()?,
-                )?)
-            })
-        })?;
-        Ok(dx)
-    }
-}
-
-/// The layer norm on a GPU: the CUDA kernels on the device tensors, parameters included.
-#[cfg(feature = "cuda")]
-mod device {
-    use super::LayerNormSaved;
-    use crate::cuda::Gpu;
-    use crate::cuda::kernels::layer_norm as ln;
-    use crate::cuda::kernels::operand::with_out;
-    use crate::error::Result;
-    use crate::module::Param;
-    use crate::ops::operand_dtype;
-    use crate::tensor::{DType, Tensor};
-
-    /// `y`, `mean` and `rstd` of a contiguous f32 `x` of `rows` rows; `y` in the products'
-    /// dtype (bf16 when the GPU multiplies in bf16: the normalised rows are the next products'
-    /// operand, rounded once here instead of converted by them).
-    pub(super) fn forward(
-        gpu: &Gpu,
-        x: &Tensor,
-        gamma: &Param,
-        beta: &Param,
-        rows: usize,
-        eps: f32,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        let h = gamma.value().numel();
-        let y = Tensor::empty_near(x.shape().clone(), operand_dtype(x), x)?;
-        let mean = Tensor::empty_near([rows], DType::F32, x)?;
-        let rstd = Tensor::empty_near([rows], DType::F32, x)?;
-        let (gamma, beta) = (
-            gamma.value().to_f32_contiguous()?,
-            beta.value().to_f32_contiguous()?,
-        );
-        with_out(&y, |out| {
-            Ok(ln::layer_norm_forward(
-                gpu,
-                &x.device_read::<f32>()?.view(),
-                &gamma.device_read::<f32>()?.view(),
-                &beta.device_read::<f32>()?.view(),
-                rows,
-                h,
-                eps,
-                out,
-                &mut mean.device_write::<f32>()?.view_mut(),
-                &mut rstd.device_write::<f32>()?.view_mut(),
-            )?)
-        })?;
-        Ok((y, mean, rstd))
-    }
-
-    /// `dx` (plus `plus` when given, f32 contiguous), accumulating the parameters' gradients
-    /// (`+=`).
-    pub(super) fn backward(
-        gpu: &Gpu,
-        saved: &LayerNormSaved,
-        dy: &Tensor,
-        plus: Option<&Tensor>,
-        (gamma, beta): (&Param, &Param),
-        rows: usize,
-    ) -> Result<Tensor> {
-        let h = gamma.value().numel();
-        let dx = Tensor::empty_near(saved.x.shape().clone(), DType::F32, &saved.x)?;
-        let gamma_value = gamma.value().to_f32_contiguous()?;
-        let plus = plus.map(|p| p.device_read::<f32>()).transpose()?;
-        let (x, mean) = (
-            saved.x.device_read::<f32>()?,
-            saved.mean.device_read::<f32>()?,
-        );
-        let (rstd, g) = (
-            saved.rstd.device_read::<f32>()?,
-            gamma_value.device_read::<f32>()?,
-        );
-        gamma.accumulate_grad(|dgamma| {
-            beta.accumulate_grad(|dbeta| {
-                Ok(ln::layer_norm_backward_plus(
-                    gpu,
-                    &dy.device_read::<f32>()?.view(),
-                    (&x.view(), &mean.view(), &rstd.view(), &g.view()),
-                    rows,
-                    h,
-                    plus.as_ref().map(|p| p.view()).as_ref(),
-                    &mut dx.device_write::<f32>()?.view_mut(),
-                    &mut dgamma.device_write::<f32>()?.view_mut(),
-                    &mut dbeta.device_write::<f32>()?.view_mut(),
-                )?)
+                let grads = (&dx, dgamma, dbeta);
+                ops.layer_norm_backward(&dy, kept, plus.as_ref(), rows, h, grads)
             })
         })?;
         Ok(dx)

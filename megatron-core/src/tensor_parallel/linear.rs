@@ -1,8 +1,8 @@
 //! `Linear`: `y = x·Wᵀ + b`, whole, column-parallel or row-parallel.
 
+use crate::backend;
 use crate::error::Result;
 use crate::invalid;
-use crate::kernels::elementwise;
 use crate::module::{
     Builder, ColumnParallel, Cx, Init, Layer, Module, Param, RowParallel, Site, Split,
 };
@@ -155,8 +155,7 @@ impl Linear {
         };
         let bias = bias.value().to_f32_contiguous()?;
         let (x2, dims) = self.rows(x)?;
-        #[cfg(feature = "cuda")]
-        if x.gpu().is_some() {
+        if backend::of(x).may_fuse_bias() {
             let w = self.weight.compute_value();
             let y = Tensor::empty_near([x2.dims()[0], w.dims()[0]], dtype, x)?;
             if crate::ops::matmul_bias_into(&x2, &w.t()?, &bias, &y)? {
@@ -165,15 +164,12 @@ impl Linear {
         }
         // The product in f32, then the bias.
         let y = self.rows_product(&x2, DType::F32)?;
-        #[cfg(feature = "cuda")]
-        if dtype != DType::F32
-            && let Some(gpu) = y.gpu()
-        {
-            // One pass: the sum written in `dtype`.
-            return Ok(device::bias_add_cast(gpu, &y, &bias, dtype)?.reshape(dims)?);
+        let ops = backend::of(&y);
+        if dtype == DType::F32 {
+            ops.bias_add_in_place(&y, &bias)?;
+            return Ok(y.reshape(dims)?);
         }
-        add_bias_in_place(&y, &bias)?;
-        Ok(y.to_contiguous(dtype)?.reshape(dims)?)
+        Ok(ops.bias_add_cast(&y, &bias, dtype)?.reshape(dims)?)
     }
 
     /// Accumulates dW (and db when `with_bias`) and returns dx = dy·W in `dx_dtype` (bf16 only
@@ -210,18 +206,7 @@ impl Linear {
 
     /// `db += Σ_r dy[r, ·]` for `dy[rows, out]`.
     fn accumulate_bias_grad(dy: &Tensor, rows: usize, out: usize, bias: &Param) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if dy.gpu().is_some() {
-            return bias.accumulate_grad(|grad| device::accumulate_bias_grad(dy, grad));
-        }
-        bias.accumulate_grad(|grad| {
-            Ok(elementwise::bias_add_backward(
-                &dy.read::<f32>()?,
-                rows,
-                out,
-                &mut grad.write::<f32>()?,
-            )?)
-        })
+        bias.accumulate_grad(|grad| backend::of(dy).accumulate_bias_grad(dy, rows, out, grad))
     }
 
     fn check_mode(&self, want: Mode, what: &str) -> Result<()> {
@@ -346,7 +331,7 @@ impl RowParallel for Linear {
             return Ok(());
         }
         match &self.bias {
-            Some(bias) => add_bias_in_place(y, &bias.value().to_f32_contiguous()?),
+            Some(bias) => backend::of(y).bias_add_in_place(y, &bias.value().to_f32_contiguous()?),
             None => Ok(()),
         }
     }
@@ -363,82 +348,5 @@ impl RowParallel for Linear {
         // products before it: in their dtype.
         let dx_dtype = operand_dtype(&saved.x);
         self.backward_product(saved, dy, true, dx_dtype)
-    }
-}
-
-/// `y[r, c] += bias[c]` for a contiguous f32 `y` whose rows are `bias.numel()` long and a
-/// contiguous f32 `bias`.
-fn add_bias_in_place(y: &Tensor, bias: &Tensor) -> Result<()> {
-    let cols = bias.numel();
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = y.gpu() {
-        return device::bias_add(gpu, y, bias, cols);
-    }
-    elementwise::bias_add_forward(
-        &mut y.write::<f32>()?,
-        &bias.read::<f32>()?,
-        y.numel() / cols,
-        cols,
-    )?;
-    Ok(())
-}
-
-/// The bias on a GPU; the products are [`matmul`]'s, which already run there.
-#[cfg(feature = "cuda")]
-mod device {
-    use crate::cuda::Gpu;
-    use crate::cuda::kernels::elementwise;
-    use crate::cuda::kernels::operand::with_out;
-    use crate::error::Result;
-    use crate::ops::matmul_into;
-    use crate::tensor::{DType, Tensor};
-
-    /// `y + bias` (rows `bias.numel()` long) of a contiguous f32 `y`, as a new `dtype` tensor:
-    /// the f32 sum rounded once.
-    pub(super) fn bias_add_cast(
-        gpu: &Gpu,
-        y: &Tensor,
-        bias: &Tensor,
-        dtype: DType,
-    ) -> Result<Tensor> {
-        let cols = bias.numel();
-        let out = Tensor::empty_near(y.shape().clone(), dtype, y)?;
-        with_out(&out, |o| {
-            Ok(elementwise::bias_add_cast(
-                gpu,
-                &y.device_read::<f32>()?.view(),
-                &bias.device_read::<f32>()?.view(),
-                o,
-                y.numel().checked_div(cols).unwrap_or(0),
-                cols,
-            )?)
-        })?;
-        Ok(out)
-    }
-
-    /// `y[r, c] += bias[c]` for a contiguous f32 `y` whose rows are `cols` long.
-    pub(super) fn bias_add(gpu: &Gpu, y: &Tensor, bias: &Tensor, cols: usize) -> Result<()> {
-        elementwise::bias_add_forward(
-            gpu,
-            &mut y.device_write::<f32>()?.view_mut(),
-            &bias.device_read::<f32>()?.view(),
-            y.numel() / cols,
-            cols,
-        )?;
-        Ok(())
-    }
-
-    /// `grad += Σ_r dy[r, ·]` (the CPU's `+=`) for `dy[rows, out]`: a product with a row of
-    /// ones, accumulated by cuBLAS into the gradient in place.
-    pub(super) fn accumulate_bias_grad(dy: &Tensor, grad: &Tensor) -> Result<()> {
-        let rows = dy.dims()[0];
-        if rows == 0 {
-            return Ok(());
-        }
-        let ones = Tensor::empty_near([1, rows], DType::F32, dy)?;
-        ones.fill(1.0)?;
-        let grad_row = grad.reshape([1, grad.numel()])?;
-        matmul_into(1.0, &ones, dy, 1.0, &grad_row)?;
-        Ok(())
     }
 }

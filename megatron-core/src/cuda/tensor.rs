@@ -6,31 +6,13 @@ use std::sync::Arc;
 
 use cudarc::driver::result::{memcpy_dtoh_async, memcpy_htod_async};
 
-use super::{Layout, Shape, Storage, Tensor};
+use crate::backend::MemoryOps;
 use crate::cuda::{CudaError, Gpu};
 use crate::error::Result;
 use crate::tensor::DType;
+use crate::tensor::{Device, Layout, RawBorrow, Shape, Tensor, TensorError, gpu_error};
 
 impl Tensor {
-    /// A tensor of zeros in `gpu`'s memory.
-    pub fn zeros_on(shape: impl Into<Shape>, dtype: DType, gpu: &Gpu) -> Result<Tensor> {
-        Tensor::on_gpu(shape.into(), dtype, gpu, true)
-    }
-
-    /// A tensor in `gpu`'s memory with unspecified contents, for outputs written in full before
-    /// they are read (no memset).
-    pub fn empty_on(shape: impl Into<Shape>, dtype: DType, gpu: &Gpu) -> Result<Tensor> {
-        Tensor::on_gpu(shape.into(), dtype, gpu, false)
-    }
-
-    fn on_gpu(shape: Shape, dtype: DType, gpu: &Gpu, zeroed: bool) -> Result<Tensor> {
-        let storage = Storage::on_gpu(gpu, dtype, shape.numel(), zeroed)?;
-        Ok(Tensor {
-            storage: Arc::new(storage),
-            layout: Layout::contiguous(shape, 0),
-        })
-    }
-
     /// A contiguous copy of this host tensor in `gpu`'s memory (returns when the copy is done).
     pub fn to_gpu(&self, gpu: &Gpu) -> Result<Tensor> {
         let host = self.contiguous()?;
@@ -112,6 +94,33 @@ impl std::fmt::Debug for DeviceSlice<'_, f32> {
 }
 
 impl Tensor {
+    /// Borrows a contiguous device view's elements (device addresses) for reading.
+    pub(crate) fn raw_device_read(&self, op: &'static str) -> crate::tensor::Result<RawBorrow<'_>> {
+        self.require_gpu(op)?;
+        self.raw_borrow(op, false)
+    }
+
+    /// Borrows a contiguous device view's elements (device addresses) for writing.
+    pub(crate) fn raw_device_write(
+        &self,
+        op: &'static str,
+    ) -> crate::tensor::Result<RawBorrow<'_>> {
+        self.require_gpu(op)?;
+        self.raw_borrow(op, true)
+    }
+
+    /// Checks that the elements are in device memory, naming `op` otherwise.
+    fn require_gpu(&self, op: &'static str) -> crate::tensor::Result<()> {
+        match self.device() {
+            Device::Cuda(_) => Ok(()),
+            actual => Err(TensorError::Device {
+                op,
+                expected: "a CUDA device",
+                actual,
+            }),
+        }
+    }
+
     /// Borrows a contiguous device tensor of element type `T` for reading by a kernel.
     pub fn device_read<T: crate::tensor::Element>(
         &self,
@@ -164,10 +173,10 @@ impl Tensor {
 impl Tensor {
     /// A 1-D view of `len` storage elements from `start`, whatever this view's layout.
     pub(crate) fn span_view(&self, start: usize, len: usize) -> crate::tensor::Result<Tensor> {
-        Ok(Tensor {
-            storage: Arc::clone(&self.storage),
-            layout: Layout::contiguous(Shape::from(vec![len]), start),
-        })
+        Ok(Tensor::from_storage(
+            Arc::clone(self.storage()),
+            Layout::contiguous(Shape::from(vec![len]), start),
+        ))
     }
 
     /// This (new, contiguous 1-D) tensor's storage viewed with `layout` shifted down by `start`:
@@ -175,10 +184,7 @@ impl Tensor {
     pub(crate) fn relayout(&self, layout: &Layout, start: usize) -> crate::tensor::Result<Tensor> {
         let mut l = layout.clone();
         l.offset -= start;
-        Ok(Tensor {
-            storage: Arc::clone(&self.storage),
-            layout: l,
-        })
+        Ok(Tensor::from_storage(Arc::clone(self.storage()), l))
     }
 
     /// Borrows the storage span a device view touches; returns the address of the storage's
@@ -210,9 +216,9 @@ impl Tensor {
                 actual: self.device(),
             });
         }
-        let (start, end) = (self.layout.offset, self.layout.end());
+        let (start, end) = (self.layout().offset, self.layout().end());
         let borrow = self
-            .storage
+            .storage()
             .borrow(start, end.max(start), write)
             .ok_or(crate::tensor::TensorError::Borrowed { op, write })?;
         let base = borrow.addr() as u64 - (start * self.dtype().size()) as u64;
@@ -266,7 +272,7 @@ impl Tensor {
     /// A contiguous host copy (a download for device tensors).
     pub(crate) fn to_host_contiguous(&self) -> crate::tensor::Result<Tensor> {
         let dense = self.contiguous()?;
-        dense.to_host().map_err(crate::tensor::gpu_error("to_host"))
+        dense.to_host().map_err(gpu_error("to_host"))
     }
 
     /// [`Tensor::copy_from`] where either side is on a GPU (same shape, checked by the caller).
@@ -406,6 +412,20 @@ impl Tensor {
             .map_err(crate::tensor::gpu_error(OP))?;
         drop(buf);
         Ok(())
+    }
+}
+
+impl MemoryOps for Gpu {
+    fn download_tensor(&self, t: &Tensor) -> crate::tensor::Result<Tensor> {
+        t.to_host_contiguous()
+    }
+
+    fn copy_tensor(&self, dst: &Tensor, src: &Tensor) -> crate::tensor::Result<()> {
+        dst.copy_from_device(src)
+    }
+
+    fn fill_tensor(&self, t: &Tensor, value: f32) -> crate::tensor::Result<()> {
+        t.fill_device(value)
     }
 }
 

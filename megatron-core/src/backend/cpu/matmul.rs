@@ -1,0 +1,92 @@
+//! [`MatmulOps`] on the host: the views of `crate::ops::matmul` multiplied by the CPU GEMM.
+
+use super::Cpu;
+use crate::backend::MatmulOps;
+use crate::kernels::gemm::{MatMut, gemm};
+use crate::ops::matmul::Product;
+use crate::tensor::{DType, Result, Tensor, TensorError};
+
+impl MatmulOps for Cpu {
+    /// f32 products only: bf16/f16 operands are converted to f32 first.
+    fn matmul_into(&self, alpha: f32, a: &Tensor, b: &Tensor, beta: f32, c: &Tensor) -> Result<()> {
+        if c.dtype() != DType::F32 {
+            return Err(TensorError::DType {
+                op: "matmul",
+                expected: DType::F32,
+                actual: c.dtype(),
+            });
+        }
+        if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
+            let a32 = if a.dtype() == DType::F32 {
+                a.clone()
+            } else {
+                a.to_dtype(DType::F32)?
+            };
+            let b32 = if b.dtype() == DType::F32 {
+                b.clone()
+            } else {
+                b.to_dtype(DType::F32)?
+            };
+            return self.matmul_into(alpha, &a32, &b32, beta, c);
+        }
+        let Product {
+            a: mut av,
+            b: mut bv,
+            c: mut cv,
+            shared_b,
+            batch,
+            m,
+            n,
+        } = Product::of(a, b, c)?;
+        // Borrow the spans the views touch; offsets below are relative to each span.
+        let (a_data, a_base) = a.read_span::<f32>()?;
+        let (b_data, b_base) = b.read_span::<f32>()?;
+        let (mut c_data, c_base) = c.write_span::<f32>()?;
+        av.offset -= a_base;
+        bv.offset -= b_base;
+        cv.offset -= c_base;
+        if batch == 1 {
+            let out = MatMut::new(&mut c_data[cv.offset..], m, n, cv.row_stride, cv.col_stride)?;
+            gemm(
+                alpha,
+                av.matrix(&a_data, 0)?,
+                bv.matrix(&b_data, 0)?,
+                beta,
+                out,
+            )?;
+            return Ok(());
+        }
+        for i in 0..batch {
+            let start = cv.offset + i * cv.batch_stride;
+            let out = MatMut::new(&mut c_data[start..], m, n, cv.row_stride, cv.col_stride)?;
+            let bi = if shared_b { 0 } else { i };
+            gemm(
+                alpha,
+                av.matrix(&a_data, i)?,
+                bv.matrix(&b_data, bi)?,
+                beta,
+                out,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Never fused on the host: the caller multiplies and adds the bias itself.
+    fn matmul_bias_into(
+        &self,
+        _a: &Tensor,
+        _b: &Tensor,
+        _bias: &Tensor,
+        _c: &Tensor,
+    ) -> Result<bool> {
+        Ok(false)
+    }
+
+    fn products_dtype(&self) -> DType {
+        DType::F32
+    }
+
+    fn may_fuse_bias(&self) -> bool {
+        false
+    }
+}

@@ -1,0 +1,14 @@
+//! The host's side of the device seam: each backend trait implemented with the CPU kernels of
+//! [`crate::kernels`], one file per trait.
+
+mod attention;
+mod bias;
+mod elementwise;
+mod embedding;
+mod matmul;
+mod norm;
+mod vocab_loss;
+
+/// The host backend: tensors in host memory, the CPU kernels.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Cpu;

@@ -1,0 +1,242 @@
+//! The device seam: every tensor operation whose code differs by device is a method of one of
+//! the traits here, implemented once for the host ([`Cpu`], in `cpu/`) and once for a GPU
+//! (`crate::cuda::Gpu`, in `cuda/backend/`). The layers, the MoE layer, the optimizer and the
+//! communicators ask a tensor for its backend ([`of`]) and call the operation; they never
+//! choose a device, and no `cfg` reaches them.
+//!
+//! This is candle's `Storage` enum over a backend trait, with the enum being the tensor's own
+//! storage (host memory, or device memory and the GPU handle that owns it). Without the `cuda`
+//! feature the GPU is a stand-in type with no values (`cuda/stand_in.rs`); [`device_ops!`]
+//! declares each trait and gives the stand-in its (unreachable) implementation, so a new
+//! operation is written once per device and nowhere else.
+//!
+//! A new family of kernels (RMSNorm, RoPE, SwiGLU) is one more trait here, one file in `cpu/`
+//! and one in `cuda/backend/`.
+
+mod cpu;
+
+pub(crate) use attention::AttentionOps;
+pub(crate) use cpu::Cpu;
+
+use crate::error::Result;
+use crate::kernels::dropout::LogicalIndex;
+use crate::rng::DropoutStream;
+use crate::tensor::{DType, Result as TensorResult, Tensor};
+
+/// Declares a backend trait and, in a build without CUDA, the stand-in GPU's implementation of
+/// it (each method unreachable: the stand-in has no values).
+macro_rules! device_ops {
+    (
+        $(#[$attr:meta])*
+        pub(crate) trait $name:ident {
+            $(
+                $(#[$method_attr:meta])*
+                fn $method:ident(&self $(, $arg:ident: $ty:ty)* $(,)?) -> $ret:ty;
+            )*
+        }
+    ) => {
+        $(#[$attr])*
+        pub(crate) trait $name {
+            $(
+                $(#[$method_attr])*
+                fn $method(&self $(, $arg: $ty)*) -> $ret;
+            )*
+        }
+
+        #[cfg(not(feature = "cuda"))]
+        impl $name for crate::cuda::Gpu {
+            $(
+                fn $method(&self $(, _: $ty)*) -> $ret {
+                    match *self {}
+                }
+            )*
+        }
+    };
+}
+
+pub(crate) mod attention;
+
+/// A dropout mask's key: the drop probability, the random stream and where the tensor's
+/// elements lie in the unsharded tensor (the mask is regenerated from it, never stored).
+pub(crate) type DropoutMask = (f32, DropoutStream, LogicalIndex);
+
+device_ops! {
+    /// Element-wise functions of a module's forward and their backwards (`ops::primitives`).
+    pub(crate) trait ElementwiseOps {
+        /// `a + b` in f32 (same shapes, checked by the caller).
+        fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor>;
+        /// GeLU (tanh approximation) of `x`, and the input the backward keeps.
+        fn gelu(&self, x: &Tensor) -> Result<(Tensor, Tensor)>;
+        /// `dy · gelu'(x)` for the kept input `x`.
+        fn gelu_backward(&self, x: &Tensor, dy: &Tensor) -> Result<Tensor>;
+        /// The mask applied to a contiguous f32 `x`, written in `dtype` (f32, or on a GPU
+        /// bf16): the forward, or with `backward` the gradient (the same mask).
+        fn dropout(&self, x: &Tensor, mask: &DropoutMask, dtype: DType, backward: bool) -> Result<Tensor>;
+        /// `residual + mask(x)` of contiguous f32 tensors in one pass.
+        fn dropout_add(&self, residual: &Tensor, x: &Tensor, mask: &DropoutMask) -> Result<Tensor>;
+        /// Per-row losses (the targets' shape), `logsumexp[rows]` and the targets as the
+        /// backward reads them, of contiguous f32 `logits` and i64 `targets`.
+        fn cross_entropy(&self, logits: &Tensor, targets: &Tensor, rows: usize, vocab: usize) -> Result<(Tensor, Tensor, Tensor)>;
+        /// Gradient of [`ElementwiseOps::cross_entropy`] with respect to the logits.
+        fn cross_entropy_backward(&self, logits: &Tensor, targets: &Tensor, logsumexp: &Tensor, dloss: &Tensor, rows: usize, vocab: usize) -> Result<Tensor>;
+    }
+}
+
+device_ops! {
+    /// What [`Tensor`] itself asks of a GPU that holds its memory: copies and fills.
+    pub(crate) trait MemoryOps {
+        /// A contiguous host copy of a device tensor (after the work queued on its stream).
+        fn download_tensor(&self, t: &Tensor) -> TensorResult<Tensor>;
+        /// `dst.copy_from(src)` where either is on this GPU (same shapes, checked by the caller).
+        fn copy_tensor(&self, dst: &Tensor, src: &Tensor) -> TensorResult<()>;
+        /// Sets every element of a contiguous device tensor to `value`.
+        fn fill_tensor(&self, t: &Tensor, value: f32) -> TensorResult<()>;
+    }
+}
+
+device_ops! {
+    /// Matrix products of tensor views (`ops::matmul`).
+    pub(crate) trait MatmulOps {
+        /// `c = α·(a @ b) + β·c` (see `ops::matmul_into`).
+        fn matmul_into(&self, alpha: f32, a: &Tensor, b: &Tensor, beta: f32, c: &Tensor) -> TensorResult<()>;
+        /// `c = a @ b + bias` as one product where the device can fuse the bias; `false`,
+        /// having done nothing, where it cannot (see `ops::matmul_bias_into`).
+        fn matmul_bias_into(&self, a: &Tensor, b: &Tensor, bias: &Tensor, c: &Tensor) -> TensorResult<bool>;
+        /// The dtype products multiply their operands in.
+        fn products_dtype(&self) -> DType;
+        /// Whether [`MatmulOps::matmul_bias_into`] can ever fuse here (worth preparing an
+        /// output for it).
+        fn may_fuse_bias(&self) -> bool;
+    }
+}
+
+device_ops! {
+    /// A linear layer's bias (`tensor_parallel::linear`); the products are [`MatmulOps`]'.
+    pub(crate) trait BiasOps {
+        /// `y[r, c] += bias[c]` for a contiguous f32 `y` whose rows are `bias.numel()` long.
+        fn bias_add_in_place(&self, y: &Tensor, bias: &Tensor) -> Result<()>;
+        /// `y + bias` of a contiguous f32 `y` written in `dtype`, the f32 sum rounded once
+        /// (`y` may be overwritten).
+        fn bias_add_cast(&self, y: &Tensor, bias: &Tensor, dtype: DType) -> Result<Tensor>;
+        /// `grad += Σ_r dy[r, ·]` for `dy[rows, out]`.
+        fn accumulate_bias_grad(&self, dy: &Tensor, rows: usize, out: usize, grad: &Tensor) -> Result<()>;
+    }
+}
+
+device_ops! {
+    /// Layer normalisation over the last dimension (`tensor_parallel::layer_norm`).
+    pub(crate) trait NormOps {
+        /// `y`, `mean[rows]` and `rstd[rows]` of a contiguous f32 `x` of `rows` rows of `h`,
+        /// with f32 `gamma` and `beta`; `y` in the products' dtype (on a GPU that multiplies in
+        /// bf16 the normalised rows are the next products' operand, rounded once here).
+        fn layer_norm(&self, x: &Tensor, gamma: &Tensor, beta: &Tensor, rows: usize, h: usize, eps: f32) -> Result<(Tensor, Tensor, Tensor)>;
+        /// Writes `dx` (plus `plus` when given) and accumulates (`+=`) `dgamma` and `dbeta`,
+        /// from the forward's kept `(x, mean, rstd, gamma)`; `grads` is `(dx, dgamma, dbeta)`.
+        fn layer_norm_backward(&self, dy: &Tensor, kept: (&Tensor, &Tensor, &Tensor, &Tensor), plus: Option<&Tensor>, rows: usize, h: usize, grads: (&Tensor, &Tensor, &Tensor)) -> Result<()>;
+    }
+}
+
+device_ops! {
+    /// The local steps of the fused vocab-parallel cross-entropy
+    /// (`tensor_parallel::cross_entropy`); its three all-reduces stay with the layer.
+    pub(crate) trait VocabLossOps {
+        /// The contiguous targets as the next steps read them (host targets checked against
+        /// the `total` padded vocabulary), each row's local logit maximum, and the target's
+        /// logit where this rank's slice (from vocabulary entry `start`) holds it, else 0.
+        fn vocab_ce_local(&self, logits: &Tensor, targets: &Tensor, start: usize, total: usize) -> Result<(Tensor, Tensor, Tensor)>;
+        /// Each row's local `Σ exp(logit − max)` for the all-reduced `max`.
+        fn vocab_ce_sum_exp(&self, logits: &Tensor, max: &Tensor) -> Result<Tensor>;
+        /// The per-token losses (the targets' shape) and log-sum-exp from the all-reduced
+        /// `(max, sum, target_logit)`.
+        fn vocab_ce_finish(&self, reduced: (&Tensor, &Tensor, &Tensor), targets: &Tensor, total: usize) -> Result<(Tensor, Tensor)>;
+        /// `(softmax − onehot) · dloss` of the kept `(logits, targets, logsumexp)` for the
+        /// slice from vocabulary entry `start`, written in `dtype` (f32, or on a GPU bf16).
+        fn vocab_ce_backward(&self, kept: (&Tensor, &Tensor, &Tensor), dloss: &Tensor, start: usize, dtype: DType) -> Result<Tensor>;
+    }
+}
+
+/// Checks that every target lies in the (padded) vocabulary of `total` entries.
+pub(crate) fn check_targets(targets: &[i64], total: usize) -> Result<()> {
+    if let Some((row, &bad)) = targets
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| t < 0 || t as usize >= total)
+    {
+        return crate::invalid!(
+            "target {bad} of row {row} is outside the (padded) vocabulary of {total}"
+        );
+    }
+    Ok(())
+}
+
+device_ops! {
+    /// Where a tensor lives.
+    pub(crate) trait PlaceOps {
+        /// `t` on this device: itself when it is there, else a copy (an upload to a GPU).
+        fn place(&self, t: &Tensor) -> Result<Tensor>;
+    }
+}
+
+device_ops! {
+    /// Table lookups of the embeddings (`tensor_parallel::embedding`) and the output layer's
+    /// vocabulary padding.
+    pub(crate) trait EmbeddingOps {
+        /// The rows of the f32 `table` for i64 `ids` (this shard's `(vocab_start, local_rows)`
+        /// rows; others give zeros), `[.., h]`, and the ids as the backward reads them.
+        fn embedding_lookup(&self, ids: &Tensor, table: &Tensor, rows: (usize, usize)) -> Result<(Tensor, Tensor)>;
+        /// `grad[id − vocab_start] += dy[t]` for each of this shard's ids.
+        fn embedding_lookup_backward(&self, ids: &Tensor, dy: &Tensor, rows: (usize, usize), grad: &Tensor) -> Result<()>;
+        /// Rows `0..seq` of the position table `[max, h]`, each repeated for `batch` entries:
+        /// `[seq, batch, h]`.
+        fn positions_forward(&self, table: &Tensor, seq: usize, batch: usize) -> Result<Tensor>;
+        /// Adds each position's gradient over the batch into `grad` (in the same order on
+        /// every device: bit for bit).
+        fn positions_backward(&self, dy: &Tensor, seq: usize, batch: usize, grad: &Tensor) -> Result<()>;
+        /// Sets columns `from..cols` of every row of the contiguous f32 `x[.., cols]` to −∞.
+        fn mask_columns(&self, x: &Tensor, cols: usize, from: usize) -> Result<()>;
+    }
+}
+
+/// Every operation a device provides.
+pub(crate) trait Backend:
+    AttentionOps
+    + BiasOps
+    + ElementwiseOps
+    + EmbeddingOps
+    + MatmulOps
+    + NormOps
+    + PlaceOps
+    + VocabLossOps
+    + Sync
+{
+}
+
+impl<T> Backend for T where
+    T: AttentionOps
+        + BiasOps
+        + ElementwiseOps
+        + EmbeddingOps
+        + MatmulOps
+        + NormOps
+        + PlaceOps
+        + VocabLossOps
+        + Sync
+{
+}
+
+/// The backend of the device that holds `t`.
+pub(crate) fn of(t: &Tensor) -> &dyn Backend {
+    match t.gpu() {
+        Some(gpu) => gpu,
+        None => &Cpu,
+    }
+}
+
+/// The backend of the first of `tensors` that is on a GPU (host operands are uploaded by the
+/// GPU's operations), else the host's.
+pub(crate) fn of_any<'a>(tensors: &[&'a Tensor]) -> &'a dyn Backend {
+    match tensors.iter().find_map(|t| t.gpu()) {
+        Some(gpu) => gpu,
+        None => &Cpu,
+    }
+}

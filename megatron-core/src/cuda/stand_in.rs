@@ -1,0 +1,60 @@
+//! The CUDA backend in a build without the `cuda` feature: types with no values, so that the
+//! code above the device seam compiles as it is and every path to a GPU is unreachable by type.
+//! The one way in, [`Gpu::new`], says that the build has no CUDA.
+
+use super::error::{CudaError, Result};
+use crate::tensor::Tensor;
+
+/// A GPU handle, in a build that has none: it cannot be made ([`Gpu::new`] fails).
+#[derive(Debug, Clone)]
+pub enum Gpu {}
+
+impl Gpu {
+    /// Fails: this build has no CUDA support.
+    pub fn new(_ordinal: usize) -> Result<Gpu> {
+        Err(CudaError::NotBuilt)
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> usize {
+        match *self {}
+    }
+
+    /// Waits for the stream's work.
+    pub fn synchronize(&self) -> Result<()> {
+        match *self {}
+    }
+}
+
+/// Device memory, in a build that has none.
+#[derive(Debug)]
+pub(crate) enum DeviceMemory {}
+
+impl DeviceMemory {
+    /// Unreachable: no [`Gpu`] exists.
+    pub(crate) fn alloc(gpu: &Gpu, _bytes: usize, _zeroed: bool) -> Result<DeviceMemory> {
+        match *gpu {}
+    }
+
+    /// Unreachable: no device memory exists.
+    pub(crate) fn base(&self) -> u64 {
+        match *self {}
+    }
+
+    /// Unreachable: no device memory exists.
+    pub(crate) fn gpu(&self) -> &Gpu {
+        match *self {}
+    }
+}
+
+impl Tensor {
+    /// Unreachable: no [`Gpu`] exists.
+    pub fn to_gpu(&self, gpu: &Gpu) -> crate::Result<Tensor> {
+        match *gpu {}
+    }
+
+    /// The tensor itself: every tensor of this build is on the host.
+    pub fn to_host(&self) -> crate::Result<Tensor> {
+        Ok(self.clone())
+    }
+}
