@@ -19,6 +19,7 @@ pub(crate) use attention::AttentionOps;
 pub(crate) use cpu::Cpu;
 
 use crate::error::Result;
+use crate::kernels::adam::AdamConfig;
 use crate::kernels::dropout::LogicalIndex;
 use crate::rng::DropoutStream;
 use crate::tensor::{DType, Result as TensorResult, Tensor};
@@ -197,6 +198,19 @@ device_ops! {
     }
 }
 
+device_ops! {
+    /// The optimizer's passes over runs of a flat buffer (`training::optimizer`).
+    pub(crate) trait OptimizerOps {
+        /// Multiplies every element of `parts` by `scale`; whether any is not finite.
+        fn unscale_and_check(&self, parts: &[Tensor], scale: f32) -> Result<bool>;
+        /// One Adam(W) update of f32 `(params, grads, exp_avg, exp_avg_sq)`, also writing the
+        /// updated values rounded into the bf16 `copy` when given.
+        fn adam_step(&self, state: (&Tensor, &Tensor, &Tensor, &Tensor), copy: Option<&Tensor>, config: &AdamConfig) -> Result<()>;
+        /// Σx² over every element of f32 `parts`, in f64.
+        fn sum_of_squares(&self, parts: &[Tensor]) -> Result<f64>;
+    }
+}
+
 /// Every operation a device provides.
 pub(crate) trait Backend:
     AttentionOps
@@ -205,6 +219,7 @@ pub(crate) trait Backend:
     + EmbeddingOps
     + MatmulOps
     + NormOps
+    + OptimizerOps
     + PlaceOps
     + VocabLossOps
     + Sync
@@ -218,6 +233,8 @@ impl<T> Backend for T where
         + EmbeddingOps
         + MatmulOps
         + NormOps
+        + OptimizerOps
+        + OptimizerOps
         + PlaceOps
         + VocabLossOps
         + Sync

@@ -20,6 +20,11 @@ impl Gpu {
         match *self {}
     }
 
+    /// Whether products round their f32 operands to bf16.
+    pub fn bf16_products(&self) -> bool {
+        match *self {}
+    }
+
     /// Waits for the stream's work.
     pub fn synchronize(&self) -> Result<()> {
         match *self {}

@@ -330,7 +330,6 @@ impl ParamBuffers {
 
     /// Moves the flat buffers (and compute copies) to `gpu` and rebinds every parameter of
     /// `model` (the model these buffers were packed from) to views of the device buffers.
-    #[cfg(feature = "cuda")]
     pub fn to_gpu<M: Module>(&mut self, model: &mut M, gpu: &crate::cuda::Gpu) -> Result<()> {
         self.values = self.values.to_gpu(gpu)?;
         self.grads = Tensor::zeros_on(self.grads.shape().clone(), self.grads.dtype(), gpu)?;
@@ -438,11 +437,7 @@ impl ParamBuffers {
 
     /// Sets every gradient to zero.
     pub fn zero_grads(&self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if self.grads.gpu().is_some() {
-            return Ok(self.grads.fill(0.0)?);
-        }
-        if self.grads.dtype() != DType::F32 {
+        if self.grads.gpu().is_some() || self.grads.dtype() != DType::F32 {
             return Ok(self.grads.fill(0.0)?);
         }
         crate::kernels::elementwise::fill(&mut self.grads.write::<f32>()?, 0.0);

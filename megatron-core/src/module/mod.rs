@@ -260,14 +260,12 @@ pub trait Pipelined: Module {
 
 /// Moves every parameter of `model` to `gpu`: values copied, gradients zeroed, each in its own
 /// device tensor (a model packed into flat buffers moves with [`ParamBuffers::to_gpu`] instead).
-#[cfg(feature = "cuda")]
 pub fn params_to_gpu<M: Module>(model: &mut M, gpu: &crate::cuda::Gpu) -> Result<()> {
     params_to_gpu_with_copies(model, gpu, None)
 }
 
 /// [`params_to_gpu`], each parameter also given a compute copy in `compute` when it is given
 /// (the bf16 copies products read in mixed-precision training).
-#[cfg(feature = "cuda")]
 pub fn params_to_gpu_with_copies<M: Module>(
     model: &mut M,
     gpu: &crate::cuda::Gpu,

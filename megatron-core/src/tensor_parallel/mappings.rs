@@ -21,7 +21,6 @@ pub fn gather_last_dim(cx: &Cx, local: &Tensor) -> Result<Tensor> {
     if let Some(last) = dims.last_mut() {
         *last = cols * tp;
     }
-    #[cfg(feature = "cuda")]
     if parts.gpu().is_some() {
         // [tp, rows, cols] → [rows, tp, cols]: one strided copy on the device.
         return Ok(parts.transpose(0, 1)?.contiguous()?.reshape(dims)?);

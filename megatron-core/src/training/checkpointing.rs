@@ -58,26 +58,17 @@ fn local_part(spec: &ParamSpec, whole: &Whole, file: &str) -> Result<Vec<f32>> {
 /// `len` f32 elements where `like` lives (the host or its GPU): a collective's output beside
 /// its input.
 fn empty_beside(like: &Tensor, len: usize) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = like.gpu() {
-        return Tensor::empty_on([len], DType::F32, gpu);
-    }
-    #[cfg(not(feature = "cuda"))]
-    let _ = like;
-    Ok(Tensor::empty([len], DType::F32))
+    Tensor::empty_near([len], DType::F32, like)
 }
 
 /// `values` as a tensor where `like` lives (the host or its GPU), for a communicator.
 fn i64_beside(values: Vec<i64>, like: &Tensor) -> Result<Tensor> {
     let n = values.len();
     let host = Tensor::from_vec(values, [n])?;
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = like.gpu() {
-        return host.to_gpu(gpu);
+    match like.gpu() {
+        Some(gpu) => host.to_gpu(gpu),
+        None => Ok(host),
     }
-    #[cfg(not(feature = "cuda"))]
-    let _ = like;
-    Ok(host)
 }
 
 /// Sends whole tensors to the pipeline's first rank: their length in bytes, then the bytes (a

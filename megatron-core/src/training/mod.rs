@@ -223,7 +223,6 @@ impl<M: LanguageModel> Trainer<M> {
     /// world).
     /// When `gpu` multiplies in bf16, products read bf16 copies of the weights, converted once
     /// per step (see [`Trainer::keep_compute_copies`]).
-    #[cfg(feature = "cuda")]
     pub fn to_gpu(&mut self, gpu: &crate::cuda::Gpu) -> Result<()> {
         self.buffers.to_gpu(&mut self.chunks, gpu)?;
         self.optimizer.to_gpu(gpu)?;

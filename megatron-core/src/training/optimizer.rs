@@ -5,11 +5,11 @@
 
 use std::ops::Range;
 
+use crate::backend;
 use crate::comm::{ParallelState, ReduceOp};
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::adam::{AdamConfig, adam_step};
-use crate::kernels::elementwise::sum_of_squares;
 use crate::module::{ParamBuffers, ParamSlot, ReduceGroups, ShardRanks, Split};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
@@ -170,9 +170,8 @@ impl AdamW {
         if self.main_grads.is_none() && inv_scale.is_none() {
             return Ok(false);
         }
-        #[cfg(feature = "cuda")]
-        if let Some(gpu) = buffers.grads().gpu() {
-            return self.prepare_grads_on_gpu(gpu, buffers, inv_scale);
+        if buffers.grads().gpu().is_some() {
+            return self.prepare_grads_on_device(buffers, inv_scale);
         }
         let scale = inv_scale.unwrap_or(1.0);
         let mut found = false;
@@ -393,7 +392,6 @@ impl AdamW {
     }
 
     /// Moves the moments to `gpu` (with the parameter buffers, see `Trainer::to_gpu`).
-    #[cfg(feature = "cuda")]
     pub fn to_gpu(&mut self, gpu: &crate::cuda::Gpu) -> Result<()> {
         self.exp_avg = self.exp_avg.to_gpu(gpu)?;
         self.exp_avg_sq = self.exp_avg_sq.to_gpu(gpu)?;
@@ -430,9 +428,8 @@ impl AdamW {
     /// On a GPU with bf16 copies the scale, the update and the refresh are one pass.
     pub fn step(&mut self, buffers: &ParamBuffers, lr: f64, grad_scale: f64) -> Result<()> {
         self.steps += 1;
-        #[cfg(feature = "cuda")]
-        if let Some(gpu) = buffers.values().gpu() {
-            return self.step_on_gpu(gpu, buffers, lr, grad_scale);
+        if buffers.values().gpu().is_some() {
+            return self.step_on_device(buffers, lr, grad_scale);
         }
         if self.main.is_some() || self.main_grads.is_some() {
             self.step_mixed(buffers, lr, grad_scale)?;
@@ -510,13 +507,11 @@ impl AdamW {
     }
 }
 
-#[cfg(feature = "cuda")]
 impl AdamW {
-    /// [`AdamW::prepare_grads`] on the GPU: the main gradients converted run by run, then
+    /// [`AdamW::prepare_grads`] on a device: the main gradients converted run by run, then
     /// unscaled and checked in one pass, read back once.
-    fn prepare_grads_on_gpu(
+    fn prepare_grads_on_device(
         &self,
-        gpu: &crate::cuda::Gpu,
         buffers: &ParamBuffers,
         inv_scale: Option<f32>,
     ) -> Result<bool> {
@@ -539,24 +534,12 @@ impl AdamW {
         let Some(scale) = inv_scale else {
             return Ok(false);
         };
-        let mut writes = parts
-            .iter()
-            .map(|p| p.device_write::<f32>())
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        let mut views: Vec<_> = writes.iter_mut().map(|w| w.view_mut()).collect();
-        Ok(crate::cuda::kernels::elementwise::unscale_and_check(
-            gpu, &mut views, scale,
-        )?)
+        backend::of(buffers.grads()).unscale_and_check(&parts, scale)
     }
 
-    fn step_on_gpu(
-        &self,
-        gpu: &crate::cuda::Gpu,
-        buffers: &ParamBuffers,
-        lr: f64,
-        grad_scale: f64,
-    ) -> Result<()> {
-        use crate::cuda::kernels::adam::adam_step as gpu_adam;
+    /// [`AdamW::step`] on a device: one fused update per run, the bf16 copies written by it.
+    fn step_on_device(&self, buffers: &ParamBuffers, lr: f64, grad_scale: f64) -> Result<()> {
+        let ops = backend::of(buffers.values());
         // bf16 compute copies (or, with f32 main parameters, the bf16 values themselves) are
         // written by the update itself; others are refreshed after.
         let copies = match &self.main {
@@ -581,23 +564,9 @@ impl AdamW {
                 None => part(buffers.grads())?,
             };
             let (m, v) = (moments(&self.exp_avg)?, moments(&self.exp_avg_sq)?);
-            let (mut values, grads) = (values.device_write::<f32>()?, grads.device_read::<f32>()?);
-            let (mut m, mut v) = (m.device_write::<f32>()?, v.device_write::<f32>()?);
             let copy = copies.map(part).transpose()?;
-            let mut copy = copy
-                .as_ref()
-                .map(|c| c.device_write::<half::bf16>())
-                .transpose()?;
-            let mut copy_view = copy.as_mut().map(|c| c.view_mut());
-            gpu_adam(
-                gpu,
-                &mut values.view_mut(),
-                &grads.view(),
-                &mut m.view_mut(),
-                &mut v.view_mut(),
-                copy_view.as_mut(),
-                &self.config_for(lr, run.decay, grad_scale),
-            )?;
+            let cfg = self.config_for(lr, run.decay, grad_scale);
+            ops.adam_step((&values, &grads, &m, &v), copy.as_ref(), &cfg)?;
         }
         if let (Some(main), None) = (&self.main, copies) {
             for run in &self.runs {
@@ -704,26 +673,11 @@ fn counted_ranges(
 /// Σx² of `grads` over `ranges`, read back once on a GPU (a host wait per range would leave it
 /// idle that many times a step).
 fn sum_of_squares_over(grads: &Tensor, ranges: &[Range<usize>]) -> Result<f64> {
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = grads.gpu() {
-        let parts = ranges
-            .iter()
-            .map(|r| grads.narrow(0, r.start, r.len()))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        let reads = parts
-            .iter()
-            .map(|p| p.device_read::<f32>())
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        let views: Vec<_> = reads.iter().map(|r| r.view()).collect();
-        return Ok(crate::cuda::kernels::elementwise::sum_of_squares_of(
-            gpu, &views,
-        )?);
-    }
-    let grads = grads.read::<f32>()?;
-    Ok(ranges
+    let parts = ranges
         .iter()
-        .map(|r| sum_of_squares(&grads[r.clone()]))
-        .sum())
+        .map(|r| grads.narrow(0, r.start, r.len()))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    backend::of(grads).sum_of_squares(&parts)
 }
 
 /// The global L2 norm of the gradients (the main gradients when kept), each parameter counted

@@ -7,6 +7,7 @@ mod elementwise;
 mod embedding;
 mod matmul;
 mod norm;
+mod optimizer;
 mod vocab_loss;
 
 /// The host backend: tensors in host memory, the CPU kernels.

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use super::exec::RawBuf;
 use super::group::{Arrival, GroupShared};
 use super::world::WorldShared;
+use crate::backend::MemoryOps;
 use crate::comm::checks::Checks;
 use crate::comm::stats::Counters;
 use crate::comm::{CallDesc, CommStats, Communicator, OpKind, ReduceOp, Result};
@@ -117,7 +118,6 @@ impl Communicator for ThreadComm {
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
-        #[cfg(feature = "cuda")]
         if tensor.gpu().is_some() {
             if self.size() == 1 {
                 // The reduction of one value is itself: nothing to move.
@@ -144,7 +144,6 @@ impl Communicator for ThreadComm {
     }
 
     fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
-        #[cfg(feature = "cuda")]
         if input.gpu().is_some() || output.gpu().is_some() {
             let (host_in, host_out) = staged_pair(input, output)?;
             self.all_gather(&host_in, &host_out)?;
@@ -159,7 +158,6 @@ impl Communicator for ThreadComm {
     }
 
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
-        #[cfg(feature = "cuda")]
         if input.gpu().is_some() || output.gpu().is_some() {
             let (host_out, host_in) = staged_pair(output, input)?;
             self.reduce_scatter(&host_in, &host_out, op)?;
@@ -176,7 +174,6 @@ impl Communicator for ThreadComm {
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
-        #[cfg(feature = "cuda")]
         if tensor.gpu().is_some() {
             let host = staged(tensor)?;
             self.broadcast(&host, root)?;
@@ -203,7 +200,6 @@ impl Communicator for ThreadComm {
         output: &Tensor,
         recv_splits: &[usize],
     ) -> Result<()> {
-        #[cfg(feature = "cuda")]
         if input.gpu().is_some() || output.gpu().is_some() {
             let (host_in, host_out) = (staged(input)?, staged(output)?);
             self.all_to_all(&host_in, send_splits, &host_out, recv_splits)?;
@@ -236,7 +232,6 @@ impl Communicator for ThreadComm {
     }
 
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
-        #[cfg(feature = "cuda")]
         if tensor.gpu().is_some() {
             return self.send(&staged(tensor)?, dst);
         }
@@ -259,7 +254,6 @@ impl Communicator for ThreadComm {
     }
 
     fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
-        #[cfg(feature = "cuda")]
         if tensor.gpu().is_some() {
             let host = staged(tensor)?;
             self.recv(&host, src)?;
@@ -296,14 +290,15 @@ impl Communicator for ThreadComm {
 
 /// A host copy of a device tensor, for a thread world moving device tensors through host
 /// memory (correct, not fast: device worlds move them on the device).
-#[cfg(feature = "cuda")]
 fn staged(t: &Tensor) -> Result<Tensor> {
-    Ok(t.to_host_contiguous()?)
+    Ok(match t.gpu() {
+        Some(gpu) => gpu.download_tensor(t)?,
+        None => t.contiguous()?,
+    })
 }
 
 /// Host copies of `whole` and `part` where `part` may be a slot of `whole` (in-place
 /// all-gather or reduce-scatter): the slot stays a slot of the copy.
-#[cfg(feature = "cuda")]
 fn staged_pair(part: &Tensor, whole: &Tensor) -> Result<(Tensor, Tensor)> {
     let host_whole = staged(whole)?;
     let host_part = if part.same_storage(whole) {
@@ -319,7 +314,6 @@ fn staged_pair(part: &Tensor, whole: &Tensor) -> Result<(Tensor, Tensor)> {
 }
 
 /// Copies a staged result back to the device tensor.
-#[cfg(feature = "cuda")]
 fn unstage(t: &Tensor, host: &Tensor) -> Result<()> {
     Ok(t.copy_from(host)?)
 }

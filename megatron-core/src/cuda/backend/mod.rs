@@ -8,6 +8,7 @@ mod elementwise;
 mod embedding;
 mod matmul;
 mod norm;
+mod optimizer;
 mod vocab_loss;
 
 use crate::error::Result;
