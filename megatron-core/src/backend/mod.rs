@@ -156,6 +156,12 @@ device_ops! {
     }
 }
 
+/// The last dimension of `t` (1 for a scalar): a row's length, e.g. this rank's vocabulary
+/// slice of the logits.
+pub(crate) fn row_len(t: &Tensor) -> usize {
+    t.dims().last().copied().unwrap_or(1)
+}
+
 /// Checks that every target lies in the (padded) vocabulary of `total` entries.
 pub(crate) fn check_targets(targets: &[i64], total: usize) -> Result<()> {
     if let Some((row, &bad)) = targets
@@ -233,7 +239,6 @@ impl<T> Backend for T where
         + EmbeddingOps
         + MatmulOps
         + NormOps
-        + OptimizerOps
         + OptimizerOps
         + PlaceOps
         + VocabLossOps

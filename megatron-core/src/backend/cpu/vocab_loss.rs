@@ -1,14 +1,9 @@
 //! [`VocabLossOps`] on the host.
 
 use super::Cpu;
-use crate::backend::{VocabLossOps, check_targets};
+use crate::backend::{VocabLossOps, check_targets, row_len as local};
 use crate::error::Result;
 use crate::tensor::{DType, Tensor};
-
-/// The last dimension: this rank's vocabulary slice.
-fn local(logits: &Tensor) -> usize {
-    logits.dims().last().copied().unwrap_or(1)
-}
 
 impl VocabLossOps for Cpu {
     fn vocab_ce_local(

@@ -2,17 +2,12 @@
 //! [`crate::cuda::kernels::vocab_parallel`], nothing read back.
 
 use super::{ids_on_gpu, on_gpu};
-use crate::backend::{VocabLossOps, check_targets};
+use crate::backend::{VocabLossOps, check_targets, row_len as local};
 use crate::cuda::Gpu;
 use crate::cuda::kernels::operand::with_out;
 use crate::cuda::kernels::vocab_parallel as gvp;
 use crate::error::Result;
 use crate::tensor::{DType, Tensor};
-
-/// The last dimension: this rank's vocabulary slice.
-fn local(logits: &Tensor) -> usize {
-    logits.dims().last().copied().unwrap_or(1)
-}
 
 impl VocabLossOps for Gpu {
     /// Host targets are checked as on the CPU and uploaded; device targets are not checked
