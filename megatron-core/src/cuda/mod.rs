@@ -11,7 +11,7 @@
 //! - [`graph`]: capture a region of a stream into a CUDA graph and replay it.
 //! - [`profile`]: the GPU time of every kernel and product, summed by name.
 //!
-//! - [`backend`]: the device side of the seam (`crate::backend`): every operation whose code
+//! - `backend`: the device side of the seam (`crate::backend`): every operation whose code
 //!   differs by device, implemented for [`Gpu`].
 //!
 //! The CUDA libraries (driver, NVRTC, cuBLAS, NCCL) are loaded when first used, so this builds
