@@ -156,12 +156,6 @@ device_ops! {
     }
 }
 
-/// The last dimension of `t` (1 for a scalar): a row's length, e.g. this rank's vocabulary
-/// slice of the logits.
-pub(crate) fn row_len(t: &Tensor) -> usize {
-    t.dims().last().copied().unwrap_or(1)
-}
-
 /// Checks that every target lies in the (padded) vocabulary of `total` entries.
 pub(crate) fn check_targets(targets: &[i64], total: usize) -> Result<()> {
     if let Some((row, &bad)) = targets
@@ -229,20 +223,6 @@ pub(crate) trait Backend:
     + PlaceOps
     + VocabLossOps
     + Sync
-{
-}
-
-impl<T> Backend for T where
-    T: AttentionOps
-        + BiasOps
-        + ElementwiseOps
-        + EmbeddingOps
-        + MatmulOps
-        + NormOps
-        + OptimizerOps
-        + PlaceOps
-        + VocabLossOps
-        + Sync
 {
 }
 

@@ -31,6 +31,8 @@ impl Gpu {
     }
 }
 
+impl crate::backend::Backend for Gpu {}
+
 /// Device memory, in a build that has none.
 #[derive(Debug)]
 pub(crate) enum DeviceMemory {}

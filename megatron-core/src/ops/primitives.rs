@@ -9,11 +9,6 @@ use crate::kernels::dropout as dk;
 use crate::module::{Cx, Sharding, Site};
 use crate::tensor::{DType, Tensor};
 
-/// The last dimension of a tensor (1 for a scalar).
-fn last_dim(t: &Tensor) -> usize {
-    t.dims().last().copied().unwrap_or(1)
-}
-
 /// Element-wise `a + b` (residual connections); both must have the same shape.
 pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.shape() != b.shape() {
@@ -55,7 +50,7 @@ fn logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> dk::LogicalIndex {
     match sharding {
         Sharding::Replicated => dk::LogicalIndex::contiguous(x.numel()),
         Sharding::SplitLastDim => {
-            let cols = last_dim(x);
+            let cols = x.last_dim();
             let rows = x.numel().checked_div(cols).unwrap_or(0);
             dk::LogicalIndex::columns(rows, cols, cols * cx.tp_size(), cols * cx.tp_rank())
         }
@@ -170,7 +165,7 @@ pub fn cross_entropy(
     logits: &Tensor,
     targets: &Tensor,
 ) -> Result<(Tensor, CrossEntropySaved)> {
-    let vocab = last_dim(logits);
+    let vocab = logits.last_dim();
     let rows = targets.numel();
     if logits.numel() != rows * vocab || targets.dtype() != DType::I64 {
         return invalid!(
@@ -202,7 +197,7 @@ pub fn cross_entropy_backward(
     saved: CrossEntropySaved,
     dloss: &Tensor,
 ) -> Result<Tensor> {
-    let vocab = last_dim(&saved.logits);
+    let vocab = saved.logits.last_dim();
     let rows = saved.targets.numel();
     let dloss = dloss.to_f32_contiguous()?;
     backend::of(&saved.logits).cross_entropy_backward(

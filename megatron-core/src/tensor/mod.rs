@@ -249,6 +249,11 @@ impl Tensor {
             })
     }
 
+    /// The last dimension's size (1 for a scalar): a row's length.
+    pub fn last_dim(&self) -> usize {
+        self.dims().last().copied().unwrap_or(1)
+    }
+
     /// Number of elements.
     pub fn numel(&self) -> usize {
         self.layout.shape.numel()

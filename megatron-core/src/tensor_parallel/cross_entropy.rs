@@ -37,7 +37,7 @@ pub fn vocab_parallel_cross_entropy(
     logits: &Tensor,
     targets: &Tensor,
 ) -> Result<(Tensor, VocabParallelCrossEntropySaved)> {
-    let local = logits.dims().last().copied().unwrap_or(1);
+    let local = logits.last_dim();
     let rows = targets.numel();
     if logits.numel() != rows * local || targets.dtype() != DType::I64 {
         return invalid!(
@@ -90,7 +90,7 @@ pub fn vocab_parallel_cross_entropy_backward_to(
     dloss: &Tensor,
     to_products: bool,
 ) -> Result<Tensor> {
-    let local = saved.logits.dims().last().copied().unwrap_or(1);
+    let local = saved.logits.last_dim();
     let start = cx.tp_rank() * local;
     let dloss = dloss.to_f32_contiguous()?;
     if dloss.numel() != saved.targets.numel() {

@@ -13,7 +13,7 @@ pub fn gather_last_dim(cx: &Cx, local: &Tensor) -> Result<Tensor> {
     if tp == 1 {
         return Ok(local);
     }
-    let cols = local.dims().last().copied().unwrap_or(1);
+    let cols = local.last_dim();
     let rows = local.numel().checked_div(cols).unwrap_or(0);
     let parts = Tensor::empty_near([tp, rows, cols], DType::F32, &local)?;
     cx.tp().all_gather(&local, &parts)?;
@@ -44,8 +44,8 @@ pub fn gather_last_dim(cx: &Cx, local: &Tensor) -> Result<Tensor> {
 pub fn split_last_dim(cx: &Cx, whole: &Tensor) -> Result<Tensor> {
     let tp = cx.tp_size();
     let last = whole.dims().len().saturating_sub(1);
-    let cols = whole.dims().last().copied().unwrap_or(1);
-    if cols % tp != 0 {
+    let cols = whole.last_dim();
+    if !cols.is_multiple_of(tp) {
         return invalid!(
             "cannot split the last dimension of {} over tp = {tp}",
             whole.shape()

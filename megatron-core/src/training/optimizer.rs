@@ -9,7 +9,7 @@ use crate::backend;
 use crate::comm::{ParallelState, ReduceOp};
 use crate::error::Result;
 use crate::invalid;
-use crate::kernels::adam::{AdamConfig, adam_step};
+use crate::kernels::adam::AdamConfig;
 use crate::module::{ParamBuffers, ParamSlot, ReduceGroups, ShardRanks, Split};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
@@ -170,34 +170,26 @@ impl AdamW {
         if self.main_grads.is_none() && inv_scale.is_none() {
             return Ok(false);
         }
-        if buffers.grads().gpu().is_some() {
-            return self.prepare_grads_on_device(buffers, inv_scale);
-        }
-        let scale = inv_scale.unwrap_or(1.0);
-        let mut found = false;
-        let mut unscale = |g: &mut [f32]| {
-            for x in g {
-                *x *= scale;
-                found |= !x.is_finite();
-            }
+        let parts = self
+            .runs
+            .iter()
+            .map(|run| {
+                let len = run.range.len();
+                let grads = buffers.grads().narrow(0, run.range.start, len)?;
+                Ok(match &self.main_grads {
+                    Some(main) => {
+                        let main = main.narrow(0, run.moments, len)?;
+                        main.copy_from(&grads)?;
+                        main
+                    }
+                    None => grads,
+                })
+            })
+            .collect::<Result<Vec<Tensor>>>()?;
+        let Some(scale) = inv_scale else {
+            return Ok(false);
         };
-        match &self.main_grads {
-            Some(main) => {
-                let mut main = main.write::<f32>()?;
-                for run in &self.runs {
-                    let to = &mut main[run.moments..run.moments + run.range.len()];
-                    widen_into(buffers.grads(), run.range.clone(), to)?;
-                    unscale(to);
-                }
-            }
-            None => {
-                let mut grads = buffers.grads().write::<f32>()?;
-                for run in &self.runs {
-                    unscale(&mut grads[run.range.clone()]);
-                }
-            }
-        }
-        Ok(found && inv_scale.is_some())
+        backend::of(buffers.grads()).unscale_and_check(&parts, scale)
     }
 
     /// The data-parallel rank whose shards the moments are (the distributed optimizer), or
@@ -428,117 +420,6 @@ impl AdamW {
     /// On a GPU with bf16 copies the scale, the update and the refresh are one pass.
     pub fn step(&mut self, buffers: &ParamBuffers, lr: f64, grad_scale: f64) -> Result<()> {
         self.steps += 1;
-        if buffers.values().gpu().is_some() {
-            return self.step_on_device(buffers, lr, grad_scale);
-        }
-        if self.main.is_some() || self.main_grads.is_some() {
-            self.step_mixed(buffers, lr, grad_scale)?;
-        } else {
-            let mut values = buffers.values().write::<f32>()?;
-            let grads = buffers.grads().read::<f32>()?;
-            let mut m = self.exp_avg.write::<f32>()?;
-            let mut v = self.exp_avg_sq.write::<f32>()?;
-            for run in &self.runs {
-                let r = run.range.clone();
-                let mr = run.moments..run.moments + r.len();
-                let cfg = self.config_for(lr, run.decay, grad_scale);
-                adam_step(
-                    &mut values[r.clone()],
-                    &grads[r],
-                    &mut m[mr.clone()],
-                    &mut v[mr],
-                    &cfg,
-                )?;
-            }
-        }
-        // Sharded, the copies are refreshed once the parameters are all-gathered.
-        if self.shard.is_none() {
-            buffers.refresh_compute_copies()?;
-        }
-        Ok(())
-    }
-}
-
-impl AdamW {
-    /// The update with main parameters or main gradients (16-bit buffers, on the host): Adam
-    /// reads the main gradients (prepared by [`AdamW::prepare_grads`]) or the f32 gradients,
-    /// updates the main parameters, and rounds them into the 16-bit values.
-    fn step_mixed(&self, buffers: &ParamBuffers, lr: f64, grad_scale: f64) -> Result<()> {
-        let mut m = self.exp_avg.write::<f32>()?;
-        let mut v = self.exp_avg_sq.write::<f32>()?;
-        let mut main = self.main.as_ref().map(|t| t.write::<f32>()).transpose()?;
-        let main_grads = self
-            .main_grads
-            .as_ref()
-            .map(|t| t.read::<f32>())
-            .transpose()?;
-        let grads = match main_grads {
-            Some(_) => None,
-            None => Some(buffers.grads().read::<f32>()?),
-        };
-        let mut values = match main {
-            Some(_) => None,
-            None => Some(buffers.values().write::<f32>()?),
-        };
-        for run in &self.runs {
-            let r = run.range.clone();
-            let mr = run.moments..run.moments + r.len();
-            let g = match (&main_grads, &grads) {
-                (Some(main_grads), _) => &main_grads[mr.clone()],
-                (None, Some(grads)) => &grads[r.clone()],
-                (None, None) => unreachable!("one of the two is read"),
-            };
-            let p = match (&mut main, &mut values) {
-                (Some(main), _) => &mut main[mr.clone()],
-                (None, Some(values)) => &mut values[r.clone()],
-                (None, None) => unreachable!("one of the two is written"),
-            };
-            let cfg = self.config_for(lr, run.decay, grad_scale);
-            adam_step(p, g, &mut m[mr.clone()], &mut v[mr.clone()], &cfg)?;
-        }
-        if let Some(main) = &main {
-            for run in &self.runs {
-                let r = run.range.clone();
-                let mr = run.moments..run.moments + r.len();
-                round_into(buffers.values(), r, &main[mr])?;
-            }
-        }
-        Ok(())
-    }
-}
-
-impl AdamW {
-    /// [`AdamW::prepare_grads`] on a device: the main gradients converted run by run, then
-    /// unscaled and checked in one pass, read back once.
-    fn prepare_grads_on_device(
-        &self,
-        buffers: &ParamBuffers,
-        inv_scale: Option<f32>,
-    ) -> Result<bool> {
-        let parts = self
-            .runs
-            .iter()
-            .map(|run| {
-                let len = run.range.len();
-                let grads = buffers.grads().narrow(0, run.range.start, len)?;
-                Ok(match &self.main_grads {
-                    Some(main) => {
-                        let main = main.narrow(0, run.moments, len)?;
-                        main.copy_from(&grads)?;
-                        main
-                    }
-                    None => grads,
-                })
-            })
-            .collect::<Result<Vec<Tensor>>>()?;
-        let Some(scale) = inv_scale else {
-            return Ok(false);
-        };
-        backend::of(buffers.grads()).unscale_and_check(&parts, scale)
-    }
-
-    /// [`AdamW::step`] on a device: one fused update per run, the bf16 copies written by it.
-    fn step_on_device(&self, buffers: &ParamBuffers, lr: f64, grad_scale: f64) -> Result<()> {
         let ops = backend::of(buffers.values());
         // bf16 compute copies (or, with f32 main parameters, the bf16 values themselves) are
         // written by the update itself; others are refreshed after.
@@ -585,7 +466,7 @@ impl AdamW {
 }
 
 /// `to = from[range]` widened to f32, for a host tensor of f32, bf16 or fp16 (no copy of the
-/// tensor: each step's main gradients are made this way).
+/// tensor: the main parameters start this way).
 fn widen_into(from: &Tensor, range: Range<usize>, to: &mut [f32]) -> Result<()> {
     use half::slice::HalfFloatSliceExt;
     match from.dtype() {
@@ -593,19 +474,6 @@ fn widen_into(from: &Tensor, range: Range<usize>, to: &mut [f32]) -> Result<()> 
         DType::BF16 => from.read::<half::bf16>()?[range].convert_to_f32_slice(to),
         DType::F16 => from.read::<half::f16>()?[range].convert_to_f32_slice(to),
         other => return invalid!("{other} parameters or gradients cannot be widened to f32"),
-    }
-    Ok(())
-}
-
-/// `to[range] = from` rounded to `to`'s dtype (nearest even), for a host tensor of f32, bf16 or
-/// fp16: the 16-bit values after each update.
-fn round_into(to: &Tensor, range: Range<usize>, from: &[f32]) -> Result<()> {
-    use half::slice::HalfFloatSliceExt;
-    match to.dtype() {
-        DType::F32 => to.write::<f32>()?[range].copy_from_slice(from),
-        DType::BF16 => to.write::<half::bf16>()?[range].convert_from_f32_slice(from),
-        DType::F16 => to.write::<half::f16>()?[range].convert_from_f32_slice(from),
-        other => return invalid!("f32 values cannot be rounded into {other}"),
     }
     Ok(())
 }

@@ -13,3 +13,5 @@ mod vocab_loss;
 /// The host backend: tensors in host memory, the CPU kernels.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Cpu;
+
+impl super::Backend for Cpu {}

@@ -1,7 +1,7 @@
 //! [`VocabLossOps`] on the host.
 
 use super::Cpu;
-use crate::backend::{VocabLossOps, check_targets, row_len as local};
+use crate::backend::{VocabLossOps, check_targets};
 use crate::error::Result;
 use crate::tensor::{DType, Tensor};
 
@@ -13,7 +13,7 @@ impl VocabLossOps for Cpu {
         start: usize,
         total: usize,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (local, rows) = (local(logits), targets.numel());
+        let (local, rows) = (logits.last_dim(), targets.numel());
         let targets = targets.contiguous()?;
         let max = Tensor::empty([rows], DType::F32);
         let target_logit = Tensor::zeros([rows], DType::F32);
@@ -39,7 +39,7 @@ impl VocabLossOps for Cpu {
         let l = logits.read::<f32>()?;
         let m = max.read::<f32>()?;
         let mut s = sum.write::<f32>()?;
-        for (i, row) in l.chunks_exact(local(logits)).enumerate() {
+        for (i, row) in l.chunks_exact(logits.last_dim()).enumerate() {
             s[i] = row
                 .iter()
                 .map(|&x| f64::from((x - m[i]).exp()))
@@ -82,7 +82,7 @@ impl VocabLossOps for Cpu {
         start: usize,
         _dtype: DType,
     ) -> Result<Tensor> {
-        let local = local(logits);
+        let local = logits.last_dim();
         let dlogits = Tensor::empty(logits.shape().clone(), DType::F32);
         {
             let l = logits.read::<f32>()?;

@@ -17,6 +17,8 @@ use crate::tensor::{DType, Tensor};
 
 use super::{CudaError, Gpu};
 
+impl crate::backend::Backend for Gpu {}
+
 /// `t` on `gpu`: itself, or an upload of a host tensor (the upload waits for the stream).
 pub(crate) fn on_gpu(gpu: &Gpu, t: &Tensor) -> Result<Tensor> {
     if t.gpu().is_some() {

@@ -2,7 +2,7 @@
 //! [`crate::cuda::kernels::vocab_parallel`], nothing read back.
 
 use super::{ids_on_gpu, on_gpu};
-use crate::backend::{VocabLossOps, check_targets, row_len as local};
+use crate::backend::{VocabLossOps, check_targets};
 use crate::cuda::Gpu;
 use crate::cuda::kernels::operand::with_out;
 use crate::cuda::kernels::vocab_parallel as gvp;
@@ -19,7 +19,7 @@ impl VocabLossOps for Gpu {
         start: usize,
         total: usize,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (local, rows) = (local(logits), targets.numel());
+        let (local, rows) = (logits.last_dim(), targets.numel());
         if targets.gpu().is_none() {
             check_targets(&targets.contiguous()?.read::<i64>()?, total)?;
         }
@@ -47,7 +47,7 @@ impl VocabLossOps for Gpu {
             &logits.device_read::<f32>()?.view(),
             &max.device_read::<f32>()?.view(),
             rows,
-            local(logits),
+            logits.last_dim(),
             &mut sum.device_write::<f32>()?.view_mut(),
         )?;
         Ok(sum)
@@ -82,7 +82,7 @@ impl VocabLossOps for Gpu {
         start: usize,
         dtype: DType,
     ) -> Result<Tensor> {
-        let local = local(logits);
+        let local = logits.last_dim();
         let dloss = on_gpu(self, dloss)?;
         let dlogits = Tensor::empty_on(logits.shape().clone(), dtype, self)?;
         let (logits, targets) = (logits.device_read::<f32>()?, targets.device_read::<i64>()?);
