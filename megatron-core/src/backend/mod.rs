@@ -21,6 +21,8 @@ pub(crate) use cpu::Cpu;
 use crate::error::Result;
 use crate::kernels::adam::AdamConfig;
 use crate::kernels::dropout::LogicalIndex;
+use crate::module::Param;
+use crate::moe::experts::{ExpertShape, ExpertsSaved};
 use crate::rng::DropoutStream;
 use crate::tensor::{DType, Result as TensorResult, Tensor};
 
@@ -211,12 +213,27 @@ device_ops! {
     }
 }
 
+device_ops! {
+    /// A rank's local experts as grouped products (`moe::experts`): each expert an MLP
+    /// `fc2(gelu(fc1(x)))` over its contiguous rows.
+    pub(crate) trait ExpertOps {
+        /// `[n, hidden]` outputs of the rows `x` (`rows[g]` for local expert g, in order)
+        /// through the weights `(fc1 [experts, ffn, hidden], fc2 [experts, hidden, ffn])`, and
+        /// what the backward keeps.
+        fn experts_forward(&self, shape: &ExpertShape, x: &Tensor, rows: &[usize], weights: (&Tensor, &Tensor)) -> Result<(Tensor, ExpertsSaved)>;
+        /// The rows' gradient `[n, hidden]` from the outputs' `dy`, accumulating the weights'
+        /// gradients into `params` (`fc1`, `fc2`).
+        fn experts_backward(&self, shape: &ExpertShape, saved: &ExpertsSaved, dy: &Tensor, params: (&Param, &Param)) -> Result<Tensor>;
+    }
+}
+
 /// Every operation a device provides.
 pub(crate) trait Backend:
     AttentionOps
     + BiasOps
     + ElementwiseOps
     + EmbeddingOps
+    + ExpertOps
     + MatmulOps
     + NormOps
     + OptimizerOps

@@ -155,12 +155,7 @@ fn counts_tensor(counts: &[usize], like: &Tensor) -> Result<Tensor> {
 /// and the layers after the dispatcher expect theirs there. (The dispatcher computes on the
 /// host: on a GPU, each step copies its rows there and back.)
 pub(crate) fn placed(t: Tensor, like: &Tensor) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if let Some(gpu) = like.gpu() {
-        return t.to_gpu(gpu);
-    }
-    let _ = like;
-    Ok(t)
+    crate::backend::of(like).place(&t)
 }
 
 /// Sends `x` (`[tokens, hidden]` or `[seq, batch, hidden]`, f32) to the experts `routing`

@@ -7,6 +7,7 @@ use crate::error::Result;
 use crate::invalid;
 use crate::kernels::elementwise::{gelu_backward, gelu_forward};
 use crate::kernels::gemm::{Group, MatMut, MatRef, grouped_gemm};
+use crate::tensor::Tensor;
 
 /// The shapes of a rank's local experts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,9 +20,28 @@ pub struct ExpertShape {
     pub ffn: usize,
 }
 
-/// What [`experts_backward`] needs of the forward.
+/// What the experts' backward needs of the forward, where the forward ran.
+#[derive(Debug, Clone)]
+pub enum ExpertsSaved {
+    /// The host's grouped products (see [`HostKept`]).
+    Host(HostKept),
+    /// A GPU's: the input rows `[n, hidden]` as the products read them, fc1's output
+    /// `[n, ffn]` (f32) and its GeLU (in the products' dtype), and each local expert's rows.
+    Device {
+        /// The input rows.
+        x: Tensor,
+        /// fc1's output.
+        pre: Tensor,
+        /// GeLU of it.
+        act: Tensor,
+        /// Rows of each local expert, in order.
+        rows: Vec<usize>,
+    },
+}
+
+/// What [`experts_backward`] needs of [`experts_forward`] on the host.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ExpertsSaved {
+pub struct HostKept {
     x: Vec<f32>,
     pre: Vec<f32>,
     act: Vec<f32>,
@@ -100,12 +120,13 @@ fn weight_grads(
     Ok(())
 }
 
-fn check(
+/// Checks that `rows` has one count per local expert, that the rows fill `x_len` values and
+/// that both weights (`weights`: their lengths) hold every local expert.
+pub(crate) fn check(
     shape: &ExpertShape,
     rows: &[usize],
     x_len: usize,
-    fc1: &[f32],
-    fc2: &[f32],
+    weights: (usize, usize),
 ) -> Result<()> {
     let ExpertShape {
         experts,
@@ -122,11 +143,10 @@ fn check(
             n * hidden
         );
     }
-    for (name, w) in [("fc1", fc1), ("fc2", fc2)] {
-        if w.len() != experts * hidden * ffn {
+    for (name, len) in [("fc1", weights.0), ("fc2", weights.1)] {
+        if len != experts * hidden * ffn {
             return invalid!(
-                "the experts' {name} has {} values, {experts} experts × {ffn} × {hidden} need {}",
-                w.len(),
+                "the experts' {name} has {len} values, {experts} experts × {ffn} × {hidden} need {}",
                 experts * hidden * ffn
             );
         }
@@ -142,8 +162,8 @@ pub fn experts_forward(
     rows: &[usize],
     fc1: &[f32],
     fc2: &[f32],
-) -> Result<(Vec<f32>, ExpertsSaved)> {
-    check(shape, rows, x.len(), fc1, fc2)?;
+) -> Result<(Vec<f32>, HostKept)> {
+    check(shape, rows, x.len(), (fc1.len(), fc2.len()))?;
     let (h, f) = (shape.hidden, shape.ffn);
     let n: usize = rows.iter().sum();
     // pre = x · fc1ᵀ, act = gelu(pre), y = act · fc2ᵀ.
@@ -155,7 +175,7 @@ pub fn experts_forward(
     rows_times_weights(&act, f, fc2, (h, f, true), rows, &mut y)?;
     Ok((
         y,
-        ExpertsSaved {
+        HostKept {
             x: x.to_vec(),
             pre,
             act,
@@ -168,14 +188,14 @@ pub fn experts_forward(
 /// `dfc2` (`+=`, laid out as the weights) and returns the input's gradient `[rows, hidden]`.
 pub fn experts_backward(
     shape: &ExpertShape,
-    saved: &ExpertsSaved,
+    saved: &HostKept,
     dy: &[f32],
     (fc1, fc2): (&[f32], &[f32]),
     (dfc1, dfc2): (&mut [f32], &mut [f32]),
 ) -> Result<Vec<f32>> {
     let rows = &saved.rows;
-    check(shape, rows, dy.len(), fc1, fc2)?;
-    check(shape, rows, saved.x.len(), dfc1, dfc2)?;
+    check(shape, rows, dy.len(), (fc1.len(), fc2.len()))?;
+    check(shape, rows, saved.x.len(), (dfc1.len(), dfc2.len()))?;
     let (h, f) = (shape.hidden, shape.ffn);
     let n: usize = rows.iter().sum();
     // dact = dy · fc2; dfc2 += dyᵀ · act; dpre = gelu'(pre) ⊙ dact; dfc1 += dpreᵀ · x;

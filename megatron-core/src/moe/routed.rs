@@ -15,8 +15,9 @@ use std::sync::Mutex;
 
 use super::dispatcher::{CombineSaved, Dispatch, DispatcherKind, placed};
 use super::expert_tp::TpRows;
-use super::experts::{ExpertShape, ExpertsSaved, experts_backward, experts_forward};
+use super::experts::{ExpertShape, ExpertsSaved};
 use super::{RouterConfig, Routing, route, route_backward};
+use crate::backend;
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::gemm::{MatMut, MatRef, gemm};
@@ -263,8 +264,8 @@ impl Module for RoutedExperts {
 
 /// A tensor's values as f32 on the host, where the layer computes: borrowed when they are
 /// there already (the f32 weights, read every call), else a copy (widened from 16 bits, or from
-/// a GPU, the results going back: the experts have no device kernels yet).
-enum HostF32<'a> {
+/// a GPU, the results going back).
+pub(crate) enum HostF32<'a> {
     Borrowed(TensorRead<'a, f32>),
     Copied(Vec<f32>),
 }
@@ -280,7 +281,7 @@ impl std::ops::Deref for HostF32<'_> {
 }
 
 /// `t`'s values as f32 on the host (see [`HostF32`]).
-fn host_f32(t: &Tensor) -> Result<HostF32<'_>> {
+pub(crate) fn host_f32(t: &Tensor) -> Result<HostF32<'_>> {
     match t.read::<f32>() {
         Ok(values) => Ok(HostF32::Borrowed(values)),
         Err(_) => Ok(HostF32::Copied(t.to_vec_f32()?)),
@@ -313,13 +314,9 @@ fn product(
 
 /// Adds `f`'s contribution into `p`'s gradient: in place for an f32 host gradient, else on a
 /// host copy written back (widened and rounded back when 16-bit, copied from and to a GPU).
-fn accumulate(p: &Param, f: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
+pub(crate) fn accumulate(p: &Param, f: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
     let grad = p.grad();
-    #[cfg(feature = "cuda")]
-    let on_gpu = grad.gpu().is_some();
-    #[cfg(not(feature = "cuda"))]
-    let on_gpu = false;
-    if grad.dtype() == DType::F32 && !on_gpu {
+    if grad.dtype() == DType::F32 && grad.gpu().is_none() {
         return f(&mut grad.write::<f32>()?);
     }
     let mut host = grad.to_vec_f32()?;
@@ -436,17 +433,13 @@ impl ExpertParallel for RoutedExperts {
         rows: &Tensor,
         tp: &TpRows,
     ) -> Result<(Tensor, ExpertsSaved)> {
-        let (y, saved) = experts_forward(
+        let weights = (self.fc1.compute_value(), self.fc2.compute_value());
+        backend::of(weights.0).experts_forward(
             &self.local,
-            &host_f32(rows)?,
+            rows,
             &tp.rows_per_local_expert(),
-            &host_f32(self.fc1.compute_value())?,
-            &host_f32(self.fc2.compute_value())?,
-        )?;
-        Ok((
-            placed(Tensor::from_vec(y, [tp.rows(), self.local.hidden])?, rows)?,
-            saved,
-        ))
+            weights,
+        )
     }
 
     fn backward_local(
@@ -456,20 +449,12 @@ impl ExpertParallel for RoutedExperts {
         saved: ExpertsSaved,
         dy: &Tensor,
     ) -> Result<Tensor> {
-        let fc1 = host_f32(self.fc1.compute_value())?;
-        let fc2 = host_f32(self.fc2.compute_value())?;
-        let dy_like = dy;
-        let dy = host_f32(dy)?;
-        let h = self.local.hidden;
-        let mut dx = Vec::new();
-        accumulate(&self.fc1, |dfc1| {
-            accumulate(&self.fc2, |dfc2| {
-                dx = experts_backward(&self.local, &saved, &dy, (&fc1, &fc2), (dfc1, dfc2))?;
-                Ok(())
-            })
-        })?;
-        let rows = dx.len() / h.max(1);
-        placed(Tensor::from_vec(dx, [rows, h])?, dy_like)
+        backend::of(self.fc1.compute_value()).experts_backward(
+            &self.local,
+            &saved,
+            dy,
+            (&self.fc1, &self.fc2),
+        )
     }
 
     fn router_grads(

@@ -64,11 +64,7 @@ fn empty_beside(like: &Tensor, len: usize) -> Result<Tensor> {
 /// `values` as a tensor where `like` lives (the host or its GPU), for a communicator.
 fn i64_beside(values: Vec<i64>, like: &Tensor) -> Result<Tensor> {
     let n = values.len();
-    let host = Tensor::from_vec(values, [n])?;
-    match like.gpu() {
-        Some(gpu) => host.to_gpu(gpu),
-        None => Ok(host),
-    }
+    crate::backend::of(like).place(&Tensor::from_vec(values, [n])?)
 }
 
 /// Sends whole tensors to the pipeline's first rank: their length in bytes, then the bytes (a

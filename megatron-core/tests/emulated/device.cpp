@@ -158,8 +158,10 @@ class Executing {
 // What this host thread asked of the device (a rank's thread, so that ranks and concurrent
 // tests do not mix): operations it queued itself (kernel launches, copies, products,
 // collectives and graph launches; not the work a graph replays), the kernels it ran (replayed
-// or not), and its graph launches. Read with megatron_emu_launches().
+// or not), its graph launches, and the bytes its copies moved from the host to the device and
+// back. Read with megatron_emu_launches().
 thread_local unsigned long long host_ops = 0, kernels_run = 0, graph_launches = 0;
+thread_local unsigned long long bytes_to_device = 0, bytes_to_host = 0;
 
 CUresult run_or_capture(void* stream, Work work) {
     auto* s = static_cast<Stream*>(stream);
@@ -723,11 +725,13 @@ bool host_copy_in_capture(void* stream, const char* what) {
 CUresult cuMemcpyHtoDAsync_v2(unsigned long long dst, const void* src, std::size_t n,
                               void* stream) {
     if (host_copy_in_capture(stream, "cuMemcpyHtoDAsync")) return CAPTURE_UNSUPPORTED;
+    bytes_to_device += n;
     auto* d = reinterpret_cast<void*>(dst);
     return ordered_on(stream, "cuMemcpyHtoDAsync", {{d, true}}, [=] { std::memcpy(d, src, n); });
 }
 CUresult cuMemcpyDtoHAsync_v2(void* dst, unsigned long long src, std::size_t n, void* stream) {
     if (host_copy_in_capture(stream, "cuMemcpyDtoHAsync")) return CAPTURE_UNSUPPORTED;
+    bytes_to_host += n;
     auto* s = reinterpret_cast<const void*>(src);
     return ordered_on(stream, "cuMemcpyDtoHAsync", {{s, false}}, [=] { std::memcpy(dst, s, n); });
 }
@@ -833,11 +837,14 @@ CUresult cuGraphInstantiateWithFlags(void** exec, void* graph, unsigned long lon
     return OK;
 }
 // The counters of what the calling thread asked (see host_ops): out[0] operations it queued,
-// out[1] kernels run, out[2] graph launches.
+// out[1] kernels run, out[2] graph launches, out[3] and out[4] the bytes its copies moved to
+// the device and to the host.
 void megatron_emu_launches(unsigned long long* out) {
     out[0] = host_ops;
     out[1] = kernels_run;
     out[2] = graph_launches;
+    out[3] = bytes_to_device;
+    out[4] = bytes_to_host;
 }
 CUresult cuGraphLaunch(void* exec, void* stream) {
     auto* g = static_cast<Graph*>(exec);

@@ -172,6 +172,10 @@ pub struct Launches {
     pub kernels: u64,
     /// Graph launches.
     pub graphs: u64,
+    /// Bytes its copies moved from the host to the device.
+    pub to_device_bytes: u64,
+    /// Bytes its copies moved from the device to the host.
+    pub to_host_bytes: u64,
 }
 
 impl std::ops::Sub for Launches {
@@ -181,6 +185,8 @@ impl std::ops::Sub for Launches {
             host_ops: self.host_ops - before.host_ops,
             kernels: self.kernels - before.kernels,
             graphs: self.graphs - before.graphs,
+            to_device_bytes: self.to_device_bytes - before.to_device_bytes,
+            to_host_bytes: self.to_host_bytes - before.to_host_bytes,
         }
     }
 }
@@ -193,13 +199,15 @@ pub fn launches() -> Option<Launches> {
     if f.is_null() {
         return None;
     }
-    // SAFETY: device.cpp defines it as `void (unsigned long long*)`, writing three values.
+    // SAFETY: device.cpp defines it as `void (unsigned long long*)`, writing five values.
     let f: extern "C" fn(*mut u64) = unsafe { std::mem::transmute(f) };
-    let mut out = [0u64; 3];
+    let mut out = [0u64; 5];
     f(out.as_mut_ptr());
     Some(Launches {
         host_ops: out[0],
         kernels: out[1],
         graphs: out[2],
+        to_device_bytes: out[3],
+        to_host_bytes: out[4],
     })
 }

@@ -6,6 +6,7 @@ mod attention;
 mod bias;
 mod elementwise;
 mod embedding;
+mod experts;
 mod matmul;
 mod norm;
 mod optimizer;

@@ -1,0 +1,163 @@
+//! [`ExpertOps`] on a GPU: each local expert's products on cuBLAS over its rows (views of the
+//! expert-major rows and of the stacked weights, nothing copied), GeLU and its backward as the
+//! dense MLP's kernels. The weights and their gradients stay on the device.
+
+use super::on_gpu;
+use crate::backend::{ElementwiseOps, ExpertOps};
+use crate::cuda::Gpu;
+use crate::error::Result;
+use crate::invalid;
+use crate::module::Param;
+use crate::moe::experts::{ExpertShape, ExpertsSaved, check};
+use crate::ops::{as_operand, matmul_into};
+use crate::tensor::{DType, Tensor};
+
+/// Expert `g`'s `[a, b]` matrix of stacked weights `[experts, a, b]`.
+fn expert(w: &Tensor, g: usize) -> Result<Tensor> {
+    let (a, b) = (w.dims()[1], w.dims()[2]);
+    Ok(w.narrow(0, g, 1)?.reshape([a, b])?)
+}
+
+/// Calls `f(g, first row, rows)` for every local expert with rows.
+fn each_expert(rows: &[usize], mut f: impl FnMut(usize, usize, usize) -> Result<()>) -> Result<()> {
+    let mut at = 0;
+    for (g, &r) in rows.iter().enumerate() {
+        if r > 0 {
+            f(g, at, r)?;
+        }
+        at += r;
+    }
+    Ok(())
+}
+
+impl ExpertOps for Gpu {
+    fn experts_forward(
+        &self,
+        shape: &ExpertShape,
+        x: &Tensor,
+        rows: &[usize],
+        (fc1, fc2): (&Tensor, &Tensor),
+    ) -> Result<(Tensor, ExpertsSaved)> {
+        check(shape, rows, x.numel(), (fc1.numel(), fc2.numel()))?;
+        let (h, f) = (shape.hidden, shape.ffn);
+        let n: usize = rows.iter().sum();
+        // The rows are read by fc1's product now and by fc1's weight gradient later: in the
+        // products' dtype, converted once.
+        let x = as_operand(&on_gpu(self, x)?)?.reshape([n, h])?;
+        let (fc1, fc2) = (
+            fc1.reshape([shape.experts, f, h])?,
+            fc2.reshape([shape.experts, h, f])?,
+        );
+        // pre = x · fc1ᵀ, act = gelu(pre), y = act · fc2ᵀ, expert by expert.
+        let pre = Tensor::empty_on([n, f], DType::F32, self)?;
+        each_expert(rows, |g, at, r| {
+            let w = expert(&fc1, g)?;
+            Ok(matmul_into(
+                1.0,
+                &x.narrow(0, at, r)?,
+                &w.t()?,
+                0.0,
+                &pre.narrow(0, at, r)?,
+            )?)
+        })?;
+        let y = Tensor::empty_on([n, h], DType::F32, self)?;
+        if n == 0 {
+            let act = pre.clone();
+            let rows = rows.to_vec();
+            return Ok((y, ExpertsSaved::Device { x, pre, act, rows }));
+        }
+        let (act, pre) = self.gelu(&pre)?;
+        each_expert(rows, |g, at, r| {
+            let w = expert(&fc2, g)?;
+            Ok(matmul_into(
+                1.0,
+                &act.narrow(0, at, r)?,
+                &w.t()?,
+                0.0,
+                &y.narrow(0, at, r)?,
+            )?)
+        })?;
+        let rows = rows.to_vec();
+        Ok((y, ExpertsSaved::Device { x, pre, act, rows }))
+    }
+
+    fn experts_backward(
+        &self,
+        shape: &ExpertShape,
+        saved: &ExpertsSaved,
+        dy: &Tensor,
+        (fc1, fc2): (&Param, &Param),
+    ) -> Result<Tensor> {
+        let ExpertsSaved::Device { x, pre, act, rows } = saved else {
+            return invalid!("the experts' forward ran on the host, their backward on a GPU");
+        };
+        let (e, h, f) = (shape.experts, shape.hidden, shape.ffn);
+        let n: usize = rows.iter().sum();
+        check(
+            shape,
+            rows,
+            dy.numel(),
+            (fc1.value().numel(), fc2.value().numel()),
+        )?;
+        if n == 0 {
+            return Tensor::zeros_on([0, h], DType::F32, self);
+        }
+        // Every row belongs to one expert: written in full below.
+        let dx = Tensor::empty_on([n, h], DType::F32, self)?;
+        // dy is read by fc2's input and weight gradients: converted once.
+        let dy = as_operand(&on_gpu(self, dy)?)?.reshape([n, h])?;
+        let w1 = fc1.compute_value().reshape([e, f, h])?;
+        let w2 = fc2.compute_value().reshape([e, h, f])?;
+        // dact = dy · fc2, dfc2 += dyᵀ · act.
+        let dact = Tensor::empty_on([n, f], DType::F32, self)?;
+        each_expert(rows, |g, at, r| {
+            let w = expert(&w2, g)?;
+            Ok(matmul_into(
+                1.0,
+                &dy.narrow(0, at, r)?,
+                &w,
+                0.0,
+                &dact.narrow(0, at, r)?,
+            )?)
+        })?;
+        fc2.accumulate_grad(|grad| {
+            let grad = grad.reshape([e, h, f])?;
+            each_expert(rows, |g, at, r| {
+                let (dy_g, act_g) = (dy.narrow(0, at, r)?, act.narrow(0, at, r)?);
+                Ok(matmul_into(
+                    1.0,
+                    &dy_g.t()?,
+                    &act_g,
+                    1.0,
+                    &expert(&grad, g)?,
+                )?)
+            })
+        })?;
+        // dpre = gelu'(pre) ⊙ dact, dfc1 += dpreᵀ · x, dx = dpre · fc1.
+        let dpre = self.gelu_backward(pre, &dact)?;
+        fc1.accumulate_grad(|grad| {
+            let grad = grad.reshape([e, f, h])?;
+            each_expert(rows, |g, at, r| {
+                let (dpre_g, x_g) = (dpre.narrow(0, at, r)?, x.narrow(0, at, r)?);
+                Ok(matmul_into(
+                    1.0,
+                    &dpre_g.t()?,
+                    &x_g,
+                    1.0,
+                    &expert(&grad, g)?,
+                )?)
+            })
+        })?;
+        each_expert(rows, |g, at, r| {
+            let w = expert(&w1, g)?;
+            Ok(matmul_into(
+                1.0,
+                &dpre.narrow(0, at, r)?,
+                &w,
+                0.0,
+                &dx.narrow(0, at, r)?,
+            )?)
+        })?;
+        Ok(dx)
+    }
+}
