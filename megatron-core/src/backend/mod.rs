@@ -227,6 +227,22 @@ device_ops! {
     }
 }
 
+device_ops! {
+    /// Rows of `[n, hidden]` f32 tensors moved by index lists the host holds: the MoE
+    /// dispatcher's permutations and the combine (`moe::dispatcher`).
+    pub(crate) trait RowOps {
+        /// `out[i] = rows[index[i]]`, `[index.len(), hidden]`.
+        fn gather_rows(&self, rows: &Tensor, hidden: usize, index: &[usize]) -> Result<Tensor>;
+        /// `out[t] += weight · rows[i]` for each row i's `(t, weight) = entries[i]`, in row
+        /// order, into `[tokens, hidden]` zeros.
+        fn sum_rows(&self, rows: &Tensor, hidden: usize, entries: &[(usize, f32)], tokens: usize) -> Result<Tensor>;
+        /// `dots[i] = d[token[i]] · rows[i]`, read back.
+        fn row_dots(&self, d: &Tensor, rows: &Tensor, hidden: usize, token: &[usize]) -> Result<Vec<f32>>;
+        /// `out[i] = weight · d[t]` for each `(t, weight) = entries[i]`, `[entries.len(), hidden]`.
+        fn scale_rows(&self, d: &Tensor, hidden: usize, entries: &[(usize, f32)]) -> Result<Tensor>;
+    }
+}
+
 /// Every operation a device provides.
 pub(crate) trait Backend:
     AttentionOps
@@ -238,6 +254,7 @@ pub(crate) trait Backend:
     + NormOps
     + OptimizerOps
     + PlaceOps
+    + RowOps
     + VocabLossOps
     + Sync
 {

@@ -1,4 +1,5 @@
-//! The token dispatchers, on host f32 tensors; the experts are split evenly over the
+//! The token dispatchers, on f32 tensors where the tokens are (the rows moved by the device's
+//! [`crate::backend::RowOps`], the plans on the host); the experts are split evenly over the
 //! expert-parallel group (rank r holds experts r·L .. (r + 1)·L):
 //!
 //! - all-to-all (Megatron-LM's `MoEAlltoAllTokenDispatcher`): a rank's tokens are permuted so
@@ -13,6 +14,7 @@
 //! [`combine`] brings the experts' outputs back and sums each token's, weighted by its routing
 //! probabilities; the backwards are the transposes.
 
+use crate::backend::{self, Backend};
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::Result;
 use crate::invalid;
@@ -129,16 +131,13 @@ pub(crate) fn sorted_order(recv_per_expert: &[usize], local: usize) -> Vec<usize
     order
 }
 
-/// Rows `order[i]` of `rows` (`[n, hidden]`) to row i, or with `inverse` row i to row
-/// `order[i]`.
-pub(crate) fn gather_rows(rows: &[f32], hidden: usize, order: &[usize], inverse: bool) -> Vec<f32> {
-    let mut out = vec![0.0f32; order.len() * hidden];
+/// The inverse of the permutation `order`: `inverse[order[i]] = i`.
+pub(crate) fn inverse(order: &[usize]) -> Vec<usize> {
+    let mut inverse = vec![0usize; order.len()];
     for (i, &o) in order.iter().enumerate() {
-        let (to, from) = if inverse { (o, i) } else { (i, o) };
-        out[to * hidden..(to + 1) * hidden]
-            .copy_from_slice(&rows[from * hidden..(from + 1) * hidden]);
+        inverse[o] = i;
     }
-    out
+    inverse
 }
 
 fn counts_tensor(counts: &[usize], like: &Tensor) -> Result<Tensor> {
@@ -151,9 +150,8 @@ fn counts_tensor(counts: &[usize], like: &Tensor) -> Result<Tensor> {
     )
 }
 
-/// `t` (on the host) on `like`'s device: the communicators of a GPU run move device tensors,
-/// and the layers after the dispatcher expect theirs there. (The dispatcher computes on the
-/// host: on a GPU, each step copies its rows there and back.)
+/// `t` (on the host: counts and routing values) on `like`'s device, where the communicators of a
+/// GPU run move tensors.
 pub(crate) fn placed(t: Tensor, like: &Tensor) -> Result<Tensor> {
     crate::backend::of(like).place(&t)
 }
@@ -188,7 +186,8 @@ pub fn dispatch(
     }
     let local_experts = experts / ranks;
     let like = x;
-    let host = || -> Result<Vec<f32>> { Ok(x.to_f32_contiguous()?.to_vec::<f32>()?) };
+    let ops = backend::of(x);
+    let tokens_2d = || -> Result<Tensor> { Ok(x.to_f32_contiguous()?.reshape([tokens, hidden])?) };
     let plan = |route| Dispatch {
         shape: shape.clone(),
         tokens,
@@ -213,40 +212,38 @@ pub fn dispatch(
                     }
                     Rows::Permuted(p)
                 }
-                None => Rows::Tokens(host()?),
+                None => Rows::Tokens(tokens_2d()?),
             };
             let (rows, route) =
-                all_to_all_dispatch(ep, rows, hidden, routing, local_experts, like)?;
-            let plan = plan(route);
-            let n = plan.rows();
-            Ok((placed(Tensor::from_vec(rows, [n, hidden])?, like)?, plan))
+                all_to_all_dispatch(ep, ops, rows, hidden, routing, local_experts, like)?;
+            Ok((rows, plan(route)))
         }
         DispatcherKind::AllGather => {
+            let x = tokens_2d()?;
             let (rows, route) =
-                all_gather_dispatch(ep, &host()?, hidden, routing, local_experts, like)?;
-            let plan = plan(route);
-            let n = plan.rows();
-            Ok((placed(Tensor::from_vec(rows, [n, hidden])?, like)?, plan))
+                all_gather_dispatch(ep, ops, &x, hidden, routing, local_experts, like)?;
+            Ok((rows, plan(route)))
         }
     }
 }
 
-/// What the all-to-all dispatcher sends from: the tokens on the host, or the rows the device
-/// laid out expert-major.
+/// What the all-to-all dispatcher sends from: the tokens (`[tokens, hidden]`), or the rows the
+/// device's router laid out expert-major.
 enum Rows<'a> {
-    Tokens(Vec<f32>),
+    Tokens(Tensor),
     Permuted(&'a Tensor),
 }
 
 /// The all-to-all dispatcher's forward: the rows, sorted by local expert, and its route.
 fn all_to_all_dispatch(
     ep: &dyn Communicator,
+    ops: &dyn Backend,
     x: Rows<'_>,
     hidden: usize,
     routing: &Routing,
     local_experts: usize,
     like: &Tensor,
-) -> Result<(Vec<f32>, Route)> {
+) -> Result<(Tensor, Route)> {
     let (ranks, experts, tokens) = (ep.size(), routing.experts, routing.tokens);
     let mut pairs = Vec::new();
     for e in 0..experts {
@@ -284,25 +281,19 @@ fn all_to_all_dispatch(
     let permuted = match x {
         Rows::Tokens(x) => {
             let order: Vec<usize> = pairs.iter().map(|&(t, _)| t).collect();
-            placed(
-                Tensor::from_vec(
-                    gather_rows(&x, hidden, &order, false),
-                    [pairs.len() * hidden],
-                )?,
-                like,
-            )?
+            ops.gather_rows(&x, hidden, &order)?
+                .reshape([pairs.len() * hidden])?
         }
         Rows::Permuted(rows) => rows
             .narrow(0, 0, pairs.len())?
             .reshape([pairs.len() * hidden])?,
     };
     let received = exchange_tensor(ep, &permuted, hidden, (&send, &recv), like)?;
-    let sorted = gather_rows(
+    let sorted = ops.gather_rows(
         &received,
         hidden,
         &sorted_order(&recv_per_expert, local_experts),
-        false,
-    );
+    )?;
     let route = Route::AllToAll {
         pairs,
         send,
@@ -316,14 +307,15 @@ fn all_to_all_dispatch(
 /// rows of this rank's experts taken from them (local-expert-major, gathered-token order).
 fn all_gather_dispatch(
     ep: &dyn Communicator,
-    x: &[f32],
+    ops: &dyn Backend,
+    x: &Tensor,
     hidden: usize,
     routing: &Routing,
     local_experts: usize,
     like: &Tensor,
-) -> Result<(Vec<f32>, Route)> {
+) -> Result<(Tensor, Route)> {
     let (ranks, experts, tokens) = (ep.size(), routing.experts, routing.tokens);
-    let all_x = gather(ep, x, like)?;
+    let all_x = gather_tensor(ep, &x.reshape([tokens * hidden])?, like)?;
     let all_probs = gather(ep, &routing.probs, like)?;
     let map: Vec<f32> = routing
         .map
@@ -344,7 +336,7 @@ fn all_gather_dispatch(
         per_expert.push(pairs.len() - before);
     }
     let order: Vec<usize> = pairs.iter().map(|&(t, _)| t).collect();
-    let rows = gather_rows(&all_x, hidden, &order, false);
+    let rows = ops.gather_rows(&all_x, hidden, &order)?;
     Ok((
         rows,
         Route::AllGather {
@@ -356,58 +348,56 @@ fn all_gather_dispatch(
     ))
 }
 
-/// Every rank's `values` (equal lengths) gathered over `ep`, in rank order (through `like`'s
-/// device).
+/// Every rank's flat `input` (equal lengths, on `like`'s device) gathered over `ep`, in rank
+/// order.
+fn gather_tensor(ep: &dyn Communicator, input: &Tensor, like: &Tensor) -> Result<Tensor> {
+    let output = Tensor::zeros_near([input.numel() * ep.size()], DType::F32, like)?;
+    ep.all_gather(input, &output)?;
+    Ok(output)
+}
+
+/// [`gather_tensor`] of host `values` (the routing), read back.
 fn gather(ep: &dyn Communicator, values: &[f32], like: &Tensor) -> Result<Vec<f32>> {
     let input = placed(Tensor::from_slice(values, [values.len()])?, like)?;
-    let output = Tensor::zeros_near([values.len() * ep.size()], DType::F32, like)?;
-    ep.all_gather(&input, &output)?;
-    Ok(output.to_vec::<f32>()?)
+    Ok(gather_tensor(ep, &input, like)?.to_vec::<f32>()?)
 }
 
-/// The sum over `ep` of `values` (`ranks` equal parts), this rank's part of it (through
-/// `like`'s device).
+/// The sum over `ep` of the flat `input` (`ranks` equal parts, on `like`'s device), this rank's
+/// part of it.
+fn reduce_scatter_tensor(ep: &dyn Communicator, input: &Tensor, like: &Tensor) -> Result<Tensor> {
+    let output = Tensor::zeros_near([input.numel() / ep.size().max(1)], DType::F32, like)?;
+    ep.reduce_scatter(input, &output, ReduceOp::Sum)?;
+    Ok(output)
+}
+
+/// [`reduce_scatter_tensor`] of host `values` (the routing weights' gradients), read back.
 fn reduce_scatter(ep: &dyn Communicator, values: &[f32], like: &Tensor) -> Result<Vec<f32>> {
     let input = placed(Tensor::from_slice(values, [values.len()])?, like)?;
-    let output = Tensor::zeros_near([values.len() / ep.size().max(1)], DType::F32, like)?;
-    ep.reduce_scatter(&input, &output, ReduceOp::Sum)?;
-    Ok(output.to_vec::<f32>()?)
+    Ok(reduce_scatter_tensor(ep, &input, like)?.to_vec::<f32>()?)
 }
 
-/// One all-to-all of rows of `hidden` values with the given row counts (sent, received),
-/// through `like`'s device.
-fn exchange(
-    ep: &dyn Communicator,
-    rows: &[f32],
-    hidden: usize,
-    counts: (&[usize], &[usize]),
-    like: &Tensor,
-) -> Result<Vec<f32>> {
-    let input = placed(Tensor::from_slice(rows, [rows.len()])?, like)?;
-    exchange_tensor(ep, &input, hidden, counts, like)
-}
-
-/// [`exchange`] of the rows `input` (flat, on `like`'s device).
+/// One all-to-all of the flat rows `input` (rows of `hidden`, on `like`'s device) with the
+/// given row counts (sent, received): the received rows, flat.
 fn exchange_tensor(
     ep: &dyn Communicator,
     input: &Tensor,
     hidden: usize,
     (send, recv): (&[usize], &[usize]),
     like: &Tensor,
-) -> Result<Vec<f32>> {
+) -> Result<Tensor> {
     let send_elems: Vec<usize> = send.iter().map(|&r| r * hidden).collect();
     let recv_elems: Vec<usize> = recv.iter().map(|&r| r * hidden).collect();
     let output = Tensor::zeros_near([recv_elems.iter().sum::<usize>()], DType::F32, like)?;
     ep.all_to_all(input, &send_elems, &output, &recv_elems)?;
-    Ok(output.to_vec::<f32>()?)
+    Ok(output)
 }
 
 /// The experts' outputs as [`combine`] had them, kept for its backward: with the all-to-all
-/// dispatcher the rows brought back (in the order they were sent), with the all-gather one the
-/// local experts' own rows.
-#[derive(Debug, Clone, PartialEq)]
+/// dispatcher the rows brought back (flat, in the order they were sent), with the all-gather one
+/// the local experts' own rows.
+#[derive(Debug, Clone)]
 pub struct CombineSaved {
-    rows: Vec<f32>,
+    rows: Tensor,
 }
 
 /// Brings the experts' outputs `y` (`[rows, hidden]`, as [`dispatch`] gave the rows) back to
@@ -419,29 +409,25 @@ pub fn combine(
     y: &Tensor,
     routing: &Routing,
 ) -> Result<(Tensor, CombineSaved)> {
-    let y_values = plan.check_rows(y, "the experts' output")?;
-    let (out, rows) = plan.to_tokens(ep, y_values, Some(&routing.probs), y)?;
-    Ok((
-        placed(Tensor::from_vec(out, plan.shape.clone())?, y)?,
-        CombineSaved { rows },
-    ))
+    let y = plan.check_rows(y, "the experts' output")?;
+    let (out, rows) = plan.to_tokens(ep, &y, Some(&routing.probs))?;
+    Ok((out.reshape(plan.shape.clone())?, CombineSaved { rows }))
 }
 
 impl Dispatch {
-    /// The way back of the local experts' rows `y` (laid out as the dispatch gave them): each
-    /// token's rows summed, weighted by its routing probabilities (`probs`, this rank's
-    /// `[tokens, experts]`) or not (`None`); with the all-to-all dispatcher, the rows first go
-    /// back to the ranks that sent them (and are returned as they arrived, in sending order),
-    /// with the all-gather one, the sums over the gathered tokens are reduce-scattered (and `y`
-    /// is returned). A collective of `ep`, through `like`'s device.
+    /// The way back of the local experts' rows `y` (`[rows, hidden]`, laid out as the dispatch
+    /// gave them): each token's rows summed, weighted by its routing probabilities (`probs`,
+    /// this rank's `[tokens, experts]`) or not (`None`); with the all-to-all dispatcher, the
+    /// rows first go back to the ranks that sent them (and are returned as they arrived, in
+    /// sending order), with the all-gather one, the sums over the gathered tokens are
+    /// reduce-scattered (and `y` is returned). A collective of `ep`, on `y`'s device.
     fn to_tokens(
         &self,
         ep: &dyn Communicator,
-        y: Vec<f32>,
+        y: &Tensor,
         probs: Option<&[f32]>,
-        like: &Tensor,
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
-        let (h, e) = (self.hidden, self.experts);
+    ) -> Result<(Tensor, Tensor)> {
+        let (h, e, ops) = (self.hidden, self.experts, backend::of(y));
         match &self.route {
             Route::AllToAll {
                 pairs,
@@ -450,14 +436,14 @@ impl Dispatch {
                 recv_per_expert,
             } => {
                 let order = sorted_order(recv_per_expert, self.local_experts);
-                let unsorted = gather_rows(&y, h, &order, true);
-                let rows = exchange(ep, &unsorted, h, (recv, send), like)?;
-                let mut out = vec![0.0f32; self.tokens * h];
-                for (i, &(t, x)) in pairs.iter().enumerate() {
-                    let p = probs.map_or(1.0, |p| p[t * e + x]);
-                    axpy(&mut out[t * h..(t + 1) * h], p, &rows[i * h..(i + 1) * h]);
-                }
-                Ok((out, rows))
+                let unsorted = ops.gather_rows(y, h, &inverse(&order))?;
+                let flat = unsorted.reshape([order.len() * h])?;
+                let rows = exchange_tensor(ep, &flat, h, (recv, send), y)?;
+                let entries: Vec<(usize, f32)> = pairs
+                    .iter()
+                    .map(|&(t, x)| (t, probs.map_or(1.0, |p| p[t * e + x])))
+                    .collect();
+                Ok((ops.sum_rows(&rows, h, &entries, self.tokens)?, rows))
             }
             Route::AllGather {
                 pairs,
@@ -465,27 +451,19 @@ impl Dispatch {
                 ranks,
                 ..
             } => {
-                let mut all = vec![0.0f32; ranks * self.tokens * h];
-                for (i, &(t, x)) in pairs.iter().enumerate() {
-                    let p = probs.map_or(1.0, |_| gathered[t * e + x]);
-                    axpy(&mut all[t * h..(t + 1) * h], p, &y[i * h..(i + 1) * h]);
-                }
-                Ok((reduce_scatter(ep, &all, like)?, y))
+                let entries: Vec<(usize, f32)> = pairs
+                    .iter()
+                    .map(|&(t, x)| (t, probs.map_or(1.0, |_| gathered[t * e + x])))
+                    .collect();
+                let all = ops.sum_rows(y, h, &entries, ranks * self.tokens)?;
+                let all = all.reshape([ranks * self.tokens * h])?;
+                Ok((reduce_scatter_tensor(ep, &all, y)?, y.clone()))
             }
         }
     }
-}
 
-/// `out += a · x`.
-fn axpy(out: &mut [f32], a: f32, x: &[f32]) {
-    for (o, &v) in out.iter_mut().zip(x) {
-        *o += a * v;
-    }
-}
-
-impl Dispatch {
-    /// `y`'s values, checked to be the plan's `[rows, hidden]`.
-    fn check_rows(&self, y: &Tensor, what: &str) -> Result<Vec<f32>> {
+    /// `y` as contiguous f32, checked to be the plan's `[rows, hidden]`.
+    fn check_rows(&self, y: &Tensor, what: &str) -> Result<Tensor> {
         if y.dims() != [self.rows(), self.hidden] {
             return invalid!(
                 "{what} has shape {}, the dispatch gave [{}, {}]",
@@ -494,7 +472,7 @@ impl Dispatch {
                 self.hidden
             );
         }
-        Ok(y.to_f32_contiguous()?.to_vec::<f32>()?)
+        Ok(y.to_f32_contiguous()?)
     }
 }
 
@@ -508,17 +486,17 @@ pub fn combine_backward(
     routing: &Routing,
     dout: &Tensor,
 ) -> Result<(Tensor, Vec<f32>)> {
-    let rows = &saved.rows;
     let (h, e, like) = (plan.hidden, plan.experts, dout);
-    let dout = dout.to_f32_contiguous()?.to_vec::<f32>()?;
-    if dout.len() != plan.tokens * h {
+    if dout.numel() != plan.tokens * h {
         return invalid!(
             "the combined output's gradient has {} values, {} tokens × {h} need {}",
-            dout.len(),
+            dout.numel(),
             plan.tokens,
             plan.tokens * h
         );
     }
+    let dout = dout.to_f32_contiguous()?.reshape([plan.tokens * h])?;
+    let ops = backend::of(&dout);
     match &plan.route {
         Route::AllToAll {
             pairs,
@@ -526,21 +504,21 @@ pub fn combine_backward(
             recv,
             recv_per_expert,
         } => {
-            let mut drows = vec![0.0f32; pairs.len() * h];
+            let tokens: Vec<usize> = pairs.iter().map(|&(t, _)| t).collect();
+            let dots = ops.row_dots(&dout, &saved.rows, h, &tokens)?;
             let mut dprobs = vec![0.0f32; plan.tokens * e];
-            for (i, &(t, x)) in pairs.iter().enumerate() {
-                let p = routing.probs[t * e + x];
-                let (d, row) = (&dout[t * h..(t + 1) * h], &rows[i * h..(i + 1) * h]);
-                dprobs[t * e + x] = dot(d, row);
-                axpy(&mut drows[i * h..(i + 1) * h], p, d);
+            for (&(t, x), dot) in pairs.iter().zip(dots) {
+                dprobs[t * e + x] = dot;
             }
-            let received = exchange(ep, &drows, h, (send, recv), like)?;
+            let entries: Vec<(usize, f32)> = pairs
+                .iter()
+                .map(|&(t, x)| (t, routing.probs[t * e + x]))
+                .collect();
+            let drows = ops.scale_rows(&dout, h, &entries)?;
+            let flat = drows.reshape([pairs.len() * h])?;
+            let received = exchange_tensor(ep, &flat, h, (send, recv), like)?;
             let order = sorted_order(recv_per_expert, plan.local_experts);
-            let sorted = gather_rows(&received, h, &order, false);
-            Ok((
-                placed(Tensor::from_vec(sorted, [plan.rows(), h])?, like)?,
-                dprobs,
-            ))
+            Ok((ops.gather_rows(&received, h, &order)?, dprobs))
         }
         Route::AllGather {
             pairs,
@@ -551,31 +529,25 @@ pub fn combine_backward(
             // Every rank's output gradient, the local experts' rows' gradients from it, and the
             // probabilities' gradients (each pair's on its expert's rank) summed back to the
             // tokens' ranks.
-            let all = gather(ep, &dout, like)?;
-            let mut drows = vec![0.0f32; pairs.len() * h];
+            let all = gather_tensor(ep, &dout, like)?;
+            let tokens: Vec<usize> = pairs.iter().map(|&(t, _)| t).collect();
+            let dots = ops.row_dots(&all, &saved.rows, h, &tokens)?;
             let mut dprobs = vec![0.0f32; ranks * plan.tokens * e];
-            for (i, &(t, x)) in pairs.iter().enumerate() {
-                let d = &all[t * h..(t + 1) * h];
-                dprobs[t * e + x] = dot(d, &rows[i * h..(i + 1) * h]);
-                axpy(&mut drows[i * h..(i + 1) * h], probs[t * e + x], d);
+            for (&(t, x), dot) in pairs.iter().zip(dots) {
+                dprobs[t * e + x] = dot;
             }
-            let dprobs = reduce_scatter(ep, &dprobs, like)?;
-            Ok((
-                placed(Tensor::from_vec(drows, [plan.rows(), h])?, like)?,
-                dprobs,
-            ))
+            let entries: Vec<(usize, f32)> =
+                pairs.iter().map(|&(t, x)| (t, probs[t * e + x])).collect();
+            let drows = ops.scale_rows(&all, h, &entries)?;
+            Ok((drows, reduce_scatter(ep, &dprobs, like)?))
         }
     }
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 /// The backward of [`dispatch`]: the gradient of the dispatched rows (`[rows, hidden]`) back
 /// to the tokens, each token's copies summed (shaped as the dispatched input).
 pub fn dispatch_backward(ep: &dyn Communicator, plan: &Dispatch, drows: &Tensor) -> Result<Tensor> {
-    let values = plan.check_rows(drows, "the rows' gradient")?;
-    let (dx, _) = plan.to_tokens(ep, values, None, drows)?;
-    placed(Tensor::from_vec(dx, plan.shape.clone())?, drows)
+    let drows = plan.check_rows(drows, "the rows' gradient")?;
+    let (dx, _) = plan.to_tokens(ep, &drows, None)?;
+    Ok(dx.reshape(plan.shape.clone())?)
 }

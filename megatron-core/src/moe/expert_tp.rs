@@ -12,7 +12,8 @@ use crate::error::Result;
 use crate::invalid;
 use crate::tensor::{DType, Tensor};
 
-use super::dispatcher::{gather_rows, placed, sorted_order};
+use super::dispatcher::{inverse, placed, sorted_order};
+use crate::backend;
 
 /// Where the rows of an expert-tensor-parallel group came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,26 +101,18 @@ pub fn regather_expert_rows(etp: &dyn Communicator, rows: &Tensor, tp: &TpRows) 
     if etp.size() == 1 {
         return Ok(rows.clone());
     }
-    let mine = rows.to_f32_contiguous()?.to_vec::<f32>()?;
-    let ranks = tp.ranks();
+    let ops = backend::of(rows);
+    let (ranks, own) = (tp.ranks(), tp.own_rows());
     // Every rank sends its rows to every rank: an all-to-all of equal sends, uneven receives.
-    let input: Vec<f32> = (0..ranks).flat_map(|_| mine.iter().copied()).collect();
+    let copies: Vec<usize> = (0..ranks).flat_map(|_| 0..own).collect();
+    let input = ops
+        .gather_rows(rows, h, &copies)?
+        .reshape([ranks * own * h])?;
     let recv: Vec<usize> = tp.rows_of().iter().map(|&r| r * h).collect();
     let output = Tensor::zeros_near([recv.iter().sum::<usize>()], DType::F32, rows)?;
-    etp.all_to_all(
-        &placed(Tensor::from_vec(input, [ranks * mine.len()])?, rows)?,
-        &vec![mine.len(); ranks],
-        &output,
-        &recv,
-    )?;
-    let received = output.to_vec::<f32>()?;
-    let sorted = gather_rows(
-        &received,
-        h,
-        &sorted_order(&tp.per_rank, tp.local_experts),
-        false,
-    );
-    placed(Tensor::from_vec(sorted, [tp.rows(), h])?, rows)
+    etp.all_to_all(&input, &vec![own * h; ranks], &output, &recv)?;
+    let order = sorted_order(&tp.per_rank, tp.local_experts);
+    ops.gather_rows(&output, h, &order)
 }
 
 /// Sums over `etp` the partial values of the group's rows (`[group rows, hidden]`, as
@@ -142,30 +135,22 @@ pub fn reduce_scatter_expert_rows(
     if etp.size() == 1 {
         return Ok(partial.clone());
     }
-    let values = partial.to_f32_contiguous()?.to_vec::<f32>()?;
+    let ops = backend::of(partial);
     // Back to rank order (each rank's chunk local-expert-major), then each chunk to its rank.
-    let unsorted = gather_rows(
-        &values,
-        h,
-        &sorted_order(&tp.per_rank, tp.local_experts),
-        true,
-    );
-    let ranks = tp.ranks();
+    let order = sorted_order(&tp.per_rank, tp.local_experts);
+    let unsorted = ops.gather_rows(partial, h, &inverse(&order))?;
+    let (ranks, own) = (tp.ranks(), tp.own_rows());
     let send: Vec<usize> = tp.rows_of().iter().map(|&r| r * h).collect();
-    let own = tp.own_rows() * h;
-    let output = Tensor::zeros_near([own * ranks], DType::F32, partial)?;
+    let output = Tensor::zeros_near([own * h * ranks], DType::F32, partial)?;
     etp.all_to_all(
-        &placed(Tensor::from_vec(unsorted, [values.len()])?, partial)?,
+        &unsorted.reshape([order.len() * h])?,
         &send,
         &output,
-        &vec![own; ranks],
+        &vec![own * h; ranks],
     )?;
-    let received = output.to_vec::<f32>()?;
-    let mut sum = vec![0.0f32; own];
-    for chunk in received.chunks_exact(own.max(1)) {
-        for (s, v) in sum.iter_mut().zip(chunk) {
-            *s += v;
-        }
-    }
-    placed(Tensor::from_vec(sum, [tp.own_rows(), h])?, partial)
+    // Each own row summed over the ranks' chunks, in rank order.
+    let entries: Vec<(usize, f32)> = (0..ranks)
+        .flat_map(|_| (0..own).map(|t| (t, 1.0)))
+        .collect();
+    ops.sum_rows(&output, h, &entries, own)
 }

@@ -156,6 +156,9 @@ static const EmuKernel EMU_KERNELS[] = {
     EMU_KERNEL(moe_permute_index),
     EMU_KERNEL(moe_permute_rows),
     EMU_KERNEL(moe_route_backward),
+    EMU_KERNEL(moe_combine_rows),
+    EMU_KERNEL(moe_row_dots),
+    EMU_KERNEL(moe_scale_rows),
     EMU_KERNEL(emu_race_check_neighbours),
     EMU_KERNEL(emu_deadlock_check),
 };

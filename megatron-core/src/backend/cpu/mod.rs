@@ -9,6 +9,7 @@ mod experts;
 mod matmul;
 mod norm;
 mod optimizer;
+mod rows;
 mod vocab_loss;
 
 /// The host backend: tensors in host memory, the CPU kernels.

@@ -10,6 +10,7 @@ mod experts;
 mod matmul;
 mod norm;
 mod optimizer;
+mod rows;
 mod vocab_loss;
 
 use crate::error::Result;

@@ -351,3 +351,46 @@ extern "C" __global__ void moe_route_backward(
         }
     }
 }
+
+// The combine (MoEAlltoAllTokenDispatcher's unpermute): out[t, :] = the sum over token t's
+// entries j in start[t] .. start[t + 1] of weight[j] · rows[row[j], :], in entry order from
+// +0, products rounded on their own, as the host's combine adds them.
+extern "C" __global__ void moe_combine_rows(const float* __restrict__ rows,
+                                            const i64* __restrict__ start,
+                                            const i64* __restrict__ row,
+                                            const float* __restrict__ weight, u64 tokens,
+                                            u64 hidden, float* __restrict__ out) {
+    FOR_EACH(i, tokens * hidden) {
+        const u64 t = i / hidden, c = i % hidden;
+        float acc = 0.0f;
+        for (i64 j = start[t]; j < start[t + 1]; ++j) {
+            acc = __fadd_rn(acc, __fmul_rn(weight[j], rows[(u64)row[j] * hidden + c]));
+        }
+        out[i] = acc;
+    }
+}
+
+// The combine's backward for the routing weights, a thread per row: dots[r] =
+// d[token[r], :] · rows[r, :], summed in order from −0 as Rust's f32 sums do.
+extern "C" __global__ void moe_row_dots(const float* __restrict__ d, const float* __restrict__ rows,
+                                        const i64* __restrict__ token, u64 n, u64 hidden,
+                                        float* __restrict__ dots) {
+    FOR_EACH(r, n) {
+        const float* a = d + (u64)token[r] * hidden;
+        const float* b = rows + r * hidden;
+        float acc = -0.0f;
+        for (u64 c = 0; c < hidden; ++c) acc = __fadd_rn(acc, __fmul_rn(a[c], b[c]));
+        dots[r] = acc;
+    }
+}
+
+// The combine's backward for the rows: out[r, :] = +0 + weight[r] · d[token[r], :], as the host
+// adds the scaled gradient into zeros.
+extern "C" __global__ void moe_scale_rows(const float* __restrict__ d, const i64* __restrict__ token,
+                                          const float* __restrict__ weight, u64 n, u64 hidden,
+                                          float* __restrict__ out) {
+    FOR_EACH(i, n * hidden) {
+        const u64 r = i / hidden;
+        out[i] = __fadd_rn(0.0f, __fmul_rn(weight[r], d[(u64)token[r] * hidden + i % hidden]));
+    }
+}

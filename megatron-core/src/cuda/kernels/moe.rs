@@ -480,3 +480,111 @@ pub fn route_backward(
     args.arg(&z_coeff).arg(dlogits);
     launch(K, args, cover(dims.tokens))
 }
+
+/// `out[r, :] = x[source[r], :]` for rows of `hidden` f32 (`out` `[source.len(), hidden]`;
+/// zeros where `source[r] < 0`): a permutation or selection of rows.
+pub fn gather_rows(
+    gpu: &Gpu,
+    x: &CudaView<f32>,
+    source: &CudaView<i64>,
+    hidden: usize,
+    out: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const R: &str = "moe_permute_rows";
+    let rows = source.len();
+    let describe = || format!("{rows} rows of {hidden}");
+    check_len(R, "out", out.len(), product(R, &[rows, hidden])?, describe)?;
+    if rows == 0 || hidden == 0 {
+        return Ok(());
+    }
+    let (r, h) = (rows as u64, hidden as u64);
+    let mut args = launch_args(gpu, R)?;
+    args.arg(x).arg(source).arg(&r).arg(&h).arg(out);
+    launch(R, args, cover(rows * hidden))
+}
+
+/// The combine: `out[t, :] = Σ weight[j] · rows[row[j], :]` over token t's entries `start[t] ..
+/// start[t + 1]` (`start` has `tokens + 1` offsets; `out` is `[tokens, hidden]`).
+pub fn combine_rows(
+    gpu: &Gpu,
+    rows: &CudaView<f32>,
+    (start, row, weight): (&CudaView<i64>, &CudaView<i64>, &CudaView<f32>),
+    hidden: usize,
+    out: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const K: &str = "moe_combine_rows";
+    let tokens = start.len().saturating_sub(1);
+    let describe = || format!("{tokens} tokens of {hidden}, {} entries", row.len());
+    check_len(K, "weight", weight.len(), row.len(), describe)?;
+    check_len(
+        K,
+        "out",
+        out.len(),
+        product(K, &[tokens, hidden])?,
+        describe,
+    )?;
+    if tokens == 0 || hidden == 0 {
+        return Ok(());
+    }
+    let (t, h) = (tokens as u64, hidden as u64);
+    let mut args = launch_args(gpu, K)?;
+    args.arg(rows)
+        .arg(start)
+        .arg(row)
+        .arg(weight)
+        .arg(&t)
+        .arg(&h);
+    args.arg(out);
+    launch(K, args, cover(tokens * hidden))
+}
+
+/// `dots[r] = d[token[r], :] · rows[r, :]` for `token.len()` rows of `hidden`.
+pub fn row_dots(
+    gpu: &Gpu,
+    d: &CudaView<f32>,
+    rows: &CudaView<f32>,
+    token: &CudaView<i64>,
+    hidden: usize,
+    dots: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const K: &str = "moe_row_dots";
+    let n = token.len();
+    let describe = || format!("{n} rows of {hidden}");
+    check_len(K, "rows", rows.len(), product(K, &[n, hidden])?, describe)?;
+    check_len(K, "dots", dots.len(), n, describe)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (n64, h) = (n as u64, hidden as u64);
+    let mut args = launch_args(gpu, K)?;
+    args.arg(d).arg(rows).arg(token).arg(&n64).arg(&h).arg(dots);
+    launch(K, args, cover(n))
+}
+
+/// `out[r, :] = weight[r] · d[token[r], :]` for `token.len()` rows of `hidden`.
+pub fn scale_rows(
+    gpu: &Gpu,
+    d: &CudaView<f32>,
+    token: &CudaView<i64>,
+    weight: &CudaView<f32>,
+    hidden: usize,
+    out: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const K: &str = "moe_scale_rows";
+    let n = token.len();
+    let describe = || format!("{n} rows of {hidden}");
+    check_len(K, "weight", weight.len(), n, describe)?;
+    check_len(K, "out", out.len(), product(K, &[n, hidden])?, describe)?;
+    if n == 0 || hidden == 0 {
+        return Ok(());
+    }
+    let (n64, h) = (n as u64, hidden as u64);
+    let mut args = launch_args(gpu, K)?;
+    args.arg(d)
+        .arg(token)
+        .arg(weight)
+        .arg(&n64)
+        .arg(&h)
+        .arg(out);
+    launch(K, args, cover(n * hidden))
+}
