@@ -1,4 +1,4 @@
-//! The MoE router and the all-to-all dispatcher's preprocessing on the GPU (`moe::device`,
+//! The MoE router and the all-to-all dispatcher's preprocessing on the GPU (`cuda::DeviceRouting`,
 //! `cu/moe.cu`) against the host router (`moe::route`) for every router setting: scores
 //! (softmax after or before the top-k, sigmoid with and without the expert bias), the top-k
 //! scaling, capacity (by probability, by position, padded), the load-balancing losses (micro-batch
@@ -13,7 +13,7 @@
 
 mod support;
 
-use megatron_core::moe::device::DeviceRouting;
+use megatron_core::cuda::DeviceRouting;
 use megatron_core::moe::{
     DropPolicy, LoadBalancing, RouterConfig, RouterError, Routing, ScoreFunction, route,
     route_backward,

@@ -18,10 +18,12 @@ mod cpu;
 pub(crate) use attention::AttentionOps;
 pub(crate) use cpu::Cpu;
 
+use crate::cuda::DeviceRouting;
 use crate::error::Result;
 use crate::kernels::adam::AdamConfig;
 use crate::kernels::dropout::LogicalIndex;
 use crate::module::Param;
+use crate::moe::RouterConfig;
 use crate::moe::experts::{ExpertShape, ExpertsSaved};
 use crate::rng::DropoutStream;
 use crate::tensor::{DType, Result as TensorResult, Tensor};
@@ -243,6 +245,18 @@ device_ops! {
     }
 }
 
+device_ops! {
+    /// The MoE router where the tokens are (`moe::routed`).
+    pub(crate) trait RouterOps {
+        /// On a GPU, the gate's logits `[tokens, experts]` of the tokens `x` (`[.., hidden]`)
+        /// and their routing, `(seq, config, bias)` as the host router takes them,
+        /// nothing read back (a graph can capture them), with `permute` also the rows laid out
+        /// expert-major for the all-to-all; `None` on the host, whose router runs on the
+        /// logits' values.
+        fn route_on_device(&self, x: &Tensor, gate: &Tensor, routing: (usize, &RouterConfig, Option<&Tensor>), permute: bool) -> Result<Option<(Tensor, DeviceRouting)>>;
+    }
+}
+
 /// Every operation a device provides.
 pub(crate) trait Backend:
     AttentionOps
@@ -254,6 +268,7 @@ pub(crate) trait Backend:
     + NormOps
     + OptimizerOps
     + PlaceOps
+    + RouterOps
     + RowOps
     + VocabLossOps
     + Sync

@@ -47,6 +47,8 @@ mod stand_in;
 mod tensor;
 
 #[cfg(feature = "cuda")]
+pub use backend::router::DeviceRouting;
+#[cfg(feature = "cuda")]
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 #[cfg(feature = "cuda")]
 pub(crate) use device::DeviceMemory;
@@ -57,6 +59,8 @@ pub use error::{CudaError, Result};
 pub use library::{require_cublas, require_driver, require_nccl, require_nvrtc};
 #[cfg(not(feature = "cuda"))]
 pub(crate) use stand_in::DeviceMemory;
+#[cfg(not(feature = "cuda"))]
+pub use stand_in::DeviceRouting;
 #[cfg(not(feature = "cuda"))]
 pub use stand_in::Gpu;
 #[cfg(feature = "cuda")]

@@ -33,6 +33,35 @@ impl Gpu {
 
 impl crate::backend::Backend for Gpu {}
 
+/// A routing computed on a GPU, in a build that has none: never made (no GPU routes), so its
+/// methods only say that the build has no CUDA.
+#[derive(Debug, Clone)]
+pub struct DeviceRouting {
+    _never: (),
+}
+
+impl DeviceRouting {
+    /// None: no GPU laid tokens out.
+    pub fn permuted(&self) -> Option<&Tensor> {
+        None
+    }
+
+    /// Fails: this build has no CUDA support.
+    pub fn read_back(&self) -> crate::Result<crate::moe::Routing> {
+        Err(CudaError::NotBuilt.into())
+    }
+
+    /// Fails: this build has no CUDA support.
+    pub fn backward(
+        &self,
+        _logits: &Tensor,
+        _dprobs: &Tensor,
+        _loss_scale: &Tensor,
+    ) -> crate::Result<Tensor> {
+        Err(CudaError::NotBuilt.into())
+    }
+}
+
 /// Device memory, in a build that has none.
 #[derive(Debug)]
 pub(crate) enum DeviceMemory {}

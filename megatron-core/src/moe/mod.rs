@@ -2,8 +2,6 @@
 //! all-to-all token dispatcher, the grouped experts, and [`RoutedExperts`], the
 //! `#[expert_parallel]` layer made of them.
 
-#[cfg(feature = "cuda")]
-pub mod device;
 pub mod dispatcher;
 pub mod expert_tp;
 pub mod experts;

@@ -19,6 +19,8 @@ use super::expert_tp::TpRows;
 use super::experts::{ExpertShape, ExpertsSaved};
 use super::{RouterConfig, Routing, route, route_backward};
 use crate::backend;
+use crate::cuda::DeviceRouting;
+use crate::cuda_graphs::{GraphScope, captures};
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::gemm::{MatMut, MatRef, gemm};
@@ -90,8 +92,7 @@ pub struct GateSaved {
 #[derive(Debug, Clone)]
 pub struct RouterOutput {
     logits: Tensor,
-    #[cfg(feature = "cuda")]
-    device: Option<super::device::DeviceRouting>,
+    device: Option<DeviceRouting>,
 }
 
 impl RouterOutput {
@@ -99,14 +100,12 @@ impl RouterOutput {
     pub fn new(logits: Tensor) -> RouterOutput {
         RouterOutput {
             logits,
-            #[cfg(feature = "cuda")]
             device: None,
         }
     }
 
     /// The logits and the routing the device computed from them.
-    #[cfg(feature = "cuda")]
-    pub fn on_device(logits: Tensor, routing: super::device::DeviceRouting) -> RouterOutput {
+    pub fn on_device(logits: Tensor, routing: DeviceRouting) -> RouterOutput {
         RouterOutput {
             logits,
             device: Some(routing),
@@ -119,19 +118,14 @@ impl RouterOutput {
     }
 
     /// The routing the device computed, if it did.
-    #[cfg(feature = "cuda")]
-    pub fn device(&self) -> Option<&super::device::DeviceRouting> {
+    pub fn device(&self) -> Option<&DeviceRouting> {
         self.device.as_ref()
     }
 
     /// The tokens laid out expert-major on the device (`[rows, hidden]`, f32, zeros past the
     /// routed rows), for the all-to-all dispatcher, if the gate's device did it.
     pub fn permuted(&self) -> Option<&Tensor> {
-        #[cfg(feature = "cuda")]
-        if let Some(routing) = &self.device {
-            return routing.permuted();
-        }
-        None
+        self.device.as_ref().and_then(DeviceRouting::permuted)
     }
 }
 
@@ -141,8 +135,7 @@ impl RouterOutput {
 pub struct RouterSaved {
     logits: Vec<f32>,
     like: Tensor,
-    #[cfg(feature = "cuda")]
-    device: Option<super::device::DeviceRouting>,
+    device: Option<DeviceRouting>,
 }
 
 impl RoutedExperts {
@@ -342,7 +335,6 @@ impl ExpertParallel for RoutedExperts {
         self.dispatcher
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     fn gate(&self, cx: &Cx, _site: Site, x: &Tensor) -> Result<(RouterOutput, GateSaved)> {
         let (e, h) = (self.router.num_experts, self.local.hidden);
         let dims = x.dims();
@@ -351,27 +343,22 @@ impl ExpertParallel for RoutedExperts {
         }
         let tokens = x.numel() / h;
         let saved = GateSaved { x: x.clone() };
-        #[cfg(feature = "cuda")]
-        if x.gpu().is_some() {
-            // On the device: the logits, the routing and (for the all-to-all) the tokens laid
-            // out expert-major, with no read-back, so that a graph can capture them. With the
-            // router's graph alone (moe_router without moe_preprocess), the tokens are laid out
-            // after the read-back, by the dispatcher, as Megatron-LM's dispatcher does then.
-            let rows = x.to_f32_contiguous()?.reshape([tokens, h])?;
-            let logits = Tensor::empty_near([tokens, e], DType::F32, x)?;
-            crate::ops::matmul_into(1.0, &rows, &self.gate.compute_value().t()?, 0.0, &logits)?;
-            let mut routing = super::device::DeviceRouting::new(
-                &logits,
-                sequence_length(dims, tokens),
-                &self.router,
-                self.expert_bias.as_ref().map(Param::value),
-            )?;
-            use crate::cuda_graphs::{GraphScope, captures};
-            let router_graph_only =
-                captures(cx, GraphScope::MoeRouter) && !captures(cx, GraphScope::MoePreprocess);
-            if self.dispatcher == DispatcherKind::AllToAll && !router_graph_only {
-                routing = routing.with_permuted(&rows)?;
-            }
+        // On a GPU: the logits, the routing and (for the all-to-all) the tokens laid out
+        // expert-major, with no read-back, so that a graph can capture them. With the router's
+        // graph alone (moe_router without moe_preprocess), the tokens are laid out after the
+        // read-back, by the dispatcher, as Megatron-LM's dispatcher does then.
+        let router_graph_only =
+            captures(cx, GraphScope::MoeRouter) && !captures(cx, GraphScope::MoePreprocess);
+        let permute = self.dispatcher == DispatcherKind::AllToAll && !router_graph_only;
+        let routing = (
+            sequence_length(dims, tokens),
+            &self.router,
+            self.expert_bias.as_ref().map(Param::value),
+        );
+        let gate = self.gate.compute_value();
+        if let Some((logits, routing)) =
+            backend::of(x).route_on_device(x, gate, routing, permute)?
+        {
             return Ok((RouterOutput::on_device(logits, routing), saved));
         }
         let values = host_f32(x)?;
@@ -399,7 +386,6 @@ impl ExpertParallel for RoutedExperts {
         gated: &RouterOutput,
     ) -> Result<(Routing, RouterSaved)> {
         let logits = gated.logits();
-        #[cfg(feature = "cuda")]
         if let Some(device) = gated.device() {
             let saved = RouterSaved {
                 logits: Vec::new(),
@@ -421,7 +407,6 @@ impl ExpertParallel for RoutedExperts {
             RouterSaved {
                 logits: host,
                 like: logits.clone(),
-                #[cfg(feature = "cuda")]
                 device: None,
             },
         ))
@@ -492,7 +477,6 @@ impl ExpertParallel for RoutedExperts {
         dprobs: &Tensor,
         loss_scale: &Tensor,
     ) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
         if let Some(device) = &saved.device {
             return device.backward(&saved.like, dprobs, loss_scale);
         }
@@ -524,7 +508,6 @@ impl ExpertParallel for RoutedExperts {
         let (e, h) = (self.router.num_experts, self.local.hidden);
         let tokens = dlogits.dims()[0];
         // logits = x · gateᵀ: dgate += dlogitsᵀ · x, dx += dlogits · gate.
-        #[cfg(feature = "cuda")]
         if dx.gpu().is_some() {
             let rows = saved.x.to_f32_contiguous()?.reshape([tokens, h])?;
             let dlogits = dlogits.to_f32_contiguous()?;

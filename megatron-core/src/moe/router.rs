@@ -58,7 +58,7 @@ pub enum RouterError {
     /// A routing read back from the device without what its backward reads.
     #[error(
         "this routing was read back from the device without what its backward reads: run the \
-         backward there (moe::device::DeviceRouting::backward)"
+         backward there (cuda::DeviceRouting::backward)"
     )]
     NothingSaved,
     /// Tokens that do not cut into sequences of the given length.
@@ -221,7 +221,7 @@ pub struct Routing {
     saved: Saved,
 }
 
-/// A routing's parts, as [`route`] (or the device's kernels, `crate::moe::device`) computes
+/// A routing's parts, as [`route`] (or the device's kernels, `crate::cuda::DeviceRouting`) computes
 /// them.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct RoutingParts {

@@ -1,7 +1,7 @@
 //! The MoE router's and the all-to-all dispatcher's preprocessing kernels (`cu/moe.cu`): top-k
 //! routing, capacity, the counts, the load-balancing and z losses, and the tokens' permutation
 //! expert-major, as [`crate::moe::route`] and [`crate::moe::dispatch`] compute them on the host.
-//! Nothing is read back (a graph can capture them); [`crate::moe::device`] strings them together.
+//! Nothing is read back (a graph can capture them); [`crate::cuda::DeviceRouting`] strings them together.
 
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 

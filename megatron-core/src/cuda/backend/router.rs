@@ -4,14 +4,38 @@
 //! on the device with nothing read back, so that the graph scopes `moe_router` and
 //! `moe_preprocess` capture them. [`DeviceRouting::read_back`] is the device-to-host sync after
 //! the graph (Megatron-LM's `cuda_dtoh_point = "before_ep_alltoall"`): the same [`Routing`]
-//! the host's [`super::route`] gives, for the eager all-to-all and combine.
+//! the host's [`crate::moe::route`] gives, for the eager all-to-all and combine.
 
+use crate::backend::RouterOps;
+use crate::cuda::Gpu;
 use crate::cuda::kernels::moe::{self as k, Capacity, RouteDims, ScoreMode, TopK};
 use crate::error::Result;
+use crate::ops::matmul_into;
 use crate::tensor::{DType, Tensor};
 
-use super::router::{RoutingParts, aux_groups, check_route};
-use super::{RouterConfig, Routing, ScoreFunction};
+use crate::moe::router::{RoutingParts, aux_groups, check_route};
+use crate::moe::{RouterConfig, Routing, ScoreFunction};
+
+impl RouterOps for Gpu {
+    /// The gate's product on cuBLAS, then [`DeviceRouting`]: nothing read back.
+    fn route_on_device(
+        &self,
+        x: &Tensor,
+        gate: &Tensor,
+        (seq, config, bias): (usize, &RouterConfig, Option<&Tensor>),
+        permute: bool,
+    ) -> Result<Option<(Tensor, DeviceRouting)>> {
+        let h = gate.dims()[1];
+        let rows = x.to_f32_contiguous()?.reshape([x.numel() / h, h])?;
+        let logits = Tensor::empty_on([rows.dims()[0], config.num_experts], DType::F32, self)?;
+        matmul_into(1.0, &rows, &gate.t()?, 0.0, &logits)?;
+        let mut routing = DeviceRouting::new(&logits, seq, config, bias)?;
+        if permute {
+            routing = routing.with_permuted(&rows)?;
+        }
+        Ok(Some((logits, routing)))
+    }
+}
 
 /// A routing computed on the device: every part of a [`Routing`] as a device tensor, and the
 /// permuted tokens when they were asked for.
@@ -136,7 +160,7 @@ impl DeviceRouting {
     /// The router's backward on the device: the gradient of the `logits` this routing came from
     /// (`[tokens, experts]`), from the weights' gradient `dprobs` (`[tokens, experts]`, f32)
     /// and the losses' gradients scaled by `loss_scale` (one f32 on the device, so that a graph
-    /// replays the current one), as [`super::route_backward`] computes it on the host.
+    /// replays the current one), as [`crate::moe::route_backward`] computes it on the host.
     pub fn backward(
         &self,
         logits: &Tensor,
@@ -196,7 +220,7 @@ impl DeviceRouting {
     /// The routing, read back to the host (the device-to-host sync): what the dispatch, the
     /// combine and the step's metrics read (the weights, where each token goes, the counts, the
     /// losses, the drops). What the backward reads stays on the device:
-    /// [`super::route_backward`] refuses this routing, [`DeviceRouting::backward`] takes it.
+    /// [`crate::moe::route_backward`] refuses this routing, [`DeviceRouting::backward`] takes it.
     pub fn read_back(&self) -> Result<Routing> {
         let RouteDims {
             tokens, experts, ..
@@ -242,7 +266,7 @@ fn apply_capacity(
                 &map.device_read::<i64>()?.view(),
                 dims,
                 c,
-                config.drop_policy == super::DropPolicy::Position,
+                config.drop_policy == crate::moe::DropPolicy::Position,
                 &mut keep.device_write::<i64>()?.view_mut(),
             )?;
             Some(keep)
