@@ -58,37 +58,6 @@ impl Checks<'_> {
         Ok(())
     }
 
-    /// `t` is a contiguous tensor on CUDA device `ordinal` (the device backends' buffers).
-    #[cfg(feature = "cuda")]
-    pub fn on_gpu(&self, op: &'static str, t: &Tensor, ordinal: usize) -> Result<()> {
-        t.contiguous_for(op)?;
-        let here = crate::tensor::Device::Cuda(ordinal);
-        if t.device() != here {
-            return Err(self.invalid(format!(
-                "{op}: the tensor is on {}, this communicator moves tensors on {here}",
-                t.device()
-            )));
-        }
-        Ok(())
-    }
-
-    /// Refuses `op` of a group of more than one rank inside a graph capture: for a backend
-    /// whose collectives meet the other ranks on the host, which a replayed graph would skip.
-    #[cfg(feature = "cuda")]
-    pub fn not_in_capture(&self, op: &'static str) -> Result<()> {
-        if self.ranks.len() > 1
-            && let Some(scope) = crate::cuda_graphs::capturing()
-        {
-            return Err(self.invalid(format!(
-                "{op} inside the capture of graph scope {scope}: the device-local communicator \
-                 meets the other ranks on the host, which a replayed graph would skip (leave \
-                 {scope} out of --cuda-graph-scope with more than one rank in this group, or \
-                 run one process per GPU with --backend nccl, whose calls are captured)"
-            )));
-        }
-        Ok(())
-    }
-
     /// The destination of a send is another member.
     pub fn destination(&self, dst: usize) -> Result<()> {
         self.peer("send destination", dst)?;

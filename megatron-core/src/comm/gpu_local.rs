@@ -618,3 +618,35 @@ impl Communicator for LocalGpuComm {
 fn dtype_code(dtype: DType) -> i64 {
     DType::ALL.iter().position(|&d| d == dtype).unwrap_or(0) as i64
 }
+
+/// The device backends' own checks (this one's and NCCL's).
+impl super::checks::Checks<'_> {
+    /// `t` is a contiguous tensor on CUDA device `ordinal` (the device backends' buffers).
+    pub(crate) fn on_gpu(&self, op: &'static str, t: &Tensor, ordinal: usize) -> Result<()> {
+        t.contiguous_for(op)?;
+        let here = crate::tensor::Device::Cuda(ordinal);
+        if t.device() != here {
+            return Err(self.invalid(format!(
+                "{op}: the tensor is on {}, this communicator moves tensors on {here}",
+                t.device()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Refuses `op` of a group of more than one rank inside a graph capture: for a backend
+    /// whose collectives meet the other ranks on the host, which a replayed graph would skip.
+    pub(crate) fn not_in_capture(&self, op: &'static str) -> Result<()> {
+        if self.ranks.len() > 1
+            && let Some(scope) = crate::cuda_graphs::capturing()
+        {
+            return Err(self.invalid(format!(
+                "{op} inside the capture of graph scope {scope}: the device-local communicator \
+                 meets the other ranks on the host, which a replayed graph would skip (leave \
+                 {scope} out of --cuda-graph-scope with more than one rank in this group, or \
+                 run one process per GPU with --backend nccl, whose calls are captured)"
+            )));
+        }
+        Ok(())
+    }
+}

@@ -33,6 +33,8 @@ mod device;
 mod error;
 #[cfg(feature = "cuda")]
 pub mod graph;
+#[cfg(not(feature = "cuda"))]
+pub use stand_in::graph;
 #[cfg(feature = "cuda")]
 pub mod kernels;
 #[cfg(feature = "cuda")]

@@ -62,6 +62,35 @@ impl DeviceRouting {
     }
 }
 
+/// CUDA graphs, in a build that has none.
+pub mod graph {
+    use super::{CudaError, Gpu};
+
+    /// A captured CUDA graph, in a build that has none: never made.
+    #[derive(Debug)]
+    pub struct Graph {
+        _never: (),
+    }
+
+    impl Graph {
+        /// Unreachable: no [`Gpu`] exists.
+        pub fn capture<E>(
+            gpu: &Gpu,
+            _region: impl FnOnce() -> std::result::Result<(), E>,
+        ) -> std::result::Result<Graph, E>
+        where
+            E: From<CudaError>,
+        {
+            match *gpu {}
+        }
+
+        /// Fails: this build has no CUDA support.
+        pub fn replay(&self) -> super::Result<()> {
+            Err(CudaError::NotBuilt)
+        }
+    }
+}
+
 /// Device memory, in a build that has none.
 #[derive(Debug)]
 pub(crate) enum DeviceMemory {}

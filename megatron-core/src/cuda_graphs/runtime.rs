@@ -20,12 +20,12 @@
 //! a graph reads are the ones the optimizer updates in place (values, bf16 compute copies,
 //! the distributed optimizer's all-gathered shards), so no hook has to run before a replay.
 
-#[cfg(feature = "cuda")]
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
 use crate::Result;
+use crate::cuda::graph::Graph;
 use crate::module::{Cx, Site};
 use crate::pipeline_parallel::Pass;
 use crate::tensor::{Device, Tensor};
@@ -67,10 +67,8 @@ struct Key {
 
 /// A captured scope: the graph (none on the CPU), its static inputs, and its outputs.
 struct Captured {
-    #[cfg(feature = "cuda")]
-    graph: Option<crate::cuda::graph::Graph>,
+    graph: Option<Graph>,
     inputs: Vec<Tensor>,
-    #[cfg(feature = "cuda")]
     outputs: Box<dyn Any + Send>,
 }
 
@@ -190,7 +188,6 @@ impl GraphRuntime {
                         );
                     }
                 }
-                #[cfg(feature = "cuda")]
                 if let Some(graph) = &captured.graph {
                     for (fixed, x) in captured.inputs.iter().zip(inputs) {
                         fixed.copy_from(x)?;
@@ -211,13 +208,12 @@ impl GraphRuntime {
                     Pass::Forward => state.stats.forward_captures += 1,
                     Pass::Backward => state.stats.backward_captures += 1,
                 }
-                #[cfg(feature = "cuda")]
                 if let Some(gpu) = inputs.first().and_then(|x| x.gpu()).cloned() {
                     state.random_draws.clear();
                     drop(state);
                     let mut out = None;
                     CAPTURING.with(|c| c.set(Some(scope)));
-                    let graph = crate::cuda::graph::Graph::capture(&gpu, || -> Result<()> {
+                    let graph = Graph::capture(&gpu, || -> Result<()> {
                         out = Some(body(cx, &inputs)?);
                         Ok(())
                     });
@@ -246,10 +242,8 @@ impl GraphRuntime {
                 state.uses.insert(
                     key,
                     Use::Captured(Captured {
-                        #[cfg(feature = "cuda")]
                         graph: None,
                         inputs: inputs.clone(),
-                        #[cfg(feature = "cuda")]
                         outputs: Box::new(()),
                     }),
                 );
