@@ -3,6 +3,8 @@
 //! gradients (same sites, so the same dropout masks), and a generated GPT on tp = 2 matches
 //! itself on tp = 1.
 
+mod support;
+
 use std::collections::BTreeMap;
 
 use megatron::comm::threads::launch;
@@ -633,7 +635,7 @@ fn gpt_on_two_tensor_parallel_ranks_matches_one() -> R<()> {
     let one = run(1);
     let two = run(2);
     for rank in &two {
-        close(&rank.0, &one[0].0, 1e-5, "loss");
+        support::assert_close_to_scale(&rank.0, &one[0].0, 1e-5, "loss");
     }
     for i in 0..one[0].1.len() {
         let parts: Vec<(&ParamSpec, &[f32])> = two
@@ -642,20 +644,9 @@ fn gpt_on_two_tensor_parallel_ranks_matches_one() -> R<()> {
             .collect();
         let whole = assemble_logical(&parts)?;
         let name = &one[0].1[i].0.name;
-        close(&whole, &one[0].1[i].1, 1e-4, name);
+        support::assert_close_to_scale(&whole, &one[0].1[i].1, 1e-4, name);
     }
     Ok(())
-}
-
-fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!(
-            (x - y).abs() <= tol * scale,
-            "{what}[{i}]: {x} vs {y} (scale {scale})"
-        );
-    }
 }
 
 #[test]

@@ -9,6 +9,8 @@
 #[path = "../megatron-core/tests/emulated/device.rs"]
 mod device;
 
+mod support;
+
 use std::sync::{Arc, Mutex};
 
 use megatron::job::{Observer, Placement, StepRecord, TrainJob};
@@ -136,15 +138,9 @@ fn curve(job: &TrainJob) -> Vec<(f64, f64)> {
     out
 }
 
+/// [`support::assert_curves_close`] with losses and norms below 1e-3 compared as 1e-3.
 fn assert_close(a: &[(f64, f64)], b: &[(f64, f64)], rel: f64, what: &str) {
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        for (u, v, name) in [(x.0, y.0, "loss"), (x.1, y.1, "grad norm")] {
-            assert!(
-                (u - v).abs() <= rel * v.abs().max(1e-3),
-                "{what}: step {i} {name} {u} vs {v}"
-            );
-        }
-    }
+    support::assert_curves_close(a, b, rel, 1e-3, what);
 }
 
 #[test]

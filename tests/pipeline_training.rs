@@ -4,6 +4,8 @@
 //! exchanges planned as NCCL needs them, and the tied embedding's gradient sum over the
 //! embedding group is what keeps them so.
 
+mod support;
+
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
 use megatron::models::GptConfig;
@@ -146,17 +148,9 @@ fn train(run: Run) -> (Vec<(f64, f64)>, Vec<f32>, Vec<f32>) {
     (curve, wte, last_wte)
 }
 
+/// [`support::assert_curves_close`] to 1e-5 of the reference's values.
 fn assert_close(a: &[(f64, f64)], b: &[(f64, f64)], what: &str) {
-    for (i, ((loss, norm), (l0, n0))) in a.iter().zip(b).enumerate() {
-        assert!(
-            (loss - l0).abs() <= 1e-5 * l0.abs(),
-            "{what} step {i}: loss {loss} vs {l0}"
-        );
-        assert!(
-            (norm - n0).abs() <= 1e-5 * n0.abs(),
-            "{what} step {i}: grad norm {norm} vs {n0}"
-        );
-    }
+    support::assert_curves_close(a, b, 1e-5, 0.0, what);
 }
 
 #[test]

@@ -1,6 +1,8 @@
 //! Tensor-parallel layers against their unsharded selves: the same logical computation on
 //! tp = 1, 2 and 4 gives the same outputs and, reassembled, the same gradients.
 
+mod support;
+
 use megatron::comm::threads::launch;
 use megatron::comm::{ParallelState, ReduceOp};
 use megatron::module::{
@@ -37,17 +39,6 @@ fn det(len: usize, salt: usize) -> Vec<f32> {
 
 fn tensor(data: Vec<f32>, shape: &[usize]) -> Tensor {
     Tensor::from_vec(data, shape).unwrap()
-}
-
-fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!(
-            (x - y).abs() <= tol * scale,
-            "{what}[{i}]: {x} vs {y} (scale {scale})"
-        );
-    }
 }
 
 /// Every parameter's spec and gradient on one rank.
@@ -116,8 +107,13 @@ fn column_then_row_parallel_mlp_matches_the_unsharded_one() {
         let out = run(tp);
         let sharded = assemble(&out.iter().map(|o| o.2.clone()).collect::<Vec<_>>());
         for rank in &out {
-            close(&rank.0, &reference[0].0, 1e-5, &format!("output tp {tp}"));
-            close(
+            support::assert_close_to_scale(
+                &rank.0,
+                &reference[0].0,
+                1e-5,
+                &format!("output tp {tp}"),
+            );
+            support::assert_close_to_scale(
                 &rank.1,
                 &reference[0].1,
                 1e-5,
@@ -125,7 +121,7 @@ fn column_then_row_parallel_mlp_matches_the_unsharded_one() {
             );
         }
         for ((name, g), (_, r)) in sharded.iter().zip(&ref_grads) {
-            close(g, r, 1e-5, &format!("{name} tp {tp}"));
+            support::assert_close_to_scale(g, r, 1e-5, &format!("{name} tp {tp}"));
         }
     }
 }
@@ -178,12 +174,17 @@ fn vocab_parallel_cross_entropy_equals_the_plain_one() {
             Ok((loss.to_vec::<f32>()?, d.to_vec::<f32>()?, comm))
         });
         for (rank, (loss, d, comm)) in out.iter().enumerate() {
-            close(loss, &plain.0, 1e-5, &format!("loss tp {tp}"));
+            support::assert_close_to_scale(loss, &plain.0, 1e-5, &format!("loss tp {tp}"));
             let local = padded / tp;
             let expected: Vec<f32> = (0..rows)
                 .flat_map(|r| plain.1[r * padded + rank * local..][..local].to_vec())
                 .collect();
-            close(d, &expected, 1e-5, &format!("dlogits tp {tp} rank {rank}"));
+            support::assert_close_to_scale(
+                d,
+                &expected,
+                1e-5,
+                &format!("dlogits tp {tp} rank {rank}"),
+            );
             // Three all-reduces of one f32 per row: never the logits.
             let ar = comm.get(megatron::comm::OpKind::AllReduce);
             assert_eq!((ar.calls, ar.bytes), (3, 3 * rows as u64 * 4), "tp {tp}");
@@ -242,8 +243,8 @@ fn vocab_parallel_embedding_and_tied_logits_match_the_whole_table() {
         let padded = out[0].4;
         assert_eq!(padded, padded_vocab_size(vocab, 4, tp));
         for rank in &out {
-            close(&rank.0, &reference.0, 1e-6, "lookup");
-            close(&rank.2, &reference.2, 1e-5, "tied output input grad");
+            support::assert_close_to_scale(&rank.0, &reference.0, 1e-6, "lookup");
+            support::assert_close_to_scale(&rank.2, &reference.2, 1e-5, "tied output input grad");
         }
         // Gathered logits: the real vocabulary matches, padding is −∞.
         let local = padded / tp;
@@ -251,14 +252,19 @@ fn vocab_parallel_embedding_and_tied_logits_match_the_whole_table() {
             for v in 0..padded {
                 let got = out[v / local].1[row * local + v % local];
                 if v < vocab {
-                    close(&[got], &[reference.1[row * 16 + v]], 1e-5, "logit");
+                    support::assert_close_to_scale(
+                        &[got],
+                        &[reference.1[row * 16 + v]],
+                        1e-5,
+                        "logit",
+                    );
                 } else {
                     assert_eq!(got, f32::NEG_INFINITY);
                 }
             }
         }
         let g = assemble(&out.iter().map(|o| o.3.clone()).collect::<Vec<_>>());
-        close(
+        support::assert_close_to_scale(
             &g[0].1[..vocab * h],
             &reference.3[0].1[..vocab * h],
             1e-5,
@@ -358,13 +364,13 @@ fn head_split_attention_with_dropout_matches_tp1() {
                 .flat_map(|r| parts.iter().flat_map(move |p| rows(p, r)))
                 .collect()
         };
-        close(
+        support::assert_close_to_scale(
             &gather(false, heads * d),
             &whole.0,
             1e-5,
             &format!("attention output tp {tp}"),
         );
-        close(
+        support::assert_close_to_scale(
             &gather(true, width),
             &whole.1,
             1e-5,

@@ -138,3 +138,35 @@ pub fn assert_close_f32(got: &[f32], want: &[f32], what: &str) {
         );
     }
 }
+
+/// Asserts that `got` and `want` have the same length and agree to `tol` times the largest
+/// magnitude in `want` (at least 1e-6), naming `what` and the first element that does not.
+pub fn assert_close_to_scale(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    for (i, (x, y)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (x - y).abs() <= tol * scale,
+            "{what}[{i}]: {x} vs {y} (scale {scale})"
+        );
+    }
+}
+
+/// Asserts that two runs' (loss, gradient norm) curves agree step by step to `rel` of the
+/// second's values (of at least `floor` in magnitude), naming `what`, the step and the value.
+pub fn assert_curves_close(
+    got: &[(f64, f64)],
+    want: &[(f64, f64)],
+    rel: f64,
+    floor: f64,
+    what: &str,
+) {
+    for (i, (x, y)) in got.iter().zip(want).enumerate() {
+        for (u, v, name) in [(x.0, y.0, "loss"), (x.1, y.1, "grad norm")] {
+            assert!(
+                (u - v).abs() <= rel * v.abs().max(floor),
+                "{what}: step {i} {name} {u} vs {v}"
+            );
+        }
+    }
+}
