@@ -2,12 +2,13 @@
 //! out as Megatron-LM lays them out ([`crate::optimizer::layout`]).
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use super::{Module, ParamSpec};
 use crate::comm::{Communicator, ParallelState};
 use crate::error::Result;
 use crate::invalid;
-use crate::optimizer::{LayoutConfig, ParamInfo, layout};
+use crate::optimizer::{BufferLayout, LayoutConfig, ParamInfo, layout};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 
@@ -46,6 +47,19 @@ pub struct Bucket {
     /// Whether it holds experts' parameters: reduced (and sharded) over the expert
     /// data-parallel group instead of the data-parallel one.
     pub expert: bool,
+    /// Where it comes from: its buffer's layout (Megatron-LM's, `optimizer::layout`), placed at
+    /// an offset of the flat buffers, and its index there.
+    source: LayoutBucket,
+}
+
+/// A bucket of a [`BufferLayout`] placed in the flat buffers: the layout, where the buffer
+/// starts, the slot of the layout's first parameter, and the bucket's index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct LayoutBucket {
+    layout: Arc<BufferLayout>,
+    base: usize,
+    first_slot: usize,
+    index: usize,
 }
 
 /// A rank's index in the groups the buckets are sharded over: data parallelism for dense
@@ -106,9 +120,10 @@ impl<'a> ReduceGroups<'a> {
     }
 }
 
-/// One parameter's part in a rank's shard of a bucket.
+/// One parameter's part in a rank's shard of a bucket, in the flat buffers (the layout's
+/// [`crate::optimizer::ShardPart`] placed there).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ShardPart {
+pub struct SlotPart {
     /// The parameter's slot.
     pub slot: usize,
     /// The part's elements in the flat buffers.
@@ -117,28 +132,25 @@ pub struct ShardPart {
 
 impl Bucket {
     /// Rank `rank`'s shard: its elements in the flat buffers and the parameters' parts in it
-    /// (`None` without shards).
-    pub fn shard(
-        &self,
-        rank: usize,
-        slots: &[ParamSlot],
-    ) -> Option<(Range<usize>, Vec<ShardPart>)> {
-        let shards = self.shards?;
-        let size = self.range.len() / shards;
-        let world = self.range.start + rank * size..self.range.start + (rank + 1) * size;
-        let parts = self
-            .slots
+    /// (`None` without shards), as [`BufferLayout::shard`] cuts it.
+    pub fn shard(&self, rank: usize) -> Option<(Range<usize>, Vec<SlotPart>)> {
+        let LayoutBucket {
+            layout,
+            base,
+            first_slot,
+            index,
+        } = &self.source;
+        let shard = layout.shard(rank, *index)?;
+        let placed = |r: &Range<usize>| base + r.start..base + r.end;
+        let parts = shard
+            .parts
             .iter()
-            .filter_map(|&slot| {
-                let r = slots[slot].range();
-                let (start, end) = (r.start.max(world.start), r.end.min(world.end));
-                (end > start).then_some(ShardPart {
-                    slot,
-                    range: start..end,
-                })
+            .map(|p| SlotPart {
+                slot: first_slot + p.param,
+                range: placed(&p.gbuf_world),
             })
             .collect();
-        Some((world, parts))
+        Some((placed(&shard.world), parts))
     }
 }
 
@@ -228,7 +240,7 @@ impl ParamBuffers {
                 .collect();
             let buffers = layout(&infos, &config)?;
             // One dtype: at most two buffers per chunk, the dense one and the experts'.
-            for buffer in &buffers {
+            for buffer in buffers.into_iter().map(Arc::new) {
                 grad_dtype = buffer.key.grad_dtype;
                 for p in &buffer.placements {
                     offsets[first + p.param] = base + p.range.start;
@@ -244,6 +256,12 @@ impl ParamBuffers {
                             .map(|p| first + p.param)
                             .collect(),
                         expert: buffer.key.expert,
+                        source: LayoutBucket {
+                            layout: Arc::clone(&buffer),
+                            base,
+                            first_slot: first,
+                            index: b,
+                        },
                     });
                 }
                 base += buffer.numel();
@@ -407,10 +425,10 @@ impl ParamBuffers {
 
     /// The shard of every bucket a rank at `ranks` holds: its range and its parameters' parts
     /// (empty without the distributed optimizer).
-    pub fn shards(&self, ranks: ShardRanks) -> Vec<(Range<usize>, Vec<ShardPart>)> {
+    pub fn shards(&self, ranks: ShardRanks) -> Vec<(Range<usize>, Vec<SlotPart>)> {
         self.buckets
             .iter()
-            .filter_map(|b| b.shard(ranks.of(b), &self.slots))
+            .filter_map(|b| b.shard(ranks.of(b)))
             .collect()
     }
 

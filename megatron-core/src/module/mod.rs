@@ -17,7 +17,7 @@ mod site;
 use std::fmt;
 
 pub use buffers::{
-    Bucket, PackLayout, ParamBuffers, ParamSlot, ReduceGroups, ShardPart, ShardRanks,
+    Bucket, PackLayout, ParamBuffers, ParamSlot, ReduceGroups, ShardRanks, SlotPart,
 };
 pub use param::{Builder, Init, Param, ParamSpec, Split, assemble_logical, initial_values};
 pub use recompute::{Recompute, StackSaved, stack_backward, stack_forward};

@@ -595,7 +595,7 @@ pub fn reduce_gradients(buffers: &ParamBuffers, groups: ReduceGroups<'_>) -> Res
             continue;
         }
         let whole = grads.narrow(0, bucket.range.start, bucket.range.len())?;
-        match bucket.shard(group.index(), buffers.slots()) {
+        match bucket.shard(group.index()) {
             Some((shard, _)) => {
                 let mine = grads.narrow(0, shard.start, shard.len())?;
                 group.reduce_scatter(&whole, &mine, ReduceOp::Sum)?;
@@ -619,7 +619,7 @@ pub fn gather_parameters(buffers: &ParamBuffers, groups: ReduceGroups<'_>) -> Re
         if group.size() == 1 {
             continue;
         }
-        if let Some((shard, _)) = bucket.shard(group.index(), buffers.slots()) {
+        if let Some((shard, _)) = bucket.shard(group.index()) {
             let whole = values.narrow(0, bucket.range.start, bucket.range.len())?;
             let mine = values.narrow(0, shard.start, shard.len())?;
             group.all_gather(&mine, &whole)?;
