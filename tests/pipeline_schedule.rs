@@ -6,7 +6,7 @@
 
 mod support;
 use megatron::pipeline_parallel::{
-    Pass, RankCounts, Schedule, ScheduleConfig, ScheduleError, Slot, order_from_table,
+    Pass, RankCounts, Schedule, ScheduleConfig, ScheduleError, TableEntry, order_from_table,
     schedule_table, simulate, traces,
 };
 use support::megatron;
@@ -211,19 +211,19 @@ fn every_order_is_a_valid_pipeline_holding_at_most_warmup_plus_one_activations()
             );
             // Each microbatch goes through each chunk once each way, forward first; the n-th
             // forward is the table's n-th slot, the n-th backward that slot's mirrored chunk.
-            let forwards: Vec<Slot> = ops
+            let forwards: Vec<TableEntry> = ops
                 .iter()
                 .filter(|o| o.pass == Pass::Forward)
-                .map(|o| Slot {
+                .map(|o| TableEntry {
                     microbatch: o.microbatch,
                     chunk: o.chunk,
                 })
                 .collect();
             assert_eq!(forwards, schedule.table, "{config:?}");
-            let backwards: Vec<Slot> = ops
+            let backwards: Vec<TableEntry> = ops
                 .iter()
                 .filter(|o| o.pass == Pass::Backward)
-                .map(|o| Slot {
+                .map(|o| TableEntry {
                     microbatch: o.microbatch,
                     chunk: config.vpp - 1 - o.chunk,
                 })

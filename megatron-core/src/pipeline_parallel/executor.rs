@@ -22,7 +22,7 @@ pub enum Pass {
 
 /// One pass of one microbatch through one local chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Op {
+pub struct ScheduledPass {
     /// Forward or backward.
     pub pass: Pass,
     /// The local chunk, 0-based.
@@ -196,14 +196,14 @@ pub fn execute<S: Stage>(actions: &[Action], stage: &mut S) -> Result<WalkStats,
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RecordingStage {
     /// The passes, in the order they ran.
-    pub ops: Vec<Op>,
+    pub ops: Vec<ScheduledPass>,
 }
 
 impl Stage for RecordingStage {
     type Error = WalkError;
 
     fn forward(&mut self, chunk: usize, microbatch: usize) -> Result<(), WalkError> {
-        self.ops.push(Op {
+        self.ops.push(ScheduledPass {
             pass: Pass::Forward,
             chunk,
             microbatch,
@@ -212,7 +212,7 @@ impl Stage for RecordingStage {
     }
 
     fn backward(&mut self, chunk: usize, microbatch: usize) -> Result<(), WalkError> {
-        self.ops.push(Op {
+        self.ops.push(ScheduledPass {
             pass: Pass::Backward,
             chunk,
             microbatch,

@@ -13,7 +13,7 @@ use thiserror::Error;
 
 /// A layer assignment Megatron-LM refuses; the messages name the numbers.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
-pub enum LayoutError {
+pub enum StageLayoutError {
     /// The layers do not divide over the stages.
     #[error("{layers} layers {what} do not divide over {stages}: {hint}")]
     NotDivisible {
@@ -88,12 +88,12 @@ impl PipelineLayout {
         vpp: usize,
         first: Option<usize>,
         last: Option<usize>,
-    ) -> Result<PipelineLayout, LayoutError> {
+    ) -> Result<PipelineLayout, StageLayoutError> {
         let (pp, vpp) = (pp.max(1), vpp.max(1));
         let mut per_rank = vec![0usize; pp];
         if first.is_none() && last.is_none() {
             if !layers.is_multiple_of(pp) {
-                return Err(LayoutError::NotDivisible {
+                return Err(StageLayoutError::NotDivisible {
                     layers,
                     what: "of the model",
                     stages: format!("--pipeline-model-parallel-size {pp} stages"),
@@ -107,7 +107,7 @@ impl PipelineLayout {
             let ends = usize::from(first.is_some()) + usize::from(last.is_some());
             let middle_stages = pp.saturating_sub(ends);
             if f + l > layers {
-                return Err(LayoutError::UnevenEnds {
+                return Err(StageLayoutError::UnevenEnds {
                     first: f,
                     last: l,
                     relation: "exceed",
@@ -118,7 +118,7 @@ impl PipelineLayout {
             let middle = layers - f - l;
             if middle_stages == 0 {
                 if middle != 0 {
-                    return Err(LayoutError::UnevenEnds {
+                    return Err(StageLayoutError::UnevenEnds {
                         first: f,
                         last: l,
                         relation: "do not add up to",
@@ -127,7 +127,7 @@ impl PipelineLayout {
                     });
                 }
             } else if !middle.is_multiple_of(middle_stages) {
-                return Err(LayoutError::NotDivisible {
+                return Err(StageLayoutError::NotDivisible {
                     layers: middle,
                     what: "left after the uneven first and last stages",
                     stages: format!("the {middle_stages} other stages"),
@@ -147,7 +147,7 @@ impl PipelineLayout {
         if vpp > 1
             && let Some(&bad) = per_rank.iter().find(|n| !n.is_multiple_of(vpp))
         {
-            return Err(LayoutError::NotDivisible {
+            return Err(StageLayoutError::NotDivisible {
                 layers: bad,
                 what: "of a pipeline rank",
                 stages: format!("its --virtual-pipeline-model-parallel-size {vpp} virtual stages"),

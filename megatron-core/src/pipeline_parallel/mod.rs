@@ -13,11 +13,13 @@ pub mod plan;
 pub mod schedule;
 pub mod simulate;
 
-pub use executor::{Op, Pass, RecordingStage, Stage, WalkError, WalkStats, execute, walk};
-pub use layout::{LayoutError, PipelineLayout, StagePart};
+pub use executor::{
+    Pass, RecordingStage, ScheduledPass, Stage, WalkError, WalkStats, execute, walk,
+};
+pub use layout::{PipelineLayout, StageLayoutError, StagePart};
 pub use plan::{Action, Delivery, PlanError, RankPlan, Transfer, plan};
 pub use schedule::{
-    RankCounts, RankSchedule, Schedule, ScheduleConfig, ScheduleError, Slot, order_from_table,
-    schedule_table,
+    RankCounts, RankSchedule, Schedule, ScheduleConfig, ScheduleError, TableEntry,
+    order_from_table, schedule_table,
 };
 pub use simulate::{PipelineError, Timed, Timeline, draw, simulate, traces};

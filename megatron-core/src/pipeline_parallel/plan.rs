@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use thiserror::Error;
 
-use super::executor::{Op, Pass};
+use super::executor::{Pass, ScheduledPass};
 use super::schedule::Schedule;
 use super::simulate::{PipelineError, simulate};
 
@@ -54,7 +54,7 @@ pub struct Transfer {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
     /// Run a pass.
-    Run(Op),
+    Run(ScheduledPass),
     /// Send and receive the messages of time step `step`, in one batch.
     Exchange {
         /// The time step.
@@ -87,7 +87,7 @@ pub enum PlanError {
         /// The rank.
         rank: usize,
         /// The pass.
-        op: Op,
+        op: ScheduledPass,
     },
     /// A message is sent and never received, or received and never sent.
     #[error(
@@ -138,7 +138,7 @@ pub fn plan(schedule: &Schedule, delivery: Delivery) -> Result<Vec<RankPlan>, Pl
         .collect();
     for (rank, passes) in timeline.ranks.iter().enumerate() {
         for timed in passes {
-            let Op {
+            let ScheduledPass {
                 pass,
                 chunk,
                 microbatch,

@@ -207,7 +207,7 @@ impl ScheduleConfig {
 
 /// One entry of the schedule table: which microbatch runs through which local chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Slot {
+pub struct TableEntry {
     /// The microbatch, 0-based.
     pub microbatch: usize,
     /// The local model chunk, 0-based.
@@ -216,7 +216,7 @@ pub struct Slot {
 
 /// Megatron-LM's `get_schedule_table`: for each group of `group` consecutive microbatches (the
 /// last group takes the rest), every chunk in turn runs the whole group.
-pub fn schedule_table(microbatches: usize, chunks: usize, group: usize) -> Vec<Slot> {
+pub fn schedule_table(microbatches: usize, chunks: usize, group: usize) -> Vec<TableEntry> {
     let group = group.max(1);
     let mut table = Vec::with_capacity(microbatches * chunks);
     let mut first = 0;
@@ -227,7 +227,7 @@ pub fn schedule_table(microbatches: usize, chunks: usize, group: usize) -> Vec<S
             first + group
         };
         for chunk in 0..chunks {
-            table.extend((first..end).map(|microbatch| Slot { microbatch, chunk }));
+            table.extend((first..end).map(|microbatch| TableEntry { microbatch, chunk }));
         }
         first += group;
     }
@@ -279,11 +279,11 @@ impl RankCounts {
 
 /// Megatron-LM's `convert_schedule_table_to_order` for a rank with `warmup` warm-up forwards
 /// and `chunks` chunks: `+k` is a forward of chunk `k − 1`, `−k` a backward of chunk `k − 1`.
-pub fn order_from_table(table: &[Slot], chunks: usize, warmup: usize) -> Vec<i32> {
+pub fn order_from_table(table: &[TableEntry], chunks: usize, warmup: usize) -> Vec<i32> {
     let warmup = warmup.min(table.len());
-    let forward = |slot: &Slot| slot.chunk as i32 + 1;
+    let forward = |slot: &TableEntry| slot.chunk as i32 + 1;
     // The n-th backward runs the n-th entry's mirrored chunk: −(chunks − chunk).
-    let backward = |slot: &Slot| slot.chunk as i32 - chunks as i32;
+    let backward = |slot: &TableEntry| slot.chunk as i32 - chunks as i32;
     let mut order: Vec<i32> = table[..warmup].iter().map(forward).collect();
     for i in warmup..table.len() {
         order.push(forward(&table[i]));
@@ -311,7 +311,7 @@ pub struct Schedule {
     /// What it was built from (validated).
     pub config: ScheduleConfig,
     /// The schedule table.
-    pub table: Vec<Slot>,
+    pub table: Vec<TableEntry>,
     /// Every pipeline rank's schedule, by rank.
     pub ranks: Vec<RankSchedule>,
 }

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 
 use thiserror::Error;
 
-use super::executor::{Op, Pass, RecordingStage, WalkError, WalkStats, walk};
+use super::executor::{Pass, RecordingStage, ScheduledPass, WalkError, WalkStats, walk};
 use super::schedule::Schedule;
 
 /// Why a schedule is not a valid pipeline.
@@ -48,11 +48,11 @@ pub enum PipelineError {
     #[error("deadlock: {}", describe_waits(.waiting))]
     Deadlock {
         /// Each blocked rank, the pass it cannot start and the pass whose output it waits for.
-        waiting: Vec<(usize, Op, Pass, usize, usize)>,
+        waiting: Vec<(usize, ScheduledPass, Pass, usize, usize)>,
     },
 }
 
-fn describe_waits(waiting: &[(usize, Op, Pass, usize, usize)]) -> String {
+fn describe_waits(waiting: &[(usize, ScheduledPass, Pass, usize, usize)]) -> String {
     waiting
         .iter()
         .map(|(rank, op, pass, stage, mb)| {
@@ -69,7 +69,7 @@ fn describe_waits(waiting: &[(usize, Op, Pass, usize, usize)]) -> String {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Timed {
     /// The pass.
-    pub op: Op,
+    pub op: ScheduledPass,
     /// When it starts.
     pub start: u64,
     /// When it ends.
@@ -98,7 +98,7 @@ impl Timeline {
 }
 
 /// Each rank's passes as the executor runs its order, and what the walk measured.
-pub fn traces(schedule: &Schedule) -> Result<Vec<(Vec<Op>, WalkStats)>, PipelineError> {
+pub fn traces(schedule: &Schedule) -> Result<Vec<(Vec<ScheduledPass>, WalkStats)>, PipelineError> {
     let c = &schedule.config;
     schedule
         .ranks
@@ -117,7 +117,7 @@ pub fn traces(schedule: &Schedule) -> Result<Vec<(Vec<Op>, WalkStats)>, Pipeline
 }
 
 /// The pass an op waits for: (pass, virtual stage, microbatch), if any.
-fn dependency(op: &Op, stage: usize, stages: usize) -> Option<(Pass, usize, usize)> {
+fn dependency(op: &ScheduledPass, stage: usize, stages: usize) -> Option<(Pass, usize, usize)> {
     match op.pass {
         Pass::Forward => (stage > 0).then(|| (Pass::Forward, stage - 1, op.microbatch)),
         Pass::Backward if stage + 1 < stages => Some((Pass::Backward, stage + 1, op.microbatch)),
@@ -130,7 +130,7 @@ fn dependency(op: &Op, stage: usize, stages: usize) -> Option<(Pass, usize, usiz
 /// are awaited in the order they are sent: a communicator delivers a pair's messages in order.
 fn check_channels(
     schedule: &Schedule,
-    traces: &[(Vec<Op>, WalkStats)],
+    traces: &[(Vec<ScheduledPass>, WalkStats)],
 ) -> Result<(), PipelineError> {
     let pp = schedule.config.pp;
     let stages = pp * schedule.config.vpp;

@@ -5,17 +5,17 @@
 
 mod checkpointing;
 mod data;
+mod lr_schedule;
 mod optimizer;
 mod pipeline;
-mod schedule;
 
 use std::time::Instant;
 
 pub use checkpointing::{SaveInfo, load_params, open_checkpoint};
 pub use data::{BatchPlan, Sampler, TokenStream, Windows};
+pub use lr_schedule::{DecayStyle, LrSchedule};
 pub use optimizer::{AdamW, AdamWConfig, clip_coefficient, grad_norm};
 pub use pipeline::{Chunks, PipelinedLanguageModel};
-pub use schedule::{DecayStyle, LrSchedule};
 
 use crate::comm::{CommStats, ParallelState, ReduceOp};
 use crate::cuda_graphs::{GraphRuntime, GraphStats, ScopeSet};
