@@ -7,6 +7,7 @@ pub mod expert_tp;
 pub mod experts;
 pub mod routed;
 pub mod router;
+pub mod step;
 
 pub use dispatcher::{
     CombineSaved, Dispatch, DispatcherKind, combine, combine_backward, dispatch, dispatch_backward,
@@ -14,9 +15,9 @@ pub use dispatcher::{
 pub use expert_tp::{TpRows, gather_expert_rows, reduce_scatter_expert_rows, regather_expert_rows};
 pub use routed::{
     ExpertParallelSaved, GateSaved, RoutedExperts, RoutedExpertsSpec, RouterOutput, RouterSaved,
-    RoutingLog, RoutingTotals,
 };
 pub use router::{
     DropPolicy, LoadBalancing, RouterConfig, RouterError, Routing, ScoreFunction, route,
     route_backward, update_expert_bias,
 };
+pub use step::{RoutingLog, RoutingTotals};

@@ -328,79 +328,6 @@ impl<M: LanguageModel> Trainer<M> {
         (!self.graphs.scopes().is_empty()).then(|| self.graphs.stats())
     }
 
-    /// Megatron-LM's aux-loss-free balancing, at the end of a step's backward (before the
-    /// update, as Megatron-LM's `finalize_model_grads`, skipped steps included): each biased
-    /// router's expert bias moves by its rate towards the mean load of the step's tokens,
-    /// summed over the data-parallel ranks (a collective of dp, with biased routers only).
-    fn update_expert_biases(&mut self, parallel: &ParallelState) -> Result<()> {
-        let loads = self.routing_log.take_loads();
-        if loads.is_empty() {
-            return Ok(());
-        }
-        // f32 holds the counts exactly up to 2^24 tokens per expert and step.
-        let row: Vec<f32> = loads
-            .values()
-            .flat_map(|(load, _)| load.iter().map(|&n| n as f32))
-            .collect();
-        let total = Tensor::zeros_near([row.len()], DType::F32, self.buffers.grads())?;
-        total.copy_from(&Tensor::from_vec(row, [total.numel()])?)?;
-        parallel.dp().all_reduce(&total, ReduceOp::Sum)?;
-        let total = total.to_vec::<f32>()?;
-        let mut at = 0;
-        for (name, (load, rate)) in &loads {
-            let experts = load.len();
-            let Some(slot) = self.buffers.slots().iter().find(|s| &s.spec.name == name) else {
-                return invalid!("the expert bias {name} is not among the trained parameters");
-            };
-            let range = slot.range();
-            let mut bias = self
-                .buffers
-                .values()
-                .narrow(0, range.start, range.len())?
-                .to_vec_f32()?;
-            crate::moe::update_expert_bias(&mut bias, &total[at..at + experts], *rate);
-            self.optimizer.set_values(&self.buffers, range, &bias)?;
-            at += experts;
-        }
-        Ok(())
-    }
-
-    /// What the MoE layers' routers did in the step just run, summed over the data-parallel
-    /// ranks and the pipeline stages (a collective of both groups); `None` without MoE layers.
-    fn routing_totals(&self, parallel: &ParallelState) -> Result<Option<RoutingTotals>> {
-        let mine = self.routing_log.take();
-        let experts = self.routing_experts;
-        if experts == 0 {
-            return Ok(None);
-        }
-        let mut row = vec![
-            mine.routings as f64,
-            mine.aux_loss,
-            mine.z_loss,
-            mine.chosen as f64,
-            mine.dropped as f64,
-        ];
-        row.extend((0..experts).map(|e| mine.tokens_per_expert.get(e).map_or(0.0, |&t| t as f64)));
-        // f32 holds the counts exactly up to 2^24 tokens per expert and step.
-        let host = Tensor::from_vec(
-            row.iter().map(|&v| v as f32).collect::<Vec<_>>(),
-            [row.len()],
-        )?;
-        let t = Tensor::zeros_near([row.len()], DType::F32, self.buffers.grads())?;
-        t.copy_from(&host)?;
-        parallel.dp().all_reduce(&t, ReduceOp::Sum)?;
-        parallel.pp().all_reduce(&t, ReduceOp::Sum)?;
-        let v = t.to_vec::<f32>()?;
-        Ok(Some(RoutingTotals {
-            routings: v[0] as usize,
-            aux_loss: f64::from(v[1]),
-            z_loss: f64::from(v[2]),
-            chosen: v[3] as u64,
-            dropped: v[4] as u64,
-            tokens_per_expert: v[5..].iter().map(|&c| c as u64).collect(),
-        }))
-    }
-
     /// Runs step `step`: every microbatch forward and backward, the gradient all-reduce over the
     /// data-parallel group, clipping and the optimizer update.
     pub fn step(&mut self, parallel: &ParallelState, step: u64) -> Result<StepMetrics> {
@@ -450,8 +377,16 @@ impl<M: LanguageModel> Trainer<M> {
         }
         parallel.dp().all_reduce(&loss, ReduceOp::Sum)?;
         let loss = f64::from(loss.to_vec::<f32>()?[0]) / tokens as f64;
-        let routing = self.routing_totals(parallel)?;
-        self.update_expert_biases(parallel)?;
+        let like = self.buffers.grads();
+        let routing = self
+            .routing_log
+            .totals(parallel, self.routing_experts, like)?;
+        for (range, bias) in self
+            .routing_log
+            .expert_bias_updates(parallel, &self.buffers)?
+        {
+            self.optimizer.set_values(&self.buffers, range, &bias)?;
+        }
         // With loss scaling the gradients are unscaled, and a step with inf or NaN in them on
         // any rank is skipped by all (Megatron-LM reduces the flag over every rank that holds
         // gradients: the whole world here).
