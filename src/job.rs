@@ -167,21 +167,6 @@ pub enum Placement {
     },
 }
 
-#[cfg(feature = "cuda")]
-impl Placement {
-    /// Sets a rank's GPU handle to compute as this placement says.
-    fn configure(&self, gpu: &megatron_core::cuda::Gpu) {
-        if let Placement::Cuda {
-            bf16,
-            flash_attention,
-        } = *self
-        {
-            gpu.set_bf16_products(bf16);
-            gpu.set_flash_attention(flash_attention);
-        }
-    }
-}
-
 /// Periodic evaluation.
 #[derive(Debug, Clone)]
 pub struct Eval {
@@ -270,11 +255,11 @@ impl Summary {
 }
 
 /// Moves a rank's trainer to its device (nothing on the CPU).
-type Placer<'a> = dyn Fn(&mut Trainer<Gpt>) -> Result<()> + Sync + 'a;
+pub(crate) type Placer<'a> = dyn Fn(&mut Trainer<Gpt>) -> Result<()> + Sync + 'a;
 
 /// What every rank of a run shares: the layout, the observers (called on global rank 0) and the
 /// summary rank 0 fills.
-struct RunContext<'a> {
+pub(crate) struct RunContext<'a> {
     layout: ParallelLayout,
     observers: Mutex<&'a mut [Box<dyn Observer>]>,
     summary: Mutex<Summary>,
@@ -305,47 +290,8 @@ impl TrainJob {
                 self.run_rank(&w, &context, &|_| Ok(()))
             })
             .map_err(anyhow::Error::msg)?,
-            Placement::Cuda { .. } => self.run_threads_on_gpu(&context)?,
+            Placement::Cuda { .. } => crate::gpu::run_threads(self, &context)?,
         };
-        Ok(context.finish(start))
-    }
-
-    /// Thread ranks on GPU 0, communicating with the device-local communicator.
-    #[cfg(feature = "cuda")]
-    fn run_threads_on_gpu(&self, context: &RunContext<'_>) -> Result<Vec<()>> {
-        use megatron_core::comm::gpu_local::LocalGpu;
-        use megatron_core::cuda::Gpu;
-        let gpu = Gpu::new(0)?;
-        let shared = LocalGpu::new(&gpu);
-        launch(self.world_size(), |w| -> Result<()> {
-            let world = shared.world(std::sync::Arc::new(w))?;
-            let gpu = world.gpu().clone();
-            self.device.configure(&gpu);
-            self.run_rank(&world, context, &|trainer| Ok(trainer.to_gpu(&gpu)?))
-        })
-        .map_err(anyhow::Error::msg)
-    }
-
-    /// Without the `cuda` feature there is no GPU to run on.
-    #[cfg(not(feature = "cuda"))]
-    fn run_threads_on_gpu(&self, _context: &RunContext<'_>) -> Result<Vec<()>> {
-        bail!("this build has no GPU support: cargo build --release --features cuda")
-    }
-
-    /// Runs this process's rank of an NCCL world (one GPU per process): parameters, gradients
-    /// and optimizer state on the process's GPU.
-    #[cfg(all(feature = "cuda", feature = "mpi"))]
-    pub fn run_on_nccl(
-        &self,
-        world: &megatron_core::comm::nccl::NcclWorld,
-        observers: &mut [Box<dyn Observer>],
-    ) -> Result<Summary> {
-        let start = Instant::now();
-        self.check_world(world.size())?;
-        let gpu = world.gpu().clone();
-        self.device.configure(&gpu);
-        let context = self.context(observers)?;
-        self.run_rank(world, &context, &|trainer| Ok(trainer.to_gpu(&gpu)?))?;
         Ok(context.finish(start))
     }
 
@@ -367,7 +313,7 @@ impl TrainJob {
     }
 
     /// A world of `size` processes has the job's tp × pp × dp ranks.
-    fn check_world(&self, size: usize) -> Result<()> {
+    pub(crate) fn check_world(&self, size: usize) -> Result<()> {
         if size != self.world_size() {
             bail!(
                 "{} needs {} ranks, the world has {size} (start as many processes)",
@@ -405,7 +351,10 @@ impl TrainJob {
         format!("TP={}{pp} × DP={}{ep}{sharded}", self.tp, self.dp)
     }
 
-    fn context<'a>(&self, observers: &'a mut [Box<dyn Observer>]) -> Result<RunContext<'a>> {
+    pub(crate) fn context<'a>(
+        &self,
+        observers: &'a mut [Box<dyn Observer>],
+    ) -> Result<RunContext<'a>> {
         if self.tp == 0 || self.dp == 0 || self.pipeline.pp == 0 {
             bail!(
                 "--tensor-model-parallel-size, --pipeline-model-parallel-size and \
@@ -441,7 +390,12 @@ impl TrainJob {
     }
 
     /// One rank's whole run: build, load, place (on its device), train, evaluate, save.
-    fn run_rank(&self, w: &dyn World, cx: &RunContext<'_>, place: &Placer<'_>) -> Result<()> {
+    pub(crate) fn run_rank(
+        &self,
+        w: &dyn World,
+        cx: &RunContext<'_>,
+        place: &Placer<'_>,
+    ) -> Result<()> {
         let plan: BatchPlan = *self.train_data.plan();
         let tokens_per_step = (plan.global_batch * plan.seq_length) as u64;
         let parallel = ParallelState::new(w, &cx.layout)?;
@@ -569,7 +523,7 @@ fn any_rank_asks(parallel: &ParallelState, like: &Tensor, request: Option<usize>
 }
 
 impl RunContext<'_> {
-    fn finish(self, start: Instant) -> Summary {
+    pub(crate) fn finish(self, start: Instant) -> Summary {
         let mut summary = self.summary.into_inner().expect("summary lock");
         summary.seconds = start.elapsed().as_secs_f64();
         summary

@@ -6,7 +6,11 @@ pub mod bench;
 pub mod convert;
 pub mod data;
 pub mod generate;
+#[cfg_attr(feature = "cuda", path = "gpu/cuda.rs")]
+#[cfg_attr(not(feature = "cuda"), path = "gpu/absent.rs")]
+pub mod gpu;
 pub mod job;
+pub mod launch;
 pub mod report;
 pub mod tokenizer;
 

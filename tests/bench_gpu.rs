@@ -9,7 +9,7 @@
 mod device;
 
 use megatron::bench::gemm::GemmShape;
-use megatron::bench::gpu_gemm::biased_layer;
+use megatron::gpu::gemm::biased_layer;
 use megatron_core::cuda::Gpu;
 
 #[test]

@@ -37,7 +37,7 @@ impl AttentionBench {
         2.0 * (self.batch * self.heads * self.head_dim) as f64 * (self.seq * self.seq) as f64
     }
 
-    fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         if self.seq == 0 || self.batch == 0 || self.heads == 0 || self.head_dim == 0 {
             bail!(
                 "attention sizes must be at least 1: seq {}, batch {}, heads {}, head dim {}",
@@ -93,7 +93,7 @@ fn values(n: usize, mut s: u64) -> Vec<f32> {
 }
 
 /// The layer's inputs on the host: the fused projection and the output gradient.
-fn inputs(b: &AttentionBench) -> Result<(Tensor, Tensor)> {
+pub(crate) fn inputs(b: &AttentionBench) -> Result<(Tensor, Tensor)> {
     let (s, n, h, d) = (b.seq, b.batch, b.heads, b.head_dim);
     let qkv = Tensor::from_vec(values(s * n * h * 3 * d, 1), [s, n, h * 3 * d])?;
     let dy = Tensor::from_vec(values(s * n * h * d, 2), [s, n, h * d])?;
@@ -122,7 +122,7 @@ fn median(
 }
 
 /// Times the layer on `qkv`/`dy` (host or device tensors).
-fn measure(
+pub(crate) fn measure(
     b: &AttentionBench,
     backend: &str,
     (qkv, dy): (&Tensor, &Tensor),
@@ -160,41 +160,6 @@ pub fn run_cpu(b: AttentionBench) -> Result<AttentionReport> {
         bench: b,
         device: "CPU".to_string(),
         results: vec![result],
-    })
-}
-
-/// Measures the layer on GPU 0, unfused and (for a head size they are built for) flash, with
-/// bf16 products and bf16 inputs.
-#[cfg(feature = "cuda")]
-pub fn run_gpu(b: AttentionBench) -> Result<AttentionReport> {
-    use megatron_core::cuda::Gpu;
-    use megatron_core::cuda::kernels::flash_attention::HEAD_DIMS;
-    use megatron_core::tensor::DType;
-    b.check()?;
-    let gpu = Gpu::new(0)?;
-    gpu.set_bf16_products(true);
-    let device = gpu
-        .context()
-        .name()
-        .unwrap_or_else(|_| "CUDA device 0".to_string());
-    let (qkv, dy) = inputs(&b)?;
-    // In the products' dtype, as the model hands them over (the fused projection and the output
-    // projection's input gradient are bf16 there): the times are the layer's, no conversion.
-    let on_gpu = |t: &Tensor| -> Result<Tensor> { Ok(t.to_gpu(&gpu)?.to_contiguous(DType::BF16)?) };
-    let (qkv, dy) = (on_gpu(&qkv)?, on_gpu(&dy)?);
-    let sync = || Ok(gpu.synchronize()?);
-    let mut results = Vec::new();
-    // The flash kernels only where they are built for the head size.
-    let flash_too = HEAD_DIMS.contains(&b.head_dim);
-    for flash in [false, true].into_iter().filter(|&f| !f || flash_too) {
-        gpu.set_flash_attention(flash);
-        let backend = if flash { "cuda flash" } else { "cuda unfused" };
-        results.push(measure(&b, backend, (&qkv, &dy), &sync)?);
-    }
-    Ok(AttentionReport {
-        bench: b,
-        device,
-        results,
     })
 }
 

@@ -4,8 +4,6 @@
 pub mod allreduce;
 pub mod attention;
 pub mod gemm;
-#[cfg(feature = "cuda")]
-pub mod gpu_gemm;
 pub mod grouped_gemm;
 pub mod machine;
 

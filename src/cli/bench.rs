@@ -122,7 +122,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         } => {
             match device.as_str() {
                 "cpu" => {}
-                "cuda" => return gpu_gemm(*repeats, *json),
+                "cuda" => return print(&megatron::gpu::gemm_bench(*repeats)?, *json),
                 other => anyhow::bail!("--device must be cpu or cuda, got {other:?}"),
             }
             let report = bench::gemm::run(threads.unwrap_or_else(parallel::cores), *repeats)?;
@@ -168,7 +168,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             };
             let report = match device.as_str() {
                 "cpu" => bench::attention::run_cpu(b)?,
-                "cuda" => gpu_attention(b)?,
+                "cuda" => megatron::gpu::attention_bench(b)?,
                 other => anyhow::bail!("--device must be cpu or cuda, got {other:?}"),
             };
             print(&report, *json)
@@ -193,32 +193,6 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             print(&report, *json)
         }
     }
-}
-
-/// `bench gemm --device cuda`.
-#[cfg(feature = "cuda")]
-fn gpu_gemm(repeats: usize, json: bool) -> Result<()> {
-    print(&bench::gpu_gemm::run(repeats)?, json)
-}
-
-/// Without the `cuda` feature, says how to get it.
-#[cfg(not(feature = "cuda"))]
-fn gpu_gemm(_repeats: usize, _json: bool) -> Result<()> {
-    anyhow::bail!("--device cuda needs a build with CUDA: cargo build --release --features cuda")
-}
-
-/// `bench attention --device cuda`.
-#[cfg(feature = "cuda")]
-fn gpu_attention(b: bench::attention::AttentionBench) -> Result<bench::attention::AttentionReport> {
-    bench::attention::run_gpu(b)
-}
-
-/// Without the `cuda` feature, says how to get it.
-#[cfg(not(feature = "cuda"))]
-fn gpu_attention(
-    _b: bench::attention::AttentionBench,
-) -> Result<bench::attention::AttentionReport> {
-    anyhow::bail!("--device cuda needs a build with CUDA: cargo build --release --features cuda")
 }
 
 /// Times training steps of a model: tokens/s, model FLOP/s and MFU against the peak.
@@ -268,7 +242,7 @@ fn report_steps(
                 t.push((m.seconds, m.tokens, m.pipeline_wait));
             }
             if self.profile_from == Some(record.metrics.step + 1) {
-                start_profile();
+                megatron::gpu::start_profile();
             }
             Ok(())
         }
@@ -278,7 +252,7 @@ fn report_steps(
     let times = Arc::new(Mutex::new(Vec::new()));
     let profile_from = args.profile.then_some(args.warmup);
     if profile_from == Some(0) {
-        start_profile();
+        megatron::gpu::start_profile();
     }
     let mut observers: Vec<Box<dyn Observer>> = vec![Box::new(Times {
         times: times.clone(),
@@ -286,14 +260,21 @@ fn report_steps(
     })];
     // A handle on GPU 0 for the whole run keeps its memory pool's high-water mark readable
     // (this process's GPU: with NCCL, rank 0's).
-    let memory = GpuMemory::open(matches!(job.device, Placement::Cuda { .. }))?;
+    let memory = megatron::gpu::Memory::open(matches!(job.device, Placement::Cuda { .. }))?;
     megatron::tensor::host_memory::reset_peak();
     let summary = runner(job, &mut observers)?;
     let peak_host = megatron::tensor::host_memory::peak_bytes();
     let state = summary.state;
     let peak_memory_gib = memory.peak_gib()?;
     let timed = job.steps - args.warmup;
-    let kernels = args.profile.then(|| finish_profile(timed)).transpose()?;
+    let kernels = match args.profile {
+        true => {
+            let (table, json) = megatron::gpu::finish_profile(timed)?;
+            super::output::error_line(&table);
+            Some(json)
+        }
+        false => None,
+    };
     let times = times
         .lock()
         .map_err(|_| anyhow::anyhow!("a rank panicked"))?
@@ -363,54 +344,6 @@ fn report_steps(
     });
     say!("{}", serde_json::to_string_pretty(&report)?)?;
     Ok(())
-}
-
-/// GPU 0's peak memory in use over a run (nothing on the CPU or without the `cuda` feature).
-struct GpuMemory {
-    #[cfg(feature = "cuda")]
-    gpu: Option<megatron::cuda::Gpu>,
-}
-
-impl GpuMemory {
-    /// Opens GPU 0 when the run is on it.
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-    fn open(on_gpu: bool) -> Result<GpuMemory> {
-        Ok(GpuMemory {
-            #[cfg(feature = "cuda")]
-            gpu: on_gpu.then(|| megatron::cuda::Gpu::new(0)).transpose()?,
-        })
-    }
-
-    /// The most memory the run's tensors held at once, in GiB.
-    fn peak_gib(&self) -> Result<Option<f64>> {
-        #[cfg(feature = "cuda")]
-        if let Some(gpu) = &self.gpu {
-            return Ok(Some(gpu.peak_memory()? as f64 / f64::from(1u32 << 30)));
-        }
-        Ok(None)
-    }
-}
-
-/// Starts timing every GPU kernel and product.
-fn start_profile() {
-    #[cfg(feature = "cuda")]
-    megatron::cuda::profile::start();
-}
-
-/// Stops timing; prints the largest rows to stderr and returns them for the JSON report.
-#[cfg(feature = "cuda")]
-fn finish_profile(steps: u64) -> Result<serde_json::Value> {
-    let top = megatron::cuda::profile::stop()?.top(40);
-    super::output::error_line(&format!(
-        "GPU time of the {steps} timed steps, by kernel and product shape:\n{top}"
-    ));
-    Ok(serde_json::to_value(&top)?)
-}
-
-/// Without the `cuda` feature there is nothing to profile (`--profile` was refused).
-#[cfg(not(feature = "cuda"))]
-fn finish_profile(_steps: u64) -> Result<serde_json::Value> {
-    anyhow::bail!("--profile needs a build with CUDA: cargo build --release --features cuda")
 }
 
 fn print<T: serde::Serialize + std::fmt::Display>(report: &T, json: bool) -> Result<()> {

@@ -11,7 +11,8 @@ use megatron::cuda_graphs::ScopeSet;
 use megatron::data::{
     Blend, GptDatasetConfig, SampleSource, Split as DataSplit, SplitVector, build_gpt_dataset,
 };
-use megatron::job::{Eval, Observer, PipelineSettings, Placement, StopRequest, Summary, TrainJob};
+use megatron::job::{Eval, Observer, PipelineSettings, Placement, StopRequest, TrainJob};
+pub(super) use megatron::launch::{Report, Runner};
 use megatron::models::GptConfig;
 use megatron::moe::DispatcherKind;
 use megatron::optimizer::{LossScaling, Precision, PrecisionFlags};
@@ -1174,88 +1175,10 @@ fn check_writable_dir(dir: &Path, flag: &str) -> Result<()> {
 pub(super) fn on_ranks(backend: Backend, job: &TrainJob, report: &mut Report<'_>) -> Result<()> {
     match backend {
         Backend::Threads => report(&mut |job, observers| job.run(observers), 1),
-        Backend::Mpi => on_mpi_ranks(job, report),
-        Backend::Nccl => on_nccl_ranks(job, report),
+        Backend::Mpi => megatron::launch::on_mpi_ranks(job, report),
+        Backend::Nccl => megatron::gpu::on_nccl_ranks(job, report),
     }
 }
-
-/// [`on_ranks`] of one process of an MPI launch.
-#[cfg(feature = "mpi")]
-fn on_mpi_ranks(job: &TrainJob, report: &mut Report<'_>) -> Result<()> {
-    use megatron_core::comm::World;
-    use megatron_core::comm::mpi::MpiWorld;
-
-    let world = MpiWorld::init().context("starting MPI")?;
-    let rank = world.rank();
-    let result = if rank == 0 {
-        report(&mut |job, observers| job.run_on(&world, observers), 1)
-    } else {
-        job.run_on(&world, &mut []).map(drop)
-    };
-    if let Err(err) = result {
-        report_rank_error(rank, world.size(), &err);
-        world.abort(1);
-    }
-    Ok(())
-}
-
-/// [`on_ranks`] of one process of an NCCL world bootstrapped over MPI, on its GPU.
-#[cfg(all(feature = "mpi", feature = "cuda"))]
-fn on_nccl_ranks(job: &TrainJob, report: &mut Report<'_>) -> Result<()> {
-    use megatron_core::comm::World;
-    use megatron_core::comm::mpi::MpiWorld;
-    use megatron_core::comm::nccl::NcclWorld;
-
-    if job.device == Placement::Cpu {
-        bail!("--backend nccl trains on GPUs: add --device cuda");
-    }
-    let world =
-        NcclWorld::init(MpiWorld::init().context("starting MPI")?).context("starting NCCL")?;
-    let rank = world.rank();
-    let result = if rank == 0 {
-        report(
-            &mut |job, observers| job.run_on_nccl(&world, observers),
-            world.size(),
-        )
-    } else {
-        job.run_on_nccl(&world, &mut []).map(drop)
-    };
-    if let Err(err) = result {
-        report_rank_error(rank, world.size(), &err);
-        world.mpi().abort(1);
-    }
-    Ok(())
-}
-
-/// Prints a process's failure as one line, written in one piece: the processes of a launch
-/// share the terminal, and a line written in parts interleaves with the others' lines.
-#[cfg(feature = "mpi")]
-fn report_rank_error(rank: usize, size: usize, err: &anyhow::Error) {
-    use std::io::Write as _;
-    let line = format!("error: rank {rank} of {size}: {err:#}\n");
-    let _ = std::io::stderr().lock().write_all(line.as_bytes());
-}
-
-/// Without the `mpi` and `cuda` features, `--backend nccl` explains how to get them.
-#[cfg(not(all(feature = "mpi", feature = "cuda")))]
-fn on_nccl_ranks(_job: &TrainJob, _report: &mut Report<'_>) -> Result<()> {
-    bail!(
-        "--backend nccl needs a build with MPI and CUDA: cargo build --release --features mpi,cuda"
-    )
-}
-
-/// Without the `mpi` feature, `--backend mpi` explains how to get it.
-#[cfg(not(feature = "mpi"))]
-fn on_mpi_ranks(_job: &TrainJob, _report: &mut Report<'_>) -> Result<()> {
-    bail!("--backend mpi needs a build with MPI: cargo build --release --features mpi")
-}
-
-/// What rank 0 of [`on_ranks`] does: given a runner of the job and the number of GPUs the ranks
-/// run on, runs it with its observers and reports.
-pub(super) type Report<'a> = dyn FnMut(&mut Runner<'_>, usize) -> Result<()> + 'a;
-
-/// Runs a job on some ranks with the observers given, returning rank 0's summary.
-pub(super) type Runner<'a> = dyn FnMut(&TrainJob, &mut [Box<dyn Observer>]) -> Result<Summary> + 'a;
 
 /// Runs the job with `run` on the chosen ranks, printing the plan, progress and the summary.
 fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<'_>) -> Result<()> {

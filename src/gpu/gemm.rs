@@ -12,7 +12,7 @@ use megatron_core::module::{Builder, ColumnParallel, Cx, Site, params_to_gpu_wit
 use megatron_core::tensor::{DType, Tensor};
 use megatron_core::tensor_parallel::{Linear, LinearSpec};
 
-use super::gemm::GemmShape;
+use crate::bench::gemm::GemmShape;
 
 /// H100 SXM dense bf16 tensor-core peak, TFLOP/s (NVIDIA's data sheet, without sparsity).
 pub const H100_SXM_BF16_TFLOPS: f64 = 989.0;
