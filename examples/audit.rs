@@ -1,6 +1,10 @@
 //! What the generated code communicates: every collective one GPT transformer block calls at
 //! tensor-parallel size 2, forward then backward, in the order rank 0 calls them, and then those
-//! of the whole model (embedding, blocks, the fused cross-entropy) for one microbatch.
+//! of the whole model (embedding, blocks, the fused cross-entropy) for one microbatch. Then
+//! every collective of one whole training step (pipeline exchanges, the dispatcher's
+//! all-to-alls, the data-parallel reduce-scatter and all-gather, the norms, the found-inf
+//! check) on the layout given on the command line, with the line that calls each: for the
+//! default layout, what docs/collectives.md holds (`megatron::audit`).
 //!
 //! The calls are recorded by wrapping the thread world in a `RecordingWorld`, so what is printed
 //! is what ran, not a description of it; `docs/expanded-mlp.md` shows the generated code that
@@ -10,6 +14,7 @@
 //!
 //! ```sh
 //! cargo run --release --example audit
+//! cargo run --release --example audit -- --tp 1 --pp 4 --dp 2 --ep 1 --no-distributed-optimizer
 //! ```
 
 use megatron::comm::ParallelState;
@@ -87,7 +92,34 @@ fn record(config: &GptConfig) -> megatron::Result<Recorded> {
     Ok(ranks.into_iter().next().expect("rank 0"))
 }
 
+/// The step's layout (the block's is tensor-parallel size 2).
+#[derive(clap::Parser)]
+struct Args {
+    /// Tensor-parallel size.
+    #[arg(long, default_value_t = 2)]
+    tp: usize,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 2)]
+    pp: usize,
+    /// Data-parallel size.
+    #[arg(long, default_value_t = 2)]
+    dp: usize,
+    /// Expert-parallel size.
+    #[arg(long, default_value_t = 2)]
+    ep: usize,
+    /// Expert-tensor-parallel size.
+    #[arg(long, default_value_t = 1)]
+    etp: usize,
+    /// Microbatches per data-parallel rank.
+    #[arg(long, default_value_t = 2)]
+    microbatches: usize,
+    /// Adam's state whole on every data-parallel rank.
+    #[arg(long)]
+    no_distributed_optimizer: bool,
+}
+
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+    let args = <Args as clap::Parser>::parse();
     let config = (megatron::models::preset("gpt-tiny")
         .ok_or("gpt-tiny is registered")?
         .config)();
@@ -125,5 +157,19 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     println!(
         "\nthe block makes Megatron-LM's collectives: 2 all-reduces of b·s·h forward, 2 backward"
     );
+
+    let layout = megatron::audit::AuditLayout {
+        tp: args.tp,
+        pp: args.pp,
+        dp: args.dp,
+        ep: args.ep,
+        etp: args.etp,
+        distributed_optimizer: !args.no_distributed_optimizer,
+        microbatches: args.microbatches,
+    };
+    let job = megatron::audit::job(&layout)?;
+    let ranks = megatron::audit::record_step(&job)?;
+    println!();
+    print!("{}", megatron::audit::document(&layout, &ranks));
     Ok(())
 }

@@ -2,6 +2,7 @@
 //!
 //! This facade re-exports the workspace crates; the `megatron` binary is the command-line front.
 
+pub mod audit;
 pub mod bench;
 pub mod convert;
 pub mod data;

@@ -401,7 +401,7 @@ fn a_captured_graph_replays_the_eager_result_bit_for_bit() -> R {
     region(&mut c, &mut y)?;
     let eager = g.download(&y)?;
     gew::fill(&g, &mut y.as_view_mut(), 0.0)?;
-    let graph = Graph::capture(&g, || region(&mut c, &mut y))?;
+    let graph = Graph::capture(&g, "a test region", || region(&mut c, &mut y))?;
     assert!(
         g.download(&y)?.iter().all(|&v| v == 0.0),
         "capture runs nothing"

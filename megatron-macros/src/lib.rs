@@ -44,6 +44,8 @@ mod src_span;
 mod validate;
 
 #[cfg(test)]
+mod expanded_docs;
+#[cfg(test)]
 mod tests;
 
 use proc_macro::TokenStream;

@@ -192,7 +192,7 @@ impl LocalGpuComm {
 
     /// Checks that `t` is a contiguous tensor on this rank's device.
     fn check_tensor(&self, op: &'static str, t: &Tensor) -> Result<()> {
-        self.checks().not_in_capture(op)?;
+        self.checks().not_in_capture(op, &self.gpu)?;
         self.checks().on_gpu(op, t, self.gpu.ordinal())
     }
 
@@ -636,9 +636,9 @@ impl super::checks::Checks<'_> {
 
     /// Refuses `op` of a group of more than one rank inside a graph capture: for a backend
     /// whose collectives meet the other ranks on the host, which a replayed graph would skip.
-    pub(crate) fn not_in_capture(&self, op: &'static str) -> Result<()> {
+    pub(crate) fn not_in_capture(&self, op: &'static str, gpu: &crate::cuda::Gpu) -> Result<()> {
         if self.ranks.len() > 1
-            && let Some(scope) = crate::cuda_graphs::capturing()
+            && let Some(scope) = gpu.capturing()
         {
             return Err(self.invalid(format!(
                 "{op} inside the capture of graph scope {scope}: the device-local communicator \

@@ -146,6 +146,9 @@ impl fmt::Display for CallDesc {
 /// a disagreement is a [`CommError::Mismatch`] on every rank, a rank that never arrives a
 /// [`CommError::Timeout`], and a failed rank a [`CommError::PeerFailed`]: never a hang. Ranks are
 /// group ranks (indices into the group's member list), as in `torch.distributed` groups.
+///
+/// The calls are `#[track_caller]`: a [`recording`] world logs the source line that made each
+/// (docs/collectives.md).
 pub trait Communicator: Send + Sync {
     /// The group's family name (e.g. `tp`), for errors and reports.
     fn name(&self) -> &str;
@@ -162,22 +165,27 @@ pub trait Communicator: Send + Sync {
     }
 
     /// Reduces `tensor` across the group in place: every rank ends with the same result.
+    #[track_caller]
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()>;
 
     /// Concatenates every rank's `input` along the first axis of `output` (size × input's
     /// elements), in group-rank order. `input` may be this rank's slot of `output` (in place).
+    #[track_caller]
     fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()>;
 
     /// Reduces every rank's `input` and leaves slot `index()` (of size elements / size) in
     /// `output`. `output` may be this rank's slot of `input` (in place).
+    #[track_caller]
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()>;
 
     /// Copies group rank `root`'s `tensor` into every other rank's `tensor`.
+    #[track_caller]
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()>;
 
     /// Sends `send_splits[j]` consecutive elements of `input` to rank j and receives
     /// `recv_splits[i]` elements from rank i into `output`, in rank order (uneven splits allowed;
     /// rank i's `send_splits[j]` must equal rank j's `recv_splits[i]`).
+    #[track_caller]
     fn all_to_all(
         &self,
         input: &Tensor,
@@ -187,15 +195,18 @@ pub trait Communicator: Send + Sync {
     ) -> Result<()>;
 
     /// Sends `tensor` to group rank `dst`; returns once the data is handed over.
+    #[track_caller]
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<()>;
 
     /// Receives into `tensor` the next message from group rank `src` (same dtype and size).
+    #[track_caller]
     fn recv(&self, tensor: &Tensor, src: usize) -> Result<()>;
 
     /// Sends each `(tensor, dst)` of `sends` and receives each `(tensor, src)` of `recvs` as
     /// one batch, in which no call waits for another (Megatron-LM's `batch_isend_irecv`):
     /// returns once all are done. Within a batch a rank sends at most one message to each peer
     /// and receives at most one from each. This default suits backends whose sends never wait.
+    #[track_caller]
     fn exchange(&self, sends: &[(&Tensor, usize)], recvs: &[(&Tensor, usize)]) -> Result<()> {
         for &(tensor, dst) in sends {
             self.send(tensor, dst)?;
@@ -214,6 +225,7 @@ pub trait Communicator: Send + Sync {
     }
 
     /// Returns once every rank of the group has called it.
+    #[track_caller]
     fn barrier(&self) -> Result<()>;
 
     /// Completes the sends this rank has posted. Sends never wait for their receive; a backend

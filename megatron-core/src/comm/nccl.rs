@@ -383,7 +383,7 @@ impl NcclComm {
         };
         call(comm, self.gpu.stream().cu_stream())?;
         drop(guard);
-        if crate::cuda_graphs::capturing().is_some() {
+        if self.gpu.capturing().is_some() {
             // Recorded into the graph being captured: it runs when the graph is replayed, and
             // a wait on a capturing stream is not allowed.
             return Ok(());

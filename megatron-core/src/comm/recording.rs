@@ -4,18 +4,22 @@
 //! [`RecordingWorld`] wraps any [`World`]: its communicators are the inner world's, each call
 //! logged (group name and [`CallDesc`]) before it runs. Nothing about the calls changes.
 
+use std::panic::Location;
 use std::sync::{Arc, Mutex};
 
 use super::{CallDesc, CommStats, Communicator, OpKind, ReduceOp, Result, World};
 use crate::tensor::Tensor;
 
-/// One recorded call: the group family it went to and what was asked of it.
+/// One recorded call: the group family it went to, what was asked of it, and the source line
+/// that called the communicator.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Call {
     /// The group's family name, e.g. `tp`.
     pub group: String,
     /// The call.
     pub desc: CallDesc,
+    /// The line that made the call (the communicator's methods are `#[track_caller]`).
+    pub caller: &'static Location<'static>,
 }
 
 impl std::fmt::Display for Call {
@@ -34,10 +38,11 @@ impl CallLog {
         std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    fn push(&self, group: &str, desc: CallDesc) {
+    fn push(&self, group: &str, desc: CallDesc, caller: &'static Location<'static>) {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).push(Call {
             group: group.to_string(),
             desc,
+            caller,
         });
     }
 }
@@ -87,9 +92,13 @@ struct Recording {
 }
 
 impl Recording {
+    #[track_caller]
     fn record(&self, kind: OpKind, t: &Tensor, op: Option<ReduceOp>, peer: Option<usize>) {
-        self.log
-            .push(self.inner.name(), CallDesc::of(kind, t, op, peer));
+        self.log.push(
+            self.inner.name(),
+            CallDesc::of(kind, t, op, peer),
+            Location::caller(),
+        );
     }
 }
 
@@ -163,7 +172,8 @@ impl Communicator for Recording {
     }
 
     fn barrier(&self) -> Result<()> {
-        self.log.push(self.inner.name(), CallDesc::barrier());
+        self.log
+            .push(self.inner.name(), CallDesc::barrier(), Location::caller());
         self.inner.barrier()
     }
 

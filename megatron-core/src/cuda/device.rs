@@ -64,6 +64,11 @@ pub struct Gpu {
     flash_attention: Arc<AtomicBool>,
     /// Whether products followed by a bias add it in cuBLASLt's epilogue.
     bias_epilogues: Arc<AtomicBool>,
+    /// What the stream is being captured into now, if anything ([`Graph::capture`]'s label):
+    /// the stream's own state, shared by the handle's clones.
+    ///
+    /// [`Graph::capture`]: super::graph::Graph::capture
+    capture: Arc<parking_lot::Mutex<Option<&'static str>>>,
 }
 
 impl Gpu {
@@ -101,6 +106,7 @@ impl Gpu {
             bf16_products: Arc::new(AtomicBool::new(false)),
             flash_attention: Arc::new(AtomicBool::new(false)),
             bias_epilogues: Arc::new(AtomicBool::new(true)),
+            capture: Arc::default(),
         })
     }
 
@@ -118,6 +124,7 @@ impl Gpu {
             bf16_products: Arc::new(AtomicBool::new(self.bf16_products())),
             flash_attention: Arc::new(AtomicBool::new(self.flash_attention())),
             bias_epilogues: Arc::new(AtomicBool::new(self.bias_epilogues())),
+            capture: Arc::default(),
         })
     }
 
@@ -129,6 +136,18 @@ impl Gpu {
     /// The context.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    /// What this handle's stream is being captured into now (the label given to
+    /// [`Graph::capture`](super::graph::Graph::capture)), if anything: a communicator asks it
+    /// before a call that cannot be captured, or that must not wait on the stream.
+    pub fn capturing(&self) -> Option<&'static str> {
+        *self.capture.lock()
+    }
+
+    /// Marks the stream as captured into `label` (or no longer captured).
+    pub(crate) fn set_capturing(&self, label: Option<&'static str>) {
+        *self.capture.lock() = label;
     }
 
     /// This rank's stream: every kernel of this handle runs on it, in order.

@@ -22,10 +22,12 @@ impl std::fmt::Debug for Graph {
 
 impl Graph {
     /// Runs `region` once on `gpu`'s stream while capturing it (nothing executes during
-    /// capture), and instantiates the graph. An error inside `region` ends the capture and is
-    /// returned; a region that queued nothing is an error too.
+    /// capture), and instantiates the graph. While it runs, [`Gpu::capturing`] says `label`.
+    /// An error inside `region` ends the capture and is returned; a region that queued nothing
+    /// is an error too.
     pub fn capture<E>(
         gpu: &Gpu,
+        label: &'static str,
         region: impl FnOnce() -> std::result::Result<(), E>,
     ) -> std::result::Result<Graph, E>
     where
@@ -35,7 +37,9 @@ impl Graph {
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| CudaError::driver("cuStreamBeginCapture", e))?;
+        gpu.set_capturing(Some(label));
         let body = region();
+        gpu.set_capturing(None);
         let end = stream
             .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
         body?;

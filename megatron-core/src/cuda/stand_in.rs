@@ -76,6 +76,7 @@ pub mod graph {
         /// Unreachable: no [`Gpu`] exists.
         pub fn capture<E>(
             gpu: &Gpu,
+            _label: &'static str,
             _region: impl FnOnce() -> std::result::Result<(), E>,
         ) -> std::result::Result<Graph, E>
         where

@@ -13,6 +13,6 @@ mod scope;
 mod slots;
 
 pub use plan::{BufferBytes, RankGraphs, plan_graphs};
-pub use runtime::{GraphRuntime, GraphStats, backward, captures, capturing, forward};
+pub use runtime::{GraphRuntime, GraphStats, backward, captures, forward};
 pub use scope::{GraphScope, ScopeError, ScopeSet, ScopedModel};
 pub use slots::{SlotAllocator, SlotPlan};

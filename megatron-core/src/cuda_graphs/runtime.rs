@@ -88,20 +88,11 @@ struct State {
     uses: HashMap<Key, Use>,
     /// The backward graphs' static output-gradient buffers, shared by a site's slots.
     grads: HashMap<Site, Vec<Tensor>>,
+    /// The scope being captured now, if any.
+    capturing: Option<GraphScope>,
     /// The random draws seen in the capture under way.
     random_draws: HashSet<Site>,
     stats: GraphStats,
-}
-
-thread_local! {
-    /// The scope this thread captures now, if any (a capture is thread-local).
-    static CAPTURING: std::cell::Cell<Option<GraphScope>> = const { std::cell::Cell::new(None) };
-}
-
-/// The graph scope this thread is capturing now, if any: what a communicator asks before a
-/// collective that cannot be captured.
-pub fn capturing() -> Option<GraphScope> {
-    CAPTURING.with(|c| c.get())
 }
 
 /// A rank's graph scopes: which are selected, and what was captured.
@@ -146,8 +137,9 @@ impl GraphRuntime {
     /// Notes that `site` draws random numbers (a dropout mask) now: inside a capture that is
     /// an error, reported when the capture ends.
     pub(crate) fn note_random_draw(&self, site: Site) {
-        if capturing().is_some() {
-            self.lock().random_draws.insert(site);
+        let mut state = self.lock();
+        if state.capturing.is_some() {
+            state.random_draws.insert(site);
         }
     }
 
@@ -210,15 +202,15 @@ impl GraphRuntime {
                 }
                 if let Some(gpu) = inputs.first().and_then(|x| x.gpu()).cloned() {
                     state.random_draws.clear();
+                    state.capturing = Some(scope);
                     drop(state);
                     let mut out = None;
-                    CAPTURING.with(|c| c.set(Some(scope)));
-                    let graph = Graph::capture(&gpu, || -> Result<()> {
+                    let graph = Graph::capture(&gpu, scope.name(), || -> Result<()> {
                         out = Some(body(cx, &inputs)?);
                         Ok(())
                     });
-                    CAPTURING.with(|c| c.set(None));
                     let mut state = self.lock();
+                    state.capturing = None;
                     if let Some(site) = state.random_draws.iter().next() {
                         return crate::invalid!(
                             "graph scope {scope} draws a dropout mask at {site:?}: a captured \

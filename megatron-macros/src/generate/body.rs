@@ -431,6 +431,7 @@ fn forward_node<'a>(
     let rt = &cx.root.runtime;
     let node = &cx.g.nodes[n];
     let site = cx.site(n);
+    let span = node.src.span();
     match &node.op {
         NodeOp::Field { .. } => {
             let field = cx.field(n);
@@ -504,11 +505,12 @@ fn forward_node<'a>(
                             }
                             None => (quote!(), nm.by_ref(x)),
                         };
+                        let reduce = tp_sum(&oi, span);
                         quote! {
                             #scatter
                             let (#o, #s) = #call(&#this_field, cx, #site, #xr)?;
                             #doc
-                            cx.tp().all_reduce(&#oi, ReduceOp::Sum)?;
+                            #reduce
                             #add_bias(&#this_field, cx, &#oi)?;
                         }
                     });
@@ -523,10 +525,11 @@ fn forward_node<'a>(
                     b.push(move |nm| {
                         let (ir, s, o, oi) =
                             (nm.by_ref(ids), nm.pat(saved), nm.pat(out), nm.ident(out));
+                        let reduce = tp_sum(&oi, span);
                         quote! {
                             let (#o, #s) = #call(&#this_field, cx, #site, #ir)?;
                             #doc
-                            cx.tp().all_reduce(&#oi, ReduceOp::Sum)?;
+                            #reduce
                         }
                     });
                 }
@@ -1157,11 +1160,12 @@ fn backward_node<'a>(
                             }
                             None => (quote!(), nm.by_ref(d_y)),
                         };
+                        let reduce = tp_sum(&dxi, span);
                         quote! {
                             #split
                             let #dx = #call(&#this_field, cx, #site, #s, #dy)?;
                             #doc
-                            cx.tp().all_reduce(&#dxi, ReduceOp::Sum)?;
+                            #reduce
                         }
                     });
                 }
@@ -1425,10 +1429,11 @@ fn backward_node<'a>(
             b.push(move |nm| {
                 let (s, dy, dh, dhi) =
                     (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_h), nm.ident(d_h));
+                let reduce = tp_sum(&dhi, span);
                 quote! {
                     let #dh = #call(&#this_field, cx, #site, #s, #dy)?;
                     #doc
-                    cx.tp().all_reduce(&#dhi, ReduceOp::Sum)?;
+                    #reduce
                 }
             });
         }
@@ -1537,4 +1542,12 @@ fn backward_node<'a>(
             });
         }
     }
+}
+
+/// `cx.tp().all_reduce(&x, ReduceOp::Sum)?;`, the method named at `span` (the user's call in
+/// forward): the communicator's `#[track_caller]` location, which a recording world logs
+/// (docs/collectives.md), is then the forward's line that makes the call.
+fn tp_sum(x: &impl quote::ToTokens, span: Span) -> TokenStream {
+    let call = quote::quote_spanned!(span=> .all_reduce(&#x, ReduceOp::Sum));
+    quote!(cx.tp()#call?;)
 }
