@@ -15,7 +15,7 @@ use megatron_core::comm::recording::{Call, RecordingWorld};
 use megatron_core::comm::threads::launch;
 use megatron_core::comm::{OpKind, World};
 use megatron_core::moe::RouterConfig;
-use megatron_core::optimizer::Precision;
+use megatron_core::optimizer::{Precision, PrecisionFlags};
 use megatron_core::training::{
     AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig,
 };
@@ -88,7 +88,7 @@ pub fn model(layout: &AuditLayout) -> GptConfig {
     })
 }
 
-/// A one-step job of [`model`] on `layout`, on the CPU.
+/// A one-step job of [`model`] on `layout`, on the CPU, in fp16 with a static loss scale.
 pub fn job(layout: &AuditLayout) -> Result<TrainJob> {
     if [
         layout.tp,
@@ -138,7 +138,13 @@ pub fn job(layout: &AuditLayout) -> Result<TrainJob> {
             bucket_elements: 1 << 20,
             distributed_optimizer: layout.distributed_optimizer,
             recompute: megatron_core::module::Recompute::Off,
-            precision: Precision::FP32,
+            // fp16 with a static loss scale (no overflow to skip the step): the step's found-inf
+            // check shows.
+            precision: Precision::from_flags(&PrecisionFlags {
+                fp16: true,
+                loss_scale: Some(128.0),
+                ..Default::default()
+            })?,
             check_for_nan: true,
         },
         save: None,
@@ -292,7 +298,7 @@ pub fn document(layout: &AuditLayout, ranks: &[Vec<Call>]) -> String {
          real step at **{layout}** on {} CPU thread ranks, with the group it goes to, its size \
          and the source line that calls the communicator. The model: {} layers (every second \
          one a MoE layer of {} experts, top-{}), hidden {}, {} heads, a byte vocabulary, {} \
-         tokens per sequence, fp32.\n\n",
+         tokens per sequence, fp16 with a static loss scale of 128.\n\n",
         ranks.len(),
         config.num_layers,
         config.moe.as_ref().map_or(0, |m| m.router.num_experts),
@@ -317,12 +323,14 @@ pub fn document(layout: &AuditLayout, ranks: &[Vec<Call>]) -> String {
          The groups are Megatron-LM's: `tp` tensor-parallel, `pp` the stages of one pipeline, \
          `dp` data-parallel, `ep` expert-parallel (the dispatcher's all-to-alls), `edp` the \
          expert parameters' data-parallel group, `etp-ep` the expert model-parallel group, \
-         `embedding` the first and last stages (the tied embedding's gradient). The step: the \
+         `embedding` the first and last stages (the tied embedding's gradient), `world` every \
+         rank. The step: the \
          1F1B schedule's forwards and backwards with the stage exchanges over `pp`; then the \
          tied embedding's gradient sum; the gradients' reduce-scatter per bucket (the \
          distributed optimizer; an all-reduce without it) over `dp`, and `edp` for the \
-         experts; the loss and MoE routing totals; the gradient norm's sums of squares, one \
-         per group its shards span; Adam's update of each rank's shard and the parameters' \
+         experts; the loss and MoE routing totals; the found-inf flag's maximum over the world \
+         (loss scaling: a step with an inf or NaN gradient on any rank is skipped by all); the \
+         gradient norm's sums of squares, one per group its shards span; Adam's update of each rank's shard and the parameters' \
          all-gather. Sizes are this rank's (the input of an all-gather, the output of a \
          reduce-scatter, the send buffer of an all-to-all); the dispatcher's token all-to-alls \
          depend on the routing and show `routed`. Consecutive equal calls share a row (×n). \
