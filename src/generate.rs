@@ -118,7 +118,7 @@ pub fn generate(
                 context.iter().map(|&t| i64::from(t)).collect::<Vec<_>>(),
                 [context.len(), 1],
             )?;
-            let logits = model.logits(&cx, &ids)?.to_vec::<f32>()?;
+            let logits = logits(&model, &cx, &ids)?.to_vec::<f32>()?;
             let last = &logits[logits.len() - config.vocab_size..];
             let draw = splitmix64_mix(sampling.seed ^ splitmix64_mix(n as u64 + 1));
             let uniform = (draw >> 11) as f64 / (1u64 << 53) as f64;
@@ -133,6 +133,19 @@ pub fn generate(
     })
     .map_err(anyhow::Error::msg)?;
     Ok(out.into_iter().next().unwrap_or_default())
+}
+
+/// Logits over the real vocabulary, `[s, b, vocab]` on every rank, for token ids `[s, b]`: the
+/// model's own forward (with the tokens as its targets; the losses are not read), whose
+/// vocab-parallel cross-entropy keeps this rank's slice of the logits, gathered over tensor
+/// parallelism. Run it with an evaluation context (`cx.eval()`) to turn dropout off.
+pub fn logits(model: &Gpt, cx: &Cx, tokens: &Tensor) -> megatron_core::Result<Tensor> {
+    let (_, saved) = model.forward(cx, megatron_core::module::Site::ROOT, tokens, tokens)?;
+    let whole = megatron_core::tensor_parallel::gather_last_dim(cx, saved.cross_entropy.logits())?;
+    let last = whole.dims().len() - 1;
+    Ok(whole
+        .narrow(last, 0, model.wte.vocab_size())?
+        .contiguous()?)
 }
 
 #[cfg(test)]

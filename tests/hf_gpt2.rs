@@ -210,9 +210,10 @@ fn our_logits(
         let model = Gpt::build(&config.spec(), &mut Builder::for_rank(77, ps.groups()))?;
         load_params(&model, &open_checkpoint(&ps, ckpt)?)?;
         let cx = Cx::new(&ps, 0).eval();
-        Ok(model
-            .logits(&cx, &Tensor::from_slice(tokens, [seq, batch])?)?
-            .to_vec::<f32>()?)
+        Ok(
+            megatron::generate::logits(&model, &cx, &Tensor::from_slice(tokens, [seq, batch])?)?
+                .to_vec::<f32>()?,
+        )
     })
     .unwrap()
     .remove(0)

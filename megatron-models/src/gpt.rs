@@ -7,11 +7,9 @@
 //! all-reduces per layer forward and two backward, the embedding's all-reduce, the f operator
 //! before the tied output layer, and the fused cross-entropy's b·s-sized all-reduces.
 
-use megatron_core::Result;
-use megatron_core::module::{Cx, Ids, Site};
 use megatron_core::moe::RoutedExpertsSpec;
 use megatron_core::prelude::*;
-use megatron_core::training::{LanguageModel, PipelinedLanguageModel};
+use megatron_core::training::CarriedWidth;
 use megatron_macros::module;
 
 use crate::config::GptConfig;
@@ -191,81 +189,9 @@ impl GptConfig {
     }
 }
 
-impl LanguageModel for Gpt {
-    fn losses(&self, cx: &Cx, tokens: &Ids, targets: &Ids) -> Result<(Tensor, GptSaved)> {
-        self.forward(cx, Site::ROOT, tokens, targets)
-    }
-
-    fn backward_losses(&self, cx: &Cx, saved: GptSaved, dlosses: &Tensor) -> Result<()> {
-        self.backward(cx, Site::ROOT, saved, dlosses)?;
-        Ok(())
-    }
-}
-
-impl PipelinedLanguageModel for Gpt {
-    type FirstSaved = GptPreSaved;
-    type LayersSaved = GptLayersSaved;
-    type LastSaved = GptPostSaved;
-
+impl CarriedWidth for Gpt {
+    /// The hidden size: what each stage's blocks take and give.
     fn carried_width(&self) -> usize {
         self.ln_f.hidden()
-    }
-
-    fn first_forward(&self, cx: &Cx, tokens: &Ids) -> Result<(Tensor, GptPreSaved)> {
-        self.forward_pre(cx, Site::ROOT, tokens)
-    }
-
-    fn first_backward(&self, cx: &Cx, saved: GptPreSaved, d_out: &Tensor) -> Result<()> {
-        self.backward_pre(cx, Site::ROOT, saved, d_out)
-    }
-
-    fn layers_forward(&self, cx: &Cx, h: &Tensor) -> Result<(Tensor, GptLayersSaved)> {
-        self.forward_layers(cx, Site::ROOT, h)
-    }
-
-    fn layers_backward(&self, cx: &Cx, saved: GptLayersSaved, d_out: &Tensor) -> Result<Tensor> {
-        self.backward_layers(cx, Site::ROOT, saved, d_out)
-    }
-
-    fn last_forward(&self, cx: &Cx, h: &Tensor, targets: &Ids) -> Result<(Tensor, GptPostSaved)> {
-        self.forward_post(cx, Site::ROOT, h, targets)
-    }
-
-    fn last_backward(&self, cx: &Cx, saved: GptPostSaved, dlosses: &Tensor) -> Result<Tensor> {
-        Ok(self.backward_post(cx, Site::ROOT, saved, dlosses)?.0)
-    }
-}
-
-impl Gpt {
-    /// Logits over the real vocabulary, `[s, b, vocab]` on every rank, for token ids `[s, b]`:
-    /// the forward of the DSL model up to the tied output layer, gathered over tensor
-    /// parallelism, with nothing kept for a backward (for generation and checks). Run it with an
-    /// evaluation context (`cx.eval()`) to turn dropout off.
-    pub fn logits(&self, cx: &Cx, tokens: &Ids) -> Result<Tensor> {
-        use megatron_core::comm::ReduceOp;
-        use megatron_core::module::{Layer, Lookup, Sharding, VocabParallel};
-        use megatron_core::{ops, tensor_parallel};
-
-        let site = Site::ROOT;
-        let (x, _) = VocabParallel::forward_vocab(&self.wte, cx, site.child("wte"), tokens)?;
-        cx.tp().all_reduce(&x, ReduceOp::Sum)?;
-        let (positions, _) = Lookup::forward(&self.wpe, cx, site.child("wpe"), tokens)?;
-        let x = ops::add(&x, &positions)?;
-        let (mut h, _) = ops::dropout(
-            cx,
-            site.child("dropout"),
-            &x,
-            self.embedding_dropout,
-            Sharding::Replicated,
-        )?;
-        for (i, block) in self.blocks.iter().enumerate() {
-            h = block.forward(cx, site.child("blocks").index(i), &h)?.0;
-        }
-        let (h, _) = Layer::forward(&self.ln_f, cx, site.child("ln_f"), &h)?;
-        let (local, _) =
-            VocabParallel::logits_forward(&self.wte, cx, site.child("wte_logits"), &h)?;
-        let whole = tensor_parallel::gather_last_dim(cx, &local)?;
-        let last = whole.dims().len() - 1;
-        Ok(whole.narrow(last, 0, self.wte.vocab_size())?.contiguous()?)
     }
 }

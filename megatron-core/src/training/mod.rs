@@ -5,6 +5,7 @@
 
 mod checkpointing;
 mod data;
+mod engine;
 mod lr_schedule;
 mod optimizer;
 mod pipeline;
@@ -13,9 +14,10 @@ use std::time::Instant;
 
 pub use checkpointing::{SaveInfo, load_params, open_checkpoint};
 pub use data::{BatchPlan, Sampler, TokenStream, Windows};
+use engine::Mode;
 pub use lr_schedule::{DecayStyle, LrSchedule};
 pub use optimizer::{AdamW, AdamWConfig, clip_coefficient, grad_norm};
-pub use pipeline::{Chunks, PipelinedLanguageModel};
+pub use pipeline::{CarriedWidth, Chunks, PipelinedLanguageModel};
 
 use crate::comm::{CommStats, ParallelState, ReduceOp};
 use crate::cuda_graphs::{GraphRuntime, GraphStats, ScopeSet};
@@ -137,8 +139,8 @@ pub struct Trainer<M: LanguageModel> {
     optimizer: AdamW,
     sampler: Sampler,
     config: TrainConfig,
-    /// How the microbatches go through a pipeline; `None` without one.
-    pipeline: Option<pipeline::Pipeline<M>>,
+    /// How the microbatches go through the rank's plan (a one-stage plan without a pipeline).
+    engine: engine::Engine<M>,
     /// The loss scale and its trackers, with loss scaling.
     scaler: Option<GradScaler>,
     /// Where the MoE layers' routers report.
@@ -165,18 +167,33 @@ impl<M: LanguageModel> Trainer<M> {
                  Trainer::pipelined"
             );
         }
-        Trainer::build(Chunks(vec![model]), parallel, sampler, config, Vec::new())
+        let microbatches = sampler.plan().microbatches();
+        let engine = engine::Engine::new::<engine::Whole>(
+            crate::pipeline_parallel::ScheduleConfig::new(1, 1, microbatches),
+            0,
+            crate::pipeline_parallel::Delivery::Buffered,
+            false,
+        )?;
+        Trainer::build(
+            Chunks(vec![model]),
+            parallel,
+            sampler,
+            config,
+            Vec::new(),
+            engine,
+        )
     }
 
     /// Packs `chunks` into flat buffers, one Megatron-LM buffer per chunk (`shared_embedding`:
     /// visit positions of parameters the first and the last pipeline stage both hold), and
-    /// makes the optimizer.
+    /// makes the optimizer; `engine` runs the batches.
     fn build(
         mut chunks: Chunks<M>,
         parallel: &ParallelState,
         sampler: Sampler,
         config: TrainConfig,
         shared_embedding: Vec<usize>,
+        engine: engine::Engine<M>,
     ) -> Result<Self> {
         let groups = ReduceGroups::of(parallel);
         let first_stage = parallel.pp().index() == 0;
@@ -210,7 +227,7 @@ impl<M: LanguageModel> Trainer<M> {
             optimizer,
             sampler,
             config,
-            pipeline: None,
+            engine,
             scaler: config.precision.grad_scaler(),
             routing_log: RoutingLog::default(),
             routing_experts: 0,
@@ -328,55 +345,19 @@ impl<M: LanguageModel> Trainer<M> {
         (!self.graphs.scopes().is_empty()).then(|| self.graphs.stats())
     }
 
-    /// Runs step `step`: every microbatch forward and backward, the gradient all-reduce over the
-    /// data-parallel group, clipping and the optimizer update.
+    /// Runs step `step`: the rank's plan (every microbatch forward and backward, through the
+    /// pipeline when there is one), the gradient reduction over the data-parallel groups,
+    /// clipping and the optimizer update.
     pub fn step(&mut self, parallel: &ParallelState, step: u64) -> Result<StepMetrics> {
         let start = Instant::now();
         let before = parallel.stats();
         let plan = *self.sampler.plan();
-        let dp_rank = parallel.groups().dp_rank();
         let tokens = plan.global_batch * plan.seq_length;
         self.buffers.zero_grads()?;
-        let (loss_sum, pipeline_wait) = match &self.pipeline {
-            None => {
-                let model = &self.chunks.0[0];
-                let mut loss_sum = 0.0f64;
-                for micro in 0..plan.microbatches() {
-                    let (x, y) = self.sampler.microbatch(step, dp_rank, micro)?;
-                    let cx = self
-                        .train_cx(parallel)
-                        .at(step, plan.global_microbatch(dp_rank, micro) as u64);
-                    let (losses, saved) = model.losses(&cx, &x, &y)?;
-                    loss_sum += losses
-                        .to_vec_f32()?
-                        .iter()
-                        .map(|&l| f64::from(l))
-                        .sum::<f64>();
-                    // d(scaled mean loss over the global batch) / d(each token's loss).
-                    let dlosses = Tensor::zeros_near(losses.shape().clone(), DType::F32, &losses)?;
-                    dlosses.fill(self.loss_scale() / tokens as f32)?;
-                    model.backward_losses(&cx, saved, &dlosses)?;
-                }
-                (loss_sum, 0.0)
-            }
-            Some(p) => (p.run)(
-                self,
-                parallel,
-                &self.sampler,
-                step,
-                &p.plan,
-                pipeline::Mode::Train { step },
-            )?,
-        };
+        let walked = self.walk(parallel, &self.sampler, step, Mode::Train { step })?;
+        let (loss_sum, pipeline_wait) = (walked.loss_sum, walked.waited);
         reduce_gradients(&self.buffers, ReduceGroups::of(parallel))?;
-        // The reported loss: one more (4-byte) all-reduce over data parallel, as Megatron-LM's
-        // loss averaging does (and, with a pipeline, over it: only the last stage has losses).
-        let loss = optimizer::scalar_near(loss_sum as f32, self.buffers.grads())?;
-        if self.pipeline.is_some() {
-            parallel.pp().all_reduce(&loss, ReduceOp::Sum)?;
-        }
-        parallel.dp().all_reduce(&loss, ReduceOp::Sum)?;
-        let loss = f64::from(loss.to_vec::<f32>()?[0]) / tokens as f64;
+        let loss = self.reduce_loss(parallel, loss_sum)? / tokens as f64;
         let like = self.buffers.grads();
         let routing = self
             .routing_log
@@ -486,35 +467,55 @@ impl<M: LanguageModel> Trainer<M> {
     /// validation data is the `i`-th), without dropout and without touching gradients.
     pub fn evaluate(&self, parallel: &ParallelState, data: &Sampler, iters: u64) -> Result<f64> {
         let plan = *data.plan();
-        let dp_rank = parallel.groups().dp_rank();
         let mut loss_sum = 0.0f64;
         for i in 0..iters {
-            match &self.pipeline {
-                None => {
-                    for micro in 0..plan.microbatches() {
-                        let (x, y) = data.microbatch(i, dp_rank, micro)?;
-                        let cx = Cx::new(parallel, self.config.seed).eval();
-                        let (losses, _saved) = self.chunks.0[0].losses(&cx, &x, &y)?;
-                        loss_sum += losses
-                            .to_vec_f32()?
-                            .iter()
-                            .map(|&l| f64::from(l))
-                            .sum::<f64>();
-                    }
-                }
-                Some(p) => {
-                    loss_sum +=
-                        (p.run)(self, parallel, data, i, &p.eval_plan, pipeline::Mode::Eval)?.0;
-                }
-            }
+            loss_sum += self.walk(parallel, data, i, Mode::Eval)?.loss_sum;
         }
+        let tokens = (iters.max(1) as usize * plan.global_batch * plan.seq_length) as f64;
+        Ok(self.reduce_loss(parallel, loss_sum)? / tokens)
+    }
+
+    /// Walks batch `batch` of `data` through the rank's plan: the training plan, or with
+    /// [`Mode::Eval`] the forward-only one, in an evaluation context (no dropout, no graph
+    /// capture, nothing logged).
+    fn walk(
+        &self,
+        parallel: &ParallelState,
+        data: &Sampler,
+        batch: u64,
+        mode: Mode,
+    ) -> Result<engine::Walked> {
+        let (cx, actions) = match mode {
+            Mode::Train { .. } => (self.train_cx(parallel), &self.engine.plan),
+            Mode::Eval => (
+                Cx::new(parallel, self.config.seed).eval(),
+                &self.engine.eval_plan,
+            ),
+        };
+        let walk = engine::Walk {
+            chunks: &self.chunks.0,
+            parallel,
+            data,
+            batch,
+            mode,
+            cx,
+            loss_scale: self.loss_scale(),
+            like: self.buffers.grads(),
+            sync_shared: self.engine.sync_shared,
+        };
+        (self.engine.run)(walk, actions)
+    }
+
+    /// The sum of every rank's `loss_sum`: one more (4-byte) all-reduce over data parallel, as
+    /// Megatron-LM's loss averaging does (and, with a pipeline, over it: only the last stage
+    /// has losses).
+    fn reduce_loss(&self, parallel: &ParallelState, loss_sum: f64) -> Result<f64> {
         let total = optimizer::scalar_near(loss_sum as f32, self.buffers.grads())?;
-        if self.pipeline.is_some() {
+        if self.engine.pipelined {
             parallel.pp().all_reduce(&total, ReduceOp::Sum)?;
         }
         parallel.dp().all_reduce(&total, ReduceOp::Sum)?;
-        let tokens = (iters.max(1) as usize * plan.global_batch * plan.seq_length) as f64;
-        Ok(f64::from(total.to_vec::<f32>()?[0]) / tokens)
+        Ok(f64::from(total.to_vec::<f32>()?[0]))
     }
 }
 

@@ -1,0 +1,390 @@
+//! The step engine: every training step and every evaluation walks one rank's
+//! [plan](crate::pipeline_parallel::plan) of Megatron-LM's schedule. Without a pipeline the plan
+//! is a one-stage schedule's (each microbatch forward, then backward: gradient accumulation);
+//! with one, the rank's passes in the schedule's order with the batched exchanges between
+//! them; an evaluation is the forward-only schedule's plan. One walker runs them all, so the
+//! loss sum, the microbatch contexts and the data are written once.
+//!
+//! What differs is how a chunk runs a microbatch's passes ([`Passes`]): the whole model
+//! ([`Whole`]: a [`LanguageModel`]'s losses and their backward), or a pipeline stage's parts
+//! (`pipeline::Stages`).
+
+use std::collections::HashMap;
+
+use super::{LanguageModel, Sampler};
+use crate::comm::ParallelState;
+use crate::cuda_graphs::SlotAllocator;
+use crate::error::{Error, Result};
+use crate::invalid;
+use crate::module::{Cx, Ids};
+use crate::pipeline_parallel::{
+    Action, Delivery, Pass, Schedule, ScheduleConfig, Stage, Transfer, execute, plan,
+};
+use crate::tensor::{DType, Shape, Tensor};
+
+/// What a walk is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// Forward and backward, at this step (dropout as training).
+    Train { step: u64 },
+    /// Forwards only, nothing kept, no dropout.
+    Eval,
+}
+
+/// How one chunk runs a microbatch's passes.
+pub(super) trait Passes<M> {
+    /// What a microbatch's forward through a chunk keeps for its backward.
+    type Kept;
+
+    /// Whether `model` holds the first stage's part (it reads token ids) and the last's (it
+    /// computes the losses).
+    fn ends(model: &M) -> (bool, bool);
+
+    /// The width of the value a stage passes to the next (`[s, b, width]`; unused with one
+    /// stage).
+    fn carried_width(model: &M) -> usize;
+
+    /// Runs the forward from `tokens` (the first stage) or `h` (the previous stage's value) to
+    /// the per-token losses when `targets` are given (the last stage), else to the value for
+    /// the next stage.
+    fn forward(
+        model: &M,
+        cx: &Cx,
+        tokens: Option<&Ids>,
+        h: Option<Tensor>,
+        targets: Option<&Ids>,
+    ) -> Result<(Tensor, Self::Kept)>;
+
+    /// Runs the backward from `d`, the gradient of what the forward returned: the gradient of
+    /// the stage's input for the previous stage, or `None` on the first.
+    fn backward(model: &M, cx: &Cx, kept: Self::Kept, d: &Tensor) -> Result<Option<Tensor>>;
+
+    /// After a training walk: sums what the chunks' stages share (the tied embedding's two
+    /// copies), when `shared` says to.
+    fn after_backward(chunks: &[M], parallel: &ParallelState, shared: bool) -> Result<()>;
+}
+
+/// The whole model as one stage: its losses, and their backward.
+pub(super) struct Whole;
+
+impl<M: LanguageModel> Passes<M> for Whole {
+    type Kept = M::Saved;
+
+    fn ends(_: &M) -> (bool, bool) {
+        (true, true)
+    }
+
+    fn carried_width(_: &M) -> usize {
+        0
+    }
+
+    fn forward(
+        model: &M,
+        cx: &Cx,
+        tokens: Option<&Ids>,
+        _h: Option<Tensor>,
+        targets: Option<&Ids>,
+    ) -> Result<(Tensor, M::Saved)> {
+        match (tokens, targets) {
+            (Some(tokens), Some(targets)) => model.losses(cx, tokens, targets),
+            _ => invalid!("a one-stage walk reads its tokens and targets"),
+        }
+    }
+
+    fn backward(model: &M, cx: &Cx, kept: M::Saved, d: &Tensor) -> Result<Option<Tensor>> {
+        model.backward_losses(cx, kept, d)?;
+        Ok(None)
+    }
+
+    fn after_backward(_: &[M], _: &ParallelState, _: bool) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// One batch's walk: the rank's chunks, the data, and the context its microbatches run in.
+pub(super) struct Walk<'a, M> {
+    pub chunks: &'a [M],
+    pub parallel: &'a ParallelState,
+    pub data: &'a Sampler,
+    pub batch: u64,
+    pub mode: Mode,
+    /// The context every microbatch's is made from (placed at its step and microbatch).
+    pub cx: Cx<'a>,
+    /// The loss the backward starts from is the mean loss times this.
+    pub loss_scale: f32,
+    /// A tensor on the rank's device, where the walk's buffers go.
+    pub like: &'a Tensor,
+    /// Sum the tied copies' gradients over the embedding group.
+    pub sync_shared: bool,
+}
+
+/// What a walk did: the sum of the per-token losses this rank computed (the last stage's; 0
+/// elsewhere), read once at the end, and the seconds it waited for other stages.
+pub(super) struct Walked {
+    pub loss_sum: f64,
+    pub waited: f64,
+}
+
+/// Runs a walk of `actions` with chunks run by `P`.
+pub(super) type RunFn<M> = fn(Walk<'_, M>, &[Action]) -> Result<Walked>;
+
+/// How a trainer runs its batches: its plans, and how its chunks run.
+pub(super) struct Engine<M> {
+    /// This rank's pipeline rank, and the training and evaluation schedules.
+    rank: usize,
+    schedules: [Schedule; 2],
+    /// The training schedule's plan of this rank, and the evaluation one's.
+    pub plan: Vec<Action>,
+    pub eval_plan: Vec<Action>,
+    /// Walks a plan with the chunks' passes (the whole model, or a stage's parts).
+    pub run: RunFn<M>,
+    /// Whether the rank is a stage of a pipeline (its losses and the reported loss reduce over
+    /// the pipeline group).
+    pub pipelined: bool,
+    /// Sum the tied copies' gradients over the embedding group (off only to show it is needed).
+    pub sync_shared: bool,
+}
+
+impl<M> Engine<M> {
+    /// The engine of pipeline rank `rank` of `config`'s schedules, its chunks run by `P`.
+    pub fn new<P: Passes<M>>(
+        config: ScheduleConfig,
+        rank: usize,
+        delivery: Delivery,
+        pipelined: bool,
+    ) -> Result<Self> {
+        let train = Schedule::new(config)?;
+        let eval = Schedule::new(ScheduleConfig {
+            forward_only: true,
+            ..config
+        })?;
+        let mut engine = Engine {
+            rank,
+            schedules: [train, eval],
+            plan: Vec::new(),
+            eval_plan: Vec::new(),
+            run: walk::<M, P>,
+            pipelined,
+            sync_shared: true,
+        };
+        engine.replan(delivery)?;
+        Ok(engine)
+    }
+
+    /// Makes this rank's plans for a backend of `delivery`.
+    pub fn replan(&mut self, delivery: Delivery) -> Result<()> {
+        let [train, eval] = &self.schedules;
+        self.plan = plan(train, delivery)?.swap_remove(self.rank).actions;
+        self.eval_plan = plan(eval, delivery)?.swap_remove(self.rank).actions;
+        Ok(())
+    }
+}
+
+/// One rank's walk of one batch: its chunks' passes, with the activations and gradients they
+/// exchange with the neighbouring stages.
+struct Walker<'a, M, P: Passes<M>> {
+    walk: Walk<'a, M>,
+    /// What each (chunk, microbatch)'s forward kept, and the shape of its losses when it
+    /// computed them (the last stage).
+    kept: HashMap<(usize, usize), (P::Kept, Option<Shape>)>,
+    /// Values received and not used yet, and values produced and not sent yet, by (pass, local
+    /// chunk, microbatch): activations (forward) and gradients (backward).
+    inbox: HashMap<(Pass, usize, usize), Tensor>,
+    outbox: HashMap<(Pass, usize, usize), Tensor>,
+    /// The losses computed, in order, read once after the walk.
+    losses: Vec<Tensor>,
+    /// Time spent in exchanges.
+    waited: std::time::Duration,
+    /// The shape of the value between stages, `[s, b, width]`.
+    carried: [usize; 3],
+    /// The microbatches' in-flight slots (their graph scopes' graphs and static buffers).
+    slots: SlotAllocator,
+}
+
+/// Walks `actions` with `walk`'s chunks run by `P`.
+fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked> {
+    let plan = *walk.data.plan();
+    let Some(first) = walk.chunks.first() else {
+        return invalid!("a rank needs at least one model chunk");
+    };
+    let carried = [plan.seq_length, plan.micro_batch, P::carried_width(first)];
+    let mut walker = Walker::<M, P> {
+        walk,
+        kept: HashMap::new(),
+        inbox: HashMap::new(),
+        outbox: HashMap::new(),
+        losses: Vec::new(),
+        waited: std::time::Duration::ZERO,
+        carried,
+        slots: SlotAllocator::new(),
+    };
+    execute(actions, &mut walker)?;
+    if !(walker.inbox.is_empty() && walker.outbox.is_empty()) {
+        return invalid!(
+            "the pipeline's plan left {} values unused and {} unsent",
+            walker.inbox.len(),
+            walker.outbox.len()
+        );
+    }
+    let w = &walker.walk;
+    if w.mode != Mode::Eval {
+        P::after_backward(w.chunks, w.parallel, w.sync_shared)?;
+    }
+    let mut loss_sum = 0.0f64;
+    for losses in &walker.losses {
+        loss_sum += losses
+            .to_vec_f32()?
+            .iter()
+            .map(|&l| f64::from(l))
+            .sum::<f64>();
+    }
+    Ok(Walked {
+        loss_sum,
+        waited: walker.waited.as_secs_f64(),
+    })
+}
+
+impl<'a, M, P: Passes<M>> Walker<'a, M, P> {
+    /// The context of `microbatch`.
+    fn cx(&self, microbatch: usize) -> Cx<'a> {
+        let w = &self.walk;
+        match w.mode {
+            Mode::Train { step } => {
+                let dp_rank = w.parallel.groups().dp_rank();
+                w.cx.at(
+                    step,
+                    w.data.plan().global_microbatch(dp_rank, microbatch) as u64,
+                )
+            }
+            Mode::Eval => w.cx.eval(),
+        }
+    }
+
+    /// A buffer for the value (or its gradient) another stage sends.
+    fn carried_buffer(&self) -> Result<Tensor> {
+        Tensor::empty_near(self.carried, DType::F32, self.walk.like)
+    }
+
+    /// The value `pass` of `microbatch` brought for local chunk `chunk`.
+    fn take_input(&mut self, pass: Pass, chunk: usize, microbatch: usize) -> Result<Tensor> {
+        match self.inbox.remove(&(pass, chunk, microbatch)) {
+            Some(t) => Ok(t),
+            None => invalid!(
+                "the {pass:?} input of chunk {chunk} microbatch {microbatch} was not received \
+                 before its pass"
+            ),
+        }
+    }
+
+    fn check_carried(&self, t: &Tensor, what: &str) -> Result<()> {
+        if t.dims() != self.carried || t.dtype() != DType::F32 {
+            return invalid!(
+                "the pipeline sends {what} of shape {:?} and dtype f32 between stages, but this \
+                 stage produced {:?} {}",
+                self.carried,
+                t.dims(),
+                t.dtype()
+            );
+        }
+        Ok(())
+    }
+}
+
+impl<M, P: Passes<M>> Stage for Walker<'_, M, P> {
+    type Error = Error;
+
+    fn forward(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
+        let model = &self.walk.chunks[chunk];
+        let (first, last) = P::ends(model);
+        let slot = self.slots.take(chunk, microbatch);
+        let cx = self.cx(microbatch).in_slot(slot);
+        let dp_rank = self.walk.parallel.groups().dp_rank();
+        let data = if first || last {
+            Some(
+                self.walk
+                    .data
+                    .microbatch(self.walk.batch, dp_rank, microbatch)?,
+            )
+        } else {
+            None
+        };
+        let h = match first {
+            true => None,
+            false => Some(self.take_input(Pass::Forward, chunk, microbatch)?),
+        };
+        let tokens = data.as_ref().filter(|_| first).map(|(t, _)| t);
+        let targets = data.as_ref().filter(|_| last).map(|(_, t)| t);
+        let (out, kept) = P::forward(model, &cx, tokens, h, targets)?;
+        let losses = if last {
+            let shape = out.shape().clone();
+            self.losses.push(out);
+            Some(shape)
+        } else {
+            self.check_carried(&out, "activations")?;
+            self.outbox.insert((Pass::Forward, chunk, microbatch), out);
+            None
+        };
+        if matches!(self.walk.mode, Mode::Train { .. }) {
+            self.kept.insert((chunk, microbatch), (kept, losses));
+        }
+        Ok(())
+    }
+
+    fn backward(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
+        let Some((kept, losses)) = self.kept.remove(&(chunk, microbatch)) else {
+            return invalid!(
+                "backward of chunk {chunk} microbatch {microbatch} before its forward"
+            );
+        };
+        let model = &self.walk.chunks[chunk];
+        let slot = self.slots.free(chunk, microbatch);
+        let cx = self.cx(microbatch).in_slot(slot);
+        let d = match losses {
+            Some(shape) => {
+                let plan = self.walk.data.plan();
+                let tokens = plan.global_batch * plan.seq_length;
+                // d(scaled mean loss over the global batch) / d(each token's loss).
+                let dlosses = Tensor::zeros_near(shape, DType::F32, self.walk.like)?;
+                dlosses.fill(self.walk.loss_scale / tokens as f32)?;
+                dlosses
+            }
+            None => self.take_input(Pass::Backward, chunk, microbatch)?,
+        };
+        if let Some(d_in) = P::backward(model, &cx, kept, &d)? {
+            self.check_carried(&d_in, "gradients")?;
+            self.outbox
+                .insert((Pass::Backward, chunk, microbatch), d_in);
+        }
+        Ok(())
+    }
+
+    fn exchange(&mut self, sends: &[Transfer], recvs: &[Transfer]) -> Result<()> {
+        let key = |t: &Transfer| (t.pass, t.chunk, t.microbatch);
+        let outgoing = sends
+            .iter()
+            .map(|t| match self.outbox.remove(&key(t)) {
+                Some(v) => Ok((v, t.peer)),
+                None => invalid!(
+                    "{:?} output of chunk {} microbatch {} is sent before it is computed",
+                    t.pass,
+                    t.chunk,
+                    t.microbatch
+                ),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let incoming = recvs
+            .iter()
+            .map(|t| Ok((self.carried_buffer()?, t.peer)))
+            .collect::<Result<Vec<_>>>()?;
+        let start = std::time::Instant::now();
+        self.walk.parallel.pp().exchange(
+            &outgoing.iter().map(|(v, p)| (v, *p)).collect::<Vec<_>>(),
+            &incoming.iter().map(|(v, p)| (v, *p)).collect::<Vec<_>>(),
+        )?;
+        self.waited += start.elapsed();
+        for (t, (v, _)) in recvs.iter().zip(incoming) {
+            self.inbox.insert(key(t), v);
+        }
+        Ok(())
+    }
+}
