@@ -9,10 +9,11 @@ use proc_macro2::{Span, TokenStream};
 use quote::quote;
 use syn::spanned::Spanned;
 
+use super::kind;
 use super::names::{LocalId, Locals, Names};
 use super::{comment, gradient_type, saved_name};
 use crate::model::{Def, Graph, NodeId, NodeOp};
-use crate::parse::{Builtin, Field, FieldKind, InputType, ModuleImpl, ModuleStruct};
+use crate::parse::{Builtin, Field, InputType, ModuleImpl, ModuleStruct};
 use crate::root::Root;
 use crate::validate::{Analysis, Sharding};
 
@@ -20,21 +21,21 @@ type Render<'a> = Box<dyn Fn(&Names) -> TokenStream + 'a>;
 
 /// The statements of one generated function.
 #[derive(Default)]
-struct Body<'a> {
-    locals: Locals,
+pub(in crate::generate) struct Body<'a> {
+    pub(in crate::generate) locals: Locals,
     stmts: Vec<Render<'a>>,
     /// (before, after) pairs of a loop-carried variable: one `let mut` variable when both get
     /// the same name.
-    carried: Vec<(LocalId, LocalId)>,
+    pub(in crate::generate) carried: Vec<(LocalId, LocalId)>,
 }
 
 impl<'a> Body<'a> {
     /// The position of the next statement group (parameters are at 0).
-    fn pos(&self) -> usize {
+    pub(in crate::generate) fn pos(&self) -> usize {
         self.stmts.len() + 1
     }
 
-    fn push(&mut self, render: impl Fn(&Names) -> TokenStream + 'a) {
+    pub(in crate::generate) fn push(&mut self, render: impl Fn(&Names) -> TokenStream + 'a) {
         self.stmts.push(Box::new(render));
     }
 
@@ -53,7 +54,11 @@ impl<'a> Body<'a> {
 
 /// Whether a loop updates its carried variable in place (`before` becomes `let mut` and
 /// `after` is the same variable).
-fn carried_in_place(names: &Names, before: LocalId, after: LocalId) -> bool {
+pub(in crate::generate) fn carried_in_place(
+    names: &Names,
+    before: LocalId,
+    after: LocalId,
+) -> bool {
     names.name(before) == names.name(after) && !names.is_ref(before)
 }
 
@@ -109,21 +114,21 @@ impl Function {
 }
 
 /// What the generator reads.
-struct Ctx<'a> {
-    root: &'a Root,
-    s: &'a ModuleStruct,
-    imp: &'a ModuleImpl,
-    g: &'a Graph,
-    a: &'a Analysis,
+pub(in crate::generate) struct Ctx<'a> {
+    pub(in crate::generate) root: &'a Root,
+    pub(in crate::generate) s: &'a ModuleStruct,
+    pub(in crate::generate) imp: &'a ModuleImpl,
+    pub(in crate::generate) g: &'a Graph,
+    pub(in crate::generate) a: &'a Analysis,
 }
 
 impl<'a> Ctx<'a> {
-    fn field(&self, n: NodeId) -> &'a Field {
+    pub(in crate::generate) fn field(&self, n: NodeId) -> &'a Field {
         &self.s.fields[self.a.field[n].expect("validated nodes know their field")]
     }
 
     /// `self.field` with the user's `self`.
-    fn this_field(&self, n: NodeId) -> TokenStream {
+    pub(in crate::generate) fn this_field(&self, n: NodeId) -> TokenStream {
         let this = &self.imp.forward.self_token;
         let f = &self.field(n).ident;
         quote!(#this.#f)
@@ -131,7 +136,7 @@ impl<'a> Ctx<'a> {
 
     /// For a loop over the `#[pipeline]` stack, `self.__stage.layers.start +`: a stage's modules
     /// keep the sites of their indices in the whole stack. Nothing for other loops.
-    fn first_index(&self, n: NodeId) -> TokenStream {
+    pub(in crate::generate) fn first_index(&self, n: NodeId) -> TokenStream {
         if self.field(n).is_pipeline() {
             let this = &self.imp.forward.self_token;
             quote!(#this.__stage.layers.start +)
@@ -141,7 +146,7 @@ impl<'a> Ctx<'a> {
     }
 
     /// `site.child("name")` of node `n` (nothing for `+`, which has no site).
-    fn site(&self, n: NodeId) -> TokenStream {
+    pub(in crate::generate) fn site(&self, n: NodeId) -> TokenStream {
         match self.g.nodes[n].site.as_deref() {
             Some(name) => quote!(site.child(#name)),
             None => TokenStream::new(),
@@ -151,7 +156,11 @@ impl<'a> Ctx<'a> {
     /// `<Type as Trait>::method` for node `n`'s field: a type that lacks the trait is reported
     /// at the field's type, with the trait's message (and once: the struct's `build` names the
     /// same path there).
-    fn qualified(&self, n: NodeId, trait_and_method: TokenStream) -> TokenStream {
+    pub(in crate::generate) fn qualified(
+        &self,
+        n: NodeId,
+        trait_and_method: TokenStream,
+    ) -> TokenStream {
         let ty = &self.field(n).ty;
         let tokens: Vec<_> = trait_and_method.into_iter().collect();
         let (tr, method) = match tokens.as_slice() {
@@ -164,7 +173,7 @@ impl<'a> Ctx<'a> {
     }
 
     /// Tokens whose failures should point at node `n`'s field type.
-    fn spanned(&self, n: NodeId, tokens: TokenStream) -> TokenStream {
+    pub(in crate::generate) fn spanned(&self, n: NodeId, tokens: TokenStream) -> TokenStream {
         let sp = self.field(n).ty.span().resolved_at(Span::call_site());
         tokens
             .into_iter()
@@ -175,49 +184,41 @@ impl<'a> Ctx<'a> {
             .collect()
     }
 
-    fn kinds(&self) -> impl Iterator<Item = (NodeId, &'a NodeOp, Option<&'a FieldKind>)> + '_ {
+    /// Every node, with the field it calls.
+    fn calls(&self) -> impl Iterator<Item = (NodeId, &'a NodeOp, Option<&'a Field>)> + '_ {
         self.g.nodes.iter().enumerate().map(|(n, node)| {
-            let kind = self.a.field[n].map(|i| &self.s.fields[i].kind);
-            (n, &node.op, kind)
+            let field = self.a.field[n].map(|i| &self.s.fields[i]);
+            (n, &node.op, field)
         })
     }
 
     /// The `use` lines at the top of forward (`backward == false`) or backward.
     fn imports(&self, backward: bool) -> TokenStream {
         let rt = &self.root.runtime;
-        let (mut column, mut row, mut vocab, mut op, mut layer, mut lookup) =
-            (false, false, false, false, false, false);
-        let mut expert = false;
-        let (mut reduce, mut sharding) = (false, false);
-        for (n, o, kind) in self.kinds() {
-            match (o, kind) {
-                (NodeOp::Field { .. }, Some(FieldKind::Column { .. })) => {
-                    column = true;
-                    reduce |= backward;
-                }
-                (NodeOp::Field { .. }, Some(FieldKind::Row { .. })) => {
-                    row = true;
-                    reduce |= !backward;
-                }
-                (NodeOp::Field { .. }, Some(FieldKind::Vocab)) => {
-                    vocab = true;
-                    reduce |= !backward;
-                }
-                (NodeOp::Logits { .. }, _) => {
-                    vocab = true;
-                    reduce |= backward;
-                }
-                (NodeOp::Field { .. }, Some(FieldKind::Op)) => op = true,
-                (NodeOp::Field { .. }, Some(FieldKind::Expert)) => expert = true,
-                (NodeOp::Field { .. }, Some(FieldKind::Replicated)) => {
+        let mut named: Vec<&'static str> = Vec::new();
+        let (mut layer, mut lookup, mut reduce, mut sharding) = (false, false, false, false);
+        let mut note = |uses: kind::Imports| {
+            if let Some(name) = uses.named
+                && !named.contains(&name)
+            {
+                named.push(name);
+            }
+            reduce |= uses.reduce;
+            layer |= uses.layer;
+            lookup |= uses.lookup;
+        };
+        for (n, o, field) in self.calls() {
+            match (o, field) {
+                (NodeOp::Field { .. }, Some(f)) => {
                     let args = &self.g.nodes[n].args;
-                    if args.len() == 1 && self.a.sharding[args[0]] == Sharding::Ids {
-                        lookup = true;
-                    } else {
-                        layer = true;
-                    }
+                    let ids = args.len() == 1 && self.a.sharding[args[0]] == Sharding::Ids;
+                    note(kind::of(&f.kind).imports(backward, ids));
                 }
-                (NodeOp::Loop { .. }, _) => layer = true,
+                (NodeOp::Logits { .. }, _) => note(kind::vocab::logits_imports(backward)),
+                (NodeOp::Loop { .. }, _) => note(kind::Imports {
+                    layer: true,
+                    ..kind::Imports::default()
+                }),
                 (
                     NodeOp::Builtin {
                         builtin: Builtin::Dropout,
@@ -229,18 +230,24 @@ impl<'a> Ctx<'a> {
                 _ => {}
             }
         }
-        let mut named = Vec::new();
-        for (present, name) in [
-            (column, quote!(ColumnParallel)),
-            (row, quote!(RowParallel)),
-            (vocab, quote!(VocabParallel)),
-            (expert, quote!(ExpertParallel)),
-            (op, quote!(Op)),
-            (sharding, quote!(Sharding)),
-        ] {
-            if present {
-                named.push(name);
-            }
+        // The module's traits in the order it lists them; another kind's after them.
+        let order = [
+            "ColumnParallel",
+            "RowParallel",
+            "VocabParallel",
+            "ExpertParallel",
+            "Op",
+        ];
+        named.sort_by_key(|name| order.iter().position(|o| o == name).unwrap_or(order.len()));
+        let mut named: Vec<TokenStream> = named
+            .iter()
+            .map(|name| {
+                let ident = syn::Ident::new(name, Span::call_site());
+                quote!(#ident)
+            })
+            .collect();
+        if sharding {
+            named.push(quote!(Sharding));
         }
         let mut anonymous = Vec::new();
         if layer {
@@ -275,7 +282,7 @@ pub struct GeneratedForward {
 }
 
 /// The base name of a value's local: the user's name, or `{site}_out`.
-fn value_base(g: &Graph, v: usize) -> String {
+pub(in crate::generate) fn value_base(g: &Graph, v: usize) -> String {
     let value = &g.values[v];
     if let Some(name) = &value.name {
         return name.clone();
@@ -402,23 +409,6 @@ pub fn forward(
 }
 
 /// The statements of one node in forward.
-/// The runtime's `GraphScope` for a field's `#[graph_scope(..)]` (the router's for an expert
-/// layer, whose preprocessing is captured with it), spanned at the name; `None` without one.
-fn graph_scope(rt: &TokenStream, field: &crate::parse::Field) -> Option<TokenStream> {
-    let first = field.graph_scopes.first()?;
-    let scope = if matches!(field.kind, FieldKind::Expert) {
-        field
-            .graph_scopes
-            .iter()
-            .find(|s| s.name == "moe_router")
-            .unwrap_or(first)
-    } else {
-        first
-    };
-    let variant = proc_macro2::Ident::new(scope.variant(), scope.span);
-    Some(quote!(#rt::cuda_graphs::GraphScope::#variant))
-}
-
 fn forward_node<'a>(
     cx: &'a Ctx<'a>,
     b: &mut Body<'a>,
@@ -431,301 +421,12 @@ fn forward_node<'a>(
     let rt = &cx.root.runtime;
     let node = &cx.g.nodes[n];
     let site = cx.site(n);
-    let span = node.src.span();
     match &node.op {
         NodeOp::Field { .. } => {
-            let field = cx.field(n);
-            let this_field = cx.this_field(n);
-            let name = field.name();
             let saved = saved.expect("calls save");
-            match &field.kind {
-                FieldKind::Column { gather_output } => {
-                    let x = args[0];
-                    let call = cx.qualified(n, quote!(ColumnParallel::forward_column));
-                    let doc = comment(&format!(
-                        "`{name}`: #[column_parallel]. f: identity in forward (its backward \
-                         all-reduces the input gradient over tp)."
-                    ));
-                    if *gather_output {
-                        let local = b
-                            .locals
-                            .temp(&format!("{name}_local"), pos, node.src.span());
-                        let gdoc = comment(&format!(
-                            "`{name}`: gather_output. All-gather of the output features over tp."
-                        ));
-                        b.push(move |nm| {
-                            let (xr, l, s, o) =
-                                (nm.by_ref(x), nm.ident(local), nm.pat(saved), nm.pat(out));
-                            quote! {
-                                #doc
-                                let (#l, #s) = #call(&#this_field, cx, #site, #xr)?;
-                                #gdoc
-                                let #o = #rt::tensor_parallel::gather_last_dim(cx, &#l)?;
-                            }
-                        });
-                    } else {
-                        b.push(move |nm| {
-                            let (xr, s, o) = (nm.by_ref(x), nm.pat(saved), nm.pat(out));
-                            quote! {
-                                #doc
-                                let (#o, #s) = #call(&#this_field, cx, #site, #xr)?;
-                            }
-                        });
-                    }
-                }
-                FieldKind::Row { input_is_parallel } => {
-                    let x = args[0];
-                    let call = cx.qualified(n, quote!(RowParallel::forward_row));
-                    let add_bias = cx.qualified(n, quote!(RowParallel::add_bias));
-                    let doc = comment(&format!(
-                        "`{name}`: #[row_parallel]. g: all-reduce of the partial outputs over tp."
-                    ));
-                    let split = (!input_is_parallel).then(|| {
-                        let base = format!("{}_local", value_base(cx.g, node.args[0]));
-                        b.locals.temp(&base, pos, node.src.span())
-                    });
-                    let sdoc = comment(&format!(
-                        "`{name}`: input_is_parallel = false. This rank's slice of the input \
-                         features (scatter)."
-                    ));
-                    b.push(move |nm| {
-                        let (s, o) = (nm.pat(saved), nm.pat(out));
-                        let oi = nm.ident(out);
-                        let (scatter, xr) = match split {
-                            Some(l) => {
-                                let li = nm.ident(l);
-                                let xr = nm.by_ref(x);
-                                (
-                                    quote! {
-                                        #sdoc
-                                        let #li = #rt::tensor_parallel::split_last_dim(cx, #xr)?;
-                                    },
-                                    quote!(&#li),
-                                )
-                            }
-                            None => (quote!(), nm.by_ref(x)),
-                        };
-                        let reduce = tp_sum(&oi, span);
-                        quote! {
-                            #scatter
-                            let (#o, #s) = #call(&#this_field, cx, #site, #xr)?;
-                            #doc
-                            #reduce
-                            #add_bias(&#this_field, cx, &#oi)?;
-                        }
-                    });
-                }
-                FieldKind::Vocab => {
-                    let ids = args[0];
-                    let call = cx.qualified(n, quote!(VocabParallel::forward_vocab));
-                    let doc = comment(&format!(
-                        "`{name}`: #[vocab_parallel]. All-reduce of the partial lookups over tp \
-                         (each rank holds its rows of the vocabulary)."
-                    ));
-                    b.push(move |nm| {
-                        let (ir, s, o, oi) =
-                            (nm.by_ref(ids), nm.pat(saved), nm.pat(out), nm.ident(out));
-                        let reduce = tp_sum(&oi, span);
-                        quote! {
-                            let (#o, #s) = #call(&#this_field, cx, #site, #ir)?;
-                            #doc
-                            #reduce
-                        }
-                    });
-                }
-                FieldKind::Expert => {
-                    let x = args[0];
-                    let gate = cx.qualified(n, quote!(ExpertParallel::gate));
-                    let route = cx.qualified(n, quote!(ExpertParallel::route));
-                    let dispatcher = cx.qualified(n, quote!(ExpertParallel::dispatcher));
-                    let local = cx.qualified(n, quote!(ExpertParallel::forward_local));
-                    let span = node.src.span();
-                    let mut temp = |what: &str| b.locals.temp(&format!("{name}_{what}"), pos, span);
-                    let (routing, router, rows, plan, group_rows, tp, partial, y, kept, combined) = (
-                        temp("routing"),
-                        temp("router"),
-                        temp("rows"),
-                        temp("plan"),
-                        temp("group_rows"),
-                        temp("tp"),
-                        temp("partial"),
-                        temp("y"),
-                        temp("local"),
-                        temp("combine"),
-                    );
-                    let (logits, gate_kept) = (temp("routed"), temp("gate"));
-                    let scope = graph_scope(rt, field);
-                    let rdoc = comment(&format!(
-                        "`{name}`: #[expert_parallel]. The router where the tokens live: each \
-                         token's logits and, on a GPU, its experts and weights, the counts and \
-                         (the dispatcher's preprocessing) the tokens laid out expert-major, with \
-                         nothing read back{}",
-                        if scope.is_some() {
-                            let names: Vec<&str> =
-                                field.graph_scopes.iter().map(|s| s.name.as_str()).collect();
-                            format!(
-                                " (graph scope {}: captured and replayed when selected; the \
-                                 permutation inside the graph when moe_preprocess is).",
-                                names.join(", ")
-                            )
-                        } else {
-                            ".".to_string()
-                        }
-                    ));
-                    let chdoc = comment(&format!(
-                        "`{name}`: the routing on the host: read back after the router (the \
-                         device-to-host sync), or chosen here from the logits on the CPU."
-                    ));
-                    let ddoc = comment(&format!(
-                        "`{name}`: dispatch over ep, by the layer's dispatcher. All-to-all: the \
-                         per-expert counts, then the rows (laid out expert-major by the router's \
-                         device, or here) to the ranks holding their experts (uneven splits); \
-                         all-gather: every rank's tokens, each keeping its experts' rows."
-                    ));
-                    let gdoc = comment(&format!(
-                        "`{name}`: the rows of every rank of the expert-tensor-parallel group \
-                         (an all-gather with uneven sizes over etp; nothing with one rank)."
-                    ));
-                    let ldoc = comment(&format!(
-                        "`{name}`: this rank's slices of its experts, one grouped product per \
-                         layer over the group's rows: partial outputs."
-                    ));
-                    let sdoc = comment(&format!(
-                        "`{name}`: the partial outputs summed, each rank's rows back to it (a \
-                         reduce-scatter with uneven sizes over etp)."
-                    ));
-                    let cdoc = comment(&format!(
-                        "`{name}`: combine. The rows back to their tokens (the reverse all-to-all, or \
-                         a reduce-scatter, over ep), summed with the routing's weights."
-                    ));
-                    b.push(move |nm| {
-                        let xr = nm.by_ref(x);
-                        let (o, s) = (nm.pat(out), nm.pat(saved));
-                        let [
-                            routing,
-                            router,
-                            rows,
-                            plan,
-                            group_rows,
-                            tp,
-                            partial,
-                            y,
-                            kept,
-                            combined,
-                        ] = [
-                            routing, router, rows, plan, group_rows, tp, partial, y, kept,
-                            combined,
-                        ]
-                        .map(|l| nm.ident(l));
-                        let (logits, gate_kept) = (nm.ident(logits), nm.ident(gate_kept));
-                        let gated = match &scope {
-                            None => quote!(#gate(&#this_field, cx, #site, #xr)?),
-                            Some(scope) => quote! {
-                                #rt::cuda_graphs::forward(
-                                    cx, #scope, #site, &[#xr],
-                                    |cx, __in| #gate(&#this_field, cx, #site, &__in[0]),
-                                )?
-                            },
-                        };
-                        quote! {
-                            #rdoc
-                            let (#logits, #gate_kept) = #gated;
-                            #chdoc
-                            let (#routing, #router) = #route(&#this_field, cx, #site, #xr, &#logits)?;
-                            #ddoc
-                            let (#rows, #plan) = #rt::moe::dispatch(
-                                cx.ep(), #dispatcher(&#this_field), #xr, &#routing,
-                                #logits.permuted(),
-                            )?;
-                            #gdoc
-                            let (#group_rows, #tp) = #rt::moe::gather_expert_rows(
-                                cx.etp(), &#rows, &#plan.rows_per_local_expert(),
-                            )?;
-                            #ldoc
-                            let (#partial, #kept) =
-                                #local(&#this_field, cx, #site, &#group_rows, &#tp)?;
-                            #sdoc
-                            let #y = #rt::moe::reduce_scatter_expert_rows(cx.etp(), &#partial, &#tp)?;
-                            #cdoc
-                            let (#o, #combined) = #rt::moe::combine(cx.ep(), &#plan, &#y, &#routing)?;
-                            let #s = #rt::moe::ExpertParallelSaved {
-                                routing: #routing,
-                                gate: #gate_kept,
-                                router: #router,
-                                plan: #plan,
-                                tp: #tp,
-                                local: #kept,
-                                combine: #combined,
-                            };
-                        }
-                    });
-                }
-                FieldKind::Replicated => {
-                    let args = args.to_vec();
-                    let this = &cx.imp.forward.self_token;
-                    let f = &field.ident;
-                    let method = cx.spanned(n, quote!(forward));
-                    let scope = graph_scope(rt, field);
-                    let doc = scope.as_ref().map(|_| {
-                        comment(&format!(
-                            "`{name}`: graph scope `{}`. Eager the first time; with the scope \
-                             selected (--cuda-graph-scope), captured in this microbatch's \
-                             in-flight slot the second time, its input copied into the slot's \
-                             static buffer, and replayed after.",
-                            field.graph_scopes[0].name
-                        ))
-                    });
-                    b.push(move |nm| {
-                        let refs: Vec<_> = args.iter().map(|&l| nm.by_ref(l)).collect();
-                        let (s, o) = (nm.pat(saved), nm.pat(out));
-                        match &scope {
-                            None => quote! {
-                                let (#o, #s) = #this.#f.#method(cx, #site, #(#refs),*)?;
-                            },
-                            Some(scope) => {
-                                let ins = (0..refs.len()).map(|i| quote!(&__in[#i]));
-                                quote! {
-                                    #doc
-                                    let (#o, #s) = #rt::cuda_graphs::forward(
-                                        cx, #scope, #site, &[#(#refs),*],
-                                        |cx, __in| #this.#f.#method(cx, #site, #(#ins),*),
-                                    )?;
-                                }
-                            }
-                        }
-                    });
-                }
-                FieldKind::Op => {
-                    let x = args[0];
-                    let call = cx.qualified(n, quote!(Op::forward));
-                    b.push(move |nm| {
-                        let (xr, s, o) = (nm.by_ref(x), nm.pat(saved), nm.pat(out));
-                        quote! {
-                            let (#o, #s) = #call(&#this_field, cx, #site, #xr)?;
-                        }
-                    });
-                }
-                FieldKind::Stack { .. } | FieldKind::Config => unreachable!("validated"),
-            }
+            kind::of(&cx.field(n).kind).forward(cx, b, n, args, out, saved, pos);
         }
-        NodeOp::Logits { .. } => {
-            let h = args[0];
-            let this_field = cx.this_field(n);
-            let name = cx.field(n).name();
-            let call = cx.qualified(n, quote!(VocabParallel::logits_forward));
-            let saved = saved.expect("logits save");
-            let doc = comment(&format!(
-                "`{name}.logits`: the tied output layer, split by vocabulary. f: identity in \
-                 forward (its backward all-reduces the input gradient over tp)."
-            ));
-            b.push(move |nm| {
-                let (hr, s, o) = (nm.by_ref(h), nm.pat(saved), nm.pat(out));
-                quote! {
-                    #doc
-                    let (#o, #s) = #call(&#this_field, cx, #site, #hr)?;
-                }
-            });
-        }
+        NodeOp::Logits { .. } => kind::vocab::logits_forward(cx, b, n, args, out, saved, pos),
         NodeOp::Builtin { builtin, p } => {
             let saved = saved.expect("builtins save");
             match builtin {
@@ -792,54 +493,7 @@ fn forward_node<'a>(
                 }
             });
         }
-        NodeOp::Loop { .. } => {
-            let before = args[0];
-            let saved = saved.expect("loops save");
-            let this_field = cx.this_field(n);
-            let span = node.src.span();
-            let i = b.locals.temp("i", pos, span);
-            let x = b.locals.temp("x", pos, span);
-            let step = b.locals.temp("out", pos, span);
-            b.carried.push((before, out));
-            let name = cx.field(n).name();
-            let doc = if cx.field(n).is_pipeline() {
-                comment(&format!(
-                    "`{name}` (#[pipeline]): each module this stage holds in turn, at site \
-                     `{name}.i` with `i` the module's index in the whole stack (the same sites, \
-                     dropout masks and parameter names as without a pipeline); what they save is \
-                     kept, or with activation recompute only the input of each recomputed group \
-                     of modules (`cx.recompute()`)."
-                ))
-            } else {
-                comment(&format!(
-                    "`{name}`: each module in turn, at site `{name}.i`; what they save is kept, or \
-                     with activation recompute only the input of each recomputed group of modules \
-                     (`cx.recompute()`)."
-                ))
-            };
-            let first = cx.first_index(n);
-            b.push(move |nm| {
-                let (v, s) = (nm.ident(out), nm.ident(saved));
-                let (ii, xx, st) = (nm.ident(i), nm.ident(x), nm.ident(step));
-                let init = if carried_in_place(nm, before, out) {
-                    quote!()
-                } else {
-                    let value = nm.owned(before, nm.last_use(before) == pos);
-                    quote!(let mut #v = #value;)
-                };
-                quote! {
-                    #init
-                    #doc
-                    let (#st, #s) = #rt::module::stack_forward(
-                        cx,
-                        #this_field.len(),
-                        #v,
-                        |#ii, #xx| #this_field[#ii].forward(cx, #site.index(#first #ii), #xx),
-                    )?;
-                    #v = #st;
-                }
-            });
-        }
+        NodeOp::Loop { .. } => kind::stack::loop_forward(cx, b, n, args, out, saved, pos),
     }
 }
 
@@ -926,8 +580,10 @@ pub fn backward(
         let span = node.src.span();
         // A layer's input used several times, whose other gradients have all arrived: the layer
         // adds their sum (`backward_plus`), and its result is the input's whole gradient.
-        let plus = match (&node.op, cx.a.field[n].map(|i| &cx.s.fields[i].kind)) {
-            (NodeOp::Field { .. }, Some(FieldKind::Replicated)) if node.args.len() == 1 => {
+        let plus = match (&node.op, cx.a.field[n].map(|i| &cx.s.fields[i])) {
+            (NodeOp::Field { .. }, Some(f))
+                if node.args.len() == 1 && kind::of(&f.kind).adds_other_gradients() =>
+            {
                 grads.pending_others(&mut b, node.args[0], rt)
             }
             _ => None,
@@ -1101,7 +757,7 @@ impl<'g> Grads<'g> {
 
 /// The `Sharding` a dropout of value `v` draws its mask with: split by the last dimension when
 /// `v` is tensor-parallel split, else replicated.
-fn dropout_sharding(cx: &Ctx<'_>, v: usize) -> TokenStream {
+pub(in crate::generate) fn dropout_sharding(cx: &Ctx<'_>, v: usize) -> TokenStream {
     match cx.a.sharding[v] {
         Sharding::Split => quote!(Sharding::SplitLastDim),
         _ => quote!(Sharding::Replicated),
@@ -1124,318 +780,13 @@ fn backward_node<'a>(
     let rt = &cx.root.runtime;
     let node = &cx.g.nodes[n];
     let site = cx.site(n);
-    let span = node.src.span();
     match &node.op {
         NodeOp::Field { .. } => {
-            let field = cx.field(n);
-            let this_field = cx.this_field(n);
-            let name = field.name();
             let saved = saved.expect("calls save");
-            match &field.kind {
-                FieldKind::Column { gather_output } => {
-                    let d_x = d_args[0].expect("column-parallel inputs are tensors");
-                    let call = cx.qualified(n, quote!(ColumnParallel::backward_column));
-                    let doc = comment(&format!(
-                        "`{name}`: f's backward, all-reduce of the input gradient over tp."
-                    ));
-                    let local =
-                        gather_output.then(|| b.locals.temp(&format!("d_{name}_local"), pos, span));
-                    b.push(move |nm| {
-                        let (s, dx, dxi) = (nm.ident(saved), nm.pat(d_x), nm.ident(d_x));
-                        let (split, dy) = match local {
-                            Some(l) => {
-                                let li = nm.ident(l);
-                                let dyr = nm.by_ref(d_y);
-                                let sdoc = comment(&format!(
-                                    "`{name}`: gather_output's backward, this rank's slice of the \
-                                     output gradient."
-                                ));
-                                (
-                                    quote! {
-                                        #sdoc
-                                        let #li = #rt::tensor_parallel::split_last_dim(cx, #dyr)?;
-                                    },
-                                    quote!(&#li),
-                                )
-                            }
-                            None => (quote!(), nm.by_ref(d_y)),
-                        };
-                        let reduce = tp_sum(&dxi, span);
-                        quote! {
-                            #split
-                            let #dx = #call(&#this_field, cx, #site, #s, #dy)?;
-                            #doc
-                            #reduce
-                        }
-                    });
-                }
-                FieldKind::Row { input_is_parallel } => {
-                    let d_x = d_args[0].expect("row-parallel inputs are tensors");
-                    let call = cx.qualified(n, quote!(RowParallel::backward_row));
-                    let doc = comment(&format!("`{name}`: g's backward is the identity."));
-                    let local = (!input_is_parallel).then(|| {
-                        let base = format!("d_{}_local", value_base(cx.g, node.args[0]));
-                        b.locals.temp(&base, pos, span)
-                    });
-                    b.push(move |nm| {
-                        let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
-                        match local {
-                            Some(l) => {
-                                let li = nm.ident(l);
-                                let gdoc = comment(&format!(
-                                    "`{name}`: input_is_parallel = false. The scatter's backward, \
-                                     all-gather of the input gradient over tp."
-                                ));
-                                quote! {
-                                    #doc
-                                    let #li = #call(&#this_field, cx, #site, #s, #dy)?;
-                                    #gdoc
-                                    let #dx = #rt::tensor_parallel::gather_last_dim(cx, &#li)?;
-                                }
-                            }
-                            None => quote! {
-                                #doc
-                                let #dx = #call(&#this_field, cx, #site, #s, #dy)?;
-                            },
-                        }
-                    });
-                }
-                FieldKind::Vocab => {
-                    let call = cx.qualified(n, quote!(VocabParallel::backward_vocab));
-                    let doc = comment(&format!(
-                        "`{name}`: the all-reduce's backward is the identity; token ids have no \
-                         gradient."
-                    ));
-                    b.push(move |nm| {
-                        let (s, dy) = (nm.ident(saved), nm.by_ref(d_y));
-                        quote! {
-                            #doc
-                            #call(&#this_field, cx, #site, #s, #dy)?;
-                        }
-                    });
-                }
-                FieldKind::Expert => {
-                    let d_x = d_args[0].expect("expert-parallel inputs are tensors");
-                    let local = cx.qualified(n, quote!(ExpertParallel::backward_local));
-                    let route = cx.qualified(n, quote!(ExpertParallel::backward_route));
-                    let router_grads = cx.qualified(n, quote!(ExpertParallel::router_grads));
-                    let gate = cx.qualified(n, quote!(ExpertParallel::backward_gate));
-                    let scope = graph_scope(rt, field);
-                    let mut temp =
-                        |what: &str| b.locals.temp(&format!("d_{name}_{what}"), pos, span);
-                    let grads = [
-                        temp("y"),
-                        temp("probs"),
-                        temp("group_y"),
-                        temp("group_rows"),
-                        temp("rows"),
-                        temp("tokens"),
-                        temp("router"),
-                    ];
-                    let mut temp = |what: &str| b.locals.temp(&format!("{name}_{what}"), pos, span);
-                    let kept = [
-                        temp("gate"),
-                        temp("routing"),
-                        temp("router"),
-                        temp("plan"),
-                        temp("tp"),
-                        temp("local"),
-                        temp("combine"),
-                    ];
-                    let cdoc = comment(&format!(
-                        "`{name}`: combine's backward. The output gradient to the experts' rows (an \
-                         all-to-all, or an all-gather, over ep) and to the routing's weights."
-                    ));
-                    let ddoc = comment(&format!(
-                        "`{name}`: dispatch's backward. The rows' gradient back to their tokens (an \
-                         all-to-all, or a reduce-scatter, over ep), each token's copies summed."
-                    ));
-                    let rdoc = comment(&format!(
-                        "`{name}`: the routing recorded in the step's log; the weights' gradient \
-                         and the auxiliary losses' scale placed where the router's backward \
-                         reads them."
-                    ));
-                    let gtdoc = comment(&format!(
-                        "`{name}`: the router's backward (the logits' gradient from the weights' \
-                         and the auxiliary losses'), then the gate's, which adds its part of the \
-                         input gradient{}",
-                        if scope.is_some() {
-                            " (graph scope moe_router's backward)."
-                        } else {
-                            "."
-                        }
-                    ));
-                    let gdoc = comment(&format!(
-                        "`{name}`: the reduce-scatter's backward, the group's output gradients \
-                         (an all-gather with uneven sizes over etp)."
-                    ));
-                    let sdoc = comment(&format!(
-                        "`{name}`: the gather's backward, the group's partial row gradients \
-                         summed, each rank's rows back to it (a reduce-scatter over etp)."
-                    ));
-                    b.push(move |nm| {
-                        let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
-                        let [
-                            d_rows_out,
-                            d_probs,
-                            d_group_y,
-                            d_group_rows,
-                            d_rows,
-                            d_tokens,
-                            d_router,
-                        ] = grads.map(|l| nm.ident(l));
-                        let [gate_kept, routing, router, plan, tp, kept, combine] =
-                            kept.map(|l| nm.ident(l));
-                        let gated = match &scope {
-                            None => quote! {{
-                                let __d_logits = #route(
-                                    &#this_field, cx, #site, #router, &#routing,
-                                    &#d_router[0], &#d_router[1],
-                                )?;
-                                #gate(&#this_field, cx, #site, #gate_kept, &__d_logits, #d_tokens)?
-                            }},
-                            Some(scope) => quote! {
-                                #rt::cuda_graphs::backward(
-                                    cx, #scope, #site, (#gate_kept, #router),
-                                    &[&#d_router[0], &#d_router[1], &#d_tokens],
-                                    |cx, (__gate, __router), __in| {
-                                        let __d_logits = #route(
-                                            &#this_field, cx, #site, __router, &#routing,
-                                            &__in[0], &__in[1],
-                                        )?;
-                                        #gate(
-                                            &#this_field, cx, #site, __gate, &__d_logits,
-                                            __in[2].clone(),
-                                        )
-                                    },
-                                )?
-                            },
-                        };
-                        quote! {
-                            let #rt::moe::ExpertParallelSaved {
-                                routing: #routing,
-                                gate: #gate_kept,
-                                router: #router,
-                                plan: #plan,
-                                tp: #tp,
-                                local: #kept,
-                                combine: #combine,
-                            } = #s;
-                            #cdoc
-                            let (#d_rows_out, #d_probs) = #rt::moe::combine_backward(
-                                cx.ep(), &#plan, &#combine, &#routing, #dy,
-                            )?;
-                            #gdoc
-                            let #d_group_y = #rt::moe::regather_expert_rows(cx.etp(), &#d_rows_out, &#tp)?;
-                            let #d_group_rows =
-                                #local(&#this_field, cx, #site, #kept, &#d_group_y)?;
-                            #sdoc
-                            let #d_rows =
-                                #rt::moe::reduce_scatter_expert_rows(cx.etp(), &#d_group_rows, &#tp)?;
-                            #ddoc
-                            let #d_tokens = #rt::moe::dispatch_backward(cx.ep(), &#plan, &#d_rows)?;
-                            #rdoc
-                            let #d_router =
-                                #router_grads(&#this_field, cx, #site, &#routing, &#d_probs, &#d_tokens)?;
-                            #gtdoc
-                            let #dx = #gated;
-                        }
-                    });
-                }
-                FieldKind::Replicated => {
-                    let d_args = d_args.to_vec();
-                    let this = &cx.imp.forward.self_token;
-                    let f = &field.ident;
-                    let method = match plus {
-                        Some(_) => cx.spanned(n, quote!(backward_plus)),
-                        None => cx.spanned(n, quote!(backward)),
-                    };
-                    let doc = plus.map(|_| {
-                        comment(&format!(
-                            "`{name}`: its input's other gradient is added in its backward's pass."
-                        ))
-                    });
-                    let scope = graph_scope(rt, field);
-                    let sdoc = scope.as_ref().map(|_| {
-                        comment(&format!(
-                            "`{name}`: graph scope `{}`'s backward, captured and replayed as \
-                             its forward (a replay reads the slot's saved buffers).",
-                            field.graph_scopes[0].name
-                        ))
-                    });
-                    b.push(move |nm| {
-                        let (s, dy) = (nm.ident(saved), nm.by_ref(d_y));
-                        let extra = plus.map(|p| {
-                            let p = nm.by_ref(p);
-                            quote!(, #p)
-                        });
-                        let call = match &scope {
-                            None => quote!(#this.#f.#method(cx, #site, #s, #dy #extra)?),
-                            Some(scope) => {
-                                let (grads, extra_in) = match plus {
-                                    Some(p) => {
-                                        let p = nm.by_ref(p);
-                                        (quote!(&[#dy, #p]), quote!(, &__in[1]))
-                                    }
-                                    None => (quote!(&[#dy]), quote!()),
-                                };
-                                quote! {
-                                    #rt::cuda_graphs::backward(
-                                        cx, #scope, #site, #s, #grads,
-                                        |cx, __saved, __in| #this.#f.#method(
-                                            cx, #site, __saved, &__in[0] #extra_in
-                                        ),
-                                    )?
-                                }
-                            }
-                        };
-                        let doc = quote!(#doc #sdoc);
-                        let pats: Vec<_> = d_args
-                            .iter()
-                            .map(|d| match d {
-                                Some(l) => nm.pat(*l),
-                                None => quote!(_),
-                            })
-                            .collect();
-                        if d_args.iter().all(Option::is_none) {
-                            quote!(#call;)
-                        } else if let [one] = pats.as_slice() {
-                            quote!(#doc let #one = #call;)
-                        } else {
-                            quote!(let (#(#pats),*) = #call;)
-                        }
-                    });
-                }
-                FieldKind::Op => {
-                    let d_x = d_args[0].expect("op inputs are tensors");
-                    let call = cx.qualified(n, quote!(Op::backward));
-                    b.push(move |nm| {
-                        let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
-                        quote!(let #dx = #call(&#this_field, cx, #site, #s, #dy)?;)
-                    });
-                }
-                FieldKind::Stack { .. } | FieldKind::Config => unreachable!("validated"),
-            }
+            kind::of(&cx.field(n).kind).backward(cx, b, n, d_y, saved, d_args, plus, pos);
         }
         NodeOp::Logits { .. } => {
-            let d_h = d_args[0].expect("logits inputs are tensors");
-            let this_field = cx.this_field(n);
-            let name = cx.field(n).name();
-            let call = cx.qualified(n, quote!(VocabParallel::logits_backward));
-            let saved = saved.expect("logits save");
-            let doc = comment(&format!(
-                "`{name}.logits`: f's backward, all-reduce of the input gradient over tp."
-            ));
-            b.push(move |nm| {
-                let (s, dy, dh, dhi) =
-                    (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_h), nm.ident(d_h));
-                let reduce = tp_sum(&dhi, span);
-                quote! {
-                    let #dh = #call(&#this_field, cx, #site, #s, #dy)?;
-                    #doc
-                    #reduce
-                }
-            });
+            kind::vocab::logits_backward(cx, b, n, d_y, saved, d_args, plus, pos)
         }
         NodeOp::Builtin { builtin, .. } => {
             let saved = saved.expect("builtins save");
@@ -1496,58 +847,6 @@ fn backward_node<'a>(
                 }
             });
         }
-        NodeOp::Loop { elem, .. } => {
-            let d_before = d_args[0].expect("loops carry tensors");
-            let saved = saved.expect("loops save");
-            let this_field = cx.this_field(n);
-            let i = b.locals.temp("i", pos, span);
-            let x = b.locals.temp("x", pos, span);
-            let element_saved = b.locals.temp(
-                &format!("{}_saved", syn::ext::IdentExt::unraw(elem)),
-                pos,
-                span,
-            );
-            let dy = b.locals.temp("dy", pos, span);
-            let d_in = b.locals.temp("d_in", pos, span);
-            b.carried.push((d_y, d_before));
-            let name = cx.field(n).name();
-            let doc = comment(&format!(
-                "`{name}`: each module's backward, last module first (a recomputed group's \
-                 forward rerun first, from its input)."
-            ));
-            let first = cx.first_index(n);
-            b.push(move |nm| {
-                let (s, v) = (nm.ident(saved), nm.ident(d_before));
-                let (ii, xx) = (nm.ident(i), nm.ident(x));
-                let (es, dd, din) = (nm.ident(element_saved), nm.ident(dy), nm.ident(d_in));
-                let init = if carried_in_place(nm, d_y, d_before) {
-                    quote!()
-                } else {
-                    let value = nm.owned(d_y, true);
-                    quote!(let mut #v = #value;)
-                };
-                quote! {
-                    #init
-                    #doc
-                    let #din = #rt::module::stack_backward(
-                        #s,
-                        #v,
-                        |#ii, #xx| #this_field[#ii].forward(cx, #site.index(#first #ii), #xx),
-                        |#ii, #es, #dd| {
-                            #this_field[#ii].backward(cx, #site.index(#first #ii), #es, #dd)
-                        },
-                    )?;
-                    #v = #din;
-                }
-            });
-        }
+        NodeOp::Loop { .. } => kind::stack::loop_backward(cx, b, n, d_y, saved, d_args, plus, pos),
     }
-}
-
-/// `cx.tp().all_reduce(&x, ReduceOp::Sum)?;`, the method named at `span` (the user's call in
-/// forward): the communicator's `#[track_caller]` location, which a recording world logs
-/// (docs/collectives.md), is then the forward's line that makes the call.
-fn tp_sum(x: &impl quote::ToTokens, span: Span) -> TokenStream {
-    let call = quote::quote_spanned!(span=> .all_reduce(&#x, ReduceOp::Sum));
-    quote!(cx.tp()#call?;)
 }

@@ -2,14 +2,14 @@
 //! macro) and the impl's items (the Saved struct, forward and backward).
 
 mod body;
+mod kind;
 pub mod names;
 
 use proc_macro2::{Span, TokenStream};
-use quote::{format_ident, quote, quote_spanned};
-use syn::spanned::Spanned;
+use quote::{format_ident, quote};
 
 use crate::model::{Def, Graph, NodeOp, Use};
-use crate::parse::{Builtin, Field, FieldKind, InputType, ModuleImpl, ModuleStruct};
+use crate::parse::{Builtin, Field, InputType, ModuleImpl, ModuleStruct};
 use crate::pipeline::{self, Cut, Presence};
 use crate::root::Root;
 use crate::validate::{Analysis, Sharding};
@@ -89,64 +89,12 @@ fn build_field(root: &Root, f: &Field, indices: TokenStream) -> TokenStream {
 /// For a field with parameters, the `Result` of building it (see [`build_field`]); `None` for
 /// ops and config values.
 fn build_param_field(root: &Root, f: &Field, indices: TokenStream) -> Option<TokenStream> {
-    let rt = &root.runtime;
-    let name = &f.ident;
-    let ty = &f.ty;
-    let scope = f.name();
-    let sp = ty.span();
-    // The trait paths carry the field type's span: a type that lacks the trait is reported
-    // at the field, with the trait's `on_unimplemented` message.
-    let scoped = |path: TokenStream| quote!(b.scoped(#scope, |b| #path(&spec.#name, b)));
-    Some(match &f.kind {
-        FieldKind::Column { .. } => {
-            scoped(quote_spanned!(sp=> <#ty as #rt::module::ColumnParallel>::build_column))
-        }
-        FieldKind::Row { .. } => {
-            scoped(quote_spanned!(sp=> <#ty as #rt::module::RowParallel>::build_row))
-        }
-        FieldKind::Vocab => {
-            scoped(quote_spanned!(sp=> <#ty as #rt::module::VocabParallel>::build_vocab))
-        }
-        FieldKind::Expert => {
-            scoped(quote_spanned!(sp=> <#ty as #rt::module::ExpertParallel>::build_experts))
-        }
-        FieldKind::Replicated => scoped(quote_spanned!(sp=> <#ty as #rt::module::Module>::build)),
-        FieldKind::Stack { elem, .. } => {
-            let build = quote_spanned!(elem.span()=> <#elem as #rt::module::Module>::build);
-            quote! {
-                b.scoped(#scope, |b| {
-                    let mut list = ::std::vec::Vec::with_capacity(spec.#name.len());
-                    for i in #indices {
-                        list.push(b.scoped(&i.to_string(), |b| #build(&spec.#name[i], b))?);
-                    }
-                    ::std::result::Result::Ok(list)
-                })
-            }
-        }
-        FieldKind::Op | FieldKind::Config => return None,
-    })
+    kind::of(&f.kind).build(&root.runtime, f, indices)
 }
 
 /// The calls of `f` (`visit_params` or `visit_params_mut`) on field `field`'s parameters.
 fn visit_field(root: &Root, field: &Field, mutable: bool) -> TokenStream {
-    let rt = &root.runtime;
-    let name = &field.ident;
-    let (method, borrow) = if mutable {
-        (quote!(visit_params_mut), quote!(&mut))
-    } else {
-        (quote!(visit_params), quote!(&))
-    };
-    match &field.kind {
-        FieldKind::Stack { elem, .. } => quote! {
-            for m in #borrow self.#name {
-                <#elem as #rt::module::Module>::#method(m, f);
-            }
-        },
-        _ => {
-            let ty = &field.ty;
-            quote!(<#ty as #rt::module::Module>::#method(#borrow self.#name, f);)
-        }
-    }
+    kind::of(&field.kind).visit(&root.runtime, field, mutable)
 }
 
 /// Everything `#[megatron::module]` on a struct emits.
@@ -165,14 +113,7 @@ pub fn struct_items(root: &Root, s: &ModuleStruct, original: &TokenStream) -> To
     ));
     let spec_fields = s.fields.iter().map(|f| {
         let name = &f.ident;
-        let ty = &f.ty;
-        let field_ty = match &f.kind {
-            FieldKind::Op | FieldKind::Config => quote!(#ty),
-            FieldKind::Stack { elem, .. } => {
-                quote_spanned!(ty.span()=> ::std::vec::Vec<<#elem as #rt::module::Module>::Spec>)
-            }
-            _ => quote_spanned!(ty.span()=> <#ty as #rt::module::Module>::Spec),
-        };
+        let field_ty = kind::of(&f.kind).spec_type(rt, f);
         let user_docs = docs(&f.attrs);
         let doc = if user_docs.is_empty() {
             let d = comment(&format!("The spec of `{}`.", f.name()));
@@ -183,10 +124,7 @@ pub fn struct_items(root: &Root, s: &ModuleStruct, original: &TokenStream) -> To
         quote!(#doc pub #name: #field_ty)
     });
 
-    let uses_builder = s
-        .fields
-        .iter()
-        .any(|f| !matches!(f.kind, FieldKind::Op | FieldKind::Config));
+    let uses_builder = s.fields.iter().any(|f| kind::of(&f.kind).has_params());
     let b = if uses_builder { quote!(b) } else { quote!(_b) };
     let spec_arg = if s.fields.is_empty() {
         quote!(_spec)
@@ -202,7 +140,7 @@ pub fn struct_items(root: &Root, s: &ModuleStruct, original: &TokenStream) -> To
     let param_fields: Vec<_> = s
         .fields
         .iter()
-        .filter(|f| !matches!(f.kind, FieldKind::Op | FieldKind::Config))
+        .filter(|f| kind::of(&f.kind).has_params())
         .collect();
     let f_arg = if param_fields.is_empty() {
         quote!(_f)
@@ -240,34 +178,14 @@ pub fn struct_items(root: &Root, s: &ModuleStruct, original: &TokenStream) -> To
     };
 
     // Whether a graph may capture this module whole: not when it holds an expert layer.
-    let capturable = s.fields.iter().filter_map(|f| {
-        let ty = &f.ty;
-        match &f.kind {
-            FieldKind::Replicated => {
-                Some(quote_spanned!(ty.span()=> <#ty as #rt::module::Module>::CAPTURABLE))
-            }
-            FieldKind::Stack { elem, .. } => {
-                Some(quote_spanned!(ty.span()=> <#elem as #rt::module::Module>::CAPTURABLE))
-            }
-            FieldKind::Expert => Some(quote!(false)),
-            _ => None,
-        }
-    });
+    let capturable = s
+        .fields
+        .iter()
+        .filter_map(|f| kind::of(&f.kind).capturable(rt, f));
     let scope_checks = s
         .fields
         .iter()
-        .filter(|f| !f.graph_scopes.is_empty() && matches!(f.kind, FieldKind::Replicated))
-        .map(|f| {
-            let ty = &f.ty;
-            quote_spanned! {ty.span()=>
-                const _: () = ::std::assert!(
-                    <#ty as #rt::module::Module>::CAPTURABLE,
-                    "#[graph_scope] cannot capture this module: it holds an #[expert_parallel] \
-                     layer, whose dispatch is an all-to-all with sizes known only at run time \
-                     (mark the expert field #[graph_scope(moe_router)] instead)"
-                );
-            }
-        });
+        .filter_map(|f| kind::of(&f.kind).checks(rt, f));
 
     let callback = callback_name(ident);
     let callback_doc = format!(
@@ -357,32 +275,13 @@ pub fn saved_field_type(
     Some(match &node.op {
         NodeOp::Add => return None,
         NodeOp::DropoutAdd { .. } => quote!(#rt::ops::DropoutSaved),
-        NodeOp::Field { .. } => {
+        NodeOp::Field { .. } | NodeOp::Loop { .. } => {
             let f = field.expect("validated");
-            let ty = &f.ty;
-            match f.kind {
-                FieldKind::Op => quote!(<#ty as #rt::module::Op>::Saved),
-                FieldKind::Expert => {
-                    let sp = ty.span();
-                    let t = quote_spanned!(sp=> #rt::module::ExpertParallel);
-                    quote!(#rt::moe::ExpertParallelSaved<
-                        <#ty as #t>::GateSaved,
-                        <#ty as #t>::RouterSaved,
-                        <#ty as #t>::LocalSaved,
-                    >)
-                }
-                _ => quote!(<#ty as #rt::module::Module>::Saved),
-            }
+            kind::of(&f.kind).saved_type(rt, f)
         }
         NodeOp::Logits { .. } => {
             let ty = &field.expect("validated").ty;
             quote!(<#ty as #rt::module::VocabParallel>::LogitsSaved)
-        }
-        NodeOp::Loop { .. } => {
-            let FieldKind::Stack { elem, .. } = &field.expect("validated").kind else {
-                unreachable!("validated")
-            };
-            quote!(#rt::module::StackSaved<<#elem as #rt::module::Module>::Saved>)
         }
         NodeOp::Builtin { builtin, .. } => match builtin {
             Builtin::Gelu => quote!(#rt::ops::GeluSaved),
@@ -437,14 +336,10 @@ pub fn feeds_products(
         return quote!(false);
     };
     let field = a.field[n].map(|i| &s.fields[i]);
-    match (&g.nodes[n].op, field.map(|f| &f.kind)) {
-        (
-            NodeOp::Field { .. },
-            Some(FieldKind::Row { .. } | FieldKind::Column { .. } | FieldKind::Replicated),
-        ) if single_use => {
-            let ty = &field.expect("a field").ty;
-            quote!(<#ty as #rt::module::Module>::GRADIENT_FEEDS_PRODUCTS)
-        }
+    match (&g.nodes[n].op, field) {
+        (NodeOp::Field { .. }, Some(f)) if single_use => kind::of(&f.kind)
+            .gradient_feeds_products(rt, f)
+            .unwrap_or_else(|| quote!(false)),
         (NodeOp::Logits { .. }, _) if single_use => {
             let ty = &field.expect("the embedding").ty;
             quote!(<#ty as #rt::module::VocabParallel>::LOGITS_GRADIENT_FEEDS_PRODUCTS)
@@ -756,7 +651,7 @@ fn stage_items(
     });
     let visits = |mutable: bool| {
         let calls = s.fields.iter().zip(&cut.presence).filter_map(|(f, &p)| {
-            if matches!(f.kind, FieldKind::Op | FieldKind::Config) {
+            if !kind::of(&f.kind).has_params() {
                 return None;
             }
             let call = visit_field(root, f, mutable);

@@ -1,0 +1,147 @@
+//! `#[column_parallel]`: a layer whose output features are split over tensor parallelism
+//! (Megatron-LM's `ColumnParallelLinear`). Built by `ColumnParallel::build_column`; in forward,
+//! Megatron-LM's f (the identity) before it and, with `gather_output`, the all-gather of the
+//! output features after; in backward, f's backward: the all-reduce of the input gradient.
+
+use proc_macro2::TokenStream;
+use quote::{quote, quote_spanned};
+use syn::spanned::Spanned;
+
+use super::{Imports, Kind, tp_sum};
+use crate::generate::body::{Body, Ctx};
+use crate::generate::comment;
+use crate::generate::names::LocalId;
+use crate::model::NodeId;
+use crate::parse::{Field, FieldKind};
+
+/// `#[column_parallel]` fields.
+pub(super) struct Column;
+
+impl Kind for Column {
+    fn gradient_feeds_products(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
+        let ty = &f.ty;
+        Some(quote!(<#ty as #rt::module::Module>::GRADIENT_FEEDS_PRODUCTS))
+    }
+
+    fn imports(&self, backward: bool, _ids: bool) -> Imports {
+        Imports {
+            named: Some("ColumnParallel"),
+            reduce: backward,
+            ..Imports::default()
+        }
+    }
+
+    fn build(&self, rt: &TokenStream, f: &Field, _indices: TokenStream) -> Option<TokenStream> {
+        let ty = &f.ty;
+        Some(super::scoped(
+            f,
+            quote_spanned!(ty.span()=> <#ty as #rt::module::ColumnParallel>::build_column),
+        ))
+    }
+
+    fn forward<'a>(
+        &self,
+        cx: &'a Ctx<'a>,
+        b: &mut Body<'a>,
+        n: NodeId,
+        args: &[LocalId],
+        out: LocalId,
+        saved: LocalId,
+        pos: usize,
+    ) {
+        let rt = &cx.root.runtime;
+        let node = &cx.g.nodes[n];
+        let site = cx.site(n);
+        let this_field = cx.this_field(n);
+        let name = cx.field(n).name();
+        let FieldKind::Column { gather_output } = &cx.field(n).kind else {
+            unreachable!("a column field")
+        };
+        let x = args[0];
+        let call = cx.qualified(n, quote!(ColumnParallel::forward_column));
+        let doc = comment(&format!(
+            "`{name}`: #[column_parallel]. f: identity in forward (its backward \
+             all-reduces the input gradient over tp)."
+        ));
+        if *gather_output {
+            let local = b
+                .locals
+                .temp(&format!("{name}_local"), pos, node.src.span());
+            let gdoc = comment(&format!(
+                "`{name}`: gather_output. All-gather of the output features over tp."
+            ));
+            b.push(move |nm| {
+                let (xr, l, s, o) = (nm.by_ref(x), nm.ident(local), nm.pat(saved), nm.pat(out));
+                quote! {
+                    #doc
+                    let (#l, #s) = #call(&#this_field, cx, #site, #xr)?;
+                    #gdoc
+                    let #o = #rt::tensor_parallel::gather_last_dim(cx, &#l)?;
+                }
+            });
+        } else {
+            b.push(move |nm| {
+                let (xr, s, o) = (nm.by_ref(x), nm.pat(saved), nm.pat(out));
+                quote! {
+                    #doc
+                    let (#o, #s) = #call(&#this_field, cx, #site, #xr)?;
+                }
+            });
+        }
+    }
+
+    fn backward<'a>(
+        &self,
+        cx: &'a Ctx<'a>,
+        b: &mut Body<'a>,
+        n: NodeId,
+        d_y: LocalId,
+        saved: LocalId,
+        d_args: &[Option<LocalId>],
+        _plus: Option<LocalId>,
+        pos: usize,
+    ) {
+        let rt = &cx.root.runtime;
+        let site = cx.site(n);
+        let span = cx.g.nodes[n].src.span();
+        let this_field = cx.this_field(n);
+        let name = cx.field(n).name();
+        let FieldKind::Column { gather_output } = &cx.field(n).kind else {
+            unreachable!("a column field")
+        };
+        let d_x = d_args[0].expect("column-parallel inputs are tensors");
+        let call = cx.qualified(n, quote!(ColumnParallel::backward_column));
+        let doc = comment(&format!(
+            "`{name}`: f's backward, all-reduce of the input gradient over tp."
+        ));
+        let local = gather_output.then(|| b.locals.temp(&format!("d_{name}_local"), pos, span));
+        b.push(move |nm| {
+            let (s, dx, dxi) = (nm.ident(saved), nm.pat(d_x), nm.ident(d_x));
+            let (split, dy) = match local {
+                Some(l) => {
+                    let li = nm.ident(l);
+                    let dyr = nm.by_ref(d_y);
+                    let sdoc = comment(&format!(
+                        "`{name}`: gather_output's backward, this rank's slice of the \
+                         output gradient."
+                    ));
+                    (
+                        quote! {
+                            #sdoc
+                            let #li = #rt::tensor_parallel::split_last_dim(cx, #dyr)?;
+                        },
+                        quote!(&#li),
+                    )
+                }
+                None => (quote!(), nm.by_ref(d_y)),
+            };
+            let reduce = tp_sum(&dxi, span);
+            quote! {
+                #split
+                let #dx = #call(&#this_field, cx, #site, #s, #dy)?;
+                #doc
+                #reduce
+            }
+        });
+    }
+}

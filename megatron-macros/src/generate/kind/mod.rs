@@ -1,0 +1,187 @@
+//! The expansion by field kind: one file per kind of field, as serde_derive keeps one file per
+//! shape of input. Each holds everything the expansion does with a field of its kind: how it is
+//! built, how its parameters are visited, and what a call of it becomes in the generated forward
+//! and backward, collectives included. A new parallel kind is one new file here, one variant of
+//! [`FieldKind`], and its line in [`of`].
+
+mod column;
+mod expert;
+mod op;
+mod replicated;
+mod row;
+pub(super) mod stack;
+pub(super) mod vocab;
+
+use proc_macro2::{Span, TokenStream};
+use quote::{quote, quote_spanned};
+use syn::spanned::Spanned;
+
+use super::body::{Body, Ctx};
+use super::names::LocalId;
+use crate::model::NodeId;
+use crate::parse::{Field, FieldKind};
+
+/// What the expansion generates for one kind of field.
+pub(super) trait Kind {
+    /// The `Result` of building field `f` in the builder's scope of its name (`indices`: a
+    /// stack's modules this instance builds); `None` for a field without parameters, which is
+    /// cloned from the spec.
+    fn build(&self, rt: &TokenStream, f: &Field, indices: TokenStream) -> Option<TokenStream>;
+
+    /// The calls of `f` (`visit_params`, or `visit_params_mut` when `mutable`) on the field's
+    /// parameters, in the order of the flat buffers.
+    fn visit(&self, rt: &TokenStream, f: &Field, mutable: bool) -> TokenStream {
+        let (name, ty) = (&f.ident, &f.ty);
+        let (method, borrow) = visit_method(mutable);
+        quote!(<#ty as #rt::module::Module>::#method(#borrow self.#name, f);)
+    }
+
+    /// Whether the field holds parameters (built by the builder, visited); `false` for values
+    /// cloned from the spec.
+    fn has_params(&self) -> bool {
+        true
+    }
+
+    /// The type of the field's entry in the module's spec.
+    fn spec_type(&self, rt: &TokenStream, f: &Field) -> TokenStream {
+        let ty = &f.ty;
+        quote_spanned!(ty.span()=> <#ty as #rt::module::Module>::Spec)
+    }
+
+    /// The type of what a call of the field keeps for its backward.
+    fn saved_type(&self, rt: &TokenStream, f: &Field) -> TokenStream {
+        let ty = &f.ty;
+        quote!(<#ty as #rt::module::Module>::Saved)
+    }
+
+    /// Whether a graph may capture the field (an expression, `None`: nothing to say, a layer).
+    fn capturable(&self, _rt: &TokenStream, _f: &Field) -> Option<TokenStream> {
+        None
+    }
+
+    /// Compile-time assertions the field's type must meet (after the struct), if any.
+    fn checks(&self, _rt: &TokenStream, _f: &Field) -> Option<TokenStream> {
+        None
+    }
+
+    /// Whether a call of the field on one input adds that input's other gradients itself
+    /// (`backward_plus`: a layer norm in its input-gradient kernel) instead of a separate sum.
+    fn adds_other_gradients(&self) -> bool {
+        false
+    }
+
+    /// Whether the backward of a call of the field reads its output's gradient only as a
+    /// product's operand (an expression), when that output has one use; `None`: it does not.
+    fn gradient_feeds_products(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
+        let _ = (rt, f);
+        None
+    }
+
+    /// What the generated forward (`backward == false`) or backward imports for a call of the
+    /// field, `ids` when its one argument is token ids.
+    fn imports(&self, backward: bool, ids: bool) -> Imports {
+        let _ = (backward, ids);
+        Imports::default()
+    }
+
+    /// The forward statements of call `n` of the field on `args`: defines `out` and what
+    /// backward needs in `saved`.
+    #[allow(clippy::too_many_arguments)]
+    fn forward<'a>(
+        &self,
+        _cx: &'a Ctx<'a>,
+        _b: &mut Body<'a>,
+        _n: NodeId,
+        _args: &[LocalId],
+        _out: LocalId,
+        _saved: LocalId,
+        _pos: usize,
+    ) {
+        unreachable!("validated: this kind of field is not called")
+    }
+
+    /// The backward statements of call `n` from the gradient `d_y` of its output: defines the
+    /// gradients `d_args` of its tensor arguments (`plus`: another gradient of a layer's single
+    /// input, which the layer adds).
+    #[allow(clippy::too_many_arguments)]
+    fn backward<'a>(
+        &self,
+        _cx: &'a Ctx<'a>,
+        _b: &mut Body<'a>,
+        _n: NodeId,
+        _d_y: LocalId,
+        _saved: LocalId,
+        _d_args: &[Option<LocalId>],
+        _plus: Option<LocalId>,
+        _pos: usize,
+    ) {
+        unreachable!("validated: this kind of field is not called")
+    }
+}
+
+/// What a generated function imports for its calls of a field.
+#[derive(Default)]
+pub(super) struct Imports {
+    /// The `module` trait its calls name (`ColumnParallel`, ...).
+    pub named: Option<&'static str>,
+    /// `comm::ReduceOp`, for an all-reduce it makes.
+    pub reduce: bool,
+    /// `module::Layer`, for a layer or sub-module called by method syntax.
+    pub layer: bool,
+    /// `module::Lookup`, for a lookup called by method syntax.
+    pub lookup: bool,
+}
+
+/// The implementation of a field kind.
+pub(super) fn of(kind: &FieldKind) -> &'static dyn Kind {
+    match kind {
+        FieldKind::Column { .. } => &column::Column,
+        FieldKind::Row { .. } => &row::Row,
+        FieldKind::Vocab => &vocab::Vocab,
+        FieldKind::Expert => &expert::Expert,
+        FieldKind::Replicated => &replicated::Replicated,
+        FieldKind::Stack { .. } => &stack::Stack,
+        FieldKind::Op => &op::Op,
+        FieldKind::Config => &op::Config,
+    }
+}
+
+/// `b.scoped("name", |b| path(&spec.name, b))`: building a field in its name's scope.
+fn scoped(f: &Field, path: TokenStream) -> TokenStream {
+    let (name, scope) = (&f.ident, f.name());
+    quote!(b.scoped(#scope, |b| #path(&spec.#name, b)))
+}
+
+/// `visit_params` and `&`, or `visit_params_mut` and `&mut`.
+fn visit_method(mutable: bool) -> (TokenStream, TokenStream) {
+    if mutable {
+        (quote!(visit_params_mut), quote!(&mut))
+    } else {
+        (quote!(visit_params), quote!(&))
+    }
+}
+
+/// The runtime's `GraphScope` for a field's `#[graph_scope(..)]` (the router's for an expert
+/// layer, whose preprocessing is captured with it), spanned at the name; `None` without one.
+pub(super) fn graph_scope(rt: &TokenStream, field: &Field) -> Option<TokenStream> {
+    let first = field.graph_scopes.first()?;
+    let scope = if matches!(field.kind, FieldKind::Expert) {
+        field
+            .graph_scopes
+            .iter()
+            .find(|s| s.name == "moe_router")
+            .unwrap_or(first)
+    } else {
+        first
+    };
+    let variant = proc_macro2::Ident::new(scope.variant(), scope.span);
+    Some(quote!(#rt::cuda_graphs::GraphScope::#variant))
+}
+
+/// `cx.tp().all_reduce(&x, ReduceOp::Sum)?;`, the method named at `span` (the user's call in
+/// forward): the communicator's `#[track_caller]` location, which a recording world logs
+/// (docs/collectives.md), is then the forward's line that makes the call.
+pub(super) fn tp_sum(x: &impl quote::ToTokens, span: Span) -> TokenStream {
+    let call = quote::quote_spanned!(span=> .all_reduce(&#x, ReduceOp::Sum));
+    quote!(cx.tp()#call?;)
+}

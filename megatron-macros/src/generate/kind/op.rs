@@ -1,0 +1,103 @@
+//! `#[op]`: a parameterless op (`module::Op`), its value its configuration, cloned from the spec;
+//! called by `Op::forward` and `Op::backward`. And `#[config]`: plain data, cloned from the spec,
+//! never called.
+
+use proc_macro2::TokenStream;
+use quote::quote;
+
+use super::{Imports, Kind};
+use crate::generate::body::{Body, Ctx};
+use crate::generate::names::LocalId;
+use crate::model::NodeId;
+use crate::parse::Field;
+
+/// `#[op]` fields.
+pub(super) struct Op;
+
+impl Kind for Op {
+    fn has_params(&self) -> bool {
+        false
+    }
+
+    fn spec_type(&self, _rt: &TokenStream, f: &Field) -> TokenStream {
+        let ty = &f.ty;
+        quote!(#ty)
+    }
+
+    fn saved_type(&self, rt: &TokenStream, f: &Field) -> TokenStream {
+        let ty = &f.ty;
+        quote!(<#ty as #rt::module::Op>::Saved)
+    }
+
+    fn imports(&self, _backward: bool, _ids: bool) -> Imports {
+        Imports {
+            named: Some("Op"),
+            ..Imports::default()
+        }
+    }
+
+    fn build(&self, _rt: &TokenStream, _f: &Field, _indices: TokenStream) -> Option<TokenStream> {
+        None
+    }
+
+    fn forward<'a>(
+        &self,
+        cx: &'a Ctx<'a>,
+        b: &mut Body<'a>,
+        n: NodeId,
+        args: &[LocalId],
+        out: LocalId,
+        saved: LocalId,
+        _pos: usize,
+    ) {
+        let site = cx.site(n);
+        let this_field = cx.this_field(n);
+        let x = args[0];
+        let call = cx.qualified(n, quote!(Op::forward));
+        b.push(move |nm| {
+            let (xr, s, o) = (nm.by_ref(x), nm.pat(saved), nm.pat(out));
+            quote! {
+                let (#o, #s) = #call(&#this_field, cx, #site, #xr)?;
+            }
+        });
+    }
+
+    fn backward<'a>(
+        &self,
+        cx: &'a Ctx<'a>,
+        b: &mut Body<'a>,
+        n: NodeId,
+        d_y: LocalId,
+        saved: LocalId,
+        d_args: &[Option<LocalId>],
+        _plus: Option<LocalId>,
+        _pos: usize,
+    ) {
+        let site = cx.site(n);
+        let this_field = cx.this_field(n);
+        let d_x = d_args[0].expect("op inputs are tensors");
+        let call = cx.qualified(n, quote!(Op::backward));
+        b.push(move |nm| {
+            let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
+            quote!(let #dx = #call(&#this_field, cx, #site, #s, #dy)?;)
+        });
+    }
+}
+
+/// `#[config]` fields: plain data, cloned from the spec, never called.
+pub(super) struct Config;
+
+impl Kind for Config {
+    fn has_params(&self) -> bool {
+        false
+    }
+
+    fn spec_type(&self, _rt: &TokenStream, f: &Field) -> TokenStream {
+        let ty = &f.ty;
+        quote!(#ty)
+    }
+
+    fn build(&self, _rt: &TokenStream, _f: &Field, _indices: TokenStream) -> Option<TokenStream> {
+        None
+    }
+}

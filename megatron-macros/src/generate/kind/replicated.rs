@@ -1,0 +1,193 @@
+//! A field without a split attribute (or `#[replicated]`): a layer or sub-module whole on every
+//! rank. Built by `Module::build`; called by method syntax (a sub-module's generated forward, a
+//! layer's `Layer`/`Lookup` method), through a graph scope's boundary when marked; in backward,
+//! a layer of one input adds the input's other gradients itself (`backward_plus`).
+
+use proc_macro2::TokenStream;
+use quote::{quote, quote_spanned};
+use syn::spanned::Spanned;
+
+use super::{Imports, Kind, graph_scope};
+use crate::generate::body::{Body, Ctx};
+use crate::generate::comment;
+use crate::generate::names::LocalId;
+use crate::model::NodeId;
+use crate::parse::Field;
+
+/// Replicated fields.
+pub(super) struct Replicated;
+
+impl Kind for Replicated {
+    fn capturable(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
+        let ty = &f.ty;
+        Some(quote_spanned!(ty.span()=> <#ty as #rt::module::Module>::CAPTURABLE))
+    }
+
+    fn checks(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
+        if f.graph_scopes.is_empty() {
+            return None;
+        }
+        let ty = &f.ty;
+        Some(quote_spanned! {ty.span()=>
+            const _: () = ::std::assert!(
+                <#ty as #rt::module::Module>::CAPTURABLE,
+                "#[graph_scope] cannot capture this module: it holds an #[expert_parallel] \
+                 layer, whose dispatch is an all-to-all with sizes known only at run time \
+                 (mark the expert field #[graph_scope(moe_router)] instead)"
+            );
+        })
+    }
+
+    fn adds_other_gradients(&self) -> bool {
+        true
+    }
+
+    fn gradient_feeds_products(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
+        let ty = &f.ty;
+        Some(quote!(<#ty as #rt::module::Module>::GRADIENT_FEEDS_PRODUCTS))
+    }
+
+    fn imports(&self, _backward: bool, ids: bool) -> Imports {
+        Imports {
+            layer: !ids,
+            lookup: ids,
+            ..Imports::default()
+        }
+    }
+
+    fn build(&self, rt: &TokenStream, f: &Field, _indices: TokenStream) -> Option<TokenStream> {
+        let ty = &f.ty;
+        Some(super::scoped(
+            f,
+            quote_spanned!(ty.span()=> <#ty as #rt::module::Module>::build),
+        ))
+    }
+
+    fn forward<'a>(
+        &self,
+        cx: &'a Ctx<'a>,
+        b: &mut Body<'a>,
+        n: NodeId,
+        args: &[LocalId],
+        out: LocalId,
+        saved: LocalId,
+        _pos: usize,
+    ) {
+        let rt = &cx.root.runtime;
+        let site = cx.site(n);
+        let field = cx.field(n);
+        let name = cx.field(n).name();
+        let args = args.to_vec();
+        let this = &cx.imp.forward.self_token;
+        let f = &field.ident;
+        let method = cx.spanned(n, quote!(forward));
+        let scope = graph_scope(rt, field);
+        let doc = scope.as_ref().map(|_| {
+            comment(&format!(
+                "`{name}`: graph scope `{}`. Eager the first time; with the scope \
+                 selected (--cuda-graph-scope), captured in this microbatch's \
+                 in-flight slot the second time, its input copied into the slot's \
+                 static buffer, and replayed after.",
+                field.graph_scopes[0].name
+            ))
+        });
+        b.push(move |nm| {
+            let refs: Vec<_> = args.iter().map(|&l| nm.by_ref(l)).collect();
+            let (s, o) = (nm.pat(saved), nm.pat(out));
+            match &scope {
+                None => quote! {
+                    let (#o, #s) = #this.#f.#method(cx, #site, #(#refs),*)?;
+                },
+                Some(scope) => {
+                    let ins = (0..refs.len()).map(|i| quote!(&__in[#i]));
+                    quote! {
+                        #doc
+                        let (#o, #s) = #rt::cuda_graphs::forward(
+                            cx, #scope, #site, &[#(#refs),*],
+                            |cx, __in| #this.#f.#method(cx, #site, #(#ins),*),
+                        )?;
+                    }
+                }
+            }
+        });
+    }
+
+    fn backward<'a>(
+        &self,
+        cx: &'a Ctx<'a>,
+        b: &mut Body<'a>,
+        n: NodeId,
+        d_y: LocalId,
+        saved: LocalId,
+        d_args: &[Option<LocalId>],
+        plus: Option<LocalId>,
+        _pos: usize,
+    ) {
+        let rt = &cx.root.runtime;
+        let site = cx.site(n);
+        let field = cx.field(n);
+        let name = cx.field(n).name();
+        let d_args = d_args.to_vec();
+        let this = &cx.imp.forward.self_token;
+        let f = &field.ident;
+        let method = match plus {
+            Some(_) => cx.spanned(n, quote!(backward_plus)),
+            None => cx.spanned(n, quote!(backward)),
+        };
+        let doc = plus.map(|_| {
+            comment(&format!(
+                "`{name}`: its input's other gradient is added in its backward's pass."
+            ))
+        });
+        let scope = graph_scope(rt, field);
+        let sdoc = scope.as_ref().map(|_| {
+            comment(&format!(
+                "`{name}`: graph scope `{}`'s backward, captured and replayed as \
+                 its forward (a replay reads the slot's saved buffers).",
+                field.graph_scopes[0].name
+            ))
+        });
+        b.push(move |nm| {
+            let (s, dy) = (nm.ident(saved), nm.by_ref(d_y));
+            let extra = plus.map(|p| {
+                let p = nm.by_ref(p);
+                quote!(, #p)
+            });
+            let call = match &scope {
+                None => quote!(#this.#f.#method(cx, #site, #s, #dy #extra)?),
+                Some(scope) => {
+                    let (grads, extra_in) = match plus {
+                        Some(p) => {
+                            let p = nm.by_ref(p);
+                            (quote!(&[#dy, #p]), quote!(, &__in[1]))
+                        }
+                        None => (quote!(&[#dy]), quote!()),
+                    };
+                    quote! {
+                        #rt::cuda_graphs::backward(
+                            cx, #scope, #site, #s, #grads,
+                            |cx, __saved, __in| #this.#f.#method(
+                                cx, #site, __saved, &__in[0] #extra_in
+                            ),
+                        )?
+                    }
+                }
+            };
+            let doc = quote!(#doc #sdoc);
+            let pats: Vec<_> = d_args
+                .iter()
+                .map(|d| match d {
+                    Some(l) => nm.pat(*l),
+                    None => quote!(_),
+                })
+                .collect();
+            if d_args.iter().all(Option::is_none) {
+                quote!(#call;)
+            } else if let [one] = pats.as_slice() {
+                quote!(#doc let #one = #call;)
+            } else {
+                quote!(let (#(#pats),*) = #call;)
+            }
+        });
+    }
+}

@@ -1,0 +1,153 @@
+//! `#[row_parallel]`: a layer whose input features are split over tensor parallelism
+//! (Megatron-LM's `RowParallelLinear`). Built by `RowParallel::build_row`; in forward, the
+//! scatter of a replicated input when `input_is_parallel = false`, then g: the all-reduce of the
+//! partial outputs and the bias added once; in backward, g's backward (the identity).
+
+use proc_macro2::TokenStream;
+use quote::{quote, quote_spanned};
+use syn::spanned::Spanned;
+
+use super::{Imports, Kind, tp_sum};
+use crate::generate::body::{Body, Ctx, value_base};
+use crate::generate::comment;
+use crate::generate::names::LocalId;
+use crate::model::NodeId;
+use crate::parse::{Field, FieldKind};
+
+/// `#[row_parallel]` fields.
+pub(super) struct Row;
+
+impl Kind for Row {
+    fn gradient_feeds_products(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
+        let ty = &f.ty;
+        Some(quote!(<#ty as #rt::module::Module>::GRADIENT_FEEDS_PRODUCTS))
+    }
+
+    fn imports(&self, backward: bool, _ids: bool) -> Imports {
+        Imports {
+            named: Some("RowParallel"),
+            reduce: !backward,
+            ..Imports::default()
+        }
+    }
+
+    fn build(&self, rt: &TokenStream, f: &Field, _indices: TokenStream) -> Option<TokenStream> {
+        let ty = &f.ty;
+        Some(super::scoped(
+            f,
+            quote_spanned!(ty.span()=> <#ty as #rt::module::RowParallel>::build_row),
+        ))
+    }
+
+    fn forward<'a>(
+        &self,
+        cx: &'a Ctx<'a>,
+        b: &mut Body<'a>,
+        n: NodeId,
+        args: &[LocalId],
+        out: LocalId,
+        saved: LocalId,
+        pos: usize,
+    ) {
+        let rt = &cx.root.runtime;
+        let node = &cx.g.nodes[n];
+        let site = cx.site(n);
+        let span = cx.g.nodes[n].src.span();
+        let this_field = cx.this_field(n);
+        let name = cx.field(n).name();
+        let FieldKind::Row { input_is_parallel } = &cx.field(n).kind else {
+            unreachable!("a row field")
+        };
+        let x = args[0];
+        let call = cx.qualified(n, quote!(RowParallel::forward_row));
+        let add_bias = cx.qualified(n, quote!(RowParallel::add_bias));
+        let doc = comment(&format!(
+            "`{name}`: #[row_parallel]. g: all-reduce of the partial outputs over tp."
+        ));
+        let split = (!input_is_parallel).then(|| {
+            let base = format!("{}_local", value_base(cx.g, node.args[0]));
+            b.locals.temp(&base, pos, node.src.span())
+        });
+        let sdoc = comment(&format!(
+            "`{name}`: input_is_parallel = false. This rank's slice of the input \
+             features (scatter)."
+        ));
+        b.push(move |nm| {
+            let (s, o) = (nm.pat(saved), nm.pat(out));
+            let oi = nm.ident(out);
+            let (scatter, xr) = match split {
+                Some(l) => {
+                    let li = nm.ident(l);
+                    let xr = nm.by_ref(x);
+                    (
+                        quote! {
+                            #sdoc
+                            let #li = #rt::tensor_parallel::split_last_dim(cx, #xr)?;
+                        },
+                        quote!(&#li),
+                    )
+                }
+                None => (quote!(), nm.by_ref(x)),
+            };
+            let reduce = tp_sum(&oi, span);
+            quote! {
+                #scatter
+                let (#o, #s) = #call(&#this_field, cx, #site, #xr)?;
+                #doc
+                #reduce
+                #add_bias(&#this_field, cx, &#oi)?;
+            }
+        });
+    }
+
+    fn backward<'a>(
+        &self,
+        cx: &'a Ctx<'a>,
+        b: &mut Body<'a>,
+        n: NodeId,
+        d_y: LocalId,
+        saved: LocalId,
+        d_args: &[Option<LocalId>],
+        _plus: Option<LocalId>,
+        pos: usize,
+    ) {
+        let rt = &cx.root.runtime;
+        let node = &cx.g.nodes[n];
+        let site = cx.site(n);
+        let span = cx.g.nodes[n].src.span();
+        let this_field = cx.this_field(n);
+        let name = cx.field(n).name();
+        let FieldKind::Row { input_is_parallel } = &cx.field(n).kind else {
+            unreachable!("a row field")
+        };
+        let d_x = d_args[0].expect("row-parallel inputs are tensors");
+        let call = cx.qualified(n, quote!(RowParallel::backward_row));
+        let doc = comment(&format!("`{name}`: g's backward is the identity."));
+        let local = (!input_is_parallel).then(|| {
+            let base = format!("d_{}_local", value_base(cx.g, node.args[0]));
+            b.locals.temp(&base, pos, span)
+        });
+        b.push(move |nm| {
+            let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
+            match local {
+                Some(l) => {
+                    let li = nm.ident(l);
+                    let gdoc = comment(&format!(
+                        "`{name}`: input_is_parallel = false. The scatter's backward, \
+                         all-gather of the input gradient over tp."
+                    ));
+                    quote! {
+                        #doc
+                        let #li = #call(&#this_field, cx, #site, #s, #dy)?;
+                        #gdoc
+                        let #dx = #rt::tensor_parallel::gather_last_dim(cx, &#li)?;
+                    }
+                }
+                None => quote! {
+                    #doc
+                    let #dx = #call(&#this_field, cx, #site, #s, #dy)?;
+                },
+            }
+        });
+    }
+}

@@ -1,0 +1,167 @@
+//! `#[vocab_parallel]`: an embedding whose vocabulary rows are split over tensor parallelism
+//! (Megatron-LM's `VocabParallelEmbedding`). Built by `VocabParallel::build_vocab`; in forward,
+//! the all-reduce of the partial lookups; the tied output layer (`self.field.logits(h)`) with f
+//! before it, whose backward all-reduces the input gradient.
+
+use proc_macro2::TokenStream;
+use quote::{quote, quote_spanned};
+use syn::spanned::Spanned;
+
+use super::{Imports, Kind, tp_sum};
+use crate::generate::body::{Body, Ctx};
+use crate::generate::comment;
+use crate::generate::names::LocalId;
+use crate::model::NodeId;
+use crate::parse::Field;
+
+/// `#[vocab_parallel]` fields.
+pub(super) struct Vocab;
+
+impl Kind for Vocab {
+    fn imports(&self, backward: bool, _ids: bool) -> Imports {
+        Imports {
+            named: Some("VocabParallel"),
+            reduce: !backward,
+            ..Imports::default()
+        }
+    }
+
+    fn build(&self, rt: &TokenStream, f: &Field, _indices: TokenStream) -> Option<TokenStream> {
+        let ty = &f.ty;
+        Some(super::scoped(
+            f,
+            quote_spanned!(ty.span()=> <#ty as #rt::module::VocabParallel>::build_vocab),
+        ))
+    }
+
+    fn forward<'a>(
+        &self,
+        cx: &'a Ctx<'a>,
+        b: &mut Body<'a>,
+        n: NodeId,
+        args: &[LocalId],
+        out: LocalId,
+        saved: LocalId,
+        _pos: usize,
+    ) {
+        let site = cx.site(n);
+        let span = cx.g.nodes[n].src.span();
+        let this_field = cx.this_field(n);
+        let name = cx.field(n).name();
+        let ids = args[0];
+        let call = cx.qualified(n, quote!(VocabParallel::forward_vocab));
+        let doc = comment(&format!(
+            "`{name}`: #[vocab_parallel]. All-reduce of the partial lookups over tp \
+             (each rank holds its rows of the vocabulary)."
+        ));
+        b.push(move |nm| {
+            let (ir, s, o, oi) = (nm.by_ref(ids), nm.pat(saved), nm.pat(out), nm.ident(out));
+            let reduce = tp_sum(&oi, span);
+            quote! {
+                let (#o, #s) = #call(&#this_field, cx, #site, #ir)?;
+                #doc
+                #reduce
+            }
+        });
+    }
+
+    fn backward<'a>(
+        &self,
+        cx: &'a Ctx<'a>,
+        b: &mut Body<'a>,
+        n: NodeId,
+        d_y: LocalId,
+        saved: LocalId,
+        _d_args: &[Option<LocalId>],
+        _plus: Option<LocalId>,
+        _pos: usize,
+    ) {
+        let site = cx.site(n);
+        let this_field = cx.this_field(n);
+        let name = cx.field(n).name();
+        let call = cx.qualified(n, quote!(VocabParallel::backward_vocab));
+        let doc = comment(&format!(
+            "`{name}`: the all-reduce's backward is the identity; token ids have no \
+             gradient."
+        ));
+        b.push(move |nm| {
+            let (s, dy) = (nm.ident(saved), nm.by_ref(d_y));
+            quote! {
+                #doc
+                #call(&#this_field, cx, #site, #s, #dy)?;
+            }
+        });
+    }
+}
+
+/// The tied output layer `self.field.logits(h)`: f (the identity) before it.
+pub(in crate::generate) fn logits_forward<'a>(
+    cx: &'a Ctx<'a>,
+    b: &mut Body<'a>,
+    n: NodeId,
+    args: &[LocalId],
+    out: LocalId,
+    saved: Option<LocalId>,
+    _pos: usize,
+) {
+    let site = cx.site(n);
+    let h = args[0];
+    let this_field = cx.this_field(n);
+    let name = cx.field(n).name();
+    let call = cx.qualified(n, quote!(VocabParallel::logits_forward));
+    let saved = saved.expect("logits save");
+    let doc = comment(&format!(
+        "`{name}.logits`: the tied output layer, split by vocabulary. f: identity in \
+         forward (its backward all-reduces the input gradient over tp)."
+    ));
+    b.push(move |nm| {
+        let (hr, s, o) = (nm.by_ref(h), nm.pat(saved), nm.pat(out));
+        quote! {
+            #doc
+            let (#o, #s) = #call(&#this_field, cx, #site, #hr)?;
+        }
+    });
+}
+
+/// The tied output layer's backward: f's backward, the all-reduce of the input gradient.
+#[allow(clippy::too_many_arguments)]
+pub(in crate::generate) fn logits_backward<'a>(
+    cx: &'a Ctx<'a>,
+    b: &mut Body<'a>,
+    n: NodeId,
+    d_y: LocalId,
+    saved: Option<LocalId>,
+    d_args: &[Option<LocalId>],
+    _plus: Option<LocalId>,
+    _pos: usize,
+) {
+    let site = cx.site(n);
+    let span = cx.g.nodes[n].src.span();
+    let d_h = d_args[0].expect("logits inputs are tensors");
+    let this_field = cx.this_field(n);
+    let name = cx.field(n).name();
+    let call = cx.qualified(n, quote!(VocabParallel::logits_backward));
+    let saved = saved.expect("logits save");
+    let doc = comment(&format!(
+        "`{name}.logits`: f's backward, all-reduce of the input gradient over tp."
+    ));
+    b.push(move |nm| {
+        let (s, dy, dh, dhi) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_h), nm.ident(d_h));
+        let reduce = tp_sum(&dhi, span);
+        quote! {
+            let #dh = #call(&#this_field, cx, #site, #s, #dy)?;
+            #doc
+            #reduce
+        }
+    });
+}
+
+/// What a call of the tied output layer imports: `VocabParallel`, and `ReduceOp` in backward
+/// (f's backward).
+pub(in crate::generate) fn logits_imports(backward: bool) -> super::Imports {
+    super::Imports {
+        named: Some("VocabParallel"),
+        reduce: backward,
+        ..super::Imports::default()
+    }
+}
