@@ -2,6 +2,8 @@
 //!
 //! This facade re-exports the workspace crates; the `megatron` binary is the command-line front.
 
+#![warn(missing_docs)]
+
 pub mod audit;
 pub mod bench;
 pub mod convert;

@@ -4,6 +4,8 @@
 //! ranks, [`tensor`] holds local (sharded) data and [`kernels`] computes on it; [`rng`] gives
 //! layout-invariant random streams.
 
+#![warn(missing_docs)]
+
 mod backend;
 pub mod checkpoint;
 pub mod comm;

@@ -31,9 +31,9 @@
 //! several uses). **The impl must come after the struct, in the same
 //! module** (the callback is a `macro_rules!` in textual scope).
 //!
-//! Inside, the crate runs like a compiler: [`parse`] (syn into fields and forward statements),
-//! [`model`] (forward as an SSA dataflow graph), [`validate`] (sharding analysis, errors with
-//! spans) and [`generate`] (quote).
+//! Inside, the crate runs like a compiler: `parse` (syn into fields and forward statements),
+//! `model` (forward as an SSA dataflow graph), `validate` (sharding analysis, errors with
+//! spans) and `generate` (quote; one file per kind of field in `generate/kind/`).
 
 mod generate;
 mod model;

@@ -1,5 +1,7 @@
 //! Models written with the megatron-rs DSL, registered by name.
 
+#![warn(missing_docs)]
+
 pub mod config;
 pub mod gpt;
 pub mod moe;

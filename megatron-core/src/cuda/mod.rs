@@ -2,14 +2,14 @@
 //!
 //! - [`Gpu`]: one rank's device, stream and kernels. Several ranks (threads) can share one
 //!   device, each on its own stream.
-//! - [`kernels`]: every CPU kernel of [`crate::kernels`] as CUDA C ([`programs`]), compiled at
+//! - `kernels`: every CPU kernel of [`crate::kernels`] as CUDA C (`programs`), compiled at
 //!   run time by NVRTC for the device's architecture (once per process) and launched with the
 //!   CPU kernels' argument checks; each gives the CPU result within f32 tolerance, and dropout
 //!   draws bit-identical masks from the same Philox streams.
-//! - [`blas`]: matrix products on cuBLAS: bf16 or f32 inputs, f32 accumulation; [`blas_lt`]:
+//! - `blas`: matrix products on cuBLAS: bf16 or f32 inputs, f32 accumulation; `blas_lt`:
 //!   products whose cuBLASLt epilogue adds a bias.
 //! - [`graph`]: capture a region of a stream into a CUDA graph and replay it.
-//! - [`profile`]: the GPU time of every kernel and product, summed by name.
+//! - `profile`: the GPU time of every kernel and product, summed by name.
 //!
 //! - `backend`: the device side of the seam (`crate::backend`): every operation whose code
 //!   differs by device, implemented for [`Gpu`].

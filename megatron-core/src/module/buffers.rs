@@ -195,7 +195,7 @@ impl PackLayout {
 /// backward produces the last layers' gradients first, so the front of the gradient buffer is
 /// complete first and data-parallel buckets can be reduced while the backward goes on. With the
 /// distributed optimizer, starts are aligned and bucket ends padded so that every bucket cuts
-/// into equal shards (see [`crate::optimizer::layout`]).
+/// into equal shards (see [`crate::optimizer::layout()`]).
 #[derive(Debug, Clone)]
 pub struct ParamBuffers {
     values: Tensor,

@@ -1,5 +1,5 @@
 //! The token dispatchers, on f32 tensors where the tokens are (the rows moved by the device's
-//! [`crate::backend::RowOps`], the plans on the host); the experts are split evenly over the
+//! `RowOps` (the device seam, `crate::backend`), the plans on the host); the experts are split evenly over the
 //! expert-parallel group (rank r holds experts r·L .. (r + 1)·L):
 //!
 //! - all-to-all (Megatron-LM's `MoEAlltoAllTokenDispatcher`): a rank's tokens are permuted so

@@ -1,6 +1,6 @@
 //! [`RoutedExperts`]: a MoE layer's router and routed experts as one `#[expert_parallel]`
 //! layer (Megatron-LM's `TopKRouter` and `GroupedMLP` under `MoELayer`), in f32 on the device
-//! of its weights (the experts through [`crate::backend::ExpertOps`]).
+//! of its weights (the experts through `ExpertOps` (the device seam)).
 //!
 //! Its parameters: the router's gate `router.weight` `[experts, hidden]`, whole on every rank
 //! (a dense parameter, reduced over data parallelism), and the experts' `fc1.weight`

@@ -51,6 +51,7 @@ pub enum PrecisionError {
         /// Why: which setting makes the flag moot.
         why: &'static str,
     },
+    /// `--grad-reduce-in-bf16` without `--bf16`.
     #[error("--grad-reduce-in-bf16 needs --bf16")]
     Bf16GradsWithoutBf16,
     /// `--grad-reduce-in-bf16` together with fp32 gradients.

@@ -1,4 +1,4 @@
-//! The schedule executor: walks one rank's order, or runs its [plan](super::plan), over a
+//! The schedule executor: walks one rank's order, or runs its [plan](fn@super::plan), over a
 //! [`Stage`], and nothing else.
 //!
 //! The walk is pure: the order says which chunk runs a forward or a backward next, and the j-th
@@ -43,7 +43,7 @@ pub trait Stage {
     fn backward(&mut self, chunk: usize, microbatch: usize) -> Result<(), Self::Error>;
 
     /// Sends the outputs `sends` name and receives the inputs `recvs` name, in one batch (see
-    /// [`plan`](super::plan)). A stage that moves nothing between ranks keeps this default.
+    /// [`plan`](fn@super::plan)). A stage that moves nothing between ranks keeps this default.
     fn exchange(&mut self, sends: &[Transfer], recvs: &[Transfer]) -> Result<(), Self::Error> {
         let _ = (sends, recvs);
         Ok(())

@@ -3,9 +3,9 @@
 //!
 //! [`layout`] assigns the layers to the ranks' chunks; [`schedule`] computes what Megatron-LM's `get_schedule_table`, `get_pp_rank_microbatches`
 //! and `convert_schedule_table_to_order` compute, with Megatron-LM's argument checks;
-//! [`executor`] runs one rank's order over a [`Stage`](executor::Stage) (a model's, or a
-//! recording one); [`simulate`] checks that the ranks' orders make a valid pipeline and times
-//! it; [`plan`] adds to each rank's order the batched exchanges that run it on any backend.
+//! [`executor`] runs one rank's order over a [`executor::Stage`] (a model's, or a
+//! recording one); [`simulate`](mod@simulate) checks that the ranks' orders make a valid pipeline and times
+//! it; [`plan`](mod@plan) adds to each rank's order the batched exchanges that run it on any backend.
 
 pub mod executor;
 pub mod layout;

@@ -7,7 +7,7 @@
 //! Virtual stage `s = chunk·pp + rank` holds chunk `chunk` of pipeline rank `rank`; stage `s`
 //! receives activations from `s − 1` and gradients from `s + 1`. Sends never wait; a receive
 //! waits for its message. (With sends that wait for their receive, sending and receiving one
-//! message at a time deadlocks some of these orders: [`plan`](super::plan) batches them.)
+//! message at a time deadlocks some of these orders: [`plan`](fn@super::plan) batches them.)
 
 use std::collections::HashMap;
 

@@ -549,7 +549,7 @@ fn sum_of_squares_over(grads: &Tensor, ranges: &[Range<usize>]) -> Result<f64> {
 }
 
 /// The global L2 norm of the gradients (the main gradients when kept), each parameter counted
-/// once: summed over this rank's parameters (see [`counted_ranges`]), then over the
+/// once: summed over this rank's parameters (see `counted_ranges`), then over the
 /// model-parallel group, and with the distributed optimizer first over the data-parallel group,
 /// each rank having summed its shards only. The experts' parameters are summed apart, over the
 /// expert data-parallel and expert model-parallel groups, and added before the sum over the

@@ -5,7 +5,7 @@
 //!   order, exactly as the thread backend does, so a run under `mpirun` gives bit-identical
 //!   results to the same run with thread ranks.
 //! - Safe: before moving data, members exchange what they are about to call (see
-//!   [`handshake`]), so a mismatch is a [`CommError::Mismatch`] on every rank and a rank that
+//!   `handshake`), so a mismatch is a [`CommError::Mismatch`] on every rank and a rank that
 //!   never comes a [`CommError::Timeout`] naming it. A process that fails should call
 //!   [`MpiWorld::abort`] so that every other process stops with it (`mpirun` then reports it).
 //! - Counted like every backend, per group and operation.
