@@ -19,11 +19,11 @@ use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
 use megatron::models::gpt::{Attention, AttentionSpec, Mlp, MlpSpec};
 use megatron::module::{Ids, Site};
+use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::prelude::*;
 use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LanguageModel, LrSchedule, Sampler, TokenStream,
-    TrainConfig, Trainer,
+    BatchPlan, DecayStyle, LanguageModel, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
 };
 
 /// A parallel block: one layer norm feeds both branches, and both add to the residual.

@@ -11,10 +11,11 @@ use megatron::cuda_graphs::{BufferBytes, GraphScope, ScopeSet, plan_graphs};
 use megatron::models::gpt::Gpt;
 use megatron::models::preset;
 use megatron::module::{Builder, Module};
+use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::pipeline_parallel::{PipelineLayout, Schedule, ScheduleConfig};
 use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
+    BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
 };
 
 const PP: usize = 2;

@@ -14,10 +14,9 @@ use std::sync::{Arc, Mutex};
 use megatron::comm::OpKind;
 use megatron::job::{Observer, Placement, StepRecord, TrainJob};
 use megatron::models::preset;
+use megatron::optimizer::AdamWConfig;
 use megatron::parallel::GroupKind;
-use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig,
-};
+use megatron::training::{BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig};
 
 const STEPS: u64 = 30;
 const DP: usize = 4;

@@ -10,10 +10,9 @@
 
 use megatron::job::{PipelineSettings, Placement, TrainJob};
 use megatron::models::preset;
+use megatron::optimizer::AdamWConfig;
 use megatron::pipeline_parallel::{draw, simulate};
-use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig,
-};
+use megatron::training::{BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig};
 
 const STEPS: u64 = 40;
 

@@ -15,9 +15,10 @@ use megatron_core::comm::recording::{Call, RecordingWorld};
 use megatron_core::comm::threads::launch;
 use megatron_core::comm::{OpKind, World};
 use megatron_core::moe::RouterConfig;
+use megatron_core::optimizer::AdamWConfig;
 use megatron_core::optimizer::{Precision, PrecisionFlags};
 use megatron_core::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig,
+    BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig,
 };
 use megatron_models::{GptConfig, MoeConfig, MoeLayerFreq};
 

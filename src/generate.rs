@@ -5,13 +5,13 @@
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
+use megatron_core::checkpoint::{load_params, open_checkpoint};
 use megatron_core::comm::ParallelState;
 use megatron_core::comm::threads::launch;
 use megatron_core::module::{Builder, Cx, Module};
 use megatron_core::parallel::{ParallelConfig, ParallelLayout};
 use megatron_core::rng::splitmix64_mix;
 use megatron_core::tensor::Tensor;
-use megatron_core::training::{load_params, open_checkpoint};
 use megatron_models::GptConfig;
 use megatron_models::gpt::Gpt;
 

@@ -11,13 +11,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use megatron_core::checkpoint::SaveInfo;
 use megatron_core::comm::threads::launch;
 use megatron_core::comm::{CommStats, ParallelState, ReduceOp, World};
 use megatron_core::module::{Builder, Module};
 use megatron_core::parallel::{GroupKind, ParallelConfig, ParallelLayout};
 use megatron_core::pipeline_parallel::{PipelineLayout, Schedule, ScheduleConfig};
 use megatron_core::tensor::{DType, Tensor};
-use megatron_core::training::{BatchPlan, Sampler, SaveInfo, StepMetrics, TrainConfig, Trainer};
+use megatron_core::training::{BatchPlan, Sampler, StepMetrics, TrainConfig, Trainer};
 use megatron_models::GptConfig;
 use megatron_models::gpt::Gpt;
 

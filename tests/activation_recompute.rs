@@ -9,12 +9,12 @@ use megatron::comm::threads::launch;
 use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
 use megatron::module::{Builder, Cx, Module, Recompute};
+use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::pipeline_parallel::PipelineLayout;
 use megatron::tensor::{DType, Tensor};
 use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LanguageModel, LrSchedule, Sampler, TokenStream,
-    TrainConfig, Trainer,
+    BatchPlan, DecayStyle, LanguageModel, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
 };
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;

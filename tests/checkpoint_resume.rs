@@ -3,15 +3,16 @@
 
 use std::path::{Path, PathBuf};
 
+use megatron::checkpoint::SaveInfo;
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
 use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
 use megatron::module::{Builder, Module};
+use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, SaveInfo, TokenStream, TrainConfig,
-    Trainer,
+    BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
 };
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;

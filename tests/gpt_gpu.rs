@@ -15,9 +15,8 @@ use std::sync::{Arc, Mutex};
 
 use megatron::job::{Observer, Placement, StepRecord, TrainJob};
 use megatron::models::preset;
-use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig,
-};
+use megatron::optimizer::AdamWConfig;
+use megatron::training::{BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig};
 
 /// Collects (loss, grad norm) of every step.
 struct Curve(Arc<Mutex<Vec<(f64, f64)>>>);

@@ -7,10 +7,11 @@ use megatron::comm::{OpKind, ParallelState};
 use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
 use megatron::module::{Builder, Cx, Module, ParamSpec, Site, assemble_logical};
+use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{GroupKind, ParallelConfig, ParallelLayout};
 use megatron::tensor::Tensor;
 use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
+    BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
 };
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;

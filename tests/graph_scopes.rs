@@ -12,10 +12,11 @@ use megatron::models::gpt::Gpt;
 use megatron::models::{GptConfig, MoeConfig, MoeLayerFreq};
 use megatron::module::{Builder, Module};
 use megatron::moe::RouterConfig;
+use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::pipeline_parallel::{PipelineLayout, Schedule, ScheduleConfig};
 use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
+    BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
 };
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;

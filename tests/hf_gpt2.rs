@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
+use megatron::checkpoint::{load_params, open_checkpoint};
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
 use megatron::convert::hf_gpt2;
@@ -13,7 +14,6 @@ use megatron::models::gpt::Gpt;
 use megatron::module::{Builder, Cx, Module as _};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::tensor::Tensor;
-use megatron::training::{load_params, open_checkpoint};
 use safetensors::tensor::{Dtype, TensorView};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;

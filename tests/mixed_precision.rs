@@ -5,17 +5,19 @@
 //! the f32 values, and the copies follow every step and every checkpoint load.
 
 use half::bf16;
+use megatron::checkpoint::SaveInfo;
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
+use megatron::distributed::ParamBuffers;
 use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
-use megatron::module::{Builder, Cx, Layer, Module, Param, ParamBuffers, Site};
+use megatron::module::{Builder, Cx, Layer, Module, Param, Site};
+use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::tensor::{DType, Tensor};
 use megatron::tensor_parallel::{Linear, LinearSpec};
 use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, SaveInfo, TokenStream, TrainConfig,
-    Trainer,
+    BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
 };
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -73,7 +75,8 @@ fn linear_layers_multiply_by_the_bf16_copies() {
         let (rows, k, n) = (5, 24, 7);
         let spec = LinearSpec::new(k, n).with_init_std(0.7);
         let mut linear = Linear::build(&spec, &mut Builder::new(9))?;
-        let mut buffers = ParamBuffers::pack(&mut linear, &megatron::module::PackLayout::plain())?;
+        let mut buffers =
+            ParamBuffers::pack(&mut linear, &megatron::distributed::PackLayout::plain())?;
         let weight = linear.weight().value().to_vec::<f32>()?;
         buffers.keep_compute_copies(&mut linear, DType::BF16)?;
         assert_copies_follow(&linear);

@@ -8,17 +8,18 @@
 mod support;
 
 use half::{bf16, f16};
+use megatron::checkpoint::SaveInfo;
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
 use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
 use megatron::module::{Builder, Module};
+use megatron::optimizer::AdamWConfig;
 use megatron::optimizer::{Precision, PrecisionFlags};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::tensor::DType;
 use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, SaveInfo, StateMemory, TokenStream,
-    TrainConfig, Trainer,
+    BatchPlan, DecayStyle, LrSchedule, Sampler, StateMemory, TokenStream, TrainConfig, Trainer,
 };
 use support::TempDir;
 

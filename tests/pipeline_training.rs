@@ -11,10 +11,11 @@ use megatron::comm::threads::launch;
 use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
 use megatron::module::{Builder, Module};
+use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::pipeline_parallel::PipelineLayout;
 use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
+    BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
 };
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;

@@ -4,6 +4,7 @@
 use megatron::comm::threads::launch;
 use megatron::comm::{OpKind, ParallelState, ReduceOp};
 use megatron::module::{Builder, Cx, Layer, Module, Param, Site, VocabParallel};
+use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{GroupKind, ParallelConfig, ParallelLayout};
 use megatron::tensor::Tensor;
 use megatron::tensor_parallel::{
@@ -12,8 +13,7 @@ use megatron::tensor_parallel::{
     vocab_parallel_cross_entropy_backward,
 };
 use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LanguageModel, LrSchedule, Sampler, TokenStream,
-    TrainConfig, Trainer,
+    BatchPlan, DecayStyle, LanguageModel, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
 };
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;

@@ -44,6 +44,9 @@ pub enum Error {
     /// The GPU failed (driver, NVRTC, cuBLAS, NCCL).
     #[error(transparent)]
     Cuda(#[from] crate::cuda::CudaError),
+    /// A dataset file or query failed (shared: the system's error in it is not `Clone`).
+    #[error(transparent)]
+    Data(std::sync::Arc<crate::data::DataError>),
     /// A training step's loss or gradient norm is NaN or infinite (Megatron-LM's
     /// `--check-for-nan-in-loss-and-grad`); the step stopped before updating anything.
     #[error(

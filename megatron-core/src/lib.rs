@@ -12,6 +12,7 @@ pub mod comm;
 pub mod cuda;
 pub mod cuda_graphs;
 pub mod data;
+pub mod distributed;
 mod error;
 pub mod files;
 pub mod kernels;

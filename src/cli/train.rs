@@ -15,11 +15,12 @@ use megatron::job::{Eval, Observer, PipelineSettings, Placement, StopRequest, Tr
 pub(super) use megatron::launch::{Report, Runner};
 use megatron::models::GptConfig;
 use megatron::moe::DispatcherKind;
+use megatron::optimizer::AdamWConfig;
 use megatron::optimizer::{LossScaling, Precision, PrecisionFlags};
 use megatron::report::plot::Curves;
 use megatron::tokenizer::Tokenizer;
 use megatron::training::{
-    AdamWConfig, BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Windows,
+    BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Windows,
     default_bucket_elements,
 };
 

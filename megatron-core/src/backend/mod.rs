@@ -203,7 +203,7 @@ device_ops! {
 }
 
 device_ops! {
-    /// The optimizer's passes over runs of a flat buffer (`training::optimizer`).
+    /// The optimizer's passes over runs of a flat buffer (`optimizer::adamw`).
     pub(crate) trait OptimizerOps {
         /// Multiplies every element of `parts` by `scale`; whether any is not finite.
         fn unscale_and_check(&self, parts: &[Tensor], scale: f32) -> Result<bool>;

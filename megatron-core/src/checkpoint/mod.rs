@@ -16,10 +16,15 @@
 //! elements it holds, and a load puts the pieces back together whatever the layout.
 //!
 //! A run that saves holds the directory's lock ([`SaveLock`]): one writer per save directory.
+//! A trainer's state goes in and out through `Trainer::save_checkpoint` and
+//! `Trainer::load_checkpoint` (`trainer.rs`: parameters gathered to whole tensors on global rank
+//! 0, the distributed optimizer's moments written by every rank as its shard).
 
 mod lock;
+mod trainer;
 
 pub use lock::{LOCK_FILE, SaveLock};
+pub use trainer::{SaveInfo, load_params, open_checkpoint};
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};

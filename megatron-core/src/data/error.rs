@@ -63,10 +63,10 @@ impl DataError {
     }
 }
 
-/// The data errors flow into megatron-core's [`crate::Error`] (as its `Invalid` message).
+/// The data errors flow into megatron-core's [`crate::Error`], keeping their type.
 impl From<DataError> for crate::Error {
     fn from(err: DataError) -> Self {
-        crate::Error::Invalid(err.to_string())
+        crate::Error::Data(std::sync::Arc::new(err))
     }
 }
 

@@ -130,14 +130,14 @@ impl ParamSpec {
 /// A parameter: this rank's part of its values and of its gradient.
 ///
 /// Both are tensors that may view flat buffers shared by all parameters (see
-/// [`crate::module::ParamBuffers`]); gradients accumulate (`+=`) until the optimizer zeroes them.
+/// [`crate::distributed::ParamBuffers`]); gradients accumulate (`+=`) until the optimizer zeroes them.
 #[derive(Debug, Clone)]
 pub struct Param {
     value: Tensor,
     grad: Tensor,
     /// A lower-precision copy of `value` that products read (bf16 weights next to f32 master
     /// values), kept current by whoever owns the flat buffers (see
-    /// [`crate::module::ParamBuffers::keep_compute_copies`]).
+    /// [`crate::distributed::ParamBuffers::keep_compute_copies`]).
     compute: Option<Tensor>,
     spec: Arc<ParamSpec>,
 }
@@ -179,7 +179,7 @@ impl Param {
     }
 
     /// What products read for this parameter: its compute copy (e.g. bf16 weights of a
-    /// mixed-precision run, see [`crate::module::ParamBuffers::keep_compute_copies`]) when it
+    /// mixed-precision run, see [`crate::distributed::ParamBuffers::keep_compute_copies`]) when it
     /// has one, else its values.
     pub fn compute_value(&self) -> &Tensor {
         self.compute.as_ref().unwrap_or(&self.value)

@@ -3,6 +3,7 @@
 //! `#[expert_parallel]` layer made of them.
 
 pub mod dispatcher;
+pub mod expert_parallel;
 pub mod expert_tp;
 pub mod experts;
 pub mod routed;
@@ -12,6 +13,7 @@ pub mod step;
 pub use dispatcher::{
     CombineSaved, Dispatch, DispatcherKind, combine, combine_backward, dispatch, dispatch_backward,
 };
+pub use expert_parallel::ExpertParallel;
 pub use expert_tp::{TpRows, gather_expert_rows, reduce_scatter_expert_rows, regather_expert_rows};
 pub use routed::{
     ExpertParallelSaved, GateSaved, RoutedExperts, RoutedExpertsSpec, RouterOutput, RouterSaved,

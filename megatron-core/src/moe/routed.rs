@@ -11,6 +11,7 @@
 //! etp they were saved at, and the experts' gradients go to the expert buffers, reduced over
 //! expert data parallelism.
 
+use super::ExpertParallel;
 use super::dispatcher::{CombineSaved, Dispatch, DispatcherKind, placed};
 use super::expert_tp::TpRows;
 use super::experts::{ExpertShape, ExpertsSaved};
@@ -21,7 +22,7 @@ use crate::cuda_graphs::{GraphScope, captures};
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::gemm::{MatMut, MatRef, gemm};
-use crate::module::{Builder, Cx, ExpertParallel, Init, Module, Param, Site, Split};
+use crate::module::{Builder, Cx, Init, Module, Param, Site, Split};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor, TensorRead};
 

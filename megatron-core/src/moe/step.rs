@@ -9,9 +9,9 @@ use std::sync::Mutex;
 
 use super::{Routing, update_expert_bias};
 use crate::comm::{ParallelState, ReduceOp};
+use crate::distributed::ParamBuffers;
 use crate::error::Result;
 use crate::invalid;
-use crate::module::ParamBuffers;
 use crate::tensor::{DType, Tensor};
 
 /// What the MoE layers' routers did, summed over the layers and micro-batches of a step (what

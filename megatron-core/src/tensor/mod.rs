@@ -157,6 +157,14 @@ impl Tensor {
         Tensor::alloc_near(shape.into(), dtype, near, true)
     }
 
+    /// A one-element f32 tensor holding `value` on the same device as `near` (a scalar reduced
+    /// across ranks: a loss sum, a norm's partial sum, a flag).
+    pub fn scalar_near(value: f32, near: &Tensor) -> crate::error::Result<Tensor> {
+        let t = Tensor::zeros_near([1], DType::F32, near)?;
+        t.fill(value)?;
+        Ok(t)
+    }
+
     fn alloc_near(
         shape: Shape,
         dtype: DType,

@@ -3,29 +3,30 @@
 //! reduce-scatter and, after the update of each rank's shard, an all-gather of the parameters),
 //! global gradient-norm clipping, AdamW and the learning-rate schedule.
 
-mod checkpointing;
 mod data;
 mod engine;
 mod lr_schedule;
-mod optimizer;
 mod pipeline;
 
 use std::time::Instant;
 
-pub use checkpointing::{SaveInfo, load_params, open_checkpoint};
 pub use data::{BatchPlan, Sampler, TokenStream, Windows};
 use engine::Mode;
 pub use lr_schedule::{DecayStyle, LrSchedule};
-pub use optimizer::{AdamW, AdamWConfig, clip_coefficient, grad_norm};
 pub use pipeline::{CarriedWidth, Chunks, PipelinedLanguageModel};
 
 use crate::comm::{CommStats, ParallelState, ReduceOp};
 use crate::cuda_graphs::{GraphRuntime, GraphStats, ScopeSet};
+use crate::distributed::{
+    PackLayout, ParamBuffers, ReduceGroups, gather_parameters, reduce_gradients,
+};
 use crate::error::{Error, Result};
 use crate::invalid;
-use crate::module::{Cx, Ids, Module, PackLayout, ParamBuffers, ReduceGroups};
+use crate::module::{Cx, Ids, Module};
 use crate::moe::{RoutingLog, RoutingTotals};
-use crate::optimizer::{GradScaler, LayoutConfig, Precision};
+use crate::optimizer::{
+    AdamW, AdamWConfig, GradScaler, LayoutConfig, Precision, clip_coefficient, grad_norm,
+};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 
@@ -134,15 +135,15 @@ impl StateMemory {
 /// One rank's training state: its model shard (a chunk per virtual pipeline stage), flat
 /// buffers and optimizer state.
 pub struct Trainer<M: LanguageModel> {
-    chunks: Chunks<M>,
-    buffers: ParamBuffers,
-    optimizer: AdamW,
-    sampler: Sampler,
-    config: TrainConfig,
+    pub(crate) chunks: Chunks<M>,
+    pub(crate) buffers: ParamBuffers,
+    pub(crate) optimizer: AdamW,
+    pub(crate) sampler: Sampler,
+    pub(crate) config: TrainConfig,
     /// How the microbatches go through the rank's plan (a one-stage plan without a pipeline).
     engine: engine::Engine<M>,
     /// The loss scale and its trackers, with loss scaling.
-    scaler: Option<GradScaler>,
+    pub(crate) scaler: Option<GradScaler>,
     /// Where the MoE layers' routers report.
     routing_log: RoutingLog,
     /// The experts per MoE layer whose routing statistics each step reports (0: none).
@@ -376,8 +377,7 @@ impl<M: LanguageModel> Trainer<M> {
             .optimizer
             .prepare_grads(&self.buffers, self.scaler.map(|s| s.inv_scale()))?;
         if let Some(scaler) = &mut self.scaler {
-            let flag =
-                optimizer::scalar_near(f32::from(u8::from(found_inf)), self.buffers.grads())?;
+            let flag = Tensor::scalar_near(f32::from(u8::from(found_inf)), self.buffers.grads())?;
             parallel
                 .comm(GroupKind::World)
                 .all_reduce(&flag, ReduceOp::Max)?;
@@ -510,56 +510,11 @@ impl<M: LanguageModel> Trainer<M> {
     /// Megatron-LM's loss averaging does (and, with a pipeline, over it: only the last stage
     /// has losses).
     fn reduce_loss(&self, parallel: &ParallelState, loss_sum: f64) -> Result<f64> {
-        let total = optimizer::scalar_near(loss_sum as f32, self.buffers.grads())?;
+        let total = Tensor::scalar_near(loss_sum as f32, self.buffers.grads())?;
         if self.engine.pipelined {
             parallel.pp().all_reduce(&total, ReduceOp::Sum)?;
         }
         parallel.dp().all_reduce(&total, ReduceOp::Sum)?;
         Ok(f64::from(total.to_vec::<f32>()?[0]))
     }
-}
-
-/// Sums the gradient buffer over the data-parallel groups, bucket by bucket (the buffer's front
-/// holds the last layers; dense buckets over data parallelism, the experts' over expert data
-/// parallelism): an all-reduce of each bucket, or for a sharded bucket (the distributed
-/// optimizer) a reduce-scatter that leaves each rank the sum of its shard.
-pub fn reduce_gradients(buffers: &ParamBuffers, groups: ReduceGroups<'_>) -> Result<()> {
-    let grads = buffers.grads();
-    for bucket in buffers.buckets() {
-        let group = groups.of_bucket(bucket);
-        if group.size() == 1 {
-            continue;
-        }
-        let whole = grads.narrow(0, bucket.range.start, bucket.range.len())?;
-        match bucket.shard(group.index()) {
-            Some((shard, _)) => {
-                let mine = grads.narrow(0, shard.start, shard.len())?;
-                group.reduce_scatter(&whole, &mine, ReduceOp::Sum)?;
-            }
-            None => group.all_reduce(&whole, ReduceOp::Sum)?,
-        }
-    }
-    Ok(())
-}
-
-/// With the distributed optimizer, gives every data-parallel rank the parameters the others
-/// updated: an all-gather of each bucket's shards over its group. Then refreshes the compute
-/// copies.
-pub fn gather_parameters(buffers: &ParamBuffers, groups: ReduceGroups<'_>) -> Result<()> {
-    if !buffers.sharded() {
-        return Ok(());
-    }
-    let values = buffers.values();
-    for bucket in buffers.buckets() {
-        let group = groups.of_bucket(bucket);
-        if group.size() == 1 {
-            continue;
-        }
-        if let Some((shard, _)) = bucket.shard(group.index()) {
-            let whole = values.narrow(0, bucket.range.start, bucket.range.len())?;
-            let mine = values.narrow(0, shard.start, shard.len())?;
-            group.all_gather(&mine, &whole)?;
-        }
-    }
-    buffers.refresh_compute_copies()
 }

@@ -5,11 +5,10 @@
 
 use super::engine::{Engine, Passes};
 use super::{LanguageModel, Sampler, Trainer};
-use crate::comm::{ParallelState, ReduceOp};
+use crate::comm::ParallelState;
 use crate::error::Result;
 use crate::invalid;
 use crate::module::{Builder, Cx, Ids, Module, Param, Pipelined, Site};
-use crate::parallel::GroupKind;
 use crate::pipeline_parallel::{Delivery, ScheduleConfig};
 use crate::tensor::Tensor;
 
@@ -180,25 +179,6 @@ impl<M: LanguageModel> Trainer<M> {
     }
 }
 
-/// Sums the gradients of the parameters the first and the last stage both hold over the
-/// embedding group (a collective of the two stages' ranks, in visit order).
-fn sum_shared_gradients<M: Pipelined>(chunks: &[M], parallel: &ParallelState) -> Result<()> {
-    let Some(group) = parallel.get(GroupKind::Embedding) else {
-        return Ok(());
-    };
-    if group.size() < 2 {
-        return Ok(());
-    }
-    let mut grads = Vec::new();
-    for chunk in chunks {
-        chunk.visit_shared_params(&mut |p| grads.push(p.grad().clone()));
-    }
-    for g in &grads {
-        group.all_reduce(g, ReduceOp::Sum)?;
-    }
-    Ok(())
-}
-
 /// What a microbatch's passes through one chunk keep for its backward.
 pub(super) struct Kept<M: PipelinedLanguageModel> {
     first: Option<M::PreSaved>,
@@ -280,7 +260,7 @@ impl<M: PipelinedLanguageModel> Passes<M> for Stages {
 
     fn after_backward(chunks: &[M], parallel: &ParallelState, shared: bool) -> Result<()> {
         if shared {
-            sum_shared_gradients(chunks, parallel)?;
+            crate::distributed::sum_shared_gradients(chunks, parallel)?;
         }
         Ok(())
     }

@@ -195,7 +195,7 @@ impl<'a> Ctx<'a> {
     /// The `use` lines at the top of forward (`backward == false`) or backward.
     fn imports(&self, backward: bool) -> TokenStream {
         let rt = &self.root.runtime;
-        let mut named: Vec<&'static str> = Vec::new();
+        let mut named: Vec<(&'static str, &'static str)> = Vec::new();
         let (mut layer, mut lookup, mut reduce, mut sharding) = (false, false, false, false);
         let mut note = |uses: kind::Imports| {
             if let Some(name) = uses.named
@@ -231,24 +231,28 @@ impl<'a> Ctx<'a> {
             }
         }
         // The module's traits in the order it lists them; another kind's after them.
-        let order = [
-            "ColumnParallel",
-            "RowParallel",
-            "VocabParallel",
-            "ExpertParallel",
-            "Op",
-        ];
-        named.sort_by_key(|name| order.iter().position(|o| o == name).unwrap_or(order.len()));
-        let mut named: Vec<TokenStream> = named
+        let order = ["ColumnParallel", "RowParallel", "VocabParallel", "Op"];
+        named.sort_by_key(|(_, name)| order.iter().position(|o| o == name).unwrap_or(order.len()));
+        let ident = |name: &str| syn::Ident::new(name, Span::call_site());
+        let mut in_module: Vec<TokenStream> = named
             .iter()
-            .map(|name| {
-                let ident = syn::Ident::new(name, Span::call_site());
-                quote!(#ident)
+            .filter(|(room, _)| *room == "module")
+            .map(|(_, name)| {
+                let name = ident(name);
+                quote!(#name)
             })
             .collect();
         if sharding {
-            named.push(quote!(Sharding));
+            in_module.push(quote!(Sharding));
         }
+        let elsewhere = named
+            .iter()
+            .filter(|(room, _)| *room != "module")
+            .map(|(room, name)| {
+                let (room, name) = (ident(room), ident(name));
+                quote!(use #rt::#room::#name;)
+            });
+        let elsewhere = quote!(#(#elsewhere)*);
         let mut anonymous = Vec::new();
         if layer {
             anonymous.push(quote!(Layer as _));
@@ -256,7 +260,7 @@ impl<'a> Ctx<'a> {
         if lookup {
             anonymous.push(quote!(Lookup as _));
         }
-        let named = (!named.is_empty()).then(|| quote!(use #rt::module::{#(#named),*};));
+        let named = (!in_module.is_empty()).then(|| quote!(use #rt::module::{#(#in_module),*};));
         let anonymous = (!anonymous.is_empty()).then(|| {
             let doc = comment(
                 "Layers and sub-modules without a split attribute are called by method syntax.",
@@ -268,7 +272,7 @@ impl<'a> Ctx<'a> {
             }
         });
         let reduce = reduce.then(|| quote!(use #rt::comm::ReduceOp;));
-        quote!(#named #anonymous #reduce)
+        quote!(#named #elsewhere #anonymous #reduce)
     }
 }
 

@@ -25,7 +25,7 @@ impl Kind for Column {
 
     fn imports(&self, backward: bool, _ids: bool) -> Imports {
         Imports {
-            named: Some("ColumnParallel"),
+            named: Some(("module", "ColumnParallel")),
             reduce: backward,
             ..Imports::default()
         }

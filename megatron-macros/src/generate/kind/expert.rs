@@ -21,7 +21,7 @@ pub(super) struct Expert;
 impl Kind for Expert {
     fn saved_type(&self, rt: &TokenStream, f: &Field) -> TokenStream {
         let ty = &f.ty;
-        let t = quote_spanned!(ty.span()=> #rt::module::ExpertParallel);
+        let t = quote_spanned!(ty.span()=> #rt::moe::ExpertParallel);
         quote!(#rt::moe::ExpertParallelSaved<
             <#ty as #t>::GateSaved,
             <#ty as #t>::RouterSaved,
@@ -35,7 +35,7 @@ impl Kind for Expert {
 
     fn imports(&self, _backward: bool, _ids: bool) -> Imports {
         Imports {
-            named: Some("ExpertParallel"),
+            named: Some(("moe", "ExpertParallel")),
             ..Imports::default()
         }
     }
@@ -44,7 +44,7 @@ impl Kind for Expert {
         let ty = &f.ty;
         Some(super::scoped(
             f,
-            quote_spanned!(ty.span()=> <#ty as #rt::module::ExpertParallel>::build_experts),
+            quote_spanned!(ty.span()=> <#ty as #rt::moe::ExpertParallel>::build_experts),
         ))
     }
 

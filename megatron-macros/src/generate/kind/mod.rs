@@ -122,8 +122,9 @@ pub(super) trait Kind {
 /// What a generated function imports for its calls of a field.
 #[derive(Default)]
 pub(super) struct Imports {
-    /// The `module` trait its calls name (`ColumnParallel`, ...).
-    pub named: Option<&'static str>,
+    /// The trait its calls name, and the runtime's module holding it (`("module",
+    /// "ColumnParallel")`, `("moe", "ExpertParallel")`, ...).
+    pub named: Option<(&'static str, &'static str)>,
     /// `comm::ReduceOp`, for an all-reduce it makes.
     pub reduce: bool,
     /// `module::Layer`, for a layer or sub-module called by method syntax.

@@ -31,7 +31,7 @@ impl Kind for Op {
 
     fn imports(&self, _backward: bool, _ids: bool) -> Imports {
         Imports {
-            named: Some("Op"),
+            named: Some(("module", "Op")),
             ..Imports::default()
         }
     }

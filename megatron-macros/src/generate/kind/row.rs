@@ -25,7 +25,7 @@ impl Kind for Row {
 
     fn imports(&self, backward: bool, _ids: bool) -> Imports {
         Imports {
-            named: Some("RowParallel"),
+            named: Some(("module", "RowParallel")),
             reduce: !backward,
             ..Imports::default()
         }

@@ -20,7 +20,7 @@ pub(super) struct Vocab;
 impl Kind for Vocab {
     fn imports(&self, backward: bool, _ids: bool) -> Imports {
         Imports {
-            named: Some("VocabParallel"),
+            named: Some(("module", "VocabParallel")),
             reduce: !backward,
             ..Imports::default()
         }
@@ -160,7 +160,7 @@ pub(in crate::generate) fn logits_backward<'a>(
 /// (f's backward).
 pub(in crate::generate) fn logits_imports(backward: bool) -> super::Imports {
     super::Imports {
-        named: Some("VocabParallel"),
+        named: Some(("module", "VocabParallel")),
         reduce: backward,
         ..super::Imports::default()
     }

@@ -1,13 +1,13 @@
 //! `ParamBuffers`: every parameter and gradient of a model as views into two flat buffers, laid
-//! out as Megatron-LM lays them out ([`crate::optimizer::layout`]).
+//! out as Megatron-LM lays them out ([`crate::optimizer::layout()`]).
 
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::{Module, ParamSpec};
 use crate::comm::{Communicator, ParallelState};
 use crate::error::Result;
 use crate::invalid;
+use crate::module::{Module, ParamSpec};
 use crate::optimizer::{BufferLayout, LayoutConfig, ParamInfo, layout};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};

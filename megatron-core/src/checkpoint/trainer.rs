@@ -6,15 +6,17 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use super::{LanguageModel, Trainer, optimizer};
-use crate::checkpoint::{self, CheckpointMeta, Loaded, Whole};
+use super::{CheckpointMeta, Loaded, Whole};
+use crate::checkpoint;
 use crate::comm::ParallelState;
 use crate::comm::ReduceOp;
+use crate::distributed::ReduceGroups;
 use crate::error::Result;
 use crate::invalid;
-use crate::module::{Module, ParamSpec, ReduceGroups, Split, assemble_logical};
+use crate::module::{Module, ParamSpec, Split, assemble_logical};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
+use crate::training::{LanguageModel, Trainer};
 
 /// What to record about the run besides its tensors.
 #[derive(Debug, Clone)]
@@ -224,7 +226,7 @@ impl<M: LanguageModel> Trainer<M> {
                 )?)
             });
         let failed =
-            optimizer::scalar_near(f32::from(u8::from(written.is_err())), self.buffers.grads())?;
+            Tensor::scalar_near(f32::from(u8::from(written.is_err())), self.buffers.grads())?;
         world.all_reduce(&failed, ReduceOp::Max)?;
         let failed = failed.to_vec::<f32>()?[0] > 0.0;
         if rank0 {

@@ -1,0 +1,74 @@
+//! Data parallelism's collectives on the flat buffers: the gradients' reduction bucket by bucket
+//! (an all-reduce, or with the distributed optimizer a reduce-scatter), the parameters'
+//! all-gather after the update of each rank's shard, and the tied embedding's gradient sum over
+//! Megatron-LM's embedding group.
+
+use super::{ParamBuffers, ReduceGroups};
+use crate::comm::{ParallelState, ReduceOp};
+use crate::error::Result;
+use crate::module::Pipelined;
+use crate::parallel::GroupKind;
+
+/// Sums the gradient buffer over the data-parallel groups, bucket by bucket (the buffer's front
+/// holds the last layers; dense buckets over data parallelism, the experts' over expert data
+/// parallelism): an all-reduce of each bucket, or for a sharded bucket (the distributed
+/// optimizer) a reduce-scatter that leaves each rank the sum of its shard.
+pub fn reduce_gradients(buffers: &ParamBuffers, groups: ReduceGroups<'_>) -> Result<()> {
+    let grads = buffers.grads();
+    for bucket in buffers.buckets() {
+        let group = groups.of_bucket(bucket);
+        if group.size() == 1 {
+            continue;
+        }
+        let whole = grads.narrow(0, bucket.range.start, bucket.range.len())?;
+        match bucket.shard(group.index()) {
+            Some((shard, _)) => {
+                let mine = grads.narrow(0, shard.start, shard.len())?;
+                group.reduce_scatter(&whole, &mine, ReduceOp::Sum)?;
+            }
+            None => group.all_reduce(&whole, ReduceOp::Sum)?,
+        }
+    }
+    Ok(())
+}
+
+/// With the distributed optimizer, gives every data-parallel rank the parameters the others
+/// updated: an all-gather of each bucket's shards over its group. Then refreshes the compute
+/// copies.
+pub fn gather_parameters(buffers: &ParamBuffers, groups: ReduceGroups<'_>) -> Result<()> {
+    if !buffers.sharded() {
+        return Ok(());
+    }
+    let values = buffers.values();
+    for bucket in buffers.buckets() {
+        let group = groups.of_bucket(bucket);
+        if group.size() == 1 {
+            continue;
+        }
+        if let Some((shard, _)) = bucket.shard(group.index()) {
+            let whole = values.narrow(0, bucket.range.start, bucket.range.len())?;
+            let mine = values.narrow(0, shard.start, shard.len())?;
+            group.all_gather(&mine, &whole)?;
+        }
+    }
+    buffers.refresh_compute_copies()
+}
+
+/// Sums the gradients of the parameters the first and the last stage both hold over the
+/// embedding group (a collective of the two stages' ranks, in visit order).
+pub fn sum_shared_gradients<M: Pipelined>(chunks: &[M], parallel: &ParallelState) -> Result<()> {
+    let Some(group) = parallel.get(GroupKind::Embedding) else {
+        return Ok(());
+    };
+    if group.size() < 2 {
+        return Ok(());
+    }
+    let mut grads = Vec::new();
+    for chunk in chunks {
+        chunk.visit_shared_params(&mut |p| grads.push(p.grad().clone()));
+    }
+    for g in &grads {
+        group.all_reduce(g, ReduceOp::Sum)?;
+    }
+    Ok(())
+}
