@@ -9,7 +9,6 @@ use megatron::comm::threads::launch;
 use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
 use megatron::module::{Builder, Cx, Module, Recompute};
-use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::pipeline_parallel::PipelineLayout;
 use megatron::tensor::{DType, Tensor};
@@ -97,21 +96,18 @@ fn train(tp: usize, pp: usize, vpp: usize, recompute: Recompute) -> (Vec<(f64, f
             3,
         )?;
         let train = TrainConfig {
-            schedule: LrSchedule {
-                max_lr: 3e-3,
-                min_lr: 3e-4,
-                warmup_steps: 1,
-                decay_steps: 3,
-                style: DecayStyle::Cosine,
-            },
-            adam: AdamWConfig::default(),
-            clip_grad: 1.0,
-            seed: 9,
-            bucket_elements: 10_000,
-            distributed_optimizer: false,
             recompute,
-            precision: megatron::optimizer::Precision::FP32,
-            check_for_nan: true,
+            ..support::train_config(
+                LrSchedule {
+                    max_lr: 3e-3,
+                    min_lr: 3e-4,
+                    warmup_steps: 1,
+                    decay_steps: 3,
+                    style: DecayStyle::Cosine,
+                },
+                9,
+                10_000,
+            )
         };
         let mut trainer = if pp == 1 {
             let model = Gpt::build(&spec, &mut Builder::for_rank(4, ps.groups()))?;

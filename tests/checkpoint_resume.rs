@@ -1,6 +1,8 @@
 //! Checkpoints: a resumed run continues bit for bit, loading reshards across tensor-parallel
 //! sizes, and corrupt or failed saves leave earlier checkpoints as they were.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 
 use megatron::checkpoint::SaveInfo;
@@ -9,11 +11,8 @@ use megatron::comm::threads::launch;
 use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
 use megatron::module::{Builder, Module};
-use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{ParallelConfig, ParallelLayout};
-use megatron::training::{
-    BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
-};
+use megatron::training::{BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, Trainer};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -61,17 +60,7 @@ fn run(
             decay_steps: 8,
             style: DecayStyle::Cosine,
         };
-        let train = TrainConfig {
-            schedule,
-            adam: AdamWConfig::default(),
-            clip_grad: 1.0,
-            seed: 5,
-            bucket_elements: 4096,
-            distributed_optimizer: false,
-            recompute: megatron::module::Recompute::Off,
-            precision: megatron::optimizer::Precision::FP32,
-            check_for_nan: true,
-        };
+        let train = support::train_config(schedule, 5, 4096);
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
         if let Some(path) = load {
             let meta = trainer.load_checkpoint(&ps, path)?;

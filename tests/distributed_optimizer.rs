@@ -11,7 +11,6 @@ use megatron::comm::{OpKind, ParallelState};
 use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
 use megatron::module::{Builder, Module};
-use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{GroupKind, ParallelConfig, ParallelLayout};
 use megatron::training::{
     BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
@@ -53,24 +52,19 @@ fn train(tp: usize, dp: usize, distopt: bool) -> Outcome {
             },
             5,
         )?;
+        let schedule = LrSchedule {
+            max_lr: 3e-3,
+            min_lr: 3e-4,
+            warmup_steps: 1,
+            decay_steps: STEPS,
+            style: DecayStyle::Cosine,
+        };
         let train = TrainConfig {
-            schedule: LrSchedule {
-                max_lr: 3e-3,
-                min_lr: 3e-4,
-                warmup_steps: 1,
-                decay_steps: STEPS,
-                style: DecayStyle::Cosine,
-            },
-            adam: AdamWConfig::default(),
             // Low enough that clipping acts: the norm, computed from the shards, matters.
             clip_grad: 0.5,
-            seed: 9,
-            // Several buckets.
-            bucket_elements: 3000,
             distributed_optimizer: distopt,
-            recompute: megatron::module::Recompute::Off,
-            precision: megatron::optimizer::Precision::FP32,
-            check_for_nan: true,
+            // Several buckets (3000 elements each).
+            ..support::train_config(schedule, 9, 3000)
         };
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
         let mut curve = Vec::new();

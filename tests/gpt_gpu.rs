@@ -15,8 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use megatron::job::{Observer, Placement, StepRecord, TrainJob};
 use megatron::models::preset;
-use megatron::optimizer::AdamWConfig;
-use megatron::training::{BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig};
+use megatron::training::{BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream};
 
 /// Collects (loss, grad norm) of every step.
 struct Curve(Arc<Mutex<Vec<(f64, f64)>>>);
@@ -68,23 +67,17 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
         steps: 5,
         train_data: data,
         eval: None,
-        train: TrainConfig {
-            schedule: LrSchedule {
+        train: support::train_config(
+            LrSchedule {
                 max_lr: 1e-3,
                 min_lr: 1e-4,
                 warmup_steps: 1,
                 decay_steps: 5,
                 style: DecayStyle::Cosine,
             },
-            adam: AdamWConfig::default(),
-            clip_grad: 1.0,
-            seed: 3,
-            bucket_elements: 1 << 20,
-            distributed_optimizer: false,
-            recompute: megatron::module::Recompute::Off,
-            precision: megatron::optimizer::Precision::FP32,
-            check_for_nan: true,
-        },
+            3,
+            1 << 20,
+        ),
         save: None,
         load: None,
         run_info: serde_json::json!({}),

@@ -2,17 +2,16 @@
 //! backward (losses, logits, every gradient), 20 training steps with dropout, and the exact
 //! communication of the paper.
 
+mod support;
+
 use megatron::comm::threads::launch;
 use megatron::comm::{OpKind, ParallelState};
 use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
 use megatron::module::{Builder, Cx, Module, ParamSpec, Site, assemble_logical};
-use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{GroupKind, ParallelConfig, ParallelLayout};
 use megatron::tensor::Tensor;
-use megatron::training::{
-    BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
-};
+use megatron::training::{BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, Trainer};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -186,17 +185,7 @@ fn curve(tp: usize, dp: usize) -> Vec<(f64, f64)> {
             decay_steps: 20,
             style: DecayStyle::Cosine,
         };
-        let train = TrainConfig {
-            schedule,
-            adam: AdamWConfig::default(),
-            clip_grad: 1.0,
-            seed: 9,
-            bucket_elements: 10_000,
-            distributed_optimizer: false,
-            recompute: megatron::module::Recompute::Off,
-            precision: megatron::optimizer::Precision::FP32,
-            check_for_nan: true,
-        };
+        let train = support::train_config(schedule, 9, 10_000);
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
         (0..20)
             .map(|s| {
@@ -260,17 +249,7 @@ fn a_training_step_reduces_gradients_once_per_bucket_on_dp() {
             decay_steps: 1,
             style: DecayStyle::Constant,
         };
-        let train = TrainConfig {
-            schedule,
-            adam: AdamWConfig::default(),
-            clip_grad: 1.0,
-            seed: 9,
-            bucket_elements: BUCKET,
-            distributed_optimizer: false,
-            recompute: megatron::module::Recompute::Off,
-            precision: megatron::optimizer::Precision::FP32,
-            check_for_nan: true,
-        };
+        let train = support::train_config(schedule, 9, BUCKET);
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
         let elements = trainer.buffers().grads().numel() as u64;
         // Megatron-LM's buckets: a bucket closes after the parameter that takes it to BUCKET

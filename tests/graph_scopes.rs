@@ -5,6 +5,8 @@
 //! `megatron graphs` prints) says: one per scoped part, slot and direction, with slots bounded
 //! by the schedule, the same at 8 and 16 microbatches.
 
+mod support;
+
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
 use megatron::cuda_graphs::{BufferBytes, GraphScope, GraphStats, ScopeSet, plan_graphs};
@@ -12,12 +14,9 @@ use megatron::models::gpt::Gpt;
 use megatron::models::{GptConfig, MoeConfig, MoeLayerFreq};
 use megatron::module::{Builder, Module};
 use megatron::moe::RouterConfig;
-use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::pipeline_parallel::{PipelineLayout, Schedule, ScheduleConfig};
-use megatron::training::{
-    BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
-};
+use megatron::training::{BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, Trainer};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -73,23 +72,17 @@ fn train(
             },
             3,
         )?;
-        let train = TrainConfig {
-            schedule: LrSchedule {
+        let train = support::train_config(
+            LrSchedule {
                 max_lr: 2e-3,
                 min_lr: 2e-4,
                 warmup_steps: 1,
                 decay_steps: STEPS,
                 style: DecayStyle::Cosine,
             },
-            adam: AdamWConfig::default(),
-            clip_grad: 1.0,
-            seed: 5,
-            bucket_elements: 10_000,
-            distributed_optimizer: false,
-            recompute: megatron::module::Recompute::Off,
-            precision: megatron::optimizer::Precision::FP32,
-            check_for_nan: true,
-        };
+            5,
+            10_000,
+        );
         let pp_rank = ps.pp().index();
         let mut trainer = if pp == 1 {
             let model = Gpt::build(&spec, &mut Builder::for_rank(3, ps.groups()))?;

@@ -4,6 +4,8 @@
 //! f32 product), the weight gradient still comes from the f32 activations, the optimizer updates
 //! the f32 values, and the copies follow every step and every checkpoint load.
 
+mod support;
+
 use half::bf16;
 use megatron::checkpoint::SaveInfo;
 use megatron::comm::ParallelState;
@@ -12,13 +14,10 @@ use megatron::distributed::ParamBuffers;
 use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
 use megatron::module::{Builder, Cx, Layer, Module, Param, Site};
-use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::tensor::{DType, Tensor};
 use megatron::tensor_parallel::{Linear, LinearSpec};
-use megatron::training::{
-    BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
-};
+use megatron::training::{BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, Trainer};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -159,23 +158,17 @@ fn train(copies: bool, steps: u64) -> Vec<f64> {
             dp: 1,
         };
         let sampler = Sampler::windows(corpus(), plan, 3)?;
-        let train = TrainConfig {
-            schedule: LrSchedule {
+        let train = support::train_config(
+            LrSchedule {
                 max_lr: 1e-2,
                 min_lr: 1e-3,
                 warmup_steps: 1,
                 decay_steps: steps,
                 style: DecayStyle::Cosine,
             },
-            adam: AdamWConfig::default(),
-            clip_grad: 1.0,
-            seed: 5,
-            bucket_elements: usize::MAX,
-            distributed_optimizer: false,
-            recompute: megatron::module::Recompute::Off,
-            precision: megatron::optimizer::Precision::FP32,
-            check_for_nan: true,
-        };
+            5,
+            usize::MAX,
+        );
         let mut trainer = Trainer::new(model, &ps, sampler, train)?;
         if copies {
             trainer.keep_compute_copies(DType::BF16)?;

@@ -14,7 +14,6 @@ use megatron::comm::threads::launch;
 use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
 use megatron::module::{Builder, Module};
-use megatron::optimizer::AdamWConfig;
 use megatron::optimizer::{Precision, PrecisionFlags};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::tensor::DType;
@@ -144,21 +143,21 @@ fn train(run: &Run) -> Outcome {
                 5,
             )?;
             let train = TrainConfig {
-                schedule: LrSchedule {
-                    max_lr: 3e-3,
-                    min_lr: 3e-4,
-                    warmup_steps: 1,
-                    decay_steps: run.steps,
-                    style: DecayStyle::Cosine,
-                },
-                adam: AdamWConfig::default(),
                 clip_grad: 0.5,
-                seed: 9,
-                bucket_elements: 3000,
                 distributed_optimizer: run.distopt,
-                recompute: megatron::module::Recompute::Off,
                 precision: run.precision,
                 check_for_nan: false,
+                ..support::train_config(
+                    LrSchedule {
+                        max_lr: 3e-3,
+                        min_lr: 3e-4,
+                        warmup_steps: 1,
+                        decay_steps: run.steps,
+                        style: DecayStyle::Cosine,
+                    },
+                    9,
+                    3000,
+                )
             };
             Ok(Trainer::new(model, &ps, sampler, train)?)
         };

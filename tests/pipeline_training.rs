@@ -11,7 +11,6 @@ use megatron::comm::threads::launch;
 use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
 use megatron::module::{Builder, Module};
-use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::pipeline_parallel::PipelineLayout;
 use megatron::training::{
@@ -90,21 +89,18 @@ fn train(run: Run) -> (Vec<(f64, f64)>, Vec<f32>, Vec<f32>) {
             3,
         )?;
         let train = TrainConfig {
-            schedule: LrSchedule {
-                max_lr: 2e-3,
-                min_lr: 2e-4,
-                warmup_steps: 2,
-                decay_steps: STEPS,
-                style: DecayStyle::Cosine,
-            },
-            adam: AdamWConfig::default(),
-            clip_grad: 1.0,
-            seed: 9,
-            bucket_elements: 10_000,
             distributed_optimizer: distopt,
-            recompute: megatron::module::Recompute::Off,
-            precision: megatron::optimizer::Precision::FP32,
-            check_for_nan: true,
+            ..support::train_config(
+                LrSchedule {
+                    max_lr: 2e-3,
+                    min_lr: 2e-4,
+                    warmup_steps: 2,
+                    decay_steps: STEPS,
+                    style: DecayStyle::Cosine,
+                },
+                9,
+                10_000,
+            )
         };
         let pp_rank = ps.pp().index();
         let mut trainer = if pp == 1 {

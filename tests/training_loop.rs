@@ -1,10 +1,11 @@
 //! The training loop on a hand-built model (no macros): data-parallel and tensor-parallel runs
 //! reproduce the single-rank run, the loss falls, and the gradient all-reduce is one per bucket.
 
+mod support;
+
 use megatron::comm::threads::launch;
 use megatron::comm::{OpKind, ParallelState, ReduceOp};
 use megatron::module::{Builder, Cx, Layer, Module, Param, Site, VocabParallel};
-use megatron::optimizer::AdamWConfig;
 use megatron::parallel::{GroupKind, ParallelConfig, ParallelLayout};
 use megatron::tensor::Tensor;
 use megatron::tensor_parallel::{
@@ -13,7 +14,7 @@ use megatron::tensor_parallel::{
     vocab_parallel_cross_entropy_backward,
 };
 use megatron::training::{
-    BatchPlan, DecayStyle, LanguageModel, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
+    BatchPlan, DecayStyle, LanguageModel, LrSchedule, Sampler, TokenStream, Trainer,
 };
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -122,17 +123,7 @@ fn train(
             decay_steps: steps,
             style: DecayStyle::Cosine,
         };
-        let config = TrainConfig {
-            schedule,
-            adam: AdamWConfig::default(),
-            clip_grad: 1.0,
-            seed: 5,
-            bucket_elements: bucket,
-            distributed_optimizer: false,
-            recompute: megatron::module::Recompute::Off,
-            precision: megatron::optimizer::Precision::FP32,
-            check_for_nan: true,
-        };
+        let config = support::train_config(schedule, 5, bucket);
         let mut trainer = Trainer::new(model, &ps, sampler, config)?;
         let mut losses = Vec::new();
         let mut comm = Vec::new();

@@ -170,3 +170,25 @@ pub fn assert_curves_close(
         }
     }
 }
+
+/// The training settings the tests share: AdamW's defaults, clipping at norm 1, the plain
+/// optimizer, no recompute, fp32, NaN checks on; with each test's schedule, dropout seed and
+/// bucket size. A test that differs says so with struct update syntax
+/// (`TrainConfig { clip_grad: 0.5, ..train_config(..) }`).
+pub fn train_config(
+    schedule: megatron::training::LrSchedule,
+    seed: u64,
+    bucket_elements: usize,
+) -> megatron::training::TrainConfig {
+    megatron::training::TrainConfig {
+        schedule,
+        adam: megatron::optimizer::AdamWConfig::default(),
+        clip_grad: 1.0,
+        seed,
+        bucket_elements,
+        distributed_optimizer: false,
+        recompute: megatron::module::Recompute::Off,
+        precision: megatron::optimizer::Precision::FP32,
+        check_for_nan: true,
+    }
+}
