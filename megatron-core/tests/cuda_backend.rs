@@ -43,17 +43,6 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn assert_close(gpu: &[f32], cpu: &[f32], rel: f32, what: &str) {
-    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
-    for (i, (g, c)) in gpu.iter().zip(cpu).enumerate() {
-        let tol = rel * c.abs().max(1.0);
-        assert!(
-            (g - c).abs() <= tol,
-            "{what}: element {i}: GPU {g} vs CPU {c} (tolerance {tol})"
-        );
-    }
-}
-
 #[test]
 #[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn gelu_add_bias_casts_and_norms_match_the_cpu() -> R {
@@ -79,8 +68,8 @@ fn gelu_add_bias_casts_and_norms_match_the_cpu() -> R {
             In::F32(&dyd.as_view()),
             Out::F32(&mut dxd.as_view_mut()),
         )?;
-        assert_close(&g.download(&yd)?, &y_cpu, 1e-5, "gelu forward");
-        assert_close(&g.download(&dxd)?, &dx_cpu, 1e-5, "gelu backward");
+        support::assert_close_rel(&g.download(&yd)?, &y_cpu, 1e-5, "gelu forward");
+        support::assert_close_rel(&g.download(&dxd)?, &dx_cpu, 1e-5, "gelu backward");
 
         let mut sum = g.zeros::<f32>(n)?;
         gew::add(&g, &xd.as_view(), &dyd.as_view(), &mut sum.as_view_mut())?;
@@ -157,7 +146,7 @@ fn gelu_add_bias_casts_and_norms_match_the_cpu() -> R {
         cols,
         &mut db.as_view_mut(),
     )?;
-    assert_close(&g.download(&db)?, &db_cpu, 1e-5, "bias backward");
+    support::assert_close_rel(&g.download(&db)?, &db_cpu, 1e-5, "bias backward");
     Ok(())
 }
 
@@ -258,7 +247,7 @@ fn cublas_products_match_the_cpu_gemm() -> R {
                 &g.upload(&b)?.as_view(),
                 &mut c.as_view_mut(),
             )?;
-            assert_close(&g.download(&c)?, &cpu, 1e-4, "f32 matmul");
+            support::assert_close_rel(&g.download(&c)?, &cpu, 1e-4, "f32 matmul");
             // bf16 inputs, f32 accumulation: the CPU product of the rounded inputs.
             let round = |v: &[f32]| -> Vec<bf16> { v.iter().map(|&x| bf16::from_f32(x)).collect() };
             let (ah, bh) = (round(&a), round(&b));
@@ -270,7 +259,7 @@ fn cublas_products_match_the_cpu_gemm() -> R {
                 &g.upload(&bh)?.as_view(),
                 &mut c.as_view_mut(),
             )?;
-            assert_close(&g.download(&c)?, &cpu, 1e-4, "bf16 matmul");
+            support::assert_close_rel(&g.download(&c)?, &cpu, 1e-4, "bf16 matmul");
         }
     }
     let err = blas
@@ -343,9 +332,9 @@ fn cublaslt_adds_the_bias_in_the_products_epilogue() -> R {
                 let got = c.to_vec_f32()?;
                 if dtype == DType::BF16 {
                     // The f32 sum rounded once: within half a bf16 step of the exact one.
-                    assert_close(&got, &want, 1.0 / 256.0, &what);
+                    support::assert_close_rel(&got, &want, 1.0 / 256.0, &what);
                 } else {
-                    assert_close(&got, &want, 1e-4, &what);
+                    support::assert_close_rel(&got, &want, 1e-4, &what);
                 }
                 // Switched off, it leaves the product to the caller and writes nothing.
                 let untouched = Tensor::full([m, n], 7.0, dtype).to_gpu(&g)?;
@@ -483,7 +472,7 @@ fn device_tensors_round_trip_and_refuse_host_reads() -> R {
     let cpu = megatron_core::ops::matmul(&x, &w.t()?)?;
     let gpu_out = megatron_core::ops::matmul(&x.to_gpu(&g)?, &w.to_gpu(&g)?.t()?)?;
     assert_eq!(gpu_out.device(), Device::Cuda(0));
-    assert_close(
+    support::assert_close_rel(
         &gpu_out.to_vec::<f32>()?,
         &cpu.to_vec::<f32>()?,
         1e-5,
@@ -495,7 +484,7 @@ fn device_tensors_round_trip_and_refuse_host_reads() -> R {
     let rounded = |t: &Tensor| -> R<Tensor> { Ok(t.to_dtype(DType::BF16)?.to_dtype(DType::F32)?) };
     let want = megatron_core::ops::matmul(&rounded(&x)?, &rounded(&w)?.t()?)?;
     assert_eq!(c16.dtype(), DType::BF16);
-    assert_close(
+    support::assert_close_rel(
         &c16.to_vec_f32()?,
         &rounded(&want)?.to_vec::<f32>()?,
         1e-2,
@@ -504,7 +493,7 @@ fn device_tensors_round_trip_and_refuse_host_reads() -> R {
     let scores = megatron_core::ops::matmul(&x, &x.transpose(1, 2)?)?;
     let xd = x.to_gpu(&g)?;
     let gpu_scores = megatron_core::ops::matmul(&xd, &xd.transpose(1, 2)?)?;
-    assert_close(
+    support::assert_close_rel(
         &gpu_scores.to_vec::<f32>()?,
         &scores.to_vec::<f32>()?,
         1e-5,

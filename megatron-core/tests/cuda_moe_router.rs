@@ -99,17 +99,6 @@ fn configs() -> Vec<(&'static str, RouterConfig)> {
     ]
 }
 
-/// `a` against `b` within float rounding.
-fn close(a: &[f32], b: &[f32], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!(
-            (x - y).abs() <= 1e-6 * y.abs().max(1.0),
-            "{what}[{i}]: GPU {x} vs host {y}"
-        );
-    }
-}
-
 fn emulated() -> bool {
     std::env::var_os("MEGATRON_EMULATED_GPU").is_some_and(|v| v == "1")
 }
@@ -143,10 +132,11 @@ fn the_device_router_routes_as_the_host_router() {
             "{name}: counts"
         );
         assert_eq!(got.dropped, host.dropped, "{name}: dropped");
-        close(&got.probs, &host.probs, &format!("{name}: weights"));
-        close(
+        support::assert_close_rel(&got.probs, &host.probs, 1e-6, &format!("{name}: weights"));
+        support::assert_close_rel(
             &[got.aux_loss, got.z_loss],
             &[host.aux_loss, host.z_loss],
+            1e-6,
             name,
         );
         if emulated() {
@@ -174,7 +164,7 @@ fn the_device_router_routes_as_the_host_router() {
             .unwrap()
             .to_vec::<f32>()
             .unwrap();
-        close(&got, &want, &format!("{name}: the logits' gradient"));
+        support::assert_close_rel(&got, &want, 1e-6, &format!("{name}: the logits' gradient"));
         if emulated() {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(

@@ -38,3 +38,17 @@ pub fn upload_at(gpu: &Gpu, host: &[f32], offset: usize) -> CudaSlice<f32> {
 pub fn download_at(gpu: &Gpu, dev: &CudaSlice<f32>, offset: usize) -> Vec<f32> {
     gpu.download(dev).unwrap()[offset..].to_vec()
 }
+
+/// Asserts that `got` (the device's) and `want` (the host's) have the same length and agree to
+/// `rel` relative to `want`, or absolutely where `|want|` is below 1, naming `what` and the first
+/// element that does not.
+pub fn assert_close_rel(got: &[f32], want: &[f32], rel: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let tol = rel * w.abs().max(1.0);
+        assert!(
+            (g - w).abs() <= tol,
+            "{what}: element {i}: GPU {g} vs host {w} (tolerance {tol})"
+        );
+    }
+}
