@@ -4,8 +4,7 @@
 //! output features after; in backward, f's backward: the all-reduce of the input gradient.
 
 use proc_macro2::TokenStream;
-use quote::{quote, quote_spanned};
-use syn::spanned::Spanned;
+use quote::quote;
 
 use super::{Imports, Kind, tp_sum};
 use crate::generate::body::{Body, Ctx};
@@ -19,8 +18,7 @@ pub(super) struct Column;
 
 impl Kind for Column {
     fn gradient_feeds_products(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
-        let ty = &f.ty;
-        Some(quote!(<#ty as #rt::module::Module>::GRADIENT_FEEDS_PRODUCTS))
+        Some(super::module_gradient_feeds_products(rt, f))
     }
 
     fn imports(&self, backward: bool, _ids: bool) -> Imports {
@@ -32,10 +30,12 @@ impl Kind for Column {
     }
 
     fn build(&self, rt: &TokenStream, f: &Field, _indices: TokenStream) -> Option<TokenStream> {
-        let ty = &f.ty;
-        Some(super::scoped(
+        Some(super::built_by(
+            rt,
             f,
-            quote_spanned!(ty.span()=> <#ty as #rt::module::ColumnParallel>::build_column),
+            "module",
+            "ColumnParallel",
+            "build_column",
         ))
     }
 

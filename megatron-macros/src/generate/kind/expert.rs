@@ -41,10 +41,12 @@ impl Kind for Expert {
     }
 
     fn build(&self, rt: &TokenStream, f: &Field, _indices: TokenStream) -> Option<TokenStream> {
-        let ty = &f.ty;
-        Some(super::scoped(
+        Some(super::built_by(
+            rt,
             f,
-            quote_spanned!(ty.span()=> <#ty as #rt::moe::ExpertParallel>::build_experts),
+            "moe",
+            "ExpertParallel",
+            "build_experts",
         ))
     }
 

@@ -147,10 +147,27 @@ pub(super) fn of(kind: &FieldKind) -> &'static dyn Kind {
     }
 }
 
-/// `b.scoped("name", |b| path(&spec.name, b))`: building a field in its name's scope.
-fn scoped(f: &Field, path: TokenStream) -> TokenStream {
-    let (name, scope) = (&f.ident, f.name());
+/// `b.scoped("name", |b| <Type as runtime::room::Trait>::constructor(&spec.name, b))`: building
+/// a field in its name's scope with the constructor of `room::trait_`, the path spanned at the
+/// field's type (a type that lacks the trait is reported there, with the trait's message).
+fn built_by(
+    rt: &TokenStream,
+    f: &Field,
+    room: &str,
+    trait_: &str,
+    constructor: &str,
+) -> TokenStream {
+    let (name, scope, ty) = (&f.ident, f.name(), &f.ty);
+    let [room, trait_, constructor] =
+        [room, trait_, constructor].map(|word| syn::Ident::new(word, ty.span()));
+    let path = quote_spanned!(ty.span()=> <#ty as #rt::#room::#trait_>::#constructor);
     quote!(b.scoped(#scope, |b| #path(&spec.#name, b)))
+}
+
+/// `Module::GRADIENT_FEEDS_PRODUCTS` of the field's type: what a layer says of its backward.
+fn module_gradient_feeds_products(rt: &TokenStream, f: &Field) -> TokenStream {
+    let ty = &f.ty;
+    quote!(<#ty as #rt::module::Module>::GRADIENT_FEEDS_PRODUCTS)
 }
 
 /// `visit_params` and `&`, or `visit_params_mut` and `&mut`.

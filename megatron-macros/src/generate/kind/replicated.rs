@@ -43,8 +43,7 @@ impl Kind for Replicated {
     }
 
     fn gradient_feeds_products(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
-        let ty = &f.ty;
-        Some(quote!(<#ty as #rt::module::Module>::GRADIENT_FEEDS_PRODUCTS))
+        Some(super::module_gradient_feeds_products(rt, f))
     }
 
     fn imports(&self, _backward: bool, ids: bool) -> Imports {
@@ -56,11 +55,7 @@ impl Kind for Replicated {
     }
 
     fn build(&self, rt: &TokenStream, f: &Field, _indices: TokenStream) -> Option<TokenStream> {
-        let ty = &f.ty;
-        Some(super::scoped(
-            f,
-            quote_spanned!(ty.span()=> <#ty as #rt::module::Module>::build),
-        ))
+        Some(super::built_by(rt, f, "module", "Module", "build"))
     }
 
     fn forward<'a>(

@@ -4,8 +4,7 @@
 //! partial outputs and the bias added once; in backward, g's backward (the identity).
 
 use proc_macro2::TokenStream;
-use quote::{quote, quote_spanned};
-use syn::spanned::Spanned;
+use quote::quote;
 
 use super::{Imports, Kind, tp_sum};
 use crate::generate::body::{Body, Ctx, value_base};
@@ -19,8 +18,7 @@ pub(super) struct Row;
 
 impl Kind for Row {
     fn gradient_feeds_products(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
-        let ty = &f.ty;
-        Some(quote!(<#ty as #rt::module::Module>::GRADIENT_FEEDS_PRODUCTS))
+        Some(super::module_gradient_feeds_products(rt, f))
     }
 
     fn imports(&self, backward: bool, _ids: bool) -> Imports {
@@ -32,11 +30,7 @@ impl Kind for Row {
     }
 
     fn build(&self, rt: &TokenStream, f: &Field, _indices: TokenStream) -> Option<TokenStream> {
-        let ty = &f.ty;
-        Some(super::scoped(
-            f,
-            quote_spanned!(ty.span()=> <#ty as #rt::module::RowParallel>::build_row),
-        ))
+        Some(super::built_by(rt, f, "module", "RowParallel", "build_row"))
     }
 
     fn forward<'a>(

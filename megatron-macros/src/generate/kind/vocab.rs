@@ -4,8 +4,7 @@
 //! before it, whose backward all-reduces the input gradient.
 
 use proc_macro2::TokenStream;
-use quote::{quote, quote_spanned};
-use syn::spanned::Spanned;
+use quote::quote;
 
 use super::{Imports, Kind, tp_sum};
 use crate::generate::body::{Body, Ctx};
@@ -27,10 +26,12 @@ impl Kind for Vocab {
     }
 
     fn build(&self, rt: &TokenStream, f: &Field, _indices: TokenStream) -> Option<TokenStream> {
-        let ty = &f.ty;
-        Some(super::scoped(
+        Some(super::built_by(
+            rt,
             f,
-            quote_spanned!(ty.span()=> <#ty as #rt::module::VocabParallel>::build_vocab),
+            "module",
+            "VocabParallel",
+            "build_vocab",
         ))
     }
 
