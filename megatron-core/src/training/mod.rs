@@ -1,7 +1,10 @@
-//! Training: microbatches with gradient accumulation, the data-parallel gradient reduction on
-//! the flat gradient buffer's buckets (an all-reduce, or with the distributed optimizer a
-//! reduce-scatter and, after the update of each rank's shard, an all-gather of the parameters),
-//! global gradient-norm clipping, AdamW and the learning-rate schedule.
+//! Training: the [`Trainer`] of one rank and its step. The step engine (`engine.rs`) walks the
+//! rank's plan of the schedule (every microbatch forward and backward, gradients accumulating;
+//! through the pipeline when there is one, `pipeline.rs`); then the step reduces the gradients
+//! over data parallelism ([`crate::distributed`]), sums the loss, lets the MoE layers update
+//! their expert bias ([`crate::moe::step`]), checks for inf, clips and updates
+//! ([`crate::optimizer`]) and gathers the parameters. Also here: the data sampler and the
+//! learning-rate schedule.
 
 mod data;
 mod engine;
