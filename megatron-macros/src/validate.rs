@@ -8,6 +8,7 @@
 
 use syn::ext::IdentExt;
 
+use crate::generate::kind_of;
 use crate::model::{Def, Graph, NodeId, NodeOp, ValueId};
 use crate::parse::{Builtin, FieldKind, InputType, ModuleImpl, ModuleStruct};
 use crate::src_span::{Errors, Src};
@@ -34,20 +35,21 @@ pub struct Analysis {
 
 /// Where a value's sharding came from.
 #[derive(Clone)]
-struct Origin {
+pub(crate) struct Origin {
     /// A clause for messages, e.g. "it comes from #[column_parallel] `fc1`".
-    text: String,
+    pub(crate) text: String,
     /// The column-parallel field whose output it is (for the gather_output fix).
-    column: Option<String>,
+    pub(crate) column: Option<String>,
 }
 
-struct Checker<'a> {
-    s: &'a ModuleStruct,
-    g: &'a Graph,
-    sharding: Vec<Option<Sharding>>,
-    origin: Vec<Option<Origin>>,
+/// The sharding analysis under way: what each value is known to be, and the errors so far.
+pub(crate) struct Checker<'a> {
+    pub(crate) s: &'a ModuleStruct,
+    pub(crate) g: &'a Graph,
+    pub(crate) sharding: Vec<Option<Sharding>>,
+    pub(crate) origin: Vec<Option<Origin>>,
     field: Vec<Option<usize>>,
-    errors: Errors,
+    pub(crate) errors: Errors,
 }
 
 /// Checks the graph against the struct's fields.
@@ -97,7 +99,7 @@ pub fn validate(s: &ModuleStruct, g: &Graph) -> syn::Result<Analysis> {
 
 /// What the sharding rule of a call expects of an argument.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Want {
+pub(crate) enum Want {
     Replicated,
     Split,
     /// Replicated or split (ops, element-wise builtins).
@@ -107,7 +109,7 @@ enum Want {
 }
 
 impl Checker<'_> {
-    fn describe(&self, v: ValueId) -> String {
+    pub(crate) fn describe(&self, v: ValueId) -> String {
         let value = &self.g.values[v];
         if let Some(name) = &value.name {
             return format!("`{name}`");
@@ -126,7 +128,7 @@ impl Checker<'_> {
         }
     }
 
-    fn set(&mut self, v: ValueId, sharding: Sharding, origin: Origin) {
+    pub(crate) fn set(&mut self, v: ValueId, sharding: Sharding, origin: Origin) {
         self.sharding[v] = Some(sharding);
         self.origin[v] = Some(origin);
     }
@@ -150,7 +152,7 @@ impl Checker<'_> {
 
     /// Checks argument `v` (source `src`) of `who` against `want`; `None` if its sharding is
     /// unknown after an earlier error.
-    fn arg(&mut self, who: &str, want: Want, v: ValueId, src: &Src) -> Option<Sharding> {
+    pub(crate) fn arg(&mut self, who: &str, want: Want, v: ValueId, src: &Src) -> Option<Sharding> {
         let sh = self.sharding[v]?;
         let d = self.describe(v);
         let origin = self.origin_text(v);
@@ -184,7 +186,7 @@ impl Checker<'_> {
         None
     }
 
-    fn arity(&mut self, n: NodeId, who: &str, want: usize) -> bool {
+    pub(crate) fn arity(&mut self, n: NodeId, who: &str, want: usize) -> bool {
         let node = &self.g.nodes[n];
         if node.args.len() == want {
             return true;
@@ -231,111 +233,7 @@ impl Checker<'_> {
                 };
                 self.field[n] = Some(fi);
                 let f = &self.s.fields[fi];
-                let name = f.name();
-                match &f.kind {
-                    FieldKind::Column { gather_output } => {
-                        let who = format!("{} `{name}`", f.kind.attribute());
-                        if !self.arity(n, &who, 1) {
-                            return;
-                        }
-                        let (v, src) = arg(0);
-                        self.arg(&who, Want::Replicated, v, src);
-                        let (sh, text, column) = if *gather_output {
-                            (
-                                Sharding::Replicated,
-                                format!("it comes from {who}, which gathers its output"),
-                                None,
-                            )
-                        } else {
-                            (Sharding::Split, format!("it comes from {who}"), Some(name))
-                        };
-                        self.set(out, sh, Origin { text, column });
-                    }
-                    FieldKind::Row { input_is_parallel } => {
-                        let who = format!("{} `{name}`", f.kind.attribute());
-                        if !self.arity(n, &who, 1) {
-                            return;
-                        }
-                        let (v, src) = arg(0);
-                        let want = if *input_is_parallel {
-                            Want::Split
-                        } else {
-                            Want::Replicated
-                        };
-                        self.arg(&who, want, v, src);
-                        let text = format!(
-                            "it comes from #[row_parallel] `{name}`, whose partial outputs are \
-                             all-reduced"
-                        );
-                        self.set(out, Sharding::Replicated, Origin { text, column: None });
-                    }
-                    FieldKind::Vocab => {
-                        let who = format!("#[vocab_parallel] `{name}`");
-                        if !self.arity(n, &who, 1) {
-                            return;
-                        }
-                        let (v, src) = arg(0);
-                        if self.sharding[v].is_some_and(|s| s != Sharding::Ids) {
-                            self.errors.push(src.error(format!(
-                                "{who} looks up token ids, but {} is a tensor; the tied output \
-                                 layer is `self.{name}.logits(h)`",
-                                self.describe(v)
-                            )));
-                        }
-                        let text = format!(
-                            "it comes from #[vocab_parallel] `{name}`, whose partial lookups are \
-                             all-reduced"
-                        );
-                        self.set(out, Sharding::Replicated, Origin { text, column: None });
-                    }
-                    FieldKind::Expert => {
-                        let who = format!("#[expert_parallel] `{name}`");
-                        if !self.arity(n, &who, 1) {
-                            return;
-                        }
-                        let (v, src) = arg(0);
-                        self.arg(&who, Want::Replicated, v, src);
-                        let text = format!(
-                            "it comes from #[expert_parallel] `{name}`, whose combine brings every \
-                             token's expert outputs back"
-                        );
-                        self.set(out, Sharding::Replicated, Origin { text, column: None });
-                    }
-                    FieldKind::Replicated => {
-                        let who =
-                            format!("`{name}` (no split attribute: it runs whole on every rank)");
-                        for i in 0..node.args.len() {
-                            let (v, src) = arg(i);
-                            self.arg(&who, Want::ReplicatedOrIds, v, src);
-                        }
-                        let text =
-                            format!("it comes from `{name}`, which runs whole on every rank");
-                        self.set(out, Sharding::Replicated, Origin { text, column: None });
-                    }
-                    FieldKind::Op => {
-                        let who = format!("#[op] `{name}`");
-                        if !self.arity(n, &who, 1) {
-                            return;
-                        }
-                        let (v, src) = arg(0);
-                        if let Some(sh) = self.arg(&who, Want::Tensor, v, src) {
-                            let origin = self.origin[v].clone().expect("known sharding");
-                            self.set(out, sh, origin);
-                        }
-                    }
-                    FieldKind::Stack { .. } => {
-                        self.errors.push(node.src.error(format!(
-                            "`{name}` is a list of modules: run it with a loop, `for layer in \
-                             &self.{name} {{ h = layer(h); }}`"
-                        )));
-                    }
-                    FieldKind::Config => {
-                        self.errors.push(node.src.error(format!(
-                            "`{name}` is #[config] data, not a layer: use it as a value, e.g. \
-                             `dropout(x, self.{name})`, not as a call"
-                        )));
-                    }
-                }
+                kind_of(&f.kind).check_call(self, n, fi);
             }
             NodeOp::Logits { field } => {
                 let Some(fi) = self.find_field(field) else {

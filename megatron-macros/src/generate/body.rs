@@ -21,7 +21,7 @@ type Render<'a> = Box<dyn Fn(&Names) -> TokenStream + 'a>;
 
 /// The statements of one generated function.
 #[derive(Default)]
-pub(in crate::generate) struct Body<'a> {
+pub(crate) struct Body<'a> {
     pub(in crate::generate) locals: Locals,
     stmts: Vec<Render<'a>>,
     /// (before, after) pairs of a loop-carried variable: one `let mut` variable when both get
@@ -114,7 +114,7 @@ impl Function {
 }
 
 /// What the generator reads.
-pub(in crate::generate) struct Ctx<'a> {
+pub(crate) struct Ctx<'a> {
     pub(in crate::generate) root: &'a Root,
     pub(in crate::generate) s: &'a ModuleStruct,
     pub(in crate::generate) imp: &'a ModuleImpl,

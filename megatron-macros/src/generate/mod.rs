@@ -15,6 +15,7 @@ use crate::root::Root;
 use crate::validate::{Analysis, Sharding};
 
 pub use body::{Function, backward, forward};
+pub(crate) use kind::of as kind_of;
 
 /// `#[doc = " text"]`: how generated code carries comments (they survive `cargo expand`).
 pub fn comment(text: &str) -> TokenStream {

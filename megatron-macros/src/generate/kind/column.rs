@@ -12,11 +12,41 @@ use crate::generate::comment;
 use crate::generate::names::LocalId;
 use crate::model::NodeId;
 use crate::parse::{Field, FieldKind};
+use crate::validate::{Checker, Origin, Sharding, Want};
 
 /// `#[column_parallel]` fields.
 pub(super) struct Column;
 
 impl Kind for Column {
+    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
+        let g = c.g;
+        let node = &g.nodes[n];
+        let out = node.output;
+        let arg = |i: usize| (node.args[i], &node.arg_srcs[i]);
+        let s = c.s;
+        let f = &s.fields[fi];
+        let name = f.name();
+        let FieldKind::Column { gather_output } = &f.kind else {
+            unreachable!("a column field")
+        };
+        let who = format!("{} `{name}`", f.kind.attribute());
+        if !c.arity(n, &who, 1) {
+            return;
+        }
+        let (v, src) = arg(0);
+        c.arg(&who, Want::Replicated, v, src);
+        let (sh, text, column) = if *gather_output {
+            (
+                Sharding::Replicated,
+                format!("it comes from {who}, which gathers its output"),
+                None,
+            )
+        } else {
+            (Sharding::Split, format!("it comes from {who}"), Some(name))
+        };
+        c.set(out, sh, Origin { text, column });
+    }
+
     fn gradient_feeds_products(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
         Some(super::module_gradient_feeds_products(rt, f))
     }

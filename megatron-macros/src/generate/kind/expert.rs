@@ -14,11 +14,33 @@ use crate::generate::comment;
 use crate::generate::names::LocalId;
 use crate::model::NodeId;
 use crate::parse::Field;
+use crate::validate::{Checker, Origin, Sharding, Want};
 
 /// `#[expert_parallel]` fields.
 pub(super) struct Expert;
 
 impl Kind for Expert {
+    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
+        let g = c.g;
+        let node = &g.nodes[n];
+        let out = node.output;
+        let arg = |i: usize| (node.args[i], &node.arg_srcs[i]);
+        let s = c.s;
+        let f = &s.fields[fi];
+        let name = f.name();
+        let who = format!("#[expert_parallel] `{name}`");
+        if !c.arity(n, &who, 1) {
+            return;
+        }
+        let (v, src) = arg(0);
+        c.arg(&who, Want::Replicated, v, src);
+        let text = format!(
+            "it comes from #[expert_parallel] `{name}`, whose combine brings every \
+             token's expert outputs back"
+        );
+        c.set(out, Sharding::Replicated, Origin { text, column: None });
+    }
+
     fn saved_type(&self, rt: &TokenStream, f: &Field) -> TokenStream {
         let ty = &f.ty;
         let t = quote_spanned!(ty.span()=> #rt::moe::ExpertParallel);

@@ -20,9 +20,10 @@ use super::body::{Body, Ctx};
 use super::names::LocalId;
 use crate::model::NodeId;
 use crate::parse::{Field, FieldKind};
+use crate::validate::Checker;
 
 /// What the expansion generates for one kind of field.
-pub(super) trait Kind {
+pub(crate) trait Kind {
     /// The `Result` of building field `f` in the builder's scope of its name (`indices`: a
     /// stack's modules this instance builds); `None` for a field without parameters, which is
     /// cloned from the spec.
@@ -35,6 +36,10 @@ pub(super) trait Kind {
         let (method, borrow) = visit_method(mutable);
         quote!(<#ty as #rt::module::Module>::#method(#borrow self.#name, f);)
     }
+
+    /// Checks call `n` of field `fi` (its arguments' sharding against the kind's rule) and sets
+    /// the sharding of its output, or reports why the field cannot be called that way.
+    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize);
 
     /// Whether the field holds parameters (built by the builder, visited); `false` for values
     /// cloned from the spec.
@@ -121,7 +126,7 @@ pub(super) trait Kind {
 
 /// What a generated function imports for its calls of a field.
 #[derive(Default)]
-pub(super) struct Imports {
+pub(crate) struct Imports {
     /// The trait its calls name, and the runtime's module holding it (`("module",
     /// "ColumnParallel")`, `("moe", "ExpertParallel")`, ...).
     pub named: Option<(&'static str, &'static str)>,
@@ -134,7 +139,7 @@ pub(super) struct Imports {
 }
 
 /// The implementation of a field kind.
-pub(super) fn of(kind: &FieldKind) -> &'static dyn Kind {
+pub(crate) fn of(kind: &FieldKind) -> &'static dyn Kind {
     match kind {
         FieldKind::Column { .. } => &column::Column,
         FieldKind::Row { .. } => &row::Row,

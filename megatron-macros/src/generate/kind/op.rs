@@ -10,11 +10,31 @@ use crate::generate::body::{Body, Ctx};
 use crate::generate::names::LocalId;
 use crate::model::NodeId;
 use crate::parse::Field;
+use crate::validate::{Checker, Want};
 
 /// `#[op]` fields.
 pub(super) struct Op;
 
 impl Kind for Op {
+    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
+        let g = c.g;
+        let node = &g.nodes[n];
+        let out = node.output;
+        let arg = |i: usize| (node.args[i], &node.arg_srcs[i]);
+        let s = c.s;
+        let f = &s.fields[fi];
+        let name = f.name();
+        let who = format!("#[op] `{name}`");
+        if !c.arity(n, &who, 1) {
+            return;
+        }
+        let (v, src) = arg(0);
+        if let Some(sh) = c.arg(&who, Want::Tensor, v, src) {
+            let origin = c.origin[v].clone().expect("known sharding");
+            c.set(out, sh, origin);
+        }
+    }
+
     fn has_params(&self) -> bool {
         false
     }
@@ -88,6 +108,18 @@ impl Kind for Op {
 pub(super) struct Config;
 
 impl Kind for Config {
+    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
+        let g = c.g;
+        let node = &g.nodes[n];
+        let s = c.s;
+        let f = &s.fields[fi];
+        let name = f.name();
+        c.errors.push(node.src.error(format!(
+            "`{name}` is #[config] data, not a layer: use it as a value, e.g. \
+             `dropout(x, self.{name})`, not as a call"
+        )));
+    }
+
     fn has_params(&self) -> bool {
         false
     }

@@ -13,11 +13,29 @@ use crate::generate::comment;
 use crate::generate::names::LocalId;
 use crate::model::NodeId;
 use crate::parse::Field;
+use crate::validate::{Checker, Origin, Sharding, Want};
 
 /// Replicated fields.
 pub(super) struct Replicated;
 
 impl Kind for Replicated {
+    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
+        let g = c.g;
+        let node = &g.nodes[n];
+        let out = node.output;
+        let arg = |i: usize| (node.args[i], &node.arg_srcs[i]);
+        let s = c.s;
+        let f = &s.fields[fi];
+        let name = f.name();
+        let who = format!("`{name}` (no split attribute: it runs whole on every rank)");
+        for i in 0..node.args.len() {
+            let (v, src) = arg(i);
+            c.arg(&who, Want::ReplicatedOrIds, v, src);
+        }
+        let text = format!("it comes from `{name}`, which runs whole on every rank");
+        c.set(out, Sharding::Replicated, Origin { text, column: None });
+    }
+
     fn capturable(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
         let ty = &f.ty;
         Some(quote_spanned!(ty.span()=> <#ty as #rt::module::Module>::CAPTURABLE))

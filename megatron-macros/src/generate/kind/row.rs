@@ -12,11 +12,41 @@ use crate::generate::comment;
 use crate::generate::names::LocalId;
 use crate::model::NodeId;
 use crate::parse::{Field, FieldKind};
+use crate::validate::{Checker, Origin, Sharding, Want};
 
 /// `#[row_parallel]` fields.
 pub(super) struct Row;
 
 impl Kind for Row {
+    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
+        let g = c.g;
+        let node = &g.nodes[n];
+        let out = node.output;
+        let arg = |i: usize| (node.args[i], &node.arg_srcs[i]);
+        let s = c.s;
+        let f = &s.fields[fi];
+        let name = f.name();
+        let FieldKind::Row { input_is_parallel } = &f.kind else {
+            unreachable!("a row field")
+        };
+        let who = format!("{} `{name}`", f.kind.attribute());
+        if !c.arity(n, &who, 1) {
+            return;
+        }
+        let (v, src) = arg(0);
+        let want = if *input_is_parallel {
+            Want::Split
+        } else {
+            Want::Replicated
+        };
+        c.arg(&who, want, v, src);
+        let text = format!(
+            "it comes from #[row_parallel] `{name}`, whose partial outputs are \
+             all-reduced"
+        );
+        c.set(out, Sharding::Replicated, Origin { text, column: None });
+    }
+
     fn gradient_feeds_products(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
         Some(super::module_gradient_feeds_products(rt, f))
     }

@@ -13,11 +13,27 @@ use crate::generate::comment;
 use crate::generate::names::LocalId;
 use crate::model::{NodeId, NodeOp};
 use crate::parse::{Field, FieldKind};
+use crate::validate::Checker;
 
 /// Stack fields.
 pub(super) struct Stack;
 
 impl Kind for Stack {
+    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
+        let g = c.g;
+        let node = &g.nodes[n];
+        let s = c.s;
+        let f = &s.fields[fi];
+        let name = f.name();
+        let FieldKind::Stack { .. } = &f.kind else {
+            unreachable!("a stack field")
+        };
+        c.errors.push(node.src.error(format!(
+            "`{name}` is a list of modules: run it with a loop, `for layer in \
+             &self.{name} {{ h = layer(h); }}`"
+        )));
+    }
+
     fn spec_type(&self, rt: &TokenStream, f: &Field) -> TokenStream {
         let FieldKind::Stack { elem, .. } = &f.kind else {
             unreachable!("a stack field")

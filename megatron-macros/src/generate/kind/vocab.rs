@@ -12,11 +12,39 @@ use crate::generate::comment;
 use crate::generate::names::LocalId;
 use crate::model::NodeId;
 use crate::parse::Field;
+use crate::validate::{Checker, Origin, Sharding};
 
 /// `#[vocab_parallel]` fields.
 pub(super) struct Vocab;
 
 impl Kind for Vocab {
+    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
+        let g = c.g;
+        let node = &g.nodes[n];
+        let out = node.output;
+        let arg = |i: usize| (node.args[i], &node.arg_srcs[i]);
+        let s = c.s;
+        let f = &s.fields[fi];
+        let name = f.name();
+        let who = format!("#[vocab_parallel] `{name}`");
+        if !c.arity(n, &who, 1) {
+            return;
+        }
+        let (v, src) = arg(0);
+        if c.sharding[v].is_some_and(|s| s != Sharding::Ids) {
+            c.errors.push(src.error(format!(
+                "{who} looks up token ids, but {} is a tensor; the tied output \
+                 layer is `self.{name}.logits(h)`",
+                c.describe(v)
+            )));
+        }
+        let text = format!(
+            "it comes from #[vocab_parallel] `{name}`, whose partial lookups are \
+             all-reduced"
+        );
+        c.set(out, Sharding::Replicated, Origin { text, column: None });
+    }
+
     fn imports(&self, backward: bool, _ids: bool) -> Imports {
         Imports {
             named: Some(("module", "VocabParallel")),
