@@ -9,8 +9,8 @@
 use syn::ext::IdentExt;
 
 use crate::generate::kind_of;
-use crate::model::{Def, Graph, NodeId, NodeOp, ValueId};
-use crate::parse::{Builtin, FieldKind, InputType, ModuleImpl, ModuleStruct};
+use crate::model::{Def, Graph, Node, NodeId, NodeOp, ValueId};
+use crate::parse::{Builtin, Field, FieldKind, InputType, ModuleImpl, ModuleStruct};
 use crate::src_span::{Errors, Src};
 
 /// How a value is held across the tensor-parallel group.
@@ -50,6 +50,30 @@ pub(crate) struct Checker<'a> {
     pub(crate) origin: Vec<Option<Origin>>,
     field: Vec<Option<usize>>,
     pub(crate) errors: Errors,
+}
+
+/// A call of a field in forward: what a kind's sharding rule reads of it.
+pub(crate) struct FieldCall<'a> {
+    /// The call's node.
+    pub(crate) n: NodeId,
+    /// The node itself.
+    pub(crate) node: &'a Node,
+    /// The field called.
+    pub(crate) field: &'a Field,
+    /// The field's name, for messages.
+    pub(crate) name: String,
+}
+
+impl<'a> FieldCall<'a> {
+    /// Argument `i`: its value and its source.
+    pub(crate) fn arg(&self, i: usize) -> (ValueId, &'a Src) {
+        (self.node.args[i], &self.node.arg_srcs[i])
+    }
+
+    /// The value the call defines.
+    pub(crate) fn out(&self) -> ValueId {
+        self.node.output
+    }
 }
 
 /// Checks the graph against the struct's fields.
@@ -232,8 +256,14 @@ impl Checker<'_> {
                     return;
                 };
                 self.field[n] = Some(fi);
-                let f = &self.s.fields[fi];
-                kind_of(&f.kind).check_call(self, n, fi);
+                let field = &self.s.fields[fi];
+                let call = FieldCall {
+                    n,
+                    node,
+                    field,
+                    name: field.name(),
+                };
+                kind_of(&field.kind).check_call(self, &call);
             }
             NodeOp::Logits { field } => {
                 let Some(fi) = self.find_field(field) else {

@@ -428,9 +428,23 @@ fn forward_node<'a>(
     match &node.op {
         NodeOp::Field { .. } => {
             let saved = saved.expect("calls save");
-            kind::of(&cx.field(n).kind).forward(cx, b, n, args, out, saved, pos);
+            let io = kind::Forward {
+                args,
+                out,
+                saved,
+                pos,
+            };
+            kind::of(&cx.field(n).kind).forward(&kind::Call::new(cx, n), b, &io);
         }
-        NodeOp::Logits { .. } => kind::vocab::logits_forward(cx, b, n, args, out, saved, pos),
+        NodeOp::Logits { .. } => {
+            let io = kind::Forward {
+                args,
+                out,
+                saved: saved.expect("logits save"),
+                pos,
+            };
+            kind::vocab::logits_forward(&kind::Call::new(cx, n), b, &io)
+        }
         NodeOp::Builtin { builtin, p } => {
             let saved = saved.expect("builtins save");
             match builtin {
@@ -497,7 +511,15 @@ fn forward_node<'a>(
                 }
             });
         }
-        NodeOp::Loop { .. } => kind::stack::loop_forward(cx, b, n, args, out, saved, pos),
+        NodeOp::Loop { .. } => {
+            let io = kind::Forward {
+                args,
+                out,
+                saved: saved.expect("loops save"),
+                pos,
+            };
+            kind::stack::loop_forward(&kind::Call::new(cx, n), b, &io)
+        }
     }
 }
 
@@ -784,13 +806,21 @@ fn backward_node<'a>(
     let rt = &cx.root.runtime;
     let node = &cx.g.nodes[n];
     let site = cx.site(n);
+    let backward_io = |saved| kind::Backward {
+        d_y,
+        saved,
+        d_args,
+        plus,
+        pos,
+    };
     match &node.op {
         NodeOp::Field { .. } => {
-            let saved = saved.expect("calls save");
-            kind::of(&cx.field(n).kind).backward(cx, b, n, d_y, saved, d_args, plus, pos);
+            let io = backward_io(saved.expect("calls save"));
+            kind::of(&cx.field(n).kind).backward(&kind::Call::new(cx, n), b, &io);
         }
         NodeOp::Logits { .. } => {
-            kind::vocab::logits_backward(cx, b, n, d_y, saved, d_args, plus, pos)
+            let io = backward_io(saved.expect("logits save"));
+            kind::vocab::logits_backward(&kind::Call::new(cx, n), b, &io)
         }
         NodeOp::Builtin { builtin, .. } => {
             let saved = saved.expect("builtins save");
@@ -851,6 +881,9 @@ fn backward_node<'a>(
                 }
             });
         }
-        NodeOp::Loop { .. } => kind::stack::loop_backward(cx, b, n, d_y, saved, d_args, plus, pos),
+        NodeOp::Loop { .. } => {
+            let io = backward_io(saved.expect("loops save"));
+            kind::stack::loop_backward(&kind::Call::new(cx, n), b, &io)
+        }
     }
 }

@@ -6,34 +6,26 @@
 use proc_macro2::TokenStream;
 use quote::quote;
 
-use super::{Imports, Kind, tp_sum};
-use crate::generate::body::{Body, Ctx};
+use super::{Backward, Call, Forward, Imports, Kind, tp_sum};
+use crate::generate::body::Body;
 use crate::generate::comment;
-use crate::generate::names::LocalId;
-use crate::model::NodeId;
 use crate::parse::{Field, FieldKind};
-use crate::validate::{Checker, Origin, Sharding, Want};
+use crate::validate::{Checker, FieldCall, Origin, Sharding, Want};
 
 /// `#[column_parallel]` fields.
 pub(super) struct Column;
 
 impl Kind for Column {
-    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
-        let g = c.g;
-        let node = &g.nodes[n];
-        let out = node.output;
-        let arg = |i: usize| (node.args[i], &node.arg_srcs[i]);
-        let s = c.s;
-        let f = &s.fields[fi];
-        let name = f.name();
-        let FieldKind::Column { gather_output } = &f.kind else {
+    fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>) {
+        let name = &call.name;
+        let FieldKind::Column { gather_output } = &call.field.kind else {
             unreachable!("a column field")
         };
-        let who = format!("{} `{name}`", f.kind.attribute());
-        if !c.arity(n, &who, 1) {
+        let who = format!("{} `{name}`", call.field.kind.attribute());
+        if !c.arity(call.n, &who, 1) {
             return;
         }
-        let (v, src) = arg(0);
+        let (v, src) = call.arg(0);
         c.arg(&who, Want::Replicated, v, src);
         let (sh, text, column) = if *gather_output {
             (
@@ -42,9 +34,13 @@ impl Kind for Column {
                 None,
             )
         } else {
-            (Sharding::Split, format!("it comes from {who}"), Some(name))
+            (
+                Sharding::Split,
+                format!("it comes from {who}"),
+                Some(call.name.clone()),
+            )
         };
-        c.set(out, sh, Origin { text, column });
+        c.set(call.out(), sh, Origin { text, column });
     }
 
     fn gradient_feeds_products(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
@@ -69,21 +65,18 @@ impl Kind for Column {
         ))
     }
 
-    fn forward<'a>(
-        &self,
-        cx: &'a Ctx<'a>,
-        b: &mut Body<'a>,
-        n: NodeId,
-        args: &[LocalId],
-        out: LocalId,
-        saved: LocalId,
-        pos: usize,
-    ) {
-        let rt = &cx.root.runtime;
+    fn forward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Forward<'_>) {
+        let Call { cx, n, rt, .. } = *call;
         let node = &cx.g.nodes[n];
-        let site = cx.site(n);
-        let this_field = cx.this_field(n);
-        let name = cx.field(n).name();
+        let site = call.site.clone();
+        let this_field = call.this_field.clone();
+        let name = call.name.clone();
+        let Forward {
+            args,
+            out,
+            saved,
+            pos,
+        } = *io;
         let FieldKind::Column { gather_output } = &cx.field(n).kind else {
             unreachable!("a column field")
         };
@@ -120,22 +113,20 @@ impl Kind for Column {
         }
     }
 
-    fn backward<'a>(
-        &self,
-        cx: &'a Ctx<'a>,
-        b: &mut Body<'a>,
-        n: NodeId,
-        d_y: LocalId,
-        saved: LocalId,
-        d_args: &[Option<LocalId>],
-        _plus: Option<LocalId>,
-        pos: usize,
-    ) {
-        let rt = &cx.root.runtime;
-        let site = cx.site(n);
-        let span = cx.g.nodes[n].src.span();
-        let this_field = cx.this_field(n);
-        let name = cx.field(n).name();
+    fn backward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Backward<'_>) {
+        let Call {
+            cx, n, rt, span, ..
+        } = *call;
+        let site = call.site.clone();
+        let this_field = call.this_field.clone();
+        let name = call.name.clone();
+        let Backward {
+            d_y,
+            saved,
+            d_args,
+            pos,
+            ..
+        } = *io;
         let FieldKind::Column { gather_output } = &cx.field(n).kind else {
             unreachable!("a column field")
         };

@@ -8,37 +8,33 @@ use proc_macro2::TokenStream;
 use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
 
-use super::{Imports, Kind, graph_scope};
-use crate::generate::body::{Body, Ctx};
+use super::{Backward, Call, Forward, Imports, Kind, graph_scope};
+use crate::generate::body::Body;
 use crate::generate::comment;
-use crate::generate::names::LocalId;
-use crate::model::NodeId;
 use crate::parse::Field;
-use crate::validate::{Checker, Origin, Sharding, Want};
+use crate::validate::{Checker, FieldCall, Origin, Sharding, Want};
 
 /// `#[expert_parallel]` fields.
 pub(super) struct Expert;
 
 impl Kind for Expert {
-    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
-        let g = c.g;
-        let node = &g.nodes[n];
-        let out = node.output;
-        let arg = |i: usize| (node.args[i], &node.arg_srcs[i]);
-        let s = c.s;
-        let f = &s.fields[fi];
-        let name = f.name();
+    fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>) {
+        let name = &call.name;
         let who = format!("#[expert_parallel] `{name}`");
-        if !c.arity(n, &who, 1) {
+        if !c.arity(call.n, &who, 1) {
             return;
         }
-        let (v, src) = arg(0);
+        let (v, src) = call.arg(0);
         c.arg(&who, Want::Replicated, v, src);
         let text = format!(
             "it comes from #[expert_parallel] `{name}`, whose combine brings every \
              token's expert outputs back"
         );
-        c.set(out, Sharding::Replicated, Origin { text, column: None });
+        c.set(
+            call.out(),
+            Sharding::Replicated,
+            Origin { text, column: None },
+        );
     }
 
     fn saved_type(&self, rt: &TokenStream, f: &Field) -> TokenStream {
@@ -72,22 +68,21 @@ impl Kind for Expert {
         ))
     }
 
-    fn forward<'a>(
-        &self,
-        cx: &'a Ctx<'a>,
-        b: &mut Body<'a>,
-        n: NodeId,
-        args: &[LocalId],
-        out: LocalId,
-        saved: LocalId,
-        pos: usize,
-    ) {
-        let rt = &cx.root.runtime;
+    fn forward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Forward<'_>) {
+        let Call {
+            cx, n, rt, span: _, ..
+        } = *call;
         let node = &cx.g.nodes[n];
-        let site = cx.site(n);
+        let site = call.site.clone();
+        let this_field = call.this_field.clone();
+        let name = call.name.clone();
+        let Forward {
+            args,
+            out,
+            saved,
+            pos,
+        } = *io;
         let field = cx.field(n);
-        let this_field = cx.this_field(n);
-        let name = cx.field(n).name();
         let x = args[0];
         let gate = cx.qualified(n, quote!(ExpertParallel::gate));
         let route = cx.qualified(n, quote!(ExpertParallel::route));
@@ -213,23 +208,21 @@ impl Kind for Expert {
         });
     }
 
-    fn backward<'a>(
-        &self,
-        cx: &'a Ctx<'a>,
-        b: &mut Body<'a>,
-        n: NodeId,
-        d_y: LocalId,
-        saved: LocalId,
-        d_args: &[Option<LocalId>],
-        _plus: Option<LocalId>,
-        pos: usize,
-    ) {
-        let rt = &cx.root.runtime;
-        let site = cx.site(n);
-        let span = cx.g.nodes[n].src.span();
+    fn backward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Backward<'_>) {
+        let Call {
+            cx, n, rt, span, ..
+        } = *call;
+        let site = call.site.clone();
+        let this_field = call.this_field.clone();
+        let name = call.name.clone();
+        let Backward {
+            d_y,
+            saved,
+            d_args,
+            pos,
+            ..
+        } = *io;
         let field = cx.field(n);
-        let this_field = cx.this_field(n);
-        let name = cx.field(n).name();
         let d_x = d_args[0].expect("expert-parallel inputs are tensors");
         let local = cx.qualified(n, quote!(ExpertParallel::backward_local));
         let route = cx.qualified(n, quote!(ExpertParallel::backward_route));

@@ -20,7 +20,7 @@ use super::body::{Body, Ctx};
 use super::names::LocalId;
 use crate::model::NodeId;
 use crate::parse::{Field, FieldKind};
-use crate::validate::Checker;
+use crate::validate::{Checker, FieldCall};
 
 /// What the expansion generates for one kind of field.
 pub(crate) trait Kind {
@@ -37,9 +37,9 @@ pub(crate) trait Kind {
         quote!(<#ty as #rt::module::Module>::#method(#borrow self.#name, f);)
     }
 
-    /// Checks call `n` of field `fi` (its arguments' sharding against the kind's rule) and sets
-    /// the sharding of its output, or reports why the field cannot be called that way.
-    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize);
+    /// Checks `call` (its arguments' sharding against the kind's rule) and sets the sharding of
+    /// its output, or reports why the field cannot be called that way.
+    fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>);
 
     /// Whether the field holds parameters (built by the builder, visited); `false` for values
     /// cloned from the spec.
@@ -89,39 +89,74 @@ pub(crate) trait Kind {
         Imports::default()
     }
 
-    /// The forward statements of call `n` of the field on `args`: defines `out` and what
-    /// backward needs in `saved`.
-    #[allow(clippy::too_many_arguments)]
-    fn forward<'a>(
-        &self,
-        _cx: &'a Ctx<'a>,
-        _b: &mut Body<'a>,
-        _n: NodeId,
-        _args: &[LocalId],
-        _out: LocalId,
-        _saved: LocalId,
-        _pos: usize,
-    ) {
+    /// The forward statements of `call` on `io.args`: defines `io.out` and what backward needs
+    /// in `io.saved`.
+    fn forward<'a>(&self, _call: &Call<'a>, _b: &mut Body<'a>, _io: &Forward<'_>) {
         unreachable!("validated: this kind of field is not called")
     }
 
-    /// The backward statements of call `n` from the gradient `d_y` of its output: defines the
-    /// gradients `d_args` of its tensor arguments (`plus`: another gradient of a layer's single
-    /// input, which the layer adds).
-    #[allow(clippy::too_many_arguments)]
-    fn backward<'a>(
-        &self,
-        _cx: &'a Ctx<'a>,
-        _b: &mut Body<'a>,
-        _n: NodeId,
-        _d_y: LocalId,
-        _saved: LocalId,
-        _d_args: &[Option<LocalId>],
-        _plus: Option<LocalId>,
-        _pos: usize,
-    ) {
+    /// The backward statements of `call` from the gradient `io.d_y` of its output: defines the
+    /// gradients `io.d_args` of its tensor arguments (`io.plus`: another gradient of a layer's
+    /// single input, which the layer adds).
+    fn backward<'a>(&self, _call: &Call<'a>, _b: &mut Body<'a>, _io: &Backward<'_>) {
         unreachable!("validated: this kind of field is not called")
     }
+}
+
+/// A call of a field (or of its tied logits, or a loop over a stack) in the generated forward or
+/// backward: what every kind's code reads of it.
+#[derive(Clone)]
+pub(crate) struct Call<'a> {
+    /// The generator's context.
+    pub(crate) cx: &'a Ctx<'a>,
+    /// The call's node.
+    pub(crate) n: NodeId,
+    /// The runtime's path.
+    pub(crate) rt: &'a TokenStream,
+    /// `site.child("name")`: the call's site.
+    pub(crate) site: TokenStream,
+    /// The span of the call in the user's forward.
+    pub(crate) span: Span,
+    /// `self.field`, with the user's `self`.
+    pub(crate) this_field: TokenStream,
+    /// The field's name.
+    pub(crate) name: String,
+}
+
+impl<'a> Call<'a> {
+    /// Call `n` in `cx`'s graph.
+    pub(crate) fn new(cx: &'a Ctx<'a>, n: NodeId) -> Call<'a> {
+        Call {
+            cx,
+            n,
+            rt: &cx.root.runtime,
+            site: cx.site(n),
+            span: cx.g.nodes[n].src.span(),
+            this_field: cx.this_field(n),
+            name: cx.field(n).name(),
+        }
+    }
+}
+
+/// The forward's locals of a call: its arguments, its output, what it saves, its position.
+#[derive(Clone, Copy)]
+pub(crate) struct Forward<'l> {
+    pub(crate) args: &'l [LocalId],
+    pub(crate) out: LocalId,
+    pub(crate) saved: LocalId,
+    pub(crate) pos: usize,
+}
+
+/// The backward's locals of a call: its output's gradient, what forward saved, its arguments'
+/// gradients, another gradient of its single input (see [`Kind::adds_other_gradients`]), its
+/// position.
+#[derive(Clone, Copy)]
+pub(crate) struct Backward<'l> {
+    pub(crate) d_y: LocalId,
+    pub(crate) saved: LocalId,
+    pub(crate) d_args: &'l [Option<LocalId>],
+    pub(crate) plus: Option<LocalId>,
+    pub(crate) pos: usize,
 }
 
 /// What a generated function imports for its calls of a field.

@@ -5,33 +5,25 @@
 use proc_macro2::TokenStream;
 use quote::quote;
 
-use super::{Imports, Kind};
-use crate::generate::body::{Body, Ctx};
-use crate::generate::names::LocalId;
-use crate::model::NodeId;
+use super::{Backward, Call, Forward, Imports, Kind};
+use crate::generate::body::Body;
 use crate::parse::Field;
-use crate::validate::{Checker, Want};
+use crate::validate::{Checker, FieldCall, Want};
 
 /// `#[op]` fields.
 pub(super) struct Op;
 
 impl Kind for Op {
-    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
-        let g = c.g;
-        let node = &g.nodes[n];
-        let out = node.output;
-        let arg = |i: usize| (node.args[i], &node.arg_srcs[i]);
-        let s = c.s;
-        let f = &s.fields[fi];
-        let name = f.name();
+    fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>) {
+        let name = &call.name;
         let who = format!("#[op] `{name}`");
-        if !c.arity(n, &who, 1) {
+        if !c.arity(call.n, &who, 1) {
             return;
         }
-        let (v, src) = arg(0);
+        let (v, src) = call.arg(0);
         if let Some(sh) = c.arg(&who, Want::Tensor, v, src) {
             let origin = c.origin[v].clone().expect("known sharding");
-            c.set(out, sh, origin);
+            c.set(call.out(), sh, origin);
         }
     }
 
@@ -60,18 +52,13 @@ impl Kind for Op {
         None
     }
 
-    fn forward<'a>(
-        &self,
-        cx: &'a Ctx<'a>,
-        b: &mut Body<'a>,
-        n: NodeId,
-        args: &[LocalId],
-        out: LocalId,
-        saved: LocalId,
-        _pos: usize,
-    ) {
-        let site = cx.site(n);
-        let this_field = cx.this_field(n);
+    fn forward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Forward<'_>) {
+        let Call { cx, n, .. } = *call;
+        let site = call.site.clone();
+        let this_field = call.this_field.clone();
+        let Forward {
+            args, out, saved, ..
+        } = *io;
         let x = args[0];
         let call = cx.qualified(n, quote!(Op::forward));
         b.push(move |nm| {
@@ -82,19 +69,13 @@ impl Kind for Op {
         });
     }
 
-    fn backward<'a>(
-        &self,
-        cx: &'a Ctx<'a>,
-        b: &mut Body<'a>,
-        n: NodeId,
-        d_y: LocalId,
-        saved: LocalId,
-        d_args: &[Option<LocalId>],
-        _plus: Option<LocalId>,
-        _pos: usize,
-    ) {
-        let site = cx.site(n);
-        let this_field = cx.this_field(n);
+    fn backward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Backward<'_>) {
+        let Call { cx, n, .. } = *call;
+        let site = call.site.clone();
+        let this_field = call.this_field.clone();
+        let Backward {
+            d_y, saved, d_args, ..
+        } = *io;
         let d_x = d_args[0].expect("op inputs are tensors");
         let call = cx.qualified(n, quote!(Op::backward));
         b.push(move |nm| {
@@ -108,13 +89,9 @@ impl Kind for Op {
 pub(super) struct Config;
 
 impl Kind for Config {
-    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
-        let g = c.g;
-        let node = &g.nodes[n];
-        let s = c.s;
-        let f = &s.fields[fi];
-        let name = f.name();
-        c.errors.push(node.src.error(format!(
+    fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>) {
+        let name = &call.name;
+        c.errors.push(call.node.src.error(format!(
             "`{name}` is #[config] data, not a layer: use it as a value, e.g. \
              `dropout(x, self.{name})`, not as a call"
         )));

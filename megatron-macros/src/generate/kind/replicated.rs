@@ -7,33 +7,29 @@ use proc_macro2::TokenStream;
 use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
 
-use super::{Imports, Kind, graph_scope};
-use crate::generate::body::{Body, Ctx};
+use super::{Backward, Call, Forward, Imports, Kind, graph_scope};
+use crate::generate::body::Body;
 use crate::generate::comment;
-use crate::generate::names::LocalId;
-use crate::model::NodeId;
 use crate::parse::Field;
-use crate::validate::{Checker, Origin, Sharding, Want};
+use crate::validate::{Checker, FieldCall, Origin, Sharding, Want};
 
 /// Replicated fields.
 pub(super) struct Replicated;
 
 impl Kind for Replicated {
-    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
-        let g = c.g;
-        let node = &g.nodes[n];
-        let out = node.output;
-        let arg = |i: usize| (node.args[i], &node.arg_srcs[i]);
-        let s = c.s;
-        let f = &s.fields[fi];
-        let name = f.name();
+    fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>) {
+        let name = &call.name;
         let who = format!("`{name}` (no split attribute: it runs whole on every rank)");
-        for i in 0..node.args.len() {
-            let (v, src) = arg(i);
+        for i in 0..call.node.args.len() {
+            let (v, src) = call.arg(i);
             c.arg(&who, Want::ReplicatedOrIds, v, src);
         }
         let text = format!("it comes from `{name}`, which runs whole on every rank");
-        c.set(out, Sharding::Replicated, Origin { text, column: None });
+        c.set(
+            call.out(),
+            Sharding::Replicated,
+            Origin { text, column: None },
+        );
     }
 
     fn capturable(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
@@ -76,20 +72,14 @@ impl Kind for Replicated {
         Some(super::built_by(rt, f, "module", "Module", "build"))
     }
 
-    fn forward<'a>(
-        &self,
-        cx: &'a Ctx<'a>,
-        b: &mut Body<'a>,
-        n: NodeId,
-        args: &[LocalId],
-        out: LocalId,
-        saved: LocalId,
-        _pos: usize,
-    ) {
-        let rt = &cx.root.runtime;
-        let site = cx.site(n);
+    fn forward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Forward<'_>) {
+        let Call { cx, n, rt, .. } = *call;
+        let site = call.site.clone();
+        let name = call.name.clone();
+        let Forward {
+            args, out, saved, ..
+        } = *io;
         let field = cx.field(n);
-        let name = cx.field(n).name();
         let args = args.to_vec();
         let this = &cx.imp.forward.self_token;
         let f = &field.ident;
@@ -125,21 +115,18 @@ impl Kind for Replicated {
         });
     }
 
-    fn backward<'a>(
-        &self,
-        cx: &'a Ctx<'a>,
-        b: &mut Body<'a>,
-        n: NodeId,
-        d_y: LocalId,
-        saved: LocalId,
-        d_args: &[Option<LocalId>],
-        plus: Option<LocalId>,
-        _pos: usize,
-    ) {
-        let rt = &cx.root.runtime;
-        let site = cx.site(n);
+    fn backward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Backward<'_>) {
+        let Call { cx, n, rt, .. } = *call;
+        let site = call.site.clone();
+        let name = call.name.clone();
+        let Backward {
+            d_y,
+            saved,
+            d_args,
+            plus,
+            ..
+        } = *io;
         let field = cx.field(n);
-        let name = cx.field(n).name();
         let d_args = d_args.to_vec();
         let this = &cx.imp.forward.self_token;
         let f = &field.ident;

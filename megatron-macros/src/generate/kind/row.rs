@@ -6,34 +6,26 @@
 use proc_macro2::TokenStream;
 use quote::quote;
 
-use super::{Imports, Kind, tp_sum};
-use crate::generate::body::{Body, Ctx, value_base};
+use super::{Backward, Call, Forward, Imports, Kind, tp_sum};
+use crate::generate::body::{Body, value_base};
 use crate::generate::comment;
-use crate::generate::names::LocalId;
-use crate::model::NodeId;
 use crate::parse::{Field, FieldKind};
-use crate::validate::{Checker, Origin, Sharding, Want};
+use crate::validate::{Checker, FieldCall, Origin, Sharding, Want};
 
 /// `#[row_parallel]` fields.
 pub(super) struct Row;
 
 impl Kind for Row {
-    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
-        let g = c.g;
-        let node = &g.nodes[n];
-        let out = node.output;
-        let arg = |i: usize| (node.args[i], &node.arg_srcs[i]);
-        let s = c.s;
-        let f = &s.fields[fi];
-        let name = f.name();
-        let FieldKind::Row { input_is_parallel } = &f.kind else {
+    fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>) {
+        let name = &call.name;
+        let FieldKind::Row { input_is_parallel } = &call.field.kind else {
             unreachable!("a row field")
         };
-        let who = format!("{} `{name}`", f.kind.attribute());
-        if !c.arity(n, &who, 1) {
+        let who = format!("{} `{name}`", call.field.kind.attribute());
+        if !c.arity(call.n, &who, 1) {
             return;
         }
-        let (v, src) = arg(0);
+        let (v, src) = call.arg(0);
         let want = if *input_is_parallel {
             Want::Split
         } else {
@@ -44,7 +36,11 @@ impl Kind for Row {
             "it comes from #[row_parallel] `{name}`, whose partial outputs are \
              all-reduced"
         );
-        c.set(out, Sharding::Replicated, Origin { text, column: None });
+        c.set(
+            call.out(),
+            Sharding::Replicated,
+            Origin { text, column: None },
+        );
     }
 
     fn gradient_feeds_products(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
@@ -63,22 +59,20 @@ impl Kind for Row {
         Some(super::built_by(rt, f, "module", "RowParallel", "build_row"))
     }
 
-    fn forward<'a>(
-        &self,
-        cx: &'a Ctx<'a>,
-        b: &mut Body<'a>,
-        n: NodeId,
-        args: &[LocalId],
-        out: LocalId,
-        saved: LocalId,
-        pos: usize,
-    ) {
-        let rt = &cx.root.runtime;
+    fn forward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Forward<'_>) {
+        let Call {
+            cx, n, rt, span, ..
+        } = *call;
         let node = &cx.g.nodes[n];
-        let site = cx.site(n);
-        let span = cx.g.nodes[n].src.span();
-        let this_field = cx.this_field(n);
-        let name = cx.field(n).name();
+        let site = call.site.clone();
+        let this_field = call.this_field.clone();
+        let name = call.name.clone();
+        let Forward {
+            args,
+            out,
+            saved,
+            pos,
+        } = *io;
         let FieldKind::Row { input_is_parallel } = &cx.field(n).kind else {
             unreachable!("a row field")
         };
@@ -124,23 +118,21 @@ impl Kind for Row {
         });
     }
 
-    fn backward<'a>(
-        &self,
-        cx: &'a Ctx<'a>,
-        b: &mut Body<'a>,
-        n: NodeId,
-        d_y: LocalId,
-        saved: LocalId,
-        d_args: &[Option<LocalId>],
-        _plus: Option<LocalId>,
-        pos: usize,
-    ) {
-        let rt = &cx.root.runtime;
+    fn backward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Backward<'_>) {
+        let Call {
+            cx, n, rt, span, ..
+        } = *call;
         let node = &cx.g.nodes[n];
-        let site = cx.site(n);
-        let span = cx.g.nodes[n].src.span();
-        let this_field = cx.this_field(n);
-        let name = cx.field(n).name();
+        let site = call.site.clone();
+        let this_field = call.this_field.clone();
+        let name = call.name.clone();
+        let Backward {
+            d_y,
+            saved,
+            d_args,
+            pos,
+            ..
+        } = *io;
         let FieldKind::Row { input_is_parallel } = &cx.field(n).kind else {
             unreachable!("a row field")
         };

@@ -7,60 +7,44 @@ use proc_macro2::TokenStream;
 use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
 
-use super::Kind;
-use crate::generate::body::{Body, Ctx, carried_in_place};
+use super::{Backward, Call, Forward, Kind};
+use crate::generate::body::{Body, carried_in_place};
 use crate::generate::comment;
-use crate::generate::names::LocalId;
-use crate::model::{NodeId, NodeOp};
+use crate::model::NodeOp;
 use crate::parse::{Field, FieldKind};
-use crate::validate::Checker;
+use crate::validate::{Checker, FieldCall};
 
 /// Stack fields.
 pub(super) struct Stack;
 
 impl Kind for Stack {
-    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
-        let g = c.g;
-        let node = &g.nodes[n];
-        let s = c.s;
-        let f = &s.fields[fi];
-        let name = f.name();
-        let FieldKind::Stack { .. } = &f.kind else {
-            unreachable!("a stack field")
-        };
-        c.errors.push(node.src.error(format!(
+    fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>) {
+        let name = &call.name;
+        c.errors.push(call.node.src.error(format!(
             "`{name}` is a list of modules: run it with a loop, `for layer in \
              &self.{name} {{ h = layer(h); }}`"
         )));
     }
 
     fn spec_type(&self, rt: &TokenStream, f: &Field) -> TokenStream {
-        let FieldKind::Stack { elem, .. } = &f.kind else {
-            unreachable!("a stack field")
-        };
+        let elem = element(f);
         let ty = &f.ty;
         quote_spanned!(ty.span()=> ::std::vec::Vec<<#elem as #rt::module::Module>::Spec>)
     }
 
     fn saved_type(&self, rt: &TokenStream, f: &Field) -> TokenStream {
-        let FieldKind::Stack { elem, .. } = &f.kind else {
-            unreachable!("a stack field")
-        };
+        let elem = element(f);
         quote!(#rt::module::StackSaved<<#elem as #rt::module::Module>::Saved>)
     }
 
     fn capturable(&self, rt: &TokenStream, f: &Field) -> Option<TokenStream> {
-        let FieldKind::Stack { elem, .. } = &f.kind else {
-            unreachable!("a stack field")
-        };
+        let elem = element(f);
         let ty = &f.ty;
         Some(quote_spanned!(ty.span()=> <#elem as #rt::module::Module>::CAPTURABLE))
     }
 
     fn build(&self, rt: &TokenStream, f: &Field, indices: TokenStream) -> Option<TokenStream> {
-        let FieldKind::Stack { elem, .. } = &f.kind else {
-            unreachable!("a stack field")
-        };
+        let elem = element(f);
         let (name, scope) = (&f.ident, f.name());
         let build = quote_spanned!(elem.span()=> <#elem as #rt::module::Module>::build);
         Some(quote! {
@@ -75,9 +59,7 @@ impl Kind for Stack {
     }
 
     fn visit(&self, rt: &TokenStream, f: &Field, mutable: bool) -> TokenStream {
-        let FieldKind::Stack { elem, .. } = &f.kind else {
-            unreachable!("a stack field")
-        };
+        let elem = element(f);
         let name = &f.ident;
         let (method, borrow) = super::visit_method(mutable);
         quote! {
@@ -89,27 +71,26 @@ impl Kind for Stack {
 }
 
 /// The loop over the stack: `module::stack_forward`.
-pub(in crate::generate) fn loop_forward<'a>(
-    cx: &'a Ctx<'a>,
-    b: &mut Body<'a>,
-    n: NodeId,
-    args: &[LocalId],
-    out: LocalId,
-    saved: Option<LocalId>,
-    pos: usize,
-) {
-    let rt = &cx.root.runtime;
+pub(in crate::generate) fn loop_forward<'a>(call: &Call<'a>, b: &mut Body<'a>, io: &Forward<'_>) {
+    let Call {
+        cx, n, rt, span: _, ..
+    } = *call;
     let node = &cx.g.nodes[n];
-    let site = cx.site(n);
+    let site = call.site.clone();
+    let this_field = call.this_field.clone();
+    let name = call.name.clone();
+    let Forward {
+        args,
+        out,
+        saved,
+        pos,
+    } = *io;
     let before = args[0];
-    let saved = saved.expect("loops save");
-    let this_field = cx.this_field(n);
     let span = node.src.span();
     let i = b.locals.temp("i", pos, span);
     let x = b.locals.temp("x", pos, span);
     let step = b.locals.temp("out", pos, span);
     b.carried.push((before, out));
-    let name = cx.field(n).name();
     let doc = if cx.field(n).is_pipeline() {
         comment(&format!(
             "`{name}` (#[pipeline]): each module this stage holds in turn, at site \
@@ -150,26 +131,25 @@ pub(in crate::generate) fn loop_forward<'a>(
 }
 
 /// The loop's backward: `module::stack_backward`, last module first.
-#[allow(clippy::too_many_arguments)]
-pub(in crate::generate) fn loop_backward<'a>(
-    cx: &'a Ctx<'a>,
-    b: &mut Body<'a>,
-    n: NodeId,
-    d_y: LocalId,
-    saved: Option<LocalId>,
-    d_args: &[Option<LocalId>],
-    _plus: Option<LocalId>,
-    pos: usize,
-) {
-    let rt = &cx.root.runtime;
-    let site = cx.site(n);
-    let span = cx.g.nodes[n].src.span();
+pub(in crate::generate) fn loop_backward<'a>(call: &Call<'a>, b: &mut Body<'a>, io: &Backward<'_>) {
+    let Call {
+        cx, n, rt, span, ..
+    } = *call;
+    let _node = &cx.g.nodes[n];
+    let site = call.site.clone();
+    let this_field = call.this_field.clone();
+    let name = call.name.clone();
+    let Backward {
+        d_y,
+        saved,
+        d_args,
+        pos,
+        ..
+    } = *io;
     let NodeOp::Loop { elem, .. } = &cx.g.nodes[n].op else {
         unreachable!("a loop node")
     };
     let d_before = d_args[0].expect("loops carry tensors");
-    let saved = saved.expect("loops save");
-    let this_field = cx.this_field(n);
     let i = b.locals.temp("i", pos, span);
     let x = b.locals.temp("x", pos, span);
     let element_saved = b.locals.temp(
@@ -180,7 +160,6 @@ pub(in crate::generate) fn loop_backward<'a>(
     let dy = b.locals.temp("dy", pos, span);
     let d_in = b.locals.temp("d_in", pos, span);
     b.carried.push((d_y, d_before));
-    let name = cx.field(n).name();
     let doc = comment(&format!(
         "`{name}`: each module's backward, last module first (a recomputed group's \
          forward rerun first, from its input)."
@@ -210,4 +189,12 @@ pub(in crate::generate) fn loop_backward<'a>(
             #v = #din;
         }
     });
+}
+
+/// The module type of a stack field's elements.
+fn element(f: &Field) -> &syn::Type {
+    match &f.kind {
+        FieldKind::Stack { elem, .. } => elem,
+        _ => unreachable!("a stack field"),
+    }
 }

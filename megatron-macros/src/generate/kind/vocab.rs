@@ -6,31 +6,23 @@
 use proc_macro2::TokenStream;
 use quote::quote;
 
-use super::{Imports, Kind, tp_sum};
-use crate::generate::body::{Body, Ctx};
+use super::{Backward, Call, Forward, Imports, Kind, tp_sum};
+use crate::generate::body::Body;
 use crate::generate::comment;
-use crate::generate::names::LocalId;
-use crate::model::NodeId;
 use crate::parse::Field;
-use crate::validate::{Checker, Origin, Sharding};
+use crate::validate::{Checker, FieldCall, Origin, Sharding};
 
 /// `#[vocab_parallel]` fields.
 pub(super) struct Vocab;
 
 impl Kind for Vocab {
-    fn check_call(&self, c: &mut Checker<'_>, n: NodeId, fi: usize) {
-        let g = c.g;
-        let node = &g.nodes[n];
-        let out = node.output;
-        let arg = |i: usize| (node.args[i], &node.arg_srcs[i]);
-        let s = c.s;
-        let f = &s.fields[fi];
-        let name = f.name();
+    fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>) {
+        let name = &call.name;
         let who = format!("#[vocab_parallel] `{name}`");
-        if !c.arity(n, &who, 1) {
+        if !c.arity(call.n, &who, 1) {
             return;
         }
-        let (v, src) = arg(0);
+        let (v, src) = call.arg(0);
         if c.sharding[v].is_some_and(|s| s != Sharding::Ids) {
             c.errors.push(src.error(format!(
                 "{who} looks up token ids, but {} is a tensor; the tied output \
@@ -42,7 +34,11 @@ impl Kind for Vocab {
             "it comes from #[vocab_parallel] `{name}`, whose partial lookups are \
              all-reduced"
         );
-        c.set(out, Sharding::Replicated, Origin { text, column: None });
+        c.set(
+            call.out(),
+            Sharding::Replicated,
+            Origin { text, column: None },
+        );
     }
 
     fn imports(&self, backward: bool, _ids: bool) -> Imports {
@@ -63,20 +59,14 @@ impl Kind for Vocab {
         ))
     }
 
-    fn forward<'a>(
-        &self,
-        cx: &'a Ctx<'a>,
-        b: &mut Body<'a>,
-        n: NodeId,
-        args: &[LocalId],
-        out: LocalId,
-        saved: LocalId,
-        _pos: usize,
-    ) {
-        let site = cx.site(n);
-        let span = cx.g.nodes[n].src.span();
-        let this_field = cx.this_field(n);
-        let name = cx.field(n).name();
+    fn forward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Forward<'_>) {
+        let Call { cx, n, span, .. } = *call;
+        let site = call.site.clone();
+        let this_field = call.this_field.clone();
+        let name = call.name.clone();
+        let Forward {
+            args, out, saved, ..
+        } = *io;
         let ids = args[0];
         let call = cx.qualified(n, quote!(VocabParallel::forward_vocab));
         let doc = comment(&format!(
@@ -94,20 +84,12 @@ impl Kind for Vocab {
         });
     }
 
-    fn backward<'a>(
-        &self,
-        cx: &'a Ctx<'a>,
-        b: &mut Body<'a>,
-        n: NodeId,
-        d_y: LocalId,
-        saved: LocalId,
-        _d_args: &[Option<LocalId>],
-        _plus: Option<LocalId>,
-        _pos: usize,
-    ) {
-        let site = cx.site(n);
-        let this_field = cx.this_field(n);
-        let name = cx.field(n).name();
+    fn backward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Backward<'_>) {
+        let Call { cx, n, .. } = *call;
+        let site = call.site.clone();
+        let this_field = call.this_field.clone();
+        let name = call.name.clone();
+        let Backward { d_y, saved, .. } = *io;
         let call = cx.qualified(n, quote!(VocabParallel::backward_vocab));
         let doc = comment(&format!(
             "`{name}`: the all-reduce's backward is the identity; token ids have no \
@@ -124,21 +106,16 @@ impl Kind for Vocab {
 }
 
 /// The tied output layer `self.field.logits(h)`: f (the identity) before it.
-pub(in crate::generate) fn logits_forward<'a>(
-    cx: &'a Ctx<'a>,
-    b: &mut Body<'a>,
-    n: NodeId,
-    args: &[LocalId],
-    out: LocalId,
-    saved: Option<LocalId>,
-    _pos: usize,
-) {
-    let site = cx.site(n);
+pub(in crate::generate) fn logits_forward<'a>(call: &Call<'a>, b: &mut Body<'a>, io: &Forward<'_>) {
+    let Call { cx, n, .. } = *call;
+    let site = call.site.clone();
+    let this_field = call.this_field.clone();
+    let name = call.name.clone();
+    let Forward {
+        args, out, saved, ..
+    } = *io;
     let h = args[0];
-    let this_field = cx.this_field(n);
-    let name = cx.field(n).name();
     let call = cx.qualified(n, quote!(VocabParallel::logits_forward));
-    let saved = saved.expect("logits save");
     let doc = comment(&format!(
         "`{name}.logits`: the tied output layer, split by vocabulary. f: identity in \
          forward (its backward all-reduces the input gradient over tp)."
@@ -153,24 +130,20 @@ pub(in crate::generate) fn logits_forward<'a>(
 }
 
 /// The tied output layer's backward: f's backward, the all-reduce of the input gradient.
-#[allow(clippy::too_many_arguments)]
 pub(in crate::generate) fn logits_backward<'a>(
-    cx: &'a Ctx<'a>,
+    call: &Call<'a>,
     b: &mut Body<'a>,
-    n: NodeId,
-    d_y: LocalId,
-    saved: Option<LocalId>,
-    d_args: &[Option<LocalId>],
-    _plus: Option<LocalId>,
-    _pos: usize,
+    io: &Backward<'_>,
 ) {
-    let site = cx.site(n);
-    let span = cx.g.nodes[n].src.span();
+    let Call { cx, n, span, .. } = *call;
+    let site = call.site.clone();
+    let this_field = call.this_field.clone();
+    let name = call.name.clone();
+    let Backward {
+        d_y, saved, d_args, ..
+    } = *io;
     let d_h = d_args[0].expect("logits inputs are tensors");
-    let this_field = cx.this_field(n);
-    let name = cx.field(n).name();
     let call = cx.qualified(n, quote!(VocabParallel::logits_backward));
-    let saved = saved.expect("logits save");
     let doc = comment(&format!(
         "`{name}.logits`: f's backward, all-reduce of the input gradient over tp."
     ));
