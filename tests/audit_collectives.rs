@@ -40,18 +40,20 @@ fn a_layout_that_cannot_run_is_an_error_naming_it() {
         dp: 0,
         ..AuditLayout::default()
     };
-    let err = job(&zero).err().expect("dp 0 is refused").to_string();
+    let Err(err) = job(&zero) else {
+        panic!("dp 0 is refused")
+    };
+    let err = err.to_string();
     assert!(err.contains("at least 1") && err.contains("dp 0"), "{err}");
     // The expert groups (etp · ep · pp = 6 ranks) do not divide the world of 8.
     let uneven = AuditLayout {
         ep: 3,
         ..AuditLayout::default()
     };
-    let err = job(&uneven)
-        .and_then(|j| record_step(&j))
-        .err()
-        .expect("ep 3 is refused")
-        .to_string();
+    let Err(err) = job(&uneven).and_then(|j| record_step(&j)) else {
+        panic!("ep 3 is refused")
+    };
+    let err = err.to_string();
     assert!(
         err.contains("not divisible") && err.contains("1·3·2"),
         "{err}"
