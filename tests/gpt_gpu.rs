@@ -48,14 +48,6 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
     let mut model = (preset("gpt-tiny").expect("gpt-tiny").config)();
     model.hidden_dropout = 0.1;
     model.attention_dropout = 0.1;
-    let plan = BatchPlan {
-        seq_length: 64,
-        micro_batch: 2,
-        global_batch: 8,
-        dp,
-    };
-    let text = "the quick brown fox jumps over the lazy dog; ".repeat(200);
-    let data = Sampler::windows(TokenStream::from_bytes(text.as_bytes()), plan, 7).expect("data");
     TrainJob {
         model_name: "gpt-tiny".to_string(),
         model,
@@ -65,7 +57,7 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
         dp,
         pipeline: Default::default(),
         steps: 5,
-        train_data: data,
+        train_data: windows(8, dp),
         eval: None,
         train: support::train_config(
             LrSchedule {
@@ -86,6 +78,19 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
         cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
         stop: None,
     }
+}
+
+/// Sequences of 64 tokens of a repeated sentence in micro-batches of 2, `global_batch` a step
+/// over `dp` ranks.
+fn windows(global_batch: usize, dp: usize) -> Sampler {
+    let plan = BatchPlan {
+        seq_length: 64,
+        micro_batch: 2,
+        global_batch,
+        dp,
+    };
+    let text = "the quick brown fox jumps over the lazy dog; ".repeat(200);
+    Sampler::windows(TokenStream::from_bytes(text.as_bytes()), plan, 7).expect("data")
 }
 
 /// (loss, grad norm) of every step `job` runs.
@@ -352,8 +357,8 @@ fn moe_job(dp: usize, ep: usize, device: Placement) -> TrainJob {
 
 /// A MoE GPT on the GPU (its router, dispatcher, experts and combine on the device, the
 /// all-to-alls between the ranks' device tensors through the device-local communicator)
-/// follows the CPU run, and expert
-/// parallelism over two thread ranks sharing the GPU follows one rank of every expert.
+/// follows the CPU run, and expert parallelism over two thread ranks sharing the GPU follows
+/// one rank of every expert, with either dispatcher.
 #[test]
 #[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn moe_training_on_the_gpu_follows_the_cpu_run() {
@@ -369,36 +374,69 @@ fn moe_training_on_the_gpu_follows_the_cpu_run() {
     let mut etp = moe_job(2, 1, F32);
     etp.etp = 2;
     assert_close(&curve(&etp), &gpu_ep1, 2e-4, "MoE GPU etp 2 vs etp 1");
+    // The all-gather dispatcher: every rank's tokens, weights and map gathered on the device,
+    // each rank's experts' rows and slots taken there.
+    let mut all_gather = moe_job(2, 2, F32);
+    if let Some(moe) = &mut all_gather.model.moe {
+        moe.dispatcher = megatron::moe::DispatcherKind::AllGather;
+    }
+    assert_close(
+        &curve(&all_gather),
+        &gpu,
+        2e-4,
+        "MoE GPU all-gather vs all-to-all",
+    );
 }
 
-/// A MoE step on the GPU keeps its activations, weights and gradients on the device: the
-/// experts' products run on cuBLAS over views of the stacked weights, and the dispatcher's
-/// permutations, the combine and their backwards on the device's row kernels. What crosses the
-/// bus is the routing's metadata (the counts, the index lists and weights the host's plan
-/// gives, the weights' gradients), the tokens and the scalars: less in a whole step than one
-/// copy of one MoE layer's input per layer and microbatch, which a host dispatcher moves
-/// several times over. Measured on the emulated GPU: 24.6 MB a step with host experts and
-/// dispatcher, 6.0 MB with device experts, 157 kB now.
+/// A MoE step on the GPU keeps its activations, weights, gradients and routing on the device:
+/// the experts' products run on cuBLAS over views of the stacked weights; the dispatcher's
+/// permutations, the combine and their backwards on the device's row kernels, with index
+/// tables the device computes from the routing's map and the exchanged counts. What crosses the
+/// bus for each MoE layer and micro-batch (measured as what two more micro-batches a step add,
+/// less what they add to the same model without experts: their tokens) is the routing's counts
+/// and metrics read back for the all-to-all's splits and the log (each expert's tokens and
+/// drops, the two losses, the counts received) and the auxiliary losses' scale sent for the
+/// router's backward. Rank 0's copies on the emulated GPU, a step of 2 micro-batches: 24.6 MB
+/// with host experts and dispatcher, 6.0 MB with device experts, 157 kB with host index lists,
+/// 6.2 kB now (5.2 kB of it what the same model without experts moves: its tokens, scalars).
 #[test]
 #[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
-fn moe_steps_keep_activations_and_weights_on_the_gpu() {
-    let job = moe_job(2, 2, F32);
-    let (seq, micro_batch) = (64, 2);
-    let microbatches = 8 / (micro_batch * job.dp);
-    let layer_input = seq * micro_batch * job.model.hidden_size * 4;
-    let one_copy_each = layer_input * job.model.num_layers * microbatches;
-    let (_, launched) = counted(&job);
-    let step = launched[4] - launched[3];
-    let moved = step.to_device_bytes + step.to_host_bytes;
+fn moe_steps_move_only_the_routing_counts_across_the_bus() {
+    let moved = |job: &TrainJob| {
+        let (_, launched) = counted(job);
+        let step = launched[4] - launched[3];
+        (step.to_device_bytes, step.to_host_bytes)
+    };
+    let longer = |mut job: TrainJob| {
+        job.train_data = windows(16, job.dp);
+        job
+    };
+    let moe = moe_job(2, 2, F32);
+    let mut dense = moe_job(2, 1, F32);
+    dense.model.moe = None;
+    let (moe_up, moe_down) = moved(&moe);
+    let (more_up, more_down) = moved(&longer(moe.clone()));
+    let (dense_up, dense_down) = moved(&dense);
+    let (dense_more_up, dense_more_down) = moved(&longer(dense));
     eprintln!(
-        "a MoE step moves {} bytes to the device and {} to the host; one copy of each MoE \
-         layer's input per microbatch is {one_copy_each}",
-        step.to_device_bytes, step.to_host_bytes
+        "a MoE step of 2 micro-batches moves {moe_up} bytes to the device and {moe_down} to \
+         the host, of 4 {more_up} and {more_down}; without experts {dense_up} and \
+         {dense_down}, {dense_more_up} and {dense_more_down}"
     );
-    assert!(
-        moved > 0 && moved < one_copy_each as u64,
-        "{moved} bytes across the bus in a step; one copy of each MoE layer's input per \
-         microbatch is {one_copy_each}"
+    let experts = moe.model.moe.as_ref().expect("experts").router.num_experts as u64;
+    // i64 counts of each expert's tokens and drops, the f32 aux and z losses, the i64 counts
+    // received from each rank for each local expert (ep · experts / ep); the f32 scale sent.
+    let (read_back, sent) = (8 * experts + 8 * experts + 2 * 4 + 8 * experts, 4);
+    let calls = 2 * moe.model.num_layers as u64;
+    assert_eq!(
+        (more_down - moe_down) - (dense_more_down - dense_down),
+        calls * read_back,
+        "bytes read back by the MoE layers of 2 micro-batches"
+    );
+    assert_eq!(
+        (more_up - moe_up) - (dense_more_up - dense_up),
+        calls * sent,
+        "bytes sent to the MoE layers of 2 micro-batches"
     );
 }
 

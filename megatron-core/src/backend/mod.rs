@@ -230,18 +230,37 @@ device_ops! {
 }
 
 device_ops! {
-    /// Rows of `[n, hidden]` f32 tensors moved by index lists the host holds: the MoE
-    /// dispatcher's permutations and the combine (`moe::dispatcher`).
+    /// Rows of `[n, hidden]` f32 tensors moved by index tables that live where the rows do: the
+    /// MoE dispatcher's permutations, the combine and their backwards (`moe::dispatcher`), and
+    /// the tables themselves, computed there from the routing's map and the exchanged counts,
+    /// so that on a GPU only the counts cross to the host. Index tables are i64; a slot table
+    /// `[tokens, k]` names for each token the rows (`-1`: none) it is summed from or scattered
+    /// to, in k order.
     pub(crate) trait RowOps {
-        /// `out[i] = rows[index[i]]`, `[index.len(), hidden]`.
-        fn gather_rows(&self, rows: &Tensor, hidden: usize, index: &[usize]) -> Result<Tensor>;
-        /// `out[t] += weight · rows[i]` for each row i's `(t, weight) = entries[i]`, in row
-        /// order, into `[tokens, hidden]` zeros.
-        fn sum_rows(&self, rows: &Tensor, hidden: usize, entries: &[(usize, f32)], tokens: usize) -> Result<Tensor>;
-        /// `dots[i] = d[token[i]] · rows[i]`, read back.
-        fn row_dots(&self, d: &Tensor, rows: &Tensor, hidden: usize, token: &[usize]) -> Result<Vec<f32>>;
-        /// `out[i] = weight · d[t]` for each `(t, weight) = entries[i]`, `[entries.len(), hidden]`.
-        fn scale_rows(&self, d: &Tensor, hidden: usize, entries: &[(usize, f32)]) -> Result<Tensor>;
+        /// `out[i] = rows[index[i]]` (zeros where `index[i] < 0`), `[index.numel(), hidden]`.
+        fn gather_rows(&self, rows: &Tensor, hidden: usize, index: &Tensor) -> Result<Tensor>;
+        /// `out[t] = Σ_k weight[t, k] · rows[slots[t, k]]` over the slots naming a row, in k
+        /// order from zeros (weight 1 without `weights`): `[tokens, hidden]`.
+        fn sum_rows(&self, rows: &Tensor, hidden: usize, slots: &Tensor, weights: Option<&Tensor>) -> Result<Tensor>;
+        /// `dots[t, k] = d[t] · rows[slots[t, k]]` (0 where the slot names no row): `[tokens, k]`.
+        fn row_dots(&self, d: &Tensor, rows: &Tensor, hidden: usize, slots: &Tensor) -> Result<Tensor>;
+        /// `out[slots[t, k]] = weights[t, k] · d[t]` for the slots naming a row, `[rows, hidden]`
+        /// (zeros in the rows none names).
+        fn scale_rows(&self, d: &Tensor, hidden: usize, slots: &Tensor, weights: &Tensor, rows: usize) -> Result<Tensor>;
+        /// The dispatch's tables for the pairs of `map` (`[tokens, experts]`, i64, 1 where a
+        /// token goes) whose experts lie in `experts`, laid out expert-major (each expert's in
+        /// token order): the slot table `[tokens, experts]` (each pair's row) and each row's
+        /// token (`[rows]`, −1 past the last pair).
+        fn expert_slots(&self, map: &Tensor, experts: std::ops::Range<usize>, rows: usize) -> Result<(Tensor, Tensor)>;
+        /// The pairs of each expert of `experts` in `map` (`[tokens, experts]`, i64, 1 where a
+        /// token goes): `[experts.len()]` i64.
+        fn column_counts(&self, map: &Tensor, experts: std::ops::Range<usize>) -> Result<Tensor>;
+        /// For `rows` rows received in chunks of `counts` (i64 `[ranks, local]`, rank-major),
+        /// the position each has once sorted by local expert (`inverse`) or, for each sorted
+        /// position, the received one (an index for [`RowOps::gather_rows`]).
+        fn chunk_order(&self, counts: &Tensor, local: usize, rows: usize, inverse: bool) -> Result<Tensor>;
+        /// `index[i] = (i mod m)·a + (i / m)·b` for `i < n`, with `(m, a, b)`.
+        fn affine_index(&self, n: usize, mab: (usize, usize, usize)) -> Result<Tensor>;
     }
 }
 

@@ -47,6 +47,11 @@ impl DeviceRouting {
     }
 
     /// Fails: this build has no CUDA support.
+    pub fn placed(&self) -> crate::Result<crate::moe::PlacedRouting> {
+        Err(CudaError::NotBuilt.into())
+    }
+
+    /// Fails: this build has no CUDA support.
     pub fn read_back(&self) -> crate::Result<crate::moe::Routing> {
         Err(CudaError::NotBuilt.into())
     }

@@ -1,6 +1,7 @@
-//! The token dispatchers, on f32 tensors where the tokens are (the rows moved by the device's
-//! `RowOps` (the device seam, `crate::backend`), the plans on the host); the experts are split evenly over the
-//! expert-parallel group (rank r holds experts r·L .. (r + 1)·L):
+//! The token dispatchers, on f32 tensors where the tokens are: the rows and their index tables
+//! live on the tokens' device (moved by the device seam's `RowOps`, `crate::backend`), and only
+//! the counts come to the host, for the all-to-alls' splits and the experts' group sizes. The
+//! experts are split evenly over the expert-parallel group (rank r holds experts r·L .. (r + 1)·L):
 //!
 //! - all-to-all (Megatron-LM's `MoEAlltoAllTokenDispatcher`): a rank's tokens are permuted so
 //!   that each expert's are contiguous (expert-major, token order within), the per-expert
@@ -12,7 +13,9 @@
 //!   into the gathered tokens and reduce-scatters them back.
 //!
 //! [`combine`] brings the experts' outputs back and sums each token's, weighted by its routing
-//! probabilities; the backwards are the transposes.
+//! probabilities; the backwards are the transposes. Each token's rows are named by a slot table
+//! (`[tokens, experts]`: the row of each pair, −1 where the token does not go), so a token's
+//! sum runs over its experts in order, whichever device computes it.
 
 use crate::backend::{self, Backend};
 use crate::comm::{Communicator, ReduceOp};
@@ -20,7 +23,7 @@ use crate::error::Result;
 use crate::invalid;
 use crate::tensor::{DType, Tensor};
 
-use super::Routing;
+use super::PlacedRouting;
 
 /// How tokens reach their experts (`--moe-token-dispatcher-type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -34,7 +37,7 @@ pub enum DispatcherKind {
 }
 
 /// Where a micro-batch's (token, expert) pairs went: what [`combine`] and the backwards need.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct Dispatch {
     /// The tokens' shape (`[tokens, hidden]`, or `[seq, batch, hidden]`), which the combine's
     /// output and the input's gradient take.
@@ -43,29 +46,31 @@ pub struct Dispatch {
     hidden: usize,
     experts: usize,
     local_experts: usize,
+    /// The slot table, on the tokens' device: with the all-to-all dispatcher `[tokens,
+    /// experts]`, each pair's row in the order sent; with the all-gather one `[ranks · tokens,
+    /// experts]`, each local expert's pair's row among this rank's rows.
+    slots: Tensor,
     route: Route,
 }
 
-/// What each dispatcher remembers.
-#[derive(Debug, Clone, PartialEq)]
+/// What each dispatcher remembers besides the slots.
+#[derive(Debug, Clone)]
 enum Route {
     AllToAll {
-        /// The pairs in the order they were sent: (token, global expert), expert-major.
-        pairs: Vec<(usize, usize)>,
         /// Rows sent to each rank of the group.
         send: Vec<usize>,
         /// Rows received from each rank.
         recv: Vec<usize>,
         /// Rows received from each rank for each local expert: `[ranks, local experts]`.
         recv_per_expert: Vec<usize>,
+        /// The same counts where the rows are (what sorts them by local expert).
+        counts: Tensor,
     },
     AllGather {
-        /// The local experts' pairs, local-expert-major: (gathered token, global expert).
-        pairs: Vec<(usize, usize)>,
         /// Rows of each local expert.
         per_expert: Vec<usize>,
-        /// The gathered probabilities `[ranks · tokens, experts]`.
-        probs: Vec<f32>,
+        /// The gathered probabilities `[ranks · tokens, experts]`, where the rows are.
+        probs: Tensor,
         /// Ranks of the group.
         ranks: usize,
     },
@@ -94,7 +99,7 @@ impl Dispatch {
     pub fn rows(&self) -> usize {
         match &self.route {
             Route::AllToAll { recv, .. } => recv.iter().sum(),
-            Route::AllGather { pairs, .. } => pairs.len(),
+            Route::AllGather { per_expert, .. } => per_expert.iter().sum(),
         }
     }
 
@@ -108,52 +113,18 @@ impl Dispatch {
     }
 }
 
-/// The received rows' order after sorting by local expert (`local` of them; `recv_per_expert`
-/// is `[ranks, local]`): for each position, the position it had in the all-to-all's output
-/// (ranks in order, each rank's chunk expert-major).
-pub(crate) fn sorted_order(recv_per_expert: &[usize], local: usize) -> Vec<usize> {
-    let ranks = recv_per_expert.len() / local.max(1);
-    let mut start = vec![0usize; ranks * local];
-    let mut at = 0;
-    for r in 0..ranks {
-        for le in 0..local {
-            start[r * local + le] = at;
-            at += recv_per_expert[r * local + le];
-        }
-    }
-    let mut order = Vec::with_capacity(at);
-    for le in 0..local {
-        for r in 0..ranks {
-            let s = start[r * local + le];
-            order.extend(s..s + recv_per_expert[r * local + le]);
-        }
-    }
-    order
-}
-
-/// The inverse of the permutation `order`: `inverse[order[i]] = i`.
-pub(crate) fn inverse(order: &[usize]) -> Vec<usize> {
-    let mut inverse = vec![0usize; order.len()];
-    for (i, &o) in order.iter().enumerate() {
-        inverse[o] = i;
-    }
-    inverse
-}
-
-fn counts_tensor(counts: &[usize], like: &Tensor) -> Result<Tensor> {
-    placed(
-        Tensor::from_vec(
-            counts.iter().map(|&c| c as i64).collect::<Vec<_>>(),
-            [counts.len()],
-        )?,
-        like,
-    )
-}
-
 /// `t` (on the host: counts and routing values) on `like`'s device, where the communicators of a
 /// GPU run move tensors.
 pub(crate) fn placed(t: Tensor, like: &Tensor) -> Result<Tensor> {
     crate::backend::of(like).place(&t)
+}
+
+/// The i64 counts `t` holds, read back to the host.
+fn counts_of(t: &Tensor) -> Result<Vec<usize>> {
+    Ok(t.to_vec::<i64>()?
+        .iter()
+        .map(|&c| c.max(0) as usize)
+        .collect())
 }
 
 /// Sends `x` (`[tokens, hidden]` or `[seq, batch, hidden]`, f32) to the experts `routing`
@@ -166,7 +137,7 @@ pub fn dispatch(
     ep: &dyn Communicator,
     kind: DispatcherKind,
     x: &Tensor,
-    routing: &Routing,
+    routing: &PlacedRouting,
     permuted: Option<&Tensor>,
 ) -> Result<(Tensor, Dispatch)> {
     let (ranks, experts) = (ep.size(), routing.experts);
@@ -185,23 +156,28 @@ pub fn dispatch(
         );
     }
     let local_experts = experts / ranks;
-    let like = x;
     let ops = backend::of(x);
     let tokens_2d = || -> Result<Tensor> { Ok(x.to_f32_contiguous()?.reshape([tokens, hidden])?) };
-    let plan = |route| Dispatch {
-        shape: shape.clone(),
-        tokens,
-        hidden,
-        experts,
-        local_experts,
-        route,
+    let plan = |(rows, slots, route)| {
+        (
+            rows,
+            Dispatch {
+                shape: shape.clone(),
+                tokens,
+                hidden,
+                experts,
+                local_experts,
+                slots,
+                route,
+            },
+        )
     };
     match kind {
         DispatcherKind::AllToAll => {
+            let routed: usize = routing.tokens_per_expert.iter().sum();
             let rows = match permuted {
                 Some(p) => {
                     // Checked before any collective, so that every rank stops here alike.
-                    let routed: usize = routing.tokens_per_expert.iter().sum();
                     let dims = p.dims();
                     if dims.len() != 2 || dims[1] != hidden || dims[0] < routed {
                         return invalid!(
@@ -214,15 +190,10 @@ pub fn dispatch(
                 }
                 None => Rows::Tokens(tokens_2d()?),
             };
-            let (rows, route) =
-                all_to_all_dispatch(ep, ops, rows, hidden, routing, local_experts, like)?;
-            Ok((rows, plan(route)))
+            all_to_all_dispatch(ep, ops, rows, hidden, routing, local_experts).map(plan)
         }
         DispatcherKind::AllGather => {
-            let x = tokens_2d()?;
-            let (rows, route) =
-                all_gather_dispatch(ep, ops, &x, hidden, routing, local_experts, like)?;
-            Ok((rows, plan(route)))
+            all_gather_dispatch(ep, ops, &tokens_2d()?, hidden, routing, local_experts).map(plan)
         }
     }
 }
@@ -234,73 +205,50 @@ enum Rows<'a> {
     Permuted(&'a Tensor),
 }
 
-/// The all-to-all dispatcher's forward: the rows, sorted by local expert, and its route.
+/// The all-to-all dispatcher's forward: the rows, sorted by local expert, the slot table and the
+/// route.
 fn all_to_all_dispatch(
     ep: &dyn Communicator,
     ops: &dyn Backend,
     x: Rows<'_>,
     hidden: usize,
-    routing: &Routing,
+    routing: &PlacedRouting,
     local_experts: usize,
-    like: &Tensor,
-) -> Result<(Tensor, Route)> {
-    let (ranks, experts, tokens) = (ep.size(), routing.experts, routing.tokens);
-    let mut pairs = Vec::new();
-    for e in 0..experts {
-        for t in 0..tokens {
-            if routing.map[t * experts + e] {
-                pairs.push((t, e));
-            }
-        }
-    }
+) -> Result<(Tensor, Tensor, Route)> {
+    let (ranks, experts) = (ep.size(), routing.experts);
     let per_expert = &routing.tokens_per_expert;
-    let send: Vec<usize> = (0..ranks)
-        .map(|r| {
-            per_expert[r * local_experts..(r + 1) * local_experts]
-                .iter()
-                .sum()
-        })
+    let routed: usize = per_expert.iter().sum();
+    let (slots, source) = ops.expert_slots(&routing.map, 0..experts, routed)?;
+    let send: Vec<usize> = per_expert
+        .chunks(local_experts)
+        .map(|c| c.iter().sum())
         .collect();
-    // The counts first: each rank learns how many rows of each of its experts come from whom.
-    let counts_out = Tensor::zeros_near([ranks * local_experts], DType::I64, like)?;
-    ep.all_to_all(
-        &counts_tensor(per_expert, like)?,
-        &vec![local_experts; ranks],
-        &counts_out,
-        &vec![local_experts; ranks],
-    )?;
-    let recv_per_expert: Vec<usize> = counts_out
-        .to_vec::<i64>()?
-        .iter()
-        .map(|&c| c as usize)
-        .collect();
+    // The counts first: each rank learns how many rows of each of its experts come from whom
+    // (the one read-back of the dispatch).
+    let counts = Tensor::zeros_near([ranks * local_experts], DType::I64, &routing.counts)?;
+    let splits = vec![local_experts; ranks];
+    ep.all_to_all(&routing.counts, &splits, &counts, &splits)?;
+    let recv_per_expert = counts_of(&counts)?;
     let recv: Vec<usize> = recv_per_expert
         .chunks_exact(local_experts)
         .map(|c| c.iter().sum())
         .collect();
     let permuted = match x {
-        Rows::Tokens(x) => {
-            let order: Vec<usize> = pairs.iter().map(|&(t, _)| t).collect();
-            ops.gather_rows(&x, hidden, &order)?
-                .reshape([pairs.len() * hidden])?
-        }
-        Rows::Permuted(rows) => rows
-            .narrow(0, 0, pairs.len())?
-            .reshape([pairs.len() * hidden])?,
+        Rows::Tokens(x) => ops.gather_rows(&x, hidden, &source)?,
+        Rows::Permuted(rows) => rows.narrow(0, 0, routed)?,
     };
-    let received = exchange_tensor(ep, &permuted, hidden, (&send, &recv), like)?;
-    let sorted = ops.gather_rows(
-        &received,
-        hidden,
-        &sorted_order(&recv_per_expert, local_experts),
-    )?;
+    let flat = permuted.reshape([routed * hidden])?;
+    let received = exchange_tensor(ep, &flat, hidden, (&send, &recv), &flat)?;
+    let rows: usize = recv.iter().sum();
+    let order = ops.chunk_order(&counts, local_experts, rows, false)?;
+    let sorted = ops.gather_rows(&received, hidden, &order)?;
     let route = Route::AllToAll {
-        pairs,
         send,
         recv,
         recv_per_expert,
+        counts,
     };
-    Ok((sorted, route))
+    Ok((sorted, slots, route))
 }
 
 /// The all-gather dispatcher's forward: every rank's tokens and routing gathered over `ep`, the
@@ -310,56 +258,45 @@ fn all_gather_dispatch(
     ops: &dyn Backend,
     x: &Tensor,
     hidden: usize,
-    routing: &Routing,
+    routing: &PlacedRouting,
     local_experts: usize,
-    like: &Tensor,
-) -> Result<(Tensor, Route)> {
+) -> Result<(Tensor, Tensor, Route)> {
     let (ranks, experts, tokens) = (ep.size(), routing.experts, routing.tokens);
-    let all_x = gather_tensor(ep, &x.reshape([tokens * hidden])?, like)?;
-    let all_probs = gather(ep, &routing.probs, like)?;
-    let map: Vec<f32> = routing
-        .map
-        .iter()
-        .map(|&m| f32::from(u8::from(m)))
-        .collect();
-    let all_map = gather(ep, &map, like)?;
-    let first = ep.index() * local_experts;
-    let mut pairs = Vec::new();
-    let mut per_expert = Vec::with_capacity(local_experts);
-    for e in first..first + local_experts {
-        let before = pairs.len();
-        for t in 0..ranks * tokens {
-            if all_map[t * experts + e] > 0.5 {
-                pairs.push((t, e));
-            }
-        }
-        per_expert.push(pairs.len() - before);
-    }
-    let order: Vec<usize> = pairs.iter().map(|&(t, _)| t).collect();
-    let rows = ops.gather_rows(&all_x, hidden, &order)?;
-    Ok((
-        rows,
-        Route::AllGather {
-            pairs,
-            per_expert,
-            probs: all_probs,
-            ranks,
-        },
-    ))
+    let all_x = gather_tensor(ep, &x.reshape([tokens * hidden])?, DType::F32, x)?;
+    let all_probs = gather_tensor(ep, &flat(&routing.probs)?, DType::F32, x)?
+        .reshape([ranks * tokens, experts])?;
+    let all_map = gather_tensor(ep, &flat(&routing.map)?, DType::I64, x)?
+        .reshape([ranks * tokens, experts])?;
+    // This rank's experts' group sizes, counted where the map is (the one read-back).
+    let mine = ep.index() * local_experts..(ep.index() + 1) * local_experts;
+    let per_expert = counts_of(&ops.column_counts(&all_map, mine.clone())?)?;
+    let rows = per_expert.iter().sum();
+    let (slots, source) = ops.expert_slots(&all_map, mine, rows)?;
+    let own = ops.gather_rows(&all_x, hidden, &source)?;
+    let route = Route::AllGather {
+        per_expert,
+        probs: all_probs,
+        ranks,
+    };
+    Ok((own, slots, route))
 }
 
-/// Every rank's flat `input` (equal lengths, on `like`'s device) gathered over `ep`, in rank
-/// order.
-fn gather_tensor(ep: &dyn Communicator, input: &Tensor, like: &Tensor) -> Result<Tensor> {
-    let output = Tensor::zeros_near([input.numel() * ep.size()], DType::F32, like)?;
+/// `t` contiguous and flat.
+fn flat(t: &Tensor) -> Result<Tensor> {
+    Ok(t.contiguous()?.reshape([t.numel()])?)
+}
+
+/// Every rank's flat `input` (equal lengths, of `dtype`, on `like`'s device) gathered over
+/// `ep`, in rank order.
+fn gather_tensor(
+    ep: &dyn Communicator,
+    input: &Tensor,
+    dtype: DType,
+    like: &Tensor,
+) -> Result<Tensor> {
+    let output = Tensor::zeros_near([input.numel() * ep.size()], dtype, like)?;
     ep.all_gather(input, &output)?;
     Ok(output)
-}
-
-/// [`gather_tensor`] of host `values` (the routing), read back.
-fn gather(ep: &dyn Communicator, values: &[f32], like: &Tensor) -> Result<Vec<f32>> {
-    let input = placed(Tensor::from_slice(values, [values.len()])?, like)?;
-    Ok(gather_tensor(ep, &input, like)?.to_vec::<f32>()?)
 }
 
 /// The sum over `ep` of the flat `input` (`ranks` equal parts, on `like`'s device), this rank's
@@ -368,12 +305,6 @@ fn reduce_scatter_tensor(ep: &dyn Communicator, input: &Tensor, like: &Tensor) -
     let output = Tensor::zeros_near([input.numel() / ep.size().max(1)], DType::F32, like)?;
     ep.reduce_scatter(input, &output, ReduceOp::Sum)?;
     Ok(output)
-}
-
-/// [`reduce_scatter_tensor`] of host `values` (the routing weights' gradients), read back.
-fn reduce_scatter(ep: &dyn Communicator, values: &[f32], like: &Tensor) -> Result<Vec<f32>> {
-    let input = placed(Tensor::from_slice(values, [values.len()])?, like)?;
-    Ok(reduce_scatter_tensor(ep, &input, like)?.to_vec::<f32>()?)
 }
 
 /// One all-to-all of the flat rows `input` (rows of `hidden`, on `like`'s device) with the
@@ -407,7 +338,7 @@ pub fn combine(
     ep: &dyn Communicator,
     plan: &Dispatch,
     y: &Tensor,
-    routing: &Routing,
+    routing: &PlacedRouting,
 ) -> Result<(Tensor, CombineSaved)> {
     let y = plan.check_rows(y, "the experts' output")?;
     let (out, rows) = plan.to_tokens(ep, &y, Some(&routing.probs))?;
@@ -425,41 +356,35 @@ impl Dispatch {
         &self,
         ep: &dyn Communicator,
         y: &Tensor,
-        probs: Option<&[f32]>,
+        probs: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
-        let (h, e, ops) = (self.hidden, self.experts, backend::of(y));
+        let (h, ops) = (self.hidden, backend::of(y));
         match &self.route {
             Route::AllToAll {
-                pairs,
-                send,
-                recv,
-                recv_per_expert,
+                send, recv, counts, ..
             } => {
-                let order = sorted_order(recv_per_expert, self.local_experts);
-                let unsorted = ops.gather_rows(y, h, &inverse(&order))?;
-                let flat = unsorted.reshape([order.len() * h])?;
+                let unsorted = ops.gather_rows(y, h, &self.unsort(ops, counts)?)?;
+                let flat = unsorted.reshape([self.rows() * h])?;
                 let rows = exchange_tensor(ep, &flat, h, (recv, send), y)?;
-                let entries: Vec<(usize, f32)> = pairs
-                    .iter()
-                    .map(|&(t, x)| (t, probs.map_or(1.0, |p| p[t * e + x])))
-                    .collect();
-                Ok((ops.sum_rows(&rows, h, &entries, self.tokens)?, rows))
+                Ok((ops.sum_rows(&rows, h, &self.slots, probs)?, rows))
             }
             Route::AllGather {
-                pairs,
                 probs: gathered,
                 ranks,
                 ..
             } => {
-                let entries: Vec<(usize, f32)> = pairs
-                    .iter()
-                    .map(|&(t, x)| (t, probs.map_or(1.0, |_| gathered[t * e + x])))
-                    .collect();
-                let all = ops.sum_rows(y, h, &entries, ranks * self.tokens)?;
+                let weights = probs.map(|_| gathered);
+                let all = ops.sum_rows(y, h, &self.slots, weights)?;
                 let all = all.reshape([ranks * self.tokens * h])?;
                 Ok((reduce_scatter_tensor(ep, &all, y)?, y.clone()))
             }
         }
+    }
+
+    /// The received rows' positions once sorted by local expert (the index that puts sorted
+    /// rows back in the order they arrived).
+    fn unsort(&self, ops: &dyn Backend, counts: &Tensor) -> Result<Tensor> {
+        ops.chunk_order(counts, self.local_experts, self.rows(), true)
     }
 
     /// `y` as contiguous f32, checked to be the plan's `[rows, hidden]`.
@@ -478,15 +403,15 @@ impl Dispatch {
 
 /// The backward of [`combine`]: from the tokens' output gradient `dout`, the gradient of the
 /// experts' outputs (laid out as they were) and of the routing probabilities (`[tokens,
-/// experts]`, zero where a token did not go).
+/// experts]`, zero where a token did not go), both where `dout` lives.
 pub fn combine_backward(
     ep: &dyn Communicator,
     plan: &Dispatch,
     saved: &CombineSaved,
-    routing: &Routing,
+    routing: &PlacedRouting,
     dout: &Tensor,
-) -> Result<(Tensor, Vec<f32>)> {
-    let (h, e, like) = (plan.hidden, plan.experts, dout);
+) -> Result<(Tensor, Tensor)> {
+    let (h, like) = (plan.hidden, dout);
     if dout.numel() != plan.tokens * h {
         return invalid!(
             "the combined output's gradient has {} values, {} tokens × {h} need {}",
@@ -495,51 +420,31 @@ pub fn combine_backward(
             plan.tokens * h
         );
     }
-    let dout = dout.to_f32_contiguous()?.reshape([plan.tokens * h])?;
+    let dout = dout.to_f32_contiguous()?.reshape([plan.tokens, h])?;
     let ops = backend::of(&dout);
     match &plan.route {
         Route::AllToAll {
-            pairs,
-            send,
-            recv,
-            recv_per_expert,
+            send, recv, counts, ..
         } => {
-            let tokens: Vec<usize> = pairs.iter().map(|&(t, _)| t).collect();
-            let dots = ops.row_dots(&dout, &saved.rows, h, &tokens)?;
-            let mut dprobs = vec![0.0f32; plan.tokens * e];
-            for (&(t, x), dot) in pairs.iter().zip(dots) {
-                dprobs[t * e + x] = dot;
-            }
-            let entries: Vec<(usize, f32)> = pairs
-                .iter()
-                .map(|&(t, x)| (t, routing.probs[t * e + x]))
-                .collect();
-            let drows = ops.scale_rows(&dout, h, &entries)?;
-            let flat = drows.reshape([pairs.len() * h])?;
+            let dprobs = ops.row_dots(&dout, &saved.rows, h, &plan.slots)?;
+            let sent: usize = send.iter().sum();
+            let drows = ops.scale_rows(&dout, h, &plan.slots, &routing.probs, sent)?;
+            let flat = drows.reshape([sent * h])?;
             let received = exchange_tensor(ep, &flat, h, (send, recv), like)?;
-            let order = sorted_order(recv_per_expert, plan.local_experts);
+            let order = ops.chunk_order(counts, plan.local_experts, plan.rows(), false)?;
             Ok((ops.gather_rows(&received, h, &order)?, dprobs))
         }
-        Route::AllGather {
-            pairs,
-            probs,
-            ranks,
-            ..
-        } => {
+        Route::AllGather { probs, ranks, .. } => {
             // Every rank's output gradient, the local experts' rows' gradients from it, and the
             // probabilities' gradients (each pair's on its expert's rank) summed back to the
             // tokens' ranks.
-            let all = gather_tensor(ep, &dout, like)?;
-            let tokens: Vec<usize> = pairs.iter().map(|&(t, _)| t).collect();
-            let dots = ops.row_dots(&all, &saved.rows, h, &tokens)?;
-            let mut dprobs = vec![0.0f32; ranks * plan.tokens * e];
-            for (&(t, x), dot) in pairs.iter().zip(dots) {
-                dprobs[t * e + x] = dot;
-            }
-            let entries: Vec<(usize, f32)> =
-                pairs.iter().map(|&(t, x)| (t, probs[t * e + x])).collect();
-            let drows = ops.scale_rows(&all, h, &entries)?;
-            Ok((drows, reduce_scatter(ep, &dprobs, like)?))
+            let all = gather_tensor(ep, &flat(&dout)?, DType::F32, like)?
+                .reshape([ranks * plan.tokens, h])?;
+            let dots = ops.row_dots(&all, &saved.rows, h, &plan.slots)?;
+            let drows = ops.scale_rows(&all, h, &plan.slots, probs, plan.rows())?;
+            let dprobs = reduce_scatter_tensor(ep, &flat(&dots)?, like)?
+                .reshape([plan.tokens, plan.experts])?;
+            Ok((drows, dprobs))
         }
     }
 }

@@ -4,7 +4,7 @@
 
 #[cfg(doc)]
 use super::ExpertParallelSaved;
-use super::{DispatcherKind, RouterOutput, Routing, TpRows};
+use super::{DispatcherKind, PlacedRouting, RouterOutput, TpRows};
 use crate::error::Result;
 use crate::module::{Builder, Cx, Module, Site};
 use crate::tensor::Tensor;
@@ -39,14 +39,15 @@ pub trait ExpertParallel: Module {
     /// reading anything back (graph scopes `moe_router` and `moe_preprocess` capture it).
     fn gate(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(RouterOutput, Self::GateSaved)>;
     /// Routes the tokens `x` by what the gate gave: which experts each goes to and with what
-    /// weight, on the host (the read-back is the device-to-host sync, after the gate's graph).
+    /// weight, placed where the tokens live (on a GPU the read-back of the counts is the
+    /// device-to-host sync, after the gate's graph).
     fn route(
         &self,
         cx: &Cx,
         site: Site,
         x: &Tensor,
         gated: &RouterOutput,
-    ) -> Result<(Routing, Self::RouterSaved)>;
+    ) -> Result<(PlacedRouting, Self::RouterSaved)>;
     /// Runs the local experts (this rank's slices of them) on the rows the dispatcher brought
     /// the expert-tensor-parallel group (`[rows, hidden]`, local-expert-major as `tp` says):
     /// their outputs, partial over the group's ranks.
@@ -65,17 +66,17 @@ pub trait ExpertParallel: Module {
         saved: Self::LocalSaved,
         dy: &Tensor,
     ) -> Result<Tensor>;
-    /// Records `routing` in the step's log and places what the router's backward reads besides
+    /// Records `routing` in the step's log and gives what the router's backward reads besides
     /// what its forward kept, where `like` lives: the routing weights' gradient `dprobs`
-    /// (`[tokens, experts]`) and the auxiliary losses' scale ([`Cx::aux_loss_scale`], one
-    /// value), as tensors, so that a graph of the router's backward reads the current ones.
-    /// Runs eagerly, before that backward.
+    /// (`[tokens, experts]`, as the combine's backward computed it) and the auxiliary losses'
+    /// scale ([`Cx::aux_loss_scale`], one value), as tensors, so that a graph of the router's
+    /// backward reads the current ones. Runs eagerly, before that backward.
     fn router_grads(
         &self,
         cx: &Cx,
         site: Site,
-        routing: &Routing,
-        dprobs: &[f32],
+        routing: &PlacedRouting,
+        dprobs: &Tensor,
         like: &Tensor,
     ) -> Result<[Tensor; 2]>;
     /// The router's backward from the weights' gradient `dprobs` and its auxiliary losses
@@ -86,7 +87,7 @@ pub trait ExpertParallel: Module {
         cx: &Cx,
         site: Site,
         saved: Self::RouterSaved,
-        routing: &Routing,
+        routing: &PlacedRouting,
         dprobs: &Tensor,
         loss_scale: &Tensor,
     ) -> Result<Tensor>;

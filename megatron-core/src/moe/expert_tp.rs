@@ -12,14 +12,17 @@ use crate::error::Result;
 use crate::invalid;
 use crate::tensor::{DType, Tensor};
 
-use super::dispatcher::{inverse, placed, sorted_order};
+use super::dispatcher::placed;
 use crate::backend;
 
 /// Where the rows of an expert-tensor-parallel group came from.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct TpRows {
     /// Rows of each local expert on each rank of the group: `[ranks, local experts]`.
     per_rank: Vec<usize>,
+    /// The same counts where the rows are (what sorts them by local expert), with more than one
+    /// rank.
+    counts: Option<Tensor>,
     local_experts: usize,
     hidden: usize,
     rank: usize,
@@ -55,6 +58,14 @@ impl TpRows {
     pub fn own_rows(&self) -> usize {
         self.rows_of()[self.rank]
     }
+
+    /// The counts where the rows are (gathered over a group of more than one rank).
+    fn counts(&self) -> Result<&Tensor> {
+        match &self.counts {
+            Some(counts) => Ok(counts),
+            None => invalid!("expert-tensor-parallel rows of one rank have no exchanged counts"),
+        }
+    }
 }
 
 /// Gathers over `etp` the rows each rank's dispatcher gave it (`rows`: `[n, hidden]`,
@@ -67,18 +78,20 @@ pub fn gather_expert_rows(
 ) -> Result<(Tensor, TpRows)> {
     let (local_experts, hidden) = (per_expert.len(), rows.dims().last().copied().unwrap_or(0));
     let counts: Vec<i64> = per_expert.iter().map(|&c| c as i64).collect();
-    let per_rank = if etp.size() == 1 {
-        per_expert.to_vec()
+    let (per_rank, counts) = if etp.size() == 1 {
+        (per_expert.to_vec(), None)
     } else {
         let all = Tensor::zeros_near([counts.len() * etp.size()], DType::I64, rows)?;
         etp.all_gather(
             &placed(Tensor::from_vec(counts, [local_experts])?, rows)?,
             &all,
         )?;
-        all.to_vec::<i64>()?.iter().map(|&c| c as usize).collect()
+        let per_rank = all.to_vec::<i64>()?.iter().map(|&c| c as usize).collect();
+        (per_rank, Some(all))
     };
     let tp = TpRows {
         per_rank,
+        counts,
         local_experts,
         hidden,
         rank: etp.index(),
@@ -104,14 +117,14 @@ pub fn regather_expert_rows(etp: &dyn Communicator, rows: &Tensor, tp: &TpRows) 
     let ops = backend::of(rows);
     let (ranks, own) = (tp.ranks(), tp.own_rows());
     // Every rank sends its rows to every rank: an all-to-all of equal sends, uneven receives.
-    let copies: Vec<usize> = (0..ranks).flat_map(|_| 0..own).collect();
+    let copies = ops.affine_index(ranks * own, (own, 1, 0))?;
     let input = ops
         .gather_rows(rows, h, &copies)?
         .reshape([ranks * own * h])?;
     let recv: Vec<usize> = tp.rows_of().iter().map(|&r| r * h).collect();
     let output = Tensor::zeros_near([recv.iter().sum::<usize>()], DType::F32, rows)?;
     etp.all_to_all(&input, &vec![own * h; ranks], &output, &recv)?;
-    let order = sorted_order(&tp.per_rank, tp.local_experts);
+    let order = ops.chunk_order(tp.counts()?, tp.local_experts, tp.rows(), false)?;
     ops.gather_rows(&output, h, &order)
 }
 
@@ -137,20 +150,21 @@ pub fn reduce_scatter_expert_rows(
     }
     let ops = backend::of(partial);
     // Back to rank order (each rank's chunk local-expert-major), then each chunk to its rank.
-    let order = sorted_order(&tp.per_rank, tp.local_experts);
-    let unsorted = ops.gather_rows(partial, h, &inverse(&order))?;
+    let unsort = ops.chunk_order(tp.counts()?, tp.local_experts, tp.rows(), true)?;
+    let unsorted = ops.gather_rows(partial, h, &unsort)?;
     let (ranks, own) = (tp.ranks(), tp.own_rows());
     let send: Vec<usize> = tp.rows_of().iter().map(|&r| r * h).collect();
     let output = Tensor::zeros_near([own * h * ranks], DType::F32, partial)?;
     etp.all_to_all(
-        &unsorted.reshape([order.len() * h])?,
+        &unsorted.reshape([tp.rows() * h])?,
         &send,
         &output,
         &vec![own * h; ranks],
     )?;
-    // Each own row summed over the ranks' chunks, in rank order.
-    let entries: Vec<(usize, f32)> = (0..ranks)
-        .flat_map(|_| (0..own).map(|t| (t, 1.0)))
-        .collect();
-    ops.sum_rows(&output, h, &entries, own)
+    // Each own row summed over the ranks' chunks, in rank order: own row t's slots are
+    // r·own + t for each rank r.
+    let slots = ops
+        .affine_index(own * ranks, (ranks, own, 1))?
+        .reshape([own, ranks])?;
+    ops.sum_rows(&output, h, &slots, None)
 }

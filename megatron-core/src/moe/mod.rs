@@ -6,6 +6,7 @@ pub mod dispatcher;
 pub mod expert_parallel;
 pub mod expert_tp;
 pub mod experts;
+pub mod placed;
 pub mod routed;
 pub mod router;
 pub mod step;
@@ -15,6 +16,7 @@ pub use dispatcher::{
 };
 pub use expert_parallel::ExpertParallel;
 pub use expert_tp::{TpRows, gather_expert_rows, reduce_scatter_expert_rows, regather_expert_rows};
+pub use placed::PlacedRouting;
 pub use routed::{
     ExpertParallelSaved, GateSaved, RoutedExperts, RoutedExpertsSpec, RouterOutput, RouterSaved,
 };

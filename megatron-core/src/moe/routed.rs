@@ -15,7 +15,7 @@ use super::ExpertParallel;
 use super::dispatcher::{CombineSaved, Dispatch, DispatcherKind, placed};
 use super::expert_tp::TpRows;
 use super::experts::{ExpertShape, ExpertsSaved};
-use super::{RouterConfig, Routing, route, route_backward};
+use super::{PlacedRouting, RouterConfig, Routing, route, route_backward};
 use crate::backend;
 use crate::cuda::DeviceRouting;
 use crate::cuda_graphs::{GraphScope, captures};
@@ -30,8 +30,8 @@ use crate::tensor::{DType, Tensor, TensorRead};
 /// the local experts keep, the dispatch plan and the combine's rows.
 #[derive(Debug, Clone)]
 pub struct ExpertParallelSaved<G, R, L> {
-    /// The routing of the call's tokens.
-    pub routing: Routing,
+    /// The routing of the call's tokens, where they live.
+    pub routing: PlacedRouting,
     /// What the router's gate keeps.
     pub gate: G,
     /// What the router keeps.
@@ -127,13 +127,22 @@ impl RouterOutput {
     }
 }
 
-/// What the router keeps: the logits (on the CPU also their host values), and on a GPU what
-/// the device's routing kept.
+/// What the router keeps: the logits, and what the routing kept for the backward: on the CPU
+/// the host router's routing and the logits' values, on a GPU the device's routing.
 #[derive(Debug, Clone)]
 pub struct RouterSaved {
-    logits: Vec<f32>,
     like: Tensor,
-    device: Option<DeviceRouting>,
+    kept: RouterKept,
+}
+
+/// What the router's backward reads of its forward, where it ran.
+#[derive(Debug, Clone)]
+enum RouterKept {
+    Host {
+        routing: Box<Routing>,
+        logits: Vec<f32>,
+    },
+    Device(Box<DeviceRouting>),
 }
 
 impl RoutedExperts {
@@ -382,15 +391,14 @@ impl ExpertParallel for RoutedExperts {
         _site: Site,
         x: &Tensor,
         gated: &RouterOutput,
-    ) -> Result<(Routing, RouterSaved)> {
+    ) -> Result<(PlacedRouting, RouterSaved)> {
         let logits = gated.logits();
         if let Some(device) = gated.device() {
             let saved = RouterSaved {
-                logits: Vec::new(),
                 like: logits.clone(),
-                device: Some(device.clone()),
+                kept: RouterKept::Device(Box::new(device.clone())),
             };
-            return Ok((device.read_back()?, saved));
+            return Ok((device.placed()?, saved));
         }
         let host = host_f32(logits)?.to_vec();
         let seq = sequence_length(x.dims(), logits.dims()[0]);
@@ -401,11 +409,13 @@ impl ExpertParallel for RoutedExperts {
             .transpose()?;
         let routing = route(&host, seq, &self.router, bias.as_deref())?;
         Ok((
-            routing,
+            routing.placed(x)?,
             RouterSaved {
-                logits: host,
                 like: logits.clone(),
-                device: None,
+                kept: RouterKept::Host {
+                    routing: Box::new(routing),
+                    logits: host,
+                },
             },
         ))
     }
@@ -445,8 +455,8 @@ impl ExpertParallel for RoutedExperts {
         &self,
         cx: &Cx,
         _site: Site,
-        routing: &Routing,
-        dprobs: &[f32],
+        routing: &PlacedRouting,
+        dprobs: &Tensor,
         like: &Tensor,
     ) -> Result<[Tensor; 2]> {
         if let Some(log) = cx.routing_log() {
@@ -461,7 +471,7 @@ impl ExpertParallel for RoutedExperts {
         }
         let shape = [routing.tokens, routing.experts];
         Ok([
-            placed(Tensor::from_slice(dprobs, shape)?, like)?,
+            placed(dprobs.reshape(shape)?, like)?,
             placed(Tensor::from_vec(vec![cx.aux_loss_scale()], [1])?, like)?,
         ])
     }
@@ -471,26 +481,23 @@ impl ExpertParallel for RoutedExperts {
         _cx: &Cx,
         _site: Site,
         saved: RouterSaved,
-        routing: &Routing,
+        _routing: &PlacedRouting,
         dprobs: &Tensor,
         loss_scale: &Tensor,
     ) -> Result<Tensor> {
-        if let Some(device) = &saved.device {
-            return device.backward(&saved.like, dprobs, loss_scale);
-        }
+        let (routing, logits) = match &saved.kept {
+            RouterKept::Device(device) => {
+                return device.backward(&saved.like, dprobs, loss_scale);
+            }
+            RouterKept::Host { routing, logits } => (routing, logits),
+        };
         let &[scale] = loss_scale.to_vec_f32()?.as_slice() else {
             return invalid!(
                 "the router's loss scale is one value, got {}",
                 loss_scale.shape()
             );
         };
-        let dlogits = route_backward(
-            routing,
-            &saved.logits,
-            &host_f32(dprobs)?,
-            scale,
-            &self.router,
-        )?;
+        let dlogits = route_backward(routing, logits, &host_f32(dprobs)?, scale, &self.router)?;
         let shape = saved.like.shape().clone();
         placed(Tensor::from_vec(dlogits, shape)?, &saved.like)
     }

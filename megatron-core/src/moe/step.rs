@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Mutex;
 
-use super::{Routing, update_expert_bias};
+use super::{PlacedRouting, update_expert_bias};
 use crate::comm::{ParallelState, ReduceOp};
 use crate::distributed::ParamBuffers;
 use crate::error::Result;
@@ -72,7 +72,7 @@ pub struct RoutingLog {
 
 impl RoutingLog {
     /// Adds one routing of top-`topk` experts.
-    pub fn record(&self, routing: &Routing, topk: usize) {
+    pub fn record(&self, routing: &PlacedRouting, topk: usize) {
         let mut t = self
             .totals
             .lock()

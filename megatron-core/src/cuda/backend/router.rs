@@ -2,9 +2,11 @@
 //! gate's logits, each token's top-k experts and weights, the capacity, the load-balancing and
 //! z losses, each expert's count, and the tokens permuted expert-major for the all-to-all, all
 //! on the device with nothing read back, so that the graph scopes `moe_router` and
-//! `moe_preprocess` capture them. [`DeviceRouting::read_back`] is the device-to-host sync after
-//! the graph (Megatron-LM's `cuda_dtoh_point = "before_ep_alltoall"`): the same [`Routing`]
-//! the host's [`crate::moe::route`] gives, for the eager all-to-all and combine.
+//! `moe_preprocess` capture them. [`DeviceRouting::placed`] is the device-to-host sync after
+//! the graph (Megatron-LM's `cuda_dtoh_point = "before_ep_alltoall"`): the counts, the drops
+//! and the losses read back, the weights and the map left on the device for the eager
+//! all-to-all and combine; [`DeviceRouting::read_back`] reads everything, the same [`Routing`]
+//! the host's [`crate::moe::route`] gives.
 
 use crate::backend::RouterOps;
 use crate::cuda::Gpu;
@@ -14,7 +16,7 @@ use crate::ops::matmul_into;
 use crate::tensor::{DType, Tensor};
 
 use crate::moe::router::{RoutingParts, aux_groups, check_route};
-use crate::moe::{RouterConfig, Routing, ScoreFunction};
+use crate::moe::{PlacedRouting, RouterConfig, Routing, ScoreFunction};
 
 impl RouterOps for Gpu {
     /// The gate's product on cuBLAS, then [`DeviceRouting`]: nothing read back.
@@ -147,13 +149,7 @@ impl DeviceRouting {
     /// all-to-all dispatcher (each expert's rows in token order): the dispatcher's
     /// preprocessing, on the device.
     pub fn with_permuted(mut self, tokens: &Tensor) -> Result<DeviceRouting> {
-        self.permuted = Some(permute(
-            tokens,
-            &self.map,
-            &self.tokens_per_expert,
-            self.dims,
-            self.rows_bound,
-        )?);
+        self.permuted = Some(permute(tokens, &self.map, self.dims, self.rows_bound)?);
         Ok(self)
     }
 
@@ -217,10 +213,32 @@ impl DeviceRouting {
         self.permuted.as_ref()
     }
 
-    /// The routing, read back to the host (the device-to-host sync): what the dispatch, the
-    /// combine and the step's metrics read (the weights, where each token goes, the counts, the
-    /// losses, the drops). What the backward reads stays on the device:
-    /// [`crate::moe::route_backward`] refuses this routing, [`DeviceRouting::backward`] takes it.
+    /// The routing as the dispatcher reads it: the weights and the map stay on the device; the
+    /// counts (the all-to-all's splits), the drops and the losses are read back (the
+    /// device-to-host sync, Megatron-LM's read of `tokens_per_expert` before the all-to-all).
+    pub fn placed(&self) -> Result<PlacedRouting> {
+        let RouteDims {
+            tokens, experts, ..
+        } = self.dims;
+        let count = |v: Vec<i64>| v.into_iter().map(|c| c.max(0) as usize).collect::<Vec<_>>();
+        let losses = self.losses.to_vec::<f32>()?;
+        Ok(PlacedRouting {
+            tokens,
+            experts,
+            tokens_per_expert: count(self.tokens_per_expert.to_vec::<i64>()?),
+            aux_loss: losses[0],
+            z_loss: losses[1],
+            dropped: count(self.dropped.to_vec::<i64>()?).iter().sum(),
+            probs: self.probs.clone(),
+            map: self.map.clone(),
+            counts: self.tokens_per_expert.clone(),
+        })
+    }
+
+    /// The whole routing, read back to the host, to compare with the host router's: the
+    /// weights, where each token goes, the counts, the losses, the drops. What the backward
+    /// reads stays on the device: [`crate::moe::route_backward`] refuses this routing,
+    /// [`DeviceRouting::backward`] takes it.
     pub fn read_back(&self) -> Result<Routing> {
         let RouteDims {
             tokens, experts, ..
@@ -401,13 +419,7 @@ fn permuted_rows(dims: RouteDims, config: &RouterConfig) -> usize {
 
 /// `x` (`[tokens, hidden]`) laid out expert-major as `map` routes it, in a buffer of `rows`
 /// rows (as many as the routing can send).
-fn permute(
-    x: &Tensor,
-    map: &Tensor,
-    tokens_per_expert: &Tensor,
-    dims: RouteDims,
-    rows: usize,
-) -> Result<Tensor> {
+fn permute(x: &Tensor, map: &Tensor, dims: RouteDims, rows: usize) -> Result<Tensor> {
     let gpu = map.gpu().expect("the routing lives on a GPU");
     let t = dims.tokens;
     let hidden = x.numel() / t.max(1);
@@ -419,14 +431,15 @@ fn permute(
     }
     let x = x.to_f32_contiguous()?;
     let source = Tensor::empty_near([rows], DType::I64, map)?;
+    let slots = Tensor::empty_near([t, dims.experts], DType::I64, map)?;
     let out = Tensor::empty_near([rows, hidden], DType::F32, map)?;
     k::permute(
         gpu,
         &x.device_read::<f32>()?.view(),
         &map.device_read::<i64>()?.view(),
-        &tokens_per_expert.device_read::<i64>()?.view(),
         dims,
         hidden,
+        &mut slots.device_write::<i64>()?.view_mut(),
         &mut source.device_write::<i64>()?.view_mut(),
         &mut out.device_write::<f32>()?.view_mut(),
     )?;

@@ -1,125 +1,170 @@
-//! [`RowOps`] on a GPU: the rows stay on the device; only the index lists (and the routing
-//! weights) go up, and only the routing weights' gradients come back.
+//! [`RowOps`] on a GPU: the rows and their index tables stay on the device (the tables computed
+//! there from the routing's map and the exchanged counts); nothing is read back.
 
 use super::{ids_on_gpu, on_gpu};
 use crate::backend::RowOps;
 use crate::cuda::Gpu;
-use crate::cuda::kernels::moe;
+use crate::cuda::kernels::moe::{self, SlotDims};
 use crate::error::Result;
 use crate::tensor::{DType, Tensor};
-
-/// `values` as i64 on `gpu` (queued, not waited for).
-fn indices(gpu: &Gpu, values: impl Iterator<Item = usize>) -> Result<Tensor> {
-    let values: Vec<i64> = values.map(|v| v as i64).collect();
-    let n = values.len();
-    ids_on_gpu(&Tensor::from_vec(values, [n])?, gpu)
-}
-
-/// `values` on `gpu`.
-fn floats(gpu: &Gpu, values: Vec<f32>) -> Result<Tensor> {
-    let n = values.len();
-    Tensor::from_vec(values, [n])?.to_gpu(gpu)
-}
 
 /// `t` on `gpu` as contiguous f32.
 fn device_f32(gpu: &Gpu, t: &Tensor) -> Result<Tensor> {
     Ok(on_gpu(gpu, t)?.to_f32_contiguous()?)
 }
 
+/// `[tokens, k]` of a slot table whose rows are `k` long.
+fn slot_dims(slots: &Tensor, hidden: usize) -> SlotDims {
+    let (tokens, k) = match slots.dims() {
+        [tokens, k] => (*tokens, *k),
+        _ => (slots.numel(), 1),
+    };
+    SlotDims { tokens, k, hidden }
+}
+
+/// An empty i64 table of `shape` on `gpu`.
+fn new_table(gpu: &Gpu, shape: &[usize]) -> Result<Tensor> {
+    Tensor::empty_on(shape.to_vec(), DType::I64, gpu)
+}
+
 impl RowOps for Gpu {
-    fn gather_rows(&self, rows: &Tensor, hidden: usize, index: &[usize]) -> Result<Tensor> {
+    fn gather_rows(&self, rows: &Tensor, hidden: usize, index: &Tensor) -> Result<Tensor> {
         let rows = device_f32(self, rows)?;
-        let source = indices(self, index.iter().copied())?;
-        let out = Tensor::empty_on([index.len(), hidden], DType::F32, self)?;
+        let index = ids_on_gpu(index, self)?;
+        let out = Tensor::empty_on([index.numel(), hidden], DType::F32, self)?;
         moe::gather_rows(
             self,
             &rows.device_read::<f32>()?.view(),
-            &source.device_read::<i64>()?.view(),
+            &index.device_read::<i64>()?.view(),
             hidden,
             &mut out.device_write::<f32>()?.view_mut(),
         )?;
         Ok(out)
     }
 
-    /// Each token's entries in row order (a counting sort by token), summed by one thread per
-    /// output element.
     fn sum_rows(
         &self,
         rows: &Tensor,
         hidden: usize,
-        entries: &[(usize, f32)],
-        tokens: usize,
+        slots: &Tensor,
+        weights: Option<&Tensor>,
     ) -> Result<Tensor> {
+        let dims = slot_dims(slots, hidden);
         let rows = device_f32(self, rows)?;
-        let mut start = vec![0usize; tokens + 1];
-        for &(t, _) in entries {
-            start[t + 1] += 1;
-        }
-        for t in 0..tokens {
-            start[t + 1] += start[t];
-        }
-        let mut at = start.clone();
-        let mut row = vec![0usize; entries.len()];
-        let mut weight = vec![0.0f32; entries.len()];
-        for (i, &(t, p)) in entries.iter().enumerate() {
-            row[at[t]] = i;
-            weight[at[t]] = p;
-            at[t] += 1;
-        }
-        let (start, row) = (
-            indices(self, start.into_iter())?,
-            indices(self, row.into_iter())?,
-        );
-        let weight = floats(self, weight)?;
-        let out = Tensor::empty_on([tokens, hidden], DType::F32, self)?;
-        moe::combine_rows(
+        let slots = ids_on_gpu(slots, self)?;
+        let weights = weights.map(|w| device_f32(self, w)).transpose()?;
+        let out = Tensor::empty_on([dims.tokens, hidden], DType::F32, self)?;
+        let weights = weights
+            .as_ref()
+            .map(|w| w.device_read::<f32>())
+            .transpose()?;
+        moe::slot_sum(
             self,
             &rows.device_read::<f32>()?.view(),
-            (
-                &start.device_read::<i64>()?.view(),
-                &row.device_read::<i64>()?.view(),
-                &weight.device_read::<f32>()?.view(),
-            ),
-            hidden,
+            &slots.device_read::<i64>()?.view(),
+            weights.as_ref().map(|w| w.view()).as_ref(),
+            dims,
             &mut out.device_write::<f32>()?.view_mut(),
         )?;
         Ok(out)
     }
 
-    fn row_dots(
-        &self,
-        d: &Tensor,
-        rows: &Tensor,
-        hidden: usize,
-        token: &[usize],
-    ) -> Result<Vec<f32>> {
+    fn row_dots(&self, d: &Tensor, rows: &Tensor, hidden: usize, slots: &Tensor) -> Result<Tensor> {
+        let dims = slot_dims(slots, hidden);
         let (d, rows) = (device_f32(self, d)?, device_f32(self, rows)?);
-        let token = indices(self, token.iter().copied())?;
-        let dots = Tensor::empty_on([token.numel()], DType::F32, self)?;
-        moe::row_dots(
+        let slots = ids_on_gpu(slots, self)?;
+        let dots = Tensor::empty_on([dims.tokens, dims.k], DType::F32, self)?;
+        moe::slot_dots(
             self,
             &d.device_read::<f32>()?.view(),
             &rows.device_read::<f32>()?.view(),
-            &token.device_read::<i64>()?.view(),
-            hidden,
+            &slots.device_read::<i64>()?.view(),
+            dims,
             &mut dots.device_write::<f32>()?.view_mut(),
         )?;
-        Ok(dots.to_vec::<f32>()?)
+        Ok(dots)
     }
 
-    fn scale_rows(&self, d: &Tensor, hidden: usize, entries: &[(usize, f32)]) -> Result<Tensor> {
-        let d = device_f32(self, d)?;
-        let token = indices(self, entries.iter().map(|&(t, _)| t))?;
-        let weight = floats(self, entries.iter().map(|&(_, p)| p).collect())?;
-        let out = Tensor::empty_on([entries.len(), hidden], DType::F32, self)?;
-        moe::scale_rows(
+    fn scale_rows(
+        &self,
+        d: &Tensor,
+        hidden: usize,
+        slots: &Tensor,
+        weights: &Tensor,
+        rows: usize,
+    ) -> Result<Tensor> {
+        let dims = slot_dims(slots, hidden);
+        let (d, weights) = (device_f32(self, d)?, device_f32(self, weights)?);
+        let slots = ids_on_gpu(slots, self)?;
+        let out = Tensor::zeros_on([rows, hidden], DType::F32, self)?;
+        moe::slot_scale(
             self,
             &d.device_read::<f32>()?.view(),
-            &token.device_read::<i64>()?.view(),
-            &weight.device_read::<f32>()?.view(),
-            hidden,
+            &slots.device_read::<i64>()?.view(),
+            &weights.device_read::<f32>()?.view(),
+            dims,
             &mut out.device_write::<f32>()?.view_mut(),
         )?;
         Ok(out)
+    }
+
+    fn expert_slots(
+        &self,
+        map: &Tensor,
+        experts: std::ops::Range<usize>,
+        rows: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let SlotDims { tokens, k: all, .. } = slot_dims(map, 0);
+        let map = ids_on_gpu(map, self)?;
+        let (slots, source) = (new_table(self, &[tokens, all])?, new_table(self, &[rows])?);
+        moe::expert_slots(
+            self,
+            &map.device_read::<i64>()?.view(),
+            (tokens, all),
+            experts,
+            &mut slots.device_write::<i64>()?.view_mut(),
+            &mut source.device_write::<i64>()?.view_mut(),
+        )?;
+        Ok((slots, source))
+    }
+
+    fn column_counts(&self, map: &Tensor, experts: std::ops::Range<usize>) -> Result<Tensor> {
+        let SlotDims { tokens, k: all, .. } = slot_dims(map, 0);
+        let map = ids_on_gpu(map, self)?;
+        let counts = new_table(self, &[experts.len()])?;
+        moe::column_counts(
+            self,
+            &map.device_read::<i64>()?.view(),
+            (tokens, all),
+            experts,
+            &mut counts.device_write::<i64>()?.view_mut(),
+        )?;
+        Ok(counts)
+    }
+
+    fn chunk_order(
+        &self,
+        counts: &Tensor,
+        local: usize,
+        rows: usize,
+        inverse: bool,
+    ) -> Result<Tensor> {
+        let counts = ids_on_gpu(counts, self)?;
+        let ranks = counts.numel() / local.max(1);
+        let index = new_table(self, &[rows])?;
+        moe::chunk_order(
+            self,
+            &counts.device_read::<i64>()?.view(),
+            (ranks, local),
+            inverse,
+            &mut index.device_write::<i64>()?.view_mut(),
+        )?;
+        Ok(index)
+    }
+
+    fn affine_index(&self, n: usize, mab: (usize, usize, usize)) -> Result<Tensor> {
+        let index = new_table(self, &[n])?;
+        moe::affine_index(self, mab, &mut index.device_write::<i64>()?.view_mut())?;
+        Ok(index)
     }
 }

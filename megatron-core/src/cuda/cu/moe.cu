@@ -235,23 +235,74 @@ extern "C" __global__ void moe_route_losses(const float* __restrict__ scores,
     losses[1] = z;
 }
 
-// The permutation's source rows: source[r] = the token of row r when the tokens are laid out
-// expert-major (each expert's in token order), −1 past the last row (a buffer of `rows` rows
-// holds at most that many). Thread e writes its expert's rows; the last also the tail.
-extern "C" __global__ void moe_permute_index(const i64* __restrict__ map,
-                                             const i64* __restrict__ tokens_per_expert,
-                                             u64 tokens, u64 experts, u64 rows,
-                                             i64* __restrict__ source) {
+// The dispatch's index tables for the experts first .. first + count of map[tokens, experts]
+// (1 where a token goes): their pairs laid out expert-major (each expert's in token order),
+// slots[t, e] = the row of pair (t, e) (−1 where the token does not go or the expert is outside
+// the range) and source[r] = the token of row r (−1 past the last row: a buffer of `rows` rows
+// holds at most that many). Thread e counts the pairs of the experts before it, then writes its
+// column; the range's last also the tail.
+extern "C" __global__ void moe_expert_slots(const i64* __restrict__ map, u64 tokens, u64 experts,
+                                            u64 first, u64 count, u64 rows,
+                                            i64* __restrict__ slots, i64* __restrict__ source) {
     FOR_EACH(e, experts) {
+        const bool mine = e >= first && e < first + count;
         u64 at = 0;
-        for (u64 q = 0; q < e; ++q) at += (u64)tokens_per_expert[q];
-        for (u64 t = 0; t < tokens && at < rows; ++t) {
-            if (map[t * experts + e]) source[at++] = (i64)t;
+        for (u64 q = first; mine && q < e; ++q) {
+            for (u64 t = 0; t < tokens; ++t) at += map[t * experts + q] != 0;
         }
-        if (e + 1 == experts) {
+        for (u64 t = 0; t < tokens; ++t) {
+            i64 slot = -1;
+            if (mine && map[t * experts + e] != 0 && at < rows) {
+                source[at] = (i64)t;
+                slot = (i64)at++;
+            }
+            slots[t * experts + e] = slot;
+        }
+        if (mine && e + 1 == first + count) {
             for (; at < rows; ++at) source[at] = -1;
         }
     }
+}
+
+// counts[j] = the pairs of expert first + j in map[tokens, experts] (1 where a token goes), for
+// j < count: a thread per expert, in token order.
+extern "C" __global__ void moe_column_counts(const i64* __restrict__ map, u64 tokens, u64 experts,
+                                             u64 first, u64 count, i64* __restrict__ counts) {
+    FOR_EACH(j, count) {
+        i64 n = 0;
+        for (u64 t = 0; t < tokens; ++t) n += map[t * experts + first + j] != 0;
+        counts[j] = n;
+    }
+}
+
+// The regrouping of rows received in chunks: counts[ranks, local] rows from each rank for each
+// local expert arrive rank-major (each rank's chunk expert-major); sorted by local expert they
+// are expert-major (each expert's by rank). Forward (inverse = 0): index[sorted position] =
+// received position; inverse: index[received position] = sorted position. A thread per chunk.
+extern "C" __global__ void moe_chunk_order(const i64* __restrict__ counts, u64 ranks, u64 local,
+                                           u64 inverse, i64* __restrict__ index) {
+    FOR_EACH(c, ranks * local) {
+        const u64 r = c / local, le = c % local;
+        u64 received = 0, sorted = 0;
+        for (u64 q = 0; q < c; ++q) received += (u64)counts[q];
+        for (u64 q = 0; q < le; ++q) {
+            for (u64 p = 0; p < ranks; ++p) sorted += (u64)counts[p * local + q];
+        }
+        for (u64 p = 0; p < r; ++p) sorted += (u64)counts[p * local + le];
+        for (u64 j = 0; j < (u64)counts[c]; ++j) {
+            if (inverse) {
+                index[received + j] = (i64)(sorted + j);
+            } else {
+                index[sorted + j] = (i64)(received + j);
+            }
+        }
+    }
+}
+
+// index[i] = (i mod m)·a + (i / m)·b for i < n: the repeated and strided indices of the
+// expert-tensor-parallel exchanges.
+extern "C" __global__ void moe_affine_index(u64 n, u64 m, u64 a, u64 b, i64* __restrict__ index) {
+    FOR_EACH(i, n) index[i] = (i64)((i % m) * a + (i / m) * b);
 }
 
 // out[r, :] = x[source[r], :] (rows of `hidden` f32), zeros where source[r] < 0.
@@ -352,45 +403,57 @@ extern "C" __global__ void moe_route_backward(
     }
 }
 
-// The combine (MoEAlltoAllTokenDispatcher's unpermute): out[t, :] = the sum over token t's
-// entries j in start[t] .. start[t + 1] of weight[j] · rows[row[j], :], in entry order from
-// +0, products rounded on their own, as the host's combine adds them.
-extern "C" __global__ void moe_combine_rows(const float* __restrict__ rows,
-                                            const i64* __restrict__ start,
-                                            const i64* __restrict__ row,
-                                            const float* __restrict__ weight, u64 tokens,
-                                            u64 hidden, float* __restrict__ out) {
+// The combine (MoEAlltoAllTokenDispatcher's unpermute): out[t, :] = the sum over k of
+// weight[t, k] · rows[slots[t, k], :] (weight 1 when weights is null; slots < 0 skipped), in k
+// order from +0, products rounded on their own, as the host's combine adds them.
+extern "C" __global__ void moe_slot_sum(const float* __restrict__ rows,
+                                        const i64* __restrict__ slots,
+                                        const float* __restrict__ weights, u64 tokens, u64 k,
+                                        u64 hidden, float* __restrict__ out) {
     FOR_EACH(i, tokens * hidden) {
         const u64 t = i / hidden, c = i % hidden;
         float acc = 0.0f;
-        for (i64 j = start[t]; j < start[t + 1]; ++j) {
-            acc = __fadd_rn(acc, __fmul_rn(weight[j], rows[(u64)row[j] * hidden + c]));
+        for (u64 j = 0; j < k; ++j) {
+            const i64 s = slots[t * k + j];
+            if (s < 0) continue;
+            const float w = weights ? weights[t * k + j] : 1.0f;
+            acc = __fadd_rn(acc, __fmul_rn(w, rows[(u64)s * hidden + c]));
         }
         out[i] = acc;
     }
 }
 
-// The combine's backward for the routing weights, a thread per row: dots[r] =
-// d[token[r], :] · rows[r, :], summed in order from −0 as Rust's f32 sums do.
-extern "C" __global__ void moe_row_dots(const float* __restrict__ d, const float* __restrict__ rows,
-                                        const i64* __restrict__ token, u64 n, u64 hidden,
-                                        float* __restrict__ dots) {
-    FOR_EACH(r, n) {
-        const float* a = d + (u64)token[r] * hidden;
-        const float* b = rows + r * hidden;
-        float acc = -0.0f;
-        for (u64 c = 0; c < hidden; ++c) acc = __fadd_rn(acc, __fmul_rn(a[c], b[c]));
-        dots[r] = acc;
+// The combine's backward for the routing weights, a thread per pair: dots[t, k] =
+// d[t, :] · rows[slots[t, k], :], summed in order from −0 as Rust's f32 sums do (+0 where
+// slots[t, k] < 0).
+extern "C" __global__ void moe_slot_dots(const float* __restrict__ d,
+                                         const float* __restrict__ rows,
+                                         const i64* __restrict__ slots, u64 tokens, u64 k,
+                                         u64 hidden, float* __restrict__ dots) {
+    FOR_EACH(p, tokens * k) {
+        const i64 s = slots[p];
+        float acc = 0.0f;
+        if (s >= 0) {
+            const float* a = d + (p / k) * hidden;
+            const float* b = rows + (u64)s * hidden;
+            acc = -0.0f;
+            for (u64 c = 0; c < hidden; ++c) acc = __fadd_rn(acc, __fmul_rn(a[c], b[c]));
+        }
+        dots[p] = acc;
     }
 }
 
-// The combine's backward for the rows: out[r, :] = +0 + weight[r] · d[token[r], :], as the host
-// adds the scaled gradient into zeros.
-extern "C" __global__ void moe_scale_rows(const float* __restrict__ d, const i64* __restrict__ token,
-                                          const float* __restrict__ weight, u64 n, u64 hidden,
-                                          float* __restrict__ out) {
-    FOR_EACH(i, n * hidden) {
-        const u64 r = i / hidden;
-        out[i] = __fadd_rn(0.0f, __fmul_rn(weight[r], d[(u64)token[r] * hidden + i % hidden]));
+// The combine's backward for the rows: out[slots[t, k], :] = +0 + weight[t, k] · d[t, :] for
+// every pair with a slot, as the host adds the scaled gradient into zeros (the rows no pair
+// names are left as they are).
+extern "C" __global__ void moe_slot_scale(const float* __restrict__ d,
+                                          const i64* __restrict__ slots,
+                                          const float* __restrict__ weights, u64 tokens, u64 k,
+                                          u64 hidden, float* __restrict__ out) {
+    FOR_EACH(i, tokens * k * hidden) {
+        const u64 p = i / hidden, c = i % hidden;
+        const i64 s = slots[p];
+        if (s < 0) continue;
+        out[(u64)s * hidden + c] = __fadd_rn(0.0f, __fmul_rn(weights[p], d[(p / k) * hidden + c]));
     }
 }

@@ -353,52 +353,164 @@ pub fn route_losses(
     launch(K, args, cover(1))
 }
 
+/// The dispatch's index tables for the experts `experts` (a range of `map`'s columns, checked by
+/// the caller) of
+/// `map` (`[tokens, experts]`, 1 where a token goes): those pairs laid out expert-major (each
+/// expert's in token order), `slots[tokens, experts]` holding each pair's row (−1 for the
+/// others) and `source[rows]` each row's token (−1 past the last).
+pub fn expert_slots(
+    gpu: &Gpu,
+    map: &CudaView<i64>,
+    (tokens, all): (usize, usize),
+    experts: std::ops::Range<usize>,
+    slots: &mut CudaViewMut<i64>,
+    source: &mut CudaViewMut<i64>,
+) -> Result<()> {
+    const K: &str = "moe_expert_slots";
+    let rows = source.len();
+    let describe = || format!("{tokens} tokens × {all} experts ({experts:?}), {rows} rows");
+    let cells = product(K, &[tokens, all])?;
+    check_len(K, "map", map.len(), cells, describe)?;
+    check_len(K, "slots", slots.len(), cells, describe)?;
+    if cells == 0 || experts.is_empty() {
+        return Ok(());
+    }
+    let (t, e, first, count, r) = (
+        tokens as u64,
+        all as u64,
+        experts.start as u64,
+        experts.len() as u64,
+        rows as u64,
+    );
+    let mut args = launch_args(gpu, K)?;
+    args.arg(map)
+        .arg(&t)
+        .arg(&e)
+        .arg(&first)
+        .arg(&count)
+        .arg(&r);
+    args.arg(slots).arg(source);
+    launch(K, args, cover(all))
+}
+
+/// `counts[j]` = the pairs of expert `experts.start + j` in `map` (`[tokens, experts]`, 1 where a
+/// token goes), for the experts `experts` (checked by the caller).
+pub fn column_counts(
+    gpu: &Gpu,
+    map: &CudaView<i64>,
+    (tokens, all): (usize, usize),
+    experts: std::ops::Range<usize>,
+    counts: &mut CudaViewMut<i64>,
+) -> Result<()> {
+    const K: &str = "moe_column_counts";
+    let describe = || format!("{tokens} tokens × {all} experts ({experts:?})");
+    check_len(K, "map", map.len(), product(K, &[tokens, all])?, describe)?;
+    check_len(K, "counts", counts.len(), experts.len(), describe)?;
+    if experts.is_empty() {
+        return Ok(());
+    }
+    let (t, e, first, count) = (
+        tokens as u64,
+        all as u64,
+        experts.start as u64,
+        experts.len() as u64,
+    );
+    let mut args = launch_args(gpu, K)?;
+    args.arg(map)
+        .arg(&t)
+        .arg(&e)
+        .arg(&first)
+        .arg(&count)
+        .arg(counts);
+    launch(K, args, cover(experts.len()))
+}
+
+/// The regrouping of rows received in chunks of `counts` (`[ranks, local]`: rows from each rank
+/// for each local expert, rank-major): `index[rows]` maps each position sorted by local expert
+/// to its received position, or with `inverse` each received position to its sorted one.
+pub fn chunk_order(
+    gpu: &Gpu,
+    counts: &CudaView<i64>,
+    (ranks, local): (usize, usize),
+    inverse: bool,
+    index: &mut CudaViewMut<i64>,
+) -> Result<()> {
+    const K: &str = "moe_chunk_order";
+    let describe = || {
+        format!(
+            "{ranks} ranks × {local} local experts, {} rows",
+            index.len()
+        )
+    };
+    check_len(
+        K,
+        "counts",
+        counts.len(),
+        product(K, &[ranks, local])?,
+        describe,
+    )?;
+    if ranks * local == 0 {
+        return Ok(());
+    }
+    let (r, l, inv) = (ranks as u64, local as u64, u64::from(inverse));
+    let mut args = launch_args(gpu, K)?;
+    args.arg(counts).arg(&r).arg(&l).arg(&inv).arg(index);
+    launch(K, args, cover(ranks * local))
+}
+
+/// `index[i] = (i mod m)·a + (i / m)·b` for every `i` of `index`.
+pub fn affine_index(
+    gpu: &Gpu,
+    (m, a, b): (usize, usize, usize),
+    index: &mut CudaViewMut<i64>,
+) -> Result<()> {
+    const K: &str = "moe_affine_index";
+    let n = index.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let (n64, m, a, b) = (n as u64, m.max(1) as u64, a as u64, b as u64);
+    let mut args = launch_args(gpu, K)?;
+    args.arg(&n64).arg(&m).arg(&a).arg(&b).arg(index);
+    launch(K, args, cover(n))
+}
+
 /// The tokens `x` (`[tokens, hidden]`, f32) laid out expert-major as `map` routes them (each
-/// expert's in token order) into `out` (`[rows, hidden]`, zeros past the last routed row), and
-/// each row's token in `source[rows]` (−1 past the last).
+/// expert's in token order) into `out` (`[rows, hidden]`, zeros past the last routed row), each
+/// row's token in `source[rows]` (−1 past the last) and each pair's row in `slots`.
 #[allow(clippy::too_many_arguments)]
 pub fn permute(
     gpu: &Gpu,
     x: &CudaView<f32>,
     map: &CudaView<i64>,
-    tokens_per_expert: &CudaView<i64>,
     dims: RouteDims,
     hidden: usize,
+    slots: &mut CudaViewMut<i64>,
     source: &mut CudaViewMut<i64>,
     out: &mut CudaViewMut<f32>,
 ) -> Result<()> {
-    const I: &str = "moe_permute_index";
     const R: &str = "moe_permute_rows";
     let rows = source.len();
     let describe = || format!("{}, hidden {hidden}, {rows} rows", dims.describe());
     check_len(
-        I,
+        R,
         "x",
         x.len(),
-        product(I, &[dims.tokens, hidden])?,
+        product(R, &[dims.tokens, hidden])?,
         describe,
     )?;
-    check_len(I, "map", map.len(), dims.cells(I)?, describe)?;
-    check_len(
-        I,
-        "tokens_per_expert",
-        tokens_per_expert.len(),
-        dims.experts,
-        describe,
-    )?;
-    check_len(R, "out", out.len(), product(R, &[rows, hidden])?, describe)?;
-    if rows == 0 || dims.experts == 0 {
+    if dims.experts == 0 {
         return Ok(());
     }
-    let ((t, e, _), r, h) = (dims.args(), rows as u64, hidden as u64);
-    let mut args = launch_args(gpu, I)?;
-    args.arg(map).arg(tokens_per_expert).arg(&t).arg(&e).arg(&r);
-    args.arg(&mut *source);
-    launch(I, args, cover(dims.experts))?;
-    let source = source.as_view();
-    let mut args = launch_args(gpu, R)?;
-    args.arg(x).arg(&source).arg(&r).arg(&h).arg(out);
-    launch(R, args, cover(rows * hidden))
+    expert_slots(
+        gpu,
+        map,
+        (dims.tokens, dims.experts),
+        0..dims.experts,
+        slots,
+        source,
+    )?;
+    gather_rows(gpu, x, &source.as_view(), hidden, out)
 }
 
 /// What the router's forward kept, for [`route_backward`].
@@ -503,88 +615,138 @@ pub fn gather_rows(
     launch(R, args, cover(rows * hidden))
 }
 
-/// The combine: `out[t, :] = Σ weight[j] · rows[row[j], :]` over token t's entries `start[t] ..
-/// start[t + 1]` (`start` has `tokens + 1` offsets; `out` is `[tokens, hidden]`).
-pub fn combine_rows(
+/// The pairs' dimensions of [`slot_sum`], [`slot_dots`] and [`slot_scale`]: `slots` is
+/// `[tokens, k]`, rows of `hidden`.
+#[derive(Debug, Clone, Copy)]
+pub struct SlotDims {
+    /// Tokens.
+    pub tokens: usize,
+    /// Slots of each token.
+    pub k: usize,
+    /// Each row's length.
+    pub hidden: usize,
+}
+
+impl SlotDims {
+    fn describe(&self) -> String {
+        format!(
+            "{} tokens × {} slots, rows of {}",
+            self.tokens, self.k, self.hidden
+        )
+    }
+
+    fn args(&self) -> (u64, u64, u64) {
+        (self.tokens as u64, self.k as u64, self.hidden as u64)
+    }
+}
+
+/// The combine: `out[t, :] = Σ_k weight[t, k] · rows[slots[t, k], :]` over the slots that name
+/// a row, in k order (weight 1 without `weights`; `out` is `[tokens, hidden]`).
+pub fn slot_sum(
     gpu: &Gpu,
     rows: &CudaView<f32>,
-    (start, row, weight): (&CudaView<i64>, &CudaView<i64>, &CudaView<f32>),
-    hidden: usize,
+    slots: &CudaView<i64>,
+    weights: Option<&CudaView<f32>>,
+    dims: SlotDims,
     out: &mut CudaViewMut<f32>,
 ) -> Result<()> {
-    const K: &str = "moe_combine_rows";
-    let tokens = start.len().saturating_sub(1);
-    let describe = || format!("{tokens} tokens of {hidden}, {} entries", row.len());
-    check_len(K, "weight", weight.len(), row.len(), describe)?;
+    const K: &str = "moe_slot_sum";
+    let describe = || dims.describe();
+    let pairs = product(K, &[dims.tokens, dims.k])?;
+    check_len(K, "slots", slots.len(), pairs, describe)?;
+    if let Some(w) = weights {
+        check_len(K, "weights", w.len(), pairs, describe)?;
+    }
     check_len(
         K,
         "out",
         out.len(),
-        product(K, &[tokens, hidden])?,
+        product(K, &[dims.tokens, dims.hidden])?,
         describe,
     )?;
-    if tokens == 0 || hidden == 0 {
+    if out.is_empty() {
         return Ok(());
     }
-    let (t, h) = (tokens as u64, hidden as u64);
+    let (t, k, h) = dims.args();
     let mut args = launch_args(gpu, K)?;
-    args.arg(rows)
-        .arg(start)
-        .arg(row)
-        .arg(weight)
-        .arg(&t)
-        .arg(&h);
-    args.arg(out);
-    launch(K, args, cover(tokens * hidden))
+    args.arg(rows).arg(slots);
+    match weights {
+        Some(w) => args.arg(w),
+        None => args.arg(&NULL),
+    };
+    args.arg(&t).arg(&k).arg(&h).arg(out);
+    launch(K, args, cover(dims.tokens * dims.hidden))
 }
 
-/// `dots[r] = d[token[r], :] · rows[r, :]` for `token.len()` rows of `hidden`.
-pub fn row_dots(
+/// `dots[t, k] = d[t, :] · rows[slots[t, k], :]` (0 where the slot names no row).
+pub fn slot_dots(
     gpu: &Gpu,
     d: &CudaView<f32>,
     rows: &CudaView<f32>,
-    token: &CudaView<i64>,
-    hidden: usize,
+    slots: &CudaView<i64>,
+    dims: SlotDims,
     dots: &mut CudaViewMut<f32>,
 ) -> Result<()> {
-    const K: &str = "moe_row_dots";
-    let n = token.len();
-    let describe = || format!("{n} rows of {hidden}");
-    check_len(K, "rows", rows.len(), product(K, &[n, hidden])?, describe)?;
-    check_len(K, "dots", dots.len(), n, describe)?;
-    if n == 0 {
+    const K: &str = "moe_slot_dots";
+    let describe = || dims.describe();
+    let pairs = product(K, &[dims.tokens, dims.k])?;
+    check_len(K, "slots", slots.len(), pairs, describe)?;
+    check_len(
+        K,
+        "d",
+        d.len(),
+        product(K, &[dims.tokens, dims.hidden])?,
+        describe,
+    )?;
+    check_len(K, "dots", dots.len(), pairs, describe)?;
+    if pairs == 0 {
         return Ok(());
     }
-    let (n64, h) = (n as u64, hidden as u64);
-    let mut args = launch_args(gpu, K)?;
-    args.arg(d).arg(rows).arg(token).arg(&n64).arg(&h).arg(dots);
-    launch(K, args, cover(n))
-}
-
-/// `out[r, :] = weight[r] · d[token[r], :]` for `token.len()` rows of `hidden`.
-pub fn scale_rows(
-    gpu: &Gpu,
-    d: &CudaView<f32>,
-    token: &CudaView<i64>,
-    weight: &CudaView<f32>,
-    hidden: usize,
-    out: &mut CudaViewMut<f32>,
-) -> Result<()> {
-    const K: &str = "moe_scale_rows";
-    let n = token.len();
-    let describe = || format!("{n} rows of {hidden}");
-    check_len(K, "weight", weight.len(), n, describe)?;
-    check_len(K, "out", out.len(), product(K, &[n, hidden])?, describe)?;
-    if n == 0 || hidden == 0 {
-        return Ok(());
-    }
-    let (n64, h) = (n as u64, hidden as u64);
+    let (t, k, h) = dims.args();
     let mut args = launch_args(gpu, K)?;
     args.arg(d)
-        .arg(token)
-        .arg(weight)
-        .arg(&n64)
+        .arg(rows)
+        .arg(slots)
+        .arg(&t)
+        .arg(&k)
+        .arg(&h)
+        .arg(dots);
+    launch(K, args, cover(pairs))
+}
+
+/// `out[slots[t, k], :] = weights[t, k] · d[t, :]` for every slot that names a row (`out` is
+/// `[rows, hidden]`; rows no slot names are left as they are).
+pub fn slot_scale(
+    gpu: &Gpu,
+    d: &CudaView<f32>,
+    slots: &CudaView<i64>,
+    weights: &CudaView<f32>,
+    dims: SlotDims,
+    out: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    const K: &str = "moe_slot_scale";
+    let describe = || dims.describe();
+    let pairs = product(K, &[dims.tokens, dims.k])?;
+    check_len(K, "slots", slots.len(), pairs, describe)?;
+    check_len(K, "weights", weights.len(), pairs, describe)?;
+    check_len(
+        K,
+        "d",
+        d.len(),
+        product(K, &[dims.tokens, dims.hidden])?,
+        describe,
+    )?;
+    if pairs == 0 || dims.hidden == 0 {
+        return Ok(());
+    }
+    let (t, k, h) = dims.args();
+    let mut args = launch_args(gpu, K)?;
+    args.arg(d)
+        .arg(slots)
+        .arg(weights)
+        .arg(&t)
+        .arg(&k)
         .arg(&h)
         .arg(out);
-    launch(K, args, cover(n * hidden))
+    launch(K, args, cover(pairs * dims.hidden))
 }

@@ -121,8 +121,9 @@ impl Kind for Expert {
             }
         ));
         let chdoc = comment(&format!(
-            "`{name}`: the routing on the host: read back after the router (the \
-             device-to-host sync), or chosen here from the logits on the CPU."
+            "`{name}`: the routing placed where the tokens live: on a GPU its counts, \
+             drops and losses read back after the router (the device-to-host sync; the \
+             weights and the map stay there), or chosen here from the logits on the CPU."
         ));
         let ddoc = comment(&format!(
             "`{name}`: dispatch over ep, by the layer's dispatcher. All-to-all: the \
