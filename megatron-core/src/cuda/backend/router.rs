@@ -240,20 +240,21 @@ impl DeviceRouting {
     /// reads stays on the device: [`crate::moe::route_backward`] refuses this routing,
     /// [`DeviceRouting::backward`] takes it.
     pub fn read_back(&self) -> Result<Routing> {
-        let RouteDims {
-            tokens, experts, ..
-        } = self.dims;
-        let count = |v: Vec<i64>| v.into_iter().map(|c| c.max(0) as usize).collect::<Vec<_>>();
-        let losses = self.losses.to_vec::<f32>()?;
+        let placed = self.placed()?;
         Ok(Routing::from_parts(RoutingParts {
-            tokens,
-            experts,
-            probs: self.probs.to_vec::<f32>()?,
-            map: self.map.to_vec::<i64>()?.iter().map(|&m| m != 0).collect(),
-            tokens_per_expert: count(self.tokens_per_expert.to_vec::<i64>()?),
-            aux_loss: losses[0],
-            z_loss: losses[1],
-            dropped: count(self.dropped.to_vec::<i64>()?).iter().sum(),
+            tokens: placed.tokens,
+            experts: placed.experts,
+            probs: placed.probs.to_vec::<f32>()?,
+            map: placed
+                .map
+                .to_vec::<i64>()?
+                .iter()
+                .map(|&m| m != 0)
+                .collect(),
+            tokens_per_expert: placed.tokens_per_expert,
+            aux_loss: placed.aux_loss,
+            z_loss: placed.z_loss,
+            dropped: placed.dropped,
             chosen: Vec::new(),
             scores: Vec::new(),
             aux_grad: Vec::new(),
