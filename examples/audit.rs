@@ -116,6 +116,9 @@ struct Args {
     /// Adam's state whole on every data-parallel rank.
     #[arg(long)]
     no_distributed_optimizer: bool,
+    /// Sequence parallelism in the step.
+    #[arg(long)]
+    sequence_parallel: bool,
 }
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
@@ -160,6 +163,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
 
     let layout = megatron::audit::AuditLayout {
         tp: args.tp,
+        sequence_parallel: args.sequence_parallel,
         pp: args.pp,
         dp: args.dp,
         ep: args.ep,

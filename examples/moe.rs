@@ -41,6 +41,7 @@ fn job(ep: usize) -> Result<TrainJob, Box<dyn std::error::Error>> {
         model_name: "gpt-moe-tiny".to_string(),
         model,
         tp: 1,
+        sequence_parallel: false,
         ep,
         etp: 1,
         dp: DP,

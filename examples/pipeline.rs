@@ -31,6 +31,7 @@ fn job(tp: usize, pipeline: PipelineSettings) -> Result<TrainJob, Box<dyn std::e
         model_name: "gpt-tiny".to_string(),
         model,
         tp,
+        sequence_parallel: false,
         ep: 1,
         etp: 1,
         dp: 1,

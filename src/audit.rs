@@ -29,6 +29,8 @@ use crate::job::{PipelineSettings, Placement, TrainJob};
 pub struct AuditLayout {
     /// Tensor-parallel size.
     pub tp: usize,
+    /// Sequence parallelism (`--sequence-parallel`).
+    pub sequence_parallel: bool,
     /// Pipeline stages.
     pub pp: usize,
     /// Data-parallel size.
@@ -48,6 +50,7 @@ impl Default for AuditLayout {
     fn default() -> Self {
         AuditLayout {
             tp: 2,
+            sequence_parallel: false,
             pp: 2,
             dp: 2,
             ep: 2,
@@ -65,6 +68,9 @@ impl std::fmt::Display for AuditLayout {
             "tp {} · pp {} · dp {} · ep {} · etp {}",
             self.tp, self.pp, self.dp, self.ep, self.etp
         )?;
+        if self.sequence_parallel {
+            f.write_str(", sequence parallel")?;
+        }
         if self.distributed_optimizer {
             f.write_str(", distributed optimizer")?;
         }
@@ -115,6 +121,7 @@ pub fn job(layout: &AuditLayout) -> Result<TrainJob> {
         model_name: "audit".to_string(),
         model: model(layout),
         tp: layout.tp,
+        sequence_parallel: layout.sequence_parallel,
         ep: layout.ep,
         etp: layout.etp,
         dp: layout.dp,

@@ -31,6 +31,9 @@ pub struct TrainJob {
     pub model: GptConfig,
     /// Tensor-parallel size.
     pub tp: usize,
+    /// Sequence parallelism (`--sequence-parallel`): outside the tensor-parallel regions each
+    /// tensor-parallel rank holds its shard of the sequence.
+    pub sequence_parallel: bool,
     /// Expert-parallel size (folded into tp × dp, as Megatron-LM folds it).
     pub ep: usize,
     /// Expert tensor-parallel size.
@@ -371,6 +374,14 @@ impl TrainJob {
         )?;
         self.check_graph_scopes()?;
         let plan: BatchPlan = *self.train_data.plan();
+        if self.sequence_parallel && self.tp > 1 && !plan.seq_length.is_multiple_of(self.tp) {
+            bail!(
+                "--sequence-parallel splits the sequence over the tensor-parallel ranks: \
+                 --seq-length {} is not divisible by --tensor-model-parallel-size {}",
+                plan.seq_length,
+                self.tp
+            );
+        }
         if plan.dp != self.dp {
             bail!(
                 "the data plan is cut for dp {}, the job runs dp {}",
@@ -399,7 +410,8 @@ impl TrainJob {
     ) -> Result<()> {
         let plan: BatchPlan = *self.train_data.plan();
         let tokens_per_step = (plan.global_batch * plan.seq_length) as u64;
-        let parallel = ParallelState::new(w, &cx.layout)?;
+        let parallel =
+            ParallelState::new(w, &cx.layout)?.with_sequence_parallel(self.sequence_parallel);
         let rank0 = parallel.groups().rank() == 0;
         let report = |f: &mut dyn FnMut(&mut Box<dyn Observer>) -> Result<()>| -> Result<()> {
             if rank0 {

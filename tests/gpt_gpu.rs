@@ -52,6 +52,7 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
         model_name: "gpt-tiny".to_string(),
         model,
         tp,
+        sequence_parallel: false,
         ep: 1,
         etp: 1,
         dp,

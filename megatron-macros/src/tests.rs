@@ -671,22 +671,27 @@ fn mlp_expansion_has_f_and_g_where_megatron_puts_them() {
     );
     for expected in [
         "pub struct MlpSaved { # [doc = \" What `self.fc1(..)` keeps.\"] pub fc1 : < Linear as :: megatron :: module :: Module > :: Saved",
-        "let (fc1_out , fc1) = < Linear as ColumnParallel > :: forward_column (& self . fc1 , cx , site . child (\"fc1\") , x) ? ;",
+        "let fc1_input = if cx . sequence_parallel () { :: megatron :: tensor_parallel :: all_gather_sequence (cx , x) ? } else { :: std :: clone :: Clone :: clone (x) } ;",
+        "let (fc1_out , fc1) = < Linear as ColumnParallel > :: forward_column (& self . fc1 , cx , site . child (\"fc1\") , & fc1_input) ? ;",
         "let (h , gelu) = :: megatron :: ops :: gelu (cx , site . child (\"gelu\") , & fc1_out) ? ;",
-        "let (fc2_out , fc2) = < Linear as RowParallel > :: forward_row (& self . fc2 , cx , site . child (\"fc2\") , & h) ? ;",
-        "cx . tp () . all_reduce (& fc2_out , ReduceOp :: Sum) ? ; < Linear as RowParallel > :: add_bias (& self . fc2 , cx , & fc2_out) ? ;",
+        "let (fc2_partial , fc2) = < Linear as RowParallel > :: forward_row (& self . fc2 , cx , site . child (\"fc2\") , & h) ? ;",
+        "let fc2_out = if cx . sequence_parallel () { :: megatron :: tensor_parallel :: reduce_scatter_sequence (cx , & fc2_partial) ? } else { cx . tp () . all_reduce (& fc2_partial , ReduceOp :: Sum) ? ; fc2_partial } ; < Linear as RowParallel > :: add_bias (& self . fc2 , cx , & fc2_out) ? ;",
         "Ok ((fc2_out , MlpSaved { fc1 , gelu , fc2 }))",
         "let MlpSaved { fc1 , gelu , fc2 } = saved ;",
-        "let d_h = < Linear as RowParallel > :: backward_row (& self . fc2 , cx , site . child (\"fc2\") , fc2 , d_out) ? ;",
+        "let d_fc2_whole = if cx . sequence_parallel () { :: megatron :: tensor_parallel :: all_gather_sequence (cx , d_out) ? } else { :: std :: clone :: Clone :: clone (d_out) } ;",
+        "let d_h = < Linear as RowParallel > :: backward_row (& self . fc2 , cx , site . child (\"fc2\") , fc2 , & d_fc2_whole) ? ;",
         "let d_fc1_out = :: megatron :: ops :: gelu_backward (cx , site . child (\"gelu\") , gelu , & d_h) ? ;",
-        "let d_x = < Linear as ColumnParallel > :: backward_column (& self . fc1 , cx , site . child (\"fc1\") , fc1 , & d_fc1_out) ? ;",
-        "cx . tp () . all_reduce (& d_x , ReduceOp :: Sum) ? ; Ok (d_x)",
+        "let d_fc1_partial = < Linear as ColumnParallel > :: backward_column (& self . fc1 , cx , site . child (\"fc1\") , fc1 , & d_fc1_out) ? ;",
+        "let d_x = if cx . sequence_parallel () { :: megatron :: tensor_parallel :: reduce_scatter_sequence (cx , & d_fc1_partial) ? } else { cx . tp () . all_reduce (& d_fc1_partial , ReduceOp :: Sum) ? ; d_fc1_partial } ; Ok (d_x)",
     ] {
         let expected = squash(expected);
         assert!(out.contains(&expected), "missing\n{expected}\nin\n{out}");
     }
-    // Exactly one all-reduce each way.
+    // Exactly one all-reduce each way, and with sequence parallelism one all-gather and one
+    // reduce-scatter each way in its place.
     assert_eq!(out.matches("all_reduce").count(), 2);
+    assert_eq!(out.matches("all_gather_sequence").count(), 2);
+    assert_eq!(out.matches("reduce_scatter_sequence").count(), 2);
 }
 
 #[test]

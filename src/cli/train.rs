@@ -42,6 +42,12 @@ pub struct TrainArgs {
     /// Tensor-parallel size [default: 1, or the loaded checkpoint's].
     #[arg(long = "tensor-model-parallel-size", visible_alias = "tp", value_parser = values::ranks)]
     tp: Option<usize>,
+    /// Sequence parallelism: outside the tensor-parallel regions (norms, dropouts, residuals)
+    /// each tensor-parallel rank holds its shard of the sequence; the tensor-parallel
+    /// all-reduces become all-gathers and reduce-scatters (Megatron-LM's `--sequence-parallel`;
+    /// nothing with tensor-parallel size 1).
+    #[arg(long)]
+    sequence_parallel: bool,
     /// Data-parallel size (the world is tp × pp × dp ranks) [default: 1, or the loaded
     /// checkpoint's].
     #[arg(long = "data-parallel-size", visible_alias = "dp", value_parser = values::ranks)]
@@ -972,10 +978,17 @@ impl TrainArgs {
                 .to_possible_value()
                 .map_or(String::new(), |v| v.get_name().to_string())
         });
+        if self.sequence_parallel && s.tp == 1 {
+            eprintln!(
+                "note: --sequence-parallel with tensor-parallel size 1 does nothing (there is no \
+                 sequence to split): it is off, as Megatron-LM turns it off"
+            );
+        }
         let job = TrainJob {
             model_name: s.model_name.clone(),
             model: s.model,
             tp: s.tp,
+            sequence_parallel: self.sequence_parallel && s.tp > 1,
             ep: s.ep,
             etp,
             dp: s.dp,

@@ -292,10 +292,13 @@ pub(crate) fn member_index(
     Ok(index)
 }
 
-/// The parallel state of one rank: its groups and a communicator for each (Megatron's `mpu`).
+/// The parallel state of one rank: its groups and a communicator for each (Megatron's `mpu`),
+/// and whether the run splits the activations outside the tensor-parallel regions along the
+/// sequence (`--sequence-parallel`).
 pub struct ParallelState {
     groups: RankGroups,
     comms: Vec<(GroupKind, Arc<dyn Communicator>)>,
+    sequence_parallel: bool,
 }
 
 impl ParallelState {
@@ -319,7 +322,25 @@ impl ParallelState {
             .iter()
             .map(|g| Ok((g.kind, world.communicator(g.kind.name(), &g.ranks)?)))
             .collect::<Result<Vec<_>>>()?;
-        Ok(ParallelState { groups, comms })
+        Ok(ParallelState {
+            groups,
+            comms,
+            sequence_parallel: false,
+        })
+    }
+
+    /// The same state with sequence parallelism on or off (Megatron-LM's `--sequence-parallel`).
+    /// With one tensor-parallel rank there is nothing to split: it stays off, as Megatron-LM
+    /// turns it off.
+    pub fn with_sequence_parallel(mut self, on: bool) -> ParallelState {
+        self.sequence_parallel = on && self.groups.config().tp > 1;
+        self
+    }
+
+    /// Whether the activations outside the tensor-parallel regions are split along the sequence
+    /// over the tensor-parallel group (each rank holds `s / tp` positions of `[s, b, h]`).
+    pub fn sequence_parallel(&self) -> bool {
+        self.sequence_parallel
     }
 
     /// The parallel state of a single rank (every group of size 1), for single-process use.

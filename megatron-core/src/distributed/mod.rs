@@ -10,4 +10,6 @@ pub mod reduce;
 pub use buffers::{
     Bucket, PackLayout, ParamBuffers, ParamSlot, ReduceGroups, ShardRanks, SlotPart,
 };
-pub use reduce::{gather_parameters, reduce_gradients, sum_shared_gradients};
+pub use reduce::{
+    gather_parameters, reduce_gradients, sum_sequence_parallel_gradients, sum_shared_gradients,
+};

@@ -6,8 +6,9 @@
 use super::{ParamBuffers, ReduceGroups};
 use crate::comm::{ParallelState, ReduceOp};
 use crate::error::Result;
-use crate::module::Pipelined;
+use crate::module::{Module, Pipelined};
 use crate::parallel::GroupKind;
+use crate::tensor::Tensor;
 
 /// Sums the gradient buffer over the data-parallel groups, bucket by bucket (the buffer's front
 /// holds the last layers; dense buckets over data parallelism, the experts' over expert data
@@ -69,6 +70,51 @@ pub fn sum_shared_gradients<M: Pipelined>(chunks: &[M], parallel: &ParallelState
     }
     for g in &grads {
         group.all_reduce(g, ReduceOp::Sum)?;
+    }
+    Ok(())
+}
+
+/// With sequence parallelism, sums over the tensor-parallel group the gradients of the
+/// parameters that live in the sequence-parallel region (norms, the position table, the MoE
+/// router: each rank's gradient comes from its shard of the sequence), packed into one
+/// all-reduce (Megatron-LM's `_allreduce_non_tensor_model_parallel_grads`, after the
+/// data-parallel reduction as there). Nothing without sequence parallelism.
+pub fn sum_sequence_parallel_gradients<M: Module>(
+    chunks: &[M],
+    parallel: &ParallelState,
+) -> Result<()> {
+    if !parallel.sequence_parallel() {
+        return Ok(());
+    }
+    let mut grads = Vec::new();
+    for chunk in chunks {
+        chunk.visit_params(&mut |p| {
+            if p.spec().sequence_parallel {
+                grads.push(p.grad().clone());
+            }
+        });
+    }
+    let Some(first) = grads.first() else {
+        return Ok(());
+    };
+    let total = grads.iter().map(Tensor::numel).sum::<usize>();
+    let packed = Tensor::empty_near([total], first.dtype(), first)?;
+    let mut at = 0;
+    for g in &grads {
+        packed
+            .narrow(0, at, g.numel())?
+            .copy_from(&g.reshape([g.numel()])?)?;
+        at += g.numel();
+    }
+    parallel.tp().all_reduce(&packed, ReduceOp::Sum)?;
+    let mut at = 0;
+    for g in &grads {
+        g.copy_from(
+            &packed
+                .narrow(0, at, g.numel())?
+                .reshape(g.shape().clone())?,
+        )?;
+        at += g.numel();
     }
     Ok(())
 }

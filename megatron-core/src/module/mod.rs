@@ -189,6 +189,13 @@ impl<'a> Cx<'a> {
         self.parallel.groups().config().tp
     }
 
+    /// Whether sequence parallelism is on (`--sequence-parallel` with more than one
+    /// tensor-parallel rank): outside the tensor-parallel regions this rank holds its shard of
+    /// the sequence, `[s / tp, b, h]`.
+    pub fn sequence_parallel(&self) -> bool {
+        self.parallel.sequence_parallel()
+    }
+
     /// The random stream of the dropout at `site` for this step and microbatch.
     pub fn dropout_stream(&self, site: Site) -> DropoutStream {
         if let Some(graphs) = self.graphs {

@@ -76,6 +76,11 @@ pub struct ParamSpec {
     /// For a padded vocabulary: the rows of dimension 0 that hold real values (the rest are
     /// padding, never used, and not saved).
     pub real_rows: Option<usize>,
+    /// Whether the parameter lives in the sequence-parallel region (Megatron-LM's
+    /// `param.sequence_parallel`: norms, and the layers that read the activations' sequence
+    /// shards): replicated over tp, but with sequence parallelism each rank's gradient comes
+    /// from its shard of the sequence, so the gradients are summed over tp.
+    pub sequence_parallel: bool,
 }
 
 impl ParamSpec {
@@ -216,6 +221,22 @@ impl Param {
     /// Name, shapes, split and init.
     pub fn spec(&self) -> &ParamSpec {
         &self.spec
+    }
+
+    /// The same parameter marked as living in the sequence-parallel region (see
+    /// [`ParamSpec::sequence_parallel`]): what norms and the layers reading the activations'
+    /// sequence shards call on their replicated parameters when they build them.
+    pub fn in_sequence_parallel_region(mut self) -> Result<Param> {
+        if self.spec.split != Split::Replicated {
+            return invalid!(
+                "parameter {}: only a replicated parameter lives in the sequence-parallel \
+                 region, it is split {:?}",
+                self.spec.name,
+                self.spec.split
+            );
+        }
+        std::sync::Arc::make_mut(&mut self.spec).sequence_parallel = true;
+        Ok(self)
     }
 
     /// Replaces the value and gradient tensors (e.g. by views of flat buffers) with the same
@@ -470,6 +491,7 @@ impl Builder {
             init,
             weight_decay,
             real_rows,
+            sequence_parallel: false,
         };
         if self.specs_only {
             return Ok(Param::spec_only(spec, self.dtype));
@@ -674,6 +696,7 @@ mod tests {
                     init: Init::Normal { std: 0.5 },
                     weight_decay: true,
                     real_rows: None,
+                    sequence_parallel: false,
                 };
                 let got = initial_values(9, &spec);
                 let index = spec.logical_index();

@@ -177,6 +177,8 @@ impl RoutedExperts {
         let (fc1_split, fc2_split) = (Split::Experts { dim: 1 }, Split::Experts { dim: 2 });
         let normal = |std| Init::Normal { std };
         Ok(RoutedExperts {
+            // With sequence parallelism the router sees this rank's shard of the tokens: its
+            // gradient is summed over tp.
             gate: b.scoped("router", |b| {
                 b.param(
                     "weight",
@@ -184,7 +186,8 @@ impl RoutedExperts {
                     Split::Replicated,
                     normal(init_std),
                     true,
-                )
+                )?
+                .in_sequence_parallel_region()
             })?,
             expert_bias: router
                 .expert_bias

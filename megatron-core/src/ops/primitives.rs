@@ -45,9 +45,15 @@ pub struct DropoutSaved {
     mask: Option<DropoutMask>,
 }
 
-/// Where this rank's elements of `x` lie in the logical (unsharded) tensor.
+/// Where this rank's elements of `x` lie in the logical (unsharded) tensor. With sequence
+/// parallelism a value outside the tensor-parallel regions is this rank's shard of the
+/// sequence: the rank-th run of `x.numel()` elements of `[s, b, h]` (its first dimension split),
+/// so that the mask is drawn per global position.
 fn logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> dk::LogicalIndex {
     match sharding {
+        Sharding::Replicated if cx.sequence_parallel() => {
+            dk::LogicalIndex::range((x.numel() * cx.tp_rank()) as u64, x.numel())
+        }
         Sharding::Replicated => dk::LogicalIndex::contiguous(x.numel()),
         Sharding::SplitLastDim => {
             let cols = x.last_dim();

@@ -309,9 +309,10 @@ pub struct PositionEmbedding {
     weight: Param,
 }
 
-/// What a position embedding keeps: the sequence and batch lengths.
+/// What a position embedding keeps: the first position, the positions and the batch length.
 #[derive(Debug, Clone, Copy)]
 pub struct PositionSaved {
+    first: usize,
     seq: usize,
     batch: usize,
 }
@@ -321,13 +322,17 @@ impl Module for PositionEmbedding {
     type Saved = PositionSaved;
 
     fn build(spec: &PositionEmbeddingSpec, b: &mut Builder) -> Result<Self> {
-        let weight = b.param(
-            "weight",
-            [spec.max_positions, spec.hidden],
-            Split::Replicated,
-            Init::Normal { std: spec.init_std },
-            true,
-        )?;
+        // With sequence parallelism each rank looks up its shard's positions: the table's
+        // gradient is summed over tp.
+        let weight = b
+            .param(
+                "weight",
+                [spec.max_positions, spec.hidden],
+                Split::Replicated,
+                Init::Normal { std: spec.init_std },
+                true,
+            )?
+            .in_sequence_parallel_region()?;
         Ok(PositionEmbedding { weight })
     }
 
@@ -341,23 +346,42 @@ impl Module for PositionEmbedding {
 }
 
 impl Lookup for PositionEmbedding {
-    fn forward(&self, _cx: &Cx, _site: Site, ids: &Ids) -> Result<(Tensor, PositionSaved)> {
+    /// The positions of the ids' sequence, or with sequence parallelism of this rank's shard of
+    /// it (`[s / tp, b, hidden]`, the positions from `rank · s / tp` on).
+    fn forward(&self, cx: &Cx, _site: Site, ids: &Ids) -> Result<(Tensor, PositionSaved)> {
         let [seq, batch] = ids.dims() else {
             return invalid!(
                 "position embedding: ids must be [sequence, batch], got {}",
                 ids.shape()
             );
         };
-        let (seq, batch) = (*seq, *batch);
+        let (whole, batch) = (*seq, *batch);
         let max = self.weight.value().dims()[0];
-        if seq > max {
+        if whole > max {
             return invalid!(
-                "sequence length {seq} exceeds the {max} learned positions (--max-position-embeddings)"
+                "sequence length {whole} exceeds the {max} learned positions (--max-position-embeddings)"
             );
         }
-        let table = self.weight.value().to_f32_contiguous()?;
+        let (first, seq) = match cx.sequence_parallel() {
+            true => {
+                let tp = cx.tp_size();
+                if !whole.is_multiple_of(tp) {
+                    return invalid!(
+                        "sequence parallelism splits the sequence of {whole} positions over tp = \
+                         {tp}: it does not divide"
+                    );
+                }
+                (cx.tp_rank() * whole / tp, whole / tp)
+            }
+            false => (0, whole),
+        };
+        let table = self
+            .weight
+            .value()
+            .narrow(0, first, seq)?
+            .to_f32_contiguous()?;
         let out = backend::of(self.weight.value()).positions_forward(&table, seq, batch)?;
-        Ok((out, PositionSaved { seq, batch }))
+        Ok((out, PositionSaved { first, seq, batch }))
     }
 
     fn backward(&self, _cx: &Cx, _site: Site, saved: PositionSaved, dy: &Tensor) -> Result<()> {
@@ -371,8 +395,9 @@ impl Lookup for PositionEmbedding {
             );
         }
         let ops = backend::of(self.weight.grad());
-        let (seq, batch) = (saved.seq, saved.batch);
-        self.weight
-            .accumulate_grad(|grad| ops.positions_backward(dy, seq, batch, grad))
+        let PositionSaved { first, seq, batch } = saved;
+        self.weight.accumulate_grad(|grad| {
+            ops.positions_backward(dy, seq, batch, &grad.narrow(0, first, seq)?)
+        })
     }
 }

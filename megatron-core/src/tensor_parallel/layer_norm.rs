@@ -62,14 +62,20 @@ impl Module for LayerNorm {
     type Saved = LayerNormSaved;
 
     fn build(spec: &LayerNormSpec, b: &mut Builder) -> Result<Self> {
-        let gamma = b.param(
-            "weight",
-            [spec.hidden],
-            Split::Replicated,
-            Init::ONES,
-            false,
-        )?;
-        let beta = b.param("bias", [spec.hidden], Split::Replicated, Init::ZEROS, false)?;
+        // Norms run on the sequence shards with sequence parallelism: their gradients are
+        // summed over tp (Megatron-LM's `sequence_parallel` parameters).
+        let gamma = b
+            .param(
+                "weight",
+                [spec.hidden],
+                Split::Replicated,
+                Init::ONES,
+                false,
+            )?
+            .in_sequence_parallel_region()?;
+        let beta = b
+            .param("bias", [spec.hidden], Split::Replicated, Init::ZEROS, false)?
+            .in_sequence_parallel_region()?;
         Ok(LayerNorm {
             gamma,
             beta,

@@ -1,6 +1,8 @@
-//! Moving tensors between "whole on every rank" and "split by the last dimension": Megatron-LM's
-//! gather and scatter regions.
+//! Moving tensors between "whole on every rank" and "split by the last dimension", and with
+//! sequence parallelism between "whole" and "split along the sequence" (the first dimension of
+//! `[s, b, h]`): Megatron-LM's gather, scatter and reduce-scatter regions (`mappings.py`).
 
+use crate::comm::ReduceOp;
 use crate::error::Result;
 use crate::invalid;
 use crate::module::Cx;
@@ -54,4 +56,67 @@ pub fn split_last_dim(cx: &Cx, whole: &Tensor) -> Result<Tensor> {
     Ok(whole
         .chunk(tp, cx.tp_rank(), last)?
         .to_contiguous(whole.dtype())?)
+}
+
+/// The dims of `x` (`[s / tp, ..]`) with the first times `tp`.
+fn gathered_dims(x: &Tensor, tp: usize) -> Vec<usize> {
+    let mut dims = x.dims().to_vec();
+    if let Some(first) = dims.first_mut() {
+        *first *= tp;
+    }
+    dims
+}
+
+/// With sequence parallelism, the whole sequence from every tensor-parallel rank's shard
+/// (`[s / tp, b, h]` → `[s, b, h]`, rank order; Megatron-LM's
+/// `gather_from_sequence_parallel_region`): an all-gather over tp, in `x`'s dtype. Its backward
+/// is [`reduce_scatter_sequence`].
+#[track_caller]
+pub fn all_gather_sequence(cx: &Cx, x: &Tensor) -> Result<Tensor> {
+    let tp = cx.tp_size();
+    let x = x.contiguous()?;
+    if x.dims().is_empty() {
+        return invalid!("cannot gather a scalar along the sequence");
+    }
+    let whole = Tensor::empty_near(gathered_dims(&x, tp), x.dtype(), &x)?;
+    cx.tp().all_gather(&x, &whole)?;
+    Ok(whole)
+}
+
+/// With sequence parallelism, the sum over the tensor-parallel group of every rank's whole
+/// `x` (`[s, b, h]`, f32), each rank keeping its shard of the sequence (`[s / tp, b, h]`;
+/// Megatron-LM's `reduce_scatter_to_sequence_parallel_region`): a reduce-scatter over tp. Its
+/// backward is [`all_gather_sequence`].
+#[track_caller]
+pub fn reduce_scatter_sequence(cx: &Cx, x: &Tensor) -> Result<Tensor> {
+    let tp = cx.tp_size();
+    let x = x.to_f32_contiguous()?;
+    let mut dims = x.dims().to_vec();
+    match dims.first_mut() {
+        Some(first) if first.is_multiple_of(tp) => *first /= tp,
+        _ => {
+            return invalid!(
+                "sequence parallelism splits the first dimension of {} over tp = {tp}: \
+                 it does not divide",
+                x.shape()
+            );
+        }
+    }
+    let shard = Tensor::empty_near(dims, DType::F32, &x)?;
+    cx.tp().reduce_scatter(&x, &shard, ReduceOp::Sum)?;
+    Ok(shard)
+}
+
+/// This rank's shard of the sequence of a whole tensor (`[s, b, h]` → `[s / tp, b, h]`, a view;
+/// Megatron-LM's `scatter_to_sequence_parallel_region`), no communication.
+pub fn split_sequence(cx: &Cx, whole: &Tensor) -> Result<Tensor> {
+    let tp = cx.tp_size();
+    match whole.dims().first() {
+        Some(s) if s.is_multiple_of(tp) => Ok(whole.chunk(tp, cx.tp_rank(), 0)?),
+        _ => invalid!(
+            "sequence parallelism splits the first dimension of {} over tp = {tp}: it does \
+             not divide",
+            whole.shape()
+        ),
+    }
 }

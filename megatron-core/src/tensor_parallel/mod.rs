@@ -23,4 +23,6 @@ pub use embedding::{
 };
 pub use layer_norm::{LayerNorm, LayerNormSaved, LayerNormSpec};
 pub use linear::{Linear, LinearSaved, LinearSpec};
-pub use mappings::{gather_last_dim, split_last_dim};
+pub use mappings::{
+    all_gather_sequence, gather_last_dim, reduce_scatter_sequence, split_last_dim, split_sequence,
+};

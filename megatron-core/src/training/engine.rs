@@ -195,7 +195,8 @@ struct Walker<'a, M, P: Passes<M>> {
     losses: Vec<Tensor>,
     /// Time spent in exchanges.
     waited: std::time::Duration,
-    /// The shape of the value between stages, `[s, b, width]`.
+    /// The shape of the value between stages, `[s, b, width]` (`[s / tp, b, width]` with
+    /// sequence parallelism).
     carried: [usize; 3],
     /// The microbatches' in-flight slots (their graph scopes' graphs and static buffers).
     slots: SlotAllocator,
@@ -207,7 +208,22 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
     let Some(first) = walk.chunks.first() else {
         return invalid!("a rank needs at least one model chunk");
     };
-    let carried = [plan.seq_length, plan.micro_batch, P::carried_width(first)];
+    // With sequence parallelism the stages exchange their shards of the sequence.
+    let seq = match walk.parallel.sequence_parallel() {
+        true => {
+            let tp = walk.parallel.groups().config().tp;
+            if !plan.seq_length.is_multiple_of(tp) {
+                return invalid!(
+                    "sequence parallelism splits the sequence length {} over tp = {tp}: it \
+                     does not divide",
+                    plan.seq_length
+                );
+            }
+            plan.seq_length / tp
+        }
+        false => plan.seq_length,
+    };
+    let carried = [seq, plan.micro_batch, P::carried_width(first)];
     let mut walker = Walker::<M, P> {
         walk,
         kept: HashMap::new(),

@@ -361,6 +361,7 @@ impl<M: LanguageModel> Trainer<M> {
         let walked = self.walk(parallel, &self.sampler, step, Mode::Train { step })?;
         let (loss_sum, pipeline_wait) = (walked.loss_sum, walked.waited);
         reduce_gradients(&self.buffers, ReduceGroups::of(parallel))?;
+        crate::distributed::sum_sequence_parallel_gradients(&self.chunks.0, parallel)?;
         let loss = self.reduce_loss(parallel, loss_sum)? / tokens as f64;
         let like = self.buffers.grads();
         let routing = self

@@ -1,12 +1,16 @@
 //! `#[column_parallel]`: a layer whose output features are split over tensor parallelism
 //! (Megatron-LM's `ColumnParallelLinear`). Built by `ColumnParallel::build_column`; in forward,
-//! Megatron-LM's f (the identity) before it and, with `gather_output`, the all-gather of the
-//! output features after; in backward, f's backward: the all-reduce of the input gradient.
+//! Megatron-LM's f (the identity) before it, or with sequence parallelism the all-gather of the
+//! input's sequence shards, and with `gather_output` the all-gather of the output features
+//! after; in backward, f's backward: the all-reduce of the input gradient, or with sequence
+//! parallelism its reduce-scatter to the shards.
 
 use proc_macro2::TokenStream;
 use quote::quote;
 
-use super::{Backward, Call, Forward, Imports, Kind, tp_sum};
+use super::{
+    Backward, Call, Forward, Imports, Kind, refuse_sequence_parallel, sequence_gather, sequence_sum,
+};
 use crate::generate::body::Body;
 use crate::generate::comment;
 use crate::parse::{Field, FieldKind};
@@ -66,7 +70,9 @@ impl Kind for Column {
     }
 
     fn forward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Forward<'_>) {
-        let Call { cx, n, rt, .. } = *call;
+        let Call {
+            cx, n, rt, span, ..
+        } = *call;
         let node = &cx.g.nodes[n];
         let site = call.site.clone();
         let this_field = call.this_field.clone();
@@ -82,20 +88,28 @@ impl Kind for Column {
         };
         let x = args[0];
         let call = cx.qualified(n, quote!(ColumnParallel::forward_column));
-        let doc = comment(&format!(
-            "`{name}`: #[column_parallel]. f: identity in forward (its backward \
-             all-reduces the input gradient over tp)."
-        ));
         if *gather_output {
+            let doc = comment(&format!(
+                "`{name}`: #[column_parallel]. f: identity in forward (its backward \
+                 all-reduces the input gradient over tp)."
+            ));
             let local = b
                 .locals
                 .temp(&format!("{name}_local"), pos, node.src.span());
             let gdoc = comment(&format!(
                 "`{name}`: gather_output. All-gather of the output features over tp."
             ));
+            let refuse = refuse_sequence_parallel(
+                rt,
+                &format!(
+                    "#[column_parallel(gather_output)] `{name}` gives the whole sequence to \
+                     every rank: it cannot run with sequence parallelism"
+                ),
+            );
             b.push(move |nm| {
                 let (xr, l, s, o) = (nm.by_ref(x), nm.ident(local), nm.pat(saved), nm.pat(out));
                 quote! {
+                    #refuse
                     #doc
                     let (#l, #s) = #call(&#this_field, cx, #site, #xr)?;
                     #gdoc
@@ -103,11 +117,22 @@ impl Kind for Column {
                 }
             });
         } else {
+            let doc = comment(&format!(
+                "`{name}`: #[column_parallel]. f: identity in forward (its backward \
+                 all-reduces the input gradient over tp); with sequence parallelism the \
+                 all-gather of the input's sequence shards over tp (its backward \
+                 reduce-scatters the gradient)."
+            ));
+            let whole = b
+                .locals
+                .temp(&format!("{name}_input"), pos, node.src.span());
             b.push(move |nm| {
-                let (xr, s, o) = (nm.by_ref(x), nm.pat(saved), nm.pat(out));
+                let (xr, s, o, w) = (nm.by_ref(x), nm.pat(saved), nm.pat(out), nm.ident(whole));
+                let gather = sequence_gather(rt, &xr, span);
                 quote! {
                     #doc
-                    let (#o, #s) = #call(&#this_field, cx, #site, #xr)?;
+                    let #w = #gather;
+                    let (#o, #s) = #call(&#this_field, cx, #site, &#w)?;
                 }
             });
         }
@@ -133,11 +158,13 @@ impl Kind for Column {
         let d_x = d_args[0].expect("column-parallel inputs are tensors");
         let call = cx.qualified(n, quote!(ColumnParallel::backward_column));
         let doc = comment(&format!(
-            "`{name}`: f's backward, all-reduce of the input gradient over tp."
+            "`{name}`: f's backward, all-reduce of the input gradient over tp; with sequence \
+             parallelism its reduce-scatter to the sequence shards."
         ));
         let local = gather_output.then(|| b.locals.temp(&format!("d_{name}_local"), pos, span));
+        let partial = b.locals.temp(&format!("d_{name}_partial"), pos, span);
         b.push(move |nm| {
-            let (s, dx, dxi) = (nm.ident(saved), nm.pat(d_x), nm.ident(d_x));
+            let (s, dx, p) = (nm.ident(saved), nm.pat(d_x), nm.ident(partial));
             let (split, dy) = match local {
                 Some(l) => {
                     let li = nm.ident(l);
@@ -156,12 +183,12 @@ impl Kind for Column {
                 }
                 None => (quote!(), nm.by_ref(d_y)),
             };
-            let reduce = tp_sum(&dxi, span);
+            let sum = sequence_sum(rt, &p, span);
             quote! {
                 #split
-                let #dx = #call(&#this_field, cx, #site, #s, #dy)?;
+                let #p = #call(&#this_field, cx, #site, #s, #dy)?;
                 #doc
-                #reduce
+                let #dx = #sum;
             }
         });
     }

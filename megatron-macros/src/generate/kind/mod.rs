@@ -243,3 +243,55 @@ pub(super) fn tp_sum(x: &impl quote::ToTokens, span: Span) -> TokenStream {
     let call = quote::quote_spanned!(span=> .all_reduce(&#x, ReduceOp::Sum));
     quote!(cx.tp()#call?;)
 }
+
+/// With sequence parallelism the whole sequence gathered from the ranks' shards, else `x` itself:
+/// `if cx.sequence_parallel() { all_gather_sequence(cx, x)? } else { x.clone() }`, the gather
+/// called at `span` (its `#[track_caller]` location is the forward's line, as [`tp_sum`]'s).
+/// `x` is a `&Tensor` expression.
+pub(super) fn sequence_gather(rt: &TokenStream, x: &TokenStream, span: Span) -> TokenStream {
+    // `cx` interpolated keeps the generated code's hygiene; the call itself is at `span`.
+    let cx = quote!(cx);
+    let gather = quote::quote_spanned!(span=> #rt::tensor_parallel::all_gather_sequence(#cx, #x));
+    quote! {
+        if cx.sequence_parallel() {
+            #gather?
+        } else {
+            ::std::clone::Clone::clone(#x)
+        }
+    }
+}
+
+/// The sum over tp of the partial values `partial`: with sequence parallelism a reduce-scatter
+/// that leaves this rank its shard of the sequence, else the all-reduce ([`tp_sum`]) in place;
+/// an expression of the result, the collectives called at `span`.
+pub(super) fn sequence_sum(
+    rt: &TokenStream,
+    partial: &impl quote::ToTokens,
+    span: Span,
+) -> TokenStream {
+    let cx = quote!(cx);
+    let scatter = quote::quote_spanned!(span=>
+        #rt::tensor_parallel::reduce_scatter_sequence(#cx, &#partial)
+    );
+    let reduce = tp_sum(partial, span);
+    quote! {
+        if cx.sequence_parallel() {
+            #scatter?
+        } else {
+            #reduce
+            #partial
+        }
+    }
+}
+
+/// A statement that refuses sequence parallelism for `what` (a field option Megatron-LM also
+/// refuses with it), naming it.
+pub(super) fn refuse_sequence_parallel(rt: &TokenStream, what: &str) -> TokenStream {
+    quote! {
+        if cx.sequence_parallel() {
+            return ::std::result::Result::Err(#rt::Error::Invalid(
+                ::std::string::String::from(#what),
+            ));
+        }
+    }
+}

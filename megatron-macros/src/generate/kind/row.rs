@@ -1,12 +1,16 @@
 //! `#[row_parallel]`: a layer whose input features are split over tensor parallelism
 //! (Megatron-LM's `RowParallelLinear`). Built by `RowParallel::build_row`; in forward, the
 //! scatter of a replicated input when `input_is_parallel = false`, then g: the all-reduce of the
-//! partial outputs and the bias added once; in backward, g's backward (the identity).
+//! partial outputs, or with sequence parallelism their reduce-scatter to the sequence shards,
+//! and the bias added once; in backward, g's backward: the identity, or with sequence
+//! parallelism the all-gather of the output gradient's shards.
 
 use proc_macro2::TokenStream;
 use quote::quote;
 
-use super::{Backward, Call, Forward, Imports, Kind, tp_sum};
+use super::{
+    Backward, Call, Forward, Imports, Kind, refuse_sequence_parallel, sequence_gather, sequence_sum,
+};
 use crate::generate::body::{Body, value_base};
 use crate::generate::comment;
 use crate::parse::{Field, FieldKind};
@@ -80,7 +84,8 @@ impl Kind for Row {
         let call = cx.qualified(n, quote!(RowParallel::forward_row));
         let add_bias = cx.qualified(n, quote!(RowParallel::add_bias));
         let doc = comment(&format!(
-            "`{name}`: #[row_parallel]. g: all-reduce of the partial outputs over tp."
+            "`{name}`: #[row_parallel]. g: all-reduce of the partial outputs over tp; with \
+             sequence parallelism their reduce-scatter to the sequence shards."
         ));
         let split = (!input_is_parallel).then(|| {
             let base = format!("{}_local", value_base(cx.g, node.args[0]));
@@ -90,8 +95,18 @@ impl Kind for Row {
             "`{name}`: input_is_parallel = false. This rank's slice of the input \
              features (scatter)."
         ));
+        let refuse = refuse_sequence_parallel(
+            rt,
+            &format!(
+                "#[row_parallel(input_is_parallel = false)] `{name}` splits a whole input: it \
+                 cannot run with sequence parallelism"
+            ),
+        );
+        let partial = b
+            .locals
+            .temp(&format!("{name}_partial"), pos, node.src.span());
         b.push(move |nm| {
-            let (s, o) = (nm.pat(saved), nm.pat(out));
+            let (s, o, p) = (nm.pat(saved), nm.pat(out), nm.ident(partial));
             let oi = nm.ident(out);
             let (scatter, xr) = match split {
                 Some(l) => {
@@ -99,6 +114,7 @@ impl Kind for Row {
                     let xr = nm.by_ref(x);
                     (
                         quote! {
+                            #refuse
                             #sdoc
                             let #li = #rt::tensor_parallel::split_last_dim(cx, #xr)?;
                         },
@@ -107,12 +123,12 @@ impl Kind for Row {
                 }
                 None => (quote!(), nm.by_ref(x)),
             };
-            let reduce = tp_sum(&oi, span);
+            let sum = sequence_sum(rt, &p, span);
             quote! {
                 #scatter
-                let (#o, #s) = #call(&#this_field, cx, #site, #xr)?;
+                let (#p, #s) = #call(&#this_field, cx, #site, #xr)?;
                 #doc
-                #reduce
+                let #o = #sum;
                 #add_bias(&#this_field, cx, &#oi)?;
             }
         });
@@ -138,13 +154,23 @@ impl Kind for Row {
         };
         let d_x = d_args[0].expect("row-parallel inputs are tensors");
         let call = cx.qualified(n, quote!(RowParallel::backward_row));
-        let doc = comment(&format!("`{name}`: g's backward is the identity."));
+        let doc = comment(&format!(
+            "`{name}`: g's backward is the identity; with sequence parallelism the \
+             all-gather of the output gradient's sequence shards over tp."
+        ));
         let local = (!input_is_parallel).then(|| {
             let base = format!("d_{}_local", value_base(cx.g, node.args[0]));
             b.locals.temp(&base, pos, span)
         });
+        let whole = b.locals.temp(&format!("d_{name}_whole"), pos, span);
         b.push(move |nm| {
-            let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
+            let (s, dy, dx, w) = (
+                nm.ident(saved),
+                nm.by_ref(d_y),
+                nm.pat(d_x),
+                nm.ident(whole),
+            );
+            let gather = sequence_gather(rt, &dy, span);
             match local {
                 Some(l) => {
                     let li = nm.ident(l);
@@ -154,14 +180,16 @@ impl Kind for Row {
                     ));
                     quote! {
                         #doc
-                        let #li = #call(&#this_field, cx, #site, #s, #dy)?;
+                        let #w = #gather;
+                        let #li = #call(&#this_field, cx, #site, #s, &#w)?;
                         #gdoc
                         let #dx = #rt::tensor_parallel::gather_last_dim(cx, &#li)?;
                     }
                 }
                 None => quote! {
                     #doc
-                    let #dx = #call(&#this_field, cx, #site, #s, #dy)?;
+                    let #w = #gather;
+                    let #dx = #call(&#this_field, cx, #site, #s, &#w)?;
                 },
             }
         });

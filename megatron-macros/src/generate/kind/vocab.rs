@@ -1,12 +1,14 @@
 //! `#[vocab_parallel]`: an embedding whose vocabulary rows are split over tensor parallelism
 //! (Megatron-LM's `VocabParallelEmbedding`). Built by `VocabParallel::build_vocab`; in forward,
-//! the all-reduce of the partial lookups; the tied output layer (`self.field.logits(h)`) with f
-//! before it, whose backward all-reduces the input gradient.
+//! the all-reduce of the partial lookups, or with sequence parallelism their reduce-scatter to
+//! the sequence shards; the tied output layer (`self.field.logits(h)`) with f before it (with
+//! sequence parallelism the all-gather of the shards), whose backward all-reduces the input
+//! gradient (or reduce-scatters it).
 
 use proc_macro2::TokenStream;
 use quote::quote;
 
-use super::{Backward, Call, Forward, Imports, Kind, tp_sum};
+use super::{Backward, Call, Forward, Imports, Kind, sequence_gather, sequence_sum};
 use crate::generate::body::Body;
 use crate::generate::comment;
 use crate::parse::Field;
@@ -60,100 +62,146 @@ impl Kind for Vocab {
     }
 
     fn forward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Forward<'_>) {
-        let Call { cx, n, span, .. } = *call;
+        let Call {
+            cx, n, rt, span, ..
+        } = *call;
         let site = call.site.clone();
         let this_field = call.this_field.clone();
         let name = call.name.clone();
         let Forward {
-            args, out, saved, ..
+            args,
+            out,
+            saved,
+            pos,
         } = *io;
         let ids = args[0];
         let call = cx.qualified(n, quote!(VocabParallel::forward_vocab));
         let doc = comment(&format!(
             "`{name}`: #[vocab_parallel]. All-reduce of the partial lookups over tp \
-             (each rank holds its rows of the vocabulary)."
+             (each rank holds its rows of the vocabulary); with sequence parallelism their \
+             reduce-scatter to the sequence shards."
         ));
+        let partial = b.locals.temp(&format!("{name}_partial"), pos, span);
         b.push(move |nm| {
-            let (ir, s, o, oi) = (nm.by_ref(ids), nm.pat(saved), nm.pat(out), nm.ident(out));
-            let reduce = tp_sum(&oi, span);
+            let (ir, s, o, p) = (
+                nm.by_ref(ids),
+                nm.pat(saved),
+                nm.pat(out),
+                nm.ident(partial),
+            );
+            let sum = sequence_sum(rt, &p, span);
             quote! {
-                let (#o, #s) = #call(&#this_field, cx, #site, #ir)?;
+                let (#p, #s) = #call(&#this_field, cx, #site, #ir)?;
                 #doc
-                #reduce
+                let #o = #sum;
             }
         });
     }
 
     fn backward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Backward<'_>) {
-        let Call { cx, n, .. } = *call;
+        let Call {
+            cx, n, rt, span, ..
+        } = *call;
         let site = call.site.clone();
         let this_field = call.this_field.clone();
         let name = call.name.clone();
-        let Backward { d_y, saved, .. } = *io;
+        let Backward {
+            d_y, saved, pos, ..
+        } = *io;
         let call = cx.qualified(n, quote!(VocabParallel::backward_vocab));
         let doc = comment(&format!(
-            "`{name}`: the all-reduce's backward is the identity; token ids have no \
-             gradient."
+            "`{name}`: the all-reduce's backward is the identity (with sequence \
+             parallelism the reduce-scatter's is the all-gather of the gradient's shards); \
+             token ids have no gradient."
         ));
+        let whole = b.locals.temp(&format!("d_{name}_whole"), pos, span);
         b.push(move |nm| {
-            let (s, dy) = (nm.ident(saved), nm.by_ref(d_y));
+            let (s, dy, w) = (nm.ident(saved), nm.by_ref(d_y), nm.ident(whole));
+            let gather = sequence_gather(rt, &dy, span);
             quote! {
                 #doc
-                #call(&#this_field, cx, #site, #s, #dy)?;
+                let #w = #gather;
+                #call(&#this_field, cx, #site, #s, &#w)?;
             }
         });
     }
 }
 
-/// The tied output layer `self.field.logits(h)`: f (the identity) before it.
+/// The tied output layer `self.field.logits(h)`: f (the identity) before it, or with sequence
+/// parallelism the all-gather of the input's shards.
 pub(in crate::generate) fn logits_forward<'a>(call: &Call<'a>, b: &mut Body<'a>, io: &Forward<'_>) {
-    let Call { cx, n, .. } = *call;
+    let Call {
+        cx, n, rt, span, ..
+    } = *call;
     let site = call.site.clone();
     let this_field = call.this_field.clone();
     let name = call.name.clone();
     let Forward {
-        args, out, saved, ..
+        args,
+        out,
+        saved,
+        pos,
     } = *io;
     let h = args[0];
     let call = cx.qualified(n, quote!(VocabParallel::logits_forward));
     let doc = comment(&format!(
         "`{name}.logits`: the tied output layer, split by vocabulary. f: identity in \
-         forward (its backward all-reduces the input gradient over tp)."
+         forward (its backward all-reduces the input gradient over tp); with sequence \
+         parallelism the all-gather of the input's sequence shards over tp."
     ));
+    let whole = b.locals.temp(&format!("{name}_logits_input"), pos, span);
     b.push(move |nm| {
-        let (hr, s, o) = (nm.by_ref(h), nm.pat(saved), nm.pat(out));
+        let (hr, s, o, w) = (nm.by_ref(h), nm.pat(saved), nm.pat(out), nm.ident(whole));
+        let gather = sequence_gather(rt, &hr, span);
         quote! {
             #doc
-            let (#o, #s) = #call(&#this_field, cx, #site, #hr)?;
+            let #w = #gather;
+            let (#o, #s) = #call(&#this_field, cx, #site, &#w)?;
         }
     });
 }
 
-/// The tied output layer's backward: f's backward, the all-reduce of the input gradient.
+/// The tied output layer's backward: f's backward, the all-reduce of the input gradient (with
+/// sequence parallelism its reduce-scatter).
 pub(in crate::generate) fn logits_backward<'a>(
     call: &Call<'a>,
     b: &mut Body<'a>,
     io: &Backward<'_>,
 ) {
-    let Call { cx, n, span, .. } = *call;
+    let Call {
+        cx, n, rt, span, ..
+    } = *call;
     let site = call.site.clone();
     let this_field = call.this_field.clone();
     let name = call.name.clone();
     let Backward {
-        d_y, saved, d_args, ..
+        d_y,
+        saved,
+        d_args,
+        pos,
+        ..
     } = *io;
     let d_h = d_args[0].expect("logits inputs are tensors");
     let call = cx.qualified(n, quote!(VocabParallel::logits_backward));
     let doc = comment(&format!(
-        "`{name}.logits`: f's backward, all-reduce of the input gradient over tp."
+        "`{name}.logits`: f's backward, all-reduce of the input gradient over tp; with \
+         sequence parallelism its reduce-scatter to the sequence shards."
     ));
+    let partial = b
+        .locals
+        .temp(&format!("d_{name}_logits_partial"), pos, span);
     b.push(move |nm| {
-        let (s, dy, dh, dhi) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_h), nm.ident(d_h));
-        let reduce = tp_sum(&dhi, span);
+        let (s, dy, dh, p) = (
+            nm.ident(saved),
+            nm.by_ref(d_y),
+            nm.pat(d_h),
+            nm.ident(partial),
+        );
+        let sum = sequence_sum(rt, &p, span);
         quote! {
-            let #dh = #call(&#this_field, cx, #site, #s, #dy)?;
+            let #p = #call(&#this_field, cx, #site, #s, #dy)?;
             #doc
-            #reduce
+            let #dh = #sum;
         }
     });
 }
