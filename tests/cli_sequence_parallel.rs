@@ -1,0 +1,163 @@
+//! `megatron train --sequence-parallel`: runs of the command line with sequence parallelism
+//! against tensor parallelism alone (dropout on, the preset's 0.1) with pipelines, data
+//! parallelism and the distributed optimizer, recompute and bf16; a checkpoint saved with it
+//! resumed without it and the reverse; what it refuses.
+
+mod support;
+use support::{TempDir, megatron};
+
+/// The flags every run here shares: gpt-tiny cut to 4 layers, 8 microbatches a step, 4 steps.
+const COMMON: [&str; 13] = [
+    "train",
+    "--quiet",
+    "--num-layers",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--seed=5",
+    "--train-iters",
+    "4",
+];
+
+fn curve(dir: &TempDir, name: &str, extra: &[&str]) -> Vec<(u64, f64, f64)> {
+    support::curve(&COMMON, dir, name, extra)
+}
+
+/// Two runs' losses and gradient norms agree step by step to `bound` (relative): only the
+/// order of f32 sums differs between them.
+fn assert_close(a: &[(u64, f64, f64)], b: &[(u64, f64, f64)], bound: f64, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.0, y.0, "{what}");
+        assert!(
+            (x.1 - y.1).abs() <= bound * y.1,
+            "{what}: loss {x:?} vs {y:?}"
+        );
+        assert!(
+            (x.2 - y.2).abs() <= bound * y.2,
+            "{what}: grad norm {x:?} vs {y:?}"
+        );
+    }
+}
+
+#[test]
+fn sequence_parallel_runs_train_as_tensor_parallelism_alone() {
+    let dir = TempDir::new("cli-sp");
+    for (name, flags) in [
+        ("tp2", &["--tp", "2"][..]),
+        ("tp4", &["--tp", "4"]),
+        ("tp2pp2", &["--tp", "2", "--pp", "2"]),
+        ("tp2pp2v2", &["--tp", "2", "--pp", "2", "--vpp", "2"]),
+        (
+            "tp2dp2dist",
+            &["--tp", "2", "--dp", "2", "--use-distributed-optimizer"],
+        ),
+        (
+            "tp2full",
+            &[
+                "--tp",
+                "2",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+            ],
+        ),
+        (
+            "tp2selective",
+            &["--tp", "2", "--recompute-granularity", "selective"],
+        ),
+        ("tp2bf16", &["--tp", "2", "--bf16"]),
+    ] {
+        let without = curve(&dir, name, flags);
+        let mut with = flags.to_vec();
+        with.push("--sequence-parallel");
+        let got = curve(&dir, &format!("{name}-sp"), &with);
+        assert_close(&got, &without, 1e-5, name);
+    }
+}
+
+#[test]
+fn a_checkpoint_saved_with_sequence_parallelism_resumes_without_it_and_the_reverse() {
+    let dir = TempDir::new("cli-sp-ckpt");
+    for (first, then) in [(true, false), (false, true)] {
+        let flag = |on: bool| {
+            if on {
+                vec!["--sequence-parallel"]
+            } else {
+                vec![]
+            }
+        };
+        let save = dir.join(&format!("ckpt-{first}"));
+        let mut args = vec!["--tp", "2", "--save", &save, "--save-interval", "2"];
+        args.extend(flag(first));
+        let whole = curve(&dir, &format!("whole-{first}"), &args);
+        let from = format!("{save}/iter_0000002");
+        let mut args = vec!["--tp", "2", "--load", &from];
+        args.extend(flag(then));
+        let resumed = curve(&dir, &format!("resumed-{then}"), &args);
+        // The checkpoint holds the same tensors either way, and the forward computes the same
+        // sums in the same order with or without the flag: the first resumed loss is the
+        // whole run's, bit for bit. The norms' gradients are summed in another order after it.
+        let what = format!("saved with sequence parallelism {first}, resumed with {then}");
+        assert_eq!(resumed.len(), 2, "{what}");
+        assert_eq!(resumed[0].1.to_bits(), whole[2].1.to_bits(), "{what}");
+        assert_close(&resumed, &whole[2..], 1e-5, &what);
+    }
+}
+
+#[test]
+fn what_sequence_parallelism_refuses_names_the_numbers() {
+    let (ok, _, stderr) = megatron(&[
+        "train",
+        "--quiet",
+        "--num-layers",
+        "2",
+        "--tp",
+        "2",
+        "--sequence-parallel",
+        "--seq-length",
+        "15",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--train-iters",
+        "1",
+    ]);
+    assert!(!ok, "{stderr}");
+    assert!(
+        stderr.contains("--seq-length 15 is not divisible by --tensor-model-parallel-size 2"),
+        "{stderr}"
+    );
+    // With one tensor-parallel rank there is nothing to split: accepted, said in one line.
+    let (ok, _, stderr) = megatron(&[
+        "train",
+        "--quiet",
+        "--num-layers",
+        "2",
+        "--sequence-parallel",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--train-iters",
+        "1",
+    ]);
+    assert!(ok, "{stderr}");
+    assert_eq!(
+        stderr
+            .matches("--sequence-parallel with tensor-parallel size 1 does nothing")
+            .count(),
+        1,
+        "{stderr}"
+    );
+}
