@@ -157,6 +157,8 @@ fn gpt_training_on_the_gpu_follows_the_cpu_run() {
     assert_close(&flash_tp2, &cpu, 3e-2, "flash attention at TP=2 vs CPU");
 }
 
+/// Tensor and data parallelism on thread ranks sharing the GPU follow one rank, with and
+/// without sequence parallelism.
 #[test]
 #[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn tensor_and_data_parallel_ranks_on_one_gpu_reproduce_tp1() {
@@ -165,6 +167,24 @@ fn tensor_and_data_parallel_ranks_on_one_gpu_reproduce_tp1() {
     assert_close(&tp2, &one, 2e-4, "TP=2 vs TP=1 on the GPU");
     let tp2dp2 = curve(&job(2, 2, F32));
     assert_close(&tp2dp2, &one, 2e-4, "TP=2 × DP=2 vs TP=1 on the GPU");
+    // Sequence parallelism: the all-gathers and reduce-scatters of the shards between the
+    // ranks' device tensors, dropout per global position, the norms' gradients summed over tp.
+    let mut sp = job(2, 1, F32);
+    sp.sequence_parallel = true;
+    assert_close(
+        &curve(&sp),
+        &tp2,
+        2e-4,
+        "TP=2 with sequence parallelism vs without",
+    );
+    let mut sp_bf16 = job(2, 2, BF16);
+    sp_bf16.sequence_parallel = true;
+    assert_close(
+        &curve(&sp_bf16),
+        &curve(&job(2, 2, BF16)),
+        1e-3,
+        "bf16 products, TP=2 × DP=2 with sequence parallelism vs without",
+    );
 }
 
 /// A checkpoint saved by ranks on the GPU (parameters and Adam moments gathered from the device

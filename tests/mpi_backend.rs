@@ -534,6 +534,30 @@ fn training_under_mpirun_equals_training_on_threads() {
     processes_train_as_threads("train", &args, "mpi", &[]);
 }
 
+/// Sequence parallelism between processes: the shards' all-gathers and reduce-scatters through
+/// `MPI_Allgather` and `MPI_Reduce_scatter`, the norms' gradients summed over tp, as on thread
+/// ranks.
+#[test]
+fn sequence_parallel_training_under_mpirun_equals_thread_ranks() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--sequence-parallel",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        "64",
+    ];
+    processes_train_as_threads("sp", &args, "mpi", &[]);
+}
+
 /// A MoE GPT with its experts split over two processes of each four (ep 2, edp 2): the
 /// dispatcher's uneven all-to-alls through `MPI_Alltoallv`, the experts' gradients reduced and
 /// sharded over the expert data-parallel pairs, as on thread ranks (the log's routing statistics
@@ -730,6 +754,39 @@ fn training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
     ];
     let library_path = gpu_library_path();
     processes_train_as_threads("nccl", &args, "nccl", &[("LD_LIBRARY_PATH", &library_path)]);
+}
+
+/// Sequence parallelism over NCCL: the shards' all-gathers and reduce-scatters between the
+/// processes' GPUs follow the device-local communicator's on one GPU.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs 4 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
+fn sequence_parallel_training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--sequence-parallel",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        "64",
+        "--device",
+        "cuda",
+    ];
+    let library_path = gpu_library_path();
+    processes_train_as_threads(
+        "nccl-sp",
+        &args,
+        "nccl",
+        &[("LD_LIBRARY_PATH", &library_path)],
+    );
 }
 
 /// The distributed optimizer over NCCL: two data-parallel pairs of tensor-parallel GPUs,
