@@ -1,6 +1,7 @@
 //! What the generated code communicates: every collective one GPT transformer block calls at
 //! tensor-parallel size 2, forward then backward, in the order rank 0 calls them, and then those
-//! of the whole model (embedding, blocks, the fused cross-entropy) for one microbatch. Then
+//! of the whole model (embedding, blocks, the fused cross-entropy) for one microbatch, without
+//! and with sequence parallelism. Then
 //! every collective of one whole training step (pipeline exchanges, the dispatcher's
 //! all-to-alls, the data-parallel reduce-scatter and all-gather, the norms, the found-inf
 //! check) on the layout given on the command line, with the line that calls each: for the
@@ -10,16 +11,20 @@
 //! is what ran, not a description of it; `docs/expanded-mlp.md` shows the generated code that
 //! makes each call. The run checks the block against Megatron-LM's pattern: in forward, one
 //! all-reduce of the activations after each row-parallel layer (its g); in backward, one
-//! all-reduce of the input gradient before each column-parallel layer (its f).
+//! all-reduce of the input gradient before each column-parallel layer (its f). With sequence
+//! parallelism: in forward an all-gather of the sequence shards before qkv and fc1 and a
+//! reduce-scatter after proj and fc2; in backward the mirror (an all-gather of the output
+//! gradient before each row-parallel layer's backward, a reduce-scatter of the input gradient
+//! after each column-parallel layer's).
 //!
 //! ```sh
 //! cargo run --release --example audit
 //! cargo run --release --example audit -- --tp 1 --pp 4 --dp 2 --ep 1 --no-distributed-optimizer
 //! ```
 
-use megatron::comm::ParallelState;
 use megatron::comm::recording::{Call, RecordingWorld};
 use megatron::comm::threads::launch;
+use megatron::comm::{OpKind, ParallelState};
 use megatron::models::GptConfig;
 use megatron::models::gpt::{Block, Gpt};
 use megatron::module::{Builder, Cx, Module, Site};
@@ -31,11 +36,14 @@ const TP: usize = 2;
 const S: usize = 8;
 const B: usize = 2;
 
-/// A call's size in the units of the model: `b·s·h`, `b·s`, or elements.
+/// A call's size in the units of the model: `b·s·h`, `b·s·h/tp` (a shard of the sequence), `b·s`,
+/// or elements.
 fn size(call: &Call, hidden: usize) -> String {
     let n = call.desc.count;
     if n == B * S * hidden {
         "b·s·h".to_string()
+    } else if n * TP == B * S * hidden {
+        "b·s·h/tp".to_string()
     } else if n == B * S {
         "b·s".to_string()
     } else {
@@ -61,20 +69,23 @@ fn print_calls(title: &str, calls: &[Call], hidden: usize) {
 /// Rank 0's calls: a block's forward and backward, then the whole model's.
 type Recorded = (Vec<Call>, Vec<Call>, Vec<Call>, Vec<Call>);
 
-fn record(config: &GptConfig) -> megatron::Result<Recorded> {
+fn record(config: &GptConfig, sequence_parallel: bool) -> megatron::Result<Recorded> {
     let layout = ParallelLayout::new(&ParallelConfig::new(TP).with_tp(TP))?;
     let spec = config.spec();
     let h = config.hidden_size;
     let ranks = launch(TP, |world| -> megatron::Result<Recorded> {
         let recording = RecordingWorld::new(&world);
-        let parallel = ParallelState::new(&recording, &layout)?;
+        let parallel =
+            ParallelState::new(&recording, &layout)?.with_sequence_parallel(sequence_parallel);
         let log = recording.log();
         log.take();
         let cx = Cx::new(&parallel, 0);
         let mut builder = Builder::for_rank(0, parallel.groups());
 
         let block = Block::build(&spec.blocks[0], &mut builder)?;
-        let x = Tensor::zeros([S, B, h], DType::F32);
+        // With sequence parallelism a block takes this rank's shard of the sequence.
+        let s = if sequence_parallel { S / TP } else { S };
+        let x = Tensor::zeros([s, B, h], DType::F32);
         let (y, saved) = block.forward(&cx, Site::ROOT, &x)?;
         let block_forward = log.take();
         block.backward(&cx, Site::ROOT, saved, &y)?;
@@ -121,45 +132,98 @@ struct Args {
     sequence_parallel: bool,
 }
 
+/// Checks a block's calls against Megatron-LM's pattern (see the module's documentation).
+fn check_block(
+    sequence_parallel: bool,
+    forward: &[Call],
+    backward: &[Call],
+    h: usize,
+) -> std::result::Result<(), Box<dyn std::error::Error>> {
+    let kinds = |calls: &[Call]| -> Vec<OpKind> { calls.iter().map(|c| c.desc.kind).collect() };
+    let on_tp = |calls: &[Call]| calls.iter().all(|c| c.group == "tp");
+    let (gather, scatter, reduce) = (OpKind::AllGather, OpKind::ReduceScatter, OpKind::AllReduce);
+    let (want_forward, want_backward, sizes_fit) = if sequence_parallel {
+        // All-gathers pass this rank's shard; reduce-scatters leave one: b·s·h/tp each.
+        let shards = |calls: &[Call]| calls.iter().all(|c| c.desc.count * TP == B * S * h);
+        (
+            vec![gather, scatter, gather, scatter],
+            vec![gather, scatter, gather, scatter],
+            shards(forward) && shards(backward),
+        )
+    } else {
+        let whole = |calls: &[Call]| calls.iter().all(|c| c.desc.count == B * S * h);
+        (
+            vec![reduce, reduce],
+            vec![reduce, reduce],
+            whole(forward) && whole(backward),
+        )
+    };
+    if kinds(forward) != want_forward
+        || kinds(backward) != want_backward
+        || !sizes_fit
+        || !on_tp(forward)
+        || !on_tp(backward)
+    {
+        return Err(format!(
+            "the block's collectives{} are not Megatron-LM's: forward {:?}, backward {:?}",
+            if sequence_parallel {
+                " with sequence parallelism"
+            } else {
+                ""
+            },
+            kinds(forward),
+            kinds(backward)
+        )
+        .into());
+    }
+    if sequence_parallel {
+        println!(
+            "\nthe block makes Megatron-LM's collectives with sequence parallelism: an all-gather \
+             before qkv and fc1 and a reduce-scatter after proj and fc2 forward, the mirror \
+             backward, each of b·s·h (a shard of b·s·h/tp per rank)"
+        );
+    } else {
+        println!(
+            "\nthe block makes Megatron-LM's collectives: 2 all-reduces of b·s·h forward, 2 \
+             backward"
+        );
+    }
+    Ok(())
+}
+
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let args = <Args as clap::Parser>::parse();
     let config = (megatron::models::preset("gpt-tiny")
         .ok_or("gpt-tiny is registered")?
         .config)();
     let h = config.hidden_size;
-    let (block_forward, block_backward, model_forward, model_backward) = record(&config)?;
-    println!(
-        "gpt-tiny at tensor-parallel size {TP}, s = {S}, b = {B}, h = {h}: rank 0's collectives\n"
-    );
-    print_calls("one transformer block, forward", &block_forward, h);
-    print_calls("one transformer block, backward", &block_backward, h);
-    println!();
-    print_calls(
-        &format!(
-            "the whole model ({} blocks), forward with the loss",
-            config.num_layers
-        ),
-        &model_forward,
-        h,
-    );
-    print_calls("the whole model, backward", &model_backward, h);
-
-    // Megatron-LM's block: attention's and the MLP's row-parallel outputs summed in forward
-    // (g), the column-parallel inputs' gradients summed in backward (f), all b·s·h, all on tp.
-    let megatron_block = |calls: &[Call]| {
-        calls.len() == 2
-            && calls
-                .iter()
-                .all(|c| c.group == "tp" && c.desc.count == B * S * h)
-    };
-    if !megatron_block(&block_forward) || !megatron_block(&block_backward) {
-        return Err(
-            "the block's collectives are not Megatron-LM's two all-reduces each way".into(),
+    for sequence_parallel in [false, true] {
+        let (block_forward, block_backward, model_forward, model_backward) =
+            record(&config, sequence_parallel)?;
+        let with = if sequence_parallel {
+            " with sequence parallelism"
+        } else {
+            ""
+        };
+        println!(
+            "gpt-tiny at tensor-parallel size {TP}{with}, s = {S}, b = {B}, h = {h}: rank 0's \
+             collectives\n"
         );
+        print_calls("one transformer block, forward", &block_forward, h);
+        print_calls("one transformer block, backward", &block_backward, h);
+        println!();
+        print_calls(
+            &format!(
+                "the whole model ({} blocks), forward with the loss",
+                config.num_layers
+            ),
+            &model_forward,
+            h,
+        );
+        print_calls("the whole model, backward", &model_backward, h);
+        check_block(sequence_parallel, &block_forward, &block_backward, h)?;
+        println!();
     }
-    println!(
-        "\nthe block makes Megatron-LM's collectives: 2 all-reduces of b·s·h forward, 2 backward"
-    );
 
     let layout = megatron::audit::AuditLayout {
         tp: args.tp,
