@@ -127,9 +127,9 @@ struct Args {
     /// Adam's state whole on every data-parallel rank.
     #[arg(long)]
     no_distributed_optimizer: bool,
-    /// Sequence parallelism in the step.
+    /// No sequence parallelism in the step (the audited model's MoE layers need it with tp > 1).
     #[arg(long)]
-    sequence_parallel: bool,
+    no_sequence_parallel: bool,
 }
 
 /// Checks a block's calls against Megatron-LM's pattern (see the module's documentation).
@@ -227,7 +227,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
 
     let layout = megatron::audit::AuditLayout {
         tp: args.tp,
-        sequence_parallel: args.sequence_parallel,
+        sequence_parallel: !args.no_sequence_parallel,
         pp: args.pp,
         dp: args.dp,
         ep: args.ep,

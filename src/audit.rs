@@ -46,11 +46,12 @@ pub struct AuditLayout {
 }
 
 impl Default for AuditLayout {
-    /// The layout of docs/collectives.md: tp 2 · pp 2 · dp 2 · ep 2, distributed optimizer.
+    /// The layout of docs/collectives.md: tp 2 · pp 2 · dp 2 · ep 2 with sequence parallelism
+    /// (Megatron-LM's MoE layers need it with tp > 1), distributed optimizer.
     fn default() -> Self {
         AuditLayout {
             tp: 2,
-            sequence_parallel: false,
+            sequence_parallel: true,
             pp: 2,
             dp: 2,
             ep: 2,
@@ -327,7 +328,11 @@ pub fn document(layout: &AuditLayout, ranks: &[Vec<Call>]) -> String {
          code that is the line of the model's `forward` whose collective it is \
          (`megatron-models/src/gpt.rs`): in forward the g of a row-parallel layer and the \
          all-reduce of the vocab-parallel embedding's partial lookups, in backward the f of a \
-         column-parallel layer (the all-reduce of its input gradient).\n\n\
+         column-parallel layer (the all-reduce of its input gradient). With sequence \
+         parallelism each of those is a reduce-scatter to the sequence shards or an all-gather \
+         of them (before a column-parallel layer and the tied output layer in forward, before \
+         a row-parallel layer's backward), and the MoE router sums its load-balancing counts \
+         over `tp` (each rank routes its shard).\n\n\
          The groups are Megatron-LM's: `tp` tensor-parallel, `pp` the stages of one pipeline, \
          `dp` data-parallel, `ep` expert-parallel (the dispatcher's all-to-alls), `edp` the \
          expert parameters' data-parallel group, `etp-ep` the expert model-parallel group, \

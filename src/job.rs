@@ -373,6 +373,8 @@ impl TrainJob {
                 .with_etp(self.etp),
         )?;
         self.check_graph_scopes()?;
+        self.model
+            .validate_parallel(self.tp, self.ep, self.sequence_parallel)?;
         let plan: BatchPlan = *self.train_data.plan();
         if self.sequence_parallel && self.tp > 1 && !plan.seq_length.is_multiple_of(self.tp) {
             bail!(

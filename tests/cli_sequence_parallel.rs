@@ -161,3 +161,96 @@ fn what_sequence_parallelism_refuses_names_the_numbers() {
         "{stderr}"
     );
 }
+
+#[test]
+fn inspect_shows_the_collectives_and_the_exchanges_with_sequence_parallelism() {
+    let (ok, stdout, stderr) = megatron(&[
+        "inspect",
+        "--model",
+        "gpt-tiny",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--sequence-parallel",
+    ]);
+    assert!(ok, "{stderr}");
+    for line in [
+        "forward   tp all_reduce × 2 of b·s·h f32",
+        "collectives of one transformer layer, with sequence parallelism",
+        "forward   tp all_gather × 2 of b·s·h/tp f32",
+        "forward   tp reduce_scatter × 2 of b·s·h/tp f32",
+        "backward  tp all_gather × 2 of b·s·h/tp f32",
+        "backward  tp reduce_scatter × 2 of b·s·h/tp f32",
+        "each an f32 activation of b·s·h/tp forward",
+    ] {
+        assert!(stdout.contains(line), "{line}\n{stdout}");
+    }
+}
+
+/// MoE with tensor parallelism (parallel folding: attention tp · dp, experts ep · etp · edp):
+/// each tensor-parallel rank routes its shard of the sequence; the load-balancing counts are
+/// summed over tp (the ranks' aux losses add up to the sequence's), the z loss averaged, the
+/// router's gradient summed over tp. The same run as one rank holding every expert, with the
+/// same routing (the log's load-balancing statistics included).
+#[test]
+fn moe_with_tensor_and_sequence_parallelism_trains_as_one_rank() {
+    let dir = TempDir::new("cli-sp-moe");
+    let moe = [
+        "--model",
+        "gpt-moe-tiny",
+        "--num-layers",
+        "2",
+        "--moe-z-loss-coeff",
+        "0.001",
+    ];
+    let flags = |extra: &[&'static str]| -> Vec<&'static str> {
+        let mut v = moe.to_vec();
+        v.extend(extra);
+        v
+    };
+    let stats = |name: &str| -> Vec<(f64, f64)> {
+        support::log_lines(&dir.join(&format!("{name}.jsonl")))
+            .iter()
+            .map(|l| {
+                (
+                    l["moe"]["aux_loss"].as_f64().unwrap(),
+                    l["moe"]["z_loss"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    for (balance, dispatcher) in [("aux_loss", "alltoall"), ("seq_aux_loss", "allgather")] {
+        let base = [
+            "--moe-router-load-balancing-type",
+            balance,
+            "--moe-token-dispatcher-type",
+            dispatcher,
+        ];
+        let reference = curve(&dir, &format!("one-{balance}"), &flags(&base));
+        let reference_stats = stats(&format!("one-{balance}"));
+        for (name, layout) in [
+            ("tp2", &["--tp", "2"][..]),
+            ("tp2ep2", &["--tp", "2", "--ep", "2"]),
+            ("tp2ep2dp2", &["--tp", "2", "--ep", "2", "--dp", "2"]),
+            ("tp2etp2", &["--tp", "2", "--etp", "2"]),
+        ] {
+            let mut args = flags(&base);
+            args.extend(layout);
+            args.push("--sequence-parallel");
+            let name = format!("{name}-{balance}");
+            let got = curve(&dir, &name, &args);
+            assert_close(&got, &reference, 1e-5, &name);
+            for (g, w) in stats(&name).iter().zip(&reference_stats) {
+                assert!(
+                    (g.0 - w.0).abs() <= 1e-5 * w.0,
+                    "{name}: aux loss {g:?} vs {w:?}"
+                );
+                assert!(
+                    (g.1 - w.1).abs() <= 1e-5 * w.1,
+                    "{name}: z loss {g:?} vs {w:?}"
+                );
+            }
+        }
+    }
+}

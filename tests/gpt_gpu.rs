@@ -407,6 +407,17 @@ fn moe_training_on_the_gpu_follows_the_cpu_run() {
         2e-4,
         "MoE GPU all-gather vs all-to-all",
     );
+    // With tensor and sequence parallelism: each tensor-parallel rank routes its shard, the
+    // device router's load-balancing counts all-reduced over tp.
+    let mut sp = moe_job(2, 2, F32);
+    sp.tp = 2;
+    sp.sequence_parallel = true;
+    assert_close(
+        &curve(&sp),
+        &gpu,
+        2e-4,
+        "MoE GPU tp 2 with sequence parallelism vs tp 1",
+    );
 }
 
 /// A MoE step on the GPU keeps its activations, weights, gradients and routing on the device:

@@ -970,7 +970,8 @@ fn an_interleaved_pipeline_with_nccl_under_mpirun_follows_thread_ranks_on_one_gp
 }
 
 /// `--cuda-graph-scope attn mlp` with tensor parallelism over NCCL, one process per GPU: the
-/// row-parallel layers' all-reduces are recorded in the graphs and run at each replay (the
+/// row-parallel layers' all-reduces (with sequence parallelism the all-gathers and
+/// reduce-scatters of the shards) are recorded in the graphs and run at each replay (the
 /// members replay in the same order), and the two processes give the eager run's losses and
 /// gradient norms bit for bit.
 #[cfg(feature = "cuda")]
@@ -1001,22 +1002,28 @@ fn graph_scopes_with_tensor_parallelism_over_nccl_replay_the_eager_run() {
     let library_path = gpu_library_path();
     let env = [("LD_LIBRARY_PATH", library_path.as_str())];
     let dir = scratch_dir("nccl-graphs");
-    let run = |name: &str, extra: &[&str]| -> Vec<serde_json::Value> {
-        let mpi = megatron_under_mpirun(2, &env);
-        train_log(mpi, &dir.join(name), &[&args[..], extra].concat())
+    for sequence_parallel in [&[][..], &["--sequence-parallel"]] {
+        let run = |name: &str, extra: &[&str]| -> Vec<serde_json::Value> {
+            let mpi = megatron_under_mpirun(2, &env);
+            train_log(
+                mpi,
+                &dir.join(name),
+                &[&args[..], sequence_parallel, extra].concat(),
+            )
             .iter()
             .map(|l| serde_json::from_str(l).expect("JSON line"))
             .collect()
-    };
-    let eager = run("eager.jsonl", &[]);
-    let mut graphed = run("graphs.jsonl", &["--cuda-graph-scope", "attn", "mlp"]);
-    let last = graphed.last().expect("a step")["graphs"].clone();
-    assert!(last["captured"].as_u64() > Some(0), "{last}");
-    assert!(last["replays"].as_u64() > Some(0), "{last}");
-    for line in &mut graphed {
-        line.as_object_mut().expect("object").remove("graphs");
+        };
+        let eager = run("eager.jsonl", &[]);
+        let mut graphed = run("graphs.jsonl", &["--cuda-graph-scope", "attn", "mlp"]);
+        let last = graphed.last().expect("a step")["graphs"].clone();
+        assert!(last["captured"].as_u64() > Some(0), "{last}");
+        assert!(last["replays"].as_u64() > Some(0), "{last}");
+        for line in &mut graphed {
+            line.as_object_mut().expect("object").remove("graphs");
+        }
+        assert_eq!(graphed, eager, "{sequence_parallel:?}");
     }
-    assert_eq!(graphed, eager);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -122,7 +122,7 @@ fn the_device_router_routes_as_the_host_router() {
         let host: Routing = route(&logits, SEQ, &config, Some(&bias)).unwrap();
         dropped += host.dropped;
         losses += usize::from(host.aux_loss != 0.0) + usize::from(host.z_loss != 0.0);
-        let device = DeviceRouting::new(&logits_d, SEQ, &config, Some(&bias_d))
+        let device = DeviceRouting::new(&logits_d, SEQ, &config, Some(&bias_d), None)
             .and_then(|r| r.with_permuted(&tokens_d))
             .unwrap();
         let got = device.read_back().unwrap();
@@ -213,14 +213,14 @@ fn the_device_router_refuses_what_the_host_router_refuses() {
         .unwrap()
         .to_gpu(&gpu)
         .unwrap();
-    let err = DeviceRouting::new(&logits, 5, &RouterConfig::new(EXPERTS, 2), None)
+    let err = DeviceRouting::new(&logits, 5, &RouterConfig::new(EXPERTS, 2), None, None)
         .unwrap_err()
         .to_string();
     assert!(
         err.contains("24 tokens do not cut into sequences of 5"),
         "{err}"
     );
-    let err = DeviceRouting::new(&logits, SEQ, &RouterConfig::new(EXPERTS, 7), None)
+    let err = DeviceRouting::new(&logits, SEQ, &RouterConfig::new(EXPERTS, 7), None, None)
         .unwrap_err()
         .to_string();
     assert!(err.contains("--moe-router-topk 7"), "{err}");

@@ -190,15 +190,15 @@ impl GptConfig {
 
     /// Checks that the sizes divide as tensor parallelism over `tp` ranks and expert
     /// parallelism over `ep` ranks need; every message names the numbers.
-    pub fn validate_parallel(&self, tp: usize, ep: usize) -> Result<()> {
+    pub fn validate_parallel(&self, tp: usize, ep: usize, sequence_parallel: bool) -> Result<()> {
         self.validate(tp)?;
         let Some(moe) = &self.moe else {
             return Ok(());
         };
-        if tp > 1 {
+        if tp > 1 && !sequence_parallel {
             return invalid!(
                 "MoE layers with tensor-parallel size {tp} need sequence parallelism (Megatron-LM \
-                 refuses to train them without it), which megatron-rs does not have yet: use \
+                 refuses to train them without it): add --sequence-parallel, or use \
                  --tensor-model-parallel-size 1 with expert and data parallelism"
             );
         }

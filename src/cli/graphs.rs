@@ -36,7 +36,7 @@ pub struct GraphsArgs {
 
 /// Runs `megatron graphs`.
 pub fn run(args: &GraphsArgs) -> Result<()> {
-    let config = args.arch.config(1, 1)?;
+    let config = args.arch.config(1, 1, false)?;
     let scopes = ScopeSet::parse(&args.cuda_graph_scope).context("--cuda-graph-scope")?;
     scopes.validate(&config.scoped_model(false)?)?;
     let schedule = Schedule::new(args.shape.config()?)?;

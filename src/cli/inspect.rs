@@ -96,6 +96,10 @@ pub struct InspectArgs {
     /// bf16 gradients under --bf16.
     #[arg(long)]
     grad_reduce_in_bf16: bool,
+    /// Sequence parallelism: show the layer's collectives with it (beside those without) and
+    /// the pipeline's exchanges of the sequence shards.
+    #[arg(long)]
+    sequence_parallel: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -223,19 +227,31 @@ fn collectives(stats: &[(GroupKind, CommStats)]) -> Vec<Collective> {
         .collect()
 }
 
-/// `elements` as a multiple of b·s·h (the layer's activation size) when it is one.
-fn in_bsh(elements: Option<u64>, hidden: usize) -> String {
+/// The sizes a layer's collectives were measured at: the hidden size, the sequence length and
+/// the tensor-parallel size.
+#[derive(Debug, Clone, Copy)]
+struct Measured {
+    h: usize,
+    s: usize,
+    tp: usize,
+}
+
+/// `elements` as a multiple of b·s·h (the layer's activation size), or of a sequence shard
+/// b·s·h/tp, when it is one.
+fn in_bsh(elements: Option<u64>, m: Measured) -> String {
     let Some(elements) = elements else {
         return "sizes the routing sets at run time".to_string();
     };
-    let bsh = (B * S * hidden) as u64;
+    let bsh = (B * m.s * m.h) as u64;
     if elements.is_multiple_of(bsh) {
         match elements / bsh {
             1 => "b·s·h".to_string(),
             k => format!("{k}·b·s·h"),
         }
+    } else if m.tp > 1 && elements * m.tp as u64 == bsh {
+        "b·s·h/tp".to_string()
     } else {
-        format!("{elements} elements at b = {B}, s = {S}")
+        format!("{elements} elements at b = {B}, s = {}", m.s)
     }
 }
 
@@ -262,8 +278,15 @@ const MEASURED_TP: usize = 8;
 fn layer_collectives(
     config: &GptConfig,
     tp: usize,
-) -> Result<(Vec<Collective>, Vec<Collective>, usize)> {
+    sequence_parallel: bool,
+) -> Result<(Vec<Collective>, Vec<Collective>, Measured)> {
     let tp = tp.min(MEASURED_TP);
+    // With sequence parallelism each rank takes a shard of S positions of a sequence of S·tp.
+    let (s, shard) = if sequence_parallel && tp > 1 {
+        (S * tp, S)
+    } else {
+        (S, S)
+    };
     let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp))?;
     let mut config = config.clone();
     config.num_layers = 1;
@@ -279,10 +302,10 @@ fn layer_collectives(
     let spec = config.spec().blocks.remove(0);
     let h = config.hidden_size;
     let out = launch(tp, |w| -> Result<_> {
-        let ps = ParallelState::new(&w, &layout)?;
+        let ps = ParallelState::new(&w, &layout)?.with_sequence_parallel(sequence_parallel);
         let block = Block::build(&spec, &mut Builder::for_rank(0, ps.groups()).meta())?;
         let cx = Cx::new(&ps, 0).eval();
-        let x = Tensor::zeros([S, B, h], DType::F32);
+        let x = Tensor::zeros([shard, B, h], DType::F32);
         let before = ps.stats();
         let (y, saved) = block.forward(&cx, Site::ROOT, &x)?;
         let middle = ps.stats();
@@ -301,7 +324,7 @@ fn layer_collectives(
     })
     .map_err(anyhow::Error::msg)?;
     let (fwd, bwd) = out.into_iter().next().expect("at least one rank");
-    Ok((collectives(&fwd), collectives(&bwd), h))
+    Ok((collectives(&fwd), collectives(&bwd), Measured { h, s, tp }))
 }
 
 /// Runs `megatron inspect`.
@@ -327,7 +350,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
         );
     }
     let edp = args.tp * args.dp / (args.ep * args.etp);
-    let config = args.arch.config(args.tp, args.ep)?;
+    let config = args.arch.config(args.tp, args.ep, args.sequence_parallel)?;
     let model = Gpt::build(
         &config.spec(),
         &mut Builder::new(0)
@@ -341,7 +364,19 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     drop(model);
     let total: usize = specs.iter().map(|s| s.logical.numel()).sum();
     let local: usize = specs.iter().map(|s| s.local.numel()).sum();
-    let (fwd, bwd, measured_h) = layer_collectives(&config, args.tp)?;
+    let (fwd, bwd, measured) = layer_collectives(&config, args.tp, false)?;
+    let sequence_parallel = args.sequence_parallel && args.tp > 1;
+    // What crosses a pipeline boundary: the activation, or with sequence parallelism its shard.
+    let carried = if sequence_parallel {
+        "b·s·h/tp"
+    } else {
+        "b·s·h"
+    };
+    let sp = if sequence_parallel {
+        Some(layer_collectives(&config, args.tp, true)?)
+    } else {
+        None
+    };
     let padded = config.padded_vocab_size(args.tp);
     let stages = stage_rows(args, config.num_layers)?;
     // Each boundary between virtual stages carries a b·s·h f32 activation forward and its
@@ -366,9 +401,9 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             .iter()
             .map(|s| json!({ "name": s.name, "logical": s.logical.dims(), "local": s.local.dims(), "split": split_name(s) }))
             .collect();
-        let phase = |cs: &[Collective]| -> Vec<Value> {
+        let phase = |cs: &[Collective], m: Measured| -> Vec<Value> {
             cs.iter()
-                .map(|c| json!({ "group": c.group, "op": c.op, "calls": c.calls, "elements_per_call": in_bsh(c.elements_per_call, measured_h) }))
+                .map(|c| json!({ "group": c.group, "op": c.op, "calls": c.calls, "elements_per_call": in_bsh(c.elements_per_call, m) }))
                 .collect()
         };
         let out = json!({
@@ -399,7 +434,8 @@ pub fn run(args: &InspectArgs) -> Result<()> {
                 "grads": state_grads,
                 "optimizer": state_optimizer,
             },
-            "layer_collectives": { "forward": phase(&fwd), "backward": phase(&bwd) },
+            "layer_collectives": { "forward": phase(&fwd, measured), "backward": phase(&bwd, measured) },
+            "sequence_parallel_layer_collectives": sp.as_ref().map(|(f, b, m)| json!({ "forward": phase(f, *m), "backward": phase(b, *m) })),
             "pipeline": {
                 "pp": args.pp,
                 "vpp": args.vpp,
@@ -413,9 +449,9 @@ pub fn run(args: &InspectArgs) -> Result<()> {
                 })).collect::<Vec<_>>(),
                 "p2p_per_microbatch": {
                     "boundaries": boundaries,
-                    "forward_elements": "b·s·h",
-                    "backward_elements": "b·s·h",
-                    "bytes_per_boundary": "2·4·b·s·h",
+                    "forward_elements": carried,
+                    "backward_elements": carried,
+                    "bytes_per_boundary": format!("2·4·{carried}"),
                 },
             },
         });
@@ -508,22 +544,29 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             }
         );
     }
-    let _ = writeln!(
-        out,
-        "\ncollectives of one transformer layer (b: micro batch, s: sequence length, h: hidden size):"
-    );
-    for (name, cs) in [("forward", &fwd), ("backward", &bwd)] {
-        if cs.is_empty() {
-            let _ = writeln!(out, "  {name:<9} none");
-        }
-        for c in cs.iter() {
-            let size = match c.elements_per_call {
-                Some(_) => format!("of {} f32", in_bsh(c.elements_per_call, measured_h)),
-                // The MoE dispatcher: the per-expert counts, then the rows of h values.
-                None => "(rows of h f32, in forward after the per-expert counts: sizes the routing sets at run time)"
-                    .into(),
-            };
-            let _ = writeln!(out, "  {name:<9} {} {} × {} {size}", c.group, c.op, c.calls);
+    let mut tables = vec![("", &fwd, &bwd, measured)];
+    if let Some((f, b, m)) = &sp {
+        tables.push((", with sequence parallelism", f, b, *m));
+    }
+    for (with, fwd, bwd, m) in tables {
+        let _ = writeln!(
+            out,
+            "\ncollectives of one transformer layer{with} (b: micro batch, s: sequence length, h: \
+             hidden size, tp: tensor-parallel size):"
+        );
+        for (name, cs) in [("forward", fwd), ("backward", bwd)] {
+            if cs.is_empty() {
+                let _ = writeln!(out, "  {name:<9} none");
+            }
+            for c in cs.iter() {
+                let size = match c.elements_per_call {
+                    Some(_) => format!("of {} f32", in_bsh(c.elements_per_call, m)),
+                    // The MoE dispatcher: the per-expert counts, then the rows of h values.
+                    None => "(rows of h f32, in forward after the per-expert counts: sizes the routing sets at run time)"
+                        .into(),
+                };
+                let _ = writeln!(out, "  {name:<9} {} {} × {} {size}", c.group, c.op, c.calls);
+            }
         }
     }
     if args.pp > 1 {
@@ -548,10 +591,16 @@ pub fn run(args: &InspectArgs) -> Result<()> {
         }
         let _ = writeln!(
             out,
-            "p2p per microbatch: {boundaries} stage boundar{}, each an f32 activation of b·s·h \
-             forward and its gradient back (2·4·b·s·h bytes); the tied embedding's gradient \
-             all-reduced over the embedding group (first and last stage) once a step",
-            if boundaries == 1 { "y" } else { "ies" }
+            "p2p per microbatch: {boundaries} stage boundar{}, each an f32 activation of \
+             {carried} forward and its gradient back (2·4·{carried} bytes{}); the tied \
+             embedding's gradient all-reduced over the embedding group (first and last stage) \
+             once a step",
+            if boundaries == 1 { "y" } else { "ies" },
+            if sequence_parallel {
+                ": with sequence parallelism each stage sends its shard of the sequence"
+            } else {
+                ""
+            }
         );
     }
     output::text(&out)?;

@@ -155,7 +155,7 @@ fn model_params(args: &LayoutArgs) -> Result<Vec<ParamInfo>> {
     if args.tp == 0 {
         bail!("--tensor-model-parallel-size must be at least 1");
     }
-    let config = args.arch.config(args.tp, 1)?;
+    let config = args.arch.config(args.tp, 1, false)?;
     let model = Gpt::build(
         &config.spec(),
         &mut Builder::new(0)

@@ -80,9 +80,9 @@ impl ArchitectureArgs {
     }
 
     /// The preset with the overrides applied, checked for `tp` tensor-parallel and `ep`
-    /// expert-parallel ranks.
-    pub fn config(&self, tp: usize, ep: usize) -> Result<GptConfig> {
-        self.apply(preset_config(self.model_name())?, tp, ep)
+    /// expert-parallel ranks, with or without sequence parallelism.
+    pub fn config(&self, tp: usize, ep: usize, sequence_parallel: bool) -> Result<GptConfig> {
+        self.apply(preset_config(self.model_name())?, tp, ep, sequence_parallel)
     }
 
     /// Refuses flags that contradict the architecture of a checkpoint (`saved`, recorded as
@@ -163,8 +163,15 @@ impl ArchitectureArgs {
     }
 
     /// `base` (a preset, or the architecture a checkpoint records) with the overrides applied,
-    /// checked for `tp` tensor-parallel and `ep` expert-parallel ranks.
-    pub fn apply(&self, base: GptConfig, tp: usize, ep: usize) -> Result<GptConfig> {
+    /// checked for `tp` tensor-parallel and `ep` expert-parallel ranks, with or without
+    /// sequence parallelism.
+    pub fn apply(
+        &self,
+        base: GptConfig,
+        tp: usize,
+        ep: usize,
+        sequence_parallel: bool,
+    ) -> Result<GptConfig> {
         let mut c = base;
         if let Some(v) = self.hidden_size {
             c.hidden_size = v;
@@ -194,7 +201,7 @@ impl ArchitectureArgs {
             }
         }
         self.moe.apply(&mut c)?;
-        c.validate_parallel(tp, ep)?;
+        c.validate_parallel(tp, ep, sequence_parallel)?;
         Ok(c)
     }
 }

@@ -564,10 +564,13 @@ impl TrainArgs {
                     .or(self.arch.model())
                     .unwrap_or("the checkpoint's model")
                     .to_string();
-                (name, self.arch.apply(saved, tp, ep)?)
+                (
+                    name,
+                    self.arch.apply(saved, tp, ep, self.sequence_parallel)?,
+                )
             }
             None => {
-                let mut model = self.arch.config(tp, ep)?;
+                let mut model = self.arch.config(tp, ep, self.sequence_parallel)?;
                 if let Some(spec) = &self.tokenizer {
                     if let Some(given) = self.arch.vocab_size()
                         && given != tokenizer.vocab_size()
@@ -579,7 +582,7 @@ impl TrainArgs {
                         );
                     }
                     model.vocab_size = tokenizer.vocab_size();
-                    model.validate_parallel(tp, ep)?;
+                    model.validate_parallel(tp, ep, self.sequence_parallel)?;
                 } else if model.vocab_size < 256 {
                     // Without --tokenizer the data is bytes: ids up to 255.
                     bail!(

@@ -268,11 +268,12 @@ device_ops! {
     /// The MoE router where the tokens are (`moe::routed`).
     pub(crate) trait RouterOps {
         /// On a GPU, the gate's logits `[tokens, experts]` of the tokens `x` (`[.., hidden]`)
-        /// and their routing, `(seq, config, bias)` as the host router takes them,
+        /// and their routing, `(seq, config, bias, tp)` as the host router takes them (`tp`:
+        /// with sequence parallelism, the group the load-balancing counts are summed over),
         /// nothing read back (a graph can capture them), with `permute` also the rows laid out
         /// expert-major for the all-to-all; `None` on the host, whose router runs on the
         /// logits' values.
-        fn route_on_device(&self, x: &Tensor, gate: &Tensor, routing: (usize, &RouterConfig, Option<&Tensor>), permute: bool) -> Result<Option<(Tensor, DeviceRouting)>>;
+        fn route_on_device(&self, x: &Tensor, gate: &Tensor, routing: (usize, &RouterConfig, Option<&Tensor>, Option<&dyn crate::comm::Communicator>), permute: bool) -> Result<Option<(Tensor, DeviceRouting)>>;
     }
 }
 

@@ -21,7 +21,7 @@ pub use routed::{
     ExpertParallelSaved, GateSaved, RoutedExperts, RoutedExpertsSpec, RouterOutput, RouterSaved,
 };
 pub use router::{
-    DropPolicy, LoadBalancing, RouterConfig, RouterError, Routing, ScoreFunction, route,
-    route_backward, update_expert_bias,
+    DropPolicy, LoadBalancing, Partition, RouterConfig, RouterError, Routing, ScoreFunction, route,
+    route_backward, route_partitioned, update_expert_bias,
 };
 pub use step::{RoutingLog, RoutingTotals};

@@ -15,8 +15,11 @@ use super::ExpertParallel;
 use super::dispatcher::{CombineSaved, Dispatch, DispatcherKind, placed};
 use super::expert_tp::TpRows;
 use super::experts::{ExpertShape, ExpertsSaved};
-use super::{PlacedRouting, RouterConfig, Routing, route, route_backward};
+use super::{
+    Partition, PlacedRouting, RouterConfig, RouterError, Routing, route_backward, route_partitioned,
+};
 use crate::backend;
+use crate::comm::ReduceOp;
 use crate::cuda::DeviceRouting;
 use crate::cuda_graphs::{GraphScope, captures};
 use crate::error::Result;
@@ -360,10 +363,18 @@ impl ExpertParallel for RoutedExperts {
         let router_graph_only =
             captures(cx, GraphScope::MoeRouter) && !captures(cx, GraphScope::MoePreprocess);
         let permute = self.dispatcher == DispatcherKind::AllToAll && !router_graph_only;
+        if cx.sequence_parallel() && captures(cx, GraphScope::MoeRouter) {
+            return invalid!(
+                "graph scope moe_router with sequence parallelism: the router's load-balancing \
+                 counts are all-reduced over tp inside it, which a graph does not capture yet; \
+                 leave moe_router out of --cuda-graph-scope"
+            );
+        }
         let routing = (
             sequence_length(dims, tokens),
             &self.router,
             self.expert_bias.as_ref().map(Param::value),
+            cx.sequence_parallel().then(|| cx.tp()),
         );
         let gate = self.gate.compute_value();
         if let Some((logits, routing)) =
@@ -390,7 +401,7 @@ impl ExpertParallel for RoutedExperts {
 
     fn route(
         &self,
-        _cx: &Cx,
+        cx: &Cx,
         _site: Site,
         x: &Tensor,
         gated: &RouterOutput,
@@ -410,7 +421,28 @@ impl ExpertParallel for RoutedExperts {
             .as_ref()
             .map(|b| host_f32(b.value()))
             .transpose()?;
-        let routing = route(&host, seq, &self.router, bias.as_deref())?;
+        // Sequence parallelism: this rank routes its shard; the load-balancing counts are summed
+        // over tp.
+        let sum_counts = |counts: &mut [f32]| -> std::result::Result<(), RouterError> {
+            let t = Tensor::from_slice(counts, [counts.len()])
+                .map_err(|e| RouterError::Counts(e.to_string()))?;
+            cx.tp()
+                .all_reduce(&t, ReduceOp::Sum)
+                .map_err(|e| RouterError::Counts(e.to_string()))?;
+            let summed = t
+                .to_vec::<f32>()
+                .map_err(|e| RouterError::Counts(e.to_string()))?;
+            counts.copy_from_slice(&summed);
+            Ok(())
+        };
+        let partition = match cx.sequence_parallel() {
+            true => Partition {
+                ranks: cx.tp_size(),
+                sum_counts: &sum_counts,
+            },
+            false => Partition::WHOLE,
+        };
+        let routing = route_partitioned(&host, seq, &self.router, bias.as_deref(), partition)?;
         Ok((
             routing.placed(x)?,
             RouterSaved {

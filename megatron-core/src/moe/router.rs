@@ -69,6 +69,41 @@ pub enum RouterError {
         /// The sequence length.
         seq: usize,
     },
+    /// The load-balancing counts could not be summed over the ranks that share the sequence.
+    #[error("summing the router's load-balancing counts over the tensor-parallel group: {0}")]
+    Counts(String),
+}
+
+/// The ranks a micro-batch's tokens are split over, each routing its own part (with sequence
+/// parallelism: the tensor-parallel group, each rank holding its shard of the sequence). The
+/// load-balancing loss counts every rank's tokens (Megatron-LM's `tokens_per_expert` all-reduced
+/// over the tp·cp group, with the total tokens of all of them), so that the ranks' losses sum to
+/// the whole sequence's; the z loss's coefficient is divided by the ranks (each rank's mean,
+/// summed, is the mean over all of them).
+#[derive(Clone, Copy)]
+pub struct Partition<'a> {
+    /// The ranks (1: every token is here).
+    pub ranks: usize,
+    /// Sums a rank's counts over the ranks, in place (an all-reduce).
+    pub sum_counts: &'a dyn Fn(&mut [f32]) -> Result<(), RouterError>,
+}
+
+/// Nothing to sum: the counts are already every token's.
+fn counts_are_whole(_: &mut [f32]) -> Result<(), RouterError> {
+    Ok(())
+}
+
+impl Partition<'_> {
+    /// Every token of the micro-batch on this rank.
+    pub const WHOLE: Partition<'static> = Partition {
+        ranks: 1,
+        sum_counts: &counts_are_whole,
+    };
+
+    /// The z loss's coefficient on each rank.
+    pub(crate) fn z_coeff(&self, coeff: f32) -> f32 {
+        coeff / self.ranks.max(1) as f32
+    }
 }
 
 /// How the router turns logits into scores (`--moe-router-score-function`).
@@ -238,6 +273,8 @@ pub(crate) struct RoutingParts {
     pub aux_grad: Vec<f32>,
     pub aux_scores: Vec<f32>,
     pub lse: Vec<f32>,
+    /// The z loss's coefficient on this rank (divided over a [`Partition`]'s ranks).
+    pub z_coeff: f32,
 }
 
 impl Routing {
@@ -257,6 +294,7 @@ impl Routing {
             aux_grad,
             aux_scores,
             lse,
+            z_coeff,
         } = parts;
         Routing {
             tokens,
@@ -273,6 +311,7 @@ impl Routing {
                 aux_grad,
                 aux_scores,
                 lse,
+                z_coeff,
             },
         }
     }
@@ -290,6 +329,8 @@ struct Saved {
     aux_scores: Vec<f32>,
     /// Each token's log-sum-exp of its logits (for the z loss).
     lse: Vec<f32>,
+    /// The z loss's coefficient on this rank.
+    z_coeff: f32,
 }
 
 fn softmax(row: &[f32], out: &mut [f32]) {
@@ -366,6 +407,18 @@ pub fn route(
     seq: usize,
     config: &RouterConfig,
     expert_bias: Option<&[f32]>,
+) -> Result<Routing, RouterError> {
+    route_partitioned(logits, seq, config, expert_bias, Partition::WHOLE)
+}
+
+/// [`route`] of this rank's part of a micro-batch split over `partition`'s ranks (sequence
+/// parallelism; `seq` is this rank's part of each sequence).
+pub fn route_partitioned(
+    logits: &[f32],
+    seq: usize,
+    config: &RouterConfig,
+    expert_bias: Option<&[f32]>,
+    partition: Partition<'_>,
 ) -> Result<Routing, RouterError> {
     let tokens = check_route(config, logits.len(), seq, expert_bias.map(<[f32]>::len))?;
     let (e, k) = (config.num_experts, config.topk);
@@ -471,9 +524,9 @@ pub fn route(
         lse = (0..tokens)
             .map(|t| log_sum_exp(&logits[t * e..(t + 1) * e]))
             .collect();
-        z_loss = lse.iter().map(|l| l * l).sum::<f32>() / tokens as f32 * coeff;
+        z_loss = lse.iter().map(|l| l * l).sum::<f32>() / tokens as f32 * partition.z_coeff(coeff);
     }
-    let (aux_loss, aux_grad, aux_scores) = aux_loss(logits, tokens, seq, config);
+    let (aux_loss, aux_grad, aux_scores) = aux_loss(logits, tokens, seq, config, partition)?;
     Ok(Routing::from_parts(RoutingParts {
         tokens,
         experts: e,
@@ -488,6 +541,7 @@ pub fn route(
         aux_grad,
         aux_scores,
         lse,
+        z_coeff: config.z_loss_coeff.map_or(0.0, |c| partition.z_coeff(c)),
     }))
 }
 
@@ -501,16 +555,22 @@ pub(crate) struct AuxGroups {
     pub factor: f32,
 }
 
-/// The load-balancing loss's groups for `tokens` tokens in sequences of `seq`, or `None`
-/// without the loss (no balancing, or a coefficient of 0).
-pub(crate) fn aux_groups(config: &RouterConfig, tokens: usize, seq: usize) -> Option<AuxGroups> {
+/// The load-balancing loss's groups for `tokens` tokens in sequences of `seq`, each group's
+/// tokens split over `ranks` ranks (the counts summed over them), or `None` without the loss
+/// (no balancing, or a coefficient of 0).
+pub(crate) fn aux_groups(
+    config: &RouterConfig,
+    tokens: usize,
+    seq: usize,
+    ranks: usize,
+) -> Option<AuxGroups> {
     if config.load_balancing == LoadBalancing::None || config.aux_loss_coeff == 0.0 {
         return None;
     }
     let (e, k) = (config.num_experts, config.topk);
     let (groups, per_group) = match config.load_balancing {
-        LoadBalancing::SeqAuxLoss => (tokens / seq, seq),
-        _ => (1, tokens),
+        LoadBalancing::SeqAuxLoss => (tokens / seq, seq * ranks),
+        _ => (1, tokens * ranks),
     };
     let factor = e as f32 * config.aux_loss_coeff
         / (k as f32 * per_group as f32 * per_group as f32)
@@ -526,10 +586,12 @@ fn aux_loss(
     tokens: usize,
     seq: usize,
     config: &RouterConfig,
-) -> (f32, Vec<f32>, Vec<f32>) {
+    partition: Partition<'_>,
+) -> Result<(f32, Vec<f32>, Vec<f32>), RouterError> {
     let (e, k) = (config.num_experts, config.topk);
-    let Some(AuxGroups { groups, factor }) = aux_groups(config, tokens, seq) else {
-        return (0.0, Vec::new(), Vec::new());
+    let Some(AuxGroups { groups, factor }) = aux_groups(config, tokens, seq, partition.ranks)
+    else {
+        return Ok((0.0, Vec::new(), Vec::new()));
     };
     let mut scores = vec![0.0f32; tokens * e];
     for t in 0..tokens {
@@ -550,6 +612,9 @@ fn aux_loss(
             counts[group_of(t) * e + j] += 1.0;
         }
     }
+    if partition.ranks > 1 {
+        (partition.sum_counts)(&mut counts)?;
+    }
     let mut loss = 0.0f32;
     let mut grad = vec![0.0f32; tokens * e];
     for t in 0..tokens {
@@ -559,7 +624,7 @@ fn aux_loss(
             grad[t * e + j] = c * factor;
         }
     }
-    (loss, grad, scores)
+    Ok((loss, grad, scores))
 }
 
 /// The gradient of the router's logits from the gradient of its probabilities `dprobs`
@@ -648,11 +713,12 @@ pub fn route_backward(
                 }
             }
         }
-        if let Some(coeff) = config.z_loss_coeff {
-            // z = coeff · mean_t lse_t²: d/dlogit = coeff · 2 lse_t · softmax_t / T.
+        if config.z_loss_coeff.is_some() {
+            // z = coeff · mean_t lse_t²: d/dlogit = coeff · 2 lse_t · softmax_t / T (the
+            // coefficient this rank's: divided over a partition's ranks).
             let mut sm = vec![0.0f32; e];
             softmax(&logits[t * e..(t + 1) * e], &mut sm);
-            let c = loss_scale * coeff * 2.0 * saved.lse[t] / tokens as f32;
+            let c = loss_scale * saved.z_coeff * 2.0 * saved.lse[t] / tokens as f32;
             for j in 0..e {
                 d[j] += c * sm[j];
             }

@@ -133,9 +133,10 @@ impl RoutingLog {
 
 impl RoutingLog {
     /// What the MoE layers' routers did in the step just run (over `experts` experts per
-    /// layer), summed over the data-parallel ranks and the pipeline stages (a collective of
-    /// both groups, through `like`'s device); `None` without MoE layers (`experts` 0). Takes
-    /// what was recorded.
+    /// layer), summed over the data-parallel ranks and the pipeline stages, and with sequence
+    /// parallelism over the tensor-parallel ranks' shards (a collective of those groups,
+    /// through `like`'s device); `None` without MoE layers (`experts` 0). Takes what was
+    /// recorded.
     pub fn totals(
         &self,
         parallel: &ParallelState,
@@ -161,6 +162,16 @@ impl RoutingLog {
         )?;
         let t = Tensor::zeros_near([row.len()], DType::F32, like)?;
         t.copy_from(&host)?;
+        if parallel.sequence_parallel() {
+            // Each tensor-parallel rank routed its shard of the sequence: their counts and
+            // losses add up (a rank's aux loss is its part of the sequence's, its z loss its
+            // share of the mean), the routings are the same ones.
+            if parallel.groups().tp_rank() != 0 {
+                t.narrow(0, 0, 1)?
+                    .copy_from(&Tensor::from_vec(vec![0.0f32], [1])?)?;
+            }
+            parallel.tp().all_reduce(&t, ReduceOp::Sum)?;
+        }
         parallel.dp().all_reduce(&t, ReduceOp::Sum)?;
         parallel.pp().all_reduce(&t, ReduceOp::Sum)?;
         let v = t.to_vec::<f32>()?;
@@ -196,6 +207,11 @@ impl RoutingLog {
         let total = Tensor::zeros_near([row.len()], DType::F32, buffers.grads())?;
         total.copy_from(&Tensor::from_vec(row, [total.numel()])?)?;
         parallel.dp().all_reduce(&total, ReduceOp::Sum)?;
+        if parallel.sequence_parallel() {
+            // Each tensor-parallel rank routed its shard of the sequence (Megatron-LM sums the
+            // counts over tp·dp·cp).
+            parallel.tp().all_reduce(&total, ReduceOp::Sum)?;
+        }
         let total = total.to_vec::<f32>()?;
         let mut at = 0;
         let mut updates = Vec::with_capacity(loads.len());

@@ -12,7 +12,12 @@ impl RouterOps for Cpu {
         &self,
         _x: &Tensor,
         _gate: &Tensor,
-        _routing: (usize, &RouterConfig, Option<&Tensor>),
+        _routing: (
+            usize,
+            &RouterConfig,
+            Option<&Tensor>,
+            Option<&dyn crate::comm::Communicator>,
+        ),
         _permute: bool,
     ) -> Result<Option<(Tensor, DeviceRouting)>> {
         Ok(None)

@@ -9,6 +9,7 @@
 //! the host's [`crate::moe::route`] gives.
 
 use crate::backend::RouterOps;
+use crate::comm::{Communicator, ReduceOp};
 use crate::cuda::Gpu;
 use crate::cuda::kernels::moe::{self as k, Capacity, RouteDims, ScoreMode, TopK};
 use crate::error::Result;
@@ -24,14 +25,19 @@ impl RouterOps for Gpu {
         &self,
         x: &Tensor,
         gate: &Tensor,
-        (seq, config, bias): (usize, &RouterConfig, Option<&Tensor>),
+        (seq, config, bias, tp): (
+            usize,
+            &RouterConfig,
+            Option<&Tensor>,
+            Option<&dyn Communicator>,
+        ),
         permute: bool,
     ) -> Result<Option<(Tensor, DeviceRouting)>> {
         let h = gate.dims()[1];
         let rows = x.to_f32_contiguous()?.reshape([x.numel() / h, h])?;
         let logits = Tensor::empty_on([rows.dims()[0], config.num_experts], DType::F32, self)?;
         matmul_into(1.0, &rows, &gate.t()?, 0.0, &logits)?;
-        let mut routing = DeviceRouting::new(&logits, seq, config, bias)?;
+        let mut routing = DeviceRouting::new(&logits, seq, config, bias, tp)?;
         if permute {
             routing = routing.with_permuted(&rows)?;
         }
@@ -65,11 +71,15 @@ pub struct DeviceRouting {
 impl DeviceRouting {
     /// Routes the tokens whose `logits` (`[tokens, experts]`, f32, on a GPU) the gate gave, in
     /// sequences of `seq` tokens, as `config` says (with the expert bias `bias` when enabled).
+    /// With `tp` (sequence parallelism: this rank's shard of the sequence), the load-balancing
+    /// counts are summed over its ranks and the z loss's coefficient divided by them, as
+    /// [`crate::moe::route_partitioned`] does.
     pub fn new(
         logits: &Tensor,
         seq: usize,
         config: &RouterConfig,
         bias: Option<&Tensor>,
+        tp: Option<&dyn Communicator>,
     ) -> Result<DeviceRouting> {
         let Some(gpu) = logits.gpu() else {
             return crate::invalid!("the device router takes logits on a GPU");
@@ -125,12 +135,14 @@ impl DeviceRouting {
             )?;
         }
         let (tokens_per_expert, dropped) = apply_capacity(&probs, &map, dims, config)?;
-        let (losses, aux, lse) = router_losses(logits, dims, seq, config)?;
+        let ranks = tp.map_or(1, |tp| tp.size());
+        let z_coeff = config.z_loss_coeff.map(|c| c / ranks as f32);
+        let (losses, aux, lse) = router_losses(logits, dims, (seq, tp), config, z_coeff)?;
         Ok(DeviceRouting {
             dims,
             mode,
             scale,
-            z_coeff: config.z_loss_coeff,
+            z_coeff,
             probs,
             map,
             chosen,
@@ -260,6 +272,7 @@ impl DeviceRouting {
             aux_grad: Vec::new(),
             aux_scores: Vec::new(),
             lse: Vec::new(),
+            z_coeff: self.z_coeff.unwrap_or(0.0),
         }))
     }
 }
@@ -326,14 +339,16 @@ type Losses = (Tensor, Option<(Tensor, Tensor)>, Option<Tensor>);
 fn router_losses(
     logits: &Tensor,
     dims: RouteDims,
-    seq: usize,
+    (seq, tp): (usize, Option<&dyn Communicator>),
     config: &RouterConfig,
+    z_coeff: Option<f32>,
 ) -> Result<Losses> {
     let gpu = logits.gpu().expect("the routing lives on a GPU");
     let (t, e) = (dims.tokens, dims.experts);
     let new = |shape: &[usize], dtype| Tensor::empty_near(shape.to_vec(), dtype, logits);
     let logits_view = logits.device_read::<f32>()?;
-    let aux = match aux_groups(config, t, seq) {
+    let ranks = tp.map_or(1, |tp| tp.size());
+    let aux = match aux_groups(config, t, seq, ranks) {
         Some(groups) => {
             let (scores, chosen) = (new(&[t, e], DType::F32)?, new(&[t, dims.topk], DType::I64)?);
             k::aux_scores(
@@ -352,6 +367,11 @@ fn router_losses(
                 groups.groups,
                 &mut counts.device_write::<f32>()?.view_mut(),
             )?;
+            // Sequence parallelism: every rank's tokens counted (Megatron-LM's all-reduce of
+            // tokens_per_expert over the tp·cp group).
+            if let Some(tp) = tp.filter(|tp| tp.size() > 1) {
+                tp.all_reduce(&counts, ReduceOp::Sum)?;
+            }
             Some((scores, counts, new(&[t, e], DType::F32)?, groups))
         }
         None => None,
@@ -402,7 +422,7 @@ fn router_losses(
             gpu,
             dims,
             aux_arg,
-            lse_view.as_ref().zip(config.z_loss_coeff),
+            lse_view.as_ref().zip(z_coeff),
             &mut losses.device_write::<f32>()?.view_mut(),
         )?;
     }
