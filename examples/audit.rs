@@ -15,7 +15,8 @@
 //! parallelism: in forward an all-gather of the sequence shards before qkv and fc1 and a
 //! reduce-scatter after proj and fc2; in backward the mirror (an all-gather of the output
 //! gradient before each row-parallel layer's backward, a reduce-scatter of the input gradient
-//! after each column-parallel layer's).
+//! after each column-parallel layer's), and the all-gather of each column-parallel layer's kept
+//! input shard before its backward.
 //!
 //! ```sh
 //! cargo run --release --example audit
@@ -145,9 +146,12 @@ fn check_block(
     let (want_forward, want_backward, sizes_fit) = if sequence_parallel {
         // All-gathers pass this rank's shard; reduce-scatters leave one: b·s·h/tp each.
         let shards = |calls: &[Call]| calls.iter().all(|c| c.desc.count * TP == B * S * h);
+        // Backward: the output gradient's gather before each row-parallel layer, the kept
+        // input's shards gathered again before each column-parallel layer's, its input
+        // gradient's reduce-scatter.
         (
             vec![gather, scatter, gather, scatter],
-            vec![gather, scatter, gather, scatter],
+            vec![gather, gather, scatter, gather, gather, scatter],
             shards(forward) && shards(backward),
         )
     } else {
@@ -180,7 +184,8 @@ fn check_block(
         println!(
             "\nthe block makes Megatron-LM's collectives with sequence parallelism: an all-gather \
              before qkv and fc1 and a reduce-scatter after proj and fc2 forward, the mirror \
-             backward, each of b·s·h (a shard of b·s·h/tp per rank)"
+             backward with qkv's and fc1's inputs gathered again (their shards are what they \
+             keep), each of b·s·h (a shard of b·s·h/tp per rank)"
         );
     } else {
         println!(

@@ -180,7 +180,8 @@ fn inspect_shows_the_collectives_and_the_exchanges_with_sequence_parallelism() {
         "collectives of one transformer layer, with sequence parallelism",
         "forward   tp all_gather × 2 of b·s·h/tp f32",
         "forward   tp reduce_scatter × 2 of b·s·h/tp f32",
-        "backward  tp all_gather × 2 of b·s·h/tp f32",
+        // The output gradients' gathers, and qkv's and fc1's inputs gathered again.
+        "backward  tp all_gather × 4 of b·s·h/tp f32",
         "backward  tp reduce_scatter × 2 of b·s·h/tp f32",
         "each an f32 activation of b·s·h/tp forward",
     ] {

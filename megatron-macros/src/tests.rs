@@ -672,7 +672,8 @@ fn mlp_expansion_has_f_and_g_where_megatron_puts_them() {
     for expected in [
         "pub struct MlpSaved { # [doc = \" What `self.fc1(..)` keeps.\"] pub fc1 : < Linear as :: megatron :: module :: Module > :: Saved",
         "let fc1_input = if cx . sequence_parallel () { :: megatron :: tensor_parallel :: all_gather_sequence (cx , x) ? } else { :: std :: clone :: Clone :: clone (x) } ;",
-        "let (fc1_out , fc1) = < Linear as ColumnParallel > :: forward_column (& self . fc1 , cx , site . child (\"fc1\") , & fc1_input) ? ;",
+        "let (fc1_out , fc1_kept) = < Linear as ColumnParallel > :: forward_column (& self . fc1 , cx , site . child (\"fc1\") , & fc1_input) ? ;",
+        "let fc1 = if cx . sequence_parallel () { < Linear as ColumnParallel > :: map_kept_input (fc1_kept , & | x | :: megatron :: tensor_parallel :: keep_sequence_shard (cx , x)) ? } else { fc1_kept } ;",
         "let (h , gelu) = :: megatron :: ops :: gelu (cx , site . child (\"gelu\") , & fc1_out) ? ;",
         "let (fc2_partial , fc2) = < Linear as RowParallel > :: forward_row (& self . fc2 , cx , site . child (\"fc2\") , & h) ? ;",
         "let fc2_out = if cx . sequence_parallel () { :: megatron :: tensor_parallel :: reduce_scatter_sequence (cx , & fc2_partial) ? } else { cx . tp () . all_reduce (& fc2_partial , ReduceOp :: Sum) ? ; fc2_partial } ; < Linear as RowParallel > :: add_bias (& self . fc2 , cx , & fc2_out) ? ;",
@@ -681,7 +682,8 @@ fn mlp_expansion_has_f_and_g_where_megatron_puts_them() {
         "let d_fc2_whole = if cx . sequence_parallel () { :: megatron :: tensor_parallel :: all_gather_sequence (cx , d_out) ? } else { :: std :: clone :: Clone :: clone (d_out) } ;",
         "let d_h = < Linear as RowParallel > :: backward_row (& self . fc2 , cx , site . child (\"fc2\") , fc2 , & d_fc2_whole) ? ;",
         "let d_fc1_out = :: megatron :: ops :: gelu_backward (cx , site . child (\"gelu\") , gelu , & d_h) ? ;",
-        "let d_fc1_partial = < Linear as ColumnParallel > :: backward_column (& self . fc1 , cx , site . child (\"fc1\") , fc1 , & d_fc1_out) ? ;",
+        "let fc1_whole = if cx . sequence_parallel () { < Linear as ColumnParallel > :: map_kept_input (fc1 , & | x | :: megatron :: tensor_parallel :: all_gather_sequence (cx , x)) ? } else { fc1 } ;",
+        "let d_fc1_partial = < Linear as ColumnParallel > :: backward_column (& self . fc1 , cx , site . child (\"fc1\") , fc1_whole , & d_fc1_out) ? ;",
         "let d_x = if cx . sequence_parallel () { :: megatron :: tensor_parallel :: reduce_scatter_sequence (cx , & d_fc1_partial) ? } else { cx . tp () . all_reduce (& d_fc1_partial , ReduceOp :: Sum) ? ; d_fc1_partial } ; Ok (d_x)",
     ] {
         let expected = squash(expected);
@@ -690,7 +692,8 @@ fn mlp_expansion_has_f_and_g_where_megatron_puts_them() {
     // Exactly one all-reduce each way, and with sequence parallelism one all-gather and one
     // reduce-scatter each way in its place.
     assert_eq!(out.matches("all_reduce").count(), 2);
-    assert_eq!(out.matches("all_gather_sequence").count(), 2);
+    // (and the kept input's shard gathered again before fc1's backward)
+    assert_eq!(out.matches("all_gather_sequence").count(), 3);
     assert_eq!(out.matches("reduce_scatter_sequence").count(), 2);
 }
 

@@ -345,6 +345,14 @@ pub trait ColumnParallel: Module {
         saved: Self::Saved,
         dy: &Tensor,
     ) -> Result<Tensor>;
+    /// What `forward_column` kept with its kept input (the whole input, read by the weight's
+    /// gradient) replaced by `f` of it: with sequence parallelism the generated code keeps this
+    /// rank's shard of the sequence instead of the gathered whole, and gathers it again before
+    /// `backward_column`, as Megatron-LM's column-parallel layer does.
+    fn map_kept_input(
+        saved: Self::Saved,
+        f: &dyn Fn(&Tensor) -> Result<Tensor>,
+    ) -> Result<Self::Saved>;
 }
 
 /// A layer whose input features are split over the tensor-parallel group (`#[row_parallel]`).

@@ -300,6 +300,13 @@ impl ColumnParallel for Linear {
         // dx goes to the all-reduce of the f operator and the residual stream: f32.
         self.backward_product(saved, dy, true, DType::F32)
     }
+
+    fn map_kept_input(
+        saved: LinearSaved,
+        f: &dyn Fn(&Tensor) -> Result<Tensor>,
+    ) -> Result<LinearSaved> {
+        Ok(LinearSaved { x: f(&saved.x)? })
+    }
 }
 
 impl RowParallel for Linear {

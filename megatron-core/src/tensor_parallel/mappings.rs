@@ -107,6 +107,14 @@ pub fn reduce_scatter_sequence(cx: &Cx, x: &Tensor) -> Result<Tensor> {
     Ok(shard)
 }
 
+/// This rank's shard of the sequence of a whole tensor, as a tensor of its own (a contiguous
+/// copy, so that the whole one can be freed): what a column-parallel layer keeps of its
+/// gathered input with sequence parallelism, in the input's dtype.
+pub fn keep_sequence_shard(cx: &Cx, whole: &Tensor) -> Result<Tensor> {
+    let shard = split_sequence(cx, whole)?;
+    Ok(shard.deep_clone()?)
+}
+
 /// This rank's shard of the sequence of a whole tensor (`[s, b, h]` → `[s / tp, b, h]`, a view;
 /// Megatron-LM's `scatter_to_sequence_parallel_region`), no communication.
 pub fn split_sequence(cx: &Cx, whole: &Tensor) -> Result<Tensor> {

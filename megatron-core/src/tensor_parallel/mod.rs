@@ -24,5 +24,6 @@ pub use embedding::{
 pub use layer_norm::{LayerNorm, LayerNormSaved, LayerNormSpec};
 pub use linear::{Linear, LinearSaved, LinearSpec};
 pub use mappings::{
-    all_gather_sequence, gather_last_dim, reduce_scatter_sequence, split_last_dim, split_sequence,
+    all_gather_sequence, gather_last_dim, keep_sequence_shard, reduce_scatter_sequence,
+    split_last_dim, split_sequence,
 };

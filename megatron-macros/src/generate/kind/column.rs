@@ -9,7 +9,8 @@ use proc_macro2::TokenStream;
 use quote::quote;
 
 use super::{
-    Backward, Call, Forward, Imports, Kind, refuse_sequence_parallel, sequence_gather, sequence_sum,
+    Backward, Call, Forward, Imports, Kind, refuse_sequence_parallel, sequence_gather,
+    sequence_gather_fn, sequence_sum,
 };
 use crate::generate::body::Body;
 use crate::generate::comment;
@@ -126,13 +127,26 @@ impl Kind for Column {
             let whole = b
                 .locals
                 .temp(&format!("{name}_input"), pos, node.src.span());
+            let kept = b.locals.temp(&format!("{name}_kept"), pos, node.src.span());
+            let map = cx.qualified(n, quote!(ColumnParallel::map_kept_input));
+            let kdoc = comment(&format!(
+                "`{name}`: with sequence parallelism it keeps this rank's shard of its input, \
+                 not the gathered sequence (backward gathers it again), as Megatron-LM does."
+            ));
             b.push(move |nm| {
                 let (xr, s, o, w) = (nm.by_ref(x), nm.pat(saved), nm.pat(out), nm.ident(whole));
+                let k = nm.ident(kept);
                 let gather = sequence_gather(rt, &xr, span);
                 quote! {
                     #doc
                     let #w = #gather;
-                    let (#o, #s) = #call(&#this_field, cx, #site, &#w)?;
+                    let (#o, #k) = #call(&#this_field, cx, #site, &#w)?;
+                    #kdoc
+                    let #s = if cx.sequence_parallel() {
+                        #map(#k, &|x| #rt::tensor_parallel::keep_sequence_shard(cx, x))?
+                    } else {
+                        #k
+                    };
                 }
             });
         }
@@ -163,8 +177,35 @@ impl Kind for Column {
         ));
         let local = gather_output.then(|| b.locals.temp(&format!("d_{name}_local"), pos, span));
         let partial = b.locals.temp(&format!("d_{name}_partial"), pos, span);
+        let whole = (!gather_output).then(|| b.locals.temp(&format!("{name}_whole"), pos, span));
+        let map = cx.qualified(n, quote!(ColumnParallel::map_kept_input));
+        let wdoc = comment(&format!(
+            "`{name}`: with sequence parallelism the all-gather of the kept input's sequence \
+             shards over tp (the weight's gradient reads the whole sequence)."
+        ));
         b.push(move |nm| {
-            let (s, dx, p) = (nm.ident(saved), nm.pat(d_x), nm.ident(partial));
+            let (dx, p) = (nm.pat(d_x), nm.ident(partial));
+            let (regather, s) = match whole {
+                Some(w) => {
+                    let (si, wi) = (nm.ident(saved), nm.ident(w));
+                    let gather = sequence_gather_fn(rt, span);
+                    (
+                        quote! {
+                            #wdoc
+                            let #wi = if cx.sequence_parallel() {
+                                #map(#si, &#gather)?
+                            } else {
+                                #si
+                            };
+                        },
+                        quote!(#wi),
+                    )
+                }
+                None => (quote!(), {
+                    let si = nm.ident(saved);
+                    quote!(#si)
+                }),
+            };
             let (split, dy) = match local {
                 Some(l) => {
                     let li = nm.ident(l);
@@ -186,6 +227,7 @@ impl Kind for Column {
             let sum = sequence_sum(rt, &p, span);
             quote! {
                 #split
+                #regather
                 let #p = #call(&#this_field, cx, #site, #s, #dy)?;
                 #doc
                 let #dx = #sum;

@@ -261,6 +261,14 @@ pub(super) fn sequence_gather(rt: &TokenStream, x: &TokenStream, span: Span) -> 
     }
 }
 
+/// `|x| all_gather_sequence(cx, x)`, the gather called at `span`: a closure for
+/// `ColumnParallel::map_kept_input`.
+pub(super) fn sequence_gather_fn(rt: &TokenStream, span: Span) -> TokenStream {
+    let (cx, x) = (quote!(cx), quote!(x));
+    let gather = quote::quote_spanned!(span=> #rt::tensor_parallel::all_gather_sequence(#cx, #x));
+    quote!(|#x| #gather)
+}
+
 /// The sum over tp of the partial values `partial`: with sequence parallelism a reduce-scatter
 /// that leaves this rank its shard of the sequence, else the all-reduce ([`tp_sum`]) in place;
 /// an expression of the result, the collectives called at `span`.
