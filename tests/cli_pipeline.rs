@@ -137,13 +137,16 @@ fn a_checkpoint_saved_at_one_pipeline_size_resumes_at_others() {
             &format!("resumed{pp}"),
             &["--load", &from, "--pp", pp, "--train-iters", "6"],
         );
-        // The checkpoint's whole tensors load bit for bit at any pipeline size: the same
-        // losses; the gradient norm's squares are summed in f32 over other stages, in another
-        // order.
+        // The checkpoint's whole tensors load bit for bit at any pipeline size: the first
+        // resumed loss is the same. The gradient norm's squares are summed in f32 over other
+        // stages, in another order: the norms, and through clipping the updates and the later
+        // losses, agree to f32's last places (bit for bit only when the sums happen to round
+        // alike, which depends on the data: the built-in corpus is the project's own text).
+        assert_eq!(resumed[0].1.to_bits(), whole[3].1.to_bits(), "resumed at pp {pp}");
         for (r, w) in resumed.iter().zip(&whole[3..]) {
-            assert_eq!((r.0, r.1), (w.0, w.1), "resumed at pp {pp}");
+            assert_eq!(r.0, w.0, "resumed at pp {pp}");
             assert!(
-                (r.2 - w.2).abs() <= 1e-6 * w.2,
+                (r.1 - w.1).abs() <= 1e-6 * w.1 && (r.2 - w.2).abs() <= 1e-6 * w.2,
                 "resumed at pp {pp}: {r:?} vs {w:?}"
             );
         }

@@ -165,15 +165,16 @@ fn sequence_parallel_collectives_replace_the_all_reduces() {
             // layer's all-gather forward, their mirrors backward. Each of the 4l + 2
             // all-reduces of b·s·h that tensor parallelism alone makes is one all-gather and one
             // reduce-scatter of b·s·h (what a ring all-reduce is made of); the counters record
-            // the shard a rank sends, b·s·h / tp. Besides, qkv and fc1 keep their input's shard,
-            // not the gathered sequence (as Megatron-LM and the paper's memory formula): their
-            // backward gathers it again, 2l more all-gathers. The cross-entropy's 3 all-reduces
-            // of b·s stay.
+            // the shard a rank sends, b·s·h / tp. Besides, qkv, fc1 and the tied output layer
+            // keep their input's shard, not the gathered sequence (as Megatron-LM and the
+            // paper's memory formula): their backward gathers it again, 2l + 1 more
+            // all-gathers. The cross-entropy's 3 all-reduces of b·s stay.
             let n = 4 * l + 2;
             let shard = bsh / tp as u64;
+            let gathers = n + 2 * l + 1;
             assert_eq!(
                 get(OpKind::AllGather),
-                (n + 2 * l, (n + 2 * l) * shard),
+                (gathers, gathers * shard),
                 "tp {tp}: all-gathers"
             );
             assert_eq!(

@@ -412,6 +412,13 @@ pub trait VocabParallel: Module {
         saved: Self::LogitsSaved,
         dlogits: &Tensor,
     ) -> Result<Tensor>;
+    /// What `logits_forward` kept with its kept input replaced by `f` of it: with sequence
+    /// parallelism the generated code keeps this rank's shard of the sequence and gathers it
+    /// again before `logits_backward` (as [`ColumnParallel::map_kept_input`]).
+    fn map_kept_logits_input(
+        saved: Self::LogitsSaved,
+        f: &dyn Fn(&Tensor) -> Result<Tensor>,
+    ) -> Result<Self::LogitsSaved>;
 }
 
 /// A parameterless operation with a hand-written forward and backward (`#[op]` fields): the

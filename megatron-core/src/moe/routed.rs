@@ -363,13 +363,6 @@ impl ExpertParallel for RoutedExperts {
         let router_graph_only =
             captures(cx, GraphScope::MoeRouter) && !captures(cx, GraphScope::MoePreprocess);
         let permute = self.dispatcher == DispatcherKind::AllToAll && !router_graph_only;
-        if cx.sequence_parallel() && captures(cx, GraphScope::MoeRouter) {
-            return invalid!(
-                "graph scope moe_router with sequence parallelism: the router's load-balancing \
-                 counts are all-reduced over tp inside it, which a graph does not capture yet; \
-                 leave moe_router out of --cuda-graph-scope"
-            );
-        }
         let routing = (
             sequence_length(dims, tokens),
             &self.router,

@@ -273,6 +273,13 @@ impl VocabParallel for Embedding {
         let dh = matmul(&d, self.weight.compute_value())?;
         Ok(dh.reshape(saved.h.shape().clone())?)
     }
+
+    fn map_kept_logits_input(
+        saved: LogitsSaved,
+        f: &dyn Fn(&Tensor) -> Result<Tensor>,
+    ) -> Result<LogitsSaved> {
+        Ok(LogitsSaved { h: f(&saved.h)? })
+    }
 }
 
 /// Sets columns `from..cols` of every row of the contiguous f32 matrix `x[.., cols]` to −∞.

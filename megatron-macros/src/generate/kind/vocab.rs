@@ -8,7 +8,9 @@
 use proc_macro2::TokenStream;
 use quote::quote;
 
-use super::{Backward, Call, Forward, Imports, Kind, sequence_gather, sequence_sum};
+use super::{
+    Backward, Call, Forward, Imports, Kind, sequence_gather, sequence_gather_fn, sequence_sum,
+};
 use crate::generate::body::Body;
 use crate::generate::comment;
 use crate::parse::Field;
@@ -150,13 +152,26 @@ pub(in crate::generate) fn logits_forward<'a>(call: &Call<'a>, b: &mut Body<'a>,
          parallelism the all-gather of the input's sequence shards over tp."
     ));
     let whole = b.locals.temp(&format!("{name}_logits_input"), pos, span);
+    let kept = b.locals.temp(&format!("{name}_logits_kept"), pos, span);
+    let map = cx.qualified(n, quote!(VocabParallel::map_kept_logits_input));
+    let kdoc = comment(&format!(
+        "`{name}.logits`: with sequence parallelism it keeps this rank's shard of its input, \
+         not the gathered sequence (backward gathers it again), as Megatron-LM's output layer."
+    ));
     b.push(move |nm| {
         let (hr, s, o, w) = (nm.by_ref(h), nm.pat(saved), nm.pat(out), nm.ident(whole));
+        let k = nm.ident(kept);
         let gather = sequence_gather(rt, &hr, span);
         quote! {
             #doc
             let #w = #gather;
-            let (#o, #s) = #call(&#this_field, cx, #site, &#w)?;
+            let (#o, #k) = #call(&#this_field, cx, #site, &#w)?;
+            #kdoc
+            let #s = if cx.sequence_parallel() {
+                #map(#k, &|x| #rt::tensor_parallel::keep_sequence_shard(cx, x))?
+            } else {
+                #k
+            };
         }
     });
 }
@@ -190,6 +205,12 @@ pub(in crate::generate) fn logits_backward<'a>(
     let partial = b
         .locals
         .temp(&format!("d_{name}_logits_partial"), pos, span);
+    let whole = b.locals.temp(&format!("{name}_logits_whole"), pos, span);
+    let map = cx.qualified(n, quote!(VocabParallel::map_kept_logits_input));
+    let wdoc = comment(&format!(
+        "`{name}.logits`: with sequence parallelism the all-gather of the kept input's sequence \
+         shards over tp (the weight's gradient reads the whole sequence)."
+    ));
     b.push(move |nm| {
         let (s, dy, dh, p) = (
             nm.ident(saved),
@@ -197,9 +218,17 @@ pub(in crate::generate) fn logits_backward<'a>(
             nm.pat(d_h),
             nm.ident(partial),
         );
+        let w = nm.ident(whole);
         let sum = sequence_sum(rt, &p, span);
+        let gather = sequence_gather_fn(rt, span);
         quote! {
-            let #p = #call(&#this_field, cx, #site, #s, #dy)?;
+            #wdoc
+            let #w = if cx.sequence_parallel() {
+                #map(#s, &#gather)?
+            } else {
+                #s
+            };
+            let #p = #call(&#this_field, cx, #site, #w, #dy)?;
             #doc
             let #dh = #sum;
         }
