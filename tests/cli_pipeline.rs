@@ -142,7 +142,11 @@ fn a_checkpoint_saved_at_one_pipeline_size_resumes_at_others() {
         // stages, in another order: the norms, and through clipping the updates and the later
         // losses, agree to f32's last places (bit for bit only when the sums happen to round
         // alike, which depends on the data: the built-in corpus is the project's own text).
-        assert_eq!(resumed[0].1.to_bits(), whole[3].1.to_bits(), "resumed at pp {pp}");
+        assert_eq!(
+            resumed[0].1.to_bits(),
+            whole[3].1.to_bits(),
+            "resumed at pp {pp}"
+        );
         for (r, w) in resumed.iter().zip(&whole[3..]) {
             assert_eq!(r.0, w.0, "resumed at pp {pp}");
             assert!(
