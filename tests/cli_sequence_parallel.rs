@@ -187,6 +187,21 @@ fn inspect_shows_the_collectives_and_the_exchanges_with_sequence_parallelism() {
     ] {
         assert!(stdout.contains(line), "{line}\n{stdout}");
     }
+    // The activation memory of one layer, measured both ways: smaller with it.
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("activation memory of one transformer layer"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    let mib: Vec<f64> = line
+        .split_whitespace()
+        .filter_map(|w| {
+            w.trim_matches(|c: char| !c.is_ascii_digit() && c != '.')
+                .parse::<f64>()
+                .ok()
+        })
+        .collect();
+    // s = 256, b = 1, then the two figures.
+    assert!(mib.len() == 4 && mib[3] < mib[2], "{line}");
 }
 
 /// MoE with tensor parallelism (parallel folding: attention tp · dp, experts ep · etp · edp):

@@ -1,6 +1,7 @@
 //! Benchmarks behind `megatron bench`: each measures the machine's own limit in the same run and
 //! reports the result as a fraction of it.
 
+pub mod activations;
 pub mod allreduce;
 pub mod attention;
 pub mod gemm;

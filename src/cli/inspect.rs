@@ -96,10 +96,16 @@ pub struct InspectArgs {
     /// bf16 gradients under --bf16.
     #[arg(long)]
     grad_reduce_in_bf16: bool,
-    /// Sequence parallelism: show the layer's collectives with it (beside those without) and
-    /// the pipeline's exchanges of the sequence shards.
+    /// Sequence parallelism: show the layer's collectives and activation memory with it
+    /// (beside those without) and the pipeline's exchanges of the sequence shards.
     #[arg(long)]
     sequence_parallel: bool,
+    /// Sequence length of the measured activation memory of one layer.
+    #[arg(long, default_value_t = 256, value_parser = values::batch)]
+    seq_length: usize,
+    /// Micro-batch size of the measured activation memory of one layer.
+    #[arg(long, default_value_t = 1, value_parser = values::batch)]
+    micro_batch_size: usize,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -287,7 +293,8 @@ fn layer_collectives(
     } else {
         (S, S)
     };
-    let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp))?;
+    // The stand-in has no expert parallelism: its experts whole on each rank.
+    let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp).with_etp(1))?;
     let mut config = config.clone();
     config.num_layers = 1;
     config.num_attention_heads = tp;
@@ -325,6 +332,50 @@ fn layer_collectives(
     .map_err(anyhow::Error::msg)?;
     let (fwd, bwd) = out.into_iter().next().expect("at least one rank");
     Ok((collectives(&fwd), collectives(&bwd), Measured { h, s, tp }))
+}
+
+/// The bytes one rank keeps from a dense layer's forward at `args`' sizes, without and (with
+/// `sequence_parallel`) with sequence parallelism; `None` for a MoE model (its first layer is
+/// not measured) or when the layer's weights and activations would not fit this machine's
+/// memory.
+fn layer_activations(
+    config: &GptConfig,
+    args: &InspectArgs,
+    sequence_parallel: bool,
+) -> Result<Option<(usize, Option<usize>)>> {
+    let (s, b, tp) = (args.seq_length, args.micro_batch_size, args.tp);
+    if config.moe.is_some() {
+        return Ok(None);
+    }
+    let mut one = config.clone();
+    one.num_layers = 1;
+    let mut weights = 0u128;
+    let model = Gpt::build(&one.spec(), &mut Builder::new(0).specs_only())?;
+    model.visit_params(&mut |p| weights += p.spec().logical.numel() as u128);
+    drop(model);
+    let (h, heads) = (
+        config.hidden_size as u128,
+        config.num_attention_heads as u128,
+    );
+    // The layer's f32 weights on every rank (each builds its part), a generous bound on its
+    // activations (the paper's 34·sbh plus 5 attention maps, at 4 bytes) and their gradients.
+    let tokens = (s * b) as u128;
+    let need = 4 * weights + 2 * 4 * (34 * tokens * h + 5 * heads * tokens * s as u128);
+    if megatron::limits::check_memory("one layer's activations", need).is_err() {
+        return Ok(None);
+    }
+    let without = megatron::bench::activations::layer_bytes(config, (s, b), tp, false)?;
+    let with = if sequence_parallel {
+        Some(megatron::bench::activations::layer_bytes(
+            config,
+            (s, b),
+            tp,
+            true,
+        )?)
+    } else {
+        None
+    };
+    Ok(Some((without, with)))
 }
 
 /// Runs `megatron inspect`.
@@ -366,6 +417,9 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     let local: usize = specs.iter().map(|s| s.local.numel()).sum();
     let (fwd, bwd, measured) = layer_collectives(&config, args.tp, false)?;
     let sequence_parallel = args.sequence_parallel && args.tp > 1;
+    // The bytes a rank keeps from one layer's forward, measured on the layer itself (its
+    // weights built for real), without and with sequence parallelism.
+    let activations = layer_activations(&config, args, sequence_parallel)?;
     // What crosses a pipeline boundary: the activation, or with sequence parallelism its shard.
     let carried = if sequence_parallel {
         "b·s·h/tp"
@@ -436,6 +490,12 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             },
             "layer_collectives": { "forward": phase(&fwd, measured), "backward": phase(&bwd, measured) },
             "sequence_parallel_layer_collectives": sp.as_ref().map(|(f, b, m)| json!({ "forward": phase(f, *m), "backward": phase(b, *m) })),
+            "layer_activation_bytes": activations.as_ref().map(|(without, with)| json!({
+                "seq_length": args.seq_length,
+                "micro_batch_size": args.micro_batch_size,
+                "per_rank": without,
+                "per_rank_sequence_parallel": with,
+            })),
             "pipeline": {
                 "pp": args.pp,
                 "vpp": args.vpp,
@@ -567,6 +627,38 @@ pub fn run(args: &InspectArgs) -> Result<()> {
                 };
                 let _ = writeln!(out, "  {name:<9} {} {} × {} {size}", c.group, c.op, c.calls);
             }
+        }
+    }
+    match &activations {
+        Some((without, with)) => {
+            let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+            let _ = writeln!(
+                out,
+                "\nactivation memory of one transformer layer (what its forward keeps for \
+                 backward, per rank, s = {}, b = {}, measured): {:.1} MiB{}",
+                args.seq_length,
+                args.micro_batch_size,
+                mib(*without),
+                with.map_or(String::new(), |w| format!(
+                    "; with sequence parallelism {:.1} MiB",
+                    mib(w)
+                ))
+            );
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "\nactivation memory of one transformer layer: not measured ({})",
+                if config.moe.is_some() {
+                    "MoE layers are not measured yet".to_string()
+                } else {
+                    format!(
+                        "the layer does not fit this machine's memory at s = {}, b = {}: lower \
+                         --seq-length",
+                        args.seq_length, args.micro_batch_size
+                    )
+                }
+            );
         }
     }
     if args.pp > 1 {
