@@ -81,6 +81,14 @@ fn sequence_parallel_runs_train_as_tensor_parallelism_alone() {
         let got = curve(&dir, &format!("{name}-sp"), &with);
         assert_close(&got, &without, 1e-5, name);
     }
+    // fp16 keeps fp16 gradients: a norm's gradient is each rank's shard's, rounded to fp16,
+    // then summed over tp (and rounded again) instead of summed over the whole sequence and
+    // rounded once: they differ by about fp16's last place (2^-10).
+    let fp16 = ["--tp", "2", "--fp16", "--initial-loss-scale", "4096"];
+    let without = curve(&dir, "tp2fp16", &fp16);
+    let mut with = fp16.to_vec();
+    with.push("--sequence-parallel");
+    assert_close(&curve(&dir, "tp2fp16-sp", &with), &without, 2e-3, "tp2fp16");
 }
 
 #[test]
@@ -109,6 +117,11 @@ fn a_checkpoint_saved_with_sequence_parallelism_resumes_without_it_and_the_rever
         assert_eq!(resumed.len(), 2, "{what}");
         assert_eq!(resumed[0].1.to_bits(), whole[2].1.to_bits(), "{what}");
         assert_close(&resumed, &whole[2..], 1e-5, &what);
+        // Generation runs without sequence parallelism (the sequence grows a token at a time):
+        // the checkpoint is the same either way.
+        let (ok, stdout, stderr) =
+            megatron(&["generate", "--load", &save, "--prompt", "fn", "--tp", "2"]);
+        assert!(ok && stdout.starts_with("fn"), "{what}: {stderr}");
     }
 }
 
