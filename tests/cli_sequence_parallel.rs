@@ -1,7 +1,8 @@
 //! `megatron train --sequence-parallel`: runs of the command line with sequence parallelism
-//! against tensor parallelism alone (dropout on, the preset's 0.1) with pipelines, data
-//! parallelism and the distributed optimizer, recompute and bf16; a checkpoint saved with it
-//! resumed without it and the reverse; what it refuses.
+//! against one rank and against tensor parallelism alone (dropout on, the preset's 0.1) with
+//! pipelines, data parallelism and the distributed optimizer, recompute, bf16 and fp16; MoE
+//! with tensor parallelism against one rank; a checkpoint saved with it resumed without it and
+//! the reverse; `inspect`; what it refuses.
 
 mod support;
 use support::{TempDir, megatron};
@@ -47,20 +48,22 @@ fn assert_close(a: &[(u64, f64, f64)], b: &[(u64, f64, f64)], bound: f64, what: 
 #[test]
 fn sequence_parallel_runs_train_as_tensor_parallelism_alone() {
     let dir = TempDir::new("cli-sp");
-    for (name, flags) in [
-        ("tp2", &["--tp", "2"][..]),
-        ("tp4", &["--tp", "4"]),
-        ("tp2pp2", &["--tp", "2", "--pp", "2"]),
-        ("tp2pp2v2", &["--tp", "2", "--pp", "2", "--vpp", "2"]),
+    // Each layout with sequence parallelism at tp 2 (or 4) against the same layout at tp 1, and
+    // against tensor parallelism alone: only the order of f32 sums differs.
+    for (name, tp, flags) in [
+        ("tp2", "2", &[][..]),
+        ("tp4", "4", &[]),
+        ("pp2", "2", &["--pp", "2"]),
+        ("pp2v2", "2", &["--pp", "2", "--vpp", "2"]),
         (
-            "tp2dp2dist",
-            &["--tp", "2", "--dp", "2", "--use-distributed-optimizer"],
+            "dp2dist",
+            "2",
+            &["--dp", "2", "--use-distributed-optimizer"],
         ),
         (
-            "tp2full",
+            "full",
+            "2",
             &[
-                "--tp",
-                "2",
                 "--recompute-granularity",
                 "full",
                 "--recompute-method",
@@ -69,17 +72,22 @@ fn sequence_parallel_runs_train_as_tensor_parallelism_alone() {
                 "1",
             ],
         ),
-        (
-            "tp2selective",
-            &["--tp", "2", "--recompute-granularity", "selective"],
-        ),
-        ("tp2bf16", &["--tp", "2", "--bf16"]),
+        ("selective", "2", &["--recompute-granularity", "selective"]),
+        ("bf16", "2", &["--bf16"]),
     ] {
-        let without = curve(&dir, name, flags);
-        let mut with = flags.to_vec();
-        with.push("--sequence-parallel");
-        let got = curve(&dir, &format!("{name}-sp"), &with);
-        assert_close(&got, &without, 1e-5, name);
+        let one = curve(&dir, &format!("{name}-tp1"), flags);
+        let mut tensor = flags.to_vec();
+        tensor.extend(["--tp", tp]);
+        let without = curve(&dir, &format!("{name}-tp{tp}"), &tensor);
+        tensor.push("--sequence-parallel");
+        let with = curve(&dir, &format!("{name}-tp{tp}-sp"), &tensor);
+        assert_close(
+            &with,
+            &one,
+            1e-5,
+            &format!("{name}: tp {tp} sequence parallel vs tp 1"),
+        );
+        assert_close(&with, &without, 1e-5, &format!("{name}: with vs without"));
     }
     // fp16 keeps fp16 gradients: a norm's gradient is each rank's shard's, rounded to fp16,
     // then summed over tp (and rounded again) instead of summed over the whole sequence and
@@ -263,6 +271,7 @@ fn moe_with_tensor_and_sequence_parallelism_trains_as_one_rank() {
             ("tp2ep2", &["--tp", "2", "--ep", "2"]),
             ("tp2ep2dp2", &["--tp", "2", "--ep", "2", "--dp", "2"]),
             ("tp2etp2", &["--tp", "2", "--etp", "2"]),
+            ("tp2pp2ep2", &["--tp", "2", "--pp", "2", "--ep", "2"]),
         ] {
             let mut args = flags(&base);
             args.extend(layout);
