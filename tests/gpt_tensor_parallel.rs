@@ -162,40 +162,7 @@ fn communication_is_exactly_the_papers() {
 
 /// Losses and gradient norms of 20 steps on `tp × dp` ranks with dropout on.
 fn curve(tp: usize, dp: usize) -> Vec<(f64, f64)> {
-    let config = tiny(0.1);
-    let layout = ParallelLayout::new(&ParallelConfig::new(tp * dp).with_tp(tp)).unwrap();
-    let text = "Megatron-LM splits each transformer layer over tensor-parallel ranks. ".repeat(30);
-    launch(tp * dp, |w| -> R<Vec<(f64, f64)>> {
-        let ps = ParallelState::new(&w, &layout)?;
-        let model = Gpt::build(&config.spec(), &mut Builder::for_rank(17, ps.groups()))?;
-        let sampler = Sampler::windows(
-            TokenStream::from_bytes(text.as_bytes()),
-            BatchPlan {
-                seq_length: SEQ,
-                micro_batch: 2,
-                global_batch: 8,
-                dp,
-            },
-            3,
-        )?;
-        let schedule = LrSchedule {
-            max_lr: 2e-3,
-            min_lr: 2e-4,
-            warmup_steps: 3,
-            decay_steps: 20,
-            style: DecayStyle::Cosine,
-        };
-        let train = support::train_config(schedule, 9, 10_000);
-        let mut trainer = Trainer::new(model, &ps, sampler, train)?;
-        (0..20)
-            .map(|s| {
-                let m = trainer.step(&ps, s)?;
-                Ok((m.loss, m.grad_norm))
-            })
-            .collect()
-    })
-    .unwrap()
-    .remove(0)
+    support::gpt_curve(&tiny(0.1), (tp, dp), false, SEQ, 20)
 }
 
 #[test]

@@ -192,3 +192,56 @@ pub fn train_config(
         check_for_nan: true,
     }
 }
+
+/// Losses and gradient norms of `steps` training steps of the DSL's GPT `config` on `tp × dp`
+/// thread ranks, with sequence parallelism when `sequence_parallel` says: sequences of `seq`
+/// tokens of a repeated sentence, micro-batches of 2, 8 sequences a step, a warmed-up cosine
+/// schedule, rank 0's values.
+pub fn gpt_curve(
+    config: &megatron::models::GptConfig,
+    (tp, dp): (usize, usize),
+    sequence_parallel: bool,
+    seq: usize,
+    steps: u64,
+) -> Vec<(f64, f64)> {
+    use megatron::comm::ParallelState;
+    use megatron::module::{Builder, Module};
+    use megatron::parallel::{ParallelConfig, ParallelLayout};
+    use megatron::training::{BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, Trainer};
+    let layout = ParallelLayout::new(&ParallelConfig::new(tp * dp).with_tp(tp)).unwrap();
+    let text = "Megatron-LM splits each transformer layer over tensor-parallel ranks. ".repeat(30);
+    type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+    megatron::comm::threads::launch(tp * dp, |w| -> R<Vec<(f64, f64)>> {
+        let ps = ParallelState::new(&w, &layout)?.with_sequence_parallel(sequence_parallel);
+        let model = megatron::models::gpt::Gpt::build(
+            &config.spec(),
+            &mut Builder::for_rank(17, ps.groups()),
+        )?;
+        let sampler = Sampler::windows(
+            TokenStream::from_bytes(text.as_bytes()),
+            BatchPlan {
+                seq_length: seq,
+                micro_batch: 2,
+                global_batch: 8,
+                dp,
+            },
+            3,
+        )?;
+        let schedule = LrSchedule {
+            max_lr: 2e-3,
+            min_lr: 2e-4,
+            warmup_steps: 3,
+            decay_steps: steps,
+            style: DecayStyle::Cosine,
+        };
+        let mut trainer = Trainer::new(model, &ps, sampler, train_config(schedule, 9, 10_000))?;
+        (0..steps)
+            .map(|s| {
+                let m = trainer.step(&ps, s)?;
+                Ok((m.loss, m.grad_norm))
+            })
+            .collect()
+    })
+    .unwrap()
+    .remove(0)
+}

@@ -9,8 +9,8 @@ use proc_macro2::TokenStream;
 use quote::quote;
 
 use super::{
-    Backward, Call, Forward, Imports, Kind, refuse_sequence_parallel, sequence_gather,
-    sequence_gather_fn, sequence_sum,
+    Backward, Call, Forward, Imports, Kind, keep_sequence_shard, refuse_sequence_parallel,
+    regather_sequence, sequence_gather, sequence_sum,
 };
 use crate::generate::body::Body;
 use crate::generate::comment;
@@ -137,16 +137,13 @@ impl Kind for Column {
                 let (xr, s, o, w) = (nm.by_ref(x), nm.pat(saved), nm.pat(out), nm.ident(whole));
                 let k = nm.ident(kept);
                 let gather = sequence_gather(rt, &xr, span);
+                let keep = keep_sequence_shard(rt, &map, &k, &s);
                 quote! {
                     #doc
                     let #w = #gather;
                     let (#o, #k) = #call(&#this_field, cx, #site, &#w)?;
                     #kdoc
-                    let #s = if cx.sequence_parallel() {
-                        #map(#k, &|x| #rt::tensor_parallel::keep_sequence_shard(cx, x))?
-                    } else {
-                        #k
-                    };
+                    #keep
                 }
             });
         }
@@ -188,15 +185,11 @@ impl Kind for Column {
             let (regather, s) = match whole {
                 Some(w) => {
                     let (si, wi) = (nm.ident(saved), nm.ident(w));
-                    let gather = sequence_gather_fn(rt, span);
+                    let regather = regather_sequence(rt, &map, &si, &wi, span);
                     (
                         quote! {
                             #wdoc
-                            let #wi = if cx.sequence_parallel() {
-                                #map(#si, &#gather)?
-                            } else {
-                                #si
-                            };
+                            #regather
                         },
                         quote!(#wi),
                     )

@@ -303,3 +303,40 @@ pub(super) fn refuse_sequence_parallel(rt: &TokenStream, what: &str) -> TokenStr
         }
     }
 }
+
+/// `let out = ..;` what a layer that read the gathered sequence keeps: with sequence parallelism
+/// its kept input replaced by this rank's shard through `map` (`map_kept_input`, or the tied
+/// output layer's), else `kept` as it is.
+pub(super) fn keep_sequence_shard(
+    rt: &TokenStream,
+    map: &TokenStream,
+    kept: &impl quote::ToTokens,
+    out: &impl quote::ToTokens,
+) -> TokenStream {
+    quote! {
+        let #out = if cx.sequence_parallel() {
+            #map(#kept, &|x| #rt::tensor_parallel::keep_sequence_shard(cx, x))?
+        } else {
+            #kept
+        };
+    }
+}
+
+/// `let whole = ..;` before such a layer's backward: with sequence parallelism `saved` with its
+/// kept shard gathered again (the all-gather called at `span`), else `saved` as it is.
+pub(super) fn regather_sequence(
+    rt: &TokenStream,
+    map: &TokenStream,
+    saved: &impl quote::ToTokens,
+    whole: &impl quote::ToTokens,
+    span: Span,
+) -> TokenStream {
+    let gather = sequence_gather_fn(rt, span);
+    quote! {
+        let #whole = if cx.sequence_parallel() {
+            #map(#saved, &#gather)?
+        } else {
+            #saved
+        };
+    }
+}

@@ -9,7 +9,8 @@ use proc_macro2::TokenStream;
 use quote::quote;
 
 use super::{
-    Backward, Call, Forward, Imports, Kind, sequence_gather, sequence_gather_fn, sequence_sum,
+    Backward, Call, Forward, Imports, Kind, keep_sequence_shard, regather_sequence,
+    sequence_gather, sequence_sum,
 };
 use crate::generate::body::Body;
 use crate::generate::comment;
@@ -162,16 +163,13 @@ pub(in crate::generate) fn logits_forward<'a>(call: &Call<'a>, b: &mut Body<'a>,
         let (hr, s, o, w) = (nm.by_ref(h), nm.pat(saved), nm.pat(out), nm.ident(whole));
         let k = nm.ident(kept);
         let gather = sequence_gather(rt, &hr, span);
+        let keep = keep_sequence_shard(rt, &map, &k, &s);
         quote! {
             #doc
             let #w = #gather;
             let (#o, #k) = #call(&#this_field, cx, #site, &#w)?;
             #kdoc
-            let #s = if cx.sequence_parallel() {
-                #map(#k, &|x| #rt::tensor_parallel::keep_sequence_shard(cx, x))?
-            } else {
-                #k
-            };
+            #keep
         }
     });
 }
@@ -220,14 +218,10 @@ pub(in crate::generate) fn logits_backward<'a>(
         );
         let w = nm.ident(whole);
         let sum = sequence_sum(rt, &p, span);
-        let gather = sequence_gather_fn(rt, span);
+        let regather = regather_sequence(rt, &map, &s, &w, span);
         quote! {
             #wdoc
-            let #w = if cx.sequence_parallel() {
-                #map(#s, &#gather)?
-            } else {
-                #s
-            };
+            #regather
             let #p = #call(&#this_field, cx, #site, #w, #dy)?;
             #doc
             let #dh = #sum;
