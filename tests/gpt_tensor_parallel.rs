@@ -16,23 +16,14 @@ use megatron::training::{BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 fn tiny(dropout: f32) -> GptConfig {
-    let mut c = GptConfig::new(2, 32, 4, 256, 32);
-    c.hidden_dropout = dropout;
-    c.attention_dropout = dropout;
-    c
+    support::tiny_gpt(dropout)
 }
 
 const SEQ: usize = 16;
 const BATCH: usize = 2;
 
 fn ids(salt: i64) -> Tensor {
-    Tensor::from_vec(
-        (0..(SEQ * BATCH) as i64)
-            .map(|i| (i * 37 + salt * 11) % 256)
-            .collect::<Vec<_>>(),
-        [SEQ, BATCH],
-    )
-    .unwrap()
+    support::token_ids(SEQ, BATCH, salt)
 }
 
 struct Pass {

@@ -20,20 +20,11 @@ const SEQ: usize = 16;
 const BATCH: usize = 2;
 
 fn tiny(dropout: f32) -> GptConfig {
-    let mut c = GptConfig::new(2, 32, 4, 256, 32);
-    c.hidden_dropout = dropout;
-    c.attention_dropout = dropout;
-    c
+    support::tiny_gpt(dropout)
 }
 
 fn ids(salt: i64) -> Tensor {
-    Tensor::from_vec(
-        (0..(SEQ * BATCH) as i64)
-            .map(|i| (i * 37 + salt * 11) % 256)
-            .collect::<Vec<_>>(),
-        [SEQ, BATCH],
-    )
-    .unwrap()
+    support::token_ids(SEQ, BATCH, salt)
 }
 
 /// What one forward and backward gave a rank.

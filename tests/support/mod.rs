@@ -245,3 +245,23 @@ pub fn gpt_curve(
     .unwrap()
     .remove(0)
 }
+
+/// A 2-layer GPT of hidden 32, 4 heads, a byte vocabulary and 32 positions, with `dropout` on
+/// its hidden states and attention.
+pub fn tiny_gpt(dropout: f32) -> megatron::models::GptConfig {
+    let mut c = megatron::models::GptConfig::new(2, 32, 4, 256, 32);
+    c.hidden_dropout = dropout;
+    c.attention_dropout = dropout;
+    c
+}
+
+/// Deterministic byte token ids `[seq, batch]`, varied by `salt`.
+pub fn token_ids(seq: usize, batch: usize, salt: i64) -> megatron::tensor::Tensor {
+    megatron::tensor::Tensor::from_vec(
+        (0..(seq * batch) as i64)
+            .map(|i| (i * 37 + salt * 11) % 256)
+            .collect::<Vec<_>>(),
+        [seq, batch],
+    )
+    .unwrap()
+}
