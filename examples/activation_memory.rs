@@ -14,6 +14,8 @@
 //! their key in backward), so the paper's counts are shown converted too: its sbh·34 at
 //! 4 bytes for the tensors and 0 for the 3 masks' sbh and the attention mask's as²b.
 //!
+//! The run checks what it shows: with sequence parallelism a rank keeps 1/t of the tp 1 layer.
+//!
 //! `cargo run --release --example activation_memory`
 
 use megatron::bench::activations::layer_bytes;
@@ -40,6 +42,7 @@ fn main() {
     );
     println!("|---|---|---|---|---|");
     let mib = |bytes: f64| bytes / (1 << 20) as f64;
+    let mut measured_at = std::collections::HashMap::new();
     for tp in [1, 2, 4] {
         for sp in [false, true] {
             if sp && tp == 1 {
@@ -62,6 +65,7 @@ fn main() {
                 )
             };
             let measured = layer_bytes(&config, (S, B), tp, sp).expect("the measurement") as f64;
+            measured_at.insert((tp, sp), measured);
             println!(
                 "| {tp} | {} | {:.1} | {:.1} | {:.1} |",
                 if sp { "yes" } else { "no" },
@@ -71,4 +75,15 @@ fn main() {
             );
         }
     }
+    // What the table shows, checked: with sequence parallelism a rank keeps 1/t of the tp 1
+    // layer (to 2%), and less than without it.
+    let one = measured_at[&(1, false)];
+    for tp in [2, 4] {
+        let (with, without) = (measured_at[&(tp, true)], measured_at[&(tp, false)]);
+        assert!(
+            (with * tp as f64 - one).abs() <= 0.02 * one && with < without,
+            "tp {tp}: {with} bytes with sequence parallelism, {without} without, {one} at tp 1"
+        );
+    }
+    println!("\nwith sequence parallelism a rank keeps 1/t of the tp 1 layer: checked");
 }

@@ -157,6 +157,31 @@ fn what_sequence_parallelism_refuses_names_the_numbers() {
         stderr.contains("--seq-length 15 is not divisible by --tensor-model-parallel-size 2"),
         "{stderr}"
     );
+    // MoE layers at tp > 1 need it, as in Megatron-LM: refused without, naming the size.
+    let (ok, _, stderr) = megatron(&[
+        "train",
+        "--quiet",
+        "--model",
+        "gpt-moe-tiny",
+        "--num-layers",
+        "2",
+        "--tp",
+        "2",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--train-iters",
+        "1",
+    ]);
+    assert!(!ok, "{stderr}");
+    assert!(
+        stderr.contains("MoE layers with tensor-parallel size 2 need sequence parallelism")
+            && stderr.contains("--sequence-parallel"),
+        "{stderr}"
+    );
     // With one tensor-parallel rank there is nothing to split: accepted, said in one line.
     let (ok, _, stderr) = megatron(&[
         "train",

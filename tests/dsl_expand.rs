@@ -772,3 +772,33 @@ fn specs_and_parameter_names_follow_the_fields() -> R<()> {
     assert_eq!(count, names.len());
     Ok(())
 }
+
+/// With sequence parallelism a gathered column output and a row-parallel layer that splits a
+/// whole input are refused, naming the field (Megatron-LM refuses both).
+#[test]
+fn sequence_parallelism_refuses_whole_outputs_and_inputs_by_name() {
+    let layout = ParallelLayout::new(&ParallelConfig::new(2).with_tp(2)).unwrap();
+    let errors = launch(2, |w| -> R<String> {
+        let ps = ParallelState::new(&w, &layout)?.with_sequence_parallel(true);
+        let cx = Cx::new(&ps, 1);
+        let spec = PairSpec {
+            up: LinearSpec::new(H, H),
+            down: LinearSpec::new(H, H),
+        };
+        let pair = Pair::build(&spec, &mut Builder::for_rank(1, ps.groups()))?;
+        let x = tensor(det(S / 2 * B * H, 1), &[S / 2, B, H]);
+        let Err(err) = pair.forward(&cx, Site::ROOT, &x, &ids(1), &x) else {
+            panic!("a gathered output with sequence parallelism")
+        };
+        Ok(err.to_string())
+    })
+    .unwrap();
+    for err in errors {
+        assert!(
+            err.contains("gather_output")
+                && err.contains("`up`")
+                && err.contains("sequence parallelism"),
+            "{err}"
+        );
+    }
+}

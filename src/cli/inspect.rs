@@ -349,10 +349,7 @@ fn layer_activations(
     }
     let mut one = config.clone();
     one.num_layers = 1;
-    let mut weights = 0u128;
-    let model = Gpt::build(&one.spec(), &mut Builder::new(0).specs_only())?;
-    model.visit_params(&mut |p| weights += p.spec().logical.numel() as u128);
-    drop(model);
+    let weights = one.num_params(tp) as u128;
     let (h, heads) = (
         config.hidden_size as u128,
         config.num_attention_heads as u128,

@@ -120,7 +120,7 @@ pub(crate) fn placed(t: Tensor, like: &Tensor) -> Result<Tensor> {
 }
 
 /// The i64 counts `t` holds, read back to the host.
-fn counts_of(t: &Tensor) -> Result<Vec<usize>> {
+pub(crate) fn counts_of(t: &Tensor) -> Result<Vec<usize>> {
     Ok(t.to_vec::<i64>()?
         .iter()
         .map(|&c| c.max(0) as usize)

@@ -12,7 +12,7 @@ use crate::error::Result;
 use crate::invalid;
 use crate::tensor::{DType, Tensor};
 
-use super::dispatcher::placed;
+use super::dispatcher::{counts_of, placed};
 use crate::backend;
 
 /// Where the rows of an expert-tensor-parallel group came from.
@@ -86,7 +86,7 @@ pub fn gather_expert_rows(
             &placed(Tensor::from_vec(counts, [local_experts])?, rows)?,
             &all,
         )?;
-        let per_rank = all.to_vec::<i64>()?.iter().map(|&c| c as usize).collect();
+        let per_rank = counts_of(&all)?;
         (per_rank, Some(all))
     };
     let tp = TpRows {
