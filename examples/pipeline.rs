@@ -121,10 +121,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|(a, b)| (a.0 - b.0).abs() / b.0)
         .fold(0.0, f64::max);
     println!("\nthe losses differ by {worst:.1e} at most (the order of f32 sums)");
-    // Forty steps of f32 sums in another order drift apart by about 1e-5 (the corpus, this
-    // repository's sources, moves it); a schedule that loses or repeats a microbatch differs
-    // by more than 1e-2 from the first step.
-    if worst > 5e-5 {
+    // Forty steps of f32 sums in another order drift apart by 1e-5 to 1e-4 (the corpus, this
+    // repository's sources, moves it: 6.7e-5 once); a schedule that loses or repeats a
+    // microbatch differs by more than 1e-2 from the first step.
+    if worst > 1e-3 {
         return Err(format!("the pipeline does not train as one stage: {worst:e}").into());
     }
     Ok(())
