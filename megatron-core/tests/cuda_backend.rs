@@ -323,12 +323,18 @@ fn cublaslt_adds_the_bias_in_the_products_epilogue() -> R {
             };
             for &dtype in outputs {
                 let what = format!("{m}×{n}×{k}, bf16 products {bf16_products}, {dtype:?} out");
-                let c = Tensor::empty_on([m, n], dtype, &g)?;
+                let c = Tensor::full([m, n], 7.0, dtype).to_gpu(&g)?;
                 g.set_bias_epilogues(true);
-                assert!(
-                    matmul_bias_into(&xd, &wd.t()?, &bd, &c)?,
-                    "{what}: cuBLASLt took no bias epilogue"
-                );
+                if !matmul_bias_into(&xd, &wd.t()?, &bd, &c)? {
+                    // cuBLASLt may have no algorithm for a shape: the layer then adds the bias
+                    // itself, and nothing is written here. Layers' shapes (multiples of 8, as
+                    // 64×96×128) must take the epilogue. On an H100 (session 41), 1×1×1 with a
+                    // bf16 output had none.
+                    assert!(m % 8 != 0 || n % 8 != 0 || k % 8 != 0, "{what}: no bias epilogue");
+                    assert!(c.to_vec_f32()?.iter().all(|&v| v == 7.0), "{what}: written");
+                    eprintln!("{what}: no cuBLASLt algorithm with the bias epilogue");
+                    continue;
+                }
                 let got = c.to_vec_f32()?;
                 if dtype == DType::BF16 {
                     // The f32 sum rounded once: within half a bf16 step of the exact one.
