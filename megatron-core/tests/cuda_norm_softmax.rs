@@ -308,6 +308,83 @@ fn layer_norm_backward_matches_cpu() {
     }
 }
 
+/// RMSNorm (the layer-norm kernels without mean and bias): forward and backward (with another
+/// gradient added to dx) give the CPU kernels' results; the saved mean is 0.
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn rms_norm_matches_cpu() {
+    let gpu = gpu();
+    let mut rng = Lcg(7);
+    let eps = 1e-6;
+    for (rows, hidden) in LN_SHAPES {
+        let c = ln_case(&mut rng, rows, hidden);
+        let n = rows * hidden;
+        let (mut y, mut mean, mut rstd) = (vec![0.0; n], vec![0.0; rows], vec![0.0; rows]);
+        cpu_ln::rms_norm_forward(&c.x, &c.gamma, rows, hidden, eps, &mut y, &mut mean, &mut rstd)
+            .unwrap();
+        let dy = rng.vec(n, -1.0, 1.0);
+        let plus = rng.vec(n, -1.0, 1.0);
+        let g0 = rng.vec(hidden, -1.0, 1.0);
+        let (mut dx, mut dgamma) = (vec![0.0; n], g0.clone());
+        let kept = (&c.x[..], &mean[..], &rstd[..], &c.gamma[..]);
+        cpu_ln::rms_norm_backward_plus(&dy, kept, rows, hidden, Some(&plus), &mut dx, &mut dgamma)
+            .unwrap();
+        for offset in [0, 1] {
+            let x_d = upload_at(&gpu, &c.x, offset);
+            let g_d = upload_at(&gpu, &c.gamma, offset);
+            let mut y_d = upload_at(&gpu, &vec![f32::NAN; n], offset);
+            let mut m_d = upload_at(&gpu, &vec![f32::NAN; rows], offset);
+            let mut r_d = upload_at(&gpu, &vec![f32::NAN; rows], offset);
+            gpu_ln::rms_norm_forward(
+                &gpu,
+                &x_d.slice(offset..),
+                &g_d.slice(offset..),
+                rows,
+                hidden,
+                eps,
+                Out::F32(&mut y_d.slice_mut(offset..)),
+                &mut m_d.slice_mut(offset..),
+                &mut r_d.slice_mut(offset..),
+            )
+            .unwrap();
+            let what = format!("RMSNorm rows {rows} hidden {hidden} offset {offset}");
+            let tol = 1e-5;
+            let got_y = download_at(&gpu, &y_d, offset);
+            assert_close(&format!("{what} y"), &got_y, &y, tol, tol * magnitude(&y), false);
+            let got_mean = download_at(&gpu, &m_d, offset);
+            assert!(got_mean.iter().all(|&m| m == 0.0), "{what}: mean {got_mean:?}");
+            let got_rstd = download_at(&gpu, &r_d, offset);
+            assert_close(&format!("{what} rstd"), &got_rstd, &rstd, tol, 0.0, false);
+
+            let dy_d = upload_at(&gpu, &dy, offset);
+            let p_d = upload_at(&gpu, &plus, offset);
+            let mut dx_d = upload_at(&gpu, &vec![f32::NAN; n], offset);
+            let mut dg_d = upload_at(&gpu, &g0, offset);
+            gpu_ln::rms_norm_backward_plus(
+                &gpu,
+                &dy_d.slice(offset..),
+                (
+                    &x_d.slice(offset..),
+                    &m_d.slice(offset..),
+                    &r_d.slice(offset..),
+                    &g_d.slice(offset..),
+                ),
+                rows,
+                hidden,
+                Some(&p_d.slice(offset..)),
+                &mut dx_d.slice_mut(offset..),
+                &mut dg_d.slice_mut(offset..),
+            )
+            .unwrap();
+            let got_dx = download_at(&gpu, &dx_d, offset);
+            assert_close(&format!("{what} dx"), &got_dx, &dx, 1e-4, 1e-4 * magnitude(&dx), false);
+            let got_dg = download_at(&gpu, &dg_d, offset);
+            let scale = magnitude(&dgamma);
+            assert_close(&format!("{what} dgamma"), &got_dg, &dgamma, 1e-4, 1e-4 * scale, false);
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn layer_norm_with_no_rows_leaves_parameter_gradients() {

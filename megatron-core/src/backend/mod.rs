@@ -129,15 +129,17 @@ device_ops! {
 }
 
 device_ops! {
-    /// Layer normalisation over the last dimension (`tensor_parallel::layer_norm`).
+    /// Layer normalisation and RMSNorm over the last dimension (`tensor_parallel::layer_norm`).
     pub(crate) trait NormOps {
         /// `y`, `mean[rows]` and `rstd[rows]` of a contiguous f32 `x` of `rows` rows of `h`,
-        /// with f32 `gamma` and `beta`; `y` in the products' dtype (on a GPU that multiplies in
-        /// bf16 the normalised rows are the next products' operand, rounded once here).
-        fn layer_norm(&self, x: &Tensor, gamma: &Tensor, beta: &Tensor, rows: usize, h: usize, eps: f32) -> Result<(Tensor, Tensor, Tensor)>;
+        /// with f32 `gamma` and `beta`, or without `beta` RMSNorm's (no mean, `mean` 0); `y`
+        /// in the products' dtype (on a GPU that multiplies in bf16 the normalised rows are the
+        /// next products' operand, rounded once here).
+        fn layer_norm(&self, x: &Tensor, gamma: &Tensor, beta: Option<&Tensor>, rows: usize, h: usize, eps: f32) -> Result<(Tensor, Tensor, Tensor)>;
         /// Writes `dx` (plus `plus` when given) and accumulates (`+=`) `dgamma` and `dbeta`,
-        /// from the forward's kept `(x, mean, rstd, gamma)`; `grads` is `(dx, dgamma, dbeta)`.
-        fn layer_norm_backward(&self, dy: &Tensor, kept: (&Tensor, &Tensor, &Tensor, &Tensor), plus: Option<&Tensor>, rows: usize, h: usize, grads: (&Tensor, &Tensor, &Tensor)) -> Result<()>;
+        /// from the forward's kept `(x, mean, rstd, gamma)`; `grads` is `(dx, dgamma, dbeta)`,
+        /// without `dbeta` for RMSNorm.
+        fn layer_norm_backward(&self, dy: &Tensor, kept: (&Tensor, &Tensor, &Tensor, &Tensor), plus: Option<&Tensor>, rows: usize, h: usize, grads: (&Tensor, &Tensor, Option<&Tensor>)) -> Result<()>;
     }
 }
 

@@ -2,6 +2,10 @@
 //!
 //! Statistics use a deterministic two-pass f32 mean and variance (biased, as PyTorch);
 //! the forward saves `mean` and `rstd = 1/√(var + eps)` per row for the backward.
+//!
+//! RMSNorm (Megatron-LM's `--normalization RMSNorm`, Llama's norm) is the same computation
+//! without the mean and the bias: `y = x·rstd·gamma` with `rstd = 1/√(mean(x²) + eps)`. The
+//! kernels take the bias as an option, and no bias means RMSNorm (its saved `mean` is 0).
 
 use super::isa::{Isa, versioned};
 use super::reduce::{self, LANES, add_column_sums};
@@ -31,11 +35,11 @@ fn check_dims(
 }
 
 versioned! {
-    /// The rows of [`layer_norm_forward`] (`hidden > 0`).
+    /// The rows of [`layer_norm_forward`] (`hidden > 0`); without `beta`, of [`rms_norm_forward`].
     fn forward_rows(
         x: &[f32],
         gamma: &[f32],
-        beta: &[f32],
+        beta: Option<&[f32]>,
         hidden: usize,
         eps: f32,
         y: &mut [f32],
@@ -45,11 +49,20 @@ versioned! {
         let inv_h = 1.0 / hidden as f32;
         let rows_iter = x.chunks_exact(hidden).zip(y.chunks_exact_mut(hidden));
         for ((xr, yr), (m_out, r_out)) in rows_iter.zip(mean.iter_mut().zip(rstd.iter_mut())) {
-            let m = reduce::sum(xr) * inv_h;
+            let m = if beta.is_some() { reduce::sum(xr) * inv_h } else { 0.0 };
             let var = reduce::sum_sq_dev(xr, m) * inv_h;
             let rs = 1.0 / (var + eps).sqrt();
-            for (((o, &v), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
-                *o = (v - m) * rs * g + b;
+            match beta {
+                Some(beta) => {
+                    for (((o, &v), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
+                        *o = (v - m) * rs * g + b;
+                    }
+                }
+                None => {
+                    for ((o, &v), &g) in yr.iter_mut().zip(xr).zip(gamma) {
+                        *o = v * rs * g;
+                    }
+                }
             }
             *m_out = m;
             *r_out = rs;
@@ -124,7 +137,37 @@ pub fn layer_norm_forward(
             rstd.len(),
         ],
     )?;
-    forward_rows(Isa::detected(), x, gamma, beta, hidden, eps, y, mean, rstd);
+    forward_rows(Isa::detected(), x, gamma, Some(beta), hidden, eps, y, mean, rstd);
+    Ok(())
+}
+
+/// RMSNorm: `y = x·rstd·gamma` per row of `x[rows, hidden]` with `rstd = 1/√(mean(x²) + eps)`,
+/// saving `rstd[rows]` (and `mean[rows]`, all 0, for the shared backward).
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_forward(
+    x: &[f32],
+    gamma: &[f32],
+    rows: usize,
+    hidden: usize,
+    eps: f32,
+    y: &mut [f32],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    check_forward(
+        rows,
+        hidden,
+        eps,
+        [
+            x.len(),
+            gamma.len(),
+            hidden,
+            y.len(),
+            mean.len(),
+            rstd.len(),
+        ],
+    )?;
+    forward_rows(Isa::detected(), x, gamma, None, hidden, eps, y, mean, rstd);
     Ok(())
 }
 
@@ -155,7 +198,8 @@ fn row_sums(dy: &[f32], gamma: &[f32], x: &[f32], m: f32) -> (f32, f32) {
 }
 
 versioned! {
-    /// The rows of [`layer_norm_backward`] (`hidden > 0`).
+    /// The rows of [`layer_norm_backward`] (`hidden > 0`); without `dbeta`, of RMSNorm's
+    /// (no mean: `mean(g)` is not subtracted).
     fn backward_rows(
         dy: &[f32],
         x: &[f32],
@@ -166,14 +210,15 @@ versioned! {
         plus: Option<&[f32]>,
         dx: &mut [f32],
         dgamma: &mut [f32],
-        dbeta: &mut [f32],
+        dbeta: Option<&mut [f32]>,
     ) {
         let inv_h = 1.0 / hidden as f32;
+        let centered = dbeta.is_some();
         let rows_iter = dy.chunks_exact(hidden).zip(x.chunks_exact(hidden));
         let rows_iter = rows_iter.zip(dx.chunks_exact_mut(hidden)).enumerate();
         for ((r, ((dyr, xr), dxr)), (&m, &rs)) in rows_iter.zip(mean.iter().zip(rstd)) {
             let (sum_g, sum_gxc) = row_sums(dyr, gamma, xr, m);
-            let a = sum_g * inv_h;
+            let a = if centered { sum_g * inv_h } else { 0.0 };
             // mean(g·x̂) = rstd·mean(g·(x − m)).
             let b = sum_gxc * rs * inv_h;
             let row = dxr.iter_mut().zip(dyr).zip(gamma).zip(xr);
@@ -196,7 +241,9 @@ versioned! {
             let (m, rs) = (mean[r], rstd[r]);
             move |d, v| d as f64 * ((v - m) * rs) as f64
         });
-        add_column_sums(dy, dy, hidden, dbeta, |_| |d, _| d as f64);
+        if let Some(dbeta) = dbeta {
+            add_column_sums(dy, dy, hidden, dbeta, |_| |d, _| d as f64);
+        }
     }
 }
 
@@ -267,8 +314,41 @@ pub fn layer_norm_backward_plus(
         plus,
         dx,
         dgamma,
-        dbeta,
+        Some(dbeta),
     );
+    Ok(())
+}
+
+/// Gradients of [`rms_norm_forward`]: `dx = plus + rstd·(g − x̂·mean(g·x̂))` with `x̂ = x·rstd`
+/// and `g = dy·gamma` (`plus` as in [`layer_norm_backward_plus`]), `dgamma += Σ_rows dy·x̂`.
+/// `(x, mean, rstd, gamma)` are as the forward left them (`mean` all 0).
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_backward_plus(
+    dy: &[f32],
+    (x, mean, rstd, gamma): (&[f32], &[f32], &[f32], &[f32]),
+    rows: usize,
+    hidden: usize,
+    plus: Option<&[f32]>,
+    dx: &mut [f32],
+    dgamma: &mut [f32],
+) -> Result<(), KernelError> {
+    let lens = [
+        dy.len(),
+        x.len(),
+        mean.len(),
+        rstd.len(),
+        gamma.len(),
+        dx.len(),
+        dgamma.len(),
+        hidden,
+    ];
+    let n = check_backward(rows, hidden, lens)?;
+    if let Some(p) = plus {
+        let dims = || format!("rows {rows} × hidden {hidden}");
+        check_len("rms_norm_backward", "plus", p.len(), n, dims)?;
+    }
+    let isa = Isa::detected();
+    backward_rows(isa, dy, x, mean, rstd, gamma, hidden, plus, dx, dgamma, None);
     Ok(())
 }
 
@@ -394,6 +474,56 @@ mod tests {
         });
     }
 
+    fn rms(c: &Case, x: &[f32], gamma: &[f32]) -> Vec<f32> {
+        let mut y = vec![0.0; c.rows * c.hidden];
+        let (mut m, mut r) = (vec![0.0; c.rows], vec![0.0; c.rows]);
+        rms_norm_forward(x, gamma, c.rows, c.hidden, 1e-5, &mut y, &mut m, &mut r).unwrap();
+        y
+    }
+
+    #[test]
+    fn rms_norm_matches_f64_reference_and_finite_differences() {
+        for (rows, hidden) in [(4, 64), (3, 13), (1, 1)] {
+            let c = case(30 + hidden as u64, rows, hidden);
+            let y = rms(&c, &c.x, &c.gamma);
+            for r in 0..rows {
+                let xr = &c.x[r * hidden..(r + 1) * hidden];
+                let ms = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / hidden as f64;
+                let rs = 1.0 / (ms + 1e-5).sqrt();
+                for k in 0..hidden {
+                    let want = xr[k] as f64 * rs * c.gamma[k] as f64;
+                    let got = y[r * hidden + k] as f64;
+                    assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "{got} vs {want}");
+                }
+            }
+        }
+        let c = case(40, 6, 37);
+        let n = c.rows * c.hidden;
+        let mut rng = Rng::new(41);
+        let w = rng.vec(n, -1.0, 1.0);
+        let mut y = vec![0.0; n];
+        let (mut mean, mut rstd) = (vec![f32::NAN; c.rows], vec![0.0; c.rows]);
+        rms_norm_forward(&c.x, &c.gamma, c.rows, c.hidden, 1e-5, &mut y, &mut mean, &mut rstd)
+            .unwrap();
+        assert!(mean.iter().all(|&m| m == 0.0));
+        let plus = rng.vec(n, -1.0, 1.0);
+        let g0 = rng.vec(c.hidden, -1.0, 1.0);
+        let (mut dx, mut dgamma) = (vec![f32::NAN; n], g0.clone());
+        let kept = (&c.x[..], &mean[..], &rstd[..], &c.gamma[..]);
+        rms_norm_backward_plus(&w, kept, c.rows, c.hidden, Some(&plus), &mut dx, &mut dgamma)
+            .unwrap();
+        let dx: Vec<f32> = dx.iter().zip(&plus).map(|(a, p)| a - p).collect();
+        let dgamma: Vec<f32> = dgamma.iter().zip(&g0).map(|(a, b)| a - b).collect();
+        let d = rng.vec(n, -1.0, 1.0);
+        check_directional("rms norm dx", &c.x, &d, 1e-2, &dx, 2e-3, |x| {
+            weighted_sum(&w, &rms(&c, x, &c.gamma))
+        });
+        let d = rng.vec(c.hidden, -1.0, 1.0);
+        check_directional("rms norm dgamma", &c.gamma, &d, 1e-2, &dgamma, 2e-3, |g| {
+            weighted_sum(&w, &rms(&c, &c.x, g))
+        });
+    }
+
     #[test]
     fn every_compiled_version_gives_the_same_bits() {
         let c = case(31, 9, 77);
@@ -404,7 +534,7 @@ mod tests {
             let mut y = vec![0.0f32; rows * hidden];
             let (mut m, mut r) = (vec![0.0f32; rows], vec![0.0f32; rows]);
             forward_rows(
-                isa, &c.x, &c.gamma, &c.beta, hidden, 1e-5, &mut y, &mut m, &mut r,
+                isa, &c.x, &c.gamma, Some(&c.beta), hidden, 1e-5, &mut y, &mut m, &mut r,
             );
             // dx alone, and with another gradient of x added (bit for bit the sum).
             let (mut dg, mut db) = (c.gamma.clone(), c.beta.clone());
@@ -412,7 +542,7 @@ mod tests {
                 let mut dx = vec![0.0f32; rows * hidden];
                 let (x, m, r, g) = (&c.x[..], &m[..], &r[..], &c.gamma[..]);
                 backward_rows(
-                    isa, &dy, x, m, r, g, hidden, plus, &mut dx, &mut dg, &mut db,
+                    isa, &dy, x, m, r, g, hidden, plus, &mut dx, &mut dg, Some(&mut db),
                 );
                 dx
             };

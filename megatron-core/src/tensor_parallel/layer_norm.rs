@@ -1,4 +1,5 @@
-//! `LayerNorm` over the last dimension, replicated over tensor parallelism.
+//! `LayerNorm` over the last dimension, replicated over tensor parallelism; with
+//! [`Normalization::RmsNorm`], RMSNorm (Megatron-LM's `--normalization RMSNorm`, Llama's).
 
 use crate::backend;
 use crate::error::Result;
@@ -6,27 +7,50 @@ use crate::invalid;
 use crate::module::{Builder, Cx, Init, Layer, Module, Param, Site, Split};
 use crate::tensor::{DType, Tensor};
 
+/// Which normalisation (Megatron-LM's `--normalization`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Normalization {
+    /// `(x − mean) / √(var + ε) · γ + β` (GPT-2).
+    #[default]
+    LayerNorm,
+    /// `x / √(mean(x²) + ε) · γ`: no mean, no bias (Llama, Mistral, Qwen, Mixtral).
+    RmsNorm,
+}
+
 /// The logical description of a layer norm.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerNormSpec {
     /// Size of the normalised (last) dimension.
     pub hidden: usize,
-    /// Added to the variance.
+    /// Added to the variance (Megatron-LM's `--norm-epsilon`).
     pub eps: f32,
+    /// LayerNorm or RMSNorm.
+    pub kind: Normalization,
 }
 
 impl LayerNormSpec {
     /// A layer norm over `hidden` features with ε = 1e-5 (Megatron-LM's default).
     pub fn new(hidden: usize) -> Self {
-        LayerNormSpec { hidden, eps: 1e-5 }
+        LayerNormSpec {
+            hidden,
+            eps: 1e-5,
+            kind: Normalization::LayerNorm,
+        }
+    }
+
+    /// The same with normalisation `kind`.
+    pub fn with_kind(mut self, kind: Normalization) -> Self {
+        self.kind = kind;
+        self
     }
 }
 
-/// `y = (x − mean) / √(var + ε) · γ + β`, per row.
+/// `y = (x − mean) / √(var + ε) · γ + β`, per row; RMSNorm, `y = x / √(mean(x²) + ε) · γ`,
+/// when built without a bias ([`Normalization::RmsNorm`]).
 #[derive(Debug, Clone)]
 pub struct LayerNorm {
     gamma: Param,
-    beta: Param,
+    beta: Option<Param>,
     eps: f32,
 }
 
@@ -73,9 +97,13 @@ impl Module for LayerNorm {
                 false,
             )?
             .in_sequence_parallel_region()?;
-        let beta = b
-            .param("bias", [spec.hidden], Split::Replicated, Init::ZEROS, false)?
-            .in_sequence_parallel_region()?;
+        let beta = match spec.kind {
+            Normalization::LayerNorm => Some(
+                b.param("bias", [spec.hidden], Split::Replicated, Init::ZEROS, false)?
+                    .in_sequence_parallel_region()?,
+            ),
+            Normalization::RmsNorm => None,
+        };
         Ok(LayerNorm {
             gamma,
             beta,
@@ -85,12 +113,16 @@ impl Module for LayerNorm {
 
     fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
         f(&self.gamma);
-        f(&self.beta);
+        if let Some(beta) = &self.beta {
+            f(beta);
+        }
     }
 
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
         f(&mut self.gamma);
-        f(&mut self.beta);
+        if let Some(beta) = &mut self.beta {
+            f(beta);
+        }
     }
 }
 
@@ -99,11 +131,13 @@ impl Layer for LayerNorm {
         let rows = self.rows(x)?;
         let h = self.gamma.value().numel();
         let x = x.to_f32_contiguous()?;
-        let (gamma, beta) = (
-            self.gamma.value().to_f32_contiguous()?,
-            self.beta.value().to_f32_contiguous()?,
-        );
-        let (y, mean, rstd) = backend::of(&x).layer_norm(&x, &gamma, &beta, rows, h, self.eps)?;
+        let gamma = self.gamma.value().to_f32_contiguous()?;
+        let beta = match &self.beta {
+            Some(beta) => Some(beta.value().to_f32_contiguous()?),
+            None => None,
+        };
+        let ops = backend::of(&x);
+        let (y, mean, rstd) = ops.layer_norm(&x, &gamma, beta.as_ref(), rows, h, self.eps)?;
         Ok((y, LayerNormSaved { x, mean, rstd }))
     }
 
@@ -157,11 +191,15 @@ impl LayerNorm {
         let gamma = self.gamma.value().to_f32_contiguous()?;
         let ops = backend::of(&saved.x);
         let kept = (&saved.x, &saved.mean, &saved.rstd, &gamma);
-        self.gamma.accumulate_grad(|dgamma| {
-            self.beta.accumulate_grad(|dbeta| {
-                let grads = (&dx, dgamma, dbeta);
+        self.gamma.accumulate_grad(|dgamma| match &self.beta {
+            Some(beta) => beta.accumulate_grad(|dbeta| {
+                let grads = (&dx, dgamma, Some(dbeta));
                 ops.layer_norm_backward(&dy, kept, plus.as_ref(), rows, h, grads)
-            })
+            }),
+            None => {
+                let grads = (&dx, dgamma, None);
+                ops.layer_norm_backward(&dy, kept, plus.as_ref(), rows, h, grads)
+            }
         })?;
         Ok(dx)
     }

@@ -21,7 +21,7 @@ pub use embedding::{
     Embedding, EmbeddingSaved, EmbeddingSpec, LogitsSaved, PositionEmbedding,
     PositionEmbeddingSpec, PositionSaved, padded_vocab_size,
 };
-pub use layer_norm::{LayerNorm, LayerNormSaved, LayerNormSpec};
+pub use layer_norm::{LayerNorm, LayerNormSaved, LayerNormSpec, Normalization};
 pub use linear::{Linear, LinearSaved, LinearSpec};
 pub use mappings::{
     all_gather_sequence, gather_last_dim, keep_sequence_shard, reduce_scatter_sequence,

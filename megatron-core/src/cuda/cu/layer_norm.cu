@@ -9,6 +9,9 @@
 // the same bits. dgamma/dbeta use no atomics: per-chunk f64 partial column sums (rows in order
 // within a chunk), then a second kernel adds the chunks in order, rounds once and adds to the
 // f32 gradient, as the CPU's f64 column sums.
+//
+// RMSNorm is the same kernels without the mean and the bias: a null beta (forward), centered 0
+// (dx) and a null dbeta (finalize); mean is then written, and read, as 0.
 
 #define LN_MAX_THREADS 512
 // The partial column sums' block: LN_COLS consecutive columns × LN_ROW_LANES row lanes.
@@ -21,14 +24,16 @@ extern "C" __global__ __launch_bounds__(LN_MAX_THREADS) void layer_norm_forward(
     u64 hidden, float eps) {
     __shared__ float scratch[32];
     const float inv_h = 1.0f / (float)hidden;
-    const bool vec = hidden % 4 == 0 && aligned16(x) && aligned16(gamma) && aligned16(beta) &&
-                     out4_aligned(y, y_bf16);
+    const bool centered = beta != nullptr;
+    const bool vec = hidden % 4 == 0 && aligned16(x) && aligned16(gamma) &&
+                     (!centered || aligned16(beta)) && out4_aligned(y, y_bf16);
     const u64 h4 = hidden / 4;
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + r * hidden;
-        // Pass 1: the mean.
+        // Pass 1: the mean (RMSNorm: none).
         float s = 0.0f;
-        if (vec) {
+        if (!centered) {
+        } else if (vec) {
             const float4* x4 = reinterpret_cast<const float4*>(xr);
             for (u64 k = threadIdx.x; k < h4; k += blockDim.x) {
                 const float4 v = x4[k];
@@ -37,7 +42,7 @@ extern "C" __global__ __launch_bounds__(LN_MAX_THREADS) void layer_norm_forward(
         } else {
             for (u64 k = threadIdx.x; k < hidden; k += blockDim.x) s += xr[k];
         }
-        const float m = block_sum(s, scratch) * inv_h;
+        const float m = centered ? block_sum(s, scratch) * inv_h : 0.0f;
         // Pass 2: the biased variance around it.
         float q = 0.0f;
         if (vec) {
@@ -55,8 +60,12 @@ extern "C" __global__ __launch_bounds__(LN_MAX_THREADS) void layer_norm_forward(
         }
         const float var = block_sum(q, scratch) * inv_h;
         const float rs = 1.0f / sqrtf(var + eps);
-        // Pass 3: y = (x − m)·rstd·gamma + beta.
-        if (vec) {
+        // Pass 3: y = (x − m)·rstd·gamma + beta (RMSNorm: x·rstd·gamma).
+        if (!centered) {
+            for (u64 k = threadIdx.x; k < hidden; k += blockDim.x) {
+                store_out(y, y_bf16, r * hidden + k, __fmul_rn(__fmul_rn(xr[k], rs), gamma[k]));
+            }
+        } else if (vec) {
             const float4* x4 = reinterpret_cast<const float4*>(xr);
             const float4* g4 = reinterpret_cast<const float4*>(gamma);
             const float4* b4 = reinterpret_cast<const float4*>(beta);
@@ -92,7 +101,7 @@ __device__ __forceinline__ float ln_dx(float d, float g, float v, float m, float
 extern "C" __global__ __launch_bounds__(LN_MAX_THREADS) void layer_norm_backward_dx(
     const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ mean,
     const float* __restrict__ rstd, const float* __restrict__ gamma,
-    const float* __restrict__ plus, float* __restrict__ dx, u64 rows, u64 hidden) {
+    const float* __restrict__ plus, float* __restrict__ dx, u64 rows, u64 hidden, int centered) {
     __shared__ float scratch[32];
     const float inv_h = 1.0f / (float)hidden;
     const bool vec = hidden % 4 == 0 && aligned16(dy) && aligned16(x) && aligned16(gamma) &&
@@ -123,7 +132,8 @@ extern "C" __global__ __launch_bounds__(LN_MAX_THREADS) void layer_norm_backward
                 s2 += dg * (xr[k] - m);
             }
         }
-        const float a = block_sum(s1, scratch) * inv_h;
+        // RMSNorm has no mean, so no mean(g) to subtract.
+        const float a = centered ? block_sum(s1, scratch) * inv_h : 0.0f;
         const float b = block_sum(s2, scratch) * rs * inv_h;
         if (vec) {
             const float4* d4 = reinterpret_cast<const float4*>(dyr);
@@ -201,6 +211,6 @@ extern "C" __global__ void layer_norm_backward_finalize(const double* __restrict
             b += partials[(chunks + k) * hidden + c];
         }
         dgamma[c] += (float)g;
-        dbeta[c] += (float)b;
+        if (dbeta != nullptr) dbeta[c] += (float)b;
     }
 }

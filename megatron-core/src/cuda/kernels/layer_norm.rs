@@ -43,6 +43,40 @@ pub fn layer_norm_forward(
     mean: &mut CudaViewMut<f32>,
     rstd: &mut CudaViewMut<f32>,
 ) -> Result<()> {
+    norm_forward(gpu, x, gamma, Some(beta), rows, hidden, eps, y, mean, rstd)
+}
+
+/// RMSNorm, `y = x·rstd·gamma` per row with `rstd = 1/√(mean(x²) + eps)`, as
+/// [`crate::kernels::layer_norm::rms_norm_forward`] (`mean` written 0).
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_forward(
+    gpu: &Gpu,
+    x: &CudaView<f32>,
+    gamma: &CudaView<f32>,
+    rows: usize,
+    hidden: usize,
+    eps: f32,
+    y: Out<'_, '_>,
+    mean: &mut CudaViewMut<f32>,
+    rstd: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    norm_forward(gpu, x, gamma, None, rows, hidden, eps, y, mean, rstd)
+}
+
+/// A layer norm's forward, or without `beta` an RMSNorm's.
+#[allow(clippy::too_many_arguments)]
+fn norm_forward(
+    gpu: &Gpu,
+    x: &CudaView<f32>,
+    gamma: &CudaView<f32>,
+    beta: Option<&CudaView<f32>>,
+    rows: usize,
+    hidden: usize,
+    eps: f32,
+    y: Out<'_, '_>,
+    mean: &mut CudaViewMut<f32>,
+    rstd: &mut CudaViewMut<f32>,
+) -> Result<()> {
     const K: &str = "layer_norm_forward";
     check_forward(
         rows,
@@ -51,7 +85,7 @@ pub fn layer_norm_forward(
         [
             x.len(),
             gamma.len(),
-            beta.len(),
+            beta.map_or(hidden, |b| b.len()),
             y.len(),
             mean.len(),
             rstd.len(),
@@ -62,8 +96,13 @@ pub fn layer_norm_forward(
     }
     let (rows64, hidden64) = (rows as u64, hidden as u64);
     let flag = y.flag();
+    let null: u64 = 0;
     let mut args = launch_args(gpu, K)?;
-    args.arg(x).arg(gamma).arg(beta);
+    args.arg(x).arg(gamma);
+    match beta {
+        Some(b) => args.arg(b),
+        None => args.arg(&null),
+    };
     y.push(&mut args, &flag);
     args.arg(mean)
         .arg(rstd)
@@ -97,24 +136,59 @@ pub fn layer_norm_backward(
     layer_norm_backward_plus(gpu, dy, saved, rows, hidden, None, dx, dgamma, dbeta)
 }
 
+/// The forward's kept `(x, mean, rstd, gamma)`.
+pub type NormKept<'a, 'b> = (
+    &'a CudaView<'b, f32>,
+    &'a CudaView<'b, f32>,
+    &'a CudaView<'b, f32>,
+    &'a CudaView<'b, f32>,
+);
+
 /// [`layer_norm_backward`] with `plus`, another gradient of the same input, added to `dx` in
 /// the same pass, as [`crate::kernels::layer_norm::layer_norm_backward_plus`].
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_backward_plus(
     gpu: &Gpu,
     dy: &CudaView<f32>,
-    (x, mean, rstd, gamma): (
-        &CudaView<f32>,
-        &CudaView<f32>,
-        &CudaView<f32>,
-        &CudaView<f32>,
-    ),
+    kept: NormKept<'_, '_>,
     rows: usize,
     hidden: usize,
     plus: Option<&CudaView<f32>>,
     dx: &mut CudaViewMut<f32>,
     dgamma: &mut CudaViewMut<f32>,
     dbeta: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    norm_backward_plus(gpu, dy, kept, rows, hidden, plus, dx, dgamma, Some(dbeta))
+}
+
+/// Gradients of [`rms_norm_forward`], with `plus` as [`layer_norm_backward_plus`], as
+/// [`crate::kernels::layer_norm::rms_norm_backward_plus`].
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_backward_plus(
+    gpu: &Gpu,
+    dy: &CudaView<f32>,
+    kept: NormKept<'_, '_>,
+    rows: usize,
+    hidden: usize,
+    plus: Option<&CudaView<f32>>,
+    dx: &mut CudaViewMut<f32>,
+    dgamma: &mut CudaViewMut<f32>,
+) -> Result<()> {
+    norm_backward_plus(gpu, dy, kept, rows, hidden, plus, dx, dgamma, None)
+}
+
+/// A layer norm's backward, or without `dbeta` an RMSNorm's.
+#[allow(clippy::too_many_arguments)]
+fn norm_backward_plus(
+    gpu: &Gpu,
+    dy: &CudaView<f32>,
+    (x, mean, rstd, gamma): NormKept<'_, '_>,
+    rows: usize,
+    hidden: usize,
+    plus: Option<&CudaView<f32>>,
+    dx: &mut CudaViewMut<f32>,
+    dgamma: &mut CudaViewMut<f32>,
+    dbeta: Option<&mut CudaViewMut<f32>>,
 ) -> Result<()> {
     const K: &str = "layer_norm_backward";
     let n = check_backward(
@@ -128,7 +202,7 @@ pub fn layer_norm_backward_plus(
             gamma.len(),
             dx.len(),
             dgamma.len(),
-            dbeta.len(),
+            dbeta.as_ref().map_or(hidden, |b| b.len()),
         ],
     )?;
     if let Some(p) = plus {
@@ -139,6 +213,7 @@ pub fn layer_norm_backward_plus(
         return Ok(());
     }
     let (rows64, hidden64) = (rows as u64, hidden as u64);
+    let centered = i32::from(dbeta.is_some());
 
     // dx: one block per row.
     const DX: &str = "layer_norm_backward_dx";
@@ -149,7 +224,7 @@ pub fn layer_norm_backward_plus(
         Some(p) => args.arg(p),
         None => args.arg(&null),
     };
-    args.arg(dx).arg(&rows64).arg(&hidden64);
+    args.arg(dx).arg(&rows64).arg(&hidden64).arg(&centered);
     launch(
         DX,
         args,
@@ -186,10 +261,11 @@ pub fn layer_norm_backward_plus(
     const FINALIZE: &str = "layer_norm_backward_finalize";
     let chunks64 = chunks as u64;
     let mut args = launch_args(gpu, FINALIZE)?;
-    args.arg(&partials)
-        .arg(dgamma)
-        .arg(dbeta)
-        .arg(&chunks64)
-        .arg(&hidden64);
+    args.arg(&partials).arg(dgamma);
+    match dbeta {
+        Some(b) => args.arg(b),
+        None => args.arg(&null),
+    };
+    args.arg(&chunks64).arg(&hidden64);
     launch(FINALIZE, args, cover(hidden))
 }
