@@ -171,6 +171,31 @@ fn gpt_training_on_the_gpu_follows_the_cpu_run() {
     assert_close(&flash_tp2, &cpu, 3e-2, "flash attention at TP=2 vs CPU");
 }
 
+/// The Llama-family blocks on the GPU (RMSNorm, SwiGLU's gated MLP, no linear biases: their
+/// CUDA kernels) follow the CPU run, in f32 and bf16 products, at tp 1 and with the gated fc1
+/// split over tp 2 (flash attention).
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn rms_norm_and_swiglu_on_the_gpu_follow_the_cpu_run() {
+    let llama = |tp, device| {
+        let mut job = job(tp, 1, device);
+        job.model.normalization = megatron::tensor_parallel::Normalization::RmsNorm;
+        job.model.swiglu = true;
+        job.model.ffn_hidden_size = 320;
+        job.model.add_bias_linear = false;
+        job
+    };
+    let cpu = curve(&llama(1, Placement::Cpu));
+    assert_close(
+        &curve(&llama(1, F32)),
+        &cpu,
+        2e-4,
+        "RMSNorm + SwiGLU: GPU vs CPU",
+    );
+    assert_close(&curve(&llama(1, BF16)), &cpu, 3e-2, "bf16 products vs CPU");
+    assert_close(&curve(&llama(2, FLASH)), &cpu, 3e-2, "flash at TP=2 vs CPU");
+}
+
 /// Tensor and data parallelism on thread ranks sharing the GPU follow one rank, with and
 /// without sequence parallelism.
 #[test]

@@ -330,7 +330,10 @@ fn cublaslt_adds_the_bias_in_the_products_epilogue() -> R {
                     // itself, and nothing is written here. Layers' shapes (multiples of 8, as
                     // 64×96×128) must take the epilogue. On an H100 (session 41), 1×1×1 with a
                     // bf16 output had none.
-                    assert!(m % 8 != 0 || n % 8 != 0 || k % 8 != 0, "{what}: no bias epilogue");
+                    assert!(
+                        m % 8 != 0 || n % 8 != 0 || k % 8 != 0,
+                        "{what}: no bias epilogue"
+                    );
                     assert!(c.to_vec_f32()?.iter().all(|&v| v == 7.0), "{what}: written");
                     eprintln!("{what}: no cuBLASLt algorithm with the bias epilogue");
                     continue;

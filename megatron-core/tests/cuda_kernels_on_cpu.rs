@@ -673,6 +673,49 @@ fn gelu_reads_and_writes_f32_or_bf16_as_the_cpu() {
 }
 
 #[test]
+fn swiglu_reads_and_writes_f32_or_bf16_as_the_cpu() {
+    // Rows of gate and up halves of an odd width; offsets 0 and 1.
+    let (rows, ffn) = (7, 13);
+    let x = values(rows * 2 * ffn, 51, -6.0, 6.0);
+    let dy = values(rows * ffn, 52, -2.0, 2.0);
+    let dims = || [Arg::U64(rows as u64), Arg::U64(ffn as u64)];
+    for offset in [0, 1] {
+        for (x16, y16) in [(false, false), (true, true)] {
+            let what = format!("swiglu offset {offset}, bf16 in {x16} out {y16}");
+            let mut want = vec![0.0; rows * ffn];
+            cpu_ew::swiglu_forward(&as_read(&x, x16), ffn, &mut want).unwrap();
+            let mut xb = Buf::new(&x, offset, x16);
+            let mut yb = Buf::nans(rows * ffn, offset, y16);
+            let mut args = Vec::from(xb.arg(offset));
+            args.extend(yb.arg(offset));
+            args.extend(dims());
+            launch("swiglu_forward", 2, 64, args);
+            let tol = if y16 { BF16_STEP } else { 1e-5 };
+            assert_close(&what, &yb.values(offset), &as_written(want, y16), tol, 1e-6);
+
+            let what = format!("swiglu backward offset {offset}, bf16 {x16}");
+            let mut want = vec![0.0; x.len()];
+            cpu_ew::swiglu_backward(&as_read(&x, x16), &as_read(&dy, x16), ffn, &mut want).unwrap();
+            let mut dyb = Buf::new(&dy, offset, x16);
+            let mut dxb = Buf::nans(x.len(), offset, x16);
+            let mut args = Vec::from(xb.arg(offset));
+            args.extend(dyb.arg(offset));
+            args.extend(dxb.arg(offset));
+            args.extend(dims());
+            launch("swiglu_backward", 2, 64, args);
+            let tol = if x16 { BF16_STEP } else { 1e-5 };
+            assert_close(
+                &what,
+                &dxb.values(offset),
+                &as_written(want, x16),
+                tol,
+                1e-6,
+            );
+        }
+    }
+}
+
+#[test]
 fn bias_adds_in_place_and_into_bf16_as_the_cpu() {
     // Widths a multiple of 4 and not; grids smaller than the matrix in both directions (the
     // kernels stride over rows and columns) and larger.
@@ -895,6 +938,8 @@ fn layer_norm_forward_and_backward_are_the_cpus() {
                         ptr(&mut dxd, offset),
                         Arg::U64(rows as u64),
                         Arg::U64(hidden as u64),
+                        // Centered: a layer norm (RMSNorm passes 0).
+                        Arg::I32(1),
                     ],
                 );
                 let want = if with_plus { &dx_plus } else { &dx };

@@ -320,8 +320,10 @@ fn rms_norm_matches_cpu() {
         let c = ln_case(&mut rng, rows, hidden);
         let n = rows * hidden;
         let (mut y, mut mean, mut rstd) = (vec![0.0; n], vec![0.0; rows], vec![0.0; rows]);
-        cpu_ln::rms_norm_forward(&c.x, &c.gamma, rows, hidden, eps, &mut y, &mut mean, &mut rstd)
-            .unwrap();
+        cpu_ln::rms_norm_forward(
+            &c.x, &c.gamma, rows, hidden, eps, &mut y, &mut mean, &mut rstd,
+        )
+        .unwrap();
         let dy = rng.vec(n, -1.0, 1.0);
         let plus = rng.vec(n, -1.0, 1.0);
         let g0 = rng.vec(hidden, -1.0, 1.0);
@@ -350,9 +352,19 @@ fn rms_norm_matches_cpu() {
             let what = format!("RMSNorm rows {rows} hidden {hidden} offset {offset}");
             let tol = 1e-5;
             let got_y = download_at(&gpu, &y_d, offset);
-            assert_close(&format!("{what} y"), &got_y, &y, tol, tol * magnitude(&y), false);
+            assert_close(
+                &format!("{what} y"),
+                &got_y,
+                &y,
+                tol,
+                tol * magnitude(&y),
+                false,
+            );
             let got_mean = download_at(&gpu, &m_d, offset);
-            assert!(got_mean.iter().all(|&m| m == 0.0), "{what}: mean {got_mean:?}");
+            assert!(
+                got_mean.iter().all(|&m| m == 0.0),
+                "{what}: mean {got_mean:?}"
+            );
             let got_rstd = download_at(&gpu, &r_d, offset);
             assert_close(&format!("{what} rstd"), &got_rstd, &rstd, tol, 0.0, false);
 
@@ -377,10 +389,24 @@ fn rms_norm_matches_cpu() {
             )
             .unwrap();
             let got_dx = download_at(&gpu, &dx_d, offset);
-            assert_close(&format!("{what} dx"), &got_dx, &dx, 1e-4, 1e-4 * magnitude(&dx), false);
+            assert_close(
+                &format!("{what} dx"),
+                &got_dx,
+                &dx,
+                1e-4,
+                1e-4 * magnitude(&dx),
+                false,
+            );
             let got_dg = download_at(&gpu, &dg_d, offset);
             let scale = magnitude(&dgamma);
-            assert_close(&format!("{what} dgamma"), &got_dg, &dgamma, 1e-4, 1e-4 * scale, false);
+            assert_close(
+                &format!("{what} dgamma"),
+                &got_dg,
+                &dgamma,
+                1e-4,
+                1e-4 * scale,
+                false,
+            );
         }
     }
 }

@@ -624,7 +624,7 @@ pub enum Expr {
         /// The call.
         src: Src,
     },
-    /// `gelu(..)`, `dropout(..)`, `cross_entropy(..)`.
+    /// `gelu(..)`, `swiglu(..)`, `dropout(..)`, `cross_entropy(..)`.
     Builtin {
         /// Which.
         builtin: Builtin,
@@ -664,6 +664,8 @@ impl Expr {
 pub enum Builtin {
     /// `gelu(x)`.
     Gelu,
+    /// `swiglu(x)`: `silu(gate) · up` of `x`'s halves `[gate | up]`.
+    Swiglu,
     /// `dropout(x, p)`.
     Dropout,
     /// `cross_entropy(logits, targets)`.
@@ -675,6 +677,7 @@ impl Builtin {
     pub fn name(self) -> &'static str {
         match self {
             Builtin::Gelu => "gelu",
+            Builtin::Swiglu => "swiglu",
             Builtin::Dropout => "dropout",
             Builtin::CrossEntropy => "cross_entropy",
         }
@@ -1349,14 +1352,15 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
     };
     let builtin = match name.to_string().as_str() {
         "gelu" => Builtin::Gelu,
+        "swiglu" => Builtin::Swiglu,
         "dropout" => Builtin::Dropout,
         "cross_entropy" => Builtin::CrossEntropy,
         other => {
             return Err(syn::Error::new_spanned(
                 &c.func,
                 format!(
-                    "unknown function `{other}` in forward: the builtins are gelu, dropout and \
-                     cross_entropy, and fields are called as `self.field(x)` (a loop element only \
+                    "unknown function `{other}` in forward: the builtins are gelu, swiglu, \
+                     dropout and cross_entropy, and fields are called as `self.field(x)` (a loop element only \
                      inside its loop)"
                 ),
             ));
@@ -1364,6 +1368,7 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
     };
     let (want, usage) = match builtin {
         Builtin::Gelu => (1, "gelu(x)"),
+        Builtin::Swiglu => (1, "swiglu(x)"),
         Builtin::Dropout => (2, "dropout(x, p)"),
         Builtin::CrossEntropy => (2, "cross_entropy(logits, targets)"),
     };

@@ -5,7 +5,7 @@ use megatron_core::cuda_graphs::ScopedModel;
 use megatron_core::invalid;
 use megatron_core::limits::{MAX_LAYERS, MAX_PARAMS};
 use megatron_core::moe::{DispatcherKind, RouterConfig};
-use megatron_core::tensor_parallel::padded_vocab_size;
+use megatron_core::tensor_parallel::{Normalization, padded_vocab_size};
 
 /// Which layers are MoE layers (`--moe-layer-freq`).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -128,12 +128,27 @@ pub struct GptConfig {
     pub init_method_std: f32,
     /// Vocabulary padding unit (`--make-vocab-size-divisible-by`).
     pub make_vocab_size_divisible_by: usize,
-    /// Layer-norm ε.
+    /// The norms' ε (`--norm-epsilon`).
     pub layernorm_epsilon: f32,
+    /// LayerNorm or RMSNorm (`--normalization`).
+    #[serde(default)]
+    pub normalization: Normalization,
+    /// The gated MLP (`--swiglu`): fc1 holds the gate and the up projection, `2 × ffn` outputs,
+    /// and SwiGLU joins them.
+    #[serde(default)]
+    pub swiglu: bool,
+    /// Biases in the linear layers (`--disable-bias-linear` turns them off).
+    #[serde(default = "biased")]
+    pub add_bias_linear: bool,
     /// Mixture of experts in the MLPs (`--num-experts` and the `--moe-*` flags); `None`: a
     /// dense GPT.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeConfig>,
+}
+
+/// `add_bias_linear`'s value in a file written before it existed.
+fn biased() -> bool {
+    true
 }
 
 impl GptConfig {
@@ -158,6 +173,9 @@ impl GptConfig {
             init_method_std: 0.02,
             make_vocab_size_divisible_by: 128,
             layernorm_epsilon: 1e-5,
+            normalization: Normalization::LayerNorm,
+            swiglu: false,
+            add_bias_linear: true,
             moe: None,
         }
     }
@@ -200,6 +218,12 @@ impl GptConfig {
                 "MoE layers with tensor-parallel size {tp} need sequence parallelism (Megatron-LM \
                  refuses to train them without it): add --sequence-parallel, or use \
                  --tensor-model-parallel-size 1 with expert and data parallelism"
+            );
+        }
+        if self.swiglu {
+            return invalid!(
+                "--swiglu with --num-experts: the experts are GeLU MLPs (SwiGLU experts are not \
+                 built yet); drop one of them"
             );
         }
         moe.router.validate()?;
@@ -323,8 +347,14 @@ impl GptConfig {
     /// The parameter count in u128, where no product of sizes overflows.
     fn params_exact(&self, tp: usize, active: bool) -> u128 {
         let (h, f) = (self.hidden_size as u128, self.ffn_hidden_size as u128);
-        let mlp = |f: u128| (f * h + f) + (h * f + h);
-        let common = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h);
+        let bias = |n: u128| if self.add_bias_linear { n } else { 0 };
+        let norm = match self.normalization {
+            Normalization::LayerNorm => 2 * h,
+            Normalization::RmsNorm => h,
+        };
+        let gates = if self.swiglu { 2 } else { 1 };
+        let mlp = |f: u128| (gates * f * h + bias(gates * f)) + (h * f + bias(h));
+        let common = 2 * norm + (3 * h * h + bias(3 * h)) + (h * h + bias(h));
         let moe_layers = self.moe_layers().unwrap_or_default();
         let layers: u128 = moe_layers
             .iter()
@@ -343,7 +373,7 @@ impl GptConfig {
         self.padded_vocab_size(tp) as u128 * h
             + self.max_position_embeddings as u128 * h
             + layers
-            + 2 * h
+            + norm
     }
 
     /// Model FLOPs of one training token of a sequence of `seq` tokens: 6 per parameter the

@@ -34,6 +34,25 @@ impl Mlp {
     }
 }
 
+/// The gated feed-forward block (`--swiglu`, Llama's MLP): fc1 holds the gate and the up
+/// projection (`[gate; up]`, each tensor-parallel rank its own part of both), SwiGLU, fc2.
+#[module]
+pub struct GatedMlp {
+    /// `h → 2·ffn`, the gate's and the up projection's features split over tensor parallelism.
+    #[column_parallel]
+    pub fc1: Linear,
+    /// `ffn → h`, input features split; partial outputs all-reduced.
+    #[row_parallel]
+    pub fc2: Linear,
+}
+
+#[module]
+impl GatedMlp {
+    fn forward(&self, x: Tensor) -> Tensor {
+        self.fc2(swiglu(self.fc1(x)))
+    }
+}
+
 /// Causal self-attention: each tensor-parallel rank holds whole heads.
 #[module]
 pub struct Attention {
@@ -60,7 +79,7 @@ impl Attention {
 /// A pre-LayerNorm transformer block with dropout on each residual branch.
 #[module]
 pub struct Block {
-    /// Norm before attention.
+    /// Norm before attention (LayerNorm or RMSNorm).
     pub ln1: LayerNorm,
     /// Attention: graph scope `attn`.
     #[graph_scope(attn)]
@@ -121,13 +140,24 @@ impl GptConfig {
         let h = self.hidden_size;
         let std = self.init_method_std;
         let out_std = std / (2.0 * self.num_layers as f32).sqrt();
+        let bias = self.add_bias_linear;
         let ln = LayerNormSpec {
             hidden: h,
             eps: self.layernorm_epsilon,
+            kind: self.normalization,
         };
+        let linear =
+            |i: usize, o: usize, std: f32| LinearSpec::new(i, o).with_init_std(std).with_bias(bias);
         let mlp = |ffn: usize| MlpSpec {
-            fc1: LinearSpec::new(h, ffn).with_init_std(std),
-            fc2: LinearSpec::new(ffn, h).with_init_std(out_std),
+            fc1: linear(h, ffn, std),
+            fc2: linear(ffn, h, out_std),
+        };
+        let dense = |ffn: usize| match self.swiglu {
+            true => FfnSpec::Gated(GatedMlpSpec {
+                fc1: linear(h, 2 * ffn, std).gated(),
+                fc2: linear(ffn, h, out_std),
+            }),
+            false => FfnSpec::Dense(mlp(ffn)),
         };
         let ffn = |is_moe: bool| match (&self.moe, is_moe) {
             (Some(moe), true) => {
@@ -147,7 +177,7 @@ impl GptConfig {
                     }),
                 }
             }
-            _ => FfnSpec::Dense(mlp(self.ffn_hidden_size)),
+            _ => dense(self.ffn_hidden_size),
         };
         // A pattern that does not fit is reported by `validate_parallel`; here it is dense.
         let moe_layers = self
@@ -158,12 +188,12 @@ impl GptConfig {
             .map(|is_moe| BlockSpec {
                 ln1: ln.clone(),
                 attn: AttentionSpec {
-                    qkv: LinearSpec::new(h, 3 * h).with_init_std(std),
+                    qkv: linear(h, 3 * h, std),
                     core: CausalSelfAttention::new(
                         self.num_attention_heads,
                         self.attention_dropout,
                     ),
-                    proj: LinearSpec::new(h, h).with_init_std(out_std),
+                    proj: linear(h, h, out_std),
                 },
                 ln2: ln.clone(),
                 mlp: ffn(is_moe),

@@ -14,7 +14,7 @@ use megatron_core::moe::RoutedExperts;
 use megatron_core::prelude::*;
 use megatron_macros::module;
 
-use crate::gpt::{Mlp, MlpSaved, MlpSpec};
+use crate::gpt::{GatedMlp, GatedMlpSaved, GatedMlpSpec, Mlp, MlpSaved, MlpSpec};
 
 /// A MoE MLP: the router sends each token to its top-k experts, split over expert parallelism.
 #[module]
@@ -58,6 +58,8 @@ impl SharedMoeMlp {
 pub enum Ffn {
     /// The dense MLP.
     Dense(Mlp),
+    /// The dense gated MLP (SwiGLU).
+    Gated(GatedMlp),
     /// Routed experts.
     Moe(MoeMlp),
     /// Routed and shared experts (boxed: the largest by far).
@@ -69,6 +71,8 @@ pub enum Ffn {
 pub enum FfnSpec {
     /// A dense MLP.
     Dense(MlpSpec),
+    /// A dense gated MLP.
+    Gated(GatedMlpSpec),
     /// Routed experts.
     Moe(MoeMlpSpec),
     /// Routed and shared experts.
@@ -80,6 +84,8 @@ pub enum FfnSpec {
 pub enum FfnSaved {
     /// The dense MLP's.
     Dense(MlpSaved),
+    /// The gated MLP's.
+    Gated(GatedMlpSaved),
     /// The MoE MLP's.
     Moe(MoeMlpSaved),
     /// The MoE MLP with shared experts'.
@@ -97,6 +103,7 @@ impl Module for Ffn {
     fn build(spec: &FfnSpec, b: &mut Builder) -> Result<Self> {
         Ok(match spec {
             FfnSpec::Dense(s) => Ffn::Dense(Mlp::build(s, b)?),
+            FfnSpec::Gated(s) => Ffn::Gated(GatedMlp::build(s, b)?),
             FfnSpec::Moe(s) => Ffn::Moe(MoeMlp::build(s, b)?),
             FfnSpec::SharedMoe(s) => Ffn::SharedMoe(Box::new(SharedMoeMlp::build(s, b)?)),
         })
@@ -105,6 +112,7 @@ impl Module for Ffn {
     fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
         match self {
             Ffn::Dense(m) => m.visit_params(f),
+            Ffn::Gated(m) => m.visit_params(f),
             Ffn::Moe(m) => m.visit_params(f),
             Ffn::SharedMoe(m) => m.visit_params(f),
         }
@@ -113,6 +121,7 @@ impl Module for Ffn {
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
         match self {
             Ffn::Dense(m) => m.visit_params_mut(f),
+            Ffn::Gated(m) => m.visit_params_mut(f),
             Ffn::Moe(m) => m.visit_params_mut(f),
             Ffn::SharedMoe(m) => m.visit_params_mut(f),
         }
@@ -147,12 +156,18 @@ impl Ffn {
     /// Runs the block's variant.
     pub fn forward(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, FfnSaved)> {
         Ok(match self {
+            // Graph scope `mlp` (dense layers only, as in Megatron-LM).
             Ffn::Dense(m) => {
-                // Graph scope `mlp` (dense layers only, as in Megatron-LM).
                 let (y, s) = cuda_graphs::forward(cx, GraphScope::Mlp, site, &[x], |cx, x| {
                     m.forward(cx, site, &x[0])
                 })?;
                 (y, FfnSaved::Dense(s))
+            }
+            Ffn::Gated(m) => {
+                let (y, s) = cuda_graphs::forward(cx, GraphScope::Mlp, site, &[x], |cx, x| {
+                    m.forward(cx, site, &x[0])
+                })?;
+                (y, FfnSaved::Gated(s))
             }
             Ffn::Moe(m) => {
                 let (y, s) = m.forward(cx, site, x)?;
@@ -169,6 +184,11 @@ impl Ffn {
     pub fn backward(&self, cx: &Cx, site: Site, saved: FfnSaved, dy: &Tensor) -> Result<Tensor> {
         match (self, saved) {
             (Ffn::Dense(m), FfnSaved::Dense(s)) => {
+                cuda_graphs::backward(cx, GraphScope::Mlp, site, s, &[dy], |cx, s, dy| {
+                    m.backward(cx, site, s, &dy[0])
+                })
+            }
+            (Ffn::Gated(m), FfnSaved::Gated(s)) => {
                 cuda_graphs::backward(cx, GraphScope::Mlp, site, s, &[dy], |cx, s, dy| {
                     m.backward(cx, site, s, &dy[0])
                 })

@@ -265,6 +265,10 @@ fn split_name(spec: &ParamSpec) -> String {
     match spec.split {
         Split::Replicated => "replicated".to_string(),
         Split::Dim { dim, group } => format!("dim {dim} over {group} ({} parts)", spec.parts),
+        Split::Strided { dim, group, blocks } => format!(
+            "dim {dim}, each of its {blocks} blocks over {group} ({} parts)",
+            spec.parts
+        ),
         Split::Experts { dim } => {
             format!("dim 0 over ep, dim {dim} over etp ({} parts)", spec.parts)
         }

@@ -3,6 +3,7 @@
 use anyhow::{Result, bail};
 use clap::Args;
 use megatron::models::{GptConfig, preset, presets};
+use megatron::tensor_parallel::Normalization;
 
 use super::moe_args::MoeArgs;
 use super::values;
@@ -44,8 +45,41 @@ pub struct ArchitectureArgs {
     /// Dropout on attention weights [default: the preset's, 0.1].
     #[arg(long, value_parser = values::dropout)]
     attention_dropout: Option<f32>,
+    /// The norms: LayerNorm or RMSNorm (no mean, no bias) [default: the preset's, LayerNorm].
+    #[arg(long, value_enum)]
+    normalization: Option<NormalizationArg>,
+    /// The norms' ε [default: the preset's, 1e-5].
+    #[arg(long, value_parser = values::non_negative_f32)]
+    norm_epsilon: Option<f32>,
+    /// The gated MLP: fc1 holds the gate and the up projection, joined by SwiGLU (without
+    /// --ffn-hidden-size the MLP width becomes Megatron-LM's ⌊8h/3 / 64⌋·64).
+    #[arg(long)]
+    swiglu: bool,
+    /// No biases in the linear layers (QKV, attention output, fc1, fc2).
+    #[arg(long)]
+    disable_bias_linear: bool,
     #[command(flatten)]
     moe: MoeArgs,
+}
+
+/// `--normalization`'s values, spelt as Megatron-LM's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum NormalizationArg {
+    /// LayerNorm: mean and variance, weight and bias.
+    #[value(name = "LayerNorm")]
+    LayerNorm,
+    /// RMSNorm: the root mean square, a weight.
+    #[value(name = "RMSNorm")]
+    RmsNorm,
+}
+
+impl From<NormalizationArg> for Normalization {
+    fn from(n: NormalizationArg) -> Normalization {
+        match n {
+            NormalizationArg::LayerNorm => Normalization::LayerNorm,
+            NormalizationArg::RmsNorm => Normalization::RmsNorm,
+        }
+    }
 }
 
 /// The preset a run uses when none is named.
@@ -125,6 +159,29 @@ impl ArchitectureArgs {
                 );
             }
         }
+        if let Some(n) = self.normalization
+            && Normalization::from(n) != saved.normalization
+        {
+            bail!(
+                "--normalization {n:?} contradicts the checkpoint, whose model uses {:?}: drop the \
+                 flag",
+                saved.normalization
+            );
+        }
+        for (flag, given, held) in [
+            ("--swiglu", self.swiglu, saved.swiglu),
+            (
+                "--disable-bias-linear",
+                self.disable_bias_linear,
+                !saved.add_bias_linear,
+            ),
+        ] {
+            if given && !held {
+                bail!(
+                    "{flag} contradicts the checkpoint, whose model is built without it: drop it"
+                );
+            }
+        }
         self.moe.check_against(saved)?;
         let Some(model) = self.model() else {
             return Ok(());
@@ -199,6 +256,22 @@ impl ArchitectureArgs {
             if let Some(v) = v {
                 *field = v;
             }
+        }
+        if let Some(n) = self.normalization {
+            c.normalization = n.into();
+        }
+        if let Some(eps) = self.norm_epsilon {
+            c.layernorm_epsilon = eps;
+        }
+        if self.swiglu {
+            c.swiglu = true;
+            // Megatron-LM's width for a gated MLP of about 4h's parameters.
+            if self.ffn_hidden_size.is_none() {
+                c.ffn_hidden_size = (8 * c.hidden_size / 3 / 64) * 64;
+            }
+        }
+        if self.disable_bias_linear {
+            c.add_bias_linear = false;
         }
         self.moe.apply(&mut c)?;
         c.validate_parallel(tp, ep, sequence_parallel)?;

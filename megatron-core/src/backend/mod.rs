@@ -61,6 +61,16 @@ macro_rules! device_ops {
 
 pub(crate) mod attention;
 
+/// The shape of SwiGLU's output: `x`'s with the last dimension `ffn` (half of `x`'s, checked
+/// by the kernels).
+pub(crate) fn swiglu_shape(x: &Tensor, ffn: usize) -> Vec<usize> {
+    let mut dims = x.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = ffn;
+    }
+    dims
+}
+
 /// A dropout mask's key: the drop probability, the random stream and where the tensor's
 /// elements lie in the unsharded tensor (the mask is regenerated from it, never stored).
 pub(crate) type DropoutMask = (f32, DropoutStream, LogicalIndex);
@@ -74,6 +84,11 @@ device_ops! {
         fn gelu(&self, x: &Tensor) -> Result<(Tensor, Tensor)>;
         /// `dy · gelu'(x)` for the kept input `x`.
         fn gelu_backward(&self, x: &Tensor, dy: &Tensor) -> Result<Tensor>;
+        /// SwiGLU of `x[.., 2·ffn]` (gate, then up): `silu(gate) · up`, `[.., ffn]`, and the
+        /// input the backward keeps.
+        fn swiglu(&self, x: &Tensor, ffn: usize) -> Result<(Tensor, Tensor)>;
+        /// The gradient of [`ElementwiseOps::swiglu`] for the kept input `x`, `[.., 2·ffn]`.
+        fn swiglu_backward(&self, x: &Tensor, dy: &Tensor, ffn: usize) -> Result<Tensor>;
         /// The mask applied to a contiguous f32 `x`, written in `dtype` (f32, or on a GPU
         /// bf16): the forward, or with `backward` the gradient (the same mask).
         fn dropout(&self, x: &Tensor, mask: &DropoutMask, dtype: DType, backward: bool) -> Result<Tensor>;

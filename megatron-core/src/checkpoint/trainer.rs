@@ -13,7 +13,7 @@ use crate::comm::ReduceOp;
 use crate::distributed::ReduceGroups;
 use crate::error::Result;
 use crate::invalid;
-use crate::module::{Module, ParamSpec, Split, assemble_logical};
+use crate::module::{Module, ParamSpec, assemble_logical};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 use crate::training::{LanguageModel, Trainer};
@@ -112,13 +112,7 @@ fn recv_tensors(
 /// The whole, unpadded tensor of one parameter (or moment), assembled from every part over its
 /// split group (a collective of that group).
 fn gather_whole(parallel: &ParallelState, spec: &ParamSpec, local: &Tensor) -> Result<Whole> {
-    let group = match spec.split {
-        Split::Replicated => None,
-        Split::Dim { group, .. } => Some(group),
-        // The expert model-parallel group's index is the part's: etp · ep_rank + etp_rank.
-        Split::Experts { .. } => Some(GroupKind::EtpEp),
-    };
-    let values = match group {
+    let values = match spec.split.group() {
         None => local.to_vec::<f32>()?,
         Some(group) => {
             let comm = parallel.comm(group);
@@ -350,16 +344,9 @@ impl<M: LanguageModel> Trainer<M> {
         for (_, parts) in self.buffers.shards(ranks) {
             for part in parts {
                 let slot = &slots[part.slot];
-                let left_to_another_rank = match slot.spec.split {
-                    Split::Experts { .. } => false,
-                    Split::Dim {
-                        group: GroupKind::Tp | GroupKind::Etp | GroupKind::EtpEp,
-                        ..
-                    } => false,
-                    Split::Dim {
-                        group: GroupKind::Ep,
-                        ..
-                    } => etp_rank != 0,
+                let left_to_another_rank = match slot.spec.split.group() {
+                    Some(GroupKind::Tp | GroupKind::Etp | GroupKind::EtpEp) => false,
+                    Some(GroupKind::Ep) => etp_rank != 0,
                     _ => tp_rank != 0,
                 };
                 if slot.shared_copy || left_to_another_rank {

@@ -1,4 +1,4 @@
-//! Element-wise kernels: bias add, GeLU (tanh approximation), residual adds and scaling.
+//! Element-wise kernels: bias add, GeLU (tanh approximation), SwiGLU, residual adds and scaling.
 
 use rayon::prelude::*;
 
@@ -239,6 +239,105 @@ pub fn scale(x: &mut [f32], alpha: f32) {
     scale_loop(Isa::detected(), x, alpha);
 }
 
+/// Checks SwiGLU's buffers: `x[rows, 2·ffn]` (gate then up), the others `[rows, per_row]`
+/// (name, length, per row); returns the rows (the GPU launchers make the same checks).
+pub(crate) fn check_swiglu(
+    kernel: &'static str,
+    x: usize,
+    ffn: usize,
+    others: &[(&'static str, usize, usize)],
+) -> Result<usize, KernelError> {
+    if ffn == 0 || !x.is_multiple_of(2 * ffn) {
+        return Err(KernelError::Invalid {
+            kernel,
+            message: format!("x has {x} elements, not rows of 2 × ffn {ffn} (gate, then up)"),
+        });
+    }
+    let rows = x / (2 * ffn);
+    for &(name, len, per_row) in others {
+        check_len(kernel, name, len, rows * per_row, || {
+            format!("rows {rows} × ffn {ffn}")
+        })?;
+    }
+    Ok(rows)
+}
+
+versioned! {
+    fn swiglu_forward_rows(x: &[f32], ffn: usize, y: &mut [f32]) {
+        for (xr, yr) in x.chunks_exact(2 * ffn).zip(y.chunks_exact_mut(ffn)) {
+            let (gate, up) = xr.split_at(ffn);
+            for ((o, &g), &u) in yr.iter_mut().zip(gate).zip(up) {
+                // silu(g) = g·σ(g) = g / (1 + e^(−g)).
+                *o = g / (1.0 + math::exp(-g)) * u;
+            }
+        }
+    }
+}
+
+/// SwiGLU, the gated MLP's activation (Megatron-LM's `--swiglu`, Llama's MLP): each row of
+/// `x[rows, 2·ffn]` holds the gate, then the up projection; `y[rows, ffn] = silu(gate) · up`.
+pub fn swiglu_forward(x: &[f32], ffn: usize, y: &mut [f32]) -> Result<(), KernelError> {
+    let rows = check_swiglu("swiglu_forward", x.len(), ffn, &[("y", y.len(), ffn)])?;
+    let isa = Isa::detected();
+    match parallel::part_len(x.len()) {
+        None => swiglu_forward_rows(isa, x, ffn, y),
+        Some(part) => {
+            let per = part.div_ceil(2 * ffn).clamp(1, rows.max(1));
+            parallel::on_pool(|| {
+                y.par_chunks_mut(per * ffn)
+                    .zip(x.par_chunks(per * 2 * ffn))
+                    .for_each(|(y, x)| swiglu_forward_rows(isa, x, ffn, y))
+            })
+        }
+    }
+    Ok(())
+}
+
+versioned! {
+    fn swiglu_backward_rows(x: &[f32], dy: &[f32], ffn: usize, dx: &mut [f32]) {
+        let rows = x.chunks_exact(2 * ffn).zip(dy.chunks_exact(ffn));
+        for ((xr, dyr), dxr) in rows.zip(dx.chunks_exact_mut(2 * ffn)) {
+            let (gate, up) = xr.split_at(ffn);
+            let (dgate, dup) = dxr.split_at_mut(ffn);
+            for ((((dg, du), &g), &u), &d) in dgate.iter_mut().zip(dup).zip(gate).zip(up).zip(dyr)
+            {
+                // s = σ(g); silu(g) = g·s; silu'(g) = s + g·s·(1 − s), with 1 − s = e·s.
+                let e = math::exp(-g);
+                let s = 1.0 / (1.0 + e);
+                let one_minus_s = (e * s).min(1.0);
+                *dg = d * u * (s + g * s * one_minus_s);
+                *du = d * (g * s);
+            }
+        }
+    }
+}
+
+/// Gradient of [`swiglu_forward`]: `dx[rows, 2·ffn]` (the gate's gradient, then the up
+/// projection's) from `dy[rows, ffn]` and the kept input `x` (overwrites `dx`).
+pub fn swiglu_backward(
+    x: &[f32],
+    dy: &[f32],
+    ffn: usize,
+    dx: &mut [f32],
+) -> Result<(), KernelError> {
+    let others = [("dy", dy.len(), ffn), ("dx", dx.len(), 2 * ffn)];
+    let rows = check_swiglu("swiglu_backward", x.len(), ffn, &others)?;
+    let isa = Isa::detected();
+    match parallel::part_len(x.len()) {
+        None => swiglu_backward_rows(isa, x, dy, ffn, dx),
+        Some(part) => {
+            let per = part.div_ceil(2 * ffn).clamp(1, rows.max(1));
+            parallel::on_pool(|| {
+                dx.par_chunks_mut(per * 2 * ffn)
+                    .zip(x.par_chunks(per * 2 * ffn))
+                    .zip(dy.par_chunks(per * ffn))
+                    .for_each(|((dx, x), dy)| swiglu_backward_rows(isa, x, dy, ffn, dx))
+            })
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::test_util::{Rng, check_directional, weighted_sum};
@@ -326,6 +425,43 @@ mod tests {
             let fd = (gelu_ref(v + h) - gelu_ref(v - h)) / (2.0 * h);
             assert!((g as f64 - fd * wi as f64).abs() < 1e-5, "gelu'({v})");
         }
+    }
+
+    #[test]
+    fn swiglu_matches_reference_and_finite_differences() {
+        let (rows, ffn) = (3, 5);
+        let x: Vec<f32> = (0..rows * 2 * ffn)
+            .map(|i| (i as f32 * 0.37).sin() * 3.0)
+            .collect();
+        let mut y = vec![f32::NAN; rows * ffn];
+        swiglu_forward(&x, ffn, &mut y).unwrap();
+        for r in 0..rows {
+            for j in 0..ffn {
+                let (g, u) = (x[r * 2 * ffn + j] as f64, x[r * 2 * ffn + ffn + j] as f64);
+                let want = g / (1.0 + (-g).exp()) * u;
+                let got = y[r * ffn + j] as f64;
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "{got} vs {want}"
+                );
+            }
+        }
+        let w: Vec<f32> = (0..rows * ffn).map(|i| (i as f32 * 0.91).cos()).collect();
+        let mut dx = vec![f32::NAN; x.len()];
+        swiglu_backward(&x, &w, ffn, &mut dx).unwrap();
+        let d: Vec<f32> = (0..x.len()).map(|i| (i as f32 * 1.3).sin()).collect();
+        check_directional("swiglu dx", &x, &d, 1e-2, &dx, 2e-3, |x| {
+            let mut y = vec![0.0; rows * ffn];
+            swiglu_forward(x, ffn, &mut y).unwrap();
+            weighted_sum(&w, &y)
+        });
+        let err = swiglu_forward(&x[..7], ffn, &mut y)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("x has 7 elements, not rows of 2 × ffn 5"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -137,7 +137,17 @@ pub fn layer_norm_forward(
             rstd.len(),
         ],
     )?;
-    forward_rows(Isa::detected(), x, gamma, Some(beta), hidden, eps, y, mean, rstd);
+    forward_rows(
+        Isa::detected(),
+        x,
+        gamma,
+        Some(beta),
+        hidden,
+        eps,
+        y,
+        mean,
+        rstd,
+    );
     Ok(())
 }
 
@@ -348,7 +358,9 @@ pub fn rms_norm_backward_plus(
         check_len("rms_norm_backward", "plus", p.len(), n, dims)?;
     }
     let isa = Isa::detected();
-    backward_rows(isa, dy, x, mean, rstd, gamma, hidden, plus, dx, dgamma, None);
+    backward_rows(
+        isa, dy, x, mean, rstd, gamma, hidden, plus, dx, dgamma, None,
+    );
     Ok(())
 }
 
@@ -493,7 +505,10 @@ mod tests {
                 for k in 0..hidden {
                     let want = xr[k] as f64 * rs * c.gamma[k] as f64;
                     let got = y[r * hidden + k] as f64;
-                    assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "{got} vs {want}");
+                    assert!(
+                        (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                        "{got} vs {want}"
+                    );
                 }
             }
         }
@@ -503,15 +518,25 @@ mod tests {
         let w = rng.vec(n, -1.0, 1.0);
         let mut y = vec![0.0; n];
         let (mut mean, mut rstd) = (vec![f32::NAN; c.rows], vec![0.0; c.rows]);
-        rms_norm_forward(&c.x, &c.gamma, c.rows, c.hidden, 1e-5, &mut y, &mut mean, &mut rstd)
-            .unwrap();
+        rms_norm_forward(
+            &c.x, &c.gamma, c.rows, c.hidden, 1e-5, &mut y, &mut mean, &mut rstd,
+        )
+        .unwrap();
         assert!(mean.iter().all(|&m| m == 0.0));
         let plus = rng.vec(n, -1.0, 1.0);
         let g0 = rng.vec(c.hidden, -1.0, 1.0);
         let (mut dx, mut dgamma) = (vec![f32::NAN; n], g0.clone());
         let kept = (&c.x[..], &mean[..], &rstd[..], &c.gamma[..]);
-        rms_norm_backward_plus(&w, kept, c.rows, c.hidden, Some(&plus), &mut dx, &mut dgamma)
-            .unwrap();
+        rms_norm_backward_plus(
+            &w,
+            kept,
+            c.rows,
+            c.hidden,
+            Some(&plus),
+            &mut dx,
+            &mut dgamma,
+        )
+        .unwrap();
         let dx: Vec<f32> = dx.iter().zip(&plus).map(|(a, p)| a - p).collect();
         let dgamma: Vec<f32> = dgamma.iter().zip(&g0).map(|(a, b)| a - b).collect();
         let d = rng.vec(n, -1.0, 1.0);
@@ -534,7 +559,15 @@ mod tests {
             let mut y = vec![0.0f32; rows * hidden];
             let (mut m, mut r) = (vec![0.0f32; rows], vec![0.0f32; rows]);
             forward_rows(
-                isa, &c.x, &c.gamma, Some(&c.beta), hidden, 1e-5, &mut y, &mut m, &mut r,
+                isa,
+                &c.x,
+                &c.gamma,
+                Some(&c.beta),
+                hidden,
+                1e-5,
+                &mut y,
+                &mut m,
+                &mut r,
             );
             // dx alone, and with another gradient of x added (bit for bit the sum).
             let (mut dg, mut db) = (c.gamma.clone(), c.beta.clone());
@@ -542,7 +575,17 @@ mod tests {
                 let mut dx = vec![0.0f32; rows * hidden];
                 let (x, m, r, g) = (&c.x[..], &m[..], &r[..], &c.gamma[..]);
                 backward_rows(
-                    isa, &dy, x, m, r, g, hidden, plus, &mut dx, &mut dg, Some(&mut db),
+                    isa,
+                    &dy,
+                    x,
+                    m,
+                    r,
+                    g,
+                    hidden,
+                    plus,
+                    &mut dx,
+                    &mut dg,
+                    Some(&mut db),
                 );
                 dx
             };

@@ -25,6 +25,18 @@ pub enum Split {
         /// The group whose ranks hold the parts.
         group: GroupKind,
     },
+    /// Dimension `dim` holds `blocks` equal blocks side by side (a gated MLP's first layer:
+    /// the gate's rows, then the up projection's), and each block is cut into equal
+    /// consecutive parts over `group`: a rank holds its part of every block, in block order
+    /// (Megatron-LM's `stride`, its `linear_fc1` with `--swiglu`).
+    Strided {
+        /// The split dimension.
+        dim: usize,
+        /// The group whose ranks hold the parts.
+        group: GroupKind,
+        /// The blocks along `dim`.
+        blocks: usize,
+    },
     /// Experts' weights `[experts, ..]`: dimension 0 (the expert) cut over expert parallelism
     /// and, in each expert, dimension `dim` over expert tensor parallelism (the expert's
     /// column- or row-parallel split). Part `ep_rank · etp + etp_rank` of `ep · etp`: the
@@ -33,6 +45,18 @@ pub enum Split {
         /// The dimension split over expert tensor parallelism (at least 1).
         dim: usize,
     },
+}
+
+impl Split {
+    /// The group whose ranks hold the parts (`None` when replicated; experts' weights: the
+    /// expert model-parallel group, whose index is the part's).
+    pub fn group(&self) -> Option<GroupKind> {
+        match *self {
+            Split::Replicated => None,
+            Split::Dim { group, .. } | Split::Strided { group, .. } => Some(group),
+            Split::Experts { .. } => Some(GroupKind::EtpEp),
+        }
+    }
 }
 
 /// How a parameter's logical values are drawn.
@@ -94,6 +118,10 @@ impl ParamSpec {
                     group: GroupKind::Ep | GroupKind::Etp | GroupKind::EtpEp,
                     ..
                 }
+                | Split::Strided {
+                    group: GroupKind::Ep | GroupKind::Etp | GroupKind::EtpEp,
+                    ..
+                }
         )
     }
 
@@ -110,6 +138,18 @@ impl ParamSpec {
                     inner: local_dim * inner,
                     logical_stride: (dims[dim] * inner) as u64,
                     logical_start: (self.part * local_dim * inner) as u64,
+                }
+            }
+            Split::Strided { dim, blocks, .. } => {
+                // Dimension `dim` seen as [blocks, block]: the block index joins the outer
+                // loop, and the rank's part sits at the same place in every block.
+                let inner: usize = dims[dim + 1..].iter().product();
+                let local_block = self.local.dims()[dim] / blocks;
+                LogicalIndex {
+                    outer: dims[..dim].iter().product::<usize>() * blocks,
+                    inner: local_block * inner,
+                    logical_stride: (dims[dim] / blocks * inner) as u64,
+                    logical_start: (self.part * local_block * inner) as u64,
                 }
             }
             Split::Experts { dim } => {
@@ -453,6 +493,23 @@ impl Builder {
                 local.0[dim] = d / size;
                 (rank, size, local)
             }
+            Split::Strided { dim, group, blocks } => {
+                let (rank, size) = self.group(group);
+                let Some(&d) = logical.dims().get(dim) else {
+                    return invalid!(
+                        "parameter {name}: shape {logical} has no dimension {dim} to split"
+                    );
+                };
+                if blocks == 0 || d % (blocks * size) != 0 {
+                    return invalid!(
+                        "parameter {name}: dimension {dim} of {logical} ({d}) is not {blocks} \
+                         blocks each divisible by {group} = {size}"
+                    );
+                }
+                let mut local = logical.clone();
+                local.0[dim] = d / size;
+                (rank, size, local)
+            }
             Split::Experts { dim } => {
                 let (ep, eps) = self.group(GroupKind::Ep);
                 let (etp, etps) = self.group(GroupKind::Etp);
@@ -714,6 +771,46 @@ mod tests {
             }
         }
         parallel::set_threads(parallel::cores());
+    }
+
+    /// A gated MLP's fc1 `[gate; up]` of 2 × 6 rows over tp 3: rank r holds gate rows
+    /// 2r, 2r + 1 then up rows 6 + 2r, 6 + 2r + 1, as Megatron-LM's `linear_fc1`; the parts
+    /// assemble into the logical tensor, and a block that does not divide is refused by name.
+    #[test]
+    fn strided_parts_hold_their_rows_of_every_block() {
+        let full = logical_values(&mut Builder::new(5), Split::Replicated, [12, 3]);
+        let split = Split::Strided {
+            dim: 0,
+            group: GroupKind::Tp,
+            blocks: 2,
+        };
+        let mut parts = Vec::new();
+        for rank in 0..3 {
+            let mut b = Builder::new(5).with_group(GroupKind::Tp, rank, 3);
+            let p = b
+                .param("w", [12, 3], split, Init::Normal { std: 0.02 }, true)
+                .unwrap();
+            let got = p.value().to_vec::<f32>().unwrap();
+            let rows = [2 * rank, 2 * rank + 1, 6 + 2 * rank, 6 + 2 * rank + 1];
+            let want: Vec<f32> = rows
+                .iter()
+                .flat_map(|&r| full[3 * r..3 * r + 3].to_vec())
+                .collect();
+            assert_eq!(got, want, "rank {rank}");
+            parts.push((p.spec().clone(), got));
+        }
+        let views: Vec<(&ParamSpec, &[f32])> =
+            parts.iter().map(|(s, v)| (s, v.as_slice())).collect();
+        assert_eq!(assemble_logical(&views).unwrap(), full);
+        let err = Builder::new(5)
+            .with_group(GroupKind::Tp, 0, 4)
+            .param("w", [12, 3], split, Init::ZEROS, true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("(12) is not 2 blocks each divisible by tp = 4"),
+            "{err}"
+        );
     }
 
     #[test]

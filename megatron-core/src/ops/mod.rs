@@ -1,6 +1,6 @@
 //! Tensor-level operations: shape checks, dtype conversion at the boundary, then the kernels.
 //!
-//! [`matmul`] and [`matmul_into`] multiply (transposed) views; the primitives (`add`, `gelu`,
+//! [`matmul`] and [`matmul_into`] multiply (transposed) views; the primitives (`add`, `gelu`, `swiglu`,
 //! `dropout`, `cross_entropy`, and `dropout_add` for `a + dropout(b, p)`) are the builtin
 //! functions of a `#[megatron::module]` forward.
 
@@ -9,6 +9,7 @@ mod primitives;
 
 pub use matmul::{as_operand, matmul, matmul_bias_into, matmul_into, operand_dtype};
 pub use primitives::{
-    CrossEntropySaved, DropoutSaved, GeluSaved, add, cross_entropy, cross_entropy_backward,
-    dropout, dropout_add, dropout_add_backward, dropout_backward, gelu, gelu_backward,
+    CrossEntropySaved, DropoutSaved, GeluSaved, SwigluSaved, add, cross_entropy,
+    cross_entropy_backward, dropout, dropout_add, dropout_add_backward, dropout_backward, gelu,
+    gelu_backward, swiglu, swiglu_backward,
 };

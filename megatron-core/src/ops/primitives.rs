@@ -1,4 +1,4 @@
-//! The builtin functions of a module's forward (`gelu`, `dropout`, `cross_entropy`, `+`, and
+//! The builtin functions of a module's forward (`gelu`, `swiglu`, `dropout`, `cross_entropy`, `+`, and
 //! `a + dropout(b, p)` fused), each a forward that returns what its backward needs and that
 //! backward.
 
@@ -36,6 +36,36 @@ pub fn gelu(_cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, GeluSaved)> {
 /// products of the layer before).
 pub fn gelu_backward(_cx: &Cx, _site: Site, saved: GeluSaved, dy: &Tensor) -> Result<Tensor> {
     backend::of(&saved.x).gelu_backward(&saved.x, dy)
+}
+
+/// What [`swiglu`] keeps: its input.
+#[derive(Debug, Clone)]
+pub struct SwigluSaved {
+    x: Tensor,
+}
+
+/// SwiGLU, the gated MLP's activation (Megatron-LM's `--swiglu`): the last dimension of `x`
+/// holds the gate, then the up projection, `[.., 2·f]`; the output is `silu(gate) · up`,
+/// `[.., f]`. A column-parallel `fc1` built with `LinearSpec::gated` gives each tensor-parallel
+/// rank its own gate and up rows, so that the rank's halves pair up.
+///
+/// On a GPU that multiplies in bf16 the output is bf16, as [`gelu`]'s.
+pub fn swiglu(_cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, SwigluSaved)> {
+    let width = x.dims().last().copied().unwrap_or(0);
+    if width == 0 || width % 2 != 0 {
+        return invalid!(
+            "swiglu: the input's last dimension ({width}, shape {}) is not the gate and the up              projection side by side (an even width)",
+            x.shape()
+        );
+    }
+    let (y, x) = backend::of(x).swiglu(x, width / 2)?;
+    Ok((y, SwigluSaved { x }))
+}
+
+/// Gradient of [`swiglu`] (in the products' dtype on a GPU, as [`gelu_backward`]'s).
+pub fn swiglu_backward(_cx: &Cx, _site: Site, saved: SwigluSaved, dy: &Tensor) -> Result<Tensor> {
+    let ffn = saved.x.dims().last().copied().unwrap_or(0) / 2;
+    backend::of(&saved.x).swiglu_backward(&saved.x, dy, ffn)
 }
 
 /// What [`dropout`] keeps: the mask's key (the mask itself is regenerated).

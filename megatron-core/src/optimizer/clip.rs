@@ -9,7 +9,6 @@ use crate::backend;
 use crate::comm::{ParallelState, ReduceOp};
 use crate::distributed::{ParamBuffers, ParamSlot, ShardRanks};
 use crate::error::Result;
-use crate::module::Split;
 use crate::parallel::GroupKind;
 use crate::tensor::Tensor;
 
@@ -27,16 +26,9 @@ fn counted_ranges(
     let counted = |slot: &ParamSlot| {
         !slot.shared_copy
             && slot.spec.is_expert() == experts
-            && match slot.spec.split {
-                Split::Experts { .. }
-                | Split::Dim {
-                    group: GroupKind::Tp | GroupKind::Etp | GroupKind::EtpEp,
-                    ..
-                } => true,
-                Split::Dim {
-                    group: GroupKind::Ep,
-                    ..
-                } => etp_rank == 0,
+            && match slot.spec.split.group() {
+                Some(GroupKind::Tp | GroupKind::Etp | GroupKind::EtpEp) => true,
+                Some(GroupKind::Ep) => etp_rank == 0,
                 _ => tp_rank == 0,
             }
     };

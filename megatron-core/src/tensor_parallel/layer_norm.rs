@@ -7,13 +7,14 @@ use crate::invalid;
 use crate::module::{Builder, Cx, Init, Layer, Module, Param, Site, Split};
 use crate::tensor::{DType, Tensor};
 
-/// Which normalisation (Megatron-LM's `--normalization`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Which normalisation (Megatron-LM's `--normalization`, and its spelling in files).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum Normalization {
     /// `(x − mean) / √(var + ε) · γ + β` (GPT-2).
     #[default]
     LayerNorm,
     /// `x / √(mean(x²) + ε) · γ`: no mean, no bias (Llama, Mistral, Qwen, Mixtral).
+    #[serde(rename = "RMSNorm")]
     RmsNorm,
 }
 

@@ -21,6 +21,10 @@ pub struct LinearSpec {
     pub bias: bool,
     /// Standard deviation of the weight's normal initialisation (the bias starts at zero).
     pub init_std: f32,
+    /// Whether the output features are a gated MLP's two halves, `[gate; up]` (`--swiglu`'s
+    /// fc1): column-parallel, each rank then holds its part of each half, as Megatron-LM's
+    /// `linear_fc1`, so that its output is its own `[gate_r | up_r]` for [`crate::ops::swiglu`].
+    pub gated: bool,
 }
 
 impl LinearSpec {
@@ -31,7 +35,14 @@ impl LinearSpec {
             out_features,
             bias: true,
             init_std: 0.02,
+            gated: false,
         }
+    }
+
+    /// Marks the output features as a gated MLP's `[gate; up]` (see [`LinearSpec::gated`]).
+    pub fn gated(mut self) -> Self {
+        self.gated = true;
+        self
     }
 
     /// Sets whether there is a bias.
@@ -71,10 +82,24 @@ pub struct LinearSaved {
 
 impl Linear {
     fn build_as(spec: &LinearSpec, b: &mut Builder, mode: Mode) -> Result<Linear> {
-        let tp = Split::Dim {
-            dim: 0,
-            group: GroupKind::Tp,
+        let tp = if spec.gated {
+            Split::Strided {
+                dim: 0,
+                group: GroupKind::Tp,
+                blocks: 2,
+            }
+        } else {
+            Split::Dim {
+                dim: 0,
+                group: GroupKind::Tp,
+            }
         };
+        if spec.gated && mode == Mode::Row {
+            return invalid!(
+                "{}: a gated layer ([gate; up] outputs) is column-parallel, not row-parallel",
+                b.name("weight")
+            );
+        }
         let (weight_split, bias_split) = match mode {
             Mode::Whole => (Split::Replicated, Split::Replicated),
             Mode::Column => (tp, tp),

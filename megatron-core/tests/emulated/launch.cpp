@@ -111,6 +111,8 @@ static const EmuKernel EMU_KERNELS[] = {
     EMU_KERNEL(philox_words),
     EMU_KERNEL(gelu_forward),
     EMU_KERNEL(gelu_backward),
+    EMU_KERNEL(swiglu_forward),
+    EMU_KERNEL(swiglu_backward),
     EMU_KERNEL(add),
     EMU_KERNEL(add_assign),
     EMU_KERNEL(fill),

@@ -455,6 +455,13 @@ fn forward_node<'a>(
                         quote!(let (#o, #s) = #rt::ops::gelu(cx, #site, #xr)?;)
                     });
                 }
+                Builtin::Swiglu => {
+                    let x = args[0];
+                    b.push(move |nm| {
+                        let (xr, s, o) = (nm.by_ref(x), nm.pat(saved), nm.pat(out));
+                        quote!(let (#o, #s) = #rt::ops::swiglu(cx, #site, #xr)?;)
+                    });
+                }
                 Builtin::Dropout => {
                     let x = args[0];
                     let p = p.clone().expect("dropout has a probability");
@@ -830,6 +837,7 @@ fn backward_node<'a>(
             // multiplies it (the tied output layer).
             let (function, extra) = match builtin {
                 Builtin::Gelu => (quote!(#rt::ops::gelu_backward), None),
+                Builtin::Swiglu => (quote!(#rt::ops::swiglu_backward), None),
                 Builtin::Dropout => (quote!(#rt::ops::dropout_backward), None),
                 Builtin::CrossEntropy if split => {
                     let feeds = super::feeds_products(cx.root, cx.s, cx.g, cx.a, node.args[0]);

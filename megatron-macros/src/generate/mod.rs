@@ -286,6 +286,7 @@ pub fn saved_field_type(
         }
         NodeOp::Builtin { builtin, .. } => match builtin {
             Builtin::Gelu => quote!(#rt::ops::GeluSaved),
+            Builtin::Swiglu => quote!(#rt::ops::SwigluSaved),
             Builtin::Dropout => quote!(#rt::ops::DropoutSaved),
             Builtin::CrossEntropy => {
                 if a.sharding[node.args[0]] == Sharding::Split {

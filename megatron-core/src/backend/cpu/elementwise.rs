@@ -1,7 +1,7 @@
 //! [`ElementwiseOps`] on the host.
 
 use super::Cpu;
-use crate::backend::{DropoutMask, ElementwiseOps};
+use crate::backend::{DropoutMask, ElementwiseOps, swiglu_shape};
 use crate::error::Result;
 use crate::kernels::{cross_entropy as ce, dropout as dk, elementwise};
 use crate::tensor::{DType, Tensor};
@@ -31,6 +31,25 @@ impl ElementwiseOps for Cpu {
         elementwise::gelu_backward(
             &x.read::<f32>()?,
             &dy.read::<f32>()?,
+            &mut dx.write::<f32>()?,
+        )?;
+        Ok(dx)
+    }
+
+    fn swiglu(&self, x: &Tensor, ffn: usize) -> Result<(Tensor, Tensor)> {
+        let x = x.to_f32_contiguous()?;
+        let y = Tensor::empty(swiglu_shape(&x, ffn), DType::F32);
+        elementwise::swiglu_forward(&x.read::<f32>()?, ffn, &mut y.write::<f32>()?)?;
+        Ok((y, x))
+    }
+
+    fn swiglu_backward(&self, x: &Tensor, dy: &Tensor, ffn: usize) -> Result<Tensor> {
+        let dy = dy.to_f32_contiguous()?;
+        let dx = Tensor::empty(x.shape().clone(), DType::F32);
+        elementwise::swiglu_backward(
+            &x.read::<f32>()?,
+            &dy.read::<f32>()?,
+            ffn,
             &mut dx.write::<f32>()?,
         )?;
         Ok(dx)

@@ -22,8 +22,11 @@ impl NormOps for Cpu {
         let rstd = Tensor::empty([rows], DType::F32);
         {
             let (x, gamma) = (x.read::<f32>()?, gamma.read::<f32>()?);
-            let (mut yw, mut mw, mut rw) =
-                (y.write::<f32>()?, mean.write::<f32>()?, rstd.write::<f32>()?);
+            let (mut yw, mut mw, mut rw) = (
+                y.write::<f32>()?,
+                mean.write::<f32>()?,
+                rstd.write::<f32>()?,
+            );
             match beta {
                 Some(beta) => {
                     let beta = beta.read::<f32>()?;
@@ -66,9 +69,15 @@ impl NormOps for Cpu {
                 &mut dgamma,
                 &mut dbeta.write::<f32>()?,
             )?,
-            None => {
-                ln::rms_norm_backward_plus(&dy, kept, rows, h, plus.as_deref(), &mut dx, &mut dgamma)?
-            }
+            None => ln::rms_norm_backward_plus(
+                &dy,
+                kept,
+                rows,
+                h,
+                plus.as_deref(),
+                &mut dx,
+                &mut dgamma,
+            )?,
         }
         Ok(())
     }

@@ -2,7 +2,7 @@
 //! tensors' memory (nothing read back but cross-entropy's target check).
 
 use super::on_gpu;
-use crate::backend::{DropoutMask, ElementwiseOps};
+use crate::backend::{DropoutMask, ElementwiseOps, swiglu_shape};
 use crate::cuda::Gpu;
 use crate::cuda::kernels::operand::{contiguous_input, with_in, with_out};
 use crate::cuda::kernels::{cross_entropy as ce, dropout as gdk, elementwise};
@@ -40,6 +40,29 @@ impl ElementwiseOps for Gpu {
         with_in(x, |x| {
             with_in(&dy, |dy| {
                 with_out(&dx, |dx| Ok(elementwise::gelu_backward(self, x, dy, dx)?))
+            })
+        })?;
+        Ok(dx)
+    }
+
+    /// In the products' dtype, as [`ElementwiseOps::gelu`]'s.
+    fn swiglu(&self, x: &Tensor, ffn: usize) -> Result<(Tensor, Tensor)> {
+        let x = contiguous_input(x)?;
+        let y = Tensor::empty_near(swiglu_shape(&x, ffn), operand_dtype(&x), &x)?;
+        with_in(&x, |x| {
+            with_out(&y, |y| Ok(elementwise::swiglu_forward(self, x, ffn, y)?))
+        })?;
+        Ok((y, x))
+    }
+
+    fn swiglu_backward(&self, x: &Tensor, dy: &Tensor, ffn: usize) -> Result<Tensor> {
+        let dy = contiguous_input(dy)?;
+        let dx = Tensor::empty_near(x.shape().clone(), operand_dtype(x), x)?;
+        with_in(x, |x| {
+            with_in(&dy, |dy| {
+                with_out(&dx, |dx| {
+                    Ok(elementwise::swiglu_backward(self, x, dy, ffn, dx)?)
+                })
             })
         })?;
         Ok(dx)

@@ -83,9 +83,16 @@ impl NormOps for Gpu {
                 dgamma,
                 &mut dbeta.device_write::<f32>()?.view_mut(),
             )?,
-            None => {
-                ln::rms_norm_backward_plus(self, &dy.view(), kept, rows, h, plus.as_ref(), dx, dgamma)?
-            }
+            None => ln::rms_norm_backward_plus(
+                self,
+                &dy.view(),
+                kept,
+                rows,
+                h,
+                plus.as_ref(),
+                dx,
+                dgamma,
+            )?,
         }
         Ok(())
     }

@@ -1,4 +1,4 @@
-// Element-wise kernels: GeLU (tanh form, as GPT-2), add, fill, bias, casts, copies, Σx².
+// Element-wise kernels: GeLU (tanh form, as GPT-2), SwiGLU, add, fill, bias, casts, copies, Σx².
 
 #define GELU_A 1.5957691216057308f   // 2·√(2/π)
 #define GELU_B 0.071354816f          // 2·√(2/π)·0.044715
@@ -50,6 +50,37 @@ extern "C" __global__ void gelu_backward(const void* __restrict__ x, int x_bf16,
     FOR_EACH(i, n - 4 * n4) {
         const u64 j = 4 * n4 + i;
         store_out(dx, dx_bf16, j, gelu_grad_of(load_in(x, x_bf16, j), load_in(dy, dy_bf16, j)));
+    }
+}
+
+// SwiGLU: each row of x[rows, 2·ffn] holds the gate, then the up projection;
+// y[rows, ffn] = silu(gate)·up with silu(g) = g / (1 + e^(−g)), as the CPU kernel. x and y
+// each f32 or, with their flags, bf16 (y rounded once).
+extern "C" __global__ void swiglu_forward(const void* __restrict__ x, int x_bf16,
+                                          void* __restrict__ y, int y_bf16, u64 rows, u64 ffn) {
+    FOR_EACH(i, rows * ffn) {
+        const u64 r = i / ffn, c = i % ffn;
+        const float g = load_in(x, x_bf16, r * 2 * ffn + c);
+        const float u = load_in(x, x_bf16, r * 2 * ffn + ffn + c);
+        store_out(y, y_bf16, i, __fmul_rn(__fdiv_rn(g, 1.0f + exp_f32(-g)), u));
+    }
+}
+
+// Gradient of swiglu_forward: dx[rows, 2·ffn] (the gate's, then the up projection's) from
+// dy[rows, ffn] and the kept x: dgate = dy·up·(s + g·s·(1 − s)), dup = dy·g·s with s = σ(g).
+extern "C" __global__ void swiglu_backward(const void* __restrict__ x, int x_bf16,
+                                           const void* __restrict__ dy, int dy_bf16,
+                                           void* __restrict__ dx, int dx_bf16, u64 rows, u64 ffn) {
+    FOR_EACH(i, rows * ffn) {
+        const u64 r = i / ffn, c = i % ffn;
+        const float g = load_in(x, x_bf16, r * 2 * ffn + c);
+        const float u = load_in(x, x_bf16, r * 2 * ffn + ffn + c);
+        const float d = load_in(dy, dy_bf16, i);
+        const float e = exp_f32(-g);
+        const float s = 1.0f / (1.0f + e);
+        const float one_minus_s = fminf(e * s, 1.0f);
+        store_out(dx, dx_bf16, r * 2 * ffn + c, d * u * (s + g * s * one_minus_s));
+        store_out(dx, dx_bf16, r * 2 * ffn + ffn + c, d * (g * s));
     }
 }
 

@@ -1,11 +1,12 @@
-//! GeLU, add, fill, bias, casts and Σx² on the device.
+//! GeLU, SwiGLU, add, fill, bias, casts and Σx² on the device.
 
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::operand::{In, Out};
 use super::{THREADS, check_len, cover, launch, launch_args, product};
-use crate::cuda::{Gpu, Result};
+use crate::cuda::{CudaError, Gpu, Result};
+use crate::kernels::elementwise::check_swiglu;
 
 /// `y = gelu(x)` (GPT-2's tanh form), as [`crate::kernels::elementwise::gelu_forward`]; `x` and
 /// `y` each f32 or bf16 (`y` rounded once).
@@ -36,6 +37,42 @@ pub fn gelu_backward(gpu: &Gpu, x: In<'_, '_>, dy: In<'_, '_>, dx: Out<'_, '_>) 
     dx.push(&mut args, &flags[2]);
     args.arg(&n64);
     launch(K, args, cover(n.div_ceil(4)))
+}
+
+/// `y = silu(gate)·up` of each row of `x[rows, 2·ffn]` (gate, then up), as
+/// [`crate::kernels::elementwise::swiglu_forward`]; `x` and `y` each f32 or bf16.
+pub fn swiglu_forward(gpu: &Gpu, x: In<'_, '_>, ffn: usize, y: Out<'_, '_>) -> Result<()> {
+    const K: &str = "swiglu_forward";
+    let rows = check_swiglu(K, x.len(), ffn, &[("y", y.len(), ffn)]).map_err(CudaError::from)?;
+    let (rows64, ffn64) = (rows as u64, ffn as u64);
+    let flags = [x.flag(), y.flag()];
+    let mut args = launch_args(gpu, K)?;
+    x.push(&mut args, &flags[0]);
+    y.push(&mut args, &flags[1]);
+    args.arg(&rows64).arg(&ffn64);
+    launch(K, args, cover(rows * ffn))
+}
+
+/// Gradient of [`swiglu_forward`]: `dx[rows, 2·ffn]` from `dy[rows, ffn]` and the kept `x`,
+/// each buffer f32 or bf16.
+pub fn swiglu_backward(
+    gpu: &Gpu,
+    x: In<'_, '_>,
+    dy: In<'_, '_>,
+    ffn: usize,
+    dx: Out<'_, '_>,
+) -> Result<()> {
+    const K: &str = "swiglu_backward";
+    let others = [("dy", dy.len(), ffn), ("dx", dx.len(), 2 * ffn)];
+    let rows = check_swiglu(K, x.len(), ffn, &others).map_err(CudaError::from)?;
+    let (rows64, ffn64) = (rows as u64, ffn as u64);
+    let flags = [x.flag(), dy.flag(), dx.flag()];
+    let mut args = launch_args(gpu, K)?;
+    x.push(&mut args, &flags[0]);
+    dy.push(&mut args, &flags[1]);
+    dx.push(&mut args, &flags[2]);
+    args.arg(&rows64).arg(&ffn64);
+    launch(K, args, cover(rows * ffn))
 }
 
 /// `out = a + b`.

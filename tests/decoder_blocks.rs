@@ -1,0 +1,142 @@
+//! The Llama-family blocks in the DSL's GPT (issue 34): RMSNorm (`--normalization RMSNorm`),
+//! the gated MLP (`--swiglu`, fc1 holding each tensor-parallel rank's gate and up rows) and
+//! linear layers without biases (`--disable-bias-linear`) train at every layout as one rank
+//! does, step by step with dropout on, on thread ranks and from the command line (pipeline,
+//! distributed optimizer); the parameter count the config reports is the built model's.
+
+mod support;
+
+use megatron::models::GptConfig;
+use megatron::models::gpt::Gpt;
+use megatron::module::{Builder, Module};
+use megatron::tensor_parallel::Normalization;
+use support::{TempDir, megatron};
+
+/// The 2-layer test GPT with RMSNorm, SwiGLU of width 48 and no biases.
+fn llama_like(dropout: f32) -> GptConfig {
+    let mut c = support::tiny_gpt(dropout);
+    c.normalization = Normalization::RmsNorm;
+    c.swiglu = true;
+    c.ffn_hidden_size = 48;
+    c.add_bias_linear = false;
+    c
+}
+
+#[test]
+fn rms_norm_swiglu_without_biases_trains_at_every_layout_as_one_rank() {
+    let config = llama_like(0.1);
+    let reference = support::gpt_curve(&config, (1, 1), false, 16, 12);
+    assert!(
+        reference[11].0 < reference[0].0 - 0.3,
+        "the loss falls: {reference:?}"
+    );
+    for (tp, dp, sp) in [(2, 1, false), (2, 1, true), (1, 2, false), (2, 2, true)] {
+        let curve = support::gpt_curve(&config, (tp, dp), sp, 16, 12);
+        // Only the order of f32 sums differs (tensor parallelism's partial products, the
+        // data-parallel reduction): losses to 1e-4, gradient norms to 1e-3.
+        support::assert_curves_close(
+            &curve,
+            &reference,
+            1e-4,
+            1e-3,
+            &format!("tp {tp} dp {dp} sequence parallel {sp}"),
+        );
+    }
+}
+
+#[test]
+fn the_config_counts_the_parameters_the_model_builds() {
+    for (norm, swiglu, bias) in [
+        (Normalization::LayerNorm, false, true),
+        (Normalization::RmsNorm, false, true),
+        (Normalization::RmsNorm, true, false),
+        (Normalization::LayerNorm, true, true),
+    ] {
+        let mut c = support::tiny_gpt(0.0);
+        (c.normalization, c.swiglu, c.add_bias_linear) = (norm, swiglu, bias);
+        let model = Gpt::build(&c.spec(), &mut Builder::new(3)).unwrap();
+        let mut built = 0;
+        let mut names = Vec::new();
+        model.visit_params(&mut |p| {
+            built += p.spec().logical.numel();
+            names.push(p.spec().name.clone());
+        });
+        assert_eq!(
+            built,
+            c.num_params(1),
+            "{norm:?} swiglu {swiglu} bias {bias}"
+        );
+        let biases = names.iter().filter(|n| n.ends_with(".bias")).count();
+        let norm_biases = match norm {
+            Normalization::LayerNorm => 2 * c.num_layers + 1,
+            Normalization::RmsNorm => 0,
+        };
+        let linear_biases = if bias { 4 * c.num_layers } else { 0 };
+        assert_eq!(biases, norm_biases + linear_biases, "{names:?}");
+    }
+}
+
+/// The flags of the command-line runs: gpt-tiny cut to 4 layers with the three blocks on.
+const COMMON: [&str; 16] = [
+    "train",
+    "--quiet",
+    "--num-layers",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--seed=5",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--train-iters=4",
+];
+
+#[test]
+fn pipelines_and_the_distributed_optimizer_of_the_command_line_train_as_one_rank() {
+    let dir = TempDir::new("decoder-blocks");
+    let reference = support::curve(&COMMON, &dir, "one", &[]);
+    for (name, flags) in [
+        ("pp2", &["--pp", "2"][..]),
+        ("pp2v2", &["--pp", "2", "--vpp", "2"]),
+        ("tp2pp2dp2", &["--tp", "2", "--pp", "2", "--dp", "2"]),
+        ("dp2do", &["--dp", "2", "--use-distributed-optimizer"][..]),
+    ] {
+        let curve = support::curve(&COMMON, &dir, name, flags);
+        assert_eq!(curve.len(), reference.len(), "{name}");
+        for (x, y) in curve.iter().zip(&reference) {
+            assert!(
+                (x.1 - y.1).abs() <= 1e-5 * y.1,
+                "{name}: loss {x:?} vs {y:?}"
+            );
+            assert!(
+                (x.2 - y.2).abs() <= 1e-4 * y.2,
+                "{name}: grad norm {x:?} vs {y:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_blocks_flags_are_checked() {
+    let (ok, _, stderr) = megatron(&[
+        "train",
+        "--model",
+        "gpt-moe-tiny",
+        "--swiglu",
+        "--train-iters",
+        "1",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("--swiglu with --num-experts"), "{stderr}");
+    let (ok, _, stderr) = megatron(&["train", "--normalization", "rmsnorm", "--train-iters", "1"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("possible values: LayerNorm, RMSNorm"),
+        "{stderr}"
+    );
+}
