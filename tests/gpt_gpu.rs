@@ -171,18 +171,21 @@ fn gpt_training_on_the_gpu_follows_the_cpu_run() {
     assert_close(&flash_tp2, &cpu, 3e-2, "flash attention at TP=2 vs CPU");
 }
 
-/// The Llama-family blocks on the GPU (RMSNorm, SwiGLU's gated MLP, no linear biases: their
-/// CUDA kernels) follow the CPU run, in f32 and bf16 products, at tp 1 and with the gated fc1
-/// split over tp 2 (flash attention).
+/// The Llama-family blocks on the GPU (RMSNorm, SwiGLU's gated MLP, no linear biases, rotary
+/// embeddings, an untied output layer: their CUDA kernels) follow the CPU run, in f32 and bf16
+/// products, at tp 1 and with the gated fc1 split over tp 2 (flash attention on turned
+/// queries and keys).
 #[test]
 #[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
-fn rms_norm_and_swiglu_on_the_gpu_follow_the_cpu_run() {
+fn llama_blocks_on_the_gpu_follow_the_cpu_run() {
     let llama = |tp, device| {
         let mut job = job(tp, 1, device);
         job.model.normalization = megatron::tensor_parallel::Normalization::RmsNorm;
         job.model.swiglu = true;
         job.model.ffn_hidden_size = 320;
         job.model.add_bias_linear = false;
+        job.model.position_embedding_type = megatron::models::PositionEmbeddingType::Rope;
+        job.model.untie_embeddings_and_output_weights = true;
         job
     };
     let cpu = curve(&llama(1, Placement::Cpu));

@@ -210,6 +210,7 @@ fn vocab_parallel_embedding_and_tied_logits_match_the_whole_table() {
         hidden: h,
         init_std: 0.02,
         make_vocab_size_divisible_by: 4,
+        untied: false,
     };
     let dh = det(s * b * h, 5);
     let run = |tp: usize| {

@@ -105,6 +105,7 @@ fn train(
                 hidden: 16,
                 init_std: 0.02,
                 make_vocab_size_divisible_by: 64,
+                untied: false,
             },
             LayerNormSpec::new(16),
         );

@@ -716,6 +716,60 @@ fn swiglu_reads_and_writes_f32_or_bf16_as_the_cpu() {
 }
 
 #[test]
+fn rope_reads_and_writes_f32_or_bf16_as_the_cpu() {
+    use megatron_core::kernels::rotary::{self as cpu_rope, RopeLayout};
+    // Grouped heads (2 groups of 2 queries, a key, a value), a partial rotary dimension.
+    let inv_freq = [1.0f32, 0.3, 0.05];
+    for (interleaved, offset_pos, inverse) in
+        [(false, 0, false), (true, 5, false), (false, 3, true)]
+    {
+        let l = RopeLayout {
+            seq: 6,
+            batch: 3,
+            groups: 2,
+            parts: 4,
+            rotated: 3,
+            head_dim: 8,
+            rot: 6,
+            interleaved,
+            offset: offset_pos,
+        };
+        let n = l.seq * l.batch * l.row();
+        let x = values(n, 61, -3.0, 3.0);
+        for offset in [0, 1] {
+            for bf16 in [false, true] {
+                let what = format!("rope {l:?} inverse {inverse}, offset {offset}, bf16 {bf16}");
+                let mut want = vec![0.0; n];
+                cpu_rope::rope(&as_read(&x, bf16), &mut want, l, &inv_freq, inverse).unwrap();
+                let (mut xb, mut yb) = (Buf::new(&x, offset, bf16), Buf::nans(n, offset, bf16));
+                let mut args = Vec::from(xb.arg(offset));
+                args.extend(yb.arg(offset));
+                for d in [
+                    l.seq, l.batch, l.groups, l.parts, l.rotated, l.head_dim, l.rot,
+                ] {
+                    args.push(Arg::U64(d as u64));
+                }
+                args.push(Arg::I32(i32::from(interleaved)));
+                args.push(Arg::U64(offset_pos as u64));
+                args.push(Arg::I32(i32::from(inverse)));
+                let mut freqs = [0f32; 128];
+                freqs[..3].copy_from_slice(&inv_freq);
+                args.push(Arg::ByValue(freqs.as_mut_ptr().cast()));
+                launch("rope", 2, 64, args);
+                let tol = if bf16 { BF16_STEP } else { 1e-5 };
+                assert_close(
+                    &what,
+                    &yb.values(offset),
+                    &as_written(want, bf16),
+                    tol,
+                    1e-6,
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn bias_adds_in_place_and_into_bf16_as_the_cpu() {
     // Widths a multiple of 4 and not; grids smaller than the matrix in both directions (the
     // kernels stride over rows and columns) and larger.

@@ -359,6 +359,7 @@ fn specs() -> (EmbeddingSpec, PositionEmbeddingSpec) {
             hidden: HIDDEN,
             init_std: 0.5,
             make_vocab_size_divisible_by: 4,
+            untied: false,
         },
         PositionEmbeddingSpec {
             max_positions: 8,

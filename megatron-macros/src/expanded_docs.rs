@@ -22,8 +22,9 @@ use quote::{ToTokens, quote};
 use crate::root::Root;
 
 /// The documents generated from the macros.
-const DOCUMENTS: [&str; 5] = [
+const DOCUMENTS: [&str; 6] = [
     "docs/expanded-mlp.md",
+    "docs/expanded-llama.md",
     "docs/expanded-moe.md",
     "docs/expanded-pipeline.md",
     "docs/expanded-recompute.md",

@@ -5,7 +5,7 @@ use megatron_core::cuda_graphs::ScopedModel;
 use megatron_core::invalid;
 use megatron_core::limits::{MAX_LAYERS, MAX_PARAMS};
 use megatron_core::moe::{DispatcherKind, RouterConfig};
-use megatron_core::tensor_parallel::{Normalization, padded_vocab_size};
+use megatron_core::tensor_parallel::{Normalization, Rotary, padded_vocab_size};
 
 /// Which layers are MoE layers (`--moe-layer-freq`).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -88,6 +88,19 @@ impl MoeLayerFreq {
     }
 }
 
+/// How a model knows positions (Megatron-LM's `--position-embedding-type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PositionEmbeddingType {
+    /// A learned table added to the word embedding (GPT-2).
+    #[default]
+    LearnedAbsolute,
+    /// Rotary embeddings in attention (Llama, Mistral, Qwen, Mixtral).
+    Rope,
+    /// None.
+    None,
+}
+
 /// A GPT's mixture-of-experts settings (Megatron-LM's `--num-experts` family).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MoeConfig {
@@ -140,6 +153,17 @@ pub struct GptConfig {
     /// Biases in the linear layers (`--disable-bias-linear` turns them off).
     #[serde(default = "biased")]
     pub add_bias_linear: bool,
+    /// Learned positions, rotary embeddings or none (`--position-embedding-type`).
+    #[serde(default)]
+    pub position_embedding_type: PositionEmbeddingType,
+    /// The rotary embeddings' settings (`--rotary-base`, `--rotary-percent`,
+    /// `--rotary-interleaved`, `--use-rope-scaling`), read with `rope` positions.
+    #[serde(default)]
+    pub rotary: Rotary,
+    /// An output layer of its own instead of the word embedding's table
+    /// (`--untie-embeddings-and-output-weights`).
+    #[serde(default)]
+    pub untie_embeddings_and_output_weights: bool,
     /// Mixture of experts in the MLPs (`--num-experts` and the `--moe-*` flags); `None`: a
     /// dense GPT.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -176,6 +200,9 @@ impl GptConfig {
             normalization: Normalization::LayerNorm,
             swiglu: false,
             add_bias_linear: true,
+            position_embedding_type: PositionEmbeddingType::LearnedAbsolute,
+            rotary: Rotary::default(),
+            untie_embeddings_and_output_weights: false,
             moe: None,
         }
     }
@@ -301,6 +328,9 @@ impl GptConfig {
                 c.ffn_hidden_size
             );
         }
+        if c.position_embedding_type == PositionEmbeddingType::Rope {
+            c.rotary.dims(c.hidden_size / c.num_attention_heads)?;
+        }
         let params = c.params_exact(tp, false);
         if params > MAX_PARAMS as u128 {
             return invalid!(
@@ -370,10 +400,16 @@ impl GptConfig {
                 _ => common + mlp(f),
             })
             .sum();
-        self.padded_vocab_size(tp) as u128 * h
-            + self.max_position_embeddings as u128 * h
-            + layers
-            + norm
+        let tables = if self.untie_embeddings_and_output_weights {
+            2
+        } else {
+            1
+        };
+        let positions = match self.position_embedding_type {
+            PositionEmbeddingType::LearnedAbsolute => self.max_position_embeddings as u128 * h,
+            _ => 0,
+        };
+        tables * self.padded_vocab_size(tp) as u128 * h + positions + layers + norm
     }
 
     /// Model FLOPs of one training token of a sequence of `seq` tokens: 6 per parameter the

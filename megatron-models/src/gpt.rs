@@ -1,6 +1,10 @@
 //! GPT as Megatron-LM trains it, written only with the DSL: pre-LayerNorm transformer blocks,
 //! learned positions, a GeLU MLP of 4h, and the input embedding tied to the output layer.
 //!
+//! The same struct is the Llama family when its config says so (Megatron-LM's flags): RMSNorm
+//! for the norms, the gated MLP ([`GatedMlp`], SwiGLU), no biases, rotary embeddings in
+//! attention instead of learned positions, an output layer of its own.
+//!
 //! The field attributes are the whole tensor-parallel plan: the fused QKV projection and the
 //! MLP's first layer are column-parallel, the attention output projection and the MLP's second
 //! layer row-parallel, and the embedding is split by vocabulary. The macros insert the two
@@ -12,7 +16,7 @@ use megatron_core::prelude::*;
 use megatron_core::training::CarriedWidth;
 use megatron_macros::module;
 
-use crate::config::GptConfig;
+use crate::config::{GptConfig, PositionEmbeddingType};
 use crate::moe::{Ffn, FfnSpec, MoeMlpSpec, SharedMoeMlpSpec};
 
 /// The feed-forward block: fc1 split by output features, GeLU, fc2 split by input features.
@@ -107,8 +111,9 @@ pub struct Gpt {
     /// Word embedding, split by vocabulary; also the output layer.
     #[vocab_parallel]
     pub wte: Embedding,
-    /// Learned positions.
-    pub wpe: PositionEmbedding,
+    /// Positions added to the word embeddings: learned ones, or none here (rotary embeddings
+    /// turn the queries and keys in attention).
+    pub wpe: Positions,
     /// The transformer blocks: pipeline parallelism cuts them into stages.
     #[pipeline]
     pub blocks: Vec<Block>,
@@ -122,7 +127,7 @@ pub struct Gpt {
 #[module]
 impl Gpt {
     fn forward(&self, tokens: Ids, targets: Ids) -> Tensor {
-        let x = self.wte(tokens) + self.wpe(tokens);
+        let x = self.wpe(self.wte(tokens));
         let mut h = dropout(x, self.embedding_dropout);
         for block in &self.blocks {
             h = block(h);
@@ -141,6 +146,7 @@ impl GptConfig {
         let std = self.init_method_std;
         let out_std = std / (2.0 * self.num_layers as f32).sqrt();
         let bias = self.add_bias_linear;
+        let rope = self.position_embedding_type == PositionEmbeddingType::Rope;
         let ln = LayerNormSpec {
             hidden: h,
             eps: self.layernorm_epsilon,
@@ -192,7 +198,8 @@ impl GptConfig {
                     core: CausalSelfAttention::new(
                         self.num_attention_heads,
                         self.attention_dropout,
-                    ),
+                    )
+                    .with_rotary(rope.then_some(self.rotary)),
                     proj: linear(h, h, out_std),
                 },
                 ln2: ln.clone(),
@@ -206,11 +213,19 @@ impl GptConfig {
                 hidden: h,
                 init_std: std,
                 make_vocab_size_divisible_by: self.make_vocab_size_divisible_by,
+                untied: self.untie_embeddings_and_output_weights,
             },
-            wpe: PositionEmbeddingSpec {
-                max_positions: self.max_position_embeddings,
-                hidden: h,
-                init_std: std,
+            wpe: match self.position_embedding_type {
+                PositionEmbeddingType::LearnedAbsolute => {
+                    PositionsSpec::Learned(PositionEmbeddingSpec {
+                        max_positions: self.max_position_embeddings,
+                        hidden: h,
+                        init_std: std,
+                    })
+                }
+                PositionEmbeddingType::Rope | PositionEmbeddingType::None => {
+                    PositionsSpec::Elsewhere
+                }
             },
             blocks,
             ln_f: ln,

@@ -7,5 +7,5 @@ pub mod gpt;
 pub mod moe;
 pub mod registry;
 
-pub use config::{GptConfig, MoeConfig, MoeLayerFreq};
+pub use config::{GptConfig, MoeConfig, MoeLayerFreq, PositionEmbeddingType};
 pub use registry::{ModelPreset, preset, presets};

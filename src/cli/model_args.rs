@@ -2,8 +2,8 @@
 
 use anyhow::{Result, bail};
 use clap::Args;
-use megatron::models::{GptConfig, preset, presets};
-use megatron::tensor_parallel::Normalization;
+use megatron::models::{GptConfig, PositionEmbeddingType, preset, presets};
+use megatron::tensor_parallel::{Llama3Scaling, Normalization};
 
 use super::moe_args::MoeArgs;
 use super::values;
@@ -58,8 +58,47 @@ pub struct ArchitectureArgs {
     /// No biases in the linear layers (QKV, attention output, fc1, fc2).
     #[arg(long)]
     disable_bias_linear: bool,
+    /// How the model knows positions: learned_absolute, rope (rotary embeddings in attention)
+    /// or none [default: the preset's, learned_absolute].
+    #[arg(long, value_parser = position_embedding_type)]
+    position_embedding_type: Option<PositionEmbeddingType>,
+    /// RoPE's base (Hugging Face's rope_theta) [default: the preset's, 10000].
+    #[arg(long, value_parser = values::positive_f32)]
+    rotary_base: Option<f32>,
+    /// The fraction of each head RoPE turns [default: the preset's, 1].
+    #[arg(long, value_parser = values::positive_f32)]
+    rotary_percent: Option<f32>,
+    /// RoPE turns pairs (2j, 2j + 1) instead of rotate-half's (j, j + rot/2).
+    #[arg(long)]
+    rotary_interleaved: bool,
+    /// Llama 3.1's RoPE frequency scaling (low 1, high 4, original context 8192, as
+    /// Megatron-LM), by --rope-scaling-factor.
+    #[arg(long)]
+    use_rope_scaling: bool,
+    /// The factor of --use-rope-scaling [default: 8].
+    #[arg(long, value_parser = values::positive_f32, requires = "use_rope_scaling")]
+    rope_scaling_factor: Option<f32>,
+    /// An output layer of its own instead of the word embedding's table.
+    #[arg(long)]
+    untie_embeddings_and_output_weights: bool,
     #[command(flatten)]
     moe: MoeArgs,
+}
+
+/// `--position-embedding-type`: Megatron-LM's names; the types it has that megatron-rs does
+/// not (yet) are refused by name.
+fn position_embedding_type(s: &str) -> Result<PositionEmbeddingType, String> {
+    match s {
+        "learned_absolute" => Ok(PositionEmbeddingType::LearnedAbsolute),
+        "rope" => Ok(PositionEmbeddingType::Rope),
+        "none" => Ok(PositionEmbeddingType::None),
+        "yarn" | "mrope" | "relative" => Err(format!(
+            "{s} positions are not built in megatron-rs yet (learned_absolute, rope and none are)"
+        )),
+        other => Err(format!(
+            "unknown type `{other}`: learned_absolute, rope or none"
+        )),
+    }
 }
 
 /// `--normalization`'s values, spelt as Megatron-LM's.
@@ -168,12 +207,26 @@ impl ArchitectureArgs {
                 saved.normalization
             );
         }
+        if let Some(p) = self.position_embedding_type
+            && p != saved.position_embedding_type
+        {
+            bail!(
+                "--position-embedding-type {p:?} contradicts the checkpoint, whose model has \
+                 {:?} positions: drop the flag",
+                saved.position_embedding_type
+            );
+        }
         for (flag, given, held) in [
             ("--swiglu", self.swiglu, saved.swiglu),
             (
                 "--disable-bias-linear",
                 self.disable_bias_linear,
                 !saved.add_bias_linear,
+            ),
+            (
+                "--untie-embeddings-and-output-weights",
+                self.untie_embeddings_and_output_weights,
+                saved.untie_embeddings_and_output_weights,
             ),
         ] {
             if given && !held {
@@ -272,6 +325,26 @@ impl ArchitectureArgs {
         }
         if self.disable_bias_linear {
             c.add_bias_linear = false;
+        }
+        if let Some(p) = self.position_embedding_type {
+            c.position_embedding_type = p;
+        }
+        if let Some(base) = self.rotary_base {
+            c.rotary.base = base;
+        }
+        if let Some(percent) = self.rotary_percent {
+            c.rotary.percent = percent;
+        }
+        if self.rotary_interleaved {
+            c.rotary.interleaved = true;
+        }
+        if self.use_rope_scaling {
+            c.rotary.scaling = Some(Llama3Scaling::megatron(
+                self.rope_scaling_factor.unwrap_or(8.0),
+            ));
+        }
+        if self.untie_embeddings_and_output_weights {
+            c.untie_embeddings_and_output_weights = true;
         }
         self.moe.apply(&mut c)?;
         c.validate_parallel(tp, ep, sequence_parallel)?;

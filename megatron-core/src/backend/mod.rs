@@ -22,6 +22,7 @@ use crate::cuda::DeviceRouting;
 use crate::error::Result;
 use crate::kernels::adam::AdamConfig;
 use crate::kernels::dropout::LogicalIndex;
+use crate::kernels::rotary::RopeLayout;
 use crate::module::Param;
 use crate::moe::RouterConfig;
 use crate::moe::experts::{ExpertShape, ExpertsSaved};
@@ -294,6 +295,16 @@ device_ops! {
     }
 }
 
+device_ops! {
+    /// Rotary position embeddings on a fused projection (`tensor_parallel::rotary`).
+    pub(crate) trait RotaryOps {
+        /// `x` (`[seq, batch, row]` of `layout`) with RoPE applied by the `inv_freq`
+        /// frequencies, or with `inverse` turned back (the backward); on a GPU in `x`'s dtype,
+        /// on the host in f32.
+        fn rope(&self, x: &Tensor, layout: RopeLayout, inv_freq: &[f32], inverse: bool) -> Result<Tensor>;
+    }
+}
+
 /// Every operation a device provides.
 pub(crate) trait Backend:
     AttentionOps
@@ -305,6 +316,7 @@ pub(crate) trait Backend:
     + NormOps
     + OptimizerOps
     + PlaceOps
+    + RotaryOps
     + RouterOps
     + RowOps
     + VocabLossOps

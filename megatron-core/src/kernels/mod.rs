@@ -22,6 +22,7 @@ pub mod gemm;
 pub mod isa;
 pub mod layer_norm;
 pub mod math;
+pub mod rotary;
 pub mod softmax;
 
 mod reduce;

@@ -243,6 +243,14 @@ pub trait Module: Sized {
 
     /// Calls `f` on every parameter, mutably, in the same order.
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param));
+
+    /// Calls `f` on the parameters that a pipeline's first and last stages both hold and keep
+    /// equal when the module is used before and after the stack (a tied embedding's table):
+    /// all of them unless the module says otherwise (an untied embedding: none, each stage
+    /// holding its own table).
+    fn visit_tied_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+        self.visit_params(f);
+    }
 }
 
 /// A module whose forward runs a `#[pipeline]` stack, built for one pipeline stage (or whole):

@@ -52,7 +52,7 @@ pub struct SwigluSaved {
 /// On a GPU that multiplies in bf16 the output is bf16, as [`gelu`]'s.
 pub fn swiglu(_cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, SwigluSaved)> {
     let width = x.dims().last().copied().unwrap_or(0);
-    if width == 0 || width % 2 != 0 {
+    if width == 0 || !width.is_multiple_of(2) {
         return invalid!(
             "swiglu: the input's last dimension ({width}, shape {}) is not the gate and the up              projection side by side (an even width)",
             x.shape()

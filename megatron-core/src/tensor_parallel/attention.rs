@@ -8,24 +8,48 @@ use crate::invalid;
 use crate::kernels::dropout::{self as dk, LogicalIndex};
 use crate::module::{Cx, Op, Recompute, Site};
 use crate::tensor::Tensor;
+use crate::tensor_parallel::Rotary;
 
 /// Multi-head causal self-attention with scaled dot products and attention dropout.
 ///
 /// Input: the fused projection `[s, b, 3·h_local]` laid out per head as `[q | k | v]` of
 /// `head_dim` each (Megatron-LM's layout, so a column-parallel split gives each rank whole
 /// heads). Output: `[s, b, h_local]`, heads in order.
+///
+/// With rotary position embeddings the queries and keys are turned by their positions
+/// before the scores (and the gradient turned back after the backward).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CausalSelfAttention {
     /// Attention heads of the whole layer (all tensor-parallel ranks together).
     pub heads: usize,
     /// Dropout probability on the attention weights.
     pub dropout: f32,
+    /// Rotary position embeddings (`--position-embedding-type rope`), if any.
+    pub rotary: Option<Rotary>,
 }
 
 impl CausalSelfAttention {
     /// `heads` heads with attention dropout `dropout`.
     pub fn new(heads: usize, dropout: f32) -> Self {
-        CausalSelfAttention { heads, dropout }
+        CausalSelfAttention {
+            heads,
+            dropout,
+            rotary: None,
+        }
+    }
+
+    /// The same with rotary position embeddings `rotary` (none: `None`).
+    pub fn with_rotary(mut self, rotary: Option<Rotary>) -> Self {
+        self.rotary = rotary;
+        self
+    }
+
+    /// `qkv` with its queries and keys turned (`inverse`: the gradient turned back).
+    fn turned(&self, qkv: &Tensor, sh: AttentionShape, inverse: bool) -> Result<Option<Tensor>> {
+        self.rotary
+            .as_ref()
+            .map(|r| r.apply(qkv, (sh.heads, 3, 2), sh.head_dim, 0, inverse))
+            .transpose()
     }
 }
 
@@ -99,6 +123,8 @@ impl Op for CausalSelfAttention {
         let sh = self.shape(cx, qkv)?;
         let mask = self.mask(cx, site, sh);
         let keep_inputs = cx.recompute() == Recompute::Selective && cx.training();
+        let turned = self.turned(qkv, sh, false)?;
+        let qkv = turned.as_ref().unwrap_or(qkv);
         let (out, kept) = backend::of(qkv).attention_forward(qkv, sh, &mask, keep_inputs)?;
         Ok((
             out,
@@ -124,6 +150,8 @@ impl Op for CausalSelfAttention {
                 d_out.shape()
             );
         }
-        backend::of(d_out).attention_backward(&saved.kept, &saved.dropout, sh, d_out)
+        let d_qkv =
+            backend::of(d_out).attention_backward(&saved.kept, &saved.dropout, sh, d_out)?;
+        Ok(self.turned(&d_qkv, sh, true)?.unwrap_or(d_qkv))
     }
 }

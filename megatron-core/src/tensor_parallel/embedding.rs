@@ -4,7 +4,9 @@
 use crate::backend;
 use crate::error::Result;
 use crate::invalid;
-use crate::module::{Builder, Cx, Ids, Init, Lookup, Module, Param, Site, Split, VocabParallel};
+use crate::module::{
+    Builder, Cx, Ids, Init, Layer, Lookup, Module, Param, Site, Split, VocabParallel,
+};
 use crate::ops::{as_operand, matmul, matmul_into};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
@@ -28,16 +30,22 @@ pub struct EmbeddingSpec {
     pub init_std: f32,
     /// The padded vocabulary is a multiple of this times the tensor-parallel size.
     pub make_vocab_size_divisible_by: usize,
+    /// An output layer of its own (Megatron-LM's `--untie-embeddings-and-output-weights`): a
+    /// second table of the same shape, `output_weight`, which the logits read instead of the
+    /// input table.
+    pub untied: bool,
 }
 
 impl EmbeddingSpec {
-    /// A `vocab × hidden` embedding drawn from N(0, 0.02), padded as Megatron-LM pads (128).
+    /// A `vocab × hidden` embedding drawn from N(0, 0.02), padded as Megatron-LM pads (128),
+    /// tied to its output layer.
     pub fn new(vocab_size: usize, hidden: usize) -> Self {
         EmbeddingSpec {
             vocab_size,
             hidden,
             init_std: 0.02,
             make_vocab_size_divisible_by: 128,
+            untied: false,
         }
     }
 }
@@ -46,9 +54,18 @@ impl EmbeddingSpec {
 ///
 /// Rows past the real vocabulary (padding) are never looked up, and their logits are −∞, so
 /// they never win and never receive gradient.
+///
+/// Untied ([`EmbeddingSpec::untied`]), the output layer has a table of its own. A pipeline's
+/// first stage then holds only the input table and its last stage only the output one (the
+/// other is a placeholder of its shape, never visited): nothing is shared between them.
 #[derive(Debug, Clone)]
 pub struct Embedding {
     weight: Param,
+    /// The output layer's own table, when untied.
+    output: Option<Param>,
+    /// Whether this stage holds the input table and the output table (both, unless untied
+    /// and cut by a pipeline).
+    holds: (bool, bool),
     vocab_size: usize,
     /// First global row this rank holds.
     vocab_start: usize,
@@ -78,25 +95,52 @@ impl Embedding {
         } else {
             Split::Replicated
         };
-        let weight = b.padded_param(
-            "weight",
-            [padded, spec.hidden],
-            how,
-            Init::Normal { std: spec.init_std },
-            true,
-            spec.vocab_size,
-        )?;
+        // Untied and cut by a pipeline: the first stage looks up, the last one outputs.
+        let holds = match b.stage() {
+            Some(stage) if spec.untied => (stage.first, stage.last),
+            _ => (true, true),
+        };
+        let table = |b: &mut Builder, name: &str, held: bool| {
+            let make = |b: &mut Builder| {
+                b.padded_param(
+                    name,
+                    [padded, spec.hidden],
+                    how,
+                    Init::Normal { std: spec.init_std },
+                    true,
+                    spec.vocab_size,
+                )
+            };
+            if held { make(b) } else { b.placeholder(make) }
+        };
+        let weight = table(b, "weight", holds.0)?;
+        let output = match spec.untied {
+            true => Some(table(b, "output_weight", holds.1)?),
+            false => None,
+        };
         let vocab_start = rank * (padded / tp);
         Ok(Embedding {
             weight,
+            output,
+            holds,
             vocab_size: spec.vocab_size,
             vocab_start,
         })
     }
 
+    /// The output layer's table: its own when untied, else the input table.
+    fn output_table(&self) -> &Param {
+        self.output.as_ref().unwrap_or(&self.weight)
+    }
+
     /// The weight (this rank's rows).
     pub fn weight(&self) -> &Param {
         &self.weight
+    }
+
+    /// The output layer's own table (this rank's rows), when untied.
+    pub fn output_weight(&self) -> Option<&Param> {
+        self.output.as_ref()
     }
 
     /// The real vocabulary size.
@@ -179,11 +223,28 @@ impl Module for Embedding {
     }
 
     fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
-        f(&self.weight);
+        if self.holds.0 {
+            f(&self.weight);
+        }
+        if let (Some(output), true) = (&self.output, self.holds.1) {
+            f(output);
+        }
     }
 
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
-        f(&mut self.weight);
+        if self.holds.0 {
+            f(&mut self.weight);
+        }
+        if let (Some(output), true) = (&mut self.output, self.holds.1) {
+            f(output);
+        }
+    }
+
+    /// Tied, the table both ends of a pipeline use; untied, nothing: each end has its own.
+    fn visit_tied_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+        if self.output.is_none() {
+            f(&self.weight);
+        }
     }
 }
 
@@ -223,21 +284,19 @@ impl VocabParallel for Embedding {
 
     fn logits_forward(&self, _cx: &Cx, _site: Site, h: &Tensor) -> Result<(Tensor, LogitsSaved)> {
         let hidden = self.hidden();
+        let table = self.output_table();
         if h.dims().last() != Some(&hidden) {
             return invalid!(
-                "tied output layer {}: input of shape {} does not end in {hidden}",
-                self.weight.spec().name,
+                "output layer {}: input of shape {} does not end in {hidden}",
+                table.spec().name,
                 h.shape()
             );
         }
         // On the weight's device (a host input is uploaded to a GPU weight).
-        let h = as_operand(&backend::of(self.weight.value()).place(h)?)?;
+        let h = as_operand(&backend::of(table.value()).place(h)?)?;
         let rows = h.numel() / hidden;
         let local = self.local_rows();
-        let logits = matmul(
-            &h.reshape([rows, hidden])?,
-            &self.weight.compute_value().t()?,
-        )?;
+        let logits = matmul(&h.reshape([rows, hidden])?, &table.compute_value().t()?)?;
         // Padding rows of the vocabulary: logits −∞, so softmax gives them nothing.
         let real = self.vocab_size.saturating_sub(self.vocab_start).min(local);
         if real < local {
@@ -258,19 +317,19 @@ impl VocabParallel for Embedding {
         let hidden = self.hidden();
         let local = self.local_rows();
         let rows = saved.h.numel() / hidden;
+        let table = self.output_table();
         if dlogits.numel() != rows * local {
             return invalid!(
-                "tied output layer {}: logit gradient of shape {} does not fit {rows} rows × {local} vocabulary rows",
-                self.weight.spec().name,
+                "output layer {}: logit gradient of shape {} does not fit {rows} rows × {local} vocabulary rows",
+                table.spec().name,
                 dlogits.shape()
             );
         }
         // Both products read the logits' gradient: converted once.
         let d = as_operand(dlogits)?.reshape([rows, local])?;
         let h2 = saved.h.reshape([rows, hidden])?;
-        self.weight
-            .accumulate_grad(|grad| Ok(matmul_into(1.0, &d.t()?, &h2, 1.0, grad)?))?;
-        let dh = matmul(&d, self.weight.compute_value())?;
+        table.accumulate_grad(|grad| Ok(matmul_into(1.0, &d.t()?, &h2, 1.0, grad)?))?;
+        let dh = matmul(&d, table.compute_value())?;
         Ok(dh.reshape(saved.h.shape().clone())?)
     }
 
@@ -352,17 +411,10 @@ impl Module for PositionEmbedding {
     }
 }
 
-impl Lookup for PositionEmbedding {
-    /// The positions of the ids' sequence, or with sequence parallelism of this rank's shard of
-    /// it (`[s / tp, b, hidden]`, the positions from `rank · s / tp` on).
-    fn forward(&self, cx: &Cx, _site: Site, ids: &Ids) -> Result<(Tensor, PositionSaved)> {
-        let [seq, batch] = ids.dims() else {
-            return invalid!(
-                "position embedding: ids must be [sequence, batch], got {}",
-                ids.shape()
-            );
-        };
-        let (whole, batch) = (*seq, *batch);
+impl PositionEmbedding {
+    /// The positions of a sequence of `whole` tokens of `batch` sequences, or with sequence
+    /// parallelism of this rank's shard of it (`[s / tp, b, hidden]`, from `rank · s / tp` on).
+    fn positions(&self, cx: &Cx, whole: usize, batch: usize) -> Result<(Tensor, PositionSaved)> {
         let max = self.weight.value().dims()[0];
         if whole > max {
             return invalid!(
@@ -390,6 +442,20 @@ impl Lookup for PositionEmbedding {
         let out = backend::of(self.weight.value()).positions_forward(&table, seq, batch)?;
         Ok((out, PositionSaved { first, seq, batch }))
     }
+}
+
+impl Lookup for PositionEmbedding {
+    /// The positions of the ids' sequence, or with sequence parallelism of this rank's shard of
+    /// it (`[s / tp, b, hidden]`, the positions from `rank · s / tp` on).
+    fn forward(&self, cx: &Cx, _site: Site, ids: &Ids) -> Result<(Tensor, PositionSaved)> {
+        let [seq, batch] = ids.dims() else {
+            return invalid!(
+                "position embedding: ids must be [sequence, batch], got {}",
+                ids.shape()
+            );
+        };
+        self.positions(cx, *seq, *batch)
+    }
 
     fn backward(&self, _cx: &Cx, _site: Site, saved: PositionSaved, dy: &Tensor) -> Result<()> {
         let h = self.weight.value().dims()[1];
@@ -406,5 +472,83 @@ impl Lookup for PositionEmbedding {
         self.weight.accumulate_grad(|grad| {
             ops.positions_backward(dy, seq, batch, &grad.narrow(0, first, seq)?)
         })
+    }
+}
+
+/// What a model's embeddings get for positions (Megatron-LM's `--position-embedding-type`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum PositionsSpec {
+    /// A learned table (`learned_absolute`).
+    Learned(PositionEmbeddingSpec),
+    /// Nothing here: rotary embeddings in attention (`rope`), or no positions (`none`).
+    Elsewhere,
+}
+
+/// Adds a model's positions to its word embeddings, `[s, b, h] → [s, b, h]`: a learned table's
+/// rows (a [`PositionEmbedding`], whose parameter it holds under the same name), or, when
+/// attention turns its queries and keys by position instead ([`PositionsSpec::Elsewhere`]),
+/// nothing at all: the identity, with no parameters and no work.
+#[derive(Debug, Clone)]
+pub struct Positions {
+    table: Option<PositionEmbedding>,
+}
+
+impl Module for Positions {
+    type Spec = PositionsSpec;
+    type Saved = Option<PositionSaved>;
+
+    fn build(spec: &PositionsSpec, b: &mut Builder) -> Result<Self> {
+        let table = match spec {
+            PositionsSpec::Learned(spec) => Some(PositionEmbedding::build(spec, b)?),
+            PositionsSpec::Elsewhere => None,
+        };
+        Ok(Positions { table })
+    }
+
+    fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+        if let Some(table) = &self.table {
+            table.visit_params(f);
+        }
+    }
+
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        if let Some(table) = &mut self.table {
+            table.visit_params_mut(f);
+        }
+    }
+}
+
+impl Layer for Positions {
+    /// `x + positions` for `x` `[s, b, h]` (with sequence parallelism this rank's shard of the
+    /// sequence: the positions from `rank · s` on), or `x` itself.
+    fn forward(&self, cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, Option<PositionSaved>)> {
+        let Some(table) = &self.table else {
+            return Ok((x.clone(), None));
+        };
+        let [seq, batch, _] = x.dims() else {
+            return invalid!(
+                "positions: input must be [sequence, batch, hidden], got {}",
+                x.shape()
+            );
+        };
+        let whole = match cx.sequence_parallel() {
+            true => seq * cx.tp_size(),
+            false => *seq,
+        };
+        let (positions, saved) = table.positions(cx, whole, *batch)?;
+        Ok((crate::ops::add(x, &positions)?, Some(saved)))
+    }
+
+    fn backward(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: Option<PositionSaved>,
+        dy: &Tensor,
+    ) -> Result<Tensor> {
+        if let (Some(table), Some(saved)) = (&self.table, saved) {
+            Lookup::backward(table, cx, site, saved, dy)?;
+        }
+        Ok(dy.clone())
     }
 }

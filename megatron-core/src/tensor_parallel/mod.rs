@@ -11,6 +11,7 @@ mod embedding;
 mod layer_norm;
 mod linear;
 mod mappings;
+mod rotary;
 
 pub use attention::{AttentionSaved, CausalSelfAttention};
 pub use cross_entropy::{
@@ -19,7 +20,7 @@ pub use cross_entropy::{
 };
 pub use embedding::{
     Embedding, EmbeddingSaved, EmbeddingSpec, LogitsSaved, PositionEmbedding,
-    PositionEmbeddingSpec, PositionSaved, padded_vocab_size,
+    PositionEmbeddingSpec, PositionSaved, Positions, PositionsSpec, padded_vocab_size,
 };
 pub use layer_norm::{LayerNorm, LayerNormSaved, LayerNormSpec, Normalization};
 pub use linear::{Linear, LinearSaved, LinearSpec};
@@ -27,3 +28,4 @@ pub use mappings::{
     all_gather_sequence, gather_last_dim, keep_sequence_shard, reduce_scatter_sequence,
     split_last_dim, split_sequence,
 };
+pub use rotary::{Llama3Scaling, Rotary};

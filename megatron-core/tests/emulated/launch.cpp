@@ -20,6 +20,7 @@
 #include "layer_norm.cu"
 #include "moe.cu"
 #include "reduce.cu"
+#include "rotary.cu"
 #include "softmax.cu"
 #include "vocab_parallel.cu"
 
@@ -113,6 +114,7 @@ static const EmuKernel EMU_KERNELS[] = {
     EMU_KERNEL(gelu_backward),
     EMU_KERNEL(swiglu_forward),
     EMU_KERNEL(swiglu_backward),
+    EMU_KERNEL(rope),
     EMU_KERNEL(add),
     EMU_KERNEL(add_assign),
     EMU_KERNEL(fill),

@@ -679,7 +679,10 @@ fn stage_items(
         .iter()
         .zip(&cut.presence)
         .filter(|&(_, &p)| p == Presence::Ends)
-        .map(|(f, _)| visit_field(root, f, false));
+        .map(|(f, _)| {
+            let (name, ty, rt) = (&f.ident, &f.ty, &root.runtime);
+            quote!(<#ty as #rt::module::Module>::visit_tied_params(&self.#name, f);)
+        });
     let shared: Vec<_> = shared.collect();
     let f_shared = if shared.is_empty() {
         quote!(_f)

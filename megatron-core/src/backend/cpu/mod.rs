@@ -9,6 +9,7 @@ mod experts;
 mod matmul;
 mod norm;
 mod optimizer;
+mod rotary;
 mod router;
 mod rows;
 mod vocab_loss;

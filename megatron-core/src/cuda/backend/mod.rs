@@ -10,6 +10,7 @@ mod experts;
 mod matmul;
 mod norm;
 mod optimizer;
+mod rotary;
 pub(crate) mod router;
 mod rows;
 mod vocab_loss;

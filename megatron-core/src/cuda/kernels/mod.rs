@@ -15,6 +15,7 @@ pub mod layer_norm;
 pub mod moe;
 pub mod operand;
 pub mod reduce;
+pub mod rotary;
 pub mod softmax;
 pub mod vocab_parallel;
 

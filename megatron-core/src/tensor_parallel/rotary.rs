@@ -1,0 +1,214 @@
+//! Rotary position embeddings (RoPE, Su et al. 2021), as Megatron-LM's
+//! `--position-embedding-type rope`: attention turns each query and key by angles that grow
+//! with the token's position, so that their dot product depends on the positions' difference.
+//! No parameters; on a tensor-parallel rank attention applies it to its own heads.
+//!
+//! The frequencies follow Megatron-LM's `RotaryEmbedding` (and Hugging Face's, the same):
+//! `inv_freq[j] = 1 / base^(2j / rot)` in f32 for `rot = head_dim · rotary_percent` turned
+//! dimensions, optionally rescaled as Llama 3.1 does ([`Llama3Scaling`]).
+
+use crate::backend;
+use crate::error::Result;
+use crate::invalid;
+use crate::kernels::rotary::RopeLayout;
+use crate::tensor::Tensor;
+
+/// Llama 3.1's frequency scaling (`--use-rope-scaling`; Hugging Face's `rope_type: llama3`):
+/// long wavelengths are divided by `factor`, short ones kept, and the band between them
+/// interpolated.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Llama3Scaling {
+    /// `--rope-scaling-factor` (8 for Llama 3.1, 32 for Llama 3.2).
+    pub factor: f32,
+    /// Wavelengths above `original_max_position_embeddings / low_freq_factor` are scaled (1).
+    pub low_freq_factor: f32,
+    /// Wavelengths below `original_max_position_embeddings / high_freq_factor` are kept (4).
+    pub high_freq_factor: f32,
+    /// The context the model was first trained at (8192).
+    pub original_max_position_embeddings: usize,
+}
+
+impl Llama3Scaling {
+    /// Megatron-LM's fixed values with `factor`: low 1, high 4, original context 8192.
+    pub fn megatron(factor: f32) -> Self {
+        Llama3Scaling {
+            factor,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        }
+    }
+
+    /// `inv_freq` rescaled, in f32 as Megatron-LM's `_apply_scaling` and Hugging Face's
+    /// `_compute_llama3_parameters`.
+    fn apply(&self, inv_freq: &mut [f32]) {
+        let old = self.original_max_position_embeddings as f32;
+        let (low, high) = (self.low_freq_factor, self.high_freq_factor);
+        let (low_wavelen, high_wavelen) = (old / low, old / high);
+        for f in inv_freq {
+            let wavelen = 2.0 * std::f32::consts::PI / *f;
+            let scaled = if wavelen > low_wavelen {
+                *f / self.factor
+            } else {
+                *f
+            };
+            let smooth = (old / wavelen - low) / (high - low);
+            let smoothed = (1.0 - smooth) * scaled / self.factor + smooth * scaled;
+            let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
+            *f = if medium { smoothed } else { scaled };
+        }
+    }
+}
+
+/// Rotary position embeddings' settings (Megatron-LM's `--rotary-*` flags).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Rotary {
+    /// `--rotary-base` (Hugging Face's `rope_theta`): 10000 by default, 500000 for Llama 3.
+    pub base: f32,
+    /// `--rotary-percent`: the fraction of each head turned (its first dimensions).
+    pub percent: f32,
+    /// `--rotary-interleaved`: pairs `(2j, 2j + 1)` instead of rotate-half's `(j, j + rot/2)`.
+    pub interleaved: bool,
+    /// Llama 3.1's frequency scaling, if any.
+    pub scaling: Option<Llama3Scaling>,
+}
+
+impl Default for Rotary {
+    /// Megatron-LM's defaults: base 10000, every dimension turned, rotate-half, no scaling.
+    fn default() -> Self {
+        Rotary {
+            base: 10000.0,
+            percent: 1.0,
+            interleaved: false,
+            scaling: None,
+        }
+    }
+}
+
+impl Rotary {
+    /// The dimensions turned in a head of `head_dim`: `⌊head_dim · percent⌋` (Megatron-LM's),
+    /// which must be even and at least 2.
+    pub fn dims(&self, head_dim: usize) -> Result<usize> {
+        if !(self.percent > 0.0 && self.percent <= 1.0) {
+            return invalid!("--rotary-percent must be in (0, 1], got {}", self.percent);
+        }
+        if !(self.base.is_finite() && self.base > 1.0) {
+            return invalid!("--rotary-base must be above 1, got {}", self.base);
+        }
+        let rot = (head_dim as f64 * self.percent as f64) as usize;
+        if rot < 2 || !rot.is_multiple_of(2) {
+            return invalid!(
+                "rotary embeddings turn pairs of dimensions: {rot} of a head of {head_dim} \
+                 (--rotary-percent {}) is not an even number of at least 2",
+                self.percent
+            );
+        }
+        Ok(rot)
+    }
+
+    /// The `rot / 2` frequencies for heads of `head_dim`.
+    pub fn inv_freq(&self, head_dim: usize) -> Result<Vec<f32>> {
+        let rot = self.dims(head_dim)?;
+        let mut f: Vec<f32> = (0..rot / 2)
+            .map(|j| 1.0 / self.base.powf((2 * j) as f32 / rot as f32))
+            .collect();
+        if let Some(s) = &self.scaling {
+            s.apply(&mut f);
+        }
+        Ok(f)
+    }
+
+    /// `x`, a fused projection `[seq, batch, groups · parts · head_dim]` whose first `rotated`
+    /// heads of each block of `parts` are the queries and the key, with RoPE applied from
+    /// position `offset`; with `inverse`, the backward (the gradient turned back).
+    #[allow(clippy::too_many_arguments)]
+    pub fn apply(
+        &self,
+        x: &Tensor,
+        (groups, parts, rotated): (usize, usize, usize),
+        head_dim: usize,
+        offset: usize,
+        inverse: bool,
+    ) -> Result<Tensor> {
+        let [seq, batch, width] = x.dims() else {
+            return invalid!(
+                "rotary embeddings: expected [sequence, batch, width], got {}",
+                x.shape()
+            );
+        };
+        if *width != groups * parts * head_dim {
+            return invalid!(
+                "rotary embeddings: width {width} is not {groups} groups × {parts} heads × {head_dim}"
+            );
+        }
+        let inv_freq = self.inv_freq(head_dim)?;
+        let layout = RopeLayout {
+            seq: *seq,
+            batch: *batch,
+            groups,
+            parts,
+            rotated,
+            head_dim,
+            rot: inv_freq.len() * 2,
+            interleaved: self.interleaved,
+            offset,
+        };
+        backend::of(x).rope(x, layout, &inv_freq, inverse)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frequencies_follow_the_base_and_llama3_scaling() {
+        let r = Rotary::default();
+        let f = r.inv_freq(8).unwrap();
+        assert_eq!(f.len(), 4);
+        for (j, f) in f.iter().enumerate() {
+            let want = 1.0 / 10000f64.powf(2.0 * j as f64 / 8.0);
+            assert!(
+                (*f as f64 - want).abs() <= 1e-6 * want,
+                "{j}: {f} vs {want}"
+            );
+        }
+        // Llama 3.1 at head size 128: the closed form of the three bands.
+        let r = Rotary {
+            base: 500000.0,
+            scaling: Some(Llama3Scaling::megatron(8.0)),
+            ..Rotary::default()
+        };
+        let plain = Rotary { scaling: None, ..r }.inv_freq(128).unwrap();
+        let scaled = r.inv_freq(128).unwrap();
+        for (p, s) in plain.iter().zip(&scaled) {
+            let wavelen = 2.0 * std::f64::consts::PI / *p as f64;
+            let want = if wavelen < 8192.0 / 4.0 {
+                *p as f64
+            } else if wavelen > 8192.0 {
+                *p as f64 / 8.0
+            } else {
+                let smooth = (8192.0 / wavelen - 1.0) / 3.0;
+                (1.0 - smooth) * *p as f64 / 8.0 + smooth * *p as f64
+            };
+            assert!((*s as f64 - want).abs() <= 1e-5 * want, "{s} vs {want}");
+        }
+        assert!(scaled.iter().zip(&plain).any(|(s, p)| s < p));
+    }
+
+    #[test]
+    fn odd_rotary_dimensions_are_refused_by_name() {
+        let r = Rotary {
+            percent: 0.5,
+            ..Rotary::default()
+        };
+        let err = r.dims(6).unwrap_err().to_string();
+        assert!(
+            err.contains("3 of a head of 6 (--rotary-percent 0.5)"),
+            "{err}"
+        );
+        assert_eq!(r.dims(8).unwrap(), 4);
+        let err = Rotary::default().dims(3).unwrap_err().to_string();
+        assert!(err.contains("3 of a head of 3"), "{err}");
+    }
+}
