@@ -25,6 +25,7 @@ fn llama_like(dropout: f32) -> GptConfig {
     c.add_bias_linear = false;
     c.position_embedding_type = PositionEmbeddingType::Rope;
     c.untie_embeddings_and_output_weights = true;
+    c.num_query_groups = Some(2);
     c
 }
 
@@ -63,6 +64,8 @@ fn the_config_counts_the_parameters_the_model_builds() {
         c.untie_embeddings_and_output_weights = untied;
         if untied {
             c.position_embedding_type = PositionEmbeddingType::Rope;
+            // Grouped-query attention with heads of 12 (not hidden / heads = 8).
+            (c.num_query_groups, c.kv_channels) = (Some(2), Some(12));
         }
         let model = Gpt::build(&c.spec(), &mut Builder::new(3)).unwrap();
         let mut built = 0;
@@ -97,7 +100,7 @@ fn the_config_counts_the_parameters_the_model_builds() {
 }
 
 /// The flags of the command-line runs: gpt-tiny cut to 4 layers with the three blocks on.
-const COMMON: [&str; 19] = [
+const COMMON: [&str; 21] = [
     "train",
     "--quiet",
     "--num-layers",
@@ -117,6 +120,8 @@ const COMMON: [&str; 19] = [
     "--position-embedding-type",
     "rope",
     "--untie-embeddings-and-output-weights",
+    "--group-query-attention",
+    "--num-query-groups=2",
 ];
 
 #[test]
@@ -186,6 +191,81 @@ fn a_pipeline_checkpoint_of_the_untied_model_resumes_at_other_layouts() {
     }
 }
 
+/// Grouped-query attention is multi-head attention over each query's group's key and value:
+/// with 4 heads in 2 groups, the output equals multi-head attention's on the projection with
+/// each group's key and value repeated beside its queries (bit for bit), and the gradient is
+/// the multi-head one with each group's key and value gradients summed over its queries.
+#[test]
+fn grouped_query_attention_is_multi_head_attention_over_repeated_keys_and_values() {
+    use megatron::comm::ParallelState;
+    use megatron::comm::threads::launch;
+    use megatron::module::{Cx, Op, Site};
+    use megatron::parallel::{ParallelConfig, ParallelLayout};
+    use megatron::tensor::Tensor;
+    use megatron::tensor_parallel::CausalSelfAttention;
+    let (s, b, d, groups, per_group) = (5, 2, 4, 2, 2);
+    let heads = groups * per_group;
+    let width = groups * (per_group + 2) * d;
+    let grouped = support::values(s * b * width, 3, 2.0);
+    // Per token: group g's queries j, then its key (slot 2) and value (slot 3).
+    let at = |t: usize, g: usize, slot: usize| t * width + (g * (per_group + 2) + slot) * d;
+    let mut repeated = Vec::new();
+    for t in 0..s * b {
+        for g in 0..groups {
+            for j in 0..per_group {
+                for slot in [j, per_group, per_group + 1] {
+                    repeated.extend_from_slice(&grouped[at(t, g, slot)..at(t, g, slot) + d]);
+                }
+            }
+        }
+    }
+    let dy = support::values(s * b * heads * d, 4, 2.0);
+    let layout = ParallelLayout::new(&ParallelConfig::new(1)).unwrap();
+    launch(
+        1,
+        |w| -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+            let ps = ParallelState::new(&w, &layout)?;
+            let cx = Cx::new(&ps, 1);
+            let run = |op: CausalSelfAttention, qkv: &[f32], w: usize| {
+                let qkv = Tensor::from_vec(qkv.to_vec(), [s, b, w])?;
+                let (y, saved) = op.forward(&cx, Site::ROOT, &qkv)?;
+                let dy = Tensor::from_vec(dy.clone(), [s, b, heads * d])?;
+                let dx = op.backward(&cx, Site::ROOT, saved, &dy)?;
+                Ok::<_, megatron::Error>((y.to_vec::<f32>()?, dx.to_vec::<f32>()?))
+            };
+            let mha = CausalSelfAttention::new(heads, 0.0);
+            let (y_gqa, dx_gqa) = run(mha.clone().with_query_groups(groups), &grouped, width)?;
+            let (y_mha, dx_mha) = run(mha, &repeated, heads * 3 * d)?;
+            assert_eq!(y_gqa, y_mha);
+            for t in 0..s * b {
+                for g in 0..groups {
+                    for (slot, part) in [(per_group, 1), (per_group + 1, 2)] {
+                        for k in 0..d {
+                            let sum: f32 = (0..per_group)
+                                .map(|j| {
+                                    dx_mha[t * heads * 3 * d
+                                        + ((g * per_group + j) * 3 + part) * d
+                                        + k]
+                                })
+                                .sum();
+                            assert_eq!(dx_gqa[at(t, g, slot) + k], sum);
+                        }
+                    }
+                    for j in 0..per_group {
+                        let from = t * heads * 3 * d + (g * per_group + j) * 3 * d;
+                        assert_eq!(
+                            &dx_gqa[at(t, g, j)..at(t, g, j) + d],
+                            &dx_mha[from..from + d]
+                        );
+                    }
+                }
+            }
+            Ok(())
+        },
+    )
+    .unwrap();
+}
+
 #[test]
 fn the_blocks_flags_are_checked() {
     let (ok, _, stderr) = megatron(&[
@@ -198,6 +278,19 @@ fn the_blocks_flags_are_checked() {
     ]);
     assert!(!ok);
     assert!(stderr.contains("--swiglu with --num-experts"), "{stderr}");
+    let (ok, _, stderr) = megatron(&[
+        "train",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--tp",
+        "4",
+    ]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
+        "{stderr}"
+    );
     let (ok, _, stderr) = megatron(&["train", "--position-embedding-type", "yarn"]);
     assert!(!ok);
     assert!(

@@ -770,6 +770,56 @@ fn rope_reads_and_writes_f32_or_bf16_as_the_cpu() {
 }
 
 #[test]
+fn grouped_heads_expand_and_reduce_as_the_cpu() {
+    use megatron_core::kernels::heads::{self as cpu_heads, GroupedHeads};
+    let sh = GroupedHeads {
+        rows: 7,
+        groups: 3,
+        per_group: 4,
+        head_dim: 5,
+    };
+    let x = values(sh.rows * sh.grouped(), 71, -3.0, 3.0);
+    let dy = values(sh.rows * sh.per_head(), 72, -3.0, 3.0);
+    let dims = || [sh.rows, sh.groups, sh.per_group, sh.head_dim].map(|d| Arg::U64(d as u64));
+    for offset in [0, 1] {
+        for bf16 in [false, true] {
+            let what = format!("expand offset {offset} bf16 {bf16}");
+            let mut want = vec![0.0; dy.len()];
+            cpu_heads::expand_groups(&as_read(&x, bf16), &mut want, sh).unwrap();
+            let (mut xb, mut yb) = (
+                Buf::new(&x, offset, bf16),
+                Buf::nans(dy.len(), offset, bf16),
+            );
+            let mut args = Vec::from(xb.arg(offset));
+            args.extend(yb.arg(offset));
+            args.extend(dims());
+            launch("expand_groups", 2, 64, args);
+            assert_close(&what, &yb.values(offset), &as_written(want, bf16), 0.0, 0.0);
+
+            let what = format!("reduce offset {offset} bf16 {bf16}");
+            let mut want = vec![0.0; x.len()];
+            cpu_heads::reduce_groups(&as_read(&dy, bf16), &mut want, sh).unwrap();
+            let (mut dyb, mut dxb) = (
+                Buf::new(&dy, offset, bf16),
+                Buf::nans(x.len(), offset, bf16),
+            );
+            let mut args = Vec::from(dyb.arg(offset));
+            args.extend(dxb.arg(offset));
+            args.extend(dims());
+            launch("reduce_groups", 2, 64, args);
+            let tol = if bf16 { BF16_STEP } else { 0.0 };
+            assert_close(
+                &what,
+                &dxb.values(offset),
+                &as_written(want, bf16),
+                tol,
+                0.0,
+            );
+        }
+    }
+}
+
+#[test]
 fn bias_adds_in_place_and_into_bf16_as_the_cpu() {
     // Widths a multiple of 4 and not; grids smaller than the matrix in both directions (the
     // kernels stride over rows and columns) and larger.

@@ -164,6 +164,13 @@ pub struct GptConfig {
     /// (`--untie-embeddings-and-output-weights`).
     #[serde(default)]
     pub untie_embeddings_and_output_weights: bool,
+    /// Key/value heads of grouped-query attention (`--group-query-attention
+    /// --num-query-groups`); `None`: multi-head attention.
+    #[serde(default)]
+    pub num_query_groups: Option<usize>,
+    /// The heads' size (`--kv-channels`); `None`: hidden / heads.
+    #[serde(default)]
+    pub kv_channels: Option<usize>,
     /// Mixture of experts in the MLPs (`--num-experts` and the `--moe-*` flags); `None`: a
     /// dense GPT.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -203,6 +210,8 @@ impl GptConfig {
             position_embedding_type: PositionEmbeddingType::LearnedAbsolute,
             rotary: Rotary::default(),
             untie_embeddings_and_output_weights: false,
+            num_query_groups: None,
+            kv_channels: None,
             moe: None,
         }
     }
@@ -211,6 +220,17 @@ impl GptConfig {
     pub fn with_moe(mut self, moe: MoeConfig) -> Self {
         self.moe = Some(moe);
         self
+    }
+
+    /// Key/value heads: the query groups, or every head.
+    pub fn query_groups(&self) -> usize {
+        self.num_query_groups.unwrap_or(self.num_attention_heads)
+    }
+
+    /// The heads' size: `--kv-channels`, or hidden / heads.
+    pub fn head_dim(&self) -> usize {
+        self.kv_channels
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
     /// Whether each layer's MLP is a MoE layer (none for a dense GPT).
@@ -303,11 +323,27 @@ impl GptConfig {
                 return invalid!("--{name} must be at least 1");
             }
         }
-        if !c.hidden_size.is_multiple_of(c.num_attention_heads) {
+        if c.kv_channels.is_none() && !c.hidden_size.is_multiple_of(c.num_attention_heads) {
             return invalid!(
                 "--hidden-size {} is not divisible by --num-attention-heads {}",
                 c.hidden_size,
                 c.num_attention_heads
+            );
+        }
+        if c.kv_channels == Some(0) {
+            return invalid!("--kv-channels must be at least 1");
+        }
+        let groups = c.query_groups();
+        if groups == 0 || !c.num_attention_heads.is_multiple_of(groups) {
+            return invalid!(
+                "--num-attention-heads {} is not divisible by --num-query-groups {groups}",
+                c.num_attention_heads
+            );
+        }
+        if !groups.is_multiple_of(tp) {
+            return invalid!(
+                "--num-query-groups {groups} is not divisible by --tensor-model-parallel-size \
+                 {tp} (key/value heads replicated over tensor-parallel ranks are not built yet)"
             );
         }
         if !c.num_attention_heads.is_multiple_of(tp) {
@@ -329,7 +365,7 @@ impl GptConfig {
             );
         }
         if c.position_embedding_type == PositionEmbeddingType::Rope {
-            c.rotary.dims(c.hidden_size / c.num_attention_heads)?;
+            c.rotary.dims(c.head_dim())?;
         }
         let params = c.params_exact(tp, false);
         if params > MAX_PARAMS as u128 {
@@ -384,7 +420,13 @@ impl GptConfig {
         };
         let gates = if self.swiglu { 2 } else { 1 };
         let mlp = |f: u128| (gates * f * h + bias(gates * f)) + (h * f + bias(h));
-        let common = 2 * norm + (3 * h * h + bias(3 * h)) + (h * h + bias(h));
+        let (heads, groups) = (
+            self.num_attention_heads as u128,
+            self.query_groups() as u128,
+        );
+        let qkv = (heads + 2 * groups) * self.head_dim() as u128;
+        let attention = (h * qkv + bias(qkv)) + (heads * self.head_dim() as u128 * h + bias(h));
+        let common = 2 * norm + attention;
         let moe_layers = self.moe_layers().unwrap_or_default();
         let layers: u128 = moe_layers
             .iter()
@@ -414,10 +456,10 @@ impl GptConfig {
 
     /// Model FLOPs of one training token of a sequence of `seq` tokens: 6 per parameter the
     /// token uses (forward and backward), plus attention's two batched products
-    /// (12·layers·seq·hidden).
+    /// (12·layers·seq·heads·head size).
     pub fn flops_per_token(&self, seq: usize, tp: usize) -> f64 {
         6.0 * self.active_params(tp) as f64
-            + 12.0 * (self.num_layers * seq * self.hidden_size) as f64
+            + 12.0 * (self.num_layers * seq * self.num_attention_heads * self.head_dim()) as f64
     }
 }
 

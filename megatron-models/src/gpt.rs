@@ -147,6 +147,7 @@ impl GptConfig {
         let out_std = std / (2.0 * self.num_layers as f32).sqrt();
         let bias = self.add_bias_linear;
         let rope = self.position_embedding_type == PositionEmbeddingType::Rope;
+        let (heads, head_dim) = (self.num_attention_heads, self.head_dim());
         let ln = LayerNormSpec {
             hidden: h,
             eps: self.layernorm_epsilon,
@@ -194,13 +195,14 @@ impl GptConfig {
             .map(|is_moe| BlockSpec {
                 ln1: ln.clone(),
                 attn: AttentionSpec {
-                    qkv: linear(h, 3 * h, std),
+                    qkv: linear(h, (heads + 2 * self.query_groups()) * head_dim, std),
                     core: CausalSelfAttention::new(
                         self.num_attention_heads,
                         self.attention_dropout,
                     )
-                    .with_rotary(rope.then_some(self.rotary)),
-                    proj: linear(h, h, out_std),
+                    .with_rotary(rope.then_some(self.rotary))
+                    .with_query_groups(self.query_groups()),
+                    proj: linear(heads * head_dim, h, out_std),
                 },
                 ln2: ln.clone(),
                 mlp: ffn(is_moe),

@@ -81,6 +81,16 @@ pub struct ArchitectureArgs {
     /// An output layer of its own instead of the word embedding's table.
     #[arg(long)]
     untie_embeddings_and_output_weights: bool,
+    /// Grouped-query attention: --num-query-groups key/value heads, each shared by
+    /// heads / groups query heads.
+    #[arg(long)]
+    group_query_attention: bool,
+    /// The key/value heads of --group-query-attention [default: 1, as Megatron-LM].
+    #[arg(long, value_parser = values::dim, requires = "group_query_attention")]
+    num_query_groups: Option<usize>,
+    /// The heads' size [default: hidden size / heads].
+    #[arg(long, value_parser = values::dim)]
+    kv_channels: Option<usize>,
     #[command(flatten)]
     moe: MoeArgs,
 }
@@ -183,6 +193,13 @@ impl ArchitectureArgs {
                 saved.max_position_embeddings,
             ),
             ("vocab-size", self.vocab_size, saved.vocab_size),
+            (
+                "num-query-groups",
+                self.group_query_attention
+                    .then(|| self.num_query_groups.unwrap_or(1)),
+                saved.query_groups(),
+            ),
+            ("kv-channels", self.kv_channels, saved.head_dim()),
             (
                 "num-experts",
                 self.moe.num_experts(),
@@ -345,6 +362,12 @@ impl ArchitectureArgs {
         }
         if self.untie_embeddings_and_output_weights {
             c.untie_embeddings_and_output_weights = true;
+        }
+        if self.group_query_attention {
+            c.num_query_groups = Some(self.num_query_groups.unwrap_or(1));
+        }
+        if let Some(d) = self.kv_channels {
+            c.kv_channels = Some(d);
         }
         self.moe.apply(&mut c)?;
         c.validate_parallel(tp, ep, sequence_parallel)?;

@@ -22,6 +22,7 @@ use crate::cuda::DeviceRouting;
 use crate::error::Result;
 use crate::kernels::adam::AdamConfig;
 use crate::kernels::dropout::LogicalIndex;
+use crate::kernels::heads::GroupedHeads;
 use crate::kernels::rotary::RopeLayout;
 use crate::module::Param;
 use crate::moe::RouterConfig;
@@ -62,12 +63,12 @@ macro_rules! device_ops {
 
 pub(crate) mod attention;
 
-/// The shape of SwiGLU's output: `x`'s with the last dimension `ffn` (half of `x`'s, checked
-/// by the kernels).
-pub(crate) fn swiglu_shape(x: &Tensor, ffn: usize) -> Vec<usize> {
+/// `x`'s shape with the last dimension `n` (SwiGLU's output, attention's head layouts; the
+/// kernels check that the sizes fit).
+pub(crate) fn with_last_dim(x: &Tensor, n: usize) -> Vec<usize> {
     let mut dims = x.dims().to_vec();
     if let Some(last) = dims.last_mut() {
-        *last = ffn;
+        *last = n;
     }
     dims
 }
@@ -296,6 +297,18 @@ device_ops! {
 }
 
 device_ops! {
+    /// Grouped-query attention's fused projection as multi-head attention reads it
+    /// (`tensor_parallel::attention`).
+    pub(crate) trait GroupedHeadOps {
+        /// `qkv` (`[s, b, groups·(per_group + 2)·d]`) with each query head's group's key and
+        /// value beside it (`[s, b, groups·per_group·3·d]`); in `qkv`'s dtype on a GPU.
+        fn expand_groups(&self, qkv: &Tensor, sh: GroupedHeads) -> Result<Tensor>;
+        /// The backward of [`GroupedHeadOps::expand_groups`].
+        fn reduce_groups(&self, d_qkv: &Tensor, sh: GroupedHeads) -> Result<Tensor>;
+    }
+}
+
+device_ops! {
     /// Rotary position embeddings on a fused projection (`tensor_parallel::rotary`).
     pub(crate) trait RotaryOps {
         /// `x` (`[seq, batch, row]` of `layout`) with RoPE applied by the `inv_freq`
@@ -312,6 +325,7 @@ pub(crate) trait Backend:
     + ElementwiseOps
     + EmbeddingOps
     + ExpertOps
+    + GroupedHeadOps
     + MatmulOps
     + NormOps
     + OptimizerOps

@@ -21,7 +21,7 @@ use super::library;
 const COMMON: &str = include_str!("cu/common.cuh");
 
 /// The programs: (name, source). A kernel's name is unique over all of them.
-pub const PROGRAMS: [(&str, &str); 12] = [
+pub const PROGRAMS: [(&str, &str); 13] = [
     ("elementwise", include_str!("cu/elementwise.cu")),
     ("dropout", include_str!("cu/dropout.cu")),
     ("layer_norm", include_str!("cu/layer_norm.cu")),
@@ -34,6 +34,7 @@ pub const PROGRAMS: [(&str, &str); 12] = [
     ("vocab_parallel", include_str!("cu/vocab_parallel.cu")),
     ("moe", include_str!("cu/moe.cu")),
     ("rotary", include_str!("cu/rotary.cu")),
+    ("heads", include_str!("cu/heads.cu")),
 ];
 
 /// The NVRTC architecture name of compute capability `major.minor`, e.g. `sm_90`.

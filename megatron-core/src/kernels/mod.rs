@@ -19,6 +19,7 @@ pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
+pub mod heads;
 pub mod isa;
 pub mod layer_norm;
 pub mod math;

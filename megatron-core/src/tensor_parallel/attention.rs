@@ -6,6 +6,7 @@ use crate::backend::{self, DropoutMask};
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::dropout::{self as dk, LogicalIndex};
+use crate::kernels::heads::GroupedHeads;
 use crate::module::{Cx, Op, Recompute, Site};
 use crate::tensor::Tensor;
 use crate::tensor_parallel::Rotary;
@@ -15,6 +16,10 @@ use crate::tensor_parallel::Rotary;
 /// Input: the fused projection `[s, b, 3·h_local]` laid out per head as `[q | k | v]` of
 /// `head_dim` each (Megatron-LM's layout, so a column-parallel split gives each rank whole
 /// heads). Output: `[s, b, h_local]`, heads in order.
+///
+/// With grouped-query attention (`query_groups` below `heads`) the projection is laid out per
+/// group, `[q … q | k | v]` with `heads / query_groups` queries (Megatron-LM's), the split
+/// gives each rank whole groups, and each query attends with its group's key and value.
 ///
 /// With rotary position embeddings the queries and keys are turned by their positions
 /// before the scores (and the gradient turned back after the backward).
@@ -26,6 +31,8 @@ pub struct CausalSelfAttention {
     pub dropout: f32,
     /// Rotary position embeddings (`--position-embedding-type rope`), if any.
     pub rotary: Option<Rotary>,
+    /// Key/value heads (`--num-query-groups`): `heads` for multi-head attention.
+    pub query_groups: usize,
 }
 
 impl CausalSelfAttention {
@@ -35,7 +42,14 @@ impl CausalSelfAttention {
             heads,
             dropout,
             rotary: None,
+            query_groups: heads,
         }
+    }
+
+    /// The same with `groups` key/value heads (grouped-query attention).
+    pub fn with_query_groups(mut self, groups: usize) -> Self {
+        self.query_groups = groups;
+        self
     }
 
     /// The same with rotary position embeddings `rotary` (none: `None`).
@@ -44,11 +58,12 @@ impl CausalSelfAttention {
         self
     }
 
-    /// `qkv` with its queries and keys turned (`inverse`: the gradient turned back).
-    fn turned(&self, qkv: &Tensor, sh: AttentionShape, inverse: bool) -> Result<Option<Tensor>> {
+    /// `qkv` (grouped) with its queries and keys turned (`inverse`: the gradient turned back).
+    fn turned(&self, qkv: &Tensor, g: GroupedHeads, inverse: bool) -> Result<Option<Tensor>> {
+        let blocks = (g.groups, g.per_group + 2, g.per_group + 1);
         self.rotary
             .as_ref()
-            .map(|r| r.apply(qkv, (sh.heads, 3, 2), sh.head_dim, 0, inverse))
+            .map(|r| r.apply(qkv, blocks, g.head_dim, 0, inverse))
             .transpose()
     }
 }
@@ -59,35 +74,56 @@ pub struct AttentionSaved {
     kept: AttentionKept,
     dropout: Option<DropoutMask>,
     shape: AttentionShape,
+    grouped: GroupedHeads,
 }
 
 impl CausalSelfAttention {
-    fn shape(&self, cx: &Cx, qkv: &Tensor) -> Result<AttentionShape> {
+    /// The multi-head shape attention runs at, and the grouped layout of the projection.
+    fn shape(&self, cx: &Cx, qkv: &Tensor) -> Result<(AttentionShape, GroupedHeads)> {
         let tp = cx.tp_size();
-        if self.heads == 0 || !self.heads.is_multiple_of(tp) {
+        let (heads, groups) = (self.heads, self.query_groups);
+        if heads == 0 || !heads.is_multiple_of(tp) {
+            return invalid!("{heads} attention heads cannot be split over tp = {tp}");
+        }
+        if groups == 0 || !heads.is_multiple_of(groups) {
             return invalid!(
-                "{} attention heads cannot be split over tp = {tp}",
-                self.heads
+                "--num-attention-heads {heads} is not divisible by --num-query-groups {groups}"
             );
         }
-        let heads = self.heads / tp;
+        if !groups.is_multiple_of(tp) {
+            return invalid!(
+                "--num-query-groups {groups} is not divisible by --tensor-model-parallel-size \
+                 {tp} (key/value heads replicated over ranks are not built yet)"
+            );
+        }
+        let (local_groups, per_group) = (groups / tp, heads / groups);
         let [seq, batch, width] = qkv.dims() else {
             return invalid!(
                 "attention: fused QKV must be [sequence, batch, 3·hidden/tp], got {}",
                 qkv.shape()
             );
         };
-        if width % (3 * heads) != 0 {
+        let parts = local_groups * (per_group + 2);
+        if width % parts != 0 {
             return invalid!(
-                "attention: QKV width {width} is not 3 × {heads} local heads × a head size"
+                "attention: QKV width {width} is not {local_groups} local groups × ({per_group} \
+                 queries + a key + a value) × a head size"
             );
         }
-        Ok(AttentionShape {
+        let head_dim = width / parts;
+        let grouped = GroupedHeads {
+            rows: seq * batch,
+            groups: local_groups,
+            per_group,
+            head_dim,
+        };
+        let sh = AttentionShape {
             seq: *seq,
             batch: *batch,
-            heads,
-            head_dim: width / (3 * heads),
-        })
+            heads: heads / tp,
+            head_dim,
+        };
+        Ok((sh, grouped))
     }
 
     /// Where this rank's attention weights `[b, local heads, s, s]` lie among all heads'.
@@ -120,11 +156,17 @@ impl Op for CausalSelfAttention {
 
     fn forward(&self, cx: &Cx, site: Site, qkv: &Tensor) -> Result<(Tensor, AttentionSaved)> {
         dk::keep_threshold(self.dropout)?;
-        let sh = self.shape(cx, qkv)?;
+        let (sh, grouped) = self.shape(cx, qkv)?;
         let mask = self.mask(cx, site, sh);
         let keep_inputs = cx.recompute() == Recompute::Selective && cx.training();
-        let turned = self.turned(qkv, sh, false)?;
+        let turned = self.turned(qkv, grouped, false)?;
         let qkv = turned.as_ref().unwrap_or(qkv);
+        // Grouped: each query head beside its group's key and value.
+        let expanded = match grouped.per_group {
+            1 => None,
+            _ => Some(backend::of(qkv).expand_groups(qkv, grouped)?),
+        };
+        let qkv = expanded.as_ref().unwrap_or(qkv);
         let (out, kept) = backend::of(qkv).attention_forward(qkv, sh, &mask, keep_inputs)?;
         Ok((
             out,
@@ -132,6 +174,7 @@ impl Op for CausalSelfAttention {
                 kept,
                 dropout: mask,
                 shape: sh,
+                grouped,
             },
         ))
     }
@@ -152,6 +195,10 @@ impl Op for CausalSelfAttention {
         }
         let d_qkv =
             backend::of(d_out).attention_backward(&saved.kept, &saved.dropout, sh, d_out)?;
-        Ok(self.turned(&d_qkv, sh, true)?.unwrap_or(d_qkv))
+        let d_qkv = match saved.grouped.per_group {
+            1 => d_qkv,
+            _ => backend::of(&d_qkv).reduce_groups(&d_qkv, saved.grouped)?,
+        };
+        Ok(self.turned(&d_qkv, saved.grouped, true)?.unwrap_or(d_qkv))
     }
 }

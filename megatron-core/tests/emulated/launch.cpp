@@ -17,6 +17,7 @@
 #include "elementwise.cu"
 #include "embedding.cu"
 #include "flash_attention.cu"
+#include "heads.cu"
 #include "layer_norm.cu"
 #include "moe.cu"
 #include "reduce.cu"
@@ -115,6 +116,8 @@ static const EmuKernel EMU_KERNELS[] = {
     EMU_KERNEL(swiglu_forward),
     EMU_KERNEL(swiglu_backward),
     EMU_KERNEL(rope),
+    EMU_KERNEL(expand_groups),
+    EMU_KERNEL(reduce_groups),
     EMU_KERNEL(add),
     EMU_KERNEL(add_assign),
     EMU_KERNEL(fill),

@@ -1,7 +1,7 @@
 //! [`ElementwiseOps`] on the host.
 
 use super::Cpu;
-use crate::backend::{DropoutMask, ElementwiseOps, swiglu_shape};
+use crate::backend::{DropoutMask, ElementwiseOps, with_last_dim};
 use crate::error::Result;
 use crate::kernels::{cross_entropy as ce, dropout as dk, elementwise};
 use crate::tensor::{DType, Tensor};
@@ -38,7 +38,7 @@ impl ElementwiseOps for Cpu {
 
     fn swiglu(&self, x: &Tensor, ffn: usize) -> Result<(Tensor, Tensor)> {
         let x = x.to_f32_contiguous()?;
-        let y = Tensor::empty(swiglu_shape(&x, ffn), DType::F32);
+        let y = Tensor::empty(with_last_dim(&x, ffn), DType::F32);
         elementwise::swiglu_forward(&x.read::<f32>()?, ffn, &mut y.write::<f32>()?)?;
         Ok((y, x))
     }

@@ -2,7 +2,7 @@
 //! tensors' memory (nothing read back but cross-entropy's target check).
 
 use super::on_gpu;
-use crate::backend::{DropoutMask, ElementwiseOps, swiglu_shape};
+use crate::backend::{DropoutMask, ElementwiseOps, with_last_dim};
 use crate::cuda::Gpu;
 use crate::cuda::kernels::operand::{contiguous_input, with_in, with_out};
 use crate::cuda::kernels::{cross_entropy as ce, dropout as gdk, elementwise};
@@ -48,7 +48,7 @@ impl ElementwiseOps for Gpu {
     /// In the products' dtype, as [`ElementwiseOps::gelu`]'s.
     fn swiglu(&self, x: &Tensor, ffn: usize) -> Result<(Tensor, Tensor)> {
         let x = contiguous_input(x)?;
-        let y = Tensor::empty_near(swiglu_shape(&x, ffn), operand_dtype(&x), &x)?;
+        let y = Tensor::empty_near(with_last_dim(&x, ffn), operand_dtype(&x), &x)?;
         with_in(&x, |x| {
             with_out(&y, |y| Ok(elementwise::swiglu_forward(self, x, ffn, y)?))
         })?;
