@@ -61,6 +61,8 @@ fn the_config_counts_the_parameters_the_model_builds() {
     ] {
         let mut c = support::tiny_gpt(0.0);
         (c.normalization, c.swiglu, c.add_bias_linear) = (norm, swiglu, bias);
+        // Qwen2's bias on the QKV projection alone.
+        c.add_qkv_bias = !bias && swiglu;
         c.untie_embeddings_and_output_weights = untied;
         if untied {
             c.position_embedding_type = PositionEmbeddingType::Rope;
@@ -84,7 +86,11 @@ fn the_config_counts_the_parameters_the_model_builds() {
             Normalization::LayerNorm => 2 * c.num_layers + 1,
             Normalization::RmsNorm => 0,
         };
-        let linear_biases = if bias { 4 * c.num_layers } else { 0 };
+        let linear_biases = match (bias, c.add_qkv_bias) {
+            (true, _) => 4 * c.num_layers,
+            (false, true) => c.num_layers,
+            (false, false) => 0,
+        };
         assert_eq!(biases, norm_biases + linear_biases, "{names:?}");
         assert_eq!(
             names.contains(&"wte.output_weight".to_string()),

@@ -153,6 +153,9 @@ pub struct GptConfig {
     /// Biases in the linear layers (`--disable-bias-linear` turns them off).
     #[serde(default = "biased")]
     pub add_bias_linear: bool,
+    /// A bias in the QKV projection even without the others (`--add-qkv-bias`, Qwen2's).
+    #[serde(default)]
+    pub add_qkv_bias: bool,
     /// Learned positions, rotary embeddings or none (`--position-embedding-type`).
     #[serde(default)]
     pub position_embedding_type: PositionEmbeddingType,
@@ -207,12 +210,46 @@ impl GptConfig {
             normalization: Normalization::LayerNorm,
             swiglu: false,
             add_bias_linear: true,
+            add_qkv_bias: false,
             position_embedding_type: PositionEmbeddingType::LearnedAbsolute,
             rotary: Rotary::default(),
             untie_embeddings_and_output_weights: false,
             num_query_groups: None,
             kv_channels: None,
             moe: None,
+        }
+    }
+
+    /// A Llama-family decoder (Llama 3, as Megatron-LM's flags make one): `num_layers ×
+    /// hidden_size`, `heads` query heads in `groups` key/value groups, RMSNorm (ε 1e-5), a
+    /// SwiGLU MLP of `ffn`, no biases, rotary embeddings of base `rope_theta`, an untied output
+    /// layer, no dropout, the vocabulary padded to multiples of 128.
+    #[allow(clippy::too_many_arguments)]
+    pub fn llama(
+        num_layers: usize,
+        hidden_size: usize,
+        heads: usize,
+        groups: usize,
+        ffn: usize,
+        vocab_size: usize,
+        max_positions: usize,
+        rope_theta: f32,
+    ) -> Self {
+        GptConfig {
+            ffn_hidden_size: ffn,
+            hidden_dropout: 0.0,
+            attention_dropout: 0.0,
+            normalization: Normalization::RmsNorm,
+            swiglu: true,
+            add_bias_linear: false,
+            position_embedding_type: PositionEmbeddingType::Rope,
+            rotary: Rotary {
+                base: rope_theta,
+                ..Rotary::default()
+            },
+            untie_embeddings_and_output_weights: true,
+            num_query_groups: Some(groups),
+            ..GptConfig::new(num_layers, hidden_size, heads, vocab_size, max_positions)
         }
     }
 
@@ -425,7 +462,12 @@ impl GptConfig {
             self.query_groups() as u128,
         );
         let qkv = (heads + 2 * groups) * self.head_dim() as u128;
-        let attention = (h * qkv + bias(qkv)) + (heads * self.head_dim() as u128 * h + bias(h));
+        let qkv_bias = if self.add_bias_linear || self.add_qkv_bias {
+            qkv
+        } else {
+            0
+        };
+        let attention = (h * qkv + qkv_bias) + (heads * self.head_dim() as u128 * h + bias(h));
         let common = 2 * norm + attention;
         let moe_layers = self.moe_layers().unwrap_or_default();
         let layers: u128 = moe_layers

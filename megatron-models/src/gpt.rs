@@ -195,7 +195,8 @@ impl GptConfig {
             .map(|is_moe| BlockSpec {
                 ln1: ln.clone(),
                 attn: AttentionSpec {
-                    qkv: linear(h, (heads + 2 * self.query_groups()) * head_dim, std),
+                    qkv: linear(h, (heads + 2 * self.query_groups()) * head_dim, std)
+                        .with_bias(bias || self.add_qkv_bias),
                     core: CausalSelfAttention::new(
                         self.num_attention_heads,
                         self.attention_dropout,

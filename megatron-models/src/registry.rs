@@ -81,6 +81,30 @@ inventory::submit! {
 
 inventory::submit! {
     ModelPreset {
+        name: "llama-tiny",
+        description: "Llama-shaped gpt-tiny: 4 layers, hidden 128, 4 heads in 2 key/value groups, RMSNorm, SwiGLU 320, RoPE, untied, byte vocabulary: trains on a CPU in minutes",
+        config: || GptConfig::llama(4, 128, 4, 2, 320, 256, 256, 10000.0),
+    }
+}
+
+inventory::submit! {
+    ModelPreset {
+        name: "llama3-8b",
+        description: "Llama 3 8B: 32 layers, hidden 4096, 32 heads in 8 key/value groups, SwiGLU 14336, vocabulary 128,256, RoPE base 500,000: 8.03B parameters",
+        config: || GptConfig::llama(32, 4096, 32, 8, 14336, 128256, 8192, 500000.0),
+    }
+}
+
+inventory::submit! {
+    ModelPreset {
+        name: "llama3-70b",
+        description: "Llama 3 70B: 80 layers, hidden 8192, 64 heads in 8 key/value groups, SwiGLU 28672, vocabulary 128,256, RoPE base 500,000: 70.6B parameters",
+        config: || GptConfig::llama(80, 8192, 64, 8, 28672, 128256, 8192, 500000.0),
+    }
+}
+
+inventory::submit! {
+    ModelPreset {
         name: "gpt2-small",
         description: "GPT-2 small (124M): 12 layers, hidden 768, 12 heads, vocabulary 50,257",
         config: || GptConfig::new(12, 768, 12, 50257, 1024),
@@ -118,9 +142,20 @@ mod tests {
                 "gpt-tiny",
                 "gpt2-medium",
                 "gpt2-small",
+                "llama-tiny",
+                "llama3-70b",
+                "llama3-8b",
                 "mixtral-8x7b"
             ]
         );
+        // Hugging Face's counts of the same configurations (Meta's published totals):
+        // embeddings and the untied output layer, 32 (80) layers of grouped-query attention,
+        // a SwiGLU MLP and two RMSNorms, the final norm.
+        for (name, params) in [("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)] {
+            let c = (preset(name).unwrap().config)();
+            assert_eq!(c.num_params(1), params, "{name}");
+            c.validate_parallel(8, 1, false).unwrap();
+        }
         let big = (preset("gpt-1.2b").unwrap().config)();
         let params = big.num_params(1) as f64 / 1e9;
         assert!((1.15..1.3).contains(&params), "{params}");

@@ -7,8 +7,8 @@ use anyhow::{Result, bail};
 use clap::Args;
 use megatron::comm::threads::launch;
 use megatron::comm::{CommStats, ParallelState};
-use megatron::models::GptConfig;
 use megatron::models::gpt::{Block, Gpt};
+use megatron::models::{GptConfig, PositionEmbeddingType};
 use megatron::module::{Builder, Cx, Module, ParamSpec, Site, Split};
 use megatron::optimizer::{Precision, PrecisionFlags};
 use megatron::parallel::{GroupKind, ParallelConfig, ParallelLayout};
@@ -670,9 +670,13 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             args.vpp,
             if args.vpp == 1 { "" } else { "s" }
         );
+        let untied = config.untie_embeddings_and_output_weights;
+        let learned = config.position_embedding_type == PositionEmbeddingType::LearnedAbsolute;
         for r in &stages {
             let ends = match (r.first, r.last) {
-                (true, _) => " + embedding (wte, wpe)",
+                (true, _) if learned => " + embedding (wte, wpe)",
+                (true, _) => " + embedding (wte)",
+                (_, true) if untied => " + ln_f, output layer (wte.output_weight) and loss",
                 (_, true) => " + ln_f, tied output layer (wte) and loss",
                 _ => "",
             };
@@ -685,14 +689,19 @@ pub fn run(args: &InspectArgs) -> Result<()> {
         let _ = writeln!(
             out,
             "p2p per microbatch: {boundaries} stage boundar{}, each an f32 activation of \
-             {carried} forward and its gradient back (2·4·{carried} bytes{}); the tied \
-             embedding's gradient all-reduced over the embedding group (first and last stage) \
-             once a step",
+             {carried} forward and its gradient back (2·4·{carried} bytes{}); {}",
             if boundaries == 1 { "y" } else { "ies" },
             if sequence_parallel {
                 ": with sequence parallelism each stage sends its shard of the sequence"
             } else {
                 ""
+            },
+            if untied {
+                "the input and output tables are the first and the last stage's own: nothing \
+                 is shared between them"
+            } else {
+                "the tied embedding's gradient all-reduced over the embedding group (first and \
+                 last stage) once a step"
             }
         );
     }

@@ -58,6 +58,9 @@ pub struct ArchitectureArgs {
     /// No biases in the linear layers (QKV, attention output, fc1, fc2).
     #[arg(long)]
     disable_bias_linear: bool,
+    /// A bias in the QKV projection even with --disable-bias-linear (Qwen2's).
+    #[arg(long)]
+    add_qkv_bias: bool,
     /// How the model knows positions: learned_absolute, rope (rotary embeddings in attention)
     /// or none [default: the preset's, learned_absolute].
     #[arg(long, value_parser = position_embedding_type)]
@@ -245,6 +248,11 @@ impl ArchitectureArgs {
                 self.untie_embeddings_and_output_weights,
                 saved.untie_embeddings_and_output_weights,
             ),
+            (
+                "--add-qkv-bias",
+                self.add_qkv_bias,
+                saved.add_qkv_bias || saved.add_bias_linear,
+            ),
         ] {
             if given && !held {
                 bail!(
@@ -342,6 +350,9 @@ impl ArchitectureArgs {
         }
         if self.disable_bias_linear {
             c.add_bias_linear = false;
+        }
+        if self.add_qkv_bias {
+            c.add_qkv_bias = true;
         }
         if let Some(p) = self.position_embedding_type {
             c.position_embedding_type = p;
