@@ -91,6 +91,7 @@ fn spec() -> ParallelLmSpec {
         ln: LayerNormSpec::new(HIDDEN),
         attn: AttentionSpec {
             qkv: LinearSpec::new(HIDDEN, 3 * HIDDEN),
+            qk_norm: QkNormSpec::Off,
             core: CausalSelfAttention::new(HEADS, 0.1),
             proj: LinearSpec::new(HIDDEN, HIDDEN),
         },

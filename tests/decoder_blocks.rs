@@ -26,6 +26,7 @@ fn llama_like(dropout: f32) -> GptConfig {
     c.position_embedding_type = PositionEmbeddingType::Rope;
     c.untie_embeddings_and_output_weights = true;
     c.num_query_groups = Some(2);
+    c.qk_layernorm = true;
     c
 }
 
@@ -66,8 +67,10 @@ fn the_config_counts_the_parameters_the_model_builds() {
         c.untie_embeddings_and_output_weights = untied;
         if untied {
             c.position_embedding_type = PositionEmbeddingType::Rope;
-            // Grouped-query attention with heads of 12 (not hidden / heads = 8).
+            // Grouped-query attention with heads of 12 (not hidden / heads = 8), and the
+            // query and key norms.
             (c.num_query_groups, c.kv_channels) = (Some(2), Some(12));
+            c.qk_layernorm = true;
         }
         let model = Gpt::build(&c.spec(), &mut Builder::new(3)).unwrap();
         let mut built = 0;
@@ -82,8 +85,10 @@ fn the_config_counts_the_parameters_the_model_builds() {
             "{norm:?} swiglu {swiglu} bias {bias}"
         );
         let biases = names.iter().filter(|n| n.ends_with(".bias")).count();
+        // Each layer's two norms and the final one, and with qk-layernorm two more a layer.
+        let norms = 2 * c.num_layers + 1 + if c.qk_layernorm { 2 * c.num_layers } else { 0 };
         let norm_biases = match norm {
-            Normalization::LayerNorm => 2 * c.num_layers + 1,
+            Normalization::LayerNorm => norms,
             Normalization::RmsNorm => 0,
         };
         let linear_biases = match (bias, c.add_qkv_bias) {
@@ -102,11 +107,13 @@ fn the_config_counts_the_parameters_the_model_builds() {
             !untied,
             "{names:?}"
         );
+        let qk = "blocks.0.attn.qk_norm.k_norm.weight".to_string();
+        assert_eq!(names.contains(&qk), untied, "{names:?}");
     }
 }
 
 /// The flags of the command-line runs: gpt-tiny cut to 4 layers with the three blocks on.
-const COMMON: [&str; 21] = [
+const COMMON: [&str; 22] = [
     "train",
     "--quiet",
     "--num-layers",
@@ -128,6 +135,7 @@ const COMMON: [&str; 21] = [
     "--untie-embeddings-and-output-weights",
     "--group-query-attention",
     "--num-query-groups=2",
+    "--qk-layernorm",
 ];
 
 #[test]
@@ -266,6 +274,85 @@ fn grouped_query_attention_is_multi_head_attention_over_repeated_keys_and_values
                     }
                 }
             }
+            Ok(())
+        },
+    )
+    .unwrap();
+}
+
+/// The qk-layernorm's backward against finite differences: the gradient of Σ w·y with
+/// respect to the projection (queries and keys through RMSNorm, values passed through) and the
+/// two norms' weights' gradients, on a grouped projection of 2 groups of 2 queries.
+#[test]
+fn the_qk_norm_backward_matches_finite_differences() {
+    use megatron::comm::ParallelState;
+    use megatron::comm::threads::launch;
+    use megatron::module::{Cx, Layer, Site};
+    use megatron::parallel::{ParallelConfig, ParallelLayout};
+    use megatron::tensor::Tensor;
+    use megatron::tensor_parallel::{LayerNormSpec, QkNorm, QkNormSpec};
+    let (s, b, d) = (3, 2, 6);
+    let width = 2 * (2 + 2) * d;
+    let x = support::values(s * b * width, 5, 4.0);
+    let w = support::values(s * b * width, 6, 2.0);
+    let spec = QkNormSpec::On {
+        norm: LayerNormSpec::new(d).with_kind(Normalization::RmsNorm),
+        per_group: 2,
+    };
+    let layout = ParallelLayout::new(&ParallelConfig::new(1)).unwrap();
+    launch(
+        1,
+        |world| -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+            let ps = ParallelState::new(&world, &layout)?;
+            let cx = Cx::new(&ps, 1);
+            let norm = QkNorm::build(&spec, &mut Builder::new(7))?;
+            let loss = |x: &[f32]| -> f64 {
+                let t = Tensor::from_vec(x.to_vec(), [s, b, width]).unwrap();
+                let (y, _) = norm.forward(&cx, Site::ROOT, &t).unwrap();
+                let y = y.to_vec::<f32>().unwrap();
+                y.iter().zip(&w).map(|(a, b)| *a as f64 * *b as f64).sum()
+            };
+            let t = Tensor::from_vec(x.clone(), [s, b, width])?;
+            let (_, saved) = norm.forward(&cx, Site::ROOT, &t)?;
+            let dy = Tensor::from_vec(w.clone(), [s, b, width])?;
+            let dx = norm
+                .backward(&cx, Site::ROOT, saved, &dy)?
+                .to_vec::<f32>()?;
+            let dir = support::values(x.len(), 8, 2.0);
+            let eps = 1e-3f32;
+            let shifted = |sign: f32| -> Vec<f32> {
+                x.iter()
+                    .zip(&dir)
+                    .map(|(a, v)| a + sign * eps * v)
+                    .collect()
+            };
+            let numeric = (loss(&shifted(1.0)) - loss(&shifted(-1.0))) / (2.0 * eps as f64);
+            let analytic: f64 = dx
+                .iter()
+                .zip(&dir)
+                .map(|(a, v)| *a as f64 * *v as f64)
+                .sum();
+            assert!(
+                (numeric - analytic).abs() <= 2e-3 * analytic.abs().max(1.0),
+                "dx: {numeric} vs {analytic}"
+            );
+            // The values (slot 3 of each group) pass through: their gradient is w's.
+            for t in 0..s * b {
+                for g in 0..2 {
+                    let at = t * width + (g * 4 + 3) * d;
+                    assert_eq!(&dx[at..at + d], &w[at..at + d]);
+                }
+            }
+            let mut grads = Vec::new();
+            norm.visit_params(&mut |p| {
+                grads.push((p.spec().name.clone(), p.grad().to_vec::<f32>().unwrap()))
+            });
+            let names: Vec<&str> = grads.iter().map(|(n, _)| n.as_str()).collect();
+            assert_eq!(names, ["q_norm.weight", "k_norm.weight"]);
+            assert!(
+                grads.iter().all(|(_, g)| g.iter().any(|v| *v != 0.0)),
+                "{grads:?}"
+            );
             Ok(())
         },
     )

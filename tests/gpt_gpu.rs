@@ -172,8 +172,8 @@ fn gpt_training_on_the_gpu_follows_the_cpu_run() {
 }
 
 /// The Llama-family blocks on the GPU (RMSNorm, SwiGLU's gated MLP, no linear biases, rotary
-/// embeddings, grouped-query attention, an untied output layer: their CUDA kernels) follow the
-/// CPU run, in f32 and bf16
+/// embeddings, grouped-query attention, qk-layernorm, an untied output layer: their CUDA
+/// kernels) follow the CPU run, in f32 and bf16
 /// products, at tp 1 and with the gated fc1 split over tp 2 (flash attention on turned
 /// queries and keys).
 #[test]
@@ -188,6 +188,7 @@ fn llama_blocks_on_the_gpu_follow_the_cpu_run() {
         job.model.position_embedding_type = megatron::models::PositionEmbeddingType::Rope;
         job.model.untie_embeddings_and_output_weights = true;
         job.model.num_query_groups = Some(2);
+        job.model.qk_layernorm = true;
         job
     };
     let cpu = curve(&llama(1, Placement::Cpu));

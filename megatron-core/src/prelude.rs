@@ -8,5 +8,5 @@ pub use crate::module::{
 pub use crate::tensor::{DType, Tensor};
 pub use crate::tensor_parallel::{
     CausalSelfAttention, Embedding, EmbeddingSpec, LayerNorm, LayerNormSpec, Linear, LinearSpec,
-    PositionEmbedding, PositionEmbeddingSpec, Positions, PositionsSpec,
+    PositionEmbedding, PositionEmbeddingSpec, Positions, PositionsSpec, QkNorm, QkNormSpec,
 };

@@ -206,6 +206,10 @@ pub enum FieldKind {
     Expert,
     /// No attribute or `#[replicated]`: a layer or a sub-module, whole on every rank.
     Replicated,
+    /// `#[local]`: a layer with replicated parameters that runs on whatever this rank holds of
+    /// its input (split over tensor parallelism or not) and keeps that split: the
+    /// qk-layernorm of this rank's heads.
+    Local,
     /// A `Vec<T>` without attribute (or `#[replicated]`): a stack of sub-modules; with
     /// `#[pipeline]`, the stack pipeline parallelism cuts into stages.
     Stack {
@@ -239,6 +243,7 @@ impl FieldKind {
             FieldKind::Vocab => "#[vocab_parallel]",
             FieldKind::Expert => "#[expert_parallel]",
             FieldKind::Replicated => "a replicated layer or module (no attribute)",
+            FieldKind::Local => "#[local]",
             FieldKind::Stack {
                 pipeline: false, ..
             } => "a list of modules (`Vec<..>`)",
@@ -250,12 +255,13 @@ impl FieldKind {
 }
 
 /// The DSL's field attributes.
-const KIND_ATTRIBUTES: [&str; 8] = [
+const KIND_ATTRIBUTES: [&str; 9] = [
     "column_parallel",
     "row_parallel",
     "vocab_parallel",
     "expert_parallel",
     "replicated",
+    "local",
     "pipeline",
     "op",
     "config",
@@ -263,7 +269,7 @@ const KIND_ATTRIBUTES: [&str; 8] = [
 
 /// The kinds a field may take, for messages.
 const KINDS_HELP: &str = "#[column_parallel], #[row_parallel], #[vocab_parallel], \
-     #[expert_parallel], #[replicated], #[pipeline], #[op], #[config]";
+     #[expert_parallel], #[replicated], #[local], #[pipeline], #[op], #[config]";
 
 /// Parses a struct given to `#[megatron::module]`.
 pub fn parse_struct(item: syn::ItemStruct) -> syn::Result<ModuleStruct> {
@@ -479,6 +485,7 @@ fn parse_kind_attribute(name: &str, attr: &Attribute) -> syn::Result<FieldKind> 
         "vocab_parallel" => FieldKind::Vocab,
         "expert_parallel" => FieldKind::Expert,
         "replicated" => FieldKind::Replicated,
+        "local" => FieldKind::Local,
         // The element type is read from the field's type by the caller.
         "pipeline" => FieldKind::Stack {
             elem: Box::new(Type::Verbatim(proc_macro2::TokenStream::new())),

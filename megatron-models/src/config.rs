@@ -174,6 +174,10 @@ pub struct GptConfig {
     /// The heads' size (`--kv-channels`); `None`: hidden / heads.
     #[serde(default)]
     pub kv_channels: Option<usize>,
+    /// Each query and key head normalised over its size before rotary embeddings
+    /// (`--qk-layernorm`, Qwen3's), by `normalization` with the same ε.
+    #[serde(default)]
+    pub qk_layernorm: bool,
     /// Mixture of experts in the MLPs (`--num-experts` and the `--moe-*` flags); `None`: a
     /// dense GPT.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -216,6 +220,7 @@ impl GptConfig {
             untie_embeddings_and_output_weights: false,
             num_query_groups: None,
             kv_channels: None,
+            qk_layernorm: false,
             moe: None,
         }
     }
@@ -468,7 +473,13 @@ impl GptConfig {
             0
         };
         let attention = (h * qkv + qkv_bias) + (heads * self.head_dim() as u128 * h + bias(h));
-        let common = 2 * norm + attention;
+        let per_norm = norm / h;
+        let qk_norms = if self.qk_layernorm {
+            2 * per_norm * self.head_dim() as u128
+        } else {
+            0
+        };
+        let common = 2 * norm + attention + qk_norms;
         let moe_layers = self.moe_layers().unwrap_or_default();
         let layers: u128 = moe_layers
             .iter()

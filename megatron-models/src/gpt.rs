@@ -60,9 +60,14 @@ impl GatedMlp {
 /// Causal self-attention: each tensor-parallel rank holds whole heads.
 #[module]
 pub struct Attention {
-    /// The fused `h → 3h` projection, laid out per head as `[q | k | v]`.
+    /// The fused `h → 3h` projection, laid out per head as `[q | k | v]` (per query group
+    /// with grouped-query attention).
     #[column_parallel]
     pub qkv: Linear,
+    /// `--qk-layernorm`: each query and key head normalised over its size (on this rank's
+    /// heads; the identity without the flag).
+    #[local]
+    pub qk_norm: QkNorm,
     /// Scaled dot-product attention with the causal mask and attention dropout.
     #[op]
     pub core: CausalSelfAttention,
@@ -74,7 +79,7 @@ pub struct Attention {
 #[module]
 impl Attention {
     fn forward(&self, x: Tensor) -> Tensor {
-        let qkv = self.qkv(x);
+        let qkv = self.qk_norm(self.qkv(x));
         let ctx = self.core(qkv);
         self.proj(ctx)
     }
@@ -197,6 +202,16 @@ impl GptConfig {
                 attn: AttentionSpec {
                     qkv: linear(h, (heads + 2 * self.query_groups()) * head_dim, std)
                         .with_bias(bias || self.add_qkv_bias),
+                    qk_norm: match self.qk_layernorm {
+                        true => QkNormSpec::On {
+                            norm: LayerNormSpec {
+                                hidden: head_dim,
+                                ..ln.clone()
+                            },
+                            per_group: heads / self.query_groups(),
+                        },
+                        false => QkNormSpec::Off,
+                    },
                     core: CausalSelfAttention::new(
                         self.num_attention_heads,
                         self.attention_dropout,

@@ -103,6 +103,36 @@ inventory::submit! {
     }
 }
 
+/// Qwen3's dense decoder: a Llama with heads of 128, query and key norms, ε 1e-6, RoPE base
+/// 10⁶ and a vocabulary of 151,936.
+fn qwen3(layers: usize, hidden: usize, heads: usize, groups: usize, ffn: usize) -> GptConfig {
+    let mut c = GptConfig::llama(layers, hidden, heads, groups, ffn, 151936, 40960, 1e6);
+    c.kv_channels = Some(128);
+    c.qk_layernorm = true;
+    c.layernorm_epsilon = 1e-6;
+    c
+}
+
+inventory::submit! {
+    ModelPreset {
+        name: "qwen3-0.6b",
+        description: "Qwen3 0.6B: 28 layers, hidden 1024, 16 heads of 128 in 8 key/value groups, qk-layernorm, SwiGLU 3072, tied embeddings: 0.60B parameters",
+        config: || {
+            let mut c = qwen3(28, 1024, 16, 8, 3072);
+            c.untie_embeddings_and_output_weights = false;
+            c
+        },
+    }
+}
+
+inventory::submit! {
+    ModelPreset {
+        name: "qwen3-8b",
+        description: "Qwen3 8B: 36 layers, hidden 4096, 32 heads of 128 in 8 key/value groups, qk-layernorm, SwiGLU 12288: 8.19B parameters",
+        config: || qwen3(36, 4096, 32, 8, 12288),
+    }
+}
+
 inventory::submit! {
     ModelPreset {
         name: "gpt2-small",
@@ -145,13 +175,21 @@ mod tests {
                 "llama-tiny",
                 "llama3-70b",
                 "llama3-8b",
-                "mixtral-8x7b"
+                "mixtral-8x7b",
+                "qwen3-0.6b",
+                "qwen3-8b"
             ]
         );
-        // Hugging Face's counts of the same configurations (Meta's published totals):
-        // embeddings and the untied output layer, 32 (80) layers of grouped-query attention,
-        // a SwiGLU MLP and two RMSNorms, the final norm.
-        for (name, params) in [("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)] {
+        // Hugging Face's counts of the same configurations (Meta's and Qwen's published
+        // totals): embeddings and the untied output layer (Qwen3-0.6B ties them), layers of
+        // grouped-query attention (Qwen3: heads of 128 and their two norms), a SwiGLU MLP and
+        // two RMSNorms, the final norm.
+        for (name, params) in [
+            ("llama3-8b", 8_030_261_248),
+            ("llama3-70b", 70_553_706_496),
+            ("qwen3-0.6b", 596_049_920),
+            ("qwen3-8b", 8_190_735_360),
+        ] {
             let c = (preset(name).unwrap().config)();
             assert_eq!(c.num_params(1), params, "{name}");
             c.validate_parallel(8, 1, false).unwrap();

@@ -94,6 +94,10 @@ pub struct ArchitectureArgs {
     /// The heads' size [default: hidden size / heads].
     #[arg(long, value_parser = values::dim)]
     kv_channels: Option<usize>,
+    /// Each query and key head normalised over its size before rotary embeddings (Qwen3's
+    /// q_norm and k_norm; the norm of --normalization, with --norm-epsilon).
+    #[arg(long)]
+    qk_layernorm: bool,
     #[command(flatten)]
     moe: MoeArgs,
 }
@@ -248,6 +252,7 @@ impl ArchitectureArgs {
                 self.untie_embeddings_and_output_weights,
                 saved.untie_embeddings_and_output_weights,
             ),
+            ("--qk-layernorm", self.qk_layernorm, saved.qk_layernorm),
             (
                 "--add-qkv-bias",
                 self.add_qkv_bias,
@@ -379,6 +384,9 @@ impl ArchitectureArgs {
         }
         if let Some(d) = self.kv_channels {
             c.kv_channels = Some(d);
+        }
+        if self.qk_layernorm {
+            c.qk_layernorm = true;
         }
         self.moe.apply(&mut c)?;
         c.validate_parallel(tp, ep, sequence_parallel)?;

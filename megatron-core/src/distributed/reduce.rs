@@ -78,18 +78,22 @@ pub fn sum_shared_gradients<M: Pipelined>(chunks: &[M], parallel: &ParallelState
 /// parameters that live in the sequence-parallel region (norms, the position table, the MoE
 /// router: each rank's gradient comes from its shard of the sequence), packed into one
 /// all-reduce (Megatron-LM's `_allreduce_non_tensor_model_parallel_grads`, after the
-/// data-parallel reduction as there). Nothing without sequence parallelism.
+/// data-parallel reduction as there); and, with or without sequence parallelism, those of
+/// `#[local]` layers (the qk-layernorm: each rank's gradient comes from its heads). Nothing
+/// when there are none.
 pub fn sum_sequence_parallel_gradients<M: Module>(
     chunks: &[M],
     parallel: &ParallelState,
 ) -> Result<()> {
-    if !parallel.sequence_parallel() {
+    if parallel.tp().size() < 2 {
         return Ok(());
     }
+    let sequence_parallel = parallel.sequence_parallel();
     let mut grads = Vec::new();
     for chunk in chunks {
         chunk.visit_params(&mut |p| {
-            if p.spec().sequence_parallel {
+            let spec = p.spec();
+            if (sequence_parallel && spec.sequence_parallel) || spec.tensor_parallel_partial {
                 grads.push(p.grad().clone());
             }
         });

@@ -105,6 +105,10 @@ pub struct ParamSpec {
     /// shards): replicated over tp, but with sequence parallelism each rank's gradient comes
     /// from its shard of the sequence, so the gradients are summed over tp.
     pub sequence_parallel: bool,
+    /// Whether each tensor-parallel rank's gradient comes from its own heads (a `#[local]`
+    /// layer's replicated parameters: the qk-layernorm): summed over tp, with or without
+    /// sequence parallelism.
+    pub tensor_parallel_partial: bool,
 }
 
 impl ParamSpec {
@@ -261,6 +265,24 @@ impl Param {
     /// Name, shapes, split and init.
     pub fn spec(&self) -> &ParamSpec {
         &self.spec
+    }
+
+    /// Marks the parameter's gradient as this tensor-parallel rank's part (see
+    /// [`ParamSpec::tensor_parallel_partial`]), replacing a sequence-parallel mark (the sum over
+    /// tp covers both).
+    pub fn mark_tensor_parallel_partial(&mut self) -> Result<()> {
+        if self.spec.split != Split::Replicated {
+            return invalid!(
+                "parameter {}: only a replicated parameter has partial gradients over tp, it is \
+                 split {:?}",
+                self.spec.name,
+                self.spec.split
+            );
+        }
+        let spec = std::sync::Arc::make_mut(&mut self.spec);
+        spec.tensor_parallel_partial = true;
+        spec.sequence_parallel = false;
+        Ok(())
     }
 
     /// The same parameter marked as living in the sequence-parallel region (see
@@ -549,6 +571,7 @@ impl Builder {
             weight_decay,
             real_rows,
             sequence_parallel: false,
+            tensor_parallel_partial: false,
         };
         if self.specs_only {
             return Ok(Param::spec_only(spec, self.dtype));
@@ -754,6 +777,7 @@ mod tests {
                     weight_decay: true,
                     real_rows: None,
                     sequence_parallel: false,
+                    tensor_parallel_partial: false,
                 };
                 let got = initial_values(9, &spec);
                 let index = spec.logical_index();

@@ -11,6 +11,7 @@ mod embedding;
 mod layer_norm;
 mod linear;
 mod mappings;
+mod qk_norm;
 mod rotary;
 
 pub use attention::{AttentionSaved, CausalSelfAttention};
@@ -28,4 +29,5 @@ pub use mappings::{
     all_gather_sequence, gather_last_dim, keep_sequence_shard, reduce_scatter_sequence,
     split_last_dim, split_sequence,
 };
+pub use qk_norm::{QkNorm, QkNormSaved, QkNormSpec};
 pub use rotary::{Llama3Scaling, Rotary};

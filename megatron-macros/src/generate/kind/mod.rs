@@ -6,6 +6,7 @@
 
 mod column;
 mod expert;
+mod local;
 mod op;
 mod replicated;
 mod row;
@@ -181,6 +182,7 @@ pub(crate) fn of(kind: &FieldKind) -> &'static dyn Kind {
         FieldKind::Vocab => &vocab::Vocab,
         FieldKind::Expert => &expert::Expert,
         FieldKind::Replicated => &replicated::Replicated,
+        FieldKind::Local => &local::Local,
         FieldKind::Stack { .. } => &stack::Stack,
         FieldKind::Op => &op::Op,
         FieldKind::Config => &op::Config,

@@ -14,7 +14,7 @@ use crate::parse::Field;
 use crate::validate::{Checker, FieldCall, Origin, Sharding, Want};
 
 /// Replicated fields.
-pub(super) struct Replicated;
+pub(crate) struct Replicated;
 
 impl Kind for Replicated {
     fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>) {

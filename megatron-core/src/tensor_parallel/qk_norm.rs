@@ -1,0 +1,167 @@
+//! Megatron-LM's `--qk-layernorm` (Qwen3's `q_norm` and `k_norm`): every query head and every
+//! key head normalised over its own `head_dim` elements, one weight for all the queries and one
+//! for all the keys, before rotary embeddings; the values untouched.
+//!
+//! It works on attention's fused projection as the column-parallel QKV layer leaves it on a
+//! tensor-parallel rank: `groups` blocks of `per_group` queries, a key and a value. Its
+//! weights are replicated, but each rank's gradient comes from its own heads: they are summed
+//! over tensor parallelism ([`crate::module::ParamSpec::tensor_parallel_partial`]).
+//! Without the flag it is the identity, with no parameters.
+
+use crate::error::Result;
+use crate::invalid;
+use crate::module::{Builder, Cx, Layer, Module, Param, Site};
+use crate::tensor::Tensor;
+use crate::tensor_parallel::{LayerNorm, LayerNormSaved, LayerNormSpec};
+
+/// What a [`QkNorm`] is built from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum QkNormSpec {
+    /// No norm: the identity.
+    Off,
+    /// A norm of `norm.hidden` (the head size) for the queries and one for the keys, with
+    /// `per_group` queries in each block of the projection.
+    On {
+        /// The norms' spec (LayerNorm or RMSNorm, ε), `hidden` the head size.
+        norm: LayerNormSpec,
+        /// Query heads per group (1 for multi-head attention).
+        per_group: usize,
+    },
+}
+
+/// The query and key norms of `--qk-layernorm`, or the identity.
+#[derive(Debug, Clone)]
+pub struct QkNorm {
+    norms: Option<(LayerNorm, LayerNorm)>,
+    per_group: usize,
+}
+
+/// What [`QkNorm`]'s forward keeps: the two norms' saved values and the slot-major sizes.
+#[derive(Debug, Clone)]
+pub struct QkNormSaved {
+    kept: Option<(LayerNormSaved, LayerNormSaved)>,
+}
+
+impl Module for QkNorm {
+    type Spec = QkNormSpec;
+    type Saved = QkNormSaved;
+
+    fn build(spec: &QkNormSpec, b: &mut Builder) -> Result<Self> {
+        let QkNormSpec::On { norm, per_group } = spec else {
+            return Ok(QkNorm {
+                norms: None,
+                per_group: 1,
+            });
+        };
+        let mut q = b.scoped("q_norm", |b| LayerNorm::build(norm, b))?;
+        let mut k = b.scoped("k_norm", |b| LayerNorm::build(norm, b))?;
+        let mut failure = None;
+        for n in [&mut q, &mut k] {
+            n.visit_params_mut(&mut |p| {
+                if let Err(e) = p.mark_tensor_parallel_partial() {
+                    failure.get_or_insert(e);
+                }
+            });
+        }
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        Ok(QkNorm {
+            norms: Some((q, k)),
+            per_group: *per_group,
+        })
+    }
+
+    fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+        if let Some((q, k)) = &self.norms {
+            q.visit_params(f);
+            k.visit_params(f);
+        }
+    }
+
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        if let Some((q, k)) = &mut self.norms {
+            q.visit_params_mut(f);
+            k.visit_params_mut(f);
+        }
+    }
+}
+
+impl QkNorm {
+    /// `x` `[s, b, groups·(per_group + 2)·d]` as `[per_group + 2, s·b·groups, d]`: the heads'
+    /// slots first, so that the queries, the keys and the values are each contiguous.
+    fn slot_major(&self, x: &Tensor, d: usize) -> Result<(Tensor, usize)> {
+        let slots = self.per_group + 2;
+        let width = x.last_dim();
+        if x.dims().len() != 3 || !width.is_multiple_of(slots * d) {
+            return invalid!(
+                "qk-layernorm: projection of shape {} is not blocks of {} queries, a key and a \
+                 value of {d}",
+                x.shape(),
+                self.per_group
+            );
+        }
+        let rows = x.numel() / (slots * d);
+        let grouped = x.contiguous()?.reshape([rows, slots, d])?;
+        Ok((grouped.transpose(0, 1)?.contiguous()?, rows))
+    }
+
+    /// `[slots, rows, d]` parts back into the projection's layout `shape`.
+    fn joined(
+        parts: [&Tensor; 3],
+        rows: usize,
+        slots: usize,
+        d: usize,
+        like: &Tensor,
+    ) -> Result<Tensor> {
+        let out = Tensor::empty_near([slots, rows, d], parts[0].dtype(), like)?;
+        let mut at = 0;
+        for p in parts {
+            let n = p.dims()[0];
+            out.narrow(0, at, n)?.copy_from(p)?;
+            at += n;
+        }
+        Ok(out
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape(like.shape().clone())?)
+    }
+}
+
+impl Layer for QkNorm {
+    fn forward(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, QkNormSaved)> {
+        let Some((qn, kn)) = &self.norms else {
+            return Ok((x.clone(), QkNormSaved { kept: None }));
+        };
+        let (m, d) = (self.per_group, qn.hidden());
+        let (slots, rows) = self.slot_major(x, d)?;
+        let (q, k, v) = (
+            slots.narrow(0, 0, m)?,
+            slots.narrow(0, m, 1)?,
+            slots.narrow(0, m + 1, 1)?,
+        );
+        let (q, q_saved) = qn.forward(cx, site.child("q_norm"), &q)?;
+        let (k, k_saved) = kn.forward(cx, site.child("k_norm"), &k)?;
+        // The values as the norms wrote the rest (the products' dtype on a GPU).
+        let v = v.to_contiguous(q.dtype())?;
+        let y = Self::joined([&q, &k, &v], rows, m + 2, d, x)?;
+        Ok((
+            y,
+            QkNormSaved {
+                kept: Some((q_saved, k_saved)),
+            },
+        ))
+    }
+
+    fn backward(&self, cx: &Cx, site: Site, saved: QkNormSaved, dy: &Tensor) -> Result<Tensor> {
+        let (Some((qn, kn)), Some((q_saved, k_saved))) = (&self.norms, saved.kept) else {
+            return Ok(dy.clone());
+        };
+        let (m, d) = (self.per_group, qn.hidden());
+        let (slots, rows) = self.slot_major(dy, d)?;
+        let dq = qn.backward(cx, site.child("q_norm"), q_saved, &slots.narrow(0, 0, m)?)?;
+        let dk = kn.backward(cx, site.child("k_norm"), k_saved, &slots.narrow(0, m, 1)?)?;
+        let dv = slots.narrow(0, m + 1, 1)?.to_contiguous(dq.dtype())?;
+        Self::joined([&dq, &dk, &dv], rows, m + 2, d, dy)
+    }
+}
