@@ -129,7 +129,7 @@ fn permute_qkv(t: &Whole, hidden: usize, heads: usize, to_ours: bool) -> Whole {
     }
 }
 
-fn read_safetensors(path: &Path) -> Result<HashMap<String, Whole>> {
+pub(crate) fn read_safetensors(path: &Path) -> Result<HashMap<String, Whole>> {
     let bytes = fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let st = SafeTensors::deserialize(&bytes)
         .with_context(|| format!("{}: not a safetensors file", path.display()))?;

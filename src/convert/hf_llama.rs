@@ -1,0 +1,587 @@
+//! Hugging Face's Llama-family decoders (`LlamaForCausalLM`, `MistralForCausalLM` without a
+//! sliding window, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`: `config.json` and
+//! `model.safetensors`, or shards named by `model.safetensors.index.json`) to and from
+//! megatron-rs checkpoints.
+//!
+//! The layouts differ in two places, both Megatron-LM's: the separate `q_proj`, `k_proj` and
+//! `v_proj` become one QKV projection laid out per query group (each group's queries, then its
+//! key and its value), and `gate_proj` and `up_proj` become one `fc1`, the gate's rows then the
+//! up projection's. Hugging Face's rotary embeddings already turn rotate-half pairs, as
+//! Megatron-LM's default: no permutation of the queries and keys. A setting the model cannot
+//! honour (another rope type, a sliding window, an activation other than SiLU, experts) is
+//! refused by name, never ignored.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use megatron_core::checkpoint::{self, CheckpointMeta, Whole};
+use megatron_core::tensor_parallel::{Llama3Scaling, Normalization, Rotary};
+use megatron_models::{GptConfig, PositionEmbeddingType};
+use safetensors::tensor::{Dtype, TensorView};
+use serde_json::{Value, json};
+
+use super::hf_gpt2::{read_safetensors, refuse_existing};
+use crate::tokenizer::{self, Tokenizer};
+
+/// The architectures read here.
+pub const ARCHITECTURES: [&str; 4] = [
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+];
+
+/// The architecture named by a `config.json` (its first `architectures` entry).
+pub fn architecture(config: &Value) -> Option<&str> {
+    config["architectures"].get(0).and_then(Value::as_str)
+}
+
+/// The rotary settings of a config: `rope_parameters` (transformers 5), or the older top-level
+/// `rope_theta` with `rope_scaling` (`rope_type`, or before that `type`).
+fn rotary(config: &Value, default_theta: f64) -> Result<Rotary> {
+    let params = match &config["rope_parameters"] {
+        Value::Object(_) => config["rope_parameters"].clone(),
+        _ => {
+            let mut p = match &config["rope_scaling"] {
+                Value::Object(m) => Value::Object(m.clone()),
+                Value::Null => json!({}),
+                other => bail!("config.json: `rope_scaling` is {other}, not an object"),
+            };
+            if let Some(theta) = config["rope_theta"].as_f64() {
+                p["rope_theta"] = json!(theta);
+            }
+            if let Some(f) = config["partial_rotary_factor"].as_f64() {
+                p["partial_rotary_factor"] = json!(f);
+            }
+            p
+        }
+    };
+    let kind = params["rope_type"]
+        .as_str()
+        .or(params["type"].as_str())
+        .unwrap_or("default");
+    let number = |key: &str| -> Result<f32> {
+        params[key]
+            .as_f64()
+            .map(|v| v as f32)
+            .with_context(|| format!("config.json: rope type {kind} needs `{key}`"))
+    };
+    let scaling = match kind {
+        "default" => None,
+        "llama3" => Some(Llama3Scaling {
+            factor: number("factor")?,
+            low_freq_factor: number("low_freq_factor")?,
+            high_freq_factor: number("high_freq_factor")?,
+            original_max_position_embeddings: number("original_max_position_embeddings")? as usize,
+        }),
+        other => {
+            bail!("config.json: rope type `{other}` is not supported (default and llama3 are)")
+        }
+    };
+    Ok(Rotary {
+        base: params["rope_theta"].as_f64().unwrap_or(default_theta) as f32,
+        percent: params["partial_rotary_factor"].as_f64().unwrap_or(1.0) as f32,
+        interleaved: false,
+        scaling,
+    })
+}
+
+/// The architecture a Llama-family `config.json` describes.
+pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
+    let arch = architecture(config).unwrap_or("LlamaForCausalLM");
+    if matches!(arch, "MixtralForCausalLM" | "Qwen3MoeForCausalLM") {
+        bail!(
+            "config.json: {arch} has SwiGLU experts, which megatron-rs does not build yet (its \
+             experts are GeLU MLPs)"
+        );
+    }
+    if !ARCHITECTURES.contains(&arch) {
+        bail!(
+            "config.json: architecture {arch} is not supported (GPT2LMHeadModel, {})",
+            ARCHITECTURES.join(", ")
+        );
+    }
+    let int = |key: &str| -> Result<usize> {
+        config[key]
+            .as_u64()
+            .map(|v| v as usize)
+            .with_context(|| format!("config.json: `{key}` is missing or not a number"))
+    };
+    let opt_int = |key: &str| config[key].as_u64().map(|v| v as usize);
+    let flag = |key: &str| config[key].as_bool() == Some(true);
+    if let Some(act) = config["hidden_act"].as_str()
+        && act != "silu"
+    {
+        bail!("config.json: `hidden_act` {act} is not SwiGLU's silu");
+    }
+    let qwen = arch.starts_with("Qwen");
+    if opt_int("sliding_window").is_some() && (!qwen || flag("use_sliding_window")) {
+        bail!(
+            "config.json: `sliding_window` {} (sliding-window attention) is not built in \
+             megatron-rs yet",
+            config["sliding_window"]
+        );
+    }
+    if let Some(types) = config["layer_types"].as_array()
+        && let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention"))
+    {
+        bail!("config.json: `layer_types` has {t} layers; megatron-rs builds full attention only");
+    }
+    if flag("mlp_bias") {
+        bail!("config.json: `mlp_bias` = true (biases in the MLP) is not supported");
+    }
+    if flag("attention_bias") {
+        bail!(
+            "config.json: `attention_bias` = true (a bias on o_proj too) is not supported; \
+             Qwen2's QKV bias is"
+        );
+    }
+    let (hidden, heads) = (int("hidden_size")?, int("num_attention_heads")?);
+    let groups = opt_int("num_key_value_heads").unwrap_or(heads);
+    let head_dim = opt_int("head_dim").unwrap_or(match arch {
+        "Qwen3ForCausalLM" => 128,
+        _ => hidden / heads.max(1),
+    });
+    let default_theta = match arch {
+        "Qwen2ForCausalLM" | "Qwen3ForCausalLM" => 1e6,
+        _ => 10000.0,
+    };
+    let mut c = GptConfig::llama(
+        int("num_hidden_layers")?,
+        hidden,
+        heads,
+        groups,
+        int("intermediate_size")?,
+        int("vocab_size")?,
+        int("max_position_embeddings")?,
+        10000.0,
+    );
+    c.rotary = rotary(config, default_theta)?;
+    c.kv_channels = (head_dim != hidden / heads.max(1)).then_some(head_dim);
+    c.num_query_groups = Some(groups);
+    c.layernorm_epsilon = config["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32;
+    c.untie_embeddings_and_output_weights = !flag("tie_word_embeddings");
+    c.add_qkv_bias = arch == "Qwen2ForCausalLM";
+    c.qk_layernorm = arch == "Qwen3ForCausalLM";
+    c.attention_dropout = config["attention_dropout"].as_f64().unwrap_or(0.0) as f32;
+    c.init_method_std = config["initializer_range"].as_f64().unwrap_or(0.02) as f32;
+    Ok(c)
+}
+
+/// The Hugging Face architecture of a Llama-family config: Qwen3 with query and key norms,
+/// Qwen2 with a QKV bias alone, Llama otherwise; `None` for a model none of them is (GPT-2's).
+pub fn hf_architecture(c: &GptConfig) -> Option<&'static str> {
+    let llama = c.normalization == Normalization::RmsNorm
+        && c.swiglu
+        && !c.add_bias_linear
+        && c.position_embedding_type == PositionEmbeddingType::Rope
+        && !c.rotary.interleaved
+        && c.moe.is_none();
+    match (llama, c.qk_layernorm, c.add_qkv_bias) {
+        (false, ..) => None,
+        (true, true, false) => Some("Qwen3ForCausalLM"),
+        (true, false, true) => Some("Qwen2ForCausalLM"),
+        (true, false, false) => Some("LlamaForCausalLM"),
+        (true, true, true) => None,
+    }
+}
+
+/// The `config.json` of a Llama-family config as Hugging Face architecture `arch`, with the
+/// tokenizer's end-of-text id as `bos_token_id` and `eos_token_id` when known. RoPE settings in
+/// the older form every transformers version reads (`rope_theta`, `rope_scaling`).
+pub fn config_to_hf(c: &GptConfig, arch: &str, eod: Option<u32>) -> Value {
+    let model_type = match arch {
+        "Qwen3ForCausalLM" => "qwen3",
+        "Qwen2ForCausalLM" => "qwen2",
+        _ => "llama",
+    };
+    let mut v = json!({
+        "architectures": [arch],
+        "model_type": model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.ffn_hidden_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.query_groups(),
+        "head_dim": c.head_dim(),
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.layernorm_epsilon,
+        "rope_theta": c.rotary.base,
+        "tie_word_embeddings": !c.untie_embeddings_and_output_weights,
+        "attention_bias": false,
+        "attention_dropout": c.attention_dropout,
+        "initializer_range": c.init_method_std,
+        "bos_token_id": eod,
+        "eos_token_id": eod,
+    });
+    if c.rotary.percent != 1.0 {
+        v["partial_rotary_factor"] = json!(c.rotary.percent);
+    }
+    if let Some(s) = &c.rotary.scaling {
+        v["rope_scaling"] = json!({
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        });
+    }
+    if model_type != "llama" {
+        v["use_sliding_window"] = json!(false);
+    }
+    v
+}
+
+/// Every tensor of a Hugging Face directory: `model.safetensors`, or the shards that
+/// `model.safetensors.index.json` names.
+fn read_weights(dir: &Path) -> Result<HashMap<String, Whole>> {
+    let index = dir.join("model.safetensors.index.json");
+    if !index.is_file() {
+        return read_safetensors(&dir.join("model.safetensors"));
+    }
+    let text =
+        fs::read_to_string(&index).with_context(|| format!("reading {}", index.display()))?;
+    let map: Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", index.display()))?;
+    let Some(weight_map) = map["weight_map"].as_object() else {
+        bail!("{}: no `weight_map`", index.display());
+    };
+    let mut shards: Vec<&str> = weight_map.values().filter_map(Value::as_str).collect();
+    shards.sort_unstable();
+    shards.dedup();
+    let mut out = HashMap::new();
+    for shard in shards {
+        if shard.contains('/') || shard.contains("..") {
+            bail!(
+                "{}: shard `{shard}` is not a file of the directory",
+                index.display()
+            );
+        }
+        out.extend(read_safetensors(&dir.join(shard))?);
+    }
+    for name in weight_map.keys() {
+        if !out.contains_key(name) {
+            bail!("{}: `{name}` is in no shard", index.display());
+        }
+    }
+    Ok(out)
+}
+
+/// Rows `rows` of `t` (`[rows.., cols]`), in order.
+fn rows_of(t: &Whole, rows: std::ops::Range<usize>) -> Vec<f32> {
+    let cols: usize = t.shape[1..].iter().product();
+    t.data[rows.start * cols..rows.end * cols].to_vec()
+}
+
+/// The fused QKV laid out per query group from separate q, k, v (weights or biases).
+fn fuse_qkv(q: &Whole, k: &Whole, v: &Whole, groups: usize, d: usize) -> Whole {
+    let per_group = q.shape[0] / d / groups;
+    let mut data = Vec::with_capacity(q.data.len() + k.data.len() + v.data.len());
+    for g in 0..groups {
+        data.extend(rows_of(q, g * per_group * d..(g + 1) * per_group * d));
+        data.extend(rows_of(k, g * d..(g + 1) * d));
+        data.extend(rows_of(v, g * d..(g + 1) * d));
+    }
+    let mut shape = q.shape.clone();
+    shape[0] = q.shape[0] + k.shape[0] + v.shape[0];
+    Whole { shape, data }
+}
+
+/// q, k, v from the fused per-group layout (the inverse of [`fuse_qkv`]).
+fn split_qkv(t: &Whole, heads: usize, groups: usize, d: usize) -> [Whole; 3] {
+    let per_group = heads / groups;
+    let cols: usize = t.shape[1..].iter().product();
+    let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+    for g in 0..groups {
+        let base = g * (per_group + 2) * d;
+        q.extend(rows_of(t, base..base + per_group * d));
+        k.extend(rows_of(t, base + per_group * d..base + (per_group + 1) * d));
+        v.extend(rows_of(
+            t,
+            base + (per_group + 1) * d..base + (per_group + 2) * d,
+        ));
+    }
+    let shaped = |data: Vec<f32>| {
+        let mut shape = t.shape.clone();
+        shape[0] = data.len() / cols.max(1);
+        Whole { shape, data }
+    };
+    [shaped(q), shaped(k), shaped(v)]
+}
+
+/// `[a; b]` along the rows.
+fn stack(a: &Whole, b: &Whole) -> Whole {
+    let mut shape = a.shape.clone();
+    shape[0] += b.shape[0];
+    Whole {
+        shape,
+        data: [a.data.as_slice(), b.data.as_slice()].concat(),
+    }
+}
+
+/// `t`'s first `rows` rows and the rest.
+fn unstack(t: &Whole, rows: usize) -> [Whole; 2] {
+    let cols: usize = t.shape[1..].iter().product();
+    let part = |r: std::ops::Range<usize>| {
+        let mut shape = t.shape.clone();
+        shape[0] = r.len();
+        Whole {
+            shape,
+            data: t.data[r.start * cols..r.end * cols].to_vec(),
+        }
+    };
+    [part(0..rows), part(rows..t.shape[0])]
+}
+
+/// Converts a Hugging Face Llama-family directory into a megatron-rs checkpoint (iteration 0,
+/// no optimizer state) in the new or empty save directory `out`, with the directory's
+/// `tokenizer.json` when it has one. Returns the architecture.
+pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
+    refuse_existing(out)?;
+    let config_path = hf_dir.join("config.json");
+    let config: Value = serde_json::from_str(
+        &fs::read_to_string(&config_path)
+            .with_context(|| format!("reading {}", config_path.display()))?,
+    )
+    .with_context(|| format!("{}: not JSON", config_path.display()))?;
+    let c = config_from_hf(&config)?;
+    c.validate(1)?;
+    let mut hf = read_weights(hf_dir)?;
+    hf.retain(|name, _| !name.ends_with("rotary_emb.inv_freq"));
+    let mut take = |name: &str, shape: &[usize]| -> Result<Whole> {
+        let t = hf
+            .remove(name)
+            .with_context(|| format!("{}: no tensor `{name}`", hf_dir.display()))?;
+        if t.shape != shape {
+            bail!(
+                "{}: `{name}` has shape {:?}, the config implies {shape:?}",
+                hf_dir.display(),
+                t.shape
+            );
+        }
+        Ok(t)
+    };
+    let (h, f, v) = (c.hidden_size, c.ffn_hidden_size, c.vocab_size);
+    let (heads, groups, d) = (c.num_attention_heads, c.query_groups(), c.head_dim());
+    let mut model = BTreeMap::new();
+    model.insert(
+        "wte.weight".to_string(),
+        take("model.embed_tokens.weight", &[v, h])?,
+    );
+    for i in 0..c.num_layers {
+        let hf_name = |s: &str| format!("model.layers.{i}.{s}");
+        let ours = |s: &str| format!("blocks.{i}.{s}");
+        model.insert(
+            ours("ln1.weight"),
+            take(&hf_name("input_layernorm.weight"), &[h])?,
+        );
+        model.insert(
+            ours("ln2.weight"),
+            take(&hf_name("post_attention_layernorm.weight"), &[h])?,
+        );
+        let q = take(&hf_name("self_attn.q_proj.weight"), &[heads * d, h])?;
+        let k = take(&hf_name("self_attn.k_proj.weight"), &[groups * d, h])?;
+        let vv = take(&hf_name("self_attn.v_proj.weight"), &[groups * d, h])?;
+        model.insert(ours("attn.qkv.weight"), fuse_qkv(&q, &k, &vv, groups, d));
+        if c.add_qkv_bias {
+            let q = take(&hf_name("self_attn.q_proj.bias"), &[heads * d])?;
+            let k = take(&hf_name("self_attn.k_proj.bias"), &[groups * d])?;
+            let vv = take(&hf_name("self_attn.v_proj.bias"), &[groups * d])?;
+            model.insert(ours("attn.qkv.bias"), fuse_qkv(&q, &k, &vv, groups, d));
+        }
+        if c.qk_layernorm {
+            model.insert(
+                ours("attn.qk_norm.q_norm.weight"),
+                take(&hf_name("self_attn.q_norm.weight"), &[d])?,
+            );
+            model.insert(
+                ours("attn.qk_norm.k_norm.weight"),
+                take(&hf_name("self_attn.k_norm.weight"), &[d])?,
+            );
+        }
+        model.insert(
+            ours("attn.proj.weight"),
+            take(&hf_name("self_attn.o_proj.weight"), &[h, heads * d])?,
+        );
+        let gate = take(&hf_name("mlp.gate_proj.weight"), &[f, h])?;
+        let up = take(&hf_name("mlp.up_proj.weight"), &[f, h])?;
+        model.insert(ours("mlp.fc1.weight"), stack(&gate, &up));
+        model.insert(
+            ours("mlp.fc2.weight"),
+            take(&hf_name("mlp.down_proj.weight"), &[h, f])?,
+        );
+    }
+    model.insert("ln_f.weight".to_string(), take("model.norm.weight", &[h])?);
+    let head = hf.remove("lm_head.weight");
+    match (c.untie_embeddings_and_output_weights, head) {
+        (true, Some(head)) if head.shape == [v, h] => {
+            model.insert("wte.output_weight".to_string(), head);
+        }
+        (true, Some(head)) => bail!(
+            "{}: `lm_head.weight` has shape {:?}, the config implies [{v}, {h}]",
+            hf_dir.display(),
+            head.shape
+        ),
+        (true, None) => bail!(
+            "{}: no tensor `lm_head.weight` (the config does not tie it to the embedding)",
+            hf_dir.display()
+        ),
+        (false, Some(head)) if head.data != model["wte.weight"].data => bail!(
+            "{}: `lm_head.weight` differs from the embedding, but the config ties them",
+            hf_dir.display()
+        ),
+        (false, _) => {}
+    }
+    if let Some(extra) = hf.keys().next() {
+        bail!("{}: unexpected tensor `{extra}`", hf_dir.display());
+    }
+    let tokenizer_path = hf_dir.join(checkpoint::TOKENIZER_FILE);
+    let (tokenizer, files) = if tokenizer_path.is_file() {
+        let t = Tokenizer::from_file(&tokenizer_path)?;
+        if t.vocab_size() > c.vocab_size {
+            bail!(
+                "{}: {} tokens, more than the model's vocabulary of {}",
+                tokenizer_path.display(),
+                t.vocab_size(),
+                c.vocab_size
+            );
+        }
+        tokenizer::checkpoint_record(&t)?
+    } else {
+        (String::new(), Vec::new())
+    };
+    let arch = architecture(&config).unwrap_or("LlamaForCausalLM");
+    let mut run = json!({ "imported_from": hf_dir.display().to_string(), "format": arch });
+    if !tokenizer.is_empty() {
+        run["tokenizer"] = json!(tokenizer);
+    }
+    let meta = CheckpointMeta {
+        format: checkpoint::FORMAT.to_string(),
+        iteration: 0,
+        adam_steps: 0,
+        seed: 0,
+        consumed_samples: 0,
+        saved_tp: 1,
+        saved_dp: 1,
+        saved_pp: 1,
+        model: serde_json::to_value(&c)?,
+        run,
+        files: BTreeMap::new(),
+        grad_scaler: None,
+        meta_sha256: None,
+    };
+    let files: Vec<(&str, &[u8])> = files
+        .iter()
+        .map(|(name, bytes)| (name.as_str(), bytes.as_slice()))
+        .collect();
+    checkpoint::save(out, &model, None, &files, meta)?;
+    Ok(c)
+}
+
+/// Writes the checkpoint `ckpt` of a Llama-family model as a Hugging Face directory `hf_dir`
+/// (new or empty): `config.json` of the matching architecture, `model.safetensors`, and the
+/// checkpoint's `tokenizer.json` when it has one. Returns the architecture's name and config.
+pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<(&'static str, GptConfig)> {
+    refuse_existing(hf_dir)?;
+    let loaded = checkpoint::open(ckpt)?;
+    let c: GptConfig = serde_json::from_value(loaded.meta().model.clone())
+        .with_context(|| format!("{}: the model config", loaded.dir().display()))?;
+    let Some(arch) = hf_architecture(&c) else {
+        bail!(
+            "{}: the model is not one of Hugging Face's Llama, Qwen2 or Qwen3 decoders (RMSNorm, \
+             SwiGLU, no biases but Qwen2's QKV bias, rotate-half RoPE, no experts)",
+            loaded.dir().display()
+        );
+    };
+    let tokenizer =
+        match tokenizer::checkpoint_tokenizer(ckpt)? {
+            Some(spec) => Some(Tokenizer::from_spec(&spec).with_context(|| {
+                format!("{}: the checkpoint's tokenizer", loaded.dir().display())
+            })?),
+            None => None,
+        };
+    let (heads, groups, d, f) = (
+        c.num_attention_heads,
+        c.query_groups(),
+        c.head_dim(),
+        c.ffn_hidden_size,
+    );
+    let get = |name: &str| loaded.model_tensor(name).map_err(anyhow::Error::from);
+    let mut hf: BTreeMap<String, Whole> = BTreeMap::new();
+    hf.insert("model.embed_tokens.weight".into(), get("wte.weight")?);
+    if c.untie_embeddings_and_output_weights {
+        hf.insert("lm_head.weight".into(), get("wte.output_weight")?);
+    }
+    for i in 0..c.num_layers {
+        let ours = |s: &str| format!("blocks.{i}.{s}");
+        let hf_name = |s: &str| format!("model.layers.{i}.{s}");
+        hf.insert(hf_name("input_layernorm.weight"), get(&ours("ln1.weight"))?);
+        hf.insert(
+            hf_name("post_attention_layernorm.weight"),
+            get(&ours("ln2.weight"))?,
+        );
+        let [q, k, v] = split_qkv(&get(&ours("attn.qkv.weight"))?, heads, groups, d);
+        hf.insert(hf_name("self_attn.q_proj.weight"), q);
+        hf.insert(hf_name("self_attn.k_proj.weight"), k);
+        hf.insert(hf_name("self_attn.v_proj.weight"), v);
+        if c.add_qkv_bias {
+            let [q, k, v] = split_qkv(&get(&ours("attn.qkv.bias"))?, heads, groups, d);
+            hf.insert(hf_name("self_attn.q_proj.bias"), q);
+            hf.insert(hf_name("self_attn.k_proj.bias"), k);
+            hf.insert(hf_name("self_attn.v_proj.bias"), v);
+        }
+        if c.qk_layernorm {
+            hf.insert(
+                hf_name("self_attn.q_norm.weight"),
+                get(&ours("attn.qk_norm.q_norm.weight"))?,
+            );
+            hf.insert(
+                hf_name("self_attn.k_norm.weight"),
+                get(&ours("attn.qk_norm.k_norm.weight"))?,
+            );
+        }
+        hf.insert(
+            hf_name("self_attn.o_proj.weight"),
+            get(&ours("attn.proj.weight"))?,
+        );
+        let [gate, up] = unstack(&get(&ours("mlp.fc1.weight"))?, f);
+        hf.insert(hf_name("mlp.gate_proj.weight"), gate);
+        hf.insert(hf_name("mlp.up_proj.weight"), up);
+        hf.insert(
+            hf_name("mlp.down_proj.weight"),
+            get(&ours("mlp.fc2.weight"))?,
+        );
+    }
+    hf.insert("model.norm.weight".into(), get("ln_f.weight")?);
+    fs::create_dir_all(hf_dir).with_context(|| format!("creating {}", hf_dir.display()))?;
+    let views = hf
+        .iter()
+        .map(|(name, t)| {
+            Ok((
+                name.clone(),
+                TensorView::new(Dtype::F32, t.shape.clone(), bytemuck::cast_slice(&t.data))?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let bytes = safetensors::serialize(views, Some(metadata))?;
+    checkpoint::write_atomically(&hf_dir.join("model.safetensors"), &bytes)?;
+    let eod = tokenizer.as_ref().and_then(Tokenizer::eod);
+    if let Some(bytes) = tokenizer
+        .as_ref()
+        .map(Tokenizer::file_bytes)
+        .transpose()?
+        .flatten()
+    {
+        checkpoint::write_atomically(&hf_dir.join(checkpoint::TOKENIZER_FILE), &bytes)?;
+    }
+    checkpoint::write_atomically(
+        &hf_dir.join("config.json"),
+        serde_json::to_string_pretty(&config_to_hf(&c, arch, eod))?.as_bytes(),
+    )?;
+    Ok((arch, c))
+}

@@ -1,0 +1,163 @@
+//! Hugging Face's Llama-family decoders against transformers itself: tiny random Llama (Llama
+//! 3.1's scaled RoPE, grouped-query attention, untied, saved in four shards with their index),
+//! Mistral, Qwen2 (QKV bias, tied) and Qwen3 (heads of 16 over hidden 32, query and key norms)
+//! made and saved by transformers 5.24 (`tools/golden/hf_llama.py`, `tests/data/hf/`), with the
+//! logits transformers computed. Each is imported, gives those logits at tp 1 and tp 2, and
+//! exports back to the same tensors and a config transformers reads as the same model.
+
+mod support;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use megatron::checkpoint::{load_params, open_checkpoint};
+use megatron::comm::ParallelState;
+use megatron::comm::threads::launch;
+use megatron::convert::hf_llama;
+use megatron::models::GptConfig;
+use megatron::models::gpt::Gpt;
+use megatron::module::{Builder, Cx, Module as _};
+use megatron::parallel::{ParallelConfig, ParallelLayout};
+use megatron::tensor::Tensor;
+use safetensors::SafeTensors;
+use support::TempDir;
+
+type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+fn golden(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/hf")
+        .join(name)
+}
+
+/// Logits `[s, vocab]` of the checkpoint for one sequence on a tp-way world.
+fn our_logits(ckpt: &Path, config: &GptConfig, tokens: &[i64], tp: usize) -> Vec<f32> {
+    let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp)).unwrap();
+    launch(tp, |w| -> R<Vec<f32>> {
+        let ps = ParallelState::new(&w, &layout)?;
+        let model = Gpt::build(&config.spec(), &mut Builder::for_rank(77, ps.groups()))?;
+        load_params(&model, &open_checkpoint(&ps, ckpt)?)?;
+        let cx = Cx::new(&ps, 0).eval();
+        let tokens = Tensor::from_slice(tokens, [tokens.len(), 1])?;
+        Ok(megatron::generate::logits(&model, &cx, &tokens)?.to_vec::<f32>()?)
+    })
+    .unwrap()
+    .remove(0)
+}
+
+/// Every tensor of a Hugging Face directory (its shards too), as f32 bits.
+fn tensors(dir: &Path) -> HashMap<String, (Vec<usize>, Vec<u32>)> {
+    let mut out = HashMap::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("safetensors") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        for (name, view) in st.tensors() {
+            let bits = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            out.insert(name.to_string(), (view.shape().to_vec(), bits));
+        }
+    }
+    out
+}
+
+#[test]
+fn imported_llama_mistral_and_qwen_give_transformers_logits_and_export_back() {
+    let dir = TempDir::new("hf-llama");
+    for name in ["llama", "mistral", "qwen2", "qwen3"] {
+        let hf = golden(name);
+        let reference: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(hf.join("reference.json")).unwrap())
+                .unwrap();
+        let ckpt = dir.path().join(format!("{name}-ckpt"));
+        let config = hf_llama::import(&hf, &ckpt).unwrap();
+        let tokens: Vec<i64> = reference["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_i64().unwrap())
+            .collect();
+        let want: Vec<f64> = reference["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap()))
+            .collect();
+        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+        for tp in [1, 2] {
+            let ours = our_logits(&ckpt, &config, &tokens, tp);
+            assert_eq!(ours.len(), want.len(), "{name}");
+            // f32 both sides, in other orders of sums (and transformers' rsqrt): 1e-5 of the
+            // largest logit.
+            let mut worst = 0f64;
+            for (i, (got, w)) in ours.iter().zip(&want).enumerate() {
+                let err = (f64::from(*got) - w).abs();
+                assert!(
+                    err <= 1e-5 * scale,
+                    "{name} tp {tp} [{i}]: {got} vs {w} (scale {scale})"
+                );
+                worst = worst.max(err);
+            }
+            eprintln!("{name} tp {tp}: largest logit {scale:.3}, largest difference {worst:.2e}");
+        }
+        // Back to Hugging Face: the same tensors, bit for bit, in one file.
+        let out = dir.path().join(format!("{name}-hf"));
+        let (arch, _) = hf_llama::export(&ckpt, &out).unwrap();
+        let config_in: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap())
+                .unwrap();
+        let written = tensors(&out);
+        let mut original = tensors(&hf);
+        if config_in["tie_word_embeddings"].as_bool() == Some(true) {
+            original.remove("lm_head.weight");
+        }
+        assert_eq!(written.len(), original.len(), "{name}");
+        for (tensor, value) in &original {
+            assert!(written.get(tensor) == Some(value), "{name}: {tensor}");
+        }
+        // The config says the same model (Mistral without a window is a Llama).
+        let config_out: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
+                .unwrap();
+        let same = hf_llama::config_from_hf(&config_out).unwrap();
+        assert_eq!(same, config, "{name} as {arch}");
+    }
+}
+
+#[test]
+fn what_the_importer_cannot_honour_is_refused_by_name() {
+    let base: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(golden("mistral").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let with = |key: &str, value: serde_json::Value| {
+        let mut c = base.clone();
+        c[key] = value;
+        hf_llama::config_from_hf(&c).unwrap_err().to_string()
+    };
+    assert!(with("sliding_window", 4096.into()).contains("`sliding_window` 4096"));
+    assert!(with("hidden_act", "gelu".into()).contains("`hidden_act` gelu"));
+    assert!(with("attention_bias", true.into()).contains("`attention_bias` = true"));
+    let rope = serde_json::json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0});
+    assert!(with("rope_parameters", rope).contains("rope type `yarn`"));
+    let err = with("architectures", serde_json::json!(["MixtralForCausalLM"]));
+    assert!(
+        err.contains("MixtralForCausalLM has SwiGLU experts"),
+        "{err}"
+    );
+    // The older form of the RoPE settings: top-level rope_theta and rope_scaling with `type`.
+    let mut old = base.clone();
+    old.as_object_mut().unwrap().remove("rope_parameters");
+    old["rope_theta"] = 500000.0.into();
+    old["rope_scaling"] = serde_json::json!({"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+    let c = hf_llama::config_from_hf(&old).unwrap();
+    assert_eq!(c.rotary.base, 500000.0);
+    assert_eq!(c.rotary.scaling.unwrap().factor, 8.0);
+}

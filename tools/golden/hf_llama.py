@@ -1,0 +1,123 @@
+"""Golden files for the Llama-family importer (tests/hf_llama.rs), made by Hugging Face
+transformers itself: tiny random models of each architecture, saved as transformers saves them,
+with the logits transformers computes for fixed tokens and its greedy continuation.
+
+    python3 -m venv venv && venv/bin/pip install torch transformers safetensors
+    venv/bin/python tools/golden/hf_llama.py tests/data/hf
+
+Each model lands in OUT/<name>/ (config.json, model.safetensors or shards with their index)
+with reference.json: the tokens, the logits [seq, vocab] in f32, and the greedy continuation of
+the first half of the tokens (transformers' generate with do_sample=False and its KV cache).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+TOKENS = [3, 17, 42, 5, 63, 0, 21, 9, 33, 12, 7, 50]
+NEW_TOKENS = 6
+
+COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+MODELS = {
+    # Llama 3.1's scaled RoPE, grouped-query attention, untied, in two shards.
+    "llama": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            COMMON,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+            tie_word_embeddings=False,
+        ),
+        "24KB",
+    ),
+    # Mistral without a sliding window (v0.3's kind).
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(COMMON, sliding_window=None, rope_theta=1000000.0, tie_word_embeddings=False),
+        None,
+    ),
+    # Qwen2: a bias on q, k and v alone; tied embeddings.
+    "qwen2": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(COMMON, tie_word_embeddings=True, use_sliding_window=False, rms_norm_eps=1e-6),
+        None,
+    ),
+    # Qwen3: heads of 16 (not 32 / 4), query and key norms, untied.
+    "qwen3": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(COMMON, head_dim=16, tie_word_embeddings=False, use_sliding_window=False, rms_norm_eps=1e-6),
+        None,
+    ),
+}
+
+
+def main(out: Path) -> None:
+    for seed, (name, (config_class, model_class, kwargs, shard)) in enumerate(MODELS.items()):
+        torch.manual_seed(1000 + seed)
+        config = config_class(**kwargs)
+        model = model_class(config).to(torch.float32).eval()
+        # Norm weights and biases away from their initial ones and zeros, so that a mapping
+        # that loses them shows.
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if p.dim() == 1:
+                    p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        target = out / name
+        target.mkdir(parents=True, exist_ok=True)
+        if shard:
+            model.save_pretrained(target, max_shard_size=shard)
+        else:
+            model.save_pretrained(target)
+        tokens = torch.tensor([TOKENS])
+        with torch.no_grad():
+            logits = model(tokens).logits[0].to(torch.float32)
+            prompt = tokens[:, : len(TOKENS) // 2]
+            generated = model.generate(
+                prompt,
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )[0, prompt.shape[1] :]
+        (target / "reference.json").write_text(
+            json.dumps(
+                {
+                    "transformers": transformers.__version__,
+                    "tokens": TOKENS,
+                    "logits": logits.tolist(),
+                    "prompt": prompt[0].tolist(),
+                    "greedy": generated.tolist(),
+                }
+            )
+        )
+        print(name, [p.name for p in sorted(target.iterdir())])
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
