@@ -2,8 +2,9 @@
 //! 3.1's scaled RoPE, grouped-query attention, untied, saved in four shards with their index),
 //! Mistral, Qwen2 (QKV bias, tied) and Qwen3 (heads of 16 over hidden 32, query and key norms)
 //! made and saved by transformers 5.24 (`tools/golden/hf_llama.py`, `tests/data/hf/`), with the
-//! logits transformers computed. Each is imported, gives those logits at tp 1 and tp 2, and
-//! exports back to the same tensors and a config transformers reads as the same model.
+//! logits and greedy continuation transformers computed. Each is imported, gives those logits
+//! and that continuation at tp 1 and tp 2, and exports back to the same tensors and a config
+//! transformers reads as the same model.
 
 mod support;
 
@@ -105,6 +106,28 @@ fn imported_llama_mistral_and_qwen_give_transformers_logits_and_export_back() {
                 worst = worst.max(err);
             }
             eprintln!("{name} tp {tp}: largest logit {scale:.3}, largest difference {worst:.2e}");
+        }
+        // Greedy generation continues the prompt as transformers' generate does (its KV cache
+        // against this full recompute of every position).
+        let ids = |key: &str| -> Vec<u32> {
+            reference[key]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect()
+        };
+        let greedy = megatron::generate::Sampling {
+            temperature: 0.0,
+            top_k: 0,
+            seed: 0,
+        };
+        let want = ids("greedy");
+        for tp in [1, 2] {
+            let got =
+                megatron::generate::generate(&ckpt, tp, &ids("prompt"), want.len(), greedy, None)
+                    .unwrap();
+            assert_eq!(got, want, "{name} greedy at tp {tp}");
         }
         // Back to Hugging Face: the same tensors, bit for bit, in one file.
         let out = dir.path().join(format!("{name}-hf"));

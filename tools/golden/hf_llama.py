@@ -98,8 +98,11 @@ def main(out: Path) -> None:
         with torch.no_grad():
             logits = model(tokens).logits[0].to(torch.float32)
             prompt = tokens[:, : len(TOKENS) // 2]
+            # Every prompt token attended: without the mask, generate would take the pad id's
+            # tokens for padding.
             generated = model.generate(
                 prompt,
+                attention_mask=torch.ones_like(prompt),
                 max_new_tokens=NEW_TOKENS,
                 do_sample=False,
                 pad_token_id=0,
