@@ -1,4 +1,4 @@
-//! Text generation from a checkpoint: greedy or sampled (temperature, top-k), with tensor
+//! Text generation from a checkpoint: greedy or sampled (temperature, top-k, top-p), with tensor
 //! parallelism too. Every rank computes the same logits (gathered over the vocabulary) and draws
 //! the same token from the same seed, so the ranks stay in step without communicating choices.
 
@@ -22,6 +22,9 @@ pub struct Sampling {
     pub temperature: f64,
     /// Only the `top_k` most likely tokens are candidates (0: all).
     pub top_k: usize,
+    /// Nucleus sampling: the most likely tokens while the probability above each is below
+    /// `top_p` (transformers' `TopPLogitsWarper`, after temperature and top-k; 1: all).
+    pub top_p: f64,
     /// Seed of the draws.
     pub seed: u64,
 }
@@ -48,10 +51,26 @@ pub fn pick(logits: &[f32], sampling: &Sampling, uniform: f64) -> usize {
         return argmax();
     };
     let max = f64::from(logits[first]);
-    let weights: Vec<f64> = order
+    let mut weights: Vec<f64> = order
         .iter()
         .map(|&i| ((f64::from(logits[i]) - max) / sampling.temperature).exp())
         .collect();
+    if sampling.top_p < 1.0 {
+        // Keep a token while the mass of the more likely ones is below top_p (the first always).
+        let total: f64 = weights.iter().sum();
+        let mut above = 0.0;
+        let kept = weights
+            .iter()
+            .take_while(|w| {
+                let keep = above / total < sampling.top_p;
+                above += **w;
+                keep
+            })
+            .count()
+            .max(1);
+        order.truncate(kept);
+        weights.truncate(kept);
+    }
     let total: f64 = weights.iter().sum();
     let mut target = uniform * total;
     for (&i, w) in order.iter().zip(&weights) {
@@ -84,6 +103,9 @@ pub fn generate(
 ) -> Result<Vec<u32>> {
     if prompt.is_empty() {
         bail!("the prompt has no tokens");
+    }
+    if !(sampling.top_p > 0.0 && sampling.top_p <= 1.0) {
+        bail!("top-p must be in (0, 1], got {}", sampling.top_p);
     }
     if !sampling.temperature.is_finite() || sampling.temperature < 0.0 {
         bail!(
@@ -152,24 +174,50 @@ pub fn logits(model: &Gpt, cx: &Cx, tokens: &Tensor) -> megatron_core::Result<Te
 mod tests {
     use super::*;
 
+    /// transformers' rule: with probabilities 0.5, 0.3, 0.15, 0.05, top-p 0.8 keeps the first
+    /// two (0.5 above the second is below 0.8, 0.8 above the third is not), top-p 0.81 three.
+    #[test]
+    fn top_p_keeps_tokens_while_the_mass_above_is_below_p() {
+        let logits: Vec<f32> = [0.5f32, 0.3, 0.15, 0.05].iter().map(|p| p.ln()).collect();
+        let with = |top_p: f64| Sampling {
+            temperature: 1.0,
+            top_k: 0,
+            top_p,
+            seed: 0,
+        };
+        let reach = |top_p: f64| {
+            (0..1000)
+                .map(|i| pick(&logits, &with(top_p), (i as f64 + 0.5) / 1000.0))
+                .max()
+                .unwrap()
+        };
+        assert_eq!(reach(0.8), 1);
+        assert_eq!(reach(0.81), 2);
+        assert_eq!(reach(0.3), 0);
+        assert_eq!(reach(1.0), 3);
+    }
+
     #[test]
     fn greedy_and_top_k_sampling() {
         let logits = [0.0, 3.0, 1.0, 3.0, f32::NEG_INFINITY];
         let greedy = Sampling {
             temperature: 0.0,
             top_k: 0,
+            top_p: 1.0,
             seed: 0,
         };
         assert_eq!(pick(&logits, &greedy, 0.9), 1, "the first maximum");
         let top1 = Sampling {
             temperature: 1.0,
             top_k: 1,
+            top_p: 1.0,
             seed: 0,
         };
         assert!((0..10).all(|i| pick(&logits, &top1, f64::from(i) / 10.0) == 1));
         let top2 = Sampling {
             temperature: 1.0,
             top_k: 2,
+            top_p: 1.0,
             seed: 0,
         };
         assert_eq!(pick(&logits, &top2, 0.25), 1);
@@ -177,6 +225,7 @@ mod tests {
         let all = Sampling {
             temperature: 1.0,
             top_k: 0,
+            top_p: 1.0,
             seed: 0,
         };
         // Never the −∞ (padding) token; the small ones are reachable.

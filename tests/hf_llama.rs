@@ -120,6 +120,7 @@ fn imported_llama_mistral_and_qwen_give_transformers_logits_and_export_back() {
         let greedy = megatron::generate::Sampling {
             temperature: 0.0,
             top_k: 0,
+            top_p: 1.0,
             seed: 0,
         };
         let want = ids("greedy");

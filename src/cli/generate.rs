@@ -32,6 +32,10 @@ pub struct GenerateArgs {
     /// Sample among the k most likely tokens only (0: all).
     #[arg(long, default_value_t = 0, value_parser = values::vocab_or_all)]
     top_k: usize,
+    /// Sample among the most likely tokens while the probability above each is below p
+    /// (nucleus sampling, as transformers; 1: all).
+    #[arg(long, default_value_t = 1.0, value_parser = values::probability)]
+    top_p: f64,
     /// Tensor-parallel size to run the model with.
     #[arg(
         long = "tensor-model-parallel-size",
@@ -50,6 +54,13 @@ pub struct GenerateArgs {
 
 /// Runs `megatron generate`.
 pub fn run(args: &GenerateArgs) -> Result<()> {
+    if args.top_p < 1.0 && args.temperature == 0.0 {
+        bail!(
+            "--top-p {} does nothing with greedy decoding (--temperature 0, the default): give a \
+             --temperature above 0 to sample",
+            args.top_p
+        );
+    }
     if args.top_k > 0 && args.temperature == 0.0 {
         bail!(
             "--top-k {} does nothing with greedy decoding (--temperature 0, the default): give a \
@@ -82,6 +93,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     let sampling = Sampling {
         temperature: args.temperature,
         top_k: args.top_k,
+        top_p: args.top_p,
         seed: args.seed,
     };
     let new = generate(

@@ -164,6 +164,16 @@ pub fn fraction(s: &str) -> Result<f64, String> {
     within(number(s)?, Range::Fraction)
 }
 
+/// A probability above 0 and at most 1 (nucleus sampling's top-p).
+pub fn probability(s: &str) -> Result<f64, String> {
+    let v = number(s)?;
+    if v > 0.0 && v <= 1.0 {
+        Ok(v)
+    } else {
+        Err("must be more than 0 and at most 1".to_string())
+    }
+}
+
 /// A number that is finite as an f32, where the value is used.
 fn number_f32(s: &str) -> Result<f32, String> {
     let v = number(s)?;
