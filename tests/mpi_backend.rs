@@ -534,6 +534,32 @@ fn training_under_mpirun_equals_training_on_threads() {
     processes_train_as_threads("train", &args, "mpi", &[]);
 }
 
+/// The Llama family's blocks between processes (llama-tiny: RMSNorm, grouped-query attention
+/// with rotary embeddings, SwiGLU, the untied output layer; and the qk-layernorm, its weights'
+/// gradients summed over tp) at tp 2 × pp 2, as on thread ranks.
+#[test]
+fn llama_training_under_mpirun_equals_thread_ranks() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--model",
+        "llama-tiny",
+        "--qk-layernorm",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        "64",
+    ];
+    processes_train_as_threads("llama", &args, "mpi", &[]);
+}
+
 /// Sequence parallelism between processes: the shards' all-gathers and reduce-scatters through
 /// `MPI_Allgather` and `MPI_Reduce_scatter`, the norms' gradients summed over tp, as on thread
 /// ranks.
@@ -783,6 +809,42 @@ fn sequence_parallel_training_with_nccl_under_mpirun_follows_thread_ranks_on_one
     let library_path = gpu_library_path();
     processes_train_as_threads(
         "nccl-sp",
+        &args,
+        "nccl",
+        &[("LD_LIBRARY_PATH", &library_path)],
+    );
+}
+
+/// llama-tiny with the qk-layernorm over NCCL (tp 2 × dp 2, sequence parallelism): the Llama
+/// blocks' kernels on each process's GPU, as thread ranks sharing one.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs 4 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
+fn llama_training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--model",
+        "llama-tiny",
+        "--qk-layernorm",
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--sequence-parallel",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        "64",
+        "--device",
+        "cuda",
+    ];
+    let library_path = gpu_library_path();
+    processes_train_as_threads(
+        "nccl-llama",
         &args,
         "nccl",
         &[("LD_LIBRARY_PATH", &library_path)],
