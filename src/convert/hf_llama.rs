@@ -16,14 +16,12 @@ use std::fs;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
-use megatron_core::checkpoint::{self, CheckpointMeta, Whole};
+use megatron_core::checkpoint::{self, Whole};
 use megatron_core::tensor_parallel::{Llama3Scaling, Normalization, Rotary};
 use megatron_models::{GptConfig, PositionEmbeddingType};
-use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{Value, json};
 
 use super::hf_gpt2::{read_safetensors, refuse_existing};
-use crate::tokenizer::{self, Tokenizer};
 
 /// The architectures read here.
 pub const ARCHITECTURES: [&str; 4] = [
@@ -439,46 +437,13 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
     if let Some(extra) = hf.keys().next() {
         bail!("{}: unexpected tensor `{extra}`", hf_dir.display());
     }
-    let tokenizer_path = hf_dir.join(checkpoint::TOKENIZER_FILE);
-    let (tokenizer, files) = if tokenizer_path.is_file() {
-        let t = Tokenizer::from_file(&tokenizer_path)?;
-        if t.vocab_size() > c.vocab_size {
-            bail!(
-                "{}: {} tokens, more than the model's vocabulary of {}",
-                tokenizer_path.display(),
-                t.vocab_size(),
-                c.vocab_size
-            );
-        }
-        tokenizer::checkpoint_record(&t)?
-    } else {
-        (String::new(), Vec::new())
-    };
-    let arch = architecture(&config).unwrap_or("LlamaForCausalLM");
-    let mut run = json!({ "imported_from": hf_dir.display().to_string(), "format": arch });
-    if !tokenizer.is_empty() {
-        run["tokenizer"] = json!(tokenizer);
-    }
-    let meta = CheckpointMeta {
-        format: checkpoint::FORMAT.to_string(),
-        iteration: 0,
-        adam_steps: 0,
-        seed: 0,
-        consumed_samples: 0,
-        saved_tp: 1,
-        saved_dp: 1,
-        saved_pp: 1,
-        model: serde_json::to_value(&c)?,
-        run,
-        files: BTreeMap::new(),
-        grad_scaler: None,
-        meta_sha256: None,
-    };
-    let files: Vec<(&str, &[u8])> = files
-        .iter()
-        .map(|(name, bytes)| (name.as_str(), bytes.as_slice()))
-        .collect();
-    checkpoint::save(out, &model, None, &files, meta)?;
+    super::save_imported(
+        hf_dir,
+        out,
+        &c,
+        &model,
+        architecture(&config).unwrap_or("LlamaForCausalLM"),
+    )?;
     Ok(c)
 }
 
@@ -497,13 +462,7 @@ pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<(&'static str, GptConfig)> {
             loaded.dir().display()
         );
     };
-    let tokenizer =
-        match tokenizer::checkpoint_tokenizer(ckpt)? {
-            Some(spec) => Some(Tokenizer::from_spec(&spec).with_context(|| {
-                format!("{}: the checkpoint's tokenizer", loaded.dir().display())
-            })?),
-            None => None,
-        };
+    let tokenizer = super::checkpoint_tokenizer(ckpt, loaded.dir())?;
     let (heads, groups, d, f) = (
         c.num_attention_heads,
         c.query_groups(),
@@ -557,31 +516,11 @@ pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<(&'static str, GptConfig)> {
         );
     }
     hf.insert("model.norm.weight".into(), get("ln_f.weight")?);
-    fs::create_dir_all(hf_dir).with_context(|| format!("creating {}", hf_dir.display()))?;
-    let views = hf
-        .iter()
-        .map(|(name, t)| {
-            Ok((
-                name.clone(),
-                TensorView::new(Dtype::F32, t.shape.clone(), bytemuck::cast_slice(&t.data))?,
-            ))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let bytes = safetensors::serialize(views, Some(metadata))?;
-    checkpoint::write_atomically(&hf_dir.join("model.safetensors"), &bytes)?;
-    let eod = tokenizer.as_ref().and_then(Tokenizer::eod);
-    if let Some(bytes) = tokenizer
-        .as_ref()
-        .map(Tokenizer::file_bytes)
-        .transpose()?
-        .flatten()
-    {
-        checkpoint::write_atomically(&hf_dir.join(checkpoint::TOKENIZER_FILE), &bytes)?;
-    }
-    checkpoint::write_atomically(
-        &hf_dir.join("config.json"),
-        serde_json::to_string_pretty(&config_to_hf(&c, arch, eod))?.as_bytes(),
+    super::write_hf(
+        hf_dir,
+        hf.iter().map(|(name, t)| (name.clone(), t)),
+        tokenizer.as_ref(),
+        |eod| config_to_hf(&c, arch, eod),
     )?;
     Ok((arch, c))
 }
