@@ -18,7 +18,6 @@ use safetensors::SafeTensors;
 use safetensors::tensor::Dtype;
 use serde_json::{Value, json};
 
-
 /// The architecture a GPT-2 `config.json` describes.
 pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
     let int = |key: &str| -> Result<usize> {
