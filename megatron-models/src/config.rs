@@ -382,16 +382,16 @@ impl GptConfig {
                 c.num_attention_heads
             );
         }
-        if !groups.is_multiple_of(tp) {
-            return invalid!(
-                "--num-query-groups {groups} is not divisible by --tensor-model-parallel-size \
-                 {tp} (key/value heads replicated over tensor-parallel ranks are not built yet)"
-            );
-        }
         if !c.num_attention_heads.is_multiple_of(tp) {
             return invalid!(
                 "--num-attention-heads {} is not divisible by --tensor-model-parallel-size {tp}",
                 c.num_attention_heads
+            );
+        }
+        if !groups.is_multiple_of(tp) {
+            return invalid!(
+                "--num-query-groups {groups} is not divisible by --tensor-model-parallel-size \
+                 {tp} (key/value heads replicated over tensor-parallel ranks are not built yet)"
             );
         }
         if !c.hidden_size.is_multiple_of(tp) {
