@@ -42,13 +42,9 @@ fn side(values: &[String], flag: &str) -> Result<Side> {
     }
 }
 
-/// The architecture a Hugging Face directory's `config.json` names.
+/// The architecture a Hugging Face directory's `config.json` names (GPT-2 when it names none).
 fn hf_architecture(dir: &std::path::Path) -> Result<String> {
-    let path = dir.join("config.json");
-    let config: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?,
-    )
-    .with_context(|| format!("{}: not JSON", path.display()))?;
+    let config = megatron::convert::read_hf_config(dir)?;
     Ok(hf_llama::architecture(&config)
         .unwrap_or("GPT2LMHeadModel")
         .to_string())
@@ -56,9 +52,13 @@ fn hf_architecture(dir: &std::path::Path) -> Result<String> {
 
 /// Runs `megatron convert`.
 pub fn run(args: &ConvertArgs) -> Result<()> {
-    match (side(&args.from, "from")?, side(&args.to, "to")?) {
-        (Side::Hf(hf), Side::Checkpoint(out)) if hf_architecture(&hf)? != "GPT2LMHeadModel" => {
-            let arch = hf_architecture(&hf)?;
+    let (from, to) = (side(&args.from, "from")?, side(&args.to, "to")?);
+    let arch = match &from {
+        Side::Hf(hf) => hf_architecture(hf)?,
+        _ => "GPT2LMHeadModel".to_string(),
+    };
+    match (from, to) {
+        (Side::Hf(hf), Side::Checkpoint(out)) if arch != "GPT2LMHeadModel" => {
             let c = hf_llama::import(&hf, &out)
                 .with_context(|| format!("--from hf {} --to {}", hf.display(), out.display()))?;
             say!(

@@ -191,12 +191,7 @@ pub fn refuse_existing(dir: &Path) -> Result<()> {
 /// `tokenizer.json`, when it has one, goes into the checkpoint. Returns the architecture.
 pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
     refuse_existing(out)?;
-    let config_path = hf_dir.join("config.json");
-    let config: Value = serde_json::from_str(
-        &fs::read_to_string(&config_path)
-            .with_context(|| format!("reading {}", config_path.display()))?,
-    )
-    .with_context(|| format!("{}: not JSON", config_path.display()))?;
+    let config = super::read_hf_config(hf_dir)?;
     let c = config_from_hf(&config)?;
     c.validate(1)?;
     let weights = hf_dir.join("model.safetensors");

@@ -14,6 +14,14 @@ use serde_json::{Value, json};
 
 use crate::tokenizer::{self, Tokenizer};
 
+/// A Hugging Face directory's `config.json`.
+pub fn read_hf_config(hf_dir: &Path) -> Result<Value> {
+    let path = hf_dir.join("config.json");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))
+}
+
 /// Saves an imported model (`model`: whole tensors by our names) with architecture `c` as a
 /// megatron-rs checkpoint (iteration 0, no optimizer state) in `out`, with `hf_dir`'s
 /// `tokenizer.json` when it has one (refused when it has more tokens than the model);
