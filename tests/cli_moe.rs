@@ -39,8 +39,14 @@ struct Step {
 
 /// The logged steps of a run with `extra` flags.
 fn run(dir: &TempDir, name: &str, extra: &[&str]) -> Vec<Step> {
+    run_model(dir, "gpt-moe-tiny", name, extra)
+}
+
+/// The logged steps of a run of preset `model` with `extra` flags.
+fn run_model(dir: &TempDir, model: &str, name: &str, extra: &[&str]) -> Vec<Step> {
     let log = dir.join(&format!("{name}.jsonl"));
     let mut args: Vec<&str> = COMMON.to_vec();
+    args[3] = model;
     args.extend(extra);
     args.extend(["--log-json", &log]);
     let (ok, _, stderr) = megatron(&args);
@@ -152,6 +158,46 @@ fn expert_parallelism_trains_as_one_rank_holding_every_expert() {
         ),
     ] {
         assert_same_training(&run(&dir, name, flags), &reference, name);
+    }
+}
+
+/// Mixtral's blocks (SwiGLU experts, each expert-tensor-parallel rank holding its part of
+/// every expert's gate and up projection; grouped-query attention with RoPE, RMSNorm, an
+/// untied output layer) at expert, expert tensor, tensor with sequence, pipeline with virtual
+/// stages and data parallelism with the distributed optimizer train as one rank per data
+/// shard holding every expert.
+#[test]
+fn mixtral_tiny_trains_at_every_layout_as_one_rank() {
+    let dir = TempDir::new("cli-moe-mixtral");
+    let layers = ["--num-layers", "4"];
+    let with = |flags: &[&'static str]| [&layers[..], flags].concat();
+    let reference = run_model(&dir, "mixtral-tiny", "ep1", &with(&["--dp", "4"]));
+    assert!(reference[3].loss < reference[0].loss, "{reference:?}");
+    // 4 MoE layers × 8 sequences × 16 tokens × top-2.
+    let routed: u64 = reference[0].tokens_per_expert.iter().sum();
+    assert_eq!(routed, 4 * 8 * 16 * 2);
+    for (name, flags) in [
+        ("ep2", &["--dp", "4", "--ep", "2"][..]),
+        ("ep2-etp2", &["--dp", "4", "--ep", "2", "--etp", "2"]),
+        (
+            "tp2-sp-ep2",
+            &["--tp", "2", "--sequence-parallel", "--dp", "4", "--ep", "2"],
+        ),
+        (
+            "pp2-vpp2-ep2",
+            &["--pp", "2", "--vpp", "2", "--dp", "2", "--ep", "2"],
+        ),
+        (
+            "ep4-distopt",
+            &["--dp", "4", "--ep", "4", "--use-distributed-optimizer"],
+        ),
+    ] {
+        let flags = with(flags);
+        assert_same_training(
+            &run_model(&dir, "mixtral-tiny", name, &flags),
+            &reference,
+            name,
+        );
     }
 }
 

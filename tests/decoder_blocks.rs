@@ -363,16 +363,6 @@ fn the_qk_norm_backward_matches_finite_differences() {
 fn the_blocks_flags_are_checked() {
     let (ok, _, stderr) = megatron(&[
         "train",
-        "--model",
-        "gpt-moe-tiny",
-        "--swiglu",
-        "--train-iters",
-        "1",
-    ]);
-    assert!(!ok);
-    assert!(stderr.contains("--swiglu with --num-experts"), "{stderr}");
-    let (ok, _, stderr) = megatron(&[
-        "train",
         "--group-query-attention",
         "--num-query-groups",
         "2",

@@ -61,15 +61,16 @@ impl SharedMoe {
 }
 
 fn spec(router: RouterConfig) -> MoeSpec {
-    spec_with(router, DispatcherKind::AllToAll)
+    spec_with(router, DispatcherKind::AllToAll, false)
 }
 
-fn spec_with(router: RouterConfig, dispatcher: DispatcherKind) -> MoeSpec {
+fn spec_with(router: RouterConfig, dispatcher: DispatcherKind, gated: bool) -> MoeSpec {
     MoeSpec {
         experts: RoutedExpertsSpec {
             router,
             hidden: HIDDEN,
             ffn: FFN,
+            gated,
             init_std: 0.8,
             out_init_std: 0.5,
             dispatcher,
@@ -104,14 +105,14 @@ fn step(
     (ep, etp): (usize, usize),
     data_rank: Option<usize>,
     router: RouterConfig,
-    dispatcher: DispatcherKind,
+    (dispatcher, gated): (DispatcherKind, bool),
 ) -> R<Vec<Outcome>> {
     let world = ep * etp;
     let layout = ParallelLayout::new(&ParallelConfig::new(world).with_ep(ep).with_etp(etp))?;
     Ok(launch(world, move |w| -> R<Outcome> {
         let ps = ParallelState::new(&w, &layout)?;
         let model = Moe::build(
-            &spec_with(router, dispatcher),
+            &spec_with(router, dispatcher, gated),
             &mut Builder::for_rank(7, ps.groups()),
         )?;
         let rank = data_rank.unwrap_or(ps.groups().rank()) as u64;
@@ -151,25 +152,27 @@ fn step(
 
 #[test]
 fn expert_parallelism_equals_one_rank_holding_every_expert() {
-    for (ep, etp, dispatcher) in [
-        (2, 1, DispatcherKind::AllToAll),
-        (4, 1, DispatcherKind::AllToAll),
-        (2, 1, DispatcherKind::AllGather),
-        (4, 1, DispatcherKind::AllGather),
-        (2, 2, DispatcherKind::AllToAll),
-        (1, 2, DispatcherKind::AllToAll),
-        (2, 2, DispatcherKind::AllGather),
+    // Gated (SwiGLU) experts: each expert-tensor-parallel rank holds its part of the gate and
+    // of the up projection.
+    for (ep, etp, dispatcher, gated) in [
+        (2, 1, DispatcherKind::AllToAll, false),
+        (4, 1, DispatcherKind::AllToAll, false),
+        (2, 1, DispatcherKind::AllGather, false),
+        (4, 1, DispatcherKind::AllGather, false),
+        (2, 2, DispatcherKind::AllToAll, false),
+        (1, 2, DispatcherKind::AllToAll, false),
+        (2, 2, DispatcherKind::AllGather, false),
+        (2, 1, DispatcherKind::AllToAll, true),
+        (2, 2, DispatcherKind::AllToAll, true),
+        (1, 2, DispatcherKind::AllGather, true),
     ] {
-        let parallel = step((ep, etp), None, router(), dispatcher).unwrap();
+        let kind = (dispatcher, gated);
+        let parallel = step((ep, etp), None, router(), kind).unwrap();
         let alone: Vec<Outcome> = (0..ep * etp)
-            .map(|r| {
-                step((1, 1), Some(r), router(), dispatcher)
-                    .unwrap()
-                    .remove(0)
-            })
+            .map(|r| step((1, 1), Some(r), router(), kind).unwrap().remove(0))
             .collect();
         for (r, (got, want)) in parallel.iter().zip(&alone).enumerate() {
-            let what = format!("ep {ep} etp {etp} {dispatcher:?} rank {r}");
+            let what = format!("ep {ep} etp {etp} {dispatcher:?} gated {gated} rank {r}");
             assert_close_f32(&got.out, &want.out, &format!("{what} output"));
             assert_close_f32(&got.dx, &want.dx, &format!("{what} input gradient"));
             assert_close_f32(

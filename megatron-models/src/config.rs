@@ -309,12 +309,6 @@ impl GptConfig {
                  --tensor-model-parallel-size 1 with expert and data parallelism"
             );
         }
-        if self.swiglu {
-            return invalid!(
-                "--swiglu with --num-experts: the experts are GeLU MLPs (SwiGLU experts are not \
-                 built yet); drop one of them"
-            );
-        }
         moe.router.validate()?;
         let r = &moe.router;
         // Megatron-LM's TransformerConfig: a softmax over one chosen expert is always 1, so
@@ -489,7 +483,7 @@ impl GptConfig {
                     let used = if active { moe.router.topk as u128 } else { e };
                     common
                         + e * h
-                        + used * 2 * h * moe.ffn_hidden_size as u128
+                        + used * (gates + 1) * h * moe.ffn_hidden_size as u128
                         + moe.shared_expert_ffn.map_or(0, |s| mlp(s as u128))
                 }
                 _ => common + mlp(f),

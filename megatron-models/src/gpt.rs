@@ -17,7 +17,7 @@ use megatron_core::training::CarriedWidth;
 use megatron_macros::module;
 
 use crate::config::{GptConfig, PositionEmbeddingType};
-use crate::moe::{Ffn, FfnSpec, MoeMlpSpec, SharedMoeMlpSpec};
+use crate::moe::{DenseMlpSpec, Ffn, FfnSpec, MoeMlpSpec, SharedMoeMlpSpec};
 
 /// The feed-forward block: fc1 split by output features, GeLU, fc2 split by input features.
 #[module]
@@ -164,11 +164,12 @@ impl GptConfig {
             fc1: linear(h, ffn, std),
             fc2: linear(ffn, h, out_std),
         };
+        let gated = |ffn: usize| GatedMlpSpec {
+            fc1: linear(h, 2 * ffn, std).gated(),
+            fc2: linear(ffn, h, out_std),
+        };
         let dense = |ffn: usize| match self.swiglu {
-            true => FfnSpec::Gated(GatedMlpSpec {
-                fc1: linear(h, 2 * ffn, std).gated(),
-                fc2: linear(ffn, h, out_std),
-            }),
+            true => FfnSpec::Gated(gated(ffn)),
             false => FfnSpec::Dense(mlp(ffn)),
         };
         let ffn = |is_moe: bool| match (&self.moe, is_moe) {
@@ -177,6 +178,7 @@ impl GptConfig {
                     router: moe.router,
                     hidden: h,
                     ffn: moe.ffn_hidden_size,
+                    gated: self.swiglu,
                     init_std: std,
                     out_init_std: out_std,
                     dispatcher: moe.dispatcher,
@@ -185,7 +187,10 @@ impl GptConfig {
                     None => FfnSpec::Moe(MoeMlpSpec { experts }),
                     Some(shared) => FfnSpec::SharedMoe(SharedMoeMlpSpec {
                         experts,
-                        shared: mlp(shared),
+                        shared: match self.swiglu {
+                            true => DenseMlpSpec::Gated(gated(shared)),
+                            false => DenseMlpSpec::Plain(mlp(shared)),
+                        },
                     }),
                 }
             }

@@ -41,8 +41,113 @@ pub struct SharedMoeMlp {
     #[expert_parallel]
     #[graph_scope(moe_router, moe_preprocess)]
     pub experts: RoutedExperts,
-    /// The shared experts, tensor-parallel as a dense MLP.
-    pub shared: Mlp,
+    /// The shared experts, tensor-parallel as a dense MLP (gated with `--swiglu`).
+    pub shared: DenseMlp,
+}
+
+/// A dense MLP, plain or gated, under no graph scope of its own (the shared experts): each
+/// variant's forward and backward are its module's.
+pub enum DenseMlp {
+    /// GeLU.
+    Plain(Mlp),
+    /// SwiGLU.
+    Gated(GatedMlp),
+}
+
+/// What a [`DenseMlp`] is built from.
+#[derive(Debug, Clone)]
+pub enum DenseMlpSpec {
+    /// A GeLU MLP.
+    Plain(MlpSpec),
+    /// A SwiGLU MLP.
+    Gated(GatedMlpSpec),
+}
+
+/// What [`DenseMlp::forward`] keeps: its variant's.
+#[derive(Clone)]
+pub enum DenseMlpSaved {
+    /// The GeLU MLP's.
+    Plain(MlpSaved),
+    /// The SwiGLU MLP's.
+    Gated(GatedMlpSaved),
+}
+
+impl Module for DenseMlp {
+    type Spec = DenseMlpSpec;
+    type Saved = DenseMlpSaved;
+    const GRADIENT_FEEDS_PRODUCTS: bool = <Mlp as Module>::GRADIENT_FEEDS_PRODUCTS;
+
+    fn build(spec: &DenseMlpSpec, b: &mut Builder) -> Result<Self> {
+        Ok(match spec {
+            DenseMlpSpec::Plain(s) => DenseMlp::Plain(Mlp::build(s, b)?),
+            DenseMlpSpec::Gated(s) => DenseMlp::Gated(GatedMlp::build(s, b)?),
+        })
+    }
+
+    fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+        match self {
+            DenseMlp::Plain(m) => m.visit_params(f),
+            DenseMlp::Gated(m) => m.visit_params(f),
+        }
+    }
+
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        match self {
+            DenseMlp::Plain(m) => m.visit_params_mut(f),
+            DenseMlp::Gated(m) => m.visit_params_mut(f),
+        }
+    }
+}
+
+impl DenseMlp {
+    /// Runs the variant.
+    pub fn forward(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, DenseMlpSaved)> {
+        Ok(match self {
+            DenseMlp::Plain(m) => {
+                let (y, s) = m.forward(cx, site, x)?;
+                (y, DenseMlpSaved::Plain(s))
+            }
+            DenseMlp::Gated(m) => {
+                let (y, s) = m.forward(cx, site, x)?;
+                (y, DenseMlpSaved::Gated(s))
+            }
+        })
+    }
+
+    /// The backward of [`DenseMlp::forward`].
+    pub fn backward(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: DenseMlpSaved,
+        dy: &Tensor,
+    ) -> Result<Tensor> {
+        match (self, saved) {
+            (DenseMlp::Plain(m), DenseMlpSaved::Plain(s)) => m.backward(cx, site, s, dy),
+            (DenseMlp::Gated(m), DenseMlpSaved::Gated(s)) => m.backward(cx, site, s, dy),
+            _ => megatron_core::invalid!(
+                "a DenseMlp backward got what another variant's forward saved"
+            ),
+        }
+    }
+
+    /// [`DenseMlp::backward`] plus `plus`, another gradient of the input.
+    pub fn backward_plus(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: DenseMlpSaved,
+        dy: &Tensor,
+        plus: &Tensor,
+    ) -> Result<Tensor> {
+        match (self, saved) {
+            (DenseMlp::Plain(m), DenseMlpSaved::Plain(s)) => m.backward_plus(cx, site, s, dy, plus),
+            (DenseMlp::Gated(m), DenseMlpSaved::Gated(s)) => m.backward_plus(cx, site, s, dy, plus),
+            _ => megatron_core::invalid!(
+                "a DenseMlp backward got what another variant's forward saved"
+            ),
+        }
+    }
 }
 
 #[module]

@@ -58,23 +58,52 @@ inventory::submit! {
     }
 }
 
+/// Mixture-of-experts MLPs in every layer: `experts` SwiGLU experts of `ffn`, top-`topk`,
+/// softmax over the chosen experts' logits (Mixtral's and Qwen3-MoE's routing, which
+/// renormalises the top-k probabilities), dropless, with the auxiliary load-balancing loss.
+fn swiglu_experts(experts: usize, topk: usize, ffn: usize, aux_loss: f32) -> MoeConfig {
+    MoeConfig {
+        router: RouterConfig {
+            aux_loss_coeff: aux_loss,
+            ..RouterConfig::new(experts, topk)
+        },
+        ffn_hidden_size: ffn,
+        layer_freq: MoeLayerFreq::Every(1),
+        shared_expert_ffn: None,
+        dispatcher: Default::default(),
+    }
+}
+
+inventory::submit! {
+    ModelPreset {
+        name: "mixtral-tiny",
+        description: "Mixtral-shaped llama-tiny: 4 layers, hidden 128, 4 heads in 2 key/value groups, 8 SwiGLU experts of 160, top-2, RoPE, untied, byte vocabulary: trains on a CPU in minutes",
+        config: || {
+            GptConfig::llama(4, 128, 4, 2, 320, 256, 256, 1e6)
+                .with_moe(swiglu_experts(8, 2, 160, 0.01))
+        },
+    }
+}
+
 inventory::submit! {
     ModelPreset {
         name: "mixtral-8x7b",
-        description: "Mixtral-8x7B-shaped (for inspect): 32 layers, hidden 4096, 32 heads, 8 experts of ffn 14336, top-2; GeLU experts, full heads, learned positions: 32.5B parameters, 9.9B active",
+        description: "Mixtral 8x7B: 32 layers, hidden 4096, 32 heads in 8 key/value groups, 8 SwiGLU experts of 14336, top-2, vocabulary 32,000, RoPE base 10⁶: 46.7B parameters, 12.9B active",
         config: || {
-            let mut c = GptConfig::new(32, 4096, 32, 32000, 32768);
-            c.ffn_hidden_size = 14336;
-            c.with_moe(MoeConfig {
-                router: RouterConfig {
-                    aux_loss_coeff: 0.02,
-                    ..RouterConfig::new(8, 2)
-                },
-                ffn_hidden_size: 14336,
-                layer_freq: MoeLayerFreq::Every(1),
-                shared_expert_ffn: None,
-                dispatcher: Default::default(),
-            })
+            GptConfig::llama(32, 4096, 32, 8, 14336, 32000, 32768, 1e6)
+                .with_moe(swiglu_experts(8, 2, 14336, 0.02))
+        },
+    }
+}
+
+inventory::submit! {
+    ModelPreset {
+        name: "qwen3-30b-a3b",
+        description: "Qwen3-30B-A3B: 48 layers, hidden 2048, 32 heads of 128 in 4 key/value groups, qk-layernorm, 128 SwiGLU experts of 768, top-8: 30.5B parameters, 3.3B active",
+        config: || {
+            let mut c = qwen3(48, 2048, 32, 4, 6144);
+            c.moe = Some(swiglu_experts(128, 8, 768, 0.001));
+            c
         },
     }
 }
@@ -176,7 +205,9 @@ mod tests {
                 "llama3-70b",
                 "llama3-8b",
                 "mixtral-8x7b",
+                "mixtral-tiny",
                 "qwen3-0.6b",
+                "qwen3-30b-a3b",
                 "qwen3-8b"
             ]
         );
@@ -194,19 +225,20 @@ mod tests {
             assert_eq!(c.num_params(1), params, "{name}");
             c.validate_parallel(8, 1, false).unwrap();
         }
+        // The MoE ones (transformers' counts on the meta device): every expert in the total,
+        // top-k experts a layer in the active count (each SwiGLU expert 3·h·ffn).
+        for (name, params, active) in [
+            ("mixtral-8x7b", 46_702_792_704, 12_879_925_248),
+            ("qwen3-30b-a3b", 30_532_122_624, 3_353_032_704),
+        ] {
+            let c = (preset(name).unwrap().config)();
+            assert_eq!(c.num_params(1), params, "{name}");
+            assert_eq!(c.active_params(1), active, "{name} active");
+            c.validate_parallel(4, 8, true).unwrap();
+        }
         let big = (preset("gpt-1.2b").unwrap().config)();
         let params = big.num_params(1) as f64 / 1e9;
         assert!((1.15..1.3).contains(&params), "{params}");
         assert!(preset("gpt-3").is_none());
-        // Mixtral-8x7B has 46.7B parameters, 12.9B active per token. Its experts are SwiGLU
-        // (three h × ffn matrices, 45.1B over 32 layers × 8 experts), these GeLU MLPs (two:
-        // 30.1B); its attention has 8 key-value heads (1.34B), this one full heads (2.15B); and
-        // learned positions add 0.13B: 46.7 − 15.0 + 0.8 + 0.13 ≈ 32.5B. Active: two experts
-        // of each layer (7.5B) and the rest (2.4B).
-        let mixtral = (preset("mixtral-8x7b").unwrap().config)();
-        let total = mixtral.num_params(1) as f64 / 1e9;
-        let active = mixtral.active_params(1) as f64 / 1e9;
-        assert!((32.3..32.7).contains(&total), "{total}");
-        assert!((9.7..10.1).contains(&active), "{active}");
     }
 }

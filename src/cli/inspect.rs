@@ -269,9 +269,13 @@ fn split_name(spec: &ParamSpec) -> String {
             "dim {dim}, each of its {blocks} blocks over {group} ({} parts)",
             spec.parts
         ),
-        Split::Experts { dim } => {
+        Split::Experts { dim, blocks: 1 } => {
             format!("dim 0 over ep, dim {dim} over etp ({} parts)", spec.parts)
         }
+        Split::Experts { dim, blocks } => format!(
+            "dim 0 over ep, each of dim {dim}'s {blocks} blocks over etp ({} parts)",
+            spec.parts
+        ),
     }
 }
 
@@ -302,6 +306,8 @@ fn layer_collectives(
     let mut config = config.clone();
     config.num_layers = 1;
     config.num_attention_heads = tp;
+    config.num_query_groups = config.num_query_groups.map(|_| tp);
+    config.kv_channels = None;
     config.hidden_size = 2 * tp;
     config.ffn_hidden_size = tp;
     if let Some(moe) = &mut config.moe {

@@ -39,11 +39,14 @@ pub enum Split {
     },
     /// Experts' weights `[experts, ..]`: dimension 0 (the expert) cut over expert parallelism
     /// and, in each expert, dimension `dim` over expert tensor parallelism (the expert's
-    /// column- or row-parallel split). Part `ep_rank · etp + etp_rank` of `ep · etp`: the
-    /// rank's index in the expert model-parallel group.
+    /// column- or row-parallel split), as `blocks` blocks each cut as [`Split::Strided`]'s
+    /// (gated experts' fc1: 2). Part `ep_rank · etp + etp_rank` of `ep · etp`: the rank's
+    /// index in the expert model-parallel group.
     Experts {
         /// The dimension split over expert tensor parallelism (at least 1).
         dim: usize,
+        /// The blocks along `dim` (1: one consecutive part per rank).
+        blocks: usize,
     },
 }
 
@@ -156,19 +159,22 @@ impl ParamSpec {
                     logical_start: (self.part * local_block * inner) as u64,
                 }
             }
-            Split::Experts { dim } => {
+            Split::Experts { dim, blocks } => {
                 // The expert-parallel part offsets whole experts; the expert-tensor-parallel
-                // part, dimension `dim` inside each.
+                // part, dimension `dim` inside each, seen as [blocks, block] (the block index
+                // joins the outer loop, the rank's part sits at the same place in each).
                 let local = self.local.dims();
+                let blocks = blocks.max(1);
                 let etp = dims[dim] / local[dim].max(1);
                 let (ep_part, etp_part) = (self.part / etp.max(1), self.part % etp.max(1));
                 let inner: usize = dims[dim + 1..].iter().product();
                 let expert: usize = dims[1..].iter().product();
+                let local_block = local[dim] / blocks;
                 LogicalIndex {
-                    outer: local[..dim].iter().product(),
-                    inner: local[dim] * inner,
-                    logical_stride: (dims[dim] * inner) as u64,
-                    logical_start: (ep_part * local[0] * expert + etp_part * local[dim] * inner)
+                    outer: local[..dim].iter().product::<usize>() * blocks,
+                    inner: local_block * inner,
+                    logical_stride: (dims[dim] / blocks * inner) as u64,
+                    logical_start: (ep_part * local[0] * expert + etp_part * local_block * inner)
                         as u64,
                 }
             }
@@ -532,7 +538,7 @@ impl Builder {
                 local.0[dim] = d / size;
                 (rank, size, local)
             }
-            Split::Experts { dim } => {
+            Split::Experts { dim, blocks } => {
                 let (ep, eps) = self.group(GroupKind::Ep);
                 let (etp, etps) = self.group(GroupKind::Etp);
                 let dims = logical.dims();
@@ -542,11 +548,14 @@ impl Builder {
                          over expert tensor parallelism"
                     );
                 }
-                if !dims[0].is_multiple_of(eps) || !dims[dim].is_multiple_of(etps) {
+                if blocks == 0
+                    || !dims[0].is_multiple_of(eps)
+                    || !dims[dim].is_multiple_of(blocks * etps)
+                {
                     return invalid!(
                         "parameter {name}: {logical} does not split into {eps} expert-parallel \
-                         parts of dimension 0 and {etps} expert-tensor-parallel parts of \
-                         dimension {dim}"
+                         parts of dimension 0 and {etps} expert-tensor-parallel parts of each of \
+                         the {blocks} blocks of dimension {dim}"
                     );
                 }
                 let mut local = logical.clone();
@@ -953,9 +962,21 @@ mod tests {
         }
     }
 
+    /// (local expert, block, row in the rank's part of the block, column) of a `[2, 2·2·2, 3]`
+    /// local part of gated experts.
+    fn gated_part_indices() -> impl Iterator<Item = (usize, usize, usize, usize)> {
+        (0..2).flat_map(|e| {
+            (0..2).flat_map(move |k| (0..2).flat_map(move |j| (0..3).map(move |c| (e, k, j, c))))
+        })
+    }
+
     #[test]
     fn experts_split_over_ep_and_etp_assemble_to_the_logical_tensor() {
-        for (shape, dim) in [([4usize, 6, 3], 1usize), ([4, 3, 6], 2)] {
+        for (shape, dim, blocks) in [
+            ([4usize, 6, 3], 1usize, 1),
+            ([4, 3, 6], 2, 1),
+            ([4, 8, 3], 1, 2),
+        ] {
             let full = Builder::new(7)
                 .param(
                     "e",
@@ -980,7 +1001,7 @@ mod tests {
                         .param(
                             "e",
                             shape,
-                            Split::Experts { dim },
+                            Split::Experts { dim, blocks },
                             Init::Normal { std: 0.1 },
                             true,
                         )
@@ -989,6 +1010,17 @@ mod tests {
                     local[0] /= 2;
                     local[dim] /= 2;
                     assert_eq!(p.spec().local.dims(), local);
+                    if blocks == 2 {
+                        // Local expert e's row j of block k is logical row k·4 + etp·2 + j of
+                        // expert 2·ep + e (each block of 4 rows split in 2).
+                        let values = p.value().to_vec::<f32>().unwrap();
+                        for (e, k, j, c) in gated_part_indices() {
+                            let got = values[((e * 4) + k * 2 + j) * 3 + c];
+                            let row = k * 4 + etp * 2 + j;
+                            let want = full[((2 * ep + e) * 8 + row) * 3 + c];
+                            assert_eq!(got, want, "ep {ep} etp {etp} e {e} block {k} row {j}");
+                        }
+                    }
                     assert_eq!((p.spec().part, p.spec().parts), (2 * ep + etp, 4));
                     assert!(p.spec().is_expert());
                     (p.spec().clone(), p.value().to_vec::<f32>().unwrap())
@@ -1000,7 +1032,13 @@ mod tests {
         }
         let err = Builder::new(0)
             .with_group(GroupKind::Etp, 0, 4)
-            .param("e", [2, 6, 3], Split::Experts { dim: 1 }, Init::ZEROS, true)
+            .param(
+                "e",
+                [2, 6, 3],
+                Split::Experts { dim: 1, blocks: 1 },
+                Init::ZEROS,
+                true,
+            )
             .unwrap_err();
         assert!(
             err.to_string().contains("4 expert-tensor-parallel parts"),

@@ -1,11 +1,13 @@
 //! A rank's local experts as grouped products (Megatron-LM's `GroupedMLP`): every expert is an
-//! MLP `fc2(gelu(fc1(x)))` without biases, its weights one slice of `fc1: [experts, ffn,
-//! hidden]` and `fc2: [experts, hidden, ffn]`, and each product runs for all experts at once
-//! ([`grouped_gemm`]) over their contiguous rows, as the dispatcher lays them out.
+//! MLP `fc2(gelu(fc1(x)))` without biases, or with `--swiglu` the gated `fc2(swiglu(fc1(x)))`
+//! (Mixtral's and Qwen3-MoE's experts, fc1 holding the gate's rows and then the up
+//! projection's), its weights one slice of `fc1: [experts, ffn or 2·ffn, hidden]` and `fc2:
+//! [experts, hidden, ffn]`, and each product runs for all experts at once ([`grouped_gemm`])
+//! over their contiguous rows, as the dispatcher lays them out.
 
 use crate::error::Result;
 use crate::invalid;
-use crate::kernels::elementwise::{gelu_backward, gelu_forward};
+use crate::kernels::elementwise::{gelu_backward, gelu_forward, swiglu_backward, swiglu_forward};
 use crate::kernels::gemm::{Group, MatMut, MatRef, grouped_gemm};
 use crate::tensor::Tensor;
 
@@ -18,6 +20,15 @@ pub struct ExpertShape {
     pub hidden: usize,
     /// Each expert's hidden layer (`--moe-ffn-hidden-size`).
     pub ffn: usize,
+    /// Gated experts (SwiGLU): fc1 has `2·ffn` outputs, the gate's then the up projection's.
+    pub gated: bool,
+}
+
+impl ExpertShape {
+    /// fc1's outputs per expert: `ffn`, or `2·ffn` for gated experts.
+    pub fn fc1_rows(&self) -> usize {
+        if self.gated { 2 * self.ffn } else { self.ffn }
+    }
 }
 
 /// What the experts' backward needs of the forward, where the forward ran.
@@ -26,13 +37,14 @@ pub enum ExpertsSaved {
     /// The host's grouped products (see [`HostKept`]).
     Host(HostKept),
     /// A GPU's: the input rows `[n, hidden]` as the products read them, fc1's output
-    /// `[n, ffn]` (f32) and its GeLU (in the products' dtype), and each local expert's rows.
+    /// `[n, fc1 rows]` (f32) and its activation `[n, ffn]` (in the products' dtype), and each
+    /// local expert's rows.
     Device {
         /// The input rows.
         x: Tensor,
         /// fc1's output.
         pre: Tensor,
-        /// GeLU of it.
+        /// GeLU or SwiGLU of it.
         act: Tensor,
         /// Rows of each local expert, in order.
         rows: Vec<usize>,
@@ -129,10 +141,9 @@ pub(crate) fn check(
     weights: (usize, usize),
 ) -> Result<()> {
     let ExpertShape {
-        experts,
-        hidden,
-        ffn,
+        experts, hidden, ..
     } = *shape;
+    let (fc1_rows, ffn) = (shape.fc1_rows(), shape.ffn);
     let n: usize = rows.iter().sum();
     if rows.len() != experts {
         return invalid!("{} row groups for {experts} local experts", rows.len());
@@ -143,11 +154,12 @@ pub(crate) fn check(
             n * hidden
         );
     }
-    for (name, len) in [("fc1", weights.0), ("fc2", weights.1)] {
-        if len != experts * hidden * ffn {
+    for (name, len, width) in [("fc1", weights.0, fc1_rows), ("fc2", weights.1, ffn)] {
+        if len != experts * hidden * width {
             return invalid!(
-                "the experts' {name} has {len} values, {experts} experts × {ffn} × {hidden} need {}",
-                experts * hidden * ffn
+                "the experts' {name} has {len} values, {experts} experts × {width} × {hidden} \
+                 need {}",
+                experts * hidden * width
             );
         }
     }
@@ -164,13 +176,17 @@ pub fn experts_forward(
     fc2: &[f32],
 ) -> Result<(Vec<f32>, HostKept)> {
     check(shape, rows, x.len(), (fc1.len(), fc2.len()))?;
-    let (h, f) = (shape.hidden, shape.ffn);
+    let (h, f, f1) = (shape.hidden, shape.ffn, shape.fc1_rows());
     let n: usize = rows.iter().sum();
-    // pre = x · fc1ᵀ, act = gelu(pre), y = act · fc2ᵀ.
-    let mut pre = vec![0.0f32; n * f];
-    rows_times_weights(x, h, fc1, (f, h, true), rows, &mut pre)?;
+    // pre = x · fc1ᵀ, act = gelu(pre) or swiglu(pre), y = act · fc2ᵀ.
+    let mut pre = vec![0.0f32; n * f1];
+    rows_times_weights(x, h, fc1, (f1, h, true), rows, &mut pre)?;
     let mut act = vec![0.0f32; n * f];
-    gelu_forward(&pre, &mut act)?;
+    if shape.gated {
+        swiglu_forward(&pre, f, &mut act)?;
+    } else {
+        gelu_forward(&pre, &mut act)?;
+    }
     let mut y = vec![0.0f32; n * h];
     rows_times_weights(&act, f, fc2, (h, f, true), rows, &mut y)?;
     Ok((
@@ -196,18 +212,22 @@ pub fn experts_backward(
     let rows = &saved.rows;
     check(shape, rows, dy.len(), (fc1.len(), fc2.len()))?;
     check(shape, rows, saved.x.len(), (dfc1.len(), dfc2.len()))?;
-    let (h, f) = (shape.hidden, shape.ffn);
+    let (h, f, f1) = (shape.hidden, shape.ffn, shape.fc1_rows());
     let n: usize = rows.iter().sum();
-    // dact = dy · fc2; dfc2 += dyᵀ · act; dpre = gelu'(pre) ⊙ dact; dfc1 += dpreᵀ · x;
-    // dx = dpre · fc1.
+    // dact = dy · fc2; dfc2 += dyᵀ · act; dpre = the activation's backward of dact;
+    // dfc1 += dpreᵀ · x; dx = dpre · fc1.
     let mut dact = vec![0.0f32; n * f];
     rows_times_weights(dy, h, fc2, (h, f, false), rows, &mut dact)?;
     weight_grads(dy, &saved.act, rows, (h, f), dfc2)?;
-    let mut dpre = vec![0.0f32; n * f];
-    gelu_backward(&saved.pre, &dact, &mut dpre)?;
-    weight_grads(&dpre, &saved.x, rows, (f, h), dfc1)?;
+    let mut dpre = vec![0.0f32; n * f1];
+    if shape.gated {
+        swiglu_backward(&saved.pre, &dact, f, &mut dpre)?;
+    } else {
+        gelu_backward(&saved.pre, &dact, &mut dpre)?;
+    }
+    weight_grads(&dpre, &saved.x, rows, (f1, h), dfc1)?;
     let mut dx = vec![0.0f32; n * h];
-    rows_times_weights(&dpre, f, fc1, (f, h, false), rows, &mut dx)?;
+    rows_times_weights(&dpre, f1, fc1, (f1, h, false), rows, &mut dx)?;
     Ok(dx)
 }
 
@@ -258,31 +278,48 @@ mod tests {
 
     #[test]
     fn grouped_experts_are_each_experts_mlp() {
+        for gated in [false, true] {
+            each_expert_alone(gated);
+        }
+    }
+
+    /// The grouped experts against each expert's MLP by plain loops, GeLU or SwiGLU.
+    fn each_expert_alone(gated: bool) {
         let shape = ExpertShape {
             experts: 4,
             hidden: 6,
             ffn: 10,
+            gated,
         };
-        let (h, f) = (shape.hidden, shape.ffn);
+        let (h, f, f1) = (shape.hidden, shape.ffn, shape.fc1_rows());
         let rows = [3usize, 0, 17, 1];
         let n: usize = rows.iter().sum();
         let x = values(n * h, 1);
-        let fc1 = values(4 * f * h, 2);
+        let fc1 = values(4 * f1 * h, 2);
         let fc2 = values(4 * h * f, 3);
         let dy = values(n * h, 4);
         let (y, saved) = experts_forward(&shape, &x, &rows, &fc1, &fc2).unwrap();
         let (mut dfc1, mut dfc2) = (vec![0.5f32; fc1.len()], vec![0.25f32; fc2.len()]);
         let dx =
             experts_backward(&shape, &saved, &dy, (&fc1, &fc2), (&mut dfc1, &mut dfc2)).unwrap();
-        // Each expert on its own rows, by plain loops.
+        // Each expert on its own rows, by plain loops (SwiGLU: silu(gate) · up, written out).
+        let silu = |g: f64| g / (1.0 + (-g).exp());
         let mut at = 0;
         for (g, &r) in rows.iter().enumerate() {
             let xg = &x[at * h..(at + r) * h];
-            let w1 = &fc1[g * f * h..(g + 1) * f * h];
+            let w1 = &fc1[g * f1 * h..(g + 1) * f1 * h];
             let w2 = &fc2[g * h * f..(g + 1) * h * f];
-            let pre = times_t(xg, w1, r, h, f);
+            let pre = times_t(xg, w1, r, h, f1);
             let mut act = vec![0.0; r * f];
-            gelu_forward(&pre, &mut act).unwrap();
+            if gated {
+                for (i, a) in act.iter_mut().enumerate() {
+                    let (row, j) = (i / f, i % f);
+                    let (gate, up) = (pre[row * f1 + j], pre[row * f1 + f + j]);
+                    *a = (silu(f64::from(gate)) * f64::from(up)) as f32;
+                }
+            } else {
+                gelu_forward(&pre, &mut act).unwrap();
+            }
             close(
                 &y[at * h..(at + r) * h],
                 &times_t(&act, w2, r, f, h),
@@ -290,9 +327,23 @@ mod tests {
             );
             let dyg = &dy[at * h..(at + r) * h];
             let dact = times_t(dyg, &transpose(w2, h, f), r, h, f);
-            let mut dpre = vec![0.0; r * f];
-            gelu_backward(&pre, &dact, &mut dpre).unwrap();
-            let want_dx = times_t(&dpre, &transpose(w1, f, h), r, f, h);
+            let mut dpre = vec![0.0; r * f1];
+            if gated {
+                for (i, &d) in dact.iter().enumerate() {
+                    let (row, j) = (i / f, i % f);
+                    let (gate, up) = (
+                        f64::from(pre[row * f1 + j]),
+                        f64::from(pre[row * f1 + f + j]),
+                    );
+                    let sig = 1.0 / (1.0 + (-gate).exp());
+                    let dsilu = sig * (1.0 + gate * (1.0 - sig));
+                    dpre[row * f1 + j] = (f64::from(d) * up * dsilu) as f32;
+                    dpre[row * f1 + f + j] = (f64::from(d) * silu(gate)) as f32;
+                }
+            } else {
+                gelu_backward(&pre, &dact, &mut dpre).unwrap();
+            }
+            let want_dx = times_t(&dpre, &transpose(w1, f1, h), r, f1, h);
             close(&dx[at * h..(at + r) * h], &want_dx, &format!("dx {g}"));
             // dW2 = dyᵀ·act (+ the 0.25 already there), dW1 = dpreᵀ·x (+ 0.5).
             let dw2: Vec<f32> = times_t(&transpose(dyg, r, h), &transpose(&act, r, f), h, r, f)
@@ -304,12 +355,12 @@ mod tests {
                 &dw2,
                 &format!("dfc2 {g}"),
             );
-            let dw1: Vec<f32> = times_t(&transpose(&dpre, r, f), &transpose(xg, r, h), f, r, h)
+            let dw1: Vec<f32> = times_t(&transpose(&dpre, r, f1), &transpose(xg, r, h), f1, r, h)
                 .iter()
                 .map(|v| v + 0.5)
                 .collect();
             close(
-                &dfc1[g * f * h..(g + 1) * f * h],
+                &dfc1[g * f1 * h..(g + 1) * f1 * h],
                 &dw1,
                 &format!("dfc1 {g}"),
             );
@@ -320,5 +371,7 @@ mod tests {
             err.to_string().contains("3 row groups for 4 local experts"),
             "{err}"
         );
+        let err = experts_forward(&shape, &x, &rows, &fc1[1..], &fc2).unwrap_err();
+        assert!(err.to_string().contains("the experts' fc1 has"), "{err}");
     }
 }

@@ -4,10 +4,12 @@
 //!
 //! Its parameters: the router's gate `router.weight` `[experts, hidden]`, whole on every rank
 //! (a dense parameter, reduced over data parallelism), and the experts' `fc1.weight`
-//! `[experts, ffn, hidden]` and `fc2.weight` `[experts, hidden, ffn]`, whose first dimension
+//! `[experts, ffn, hidden]` (gated experts: `[experts, 2·ffn, hidden]`, the gate's rows then
+//! the up projection's) and `fc2.weight` `[experts, hidden, ffn]`, whose first dimension
 //! (the expert) is split over the expert-parallel group, rank r holding the logical experts
 //! r·E/ep .. (r + 1)·E/ep, and each expert's hidden layer over the expert-tensor-parallel group
-//! (fc1 by its outputs, fc2 by its inputs). Checkpoints hold logical experts whatever the ep and
+//! (fc1 by its outputs, each rank its part of the gate and of the up projection; fc2 by its
+//! inputs). Checkpoints hold logical experts whatever the ep and
 //! etp they were saved at, and the experts' gradients go to the expert buffers, reduced over
 //! expert data parallelism.
 
@@ -58,6 +60,8 @@ pub struct RoutedExpertsSpec {
     pub hidden: usize,
     /// Each expert's hidden layer (`--moe-ffn-hidden-size`).
     pub ffn: usize,
+    /// Gated experts (`--swiglu`: SwiGLU instead of GeLU, fc1 twice as wide).
+    pub gated: bool,
     /// The standard deviation of the gate's and fc1's initial values.
     pub init_std: f32,
     /// The standard deviation of fc2's (the residual branch's output layer).
@@ -155,6 +159,7 @@ impl RoutedExperts {
             router,
             hidden,
             ffn,
+            gated,
             init_std,
             out_init_std,
             dispatcher,
@@ -176,8 +181,17 @@ impl RoutedExperts {
                  {etp}"
             );
         }
-        // Each expert's fc1 split by its outputs, fc2 by its inputs (column and row parallel).
-        let (fc1_split, fc2_split) = (Split::Experts { dim: 1 }, Split::Experts { dim: 2 });
+        // Each expert's fc1 split by its outputs (each block: gated experts' gate and up), fc2
+        // by its inputs (column and row parallel).
+        let local = ExpertShape {
+            experts: experts / ep,
+            hidden,
+            ffn: ffn / etp,
+            gated,
+        };
+        let blocks = if gated { 2 } else { 1 };
+        let fc1_split = Split::Experts { dim: 1, blocks };
+        let fc2_split = Split::Experts { dim: 2, blocks: 1 };
         let normal = |std| Init::Normal { std };
         Ok(RoutedExperts {
             // With sequence parallelism the router sees this rank's shard of the tokens: its
@@ -209,7 +223,7 @@ impl RoutedExperts {
             fc1: b.scoped("fc1", |b| {
                 b.param(
                     "weight",
-                    [experts, ffn, hidden],
+                    [experts, blocks * ffn, hidden],
                     fc1_split,
                     normal(init_std),
                     true,
@@ -225,11 +239,7 @@ impl RoutedExperts {
                 )
             })?,
             router,
-            local: ExpertShape {
-                experts: experts / ep,
-                hidden,
-                ffn: ffn / etp,
-            },
+            local,
             dispatcher,
         })
     }

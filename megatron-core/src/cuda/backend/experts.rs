@@ -1,6 +1,6 @@
 //! [`ExpertOps`] on a GPU: each local expert's products on cuBLAS over its rows (views of the
-//! expert-major rows and of the stacked weights, nothing copied), GeLU and its backward as the
-//! dense MLP's kernels. The weights and their gradients stay on the device.
+//! expert-major rows and of the stacked weights, nothing copied), GeLU or SwiGLU and their
+//! backwards as the dense MLPs' kernels. The weights and their gradients stay on the device.
 
 use super::on_gpu;
 use crate::backend::{ElementwiseOps, ExpertOps};
@@ -39,17 +39,17 @@ impl ExpertOps for Gpu {
         (fc1, fc2): (&Tensor, &Tensor),
     ) -> Result<(Tensor, ExpertsSaved)> {
         check(shape, rows, x.numel(), (fc1.numel(), fc2.numel()))?;
-        let (h, f) = (shape.hidden, shape.ffn);
+        let (h, f, f1) = (shape.hidden, shape.ffn, shape.fc1_rows());
         let n: usize = rows.iter().sum();
         // The rows are read by fc1's product now and by fc1's weight gradient later: in the
         // products' dtype, converted once.
         let x = as_operand(&on_gpu(self, x)?)?.reshape([n, h])?;
         let (fc1, fc2) = (
-            fc1.reshape([shape.experts, f, h])?,
+            fc1.reshape([shape.experts, f1, h])?,
             fc2.reshape([shape.experts, h, f])?,
         );
-        // pre = x · fc1ᵀ, act = gelu(pre), y = act · fc2ᵀ, expert by expert.
-        let pre = Tensor::empty_on([n, f], DType::F32, self)?;
+        // pre = x · fc1ᵀ, act = gelu(pre) or swiglu(pre), y = act · fc2ᵀ, expert by expert.
+        let pre = Tensor::empty_on([n, f1], DType::F32, self)?;
         each_expert(rows, |g, at, r| {
             let w = expert(&fc1, g)?;
             Ok(matmul_into(
@@ -62,11 +62,14 @@ impl ExpertOps for Gpu {
         })?;
         let y = Tensor::empty_on([n, h], DType::F32, self)?;
         if n == 0 {
-            let act = pre.clone();
+            let act = Tensor::empty_on([0, f], DType::F32, self)?;
             let rows = rows.to_vec();
             return Ok((y, ExpertsSaved::Device { x, pre, act, rows }));
         }
-        let (act, pre) = self.gelu(&pre)?;
+        let (act, pre) = match shape.gated {
+            true => self.swiglu(&pre, f)?,
+            false => self.gelu(&pre)?,
+        };
         each_expert(rows, |g, at, r| {
             let w = expert(&fc2, g)?;
             Ok(matmul_into(
@@ -91,7 +94,7 @@ impl ExpertOps for Gpu {
         let ExpertsSaved::Device { x, pre, act, rows } = saved else {
             return invalid!("the experts' forward ran on the host, their backward on a GPU");
         };
-        let (e, h, f) = (shape.experts, shape.hidden, shape.ffn);
+        let (e, h, f, f1) = (shape.experts, shape.hidden, shape.ffn, shape.fc1_rows());
         let n: usize = rows.iter().sum();
         check(
             shape,
@@ -106,7 +109,7 @@ impl ExpertOps for Gpu {
         let dx = Tensor::empty_on([n, h], DType::F32, self)?;
         // dy is read by fc2's input and weight gradients: converted once.
         let dy = as_operand(&on_gpu(self, dy)?)?.reshape([n, h])?;
-        let w1 = fc1.compute_value().reshape([e, f, h])?;
+        let w1 = fc1.compute_value().reshape([e, f1, h])?;
         let w2 = fc2.compute_value().reshape([e, h, f])?;
         // dact = dy · fc2, dfc2 += dyᵀ · act.
         let dact = Tensor::empty_on([n, f], DType::F32, self)?;
@@ -133,10 +136,13 @@ impl ExpertOps for Gpu {
                 )?)
             })
         })?;
-        // dpre = gelu'(pre) ⊙ dact, dfc1 += dpreᵀ · x, dx = dpre · fc1.
-        let dpre = self.gelu_backward(pre, &dact)?;
+        // dpre = the activation's backward of dact, dfc1 += dpreᵀ · x, dx = dpre · fc1.
+        let dpre = match shape.gated {
+            true => self.swiglu_backward(pre, &dact, f)?,
+            false => self.gelu_backward(pre, &dact)?,
+        };
         fc1.accumulate_grad(|grad| {
-            let grad = grad.reshape([e, f, h])?;
+            let grad = grad.reshape([e, f1, h])?;
             each_expert(rows, |g, at, r| {
                 let (dpre_g, x_g) = (dpre.narrow(0, at, r)?, x.narrow(0, at, r)?);
                 Ok(matmul_into(
