@@ -71,7 +71,7 @@ fn tensors(dir: &Path) -> HashMap<String, (Vec<usize>, Vec<u32>)> {
 #[test]
 fn imported_llama_mistral_and_qwen_give_transformers_logits_and_export_back() {
     let dir = TempDir::new("hf-llama");
-    for name in ["llama", "mistral", "qwen2", "qwen3"] {
+    for name in ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"] {
         let hf = golden(name);
         let reference: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(hf.join("reference.json")).unwrap())
@@ -170,11 +170,44 @@ fn what_the_importer_cannot_honour_is_refused_by_name() {
     assert!(with("attention_bias", true.into()).contains("`attention_bias` = true"));
     let rope = serde_json::json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0});
     assert!(with("rope_parameters", rope).contains("rope type `yarn`"));
+    // The mixtures of experts: what their routing cannot be is refused, and a missing count
+    // named.
     let err = with("architectures", serde_json::json!(["MixtralForCausalLM"]));
+    assert!(err.contains("`num_local_experts` is missing"), "{err}");
+    let moe: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(golden("qwen3_moe").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let moe_with = |key: &str, value: serde_json::Value| {
+        let mut c = moe.clone();
+        c[key] = value;
+        hf_llama::config_from_hf(&c)
+    };
+    let err = moe_with("router_jitter_noise", 0.01.into()).unwrap_err();
     assert!(
-        err.contains("MixtralForCausalLM has SwiGLU experts"),
+        err.to_string().contains("`router_jitter_noise` 0.01"),
         "{err}"
     );
+    let err = moe_with("shared_expert_intermediate_size", 64.into()).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("`shared_expert_intermediate_size`"),
+        "{err}"
+    );
+    // Older Qwen3-MoE files count the experts in `num_experts`; `decoder_sparse_step` 2 and
+    // `mlp_only_layers` [1] leave layer 0 dense too (layer i is routed when (i + 1) % step is
+    // 0), and `norm_topk_prob` renormalises (Megatron-LM's softmax over the top-k).
+    let mut older = moe.clone();
+    let experts = older.as_object_mut().unwrap().remove("num_local_experts");
+    older["num_experts"] = experts.unwrap();
+    older["num_hidden_layers"] = 4.into();
+    older["decoder_sparse_step"] = 2.into();
+    older["norm_topk_prob"] = true.into();
+    let c = hf_llama::config_from_hf(&older).unwrap();
+    assert_eq!(c.moe_layers().unwrap(), [false, false, false, true]);
+    let moe = c.moe.unwrap();
+    assert_eq!((moe.router.num_experts, moe.router.topk), (4, 2));
+    assert!(!moe.router.pre_softmax);
     // The older form of the RoPE settings: top-level rope_theta and rope_scaling with `type`.
     let mut old = base.clone();
     old.as_object_mut().unwrap().remove("rope_parameters");

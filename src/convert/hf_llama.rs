@@ -1,15 +1,19 @@
 //! Hugging Face's Llama-family decoders (`LlamaForCausalLM`, `MistralForCausalLM` without a
-//! sliding window, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`: `config.json` and
-//! `model.safetensors`, or shards named by `model.safetensors.index.json`) to and from
-//! megatron-rs checkpoints.
+//! sliding window, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, and the mixtures of experts
+//! `MixtralForCausalLM` and `Qwen3MoeForCausalLM`: `config.json` and `model.safetensors`, or
+//! shards named by `model.safetensors.index.json`) to and from megatron-rs checkpoints.
 //!
-//! The layouts differ in two places, both Megatron-LM's: the separate `q_proj`, `k_proj` and
+//! The layouts differ in three places, all Megatron-LM's: the separate `q_proj`, `k_proj` and
 //! `v_proj` become one QKV projection laid out per query group (each group's queries, then its
-//! key and its value), and `gate_proj` and `up_proj` become one `fc1`, the gate's rows then the
-//! up projection's. Hugging Face's rotary embeddings already turn rotate-half pairs, as
-//! Megatron-LM's default: no permutation of the queries and keys. A setting the model cannot
-//! honour (another rope type, a sliding window, an activation other than SiLU, experts) is
-//! refused by name, never ignored.
+//! key and its value); `gate_proj` and `up_proj` (Mixtral's experts: `w1` and `w3`) become one
+//! `fc1`, the gate's rows then the up projection's; and the experts' separate matrices become
+//! stacked `[experts, ..]` tensors. Hugging Face's rotary embeddings already turn rotate-half
+//! pairs, as Megatron-LM's default: no permutation of the queries and keys. Routing: Mixtral's
+//! softmax over all experts renormalised over the top-k (Qwen3-MoE's `norm_topk_prob`) is the
+//! softmax of the top-k logits, Megatron-LM's default; Qwen3-MoE without `norm_topk_prob` is
+//! `--moe-router-pre-softmax`. A setting the model cannot honour (another rope type, a sliding
+//! window, an activation other than SiLU, router jitter, shared experts) is refused by name,
+//! never ignored.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -17,19 +21,49 @@ use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 use megatron_core::checkpoint::{self, Whole};
+use megatron_core::moe::{RouterConfig, ScoreFunction};
 use megatron_core::tensor_parallel::{Llama3Scaling, Normalization, Rotary};
-use megatron_models::{GptConfig, PositionEmbeddingType};
+use megatron_models::{GptConfig, MoeConfig, MoeLayerFreq, PositionEmbeddingType};
 use serde_json::{Value, json};
 
 use super::hf_gpt2::{read_safetensors, refuse_existing};
 
 /// The architectures read here.
-pub const ARCHITECTURES: [&str; 4] = [
+pub const ARCHITECTURES: [&str; 6] = [
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 ];
+
+/// Hugging Face's names of a MoE layer's tensors: the router's and each expert's gate, up and
+/// down projections (`{e}` the expert).
+struct ExpertNames {
+    router: &'static str,
+    gate: &'static str,
+    up: &'static str,
+    down: &'static str,
+}
+
+/// Mixtral's (`block_sparse_moe`, `w1`/`w3`/`w2`) or Qwen3-MoE's (`mlp`, Llama's names).
+fn expert_names(arch: &str) -> ExpertNames {
+    match arch {
+        "MixtralForCausalLM" => ExpertNames {
+            router: "block_sparse_moe.gate.weight",
+            gate: "block_sparse_moe.experts.{e}.w1.weight",
+            up: "block_sparse_moe.experts.{e}.w3.weight",
+            down: "block_sparse_moe.experts.{e}.w2.weight",
+        },
+        _ => ExpertNames {
+            router: "mlp.gate.weight",
+            gate: "mlp.experts.{e}.gate_proj.weight",
+            up: "mlp.experts.{e}.up_proj.weight",
+            down: "mlp.experts.{e}.down_proj.weight",
+        },
+    }
+}
 
 /// The architecture named by a `config.json` (its first `architectures` entry).
 pub fn architecture(config: &Value) -> Option<&str> {
@@ -89,12 +123,6 @@ fn rotary(config: &Value, default_theta: f64) -> Result<Rotary> {
 /// The architecture a Llama-family `config.json` describes.
 pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
     let arch = architecture(config).unwrap_or("LlamaForCausalLM");
-    if matches!(arch, "MixtralForCausalLM" | "Qwen3MoeForCausalLM") {
-        bail!(
-            "config.json: {arch} has SwiGLU experts, which megatron-rs does not build yet (its \
-             experts are GeLU MLPs)"
-        );
-    }
     if !ARCHITECTURES.contains(&arch) {
         bail!(
             "config.json: architecture {arch} is not supported (GPT2LMHeadModel, {})",
@@ -142,8 +170,9 @@ pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
         "Qwen3ForCausalLM" => 128,
         _ => hidden / heads.max(1),
     });
+    // transformers' defaults where the file has no RoPE base.
     let default_theta = match arch {
-        "Qwen2ForCausalLM" | "Qwen3ForCausalLM" => 1e6,
+        "MixtralForCausalLM" => 1e6,
         _ => 10000.0,
     };
     let mut c = GptConfig::llama(
@@ -159,30 +188,135 @@ pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
     c.rotary = rotary(config, default_theta)?;
     c.kv_channels = (head_dim != hidden / heads.max(1)).then_some(head_dim);
     c.num_query_groups = Some(groups);
-    c.layernorm_epsilon = config["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32;
+    let default_eps = if arch == "MixtralForCausalLM" {
+        1e-5
+    } else {
+        1e-6
+    };
+    c.layernorm_epsilon = config["rms_norm_eps"].as_f64().unwrap_or(default_eps) as f32;
     c.untie_embeddings_and_output_weights = !flag("tie_word_embeddings");
     c.add_qkv_bias = arch == "Qwen2ForCausalLM";
-    c.qk_layernorm = arch == "Qwen3ForCausalLM";
+    c.qk_layernorm = matches!(arch, "Qwen3ForCausalLM" | "Qwen3MoeForCausalLM");
+    c.moe = moe_from_hf(config, arch, c.num_layers)?;
     c.attention_dropout = config["attention_dropout"].as_f64().unwrap_or(0.0) as f32;
     c.init_method_std = config["initializer_range"].as_f64().unwrap_or(0.02) as f32;
     Ok(c)
 }
 
+/// The mixture of experts of a Mixtral or Qwen3-MoE `config.json` (`None` for the dense
+/// architectures): every layer's MLP routed over `num_local_experts` (Qwen3-MoE's older files:
+/// `num_experts`) SwiGLU experts, top `num_experts_per_tok`, dropless, with
+/// `router_aux_loss_coef` as the aux loss's coefficient; Qwen3-MoE's dense layers are those in
+/// `mlp_only_layers` and those `decoder_sparse_step` skips.
+fn moe_from_hf(config: &Value, arch: &str, layers: usize) -> Result<Option<MoeConfig>> {
+    if !matches!(arch, "MixtralForCausalLM" | "Qwen3MoeForCausalLM") {
+        return Ok(None);
+    }
+    let int = |keys: &[&str]| -> Result<usize> {
+        keys.iter()
+            .find_map(|k| config[*k].as_u64())
+            .map(|v| v as usize)
+            .with_context(|| format!("config.json: `{}` is missing or not a number", keys[0]))
+    };
+    let experts = int(&["num_local_experts", "num_experts"])?;
+    let topk = int(&["num_experts_per_tok"])?;
+    if let Some(jitter) = config["router_jitter_noise"].as_f64()
+        && jitter != 0.0
+    {
+        bail!(
+            "config.json: `router_jitter_noise` {jitter} (noise on the router's input) is not supported"
+        );
+    }
+    if config["shared_expert_intermediate_size"]
+        .as_u64()
+        .unwrap_or(0)
+        > 0
+    {
+        bail!(
+            "config.json: `shared_expert_intermediate_size` (Qwen2-MoE's gated shared expert) is not supported"
+        );
+    }
+    let qwen = arch == "Qwen3MoeForCausalLM";
+    let ffn = if qwen {
+        int(&["moe_intermediate_size"])?
+    } else {
+        int(&["intermediate_size"])?
+    };
+    // Qwen3-MoE renormalises the top-k probabilities only with `norm_topk_prob`; Mixtral always.
+    let pre_softmax = qwen && config["norm_topk_prob"].as_bool() != Some(true);
+    let step = config["decoder_sparse_step"].as_u64().unwrap_or(1) as usize;
+    let dense: Vec<usize> = match &config["mlp_only_layers"] {
+        Value::Array(list) => list
+            .iter()
+            .map(|v| v.as_u64().map(|v| v as usize))
+            .collect::<Option<_>>()
+            .context("config.json: `mlp_only_layers` is not a list of layer numbers")?,
+        Value::Null => Vec::new(),
+        other => bail!("config.json: `mlp_only_layers` is {other}, not a list"),
+    };
+    if qwen && step == 0 {
+        bail!("config.json: `decoder_sparse_step` is 0");
+    }
+    let pattern: Vec<bool> = (0..layers)
+        .map(|i| !qwen || (!dense.contains(&i) && (i + 1) % step == 0))
+        .collect();
+    let layer_freq = if pattern.iter().all(|&m| m) {
+        MoeLayerFreq::Every(1)
+    } else {
+        MoeLayerFreq::Pattern(pattern.iter().map(|&m| u8::from(m)).collect())
+    };
+    Ok(Some(MoeConfig {
+        router: RouterConfig {
+            pre_softmax,
+            aux_loss_coeff: config["router_aux_loss_coef"].as_f64().unwrap_or(0.0) as f32,
+            ..RouterConfig::new(experts, topk)
+        },
+        ffn_hidden_size: ffn,
+        layer_freq,
+        shared_expert_ffn: None,
+        dispatcher: Default::default(),
+    }))
+}
+
+/// Whether a model's routing is the softmax top-k of Mixtral and Qwen3-MoE (no score
+/// scaling, no expert bias, no capacity, no shared experts): what Hugging Face can run.
+fn hf_routing(moe: &MoeConfig) -> bool {
+    let r = &moe.router;
+    r.score_function == ScoreFunction::Softmax
+        && r.topk_scaling_factor.is_none()
+        && r.capacity_factor.is_none()
+        && !r.expert_bias
+        && moe.shared_expert_ffn.is_none()
+}
+
 /// The Hugging Face architecture of a Llama-family config: Qwen3 with query and key norms,
-/// Qwen2 with a QKV bias alone, Llama otherwise; `None` for a model none of them is (GPT-2's).
+/// Qwen2 with a QKV bias alone, Llama otherwise; with experts, Qwen3-MoE with query and key
+/// norms, Mixtral (every layer routed, the top-k renormalised) without; `None` for a model
+/// none of them is (GPT-2's).
 pub fn hf_architecture(c: &GptConfig) -> Option<&'static str> {
     let llama = c.normalization == Normalization::RmsNorm
         && c.swiglu
         && !c.add_bias_linear
         && c.position_embedding_type == PositionEmbeddingType::Rope
-        && !c.rotary.interleaved
-        && c.moe.is_none();
-    match (llama, c.qk_layernorm, c.add_qkv_bias) {
-        (false, ..) => None,
-        (true, true, false) => Some("Qwen3ForCausalLM"),
-        (true, false, true) => Some("Qwen2ForCausalLM"),
-        (true, false, false) => Some("LlamaForCausalLM"),
-        (true, true, true) => None,
+        && !c.rotary.interleaved;
+    if !llama {
+        return None;
+    }
+    let Some(moe) = &c.moe else {
+        return match (c.qk_layernorm, c.add_qkv_bias) {
+            (true, false) => Some("Qwen3ForCausalLM"),
+            (false, true) => Some("Qwen2ForCausalLM"),
+            (false, false) => Some("LlamaForCausalLM"),
+            (true, true) => None,
+        };
+    };
+    let every_layer = c.moe_layers().is_ok_and(|l| l.iter().all(|&m| m));
+    match (hf_routing(moe), c.qk_layernorm, c.add_qkv_bias) {
+        (true, true, false) => Some("Qwen3MoeForCausalLM"),
+        (true, false, false) if every_layer && !moe.router.pre_softmax => {
+            Some("MixtralForCausalLM")
+        }
+        _ => None,
     }
 }
 
@@ -193,6 +327,8 @@ pub fn config_to_hf(c: &GptConfig, arch: &str, eod: Option<u32>) -> Value {
     let model_type = match arch {
         "Qwen3ForCausalLM" => "qwen3",
         "Qwen2ForCausalLM" => "qwen2",
+        "MixtralForCausalLM" => "mixtral",
+        "Qwen3MoeForCausalLM" => "qwen3_moe",
         _ => "llama",
     };
     let mut v = json!({
@@ -230,6 +366,29 @@ pub fn config_to_hf(c: &GptConfig, arch: &str, eod: Option<u32>) -> Value {
     }
     if model_type != "llama" {
         v["use_sliding_window"] = json!(false);
+        v["sliding_window"] = Value::Null;
+    }
+    if let Some(moe) = &c.moe {
+        v["num_local_experts"] = json!(moe.router.num_experts);
+        v["num_experts"] = json!(moe.router.num_experts);
+        v["num_experts_per_tok"] = json!(moe.router.topk);
+        v["router_aux_loss_coef"] = json!(moe.router.aux_loss_coeff);
+        if model_type == "mixtral" {
+            v["intermediate_size"] = json!(moe.ffn_hidden_size);
+        } else {
+            v["moe_intermediate_size"] = json!(moe.ffn_hidden_size);
+            v["norm_topk_prob"] = json!(!moe.router.pre_softmax);
+            v["decoder_sparse_step"] = json!(1);
+            let dense: Vec<usize> = c
+                .moe_layers()
+                .unwrap_or_default()
+                .iter()
+                .enumerate()
+                .filter(|(_, m)| !**m)
+                .map(|(i, _)| i)
+                .collect();
+            v["mlp_only_layers"] = json!(dense);
+        }
     }
     v
 }
@@ -321,6 +480,29 @@ fn stack(a: &Whole, b: &Whole) -> Whole {
     }
 }
 
+/// The experts' matrices stacked into one `[experts, ..]` tensor.
+fn stack_experts(each: &[Whole]) -> Whole {
+    let mut shape = vec![each.len()];
+    shape.extend(each.first().map_or(&[][..], |t| &t.shape[..]));
+    Whole {
+        shape,
+        data: each.iter().flat_map(|t| t.data.iter().copied()).collect(),
+    }
+}
+
+/// Each expert's matrix of a stacked `[experts, ..]` tensor (the inverse of
+/// [`stack_experts`]).
+fn unstack_experts(t: &Whole) -> Vec<Whole> {
+    let experts = t.shape.first().copied().unwrap_or(0);
+    let each: usize = t.shape[1..].iter().product();
+    (0..experts)
+        .map(|x| Whole {
+            shape: t.shape[1..].to_vec(),
+            data: t.data[x * each..(x + 1) * each].to_vec(),
+        })
+        .collect()
+}
+
 /// `t`'s first `rows` rows and the rest.
 fn unstack(t: &Whole, rows: usize) -> [Whole; 2] {
     let cols: usize = t.shape[1..].iter().product();
@@ -360,6 +542,8 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
     };
     let (h, f, v) = (c.hidden_size, c.ffn_hidden_size, c.vocab_size);
     let (heads, groups, d) = (c.num_attention_heads, c.query_groups(), c.head_dim());
+    let arch = architecture(&config).unwrap_or("LlamaForCausalLM");
+    let moe_layers = c.moe_layers()?;
     let mut model = BTreeMap::new();
     model.insert(
         "wte.weight".to_string(),
@@ -400,6 +584,25 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
             ours("attn.proj.weight"),
             take(&hf_name("self_attn.o_proj.weight"), &[h, heads * d])?,
         );
+        if let (Some(moe), true) = (&c.moe, moe_layers[i]) {
+            let (e, f) = (moe.router.num_experts, moe.ffn_hidden_size);
+            let names = expert_names(arch);
+            let expert = |pattern: &str, x: usize| hf_name(&pattern.replace("{e}", &x.to_string()));
+            model.insert(
+                ours("mlp.experts.router.weight"),
+                take(&hf_name(names.router), &[e, h])?,
+            );
+            let (mut fc1, mut fc2) = (Vec::with_capacity(e), Vec::with_capacity(e));
+            for x in 0..e {
+                let gate = take(&expert(names.gate, x), &[f, h])?;
+                let up = take(&expert(names.up, x), &[f, h])?;
+                fc1.push(stack(&gate, &up));
+                fc2.push(take(&expert(names.down, x), &[h, f])?);
+            }
+            model.insert(ours("mlp.experts.fc1.weight"), stack_experts(&fc1));
+            model.insert(ours("mlp.experts.fc2.weight"), stack_experts(&fc2));
+            continue;
+        }
         let gate = take(&hf_name("mlp.gate_proj.weight"), &[f, h])?;
         let up = take(&hf_name("mlp.up_proj.weight"), &[f, h])?;
         model.insert(ours("mlp.fc1.weight"), stack(&gate, &up));
@@ -432,13 +635,7 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
     if let Some(extra) = hf.keys().next() {
         bail!("{}: unexpected tensor `{extra}`", hf_dir.display());
     }
-    super::save_imported(
-        hf_dir,
-        out,
-        &c,
-        &model,
-        architecture(&config).unwrap_or("LlamaForCausalLM"),
-    )?;
+    super::save_imported(hf_dir, out, &c, &model, arch)?;
     Ok(c)
 }
 
@@ -452,11 +649,14 @@ pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<(&'static str, GptConfig)> {
         .with_context(|| format!("{}: the model config", loaded.dir().display()))?;
     let Some(arch) = hf_architecture(&c) else {
         bail!(
-            "{}: the model is not one of Hugging Face's Llama, Qwen2 or Qwen3 decoders (RMSNorm, \
-             SwiGLU, no biases but Qwen2's QKV bias, rotate-half RoPE, no experts)",
+            "{}: the model is not one of Hugging Face's Llama, Qwen2, Qwen3, Mixtral or \
+             Qwen3-MoE decoders (RMSNorm, SwiGLU, no biases but Qwen2's QKV bias, rotate-half \
+             RoPE; experts routed by softmax top-k without capacity, expert bias or shared \
+             experts, Mixtral's in every layer and renormalised)",
             loaded.dir().display()
         );
     };
+    let moe_layers = c.moe_layers()?;
     let tokenizer = super::checkpoint_tokenizer(ckpt, loaded.dir())?;
     let (heads, groups, d, f) = (
         c.num_attention_heads,
@@ -502,6 +702,23 @@ pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<(&'static str, GptConfig)> {
             hf_name("self_attn.o_proj.weight"),
             get(&ours("attn.proj.weight"))?,
         );
+        if let (Some(moe), true) = (&c.moe, moe_layers[i]) {
+            let names = expert_names(arch);
+            let expert = |pattern: &str, x: usize| hf_name(&pattern.replace("{e}", &x.to_string()));
+            hf.insert(
+                hf_name(names.router),
+                get(&ours("mlp.experts.router.weight"))?,
+            );
+            let fc1 = unstack_experts(&get(&ours("mlp.experts.fc1.weight"))?);
+            let fc2 = unstack_experts(&get(&ours("mlp.experts.fc2.weight"))?);
+            for (x, (fc1, fc2)) in fc1.iter().zip(fc2).enumerate() {
+                let [gate, up] = unstack(fc1, moe.ffn_hidden_size);
+                hf.insert(expert(names.gate, x), gate);
+                hf.insert(expert(names.up, x), up);
+                hf.insert(expert(names.down, x), fc2);
+            }
+            continue;
+        }
         let [gate, up] = unstack(&get(&ours("mlp.fc1.weight"))?, f);
         hf.insert(hf_name("mlp.gate_proj.weight"), gate);
         hf.insert(hf_name("mlp.up_proj.weight"), up);

@@ -3,7 +3,7 @@ transformers itself: tiny random models of each architecture, saved as transform
 with the logits transformers computes for fixed tokens and its greedy continuation.
 
     python3 -m venv venv && venv/bin/pip install torch transformers safetensors
-    venv/bin/python tools/golden/hf_llama.py tests/data/hf
+    venv/bin/python tools/golden/hf_llama.py tests/data/hf [NAME ...]
 
 Each model lands in OUT/<name>/ (config.json, model.safetensors or shards with their index)
 with reference.json: the tokens, the logits [seq, vocab] in f32, and the greedy continuation of
@@ -74,11 +74,48 @@ MODELS = {
         dict(COMMON, head_dim=16, tie_word_embeddings=False, use_sliding_window=False, rms_norm_eps=1e-6),
         None,
     ),
+    # Mixtral: 4 SwiGLU experts of 24 in every layer, top-2 renormalised.
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        dict(
+            COMMON,
+            intermediate_size=24,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            router_jitter_noise=0.0,
+            sliding_window=None,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+        ),
+        None,
+    ),
+    # Qwen3-MoE: 4 experts of 16, top-2 without renormalising (norm_topk_prob false), the
+    # second layer dense (mlp_only_layers), query and key norms, heads of 16.
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            COMMON,
+            head_dim=16,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            rms_norm_eps=1e-6,
+        ),
+        None,
+    ),
 }
 
 
-def main(out: Path) -> None:
+def main(out: Path, only: list) -> None:
     for seed, (name, (config_class, model_class, kwargs, shard)) in enumerate(MODELS.items()):
+        if only and name not in only:
+            continue
         torch.manual_seed(1000 + seed)
         config = config_class(**kwargs)
         model = model_class(config).to(torch.float32).eval()
@@ -123,4 +160,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:])
