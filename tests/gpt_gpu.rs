@@ -469,6 +469,31 @@ fn moe_training_on_the_gpu_follows_the_cpu_run() {
     );
 }
 
+/// Mixtral's SwiGLU experts on the GPU (their fc1 of gate and up rows, the SwiGLU kernel and
+/// its backward over the experts' rows) follow the CPU run at ep 2, and with each expert's gate
+/// and up projection split over two expert-tensor-parallel ranks.
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn swiglu_experts_on_the_gpu_follow_the_cpu_run() {
+    let mixtral = |ep, device| {
+        let mut job = moe_job(2, ep, device);
+        job.model_name = "mixtral-tiny".to_string();
+        job.model = (preset("mixtral-tiny").expect("mixtral-tiny").config)();
+        job.model.num_layers = 2;
+        job
+    };
+    let cpu = curve(&mixtral(2, Placement::Cpu));
+    assert_close(
+        &curve(&mixtral(2, F32)),
+        &cpu,
+        2e-4,
+        "SwiGLU experts: GPU vs CPU at ep 2",
+    );
+    let mut etp = mixtral(1, F32);
+    etp.etp = 2;
+    assert_close(&curve(&etp), &cpu, 2e-4, "SwiGLU experts: GPU etp 2 vs CPU");
+}
+
 /// A MoE step on the GPU keeps its activations, weights, gradients and routing on the device:
 /// the experts' products run on cuBLAS over views of the stacked weights; the dispatcher's
 /// permutations, the combine and their backwards on the device's row kernels, with index

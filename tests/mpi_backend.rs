@@ -534,9 +534,10 @@ fn training_under_mpirun_equals_training_on_threads() {
     processes_train_as_threads("train", &args, "mpi", &[]);
 }
 
-/// The Llama family's blocks between processes (llama-tiny: RMSNorm, grouped-query attention
-/// with rotary embeddings, SwiGLU, the untied output layer; and the qk-layernorm, its weights'
-/// gradients summed over tp) at tp 2 × pp 2, as on thread ranks.
+/// The Llama family's blocks between processes (mixtral-tiny: RMSNorm, grouped-query
+/// attention with rotary embeddings, SwiGLU experts over ep 2, the untied output layer; and the
+/// qk-layernorm, its weights' gradients summed over tp) at tp 2 with sequence parallelism × pp
+/// 2, as on thread ranks.
 #[test]
 fn llama_training_under_mpirun_equals_thread_ranks() {
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
@@ -544,9 +545,12 @@ fn llama_training_under_mpirun_equals_thread_ranks() {
     }
     let args = [
         "--model",
-        "llama-tiny",
+        "mixtral-tiny",
         "--qk-layernorm",
         "--tp",
+        "2",
+        "--sequence-parallel",
+        "--ep",
         "2",
         "--pp",
         "2",
@@ -815,8 +819,9 @@ fn sequence_parallel_training_with_nccl_under_mpirun_follows_thread_ranks_on_one
     );
 }
 
-/// llama-tiny with the qk-layernorm over NCCL (tp 2 × dp 2, sequence parallelism): the Llama
-/// blocks' kernels on each process's GPU, as thread ranks sharing one.
+/// mixtral-tiny with the qk-layernorm over NCCL (tp 2 × dp 2, sequence parallelism, its
+/// SwiGLU experts over ep 2): the Llama blocks' and the experts' kernels on each process's
+/// GPU, as thread ranks sharing one.
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs 4 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
@@ -826,11 +831,13 @@ fn llama_training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
     }
     let args = [
         "--model",
-        "llama-tiny",
+        "mixtral-tiny",
         "--qk-layernorm",
         "--tp",
         "2",
         "--dp",
+        "2",
+        "--ep",
         "2",
         "--sequence-parallel",
         "--train-iters",

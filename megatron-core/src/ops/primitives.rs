@@ -54,7 +54,8 @@ pub fn swiglu(_cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, SwigluSaved)
     let width = x.dims().last().copied().unwrap_or(0);
     if width == 0 || !width.is_multiple_of(2) {
         return invalid!(
-            "swiglu: the input's last dimension ({width}, shape {}) is not the gate and the up              projection side by side (an even width)",
+            "swiglu: the input's last dimension ({width}, shape {}) is not the gate and the up \
+             projection side by side (an even width)",
             x.shape()
         );
     }
