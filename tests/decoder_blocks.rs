@@ -112,8 +112,9 @@ fn the_config_counts_the_parameters_the_model_builds() {
     }
 }
 
-/// The flags of the command-line runs: gpt-tiny cut to 4 layers with the three blocks on.
-const COMMON: [&str; 22] = [
+/// The flags of the command-line runs: gpt-tiny cut to 4 layers with the Llama blocks on, and a
+/// sliding window of 5 keys in layers 1 and 3 (every second layer attends to all).
+const COMMON: [&str; 26] = [
     "train",
     "--quiet",
     "--num-layers",
@@ -136,6 +137,10 @@ const COMMON: [&str; 22] = [
     "--group-query-attention",
     "--num-query-groups=2",
     "--qk-layernorm",
+    "--window-size",
+    "5,0",
+    "--window-attn-skip-freq",
+    "2",
 ];
 
 #[test]
@@ -398,4 +403,13 @@ fn the_blocks_flags_are_checked() {
         stderr.contains("possible values: LayerNorm, RMSNorm"),
         "{stderr}"
     );
+    for (window, says) in [
+        ("-1,0", "the left part of `-1,0` must be 0 or more"),
+        ("4,1", "the right part of `4,1` must be 0"),
+        ("4", "`4` is not LEFT,RIGHT"),
+    ] {
+        let (ok, _, stderr) = megatron(&["train", "--window-size", window]);
+        assert!(!ok);
+        assert!(stderr.contains(says), "{window}: {stderr}");
+    }
 }

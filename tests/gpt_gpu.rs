@@ -172,10 +172,9 @@ fn gpt_training_on_the_gpu_follows_the_cpu_run() {
 }
 
 /// The Llama-family blocks on the GPU (RMSNorm, SwiGLU's gated MLP, no linear biases, rotary
-/// embeddings, grouped-query attention, qk-layernorm, an untied output layer: their CUDA
-/// kernels) follow the CPU run, in f32 and bf16
-/// products, at tp 1 and with the gated fc1 split over tp 2 (flash attention on turned
-/// queries and keys).
+/// embeddings, grouped-query attention, qk-layernorm, an untied output layer, a sliding
+/// window: their CUDA kernels) follow the CPU run, in f32 and bf16 products, at tp 1 and with
+/// the gated fc1 split over tp 2 (flash attention on turned queries and keys).
 #[test]
 #[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn llama_blocks_on_the_gpu_follow_the_cpu_run() {
@@ -189,6 +188,9 @@ fn llama_blocks_on_the_gpu_follow_the_cpu_run() {
         job.model.untie_embeddings_and_output_weights = true;
         job.model.num_query_groups = Some(2);
         job.model.qk_layernorm = true;
+        // A sliding window of 9 keys before each query (the unfused softmax's and the flash
+        // kernels' masks).
+        job.model.window_size = Some(9);
         job
     };
     let cpu = curve(&llama(1, Placement::Cpu));

@@ -1,6 +1,8 @@
 //! Hugging Face's Llama-family decoders against transformers itself: tiny random Llama (Llama
 //! 3.1's scaled RoPE, grouped-query attention, untied, saved in four shards with their index),
-//! Mistral, Qwen2 (QKV bias, tied) and Qwen3 (heads of 16 over hidden 32, query and key norms)
+//! Mistral (without and with a sliding window of 4), Qwen2 (QKV bias, tied; also with a window
+//! of 3 in its second layer) and Qwen3 (heads of 16 over hidden 32, query and key norms),
+//! Mixtral and Qwen3-MoE (SwiGLU experts)
 //! made and saved by transformers 5.24 (`tools/golden/hf_llama.py`, `tests/data/hf/`), with the
 //! logits and greedy continuation transformers computed. Each is imported, gives those logits
 //! and that continuation at tp 1 and tp 2, and exports back to the same tensors and a config
@@ -71,7 +73,16 @@ fn tensors(dir: &Path) -> HashMap<String, (Vec<usize>, Vec<u32>)> {
 #[test]
 fn imported_llama_mistral_and_qwen_give_transformers_logits_and_export_back() {
     let dir = TempDir::new("hf-llama");
-    for name in ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"] {
+    for name in [
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "mixtral",
+        "qwen3_moe",
+        "mistral_window",
+        "qwen2_window",
+    ] {
         let hf = golden(name);
         let reference: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(hf.join("reference.json")).unwrap())
@@ -165,7 +176,17 @@ fn what_the_importer_cannot_honour_is_refused_by_name() {
         c[key] = value;
         hf_llama::config_from_hf(&c).unwrap_err().to_string()
     };
-    assert!(with("sliding_window", 4096.into()).contains("`sliding_window` 4096"));
+    // Sliding windows: W positions are the query and W − 1 keys before it; none of 0.
+    let c = hf_llama::config_from_hf(&{
+        let mut c = base.clone();
+        c["sliding_window"] = 4096.into();
+        c
+    })
+    .unwrap();
+    assert_eq!((c.window_size, c.window_layers), (Some(4095), None));
+    assert!(with("sliding_window", 0.into()).contains("`sliding_window` 0 is not a window"));
+    let types = serde_json::json!(["full_attention", "chunked_attention"]);
+    assert!(with("layer_types", types).contains("\"chunked_attention\" layers"));
     assert!(with("hidden_act", "gelu".into()).contains("`hidden_act` gelu"));
     assert!(with("attention_bias", true.into()).contains("`attention_bias` = true"));
     let rope = serde_json::json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0});

@@ -276,6 +276,13 @@ fn vocab_parallel_embedding_and_tied_logits_match_the_whole_table() {
 
 #[test]
 fn attention_backward_matches_finite_differences() {
+    // Full causal attention, and a sliding window of one key before each query.
+    for window in [None, Some(1)] {
+        attention_gradient_against_finite_differences(window);
+    }
+}
+
+fn attention_gradient_against_finite_differences(window: Option<usize>) {
     let (s, b, heads, d) = (5, 2, 2, 3);
     let width = heads * 3 * d;
     let qkv = det(s * b * width, 6);
@@ -283,7 +290,7 @@ fn attention_backward_matches_finite_differences() {
     let dir = det(s * b * width, 8);
     on_tp(1, |cx, _| {
         let cx = cx.eval();
-        let op = CausalSelfAttention::new(heads, 0.0);
+        let op = CausalSelfAttention::new(heads, 0.0).with_window(window);
         let loss = |x: &[f32]| -> R<f64> {
             let (y, _) = op.forward(&cx, Site::ROOT, &tensor(x.to_vec(), &[s, b, width]))?;
             Ok(y.to_vec::<f32>()?
@@ -316,7 +323,43 @@ fn attention_backward_matches_finite_differences() {
             .sum();
         assert!(
             (fd - analytic).abs() < 2e-3 * (1.0 + analytic.abs()),
-            "{fd} vs {analytic}"
+            "window {window:?}: {fd} vs {analytic}"
+        );
+        Ok(())
+    });
+}
+
+/// A sliding window of w keys is causal attention over the w + 1 positions ending at the
+/// query: each query's output equals the last row of full causal attention over that stretch
+/// of the sequence; a window as long as the sequence is causal attention bit for bit.
+#[test]
+fn a_sliding_window_is_causal_attention_over_the_windows_keys() {
+    let (s, b, heads, d, window) = (7, 2, 2, 4, 2);
+    let width = heads * 3 * d;
+    let qkv = det(s * b * width, 11);
+    on_tp(1, |cx, _| {
+        let cx = cx.eval();
+        let run = |op: &CausalSelfAttention, x: &[f32], len: usize| -> R<Vec<f32>> {
+            let (y, _) = op.forward(&cx, Site::ROOT, &tensor(x.to_vec(), &[len, b, width]))?;
+            Ok(y.to_vec::<f32>()?)
+        };
+        let full = CausalSelfAttention::new(heads, 0.0);
+        let windowed = run(&full.clone().with_window(Some(window)), &qkv, s)?;
+        let out = heads * d;
+        for i in 0..s {
+            let first = i.saturating_sub(window);
+            let stretch = &qkv[first * b * width..(i + 1) * b * width];
+            let alone = run(&full, stretch, i + 1 - first)?;
+            let last = (i - first) * b * out;
+            assert_eq!(
+                &windowed[i * b * out..(i + 1) * b * out],
+                &alone[last..last + b * out],
+                "query {i}"
+            );
+        }
+        assert_eq!(
+            run(&full.clone().with_window(Some(s - 1)), &qkv, s)?,
+            run(&full, &qkv, s)?
         );
         Ok(())
     });

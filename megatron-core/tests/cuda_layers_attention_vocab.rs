@@ -96,10 +96,20 @@ fn attention_on_the_gpu_matches_the_host() -> R {
     let ps = ParallelState::solo();
     let cx = Cx::new(&ps, 1234);
     // (seq, batch, heads, head_dim): odd sizes, one head, one batch entry, one position.
-    for (s, b, heads, d) in [(7, 3, 4, 8), (5, 1, 1, 3), (1, 2, 2, 4), (33, 2, 3, 16)] {
+    // (seq, batch, heads, head_dim, sliding window): odd sizes, one head, one batch entry, one
+    // position; windows inside and across the softmax kernels' groups of 4 keys.
+    for (s, b, heads, d, window) in [
+        (7, 3, 4, 8, None),
+        (5, 1, 1, 3, None),
+        (1, 2, 2, 4, None),
+        (33, 2, 3, 16, None),
+        (7, 3, 4, 8, Some(2)),
+        (33, 2, 3, 16, Some(5)),
+        (9, 1, 1, 3, Some(0)),
+    ] {
         let (qkv, dy) = attention_inputs(s, b, heads, d);
         for (p, training) in [(0.0, true), (0.3, true), (0.3, false)] {
-            let op = CausalSelfAttention::new(heads, p);
+            let op = CausalSelfAttention::new(heads, p).with_window(window);
             let cx = if training { cx.at(2, 1) } else { cx.eval() };
             let (y_h, dx_h) = attention(&op, &cx, &qkv, &dy)?;
             let (y_d, dx_d) = attention(&op, &cx, &qkv.to_gpu(&g)?, &dy.to_gpu(&g)?)?;
@@ -109,7 +119,9 @@ fn attention_on_the_gpu_matches_the_host() -> R {
             );
             assert_eq!(y_d.dims(), y_h.dims());
             assert_eq!(dx_d.dims(), dx_h.dims());
-            let what = format!("s {s} b {b} heads {heads} d {d} p {p} training {training}");
+            let what = format!(
+                "s {s} b {b} heads {heads} d {d} window {window:?} p {p} training {training}"
+            );
             close(
                 &host(&y_d),
                 &host(&y_h),
@@ -174,6 +186,42 @@ fn flash_attention_on_the_gpu_matches_the_host() -> R {
     Ok(())
 }
 
+/// Sliding windows in the flash kernels: a window inside one key tile, and one reaching across
+/// tiles of 64 keys (the forward's tiles before a row's window, the key-gradient's queries past
+/// a key's), as the host computes them, dropout included.
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn flash_attention_with_a_sliding_window_matches_the_host() -> R {
+    let g = gpu().with_new_stream()?;
+    g.set_bf16_products(true);
+    g.set_flash_attention(true);
+    let ps = ParallelState::solo();
+    let cx = Cx::new(&ps, 7);
+    for (s, b, heads, d, window) in [(70, 2, 2, 64, 5), (150, 1, 1, 32, 66)] {
+        let (qkv, dy) = attention_inputs(s, b, heads, d);
+        for (p, training) in [(0.0, false), (0.3, true)] {
+            let op = CausalSelfAttention::new(heads, p).with_window(Some(window));
+            let cx = if training { cx.at(2, 1) } else { cx.eval() };
+            let (y_h, dx_h) = attention(&op, &cx, &qkv, &dy)?;
+            let (y_d, dx_d) = attention(&op, &cx, &qkv.to_gpu(&g)?, &dy.to_gpu(&g)?)?;
+            let what = format!("s {s} b {b} heads {heads} d {d} window {window} p {p}");
+            close(
+                &host(&y_d),
+                &host(&y_h),
+                2e-2,
+                &format!("flash output, {what}"),
+            );
+            close(
+                &host(&dx_d),
+                &host(&dx_h),
+                3e-2,
+                &format!("flash input grad, {what}"),
+            );
+        }
+    }
+    Ok(())
+}
+
 #[test]
 #[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn flash_backward_in_chunks_of_queries_matches_one_chunk() -> R {
@@ -188,6 +236,7 @@ fn flash_backward_in_chunks_of_queries_matches_one_chunk() -> R {
         batch: 2,
         heads: 2,
         head_dim: 64,
+        window: None,
     };
     let qkv: Vec<half::bf16> = det(sh.qkv_len(), 3)
         .into_iter()
@@ -252,6 +301,7 @@ fn flash_kernels_refuse_what_they_lack_with_the_numbers() -> R {
         batch: 1,
         heads: 1,
         head_dim: 48,
+        window: None,
     };
     let qkv = g.zeros::<half::bf16>(sh.qkv_len())?;
     let mut out = g.zeros::<half::bf16>(sh.out_len())?;

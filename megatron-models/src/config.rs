@@ -178,6 +178,14 @@ pub struct GptConfig {
     /// (`--qk-layernorm`, Qwen3's), by `normalization` with the same ε.
     #[serde(default)]
     pub qk_layernorm: bool,
+    /// Sliding-window attention (`--window-size`): each query sees itself and at most this
+    /// many keys before it; `None`: every earlier key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_size: Option<usize>,
+    /// Which layers the window applies to, one entry per layer (`--window-attn-skip-freq`,
+    /// Qwen's `max_window_layers`, Hugging Face's `layer_types`); `None`: all of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_layers: Option<Vec<bool>>,
     /// Mixture of experts in the MLPs (`--num-experts` and the `--moe-*` flags); `None`: a
     /// dense GPT.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -221,6 +229,8 @@ impl GptConfig {
             num_query_groups: None,
             kv_channels: None,
             qk_layernorm: false,
+            window_size: None,
+            window_layers: None,
             moe: None,
         }
     }
@@ -273,6 +283,15 @@ impl GptConfig {
     pub fn head_dim(&self) -> usize {
         self.kv_channels
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// The sliding window of layer `layer`'s attention (see [`GptConfig::window_size`]).
+    pub fn window_of(&self, layer: usize) -> Option<usize> {
+        let windowed = self
+            .window_layers
+            .as_ref()
+            .is_none_or(|l| l.get(layer).copied().unwrap_or(false));
+        self.window_size.filter(|_| windowed)
     }
 
     /// Whether each layer's MLP is a MoE layer (none for a dense GPT).
@@ -402,6 +421,16 @@ impl GptConfig {
         }
         if c.position_embedding_type == PositionEmbeddingType::Rope {
             c.rotary.dims(c.head_dim())?;
+        }
+        if let Some(layers) = &c.window_layers
+            && layers.len() != c.num_layers
+        {
+            return invalid!(
+                "the sliding window's layer pattern lists {} layers but the model has \
+                 --num-layers {}",
+                layers.len(),
+                c.num_layers
+            );
         }
         let params = c.params_exact(tp, false);
         if params > MAX_PARAMS as u128 {

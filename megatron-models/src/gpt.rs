@@ -202,7 +202,8 @@ impl GptConfig {
             .unwrap_or_else(|_| vec![false; self.num_layers]);
         let blocks = moe_layers
             .into_iter()
-            .map(|is_moe| BlockSpec {
+            .enumerate()
+            .map(|(layer, is_moe)| BlockSpec {
                 ln1: ln.clone(),
                 attn: AttentionSpec {
                     qkv: linear(h, (heads + 2 * self.query_groups()) * head_dim, std)
@@ -222,7 +223,8 @@ impl GptConfig {
                         self.attention_dropout,
                     )
                     .with_rotary(rope.then_some(self.rotary))
-                    .with_query_groups(self.query_groups()),
+                    .with_query_groups(self.query_groups())
+                    .with_window(self.window_of(layer)),
                     proj: linear(heads * head_dim, h, out_std),
                 },
                 ln2: ln.clone(),

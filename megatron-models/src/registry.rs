@@ -76,6 +76,18 @@ fn swiglu_experts(experts: usize, topk: usize, ffn: usize, aux_loss: f32) -> Moe
 
 inventory::submit! {
     ModelPreset {
+        name: "mistral-7b",
+        description: "Mistral 7B v0.1: 32 layers, hidden 4096, 32 heads in 8 key/value groups, SwiGLU 14336, vocabulary 32,000, a sliding window of 4096 positions: 7.24B parameters",
+        config: || {
+            let mut c = GptConfig::llama(32, 4096, 32, 8, 14336, 32000, 32768, 10000.0);
+            c.window_size = Some(4095);
+            c
+        },
+    }
+}
+
+inventory::submit! {
+    ModelPreset {
         name: "mixtral-tiny",
         description: "Mixtral-shaped llama-tiny: 4 layers, hidden 128, 4 heads in 2 key/value groups, 8 SwiGLU experts of 160, top-2, RoPE, untied, byte vocabulary: trains on a CPU in minutes",
         config: || {
@@ -204,6 +216,7 @@ mod tests {
                 "llama-tiny",
                 "llama3-70b",
                 "llama3-8b",
+                "mistral-7b",
                 "mixtral-8x7b",
                 "mixtral-tiny",
                 "qwen3-0.6b",
@@ -220,6 +233,7 @@ mod tests {
             ("llama3-70b", 70_553_706_496),
             ("qwen3-0.6b", 596_049_920),
             ("qwen3-8b", 8_190_735_360),
+            ("mistral-7b", 7_241_732_096),
         ] {
             let c = (preset(name).unwrap().config)();
             assert_eq!(c.num_params(1), params, "{name}");

@@ -98,8 +98,40 @@ pub struct ArchitectureArgs {
     /// q_norm and k_norm; the norm of --normalization, with --norm-epsilon).
     #[arg(long)]
     qk_layernorm: bool,
+    /// Sliding-window attention, Megatron-LM's "LEFT,RIGHT": each query sees itself and the
+    /// LEFT keys before it (Hugging Face's sliding_window W is W−1,0); RIGHT must be 0 (causal).
+    #[arg(long, value_parser = window_size, allow_hyphen_values = true)]
+    window_size: Option<usize>,
+    /// With --window-size, every N-th layer (layer numbers from 1 divisible by N) attends to
+    /// every earlier key instead (without it, every layer has the window).
+    #[arg(long, value_parser = values::dim, requires = "window_size")]
+    window_attn_skip_freq: Option<usize>,
     #[command(flatten)]
     moe: MoeArgs,
+}
+
+/// `--window-size LEFT,RIGHT`: the left part (the keys before a query it sees); the right part
+/// must be 0, as causal attention has it.
+fn window_size(s: &str) -> Result<usize, String> {
+    let Some((left, right)) = s.split_once(',') else {
+        return Err(format!("`{s}` is not LEFT,RIGHT (e.g. 4095,0)"));
+    };
+    let left: i64 = left
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{left}` in `{s}` is not a number"))?;
+    if right.trim() != "0" {
+        return Err(format!(
+            "the right part of `{s}` must be 0: causal attention sees no later key"
+        ));
+    }
+    match usize::try_from(left) {
+        Ok(left) => Ok(left),
+        Err(_) => Err(format!(
+            "the left part of `{s}` must be 0 or more (the keys before each query it sees), \
+             got {left}"
+        )),
+    }
 }
 
 /// `--position-embedding-type`: Megatron-LM's names; the types it has that megatron-rs does
@@ -254,6 +286,12 @@ impl ArchitectureArgs {
             ),
             ("--qk-layernorm", self.qk_layernorm, saved.qk_layernorm),
             (
+                "--window-size",
+                self.window_size
+                    .is_some_and(|w| saved.window_size != Some(w)),
+                false,
+            ),
+            (
                 "--add-qkv-bias",
                 self.add_qkv_bias,
                 saved.add_qkv_bias || saved.add_bias_linear,
@@ -387,6 +425,12 @@ impl ArchitectureArgs {
         }
         if self.qk_layernorm {
             c.qk_layernorm = true;
+        }
+        if let Some(left) = self.window_size {
+            c.window_size = Some(left);
+            c.window_layers = self
+                .window_attn_skip_freq
+                .map(|n| (1..=c.num_layers).map(|l| l % n != 0).collect());
         }
         self.moe.apply(&mut c)?;
         c.validate_parallel(tp, ep, sequence_parallel)?;

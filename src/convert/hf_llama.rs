@@ -142,19 +142,6 @@ pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
     {
         bail!("config.json: `hidden_act` {act} is not SwiGLU's silu");
     }
-    let qwen = arch.starts_with("Qwen");
-    if opt_int("sliding_window").is_some() && (!qwen || flag("use_sliding_window")) {
-        bail!(
-            "config.json: `sliding_window` {} (sliding-window attention) is not built in \
-             megatron-rs yet",
-            config["sliding_window"]
-        );
-    }
-    if let Some(types) = config["layer_types"].as_array()
-        && let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention"))
-    {
-        bail!("config.json: `layer_types` has {t} layers; megatron-rs builds full attention only");
-    }
     if flag("mlp_bias") {
         bail!("config.json: `mlp_bias` = true (biases in the MLP) is not supported");
     }
@@ -198,9 +185,75 @@ pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
     c.add_qkv_bias = arch == "Qwen2ForCausalLM";
     c.qk_layernorm = matches!(arch, "Qwen3ForCausalLM" | "Qwen3MoeForCausalLM");
     c.moe = moe_from_hf(config, arch, c.num_layers)?;
+    (c.window_size, c.window_layers) = window_from_hf(config, arch, c.num_layers)?;
     c.attention_dropout = config["attention_dropout"].as_f64().unwrap_or(0.0) as f32;
     c.init_method_std = config["initializer_range"].as_f64().unwrap_or(0.02) as f32;
     Ok(c)
+}
+
+/// The sliding window of a `config.json`: `sliding_window` W (the last W positions: each query
+/// and the W − 1 keys before it), in every layer (Mistral, Mixtral) or, for Qwen with
+/// `use_sliding_window`, in the layers `layer_types` marks `sliding_attention` (older files:
+/// the layers from `max_window_layers` on).
+fn window_from_hf(
+    config: &Value,
+    arch: &str,
+    layers: usize,
+) -> Result<(Option<usize>, Option<Vec<bool>>)> {
+    let qwen = arch.starts_with("Qwen");
+    let types: Option<Vec<bool>> = match &config["layer_types"] {
+        Value::Array(types) => Some(
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("full_attention") => Ok(false),
+                    Some("sliding_attention") => Ok(true),
+                    _ => bail!(
+                        "config.json: `layer_types` has {t} layers; megatron-rs builds \
+                         full_attention and sliding_attention"
+                    ),
+                })
+                .collect::<Result<_>>()?,
+        ),
+        Value::Null => None,
+        other => bail!("config.json: `layer_types` is {other}, not a list"),
+    };
+    let on = !qwen || config["use_sliding_window"].as_bool() == Some(true);
+    let size = match (&config["sliding_window"], on) {
+        (Value::Null, _) | (_, false) => None,
+        (w, true) => match w.as_i64() {
+            Some(w) if w >= 1 => Some(w as usize),
+            _ => bail!("config.json: `sliding_window` {w} is not a window of at least 1 position"),
+        },
+    };
+    let Some(size) = size else {
+        if !qwen && types.as_ref().is_some_and(|t| t.iter().any(|&w| w)) {
+            bail!(
+                "config.json: `layer_types` has sliding_attention layers but no `sliding_window`"
+            );
+        }
+        return Ok((None, None));
+    };
+    if arch == "Qwen3MoeForCausalLM" {
+        bail!("config.json: `sliding_window` with Qwen3-MoE is not supported");
+    }
+    let pattern = match (qwen, types) {
+        (_, Some(types)) if types.len() != layers => bail!(
+            "config.json: `layer_types` lists {} layers, `num_hidden_layers` is {layers}",
+            types.len()
+        ),
+        (_, Some(types)) => types,
+        (true, None) => {
+            let first = config["max_window_layers"].as_u64().unwrap_or(0) as usize;
+            (0..layers).map(|i| i >= first).collect()
+        }
+        (false, None) => vec![true; layers],
+    };
+    if !pattern.iter().any(|&w| w) {
+        return Ok((None, None));
+    }
+    let layers = (!pattern.iter().all(|&w| w)).then_some(pattern);
+    Ok((Some(size - 1), layers))
 }
 
 /// The mixture of experts of a Mixtral or Qwen3-MoE `config.json` (`None` for the dense
@@ -302,18 +355,25 @@ pub fn hf_architecture(c: &GptConfig) -> Option<&'static str> {
     if !llama {
         return None;
     }
+    // A window in some layers only: Qwen's layer types; in every layer: also Mistral's and
+    // Mixtral's.
+    let window = c.window_size.is_some();
+    let every_window = window && c.window_layers.is_none();
     let Some(moe) = &c.moe else {
         return match (c.qk_layernorm, c.add_qkv_bias) {
             (true, false) => Some("Qwen3ForCausalLM"),
             (false, true) => Some("Qwen2ForCausalLM"),
-            (false, false) => Some("LlamaForCausalLM"),
-            (true, true) => None,
+            (false, false) if every_window => Some("MistralForCausalLM"),
+            (false, false) if !window => Some("LlamaForCausalLM"),
+            _ => None,
         };
     };
     let every_layer = c.moe_layers().is_ok_and(|l| l.iter().all(|&m| m));
     match (hf_routing(moe), c.qk_layernorm, c.add_qkv_bias) {
-        (true, true, false) => Some("Qwen3MoeForCausalLM"),
-        (true, false, false) if every_layer && !moe.router.pre_softmax => {
+        (true, true, false) if !window => Some("Qwen3MoeForCausalLM"),
+        (true, false, false)
+            if every_layer && !moe.router.pre_softmax && (every_window || !window) =>
+        {
             Some("MixtralForCausalLM")
         }
         _ => None,
@@ -329,6 +389,7 @@ pub fn config_to_hf(c: &GptConfig, arch: &str, eod: Option<u32>) -> Value {
         "Qwen2ForCausalLM" => "qwen2",
         "MixtralForCausalLM" => "mixtral",
         "Qwen3MoeForCausalLM" => "qwen3_moe",
+        "MistralForCausalLM" => "mistral",
         _ => "llama",
     };
     let mut v = json!({
@@ -365,8 +426,25 @@ pub fn config_to_hf(c: &GptConfig, arch: &str, eod: Option<u32>) -> Value {
         });
     }
     if model_type != "llama" {
-        v["use_sliding_window"] = json!(false);
-        v["sliding_window"] = Value::Null;
+        v["use_sliding_window"] = json!(c.window_size.is_some());
+        v["sliding_window"] = json!(c.window_size.map(|w| w + 1));
+    }
+    if let (Some(_), true) = (c.window_size, model_type.starts_with("qwen")) {
+        let types: Vec<&str> = (0..c.num_layers)
+            .map(|l| match c.window_of(l) {
+                Some(_) => "sliding_attention",
+                None => "full_attention",
+            })
+            .collect();
+        // Older transformers read the first windowed layer instead, when the windowed layers
+        // are the last ones.
+        let first = types.iter().position(|&t| t == "sliding_attention");
+        if let Some(first) = first
+            && types[first..].iter().all(|&t| t == "sliding_attention")
+        {
+            v["max_window_layers"] = json!(first);
+        }
+        v["layer_types"] = json!(types);
     }
     if let Some(moe) = &c.moe {
         v["num_local_experts"] = json!(moe.router.num_experts);
@@ -549,7 +627,7 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
         "wte.weight".to_string(),
         take("model.embed_tokens.weight", &[v, h])?,
     );
-    for i in 0..c.num_layers {
+    for (i, &routed) in moe_layers.iter().enumerate() {
         let hf_name = |s: &str| format!("model.layers.{i}.{s}");
         let ours = |s: &str| format!("blocks.{i}.{s}");
         model.insert(
@@ -584,7 +662,7 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
             ours("attn.proj.weight"),
             take(&hf_name("self_attn.o_proj.weight"), &[h, heads * d])?,
         );
-        if let (Some(moe), true) = (&c.moe, moe_layers[i]) {
+        if let (Some(moe), true) = (&c.moe, routed) {
             let (e, f) = (moe.router.num_experts, moe.ffn_hidden_size);
             let names = expert_names(arch);
             let expert = |pattern: &str, x: usize| hf_name(&pattern.replace("{e}", &x.to_string()));
@@ -670,7 +748,7 @@ pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<(&'static str, GptConfig)> {
     if c.untie_embeddings_and_output_weights {
         hf.insert("lm_head.weight".into(), get("wte.output_weight")?);
     }
-    for i in 0..c.num_layers {
+    for (i, &routed) in moe_layers.iter().enumerate() {
         let ours = |s: &str| format!("blocks.{i}.{s}");
         let hf_name = |s: &str| format!("model.layers.{i}.{s}");
         hf.insert(hf_name("input_layernorm.weight"), get(&ours("ln1.weight"))?);
@@ -702,7 +780,7 @@ pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<(&'static str, GptConfig)> {
             hf_name("self_attn.o_proj.weight"),
             get(&ours("attn.proj.weight"))?,
         );
-        if let (Some(moe), true) = (&c.moe, moe_layers[i]) {
+        if let (Some(moe), true) = (&c.moe, routed) {
             let names = expert_names(arch);
             let expert = |pattern: &str, x: usize| hf_name(&pattern.replace("{e}", &x.to_string()));
             hf.insert(

@@ -8,6 +8,7 @@ with the logits transformers computes for fixed tokens and its greedy continuati
 Each model lands in OUT/<name>/ (config.json, model.safetensors or shards with their index)
 with reference.json: the tokens, the logits [seq, vocab] in f32, and the greedy continuation of
 the first half of the tokens (transformers' generate with do_sample=False and its KV cache).
+Each model's seed is its place in MODELS: add new ones at the end.
 """
 
 import json
@@ -105,6 +106,27 @@ MODELS = {
             mlp_only_layers=[1],
             tie_word_embeddings=False,
             use_sliding_window=False,
+            rms_norm_eps=1e-6,
+        ),
+        None,
+    ),
+    # Mistral 7B v0.1's kind: a sliding window of the last 4 positions in every layer.
+    "mistral_window": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(COMMON, sliding_window=4, rope_theta=10000.0, tie_word_embeddings=False),
+        None,
+    ),
+    # Qwen2 with a window of 3 in the layers from max_window_layers = 1 on.
+    "qwen2_window": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(
+            COMMON,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=3,
+            max_window_layers=1,
             rms_norm_eps=1e-6,
         ),
         None,

@@ -17,9 +17,17 @@ pub(crate) struct AttentionShape {
     pub(crate) heads: usize,
     /// Elements per head.
     pub(crate) head_dim: usize,
+    /// Sliding-window attention: each query sees itself and at most this many keys before it
+    /// (`None`: every earlier key).
+    pub(crate) window: Option<usize>,
 }
 
 impl AttentionShape {
+    /// The keys each query sees: causal, within the window if there is one.
+    pub(crate) fn key_mask(&self) -> crate::kernels::softmax::KeyMask {
+        crate::kernels::softmax::KeyMask::causal_window(true, self.window)
+    }
+
     /// The scores' scale, 1/√d.
     pub(crate) fn scale(&self) -> f32 {
         1.0 / (self.head_dim as f32).sqrt()

@@ -1,8 +1,9 @@
 //! Scaled, optionally causal softmax over the last dimension of attention scores `[batches, sq, sk]`.
 //!
-//! `batches` folds every leading dimension (micro-batch × local heads). With `causal`, query row
-//! `i` sees keys `j ≤ i + (sk − sq)`, so the last query sees every key (queries are the last `sq`
-//! positions of the key sequence); masked keys get exactly zero probability.
+//! `batches` folds every leading dimension (micro-batch × local heads). With a causal
+//! [`KeyMask`], query row `i` sits at key position `p = i + (sk − sq)` (queries are the last `sq`
+//! positions of the key sequence) and sees keys `j ≤ p`; with a sliding window of `w` also only
+//! `j ≥ p − w` (the query and the `w` keys before it). Masked keys get exactly zero probability.
 
 use rayon::prelude::*;
 
@@ -13,16 +14,57 @@ use super::reduce;
 use super::shape::numel;
 use super::{KernelError, check_len};
 
-/// Number of keys query row `i` sees.
-#[inline]
-fn visible_keys(i: usize, sq: usize, sk: usize, causal: bool) -> usize {
-    if causal {
-        i.saturating_add(1)
-            .saturating_add(sk)
-            .saturating_sub(sq)
-            .min(sk)
-    } else {
-        sk
+/// Which keys each query row of the scores sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyMask {
+    /// Every key.
+    #[default]
+    All,
+    /// The keys up to the query's position.
+    Causal,
+    /// The query's position and at most this many keys before it (sliding-window attention:
+    /// Megatron-LM's `--window-size` left part, Hugging Face's `sliding_window` less one).
+    Window(usize),
+}
+
+impl From<bool> for KeyMask {
+    /// `true`: causal; `false`: every key.
+    fn from(causal: bool) -> KeyMask {
+        if causal {
+            KeyMask::Causal
+        } else {
+            KeyMask::All
+        }
+    }
+}
+
+impl KeyMask {
+    /// The mask with a window of `window` keys before each query (none: causal), or every key
+    /// when not `causal`.
+    pub fn causal_window(causal: bool, window: Option<usize>) -> KeyMask {
+        match (causal, window) {
+            (false, _) => KeyMask::All,
+            (true, None) => KeyMask::Causal,
+            (true, Some(w)) => KeyMask::Window(w),
+        }
+    }
+
+    /// The keys `lo..hi` query row `i` of `sq` sees among `sk`.
+    #[inline]
+    pub fn visible(self, i: usize, sq: usize, sk: usize) -> std::ops::Range<usize> {
+        let hi = match self {
+            KeyMask::All => return 0..sk,
+            KeyMask::Causal | KeyMask::Window(_) => i
+                .saturating_add(1)
+                .saturating_add(sk)
+                .saturating_sub(sq)
+                .min(sk),
+        };
+        let lo = match self {
+            KeyMask::Window(w) => hi.saturating_sub(w.saturating_add(1)),
+            _ => 0,
+        };
+        lo..hi
     }
 }
 
@@ -64,12 +106,14 @@ pub(crate) fn check_buffers(
 
 versioned! {
     /// The rows of [`softmax_forward`] (`sk > 0`).
-    fn softmax_rows(x: &[f32], y: &mut [f32], sq: usize, sk: usize, scale: f32, causal: bool) {
+    fn softmax_rows(x: &[f32], y: &mut [f32], sq: usize, sk: usize, scale: f32, mask: KeyMask) {
         for (r, (xr, yr)) in x.chunks_exact(sk).zip(y.chunks_exact_mut(sk)).enumerate() {
-            let visible = visible_keys(r % sq, sq, sk, causal);
-            let (yv, ym) = yr.split_at_mut(visible);
+            let visible = mask.visible(r % sq, sq, sk);
+            let (yr, ym) = yr.split_at_mut(visible.end);
             ym.fill(0.0);
-            for (o, &v) in yv.iter_mut().zip(xr) {
+            let (yb, yv) = yr.split_at_mut(visible.start);
+            yb.fill(0.0);
+            for (o, &v) in yv.iter_mut().zip(&xr[visible.start..]) {
                 *o = v * scale;
             }
             let m = reduce::max(yv);
@@ -104,7 +148,8 @@ versioned! {
     }
 }
 
-/// `y = softmax(scale·x)` over the last dimension of `x[batches, sq, sk]`, causally masked if asked.
+/// `y = softmax(scale·x)` over the last dimension of `x[batches, sq, sk]`, masked as `mask`
+/// says (a [`KeyMask`], or `true` for causal and `false` for none).
 ///
 /// The row maximum is subtracted before exponentiating (with the vectorised [`math::exp`]). A row whose visible scores are all `−∞`
 /// (or a causal row that sees no key, when `sk < sq`) gets all-zero probabilities instead of NaN.
@@ -114,10 +159,11 @@ pub fn softmax_forward(
     sq: usize,
     sk: usize,
     scale: f32,
-    causal: bool,
+    mask: impl Into<KeyMask>,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
     const K: &str = "softmax_forward";
+    let mask: KeyMask = mask.into();
     check_buffers(K, batches, sq, sk, scale, &[("x", x.len()), ("y", y.len())])?;
     if sk == 0 {
         return Ok(());
@@ -125,12 +171,12 @@ pub fn softmax_forward(
     let isa = Isa::detected();
     // Whole batches per part: a row's causal mask depends on its query index within the batch.
     match parallel::part_units(batches, sq * sk) {
-        None => softmax_rows(isa, x, y, sq, sk, scale, causal),
+        None => softmax_rows(isa, x, y, sq, sk, scale, mask),
         Some(units) => parallel::on_pool(|| {
             let part = units * sq * sk;
             y.par_chunks_mut(part)
                 .zip(x.par_chunks(part))
-                .for_each(|(y, x)| softmax_rows(isa, x, y, sq, sk, scale, causal))
+                .for_each(|(y, x)| softmax_rows(isa, x, y, sq, sk, scale, mask))
         }),
     }
     Ok(())
@@ -186,13 +232,19 @@ mod tests {
         sq: usize,
         sk: usize,
         scale: f64,
-        causal: bool,
+        mask: KeyMask,
     ) -> Vec<f64> {
         let mut y = vec![0.0; x.len()];
         for b in 0..batches {
             for i in 0..sq {
                 let row = (b * sq + i) * sk;
-                let sees = |j: usize| !causal || (j as i64) <= i as i64 + sk as i64 - sq as i64;
+                // Query i at key position p sees j ≤ p, and with a window w also j ≥ p − w.
+                let p = i as i64 + sk as i64 - sq as i64;
+                let sees = |j: usize| match mask {
+                    KeyMask::All => true,
+                    KeyMask::Causal => (j as i64) <= p,
+                    KeyMask::Window(w) => (j as i64) <= p && (j as i64) >= p - w as i64,
+                };
                 let m = (0..sk)
                     .filter(|&j| sees(j))
                     .map(|j| scale * x[row + j] as f64)
@@ -212,24 +264,29 @@ mod tests {
     #[test]
     fn forward_matches_reference() {
         let mut rng = Rng::new(40);
-        for &(batches, sq, sk, causal) in &[
-            (3, 5, 5, true),
-            (2, 4, 9, true),
-            (2, 6, 3, true),
-            (2, 5, 7, false),
-            (1, 1, 1, true),
-            (2, 3, 33, false),
+        use KeyMask::{All, Causal, Window};
+        for &(batches, sq, sk, mask) in &[
+            (3, 5, 5, Causal),
+            (2, 4, 9, Causal),
+            (2, 6, 3, Causal),
+            (2, 5, 7, All),
+            (1, 1, 1, Causal),
+            (2, 3, 33, All),
+            (2, 7, 7, Window(2)),
+            (2, 4, 9, Window(3)),
+            (1, 5, 5, Window(0)),
+            (2, 6, 3, Window(1)),
         ] {
             let n = batches * sq * sk;
             let x = rng.vec(n, -8.0, 8.0);
             let scale = 0.37;
             let mut y = vec![f32::NAN; n];
-            softmax_forward(&x, batches, sq, sk, scale, causal, &mut y).unwrap();
-            let want = reference(&x, batches, sq, sk, scale as f64, causal);
+            softmax_forward(&x, batches, sq, sk, scale, mask, &mut y).unwrap();
+            let want = reference(&x, batches, sq, sk, scale as f64, mask);
             for (k, (&g, &w)) in y.iter().zip(&want).enumerate() {
                 assert!(
                     (g as f64 - w).abs() < 1e-6,
-                    "{batches}×{sq}×{sk} causal {causal} at {k}: {g} vs {w}"
+                    "{batches}×{sq}×{sk} {mask:?} at {k}: {g} vs {w}"
                 );
                 if w == 0.0 {
                     assert_eq!(g, 0.0, "masked position {k} must be exactly 0");
@@ -237,7 +294,7 @@ mod tests {
             }
             for i in 0..batches * sq {
                 let s: f32 = y[i * sk..(i + 1) * sk].iter().sum();
-                let sees_any = !causal || (i % sq) + sk >= sq;
+                let sees_any = mask == All || (i % sq) + sk >= sq;
                 assert!(if sees_any {
                     (s - 1.0).abs() < 1e-5
                 } else {
@@ -273,7 +330,12 @@ mod tests {
     #[test]
     fn backward_matches_finite_differences() {
         let mut rng = Rng::new(41);
-        for &(batches, sq, sk, causal) in &[(2, 6, 6, true), (2, 3, 8, true), (3, 4, 5, false)] {
+        for &(batches, sq, sk, causal) in &[
+            (2, 6, 6, KeyMask::Causal),
+            (2, 3, 8, KeyMask::Causal),
+            (3, 4, 5, KeyMask::All),
+            (2, 6, 6, KeyMask::Window(2)),
+        ] {
             let n = batches * sq * sk;
             let x = rng.vec(n, -3.0, 3.0);
             let w = rng.vec(n, -1.0, 1.0);
@@ -300,7 +362,7 @@ mod tests {
         let dy = rng.vec(n, -1.0, 1.0);
         let run = |isa: Isa| {
             let (mut y, mut dx) = (vec![0.0f32; n], vec![0.0f32; n]);
-            softmax_rows(isa, &x, &mut y, sq, sk, 0.3, true);
+            softmax_rows(isa, &x, &mut y, sq, sk, 0.3, KeyMask::Window(20));
             softmax_backward_rows(isa, &y, &dy, sk, 0.3, &mut dx);
             let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
             (bits(y), bits(dx))

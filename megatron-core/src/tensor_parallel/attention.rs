@@ -23,6 +23,9 @@ use crate::tensor_parallel::Rotary;
 ///
 /// With rotary position embeddings the queries and keys are turned by their positions
 /// before the scores (and the gradient turned back after the backward).
+///
+/// With a sliding window (`--window-size`) each query sees itself and at most `window` keys
+/// before it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CausalSelfAttention {
     /// Attention heads of the whole layer (all tensor-parallel ranks together).
@@ -33,6 +36,8 @@ pub struct CausalSelfAttention {
     pub rotary: Option<Rotary>,
     /// Key/value heads (`--num-query-groups`): `heads` for multi-head attention.
     pub query_groups: usize,
+    /// The keys before each query it sees (`--window-size`'s left part); `None`: all of them.
+    pub window: Option<usize>,
 }
 
 impl CausalSelfAttention {
@@ -43,7 +48,14 @@ impl CausalSelfAttention {
             dropout,
             rotary: None,
             query_groups: heads,
+            window: None,
         }
+    }
+
+    /// The same with a sliding window of `window` keys before each query (none: `None`).
+    pub fn with_window(mut self, window: Option<usize>) -> Self {
+        self.window = window;
+        self
     }
 
     /// The same with `groups` key/value heads (grouped-query attention).
@@ -122,6 +134,7 @@ impl CausalSelfAttention {
             batch: *batch,
             heads: heads / tp,
             head_dim,
+            window: self.window,
         };
         Ok((sh, grouped))
     }

@@ -86,6 +86,7 @@ fn blocks(sh: AttentionShape, parts: usize) -> impl Iterator<Item = (usize, usiz
         batch,
         heads,
         head_dim: d,
+        ..
     } = sh;
     (0..seq).flat_map(move |s| {
         (0..batch).flat_map(move |b| {
@@ -152,7 +153,7 @@ fn masked(x: &Tensor, mask: &Option<DropoutMask>) -> Result<Tensor> {
 }
 
 /// The attention weights of queries `q` and keys `k` (`[b·heads, s, d]`): the causal softmax
-/// of their scaled products.
+/// of their scaled products (within the sliding window, with one).
 fn weights(q: &Tensor, k: &Tensor, sh: AttentionShape) -> Result<Tensor> {
     let scores = matmul(q, &k.transpose(1, 2)?)?;
     let probs = Tensor::empty(scores.shape().clone(), DType::F32);
@@ -162,7 +163,7 @@ fn weights(q: &Tensor, k: &Tensor, sh: AttentionShape) -> Result<Tensor> {
         sh.seq,
         sh.seq,
         sh.scale(),
-        true,
+        sh.key_mask(),
         &mut probs.write::<f32>()?,
     )?;
     Ok(probs)

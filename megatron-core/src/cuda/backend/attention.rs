@@ -35,6 +35,7 @@ fn flash_shape(sh: AttentionShape) -> FlashShape {
         batch: sh.batch,
         heads: sh.heads,
         head_dim: sh.head_dim,
+        window: sh.window,
     }
 }
 
@@ -89,7 +90,7 @@ impl AttentionOps for Gpu {
                         sh.seq,
                         sh.seq,
                         sh.scale(),
-                        true,
+                        sh.key_mask(),
                         y,
                         d,
                         dropout_of(mask),
@@ -245,7 +246,7 @@ fn backward(
                         sh.seq,
                         sh.seq,
                         sh.scale(),
-                        true,
+                        sh.key_mask(),
                         dx,
                         d,
                         dropout_of(mask),

@@ -20,7 +20,8 @@
 // backward's row sums are [b, heads, s] (f32).
 //
 // Semantics are the CPU's attention with queries and keys of one sequence (sq = sk = s): query
-// i sees keys j ≤ i, probabilities softmax(scale·q·kᵀ) over them, attention dropout with the
+// i sees keys j ≤ i (with a sliding window, also j ≥ i − window: `window` is s without one),
+// probabilities softmax(scale·q·kᵀ) over them, attention dropout with the
 // CPU's Philox mask over the [b, heads, s, s] probabilities (the mask's local element
 // ((b·heads + h)·s + i)·s + j), and the output the dropped probabilities times v. The
 // probabilities are rounded to bf16 for their product with v, as the unfused kernels store
@@ -533,6 +534,22 @@ __device__ __forceinline__ void mask_past_diagonal(float (*x)[4], int lim0, floa
     }
 }
 
+// Sets `fill` where a tile of N 8-column accumulator tiles lies before the sliding window: this
+// lane's element (as mask_past_diagonal's) is before it when its column is below `first0` for
+// row g (first0 + 8 for row g + 8): the row's first visible key minus the tile's first column.
+template <int N>
+__device__ __forceinline__ void mask_before_window(float (*x)[4], int first0, float fill) {
+    const int t = threadIdx.x % 4;
+    const int first[2] = {first0 - 2 * t, first0 + 8 - 2 * t};
+    #pragma unroll
+    for (int n = 0; n < N; ++n) {
+        #pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            if (8 * n + (c & 1) < first[c >> 1]) x[n][c] = fill;
+        }
+    }
+}
+
 // The step of a loop over `tiles` tiles streamed through two shared-memory stages: starts tile
 // it + 1 (if any) by `fetch(it + 1)`, which commits its copies, and waits until tile `it` is in
 // shared memory for the whole block. Every warp must be done with stage (it + 1) % 2 (a barrier
@@ -615,7 +632,7 @@ __device__ __forceinline__ void fa_forward(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
     i64 seq_stride, i64 batch_stride, i64 head_stride, bf16_t* __restrict__ o, i64 o_seq_stride,
     i64 o_batch_stride, i64 o_head_stride, float* __restrict__ lse, u64* __restrict__ keep_bits,
-    u32 s, u64 heads, float scale, const Mask& m, const PhiloxKeys& keys,
+    u32 s, u64 heads, float scale, u32 window, const Mask& m, const PhiloxKeys& keys,
     unsigned char* smem_raw) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
@@ -655,6 +672,12 @@ __device__ __forceinline__ void fa_forward(
         // k0 + jj when jj <= i − k0 (so a query before the end sees no key past it).
         if (k0 + FA_FWD_KEYS - 1 > wq0) {
             mask_past_diagonal<FA_FWD_KEYS / 8>(sc, (int)i0 - (int)k0, NEG_INF);
+        }
+        // With a sliding window, keys before a query's window are masked likewise: query i
+        // sees key k0 + jj when jj >= i − window − k0 (only tiles that start before the last
+        // row's window, wq0 + 15 − window).
+        if ((i64)k0 < (i64)wq0 + 15 - (i64)window) {
+            mask_before_window<FA_FWD_KEYS / 8>(sc, (int)i0 - (int)window - (int)k0, NEG_INF);
         }
         // The new row maxima (over the 4 lanes holding a row); the scale is positive, so the
         // largest raw score is the largest scaled one.
@@ -839,7 +862,8 @@ __device__ __forceinline__ void fa_backward_kv(
     i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride, const float* __restrict__ lse,
     const float* __restrict__ delta, bf16_t* __restrict__ dk, bf16_t* __restrict__ dv,
     bf16_t* __restrict__ ds, u32 ds_cols, u32 c_begin, u32 c_end, u32 s, u64 heads,
-    float scale, const u64* __restrict__ keep_bits, float keep_scale, unsigned char* smem_raw) {
+    float scale, u32 window, const u64* __restrict__ keep_bits, float keep_scale,
+    unsigned char* smem_raw) {
     constexpr int LD = D + FA_PAD, KV_BYTES = FA_ROWS * LD * 2;
     const smem_t ks = smem(smem_raw), vs = ks + KV_BYTES;
     unsigned char* stages_raw = smem_raw + 2 * KV_BYTES;
@@ -930,18 +954,21 @@ __device__ __forceinline__ void fa_backward_kv(
                 dz[n][c] = e.d_score;
             }
         }
-        // Where the tile crosses the diagonal or the end, only queries i with j <= i < s
-        // count: column col holds query c0 + col, row (c >> 1) key k0 + w0 + g + 8·(c >> 1).
-        if (c0 < wk_last || c0 + FA_BWD_COLS > s) {
+        // Where the tile crosses the diagonal, the end or a key's sliding window, only queries
+        // i with j <= i < s and i <= j + window count: column col holds query c0 + col, row
+        // (c >> 1) key k0 + w0 + g + 8·(c >> 1).
+        if (c0 < wk_last || c0 + FA_BWD_COLS > s ||
+            (i64)c0 + FA_BWD_COLS - 1 > (i64)(k0 + w0) + (i64)window) {
             const int lo[2] = {(int)(k0 + w0 + g) - (int)c0 - 2 * t,
                                (int)(k0 + w0 + g + 8) - (int)c0 - 2 * t};
-            const int hi = (int)s - 1 - (int)c0 - 2 * t;
+            const int end = (int)s - 1 - (int)c0 - 2 * t;
+            const int hi[2] = {min(end, lo[0] + (int)window), min(end, lo[1] + (int)window)};
             #pragma unroll
             for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
                 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int col = 8 * n + (c & 1);
-                    if (col < lo[c >> 1] || col > hi) st[n][c] = dz[n][c] = 0.0f;
+                    if (col < lo[c >> 1] || col > hi[c >> 1]) st[n][c] = dz[n][c] = 0.0f;
                 }
             }
         }
@@ -1040,14 +1067,14 @@ extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_forward(
     const bf16_t* __restrict__ qkv, i64 seq_stride, i64 batch_stride, i64 head_stride,
     bf16_t* __restrict__ o, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
     float* __restrict__ lse, u64* __restrict__ keep_bits, u64 s, u64 heads, int d, float scale,
-    u64 inner, u64 stride, u64 start, u32 key_lo, u32 key_hi, u64 stream, u32 threshold,
-    float keep_scale, PhiloxKeys keys) {
+    u32 window, u64 inner, u64 stride, u64 start, u32 key_lo, u32 key_hi, u64 stream,
+    u32 threshold, float keep_scale, PhiloxKeys keys) {
     DYNAMIC_SHARED(smem_raw);
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
 #define FA_CALL(D)                                                                            \
     fa_forward<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride, o,    \
                   o_seq_stride, o_batch_stride, o_head_stride, lse, keep_bits, s, heads,      \
-                  scale, m, keys, smem_raw)
+                  scale, window, m, keys, smem_raw)
     FA_DISPATCH(d, FA_CALL)
 #undef FA_CALL
 }
@@ -1057,13 +1084,13 @@ extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_kv(
     const bf16_t* __restrict__ d_o16, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
     const float* __restrict__ lse, const float* __restrict__ delta, bf16_t* __restrict__ dqkv,
     bf16_t* __restrict__ ds, u32 ds_cols, u32 c_begin, u32 c_end, u64 s, u64 heads, int d,
-    float scale, const u64* __restrict__ keep_bits, float keep_scale) {
+    float scale, u32 window, const u64* __restrict__ keep_bits, float keep_scale) {
     DYNAMIC_SHARED(smem_raw);
 #define FA_CALL(D)                                                                            \
     fa_backward_kv<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride,   \
                       d_o16, o_seq_stride, o_batch_stride, o_head_stride, lse, delta,         \
                       dqkv + (D), dqkv + 2 * (D), ds, ds_cols, c_begin, c_end, s, heads,      \
-                      scale, keep_bits, keep_scale, smem_raw)
+                      scale, window, keep_bits, keep_scale, smem_raw)
     FA_DISPATCH(d, FA_CALL)
 #undef FA_CALL
 }

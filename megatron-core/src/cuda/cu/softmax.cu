@@ -1,6 +1,7 @@
 // Scaled, optionally causal softmax over the last dimension of attention scores [batches, sq, sk],
 // as megatron-core's kernels::softmax. Row r is query i = r % sq; with `causal` it sees keys
-// j < visible_keys(i), all others get exactly 0. A row whose visible scaled scores are all −∞ (or
+// first_key(..) <= j < visible_keys(i) (the first key is 0 unless a sliding window of `window`
+// keys before the query leaves out earlier ones; no window: u64 max), all others get exactly 0. A row whose visible scaled scores are all −∞ (or
 // NaN), or that sees no key, gets 0 where the scaled score is not NaN and NaN where it is.
 //
 // Attention fuses its dropout and the bf16 rounding of the products' operands into these
@@ -24,6 +25,15 @@ __device__ __forceinline__ u64 visible_keys(u64 i, u64 sq, u64 sk, bool causal) 
     return t > sq ? min(t - sq, sk) : 0;
 }
 
+// The first key a causal query that sees keys before `vis` sees: the query (key vis − 1) and
+// `window` keys before it.
+__device__ __forceinline__ u64 first_key(u64 vis, bool causal, u64 window) {
+    return causal && window < vis ? vis - 1 - window : 0;
+}
+
+// Whether key j is seen by a row that sees keys lo .. vis − 1.
+__device__ __forceinline__ bool seen(u64 j, u64 lo, u64 vis) { return j >= lo && j < vis; }
+
 // scale·v rounded on its own (no FMA contraction into the subtraction that follows), as on the
 // CPU: the row's maximum then gives exactly exp(0) = 1.
 __device__ __forceinline__ float scaled(float v, float scale) { return __fmul_rn(v, scale); }
@@ -33,24 +43,26 @@ struct RowStats {
     float m, inv;
 };
 
-// Passes 1 and 2 over the `vis` visible keys of row r (elements r·sk .. of x; `x16`: x is bf16).
+// Passes 1 and 2 over the visible keys lo .. vis − 1 of row r (elements r·sk .. of x; `x16`: x
+// is bf16).
 __device__ __forceinline__ RowStats row_stats(const void* __restrict__ x, bool x16, u64 r, u64 sk,
-                                              u64 vis, float scale, bool vec, float* scratch) {
-    const u64 vis4 = (vis + 3) / 4;  // float4 groups holding a visible key
+                                              u64 lo, u64 vis, float scale, bool vec,
+                                              float* scratch) {
+    const u64 lo4 = lo / 4, vis4 = (vis + 3) / 4;  // float4 groups holding a visible key
     const u64 at = r * sk, at4 = r * (sk / 4);
     // Pass 1: the maximum of the visible scaled scores (fmaxf skips NaN, as f32::max).
     float mx = NEG_INF;
     if (vec) {
-        for (u64 k = threadIdx.x; k < vis4; k += blockDim.x) {
+        for (u64 k = lo4 + threadIdx.x; k < vis4; k += blockDim.x) {
             const float4 v = load_in4(x, x16, at4 + k);
             const u64 j = 4 * k;
-            mx = fmaxf(mx, scaled(v.x, scale));
-            if (j + 1 < vis) mx = fmaxf(mx, scaled(v.y, scale));
-            if (j + 2 < vis) mx = fmaxf(mx, scaled(v.z, scale));
-            if (j + 3 < vis) mx = fmaxf(mx, scaled(v.w, scale));
+            if (j >= lo) mx = fmaxf(mx, scaled(v.x, scale));
+            if (seen(j + 1, lo, vis)) mx = fmaxf(mx, scaled(v.y, scale));
+            if (seen(j + 2, lo, vis)) mx = fmaxf(mx, scaled(v.z, scale));
+            if (seen(j + 3, lo, vis)) mx = fmaxf(mx, scaled(v.w, scale));
         }
     } else {
-        for (u64 j = threadIdx.x; j < vis; j += blockDim.x) {
+        for (u64 j = lo + threadIdx.x; j < vis; j += blockDim.x) {
             mx = fmaxf(mx, scaled(load_in(x, x16, at + j), scale));
         }
     }
@@ -62,17 +74,18 @@ __device__ __forceinline__ RowStats row_stats(const void* __restrict__ x, bool x
     // Pass 2: Σ exp(scale·x − m) over the visible keys.
     float s = 0.0f;
     if (vec) {
-        for (u64 k = threadIdx.x; k < vis4; k += blockDim.x) {
+        for (u64 k = lo4 + threadIdx.x; k < vis4; k += blockDim.x) {
             const float4 v = load_in4(x, x16, at4 + k);
             const u64 j = 4 * k;
-            float t = exp_f32(scaled(v.x, scale) - st.m);
-            if (j + 1 < vis) t += exp_f32(scaled(v.y, scale) - st.m);
-            if (j + 2 < vis) t += exp_f32(scaled(v.z, scale) - st.m);
-            if (j + 3 < vis) t += exp_f32(scaled(v.w, scale) - st.m);
+            // 0 + the first term is that term: the same sums as without a window.
+            float t = j >= lo ? exp_f32(scaled(v.x, scale) - st.m) : 0.0f;
+            if (seen(j + 1, lo, vis)) t += exp_f32(scaled(v.y, scale) - st.m);
+            if (seen(j + 2, lo, vis)) t += exp_f32(scaled(v.z, scale) - st.m);
+            if (seen(j + 3, lo, vis)) t += exp_f32(scaled(v.w, scale) - st.m);
             s += t;
         }
     } else {
-        for (u64 j = threadIdx.x; j < vis; j += blockDim.x) {
+        for (u64 j = lo + threadIdx.x; j < vis; j += blockDim.x) {
             s += exp_f32(scaled(load_in(x, x16, at + j), scale) - st.m);
         }
     }
@@ -82,8 +95,9 @@ __device__ __forceinline__ RowStats row_stats(const void* __restrict__ x, bool x
 
 // The probability of key j with scaled score from v: 0 where masked; in a row with nothing to
 // normalise, NaN where the scaled score is NaN and 0 elsewhere.
-__device__ __forceinline__ float prob(float v, u64 j, u64 vis, float scale, RowStats st) {
-    if (j >= vis) return 0.0f;
+__device__ __forceinline__ float prob(float v, u64 j, u64 lo, u64 vis, float scale,
+                                      RowStats st) {
+    if (!seen(j, lo, vis)) return 0.0f;
     if (st.m == NEG_INF) return isnan(scaled(v, scale)) ? CANONICAL_NAN : 0.0f;
     return exp_f32(scaled(v, scale) - st.m) * st.inv;
 }
@@ -93,7 +107,7 @@ __device__ __forceinline__ float prob(float v, u64 j, u64 vis, float scale, RowS
 extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_forward(
     const void* __restrict__ x, int x_bf16, void* __restrict__ y, int y_bf16,
     void* __restrict__ dropped, int dropped_bf16, u64 rows, u64 sq, u64 sk, float scale,
-    int causal, u64 inner, u64 stride, u64 start, u32 key_lo, u32 key_hi, u64 stream,
+    int causal, u64 window, u64 inner, u64 stride, u64 start, u32 key_lo, u32 key_hi, u64 stream,
     u32 threshold, float keep_scale) {
     __shared__ float scratch[32];
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
@@ -104,32 +118,36 @@ extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_forward(
     const u64 k4 = sk / 4;
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const u64 vis = visible_keys(r % sq, sq, sk, causal != 0);
-        const RowStats st = row_stats(x, x16, r, sk, vis, scale, vec, scratch);
+        const u64 lo = first_key(vis, causal != 0, window);
+        const RowStats st = row_stats(x, x16, r, sk, lo, vis, scale, vec, scratch);
         // Pass 3: normalise (masked keys get exactly 0), then the dropout.
         if (vec) {
-            const u64 vis4 = (vis + 3) / 4;
+            const u64 lo4 = lo / 4, vis4 = (vis + 3) / 4;
             for (u64 k = threadIdx.x; k < k4; k += blockDim.x) {
                 float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 const u64 j = 4 * k;
-                if (k < vis4) {
+                const bool any = k >= lo4 && k < vis4;
+                if (any) {
                     const float4 v = load_in4(x, x16, r * k4 + k);
-                    o = make_float4(prob(v.x, j, vis, scale, st), prob(v.y, j + 1, vis, scale, st),
-                                    prob(v.z, j + 2, vis, scale, st),
-                                    prob(v.w, j + 3, vis, scale, st));
+                    o = make_float4(prob(v.x, j, lo, vis, scale, st),
+                                    prob(v.y, j + 1, lo, vis, scale, st),
+                                    prob(v.z, j + 2, lo, vis, scale, st),
+                                    prob(v.w, j + 3, lo, vis, scale, st));
                 }
                 store_out4(y, y16, r * k4 + k, o);
                 if (dropped != nullptr) {
                     // Masked keys are 0 whatever the mask says: no Philox words for them.
-                    const float4 d = k < vis4 ? masked4(o, mask_factor4(m, r * sk + j, blocks)) : o;
+                    const float4 d = any ? masked4(o, mask_factor4(m, r * sk + j, blocks)) : o;
                     store_out4(dropped, d16, r * k4 + k, d);
                 }
             }
         } else {
             for (u64 j = threadIdx.x; j < sk; j += blockDim.x) {
-                const float o = prob(j < vis ? load_in(x, x16, r * sk + j) : 0.0f, j, vis, scale, st);
+                const bool in = seen(j, lo, vis);
+                const float o = prob(in ? load_in(x, x16, r * sk + j) : 0.0f, j, lo, vis, scale, st);
                 store_out(y, y16, r * sk + j, o);
                 if (dropped != nullptr) {
-                    const float d = j < vis ? masked(o, mask_factor(m, r * sk + j)) : o;
+                    const float d = in ? masked(o, mask_factor(m, r * sk + j)) : o;
                     store_out(dropped, d16, r * sk + j, d);
                 }
             }
@@ -145,8 +163,8 @@ extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_forward(
 extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_backward(
     const void* __restrict__ y, int y_bf16, const void* __restrict__ dy, int dy_bf16,
     void* __restrict__ dx, int dx_bf16, void* __restrict__ dropped, int dropped_bf16, u64 rows,
-    u64 sq, u64 sk, float scale, int causal, u64 inner, u64 stride, u64 start, u32 key_lo,
-    u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
+    u64 sq, u64 sk, float scale, int causal, u64 window, u64 inner, u64 stride, u64 start,
+    u32 key_lo, u32 key_hi, u64 stream, u32 threshold, float keep_scale) {
     __shared__ float scratch[32];
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
     const bool y16 = y_bf16 != 0, dy16 = dy_bf16 != 0, dx16 = dx_bf16 != 0, d16 = dropped_bf16 != 0;
@@ -157,17 +175,19 @@ extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_backward(
     const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const u64 vis = visible_keys(r % sq, sq, sk, causal != 0);
-        const u64 vis4 = (vis + 3) / 4;  // float4 groups holding a visible key
+        const u64 lo = first_key(vis, causal != 0, window);
+        // float4 groups holding a visible key (the others have y = 0)
+        const u64 lo4 = lo / 4, vis4 = (vis + 3) / 4;
         float s = 0.0f;
         if (vec) {
-            for (u64 k = threadIdx.x; k < vis4; k += blockDim.x) {
+            for (u64 k = lo4 + threadIdx.x; k < vis4; k += blockDim.x) {
                 const float4 p = load_in4(y, y16, r * k4 + k);
                 const float4 g = masked4(load_in4(dy, dy16, r * k4 + k),
                                          mask_factor4(m, r * sk + 4 * k, blocks));
                 s += (g.x * p.x + g.y * p.y) + (g.z * p.z + g.w * p.w);
             }
         } else {
-            for (u64 j = threadIdx.x; j < vis; j += blockDim.x) {
+            for (u64 j = lo + threadIdx.x; j < vis; j += blockDim.x) {
                 const u64 e = r * sk + j;
                 s += masked(load_in(dy, dy16, e), mask_factor(m, e)) * load_in(y, y16, e);
             }
@@ -175,7 +195,7 @@ extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_backward(
         const float dot = block_sum(s, scratch);
         if (vec) {
             for (u64 k = threadIdx.x; k < k4; k += blockDim.x) {
-                if (k >= vis4) {
+                if (k < lo4 || k >= vis4) {
                     store_out4(dx, dx16, r * k4 + k, zero4);
                     if (dropped != nullptr) store_out4(dropped, d16, r * k4 + k, zero4);
                     continue;
@@ -191,7 +211,7 @@ extern "C" __global__ __launch_bounds__(SM_MAX_THREADS) void softmax_backward(
         } else {
             for (u64 j = threadIdx.x; j < sk; j += blockDim.x) {
                 const u64 e = r * sk + j;
-                if (j >= vis) {
+                if (!seen(j, lo, vis)) {
                     store_out(dx, dx16, e, 0.0f);
                     if (dropped != nullptr) store_out(dropped, d16, e, 0.0f);
                     continue;

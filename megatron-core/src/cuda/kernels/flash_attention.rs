@@ -62,9 +62,17 @@ pub struct FlashShape {
     pub heads: usize,
     /// Elements per head.
     pub head_dim: usize,
+    /// Sliding-window attention: each query sees itself and at most this many keys before it
+    /// (`None`: every earlier key).
+    pub window: Option<usize>,
 }
 
 impl FlashShape {
+    /// The kernels' `window`: the keys before a query it sees, at most the sequence (all).
+    fn window_arg(&self) -> u32 {
+        self.window.unwrap_or(self.seq).min(self.seq) as u32
+    }
+
     /// Whether the kernels are built for this head size.
     pub fn supported(&self) -> bool {
         HEAD_DIMS.contains(&self.head_dim)
@@ -246,7 +254,8 @@ pub fn flash_attention_forward(
         Some(keep) => args.arg(keep),
         None => args.arg(&NULL),
     };
-    args.arg(&s).arg(&heads).arg(&d).arg(&scale);
+    let window = sh.window_arg();
+    args.arg(&s).arg(&heads).arg(&d).arg(&scale).arg(&window);
     let keys = mask.round_keys();
     mask.push(&mut args);
     args.arg(&keys);
@@ -328,7 +337,8 @@ pub fn flash_attention_backward(
         args.arg(&d_out16).arg(&os).arg(&ob).arg(&oh);
         args.arg(lse).arg(&delta).arg(&mut *d_qkv);
         args.arg(&ds).arg(&chunk32).arg(&begin32).arg(&end32);
-        args.arg(&s).arg(&heads).arg(&d32).arg(&scale);
+        let window = sh.window_arg();
+        args.arg(&s).arg(&heads).arg(&d32).arg(&scale).arg(&window);
         match &dropout {
             Some((_, keep)) => args.arg(*keep),
             None => args.arg(&NULL),
@@ -388,6 +398,7 @@ mod tests {
             batch,
             heads,
             head_dim: 96,
+            window: None,
         };
         // GPT-1.2B, micro-batch 4: the whole [4, 16, 2048, 2048] in 512 MiB.
         let big = sh(2048, 4, 16);

@@ -15,7 +15,7 @@ use super::operand::{In, Out};
 use super::{NULL, launch, launch_args, per_row};
 use crate::cuda::{Gpu, Result};
 use crate::kernels::dropout::LogicalIndex;
-use crate::kernels::softmax::check_buffers;
+use crate::kernels::softmax::{KeyMask, check_buffers};
 use crate::rng::DropoutStream;
 
 /// Most blocks of a row launch; the kernels stride over further rows.
@@ -59,8 +59,8 @@ fn push_optional<'a>(out: Option<Out<'a, '_>>, args: &mut LaunchArgs<'a>, flag: 
     }
 }
 
-/// `y = softmax(scale·x)` over the last dimension of `x[batches, sq, sk]`, causally masked if
-/// asked, as [`crate::kernels::softmax::softmax_forward`].
+/// `y = softmax(scale·x)` over the last dimension of `x[batches, sq, sk]`, masked as `mask`
+/// says (a [`KeyMask`], or `true` for causal), as [`crate::kernels::softmax::softmax_forward`].
 #[allow(clippy::too_many_arguments)]
 pub fn softmax_forward(
     gpu: &Gpu,
@@ -69,7 +69,7 @@ pub fn softmax_forward(
     sq: usize,
     sk: usize,
     scale: f32,
-    causal: bool,
+    mask: impl Into<KeyMask>,
     y: &mut CudaViewMut<f32>,
 ) -> Result<()> {
     softmax_dropout_forward(
@@ -79,7 +79,7 @@ pub fn softmax_forward(
         sq,
         sk,
         scale,
-        causal,
+        mask.into(),
         Out::F32(y),
         None,
         None,
@@ -98,7 +98,7 @@ pub fn softmax_dropout_forward(
     sq: usize,
     sk: usize,
     scale: f32,
-    causal: bool,
+    keys: impl Into<KeyMask>,
     probs: Out<'_, '_>,
     dropped: Option<Out<'_, '_>>,
     dropout: Option<Dropout<'_>>,
@@ -117,7 +117,8 @@ pub fn softmax_dropout_forward(
         probs.flag(),
         dropped.as_ref().map_or(0, Out::flag),
     ];
-    let (rows64, sq64, sk64, causal32) = (rows as u64, sq as u64, sk as u64, i32::from(causal));
+    let (rows64, sq64, sk64) = (rows as u64, sq as u64, sk as u64);
+    let (causal32, window64) = key_args(keys.into());
     let mut args = launch_args(gpu, K)?;
     x.push(&mut args, &flags[0]);
     probs.push(&mut args, &flags[1]);
@@ -126,7 +127,8 @@ pub fn softmax_dropout_forward(
         .arg(&sq64)
         .arg(&sk64)
         .arg(&scale)
-        .arg(&causal32);
+        .arg(&causal32)
+        .arg(&window64);
     mask.push(&mut args);
     launch(
         K,
@@ -156,19 +158,28 @@ pub fn softmax_backward(
         sq,
         sk,
         scale,
-        false,
+        KeyMask::All,
         Out::F32(dx),
         None,
         None,
     )
 }
 
+/// The kernels' `causal` flag and `window` (the keys before a query it sees; u64 max: all).
+fn key_args(keys: KeyMask) -> (i32, u64) {
+    match keys {
+        KeyMask::All => (0, u64::MAX),
+        KeyMask::Causal => (1, u64::MAX),
+        KeyMask::Window(w) => (1, w as u64),
+    }
+}
+
 /// The gradient of [`softmax_dropout_forward`] from the saved probabilities `y` and the
 /// gradient `dy` of the dropped ones (each f32 or bf16): `g = mask(dy)`,
 /// `dx = scale · y ⊙ (g − Σ_j g·y)`, in f32 or rounded to bf16; with `dropped`, also the
 /// forward's dropped probabilities again (for the values' gradient), so that nothing between the
-/// two products makes another pass. With `causal` (the forward's), the keys a query does not
-/// see are neither read nor masked: they get 0 (their probability is 0).
+/// two products makes another pass. With the forward's causal `keys` (and window), the keys a
+/// query does not see are neither read nor masked: they get 0 (their probability is 0).
 #[allow(clippy::too_many_arguments)]
 pub fn dropout_softmax_backward(
     gpu: &Gpu,
@@ -178,7 +189,7 @@ pub fn dropout_softmax_backward(
     sq: usize,
     sk: usize,
     scale: f32,
-    causal: bool,
+    keys: impl Into<KeyMask>,
     dx: Out<'_, '_>,
     dropped: Option<Out<'_, '_>>,
     dropout: Option<Dropout<'_>>,
@@ -198,7 +209,8 @@ pub fn dropout_softmax_backward(
         dx.flag(),
         dropped.as_ref().map_or(0, Out::flag),
     ];
-    let (rows64, sq64, sk64, causal32) = (rows as u64, sq as u64, sk as u64, i32::from(causal));
+    let (rows64, sq64, sk64) = (rows as u64, sq as u64, sk as u64);
+    let (causal32, window64) = key_args(keys.into());
     let mut args = launch_args(gpu, K)?;
     y.push(&mut args, &flags[0]);
     dy.push(&mut args, &flags[1]);
@@ -208,7 +220,8 @@ pub fn dropout_softmax_backward(
         .arg(&sq64)
         .arg(&sk64)
         .arg(&scale)
-        .arg(&causal32);
+        .arg(&causal32)
+        .arg(&window64);
     mask.push(&mut args);
     launch(
         K,
