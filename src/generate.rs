@@ -1,6 +1,8 @@
 //! Text generation from a checkpoint: greedy or sampled (temperature, top-k, top-p), with tensor
 //! parallelism too. Every rank computes the same logits (gathered over the vocabulary) and draws
 //! the same token from the same seed, so the ranks stay in step without communicating choices.
+//! A KV cache keeps each attention layer's keys and values: the prompt runs once (the
+//! prefill), then each step runs the model on the one new token.
 
 use std::path::Path;
 
@@ -8,6 +10,7 @@ use anyhow::{Context, Result, bail};
 use megatron_core::checkpoint::{load_params, open_checkpoint};
 use megatron_core::comm::ParallelState;
 use megatron_core::comm::threads::launch;
+use megatron_core::inference::KvCache;
 use megatron_core::module::{Builder, Cx, Module};
 use megatron_core::parallel::{ParallelConfig, ParallelLayout};
 use megatron_core::rng::splitmix64_mix;
@@ -131,22 +134,31 @@ pub fn generate(
         let model = Gpt::build(&spec, &mut Builder::for_rank(0, ps.groups()).meta())?;
         load_params(&model, &open_checkpoint(&ps, ckpt)?)?;
         let cx = Cx::new(&ps, sampling.seed).eval();
+        let cache = KvCache::new();
+        let decode = cx.with_kv_cache(&cache);
         let mut tokens: Vec<u32> = prompt.to_vec();
+        let mut feed: Vec<u32> = prompt.to_vec();
         let mut new = Vec::new();
         for n in 0..max_new_tokens {
-            // The model sees at most its learned positions: the last `window` tokens.
-            let context = &tokens[tokens.len().saturating_sub(window)..];
+            // The model sees at most its learned positions: past them, the cache starts again
+            // from the last `window` tokens.
+            if cache.offset() + feed.len() > window {
+                cache.clear();
+                feed = tokens[tokens.len().saturating_sub(window)..].to_vec();
+            }
             let ids = Tensor::from_vec(
-                context.iter().map(|&t| i64::from(t)).collect::<Vec<_>>(),
-                [context.len(), 1],
+                feed.iter().map(|&t| i64::from(t)).collect::<Vec<_>>(),
+                [feed.len(), 1],
             )?;
-            let logits = logits(&model, &cx, &ids)?.to_vec::<f32>()?;
+            let logits = logits(&model, &decode, &ids)?.to_vec::<f32>()?;
+            cache.advance(feed.len());
             let last = &logits[logits.len() - config.vocab_size..];
             let draw = splitmix64_mix(sampling.seed ^ splitmix64_mix(n as u64 + 1));
             let uniform = (draw >> 11) as f64 / (1u64 << 53) as f64;
             let next = pick(last, &sampling, uniform) as u32;
             tokens.push(next);
             new.push(next);
+            feed = vec![next];
             if Some(next) == stop {
                 break;
             }
@@ -160,7 +172,8 @@ pub fn generate(
 /// Logits over the real vocabulary, `[s, b, vocab]` on every rank, for token ids `[s, b]`: the
 /// model's own forward (with the tokens as its targets; the losses are not read), whose
 /// vocab-parallel cross-entropy keeps this rank's slice of the logits, gathered over tensor
-/// parallelism. Run it with an evaluation context (`cx.eval()`) to turn dropout off.
+/// parallelism. Run it with an evaluation context (`cx.eval()`) to turn dropout off, or a
+/// decoding one (`cx.with_kv_cache`) for the positions after the cached ones.
 pub fn logits(model: &Gpt, cx: &Cx, tokens: &Tensor) -> megatron_core::Result<Tensor> {
     let (_, saved) = model.forward(cx, megatron_core::module::Site::ROOT, tokens, tokens)?;
     let whole = megatron_core::tensor_parallel::gather_last_dim(cx, saved.cross_entropy.logits())?;

@@ -25,6 +25,7 @@ pub mod data;
 pub mod distributed;
 mod error;
 pub mod files;
+pub mod inference;
 pub mod kernels;
 pub mod limits;
 pub mod module;

@@ -5,6 +5,7 @@ pub mod activations;
 pub mod allreduce;
 pub mod attention;
 pub mod gemm;
+pub mod generate;
 pub mod grouped_gemm;
 pub mod machine;
 

@@ -91,6 +91,29 @@ enum Which {
         #[arg(long, default_value = "cpu")]
         device: String,
     },
+    /// Greedy generation from a checkpoint with the KV cache: the prefill's time and new
+    /// tokens per second after it (next to transformers' generate on the same weights:
+    /// tools/bench/hf_generate.py).
+    Generate {
+        /// The checkpoint.
+        #[arg(long)]
+        load: std::path::PathBuf,
+        /// Prompt tokens (deterministic ids over the vocabulary).
+        #[arg(long, default_value_t = 32, value_parser = values::batch)]
+        prompt_tokens: usize,
+        /// New tokens of the timed run.
+        #[arg(long, default_value_t = 64, value_parser = values::batch)]
+        new_tokens: usize,
+        /// Tensor-parallel thread ranks.
+        #[arg(long, default_value_t = 1, value_parser = values::threads)]
+        tp: usize,
+        /// Compute threads of the kernels (default: every core).
+        #[arg(long, value_parser = values::threads)]
+        threads: Option<usize>,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Time of an in-process all-reduce next to the memory-bandwidth floor measured in the same run.
     Allreduce {
         /// Thread-ranks in the group.
@@ -171,6 +194,19 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 "cuda" => megatron::gpu::attention_bench(b)?,
                 other => anyhow::bail!("--device must be cpu or cuda, got {other:?}"),
             };
+            print(&report, *json)
+        }
+        Which::Generate {
+            load,
+            prompt_tokens,
+            new_tokens,
+            tp,
+            threads,
+            json,
+        } => {
+            let threads = threads.unwrap_or_else(parallel::cores);
+            parallel::set_threads(threads);
+            let report = bench::generate::run(load, *tp, *prompt_tokens, *new_tokens, threads)?;
             print(&report, *json)
         }
         Which::Allreduce {

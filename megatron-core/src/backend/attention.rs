@@ -67,6 +67,8 @@ pub(crate) enum AttentionKept {
         lse: Tensor,
         keep: Option<Tensor>,
     },
+    /// Nothing: a decoding forward with a KV cache, which has no backward.
+    Decoded,
 }
 
 device_ops! {

@@ -178,7 +178,7 @@ pub fn gemm(
     a: MatRef<'_>,
     b: MatRef<'_>,
     beta: f32,
-    c: MatMut<'_>,
+    mut c: MatMut<'_>,
 ) -> Result<(), KernelError> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     if b.rows != k || c.rows != m || c.cols != n {
@@ -202,6 +202,9 @@ pub fn gemm(
             }
         }
         return Ok(());
+    }
+    if let Some(done) = few_rows(alpha, a, b, beta, &mut c) {
+        return done;
     }
     let raw = RawC {
         ptr: c.data.as_mut_ptr(),
@@ -276,6 +279,84 @@ pub fn gemm(
         });
     }
     Ok(())
+}
+
+/// Rows of A up to which a large product skips the packed kernel.
+const FEW_ROWS: usize = 4;
+/// The least `k × n` of B for which it does: below it packing costs little.
+const FEW_ROWS_MIN_B: usize = 1 << 15;
+
+/// `C = α·A·B + β·C` for an A of at most [`FEW_ROWS`] rows and a large B (a decoding step's
+/// products: one token's row against a layer's weight), without packing B, which would read
+/// and write all of B for the few rows that use it once: each element of C is a dot product of
+/// a row of A and a contiguous column of B (a transposed weight), or with contiguous rows of B
+/// a sum of its rows scaled by A's. Each element's sum runs in one order whatever the threads.
+/// `None` for the products it does not take (the packed kernel's).
+fn few_rows(
+    alpha: f32,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    beta: f32,
+    c: &mut MatMut<'_>,
+) -> Option<Result<(), KernelError>> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    let columns = b.row_stride == 1;
+    if m > FEW_ROWS || k.saturating_mul(n) < FEW_ROWS_MIN_B || !(columns || b.col_stride == 1) {
+        return None;
+    }
+    let a_row = |i: usize| -> Vec<f32> {
+        (0..k)
+            .map(|p| a.data[i * a.row_stride + p * a.col_stride])
+            .collect()
+    };
+    let rows: Vec<Vec<f32>> = (0..m).map(a_row).collect();
+    // Columns of C per part: each part's products `[rows, its columns]`, row-major.
+    let parts = parallel::threads()
+        .min(k.saturating_mul(n) / MIN_WORK_PER_THREAD)
+        .max(1);
+    let span = n.div_ceil(parts);
+    let part = |j0: usize| -> Vec<f32> {
+        let j1 = (j0 + span).min(n);
+        let mut out = vec![0.0f32; m * (j1 - j0)];
+        if columns {
+            for j in j0..j1 {
+                let col = &b.data[j * b.col_stride..j * b.col_stride + k];
+                for (i, row) in rows.iter().enumerate() {
+                    out[i * (j1 - j0) + j - j0] = super::reduce::dot(row, col);
+                }
+            }
+        } else {
+            for p in 0..k {
+                let b_row = &b.data[p * b.row_stride + j0..p * b.row_stride + j1];
+                for (i, row) in rows.iter().enumerate() {
+                    let x = row[p];
+                    let acc = &mut out[i * (j1 - j0)..(i + 1) * (j1 - j0)];
+                    for (o, &y) in acc.iter_mut().zip(b_row) {
+                        *o += x * y;
+                    }
+                }
+            }
+        }
+        out
+    };
+    let starts: Vec<usize> = (0..n).step_by(span.max(1)).collect();
+    let products: Vec<Vec<f32>> = if starts.len() > 1 {
+        use rayon::prelude::*;
+        parallel::on_pool(|| starts.par_iter().map(|&j0| part(j0)).collect())
+    } else {
+        starts.iter().map(|&j0| part(j0)).collect()
+    };
+    for (&j0, out) in starts.iter().zip(&products) {
+        let width = (j0 + span).min(n) - j0;
+        for i in 0..m {
+            for jj in 0..width {
+                let e = &mut c.data[i * c.row_stride + (j0 + jj) * c.col_stride];
+                let old = if beta == 0.0 { 0.0 } else { beta * *e };
+                *e = alpha * out[i * width + jj] + old;
+            }
+        }
+    }
+    Some(Ok(()))
 }
 
 /// One product of a grouped GEMM: `C = α·A·B + β·C` for one group (one expert's rows).
@@ -542,6 +623,9 @@ mod tests {
             (64, 33, 17),
             (130, 70, 260),
             (257, 129, 65),
+            // A few rows against a large B: the unpacked path, both layouts of B.
+            (1, 256, 200),
+            (3, 300, 130),
         ] {
             let a = data(m * k, 1);
             let b = data(k * n, 2);
@@ -574,7 +658,7 @@ mod tests {
     #[test]
     fn large_products_split_over_threads_give_the_same_bits() {
         // Blocks are independent products of whole rows/columns, so splitting changes no bits.
-        for &(m, k, n) in &[(512, 300, 96), (96, 300, 512)] {
+        for &(m, k, n) in &[(512, 300, 96), (96, 300, 512), (2, 300, 512)] {
             let a = data(m * k, 4);
             let b = data(k * n, 5);
             let mut outs = Vec::new();

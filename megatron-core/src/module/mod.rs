@@ -22,6 +22,7 @@ pub use site::Site;
 use crate::comm::{Communicator, ParallelState};
 use crate::cuda_graphs::GraphRuntime;
 use crate::error::Result;
+use crate::inference::KvCache;
 use crate::moe::RoutingLog;
 use crate::parallel::GroupKind;
 use crate::rng::DropoutStream;
@@ -47,6 +48,8 @@ pub struct Cx<'a> {
     graphs: Option<&'a GraphRuntime>,
     /// The in-flight slot of this microbatch (its graphs and static buffers).
     graph_slot: usize,
+    /// Generation's keys and values so far, when decoding with a cache.
+    kv_cache: Option<&'a KvCache>,
 }
 
 impl<'a> Cx<'a> {
@@ -63,7 +66,29 @@ impl<'a> Cx<'a> {
             routing_log: None,
             graphs: None,
             graph_slot: 0,
+            kv_cache: None,
         }
+    }
+
+    /// The same context decoding with `cache`: the forward's tokens run at positions
+    /// [`KvCache::offset`] on, and attention appends their keys and values to the cache and
+    /// attends to every cached position (an evaluation context: no dropout, no backward).
+    pub fn with_kv_cache(&self, cache: &'a KvCache) -> Cx<'a> {
+        Cx {
+            kv_cache: Some(cache),
+            training: false,
+            ..*self
+        }
+    }
+
+    /// The KV cache a decoding forward runs with, if any.
+    pub fn kv_cache(&self) -> Option<&'a KvCache> {
+        self.kv_cache
+    }
+
+    /// The position of this forward's first token: the cached positions when decoding, else 0.
+    pub fn position_offset(&self) -> usize {
+        self.kv_cache.map_or(0, KvCache::offset)
     }
 
     /// The same context with `#[graph_scope(..)]` fields going through `graphs`.

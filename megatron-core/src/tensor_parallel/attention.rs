@@ -4,6 +4,7 @@
 use crate::backend::attention::{AttentionKept, AttentionShape};
 use crate::backend::{self, DropoutMask};
 use crate::error::Result;
+use crate::inference::decode_attention;
 use crate::invalid;
 use crate::kernels::dropout::{self as dk, LogicalIndex};
 use crate::kernels::heads::GroupedHeads;
@@ -70,12 +71,19 @@ impl CausalSelfAttention {
         self
     }
 
-    /// `qkv` (grouped) with its queries and keys turned (`inverse`: the gradient turned back).
-    fn turned(&self, qkv: &Tensor, g: GroupedHeads, inverse: bool) -> Result<Option<Tensor>> {
+    /// `qkv` (grouped) with its queries and keys turned by their positions, from `offset` on
+    /// (`inverse`: the gradient turned back).
+    fn turned(
+        &self,
+        qkv: &Tensor,
+        g: GroupedHeads,
+        offset: usize,
+        inverse: bool,
+    ) -> Result<Option<Tensor>> {
         let blocks = (g.groups, g.per_group + 2, g.per_group + 1);
         self.rotary
             .as_ref()
-            .map(|r| r.apply(qkv, blocks, g.head_dim, 0, inverse))
+            .map(|r| r.apply(qkv, blocks, g.head_dim, offset, inverse))
             .transpose()
     }
 }
@@ -172,8 +180,19 @@ impl Op for CausalSelfAttention {
         let (sh, grouped) = self.shape(cx, qkv)?;
         let mask = self.mask(cx, site, sh);
         let keep_inputs = cx.recompute() == Recompute::Selective && cx.training();
-        let turned = self.turned(qkv, grouped, false)?;
+        let turned = self.turned(qkv, grouped, cx.position_offset(), false)?;
         let qkv = turned.as_ref().unwrap_or(qkv);
+        if let Some(cache) = cx.kv_cache() {
+            // Decoding: the new positions against every cached one, no backward.
+            let out = decode_attention(cache, site, qkv, grouped, self.window)?;
+            let saved = AttentionSaved {
+                kept: AttentionKept::Decoded,
+                dropout: None,
+                shape: sh,
+                grouped,
+            };
+            return Ok((out, saved));
+        }
         // Grouped: each query head beside its group's key and value.
         let expanded = match grouped.per_group {
             1 => None,
@@ -212,6 +231,8 @@ impl Op for CausalSelfAttention {
             1 => d_qkv,
             _ => backend::of(&d_qkv).reduce_groups(&d_qkv, saved.grouped)?,
         };
-        Ok(self.turned(&d_qkv, saved.grouped, true)?.unwrap_or(d_qkv))
+        Ok(self
+            .turned(&d_qkv, saved.grouped, 0, true)?
+            .unwrap_or(d_qkv))
     }
 }

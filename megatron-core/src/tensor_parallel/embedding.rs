@@ -413,12 +413,16 @@ impl Module for PositionEmbedding {
 
 impl PositionEmbedding {
     /// The positions of a sequence of `whole` tokens of `batch` sequences, or with sequence
-    /// parallelism of this rank's shard of it (`[s / tp, b, hidden]`, from `rank · s / tp` on).
+    /// parallelism of this rank's shard of it (`[s / tp, b, hidden]`, from `rank · s / tp` on);
+    /// decoding with a KV cache, from its offset on.
     fn positions(&self, cx: &Cx, whole: usize, batch: usize) -> Result<(Tensor, PositionSaved)> {
         let max = self.weight.value().dims()[0];
-        if whole > max {
+        let offset = cx.position_offset();
+        if offset + whole > max {
             return invalid!(
-                "sequence length {whole} exceeds the {max} learned positions (--max-position-embeddings)"
+                "positions {offset}..{} exceed the {max} learned positions \
+                 (--max-position-embeddings)",
+                offset + whole
             );
         }
         let (first, seq) = match cx.sequence_parallel() {
@@ -432,7 +436,7 @@ impl PositionEmbedding {
                 }
                 (cx.tp_rank() * whole / tp, whole / tp)
             }
-            false => (0, whole),
+            false => (offset, whole),
         };
         let table = self
             .weight

@@ -54,6 +54,9 @@ impl AttentionOps for Cpu {
                     "attention: the forward ran on the GPU, the output gradient is on the host"
                 );
             }
+            AttentionKept::Decoded => {
+                return invalid!("attention: a decoding forward with a KV cache has no backward");
+            }
         };
         let d_ctx = to_heads(&d_out, sh, 1)?.remove(0);
         let d_dropped = matmul(&d_ctx, &v.transpose(1, 2)?)?;

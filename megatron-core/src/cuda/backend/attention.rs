@@ -214,6 +214,11 @@ fn backward(
                 "attention: the forward ran on the host, the output gradient is on the GPU"
             );
         }
+        AttentionKept::Decoded => {
+            return crate::invalid!(
+                "attention: a decoding forward with a KV cache has no backward"
+            );
+        }
         AttentionKept::Flash {
             qkv,
             out,

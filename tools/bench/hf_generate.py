@@ -1,0 +1,116 @@
+"""transformers' greedy `generate` timed as `megatron bench generate` times megatron-rs's, on the
+same weights (BENCHMARKS.md, "Generation").
+
+    venv/bin/python tools/bench/hf_generate.py make DIR --shape tiny|100m
+    megatron convert --from hf DIR --to CKPT
+    megatron bench generate --load CKPT --threads 2
+    venv/bin/python tools/bench/hf_generate.py time DIR --threads 2
+
+`make` saves a random Llama (f32) of llama-tiny's shape (4 layers, hidden 128, 4 heads in 2
+key/value groups, SwiGLU 320, vocabulary 256) or of about 100M parameters (12 layers, hidden
+768, 12 heads in 4 groups, SwiGLU 2048, vocabulary 32,000). `time` runs the prompt megatron-rs
+uses (token i = (7919·i + 13) mod vocab) through generate with its KV cache: one new token,
+then N, after a warm-up; the rate is (N − 1) over the difference of the two times. It prints
+one JSON object with the greedy tokens, which the same weights make equal to megatron-rs's.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+import transformers
+
+SHAPES = {
+    "tiny": dict(
+        num_hidden_layers=4,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=320,
+        vocab_size=256,
+        max_position_embeddings=256,
+    ),
+    "100m": dict(
+        num_hidden_layers=12,
+        hidden_size=768,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+    ),
+}
+
+
+def make(directory: str, shape: str) -> None:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        **SHAPES[shape],
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(directory)
+    print(sum(p.numel() for p in model.parameters()), "parameters in", directory)
+
+
+def timed(model, prompt, n: int):
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return time.perf_counter() - start, out[0, prompt.shape[1] :].tolist()
+
+
+def run(directory: str, prompt_tokens: int, new_tokens: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    prompt = torch.tensor([[(7919 * i + 13) % vocab for i in range(prompt_tokens)]])
+    timed(model, prompt, 1)
+    first, _ = timed(model, prompt, 1)
+    total, tokens = timed(model, prompt, new_tokens)
+    print(
+        json.dumps(
+            {
+                "transformers": transformers.__version__,
+                "torch": torch.__version__,
+                "threads": threads,
+                "prompt_tokens": prompt_tokens,
+                "new_tokens": new_tokens,
+                "first_token_s": first,
+                "decode_tokens_per_s": (new_tokens - 1) / (total - first),
+                "tokens": tokens,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("dir")
+    m.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    t = sub.add_parser("time")
+    t.add_argument("dir")
+    t.add_argument("--prompt-tokens", type=int, default=32)
+    t.add_argument("--new-tokens", type=int, default=64)
+    t.add_argument("--threads", type=int, default=2)
+    a = parser.parse_args()
+    if a.command == "make":
+        make(a.dir, a.shape)
+    else:
+        run(a.dir, a.prompt_tokens, a.new_tokens, a.threads)
