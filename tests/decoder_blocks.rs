@@ -38,7 +38,16 @@ fn rms_norm_swiglu_without_biases_trains_at_every_layout_as_one_rank() {
         reference[11].0 < reference[0].0 - 0.3,
         "the loss falls: {reference:?}"
     );
-    for (tp, dp, sp) in [(2, 1, false), (2, 1, true), (1, 2, false), (2, 2, true)] {
+    // tp 4 over 2 key/value groups: each group's key and value on two ranks (their gradients
+    // summed over them), each rank its share of the group's queries.
+    for (tp, dp, sp) in [
+        (2, 1, false),
+        (2, 1, true),
+        (1, 2, false),
+        (2, 2, true),
+        (4, 1, false),
+        (4, 2, true),
+    ] {
         let curve = support::gpt_curve(&config, (tp, dp), sp, 16, 12);
         // Only the order of f32 sums differs (tensor parallelism's partial products, the
         // data-parallel reduction): losses to 1e-4, gradient norms to 1e-3.
@@ -190,7 +199,12 @@ fn a_pipeline_checkpoint_of_the_untied_model_resumes_at_other_layouts() {
         ],
     );
     let from = format!("{save}/iter_0000003");
-    for (name, flags) in [("pp1", &[][..]), ("tp2", &["--tp", "2"][..])] {
+    // tp 4 over the 2 key/value groups: each group's key and value loaded on two ranks.
+    for (name, flags) in [
+        ("pp1", &[][..]),
+        ("tp2", &["--tp", "2"][..]),
+        ("tp4", &["--tp", "4"][..]),
+    ] {
         let mut args = vec!["--train-iters=6", "--load", &from];
         args.extend(flags);
         let resumed = support::curve(&COMMON, &dir, name, &args);
@@ -207,6 +221,34 @@ fn a_pipeline_checkpoint_of_the_untied_model_resumes_at_other_layouts() {
                 "{name}: loss {x:?} vs {y:?}"
             );
         }
+    }
+    // Saved at tp 4 with the distributed optimizer (each key/value head's copies, parameters
+    // and moments, written once), resumed at tp 1 as the tp 4 run went on.
+    let save4 = dir.join("ckpt4");
+    let sharded = [
+        "--dp",
+        "2",
+        "--use-distributed-optimizer",
+        "--train-iters=6",
+    ];
+    let mut first = sharded.to_vec();
+    first.extend(["--tp", "4", "--save", &save4, "--save-interval", "3"]);
+    let tp4 = support::curve(&COMMON, &dir, "tp4-whole", &first);
+    let from4 = format!("{save4}/iter_0000003");
+    let mut then = sharded.to_vec();
+    then.extend(["--load", &from4]);
+    let resumed = support::curve(&COMMON, &dir, "tp4-to-tp1", &then);
+    assert_eq!(resumed.len(), 3);
+    for (x, y) in resumed.iter().zip(&tp4[3..]) {
+        assert_eq!(x.0, y.0);
+        assert!(
+            (x.1 - y.1).abs() <= 1e-5 * y.1,
+            "tp4 → tp1: loss {x:?} vs {y:?}"
+        );
+        assert!(
+            (x.2 - y.2).abs() <= 1e-4 * y.2,
+            "tp4 → tp1: grad norm {x:?} vs {y:?}"
+        );
     }
 }
 
@@ -303,6 +345,7 @@ fn the_qk_norm_backward_matches_finite_differences() {
     let spec = QkNormSpec::On {
         norm: LayerNormSpec::new(d).with_kind(Normalization::RmsNorm),
         per_group: 2,
+        groups: 2,
     };
     let layout = ParallelLayout::new(&ParallelConfig::new(1)).unwrap();
     launch(
@@ -368,15 +411,21 @@ fn the_qk_norm_backward_matches_finite_differences() {
 fn the_blocks_flags_are_checked() {
     let (ok, _, stderr) = megatron(&[
         "train",
+        "--hidden-size",
+        "96",
+        "--num-attention-heads",
+        "12",
         "--group-query-attention",
         "--num-query-groups",
-        "2",
+        "3",
         "--tp",
-        "4",
+        "2",
     ]);
     assert!(!ok);
     assert!(
-        stderr.contains("--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
+        stderr.contains(
+            "--num-query-groups 3 and --tensor-model-parallel-size 2: one must divide the other"
+        ),
         "{stderr}"
     );
     let (ok, _, stderr) = megatron(&["train", "--position-embedding-type", "yarn"]);

@@ -190,9 +190,11 @@ fn expert_parallelism_equals_one_rank_holding_every_expert() {
                         *s += v;
                     }
                 }
-                let index = got.specs[k].logical_index();
-                let mine: Vec<f32> = (0..index.outer)
-                    .flat_map(|o| (0..index.inner).map(move |i| index.logical(o, i)))
+                let mine: Vec<f32> = got.specs[k]
+                    .part_index()
+                    .all_runs()
+                    .into_iter()
+                    .flat_map(|r| r.logical..r.logical + r.len as u64)
                     .map(|l| sum[l as usize])
                     .collect();
                 assert_close_f32(&got.grads[k], &mine, &format!("{what} {name} gradient"));

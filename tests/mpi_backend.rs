@@ -819,9 +819,9 @@ fn sequence_parallel_training_with_nccl_under_mpirun_follows_thread_ranks_on_one
     );
 }
 
-/// mixtral-tiny with the qk-layernorm over NCCL (tp 2 × dp 2, sequence parallelism, its
-/// SwiGLU experts over ep 2): the Llama blocks' and the experts' kernels on each process's
-/// GPU, as thread ranks sharing one.
+/// mixtral-tiny with the qk-layernorm over NCCL (tp 4 with sequence parallelism, each of its 2
+/// key/value heads on two ranks; its SwiGLU experts over ep 2): the Llama blocks' and the
+/// experts' kernels on each process's GPU, as thread ranks sharing one.
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs 4 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
@@ -834,9 +834,7 @@ fn llama_training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
         "mixtral-tiny",
         "--qk-layernorm",
         "--tp",
-        "2",
-        "--dp",
-        "2",
+        "4",
         "--ep",
         "2",
         "--sequence-parallel",

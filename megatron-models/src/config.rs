@@ -401,10 +401,11 @@ impl GptConfig {
                 c.num_attention_heads
             );
         }
-        if !groups.is_multiple_of(tp) {
+        if !groups.is_multiple_of(tp) && !tp.is_multiple_of(groups) {
             return invalid!(
-                "--num-query-groups {groups} is not divisible by --tensor-model-parallel-size \
-                 {tp} (key/value heads replicated over tensor-parallel ranks are not built yet)"
+                "--num-query-groups {groups} and --tensor-model-parallel-size {tp}: one must \
+                 divide the other (a key/value head is split over no ranks, or shared by tp / \
+                 groups of them)"
             );
         }
         if !c.hidden_size.is_multiple_of(tp) {

@@ -207,7 +207,12 @@ impl GptConfig {
                 ln1: ln.clone(),
                 attn: AttentionSpec {
                     qkv: linear(h, (heads + 2 * self.query_groups()) * head_dim, std)
-                        .with_bias(bias || self.add_qkv_bias),
+                        .with_bias(bias || self.add_qkv_bias)
+                        .with_query_groups(
+                            self.query_groups(),
+                            heads / self.query_groups(),
+                            head_dim,
+                        ),
                     qk_norm: match self.qk_layernorm {
                         true => QkNormSpec::On {
                             norm: LayerNormSpec {
@@ -215,6 +220,7 @@ impl GptConfig {
                                 ..ln.clone()
                             },
                             per_group: heads / self.query_groups(),
+                            groups: self.query_groups(),
                         },
                         false => QkNormSpec::Off,
                     },

@@ -248,7 +248,7 @@ mod tests {
             let c = (preset(name).unwrap().config)();
             assert_eq!(c.num_params(1), params, "{name}");
             assert_eq!(c.active_params(1), active, "{name} active");
-            c.validate_parallel(4, 8, true).unwrap();
+            c.validate_parallel(8, 8, true).unwrap();
         }
         let big = (preset("gpt-1.2b").unwrap().config)();
         let params = big.num_params(1) as f64 / 1e9;

@@ -276,6 +276,11 @@ fn split_name(spec: &ParamSpec) -> String {
             "dim 0 over ep, each of dim {dim}'s {blocks} blocks over etp ({} parts)",
             spec.parts
         ),
+        Split::QueryGroups { groups, .. } => format!(
+            "dim 0 over tp ({} parts), each of the {groups} key/value heads on {} ranks",
+            spec.parts,
+            spec.parts / groups.max(1)
+        ),
     }
 }
 

@@ -44,12 +44,10 @@ fn local_part(spec: &ParamSpec, whole: &Whole, file: &str) -> Result<Vec<f32>> {
             expected
         );
     }
-    let index = spec.logical_index();
     let available = whole.data.len();
     let mut out = Vec::with_capacity(spec.local.numel());
-    for o in 0..index.outer {
-        for k in 0..index.inner {
-            let i = index.logical(o, k) as usize;
+    for run in spec.part_index().all_runs() {
+        for i in run.logical as usize..run.logical as usize + run.len {
             // Logical indices past the real rows are vocabulary padding.
             out.push(if i < available { whole.data[i] } else { 0.0 });
         }
@@ -355,27 +353,21 @@ impl<M: LanguageModel> Trainer<M> {
                 let spec = &slot.spec;
                 let local = part.range.start - slot.offset..part.range.end - slot.offset;
                 let at = self.optimizer.to_moments(&self.buffers, &part.range).start;
-                let index = spec.logical_index();
-                // Logical elements past the real rows are the vocabulary's padding: not saved.
+                // Logical elements past the real rows are the vocabulary's padding: not saved;
+                // nor a copy another rank writes.
                 let real = spec.real_rows.map_or(u64::MAX, |rows| {
                     (rows * spec.logical.dims()[1..].iter().product::<usize>()) as u64
                 });
                 let mut piece = checkpoint::ShardPiece::default();
                 let (mut exp_avg, mut exp_avg_sq) = (Vec::new(), Vec::new());
-                let inner = index.inner.max(1);
-                let mut k = local.start;
-                while k < local.end {
-                    let (o, i) = (k / inner, k % inner);
-                    let len = (inner - i).min(local.end - k);
-                    let first = index.logical(o, i);
-                    let kept = real.saturating_sub(first).min(len as u64) as usize;
-                    if kept > 0 {
-                        piece.runs.push((first, kept as u64));
-                        let from = at + k - local.start;
+                for run in spec.part_index().runs(local.clone()) {
+                    let kept = real.saturating_sub(run.logical).min(run.len as u64) as usize;
+                    if kept > 0 && run.owned {
+                        piece.runs.push((run.logical, kept as u64));
+                        let from = at + run.local - local.start;
                         exp_avg.extend_from_slice(&m[from..from + kept]);
                         exp_avg_sq.extend_from_slice(&v[from..from + kept]);
                     }
-                    k += len;
                 }
                 piece.values.insert("exp_avg".into(), exp_avg);
                 piece.values.insert("exp_avg_sq".into(), exp_avg_sq);

@@ -6,7 +6,7 @@
 use super::{ParamBuffers, ReduceGroups};
 use crate::comm::{ParallelState, ReduceOp};
 use crate::error::Result;
-use crate::module::{Module, Pipelined};
+use crate::module::{Module, Pipelined, Split};
 use crate::parallel::GroupKind;
 use crate::tensor::Tensor;
 
@@ -79,46 +79,66 @@ pub fn sum_shared_gradients<M: Pipelined>(chunks: &[M], parallel: &ParallelState
 /// router: each rank's gradient comes from its shard of the sequence), packed into one
 /// all-reduce (Megatron-LM's `_allreduce_non_tensor_model_parallel_grads`, after the
 /// data-parallel reduction as there); and, with or without sequence parallelism, those of
-/// `#[local]` layers (the qk-layernorm: each rank's gradient comes from its heads). Nothing
-/// when there are none.
+/// `#[local]` layers (the qk-layernorm: each rank's gradient comes from its heads); and the
+/// key and value rows of a fused QKV split over more ranks than key/value groups
+/// ([`crate::module::Split::QueryGroups`]), over the ranks sharing each group (each rank's
+/// gradient comes from its share of the group's queries). Nothing when there are none.
 pub fn sum_sequence_parallel_gradients<M: Module>(
     chunks: &[M],
     parallel: &ParallelState,
 ) -> Result<()> {
-    if parallel.tp().size() < 2 {
+    let tp = parallel.tp();
+    if tp.size() < 2 {
         return Ok(());
     }
     let sequence_parallel = parallel.sequence_parallel();
-    let mut grads = Vec::new();
+    let mut params: Vec<(Tensor, crate::module::ParamSpec)> = Vec::new();
     for chunk in chunks {
         chunk.visit_params(&mut |p| {
             let spec = p.spec();
-            if (sequence_parallel && spec.sequence_parallel) || spec.tensor_parallel_partial {
-                grads.push(p.grad().clone());
+            let summed = (sequence_parallel && spec.sequence_parallel)
+                || spec.tensor_parallel_partial
+                || matches!(spec.split, Split::QueryGroups { .. });
+            if summed {
+                params.push((p.grad().clone(), spec.clone()));
             }
         });
     }
-    let Some(first) = grads.first() else {
+    // Each summed piece: the gradient's elements (a view of them), and where they go among
+    // `slots` equal slots of the packed buffer (the others stay 0 on this rank).
+    let mut grads: Vec<(Tensor, usize, usize)> = Vec::new();
+    for (grad, spec) in params {
+        let n = grad.numel();
+        let flat = grad.reshape([n])?;
+        match spec.split {
+            Split::QueryGroups {
+                groups, head_dim, ..
+            } => {
+                // The key and value rows: the last two heads' rows of the local part.
+                let kv = n / spec.local.dims()[0].max(1) * 2 * head_dim;
+                let group = tp.index() / (tp.size() / groups.max(1)).max(1);
+                grads.push((flat.narrow(0, n - kv, kv)?, group, groups));
+            }
+            _ => grads.push((flat, 0, 1)),
+        }
+    }
+    let Some((first, ..)) = grads.first() else {
         return Ok(());
     };
-    let total = grads.iter().map(Tensor::numel).sum::<usize>();
-    let packed = Tensor::empty_near([total], first.dtype(), first)?;
+    let total = grads.iter().map(|(g, _, s)| g.numel() * s).sum::<usize>();
+    let packed = Tensor::zeros_near([total], first.dtype(), first)?;
     let mut at = 0;
-    for g in &grads {
+    for (g, slot, slots) in &grads {
         packed
-            .narrow(0, at, g.numel())?
-            .copy_from(&g.reshape([g.numel()])?)?;
-        at += g.numel();
+            .narrow(0, at + slot * g.numel(), g.numel())?
+            .copy_from(g)?;
+        at += g.numel() * slots;
     }
-    parallel.tp().all_reduce(&packed, ReduceOp::Sum)?;
+    tp.all_reduce(&packed, ReduceOp::Sum)?;
     let mut at = 0;
-    for g in &grads {
-        g.copy_from(
-            &packed
-                .narrow(0, at, g.numel())?
-                .reshape(g.shape().clone())?,
-        )?;
-        at += g.numel();
+    for (g, slot, slots) in &grads {
+        g.copy_from(&packed.narrow(0, at + slot * g.numel(), g.numel())?)?;
+        at += g.numel() * slots;
     }
     Ok(())
 }

@@ -15,7 +15,9 @@ mod site;
 
 use std::fmt;
 
-pub use param::{Builder, Init, Param, ParamSpec, Split, assemble_logical, initial_values};
+pub use param::{
+    Builder, Init, Param, ParamSpec, PartIndex, Run, Split, assemble_logical, initial_values,
+};
 pub use recompute::{Recompute, StackSaved, stack_backward, stack_forward};
 pub use site::Site;
 

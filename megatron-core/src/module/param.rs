@@ -48,6 +48,19 @@ pub enum Split {
         /// The blocks along `dim` (1: one consecutive part per rank).
         blocks: usize,
     },
+    /// A fused QKV projection's rows (dimension 0: `groups` blocks of `per_group` query heads,
+    /// a key and a value, `head_dim` rows each) over tensor parallelism of more ranks than
+    /// key/value groups: each rank holds its share of one group's queries, then that group's
+    /// key and value, which the tp / groups ranks of the group each hold (their gradients
+    /// summed over them, the copy written by the group's first rank).
+    QueryGroups {
+        /// Key/value groups.
+        groups: usize,
+        /// Query heads per group.
+        per_group: usize,
+        /// Rows per head.
+        head_dim: usize,
+    },
 }
 
 impl Split {
@@ -58,7 +71,78 @@ impl Split {
             Split::Replicated => None,
             Split::Dim { group, .. } | Split::Strided { group, .. } => Some(group),
             Split::Experts { .. } => Some(GroupKind::EtpEp),
+            Split::QueryGroups { .. } => Some(GroupKind::Tp),
         }
+    }
+}
+
+/// One run of a rank's part of a parameter: `len` local elements from `local` on hold the
+/// logical elements from `logical` on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    /// The first local element.
+    pub local: usize,
+    /// Its logical element.
+    pub logical: u64,
+    /// Elements.
+    pub len: usize,
+    /// Whether this rank writes the run to checkpoints (not a copy another rank writes: a
+    /// query group's key and value on its other ranks).
+    pub owned: bool,
+}
+
+/// Where a rank's part of a parameter lies in the logical tensor: consecutive pieces of its
+/// local elements, each laid out as a [`LogicalIndex`] says.
+#[derive(Debug, Clone)]
+pub struct PartIndex {
+    pieces: Vec<(LogicalIndex, bool)>,
+}
+
+impl PartIndex {
+    /// One piece, owned.
+    fn affine(index: LogicalIndex) -> PartIndex {
+        PartIndex {
+            pieces: vec![(index, true)],
+        }
+    }
+
+    /// Local elements.
+    pub fn len(&self) -> usize {
+        self.pieces.iter().map(|(i, _)| i.outer * i.inner).sum()
+    }
+
+    /// Whether the part is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The runs of logical elements that local elements `range` hold, in local order.
+    pub fn runs(&self, range: std::ops::Range<usize>) -> Vec<Run> {
+        let mut out = Vec::new();
+        let mut base = 0;
+        for &(index, owned) in &self.pieces {
+            let inner = index.inner.max(1);
+            let end = base + index.outer * index.inner;
+            let mut k = range.start.max(base);
+            while k < range.end.min(end) {
+                let (o, i) = ((k - base) / inner, (k - base) % inner);
+                let len = (inner - i).min(range.end.min(end) - k);
+                out.push(Run {
+                    local: k,
+                    logical: index.logical(o, i),
+                    len,
+                    owned,
+                });
+                k += len;
+            }
+            base = end;
+        }
+        out
+    }
+
+    /// The runs of every local element.
+    pub fn all_runs(&self) -> Vec<Run> {
+        self.runs(0..self.len())
     }
 }
 
@@ -132,8 +216,62 @@ impl ParamSpec {
         )
     }
 
-    /// Where this rank's part lies in the logical tensor, element by element.
-    pub fn logical_index(&self) -> LogicalIndex {
+    /// The local elements that copy what another rank holds and counts (written to
+    /// checkpoints, in the gradient norm) instead of this one: a query group's key and value on
+    /// every rank of the group but the first ([`Split::QueryGroups`]); empty for other splits.
+    pub fn copied(&self) -> std::ops::Range<usize> {
+        let n = self.local.numel();
+        if !matches!(self.split, Split::QueryGroups { .. }) {
+            return n..n;
+        }
+        self.part_index()
+            .all_runs()
+            .into_iter()
+            .find(|r| !r.owned)
+            .map_or(n..n, |r| r.local..r.local + r.len)
+    }
+
+    /// Where this rank's part lies in the logical tensor.
+    pub fn part_index(&self) -> PartIndex {
+        if let Split::QueryGroups {
+            groups,
+            per_group,
+            head_dim,
+        } = self.split
+        {
+            // Rank r of the tp ranks holds group r / R's queries j·q .. (j + 1)·q (j = r % R,
+            // R = tp / groups, q = per_group / R), then the group's key and value.
+            let ranks = (self.parts / groups.max(1)).max(1);
+            let (group, j) = (self.part / ranks, self.part % ranks);
+            let inner: usize = self.logical.dims()[1..].iter().product();
+            let queries = per_group / ranks;
+            let block = group * (per_group + 2) * head_dim;
+            return PartIndex {
+                pieces: vec![
+                    (
+                        LogicalIndex::range(
+                            ((block + j * queries * head_dim) * inner) as u64,
+                            queries * head_dim * inner,
+                        ),
+                        true,
+                    ),
+                    (
+                        LogicalIndex::range(
+                            ((block + per_group * head_dim) * inner) as u64,
+                            2 * head_dim * inner,
+                        ),
+                        j == 0,
+                    ),
+                ],
+            };
+        }
+        PartIndex::affine(self.logical_index())
+    }
+
+    /// Where this rank's part lies in the logical tensor, element by element, for the splits of
+    /// one affine piece (every split but [`Split::QueryGroups`], whose [`ParamSpec::part_index`]
+    /// has two).
+    fn logical_index(&self) -> LogicalIndex {
         let dims = self.logical.dims();
         match self.split {
             Split::Replicated => LogicalIndex::contiguous(self.local.numel()),
@@ -178,6 +316,7 @@ impl ParamSpec {
                         as u64,
                 }
             }
+            Split::QueryGroups { .. } => LogicalIndex::contiguous(0),
         }
     }
 }
@@ -563,6 +702,33 @@ impl Builder {
                 local.0[dim] = dims[dim] / etps;
                 (ep * etps + etp, eps * etps, local)
             }
+            Split::QueryGroups {
+                groups,
+                per_group,
+                head_dim,
+            } => {
+                let (rank, size) = self.group(GroupKind::Tp);
+                let rows = groups * (per_group + 2) * head_dim;
+                if logical.dims().first() != Some(&rows) {
+                    return invalid!(
+                        "parameter {name}: shape {logical} is not {groups} query groups of \
+                         {per_group} queries, a key and a value of {head_dim} rows"
+                    );
+                }
+                if groups == 0
+                    || !size.is_multiple_of(groups)
+                    || !per_group.is_multiple_of(size / groups)
+                {
+                    return invalid!(
+                        "parameter {name}: {groups} query groups of {per_group} queries do not \
+                         split over tp = {size} (tp a multiple of the groups, and the groups' \
+                         queries of the ranks sharing one)"
+                    );
+                }
+                let mut local = logical.clone();
+                local.0[0] = (per_group / (size / groups) + 2) * head_dim;
+                (rank, size, local)
+            }
         };
         if let Some(rows) = real_rows
             && logical.dims().first().is_none_or(|&d| rows > d)
@@ -607,18 +773,14 @@ pub fn initial_values(seed: u64, spec: &ParamSpec) -> Vec<f32> {
         Init::Normal { std } => {
             let key = [seed as u32, (seed >> 32) as u32];
             let stream = stream_id(&[name_hash(&spec.name)]);
-            let index = spec.logical_index();
+            let index = spec.part_index();
             let mut out = vec![0.0f32; n];
-            // Local element l is (o, k) = (l / inner, l % inner); each value depends only on its
-            // logical index, so parts of the buffer fill independently (the same bits however
-            // the work is split).
+            // Each value depends only on its logical index, so parts of the buffer fill
+            // independently (the same bits however the work is split).
             let fill = |start: usize, part: &mut [f32]| {
-                let (mut l, mut j) = (start, 0);
-                while j < part.len() {
-                    let (o, k) = (l / index.inner, l % index.inner);
-                    let len = (index.inner - k).min(part.len() - j);
-                    normals_into(&mut part[j..j + len], index.logical(o, k), key, stream, std);
-                    (l, j) = (l + len, j + len);
+                for run in index.runs(start..start + part.len()) {
+                    let at = run.local - start;
+                    normals_into(&mut part[at..at + run.len], run.logical, key, stream, std);
                 }
             };
             match parallel::part_len(n) {
@@ -660,13 +822,9 @@ pub fn assemble_logical(parts: &[(&ParamSpec, &[f32])]) -> Result<Vec<f32>> {
             );
         }
         seen[spec.part] = true;
-        let index = spec.logical_index();
-        let mut k = 0;
-        for o in 0..index.outer {
-            for i in 0..index.inner {
-                out[index.logical(o, i) as usize] = values[k];
-                k += 1;
-            }
+        for run in spec.part_index().all_runs() {
+            let at = run.logical as usize;
+            out[at..at + run.len].copy_from_slice(&values[run.local..run.local + run.len]);
         }
     }
     if let Some(missing) = seen.iter().position(|s| !s) {
@@ -789,11 +947,13 @@ mod tests {
                     tensor_parallel_partial: false,
                 };
                 let got = initial_values(9, &spec);
-                let index = spec.logical_index();
                 let key = [9, 0];
                 let stream = stream_id(&[name_hash(&spec.name)]);
-                let want: Vec<f32> = (0..index.outer)
-                    .flat_map(|o| (0..index.inner).map(move |k| index.logical(o, k)))
+                let want: Vec<f32> = spec
+                    .part_index()
+                    .all_runs()
+                    .into_iter()
+                    .flat_map(|r| r.logical..r.logical + r.len as u64)
                     .map(|i| 0.5 * normal(i, key, stream))
                     .collect();
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

@@ -33,18 +33,30 @@ fn counted_ranges(
             }
     };
     let slots = buffers.slots();
+    // A range of a slot less the elements that copy another rank's (counted there).
+    let own = |slot: &ParamSlot, range: Range<usize>| -> Vec<Range<usize>> {
+        let copied = slot.spec.copied();
+        let copied = slot.offset + copied.start..slot.offset + copied.end;
+        [
+            range.start..range.end.min(copied.start),
+            range.start.max(copied.end)..range.end,
+        ]
+        .into_iter()
+        .filter(|r| !r.is_empty())
+        .collect()
+    };
     let mut ranges: Vec<Range<usize>> = match shard {
         Some(ranks) => buffers
             .shards(ranks)
             .into_iter()
             .flat_map(|(_, parts)| parts)
             .filter(|part| counted(&slots[part.slot]))
-            .map(|part| part.range)
+            .flat_map(|part| own(&slots[part.slot], part.range))
             .collect(),
         None => slots
             .iter()
             .filter(|s| counted(s))
-            .map(|s| s.range())
+            .flat_map(|s| own(s, s.range()))
             .collect(),
     };
     ranges.sort_by_key(|r| r.start);

@@ -20,7 +20,8 @@ use crate::tensor_parallel::Rotary;
 ///
 /// With grouped-query attention (`query_groups` below `heads`) the projection is laid out per
 /// group, `[q … q | k | v]` with `heads / query_groups` queries (Megatron-LM's), the split
-/// gives each rank whole groups, and each query attends with its group's key and value.
+/// gives each rank whole groups (with more ranks than groups, its share of one group's queries
+/// and the group's key and value), and each query attends with its group's key and value.
 ///
 /// With rotary position embeddings the queries and keys are turned by their positions
 /// before the scores (and the gradient turned back after the backward).
@@ -110,13 +111,18 @@ impl CausalSelfAttention {
                 "--num-attention-heads {heads} is not divisible by --num-query-groups {groups}"
             );
         }
-        if !groups.is_multiple_of(tp) {
+        if !groups.is_multiple_of(tp) && !tp.is_multiple_of(groups) {
             return invalid!(
-                "--num-query-groups {groups} is not divisible by --tensor-model-parallel-size \
-                 {tp} (key/value heads replicated over ranks are not built yet)"
+                "--num-query-groups {groups} and --tensor-model-parallel-size {tp}: one must \
+                 divide the other"
             );
         }
-        let (local_groups, per_group) = (groups / tp, heads / groups);
+        // More ranks than groups: each rank holds its share of one group's queries, and the
+        // group's key and value.
+        let (local_groups, per_group) = match groups >= tp {
+            true => (groups / tp, heads / groups),
+            false => (1, heads / tp),
+        };
         let [seq, batch, width] = qkv.dims() else {
             return invalid!(
                 "attention: fused QKV must be [sequence, batch, 3·hidden/tp], got {}",

@@ -25,6 +25,11 @@ pub struct LinearSpec {
     /// fc1): column-parallel, each rank then holds its part of each half, as Megatron-LM's
     /// `linear_fc1`, so that its output is its own `[gate_r | up_r]` for [`crate::ops::swiglu`].
     pub gated: bool,
+    /// Whether the output features are attention's fused QKV laid out per query group
+    /// `(groups, queries per group, head size)`: column-parallel over more ranks than groups,
+    /// each rank then holds its share of one group's queries and that group's key and value
+    /// ([`Split::QueryGroups`]); over fewer, whole groups as any column-parallel layer.
+    pub query_groups: Option<(usize, usize, usize)>,
 }
 
 impl LinearSpec {
@@ -36,7 +41,15 @@ impl LinearSpec {
             bias: true,
             init_std: 0.02,
             gated: false,
+            query_groups: None,
         }
+    }
+
+    /// Marks the output features as a fused QKV of `groups` query groups of `per_group`
+    /// queries of `head_dim` (see [`LinearSpec::query_groups`]).
+    pub fn with_query_groups(mut self, groups: usize, per_group: usize, head_dim: usize) -> Self {
+        self.query_groups = Some((groups, per_group, head_dim));
+        self
     }
 
     /// Marks the output features as a gated MLP's `[gate; up]` (see [`LinearSpec::gated`]).
@@ -82,7 +95,16 @@ pub struct LinearSaved {
 
 impl Linear {
     fn build_as(spec: &LinearSpec, b: &mut Builder, mode: Mode) -> Result<Linear> {
-        let tp = if spec.gated {
+        let ranks = b.group(GroupKind::Tp).1;
+        let tp = if let Some((groups, per_group, head_dim)) = spec.query_groups
+            && ranks > groups
+        {
+            Split::QueryGroups {
+                groups,
+                per_group,
+                head_dim,
+            }
+        } else if spec.gated {
             Split::Strided {
                 dim: 0,
                 group: GroupKind::Tp,

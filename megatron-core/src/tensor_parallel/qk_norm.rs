@@ -3,7 +3,8 @@
 //! for all the keys, before rotary embeddings; the values untouched.
 //!
 //! It works on attention's fused projection as the column-parallel QKV layer leaves it on a
-//! tensor-parallel rank: `groups` blocks of `per_group` queries, a key and a value. Its
+//! tensor-parallel rank: blocks of `per_group` queries, a key and a value (with more ranks than
+//! key/value groups, one block of the rank's share of its group's queries). Its
 //! weights are replicated, but each rank's gradient comes from its own heads: they are summed
 //! over tensor parallelism ([`crate::module::ParamSpec::tensor_parallel_partial`]).
 //! Without the flag it is the identity, with no parameters.
@@ -26,6 +27,8 @@ pub enum QkNormSpec {
         norm: LayerNormSpec,
         /// Query heads per group (1 for multi-head attention).
         per_group: usize,
+        /// Key/value groups (the heads for multi-head attention).
+        groups: usize,
     },
 }
 
@@ -47,7 +50,12 @@ impl Module for QkNorm {
     type Saved = QkNormSaved;
 
     fn build(spec: &QkNormSpec, b: &mut Builder) -> Result<Self> {
-        let QkNormSpec::On { norm, per_group } = spec else {
+        let QkNormSpec::On {
+            norm,
+            per_group,
+            groups,
+        } = spec
+        else {
             return Ok(QkNorm {
                 norms: None,
                 per_group: 1,
@@ -66,9 +74,16 @@ impl Module for QkNorm {
         if let Some(e) = failure {
             return Err(e);
         }
+        // With more tensor-parallel ranks than groups, a rank's block holds its share of one
+        // group's queries.
+        let tp = b.group(crate::parallel::GroupKind::Tp).1;
+        let per_group = match tp > *groups && *groups > 0 {
+            true => per_group * groups / tp,
+            false => *per_group,
+        };
         Ok(QkNorm {
             norms: Some((q, k)),
-            per_group: *per_group,
+            per_group,
         })
     }
 
