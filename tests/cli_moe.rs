@@ -307,6 +307,17 @@ fn dense_and_moe_layers_with_shared_experts_train_alike_at_every_ep() {
     let mut ep2 = flags.to_vec();
     ep2.extend(["--ep", "2"]);
     assert_same_training(&run(&dir, "ep2", &ep2), &reference, "mixed ep 2");
+    // With --swiglu: SwiGLU routed experts, shared experts and dense layers, as at ep 1.
+    let mut gated = flags.to_vec();
+    gated.push("--swiglu");
+    let reference = run(&dir, "gated-ep1", &gated);
+    gated.extend(["--ep", "2"]);
+    let got = run(&dir, "gated-ep2", &gated);
+    assert_same_training(
+        &got,
+        &reference,
+        "SwiGLU experts, shared and dense, at ep 2",
+    );
 }
 
 #[test]
