@@ -42,6 +42,7 @@ fn job(ep: usize) -> Result<TrainJob, Box<dyn std::error::Error>> {
         model,
         tp: 1,
         sequence_parallel: false,
+        cp: 1,
         ep,
         etp: 1,
         dp: DP,

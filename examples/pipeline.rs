@@ -32,6 +32,7 @@ fn job(tp: usize, pipeline: PipelineSettings) -> Result<TrainJob, Box<dyn std::e
         model,
         tp,
         sequence_parallel: false,
+        cp: 1,
         ep: 1,
         etp: 1,
         dp: 1,

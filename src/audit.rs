@@ -123,6 +123,7 @@ pub fn job(layout: &AuditLayout) -> Result<TrainJob> {
         model: model(layout),
         tp: layout.tp,
         sequence_parallel: layout.sequence_parallel,
+        cp: 1,
         ep: layout.ep,
         etp: layout.etp,
         dp: layout.dp,

@@ -34,6 +34,9 @@ pub struct TrainJob {
     /// Sequence parallelism (`--sequence-parallel`): outside the tensor-parallel regions each
     /// tensor-parallel rank holds its shard of the sequence.
     pub sequence_parallel: bool,
+    /// Context-parallel size: each rank of a context-parallel group holds two chunks of every
+    /// sequence (see `megatron_core::context_parallel`).
+    pub cp: usize,
     /// Expert-parallel size (folded into tp × dp, as Megatron-LM folds it).
     pub ep: usize,
     /// Expert tensor-parallel size.
@@ -328,9 +331,44 @@ impl TrainJob {
         Ok(())
     }
 
+    /// What context parallelism needs and does not build yet, each an error naming it.
+    fn check_context_parallel(&self, seq: usize) -> Result<()> {
+        let cp = self.cp;
+        if !seq.is_multiple_of(2 * cp) {
+            bail!(
+                "--context-parallel-size {cp} cuts each sequence into 2·cp = {} chunks:                  --seq-length {seq} is not divisible by it",
+                2 * cp
+            );
+        }
+        let not_yet = |what: &str| -> Result<()> {
+            bail!("context parallelism with {what} is not built yet (--context-parallel-size {cp})")
+        };
+        if self.pipeline.pp > 1 {
+            return not_yet("pipeline parallelism");
+        }
+        if self.sequence_parallel {
+            return not_yet("sequence parallelism");
+        }
+        if self.model.moe.is_some() {
+            return not_yet("mixture-of-experts layers");
+        }
+        if self.model.window_size.is_some() {
+            return not_yet("sliding windows");
+        }
+        if self.model.attention_dropout > 0.0 {
+            bail!(
+                "attention dropout with context parallelism is not built yet: add                  --attention-dropout 0 (--context-parallel-size {cp})"
+            );
+        }
+        if !matches!(self.device, Placement::Cpu) {
+            return not_yet("a GPU");
+        }
+        Ok(())
+    }
+
     /// Number of ranks the job runs on.
     pub fn world_size(&self) -> usize {
-        self.tp * self.pipeline.pp * self.dp
+        self.tp * self.cp * self.pipeline.pp * self.dp
     }
 
     /// The parallel layout as `TP=2 × PP=2 × DP=1` (PP left out without a pipeline, and the
@@ -352,7 +390,11 @@ impl TrainJob {
             (ep, 1) => format!(" (EP={ep})"),
             (ep, etp) => format!(" (EP={ep}, ETP={etp})"),
         };
-        format!("TP={}{pp} × DP={}{ep}{sharded}", self.tp, self.dp)
+        let cp = match self.cp {
+            1 => String::new(),
+            cp => format!(" × CP={cp}"),
+        };
+        format!("TP={}{cp}{pp} × DP={}{ep}{sharded}", self.tp, self.dp)
     }
 
     pub(crate) fn context<'a>(
@@ -368,6 +410,7 @@ impl TrainJob {
         let layout = ParallelLayout::new(
             &ParallelConfig::new(self.world_size())
                 .with_tp(self.tp)
+                .with_cp(self.cp)
                 .with_pp(self.pipeline.pp)
                 .with_ep(self.ep)
                 .with_etp(self.etp),
@@ -383,6 +426,9 @@ impl TrainJob {
                 plan.seq_length,
                 self.tp
             );
+        }
+        if self.cp > 1 {
+            self.check_context_parallel(plan.seq_length)?;
         }
         if plan.dp != self.dp {
             bail!(

@@ -53,6 +53,7 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
         model,
         tp,
         sequence_parallel: false,
+        cp: 1,
         ep: 1,
         etp: 1,
         dp,

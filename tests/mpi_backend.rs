@@ -564,6 +564,31 @@ fn llama_training_under_mpirun_equals_thread_ranks() {
     processes_train_as_threads("llama", &args, "mpi", &[]);
 }
 
+/// Context parallelism between processes (cp 2 × tp 2): attention's keys and values
+/// all-gathered and their gradients summed over the context-parallel pairs through MPI, the
+/// gradients reduced over the data×context-parallel group, as on thread ranks.
+#[test]
+fn context_parallel_training_under_mpirun_equals_thread_ranks() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--cp",
+        "2",
+        "--tp",
+        "2",
+        "--attention-dropout",
+        "0",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        "64",
+    ];
+    processes_train_as_threads("cp", &args, "mpi", &[]);
+}
+
 /// Sequence parallelism between processes: the shards' all-gathers and reduce-scatters through
 /// `MPI_Allgather` and `MPI_Reduce_scatter`, the norms' gradients summed over tp, as on thread
 /// ranks.

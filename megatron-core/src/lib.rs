@@ -19,6 +19,7 @@
 mod backend;
 pub mod checkpoint;
 pub mod comm;
+pub mod context_parallel;
 pub mod cuda;
 pub mod cuda_graphs;
 pub mod data;

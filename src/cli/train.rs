@@ -48,6 +48,15 @@ pub struct TrainArgs {
     /// nothing with tensor-parallel size 1).
     #[arg(long)]
     sequence_parallel: bool,
+    /// Context-parallel size: every sequence is cut into 2·cp chunks and each rank of a
+    /// context-parallel group holds two (Megatron-LM's load balance), attention gathering the
+    /// keys and values over the group; the world is tp × cp × pp × dp ranks [default: 1].
+    #[arg(long = "context-parallel-size", visible_alias = "cp", value_parser = values::ranks)]
+    cp: Option<usize>,
+    /// How context-parallel attention exchanges keys and values: all_gather (p2p, a2a and
+    /// a2a+p2p are not built yet).
+    #[arg(long, default_value = "all_gather", value_parser = cp_comm_type)]
+    cp_comm_type: String,
     /// Data-parallel size (the world is tp × pp × dp ranks) [default: 1, or the loaded
     /// checkpoint's].
     #[arg(long = "data-parallel-size", visible_alias = "dp", value_parser = values::ranks)]
@@ -342,6 +351,20 @@ fn valid_fraction(split: &str) -> Result<(f64, f64)> {
 }
 
 /// The split used when neither `--split` nor a loaded checkpoint gives one.
+/// `--cp-comm-type`: Megatron-LM's names; the ones megatron-rs does not build yet are refused
+/// by name.
+fn cp_comm_type(s: &str) -> std::result::Result<String, String> {
+    match s {
+        "all_gather" => Ok(s.to_string()),
+        "p2p" | "a2a" | "a2a+p2p" => Err(format!(
+            "{s} context parallelism is not built in megatron-rs yet (all_gather is)"
+        )),
+        other => Err(format!(
+            "unknown type `{other}`: p2p, all_gather, a2a or a2a+p2p"
+        )),
+    }
+}
+
 const DEFAULT_SPLIT: &str = "969,30,1";
 
 /// The run's settings once `--load` is read: each as a flag gives it, else as the checkpoint
@@ -352,6 +375,7 @@ struct Settings {
     /// The architecture.
     model: GptConfig,
     tp: usize,
+    cp: usize,
     ep: usize,
     etp: usize,
     dp: usize,
@@ -456,6 +480,7 @@ impl TrainArgs {
             .unwrap_or_default();
         let ep = pick("ep", self.ep, recorded.ep, 1);
         let etp = pick("etp", self.etp, recorded.etp, 1);
+        let cp = self.cp.unwrap_or(1);
         let seq_length = pick(
             "seq-length",
             self.seq_length,
@@ -608,6 +633,7 @@ impl TrainArgs {
             model_name,
             model,
             tp,
+            cp,
             ep,
             etp,
             dp,
@@ -995,6 +1021,7 @@ impl TrainArgs {
             model: s.model,
             tp: s.tp,
             sequence_parallel: self.sequence_parallel && s.tp > 1,
+            cp: s.cp,
             ep: s.ep,
             etp,
             dp: s.dp,

@@ -373,9 +373,14 @@ impl ParallelState {
         self.comm(GroupKind::Tp)
     }
 
-    /// The data-parallel communicator.
+    /// The data-parallel communicator: the group the dense gradients and the loss are summed
+    /// over and the distributed optimizer shards over; with context parallelism the
+    /// data×context-parallel group (Megatron-LM's `dp-cp`: its ranks hold the same parameters).
     pub fn dp(&self) -> &dyn Communicator {
-        self.comm(GroupKind::Dp)
+        match self.groups.config().cp {
+            1 => self.comm(GroupKind::Dp),
+            _ => self.comm(GroupKind::DpCp),
+        }
     }
 
     /// The pipeline communicator (activations and gradients between stages).

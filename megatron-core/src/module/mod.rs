@@ -22,6 +22,7 @@ pub use recompute::{Recompute, StackSaved, stack_backward, stack_forward};
 pub use site::Site;
 
 use crate::comm::{Communicator, ParallelState};
+use crate::context_parallel::CpChunks;
 use crate::cuda_graphs::GraphRuntime;
 use crate::error::Result;
 use crate::inference::KvCache;
@@ -201,6 +202,11 @@ impl<'a> Cx<'a> {
         self.parallel.comm(kind)
     }
 
+    /// The context-parallel communicator.
+    pub fn cp(&self) -> &'a dyn Communicator {
+        self.parallel.comm(GroupKind::Cp)
+    }
+
     /// The tensor-parallel communicator.
     pub fn tp(&self) -> &'a dyn Communicator {
         self.parallel.tp()
@@ -214,6 +220,24 @@ impl<'a> Cx<'a> {
     /// The tensor-parallel size.
     pub fn tp_size(&self) -> usize {
         self.parallel.groups().config().tp
+    }
+
+    /// The context-parallel size (1 without context parallelism).
+    pub fn cp_size(&self) -> usize {
+        self.parallel.groups().config().cp
+    }
+
+    /// With context parallelism, where this rank's `local` positions lie in the sequence (its
+    /// two chunks); `None` without it.
+    pub fn cp_chunks(&self, local: usize) -> Result<Option<CpChunks>> {
+        match self.cp_size() {
+            1 => Ok(None),
+            cp => Ok(Some(CpChunks::of_local(
+                local,
+                cp,
+                self.parallel.groups().cp_rank(),
+            )?)),
+        }
     }
 
     /// Whether sequence parallelism is on (`--sequence-parallel` with more than one

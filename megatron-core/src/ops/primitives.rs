@@ -79,9 +79,29 @@ pub struct DropoutSaved {
 /// Where this rank's elements of `x` lie in the logical (unsharded) tensor. With sequence
 /// parallelism a value outside the tensor-parallel regions is this rank's shard of the
 /// sequence: the rank-th run of `x.numel()` elements of `[s, b, h]` (its first dimension split),
-/// so that the mask is drawn per global position.
-fn logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> dk::LogicalIndex {
-    match sharding {
+/// so that the mask is drawn per global position. With context parallelism `x` (`[s, b, h]`)
+/// holds the rank's two chunks of the sequence: two runs of its elements, where the chunks lie.
+fn logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> Result<dk::LogicalIndex> {
+    if cx.cp_size() > 1 {
+        let local = x.dims().first().copied().unwrap_or(0);
+        let per_position = x.numel().checked_div(local).unwrap_or(0);
+        return match (sharding, cx.cp_chunks(local)?) {
+            (Sharding::Replicated, Some(chunks)) if !cx.sequence_parallel() => {
+                let [a, b] = chunks.ranges();
+                Ok(dk::LogicalIndex {
+                    outer: 2,
+                    inner: chunks.chunk * per_position,
+                    logical_stride: ((b.start - a.start) * per_position) as u64,
+                    logical_start: (a.start * per_position) as u64,
+                })
+            }
+            _ => invalid!(
+                "dropout with context parallelism is built for the replicated activations \
+                 without sequence parallelism"
+            ),
+        };
+    }
+    Ok(match sharding {
         Sharding::Replicated if cx.sequence_parallel() => {
             dk::LogicalIndex::range((x.numel() * cx.tp_rank()) as u64, x.numel())
         }
@@ -91,7 +111,7 @@ fn logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> dk::LogicalIndex {
             let rows = x.numel().checked_div(cols).unwrap_or(0);
             dk::LogicalIndex::columns(rows, cols, cols * cx.tp_size(), cols * cx.tp_rank())
         }
-    }
+    })
 }
 
 /// Dropout with drop probability `p` during training (identity in evaluation).
@@ -111,7 +131,7 @@ pub fn dropout(
     }
     let x = x.to_f32_contiguous()?;
     let stream = cx.dropout_stream(site);
-    let index = logical_index(cx, &x, sharding);
+    let index = logical_index(cx, &x, sharding)?;
     let mask = (p, stream, index);
     let y = backend::of(&x).dropout(&x, &mask, DType::F32, false)?;
     let mask = Some(mask);
@@ -159,7 +179,7 @@ pub fn dropout_add(
         return Ok((add(residual, x)?, DropoutSaved { mask: None }));
     }
     let (residual, x) = (residual.to_f32_contiguous()?, x.to_f32_contiguous()?);
-    let mask = (p, cx.dropout_stream(site), logical_index(cx, &x, sharding));
+    let mask = (p, cx.dropout_stream(site), logical_index(cx, &x, sharding)?);
     let y = backend::of_any(&[&x, &residual]).dropout_add(&residual, &x, &mask)?;
     let mask = Some(mask);
     Ok((y, DropoutSaved { mask }))

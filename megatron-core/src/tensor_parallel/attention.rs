@@ -3,6 +3,7 @@
 
 use crate::backend::attention::{AttentionKept, AttentionShape};
 use crate::backend::{self, DropoutMask};
+use crate::context_parallel::{self, CpAttentionSaved, CpChunks};
 use crate::error::Result;
 use crate::inference::decode_attention;
 use crate::invalid;
@@ -87,6 +88,33 @@ impl CausalSelfAttention {
             .map(|r| r.apply(qkv, blocks, g.head_dim, offset, inverse))
             .transpose()
     }
+
+    /// [`Self::turned`] of a context-parallel rank's rows: each of its two chunks from its own
+    /// position in the sequence.
+    fn turned_chunks(
+        &self,
+        qkv: &Tensor,
+        g: GroupedHeads,
+        chunks: CpChunks,
+        inverse: bool,
+    ) -> Result<Option<Tensor>> {
+        if self.rotary.is_none() {
+            return Ok(None);
+        }
+        let out = Tensor::empty_near(qkv.dims().to_vec(), qkv.dtype(), qkv)?;
+        let c = chunks.chunk;
+        for (k, r) in chunks.ranges().into_iter().enumerate() {
+            let part = qkv.narrow(0, k * c, c)?.contiguous()?;
+            let rows = GroupedHeads {
+                rows: g.rows / 2,
+                ..g
+            };
+            if let Some(t) = self.turned(&part, rows, r.start, inverse)? {
+                out.narrow(0, k * c, c)?.copy_from(&t)?;
+            }
+        }
+        Ok(Some(out))
+    }
 }
 
 /// What attention keeps for its backward, and its dropout mask.
@@ -96,6 +124,8 @@ pub struct AttentionSaved {
     dropout: Option<DropoutMask>,
     shape: AttentionShape,
     grouped: GroupedHeads,
+    /// With context parallelism, what its attention keeps (the rest is unused).
+    cp: Option<Box<CpAttentionSaved>>,
 }
 
 impl CausalSelfAttention {
@@ -186,7 +216,11 @@ impl Op for CausalSelfAttention {
         let (sh, grouped) = self.shape(cx, qkv)?;
         let mask = self.mask(cx, site, sh);
         let keep_inputs = cx.recompute() == Recompute::Selective && cx.training();
-        let turned = self.turned(qkv, grouped, cx.position_offset(), false)?;
+        let cp = cx.cp_chunks(sh.seq)?;
+        let turned = match cp {
+            Some(chunks) => self.turned_chunks(qkv, grouped, chunks, false)?,
+            None => self.turned(qkv, grouped, cx.position_offset(), false)?,
+        };
         let qkv = turned.as_ref().unwrap_or(qkv);
         if let Some(cache) = cx.kv_cache() {
             // Decoding: the new positions against every cached one, no backward.
@@ -196,6 +230,7 @@ impl Op for CausalSelfAttention {
                 dropout: None,
                 shape: sh,
                 grouped,
+                cp: None,
             };
             return Ok((out, saved));
         }
@@ -205,6 +240,29 @@ impl Op for CausalSelfAttention {
             _ => Some(backend::of(qkv).expand_groups(qkv, grouped)?),
         };
         let qkv = expanded.as_ref().unwrap_or(qkv);
+        if let Some(chunks) = cp {
+            if mask.is_some() {
+                return invalid!(
+                    "attention dropout {} with context parallelism is not built yet: train with \
+                     --attention-dropout 0",
+                    self.dropout
+                );
+            }
+            if self.window.is_some() {
+                return invalid!("sliding windows with context parallelism are not built yet");
+            }
+            let heads = sh.heads;
+            let (out, saved) =
+                context_parallel::attention_forward(cx.cp(), chunks, qkv, heads, sh.scale())?;
+            let saved = AttentionSaved {
+                kept: AttentionKept::Decoded,
+                dropout: None,
+                shape: sh,
+                grouped,
+                cp: Some(Box::new(saved)),
+            };
+            return Ok((out, saved));
+        }
         let (out, kept) = backend::of(qkv).attention_forward(qkv, sh, &mask, keep_inputs)?;
         Ok((
             out,
@@ -213,13 +271,14 @@ impl Op for CausalSelfAttention {
                 dropout: mask,
                 shape: sh,
                 grouped,
+                cp: None,
             },
         ))
     }
 
     fn backward(
         &self,
-        _cx: &Cx,
+        cx: &Cx,
         _site: Site,
         saved: AttentionSaved,
         d_out: &Tensor,
@@ -231,14 +290,20 @@ impl Op for CausalSelfAttention {
                 d_out.shape()
             );
         }
-        let d_qkv =
-            backend::of(d_out).attention_backward(&saved.kept, &saved.dropout, sh, d_out)?;
+        let d_qkv = match &saved.cp {
+            Some(cp) => context_parallel::attention_backward(cx.cp(), cp, d_out, sh.scale())?,
+            None => {
+                backend::of(d_out).attention_backward(&saved.kept, &saved.dropout, sh, d_out)?
+            }
+        };
         let d_qkv = match saved.grouped.per_group {
             1 => d_qkv,
             _ => backend::of(&d_qkv).reduce_groups(&d_qkv, saved.grouped)?,
         };
-        Ok(self
-            .turned(&d_qkv, saved.grouped, 0, true)?
-            .unwrap_or(d_qkv))
+        let turned = match cx.cp_chunks(sh.seq)? {
+            Some(chunks) => self.turned_chunks(&d_qkv, saved.grouped, chunks, true)?,
+            None => self.turned(&d_qkv, saved.grouped, 0, true)?,
+        };
+        Ok(turned.unwrap_or(d_qkv))
     }
 }

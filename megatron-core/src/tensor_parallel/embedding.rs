@@ -375,12 +375,20 @@ pub struct PositionEmbedding {
     weight: Param,
 }
 
-/// What a position embedding keeps: the first position, the positions and the batch length.
+/// What a position embedding keeps: the runs of positions it looked up (first, count; with
+/// context parallelism the rank's two chunks, else one run and an empty one) and the batch
+/// length.
 #[derive(Debug, Clone, Copy)]
 pub struct PositionSaved {
-    first: usize,
-    seq: usize,
+    runs: [(usize, usize); 2],
     batch: usize,
+}
+
+impl PositionSaved {
+    /// The positions looked up.
+    fn seq(&self) -> usize {
+        self.runs.iter().map(|r| r.1).sum()
+    }
 }
 
 impl Module for PositionEmbedding {
@@ -414,16 +422,31 @@ impl Module for PositionEmbedding {
 impl PositionEmbedding {
     /// The positions of a sequence of `whole` tokens of `batch` sequences, or with sequence
     /// parallelism of this rank's shard of it (`[s / tp, b, hidden]`, from `rank · s / tp` on);
-    /// decoding with a KV cache, from its offset on.
+    /// decoding with a KV cache, from its offset on; with context parallelism (`whole` this
+    /// rank's positions), those of its two chunks of the sequence.
     fn positions(&self, cx: &Cx, whole: usize, batch: usize) -> Result<(Tensor, PositionSaved)> {
         let max = self.weight.value().dims()[0];
         let offset = cx.position_offset();
-        if offset + whole > max {
+        let global = whole * cx.cp_size();
+        if offset + global > max {
             return invalid!(
                 "positions {offset}..{} exceed the {max} learned positions \
                  (--max-position-embeddings)",
-                offset + whole
+                offset + global
             );
+        }
+        if let Some(chunks) = cx.cp_chunks(whole)? {
+            let [a, b] = chunks.ranges();
+            let rows = self.weight.value();
+            let table = Tensor::empty_near([whole, rows.dims()[1]], DType::F32, rows)?;
+            for (k, r) in [&a, &b].into_iter().enumerate() {
+                table
+                    .narrow(0, k * chunks.chunk, chunks.chunk)?
+                    .copy_from(&rows.narrow(0, r.start, r.len())?.to_f32_contiguous()?)?;
+            }
+            let out = backend::of(rows).positions_forward(&table, whole, batch)?;
+            let runs = [(a.start, a.len()), (b.start, b.len())];
+            return Ok((out, PositionSaved { runs, batch }));
         }
         let (first, seq) = match cx.sequence_parallel() {
             true => {
@@ -444,7 +467,8 @@ impl PositionEmbedding {
             .narrow(0, first, seq)?
             .to_f32_contiguous()?;
         let out = backend::of(self.weight.value()).positions_forward(&table, seq, batch)?;
-        Ok((out, PositionSaved { first, seq, batch }))
+        let runs = [(first, seq), (first + seq, 0)];
+        Ok((out, PositionSaved { runs, batch }))
     }
 }
 
@@ -463,19 +487,26 @@ impl Lookup for PositionEmbedding {
 
     fn backward(&self, _cx: &Cx, _site: Site, saved: PositionSaved, dy: &Tensor) -> Result<()> {
         let h = self.weight.value().dims()[1];
-        if dy.numel() != saved.seq * saved.batch * h {
+        if dy.numel() != saved.seq() * saved.batch * h {
             return invalid!(
                 "position embedding: gradient of shape {} does not fit [{}, {}, {h}]",
                 dy.shape(),
-                saved.seq,
+                saved.seq(),
                 saved.batch
             );
         }
         let ops = backend::of(self.weight.grad());
-        let PositionSaved { first, seq, batch } = saved;
-        self.weight.accumulate_grad(|grad| {
-            ops.positions_backward(dy, seq, batch, &grad.narrow(0, first, seq)?)
-        })
+        let batch = saved.batch;
+        let dy = dy.reshape([saved.seq(), batch, h])?;
+        let mut at = 0;
+        for (first, seq) in saved.runs.into_iter().filter(|r| r.1 > 0) {
+            let part = dy.narrow(0, at, seq)?;
+            self.weight.accumulate_grad(|grad| {
+                ops.positions_backward(&part, seq, batch, &grad.narrow(0, first, seq)?)
+            })?;
+            at += seq;
+        }
+        Ok(())
     }
 }
 

@@ -13,6 +13,7 @@ use std::collections::HashMap;
 
 use super::{LanguageModel, Sampler};
 use crate::comm::ParallelState;
+use crate::context_parallel::CpChunks;
 use crate::cuda_graphs::SlotAllocator;
 use crate::error::{Error, Result};
 use crate::invalid;
@@ -314,13 +315,22 @@ impl<M, P: Passes<M>> Stage for Walker<'_, M, P> {
         let (first, last) = P::ends(model);
         let slot = self.slots.take(chunk, microbatch);
         let cx = self.cx(microbatch).in_slot(slot);
-        let dp_rank = self.walk.parallel.groups().dp_rank();
+        let groups = self.walk.parallel.groups();
+        let dp_rank = groups.dp_rank();
         let data = if first || last {
-            Some(
+            let (tokens, targets) =
                 self.walk
                     .data
-                    .microbatch(self.walk.batch, dp_rank, microbatch)?,
-            )
+                    .microbatch(self.walk.batch, dp_rank, microbatch)?;
+            // With context parallelism, this rank's two chunks of every sequence.
+            match groups.config().cp {
+                1 => Some((tokens, targets)),
+                cp => {
+                    let seq = tokens.dims().first().copied().unwrap_or(0);
+                    let chunks = CpChunks::new(seq, cp, groups.cp_rank())?;
+                    Some((chunks.take_local(&tokens)?, chunks.take_local(&targets)?))
+                }
+            }
         } else {
             None
         };
