@@ -9,30 +9,15 @@
 
 mod support;
 
+use megatron::models::PositionEmbeddingType;
 use megatron::models::gpt::Gpt;
-use megatron::models::{GptConfig, PositionEmbeddingType};
 use megatron::module::{Builder, Module};
 use megatron::tensor_parallel::Normalization;
 use support::{TempDir, megatron};
 
-/// The 2-layer test GPT with RMSNorm, SwiGLU of width 48, no biases, rotary embeddings and
-/// an untied output layer: a Llama.
-fn llama_like(dropout: f32) -> GptConfig {
-    let mut c = support::tiny_gpt(dropout);
-    c.normalization = Normalization::RmsNorm;
-    c.swiglu = true;
-    c.ffn_hidden_size = 48;
-    c.add_bias_linear = false;
-    c.position_embedding_type = PositionEmbeddingType::Rope;
-    c.untie_embeddings_and_output_weights = true;
-    c.num_query_groups = Some(2);
-    c.qk_layernorm = true;
-    c
-}
-
 #[test]
 fn rms_norm_swiglu_without_biases_trains_at_every_layout_as_one_rank() {
-    let config = llama_like(0.1);
+    let config = support::llama_like(0.1);
     let reference = support::gpt_curve(&config, (1, 1), false, 16, 12);
     assert!(
         reference[11].0 < reference[0].0 - 0.3,

@@ -10,12 +10,11 @@ use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
 use megatron::inference::KvCache;
 use megatron::models::gpt::Gpt;
-use megatron::models::{GptConfig, MoeConfig, MoeLayerFreq, PositionEmbeddingType};
+use megatron::models::{GptConfig, MoeConfig, MoeLayerFreq};
 use megatron::module::{Builder, Cx, Module};
 use megatron::moe::RouterConfig;
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::tensor::Tensor;
-use megatron::tensor_parallel::Normalization;
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -23,16 +22,9 @@ const SEQ: usize = 11;
 const BATCH: usize = 2;
 const PREFILL: usize = 4;
 
+/// The test Llama with a sliding window of 3 in its first layer.
 fn llama() -> GptConfig {
-    let mut c = support::tiny_gpt(0.0);
-    c.normalization = Normalization::RmsNorm;
-    c.swiglu = true;
-    c.ffn_hidden_size = 48;
-    c.add_bias_linear = false;
-    c.position_embedding_type = PositionEmbeddingType::Rope;
-    c.untie_embeddings_and_output_weights = true;
-    c.num_query_groups = Some(2);
-    c.qk_layernorm = true;
+    let mut c = support::llama_like(0.0);
     c.window_size = Some(3);
     c.window_layers = Some(vec![true, false]);
     c

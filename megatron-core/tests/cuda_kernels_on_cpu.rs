@@ -150,6 +150,8 @@ fn fused_forward(
         Arg::U64(sk as u64),
         Arg::F32(scale),
         Arg::I32(1),
+        // No sliding window.
+        Arg::U64(u64::MAX),
     ]);
     args.extend(mask_args(dropout));
     launch("softmax_forward", rows, softmax_threads(sk), args);
@@ -239,6 +241,7 @@ fn the_fused_softmax_backward_is_the_cpus_dropout_then_softmax_backward() {
                     Arg::U64(sk as u64),
                     Arg::F32(scale),
                     Arg::I32(i32::from(causal)),
+                    Arg::U64(u64::MAX),
                 ]);
                 args.extend(mask_args(Some((p, &stream, index))));
                 launch("softmax_backward", batches * sq, softmax_threads(sk), args);

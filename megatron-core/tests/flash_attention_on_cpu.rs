@@ -303,6 +303,8 @@ fn tail_args(case: &Case, dropout: &Option<(f32, DropoutStream)>) -> Vec<Arg> {
         Arg::U64(case.heads as u64),
         Arg::I32(case.d as i32),
         Arg::F32(case.scale()),
+        // The window: the whole sequence (none).
+        Arg::U32(case.seq as u32),
     ];
     args.extend(mask_args(
         dropout.as_ref().map(|(p, s)| (*p, s, case.index())),
@@ -459,6 +461,7 @@ fn flash_backward(
             Arg::U64(case.heads as u64),
             Arg::I32(case.d as i32),
             Arg::F32(case.scale()),
+            Arg::U32(case.seq as u32),
             forward.keep_arg(),
             Arg::F32(keep_scale),
         ]);

@@ -265,3 +265,18 @@ pub fn token_ids(seq: usize, batch: usize, salt: i64) -> megatron::tensor::Tenso
     )
     .unwrap()
 }
+
+/// [`tiny_gpt`] as a Llama: RMSNorm, a SwiGLU MLP of 48, no biases, rotary embeddings, 2
+/// key/value groups, the query and key norms, an untied output layer.
+pub fn llama_like(dropout: f32) -> megatron::models::GptConfig {
+    let mut c = tiny_gpt(dropout);
+    c.normalization = megatron::tensor_parallel::Normalization::RmsNorm;
+    c.swiglu = true;
+    c.ffn_hidden_size = 48;
+    c.add_bias_linear = false;
+    c.position_embedding_type = megatron::models::PositionEmbeddingType::Rope;
+    c.untie_embeddings_and_output_weights = true;
+    c.num_query_groups = Some(2);
+    c.qk_layernorm = true;
+    c
+}

@@ -20,7 +20,7 @@ use std::ops::Range;
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::Result;
 use crate::invalid;
-use crate::kernels::gemm::{MatMut, MatRef, gemm};
+use crate::kernels::gemm::product;
 use crate::kernels::softmax::{self, KeyMask};
 use crate::tensor::{DType, Tensor};
 
@@ -177,12 +177,19 @@ pub fn attention_forward(
                 let kk = gather_rows(&whole, 0..keys, b, h, 1, dims);
                 let v = gather_rows(&whole, 0..keys, b, h, 2, dims);
                 let scores = &mut p[bh * c * keys..(bh + 1) * c * keys];
-                product(&q, (c, d, false), &kk, (keys, d, true), scores)?;
+                product(&q, (c, d, false), &kk, (keys, d, true), 0.0, scores)?;
                 let raw = scores.to_vec();
                 // The chunk's queries are the last c of the keys' positions: causal as is.
                 softmax::softmax_forward(&raw, 1, c, keys, scale, KeyMask::Causal, scores)?;
                 let mut ctx = vec![0.0f32; c * d];
-                product(scores, (c, keys, false), &v, (keys, d, false), &mut ctx)?;
+                product(
+                    scores,
+                    (c, keys, false),
+                    &v,
+                    (keys, d, false),
+                    0.0,
+                    &mut ctx,
+                )?;
                 for i in 0..c {
                     let to = (((k * c + i) * batch + b) * heads + h) * d;
                     out[to..to + d].copy_from_slice(&ctx[i * d..(i + 1) * d]);
@@ -253,15 +260,15 @@ pub fn attention_backward(
                 }
                 // dP = dY·Vᵀ, dV = Pᵀ·dY, dS = softmax'(dP), dQ = dS·K, dK = dSᵀ·Q.
                 let mut dp = vec![0.0f32; c * keys];
-                product(&g, (c, d, false), &v, (keys, d, true), &mut dp)?;
+                product(&g, (c, d, false), &v, (keys, d, true), 0.0, &mut dp)?;
                 let mut dv = vec![0.0f32; keys * d];
-                product(p, (c, keys, true), &g, (c, d, false), &mut dv)?;
+                product(p, (c, keys, true), &g, (c, d, false), 0.0, &mut dv)?;
                 let mut ds = vec![0.0f32; c * keys];
                 softmax::softmax_backward(p, &dp, 1, c, keys, scale, &mut ds)?;
                 let mut dq = vec![0.0f32; c * d];
-                product(&ds, (c, keys, false), &kk, (keys, d, false), &mut dq)?;
+                product(&ds, (c, keys, false), &kk, (keys, d, false), 0.0, &mut dq)?;
                 let mut dk = vec![0.0f32; keys * d];
-                product(&ds, (c, keys, true), &q, (c, d, false), &mut dk)?;
+                product(&ds, (c, keys, true), &q, (c, d, false), 0.0, &mut dk)?;
                 add_rows(&mut grad, &dq, r.clone(), b, h, 0, dims);
                 add_rows(&mut grad, &dk, 0..keys, b, h, 1, dims);
                 add_rows(&mut grad, &dv, 0..keys, b, h, 2, dims);
@@ -309,21 +316,4 @@ fn add_rows(
             *o += v;
         }
     }
-}
-
-/// `C = op(A) · op(B)` of row-major `A` (`am × ak`) and `B` (`bm × bk`), each transposed when
-/// its flag says so.
-fn product(
-    a: &[f32],
-    (am, ak, a_t): (usize, usize, bool),
-    b: &[f32],
-    (bm, bk, b_t): (usize, usize, bool),
-    c: &mut [f32],
-) -> Result<()> {
-    let a = MatRef::row_major(a, am, ak)?;
-    let b = MatRef::row_major(b, bm, bk)?;
-    let (a, b) = (if a_t { a.t() } else { a }, if b_t { b.t() } else { b });
-    let (m, n) = (a.rows(), b.cols());
-    gemm(1.0, a, b, 0.0, MatMut::row_major(c, m, n)?)?;
-    Ok(())
 }

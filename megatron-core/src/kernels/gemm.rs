@@ -281,6 +281,23 @@ pub fn gemm(
     Ok(())
 }
 
+/// `C = op(A) · op(B) + β·C` for row-major `A` (`am × ak`) and `B` (`bm × bk`), each
+/// transposed when its flag says so.
+pub(crate) fn product(
+    a: &[f32],
+    (am, ak, a_t): (usize, usize, bool),
+    b: &[f32],
+    (bm, bk, b_t): (usize, usize, bool),
+    beta: f32,
+    c: &mut [f32],
+) -> Result<(), KernelError> {
+    let a = MatRef::row_major(a, am, ak)?;
+    let b = MatRef::row_major(b, bm, bk)?;
+    let (a, b) = (if a_t { a.t() } else { a }, if b_t { b.t() } else { b });
+    let (m, n) = (a.rows(), b.cols());
+    gemm(1.0, a, b, beta, MatMut::row_major(c, m, n)?)
+}
+
 /// Rows of A up to which a large product skips the packed kernel.
 const FEW_ROWS: usize = 4;
 /// The least `k × n` of B for which it does: below it packing costs little.

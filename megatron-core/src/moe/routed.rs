@@ -26,7 +26,7 @@ use crate::cuda::DeviceRouting;
 use crate::cuda_graphs::{GraphScope, captures};
 use crate::error::Result;
 use crate::invalid;
-use crate::kernels::gemm::{MatMut, MatRef, gemm};
+use crate::kernels::gemm::product;
 use crate::module::{Builder, Cx, Init, Module, Param, Site, Split};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor, TensorRead};
@@ -311,24 +311,6 @@ fn sequence_length(dims: &[usize], tokens: usize) -> usize {
     if dims.len() == 3 { dims[0] } else { tokens }
 }
 
-/// `C = op(A) · op(B) + β·C` for row-major `A` (`am × ak`) and `B` (`bm × bk`), each
-/// transposed when its flag says so.
-fn product(
-    a: &[f32],
-    (am, ak, a_t): (usize, usize, bool),
-    b: &[f32],
-    (bm, bk, b_t): (usize, usize, bool),
-    beta: f32,
-    c: &mut [f32],
-) -> Result<()> {
-    let a = MatRef::row_major(a, am, ak)?;
-    let b = MatRef::row_major(b, bm, bk)?;
-    let (a, b) = (if a_t { a.t() } else { a }, if b_t { b.t() } else { b });
-    let (m, n) = (a.rows(), b.cols());
-    gemm(1.0, a, b, beta, MatMut::row_major(c, m, n)?)?;
-    Ok(())
-}
-
 /// Adds `f`'s contribution into `p`'s gradient: in place for an f32 host gradient, else on a
 /// host copy written back (widened and rounded back when 16-bit, copied from and to a GPU).
 pub(crate) fn accumulate(p: &Param, f: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
@@ -578,7 +560,8 @@ impl ExpertParallel for RoutedExperts {
                 (tokens, h, false),
                 1.0,
                 dgate,
-            )
+            )?;
+            Ok(())
         })?;
         let gate = host_f32(self.gate.compute_value())?;
         let mut d = dx.to_vec_f32()?;
