@@ -336,7 +336,8 @@ impl TrainJob {
         let cp = self.cp;
         if !seq.is_multiple_of(2 * cp) {
             bail!(
-                "--context-parallel-size {cp} cuts each sequence into 2·cp = {} chunks:                  --seq-length {seq} is not divisible by it",
+                "--context-parallel-size {cp} cuts each sequence into 2·cp = {} chunks: \
+                 --seq-length {seq} is not divisible by it",
                 2 * cp
             );
         }
@@ -354,11 +355,6 @@ impl TrainJob {
         }
         if self.model.window_size.is_some() {
             return not_yet("sliding windows");
-        }
-        if self.model.attention_dropout > 0.0 {
-            bail!(
-                "attention dropout with context parallelism is not built yet: add                  --attention-dropout 0 (--context-parallel-size {cp})"
-            );
         }
         if !matches!(self.device, Placement::Cpu) {
             return not_yet("a GPU");

@@ -3,7 +3,8 @@
 //! alone gives full causal attention's output and input gradient at those rows (every block of
 //! the causal mask: a chunk's own diagonal, the chunks before it, none after), and training at
 //! cp 2 and 4, with tensor parallelism, data parallelism and the distributed optimizer, and a
-//! Llama's rotary embeddings, follows cp 1 step by step with hidden dropout on; a checkpoint
+//! Llama's rotary embeddings, follows cp 1 step by step with hidden and attention dropout on
+//! (each mask drawn at its element's global place); a checkpoint
 //! saved at cp 2 resumes at cp 1 and cp 4; what is not built yet is refused by name.
 
 mod support;
@@ -48,8 +49,9 @@ fn attention_at(
 
 #[test]
 fn context_parallel_attention_is_full_causal_attention_at_the_ranks_rows() {
-    // 3 heads (none divides evenly into anything), and 6 query heads in 2 groups.
-    for (heads, groups) in [(3, 3), (6, 2)] {
+    // 3 heads (none divides evenly into anything), and 6 query heads in 2 groups; attention
+    // dropout drawn at each weight's global place.
+    for (heads, groups, p) in [(3, 3, 0.0), (6, 2, 0.0), (3, 3, 0.3)] {
         let (s, b, d) = (16, 2, 4);
         let width = (heads + 2 * groups) * d;
         let qkv = Tensor::from_vec(support::values(s * b * width, 1, 3.0), [s, b, width]).unwrap();
@@ -58,7 +60,7 @@ fn context_parallel_attention_is_full_causal_attention_at_the_ranks_rows() {
             [s, b, heads * d],
         )
         .unwrap();
-        let op = CausalSelfAttention::new(heads, 0.0).with_query_groups(groups);
+        let op = CausalSelfAttention::new(heads, p).with_query_groups(groups);
         let full = attention_at(1, &op, &qkv, &dy).remove(0);
         for cp in [2, 4] {
             let ranks = attention_at(cp, &op, &qkv, &dy);
@@ -71,7 +73,7 @@ fn context_parallel_attention_is_full_causal_attention_at_the_ranks_rows() {
                         .flat_map(|r| v[r.start * per..r.end * per].to_vec())
                         .collect()
                 };
-                let what = format!("heads {heads} groups {groups} cp {cp} rank {rank}");
+                let what = format!("heads {heads} groups {groups} p {p} cp {cp} rank {rank}");
                 support::assert_close_f32(y, &rows(&full.0, b * heads * d), &format!("{what} out"));
                 support::assert_close_f32(dx, &rows(&full.1, b * width), &format!("{what} grad"));
             }
@@ -79,7 +81,7 @@ fn context_parallel_attention_is_full_causal_attention_at_the_ranks_rows() {
     }
 }
 
-/// gpt-tiny cut to 2 layers, sequences of 32, hidden dropout on, no attention dropout.
+/// gpt-tiny cut to 2 layers, sequences of 32, hidden and attention dropout on.
 const COMMON: [&str; 16] = [
     "train",
     "--quiet",
@@ -93,7 +95,7 @@ const COMMON: [&str; 16] = [
     "8",
     "--seed=5",
     "--attention-dropout",
-    "0",
+    "0.1",
     "--hidden-dropout",
     "0.1",
     "--train-iters=4",
@@ -201,10 +203,6 @@ fn what_context_parallelism_cannot_do_yet_is_refused_by_name() {
         (
             &["--cp", "2", "--pp", "2"],
             "context parallelism with pipeline parallelism",
-        ),
-        (
-            &["--cp", "2", "--attention-dropout", "0.1"],
-            "--attention-dropout 0",
         ),
     ] {
         let mut args = vec!["train", "--train-iters", "1"];

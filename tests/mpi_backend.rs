@@ -577,8 +577,6 @@ fn context_parallel_training_under_mpirun_equals_thread_ranks() {
         "2",
         "--tp",
         "2",
-        "--attention-dropout",
-        "0",
         "--train-iters",
         "3",
         "--global-batch-size",

@@ -12,17 +12,54 @@
 //! their queries: one exchange of the fused projection) are all-gathered into the whole
 //! sequence, each local chunk's queries attend to the keys up to their own positions, and in
 //! the backward the gradients of every position's key and value are summed over the group
-//! (each rank keeping its chunks'). The ring (`p2p`) and the head all-to-all (`a2a`) are not
-//! built yet.
+//! (each rank keeping its chunks'). Attention dropout draws the CPU's mask of each element of
+//! the whole `[b, heads, s, s]` weights at the element's global place, as cp 1 does. The ring
+//! (`p2p`) and the head all-to-all (`a2a`) are not built yet.
 
 use std::ops::Range;
 
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::Result;
 use crate::invalid;
+use crate::kernels::dropout::{LogicalIndex, dropout_forward, dropout_pair};
 use crate::kernels::gemm::product;
 use crate::kernels::softmax::{self, KeyMask};
+use crate::rng::DropoutStream;
 use crate::tensor::{DType, Tensor};
+
+/// Attention dropout under context parallelism: the drop probability, the random stream, and
+/// where this rank's heads lie among all of them (all heads, the first of this rank's).
+#[derive(Debug, Clone, Copy)]
+pub struct CpDropout {
+    /// Drop probability.
+    pub p: f32,
+    /// The random stream of the call.
+    pub stream: DropoutStream,
+    /// Heads of the whole layer.
+    pub all_heads: usize,
+    /// The global index of this rank's first head.
+    pub first_head: usize,
+}
+
+impl CpDropout {
+    /// Where the weights of local head `h` of batch entry `b`, queries `rows` (global
+    /// positions) against the first keys, lie in the whole `[b, all heads, s, s]` weights.
+    fn index(
+        &self,
+        (b, h): (usize, usize),
+        rows: &Range<usize>,
+        keys: usize,
+        s: usize,
+    ) -> LogicalIndex {
+        LogicalIndex {
+            outer: rows.len(),
+            inner: keys,
+            logical_stride: s as u64,
+            logical_start: (((b * self.all_heads + self.first_head + h) * s + rows.start) * s)
+                as u64,
+        }
+    }
+}
 
 /// Where a context-parallel rank's positions lie: its two chunks of the sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +143,7 @@ pub struct CpAttentionSaved {
     batch: usize,
     heads: usize,
     head_dim: usize,
+    dropout: Option<CpDropout>,
 }
 
 /// Offset of element `e` of part `part` (0 q, 1 k, 2 v) of head `head` at position `pos` and
@@ -122,13 +160,14 @@ fn at(
 
 /// Causal attention of this rank's two chunks of a fused projection `qkv` (`[2·chunk, batch,
 /// heads·3·d]`, per head `[q | k | v]`, the local rows of the whole sequence in chunk order),
-/// the keys and values all-gathered over `cp`: returns the context `[2·chunk, batch, heads·d]`.
+/// the keys and values all-gathered over `cp`, with attention dropout when given: returns the
+/// context `[2·chunk, batch, heads·d]`.
 pub fn attention_forward(
     cp: &dyn Communicator,
     chunks: CpChunks,
     qkv: &Tensor,
-    heads: usize,
-    scale: f32,
+    (heads, scale): (usize, f32),
+    dropout: Option<CpDropout>,
 ) -> Result<(Tensor, CpAttentionSaved)> {
     let [local, batch, width] = qkv.dims() else {
         return invalid!(
@@ -181,9 +220,16 @@ pub fn attention_forward(
                 let raw = scores.to_vec();
                 // The chunk's queries are the last c of the keys' positions: causal as is.
                 softmax::softmax_forward(&raw, 1, c, keys, scale, KeyMask::Causal, scores)?;
+                let mut dropped = Vec::new();
+                if let Some(drop) = &dropout {
+                    dropped = vec![0.0f32; c * keys];
+                    let index = drop.index((b, h), &r, keys, chunks.seq());
+                    dropout_forward(scores, &mut dropped, drop.p, &drop.stream, index)?;
+                }
+                let weights: &[f32] = if dropout.is_some() { &dropped } else { scores };
                 let mut ctx = vec![0.0f32; c * d];
                 product(
-                    scores,
+                    weights,
                     (c, keys, false),
                     &v,
                     (keys, d, false),
@@ -208,6 +254,7 @@ pub fn attention_forward(
             batch,
             heads,
             head_dim: d,
+            dropout,
         },
     ))
 }
@@ -229,6 +276,7 @@ pub fn attention_backward(
         batch,
         heads,
         head_dim: d,
+        dropout,
     } = saved;
     let (batch, heads, d, c) = (*batch, *heads, *d, chunks.chunk);
     let dims = (batch, heads, d);
@@ -261,8 +309,19 @@ pub fn attention_backward(
                 // dP = dY·Vᵀ, dV = Pᵀ·dY, dS = softmax'(dP), dQ = dS·K, dK = dSᵀ·Q.
                 let mut dp = vec![0.0f32; c * keys];
                 product(&g, (c, d, false), &v, (keys, d, true), 0.0, &mut dp)?;
+                // With dropout: dP through the mask, dV from the dropped weights (the mask
+                // regenerated from its key).
+                let mut dropped = Vec::new();
+                if let Some(drop) = dropout {
+                    let index = drop.index((b, h), &r, keys, chunks.seq());
+                    let (mut pm, mut dpm) = (vec![0.0f32; c * keys], vec![0.0f32; c * keys]);
+                    dropout_pair(p, &mut pm, &dp, &mut dpm, drop.p, &drop.stream, index)?;
+                    dropped = pm;
+                    dp = dpm;
+                }
+                let weights: &[f32] = if dropout.is_some() { &dropped } else { p };
                 let mut dv = vec![0.0f32; keys * d];
-                product(p, (c, keys, true), &g, (c, d, false), 0.0, &mut dv)?;
+                product(weights, (c, keys, true), &g, (c, d, false), 0.0, &mut dv)?;
                 let mut ds = vec![0.0f32; c * keys];
                 softmax::softmax_backward(p, &dp, 1, c, keys, scale, &mut ds)?;
                 let mut dq = vec![0.0f32; c * d];

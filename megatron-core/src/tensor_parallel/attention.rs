@@ -3,7 +3,7 @@
 
 use crate::backend::attention::{AttentionKept, AttentionShape};
 use crate::backend::{self, DropoutMask};
-use crate::context_parallel::{self, CpAttentionSaved, CpChunks};
+use crate::context_parallel::{self, CpAttentionSaved, CpChunks, CpDropout};
 use crate::error::Result;
 use crate::inference::decode_attention;
 use crate::invalid;
@@ -241,19 +241,22 @@ impl Op for CausalSelfAttention {
         };
         let qkv = expanded.as_ref().unwrap_or(qkv);
         if let Some(chunks) = cp {
-            if mask.is_some() {
-                return invalid!(
-                    "attention dropout {} with context parallelism is not built yet: train with \
-                     --attention-dropout 0",
-                    self.dropout
-                );
-            }
             if self.window.is_some() {
                 return invalid!("sliding windows with context parallelism are not built yet");
             }
-            let heads = sh.heads;
-            let (out, saved) =
-                context_parallel::attention_forward(cx.cp(), chunks, qkv, heads, sh.scale())?;
+            let dropout = mask.as_ref().map(|(p, stream, _)| CpDropout {
+                p: *p,
+                stream: *stream,
+                all_heads: self.heads,
+                first_head: cx.tp_rank() * sh.heads,
+            });
+            let (out, saved) = context_parallel::attention_forward(
+                cx.cp(),
+                chunks,
+                qkv,
+                (sh.heads, sh.scale()),
+                dropout,
+            )?;
             let saved = AttentionSaved {
                 kept: AttentionKept::Decoded,
                 dropout: None,
