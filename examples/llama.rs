@@ -1,5 +1,7 @@
-//! A Llama written with the DSL, trained on tensor parallelism 2 × pipeline parallelism 2 (four
-//! thread ranks) and on one rank, to show that the parallel run computes the same thing.
+//! A Llama written with the DSL, trained on tensor parallelism 2 × pipeline parallelism 2, on
+//! tensor parallelism 2 × context parallelism 2 (four thread ranks each; each context-parallel
+//! rank holds two chunks of every sequence) and on one rank, to show that the parallel runs
+//! compute the same thing.
 //!
 //! The model is Llama's decoder as its paper and Hugging Face's `LlamaForCausalLM` lay it out:
 //! RMSNorm before attention and before the MLP, grouped-query attention with rotary position
@@ -146,9 +148,16 @@ fn spec() -> LlamaSpec {
     }
 }
 
-/// Trains on `tp × pp` thread ranks; returns every step's loss and the seconds taken.
-fn train(tp: usize, pp: usize) -> Result<(Vec<f64>, f64)> {
-    let layout = ParallelLayout::new(&ParallelConfig::new(tp * pp).with_tp(tp).with_pp(pp))?;
+/// Trains on `tp × cp × pp` thread ranks (context parallelism: each rank two chunks of every
+/// sequence); returns every step's loss and the seconds taken.
+fn train(tp: usize, cp: usize, pp: usize) -> Result<(Vec<f64>, f64)> {
+    let world = tp * cp * pp;
+    let layout = ParallelLayout::new(
+        &ParallelConfig::new(world)
+            .with_tp(tp)
+            .with_cp(cp)
+            .with_pp(pp),
+    )?;
     let stages = PipelineLayout::new(LAYERS, pp, 1, None, None)
         .map_err(|e| Error::Invalid(e.to_string()))?;
     let plan = BatchPlan {
@@ -177,7 +186,7 @@ fn train(tp: usize, pp: usize) -> Result<(Vec<f64>, f64)> {
         check_for_nan: true,
     };
     let start = Instant::now();
-    let per_rank = launch(tp * pp, |world| -> Result<(usize, usize, Vec<f64>)> {
+    let per_rank = launch(world, |world| -> Result<(usize, usize, Vec<f64>)> {
         let parallel = ParallelState::new(&world, &layout)?;
         let stage = stages.part(parallel.pp().index(), 0);
         let builder = Builder::for_rank(SEED, parallel.groups()).with_stage(stage);
@@ -203,15 +212,17 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         "a {LAYERS}-layer Llama (hidden {HIDDEN}, {HEADS} heads in {GROUPS} key/value groups, \
          SwiGLU {FFN}, RMSNorm, RoPE, untied) on megatron-rs's sources as bytes"
     );
-    let (parallel, seconds) = train(2, 2)?;
+    let (parallel, seconds) = train(2, 1, 2)?;
     println!("TP=2 × PP=2 on 4 thread ranks: {STEPS} steps in {seconds:.1} s");
-    let (single, seconds) = train(1, 1)?;
+    let (context, seconds) = train(2, 2, 1)?;
+    println!("TP=2 × CP=2 on 4 thread ranks: {STEPS} steps in {seconds:.1} s");
+    let (single, seconds) = train(1, 1, 1)?;
     println!("TP=1 × PP=1 on 1 rank:         {STEPS} steps in {seconds:.1} s");
-    println!("\n step   loss (TP=2 × PP=2)   loss (one rank)");
+    println!("\n step   loss (TP=2 × PP=2)   loss (TP=2 × CP=2)   loss (one rank)");
     for step in (0..STEPS as usize).step_by(10).chain([STEPS as usize - 1]) {
         println!(
-            "{step:>5}   {:>18.4}   {:>15.4}",
-            parallel[step], single[step]
+            "{step:>5}   {:>18.4}   {:>18.4}   {:>15.4}",
+            parallel[step], context[step], single[step]
         );
     }
     // Layout-invariant initial weights and data: the runs differ only by the order of f32 sums
@@ -229,6 +240,16 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         return Err(
             format!("TP=2 × PP=2 does not reproduce one rank: {first:e}, {worst:e}").into(),
         );
+    }
+    // Context parallelism: attention over gathered keys, the gradients over dp × cp.
+    let cp_worst = context
+        .iter()
+        .zip(&single)
+        .map(|(a, b)| (a - b).abs() / b)
+        .fold(0.0, f64::max);
+    println!("TP=2 × CP=2: the worst of {STEPS} steps differs by {cp_worst:.1e} (relative)");
+    if context.len() != STEPS as usize || (context[0] - single[0]).abs() > 1e-5 || cp_worst > 1e-3 {
+        return Err(format!("TP=2 × CP=2 does not reproduce one rank: {cp_worst:e}").into());
     }
     let (from, to) = (parallel[0], parallel[parallel.len() - 1]);
     if to > from - 1.0 {

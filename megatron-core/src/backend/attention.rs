@@ -69,6 +69,9 @@ pub(crate) enum AttentionKept {
     },
     /// Nothing: a decoding forward with a KV cache, which has no backward.
     Decoded,
+    /// Context parallelism's own (its backward exchanges over the context-parallel group, not
+    /// a device's kernels).
+    ContextParallel(Box<crate::context_parallel::CpAttentionSaved>),
 }
 
 device_ops! {

@@ -212,9 +212,7 @@ pub fn attention_forward(
         for b in 0..batch {
             for h in 0..heads {
                 let bh = b * heads + h;
-                let q = gather_rows(&whole, r.clone(), b, h, 0, dims);
-                let kk = gather_rows(&whole, 0..keys, b, h, 1, dims);
-                let v = gather_rows(&whole, 0..keys, b, h, 2, dims);
+                let [q, kk, v] = head_rows(&whole, r.clone(), b, h, dims);
                 let scores = &mut p[bh * c * keys..(bh + 1) * c * keys];
                 product(&q, (c, d, false), &kk, (keys, d, true), 0.0, scores)?;
                 let raw = scores.to_vec();
@@ -298,9 +296,7 @@ pub fn attention_backward(
             for h in 0..heads {
                 let bh = b * heads + h;
                 let p = &probs[k][bh * c * keys..(bh + 1) * c * keys];
-                let q = gather_rows(whole, r.clone(), b, h, 0, dims);
-                let kk = gather_rows(whole, 0..keys, b, h, 1, dims);
-                let v = gather_rows(whole, 0..keys, b, h, 2, dims);
+                let [q, kk, v] = head_rows(whole, r.clone(), b, h, dims);
                 let mut g = vec![0.0f32; c * d];
                 for i in 0..c {
                     let from = (((k * c + i) * batch + b) * heads + h) * d;
@@ -337,6 +333,23 @@ pub fn attention_backward(
     let grad = Tensor::from_vec(grad, [chunks.seq(), batch, width])?;
     cp.all_reduce(&grad, ReduceOp::Sum)?;
     chunks.take_local(&grad)
+}
+
+/// Head `h` of batch entry `b` for the query chunk at `rows`: its queries there, and its keys
+/// and values up to the chunk's end (`[rows, d]`, `[end, d]`, `[end, d]`).
+fn head_rows(
+    whole: &[f32],
+    rows: Range<usize>,
+    b: usize,
+    h: usize,
+    dims: (usize, usize, usize),
+) -> [Vec<f32>; 3] {
+    let keys = 0..rows.end;
+    [
+        gather_rows(whole, rows, b, h, 0, dims),
+        gather_rows(whole, keys.clone(), b, h, 1, dims),
+        gather_rows(whole, keys, b, h, 2, dims),
+    ]
 }
 
 /// Rows `rows` of part `part` of head `h` of batch entry `b` of the whole projection:

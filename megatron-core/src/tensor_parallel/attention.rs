@@ -3,7 +3,7 @@
 
 use crate::backend::attention::{AttentionKept, AttentionShape};
 use crate::backend::{self, DropoutMask};
-use crate::context_parallel::{self, CpAttentionSaved, CpChunks, CpDropout};
+use crate::context_parallel::{self, CpChunks, CpDropout};
 use crate::error::Result;
 use crate::inference::decode_attention;
 use crate::invalid;
@@ -124,8 +124,6 @@ pub struct AttentionSaved {
     dropout: Option<DropoutMask>,
     shape: AttentionShape,
     grouped: GroupedHeads,
-    /// With context parallelism, what its attention keeps (the rest is unused).
-    cp: Option<Box<CpAttentionSaved>>,
 }
 
 impl CausalSelfAttention {
@@ -230,7 +228,6 @@ impl Op for CausalSelfAttention {
                 dropout: None,
                 shape: sh,
                 grouped,
-                cp: None,
             };
             return Ok((out, saved));
         }
@@ -258,11 +255,10 @@ impl Op for CausalSelfAttention {
                 dropout,
             )?;
             let saved = AttentionSaved {
-                kept: AttentionKept::Decoded,
+                kept: AttentionKept::ContextParallel(Box::new(saved)),
                 dropout: None,
                 shape: sh,
                 grouped,
-                cp: Some(Box::new(saved)),
             };
             return Ok((out, saved));
         }
@@ -274,7 +270,6 @@ impl Op for CausalSelfAttention {
                 dropout: mask,
                 shape: sh,
                 grouped,
-                cp: None,
             },
         ))
     }
@@ -293,11 +288,11 @@ impl Op for CausalSelfAttention {
                 d_out.shape()
             );
         }
-        let d_qkv = match &saved.cp {
-            Some(cp) => context_parallel::attention_backward(cx.cp(), cp, d_out, sh.scale())?,
-            None => {
-                backend::of(d_out).attention_backward(&saved.kept, &saved.dropout, sh, d_out)?
+        let d_qkv = match &saved.kept {
+            AttentionKept::ContextParallel(cp) => {
+                context_parallel::attention_backward(cx.cp(), cp, d_out, sh.scale())?
             }
+            kept => backend::of(d_out).attention_backward(kept, &saved.dropout, sh, d_out)?,
         };
         let d_qkv = match saved.grouped.per_group {
             1 => d_qkv,

@@ -54,6 +54,9 @@ impl AttentionOps for Cpu {
                     "attention: the forward ran on the GPU, the output gradient is on the host"
                 );
             }
+            AttentionKept::ContextParallel(_) => {
+                return invalid!("attention: context parallelism runs its own backward");
+            }
             AttentionKept::Decoded => {
                 return invalid!("attention: a decoding forward with a KV cache has no backward");
             }

@@ -214,6 +214,9 @@ fn backward(
                 "attention: the forward ran on the host, the output gradient is on the GPU"
             );
         }
+        AttentionKept::ContextParallel(_) => {
+            return crate::invalid!("attention: context parallelism runs its own backward");
+        }
         AttentionKept::Decoded => {
             return crate::invalid!(
                 "attention: a decoding forward with a KV cache has no backward"
