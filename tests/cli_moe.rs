@@ -88,8 +88,11 @@ fn assert_same_training(got: &[Step], want: &[Step], what: &str) {
             g.grad_norm,
             w.grad_norm
         );
+        // The aux loss sums the router's probabilities, computed from weights the previous
+        // steps updated in another order of sums: as the gradient norm, to 1e-4 (mixtral-tiny's
+        // SwiGLU experts moved it by 3e-5 at ep 2 in a debug build).
         assert!(
-            (g.aux_loss - w.aux_loss).abs() <= 1e-5 * w.aux_loss.abs().max(1e-3),
+            (g.aux_loss - w.aux_loss).abs() <= 1e-4 * w.aux_loss.abs().max(1e-3),
             "{what} step {i}: aux loss {} vs {}",
             g.aux_loss,
             w.aux_loss
