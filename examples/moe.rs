@@ -43,6 +43,7 @@ fn job(ep: usize) -> Result<TrainJob, Box<dyn std::error::Error>> {
         tp: 1,
         sequence_parallel: false,
         cp: 1,
+        cp_comm_type: Default::default(),
         ep,
         etp: 1,
         dp: DP,

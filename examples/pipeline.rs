@@ -33,6 +33,7 @@ fn job(tp: usize, pipeline: PipelineSettings) -> Result<TrainJob, Box<dyn std::e
         tp,
         sequence_parallel: false,
         cp: 1,
+        cp_comm_type: Default::default(),
         ep: 1,
         etp: 1,
         dp: 1,

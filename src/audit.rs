@@ -124,6 +124,7 @@ pub fn job(layout: &AuditLayout) -> Result<TrainJob> {
         tp: layout.tp,
         sequence_parallel: layout.sequence_parallel,
         cp: 1,
+        cp_comm_type: Default::default(),
         ep: layout.ep,
         etp: layout.etp,
         dp: layout.dp,

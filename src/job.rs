@@ -37,6 +37,8 @@ pub struct TrainJob {
     /// Context-parallel size: each rank of a context-parallel group holds two chunks of every
     /// sequence (see `megatron_core::context_parallel`).
     pub cp: usize,
+    /// How context-parallel attention exchanges keys and values (`--cp-comm-type`).
+    pub cp_comm_type: megatron_core::context_parallel::CpCommType,
     /// Expert-parallel size (folded into tp × dp, as Megatron-LM folds it).
     pub ep: usize,
     /// Expert tensor-parallel size.
@@ -341,6 +343,12 @@ impl TrainJob {
                 2 * cp
             );
         }
+        self.cp_comm_type.check_heads(
+            self.model.num_attention_heads,
+            self.model.query_groups(),
+            self.tp,
+            cp,
+        )?;
         let not_yet = |what: &str| -> Result<()> {
             bail!("context parallelism with {what} is not built yet (--context-parallel-size {cp})")
         };
@@ -352,9 +360,6 @@ impl TrainJob {
         }
         if self.model.moe.is_some() {
             return not_yet("mixture-of-experts layers");
-        }
-        if self.model.window_size.is_some() {
-            return not_yet("sliding windows");
         }
         if !matches!(self.device, Placement::Cpu) {
             return not_yet("a GPU");
@@ -454,8 +459,9 @@ impl TrainJob {
     ) -> Result<()> {
         let plan: BatchPlan = *self.train_data.plan();
         let tokens_per_step = (plan.global_batch * plan.seq_length) as u64;
-        let parallel =
-            ParallelState::new(w, &cx.layout)?.with_sequence_parallel(self.sequence_parallel);
+        let parallel = ParallelState::new(w, &cx.layout)?
+            .with_sequence_parallel(self.sequence_parallel)
+            .with_cp_comm_type(w, self.cp_comm_type)?;
         let rank0 = parallel.groups().rank() == 0;
         let report = |f: &mut dyn FnMut(&mut Box<dyn Observer>) -> Result<()>| -> Result<()> {
             if rank0 {

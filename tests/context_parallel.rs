@@ -1,17 +1,19 @@
-//! Context parallelism (issue 35, `--context-parallel-size`, all_gather attention): each rank
+//! Context parallelism (issue 35, `--context-parallel-size`, every `--cp-comm-type`): each rank
 //! of a context-parallel group holds chunks r and 2·cp − 1 − r of every sequence; attention
-//! alone gives full causal attention's output and input gradient at those rows (every block of
-//! the causal mask: a chunk's own diagonal, the chunks before it, none after), and training at
-//! cp 2 and 4, with tensor parallelism, data parallelism and the distributed optimizer, and a
-//! Llama's rotary embeddings, follows cp 1 step by step with hidden and attention dropout on
-//! (each mask drawn at its element's global place); a checkpoint
-//! saved at cp 2 resumes at cp 1 and cp 4; what is not built yet is refused by name.
+//! alone gives full causal attention's output and input gradient at those rows with the ring
+//! (p2p), the all-gather, the head all-to-all (a2a) and the hierarchical a2a+p2p (every block
+//! of the causal mask: a chunk's own diagonal, the chunks before it, none after; sliding
+//! windows that cut blocks), and training at cp 2 and 4, with tensor parallelism, data
+//! parallelism and the distributed optimizer, and a Llama's rotary embeddings and grouped
+//! keys, follows cp 1 step by step with hidden and attention dropout on (each mask drawn at its
+//! element's global place); a checkpoint saved at cp 2 resumes at cp 1 and cp 4; bad sizes
+//! and what is not built yet are refused by name.
 
 mod support;
 
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
-use megatron::context_parallel::CpChunks;
+use megatron::context_parallel::{CpChunks, CpCommType};
 use megatron::module::{Cx, Op, Site};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::tensor::Tensor;
@@ -21,16 +23,17 @@ use support::{TempDir, megatron};
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 /// Output and input gradient of attention over `qkv` (`[s, b, width]`) with output gradient
-/// `dy`, on each rank of a cp-way group holding its chunks: every rank's, in rank order.
+/// `dy`, on each rank of a cp-way group holding its chunks with comm type `kind`: every
+/// rank's, in rank order.
 fn attention_at(
-    cp: usize,
+    (cp, kind): (usize, CpCommType),
     op: &CausalSelfAttention,
     qkv: &Tensor,
     dy: &Tensor,
 ) -> Vec<(Vec<f32>, Vec<f32>)> {
     let layout = ParallelLayout::new(&ParallelConfig::new(cp).with_cp(cp)).unwrap();
     launch(cp, |w| -> R<(Vec<f32>, Vec<f32>)> {
-        let ps = ParallelState::new(&w, &layout)?;
+        let ps = ParallelState::new(&w, &layout)?.with_cp_comm_type(&w, kind)?;
         let cx = Cx::new(&ps, 3);
         let (x, d) = match cp {
             1 => (qkv.clone(), dy.clone()),
@@ -47,11 +50,36 @@ fn attention_at(
     .unwrap()
 }
 
+/// Every comm type at cp 2 and 4 (a2a+p2p at 4: all-to-all in pairs, a ring of two pairs),
+/// those whose all-to-all cannot split `groups` left out.
+fn forms(groups: usize) -> Vec<(usize, CpCommType)> {
+    let mut all = Vec::new();
+    for cp in [2, 4] {
+        all.push((cp, CpCommType::P2p));
+        all.push((cp, CpCommType::AllGather));
+        if groups.is_multiple_of(cp) {
+            all.push((cp, CpCommType::A2a));
+        }
+    }
+    if groups.is_multiple_of(2) {
+        all.push((4, CpCommType::A2aP2p { a2a: 2, p2p: 2 }));
+    }
+    all
+}
+
 #[test]
 fn context_parallel_attention_is_full_causal_attention_at_the_ranks_rows() {
-    // 3 heads (none divides evenly into anything), and 6 query heads in 2 groups; attention
-    // dropout drawn at each weight's global place.
-    for (heads, groups, p) in [(3, 3, 0.0), (6, 2, 0.0), (3, 3, 0.3)] {
+    // 3 heads (none divides evenly into anything), 6 query heads in 2 groups, 4 heads at
+    // every form; attention dropout drawn at each weight's global place; a sliding window of
+    // 5 keys (chunks of 2 positions at cp 4: pairs wholly in, wholly out and cut by it).
+    for (heads, groups, p, window) in [
+        (3, 3, 0.0, None),
+        (6, 2, 0.0, None),
+        (3, 3, 0.3, None),
+        (4, 4, 0.3, None),
+        (4, 2, 0.0, Some(5)),
+        (4, 4, 0.2, Some(3)),
+    ] {
         let (s, b, d) = (16, 2, 4);
         let width = (heads + 2 * groups) * d;
         let qkv = Tensor::from_vec(support::values(s * b * width, 1, 3.0), [s, b, width]).unwrap();
@@ -60,10 +88,12 @@ fn context_parallel_attention_is_full_causal_attention_at_the_ranks_rows() {
             [s, b, heads * d],
         )
         .unwrap();
-        let op = CausalSelfAttention::new(heads, p).with_query_groups(groups);
-        let full = attention_at(1, &op, &qkv, &dy).remove(0);
-        for cp in [2, 4] {
-            let ranks = attention_at(cp, &op, &qkv, &dy);
+        let op = CausalSelfAttention::new(heads, p)
+            .with_query_groups(groups)
+            .with_window(window);
+        let full = attention_at((1, CpCommType::default()), &op, &qkv, &dy).remove(0);
+        for (cp, kind) in forms(groups) {
+            let ranks = attention_at((cp, kind), &op, &qkv, &dy);
             for (rank, (y, dx)) in ranks.iter().enumerate() {
                 let chunks = CpChunks::new(s, cp, rank).unwrap();
                 let rows = |v: &[f32], per: usize| -> Vec<f32> {
@@ -73,7 +103,10 @@ fn context_parallel_attention_is_full_causal_attention_at_the_ranks_rows() {
                         .flat_map(|r| v[r.start * per..r.end * per].to_vec())
                         .collect()
                 };
-                let what = format!("heads {heads} groups {groups} p {p} cp {cp} rank {rank}");
+                let what = format!(
+                    "heads {heads} groups {groups} p {p} window {window:?} cp {cp} {kind:?} \
+                     rank {rank}"
+                );
                 support::assert_close_f32(y, &rows(&full.0, b * heads * d), &format!("{what} out"));
                 support::assert_close_f32(dx, &rows(&full.1, b * width), &format!("{what} grad"));
             }
@@ -125,7 +158,27 @@ fn training_at_cp_2_and_4_follows_cp_1() {
     for (name, flags) in [
         ("cp2", &["--cp", "2"][..]),
         ("cp4", &["--cp", "4"]),
+        ("cp2-p2p", &["--cp", "2", "--cp-comm-type", "p2p"]),
+        ("cp4-p2p", &["--cp", "4", "--cp-comm-type", "p2p"]),
+        ("cp2-a2a", &["--cp", "2", "--cp-comm-type", "a2a"]),
+        ("cp4-a2a", &["--cp", "4", "--cp-comm-type", "a2a"]),
+        (
+            "cp4-a2a+p2p",
+            &[
+                "--cp",
+                "4",
+                "--cp-comm-type",
+                "a2a+p2p",
+                "--hierarchical-context-parallel-sizes",
+                "2",
+                "2",
+            ],
+        ),
         ("cp2-tp2", &["--cp", "2", "--tp", "2"]),
+        (
+            "cp2-tp2-p2p",
+            &["--cp", "2", "--tp", "2", "--cp-comm-type", "p2p"],
+        ),
     ] {
         assert_follows(
             &support::curve(&COMMON, &dir, name, flags),
@@ -149,13 +202,25 @@ fn training_at_cp_2_and_4_follows_cp_1() {
     // A Llama: rotary embeddings at each chunk's global positions, grouped-query attention.
     let llama = ["--model", "llama-tiny", "--qk-layernorm"];
     let one = support::curve(&COMMON, &dir, "llama-cp1", &llama);
-    let two = support::curve(
+    for kind in ["all_gather", "p2p", "a2a"] {
+        let two = support::curve(
+            &COMMON,
+            &dir,
+            &format!("llama-cp2-{kind}"),
+            &[&llama[..], &["--cp", "2", "--cp-comm-type", kind]].concat(),
+        );
+        assert_follows(&two, &one, &format!("llama-tiny cp 2 {kind}"));
+    }
+    // A sliding window of 6 keys over chunks of 4 positions at cp 4.
+    let window = [&llama[..], &["--window-size", "6,0"]].concat();
+    let one = support::curve(&COMMON, &dir, "window-cp1", &window);
+    let four = support::curve(
         &COMMON,
         &dir,
-        "llama-cp2",
-        &[&llama[..], &["--cp", "2"]].concat(),
+        "window-cp4",
+        &[&window[..], &["--cp", "4", "--cp-comm-type", "p2p"]].concat(),
     );
-    assert_follows(&two, &one, "llama-tiny cp 2");
+    assert_follows(&four, &one, "llama-tiny, window 6, cp 4 p2p");
 }
 
 #[test]
@@ -197,8 +262,41 @@ fn what_context_parallelism_cannot_do_yet_is_refused_by_name() {
             "--seq-length 30 is not divisible by it",
         ),
         (
-            &["--cp", "2", "--cp-comm-type", "p2p"],
-            "p2p context parallelism is not built in megatron-rs yet",
+            &["--cp", "4", "--cp-comm-type", "a2a", "--tp", "2"],
+            "4 attention heads and 4 query groups over tensor-parallel size 2 (2, 2 per rank) must \
+             each be divisible by 4",
+        ),
+        (
+            &[
+                "--cp",
+                "4",
+                "--cp-comm-type",
+                "a2a+p2p",
+                "--hierarchical-context-parallel-sizes",
+                "2",
+                "3",
+            ],
+            "--hierarchical-context-parallel-sizes 2 3: their product 6 is not --context-parallel-size 4",
+        ),
+        (
+            &["--cp", "4", "--cp-comm-type", "a2a+p2p"],
+            "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes",
+        ),
+        (
+            &[
+                "--cp",
+                "4",
+                "--cp-comm-type",
+                "p2p",
+                "--hierarchical-context-parallel-sizes",
+                "2",
+                "2",
+            ],
+            "is for --cp-comm-type a2a+p2p, not p2p",
+        ),
+        (
+            &["--cp", "2", "--cp-comm-type", "ring"],
+            "unknown --cp-comm-type `ring`",
         ),
         (
             &["--cp", "2", "--pp", "2"],

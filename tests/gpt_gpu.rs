@@ -54,6 +54,7 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
         tp,
         sequence_parallel: false,
         cp: 1,
+        cp_comm_type: Default::default(),
         ep: 1,
         etp: 1,
         dp,

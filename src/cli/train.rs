@@ -7,6 +7,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use indicatif::ProgressBar;
+use megatron::context_parallel::CpCommType;
 use megatron::cuda_graphs::ScopeSet;
 use megatron::data::{
     Blend, GptDatasetConfig, SampleSource, Split as DataSplit, SplitVector, build_gpt_dataset,
@@ -53,10 +54,15 @@ pub struct TrainArgs {
     /// keys and values over the group; the world is tp × cp × pp × dp ranks [default: 1].
     #[arg(long = "context-parallel-size", visible_alias = "cp", value_parser = values::ranks)]
     cp: Option<usize>,
-    /// How context-parallel attention exchanges keys and values: all_gather (p2p, a2a and
-    /// a2a+p2p are not built yet).
-    #[arg(long, default_value = "all_gather", value_parser = cp_comm_type)]
+    /// How context-parallel attention exchanges keys and values: p2p (a ring), all_gather,
+    /// a2a (heads traded for sequence by all-to-all), a2a+p2p (all-to-all inside groups of
+    /// --hierarchical-context-parallel-sizes, a ring across them).
+    #[arg(long, default_value = "all_gather")]
     cp_comm_type: String,
+    /// With --cp-comm-type a2a+p2p: the all-to-all groups' size and the ring's, whose product
+    /// is the context-parallel size (e.g. `2 4`).
+    #[arg(long, num_args = 1.., value_parser = values::ranks)]
+    hierarchical_context_parallel_sizes: Vec<usize>,
     /// Data-parallel size (the world is tp × pp × dp ranks) [default: 1, or the loaded
     /// checkpoint's].
     #[arg(long = "data-parallel-size", visible_alias = "dp", value_parser = values::ranks)]
@@ -351,20 +357,6 @@ fn valid_fraction(split: &str) -> Result<(f64, f64)> {
 }
 
 /// The split used when neither `--split` nor a loaded checkpoint gives one.
-/// `--cp-comm-type`: Megatron-LM's names; the ones megatron-rs does not build yet are refused
-/// by name.
-fn cp_comm_type(s: &str) -> std::result::Result<String, String> {
-    match s {
-        "all_gather" => Ok(s.to_string()),
-        "p2p" | "a2a" | "a2a+p2p" => Err(format!(
-            "{s} context parallelism is not built in megatron-rs yet (all_gather is)"
-        )),
-        other => Err(format!(
-            "unknown type `{other}`: p2p, all_gather, a2a or a2a+p2p"
-        )),
-    }
-}
-
 const DEFAULT_SPLIT: &str = "969,30,1";
 
 /// The run's settings once `--load` is read: each as a flag gives it, else as the checkpoint
@@ -1022,6 +1014,11 @@ impl TrainArgs {
             tp: s.tp,
             sequence_parallel: self.sequence_parallel && s.tp > 1,
             cp: s.cp,
+            cp_comm_type: CpCommType::parse(
+                &self.cp_comm_type,
+                &self.hierarchical_context_parallel_sizes,
+                s.cp,
+            )?,
             ep: s.ep,
             etp,
             dp: s.dp,

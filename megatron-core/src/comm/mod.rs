@@ -25,6 +25,7 @@ use std::sync::Arc;
 pub use error::CommError;
 pub use stats::{CommStats, OpStats};
 
+use crate::context_parallel::{CpCommType, CpGroups};
 use crate::parallel::{GroupKind, ParallelLayout, RankGroups};
 use crate::tensor::{DType, Tensor};
 
@@ -299,6 +300,7 @@ pub struct ParallelState {
     groups: RankGroups,
     comms: Vec<(GroupKind, Arc<dyn Communicator>)>,
     sequence_parallel: bool,
+    context_parallel: Option<CpGroups>,
 }
 
 impl ParallelState {
@@ -322,11 +324,40 @@ impl ParallelState {
             .iter()
             .map(|g| Ok((g.kind, world.communicator(g.kind.name(), &g.ranks)?)))
             .collect::<Result<Vec<_>>>()?;
-        Ok(ParallelState {
+        let mut state = ParallelState {
             groups,
             comms,
             sequence_parallel: false,
-        })
+            context_parallel: None,
+        };
+        state.context_parallel = state.cp_groups(world, CpCommType::default())?;
+        Ok(state)
+    }
+
+    /// The same state with context-parallel attention exchanging keys and values as `kind`
+    /// says (`--cp-comm-type`; all_gather by default), its groups made on `world`.
+    pub fn with_cp_comm_type(mut self, world: &dyn World, kind: CpCommType) -> Result<Self> {
+        self.context_parallel = self.cp_groups(world, kind)?;
+        Ok(self)
+    }
+
+    /// The context-parallel attention groups of `kind`; `None` without context parallelism.
+    fn cp_groups(&self, world: &dyn World, kind: CpCommType) -> Result<Option<CpGroups>> {
+        let Some(cp) = self.get(GroupKind::Cp).filter(|c| c.size() > 1) else {
+            return Ok(None);
+        };
+        CpGroups::new(world, cp, kind)
+            .map(Some)
+            .map_err(|e| CommError::Invalid {
+                group: "cp".into(),
+                message: e.to_string(),
+            })
+    }
+
+    /// The groups context-parallel attention exchanges keys and values over; `None` without
+    /// context parallelism.
+    pub fn context_parallel(&self) -> Option<&CpGroups> {
+        self.context_parallel.as_ref()
     }
 
     /// The same state with sequence parallelism on or off (Megatron-LM's `--sequence-parallel`).

@@ -8,24 +8,196 @@
 //! as many keys. Positions (learned, rotary) are the global ones; the loss of a token is where
 //! its rank computes it, summed with the others' over the data×context-parallel group.
 //!
-//! Attention here is Transformer Engine's `all_gather` form: the ranks' keys and values (with
-//! their queries: one exchange of the fused projection) are all-gathered into the whole
-//! sequence, each local chunk's queries attend to the keys up to their own positions, and in
-//! the backward the gradients of every position's key and value are summed over the group
-//! (each rank keeping its chunks'). Attention dropout draws the CPU's mask of each element of
-//! the whole `[b, heads, s, s]` weights at the element's global place, as cp 1 does. The ring
-//! (`p2p`) and the head all-to-all (`a2a`) are not built yet.
+//! Attention comes in Transformer Engine's four forms (`--cp-comm-type`, [`CpCommType`]), all
+//! built on one blockwise engine ([`blocks`]: each pair of a query chunk and a key chunk with
+//! the mask its global positions need, combined by log-sum-exp):
+//! - `p2p`: the keys and values go round a ring of the group; at each step a rank attends its
+//!   queries to the block it holds while sending that block on, and in the backward the keys'
+//!   and values' gradients travel round with them back to their owner;
+//! - `all_gather`: the keys and values are all-gathered, their gradients reduce-scattered;
+//! - `a2a` (Ulysses): an all-to-all trades heads for sequence, so that each rank attends the
+//!   whole sequence with `1/cp` of the heads, and a second one trades back;
+//! - `a2a+p2p`: the all-to-all inside groups of `--hierarchical-context-parallel-sizes`'s first
+//!   size (consecutive ranks), the ring across them.
+//!
+//! Attention dropout draws each element of the whole `[b, heads, s, s]` weights at the
+//! element's global place, as cp 1 does, so the forms agree with it up to the order of sums.
+//! The blocks are computed on the host.
+
+mod blocks;
+mod exchange;
 
 use std::ops::Range;
+use std::sync::Arc;
 
-use crate::comm::{Communicator, ReduceOp};
+use crate::comm::{Communicator, World};
 use crate::error::Result;
 use crate::invalid;
-use crate::kernels::dropout::{LogicalIndex, dropout_forward, dropout_pair};
-use crate::kernels::gemm::product;
-use crate::kernels::softmax::{self, KeyMask};
+use crate::kernels::dropout::LogicalIndex;
 use crate::rng::DropoutStream;
 use crate::tensor::{DType, Tensor};
+use blocks::{Blocks, Side};
+
+/// How context-parallel attention exchanges keys and values (`--cp-comm-type`, Transformer
+/// Engine's names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CpCommType {
+    /// A ring of point-to-point exchanges, one key/value block per step.
+    P2p,
+    /// Keys and values all-gathered (gradients reduce-scattered).
+    #[default]
+    AllGather,
+    /// Heads traded for sequence by all-to-all (Ulysses).
+    A2a,
+    /// All-to-all inside groups of `a2a` consecutive ranks, a ring across the `p2p` groups
+    /// (`--hierarchical-context-parallel-sizes a2a p2p`).
+    A2aP2p {
+        /// Ranks of each all-to-all group.
+        a2a: usize,
+        /// Ranks of each ring.
+        p2p: usize,
+    },
+}
+
+impl CpCommType {
+    /// The type `name` (`p2p`, `all_gather`, `a2a`, `a2a+p2p`) at context-parallel size `cp`,
+    /// with the hierarchical sizes `a2a+p2p` needs (and nothing else takes); an error naming
+    /// the numbers otherwise.
+    pub fn parse(name: &str, hierarchical: &[usize], cp: usize) -> Result<CpCommType> {
+        let kind = match name {
+            "p2p" => CpCommType::P2p,
+            "all_gather" => CpCommType::AllGather,
+            "a2a" => CpCommType::A2a,
+            "a2a+p2p" => match hierarchical {
+                &[a2a, p2p] if a2a * p2p == cp && a2a > 0 => CpCommType::A2aP2p { a2a, p2p },
+                &[a2a, p2p] => {
+                    return invalid!(
+                        "--hierarchical-context-parallel-sizes {a2a} {p2p}: their product {} \
+                         is not --context-parallel-size {cp}",
+                        a2a * p2p
+                    );
+                }
+                sizes => {
+                    return invalid!(
+                        "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes \
+                         with two sizes (all-to-all, ring) whose product is \
+                         --context-parallel-size {cp}; got {sizes:?}"
+                    );
+                }
+            },
+            other => {
+                return invalid!(
+                    "unknown --cp-comm-type `{other}`: p2p, all_gather, a2a or a2a+p2p"
+                );
+            }
+        };
+        if !hierarchical.is_empty() && !matches!(kind, CpCommType::A2aP2p { .. }) {
+            return invalid!(
+                "--hierarchical-context-parallel-sizes {hierarchical:?} is for --cp-comm-type \
+                 a2a+p2p, not {name}"
+            );
+        }
+        Ok(kind)
+    }
+
+    /// Transformer Engine's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            CpCommType::P2p => "p2p",
+            CpCommType::AllGather => "all_gather",
+            CpCommType::A2a => "a2a",
+            CpCommType::A2aP2p { .. } => "a2a+p2p",
+        }
+    }
+
+    /// Ranks of each all-to-all group at context-parallel size `cp` (1: none).
+    pub fn a2a_size(self, cp: usize) -> usize {
+        match self {
+            CpCommType::A2a => cp,
+            CpCommType::A2aP2p { a2a, .. } => a2a,
+            CpCommType::P2p | CpCommType::AllGather => 1,
+        }
+    }
+
+    /// Checks that `heads` query heads in `groups` key/value groups split over `tp` ranks can
+    /// be all-to-all'ed over this type's groups at context-parallel size `cp`: each rank's
+    /// heads and groups divisible by the all-to-all size; an error naming the numbers.
+    pub fn check_heads(self, heads: usize, groups: usize, tp: usize, cp: usize) -> Result<()> {
+        let a = self.a2a_size(cp);
+        if a == 1 {
+            return Ok(());
+        }
+        let split = |n: usize| n.is_multiple_of(tp) && (n / tp).is_multiple_of(a);
+        if !split(heads) || !split(groups) {
+            return invalid!(
+                "--cp-comm-type {} trades heads over {a} ranks: {heads} attention heads and \
+                 {groups} query groups over tensor-parallel size {tp} ({}, {} per rank) must \
+                 each be divisible by {a}",
+                self.name(),
+                heads as f64 / tp as f64,
+                groups as f64 / tp as f64
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The communicators of one rank's context-parallel attention: the all-to-all group (heads for
+/// sequence) and the group keys and values travel over (ring or gather), each when its type
+/// has one.
+#[derive(Clone)]
+pub struct CpGroups {
+    kind: CpCommType,
+    a2a: Option<Arc<dyn Communicator>>,
+    keys: Option<Arc<dyn Communicator>>,
+}
+
+impl std::fmt::Debug for CpGroups {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpGroups")
+            .field("kind", &self.kind)
+            .field("a2a", &self.a2a.as_ref().map(|c| c.ranks().to_vec()))
+            .field("keys", &self.keys.as_ref().map(|c| c.ranks().to_vec()))
+            .finish()
+    }
+}
+
+impl CpGroups {
+    /// The groups of `kind` over the context-parallel group `cp`: for `a2a+p2p` the
+    /// all-to-all groups are consecutive members of it and the rings strided, each made on
+    /// `world` (every member calls this alike).
+    pub fn new(world: &dyn World, cp: &Arc<dyn Communicator>, kind: CpCommType) -> Result<Self> {
+        let n = cp.size();
+        let (a2a, keys) = match kind {
+            CpCommType::P2p | CpCommType::AllGather => (None, Some(Arc::clone(cp))),
+            CpCommType::A2a => (Some(Arc::clone(cp)), None),
+            CpCommType::A2aP2p { a2a, p2p } => {
+                if a2a * p2p != n {
+                    return invalid!(
+                        "hierarchical context-parallel sizes {a2a} × {p2p} are not the group's \
+                         {n} ranks"
+                    );
+                }
+                let (outer, inner) = (cp.index() / a2a, cp.index() % a2a);
+                let ranks = cp.ranks();
+                let inside: Vec<usize> = ranks[outer * a2a..(outer + 1) * a2a].to_vec();
+                let across: Vec<usize> = (0..p2p).map(|k| ranks[k * a2a + inner]).collect();
+                let make = |name: &str, r: &[usize]| -> Result<Option<Arc<dyn Communicator>>> {
+                    Ok((r.len() > 1)
+                        .then(|| world.communicator(name, r))
+                        .transpose()?)
+                };
+                (make("cp_a2a", &inside)?, make("cp_p2p", &across)?)
+            }
+        };
+        Ok(CpGroups { kind, a2a, keys })
+    }
+
+    /// The comm type.
+    pub fn kind(&self) -> CpCommType {
+        self.kind
+    }
+}
 
 /// Attention dropout under context parallelism: the drop probability, the random stream, and
 /// where this rank's heads lie among all of them (all heads, the first of this rank's).
@@ -42,21 +214,21 @@ pub struct CpDropout {
 }
 
 impl CpDropout {
-    /// Where the weights of local head `h` of batch entry `b`, queries `rows` (global
-    /// positions) against the first keys, lie in the whole `[b, all heads, s, s]` weights.
+    /// Where the weights of local head `h` of batch entry `b`, the `c` queries from global
+    /// position `qs` against the `c` keys from `ks`, lie in the whole `[b, all heads, s, s]`
+    /// weights.
     fn index(
         &self,
         (b, h): (usize, usize),
-        rows: &Range<usize>,
-        keys: usize,
+        (qs, ks): (usize, usize),
+        c: usize,
         s: usize,
     ) -> LogicalIndex {
         LogicalIndex {
-            outer: rows.len(),
-            inner: keys,
+            outer: c,
+            inner: c,
             logical_stride: s as u64,
-            logical_start: (((b * self.all_heads + self.first_head + h) * s + rows.start) * s)
-                as u64,
+            logical_start: (((b * self.all_heads + self.first_head + h) * s + qs) * s + ks) as u64,
         }
     }
 }
@@ -105,6 +277,13 @@ impl CpChunks {
         self.ranges_of(self.rank)
     }
 
+    /// The first global position of each chunk of cp ranks `ranks`, in order.
+    fn starts_of(&self, ranks: Range<usize>) -> Vec<usize> {
+        ranks
+            .flat_map(|r| self.ranges_of(r).map(|x| x.start))
+            .collect()
+    }
+
     /// The global positions of rank `rank`'s two chunks.
     fn ranges_of(&self, rank: usize) -> [Range<usize>; 2] {
         let c = self.chunk;
@@ -133,41 +312,54 @@ impl CpChunks {
     }
 }
 
-/// What [`attention_forward`] keeps for [`attention_backward`]: the whole sequence's fused
-/// projection and each local chunk's attention weights.
-#[derive(Debug, Clone)]
-pub struct CpAttentionSaved {
-    chunks: CpChunks,
-    whole: Vec<f32>,
-    probs: [Vec<f32>; 2],
-    batch: usize,
-    heads: usize,
-    head_dim: usize,
-    dropout: Option<CpDropout>,
+/// One layer's attention as this rank runs it: its key/value groups, query heads per group,
+/// the scores' scale, the window and the dropout (with the tensor-parallel rank's first head).
+#[derive(Debug, Clone, Copy)]
+pub struct CpLayer {
+    /// Key/value groups on this tensor-parallel rank.
+    pub groups: usize,
+    /// Query heads per group.
+    pub per_group: usize,
+    /// The scores' scale (`1/√d`).
+    pub scale: f32,
+    /// The keys before each query it sees (`--window-size`'s left part); `None`: all.
+    pub window: Option<usize>,
+    /// Attention dropout, if any.
+    pub dropout: Option<CpDropout>,
 }
 
-/// Offset of element `e` of part `part` (0 q, 1 k, 2 v) of head `head` at position `pos` and
-/// batch entry `b` in `[s, batch, heads·3·d]`.
-fn at(
-    pos: usize,
-    b: usize,
-    head: usize,
-    part: usize,
-    (batch, heads, d): (usize, usize, usize),
-) -> usize {
-    (((pos * batch + b) * heads + head) * 3 + part) * d
+/// What [`attention_forward`] keeps for [`attention_backward`]: the queries and this rank's
+/// keys and values in the blocks' layouts, the output and each row's log-sum-exp.
+#[derive(Debug, Clone)]
+pub struct CpAttentionSaved {
+    blocks: Blocks,
+    chunks: CpChunks,
+    starts: Vec<usize>,
+    q: Vec<f32>,
+    kv: Vec<f32>,
+    out: Vec<f32>,
+    lse: Vec<f32>,
+    dtype: DType,
+}
+
+/// Where this rank's queries come from after the all-to-all: the cp ranks whose chunks it
+/// holds, its index in the all-to-all group, and the group's size.
+fn held(groups: &CpGroups, chunks: CpChunks) -> (Range<usize>, usize, usize) {
+    let a = groups.a2a.as_ref().map_or(1, |c| c.size());
+    let first = chunks.rank / a * a;
+    (first..first + a, chunks.rank % a, a)
 }
 
 /// Causal attention of this rank's two chunks of a fused projection `qkv` (`[2·chunk, batch,
-/// heads·3·d]`, per head `[q | k | v]`, the local rows of the whole sequence in chunk order),
-/// the keys and values all-gathered over `cp`, with attention dropout when given: returns the
-/// context `[2·chunk, batch, heads·d]`.
+/// groups·(per_group + 2)·d]`, Megatron-LM's grouped layout, the local rows of the whole
+/// sequence in chunk order) against every key before them in the sequence, the keys and values
+/// exchanged over `groups` as its comm type says: returns the context `[2·chunk, batch,
+/// heads·d]` (in `qkv`'s dtype and place).
 pub fn attention_forward(
-    cp: &dyn Communicator,
+    groups: &CpGroups,
     chunks: CpChunks,
     qkv: &Tensor,
-    (heads, scale): (usize, f32),
-    dropout: Option<CpDropout>,
+    layer: CpLayer,
 ) -> Result<(Tensor, CpAttentionSaved)> {
     let [local, batch, width] = qkv.dims() else {
         return invalid!(
@@ -176,216 +368,142 @@ pub fn attention_forward(
         );
     };
     let (local, batch, width) = (*local, *batch, *width);
-    if local != 2 * chunks.chunk || heads == 0 || !width.is_multiple_of(3 * heads) {
+    let parts = layer.groups * (layer.per_group + 2);
+    if local != 2 * chunks.chunk || parts == 0 || !width.is_multiple_of(parts) {
         return invalid!(
             "context-parallel attention: QKV of shape {} is not 2 chunks of {} positions × \
-             {heads} heads × 3 parts",
+             {} groups × ({} queries + a key + a value)",
             qkv.shape(),
-            chunks.chunk
+            chunks.chunk,
+            layer.groups,
+            layer.per_group
         );
     }
-    if qkv.gpu().is_some() {
-        return invalid!("context parallelism runs on the CPU (the GPU's is not built yet)");
+    let (ranks, inner, a) = held(groups, chunks);
+    if !layer.groups.is_multiple_of(a) {
+        return invalid!(
+            "--cp-comm-type {} trades heads over {a} ranks: {} query groups on this rank are not \
+             divisible by it",
+            groups.kind.name(),
+            layer.groups
+        );
     }
-    let d = width / (3 * heads);
-    let dims = (batch, heads, d);
-    // Every rank's rows, then the whole sequence in order.
-    let mine = qkv.to_f32_contiguous()?.reshape([local * batch * width])?;
-    let gathered = Tensor::zeros_near([chunks.size * local * batch * width], DType::F32, &mine)?;
-    cp.all_gather(&mine, &gathered)?;
-    let gathered = gathered.to_vec::<f32>()?;
-    let row = batch * width;
-    let mut whole = vec![0.0f32; chunks.seq() * row];
-    for rank in 0..chunks.size {
-        for (k, r) in chunks.ranges_of(rank).into_iter().enumerate() {
-            let from = (rank * local + k * chunks.chunk) * row;
-            whole[r.start * row..r.end * row]
-                .copy_from_slice(&gathered[from..from + chunks.chunk * row]);
-        }
+    let mut x = qkv.to_vec_f32()?;
+    if let Some(comm) = &groups.a2a {
+        x = exchange::heads_for_rows(comm.as_ref(), x, local * batch, width, qkv)?;
     }
-    let mut out = vec![0.0f32; local * batch * heads * d];
-    let mut probs = [Vec::new(), Vec::new()];
-    for (k, r) in chunks.ranges().into_iter().enumerate() {
-        let keys = r.end;
-        let c = chunks.chunk;
-        let mut p = vec![0.0f32; batch * heads * c * keys];
-        for b in 0..batch {
-            for h in 0..heads {
-                let bh = b * heads + h;
-                let [q, kk, v] = head_rows(&whole, r.clone(), b, h, dims);
-                let scores = &mut p[bh * c * keys..(bh + 1) * c * keys];
-                product(&q, (c, d, false), &kk, (keys, d, true), 0.0, scores)?;
-                let raw = scores.to_vec();
-                // The chunk's queries are the last c of the keys' positions: causal as is.
-                softmax::softmax_forward(&raw, 1, c, keys, scale, KeyMask::Causal, scores)?;
-                let mut dropped = Vec::new();
-                if let Some(drop) = &dropout {
-                    dropped = vec![0.0f32; c * keys];
-                    let index = drop.index((b, h), &r, keys, chunks.seq());
-                    dropout_forward(scores, &mut dropped, drop.p, &drop.stream, index)?;
-                }
-                let weights: &[f32] = if dropout.is_some() { &dropped } else { scores };
-                let mut ctx = vec![0.0f32; c * d];
-                product(
-                    weights,
-                    (c, keys, false),
-                    &v,
-                    (keys, d, false),
-                    0.0,
-                    &mut ctx,
-                )?;
-                for i in 0..c {
-                    let to = (((k * c + i) * batch + b) * heads + h) * d;
-                    out[to..to + d].copy_from_slice(&ctx[i * d..(i + 1) * d]);
-                }
-            }
-        }
-        probs[k] = p;
+    let here = layer.groups / a;
+    let blocks = Blocks {
+        batch,
+        groups: here,
+        per_group: layer.per_group,
+        head_dim: width / parts,
+        chunk: chunks.chunk,
+        seq: chunks.seq(),
+        scale: layer.scale,
+        window: layer.window,
+        dropout: layer.dropout.map(|d| CpDropout {
+            first_head: d.first_head + inner * here * layer.per_group,
+            ..d
+        }),
+    };
+    let starts = chunks.starts_of(ranks);
+    let rows = starts.len() * chunks.chunk;
+    let (q, kv) = exchange::split_qkv(&x, rows, &blocks);
+    let mut online = blocks.online(rows);
+    let queries = Side {
+        data: &q,
+        starts: &starts,
+    };
+    let sources = exchange::Keys::new(groups, chunks);
+    sources.forward(&blocks, queries, &kv, &mut online, qkv)?;
+    let (out, lse) = blocks.finish(online);
+    let mut y = exchange::heads_to_rows(&out, rows, &blocks);
+    if let Some(comm) = &groups.a2a {
+        y = exchange::rows_for_heads(
+            comm.as_ref(),
+            y,
+            local * batch,
+            here * layer.per_group * blocks.head_dim,
+            qkv,
+        )?;
     }
-    let out = Tensor::from_vec(out, [local, batch, heads * d])?;
-    Ok((
-        out,
-        CpAttentionSaved {
-            chunks,
-            whole,
-            probs,
+    let y = exchange::near(
+        y,
+        [
+            local,
             batch,
-            heads,
-            head_dim: d,
-            dropout,
-        },
-    ))
+            layer.groups * layer.per_group * blocks.head_dim,
+        ],
+        qkv.dtype(),
+        qkv,
+    )?;
+    let saved = CpAttentionSaved {
+        blocks,
+        chunks,
+        starts,
+        q,
+        kv,
+        out,
+        lse,
+        dtype: qkv.dtype(),
+    };
+    Ok((y, saved))
 }
 
-/// The gradient of [`attention_forward`]'s fused projection (`[2·chunk, batch, heads·3·d]`)
-/// from the context's `d_out`: each local chunk's query, key and value gradients over the whole
-/// sequence, summed over `cp` (every rank's queries reach other ranks' keys), this rank's rows
-/// kept.
+/// The gradient of [`attention_forward`]'s fused projection (`[2·chunk, batch,
+/// groups·(per_group + 2)·d]`) from the context's `d_out`: every query's gradient from the
+/// keys it saw, every key's and value's from every query that saw it (summed over the ranks
+/// that hold those queries), this rank's rows.
 pub fn attention_backward(
-    cp: &dyn Communicator,
+    groups: &CpGroups,
     saved: &CpAttentionSaved,
     d_out: &Tensor,
-    scale: f32,
 ) -> Result<Tensor> {
     let CpAttentionSaved {
+        blocks,
         chunks,
-        whole,
-        probs,
-        batch,
-        heads,
-        head_dim: d,
-        dropout,
+        starts,
+        q,
+        kv,
+        out,
+        lse,
+        dtype,
     } = saved;
-    let (batch, heads, d, c) = (*batch, *heads, *d, chunks.chunk);
-    let dims = (batch, heads, d);
-    let local = 2 * c;
-    if d_out.numel() != local * batch * heads * d {
+    let (local, batch) = (2 * chunks.chunk, blocks.batch);
+    let (d, heads) = (blocks.head_dim, blocks.heads());
+    let a = groups.a2a.as_ref().map_or(1, |c| c.size());
+    let all_heads = heads * a;
+    if d_out.numel() != local * batch * all_heads * d {
         return invalid!(
             "context-parallel attention: output gradient of shape {} does not fit [{local}, \
              {batch}, {}]",
             d_out.shape(),
-            heads * d
+            all_heads * d
         );
     }
-    let dy = d_out.to_vec_f32()?;
-    let width = heads * 3 * d;
-    let mut grad = vec![0.0f32; chunks.seq() * batch * width];
-    for (k, r) in chunks.ranges().into_iter().enumerate() {
-        let keys = r.end;
-        for b in 0..batch {
-            for h in 0..heads {
-                let bh = b * heads + h;
-                let p = &probs[k][bh * c * keys..(bh + 1) * c * keys];
-                let [q, kk, v] = head_rows(whole, r.clone(), b, h, dims);
-                let mut g = vec![0.0f32; c * d];
-                for i in 0..c {
-                    let from = (((k * c + i) * batch + b) * heads + h) * d;
-                    g[i * d..(i + 1) * d].copy_from_slice(&dy[from..from + d]);
-                }
-                // dP = dY·Vᵀ, dV = Pᵀ·dY, dS = softmax'(dP), dQ = dS·K, dK = dSᵀ·Q.
-                let mut dp = vec![0.0f32; c * keys];
-                product(&g, (c, d, false), &v, (keys, d, true), 0.0, &mut dp)?;
-                // With dropout: dP through the mask, dV from the dropped weights (the mask
-                // regenerated from its key).
-                let mut dropped = Vec::new();
-                if let Some(drop) = dropout {
-                    let index = drop.index((b, h), &r, keys, chunks.seq());
-                    let (mut pm, mut dpm) = (vec![0.0f32; c * keys], vec![0.0f32; c * keys]);
-                    dropout_pair(p, &mut pm, &dp, &mut dpm, drop.p, &drop.stream, index)?;
-                    dropped = pm;
-                    dp = dpm;
-                }
-                let weights: &[f32] = if dropout.is_some() { &dropped } else { p };
-                let mut dv = vec![0.0f32; keys * d];
-                product(weights, (c, keys, true), &g, (c, d, false), 0.0, &mut dv)?;
-                let mut ds = vec![0.0f32; c * keys];
-                softmax::softmax_backward(p, &dp, 1, c, keys, scale, &mut ds)?;
-                let mut dq = vec![0.0f32; c * d];
-                product(&ds, (c, keys, false), &kk, (keys, d, false), 0.0, &mut dq)?;
-                let mut dk = vec![0.0f32; keys * d];
-                product(&ds, (c, keys, true), &q, (c, d, false), 0.0, &mut dk)?;
-                add_rows(&mut grad, &dq, r.clone(), b, h, 0, dims);
-                add_rows(&mut grad, &dk, 0..keys, b, h, 1, dims);
-                add_rows(&mut grad, &dv, 0..keys, b, h, 2, dims);
-            }
-        }
+    let rows = starts.len() * chunks.chunk;
+    let mut dy = d_out.to_vec_f32()?;
+    if let Some(comm) = &groups.a2a {
+        dy = exchange::heads_for_rows(comm.as_ref(), dy, local * batch, all_heads * d, d_out)?;
     }
-    let grad = Tensor::from_vec(grad, [chunks.seq(), batch, width])?;
-    cp.all_reduce(&grad, ReduceOp::Sum)?;
-    chunks.take_local(&grad)
-}
-
-/// Head `h` of batch entry `b` for the query chunk at `rows`: its queries there, and its keys
-/// and values up to the chunk's end (`[rows, d]`, `[end, d]`, `[end, d]`).
-fn head_rows(
-    whole: &[f32],
-    rows: Range<usize>,
-    b: usize,
-    h: usize,
-    dims: (usize, usize, usize),
-) -> [Vec<f32>; 3] {
-    let keys = 0..rows.end;
-    [
-        gather_rows(whole, rows, b, h, 0, dims),
-        gather_rows(whole, keys.clone(), b, h, 1, dims),
-        gather_rows(whole, keys, b, h, 2, dims),
-    ]
-}
-
-/// Rows `rows` of part `part` of head `h` of batch entry `b` of the whole projection:
-/// `[rows, d]`.
-fn gather_rows(
-    whole: &[f32],
-    rows: Range<usize>,
-    b: usize,
-    h: usize,
-    part: usize,
-    dims: (usize, usize, usize),
-) -> Vec<f32> {
-    let d = dims.2;
-    let mut out = Vec::with_capacity(rows.len() * d);
-    for pos in rows {
-        let from = at(pos, b, h, part, dims);
-        out.extend_from_slice(&whole[from..from + d]);
+    let g = exchange::rows_to_heads(&dy, rows, blocks);
+    let delta = blocks.delta(&g, out);
+    let mut dq = vec![0.0f32; q.len()];
+    let mut dkv = vec![0.0f32; kv.len()];
+    let queries = Side { data: q, starts };
+    exchange::Keys::new(groups, *chunks).backward(
+        blocks,
+        queries,
+        kv,
+        (&g, lse, &delta),
+        (&mut dq, &mut dkv),
+        d_out,
+    )?;
+    let mut dx = exchange::join_qkv(&dq, &dkv, rows, blocks);
+    let width = blocks.groups * (blocks.per_group + 2) * d;
+    if let Some(comm) = &groups.a2a {
+        dx = exchange::rows_for_heads(comm.as_ref(), dx, local * batch, width, d_out)?;
     }
-    out
-}
-
-/// Adds `x` (`[rows, d]`) into rows `rows` of part `part` of head `h` of batch entry `b`.
-fn add_rows(
-    grad: &mut [f32],
-    x: &[f32],
-    rows: Range<usize>,
-    b: usize,
-    h: usize,
-    part: usize,
-    dims: (usize, usize, usize),
-) {
-    let d = dims.2;
-    for (i, pos) in rows.enumerate() {
-        let to = at(pos, b, h, part, dims);
-        for (o, v) in grad[to..to + d].iter_mut().zip(&x[i * d..(i + 1) * d]) {
-            *o += v;
-        }
-    }
+    exchange::near(dx, [local, batch, width * a], *dtype, d_out)
 }

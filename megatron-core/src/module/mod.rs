@@ -22,7 +22,7 @@ pub use recompute::{Recompute, StackSaved, stack_backward, stack_forward};
 pub use site::Site;
 
 use crate::comm::{Communicator, ParallelState};
-use crate::context_parallel::CpChunks;
+use crate::context_parallel::{CpChunks, CpGroups};
 use crate::cuda_graphs::GraphRuntime;
 use crate::error::Result;
 use crate::inference::KvCache;
@@ -202,9 +202,10 @@ impl<'a> Cx<'a> {
         self.parallel.comm(kind)
     }
 
-    /// The context-parallel communicator.
-    pub fn cp(&self) -> &'a dyn Communicator {
-        self.parallel.comm(GroupKind::Cp)
+    /// The groups context-parallel attention exchanges keys and values over; `None` without
+    /// context parallelism.
+    pub fn cp_groups(&self) -> Option<&'a CpGroups> {
+        self.parallel.context_parallel()
     }
 
     /// The tensor-parallel communicator.

@@ -3,7 +3,7 @@
 
 use crate::backend::attention::{AttentionKept, AttentionShape};
 use crate::backend::{self, DropoutMask};
-use crate::context_parallel::{self, CpChunks, CpDropout};
+use crate::context_parallel::{self, CpChunks, CpDropout, CpLayer};
 use crate::error::Result;
 use crate::inference::decode_attention;
 use crate::invalid;
@@ -231,29 +231,21 @@ impl Op for CausalSelfAttention {
             };
             return Ok((out, saved));
         }
-        // Grouped: each query head beside its group's key and value.
-        let expanded = match grouped.per_group {
-            1 => None,
-            _ => Some(backend::of(qkv).expand_groups(qkv, grouped)?),
-        };
-        let qkv = expanded.as_ref().unwrap_or(qkv);
-        if let Some(chunks) = cp {
-            if self.window.is_some() {
-                return invalid!("sliding windows with context parallelism are not built yet");
-            }
-            let dropout = mask.as_ref().map(|(p, stream, _)| CpDropout {
-                p: *p,
-                stream: *stream,
-                all_heads: self.heads,
-                first_head: cx.tp_rank() * sh.heads,
-            });
-            let (out, saved) = context_parallel::attention_forward(
-                cx.cp(),
-                chunks,
-                qkv,
-                (sh.heads, sh.scale()),
-                dropout,
-            )?;
+        if let (Some(chunks), Some(groups)) = (cp, cx.cp_groups()) {
+            // The grouped projection as it is: the forms move keys and values per group.
+            let layer = CpLayer {
+                groups: grouped.groups,
+                per_group: grouped.per_group,
+                scale: sh.scale(),
+                window: self.window,
+                dropout: mask.as_ref().map(|(p, stream, _)| CpDropout {
+                    p: *p,
+                    stream: *stream,
+                    all_heads: self.heads,
+                    first_head: cx.tp_rank() * sh.heads,
+                }),
+            };
+            let (out, saved) = context_parallel::attention_forward(groups, chunks, qkv, layer)?;
             let saved = AttentionSaved {
                 kept: AttentionKept::ContextParallel(Box::new(saved)),
                 dropout: None,
@@ -262,6 +254,12 @@ impl Op for CausalSelfAttention {
             };
             return Ok((out, saved));
         }
+        // Grouped: each query head beside its group's key and value.
+        let expanded = match grouped.per_group {
+            1 => None,
+            _ => Some(backend::of(qkv).expand_groups(qkv, grouped)?),
+        };
+        let qkv = expanded.as_ref().unwrap_or(qkv);
         let (out, kept) = backend::of(qkv).attention_forward(qkv, sh, &mask, keep_inputs)?;
         Ok((
             out,
@@ -288,15 +286,22 @@ impl Op for CausalSelfAttention {
                 d_out.shape()
             );
         }
-        let d_qkv = match &saved.kept {
-            AttentionKept::ContextParallel(cp) => {
-                context_parallel::attention_backward(cx.cp(), cp, d_out, sh.scale())?
+        let d_qkv = match (&saved.kept, cx.cp_groups()) {
+            // Already grouped.
+            (AttentionKept::ContextParallel(kept), Some(groups)) => {
+                context_parallel::attention_backward(groups, kept, d_out)?
             }
-            kept => backend::of(d_out).attention_backward(kept, &saved.dropout, sh, d_out)?,
-        };
-        let d_qkv = match saved.grouped.per_group {
-            1 => d_qkv,
-            _ => backend::of(&d_qkv).reduce_groups(&d_qkv, saved.grouped)?,
+            (AttentionKept::ContextParallel(_), None) => {
+                return invalid!("attention: a context-parallel forward without its groups");
+            }
+            (kept, _) => {
+                let d_qkv =
+                    backend::of(d_out).attention_backward(kept, &saved.dropout, sh, d_out)?;
+                match saved.grouped.per_group {
+                    1 => d_qkv,
+                    _ => backend::of(&d_qkv).reduce_groups(&d_qkv, saved.grouped)?,
+                }
+            }
         };
         let turned = match cx.cp_chunks(sh.seq)? {
             Some(chunks) => self.turned_chunks(&d_qkv, saved.grouped, chunks, true)?,

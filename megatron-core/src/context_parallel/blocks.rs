@@ -1,0 +1,327 @@
+//! Blockwise causal attention on the host, the arithmetic every context-parallel form shares.
+//!
+//! Queries and keys are held as chunks of `chunk` positions each at known places in the
+//! sequence. Each (query chunk, key chunk) pair is attended with the mask its global positions
+//! need (none at all for a key chunk wholly after the query chunk, every key for one wholly
+//! before it, causal or windowed element by element on the diagonal), and the pairs are
+//! combined by the online softmax: per query row a running maximum, a running sum of
+//! exponentials and a running weighted sum of values, rescaled whenever the maximum grows
+//! (the log-sum-exp combination of Transformer Engine's ring attention and of flash
+//! attention). The backward goes pair by pair from the combined log-sum-exp, with
+//! `D = rowsum(dO ∘ O)`, so that a pair needs nothing from the others.
+//!
+//! Layouts (all `f32`, row-major): queries, outputs and their gradients `[b, heads, rows, d]`;
+//! keys and values `[2, b, groups, rows, d]` (keys, then values), `rows` the chunks in local
+//! order. Head `h` reads the keys and values of group `h / per_group`.
+
+use super::CpDropout;
+use crate::error::Result;
+use crate::kernels::dropout::{dropout_forward, dropout_pair};
+use crate::kernels::gemm::product;
+
+/// The sizes and the mask of one layer's blockwise attention.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Blocks {
+    /// Batch entries.
+    pub batch: usize,
+    /// Key/value groups held here.
+    pub groups: usize,
+    /// Query heads per group.
+    pub per_group: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Positions per chunk.
+    pub chunk: usize,
+    /// Positions of the whole sequence (the dropout mask's logical index).
+    pub seq: usize,
+    /// The scores' scale (`1/√d`).
+    pub scale: f32,
+    /// The keys before each query it sees; `None`: all of them.
+    pub window: Option<usize>,
+    /// Attention dropout, with this engine's first head among all.
+    pub dropout: Option<CpDropout>,
+}
+
+/// One side's chunks: the data in its layout and each chunk's first global position.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Side<'a> {
+    /// Queries `[b, heads, n·chunk, d]` or keys and values `[2, b, groups, n·chunk, d]`.
+    pub data: &'a [f32],
+    /// Global start of each of the `n` chunks, in local order.
+    pub starts: &'a [usize],
+}
+
+/// How a (query chunk, key chunk) pair is masked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pair {
+    /// No query sees any key.
+    Skip,
+    /// Every query sees every key.
+    Full,
+    /// Element by element.
+    Masked,
+}
+
+/// The online softmax of a set of query rows: running maximum, sum and weighted values.
+#[derive(Debug, Clone)]
+pub(crate) struct Online {
+    acc: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+impl Blocks {
+    /// Query heads held here.
+    pub fn heads(&self) -> usize {
+        self.groups * self.per_group
+    }
+
+    /// Elements of one chunk of one head.
+    fn block(&self) -> usize {
+        self.chunk * self.head_dim
+    }
+
+    /// Whether the query at global position `q` sees the key at `k`.
+    #[inline]
+    fn sees(&self, q: usize, k: usize) -> bool {
+        k <= q && self.window.is_none_or(|w| q - k <= w)
+    }
+
+    /// The mask of the pair whose chunks start at `qs` and `ks`.
+    fn pair(&self, qs: usize, ks: usize) -> Pair {
+        let last = self.chunk - 1;
+        if ks > qs + last || self.window.is_some_and(|w| qs > ks + last + w) {
+            return Pair::Skip;
+        }
+        match ks + last <= qs && self.window.is_none_or(|w| qs + last - ks <= w) {
+            true => Pair::Full,
+            false => Pair::Masked,
+        }
+    }
+
+    /// An empty online softmax for `rows` query rows.
+    pub fn online(&self, rows: usize) -> Online {
+        let n = self.batch * self.heads() * rows;
+        Online {
+            acc: vec![0.0; n * self.head_dim],
+            max: vec![f32::NEG_INFINITY; n],
+            sum: vec![0.0; n],
+        }
+    }
+
+    /// Head `h` of batch entry `b`, chunk `i` of a side of `n` chunks in the query layout.
+    fn q_at(&self, (b, h): (usize, usize), n: usize, i: usize) -> usize {
+        ((b * self.heads() + h) * n + i) * self.block()
+    }
+
+    /// Keys (`part` 0) or values (1) of head `h`'s group, chunk `j` of `n`.
+    fn kv_at(&self, part: usize, (b, h): (usize, usize), n: usize, j: usize) -> usize {
+        let g = h / self.per_group;
+        (((part * self.batch + b) * self.groups + g) * n + j) * self.block()
+    }
+
+    /// The scores `scale·Q·Kᵀ` of a pair, masked entries left for the caller.
+    fn scores(&self, q: &[f32], k: &[f32]) -> Result<Vec<f32>> {
+        let (c, d) = (self.chunk, self.head_dim);
+        let mut s = vec![0.0f32; c * c];
+        product(q, (c, d, false), k, (c, d, true), 0.0, &mut s)?;
+        for v in &mut s {
+            *v *= self.scale;
+        }
+        Ok(s)
+    }
+
+    /// Attends every query chunk of `q` to every key chunk of `kv`, folding the pairs into
+    /// `state`.
+    pub fn forward(&self, q: Side, kv: Side, state: &mut Online) -> Result<()> {
+        let (c, d) = (self.chunk, self.head_dim);
+        let (nq, nk) = (q.starts.len(), kv.starts.len());
+        for b in 0..self.batch {
+            for h in 0..self.heads() {
+                for (i, &qs) in q.starts.iter().enumerate() {
+                    for (j, &ks) in kv.starts.iter().enumerate() {
+                        let pair = self.pair(qs, ks);
+                        if pair == Pair::Skip {
+                            continue;
+                        }
+                        let qb = &q.data[self.q_at((b, h), nq, i)..][..c * d];
+                        let kb = &kv.data[self.kv_at(0, (b, h), nk, j)..][..c * d];
+                        let vb = &kv.data[self.kv_at(1, (b, h), nk, j)..][..c * d];
+                        let mut e = self.scores(qb, kb)?;
+                        let row0 = ((b * self.heads() + h) * nq + i) * c;
+                        for r in 0..c {
+                            let row = &mut e[r * c..(r + 1) * c];
+                            let seen = |k: usize| pair == Pair::Full || self.sees(qs + r, ks + k);
+                            let top = (0..c)
+                                .filter(|&k| seen(k))
+                                .map(|k| row[k])
+                                .fold(f32::NEG_INFINITY, f32::max);
+                            if top == f32::NEG_INFINITY {
+                                row.fill(0.0);
+                                continue;
+                            }
+                            let old = state.max[row0 + r];
+                            let new = old.max(top);
+                            let alpha = if old == f32::NEG_INFINITY {
+                                0.0
+                            } else {
+                                (old - new).exp()
+                            };
+                            let mut total = 0.0f32;
+                            for (k, x) in row.iter_mut().enumerate() {
+                                *x = if seen(k) { (*x - new).exp() } else { 0.0 };
+                                total += *x;
+                            }
+                            state.sum[row0 + r] = state.sum[row0 + r] * alpha + total;
+                            state.max[row0 + r] = new;
+                            for a in &mut state.acc[(row0 + r) * d..(row0 + r + 1) * d] {
+                                *a *= alpha;
+                            }
+                        }
+                        if let Some(drop) = &self.dropout {
+                            let mut dropped = vec![0.0f32; c * c];
+                            let index = drop.index((b, h), (qs, ks), c, self.seq);
+                            dropout_forward(&e, &mut dropped, drop.p, &drop.stream, index)?;
+                            e = dropped;
+                        }
+                        let acc = &mut state.acc[row0 * d..(row0 + c) * d];
+                        product(&e, (c, c, false), vb, (c, d, false), 1.0, acc)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The output `[b, heads, rows, d]` and each row's log-sum-exp `[b, heads, rows]`.
+    pub fn finish(&self, state: Online) -> (Vec<f32>, Vec<f32>) {
+        let d = self.head_dim;
+        let Online {
+            mut acc, max, sum, ..
+        } = state;
+        let mut lse = vec![f32::INFINITY; sum.len()];
+        for (row, (&m, &l)) in max.iter().zip(&sum).enumerate() {
+            // Every query sees itself, so every row has a positive sum; one without keys
+            // would stay 0 with weights exp(s − ∞) = 0 in the backward.
+            if l > 0.0 {
+                lse[row] = m + l.ln();
+                for a in &mut acc[row * d..(row + 1) * d] {
+                    *a /= l;
+                }
+            }
+        }
+        (acc, lse)
+    }
+
+    /// `D = rowsum(dO ∘ O)` per query row (`[b, heads, rows]`).
+    pub fn delta(&self, d_out: &[f32], out: &[f32]) -> Vec<f32> {
+        d_out
+            .chunks_exact(self.head_dim)
+            .zip(out.chunks_exact(self.head_dim))
+            .map(|(g, o)| g.iter().zip(o).map(|(a, b)| a * b).sum())
+            .collect()
+    }
+
+    /// Adds the gradients of every (query chunk, key chunk) pair of `q` against `kv` into
+    /// `dq` (query layout) and `dkv` (`kv`'s layout), from the forward's log-sum-exp `lse`,
+    /// the output gradient `d_out` and `delta` ([`Blocks::delta`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        q: Side,
+        kv: Side,
+        (d_out, lse, delta): (&[f32], &[f32], &[f32]),
+        dq: &mut [f32],
+        dkv: &mut [f32],
+    ) -> Result<()> {
+        let (c, d) = (self.chunk, self.head_dim);
+        let (nq, nk) = (q.starts.len(), kv.starts.len());
+        for b in 0..self.batch {
+            for h in 0..self.heads() {
+                for (i, &qs) in q.starts.iter().enumerate() {
+                    for (j, &ks) in kv.starts.iter().enumerate() {
+                        let pair = self.pair(qs, ks);
+                        if pair == Pair::Skip {
+                            continue;
+                        }
+                        let at = self.q_at((b, h), nq, i);
+                        let qb = &q.data[at..][..c * d];
+                        let gb = &d_out[at..][..c * d];
+                        let (ka, va) = (self.kv_at(0, (b, h), nk, j), self.kv_at(1, (b, h), nk, j));
+                        let kb = &kv.data[ka..][..c * d];
+                        let vb = &kv.data[va..][..c * d];
+                        let row0 = ((b * self.heads() + h) * nq + i) * c;
+                        // P = exp(S − lse) where seen.
+                        let mut p = self.scores(qb, kb)?;
+                        for r in 0..c {
+                            for (k, x) in p[r * c..(r + 1) * c].iter_mut().enumerate() {
+                                let seen = pair == Pair::Full || self.sees(qs + r, ks + k);
+                                *x = if seen {
+                                    (*x - lse[row0 + r]).exp()
+                                } else {
+                                    0.0
+                                };
+                            }
+                        }
+                        // dP = dO·Vᵀ; with dropout, dV from the dropped weights and dP
+                        // through the mask (regenerated from its key).
+                        let mut dp = vec![0.0f32; c * c];
+                        product(gb, (c, d, false), vb, (c, d, true), 0.0, &mut dp)?;
+                        let dropped = match &self.dropout {
+                            Some(drop) => {
+                                let index = drop.index((b, h), (qs, ks), c, self.seq);
+                                let (mut pm, mut dpm) = (vec![0.0f32; c * c], vec![0.0f32; c * c]);
+                                dropout_pair(
+                                    &p,
+                                    &mut pm,
+                                    &dp,
+                                    &mut dpm,
+                                    drop.p,
+                                    &drop.stream,
+                                    index,
+                                )?;
+                                dp = dpm;
+                                Some(pm)
+                            }
+                            None => None,
+                        };
+                        let weights = dropped.as_deref().unwrap_or(&p);
+                        product(
+                            weights,
+                            (c, c, true),
+                            gb,
+                            (c, d, false),
+                            1.0,
+                            &mut dkv[va..][..c * d],
+                        )?;
+                        // dS = P ∘ (dP − D), scaled back through the scores' scale.
+                        for r in 0..c {
+                            let dr = delta[row0 + r];
+                            let (pr, dpr) = (&mut p[r * c..(r + 1) * c], &dp[r * c..(r + 1) * c]);
+                            for (x, g) in pr.iter_mut().zip(dpr) {
+                                *x *= (g - dr) * self.scale;
+                            }
+                        }
+                        product(
+                            &p,
+                            (c, c, false),
+                            kb,
+                            (c, d, false),
+                            1.0,
+                            &mut dq[at..][..c * d],
+                        )?;
+                        product(
+                            &p,
+                            (c, c, true),
+                            qb,
+                            (c, d, false),
+                            1.0,
+                            &mut dkv[ka..][..c * d],
+                        )?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
