@@ -352,14 +352,17 @@ impl TrainJob {
         let not_yet = |what: &str| -> Result<()> {
             bail!("context parallelism with {what} is not built yet (--context-parallel-size {cp})")
         };
-        if self.pipeline.pp > 1 {
-            return not_yet("pipeline parallelism");
-        }
-        if self.sequence_parallel {
-            return not_yet("sequence parallelism");
-        }
-        if self.model.moe.is_some() {
-            return not_yet("mixture-of-experts layers");
+        if self.sequence_parallel && self.tp > 1 {
+            let tp = self.tp;
+            if !(seq / cp).is_multiple_of(tp) || !tp.is_multiple_of(2) {
+                bail!(
+                    "--sequence-parallel with --context-parallel-size {cp}: each \
+                     tensor-parallel rank holds its s / (cp·tp) positions within one of its two \
+                     chunks, so tp must be even and divide s / cp = {}: got \
+                     --tensor-model-parallel-size {tp}",
+                    seq / cp
+                );
+            }
         }
         if !matches!(self.device, Placement::Cpu) {
             return not_yet("a GPU");

@@ -170,6 +170,49 @@ fn expert_parallelism_trains_as_one_rank_holding_every_expert() {
 /// stages and data parallelism with the distributed optimizer train as one rank per data
 /// shard holding every expert.
 #[test]
+fn context_parallelism_with_experts_trains_as_one_rank() {
+    // Each context-parallel rank routes its chunks' tokens; the load-balancing counts are
+    // summed over the ranks holding the rest of the sequences (cp, or tp·cp with sequence
+    // parallelism), the experts' gradients over the expert data-parallel group (cp folded into
+    // it, as the rank generator folds ep).
+    let dir = TempDir::new("cli-moe-cp");
+    for balancing in ["aux_loss", "seq_aux_loss"] {
+        let lb = ["--moe-router-load-balancing-type", balancing];
+        let reference = run(&dir, &format!("{balancing}-one"), &lb);
+        for (name, flags) in [
+            ("cp2-ep2", &["--cp", "2", "--ep", "2"][..]),
+            (
+                "cp2-dp2-ep4-distopt",
+                &[
+                    "--cp",
+                    "2",
+                    "--dp",
+                    "2",
+                    "--ep",
+                    "4",
+                    "--use-distributed-optimizer",
+                ],
+            ),
+            (
+                "cp2-tp2-sp-ep2",
+                &["--cp", "2", "--tp", "2", "--sequence-parallel", "--ep", "2"],
+            ),
+            (
+                "cp4-p2p-ep4",
+                &["--cp", "4", "--cp-comm-type", "p2p", "--ep", "4"],
+            ),
+        ] {
+            let got = run(
+                &dir,
+                &format!("{balancing}-{name}"),
+                &[&lb[..], flags].concat(),
+            );
+            assert_same_training(&got, &reference, &format!("{balancing} {name}"));
+        }
+    }
+}
+
+#[test]
 fn mixtral_tiny_trains_at_every_layout_as_one_rank() {
     let dir = TempDir::new("cli-moe-mixtral");
     let layers = ["--num-layers", "4"];

@@ -176,6 +176,42 @@ fn training_at_cp_2_and_4_follows_cp_1() {
         ),
         ("cp2-tp2", &["--cp", "2", "--tp", "2"]),
         (
+            "cp2-tp2-sp",
+            &["--cp", "2", "--tp", "2", "--sequence-parallel"],
+        ),
+        (
+            "cp2-tp2-sp-p2p",
+            &[
+                "--cp",
+                "2",
+                "--tp",
+                "2",
+                "--sequence-parallel",
+                "--cp-comm-type",
+                "p2p",
+            ],
+        ),
+        ("cp2-pp2", &["--cp", "2", "--pp", "2"]),
+        (
+            "cp2-pp2-a2a",
+            &["--cp", "2", "--pp", "2", "--cp-comm-type", "a2a"],
+        ),
+        (
+            "cp2-recompute",
+            &[
+                "--cp",
+                "2",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+                "--cp-comm-type",
+                "p2p",
+            ],
+        ),
+        (
             "cp2-tp2-p2p",
             &["--cp", "2", "--tp", "2", "--cp-comm-type", "p2p"],
         ),
@@ -199,6 +235,17 @@ fn training_at_cp_2_and_4_follows_cp_1() {
         &["--cp", "2", "--dp", "2", "--use-distributed-optimizer"],
     );
     assert_follows(&cp2dp2, &dp2, "cp 2 × dp 2, distributed optimizer");
+    // Mixed precision: bf16 products and activations, f32 main parameters.
+    let bf16 = support::curve(&COMMON, &dir, "bf16", &["--bf16"]);
+    for kind in ["p2p", "a2a"] {
+        let cp2 = support::curve(
+            &COMMON,
+            &dir,
+            &format!("bf16-cp2-{kind}"),
+            &["--bf16", "--cp", "2", "--cp-comm-type", kind],
+        );
+        assert_follows(&cp2, &bf16, &format!("bf16 cp 2 {kind}"));
+    }
     // A Llama: rotary embeddings at each chunk's global positions, grouped-query attention.
     let llama = ["--model", "llama-tiny", "--qk-layernorm"];
     let one = support::curve(&COMMON, &dir, "llama-cp1", &llama);
@@ -299,8 +346,16 @@ fn what_context_parallelism_cannot_do_yet_is_refused_by_name() {
             "unknown --cp-comm-type `ring`",
         ),
         (
-            &["--cp", "2", "--pp", "2"],
-            "context parallelism with pipeline parallelism",
+            &[
+                "--cp",
+                "2",
+                "--tp",
+                "4",
+                "--sequence-parallel",
+                "--seq-length",
+                "20",
+            ],
+            "so tp must be even and divide s / cp = 10",
         ),
     ] {
         let mut args = vec!["train", "--train-iters", "1"];

@@ -354,6 +354,20 @@ impl ParallelState {
             })
     }
 
+    /// The group whose ranks each hold a part of the same sequences' tokens: tensor-parallel
+    /// with sequence parallelism, context-parallel with context parallelism, tensor×context
+    /// with both (Megatron-LM's `tp_cp_group` of the routers' load counts); `None` when every
+    /// token of a sequence is here.
+    pub fn token_split(&self) -> Option<&dyn Communicator> {
+        let cp = self.groups.config().cp > 1;
+        match (self.sequence_parallel, cp) {
+            (false, false) => None,
+            (true, false) => Some(self.tp()),
+            (false, true) => Some(self.comm(GroupKind::Cp)),
+            (true, true) => Some(self.comm(GroupKind::TpCp)),
+        }
+    }
+
     /// The groups context-parallel attention exchanges keys and values over; `None` without
     /// context parallelism.
     pub fn context_parallel(&self) -> Option<&CpGroups> {

@@ -277,6 +277,20 @@ impl CpChunks {
         self.ranges_of(self.rank)
     }
 
+    /// Where local rows `rows` (of the two chunks, in local order) lie in the sequence: one
+    /// run of global positions per chunk they touch.
+    pub fn runs(&self, rows: Range<usize>) -> Vec<Range<usize>> {
+        let c = self.chunk;
+        self.ranges()
+            .into_iter()
+            .enumerate()
+            .filter_map(|(k, global)| {
+                let (lo, hi) = (rows.start.max(k * c), rows.end.min((k + 1) * c));
+                (lo < hi).then(|| global.start + lo - k * c..global.start + hi - k * c)
+            })
+            .collect()
+    }
+
     /// The first global position of each chunk of cp ranks `ranks`, in order.
     fn starts_of(&self, ranks: Range<usize>) -> Vec<usize> {
         ranks

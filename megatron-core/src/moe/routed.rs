@@ -359,7 +359,7 @@ impl ExpertParallel for RoutedExperts {
             sequence_length(dims, tokens),
             &self.router,
             self.expert_bias.as_ref().map(Param::value),
-            cx.sequence_parallel().then(|| cx.tp()),
+            cx.parallel().token_split(),
         );
         let gate = self.gate.compute_value();
         if let Some((logits, routing)) =
@@ -406,12 +406,14 @@ impl ExpertParallel for RoutedExperts {
             .as_ref()
             .map(|b| host_f32(b.value()))
             .transpose()?;
-        // Sequence parallelism: this rank routes its shard; the load-balancing counts are summed
-        // over tp.
+        // Sequence or context parallelism: this rank routes its part of the sequences; the
+        // load-balancing counts are summed over the ranks that hold the rest.
+        let split = cx.parallel().token_split();
         let sum_counts = |counts: &mut [f32]| -> std::result::Result<(), RouterError> {
             let t = Tensor::from_slice(counts, [counts.len()])
                 .map_err(|e| RouterError::Counts(e.to_string()))?;
-            cx.tp()
+            split
+                .ok_or_else(|| RouterError::Counts("no group holds the rest".into()))?
                 .all_reduce(&t, ReduceOp::Sum)
                 .map_err(|e| RouterError::Counts(e.to_string()))?;
             let summed = t
@@ -420,12 +422,12 @@ impl ExpertParallel for RoutedExperts {
             counts.copy_from_slice(&summed);
             Ok(())
         };
-        let partition = match cx.sequence_parallel() {
-            true => Partition {
-                ranks: cx.tp_size(),
+        let partition = match split {
+            Some(group) => Partition {
+                ranks: group.size(),
                 sum_counts: &sum_counts,
             },
-            false => Partition::WHOLE,
+            None => Partition::WHOLE,
         };
         let routing = route_partitioned(&host, seq, &self.router, bias.as_deref(), partition)?;
         Ok((

@@ -162,16 +162,20 @@ impl RoutingLog {
         )?;
         let t = Tensor::zeros_near([row.len()], DType::F32, like)?;
         t.copy_from(&host)?;
-        if parallel.sequence_parallel() {
-            // Each tensor-parallel rank routed its shard of the sequence: their counts and
+        if let Some(split) = parallel.token_split() {
+            // Each rank of the split routed its part of the sequences: their counts and
             // losses add up (a rank's aux loss is its part of the sequence's, its z loss its
             // share of the mean), the routings are the same ones.
-            if parallel.groups().tp_rank() != 0 {
+            if split.index() != 0 {
                 t.narrow(0, 0, 1)?
                     .copy_from(&Tensor::from_vec(vec![0.0f32], [1])?)?;
             }
+        }
+        if parallel.sequence_parallel() {
             parallel.tp().all_reduce(&t, ReduceOp::Sum)?;
         }
+        // With context parallelism the data-parallel group is dp×cp: the context-parallel
+        // ranks' parts are summed here.
         parallel.dp().all_reduce(&t, ReduceOp::Sum)?;
         parallel.pp().all_reduce(&t, ReduceOp::Sum)?;
         let v = t.to_vec::<f32>()?;

@@ -83,23 +83,7 @@ pub struct DropoutSaved {
 /// holds the rank's two chunks of the sequence: two runs of its elements, where the chunks lie.
 fn logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> Result<dk::LogicalIndex> {
     if cx.cp_size() > 1 {
-        let local = x.dims().first().copied().unwrap_or(0);
-        let per_position = x.numel().checked_div(local).unwrap_or(0);
-        return match (sharding, cx.cp_chunks(local)?) {
-            (Sharding::Replicated, Some(chunks)) if !cx.sequence_parallel() => {
-                let [a, b] = chunks.ranges();
-                Ok(dk::LogicalIndex {
-                    outer: 2,
-                    inner: chunks.chunk * per_position,
-                    logical_stride: ((b.start - a.start) * per_position) as u64,
-                    logical_start: (a.start * per_position) as u64,
-                })
-            }
-            _ => invalid!(
-                "dropout with context parallelism is built for the replicated activations \
-                 without sequence parallelism"
-            ),
-        };
+        return cp_logical_index(cx, x, sharding);
     }
     Ok(match sharding {
         Sharding::Replicated if cx.sequence_parallel() => {
@@ -112,6 +96,47 @@ fn logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> Result<dk::LogicalI
             dk::LogicalIndex::columns(rows, cols, cols * cx.tp_size(), cols * cx.tp_rank())
         }
     })
+}
+
+/// [`logical_index`] with context parallelism: this rank's rows (all of its two chunks, or with
+/// sequence parallelism its tensor-parallel shard of them) as one run of positions per chunk
+/// they touch.
+fn cp_logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> Result<dk::LogicalIndex> {
+    if sharding != Sharding::Replicated {
+        return invalid!(
+            "dropout with context parallelism is built for the activations outside the \
+             tensor-parallel regions"
+        );
+    }
+    let rows = x.dims().first().copied().unwrap_or(0);
+    let per_position = x.numel().checked_div(rows).unwrap_or(0);
+    let (local, shard) = match cx.sequence_parallel() {
+        true => (
+            rows * cx.tp_size(),
+            cx.tp_rank() * rows..(cx.tp_rank() + 1) * rows,
+        ),
+        false => (rows, 0..rows),
+    };
+    let Some(chunks) = cx.cp_chunks(local)? else {
+        return invalid!("context parallelism without a context-parallel group");
+    };
+    let runs = chunks.runs(shard.clone());
+    match runs.as_slice() {
+        [a] => Ok(dk::LogicalIndex::range(
+            (a.start * per_position) as u64,
+            x.numel(),
+        )),
+        [a, b] if a.len() == b.len() => Ok(dk::LogicalIndex {
+            outer: 2,
+            inner: a.len() * per_position,
+            logical_stride: ((b.start - a.start) * per_position) as u64,
+            logical_start: (a.start * per_position) as u64,
+        }),
+        _ => invalid!(
+            "dropout with context parallelism: local rows {shard:?} lie in runs {runs:?} of \
+             unequal lengths (sequence parallelism needs an even tensor-parallel size)"
+        ),
+    }
 }
 
 /// Dropout with drop probability `p` during training (identity in evaluation).

@@ -435,20 +435,8 @@ impl PositionEmbedding {
                 offset + global
             );
         }
-        if let Some(chunks) = cx.cp_chunks(whole)? {
-            let [a, b] = chunks.ranges();
-            let rows = self.weight.value();
-            let table = Tensor::empty_near([whole, rows.dims()[1]], DType::F32, rows)?;
-            for (k, r) in [&a, &b].into_iter().enumerate() {
-                table
-                    .narrow(0, k * chunks.chunk, chunks.chunk)?
-                    .copy_from(&rows.narrow(0, r.start, r.len())?.to_f32_contiguous()?)?;
-            }
-            let out = backend::of(rows).positions_forward(&table, whole, batch)?;
-            let runs = [(a.start, a.len()), (b.start, b.len())];
-            return Ok((out, PositionSaved { runs, batch }));
-        }
-        let (first, seq) = match cx.sequence_parallel() {
+        // This rank's rows of the local sequence: with sequence parallelism its shard.
+        let rows = match cx.sequence_parallel() {
             true => {
                 let tp = cx.tp_size();
                 if !whole.is_multiple_of(tp) {
@@ -457,17 +445,36 @@ impl PositionEmbedding {
                          {tp}: it does not divide"
                     );
                 }
-                (cx.tp_rank() * whole / tp, whole / tp)
+                cx.tp_rank() * whole / tp..(cx.tp_rank() + 1) * whole / tp
             }
-            false => (offset, whole),
+            false => 0..whole,
         };
-        let table = self
-            .weight
-            .value()
-            .narrow(0, first, seq)?
-            .to_f32_contiguous()?;
-        let out = backend::of(self.weight.value()).positions_forward(&table, seq, batch)?;
-        let runs = [(first, seq), (first + seq, 0)];
+        // Where they lie in the sequence: with context parallelism in the rank's chunks.
+        let runs = match cx.cp_chunks(whole)? {
+            Some(chunks) => chunks.runs(rows.clone()),
+            None => std::iter::once(offset + rows.start..offset + rows.end).collect(),
+        };
+        let [first, second] = match runs.as_slice() {
+            [a] => [(a.start, a.len()), (a.end, 0)],
+            [a, b] => [(a.start, a.len()), (b.start, b.len())],
+            _ => return invalid!("position embedding: rows {rows:?} lie in {runs:?}"),
+        };
+        let table = self.weight.value();
+        let out = match second.1 {
+            0 => {
+                let part = table.narrow(0, first.0, first.1)?.to_f32_contiguous()?;
+                backend::of(table).positions_forward(&part, rows.len(), batch)?
+            }
+            _ => {
+                let part = Tensor::empty_near([rows.len(), table.dims()[1]], DType::F32, table)?;
+                for (at, (start, len)) in [(0, first), (first.1, second)] {
+                    part.narrow(0, at, len)?
+                        .copy_from(&table.narrow(0, start, len)?.to_f32_contiguous()?)?;
+                }
+                backend::of(table).positions_forward(&part, rows.len(), batch)?
+            }
+        };
+        let runs = [first, second];
         Ok((out, PositionSaved { runs, batch }))
     }
 }

@@ -209,20 +209,21 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
     let Some(first) = walk.chunks.first() else {
         return invalid!("a rank needs at least one model chunk");
     };
-    // With sequence parallelism the stages exchange their shards of the sequence.
+    // With context parallelism the stages exchange their chunks of the sequence, with
+    // sequence parallelism their shards of those.
+    let local = plan.seq_length / walk.parallel.groups().config().cp;
     let seq = match walk.parallel.sequence_parallel() {
         true => {
             let tp = walk.parallel.groups().config().tp;
-            if !plan.seq_length.is_multiple_of(tp) {
+            if !local.is_multiple_of(tp) {
                 return invalid!(
-                    "sequence parallelism splits the sequence length {} over tp = {tp}: it \
-                     does not divide",
-                    plan.seq_length
+                    "sequence parallelism splits the sequence length {local} over tp = {tp}: \
+                     it does not divide"
                 );
             }
-            plan.seq_length / tp
+            local / tp
         }
-        false => plan.seq_length,
+        false => local,
     };
     let carried = [seq, plan.micro_batch, P::carried_width(first)];
     let mut walker = Walker::<M, P> {
