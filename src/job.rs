@@ -352,6 +352,23 @@ impl TrainJob {
         let not_yet = |what: &str| -> Result<()> {
             bail!("context parallelism with {what} is not built yet (--context-parallel-size {cp})")
         };
+        // The blocks of context-parallel attention run on the host: no graph captures them
+        // and no flash kernel runs them.
+        if self
+            .cuda_graph_scope
+            .contains(megatron_core::cuda_graphs::GraphScope::Attn)
+        {
+            return not_yet("CUDA graphs of attention (--cuda-graph-scope attn)");
+        }
+        if matches!(
+            self.device,
+            Placement::Cuda {
+                flash_attention: true,
+                ..
+            }
+        ) {
+            return not_yet("flash attention kernels");
+        }
         if self.sequence_parallel && self.tp > 1 {
             let tp = self.tp;
             if !(seq / cp).is_multiple_of(tp) || !tp.is_multiple_of(2) {
@@ -363,9 +380,6 @@ impl TrainJob {
                     seq / cp
                 );
             }
-        }
-        if !matches!(self.device, Placement::Cpu) {
-            return not_yet("a GPU");
         }
         Ok(())
     }

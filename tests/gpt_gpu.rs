@@ -498,6 +498,34 @@ fn swiglu_experts_on_the_gpu_follow_the_cpu_run() {
     assert_close(&curve(&etp), &cpu, 2e-4, "SwiGLU experts: GPU etp 2 vs CPU");
 }
 
+/// Context parallelism on the GPU (thread ranks sharing it): every comm type at cp 2 (and
+/// the hierarchical one at cp 4), attention's blocks computed on the host from the device's
+/// projection, the keys and values exchanged by the device communicator, follow the CPU run
+/// at cp 1; bf16 products follow it too, more loosely.
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn context_parallel_training_on_the_gpu_follows_the_cpu_run() {
+    use megatron::context_parallel::CpCommType;
+    let at = |cp, kind, device| {
+        let mut job = job(1, 1, device);
+        job.cp = cp;
+        job.cp_comm_type = kind;
+        job
+    };
+    let cpu = curve(&job(1, 1, Placement::Cpu));
+    for (cp, kind) in [
+        (2, CpCommType::P2p),
+        (2, CpCommType::AllGather),
+        (2, CpCommType::A2a),
+        (4, CpCommType::A2aP2p { a2a: 2, p2p: 2 }),
+    ] {
+        let what = format!("GPU cp {cp} {kind:?} vs CPU cp 1");
+        assert_close(&curve(&at(cp, kind, F32)), &cpu, 2e-4, &what);
+    }
+    let bf16 = curve(&at(2, CpCommType::P2p, BF16));
+    assert_close(&bf16, &cpu, 3e-2, "bf16 GPU cp 2 p2p vs CPU");
+}
+
 /// A MoE step on the GPU keeps its activations, weights, gradients and routing on the device:
 /// the experts' products run on cuBLAS over views of the stacked weights; the dispatcher's
 /// permutations, the combine and their backwards on the device's row kernels, with index

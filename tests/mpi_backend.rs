@@ -564,27 +564,46 @@ fn llama_training_under_mpirun_equals_thread_ranks() {
     processes_train_as_threads("llama", &args, "mpi", &[]);
 }
 
-/// Context parallelism between processes (cp 2 × tp 2): attention's keys and values
-/// all-gathered and their gradients summed over the context-parallel pairs through MPI, the
-/// gradients reduced over the data×context-parallel group, as on thread ranks.
+/// Context parallelism between processes: cp 2 × tp 2 with attention's keys and values
+/// all-gathered (their gradients reduce-scattered) and round a ring, and cp 4 with the
+/// hierarchical all-to-all inside pairs and a ring across them, through MPI; the gradients
+/// reduced over the data×context-parallel group, as on thread ranks.
 #[test]
 fn context_parallel_training_under_mpirun_equals_thread_ranks() {
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
         return;
     }
-    let args = [
-        "--cp",
-        "2",
-        "--tp",
-        "2",
+    let common = [
         "--train-iters",
         "3",
         "--global-batch-size",
         "8",
         "--seq-length",
         "64",
+        "--attention-dropout",
+        "0.1",
     ];
-    processes_train_as_threads("cp", &args, "mpi", &[]);
+    for (name, flags) in [
+        ("cp-all-gather", &["--cp", "2", "--tp", "2"][..]),
+        (
+            "cp-p2p",
+            &["--cp", "2", "--tp", "2", "--cp-comm-type", "p2p"],
+        ),
+        (
+            "cp-a2a-p2p",
+            &[
+                "--cp",
+                "4",
+                "--cp-comm-type",
+                "a2a+p2p",
+                "--hierarchical-context-parallel-sizes",
+                "2",
+                "2",
+            ],
+        ),
+    ] {
+        processes_train_as_threads(name, &[&common[..], flags].concat(), "mpi", &[]);
+    }
 }
 
 /// Sequence parallelism between processes: the shards' all-gathers and reduce-scatters through
@@ -877,6 +896,67 @@ fn llama_training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
         "nccl",
         &[("LD_LIBRARY_PATH", &library_path)],
     );
+}
+
+/// Context parallelism over NCCL: llama-tiny at cp 4 with the all-to-all inside pairs and the
+/// ring across them (its exchanges batched, so that sends that wait for their receives cannot
+/// deadlock), and cp 2 × tp 2 with sequence parallelism round a ring, as thread ranks sharing
+/// one GPU.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs 4 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
+fn context_parallel_training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let common = [
+        "--model",
+        "llama-tiny",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        "64",
+        "--attention-dropout",
+        "0.1",
+        "--device",
+        "cuda",
+    ];
+    let library_path = gpu_library_path();
+    for (name, flags) in [
+        (
+            "nccl-cp-a2a-p2p",
+            &[
+                "--cp",
+                "4",
+                "--cp-comm-type",
+                "a2a+p2p",
+                "--hierarchical-context-parallel-sizes",
+                "2",
+                "2",
+            ][..],
+        ),
+        (
+            "nccl-cp-p2p-sp",
+            &[
+                "--cp",
+                "2",
+                "--tp",
+                "2",
+                "--sequence-parallel",
+                "--cp-comm-type",
+                "p2p",
+            ],
+        ),
+    ] {
+        processes_train_as_threads(
+            name,
+            &[&common[..], flags].concat(),
+            "nccl",
+            &[("LD_LIBRARY_PATH", &library_path)],
+        );
+    }
 }
 
 /// The distributed optimizer over NCCL: two data-parallel pairs of tensor-parallel GPUs,

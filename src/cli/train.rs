@@ -295,7 +295,8 @@ pub struct TrainArgs {
     /// On a GPU, how attention runs: `unfused` (batched products and fused softmax/dropout
     /// kernels), `flash` (tiled kernels on the tensor cores, no s × s tensor kept; head sizes
     /// 32, 64, 96, 128 with bf16 products, other layers stay unfused), or `auto`: flash with
-    /// bf16 products (on an H100, gpt-1.2b's step 32% faster in 31% less memory), else unfused.
+    /// bf16 products (on an H100, gpt-1.2b's step 32% faster in 31% less memory), else unfused
+    /// (and with --context-parallel-size above 1, whose attention computes its own blocks).
     #[arg(long, value_enum, default_value_t = AttentionBackend::Auto)]
     attention_backend: AttentionBackend,
 }
@@ -1065,7 +1066,8 @@ impl TrainArgs {
                     flash_attention: match self.attention_backend {
                         AttentionBackend::Flash => true,
                         AttentionBackend::Unfused => false,
-                        AttentionBackend::Auto => !self.fp32_products,
+                        // Context-parallel attention runs its own blocks.
+                        AttentionBackend::Auto => !self.fp32_products && s.cp == 1,
                     },
                 },
                 other => bail!("--device must be cpu or cuda, got {other:?}"),

@@ -314,33 +314,31 @@ impl<'a> Keys<'a> {
                 Ok(())
             }
             Route::Ring(comm) => {
-                // Each block's gradients travel round with it, one step behind its keys, and
-                // come home after a full turn.
+                // Each block's gradients travel round with it and come home after a full turn:
+                // after each step one message to the next rank, the block and its gradients so
+                // far (the gradients alone after the last), in one batched exchange, so that
+                // it cannot deadlock where sends wait for their receives (NCCL).
                 let (n, me) = (comm.size(), comm.index());
                 let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
                 let mut cur = kv.to_vec();
                 let mut d_cur = vec![0.0f32; len];
                 for step in 0..n {
-                    let more = step + 1 < n;
-                    if more {
-                        comm.send(&near(cur.clone(), [len], DType::F32, like)?, next)?;
-                    }
                     let starts = self.starts((me + n - step) % n);
-                    bl.backward(
-                        q,
-                        Side {
-                            data: &cur,
-                            starts: &starts,
-                        },
-                        grads,
-                        dq,
-                        &mut d_cur,
-                    )?;
-                    comm.send(&near(d_cur, [len], DType::F32, like)?, next)?;
-                    if more {
-                        cur = receive(comm, len, prev, like)?;
-                    }
-                    d_cur = receive(comm, len, prev, like)?;
+                    let block = Side {
+                        data: &cur,
+                        starts: &starts,
+                    };
+                    bl.backward(q, block, grads, dq, &mut d_cur)?;
+                    let mut message = if step + 1 < n { cur } else { Vec::new() };
+                    message.extend_from_slice(&d_cur);
+                    let size = message.len();
+                    let out = near(message, [size], DType::F32, like)?;
+                    let got = Tensor::zeros_near([size], DType::F32, like)?;
+                    comm.exchange(&[(&out, next)], &[(&got, prev)])?;
+                    let got = got.to_vec_f32()?;
+                    let (block, so_far) = got.split_at(size - len);
+                    cur = block.to_vec();
+                    d_cur = so_far.to_vec();
                 }
                 dkv.copy_from_slice(&d_cur);
                 Ok(())
