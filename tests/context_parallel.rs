@@ -13,6 +13,7 @@ mod support;
 
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
+use megatron::context_parallel::traffic::{self, LayerSizes, Traffic};
 use megatron::context_parallel::{CpChunks, CpCommType};
 use megatron::module::{Cx, Op, Site};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
@@ -111,6 +112,91 @@ fn context_parallel_attention_is_full_causal_attention_at_the_ranks_rows() {
                 support::assert_close_f32(dx, &rows(&full.1, b * width), &format!("{what} grad"));
             }
         }
+    }
+}
+
+#[test]
+fn each_form_sends_the_bytes_of_its_formula() {
+    // 6 query heads in 2 groups of 8 elements, 2 sequences of 16 positions.
+    let (heads, groups, d, s, b) = (6, 2, 8, 16, 2);
+    let width = (heads + 2 * groups) * d;
+    let qkv = Tensor::from_vec(support::values(s * b * width, 4, 1.0), [s, b, width]).unwrap();
+    let dy = Tensor::from_vec(
+        support::values(s * b * heads * d, 5, 1.0),
+        [s, b, heads * d],
+    )
+    .unwrap();
+    let op = CausalSelfAttention::new(heads, 0.0).with_query_groups(groups);
+    let sizes = LayerSizes {
+        seq: s,
+        batch: b,
+        groups,
+        per_group: heads / groups,
+        head_dim: d,
+    };
+    for (cp, kind) in forms(groups) {
+        let layout = ParallelLayout::new(&ParallelConfig::new(cp).with_cp(cp)).unwrap();
+        let measured = launch(cp, |w| -> R<Traffic> {
+            let ps = ParallelState::new(&w, &layout)?.with_cp_comm_type(&w, kind)?;
+            let groups = ps.context_parallel().expect("cp groups");
+            let sent = || -> u64 {
+                groups
+                    .stats()
+                    .iter()
+                    .map(|(n, st)| traffic::sent(*n, st))
+                    .sum()
+            };
+            let cx = Cx::new(&ps, 3);
+            let chunks = CpChunks::new(s, cp, ps.groups().cp_rank())?;
+            let (x, g) = (chunks.take_local(&qkv)?, chunks.take_local(&dy)?);
+            let before = sent();
+            let (_, saved) = op.forward(&cx, Site::ROOT, &x)?;
+            let forward = sent() - before;
+            op.backward(&cx, Site::ROOT, saved, &g)?;
+            Ok(Traffic {
+                forward,
+                backward: sent() - before - forward,
+            })
+        })
+        .unwrap();
+        let want = traffic::traffic(kind, cp, sizes);
+        assert!(want.forward > 0 && want.backward > 0, "{kind:?}");
+        for (rank, got) in measured.iter().enumerate() {
+            assert_eq!(*got, want, "cp {cp} {kind:?} rank {rank}");
+        }
+    }
+}
+
+#[test]
+fn inspect_shows_the_bytes_each_form_sends_and_a_ranks_activations() {
+    for kind in ["p2p", "all_gather", "a2a"] {
+        let (ok, stdout, stderr) = megatron(&[
+            "inspect",
+            "--model",
+            "llama-tiny",
+            "--cp",
+            "2",
+            "--cp-comm-type",
+            kind,
+            "--seq-length",
+            "512",
+            "--json",
+        ]);
+        assert!(ok, "{stderr}");
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        let cp = &v["context_parallel"];
+        assert_eq!(cp["positions_per_rank"], 256, "{cp}");
+        let sent = &cp["attention_bytes_sent_per_rank_and_microbatch"];
+        assert_eq!(sent["formula"], sent["measured"], "{kind}: {sent}");
+        // llama-tiny: 2 groups of 2 queries of 32: keys and values 2·256·2·32 f32 a rank.
+        let kv = 2 * 256 * 2 * 32 * 4;
+        let forward = sent["formula"]["forward"].as_u64().unwrap();
+        match kind {
+            "a2a" => assert_eq!(forward, kv * 6 / 2 / 2, "{sent}"),
+            _ => assert_eq!(forward, kv, "{sent}"),
+        }
+        let memory = &cp["layer_activation_bytes_per_rank"];
+        assert!(memory["cp"].as_u64() < memory["cp1"].as_u64(), "{memory}");
     }
 }
 

@@ -7,6 +7,7 @@ use anyhow::{Result, bail};
 use clap::Args;
 use megatron::comm::threads::launch;
 use megatron::comm::{CommStats, ParallelState};
+use megatron::context_parallel::CpCommType;
 use megatron::models::gpt::{Block, Gpt};
 use megatron::models::{GptConfig, PositionEmbeddingType};
 use megatron::module::{Builder, Cx, Module, ParamSpec, Site, Split};
@@ -16,6 +17,7 @@ use megatron::pipeline_parallel::PipelineLayout;
 use megatron::tensor::{DType, Tensor};
 use serde_json::{Value, json};
 
+use super::inspect_cp;
 use super::model_args::ArchitectureArgs;
 use super::output::{self, say};
 use super::values;
@@ -100,6 +102,16 @@ pub struct InspectArgs {
     /// (beside those without) and the pipeline's exchanges of the sequence shards.
     #[arg(long)]
     sequence_parallel: bool,
+    /// Context-parallel size: show what attention sends per layer and what a rank keeps, with
+    /// each rank holding 2 of the sequence's 2·cp chunks.
+    #[arg(long = "context-parallel-size", visible_alias = "cp", default_value_t = 1, value_parser = values::ranks)]
+    cp: usize,
+    /// How context-parallel attention exchanges keys and values: p2p, all_gather, a2a, a2a+p2p.
+    #[arg(long, default_value = "all_gather")]
+    cp_comm_type: String,
+    /// With --cp-comm-type a2a+p2p: the all-to-all groups' size and the ring's.
+    #[arg(long, num_args = 1.., value_parser = values::ranks)]
+    hierarchical_context_parallel_sizes: Vec<usize>,
     /// Sequence length of the measured activation memory of one layer.
     #[arg(long, default_value_t = 256, value_parser = values::batch)]
     seq_length: usize,
@@ -359,21 +371,7 @@ fn layer_activations(
     sequence_parallel: bool,
 ) -> Result<Option<(usize, Option<usize>)>> {
     let (s, b, tp) = (args.seq_length, args.micro_batch_size, args.tp);
-    if config.moe.is_some() {
-        return Ok(None);
-    }
-    let mut one = config.clone();
-    one.num_layers = 1;
-    let weights = one.num_params(tp) as u128;
-    let (h, heads) = (
-        config.hidden_size as u128,
-        config.num_attention_heads as u128,
-    );
-    // The layer's f32 weights on every rank (each builds its part), a generous bound on its
-    // activations (the paper's 34·sbh plus 5 attention maps, at 4 bytes) and their gradients.
-    let tokens = (s * b) as u128;
-    let need = 4 * weights + 2 * 4 * (34 * tokens * h + 5 * heads * tokens * s as u128);
-    if megatron::limits::check_memory("one layer's activations", need).is_err() {
+    if config.moe.is_some() || !layer_fits(config, args) {
         return Ok(None);
     }
     let without = megatron::bench::activations::layer_bytes(config, (s, b), tp, false)?;
@@ -388,6 +386,23 @@ fn layer_activations(
         None
     };
     Ok(Some((without, with)))
+}
+
+/// Whether one layer's weights and activations at `args`' sizes fit this machine's memory.
+fn layer_fits(config: &GptConfig, args: &InspectArgs) -> bool {
+    let (s, b, tp) = (args.seq_length, args.micro_batch_size, args.tp);
+    let mut one = config.clone();
+    one.num_layers = 1;
+    let weights = one.num_params(tp) as u128;
+    let (h, heads) = (
+        config.hidden_size as u128,
+        config.num_attention_heads as u128,
+    );
+    // The layer's f32 weights on every rank (each builds its part), a generous bound on its
+    // activations (the paper's 34·sbh plus 5 attention maps, at 4 bytes) and their gradients.
+    let tokens = (s * b) as u128;
+    let need = 4 * weights + 2 * 4 * (34 * tokens * h + 5 * heads * tokens * s as u128);
+    megatron::limits::check_memory("one layer's activations", need).is_ok()
 }
 
 /// Runs `megatron inspect`.
@@ -414,6 +429,27 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     }
     let edp = args.tp * args.dp / (args.ep * args.etp);
     let config = args.arch.config(args.tp, args.ep, args.sequence_parallel)?;
+    let context_parallel = match args.cp {
+        1 if args.cp_comm_type == "all_gather"
+            && args.hierarchical_context_parallel_sizes.is_empty() =>
+        {
+            None
+        }
+        cp => {
+            let kind = CpCommType::parse(
+                &args.cp_comm_type,
+                &args.hierarchical_context_parallel_sizes,
+                cp,
+            )?;
+            Some(inspect_cp::report(
+                &config,
+                (args.tp, args.sequence_parallel && args.tp > 1),
+                (cp, kind),
+                (args.seq_length, args.micro_batch_size),
+                layer_fits(&config, args),
+            )?)
+        }
+    };
     let model = Gpt::build(
         &config.spec(),
         &mut Builder::new(0)
@@ -502,6 +538,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             },
             "layer_collectives": { "forward": phase(&fwd, measured), "backward": phase(&bwd, measured) },
             "sequence_parallel_layer_collectives": sp.as_ref().map(|(f, b, m)| json!({ "forward": phase(f, *m), "backward": phase(b, *m) })),
+            "context_parallel": context_parallel.as_ref().map(|r| r.json()),
             "layer_activation_bytes": activations.as_ref().map(|(without, with)| json!({
                 "seq_length": args.seq_length,
                 "micro_batch_size": args.micro_batch_size,
@@ -672,6 +709,9 @@ pub fn run(args: &InspectArgs) -> Result<()> {
                 }
             );
         }
+    }
+    if let Some(report) = &context_parallel {
+        report.text(&mut out);
     }
     if args.pp > 1 {
         let _ = writeln!(

@@ -50,8 +50,9 @@ pub struct TrainArgs {
     #[arg(long)]
     sequence_parallel: bool,
     /// Context-parallel size: every sequence is cut into 2·cp chunks and each rank of a
-    /// context-parallel group holds two (Megatron-LM's load balance), attention gathering the
-    /// keys and values over the group; the world is tp × cp × pp × dp ranks [default: 1].
+    /// context-parallel group holds two (Megatron-LM's load balance), attention exchanging
+    /// keys and values over the group as --cp-comm-type says; the world is tp × cp × pp × dp
+    /// ranks [default: 1].
     #[arg(long = "context-parallel-size", visible_alias = "cp", value_parser = values::ranks)]
     cp: Option<usize>,
     /// How context-parallel attention exchanges keys and values: p2p (a ring), all_gather,

@@ -26,6 +26,7 @@
 
 mod blocks;
 mod exchange;
+pub mod traffic;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -196,6 +197,16 @@ impl CpGroups {
     /// The comm type.
     pub fn kind(&self) -> CpCommType {
         self.kind
+    }
+
+    /// Each of the groups' counters so far, with its size (the all-to-all group's, then the
+    /// keys' group's, each once).
+    pub fn stats(&self) -> Vec<(usize, crate::comm::CommStats)> {
+        [&self.a2a, &self.keys]
+            .into_iter()
+            .flatten()
+            .map(|c| (c.size(), c.stats()))
+            .collect()
     }
 }
 

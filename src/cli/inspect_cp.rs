@@ -1,0 +1,197 @@
+//! `megatron inspect --cp N`: what context parallelism moves and keeps for a model: the bytes one
+//! rank sends for each attention layer and microbatch (the formula of
+//! `megatron_core::context_parallel::traffic`, and the attention itself measured on a stand-in
+//! and scaled to the sequence), and one layer's activation bytes per rank at cp against cp 1.
+
+use std::fmt::Write as _;
+
+use anyhow::{Result, bail};
+use megatron::comm::ParallelState;
+use megatron::comm::threads::launch;
+use megatron::context_parallel::traffic::{self, LayerSizes, Traffic};
+use megatron::context_parallel::{CpChunks, CpCommType};
+use megatron::models::GptConfig;
+use megatron::module::{Cx, Op, Site};
+use megatron::parallel::{ParallelConfig, ParallelLayout};
+use megatron::tensor::{DType, Tensor};
+use megatron::tensor_parallel::CausalSelfAttention;
+use serde_json::{Value, json};
+
+/// What the report shows.
+pub struct CpReport {
+    kind: CpCommType,
+    cp: usize,
+    seq: usize,
+    batch: usize,
+    sizes: LayerSizes,
+    formula: Traffic,
+    measured: Traffic,
+    /// One layer's activation bytes per rank at cp 1 and at cp (`None`: not measured).
+    activations: Option<(usize, usize)>,
+}
+
+/// The attention layer's sizes on one tensor-parallel rank of `config` at `tp`.
+fn layer_sizes(config: &GptConfig, tp: usize, (seq, batch): (usize, usize)) -> LayerSizes {
+    let heads = config.num_attention_heads / tp;
+    let groups = config.query_groups();
+    let groups = if groups >= tp { groups / tp } else { 1 };
+    LayerSizes {
+        seq,
+        batch,
+        groups,
+        per_group: heads / groups.max(1),
+        head_dim: config.head_dim(),
+    }
+}
+
+/// The bytes one rank sends for attention of `sizes` at `cp` with `kind`, measured: the
+/// attention op run forward and backward on `cp` thread ranks at a stand-in sequence of one
+/// position per chunk and one sequence, scaled to `sizes` (every message is per position).
+fn measured(kind: CpCommType, cp: usize, sizes: LayerSizes) -> Result<Traffic> {
+    let heads = sizes.groups * sizes.per_group;
+    let op = CausalSelfAttention::new(heads, 0.0).with_query_groups(sizes.groups);
+    let seq = 2 * cp;
+    let width = sizes.groups * (sizes.per_group + 2) * sizes.head_dim;
+    let layout = ParallelLayout::new(&ParallelConfig::new(cp).with_cp(cp))?;
+    let per_rank = launch(cp, |w| -> megatron::Result<Traffic> {
+        let ps = ParallelState::new(&w, &layout)?.with_cp_comm_type(&w, kind)?;
+        let Some(groups) = ps.context_parallel() else {
+            return Ok(Traffic::default());
+        };
+        let sent = || -> u64 {
+            groups
+                .stats()
+                .iter()
+                .map(|(n, st)| traffic::sent(*n, st))
+                .sum()
+        };
+        let cx = Cx::new(&ps, 0);
+        let chunks = CpChunks::new(seq, cp, ps.groups().cp_rank())?;
+        let x = Tensor::full([2 * chunks.chunk, 1, width], 0.25, DType::F32);
+        let before = sent();
+        let (y, saved) = op.forward(&cx, Site::ROOT, &x)?;
+        let forward = sent() - before;
+        op.backward(&cx, Site::ROOT, saved, &y)?;
+        Ok(Traffic {
+            forward,
+            backward: sent() - before - forward,
+        })
+    })
+    .map_err(anyhow::Error::msg)?;
+    let scale = (sizes.seq * sizes.batch / seq) as u64;
+    let one = per_rank.first().copied().unwrap_or_default();
+    Ok(Traffic {
+        forward: one.forward * scale,
+        backward: one.backward * scale,
+    })
+}
+
+/// The report for `config` at `tp` (with sequence parallelism when `sp`), cp `cp` of `kind`,
+/// sequences of `seq` in microbatches of `batch`; `activations` measures one layer's
+/// activation bytes at cp 1 and cp when given (`None`: the layer would not fit).
+pub fn report(
+    config: &GptConfig,
+    (tp, sp): (usize, bool),
+    (cp, kind): (usize, CpCommType),
+    (seq, batch): (usize, usize),
+    measure_activations: bool,
+) -> Result<CpReport> {
+    if !seq.is_multiple_of(2 * cp) {
+        bail!(
+            "--context-parallel-size {cp} cuts each sequence into 2·cp = {} chunks: \
+             --seq-length {seq} is not divisible by it",
+            2 * cp
+        );
+    }
+    kind.check_heads(config.num_attention_heads, config.query_groups(), tp, cp)?;
+    let sizes = layer_sizes(config, tp, (seq, batch));
+    let activations = match measure_activations && config.moe.is_none() {
+        true => {
+            use megatron::bench::activations::layer_bytes_with_cp;
+            let one = layer_bytes_with_cp(config, (seq, batch), (tp, sp), (1, kind))?;
+            let at = layer_bytes_with_cp(config, (seq, batch), (tp, sp), (cp, kind))?;
+            Some((one, at))
+        }
+        false => None,
+    };
+    Ok(CpReport {
+        kind,
+        cp,
+        seq,
+        batch,
+        sizes,
+        formula: traffic::traffic(kind, cp, sizes),
+        measured: measured(kind, cp, sizes)?,
+        activations,
+    })
+}
+
+impl CpReport {
+    /// The report as JSON.
+    pub fn json(&self) -> Value {
+        json!({
+            "cp": self.cp,
+            "cp_comm_type": self.kind.name(),
+            "seq_length": self.seq,
+            "micro_batch_size": self.batch,
+            "positions_per_rank": self.seq / self.cp,
+            "attention_bytes_sent_per_rank_and_microbatch": {
+                "formula": self.formula,
+                "measured": self.measured,
+            },
+            "layer_activation_bytes_per_rank": self.activations.map(|(one, at)| json!({
+                "cp1": one,
+                "cp": at,
+            })),
+        })
+    }
+
+    /// The report as text.
+    pub fn text(&self, out: &mut String) {
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        let LayerSizes {
+            groups,
+            per_group,
+            head_dim,
+            ..
+        } = self.sizes;
+        let hierarchy = match self.kind {
+            CpCommType::A2aP2p { a2a, p2p } => format!(" ({a2a} × {p2p})"),
+            _ => String::new(),
+        };
+        let _ = writeln!(
+            out,
+            "\ncontext parallelism: cp {} with {}{hierarchy}: each rank holds {} of the {} \
+             positions (chunks r and {} − r of {})",
+            self.cp,
+            self.kind.name(),
+            self.seq / self.cp,
+            self.seq,
+            2 * self.cp - 1,
+            2 * self.cp
+        );
+        let _ = writeln!(
+            out,
+            "  attention sends per rank and microbatch (s = {}, b = {}, {groups} key/value \
+             groups of {per_group} queries of {head_dim} per tensor-parallel rank, f32): \
+             forward {:.2} MiB, backward {:.2} MiB (the formula: {:.2} and {:.2} MiB)",
+            self.seq,
+            self.batch,
+            mib(self.measured.forward),
+            mib(self.measured.backward),
+            mib(self.formula.forward),
+            mib(self.formula.backward)
+        );
+        if let Some((one, at)) = self.activations {
+            let _ = writeln!(
+                out,
+                "  activation memory of one transformer layer per rank (measured): {:.1} MiB \
+                 at cp {} against {:.1} MiB at cp 1 ({:.2}×)",
+                mib(at as u64),
+                self.cp,
+                mib(one as u64),
+                one as f64 / at.max(1) as f64
+            );
+        }
+    }
+}
