@@ -18,6 +18,12 @@
 //! after each column-parallel layer's), and the all-gather of each column-parallel layer's kept
 //! input shard before its backward.
 //!
+//! Then a block's collectives under context parallelism, for each `--cp-comm-type` (the
+//! `#[context_parallel]` attention's exchanges of keys and values, with the line in
+//! `megatron-core/src/context_parallel/` that makes each), checked against the form: a ring's
+//! send before each step's blocks and receive after, one batched exchange per step back; an
+//! all-gather forward, an all-gather and a reduce-scatter backward; two all-to-alls each way.
+//!
 //! ```sh
 //! cargo run --release --example audit
 //! cargo run --release --example audit -- --tp 1 --pp 4 --dp 2 --ep 1 --no-distributed-optimizer
@@ -26,6 +32,7 @@
 use megatron::comm::recording::{Call, RecordingWorld};
 use megatron::comm::threads::launch;
 use megatron::comm::{OpKind, ParallelState};
+use megatron::context_parallel::CpCommType;
 use megatron::models::GptConfig;
 use megatron::models::gpt::{Block, Gpt};
 use megatron::module::{Builder, Cx, Module, Site};
@@ -102,6 +109,114 @@ fn record(config: &GptConfig, sequence_parallel: bool) -> megatron::Result<Recor
     })
     .map_err(|e| megatron::Error::Invalid(e.to_string()))?;
     Ok(ranks.into_iter().next().expect("rank 0"))
+}
+
+/// Rank 0's calls of one block's forward and backward at context-parallel size `cp` with comm
+/// type `kind` (no tensor parallelism).
+fn record_cp(
+    config: &GptConfig,
+    cp: usize,
+    kind: CpCommType,
+) -> megatron::Result<(Vec<Call>, Vec<Call>)> {
+    let layout = ParallelLayout::new(&ParallelConfig::new(cp).with_cp(cp))?;
+    let spec = config.spec();
+    let h = config.hidden_size;
+    let ranks = launch(cp, |world| -> megatron::Result<(Vec<Call>, Vec<Call>)> {
+        let recording = RecordingWorld::new(&world);
+        let parallel =
+            ParallelState::new(&recording, &layout)?.with_cp_comm_type(&recording, kind)?;
+        let log = recording.log();
+        log.take();
+        let cx = Cx::new(&parallel, 0);
+        let block = Block::build(
+            &spec.blocks[0],
+            &mut Builder::for_rank(0, parallel.groups()),
+        )?;
+        let x = Tensor::zeros([S / cp, B, h], DType::F32);
+        let (y, saved) = block.forward(&cx, Site::ROOT, &x)?;
+        // The context-parallel groups' calls (the tensor-parallel group of one makes its own).
+        let cp_calls = |calls: Vec<Call>| -> Vec<Call> {
+            calls
+                .into_iter()
+                .filter(|c| c.group.starts_with("cp"))
+                .collect()
+        };
+        let forward = cp_calls(log.take());
+        block.backward(&cx, Site::ROOT, saved, &y)?;
+        Ok((forward, cp_calls(log.take())))
+    })
+    .map_err(|e| megatron::Error::Invalid(e.to_string()))?;
+    Ok(ranks.into_iter().next().expect("rank 0"))
+}
+
+/// The context-parallel forms' calls: printed with their lines, checked against each form.
+fn audit_context_parallel(
+    config: &GptConfig,
+) -> std::result::Result<(), Box<dyn std::error::Error>> {
+    use OpKind::{AllGather, AllToAll, Recv, ReduceScatter, Send};
+    let forms = [
+        (
+            2,
+            CpCommType::P2p,
+            vec![Send, Recv],
+            vec![Send, Recv, Send, Recv],
+        ),
+        (
+            2,
+            CpCommType::AllGather,
+            vec![AllGather],
+            vec![AllGather, ReduceScatter],
+        ),
+        (
+            2,
+            CpCommType::A2a,
+            vec![AllToAll, AllToAll],
+            vec![AllToAll, AllToAll],
+        ),
+        (
+            4,
+            CpCommType::A2aP2p { a2a: 2, p2p: 2 },
+            vec![AllToAll, Send, Recv, AllToAll],
+            vec![AllToAll, Send, Recv, Send, Recv, AllToAll],
+        ),
+    ];
+    for (cp, kind, want_forward, want_backward) in forms {
+        let (forward, backward) = record_cp(config, cp, kind)?;
+        println!(
+            "one transformer block at context-parallel size {cp}, --cp-comm-type {}: rank 0's \
+             collectives",
+            kind.name()
+        );
+        for (title, calls) in [("forward", &forward), ("backward", &backward)] {
+            println!("  {title}");
+            for call in calls.iter() {
+                println!("    {:<40} {}", call.to_string(), call.caller);
+            }
+        }
+        let kinds = |calls: &[Call]| -> Vec<OpKind> { calls.iter().map(|c| c.desc.kind).collect() };
+        if kinds(&forward) != want_forward || kinds(&backward) != want_backward {
+            return Err(format!(
+                "{}: forward {:?}, backward {:?}, not the form's {want_forward:?}, \
+                 {want_backward:?}",
+                kind.name(),
+                kinds(&forward),
+                kinds(&backward)
+            )
+            .into());
+        }
+        if !forward
+            .iter()
+            .chain(&backward)
+            .all(|c| c.caller.file().contains("context_parallel"))
+        {
+            return Err(format!("{}: a call outside context_parallel/", kind.name()).into());
+        }
+    }
+    println!(
+        "
+each form makes its collectives, all from megatron-core/src/context_parallel/\n"
+    );
+    Ok(())
 }
 
 /// The step's layout (the block's is tensor-parallel size 2).
@@ -229,6 +344,8 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         check_block(sequence_parallel, &block_forward, &block_backward, h)?;
         println!();
     }
+
+    audit_context_parallel(&config)?;
 
     let layout = megatron::audit::AuditLayout {
         tp: args.tp,

@@ -34,7 +34,9 @@ use megatron::training::{
 pub struct LlamaAttention {
     #[column_parallel]
     qkv: Linear,
-    #[op]
+    /// The one field context parallelism changes: on a rank's chunks of the sequence, keys
+    /// and values exchanged over the context-parallel group.
+    #[context_parallel]
     core: CausalSelfAttention,
     #[row_parallel]
     o_proj: Linear,

@@ -14,8 +14,8 @@ mod support;
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
 use megatron::context_parallel::traffic::{self, LayerSizes, Traffic};
-use megatron::context_parallel::{CpChunks, CpCommType};
-use megatron::module::{Cx, Op, Site};
+use megatron::context_parallel::{ContextParallel, CpChunks, CpCommType};
+use megatron::module::{Cx, Site};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::tensor::Tensor;
 use megatron::tensor_parallel::CausalSelfAttention;
@@ -44,8 +44,8 @@ fn attention_at(
                 (chunks.take_local(qkv)?, chunks.take_local(dy)?)
             }
         };
-        let (y, saved) = op.forward(&cx, Site::ROOT, &x)?;
-        let dx = op.backward(&cx, Site::ROOT, saved, &d)?;
+        let (y, saved) = op.forward_chunks(&cx, Site::ROOT, &x)?;
+        let dx = op.backward_chunks(&cx, Site::ROOT, saved, &d)?;
         Ok((y.to_vec::<f32>()?, dx.to_vec::<f32>()?))
     })
     .unwrap()
@@ -116,6 +116,26 @@ fn context_parallel_attention_is_full_causal_attention_at_the_ranks_rows() {
 }
 
 #[test]
+fn attention_called_as_a_plain_op_at_cp_2_names_the_attribute() {
+    let layout = ParallelLayout::new(&ParallelConfig::new(2).with_cp(2)).unwrap();
+    let errors = launch(2, |w| -> R<String> {
+        let ps = ParallelState::new(&w, &layout)?;
+        let cx = Cx::new(&ps, 3);
+        let x = Tensor::zeros([4, 1, 3 * 8], megatron::tensor::DType::F32);
+        let op = CausalSelfAttention::new(2, 0.0);
+        Ok(megatron::module::Op::forward(&op, &cx, Site::ROOT, &x)
+            .expect_err("an #[op] attention at cp 2")
+            .to_string())
+    })
+    .unwrap();
+    assert!(
+        errors[0].contains("declare its field #[context_parallel]"),
+        "{}",
+        errors[0]
+    );
+}
+
+#[test]
 fn each_form_sends_the_bytes_of_its_formula() {
     // 6 query heads in 2 groups of 8 elements, 2 sequences of 16 positions.
     let (heads, groups, d, s, b) = (6, 2, 8, 16, 2);
@@ -150,9 +170,9 @@ fn each_form_sends_the_bytes_of_its_formula() {
             let chunks = CpChunks::new(s, cp, ps.groups().cp_rank())?;
             let (x, g) = (chunks.take_local(&qkv)?, chunks.take_local(&dy)?);
             let before = sent();
-            let (_, saved) = op.forward(&cx, Site::ROOT, &x)?;
+            let (_, saved) = op.forward_chunks(&cx, Site::ROOT, &x)?;
             let forward = sent() - before;
-            op.backward(&cx, Site::ROOT, saved, &g)?;
+            op.backward_chunks(&cx, Site::ROOT, saved, &g)?;
             Ok(Traffic {
                 forward,
                 backward: sent() - before - forward,

@@ -1,5 +1,6 @@
 //! The names a model file needs: `use megatron::prelude::*;`.
 
+pub use crate::context_parallel::ContextParallel;
 pub use crate::error::{Error, Result};
 pub use crate::module::{
     Builder, ColumnParallel, Cx, Ids, Layer, Lookup, Module, Op, Param, RowParallel, Sharding,

@@ -22,13 +22,14 @@ use quote::{ToTokens, quote};
 use crate::root::Root;
 
 /// The documents generated from the macros.
-const DOCUMENTS: [&str; 6] = [
+const DOCUMENTS: [&str; 7] = [
     "docs/expanded-mlp.md",
     "docs/expanded-llama.md",
     "docs/expanded-moe.md",
     "docs/expanded-pipeline.md",
     "docs/expanded-recompute.md",
     "docs/expanded-graph-scope.md",
+    "docs/expanded-context-parallel.md",
 ];
 
 /// What a marker starts with.

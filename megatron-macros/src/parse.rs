@@ -220,6 +220,10 @@ pub enum FieldKind {
     },
     /// `#[op]`: a parameterless op; its value is its configuration.
     Op,
+    /// `#[context_parallel]`: a parameterless op that mixes a sequence's positions (attention)
+    /// and runs on a context-parallel rank's chunks, exchanging keys and values over the
+    /// context-parallel group.
+    ContextParallel,
     /// `#[config]`: plain data copied from the spec.
     Config,
 }
@@ -249,13 +253,14 @@ impl FieldKind {
             } => "a list of modules (`Vec<..>`)",
             FieldKind::Stack { pipeline: true, .. } => "#[pipeline]",
             FieldKind::Op => "#[op]",
+            FieldKind::ContextParallel => "#[context_parallel]",
             FieldKind::Config => "#[config]",
         }
     }
 }
 
 /// The DSL's field attributes.
-const KIND_ATTRIBUTES: [&str; 9] = [
+const KIND_ATTRIBUTES: [&str; 10] = [
     "column_parallel",
     "row_parallel",
     "vocab_parallel",
@@ -264,12 +269,14 @@ const KIND_ATTRIBUTES: [&str; 9] = [
     "local",
     "pipeline",
     "op",
+    "context_parallel",
     "config",
 ];
 
 /// The kinds a field may take, for messages.
 const KINDS_HELP: &str = "#[column_parallel], #[row_parallel], #[vocab_parallel], \
-     #[expert_parallel], #[replicated], #[local], #[pipeline], #[op], #[config]";
+     #[expert_parallel], #[replicated], #[local], #[pipeline], #[op], #[context_parallel], \
+     #[config]";
 
 /// Parses a struct given to `#[megatron::module]`.
 pub fn parse_struct(item: syn::ItemStruct) -> syn::Result<ModuleStruct> {
@@ -492,6 +499,7 @@ fn parse_kind_attribute(name: &str, attr: &Attribute) -> syn::Result<FieldKind> 
             pipeline: true,
         },
         "op" => FieldKind::Op,
+        "context_parallel" => FieldKind::ContextParallel,
         "config" => FieldKind::Config,
         _ => unreachable!("only the DSL's attributes are parsed"),
     })

@@ -134,7 +134,10 @@ pub fn cut(s: &ModuleStruct, g: &Graph, a: &Analysis) -> syn::Result<Cut> {
     );
     let mut presence = vec![Presence::Always; s.fields.len()];
     for (i, f) in s.fields.iter().enumerate() {
-        if matches!(f.kind, FieldKind::Op | FieldKind::Config) {
+        if matches!(
+            f.kind,
+            FieldKind::Op | FieldKind::ContextParallel | FieldKind::Config
+        ) {
             continue;
         }
         if i == pf {

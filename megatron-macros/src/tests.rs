@@ -132,7 +132,7 @@ fn struct_errors_name_the_problem() {
         [
             "`fc` has two kinds: #[column_parallel] and #[row_parallel]; a field takes one of \
           #[column_parallel], #[row_parallel], #[vocab_parallel], #[expert_parallel], \
-          #[replicated], #[local], #[pipeline], #[op], #[config]"
+          #[replicated], #[local], #[pipeline], #[op], #[context_parallel], #[config]"
         ]
     );
     assert_eq!(

@@ -68,8 +68,10 @@ pub struct Attention {
     /// heads; the identity without the flag).
     #[local]
     pub qk_norm: QkNorm,
-    /// Scaled dot-product attention with the causal mask and attention dropout.
-    #[op]
+    /// Scaled dot-product attention with the causal mask and attention dropout; with context
+    /// parallelism on this rank's chunks of the sequence, keys and values exchanged over the
+    /// group (the one field context parallelism changes).
+    #[context_parallel]
     pub core: CausalSelfAttention,
     /// `h → h`, input features (heads) split; partial outputs all-reduced.
     #[row_parallel]

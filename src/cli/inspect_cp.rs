@@ -9,9 +9,9 @@ use anyhow::{Result, bail};
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
 use megatron::context_parallel::traffic::{self, LayerSizes, Traffic};
-use megatron::context_parallel::{CpChunks, CpCommType};
+use megatron::context_parallel::{ContextParallel, CpChunks, CpCommType};
 use megatron::models::GptConfig;
-use megatron::module::{Cx, Op, Site};
+use megatron::module::{Cx, Site};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::tensor::{DType, Tensor};
 use megatron::tensor_parallel::CausalSelfAttention;
@@ -69,9 +69,9 @@ fn measured(kind: CpCommType, cp: usize, sizes: LayerSizes) -> Result<Traffic> {
         let chunks = CpChunks::new(seq, cp, ps.groups().cp_rank())?;
         let x = Tensor::full([2 * chunks.chunk, 1, width], 0.25, DType::F32);
         let before = sent();
-        let (y, saved) = op.forward(&cx, Site::ROOT, &x)?;
+        let (y, saved) = op.forward_chunks(&cx, Site::ROOT, &x)?;
         let forward = sent() - before;
-        op.backward(&cx, Site::ROOT, saved, &y)?;
+        op.backward_chunks(&cx, Site::ROOT, saved, &y)?;
         Ok(Traffic {
             forward,
             backward: sent() - before - forward,

@@ -35,9 +35,29 @@ use crate::comm::{Communicator, World};
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::dropout::LogicalIndex;
+use crate::module::{Cx, Op, Site};
 use crate::rng::DropoutStream;
 use crate::tensor::{DType, Tensor};
 use blocks::{Blocks, Side};
+
+/// An op that mixes the positions of a sequence (attention), declared `#[context_parallel]` in a
+/// module: the one place of a model that context parallelism changes. Its calls run on this
+/// rank's positions, with context parallelism its two chunks of the sequence, and exchange keys
+/// and values over the context-parallel group as `--cp-comm-type` says (the ring's sends and
+/// receives, the all-gather and reduce-scatter, or the all-to-alls); without it they are the
+/// op's own.
+pub trait ContextParallel: Op {
+    /// The forward on this rank's chunks.
+    fn forward_chunks(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, Self::Saved)>;
+    /// The backward of [`ContextParallel::forward_chunks`].
+    fn backward_chunks(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: Self::Saved,
+        dy: &Tensor,
+    ) -> Result<Tensor>;
+}
 
 /// How context-parallel attention exchanges keys and values (`--cp-comm-type`, Transformer
 /// Engine's names).

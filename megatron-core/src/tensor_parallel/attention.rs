@@ -3,7 +3,7 @@
 
 use crate::backend::attention::{AttentionKept, AttentionShape};
 use crate::backend::{self, DropoutMask};
-use crate::context_parallel::{self, CpChunks, CpDropout, CpLayer};
+use crate::context_parallel::{self, ContextParallel, CpChunks, CpDropout, CpLayer};
 use crate::error::Result;
 use crate::inference::decode_attention;
 use crate::invalid;
@@ -209,7 +209,38 @@ impl CausalSelfAttention {
 impl Op for CausalSelfAttention {
     type Saved = AttentionSaved;
 
+    /// The forward over the whole sequence; with context parallelism an error: a model's
+    /// attention runs on a rank's chunks only as a `#[context_parallel]` field.
     fn forward(&self, cx: &Cx, site: Site, qkv: &Tensor) -> Result<(Tensor, AttentionSaved)> {
+        if cx.cp_size() > 1 {
+            return invalid!(
+                "attention at context-parallel size {} runs on the rank's chunks of the \
+                 sequence: declare its field #[context_parallel] (an #[op] sees the whole \
+                 sequence)",
+                cx.cp_size()
+            );
+        }
+        self.forward_chunks(cx, site, qkv)
+    }
+
+    fn backward(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: AttentionSaved,
+        d_out: &Tensor,
+    ) -> Result<Tensor> {
+        self.backward_chunks(cx, site, saved, d_out)
+    }
+}
+
+impl ContextParallel for CausalSelfAttention {
+    fn forward_chunks(
+        &self,
+        cx: &Cx,
+        site: Site,
+        qkv: &Tensor,
+    ) -> Result<(Tensor, AttentionSaved)> {
         dk::keep_threshold(self.dropout)?;
         let (sh, grouped) = self.shape(cx, qkv)?;
         let mask = self.mask(cx, site, sh);
@@ -272,7 +303,7 @@ impl Op for CausalSelfAttention {
         ))
     }
 
-    fn backward(
+    fn backward_chunks(
         &self,
         cx: &Cx,
         _site: Site,

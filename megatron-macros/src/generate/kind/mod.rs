@@ -184,7 +184,8 @@ pub(crate) fn of(kind: &FieldKind) -> &'static dyn Kind {
         FieldKind::Replicated => &replicated::Replicated,
         FieldKind::Local => &local::Local,
         FieldKind::Stack { .. } => &stack::Stack,
-        FieldKind::Op => &op::Op,
+        FieldKind::Op => &op::OP,
+        FieldKind::ContextParallel => &op::CONTEXT_PARALLEL,
         FieldKind::Config => &op::Config,
     }
 }

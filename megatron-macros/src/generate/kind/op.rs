@@ -1,22 +1,65 @@
 //! `#[op]`: a parameterless op (`module::Op`), its value its configuration, cloned from the spec;
-//! called by `Op::forward` and `Op::backward`. And `#[config]`: plain data, cloned from the spec,
-//! never called.
+//! called by `Op::forward` and `Op::backward`. `#[context_parallel]`: the same for an op that
+//! mixes a sequence's positions (attention), called by `ContextParallel::forward_chunks` and
+//! `ContextParallel::backward_chunks` (`context_parallel::ContextParallel`), which run it on a
+//! context-parallel rank's chunks and exchange keys and values over the group. And
+//! `#[config]`: plain data, cloned from the spec, never called.
 
-use proc_macro2::TokenStream;
+use proc_macro2::{Ident, Span, TokenStream};
 use quote::quote;
 
 use super::{Backward, Call, Forward, Imports, Kind};
 use crate::generate::body::Body;
+use crate::generate::comment;
 use crate::parse::Field;
 use crate::validate::{Checker, FieldCall, Want};
 
-/// `#[op]` fields.
-pub(super) struct Op;
+/// Fields of parameterless ops: the runtime trait that calls them and its methods.
+pub(super) struct Op {
+    /// The attribute, for messages.
+    attribute: &'static str,
+    /// What the generated call says of itself (none: nothing).
+    says: Option<&'static str>,
+    /// The runtime's module holding the trait, and the trait.
+    named: (&'static str, &'static str),
+    /// The forward's and the backward's methods.
+    methods: (&'static str, &'static str),
+}
+
+/// `#[op]` fields: `module::Op`.
+pub(super) const OP: Op = Op {
+    attribute: "#[op]",
+    says: None,
+    named: ("module", "Op"),
+    methods: ("forward", "backward"),
+};
+
+/// `#[context_parallel]` fields: `context_parallel::ContextParallel`.
+pub(super) const CONTEXT_PARALLEL: Op = Op {
+    attribute: "#[context_parallel]",
+    says: Some(
+        "#[context_parallel]. On this rank's chunks of the sequence (all of it at cp 1): \
+         keys and values exchanged over the context-parallel group as --cp-comm-type says \
+         (p2p: a ring of send/recv; all_gather: all_gather, in backward all_gather and \
+         reduce_scatter; a2a: all_to_all of the projection and of the context).",
+    ),
+    named: ("context_parallel", "ContextParallel"),
+    methods: ("forward_chunks", "backward_chunks"),
+};
+
+impl Op {
+    /// `Trait::method` of the runtime trait.
+    fn method(&self, method: &str) -> TokenStream {
+        let tr = Ident::new(self.named.1, Span::call_site());
+        let m = Ident::new(method, Span::call_site());
+        quote!(#tr::#m)
+    }
+}
 
 impl Kind for Op {
     fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>) {
         let name = &call.name;
-        let who = format!("#[op] `{name}`");
+        let who = format!("{} `{name}`", self.attribute);
         if !c.arity(call.n, &who, 1) {
             return;
         }
@@ -43,7 +86,7 @@ impl Kind for Op {
 
     fn imports(&self, _backward: bool, _ids: bool) -> Imports {
         Imports {
-            named: Some(("module", "Op")),
+            named: Some(self.named),
             ..Imports::default()
         }
     }
@@ -60,10 +103,14 @@ impl Kind for Op {
             args, out, saved, ..
         } = *io;
         let x = args[0];
-        let call = cx.qualified(n, quote!(Op::forward));
+        let call = cx.qualified(n, self.method(self.methods.0));
+        let doc = self
+            .says
+            .map(|says| comment(&format!("`{}`: {says}", cx.field(n).name())));
         b.push(move |nm| {
             let (xr, s, o) = (nm.by_ref(x), nm.pat(saved), nm.pat(out));
             quote! {
+                #doc
                 let (#o, #s) = #call(&#this_field, cx, #site, #xr)?;
             }
         });
@@ -77,10 +124,21 @@ impl Kind for Op {
             d_y, saved, d_args, ..
         } = *io;
         let d_x = d_args[0].expect("op inputs are tensors");
-        let call = cx.qualified(n, quote!(Op::backward));
+        let call = cx.qualified(n, self.method(self.methods.1));
+        let doc = self.says.map(|_| {
+            comment(&format!(
+                "`{}`: the backward of #[context_parallel]: the keys' and values' gradients \
+                 summed over the ranks whose queries saw them (p2p: round the ring with their \
+                 blocks; all_gather: reduce_scatter; a2a: all_to_all back).",
+                cx.field(n).name()
+            ))
+        });
         b.push(move |nm| {
             let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
-            quote!(let #dx = #call(&#this_field, cx, #site, #s, #dy)?;)
+            quote! {
+                #doc
+                let #dx = #call(&#this_field, cx, #site, #s, #dy)?;
+            }
         });
     }
 }

@@ -1,0 +1,17 @@
+// `#[context_parallel]` marks the op that mixes a sequence's positions (attention): one tensor in.
+use megatron::prelude::*;
+
+#[megatron::module]
+pub struct TwoInputs {
+    #[context_parallel]
+    core: CausalSelfAttention,
+}
+
+#[megatron::module]
+impl TwoInputs {
+    fn forward(&self, x: Tensor) -> Tensor {
+        self.core(x, x)
+    }
+}
+
+fn main() {}
