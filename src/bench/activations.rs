@@ -10,7 +10,7 @@ use anyhow::Result;
 use megatron_core::comm::ParallelState;
 use megatron_core::comm::threads::launch;
 use megatron_core::context_parallel::CpCommType;
-use megatron_core::module::{Builder, Cx, Module, Site};
+use megatron_core::module::{Builder, Cx, Module, Recompute, Site};
 use megatron_core::parallel::{ParallelConfig, ParallelLayout};
 use megatron_core::tensor::host_memory::live_bytes;
 use megatron_core::tensor::{DType, Tensor};
@@ -33,17 +33,20 @@ pub fn layer_bytes(
         (seq, batch),
         (tp, sequence_parallel),
         (1, CpCommType::default()),
+        Recompute::Off,
     )
 }
 
 /// [`layer_bytes`] at context-parallel size `cp` with comm type `kind` as well: each of the
 /// `tp·cp` ranks holds its chunks of the sequence (`seq / cp` positions, `seq / (cp·tp)` with
-/// sequence parallelism).
+/// sequence parallelism), and with `recompute` (selective: attention keeps its inputs, not its
+/// weights).
 pub fn layer_bytes_with_cp(
     config: &GptConfig,
     (seq, batch): (usize, usize),
     (tp, sequence_parallel): (usize, bool),
     (cp, kind): (usize, CpCommType),
+    recompute: Recompute,
 ) -> Result<usize> {
     let ranks = tp * cp;
     let layout = ParallelLayout::new(&ParallelConfig::new(ranks).with_tp(tp).with_cp(cp))?;
@@ -71,7 +74,7 @@ pub fn layer_bytes_with_cp(
             .with_sequence_parallel(sequence_parallel)
             .with_cp_comm_type(&w, kind)?;
         let block = Block::build(&spec, &mut Builder::for_rank(3, ps.groups()))?;
-        let cx = Cx::new(&ps, 7);
+        let cx = Cx::new(&ps, 7).with_recompute(recompute);
         let x = Tensor::full([shard, batch, h], 0.5, DType::F32);
         meet.wait();
         let before = live_bytes();

@@ -348,6 +348,8 @@ fn report_steps(
         "pp": job.pipeline.pp,
         "vpp": job.pipeline.vpp,
         "dp": job.dp,
+        "cp": job.cp,
+        "cp_comm_type": job.cp_comm_type.name(),
         "ep": job.ep,
         "distributed_optimizer": job.train.distributed_optimizer,
         "state_bytes_per_param": {

@@ -11,7 +11,7 @@ use megatron::comm::threads::launch;
 use megatron::context_parallel::traffic::{self, LayerSizes, Traffic};
 use megatron::context_parallel::{ContextParallel, CpChunks, CpCommType};
 use megatron::models::GptConfig;
-use megatron::module::{Cx, Site};
+use megatron::module::{Cx, Recompute, Site};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::tensor::{DType, Tensor};
 use megatron::tensor_parallel::CausalSelfAttention;
@@ -26,8 +26,10 @@ pub struct CpReport {
     sizes: LayerSizes,
     formula: Traffic,
     measured: Traffic,
-    /// One layer's activation bytes per rank at cp 1 and at cp (`None`: not measured).
-    activations: Option<(usize, usize)>,
+    /// One layer's activation bytes per rank at cp (`None`: a MoE layer, not measured), and
+    /// at cp 1 without and with selective recompute (`None`: not measured, its attention
+    /// weights would not fit this machine's memory).
+    activations: Option<(usize, Option<(usize, usize)>)>,
 }
 
 /// The attention layer's sizes on one tensor-parallel rank of `config` at `tp`.
@@ -87,14 +89,14 @@ fn measured(kind: CpCommType, cp: usize, sizes: LayerSizes) -> Result<Traffic> {
 }
 
 /// The report for `config` at `tp` (with sequence parallelism when `sp`), cp `cp` of `kind`,
-/// sequences of `seq` in microbatches of `batch`; `activations` measures one layer's
-/// activation bytes at cp 1 and cp when given (`None`: the layer would not fit).
+/// sequences of `seq` in microbatches of `batch`; one layer's activation bytes measured at cp,
+/// and at cp 1 when `cp1_fits` (its attention weights, `s²` per head, fit this machine).
 pub fn report(
     config: &GptConfig,
     (tp, sp): (usize, bool),
     (cp, kind): (usize, CpCommType),
     (seq, batch): (usize, usize),
-    measure_activations: bool,
+    cp1_fits: bool,
 ) -> Result<CpReport> {
     if !seq.is_multiple_of(2 * cp) {
         bail!(
@@ -105,12 +107,17 @@ pub fn report(
     }
     kind.check_heads(config.num_attention_heads, config.query_groups(), tp, cp)?;
     let sizes = layer_sizes(config, tp, (seq, batch));
-    let activations = match measure_activations && config.moe.is_none() {
+    let activations = match config.moe.is_none() {
         true => {
             use megatron::bench::activations::layer_bytes_with_cp;
-            let one = layer_bytes_with_cp(config, (seq, batch), (tp, sp), (1, kind))?;
-            let at = layer_bytes_with_cp(config, (seq, batch), (tp, sp), (cp, kind))?;
-            Some((one, at))
+            let at = |cp, recompute| {
+                layer_bytes_with_cp(config, (seq, batch), (tp, sp), (cp, kind), recompute)
+            };
+            let one = match cp1_fits {
+                true => Some((at(1, Recompute::Off)?, at(1, Recompute::Selective)?)),
+                false => None,
+            };
+            Some((at(cp, Recompute::Off)?, one))
         }
         false => None,
     };
@@ -139,8 +146,9 @@ impl CpReport {
                 "formula": self.formula,
                 "measured": self.measured,
             },
-            "layer_activation_bytes_per_rank": self.activations.map(|(one, at)| json!({
-                "cp1": one,
+            "layer_activation_bytes_per_rank": self.activations.map(|(at, one)| json!({
+                "cp1": one.map(|o| o.0),
+                "cp1_selective_recompute": one.map(|o| o.1),
                 "cp": at,
             })),
         })
@@ -182,15 +190,27 @@ impl CpReport {
             mib(self.formula.forward),
             mib(self.formula.backward)
         );
-        if let Some((one, at)) = self.activations {
+        if let Some((at, one)) = self.activations {
+            let cp1 = match one {
+                Some((one, selective)) => format!(
+                    "{:.1} MiB at cp 1 ({:.2}×: cp 1's unfused attention keeps the s × s \
+                     weights of each head, the blocks only each row's log-sum-exp) and {:.1} \
+                     MiB at cp 1 with selective recompute ({:.2}×)",
+                    mib(one as u64),
+                    one as f64 / at.max(1) as f64,
+                    mib(selective as u64),
+                    selective as f64 / at.max(1) as f64
+                ),
+                None => "cp 1 not measured: its s × s attention weights would not fit this \
+                         machine's memory"
+                    .to_string(),
+            };
             let _ = writeln!(
                 out,
                 "  activation memory of one transformer layer per rank (measured): {:.1} MiB \
-                 at cp {} against {:.1} MiB at cp 1 ({:.2}×)",
+                 at cp {} against {cp1}",
                 mib(at as u64),
                 self.cp,
-                mib(one as u64),
-                one as f64 / at.max(1) as f64
             );
         }
     }
