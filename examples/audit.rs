@@ -21,8 +21,9 @@
 //! Then a block's collectives under context parallelism, for each `--cp-comm-type` (the
 //! `#[context_parallel]` attention's exchanges of keys and values, with the line in
 //! `megatron-core/src/context_parallel/` that makes each), checked against the form: a ring's
-//! send before each step's blocks and receive after, one batched exchange per step back; an
-//! all-gather forward, an all-gather and a reduce-scatter backward; two all-to-alls each way.
+//! send of each block before the step's compute and its receive after, in the backward the
+//! block's gradients sent after it (on thread ranks, whose sends never wait); an all-gather
+//! forward, an all-gather and a reduce-scatter backward; two all-to-alls each way.
 //!
 //! ```sh
 //! cargo run --release --example audit
@@ -159,7 +160,7 @@ fn audit_context_parallel(
             2,
             CpCommType::P2p,
             vec![Send, Recv],
-            vec![Send, Recv, Send, Recv],
+            vec![Send, Send, Recv, Recv, Send, Recv],
         ),
         (
             2,
@@ -177,7 +178,7 @@ fn audit_context_parallel(
             4,
             CpCommType::A2aP2p { a2a: 2, p2p: 2 },
             vec![AllToAll, Send, Recv, AllToAll],
-            vec![AllToAll, Send, Recv, Send, Recv, AllToAll],
+            vec![AllToAll, Send, Send, Recv, Recv, Send, Recv, AllToAll],
         ),
     ];
     for (cp, kind, want_forward, want_backward) in forms {

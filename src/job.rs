@@ -369,6 +369,13 @@ impl TrainJob {
         ) {
             return not_yet("flash attention kernels");
         }
+        if matches!(self.device, Placement::Cuda { .. }) {
+            tracing::warn!(
+                "context-parallel attention computes its blocks on the host: the device's fused \
+                 projection is read back and the output written back each layer (GPU kernels for \
+                 the blocks are not written yet)"
+            );
+        }
         if self.sequence_parallel && self.tp > 1 {
             let tp = self.tp;
             if !(seq / cp).is_multiple_of(tp) || !tp.is_multiple_of(2) {

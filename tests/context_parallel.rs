@@ -159,13 +159,7 @@ fn each_form_sends_the_bytes_of_its_formula() {
         let measured = launch(cp, |w| -> R<Traffic> {
             let ps = ParallelState::new(&w, &layout)?.with_cp_comm_type(&w, kind)?;
             let groups = ps.context_parallel().expect("cp groups");
-            let sent = || -> u64 {
-                groups
-                    .stats()
-                    .iter()
-                    .map(|(n, st)| traffic::sent(*n, st))
-                    .sum()
-            };
+            let sent = || groups.sent();
             let cx = Cx::new(&ps, 3);
             let chunks = CpChunks::new(s, cp, ps.groups().cp_rank())?;
             let (x, g) = (chunks.take_local(&qkv)?, chunks.take_local(&dy)?);
@@ -470,4 +464,11 @@ fn what_context_parallelism_cannot_do_yet_is_refused_by_name() {
         assert!(!ok, "{flags:?}");
         assert!(stderr.contains(says), "{flags:?}: {stderr}");
     }
+    // A world that cp (with tp and pp) does not divide.
+    let (ok, _, stderr) = megatron(&["groups", "--world-size", "6", "--cp", "4"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("world size 6 is not divisible by tp·cp·pp = 1·4·1 = 4"),
+        "{stderr}"
+    );
 }

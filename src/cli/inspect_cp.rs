@@ -60,13 +60,7 @@ fn measured(kind: CpCommType, cp: usize, sizes: LayerSizes) -> Result<Traffic> {
         let Some(groups) = ps.context_parallel() else {
             return Ok(Traffic::default());
         };
-        let sent = || -> u64 {
-            groups
-                .stats()
-                .iter()
-                .map(|(n, st)| traffic::sent(*n, st))
-                .sum()
-        };
+        let sent = || groups.sent();
         let cx = Cx::new(&ps, 0);
         let chunks = CpChunks::new(seq, cp, ps.groups().cp_rank())?;
         let x = Tensor::full([2 * chunks.chunk, 1, width], 0.25, DType::F32);

@@ -62,6 +62,18 @@ enum Pair {
     Masked,
 }
 
+/// One (query chunk, key chunk) pair of one head to attend: head `h` of batch entry `b`,
+/// query chunk `i` (from global position `qs`) and key chunk `j` (from `ks`), and its mask.
+#[derive(Debug, Clone, Copy)]
+struct PairAt {
+    bh: (usize, usize),
+    i: usize,
+    j: usize,
+    qs: usize,
+    ks: usize,
+    pair: Pair,
+}
+
 /// The online softmax of a set of query rows: running maximum, sum and weighted values.
 #[derive(Debug, Clone)]
 pub(crate) struct Online {
@@ -131,64 +143,83 @@ impl Blocks {
         Ok(s)
     }
 
+    /// Every pair of a head and a query chunk of `q` with a key chunk of `kv` that some query
+    /// of it sees.
+    fn pairs<'s>(&'s self, q: Side<'s>, kv: Side<'s>) -> impl Iterator<Item = PairAt> + 's {
+        let heads = (0..self.batch).flat_map(move |b| (0..self.heads()).map(move |h| (b, h)));
+        heads.flat_map(move |bh| {
+            q.starts.iter().enumerate().flat_map(move |(i, &qs)| {
+                kv.starts.iter().enumerate().filter_map(move |(j, &ks)| {
+                    let pair = self.pair(qs, ks);
+                    (pair != Pair::Skip).then_some(PairAt {
+                        bh,
+                        i,
+                        j,
+                        qs,
+                        ks,
+                        pair,
+                    })
+                })
+            })
+        })
+    }
+
     /// Attends every query chunk of `q` to every key chunk of `kv`, folding the pairs into
     /// `state`.
     pub fn forward(&self, q: Side, kv: Side, state: &mut Online) -> Result<()> {
         let (c, d) = (self.chunk, self.head_dim);
         let (nq, nk) = (q.starts.len(), kv.starts.len());
-        for b in 0..self.batch {
-            for h in 0..self.heads() {
-                for (i, &qs) in q.starts.iter().enumerate() {
-                    for (j, &ks) in kv.starts.iter().enumerate() {
-                        let pair = self.pair(qs, ks);
-                        if pair == Pair::Skip {
-                            continue;
-                        }
-                        let qb = &q.data[self.q_at((b, h), nq, i)..][..c * d];
-                        let kb = &kv.data[self.kv_at(0, (b, h), nk, j)..][..c * d];
-                        let vb = &kv.data[self.kv_at(1, (b, h), nk, j)..][..c * d];
-                        let mut e = self.scores(qb, kb)?;
-                        let row0 = ((b * self.heads() + h) * nq + i) * c;
-                        for r in 0..c {
-                            let row = &mut e[r * c..(r + 1) * c];
-                            let seen = |k: usize| pair == Pair::Full || self.sees(qs + r, ks + k);
-                            let top = (0..c)
-                                .filter(|&k| seen(k))
-                                .map(|k| row[k])
-                                .fold(f32::NEG_INFINITY, f32::max);
-                            if top == f32::NEG_INFINITY {
-                                row.fill(0.0);
-                                continue;
-                            }
-                            let old = state.max[row0 + r];
-                            let new = old.max(top);
-                            let alpha = if old == f32::NEG_INFINITY {
-                                0.0
-                            } else {
-                                (old - new).exp()
-                            };
-                            let mut total = 0.0f32;
-                            for (k, x) in row.iter_mut().enumerate() {
-                                *x = if seen(k) { (*x - new).exp() } else { 0.0 };
-                                total += *x;
-                            }
-                            state.sum[row0 + r] = state.sum[row0 + r] * alpha + total;
-                            state.max[row0 + r] = new;
-                            for a in &mut state.acc[(row0 + r) * d..(row0 + r + 1) * d] {
-                                *a *= alpha;
-                            }
-                        }
-                        if let Some(drop) = &self.dropout {
-                            let mut dropped = vec![0.0f32; c * c];
-                            let index = drop.index((b, h), (qs, ks), c, self.seq);
-                            dropout_forward(&e, &mut dropped, drop.p, &drop.stream, index)?;
-                            e = dropped;
-                        }
-                        let acc = &mut state.acc[row0 * d..(row0 + c) * d];
-                        product(&e, (c, c, false), vb, (c, d, false), 1.0, acc)?;
-                    }
+        for PairAt {
+            bh: (b, h),
+            i,
+            j,
+            qs,
+            ks,
+            pair,
+        } in self.pairs(q, kv)
+        {
+            let qb = &q.data[self.q_at((b, h), nq, i)..][..c * d];
+            let kb = &kv.data[self.kv_at(0, (b, h), nk, j)..][..c * d];
+            let vb = &kv.data[self.kv_at(1, (b, h), nk, j)..][..c * d];
+            let mut e = self.scores(qb, kb)?;
+            let row0 = ((b * self.heads() + h) * nq + i) * c;
+            for r in 0..c {
+                let row = &mut e[r * c..(r + 1) * c];
+                let seen = |k: usize| pair == Pair::Full || self.sees(qs + r, ks + k);
+                let top = (0..c)
+                    .filter(|&k| seen(k))
+                    .map(|k| row[k])
+                    .fold(f32::NEG_INFINITY, f32::max);
+                if top == f32::NEG_INFINITY {
+                    row.fill(0.0);
+                    continue;
+                }
+                let old = state.max[row0 + r];
+                let new = old.max(top);
+                let alpha = if old == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (old - new).exp()
+                };
+                let mut total = 0.0f32;
+                for (k, x) in row.iter_mut().enumerate() {
+                    *x = if seen(k) { (*x - new).exp() } else { 0.0 };
+                    total += *x;
+                }
+                state.sum[row0 + r] = state.sum[row0 + r] * alpha + total;
+                state.max[row0 + r] = new;
+                for a in &mut state.acc[(row0 + r) * d..(row0 + r + 1) * d] {
+                    *a *= alpha;
                 }
             }
+            if let Some(drop) = &self.dropout {
+                let mut dropped = vec![0.0f32; c * c];
+                let index = drop.index((b, h), (qs, ks), c, self.seq);
+                dropout_forward(&e, &mut dropped, drop.p, &drop.stream, index)?;
+                e = dropped;
+            }
+            let acc = &mut state.acc[row0 * d..(row0 + c) * d];
+            product(&e, (c, c, false), vb, (c, d, false), 1.0, acc)?;
         }
         Ok(())
     }
@@ -236,91 +267,81 @@ impl Blocks {
     ) -> Result<()> {
         let (c, d) = (self.chunk, self.head_dim);
         let (nq, nk) = (q.starts.len(), kv.starts.len());
-        for b in 0..self.batch {
-            for h in 0..self.heads() {
-                for (i, &qs) in q.starts.iter().enumerate() {
-                    for (j, &ks) in kv.starts.iter().enumerate() {
-                        let pair = self.pair(qs, ks);
-                        if pair == Pair::Skip {
-                            continue;
-                        }
-                        let at = self.q_at((b, h), nq, i);
-                        let qb = &q.data[at..][..c * d];
-                        let gb = &d_out[at..][..c * d];
-                        let (ka, va) = (self.kv_at(0, (b, h), nk, j), self.kv_at(1, (b, h), nk, j));
-                        let kb = &kv.data[ka..][..c * d];
-                        let vb = &kv.data[va..][..c * d];
-                        let row0 = ((b * self.heads() + h) * nq + i) * c;
-                        // P = exp(S − lse) where seen.
-                        let mut p = self.scores(qb, kb)?;
-                        for r in 0..c {
-                            for (k, x) in p[r * c..(r + 1) * c].iter_mut().enumerate() {
-                                let seen = pair == Pair::Full || self.sees(qs + r, ks + k);
-                                *x = if seen {
-                                    (*x - lse[row0 + r]).exp()
-                                } else {
-                                    0.0
-                                };
-                            }
-                        }
-                        // dP = dO·Vᵀ; with dropout, dV from the dropped weights and dP
-                        // through the mask (regenerated from its key).
-                        let mut dp = vec![0.0f32; c * c];
-                        product(gb, (c, d, false), vb, (c, d, true), 0.0, &mut dp)?;
-                        let dropped = match &self.dropout {
-                            Some(drop) => {
-                                let index = drop.index((b, h), (qs, ks), c, self.seq);
-                                let (mut pm, mut dpm) = (vec![0.0f32; c * c], vec![0.0f32; c * c]);
-                                dropout_pair(
-                                    &p,
-                                    &mut pm,
-                                    &dp,
-                                    &mut dpm,
-                                    drop.p,
-                                    &drop.stream,
-                                    index,
-                                )?;
-                                dp = dpm;
-                                Some(pm)
-                            }
-                            None => None,
-                        };
-                        let weights = dropped.as_deref().unwrap_or(&p);
-                        product(
-                            weights,
-                            (c, c, true),
-                            gb,
-                            (c, d, false),
-                            1.0,
-                            &mut dkv[va..][..c * d],
-                        )?;
-                        // dS = P ∘ (dP − D), scaled back through the scores' scale.
-                        for r in 0..c {
-                            let dr = delta[row0 + r];
-                            let (pr, dpr) = (&mut p[r * c..(r + 1) * c], &dp[r * c..(r + 1) * c]);
-                            for (x, g) in pr.iter_mut().zip(dpr) {
-                                *x *= (g - dr) * self.scale;
-                            }
-                        }
-                        product(
-                            &p,
-                            (c, c, false),
-                            kb,
-                            (c, d, false),
-                            1.0,
-                            &mut dq[at..][..c * d],
-                        )?;
-                        product(
-                            &p,
-                            (c, c, true),
-                            qb,
-                            (c, d, false),
-                            1.0,
-                            &mut dkv[ka..][..c * d],
-                        )?;
-                    }
+        for PairAt {
+            bh: (b, h),
+            i,
+            j,
+            qs,
+            ks,
+            pair,
+        } in self.pairs(q, kv)
+        {
+            let at = self.q_at((b, h), nq, i);
+            let qb = &q.data[at..][..c * d];
+            let gb = &d_out[at..][..c * d];
+            let (ka, va) = (self.kv_at(0, (b, h), nk, j), self.kv_at(1, (b, h), nk, j));
+            let kb = &kv.data[ka..][..c * d];
+            let vb = &kv.data[va..][..c * d];
+            let row0 = ((b * self.heads() + h) * nq + i) * c;
+            // P = exp(S − lse) where seen.
+            let mut p = self.scores(qb, kb)?;
+            for r in 0..c {
+                for (k, x) in p[r * c..(r + 1) * c].iter_mut().enumerate() {
+                    let seen = pair == Pair::Full || self.sees(qs + r, ks + k);
+                    *x = if seen {
+                        (*x - lse[row0 + r]).exp()
+                    } else {
+                        0.0
+                    };
                 }
             }
+            // dP = dO·Vᵀ; with dropout, dV from the dropped weights and dP
+            // through the mask (regenerated from its key).
+            let mut dp = vec![0.0f32; c * c];
+            product(gb, (c, d, false), vb, (c, d, true), 0.0, &mut dp)?;
+            let dropped = match &self.dropout {
+                Some(drop) => {
+                    let index = drop.index((b, h), (qs, ks), c, self.seq);
+                    let (mut pm, mut dpm) = (vec![0.0f32; c * c], vec![0.0f32; c * c]);
+                    dropout_pair(&p, &mut pm, &dp, &mut dpm, drop.p, &drop.stream, index)?;
+                    dp = dpm;
+                    Some(pm)
+                }
+                None => None,
+            };
+            let weights = dropped.as_deref().unwrap_or(&p);
+            product(
+                weights,
+                (c, c, true),
+                gb,
+                (c, d, false),
+                1.0,
+                &mut dkv[va..][..c * d],
+            )?;
+            // dS = P ∘ (dP − D), scaled back through the scores' scale.
+            for r in 0..c {
+                let dr = delta[row0 + r];
+                let (pr, dpr) = (&mut p[r * c..(r + 1) * c], &dp[r * c..(r + 1) * c]);
+                for (x, g) in pr.iter_mut().zip(dpr) {
+                    *x *= (g - dr) * self.scale;
+                }
+            }
+            product(
+                &p,
+                (c, c, false),
+                kb,
+                (c, d, false),
+                1.0,
+                &mut dq[at..][..c * d],
+            )?;
+            product(
+                &p,
+                (c, c, true),
+                qb,
+                (c, d, false),
+                1.0,
+                &mut dkv[ka..][..c * d],
+            )?;
         }
         Ok(())
     }

@@ -237,27 +237,29 @@ impl<'a> Keys<'a> {
                 Ok(())
             }
             Route::Ring(comm) => {
+                // Where sends never wait, each block goes on to the next rank before this rank
+                // attends to it (the exchange overlaps the block's compute); where they wait for
+                // their receive (NCCL), after, in one batched exchange.
                 let (n, me) = (comm.size(), comm.index());
                 let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+                let early = !comm.rendezvous();
                 let mut cur = kv.to_vec();
                 for step in 0..n {
                     let more = step + 1 < n;
-                    // The block goes on before this rank computes with it.
-                    if more {
+                    if more && early {
                         comm.send(&near(cur.clone(), [len], DType::F32, like)?, next)?;
                     }
                     let starts = self.starts((me + n - step) % n);
-                    bl.forward(
-                        q,
-                        Side {
-                            data: &cur,
-                            starts: &starts,
-                        },
-                        online,
-                    )?;
-                    if more {
-                        cur = receive(comm, len, prev, like)?;
-                    }
+                    let block = Side {
+                        data: &cur,
+                        starts: &starts,
+                    };
+                    bl.forward(q, block, online)?;
+                    cur = match (more, early) {
+                        (false, _) => cur,
+                        (true, true) => receive(comm, len, prev, like)?,
+                        (true, false) => swap(comm, cur, (next, prev), like)?,
+                    };
                 }
                 Ok(())
             }
@@ -314,29 +316,39 @@ impl<'a> Keys<'a> {
                 Ok(())
             }
             Route::Ring(comm) => {
-                // Each block's gradients travel round with it and come home after a full turn:
-                // after each step one message to the next rank, the block and its gradients so
-                // far (the gradients alone after the last), in one batched exchange, so that
-                // it cannot deadlock where sends wait for their receives (NCCL).
+                // Each block's gradients travel round with it and come home after a full turn.
+                // Where sends never wait, the block goes on before its gradients are computed
+                // and the gradients after; where they wait for their receive (NCCL), block and
+                // gradients go as one message in one batched exchange after the step (the
+                // gradients alone after the last), so that it cannot deadlock.
                 let (n, me) = (comm.size(), comm.index());
                 let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+                let early = !comm.rendezvous();
                 let mut cur = kv.to_vec();
                 let mut d_cur = vec![0.0f32; len];
                 for step in 0..n {
+                    let more = step + 1 < n;
+                    if more && early {
+                        comm.send(&near(cur.clone(), [len], DType::F32, like)?, next)?;
+                    }
                     let starts = self.starts((me + n - step) % n);
                     let block = Side {
                         data: &cur,
                         starts: &starts,
                     };
                     bl.backward(q, block, grads, dq, &mut d_cur)?;
-                    let mut message = if step + 1 < n { cur } else { Vec::new() };
+                    if early {
+                        comm.send(&near(d_cur, [len], DType::F32, like)?, next)?;
+                        if more {
+                            cur = receive(comm, len, prev, like)?;
+                        }
+                        d_cur = receive(comm, len, prev, like)?;
+                        continue;
+                    }
+                    let mut message = if more { cur } else { Vec::new() };
                     message.extend_from_slice(&d_cur);
-                    let size = message.len();
-                    let out = near(message, [size], DType::F32, like)?;
-                    let got = Tensor::zeros_near([size], DType::F32, like)?;
-                    comm.exchange(&[(&out, next)], &[(&got, prev)])?;
-                    let got = got.to_vec_f32()?;
-                    let (block, so_far) = got.split_at(size - len);
+                    let got = swap(comm, message, (next, prev), like)?;
+                    let (block, so_far) = got.split_at(got.len() - len);
                     cur = block.to_vec();
                     d_cur = so_far.to_vec();
                 }
@@ -353,6 +365,21 @@ fn gather(comm: &dyn Communicator, kv: &[f32], like: &Tensor) -> Result<Vec<f32>
     let all = Tensor::zeros_near([comm.size() * kv.len()], DType::F32, like)?;
     comm.all_gather(&mine, &all)?;
     Ok(all.to_vec_f32()?)
+}
+
+/// Sends `message` to group rank `next` and receives one of the same length from `prev`, in
+/// one batch.
+fn swap(
+    comm: &dyn Communicator,
+    message: Vec<f32>,
+    (next, prev): (usize, usize),
+    like: &Tensor,
+) -> Result<Vec<f32>> {
+    let size = message.len();
+    let out = near(message, [size], DType::F32, like)?;
+    let got = Tensor::zeros_near([size], DType::F32, like)?;
+    comm.exchange(&[(&out, next)], &[(&got, prev)])?;
+    Ok(got.to_vec_f32()?)
 }
 
 /// The next `len` elements from group rank `src`.

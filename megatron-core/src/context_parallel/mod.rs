@@ -228,6 +228,14 @@ impl CpGroups {
             .map(|c| (c.size(), c.stats()))
             .collect()
     }
+
+    /// The bytes this rank has put on the wire over the groups so far ([`traffic::sent`]).
+    pub fn sent(&self) -> u64 {
+        self.stats()
+            .iter()
+            .map(|(n, st)| traffic::sent(*n, st))
+            .sum()
+    }
 }
 
 /// Attention dropout under context parallelism: the drop probability, the random stream, and
