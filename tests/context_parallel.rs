@@ -371,7 +371,7 @@ fn training_at_cp_2_and_4_follows_cp_1() {
 }
 
 #[test]
-fn a_checkpoint_saved_at_cp_2_resumes_at_cp_1_and_4() {
+fn a_checkpoint_saved_at_cp_2_resumes_bit_for_bit_and_at_cp_1_and_4() {
     let dir = TempDir::new("context-parallel-resume");
     let save = dir.join("ckpt");
     let whole = support::curve(
@@ -389,6 +389,14 @@ fn a_checkpoint_saved_at_cp_2_resumes_at_cp_1_and_4() {
         ],
     );
     let from = format!("{save}/iter_0000003");
+    // At the layout it was saved at, the run goes on bit for bit.
+    let again = support::curve(
+        &COMMON,
+        &dir,
+        "cp2",
+        &["--cp", "2", "--train-iters=6", "--load", &from],
+    );
+    assert_eq!(again, whole[3..], "resumed at cp 2");
     for (name, cp) in [("cp1", "1"), ("cp4", "4")] {
         let resumed = support::curve(
             &COMMON,
