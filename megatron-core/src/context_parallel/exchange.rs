@@ -25,79 +25,86 @@ pub(super) fn near(
     Ok(out)
 }
 
+/// Where each head-sized run of grouped rows `[rows, b, groups, per_group + 2, d]` lies in the
+/// blocks' layouts: its offset there, the buffer (0: queries `[b, heads, rows, d]`, 1: keys and
+/// values `[2, b, groups, rows, d]`) and its offset in it.
+fn qkv_places(rows: usize, bl: &Blocks) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+    let (b_n, g_n, pg, d) = (bl.batch, bl.groups, bl.per_group, bl.head_dim);
+    let runs = (0..rows).flat_map(move |r| {
+        (0..b_n)
+            .flat_map(move |b| (0..g_n).flat_map(move |g| (0..pg + 2).map(move |k| (r, b, g, k))))
+    });
+    runs.map(move |(r, b, g, slot)| {
+        let grouped = (((r * b_n + b) * g_n + g) * (pg + 2) + slot) * d;
+        match slot.checked_sub(pg) {
+            None => (
+                grouped,
+                0,
+                ((b * bl.heads() + g * pg + slot) * rows + r) * d,
+            ),
+            Some(part) => (grouped, 1, (((part * b_n + b) * g_n + g) * rows + r) * d),
+        }
+    })
+}
+
 /// Splits grouped rows `[rows, b, groups, per_group + 2, d]` into queries `[b, heads, rows,
 /// d]` and keys and values `[2, b, groups, rows, d]`.
 pub(super) fn split_qkv(x: &[f32], rows: usize, bl: &Blocks) -> (Vec<f32>, Vec<f32>) {
-    let (b_n, g_n, pg, d) = (bl.batch, bl.groups, bl.per_group, bl.head_dim);
-    let mut q = vec![0.0f32; b_n * bl.heads() * rows * d];
-    let mut kv = vec![0.0f32; 2 * b_n * g_n * rows * d];
-    for r in 0..rows {
-        for b in 0..b_n {
-            for g in 0..g_n {
-                for slot in 0..pg + 2 {
-                    let from = (((r * b_n + b) * g_n + g) * (pg + 2) + slot) * d;
-                    let to = match slot.checked_sub(pg) {
-                        None => ((b * bl.heads() + g * pg + slot) * rows + r) * d,
-                        Some(part) => (((part * b_n + b) * g_n + g) * rows + r) * d,
-                    };
-                    let dst = if slot < pg { &mut q } else { &mut kv };
-                    dst[to..to + d].copy_from_slice(&x[from..from + d]);
-                }
-            }
-        }
+    let d = bl.head_dim;
+    let mut parts = [
+        vec![0.0f32; bl.batch * bl.heads() * rows * d],
+        vec![0.0f32; 2 * bl.batch * bl.groups * rows * d],
+    ];
+    for (from, part, to) in qkv_places(rows, bl) {
+        parts[part][to..to + d].copy_from_slice(&x[from..from + d]);
     }
+    let [q, kv] = parts;
     (q, kv)
 }
 
 /// [`split_qkv`]'s inverse: query and key/value gradients joined into grouped rows.
 pub(super) fn join_qkv(dq: &[f32], dkv: &[f32], rows: usize, bl: &Blocks) -> Vec<f32> {
-    let (b_n, g_n, pg, d) = (bl.batch, bl.groups, bl.per_group, bl.head_dim);
-    let mut x = vec![0.0f32; rows * b_n * g_n * (pg + 2) * d];
-    for r in 0..rows {
-        for b in 0..b_n {
-            for g in 0..g_n {
-                for slot in 0..pg + 2 {
-                    let to = (((r * b_n + b) * g_n + g) * (pg + 2) + slot) * d;
-                    let (src, from) = match slot.checked_sub(pg) {
-                        None => (dq, ((b * bl.heads() + g * pg + slot) * rows + r) * d),
-                        Some(part) => (dkv, (((part * b_n + b) * g_n + g) * rows + r) * d),
-                    };
-                    x[to..to + d].copy_from_slice(&src[from..from + d]);
-                }
-            }
-        }
+    let d = bl.head_dim;
+    let parts = [dq, dkv];
+    let mut x = vec![0.0f32; rows * bl.batch * bl.groups * (bl.per_group + 2) * d];
+    for (to, part, from) in qkv_places(rows, bl) {
+        x[to..to + d].copy_from_slice(&parts[part][from..from + d]);
     }
     x
 }
 
+/// Where each head-sized run of `[b, heads, rows, d]` lies in `[rows, b, heads·d]`: both
+/// offsets.
+fn head_places(rows: usize, bl: &Blocks) -> impl Iterator<Item = (usize, usize)> + '_ {
+    let (b_n, h_n, d) = (bl.batch, bl.heads(), bl.head_dim);
+    (0..b_n).flat_map(move |b| {
+        (0..h_n).flat_map(move |h| {
+            (0..rows).map(move |r| {
+                (
+                    ((b * h_n + h) * rows + r) * d,
+                    ((r * b_n + b) * h_n + h) * d,
+                )
+            })
+        })
+    })
+}
+
 /// `[b, heads, rows, d]` to `[rows, b, heads·d]`.
 pub(super) fn heads_to_rows(x: &[f32], rows: usize, bl: &Blocks) -> Vec<f32> {
-    let (b_n, h_n, d) = (bl.batch, bl.heads(), bl.head_dim);
+    let d = bl.head_dim;
     let mut y = vec![0.0f32; x.len()];
-    for b in 0..b_n {
-        for h in 0..h_n {
-            for r in 0..rows {
-                let from = ((b * h_n + h) * rows + r) * d;
-                let to = ((r * b_n + b) * h_n + h) * d;
-                y[to..to + d].copy_from_slice(&x[from..from + d]);
-            }
-        }
+    for (from, to) in head_places(rows, bl) {
+        y[to..to + d].copy_from_slice(&x[from..from + d]);
     }
     y
 }
 
-/// `[rows, b, heads·d]` to `[b, heads, rows, d]`.
+/// [`heads_to_rows`]' inverse.
 pub(super) fn rows_to_heads(y: &[f32], rows: usize, bl: &Blocks) -> Vec<f32> {
-    let (b_n, h_n, d) = (bl.batch, bl.heads(), bl.head_dim);
+    let d = bl.head_dim;
     let mut x = vec![0.0f32; y.len()];
-    for b in 0..b_n {
-        for h in 0..h_n {
-            for r in 0..rows {
-                let to = ((b * h_n + h) * rows + r) * d;
-                let from = ((r * b_n + b) * h_n + h) * d;
-                x[to..to + d].copy_from_slice(&y[from..from + d]);
-            }
-        }
+    for (to, from) in head_places(rows, bl) {
+        x[to..to + d].copy_from_slice(&y[from..from + d]);
     }
     x
 }

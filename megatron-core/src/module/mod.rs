@@ -26,6 +26,7 @@ use crate::context_parallel::{CpChunks, CpGroups};
 use crate::cuda_graphs::GraphRuntime;
 use crate::error::Result;
 use crate::inference::KvCache;
+use crate::invalid;
 use crate::moe::RoutingLog;
 use crate::parallel::GroupKind;
 use crate::rng::DropoutStream;
@@ -92,6 +93,33 @@ impl<'a> Cx<'a> {
     /// The position of this forward's first token: the cached positions when decoding, else 0.
     pub fn position_offset(&self) -> usize {
         self.kv_cache.map_or(0, KvCache::offset)
+    }
+
+    /// Where this rank's positions of a local sequence of `local` positions (its sequence, or
+    /// with context parallelism its two chunks) lie in the whole sequence: with sequence
+    /// parallelism only its shard of them; one run of positions per chunk they touch (from
+    /// [`Cx::position_offset`] on without context parallelism).
+    pub fn position_runs(&self, local: usize) -> Result<Vec<std::ops::Range<usize>>> {
+        let rows = match self.sequence_parallel() {
+            true => {
+                let tp = self.tp_size();
+                if !local.is_multiple_of(tp) {
+                    return invalid!(
+                        "sequence parallelism splits the sequence of {local} positions over tp = \
+                         {tp}: it does not divide"
+                    );
+                }
+                self.tp_rank() * local / tp..(self.tp_rank() + 1) * local / tp
+            }
+            false => 0..local,
+        };
+        Ok(match self.cp_chunks(local)? {
+            Some(chunks) => chunks.runs(rows),
+            None => {
+                let offset = self.position_offset();
+                std::iter::once(offset + rows.start..offset + rows.end).collect()
+            }
+        })
     }
 
     /// The same context with `#[graph_scope(..)]` fields going through `graphs`.

@@ -110,17 +110,12 @@ fn cp_logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> Result<dk::Logic
     }
     let rows = x.dims().first().copied().unwrap_or(0);
     let per_position = x.numel().checked_div(rows).unwrap_or(0);
-    let (local, shard) = match cx.sequence_parallel() {
-        true => (
-            rows * cx.tp_size(),
-            cx.tp_rank() * rows..(cx.tp_rank() + 1) * rows,
-        ),
-        false => (rows, 0..rows),
+    // With sequence parallelism `x` is this rank's shard of its chunks' positions.
+    let local = match cx.sequence_parallel() {
+        true => rows * cx.tp_size(),
+        false => rows,
     };
-    let Some(chunks) = cx.cp_chunks(local)? else {
-        return invalid!("context parallelism without a context-parallel group");
-    };
-    let runs = chunks.runs(shard.clone());
+    let runs = cx.position_runs(local)?;
     match runs.as_slice() {
         [a] => Ok(dk::LogicalIndex::range(
             (a.start * per_position) as u64,
@@ -133,7 +128,7 @@ fn cp_logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> Result<dk::Logic
             logical_start: (a.start * per_position) as u64,
         }),
         _ => invalid!(
-            "dropout with context parallelism: local rows {shard:?} lie in runs {runs:?} of \
+            "dropout with context parallelism: this rank's positions lie in runs {runs:?} of \
              unequal lengths (sequence parallelism needs an even tensor-parallel size)"
         ),
     }

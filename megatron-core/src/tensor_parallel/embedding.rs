@@ -435,43 +435,27 @@ impl PositionEmbedding {
                 offset + global
             );
         }
-        // This rank's rows of the local sequence: with sequence parallelism its shard.
-        let rows = match cx.sequence_parallel() {
-            true => {
-                let tp = cx.tp_size();
-                if !whole.is_multiple_of(tp) {
-                    return invalid!(
-                        "sequence parallelism splits the sequence of {whole} positions over tp = \
-                         {tp}: it does not divide"
-                    );
-                }
-                cx.tp_rank() * whole / tp..(cx.tp_rank() + 1) * whole / tp
-            }
-            false => 0..whole,
-        };
-        // Where they lie in the sequence: with context parallelism in the rank's chunks.
-        let runs = match cx.cp_chunks(whole)? {
-            Some(chunks) => chunks.runs(rows.clone()),
-            None => std::iter::once(offset + rows.start..offset + rows.end).collect(),
-        };
+        // This rank's positions: its chunks' with context parallelism, with sequence
+        // parallelism its shard of them.
+        let runs = cx.position_runs(whole)?;
         let [first, second] = match runs.as_slice() {
             [a] => [(a.start, a.len()), (a.end, 0)],
             [a, b] => [(a.start, a.len()), (b.start, b.len())],
-            _ => return invalid!("position embedding: rows {rows:?} lie in {runs:?}"),
+            _ => return invalid!("position embedding: this rank's positions lie in {runs:?}"),
         };
-        let table = self.weight.value();
+        let (table, seq) = (self.weight.value(), first.1 + second.1);
         let out = match second.1 {
             0 => {
                 let part = table.narrow(0, first.0, first.1)?.to_f32_contiguous()?;
-                backend::of(table).positions_forward(&part, rows.len(), batch)?
+                backend::of(table).positions_forward(&part, seq, batch)?
             }
             _ => {
-                let part = Tensor::empty_near([rows.len(), table.dims()[1]], DType::F32, table)?;
+                let part = Tensor::empty_near([seq, table.dims()[1]], DType::F32, table)?;
                 for (at, (start, len)) in [(0, first), (first.1, second)] {
                     part.narrow(0, at, len)?
                         .copy_from(&table.narrow(0, start, len)?.to_f32_contiguous()?)?;
                 }
-                backend::of(table).positions_forward(&part, rows.len(), batch)?
+                backend::of(table).positions_forward(&part, seq, batch)?
             }
         };
         let runs = [first, second];
