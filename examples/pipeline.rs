@@ -11,7 +11,7 @@
 use megatron::job::{PipelineSettings, Placement, TrainJob};
 use megatron::models::preset;
 use megatron::optimizer::AdamWConfig;
-use megatron::pipeline_parallel::{draw, simulate};
+use megatron::pipeline_parallel::{Costs, draw, simulate};
 use megatron::training::{BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig};
 
 const STEPS: u64 = 40;
@@ -89,7 +89,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 format!("chunk {c}: blocks {:?}", part.layers)
             })
             .collect();
-        let order: Vec<String> = r.order.iter().map(i32::to_string).collect();
+        let order: Vec<String> = r
+            .megatron_order()
+            .unwrap_or_default()
+            .iter()
+            .map(i32::to_string)
+            .collect();
         println!(
             "stage {} ({}), {} warm-up forwards; order {}",
             r.rank,
@@ -98,7 +103,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             order.join(" ")
         );
     }
-    let timeline = simulate(&schedule, 1, 2)?;
+    let timeline = simulate(&schedule, Costs::EQUAL)?;
     println!("\nthe timeline (forward 1 unit, backward 2; letter: chunk, ': backward, .: idle):");
     print!("{}", draw(&timeline, pipeline.vpp));
     println!(

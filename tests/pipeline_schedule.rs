@@ -6,8 +6,8 @@
 
 mod support;
 use megatron::pipeline_parallel::{
-    Pass, RankCounts, Schedule, ScheduleConfig, ScheduleError, TableEntry, order_from_table,
-    schedule_table, simulate, traces,
+    Costs, Pass, RankCounts, Schedule, ScheduleConfig, ScheduleError, Slot, TableEntry,
+    order_from_table, schedule_table, simulate, traces,
 };
 use support::megatron;
 
@@ -43,7 +43,7 @@ fn the_seeds_interleaved_orders_for_every_rank() {
         // (PP − rank − 1)·2 + (VPP − 1)·group size.
         assert_eq!(r.counts.warmup, (4 - rank - 1) * 2 + 4, "rank {rank}");
         assert_eq!(r.counts.total, 16);
-        assert_eq!(r.order, expected, "rank {rank}");
+        assert_eq!(r.megatron_order().unwrap(), expected, "rank {rank}");
     }
 }
 
@@ -68,8 +68,8 @@ fn megatrons_docstring_example() {
     assert_eq!(schedule.ranks[1].counts.warmup, 3);
     assert_eq!(schedule.ranks[0].counts.warmup, 5);
     assert_eq!(
-        schedule.ranks[0].order,
-        order_from_table(&table, 2, 5).as_slice()
+        schedule.ranks[0].megatron_order().unwrap(),
+        order_from_table(&table, 2, 5)
     );
 }
 
@@ -100,7 +100,7 @@ fn counts_for_training_forward_only_and_moe_overlap() {
         schedule
             .ranks
             .iter()
-            .all(|r| r.order.iter().all(|&e| e > 0))
+            .all(|r| r.order.iter().all(|s| s.pass == Pass::Forward))
     );
     assert_eq!(schedule.ranks[0].order.len(), 16);
     // MoE overlap: one more warm-up forward in the interleaved schedule only.
@@ -195,7 +195,8 @@ fn every_order_is_a_valid_pipeline_holding_at_most_warmup_plus_one_activations()
     for config in configs {
         let schedule = Schedule::new(config).unwrap();
         // No deadlock, and every channel awaits its messages in the order they are sent.
-        let timeline = simulate(&schedule, 1, 2).unwrap_or_else(|e| panic!("{config:?}: {e}"));
+        let timeline =
+            simulate(&schedule, Costs::EQUAL).unwrap_or_else(|e| panic!("{config:?}: {e}"));
         let walked = traces(&schedule).unwrap();
         let m = config.microbatches;
         for (rank, (ops, stats)) in walked.iter().enumerate() {
@@ -252,15 +253,16 @@ fn a_broken_order_is_found() {
     // microbatch 0, which rank 1 computes only after microbatch 1, which rank 0 sends only after
     // that gradient.
     let mut schedule = Schedule::new(ScheduleConfig::new(2, 1, 2)).unwrap();
-    assert_eq!(schedule.ranks[0].order, [1, 1, -1, -1]);
-    assert_eq!(schedule.ranks[1].order, [1, -1, 1, -1]);
+    assert_eq!(schedule.ranks[0].megatron_order().unwrap(), [1, 1, -1, -1]);
+    assert_eq!(schedule.ranks[1].megatron_order().unwrap(), [1, -1, 1, -1]);
+    assert_eq!(schedule.ranks[1].order[1], Slot::backward(0));
     let (a, b) = (
         schedule.ranks[0].order.clone(),
         schedule.ranks[1].order.clone(),
     );
     schedule.ranks[0].order = b;
     schedule.ranks[1].order = a;
-    let err = simulate(&schedule, 1, 2).unwrap_err().to_string();
+    let err = simulate(&schedule, Costs::EQUAL).unwrap_err().to_string();
     assert!(err.contains("deadlock"), "{err}");
     assert!(
         err.contains("rank 0 at Backward of chunk 0 microbatch 0 waits for the Backward of virtual stage 1 microbatch 0"),
@@ -270,7 +272,7 @@ fn a_broken_order_is_found() {
     // the first group: it would take the wrong activation off rank 0's channel.
     let mut schedule = Schedule::new(ScheduleConfig::new(4, 2, 8)).unwrap();
     schedule.ranks[1].order.swap(3, 4);
-    let err = simulate(&schedule, 1, 2).unwrap_err();
+    let err = simulate(&schedule, Costs::EQUAL).unwrap_err();
     assert!(
         matches!(
             err,
@@ -367,8 +369,7 @@ fn every_plan_runs_its_order_and_completes_under_either_delivery() {
             let schedule = Schedule::new(config).unwrap();
             let what = format!("{config:?} {delivery:?}");
             let plans = plan(&schedule, delivery).unwrap_or_else(|e| panic!("{what}: {e}"));
-            check(&plans, config.pp, config.vpp, delivery)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            check(&plans, &config.stage_map(), delivery).unwrap_or_else(|e| panic!("{what}: {e}"));
             for (rank_plan, (ops, _)) in plans.iter().zip(traces(&schedule).unwrap()) {
                 // The passes are the rank's order, unchanged.
                 let runs: Vec<_> = rank_plan
@@ -406,16 +407,17 @@ fn sends_that_wait_deadlock_the_buffered_plan_and_not_the_batched_one() {
     for config in [ScheduleConfig::new(2, 2, 4), ScheduleConfig::new(4, 2, 8)] {
         let schedule = Schedule::new(config).unwrap();
         let buffered = plan(&schedule, Delivery::Buffered).unwrap();
-        check(&buffered, config.pp, config.vpp, Delivery::Buffered).unwrap();
+        let map = config.stage_map();
+        check(&buffered, &map, Delivery::Buffered).unwrap();
         assert!(
             matches!(
-                check(&buffered, config.pp, config.vpp, Delivery::Rendezvous),
+                check(&buffered, &map, Delivery::Rendezvous),
                 Err(PlanError::Deadlock(_))
             ),
             "{config:?}"
         );
         let batched = plan(&schedule, Delivery::Rendezvous).unwrap();
-        check(&batched, config.pp, config.vpp, Delivery::Rendezvous).unwrap();
+        check(&batched, &map, Delivery::Rendezvous).unwrap();
     }
     // A pass moved before the exchange that brings its input is caught.
     let schedule = Schedule::new(ScheduleConfig::new(2, 1, 2)).unwrap();
@@ -428,7 +430,7 @@ fn sends_that_wait_deadlock_the_buffered_plan_and_not_the_batched_one() {
     let run = actions.remove(first_run);
     actions.insert(0, run);
     assert!(matches!(
-        check(&plans, 2, 1, Delivery::Rendezvous),
+        check(&plans, &schedule.config.stage_map(), Delivery::Rendezvous),
         Err(PlanError::Early { rank: 1, .. })
     ));
 }

@@ -226,6 +226,10 @@ impl megatron::pipeline_parallel::Stage for Relay<'_> {
         Ok(())
     }
 
+    fn weight(&mut self, _chunk: usize, _microbatch: usize) -> megatron::Result<()> {
+        Ok(())
+    }
+
     fn exchange(
         &mut self,
         sends: &[megatron::pipeline_parallel::Transfer],

@@ -680,11 +680,14 @@ fn mlp_expansion_has_f_and_g_where_megatron_puts_them() {
         "Ok ((fc2_out , MlpSaved { fc1 , gelu , fc2 }))",
         "let MlpSaved { fc1 , gelu , fc2 } = saved ;",
         "let d_fc2_whole = if cx . sequence_parallel () { :: megatron :: tensor_parallel :: all_gather_sequence (cx , d_out) ? } else { :: std :: clone :: Clone :: clone (d_out) } ;",
-        "let d_h = < Linear as RowParallel > :: backward_row (& self . fc2 , cx , site . child (\"fc2\") , fc2 , & d_fc2_whole) ? ;",
+        "let (d_h , fc2_weight_grad) = < Linear as RowParallel > :: backward_row_input (& self . fc2 , cx , site . child (\"fc2\") , fc2 , & d_fc2_whole) ? ;",
+        "cx . weight_gradient (fc2_weight_grad) ? ;",
         "let d_fc1_out = :: megatron :: ops :: gelu_backward (cx , site . child (\"gelu\") , gelu , & d_h) ? ;",
         "let fc1_whole = if cx . sequence_parallel () { < Linear as ColumnParallel > :: map_kept_input (fc1 , & | x | :: megatron :: tensor_parallel :: all_gather_sequence (cx , x)) ? } else { fc1 } ;",
-        "let d_fc1_partial = < Linear as ColumnParallel > :: backward_column (& self . fc1 , cx , site . child (\"fc1\") , fc1_whole , & d_fc1_out) ? ;",
-        "let d_x = if cx . sequence_parallel () { :: megatron :: tensor_parallel :: reduce_scatter_sequence (cx , & d_fc1_partial) ? } else { cx . tp () . all_reduce (& d_fc1_partial , ReduceOp :: Sum) ? ; d_fc1_partial } ; Ok (d_x)",
+        "let (d_fc1_partial , fc1_weight_grad) = < Linear as ColumnParallel > :: backward_column_input (& self . fc1 , cx , site . child (\"fc1\") , fc1_whole , & d_fc1_out) ? ;",
+        // The input gradient's all-reduce (B) before the weight gradients (W), which need none.
+        "let d_x = if cx . sequence_parallel () { :: megatron :: tensor_parallel :: reduce_scatter_sequence (cx , & d_fc1_partial) ? } else { cx . tp () . all_reduce (& d_fc1_partial , ReduceOp :: Sum) ? ; d_fc1_partial } ;",
+        "cx . weight_gradient (fc1_weight_grad) ? ; Ok (d_x)",
     ] {
         let expected = squash(expected);
         assert!(out.contains(&expected), "missing\n{expected}\nin\n{out}");

@@ -1,16 +1,27 @@
 //! `megatron schedule`: a pipeline schedule as Megatron-LM computes it (the schedule table, each
-//! rank's counts and order) and as the executor walks it, with the simulated timeline.
+//! rank's counts and order), or a zero-bubble one with its weight-gradient passes, as the
+//! executor walks it, with the simulated timeline and the bubble its paper predicts.
 
 use super::output::{self, say};
 use super::values;
 use anyhow::Result;
 use clap::Args;
-use megatron::pipeline_parallel::{Pass, Schedule, ScheduleConfig, draw, simulate, traces};
+use megatron::pipeline_parallel::{
+    Costs, Schedule, ScheduleConfig, ScheduleKind, draw, simulate, theory, traces,
+};
 use serde_json::{Value, json};
 
 /// The schedule's sizes, as `schedule` and `graphs` take them.
 #[derive(Debug, Args)]
 pub struct ScheduleShape {
+    /// The schedule: 1f1b, interleaved, zb-h1, zb-h2, zbv or dualpipev [default: 1f1b, or
+    /// interleaved with --vpp above 1].
+    #[arg(
+        long = "schedule",
+        visible_alias = "pipeline-schedule",
+        value_parser = values::schedule
+    )]
+    schedule: Option<ScheduleKind>,
     /// Pipeline stages (Megatron's --pipeline-model-parallel-size).
     #[arg(
         long = "pp",
@@ -18,14 +29,13 @@ pub struct ScheduleShape {
         value_parser = values::ranks
     )]
     pp: usize,
-    /// Model chunks per rank (virtual pipeline stages); 1 is the non-interleaved 1F1B schedule.
+    /// Model chunks per rank (virtual pipeline stages) [default: 1; 2 for zbv and dualpipev].
     #[arg(
         long = "vpp",
         visible_alias = "virtual-pipeline-model-parallel-size",
-        default_value_t = 1,
         value_parser = values::ranks
     )]
-    vpp: usize,
+    vpp: Option<usize>,
     /// Microbatches per step.
     #[arg(
         long = "microbatches",
@@ -49,9 +59,12 @@ pub struct ScheduleShape {
 impl ScheduleShape {
     /// The training schedule of these sizes (a group size without virtual stages refused).
     pub fn config(&self) -> Result<ScheduleConfig> {
+        let kind = self
+            .schedule
+            .unwrap_or_else(|| ScheduleKind::default_for(self.vpp.unwrap_or(1)));
         let config = ScheduleConfig {
             group_size: self.group_size,
-            ..ScheduleConfig::new(self.pp, self.vpp, self.microbatches)
+            ..ScheduleConfig::named(kind, self.pp, self.vpp, self.microbatches)?
         };
         config.check_group_used()?;
         Ok(config)
@@ -86,9 +99,11 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
     };
     let schedule = Schedule::new(config)?;
     let walked = traces(&schedule)?;
-    // A forward of a chunk costs 1, its backward 2 (a backward computes two products for each
-    // of the forward's one).
-    let timeline = simulate(&schedule, 1, 2)?;
+    // A forward of a chunk costs 1, its input gradient 1 and its weight gradients 1 (a backward
+    // computes two products for each of the forward's one).
+    let costs = Costs::EQUAL;
+    let timeline = simulate(&schedule, costs)?;
+    let theory = theory(&config, costs);
     if args.json {
         let per_rank: Vec<Value> = schedule
             .ranks
@@ -97,10 +112,7 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
             .map(|(r, (ops, stats))| {
                 let trace: Vec<Value> = ops
                     .iter()
-                    .map(|op| {
-                        let pass = if op.pass == Pass::Forward { "F" } else { "B" };
-                        json!([pass, op.chunk, op.microbatch])
-                    })
+                    .map(|op| json!([op.pass.letter(), op.chunk, op.microbatch]))
                     .collect();
                 json!({
                     "pp_rank": r.rank,
@@ -108,7 +120,7 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
                     "num_warmup_microbatches": r.counts.warmup,
                     "num_microbatches_remaining": r.counts.remaining,
                     "are_all_microbatches_in_warmup": r.counts.all_in_warmup,
-                    "order": r.order,
+                    "order": r.megatron_order(),
                     "trace": trace,
                     "max_live_activations": stats.max_live,
                 })
@@ -120,6 +132,8 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
             .map(|s| json!([s.microbatch, s.chunk]))
             .collect();
         let out = json!({
+            "schedule": config.kind.name(),
+            "splits_backward": config.kind.splits_backward(),
             "pp": config.pp,
             "vpp": config.vpp,
             "num_microbatches": config.microbatches,
@@ -128,19 +142,24 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
             "schedule_table": table,
             "per_rank": per_rank,
             "simulated": {
-                "forward_time": 1,
-                "backward_time": 2,
+                "forward_time": costs.forward,
+                "backward_time": costs.backward,
+                "weight_time": costs.weight,
                 "makespan": timeline.makespan,
                 "bubble": timeline.bubble(),
+                "bubble_within_ranks": timeline.bubble_within_ranks(),
+                "theory": theory.bubble,
+                "theory_within_ranks": theory.within_ranks,
+                "formula": theory.formula,
+                "formula_holds_from_microbatches": theory.min_microbatches,
             },
         });
         say!("{}", serde_json::to_string_pretty(&out)?)?;
         return Ok(());
     }
-    let kind = match (config.forward_only, config.interleaved()) {
-        (true, _) => "forward-only",
-        (false, false) => "1F1B",
-        (false, true) => "interleaved 1F1B",
+    let kind = match config.forward_only {
+        true => "forward-only",
+        false => config.kind.name(),
     };
     say!(
         "{kind} schedule: pp {}, {} chunk{} per rank, {} microbatches, group size {}",
@@ -159,7 +178,14 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
         "max live"
     )?;
     for (r, (_, stats)) in schedule.ranks.iter().zip(&walked) {
-        let order: Vec<String> = r.order.iter().map(i32::to_string).collect();
+        let order: Vec<String> = match r.megatron_order() {
+            Some(order) => order.iter().map(i32::to_string).collect(),
+            None => r
+                .order
+                .iter()
+                .map(|s| format!("{}{}", s.pass.letter(), s.chunk))
+                .collect(),
+        };
         say!(
             "{:<6} {:>7} {:>7} {:>9} {:>9}  {}",
             r.rank,
@@ -171,7 +197,8 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
         )?;
     }
     say!(
-        "\ntimeline (a forward takes 1 unit, a backward 2; {}: microbatch, ' backward, . idle):",
+        "\ntimeline (a forward takes 1 unit, an input gradient 1, weight gradients 1; {}: \
+         microbatch, ' backward, \" weight gradients, . idle):",
         if config.vpp > 1 {
             "letter: chunk"
         } else {
@@ -188,11 +215,25 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
             timeline.makespan
         )?;
     }
-    let theory = (config.pp - 1) as f64 / (config.vpp * config.microbatches) as f64;
     say!(
-        "\n{} units; bubble {:.3} of the compute time (Megatron-LM's theory: (pp − 1)/(V·M) = {theory:.3})",
+        "\n{} units; bubble {:.3} of the compute time (theory: {} = {:.3}{})",
         timeline.makespan,
-        timeline.bubble()
+        timeline.bubble(),
+        theory.formula,
+        theory.bubble,
+        match config.microbatches < theory.min_microbatches {
+            true => format!(
+                "; it holds from {} microbatches, the pipeline is not filled",
+                theory.min_microbatches
+            ),
+            false => String::new(),
+        }
     )?;
+    if let Some(within) = theory.within_ranks {
+        say!(
+            "inside the ranks' spans (steps back to back, the ramp filled): {:.3} (the paper: {within:.3})",
+            timeline.bubble_within_ranks()
+        )?;
+    }
     Ok(())
 }

@@ -213,6 +213,15 @@ pub fn dropout(s: &str) -> Result<f32, String> {
     within(number_f32(s)?, Range::Fraction)
 }
 
+/// A pipeline schedule's name (`--pipeline-schedule`).
+pub fn schedule(s: &str) -> Result<megatron::pipeline_parallel::ScheduleKind, String> {
+    use megatron::pipeline_parallel::ScheduleKind;
+    ScheduleKind::parse(s).ok_or_else(|| {
+        let names: Vec<&str> = ScheduleKind::ALL.iter().map(|k| k.name()).collect();
+        format!("unknown pipeline schedule; one of {}", names.join(", "))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

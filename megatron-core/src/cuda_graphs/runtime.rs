@@ -198,7 +198,7 @@ impl GraphRuntime {
                 let inputs = self.static_inputs(&mut state, key, inputs)?;
                 match key.pass {
                     Pass::Forward => state.stats.forward_captures += 1,
-                    Pass::Backward => state.stats.backward_captures += 1,
+                    Pass::Backward | Pass::Weight => state.stats.backward_captures += 1,
                 }
                 if let Some(gpu) = inputs.first().and_then(|x| x.gpu()).cloned() {
                     state.random_draws.clear();
@@ -273,7 +273,7 @@ impl GraphRuntime {
                 state.stats.static_bytes += bytes;
                 fresh(inputs)
             }
-            Pass::Backward => match state.grads.get(&key.site) {
+            Pass::Backward | Pass::Weight => match state.grads.get(&key.site) {
                 Some(shared) if on_gpu => {
                     for (fixed, x) in shared.iter().zip(inputs) {
                         fixed.copy_from(x)?;

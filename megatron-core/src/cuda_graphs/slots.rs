@@ -6,7 +6,7 @@
 //! a chunk needs as many slots as it ever has microbatches in flight: the schedule's bound (the
 //! warm-up plus one), never the number of microbatches.
 
-use crate::pipeline_parallel::{Stage, WalkError, walk};
+use crate::pipeline_parallel::{Slot, Stage, WalkError, walk};
 
 /// Every (chunk, microbatch)'s slot for one rank's order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -97,12 +97,18 @@ impl Stage for SlotAllocator {
         self.free(chunk, microbatch);
         Ok(())
     }
+
+    /// Graph scopes run in forwards and backwards only (a schedule with weight-gradient passes
+    /// runs without them).
+    fn weight(&mut self, _chunk: usize, _microbatch: usize) -> Result<(), WalkError> {
+        Ok(())
+    }
 }
 
 impl SlotPlan {
-    /// The slots of a rank running `order` (Megatron-LM's `+k`/`−k` entries) over `chunks`
-    /// chunks and `microbatches` microbatches.
-    pub fn new(order: &[i32], chunks: usize, microbatches: usize) -> Result<SlotPlan, WalkError> {
+    /// The slots of a rank running `order` over `chunks` chunks and `microbatches`
+    /// microbatches.
+    pub fn new(order: &[Slot], chunks: usize, microbatches: usize) -> Result<SlotPlan, WalkError> {
         let mut assign = SlotAllocator::new();
         assign.held.resize(chunks, Vec::new());
         assign.slot.resize(chunks, vec![0; microbatches]);

@@ -56,8 +56,27 @@ pub fn gather_parameters(buffers: &ParamBuffers, groups: ReduceGroups<'_>) -> Re
 }
 
 /// Sums the gradients of the parameters the first and the last stage both hold over the
-/// embedding group (a collective of the two stages' ranks, in visit order).
+/// embedding group (a collective of the two stages' ranks, in visit order). Where one rank
+/// holds both stages (the first rank of a V), the sum is local and the group's other rank,
+/// holding neither, takes no part.
 pub fn sum_shared_gradients<M: Pipelined>(chunks: &[M], parallel: &ParallelState) -> Result<()> {
+    let shared_of = |end: fn(&M) -> bool| {
+        let mut grads = Vec::new();
+        for chunk in chunks.iter().filter(|c| end(c)) {
+            chunk.visit_shared_params(&mut |p| grads.push(p.grad().clone()));
+        }
+        grads
+    };
+    let first = shared_of(|c| c.stage().first && !c.stage().last);
+    let last = shared_of(|c| c.stage().last && !c.stage().first);
+    if !first.is_empty() && !last.is_empty() {
+        for (a, b) in first.iter().zip(&last) {
+            let sum = crate::ops::add(a, b)?;
+            a.copy_from(&sum)?;
+            b.copy_from(&sum)?;
+        }
+        return Ok(());
+    }
     let Some(group) = parallel.get(GroupKind::Embedding) else {
         return Ok(());
     };

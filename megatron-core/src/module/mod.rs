@@ -12,6 +12,7 @@
 mod param;
 pub mod recompute;
 mod site;
+pub mod weight_grad;
 
 use std::fmt;
 
@@ -20,6 +21,7 @@ pub use param::{
 };
 pub use recompute::{Recompute, StackSaved, stack_backward, stack_forward};
 pub use site::Site;
+pub use weight_grad::{DeferredWeights, WeightGrad};
 
 use crate::comm::{Communicator, ParallelState};
 use crate::context_parallel::{CpChunks, CpGroups};
@@ -54,6 +56,9 @@ pub struct Cx<'a> {
     graph_slot: usize,
     /// Generation's keys and values so far, when decoding with a cache.
     kv_cache: Option<&'a KvCache>,
+    /// Where a split backward puts its weight gradients off to (a zero-bubble schedule's
+    /// backward pass); `None`: they run at once.
+    deferred_weights: Option<&'a DeferredWeights>,
 }
 
 impl<'a> Cx<'a> {
@@ -71,6 +76,32 @@ impl<'a> Cx<'a> {
             graphs: None,
             graph_slot: 0,
             kv_cache: None,
+            deferred_weights: None,
+        }
+    }
+
+    /// The same context putting the weight gradients of its backward off to `deferred` (the
+    /// backward pass of a zero-bubble schedule, whose weight-gradient pass runs them).
+    pub fn deferring_weights<'b>(&self, deferred: &'b DeferredWeights) -> Cx<'b>
+    where
+        'a: 'b,
+    {
+        Cx {
+            deferred_weights: Some(deferred),
+            ..*self
+        }
+    }
+
+    /// Runs a layer's weight gradients `w`: at once, or in a zero-bubble schedule's backward
+    /// put off to its weight-gradient pass. Generated code calls it right after each linear
+    /// layer's input gradient (`W` after `B`).
+    pub fn weight_gradient(&self, w: WeightGrad) -> Result<()> {
+        match self.deferred_weights {
+            Some(deferred) => {
+                deferred.defer(w);
+                Ok(())
+            }
+            None => w.run(),
         }
     }
 
@@ -425,14 +456,28 @@ pub trait ColumnParallel: Module {
     fn build_column(spec: &Self::Spec, b: &mut Builder) -> Result<Self>;
     /// Computes this rank's output features from the whole input.
     fn forward_column(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, Self::Saved)>;
-    /// Accumulates this rank's parameter gradients and returns its partial input gradient.
+    /// The split backward: this rank's partial input gradient, and the weight gradients to run
+    /// now or later ([`Cx::weight_gradient`]).
+    fn backward_column_input(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: Self::Saved,
+        dy: &Tensor,
+    ) -> Result<(Tensor, WeightGrad)>;
+    /// Accumulates this rank's parameter gradients (through [`Cx::weight_gradient`]) and returns
+    /// its partial input gradient.
     fn backward_column(
         &self,
         cx: &Cx,
         site: Site,
         saved: Self::Saved,
         dy: &Tensor,
-    ) -> Result<Tensor>;
+    ) -> Result<Tensor> {
+        let (dx, w) = self.backward_column_input(cx, site, saved, dy)?;
+        cx.weight_gradient(w)?;
+        Ok(dx)
+    }
     /// What `forward_column` kept with its kept input (the whole input, read by the weight's
     /// gradient) replaced by `f` of it: with sequence parallelism the generated code keeps this
     /// rank's shard of the sequence instead of the gathered whole, and gathers it again before
@@ -461,8 +506,22 @@ pub trait RowParallel: Module {
     fn forward_row(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, Self::Saved)>;
     /// Adds the bias, in place, to the all-reduced output, unless `forward_row` added it.
     fn add_bias(&self, cx: &Cx, y: &Tensor) -> Result<()>;
-    /// Accumulates parameter gradients and returns the gradient of this rank's input slice.
-    fn backward_row(&self, cx: &Cx, site: Site, saved: Self::Saved, dy: &Tensor) -> Result<Tensor>;
+    /// The split backward: the gradient of this rank's input slice, and the weight gradients to
+    /// run now or later ([`Cx::weight_gradient`]).
+    fn backward_row_input(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: Self::Saved,
+        dy: &Tensor,
+    ) -> Result<(Tensor, WeightGrad)>;
+    /// Accumulates parameter gradients (through [`Cx::weight_gradient`]) and returns the
+    /// gradient of this rank's input slice.
+    fn backward_row(&self, cx: &Cx, site: Site, saved: Self::Saved, dy: &Tensor) -> Result<Tensor> {
+        let (dx, w) = self.backward_row_input(cx, site, saved, dy)?;
+        cx.weight_gradient(w)?;
+        Ok(dx)
+    }
 }
 
 /// An embedding whose vocabulary rows are split over the tensor-parallel group (`#[vocab_parallel]`).
@@ -492,14 +551,28 @@ pub trait VocabParallel: Module {
         site: Site,
         h: &Tensor,
     ) -> Result<(Tensor, Self::LogitsSaved)>;
-    /// Accumulates this rank's row gradients and returns its partial input gradient.
+    /// The split backward of the tied output layer: its partial input gradient, and the row
+    /// gradients to run now or later ([`Cx::weight_gradient`]).
+    fn logits_backward_input(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: Self::LogitsSaved,
+        dlogits: &Tensor,
+    ) -> Result<(Tensor, WeightGrad)>;
+    /// Accumulates this rank's row gradients (through [`Cx::weight_gradient`]) and returns its
+    /// partial input gradient.
     fn logits_backward(
         &self,
         cx: &Cx,
         site: Site,
         saved: Self::LogitsSaved,
         dlogits: &Tensor,
-    ) -> Result<Tensor>;
+    ) -> Result<Tensor> {
+        let (dx, w) = self.logits_backward_input(cx, site, saved, dlogits)?;
+        cx.weight_gradient(w)?;
+        Ok(dx)
+    }
     /// What `logits_forward` kept with its kept input replaced by `f` of it: with sequence
     /// parallelism the generated code keeps this rank's shard of the sequence and gathers it
     /// again before `logits_backward` (as [`ColumnParallel::map_kept_input`]).

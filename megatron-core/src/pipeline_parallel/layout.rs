@@ -1,7 +1,8 @@
 //! Which layers each pipeline stage holds, as Megatron-LM assigns them.
 //!
-//! Chunk `k` of pipeline rank `r` is virtual stage `s = k·pp + r`; virtual stages take the
-//! layers in order, so stage `s` starts where stage `s − 1` ends. A rank holds the same number
+//! Chunk `k` of pipeline rank `r` is virtual stage `s = k·pp + r` (in a V, chunk 1 of rank `r`
+//! is stage `2·pp − 1 − r`: [`StageMap`]); virtual stages take the layers in order, so stage `s`
+//! starts where stage `s − 1` ends. A rank holds the same number
 //! of layers in each of its chunks: `L / (pp·V)` in the even layout; with
 //! `--decoder-first-pipeline-num-layers` (`--decoder-last-...`) the first (last) rank holds that
 //! many and the other ranks share the rest evenly (Megatron-LM's `get_num_layers_to_build` and
@@ -10,6 +11,8 @@
 use std::ops::Range;
 
 use thiserror::Error;
+
+use super::schedule::{Placement, StageMap};
 
 /// A layer assignment Megatron-LM refuses; the messages name the numbers.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -44,6 +47,13 @@ pub enum StageLayoutError {
         /// Pipeline stages.
         pp: usize,
     },
+    /// Uneven first or last stages with the stages in a V.
+    #[error(
+        "--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers set the first \
+         and last pipeline ranks' layers; in a V (--pipeline-schedule zbv or dualpipev) the first \
+         rank holds both ends of the model: give an even layout"
+    )]
+    UnevenVee,
 }
 
 /// What one model chunk of a pipeline rank holds of a model whose layers are a `#[pipeline]`
@@ -75,6 +85,7 @@ impl StagePart {
 pub struct PipelineLayout {
     pp: usize,
     vpp: usize,
+    placement: Placement,
     /// Layers per chunk of each rank.
     per_chunk: Vec<usize>,
 }
@@ -158,6 +169,7 @@ impl PipelineLayout {
         Ok(PipelineLayout {
             pp,
             vpp,
+            placement: Placement::Looped,
             per_chunk: per_rank.iter().map(|n| n / vpp).collect(),
         })
     }
@@ -172,15 +184,35 @@ impl PipelineLayout {
         self.vpp
     }
 
-    /// The virtual stage of chunk `chunk` of rank `rank`: `chunk·pp + rank`.
+    /// The same layout with the stages placed by `placement` (a V needs two chunks per rank,
+    /// which [`super::ScheduleConfig::validate`] checks, and an even layout).
+    pub fn placed(self, placement: Placement) -> Result<PipelineLayout, StageLayoutError> {
+        let uneven = self.per_chunk.iter().any(|&n| n != self.per_chunk[0]);
+        if placement == Placement::Vee && uneven {
+            return Err(StageLayoutError::UnevenVee);
+        }
+        Ok(PipelineLayout { placement, ..self })
+    }
+
+    /// Which virtual stage each chunk of each rank is.
+    pub fn stage_map(&self) -> StageMap {
+        StageMap {
+            pp: self.pp,
+            chunks: self.vpp,
+            placement: self.placement,
+        }
+    }
+
+    /// The virtual stage of chunk `chunk` of rank `rank`: `chunk·pp + rank`, or in a V.
     pub fn virtual_stage(&self, rank: usize, chunk: usize) -> usize {
-        chunk * self.pp + rank
+        self.stage_map().stage(rank, chunk)
     }
 
     /// What chunk `chunk` of rank `rank` holds.
     pub fn part(&self, rank: usize, chunk: usize) -> StagePart {
-        let stage = self.virtual_stage(rank, chunk);
-        let start: usize = (0..stage).map(|s| self.per_chunk[s % self.pp]).sum();
+        let map = self.stage_map();
+        let stage = map.stage(rank, chunk);
+        let start: usize = (0..stage).map(|s| self.per_chunk[map.locate(s).0]).sum();
         StagePart {
             layers: start..start + self.per_chunk[rank],
             first: stage == 0,

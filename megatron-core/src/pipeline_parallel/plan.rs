@@ -18,6 +18,10 @@
 //!   are in the peers' batches of step `t`, and a rank reaches its batch of step `t` once its
 //!   batches of earlier steps are done, so by induction on `t` every batch completes.
 //!
+//! A message between two stages of one rank (where a V turns) is no exchange: the plan hands it
+//! over right after the pass that produces it ([`Action::HandOver`]). A weight-gradient pass
+//! sends nothing.
+//!
 //! [`check`] verifies a plan under either delivery.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -25,8 +29,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use thiserror::Error;
 
 use super::executor::{Pass, ScheduledPass};
-use super::schedule::Schedule;
-use super::simulate::{PipelineError, simulate};
+use super::schedule::{Schedule, StageMap};
+use super::simulate::{Costs, PipelineError, neighbours, simulate};
 
 /// How a backend delivers a send, which decides where a plan exchanges each message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -63,6 +67,18 @@ pub enum Action {
         sends: Vec<Transfer>,
         /// The messages this rank receives.
         recvs: Vec<Transfer>,
+    },
+    /// Hand the output of a pass from one local chunk to another (two stages of a V on one
+    /// rank): no message.
+    HandOver {
+        /// Activations or gradients.
+        pass: Pass,
+        /// The chunk that produced them.
+        from: usize,
+        /// The chunk that takes them.
+        to: usize,
+        /// The microbatch.
+        microbatch: usize,
     },
 }
 
@@ -109,21 +125,16 @@ pub enum PlanError {
 /// The message's identity: its pass, its sending virtual stage and its microbatch.
 type Message = (Pass, usize, usize);
 
-/// The virtual stage a message goes to from `stage`, if any.
-fn destination(pass: Pass, stage: usize, stages: usize) -> Option<usize> {
-    match pass {
-        Pass::Forward => (stage + 1 < stages).then_some(stage + 1),
-        Pass::Backward => stage.checked_sub(1),
-    }
-}
-
 /// The plans of every rank of `schedule` for a backend of `delivery`, by rank.
 pub fn plan(schedule: &Schedule, delivery: Delivery) -> Result<Vec<RankPlan>, PlanError> {
-    let timeline = simulate(schedule, 1, 1)?;
-    let pp = schedule.config.pp;
-    let stages = pp * schedule.config.vpp;
+    let timeline = simulate(schedule, Costs::STEPS)?;
+    let map = schedule.config.stage_map();
+    let (pp, stages) = (map.pp, map.stages());
     type Batch = (Vec<Transfer>, Vec<Transfer>);
     let mut batches: Vec<BTreeMap<u64, Batch>> = vec![BTreeMap::new(); pp];
+    // The hand-overs between a rank's own chunks, by the producing pass's (chunk, pass,
+    // microbatch).
+    let mut local: Vec<HashMap<ScheduledPass, Action>> = vec![HashMap::new(); pp];
     // When each pass starts, by (pass, virtual stage, microbatch).
     let starts: HashMap<Message, u64> = timeline
         .ranks
@@ -131,7 +142,7 @@ pub fn plan(schedule: &Schedule, delivery: Delivery) -> Result<Vec<RankPlan>, Pl
         .enumerate()
         .flat_map(|(rank, passes)| {
             passes.iter().map(move |t| {
-                let stage = t.op.chunk * pp + rank;
+                let stage = map.stage(rank, t.op.chunk);
                 ((t.op.pass, stage, t.op.microbatch), t.start)
             })
         })
@@ -143,16 +154,26 @@ pub fn plan(schedule: &Schedule, delivery: Delivery) -> Result<Vec<RankPlan>, Pl
                 chunk,
                 microbatch,
             } = timed.op;
-            let Some(to) = destination(pass, chunk * pp + rank, stages) else {
+            let Some(to) = neighbours(pass, map.stage(rank, chunk), stages).0 else {
                 continue;
             };
+            let (peer, to_chunk) = map.locate(to);
+            if peer == rank {
+                let hand_over = Action::HandOver {
+                    pass,
+                    from: chunk,
+                    to: to_chunk,
+                    microbatch,
+                };
+                local[rank].insert(timed.op, hand_over);
+                continue;
+            }
             // Sent at once; received at once too, or at the step just before the pass that
             // needs it (the producer's step or later).
             let recv_step = match delivery {
                 Delivery::Buffered => starts[&(pass, to, microbatch)] - 1,
                 Delivery::Rendezvous => timed.start,
             };
-            let peer = to % pp;
             let send = Transfer {
                 pass,
                 chunk,
@@ -161,7 +182,7 @@ pub fn plan(schedule: &Schedule, delivery: Delivery) -> Result<Vec<RankPlan>, Pl
             };
             let recv = Transfer {
                 pass,
-                chunk: to / pp,
+                chunk: to_chunk,
                 microbatch,
                 peer: rank,
             };
@@ -173,8 +194,9 @@ pub fn plan(schedule: &Schedule, delivery: Delivery) -> Result<Vec<RankPlan>, Pl
         .ranks
         .iter()
         .zip(batches)
+        .zip(local)
         .enumerate()
-        .map(|(rank, (passes, mut batches))| {
+        .map(|(rank, ((passes, mut batches), mut local))| {
             let mut actions = Vec::new();
             let mut passes = passes.iter().peekable();
             loop {
@@ -184,7 +206,9 @@ pub fn plan(schedule: &Schedule, delivery: Delivery) -> Result<Vec<RankPlan>, Pl
                     (None, None) => break,
                     // A step's pass comes before its exchange.
                     (Some(p), b) if b.is_none_or(|b| p <= b) => {
-                        actions.push(Action::Run(passes.next().expect("peeked").op));
+                        let op = passes.next().expect("peeked").op;
+                        actions.push(Action::Run(op));
+                        actions.extend(local.remove(&op));
                     }
                     (_, Some(step)) => {
                         let (sends, recvs) = batches.remove(&step).expect("a key");
@@ -200,27 +224,21 @@ pub fn plan(schedule: &Schedule, delivery: Delivery) -> Result<Vec<RankPlan>, Pl
 }
 
 /// The message `t` carries, seen from rank `rank` (its receiver when `received`).
-fn message(t: &Transfer, rank: usize, pp: usize, received: bool) -> Message {
-    let stage = t.chunk * pp + rank;
-    let from = match (received, t.pass) {
-        (false, _) => stage,
-        (true, Pass::Forward) => stage.wrapping_sub(1),
-        (true, Pass::Backward) => stage + 1,
+fn message(t: &Transfer, rank: usize, map: &StageMap, received: bool) -> Message {
+    let stage = map.stage(rank, t.chunk);
+    let from = match received {
+        false => Some(stage),
+        true => neighbours(t.pass, stage, map.stages()).1,
     };
-    (t.pass, from, t.microbatch)
+    (t.pass, from.unwrap_or(usize::MAX), t.microbatch)
 }
 
 /// Checks `plans` on a backend of `delivery` (with [`Delivery::Rendezvous`], a batch completes
 /// only once every peer has posted the other ends of its messages; with
 /// [`Delivery::Buffered`], once its messages' senders have): no rank runs a pass before its
 /// input is received, every message has both ends, and no rank waits forever.
-pub fn check(
-    plans: &[RankPlan],
-    pp: usize,
-    chunks: usize,
-    delivery: Delivery,
-) -> Result<(), PlanError> {
-    let stages = pp * chunks;
+pub fn check(plans: &[RankPlan], map: &StageMap, delivery: Delivery) -> Result<(), PlanError> {
+    let stages = map.stages();
     // Which rank's which action holds each message's send and receive.
     let mut sent: HashMap<Message, (usize, usize)> = HashMap::new();
     let mut received: HashMap<Message, (usize, usize)> = HashMap::new();
@@ -229,12 +247,8 @@ pub fn check(
         for (i, action) in plan.actions.iter().enumerate() {
             match action {
                 Action::Run(op) => {
-                    let stage = op.chunk * pp + plan.rank;
-                    let input = match op.pass {
-                        Pass::Forward => stage.checked_sub(1),
-                        Pass::Backward => (stage + 1 < stages).then_some(stage + 1),
-                    };
-                    if let Some(from) = input
+                    let stage = map.stage(plan.rank, op.chunk);
+                    if let Some(from) = neighbours(op.pass, stage, stages).1
                         && !inbox.remove(&(op.pass, from, op.microbatch))
                     {
                         return Err(PlanError::Early {
@@ -245,13 +259,21 @@ pub fn check(
                 }
                 Action::Exchange { sends, recvs, .. } => {
                     for t in sends {
-                        sent.insert(message(t, plan.rank, pp, false), (plan.rank, i));
+                        sent.insert(message(t, plan.rank, map, false), (plan.rank, i));
                     }
                     for t in recvs {
-                        let m = message(t, plan.rank, pp, true);
+                        let m = message(t, plan.rank, map, true);
                         received.insert(m, (plan.rank, i));
                         inbox.insert(m);
                     }
+                }
+                Action::HandOver {
+                    pass,
+                    from,
+                    microbatch,
+                    ..
+                } => {
+                    inbox.insert((*pass, map.stage(plan.rank, *from), *microbatch));
                 }
             }
         }
@@ -280,10 +302,10 @@ pub fn check(
                     let ready = (delivery == Delivery::Buffered
                         || sends
                             .iter()
-                            .all(|t| reached(&received[&message(t, r, pp, false)])))
+                            .all(|t| reached(&received[&message(t, r, map, false)])))
                         && recvs
                             .iter()
-                            .all(|t| reached(&sent[&message(t, r, pp, true)]));
+                            .all(|t| reached(&sent[&message(t, r, map, true)]));
                     if !ready {
                         break;
                     }

@@ -1,15 +1,173 @@
 //! The pipeline schedule as data: Megatron-LM's schedule table, the per-rank counts of warm-up
-//! and remaining microbatches, and the per-rank order of forward and backward passes.
+//! and remaining microbatches, and the per-rank order of forward and backward passes; the
+//! zero-bubble schedules' orders, with weight-gradient passes, come from [`super::zero_bubble`].
 //!
 //! A rank with `V` model chunks (virtual stages) runs `V·M` forwards and `V·M` backwards per
 //! step. Every rank walks the same *schedule table*, a list of `(microbatch, chunk)`: its n-th
 //! forward is the table's n-th entry, its n-th backward the n-th entry with the chunk mirrored
 //! (`V − 1 − chunk`). The *order* of a rank interleaves the two: `w` forwards of warm-up, then a
 //! forward and a backward in turn, then the last `w` backwards (the cool-down), where `w` is the
-//! rank's warm-up count. Entries are `+k` (forward of local chunk `k − 1`) and `−k` (its
-//! backward), as Megatron-LM's `convert_schedule_table_to_order` writes them.
+//! rank's warm-up count. Megatron-LM's `convert_schedule_table_to_order` writes the entries `+k`
+//! (forward of local chunk `k − 1`) and `−k` (its backward); a [`Slot`] is one such entry, or
+//! a weight-gradient pass.
 
 use thiserror::Error;
+
+use super::executor::{Pass, Slot};
+use super::zero_bubble;
+
+/// Which schedule a pipeline runs (`--pipeline-schedule`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScheduleKind {
+    /// Megatron-LM's 1F1B (one chunk per rank).
+    OneFOneB,
+    /// Megatron-LM's interleaved 1F1B (several chunks per rank, looped).
+    Interleaved,
+    /// Zero Bubble's ZB-H1: 1F1B's memory, weight gradients deferred into the bubbles.
+    ZbH1,
+    /// Zero Bubble's ZB-H2: more warm-up forwards (twice 1F1B's memory), no bubble at equal
+    /// pass times.
+    ZbH2,
+    /// Zero Bubble's ZB-V: two chunks per rank in a V, 1F1B's memory, no bubble at equal pass
+    /// times.
+    Zbv,
+    /// DeepSeek's DualPipeV: two chunks per rank in a V, a forward of one chunk beside a
+    /// backward of the other in the steady phase.
+    DualPipeV,
+}
+
+impl ScheduleKind {
+    /// Every schedule, in the order `--pipeline-schedule` lists them.
+    pub const ALL: [ScheduleKind; 6] = [
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved,
+        ScheduleKind::ZbH1,
+        ScheduleKind::ZbH2,
+        ScheduleKind::Zbv,
+        ScheduleKind::DualPipeV,
+    ];
+
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            ScheduleKind::OneFOneB => "1f1b",
+            ScheduleKind::Interleaved => "interleaved",
+            ScheduleKind::ZbH1 => "zb-h1",
+            ScheduleKind::ZbH2 => "zb-h2",
+            ScheduleKind::Zbv => "zbv",
+            ScheduleKind::DualPipeV => "dualpipev",
+        }
+    }
+
+    /// The schedule named `name`, if any.
+    pub fn parse(name: &str) -> Option<ScheduleKind> {
+        ScheduleKind::ALL.into_iter().find(|k| k.name() == name)
+    }
+
+    /// Megatron-LM's default for `vpp` chunks per rank: 1F1B, or interleaved.
+    pub fn default_for(vpp: usize) -> ScheduleKind {
+        match vpp {
+            0 | 1 => ScheduleKind::OneFOneB,
+            _ => ScheduleKind::Interleaved,
+        }
+    }
+
+    /// How its virtual stages sit on the ranks.
+    pub fn placement(self) -> Placement {
+        match self {
+            ScheduleKind::Zbv | ScheduleKind::DualPipeV => Placement::Vee,
+            _ => Placement::Looped,
+        }
+    }
+
+    /// Whether it splits each backward into an input-gradient pass and a later weight-gradient
+    /// pass.
+    pub fn splits_backward(self) -> bool {
+        !matches!(self, ScheduleKind::OneFOneB | ScheduleKind::Interleaved)
+    }
+
+    /// The chunks per rank it runs with `vpp` given (`None`: left out), or why not.
+    pub fn chunks(self, vpp: Option<usize>) -> Result<usize, ScheduleError> {
+        let wrong = |want: &'static str, vpp: usize| ScheduleError::WrongChunks {
+            schedule: self.name(),
+            want,
+            vpp,
+        };
+        match (self, vpp) {
+            (ScheduleKind::Interleaved, None | Some(0 | 1)) => {
+                Err(wrong("at least 2", vpp.unwrap_or(1)))
+            }
+            (ScheduleKind::Interleaved, Some(v)) => Ok(v),
+            (ScheduleKind::Zbv | ScheduleKind::DualPipeV, None | Some(2)) => Ok(2),
+            (ScheduleKind::Zbv | ScheduleKind::DualPipeV, Some(v)) => {
+                Err(wrong("2 (its V: down the ranks and back up)", v))
+            }
+            (_, None | Some(1)) => Ok(1),
+            (_, Some(v)) => Err(wrong("1", v)),
+        }
+    }
+}
+
+impl std::fmt::Display for ScheduleKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Where the virtual stages sit on the pipeline ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Placement {
+    /// Megatron-LM's loop: chunk `k` of rank `r` is virtual stage `k·pp + r`, the stages going
+    /// round the ranks once per chunk.
+    Looped,
+    /// A V of two chunks: chunk 0 of rank `r` is stage `r`, chunk 1 stage `2·pp − 1 − r` (down
+    /// the ranks and back up, so that the last rank holds stages `pp − 1` and `pp` and the
+    /// first rank both ends of the model).
+    Vee,
+}
+
+/// Which virtual stage each chunk of each rank is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StageMap {
+    /// Pipeline ranks.
+    pub pp: usize,
+    /// Chunks per rank.
+    pub chunks: usize,
+    /// How the stages go round the ranks.
+    pub placement: Placement,
+}
+
+impl StageMap {
+    /// Megatron-LM's looped stages of `pp` ranks with `chunks` chunks each.
+    pub fn looped(pp: usize, chunks: usize) -> StageMap {
+        StageMap {
+            pp,
+            chunks,
+            placement: Placement::Looped,
+        }
+    }
+
+    /// The number of virtual stages.
+    pub fn stages(&self) -> usize {
+        self.pp * self.chunks
+    }
+
+    /// The virtual stage of chunk `chunk` of rank `rank`.
+    pub fn stage(&self, rank: usize, chunk: usize) -> usize {
+        match (self.placement, chunk) {
+            (Placement::Vee, 1) => 2 * self.pp - 1 - rank,
+            _ => chunk * self.pp + rank,
+        }
+    }
+
+    /// The rank and the chunk of virtual stage `stage`.
+    pub fn locate(&self, stage: usize) -> (usize, usize) {
+        match self.placement {
+            Placement::Vee if stage >= self.pp => (2 * self.pp - 1 - stage, 1),
+            _ => (stage % self.pp, stage / self.pp),
+        }
+    }
+}
 
 /// A schedule that Megatron-LM refuses; every message names the numbers.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -19,6 +177,42 @@ pub enum ScheduleError {
     Zero {
         /// Which size.
         what: &'static str,
+    },
+    /// A schedule given another number of chunks per rank than it runs.
+    #[error(
+        "--pipeline-schedule {schedule} runs {want} model chunks per rank, got \
+         --virtual-pipeline-model-parallel-size {vpp}"
+    )]
+    WrongChunks {
+        /// The schedule.
+        schedule: &'static str,
+        /// What it runs.
+        want: &'static str,
+        /// What was given.
+        vpp: usize,
+    },
+    /// A schedule over two ranks or more given one.
+    #[error(
+        "--pipeline-schedule {schedule} needs a pipeline of at least 2 stages, got \
+         --pipeline-model-parallel-size {pp}"
+    )]
+    NeedsPipeline {
+        /// The schedule.
+        schedule: &'static str,
+        /// Pipeline stages.
+        pp: usize,
+    },
+    /// DualPipeV with fewer microbatches than virtual stages.
+    #[error(
+        "--pipeline-schedule dualpipev needs at least 2·pp = {stages} microbatches per step (its \
+         steady phase pairs a forward of one chunk with a backward of the other), got \
+         {microbatches}"
+    )]
+    DualPipeVMicrobatches {
+        /// Virtual stages, 2·pp.
+        stages: usize,
+        /// Microbatches per step.
+        microbatches: usize,
     },
     /// Virtual stages without a pipeline.
     #[error(
@@ -94,6 +288,8 @@ pub enum ScheduleError {
 /// What a pipeline schedule is built from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ScheduleConfig {
+    /// Which schedule.
+    pub kind: ScheduleKind,
     /// Pipeline stages (ranks of a pipeline group).
     pub pp: usize,
     /// Model chunks per rank (virtual pipeline stages); 1 is the non-interleaved 1F1B schedule.
@@ -111,9 +307,11 @@ pub struct ScheduleConfig {
 }
 
 impl ScheduleConfig {
-    /// A training schedule of `microbatches` over `pp` stages with `vpp` chunks per rank.
+    /// Megatron-LM's training schedule of `microbatches` over `pp` stages with `vpp` chunks
+    /// per rank: 1F1B, or interleaved with several chunks.
     pub fn new(pp: usize, vpp: usize, microbatches: usize) -> Self {
         ScheduleConfig {
+            kind: ScheduleKind::default_for(vpp),
             pp,
             vpp,
             microbatches,
@@ -128,9 +326,32 @@ impl ScheduleConfig {
         self.group_size.unwrap_or(self.pp)
     }
 
-    /// Whether the schedule interleaves several chunks per rank.
+    /// Schedule `kind`'s training schedule with `vpp` chunks per rank given (`None`: left
+    /// out, the schedule's own), or why it does not run with them.
+    pub fn named(
+        kind: ScheduleKind,
+        pp: usize,
+        vpp: Option<usize>,
+        microbatches: usize,
+    ) -> Result<Self, ScheduleError> {
+        Ok(ScheduleConfig {
+            kind,
+            ..ScheduleConfig::new(pp, kind.chunks(vpp)?, microbatches)
+        })
+    }
+
+    /// Whether the schedule is Megatron-LM's interleaved one (several chunks per rank, looped).
     pub fn interleaved(&self) -> bool {
-        self.vpp > 1
+        self.kind == ScheduleKind::Interleaved
+    }
+
+    /// Which virtual stage each chunk of each rank is.
+    pub fn stage_map(&self) -> StageMap {
+        StageMap {
+            pp: self.pp,
+            chunks: self.vpp,
+            placement: self.kind.placement(),
+        }
     }
 
     /// Refuses a group size given for a schedule without virtual stages, where it would do
@@ -170,10 +391,27 @@ impl ScheduleConfig {
             crate::limits::MAX_SCHEDULE_PASSES,
             "forward passes per step",
         )?;
+        let want = self.kind.chunks(Some(self.vpp))?;
+        debug_assert_eq!(want, self.vpp);
+        if self.kind.placement() == Placement::Vee && self.pp < 2 {
+            return Err(ScheduleError::NeedsPipeline {
+                schedule: self.kind.name(),
+                pp: self.pp,
+            });
+        }
         if self.vpp > 1 && self.pp < 2 {
             return Err(ScheduleError::VirtualWithoutPipeline {
                 vpp: self.vpp,
                 pp: self.pp,
+            });
+        }
+        if self.kind == ScheduleKind::DualPipeV
+            && !self.forward_only
+            && self.microbatches < 2 * self.pp
+        {
+            return Err(ScheduleError::DualPipeVMicrobatches {
+                stages: 2 * self.pp,
+                microbatches: self.microbatches,
             });
         }
         if self.interleaved() {
@@ -248,7 +486,23 @@ pub struct RankCounts {
 }
 
 impl RankCounts {
-    /// The counts of pipeline rank `rank` under `config`.
+    /// The counts of a rank running `order` of `total` forwards: its warm-up is the forwards
+    /// before its first backward.
+    pub fn of_order(order: &[Slot], total: usize) -> RankCounts {
+        let warmup = order
+            .iter()
+            .take_while(|s| s.pass == Pass::Forward)
+            .count()
+            .min(total);
+        RankCounts {
+            total,
+            warmup,
+            remaining: total - warmup,
+            all_in_warmup: warmup == total,
+        }
+    }
+
+    /// The counts of pipeline rank `rank` under Megatron-LM's `config` (1F1B or interleaved).
     pub fn of(config: &ScheduleConfig, rank: usize) -> RankCounts {
         let total = config.microbatches * config.vpp;
         let mut warmup = if config.forward_only {
@@ -300,9 +554,17 @@ pub struct RankSchedule {
     pub rank: usize,
     /// Its counts.
     pub counts: RankCounts,
-    /// Its order: in training Megatron-LM's (`+k` forward, `−k` backward of chunk `k − 1`); in
-    /// forward-only evaluation, the forwards alone.
-    pub order: Vec<i32>,
+    /// Its order: in training its forwards, backwards and (zero-bubble schedules) weight-gradient
+    /// passes; in forward-only evaluation, the forwards alone.
+    pub order: Vec<Slot>,
+}
+
+impl RankSchedule {
+    /// The order as Megatron-LM writes it (`+k` forward, `−k` backward of chunk `k − 1`), when
+    /// it has no weight-gradient passes.
+    pub fn megatron_order(&self) -> Option<Vec<i32>> {
+        self.order.iter().map(|s| s.megatron()).collect()
+    }
 }
 
 /// The whole schedule: the table every rank walks and each rank's order.
@@ -320,14 +582,38 @@ impl Schedule {
     /// Builds and checks the schedule of `config`.
     pub fn new(config: ScheduleConfig) -> Result<Schedule, ScheduleError> {
         config.validate()?;
-        let table = schedule_table(config.microbatches, config.vpp, config.group());
-        let ranks = (0..config.pp)
+        let (m, pp) = (config.microbatches, config.pp);
+        // The V's chunks in turn, a group of pp microbatches each (its forward-only order; its
+        // training orders come whole from `zero_bubble`).
+        let group = match config.kind.placement() {
+            Placement::Vee => pp,
+            Placement::Looped => config.group(),
+        };
+        let table = schedule_table(m, config.vpp, group);
+        let megatron = |order: Vec<i32>| -> Vec<Slot> {
+            order.into_iter().filter_map(Slot::from_megatron).collect()
+        };
+        let ranks = (0..pp)
             .map(|rank| {
-                let counts = RankCounts::of(&config, rank);
                 let order = if config.forward_only {
-                    table.iter().map(|s| s.chunk as i32 + 1).collect()
+                    table.iter().map(|s| Slot::forward(s.chunk)).collect()
                 } else {
-                    order_from_table(&table, config.vpp, counts.warmup)
+                    match config.kind {
+                        ScheduleKind::OneFOneB | ScheduleKind::Interleaved => {
+                            let warmup = RankCounts::of(&config, rank).warmup;
+                            megatron(order_from_table(&table, config.vpp, warmup))
+                        }
+                        ScheduleKind::ZbH1 => zero_bubble::zb_h(pp, rank, m, 1),
+                        ScheduleKind::ZbH2 => zero_bubble::zb_h(pp, rank, m, 2),
+                        ScheduleKind::Zbv => zero_bubble::zbv(pp, rank, m),
+                        ScheduleKind::DualPipeV => zero_bubble::dualpipev(pp, rank, m),
+                    }
+                };
+                let counts = match config.kind {
+                    ScheduleKind::OneFOneB | ScheduleKind::Interleaved => {
+                        RankCounts::of(&config, rank)
+                    }
+                    _ => RankCounts::of_order(&order, m * config.vpp),
                 };
                 RankSchedule {
                     rank,

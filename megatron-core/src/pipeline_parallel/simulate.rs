@@ -4,9 +4,10 @@
 //! valid pipeline (each rank receives what it waits for, in the order it is sent, and no rank
 //! waits forever) and times it with given pass costs: the timeline, its length and its bubble.
 //!
-//! Virtual stage `s = chunk·pp + rank` holds chunk `chunk` of pipeline rank `rank`; stage `s`
-//! receives activations from `s − 1` and gradients from `s + 1`. Sends never wait; a receive
-//! waits for its message. (With sends that wait for their receive, sending and receiving one
+//! Virtual stage `s` is a chunk of a rank as the schedule's [`StageMap`] places it (`chunk·pp +
+//! rank` in Megatron-LM's loop); stage `s` receives activations from `s − 1` and gradients from
+//! `s + 1` (from the same rank where the V turns). Sends never wait; a receive waits for its
+//! message. A weight-gradient pass waits for nothing but its own backward, earlier in its order. (With sends that wait for their receive, sending and receiving one
 //! message at a time deadlocks some of these orders: [`plan`](fn@super::plan) batches them.)
 
 use std::collections::HashMap;
@@ -14,7 +15,48 @@ use std::collections::HashMap;
 use thiserror::Error;
 
 use super::executor::{Pass, RecordingStage, ScheduledPass, WalkError, WalkStats, walk};
-use super::schedule::Schedule;
+use super::schedule::{Schedule, ScheduleConfig};
+
+/// What each pass costs in a simulation, in time units.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Costs {
+    /// A forward (`T_F`).
+    pub forward: u64,
+    /// A backward's input gradient (`T_B`).
+    pub backward: u64,
+    /// A backward's weight gradients (`T_W`): a pass of their own in a zero-bubble schedule,
+    /// part of the backward otherwise.
+    pub weight: u64,
+}
+
+impl Costs {
+    /// Every pass one unit, a backward without weight-gradient passes as well (the plan's time
+    /// steps).
+    pub const STEPS: Costs = Costs {
+        forward: 1,
+        backward: 1,
+        weight: 0,
+    };
+
+    /// A forward of 1, an input gradient of 1 and weight gradients of 1 (a backward computes two
+    /// products for each of the forward's one): the zero-bubble papers' equal times.
+    pub const EQUAL: Costs = Costs {
+        forward: 1,
+        backward: 1,
+        weight: 1,
+    };
+
+    /// What `pass` costs in a schedule that `splits` its backwards (a weight-gradient pass at
+    /// least one unit: each pass of a rank has a time of its own).
+    pub fn of(&self, pass: Pass, splits: bool) -> u64 {
+        match pass {
+            Pass::Forward => self.forward,
+            Pass::Backward if splits => self.backward,
+            Pass::Backward => self.backward + self.weight,
+            Pass::Weight => self.weight.max(1),
+        }
+    }
+}
 
 /// Why a schedule is not a valid pipeline.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -91,9 +133,26 @@ pub struct Timeline {
 
 impl Timeline {
     /// The bubble: idle time over compute time, `(makespan − busy) / busy`; Megatron-LM's
-    /// theory gives (pp − 1)/M for 1F1B and (pp − 1)/(V·M) for the interleaved schedule.
+    /// theory gives (pp − 1)/M for 1F1B and (pp − 1)/(V·M) for the interleaved schedule
+    /// (the zero-bubble schedules' in [`super::zero_bubble`]).
     pub fn bubble(&self) -> f64 {
         (self.makespan - self.busy) as f64 / self.busy.max(1) as f64
+    }
+
+    /// The idle time inside each rank's span (from its first pass's start to its last pass's
+    /// end) over its compute time, averaged over the ranks: the bubble of steps run back to back
+    /// with the start-up ramp of one filled by the end of the one before (Qi et al.'s
+    /// "optimizer post-validation"), which the zero-bubble papers' formulas count.
+    pub fn bubble_within_ranks(&self) -> f64 {
+        let idle: u64 = self
+            .ranks
+            .iter()
+            .map(|passes| match (passes.first(), passes.last()) {
+                (Some(first), Some(last)) => last.end - first.start - self.busy,
+                _ => 0,
+            })
+            .sum();
+        idle as f64 / (self.busy.max(1) * self.ranks.len().max(1) as u64) as f64
     }
 }
 
@@ -123,6 +182,24 @@ fn dependency(op: &ScheduledPass, stage: usize, stages: usize) -> Option<(Pass, 
         Pass::Backward if stage + 1 < stages => Some((Pass::Backward, stage + 1, op.microbatch)),
         // The last stage's backward starts from its own forward's loss.
         Pass::Backward => Some((Pass::Forward, stage, op.microbatch)),
+        // After its own backward, which its order runs first.
+        Pass::Weight => Some((Pass::Backward, stage, op.microbatch)),
+    }
+}
+
+/// The stage a pass's output goes to and the stage its input comes from, if any: activations
+/// go up the stages, gradients down; weight gradients go nowhere.
+pub(super) fn neighbours(
+    pass: Pass,
+    stage: usize,
+    stages: usize,
+) -> (Option<usize>, Option<usize>) {
+    let up = (stage + 1 < stages).then(|| stage + 1);
+    let down = stage.checked_sub(1);
+    match pass {
+        Pass::Forward => (up, down),
+        Pass::Backward => (down, up),
+        Pass::Weight => (None, None),
     }
 }
 
@@ -132,26 +209,23 @@ fn check_channels(
     schedule: &Schedule,
     traces: &[(Vec<ScheduledPass>, WalkStats)],
 ) -> Result<(), PipelineError> {
-    let pp = schedule.config.pp;
-    let stages = pp * schedule.config.vpp;
+    let map = schedule.config.stage_map();
+    let stages = map.stages();
     type Channel = (Pass, usize, usize);
     let mut sent: HashMap<Channel, Vec<(usize, usize)>> = HashMap::new();
     let mut awaited: HashMap<Channel, Vec<(usize, usize)>> = HashMap::new();
     for (rank, (ops, _)) in traces.iter().enumerate() {
         for op in ops {
-            let s = op.chunk * pp + rank;
-            let (to, from) = match op.pass {
-                Pass::Forward => ((s + 1 < stages).then(|| s + 1), s.checked_sub(1)),
-                Pass::Backward => (s.checked_sub(1), (s + 1 < stages).then(|| s + 1)),
-            };
+            let s = map.stage(rank, op.chunk);
+            let (to, from) = neighbours(op.pass, s, stages);
             if let Some(to) = to {
-                sent.entry((op.pass, rank, to % pp))
+                sent.entry((op.pass, rank, map.locate(to).0))
                     .or_default()
                     .push((s, op.microbatch));
             }
             if let Some(from) = from {
                 awaited
-                    .entry((op.pass, from % pp, rank))
+                    .entry((op.pass, map.locate(from).0, rank))
                     .or_default()
                     .push((from, op.microbatch));
             }
@@ -177,17 +251,15 @@ fn check_channels(
     Ok(())
 }
 
-/// Simulates one step of `schedule` with a forward of a chunk taking `forward` time units and a
-/// backward `backward`: checks the channels, finds deadlocks, and times every pass.
-pub fn simulate(
-    schedule: &Schedule,
-    forward: u64,
-    backward: u64,
-) -> Result<Timeline, PipelineError> {
+/// Simulates one step of `schedule` with its passes through a chunk taking `costs`: checks the
+/// channels, finds deadlocks, and times every pass.
+pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Timeline, PipelineError> {
     let traces = traces(schedule)?;
     check_channels(schedule, &traces)?;
     let pp = schedule.config.pp;
-    let stages = pp * schedule.config.vpp;
+    let map = schedule.config.stage_map();
+    let stages = map.stages();
+    let splits = schedule.config.kind.splits_backward();
     let mut done: HashMap<(Pass, usize, usize), u64> = HashMap::new();
     // The ranks blocked on each pass not yet done; a rank runs again once its pass is done, so
     // every pass is timed once: linear in the schedule's length.
@@ -199,7 +271,7 @@ pub fn simulate(
     while let Some(rank) = runnable.pop() {
         let ops = &traces[rank].0;
         while let Some(op) = ops.get(next[rank]) {
-            let stage = op.chunk * pp + rank;
+            let stage = map.stage(rank, op.chunk);
             let ready = match dependency(op, stage, stages) {
                 None => 0,
                 Some(dep) => match done.get(&dep) {
@@ -211,11 +283,7 @@ pub fn simulate(
                 },
             };
             let start = ready.max(free[rank]);
-            let cost = match op.pass {
-                Pass::Forward => forward,
-                Pass::Backward => backward,
-            };
-            let end = start + cost;
+            let end = start + costs.of(op.pass, splits);
             let key = (op.pass, stage, op.microbatch);
             done.insert(key, end);
             if let Some(ranks) = blocked.remove(&key) {
@@ -234,7 +302,7 @@ pub fn simulate(
         let waiting = (0..pp)
             .filter_map(|rank| {
                 let op = traces[rank].0.get(next[rank])?;
-                let (pass, stage, mb) = dependency(op, op.chunk * pp + rank, stages)?;
+                let (pass, stage, mb) = dependency(op, map.stage(rank, op.chunk), stages)?;
                 Some((rank, *op, pass, stage, mb))
             })
             .collect();
@@ -251,8 +319,8 @@ pub fn simulate(
 }
 
 /// The timeline as text, a row per rank and a column per time unit: a forward shows its
-/// microbatch (1-based), a backward the same with `'`; with several chunks each pass is
-/// prefixed by its chunk's letter (`a` the first); `.` is idle.
+/// microbatch (1-based), a backward the same with `'`, a weight-gradient pass with `"`; with
+/// several chunks each pass is prefixed by its chunk's letter (`a` the first); `.` is idle.
 pub fn draw(timeline: &Timeline, chunks: usize) -> String {
     let label = |t: &Timed| {
         let chunk = if chunks > 1 {
@@ -260,7 +328,11 @@ pub fn draw(timeline: &Timeline, chunks: usize) -> String {
         } else {
             String::new()
         };
-        let tick = if t.op.pass == Pass::Backward { "'" } else { "" };
+        let tick = match t.op.pass {
+            Pass::Forward => "",
+            Pass::Backward => "'",
+            Pass::Weight => "\"",
+        };
         format!("{chunk}{}{tick}", t.op.microbatch + 1)
     };
     let width = timeline
@@ -286,4 +358,75 @@ pub fn draw(timeline: &Timeline, chunks: usize) -> String {
         out.push('\n');
     }
     out
+}
+
+/// A schedule's bubble as its paper states it, for comparison with a simulated or measured
+/// one: idle time over compute time per rank.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Theory {
+    /// The bubble of one step ([`Timeline::bubble`]).
+    pub bubble: f64,
+    /// The paper's formula (`p` ranks, `m` microbatches, `V` chunks, a chunk's pass times `F`,
+    /// `B`, `W`), and with the start-up ramp `(p − 1)F` added where the paper counts only the
+    /// idle time inside the ranks' spans ([`Timeline::bubble_within_ranks`]).
+    pub formula: &'static str,
+    /// The bubble inside the ranks' spans, where the paper's formula counts that (ZB-H2, ZB-V).
+    pub within_ranks: Option<f64>,
+    /// The fewest microbatches that fill the pipeline, from which on the formula holds (with
+    /// fewer, the warm-up never reaches its steady phase).
+    pub min_microbatches: usize,
+}
+
+/// The bubble `config`'s schedule has in theory with passes costing `costs` (for enough
+/// microbatches to fill the pipeline: [`Theory::min_microbatches`]): Megatron-LM's
+/// for 1F1B and interleaved, Qi et al.'s for ZB-H1, ZB-H2 and ZB-V, DeepSeek's for DualPipeV
+/// with its overlapped forward-and-backward taking `F + B + W` (run one after the other).
+pub fn theory(config: &ScheduleConfig, costs: Costs) -> Theory {
+    use super::schedule::ScheduleKind as K;
+    let (p, m, v) = (
+        config.pp as f64 - 1.0,
+        config.microbatches as f64,
+        config.vpp as f64,
+    );
+    let (f, b, w) = (
+        costs.forward as f64,
+        costs.backward as f64,
+        costs.weight as f64,
+    );
+    let busy = v * m * (f + b + w);
+    // The paper's idle time, and the start-up ramp where the paper leaves it out.
+    let (idle, ramp, formula) = match config.kind {
+        K::OneFOneB => (p * (f + b + w), 0.0, "(p − 1)(F + B + W) / m(F + B + W)"),
+        K::Interleaved => (p * (f + b + w), 0.0, "(p − 1)(F + B + W) / V·m(F + B + W)"),
+        K::ZbH1 => (p * (f + b - w), 0.0, "(p − 1)(F + B − W) / m(F + B + W)"),
+        K::ZbH2 => (
+            p * (f + b - 2.0 * w),
+            p * f,
+            "[(p − 1)(F + B − 2W) + ramp (p − 1)F] / m(F + B + W)",
+        ),
+        K::Zbv => (
+            p * (f + b - 2.0 * w),
+            p * f,
+            "[(p − 1)(F + B − 2W) + ramp (p − 1)F] / 2m(F + B + W)",
+        ),
+        K::DualPipeV => (
+            p * ((f + b + w) + b - 3.0 * w),
+            0.0,
+            "(p − 1)(F&B + B − 3W) / 2m(F + B + W), F&B = F + B + W",
+        ),
+    };
+    let idle = idle.max(0.0);
+    let pp = config.pp;
+    let min_microbatches = match config.kind {
+        K::OneFOneB => 1,
+        K::Interleaved | K::ZbH1 => pp,
+        K::ZbH2 => 2 * pp - 1,
+        K::Zbv | K::DualPipeV => 2 * pp,
+    };
+    Theory {
+        bubble: (idle + ramp) / busy.max(1.0),
+        formula,
+        within_ranks: (ramp > 0.0).then(|| idle / busy.max(1.0)),
+        min_microbatches,
+    }
 }

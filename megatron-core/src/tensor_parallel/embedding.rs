@@ -5,7 +5,8 @@ use crate::backend;
 use crate::error::Result;
 use crate::invalid;
 use crate::module::{
-    Builder, Cx, Ids, Init, Layer, Lookup, Module, Param, Site, Split, VocabParallel,
+    Builder, Cx, Ids, Init, Layer, Lookup, Module, Param, Site, Split, VocabParallel, WeightGrad,
+    weight_grad::bytes_of,
 };
 use crate::ops::{as_operand, matmul, matmul_into};
 use crate::parallel::GroupKind;
@@ -307,13 +308,13 @@ impl VocabParallel for Embedding {
         Ok((logits.reshape(dims)?, LogitsSaved { h }))
     }
 
-    fn logits_backward(
+    fn logits_backward_input(
         &self,
         _cx: &Cx,
         _site: Site,
         saved: LogitsSaved,
         dlogits: &Tensor,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, WeightGrad)> {
         let hidden = self.hidden();
         let local = self.local_rows();
         let rows = saved.h.numel() / hidden;
@@ -328,9 +329,12 @@ impl VocabParallel for Embedding {
         // Both products read the logits' gradient: converted once.
         let d = as_operand(dlogits)?.reshape([rows, local])?;
         let h2 = saved.h.reshape([rows, hidden])?;
-        table.accumulate_grad(|grad| Ok(matmul_into(1.0, &d.t()?, &h2, 1.0, grad)?))?;
         let dh = matmul(&d, table.compute_value())?;
-        Ok(dh.reshape(saved.h.shape().clone())?)
+        let table = table.clone();
+        let dw = WeightGrad::new(bytes_of(&[&d, &h2]), move || {
+            table.accumulate_grad(|grad| Ok(matmul_into(1.0, &d.t()?, &h2, 1.0, grad)?))
+        });
+        Ok((dh.reshape(saved.h.shape().clone())?, dw))
     }
 
     fn map_kept_logits_input(

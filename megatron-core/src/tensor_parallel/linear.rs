@@ -4,7 +4,8 @@ use crate::backend;
 use crate::error::Result;
 use crate::invalid;
 use crate::module::{
-    Builder, ColumnParallel, Cx, Init, Layer, Module, Param, RowParallel, Site, Split,
+    Builder, ColumnParallel, Cx, Init, Layer, Module, Param, RowParallel, Site, Split, WeightGrad,
+    weight_grad::bytes_of,
 };
 use crate::ops::{as_operand, matmul_into, operand_dtype};
 use crate::parallel::GroupKind;
@@ -219,15 +220,15 @@ impl Linear {
         Ok(ops.bias_add_cast(&y, &bias, dtype)?.reshape(dims)?)
     }
 
-    /// Accumulates dW (and db when `with_bias`) and returns dx = dy·W in `dx_dtype` (bf16 only
-    /// on a GPU).
-    fn backward_product(
+    /// The split backward: dx = dy·W in `dx_dtype` (bf16 only on a GPU), and the
+    /// accumulation of dW (and db when `with_bias`) to run now or later.
+    fn backward_split(
         &self,
         saved: LinearSaved,
         dy: &Tensor,
         with_bias: bool,
         dx_dtype: DType,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, WeightGrad)> {
         let w = self.weight.compute_value();
         let (out, inp) = (w.dims()[0], w.dims()[1]);
         let rows = saved.x.numel() / inp;
@@ -241,14 +242,18 @@ impl Linear {
         // dW, dx (and db) all read dy: in the dtype the products take, converted once.
         let dy2 = as_operand(dy)?.reshape([rows, out])?;
         let x2 = saved.x.reshape([rows, inp])?;
-        self.weight
-            .accumulate_grad(|grad| Ok(matmul_into(1.0, &dy2.t()?, &x2, 1.0, grad)?))?;
-        if with_bias && let Some(bias) = &self.bias {
-            Linear::accumulate_bias_grad(&dy2, rows, out, bias)?;
-        }
         let dx = Tensor::empty_near([rows, inp], dx_dtype, &dy2)?;
         matmul_into(1.0, &dy2, w, 0.0, &dx)?;
-        Ok(dx.reshape(saved.x.shape().clone())?)
+        let weight = self.weight.clone();
+        let bias = self.bias.clone().filter(|_| with_bias);
+        let dw = WeightGrad::new(bytes_of(&[&dy2, &x2]), move || {
+            weight.accumulate_grad(|grad| Ok(matmul_into(1.0, &dy2.t()?, &x2, 1.0, grad)?))?;
+            if let Some(bias) = &bias {
+                Linear::accumulate_bias_grad(&dy2, rows, out, bias)?;
+            }
+            Ok(())
+        });
+        Ok((dx.reshape(saved.x.shape().clone())?, dw))
     }
 
     /// `db += Σ_r dy[r, ·]` for `dy[rows, out]`.
@@ -320,8 +325,10 @@ impl Layer for Linear {
         self.forward_biased(Mode::Whole, "unsharded", x, DType::F32)
     }
 
-    fn backward(&self, _cx: &Cx, _site: Site, saved: LinearSaved, dy: &Tensor) -> Result<Tensor> {
-        self.backward_product(saved, dy, true, DType::F32)
+    fn backward(&self, cx: &Cx, _site: Site, saved: LinearSaved, dy: &Tensor) -> Result<Tensor> {
+        let (dx, dw) = self.backward_split(saved, dy, true, DType::F32)?;
+        cx.weight_gradient(dw)?;
+        Ok(dx)
     }
 }
 
@@ -337,15 +344,15 @@ impl ColumnParallel for Linear {
         self.forward_biased(Mode::Column, "as #[column_parallel]", x, operand_dtype(x))
     }
 
-    fn backward_column(
+    fn backward_column_input(
         &self,
         _cx: &Cx,
         _site: Site,
         saved: LinearSaved,
         dy: &Tensor,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, WeightGrad)> {
         // dx goes to the all-reduce of the f operator and the residual stream: f32.
-        self.backward_product(saved, dy, true, DType::F32)
+        self.backward_split(saved, dy, true, DType::F32)
     }
 
     fn map_kept_input(
@@ -390,17 +397,17 @@ impl RowParallel for Linear {
         }
     }
 
-    fn backward_row(
+    fn backward_row_input(
         &self,
         _cx: &Cx,
         _site: Site,
         saved: LinearSaved,
         dy: &Tensor,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, WeightGrad)> {
         // The bias is replicated and dy is the same on every rank: each rank's bias gradient is
         // already the whole one. dx is the gradient of a sharded activation, on its way to the
         // products before it: in their dtype.
         let dx_dtype = operand_dtype(&saved.x);
-        self.backward_product(saved, dy, true, dx_dtype)
+        self.backward_split(saved, dy, true, dx_dtype)
     }
 }

@@ -8,6 +8,11 @@
 //! What differs is how a chunk runs a microbatch's passes ([`Passes`]): the whole model
 //! ([`Whole`]: a [`LanguageModel`]'s losses and their backward), or a pipeline stage's parts
 //! (`pipeline::Stages`).
+//!
+//! A zero-bubble schedule's backward pass runs with the weight gradients put off
+//! ([`Cx::deferring_weights`]): the walker keeps each (chunk, microbatch)'s until the plan's
+//! weight-gradient pass runs them, counts the bytes they hold meanwhile, and refuses to end a
+//! walk (and so to reach the optimizer step) with any left.
 
 use std::collections::HashMap;
 
@@ -17,7 +22,7 @@ use crate::context_parallel::CpChunks;
 use crate::cuda_graphs::SlotAllocator;
 use crate::error::{Error, Result};
 use crate::invalid;
-use crate::module::{Cx, Ids};
+use crate::module::{Cx, DeferredWeights, Ids, WeightGrad};
 use crate::pipeline_parallel::{
     Action, Delivery, Pass, Schedule, ScheduleConfig, Stage, Transfer, execute, plan,
 };
@@ -120,10 +125,12 @@ pub(super) struct Walk<'a, M> {
 }
 
 /// What a walk did: the sum of the per-token losses this rank computed (the last stage's; 0
-/// elsewhere), read once at the end, and the seconds it waited for other stages.
+/// elsewhere), read once at the end, the seconds it waited for other stages, and the most bytes
+/// its put-off weight gradients held at once.
 pub(super) struct Walked {
     pub loss_sum: f64,
     pub waited: f64,
+    pub deferred_peak: u64,
 }
 
 /// Runs a walk of `actions` with chunks run by `P`.
@@ -201,6 +208,13 @@ struct Walker<'a, M, P: Passes<M>> {
     carried: [usize; 3],
     /// The microbatches' in-flight slots (their graph scopes' graphs and static buffers).
     slots: SlotAllocator,
+    /// Whether the plan has weight-gradient passes: its backwards put them off.
+    split: bool,
+    /// The weight gradients each (chunk, microbatch)'s backward put off, and the bytes they
+    /// hold now and at most.
+    deferred: HashMap<(usize, usize), Vec<WeightGrad>>,
+    held: u64,
+    held_peak: u64,
 }
 
 /// Walks `actions` with `walk`'s chunks run by `P`.
@@ -226,6 +240,9 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
         false => local,
     };
     let carried = [seq, plan.micro_batch, P::carried_width(first)];
+    let split = actions
+        .iter()
+        .any(|a| matches!(a, Action::Run(op) if op.pass == Pass::Weight));
     let mut walker = Walker::<M, P> {
         walk,
         kept: HashMap::new(),
@@ -235,8 +252,19 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
         waited: std::time::Duration::ZERO,
         carried,
         slots: SlotAllocator::new(),
+        split,
+        deferred: HashMap::new(),
+        held: 0,
+        held_peak: 0,
     };
     execute(actions, &mut walker)?;
+    if let Some(&(chunk, microbatch)) = walker.deferred.keys().min() {
+        return invalid!(
+            "the pipeline's plan ended with the weight gradients of {} backwards not computed \
+             (chunk {chunk} microbatch {microbatch} the first): the optimizer step would miss them",
+            walker.deferred.len()
+        );
+    }
     if !(walker.inbox.is_empty() && walker.outbox.is_empty()) {
         return invalid!(
             "the pipeline's plan left {} values unused and {} unsent",
@@ -259,6 +287,7 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
     Ok(Walked {
         loss_sum,
         waited: walker.waited.as_secs_f64(),
+        deferred_peak: walker.held_peak,
     })
 }
 
@@ -365,7 +394,12 @@ impl<M, P: Passes<M>> Stage for Walker<'_, M, P> {
         };
         let model = &self.walk.chunks[chunk];
         let slot = self.slots.free(chunk, microbatch);
+        let deferred = DeferredWeights::default();
         let cx = self.cx(microbatch).in_slot(slot);
+        let cx = match self.split {
+            true => cx.deferring_weights(&deferred),
+            false => cx,
+        };
         let d = match losses {
             Some(shape) => {
                 let plan = self.walk.data.plan();
@@ -382,7 +416,39 @@ impl<M, P: Passes<M>> Stage for Walker<'_, M, P> {
             self.outbox
                 .insert((Pass::Backward, chunk, microbatch), d_in);
         }
+        let put_off = deferred.take();
+        if self.split {
+            self.held += put_off.iter().map(WeightGrad::held_bytes).sum::<u64>();
+            self.held_peak = self.held_peak.max(self.held);
+            self.deferred.insert((chunk, microbatch), put_off);
+        }
         Ok(())
+    }
+
+    fn weight(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
+        let Some(put_off) = self.deferred.remove(&(chunk, microbatch)) else {
+            return invalid!(
+                "weight gradients of chunk {chunk} microbatch {microbatch} before its backward"
+            );
+        };
+        for w in put_off {
+            self.held -= w.held_bytes();
+            w.run()?;
+        }
+        Ok(())
+    }
+
+    fn hand_over(&mut self, pass: Pass, from: usize, to: usize, microbatch: usize) -> Result<()> {
+        match self.outbox.remove(&(pass, from, microbatch)) {
+            Some(v) => {
+                self.inbox.insert((pass, to, microbatch), v);
+                Ok(())
+            }
+            None => invalid!(
+                "{pass:?} output of chunk {from} microbatch {microbatch} is handed to chunk {to} \
+                 before it is computed"
+            ),
+        }
     }
 
     fn exchange(&mut self, sends: &[Transfer], recvs: &[Transfer]) -> Result<()> {

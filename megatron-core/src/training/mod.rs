@@ -92,6 +92,10 @@ pub struct StepMetrics {
     /// Of which the time this rank waited for other pipeline stages (its receives): the
     /// pipeline's bubble as this rank sees it (0 without a pipeline).
     pub pipeline_wait: f64,
+    /// The most bytes the weight gradients a zero-bubble schedule's backwards put off held at
+    /// once until their weight-gradient passes (their layers' kept inputs and output gradients;
+    /// 0 for schedules that do not split the backward).
+    pub deferred_weight_bytes: u64,
     /// This rank's communication during the step, per group.
     pub comm: Vec<(GroupKind, CommStats)>,
     /// The loss scale the step's backward ran with (`None` without loss scaling).
@@ -360,6 +364,7 @@ impl<M: LanguageModel> Trainer<M> {
         self.buffers.zero_grads()?;
         let walked = self.walk(parallel, &self.sampler, step, Mode::Train { step })?;
         let (loss_sum, pipeline_wait) = (walked.loss_sum, walked.waited);
+        let deferred_weight_bytes = walked.deferred_peak;
         reduce_gradients(&self.buffers, ReduceGroups::of(parallel))?;
         crate::distributed::sum_sequence_parallel_gradients(&self.chunks.0, parallel)?;
         let loss = self.reduce_loss(parallel, loss_sum)? / tokens as f64;
@@ -393,6 +398,7 @@ impl<M: LanguageModel> Trainer<M> {
                     .skipped(loss_scale, pipeline_wait);
                 metrics.routing = routing;
                 metrics.graphs = self.graph_stats_if_any();
+                metrics.deferred_weight_bytes = deferred_weight_bytes;
                 return Ok(metrics);
             }
         }
@@ -414,6 +420,7 @@ impl<M: LanguageModel> Trainer<M> {
         let mut metrics = self.metrics(parallel, &before, start, step, loss, norm, tokens);
         metrics.lr = lr;
         metrics.pipeline_wait = pipeline_wait;
+        metrics.deferred_weight_bytes = deferred_weight_bytes;
         metrics.loss_scale = loss_scale;
         metrics.routing = routing;
         metrics.graphs = self.graph_stats_if_any();
@@ -447,6 +454,7 @@ impl<M: LanguageModel> Trainer<M> {
             tokens,
             seconds: start.elapsed().as_secs_f64(),
             pipeline_wait: 0.0,
+            deferred_weight_bytes: 0,
             comm,
             loss_scale: None,
             skipped: false,

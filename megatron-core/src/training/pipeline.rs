@@ -9,7 +9,7 @@ use crate::comm::ParallelState;
 use crate::error::Result;
 use crate::invalid;
 use crate::module::{Builder, Cx, Ids, Module, Param, Pipelined, Site};
-use crate::pipeline_parallel::{Delivery, ScheduleConfig};
+use crate::pipeline_parallel::{Delivery, ScheduleConfig, ScheduleKind};
 use crate::tensor::Tensor;
 
 /// A language model that pipeline parallelism cuts into stages (its layers a `#[pipeline]`
@@ -122,6 +122,27 @@ impl<M: PipelinedLanguageModel> Trainer<M> {
         config: super::TrainConfig,
         microbatch_group_size: Option<usize>,
     ) -> Result<Self> {
+        let kind = ScheduleKind::default_for(chunks.len());
+        Self::pipelined_as(
+            chunks,
+            parallel,
+            sampler,
+            config,
+            kind,
+            microbatch_group_size,
+        )
+    }
+
+    /// [`Trainer::pipelined`] running schedule `kind` (the chunks built for its placement:
+    /// [`crate::pipeline_parallel::PipelineLayout::placed`]).
+    pub fn pipelined_as(
+        chunks: Vec<M>,
+        parallel: &ParallelState,
+        sampler: Sampler,
+        config: super::TrainConfig,
+        kind: ScheduleKind,
+        microbatch_group_size: Option<usize>,
+    ) -> Result<Self> {
         let pp = parallel.pp();
         let (rank, size) = (pp.index(), pp.size());
         let delivery = if pp.rendezvous() {
@@ -135,7 +156,7 @@ impl<M: PipelinedLanguageModel> Trainer<M> {
         let microbatches = sampler.plan().microbatches();
         let schedule_config = ScheduleConfig {
             group_size: microbatch_group_size,
-            ..ScheduleConfig::new(size, chunks.len(), microbatches)
+            ..ScheduleConfig::named(kind, size, Some(chunks.len()), microbatches)?
         };
         let engine = Engine::new::<Stages>(schedule_config, rank, delivery, true)?;
         // The parameters the first and the last stage both hold (the tied embedding): alone in

@@ -167,13 +167,14 @@ impl Kind for Column {
             unreachable!("a column field")
         };
         let d_x = d_args[0].expect("column-parallel inputs are tensors");
-        let call = cx.qualified(n, quote!(ColumnParallel::backward_column));
+        let call = cx.qualified(n, quote!(ColumnParallel::backward_column_input));
         let doc = comment(&format!(
             "`{name}`: f's backward, all-reduce of the input gradient over tp; with sequence \
              parallelism its reduce-scatter to the sequence shards."
         ));
         let local = gather_output.then(|| b.locals.temp(&format!("d_{name}_local"), pos, span));
         let partial = b.locals.temp(&format!("d_{name}_partial"), pos, span);
+        let weights = b.locals.temp(&format!("{name}_weight_grad"), pos, span);
         let whole = (!gather_output).then(|| b.locals.temp(&format!("{name}_whole"), pos, span));
         let map = cx.qualified(n, quote!(ColumnParallel::map_kept_input));
         let wdoc = comment(&format!(
@@ -181,7 +182,8 @@ impl Kind for Column {
              shards over tp (the weight's gradient reads the whole sequence)."
         ));
         b.push(move |nm| {
-            let (dx, p) = (nm.pat(d_x), nm.ident(partial));
+            let (dx, p, wg) = (nm.pat(d_x), nm.ident(partial), nm.ident(weights));
+            let w_pass = super::weight_pass(&name, &wg);
             let (regather, s) = match whole {
                 Some(w) => {
                     let (si, wi) = (nm.ident(saved), nm.ident(w));
@@ -221,9 +223,10 @@ impl Kind for Column {
             quote! {
                 #split
                 #regather
-                let #p = #call(&#this_field, cx, #site, #s, #dy)?;
+                let (#p, #wg) = #call(&#this_field, cx, #site, #s, #dy)?;
                 #doc
                 let #dx = #sum;
+                #w_pass
             }
         });
     }

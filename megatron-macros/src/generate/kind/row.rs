@@ -153,7 +153,7 @@ impl Kind for Row {
             unreachable!("a row field")
         };
         let d_x = d_args[0].expect("row-parallel inputs are tensors");
-        let call = cx.qualified(n, quote!(RowParallel::backward_row));
+        let call = cx.qualified(n, quote!(RowParallel::backward_row_input));
         let doc = comment(&format!(
             "`{name}`: g's backward is the identity; with sequence parallelism the \
              all-gather of the output gradient's sequence shards over tp."
@@ -163,6 +163,7 @@ impl Kind for Row {
             b.locals.temp(&base, pos, span)
         });
         let whole = b.locals.temp(&format!("d_{name}_whole"), pos, span);
+        let weights = b.locals.temp(&format!("{name}_weight_grad"), pos, span);
         b.push(move |nm| {
             let (s, dy, dx, w) = (
                 nm.ident(saved),
@@ -171,6 +172,8 @@ impl Kind for Row {
                 nm.ident(whole),
             );
             let gather = sequence_gather(rt, &dy, span);
+            let wg = nm.ident(weights);
+            let w_pass = super::weight_pass(&name, &wg);
             match local {
                 Some(l) => {
                     let li = nm.ident(l);
@@ -181,15 +184,17 @@ impl Kind for Row {
                     quote! {
                         #doc
                         let #w = #gather;
-                        let #li = #call(&#this_field, cx, #site, #s, &#w)?;
+                        let (#li, #wg) = #call(&#this_field, cx, #site, #s, &#w)?;
                         #gdoc
                         let #dx = #rt::tensor_parallel::gather_last_dim(cx, &#li)?;
+                        #w_pass
                     }
                 }
                 None => quote! {
                     #doc
                     let #w = #gather;
-                    let #dx = #call(&#this_field, cx, #site, #s, &#w)?;
+                    let (#dx, #wg) = #call(&#this_field, cx, #site, #s, &#w)?;
+                    #w_pass
                 },
             }
         });

@@ -195,7 +195,7 @@ pub(in crate::generate) fn logits_backward<'a>(
         ..
     } = *io;
     let d_h = d_args[0].expect("logits inputs are tensors");
-    let call = cx.qualified(n, quote!(VocabParallel::logits_backward));
+    let call = cx.qualified(n, quote!(VocabParallel::logits_backward_input));
     let doc = comment(&format!(
         "`{name}.logits`: f's backward, all-reduce of the input gradient over tp; with \
          sequence parallelism its reduce-scatter to the sequence shards."
@@ -204,6 +204,9 @@ pub(in crate::generate) fn logits_backward<'a>(
         .locals
         .temp(&format!("d_{name}_logits_partial"), pos, span);
     let whole = b.locals.temp(&format!("{name}_logits_whole"), pos, span);
+    let weights = b
+        .locals
+        .temp(&format!("{name}_logits_weight_grad"), pos, span);
     let map = cx.qualified(n, quote!(VocabParallel::map_kept_logits_input));
     let wdoc = comment(&format!(
         "`{name}.logits`: with sequence parallelism the all-gather of the kept input's sequence \
@@ -217,14 +220,17 @@ pub(in crate::generate) fn logits_backward<'a>(
             nm.ident(partial),
         );
         let w = nm.ident(whole);
+        let wg = nm.ident(weights);
+        let w_pass = super::weight_pass(&format!("{name}.logits"), &wg);
         let sum = sequence_sum(rt, &p, span);
         let regather = regather_sequence(rt, &map, &s, &w, span);
         quote! {
             #wdoc
             #regather
-            let #p = #call(&#this_field, cx, #site, #w, #dy)?;
+            let (#p, #wg) = #call(&#this_field, cx, #site, #w, #dy)?;
             #doc
             let #dh = #sum;
+            #w_pass
         }
     });
 }
