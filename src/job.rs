@@ -16,7 +16,7 @@ use megatron_core::comm::threads::launch;
 use megatron_core::comm::{CommStats, ParallelState, ReduceOp, World};
 use megatron_core::module::{Builder, Module};
 use megatron_core::parallel::{GroupKind, ParallelConfig, ParallelLayout};
-use megatron_core::pipeline_parallel::{PipelineLayout, Schedule, ScheduleConfig};
+use megatron_core::pipeline_parallel::{PipelineLayout, Schedule, ScheduleConfig, ScheduleKind};
 use megatron_core::tensor::{DType, Tensor};
 use megatron_core::training::{BatchPlan, Sampler, StepMetrics, TrainConfig, Trainer};
 use megatron_models::GptConfig;
@@ -120,6 +120,10 @@ pub struct PipelineSettings {
     pub first_stage_layers: Option<usize>,
     /// Layers of the last stage when uneven (`--decoder-last-pipeline-num-layers`).
     pub last_stage_layers: Option<usize>,
+    /// The schedule (`--pipeline-schedule`); `None`: Megatron-LM's by `vpp` (1F1B, or
+    /// interleaved).
+    #[serde(default)]
+    pub schedule: Option<ScheduleKind>,
 }
 
 impl Default for PipelineSettings {
@@ -130,6 +134,7 @@ impl Default for PipelineSettings {
             group_size: None,
             first_stage_layers: None,
             last_stage_layers: None,
+            schedule: None,
         }
     }
 }
@@ -140,7 +145,14 @@ impl PipelineSettings {
         self.pp == 1 && self.vpp == 1
     }
 
-    /// The layers of a model of `layers` laid over the stages (Megatron-LM's checks).
+    /// The schedule run: as given, else Megatron-LM's by `vpp`.
+    pub fn kind(&self) -> ScheduleKind {
+        self.schedule
+            .unwrap_or_else(|| ScheduleKind::default_for(self.vpp))
+    }
+
+    /// The layers of a model of `layers` laid over the stages (Megatron-LM's checks), placed
+    /// as the schedule places its stages.
     pub fn layout(&self, layers: usize) -> Result<PipelineLayout> {
         Ok(PipelineLayout::new(
             layers,
@@ -148,14 +160,16 @@ impl PipelineSettings {
             self.vpp,
             self.first_stage_layers,
             self.last_stage_layers,
-        )?)
+        )?
+        .placed(self.kind().placement())?)
     }
 
-    /// The training schedule for `microbatches` per step (Megatron-LM's checks).
+    /// The training schedule for `microbatches` per step (Megatron-LM's checks, and the
+    /// schedule's own).
     pub fn schedule(&self, microbatches: usize) -> Result<Schedule> {
         Ok(Schedule::new(ScheduleConfig {
             group_size: self.group_size,
-            ..ScheduleConfig::new(self.pp, self.vpp, microbatches)
+            ..ScheduleConfig::named(self.kind(), self.pp, Some(self.vpp), microbatches)?
         })?)
     }
 }
@@ -518,11 +532,12 @@ impl TrainJob {
                     Gpt::build(&spec, &mut b)
                 })
                 .collect::<megatron_core::Result<Vec<_>>>()?;
-            Trainer::pipelined(
+            Trainer::pipelined_as(
                 chunks,
                 &parallel,
                 self.train_data.clone(),
                 self.train,
+                self.pipeline.kind(),
                 self.pipeline.group_size,
             )?
         };

@@ -119,6 +119,20 @@ fn expert_parallelism_trains_as_one_rank_holding_every_expert() {
             &["--dp", "4", "--ep", "2", "--use-distributed-optimizer"],
         ),
         ("ep2-pp2", &["--dp", "2", "--ep", "2", "--pp", "2"]),
+        // A zero-bubble schedule: the experts' grouped weight gradients put off to W passes.
+        (
+            "ep2-pp2-zb-h1",
+            &[
+                "--dp",
+                "2",
+                "--ep",
+                "2",
+                "--pp",
+                "2",
+                "--pipeline-schedule",
+                "zb-h1",
+            ],
+        ),
         ("etp2", &["--dp", "4", "--etp", "2"]),
         ("ep2-etp2", &["--dp", "4", "--ep", "2", "--etp", "2"]),
         (
@@ -232,6 +246,19 @@ fn mixtral_tiny_trains_at_every_layout_as_one_rank() {
         (
             "pp2-vpp2-ep2",
             &["--pp", "2", "--vpp", "2", "--dp", "2", "--ep", "2"],
+        ),
+        (
+            "pp2-zbv-ep2",
+            &[
+                "--pp",
+                "2",
+                "--pipeline-schedule",
+                "zbv",
+                "--dp",
+                "2",
+                "--ep",
+                "2",
+            ],
         ),
         (
             "ep4-distopt",

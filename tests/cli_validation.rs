@@ -252,6 +252,71 @@ fn megatrons_rules_and_flags_that_would_do_nothing_are_refused() {
             ],
             "--microbatch-group-size-per-virtual-pipeline-stage 2 does nothing without virtual stages",
         ),
+        // The zero-bubble schedules: what each runs, named.
+        (
+            &["train", "--pipeline-schedule", "zb-h1"],
+            "--pipeline-schedule zb-h1 needs a pipeline (a single stage runs each microbatch's \
+             forward, then its backward): add --pp, or drop it",
+        ),
+        (
+            &[
+                "train",
+                "--pp",
+                "2",
+                "--pipeline-schedule",
+                "zbv",
+                "--vpp",
+                "4",
+            ],
+            "--pipeline-schedule zbv runs 2 (its V: down the ranks and back up) model chunks per \
+             rank, got --virtual-pipeline-model-parallel-size 4",
+        ),
+        (
+            &[
+                "train",
+                "--pp",
+                "2",
+                "--pipeline-schedule",
+                "dualpipev",
+                "--global-batch-size",
+                "12",
+                "--micro-batch-size",
+                "4",
+            ],
+            "dualpipev needs at least 2·pp = 4 microbatches per step (its steady phase pairs a \
+             forward of one chunk with a backward of the other), got 3",
+        ),
+        (
+            &[
+                "train",
+                "--pp",
+                "2",
+                "--pipeline-schedule",
+                "zbv",
+                "--num-layers",
+                "6",
+                "--decoder-first-pipeline-num-layers",
+                "2",
+            ],
+            "in a V (--pipeline-schedule zbv or dualpipev) the first rank holds both ends of the \
+             model: give an even layout",
+        ),
+        (
+            &[
+                "train",
+                "--pp",
+                "2",
+                "--pipeline-schedule",
+                "zb-h2",
+                "--cuda-graph-scope",
+                "attn",
+            ],
+            "--cuda-graph-scope cannot run with --pipeline-schedule zb-h2",
+        ),
+        (
+            &["train", "--pp", "2", "--pipeline-schedule", "zb-h4"],
+            "unknown pipeline schedule; one of 1f1b, interleaved, zb-h1, zb-h2, zbv, dualpipev",
+        ),
         // Too few microbatches for the interleaved schedule: the batch, not a flag never given.
         (
             &[

@@ -12,7 +12,7 @@ use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
 use megatron::module::{Builder, Module};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
-use megatron::pipeline_parallel::PipelineLayout;
+use megatron::pipeline_parallel::{PipelineLayout, Placement, ScheduleKind};
 use megatron::training::{
     BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
 };
@@ -42,6 +42,11 @@ struct Run {
     rendezvous: bool,
     /// Megatron-LM's distributed optimizer.
     distopt: bool,
+    /// The schedule (`None`: Megatron-LM's by `vpp`) and the interleaved schedule's group size.
+    kind: Option<ScheduleKind>,
+    group: Option<usize>,
+    /// Drop each rank's last weight-gradient pass (as if it ran after the optimizer step).
+    drop_weight_pass: bool,
 }
 
 impl Run {
@@ -54,6 +59,17 @@ impl Run {
             sync: true,
             rendezvous: false,
             distopt: false,
+            kind: None,
+            group: None,
+            drop_weight_pass: false,
+        }
+    }
+
+    /// The same run with schedule `kind`.
+    fn with(self, kind: ScheduleKind) -> Run {
+        Run {
+            kind: Some(kind),
+            ..self
         }
     }
 }
@@ -61,6 +77,11 @@ impl Run {
 /// Loss and gradient norm of every step (rank 0's, which every rank agrees with), and rank 0's
 /// embedding values after the last step with the last stage's copy of them.
 fn train(run: Run) -> (Vec<(f64, f64)>, Vec<f32>, Vec<f32>) {
+    try_train(run).unwrap()
+}
+
+/// [`train`], or the first rank's error.
+fn try_train(run: Run) -> R<(Vec<(f64, f64)>, Vec<f32>, Vec<f32>)> {
     let Run {
         tp,
         pp,
@@ -69,10 +90,17 @@ fn train(run: Run) -> (Vec<(f64, f64)>, Vec<f32>, Vec<f32>) {
         sync,
         rendezvous,
         distopt,
+        kind,
+        group,
+        drop_weight_pass,
     } = run;
+    let kind = kind.unwrap_or_else(|| ScheduleKind::default_for(vpp));
     let world = tp * pp * dp;
     let layout = ParallelLayout::new(&ParallelConfig::new(world).with_tp(tp).with_pp(pp)).unwrap();
-    let stages = PipelineLayout::new(LAYERS, pp, vpp, None, None).unwrap();
+    let stages = PipelineLayout::new(LAYERS, pp, vpp, None, None)
+        .unwrap()
+        .placed(kind.placement())
+        .unwrap();
     let text =
         "Megatron-LM pipelines the layers over stages and interleaves their chunks. ".repeat(30);
     let spec = config().spec();
@@ -113,8 +141,11 @@ fn train(run: Run) -> (Vec<(f64, f64)>, Vec<f32>, Vec<f32>) {
                     Gpt::build(&spec, &mut { b })
                 })
                 .collect::<megatron::Result<Vec<_>>>()?;
-            Trainer::pipelined(chunks, &ps, sampler, train, None)?
+            Trainer::pipelined_as(chunks, &ps, sampler, train, kind, group)?
         };
+        if drop_weight_pass {
+            trainer.drop_last_weight_pass();
+        }
         if !sync {
             trainer.skip_shared_gradient_sum();
         }
@@ -127,22 +158,26 @@ fn train(run: Run) -> (Vec<(f64, f64)>, Vec<f32>, Vec<f32>) {
                 Ok((m.loss, m.grad_norm))
             })
             .collect::<R<Vec<_>>>()?;
+        // Every copy of the tied embedding this rank holds, in chunk order.
         let mut wte = Vec::new();
         for chunk in trainer.chunks() {
             chunk.visit_params(&mut |p| {
-                if p.spec().name == "wte.weight" && wte.is_empty() {
-                    wte = p.value().to_vec::<f32>().unwrap();
+                if p.spec().name == "wte.weight" {
+                    wte.push(p.value().to_vec::<f32>().unwrap());
                 }
             });
         }
         Ok((curve, wte))
-    })
-    .unwrap();
-    // The last pipeline stage's rank with the same tp and dp coordinates as rank 0.
-    let last = layout.groups(megatron::parallel::GroupKind::Pp)[0][pp - 1];
-    let last_wte = ranks[last].1.clone();
+    })?;
+    // The last pipeline stage's rank with the same tp and dp coordinates as rank 0 (in a V,
+    // rank 0 itself), and its last copy.
+    let last = match kind.placement() {
+        Placement::Vee => 0,
+        Placement::Looped => layout.groups(megatron::parallel::GroupKind::Pp)[0][pp - 1],
+    };
+    let last_wte = ranks[last].1.last().cloned().unwrap_or_default();
     let (curve, wte) = ranks.remove(0);
-    (curve, wte, last_wte)
+    Ok((curve, wte[0].clone(), last_wte))
 }
 
 /// [`support::assert_curves_close`] to 1e-5 of the reference's values.
@@ -178,12 +213,75 @@ fn pipelines_train_as_one_stage_does() {
             distopt: true,
             ..Run::new(2, 2, 2, 2)
         },
+        // A group of all 8 microbatches: the two ranks' activations and gradients share both
+        // wires, and a later message is needed first (received in the order sent).
+        Run {
+            group: Some(8),
+            ..Run::new(1, 2, 1, 2)
+        },
     ] {
         let (curve, wte, last_wte) = train(run);
         assert_close(&curve, &reference, &format!("{run:?}"));
         // The first and the last stage's copies of the tied embedding stay equal.
         assert_eq!(wte, last_wte, "{run:?}");
     }
+}
+
+#[test]
+fn zero_bubble_schedules_train_as_one_stage_does() {
+    use ScheduleKind::{DualPipeV, ZbH1, ZbH2, Zbv};
+    // Only the sums' order moves (the weight gradients of a microbatch run later, each
+    // parameter's still summed over the microbatches in order): 1e-5 of the reference, as the
+    // other pipelines.
+    let (reference, _, _) = train(Run::new(1, 1, 1, 1));
+    for run in [
+        Run::new(1, 2, 1, 1).with(ZbH1),
+        Run::new(1, 4, 1, 1).with(ZbH1),
+        Run::new(1, 2, 1, 1).with(ZbH2),
+        Run::new(1, 4, 1, 1).with(ZbH2),
+        Run::new(1, 2, 1, 2).with(Zbv),
+        Run::new(1, 4, 1, 2).with(Zbv),
+        Run::new(1, 2, 1, 2).with(DualPipeV),
+        Run::new(1, 4, 1, 2).with(DualPipeV),
+        Run::new(2, 2, 1, 1).with(ZbH1),
+        Run::new(2, 2, 1, 2).with(Zbv),
+        Run {
+            distopt: true,
+            ..Run::new(1, 2, 2, 1).with(ZbH2)
+        },
+        Run {
+            distopt: true,
+            ..Run::new(2, 2, 2, 2).with(DualPipeV)
+        },
+        Run {
+            rendezvous: true,
+            ..Run::new(1, 4, 1, 2).with(Zbv)
+        },
+        Run {
+            rendezvous: true,
+            ..Run::new(1, 4, 1, 1).with(ZbH1)
+        },
+    ] {
+        let (curve, wte, last_wte) = train(run);
+        assert_close(&curve, &reference, &format!("{run:?}"));
+        // The tied embedding's copies (in a V both on the first rank) stay equal.
+        assert_eq!(wte, last_wte, "{run:?}");
+    }
+}
+
+#[test]
+fn a_weight_gradient_pass_left_past_the_optimizer_step_is_refused() {
+    let err = try_train(Run {
+        drop_weight_pass: true,
+        ..Run::new(1, 2, 1, 1).with(ScheduleKind::ZbH1)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("weight gradients of 1 backwards not computed")
+            && err.contains("the optimizer step would miss them"),
+        "{err}"
+    );
 }
 
 #[test]

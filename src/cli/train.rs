@@ -18,6 +18,7 @@ use megatron::models::GptConfig;
 use megatron::moe::DispatcherKind;
 use megatron::optimizer::AdamWConfig;
 use megatron::optimizer::{LossScaling, Precision, PrecisionFlags};
+use megatron::pipeline_parallel::ScheduleKind;
 use megatron::report::plot::Curves;
 use megatron::tokenizer::Tokenizer;
 use megatron::training::{
@@ -91,8 +92,13 @@ pub struct TrainArgs {
     /// How tokens reach their experts [default: alltoall, or the loaded checkpoint's].
     #[arg(long, value_enum)]
     moe_token_dispatcher_type: Option<Dispatcher>,
+    /// The pipeline schedule: 1f1b, interleaved, zb-h1, zb-h2, zbv or dualpipev (the
+    /// zero-bubble ones split each backward and defer its weight gradients) [default: 1f1b, or
+    /// interleaved with --virtual-pipeline-model-parallel-size above 1].
+    #[arg(long, value_parser = values::schedule)]
+    pipeline_schedule: Option<megatron::pipeline_parallel::ScheduleKind>,
     /// Model chunks (virtual stages) per pipeline stage: the interleaved 1F1B schedule
-    /// [default: 1].
+    /// [default: 1; 2 for zbv and dualpipev].
     #[arg(
         long = "virtual-pipeline-model-parallel-size",
         visible_aliases = ["vpp", "num-virtual-stages-per-pipeline-rank"],
@@ -305,6 +311,8 @@ pub struct TrainArgs {
 /// The pipeline schedule's flags (Megatron-LM's names).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 struct ScheduleFlags {
+    /// `--pipeline-schedule`.
+    schedule: Option<megatron::pipeline_parallel::ScheduleKind>,
     /// `--virtual-pipeline-model-parallel-size`.
     vpp: Option<usize>,
     /// `--num-layers-per-virtual-pipeline-stage`.
@@ -656,6 +664,7 @@ impl TrainArgs {
         taken: &mut Vec<String>,
     ) -> ScheduleFlags {
         let given = ScheduleFlags {
+            schedule: self.pipeline_schedule,
             vpp: self.vpp,
             layers_per_virtual_stage: self.num_layers_per_virtual_pipeline_stage,
             group_size: self.microbatch_group_size_per_vp_stage,
@@ -664,6 +673,9 @@ impl TrainArgs {
         };
         match recorded {
             Some(r) if given == ScheduleFlags::default() && r.pp == pp => {
+                if let Some(kind) = r.schedule {
+                    taken.push(format!("--pipeline-schedule {kind}"));
+                }
                 for (flag, value) in [
                     ("vpp", (r.vpp > 1).then_some(r.vpp)),
                     (
@@ -678,6 +690,7 @@ impl TrainArgs {
                     }
                 }
                 ScheduleFlags {
+                    schedule: r.schedule,
                     vpp: Some(r.vpp),
                     layers_per_virtual_stage: None,
                     group_size: r.group_size,
@@ -721,7 +734,10 @@ impl TrainArgs {
                 }
                 layers / pp / per_stage
             }
-            (None, None) => 1,
+            (None, None) => match f.schedule {
+                Some(kind) => kind.chunks(None)?,
+                None => 1,
+            },
         };
         let settings = PipelineSettings {
             pp,
@@ -729,14 +745,27 @@ impl TrainArgs {
             group_size: f.group_size,
             first_stage_layers: f.first_stage_layers,
             last_stage_layers: f.last_stage_layers,
+            schedule: f.schedule,
         };
+        if pp == 1 && f.schedule.is_some_and(|k| k != ScheduleKind::OneFOneB) {
+            bail!(
+                "--pipeline-schedule {} needs a pipeline (a single stage runs each microbatch's \
+                 forward, then its backward): add --pp, or drop it",
+                settings.kind()
+            );
+        }
         if uneven && pp == 1 {
             bail!("--decoder-first/last-pipeline-num-layers need a pipeline: add --pp");
         }
         // Megatron-LM ignores a group size without virtual stages; the command line says so.
         megatron::pipeline_parallel::ScheduleConfig {
             group_size: settings.group_size,
-            ..megatron::pipeline_parallel::ScheduleConfig::new(pp, settings.vpp, microbatches)
+            ..megatron::pipeline_parallel::ScheduleConfig::named(
+                settings.kind(),
+                pp,
+                Some(settings.vpp),
+                microbatches,
+            )?
         }
         .check_group_used()?;
         settings.schedule(microbatches)?;
@@ -771,6 +800,16 @@ impl TrainArgs {
             if given && !present {
                 bail!("{flag} does nothing without {needs}: add {needs} or drop {flag}");
             }
+        }
+        if let Some(kind) = self.pipeline_schedule
+            && kind.splits_backward()
+            && !self.cuda_graph_scope.is_empty()
+        {
+            bail!(
+                "--cuda-graph-scope cannot run with --pipeline-schedule {kind}: its weight \
+                 gradients, put off past the backward, would read the captured graphs' buffers \
+                 after later replays overwrote them (drop one of them)"
+            );
         }
         if self.fp32_products && self.device == "cpu" {
             bail!(

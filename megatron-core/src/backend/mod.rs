@@ -242,9 +242,10 @@ device_ops! {
         /// through the weights `(fc1 [experts, ffn, hidden], fc2 [experts, hidden, ffn])`, and
         /// what the backward keeps.
         fn experts_forward(&self, shape: &ExpertShape, x: &Tensor, rows: &[usize], weights: (&Tensor, &Tensor)) -> Result<(Tensor, ExpertsSaved)>;
-        /// The rows' gradient `[n, hidden]` from the outputs' `dy`, accumulating the weights'
-        /// gradients into `params` (`fc1`, `fc2`).
-        fn experts_backward(&self, shape: &ExpertShape, saved: &ExpertsSaved, dy: &Tensor, params: (&Param, &Param)) -> Result<Tensor>;
+        /// The rows' gradient `[n, hidden]` from the outputs' `dy`, and the accumulation of the
+        /// weights' gradients into `params` (`fc1`, `fc2`) to run now or later (the split
+        /// backward: [`crate::module::WeightGrad`]).
+        fn experts_backward(&self, shape: &ExpertShape, saved: ExpertsSaved, dy: &Tensor, params: (&Param, &Param)) -> Result<(Tensor, crate::module::WeightGrad)>;
     }
 }
 

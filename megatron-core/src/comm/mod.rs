@@ -205,8 +205,10 @@ pub trait Communicator: Send + Sync {
 
     /// Sends each `(tensor, dst)` of `sends` and receives each `(tensor, src)` of `recvs` as
     /// one batch, in which no call waits for another (Megatron-LM's `batch_isend_irecv`):
-    /// returns once all are done. Within a batch a rank sends at most one message to each peer
-    /// and receives at most one from each. This default suits backends whose sends never wait.
+    /// returns once all are done. A rank receives a peer's messages in the order the peer sent
+    /// them; where sends wait for their receives ([`Communicator::rendezvous`]) a batch holds at
+    /// most one message to and one from each peer. This default suits backends whose sends
+    /// never wait.
     #[track_caller]
     fn exchange(&self, sends: &[(&Tensor, usize)], recvs: &[(&Tensor, usize)]) -> Result<()> {
         for &(tensor, dst) in sends {

@@ -6,7 +6,7 @@
 use super::ExpertParallelSaved;
 use super::{DispatcherKind, PlacedRouting, RouterOutput, TpRows};
 use crate::error::Result;
-use crate::module::{Builder, Cx, Module, Site};
+use crate::module::{Builder, Cx, Module, Site, WeightGrad};
 use crate::tensor::Tensor;
 
 /// Experts split over the expert-parallel group (`#[expert_parallel]`): a router chooses each
@@ -58,14 +58,28 @@ pub trait ExpertParallel: Module {
         rows: &Tensor,
         tp: &TpRows,
     ) -> Result<(Tensor, Self::LocalSaved)>;
-    /// Accumulates the local experts' gradients and returns their rows' input gradient.
+    /// The split backward of the local experts: their rows' input gradient, and their grouped
+    /// weight gradients to run now or later ([`Cx::weight_gradient`]).
+    fn backward_local_input(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: Self::LocalSaved,
+        dy: &Tensor,
+    ) -> Result<(Tensor, WeightGrad)>;
+    /// Accumulates the local experts' gradients (through [`Cx::weight_gradient`]) and returns
+    /// their rows' input gradient.
     fn backward_local(
         &self,
         cx: &Cx,
         site: Site,
         saved: Self::LocalSaved,
         dy: &Tensor,
-    ) -> Result<Tensor>;
+    ) -> Result<Tensor> {
+        let (dx, w) = self.backward_local_input(cx, site, saved, dy)?;
+        cx.weight_gradient(w)?;
+        Ok(dx)
+    }
     /// Records `routing` in the step's log and gives what the router's backward reads besides
     /// what its forward kept, where `like` lives: the routing weights' gradient `dprobs`
     /// (`[tokens, experts]`, as the combine's backward computed it) and the auxiliary losses'

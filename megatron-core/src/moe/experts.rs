@@ -60,6 +60,18 @@ pub struct HostKept {
     rows: Vec<usize>,
 }
 
+impl HostKept {
+    /// The values it holds (inputs, pre-activations and activations).
+    pub fn len(&self) -> usize {
+        self.x.len() + self.pre.len() + self.act.len()
+    }
+
+    /// Whether it holds no values (no rows).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// `buf` cut into consecutive pieces of `rows[g] × width` elements.
 fn pieces<'a>(mut buf: &'a mut [f32], rows: &[usize], width: usize) -> Vec<&'a mut [f32]> {
     let mut out = Vec::with_capacity(rows.len());
@@ -206,29 +218,55 @@ pub fn experts_backward(
     shape: &ExpertShape,
     saved: &HostKept,
     dy: &[f32],
-    (fc1, fc2): (&[f32], &[f32]),
+    weights: (&[f32], &[f32]),
     (dfc1, dfc2): (&mut [f32], &mut [f32]),
 ) -> Result<Vec<f32>> {
+    let (dx, dpre) = experts_backward_input(shape, saved, dy, weights)?;
+    experts_weight_grads(shape, saved, dy, &dpre, (dfc1, dfc2))?;
+    Ok(dx)
+}
+
+/// The input-gradient half of [`experts_backward`]: the input's gradient `[rows, hidden]` and
+/// the activation's input gradient `dpre` (`[rows, fc1 rows]`), which the weight-gradient half
+/// reads.
+pub fn experts_backward_input(
+    shape: &ExpertShape,
+    saved: &HostKept,
+    dy: &[f32],
+    (fc1, fc2): (&[f32], &[f32]),
+) -> Result<(Vec<f32>, Vec<f32>)> {
     let rows = &saved.rows;
     check(shape, rows, dy.len(), (fc1.len(), fc2.len()))?;
-    check(shape, rows, saved.x.len(), (dfc1.len(), dfc2.len()))?;
     let (h, f, f1) = (shape.hidden, shape.ffn, shape.fc1_rows());
     let n: usize = rows.iter().sum();
-    // dact = dy · fc2; dfc2 += dyᵀ · act; dpre = the activation's backward of dact;
-    // dfc1 += dpreᵀ · x; dx = dpre · fc1.
+    // dact = dy · fc2; dpre = the activation's backward of dact; dx = dpre · fc1.
     let mut dact = vec![0.0f32; n * f];
     rows_times_weights(dy, h, fc2, (h, f, false), rows, &mut dact)?;
-    weight_grads(dy, &saved.act, rows, (h, f), dfc2)?;
     let mut dpre = vec![0.0f32; n * f1];
     if shape.gated {
         swiglu_backward(&saved.pre, &dact, f, &mut dpre)?;
     } else {
         gelu_backward(&saved.pre, &dact, &mut dpre)?;
     }
-    weight_grads(&dpre, &saved.x, rows, (f1, h), dfc1)?;
     let mut dx = vec![0.0f32; n * h];
     rows_times_weights(&dpre, f1, fc1, (f1, h, false), rows, &mut dx)?;
-    Ok(dx)
+    Ok((dx, dpre))
+}
+
+/// The weight-gradient half of [`experts_backward`]: `dfc2 += dyᵀ · act`, `dfc1 += dpreᵀ · x`
+/// per expert, from the output gradient `dy` and the input half's `dpre`.
+pub fn experts_weight_grads(
+    shape: &ExpertShape,
+    saved: &HostKept,
+    dy: &[f32],
+    dpre: &[f32],
+    (dfc1, dfc2): (&mut [f32], &mut [f32]),
+) -> Result<()> {
+    let rows = &saved.rows;
+    check(shape, rows, saved.x.len(), (dfc1.len(), dfc2.len()))?;
+    let (h, f, f1) = (shape.hidden, shape.ffn, shape.fc1_rows());
+    weight_grads(dy, &saved.act, rows, (h, f), dfc2)?;
+    weight_grads(dpre, &saved.x, rows, (f1, h), dfc1)
 }
 
 #[cfg(test)]

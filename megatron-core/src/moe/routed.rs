@@ -27,7 +27,7 @@ use crate::cuda_graphs::{GraphScope, captures};
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::gemm::product;
-use crate::module::{Builder, Cx, Init, Module, Param, Site, Split};
+use crate::module::{Builder, Cx, Init, Module, Param, Site, Split, WeightGrad};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor, TensorRead};
 
@@ -458,16 +458,16 @@ impl ExpertParallel for RoutedExperts {
         )
     }
 
-    fn backward_local(
+    fn backward_local_input(
         &self,
         _cx: &Cx,
         _site: Site,
         saved: ExpertsSaved,
         dy: &Tensor,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, WeightGrad)> {
         backend::of(self.fc1.compute_value()).experts_backward(
             &self.local,
-            &saved,
+            saved,
             dy,
             (&self.fc1, &self.fc2),
         )

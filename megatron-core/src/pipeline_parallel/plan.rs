@@ -8,7 +8,10 @@
 //!
 //! - where sends never wait for their receive (thread, MPI and device-local communicators), at
 //!   the step before the pass that needs it: the plan runs as the bare order would, each pass
-//!   waiting for its input only;
+//!   waiting for its input only. A communicator delivers a pair of ranks' messages in the order
+//!   they are sent, so a message is received no later than the ones sent after it on its pair
+//!   (in a V, activations and gradients share the pairs' wires, and a later message can be
+//!   needed first);
 //! - where a send waits for its receive (NCCL), sending and receiving one message at a time
 //!   deadlocks some schedules (in the interleaved schedule two ranks can each wait in a send
 //!   for the other's receive). Megatron-LM batches each iteration's sends and receives
@@ -117,13 +120,29 @@ pub enum PlanError {
         /// The microbatch.
         microbatch: usize,
     },
+    /// A rank receives a peer's messages in another order than the peer sends them (a
+    /// communicator delivers a pair's messages in order).
+    #[error(
+        "rank {to} receives rank {from}'s messages as {received:?}, sent as {sent:?} (pass, \
+         sending stage, microbatch)"
+    )]
+    WireOrder {
+        /// The sending rank.
+        from: usize,
+        /// The receiving rank.
+        to: usize,
+        /// The messages in the order sent.
+        sent: Vec<Message>,
+        /// The messages in the order received.
+        received: Vec<Message>,
+    },
     /// Every unfinished rank waits in an exchange for a peer that never joins it.
     #[error("deadlock: ranks blocked in the exchanges of steps {0:?} (rank, step)")]
     Deadlock(Vec<(usize, u64)>),
 }
 
 /// The message's identity: its pass, its sending virtual stage and its microbatch.
-type Message = (Pass, usize, usize);
+pub type Message = (Pass, usize, usize);
 
 /// The plans of every rank of `schedule` for a backend of `delivery`, by rank.
 pub fn plan(schedule: &Schedule, delivery: Delivery) -> Result<Vec<RankPlan>, PlanError> {
@@ -147,6 +166,10 @@ pub fn plan(schedule: &Schedule, delivery: Delivery) -> Result<Vec<RankPlan>, Pl
             })
         })
         .collect();
+    // Each pair of ranks' messages in the order they are sent: (send step, the step before the
+    // pass that needs it, the send, the receive).
+    type Wire = Vec<(u64, u64, Transfer, Transfer)>;
+    let mut wires: BTreeMap<(usize, usize), Wire> = BTreeMap::new();
     for (rank, passes) in timeline.ranks.iter().enumerate() {
         for timed in passes {
             let ScheduledPass {
@@ -168,12 +191,7 @@ pub fn plan(schedule: &Schedule, delivery: Delivery) -> Result<Vec<RankPlan>, Pl
                 local[rank].insert(timed.op, hand_over);
                 continue;
             }
-            // Sent at once; received at once too, or at the step just before the pass that
-            // needs it (the producer's step or later).
-            let recv_step = match delivery {
-                Delivery::Buffered => starts[&(pass, to, microbatch)] - 1,
-                Delivery::Rendezvous => timed.start,
-            };
+            let needed = starts[&(pass, to, microbatch)] - 1;
             let send = Transfer {
                 pass,
                 chunk,
@@ -186,7 +204,26 @@ pub fn plan(schedule: &Schedule, delivery: Delivery) -> Result<Vec<RankPlan>, Pl
                 microbatch,
                 peer: rank,
             };
-            batches[rank].entry(timed.start).or_default().0.push(send);
+            wires
+                .entry((rank, peer))
+                .or_default()
+                .push((timed.start, needed, send, recv));
+        }
+    }
+    for ((rank, peer), wire) in wires {
+        // Sent at once; received at once too, or at the step just before the pass that needs
+        // it (the producer's step or later) or before a message sent after it on the pair is.
+        let mut by = u64::MAX;
+        let mut recv_steps = vec![0; wire.len()];
+        for (i, &(sent, needed, ..)) in wire.iter().enumerate().rev() {
+            by = by.min(needed);
+            recv_steps[i] = match delivery {
+                Delivery::Buffered => by,
+                Delivery::Rendezvous => sent,
+            };
+        }
+        for ((sent, _, send, recv), recv_step) in wire.into_iter().zip(recv_steps) {
+            batches[rank].entry(sent).or_default().0.push(send);
             batches[peer].entry(recv_step).or_default().1.push(recv);
         }
     }
@@ -242,6 +279,9 @@ pub fn check(plans: &[RankPlan], map: &StageMap, delivery: Delivery) -> Result<(
     // Which rank's which action holds each message's send and receive.
     let mut sent: HashMap<Message, (usize, usize)> = HashMap::new();
     let mut received: HashMap<Message, (usize, usize)> = HashMap::new();
+    // Each pair of ranks' messages in the order sent and in the order received.
+    let mut wire_sent: BTreeMap<(usize, usize), Vec<Message>> = BTreeMap::new();
+    let mut wire_received: BTreeMap<(usize, usize), Vec<Message>> = BTreeMap::new();
     for plan in plans {
         let mut inbox = HashSet::new();
         for (i, action) in plan.actions.iter().enumerate() {
@@ -259,11 +299,17 @@ pub fn check(plans: &[RankPlan], map: &StageMap, delivery: Delivery) -> Result<(
                 }
                 Action::Exchange { sends, recvs, .. } => {
                     for t in sends {
-                        sent.insert(message(t, plan.rank, map, false), (plan.rank, i));
+                        let m = message(t, plan.rank, map, false);
+                        sent.insert(m, (plan.rank, i));
+                        wire_sent.entry((plan.rank, t.peer)).or_default().push(m);
                     }
                     for t in recvs {
                         let m = message(t, plan.rank, map, true);
                         received.insert(m, (plan.rank, i));
+                        wire_received
+                            .entry((t.peer, plan.rank))
+                            .or_default()
+                            .push(m);
                         inbox.insert(m);
                     }
                 }
@@ -285,6 +331,17 @@ pub fn check(plans: &[RankPlan], map: &StageMap, delivery: Delivery) -> Result<(
                 pass,
                 stage,
                 microbatch,
+            });
+        }
+    }
+    for (&(from, to), order) in &wire_sent {
+        let got = wire_received.get(&(from, to)).cloned().unwrap_or_default();
+        if &got != order {
+            return Err(PlanError::WireOrder {
+                from,
+                to,
+                sent: order.clone(),
+                received: got,
             });
         }
     }

@@ -16,23 +16,29 @@ use thiserror::Error;
 use super::executor::{Pass, Slot};
 use super::zero_bubble;
 
-/// Which schedule a pipeline runs (`--pipeline-schedule`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Which schedule a pipeline runs (`--pipeline-schedule`; recorded in checkpoints by name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum ScheduleKind {
     /// Megatron-LM's 1F1B (one chunk per rank).
+    #[serde(rename = "1f1b")]
     OneFOneB,
     /// Megatron-LM's interleaved 1F1B (several chunks per rank, looped).
+    #[serde(rename = "interleaved")]
     Interleaved,
     /// Zero Bubble's ZB-H1: 1F1B's memory, weight gradients deferred into the bubbles.
+    #[serde(rename = "zb-h1")]
     ZbH1,
     /// Zero Bubble's ZB-H2: more warm-up forwards (twice 1F1B's memory), no bubble at equal
     /// pass times.
+    #[serde(rename = "zb-h2")]
     ZbH2,
     /// Zero Bubble's ZB-V: two chunks per rank in a V, 1F1B's memory, no bubble at equal pass
     /// times.
+    #[serde(rename = "zbv")]
     Zbv,
     /// DeepSeek's DualPipeV: two chunks per rank in a V, a forward of one chunk beside a
     /// backward of the other in the steady phase.
+    #[serde(rename = "dualpipev")]
     DualPipeV,
 }
 
@@ -191,7 +197,8 @@ pub enum ScheduleError {
         /// What was given.
         vpp: usize,
     },
-    /// A schedule over two ranks or more given one.
+    /// A zero-bubble schedule given one rank (a single stage runs no schedule: each
+    /// microbatch's forward, then its backward).
     #[error(
         "--pipeline-schedule {schedule} needs a pipeline of at least 2 stages, got \
          --pipeline-model-parallel-size {pp}"
@@ -246,12 +253,14 @@ pub enum ScheduleError {
     /// so does [`ScheduleConfig::validate`]; [`ScheduleConfig::check_group_used`] refuses it.
     #[error(
         "--microbatch-group-size-per-virtual-pipeline-stage {group} does nothing without \
-         virtual stages (it groups the interleaved schedule's microbatches): add \
-         --virtual-pipeline-model-parallel-size or drop it"
+         virtual stages (it groups the interleaved schedule's microbatches; this schedule is \
+         {schedule}): add --virtual-pipeline-model-parallel-size or drop it"
     )]
     GroupWithoutVirtualStages {
         /// The group size given.
         group: usize,
+        /// The schedule it was given to.
+        schedule: &'static str,
     },
     /// The group of contiguous microbatches per virtual stage is outside `[pp, M]`.
     #[error(
@@ -358,9 +367,10 @@ impl ScheduleConfig {
     /// nothing (the command line's check: Megatron-LM ignores such a group size).
     pub fn check_group_used(&self) -> Result<(), ScheduleError> {
         match self.group_size {
-            Some(group) if !self.interleaved() => {
-                Err(ScheduleError::GroupWithoutVirtualStages { group })
-            }
+            Some(group) if !self.interleaved() => Err(ScheduleError::GroupWithoutVirtualStages {
+                group,
+                schedule: self.kind.name(),
+            }),
             _ => Ok(()),
         }
     }
@@ -393,7 +403,7 @@ impl ScheduleConfig {
         )?;
         let want = self.kind.chunks(Some(self.vpp))?;
         debug_assert_eq!(want, self.vpp);
-        if self.kind.placement() == Placement::Vee && self.pp < 2 {
+        if self.kind.splits_backward() && self.pp < 2 {
             return Err(ScheduleError::NeedsPipeline {
                 schedule: self.kind.name(),
                 pp: self.pp,

@@ -243,6 +243,15 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
     let split = actions
         .iter()
         .any(|a| matches!(a, Action::Run(op) if op.pass == Pass::Weight));
+    if split && walk.cx.graphs().is_some() {
+        // A captured backward's static buffers are overwritten by its next replay: the
+        // weight gradients put off would read another microbatch's values.
+        return invalid!(
+            "--cuda-graph-scope cannot run with a zero-bubble --pipeline-schedule (its weight \
+             gradients, put off past the backward, would read the captured graphs' buffers after \
+             later replays overwrote them): drop one of them"
+        );
+    }
     let mut walker = Walker::<M, P> {
         walk,
         kept: HashMap::new(),

@@ -198,6 +198,20 @@ impl<M: LanguageModel> Trainer<M> {
     pub fn plan_pipeline_for(&mut self, delivery: Delivery) -> Result<()> {
         self.engine.replan(delivery)
     }
+
+    /// Drops the last weight-gradient pass from this rank's plan, as if it ran after the
+    /// optimizer step (for the test that shows the step refuses to start without it).
+    #[doc(hidden)]
+    pub fn drop_last_weight_pass(&mut self) {
+        use crate::pipeline_parallel::{Action, Pass};
+        let plan = &mut self.engine.plan;
+        if let Some(i) = plan
+            .iter()
+            .rposition(|a| matches!(a, Action::Run(op) if op.pass == Pass::Weight))
+        {
+            plan.remove(i);
+        }
+    }
 }
 
 /// What a microbatch's passes through one chunk keep for its backward.

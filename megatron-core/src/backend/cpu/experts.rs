@@ -5,8 +5,10 @@ use super::Cpu;
 use crate::backend::ExpertOps;
 use crate::error::Result;
 use crate::invalid;
-use crate::module::Param;
-use crate::moe::experts::{ExpertShape, ExpertsSaved, experts_backward, experts_forward};
+use crate::module::{Param, WeightGrad};
+use crate::moe::experts::{
+    ExpertShape, ExpertsSaved, experts_backward_input, experts_forward, experts_weight_grads,
+};
 use crate::moe::routed::{accumulate, host_f32};
 use crate::tensor::Tensor;
 
@@ -30,10 +32,10 @@ impl ExpertOps for Cpu {
     fn experts_backward(
         &self,
         shape: &ExpertShape,
-        saved: &ExpertsSaved,
+        saved: ExpertsSaved,
         dy: &Tensor,
         (fc1, fc2): (&Param, &Param),
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, WeightGrad)> {
         let ExpertsSaved::Host(kept) = saved else {
             return invalid!("the experts' forward ran on a GPU, their backward on the host");
         };
@@ -41,16 +43,19 @@ impl ExpertOps for Cpu {
             host_f32(fc1.compute_value())?,
             host_f32(fc2.compute_value())?,
         );
-        let dy = host_f32(dy)?;
-        let mut dx = Vec::new();
-        accumulate(fc1, |dfc1| {
-            accumulate(fc2, |dfc2| {
-                dx = experts_backward(shape, kept, &dy, (&weights.0, &weights.1), (dfc1, dfc2))?;
-                Ok(())
-            })
-        })?;
+        let dy = host_f32(dy)?.to_vec();
+        let (dx, dpre) = experts_backward_input(shape, &kept, &dy, (&weights.0, &weights.1))?;
         let h = shape.hidden;
         let rows = dx.len() / h.max(1);
-        Ok(Tensor::from_vec(dx, [rows, h])?)
+        let held = 4 * (dy.len() + dpre.len() + kept.len()) as u64;
+        let (shape, fc1, fc2) = (*shape, fc1.clone(), fc2.clone());
+        let dw = WeightGrad::new(held, move || {
+            accumulate(&fc1, |dfc1| {
+                accumulate(&fc2, |dfc2| {
+                    experts_weight_grads(&shape, &kept, &dy, &dpre, (dfc1, dfc2))
+                })
+            })
+        });
+        Ok((Tensor::from_vec(dx, [rows, h])?, dw))
     }
 }

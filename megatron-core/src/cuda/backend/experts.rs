@@ -7,7 +7,7 @@ use crate::backend::{ElementwiseOps, ExpertOps};
 use crate::cuda::Gpu;
 use crate::error::Result;
 use crate::invalid;
-use crate::module::Param;
+use crate::module::{Param, WeightGrad, weight_grad::bytes_of};
 use crate::moe::experts::{ExpertShape, ExpertsSaved, check};
 use crate::ops::{as_operand, matmul_into};
 use crate::tensor::{DType, Tensor};
@@ -87,10 +87,10 @@ impl ExpertOps for Gpu {
     fn experts_backward(
         &self,
         shape: &ExpertShape,
-        saved: &ExpertsSaved,
+        saved: ExpertsSaved,
         dy: &Tensor,
         (fc1, fc2): (&Param, &Param),
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, WeightGrad)> {
         let ExpertsSaved::Device { x, pre, act, rows } = saved else {
             return invalid!("the experts' forward ran on the host, their backward on a GPU");
         };
@@ -98,12 +98,13 @@ impl ExpertOps for Gpu {
         let n: usize = rows.iter().sum();
         check(
             shape,
-            rows,
+            &rows,
             dy.numel(),
             (fc1.value().numel(), fc2.value().numel()),
         )?;
         if n == 0 {
-            return Tensor::zeros_on([0, h], DType::F32, self);
+            let none = WeightGrad::new(0, || Ok(()));
+            return Ok((Tensor::zeros_on([0, h], DType::F32, self)?, none));
         }
         // Every row belongs to one expert: written in full below.
         let dx = Tensor::empty_on([n, h], DType::F32, self)?;
@@ -111,9 +112,9 @@ impl ExpertOps for Gpu {
         let dy = as_operand(&on_gpu(self, dy)?)?.reshape([n, h])?;
         let w1 = fc1.compute_value().reshape([e, f1, h])?;
         let w2 = fc2.compute_value().reshape([e, h, f])?;
-        // dact = dy · fc2, dfc2 += dyᵀ · act.
+        // dact = dy · fc2.
         let dact = Tensor::empty_on([n, f], DType::F32, self)?;
-        each_expert(rows, |g, at, r| {
+        each_expert(&rows, |g, at, r| {
             let w = expert(&w2, g)?;
             Ok(matmul_into(
                 1.0,
@@ -123,38 +124,12 @@ impl ExpertOps for Gpu {
                 &dact.narrow(0, at, r)?,
             )?)
         })?;
-        fc2.accumulate_grad(|grad| {
-            let grad = grad.reshape([e, h, f])?;
-            each_expert(rows, |g, at, r| {
-                let (dy_g, act_g) = (dy.narrow(0, at, r)?, act.narrow(0, at, r)?);
-                Ok(matmul_into(
-                    1.0,
-                    &dy_g.t()?,
-                    &act_g,
-                    1.0,
-                    &expert(&grad, g)?,
-                )?)
-            })
-        })?;
-        // dpre = the activation's backward of dact, dfc1 += dpreᵀ · x, dx = dpre · fc1.
+        // dpre = the activation's backward of dact, dx = dpre · fc1.
         let dpre = match shape.gated {
-            true => self.swiglu_backward(pre, &dact, f)?,
-            false => self.gelu_backward(pre, &dact)?,
+            true => self.swiglu_backward(&pre, &dact, f)?,
+            false => self.gelu_backward(&pre, &dact)?,
         };
-        fc1.accumulate_grad(|grad| {
-            let grad = grad.reshape([e, f1, h])?;
-            each_expert(rows, |g, at, r| {
-                let (dpre_g, x_g) = (dpre.narrow(0, at, r)?, x.narrow(0, at, r)?);
-                Ok(matmul_into(
-                    1.0,
-                    &dpre_g.t()?,
-                    &x_g,
-                    1.0,
-                    &expert(&grad, g)?,
-                )?)
-            })
-        })?;
-        each_expert(rows, |g, at, r| {
+        each_expert(&rows, |g, at, r| {
             let w = expert(&w1, g)?;
             Ok(matmul_into(
                 1.0,
@@ -164,6 +139,19 @@ impl ExpertOps for Gpu {
                 &dx.narrow(0, at, r)?,
             )?)
         })?;
-        Ok(dx)
+        // The weight gradients: dfc2 += dyᵀ · act, dfc1 += dpreᵀ · x, per expert.
+        let held = bytes_of(&[&dy, &act, &dpre, &x]);
+        let (fc1, fc2) = (fc1.clone(), fc2.clone());
+        let dw = WeightGrad::new(held, move || {
+            let products = |grad: &Tensor, d: &Tensor, a: &Tensor| {
+                each_expert(&rows, |g, at, r| {
+                    let (d_g, a_g) = (d.narrow(0, at, r)?, a.narrow(0, at, r)?);
+                    Ok(matmul_into(1.0, &d_g.t()?, &a_g, 1.0, &expert(grad, g)?)?)
+                })
+            };
+            fc2.accumulate_grad(|grad| products(&grad.reshape([e, h, f])?, &dy, &act))?;
+            fc1.accumulate_grad(|grad| products(&grad.reshape([e, f1, h])?, &dpre, &x))
+        });
+        Ok((dx, dw))
     }
 }

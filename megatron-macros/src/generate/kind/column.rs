@@ -183,7 +183,7 @@ impl Kind for Column {
         ));
         b.push(move |nm| {
             let (dx, p, wg) = (nm.pat(d_x), nm.ident(partial), nm.ident(weights));
-            let w_pass = super::weight_pass(&name, &wg);
+            let w_pass = super::weight_pass(&format!("`{name}`"), &wg);
             let (regather, s) = match whole {
                 Some(w) => {
                     let (si, wi) = (nm.ident(saved), nm.ident(w));

@@ -225,7 +225,7 @@ impl Kind for Expert {
         } = *io;
         let field = cx.field(n);
         let d_x = d_args[0].expect("expert-parallel inputs are tensors");
-        let local = cx.qualified(n, quote!(ExpertParallel::backward_local));
+        let local = cx.qualified(n, quote!(ExpertParallel::backward_local_input));
         let route = cx.qualified(n, quote!(ExpertParallel::backward_route));
         let router_grads = cx.qualified(n, quote!(ExpertParallel::router_grads));
         let gate = cx.qualified(n, quote!(ExpertParallel::backward_gate));
@@ -249,6 +249,7 @@ impl Kind for Expert {
             temp("tp"),
             temp("local"),
             temp("combine"),
+            temp("weight_grad"),
         ];
         let cdoc = comment(&format!(
             "`{name}`: combine's backward. The output gradient to the experts' rows (an \
@@ -292,7 +293,12 @@ impl Kind for Expert {
                 d_tokens,
                 d_router,
             ] = grads.map(|l| nm.ident(l));
-            let [gate_kept, routing, router, plan, tp, kept, combine] = kept.map(|l| nm.ident(l));
+            let [gate_kept, routing, router, plan, tp, kept, combine, wg] =
+                kept.map(|l| nm.ident(l));
+            let w_pass = super::weight_pass(
+                &format!("`{name}`: the local experts' grouped products"),
+                &wg,
+            );
             let gated = match &scope {
                 None => quote! {{
                     let __d_logits = #route(
@@ -334,13 +340,14 @@ impl Kind for Expert {
                 )?;
                 #gdoc
                 let #d_group_y = #rt::moe::regather_expert_rows(cx.etp(), &#d_rows_out, &#tp)?;
-                let #d_group_rows =
+                let (#d_group_rows, #wg) =
                     #local(&#this_field, cx, #site, #kept, &#d_group_y)?;
                 #sdoc
                 let #d_rows =
                     #rt::moe::reduce_scatter_expert_rows(cx.etp(), &#d_group_rows, &#tp)?;
                 #ddoc
                 let #d_tokens = #rt::moe::dispatch_backward(cx.ep(), &#plan, &#d_rows)?;
+                #w_pass
                 #rdoc
                 let #d_router =
                     #router_grads(&#this_field, cx, #site, &#routing, &#d_probs, &#d_tokens)?;

@@ -345,11 +345,12 @@ pub(super) fn regather_sequence(
 }
 
 /// The weight-gradient half of a linear layer's split backward (`W`, after its input gradient
-/// `B`): `weights`, what the layer's `*_input` backward handed back, run at once or put off to a
-/// zero-bubble schedule's weight-gradient pass by the context. No collective: local products.
-pub(super) fn weight_pass(name: &str, weights: &impl quote::ToTokens) -> TokenStream {
+/// `B`), `what` naming the layer in its comment: `weights`, what the layer's `*_input` backward
+/// handed back, run at once or put off to a zero-bubble schedule's weight-gradient pass by the
+/// context. No collective: local products.
+pub(super) fn weight_pass(what: &str, weights: &impl quote::ToTokens) -> TokenStream {
     let doc = crate::generate::comment(&format!(
-        "`{name}`: W, its weight gradients (local products, no collective): now, or in a \
+        "{what}: W, the weight gradients (local products, no collective): now, or in a \
          zero-bubble schedule's weight-gradient pass."
     ));
     quote! {

@@ -173,7 +173,7 @@ impl Kind for Row {
             );
             let gather = sequence_gather(rt, &dy, span);
             let wg = nm.ident(weights);
-            let w_pass = super::weight_pass(&name, &wg);
+            let w_pass = super::weight_pass(&format!("`{name}`"), &wg);
             match local {
                 Some(l) => {
                     let li = nm.ident(l);

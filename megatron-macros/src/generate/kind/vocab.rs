@@ -221,7 +221,7 @@ pub(in crate::generate) fn logits_backward<'a>(
         );
         let w = nm.ident(whole);
         let wg = nm.ident(weights);
-        let w_pass = super::weight_pass(&format!("{name}.logits"), &wg);
+        let w_pass = super::weight_pass(&format!("`{name}.logits`"), &wg);
         let sum = sequence_sum(rt, &p, span);
         let regather = regather_sequence(rt, &map, &s, &w, span);
         quote! {
