@@ -772,6 +772,38 @@ fn a_pipeline_under_mpirun_equals_the_pipeline_on_threads() {
     processes_train_as_threads("pipeline", &args, "mpi", &[]);
 }
 
+/// The zero-bubble schedules between processes, two stages of two tensor-parallel processes
+/// each: ZB-H1, and ZB-V's V (the last rank handing its activations from one chunk to the
+/// other, the first rank's two chunks both ends of the model), against the same pipelines of
+/// thread ranks.
+#[test]
+fn zero_bubble_pipelines_under_mpirun_equal_them_on_threads() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    for schedule in ["zb-h1", "zbv"] {
+        let args = [
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--pipeline-schedule",
+            schedule,
+            "--num-layers",
+            "4",
+            "--train-iters",
+            "3",
+            "--global-batch-size",
+            "8",
+            "--micro-batch-size",
+            "2",
+            "--seq-length",
+            "32",
+        ];
+        processes_train_as_threads(schedule, &args, "mpi", &[]);
+    }
+}
+
 /// Every collective and point-to-point call of the NCCL communicator between four processes,
 /// on the world and on pairs, against the same folds as MPI's (floating-point sums excepted,
 /// which NCCL adds in its own order; the training test below covers them): uneven all-to-all
@@ -1137,6 +1169,46 @@ fn an_interleaved_pipeline_with_nccl_under_mpirun_follows_thread_ranks_on_one_gp
         "nccl",
         &[("LD_LIBRARY_PATH", &library_path)],
     );
+}
+
+/// The zero-bubble schedules over NCCL, one process per GPU: ZB-H1 over four stages and ZB-V
+/// over four ranks of two chunks each (its exchanges batched for NCCL's rendezvous, the V's
+/// turn a hand-over on the last rank), against the same pipelines of thread ranks sharing one
+/// GPU.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs 4 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
+fn zero_bubble_pipelines_with_nccl_under_mpirun_follow_thread_ranks_on_one_gpu() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let library_path = gpu_library_path();
+    for schedule in ["zb-h1", "zbv"] {
+        let args = [
+            "--pp",
+            "4",
+            "--pipeline-schedule",
+            schedule,
+            "--num-layers",
+            "8",
+            "--train-iters",
+            "3",
+            "--global-batch-size",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--seq-length",
+            "128",
+            "--device",
+            "cuda",
+        ];
+        processes_train_as_threads(
+            &format!("nccl-{schedule}"),
+            &args,
+            "nccl",
+            &[("LD_LIBRARY_PATH", &library_path)],
+        );
+    }
 }
 
 /// `--cuda-graph-scope attn mlp` with tensor parallelism over NCCL, one process per GPU: the

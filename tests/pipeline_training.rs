@@ -74,14 +74,17 @@ impl Run {
     }
 }
 
+/// Loss and gradient norm of every step, rank 0's tied embedding, the last stage's copy.
+type Trained = (Vec<(f64, f64)>, Vec<f32>, Vec<f32>);
+
 /// Loss and gradient norm of every step (rank 0's, which every rank agrees with), and rank 0's
 /// embedding values after the last step with the last stage's copy of them.
-fn train(run: Run) -> (Vec<(f64, f64)>, Vec<f32>, Vec<f32>) {
+fn train(run: Run) -> Trained {
     try_train(run).unwrap()
 }
 
 /// [`train`], or the first rank's error.
-fn try_train(run: Run) -> R<(Vec<(f64, f64)>, Vec<f32>, Vec<f32>)> {
+fn try_train(run: Run) -> R<Trained> {
     let Run {
         tp,
         pp,
