@@ -75,6 +75,7 @@ fn job(ep: usize) -> Result<TrainJob, Box<dyn std::error::Error>> {
         device: Placement::Cpu,
         cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
         stop: None,
+        rank_steps: None,
     })
 }
 

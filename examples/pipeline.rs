@@ -65,6 +65,7 @@ fn job(tp: usize, pipeline: PipelineSettings) -> Result<TrainJob, Box<dyn std::e
         device: Placement::Cpu,
         cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
         stop: None,
+        rank_steps: None,
     })
 }
 

@@ -165,6 +165,7 @@ pub fn job(layout: &AuditLayout) -> Result<TrainJob> {
         device: Placement::Cpu,
         cuda_graph_scope: megatron_core::cuda_graphs::ScopeSet::NONE,
         stop: None,
+        rank_steps: None,
     })
 }
 

@@ -70,7 +70,13 @@ pub struct TrainJob {
     pub cuda_graph_scope: megatron_core::cuda_graphs::ScopeSet,
     /// Asks the run to stop early (a signal handler sets it): see [`StopRequest`].
     pub stop: Option<StopRequest>,
+    /// Where every rank of this process (thread ranks) also records its steps' metrics, by
+    /// world rank (`megatron bench` reads each pipeline rank's bubble and memory from it).
+    pub rank_steps: Option<RankSteps>,
 }
+
+/// Every rank's step metrics, by world rank: see [`TrainJob::rank_steps`].
+pub type RankSteps = Arc<std::sync::Mutex<Vec<(usize, megatron_core::training::StepMetrics)>>>;
 
 /// A request to stop a run before its last step (Megatron-LM's `--exit-signal-handler`), set
 /// from anywhere, e.g. a signal handler. After each step the ranks agree (one all-reduce of a
@@ -436,24 +442,29 @@ impl TrainJob {
         format!("TP={}{cp}{pp} × DP={}{ep}{sharded}", self.tp, self.dp)
     }
 
-    pub(crate) fn context<'a>(
-        &self,
-        observers: &'a mut [Box<dyn Observer>],
-    ) -> Result<RunContext<'a>> {
+    /// The run's parallel layout: which world ranks form each group.
+    pub fn parallel_layout(&self) -> Result<ParallelLayout> {
         if self.tp == 0 || self.dp == 0 || self.pipeline.pp == 0 {
             bail!(
                 "--tensor-model-parallel-size, --pipeline-model-parallel-size and \
                  --data-parallel-size must be at least 1"
             );
         }
-        let layout = ParallelLayout::new(
+        Ok(ParallelLayout::new(
             &ParallelConfig::new(self.world_size())
                 .with_tp(self.tp)
                 .with_cp(self.cp)
                 .with_pp(self.pipeline.pp)
                 .with_ep(self.ep)
                 .with_etp(self.etp),
-        )?;
+        )?)
+    }
+
+    pub(crate) fn context<'a>(
+        &self,
+        observers: &'a mut [Box<dyn Observer>],
+    ) -> Result<RunContext<'a>> {
+        let layout = self.parallel_layout()?;
         self.check_graph_scopes()?;
         self.model
             .validate_parallel(self.tp, self.ep, self.sequence_parallel)?;
@@ -560,6 +571,11 @@ impl TrainJob {
         report(&mut |o| o.start(self, first))?;
         for step in first..self.steps {
             let metrics = trainer.step(&parallel, step)?;
+            if let Some(sink) = &self.rank_steps
+                && let Ok(mut steps) = sink.lock()
+            {
+                steps.push((parallel.groups().rank(), metrics.clone()));
+            }
             let done = step + 1;
             let tokens = done * tokens_per_step;
             summary(&mut |s| {

@@ -80,6 +80,7 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
         device,
         cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
         stop: None,
+        rank_steps: None,
     }
 }
 

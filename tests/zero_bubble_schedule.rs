@@ -139,7 +139,7 @@ fn every_schedule_is_a_pipeline_with_its_papers_bubble_and_memory() {
                 let weights = if kind.splits_backward() { m * v } else { 0 };
                 assert_eq!(stats.weights, weights, "{what}");
             }
-            let theory = theory(&config, Costs::EQUAL);
+            let theory = theory(&config, Costs::EQUAL.times());
             if m >= theory.min_microbatches {
                 assert!(
                     (timeline.bubble() - theory.bubble).abs() < 1e-12,

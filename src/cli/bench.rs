@@ -240,6 +240,7 @@ fn model_step(args: &BenchArgs) -> Result<()> {
         anyhow::bail!("--profile times GPU kernels: add --device cuda");
     }
     job.steps += args.warmup;
+    job.rank_steps = Some(Default::default());
     let plan = *job.train_data.plan();
     let flops_per_token = job.model.flops_per_token(plan.seq_length, job.tp);
     let peak = match (args.peak_tflops, job.device) {
@@ -320,20 +321,22 @@ fn report_steps(
         .skip(args.warmup as usize)
         .map(|&(s, tokens, _)| tokens as f64 / s)
         .collect();
-    // Rank 0's wait for the other stages over its compute time, per step (the median): the
-    // bubble the schedule leaves, next to Megatron-LM's (pp − 1)/(V·M).
-    let mut bubbles: Vec<f64> = times
-        .iter()
-        .skip(args.warmup as usize)
-        .map(|&(s, _, wait)| wait / (s - wait).max(f64::MIN_POSITIVE))
-        .collect();
-    bubbles.sort_by(f64::total_cmp);
     let pipelined = !job.pipeline.is_single_stage();
-    let bubble = pipelined
-        .then(|| bubbles.get(bubbles.len() / 2).copied())
-        .flatten();
-    let theory = pipelined
-        .then(|| (job.pipeline.pp - 1) as f64 / (job.pipeline.vpp * plan.microbatches()) as f64);
+    let ranks = pipeline_ranks(job, args.warmup, pipelined)?;
+    // The ranks' wait for the other stages over their compute time (each the median over the
+    // steps), averaged over the pipeline's ranks: the bubble the schedule leaves, next to its
+    // theory at the pass times the ranks measured.
+    let bubble = (pipelined && !ranks.is_empty())
+        .then(|| ranks.iter().map(|r| r.bubble).sum::<f64>() / ranks.len() as f64);
+    let schedule = job.pipeline.schedule(plan.microbatches())?;
+    let passes = (plan.microbatches() * job.pipeline.vpp).max(1) as f64;
+    let times = ranks
+        .iter()
+        .fold([0.0; 3], |acc, r| {
+            std::array::from_fn(|i| acc[i] + r.pass_seconds[i])
+        })
+        .map(|t| t / (passes * ranks.len().max(1) as f64));
+    let theory = pipelined.then(|| megatron::pipeline_parallel::theory(&schedule.config, times));
     if rates.is_empty() {
         anyhow::bail!("no timed steps: --train-iters must be at least 1");
     }
@@ -359,8 +362,17 @@ fn report_steps(
             "grads": state.per_param(state.grads),
             "optimizer": state.per_param(state.optimizer),
         },
+        "pipeline_schedule": pipelined.then(|| job.pipeline.kind().name()),
         "pipeline_bubble": bubble,
-        "theoretical_bubble": theory,
+        "theoretical_bubble": theory.map(|t| t.bubble),
+        "theoretical_bubble_formula": theory.map(|t| t.formula),
+        "bubble_measured_over_theory": bubble.zip(theory).map(|(b, t)| b / t.bubble),
+        "pass_seconds": {
+            "forward": times[0],
+            "backward": times[1],
+            "weight": times[2],
+        },
+        "pipeline_ranks": pipelined.then(|| ranks.iter().map(RankReport::json).collect::<Vec<_>>()),
         "seq_length": plan.seq_length,
         "micro_batch": plan.micro_batch,
         "global_batch": plan.global_batch,
@@ -382,6 +394,88 @@ fn report_steps(
     });
     say!("{}", serde_json::to_string_pretty(&report)?)?;
     Ok(())
+}
+
+/// What one rank of a pipeline measured over the timed steps (each the median, bytes the most).
+struct RankReport {
+    rank: usize,
+    bubble: f64,
+    /// Its seconds per step in forwards, backwards and weight-gradient passes.
+    pass_seconds: [f64; 3],
+    activation_peak_bytes: u64,
+    deferred_weight_bytes: u64,
+}
+
+impl RankReport {
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "rank": self.rank,
+            "bubble": self.bubble,
+            "pass_seconds": self.pass_seconds,
+            "peak_activation_bytes": self.activation_peak_bytes,
+            "deferred_weight_bytes": self.deferred_weight_bytes,
+        })
+    }
+}
+
+/// The median of `values` (0 when empty).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Each pipeline rank of tensor- and data-parallel rank 0 that ran in this process, from the
+/// steps after the first `warmup`.
+fn pipeline_ranks(
+    job: &megatron::job::TrainJob,
+    warmup: u64,
+    pipelined: bool,
+) -> Result<Vec<RankReport>> {
+    let Some(sink) = &job.rank_steps else {
+        return Ok(Vec::new());
+    };
+    let steps = sink
+        .lock()
+        .map_err(|_| anyhow::anyhow!("a rank panicked"))?;
+    let layout = job.parallel_layout()?;
+    let mut firsts: Vec<usize> = match pipelined {
+        true => layout.groups(megatron::parallel::GroupKind::Pp)[0].clone(),
+        false => vec![0],
+    };
+    firsts.sort();
+    Ok(firsts
+        .into_iter()
+        .filter_map(|rank| {
+            let mine: Vec<_> = steps
+                .iter()
+                .filter(|(r, m)| *r == rank && m.step >= warmup)
+                .map(|(_, m)| m)
+                .collect();
+            (!mine.is_empty()).then(|| RankReport {
+                rank,
+                bubble: median(
+                    mine.iter()
+                        .map(|m| {
+                            m.pipeline_wait / (m.seconds - m.pipeline_wait).max(f64::MIN_POSITIVE)
+                        })
+                        .collect(),
+                ),
+                pass_seconds: std::array::from_fn(|i| {
+                    median(mine.iter().map(|m| m.pass_seconds[i]).collect())
+                }),
+                activation_peak_bytes: mine
+                    .iter()
+                    .map(|m| m.activation_peak_bytes)
+                    .max()
+                    .unwrap_or(0),
+                deferred_weight_bytes: mine
+                    .iter()
+                    .map(|m| m.deferred_weight_bytes)
+                    .max()
+                    .unwrap_or(0),
+            })
+        })
+        .collect())
 }
 
 fn print<T: serde::Serialize + std::fmt::Display>(report: &T, json: bool) -> Result<()> {

@@ -103,7 +103,7 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
     // computes two products for each of the forward's one).
     let costs = Costs::EQUAL;
     let timeline = simulate(&schedule, costs)?;
-    let theory = theory(&config, costs);
+    let theory = theory(&config, costs.times());
     if args.json {
         let per_rank: Vec<Value> = schedule
             .ranks

@@ -1113,6 +1113,7 @@ impl TrainArgs {
                 other => bail!("--device must be cpu or cuda, got {other:?}"),
             },
             stop: None,
+            rank_steps: None,
             cuda_graph_scope: ScopeSet::parse(&self.cuda_graph_scope)
                 .context("--cuda-graph-scope")?,
         };

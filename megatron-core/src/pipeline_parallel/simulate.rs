@@ -46,6 +46,11 @@ impl Costs {
         weight: 1,
     };
 
+    /// The costs as `[F, B, W]` times, for [`theory`].
+    pub fn times(&self) -> [f64; 3] {
+        [self.forward, self.backward, self.weight].map(|c| c as f64)
+    }
+
     /// What `pass` costs in a schedule that `splits` its backwards (a weight-gradient pass at
     /// least one unit: each pass of a rank has a time of its own).
     pub fn of(&self, pass: Pass, splits: bool) -> u64 {
@@ -377,21 +382,17 @@ pub struct Theory {
     pub min_microbatches: usize,
 }
 
-/// The bubble `config`'s schedule has in theory with passes costing `costs` (for enough
+/// The bubble `config`'s schedule has in theory with a chunk's forward, input gradient and
+/// weight gradients taking `times` (`[F, B, W]`, in any unit: [`Costs::times`], or measured) (for enough
 /// microbatches to fill the pipeline: [`Theory::min_microbatches`]): Megatron-LM's
 /// for 1F1B and interleaved, Qi et al.'s for ZB-H1, ZB-H2 and ZB-V, DeepSeek's for DualPipeV
 /// with its overlapped forward-and-backward taking `F + B + W` (run one after the other).
-pub fn theory(config: &ScheduleConfig, costs: Costs) -> Theory {
+pub fn theory(config: &ScheduleConfig, [f, b, w]: [f64; 3]) -> Theory {
     use super::schedule::ScheduleKind as K;
     let (p, m, v) = (
         config.pp as f64 - 1.0,
         config.microbatches as f64,
         config.vpp as f64,
-    );
-    let (f, b, w) = (
-        costs.forward as f64,
-        costs.backward as f64,
-        costs.weight as f64,
     );
     let busy = v * m * (f + b + w);
     // The paper's idle time, and the start-up ramp where the paper leaves it out.
@@ -423,10 +424,11 @@ pub fn theory(config: &ScheduleConfig, costs: Costs) -> Theory {
         K::ZbH2 => 2 * pp - 1,
         K::Zbv | K::DualPipeV => 2 * pp,
     };
+    let over_busy = |t: f64| if busy > 0.0 { t / busy } else { 0.0 };
     Theory {
-        bubble: (idle + ramp) / busy.max(1.0),
+        bubble: over_busy(idle + ramp),
         formula,
-        within_ranks: (ramp > 0.0).then(|| idle / busy.max(1.0)),
+        within_ranks: (ramp > 0.0).then(|| over_busy(idle)),
         min_microbatches,
     }
 }

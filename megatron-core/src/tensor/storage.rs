@@ -7,6 +7,7 @@
 //! aliases an input) is an error, not a wait and not a data race.
 
 use std::ptr::NonNull;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use half::{bf16, f16};
@@ -106,6 +107,8 @@ pub struct Storage {
     next_id: AtomicU64,
     /// Set for device storage (whose `ptr` is dangling: the elements live on the device).
     device: Option<DeviceMemory>,
+    /// The host memory account of the thread that allocated it (host storage only).
+    account: Option<Arc<super::host_memory::ThreadAccount>>,
 }
 
 // SAFETY: elements are only reached through `RawBorrow`s, which the borrow list keeps from
@@ -142,7 +145,7 @@ impl Storage {
     }
 
     fn from_parts(dtype: DType, ptr: NonNull<u8>, len: usize, cap: usize) -> Self {
-        super::host_memory::allocated(cap * dtype.size());
+        let account = super::host_memory::allocated(cap * dtype.size());
         Storage {
             dtype,
             len,
@@ -151,6 +154,7 @@ impl Storage {
             borrows: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(0),
             device: None,
+            account: Some(account),
         }
     }
 
@@ -167,6 +171,7 @@ impl Storage {
             borrows: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(0),
             device: Some(memory),
+            account: None,
         })
     }
 
@@ -182,7 +187,7 @@ impl Storage {
             let mut v = std::mem::ManuallyDrop::new(v);
             (v.as_mut_ptr() as *mut u8, v.len(), v.capacity())
         });
-        super::host_memory::allocated(cap * dtype.size());
+        let account = super::host_memory::allocated(cap * dtype.size());
         Storage {
             dtype,
             len,
@@ -191,6 +196,7 @@ impl Storage {
             borrows: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(0),
             device: None,
+            account: Some(account),
         }
     }
 
@@ -261,7 +267,9 @@ impl Drop for Storage {
             // The device allocation frees itself, ordered on its stream.
             return;
         }
-        super::host_memory::freed(self.cap * self.dtype.size());
+        if let Some(account) = &self.account {
+            super::host_memory::freed(self.cap * self.dtype.size(), account);
+        }
         let Some(block) = pool::give(
             self.dtype,
             self.len,

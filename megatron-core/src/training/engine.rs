@@ -131,6 +131,11 @@ pub(super) struct Walked {
     pub loss_sum: f64,
     pub waited: f64,
     pub deferred_peak: u64,
+    /// Seconds in forwards, backwards and weight-gradient passes.
+    pub pass_seconds: [f64; 3],
+    /// The most host bytes this rank allocated during the walk beyond what was alive at its
+    /// start (activations, messages, gradient temporaries).
+    pub activation_peak: u64,
 }
 
 /// Runs a walk of `actions` with chunks run by `P`.
@@ -215,6 +220,8 @@ struct Walker<'a, M, P: Passes<M>> {
     deferred: HashMap<(usize, usize), Vec<WeightGrad>>,
     held: u64,
     held_peak: u64,
+    /// Time in forwards, backwards and weight-gradient passes.
+    pass_time: [std::time::Duration; 3],
 }
 
 /// Walks `actions` with `walk`'s chunks run by `P`.
@@ -252,6 +259,9 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
              later replays overwrote them): drop one of them"
         );
     }
+    let account = crate::tensor::host_memory::this_thread();
+    let alive_at_start = account.live_bytes();
+    account.reset_peak();
     let mut walker = Walker::<M, P> {
         walk,
         kept: HashMap::new(),
@@ -265,6 +275,7 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
         deferred: HashMap::new(),
         held: 0,
         held_peak: 0,
+        pass_time: [std::time::Duration::ZERO; 3],
     };
     execute(actions, &mut walker)?;
     if let Some(&(chunk, microbatch)) = walker.deferred.keys().min() {
@@ -297,6 +308,8 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
         loss_sum,
         waited: walker.waited.as_secs_f64(),
         deferred_peak: walker.held_peak,
+        pass_seconds: walker.pass_time.map(|t| t.as_secs_f64()),
+        activation_peak: account.peak_bytes().saturating_sub(alive_at_start) as u64,
     })
 }
 
@@ -350,6 +363,36 @@ impl<M, P: Passes<M>> Stage for Walker<'_, M, P> {
     type Error = Error;
 
     fn forward(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
+        self.timed(0, |w| w.run_forward(chunk, microbatch))
+    }
+
+    fn backward(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
+        self.timed(1, |w| w.run_backward(chunk, microbatch))
+    }
+
+    fn weight(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
+        self.timed(2, |w| w.run_weight(chunk, microbatch))
+    }
+
+    fn hand_over(&mut self, pass: Pass, from: usize, to: usize, microbatch: usize) -> Result<()> {
+        self.run_hand_over(pass, from, to, microbatch)
+    }
+
+    fn exchange(&mut self, sends: &[Transfer], recvs: &[Transfer]) -> Result<()> {
+        self.run_exchange(sends, recvs)
+    }
+}
+
+impl<M, P: Passes<M>> Walker<'_, M, P> {
+    /// Runs `f`, adding its time to pass kind `kind`'s (forward, backward, weight gradients).
+    fn timed(&mut self, kind: usize, f: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
+        let start = std::time::Instant::now();
+        let done = f(self);
+        self.pass_time[kind] += start.elapsed();
+        done
+    }
+
+    fn run_forward(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
         let model = &self.walk.chunks[chunk];
         let (first, last) = P::ends(model);
         let slot = self.slots.take(chunk, microbatch);
@@ -395,7 +438,7 @@ impl<M, P: Passes<M>> Stage for Walker<'_, M, P> {
         Ok(())
     }
 
-    fn backward(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
+    fn run_backward(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
         let Some((kept, losses)) = self.kept.remove(&(chunk, microbatch)) else {
             return invalid!(
                 "backward of chunk {chunk} microbatch {microbatch} before its forward"
@@ -434,7 +477,7 @@ impl<M, P: Passes<M>> Stage for Walker<'_, M, P> {
         Ok(())
     }
 
-    fn weight(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
+    fn run_weight(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
         let Some(put_off) = self.deferred.remove(&(chunk, microbatch)) else {
             return invalid!(
                 "weight gradients of chunk {chunk} microbatch {microbatch} before its backward"
@@ -447,7 +490,13 @@ impl<M, P: Passes<M>> Stage for Walker<'_, M, P> {
         Ok(())
     }
 
-    fn hand_over(&mut self, pass: Pass, from: usize, to: usize, microbatch: usize) -> Result<()> {
+    fn run_hand_over(
+        &mut self,
+        pass: Pass,
+        from: usize,
+        to: usize,
+        microbatch: usize,
+    ) -> Result<()> {
         match self.outbox.remove(&(pass, from, microbatch)) {
             Some(v) => {
                 self.inbox.insert((pass, to, microbatch), v);
@@ -460,7 +509,7 @@ impl<M, P: Passes<M>> Stage for Walker<'_, M, P> {
         }
     }
 
-    fn exchange(&mut self, sends: &[Transfer], recvs: &[Transfer]) -> Result<()> {
+    fn run_exchange(&mut self, sends: &[Transfer], recvs: &[Transfer]) -> Result<()> {
         let key = |t: &Transfer| (t.pass, t.chunk, t.microbatch);
         let outgoing = sends
             .iter()

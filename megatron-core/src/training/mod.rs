@@ -96,6 +96,13 @@ pub struct StepMetrics {
     /// once until their weight-gradient passes (their layers' kept inputs and output gradients;
     /// 0 for schedules that do not split the backward).
     pub deferred_weight_bytes: u64,
+    /// Seconds this rank spent in forwards, backwards and weight-gradient passes (on a GPU, the
+    /// host's time to launch them).
+    pub pass_seconds: [f64; 3],
+    /// The most host bytes this rank allocated during the step's walk beyond what was alive at
+    /// its start: its activations, messages and gradient temporaries at their peak (host
+    /// tensors only).
+    pub activation_peak_bytes: u64,
     /// This rank's communication during the step, per group.
     pub comm: Vec<(GroupKind, CommStats)>,
     /// The loss scale the step's backward ran with (`None` without loss scaling).
@@ -365,6 +372,7 @@ impl<M: LanguageModel> Trainer<M> {
         let walked = self.walk(parallel, &self.sampler, step, Mode::Train { step })?;
         let (loss_sum, pipeline_wait) = (walked.loss_sum, walked.waited);
         let deferred_weight_bytes = walked.deferred_peak;
+        let (pass_seconds, activation_peak_bytes) = (walked.pass_seconds, walked.activation_peak);
         reduce_gradients(&self.buffers, ReduceGroups::of(parallel))?;
         crate::distributed::sum_sequence_parallel_gradients(&self.chunks.0, parallel)?;
         let loss = self.reduce_loss(parallel, loss_sum)? / tokens as f64;
@@ -399,6 +407,8 @@ impl<M: LanguageModel> Trainer<M> {
                 metrics.routing = routing;
                 metrics.graphs = self.graph_stats_if_any();
                 metrics.deferred_weight_bytes = deferred_weight_bytes;
+                metrics.pass_seconds = pass_seconds;
+                metrics.activation_peak_bytes = activation_peak_bytes;
                 return Ok(metrics);
             }
         }
@@ -421,6 +431,8 @@ impl<M: LanguageModel> Trainer<M> {
         metrics.lr = lr;
         metrics.pipeline_wait = pipeline_wait;
         metrics.deferred_weight_bytes = deferred_weight_bytes;
+        metrics.pass_seconds = pass_seconds;
+        metrics.activation_peak_bytes = activation_peak_bytes;
         metrics.loss_scale = loss_scale;
         metrics.routing = routing;
         metrics.graphs = self.graph_stats_if_any();
@@ -455,6 +467,8 @@ impl<M: LanguageModel> Trainer<M> {
             seconds: start.elapsed().as_secs_f64(),
             pipeline_wait: 0.0,
             deferred_weight_bytes: 0,
+            pass_seconds: [0.0; 3],
+            activation_peak_bytes: 0,
             comm,
             loss_scale: None,
             skipped: false,
