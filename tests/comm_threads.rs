@@ -259,6 +259,68 @@ fn send_recv_in_order_and_both_directions() {
 }
 
 #[test]
+fn an_owned_exchange_hands_a_sole_tensor_over_and_copies_a_shared_one() {
+    // Rank 0 sends two tensors to rank 1: one nothing else holds (handed over: rank 1 gets the
+    // same storage), and one whose storage rank 0 keeps a view of (copied: rank 0's view stays
+    // its own). Mixed with an ordinary send after them, in order.
+    let out = launch(2, |w| -> R<(Vec<f32>, bool, bool)> {
+        let c = world_comm(&w);
+        let address = |t: &Tensor| t.read::<f32>().map(|v| v.as_ptr() as usize).unwrap_or(0);
+        match w.rank() {
+            0 => {
+                let sole = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], [2, 2])?;
+                let kept = Tensor::from_vec(vec![5.0f32; 4], [4])?;
+                let shared = kept.clone();
+                let (sole_at, shared_at) = (address(&sole), address(&kept));
+                c.exchange_owned(vec![(sole, 1), (shared, 1)], Vec::new())?;
+                c.send(&Tensor::from_vec(vec![9.0f32; 4], [4])?, 1)?;
+                // Rank 1 reports which storages it got; rank 0 tells it these.
+                let at = Tensor::from_vec(vec![sole_at as i64, shared_at as i64], [2])?;
+                c.send(&at, 1)?;
+                Ok((kept.to_vec::<f32>()?, true, true))
+            }
+            _ => {
+                let buffers = vec![
+                    (Tensor::zeros([2, 2], DType::F32), 0),
+                    (Tensor::zeros([4], DType::F32), 0),
+                ];
+                let got = c.exchange_owned(Vec::new(), buffers)?;
+                let last = Tensor::zeros([4], DType::F32);
+                c.recv(&last, 0)?;
+                let at = Tensor::zeros([2], DType::I64);
+                c.recv(&at, 0)?;
+                let at = at.to_vec::<i64>()?;
+                let mut values = got[0].to_vec::<f32>()?;
+                values.extend(got[1].to_vec::<f32>()?);
+                values.extend(last.to_vec::<f32>()?);
+                assert_eq!(got[0].dims(), [2, 2]);
+                Ok((
+                    values,
+                    address(&got[0]) as i64 == at[0],
+                    address(&got[1]) as i64 == at[1],
+                ))
+            }
+        }
+    })
+    .unwrap();
+    assert_eq!(
+        out[0].0,
+        vec![5.0; 4],
+        "the sender's kept view is untouched"
+    );
+    let (values, sole_moved, shared_moved) = &out[1];
+    assert_eq!(
+        values,
+        &[1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0, 5.0, 9.0, 9.0, 9.0, 9.0]
+    );
+    assert!(
+        sole_moved,
+        "a tensor nothing else holds goes without a copy"
+    );
+    assert!(!shared_moved, "a tensor the sender still views is copied");
+}
+
+#[test]
 fn barrier_and_groups_of_a_parallel_layout() {
     let layout = ParallelLayout::new(&ParallelConfig::new(8).with_tp(2).with_pp(2)).unwrap();
     let out = launch(8, |w| -> R<(f32, f32, usize)> {

@@ -220,6 +220,22 @@ pub trait Communicator: Send + Sync {
         Ok(())
     }
 
+    /// [`exchange`](Communicator::exchange) giving the sent tensors up and returning the
+    /// received ones: each of `recvs`' buffers filled, or the sender's tensor itself. A backend
+    /// that can hand a storage over (thread ranks) passes a sent tensor that nothing else holds
+    /// to its receiver as it is, without a copy; this default copies, as `exchange` does.
+    #[track_caller]
+    fn exchange_owned(
+        &self,
+        sends: Vec<(Tensor, usize)>,
+        recvs: Vec<(Tensor, usize)>,
+    ) -> Result<Vec<Tensor>> {
+        let outgoing: Vec<(&Tensor, usize)> = sends.iter().map(|(t, peer)| (t, *peer)).collect();
+        let incoming: Vec<(&Tensor, usize)> = recvs.iter().map(|(t, src)| (t, *src)).collect();
+        self.exchange(&outgoing, &incoming)?;
+        Ok(recvs.into_iter().map(|(t, _)| t).collect())
+    }
+
     /// Whether an [`exchange`](Communicator::exchange)'s sends complete only together with
     /// their receives (NCCL's do), so that peers must exchange both ends of a message in one
     /// call each; other backends deliver a send at once.

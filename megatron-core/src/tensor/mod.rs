@@ -292,6 +292,15 @@ impl Tensor {
         &self.storage
     }
 
+    /// Whether this view is the only holder of its storage and covers all of it, densely: it
+    /// can be handed to another thread as it is, nobody else seeing it change.
+    pub fn is_sole_owner(&self) -> bool {
+        Arc::strong_count(&self.storage) == 1
+            && self.is_contiguous()
+            && self.layout.offset == 0
+            && self.numel() == self.storage.len()
+    }
+
     /// Whether both tensors view the same storage.
     pub fn same_storage(&self, other: &Tensor) -> bool {
         Arc::ptr_eq(&self.storage, &other.storage)

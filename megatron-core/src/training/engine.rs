@@ -527,13 +527,12 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
             .iter()
             .map(|t| Ok((self.carried_buffer()?, t.peer)))
             .collect::<Result<Vec<_>>>()?;
+        // The values go as they are where the backend can hand them over (thread ranks): the
+        // walker holds nothing else of them once they are sent.
         let start = std::time::Instant::now();
-        self.walk.parallel.pp().exchange(
-            &outgoing.iter().map(|(v, p)| (v, *p)).collect::<Vec<_>>(),
-            &incoming.iter().map(|(v, p)| (v, *p)).collect::<Vec<_>>(),
-        )?;
+        let received = self.walk.parallel.pp().exchange_owned(outgoing, incoming)?;
         self.waited += start.elapsed();
-        for (t, (v, _)) in recvs.iter().zip(incoming) {
+        for (t, v) in recvs.iter().zip(received) {
             self.inbox.insert(key(t), v);
         }
         Ok(())

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::exec::RawBuf;
-use super::group::{Arrival, GroupShared};
+use super::group::{Arrival, GroupShared, Payload};
 use super::world::WorldShared;
 use crate::backend::MemoryOps;
 use crate::comm::checks::Checks;
@@ -247,7 +247,7 @@ impl Communicator for ThreadComm {
             self.index,
             dst,
             CallDesc::of(OpKind::Send, tensor, None, Some(dst)),
-            bytes,
+            Payload::Bytes(bytes),
         );
         self.counters.record(OpKind::Send, nbytes);
         Ok(())
@@ -273,6 +273,63 @@ impl Communicator for ThreadComm {
             })?;
         self.counters.record(OpKind::Recv, nbytes);
         Ok(())
+    }
+
+    /// Hands each sent host tensor that nothing else holds to its receiver as it is (a move, no
+    /// copy); copies the others. A received message that came as a tensor is returned as it is,
+    /// in place of its buffer.
+    fn exchange_owned(
+        &self,
+        sends: Vec<(Tensor, usize)>,
+        recvs: Vec<(Tensor, usize)>,
+    ) -> Result<Vec<Tensor>> {
+        for (tensor, dst) in sends {
+            if tensor.gpu().is_some() || !tensor.is_sole_owner() {
+                self.send(&tensor, dst)?;
+                continue;
+            }
+            self.checks().destination(dst)?;
+            let desc = CallDesc::of(OpKind::Send, &tensor, None, Some(dst));
+            self.counters
+                .record(OpKind::Send, tensor.numel() * tensor.dtype().size());
+            self.group
+                .post(self.index, dst, desc, Payload::Tensor(tensor));
+        }
+        let mut received = Vec::with_capacity(recvs.len());
+        for (buffer, src) in recvs {
+            if buffer.gpu().is_some() {
+                self.recv(&buffer, src)?;
+                received.push(buffer);
+                continue;
+            }
+            self.checks().source(src)?;
+            buffer.contiguous_for("recv")?;
+            let desc = CallDesc::of(OpKind::Recv, &buffer, None, Some(src));
+            let nbytes = buffer.numel() * buffer.dtype().size();
+            let (_, payload) = self
+                .group
+                .take_payload(&self.world, src, self.index, &desc)?;
+            let t = match payload {
+                Payload::Tensor(t) => t.reshape(buffer.shape().clone())?,
+                Payload::Bytes(bytes) => {
+                    let borrow = buffer.raw_write("recv")?;
+                    // SAFETY: the exclusive borrow is held; sizes were matched against the
+                    // sender's call.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            bytes.as_ptr(),
+                            borrow.addr() as *mut u8,
+                            nbytes,
+                        )
+                    };
+                    drop(borrow);
+                    buffer
+                }
+            };
+            self.counters.record(OpKind::Recv, nbytes);
+            received.push(t);
+        }
+        Ok(received)
     }
 
     fn barrier(&self) -> Result<()> {

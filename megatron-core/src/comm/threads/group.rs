@@ -11,6 +11,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use super::exec::{Plan, RawBuf, ReduceSegment, Work};
 use super::world::WorldShared;
 use crate::comm::{CallDesc, CommError, OpKind, Result};
+use crate::tensor::Tensor;
 
 /// How long a waiter spins before parking, when ranks have a core each.
 const SPIN: Duration = Duration::from_micros(200);
@@ -52,7 +53,17 @@ struct Slot {
 #[derive(Debug)]
 struct Message {
     desc: CallDesc,
-    bytes: Vec<u8>,
+    payload: Payload,
+}
+
+/// What a message carries: a copy of the sender's bytes, or the sender's tensor itself (given
+/// up by a sender that was its only holder).
+#[derive(Debug)]
+pub(crate) enum Payload {
+    /// The bytes.
+    Bytes(Vec<u8>),
+    /// The tensor, contiguous, on the host, held by nothing else.
+    Tensor(Tensor),
 }
 
 /// The shared state of one group.
@@ -406,14 +417,15 @@ impl GroupShared {
         })
     }
 
-    /// Queues a copy of `bytes` from member `src` to member `dst`.
-    pub fn post(&self, src: usize, dst: usize, desc: CallDesc, bytes: Vec<u8>) {
+    /// Queues `payload` from member `src` to member `dst`.
+    pub fn post(&self, src: usize, dst: usize, desc: CallDesc, payload: Payload) {
         let n = self.ranks.len();
-        self.mail.lock()[src * n + dst].push_back(Message { desc, bytes });
+        self.mail.lock()[src * n + dst].push_back(Message { desc, payload });
         self.mail_cv.notify_all();
     }
 
-    /// Takes the next message from `src` to `dst` and hands it to `deliver` with the sender's call.
+    /// Takes the next message from `src` to `dst` and hands its bytes to `deliver` with the
+    /// sender's call.
     pub fn take(
         &self,
         world: &WorldShared,
@@ -422,6 +434,29 @@ impl GroupShared {
         call: &CallDesc,
         deliver: impl FnOnce(&CallDesc, &[u8]) -> Result<()>,
     ) -> Result<()> {
+        let (desc, payload) = self.take_payload(world, src, dst, call)?;
+        match payload {
+            Payload::Bytes(bytes) => deliver(&desc, &bytes),
+            Payload::Tensor(t) => {
+                let nbytes = t.numel() * t.dtype().size();
+                let borrow = t.raw_read("recv")?;
+                // SAFETY: the shared borrow keeps the contiguous tensor's bytes alive and
+                // unwritten.
+                let bytes =
+                    unsafe { std::slice::from_raw_parts(borrow.addr() as *const u8, nbytes) };
+                deliver(&desc, bytes)
+            }
+        }
+    }
+
+    /// Takes the next message from `src` to `dst`, its size checked against `call`.
+    pub fn take_payload(
+        &self,
+        world: &WorldShared,
+        src: usize,
+        dst: usize,
+        call: &CallDesc,
+    ) -> Result<(CallDesc, Payload)> {
         let n = self.ranks.len();
         let deadline = Instant::now() + world.timeout;
         let mut mail = self.mail.lock();
@@ -431,7 +466,7 @@ impl GroupShared {
                 if msg.desc.dtype != call.dtype || msg.desc.count != call.count {
                     return Err(self.mismatch(src, &msg.desc, dst, call));
                 }
-                return deliver(&msg.desc, &msg.bytes);
+                return Ok((msg.desc, msg.payload));
             }
             if let Some(err) = world.failure() {
                 return Err(err);
