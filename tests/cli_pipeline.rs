@@ -294,3 +294,57 @@ fn inspect_shows_which_layers_each_stage_and_chunk_holds() {
         "{stdout}"
     );
 }
+
+#[test]
+fn inspect_suggests_the_split_that_balances_the_stages() {
+    // gpt2-medium (24 layers, vocabulary 50,304 × 1,024) on 4 stages: the output layer weighs
+    // about 2.6 layers, so the even split loads the last rank most; three layers there and seven
+    // on each other rank balance them (Megatron-LM's --decoder-last-pipeline-num-layers).
+    let (ok, stdout, stderr) =
+        megatron(&["inspect", "--model", "gpt2-medium", "--pp", "4", "--json"]);
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let balance = &v["pipeline"]["balance"];
+    let loads = |split: &serde_json::Value| -> Vec<f64> {
+        split["flops_per_token_per_rank"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f.as_f64().unwrap())
+            .collect()
+    };
+    let even = loads(&balance["given"]);
+    assert!(
+        even[0] == even[1] && even[1] == even[2] && even[3] > 1.3 * even[0],
+        "{even:?}"
+    );
+    let best = &balance["most_balanced"];
+    assert_eq!(best["decoder_last_pipeline_num_layers"], 3);
+    assert_eq!(
+        best["decoder_first_pipeline_num_layers"],
+        serde_json::Value::Null
+    );
+    assert!(best["max_over_mean"].as_f64().unwrap() < 1.01, "{best}");
+    // Both splits carry the whole model.
+    let total = |l: &[f64]| l.iter().sum::<f64>();
+    assert!((total(&even) - total(&loads(best))).abs() < 1e-6 * total(&even));
+    // The text names the flag; a split already the most balanced says so.
+    let (_, text, _) = megatron(&["inspect", "--model", "gpt2-medium", "--pp", "4"]);
+    assert!(
+        text.contains("most balanced: --decoder-last-pipeline-num-layers 3"),
+        "{text}"
+    );
+    let (_, text, _) = megatron(&[
+        "inspect",
+        "--model",
+        "gpt2-medium",
+        "--pp",
+        "4",
+        "--decoder-last-pipeline-num-layers",
+        "3",
+    ]);
+    assert!(
+        text.contains("the most balanced split Megatron-LM's uneven-stage flags allow"),
+        "{text}"
+    );
+}

@@ -302,3 +302,29 @@ fn the_command_line_refuses_what_a_schedule_cannot_run() {
         "{stdout}"
     );
 }
+
+#[test]
+fn uneven_stages_simulated_idle_the_lighter_ranks() {
+    use megatron::pipeline_parallel::simulate_ranks;
+    let schedule = Schedule::new(ScheduleConfig::new(2, 1, 16)).unwrap();
+    // Equal costs per rank: the same timeline as one cost for all.
+    let equal = simulate_ranks(&schedule, &[Costs::EQUAL, Costs::EQUAL]).unwrap();
+    assert_eq!(equal, simulate(&schedule, Costs::EQUAL).unwrap());
+    assert!((equal.mean_rank_bubble() - 1.0 / 16.0).abs() < 1e-12);
+    // The last stage twice as slow: it sets the pace, its bubble stays (p − 1)/M of its own
+    // time, and the first rank idles half of the step.
+    let slow = Costs {
+        forward: 2,
+        backward: 2,
+        weight: 2,
+    };
+    let uneven = simulate_ranks(&schedule, &[Costs::EQUAL, slow]).unwrap();
+    let (busy0, busy1) = (uneven.busy_per_rank[0], uneven.busy_per_rank[1]);
+    assert_eq!(busy1, 2 * busy0);
+    assert_eq!(uneven.makespan, busy1 + 3);
+    assert!(
+        uneven.mean_rank_bubble() > 0.5,
+        "{}",
+        uneven.mean_rank_bubble()
+    );
+}

@@ -323,9 +323,11 @@ fn report_steps(
         .collect();
     let pipelined = !job.pipeline.is_single_stage();
     let ranks = pipeline_ranks(job, args.warmup, pipelined)?;
-    // The ranks' wait for the other stages over their compute time (each the median over the
-    // steps), averaged over the pipeline's ranks: the bubble the schedule leaves, next to its
-    // theory at the pass times the ranks measured.
+    // Each rank's idle time in the pipeline's span (the slowest rank's walk) over the time it
+    // computed its passes (the median over the steps), averaged over the pipeline's ranks: the
+    // bubble the schedule leaves as the theory counts it ((makespan − busy)/busy), next to the
+    // theory at the pass times the ranks measured. Exchanges, thread wake-ups and uneven stages
+    // count as idle.
     let bubble = (pipelined && !ranks.is_empty())
         .then(|| ranks.iter().map(|r| r.bubble).sum::<f64>() / ranks.len() as f64);
     let schedule = job.pipeline.schedule(plan.microbatches())?;
@@ -337,6 +339,25 @@ fn report_steps(
         })
         .map(|t| t / (passes * ranks.len().max(1) as f64));
     let theory = pipelined.then(|| megatron::pipeline_parallel::theory(&schedule.config, times));
+    // The schedule simulated with each rank's passes taking what they took (in microseconds):
+    // the bubble of these stages, uneven as they are, with exchanges that take no time.
+    let simulated = match pipelined && ranks.len() == job.pipeline.pp {
+        true => {
+            let costs: Vec<megatron::pipeline_parallel::Costs> = ranks
+                .iter()
+                .map(|r| {
+                    let [f, b, w] = r.pass_seconds.map(|t| (t / passes * 1e6).round() as u64);
+                    megatron::pipeline_parallel::Costs {
+                        forward: f.max(1),
+                        backward: b.max(1),
+                        weight: w,
+                    }
+                })
+                .collect();
+            Some(megatron::pipeline_parallel::simulate_ranks(&schedule, &costs)?.mean_rank_bubble())
+        }
+        false => None,
+    };
     if rates.is_empty() {
         anyhow::bail!("no timed steps: --train-iters must be at least 1");
     }
@@ -367,6 +388,8 @@ fn report_steps(
         "theoretical_bubble": theory.map(|t| t.bubble),
         "theoretical_bubble_formula": theory.map(|t| t.formula),
         "bubble_measured_over_theory": bubble.zip(theory).map(|(b, t)| b / t.bubble),
+        "simulated_bubble_at_measured_times": simulated,
+        "bubble_measured_over_simulated": bubble.zip(simulated).map(|(b, s)| b / s),
         "pass_seconds": {
             "forward": times[0],
             "backward": times[1],
@@ -443,6 +466,15 @@ fn pipeline_ranks(
         false => vec![0],
     };
     firsts.sort();
+    // Each step's pipeline span: its slowest rank's walk (the ranks start a step's walk together,
+    // after the last step's collectives).
+    let mut span: std::collections::HashMap<u64, f64> = std::collections::HashMap::new();
+    for (rank, m) in steps.iter() {
+        if firsts.contains(rank) {
+            let s = span.entry(m.step).or_default();
+            *s = s.max(m.walk_seconds);
+        }
+    }
     Ok(firsts
         .into_iter()
         .filter_map(|rank| {
@@ -456,7 +488,8 @@ fn pipeline_ranks(
                 bubble: median(
                     mine.iter()
                         .map(|m| {
-                            m.pipeline_wait / (m.seconds - m.pipeline_wait).max(f64::MIN_POSITIVE)
+                            let compute: f64 = m.pass_seconds.iter().sum();
+                            span[&m.step] / compute.max(f64::MIN_POSITIVE) - 1.0
                         })
                         .collect(),
                 ),

@@ -481,6 +481,19 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     };
     let padded = config.padded_vocab_size(args.tp);
     let stages = stage_rows(args, config.num_layers)?;
+    let balance = (args.pp > 1)
+        .then(|| {
+            super::inspect_balance::balance(
+                &config,
+                (args.pp, args.vpp),
+                args.seq_length,
+                (
+                    args.decoder_first_pipeline_num_layers,
+                    args.decoder_last_pipeline_num_layers,
+                ),
+            )
+        })
+        .transpose()?;
     // Each boundary between virtual stages carries a b·s·h f32 activation forward and its
     // gradient back, per microbatch.
     let boundaries = args.pp * args.vpp - 1;
@@ -562,6 +575,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
                     "backward_elements": carried,
                     "bytes_per_boundary": format!("2·4·{carried}"),
                 },
+                "balance": balance.as_ref().map(|b| b.json()),
             },
         });
         say!("{}", serde_json::to_string_pretty(&out)?)?;
@@ -755,6 +769,9 @@ pub fn run(args: &InspectArgs) -> Result<()> {
                  last stage) once a step"
             }
         );
+        if let Some(balance) = &balance {
+            balance.text(&mut out);
+        }
     }
     output::text(&out)?;
     Ok(())

@@ -8,6 +8,7 @@ pub mod generate;
 pub mod graphs;
 pub mod groups;
 pub mod inspect;
+pub mod inspect_balance;
 pub mod inspect_cp;
 pub mod layout;
 pub mod logging;

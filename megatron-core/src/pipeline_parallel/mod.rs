@@ -25,4 +25,6 @@ pub use schedule::{
     Placement, RankCounts, RankSchedule, Schedule, ScheduleConfig, ScheduleError, ScheduleKind,
     StageMap, TableEntry, order_from_table, schedule_table,
 };
-pub use simulate::{Costs, PipelineError, Theory, Timed, Timeline, draw, simulate, theory, traces};
+pub use simulate::{
+    Costs, PipelineError, Theory, Timed, Timeline, draw, simulate, simulate_ranks, theory, traces,
+};

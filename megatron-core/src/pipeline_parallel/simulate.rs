@@ -132,8 +132,10 @@ pub struct Timeline {
     pub walks: Vec<WalkStats>,
     /// When the last pass ends.
     pub makespan: u64,
-    /// Time a rank computes in the step (the same for every rank).
+    /// Time rank 0 computes in the step (every rank's, when they cost the same).
     pub busy: u64,
+    /// Time each rank computes in the step.
+    pub busy_per_rank: Vec<u64>,
 }
 
 impl Timeline {
@@ -142,6 +144,17 @@ impl Timeline {
     /// (the zero-bubble schedules' in [`super::zero_bubble`]).
     pub fn bubble(&self) -> f64 {
         (self.makespan - self.busy) as f64 / self.busy.max(1) as f64
+    }
+
+    /// Each rank's bubble, `(makespan − its busy time) / its busy time`, averaged over the ranks
+    /// (with ranks of unequal costs, the lighter ones idle more).
+    pub fn mean_rank_bubble(&self) -> f64 {
+        let n = self.busy_per_rank.len().max(1) as f64;
+        self.busy_per_rank
+            .iter()
+            .map(|&busy| (self.makespan - busy) as f64 / busy.max(1) as f64)
+            .sum::<f64>()
+            / n
     }
 
     /// The idle time inside each rank's span (from its first pass's start to its last pass's
@@ -259,6 +272,12 @@ fn check_channels(
 /// Simulates one step of `schedule` with its passes through a chunk taking `costs`: checks the
 /// channels, finds deadlocks, and times every pass.
 pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Timeline, PipelineError> {
+    simulate_ranks(schedule, &vec![costs; schedule.config.pp])
+}
+
+/// [`simulate`] with each rank's passes costing its own `costs[rank]` (stages of unequal work,
+/// e.g. pass times measured per rank).
+pub fn simulate_ranks(schedule: &Schedule, costs: &[Costs]) -> Result<Timeline, PipelineError> {
     let traces = traces(schedule)?;
     check_channels(schedule, &traces)?;
     let pp = schedule.config.pp;
@@ -288,7 +307,8 @@ pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Timeline, PipelineE
                 },
             };
             let start = ready.max(free[rank]);
-            let end = start + costs.of(op.pass, splits);
+            let cost = costs.get(rank).unwrap_or(&Costs::STEPS);
+            let end = start + cost.of(op.pass, splits);
             let key = (op.pass, stage, op.microbatch);
             done.insert(key, end);
             if let Some(ranks) = blocked.remove(&key) {
@@ -314,12 +334,16 @@ pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Timeline, PipelineE
         return Err(PipelineError::Deadlock { waiting });
     }
     let makespan = free.iter().copied().max().unwrap_or(0);
-    let busy = timed[0].iter().map(|t| t.end - t.start).sum();
+    let busy_per_rank: Vec<u64> = timed
+        .iter()
+        .map(|passes| passes.iter().map(|t| t.end - t.start).sum())
+        .collect();
     Ok(Timeline {
         ranks: timed,
         walks: traces.iter().map(|(_, stats)| *stats).collect(),
         makespan,
-        busy,
+        busy: busy_per_rank.first().copied().unwrap_or(0),
+        busy_per_rank,
     })
 }
 

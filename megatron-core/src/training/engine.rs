@@ -131,8 +131,9 @@ pub(super) struct Walked {
     pub loss_sum: f64,
     pub waited: f64,
     pub deferred_peak: u64,
-    /// Seconds in forwards, backwards and weight-gradient passes.
+    /// Seconds in forwards, backwards and weight-gradient passes, and in the whole walk.
     pub pass_seconds: [f64; 3],
+    pub seconds: f64,
     /// The most host bytes this rank allocated during the walk beyond what was alive at its
     /// start (activations, messages, gradient temporaries).
     pub activation_peak: u64,
@@ -259,6 +260,7 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
              later replays overwrote them): drop one of them"
         );
     }
+    let started = std::time::Instant::now();
     let account = crate::tensor::host_memory::this_thread();
     let alive_at_start = account.live_bytes();
     account.reset_peak();
@@ -309,6 +311,7 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
         waited: walker.waited.as_secs_f64(),
         deferred_peak: walker.held_peak,
         pass_seconds: walker.pass_time.map(|t| t.as_secs_f64()),
+        seconds: started.elapsed().as_secs_f64(),
         activation_peak: account.peak_bytes().saturating_sub(alive_at_start) as u64,
     })
 }

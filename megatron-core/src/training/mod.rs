@@ -99,6 +99,9 @@ pub struct StepMetrics {
     /// Seconds this rank spent in forwards, backwards and weight-gradient passes (on a GPU, the
     /// host's time to launch them).
     pub pass_seconds: [f64; 3],
+    /// Seconds of this rank's walk of the step's passes and exchanges (the step before the
+    /// gradient reduction and the update).
+    pub walk_seconds: f64,
     /// The most host bytes this rank allocated during the step's walk beyond what was alive at
     /// its start: its activations, messages and gradient temporaries at their peak (host
     /// tensors only).
@@ -373,6 +376,7 @@ impl<M: LanguageModel> Trainer<M> {
         let (loss_sum, pipeline_wait) = (walked.loss_sum, walked.waited);
         let deferred_weight_bytes = walked.deferred_peak;
         let (pass_seconds, activation_peak_bytes) = (walked.pass_seconds, walked.activation_peak);
+        let walk_seconds = walked.seconds;
         reduce_gradients(&self.buffers, ReduceGroups::of(parallel))?;
         crate::distributed::sum_sequence_parallel_gradients(&self.chunks.0, parallel)?;
         let loss = self.reduce_loss(parallel, loss_sum)? / tokens as f64;
@@ -408,6 +412,7 @@ impl<M: LanguageModel> Trainer<M> {
                 metrics.graphs = self.graph_stats_if_any();
                 metrics.deferred_weight_bytes = deferred_weight_bytes;
                 metrics.pass_seconds = pass_seconds;
+                metrics.walk_seconds = walk_seconds;
                 metrics.activation_peak_bytes = activation_peak_bytes;
                 return Ok(metrics);
             }
@@ -432,6 +437,7 @@ impl<M: LanguageModel> Trainer<M> {
         metrics.pipeline_wait = pipeline_wait;
         metrics.deferred_weight_bytes = deferred_weight_bytes;
         metrics.pass_seconds = pass_seconds;
+        metrics.walk_seconds = walk_seconds;
         metrics.activation_peak_bytes = activation_peak_bytes;
         metrics.loss_scale = loss_scale;
         metrics.routing = routing;
@@ -468,6 +474,7 @@ impl<M: LanguageModel> Trainer<M> {
             pipeline_wait: 0.0,
             deferred_weight_bytes: 0,
             pass_seconds: [0.0; 3],
+            walk_seconds: 0.0,
             activation_peak_bytes: 0,
             comm,
             loss_scale: None,
