@@ -162,20 +162,33 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
         false => config.kind.name(),
     };
     say!(
-        "{kind} schedule: pp {}, {} chunk{} per rank, {} microbatches, group size {}",
+        "{kind} schedule: pp {}, {} chunk{} per rank{}, {} microbatches{}",
         config.pp,
         config.vpp,
         if config.vpp == 1 { "" } else { "s" },
+        match config.kind.placement() {
+            megatron::pipeline_parallel::Placement::Vee => " in a V",
+            megatron::pipeline_parallel::Placement::Looped => "",
+        },
         config.microbatches,
-        config.group()
+        match config.interleaved() {
+            true => format!(", group size {}", config.group()),
+            false => String::new(),
+        }
     )?;
+    // Megatron-LM's order entries (`+k`, `−k`: chunk k's forward, backward); with weight
+    // gradient passes, the pass's letter before the 1-based chunk.
     say!(
-        "{:<6} {:>7} {:>7} {:>9} {:>9}  order",
+        "{:<6} {:>7} {:>7} {:>9} {:>9}  {}",
         "rank",
         "passes",
         "warm-up",
         "remaining",
-        "max live"
+        "max live",
+        match config.kind.splits_backward() {
+            true => "order (F, B, W of chunk k)",
+            false => "order",
+        }
     )?;
     for (r, (_, stats)) in schedule.ranks.iter().zip(&walked) {
         let order: Vec<String> = match r.megatron_order() {
@@ -183,7 +196,7 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
             None => r
                 .order
                 .iter()
-                .map(|s| format!("{}{}", s.pass.letter(), s.chunk))
+                .map(|s| format!("{}{}", s.pass.letter(), s.chunk + 1))
                 .collect(),
         };
         say!(
