@@ -10,8 +10,8 @@
 //!   the step before the pass that needs it: the plan runs as the bare order would, each pass
 //!   waiting for its input only. A communicator delivers a pair of ranks' messages in the order
 //!   they are sent, so a message is received no later than the ones sent after it on its pair
-//!   (in a V, activations and gradients share the pairs' wires, and a later message can be
-//!   needed first);
+//!   (in a V, and in the interleaved schedule on 2 ranks, activations and gradients share a
+//!   pair's wire, and a later message can be needed first);
 //! - where a send waits for its receive (NCCL), sending and receiving one message at a time
 //!   deadlocks some schedules (in the interleaved schedule two ranks can each wait in a send
 //!   for the other's receive). Megatron-LM batches each iteration's sends and receives
