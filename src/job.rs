@@ -16,7 +16,9 @@ use megatron_core::comm::threads::launch;
 use megatron_core::comm::{CommStats, ParallelState, ReduceOp, World};
 use megatron_core::module::{Builder, Module};
 use megatron_core::parallel::{GroupKind, ParallelConfig, ParallelLayout};
-use megatron_core::pipeline_parallel::{PipelineLayout, Schedule, ScheduleConfig, ScheduleKind};
+use megatron_core::pipeline_parallel::{
+    PipelineLayout, Schedule, ScheduleConfig, ScheduleKind, StageLayoutError,
+};
 use megatron_core::tensor::{DType, Tensor};
 use megatron_core::training::{BatchPlan, Sampler, StepMetrics, TrainConfig, Trainer};
 use megatron_models::GptConfig;
@@ -130,6 +132,13 @@ pub struct PipelineSettings {
     /// interleaved).
     #[serde(default)]
     pub schedule: Option<ScheduleKind>,
+    /// The embedding counted as a layer of the split
+    /// (`--account-for-embedding-in-pipeline-split`).
+    #[serde(default)]
+    pub account_for_embedding: bool,
+    /// The loss counted as a layer of the split (`--account-for-loss-in-pipeline-split`).
+    #[serde(default)]
+    pub account_for_loss: bool,
 }
 
 impl Default for PipelineSettings {
@@ -141,6 +150,8 @@ impl Default for PipelineSettings {
             first_stage_layers: None,
             last_stage_layers: None,
             schedule: None,
+            account_for_embedding: false,
+            account_for_loss: false,
         }
     }
 }
@@ -160,14 +171,26 @@ impl PipelineSettings {
     /// The layers of a model of `layers` laid over the stages (Megatron-LM's checks), placed
     /// as the schedule places its stages.
     pub fn layout(&self, layers: usize) -> Result<PipelineLayout> {
-        Ok(PipelineLayout::new(
-            layers,
-            self.pp,
-            self.vpp,
-            self.first_stage_layers,
-            self.last_stage_layers,
-        )?
-        .placed(self.kind().placement())?)
+        let uneven = self.first_stage_layers.is_some() || self.last_stage_layers.is_some();
+        let counted = self.account_for_embedding || self.account_for_loss;
+        let layout = match (uneven, counted) {
+            (true, true) => return Err(StageLayoutError::CountedEndsWithUneven.into()),
+            (false, true) => PipelineLayout::with_ends_counted(
+                layers,
+                self.pp,
+                self.vpp,
+                self.account_for_embedding,
+                self.account_for_loss,
+            )?,
+            _ => PipelineLayout::new(
+                layers,
+                self.pp,
+                self.vpp,
+                self.first_stage_layers,
+                self.last_stage_layers,
+            )?,
+        };
+        Ok(layout.placed(self.kind().placement())?)
     }
 
     /// The training schedule for `microbatches` per step (Megatron-LM's checks, and the

@@ -75,6 +75,35 @@ fn pipelines_of_the_command_line_train_as_one_stage() {
 }
 
 #[test]
+fn the_ends_counted_as_layers_of_the_split_train_as_one_stage() {
+    // Megatron-LM's --account-for-embedding/loss-in-pipeline-split: 6 layers and both ends
+    // make 8 over 2 stages (3 + 3 transformer layers) or over 2 × 2 virtual stages (1, 2, 2, 1);
+    // 7 layers and the loss make 8 (4 + 3).
+    let dir = TempDir::new("cli-pp-ends");
+    let both = [
+        "--account-for-embedding-in-pipeline-split",
+        "--account-for-loss-in-pipeline-split",
+    ];
+    let six = ["--num-layers", "6", "--train-iters", "3"];
+    let reference = curve(&dir, "six", &six);
+    for (name, flags) in [
+        ("pp2", &["--pp", "2"][..]),
+        ("pp2v2", &["--pp", "2", "--vpp", "2"]),
+    ] {
+        let args = [&six[..], flags, &both].concat();
+        assert_close(&curve(&dir, name, &args), &reference, name);
+    }
+    let seven = ["--num-layers", "7", "--train-iters", "3"];
+    let reference = curve(&dir, "seven", &seven);
+    let args = [
+        &seven[..],
+        &["--pp", "2", "--account-for-loss-in-pipeline-split"],
+    ]
+    .concat();
+    assert_close(&curve(&dir, "pp2-loss", &args), &reference, "pp2-loss");
+}
+
+#[test]
 fn sixteen_bit_pipelines_train_as_one_stage() {
     // 16-bit parameters on both pipeline ends (the tied embedding's gradients all-reduced
     // between them), loss scaling and the distributed optimizer. bf16 keeps f32 gradients: the

@@ -314,6 +314,22 @@ fn megatrons_rules_and_flags_that_would_do_nothing_are_refused() {
             "--cuda-graph-scope cannot run with --pipeline-schedule zb-h2",
         ),
         (
+            &[
+                "train",
+                "--pp",
+                "2",
+                "--account-for-loss-in-pipeline-split",
+                "--decoder-last-pipeline-num-layers",
+                "1",
+            ],
+            "count the ends as layers of an even split: they do not go with \
+             --decoder-first-pipeline-num-layers or --decoder-last-pipeline-num-layers",
+        ),
+        (
+            &["train", "--account-for-embedding-in-pipeline-split"],
+            "count the ends in a pipeline's split: add --pp, or drop them",
+        ),
+        (
             &["train", "--pp", "2", "--pipeline-schedule", "zb-h4"],
             "unknown pipeline schedule; one of 1f1b, interleaved, zb-h1, zb-h2, zbv, dualpipev",
         ),

@@ -439,3 +439,36 @@ fn sends_that_wait_deadlock_the_buffered_plan_and_not_the_batched_one() {
         Err(PlanError::Early { rank: 1, .. })
     ));
 }
+
+#[test]
+fn the_ends_counted_as_layers_take_a_layer_off_the_first_and_last_virtual_stage() {
+    use megatron::pipeline_parallel::{PipelineLayout, Placement};
+    let runs = |l: &PipelineLayout, pp: usize, vpp: usize| -> Vec<(usize, usize)> {
+        let mut parts: Vec<(usize, std::ops::Range<usize>)> = (0..pp)
+            .flat_map(|r| (0..vpp).map(move |c| (r, c)))
+            .map(|(r, c)| (l.virtual_stage(r, c), l.part(r, c).layers))
+            .collect();
+        parts.sort_by_key(|p| p.0);
+        parts.into_iter().map(|(_, r)| (r.start, r.end)).collect()
+    };
+    // 6 layers + embedding + loss = 8 over 2 × 2 virtual stages of 2: 1, 2, 2, 1.
+    let l = PipelineLayout::with_ends_counted(6, 2, 2, true, true).unwrap();
+    assert_eq!(runs(&l, 2, 2), [(0, 1), (1, 3), (3, 5), (5, 6)]);
+    // In a V the same stages, the last on the first rank.
+    let v = l.placed(Placement::Vee).unwrap();
+    assert_eq!(v.part(0, 1).layers, 5..6);
+    assert!(v.part(0, 1).last && v.part(0, 0).first);
+    // 7 layers + the loss over 2 stages: 4 + 3.
+    let l = PipelineLayout::with_ends_counted(7, 2, 1, false, true).unwrap();
+    assert_eq!(runs(&l, 2, 1), [(0, 4), (4, 7)]);
+    // Megatron-LM's rule: the layers and the ends counted divide over the stages.
+    let err = PipelineLayout::with_ends_counted(8, 2, 1, false, true).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("9 layers with the loss counted do not divide"),
+        "{err}"
+    );
+    // 2 layers and both ends over 4 stages: the ends' stages hold only them.
+    let l = PipelineLayout::with_ends_counted(2, 4, 1, true, true).unwrap();
+    assert_eq!(runs(&l, 4, 1), [(0, 0), (0, 1), (1, 2), (2, 2)]);
+}

@@ -122,6 +122,14 @@ pub struct TrainArgs {
     /// Layers of the last pipeline stage, the others sharing the rest evenly.
     #[arg(long, value_parser = values::layers)]
     decoder_last_pipeline_num_layers: Option<usize>,
+    /// Count the embedding as a layer of the pipeline split: the first virtual stage builds one
+    /// transformer layer fewer.
+    #[arg(long)]
+    account_for_embedding_in_pipeline_split: bool,
+    /// Count the loss (with the output layer) as a layer of the pipeline split: the last
+    /// virtual stage builds one transformer layer fewer.
+    #[arg(long)]
+    account_for_loss_in_pipeline_split: bool,
     /// Tokens per sample [default: 128, or the loaded checkpoint's].
     #[arg(long, value_parser = values::batch)]
     seq_length: Option<usize>,
@@ -323,6 +331,9 @@ struct ScheduleFlags {
     first_stage_layers: Option<usize>,
     /// `--decoder-last-pipeline-num-layers`.
     last_stage_layers: Option<usize>,
+    /// `--account-for-embedding-in-pipeline-split`, `--account-for-loss-in-pipeline-split`.
+    account_for_embedding: bool,
+    account_for_loss: bool,
 }
 
 /// How tokens reach their experts (Megatron-LM's `--moe-token-dispatcher-type`).
@@ -670,6 +681,8 @@ impl TrainArgs {
             group_size: self.microbatch_group_size_per_vp_stage,
             first_stage_layers: self.decoder_first_pipeline_num_layers,
             last_stage_layers: self.decoder_last_pipeline_num_layers,
+            account_for_embedding: self.account_for_embedding_in_pipeline_split,
+            account_for_loss: self.account_for_loss_in_pipeline_split,
         };
         match recorded {
             Some(r) if given == ScheduleFlags::default() && r.pp == pp => {
@@ -689,6 +702,17 @@ impl TrainArgs {
                         taken.push(format!("--{flag} {v}"));
                     }
                 }
+                for (flag, on) in [
+                    (
+                        "account-for-embedding-in-pipeline-split",
+                        r.account_for_embedding,
+                    ),
+                    ("account-for-loss-in-pipeline-split", r.account_for_loss),
+                ] {
+                    if on {
+                        taken.push(format!("--{flag}"));
+                    }
+                }
                 ScheduleFlags {
                     schedule: r.schedule,
                     vpp: Some(r.vpp),
@@ -696,6 +720,8 @@ impl TrainArgs {
                     group_size: r.group_size,
                     first_stage_layers: r.first_stage_layers,
                     last_stage_layers: r.last_stage_layers,
+                    account_for_embedding: r.account_for_embedding,
+                    account_for_loss: r.account_for_loss,
                 }
             }
             _ => given,
@@ -746,7 +772,15 @@ impl TrainArgs {
             first_stage_layers: f.first_stage_layers,
             last_stage_layers: f.last_stage_layers,
             schedule: f.schedule,
+            account_for_embedding: f.account_for_embedding,
+            account_for_loss: f.account_for_loss,
         };
+        if pp == 1 && (f.account_for_embedding || f.account_for_loss) {
+            bail!(
+                "--account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split \
+                 count the ends in a pipeline's split: add --pp, or drop them"
+            );
+        }
         if pp == 1 && f.schedule.is_some_and(|k| k != ScheduleKind::OneFOneB) {
             bail!(
                 "--pipeline-schedule {} needs a pipeline (a single stage runs each microbatch's \

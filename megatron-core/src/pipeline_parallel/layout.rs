@@ -6,7 +6,10 @@
 //! of layers in each of its chunks: `L / (pp·V)` in the even layout; with
 //! `--decoder-first-pipeline-num-layers` (`--decoder-last-...`) the first (last) rank holds that
 //! many and the other ranks share the rest evenly (Megatron-LM's `get_num_layers_to_build` and
-//! `get_transformer_layer_offset`).
+//! `get_transformer_layer_offset`). With `--account-for-embedding-in-pipeline-split`
+//! (`--account-for-loss-in-pipeline-split`) the embedding (the loss) counts as one layer of the
+//! split: the layers plus those divide evenly over the virtual stages, and the first (last)
+//! virtual stage builds one transformer layer fewer.
 
 use std::ops::Range;
 
@@ -47,6 +50,13 @@ pub enum StageLayoutError {
         /// Pipeline stages.
         pp: usize,
     },
+    /// The embedding or the loss counted as a layer together with uneven first or last stages.
+    #[error(
+        "--account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split \
+         count the ends as layers of an even split: they do not go with \
+         --decoder-first-pipeline-num-layers or --decoder-last-pipeline-num-layers"
+    )]
+    CountedEndsWithUneven,
     /// Uneven first or last stages with the stages in a V.
     #[error(
         "--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers set the first \
@@ -88,6 +98,9 @@ pub struct PipelineLayout {
     placement: Placement,
     /// Layers per chunk of each rank.
     per_chunk: Vec<usize>,
+    /// Transformer layers the first and the last virtual stage build fewer than `per_chunk`
+    /// says (1 each with the embedding, the loss, counted as a layer).
+    fewer_at_ends: (usize, usize),
 }
 
 impl PipelineLayout {
@@ -171,7 +184,45 @@ impl PipelineLayout {
             vpp,
             placement: Placement::Looped,
             per_chunk: per_rank.iter().map(|n| n / vpp).collect(),
+            fewer_at_ends: (0, 0),
         })
+    }
+
+    /// The even layout of `layers` layers with the embedding (`embedding`) and the loss
+    /// (`loss`) each counted as one more layer (Megatron-LM's
+    /// `--account-for-embedding-in-pipeline-split`, `--account-for-loss-in-pipeline-split`): the
+    /// first and the last virtual stage, which also run those, build one transformer layer
+    /// fewer.
+    pub fn with_ends_counted(
+        layers: usize,
+        pp: usize,
+        vpp: usize,
+        embedding: bool,
+        loss: bool,
+    ) -> Result<PipelineLayout, StageLayoutError> {
+        let (e, l) = (usize::from(embedding), usize::from(loss));
+        let what = match (embedding, loss) {
+            (true, true) => "with the embedding and the loss counted",
+            (true, false) => "with the embedding counted",
+            (false, true) => "with the loss counted",
+            (false, false) => return PipelineLayout::new(layers, pp, vpp, None, None),
+        };
+        let counted = layers + e + l;
+        let mut layout =
+            PipelineLayout::new(counted, pp, vpp, None, None).map_err(|e| match e {
+                StageLayoutError::NotDivisible { stages, .. } => StageLayoutError::NotDivisible {
+                    layers: counted,
+                    what,
+                    stages,
+                    hint: "the layers and the ends counted as layers must divide over the virtual \
+                       stages (Megatron-LM's rule)",
+                },
+                other => other,
+            })?;
+        // Every virtual stage holds at least one layer of the counted split (they divide
+        // evenly and number at least one), so the ends always have one to give up.
+        layout.fewer_at_ends = (e, l);
+        Ok(layout)
     }
 
     /// Pipeline ranks.
@@ -208,13 +259,26 @@ impl PipelineLayout {
         self.stage_map().stage(rank, chunk)
     }
 
+    /// The transformer layers virtual stage `stage` holds.
+    fn stage_layers(&self, stage: usize) -> usize {
+        let map = self.stage_map();
+        let mut n = self.per_chunk[map.locate(stage).0];
+        if stage == 0 {
+            n -= self.fewer_at_ends.0;
+        }
+        if stage + 1 == map.stages() {
+            n -= self.fewer_at_ends.1;
+        }
+        n
+    }
+
     /// What chunk `chunk` of rank `rank` holds.
     pub fn part(&self, rank: usize, chunk: usize) -> StagePart {
         let map = self.stage_map();
         let stage = map.stage(rank, chunk);
-        let start: usize = (0..stage).map(|s| self.per_chunk[map.locate(s).0]).sum();
+        let start: usize = (0..stage).map(|s| self.stage_layers(s)).sum();
         StagePart {
-            layers: start..start + self.per_chunk[rank],
+            layers: start..start + self.stage_layers(stage),
             first: stage == 0,
             last: stage + 1 == self.pp * self.vpp,
         }
