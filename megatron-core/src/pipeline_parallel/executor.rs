@@ -3,9 +3,9 @@
 //!
 //! The walk is pure: the order says which chunk runs a forward, a backward or a weight-gradient
 //! pass next, and the j-th pass of each kind through a chunk is its j-th microbatch, as every
-//! chunk takes the microbatches in order. What a pass does (compute, take its input, keep its output) and what an exchange
-//! does (send and receive) is the stage's: the same walk drives a model's stage and a
-//! [`RecordingStage`] that only notes the passes.
+//! chunk takes the microbatches in order. What a pass does (compute, take its input, keep its
+//! output) and what an exchange does (send and receive) is the stage's: the same walk drives a
+//! model's stage and a [`RecordingStage`] that only notes the passes.
 
 use thiserror::Error;
 

@@ -7,8 +7,9 @@
 //! Virtual stage `s` is a chunk of a rank as the schedule's [`StageMap`] places it (`chunk·pp +
 //! rank` in Megatron-LM's loop); stage `s` receives activations from `s − 1` and gradients from
 //! `s + 1` (from the same rank where the V turns). Sends never wait; a receive waits for its
-//! message. A weight-gradient pass waits for nothing but its own backward, earlier in its order. (With sends that wait for their receive, sending and receiving one
-//! message at a time deadlocks some of these orders: [`plan`](fn@super::plan) batches them.)
+//! message. A weight-gradient pass waits for nothing but its own backward, earlier in its
+//! order. (With sends that wait for their receive, sending and receiving one message at a time
+//! deadlocks some of these orders: [`plan`](fn@super::plan) batches them.)
 
 use std::collections::HashMap;
 
@@ -132,18 +133,17 @@ pub struct Timeline {
     pub walks: Vec<WalkStats>,
     /// When the last pass ends.
     pub makespan: u64,
-    /// Time rank 0 computes in the step (every rank's, when they cost the same).
-    pub busy: u64,
     /// Time each rank computes in the step.
     pub busy_per_rank: Vec<u64>,
 }
 
 impl Timeline {
-    /// The bubble: idle time over compute time, `(makespan − busy) / busy`; Megatron-LM's
-    /// theory gives (pp − 1)/M for 1F1B and (pp − 1)/(V·M) for the interleaved schedule
-    /// (the zero-bubble schedules' in [`super::zero_bubble`]).
+    /// The bubble: idle time over compute time (rank 0's), `(makespan − busy) / busy`;
+    /// Megatron-LM's theory gives (pp − 1)/M for 1F1B and (pp − 1)/(V·M) for the interleaved
+    /// schedule (the zero-bubble schedules' in [`super::zero_bubble`]).
     pub fn bubble(&self) -> f64 {
-        (self.makespan - self.busy) as f64 / self.busy.max(1) as f64
+        let busy = self.busy_per_rank.first().copied().unwrap_or(0);
+        (self.makespan - busy) as f64 / busy.max(1) as f64
     }
 
     /// Each rank's bubble, `(makespan − its busy time) / its busy time`, averaged over the ranks
@@ -162,15 +162,18 @@ impl Timeline {
     /// with the start-up ramp of one filled by the end of the one before (Qi et al.'s
     /// "optimizer post-validation"), which the zero-bubble papers' formulas count.
     pub fn bubble_within_ranks(&self) -> f64 {
-        let idle: u64 = self
-            .ranks
+        let n = self.ranks.len().max(1) as f64;
+        self.ranks
             .iter()
-            .map(|passes| match (passes.first(), passes.last()) {
-                (Some(first), Some(last)) => last.end - first.start - self.busy,
-                _ => 0,
+            .zip(&self.busy_per_rank)
+            .map(|(passes, &busy)| match (passes.first(), passes.last()) {
+                (Some(first), Some(last)) => {
+                    (last.end - first.start - busy) as f64 / busy.max(1) as f64
+                }
+                _ => 0.0,
             })
-            .sum();
-        idle as f64 / (self.busy.max(1) * self.ranks.len().max(1) as u64) as f64
+            .sum::<f64>()
+            / n
     }
 }
 
@@ -342,7 +345,6 @@ pub fn simulate_ranks(schedule: &Schedule, costs: &[Costs]) -> Result<Timeline, 
         ranks: timed,
         walks: traces.iter().map(|(_, stats)| *stats).collect(),
         makespan,
-        busy: busy_per_rank.first().copied().unwrap_or(0),
         busy_per_rank,
     })
 }
@@ -407,8 +409,8 @@ pub struct Theory {
 }
 
 /// The bubble `config`'s schedule has in theory with a chunk's forward, input gradient and
-/// weight gradients taking `times` (`[F, B, W]`, in any unit: [`Costs::times`], or measured) (for enough
-/// microbatches to fill the pipeline: [`Theory::min_microbatches`]): Megatron-LM's
+/// weight gradients taking `times` (`[F, B, W]`, in any unit: [`Costs::times`], or measured),
+/// for enough microbatches to fill the pipeline ([`Theory::min_microbatches`]): Megatron-LM's
 /// for 1F1B and interleaved, Qi et al.'s for ZB-H1, ZB-H2 and ZB-V, DeepSeek's for DualPipeV
 /// with its overlapped forward-and-backward taking `F + B + W` (run one after the other).
 pub fn theory(config: &ScheduleConfig, [f, b, w]: [f64; 3]) -> Theory {

@@ -52,13 +52,14 @@ pub(super) fn zb_h(pp: usize, rank: usize, m: usize, depth: usize) -> Vec<Slot> 
 /// A pass with its microbatch, as the generators below count them.
 type Numbered = (Pass, usize, usize);
 
-/// Counts each (pass, chunk)'s microbatches as passes are added, and keeps the weight-gradient
-/// passes a split backward leaves pending, oldest first.
+/// Counts each (pass, chunk)'s microbatches as passes are added, and keeps the chunks whose
+/// split backwards left weight-gradient passes pending, oldest first (a chunk's W passes take
+/// its microbatches in order, so the chunk names the pending pass).
 #[derive(Default)]
 struct Builder {
     passes: Vec<Numbered>,
     next: std::collections::HashMap<(Pass, usize), usize>,
-    pending: std::collections::VecDeque<(usize, usize)>,
+    pending: std::collections::VecDeque<usize>,
 }
 
 impl Builder {
@@ -69,10 +70,14 @@ impl Builder {
         *next += 1;
     }
 
+    /// The passes of `pass` through `chunk` added so far.
+    fn count(&self, pass: Pass, chunk: usize) -> usize {
+        self.next.get(&(pass, chunk)).copied().unwrap_or(0)
+    }
+
     /// A backward whose weight gradients wait in the queue.
     fn split_backward(&mut self, chunk: usize) {
-        let microbatch = self.next.get(&(Pass::Backward, chunk)).copied();
-        self.pending.push_back((chunk, microbatch.unwrap_or(0)));
+        self.pending.push_back(chunk);
         self.add(Pass::Backward, chunk);
     }
 
@@ -84,7 +89,7 @@ impl Builder {
 
     /// The oldest pending weight-gradient pass, if any.
     fn pending_weight(&mut self) {
-        if let Some((chunk, _)) = self.pending.pop_front() {
+        if let Some(chunk) = self.pending.pop_front() {
             self.add(Pass::Weight, chunk);
         }
     }
@@ -106,7 +111,6 @@ impl Builder {
 pub(super) fn zbv(pp: usize, rank: usize, m: usize) -> Vec<Slot> {
     let n = m.max(2 * pp - 1);
     let mut o = Builder::default();
-    let count = |o: &Builder, pass, chunk| o.next.get(&(pass, chunk)).copied().unwrap_or(0);
     // Warm-up: chunk 0 fills the way down, chunk 1 starts on the way back up.
     for _ in 0..2 * (pp - rank) - 1 {
         o.add(Pass::Forward, 0);
@@ -120,10 +124,8 @@ pub(super) fn zbv(pp: usize, rank: usize, m: usize) -> Vec<Slot> {
         o.full_backward(1);
     }
     // Steady: chunk 0's forward (while any remain) and backward, then chunk 1's.
-    while count(&o, Pass::Forward, 1) < count(&o, Pass::Forward, 0)
-        || count(&o, Pass::Forward, 0) < n
-    {
-        if count(&o, Pass::Forward, 0) < n {
+    while o.count(Pass::Forward, 1) < o.count(Pass::Forward, 0) || o.count(Pass::Forward, 0) < n {
+        if o.count(Pass::Forward, 0) < n {
             o.add(Pass::Forward, 0);
         }
         o.full_backward(0);
@@ -140,7 +142,7 @@ pub(super) fn zbv(pp: usize, rank: usize, m: usize) -> Vec<Slot> {
         o.add(Pass::Weight, 0);
     }
     for chunk in [1, 0] {
-        while count(&o, Pass::Weight, chunk) < count(&o, Pass::Backward, chunk) {
+        while o.count(Pass::Weight, chunk) < o.count(Pass::Backward, chunk) {
             o.add(Pass::Weight, chunk);
         }
     }

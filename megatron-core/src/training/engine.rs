@@ -378,11 +378,45 @@ impl<M, P: Passes<M>> Stage for Walker<'_, M, P> {
     }
 
     fn hand_over(&mut self, pass: Pass, from: usize, to: usize, microbatch: usize) -> Result<()> {
-        self.run_hand_over(pass, from, to, microbatch)
+        match self.outbox.remove(&(pass, from, microbatch)) {
+            Some(v) => {
+                self.inbox.insert((pass, to, microbatch), v);
+                Ok(())
+            }
+            None => invalid!(
+                "{pass:?} output of chunk {from} microbatch {microbatch} is handed to chunk {to} \
+                 before it is computed"
+            ),
+        }
     }
 
     fn exchange(&mut self, sends: &[Transfer], recvs: &[Transfer]) -> Result<()> {
-        self.run_exchange(sends, recvs)
+        let key = |t: &Transfer| (t.pass, t.chunk, t.microbatch);
+        let outgoing = sends
+            .iter()
+            .map(|t| match self.outbox.remove(&key(t)) {
+                Some(v) => Ok((v, t.peer)),
+                None => invalid!(
+                    "{:?} output of chunk {} microbatch {} is sent before it is computed",
+                    t.pass,
+                    t.chunk,
+                    t.microbatch
+                ),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let incoming = recvs
+            .iter()
+            .map(|t| Ok((self.carried_buffer()?, t.peer)))
+            .collect::<Result<Vec<_>>>()?;
+        // The values go as they are where the backend can hand them over (thread ranks): the
+        // walker holds nothing else of them once they are sent.
+        let start = std::time::Instant::now();
+        let received = self.walk.parallel.pp().exchange_owned(outgoing, incoming)?;
+        self.waited += start.elapsed();
+        for (t, v) in recvs.iter().zip(received) {
+            self.inbox.insert(key(t), v);
+        }
+        Ok(())
     }
 }
 
@@ -489,54 +523,6 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
         for w in put_off {
             self.held -= w.held_bytes();
             w.run()?;
-        }
-        Ok(())
-    }
-
-    fn run_hand_over(
-        &mut self,
-        pass: Pass,
-        from: usize,
-        to: usize,
-        microbatch: usize,
-    ) -> Result<()> {
-        match self.outbox.remove(&(pass, from, microbatch)) {
-            Some(v) => {
-                self.inbox.insert((pass, to, microbatch), v);
-                Ok(())
-            }
-            None => invalid!(
-                "{pass:?} output of chunk {from} microbatch {microbatch} is handed to chunk {to} \
-                 before it is computed"
-            ),
-        }
-    }
-
-    fn run_exchange(&mut self, sends: &[Transfer], recvs: &[Transfer]) -> Result<()> {
-        let key = |t: &Transfer| (t.pass, t.chunk, t.microbatch);
-        let outgoing = sends
-            .iter()
-            .map(|t| match self.outbox.remove(&key(t)) {
-                Some(v) => Ok((v, t.peer)),
-                None => invalid!(
-                    "{:?} output of chunk {} microbatch {} is sent before it is computed",
-                    t.pass,
-                    t.chunk,
-                    t.microbatch
-                ),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let incoming = recvs
-            .iter()
-            .map(|t| Ok((self.carried_buffer()?, t.peer)))
-            .collect::<Result<Vec<_>>>()?;
-        // The values go as they are where the backend can hand them over (thread ranks): the
-        // walker holds nothing else of them once they are sent.
-        let start = std::time::Instant::now();
-        let received = self.walk.parallel.pp().exchange_owned(outgoing, incoming)?;
-        self.waited += start.elapsed();
-        for (t, v) in recvs.iter().zip(received) {
-            self.inbox.insert(key(t), v);
         }
         Ok(())
     }

@@ -262,16 +262,12 @@ impl Communicator for ThreadComm {
         self.checks().source(src)?;
         tensor.contiguous_for("recv")?;
         let desc = CallDesc::of(OpKind::Recv, tensor, None, Some(src));
-        let nbytes = tensor.numel() * tensor.dtype().size();
-        let borrow = tensor.raw_write("recv")?;
-        let dst = borrow.addr();
         self.group
             .take(&self.world, src, self.index, &desc, |_, bytes| {
-                // SAFETY: the exclusive borrow is held; sizes were matched against the sender's call.
-                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst as *mut u8, nbytes) };
-                Ok(())
+                fill(tensor, bytes)
             })?;
-        self.counters.record(OpKind::Recv, nbytes);
+        self.counters
+            .record(OpKind::Recv, tensor.numel() * tensor.dtype().size());
         Ok(())
     }
 
@@ -312,17 +308,7 @@ impl Communicator for ThreadComm {
             let t = match payload {
                 Payload::Tensor(t) => t.reshape(buffer.shape().clone())?,
                 Payload::Bytes(bytes) => {
-                    let borrow = buffer.raw_write("recv")?;
-                    // SAFETY: the exclusive borrow is held; sizes were matched against the
-                    // sender's call.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            bytes.as_ptr(),
-                            borrow.addr() as *mut u8,
-                            nbytes,
-                        )
-                    };
-                    drop(borrow);
+                    fill(&buffer, &bytes)?;
                     buffer
                 }
             };
@@ -347,6 +333,16 @@ impl Communicator for ThreadComm {
 
 /// A host copy of a device tensor, for a thread world moving device tensors through host
 /// memory (correct, not fast: device worlds move them on the device).
+/// Copies a message's `bytes` into the contiguous host tensor `t` (their sizes matched against
+/// the sender's call).
+fn fill(t: &Tensor, bytes: &[u8]) -> Result<()> {
+    let nbytes = t.numel() * t.dtype().size();
+    let borrow = t.raw_write("recv")?;
+    // SAFETY: the exclusive borrow is held for the copy; `bytes` holds the sender's `nbytes`.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), borrow.addr() as *mut u8, nbytes) };
+    Ok(())
+}
+
 fn staged(t: &Tensor) -> Result<Tensor> {
     Ok(match t.gpu() {
         Some(gpu) => gpu.download_tensor(t)?,
