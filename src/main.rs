@@ -2,7 +2,7 @@
 
 mod cli;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 /// megatron-rs: Megatron-LM's parallel training in Rust.
 #[derive(Debug, Parser)]
@@ -45,14 +45,20 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
-    let args = match cli::config_file::expand(std::env::args().collect()) {
+    // As the OS gives them: a path need not be UTF-8.
+    let args = match cli::config_file::expand(std::env::args_os().collect(), &Cli::command()) {
         Ok(args) => args,
         Err(err) => {
             cli::output::error_line(&format!("error: {err:#}"));
             return std::process::ExitCode::FAILURE;
         }
     };
-    let cli = match Cli::try_parse_from(args) {
+    let cli = match Cli::try_parse_from(&args) {
+        // A value that is not UTF-8 where text is needed: named by its flag.
+        Err(e) if e.kind() == clap::error::ErrorKind::InvalidUtf8 => {
+            cli::output::error_line(&cli::arguments::not_utf8(&args));
+            return std::process::ExitCode::from(2);
+        }
         Ok(cli) => cli,
         // Help and the version are the command's output: written as any report is.
         Err(e) if !e.use_stderr() => {

@@ -193,7 +193,10 @@ fn what_the_importer_cannot_honour_is_refused_by_name() {
     assert!(with("rope_parameters", rope).contains("rope type `yarn`"));
     // The mixtures of experts: what their routing cannot be is refused, and a missing count
     // named.
-    let err = with("architectures", serde_json::json!(["MixtralForCausalLM"]));
+    let mut mixtral = base.clone();
+    mixtral["architectures"] = serde_json::json!(["MixtralForCausalLM"]);
+    mixtral["model_type"] = "mixtral".into();
+    let err = hf_llama::config_from_hf(&mixtral).unwrap_err().to_string();
     assert!(err.contains("`num_local_experts` is missing"), "{err}");
     let moe: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(golden("qwen3_moe").join("config.json")).unwrap(),

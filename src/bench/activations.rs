@@ -53,7 +53,7 @@ pub fn layer_bytes_with_cp(
     let spec = config.spec().blocks.remove(0);
     let h = config.hidden_size;
     let sequence_parallel = sequence_parallel && tp > 1;
-    if !seq.is_multiple_of(2 * cp) {
+    if cp > 1 && !seq.is_multiple_of(2 * cp) {
         anyhow::bail!(
             "context parallelism cuts --seq-length {seq} into 2·cp = {} chunks: it does not \
              divide",

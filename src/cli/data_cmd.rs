@@ -27,7 +27,7 @@ enum DataCommand {
 #[derive(Debug, Args)]
 pub struct InspectArgs {
     /// The dataset: PREFIX.bin and PREFIX.idx.
-    prefix: String,
+    prefix: std::path::PathBuf,
     /// Documents to print: `A..B` (B excluded), `A..`, `..B` or `A` [default: 0..3].
     #[arg(long)]
     docs: Option<String>,
@@ -115,7 +115,7 @@ fn inspect(args: &InspectArgs) -> Result<()> {
         });
         writeln!(out, "{}", serde_json::to_string(&value)?)?;
     } else {
-        writeln!(out, "{}", args.prefix)?;
+        writeln!(out, "{}", args.prefix.display())?;
         writeln!(out, "  dtype      {}", dataset.dtype())?;
         writeln!(out, "  documents  {documents}")?;
         writeln!(out, "  sequences  {}", dataset.len())?;

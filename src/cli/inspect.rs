@@ -106,9 +106,10 @@ pub struct InspectArgs {
     /// each rank holding 2 of the sequence's 2·cp chunks.
     #[arg(long = "context-parallel-size", visible_alias = "cp", default_value_t = 1, value_parser = values::ranks)]
     cp: usize,
-    /// How context-parallel attention exchanges keys and values: p2p, all_gather, a2a, a2a+p2p.
-    #[arg(long, default_value = "all_gather")]
-    cp_comm_type: String,
+    /// How context-parallel attention exchanges keys and values: p2p, all_gather, a2a, a2a+p2p
+    /// [default: all_gather].
+    #[arg(long)]
+    cp_comm_type: Option<String>,
     /// With --cp-comm-type a2a+p2p: the all-to-all groups' size and the ring's.
     #[arg(long, num_args = 1.., value_parser = values::ranks)]
     hierarchical_context_parallel_sizes: Vec<usize>,
@@ -416,31 +417,44 @@ pub fn run(args: &InspectArgs) -> Result<()> {
              --expert-tensor-parallel-size must be at least 1"
         );
     }
-    if !(args.tp * args.dp).is_multiple_of(args.ep * args.etp) {
+    // The expert layout folds a pipeline stage's tp·cp·dp ranks as etp·ep·edp (Megatron-LM's
+    // second RankGenerator, without cp).
+    let folded = args.tp * args.cp * args.dp;
+    if !folded.is_multiple_of(args.ep * args.etp) {
         bail!(
             "--expert-tensor-parallel-size {} × --expert-model-parallel-size {} does not divide \
-             --tensor-model-parallel-size {} × --data-parallel-size {} (the expert layout folds \
-             the same ranks as etp × ep × edp)",
+             --tensor-model-parallel-size {} × --context-parallel-size {} × \
+             --data-parallel-size {} (the expert layout folds the same ranks as etp × ep × edp)",
             args.etp,
             args.ep,
             args.tp,
+            args.cp,
             args.dp
         );
     }
-    let edp = args.tp * args.dp / (args.ep * args.etp);
+    let edp = folded / (args.ep * args.etp);
     let config = args.arch.config(args.tp, args.ep, args.sequence_parallel)?;
+    let hierarchical = &args.hierarchical_context_parallel_sizes;
     let context_parallel = match args.cp {
-        1 if args.cp_comm_type == "all_gather"
-            && args.hierarchical_context_parallel_sizes.is_empty() =>
-        {
+        1 => {
+            if let Some(kind) = &args.cp_comm_type {
+                bail!(
+                    "--cp-comm-type {kind} does nothing without context parallelism \
+                     (--context-parallel-size 1): drop it, or give --context-parallel-size"
+                );
+            }
+            if !hierarchical.is_empty() {
+                bail!(
+                    "--hierarchical-context-parallel-sizes {hierarchical:?} does nothing \
+                     without context parallelism (--context-parallel-size 1): drop it, or give \
+                     --context-parallel-size"
+                );
+            }
             None
         }
         cp => {
-            let kind = CpCommType::parse(
-                &args.cp_comm_type,
-                &args.hierarchical_context_parallel_sizes,
-                cp,
-            )?;
+            let name = args.cp_comm_type.as_deref().unwrap_or("all_gather");
+            let kind = CpCommType::parse(name, hierarchical, cp)?;
             Some(inspect_cp::report(
                 &config,
                 (args.tp, args.sequence_parallel && args.tp > 1),
@@ -506,7 +520,9 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     })?;
     let (state_total, state_values, state_grads, state_optimizer) = state_bytes(
         &specs,
-        (args.dp, edp),
+        // With context parallelism the dense parameters' ranks are dp·cp (Megatron-LM's
+        // dp-cp group): the distributed optimizer shards over them.
+        (args.dp * args.cp, edp),
         args.use_distributed_optimizer,
         &precision,
     )?;

@@ -25,12 +25,18 @@ pub struct CpReport {
     batch: usize,
     sizes: LayerSizes,
     formula: Traffic,
-    measured: Traffic,
+    /// `None`: not measured (more ranks than [`MEASURED_RANKS`]).
+    measured: Option<Traffic>,
     /// One layer's activation bytes per rank at cp (`None`: a MoE layer, not measured), and
     /// at cp 1 without and with selective recompute (`None`: not measured, its attention
     /// weights would not fit this machine's memory).
     activations: Option<(usize, Option<(usize, usize)>)>,
 }
+
+/// The most thread ranks a measurement starts: the context-parallel group of the traffic's
+/// stand-in, and the tp·cp ranks of one layer's activations. Past it the formula stands alone
+/// (`inspect` describes any size it accepts, in seconds).
+const MEASURED_RANKS: usize = 64;
 
 /// The attention layer's sizes on one tensor-parallel rank of `config` at `tp`.
 fn layer_sizes(config: &GptConfig, tp: usize, (seq, batch): (usize, usize)) -> LayerSizes {
@@ -82,6 +88,24 @@ fn measured(kind: CpCommType, cp: usize, sizes: LayerSizes) -> Result<Traffic> {
     })
 }
 
+/// Whether one layer at cp `cp` fits this machine's memory on its tp·cp thread ranks: each
+/// builds its tensor-parallel part of the layer's f32 weights, and keeps a generous bound on
+/// its activations (the paper's 34·sbh for its s/cp positions, at 4 bytes, twice for their
+/// gradients) and one pair of chunks' attention scores (a head's (s/2cp)² per rank's heads).
+fn cp_layer_fits(config: &GptConfig, tp: usize, cp: usize, (seq, batch): (usize, usize)) -> bool {
+    let mut one = config.clone();
+    one.num_layers = 1;
+    let weights = one.num_params(tp) as u128 / tp as u128;
+    let (h, heads) = (
+        config.hidden_size as u128,
+        (config.num_attention_heads / tp.max(1)) as u128,
+    );
+    let local = (seq / cp) as u128 * batch as u128;
+    let chunk = (seq / (2 * cp)) as u128;
+    let per_rank = 4 * weights + 2 * 4 * 34 * local * h + 2 * 4 * heads * chunk * chunk;
+    megatron::limits::check_memory("one layer's activations", per_rank * (tp * cp) as u128).is_ok()
+}
+
 /// The report for `config` at `tp` (with sequence parallelism when `sp`), cp `cp` of `kind`,
 /// sequences of `seq` in microbatches of `batch`; one layer's activation bytes measured at cp,
 /// and at cp 1 when `cp1_fits` (its attention weights, `s²` per head, fit this machine).
@@ -101,7 +125,8 @@ pub fn report(
     }
     kind.check_heads(config.num_attention_heads, config.query_groups(), tp, cp)?;
     let sizes = layer_sizes(config, tp, (seq, batch));
-    let activations = match config.moe.is_none() {
+    let measurable = tp * cp <= MEASURED_RANKS && cp_layer_fits(config, tp, cp, (seq, batch));
+    let activations = match config.moe.is_none() && measurable {
         true => {
             use megatron::bench::activations::layer_bytes_with_cp;
             let at = |cp, recompute| {
@@ -122,7 +147,10 @@ pub fn report(
         batch,
         sizes,
         formula: traffic::traffic(kind, cp, sizes),
-        measured: measured(kind, cp, sizes)?,
+        measured: match cp <= MEASURED_RANKS {
+            true => Some(measured(kind, cp, sizes)?),
+            false => None,
+        },
         activations,
     })
 }
@@ -139,6 +167,7 @@ impl CpReport {
             "attention_bytes_sent_per_rank_and_microbatch": {
                 "formula": self.formula,
                 "measured": self.measured,
+                "measured_up_to_ranks": MEASURED_RANKS,
             },
             "layer_activation_bytes_per_rank": self.activations.map(|(at, one)| json!({
                 "cp1": one.map(|o| o.0),
@@ -172,18 +201,35 @@ impl CpReport {
             2 * self.cp - 1,
             2 * self.cp
         );
+        let sends = match self.measured {
+            Some(m) => format!(
+                "forward {:.2} MiB, backward {:.2} MiB (the formula: {:.2} and {:.2} MiB)",
+                mib(m.forward),
+                mib(m.backward),
+                mib(self.formula.forward),
+                mib(self.formula.backward)
+            ),
+            None => format!(
+                "forward {:.2} MiB, backward {:.2} MiB by the formula (measured up to cp \
+                 {MEASURED_RANKS})",
+                mib(self.formula.forward),
+                mib(self.formula.backward)
+            ),
+        };
         let _ = writeln!(
             out,
             "  attention sends per rank and microbatch (s = {}, b = {}, {groups} key/value \
-             groups of {per_group} queries of {head_dim} per tensor-parallel rank, f32): \
-             forward {:.2} MiB, backward {:.2} MiB (the formula: {:.2} and {:.2} MiB)",
-            self.seq,
-            self.batch,
-            mib(self.measured.forward),
-            mib(self.measured.backward),
-            mib(self.formula.forward),
-            mib(self.formula.backward)
+             groups of {per_group} queries of {head_dim} per tensor-parallel rank, f32): {sends}",
+            self.seq, self.batch,
         );
+        if self.activations.is_none() {
+            let _ = writeln!(
+                out,
+                "  activation memory of one transformer layer per rank: not measured (MoE \
+                 layers, more than {MEASURED_RANKS} tp·cp ranks, or more memory than this \
+                 machine has)"
+            );
+        }
         if let Some((at, one)) = self.activations {
             let cp1 = match one {
                 Some((one, selective)) => format!(

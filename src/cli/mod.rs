@@ -1,5 +1,6 @@
 //! The `megatron` command line: one module per subcommand.
 
+pub mod arguments;
 pub mod bench;
 pub mod config_file;
 pub mod convert;

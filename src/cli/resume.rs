@@ -1,6 +1,6 @@
 //! What a checkpoint records of how its run trained, beyond the architecture, the layout and the
 //! data: the mixed-precision and loss-scaler flags, the expert-parallel sizes, the MoE token
-//! dispatcher and the pipeline schedule (`run.training` in `meta.json`). A resumed run takes
+//! dispatcher, the pipeline schedule and context parallelism (`run.training` in `meta.json`). A resumed run takes
 //! each from the checkpoint unless a flag gives it, and lists what it took; a precision flag
 //! that contradicts the checkpoint's is refused by name.
 
@@ -25,6 +25,36 @@ pub struct Recorded {
     pub moe_token_dispatcher_type: Option<String>,
     /// The pipeline schedule.
     pub pipeline: Option<PipelineSettings>,
+    /// Context parallelism: `--context-parallel-size`, `--cp-comm-type` and
+    /// `--hierarchical-context-parallel-sizes`.
+    pub context_parallel: Option<ContextParallelSettings>,
+}
+
+/// A run's context-parallel flags, as a checkpoint records them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContextParallelSettings {
+    /// `--context-parallel-size`.
+    pub cp: usize,
+    /// `--cp-comm-type`.
+    pub comm_type: String,
+    /// `--hierarchical-context-parallel-sizes` (empty without a2a+p2p).
+    #[serde(default)]
+    pub hierarchical: Vec<usize>,
+}
+
+impl ContextParallelSettings {
+    /// The settings of `cp` ranks exchanging as `kind`.
+    pub fn new(cp: usize, kind: megatron::context_parallel::CpCommType) -> Self {
+        use megatron::context_parallel::CpCommType;
+        ContextParallelSettings {
+            cp,
+            comm_type: kind.name().to_string(),
+            hierarchical: match kind {
+                CpCommType::A2aP2p { a2a, p2p } => vec![a2a, p2p],
+                _ => Vec::new(),
+            },
+        }
+    }
 }
 
 impl Recorded {

@@ -29,7 +29,7 @@ use megatron::training::{
 use super::model_args::ArchitectureArgs;
 use super::observers::{JsonLog, Plot, Progress, TensorBoard};
 use super::output::note;
-use super::resume::{self, Recorded};
+use super::resume::{self, ContextParallelSettings, Recorded};
 use super::values;
 
 /// A source of training or validation samples.
@@ -58,9 +58,10 @@ pub struct TrainArgs {
     cp: Option<usize>,
     /// How context-parallel attention exchanges keys and values: p2p (a ring), all_gather,
     /// a2a (heads traded for sequence by all-to-all), a2a+p2p (all-to-all inside groups of
-    /// --hierarchical-context-parallel-sizes, a ring across them).
-    #[arg(long, default_value = "all_gather")]
-    cp_comm_type: String,
+    /// --hierarchical-context-parallel-sizes, a ring across them) [default: all_gather, or the
+    /// loaded checkpoint's].
+    #[arg(long)]
+    cp_comm_type: Option<String>,
     /// With --cp-comm-type a2a+p2p: the all-to-all groups' size and the ring's, whose product
     /// is the context-parallel size (e.g. `2 4`).
     #[arg(long, num_args = 1.., value_parser = values::ranks)]
@@ -389,6 +390,8 @@ struct Settings {
     model: GptConfig,
     tp: usize,
     cp: usize,
+    /// How context-parallel attention exchanges keys and values.
+    cp_comm_type: CpCommType,
     ep: usize,
     etp: usize,
     dp: usize,
@@ -493,7 +496,8 @@ impl TrainArgs {
             .unwrap_or_default();
         let ep = pick("ep", self.ep, recorded.ep, 1);
         let etp = pick("etp", self.etp, recorded.etp, 1);
-        let cp = self.cp.unwrap_or(1);
+        let recorded_cp = recorded.context_parallel.clone();
+        let cp = pick("cp", self.cp, recorded_cp.as_ref().map(|c| c.cp), 1);
         let seq_length = pick(
             "seq-length",
             self.seq_length,
@@ -512,6 +516,7 @@ impl TrainArgs {
             recorded_usize("global_batch_size"),
             micro_batch * dp,
         );
+        let cp_comm_type = self.cp_comm_type(cp, recorded_cp, &mut taken)?;
         let seed = match (self.seed, &meta) {
             (Some(seed), _) => seed,
             (None, Some(m)) => {
@@ -647,6 +652,7 @@ impl TrainArgs {
             model,
             tp,
             cp,
+            cp_comm_type,
             ep,
             etp,
             dp,
@@ -664,6 +670,49 @@ impl TrainArgs {
             taken,
             start_step: meta.as_ref().map_or(0, |m| m.iteration),
         })
+    }
+
+    /// How context-parallel attention exchanges at `cp`: the flags as given; when none is and
+    /// the run keeps the checkpoint's `cp`, the checkpoint's (each setting taken added to
+    /// `taken`); else all_gather. The flags are refused at `cp` 1, where they do nothing.
+    fn cp_comm_type(
+        &self,
+        cp: usize,
+        recorded: Option<ContextParallelSettings>,
+        taken: &mut Vec<String>,
+    ) -> Result<CpCommType> {
+        let hierarchical = &self.hierarchical_context_parallel_sizes;
+        if cp == 1 {
+            if let Some(kind) = &self.cp_comm_type {
+                bail!(
+                    "--cp-comm-type {kind} does nothing without context parallelism \
+                     (--context-parallel-size 1): drop it, or give --context-parallel-size"
+                );
+            }
+            if !hierarchical.is_empty() {
+                bail!(
+                    "--hierarchical-context-parallel-sizes {hierarchical:?} does nothing \
+                     without context parallelism (--context-parallel-size 1): drop it, or give \
+                     --context-parallel-size"
+                );
+            }
+        }
+        let (name, sizes) = match (&self.cp_comm_type, recorded) {
+            (Some(name), _) => (name.clone(), hierarchical.clone()),
+            (None, Some(r)) if r.cp == cp && cp > 1 && hierarchical.is_empty() => {
+                taken.push(format!("--cp-comm-type {}", r.comm_type));
+                if !r.hierarchical.is_empty() {
+                    let sizes: Vec<String> = r.hierarchical.iter().map(usize::to_string).collect();
+                    taken.push(format!(
+                        "--hierarchical-context-parallel-sizes {}",
+                        sizes.join(" ")
+                    ));
+                }
+                (r.comm_type, r.hierarchical)
+            }
+            (None, _) => ("all_gather".to_string(), hierarchical.clone()),
+        };
+        Ok(CpCommType::parse(&name, &sizes, cp)?)
     }
 
     /// The schedule's flags as given; when none is and the run keeps the checkpoint's `pp`,
@@ -1089,11 +1138,7 @@ impl TrainArgs {
             tp: s.tp,
             sequence_parallel: self.sequence_parallel && s.tp > 1,
             cp: s.cp,
-            cp_comm_type: CpCommType::parse(
-                &self.cp_comm_type,
-                &self.hierarchical_context_parallel_sizes,
-                s.cp,
-            )?,
+            cp_comm_type: s.cp_comm_type,
             ep: s.ep,
             etp,
             dp: s.dp,
@@ -1121,6 +1166,7 @@ impl TrainArgs {
                     etp: Some(etp),
                     moe_token_dispatcher_type: dispatcher_name,
                     pipeline: Some(pipeline),
+                    context_parallel: Some(ContextParallelSettings::new(s.cp, s.cp_comm_type)),
                 }
                 .to_value(),
             }),
@@ -1203,13 +1249,18 @@ fn check_machine(backend: Backend, job: &TrainJob) -> Result<()> {
     if job.device != Placement::Cpu {
         return Ok(());
     }
-    // Each data-parallel replica holds the model once over its tp × pp ranks: values,
-    // gradients and two Adam moments in f32 at most, plus f32 main values with 16 bits.
+    // Each context-parallel rank of a data-parallel replica holds the model once over its
+    // tp × pp ranks: values, gradients and two Adam moments in f32 at most, plus f32 main
+    // values with 16 bits.
     let params = job.model.num_params(job.tp);
-    let state = params as u128 * 20;
+    let cp = job.cp as u128;
+    let state = params as u128 * 20 * cp;
     // The activations a microbatch keeps for its backward, after Megatron-LM's estimate
     // (s·b·h·(34 + 5·a·s/h) bytes a layer in 16 bits; twice that in f32), for the
-    // microbatches a pipeline keeps in flight (one a stage's layers, up to pp of them).
+    // microbatches a pipeline keeps in flight (one a stage's layers, up to pp of them). With
+    // context parallelism the cp ranks share the s positions, and the blockwise attention
+    // keeps no s × s weights: each rank computes one pair of chunks' scores at a time
+    // ((s/2cp)² a head), a log-sum-exp per position kept.
     let plan = job.train_data.plan();
     let m = &job.model;
     let (s, b, h, a) = (
@@ -1218,12 +1269,16 @@ fn check_machine(backend: Backend, job: &TrainJob) -> Result<()> {
         m.hidden_size as u128,
         m.num_attention_heads as u128,
     );
-    let activations = m.num_layers as u128 * (68 * s * b * h + 10 * a * s * s * b);
+    let attention = match cp {
+        1 => m.num_layers as u128 * 10 * a * s * s * b,
+        _ => m.num_layers as u128 * 8 * a * s * b + 2 * a * b * s * s / cp,
+    };
+    let activations = m.num_layers as u128 * 68 * s * b * h + attention;
     megatron::limits::check_memory(
         &format!(
             "{} ({} parameters, --seq-length {}, --micro-batch-size {}) at data-parallel size {} \
-             in this process",
-            job.model_name, params, plan.seq_length, plan.micro_batch, job.dp
+             and context-parallel size {} in this process",
+            job.model_name, params, plan.seq_length, plan.micro_batch, job.dp, job.cp
         ),
         (state + activations) * job.dp as u128,
     )?;

@@ -5,7 +5,10 @@
 //! (like `torch.nn.Linear` and Megatron-LM) `[out, in]`. Its fused `c_attn` lays the output out
 //! as all queries, all keys, all values (`[q | k | v]`, heads inside each); ours interleaves per
 //! head (`[q₀ k₀ v₀ | q₁ k₁ v₁ | …]`) so that a column-parallel split gives each rank whole heads.
-//! And the output layer is tied to the embedding in both, so `lm_head.weight` is not stored.
+//! And the output layer is tied to the embedding unless `tie_word_embeddings` is false
+//! (`--untie-embeddings-and-output-weights`): only then is `lm_head.weight` stored. A model
+//! GPT-2 cannot hold exactly (a Llama-family flag, grouped-query attention, other head sizes) is
+//! refused by name on export ([`super::architecture`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -15,18 +18,20 @@ use anyhow::{Context, Result, bail};
 use megatron_core::checkpoint::{self, Whole};
 use megatron_models::GptConfig;
 use safetensors::SafeTensors;
-use safetensors::tensor::Dtype;
+use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{Value, json};
 
-/// The architecture a GPT-2 `config.json` describes.
+use super::hf_config::{Bound, HfConfig};
+
+/// The architecture a GPT-2 `config.json` describes, every field within the command line's
+/// bounds and named when refused.
 pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
-    let int = |key: &str| -> Result<usize> {
-        config[key]
-            .as_u64()
-            .map(|v| v as usize)
-            .with_context(|| format!("config.json: `{key}` is missing or not a number"))
-    };
-    if let Some(act) = config["activation_function"].as_str()
+    let hf = HfConfig::new(config)?;
+    let arch = hf.architecture()?;
+    if !matches!(arch, "GPT2LMHeadModel" | "GPT2Model") {
+        bail!("config.json: architecture {arch} is not GPT-2 (convert it with --from hf)");
+    }
+    if let Some(act) = hf.opt_str("activation_function")?
         && !matches!(act, "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast")
     {
         bail!(
@@ -34,32 +39,37 @@ pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
         );
     }
     for flag in ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"] {
-        if config[flag].as_bool() == Some(true) {
+        if hf.flag(flag)? {
             bail!("config.json: `{flag}` = true is not supported");
         }
     }
-    if config["scale_attn_weights"].as_bool() == Some(false) {
+    if hf.opt_bool("scale_attn_weights")? == Some(false) {
         bail!(
             "config.json: `scale_attn_weights` = false (attention scores not divided by √d) is \
              not supported: megatron-rs always scales them, as GPT-2 and Megatron-LM do"
         );
     }
-    let hidden = int("n_embd")?;
-    let float = |key: &str, default: f64| config[key].as_f64().unwrap_or(default);
-    let mut c = GptConfig::new(
-        int("n_layer")?,
-        hidden,
-        int("n_head")?,
-        int("vocab_size")?,
-        int("n_positions")?,
-    );
-    if let Some(inner) = config["n_inner"].as_u64() {
-        c.ffn_hidden_size = inner as usize;
+    let (hidden, heads) = (hf.int("n_embd", Bound::Dim)?, hf.int("n_head", Bound::Dim)?);
+    if !hidden.is_multiple_of(heads) {
+        bail!("config.json: `n_embd` {hidden} is not divisible by `n_head` {heads}");
     }
-    c.layernorm_epsilon = float("layer_norm_epsilon", 1e-5) as f32;
-    c.hidden_dropout = float("resid_pdrop", 0.1) as f32;
-    c.attention_dropout = float("attn_pdrop", 0.1) as f32;
-    c.init_method_std = float("initializer_range", 0.02) as f32;
+    let mut c = GptConfig::new(
+        hf.int("n_layer", Bound::Layers)?,
+        hidden,
+        heads,
+        hf.int("vocab_size", Bound::Vocab)?,
+        hf.int("n_positions", Bound::Dim)?,
+    );
+    if let Some(inner) = hf.opt_int("n_inner", Bound::Dim)? {
+        c.ffn_hidden_size = inner;
+    }
+    c.layernorm_epsilon = hf.positive("layer_norm_epsilon", 1e-5)? as f32;
+    c.hidden_dropout = hf.fraction("resid_pdrop", 0.1)? as f32;
+    c.attention_dropout = hf.fraction("attn_pdrop", 0.1)? as f32;
+    c.init_method_std = hf.non_negative("initializer_range", 0.02)? as f32;
+    // transformers ties GPT-2's head to the embedding unless the file says otherwise.
+    c.untie_embeddings_and_output_weights = hf.opt_bool("tie_word_embeddings")? == Some(false);
+    super::hf_config::check_model(&c)?;
     Ok(c)
 }
 
@@ -82,7 +92,7 @@ pub fn config_to_hf(c: &GptConfig, eod: Option<u32>) -> Value {
         "embd_pdrop": c.hidden_dropout,
         "attn_pdrop": c.attention_dropout,
         "initializer_range": c.init_method_std,
-        "tie_word_embeddings": true,
+        "tie_word_embeddings": !c.untie_embeddings_and_output_weights,
         "scale_attn_weights": true,
         "bos_token_id": eod,
         "eos_token_id": eod,
@@ -127,47 +137,58 @@ fn permute_qkv(t: &Whole, hidden: usize, heads: usize, to_ours: bool) -> Whole {
     }
 }
 
+/// Every tensor of a safetensors file as f32 (from F32, F16 or BF16), by name with GPT-2's
+/// `transformer.` prefix taken off; a tensor present under both names is refused.
 pub(crate) fn read_safetensors(path: &Path) -> Result<HashMap<String, Whole>> {
     let bytes = fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let st = SafeTensors::deserialize(&bytes)
         .with_context(|| format!("{}: not a safetensors file", path.display()))?;
     let mut out = HashMap::new();
     for (name, view) in st.tensors() {
-        let data: Vec<f32> = match view.dtype() {
-            Dtype::F32 => view
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::F16 => view
-                .data()
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::BF16 => view
-                .data()
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            other => bail!(
-                "{}: `{name}` is {other:?}; expected F32, F16 or BF16",
-                path.display()
-            ),
-        };
+        let whole = to_whole(path, &name, &view)?;
         // `transformer.` is the prefix of GPT2LMHeadModel's weights; GPT2Model's have none.
-        let name = name
+        let ours = name
             .strip_prefix("transformer.")
             .unwrap_or(&name)
             .to_string();
-        out.insert(
-            name,
-            Whole {
-                shape: view.shape().to_vec(),
-                data,
-            },
-        );
+        if out.insert(ours.clone(), whole).is_some() {
+            bail!(
+                "{}: `{ours}` is there twice (with and without the `transformer.` prefix): \
+                 which one is the model's is not known",
+                path.display()
+            );
+        }
     }
     Ok(out)
+}
+
+/// A tensor of a safetensors file as f32.
+pub(crate) fn to_whole(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Whole> {
+    let data: Vec<f32> = match view.dtype() {
+        Dtype::F32 => view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::F16 => view
+            .data()
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => view
+            .data()
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        other => bail!(
+            "{}: `{name}` is {other:?}; expected F32, F16 or BF16",
+            path.display()
+        ),
+    };
+    Ok(Whole {
+        shape: view.shape().to_vec(),
+        data,
+    })
 }
 
 /// Refuses to write a conversion into `dir` when it already holds files (a save directory's
@@ -193,7 +214,6 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
     refuse_existing(out)?;
     let config = super::read_hf_config(hf_dir)?;
     let c = config_from_hf(&config)?;
-    c.validate(1)?;
     let weights = hf_dir.join("model.safetensors");
     if !weights.exists() && hf_dir.join("pytorch_model.bin").exists() {
         bail!(
@@ -276,13 +296,25 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
     }
     model.insert("ln_f.weight".to_string(), take("ln_f.weight", &[h])?);
     model.insert("ln_f.bias".to_string(), take("ln_f.bias", &[h])?);
-    if let Some(head) = head
-        && head.data != model["wte.weight"].data
-    {
-        bail!(
-            "{}: lm_head.weight differs from wte.weight; only tied GPT-2 heads are supported",
+    match (c.untie_embeddings_and_output_weights, head) {
+        (true, Some(head)) if head.shape == [c.vocab_size, h] => {
+            model.insert("wte.output_weight".to_string(), head);
+        }
+        (true, Some(head)) => bail!(
+            "{}: `lm_head.weight` has shape {:?}, the config implies [{}, {h}]",
+            weights.display(),
+            head.shape,
+            c.vocab_size
+        ),
+        (true, None) => bail!(
+            "{}: no tensor `lm_head.weight` (the config does not tie it to the embedding)",
             weights.display()
-        );
+        ),
+        (false, Some(head)) if head.data != model["wte.weight"].data => bail!(
+            "{}: `lm_head.weight` differs from `wte.weight`, but the config ties them",
+            weights.display()
+        ),
+        (false, _) => {}
     }
     if let Some(extra) = hf.keys().next() {
         bail!("{}: unexpected tensor `{extra}`", weights.display());
@@ -301,6 +333,7 @@ pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<GptConfig> {
     let tokenizer = super::checkpoint_tokenizer(ckpt, loaded.dir())?;
     let c: GptConfig = serde_json::from_value(loaded.meta().model.clone())
         .with_context(|| format!("{}: the model config", loaded.dir().display()))?;
+    super::architecture::require_gpt2(&c).with_context(|| format!("{}", loaded.dir().display()))?;
     let (h, heads) = (c.hidden_size, c.num_attention_heads);
     let get = |name: &str| loaded.model_tensor(name).map_err(anyhow::Error::from);
     let mut hf: BTreeMap<String, Whole> = BTreeMap::new();
@@ -343,11 +376,17 @@ pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<GptConfig> {
     }
     hf.insert("ln_f.weight".into(), get("ln_f.weight")?);
     hf.insert("ln_f.bias".into(), get("ln_f.bias")?);
+    let head = match c.untie_embeddings_and_output_weights {
+        true => Some(get("wte.output_weight")?),
+        false => None,
+    };
     super::write_hf(
         hf_dir,
         hf.iter()
-            .map(|(name, t)| (format!("transformer.{name}"), t)),
+            .map(|(name, t)| (format!("transformer.{name}"), t))
+            .chain(head.iter().map(|t| ("lm_head.weight".to_string(), t))),
         tokenizer.as_ref(),
+        c.vocab_size,
         |eod| config_to_hf(&c, eod),
     )?;
     Ok(c)

@@ -21,12 +21,13 @@ use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 use megatron_core::checkpoint::{self, Whole};
-use megatron_core::moe::{RouterConfig, ScoreFunction};
-use megatron_core::tensor_parallel::{Llama3Scaling, Normalization, Rotary};
-use megatron_models::{GptConfig, MoeConfig, MoeLayerFreq, PositionEmbeddingType};
+use megatron_core::moe::RouterConfig;
+use megatron_core::tensor_parallel::{Llama3Scaling, Rotary};
+use megatron_models::{GptConfig, MoeConfig, MoeLayerFreq};
 use serde_json::{Value, json};
 
-use super::hf_gpt2::{read_safetensors, refuse_existing};
+use super::hf_config::{self, Bound, HfConfig};
+use super::hf_gpt2::{read_safetensors, refuse_existing, to_whole};
 
 /// The architectures read here.
 pub const ARCHITECTURES: [&str; 6] = [
@@ -65,129 +66,167 @@ fn expert_names(arch: &str) -> ExpertNames {
     }
 }
 
-/// The architecture named by a `config.json` (its first `architectures` entry).
-pub fn architecture(config: &Value) -> Option<&str> {
-    config["architectures"].get(0).and_then(Value::as_str)
-}
-
 /// The rotary settings of a config: `rope_parameters` (transformers 5), or the older top-level
-/// `rope_theta` with `rope_scaling` (`rope_type`, or before that `type`).
-fn rotary(config: &Value, default_theta: f64) -> Result<Rotary> {
-    let params = match &config["rope_parameters"] {
-        Value::Object(_) => config["rope_parameters"].clone(),
-        _ => {
-            let mut p = match &config["rope_scaling"] {
+/// `rope_theta` with `rope_scaling` (`rope_type`, or before that `type`). transformers' Llama
+/// family rotates whole heads whatever `partial_rotary_factor` says: a factor other than 1 is
+/// refused rather than read as a model transformers does not run.
+fn rotary(hf: &HfConfig, default_theta: f64) -> Result<Rotary> {
+    let params = match hf.get("rope_parameters") {
+        Value::Object(_) => hf.get("rope_parameters").clone(),
+        Value::Null => {
+            let mut p = match hf.get("rope_scaling") {
                 Value::Object(m) => Value::Object(m.clone()),
                 Value::Null => json!({}),
                 other => bail!("config.json: `rope_scaling` is {other}, not an object"),
             };
-            if let Some(theta) = config["rope_theta"].as_f64() {
-                p["rope_theta"] = json!(theta);
-            }
-            if let Some(f) = config["partial_rotary_factor"].as_f64() {
-                p["partial_rotary_factor"] = json!(f);
+            for key in ["rope_theta", "partial_rotary_factor"] {
+                if !hf.absent(key) {
+                    p[key] = hf.get(key).clone();
+                }
             }
             p
         }
+        other => bail!("config.json: `rope_parameters` is {other}, not an object"),
     };
-    let kind = params["rope_type"]
-        .as_str()
-        .or(params["type"].as_str())
+    let params = HfConfig::new(&params)?;
+    let kind = params
+        .opt_str("rope_type")?
+        .or(params.opt_str("type")?)
         .unwrap_or("default");
-    let number = |key: &str| -> Result<f32> {
-        params[key]
-            .as_f64()
-            .map(|v| v as f32)
-            .with_context(|| format!("config.json: rope type {kind} needs `{key}`"))
+    if let Some(f) = params.opt_float("partial_rotary_factor")?
+        && f != 1.0
+    {
+        bail!(
+            "config.json: `partial_rotary_factor` {f}: transformers' Llama family ignores it \
+             and rotates whole heads; remove it to import the model transformers runs"
+        );
+    }
+    let factor = |key: &str| -> Result<f32> {
+        match params.opt_float(key)? {
+            Some(v) => Ok(hf_config::positive(v, &format!("rope `{key}`"))? as f32),
+            None => bail!("config.json: rope type {kind} needs `{key}`"),
+        }
     };
     let scaling = match kind {
         "default" => None,
-        "llama3" => Some(Llama3Scaling {
-            factor: number("factor")?,
-            low_freq_factor: number("low_freq_factor")?,
-            high_freq_factor: number("high_freq_factor")?,
-            original_max_position_embeddings: number("original_max_position_embeddings")? as usize,
-        }),
+        "llama3" => {
+            let s = Llama3Scaling {
+                factor: factor("factor")?,
+                low_freq_factor: factor("low_freq_factor")?,
+                high_freq_factor: factor("high_freq_factor")?,
+                original_max_position_embeddings: match params
+                    .opt_int("original_max_position_embeddings", Bound::Dim)?
+                {
+                    Some(n) => n,
+                    None => bail!(
+                        "config.json: rope type llama3 needs `original_max_position_embeddings`"
+                    ),
+                },
+            };
+            if s.high_freq_factor <= s.low_freq_factor {
+                bail!(
+                    "config.json: rope `high_freq_factor` {} must be above `low_freq_factor` {} \
+                     (the band between them is interpolated)",
+                    s.high_freq_factor,
+                    s.low_freq_factor
+                );
+            }
+            Some(s)
+        }
         other => {
             bail!("config.json: rope type `{other}` is not supported (default and llama3 are)")
         }
     };
+    let base = params.opt_float("rope_theta")?.unwrap_or(default_theta);
+    if !(base > 1.0) {
+        bail!("config.json: `rope_theta` {base} must be above 1");
+    }
     Ok(Rotary {
-        base: params["rope_theta"].as_f64().unwrap_or(default_theta) as f32,
-        percent: params["partial_rotary_factor"].as_f64().unwrap_or(1.0) as f32,
+        base: hf_config::positive(base, "`rope_theta`")? as f32,
+        percent: 1.0,
         interleaved: false,
         scaling,
     })
 }
 
-/// The architecture a Llama-family `config.json` describes.
+/// The architecture a Llama-family `config.json` describes, every field within the command
+/// line's bounds and named when refused.
 pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
-    let arch = architecture(config).unwrap_or("LlamaForCausalLM");
+    let hf = HfConfig::new(config)?;
+    let arch = hf.architecture()?;
     if !ARCHITECTURES.contains(&arch) {
         bail!(
-            "config.json: architecture {arch} is not supported (GPT2LMHeadModel, {})",
+            "config.json: architecture {arch} is not one of the Llama family ({})",
             ARCHITECTURES.join(", ")
         );
     }
-    let int = |key: &str| -> Result<usize> {
-        config[key]
-            .as_u64()
-            .map(|v| v as usize)
-            .with_context(|| format!("config.json: `{key}` is missing or not a number"))
-    };
-    let opt_int = |key: &str| config[key].as_u64().map(|v| v as usize);
-    let flag = |key: &str| config[key].as_bool() == Some(true);
-    if let Some(act) = config["hidden_act"].as_str()
+    if let Some(act) = hf.opt_str("hidden_act")?
         && act != "silu"
     {
         bail!("config.json: `hidden_act` {act} is not SwiGLU's silu");
     }
-    if flag("mlp_bias") {
+    if hf.flag("mlp_bias")? {
         bail!("config.json: `mlp_bias` = true (biases in the MLP) is not supported");
     }
-    if flag("attention_bias") {
+    if hf.flag("attention_bias")? {
         bail!(
             "config.json: `attention_bias` = true (a bias on o_proj too) is not supported; \
              Qwen2's QKV bias is"
         );
     }
-    let (hidden, heads) = (int("hidden_size")?, int("num_attention_heads")?);
-    let groups = opt_int("num_key_value_heads").unwrap_or(heads);
-    let head_dim = opt_int("head_dim").unwrap_or(match arch {
-        "Qwen3ForCausalLM" => 128,
-        _ => hidden / heads.max(1),
-    });
+    let hidden = hf.int("hidden_size", Bound::Dim)?;
+    let heads = hf.int("num_attention_heads", Bound::Dim)?;
+    let groups = hf
+        .opt_int("num_key_value_heads", Bound::Dim)?
+        .unwrap_or(heads);
+    if !heads.is_multiple_of(groups) {
+        bail!(
+            "config.json: `num_attention_heads` {heads} is not divisible by \
+             `num_key_value_heads` {groups}"
+        );
+    }
+    let head_dim = match (hf.opt_int("head_dim", Bound::Dim)?, arch) {
+        (Some(d), _) => d,
+        (None, "Qwen3ForCausalLM" | "Qwen3MoeForCausalLM") => 128,
+        (None, _) if hidden.is_multiple_of(heads) => hidden / heads,
+        (None, _) => bail!(
+            "config.json: `hidden_size` {hidden} is not divisible by `num_attention_heads` \
+             {heads}, and there is no `head_dim`"
+        ),
+    };
     // transformers' defaults where the file has no RoPE base.
     let default_theta = match arch {
         "MixtralForCausalLM" => 1e6,
         _ => 10000.0,
     };
+    let layers = hf.int("num_hidden_layers", Bound::Layers)?;
     let mut c = GptConfig::llama(
-        int("num_hidden_layers")?,
+        layers,
         hidden,
         heads,
         groups,
-        int("intermediate_size")?,
-        int("vocab_size")?,
-        int("max_position_embeddings")?,
+        hf.int("intermediate_size", Bound::Dim)?,
+        hf.int("vocab_size", Bound::Vocab)?,
+        hf.int("max_position_embeddings", Bound::Dim)?,
         10000.0,
     );
-    c.rotary = rotary(config, default_theta)?;
-    c.kv_channels = (head_dim != hidden / heads.max(1)).then_some(head_dim);
+    c.rotary = rotary(&hf, default_theta)?;
+    c.kv_channels = (head_dim != hidden / heads).then_some(head_dim);
     c.num_query_groups = Some(groups);
     let default_eps = if arch == "MixtralForCausalLM" {
         1e-5
     } else {
         1e-6
     };
-    c.layernorm_epsilon = config["rms_norm_eps"].as_f64().unwrap_or(default_eps) as f32;
-    c.untie_embeddings_and_output_weights = !flag("tie_word_embeddings");
+    c.layernorm_epsilon = hf.positive("rms_norm_eps", default_eps)? as f32;
+    c.untie_embeddings_and_output_weights = !hf.flag("tie_word_embeddings")?;
     c.add_qkv_bias = arch == "Qwen2ForCausalLM";
     c.qk_layernorm = matches!(arch, "Qwen3ForCausalLM" | "Qwen3MoeForCausalLM");
-    c.moe = moe_from_hf(config, arch, c.num_layers)?;
-    (c.window_size, c.window_layers) = window_from_hf(config, arch, c.num_layers)?;
-    c.attention_dropout = config["attention_dropout"].as_f64().unwrap_or(0.0) as f32;
-    c.init_method_std = config["initializer_range"].as_f64().unwrap_or(0.02) as f32;
+    c.moe = moe_from_hf(&hf, arch, layers)?;
+    (c.window_size, c.window_layers) = window_from_hf(&hf, arch, layers)?;
+    c.attention_dropout = hf.fraction("attention_dropout", 0.0)? as f32;
+    c.init_method_std = hf.non_negative("initializer_range", 0.02)? as f32;
+    hf_config::check_model(&c)?;
     Ok(c)
 }
 
@@ -196,12 +235,16 @@ pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
 /// `use_sliding_window`, in the layers `layer_types` marks `sliding_attention` (older files:
 /// the layers from `max_window_layers` on).
 fn window_from_hf(
-    config: &Value,
+    hf: &HfConfig,
     arch: &str,
     layers: usize,
 ) -> Result<(Option<usize>, Option<Vec<bool>>)> {
     let qwen = arch.starts_with("Qwen");
-    let types: Option<Vec<bool>> = match &config["layer_types"] {
+    let types: Option<Vec<bool>> = match hf.get("layer_types") {
+        Value::Array(types) if types.len() != layers => bail!(
+            "config.json: `layer_types` lists {} layers, `num_hidden_layers` is {layers}",
+            types.len()
+        ),
         Value::Array(types) => Some(
             types
                 .iter()
@@ -218,11 +261,11 @@ fn window_from_hf(
         Value::Null => None,
         other => bail!("config.json: `layer_types` is {other}, not a list"),
     };
-    let on = !qwen || config["use_sliding_window"].as_bool() == Some(true);
-    let size = match (&config["sliding_window"], on) {
+    let on = !qwen || hf.flag("use_sliding_window")?;
+    let size = match (hf.get("sliding_window"), on) {
         (Value::Null, _) | (_, false) => None,
-        (w, true) => match w.as_i64() {
-            Some(w) if w >= 1 => Some(w as usize),
+        (w, true) => match w.as_u64() {
+            Some(w) if w >= 1 => Some(hf_config::whole(&json!(w), "`sliding_window`", Bound::Dim)?),
             _ => bail!("config.json: `sliding_window` {w} is not a window of at least 1 position"),
         },
     };
@@ -238,13 +281,11 @@ fn window_from_hf(
         bail!("config.json: `sliding_window` with Qwen3-MoE is not supported");
     }
     let pattern = match (qwen, types) {
-        (_, Some(types)) if types.len() != layers => bail!(
-            "config.json: `layer_types` lists {} layers, `num_hidden_layers` is {layers}",
-            types.len()
-        ),
         (_, Some(types)) => types,
         (true, None) => {
-            let first = config["max_window_layers"].as_u64().unwrap_or(0) as usize;
+            let first = hf
+                .opt_int("max_window_layers", Bound::LayerIndex)?
+                .unwrap_or(0);
             (0..layers).map(|i| i >= first).collect()
         }
         (false, None) => vec![true; layers],
@@ -261,55 +302,51 @@ fn window_from_hf(
 /// `num_experts`) SwiGLU experts, top `num_experts_per_tok`, dropless, with
 /// `router_aux_loss_coef` as the aux loss's coefficient; Qwen3-MoE's dense layers are those in
 /// `mlp_only_layers` and those `decoder_sparse_step` skips.
-fn moe_from_hf(config: &Value, arch: &str, layers: usize) -> Result<Option<MoeConfig>> {
+fn moe_from_hf(hf: &HfConfig, arch: &str, layers: usize) -> Result<Option<MoeConfig>> {
     if !matches!(arch, "MixtralForCausalLM" | "Qwen3MoeForCausalLM") {
         return Ok(None);
     }
-    let int = |keys: &[&str]| -> Result<usize> {
-        keys.iter()
-            .find_map(|k| config[*k].as_u64())
-            .map(|v| v as usize)
-            .with_context(|| format!("config.json: `{}` is missing or not a number", keys[0]))
-    };
-    let experts = int(&["num_local_experts", "num_experts"])?;
-    let topk = int(&["num_experts_per_tok"])?;
-    if let Some(jitter) = config["router_jitter_noise"].as_f64()
+    let experts = hf.int_of(&["num_local_experts", "num_experts"], Bound::Experts)?;
+    let topk = hf.int("num_experts_per_tok", Bound::Experts)?;
+    if topk > experts {
+        bail!(
+            "config.json: `num_experts_per_tok` {topk} is more than the {experts} experts \
+             (`num_local_experts`)"
+        );
+    }
+    if let Some(jitter) = hf.opt_float("router_jitter_noise")?
         && jitter != 0.0
     {
         bail!(
             "config.json: `router_jitter_noise` {jitter} (noise on the router's input) is not supported"
         );
     }
-    if config["shared_expert_intermediate_size"]
-        .as_u64()
-        .unwrap_or(0)
-        > 0
-    {
-        bail!(
+    match hf.get("shared_expert_intermediate_size") {
+        Value::Null => {}
+        v if v.as_u64() == Some(0) => {}
+        _ => bail!(
             "config.json: `shared_expert_intermediate_size` (Qwen2-MoE's gated shared expert) is not supported"
-        );
+        ),
     }
     let qwen = arch == "Qwen3MoeForCausalLM";
     let ffn = if qwen {
-        int(&["moe_intermediate_size"])?
+        hf.int("moe_intermediate_size", Bound::Dim)?
     } else {
-        int(&["intermediate_size"])?
+        hf.int("intermediate_size", Bound::Dim)?
     };
     // Qwen3-MoE renormalises the top-k probabilities only with `norm_topk_prob`; Mixtral always.
-    let pre_softmax = qwen && config["norm_topk_prob"].as_bool() != Some(true);
-    let step = config["decoder_sparse_step"].as_u64().unwrap_or(1) as usize;
-    let dense: Vec<usize> = match &config["mlp_only_layers"] {
+    let pre_softmax = qwen && !hf.flag("norm_topk_prob")?;
+    let step = hf
+        .opt_int("decoder_sparse_step", Bound::Layers)?
+        .unwrap_or(1);
+    let dense: Vec<usize> = match hf.get("mlp_only_layers") {
         Value::Array(list) => list
             .iter()
-            .map(|v| v.as_u64().map(|v| v as usize))
-            .collect::<Option<_>>()
-            .context("config.json: `mlp_only_layers` is not a list of layer numbers")?,
+            .map(|v| hf_config::whole(v, "an entry of `mlp_only_layers`", Bound::LayerIndex))
+            .collect::<Result<_>>()?,
         Value::Null => Vec::new(),
         other => bail!("config.json: `mlp_only_layers` is {other}, not a list"),
     };
-    if qwen && step == 0 {
-        bail!("config.json: `decoder_sparse_step` is 0");
-    }
     let pattern: Vec<bool> = (0..layers)
         .map(|i| !qwen || (!dense.contains(&i) && (i + 1) % step == 0))
         .collect();
@@ -318,12 +355,13 @@ fn moe_from_hf(config: &Value, arch: &str, layers: usize) -> Result<Option<MoeCo
     } else {
         MoeLayerFreq::Pattern(pattern.iter().map(|&m| u8::from(m)).collect())
     };
+    let router = RouterConfig {
+        pre_softmax,
+        aux_loss_coeff: hf.non_negative("router_aux_loss_coef", 0.0)? as f32,
+        ..RouterConfig::new(experts, topk)
+    };
     Ok(Some(MoeConfig {
-        router: RouterConfig {
-            pre_softmax,
-            aux_loss_coeff: config["router_aux_loss_coef"].as_f64().unwrap_or(0.0) as f32,
-            ..RouterConfig::new(experts, topk)
-        },
+        router,
         ffn_hidden_size: ffn,
         layer_freq,
         shared_expert_ffn: None,
@@ -331,53 +369,10 @@ fn moe_from_hf(config: &Value, arch: &str, layers: usize) -> Result<Option<MoeCo
     }))
 }
 
-/// Whether a model's routing is the softmax top-k of Mixtral and Qwen3-MoE (no score
-/// scaling, no expert bias, no capacity, no shared experts): what Hugging Face can run.
-fn hf_routing(moe: &MoeConfig) -> bool {
-    let r = &moe.router;
-    r.score_function == ScoreFunction::Softmax
-        && r.topk_scaling_factor.is_none()
-        && r.capacity_factor.is_none()
-        && !r.expert_bias
-        && moe.shared_expert_ffn.is_none()
-}
-
-/// The Hugging Face architecture of a Llama-family config: Qwen3 with query and key norms,
-/// Qwen2 with a QKV bias alone, Llama otherwise; with experts, Qwen3-MoE with query and key
-/// norms, Mixtral (every layer routed, the top-k renormalised) without; `None` for a model
-/// none of them is (GPT-2's).
+/// The Hugging Face architecture of a Llama-family config (see
+/// [`super::architecture::llama_family`]); `None` for a model none of them is.
 pub fn hf_architecture(c: &GptConfig) -> Option<&'static str> {
-    let llama = c.normalization == Normalization::RmsNorm
-        && c.swiglu
-        && !c.add_bias_linear
-        && c.position_embedding_type == PositionEmbeddingType::Rope
-        && !c.rotary.interleaved;
-    if !llama {
-        return None;
-    }
-    // A window in some layers only: Qwen's layer types; in every layer: also Mistral's and
-    // Mixtral's.
-    let window = c.window_size.is_some();
-    let every_window = window && c.window_layers.is_none();
-    let Some(moe) = &c.moe else {
-        return match (c.qk_layernorm, c.add_qkv_bias) {
-            (true, false) => Some("Qwen3ForCausalLM"),
-            (false, true) => Some("Qwen2ForCausalLM"),
-            (false, false) if every_window => Some("MistralForCausalLM"),
-            (false, false) if !window => Some("LlamaForCausalLM"),
-            _ => None,
-        };
-    };
-    let every_layer = c.moe_layers().is_ok_and(|l| l.iter().all(|&m| m));
-    match (hf_routing(moe), c.qk_layernorm, c.add_qkv_bias) {
-        (true, true, false) if !window => Some("Qwen3MoeForCausalLM"),
-        (true, false, false)
-            if every_layer && !moe.router.pre_softmax && (every_window || !window) =>
-        {
-            Some("MixtralForCausalLM")
-        }
-        _ => None,
-    }
+    super::architecture::llama_family(c).ok()
 }
 
 /// The `config.json` of a Llama-family config as Hugging Face architecture `arch`, with the
@@ -472,7 +467,8 @@ pub fn config_to_hf(c: &GptConfig, arch: &str, eod: Option<u32>) -> Value {
 }
 
 /// Every tensor of a Hugging Face directory: `model.safetensors`, or the shards that
-/// `model.safetensors.index.json` names.
+/// `model.safetensors.index.json` names, each tensor read from the shard the index gives it
+/// (a copy in another shard is not the model's, as transformers loads it).
 fn read_weights(dir: &Path) -> Result<HashMap<String, Whole>> {
     let index = dir.join("model.safetensors.index.json");
     if !index.is_file() {
@@ -485,22 +481,36 @@ fn read_weights(dir: &Path) -> Result<HashMap<String, Whole>> {
     let Some(weight_map) = map["weight_map"].as_object() else {
         bail!("{}: no `weight_map`", index.display());
     };
-    let mut shards: Vec<&str> = weight_map.values().filter_map(Value::as_str).collect();
-    shards.sort_unstable();
-    shards.dedup();
-    let mut out = HashMap::new();
-    for shard in shards {
-        if shard.contains('/') || shard.contains("..") {
+    let mut by_shard: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (name, shard) in weight_map {
+        let Some(shard) = shard.as_str() else {
+            bail!(
+                "{}: `{name}`'s shard is {shard}, not a file name",
+                index.display()
+            );
+        };
+        if shard.contains('/') || shard.contains('\\') || shard.contains("..") {
             bail!(
                 "{}: shard `{shard}` is not a file of the directory",
                 index.display()
             );
         }
-        out.extend(read_safetensors(&dir.join(shard))?);
+        by_shard.entry(shard).or_default().push(name);
     }
-    for name in weight_map.keys() {
-        if !out.contains_key(name) {
-            bail!("{}: `{name}` is in no shard", index.display());
+    let mut out = HashMap::new();
+    for (shard, names) in by_shard {
+        let path = dir.join(shard);
+        let bytes = fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        let st = safetensors::SafeTensors::deserialize(&bytes)
+            .with_context(|| format!("{}: not a safetensors file", path.display()))?;
+        for name in names {
+            let view = st.tensor(name).map_err(|_| {
+                anyhow::anyhow!(
+                    "{}: `{name}` is not in {shard}, where the index puts it",
+                    index.display()
+                )
+            })?;
+            out.insert(name.to_string(), to_whole(&path, name, &view)?);
         }
     }
     Ok(out)
@@ -602,7 +612,6 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
     refuse_existing(out)?;
     let config = super::read_hf_config(hf_dir)?;
     let c = config_from_hf(&config)?;
-    c.validate(1)?;
     let mut hf = read_weights(hf_dir)?;
     hf.retain(|name, _| !name.ends_with("rotary_emb.inv_freq"));
     let mut take = |name: &str, shape: &[usize]| -> Result<Whole> {
@@ -620,7 +629,7 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
     };
     let (h, f, v) = (c.hidden_size, c.ffn_hidden_size, c.vocab_size);
     let (heads, groups, d) = (c.num_attention_heads, c.query_groups(), c.head_dim());
-    let arch = architecture(&config).unwrap_or("LlamaForCausalLM");
+    let arch = HfConfig::new(&config)?.architecture()?;
     let moe_layers = c.moe_layers()?;
     let mut model = BTreeMap::new();
     model.insert(
@@ -725,15 +734,14 @@ pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<(&'static str, GptConfig)> {
     let loaded = checkpoint::open(ckpt)?;
     let c: GptConfig = serde_json::from_value(loaded.meta().model.clone())
         .with_context(|| format!("{}: the model config", loaded.dir().display()))?;
-    let Some(arch) = hf_architecture(&c) else {
-        bail!(
-            "{}: the model is not one of Hugging Face's Llama, Qwen2, Qwen3, Mixtral or \
-             Qwen3-MoE decoders (RMSNorm, SwiGLU, no biases but Qwen2's QKV bias, rotate-half \
-             RoPE; experts routed by softmax top-k without capacity, expert bias or shared \
-             experts, Mixtral's in every layer and renormalised)",
-            loaded.dir().display()
-        );
-    };
+    let arch = super::architecture::llama_family(&c).map_err(|lacks| {
+        anyhow::anyhow!(
+            "{}: the model is not one of Hugging Face's Llama family (Llama, Mistral, Qwen2, \
+             Qwen3, Mixtral, Qwen3-MoE), which cannot hold: {}",
+            loaded.dir().display(),
+            lacks.join("; ")
+        )
+    })?;
     let moe_layers = c.moe_layers()?;
     let tokenizer = super::checkpoint_tokenizer(ckpt, loaded.dir())?;
     let (heads, groups, d, f) = (
@@ -810,6 +818,7 @@ pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<(&'static str, GptConfig)> {
         hf_dir,
         hf.iter().map(|(name, t)| (name.clone(), t)),
         tokenizer.as_ref(),
+        c.vocab_size,
         |eod| config_to_hf(&c, arch, eod),
     )?;
     Ok((arch, c))

@@ -1,5 +1,7 @@
 //! Converting checkpoints between megatron-rs and other formats.
 
+pub mod architecture;
+pub mod hf_config;
 pub mod hf_gpt2;
 pub mod hf_llama;
 
@@ -13,6 +15,48 @@ use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{Value, json};
 
 use crate::tokenizer::{self, Tokenizer};
+
+/// Converts the Hugging Face directory `hf_dir` into a megatron-rs checkpoint in the new or
+/// empty directory `out`, as the architecture its `config.json` names (with `gpt2_only`, GPT-2
+/// or refused). Returns the architecture and the model.
+pub fn import_hf(hf_dir: &Path, out: &Path, gpt2_only: bool) -> Result<(&'static str, GptConfig)> {
+    let config = read_hf_config(hf_dir)?;
+    let arch = hf_config::HfConfig::new(&config)?.architecture()?;
+    let gpt2 = matches!(arch, "GPT2LMHeadModel" | "GPT2Model");
+    if gpt2_only && !gpt2 {
+        bail!(
+            "{}: config.json names {arch}, not GPT-2 (convert it with --from hf)",
+            hf_dir.display()
+        );
+    }
+    let c = match gpt2 {
+        true => hf_gpt2::import(hf_dir, out)?,
+        false => hf_llama::import(hf_dir, out)?,
+    };
+    Ok((arch, c))
+}
+
+/// Writes the checkpoint `ckpt` as a Hugging Face directory `hf_dir` (new or empty) of the
+/// architecture that holds its model exactly (with `gpt2_only`, GPT-2 or refused); a model no
+/// architecture holds is refused naming what each lacks. Returns the architecture and the model.
+pub fn export_hf(ckpt: &Path, hf_dir: &Path, gpt2_only: bool) -> Result<(&'static str, GptConfig)> {
+    let loaded = checkpoint::open(ckpt)?;
+    let c: GptConfig = serde_json::from_value(loaded.meta().model.clone())
+        .with_context(|| format!("{}: the model config", loaded.dir().display()))?;
+    let arch = match gpt2_only {
+        true => architecture::require_gpt2(&c)
+            .map(|()| architecture::HfArchitecture::Gpt2)
+            .with_context(|| format!("{}", loaded.dir().display()))?,
+        false => {
+            architecture::for_model(&c).with_context(|| format!("{}", loaded.dir().display()))?
+        }
+    };
+    drop(loaded);
+    match arch {
+        architecture::HfArchitecture::Gpt2 => Ok((arch.name(), hf_gpt2::export(ckpt, hf_dir)?)),
+        architecture::HfArchitecture::LlamaFamily(_) => hf_llama::export(ckpt, hf_dir),
+    }
+}
 
 /// A Hugging Face directory's `config.json`.
 pub fn read_hf_config(hf_dir: &Path) -> Result<Value> {
@@ -87,11 +131,13 @@ pub(crate) fn checkpoint_tokenizer(ckpt: &Path, dir: &Path) -> Result<Option<Tok
 
 /// Writes a Hugging Face directory `hf_dir`: `tensors` (by their Hugging Face names) in
 /// `model.safetensors` as f32, the tokenizer's file when there is one, and the `config.json`
-/// that `config` makes from the tokenizer's end-of-text id (`None` when unknown).
+/// that `config` makes from the tokenizer's end-of-text id (`None` when unknown or not one of
+/// the model's `vocab_size` tokens).
 pub(crate) fn write_hf<'t>(
     hf_dir: &Path,
     tensors: impl Iterator<Item = (String, &'t Whole)>,
     tokenizer: Option<&Tokenizer>,
+    vocab_size: usize,
     config: impl FnOnce(Option<u32>) -> Value,
 ) -> Result<()> {
     std::fs::create_dir_all(hf_dir).with_context(|| format!("creating {}", hf_dir.display()))?;
@@ -109,7 +155,13 @@ pub(crate) fn write_hf<'t>(
     if let Some(bytes) = tokenizer.map(Tokenizer::file_bytes).transpose()?.flatten() {
         checkpoint::write_atomically(&hf_dir.join(checkpoint::TOKENIZER_FILE), &bytes)?;
     }
-    let config = config(tokenizer.and_then(Tokenizer::eod));
+    // An end-of-text id outside the vocabulary (the byte tokenizer's 256 beside 256 bytes) is
+    // no token of the model: left out.
+    let config = config(
+        tokenizer
+            .and_then(Tokenizer::eod)
+            .filter(|&id| (id as usize) < vocab_size),
+    );
     checkpoint::write_atomically(
         &hf_dir.join("config.json"),
         serde_json::to_string_pretty(&config)?.as_bytes(),

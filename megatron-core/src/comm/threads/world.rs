@@ -73,6 +73,30 @@ pub enum LaunchError {
     /// A world needs at least one rank.
     #[error("a world needs at least one rank, got 0")]
     EmptyWorld,
+    /// More thread ranks than one process runs ([`crate::limits::MAX_THREAD_RANKS`]).
+    #[error(
+        "{ranks} thread ranks are more than one process runs (at most {max}): run more ranks as \
+         processes (--backend mpi)"
+    )]
+    TooManyRanks {
+        /// The ranks asked for.
+        ranks: usize,
+        /// The most one process runs.
+        max: usize,
+    },
+    /// The operating system refused a rank's thread; the ranks started before it were stopped.
+    #[error(
+        "the operating system refused thread rank {rank} of {ranks}: {message} (fewer ranks, or \
+         run them as processes: --backend mpi)"
+    )]
+    Spawn {
+        /// The rank whose thread could not start.
+        rank: usize,
+        /// The ranks asked for.
+        ranks: usize,
+        /// The operating system's words.
+        message: String,
+    },
 }
 
 /// A group's identity: its family name and members.
@@ -219,9 +243,15 @@ where
     if world_size == 0 {
         return Err(LaunchError::EmptyWorld);
     }
+    if world_size > crate::limits::MAX_THREAD_RANKS {
+        return Err(LaunchError::TooManyRanks {
+            ranks: world_size,
+            max: crate::limits::MAX_THREAD_RANKS,
+        });
+    }
     let shared = Arc::new(WorldShared::new(world_size, options));
     let compute_threads = crate::kernels::parallel::threads_per_rank(world_size);
-    let results: Vec<Option<T>> = std::thread::scope(|scope| {
+    let (results, refused): (Vec<Option<T>>, _) = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..world_size)
             .map(|rank| {
                 let world = ThreadWorld {
@@ -252,14 +282,30 @@ where
                             }
                         }
                     })
-                    .expect("spawning a rank thread")
             })
             .collect();
-        handles
+        // A thread the OS refused: the ranks started stop at their next collective (the
+        // failure is recorded before any of them could wait for the missing rank forever).
+        let refused = handles
+            .iter()
+            .enumerate()
+            .find_map(|(rank, h)| h.as_ref().err().map(|e| (rank, e.to_string())));
+        if let Some((rank, err)) = &refused {
+            shared.fail(*rank, err.clone(), false);
+        }
+        let results = handles
             .into_iter()
-            .map(|h| h.join().unwrap_or(None))
-            .collect()
+            .map(|h| h.ok().and_then(|h| h.join().unwrap_or(None)))
+            .collect();
+        (results, refused)
     });
+    if let Some((rank, message)) = refused {
+        return Err(LaunchError::Spawn {
+            rank,
+            ranks: world_size,
+            message,
+        });
+    }
     if let Some((rank, message, panicked)) = shared.failure.lock().take() {
         return Err(LaunchError::Rank {
             rank,
