@@ -27,10 +27,10 @@ pub struct CpReport {
     formula: Traffic,
     /// `None`: not measured (more ranks than [`MEASURED_RANKS`]).
     measured: Option<Traffic>,
-    /// One layer's activation bytes per rank at cp (`None`: a MoE layer, not measured), and
+    /// One layer's activation bytes per rank at cp (`Err`: why it was not measured), and
     /// at cp 1 without and with selective recompute (`None`: not measured, its attention
     /// weights would not fit this machine's memory).
-    activations: Option<(usize, Option<(usize, usize)>)>,
+    activations: Result<(usize, Option<(usize, usize)>), &'static str>,
 }
 
 /// The most thread ranks a measurement starts: the context-parallel group of the traffic's
@@ -125,9 +125,18 @@ pub fn report(
     }
     kind.check_heads(config.num_attention_heads, config.query_groups(), tp, cp)?;
     let sizes = layer_sizes(config, tp, (seq, batch));
-    let measurable = tp * cp <= MEASURED_RANKS && cp_layer_fits(config, tp, cp, (seq, batch));
-    let activations = match config.moe.is_none() && measurable {
-        true => {
+    let not_measured = if config.moe.is_some() {
+        Some("a MoE layer")
+    } else if tp * cp > MEASURED_RANKS {
+        Some("more tp·cp ranks than the 64 measured")
+    } else if !cp_layer_fits(config, tp, cp, (seq, batch)) {
+        Some("more memory than this machine has")
+    } else {
+        None
+    };
+    let activations = match not_measured {
+        Some(why) => Err(why),
+        None => {
             use megatron::bench::activations::layer_bytes_with_cp;
             let at = |cp, recompute| {
                 layer_bytes_with_cp(config, (seq, batch), (tp, sp), (cp, kind), recompute)
@@ -136,9 +145,8 @@ pub fn report(
                 true => Some((at(1, Recompute::Off)?, at(1, Recompute::Selective)?)),
                 false => None,
             };
-            Some((at(cp, Recompute::Off)?, one))
+            Ok((at(cp, Recompute::Off)?, one))
         }
-        false => None,
     };
     Ok(CpReport {
         kind,
@@ -169,7 +177,7 @@ impl CpReport {
                 "measured": self.measured,
                 "measured_up_to_ranks": MEASURED_RANKS,
             },
-            "layer_activation_bytes_per_rank": self.activations.map(|(at, one)| json!({
+            "layer_activation_bytes_per_rank": self.activations.ok().map(|(at, one)| json!({
                 "cp1": one.map(|o| o.0),
                 "cp1_selective_recompute": one.map(|o| o.1),
                 "cp": at,
@@ -222,15 +230,13 @@ impl CpReport {
              groups of {per_group} queries of {head_dim} per tensor-parallel rank, f32): {sends}",
             self.seq, self.batch,
         );
-        if self.activations.is_none() {
+        if let Err(why) = self.activations {
             let _ = writeln!(
                 out,
-                "  activation memory of one transformer layer per rank: not measured (MoE \
-                 layers, more than {MEASURED_RANKS} tp·cp ranks, or more memory than this \
-                 machine has)"
+                "  activation memory of one transformer layer per rank: not measured ({why})"
             );
         }
-        if let Some((at, one)) = self.activations {
+        if let Ok((at, one)) = self.activations {
             let cp1 = match one {
                 Some((one, selective)) => format!(
                     "{:.1} MiB at cp 1 ({:.2}×: cp 1's unfused attention keeps the s × s \
