@@ -8,8 +8,8 @@ use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 use megatron_core::checkpoint::{load_params, open_checkpoint};
-use megatron_core::comm::ParallelState;
 use megatron_core::comm::threads::launch;
+use megatron_core::comm::{ParallelState, World};
 use megatron_core::inference::KvCache;
 use megatron_core::module::{Builder, Cx, Module};
 use megatron_core::parallel::{ParallelConfig, ParallelLayout};
@@ -85,8 +85,8 @@ pub fn pick(logits: &[f32], sampling: &Sampling, uniform: f64) -> usize {
     order[order.len() - 1]
 }
 
-/// The most tokens the model of checkpoint `ckpt` sees at once (its learned positions): a
-/// longer text is cut to its last tokens.
+/// The most tokens the model of checkpoint `ckpt` holds at once (its positions): the prompt
+/// and the new tokens together.
 pub fn context_length(ckpt: &Path) -> Result<usize> {
     let meta = megatron_core::checkpoint::read_meta(ckpt)?;
     let config: GptConfig =
@@ -104,6 +104,30 @@ pub fn generate(
     sampling: Sampling,
     stop: Option<u32>,
 ) -> Result<Vec<u32>> {
+    generate_streaming(
+        ckpt,
+        tp,
+        prompt,
+        max_new_tokens,
+        sampling,
+        stop,
+        &|_| Ok(()),
+    )
+}
+
+/// [`generate`], handing each new token to `on_token` as soon as it is drawn (on one rank, in
+/// order; the stop token too): a caller prints text as it is produced, or times each step. An
+/// error from `on_token` stops generation with it. The prompt and the new tokens together must
+/// fit the model's positions (Megatron-LM's rule): more is refused, naming the numbers.
+pub fn generate_streaming(
+    ckpt: &Path,
+    tp: usize,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    sampling: Sampling,
+    stop: Option<u32>,
+    on_token: &(dyn Fn(u32) -> Result<()> + Sync),
+) -> Result<Vec<u32>> {
     if prompt.is_empty() {
         bail!("the prompt has no tokens");
     }
@@ -120,6 +144,14 @@ pub fn generate(
     let config: GptConfig =
         serde_json::from_value(meta.model).context("the checkpoint's model config")?;
     config.validate(tp)?;
+    let positions = config.max_position_embeddings;
+    if prompt.len().saturating_add(max_new_tokens) > positions {
+        bail!(
+            "the prompt's {} tokens and {max_new_tokens} new ones are more than the model's \
+             {positions} positions (--max-position-embeddings), which hold them together",
+            prompt.len()
+        );
+    }
     if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= config.vocab_size) {
         bail!(
             "prompt token {bad} is outside the model's vocabulary of {}",
@@ -128,7 +160,6 @@ pub fn generate(
     }
     let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp))?;
     let spec = config.spec();
-    let window = config.max_position_embeddings;
     let out = launch(tp, |w| -> Result<Vec<u32>> {
         let ps = ParallelState::new(&w, &layout)?;
         let model = Gpt::build(&spec, &mut Builder::for_rank(0, ps.groups()).meta())?;
@@ -136,16 +167,9 @@ pub fn generate(
         let cx = Cx::new(&ps, sampling.seed).eval();
         let cache = KvCache::new();
         let decode = cx.with_kv_cache(&cache);
-        let mut tokens: Vec<u32> = prompt.to_vec();
         let mut feed: Vec<u32> = prompt.to_vec();
         let mut new = Vec::new();
         for n in 0..max_new_tokens {
-            // The model sees at most its learned positions: past them, the cache starts again
-            // from the last `window` tokens.
-            if cache.offset() + feed.len() > window {
-                cache.clear();
-                feed = tokens[tokens.len().saturating_sub(window)..].to_vec();
-            }
             let ids = Tensor::from_vec(
                 feed.iter().map(|&t| i64::from(t)).collect::<Vec<_>>(),
                 [feed.len(), 1],
@@ -156,8 +180,10 @@ pub fn generate(
             let draw = splitmix64_mix(sampling.seed ^ splitmix64_mix(n as u64 + 1));
             let uniform = (draw >> 11) as f64 / (1u64 << 53) as f64;
             let next = pick(last, &sampling, uniform) as u32;
-            tokens.push(next);
             new.push(next);
+            if w.rank() == 0 {
+                on_token(next)?;
+            }
             feed = vec![next];
             if Some(next) == stop {
                 break;

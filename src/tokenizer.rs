@@ -193,6 +193,53 @@ impl Tokenizer {
     }
 }
 
+/// Text of tokens as they arrive, one piece at a time: each token's piece is the decoded text
+/// of the tokens since the last piece, past what the earlier ones decoded to alone (so that a
+/// tokenizer whose pieces depend on their neighbours, a leading space or bytes of one
+/// character spread over tokens, gives the text `decode` gives of them all); a piece ending in
+/// an unfinished character (U+FFFD) waits for the tokens that finish it.
+#[derive(Debug, Default)]
+pub struct TextStream {
+    ids: Vec<u32>,
+    /// The first token of the text decoded again with each new token.
+    prefix: usize,
+    /// The tokens whose text has been handed out.
+    read: usize,
+}
+
+impl TextStream {
+    /// An empty stream.
+    pub fn new() -> Self {
+        TextStream::default()
+    }
+
+    /// The text `id` adds (empty while a character is unfinished).
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let before = tokenizer.decode(&self.ids[self.prefix..self.read])?;
+        let now = tokenizer.decode(&self.ids[self.prefix..])?;
+        if now.ends_with('\u{FFFD}') || now.len() <= before.len() {
+            return Ok(String::new());
+        }
+        let Some(piece) = now.get(before.len()..) else {
+            return Ok(String::new());
+        };
+        let piece = piece.to_string();
+        self.prefix = self.read;
+        self.read = self.ids.len();
+        Ok(piece)
+    }
+
+    /// The text still held back (an unfinished character), once no token follows.
+    pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<String> {
+        let before = tokenizer.decode(&self.ids[self.prefix..self.read])?;
+        let now = tokenizer.decode(&self.ids[self.prefix..])?;
+        self.prefix = self.ids.len();
+        self.read = self.ids.len();
+        Ok(now.get(before.len()..).unwrap_or_default().to_string())
+    }
+}
+
 /// The smallest vocabulary [`train_byte_level_bpe`] builds: the 256 byte symbols and
 /// `<|endoftext|>`.
 pub const MIN_BPE_VOCAB: usize = 257;
@@ -285,6 +332,35 @@ mod tests {
         with_eod.push(256);
         assert_eq!(t.decode(&with_eod).unwrap(), "hé<|endoftext|>");
         assert!(t.decode(&[257]).is_err());
+    }
+
+    #[test]
+    fn a_stream_hands_out_text_as_it_completes_and_all_of_it() {
+        let t = Tokenizer::from_spec("byte").unwrap();
+        let ids = t.encode("a é€!").unwrap();
+        let mut stream = TextStream::new();
+        let pieces: Vec<String> = ids.iter().map(|&id| stream.push(&t, id).unwrap()).collect();
+        // The two bytes of é and the three of € wait for their last byte.
+        assert_eq!(pieces, ["a", " ", "", "é", "", "", "€", "!"]);
+        assert_eq!(stream.finish(&t).unwrap(), "");
+        // An unfinished character at the end comes out as U+FFFD, as decode gives it.
+        let mut stream = TextStream::new();
+        assert_eq!(stream.push(&t, 0xE2).unwrap(), "");
+        assert_eq!(stream.finish(&t).unwrap(), "\u{FFFD}");
+        // A tokenizer whose pieces depend on their neighbours: the pieces join to decode's text.
+        let spec = std::env::temp_dir().join(format!("stream-{}.json", std::process::id()));
+        let texts = ["the cat sat on the mat", "a cat and a hat"];
+        std::fs::write(&spec, train_byte_level_bpe(texts.iter(), 300).unwrap()).unwrap();
+        let t = Tokenizer::from_file(&spec).unwrap();
+        let ids = t.encode("the hat sat on a cat").unwrap();
+        let mut stream = TextStream::new();
+        let mut text = String::new();
+        for &id in &ids {
+            text.push_str(&stream.push(&t, id).unwrap());
+        }
+        text.push_str(&stream.finish(&t).unwrap());
+        assert_eq!(text, t.decode(&ids).unwrap());
+        std::fs::remove_file(&spec).ok();
     }
 
     #[test]

@@ -234,7 +234,10 @@ fn generation_refuses_a_temperature_it_cannot_sample_with_and_says_when_it_cuts_
     ]);
     assert!(ok, "{stderr}");
     assert!(
-        stderr.contains("the prompt is 40 tokens, more than the model's context of 16"),
+        stderr.contains(
+            "the prompt is 40 tokens and 2 new ones are asked, more than the model's 16 \
+             positions: the model sees the prompt's last 14 tokens"
+        ),
         "{stderr}"
     );
 }

@@ -2,16 +2,19 @@
 //! prefill of the prompt and the new tokens a second after it, so that it can stand next to
 //! transformers' `generate` on the same weights (`tools/bench/hf_generate.py`).
 //!
-//! Two runs of the same prompt: one new token, then `new_tokens`; both load the checkpoint and
-//! read the prompt, so their difference is the time of the `new_tokens − 1` decoding steps
-//! alone. The greedy tokens are reported too: the same weights give transformers' tokens.
+//! One timed run after a warm-up: each new token's time is taken as it is drawn, so the
+//! `new_tokens − 1` decoding steps are timed directly, from the first token to the last; the
+//! first token's time includes loading the checkpoint and the prefill. The greedy tokens are
+//! reported too: the same weights give transformers' tokens.
 
 use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
 
-use crate::generate::{Sampling, generate};
+use std::sync::Mutex;
+
+use crate::generate::{Sampling, context_length, generate, generate_streaming};
 
 /// What a generation benchmark measured.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -71,6 +74,14 @@ pub fn run(
     if new_tokens < 2 {
         bail!("--new-tokens must be at least 2 (the rate is of the tokens after the first)");
     }
+    let context = context_length(ckpt)?;
+    if prompt_tokens.saturating_add(new_tokens) > context {
+        bail!(
+            "--prompt-tokens {prompt_tokens} and --new-tokens {new_tokens} are more than the \
+             model's {context} positions (its --max-position-embeddings), which hold them \
+             together"
+        );
+    }
     let meta = megatron_core::checkpoint::read_meta(ckpt)?;
     let vocab = meta.model["vocab_size"].as_u64().unwrap_or(256) as usize;
     let prompt = prompt(prompt_tokens, vocab);
@@ -80,22 +91,34 @@ pub fn run(
         top_p: 1.0,
         seed: 0,
     };
-    let timed = |n: usize| -> Result<(f64, Vec<u32>)> {
-        let start = Instant::now();
-        let tokens = generate(ckpt, tp, &prompt, n, greedy, None)?;
-        Ok((start.elapsed().as_secs_f64(), tokens))
+    // A warm-up run (the page cache, the compute pool), then the timed one.
+    generate(ckpt, tp, &prompt, 1, greedy, None)?;
+    let start = Instant::now();
+    let times = Mutex::new(Vec::with_capacity(new_tokens));
+    let tokens = generate_streaming(ckpt, tp, &prompt, new_tokens, greedy, None, &|_| {
+        times
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the token times"))?
+            .push(start.elapsed().as_secs_f64());
+        Ok(())
+    })?;
+    let times = times
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("the token times"))?;
+    let (first, last) = match (times.first(), times.last()) {
+        (Some(&first), Some(&last)) if times.len() == new_tokens => (first, last),
+        _ => bail!(
+            "generation gave {} tokens of the {new_tokens} asked",
+            times.len()
+        ),
     };
-    // A warm-up run (the page cache, the compute pool), then the two timed ones.
-    timed(1)?;
-    let (first, _) = timed(1)?;
-    let (all, tokens) = timed(new_tokens)?;
     Ok(GenerateReport {
         prompt_tokens,
         new_tokens,
         tp,
         threads,
         first_token_s: first,
-        decode_tokens_per_s: (new_tokens - 1) as f64 / (all - first).max(1e-9),
+        decode_tokens_per_s: (new_tokens - 1) as f64 / (last - first),
         tokens,
     })
 }

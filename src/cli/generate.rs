@@ -6,8 +6,10 @@ use super::output::{self, say};
 use super::values;
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use megatron::generate::{Sampling, generate};
-use megatron::tokenizer::Tokenizer;
+use std::sync::Mutex;
+
+use megatron::generate::{Sampling, generate_streaming};
+use megatron::tokenizer::{TextStream, Tokenizer};
 
 /// Arguments of `megatron generate`.
 #[derive(Debug, Args)]
@@ -18,7 +20,8 @@ pub struct GenerateArgs {
     /// The text to continue.
     #[arg(long)]
     prompt: String,
-    /// Most tokens to add.
+    /// Most tokens to add (the prompt and the new tokens share the model's positions); the
+    /// text is printed as it is produced and ends at the end-of-text token.
     #[arg(long, default_value_t = 64, value_parser = values::batch)]
     max_new_tokens: usize,
     /// Sampling temperature; 0 is greedy.
@@ -83,28 +86,76 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         );
     }
     let context = megatron::generate::context_length(&args.load).context("--load")?;
-    if prompt.len() > context {
-        output::error_line(&format!(
-            "note: the prompt is {} tokens, more than the model's context of {context}: the \
-             model sees its last {context} tokens",
-            prompt.len()
-        ));
+    if args.max_new_tokens >= context {
+        bail!(
+            "--max-new-tokens {}: the model holds {context} positions (its \
+             --max-position-embeddings) for the prompt and the new tokens together",
+            args.max_new_tokens
+        );
     }
+    // The prompt's last tokens that leave room for the new ones.
+    let room = context - args.max_new_tokens;
+    let prompt = if prompt.len() > room {
+        output::error_line(&format!(
+            "note: the prompt is {} tokens and {} new ones are asked, more than the model's \
+             {context} positions: the model sees the prompt's last {room} tokens",
+            prompt.len(),
+            args.max_new_tokens
+        ));
+        prompt[prompt.len() - room..].to_vec()
+    } else {
+        prompt
+    };
     let sampling = Sampling {
         temperature: args.temperature,
         top_k: args.top_k,
         top_p: args.top_p,
         seed: args.seed,
     };
-    let new = generate(
+    // The prompt, then each new token's text as it is drawn; the end-of-text token ends it
+    // unprinted.
+    output::text(&args.prompt)?;
+    let eod = tokenizer.eod();
+    let stream = Mutex::new(TextStream::new());
+    // Standard output's failure, kept: it crosses the ranks' threads only as text.
+    let failed: Mutex<Option<output::StdoutError>> = Mutex::new(None);
+    let print = |id: u32| -> Result<()> {
+        if Some(id) == eod {
+            return Ok(());
+        }
+        let mut stream = stream
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the text stream"))?;
+        let piece = stream.push(&tokenizer, id)?;
+        if !piece.is_empty()
+            && let Err(err) = output::text(&piece)
+        {
+            let stop = anyhow::anyhow!("{err}");
+            *failed
+                .lock()
+                .map_err(|_| anyhow::anyhow!("standard output"))? = Some(err);
+            return Err(stop);
+        }
+        Ok(())
+    };
+    let generated = generate_streaming(
         &args.load,
         args.tp,
         &prompt,
         args.max_new_tokens,
         sampling,
-        tokenizer.eod(),
-    )?;
-    let text = tokenizer.decode(&new)?;
-    say!("{}{}", args.prompt, text)?;
+        eod,
+        &print,
+    );
+    if let Some(err) = failed.into_inner().ok().flatten() {
+        // A reader that left (`| head`) ends generation quietly; another failure is named.
+        return Err(err.into());
+    }
+    generated?;
+    let rest = stream
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("the text stream"))?
+        .finish(&tokenizer)?;
+    say!("{rest}")?;
     Ok(())
 }
