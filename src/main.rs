@@ -16,9 +16,11 @@ struct Cli {
 enum Command {
     /// Print Megatron's process groups (tp, cp, dp, pp, ep, ...) for a parallel configuration.
     Groups(cli::groups::GroupsArgs),
-    /// Benchmarks against this machine's limits: `gemm`, `allreduce`.
+    /// Benchmarks against this machine's limits: a model's training step (tokens/s, MFU, a
+    /// pipeline's bubble), `gemm`, `grouped-gemm`, `attention`, `generate`, `allreduce`.
     Bench(cli::bench::BenchArgs),
-    /// Train a registered model with tensor × data parallelism on thread ranks (or processes).
+    /// Train a model with tensor, sequence, context, pipeline, data and expert parallelism on
+    /// thread ranks, MPI processes or GPUs.
     Train(Box<cli::train::TrainArgs>),
     /// Show a model's vocabulary padding, parameters (logical, local, split) and per-layer collectives.
     Inspect(Box<cli::inspect::InspectArgs>),
@@ -26,7 +28,8 @@ enum Command {
     Models,
     /// Draw the loss curve of a `megatron train --log-json` log as a PNG.
     Plot(cli::plot::PlotArgs),
-    /// Convert Hugging Face GPT-2 weights to a megatron-rs checkpoint, or back.
+    /// Convert a Hugging Face model (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE) to a
+    /// megatron-rs checkpoint, or a checkpoint to the architecture that holds it.
     Convert(cli::convert::ConvertArgs),
     /// Generate text from a checkpoint (greedy or sampled, with tensor parallelism too).
     Generate(cli::generate::GenerateArgs),
@@ -36,7 +39,8 @@ enum Command {
     Data(cli::data_cmd::DataArgs),
     /// Tokenizers: `train` a byte-level BPE tokenizer on JSON lines.
     Tokenizer(cli::tokenizer_cmd::TokenizerArgs),
-    /// A pipeline schedule (1F1B or interleaved) as Megatron-LM orders it, with its timeline.
+    /// A pipeline schedule (1F1B, interleaved, ZB-H1, ZB-H2, ZB-V or DualPipeV) per rank, with
+    /// its timeline and bubble.
     Schedule(cli::schedule::ScheduleArgs),
     /// The CUDA graphs and static buffers --cuda-graph-scope captures, per pipeline rank.
     Graphs(Box<cli::graphs::GraphsArgs>),

@@ -218,7 +218,7 @@ fn pipeline_configurations_megatron_refuses_are_errors_with_the_numbers() {
         ),
         (
             &["--pp", "2", "--vpp", "4"],
-            "2 layers of a pipeline rank do not divide over its --virtual-pipeline-model-parallel-size 4 virtual stages",
+            "2 layers of a pipeline rank do not divide over its 4 model chunks",
         ),
         (
             &[

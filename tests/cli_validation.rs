@@ -250,7 +250,9 @@ fn megatrons_rules_and_flags_that_would_do_nothing_are_refused() {
                 "--microbatch-group-size-per-virtual-pipeline-stage",
                 "2",
             ],
-            "--microbatch-group-size-per-virtual-pipeline-stage 2 does nothing without virtual stages",
+            "--microbatch-group-size-per-virtual-pipeline-stage 2 does nothing with \
+             --pipeline-schedule 1f1b (it groups the interleaved schedule's microbatches): add \
+             --virtual-pipeline-model-parallel-size",
         ),
         // The zero-bubble schedules: what each runs, named.
         (

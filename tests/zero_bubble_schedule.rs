@@ -258,7 +258,7 @@ fn the_command_line_refuses_what_a_schedule_cannot_run() {
                 "--microbatches",
                 "8",
             ],
-            "zb-h1 runs 1 model chunks per rank, got --virtual-pipeline-model-parallel-size 2",
+            "zb-h1 runs 1 model chunk per rank, got --virtual-pipeline-model-parallel-size 2",
         ),
         (
             &[
@@ -269,7 +269,22 @@ fn the_command_line_refuses_what_a_schedule_cannot_run() {
                 "--microbatches",
                 "8",
             ],
-            "interleaved runs at least 2 model chunks per rank",
+            "interleaved runs at least 2 model chunks per rank, and \
+             --virtual-pipeline-model-parallel-size was not given",
+        ),
+        (
+            &[
+                "--schedule",
+                "zbv",
+                "--pp",
+                "4",
+                "--microbatches",
+                "8",
+                "--group-size",
+                "4",
+            ],
+            "--microbatch-group-size-per-virtual-pipeline-stage 4 does nothing with \
+             --pipeline-schedule zbv (it groups the interleaved schedule's microbatches): drop it",
         ),
         (
             &["--schedule", "zbv", "--pp", "1", "--microbatches", "8"],

@@ -40,6 +40,7 @@ pub fn run(args: &GraphsArgs) -> Result<()> {
     let scopes = ScopeSet::parse(&args.cuda_graph_scope).context("--cuda-graph-scope")?;
     scopes.validate(&config.scoped_model(false)?)?;
     let schedule = Schedule::new(args.shape.config()?)?;
+    megatron::cuda_graphs::check_schedule(schedule.config.kind)?;
     let sizes = schedule.config;
     let layout = PipelineLayout::new(config.num_layers, sizes.pp, sizes.vpp, None, None)?;
     let moe = config.moe_layers()?;

@@ -434,6 +434,9 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     }
     let edp = folded / (args.ep * args.etp);
     let config = args.arch.config(args.tp, args.ep, args.sequence_parallel)?;
+    if args.sequence_parallel && args.tp == 1 {
+        output::error_line(super::train::SEQUENCE_PARALLEL_AT_TP1);
+    }
     let hierarchical = &args.hierarchical_context_parallel_sizes;
     let context_parallel = match args.cp {
         1 => {

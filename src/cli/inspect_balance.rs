@@ -105,7 +105,8 @@ pub fn balance(
     let given = split(first, last).ok_or_else(|| {
         anyhow::anyhow!("the layers do not divide over the stages as the flags give them")
     })?;
-    let choices = std::iter::once(None).chain((0..=layers).map(Some));
+    // The splits train takes: each end left out or given at least one layer.
+    let choices = std::iter::once(None).chain((1..=layers).map(Some));
     let mut best = given.clone();
     for first in choices.clone() {
         for last in choices.clone() {

@@ -113,8 +113,13 @@ pub struct ArchitectureArgs {
 /// `--window-size LEFT,RIGHT`: the left part (the keys before a query it sees); the right part
 /// must be 0, as causal attention has it.
 fn window_size(s: &str) -> Result<usize, String> {
-    let Some((left, right)) = s.split_once(',') else {
-        return Err(format!("`{s}` is not LEFT,RIGHT (e.g. 4095,0)"));
+    let parts: Vec<&str> = s.split(',').collect();
+    let [left, right] = parts[..] else {
+        return Err(format!(
+            "`{s}` has {} part{}, not two: write LEFT,RIGHT (e.g. 4095,0)",
+            parts.len(),
+            if parts.len() == 1 { "" } else { "s" }
+        ));
     };
     let left: i64 = left
         .trim()
@@ -433,7 +438,56 @@ impl ArchitectureArgs {
                 .map(|n| (1..=c.num_layers).map(|l| l % n != 0).collect());
         }
         self.moe.apply(&mut c)?;
+        self.refuse_flags_that_do_nothing(&c)?;
         c.validate_parallel(tp, ep, sequence_parallel)?;
         Ok(c)
+    }
+
+    /// Refuses a flag given that changes nothing of the model `c` it was applied to (a rotary
+    /// setting without rotary positions, a QKV bias beside every bias, a window every layer
+    /// skips): a silently ignored flag is a run other than the one asked for.
+    fn refuse_flags_that_do_nothing(&self, c: &GptConfig) -> Result<()> {
+        if c.position_embedding_type != PositionEmbeddingType::Rope {
+            let positions = match c.position_embedding_type {
+                PositionEmbeddingType::None => "no position embeddings",
+                _ => "learned absolute positions",
+            };
+            for (flag, given) in [
+                ("--rotary-base", self.rotary_base.is_some()),
+                ("--rotary-percent", self.rotary_percent.is_some()),
+                ("--rotary-interleaved", self.rotary_interleaved),
+                ("--use-rope-scaling", self.use_rope_scaling),
+            ] {
+                if given {
+                    bail!(
+                        "{flag} does nothing without rotary positions (the model has \
+                         {positions}): add --position-embedding-type rope, or drop it"
+                    );
+                }
+            }
+        }
+        if self.add_qkv_bias && c.add_bias_linear {
+            bail!(
+                "--add-qkv-bias does nothing: the model's linear layers all have biases (add \
+                 --disable-bias-linear for a QKV bias alone, as Qwen2's)"
+            );
+        }
+        if let Some(n) = self.window_attn_skip_freq {
+            if n == 1 {
+                bail!(
+                    "--window-attn-skip-freq 1 gives every layer full attention: the window \
+                     applies to none (drop --window-size, or skip fewer layers)"
+                );
+            }
+            if n > c.num_layers {
+                bail!(
+                    "--window-attn-skip-freq {n} skips no layer of the model's {} (every layer \
+                     keeps the window): drop it, or give at most {}",
+                    c.num_layers,
+                    c.num_layers
+                );
+            }
+        }
+        Ok(())
     }
 }

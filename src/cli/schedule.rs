@@ -97,6 +97,19 @@ pub fn run(args: &ScheduleArgs) -> Result<()> {
         overlap_moe_comm: args.overlap_moe_expert_parallel_comm,
         ..args.shape.config()?
     };
+    if config.overlap_moe_comm && (!config.interleaved() || config.forward_only) {
+        anyhow::bail!(
+            "--overlap-moe-expert-parallel-comm adds a warm-up forward to the interleaved \
+             schedule's training steps only: with --pipeline-schedule {}{} it does nothing \
+             (drop it)",
+            config.kind,
+            if config.forward_only {
+                " and --forward-only"
+            } else {
+                ""
+            }
+        );
+    }
     let schedule = Schedule::new(config)?;
     let walked = traces(&schedule)?;
     // A forward of a chunk costs 1, its input gradient 1 and its weight gradients 1 (a backward

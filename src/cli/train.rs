@@ -66,7 +66,7 @@ pub struct TrainArgs {
     /// is the context-parallel size (e.g. `2 4`).
     #[arg(long, num_args = 1.., value_parser = values::ranks)]
     hierarchical_context_parallel_sizes: Vec<usize>,
-    /// Data-parallel size (the world is tp × pp × dp ranks) [default: 1, or the loaded
+    /// Data-parallel size (the world is tp × cp × pp × dp ranks) [default: 1, or the loaded
     /// checkpoint's].
     #[arg(long = "data-parallel-size", visible_alias = "dp", value_parser = values::ranks)]
     dp: Option<usize>,
@@ -298,7 +298,7 @@ pub struct TrainArgs {
     #[arg(long)]
     quiet: bool,
     /// Where the ranks run: `threads` in this process, or `mpi`, one process per rank started
-    /// by `mpirun -np N` / `srun` (N = tp × pp × dp).
+    /// by `mpirun -np N` / `srun` (N = tp × cp × pp × dp).
     #[arg(long, value_enum, default_value_t = Backend::Threads)]
     backend: Backend,
     /// `cpu`, or `cuda` (build with `--features cuda`): with the threads backend every rank
@@ -377,6 +377,10 @@ fn valid_fraction(split: &str) -> Result<(f64, f64)> {
         .shares();
     Ok((shares[0], shares[1]))
 }
+
+/// The note `--sequence-parallel` at tensor-parallel size 1 gets (train and inspect).
+pub const SEQUENCE_PARALLEL_AT_TP1: &str = "note: --sequence-parallel with tensor-parallel size 1 \
+     does nothing (there is no sequence to split): it is off, as Megatron-LM turns it off";
 
 /// The split used when neither `--split` nor a loaded checkpoint gives one.
 const DEFAULT_SPLIT: &str = "969,30,1";
@@ -885,14 +889,9 @@ impl TrainArgs {
             }
         }
         if let Some(kind) = self.pipeline_schedule
-            && kind.splits_backward()
             && !self.cuda_graph_scope.is_empty()
         {
-            bail!(
-                "--cuda-graph-scope cannot run with --pipeline-schedule {kind}: its weight \
-                 gradients, put off past the backward, would read the captured graphs' buffers \
-                 after later replays overwrote them (drop one of them)"
-            );
+            megatron::cuda_graphs::check_schedule(kind)?;
         }
         if self.fp32_products && self.device == "cpu" {
             bail!(
@@ -989,6 +988,7 @@ impl TrainArgs {
         }
         let blend = Blend::open(values).context("--data")?;
         blend.validate().context("--data")?;
+        self.check_document_ends(&blend, s)?;
         let split: SplitVector = s.split.parse()?;
         let config = GptDatasetConfig {
             seq_length: plan.seq_length,
@@ -1012,6 +1012,46 @@ impl TrainArgs {
             None
         };
         Ok((train, valid))
+    }
+
+    /// Refuses datasets whose first documents end with a token the model's vocabulary lacks
+    /// (an end-of-document token the preprocessing appended: the byte tokenizer's is 256, one
+    /// past a 256-token model), naming the way out; the rest of the tokens are checked as
+    /// they are read.
+    fn check_document_ends(&self, blend: &Blend, s: &Settings) -> Result<()> {
+        let vocab = s.model.vocab_size;
+        for dataset in &blend.datasets {
+            for d in 0..dataset.documents().min(8) {
+                let Some(&last) = dataset.document(d)?.last() else {
+                    continue;
+                };
+                if (last as u64) < vocab as u64 {
+                    continue;
+                }
+                let eod = s.tokenizer.eod().map(i64::from) == Some(last);
+                let hint = match (eod, self.tokenizer.is_some()) {
+                    (true, false) => format!(
+                        ": it is the byte tokenizer's end-of-document token (the data was \
+                         preprocessed with --append-eod); give --tokenizer byte, whose {} \
+                         tokens the model then has, or --vocab-size {}",
+                        s.tokenizer.vocab_size(),
+                        s.tokenizer.vocab_size()
+                    ),
+                    (true, true) => format!(
+                        ": it is the tokenizer's end-of-document token; the model needs at \
+                         least {} tokens",
+                        last + 1
+                    ),
+                    _ => String::new(),
+                };
+                bail!(
+                    "--data {}: document {d} ends with token {last}, outside the model's \
+                     vocabulary of {vocab}{hint}",
+                    dataset.prefix().display()
+                );
+            }
+        }
+        Ok(())
     }
 
     /// The training job these arguments describe.
@@ -1127,10 +1167,7 @@ impl TrainArgs {
                 .map_or(String::new(), |v| v.get_name().to_string())
         });
         if self.sequence_parallel && s.tp == 1 {
-            eprintln!(
-                "note: --sequence-parallel with tensor-parallel size 1 does nothing (there is no \
-                 sequence to split): it is off, as Megatron-LM turns it off"
-            );
+            super::output::error_line(SEQUENCE_PARALLEL_AT_TP1);
         }
         let job = TrainJob {
             model_name: s.model_name.clone(),
@@ -1368,7 +1405,7 @@ fn signal_name(signal: usize) -> String {
 /// Makes sure `dir` can take a checkpoint before the first step (a save that fails after the
 /// whole run would lose it): creates it and writes and removes a probe file.
 fn check_writable_dir(dir: &Path, flag: &str) -> Result<()> {
-    std::fs::create_dir_all(dir)
+    megatron::checkpoint::create_dir(dir)
         .with_context(|| format!("{flag} {}: cannot create the directory", dir.display()))?;
     let probe = dir.join(format!(".megatron-write-check-{}", std::process::id()));
     std::fs::write(&probe, b"")

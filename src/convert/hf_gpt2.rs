@@ -194,6 +194,9 @@ pub(crate) fn to_whole(path: &Path, name: &str, view: &TensorView<'_>) -> Result
 /// Refuses to write a conversion into `dir` when it already holds files (a save directory's
 /// checkpoints, or another model): a conversion never overwrites.
 pub fn refuse_existing(dir: &Path) -> Result<()> {
+    if let Some(why) = checkpoint::blocked_dir(dir) {
+        bail!("{} is {why}", dir.display());
+    }
     let Ok(mut entries) = fs::read_dir(dir) else {
         return Ok(());
     };

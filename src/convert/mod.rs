@@ -140,7 +140,7 @@ pub(crate) fn write_hf<'t>(
     vocab_size: usize,
     config: impl FnOnce(Option<u32>) -> Value,
 ) -> Result<()> {
-    std::fs::create_dir_all(hf_dir).with_context(|| format!("creating {}", hf_dir.display()))?;
+    checkpoint::create_dir(hf_dir)?;
     let views = tensors
         .map(|(name, t)| {
             Ok((

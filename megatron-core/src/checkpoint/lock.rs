@@ -5,7 +5,7 @@
 //! that still names a process that is gone (killed before it could clear it) is taken over, and
 //! [`SaveLock::took_over`] says whose it was.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
 use std::path::Path;
@@ -30,7 +30,7 @@ impl SaveLock {
             path: path.to_path_buf(),
             message,
         };
-        fs::create_dir_all(save).map_err(|e| failed(save, e.to_string()))?;
+        super::create_dir(save)?;
         let path = save.join(LOCK_FILE);
         let mut file = OpenOptions::new()
             .read(true)

@@ -135,6 +135,37 @@ pub enum CheckpointError {
     },
 }
 
+/// Why `dir` cannot become a directory when something stands in its place: a symbolic link
+/// to nothing, or a file (`None`: it is a directory, or nothing is there).
+pub fn blocked_dir(dir: &Path) -> Option<String> {
+    let link = fs::symlink_metadata(dir).ok()?;
+    match fs::metadata(dir) {
+        Err(_) if link.file_type().is_symlink() => {
+            let target = fs::read_link(dir)
+                .map(|t| t.display().to_string())
+                .unwrap_or_default();
+            Some(format!(
+                "a symbolic link to {target}, which does not exist: remove the link or create \
+                 its target"
+            ))
+        }
+        Ok(meta) if !meta.is_dir() => Some("a file, not a directory".to_string()),
+        _ => None,
+    }
+}
+
+/// Creates the directory `dir` and its parents; where a file or a symbolic link to nothing
+/// stands in its place, the error says so (not the operating system's "File exists").
+pub fn create_dir(dir: &Path) -> Result<(), CheckpointError> {
+    if let Some(why) = blocked_dir(dir) {
+        return Err(CheckpointError::Io {
+            path: dir.to_path_buf(),
+            message: why,
+        });
+    }
+    fs::create_dir_all(dir).map_err(io(dir))
+}
+
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     move |e| CheckpointError::Io {
         path: path.to_path_buf(),
@@ -476,7 +507,7 @@ pub fn working_dir(save: &Path, iteration: u64, pid: u32) -> PathBuf {
 /// left and creates this process's empty working directory, which other ranks may write their
 /// [`OptimizerShard`]s into ([`write_optimizer_shard`]) before [`finish_save`].
 pub fn begin_save(save: &Path, iteration: u64) -> Result<PathBuf, CheckpointError> {
-    fs::create_dir_all(save).map_err(io(save))?;
+    create_dir(save)?;
     remove_interrupted_saves(save);
     let tmp = working_dir(save, iteration, std::process::id());
     let _ = fs::remove_dir_all(&tmp);

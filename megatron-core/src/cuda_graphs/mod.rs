@@ -16,3 +16,17 @@ pub use plan::{BufferBytes, RankGraphs, plan_graphs};
 pub use runtime::{GraphRuntime, GraphStats, backward, captures, forward};
 pub use scope::{GraphScope, ScopeError, ScopeSet, ScopedModel};
 pub use slots::{SlotAllocator, SlotPlan};
+
+/// Refuses graph scopes under a schedule whose backward is split (the zero-bubble ones): a
+/// captured backward's static buffers are overwritten by its next replay, so the weight
+/// gradients put off past it would read another microbatch's values.
+pub fn check_schedule(kind: crate::pipeline_parallel::ScheduleKind) -> crate::Result<()> {
+    if kind.splits_backward() {
+        return crate::invalid!(
+            "--cuda-graph-scope cannot run with --pipeline-schedule {kind}: its weight \
+             gradients, put off past the backward, would read the captured graphs' buffers after \
+             later replays overwrote them (drop one of them)"
+        );
+    }
+    Ok(())
+}

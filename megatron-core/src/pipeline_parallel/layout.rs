@@ -174,9 +174,10 @@ impl PipelineLayout {
             return Err(StageLayoutError::NotDivisible {
                 layers: bad,
                 what: "of a pipeline rank",
-                stages: format!("its --virtual-pipeline-model-parallel-size {vpp} virtual stages"),
-                hint: "each rank's layers must divide over its model chunks (pp·V must divide \
-                       the layers in the even layout)",
+                stages: format!("its {vpp} model chunks"),
+                hint: "each rank's layers must divide over its model chunks \
+                       (--virtual-pipeline-model-parallel-size, or the 2 of zbv's and \
+                       dualpipev's V; pp·chunks must divide the layers in the even layout)",
             });
         }
         Ok(PipelineLayout {

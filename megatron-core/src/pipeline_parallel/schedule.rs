@@ -94,22 +94,24 @@ impl ScheduleKind {
 
     /// The chunks per rank it runs with `vpp` given (`None`: left out), or why not.
     pub fn chunks(self, vpp: Option<usize>) -> Result<usize, ScheduleError> {
-        let wrong = |want: &'static str, vpp: usize| ScheduleError::WrongChunks {
+        let wrong = |want: &'static str, vpp: Option<usize>| ScheduleError::WrongChunks {
             schedule: self.name(),
             want,
             vpp,
         };
         match (self, vpp) {
             (ScheduleKind::Interleaved, None | Some(0 | 1)) => {
-                Err(wrong("at least 2", vpp.unwrap_or(1)))
+                Err(wrong("at least 2 model chunks", vpp))
             }
             (ScheduleKind::Interleaved, Some(v)) => Ok(v),
             (ScheduleKind::Zbv | ScheduleKind::DualPipeV, None | Some(2)) => Ok(2),
-            (ScheduleKind::Zbv | ScheduleKind::DualPipeV, Some(v)) => {
-                Err(wrong("2 (its V: down the ranks and back up)", v))
-            }
+            (ScheduleKind::Zbv | ScheduleKind::DualPipeV, Some(_)) => Err(wrong(
+                "2 model chunks (its V: down the ranks and back up; leave \
+                 --virtual-pipeline-model-parallel-size out)",
+                vpp,
+            )),
             (_, None | Some(1)) => Ok(1),
-            (_, Some(v)) => Err(wrong("1", v)),
+            (_, Some(_)) => Err(wrong("1 model chunk", vpp)),
         }
     }
 }
@@ -186,16 +188,19 @@ pub enum ScheduleError {
     },
     /// A schedule given another number of chunks per rank than it runs.
     #[error(
-        "--pipeline-schedule {schedule} runs {want} model chunks per rank, got \
-         --virtual-pipeline-model-parallel-size {vpp}"
+        "--pipeline-schedule {schedule} runs {want} per rank, {}",
+        match vpp {
+            Some(v) => format!("got --virtual-pipeline-model-parallel-size {v}"),
+            None => "and --virtual-pipeline-model-parallel-size was not given".to_string(),
+        }
     )]
     WrongChunks {
         /// The schedule.
         schedule: &'static str,
         /// What it runs.
         want: &'static str,
-        /// What was given.
-        vpp: usize,
+        /// What was given (`None`: nothing).
+        vpp: Option<usize>,
     },
     /// A zero-bubble schedule given one rank (a single stage runs no schedule: each
     /// microbatch's forward, then its backward).
@@ -252,9 +257,14 @@ pub enum ScheduleError {
     /// A group size given for a schedule without virtual stages: Megatron-LM ignores it, and
     /// so does [`ScheduleConfig::validate`]; [`ScheduleConfig::check_group_used`] refuses it.
     #[error(
-        "--microbatch-group-size-per-virtual-pipeline-stage {group} does nothing without \
-         virtual stages (it groups the interleaved schedule's microbatches; this schedule is \
-         {schedule}): add --virtual-pipeline-model-parallel-size or drop it"
+        "--microbatch-group-size-per-virtual-pipeline-stage {group} does nothing with \
+         --pipeline-schedule {schedule} (it groups the interleaved schedule's microbatches): \
+         {}",
+        if *schedule == "1f1b" {
+            "add --virtual-pipeline-model-parallel-size for the interleaved schedule, or drop it"
+        } else {
+            "drop it"
+        }
     )]
     GroupWithoutVirtualStages {
         /// The group size given.
