@@ -10,7 +10,10 @@
 
 mod support;
 
+use std::ffi::{OsStr, OsString};
 use std::io::Read;
+use std::os::unix::ffi::OsStringExt;
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -170,7 +173,14 @@ fn commands(dir: &TempDir) -> Vec<Command_> {
                 ("--etp", false),
                 ("--decoder-first-pipeline-num-layers", false),
                 ("--decoder-last-pipeline-num-layers", false),
+                ("--cp", false),
+                ("--seq-length", false),
+                ("--micro-batch-size", false),
             ]),
+        },
+        Command_ {
+            base: strings(&["inspect", "--cp", "4", "--cp-comm-type", "a2a+p2p"]),
+            flags: vec![("--hierarchical-context-parallel-sizes", false)],
         },
         Command_ {
             base: strings(&[
@@ -198,7 +208,8 @@ fn commands(dir: &TempDir) -> Vec<Command_> {
         Command_ {
             base: strings(&["generate", "--load", &ckpt, "--prompt", "the"]),
             flags: vec![
-                ("--max-new-tokens", true),
+                // Bounded by the model's positions: no count asks for long work.
+                ("--max-new-tokens", false),
                 ("--temperature", false),
                 ("--top-k", false),
                 ("--tp", false),
@@ -228,6 +239,15 @@ fn commands(dir: &TempDir) -> Vec<Command_> {
             ],
         },
         Command_ {
+            base: strings(&["bench", "generate", "--load", &ckpt, "--threads", "1"]),
+            flags: vec![
+                ("--prompt-tokens", false),
+                ("--new-tokens", false),
+                ("--tp", true),
+                ("--threads", true),
+            ],
+        },
+        Command_ {
             base: strings(&["bench", "allreduce", "--elements", "64", "--iters", "1"]),
             flags: vec![("--ranks", true), ("--elements", true), ("--iters", true)],
         },
@@ -237,6 +257,7 @@ fn commands(dir: &TempDir) -> Vec<Command_> {
                 ("--tp", false),
                 ("--dp", false),
                 ("--pp", false),
+                ("--cp", false),
                 ("--ep", false),
                 ("--etp", false),
                 ("--vpp", false),
@@ -281,10 +302,11 @@ struct Outcome {
 }
 
 /// Runs `megatron args`, killed at [`TIME_BOUND`]; standard output is read and dropped.
-fn run(args: &[String]) -> Outcome {
+fn run<S: AsRef<OsStr>>(args: &[S], cwd: &Path) -> Outcome {
     let start = Instant::now();
     let mut child = Command::new(env!("CARGO_BIN_EXE_megatron"))
         .args(args)
+        .current_dir(cwd)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -317,7 +339,7 @@ fn run(args: &[String]) -> Outcome {
 }
 
 /// What is wrong with an outcome, if anything.
-fn violation(o: &Outcome) -> Option<String> {
+fn violation(o: &Outcome, name_flag: bool) -> Option<String> {
     if o.elapsed > TIME_BOUND {
         return Some(format!("ran past {TIME_BOUND:?}"));
     }
@@ -334,7 +356,7 @@ fn violation(o: &Outcome) -> Option<String> {
                 .filter(|l| l.starts_with("error:"))
                 .collect();
             match errors.as_slice() {
-                [line] if line.contains("--") => None,
+                [line] if line.contains("--") || !name_flag => None,
                 [line] => Some(format!("the error names no flag: {line}")),
                 _ => Some(format!("{} error lines", errors.len())),
             }
@@ -383,22 +405,30 @@ fn no_number_on_any_flag_panics_hangs_or_fails_without_naming_a_flag() {
         }
         cases.push(args);
     }
-    assert_property(&cases);
+    assert_property(&cases, dir.path());
 }
 
-/// Runs every command line of `cases` and fails naming each that breaks the property, with why
-/// and its first lines of standard error; two run at a time (most end at once, while another
-/// starts).
-fn assert_property(cases: &[Vec<String>]) {
+/// Runs every command line of `cases` in `cwd` and fails naming each that breaks the property,
+/// with why and its first lines of standard error; two run at a time (most end at once, while
+/// another starts).
+fn assert_property<S: AsRef<OsStr> + Sync>(cases: &[Vec<S>], cwd: &Path) {
+    assert_property_naming(cases, cwd, true);
+}
+
+/// [`assert_property`], where a failing run's one error line must name a flag only when
+/// `name_flag` (a positional argument's error names the argument instead).
+fn assert_property_naming<S: AsRef<OsStr> + Sync>(cases: &[Vec<S>], cwd: &Path, name_flag: bool) {
     let next = AtomicUsize::new(0);
     let failures = Mutex::new(Vec::new());
     std::thread::scope(|scope| {
         for _ in 0..2 {
             scope.spawn(|| {
                 while let Some(args) = cases.get(next.fetch_add(1, Ordering::Relaxed)) {
-                    let outcome = run(args);
-                    if let Some(why) = violation(&outcome) {
+                    let outcome = run(args, cwd);
+                    if let Some(why) = violation(&outcome, name_flag) {
                         let stderr: Vec<&str> = outcome.stderr.lines().take(6).collect();
+                        let args: Vec<String> =
+                            args.iter().map(|a| format!("{:?}", a.as_ref())).collect();
                         failures.lock().unwrap().push(format!(
                             "megatron {}: {why}\n{}",
                             args.join(" "),
@@ -514,5 +544,114 @@ fn no_text_on_any_flag_panics_hangs_or_fails_without_naming_a_flag() {
             })
         })
         .collect();
-    assert_property(&cases);
+    assert_property(&cases, dir.path());
+}
+
+/// Values that are not UTF-8: a lone byte, Latin-1 text, and a path through such a directory.
+fn not_utf8(dir: &TempDir) -> Vec<OsString> {
+    let mut path = dir.join("d").into_bytes();
+    path.extend_from_slice(b"\xff/x\xe9");
+    vec![
+        OsString::from_vec(b"\xff".to_vec()),
+        OsString::from_vec(b"caf\xe9".to_vec()),
+        OsString::from_vec(path),
+    ]
+}
+
+#[test]
+fn no_argument_that_is_not_utf8_panics_or_fails_without_naming_a_flag() {
+    let dir = TempDir::new("cli-properties-utf8");
+    let ckpt = dir.join("ckpt");
+    support::small_checkpoint(&ckpt, 1, &[]);
+    std::fs::create_dir_all(dir.path().join(OsString::from_vec(b"d\xff".to_vec()))).unwrap();
+    let corpus = dir.join("corpus.jsonl");
+    std::fs::write(&corpus, "{\"text\": \"the quick brown fox\"}\n").unwrap();
+    let mut train = strings(&["train", "--train-iters", "1"]);
+    train.extend(strings(&support::SMALL));
+    let commands: Vec<(Vec<String>, &[&str])> = vec![
+        (
+            train,
+            &[
+                "--data",
+                "--tokenizer",
+                "--load",
+                "--save",
+                "--log-json",
+                "--tensorboard-dir",
+                "--config",
+                "--model",
+                "--cuda-graph-scope",
+                "--cp-comm-type",
+                "--window-size",
+                "--split",
+                "--device",
+            ],
+        ),
+        (
+            strings(&["generate", "--load", &ckpt, "--prompt", "the"]),
+            &["--load", "--prompt", "--tokenizer"],
+        ),
+        (strings(&["convert", "--to", &dir.join("out")]), &["--from"]),
+        (strings(&["convert", "--from", &ckpt, "--to", "hf"]), &[""]),
+        (
+            strings(&[
+                "preprocess",
+                "--input",
+                &corpus,
+                "--tokenizer",
+                "byte",
+                "--output-prefix",
+                &dir.join("data"),
+            ]),
+            &["--input", "--output-prefix", "--tokenizer", "--json-keys"],
+        ),
+        (
+            strings(&[
+                "tokenizer",
+                "train",
+                "--vocab-size",
+                "300",
+                "--input",
+                &corpus,
+                "--output",
+                &dir.join("t.json"),
+            ]),
+            &["--input", "--output"],
+        ),
+        (strings(&["data", "inspect"]), &[""]),
+        (strings(&["plot"]), &[""]),
+        (strings(&["layout", "--dp", "2"]), &["--params"]),
+        (strings(&["bench", "generate"]), &["--load"]),
+        (strings(&["inspect"]), &["--model", "--cp-comm-type"]),
+        (
+            strings(&["schedule", "--pp", "2", "--microbatches", "4"]),
+            &["--schedule"],
+        ),
+        (strings(&[]), &[""]),
+    ];
+    let values = not_utf8(&dir);
+    let (mut flagged, mut positional): (Vec<Vec<OsString>>, Vec<Vec<OsString>>) = (vec![], vec![]);
+    for (base, flags) in &commands {
+        for flag in *flags {
+            for value in &values {
+                let mut args: Vec<OsString> = base.iter().map(OsString::from).collect();
+                // An empty flag: the value is a positional argument (a path, or a command),
+                // whose error names it.
+                if flag.is_empty() {
+                    args.push(value.clone());
+                    positional.push(args);
+                    continue;
+                }
+                args.extend([OsString::from(flag), value.clone()]);
+                flagged.push(args);
+                let mut joined = OsString::from(format!("{flag}="));
+                joined.push(value);
+                let mut args: Vec<OsString> = base.iter().map(OsString::from).collect();
+                args.push(joined);
+                flagged.push(args);
+            }
+        }
+    }
+    assert_property(&flagged, dir.path());
+    assert_property_naming(&positional, dir.path(), false);
 }

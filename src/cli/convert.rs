@@ -93,7 +93,15 @@ pub fn run(args: &ConvertArgs) -> Result<()> {
                 )?;
             }
         }
-        _ => bail!("convert goes from hf to a checkpoint or from a checkpoint to hf"),
+        (Side::Checkpoint(_), Side::Checkpoint(_)) => bail!(
+            "--from and --to are both megatron-rs checkpoints: convert goes from `--from hf DIR` \
+             to a checkpoint, or from a checkpoint to `--to hf DIR` (a checkpoint loads at any \
+             layout as it is: `megatron train --load`)"
+        ),
+        (Side::Hf { .. }, Side::Hf { .. }) => bail!(
+            "--from and --to are both Hugging Face directories: convert goes from `--from hf DIR` \
+             to a checkpoint, or from a checkpoint to `--to hf DIR`"
+        ),
     }
     Ok(())
 }

@@ -103,8 +103,8 @@ fn dtype_name(dtype: DType) -> &'static str {
 
 /// The parameters of `--params`.
 fn read_params(path: &PathBuf) -> Result<Vec<ParamInfo>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--params {}: cannot read", path.display()))?;
     let entries: Vec<ParamEntry> = serde_json::from_str(&text)
         .with_context(|| format!("{}: not a JSON list of parameters", path.display()))?;
     let mut params: Vec<ParamInfo> = Vec::with_capacity(entries.len());

@@ -150,7 +150,7 @@ pub fn run(args: &PreprocessArgs) -> Result<()> {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get));
 
     let file = File::open(&args.corpus.input)
-        .with_context(|| format!("{}: cannot open", args.corpus.input.display()))?;
+        .with_context(|| format!("--input {}: cannot open", args.corpus.input.display()))?;
     let input_len = file.metadata().map(|m| m.len()).unwrap_or(0);
     let mut reader = BufReader::with_capacity(1 << 20, file);
 
@@ -189,7 +189,7 @@ pub fn run(args: &PreprocessArgs) -> Result<()> {
             let mut raw = Vec::new();
             let n = reader
                 .read_until(b'\n', &mut raw)
-                .with_context(|| format!("{}: cannot read", args.corpus.input.display()))?;
+                .with_context(|| format!("--input {}: cannot read", args.corpus.input.display()))?;
             if n == 0 {
                 eof = true;
                 break;

@@ -50,7 +50,7 @@ pub fn run(args: &TokenizerArgs) -> Result<()> {
 
 fn run_train(args: &TrainArgs) -> Result<()> {
     let file = File::open(&args.corpus.input)
-        .with_context(|| format!("{}: cannot open", args.corpus.input.display()))?;
+        .with_context(|| format!("--input {}: cannot open", args.corpus.input.display()))?;
     // The lines stream into the trainer; the first bad one stops it and is reported.
     let failure: Mutex<Option<anyhow::Error>> = Mutex::new(None);
     let documents = Mutex::new(0u64);
