@@ -253,10 +253,13 @@ fn edited(dir: &TempDir, name: &str, out: &str, edit: impl FnOnce(&mut Value)) -
     dst
 }
 
+/// An edit of a config.
+type Edit = Box<dyn FnOnce(&mut Value)>;
+
 #[test]
 fn hugging_face_configs_are_bounded_as_the_command_line_and_name_their_fields() {
     let dir = TempDir::new("cli-convert-configs");
-    let cases: Vec<(&str, &str, Box<dyn FnOnce(&mut Value)>, &str)> = vec![
+    let cases: Vec<(&str, &str, Edit, &str)> = vec![
         (
             "qwen3",
             "eps",

@@ -17,6 +17,10 @@ use megatron::tensor::{DType, Tensor};
 use megatron::tensor_parallel::CausalSelfAttention;
 use serde_json::{Value, json};
 
+/// One layer's activation bytes per rank at cp, and at cp 1 without and with selective
+/// recompute (`None`: not measured).
+type LayerBytes = (usize, Option<(usize, usize)>);
+
 /// What the report shows.
 pub struct CpReport {
     kind: CpCommType,
@@ -30,7 +34,7 @@ pub struct CpReport {
     /// One layer's activation bytes per rank at cp (`Err`: why it was not measured), and
     /// at cp 1 without and with selective recompute (`None`: not measured, its attention
     /// weights would not fit this machine's memory).
-    activations: Result<(usize, Option<(usize, usize)>), &'static str>,
+    activations: Result<LayerBytes, &'static str>,
 }
 
 /// The most thread ranks a measurement starts: the context-parallel group of the traffic's

@@ -1337,26 +1337,6 @@ fn job_bytes(
     (state + activations) * dp as u128
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn context_parallel_jobs_are_estimated_without_the_attention_weights_they_do_not_keep() {
-        let tiny = megatron::models::preset("gpt-tiny")
-            .map(|p| (p.config)())
-            .unwrap();
-        let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
-        // The README's 16,384 positions at cp 4: bench measured 0.55 GiB of tensors; the
-        // estimate is a bound, 1.1 GiB.
-        let cp4 = gib(job_bytes(&tiny, 1, (16384, 1), (4, 1)));
-        assert!(cp4 < 2.0, "{cp4} GiB");
-        // At cp 1 the unfused attention keeps every head's s × s weights: 40 GiB.
-        let cp1 = gib(job_bytes(&tiny, 1, (16384, 1), (1, 1)));
-        assert!(cp1 > 40.0, "{cp1} GiB");
-    }
-}
-
 /// SIGINT and SIGTERM ask the run to stop after the current step (Megatron-LM's
 /// `--exit-signal-handler`): `stop` records the signal. A second signal exits at once, with
 /// status 128 + its number, as a shell reports a process killed by it, after one line on
@@ -1571,4 +1551,24 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn context_parallel_jobs_are_estimated_without_the_attention_weights_they_do_not_keep() {
+        let tiny = megatron::models::preset("gpt-tiny")
+            .map(|p| (p.config)())
+            .unwrap();
+        let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
+        // The README's 16,384 positions at cp 4: bench measured 0.55 GiB of tensors; the
+        // estimate is a bound, 1.1 GiB.
+        let cp4 = gib(job_bytes(&tiny, 1, (16384, 1), (4, 1)));
+        assert!(cp4 < 2.0, "{cp4} GiB");
+        // At cp 1 the unfused attention keeps every head's s × s weights: 40 GiB.
+        let cp1 = gib(job_bytes(&tiny, 1, (16384, 1), (1, 1)));
+        assert!(cp1 > 40.0, "{cp1} GiB");
+    }
 }

@@ -138,7 +138,7 @@ fn rotary(hf: &HfConfig, default_theta: f64) -> Result<Rotary> {
         }
     };
     let base = params.opt_float("rope_theta")?.unwrap_or(default_theta);
-    if !(base > 1.0) {
+    if base <= 1.0 {
         bail!("config.json: `rope_theta` {base} must be above 1");
     }
     Ok(Rotary {

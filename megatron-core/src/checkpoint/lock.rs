@@ -89,6 +89,7 @@ impl Drop for SaveLock {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
 
     #[test]
     fn a_second_lock_is_refused_naming_the_holder_and_a_dead_ones_taken_over() {
