@@ -173,6 +173,7 @@ impl PipelineSettings {
     pub fn layout(&self, layers: usize) -> Result<PipelineLayout> {
         let uneven = self.first_stage_layers.is_some() || self.last_stage_layers.is_some();
         let counted = self.account_for_embedding || self.account_for_loss;
+        let v = matches!(self.kind(), ScheduleKind::Zbv | ScheduleKind::DualPipeV);
         let layout = match (uneven, counted) {
             (true, true) => return Err(StageLayoutError::CountedEndsWithUneven.into()),
             (false, true) => PipelineLayout::with_ends_counted(
@@ -188,7 +189,18 @@ impl PipelineSettings {
                 self.vpp,
                 self.first_stage_layers,
                 self.last_stage_layers,
-            )?,
+            )
+            .map_err(|e| match v {
+                // The chunks a V runs are the schedule's, not a flag's.
+                true => anyhow::anyhow!(
+                    "--pipeline-schedule {} runs 2 model chunks per rank (its V), {} virtual \
+                     stages over --pipeline-model-parallel-size {}: {e}",
+                    self.kind(),
+                    2 * self.pp,
+                    self.pp
+                ),
+                false => e.into(),
+            })?,
         };
         Ok(layout.placed(self.kind().placement())?)
     }

@@ -270,7 +270,7 @@ fn megatrons_rules_and_flags_that_would_do_nothing_are_refused() {
                 "--vpp",
                 "4",
             ],
-            "--pipeline-schedule zbv runs 2 (its V: down the ranks and back up) model chunks per \
+            "--pipeline-schedule zbv runs 2 model chunks (its V: down the ranks and back up) per \
              rank, got --virtual-pipeline-model-parallel-size 4",
         ),
         (
@@ -414,6 +414,76 @@ fn megatrons_rules_and_flags_that_would_do_nothing_are_refused() {
             &["plot", "/dev/null"],
             "/dev/null holds no training step: nothing to draw",
         ),
+        // Issue 45: flags accepted without a word though they changed nothing.
+        (
+            &["train", "--rotary-base", "500000"],
+            "--rotary-base does nothing without rotary positions (the model has learned \
+             absolute positions): add --position-embedding-type rope",
+        ),
+        (
+            &["inspect", "--model", "gpt-tiny", "--use-rope-scaling"],
+            "--use-rope-scaling does nothing without rotary positions",
+        ),
+        (
+            &["train", "--add-qkv-bias"],
+            "--add-qkv-bias does nothing: the model's linear layers all have biases",
+        ),
+        (
+            &[
+                "train",
+                "--window-size",
+                "4,0",
+                "--window-attn-skip-freq",
+                "1",
+            ],
+            "--window-attn-skip-freq 1 gives every layer full attention",
+        ),
+        (
+            &[
+                "train",
+                "--window-size",
+                "4,0",
+                "--window-attn-skip-freq",
+                "9",
+            ],
+            "--window-attn-skip-freq 9 skips no layer of the model's 4",
+        ),
+        (
+            &[
+                "schedule",
+                "--pp",
+                "4",
+                "--microbatches",
+                "8",
+                "--overlap-moe-expert-parallel-comm",
+            ],
+            "--overlap-moe-expert-parallel-comm adds a warm-up forward to the interleaved \
+             schedule's training steps only: with --pipeline-schedule 1f1b it does nothing",
+        ),
+        (
+            &[
+                "graphs",
+                "--pp",
+                "2",
+                "--microbatches",
+                "4",
+                "--pipeline-schedule",
+                "zb-h1",
+                "--cuda-graph-scope",
+                "attn",
+            ],
+            "--cuda-graph-scope cannot run with --pipeline-schedule zb-h1",
+        ),
+        // Messages that named the wrong thing.
+        (
+            &["train", "--window-size", "5,0,0"],
+            "`5,0,0` has 3 parts, not two: write LEFT,RIGHT",
+        ),
+        (
+            &["train", "--pipeline-schedule", "interleaved", "--pp", "2"],
+            "interleaved runs at least 2 model chunks per rank, and \
+             --virtual-pipeline-model-parallel-size was not given",
+        ),
     ]);
     // Megatron-LM's spelling of the group size, and the short one kept as an alias.
     for flag in [
@@ -433,4 +503,112 @@ fn megatrons_rules_and_flags_that_would_do_nothing_are_refused() {
         ]);
         assert!(ok, "{flag}: {stderr}");
     }
+}
+
+#[test]
+fn messages_name_what_the_user_can_act_on() {
+    let dir = support::TempDir::new("cli-validation-messages");
+    // A dangling link where a directory is to be written: named, not "File exists".
+    let link = dir.path().join("dangling");
+    std::os::unix::fs::symlink(dir.path().join("nowhere"), &link).unwrap();
+    let link = link.to_string_lossy().into_owned();
+    let ckpt = dir.join("ckpt");
+    support::small_checkpoint(&ckpt, 1, &[]);
+    refused(&[
+        (
+            &["convert", "--from", &ckpt, "--to", "hf", &link],
+            "dangling is a symbolic link to",
+        ),
+        (
+            &["train", "--train-iters", "1", "--save", &link],
+            "which does not exist: remove the link or create its target",
+        ),
+    ]);
+    // Byte data ending its documents with the byte tokenizer's end-of-document token (256) on
+    // gpt-tiny's 256-token vocabulary: the way out named.
+    let corpus = dir.join("corpus.jsonl");
+    std::fs::write(
+        &corpus,
+        "{\"text\": \"hello world\"}\n{\"text\": \"more\"}\n",
+    )
+    .unwrap();
+    let prefix = dir.join("bytes");
+    let (ok, _, stderr) = megatron(&[
+        "preprocess",
+        "--input",
+        &corpus,
+        "--tokenizer",
+        "byte",
+        "--output-prefix",
+        &prefix,
+        "--append-eod",
+        "--quiet",
+    ]);
+    assert!(ok, "{stderr}");
+    let data = format!("{prefix}_text_document");
+    refused(&[(
+        &[
+            "train",
+            "--data",
+            &data,
+            "--seq-length",
+            "8",
+            "--train-iters",
+            "1",
+        ],
+        "document 0 ends with token 256, outside the model's vocabulary of 256: it is the byte \
+         tokenizer's end-of-document token (the data was preprocessed with --append-eod); give \
+         --tokenizer byte",
+    )]);
+    // The help says what each command does today.
+    let (_, help, _) = megatron(&["--help"]);
+    assert!(help.contains("Mixtral, Qwen3-MoE"), "{help}");
+    assert!(help.contains("ZB-H1, ZB-H2, ZB-V or DualPipeV"), "{help}");
+    let (_, help, _) = megatron(&["convert", "--help"]);
+    for arch in [
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "MistralForCausalLM",
+    ] {
+        assert!(help.contains(arch), "{arch}: {help}");
+    }
+    let (_, help, _) = megatron(&["train", "--help"]);
+    assert!(
+        help.contains("the world is tp × cp × pp × dp ranks"),
+        "{help}"
+    );
+}
+
+#[test]
+fn a_config_files_list_is_replaced_by_the_command_lines() {
+    let dir = support::TempDir::new("cli-validation-config");
+    let config = dir.join("run.toml");
+    std::fs::write(&config, "cuda-graph-scope = [\"attn\", \"mlp\"]\n").unwrap();
+    let graphs = |extra: &[&str]| {
+        let mut args = vec![
+            "graphs",
+            "--config",
+            &config,
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+        ];
+        args.extend(extra);
+        args.push("--json");
+        let (ok, stdout, stderr) = megatron(&args);
+        assert!(ok, "{stderr}");
+        let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        report["cuda_graph_scope"].clone()
+    };
+    assert_eq!(graphs(&[]), serde_json::json!(["attn", "mlp"]));
+    assert_eq!(
+        graphs(&["--cuda-graph-scope", "attn"]),
+        serde_json::json!(["attn"])
+    );
+    std::fs::write(&config, "learning_rate = 0.1\n").unwrap();
+    refused(&[(
+        &["train", "--config", &config],
+        "`learning-rate` is not a flag of `megatron train`",
+    )]);
 }

@@ -233,7 +233,7 @@ fn the_command_line_refuses_what_a_schedule_cannot_run() {
                 "--microbatches",
                 "8",
             ][..],
-            "--pipeline-schedule zbv runs 2 (its V: down the ranks and back up) model chunks per \
+            "--pipeline-schedule zbv runs 2 model chunks (its V: down the ranks and back up) per \
              rank, got --virtual-pipeline-model-parallel-size 3",
         ),
         (

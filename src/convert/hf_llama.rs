@@ -194,6 +194,13 @@ pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
              {heads}, and there is no `head_dim`"
         ),
     };
+    if head_dim < 2 || !head_dim.is_multiple_of(2) {
+        bail!(
+            "config.json: heads of {head_dim} channels (`head_dim`, or `hidden_size` / \
+             `num_attention_heads`): rotary embeddings turn pairs of channels, an even number of \
+             at least 2"
+        );
+    }
     // transformers' defaults where the file has no RoPE base.
     let default_theta = match arch {
         "MixtralForCausalLM" => 1e6,

@@ -106,8 +106,7 @@ impl ScheduleKind {
             (ScheduleKind::Interleaved, Some(v)) => Ok(v),
             (ScheduleKind::Zbv | ScheduleKind::DualPipeV, None | Some(2)) => Ok(2),
             (ScheduleKind::Zbv | ScheduleKind::DualPipeV, Some(_)) => Err(wrong(
-                "2 model chunks (its V: down the ranks and back up; leave \
-                 --virtual-pipeline-model-parallel-size out)",
+                "2 model chunks (its V: down the ranks and back up)",
                 vpp,
             )),
             (_, None | Some(1)) => Ok(1),
