@@ -440,7 +440,8 @@ fn the_blocks_flags_are_checked() {
     for (window, says) in [
         ("-1,0", "the left part of `-1,0` must be 0 or more"),
         ("4,1", "the right part of `4,1` must be 0"),
-        ("4", "`4` is not LEFT,RIGHT"),
+        ("4", "`4` has 1 part, not two: write LEFT,RIGHT"),
+        ("5,0,0", "`5,0,0` has 3 parts, not two"),
     ] {
         let (ok, _, stderr) = megatron(&["train", "--window-size", window]);
         assert!(!ok);

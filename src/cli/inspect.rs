@@ -437,35 +437,20 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     if args.sequence_parallel && args.tp == 1 {
         output::error_line(super::train::SEQUENCE_PARALLEL_AT_TP1);
     }
-    let hierarchical = &args.hierarchical_context_parallel_sizes;
+    let kind = CpCommType::from_flags(
+        args.cp_comm_type.as_deref(),
+        &args.hierarchical_context_parallel_sizes,
+        args.cp,
+    )?;
     let context_parallel = match args.cp {
-        1 => {
-            if let Some(kind) = &args.cp_comm_type {
-                bail!(
-                    "--cp-comm-type {kind} does nothing without context parallelism \
-                     (--context-parallel-size 1): drop it, or give --context-parallel-size"
-                );
-            }
-            if !hierarchical.is_empty() {
-                bail!(
-                    "--hierarchical-context-parallel-sizes {hierarchical:?} does nothing \
-                     without context parallelism (--context-parallel-size 1): drop it, or give \
-                     --context-parallel-size"
-                );
-            }
-            None
-        }
-        cp => {
-            let name = args.cp_comm_type.as_deref().unwrap_or("all_gather");
-            let kind = CpCommType::parse(name, hierarchical, cp)?;
-            Some(inspect_cp::report(
-                &config,
-                (args.tp, args.sequence_parallel && args.tp > 1),
-                (cp, kind),
-                (args.seq_length, args.micro_batch_size),
-                layer_fits(&config, args),
-            )?)
-        }
+        1 => None,
+        cp => Some(inspect_cp::report(
+            &config,
+            (args.tp, args.sequence_parallel && args.tp > 1),
+            (cp, kind),
+            (args.seq_length, args.micro_batch_size),
+            layer_fits(&config, args),
+        )?),
     };
     let model = Gpt::build(
         &config.spec(),

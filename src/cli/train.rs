@@ -686,23 +686,7 @@ impl TrainArgs {
         taken: &mut Vec<String>,
     ) -> Result<CpCommType> {
         let hierarchical = &self.hierarchical_context_parallel_sizes;
-        if cp == 1 {
-            if let Some(kind) = &self.cp_comm_type {
-                bail!(
-                    "--cp-comm-type {kind} does nothing without context parallelism \
-                     (--context-parallel-size 1): drop it, or give --context-parallel-size"
-                );
-            }
-            if !hierarchical.is_empty() {
-                bail!(
-                    "--hierarchical-context-parallel-sizes {hierarchical:?} does nothing \
-                     without context parallelism (--context-parallel-size 1): drop it, or give \
-                     --context-parallel-size"
-                );
-            }
-        }
         let (name, sizes) = match (&self.cp_comm_type, recorded) {
-            (Some(name), _) => (name.clone(), hierarchical.clone()),
             (None, Some(r)) if r.cp == cp && cp > 1 && hierarchical.is_empty() => {
                 taken.push(format!("--cp-comm-type {}", r.comm_type));
                 if !r.hierarchical.is_empty() {
@@ -712,11 +696,11 @@ impl TrainArgs {
                         sizes.join(" ")
                     ));
                 }
-                (r.comm_type, r.hierarchical)
+                (Some(r.comm_type), r.hierarchical)
             }
-            (None, _) => ("all_gather".to_string(), hierarchical.clone()),
+            (given, _) => (given.clone(), hierarchical.clone()),
         };
-        Ok(CpCommType::parse(&name, &sizes, cp)?)
+        Ok(CpCommType::from_flags(name.as_deref(), &sizes, cp)?)
     }
 
     /// The schedule's flags as given; when none is and the run keeps the checkpoint's `pp`,

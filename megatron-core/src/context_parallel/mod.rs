@@ -121,6 +121,28 @@ impl CpCommType {
         Ok(kind)
     }
 
+    /// The type the flags give at context-parallel size `cp`: `name` (all_gather when `None`)
+    /// with `hierarchical`, as [`CpCommType::parse`] reads them; at `cp` 1, where there is no
+    /// exchange, either flag given is refused as doing nothing.
+    pub fn from_flags(name: Option<&str>, hierarchical: &[usize], cp: usize) -> Result<CpCommType> {
+        if cp == 1 {
+            if let Some(name) = name {
+                return invalid!(
+                    "--cp-comm-type {name} does nothing without context parallelism \
+                     (--context-parallel-size 1): drop it, or give --context-parallel-size"
+                );
+            }
+            if !hierarchical.is_empty() {
+                return invalid!(
+                    "--hierarchical-context-parallel-sizes {hierarchical:?} does nothing \
+                     without context parallelism (--context-parallel-size 1): drop it, or give \
+                     --context-parallel-size"
+                );
+            }
+        }
+        CpCommType::parse(name.unwrap_or("all_gather"), hierarchical, cp)
+    }
+
     /// Transformer Engine's name.
     pub fn name(self) -> &'static str {
         match self {
