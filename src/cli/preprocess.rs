@@ -260,11 +260,26 @@ fn encode_batch(
     let parts: Vec<Result<Vec<Encoded>>> = std::thread::scope(|s| {
         let handles: Vec<_> = batch
             .chunks(chunk)
-            .map(|lines| s.spawn(move || encode_all(lines)))
+            .enumerate()
+            .map(|(i, lines)| {
+                std::thread::Builder::new()
+                    .spawn_scoped(s, move || encode_all(lines))
+                    .with_context(|| {
+                        format!(
+                            "--workers {workers}: the operating system refused tokenizing \
+                             thread {i}"
+                        )
+                    })
+            })
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().expect("a tokenizing thread panicked"))
+            .map(|h| {
+                h.and_then(|h| {
+                    h.join()
+                        .map_err(|_| anyhow::anyhow!("a tokenizing thread panicked"))?
+                })
+            })
             .collect()
     });
     let mut out = Vec::with_capacity(batch.len());
