@@ -112,21 +112,24 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         top_p: args.top_p,
         seed: args.seed,
     };
-    // The prompt, then each new token's text as it is drawn; the end-of-text token ends it
-    // unprinted.
-    output::text(&args.prompt)?;
+    // The prompt with the first token (once the model is loaded and has read it), then each
+    // new token's text as it is drawn; the end-of-text token ends it unprinted.
     let eod = tokenizer.eod();
-    let stream = Mutex::new(TextStream::new());
+    let stream: Mutex<Option<TextStream>> = Mutex::new(None);
     // Standard output's failure, kept: it crosses the ranks' threads only as text.
     let failed: Mutex<Option<output::StdoutError>> = Mutex::new(None);
     let print = |id: u32| -> Result<()> {
-        if Some(id) == eod {
-            return Ok(());
-        }
         let mut stream = stream
             .lock()
             .map_err(|_| anyhow::anyhow!("the text stream"))?;
-        let piece = stream.push(&tokenizer, id)?;
+        let mut piece = match stream.is_none() {
+            true => args.prompt.clone(),
+            false => String::new(),
+        };
+        let stream = stream.get_or_insert_with(TextStream::new);
+        if Some(id) != eod {
+            piece.push_str(&stream.push(&tokenizer, id)?);
+        }
         if !piece.is_empty()
             && let Err(err) = output::text(&piece)
         {
@@ -152,10 +155,13 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         return Err(err.into());
     }
     generated?;
-    let rest = stream
+    let rest = match stream
         .into_inner()
         .map_err(|_| anyhow::anyhow!("the text stream"))?
-        .finish(&tokenizer)?;
+    {
+        Some(mut stream) => stream.finish(&tokenizer)?,
+        None => args.prompt.clone(),
+    };
     say!("{rest}")?;
     Ok(())
 }

@@ -480,10 +480,13 @@ impl ArchitectureArgs {
                 );
             }
             if n > c.num_layers {
+                let or = match c.num_layers {
+                    0 | 1 => String::new(),
+                    l => format!(", or give 2 to {l}"),
+                };
                 bail!(
                     "--window-attn-skip-freq {n} skips no layer of the model's {} (every layer \
-                     keeps the window): drop it, or give at most {}",
-                    c.num_layers,
+                     keeps the window): drop it{or}",
                     c.num_layers
                 );
             }
