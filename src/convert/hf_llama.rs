@@ -11,9 +11,11 @@
 //! pairs, as Megatron-LM's default: no permutation of the queries and keys. Routing: Mixtral's
 //! softmax over all experts renormalised over the top-k (Qwen3-MoE's `norm_topk_prob`) is the
 //! softmax of the top-k logits, Megatron-LM's default; Qwen3-MoE without `norm_topk_prob` is
-//! `--moe-router-pre-softmax`. A setting the model cannot honour (another rope type, a sliding
-//! window, an activation other than SiLU, router jitter, shared experts) is refused by name,
-//! never ignored.
+//! `--moe-router-pre-softmax`. A setting the model cannot honour (another rope type, a partial
+//! rotary factor, an activation other than SiLU, router jitter, shared experts) is refused by
+//! name, never ignored; every field is read with the command line's bounds
+//! ([`super::hf_config`]), and a checkpoint is written as the family member that holds it
+//! exactly ([`super::architecture`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -374,12 +376,6 @@ fn moe_from_hf(hf: &HfConfig, arch: &str, layers: usize) -> Result<Option<MoeCon
         shared_expert_ffn: None,
         dispatcher: Default::default(),
     }))
-}
-
-/// The Hugging Face architecture of a Llama-family config (see
-/// [`super::architecture::llama_family`]); `None` for a model none of them is.
-pub fn hf_architecture(c: &GptConfig) -> Option<&'static str> {
-    super::architecture::llama_family(c).ok()
 }
 
 /// The `config.json` of a Llama-family config as Hugging Face architecture `arch`, with the
