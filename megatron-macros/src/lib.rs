@@ -35,6 +35,7 @@
 //! `model` (forward as an SSA dataflow graph), `validate` (sharding analysis, errors with
 //! spans) and `generate` (quote; one file per kind of field in `generate/kind/`).
 
+mod expansion_out;
 mod generate;
 mod model;
 mod parse;
@@ -161,7 +162,12 @@ fn expand_struct(root: &Root, item: syn::ItemStruct, original: &TokenStream2) ->
             .retain(|a| !DSL_ATTRIBUTES.iter().any(|name| a.path().is_ident(name)));
     }
     match parse::parse_struct(item) {
-        Ok(s) => generate::struct_items(root, &s, original),
+        Ok(s) => {
+            let items = generate::struct_items(root, &s, original);
+            let written = expansion_out::write_if_asked(&ident.to_string(), &items);
+            let track = expansion_out::track();
+            quote!(#items #track #written)
+        }
         Err(e) => generate::struct_error_items(Some(&ident), quote!(#stripped), e),
     }
 }
@@ -220,6 +226,10 @@ fn module_impl(root: &Root, input: TokenStream2) -> TokenStream2 {
         Ok(b) => b,
         Err(e) => return e.to_compile_error(),
     };
+    let original = {
+        let item = &both.item_struct;
+        quote!(#item)
+    };
     let s = match parse::parse_struct(both.item_struct) {
         Ok(s) => s,
         // The struct's own expansion reports its errors.
@@ -233,7 +243,16 @@ fn module_impl(root: &Root, input: TokenStream2) -> TokenStream2 {
         generate::impl_items(root, &s, &imp, &g, &a)
     });
     match result {
-        Ok(tokens) => tokens,
+        Ok(tokens) => {
+            // The module's whole expansion, the struct's items then the impl's, for a user
+            // who asked to see it (MEGATRON_EXPAND_DIR).
+            let whole = {
+                let items = generate::struct_items(root, &s, &original);
+                quote!(#items #tokens)
+            };
+            let written = expansion_out::write_if_asked(&s.ident.to_string(), &whole);
+            quote!(#tokens #written)
+        }
         Err(e) => generate::impl_error_items(root, &s, signature.as_deref(), e),
     }
 }
