@@ -1375,8 +1375,10 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
                 &c.func,
                 format!(
                     "unknown function `{other}` in forward: the builtins are gelu, swiglu, \
-                     dropout and cross_entropy, and fields are called as `self.field(x)` (a loop element only \
-                     inside its loop)"
+                     dropout and cross_entropy, and fields are called as `self.field(x)` (a loop \
+                     element only inside its loop); other math is an op of your own: a type \
+                     implementing `megatron::module::Op` (its forward and backward) in a field \
+                     marked #[op], called as `self.field(x)`"
                 ),
             ));
         }

@@ -197,6 +197,12 @@ impl Checker<'_> {
             (Want::Replicated | Want::ReplicatedOrIds, Sharding::Split) => {
                 let fix = if who.starts_with("#[row_parallel") {
                     "remove `input_is_parallel = false` to take the split input as it is".into()
+                } else if who.contains("no split attribute") {
+                    format!(
+                        "{}; or, if the field is an op that works on each rank's part (an `Op`, \
+                         such as attention on its heads), mark it #[op]",
+                        self.replicate_fix(v)
+                    )
                 } else {
                     self.replicate_fix(v)
                 };

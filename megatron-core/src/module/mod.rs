@@ -329,6 +329,14 @@ impl fmt::Debug for Cx<'_> {
 }
 
 /// Anything with parameters that is built from a spec: layers and `#[megatron::module]` structs.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a module: a field without an attribute is built and run whole on \
+               every rank",
+    label = "neither a layer nor a `#[megatron::module]` struct",
+    note = "mark a parameterless op (an `Op`, such as `CausalSelfAttention`) #[op], plain data \
+            #[config], a layer split over tensor parallelism #[column_parallel] or \
+            #[row_parallel]; a struct of your own becomes a module with #[megatron::module]"
+)]
 pub trait Module: Sized {
     /// The logical description (sizes, options) the module is built from.
     type Spec: Clone + fmt::Debug;
