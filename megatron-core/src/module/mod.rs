@@ -328,6 +328,26 @@ impl fmt::Debug for Cx<'_> {
     }
 }
 
+/// Marks the replicated parameters of `module`, a field that runs whole on every rank, as
+/// living in the sequence-parallel region: with sequence parallelism it reads this rank's
+/// shard of the sequence, so each rank's gradient is partial and is summed over tp (Megatron-LM's
+/// `param.sequence_parallel`). Parameters whose gradient is whole on every rank (a row-parallel
+/// bias, the expert bias), this rank's part (`#[local]`) or split are left as they are, so
+/// that marking a whole sub-module again is harmless. The generated `build` of
+/// `#[megatron::module]` calls it on every field without a split attribute: no such field can
+/// train different weights on different ranks, whatever kind of layer it is.
+pub fn sequence_parallel_region<M: Module>(module: &mut M) {
+    module.visit_params_mut(&mut |p| p.mark_sequence_parallel_region());
+}
+
+/// Builds a field that runs whole on every rank (no split attribute): `M::build`, then its
+/// parameters marked by [`sequence_parallel_region`].
+pub fn build_whole<M: Module>(spec: &M::Spec, b: &mut Builder) -> Result<M> {
+    let mut module = M::build(spec, b)?;
+    sequence_parallel_region(&mut module);
+    Ok(module)
+}
+
 /// Anything with parameters that is built from a spec: layers and `#[megatron::module]` structs.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a module: a field without an attribute is built and run whole on \

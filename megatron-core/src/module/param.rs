@@ -196,6 +196,11 @@ pub struct ParamSpec {
     /// layer's replicated parameters: the qk-layernorm): summed over tp, with or without
     /// sequence parallelism.
     pub tensor_parallel_partial: bool,
+    /// Whether each tensor-parallel rank's gradient is already the whole one, with sequence
+    /// parallelism too (a row-parallel layer's bias, from the gathered output gradient; a
+    /// value no gradient trains, such as the MoE expert bias): never summed over tp, nor marked
+    /// as living in the sequence-parallel region by [`crate::module::sequence_parallel_region`].
+    pub gradient_whole_over_tp: bool,
 }
 
 impl ParamSpec {
@@ -428,6 +433,30 @@ impl Param {
         spec.tensor_parallel_partial = true;
         spec.sequence_parallel = false;
         Ok(())
+    }
+
+    /// The same parameter marked as computing its whole gradient on every tensor-parallel rank
+    /// (see [`ParamSpec::gradient_whole_over_tp`]).
+    pub fn with_gradient_whole_over_tp(mut self) -> Param {
+        let spec = std::sync::Arc::make_mut(&mut self.spec);
+        spec.gradient_whole_over_tp = true;
+        spec.sequence_parallel = false;
+        self
+    }
+
+    /// Marks a replicated parameter as living in the sequence-parallel region (see
+    /// [`ParamSpec::sequence_parallel`]) unless its gradient is whole on every rank or this
+    /// rank's part; split parameters are left as they are. What
+    /// [`crate::module::sequence_parallel_region`] does to each parameter of a layer.
+    pub fn mark_sequence_parallel_region(&mut self) {
+        let spec = &self.spec;
+        if spec.split == Split::Replicated
+            && !spec.gradient_whole_over_tp
+            && !spec.tensor_parallel_partial
+            && !spec.sequence_parallel
+        {
+            std::sync::Arc::make_mut(&mut self.spec).sequence_parallel = true;
+        }
     }
 
     /// The same parameter marked as living in the sequence-parallel region (see
@@ -747,6 +776,7 @@ impl Builder {
             real_rows,
             sequence_parallel: false,
             tensor_parallel_partial: false,
+            gradient_whole_over_tp: false,
         };
         if self.specs_only {
             return Ok(Param::spec_only(spec, self.dtype));
@@ -945,6 +975,7 @@ mod tests {
                     real_rows: None,
                     sequence_parallel: false,
                     tensor_parallel_partial: false,
+                    gradient_whole_over_tp: false,
                 };
                 let got = initial_values(9, &spec);
                 let key = [9, 0];

@@ -210,6 +210,7 @@ impl RoutedExperts {
                 .expert_bias
                 .then(|| {
                     b.scoped("router", |b| {
+                        // Moved by the token counts, not by a gradient.
                         b.param(
                             "expert_bias",
                             [experts],
@@ -217,6 +218,7 @@ impl RoutedExperts {
                             Init::ZEROS,
                             false,
                         )
+                        .map(Param::with_gradient_whole_over_tp)
                     })
                 })
                 .transpose()?,

@@ -143,11 +143,23 @@ impl Linear {
             true,
         )?;
         let bias = if spec.bias {
-            Some(b.param("bias", [spec.out_features], bias_split, Init::ZEROS, false)?)
+            let bias = b.param("bias", [spec.out_features], bias_split, Init::ZEROS, false)?;
+            // A row-parallel bias is added to the reduced output; its gradient comes from the
+            // whole output gradient (gathered, with sequence parallelism) on every rank.
+            Some(match mode {
+                Mode::Row => bias.with_gradient_whole_over_tp(),
+                _ => bias,
+            })
         } else {
             None
         };
-        Ok(Linear { weight, bias, mode })
+        let mut linear = Linear { weight, bias, mode };
+        // A whole layer reads the activations as they are outside the tensor-parallel region:
+        // with sequence parallelism, this rank's shard of the sequence (as a norm does).
+        if mode == Mode::Whole {
+            crate::module::sequence_parallel_region(&mut linear);
+        }
+        Ok(linear)
     }
 
     /// The weight (this rank's part).

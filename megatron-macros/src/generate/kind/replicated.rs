@@ -1,5 +1,7 @@
 //! A field without a split attribute (or `#[replicated]`): a layer or sub-module whole on every
-//! rank. Built by `Module::build`; called by method syntax (a sub-module's generated forward, a
+//! rank. Built by `Module::build`, its replicated parameters then marked as living in the
+//! sequence-parallel region (with sequence parallelism it reads the shard: the gradients are
+//! summed over tp); called by method syntax (a sub-module's generated forward, a
 //! layer's `Layer`/`Lookup` method), through a graph scope's boundary when marked; in backward,
 //! a layer of one input adds the input's other gradients itself (`backward_plus`).
 
@@ -68,8 +70,13 @@ impl Kind for Replicated {
         }
     }
 
+    /// Built, then its replicated parameters marked as living in the sequence-parallel region
+    /// (a field without a split attribute reads the sequence shard with sequence parallelism;
+    /// `module::sequence_parallel_region` leaves alone what a sub-module marked otherwise).
     fn build(&self, rt: &TokenStream, f: &Field, _indices: TokenStream) -> Option<TokenStream> {
-        Some(super::built_by(rt, f, "module", "Module", "build"))
+        let (name, scope, ty) = (&f.ident, f.name(), &f.ty);
+        let path = quote_spanned!(ty.span()=> #rt::module::build_whole::<#ty>);
+        Some(quote!(b.scoped(#scope, |b| #path(&spec.#name, b))))
     }
 
     fn forward<'a>(&self, call: &Call<'a>, b: &mut Body<'a>, io: &Forward<'_>) {

@@ -46,7 +46,7 @@ impl Kind for Stack {
     fn build(&self, rt: &TokenStream, f: &Field, indices: TokenStream) -> Option<TokenStream> {
         let elem = element(f);
         let (name, scope) = (&f.ident, f.name());
-        let build = quote_spanned!(elem.span()=> <#elem as #rt::module::Module>::build);
+        let build = quote_spanned!(elem.span()=> #rt::module::build_whole::<#elem>);
         Some(quote! {
             b.scoped(#scope, |b| {
                 let mut list = ::std::vec::Vec::with_capacity(spec.#name.len());
