@@ -1,7 +1,8 @@
 //! Sequence parallelism correct by construction (issue 46, section 4): a module written with
 //! the DSL whose fields without a split attribute read the sequence shard — a norm, a whole
-//! `Linear`, and a user's own layer implemented by hand — around a column- and row-parallel pair
-//! (whose row bias has its whole gradient on every rank). Trained a few steps at tp 2 with
+//! `Linear`, a user's own layer implemented by hand, and a sub-module of the user's holding its
+//! own tensor-parallel pair — around a column- and row-parallel pair (whose row biases have
+//! their whole gradient on every rank). Trained a few steps at tp 2 with
 //! sequence parallelism, every replicated parameter stays bit-identical on both ranks, and the
 //! model follows one rank; before the generated `build` marked such fields, the whole linear's
 //! weights drifted apart between the ranks.
@@ -92,6 +93,26 @@ impl Layer for Scale {
     }
 }
 
+/// A sub-module of the user's: a norm and a whole linear of its own, and a tensor-parallel
+/// pair whose row bias must keep its whole gradient when the sub-module is marked whole.
+#[megatron::module]
+pub struct Inner {
+    norm: LayerNorm,
+    proj: Linear,
+    #[column_parallel]
+    a: Linear,
+    #[row_parallel]
+    b: Linear,
+}
+
+#[megatron::module]
+impl Inner {
+    fn forward(&self, x: Tensor) -> Tensor {
+        let h = self.proj(self.norm(x));
+        self.b(gelu(self.a(h)))
+    }
+}
+
 /// Every kind of field a user leaves without a split attribute, around a tensor-parallel pair.
 #[megatron::module]
 pub struct Mix {
@@ -102,6 +123,7 @@ pub struct Mix {
     fc1: Linear,
     #[row_parallel]
     fc2: Linear,
+    inner: Inner,
     up: Linear,
 }
 
@@ -110,7 +132,7 @@ impl Mix {
     fn forward(&self, x: Tensor) -> Tensor {
         let h = self.scale(self.down(self.ln(x)));
         let y = self.fc2(gelu(self.fc1(h)));
-        self.up(y)
+        self.up(self.inner(y))
     }
 }
 
@@ -121,6 +143,12 @@ fn spec() -> MixSpec {
         scale: H,
         fc1: LinearSpec::new(H, 4 * H),
         fc2: LinearSpec::new(4 * H, H),
+        inner: InnerSpec {
+            norm: LayerNormSpec::new(H),
+            proj: LinearSpec::new(H, H),
+            a: LinearSpec::new(H, 2 * H),
+            b: LinearSpec::new(2 * H, H),
+        },
         up: LinearSpec::new(H, H),
     }
 }
