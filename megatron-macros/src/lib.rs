@@ -36,10 +36,12 @@
 //! spans) and `generate` (quote; one file per kind of field in `generate/kind/`).
 
 mod expansion_out;
+mod fuse;
 mod generate;
 mod model;
 mod parse;
 mod pipeline;
+mod pointwise;
 mod root;
 mod src_span;
 mod validate;
@@ -240,6 +242,7 @@ fn module_impl(root: &Root, input: TokenStream2) -> TokenStream2 {
         validate::recompute(&imp)?;
         let g = model::build(&imp.forward)?;
         let a = validate::validate(&s, &g)?;
+        let (g, a) = fuse::fuse(g, a);
         generate::impl_items(root, &s, &imp, &g, &a)
     });
     match result {

@@ -11,6 +11,7 @@ use syn::Ident;
 use syn::ext::IdentExt;
 
 use crate::parse::{Builtin, Expr, Forward, InputType, Stmt};
+use crate::pointwise::{Operand, Program, PwOp};
 use crate::src_span::{Errors, Src};
 
 /// Index of a value in [`Graph::values`].
@@ -30,6 +31,8 @@ pub struct Graph {
     pub output: ValueId,
     /// forward's output expression.
     pub output_src: Src,
+    /// The `self.name` scalars of element-wise math read (checked to be #[config] fields).
+    pub config_reads: Vec<Ident>,
 }
 
 /// One value (a tensor or token ids).
@@ -119,6 +122,27 @@ pub enum NodeOp {
         /// dropout's probability expression.
         p: Box<syn::Expr>,
     },
+    /// An element-wise operation: `a * b`, `relu(x)`, `x / 2.0`, `select(a > 0.0, x, y)`.
+    Pointwise {
+        /// Which.
+        op: PwOp,
+        /// Its operands: tensor arguments (`Operand::Input(k)`: the node's `k`-th argument) and
+        /// scalars (`Operand::Scalar(k)`: `scalars[k]`).
+        operands: Vec<Operand>,
+        /// The scalar expressions, as written.
+        scalars: Vec<syn::Expr>,
+    },
+    /// A chain of element-wise operations fused into one generated kernel each way (made by
+    /// `fuse` from `Pointwise` nodes and the `+` and `gelu` around them); args are the chain's
+    /// tensor inputs.
+    Fused {
+        /// The chain.
+        program: Program,
+        /// Its scalar expressions, as written.
+        scalars: Vec<syn::Expr>,
+        /// The chain's source, for docs and messages.
+        formula: String,
+    },
     /// `for elem in &self.list { var = elem(var); }`.
     Loop {
         /// The `Vec` field.
@@ -150,6 +174,7 @@ pub fn build(forward: &Forward) -> syn::Result<Graph> {
             nodes: Vec::new(),
             output: 0,
             output_src: forward.output.src(),
+            config_reads: Vec::new(),
         },
         env: HashMap::new(),
         sites: Vec::new(),
@@ -425,6 +450,31 @@ impl Builder {
                     src.clone(),
                 ))
             }
+            Expr::Arith { op, lhs, rhs, src } => self.pointwise(*op, &[lhs, rhs], src),
+            Expr::Neg { arg, src } => self.pointwise(PwOp::Neg, &[arg], src),
+            Expr::Pointwise { func, args, src } => {
+                let args: Vec<&Expr> = args.iter().collect();
+                self.pointwise(PwOp::Func(*func), &args, src)
+            }
+            Expr::Select { cmp, args, src } => {
+                let args: Vec<&Expr> = args.iter().collect();
+                self.pointwise(PwOp::Select(*cmp), &args, src)
+            }
+            Expr::Scalar { expr, config } => {
+                let message = match (config.as_slice(), self_field_only(expr)) {
+                    ([field], true) => format!(
+                        "`self.{0}` is used without a call; forward calls fields, \
+                         `self.{0}(x)` (#[config] values are scalars: operands of element-wise \
+                         math, or where a Rust value is expected, such as dropout's probability)",
+                        field.unraw()
+                    ),
+                    _ => "this is a scalar, where forward needs a tensor (scalars are operands \
+                          of element-wise math: `x * 2.0`)"
+                        .to_string(),
+                };
+                self.errors.push(syn::Error::new_spanned(expr, message));
+                None
+            }
             Expr::Add { lhs, rhs, src } => {
                 // A dropout on either side fuses with the sum (the right one when both are);
                 // sites are named in evaluation order, as without the fusion.
@@ -456,6 +506,60 @@ impl Builder {
     }
 }
 
+/// An operand of element-wise math: a tensor value, or a scalar expression.
+enum Opd {
+    Value(ValueId, Src),
+    Scalar(syn::Expr),
+}
+
+impl Builder {
+    fn operand(&mut self, e: &Expr) -> Option<Opd> {
+        match e {
+            Expr::Scalar { expr, config } => {
+                self.graph.config_reads.extend(config.iter().cloned());
+                Some(Opd::Scalar((**expr).clone()))
+            }
+            _ => self.expr(e).map(|v| Opd::Value(v, e.src())),
+        }
+    }
+
+    /// The node of an element-wise operation on `args`, at least one of them a tensor.
+    fn pointwise(&mut self, op: PwOp, args: &[&Expr], src: &Src) -> Option<ValueId> {
+        let opds: Vec<Option<Opd>> = args.iter().map(|a| self.operand(a)).collect();
+        let opds: Vec<Opd> = opds.into_iter().collect::<Option<_>>()?;
+        let (mut operands, mut tensors, mut scalars) = (Vec::new(), Vec::new(), Vec::new());
+        for o in opds {
+            match o {
+                Opd::Value(v, src) => {
+                    operands.push(Operand::Input(tensors.len()));
+                    tensors.push((v, src));
+                }
+                Opd::Scalar(e) => match crate::pointwise::literal_value(&e) {
+                    Some(v) => operands.push(Operand::Const(v.to_bits())),
+                    None => {
+                        operands.push(Operand::Scalar(scalars.len()));
+                        scalars.push(e);
+                    }
+                },
+            }
+        }
+        if tensors.is_empty() {
+            self.errors.push(src.error(
+                "element-wise math in forward needs a tensor operand: this is all scalars \
+                 (compute it in Rust, in a #[config] value or a constant)",
+            ));
+            return None;
+        }
+        let site = self.site(op.site_name());
+        let op = NodeOp::Pointwise {
+            op,
+            operands,
+            scalars,
+        };
+        Some(self.node(op, tensors, Some(site), src.clone()))
+    }
+}
+
 /// `dropout(x, p)`'s tensor argument and probability, if `expr` is that call.
 fn dropout_call(expr: &Expr) -> Option<(&Expr, &syn::Expr)> {
     match expr {
@@ -470,4 +574,9 @@ fn dropout_call(expr: &Expr) -> Option<(&Expr, &syn::Expr)> {
         },
         _ => None,
     }
+}
+
+/// Whether `e` is `self.name` and nothing else.
+fn self_field_only(e: &syn::Expr) -> bool {
+    matches!(e, syn::Expr::Field(f) if matches!(&*f.base, syn::Expr::Path(p) if p.path.is_ident("self")))
 }

@@ -6,6 +6,7 @@
 use syn::ext::IdentExt;
 use syn::{Attribute, Ident, Token, Type, Visibility};
 
+use crate::pointwise::{self, Cmp, Func, PwOp};
 use crate::src_span::{Errors, Src};
 
 /// What forward's statements may be (repeated in errors).
@@ -15,8 +16,11 @@ pub const STATEMENTS_HELP: &str = "forward accepts `let name = expr;`, `let mut 
 
 /// What forward's expressions may be (repeated in errors).
 pub const EXPRESSIONS_HELP: &str = "forward's expressions are calls of fields `self.field(..)`, \
-     `self.field.logits(h)`, `gelu(x)`, `dropout(x, p)`, `cross_entropy(logits, targets)`, \
-     `a + b`, parentheses and variable names";
+     `self.field.logits(h)`, the builtins `swiglu(x)`, `dropout(x, p)` and \
+     `cross_entropy(logits, targets)`, element-wise math (`a + b`, `a - b`, `a * b`, `a / b`, \
+     `-a`, with tensors or scalars such as `2.0`, `self.config_value` or `CONSTANT`; relu, \
+     square, silu, gelu, gelu_erf, sigmoid, tanh, exp, log, sqrt, rsqrt, softplus, abs, \
+     `clamp(x, lo, hi)`, `select(a > b, x, y)`), parentheses and variable names";
 
 // ---------------------------------------------------------------------------------------------
 // The struct
@@ -650,7 +654,7 @@ pub enum Expr {
         /// The call.
         src: Src,
     },
-    /// `a + b`.
+    /// `a + b` of two tensors.
     Add {
         /// Left side.
         lhs: Box<Expr>,
@@ -658,6 +662,50 @@ pub enum Expr {
         rhs: Box<Expr>,
         /// The whole expression.
         src: Src,
+    },
+    /// `a - b`, `a * b`, `a / b`, and `+` with a scalar side.
+    Arith {
+        /// Which.
+        op: PwOp,
+        /// Left side.
+        lhs: Box<Expr>,
+        /// Right side.
+        rhs: Box<Expr>,
+        /// The whole expression.
+        src: Src,
+    },
+    /// `-x` of a tensor.
+    Neg {
+        /// The operand.
+        arg: Box<Expr>,
+        /// The whole expression.
+        src: Src,
+    },
+    /// An element-wise function: `relu(x)`, `clamp(x, lo, hi)`.
+    Pointwise {
+        /// Which.
+        func: Func,
+        /// Its arguments (tensors or scalars).
+        args: Vec<Expr>,
+        /// The call.
+        src: Src,
+    },
+    /// `select(a cmp b, x, y)`: `x` where the comparison holds, else `y`.
+    Select {
+        /// The comparison.
+        cmp: Cmp,
+        /// `[a, b, x, y]`.
+        args: Vec<Expr>,
+        /// The call.
+        src: Src,
+    },
+    /// A scalar: a literal, a #[config] value `self.name`, a constant `NAME` or `path::NAME`, or
+    /// arithmetic of them; evaluated as Rust, as an `f32`.
+    Scalar {
+        /// The expression, as written.
+        expr: Box<syn::Expr>,
+        /// The `self.name` it reads (checked to be #[config] fields).
+        config: Vec<Ident>,
     },
 }
 
@@ -669,7 +717,12 @@ impl Expr {
             Expr::FieldCall { src, .. }
             | Expr::Logits { src, .. }
             | Expr::Builtin { src, .. }
-            | Expr::Add { src, .. } => src.clone(),
+            | Expr::Add { src, .. }
+            | Expr::Arith { src, .. }
+            | Expr::Neg { src, .. }
+            | Expr::Pointwise { src, .. }
+            | Expr::Select { src, .. } => src.clone(),
+            Expr::Scalar { expr, .. } => Src::of(expr),
         }
     }
 }
@@ -1245,6 +1298,12 @@ fn is_self(e: &syn::Expr) -> bool {
 
 /// Parses one expression of forward.
 pub fn parse_expr(e: &syn::Expr) -> syn::Result<Expr> {
+    if let Some(config) = scalar_reads(e) {
+        return Ok(Expr::Scalar {
+            expr: Box::new(e.clone()),
+            config,
+        });
+    }
     match e {
         syn::Expr::Paren(p) if p.attrs.is_empty() => parse_expr(&p.expr),
         syn::Expr::Group(g) => parse_expr(&g.expr),
@@ -1258,35 +1317,54 @@ pub fn parse_expr(e: &syn::Expr) -> syn::Result<Expr> {
             }
             Ok(Expr::Var(ident))
         }
-        syn::Expr::Binary(b) => match b.op {
-            syn::BinOp::Add(_) => Ok(Expr::Add {
-                lhs: Box::new(parse_expr(&b.left)?),
-                rhs: Box::new(parse_expr(&b.right)?),
-                src: Src::of(e),
-            }),
-            op => Err(syn::Error::new_spanned(
-                op,
-                format!(
-                    "`{}` is not supported in forward: tensors are added with `+`, anything else \
-                     is a builtin or an #[op]; {EXPRESSIONS_HELP}",
-                    quote::quote!(#op)
-                ),
-            )),
-        },
+        syn::Expr::Unary(u) if matches!(u.op, syn::UnOp::Neg(_)) => Ok(Expr::Neg {
+            arg: Box::new(parse_expr(&u.expr)?),
+            src: Src::of(e),
+        }),
+        syn::Expr::Binary(b) => {
+            let op = match b.op {
+                syn::BinOp::Add(_) => PwOp::Add,
+                syn::BinOp::Sub(_) => PwOp::Sub,
+                syn::BinOp::Mul(_) => PwOp::Mul,
+                syn::BinOp::Div(_) => PwOp::Div,
+                syn::BinOp::Lt(_) | syn::BinOp::Le(_) | syn::BinOp::Gt(_) | syn::BinOp::Ge(_) => {
+                    return Err(syn::Error::new_spanned(
+                        e,
+                        "a comparison is the condition of `select(a > b, x, y)`, and nothing \
+                         else in forward",
+                    ));
+                }
+                op => {
+                    return Err(syn::Error::new_spanned(
+                        op,
+                        format!(
+                            "`{}` is not supported in forward; {EXPRESSIONS_HELP}",
+                            quote::quote!(#op)
+                        ),
+                    ));
+                }
+            };
+            let (lhs, rhs) = (parse_expr(&b.left), parse_expr(&b.right));
+            let (lhs, rhs) = (Box::new(lhs?), Box::new(rhs?));
+            let tensors =
+                !matches!(*lhs, Expr::Scalar { .. }) && !matches!(*rhs, Expr::Scalar { .. });
+            Ok(if op == PwOp::Add && tensors {
+                Expr::Add {
+                    lhs,
+                    rhs,
+                    src: Src::of(e),
+                }
+            } else {
+                Expr::Arith {
+                    op,
+                    lhs,
+                    rhs,
+                    src: Src::of(e),
+                }
+            })
+        }
         syn::Expr::MethodCall(m) => parse_method_call(m, e),
         syn::Expr::Call(c) => parse_call(c, e),
-        syn::Expr::Field(_) if self_field(e).is_some() => {
-            let field = self_field(e).expect("checked");
-            Err(syn::Error::new_spanned(
-                e,
-                format!(
-                    "`self.{0}` is used without a call; forward calls fields, `self.{0}(x)` \
-                     (#[config] values go where a Rust value is expected, such as dropout's \
-                     probability)",
-                    field.unraw()
-                ),
-            ))
-        }
         other => Err(unsupported_expression(other)),
     }
 }
@@ -1370,15 +1448,34 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
         "swiglu" => Builtin::Swiglu,
         "dropout" => Builtin::Dropout,
         "cross_entropy" => Builtin::CrossEntropy,
+        "select" => return parse_select(c, e),
         other => {
+            if let Some(&(_, func, usage)) = pointwise::FUNCS.iter().find(|f| f.0 == other) {
+                if c.args.len() != func.arity() {
+                    return Err(syn::Error::new_spanned(
+                        e,
+                        format!(
+                            "{other} takes {}: `{usage}`",
+                            plural(func.arity(), "argument")
+                        ),
+                    ));
+                }
+                return Ok(Expr::Pointwise {
+                    func,
+                    args: parse_args(&c.args)?,
+                    src: Src::of(e),
+                });
+            }
             return Err(syn::Error::new_spanned(
                 &c.func,
                 format!(
-                    "unknown function `{other}` in forward: the builtins are gelu, swiglu, \
-                     dropout and cross_entropy, and fields are called as `self.field(x)` (a loop \
+                    "unknown function `{other}` in forward: the builtins are swiglu, dropout and \
+                     cross_entropy, the element-wise functions {} (with `+ - * /`, fused into \
+                     generated kernels), and fields are called as `self.field(x)` (a loop \
                      element only inside its loop); other math is an op of your own: a type \
                      implementing `megatron::module::Op` (its forward and backward) in a field \
-                     marked #[op], called as `self.field(x)`"
+                     marked #[op], called as `self.field(x)`",
+                    pointwise::names()
                 ),
             ));
         }
@@ -1414,4 +1511,94 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
         p,
         src: Src::of(e),
     })
+}
+
+/// `n thing` or `n things`.
+fn plural(n: usize, thing: &str) -> String {
+    if n == 1 {
+        format!("one {thing}")
+    } else {
+        format!("{n} {thing}s")
+    }
+}
+
+/// `select(a cmp b, x, y)`.
+fn parse_select(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
+    const USAGE: &str = "`select(a > b, x, y)`: `x` where the comparison holds, else `y` \
+                         (`<`, `<=`, `>`, `>=` between tensors or scalars)";
+    if c.args.len() != 3 {
+        return Err(syn::Error::new_spanned(
+            e,
+            format!("select takes 3 arguments, {USAGE}"),
+        ));
+    }
+    let mut cond = &c.args[0];
+    while let syn::Expr::Paren(p) = cond {
+        cond = &p.expr;
+    }
+    let syn::Expr::Binary(b) = cond else {
+        return Err(syn::Error::new_spanned(
+            cond,
+            format!("select's first argument is a comparison, {USAGE}"),
+        ));
+    };
+    let cmp = match b.op {
+        syn::BinOp::Lt(_) => Cmp::Lt,
+        syn::BinOp::Le(_) => Cmp::Le,
+        syn::BinOp::Gt(_) => Cmp::Gt,
+        syn::BinOp::Ge(_) => Cmp::Ge,
+        _ => {
+            return Err(syn::Error::new_spanned(
+                cond,
+                format!("select's first argument is a comparison, {USAGE}"),
+            ));
+        }
+    };
+    let args = [&*b.left, &*b.right, &c.args[1], &c.args[2]]
+        .into_iter()
+        .map(parse_expr)
+        .collect::<syn::Result<Vec<_>>>()?;
+    Ok(Expr::Select {
+        cmp,
+        args,
+        src: Src::of(e),
+    })
+}
+
+/// The #[config] fields a scalar expression reads, or `None` when `e` is not a scalar: a
+/// numeric literal, `self.name` (not called), a constant (an upper-case name or a path), or
+/// `-`, `+ - * /`, parentheses and `as` casts of scalars.
+fn scalar_reads(e: &syn::Expr) -> Option<Vec<Ident>> {
+    match e {
+        syn::Expr::Lit(l) => match &l.lit {
+            syn::Lit::Int(_) | syn::Lit::Float(_) => Some(Vec::new()),
+            _ => None,
+        },
+        syn::Expr::Field(_) => self_field(e).map(|f| vec![f]),
+        syn::Expr::Path(p) if p.qself.is_none() => {
+            let segments = &p.path.segments;
+            let last = segments.last()?.ident.to_string();
+            let constant = last.len() > 1
+                && last.chars().any(|c| c.is_ascii_uppercase())
+                && last
+                    .chars()
+                    .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+            (constant && segments.iter().all(|s| s.arguments.is_none())).then(Vec::new)
+        }
+        syn::Expr::Paren(p) => scalar_reads(&p.expr),
+        syn::Expr::Group(g) => scalar_reads(&g.expr),
+        syn::Expr::Cast(c) => scalar_reads(&c.expr),
+        syn::Expr::Unary(u) if matches!(u.op, syn::UnOp::Neg(_)) => scalar_reads(&u.expr),
+        syn::Expr::Binary(b)
+            if matches!(
+                b.op,
+                syn::BinOp::Add(_) | syn::BinOp::Sub(_) | syn::BinOp::Mul(_) | syn::BinOp::Div(_)
+            ) =>
+        {
+            let mut reads = scalar_reads(&b.left)?;
+            reads.extend(scalar_reads(&b.right)?);
+            Some(reads)
+        }
+        _ => None,
+    }
 }

@@ -256,6 +256,7 @@ fn slice(
         nodes: new_nodes,
         output: map[output].expect("the output is defined in the part"),
         output_src,
+        config_reads: Vec::new(),
     };
     for n in 0..graph.nodes.len() {
         for (arg, &v) in graph.nodes[n].args.clone().iter().enumerate() {

@@ -25,6 +25,25 @@ impl Src {
         }
     }
 
+    /// The tokens as text, spaced as written in Rust (`relu(h) * relu(h)`).
+    pub fn text(&self) -> String {
+        let raw = self.0.to_string();
+        let mut out = String::with_capacity(raw.len());
+        let mut chars = raw.chars().peekable();
+        while let Some(c) = chars.next() {
+            let next = chars.peek().copied();
+            let prev = out.chars().last();
+            let drop = c == ' '
+                && (matches!(next, Some(')' | ',' | '.'))
+                    || matches!(prev, Some('(' | '.'))
+                    || next == Some('(') && prev.is_some_and(|p| p.is_alphanumeric() || p == '_'));
+            if !drop {
+                out.push(c);
+            }
+        }
+        out
+    }
+
     /// The span of the first token (where generated code that stands for it points).
     pub fn span(&self) -> Span {
         self.0

@@ -81,6 +81,8 @@ fn op_name(op: &NodeOp) -> String {
         NodeOp::Add => "+".into(),
         NodeOp::DropoutAdd { .. } => "+ dropout".into(),
         NodeOp::Loop { list, .. } => format!("for &self.{list}"),
+        NodeOp::Pointwise { op, .. } => op.site_name().to_string(),
+        NodeOp::Fused { formula, .. } => format!("fused {formula}"),
     }
 }
 
@@ -228,9 +230,11 @@ fn forward_statements_outside_the_dsl_are_errors_naming_the_construct() {
         first_words("x.relu()"),
         "method calls on tensors (`.relu(..)`) are not supported in forward"
     );
-    assert!(one("x * x").starts_with("`*` is not supported in forward"));
-    assert!(one("self.fc1").starts_with("`self.fc1` is used without a call"));
-    assert!(one("relu(x)").starts_with("unknown function `relu` in forward"));
+    assert!(one("x % x").starts_with("`%` is not supported in forward"));
+    assert!(one("x > x").starts_with("a comparison is the condition of `select"));
+    assert!(one("relu(x, x)").starts_with("relu takes one argument: `relu(x)`"));
+    assert!(one("select(x, x, x)").starts_with("select's first argument is a comparison"));
+    assert!(one("swish(x)").starts_with("unknown function `swish` in forward"));
     assert!(one("gelu(x, x)").starts_with("gelu takes 1 argument, `gelu(x)`, not 2"));
     assert!(one("let y = x;").starts_with("forward ends with its output expression"));
     assert!(

@@ -11,6 +11,7 @@ use syn::ext::IdentExt;
 use crate::generate::kind_of;
 use crate::model::{Def, Graph, Node, NodeId, NodeOp, ValueId};
 use crate::parse::{Builtin, Field, FieldKind, InputType, ModuleImpl, ModuleStruct};
+use crate::pointwise::{Func, Operand, PwOp};
 use crate::src_span::{Errors, Src};
 
 /// How a value is held across the tensor-parallel group.
@@ -105,6 +106,7 @@ pub fn validate(s: &ModuleStruct, g: &Graph) -> syn::Result<Analysis> {
     }
     c.output();
     c.unused();
+    c.config_reads();
     let Checker {
         sharding,
         field,
@@ -147,6 +149,8 @@ impl Checker<'_> {
                 }
                 NodeOp::Builtin { builtin, .. } => format!("the output of {}", builtin.name()),
                 NodeOp::Add | NodeOp::DropoutAdd { .. } => "the sum".into(),
+                NodeOp::Pointwise { op, .. } => format!("the output of `{}`", op.site_name()),
+                NodeOp::Fused { formula, .. } => format!("`{formula}`"),
                 NodeOp::Loop { list, .. } => format!("the output of the `{}` loop", list.unraw()),
             },
         }
@@ -353,6 +357,8 @@ impl Checker<'_> {
                 let origin = self.origin[a].clone().expect("known sharding");
                 self.set(out, sa, origin);
             }
+            NodeOp::Pointwise { op, operands, .. } => self.pointwise(n, *op, operands),
+            NodeOp::Fused { formula, .. } => self.alike(n, &format!("`{formula}`")),
             NodeOp::Loop { list, .. } => {
                 let Some(fi) = self.find_field(list) else {
                     return;
@@ -376,6 +382,86 @@ impl Checker<'_> {
                 self.arg(&who, Want::Replicated, v, src);
                 let text = format!("it comes from the `{name}` loop");
                 self.set(out, Sharding::Replicated, Origin { text, column: None });
+            }
+        }
+    }
+
+    /// An element-wise operation: its tensors sharded alike (all replicated, or all split
+    /// over tensor parallel: it works on each rank's part), clamp's bounds scalars.
+    fn pointwise(&mut self, n: NodeId, op: PwOp, operands: &[Operand]) {
+        let g = self.g;
+        let node = &g.nodes[n];
+        let who = format!("`{}`", op.site_name());
+        if op == PwOp::Func(Func::Clamp)
+            && operands[1..]
+                .iter()
+                .any(|o| !matches!(o, Operand::Scalar(_) | Operand::Const(_)))
+        {
+            self.errors.push(node.src.error(
+                "clamp's bounds are scalars (literals, #[config] values or constants): \
+                 `clamp(x, -1.0, 1.0)`; for a bound per element write \
+                 `select(x < lo, lo, select(x > hi, hi, x))`",
+            ));
+            return;
+        }
+        self.alike(n, &who);
+    }
+
+    /// The tensors of element-wise node `n` (called `who`) sharded alike; its output as them.
+    fn alike(&mut self, n: NodeId, who: &str) {
+        let g = self.g;
+        let node = &g.nodes[n];
+        let mut first: Option<(ValueId, Sharding)> = None;
+        for (&v, src) in node.args.iter().zip(&node.arg_srcs) {
+            let Some(sh) = self.arg(who, Want::Tensor, v, src) else {
+                return;
+            };
+            match first {
+                None => first = Some((v, sh)),
+                Some((a, sa)) if sa != sh => {
+                    let (split, repl) = if sa == Sharding::Split {
+                        (a, v)
+                    } else {
+                        (v, a)
+                    };
+                    self.errors.push(node.src.error(format!(
+                        "element-wise math needs its tensors sharded alike, but {} is split \
+                         over tensor parallel ({}) and {} is replicated ({}); {}",
+                        self.describe(split),
+                        self.origin_text(split),
+                        self.describe(repl),
+                        self.origin_text(repl),
+                        self.replicate_fix(split)
+                    )));
+                    return;
+                }
+                Some(_) => {}
+            }
+        }
+        if let Some((a, sh)) = first {
+            let origin = self.origin[a].clone().expect("known sharding");
+            self.set(node.output, sh, origin);
+        }
+    }
+
+    /// The `self.name` scalars read are #[config] fields.
+    fn config_reads(&mut self) {
+        for ident in &self.g.config_reads {
+            let name = ident.unraw().to_string();
+            match self.s.fields.iter().find(|f| f.name() == name) {
+                Some(f) if matches!(f.kind, FieldKind::Config) => {}
+                Some(f) => self.errors.push(syn::Error::new_spanned(
+                    ident,
+                    format!(
+                        "`self.{name}` is {} and is used as a scalar; the scalars of \
+                         element-wise math are #[config] values, literals and constants \
+                         (a field is called: `self.{name}(x)`)",
+                        f.kind.attribute()
+                    ),
+                )),
+                None => {
+                    self.find_field(ident);
+                }
             }
         }
     }

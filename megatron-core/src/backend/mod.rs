@@ -27,6 +27,7 @@ use crate::kernels::rotary::RopeLayout;
 use crate::module::Param;
 use crate::moe::RouterConfig;
 use crate::moe::experts::{ExpertShape, ExpertsSaved};
+use crate::ops::FusedKernel;
 use crate::rng::DropoutStream;
 use crate::tensor::{DType, Result as TensorResult, Tensor};
 
@@ -101,6 +102,16 @@ device_ops! {
         fn cross_entropy(&self, logits: &Tensor, targets: &Tensor, rows: usize, vocab: usize) -> Result<(Tensor, Tensor, Tensor)>;
         /// Gradient of [`ElementwiseOps::cross_entropy`] with respect to the logits.
         fn cross_entropy_backward(&self, logits: &Tensor, targets: &Tensor, logsumexp: &Tensor, dloss: &Tensor, rows: usize, vocab: usize) -> Result<Tensor>;
+    }
+}
+
+device_ops! {
+    /// The element-wise chains `#[megatron::module]` fuses into generated kernels
+    /// (`ops::fused`).
+    pub(crate) trait FusedOps {
+        /// The outputs of `kernel` (its host loop, or its CUDA C on a GPU) over the equally
+        /// shaped `inputs` (counts checked by the caller), each of their shape, in f32.
+        fn fused(&self, kernel: &'static FusedKernel, inputs: &[&Tensor], scalars: &[f32]) -> Result<Vec<Tensor>>;
     }
 }
 
@@ -326,6 +337,7 @@ pub(crate) trait Backend:
     + ElementwiseOps
     + EmbeddingOps
     + ExpertOps
+    + FusedOps
     + GroupedHeadOps
     + MatmulOps
     + NormOps

@@ -5,20 +5,10 @@ use rayon::prelude::*;
 use super::isa::{Isa, versioned};
 use super::math;
 use super::parallel;
+use super::pointwise;
 use super::reduce::add_column_sums;
 use super::shape::numel;
 use super::{KernelError, check_len};
-
-/// √(2/π), the GeLU tanh-approximation constant.
-const GELU_K: f32 = 0.797_884_6;
-/// Cubic coefficient of the GeLU tanh approximation.
-const GELU_C: f32 = 0.044_715;
-/// GeLU's `−2u = x·(GELU_A + GELU_B·x²)`: `GELU_A = −2·√(2/π)`, …
-const GELU_A: f32 = -2.0 * GELU_K;
-/// … `GELU_B = −2·√(2/π)·0.044715`.
-const GELU_B: f32 = GELU_A * GELU_C;
-/// `d(−2u)/dx = GELU_A + GELU_3B·x²`.
-const GELU_3B: f32 = 3.0 * GELU_B;
 
 versioned! {
     fn bias_add_rows(x: &mut [f32], bias: &[f32], cols: usize) {
@@ -75,8 +65,7 @@ versioned! {
     fn gelu_forward_loop(x: &[f32], y: &mut [f32]) {
         for (o, &v) in y.iter_mut().zip(x) {
             // 0.5·x·(1 + tanh u) = x·σ(2u) = x / (1 + e^(−2u)).
-            let e = math::exp(v * (GELU_A + GELU_B * (v * v)));
-            *o = v / (1.0 + e);
+            *o = pointwise::gelu(v);
         }
     }
 }
@@ -103,14 +92,7 @@ pub fn gelu_forward(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
 versioned! {
     fn gelu_backward_loop(x: &[f32], dy: &[f32], dx: &mut [f32]) {
         for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
-            // With z = −2u, e = eᶻ and s = σ(−z) = 1/(1 + e): y = x·s and
-            // y' = s + x·s' = s − x·s·(1 − s)·z', where 1 − s = e·s (1 once e overflows).
-            let v2 = v * v;
-            let e = math::exp(v * (GELU_A + GELU_B * v2));
-            let s = 1.0 / (1.0 + e);
-            let one_minus_s = (e * s).min(1.0);
-            let dz = GELU_A + GELU_3B * v2;
-            *o = g * (s - (v * s) * (one_minus_s * dz));
+            *o = g * pointwise::gelu_grad(v);
         }
     }
 }

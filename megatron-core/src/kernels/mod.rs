@@ -23,6 +23,7 @@ pub mod heads;
 pub mod isa;
 pub mod layer_norm;
 pub mod math;
+pub mod pointwise;
 pub mod rotary;
 pub mod softmax;
 

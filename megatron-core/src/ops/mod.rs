@@ -4,9 +4,11 @@
 //! `dropout`, `cross_entropy`, and `dropout_add` for `a + dropout(b, p)`) are the builtin
 //! functions of a `#[megatron::module]` forward.
 
+pub mod fused;
 pub(crate) mod matmul;
 mod primitives;
 
+pub use fused::{AsScalar, Fused, FusedKernel, FusedSaved, HostLoop, Keep, fused, fused_backward};
 pub use matmul::{as_operand, matmul, matmul_bias_into, matmul_into, operand_dtype};
 pub use primitives::{
     CrossEntropySaved, DropoutSaved, GeluSaved, SwigluSaved, add, cross_entropy,

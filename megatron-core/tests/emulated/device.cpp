@@ -19,6 +19,7 @@
 // barrier fails its launch with CUDA_ERROR_LAUNCH_FAILED and a report on stderr.
 #include "launch.cpp"
 
+#include <dlfcn.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -756,11 +757,80 @@ CUresult cuMemcpyAsync(unsigned long long dst, unsigned long long src, std::size
     return cuMemcpyDtoDAsync_v2(dst, src, n, stream);
 }
 
-// PTX from NVRTC: its entries name the kernels (which must all be emulated).
+// The line before the CUDA C a generated program's PTX carries (cuda/programs.rs, SOURCE_MARK),
+// each of its lines after `//| `.
+constexpr const char* SOURCE_MARK = "// megatron-rs generated source\n";
+
+// Compiles the CUDA C that the PTX of a generated program carries (#[megatron::module]'s fused
+// kernels) for the CPU, as launch.cpp is, loads it and adds its kernels `names`; false, with
+// the reason on stderr, when the PTX carries none or it does not build. Built once per source
+// text, under the system's temporary folder.
+bool load_generated(const std::string& ptx, const std::vector<std::string>& names) {
+    const std::size_t mark = ptx.find(SOURCE_MARK);
+    if (mark == std::string::npos) return false;
+    std::string source;
+    for (std::size_t at = mark + std::strlen(SOURCE_MARK); at < ptx.size();) {
+        std::size_t end = ptx.find('\n', at);
+        if (end == std::string::npos) end = ptx.size();
+        const std::string line = ptx.substr(at, end - at);
+        if (line.rfind("//| ", 0) == 0) source += line.substr(4);
+        source += '\n';
+        at = end + 1;
+    }
+    std::string text = "#include \"shim.h\"\n#include \"common.cuh\"\n#include \"emu_kernel.h\"\n" +
+                       source + "\nstatic const EmuKernel emu_generated_table[] = {\n";
+    for (const auto& n : names) text += "    EMU_KERNEL(" + n + "),\n";
+    text += "};\nextern \"C\" __attribute__((visibility(\"default\"))) const EmuKernel* "
+            "emu_generated_kernels(int* count) {\n    *count = " +
+            std::to_string(names.size()) + ";\n    return emu_generated_table;\n}\n";
+    const std::string dir = std::string(std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") +
+                            "/megatron-emulated-generated";
+    const std::string stem =
+        dir + "/" + std::to_string(std::hash<std::string>{}(text + EMU_BUILD_FLAGS));
+    const std::string lib = stem + ".so";
+    if (access(lib.c_str(), R_OK) != 0) {
+        const std::string tmp = stem + "." + std::to_string(getpid()) + "." +
+                                std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id()));
+        std::system(("mkdir -p '" + dir + "'").c_str());
+        FILE* f = std::fopen((tmp + ".cpp").c_str(), "w");
+        if (!f) return false;
+        std::fwrite(text.data(), 1, text.size(), f);
+        std::fclose(f);
+        const std::string cmd = std::string(EMU_CXX) + " " + EMU_BUILD_FLAGS + " -fvisibility=hidden -o '" +
+                                tmp + ".so' '" + tmp + ".cpp' 2>&1";
+        if (std::system(cmd.c_str()) != 0) {
+            std::fprintf(stderr, "emulated GPU: compiling a generated program failed: %s\n",
+                         cmd.c_str());
+            return false;
+        }
+        std::rename((tmp + ".so").c_str(), lib.c_str());
+        std::remove((tmp + ".cpp").c_str());
+    }
+    void* handle = dlopen(lib.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!handle) {
+        std::fprintf(stderr, "emulated GPU: loading %s failed: %s\n", lib.c_str(), dlerror());
+        return false;
+    }
+    using Table = const EmuKernel* (*)(int*);
+    auto table = reinterpret_cast<Table>(dlsym(handle, "emu_generated_kernels"));
+    if (!table) return false;
+    int count = 0;
+    const EmuKernel* kernels = table(&count);
+    emu_add_kernels(kernels, count);
+    return true;
+}
+
+// PTX from NVRTC: its entries name the kernels (which must all be emulated; those of a
+// generated program are compiled from the source it carries).
 CUresult cuModuleLoadData(void** module, const void* image) {
     const std::string ptx(static_cast<const char*>(image));
     auto* m = new Module;
     m->max_threads = entries(ptx);
+    std::vector<std::string> unknown;
+    for (const auto& [name, threads] : m->max_threads) {
+        if (!emu_find_kernel(name.c_str())) unknown.push_back(name);
+    }
+    if (!unknown.empty()) load_generated(ptx, unknown);
     for (const auto& [name, threads] : m->max_threads) {
         if (!emu_find_kernel(name.c_str())) {
             std::fprintf(stderr,

@@ -43,7 +43,13 @@ fn sources(core: &Path) -> Vec<PathBuf> {
         .map(|e| e.expect("a kernel source").path())
         .collect();
     files.sort();
-    for f in ["shim.h", "launch.cpp", "device.cpp", "nccl.cpp"] {
+    for f in [
+        "shim.h",
+        "emu_kernel.h",
+        "launch.cpp",
+        "device.cpp",
+        "nccl.cpp",
+    ] {
         files.push(core.join("tests/emulated").join(f));
     }
     files
@@ -116,13 +122,26 @@ pub fn build(core: &Path) -> PathBuf {
     let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = dir.with_extension(format!("tmp{}-{call}", std::process::id()));
     std::fs::create_dir_all(&tmp).expect("a folder for the emulated GPU");
+    // How device.cpp builds the programs generated at run time (`ops::fused`) as this
+    // build's kernels are built.
+    let cxx = compiler();
+    let flags = format!(
+        "-std=c++20 -O2 -ffp-contract=off -fno-strict-aliasing -fPIC -shared -pthread -I '{}' -I '{}'",
+        core.join("src/cuda/cu").display(),
+        core.join("tests/emulated").display()
+    );
+    let defines = [
+        format!("-DEMU_CXX=\"{cxx}\""),
+        format!("-DEMU_BUILD_FLAGS=\"{}\"", flags.replace('"', "\\\"")),
+    ];
+    let mut extra = vec!["-fvisibility=hidden", "-Wl,-soname,libcuda.so"];
+    extra.extend(defines.iter().map(String::as_str));
     compile(
         core,
         &core.join("tests/emulated/device.cpp"),
         &tmp.join(LIBRARIES[0]),
-        &["-fvisibility=hidden", "-Wl,-soname,libcuda.so"],
+        &extra,
     );
-    let cxx = compiler();
     let empty = tmp.join("empty.cpp");
     std::fs::write(&empty, "").expect("an empty source");
     for name in &LIBRARIES[1..] {

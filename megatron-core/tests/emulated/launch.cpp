@@ -2,6 +2,7 @@
 // launches a kernel by name with cuLaunchKernel's calling convention (an array of pointers to
 // the arguments), so that tests run the kernels' own source without a GPU.
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -52,55 +53,7 @@ extern "C" __global__ void emu_deadlock_check(int early) {
     __syncthreads();
 }
 
-template <class... A, std::size_t... I>
-void emu_call(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
-    kernel(*static_cast<std::remove_reference_t<A>*>(args[I])...);
-}
-
-template <class... A>
-bool emu_run(void (*kernel)(A...), emu_dim3 grid, emu_dim3 block, void** args) {
-    return emu_launch(grid, block,
-                      [&] { emu_call(kernel, args, std::index_sequence_for<A...>{}); });
-}
-
-// The sizes of a kernel's parameters, in order (what a graph keeps of a launch's arguments).
-template <class... A>
-std::vector<std::size_t> emu_param_sizes(void (*)(A...)) {
-    return {sizeof(std::remove_reference_t<A>)...};
-}
-
-// What a kernel does with a parameter of type `A`: 0 not a pointer, 1 reads through it (a
-// pointer to const), 2 may write through it; 3 (4) a table of pointers it reads (writes)
-// through.
-template <class A>
-constexpr int emu_param_kind() {
-    if constexpr (!std::is_pointer_v<A>) {
-        return 0;
-    } else {
-        using T = std::remove_pointer_t<A>;
-        if constexpr (std::is_pointer_v<std::remove_cv_t<T>>) {
-            return std::is_const_v<std::remove_pointer_t<std::remove_cv_t<T>>> ? 3 : 4;
-        } else {
-            return std::is_const_v<T> ? 1 : 2;
-        }
-    }
-}
-
-template <class... A>
-std::vector<int> emu_param_kinds(void (*)(A...)) {
-    return {emu_param_kind<A>()...};
-}
-
-struct EmuKernel {
-    const char* name;
-    bool (*run)(emu_dim3, emu_dim3, void**);
-    std::vector<std::size_t> (*param_sizes)();
-    std::vector<int> (*param_kinds)();
-};
-
-#define EMU_KERNEL(k)                                                              \
-    {#k, [](emu_dim3 g, emu_dim3 b, void** a) { return emu_run(k, g, b, a); }, \
-     [] { return emu_param_sizes(k); }, [] { return emu_param_kinds(k); }}
+#include "emu_kernel.h"
 
 // Every kernel of the programs (programs.rs), by file, and the emulation's own; a program
 // with a kernel missing here fails to load on the emulated GPU.
@@ -173,9 +126,25 @@ static const EmuKernel EMU_KERNELS[] = {
     EMU_KERNEL(emu_deadlock_check),
 };
 
+// The kernels of programs generated at run time (#[megatron::module]'s fused element-wise
+// kernels), added when their module is loaded (device.cpp); never removed, so that pointers to
+// them stay valid.
+inline std::deque<EmuKernel> emu_generated;
+inline std::mutex emu_generated_lock;
+
+// Adds generated kernels.
+inline void emu_add_kernels(const EmuKernel* kernels, int count) {
+    const std::lock_guard<std::mutex> lock(emu_generated_lock);
+    for (int i = 0; i < count; ++i) emu_generated.push_back(kernels[i]);
+}
+
 // The kernel called `name`, or null.
 inline const EmuKernel* emu_find_kernel(const char* name) {
     for (const auto& k : EMU_KERNELS) {
+        if (std::strcmp(k.name, name) == 0) return &k;
+    }
+    const std::lock_guard<std::mutex> lock(emu_generated_lock);
+    for (const auto& k : emu_generated) {
         if (std::strcmp(k.name, name) == 0) return &k;
     }
     return nullptr;

@@ -500,6 +500,17 @@ fn forward_node<'a>(
                 quote!(let #o = #rt::ops::add(#xr, #yr)?;)
             });
         }
+        NodeOp::Fused { scalars, .. } => {
+            let saved = saved.expect("chains save");
+            let site_name = node.site.clone().expect("chains have sites");
+            let args = args.to_vec();
+            b.push(move |nm| {
+                let refs = args.iter().map(|&a| nm.by_ref(a)).collect();
+                let (s, o) = (nm.pat(saved), nm.pat(out));
+                super::fused::forward_call(rt, &site, &site_name, refs, scalars, o, s)
+            });
+        }
+        NodeOp::Pointwise { .. } => unreachable!("element-wise nodes are fused"),
         NodeOp::DropoutAdd { p } => {
             let (residual, x) = (args[0], args[1]);
             let saved = saved.expect("dropout saves");
@@ -873,6 +884,20 @@ fn backward_node<'a>(
                 }
             });
         }
+        NodeOp::Fused { .. } => {
+            let saved = saved.expect("chains save");
+            let site_name = node.site.clone().expect("chains have sites");
+            let d_args: Vec<LocalId> = d_args
+                .iter()
+                .map(|d| d.expect("chains read tensors"))
+                .collect();
+            b.push(move |nm| {
+                let grads = d_args.iter().map(|&d| nm.pat(d)).collect();
+                let (s, dy) = (nm.ident(saved), nm.by_ref(d_y));
+                super::fused::backward_call(rt, &site, &site_name, quote!(#s), dy, grads)
+            });
+        }
+        NodeOp::Pointwise { .. } => unreachable!("element-wise nodes are fused"),
         NodeOp::Add => {
             let (d_a, d_b) = (
                 d_args[0].expect("sums are of tensors"),

@@ -2,6 +2,7 @@
 //! macro) and the impl's items (the Saved struct, forward and backward).
 
 mod body;
+mod fused;
 mod kind;
 pub mod names;
 
@@ -275,6 +276,8 @@ pub fn saved_field_type(
     let field = a.field[n].map(|i| &s.fields[i]);
     Some(match &node.op {
         NodeOp::Add => return None,
+        NodeOp::Pointwise { .. } => unreachable!("element-wise nodes are fused"),
+        NodeOp::Fused { .. } => quote!(#rt::ops::FusedSaved),
         NodeOp::DropoutAdd { .. } => quote!(#rt::ops::DropoutSaved),
         NodeOp::Field { .. } | NodeOp::Loop { .. } => {
             let f = field.expect("validated");
@@ -315,7 +318,10 @@ fn saved_field_doc(s: &ModuleStruct, g: &Graph, a: &Analysis, n: usize) -> Strin
         ),
         NodeOp::Builtin { builtin, .. } => format!("What {} keeps.", builtin.name()),
         NodeOp::DropoutAdd { .. } => "What dropout keeps (fused with the sum after it).".into(),
-        NodeOp::Add => String::new(),
+        NodeOp::Fused { formula, .. } => {
+            format!("What `{formula}` keeps (the tensors its fused backward kernel reads).")
+        }
+        NodeOp::Add | NodeOp::Pointwise { .. } => String::new(),
     }
 }
 
@@ -440,6 +446,7 @@ pub fn impl_items(
     let (stage_fns, stage_items) = stages.unzip();
     let attrs = &imp.attrs;
     let others = &imp.others;
+    let kernels = fused::consts(root, s, g);
     Ok(quote! {
         #saved
 
@@ -452,6 +459,8 @@ pub fn impl_items(
             #[doc(hidden)]
             /// `Module::GRADIENT_FEEDS_PRODUCTS` of this module, from its forward.
             pub const __GRADIENT_FEEDS_PRODUCTS: bool = #feeds;
+
+            #kernels
 
             #forward_fn
 

@@ -6,6 +6,7 @@ mod bias;
 mod elementwise;
 mod embedding;
 mod experts;
+mod fused;
 mod heads;
 mod matmul;
 mod norm;

@@ -11,6 +11,7 @@ pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod flash_attention;
+pub mod fused;
 pub mod heads;
 pub mod layer_norm;
 pub mod moe;
