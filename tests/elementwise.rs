@@ -240,15 +240,20 @@ fn values(salt: usize) -> Vec<f32> {
 
 /// Rank 0's output and the replicated input's gradient, and every weight after `steps`
 /// steps of gradient descent on Σ y ⊙ c, at tp `tp` (with sequence parallelism when `sp`).
-fn train_mlp(tp: usize, sp: bool, steps: usize) -> (Vec<f32>, Vec<f32>) {
+fn train_mlp<M: Module>(
+    spec: &M::Spec,
+    run: &Step<M>,
+    tp: usize,
+    sp: bool,
+    steps: usize,
+) -> (Vec<f32>, Vec<f32>)
+where
+    M::Spec: Sync,
+{
     let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp)).unwrap();
     let mut per_rank = launch(tp, |w| -> R<(Vec<f32>, Vec<f32>)> {
         let ps = ParallelState::new(&w, &layout)?.with_sequence_parallel(sp);
-        let spec = Relu2MlpSpec {
-            fc1: LinearSpec::new(H, 4 * H),
-            fc2: LinearSpec::new(4 * H, H),
-        };
-        let model = Relu2Mlp::build(&spec, &mut Builder::for_rank(5, ps.groups()))?;
+        let model = M::build(spec, &mut Builder::for_rank(5, ps.groups()))?;
         let rank = ps.groups().tp_rank();
         let rows = if sp { SEQ / tp } else { SEQ };
         let part = |all: Vec<f32>| {
@@ -261,8 +266,7 @@ fn train_mlp(tp: usize, sp: bool, steps: usize) -> (Vec<f32>, Vec<f32>) {
             let cx = Cx::new(&ps, step as u64);
             let x = Tensor::from_vec(part(values(step)), [rows, BATCH, H])?;
             let dy = Tensor::from_vec(part(values(step + 50)), [rows, BATCH, H])?;
-            let (y, saved) = model.forward(&cx, Site::ROOT, &x)?;
-            let dx = model.backward(&cx, Site::ROOT, saved, &dy)?;
+            let (y, dx) = run(&model, &cx, &x, &dy)?;
             sum_sequence_parallel_gradients(std::slice::from_ref(&model), &ps)?;
             y_out = y.to_vec()?;
             dx_out = dx.to_vec()?;
@@ -299,11 +303,49 @@ fn train_mlp(tp: usize, sp: bool, steps: usize) -> (Vec<f32>, Vec<f32>) {
     }
 }
 
-#[test]
-fn relu_squared_mlp_trains_at_tp_2_as_on_one_rank() {
-    let one = train_mlp(1, false, 4);
+/// A GeGLU MLP written out: the gate of element-wise math over two column-parallel outputs
+/// (split alike, so it runs on each rank's part with no collective) and a #[config] scale.
+#[megatron::module]
+pub struct GeGlu {
+    #[column_parallel]
+    gate: Linear,
+    #[column_parallel]
+    up: Linear,
+    #[row_parallel]
+    down: Linear,
+    #[config]
+    scale: f32,
+}
+
+#[megatron::module]
+impl GeGlu {
+    fn forward(&self, x: Tensor) -> Tensor {
+        self.down(gelu_erf(self.gate(x)) * self.up(x) * self.scale)
+    }
+}
+
+/// A module's forward and backward: its output and its input's gradient for `dy`.
+type Step<M> = dyn Fn(&M, &Cx, &Tensor, &Tensor) -> megatron::Result<(Tensor, Tensor)> + Sync;
+
+/// [`Step`] of a generated module.
+macro_rules! step {
+    ($m:ty) => {
+        &|m: &$m, cx: &Cx, x: &Tensor, dy: &Tensor| {
+            let (y, saved) = m.forward(cx, Site::ROOT, x)?;
+            Ok((y, m.backward(cx, Site::ROOT, saved, dy)?))
+        }
+    };
+}
+
+/// Trains `M` at tp 1, then at tp 2 without and with sequence parallelism: the same outputs
+/// and input gradients.
+fn follows_one_rank<M: Module>(spec: &M::Spec, step: &Step<M>)
+where
+    M::Spec: Sync,
+{
+    let one = train_mlp::<M>(spec, step, 1, false, 4);
     for sp in [false, true] {
-        let two = train_mlp(2, sp, 4);
+        let two = train_mlp::<M>(spec, step, 2, sp, 4);
         for (what, got, want) in [
             ("output", &two.0, &one.0),
             ("input gradient", &two.1, &one.1),
@@ -317,6 +359,26 @@ fn relu_squared_mlp_trains_at_tp_2_as_on_one_rank() {
             assert!(worst < 1e-5, "tp 2 (sp {sp}): {what} {worst} from one rank");
         }
     }
+}
+
+#[test]
+fn relu_squared_mlp_trains_at_tp_2_as_on_one_rank() {
+    let spec = Relu2MlpSpec {
+        fc1: LinearSpec::new(H, 4 * H),
+        fc2: LinearSpec::new(4 * H, H),
+    };
+    follows_one_rank::<Relu2Mlp>(&spec, step!(Relu2Mlp));
+}
+
+#[test]
+fn element_wise_math_over_split_values_trains_at_tp_2_as_on_one_rank() {
+    let spec = GeGluSpec {
+        gate: LinearSpec::new(H, 2 * H),
+        up: LinearSpec::new(H, 2 * H),
+        down: LinearSpec::new(2 * H, H),
+        scale: 0.8,
+    };
+    follows_one_rank::<GeGlu>(&spec, step!(GeGlu));
 }
 
 #[cfg(feature = "cuda")]

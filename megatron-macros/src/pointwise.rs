@@ -543,7 +543,7 @@ fn sum(mut terms: Vec<Sx>) -> Sx {
 
 impl Kernel {
     /// The host loop: `fn host(inputs, scalars, outputs)` over equally long slices.
-    fn rust(&self) -> String {
+    fn rust(&self, rt: &str) -> String {
         let reads = self.reads.join(", ");
         let scalars: Vec<String> = (0..self.scalars).map(|k| format!("s{k}")).collect();
         let writes: Vec<&str> = self.writes.iter().map(|w| w.0.as_str()).collect();
@@ -559,6 +559,17 @@ impl Kernel {
             scalars.join(", "),
             writes.join(", ")
         );
+        // The loop, compiled once per instruction set (AVX-512, AVX2, the baseline).
+        let params: Vec<String> = self
+            .reads
+            .iter()
+            .map(|r| format!("{r}: &[f32]"))
+            .chain(scalars.iter().map(|k| format!("{k}: f32")))
+            .chain(writes.iter().map(|w| format!("{w}: &mut [f32]")))
+            .collect();
+        s.push_str("#[inline(always)]\n");
+        let _ = writeln!(s, "fn each({}) {{", params.join(", "));
+        let _ = writeln!(s, "use {rt}::kernels::pointwise as pw;");
         // outputs first, then inputs, zipped: `((y0, &x0), &x1)`.
         let mut iter = format!("{}.iter_mut()", writes[0]);
         let mut pat = writes[0].to_string();
@@ -578,6 +589,19 @@ impl Kernel {
             let _ = writeln!(s, "*{name} = {};", value.render_top(Lang::Rust));
         }
         s.push_str("}\n}\n");
+        let args: Vec<&str> = self
+            .reads
+            .iter()
+            .map(String::as_str)
+            .chain(scalars.iter().map(String::as_str))
+            .chain(writes.iter().copied())
+            .collect();
+        let _ = writeln!(
+            s,
+            "{rt}::kernels::isa::dispatch(|| each({}));",
+            args.join(", ")
+        );
+        s.push_str("}\n");
         s
     }
 
@@ -645,7 +669,7 @@ fn fnv(text: &str) -> u64 {
 }
 
 /// The kernels of `p`, named from `stem` (the module and call site, in lower case).
-pub fn generate(p: &Program, stem: &str) -> Generated {
+pub fn generate(p: &Program, stem: &str, rt: &str) -> Generated {
     let kernels = [forward_kernel(p), backward_kernel(p)];
     let body = |k: &Kernel| k.cuda("KERNEL");
     let hash = fnv(&(body(&kernels[0]) + &body(&kernels[1])));
@@ -654,7 +678,7 @@ pub fn generate(p: &Program, stem: &str) -> Generated {
         format!("{stem}_{hash:016x}_backward"),
     ];
     Generated {
-        host: [kernels[0].rust(), kernels[1].rust()],
+        host: [kernels[0].rust(rt), kernels[1].rust(rt)],
         cuda: [kernels[0].cuda(&names[0]), kernels[1].cuda(&names[1])],
         names,
         keeps_output: keeps_output(p),
@@ -685,7 +709,7 @@ mod tests {
 
     #[test]
     fn backward_sums_the_contributions_of_a_register_used_twice() {
-        let g = generate(&relu_squared(), "m_mul");
+        let g = generate(&relu_squared(), "m_mul", "::megatron");
         assert!(g.host[0].contains("let r1 = r0 * r0;"), "{}", g.host[0]);
         assert!(
             g.host[1].contains("let g0 = (dy * r0) + (dy * r0);"),
@@ -717,7 +741,7 @@ mod tests {
                 operands: vec![Operand::Input(0)],
             }],
         };
-        let g = generate(&p, "m_sigmoid");
+        let g = generate(&p, "m_sigmoid", "::megatron");
         assert!(g.keeps_output);
         assert!(g.host[1].contains("(&[r0, dy]"), "{}", g.host[1]);
     }

@@ -4,6 +4,7 @@
 pub mod activations;
 pub mod allreduce;
 pub mod attention;
+pub mod elementwise;
 pub mod gemm;
 pub mod generate;
 pub mod grouped_gemm;

@@ -114,6 +114,24 @@ enum Which {
         #[arg(long)]
         json: bool,
     },
+    /// Element-wise chains fused by `#[megatron::module]` into one generated kernel each way,
+    /// against the same operations one kernel each, forward and backward on the host, next to
+    /// the memory bandwidth measured in the same run.
+    Elementwise {
+        /// f32 elements of the chains' input (default 4096 × 3072, a GPT-1.2B MLP activation
+        /// of 4096 tokens).
+        #[arg(long, default_value_t = 4096 * 3072, value_parser = values::elements)]
+        elements: usize,
+        /// Compute threads (default: every core).
+        #[arg(long, value_parser = values::threads)]
+        threads: Option<usize>,
+        /// Timed runs per chain (the median is reported).
+        #[arg(long, default_value_t = 7, value_parser = values::count)]
+        repeats: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Time of an in-process all-reduce next to the memory-bandwidth floor measured in the same run.
     Allreduce {
         /// Thread-ranks in the group.
@@ -207,6 +225,21 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             let threads = threads.unwrap_or_else(parallel::cores);
             parallel::set_threads(threads);
             let report = bench::generate::run(load, *tp, *prompt_tokens, *new_tokens, threads)?;
+            print(&report, *json)
+        }
+        Which::Elementwise {
+            elements,
+            threads,
+            repeats,
+            json,
+        } => {
+            // The input, the output and the gradients of the unfused chain's steps.
+            limits::check_memory(
+                &format!("element-wise chains of --elements {elements}"),
+                4 * 12 * *elements as u128,
+            )?;
+            let threads = threads.unwrap_or_else(parallel::cores);
+            let report = bench::elementwise::run(*elements, threads, *repeats)?;
             print(&report, *json)
         }
         Which::Allreduce {

@@ -114,6 +114,36 @@ fn best_level() -> Level {
     Level::Baseline
 }
 
+/// Runs `f` compiled for the widest instruction set this CPU supports ([`Isa::detected`]): the
+/// host loops `#[megatron::module]` generates (`ops::fused`) call their loop through it. What
+/// `f` calls should be `#[inline(always)]`, so that it is compiled into each version; as with
+/// [`versioned!`], every version gives the same bits (no fused multiply-add is formed).
+#[inline(always)]
+pub fn dispatch<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl")]
+        #[target_feature(enable = "avx2,fma,bmi1,bmi2,lzcnt,popcnt")]
+        fn avx512<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+
+        #[target_feature(enable = "avx2,fma,bmi1,bmi2,lzcnt,popcnt")]
+        fn avx2<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+
+        match Isa::detected().level() {
+            // SAFETY: an `Isa` only ever holds a level the CPU supports.
+            Level::Avx512 => return unsafe { avx512(f) },
+            // SAFETY: as above.
+            Level::Avx2 => return unsafe { avx2(f) },
+            Level::Baseline => {}
+        }
+    }
+    f()
+}
+
 /// Defines `fn name(isa: Isa, args..) -> ret` whose body is compiled once per instruction set.
 ///
 /// ```ignore

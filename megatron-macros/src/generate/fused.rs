@@ -39,20 +39,19 @@ pub fn consts(root: &Root, s: &ModuleStruct, g: &Graph) -> TokenStream {
             return None;
         };
         let site = node.site.as_deref().expect("chains have sites");
-        let generated = pointwise::generate(program, &format!("{module}_{site}"));
+        let generated = pointwise::generate(program, &format!("{module}_{site}"), &rt.to_string());
         let name = const_name(site);
         let kernel = |k: usize, inputs: usize, outputs: usize| {
             let kernel_name = &generated.names[k];
+            let (inputs, outputs) = (
+                Literal::usize_unsuffixed(inputs),
+                Literal::usize_unsuffixed(outputs),
+            );
             let host: TokenStream = generated.host[k]
-                .replacen(
-                    "{\n",
-                    &format!("{{\nuse {}::kernels::pointwise as pw;\n", rt),
-                    1,
-                )
                 .parse()
                 .expect("the generated host loop is Rust");
             let cuda = raw_string(&generated.cuda[k]);
-            let scalars = program.scalars;
+            let scalars = Literal::usize_unsuffixed(program.scalars);
             quote! {
                 #rt::ops::FusedKernel {
                     name: #kernel_name,
@@ -146,7 +145,7 @@ pub fn backward_call(
     grads: Vec<TokenStream>,
 ) -> TokenStream {
     let name = const_name(site);
-    let n = grads.len();
+    let n = Literal::usize_unsuffixed(grads.len());
     quote! {
         let [#(#grads),*] = #rt::ops::fused_backward::<#n>(cx, #site_call, &Self::#name, #saved, #dy)?;
     }
