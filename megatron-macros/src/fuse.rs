@@ -90,6 +90,7 @@ pub fn fuse(g: Graph, a: Analysis) -> (Graph, Analysis) {
                     output: node.output,
                     site: node.site.clone(),
                     src: node.src.clone(),
+                    deferred: node.deferred,
                 });
                 field.push(a.field[n]);
             }
@@ -223,12 +224,13 @@ fn chain(g: &Graph, ms: &[usize], sites: &mut Vec<String>) -> Node {
         output: root.output,
         site: Some(site),
         src: root.src.clone(),
+        deferred: false,
     }
 }
 
-/// The graph of `nodes`, keeping only the values they and the inputs define, with the
-/// analysis renumbered.
-fn compact(
+/// The graph of `nodes` (`field`: each one's field), keeping only the values they and the inputs
+/// define, with the analysis renumbered.
+pub fn compact(
     g: Graph,
     mut nodes: Vec<Node>,
     field: Vec<Option<usize>>,

@@ -35,6 +35,7 @@
 //! `model` (forward as an SSA dataflow graph), `validate` (sharding analysis, errors with
 //! spans) and `generate` (quote; one file per kind of field in `generate/kind/`).
 
+mod collectives;
 mod expansion_out;
 mod fuse;
 mod generate;
@@ -243,6 +244,7 @@ fn module_impl(root: &Root, input: TokenStream2) -> TokenStream2 {
         let g = model::build(&imp.forward)?;
         let a = validate::validate(&s, &g)?;
         let (g, a) = fuse::fuse(g, a);
+        let (g, a) = collectives::merge(&s, g, a);
         generate::impl_items(root, &s, &imp, &g, &a)
     });
     match result {

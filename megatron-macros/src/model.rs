@@ -91,6 +91,10 @@ pub struct Node {
     pub site: Option<String>,
     /// The expression or statement.
     pub src: Src,
+    /// For a row-parallel layer, its partial outputs are reduced by the [`NodeOp::RowSum`] that
+    /// reads them; for a column-parallel layer, its input is gathered, and its input gradient
+    /// reduced, by the [`NodeOp::SeqGather`] before it: one collective for several layers.
+    pub deferred: bool,
 }
 
 /// The operation of a node.
@@ -143,6 +147,17 @@ pub enum NodeOp {
         /// The chain's source, for docs and messages.
         formula: String,
     },
+    /// A sum of terms of which the first `partials` are row-parallel layers' partial outputs:
+    /// they are summed, reduced over tp once (all-reduce, or with sequence parallelism
+    /// reduce-scatter), their biases added, then the other terms.
+    RowSum {
+        /// How many of the arguments are partial outputs.
+        partials: usize,
+    },
+    /// Megatron-LM's f once for several column-parallel layers reading one value: the identity
+    /// (with sequence parallelism the all-gather of the shards) forward; backward, the all-reduce
+    /// (reduce-scatter) of the sum of their input gradients.
+    SeqGather,
     /// `for elem in &self.list { var = elem(var); }`.
     Loop {
         /// The `Vec` field.
@@ -265,6 +280,7 @@ impl Builder {
             output,
             site,
             src,
+            deferred: false,
         });
         output
     }

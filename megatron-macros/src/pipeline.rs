@@ -243,6 +243,7 @@ fn slice(
             output: values.len() - 1,
             site: node.site.clone(),
             src: node.src.clone(),
+            deferred: node.deferred,
         });
     }
     let output_src = if nodes.end == g.nodes.len() {

@@ -686,6 +686,23 @@ pub fn generate(p: &Program, stem: &str, rt: &str) -> Generated {
     }
 }
 
+/// The value of a numeric literal, possibly negated or in parentheses (`2.0`, `-1`, `(0.5)`).
+pub fn literal_value(e: &syn::Expr) -> Option<f32> {
+    match e {
+        syn::Expr::Lit(l) => match &l.lit {
+            syn::Lit::Float(f) => f.base10_parse::<f32>().ok(),
+            syn::Lit::Int(i) => i.base10_parse::<f32>().ok(),
+            _ => None,
+        },
+        syn::Expr::Paren(p) => literal_value(&p.expr),
+        syn::Expr::Group(g) => literal_value(&g.expr),
+        syn::Expr::Unary(u) if matches!(u.op, syn::UnOp::Neg(_)) => {
+            literal_value(&u.expr).map(|v| -v)
+        }
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -744,22 +761,5 @@ mod tests {
         let g = generate(&p, "m_sigmoid", "::megatron");
         assert!(g.keeps_output);
         assert!(g.host[1].contains("(&[r0, dy]"), "{}", g.host[1]);
-    }
-}
-
-/// The value of a numeric literal, possibly negated or in parentheses (`2.0`, `-1`, `(0.5)`).
-pub fn literal_value(e: &syn::Expr) -> Option<f32> {
-    match e {
-        syn::Expr::Lit(l) => match &l.lit {
-            syn::Lit::Float(f) => f.base10_parse::<f32>().ok(),
-            syn::Lit::Int(i) => i.base10_parse::<f32>().ok(),
-            _ => None,
-        },
-        syn::Expr::Paren(p) => literal_value(&p.expr),
-        syn::Expr::Group(g) => literal_value(&g.expr),
-        syn::Expr::Unary(u) if matches!(u.op, syn::UnOp::Neg(_)) => {
-            literal_value(&u.expr).map(|v| -v)
-        }
-        _ => None,
     }
 }

@@ -83,6 +83,8 @@ fn op_name(op: &NodeOp) -> String {
         NodeOp::Loop { list, .. } => format!("for &self.{list}"),
         NodeOp::Pointwise { op, .. } => op.site_name().to_string(),
         NodeOp::Fused { formula, .. } => format!("fused {formula}"),
+        NodeOp::RowSum { .. } => "+ reduced once".into(),
+        NodeOp::SeqGather => "f once".into(),
     }
 }
 

@@ -151,6 +151,8 @@ impl Checker<'_> {
                 NodeOp::Add | NodeOp::DropoutAdd { .. } => "the sum".into(),
                 NodeOp::Pointwise { op, .. } => format!("the output of `{}`", op.site_name()),
                 NodeOp::Fused { formula, .. } => format!("`{formula}`"),
+                NodeOp::RowSum { .. } => "the sum".into(),
+                NodeOp::SeqGather => "the gathered input".into(),
                 NodeOp::Loop { list, .. } => format!("the output of the `{}` loop", list.unraw()),
             },
         }
@@ -359,6 +361,19 @@ impl Checker<'_> {
             }
             NodeOp::Pointwise { op, operands, .. } => self.pointwise(n, *op, operands),
             NodeOp::Fused { formula, .. } => self.alike(n, &format!("`{formula}`")),
+            // Made after validation from checked nodes (`collectives`); a pipeline's parts are
+            // checked again.
+            NodeOp::RowSum { .. } => self.alike(n, "`+`"),
+            NodeOp::SeqGather => {
+                let (v, src) = arg(0);
+                if self
+                    .arg("a column-parallel layer", Want::Replicated, v, src)
+                    .is_some()
+                {
+                    let origin = self.origin[v].clone().expect("known sharding");
+                    self.set(out, Sharding::Replicated, origin);
+                }
+            }
             NodeOp::Loop { list, .. } => {
                 let Some(fi) = self.find_field(list) else {
                     return;

@@ -189,7 +189,8 @@ mod tests {
 
     #[test]
     fn derivatives_match_finite_differences() {
-        let cases: [(&str, fn(f32) -> f32, fn(f32) -> f32); 6] = [
+        type Scalar = fn(f32) -> f32;
+        let cases: [(&str, Scalar, Scalar); 6] = [
             ("relu", relu, relu_grad),
             ("silu", silu, silu_grad),
             ("gelu", gelu, gelu_grad),

@@ -141,27 +141,27 @@ pub fn fused_backward<const N: usize>(
     reads.push(dy);
     let grads = run_kernel(&chain.backward, &reads, &saved.scalars)?;
     let got = grads.len();
-    grads.try_into().or_else(|_| {
-        invalid!(
+    grads.try_into().map_err(|_| {
+        crate::error::Error::Invalid(format!(
             "the backward of `{}` wrote {got} gradients for {N} inputs",
             chain.forward.formula
-        )
+        ))
     })
 }
 
 /// A scalar operand of element-wise math in forward (`x * 2.0`, `x / self.temperature`), as the
 /// fused kernels take it: an `f32`.
-pub trait AsScalar {
+pub trait IntoScalar {
     /// The value as an `f32` (rounded to nearest).
-    fn as_scalar(self) -> f32;
+    fn into_scalar(self) -> f32;
 }
 
-macro_rules! as_scalar {
+macro_rules! into_scalar {
     ($($t:ty),*) => {
         $(
-            impl AsScalar for $t {
+            impl IntoScalar for $t {
                 #[allow(clippy::cast_lossless, clippy::unnecessary_cast)]
-                fn as_scalar(self) -> f32 {
+                fn into_scalar(self) -> f32 {
                     self as f32
                 }
             }
@@ -169,4 +169,4 @@ macro_rules! as_scalar {
     };
 }
 
-as_scalar!(f32, f64, i8, i16, i32, i64, isize, u8, u16, u32, u64, usize);
+into_scalar!(f32, f64, i8, i16, i32, i64, isize, u8, u16, u32, u64, usize);

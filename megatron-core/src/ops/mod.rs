@@ -8,7 +8,9 @@ pub mod fused;
 pub(crate) mod matmul;
 mod primitives;
 
-pub use fused::{AsScalar, Fused, FusedKernel, FusedSaved, HostLoop, Keep, fused, fused_backward};
+pub use fused::{
+    Fused, FusedKernel, FusedSaved, HostLoop, IntoScalar, Keep, fused, fused_backward,
+};
 pub use matmul::{as_operand, matmul, matmul_bias_into, matmul_into, operand_dtype};
 pub use primitives::{
     CrossEntropySaved, DropoutSaved, GeluSaved, SwigluSaved, add, cross_entropy,

@@ -12,7 +12,7 @@ use syn::spanned::Spanned;
 use super::kind;
 use super::names::{LocalId, Locals, Names};
 use super::{comment, gradient_type, saved_name};
-use crate::model::{Def, Graph, NodeId, NodeOp};
+use crate::model::{Def, Graph, NodeId, NodeOp, Use};
 use crate::parse::{Builtin, Field, InputType, ModuleImpl, ModuleStruct};
 use crate::root::Root;
 use crate::validate::{Analysis, Sharding};
@@ -219,6 +219,15 @@ impl<'a> Ctx<'a> {
                     layer: true,
                     ..kind::Imports::default()
                 }),
+                (NodeOp::RowSum { .. }, _) => note(kind::Imports {
+                    named: Some(("module", "RowParallel")),
+                    reduce: !backward,
+                    ..kind::Imports::default()
+                }),
+                (NodeOp::SeqGather, _) => note(kind::Imports {
+                    reduce: backward,
+                    ..kind::Imports::default()
+                }),
                 (
                     NodeOp::Builtin {
                         builtin: Builtin::Dropout,
@@ -291,8 +300,14 @@ pub(in crate::generate) fn value_base(g: &Graph, v: usize) -> String {
     if let Some(name) = &value.name {
         return name.clone();
     }
+    let read_by_row_sum = value
+        .uses
+        .iter()
+        .any(|u| matches!(u, Use::Arg { node, .. } if matches!(g.nodes[*node].op, NodeOp::RowSum { .. })));
     match value.def {
         Def::Node(n) => match (&g.nodes[n].op, &g.nodes[n].site) {
+            (NodeOp::SeqGather, _) => format!("{}_whole", value_base(g, g.nodes[n].args[0])),
+            (NodeOp::Field { .. }, Some(site)) if read_by_row_sum => format!("{site}_partial"),
             (NodeOp::Add | NodeOp::DropoutAdd { .. }, _) | (_, None) => "add_out".into(),
             (_, Some(site)) => format!("{site}_out"),
         },
@@ -511,6 +526,10 @@ fn forward_node<'a>(
             });
         }
         NodeOp::Pointwise { .. } => unreachable!("element-wise nodes are fused"),
+        NodeOp::RowSum { partials } => {
+            super::merged::row_sum_forward(cx, b, n, args, out, pos, *partials)
+        }
+        NodeOp::SeqGather => super::merged::seq_gather_forward(cx, b, n, args[0], out),
         NodeOp::DropoutAdd { p } => {
             let (residual, x) = (args[0], args[1]);
             let saved = saved.expect("dropout saves");
@@ -898,6 +917,13 @@ fn backward_node<'a>(
             });
         }
         NodeOp::Pointwise { .. } => unreachable!("element-wise nodes are fused"),
+        NodeOp::RowSum { partials } => {
+            super::merged::row_sum_backward(cx, b, n, d_y, d_args, pos, *partials)
+        }
+        NodeOp::SeqGather => {
+            let d_x = d_args[0].expect("a column-parallel layer's input is a tensor");
+            super::merged::seq_gather_backward(cx, b, n, d_y, d_x, pos)
+        }
         NodeOp::Add => {
             let (d_a, d_b) = (
                 d_args[0].expect("sums are of tensors"),

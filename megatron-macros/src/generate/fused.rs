@@ -129,7 +129,7 @@ pub fn forward_call(
     let name = const_name(site);
     let scalars = scalars
         .iter()
-        .map(|e| quote!(#rt::ops::AsScalar::as_scalar(#e)));
+        .map(|e| quote!(#rt::ops::IntoScalar::into_scalar(#e)));
     quote! {
         let (#out, #saved) = #rt::ops::fused(cx, #site_call, &Self::#name, &[#(#args),*], &[#(#scalars),*])?;
     }

@@ -4,6 +4,7 @@
 mod body;
 mod fused;
 mod kind;
+mod merged;
 pub mod names;
 
 use proc_macro2::{Span, TokenStream};
@@ -277,6 +278,7 @@ pub fn saved_field_type(
     Some(match &node.op {
         NodeOp::Add => return None,
         NodeOp::Pointwise { .. } => unreachable!("element-wise nodes are fused"),
+        NodeOp::RowSum { .. } | NodeOp::SeqGather => return None,
         NodeOp::Fused { .. } => quote!(#rt::ops::FusedSaved),
         NodeOp::DropoutAdd { .. } => quote!(#rt::ops::DropoutSaved),
         NodeOp::Field { .. } | NodeOp::Loop { .. } => {
@@ -321,7 +323,9 @@ fn saved_field_doc(s: &ModuleStruct, g: &Graph, a: &Analysis, n: usize) -> Strin
         NodeOp::Fused { formula, .. } => {
             format!("What `{formula}` keeps (the tensors its fused backward kernel reads).")
         }
-        NodeOp::Add | NodeOp::Pointwise { .. } => String::new(),
+        NodeOp::Add | NodeOp::Pointwise { .. } | NodeOp::RowSum { .. } | NodeOp::SeqGather => {
+            String::new()
+        }
     }
 }
 

@@ -11,6 +11,9 @@ use crate::kernels::parallel;
 use crate::ops::FusedKernel;
 use crate::tensor::{DType, Tensor};
 
+/// One part of the elements: the inputs' slices and the outputs'.
+type Part<'a> = (Vec<&'a [f32]>, Vec<&'a mut [f32]>);
+
 impl FusedOps for Cpu {
     fn fused(
         &self,
@@ -41,7 +44,7 @@ impl FusedOps for Cpu {
             match parallel::part_len(n) {
                 None => (kernel.host)(&ins, scalars, &mut outs),
                 Some(part) => {
-                    let mut jobs: Vec<(Vec<&[f32]>, Vec<&mut [f32]>)> = (0..n.div_ceil(part))
+                    let mut jobs: Vec<Part<'_>> = (0..n.div_ceil(part))
                         .map(|k| {
                             let range = k * part..((k + 1) * part).min(n);
                             (ins.iter().map(|s| &s[range.clone()]).collect(), Vec::new())

@@ -117,6 +117,24 @@ impl Kind for Column {
                     let #o = #rt::tensor_parallel::gather_last_dim(cx, &#l)?;
                 }
             });
+        } else if node.deferred {
+            // f ran once before it, for every column-parallel layer reading this value.
+            let kept = b.locals.temp(&format!("{name}_kept"), pos, node.src.span());
+            let map = cx.qualified(n, quote!(ColumnParallel::map_kept_input));
+            let kdoc = comment(&format!(
+                "`{name}`: #[column_parallel], on the input gathered above. With sequence \
+                 parallelism it keeps this rank's shard of its input, not the gathered sequence \
+                 (backward gathers it again), as Megatron-LM does."
+            ));
+            b.push(move |nm| {
+                let (xr, s, o, k) = (nm.by_ref(x), nm.pat(saved), nm.pat(out), nm.ident(kept));
+                let keep = keep_sequence_shard(rt, &map, &k, &s);
+                quote! {
+                    let (#o, #k) = #call(&#this_field, cx, #site, #xr)?;
+                    #kdoc
+                    #keep
+                }
+            });
         } else {
             let doc = comment(&format!(
                 "`{name}`: #[column_parallel]. f: identity in forward (its backward \
@@ -167,6 +185,7 @@ impl Kind for Column {
             unreachable!("a column field")
         };
         let d_x = d_args[0].expect("column-parallel inputs are tensors");
+        let deferred = cx.g.nodes[n].deferred;
         let call = cx.qualified(n, quote!(ColumnParallel::backward_column_input));
         let doc = comment(&format!(
             "`{name}`: f's backward, all-reduce of the input gradient over tp; with sequence \
@@ -219,6 +238,15 @@ impl Kind for Column {
                 }
                 None => (quote!(), nm.by_ref(d_y)),
             };
+            if deferred {
+                // f's backward runs once, on the sum of the readers' input gradients.
+                return quote! {
+                    #split
+                    #regather
+                    let (#dx, #wg) = #call(&#this_field, cx, #site, #s, #dy)?;
+                    #w_pass
+                };
+            }
             let sum = sequence_sum(rt, &p, span);
             quote! {
                 #split

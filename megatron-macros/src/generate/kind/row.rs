@@ -102,6 +102,21 @@ impl Kind for Row {
                  cannot run with sequence parallelism"
             ),
         );
+        if node.deferred {
+            // Reduced with the other row-parallel outputs of the sum it is in (`RowSum`).
+            let doc = comment(&format!(
+                "`{name}`: #[row_parallel]. Its partial outputs are summed with the other \
+                 row-parallel outputs of the sum below, which runs g once for all of them."
+            ));
+            b.push(move |nm| {
+                let (s, o, xr) = (nm.pat(saved), nm.pat(out), nm.by_ref(x));
+                quote! {
+                    #doc
+                    let (#o, #s) = #call(&#this_field, cx, #site, #xr)?;
+                }
+            });
+            return;
+        }
         let partial = b
             .locals
             .temp(&format!("{name}_partial"), pos, node.src.span());
@@ -162,8 +177,25 @@ impl Kind for Row {
             let base = format!("d_{}_local", value_base(cx.g, node.args[0]));
             b.locals.temp(&base, pos, span)
         });
-        let whole = b.locals.temp(&format!("d_{name}_whole"), pos, span);
         let weights = b.locals.temp(&format!("{name}_weight_grad"), pos, span);
+        if node.deferred {
+            // The gradient arrives gathered, from the sum's backward (`RowSum`).
+            b.push(move |nm| {
+                let (s, dy, dx, wg) = (
+                    nm.ident(saved),
+                    nm.by_ref(d_y),
+                    nm.pat(d_x),
+                    nm.ident(weights),
+                );
+                let w_pass = super::weight_pass(&format!("`{name}`"), &wg);
+                quote! {
+                    let (#dx, #wg) = #call(&#this_field, cx, #site, #s, #dy)?;
+                    #w_pass
+                }
+            });
+            return;
+        }
+        let whole = b.locals.temp(&format!("d_{name}_whole"), pos, span);
         b.push(move |nm| {
             let (s, dy, dx, w) = (
                 nm.ident(saved),

@@ -1,0 +1,227 @@
+//! One collective where one suffices (issue 46, section 5): in GPT-J's and PaLM's parallel
+//! block, written flat, the attention's and the MLP's row-parallel outputs are summed, so the
+//! generated forward sums their partial outputs and reduces them once (and, with sequence
+//! parallelism, gathers the output gradient once in backward); the norm's output feeds two
+//! column-parallel layers, so it is gathered once (sequence parallelism) and their input
+//! gradients are summed and reduced once. Checked by counting the tensor-parallel group's calls
+//! of one forward and backward, and by tp 2 (with and without sequence parallelism) following
+//! tp 1 to the order of f32 sums.
+
+use megatron::comm::ParallelState;
+use megatron::comm::recording::RecordingWorld;
+use megatron::comm::threads::launch;
+use megatron::distributed::sum_sequence_parallel_gradients;
+use megatron::module::{Builder, Cx, Module, Site};
+use megatron::parallel::{ParallelConfig, ParallelLayout};
+use megatron::prelude::*;
+use megatron::tensor::{DType, Tensor};
+
+type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// The parallel block: one norm feeds the attention and the MLP, both added to the residual.
+#[megatron::module]
+pub struct ParallelBlock {
+    ln: LayerNorm,
+    #[column_parallel]
+    qkv: Linear,
+    #[context_parallel]
+    core: CausalSelfAttention,
+    #[row_parallel]
+    proj: Linear,
+    #[column_parallel]
+    fc1: Linear,
+    #[row_parallel]
+    fc2: Linear,
+}
+
+#[megatron::module]
+impl ParallelBlock {
+    fn forward(&self, x: Tensor) -> Tensor {
+        let n = self.ln(x);
+        x + self.proj(self.core(self.qkv(n))) + self.fc2(gelu(self.fc1(n)))
+    }
+}
+
+const SEQ: usize = 8;
+const BATCH: usize = 2;
+const H: usize = 16;
+const HEADS: usize = 4;
+
+fn spec() -> ParallelBlockSpec {
+    ParallelBlockSpec {
+        ln: LayerNormSpec::new(H),
+        qkv: LinearSpec::new(H, 3 * H),
+        core: CausalSelfAttention::new(HEADS, 0.0),
+        proj: LinearSpec::new(H, H),
+        fc1: LinearSpec::new(H, 4 * H),
+        fc2: LinearSpec::new(4 * H, H),
+    }
+}
+
+fn values(salt: usize) -> Vec<f32> {
+    (0..SEQ * BATCH * H)
+        .map(|i| (((i * 7919 + salt * 104_729) % 2003) as f32 / 2003.0 - 0.5) * 2.0)
+        .collect()
+}
+
+/// What one run gives: the last step's output and input gradient (the whole sequence), every
+/// replicated parameter of rank 0, and the kinds of the tensor-parallel calls of the first
+/// step's forward and of its backward.
+struct Run {
+    y: Vec<f32>,
+    dx: Vec<f32>,
+    replicated: Vec<(String, Vec<f32>)>,
+    forward_calls: Vec<String>,
+    backward_calls: Vec<String>,
+}
+
+fn train(tp: usize, sp: bool, steps: usize) -> Run {
+    let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp)).unwrap();
+    let per_rank = launch(tp, |w| -> R<Run> {
+        let recording = RecordingWorld::new(&w);
+        let ps = ParallelState::new(&recording, &layout)?.with_sequence_parallel(sp);
+        let model = ParallelBlock::build(&spec(), &mut Builder::for_rank(5, ps.groups()))?;
+        let rank = ps.groups().tp_rank();
+        let rows = if sp { SEQ / tp } else { SEQ };
+        let part = |all: Vec<f32>| {
+            let n = rows * BATCH * H;
+            let start = if sp { rank * n } else { 0 };
+            all[start..start + n].to_vec()
+        };
+        let tp_calls = |log: Vec<megatron::comm::recording::Call>| -> Vec<String> {
+            log.iter()
+                .filter(|c| c.group == "tp")
+                .map(|c| c.desc.kind.to_string())
+                .collect()
+        };
+        let mut run = Run {
+            y: Vec::new(),
+            dx: Vec::new(),
+            replicated: Vec::new(),
+            forward_calls: Vec::new(),
+            backward_calls: Vec::new(),
+        };
+        recording.log().take();
+        for step in 0..steps {
+            let cx = Cx::new(&ps, step as u64);
+            let x = Tensor::from_vec(part(values(step)), [rows, BATCH, H])?;
+            let dy = Tensor::from_vec(part(values(step + 50)), [rows, BATCH, H])?;
+            let (y, saved) = model.forward(&cx, Site::ROOT, &x)?;
+            let forward = tp_calls(recording.log().take());
+            let dx = model.backward(&cx, Site::ROOT, saved, &dy)?;
+            let backward = tp_calls(recording.log().take());
+            if step == 0 {
+                (run.forward_calls, run.backward_calls) = (forward, backward);
+            }
+            sum_sequence_parallel_gradients(std::slice::from_ref(&model), &ps)?;
+            recording.log().take();
+            (run.y, run.dx) = (y.to_vec()?, dx.to_vec()?);
+            model.visit_params(&mut |p| {
+                let (v, g) = (
+                    p.value().to_vec::<f32>().unwrap(),
+                    p.grad().to_vec::<f32>().unwrap(),
+                );
+                let next: Vec<f32> = v.iter().zip(&g).map(|(v, g)| v - 0.05 * g).collect();
+                p.value()
+                    .copy_from(&Tensor::from_vec(next, p.value().shape().clone()).unwrap())
+                    .unwrap();
+                p.grad()
+                    .copy_from(&Tensor::zeros(p.grad().shape().clone(), DType::F32))
+                    .unwrap();
+            });
+        }
+        model.visit_params(&mut |p| {
+            if p.spec().split == megatron::module::Split::Replicated {
+                run.replicated
+                    .push((p.spec().name.clone(), p.value().to_vec::<f32>().unwrap()));
+            }
+        });
+        Ok(run)
+    })
+    .unwrap();
+    let mut ranks = per_rank.into_iter();
+    let mut first = ranks.next().expect("rank 0");
+    if sp {
+        // The sequence shards, in rank order.
+        for other in ranks {
+            first.y.extend(other.y);
+            first.dx.extend(other.dx);
+        }
+    }
+    first
+}
+
+fn count(calls: &[String], kind: &str) -> usize {
+    calls.iter().filter(|c| c.as_str() == kind).count()
+}
+
+#[test]
+fn summed_row_parallel_outputs_are_reduced_once_and_a_shared_input_gathered_once() {
+    let plain = train(2, false, 1);
+    // Forward: one all-reduce for the two row-parallel layers (not one each).
+    assert_eq!(plain.forward_calls, ["all_reduce"], "forward");
+    // Backward: one all-reduce of the two column-parallel layers' summed input gradients.
+    assert_eq!(plain.backward_calls, ["all_reduce"], "backward");
+
+    let sp = train(2, true, 1);
+    // Forward: the norm's output gathered once for qkv and fc1, one reduce-scatter of the
+    // summed partial outputs.
+    assert_eq!(
+        count(&sp.forward_calls, "all_gather"),
+        1,
+        "{:?}",
+        sp.forward_calls
+    );
+    assert_eq!(
+        count(&sp.forward_calls, "reduce_scatter"),
+        1,
+        "{:?}",
+        sp.forward_calls
+    );
+    assert_eq!(sp.forward_calls.len(), 2, "{:?}", sp.forward_calls);
+    // Backward: the output gradient gathered once for proj and fc2, each column-parallel
+    // layer's kept shard gathered again for its weight gradient (as Megatron-LM does), one
+    // reduce-scatter of the summed input gradients.
+    assert_eq!(
+        count(&sp.backward_calls, "all_gather"),
+        3,
+        "{:?}",
+        sp.backward_calls
+    );
+    assert_eq!(
+        count(&sp.backward_calls, "reduce_scatter"),
+        1,
+        "{:?}",
+        sp.backward_calls
+    );
+    assert_eq!(sp.backward_calls.len(), 4, "{:?}", sp.backward_calls);
+}
+
+#[test]
+fn the_parallel_block_trains_at_tp_2_as_at_tp_1() {
+    let one = train(1, false, 4);
+    for sp in [false, true] {
+        let two = train(2, sp, 4);
+        for (what, got, want) in [
+            ("output", &two.y, &one.y),
+            ("input gradient", &two.dx, &one.dx),
+        ] {
+            assert_eq!(got.len(), want.len());
+            let worst = got
+                .iter()
+                .zip(want)
+                .map(|(g, w)| (g - w).abs())
+                .fold(0f32, f32::max);
+            // The sums are reassociated (partial outputs first): equal up to f32 rounding.
+            assert!(worst < 2e-5, "tp 2 (sp {sp}): {what} {worst} from tp 1");
+        }
+        for ((name, got), (_, want)) in two.replicated.iter().zip(&one.replicated) {
+            let worst = got
+                .iter()
+                .zip(want)
+                .map(|(g, w)| (g - w).abs())
+                .fold(0f32, f32::max);
+            assert!(worst < 2e-5, "tp 2 (sp {sp}): {name} {worst} from tp 1");
+        }
+    }
+}
