@@ -22,7 +22,8 @@ use quote::{ToTokens, quote};
 use crate::root::Root;
 
 /// The documents generated from the macros.
-const DOCUMENTS: [&str; 8] = [
+const DOCUMENTS: [&str; 9] = [
+    "docs/expanded-parallel-block.md",
     "docs/expanded-elementwise.md",
     "docs/expanded-mlp.md",
     "docs/expanded-llama.md",
