@@ -116,11 +116,7 @@ struct Layout {
 /// Trains on `tp × dp × pp` thread ranks; returns every step's loss and the seconds taken.
 fn train(l: Layout) -> Result<(Vec<f64>, f64)> {
     let world = l.tp * l.dp * l.pp;
-    let layout = ParallelLayout::new(
-        &ParallelConfig::new(world)
-            .with_tp(l.tp)
-            .with_pp(l.pp),
-    )?;
+    let layout = ParallelLayout::new(&ParallelConfig::new(world).with_tp(l.tp).with_pp(l.pp))?;
     let stages = PipelineLayout::new(LAYERS, l.pp, 1, None, None)
         .map_err(|e| Error::Invalid(e.to_string()))?;
     let plan = BatchPlan {
@@ -184,8 +180,22 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let mut runs = Vec::new();
     for (name, l) in [
         ("one rank", one),
-        ("TP=2 × DP=2", Layout { tp: 2, dp: 2, ..one }),
-        ("TP=2 + SP", Layout { tp: 2, sp: true, ..one }),
+        (
+            "TP=2 × DP=2",
+            Layout {
+                tp: 2,
+                dp: 2,
+                ..one
+            },
+        ),
+        (
+            "TP=2 + SP",
+            Layout {
+                tp: 2,
+                sp: true,
+                ..one
+            },
+        ),
         ("PP=2", Layout { pp: 2, ..one }),
     ] {
         let (losses, seconds) = train(l)?;
@@ -199,7 +209,10 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             .collect::<String>()
     );
     for step in (0..STEPS as usize).step_by(30).chain([STEPS as usize - 1]) {
-        let row: String = runs.iter().map(|(_, l)| format!("{:>13.4}", l[step])).collect();
+        let row: String = runs
+            .iter()
+            .map(|(_, l)| format!("{:>13.4}", l[step]))
+            .collect();
         println!("{step:>5} {row}");
     }
     // Every layout reproduces the single-rank run (the same initial weights, data and dropout

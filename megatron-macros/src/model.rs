@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use syn::Ident;
 use syn::ext::IdentExt;
 
-use crate::parse::{Builtin, Expr, Forward, InputType, Stmt};
+use crate::parse::{Builtin, Expr, Forward, InputType, ShapeKind, Stmt};
 use crate::pointwise::{Operand, Program, PwOp};
 use crate::src_span::{Errors, Src};
 
@@ -146,6 +146,16 @@ pub enum NodeOp {
         scalars: Vec<syn::Expr>,
         /// The chain's source, for docs and messages.
         formula: String,
+    },
+    /// A shape operation along the features (`ops::shape`): `narrow` (each part of `split`),
+    /// `cat`, a part of `split_heads`, `cat_heads`, `broadcast_heads`.
+    Shape {
+        /// Which.
+        op: ShapeKind,
+        /// Its sizes, Rust expressions of `usize`.
+        sizes: Vec<syn::Expr>,
+        /// For a part of `split(x, [..])`: which, and the split's sizes (for messages).
+        of_split: Option<(usize, Vec<syn::Expr>)>,
     },
     /// A sum of terms of which the first `partials` are row-parallel layers' partial outputs:
     /// they are summed, reduced over tp once (all-reduce, or with sequence parallelism
@@ -335,6 +345,43 @@ impl Builder {
                     },
                 );
             }
+            Stmt::LetParts { names, split } => {
+                let Some(x) = self.expr(&split.x) else { return };
+                let arg_src = split.x.src();
+                for (k, name) in names.iter().enumerate() {
+                    let (op, sizes) = if split.heads {
+                        (ShapeKind::HeadPart(k), split.sizes.clone())
+                    } else {
+                        let before = &split.sizes[..k];
+                        let start: syn::Expr = if before.is_empty() {
+                            syn::parse_quote!(0)
+                        } else {
+                            syn::parse_quote!(#(#before)+*)
+                        };
+                        (ShapeKind::Narrow, vec![start, split.sizes[k].clone()])
+                    };
+                    let site = self.site(if split.heads { "split_heads" } else { "split" });
+                    let of_split = (!split.heads).then(|| (k, split.sizes.clone()));
+                    let v = self.node(
+                        NodeOp::Shape {
+                            op,
+                            sizes,
+                            of_split,
+                        },
+                        vec![(x, arg_src.clone())],
+                        Some(site),
+                        split.src.clone(),
+                    );
+                    self.name_value(v, name);
+                    self.env.insert(
+                        name.unraw().to_string(),
+                        Binding {
+                            value: v,
+                            mutable: false,
+                        },
+                    );
+                }
+            }
             Stmt::Assign { name, expr, src } => {
                 let value = self.expr(expr);
                 let Some(binding) = self.lookup(name) else {
@@ -475,6 +522,21 @@ impl Builder {
             Expr::Select { cmp, args, src } => {
                 let args: Vec<&Expr> = args.iter().collect();
                 self.pointwise(PwOp::Select(*cmp), &args, src)
+            }
+            Expr::Shape {
+                op,
+                args,
+                sizes,
+                src,
+            } => {
+                let args = self.args(args)?;
+                let site = self.site(op.name());
+                let op = NodeOp::Shape {
+                    op: *op,
+                    sizes: sizes.clone(),
+                    of_split: None,
+                };
+                Some(self.node(op, args, Some(site), src.clone()))
             }
             Expr::Scalar { expr, config } => {
                 let message = match (config.as_slice(), self_field_only(expr)) {

@@ -599,6 +599,13 @@ pub enum Stmt {
         /// The value.
         expr: Expr,
     },
+    /// `let (a, b, ..) = split(x, [A, B, ..]);` or `split_heads(..)`: one value per part.
+    LetParts {
+        /// The bound names, one per part.
+        names: Vec<Ident>,
+        /// The split.
+        split: Split,
+    },
     /// `name = expr;`
     Assign {
         /// The assigned name.
@@ -699,6 +706,18 @@ pub enum Expr {
         /// The call.
         src: Src,
     },
+    /// A shape operation along the features: `narrow(x, start, len)`, `cat(a, b, ..)`,
+    /// `cat_heads(a, b, .., [A, B, ..])`, `broadcast_heads(x, heads)`.
+    Shape {
+        /// Which.
+        op: ShapeKind,
+        /// The tensor arguments.
+        args: Vec<Expr>,
+        /// Its sizes, Rust expressions of `usize` (start and length; per-head sizes; heads).
+        sizes: Vec<syn::Expr>,
+        /// The call.
+        src: Src,
+    },
     /// A scalar: a literal, a #[config] value `self.name`, a constant `NAME` or `path::NAME`, or
     /// arithmetic of them; evaluated as Rust, as an `f32`.
     Scalar {
@@ -721,10 +740,51 @@ impl Expr {
             | Expr::Arith { src, .. }
             | Expr::Neg { src, .. }
             | Expr::Pointwise { src, .. }
-            | Expr::Select { src, .. } => src.clone(),
+            | Expr::Select { src, .. }
+            | Expr::Shape { src, .. } => src.clone(),
             Expr::Scalar { expr, .. } => Src::of(expr),
         }
     }
+}
+
+/// A shape operation of forward along the feature dimension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShapeKind {
+    /// `narrow(x, start, len)`, and each part of `split(x, [..])`.
+    Narrow,
+    /// `cat(a, b, ..)`.
+    Cat,
+    /// Part `k` of `split_heads(x, [..])`.
+    HeadPart(usize),
+    /// `cat_heads(a, b, .., [..])`.
+    CatHeads,
+    /// `broadcast_heads(x, heads)`.
+    BroadcastHeads,
+}
+
+impl ShapeKind {
+    /// Its name in forward.
+    pub fn name(self) -> &'static str {
+        match self {
+            ShapeKind::Narrow => "narrow",
+            ShapeKind::Cat => "cat",
+            ShapeKind::HeadPart(_) => "split_heads",
+            ShapeKind::CatHeads => "cat_heads",
+            ShapeKind::BroadcastHeads => "broadcast_heads",
+        }
+    }
+}
+
+/// `split(x, [A, B, ..])` (features) or `split_heads(x, [A, B, ..])` (each head's features).
+pub struct Split {
+    /// The value split.
+    pub x: Box<Expr>,
+    /// The parts' sizes (of the features, or of each head).
+    pub sizes: Vec<syn::Expr>,
+    /// Per head.
+    pub heads: bool,
+    /// The call.
+    pub src: Src,
 }
 
 /// The builtin functions of forward.
@@ -1156,9 +1216,7 @@ fn parse_let(local: &syn::Local) -> syn::Result<Stmt> {
         syn::Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => {
             (p.ident.clone(), p.mutability.is_some())
         }
-        syn::Pat::Tuple(_) => {
-            return Err(unsupported_statement(pat, "a tuple pattern"));
-        }
+        syn::Pat::Tuple(t) => return parse_let_parts(local, t),
         other => {
             return Err(unsupported_statement(other, "this pattern"));
         }
@@ -1449,6 +1507,18 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
         "dropout" => Builtin::Dropout,
         "cross_entropy" => Builtin::CrossEntropy,
         "select" => return parse_select(c, e),
+        "split" | "split_heads" => {
+            return Err(syn::Error::new_spanned(
+                e,
+                format!(
+                    "{name} gives one tensor per size: bind them together, `let (a, b) = \
+                     {name}(x, [A, B]);`"
+                ),
+            ));
+        }
+        "narrow" | "cat" | "cat_heads" | "broadcast_heads" => {
+            return parse_shape(&name.to_string(), c, e);
+        }
         other => {
             if let Some(&(_, func, usage)) = pointwise::FUNCS.iter().find(|f| f.0 == other) {
                 if c.args.len() != func.arity() {
@@ -1601,4 +1671,141 @@ fn scalar_reads(e: &syn::Expr) -> Option<Vec<Ident>> {
         }
         _ => None,
     }
+}
+
+/// `let (a, b, ..) = split(x, [A, B, ..]);` or `split_heads`.
+fn parse_let_parts(local: &syn::Local, t: &syn::PatTuple) -> syn::Result<Stmt> {
+    const FORM: &str = "a tuple `let` binds the parts of `split(x, [A, B])` or \
+                        `split_heads(x, [A, B])`: `let (a, b) = split(x, [A, B]);`";
+    let mut names = Vec::new();
+    for p in &t.elems {
+        match p {
+            syn::Pat::Ident(i)
+                if i.by_ref.is_none() && i.subpat.is_none() && i.mutability.is_none() =>
+            {
+                names.push(i.ident.clone())
+            }
+            other => {
+                return Err(syn::Error::new_spanned(
+                    other,
+                    format!("{FORM}, each part a plain name"),
+                ));
+            }
+        }
+    }
+    let Some(init) = &local.init else {
+        return Err(unsupported_statement(local, "a `let` without a value"));
+    };
+    let call = match &*init.expr {
+        syn::Expr::Call(c) => c,
+        other => return Err(syn::Error::new_spanned(other, FORM)),
+    };
+    let name = plain_ident(&call.func).map(|i| i.to_string());
+    let heads = match name.as_deref() {
+        Some("split") => false,
+        Some("split_heads") => true,
+        _ => return Err(syn::Error::new_spanned(&call.func, FORM)),
+    };
+    let fname = name.unwrap_or_default();
+    let [x, sizes] = [call.args.first(), call.args.get(1)];
+    let (Some(x), Some(sizes), 2) = (x, sizes, call.args.len()) else {
+        return Err(syn::Error::new_spanned(
+            call,
+            format!("{fname} takes the value and the parts' sizes: `{fname}(x, [A, B])`"),
+        ));
+    };
+    let sizes = size_list(sizes, &fname)?;
+    if sizes.len() != names.len() {
+        return Err(syn::Error::new_spanned(
+            t,
+            format!(
+                "{} names bind the parts of {fname} into {} sizes: one name per size",
+                names.len(),
+                sizes.len()
+            ),
+        ));
+    }
+    Ok(Stmt::LetParts {
+        names,
+        split: Split {
+            x: Box::new(parse_expr(x)?),
+            sizes,
+            heads,
+            src: Src::of(call),
+        },
+    })
+}
+
+/// `[A, B, ..]`: the sizes of `what`'s parts.
+fn size_list(e: &syn::Expr, what: &str) -> syn::Result<Vec<syn::Expr>> {
+    match e {
+        syn::Expr::Array(a) if a.elems.len() >= 2 => Ok(a.elems.iter().cloned().collect()),
+        _ => Err(syn::Error::new_spanned(
+            e,
+            format!("{what}'s sizes are an array of two or more `usize` values: `[A, B]`"),
+        )),
+    }
+}
+
+/// `narrow(x, start, len)`, `cat(a, b, ..)`, `cat_heads(a, b, .., [A, B, ..])`,
+/// `broadcast_heads(x, heads)`.
+fn parse_shape(name: &str, c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
+    let args: Vec<&syn::Expr> = c.args.iter().collect();
+    let usage = |u: &str| syn::Error::new_spanned(e, format!("{name} takes {u}"));
+    let (op, tensors, sizes) = match name {
+        "narrow" => match args.as_slice() {
+            [x, start, len] => (
+                ShapeKind::Narrow,
+                vec![*x],
+                vec![(*start).clone(), (*len).clone()],
+            ),
+            _ => {
+                return Err(usage(
+                    "the value, the first feature and the length: `narrow(x, start, len)`",
+                ));
+            }
+        },
+        "cat" => {
+            if args.len() < 2 {
+                return Err(usage("two or more values: `cat(a, b)`"));
+            }
+            (ShapeKind::Cat, args, Vec::new())
+        }
+        "cat_heads" => match args.split_last() {
+            Some((sizes, tensors)) if tensors.len() >= 2 => {
+                let sizes = size_list(sizes, name)?;
+                if sizes.len() != tensors.len() {
+                    return Err(usage(&format!(
+                        "one size per head for each value: {} values, {} sizes",
+                        tensors.len(),
+                        sizes.len()
+                    )));
+                }
+                (ShapeKind::CatHeads, tensors.to_vec(), sizes)
+            }
+            _ => {
+                return Err(usage(
+                    "two or more values and their sizes per head: `cat_heads(a, b, [A, B])`",
+                ));
+            }
+        },
+        _ => match args.as_slice() {
+            [x, heads] => (ShapeKind::BroadcastHeads, vec![*x], vec![(*heads).clone()]),
+            _ => {
+                return Err(usage(
+                    "the value and the heads: `broadcast_heads(x, heads)`",
+                ));
+            }
+        },
+    };
+    let args = tensors
+        .into_iter()
+        .map(parse_expr)
+        .collect::<syn::Result<Vec<_>>>()?;
+    Ok(Expr::Shape {
+        op,
+        args,
+        sizes,
+        src: Src::of(e),
+    })
 }

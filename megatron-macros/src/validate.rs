@@ -10,7 +10,7 @@ use syn::ext::IdentExt;
 
 use crate::generate::kind_of;
 use crate::model::{Def, Graph, Node, NodeId, NodeOp, ValueId};
-use crate::parse::{Builtin, Field, FieldKind, InputType, ModuleImpl, ModuleStruct};
+use crate::parse::{Builtin, Field, FieldKind, InputType, ModuleImpl, ModuleStruct, ShapeKind};
 use crate::pointwise::{Func, Operand, PwOp};
 use crate::src_span::{Errors, Src};
 
@@ -152,6 +152,7 @@ impl Checker<'_> {
                 NodeOp::Pointwise { op, .. } => format!("the output of `{}`", op.site_name()),
                 NodeOp::Fused { formula, .. } => format!("`{formula}`"),
                 NodeOp::RowSum { .. } => "the sum".into(),
+                NodeOp::Shape { op, .. } => format!("the output of {}", op.name()),
                 NodeOp::SeqGather => "the gathered input".into(),
                 NodeOp::Loop { list, .. } => format!("the output of the `{}` loop", list.unraw()),
             },
@@ -361,6 +362,11 @@ impl Checker<'_> {
             }
             NodeOp::Pointwise { op, operands, .. } => self.pointwise(n, *op, operands),
             NodeOp::Fused { formula, .. } => self.alike(n, &format!("`{formula}`")),
+            NodeOp::Shape {
+                op,
+                sizes,
+                of_split,
+            } => self.shape(n, *op, sizes, of_split.as_ref()),
             // Made after validation from checked nodes (`collectives`); a pipeline's parts are
             // checked again.
             NodeOp::RowSum { .. } => self.alike(n, "`+`"),
@@ -456,6 +462,82 @@ impl Checker<'_> {
         if let Some((a, sh)) = first {
             let origin = self.origin[a].clone().expect("known sharding");
             self.set(node.output, sh, origin);
+        }
+    }
+
+    /// A shape operation: along the features of replicated values only (a split value's
+    /// features are cut over the ranks, where the sizes do not fall); per head on values split
+    /// alike or replicated; `broadcast_heads` makes a replicated value split by heads.
+    fn shape(
+        &mut self,
+        n: NodeId,
+        op: ShapeKind,
+        sizes: &[syn::Expr],
+        of_split: Option<&(usize, Vec<syn::Expr>)>,
+    ) {
+        let g = self.g;
+        let node = &g.nodes[n];
+        let who = format!("`{}`", op.name());
+        match op {
+            ShapeKind::Narrow | ShapeKind::Cat => {
+                let sizes: Vec<String> = sizes.iter().map(|e| Src::of(e).text()).collect();
+                let mut ok = true;
+                for (&v, src) in node.args.iter().zip(&node.arg_srcs) {
+                    match self.arg(&who, Want::Tensor, v, src) {
+                        Some(Sharding::Split) => {
+                            ok = false;
+                            // A split's parts are one error, the first part's.
+                            if of_split.is_some_and(|(part, _)| *part > 0) {
+                                continue;
+                            }
+                            let what = if let Some((_, parts)) = of_split {
+                                let parts: Vec<String> =
+                                    parts.iter().map(|e| Src::of(e).text()).collect();
+                                format!("split at sizes [{}]", parts.join(", "))
+                            } else if op == ShapeKind::Cat {
+                                "concatenated".to_string()
+                            } else {
+                                format!("narrowed to features {}", sizes.join(", "))
+                            };
+                            self.errors.push(src.error(format!(
+                                "{} is split over tensor parallel ({}): its features are cut \
+                                 over the ranks, so it cannot be {what} (the cut need not fall \
+                                 where the ranks' shards meet); cut or join it per head with \
+                                 split_heads/cat_heads (each rank holds whole heads), or gather \
+                                 it first: {}",
+                                self.describe(v),
+                                self.origin_text(v),
+                                self.replicate_fix(v)
+                            )));
+                        }
+                        Some(_) => {}
+                        None => ok = false,
+                    }
+                }
+                if ok {
+                    let v = node.args[0];
+                    let origin = self.origin[v].clone().expect("known sharding");
+                    self.set(node.output, Sharding::Replicated, origin);
+                }
+            }
+            ShapeKind::HeadPart(_) | ShapeKind::CatHeads => self.alike(n, &who),
+            ShapeKind::BroadcastHeads => {
+                let (v, src) = (node.args[0], &node.arg_srcs[0]);
+                if self
+                    .arg(
+                        &format!("{who} (its input is one head, whole on every rank)"),
+                        Want::Replicated,
+                        v,
+                        src,
+                    )
+                    .is_some()
+                {
+                    let text = "it comes from broadcast_heads, whose heads are split over tensor \
+                                parallel"
+                        .to_string();
+                    self.set(node.output, Sharding::Split, Origin { text, column: None });
+                }
+            }
         }
     }
 

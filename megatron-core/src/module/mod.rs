@@ -628,6 +628,29 @@ pub trait Op: Clone + fmt::Debug {
     fn backward(&self, cx: &Cx, site: Site, saved: Self::Saved, dy: &Tensor) -> Result<Tensor>;
 }
 
+/// An op of several tensors: an `#[op]` field called with two or more arguments
+/// (`self.attend(q, k, v)`). Its inputs must be sharded alike (all replicated, or all split over
+/// tensor parallelism: it works on each rank's part), and so is its output.
+pub trait MultiOp: Clone + fmt::Debug {
+    /// What the forward keeps for the backward.
+    type Saved;
+    /// Computes the output from the inputs, in the order of the call.
+    fn forward(&self, cx: &Cx, site: Site, xs: &[&Tensor]) -> Result<(Tensor, Self::Saved)>;
+    /// Returns each input's gradient, in order.
+    fn backward(&self, cx: &Cx, site: Site, saved: Self::Saved, dy: &Tensor)
+    -> Result<Vec<Tensor>>;
+}
+
+/// The `N` gradients an op's backward returned, or an error naming the op and the counts.
+pub fn gradients<const N: usize>(op: &str, grads: Vec<Tensor>) -> Result<[Tensor; N]> {
+    let got = grads.len();
+    grads.try_into().map_err(|_| {
+        crate::error::Error::Invalid(format!(
+            "the backward of `{op}` returned {got} gradients for its {N} inputs"
+        ))
+    })
+}
+
 /// How a tensor is held across the tensor-parallel group (what generated code tells primitives).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sharding {

@@ -7,6 +7,7 @@
 pub mod fused;
 pub(crate) mod matmul;
 mod primitives;
+pub mod shape;
 
 pub use fused::{
     Fused, FusedKernel, FusedSaved, HostLoop, IntoScalar, Keep, fused, fused_backward,
@@ -17,3 +18,4 @@ pub use primitives::{
     cross_entropy_backward, dropout, dropout_add, dropout_add_backward, dropout_backward, gelu,
     gelu_backward, swiglu, swiglu_backward,
 };
+pub use shape::{ShapeOp, ShapeSaved, shape, shape_backward};

@@ -212,7 +212,14 @@ impl<'a> Ctx<'a> {
                 (NodeOp::Field { .. }, Some(f)) => {
                     let args = &self.g.nodes[n].args;
                     let ids = args.len() == 1 && self.a.sharding[args[0]] == Sharding::Ids;
-                    note(kind::of(&f.kind).imports(backward, ids));
+                    if args.len() > 1 && matches!(f.kind, crate::parse::FieldKind::Op) {
+                        note(kind::Imports {
+                            named: Some(("module", "MultiOp")),
+                            ..kind::Imports::default()
+                        });
+                    } else {
+                        note(kind::of(&f.kind).imports(backward, ids));
+                    }
                 }
                 (NodeOp::Logits { .. }, _) => note(kind::vocab::logits_imports(backward)),
                 (NodeOp::Loop { .. }, _) => note(kind::Imports {
@@ -224,7 +231,14 @@ impl<'a> Ctx<'a> {
                     reduce: !backward,
                     ..kind::Imports::default()
                 }),
-                (NodeOp::SeqGather, _) => note(kind::Imports {
+                (NodeOp::SeqGather, _)
+                | (
+                    NodeOp::Shape {
+                        op: crate::parse::ShapeKind::BroadcastHeads,
+                        ..
+                    },
+                    _,
+                ) => note(kind::Imports {
                     reduce: backward,
                     ..kind::Imports::default()
                 }),
@@ -240,7 +254,13 @@ impl<'a> Ctx<'a> {
             }
         }
         // The module's traits in the order it lists them; another kind's after them.
-        let order = ["ColumnParallel", "RowParallel", "VocabParallel", "Op"];
+        let order = [
+            "ColumnParallel",
+            "RowParallel",
+            "VocabParallel",
+            "Op",
+            "MultiOp",
+        ];
         named.sort_by_key(|(_, name)| order.iter().position(|o| o == name).unwrap_or(order.len()));
         let ident = |name: &str| syn::Ident::new(name, Span::call_site());
         let mut in_module: Vec<TokenStream> = named
@@ -530,6 +550,10 @@ fn forward_node<'a>(
             super::merged::row_sum_forward(cx, b, n, args, out, pos, *partials)
         }
         NodeOp::SeqGather => super::merged::seq_gather_forward(cx, b, n, args[0], out),
+        NodeOp::Shape { op, sizes, .. } => {
+            let saved = saved.expect("shape operations save");
+            super::shape::forward(cx, b, n, (*op, sizes), args, out, saved, pos)
+        }
         NodeOp::DropoutAdd { p } => {
             let (residual, x) = (args[0], args[1]);
             let saved = saved.expect("dropout saves");
@@ -919,6 +943,10 @@ fn backward_node<'a>(
         NodeOp::Pointwise { .. } => unreachable!("element-wise nodes are fused"),
         NodeOp::RowSum { partials } => {
             super::merged::row_sum_backward(cx, b, n, d_y, d_args, pos, *partials)
+        }
+        NodeOp::Shape { op, .. } => {
+            let saved = saved.expect("shape operations save");
+            super::shape::backward(cx, b, n, *op, d_y, saved, d_args, pos)
         }
         NodeOp::SeqGather => {
             let d_x = d_args[0].expect("a column-parallel layer's input is a tensor");

@@ -6,12 +6,13 @@ mod fused;
 mod kind;
 mod merged;
 pub mod names;
+mod shape;
 
 use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote};
 
 use crate::model::{Def, Graph, NodeOp, Use};
-use crate::parse::{Builtin, Field, InputType, ModuleImpl, ModuleStruct};
+use crate::parse::{Builtin, Field, FieldKind, InputType, ModuleImpl, ModuleStruct};
 use crate::pipeline::{self, Cut, Presence};
 use crate::root::Root;
 use crate::validate::{Analysis, Sharding};
@@ -280,7 +281,14 @@ pub fn saved_field_type(
         NodeOp::Pointwise { .. } => unreachable!("element-wise nodes are fused"),
         NodeOp::RowSum { .. } | NodeOp::SeqGather => return None,
         NodeOp::Fused { .. } => quote!(#rt::ops::FusedSaved),
+        NodeOp::Shape { .. } => quote!(#rt::ops::ShapeSaved),
         NodeOp::DropoutAdd { .. } => quote!(#rt::ops::DropoutSaved),
+        NodeOp::Field { .. }
+            if node.args.len() > 1 && matches!(field.map(|f| &f.kind), Some(FieldKind::Op)) =>
+        {
+            let ty = &field.expect("validated").ty;
+            quote!(<#ty as #rt::module::MultiOp>::Saved)
+        }
         NodeOp::Field { .. } | NodeOp::Loop { .. } => {
             let f = field.expect("validated");
             kind::of(&f.kind).saved_type(rt, f)
@@ -323,6 +331,7 @@ fn saved_field_doc(s: &ModuleStruct, g: &Graph, a: &Analysis, n: usize) -> Strin
         NodeOp::Fused { formula, .. } => {
             format!("What `{formula}` keeps (the tensors its fused backward kernel reads).")
         }
+        NodeOp::Shape { op, .. } => format!("What {} keeps (the sizes it moved).", op.name()),
         NodeOp::Add | NodeOp::Pointwise { .. } | NodeOp::RowSum { .. } | NodeOp::SeqGather => {
             String::new()
         }

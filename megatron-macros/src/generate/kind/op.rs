@@ -60,6 +60,42 @@ impl Kind for Op {
     fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>) {
         let name = &call.name;
         let who = format!("{} `{name}`", self.attribute);
+        if self.attribute == "#[op]" && call.node.args.len() > 1 {
+            // A `MultiOp`: its inputs sharded alike, its output as them.
+            let mut first: Option<(usize, crate::validate::Sharding)> = None;
+            for i in 0..call.node.args.len() {
+                let (v, src) = call.arg(i);
+                let Some(sh) = c.arg(&who, Want::Tensor, v, src) else {
+                    return;
+                };
+                match first {
+                    None => first = Some((v, sh)),
+                    Some((_, s0)) if s0 != sh => {
+                        c.errors.push(src.error(format!(
+                            "{who} needs its inputs sharded alike (all replicated, or all split \
+                             over tensor parallel), but its first input is {} and this one {}",
+                            if s0 == crate::validate::Sharding::Split {
+                                "split"
+                            } else {
+                                "replicated"
+                            },
+                            if sh == crate::validate::Sharding::Split {
+                                "split"
+                            } else {
+                                "replicated"
+                            },
+                        )));
+                        return;
+                    }
+                    Some(_) => {}
+                }
+            }
+            if let Some((v, sh)) = first {
+                let origin = c.origin[v].clone().expect("known sharding");
+                c.set(call.out(), sh, origin);
+            }
+            return;
+        }
         if !c.arity(call.n, &who, 1) {
             return;
         }
@@ -102,6 +138,16 @@ impl Kind for Op {
         let Forward {
             args, out, saved, ..
         } = *io;
+        if args.len() > 1 {
+            let call = cx.qualified(n, quote!(MultiOp::forward));
+            let args = args.to_vec();
+            b.push(move |nm| {
+                let refs = args.iter().map(|&a| nm.by_ref(a));
+                let (s, o) = (nm.pat(saved), nm.pat(out));
+                quote!(let (#o, #s) = #call(&#this_field, cx, #site, &[#(#refs),*])?;)
+            });
+            return;
+        }
         let x = args[0];
         let call = cx.qualified(n, self.method(self.methods.0));
         let doc = self
@@ -123,6 +169,27 @@ impl Kind for Op {
         let Backward {
             d_y, saved, d_args, ..
         } = *io;
+        if d_args.len() > 1 {
+            let rt = &cx.root.runtime;
+            let call = cx.qualified(n, quote!(MultiOp::backward));
+            let name = cx.field(n).name();
+            let count = proc_macro2::Literal::usize_unsuffixed(d_args.len());
+            let d_args: Vec<_> = d_args
+                .iter()
+                .map(|d| d.expect("op inputs are tensors"))
+                .collect();
+            b.push(move |nm| {
+                let (s, dy) = (nm.ident(saved), nm.by_ref(d_y));
+                let grads = d_args.iter().map(|&d| nm.pat(d));
+                quote! {
+                    let [#(#grads),*] = #rt::module::gradients::<#count>(
+                        #name,
+                        #call(&#this_field, cx, #site, #s, #dy)?,
+                    )?;
+                }
+            });
+            return;
+        }
         let d_x = d_args[0].expect("op inputs are tensors");
         let call = cx.qualified(n, self.method(self.methods.1));
         let doc = self.says.map(|_| {
