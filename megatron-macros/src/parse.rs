@@ -16,8 +16,10 @@ pub const STATEMENTS_HELP: &str = "forward accepts `let name = expr;`, `let mut 
 
 /// What forward's expressions may be (repeated in errors).
 pub const EXPRESSIONS_HELP: &str = "forward's expressions are calls of fields `self.field(..)`, \
-     `self.field.logits(h)`, the builtins `swiglu(x)`, `dropout(x, p)` and \
-     `cross_entropy(logits, targets)`, element-wise math (`a + b`, `a - b`, `a * b`, `a / b`, \
+     `self.field.logits(h)`, the builtins `swiglu(x)`, `dropout(x, p)`, `rope(x, cfg)` and \
+     `cross_entropy(logits, targets)`, the shape operations (`let (a, b) = split(x, [A, B]);`, \
+     `split_heads`, `narrow(x, start, len)`, `cat(a, b)`, `cat_heads(a, b, [A, B])`, \
+     `broadcast_heads(x, heads)`), element-wise math (`a + b`, `a - b`, `a * b`, `a / b`, \
      `-a`, with tensors or scalars such as `2.0`, `self.config_value` or `CONSTANT`; relu, \
      square, silu, gelu, gelu_erf, sigmoid, tanh, exp, log, sqrt, rsqrt, softplus, abs, \
      `clamp(x, lo, hi)`, `select(a > b, x, y)`), parentheses and variable names";
@@ -798,6 +800,8 @@ pub enum Builtin {
     Dropout,
     /// `cross_entropy(logits, targets)`.
     CrossEntropy,
+    /// `rope(x, cfg)`: rotary embeddings on each head of `x` (`cfg`: a `megatron::ops::Rope`).
+    Rope,
 }
 
 impl Builtin {
@@ -808,6 +812,7 @@ impl Builtin {
             Builtin::Swiglu => "swiglu",
             Builtin::Dropout => "dropout",
             Builtin::CrossEntropy => "cross_entropy",
+            Builtin::Rope => "rope",
         }
     }
 }
@@ -1506,6 +1511,7 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
         "swiglu" => Builtin::Swiglu,
         "dropout" => Builtin::Dropout,
         "cross_entropy" => Builtin::CrossEntropy,
+        "rope" => Builtin::Rope,
         "select" => return parse_select(c, e),
         "split" | "split_heads" => {
             return Err(syn::Error::new_spanned(
@@ -1539,12 +1545,14 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
             return Err(syn::Error::new_spanned(
                 &c.func,
                 format!(
-                    "unknown function `{other}` in forward: the builtins are swiglu, dropout and \
-                     cross_entropy, the element-wise functions {} (with `+ - * /`, fused into \
-                     generated kernels), and fields are called as `self.field(x)` (a loop \
-                     element only inside its loop); other math is an op of your own: a type \
-                     implementing `megatron::module::Op` (its forward and backward) in a field \
-                     marked #[op], called as `self.field(x)`",
+                    "unknown function `{other}` in forward: the builtins are swiglu, dropout, \
+                     cross_entropy and rope, the shape operations split, split_heads, narrow, \
+                     cat, cat_heads and broadcast_heads, the element-wise functions {} (with \
+                     `+ - * /`, fused into generated kernels), and fields are called as \
+                     `self.field(x)` (a loop element only inside its loop); other math is an op \
+                     of your own: a type implementing `megatron::module::Op` (or `MultiOp` for \
+                     several inputs: its forward and backward) in a field marked #[op], called \
+                     as `self.field(x)`",
                     pointwise::names()
                 ),
             ));
@@ -1555,6 +1563,7 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
         Builtin::Swiglu => (1, "swiglu(x)"),
         Builtin::Dropout => (2, "dropout(x, p)"),
         Builtin::CrossEntropy => (2, "cross_entropy(logits, targets)"),
+        Builtin::Rope => (2, "rope(x, cfg)"),
     };
     if c.args.len() != want {
         return Err(syn::Error::new_spanned(
@@ -1567,7 +1576,7 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
             ),
         ));
     }
-    let (args, p) = if builtin == Builtin::Dropout {
+    let (args, p) = if matches!(builtin, Builtin::Dropout | Builtin::Rope) {
         (
             vec![parse_expr(&c.args[0])?],
             Some(Box::new(c.args[1].clone())),

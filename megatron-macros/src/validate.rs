@@ -303,7 +303,7 @@ impl Checker<'_> {
                 self.set(out, Sharding::Split, Origin { text, column: None });
             }
             NodeOp::Builtin { builtin, .. } => match builtin {
-                Builtin::Gelu | Builtin::Swiglu | Builtin::Dropout => {
+                Builtin::Gelu | Builtin::Swiglu | Builtin::Dropout | Builtin::Rope => {
                     let (v, src) = arg(0);
                     if let Some(sh) = self.arg(builtin.name(), Want::Tensor, v, src) {
                         let origin = self.origin[v].clone().expect("known sharding");

@@ -84,3 +84,18 @@ device_ops! {
         fn attention_backward(&self, kept: &AttentionKept, mask: &Option<DropoutMask>, sh: AttentionShape, d_out: &Tensor) -> Result<Tensor>;
     }
 }
+
+device_ops! {
+    /// The masked softmax of attention's scaled scores, with dropout on the weights: the
+    /// general attention of separate queries, keys and values (`ops::attention`), whose products
+    /// are the tensors' own.
+    pub(crate) trait SoftmaxOps {
+        /// The weights `softmax(scale · scores)` of contiguous `scores` (`rows` blocks of
+        /// `sq × sk`) with the keys `keys` lets each query see, in f32, and with `dropout` the
+        /// dropped weights the value product reads.
+        fn masked_softmax(&self, scores: &Tensor, sizes: (usize, usize, usize), scale: f32, keys: crate::kernels::softmax::KeyMask, dropout: &Option<DropoutMask>) -> Result<(Tensor, Option<Tensor>)>;
+        /// The scores' gradient from the weights and the dropped weights' gradient (through
+        /// the same mask), in f32.
+        fn masked_softmax_backward(&self, probs: &Tensor, d_dropped: &Tensor, sizes: (usize, usize, usize), scale: f32, keys: crate::kernels::softmax::KeyMask, dropout: &Option<DropoutMask>) -> Result<Tensor>;
+    }
+}

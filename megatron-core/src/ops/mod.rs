@@ -4,11 +4,13 @@
 //! `dropout`, `cross_entropy`, and `dropout_add` for `a + dropout(b, p)`) are the builtin
 //! functions of a `#[megatron::module]` forward.
 
+pub mod attention;
 pub mod fused;
 pub(crate) mod matmul;
 mod primitives;
 pub mod shape;
 
+pub use attention::{DotProductAttention, Rope, RopeSaved, rope, rope_backward};
 pub use fused::{
     Fused, FusedKernel, FusedSaved, HostLoop, IntoScalar, Keep, fused, fused_backward,
 };

@@ -244,7 +244,7 @@ impl<'a> Ctx<'a> {
                 }),
                 (
                     NodeOp::Builtin {
-                        builtin: Builtin::Dropout,
+                        builtin: Builtin::Dropout | Builtin::Rope,
                         ..
                     }
                     | NodeOp::DropoutAdd { .. },
@@ -495,6 +495,15 @@ fn forward_node<'a>(
                     b.push(move |nm| {
                         let (xr, s, o) = (nm.by_ref(x), nm.pat(saved), nm.pat(out));
                         quote!(let (#o, #s) = #rt::ops::swiglu(cx, #site, #xr)?;)
+                    });
+                }
+                Builtin::Rope => {
+                    let x = args[0];
+                    let cfg = p.clone().expect("rope has a config");
+                    let sharding = dropout_sharding(cx, node.args[0]);
+                    b.push(move |nm| {
+                        let (xr, s, o) = (nm.by_ref(x), nm.pat(saved), nm.pat(out));
+                        quote!(let (#o, #s) = #rt::ops::rope(cx, #site, #xr, &(#cfg), #sharding)?;)
                     });
                 }
                 Builtin::Dropout => {
@@ -883,6 +892,18 @@ fn backward_node<'a>(
             let io = backward_io(saved.expect("logits save"));
             kind::vocab::logits_backward(&kind::Call::new(cx, n), b, &io)
         }
+        NodeOp::Builtin {
+            builtin: Builtin::Rope,
+            p,
+        } => {
+            let saved = saved.expect("builtins save");
+            let d_x = d_args[0].expect("builtin inputs are tensors");
+            let cfg = p.clone().expect("rope has a config");
+            b.push(move |nm| {
+                let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
+                quote!(let #dx = #rt::ops::rope_backward(cx, #site, &(#cfg), #s, #dy)?;)
+            });
+        }
         NodeOp::Builtin { builtin, .. } => {
             let saved = saved.expect("builtins save");
             let d_x = d_args[0].expect("builtin inputs are tensors");
@@ -901,6 +922,7 @@ fn backward_node<'a>(
                     )
                 }
                 Builtin::CrossEntropy => (quote!(#rt::ops::cross_entropy_backward), None),
+                Builtin::Rope => unreachable!("rope's backward is above"),
             };
             b.push(move |nm| {
                 let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));

@@ -301,6 +301,7 @@ pub fn saved_field_type(
             Builtin::Gelu => quote!(#rt::ops::GeluSaved),
             Builtin::Swiglu => quote!(#rt::ops::SwigluSaved),
             Builtin::Dropout => quote!(#rt::ops::DropoutSaved),
+            Builtin::Rope => quote!(#rt::ops::RopeSaved),
             Builtin::CrossEntropy => {
                 if a.sharding[node.args[0]] == Sharding::Split {
                     quote!(#rt::tensor_parallel::VocabParallelCrossEntropySaved)

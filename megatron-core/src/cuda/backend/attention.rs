@@ -7,7 +7,7 @@
 //! probabilities take half the memory.
 
 use crate::backend::DropoutMask;
-use crate::backend::attention::{AttentionKept, AttentionOps, AttentionShape};
+use crate::backend::attention::{AttentionKept, AttentionOps, AttentionShape, SoftmaxOps};
 use crate::cuda::Gpu;
 use crate::cuda::kernels::flash_attention::{
     FlashShape, SCORE_GRADIENT_BUDGET, flash_attention_backward, flash_attention_forward,
@@ -278,4 +278,82 @@ fn backward(
     matmul_into(1.0, &d_scores, k, 0.0, &heads_view(&dqkv, sh, 3, 0)?)?;
     matmul_into(1.0, &d_scores.t()?, q, 0.0, &heads_view(&dqkv, sh, 3, 1)?)?;
     Ok(dqkv)
+}
+
+impl SoftmaxOps for Gpu {
+    fn masked_softmax(
+        &self,
+        scores: &Tensor,
+        (rows, sq, sk): (usize, usize, usize),
+        scale: f32,
+        keys: crate::kernels::softmax::KeyMask,
+        dropout: &Option<DropoutMask>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let scores = contiguous_input(scores)?;
+        let probs = Tensor::empty_on(scores.shape().clone(), DType::F32, self)?;
+        let dropped = dropout
+            .is_some()
+            .then(|| Tensor::empty_on(scores.shape().clone(), DType::F32, self))
+            .transpose()?;
+        with_in(&scores, |x| {
+            with_out(&probs, |y| {
+                with_optional_out(dropped.as_ref(), |d| {
+                    gsm::softmax_dropout_forward(
+                        self,
+                        x,
+                        rows,
+                        sq,
+                        sk,
+                        scale,
+                        keys,
+                        y,
+                        d,
+                        dropout_of(dropout),
+                    )?;
+                    Ok(())
+                })
+            })
+        })?;
+        Ok((probs, dropped))
+    }
+
+    fn masked_softmax_backward(
+        &self,
+        probs: &Tensor,
+        d_dropped: &Tensor,
+        (rows, sq, sk): (usize, usize, usize),
+        scale: f32,
+        keys: crate::kernels::softmax::KeyMask,
+        dropout: &Option<DropoutMask>,
+    ) -> Result<Tensor> {
+        let d_dropped = contiguous_input(d_dropped)?;
+        let d_scores = Tensor::empty_on(probs.shape().clone(), DType::F32, self)?;
+        let dropped = dropout
+            .is_some()
+            .then(|| Tensor::empty_on(probs.shape().clone(), DType::F32, self))
+            .transpose()?;
+        with_in(probs, |y| {
+            with_in(&d_dropped, |dy| {
+                with_out(&d_scores, |dx| {
+                    with_optional_out(dropped.as_ref(), |d| {
+                        gsm::dropout_softmax_backward(
+                            self,
+                            y,
+                            dy,
+                            rows,
+                            sq,
+                            sk,
+                            scale,
+                            keys,
+                            dx,
+                            d,
+                            dropout_of(dropout),
+                        )?;
+                        Ok(())
+                    })
+                })
+            })
+        })?;
+        Ok(d_scores)
+    }
 }

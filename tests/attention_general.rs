@@ -1,0 +1,266 @@
+//! Attention as a general piece (issue 46, section 3): `DotProductAttention` over separate
+//! queries, keys and values. With one head size and no groups it computes what
+//! `CausalSelfAttention` computes from the fused projection; with grouped heads, a value head
+//! size of its own and a sliding window it matches a plain f64 attention, and its gradients
+//! match finite differences of that attention; `rope` turns each head as the fused rotary
+//! kernels do; on the (emulated) GPU it follows the host.
+
+use megatron::comm::ParallelState;
+use megatron::comm::threads::launch;
+use megatron::module::{Cx, MultiOp, Op, Sharding, Site};
+use megatron::ops::{DotProductAttention, Rope, rope, rope_backward};
+use megatron::parallel::{ParallelConfig, ParallelLayout};
+use megatron::tensor::Tensor;
+use megatron::tensor_parallel::CausalSelfAttention;
+
+type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+fn with_cx<T: Send>(f: impl Fn(&Cx) -> R<T> + Sync) -> T {
+    let layout = ParallelLayout::new(&ParallelConfig::new(1)).unwrap();
+    launch(1, |w| -> R<T> {
+        let ps = ParallelState::new(&w, &layout)?;
+        f(&Cx::new(&ps, 0))
+    })
+    .unwrap()
+    .remove(0)
+}
+
+fn values(n: usize, salt: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i * 7919 + salt * 104_729) % 2003) as f32 / 2003.0 - 0.5) * 2.0)
+        .collect()
+}
+
+const S: usize = 6;
+const B: usize = 2;
+
+#[test]
+fn one_head_size_without_groups_is_causal_self_attention() {
+    let (heads, d) = (3, 4);
+    let (q, k, v) = (
+        values(S * B * heads * d, 1),
+        values(S * B * heads * d, 2),
+        values(S * B * heads * d, 3),
+    );
+    // The fused projection: per head [q | k | v].
+    let mut qkv = Vec::new();
+    for row in 0..S * B {
+        for h in 0..heads {
+            for x in [&q, &k, &v] {
+                qkv.extend_from_slice(&x[(row * heads + h) * d..(row * heads + h + 1) * d]);
+            }
+        }
+    }
+    let dy = values(S * B * heads * d, 4);
+    let (general, fused) = with_cx(|cx| {
+        let t = |v: &[f32], w: usize| Tensor::from_vec(v.to_vec(), [S, B, w]);
+        let (tq, tk, tv) = (t(&q, heads * d)?, t(&k, heads * d)?, t(&v, heads * d)?);
+        let dyt = t(&dy, heads * d)?;
+        let op = DotProductAttention::new(d);
+        let (y, saved) = MultiOp::forward(&op, cx, Site::ROOT, &[&tq, &tk, &tv])?;
+        let grads = MultiOp::backward(&op, cx, Site::ROOT, saved, &dyt)?;
+        let mut general = vec![y.to_vec::<f32>()?];
+        for g in grads {
+            general.push(g.to_vec::<f32>()?);
+        }
+        let core = CausalSelfAttention::new(heads, 0.0);
+        let (yf, sf) = Op::forward(&core, cx, Site::ROOT, &t(&qkv, heads * 3 * d)?)?;
+        let dqkv = Op::backward(&core, cx, Site::ROOT, sf, &dyt)?.to_vec::<f32>()?;
+        Ok((general, (yf.to_vec::<f32>()?, dqkv)))
+    });
+    let close = |a: &[f32], b: &[f32], what: &str| {
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-6, "{what}: {worst}");
+    };
+    close(&general[0], &fused.0, "output");
+    // The fused gradient's per-head [dq | dk | dv] against the three.
+    for (part, g) in general[1..].iter().enumerate() {
+        let mut want = Vec::new();
+        for row in 0..S * B {
+            for h in 0..heads {
+                let at = ((row * heads + h) * 3 + part) * d;
+                want.extend_from_slice(&fused.1[at..at + d]);
+            }
+        }
+        close(g, &want, ["dq", "dk", "dv"][part]);
+    }
+}
+
+/// Causal attention in f64 with grouped heads, per-head sizes and a window: `[s, b, ·]` rows.
+#[allow(clippy::too_many_arguments)]
+fn reference(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    (heads, kv_heads, d, dv): (usize, usize, usize, usize),
+    window: Option<usize>,
+) -> Vec<f64> {
+    let mut out = vec![0.0; S * B * heads * dv];
+    let group = heads / kv_heads;
+    for b in 0..B {
+        for h in 0..heads {
+            let g = h / group;
+            for i in 0..S {
+                let lo = window.map_or(0, |w| i.saturating_sub(w));
+                let qi = &q[((i * B + b) * heads + h) * d..][..d];
+                let scores: Vec<f64> = (lo..=i)
+                    .map(|j| {
+                        let kj = &k[((j * B + b) * kv_heads + g) * d..][..d];
+                        qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt()
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::MIN, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for (t, j) in (lo..=i).enumerate() {
+                    let vj = &v[((j * B + b) * kv_heads + g) * dv..][..dv];
+                    for c in 0..dv {
+                        out[((i * B + b) * heads + h) * dv + c] += e[t] / z * vj[c];
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn grouped_heads_and_their_own_value_size_match_f64_and_finite_differences() {
+    let (heads, kv_heads, d, dv, window) = (4, 2, 3, 5, Some(3));
+    let (q, k, v) = (
+        values(S * B * heads * d, 5),
+        values(S * B * kv_heads * d, 6),
+        values(S * B * kv_heads * dv, 7),
+    );
+    let c = values(S * B * heads * dv, 8);
+    let (y, grads) = with_cx(|cx| {
+        let t = |x: &[f32], w: usize| Tensor::from_vec(x.to_vec(), [S, B, w]);
+        let op = DotProductAttention::new(d).with_window(window);
+        let (tq, tk, tv) = (
+            t(&q, heads * d)?,
+            t(&k, kv_heads * d)?,
+            t(&v, kv_heads * dv)?,
+        );
+        let (y, saved) = MultiOp::forward(&op, cx, Site::ROOT, &[&tq, &tk, &tv])?;
+        let grads = MultiOp::backward(&op, cx, Site::ROOT, saved, &t(&c, heads * dv)?)?;
+        let grads: Vec<Vec<f32>> = grads
+            .iter()
+            .map(|g| g.to_vec::<f32>())
+            .collect::<Result<_, _>>()?;
+        Ok((y.to_vec::<f32>()?, grads))
+    });
+    let f64s = |x: &[f32]| x.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>();
+    let (q64, k64, v64) = (f64s(&q), f64s(&k), f64s(&v));
+    let sizes = (heads, kv_heads, d, dv);
+    let want = reference(&q64, &k64, &v64, sizes, window);
+    for (i, (g, w)) in y.iter().zip(&want).enumerate() {
+        assert!((f64::from(*g) - w).abs() < 1e-5, "y[{i}] {g} vs {w}");
+    }
+    // Σ y ⊙ c, differentiated numerically in f64 at a few inputs of each.
+    let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
+        reference(q, k, v, sizes, window)
+            .iter()
+            .zip(&c)
+            .map(|(y, c)| y * f64::from(*c))
+            .sum()
+    };
+    let h = 1e-6;
+    for (which, n) in [(0, q.len()), (1, k.len()), (2, v.len())] {
+        for i in [0, n / 3, n / 2, n - 1] {
+            let mut ins = [q64.clone(), k64.clone(), v64.clone()];
+            ins[which][i] += h;
+            let plus = loss(&ins[0], &ins[1], &ins[2]);
+            ins[which][i] -= 2.0 * h;
+            let minus = loss(&ins[0], &ins[1], &ins[2]);
+            let numeric = (plus - minus) / (2.0 * h);
+            let got = f64::from(grads[which][i]);
+            assert!(
+                (got - numeric).abs() < 1e-4 * (1.0 + numeric.abs()),
+                "d{}[{i}] = {got}, finite differences {numeric}",
+                ["q", "k", "v"][which]
+            );
+        }
+    }
+}
+
+#[test]
+fn rope_turns_each_head_as_the_fused_kernels_do_and_back() {
+    let (heads, d) = (3, 4);
+    let x = values(S * B * heads * d, 9);
+    let (turned, back, fused) = with_cx(|cx| {
+        let t = Tensor::from_vec(x.clone(), [S, B, heads * d])?;
+        let cfg = Rope::new(d);
+        let (y, saved) = rope(cx, Site::ROOT, &t, &cfg, Sharding::Replicated)?;
+        let back = rope_backward(cx, Site::ROOT, &cfg, saved, &y)?;
+        // The fused path: every head a rotated one.
+        let fused = cfg.rotary.apply(&t, (heads, 1, 1), d, 0, false)?;
+        Ok((
+            y.to_vec::<f32>()?,
+            back.to_vec::<f32>()?,
+            fused.to_vec::<f32>()?,
+        ))
+    });
+    assert_eq!(turned, fused);
+    // A rotation's backward is its inverse: the gradient of `y` turned back is `x`.
+    for (a, b) in back.iter().zip(&x) {
+        assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+    }
+    // Position 0 is not turned; later positions are.
+    assert_eq!(turned[..B * heads * d], x[..B * heads * d]);
+    assert_ne!(turned[B * heads * d..], x[B * heads * d..]);
+}
+
+#[cfg(feature = "cuda")]
+#[path = "../megatron-core/tests/emulated/device.rs"]
+mod device;
+
+/// On the GPU (or the emulated one) the general attention follows the host.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn the_general_attention_on_the_gpu_follows_the_host() {
+    device::install_if_requested(std::path::Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/megatron-core"
+    )));
+    let gpu = megatron::cuda::Gpu::new(0).expect("GPU 0");
+    let (heads, kv_heads, d, dv) = (4, 2, 3, 5);
+    let (q, k, v) = (
+        values(S * B * heads * d, 5),
+        values(S * B * kv_heads * d, 6),
+        values(S * B * kv_heads * dv, 7),
+    );
+    let c = values(S * B * heads * dv, 8);
+    let run = |place: &(dyn Fn(Tensor) -> megatron::Result<Tensor> + Sync)| {
+        with_cx(|cx| {
+            let t = |x: &[f32], w: usize| place(Tensor::from_vec(x.to_vec(), [S, B, w])?);
+            let op = DotProductAttention::new(d).with_window(Some(3));
+            let (tq, tk, tv) = (
+                t(&q, heads * d)?,
+                t(&k, kv_heads * d)?,
+                t(&v, kv_heads * dv)?,
+            );
+            let (y, saved) = MultiOp::forward(&op, cx, Site::ROOT, &[&tq, &tk, &tv])?;
+            let grads = MultiOp::backward(&op, cx, Site::ROOT, saved, &t(&c, heads * dv)?)?;
+            let mut out = vec![y.to_vec::<f32>()?];
+            for g in grads {
+                out.push(g.to_vec::<f32>()?);
+            }
+            Ok(out)
+        })
+    };
+    let host = run(&Ok);
+    let on_gpu = run(&|t| t.to_gpu(&gpu));
+    for (i, (g, h)) in on_gpu.iter().zip(&host).enumerate() {
+        let worst = g
+            .iter()
+            .zip(h)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-5, "output {i}: {worst}");
+    }
+}
