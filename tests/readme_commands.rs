@@ -1,6 +1,7 @@
-//! Every `megatron` command of the README runs as written (issue 45, class 8), in order, in one
-//! directory, with its iterations shortened: a README that drifts from the program fails here.
-//! The commands are read from README.md itself. What they assume exists is made first: a
+//! Every `megatron` command of the README and of the user guide (docs/guide, its pages in the
+//! index's order) runs as written (issue 45, class 8; issue 46, section 7), in order, in one
+//! directory, with its iterations shortened: documentation that drifts from the program fails
+//! here. The commands are read from the documents themselves. What they assume exists is made first: a
 //! corpus of JSON lines (the project's docs), `other_text_document`, a Hugging Face Llama at
 //! `~/Llama-3.2-1B` (llama-tiny trained a step with its own tokenizer and exported: HOME points
 //! into the test's directory) and a parameter list for `layout --params`. Commands for a GPU or
@@ -16,11 +17,44 @@ use std::time::Instant;
 
 use support::TempDir;
 
-/// The README's shell commands: the lines of its `sh` blocks, continuations joined, comments
-/// dropped.
+/// The guide's pages in the order of its index (the later pages' commands use what the
+/// earlier ones made).
+const GUIDE: [&str; 12] = [
+    "data",
+    "training",
+    "pipeline-parallel",
+    "tensor-and-sequence-parallel",
+    "context-parallel",
+    "llama-and-hugging-face",
+    "optimizer-and-precision",
+    "recompute",
+    "expert-parallel",
+    "graph-scopes",
+    "processes-and-gpus",
+    "writing-a-model",
+];
+
+/// The shell commands of the README and the guide: the lines of their `sh` blocks,
+/// continuations joined, comments dropped.
 fn readme_commands() -> Vec<String> {
-    let readme =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut documents = vec![root.join("README.md")];
+    documents.extend(
+        GUIDE
+            .iter()
+            .map(|p| root.join("docs/guide").join(format!("{p}.md"))),
+    );
+    let mut commands = Vec::new();
+    for doc in documents {
+        let text =
+            std::fs::read_to_string(&doc).unwrap_or_else(|e| panic!("{}: {e}", doc.display()));
+        commands.extend(sh_commands(&text));
+    }
+    commands
+}
+
+/// The commands of one document's `sh` blocks.
+fn sh_commands(readme: &str) -> Vec<String> {
     let mut commands = Vec::new();
     let mut in_block = false;
     let mut pending = String::new();
@@ -160,6 +194,7 @@ fn corpus() -> String {
     let mut docs: Vec<_> = std::fs::read_dir(root.join("docs"))
         .unwrap()
         .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
         .collect();
     docs.sort();
     files.extend(docs);
@@ -246,5 +281,5 @@ fn every_readme_command_runs_as_written() {
         ran += 1;
     }
     // The main command, the path of a Megatron-LM user, every capability's lines.
-    assert!(ran >= 40, "only {ran} README commands found");
+    assert!(ran >= 40, "only {ran} README and guide commands found");
 }
