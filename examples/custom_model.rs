@@ -15,17 +15,11 @@
 //! cargo run --release --example custom_model
 //! ```
 
-use std::time::Instant;
+mod common;
 
-use megatron::comm::ParallelState;
-use megatron::comm::threads::launch;
-use megatron::optimizer::AdamWConfig;
-use megatron::parallel::{ParallelConfig, ParallelLayout};
-use megatron::pipeline_parallel::PipelineLayout;
+use common::{Layout, ONE, Run};
 use megatron::prelude::*;
-use megatron::training::{
-    BatchPlan, CarriedWidth, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
-};
+use megatron::training::CarriedWidth;
 
 /// A parallel block: one layer norm feeds both branches, and both add to the residual.
 #[megatron::module]
@@ -104,136 +98,43 @@ fn spec() -> ParallelLmSpec {
     }
 }
 
-/// A layout: tensor, data and pipeline parallel sizes, and sequence parallelism.
-#[derive(Clone, Copy)]
-struct Layout {
-    tp: usize,
-    dp: usize,
-    pp: usize,
-    sp: bool,
-}
-
-/// Trains on `tp × dp × pp` thread ranks; returns every step's loss and the seconds taken.
-fn train(l: Layout) -> Result<(Vec<f64>, f64)> {
-    let world = l.tp * l.dp * l.pp;
-    let layout = ParallelLayout::new(&ParallelConfig::new(world).with_tp(l.tp).with_pp(l.pp))?;
-    let stages = PipelineLayout::new(LAYERS, l.pp, 1, None, None)
-        .map_err(|e| Error::Invalid(e.to_string()))?;
-    let plan = BatchPlan {
-        seq_length: 64,
-        micro_batch: 4,
-        global_batch: 16,
-        dp: l.dp,
-    };
-    let corpus = TokenStream::from_bytes(megatron::data::default_corpus());
-    let data = Sampler::windows(corpus, plan, SEED)?;
-    let config = TrainConfig {
-        schedule: LrSchedule {
-            max_lr: 2e-3,
-            min_lr: 2e-4,
-            warmup_steps: 10,
-            decay_steps: STEPS,
-            style: DecayStyle::Cosine,
-        },
-        adam: AdamWConfig::default(),
-        clip_grad: 1.0,
-        seed: SEED,
-        bucket_elements: 1 << 20,
-        distributed_optimizer: false,
-        recompute: megatron::module::Recompute::Off,
-        precision: megatron::optimizer::Precision::FP32,
-        check_for_nan: true,
-    };
-    let start = Instant::now();
-    let per_rank = launch(world, |world| -> Result<(usize, usize, Vec<f64>)> {
-        let parallel = ParallelState::new(&world, &layout)?.with_sequence_parallel(l.sp);
-        let stage = stages.part(parallel.pp().index(), 0);
-        let builder = Builder::for_rank(SEED, parallel.groups()).with_stage(stage);
-        let model = ParallelLm::build(&spec(), &mut builder.clone())?;
-        let mut trainer = Trainer::pipelined(vec![model], &parallel, data.clone(), config, None)?;
-        let losses = (0..STEPS)
-            .map(|step| Ok(trainer.step(&parallel, step)?.loss))
-            .collect::<Result<Vec<f64>>>()?;
-        Ok((parallel.pp().index(), parallel.groups().tp_rank(), losses))
-    })
-    .map_err(|e| Error::Invalid(e.to_string()))?;
-    // The loss is known on the last stage.
-    let losses = per_rank
-        .into_iter()
-        .find(|(stage, tp_rank, _)| *stage == l.pp - 1 && *tp_rank == 0)
-        .map(|(_, _, l)| l)
-        .unwrap_or_default();
-    Ok((losses, start.elapsed().as_secs_f64()))
-}
-
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     println!(
         "a {LAYERS}-layer parallel-block decoder (hidden {HIDDEN}, {HEADS} heads, no position \
          embedding) on megatron-rs's sources as bytes"
     );
-    let one = Layout {
-        tp: 1,
-        dp: 1,
-        pp: 1,
-        sp: false,
+    let run = Run {
+        steps: STEPS,
+        layers: LAYERS,
+        seq_length: 64,
+        micro_batch: 4,
+        global_batch: 16,
+        max_lr: 2e-3,
+        seed: SEED,
     };
-    let mut runs = Vec::new();
-    for (name, l) in [
-        ("one rank", one),
-        (
-            "TP=2 × DP=2",
-            Layout {
-                tp: 2,
-                dp: 2,
-                ..one
-            },
-        ),
-        (
-            "TP=2 + SP",
-            Layout {
-                tp: 2,
-                sp: true,
-                ..one
-            },
-        ),
-        ("PP=2", Layout { pp: 2, ..one }),
-    ] {
-        let (losses, seconds) = train(l)?;
-        println!("{name:<12} {STEPS} steps in {seconds:.1} s");
-        runs.push((name, losses));
-    }
-    println!(
-        "\n step {}",
-        runs.iter()
-            .map(|(n, _)| format!("{n:>13}"))
-            .collect::<String>()
-    );
-    for step in (0..STEPS as usize).step_by(30).chain([STEPS as usize - 1]) {
-        let row: String = runs
-            .iter()
-            .map(|(_, l)| format!("{:>13.4}", l[step]))
-            .collect();
-        println!("{step:>5} {row}");
-    }
-    // Every layout reproduces the single-rank run (the same initial weights, data and dropout
-    // masks whatever the layout), up to the order of f32 sums, which compounds over training.
-    let single = &runs[0].1;
-    for (name, losses) in &runs[1..] {
-        let first = (losses[0] - single[0]).abs();
-        let worst = losses
-            .iter()
-            .zip(single)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
-        println!("{name}: first step differs by {first:.1e}, the worst of {STEPS} by {worst:.1e}");
-        if losses.len() != STEPS as usize || first > 1e-5 || worst > 1e-3 {
-            return Err(format!("{name} does not reproduce one rank: {first:e}, {worst:e}").into());
-        }
-    }
-    let (from, to) = (single[0], single[single.len() - 1]);
-    if to > from - 1.0 {
-        return Err(format!("the loss did not fall: {from:.3} → {to:.3}").into());
-    }
-    println!("the loss fell from {from:.3} to {to:.3}");
-    Ok(())
+    common::train_and_compare::<ParallelLm>(
+        &spec(),
+        run,
+        &[
+            ("one rank", ONE),
+            (
+                "TP=2 × DP=2",
+                Layout {
+                    tp: 2,
+                    dp: 2,
+                    ..ONE
+                },
+            ),
+            (
+                "TP=2 + SP",
+                Layout {
+                    tp: 2,
+                    sp: true,
+                    ..ONE
+                },
+            ),
+            ("PP=2", Layout { pp: 2, ..ONE }),
+        ],
+        (1e-5, 1e-3),
+    )
 }

@@ -11,18 +11,12 @@
 //! cargo run --release --example relu2
 //! ```
 
-use std::time::Instant;
+mod common;
 
-use megatron::comm::ParallelState;
-use megatron::comm::threads::launch;
+use common::{Layout, ONE, Run};
 use megatron::models::gpt::{Attention, AttentionSpec};
-use megatron::optimizer::AdamWConfig;
-use megatron::parallel::{ParallelConfig, ParallelLayout};
-use megatron::pipeline_parallel::PipelineLayout;
 use megatron::prelude::*;
-use megatron::training::{
-    BatchPlan, CarriedWidth, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig, Trainer,
-};
+use megatron::training::CarriedWidth;
 
 /// The MLP with a squared ReLU: the activation is two element-wise operations, fused.
 #[megatron::module]
@@ -116,108 +110,36 @@ fn spec() -> Relu2LmSpec {
     }
 }
 
-/// Trains on `tp × pp` thread ranks (with sequence parallelism when `sp`); every step's loss
-/// and the seconds taken.
-fn train(tp: usize, sp: bool, pp: usize) -> Result<(Vec<f64>, f64)> {
-    let world = tp * pp;
-    let layout = ParallelLayout::new(&ParallelConfig::new(world).with_tp(tp).with_pp(pp))?;
-    let stages = PipelineLayout::new(LAYERS, pp, 1, None, None)
-        .map_err(|e| Error::Invalid(e.to_string()))?;
-    let plan = BatchPlan {
-        seq_length: 64,
-        micro_batch: 2,
-        global_batch: 8,
-        dp: 1,
-    };
-    let corpus = TokenStream::from_bytes(megatron::data::default_corpus());
-    let data = Sampler::windows(corpus, plan, SEED)?;
-    let config = TrainConfig {
-        schedule: LrSchedule {
-            max_lr: 2e-3,
-            min_lr: 2e-4,
-            warmup_steps: 5,
-            decay_steps: STEPS,
-            style: DecayStyle::Cosine,
-        },
-        adam: AdamWConfig::default(),
-        clip_grad: 1.0,
-        seed: SEED,
-        bucket_elements: 1 << 20,
-        distributed_optimizer: false,
-        recompute: megatron::module::Recompute::Off,
-        precision: megatron::optimizer::Precision::FP32,
-        check_for_nan: true,
-    };
-    let start = Instant::now();
-    let per_rank = launch(world, |world| -> Result<(usize, usize, Vec<f64>)> {
-        let parallel = ParallelState::new(&world, &layout)?.with_sequence_parallel(sp);
-        let stage = stages.part(parallel.pp().index(), 0);
-        let builder = Builder::for_rank(SEED, parallel.groups()).with_stage(stage);
-        let model = Relu2Lm::build(&spec(), &mut builder.clone())?;
-        let mut trainer = Trainer::pipelined(vec![model], &parallel, data.clone(), config, None)?;
-        let losses = (0..STEPS)
-            .map(|step| Ok(trainer.step(&parallel, step)?.loss))
-            .collect::<Result<Vec<f64>>>()?;
-        Ok((parallel.pp().index(), parallel.groups().tp_rank(), losses))
-    })
-    .map_err(|e| Error::Invalid(e.to_string()))?;
-    // The loss is known on the last stage.
-    let losses = per_rank
-        .into_iter()
-        .find(|(stage, tp_rank, _)| *stage == pp - 1 && *tp_rank == 0)
-        .map(|(_, _, l)| l)
-        .unwrap_or_default();
-    Ok((losses, start.elapsed().as_secs_f64()))
-}
-
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     println!(
         "a {LAYERS}-layer decoder with ReLU² MLPs (hidden {HIDDEN}, {HEADS} heads) on \
          megatron-rs's sources as bytes"
     );
-    let mut runs = Vec::new();
-    for (name, tp, sp, pp) in [
-        ("one rank", 1, false, 1),
-        ("TP=2", 2, false, 1),
-        ("TP=2 + SP", 2, true, 1),
-        ("PP=2", 1, false, 2),
-    ] {
-        let (losses, seconds) = train(tp, sp, pp)?;
-        println!("{name:<10} {STEPS} steps in {seconds:.1} s");
-        runs.push((name, losses));
-    }
-    println!(
-        "\n step {}",
-        runs.iter()
-            .map(|(n, _)| format!("{n:>11}"))
-            .collect::<String>()
-    );
-    for step in (0..STEPS as usize).step_by(10).chain([STEPS as usize - 1]) {
-        let row: String = runs
-            .iter()
-            .map(|(_, l)| format!("{:>11.4}", l[step]))
-            .collect();
-        println!("{step:>5} {row}");
-    }
-    // Layout-invariant initial weights and data: the runs differ only by the order of f32 sums
-    // (tensor parallelism's partial products, sequence shards, the gradient norm over stages).
-    let single = &runs[0].1;
-    for (name, losses) in &runs[1..] {
-        let first = (losses[0] - single[0]).abs();
-        let worst = losses
-            .iter()
-            .zip(single)
-            .map(|(a, b)| (a - b).abs() / b)
-            .fold(0.0, f64::max);
-        println!("{name}: first step differs by {first:.1e}, the worst by {worst:.1e} (relative)");
-        if losses.len() != STEPS as usize || first > 1e-5 || worst > 1e-3 {
-            return Err(format!("{name} does not reproduce one rank: {first:e}, {worst:e}").into());
-        }
-    }
-    let (from, to) = (single[0], single[single.len() - 1]);
-    if to > from - 1.0 {
-        return Err(format!("the loss did not fall: {from:.3} → {to:.3}").into());
-    }
-    println!("the loss fell from {from:.3} to {to:.3}");
-    Ok(())
+    let run = Run {
+        steps: STEPS,
+        layers: LAYERS,
+        seq_length: 64,
+        micro_batch: 2,
+        global_batch: 8,
+        max_lr: 2e-3,
+        seed: SEED,
+    };
+    common::train_and_compare::<Relu2Lm>(
+        &spec(),
+        run,
+        &[
+            ("one rank", ONE),
+            ("TP=2", Layout { tp: 2, ..ONE }),
+            (
+                "TP=2 + SP",
+                Layout {
+                    tp: 2,
+                    sp: true,
+                    ..ONE
+                },
+            ),
+            ("PP=2", Layout { pp: 2, ..ONE }),
+        ],
+        (1e-5, 1e-3),
+    )
 }

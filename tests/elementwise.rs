@@ -5,6 +5,8 @@
 //! against f64 arithmetic; the backward against central finite differences of the f64 forward;
 //! a ReLU² MLP at tp 2 (with and without sequence parallelism) against tp 1.
 
+mod support;
+
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
 use megatron::distributed::sum_sequence_parallel_gradients;
@@ -270,22 +272,7 @@ where
             sum_sequence_parallel_gradients(std::slice::from_ref(&model), &ps)?;
             y_out = y.to_vec()?;
             dx_out = dx.to_vec()?;
-            model.visit_params(&mut |p| {
-                let (v, g) = (
-                    p.value().to_vec::<f32>().unwrap(),
-                    p.grad().to_vec::<f32>().unwrap(),
-                );
-                let next: Vec<f32> = v.iter().zip(&g).map(|(v, g)| v - 0.05 * g).collect();
-                p.value()
-                    .copy_from(&Tensor::from_vec(next, p.value().shape().clone()).unwrap())
-                    .unwrap();
-                p.grad()
-                    .copy_from(&Tensor::zeros(
-                        p.grad().shape().clone(),
-                        megatron::tensor::DType::F32,
-                    ))
-                    .unwrap();
-            });
+            support::descend(&model, 0.05);
         }
         Ok((y_out, dx_out))
     })

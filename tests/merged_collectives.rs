@@ -7,6 +7,8 @@
 //! of one forward and backward, and by tp 2 (with and without sequence parallelism) following
 //! tp 1 to the order of f32 sums.
 
+mod support;
+
 use megatron::comm::ParallelState;
 use megatron::comm::recording::RecordingWorld;
 use megatron::comm::threads::launch;
@@ -14,7 +16,7 @@ use megatron::distributed::sum_sequence_parallel_gradients;
 use megatron::module::{Builder, Cx, Module, Site};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::prelude::*;
-use megatron::tensor::{DType, Tensor};
+use megatron::tensor::Tensor;
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -116,19 +118,7 @@ fn train(tp: usize, sp: bool, steps: usize) -> Run {
             sum_sequence_parallel_gradients(std::slice::from_ref(&model), &ps)?;
             recording.log().take();
             (run.y, run.dx) = (y.to_vec()?, dx.to_vec()?);
-            model.visit_params(&mut |p| {
-                let (v, g) = (
-                    p.value().to_vec::<f32>().unwrap(),
-                    p.grad().to_vec::<f32>().unwrap(),
-                );
-                let next: Vec<f32> = v.iter().zip(&g).map(|(v, g)| v - 0.05 * g).collect();
-                p.value()
-                    .copy_from(&Tensor::from_vec(next, p.value().shape().clone()).unwrap())
-                    .unwrap();
-                p.grad()
-                    .copy_from(&Tensor::zeros(p.grad().shape().clone(), DType::F32))
-                    .unwrap();
-            });
+            support::descend(&model, 0.05);
         }
         model.visit_params(&mut |p| {
             if p.spec().split == megatron::module::Split::Replicated {

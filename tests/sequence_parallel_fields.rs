@@ -7,13 +7,15 @@
 //! model follows one rank; before the generated `build` marked such fields, the whole linear's
 //! weights drifted apart between the ranks.
 
+mod support;
+
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
 use megatron::distributed::sum_sequence_parallel_gradients;
 use megatron::module::{Builder, Cx, Init, Layer, Module, Param, Site, Split};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::prelude::*;
-use megatron::tensor::{DType, Tensor};
+use megatron::tensor::Tensor;
 use megatron::tensor_parallel::{LayerNorm, LayerNormSpec, LinearSpec};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -182,19 +184,7 @@ fn train(tp: usize, steps: usize) -> Vec<Vec<(String, Vec<f32>)>> {
             let (_, saved) = model.forward(&cx, Site::ROOT, &x)?;
             model.backward(&cx, Site::ROOT, saved, &dy)?;
             sum_sequence_parallel_gradients(std::slice::from_ref(&model), &ps)?;
-            model.visit_params(&mut |p| {
-                let (v, g) = (
-                    p.value().to_vec::<f32>().unwrap(),
-                    p.grad().to_vec::<f32>().unwrap(),
-                );
-                let next: Vec<f32> = v.iter().zip(&g).map(|(v, g)| v - 0.05 * g).collect();
-                p.value()
-                    .copy_from(&Tensor::from_vec(next, p.value().shape().clone()).unwrap())
-                    .unwrap();
-                p.grad()
-                    .copy_from(&Tensor::zeros(p.grad().shape().clone(), DType::F32))
-                    .unwrap();
-            });
+            support::descend(&model, 0.05);
         }
         let mut out = Vec::new();
         model.visit_params(&mut |p| {

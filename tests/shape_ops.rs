@@ -6,13 +6,15 @@
 //! without the attention. Its input gradient matches finite differences, and tp 2 (with and
 //! without sequence parallelism) computes what tp 1 does.
 
+mod support;
+
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
 use megatron::distributed::sum_sequence_parallel_gradients;
 use megatron::module::{Builder, Cx, Module, MultiOp, Site};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::prelude::*;
-use megatron::tensor::{DType, Tensor};
+use megatron::tensor::Tensor;
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -148,19 +150,7 @@ fn run(tp: usize, sp: bool, steps: usize, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
             let dx = model.backward(&cx, Site::ROOT, saved, &c)?;
             sum_sequence_parallel_gradients(std::slice::from_ref(&model), &ps)?;
             out = (y.to_vec()?, dx.to_vec()?);
-            model.visit_params(&mut |p| {
-                let (v, g) = (
-                    p.value().to_vec::<f32>().unwrap(),
-                    p.grad().to_vec::<f32>().unwrap(),
-                );
-                let next: Vec<f32> = v.iter().zip(&g).map(|(v, g)| v - 0.05 * g).collect();
-                p.value()
-                    .copy_from(&Tensor::from_vec(next, p.value().shape().clone()).unwrap())
-                    .unwrap();
-                p.grad()
-                    .copy_from(&Tensor::zeros(p.grad().shape().clone(), DType::F32))
-                    .unwrap();
-            });
+            support::descend(&model, 0.05);
         }
         Ok(out)
     })

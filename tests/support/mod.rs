@@ -280,3 +280,22 @@ pub fn llama_like(dropout: f32) -> megatron::models::GptConfig {
     c.qk_layernorm = true;
     c
 }
+
+/// One step of plain gradient descent, `w -= lr · g`, on every parameter of `model`, its
+/// gradients zeroed after (the tests that train a module by hand).
+pub fn descend<M: megatron::module::Module>(model: &M, lr: f32) {
+    use megatron::tensor::{DType, Tensor};
+    model.visit_params(&mut |p| {
+        let (v, g) = (
+            p.value().to_vec::<f32>().unwrap(),
+            p.grad().to_vec::<f32>().unwrap(),
+        );
+        let next: Vec<f32> = v.iter().zip(&g).map(|(v, g)| v - lr * g).collect();
+        p.value()
+            .copy_from(&Tensor::from_vec(next, p.value().shape().clone()).unwrap())
+            .unwrap();
+        p.grad()
+            .copy_from(&Tensor::zeros(p.grad().shape().clone(), DType::F32))
+            .unwrap();
+    });
+}

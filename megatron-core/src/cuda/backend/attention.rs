@@ -80,25 +80,15 @@ impl AttentionOps for Gpu {
             .is_some()
             .then(|| Tensor::empty_on(square, dtype, gpu))
             .transpose()?;
-        with_in(&scores, |x| {
-            with_out(&probs, |y| {
-                with_optional_out(dropped.as_ref(), |d| {
-                    gsm::softmax_dropout_forward(
-                        gpu,
-                        x,
-                        sh.batch * sh.heads,
-                        sh.seq,
-                        sh.seq,
-                        sh.scale(),
-                        sh.key_mask(),
-                        y,
-                        d,
-                        dropout_of(mask),
-                    )?;
-                    Ok(())
-                })
-            })
-        })?;
+        let sizes = (sh.batch * sh.heads, sh.seq, sh.seq);
+        softmax_into(
+            gpu,
+            &scores,
+            (&probs, dropped.as_ref()),
+            sizes,
+            (sh.scale(), sh.key_mask()),
+            mask,
+        )?;
         drop(scores);
         // The context is the output projection's operand: written in its dtype.
         let out = Tensor::empty_on(sh.dims(1), dtype, gpu)?;
@@ -242,28 +232,15 @@ fn backward(
         .is_some()
         .then(|| Tensor::empty_on(square, dtype, gpu))
         .transpose()?;
-    with_in(probs, |y| {
-        with_in(&d_dropped, |dy| {
-            with_out(&d_scores, |dx| {
-                with_optional_out(dropped.as_ref(), |d| {
-                    gsm::dropout_softmax_backward(
-                        gpu,
-                        y,
-                        dy,
-                        sh.batch * sh.heads,
-                        sh.seq,
-                        sh.seq,
-                        sh.scale(),
-                        sh.key_mask(),
-                        dx,
-                        d,
-                        dropout_of(mask),
-                    )?;
-                    Ok(())
-                })
-            })
-        })
-    })?;
+    let sizes = (sh.batch * sh.heads, sh.seq, sh.seq);
+    softmax_backward_into(
+        gpu,
+        (probs, &d_dropped),
+        (&d_scores, dropped.as_ref()),
+        sizes,
+        (sh.scale(), sh.key_mask()),
+        mask,
+    )?;
     drop(d_dropped);
     // The fused projection's gradient goes to its products: written in their dtype.
     let dqkv = Tensor::empty_on(sh.dims(3), dtype, gpu)?;
@@ -280,11 +257,76 @@ fn backward(
     Ok(dqkv)
 }
 
+/// The fused masked softmax of `scores` (`rows` blocks of `sq × sk`) into `probs`, and with a
+/// dropout mask the dropped weights into `dropped`.
+fn softmax_into(
+    gpu: &Gpu,
+    scores: &Tensor,
+    (probs, dropped): (&Tensor, Option<&Tensor>),
+    (rows, sq, sk): (usize, usize, usize),
+    (scale, keys): (f32, crate::kernels::softmax::KeyMask),
+    mask: &Option<DropoutMask>,
+) -> Result<()> {
+    with_in(scores, |x| {
+        with_out(probs, |y| {
+            with_optional_out(dropped, |d| {
+                gsm::softmax_dropout_forward(
+                    gpu,
+                    x,
+                    rows,
+                    sq,
+                    sk,
+                    scale,
+                    keys,
+                    y,
+                    d,
+                    dropout_of(mask),
+                )?;
+                Ok(())
+            })
+        })
+    })
+}
+
+/// The backward of [`softmax_into`]: the scores' gradient into `d_scores` from the weights and
+/// the dropped weights' gradient (and the dropped weights again into `dropped`).
+fn softmax_backward_into(
+    gpu: &Gpu,
+    (probs, d_dropped): (&Tensor, &Tensor),
+    (d_scores, dropped): (&Tensor, Option<&Tensor>),
+    (rows, sq, sk): (usize, usize, usize),
+    (scale, keys): (f32, crate::kernels::softmax::KeyMask),
+    mask: &Option<DropoutMask>,
+) -> Result<()> {
+    with_in(probs, |y| {
+        with_in(d_dropped, |dy| {
+            with_out(d_scores, |dx| {
+                with_optional_out(dropped, |d| {
+                    gsm::dropout_softmax_backward(
+                        gpu,
+                        y,
+                        dy,
+                        rows,
+                        sq,
+                        sk,
+                        scale,
+                        keys,
+                        dx,
+                        d,
+                        dropout_of(mask),
+                    )?;
+                    Ok(())
+                })
+            })
+        })
+    })
+}
+
 impl SoftmaxOps for Gpu {
     fn masked_softmax(
         &self,
         scores: &Tensor,
-        (rows, sq, sk): (usize, usize, usize),
+        sizes: (usize, usize, usize),
         scale: f32,
         keys: crate::kernels::softmax::KeyMask,
         dropout: &Option<DropoutMask>,
@@ -295,25 +337,14 @@ impl SoftmaxOps for Gpu {
             .is_some()
             .then(|| Tensor::empty_on(scores.shape().clone(), DType::F32, self))
             .transpose()?;
-        with_in(&scores, |x| {
-            with_out(&probs, |y| {
-                with_optional_out(dropped.as_ref(), |d| {
-                    gsm::softmax_dropout_forward(
-                        self,
-                        x,
-                        rows,
-                        sq,
-                        sk,
-                        scale,
-                        keys,
-                        y,
-                        d,
-                        dropout_of(dropout),
-                    )?;
-                    Ok(())
-                })
-            })
-        })?;
+        softmax_into(
+            self,
+            &scores,
+            (&probs, dropped.as_ref()),
+            sizes,
+            (scale, keys),
+            dropout,
+        )?;
         Ok((probs, dropped))
     }
 
@@ -321,7 +352,7 @@ impl SoftmaxOps for Gpu {
         &self,
         probs: &Tensor,
         d_dropped: &Tensor,
-        (rows, sq, sk): (usize, usize, usize),
+        sizes: (usize, usize, usize),
         scale: f32,
         keys: crate::kernels::softmax::KeyMask,
         dropout: &Option<DropoutMask>,
@@ -332,28 +363,14 @@ impl SoftmaxOps for Gpu {
             .is_some()
             .then(|| Tensor::empty_on(probs.shape().clone(), DType::F32, self))
             .transpose()?;
-        with_in(probs, |y| {
-            with_in(&d_dropped, |dy| {
-                with_out(&d_scores, |dx| {
-                    with_optional_out(dropped.as_ref(), |d| {
-                        gsm::dropout_softmax_backward(
-                            self,
-                            y,
-                            dy,
-                            rows,
-                            sq,
-                            sk,
-                            scale,
-                            keys,
-                            dx,
-                            d,
-                            dropout_of(dropout),
-                        )?;
-                        Ok(())
-                    })
-                })
-            })
-        })?;
+        softmax_backward_into(
+            self,
+            (probs, &d_dropped),
+            (&d_scores, dropped.as_ref()),
+            sizes,
+            (scale, keys),
+            dropout,
+        )?;
         Ok(d_scores)
     }
 }
