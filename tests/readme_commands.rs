@@ -280,6 +280,6 @@ fn every_readme_command_runs_as_written() {
         run(work, &home, &args);
         ran += 1;
     }
-    // The main command, the path of a Megatron-LM user, every capability's lines.
+    // The main command and every page of the guide.
     assert!(ran >= 40, "only {ran} README and guide commands found");
 }
