@@ -5,6 +5,8 @@
 //! match finite differences of that attention; `rope` turns each head as the fused rotary
 //! kernels do; on the (emulated) GPU it follows the host.
 
+mod support;
+
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
 use megatron::module::{Cx, MultiOp, Op, Sharding, Site};
@@ -69,11 +71,7 @@ fn one_head_size_without_groups_is_causal_self_attention() {
         Ok((general, (yf.to_vec::<f32>()?, dqkv)))
     });
     let close = |a: &[f32], b: &[f32], what: &str| {
-        let worst = a
-            .iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
+        let worst = support::max_abs_diff(a, b);
         assert!(worst < 1e-6, "{what}: {worst}");
     };
     close(&general[0], &fused.0, "output");
@@ -256,11 +254,7 @@ fn the_general_attention_on_the_gpu_follows_the_host() {
     let host = run(&Ok);
     let on_gpu = run(&|t| t.to_gpu(&gpu));
     for (i, (g, h)) in on_gpu.iter().zip(&host).enumerate() {
-        let worst = g
-            .iter()
-            .zip(h)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let worst = support::max_abs_diff(g, h);
         assert!(worst < 1e-5, "output {i}: {worst}");
     }
 }

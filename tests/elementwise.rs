@@ -338,11 +338,7 @@ where
             ("input gradient", &two.1, &one.1),
         ] {
             assert_eq!(got.len(), want.len());
-            let worst = got
-                .iter()
-                .zip(want)
-                .map(|(g, w)| (g - w).abs())
-                .fold(0f32, f32::max);
+            let worst = support::max_abs_diff(got, want);
             assert!(worst < 1e-5, "tp 2 (sp {sp}): {what} {worst} from one rank");
         }
     }

@@ -197,20 +197,12 @@ fn the_parallel_block_trains_at_tp_2_as_at_tp_1() {
             ("input gradient", &two.dx, &one.dx),
         ] {
             assert_eq!(got.len(), want.len());
-            let worst = got
-                .iter()
-                .zip(want)
-                .map(|(g, w)| (g - w).abs())
-                .fold(0f32, f32::max);
+            let worst = support::max_abs_diff(got, want);
             // The sums are reassociated (partial outputs first): equal up to f32 rounding.
             assert!(worst < 2e-5, "tp 2 (sp {sp}): {what} {worst} from tp 1");
         }
         for ((name, got), (_, want)) in two.replicated.iter().zip(&one.replicated) {
-            let worst = got
-                .iter()
-                .zip(want)
-                .map(|(g, w)| (g - w).abs())
-                .fold(0f32, f32::max);
+            let worst = support::max_abs_diff(got, want);
             assert!(worst < 2e-5, "tp 2 (sp {sp}): {name} {worst} from tp 1");
         }
     }

@@ -219,11 +219,7 @@ fn fields_without_a_split_attribute_keep_their_replicas_identical_under_sequence
         );
     }
     for ((name, got), (_, want)) in two[0].iter().zip(&one) {
-        let worst = got
-            .iter()
-            .zip(want)
-            .map(|(g, w)| (g - w).abs())
-            .fold(0f32, f32::max);
+        let worst = support::max_abs_diff(got, want);
         assert!(worst < 1e-5, "{name}: {worst} from one rank");
     }
 }

@@ -203,11 +203,7 @@ fn tensor_parallel_runs_compute_what_one_rank_does() {
             ("output", &two.0, &one.0),
             ("input gradient", &two.1, &one.1),
         ] {
-            let worst = got
-                .iter()
-                .zip(want)
-                .map(|(g, w)| (g - w).abs())
-                .fold(0f32, f32::max);
+            let worst = support::max_abs_diff(got, want);
             assert!(worst < 1e-5, "tp 2 (sp {sp}): {what} {worst} from one rank");
         }
     }

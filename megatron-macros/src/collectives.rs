@@ -110,10 +110,9 @@ pub fn merge(s: &ModuleStruct, mut g: Graph, a: Analysis) -> (Graph, Analysis) {
                 _ => None,
             })
             .collect();
-        let mut distinct = readers.clone();
-        distinct.dedup();
-        if distinct.len() >= 2 && a.sharding[v] == Sharding::Replicated {
-            shared.push((v, distinct));
+        // (A column-parallel layer has one input: each reader is a node of its own.)
+        if readers.len() >= 2 && a.sharding[v] == Sharding::Replicated {
+            shared.push((v, readers));
         }
     }
     if sums.is_empty() && shared.is_empty() {

@@ -1593,7 +1593,7 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
 }
 
 /// `n thing` or `n things`.
-fn plural(n: usize, thing: &str) -> String {
+pub(crate) fn plural(n: usize, thing: &str) -> String {
     if n == 1 {
         format!("one {thing}")
     } else {

@@ -361,7 +361,9 @@ impl Checker<'_> {
                 self.set(out, sa, origin);
             }
             NodeOp::Pointwise { op, operands, .. } => self.pointwise(n, *op, operands),
-            NodeOp::Fused { formula, .. } => self.alike(n, &format!("`{formula}`")),
+            NodeOp::Fused { formula, .. } => {
+                self.alike(n, &format!("`{formula}`"), "element-wise math")
+            }
             NodeOp::Shape {
                 op,
                 sizes,
@@ -369,7 +371,7 @@ impl Checker<'_> {
             } => self.shape(n, *op, sizes, of_split.as_ref()),
             // Made after validation from checked nodes (`collectives`); a pipeline's parts are
             // checked again.
-            NodeOp::RowSum { .. } => self.alike(n, "`+`"),
+            NodeOp::RowSum { .. } => self.alike(n, "`+`", "`+`"),
             NodeOp::SeqGather => {
                 let (v, src) = arg(0);
                 if self
@@ -425,11 +427,12 @@ impl Checker<'_> {
             ));
             return;
         }
-        self.alike(n, &who);
+        self.alike(n, &who, "element-wise math");
     }
 
-    /// The tensors of element-wise node `n` (called `who`) sharded alike; its output as them.
-    fn alike(&mut self, n: NodeId, who: &str) {
+    /// The tensor arguments of node `n` (called `who` where one is not a tensor; `subject` in
+    /// the message when two are sharded differently) sharded alike; its output as them.
+    pub(crate) fn alike(&mut self, n: NodeId, who: &str, subject: &str) {
         let g = self.g;
         let node = &g.nodes[n];
         let mut first: Option<(ValueId, Sharding)> = None;
@@ -446,8 +449,8 @@ impl Checker<'_> {
                         (v, a)
                     };
                     self.errors.push(node.src.error(format!(
-                        "element-wise math needs its tensors sharded alike, but {} is split \
-                         over tensor parallel ({}) and {} is replicated ({}); {}",
+                        "{subject} needs its tensors sharded alike, but {} is split over tensor \
+                         parallel ({}) and {} is replicated ({}); {}",
                         self.describe(split),
                         self.origin_text(split),
                         self.describe(repl),
@@ -520,7 +523,7 @@ impl Checker<'_> {
                     self.set(node.output, Sharding::Replicated, origin);
                 }
             }
-            ShapeKind::HeadPart(_) | ShapeKind::CatHeads => self.alike(n, &who),
+            ShapeKind::HeadPart(_) | ShapeKind::CatHeads => self.alike(n, &who, &who),
             ShapeKind::BroadcastHeads => {
                 let (v, src) = (node.args[0], &node.arg_srcs[0]);
                 if self

@@ -299,3 +299,12 @@ pub fn descend<M: megatron::module::Module>(model: &M, lr: f32) {
             .unwrap();
     });
 }
+
+/// The largest absolute difference between `got` and `want`, which must be as long.
+pub fn max_abs_diff(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "lengths differ");
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0f32, f32::max)
+}

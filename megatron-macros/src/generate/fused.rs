@@ -7,7 +7,7 @@ use quote::{format_ident, quote};
 
 use super::comment;
 use crate::model::{Graph, NodeOp};
-use crate::parse::ModuleStruct;
+use crate::parse::{ModuleStruct, plural};
 use crate::pointwise;
 use crate::root::Root;
 
@@ -106,14 +106,6 @@ pub fn consts(root: &Root, s: &ModuleStruct, g: &Graph) -> TokenStream {
         })
     });
     quote!(#(#items)*)
-}
-
-fn plural(n: usize, thing: &str) -> String {
-    if n == 1 {
-        format!("one {thing}")
-    } else {
-        format!("{n} {thing}s")
-    }
 }
 
 /// The statement running chain `site` forward: `let (out, saved) = ops::fused(..)?;`.

@@ -3,8 +3,8 @@
 use cudarc::driver::PushKernelArg;
 
 use super::{check_len, cover, launch};
+use crate::cuda::Gpu;
 use crate::cuda::programs::generated_function;
-use crate::cuda::{Gpu, Result};
 use crate::ops::FusedKernel;
 use crate::tensor::Tensor;
 
@@ -46,9 +46,5 @@ pub fn run(
         args.arg(s);
     }
     args.arg(&n64);
-    Ok(run_launch(kernel.name, args, n)?)
-}
-
-fn run_launch(name: &str, args: cudarc::driver::LaunchArgs<'_>, n: usize) -> Result<()> {
-    launch(name, args, cover(n))
+    Ok(launch(kernel.name, args, cover(n))?)
 }

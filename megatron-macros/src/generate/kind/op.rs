@@ -62,38 +62,7 @@ impl Kind for Op {
         let who = format!("{} `{name}`", self.attribute);
         if self.attribute == "#[op]" && call.node.args.len() > 1 {
             // A `MultiOp`: its inputs sharded alike, its output as them.
-            let mut first: Option<(usize, crate::validate::Sharding)> = None;
-            for i in 0..call.node.args.len() {
-                let (v, src) = call.arg(i);
-                let Some(sh) = c.arg(&who, Want::Tensor, v, src) else {
-                    return;
-                };
-                match first {
-                    None => first = Some((v, sh)),
-                    Some((_, s0)) if s0 != sh => {
-                        c.errors.push(src.error(format!(
-                            "{who} needs its inputs sharded alike (all replicated, or all split \
-                             over tensor parallel), but its first input is {} and this one {}",
-                            if s0 == crate::validate::Sharding::Split {
-                                "split"
-                            } else {
-                                "replicated"
-                            },
-                            if sh == crate::validate::Sharding::Split {
-                                "split"
-                            } else {
-                                "replicated"
-                            },
-                        )));
-                        return;
-                    }
-                    Some(_) => {}
-                }
-            }
-            if let Some((v, sh)) = first {
-                let origin = c.origin[v].clone().expect("known sharding");
-                c.set(call.out(), sh, origin);
-            }
+            c.alike(call.n, &who, &who);
             return;
         }
         if !c.arity(call.n, &who, 1) {
