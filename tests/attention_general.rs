@@ -258,3 +258,41 @@ fn the_general_attention_on_the_gpu_follows_the_host() {
         assert!(worst < 1e-5, "output {i}: {worst}");
     }
 }
+
+#[test]
+fn inputs_that_are_not_whole_heads_are_errors_naming_the_sizes() {
+    let errors = with_cx(|cx| {
+        let t = |w: usize| Tensor::from_vec(vec![0.5f32; S * B * w], [S, B, w]);
+        let op = DotProductAttention::new(4);
+        // Queries of 10 features are not heads of 4.
+        let heads = MultiOp::forward(&op, cx, Site::ROOT, &[&t(10)?, &t(8)?, &t(8)?])
+            .err()
+            .map(|e| e.to_string());
+        // Three query heads cannot share two key heads.
+        let groups = MultiOp::forward(&op, cx, Site::ROOT, &[&t(12)?, &t(8)?, &t(8)?])
+            .err()
+            .map(|e| e.to_string());
+        // Two tensors are not queries, keys and values.
+        let count = MultiOp::forward(&op, cx, Site::ROOT, &[&t(8)?, &t(8)?])
+            .err()
+            .map(|e| e.to_string());
+        let rope = rope(cx, Site::ROOT, &t(10)?, &Rope::new(4), Sharding::Replicated)
+            .err()
+            .map(|e| e.to_string());
+        Ok([heads, groups, count, rope])
+    });
+    let [heads, groups, count, rope] = errors.map(|e| e.expect("an error"));
+    assert!(
+        heads.contains("queries of 10") && heads.contains("heads of 4"),
+        "{heads}"
+    );
+    assert!(
+        groups.contains("3 query heads cannot share 2 key heads"),
+        "{groups}"
+    );
+    assert!(count.contains("not 2 tensors"), "{count}");
+    assert!(
+        rope.contains("10 features are not whole heads of 4"),
+        "{rope}"
+    );
+}

@@ -177,6 +177,31 @@ fn a_fused_chain_computes_the_bits_of_its_operations_one_at_a_time() {
 }
 
 #[test]
+fn tensors_of_different_shapes_are_an_error_naming_them() {
+    let layout = ParallelLayout::new(&ParallelConfig::new(1)).unwrap();
+    let err = launch(1, |w| -> R<String> {
+        let ps = ParallelState::new(&w, &layout)?;
+        let m = Everything::build(
+            &EverythingSpec { alpha: 1.0 },
+            &mut Builder::for_rank(1, ps.groups()),
+        )?;
+        let cx = Cx::new(&ps, 0);
+        let a = Tensor::from_vec(vec![1.0f32; 8], [2, 2, 2])?;
+        let b = Tensor::from_vec(vec![1.0f32; 12], [2, 2, 3])?;
+        Ok(m.forward(&cx, Site::ROOT, &a, &b)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default())
+    })
+    .unwrap()
+    .remove(0);
+    assert!(
+        err.contains("[2, 2, 3]") && err.contains("[2, 2, 2]") && err.contains("one shape"),
+        "{err}"
+    );
+}
+
+#[test]
 fn forward_matches_f64_and_backward_matches_finite_differences() {
     let n = 400;
     let (a, b) = inputs(n);
