@@ -2,10 +2,12 @@
 //! the DSL whose fields without a split attribute read the sequence shard — a norm, a whole
 //! `Linear`, a user's own layer implemented by hand, and a sub-module of the user's holding its
 //! own tensor-parallel pair — around a column- and row-parallel pair (whose row biases have
-//! their whole gradient on every rank). Trained a few steps at tp 2 with
+//! their whole gradient on every rank) — and a `#[local]` module of two inputs that runs on this
+//! rank's heads (the user's scale, applied per head). Trained a few steps at tp 2 with
 //! sequence parallelism, every replicated parameter stays bit-identical on both ranks, and the
 //! model follows one rank; before the generated `build` marked such fields, the whole linear's
-//! weights drifted apart between the ranks.
+//! weights drifted apart between the ranks (and the local scale's, whose gradient each rank
+//! computes from its own heads).
 
 mod support;
 
@@ -23,6 +25,8 @@ type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 const SEQ: usize = 8;
 const BATCH: usize = 2;
 const H: usize = 16;
+const HEADS: usize = 4;
+const D: usize = 3;
 
 /// A user's layer, written by hand: each feature scaled by a learned factor (`y = x ⊙ w`).
 #[derive(Debug)]
@@ -67,6 +71,7 @@ impl Layer for Scale {
     }
 
     fn backward(&self, _cx: &Cx, _site: Site, x: Tensor, dy: &Tensor) -> megatron::Result<Tensor> {
+        let dy_shape = dy.shape().clone();
         let w = self.w.value().to_vec::<f32>()?;
         let (x, dy) = (x.to_vec::<f32>()?, dy.to_vec::<f32>()?);
         let mut dw = vec![0f32; w.len()];
@@ -88,10 +93,21 @@ impl Layer for Scale {
                 .collect();
             Ok(g.copy_from(&Tensor::from_vec(sum, [w.len()])?)?)
         })?;
-        Ok(Tensor::from_vec(
-            dx,
-            [x.len() / w.len() / BATCH, BATCH, w.len()],
-        )?)
+        Ok(Tensor::from_vec(dx, dy_shape)?)
+    }
+}
+
+/// A module of two inputs, run `#[local]` on this rank's heads: `a`'s heads scaled per
+/// feature of a head (the user's layer, whose `D` factors every head shares), gated by `b`.
+#[megatron::module]
+pub struct HeadGate {
+    scale: Scale,
+}
+
+#[megatron::module]
+impl HeadGate {
+    fn forward(&self, a: Tensor, b: Tensor) -> Tensor {
+        self.scale(a) * sigmoid(b)
     }
 }
 
@@ -127,6 +143,12 @@ pub struct Mix {
     fc2: Linear,
     inner: Inner,
     up: Linear,
+    #[column_parallel]
+    heads: Linear,
+    #[local]
+    gate: HeadGate,
+    #[row_parallel]
+    merge: Linear,
 }
 
 #[megatron::module]
@@ -134,7 +156,9 @@ impl Mix {
     fn forward(&self, x: Tensor) -> Tensor {
         let h = self.scale(self.down(self.ln(x)));
         let y = self.fc2(gelu(self.fc1(h)));
-        self.up(self.inner(y))
+        let (a, b) = split_heads(self.heads(h), [D, D]);
+        let z = self.inner(y) + self.merge(self.gate(a, b));
+        self.up(z)
     }
 }
 
@@ -152,6 +176,9 @@ fn spec() -> MixSpec {
             b: LinearSpec::new(2 * H, H),
         },
         up: LinearSpec::new(H, H),
+        heads: LinearSpec::new(H, HEADS * 2 * D),
+        gate: HeadGateSpec { scale: D },
+        merge: LinearSpec::new(HEADS * D, H),
     }
 }
 
@@ -169,18 +196,21 @@ fn shard(all: &[f32], r: usize, tp: usize) -> Vec<f32> {
 }
 
 /// Every parameter (name, values) of each rank after `steps` steps of plain gradient descent
-/// on the loss Σ y ⊙ c, at tp `tp` with sequence parallelism.
-fn train(tp: usize, steps: usize) -> Vec<Vec<(String, Vec<f32>)>> {
+/// on the loss Σ y ⊙ c, at tp `tp`, with sequence parallelism when `sp`.
+fn train(tp: usize, sp: bool, steps: usize) -> Vec<Vec<(String, Vec<f32>)>> {
     let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp)).unwrap();
     launch(tp, |w| -> R<Vec<(String, Vec<f32>)>> {
-        let ps = ParallelState::new(&w, &layout)?.with_sequence_parallel(tp > 1);
+        let ps = ParallelState::new(&w, &layout)?.with_sequence_parallel(sp);
         let model = Mix::build(&spec(), &mut Builder::for_rank(3, ps.groups()))?;
-        let rank = ps.groups().tp_rank();
-        let shape = [SEQ / tp, BATCH, H];
+        let (rank, shards) = match sp {
+            true => (ps.groups().tp_rank(), tp),
+            false => (0, 1),
+        };
+        let shape = [SEQ / shards, BATCH, H];
         for step in 0..steps {
             let cx = Cx::new(&ps, step as u64);
-            let x = Tensor::from_vec(shard(&values(step), rank, tp), shape)?;
-            let dy = Tensor::from_vec(shard(&values(step + 100), rank, tp), shape)?;
+            let x = Tensor::from_vec(shard(&values(step), rank, shards), shape)?;
+            let dy = Tensor::from_vec(shard(&values(step + 100), rank, shards), shape)?;
             let (_, saved) = model.forward(&cx, Site::ROOT, &x)?;
             model.backward(&cx, Site::ROOT, saved, &dy)?;
             sum_sequence_parallel_gradients(std::slice::from_ref(&model), &ps)?;
@@ -198,9 +228,8 @@ fn train(tp: usize, steps: usize) -> Vec<Vec<(String, Vec<f32>)>> {
 }
 
 #[test]
-fn fields_without_a_split_attribute_keep_their_replicas_identical_under_sequence_parallelism() {
-    let one = train(1, 4).remove(0);
-    let two = train(2, 4);
+fn replicated_parameters_stay_identical_on_every_rank_with_and_without_sequence_parallelism() {
+    let one = train(1, false, 4).remove(0);
     let names: Vec<&str> = one.iter().map(|(n, _)| n.as_str()).collect();
     for want in [
         "ln.weight",
@@ -209,17 +238,23 @@ fn fields_without_a_split_attribute_keep_their_replicas_identical_under_sequence
         "scale.w",
         "fc2.bias",
         "up.weight",
+        "gate.scale.w",
     ] {
         assert!(names.contains(&want), "{want} not among {names:?}");
     }
-    for ((name, a), (_, b)) in two[0].iter().zip(&two[1]) {
-        assert!(
-            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-            "{name} differs between the tp ranks"
-        );
-    }
-    for ((name, got), (_, want)) in two[0].iter().zip(&one) {
-        let worst = support::max_abs_diff(got, want);
-        assert!(worst < 1e-5, "{name}: {worst} from one rank");
+    // With sequence parallelism every field reads a shard; without it only the local one
+    // reads part of its values (its heads).
+    for sp in [true, false] {
+        let two = train(2, sp, 4);
+        for ((name, a), (_, b)) in two[0].iter().zip(&two[1]) {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{name} differs between the tp ranks (sequence parallel: {sp})"
+            );
+        }
+        for ((name, got), (_, want)) in two[0].iter().zip(&one) {
+            let worst = support::max_abs_diff(got, want);
+            assert!(worst < 1e-5, "{name}: {worst} from one rank (sequence parallel: {sp})");
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! Several inputs and the shape operations (issue 46, section 2): a module that splits, narrows
 //! and concatenates replicated features, cuts a column-parallel output per head
-//! (`split_heads`), broadcasts one head computed whole on every rank to this rank's heads
+//! (`split_heads`), chunks the input and swaps its halves (`chunk`), broadcasts one head computed whole on every rank to this rank's heads
 //! (`broadcast_heads`), feeds two values to an op of its own (`MultiOp`), and joins the heads
 //! again (`cat_heads`) for a row-parallel layer: DeepSeek's latent attention's data movement,
 //! without the attention. Its input gradient matches finite differences, and tp 2 (with and
@@ -97,7 +97,8 @@ impl Latent {
         let (lo, hi) = split(c, [R1, R2]);
         let joined = cat(hi, narrow(lo, 1, R1 - 2), lo);
         let (a, b) = split_heads(self.up(joined), [A, B]);
-        let r = broadcast_heads(self.k_rope(x), HEADS);
+        let (x1, x2) = chunk(x, 2);
+        let r = broadcast_heads(self.k_rope(cat(x2, x1)), HEADS);
         let q = cat_heads(a, self.gate(b, a), r, [A, B, D]);
         self.out(q)
     }

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use syn::Ident;
 use syn::ext::IdentExt;
 
-use crate::parse::{Builtin, Expr, Forward, InputType, ShapeKind, Stmt};
+use crate::parse::{Builtin, Expr, Forward, InputType, ShapeKind, SplitHow, Stmt};
 use crate::pointwise::{Operand, Program, PwOp};
 use crate::src_span::{Errors, Src};
 
@@ -154,8 +154,9 @@ pub enum NodeOp {
         op: ShapeKind,
         /// Its sizes, Rust expressions of `usize`.
         sizes: Vec<syn::Expr>,
-        /// For a part of `split(x, [..])`: which, and the split's sizes (for messages).
-        of_split: Option<(usize, Vec<syn::Expr>)>,
+        /// For a part of `split(x, [..])` or `chunk(x, n)`: which, and what the cut is (for
+        /// messages: "split at sizes [A, B]").
+        of_split: Option<(usize, String)>,
     },
     /// A sum of terms of which the first `partials` are row-parallel layers' partial outputs:
     /// they are summed, reduced over tp once (all-reduce, or with sequence parallelism
@@ -349,19 +350,32 @@ impl Builder {
                 let Some(x) = self.expr(&split.x) else { return };
                 let arg_src = split.x.src();
                 for (k, name) in names.iter().enumerate() {
-                    let (op, sizes) = if split.heads {
-                        (ShapeKind::HeadPart(k), split.sizes.clone())
-                    } else {
-                        let before = &split.sizes[..k];
-                        let start: syn::Expr = if before.is_empty() {
-                            syn::parse_quote!(0)
-                        } else {
-                            syn::parse_quote!(#(#before)+*)
-                        };
-                        (ShapeKind::Narrow, vec![start, split.sizes[k].clone()])
+                    let (op, sizes, of_split) = match &split.how {
+                        SplitHow::Heads(sizes) => (ShapeKind::HeadPart(k), sizes.clone(), None),
+                        SplitHow::Chunks(n) => {
+                            let what = format!("chunked into {n} equal parts");
+                            let n: syn::Expr = syn::parse_quote!(#n);
+                            (ShapeKind::ChunkPart(k), vec![n], Some((k, what)))
+                        }
+                        SplitHow::Sizes(sizes) => {
+                            let before = &sizes[..k];
+                            let start: syn::Expr = if before.is_empty() {
+                                syn::parse_quote!(0)
+                            } else {
+                                syn::parse_quote!(#(#before)+*)
+                            };
+                            let texts: Vec<String> =
+                                sizes.iter().map(|e| Src::of(e).text()).collect();
+                            let what = format!("split at sizes [{}]", texts.join(", "));
+                            let sizes = vec![start, sizes[k].clone()];
+                            (ShapeKind::Narrow, sizes, Some((k, what)))
+                        }
                     };
-                    let site = self.site(if split.heads { "split_heads" } else { "split" });
-                    let of_split = (!split.heads).then(|| (k, split.sizes.clone()));
+                    let site = self.site(match &split.how {
+                        SplitHow::Heads(_) => "split_heads",
+                        SplitHow::Chunks(_) => "chunk",
+                        SplitHow::Sizes(_) => "split",
+                    });
                     let v = self.node(
                         NodeOp::Shape {
                             op,

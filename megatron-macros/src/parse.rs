@@ -758,6 +758,8 @@ pub enum ShapeKind {
     Cat,
     /// Part `k` of `split_heads(x, [..])`.
     HeadPart(usize),
+    /// Part `k` of `chunk(x, n)`: the `k`-th of `n` equal parts of the features.
+    ChunkPart(usize),
     /// `cat_heads(a, b, .., [..])`.
     CatHeads,
     /// `broadcast_heads(x, heads)`.
@@ -771,22 +773,32 @@ impl ShapeKind {
             ShapeKind::Narrow => "narrow",
             ShapeKind::Cat => "cat",
             ShapeKind::HeadPart(_) => "split_heads",
+            ShapeKind::ChunkPart(_) => "chunk",
             ShapeKind::CatHeads => "cat_heads",
             ShapeKind::BroadcastHeads => "broadcast_heads",
         }
     }
 }
 
-/// `split(x, [A, B, ..])` (features) or `split_heads(x, [A, B, ..])` (each head's features).
+/// `split(x, [A, B, ..])` (features), `split_heads(x, [A, B, ..])` (each head's features) or
+/// `chunk(x, n)` (`n` equal parts of the features).
 pub struct Split {
     /// The value split.
     pub x: Box<Expr>,
-    /// The parts' sizes (of the features, or of each head).
-    pub sizes: Vec<syn::Expr>,
-    /// Per head.
-    pub heads: bool,
+    /// How.
+    pub how: SplitHow,
     /// The call.
     pub src: Src,
+}
+
+/// How `let (a, b, ..) = ..` cuts a value.
+pub enum SplitHow {
+    /// `split(x, [A, B, ..])`: the parts' sizes.
+    Sizes(Vec<syn::Expr>),
+    /// `split_heads(x, [A, B, ..])`: each part's size within a head.
+    Heads(Vec<syn::Expr>),
+    /// `chunk(x, n)`: `n` equal parts, `n` the literal written.
+    Chunks(syn::LitInt),
 }
 
 /// The builtin functions of forward.
@@ -1682,10 +1694,10 @@ fn scalar_reads(e: &syn::Expr) -> Option<Vec<Ident>> {
     }
 }
 
-/// `let (a, b, ..) = split(x, [A, B, ..]);` or `split_heads`.
+/// `let (a, b, ..) = split(x, [A, B, ..]);`, `split_heads`, or `chunk(x, n)`.
 fn parse_let_parts(local: &syn::Local, t: &syn::PatTuple) -> syn::Result<Stmt> {
-    const FORM: &str = "a tuple `let` binds the parts of `split(x, [A, B])` or \
-                        `split_heads(x, [A, B])`: `let (a, b) = split(x, [A, B]);`";
+    const FORM: &str = "a tuple `let` binds the parts of `split(x, [A, B])`, \
+                        `split_heads(x, [A, B])` or `chunk(x, 2)`: `let (a, b) = split(x, [A, B]);`";
     let mut names = Vec::new();
     for p in &t.elems {
         match p {
@@ -1709,28 +1721,54 @@ fn parse_let_parts(local: &syn::Local, t: &syn::PatTuple) -> syn::Result<Stmt> {
         syn::Expr::Call(c) => c,
         other => return Err(syn::Error::new_spanned(other, FORM)),
     };
-    let name = plain_ident(&call.func).map(|i| i.to_string());
-    let heads = match name.as_deref() {
-        Some("split") => false,
-        Some("split_heads") => true,
-        _ => return Err(syn::Error::new_spanned(&call.func, FORM)),
-    };
-    let fname = name.unwrap_or_default();
-    let [x, sizes] = [call.args.first(), call.args.get(1)];
-    let (Some(x), Some(sizes), 2) = (x, sizes, call.args.len()) else {
+    let fname = plain_ident(&call.func)
+        .map(|i| i.to_string())
+        .unwrap_or_default();
+    if !matches!(fname.as_str(), "split" | "split_heads" | "chunk") {
+        return Err(syn::Error::new_spanned(&call.func, FORM));
+    }
+    let [x, second] = [call.args.first(), call.args.get(1)];
+    let (Some(x), Some(second), 2) = (x, second, call.args.len()) else {
+        let form = match fname.as_str() {
+            "chunk" => "the value and the number of parts: `chunk(x, 2)`",
+            _ => "the value and the parts' sizes: `{fname}(x, [A, B])`",
+        };
         return Err(syn::Error::new_spanned(
             call,
-            format!("{fname} takes the value and the parts' sizes: `{fname}(x, [A, B])`"),
+            format!("{fname} takes {}", form.replace("{fname}", &fname)),
         ));
     };
-    let sizes = size_list(sizes, &fname)?;
-    if sizes.len() != names.len() {
+    let (how, parts) = if fname == "chunk" {
+        let n = match second {
+            syn::Expr::Lit(syn::ExprLit {
+                lit: syn::Lit::Int(n),
+                ..
+            }) => n.clone(),
+            other => {
+                return Err(syn::Error::new_spanned(
+                    other,
+                    "chunk's number of parts is an integer literal, as many as the names bound: \
+                     `let (a, b) = chunk(x, 2);`",
+                ));
+            }
+        };
+        let count = n.base10_parse::<usize>()?;
+        (SplitHow::Chunks(n), count)
+    } else {
+        let sizes = size_list(second, &fname)?;
+        let count = sizes.len();
+        match fname.as_str() {
+            "split" => (SplitHow::Sizes(sizes), count),
+            _ => (SplitHow::Heads(sizes), count),
+        }
+    };
+    if parts != names.len() {
+        let unit = if fname == "chunk" { "parts" } else { "sizes" };
         return Err(syn::Error::new_spanned(
             t,
             format!(
-                "{} names bind the parts of {fname} into {} sizes: one name per size",
+                "{} names bind the parts of {fname} into {parts} {unit}: one name per part",
                 names.len(),
-                sizes.len()
             ),
         ));
     }
@@ -1738,8 +1776,7 @@ fn parse_let_parts(local: &syn::Local, t: &syn::PatTuple) -> syn::Result<Stmt> {
         names,
         split: Split {
             x: Box::new(parse_expr(x)?),
-            sizes,
-            heads,
+            how,
             src: Src::of(call),
         },
     })

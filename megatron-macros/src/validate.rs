@@ -164,7 +164,7 @@ impl Checker<'_> {
         self.origin[v] = Some(origin);
     }
 
-    fn origin_text(&self, v: ValueId) -> String {
+    pub(crate) fn origin_text(&self, v: ValueId) -> String {
         self.origin[v]
             .as_ref()
             .map_or_else(String::new, |o| o.text.clone())
@@ -476,13 +476,13 @@ impl Checker<'_> {
         n: NodeId,
         op: ShapeKind,
         sizes: &[syn::Expr],
-        of_split: Option<&(usize, Vec<syn::Expr>)>,
+        of_split: Option<&(usize, String)>,
     ) {
         let g = self.g;
         let node = &g.nodes[n];
         let who = format!("`{}`", op.name());
         match op {
-            ShapeKind::Narrow | ShapeKind::Cat => {
+            ShapeKind::Narrow | ShapeKind::Cat | ShapeKind::ChunkPart(_) => {
                 let sizes: Vec<String> = sizes.iter().map(|e| Src::of(e).text()).collect();
                 let mut ok = true;
                 for (&v, src) in node.args.iter().zip(&node.arg_srcs) {
@@ -493,10 +493,8 @@ impl Checker<'_> {
                             if of_split.is_some_and(|(part, _)| *part > 0) {
                                 continue;
                             }
-                            let what = if let Some((_, parts)) = of_split {
-                                let parts: Vec<String> =
-                                    parts.iter().map(|e| Src::of(e).text()).collect();
-                                format!("split at sizes [{}]", parts.join(", "))
+                            let what = if let Some((_, what)) = of_split {
+                                what.clone()
                             } else if op == ShapeKind::Cat {
                                 "concatenated".to_string()
                             } else {

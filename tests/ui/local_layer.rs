@@ -1,4 +1,5 @@
-// `#[local]` runs a layer on whatever this rank holds: one tensor in, not token ids.
+// `#[local]` runs a layer on this rank's part of split values: tensors, not token ids, and split
+// ones (a layer on a whole value takes no attribute).
 use megatron::prelude::*;
 
 #[megatron::module]
@@ -15,15 +16,17 @@ impl LocalOfIds {
 }
 
 #[megatron::module]
-pub struct LocalOfTwo {
+pub struct LocalOfWhole {
+    #[column_parallel]
+    fc: Linear,
     #[local]
     norm: QkNorm,
 }
 
 #[megatron::module]
-impl LocalOfTwo {
+impl LocalOfWhole {
     fn forward(&self, x: Tensor) -> Tensor {
-        self.norm(x, x)
+        self.norm(self.fc(x), x)
     }
 }
 

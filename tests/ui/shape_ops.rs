@@ -37,4 +37,37 @@ impl Counts {
     }
 }
 
+#[megatron::module]
+pub struct ChunkOfSplit {
+    #[column_parallel]
+    fc1: Linear,
+    #[row_parallel]
+    fc2: Linear,
+}
+
+#[megatron::module]
+impl ChunkOfSplit {
+    fn forward(&self, x: Tensor) -> Tensor {
+        // Equal parts of a column-parallel output are not each rank's halves.
+        let (a, b) = chunk(self.fc1(x), 2);
+        self.fc2(a * b)
+    }
+}
+
+#[megatron::module]
+pub struct ChunkCounts {
+    fc: Linear,
+}
+
+#[megatron::module]
+impl ChunkCounts {
+    fn forward(&self, x: Tensor) -> Tensor {
+        let (a, b) = chunk(self.fc(x), 3);
+        let (c, d) = chunk(a, N);
+        a + b + c + d
+    }
+}
+
+const N: usize = 2;
+
 fn main() {}

@@ -348,6 +348,25 @@ pub fn build_whole<M: Module>(spec: &M::Spec, b: &mut Builder) -> Result<M> {
     Ok(module)
 }
 
+/// Builds a `#[local]` field, a layer that runs on this rank's part of values split over tensor
+/// parallelism: `M::build`, then every parameter marked as computing this rank's part of its
+/// gradient ([`Param::mark_tensor_parallel_partial`]), to be summed over tp. A layer whose
+/// parameters are split over tp cannot be local: its build fails naming the parameter.
+pub fn build_local<M: Module>(spec: &M::Spec, b: &mut Builder) -> Result<M> {
+    let mut module = M::build(spec, b)?;
+    let mut failure = None;
+    module.visit_params_mut(&mut |p| {
+        if failure.is_none()
+            && let Err(e) = p.mark_tensor_parallel_partial()
+        {
+            failure = Some(e);
+        }
+    });
+    failure.map_or(Ok(module), |e| {
+        Err(crate::Error::Invalid(format!("#[local] runs on this rank's part of a split value: {e}")))
+    })
+}
+
 /// Anything with parameters that is built from a spec: layers and `#[megatron::module]` structs.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a module: a field without an attribute is built and run whole on \

@@ -24,6 +24,14 @@ pub enum ShapeOp {
         /// Features kept.
         len: usize,
     },
+    /// Part `part` of `parts` equal parts of the last dimension (`chunk`); kept as the
+    /// [`ShapeOp::Narrow`] it is.
+    Chunk {
+        /// How many parts.
+        parts: usize,
+        /// Which.
+        part: usize,
+    },
     /// The inputs side by side along the last dimension.
     Cat,
     /// The features as heads of `sizes.iter().sum()` each: part `part` of every head.
@@ -112,6 +120,23 @@ pub fn shape(_cx: &Cx, _site: Site, op: ShapeOp, xs: &[&Tensor]) -> Result<(Tens
             );
         }
     }
+    let op = match op {
+        ShapeOp::Chunk { parts, part } => {
+            let w = widths[0];
+            if parts == 0 || part >= parts || !w.is_multiple_of(parts) {
+                return invalid!(
+                    "chunk: {w} features ({}) do not cut into {parts} equal parts (part {part} \
+                     asked); with tensor parallelism these are this rank's features",
+                    first.shape()
+                );
+            }
+            ShapeOp::Narrow {
+                start: part * (w / parts),
+                len: w / parts,
+            }
+        }
+        op => op,
+    };
     let x = first.to_f32_contiguous()?;
     let y = match &op {
         ShapeOp::Narrow { start, len } => {
@@ -125,6 +150,7 @@ pub fn shape(_cx: &Cx, _site: Site, op: ShapeOp, xs: &[&Tensor]) -> Result<(Tens
             }
             x.narrow(dims.len() - 1, *start, *len)?.contiguous()?
         }
+        ShapeOp::Chunk { .. } => return invalid!("chunk: resolved to its narrow above"),
         ShapeOp::Cat => {
             let total: usize = widths.iter().sum();
             let parts: Vec<Tensor> = xs
@@ -210,6 +236,7 @@ pub fn shape_backward<const N: usize>(
             )?;
             vec![g.reshape(dims.clone())?]
         }
+        ShapeOp::Chunk { .. } => return invalid!("chunk: kept as its narrow"),
         ShapeOp::Cat => {
             let d = rows(&dy, widths.iter().sum())?;
             let mut at = 0;
@@ -356,6 +383,22 @@ mod tests {
             let op = ShapeOp::Narrow { start: 2, len: 5 };
             let err = shape(cx, Site::ROOT, op, &[&c]).unwrap_err().to_string();
             assert!(err.contains("features 2..7 of a tensor of 3"), "{err}");
+        });
+    }
+
+    #[test]
+    fn chunk_takes_equal_parts_or_names_the_width() {
+        with_cx(|cx| {
+            let x = t((0..12).map(|i| i as f32).collect(), &[2, 6]);
+            let op = ShapeOp::Chunk { parts: 3, part: 1 };
+            let (y, saved) = shape(cx, Site::ROOT, op, &[&x]).unwrap();
+            assert_eq!(y.to_vec::<f32>().unwrap(), [2., 3., 8., 9.]);
+            let [g] = shape_backward::<1>(cx, Site::ROOT, saved, &y).unwrap();
+            let g = g.to_vec::<f32>().unwrap();
+            assert_eq!(g, [0., 0., 2., 3., 0., 0., 0., 0., 8., 9., 0., 0.]);
+            let op = ShapeOp::Chunk { parts: 4, part: 0 };
+            let err = shape(cx, Site::ROOT, op, &[&x]).unwrap_err().to_string();
+            assert!(err.contains("6 features ([2, 6]) do not cut into 4"), "{err}");
         });
     }
 }

@@ -1,4 +1,5 @@
-//! The shape operations of forward (`ops::shape`): `narrow` (each part of `split`), `cat`,
+//! The shape operations of forward (`ops::shape`): `narrow` (each part of `split`), the parts of
+//! `chunk`, `cat`,
 //! the parts of `split_heads`, `cat_heads`, and `broadcast_heads`, which turns one head whole on
 //! every rank into this rank's heads: Megatron-LM's f around it (with sequence parallelism the
 //! all-gather of the shards; in backward the all-reduce, or the reduce-scatter, of the
@@ -22,6 +23,10 @@ fn shape_op(rt: &TokenStream, op: ShapeKind, sizes: &[syn::Expr]) -> TokenStream
             quote!(#rt::ops::ShapeOp::Narrow { start: #start, len: #len })
         }
         ShapeKind::Cat => quote!(#rt::ops::ShapeOp::Cat),
+        ShapeKind::ChunkPart(part) => {
+            let (parts, part) = (&sizes[0], proc_macro2::Literal::usize_unsuffixed(part));
+            quote!(#rt::ops::ShapeOp::Chunk { parts: #parts, part: #part })
+        }
         ShapeKind::HeadPart(part) => {
             let part = proc_macro2::Literal::usize_unsuffixed(part);
             quote!(#rt::ops::ShapeOp::HeadPart { sizes: ::std::vec![#(#sizes),*], part: #part })
