@@ -8,8 +8,9 @@
 //! `DotProductAttention` are the DSL's, and the macros check where each value is split.
 //!
 //! A small decoder of these layers is trained on one rank, at tensor parallelism 2, at tensor
-//! parallelism 2 with sequence parallelism, and at pipeline parallelism 2 (thread ranks), and
-//! every layout follows the one-rank run.
+//! parallelism 2 with sequence parallelism, at pipeline parallelism 2 and at context
+//! parallelism 2 (the attention on each rank's two chunks of the sequence, the rotary parts
+//! turned at the chunks' positions; thread ranks), and every layout follows the one-rank run.
 //!
 //! ```sh
 //! cargo run --release --example latent_attention
@@ -36,7 +37,8 @@ pub struct LatentAttention {
     /// `h → heads · (D_NOPE + D_ROPE)`.
     #[column_parallel]
     q: Linear,
-    #[op]
+    /// On this rank's chunks of the sequence under context parallelism.
+    #[context_parallel]
     core: DotProductAttention,
     #[row_parallel]
     proj: Linear,
@@ -173,6 +175,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                 },
             ),
             ("PP=2", Layout { pp: 2, ..ONE }),
+            ("CP=2", Layout { cp: 2, ..ONE }),
         ],
         (1e-5, 1e-3),
     )

@@ -3,12 +3,15 @@
 //! `CausalSelfAttention` computes from the fused projection; with grouped heads, a value head
 //! size of its own and a sliding window it matches a plain f64 attention, and its gradients
 //! match finite differences of that attention; `rope` turns each head as the fused rotary
-//! kernels do; on the (emulated) GPU it follows the host.
+//! kernels do; under context parallelism (every `--cp-comm-type`, value heads smaller or larger
+//! than the query heads) attention and rope give each rank's rows of cp 1's; on the (emulated)
+//! GPU it follows the host.
 
 mod support;
 
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
+use megatron::context_parallel::{ContextParallelMulti, CpChunks, CpCommType};
 use megatron::module::{Cx, MultiOp, Op, Sharding, Site};
 use megatron::ops::{DotProductAttention, Rope, rope, rope_backward};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
@@ -210,6 +213,77 @@ fn rope_turns_each_head_as_the_fused_kernels_do_and_back() {
     // Position 0 is not turned; later positions are.
     assert_eq!(turned[..B * heads * d], x[..B * heads * d]);
     assert_ne!(turned[B * heads * d..], x[B * heads * d..]);
+}
+
+/// Rope of `x` and attention of `q`, `k`, `v` (each `[s, b, ..]`) with output gradient `dy`,
+/// and the inputs' gradients, on each rank of a `cp`-way group holding its chunks: every
+/// rank's (rope, out, dq, dk, dv), in rank order.
+fn chunked(
+    (cp, kind): (usize, CpCommType),
+    op: &DotProductAttention,
+    cfg: &Rope,
+    [x, q, k, v, dy]: [&Tensor; 5],
+) -> Vec<[Vec<f32>; 5]> {
+    let layout = ParallelLayout::new(&ParallelConfig::new(cp).with_cp(cp)).unwrap();
+    launch(cp, |w| -> R<[Vec<f32>; 5]> {
+        let ps = ParallelState::new(&w, &layout)?.with_cp_comm_type(&w, kind)?;
+        let cx = Cx::new(&ps, 3);
+        let chunks = CpChunks::new(x.dims()[0], cp, ps.groups().cp_rank())?;
+        let mine = |t: &Tensor| chunks.take_local(t);
+        let (turned, _) = rope(&cx, Site::ROOT, &mine(x)?, cfg, Sharding::Replicated)?;
+        let (qm, km, vm) = (mine(q)?, mine(k)?, mine(v)?);
+        let (y, saved) = op.forward_chunks(&cx, Site::ROOT, &[&qm, &km, &vm])?;
+        let grads = op.backward_chunks(&cx, Site::ROOT, saved, &mine(dy)?)?;
+        let [dq, dk, dv] = <[Tensor; 3]>::try_from(grads).expect("three gradients");
+        Ok([turned, y, dq, dk, dv].map(|t| t.to_vec::<f32>().expect("f32")))
+    })
+    .unwrap()
+}
+
+#[test]
+fn context_parallel_attention_and_rope_give_the_ranks_rows_of_cp_1() {
+    let (s, b) = (16, 2);
+    // 4 query heads sharing 2 key heads; values smaller, then larger than the query heads
+    // (each padded to the larger inside the blocks); a window cutting the chunks.
+    for (d_qk, d_v, window) in [(5, 3, None), (3, 5, Some(5))] {
+        let (heads, kv) = (4, 2);
+        let t = |w: usize, salt: usize| Tensor::from_vec(values(s * b * w, salt), [s, b, w]);
+        let q = t(heads * d_qk, 1).unwrap();
+        let k = t(kv * d_qk, 2).unwrap();
+        let v = t(kv * d_v, 3).unwrap();
+        let dy = t(heads * d_v, 4).unwrap();
+        let x = t(heads * 4, 5).unwrap();
+        let op = DotProductAttention::new(d_qk).with_window(window);
+        let cfg = Rope::new(4);
+        let inputs = [&x, &q, &k, &v, &dy];
+        let full = chunked((1, CpCommType::default()), &op, &cfg, inputs).remove(0);
+        let forms = [
+            (2, CpCommType::P2p),
+            (2, CpCommType::AllGather),
+            (2, CpCommType::A2a),
+            (4, CpCommType::AllGather),
+        ];
+        for (cp, kind) in forms {
+            for (rank, got) in chunked((cp, kind), &op, &cfg, inputs).iter().enumerate() {
+                let chunks = CpChunks::new(s, cp, rank).unwrap();
+                let widths = [heads * 4, heads * d_v, heads * d_qk, kv * d_qk, kv * d_v];
+                let names = ["rope", "out", "dq", "dk", "dv"];
+                for (i, (got, want)) in got.iter().zip(&full).enumerate() {
+                    let per = b * widths[i];
+                    let rows: Vec<f32> = chunks
+                        .ranges()
+                        .into_iter()
+                        .flat_map(|r| want[r.start * per..r.end * per].to_vec())
+                        .collect();
+                    let what = format!(
+                        "{} d_qk {d_qk} d_v {d_v} cp {cp} {kind:?} rank {rank}",
+                        names[i]
+                    );
+                    support::assert_close_f32(got, &rows, &what);
+                }
+            }
+        }
+    }
 }
 
 #[cfg(feature = "cuda")]

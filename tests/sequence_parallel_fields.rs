@@ -254,7 +254,10 @@ fn replicated_parameters_stay_identical_on_every_rank_with_and_without_sequence_
         }
         for ((name, got), (_, want)) in two[0].iter().zip(&one) {
             let worst = support::max_abs_diff(got, want);
-            assert!(worst < 1e-5, "{name}: {worst} from one rank (sequence parallel: {sp})");
+            assert!(
+                worst < 1e-5,
+                "{name}: {worst} from one rank (sequence parallel: {sp})"
+            );
         }
     }
 }

@@ -15,12 +15,13 @@ use megatron::training::{
 };
 use megatron::{Error, Result};
 
-/// A layout: tensor, data and pipeline parallel sizes, and sequence parallelism.
+/// A layout: tensor, data, pipeline and context parallel sizes, and sequence parallelism.
 #[derive(Debug, Clone, Copy)]
 pub struct Layout {
     pub tp: usize,
     pub dp: usize,
     pub pp: usize,
+    pub cp: usize,
     pub sp: bool,
 }
 
@@ -29,6 +30,7 @@ pub const ONE: Layout = Layout {
     tp: 1,
     dp: 1,
     pp: 1,
+    cp: 1,
     sp: false,
 };
 
@@ -44,15 +46,19 @@ pub struct Run {
     pub seed: u64,
 }
 
-/// Trains `M` built from `spec` on `tp × dp × pp` thread ranks over megatron-rs's own sources
+/// Trains `M` built from `spec` on `tp × cp × dp × pp` thread ranks over megatron-rs's own sources
 /// read as bytes; every step's loss (from the last stage) and the seconds taken.
 pub fn train<M>(spec: &M::Spec, run: Run, l: Layout) -> Result<(Vec<f64>, f64)>
 where
     M: PipelinedLanguageModel,
     M::Spec: Sync,
 {
-    let world = l.tp * l.dp * l.pp;
-    let layout = ParallelLayout::new(&ParallelConfig::new(world).with_tp(l.tp).with_pp(l.pp))?;
+    let world = l.tp * l.cp * l.dp * l.pp;
+    let config = ParallelConfig::new(world)
+        .with_tp(l.tp)
+        .with_cp(l.cp)
+        .with_pp(l.pp);
+    let layout = ParallelLayout::new(&config)?;
     let stages = PipelineLayout::new(run.layers, l.pp, 1, None, None)
         .map_err(|e| Error::Invalid(e.to_string()))?;
     let plan = BatchPlan {
@@ -81,7 +87,7 @@ where
         check_for_nan: true,
     };
     let start = Instant::now();
-    let per_rank = launch(world, |world| -> Result<(usize, usize, Vec<f64>)> {
+    let per_rank = launch(world, |world| -> Result<(usize, bool, Vec<f64>)> {
         let parallel = ParallelState::new(&world, &layout)?.with_sequence_parallel(l.sp);
         let stage = stages.part(parallel.pp().index(), 0);
         let builder = Builder::for_rank(run.seed, parallel.groups()).with_stage(stage);
@@ -90,13 +96,14 @@ where
         let losses = (0..run.steps)
             .map(|step| Ok(trainer.step(&parallel, step)?.loss))
             .collect::<Result<Vec<f64>>>()?;
-        Ok((parallel.pp().index(), parallel.groups().tp_rank(), losses))
+        let first = parallel.groups().tp_rank() == 0 && parallel.groups().cp_rank() == 0;
+        Ok((parallel.pp().index(), first, losses))
     })
     .map_err(|e| Error::Invalid(e.to_string()))?;
-    // The loss is known on the last stage.
+    // The loss is known on the last stage (summed over the context-parallel ranks).
     let losses = per_rank
         .into_iter()
-        .find(|(stage, tp_rank, _)| *stage == l.pp - 1 && *tp_rank == 0)
+        .find(|(stage, first, _)| *stage == l.pp - 1 && *first)
         .map(|(_, _, l)| l)
         .unwrap_or_default();
     Ok((losses, start.elapsed().as_secs_f64()))

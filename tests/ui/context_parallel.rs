@@ -1,4 +1,5 @@
-// `#[context_parallel]` marks the op that mixes a sequence's positions (attention): one tensor in.
+// `#[context_parallel]` marks the op that mixes a sequence's positions (attention): called with
+// several tensors, it must take several (`DotProductAttention`, not `CausalSelfAttention`).
 use megatron::prelude::*;
 
 #[megatron::module]

@@ -26,6 +26,7 @@
 
 mod blocks;
 mod exchange;
+pub(crate) use exchange::near;
 pub mod traffic;
 
 use std::ops::Range;
@@ -35,7 +36,7 @@ use crate::comm::{Communicator, World};
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::dropout::LogicalIndex;
-use crate::module::{Cx, Op, Site};
+use crate::module::{Cx, MultiOp, Op, Site};
 use crate::rng::DropoutStream;
 use crate::tensor::{DType, Tensor};
 use blocks::{Blocks, Side};
@@ -57,6 +58,28 @@ pub trait ContextParallel: Op {
         saved: Self::Saved,
         dy: &Tensor,
     ) -> Result<Tensor>;
+}
+
+/// [`ContextParallel`] for an op of several inputs (a [`MultiOp`]): attention over queries, keys
+/// and values given apart ([`crate::ops::DotProductAttention`]), declared `#[context_parallel]`
+/// and called with its tensors, `self.core(q, k, v)`.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is called with several tensors but takes one",
+    label = "not a context-parallel op of several inputs (`ContextParallelMulti`)",
+    note = "`CausalSelfAttention` takes the fused projection `[q | k | v]`; \
+            `DotProductAttention` takes queries, keys and values apart"
+)]
+pub trait ContextParallelMulti: MultiOp {
+    /// The forward on this rank's chunks of every input.
+    fn forward_chunks(&self, cx: &Cx, site: Site, xs: &[&Tensor]) -> Result<(Tensor, Self::Saved)>;
+    /// The backward of [`ContextParallelMulti::forward_chunks`]: each input's gradient, in order.
+    fn backward_chunks(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: Self::Saved,
+        dy: &Tensor,
+    ) -> Result<Vec<Tensor>>;
 }
 
 /// How context-parallel attention exchanges keys and values (`--cp-comm-type`, Transformer

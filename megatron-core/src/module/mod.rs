@@ -363,7 +363,9 @@ pub fn build_local<M: Module>(spec: &M::Spec, b: &mut Builder) -> Result<M> {
         }
     });
     failure.map_or(Ok(module), |e| {
-        Err(crate::Error::Invalid(format!("#[local] runs on this rank's part of a split value: {e}")))
+        Err(crate::Error::Invalid(format!(
+            "#[local] runs on this rank's part of a split value: {e}"
+        )))
     })
 }
 
@@ -650,6 +652,11 @@ pub trait Op: Clone + fmt::Debug {
 /// An op of several tensors: an `#[op]` field called with two or more arguments
 /// (`self.attend(q, k, v)`). Its inputs must be sharded alike (all replicated, or all split over
 /// tensor parallelism: it works on each rank's part), and so is its output.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is called with several tensors but takes one",
+    label = "not an op of several inputs (`MultiOp`)",
+    note = "call it with one tensor, or implement `megatron::module::MultiOp` for an op of several"
+)]
 pub trait MultiOp: Clone + fmt::Debug {
     /// What the forward keeps for the backward.
     type Saved;

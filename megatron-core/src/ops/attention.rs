@@ -8,22 +8,31 @@
 //!
 //! Both run on the device that holds the tensors: the products are the tensors' batched
 //! products over strided views of the heads, the masked softmax is the device's kernel. They
-//! work on whatever heads the inputs hold: with tensor parallelism, this rank's.
+//! work on whatever heads the inputs hold: with tensor parallelism, this rank's. Under context
+//! parallelism (a `#[context_parallel]` field) the attention runs on the rank's two chunks of
+//! the sequence through the blocks of [`crate::context_parallel`], in any `--cp-comm-type`: the
+//! three inputs packed into the grouped projection those blocks read, each head padded with
+//! zeros to the larger of the two head sizes (the padding's products are zeros, and its
+//! gradients are dropped); `rope` turns each chunk at its global positions.
+
+use std::ops::Range;
 
 use crate::backend;
+use crate::context_parallel::{self, ContextParallelMulti, CpAttentionSaved, CpLayer};
 use crate::error::{Error, Result};
 use crate::invalid;
 use crate::kernels::softmax::KeyMask;
 use crate::module::{Cx, MultiOp, Sharding, Site};
 use crate::ops::{ShapeOp, ShapeSaved, matmul, shape, shape_backward};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 use crate::tensor_parallel::Rotary;
 
 /// Causal dot-product attention of separate queries `[s, b, heads·d_qk]`, keys
 /// `[s, b, kv_heads·d_qk]` and values `[s, b, kv_heads·d_v]`: the context
 /// `[s, b, heads·d_v]`. The heads are counted from the widths and `qk_head_dim`; the weights
 /// have no dropout (models that train attention with dropout use `CausalSelfAttention`).
-/// An `#[op]` called with three tensors: `self.core(q, k, v)`.
+/// A field called with three tensors, `self.core(q, k, v)`: `#[context_parallel]` (any
+/// context-parallel size) or `#[op]` (context-parallel size 1).
 #[derive(Debug, Clone, PartialEq)]
 pub struct DotProductAttention {
     /// Elements per head of the queries and keys.
@@ -72,6 +81,28 @@ struct Sizes {
 /// What [`DotProductAttention`]'s backward reads.
 #[derive(Debug, Clone)]
 pub struct DotProductSaved {
+    kept: Kept,
+}
+
+/// The whole sequence's tensors, or the context-parallel blocks'.
+#[derive(Debug, Clone)]
+enum Kept {
+    Whole(WholeSaved),
+    Chunks(Box<ChunksSaved>),
+}
+
+/// Under context parallelism: the blocks' saved values, the sizes and the padded head size.
+#[derive(Debug, Clone)]
+struct ChunksSaved {
+    blocks: CpAttentionSaved,
+    sizes: Sizes,
+    d: usize,
+}
+
+/// On the whole sequence: the inputs (keys and values expanded to every query head) and the
+/// weights.
+#[derive(Debug, Clone)]
+struct WholeSaved {
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -171,24 +202,14 @@ fn repeat_heads(
     Ok((y.reshape([s, b, kv * group * d])?, saved))
 }
 
-impl MultiOp for DotProductAttention {
-    type Saved = DotProductSaved;
-
-    fn forward(&self, cx: &Cx, _site: Site, xs: &[&Tensor]) -> Result<(Tensor, DotProductSaved)> {
-        let [q, k, v] = xs else {
-            return invalid!(
-                "attention takes queries, keys and values: `self.core(q, k, v)`, not {} tensors",
-                xs.len()
-            );
-        };
-        if cx.cp_size() > 1 {
-            return invalid!(
-                "DotProductAttention does not run under context parallelism yet (its blocks \
-                 are CausalSelfAttention's, over a fused projection): run with \
-                 --context-parallel-size 1"
-            );
-        }
-        let sz = self.sizes(q, k, v)?;
+impl DotProductAttention {
+    /// Attention over the whole sequence (context-parallel size 1).
+    fn forward_whole(
+        &self,
+        cx: &Cx,
+        [q, k, v]: [&Tensor; 3],
+        sz: Sizes,
+    ) -> Result<(Tensor, WholeSaved)> {
         let (s, b, h) = (sz.seq, sz.batch, sz.heads);
         let group = sz.heads / sz.kv_heads;
         let (k, v, expanded) = if group > 1 {
@@ -196,7 +217,7 @@ impl MultiOp for DotProductAttention {
             let (v, vs) = repeat_heads(cx, v, (s, b, sz.kv_heads, sz.d_v), group)?;
             (k, v, Some((ks, vs)))
         } else {
-            ((*k).clone(), (*v).clone(), None)
+            (k.clone(), v.clone(), None)
         };
         let qh = heads_view(q, (s, b, h, sz.d_qk))?;
         let kh = heads_view(&k, (s, b, h, sz.d_qk))?;
@@ -211,8 +232,8 @@ impl MultiOp for DotProductAttention {
         )?;
         let ctx = matmul(&probs, &vh)?;
         let out = from_heads(&ctx, (s, b, h, sz.d_v))?;
-        let saved = DotProductSaved {
-            q: (*q).clone(),
+        let saved = WholeSaved {
+            q: q.clone(),
             k,
             v,
             probs,
@@ -222,14 +243,9 @@ impl MultiOp for DotProductAttention {
         Ok((out, saved))
     }
 
-    fn backward(
-        &self,
-        cx: &Cx,
-        _site: Site,
-        saved: DotProductSaved,
-        dy: &Tensor,
-    ) -> Result<Vec<Tensor>> {
-        let DotProductSaved {
+    /// The backward of [`DotProductAttention::forward_whole`].
+    fn backward_whole(&self, cx: &Cx, saved: WholeSaved, dy: &Tensor) -> Result<Vec<Tensor>> {
+        let WholeSaved {
             q,
             k,
             v,
@@ -278,6 +294,178 @@ impl MultiOp for DotProductAttention {
     }
 }
 
+/// `[q, k, v]` of a call, or an error naming the count.
+fn three<'t>(xs: &[&'t Tensor]) -> Result<[&'t Tensor; 3]> {
+    match xs {
+        [q, k, v] => Ok([*q, *k, *v]),
+        _ => invalid!(
+            "attention takes queries, keys and values: `self.core(q, k, v)`, not {} tensors",
+            xs.len()
+        ),
+    }
+}
+
+impl MultiOp for DotProductAttention {
+    type Saved = DotProductSaved;
+
+    /// The forward over the whole sequence; with context parallelism an error: the attention
+    /// runs on a rank's chunks only as a `#[context_parallel]` field.
+    fn forward(&self, cx: &Cx, site: Site, xs: &[&Tensor]) -> Result<(Tensor, DotProductSaved)> {
+        if cx.cp_size() > 1 {
+            return invalid!(
+                "attention at context-parallel size {} runs on the rank's chunks of the \
+                 sequence: declare its field #[context_parallel] (an #[op] sees the whole \
+                 sequence)",
+                cx.cp_size()
+            );
+        }
+        self.forward_chunks(cx, site, xs)
+    }
+
+    fn backward(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: DotProductSaved,
+        dy: &Tensor,
+    ) -> Result<Vec<Tensor>> {
+        self.backward_chunks(cx, site, saved, dy)
+    }
+}
+
+impl ContextParallelMulti for DotProductAttention {
+    fn forward_chunks(
+        &self,
+        cx: &Cx,
+        _site: Site,
+        xs: &[&Tensor],
+    ) -> Result<(Tensor, DotProductSaved)> {
+        let [q, k, v] = three(xs)?;
+        let sz = self.sizes(q, k, v)?;
+        let Some(chunks) = cx.cp_chunks(sz.seq)? else {
+            let (out, whole) = self.forward_whole(cx, [q, k, v], sz)?;
+            let kept = Kept::Whole(whole);
+            return Ok((out, DotProductSaved { kept }));
+        };
+        let Some(groups) = cx.cp_groups() else {
+            return invalid!(
+                "attention at context-parallel size {} has no context-parallel groups to \
+                 exchange keys and values over",
+                cx.cp_size()
+            );
+        };
+        let d = sz.d_qk.max(sz.d_v);
+        let layer = CpLayer {
+            groups: sz.kv_heads,
+            per_group: sz.heads / sz.kv_heads,
+            scale: self.scale(),
+            window: self.window,
+            dropout: None,
+        };
+        let dims = [sz.seq, sz.batch, sz.kv_heads * (layer.per_group + 2) * d];
+        let fused = context_parallel::near(pack(q, k, v, sz, d)?, dims, DType::F32, q)?;
+        let (out, blocks) = context_parallel::attention_forward(groups, chunks, &fused, layer)?;
+        let out = reheads(&out, sz, (d, sz.d_v))?;
+        let kept = Kept::Chunks(Box::new(ChunksSaved {
+            blocks,
+            sizes: sz,
+            d,
+        }));
+        Ok((out, DotProductSaved { kept }))
+    }
+
+    fn backward_chunks(
+        &self,
+        cx: &Cx,
+        _site: Site,
+        saved: DotProductSaved,
+        dy: &Tensor,
+    ) -> Result<Vec<Tensor>> {
+        let chunked = match saved.kept {
+            Kept::Whole(whole) => return self.backward_whole(cx, whole, dy),
+            Kept::Chunks(c) => c,
+        };
+        let ChunksSaved { blocks, sizes, d } = *chunked;
+        let Some(groups) = cx.cp_groups() else {
+            return invalid!("attention's backward on chunks runs under context parallelism");
+        };
+        let d_out = reheads(dy, sizes, (sizes.d_v, d))?;
+        let d_fused = context_parallel::attention_backward(groups, &blocks, &d_out)?;
+        unpack(&d_fused, sizes, d, dy)
+    }
+}
+
+/// Where the query head `h`'s, key head `g`'s and value head `g`'s `d` elements of row `r`
+/// lie in the grouped projection `[rows, kv_heads, per_group + 2, d]` the context-parallel
+/// blocks read (each group's query heads, then its key and its value).
+fn slots(sz: Sizes, d: usize) -> impl Fn(usize, usize, usize) -> usize {
+    let per_group = sz.heads / sz.kv_heads;
+    move |r, g, slot| ((r * sz.kv_heads + g) * (per_group + 2) + slot) * d
+}
+
+/// The queries, keys and values packed as the grouped projection, each head zero-padded to `d`.
+fn pack(q: &Tensor, k: &Tensor, v: &Tensor, sz: Sizes, d: usize) -> Result<Vec<f32>> {
+    let (q, k, v) = (q.to_vec_f32()?, k.to_vec_f32()?, v.to_vec_f32()?);
+    let (rows, per_group) = (sz.seq * sz.batch, sz.heads / sz.kv_heads);
+    let at = slots(sz, d);
+    let mut x = vec![0.0f32; rows * sz.kv_heads * (per_group + 2) * d];
+    let (dq, dv) = (sz.d_qk, sz.d_v);
+    for r in 0..rows {
+        for g in 0..sz.kv_heads {
+            for j in 0..per_group {
+                let h = g * per_group + j;
+                x[at(r, g, j)..][..dq].copy_from_slice(&q[(r * sz.heads + h) * dq..][..dq]);
+            }
+            let kv = r * sz.kv_heads + g;
+            x[at(r, g, per_group)..][..dq].copy_from_slice(&k[kv * dq..][..dq]);
+            x[at(r, g, per_group + 1)..][..dv].copy_from_slice(&v[kv * dv..][..dv]);
+        }
+    }
+    Ok(x)
+}
+
+/// The gradients of [`pack`]'s inputs from the projection's, the padding's dropped.
+fn unpack(d_fused: &Tensor, sz: Sizes, d: usize, like: &Tensor) -> Result<Vec<Tensor>> {
+    let x = d_fused.to_vec_f32()?;
+    let (rows, per_group) = (sz.seq * sz.batch, sz.heads / sz.kv_heads);
+    let at = slots(sz, d);
+    let (dq, dv) = (sz.d_qk, sz.d_v);
+    let mut q = vec![0.0f32; rows * sz.heads * dq];
+    let mut k = vec![0.0f32; rows * sz.kv_heads * dq];
+    let mut v = vec![0.0f32; rows * sz.kv_heads * dv];
+    for r in 0..rows {
+        for g in 0..sz.kv_heads {
+            for j in 0..per_group {
+                let h = g * per_group + j;
+                q[(r * sz.heads + h) * dq..][..dq].copy_from_slice(&x[at(r, g, j)..][..dq]);
+            }
+            let kv = r * sz.kv_heads + g;
+            k[kv * dq..][..dq].copy_from_slice(&x[at(r, g, per_group)..][..dq]);
+            v[kv * dv..][..dv].copy_from_slice(&x[at(r, g, per_group + 1)..][..dv]);
+        }
+    }
+    let (s, b) = (sz.seq, sz.batch);
+    Ok(vec![
+        context_parallel::near(q, [s, b, sz.heads * dq], DType::F32, like)?,
+        context_parallel::near(k, [s, b, sz.kv_heads * dq], DType::F32, like)?,
+        context_parallel::near(v, [s, b, sz.kv_heads * dv], DType::F32, like)?,
+    ])
+}
+
+/// Rows of `from`-element heads as rows of `to`-element heads: cut, or padded with zeros.
+fn reheads(x: &Tensor, sz: Sizes, (from, to): (usize, usize)) -> Result<Tensor> {
+    let (s, b, h) = (sz.seq, sz.batch, sz.heads);
+    if from == to {
+        return Ok(x.to_f32_contiguous()?);
+    }
+    let keep = from.min(to);
+    let mut out = vec![0.0f32; s * b * h * to];
+    for (i, head) in x.to_vec_f32()?.chunks_exact(from).enumerate() {
+        out[i * to..][..keep].copy_from_slice(&head[..keep]);
+    }
+    context_parallel::near(out, [s, b, h * to], DType::F32, x)
+}
+
 /// Rotary position embeddings on every head of a tensor: the settings (base, interleaving,
 /// Llama 3.1's scaling; `percent` is the part of each head turned) and the head size. The
 /// `rope(x, cfg)` builtin of forward.
@@ -305,26 +493,47 @@ impl Rope {
     }
 }
 
-/// What [`rope`]'s backward needs: where the rows start in the sequence.
+/// What [`rope`]'s backward needs: where the rows lie in the sequence.
 #[derive(Debug, Clone)]
 pub struct RopeSaved {
-    offset: usize,
+    runs: Vec<Range<usize>>,
 }
 
-/// The position of `x`'s first row in the sequence: with sequence parallelism a replicated
-/// value is this rank's shard of the sequence, a split one the whole sequence.
-fn first_position(cx: &Cx, x: &Tensor, sharding: Sharding) -> Result<usize> {
-    if cx.cp_size() > 1 {
-        return invalid!(
-            "rope does not run under context parallelism yet (a rank's two chunks of the \
-             sequence are not one run of positions): run with --context-parallel-size 1"
-        );
-    }
+/// Where `x`'s rows (`[rows, b, ..]`, in order) lie in the sequence, one run of positions
+/// each: with sequence parallelism a replicated value is this rank's shard, a split one the
+/// whole (local) sequence; with context parallelism that sequence is the rank's two chunks.
+fn position_runs(cx: &Cx, x: &Tensor, sharding: Sharding) -> Result<Vec<Range<usize>>> {
     let rows = x.dims().first().copied().unwrap_or(0);
-    Ok(match sharding {
-        Sharding::Replicated if cx.sequence_parallel() => rows * cx.tp_rank(),
-        _ => 0,
+    if sharding == Sharding::Replicated && cx.sequence_parallel() {
+        return cx.position_runs(rows * cx.tp_size());
+    }
+    Ok(match cx.cp_chunks(rows)? {
+        Some(chunks) => chunks.runs(0..rows),
+        None => vec![0..rows],
     })
+}
+
+/// `x` with each run of rows turned at its positions (`inverse`: turned back).
+fn turn(x: &Tensor, cfg: &Rope, runs: &[Range<usize>], inverse: bool) -> Result<Tensor> {
+    let heads = heads_in(x, cfg)?;
+    let x = x.to_f32_contiguous()?;
+    if let [run] = runs {
+        let y = cfg
+            .rotary
+            .apply(&x, (heads, 1, 1), cfg.head_dim, run.start, inverse)?;
+        return Ok(y.to_f32_contiguous()?);
+    }
+    let out = Tensor::empty_near(x.dims().to_vec(), DType::F32, &x)?;
+    let mut at = 0;
+    for run in runs {
+        let part = x.narrow(0, at, run.len())?.contiguous()?;
+        let y = cfg
+            .rotary
+            .apply(&part, (heads, 1, 1), cfg.head_dim, run.start, inverse)?;
+        out.narrow(0, at, run.len())?.copy_from(&y)?;
+        at += run.len();
+    }
+    Ok(out)
 }
 
 /// `x` (`[s, b, heads·head_dim]`) with rotary embeddings applied to each head at its rows'
@@ -336,12 +545,8 @@ pub fn rope(
     cfg: &Rope,
     sharding: Sharding,
 ) -> Result<(Tensor, RopeSaved)> {
-    let offset = first_position(cx, x, sharding)?;
-    let heads = heads_in(x, cfg)?;
-    let y = cfg
-        .rotary
-        .apply(x, (heads, 1, 1), cfg.head_dim, offset, false)?;
-    Ok((y.to_f32_contiguous()?, RopeSaved { offset }))
+    let runs = position_runs(cx, x, sharding)?;
+    Ok((turn(x, cfg, &runs, false)?, RopeSaved { runs }))
 }
 
 /// The backward of [`rope`]: the gradient turned back.
@@ -352,15 +557,7 @@ pub fn rope_backward(
     saved: RopeSaved,
     dy: &Tensor,
 ) -> Result<Tensor> {
-    let heads = heads_in(dy, cfg)?;
-    let d = cfg.rotary.apply(
-        &dy.to_f32_contiguous()?,
-        (heads, 1, 1),
-        cfg.head_dim,
-        saved.offset,
-        true,
-    )?;
-    Ok(d.to_f32_contiguous()?)
+    turn(dy, cfg, &saved.runs, true)
 }
 
 fn heads_in(x: &Tensor, cfg: &Rope) -> Result<usize> {

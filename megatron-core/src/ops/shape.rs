@@ -398,7 +398,10 @@ mod tests {
             assert_eq!(g, [0., 0., 2., 3., 0., 0., 0., 0., 8., 9., 0., 0.]);
             let op = ShapeOp::Chunk { parts: 4, part: 0 };
             let err = shape(cx, Site::ROOT, op, &[&x]).unwrap_err().to_string();
-            assert!(err.contains("6 features ([2, 6]) do not cut into 4"), "{err}");
+            assert!(
+                err.contains("6 features ([2, 6]) do not cut into 4"),
+                "{err}"
+            );
         });
     }
 }

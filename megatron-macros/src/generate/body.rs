@@ -212,11 +212,8 @@ impl<'a> Ctx<'a> {
                 (NodeOp::Field { .. }, Some(f)) => {
                     let args = &self.g.nodes[n].args;
                     let ids = args.len() == 1 && self.a.sharding[args[0]] == Sharding::Ids;
-                    if args.len() > 1 && matches!(f.kind, crate::parse::FieldKind::Op) {
-                        note(kind::Imports {
-                            named: Some(("module", "MultiOp")),
-                            ..kind::Imports::default()
-                        });
+                    if let (true, Some(op)) = (args.len() > 1, kind::op_kind(&f.kind)) {
+                        note(op.imports_for(true));
                     } else {
                         note(kind::of(&f.kind).imports(backward, ids));
                     }

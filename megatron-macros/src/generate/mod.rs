@@ -284,8 +284,13 @@ pub fn saved_field_type(
         NodeOp::Shape { .. } => quote!(#rt::ops::ShapeSaved),
         NodeOp::DropoutAdd { .. } => quote!(#rt::ops::DropoutSaved),
         NodeOp::Field { .. }
-            if node.args.len() > 1 && matches!(field.map(|f| &f.kind), Some(FieldKind::Op)) =>
+            if node.args.len() > 1
+                && matches!(
+                    field.map(|f| &f.kind),
+                    Some(FieldKind::Op | FieldKind::ContextParallel)
+                ) =>
         {
+            // Both kinds' traits of several inputs are `MultiOp`s.
             let ty = &field.expect("validated").ty;
             quote!(<#ty as #rt::module::MultiOp>::Saved)
         }

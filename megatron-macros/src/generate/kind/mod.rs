@@ -7,7 +7,7 @@
 mod column;
 mod expert;
 mod local;
-mod op;
+pub(crate) mod op;
 mod replicated;
 mod row;
 pub(super) mod stack;
@@ -175,6 +175,16 @@ pub(crate) struct Imports {
 }
 
 /// The implementation of a field kind.
+/// The parameterless ops' kinds (`#[op]`, `#[context_parallel]`), whose calls may take several
+/// inputs; `None` for the others.
+pub(crate) fn op_kind(kind: &FieldKind) -> Option<&'static op::Op> {
+    match kind {
+        FieldKind::Op => Some(&op::OP),
+        FieldKind::ContextParallel => Some(&op::CONTEXT_PARALLEL),
+        _ => None,
+    }
+}
+
 pub(crate) fn of(kind: &FieldKind) -> &'static dyn Kind {
     match kind {
         FieldKind::Column { .. } => &column::Column,

@@ -15,7 +15,7 @@ use crate::parse::Field;
 use crate::validate::{Checker, FieldCall, Want};
 
 /// Fields of parameterless ops: the runtime trait that calls them and its methods.
-pub(super) struct Op {
+pub(crate) struct Op {
     /// The attribute, for messages.
     attribute: &'static str,
     /// What the generated call says of itself (none: nothing).
@@ -24,6 +24,9 @@ pub(super) struct Op {
     named: (&'static str, &'static str),
     /// The forward's and the backward's methods.
     methods: (&'static str, &'static str),
+    /// The runtime's module and trait of a call with several inputs (`MultiOp`'s kind), whose
+    /// methods are named as `methods`.
+    multi: (&'static str, &'static str),
 }
 
 /// `#[op]` fields: `module::Op`.
@@ -32,6 +35,7 @@ pub(super) const OP: Op = Op {
     says: None,
     named: ("module", "Op"),
     methods: ("forward", "backward"),
+    multi: ("module", "MultiOp"),
 };
 
 /// `#[context_parallel]` fields: `context_parallel::ContextParallel`.
@@ -45,14 +49,24 @@ pub(super) const CONTEXT_PARALLEL: Op = Op {
     ),
     named: ("context_parallel", "ContextParallel"),
     methods: ("forward_chunks", "backward_chunks"),
+    multi: ("context_parallel", "ContextParallelMulti"),
 };
 
 impl Op {
-    /// `Trait::method` of the runtime trait.
-    fn method(&self, method: &str) -> TokenStream {
-        let tr = Ident::new(self.named.1, Span::call_site());
+    /// `Trait::method` of the runtime trait (of `multi` for a call with several inputs).
+    fn method(&self, method: &str, several: bool) -> TokenStream {
+        let named = if several { self.multi } else { self.named };
+        let tr = Ident::new(named.1, Span::call_site());
         let m = Ident::new(method, Span::call_site());
         quote!(#tr::#m)
+    }
+
+    /// What a call imports: its trait, or with several inputs `multi`'s.
+    pub(crate) fn imports_for(&self, several: bool) -> Imports {
+        Imports {
+            named: Some(if several { self.multi } else { self.named }),
+            ..Imports::default()
+        }
     }
 }
 
@@ -60,8 +74,9 @@ impl Kind for Op {
     fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>) {
         let name = &call.name;
         let who = format!("{} `{name}`", self.attribute);
-        if self.attribute == "#[op]" && call.node.args.len() > 1 {
-            // A `MultiOp`: its inputs sharded alike, its output as them.
+        if call.node.args.len() > 1 {
+            // A `MultiOp` (or `ContextParallelMulti`): its inputs sharded alike, its output as
+            // them.
             c.alike(call.n, &who, &who);
             return;
         }
@@ -107,21 +122,24 @@ impl Kind for Op {
         let Forward {
             args, out, saved, ..
         } = *io;
+        let doc = self
+            .says
+            .map(|says| comment(&format!("`{}`: {says}", cx.field(n).name())));
         if args.len() > 1 {
-            let call = cx.qualified(n, quote!(MultiOp::forward));
+            let call = cx.qualified(n, self.method(self.methods.0, true));
             let args = args.to_vec();
             b.push(move |nm| {
                 let refs = args.iter().map(|&a| nm.by_ref(a));
                 let (s, o) = (nm.pat(saved), nm.pat(out));
-                quote!(let (#o, #s) = #call(&#this_field, cx, #site, &[#(#refs),*])?;)
+                quote! {
+                    #doc
+                    let (#o, #s) = #call(&#this_field, cx, #site, &[#(#refs),*])?;
+                }
             });
             return;
         }
         let x = args[0];
-        let call = cx.qualified(n, self.method(self.methods.0));
-        let doc = self
-            .says
-            .map(|says| comment(&format!("`{}`: {says}", cx.field(n).name())));
+        let call = cx.qualified(n, self.method(self.methods.0, false));
         b.push(move |nm| {
             let (xr, s, o) = (nm.by_ref(x), nm.pat(saved), nm.pat(out));
             quote! {
@@ -138,9 +156,17 @@ impl Kind for Op {
         let Backward {
             d_y, saved, d_args, ..
         } = *io;
+        let doc = self.says.map(|_| {
+            comment(&format!(
+                "`{}`: the backward of #[context_parallel]: the keys' and values' gradients \
+                 summed over the ranks whose queries saw them (p2p: round the ring with their \
+                 blocks; all_gather: reduce_scatter; a2a: all_to_all back).",
+                cx.field(n).name()
+            ))
+        });
         if d_args.len() > 1 {
             let rt = &cx.root.runtime;
-            let call = cx.qualified(n, quote!(MultiOp::backward));
+            let call = cx.qualified(n, self.method(self.methods.1, true));
             let name = cx.field(n).name();
             let count = proc_macro2::Literal::usize_unsuffixed(d_args.len());
             let d_args: Vec<_> = d_args
@@ -151,6 +177,7 @@ impl Kind for Op {
                 let (s, dy) = (nm.ident(saved), nm.by_ref(d_y));
                 let grads = d_args.iter().map(|&d| nm.pat(d));
                 quote! {
+                    #doc
                     let [#(#grads),*] = #rt::module::gradients::<#count>(
                         #name,
                         #call(&#this_field, cx, #site, #s, #dy)?,
@@ -160,15 +187,7 @@ impl Kind for Op {
             return;
         }
         let d_x = d_args[0].expect("op inputs are tensors");
-        let call = cx.qualified(n, self.method(self.methods.1));
-        let doc = self.says.map(|_| {
-            comment(&format!(
-                "`{}`: the backward of #[context_parallel]: the keys' and values' gradients \
-                 summed over the ranks whose queries saw them (p2p: round the ring with their \
-                 blocks; all_gather: reduce_scatter; a2a: all_to_all back).",
-                cx.field(n).name()
-            ))
-        });
+        let call = cx.qualified(n, self.method(self.methods.1, false));
         b.push(move |nm| {
             let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
             quote! {
