@@ -1,5 +1,6 @@
 //! DeepSeek's multi-head latent attention (MLA, simplified as in docs: no query compression),
-//! written in the DSL alone: a latent down-projection of the keys and values with its norm,
+//! written in the DSL alone: a latent down-projection of the keys and values with its norm (a
+//! module of two outputs, the latent and the rotary key),
 //! per-head up-projections cut per head into the keys' position-free part and the values (a
 //! value head size of its own), queries cut into a position-free and a rotary part, one rotary
 //! key computed whole on every rank and shared by all heads, and attention over queries, keys and
@@ -25,12 +26,27 @@ use megatron::prelude::*;
 use megatron::tensor_parallel::Normalization;
 use megatron::training::CarriedWidth;
 
+/// The keys' and values' latent, a module of two outputs: the normed latent of `KV_RANK`
+/// features and the rotary key shared by every head, both whole on every rank.
+#[megatron::module]
+pub struct KvLatent {
+    /// `h → KV_RANK + D_ROPE`.
+    kv_down: Linear,
+    kv_norm: LayerNorm,
+}
+
+#[megatron::module]
+impl KvLatent {
+    fn forward(&self, x: Tensor) -> (Tensor, Tensor) {
+        let (latent, k_pe) = split(self.kv_down(x), [KV_RANK, D_ROPE]);
+        (self.kv_norm(latent), k_pe)
+    }
+}
+
 /// Multi-head latent attention: the keys and values through a latent of `KV_RANK` features.
 #[megatron::module]
 pub struct LatentAttention {
-    /// `h → KV_RANK + D_ROPE`: the latent and the shared rotary key, whole on every rank.
-    kv_down: Linear,
-    kv_norm: LayerNorm,
+    kv: KvLatent,
     /// `KV_RANK → heads · (D_NOPE + D_V)`: each head's position-free key and its value.
     #[column_parallel]
     kv_up: Linear,
@@ -49,8 +65,8 @@ pub struct LatentAttention {
 #[megatron::module]
 impl LatentAttention {
     fn forward(&self, x: Tensor) -> Tensor {
-        let (latent, k_pe) = split(self.kv_down(x), [KV_RANK, D_ROPE]);
-        let (k_nope, v) = split_heads(self.kv_up(self.kv_norm(latent)), [D_NOPE, D_V]);
+        let (latent, k_pe) = self.kv(x);
+        let (k_nope, v) = split_heads(self.kv_up(latent), [D_NOPE, D_V]);
         let (q_nope, q_pe) = split_heads(self.q(x), [D_NOPE, D_ROPE]);
         let q = cat_heads(q_nope, rope(q_pe, self.rope), [D_NOPE, D_ROPE]);
         let k_pe = broadcast_heads(rope(k_pe, self.rope), HEADS);
@@ -123,8 +139,10 @@ fn spec() -> MlaLmSpec {
     let layer = MlaLayerSpec {
         ln_1: LayerNormSpec::new(HIDDEN),
         attn: LatentAttentionSpec {
-            kv_down: LinearSpec::new(HIDDEN, KV_RANK + D_ROPE).with_bias(false),
-            kv_norm: rms,
+            kv: KvLatentSpec {
+                kv_down: LinearSpec::new(HIDDEN, KV_RANK + D_ROPE).with_bias(false),
+                kv_norm: rms,
+            },
             kv_up: LinearSpec::new(KV_RANK, HEADS * (D_NOPE + D_V)).with_bias(false),
             q: LinearSpec::new(HIDDEN, HEADS * (D_NOPE + D_ROPE)).with_bias(false),
             core: DotProductAttention::new(D_NOPE + D_ROPE),

@@ -1,6 +1,6 @@
 //! Several inputs and the shape operations (issue 46, section 2): a module that splits, narrows
 //! and concatenates replicated features, cuts a column-parallel output per head
-//! (`split_heads`), chunks the input and swaps its halves (`chunk`), broadcasts one head computed whole on every rank to this rank's heads
+//! (`split_heads`) after a sub-module of two outputs (`-> (Tensor, Tensor)`), chunks the input and swaps its halves (`chunk`), broadcasts one head computed whole on every rank to this rank's heads
 //! (`broadcast_heads`), feeds two values to an op of its own (`MultiOp`), and joins the heads
 //! again (`cat_heads`) for a row-parallel layer: DeepSeek's latent attention's data movement,
 //! without the attention. Its input gradient matches finite differences, and tp 2 (with and
@@ -76,11 +76,26 @@ const A: usize = 3;
 const B: usize = 3;
 const D: usize = 2;
 
+/// A module of two outputs: the latent down-projection cut in two parts, the first normed.
+#[megatron::module]
+pub struct Down {
+    proj: Linear,
+    norm: LayerNorm,
+}
+
+#[megatron::module]
+impl Down {
+    fn forward(&self, x: Tensor) -> (Tensor, Tensor) {
+        let (lo, hi) = split(self.proj(x), [R1, R2]);
+        (self.norm(lo), hi)
+    }
+}
+
 /// The data movement of latent attention: replicated features split and joined, per-head
 /// parts of a column-parallel output, a broadcast head, a two-input op, the heads joined.
 #[megatron::module]
 pub struct Latent {
-    down: Linear,
+    down: Down,
     #[column_parallel]
     up: Linear,
     k_rope: Linear,
@@ -93,8 +108,7 @@ pub struct Latent {
 #[megatron::module]
 impl Latent {
     fn forward(&self, x: Tensor) -> Tensor {
-        let c = self.down(x);
-        let (lo, hi) = split(c, [R1, R2]);
+        let (lo, hi) = self.down(x);
         let joined = cat(hi, narrow(lo, 1, R1 - 2), lo);
         let (a, b) = split_heads(self.up(joined), [A, B]);
         let (x1, x2) = chunk(x, 2);
@@ -106,7 +120,10 @@ impl Latent {
 
 fn spec() -> LatentSpec {
     LatentSpec {
-        down: LinearSpec::new(H, R1 + R2),
+        down: DownSpec {
+            proj: LinearSpec::new(H, R1 + R2),
+            norm: LayerNormSpec::new(R1),
+        },
         up: LinearSpec::new(R2 + R1 - 2 + R1, HEADS * (A + B)),
         k_rope: LinearSpec::new(H, D),
         gate: TanhGate,

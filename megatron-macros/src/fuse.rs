@@ -266,13 +266,15 @@ pub fn compact(
             values[v].uses.push(Use::Arg { node: n, arg });
         }
     }
-    let output = map(g.output);
-    values[output].uses.push(Use::Output);
+    let outputs: Vec<ValueId> = g.outputs.iter().map(|&v| map(v)).collect();
+    for &v in &outputs {
+        values[v].uses.push(Use::Output);
+    }
     let graph = Graph {
         inputs: g.inputs.iter().map(|&v| map(v)).collect(),
         values,
         nodes,
-        output,
+        outputs,
         output_src: g.output_src,
         config_reads: g.config_reads,
     };

@@ -241,6 +241,7 @@ fn module_impl(root: &Root, input: TokenStream2) -> TokenStream2 {
     let signature = forward_input_types(&both.item_impl);
     let result = parse::parse_impl(both.item_impl).and_then(|imp| {
         validate::recompute(&imp)?;
+        validate::outputs(&s, &imp)?;
         let g = model::build(&imp.forward)?;
         let a = validate::validate(&s, &g)?;
         let (g, a) = fuse::fuse(g, a);
@@ -258,13 +259,13 @@ fn module_impl(root: &Root, input: TokenStream2) -> TokenStream2 {
             let written = expansion_out::write_if_asked(&s.ident.to_string(), &whole);
             quote!(#tokens #written)
         }
-        Err(e) => generate::impl_error_items(root, &s, signature.as_deref(), e),
+        Err(e) => generate::impl_error_items(root, &s, signature.as_ref(), e),
     }
 }
 
-/// The input types of the impl's forward, when its signature is well formed (for the
-/// placeholders emitted next to errors).
-fn forward_input_types(item: &syn::ItemImpl) -> Option<Vec<InputType>> {
+/// The input types of the impl's forward and how many tensors it returns, when its signature is
+/// well formed (for the placeholders emitted next to errors).
+fn forward_input_types(item: &syn::ItemImpl) -> Option<(Vec<InputType>, usize)> {
     let f = item.items.iter().find_map(|i| match i {
         syn::ImplItem::Fn(f) if f.sig.ident == "forward" => Some(f),
         _ => None,
@@ -283,5 +284,12 @@ fn forward_input_types(item: &syn::ItemImpl) -> Option<Vec<InputType>> {
             _ => return None,
         }
     }
-    Some(out)
+    let outputs = match &f.sig.output {
+        syn::ReturnType::Type(_, ty) => match &**ty {
+            syn::Type::Tuple(t) if t.elems.len() >= 2 => t.elems.len(),
+            _ => 1,
+        },
+        syn::ReturnType::Default => 1,
+    };
+    Some((out, outputs))
 }

@@ -27,8 +27,8 @@ pub struct Graph {
     pub values: Vec<Value>,
     /// The operations, in evaluation order.
     pub nodes: Vec<Node>,
-    /// The value forward returns.
-    pub output: ValueId,
+    /// The values forward returns: one, or several (`-> (Tensor, Tensor)`).
+    pub outputs: Vec<ValueId>,
     /// forward's output expression.
     pub output_src: Src,
     /// The `self.name` scalars of element-wise math read (checked to be #[config] fields).
@@ -158,6 +158,12 @@ pub enum NodeOp {
         /// messages: "split at sizes [A, B]").
         of_split: Option<(usize, String)>,
     },
+    /// Output `index` of a field call returning several (`let (a, b) = self.name(x);`): its
+    /// argument is the call's output, the tuple of them.
+    Take {
+        /// Which output.
+        index: usize,
+    },
     /// A sum of terms of which the first `partials` are row-parallel layers' partial outputs:
     /// they are summed, reduced over tp once (all-reduce, or with sequence parallelism
     /// reduce-scatter), their biases added, then the other terms.
@@ -198,8 +204,11 @@ pub fn build(forward: &Forward) -> syn::Result<Graph> {
             inputs: Vec::new(),
             values: Vec::new(),
             nodes: Vec::new(),
-            output: 0,
-            output_src: forward.output.src(),
+            outputs: Vec::new(),
+            output_src: match forward.outputs.as_slice() {
+                [one] => one.src(),
+                _ => forward.returns.clone(),
+            },
             config_reads: Vec::new(),
         },
         env: HashMap::new(),
@@ -235,11 +244,9 @@ pub fn build(forward: &Forward) -> syn::Result<Graph> {
     for stmt in &forward.stmts {
         b.stmt(stmt);
     }
-    let output = b.expr(&forward.output);
+    let outputs: Vec<Option<ValueId>> = forward.outputs.iter().map(|o| b.expr(o)).collect();
     let mut graph = b.graph;
-    if let Some(out) = output {
-        graph.output = out;
-    }
+    graph.outputs = outputs.into_iter().flatten().collect();
     b.errors.finish(())?;
     // Uses, in evaluation order.
     for n in 0..graph.nodes.len() {
@@ -247,8 +254,33 @@ pub fn build(forward: &Forward) -> syn::Result<Graph> {
             graph.values[v].uses.push(Use::Arg { node: n, arg });
         }
     }
-    graph.values[graph.output].uses.push(Use::Output);
+    for &v in &graph.outputs {
+        graph.values[v].uses.push(Use::Output);
+    }
     Ok(graph)
+}
+
+impl Graph {
+    /// The value forward returns, for a forward of one output (a pipelined module's, whose
+    /// stages pass one tensor on).
+    pub fn output(&self) -> ValueId {
+        self.outputs[0]
+    }
+
+    /// How many outputs node `n` returns: the [`NodeOp::Take`]s of its output (1 for a node
+    /// whose output is one tensor).
+    pub fn outputs_of(&self, n: NodeId) -> usize {
+        let v = self.nodes[n].output;
+        let takes = self.values[v]
+            .uses
+            .iter()
+            .filter(|u| match u {
+                Use::Arg { node, .. } => matches!(self.nodes[*node].op, NodeOp::Take { .. }),
+                Use::Output => false,
+            })
+            .count();
+        takes.max(1)
+    }
 }
 
 impl Builder {
@@ -345,6 +377,26 @@ impl Builder {
                         mutable: *mutable,
                     },
                 );
+            }
+            Stmt::LetOutputs { names, call } => {
+                let Some(t) = self.expr(call) else { return };
+                let src = call.src();
+                for (index, name) in names.iter().enumerate() {
+                    let v = self.node(
+                        NodeOp::Take { index },
+                        vec![(t, src.clone())],
+                        None,
+                        Src::of(name),
+                    );
+                    self.name_value(v, name);
+                    self.env.insert(
+                        name.unraw().to_string(),
+                        Binding {
+                            value: v,
+                            mutable: false,
+                        },
+                    );
+                }
             }
             Stmt::LetParts { names, split } => {
                 let Some(x) = self.expr(&split.x) else { return };

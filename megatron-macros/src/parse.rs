@@ -586,8 +586,10 @@ pub struct Forward {
     pub inputs: Vec<Input>,
     /// The statements before the output.
     pub stmts: Vec<Stmt>,
-    /// The output expression.
-    pub output: Expr,
+    /// The output expressions: one, or with `-> (Tensor, Tensor, ..)` the tuple's.
+    pub outputs: Vec<Expr>,
+    /// The return type as written, for errors.
+    pub returns: Src,
 }
 
 /// A statement of forward.
@@ -600,6 +602,13 @@ pub enum Stmt {
         mutable: bool,
         /// The value.
         expr: Expr,
+    },
+    /// `let (a, b, ..) = self.name(..);`: the outputs of a module returning several.
+    LetOutputs {
+        /// The bound names, one per output.
+        names: Vec<Ident>,
+        /// The field call (an [`Expr::FieldCall`]).
+        call: Expr,
     },
     /// `let (a, b, ..) = split(x, [A, B, ..]);` or `split_heads(..)`: one value per part.
     LetParts {
@@ -964,26 +973,57 @@ fn parse_forward(f: syn::ImplItemFn) -> syn::Result<Forward> {
             "forward takes `&self` and its inputs: `fn forward(&self, x: Tensor) -> Tensor`",
         ));
     }
-    match &sig.output {
-        syn::ReturnType::Type(_, ty) if type_name(ty).as_deref() == Some("Tensor") => {}
-        syn::ReturnType::Type(_, ty) => errors.push(syn::Error::new_spanned(
-            ty,
-            "forward returns a `Tensor` (the generated forward returns it with the saved \
-             activations, in a `Result`)",
-        )),
-        syn::ReturnType::Default => errors.push(syn::Error::new(
-            sig.paren_token.span.close(),
-            "forward returns a `Tensor`: write `-> Tensor`",
-        )),
-    }
+    let is_tensor = |ty: &Type| type_name(ty).as_deref() == Some("Tensor");
+    let (returned, returns) = match &sig.output {
+        syn::ReturnType::Type(_, ty) if is_tensor(ty) => (Some(1), Src::of(ty)),
+        syn::ReturnType::Type(_, ty) => match &**ty {
+            Type::Tuple(t) if t.elems.len() >= 2 && t.elems.iter().all(is_tensor) => {
+                (Some(t.elems.len()), Src::of(ty))
+            }
+            _ => {
+                errors.push(syn::Error::new_spanned(
+                    ty,
+                    "forward returns a `Tensor`, or several as a tuple `(Tensor, Tensor)` (the \
+                     generated forward returns them with the saved activations, in a `Result`)",
+                ));
+                (None, Src::of(ty))
+            }
+        },
+        syn::ReturnType::Default => {
+            errors.push(syn::Error::new(
+                sig.paren_token.span.close(),
+                "forward returns a `Tensor`: write `-> Tensor`",
+            ));
+            (None, Src::of(&sig.ident))
+        }
+    };
     let body = parse_body(&f.block);
-    let (stmts, output) = match body {
+    let (stmts, outputs) = match body {
         Ok(b) => b,
         Err(e) => {
             errors.push(e);
             return Err(errors.finish(()).unwrap_err());
         }
     };
+    if let Some(n) = returned
+        && n != outputs.len()
+    {
+        let tail = outputs
+            .last()
+            .map(Expr::src)
+            .unwrap_or_else(|| returns.clone());
+        errors.push(tail.error(format!(
+            "forward returns {n} tensor{} but ends with {} value{}: end with {}",
+            if n == 1 { "" } else { "s" },
+            outputs.len(),
+            if outputs.len() == 1 { "" } else { "s" },
+            if n == 1 {
+                "one expression".to_string()
+            } else {
+                format!("a tuple of {n}, `(a, b)`")
+            }
+        )));
+    }
     let mut recompute = None;
     let mut attrs = Vec::new();
     for attr in f.attrs {
@@ -1015,7 +1055,8 @@ fn parse_forward(f: syn::ImplItemFn) -> syn::Result<Forward> {
         self_token,
         inputs,
         stmts,
-        output,
+        outputs,
+        returns,
     })
 }
 
@@ -1145,7 +1186,7 @@ fn unsupported_expression(e: &syn::Expr) -> syn::Error {
 }
 
 /// Parses forward's body into statements and the output expression.
-fn parse_body(block: &syn::Block) -> syn::Result<(Vec<Stmt>, Expr)> {
+fn parse_body(block: &syn::Block) -> syn::Result<(Vec<Stmt>, Vec<Expr>)> {
     let mut errors = Errors::default();
     let mut stmts = Vec::new();
     let mut output = None;
@@ -1171,8 +1212,19 @@ fn parse_body(block: &syn::Block) -> syn::Result<(Vec<Stmt>, Expr)> {
                 Ok(s) => stmts.push(s),
                 Err(e) => errors.push(e),
             },
+            syn::Stmt::Expr(syn::Expr::Tuple(t), None) if last && t.elems.len() >= 2 => {
+                match t
+                    .elems
+                    .iter()
+                    .map(parse_expr)
+                    .collect::<syn::Result<Vec<_>>>()
+                {
+                    Ok(xs) => output = Some(xs),
+                    Err(err) => errors.push(err),
+                }
+            }
             syn::Stmt::Expr(e, None) if last => match parse_expr(e) {
-                Ok(x) => output = Some(x),
+                Ok(x) => output = Some(vec![x]),
                 Err(err) => errors.push(err),
             },
             syn::Stmt::Expr(e, semi) => {
@@ -1694,10 +1746,13 @@ fn scalar_reads(e: &syn::Expr) -> Option<Vec<Ident>> {
     }
 }
 
-/// `let (a, b, ..) = split(x, [A, B, ..]);`, `split_heads`, or `chunk(x, n)`.
+/// `let (a, b, ..) = split(x, [A, B, ..]);`, `split_heads`, `chunk(x, n)`, or the outputs of a
+/// field call `self.name(..)` of a module returning several.
 fn parse_let_parts(local: &syn::Local, t: &syn::PatTuple) -> syn::Result<Stmt> {
     const FORM: &str = "a tuple `let` binds the parts of `split(x, [A, B])`, \
-                        `split_heads(x, [A, B])` or `chunk(x, 2)`: `let (a, b) = split(x, [A, B]);`";
+                        `split_heads(x, [A, B])` or `chunk(x, 2)`, or the outputs of a module of \
+                        yours that returns several: `let (a, b) = split(x, [A, B]);`, \
+                        `let (q, k) = self.project(x);`";
     let mut names = Vec::new();
     for p in &t.elems {
         match p {
@@ -1719,6 +1774,12 @@ fn parse_let_parts(local: &syn::Local, t: &syn::PatTuple) -> syn::Result<Stmt> {
     };
     let call = match &*init.expr {
         syn::Expr::Call(c) => c,
+        syn::Expr::MethodCall(_) => {
+            return match parse_expr(&init.expr)? {
+                call @ Expr::FieldCall { .. } => Ok(Stmt::LetOutputs { names, call }),
+                _ => Err(syn::Error::new_spanned(&init.expr, FORM)),
+            };
+        }
         other => return Err(syn::Error::new_spanned(other, FORM)),
     };
     let fname = plain_ident(&call.func)

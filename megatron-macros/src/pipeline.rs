@@ -130,7 +130,7 @@ pub fn cut(s: &ModuleStruct, g: &Graph, a: &Analysis) -> syn::Result<Cut> {
     let (pre, layers, post) = (
         slice(g, 0..l, None, carried_in),
         slice(g, l..l + 1, Some(carried_in), carried_out),
-        slice(g, l + 1..g.nodes.len(), Some(carried_out), g.output),
+        slice(g, l + 1..g.nodes.len(), Some(carried_out), g.output()),
     );
     let mut presence = vec![Presence::Always; s.fields.len()];
     for (i, f) in s.fields.iter().enumerate() {
@@ -255,7 +255,7 @@ fn slice(
         inputs,
         values,
         nodes: new_nodes,
-        output: map[output].expect("the output is defined in the part"),
+        outputs: vec![map[output].expect("the output is defined in the part")],
         output_src,
         config_reads: Vec::new(),
     };
@@ -264,7 +264,8 @@ fn slice(
             graph.values[v].uses.push(Use::Arg { node: n, arg });
         }
     }
-    graph.values[graph.output].uses.push(Use::Output);
+    let out = graph.output();
+    graph.values[out].uses.push(Use::Output);
     (graph, sources)
 }
 

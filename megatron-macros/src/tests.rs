@@ -86,6 +86,7 @@ fn op_name(op: &NodeOp) -> String {
         NodeOp::RowSum { .. } => "+ reduced once".into(),
         NodeOp::SeqGather => "f once".into(),
         NodeOp::Shape { op, .. } => op.name().into(),
+        NodeOp::Take { index } => format!(".{index}"),
     }
 }
 
@@ -317,7 +318,7 @@ fn gpt_forward_is_an_ssa_graph_in_evaluation_order() {
     let lp = &g.nodes[4];
     assert_eq!(g.values[lp.args[0]].def, Def::Node(3));
     assert_eq!(g.nodes[5].args, [lp.output]);
-    assert_eq!(g.values[g.output].uses, [Use::Output]);
+    assert_eq!(g.values[g.output()].uses, [Use::Output]);
     let sh: Vec<_> = g
         .values
         .iter()
@@ -344,8 +345,8 @@ fn variables_alias_values_and_reassignment_defines_new_ones() {
     assert_eq!(g.nodes.len(), 3);
     assert_eq!(g.nodes[0].args, [g.inputs[0]], "`y` is `x`");
     assert_eq!(g.values[g.nodes[1].output].name.as_deref(), Some("h"));
-    assert_eq!(g.output, g.nodes[2].output);
-    assert_eq!(g.values[g.output].name.as_deref(), Some("h2"));
+    assert_eq!(g.output(), g.nodes[2].output);
+    assert_eq!(g.values[g.output()].name.as_deref(), Some("h2"));
 }
 
 #[test]

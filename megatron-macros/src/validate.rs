@@ -77,6 +77,18 @@ impl<'a> FieldCall<'a> {
     }
 }
 
+/// A forward of several outputs is not a pipelined module's (its stages pass one tensor on).
+pub fn outputs(s: &ModuleStruct, imp: &ModuleImpl) -> syn::Result<()> {
+    match (imp.forward.outputs.len(), s.pipeline_field()) {
+        (n, Some(p)) if n > 1 => Err(imp.forward.returns.error(format!(
+            "a module with a #[pipeline] stack (`{}`) returns one tensor (its stages pass one \
+             on), and this forward returns {n}",
+            s.fields[p].name()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Checks the graph against the struct's fields.
 pub fn validate(s: &ModuleStruct, g: &Graph) -> syn::Result<Analysis> {
     let mut c = Checker {
@@ -104,7 +116,7 @@ pub fn validate(s: &ModuleStruct, g: &Graph) -> syn::Result<Analysis> {
     for n in 0..g.nodes.len() {
         c.node(n);
     }
-    c.output();
+    c.outputs();
     c.unused();
     c.config_reads();
     let Checker {
@@ -155,6 +167,7 @@ impl Checker<'_> {
                 NodeOp::Shape { op, .. } => format!("the output of {}", op.name()),
                 NodeOp::SeqGather => "the gathered input".into(),
                 NodeOp::Loop { list, .. } => format!("the output of the `{}` loop", list.unraw()),
+                NodeOp::Take { index } => format!("output {index} of the call"),
             },
         }
     }
@@ -277,6 +290,18 @@ impl Checker<'_> {
                     name: field.name(),
                 };
                 kind_of(&field.kind).check_call(self, &call);
+                let outputs = g.outputs_of(n);
+                if outputs > 1 {
+                    self.several_outputs(n, outputs);
+                }
+            }
+            NodeOp::Take { .. } => {
+                // Each output of a module's call is sharded as the call says (whole on every
+                // rank; a #[local] module's, split).
+                let (t, _) = arg(0);
+                if let (Some(sh), Some(origin)) = (self.sharding[t], self.origin[t].clone()) {
+                    self.set(out, sh, origin);
+                }
             }
             NodeOp::Logits { field } => {
                 let Some(fi) = self.find_field(field) else {
@@ -406,6 +431,30 @@ impl Checker<'_> {
                 let text = format!("it comes from the `{name}` loop");
                 self.set(out, Sharding::Replicated, Origin { text, column: None });
             }
+        }
+    }
+
+    /// A field call bound to `outputs` names (`let (a, b) = self.name(x);`): a module of the
+    /// user's (a field without a split attribute, or #[local]), not captured by a graph scope.
+    fn several_outputs(&mut self, n: NodeId, outputs: usize) {
+        let Some(f) = self.field[n].map(|i| &self.s.fields[i]) else {
+            return;
+        };
+        let name = f.name();
+        let src = &self.g.nodes[n].src;
+        if !matches!(f.kind, FieldKind::Replicated | FieldKind::Local) {
+            self.errors.push(src.error(format!(
+                "`self.{name}(..)` is bound to {outputs} names, but `{name}` is {}, which \
+                 returns one tensor; a module of yours returns several \
+                 (`fn forward(&self, x: Tensor) -> (Tensor, Tensor)`)",
+                f.kind.attribute()
+            )));
+        } else if let Some(scope) = f.graph_scopes.first() {
+            self.errors.push(src.error(format!(
+                "`self.{name}(..)` returns {outputs} tensors, and graph scope `{}` captures a \
+                 call of one output: call a module of one output in the scope",
+                scope.name
+            )));
         }
     }
 
@@ -564,8 +613,13 @@ impl Checker<'_> {
         }
     }
 
-    fn output(&mut self) {
-        let v = self.g.output;
+    fn outputs(&mut self) {
+        for &v in &self.g.outputs {
+            self.output(v);
+        }
+    }
+
+    fn output(&mut self, v: ValueId) {
         let Some(sh) = self.sharding[v] else { return };
         let src = self.g.output_src.clone();
         let d = self.describe(v);
@@ -616,6 +670,12 @@ pub fn recompute(imp: &ModuleImpl) -> syn::Result<()> {
     let Some(src) = &imp.forward.recompute else {
         return Ok(());
     };
+    if imp.forward.outputs.len() > 1 {
+        return Err(src.error(format!(
+            "#[recompute] reruns a forward of one output, and this one returns {}",
+            imp.forward.outputs.len()
+        )));
+    }
     let inputs: Vec<InputType> = imp.forward.inputs.iter().map(|i| i.ty).collect();
     if inputs != [InputType::Tensor] {
         return Err(src.error(format!(

@@ -384,17 +384,32 @@ pub fn forward(
         forward_node(cx, &mut b, n, &args, out, saved, pos);
     }
     let pos = b.pos();
-    let out = value_local[g.output].expect("the output is defined");
-    b.locals.use_at(out, pos);
     for &(_, sv) in &saved_locals {
         b.locals.use_at(sv, pos);
+    }
+    let outs: Vec<LocalId> = g
+        .outputs
+        .iter()
+        .map(|&v| value_local[v].expect("the outputs are defined"))
+        .collect();
+    for &o in &outs {
+        b.locals.use_at(o, pos);
     }
     let saved_ty = fun.saved.clone();
     {
         let saved_locals = saved_locals.clone();
         let saved_ty = saved_ty.clone();
         b.push(move |nm| {
-            let out = nm.owned(out, true);
+            // Each output moved at its last place in the tuple, cloned before (cheap).
+            let outs: Vec<TokenStream> = outs
+                .iter()
+                .enumerate()
+                .map(|(k, &o)| nm.owned(o, !outs[k + 1..].contains(&o)))
+                .collect();
+            let out = match outs.as_slice() {
+                [one] => one.clone(),
+                several => quote!((#(#several),*)),
+            };
             let fields = saved_locals.iter().map(|&(n, sv)| {
                 let field = super::names::ident(
                     g.nodes[n].site.as_deref().expect("site"),
@@ -427,12 +442,13 @@ pub fn forward(
     let name = &fun.forward;
     let imports = cx.imports(false);
     let lint = (fun.inputs.len() > 5).then(|| quote!(#[allow(clippy::too_many_arguments)]));
+    let returns = outputs_type(rt, g.outputs.len());
     let tokens = quote! {
         #docs
         #lint
 
         pub fn #name(&#this, cx: &#rt::module::Cx<'_>, site: #rt::module::Site, #(#params),*)
-            -> #rt::Result<(#rt::tensor::Tensor, #saved_ty)>
+            -> #rt::Result<(#returns, #saved_ty)>
         {
             #imports
             #stmts
@@ -442,6 +458,37 @@ pub fn forward(
         tokens,
         value_names,
     }
+}
+
+/// What a forward of `n` outputs returns: a `Tensor`, or a tuple of them.
+pub(in crate::generate) fn outputs_type(rt: &TokenStream, n: usize) -> TokenStream {
+    let tensor = quote!(#rt::tensor::Tensor);
+    match n {
+        1 => tensor,
+        n => {
+            let all = std::iter::repeat_n(tensor, n);
+            quote!((#(#all),*))
+        }
+    }
+}
+
+/// What a backward of `n` outputs takes: `d_out: &Tensor`, or one gradient per output
+/// (`(d_out_0, d_out_1): (&Tensor, &Tensor)`), their locals.
+fn output_gradients(b: &mut Body<'_>, rt: &TokenStream, n: usize) -> (TokenStream, Vec<LocalId>) {
+    if n == 1 {
+        let d_out = b.locals.fixed("d_out", true);
+        return (quote!(d_out: &#rt::tensor::Tensor), vec![d_out]);
+    }
+    let names: Vec<String> = (0..n).map(|k| format!("d_out_{k}")).collect();
+    let locals = names
+        .iter()
+        .map(|name| b.locals.fixed(name, true))
+        .collect();
+    let idents = names
+        .iter()
+        .map(|name| syn::Ident::new(name, Span::call_site()));
+    let tys = std::iter::repeat_n(quote!(&#rt::tensor::Tensor), n);
+    (quote!((#(#idents),*): (#(#tys),*)), locals)
 }
 
 /// The statements of one node in forward.
@@ -587,6 +634,13 @@ fn forward_node<'a>(
             };
             kind::stack::loop_forward(&kind::Call::new(cx, n), b, &io)
         }
+        NodeOp::Take { index } => {
+            let (t, index) = (args[0], syn::Index::from(*index));
+            b.push(move |nm| {
+                let (t, o) = (nm.ident(t), nm.pat(out));
+                quote!(let #o = #t.#index;)
+            });
+        }
     }
 }
 
@@ -607,7 +661,7 @@ pub fn backward(
     b.locals.fixed("cx", true);
     b.locals.fixed("site", true);
     b.locals.fixed("saved", false);
-    let d_out = b.locals.fixed("d_out", true);
+    let (d_out_param, d_outs) = output_gradients(&mut b, rt, g.outputs.len());
 
     // The destructured saved values.
     let pos = b.pos();
@@ -653,7 +707,12 @@ pub fn backward(
         })
         .collect();
     let mut contributions: Vec<Vec<LocalId>> = vec![Vec::new(); g.values.len()];
-    contributions[g.output].push(d_out);
+    for (&v, &d) in g.outputs.iter().zip(&d_outs) {
+        contributions[v].push(d);
+    }
+    // The gradients of each output of a call returning several (by its tuple's value), as the
+    // takes of its outputs meet them.
+    let mut taken: Vec<Vec<Option<LocalId>>> = vec![Vec::new(); g.values.len()];
 
     let mut grads = Grads {
         g,
@@ -663,9 +722,28 @@ pub fn backward(
     };
     for n in (0..g.nodes.len()).rev() {
         let node = &g.nodes[n];
-        let d_y = grads.total(&mut b, node.output, rt);
+        let several = g.outputs_of(n) > 1;
+        let d_ys: Vec<LocalId> = match several {
+            true => taken[node.output]
+                .iter()
+                .map(|d| d.expect("every output of a call is used"))
+                .collect(),
+            false => vec![grads.total(&mut b, node.output, rt)],
+        };
+        let d_y = d_ys[0];
         let pos = b.pos();
-        b.locals.use_at(d_y, pos);
+        for &d in &d_ys {
+            b.locals.use_at(d, pos);
+        }
+        if let NodeOp::Take { index } = node.op {
+            // An output of a call: its gradient waits for the call's backward.
+            let t = &mut taken[node.args[0]];
+            if t.len() <= index {
+                t.resize(index + 1, None);
+            }
+            t[index] = Some(d_y);
+            continue;
+        }
         let saved = saved_local[n];
         if let Some(sv) = saved {
             b.locals.use_at(sv, pos);
@@ -675,7 +753,7 @@ pub fn backward(
         // adds their sum (`backward_plus`), and its result is the input's whole gradient.
         let plus = match (&node.op, cx.a.field[n].map(|i| &cx.s.fields[i])) {
             (NodeOp::Field { .. }, Some(f))
-                if node.args.len() == 1 && kind::of(&f.kind).adds_other_gradients() =>
+                if node.args.len() == 1 && !several && kind::of(&f.kind).adds_other_gradients() =>
             {
                 grads.pending_others(&mut b, node.args[0], rt)
             }
@@ -692,7 +770,8 @@ pub fn backward(
                 .map(|&v| grads.contribution(&mut b, v, pos, span))
                 .collect(),
         };
-        backward_node(cx, &mut b, n, d_y, saved, &d_args, plus, pos);
+        let d_ys = if several { d_ys } else { Vec::new() };
+        backward_node(cx, &mut b, n, (d_y, &d_ys), saved, &d_args, plus, pos);
     }
     // The input gradients.
     let mut results = Vec::new();
@@ -733,7 +812,7 @@ pub fn backward(
     quote! {
         #docs
 
-        pub fn #name(&#this, cx: &#rt::module::Cx<'_>, site: #rt::module::Site, saved: #saved_ty, d_out: &#rt::tensor::Tensor)
+        pub fn #name(&#this, cx: &#rt::module::Cx<'_>, site: #rt::module::Site, saved: #saved_ty, #d_out_param)
             -> #rt::Result<#grads_ty>
         {
             #imports
@@ -864,7 +943,7 @@ fn backward_node<'a>(
     cx: &'a Ctx<'a>,
     b: &mut Body<'a>,
     n: NodeId,
-    d_y: LocalId,
+    (d_y, d_ys): (LocalId, &[LocalId]),
     saved: Option<LocalId>,
     d_args: &[Option<LocalId>],
     plus: Option<LocalId>,
@@ -875,6 +954,7 @@ fn backward_node<'a>(
     let site = cx.site(n);
     let backward_io = |saved| kind::Backward {
         d_y,
+        d_ys,
         saved,
         d_args,
         plus,
@@ -991,5 +1071,6 @@ fn backward_node<'a>(
             let io = backward_io(saved.expect("loops save"));
             kind::stack::loop_backward(&kind::Call::new(cx, n), b, &io)
         }
+        NodeOp::Take { .. } => unreachable!("a take's gradient goes to its call's backward"),
     }
 }

@@ -279,7 +279,7 @@ pub fn saved_field_type(
     Some(match &node.op {
         NodeOp::Add => return None,
         NodeOp::Pointwise { .. } => unreachable!("element-wise nodes are fused"),
-        NodeOp::RowSum { .. } | NodeOp::SeqGather => return None,
+        NodeOp::RowSum { .. } | NodeOp::SeqGather | NodeOp::Take { .. } => return None,
         NodeOp::Fused { .. } => quote!(#rt::ops::FusedSaved),
         NodeOp::Shape { .. } => quote!(#rt::ops::ShapeSaved),
         NodeOp::DropoutAdd { .. } => quote!(#rt::ops::DropoutSaved),
@@ -338,9 +338,11 @@ fn saved_field_doc(s: &ModuleStruct, g: &Graph, a: &Analysis, n: usize) -> Strin
             format!("What `{formula}` keeps (the tensors its fused backward kernel reads).")
         }
         NodeOp::Shape { op, .. } => format!("What {} keeps (the sizes it moved).", op.name()),
-        NodeOp::Add | NodeOp::Pointwise { .. } | NodeOp::RowSum { .. } | NodeOp::SeqGather => {
-            String::new()
-        }
+        NodeOp::Add
+        | NodeOp::Pointwise { .. }
+        | NodeOp::RowSum { .. }
+        | NodeOp::SeqGather
+        | NodeOp::Take { .. } => String::new(),
     }
 }
 
@@ -452,9 +454,11 @@ pub fn impl_items(
         }
     };
     let inputs: Vec<InputType> = imp.forward.inputs.iter().map(|i| i.ty).collect();
-    let plus_fn = backward_plus(root, s, &inputs, false);
-    let feeds = if g.values[g.output].uses == [Use::Output] {
-        feeds_products(root, s, g, a, g.output)
+    let plus_fn = backward_plus(root, s, &inputs, g.outputs.len(), false);
+    let feeds = if let [out] = g.outputs[..]
+        && g.values[out].uses == [Use::Output]
+    {
+        feeds_products(root, s, g, a, out)
     } else {
         quote!(false)
     };
@@ -892,9 +896,11 @@ fn backward_plus(
     root: &Root,
     s: &ModuleStruct,
     inputs: &[InputType],
+    outputs: usize,
     placeholder: bool,
 ) -> Option<TokenStream> {
-    if inputs != [InputType::Tensor] {
+    // A caller adds another gradient of a one-input, one-output module's input in its backward.
+    if inputs != [InputType::Tensor] || outputs != 1 {
         return None;
     }
     let rt = &root.runtime;
@@ -936,7 +942,7 @@ fn backward_plus(
 pub fn impl_error_items(
     root: &Root,
     s: &ModuleStruct,
-    inputs: Option<&[InputType]>,
+    signature: Option<&(Vec<InputType>, usize)>,
     errors: syn::Error,
 ) -> TokenStream {
     let rt = &root.runtime;
@@ -944,7 +950,7 @@ pub fn impl_error_items(
     let self_ident = &s.ident;
     let saved = saved_name(self_ident);
     let vis = &s.vis;
-    let methods = inputs.map(|inputs| {
+    let methods = signature.map(|(inputs, outputs)| {
         let tys: Vec<_> = inputs
             .iter()
             .map(|t| match t {
@@ -953,18 +959,27 @@ pub fn impl_error_items(
             })
             .collect();
         let grads = gradient_type(root, inputs);
-        let plus_fn = backward_plus(root, s, inputs, true).map(|f| quote!(#[doc(hidden)] #f));
+        let plus_fn =
+            backward_plus(root, s, inputs, *outputs, true).map(|f| quote!(#[doc(hidden)] #f));
+        let returns = body::outputs_type(rt, *outputs);
+        let d_outs = match outputs {
+            1 => quote!(&#rt::tensor::Tensor),
+            n => {
+                let all = std::iter::repeat_n(quote!(&#rt::tensor::Tensor), *n);
+                quote!((#(#all),*))
+            }
+        };
         quote! {
             impl #self_ident {
                 #[doc(hidden)]
                 pub const __GRADIENT_FEEDS_PRODUCTS: bool = false;
                 #[doc(hidden)]
                 pub fn forward(&self, _: &#rt::module::Cx<'_>, _: #rt::module::Site, #(_: #tys),*)
-                    -> #rt::Result<(#rt::tensor::Tensor, #saved)> {
+                    -> #rt::Result<(#returns, #saved)> {
                     ::std::unreachable!()
                 }
                 #[doc(hidden)]
-                pub fn backward(&self, _: &#rt::module::Cx<'_>, _: #rt::module::Site, _: #saved, _: &#rt::tensor::Tensor)
+                pub fn backward(&self, _: &#rt::module::Cx<'_>, _: #rt::module::Site, _: #saved, _: #d_outs)
                     -> #rt::Result<#grads> {
                     ::std::unreachable!()
                 }

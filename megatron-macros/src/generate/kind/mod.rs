@@ -154,6 +154,9 @@ pub(crate) struct Forward<'l> {
 #[derive(Clone, Copy)]
 pub(crate) struct Backward<'l> {
     pub(crate) d_y: LocalId,
+    /// For a call returning several outputs (a module of the user's), each one's gradient
+    /// (`d_y` is the first); empty otherwise.
+    pub(crate) d_ys: &'l [LocalId],
     pub(crate) saved: LocalId,
     pub(crate) d_args: &'l [Option<LocalId>],
     pub(crate) plus: Option<LocalId>,

@@ -128,11 +128,13 @@ impl Kind for Replicated {
         let name = call.name.clone();
         let Backward {
             d_y,
+            d_ys,
             saved,
             d_args,
             plus,
             ..
         } = *io;
+        let d_ys = d_ys.to_vec();
         let field = cx.field(n);
         let d_args = d_args.to_vec();
         let this = &cx.imp.forward.self_token;
@@ -155,7 +157,15 @@ impl Kind for Replicated {
             ))
         });
         b.push(move |nm| {
-            let (s, dy) = (nm.ident(saved), nm.by_ref(d_y));
+            let s = nm.ident(saved);
+            // A module of several outputs takes each one's gradient.
+            let dy = match d_ys.as_slice() {
+                [] => nm.by_ref(d_y),
+                several => {
+                    let refs = several.iter().map(|&d| nm.by_ref(d));
+                    quote!((#(#refs),*))
+                }
+            };
             let extra = plus.map(|p| {
                 let p = nm.by_ref(p);
                 quote!(, #p)
