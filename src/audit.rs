@@ -219,7 +219,7 @@ fn shown_bytes(bytes: Option<usize>) -> String {
 
 /// The calls of one rank as a Markdown table, consecutive equal calls (same group, call, bytes
 /// and line) on one row with their count.
-fn table(calls: &[Call]) -> String {
+pub fn table(calls: &[Call]) -> String {
     let mut out = String::from("| # | group | call | bytes | called at |\n|---|---|---|---|---|\n");
     let mut i = 0;
     let mut row = 0;
@@ -335,7 +335,10 @@ pub fn document(layout: &AuditLayout, ranks: &[Vec<Call>]) -> String {
          parallelism each of those is a reduce-scatter to the sequence shards or an all-gather \
          of them (before a column-parallel layer and the tied output layer in forward, before \
          a row-parallel layer's backward), and the MoE router sums its load-balancing counts \
-         over `tp` (each rank routes its shard).\n\n\
+         over `tp` (each rank routes its shard). GPT's blocks add each row-parallel output to \
+         the residual on its own; a block that sums two (GPT-J's and PaLM's parallel block) \
+         reduces their sum once, and gathers an input shared by two column-parallel layers \
+         once: [collectives-parallel-block.md](collectives-parallel-block.md) records one.\n\n\
          The groups are Megatron-LM's: `tp` tensor-parallel, `pp` the stages of one pipeline, \
          `dp` data-parallel, `ep` expert-parallel (the dispatcher's all-to-alls), `edp` the \
          expert parameters' data-parallel group, `etp-ep` the expert model-parallel group, \

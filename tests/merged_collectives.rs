@@ -9,8 +9,9 @@
 
 mod support;
 
+use megatron::audit;
 use megatron::comm::ParallelState;
-use megatron::comm::recording::RecordingWorld;
+use megatron::comm::recording::{Call, RecordingWorld};
 use megatron::comm::threads::launch;
 use megatron::distributed::sum_sequence_parallel_gradients;
 use megatron::module::{Builder, Cx, Module, Site};
@@ -67,14 +68,15 @@ fn values(salt: usize) -> Vec<f32> {
 }
 
 /// What one run gives: the last step's output and input gradient (the whole sequence), every
-/// replicated parameter of rank 0, and the kinds of the tensor-parallel calls of the first
-/// step's forward and of its backward.
+/// replicated parameter of rank 0, and the tensor-parallel calls of the first step's forward
+/// and of its backward (their kinds, and the calls).
 struct Run {
     y: Vec<f32>,
     dx: Vec<f32>,
     replicated: Vec<(String, Vec<f32>)>,
     forward_calls: Vec<String>,
     backward_calls: Vec<String>,
+    recorded: (Vec<Call>, Vec<Call>),
 }
 
 fn train(tp: usize, sp: bool, steps: usize) -> Run {
@@ -90,11 +92,10 @@ fn train(tp: usize, sp: bool, steps: usize) -> Run {
             let start = if sp { rank * n } else { 0 };
             all[start..start + n].to_vec()
         };
-        let tp_calls = |log: Vec<megatron::comm::recording::Call>| -> Vec<String> {
-            log.iter()
-                .filter(|c| c.group == "tp")
-                .map(|c| c.desc.kind.to_string())
-                .collect()
+        let tp_only =
+            |log: Vec<Call>| -> Vec<Call> { log.into_iter().filter(|c| c.group == "tp").collect() };
+        let kinds = |calls: &[Call]| -> Vec<String> {
+            calls.iter().map(|c| c.desc.kind.to_string()).collect()
         };
         let mut run = Run {
             y: Vec::new(),
@@ -102,6 +103,7 @@ fn train(tp: usize, sp: bool, steps: usize) -> Run {
             replicated: Vec::new(),
             forward_calls: Vec::new(),
             backward_calls: Vec::new(),
+            recorded: (Vec::new(), Vec::new()),
         };
         recording.log().take();
         for step in 0..steps {
@@ -109,11 +111,12 @@ fn train(tp: usize, sp: bool, steps: usize) -> Run {
             let x = Tensor::from_vec(part(values(step)), [rows, BATCH, H])?;
             let dy = Tensor::from_vec(part(values(step + 50)), [rows, BATCH, H])?;
             let (y, saved) = model.forward(&cx, Site::ROOT, &x)?;
-            let forward = tp_calls(recording.log().take());
+            let forward = tp_only(recording.log().take());
             let dx = model.backward(&cx, Site::ROOT, saved, &dy)?;
-            let backward = tp_calls(recording.log().take());
+            let backward = tp_only(recording.log().take());
             if step == 0 {
-                (run.forward_calls, run.backward_calls) = (forward, backward);
+                (run.forward_calls, run.backward_calls) = (kinds(&forward), kinds(&backward));
+                run.recorded = (forward, backward);
             }
             sum_sequence_parallel_gradients(std::slice::from_ref(&model), &ps)?;
             recording.log().take();
@@ -206,4 +209,48 @@ fn the_parallel_block_trains_at_tp_2_as_at_tp_1() {
             assert!(worst < 2e-5, "tp 2 (sp {sp}): {name} {worst} from tp 1");
         }
     }
+}
+
+const DOCUMENT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/docs/collectives-parallel-block.md"
+);
+
+/// docs/collectives-parallel-block.md: the tensor-parallel calls of one forward and backward of
+/// the parallel block at tp 2 with sequence parallelism, as recorded now.
+#[test]
+fn the_parallel_block_document_is_a_recorded_step() {
+    let (forward, backward) = train(2, true, 1).recorded;
+    let fresh = format!(
+        "# The collectives of a parallel block\n\n\
+         The tensor-parallel calls of one forward and one backward of GPT-J's and PaLM's parallel \
+         block, `x + proj(attn(qkv(ln(x)))) + fc2(gelu(fc1(ln(x))))` written flat in the DSL \
+         (`tests/merged_collectives.rs`, as `examples/custom_model.rs`), at tp 2 with sequence \
+         parallelism, on rank 0. The two row-parallel outputs are summed before one \
+         reduce-scatter, and the layer norm's output, read by both column-parallel layers, is \
+         gathered once; in backward the output gradient is gathered once for both row-parallel \
+         layers, each column-parallel layer gathers its kept input shard again for its weight \
+         gradient (as Megatron-LM does), and the two input gradients are summed before one \
+         reduce-scatter. GPT's block, whose branches are added one at a time, makes two of \
+         each ([collectives.md](collectives.md)). The expansion: \
+         [expanded-parallel-block.md](expanded-parallel-block.md).\n\n\
+         This file is generated: `cargo test --test merged_collectives` records the calls again \
+         and fails when it differs; `MEGATRON_BLESS=1 cargo test --test merged_collectives` \
+         rewrites it.\n\n\
+         ## Forward: {} calls\n\n{}\n## Backward: {} calls\n\n{}",
+        forward.len(),
+        audit::table(&forward),
+        backward.len(),
+        audit::table(&backward),
+    );
+    if std::env::var_os("MEGATRON_BLESS").is_some() {
+        std::fs::write(DOCUMENT, &fresh).expect("writing docs/collectives-parallel-block.md");
+        return;
+    }
+    let committed = std::fs::read_to_string(DOCUMENT).unwrap_or_default();
+    assert!(
+        committed == fresh,
+        "docs/collectives-parallel-block.md differs from the calls recorded now: regenerate it \
+         with `MEGATRON_BLESS=1 cargo test --test merged_collectives` and commit it"
+    );
 }
