@@ -300,37 +300,45 @@ fn the_general_attention_on_the_gpu_follows_the_host() {
         "/megatron-core"
     )));
     let gpu = megatron::cuda::Gpu::new(0).expect("GPU 0");
-    let (heads, kv_heads, d, dv) = (4, 2, 3, 5);
-    let (q, k, v) = (
-        values(S * B * heads * d, 5),
-        values(S * B * kv_heads * d, 6),
-        values(S * B * kv_heads * dv, 7),
-    );
-    let c = values(S * B * heads * dv, 8);
-    let run = |place: &(dyn Fn(Tensor) -> megatron::Result<Tensor> + Sync)| {
-        with_cx(|cx| {
-            let t = |x: &[f32], w: usize| place(Tensor::from_vec(x.to_vec(), [S, B, w])?);
-            let op = DotProductAttention::new(d).with_window(Some(3));
-            let (tq, tk, tv) = (
-                t(&q, heads * d)?,
-                t(&k, kv_heads * d)?,
-                t(&v, kv_heads * dv)?,
-            );
-            let (y, saved) = MultiOp::forward(&op, cx, Site::ROOT, &[&tq, &tk, &tv])?;
-            let grads = MultiOp::backward(&op, cx, Site::ROOT, saved, &t(&c, heads * dv)?)?;
-            let mut out = vec![y.to_vec::<f32>()?];
-            for g in grads {
-                out.push(g.to_vec::<f32>()?);
-            }
-            Ok(out)
-        })
-    };
-    let host = run(&Ok);
-    let on_gpu = run(&|t| t.to_gpu(&gpu));
-    for (i, (g, h)) in on_gpu.iter().zip(&host).enumerate() {
-        let worst = support::max_abs_diff(g, h);
-        assert!(worst < 1e-5, "output {i}: {worst}");
+    // The unfused kernels in f32 (heads padded from 3 to 5); then bf16 products through the
+    // flash kernels (heads of 32, the values' 24 padded to them), to bf16's precision.
+    for (d, dv, flash, tolerance) in [(3, 5, false, 1e-5), (32, 24, true, 3e-2)] {
+        gpu.set_bf16_products(flash);
+        gpu.set_flash_attention(flash);
+        let (heads, kv_heads) = (4, 2);
+        let (q, k, v) = (
+            values(S * B * heads * d, 5),
+            values(S * B * kv_heads * d, 6),
+            values(S * B * kv_heads * dv, 7),
+        );
+        let c = values(S * B * heads * dv, 8);
+        let run = |place: &(dyn Fn(Tensor) -> megatron::Result<Tensor> + Sync)| {
+            with_cx(|cx| {
+                let t = |x: &[f32], w: usize| place(Tensor::from_vec(x.to_vec(), [S, B, w])?);
+                let op = DotProductAttention::new(d).with_window(Some(3));
+                let (tq, tk, tv) = (
+                    t(&q, heads * d)?,
+                    t(&k, kv_heads * d)?,
+                    t(&v, kv_heads * dv)?,
+                );
+                let (y, saved) = MultiOp::forward(&op, cx, Site::ROOT, &[&tq, &tk, &tv])?;
+                let grads = MultiOp::backward(&op, cx, Site::ROOT, saved, &t(&c, heads * dv)?)?;
+                let mut out = vec![y.to_vec::<f32>()?];
+                for g in grads {
+                    out.push(g.to_vec::<f32>()?);
+                }
+                Ok(out)
+            })
+        };
+        let host = run(&Ok);
+        let on_gpu = run(&|t| t.to_gpu(&gpu));
+        for (i, (g, h)) in on_gpu.iter().zip(&host).enumerate() {
+            let worst = support::max_abs_diff(g, h);
+            assert!(worst < tolerance, "flash {flash}, output {i}: {worst}");
+        }
     }
+    gpu.set_bf16_products(false);
+    gpu.set_flash_attention(false);
 }
 
 #[test]

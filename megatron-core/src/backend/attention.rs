@@ -20,6 +20,9 @@ pub(crate) struct AttentionShape {
     /// Sliding-window attention: each query sees itself and at most this many keys before it
     /// (`None`: every earlier key).
     pub(crate) window: Option<usize>,
+    /// The scores' scale: 1/√d for `CausalSelfAttention`, what `DotProductAttention` says
+    /// for the general attention (whose heads may be padded beyond the queries' size).
+    pub(crate) scale: f32,
 }
 
 impl AttentionShape {
@@ -28,9 +31,9 @@ impl AttentionShape {
         crate::kernels::softmax::KeyMask::causal_window(true, self.window)
     }
 
-    /// The scores' scale, 1/√d.
+    /// The scores' scale.
     pub(crate) fn scale(&self) -> f32 {
-        1.0 / (self.head_dim as f32).sqrt()
+        self.scale
     }
 
     /// The sequence-first layout `[s, b, heads·parts·d]` with `parts` blocks of `d` per head
@@ -82,20 +85,5 @@ device_ops! {
         fn attention_forward(&self, qkv: &Tensor, sh: AttentionShape, mask: &Option<DropoutMask>, keep_inputs: bool) -> Result<(Tensor, AttentionKept)>;
         /// The fused projection's gradient from the context's (its size checked by the caller).
         fn attention_backward(&self, kept: &AttentionKept, mask: &Option<DropoutMask>, sh: AttentionShape, d_out: &Tensor) -> Result<Tensor>;
-    }
-}
-
-device_ops! {
-    /// The masked softmax of attention's scaled scores, with dropout on the weights: the
-    /// general attention of separate queries, keys and values (`ops::attention`), whose products
-    /// are the tensors' own.
-    pub(crate) trait SoftmaxOps {
-        /// The weights `softmax(scale · scores)` of contiguous `scores` (`rows` blocks of
-        /// `sq × sk`) with the keys `keys` lets each query see, in f32, and with `dropout` the
-        /// dropped weights the value product reads.
-        fn masked_softmax(&self, scores: &Tensor, sizes: (usize, usize, usize), scale: f32, keys: crate::kernels::softmax::KeyMask, dropout: &Option<DropoutMask>) -> Result<(Tensor, Option<Tensor>)>;
-        /// The scores' gradient from the weights and the dropped weights' gradient (through
-        /// the same mask), in f32.
-        fn masked_softmax_backward(&self, probs: &Tensor, d_dropped: &Tensor, sizes: (usize, usize, usize), scale: f32, keys: crate::kernels::softmax::KeyMask, dropout: &Option<DropoutMask>) -> Result<Tensor>;
     }
 }

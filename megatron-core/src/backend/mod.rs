@@ -15,7 +15,7 @@
 
 mod cpu;
 
-pub(crate) use attention::{AttentionOps, SoftmaxOps};
+pub(crate) use attention::AttentionOps;
 pub(crate) use cpu::Cpu;
 
 use crate::cuda::DeviceRouting;
@@ -346,7 +346,6 @@ pub(crate) trait Backend:
     + RotaryOps
     + RouterOps
     + RowOps
-    + SoftmaxOps
     + VocabLossOps
     + Sync
 {

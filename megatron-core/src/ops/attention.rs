@@ -6,9 +6,12 @@
 //! any tensor of heads (the part of a head that carries positions, or one rotary key shared by
 //! every head).
 //!
-//! Both run on the device that holds the tensors: the products are the tensors' batched
-//! products over strided views of the heads, the masked softmax is the device's kernel. They
-//! work on whatever heads the inputs hold: with tensor parallelism, this rank's. Under context
+//! Both run on the device that holds the tensors, on whatever heads the inputs hold (with
+//! tensor parallelism, this rank's). The attention is one engine with `CausalSelfAttention`'s:
+//! the queries, keys and values are packed per head as its fused projection `[q | k | v]`
+//! (each head zero-padded to the larger of the two head sizes, the scores scaled as asked) and
+//! run by the same kernels, the flash kernels included on a GPU that multiplies in bf16. Under
+//! context
 //! parallelism (a `#[context_parallel]` field) the attention runs on the rank's two chunks of
 //! the sequence through the blocks of [`crate::context_parallel`], in any `--cp-comm-type`: the
 //! three inputs packed into the grouped projection those blocks read, each head padded with
@@ -18,12 +21,12 @@
 use std::ops::Range;
 
 use crate::backend;
+use crate::backend::attention::{AttentionKept, AttentionShape};
 use crate::context_parallel::{self, ContextParallelMulti, CpAttentionSaved, CpLayer};
 use crate::error::{Error, Result};
 use crate::invalid;
-use crate::kernels::softmax::KeyMask;
 use crate::module::{Cx, MultiOp, Sharding, Site};
-use crate::ops::{ShapeOp, ShapeSaved, matmul, shape, shape_backward};
+use crate::ops::{ShapeOp, ShapeSaved, shape, shape_backward};
 use crate::tensor::{DType, Tensor};
 use crate::tensor_parallel::Rotary;
 
@@ -99,33 +102,16 @@ struct ChunksSaved {
     d: usize,
 }
 
-/// On the whole sequence: the inputs (keys and values expanded to every query head) and the
-/// weights.
+/// On the whole sequence: what the attention kernels keep (of the packed projection), their
+/// shape, the sizes, the padded head size and the keys' and values' expansion to every query
+/// head.
 #[derive(Debug, Clone)]
 struct WholeSaved {
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    probs: Tensor,
+    kept: AttentionKept,
+    shape: AttentionShape,
     sizes: Sizes,
-    /// The keys' and values' expansion to every query head, with grouped heads.
+    d: usize,
     expanded: Option<(ShapeSaved, ShapeSaved)>,
-}
-
-/// `x` (`[s, b, heads·d]`) viewed as `[b, heads, s, d]` (no copy).
-fn heads_view(x: &Tensor, (s, b, heads, d): (usize, usize, usize, usize)) -> Result<Tensor> {
-    Ok(x.contiguous()?
-        .reshape([s, b, heads, d])?
-        .transpose(0, 1)?
-        .transpose(1, 2)?)
-}
-
-/// `[b, heads, s, d]` back to `[s, b, heads·d]`.
-fn from_heads(x: &Tensor, (s, b, heads, d): (usize, usize, usize, usize)) -> Result<Tensor> {
-    Ok(x.transpose(1, 2)?
-        .transpose(0, 1)?
-        .contiguous()?
-        .reshape([s, b, heads * d])?)
 }
 
 impl DotProductAttention {
@@ -179,10 +165,6 @@ impl DotProductAttention {
         self.scale
             .unwrap_or_else(|| 1.0 / (self.qk_head_dim as f32).sqrt())
     }
-
-    fn keys(&self) -> KeyMask {
-        KeyMask::causal_window(true, self.window)
-    }
 }
 
 /// `x` (`[s, b, kv·d]`) with each head repeated `group` times: `[s, b, kv·group·d]`.
@@ -203,7 +185,11 @@ fn repeat_heads(
 }
 
 impl DotProductAttention {
-    /// Attention over the whole sequence (context-parallel size 1).
+    /// Attention over the whole sequence (context-parallel size 1): the queries, keys and
+    /// values packed per head as the fused projection `[q | k | v]` (keys and values repeated
+    /// for each query head of their group, every head padded with zeros to `d`, the larger
+    /// head size), run by the kernels `CausalSelfAttention` runs (the flash kernels on a GPU
+    /// that has them), the context cut back to the values' head size.
     fn forward_whole(
         &self,
         cx: &Cx,
@@ -219,25 +205,31 @@ impl DotProductAttention {
         } else {
             (k.clone(), v.clone(), None)
         };
-        let qh = heads_view(q, (s, b, h, sz.d_qk))?;
-        let kh = heads_view(&k, (s, b, h, sz.d_qk))?;
-        let vh = heads_view(&v, (s, b, h, sz.d_v))?;
-        let scores = matmul(&qh, &kh.t()?)?;
-        let (probs, _) = backend::of(&scores).masked_softmax(
-            &scores,
-            (b * h, s, s),
-            self.scale(),
-            self.keys(),
-            &None,
-        )?;
-        let ctx = matmul(&probs, &vh)?;
-        let out = from_heads(&ctx, (s, b, h, sz.d_v))?;
+        let d = sz.d_qk.max(sz.d_v);
+        let parts = [
+            pad_heads(cx, q, sz.d_qk, d)?,
+            pad_heads(cx, &k, sz.d_qk, d)?,
+            pad_heads(cx, &v, sz.d_v, d)?,
+        ];
+        let op = ShapeOp::CatHeads {
+            sizes: vec![d, d, d],
+        };
+        let (qkv, _) = shape(cx, Site::ROOT, op, &[&parts[0], &parts[1], &parts[2]])?;
+        let shape = AttentionShape {
+            seq: s,
+            batch: b,
+            heads: h,
+            head_dim: d,
+            window: self.window,
+            scale: self.scale(),
+        };
+        let (out, kept) = backend::of(&qkv).attention_forward(&qkv, shape, &None, false)?;
+        let out = unpad_heads(cx, &out, sz.d_v, d)?;
         let saved = WholeSaved {
-            q: q.clone(),
-            k,
-            v,
-            probs,
+            kept,
+            shape,
             sizes: sz,
+            d,
             expanded,
         };
         Ok((out, saved))
@@ -246,33 +238,26 @@ impl DotProductAttention {
     /// The backward of [`DotProductAttention::forward_whole`].
     fn backward_whole(&self, cx: &Cx, saved: WholeSaved, dy: &Tensor) -> Result<Vec<Tensor>> {
         let WholeSaved {
-            q,
-            k,
-            v,
-            probs,
+            kept,
+            shape: sh,
             sizes: sz,
+            d,
             expanded,
         } = saved;
         let (s, b, h) = (sz.seq, sz.batch, sz.heads);
-        let qh = heads_view(&q, (s, b, h, sz.d_qk))?;
-        let kh = heads_view(&k, (s, b, h, sz.d_qk))?;
-        let vh = heads_view(&v, (s, b, h, sz.d_v))?;
-        let d_ctx = heads_view(&dy.to_f32_contiguous()?, (s, b, h, sz.d_v))?;
-        let d_probs = matmul(&d_ctx, &vh.t()?)?;
-        let dv = matmul(&probs.t()?, &d_ctx)?;
-        let d_scores = backend::of(&probs).masked_softmax_backward(
-            &probs,
-            &d_probs,
-            (b * h, s, s),
-            self.scale(),
-            self.keys(),
-            &None,
-        )?;
-        let dq = matmul(&d_scores, &kh)?;
-        let dk = matmul(&d_scores.t()?, &qh)?;
-        let dq = from_heads(&dq, (s, b, h, sz.d_qk))?;
-        let mut dk = from_heads(&dk, (s, b, h, sz.d_qk))?;
-        let mut dv = from_heads(&dv, (s, b, h, sz.d_v))?;
+        let d_out = pad_heads(cx, dy, sz.d_v, d)?;
+        let d_qkv = backend::of(&d_out).attention_backward(&kept, &None, sh, &d_out)?;
+        let split = |part| ShapeOp::HeadPart {
+            sizes: vec![d, d, d],
+            part,
+        };
+        let mut grads = Vec::with_capacity(3);
+        for (part, width) in [(0, sz.d_qk), (1, sz.d_qk), (2, sz.d_v)] {
+            let (g, _) = shape(cx, Site::ROOT, split(part), &[&d_qkv])?;
+            grads.push(unpad_heads(cx, &g, width, d)?);
+        }
+        let [dq, mut dk, mut dv] = <[Tensor; 3]>::try_from(grads)
+            .map_err(|_| Error::Invalid("attention: three gradients".into()))?;
         if let Some((ks, vs)) = expanded {
             let kv = sz.kv_heads;
             let [gk] = shape_backward::<1>(
@@ -292,6 +277,44 @@ impl DotProductAttention {
         }
         Ok(vec![dq, dk, dv])
     }
+}
+
+/// `x`'s heads of `width` padded with zeros to `d` (itself when `width == d`).
+fn pad_heads(cx: &Cx, x: &Tensor, width: usize, d: usize) -> Result<Tensor> {
+    if width == d {
+        return Ok(x.clone());
+    }
+    let heads = heads_of(x, width)?;
+    let mut dims = x.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = heads * (d - width);
+    }
+    let zeros = Tensor::zeros_near(dims, DType::F32, x)?;
+    let op = ShapeOp::CatHeads {
+        sizes: vec![width, d - width],
+    };
+    Ok(shape(cx, Site::ROOT, op, &[x, &zeros])?.0)
+}
+
+/// `x`'s heads of `d` cut to their first `width` (itself when `width == d`).
+fn unpad_heads(cx: &Cx, x: &Tensor, width: usize, d: usize) -> Result<Tensor> {
+    if width == d {
+        return Ok(x.clone());
+    }
+    let op = ShapeOp::HeadPart {
+        sizes: vec![width, d - width],
+        part: 0,
+    };
+    Ok(shape(cx, Site::ROOT, op, &[x])?.0)
+}
+
+/// The heads of `width` in `x`'s last dimension.
+fn heads_of(x: &Tensor, width: usize) -> Result<usize> {
+    let w = x.last_dim();
+    if width == 0 || !w.is_multiple_of(width) {
+        return invalid!("attention: {w} features are not heads of {width}");
+    }
+    Ok(w / width)
 }
 
 /// `[q, k, v]` of a call, or an error naming the count.
@@ -341,6 +364,12 @@ impl ContextParallelMulti for DotProductAttention {
         xs: &[&Tensor],
     ) -> Result<(Tensor, DotProductSaved)> {
         let [q, k, v] = three(xs)?;
+        if cx.kv_cache().is_some() {
+            return invalid!(
+                "DotProductAttention keeps no KV cache yet: generate without one (or with \
+                 CausalSelfAttention's fused projection)"
+            );
+        }
         let sz = self.sizes(q, k, v)?;
         let Some(chunks) = cx.cp_chunks(sz.seq)? else {
             let (out, whole) = self.forward_whole(cx, [q, k, v], sz)?;

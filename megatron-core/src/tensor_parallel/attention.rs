@@ -177,6 +177,7 @@ impl CausalSelfAttention {
             heads: heads / tp,
             head_dim,
             window: self.window,
+            scale: 1.0 / (head_dim as f32).sqrt(),
         };
         Ok((sh, grouped))
     }

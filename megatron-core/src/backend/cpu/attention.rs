@@ -3,7 +3,7 @@
 
 use super::Cpu;
 use crate::backend::DropoutMask;
-use crate::backend::attention::{AttentionKept, AttentionOps, AttentionShape, SoftmaxOps};
+use crate::backend::attention::{AttentionKept, AttentionOps, AttentionShape};
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::dropout as dk;
@@ -193,56 +193,4 @@ fn masked_pair(a: &Tensor, b: &Tensor, mask: &Option<DropoutMask>) -> Result<(Te
         *index,
     )?;
     Ok((ya, yb))
-}
-
-impl SoftmaxOps for Cpu {
-    fn masked_softmax(
-        &self,
-        scores: &Tensor,
-        (rows, sq, sk): (usize, usize, usize),
-        scale: f32,
-        keys: softmax::KeyMask,
-        dropout: &Option<DropoutMask>,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let scores = scores.to_f32_contiguous()?;
-        let probs = Tensor::empty(scores.shape().clone(), DType::F32);
-        softmax::softmax_forward(
-            &scores.read::<f32>()?,
-            rows,
-            sq,
-            sk,
-            scale,
-            keys,
-            &mut probs.write::<f32>()?,
-        )?;
-        let dropped = dropout
-            .is_some()
-            .then(|| masked(&probs, dropout))
-            .transpose()?;
-        Ok((probs, dropped))
-    }
-
-    fn masked_softmax_backward(
-        &self,
-        probs: &Tensor,
-        d_dropped: &Tensor,
-        (rows, sq, sk): (usize, usize, usize),
-        scale: f32,
-        _keys: softmax::KeyMask,
-        dropout: &Option<DropoutMask>,
-    ) -> Result<Tensor> {
-        let d_dropped = d_dropped.to_f32_contiguous()?;
-        let (_, d_probs) = masked_pair(probs, &d_dropped, dropout)?;
-        let d_scores = Tensor::empty(probs.shape().clone(), DType::F32);
-        softmax::softmax_backward(
-            &probs.read::<f32>()?,
-            &d_probs.read::<f32>()?,
-            rows,
-            sq,
-            sk,
-            scale,
-            &mut d_scores.write::<f32>()?,
-        )?;
-        Ok(d_scores)
-    }
 }

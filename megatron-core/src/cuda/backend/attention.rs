@@ -7,7 +7,7 @@
 //! probabilities take half the memory.
 
 use crate::backend::DropoutMask;
-use crate::backend::attention::{AttentionKept, AttentionOps, AttentionShape, SoftmaxOps};
+use crate::backend::attention::{AttentionKept, AttentionOps, AttentionShape};
 use crate::cuda::Gpu;
 use crate::cuda::kernels::flash_attention::{
     FlashShape, SCORE_GRADIENT_BUDGET, flash_attention_backward, flash_attention_forward,
@@ -320,57 +320,4 @@ fn softmax_backward_into(
             })
         })
     })
-}
-
-impl SoftmaxOps for Gpu {
-    fn masked_softmax(
-        &self,
-        scores: &Tensor,
-        sizes: (usize, usize, usize),
-        scale: f32,
-        keys: crate::kernels::softmax::KeyMask,
-        dropout: &Option<DropoutMask>,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let scores = contiguous_input(scores)?;
-        let probs = Tensor::empty_on(scores.shape().clone(), DType::F32, self)?;
-        let dropped = dropout
-            .is_some()
-            .then(|| Tensor::empty_on(scores.shape().clone(), DType::F32, self))
-            .transpose()?;
-        softmax_into(
-            self,
-            &scores,
-            (&probs, dropped.as_ref()),
-            sizes,
-            (scale, keys),
-            dropout,
-        )?;
-        Ok((probs, dropped))
-    }
-
-    fn masked_softmax_backward(
-        &self,
-        probs: &Tensor,
-        d_dropped: &Tensor,
-        sizes: (usize, usize, usize),
-        scale: f32,
-        keys: crate::kernels::softmax::KeyMask,
-        dropout: &Option<DropoutMask>,
-    ) -> Result<Tensor> {
-        let d_dropped = contiguous_input(d_dropped)?;
-        let d_scores = Tensor::empty_on(probs.shape().clone(), DType::F32, self)?;
-        let dropped = dropout
-            .is_some()
-            .then(|| Tensor::empty_on(probs.shape().clone(), DType::F32, self))
-            .transpose()?;
-        softmax_backward_into(
-            self,
-            (probs, &d_dropped),
-            (&d_scores, dropped.as_ref()),
-            sizes,
-            (scale, keys),
-            dropout,
-        )?;
-        Ok(d_scores)
-    }
 }
