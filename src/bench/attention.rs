@@ -2,7 +2,10 @@
 //! QKV and output projections), forward and forward + backward, with dropout, in each way this
 //! build can run it: the CPU kernels, and on a GPU the unfused kernels (batched cuBLAS products
 //! with fused softmax/dropout kernels, bf16) and the flash kernels, from bf16 inputs as the
-//! model's layers hand them over. Throughput counts the
+//! model's layers hand them over. Without dropout, the general attention too
+//! (`ops::DotProductAttention` over queries, keys and values given apart, which packs them per
+//! head as the fused projection and runs the same kernels): the price of the packing. Throughput
+//! counts the
 //! products a causal layer needs (half the `s × s` ones, FlashAttention's convention: 4·b·h·s²·d
 //! FLOPs forward ×½, backward 2.5× the forward).
 
@@ -10,7 +13,8 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use megatron_core::comm::ParallelState;
-use megatron_core::module::{Cx, Op, Site};
+use megatron_core::module::{Cx, MultiOp, Op, Site};
+use megatron_core::ops::{DotProductAttention, ShapeOp, shape};
 use megatron_core::tensor::Tensor;
 use megatron_core::tensor_parallel::CausalSelfAttention;
 
@@ -57,7 +61,7 @@ impl AttentionBench {
 /// One way of running the layer, measured.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct AttentionResult {
-    /// `cpu`, `cuda unfused` or `cuda flash`.
+    /// `cpu`, `cuda unfused` or `cuda flash`; `general` after it for `DotProductAttention`.
     pub backend: String,
     /// Median forward time, milliseconds.
     pub forward_ms: f64,
@@ -121,17 +125,28 @@ fn median(
     Ok(times[times.len() / 2])
 }
 
-/// Times the layer on `qkv`/`dy` (host or device tensors).
+/// Times the layer on `qkv`/`dy` (host or device tensors); without dropout, the general
+/// attention on the same queries, keys and values given apart, after it.
 pub(crate) fn measure(
     b: &AttentionBench,
     backend: &str,
     (qkv, dy): (&Tensor, &Tensor),
     sync: &dyn Fn() -> Result<()>,
-) -> Result<AttentionResult> {
+) -> Result<Vec<AttentionResult>> {
     let ps = ParallelState::solo();
     let cx = Cx::new(&ps, 1234).at(1, 0);
     let op = CausalSelfAttention::new(b.heads, b.dropout);
     let site = Site::ROOT.child("attention");
+    let result = |name: String, forward: f64, both: f64| {
+        let flops = b.forward_flops();
+        AttentionResult {
+            backend: name,
+            forward_ms: 1e3 * forward,
+            forward_backward_ms: 1e3 * both,
+            forward_tflops: flops / forward / 1e12,
+            forward_backward_tflops: 3.5 * flops / both / 1e12,
+        }
+    };
     let forward = median(b.repeats, sync, &|| {
         op.forward(&cx, site, qkv)?;
         Ok(())
@@ -141,25 +156,43 @@ pub(crate) fn measure(
         op.backward(&cx, site, saved, dy)?;
         Ok(())
     })?;
-    let flops = b.forward_flops();
-    Ok(AttentionResult {
-        backend: backend.to_string(),
-        forward_ms: 1e3 * forward,
-        forward_backward_ms: 1e3 * both,
-        forward_tflops: flops / forward / 1e12,
-        forward_backward_tflops: 3.5 * flops / both / 1e12,
-    })
+    let mut results = vec![result(backend.to_string(), forward, both)];
+    if b.dropout == 0.0 {
+        // The queries, keys and values apart, contiguous and in the projection's dtype, as
+        // three projections would hand them over.
+        let d = b.head_dim;
+        let part = |k| -> Result<Tensor> {
+            let op = ShapeOp::HeadPart {
+                sizes: vec![d, d, d],
+                part: k,
+            };
+            Ok(shape(&cx, site, op, &[qkv])?.0.to_contiguous(qkv.dtype())?)
+        };
+        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+        let general = DotProductAttention::new(d);
+        let forward = median(b.repeats, sync, &|| {
+            general.forward(&cx, site, &[&q, &k, &v])?;
+            Ok(())
+        })?;
+        let both = median(b.repeats, sync, &|| {
+            let (_, saved) = general.forward(&cx, site, &[&q, &k, &v])?;
+            general.backward(&cx, site, saved, dy)?;
+            Ok(())
+        })?;
+        results.push(result(format!("{backend} general"), forward, both));
+    }
+    Ok(results)
 }
 
 /// Measures the layer on the CPU.
 pub fn run_cpu(b: AttentionBench) -> Result<AttentionReport> {
     b.check()?;
     let (qkv, dy) = inputs(&b)?;
-    let result = measure(&b, "cpu", (&qkv, &dy), &|| Ok(()))?;
+    let results = measure(&b, "cpu", (&qkv, &dy), &|| Ok(()))?;
     Ok(AttentionReport {
         bench: b,
         device: "CPU".to_string(),
-        results: vec![result],
+        results,
     })
 }
 
@@ -174,7 +207,7 @@ impl std::fmt::Display for AttentionReport {
         for r in &self.results {
             writeln!(
                 f,
-                "  {:<13} forward {:>9.3} ms {:>8.2} TFLOP/s   forward+backward {:>9.3} ms {:>8.2} TFLOP/s",
+                "  {:<21} forward {:>9.3} ms {:>8.2} TFLOP/s   forward+backward {:>9.3} ms {:>8.2} TFLOP/s",
                 r.backend,
                 r.forward_ms,
                 r.forward_tflops,

@@ -140,7 +140,7 @@ pub fn attention_bench(b: AttentionBench) -> Result<AttentionReport> {
     for flash in [false, true].into_iter().filter(|&f| !f || flash_too) {
         gpu.set_flash_attention(flash);
         let backend = if flash { "cuda flash" } else { "cuda unfused" };
-        results.push(attention::measure(&b, backend, (&qkv, &dy), &sync)?);
+        results.extend(attention::measure(&b, backend, (&qkv, &dy), &sync)?);
     }
     Ok(AttentionReport {
         bench: b,

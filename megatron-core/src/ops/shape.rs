@@ -68,19 +68,52 @@ fn rows(t: &Tensor, width: usize) -> Result<Tensor> {
 }
 
 /// A `[rows, width]` tensor near `like` whose columns `start..` hold each of `parts`
-/// (`[rows, w]`), zeros elsewhere: built as its transpose, whose row blocks are contiguous.
+/// (`[rows, w]`), zeros elsewhere: on the host each part's rows copied into their places, on a
+/// device built as its transpose, whose row blocks are contiguous.
 fn place_columns(
     like: &Tensor,
     n: usize,
     width: usize,
     parts: &[(&Tensor, usize)],
 ) -> Result<Tensor> {
+    if like.gpu().is_none() && parts.iter().all(|(p, _)| p.gpu().is_none()) {
+        let mut out = vec![0.0f32; n * width];
+        for &(part, start) in parts {
+            let w = part.last_dim();
+            let part = part.to_f32_contiguous()?;
+            let src = part.read::<f32>()?;
+            for (dst, row) in out.chunks_exact_mut(width).zip(src.chunks_exact(w)) {
+                dst[start..start + w].copy_from_slice(row);
+            }
+        }
+        return Ok(Tensor::from_vec(out, [n, width])?);
+    }
     let t = Tensor::zeros_near([width, n], DType::F32, like)?;
     for &(part, start) in parts {
         let w = part.last_dim();
         t.narrow(0, start, w)?.copy_from(&part.t()?)?;
     }
     Ok(t.t()?.contiguous()?)
+}
+
+/// Columns `start..start + w` of `x` (`[rows, width]`, contiguous f32), contiguous: on the
+/// host each row's run copied, on a device the strided copy.
+fn columns(x: &Tensor, start: usize, w: usize) -> Result<Tensor> {
+    let [n, width] = *x.dims() else {
+        return invalid!(
+            "columns of a tensor of shape {}: not [rows, width]",
+            x.shape()
+        );
+    };
+    if x.gpu().is_some() || !x.is_contiguous() || x.dtype() != DType::F32 {
+        return Ok(x.narrow(1, start, w)?.contiguous()?);
+    }
+    let src = x.read::<f32>()?;
+    let mut out = Vec::with_capacity(n * w);
+    for row in src.chunks_exact(width) {
+        out.extend_from_slice(&row[start..start + w]);
+    }
+    Ok(Tensor::from_vec(out, [n, w])?)
 }
 
 /// `x`'s shape with the last dimension `width`.
@@ -148,7 +181,7 @@ pub fn shape(_cx: &Cx, _site: Site, op: ShapeOp, xs: &[&Tensor]) -> Result<(Tens
                     first.shape()
                 );
             }
-            x.narrow(dims.len() - 1, *start, *len)?.contiguous()?
+            columns(&rows(&x, widths[0])?, *start, *len)?.reshape(with_width(&dims, *len))?
         }
         ShapeOp::Chunk { .. } => return invalid!("chunk: resolved to its narrow above"),
         ShapeOp::Cat => {
@@ -170,9 +203,7 @@ pub fn shape(_cx: &Cx, _site: Site, op: ShapeOp, xs: &[&Tensor]) -> Result<(Tens
             let per_head: usize = sizes.iter().sum();
             let heads = heads_of("split_heads", widths[0], per_head)?;
             let start: usize = sizes[..*part].iter().sum();
-            rows(&x, per_head)?
-                .narrow(1, start, sizes[*part])?
-                .contiguous()?
+            columns(&rows(&x, per_head)?, start, sizes[*part])?
                 .reshape(with_width(&dims, heads * sizes[*part]))?
         }
         ShapeOp::CatHeads { sizes } => {
@@ -242,11 +273,7 @@ pub fn shape_backward<const N: usize>(
             let mut at = 0;
             let mut out = Vec::new();
             for &w in &widths {
-                out.push(
-                    d.narrow(1, at, w)?
-                        .contiguous()?
-                        .reshape(with_width(&dims, w))?,
-                );
+                out.push(columns(&d, at, w)?.reshape(with_width(&dims, w))?);
                 at += w;
             }
             out
@@ -268,11 +295,7 @@ pub fn shape_backward<const N: usize>(
             let mut at = 0;
             let mut out = Vec::new();
             for &s in sizes {
-                out.push(
-                    d.narrow(1, at, s)?
-                        .contiguous()?
-                        .reshape(with_width(&dims, heads * s))?,
-                );
+                out.push(columns(&d, at, s)?.reshape(with_width(&dims, heads * s))?);
                 at += s;
             }
             out
@@ -280,9 +303,9 @@ pub fn shape_backward<const N: usize>(
         ShapeOp::BroadcastHeads { heads } => {
             let w = widths[0];
             let d = rows(&dy, heads * w)?;
-            let mut sum = d.narrow(1, 0, w)?.contiguous()?;
+            let mut sum = columns(&d, 0, w)?;
             for h in 1..*heads {
-                sum = super::add(&sum, &d.narrow(1, h * w, w)?.contiguous()?)?;
+                sum = super::add(&sum, &columns(&d, h * w, w)?)?;
             }
             vec![sum.reshape(dims.clone())?]
         }
