@@ -50,14 +50,106 @@ const BATCH: usize = 2;
 const H: usize = 16;
 const HEADS: usize = 4;
 
-fn spec() -> ParallelBlockSpec {
-    ParallelBlockSpec {
-        ln: LayerNormSpec::new(H),
-        qkv: LinearSpec::new(H, 3 * H),
-        core: CausalSelfAttention::new(HEADS, 0.0),
-        proj: LinearSpec::new(H, H),
-        fc1: LinearSpec::new(H, 4 * H),
-        fc2: LinearSpec::new(4 * H, H),
+/// The attention of the parallel block as a module of its own: it ends in a row-parallel
+/// layer, so a caller may take its output unreduced (`#[partial_output]`).
+#[megatron::module]
+pub struct AttnBranch {
+    #[column_parallel]
+    qkv: Linear,
+    #[context_parallel]
+    core: CausalSelfAttention,
+    #[row_parallel]
+    proj: Linear,
+}
+
+#[megatron::module]
+impl AttnBranch {
+    fn forward(&self, n: Tensor) -> Tensor {
+        self.proj(self.core(self.qkv(n)))
+    }
+}
+
+/// The MLP of the parallel block as a module of its own.
+#[megatron::module]
+pub struct MlpBranch {
+    #[column_parallel]
+    fc1: Linear,
+    #[row_parallel]
+    fc2: Linear,
+}
+
+#[megatron::module]
+impl MlpBranch {
+    fn forward(&self, n: Tensor) -> Tensor {
+        self.fc2(gelu(self.fc1(n)))
+    }
+}
+
+/// The parallel block written with its branches as sub-modules, as a user would: their partial
+/// outputs are summed across the module boundary and reduced once.
+#[megatron::module]
+pub struct ModularBlock {
+    ln: LayerNorm,
+    #[partial_output]
+    attn: AttnBranch,
+    #[partial_output]
+    mlp: MlpBranch,
+}
+
+#[megatron::module]
+impl ModularBlock {
+    fn forward(&self, x: Tensor) -> Tensor {
+        let n = self.ln(x);
+        x + self.attn(n) + self.mlp(n)
+    }
+}
+
+/// A block under test: its spec, forward and backward.
+trait Block: Module {
+    fn spec() -> Self::Spec;
+    fn run(&self, cx: &Cx, x: &Tensor) -> megatron::Result<(Tensor, Self::Saved)>;
+    fn back(&self, cx: &Cx, saved: Self::Saved, dy: &Tensor) -> megatron::Result<Tensor>;
+}
+
+impl Block for ParallelBlock {
+    fn spec() -> ParallelBlockSpec {
+        ParallelBlockSpec {
+            ln: LayerNormSpec::new(H),
+            qkv: LinearSpec::new(H, 3 * H),
+            core: CausalSelfAttention::new(HEADS, 0.0),
+            proj: LinearSpec::new(H, H),
+            fc1: LinearSpec::new(H, 4 * H),
+            fc2: LinearSpec::new(4 * H, H),
+        }
+    }
+    fn run(&self, cx: &Cx, x: &Tensor) -> megatron::Result<(Tensor, Self::Saved)> {
+        self.forward(cx, Site::ROOT, x)
+    }
+    fn back(&self, cx: &Cx, saved: Self::Saved, dy: &Tensor) -> megatron::Result<Tensor> {
+        self.backward(cx, Site::ROOT, saved, dy)
+    }
+}
+
+impl Block for ModularBlock {
+    fn spec() -> ModularBlockSpec {
+        ModularBlockSpec {
+            ln: LayerNormSpec::new(H),
+            attn: AttnBranchSpec {
+                qkv: LinearSpec::new(H, 3 * H),
+                core: CausalSelfAttention::new(HEADS, 0.0),
+                proj: LinearSpec::new(H, H),
+            },
+            mlp: MlpBranchSpec {
+                fc1: LinearSpec::new(H, 4 * H),
+                fc2: LinearSpec::new(4 * H, H),
+            },
+        }
+    }
+    fn run(&self, cx: &Cx, x: &Tensor) -> megatron::Result<(Tensor, Self::Saved)> {
+        self.forward(cx, Site::ROOT, x)
+    }
+    fn back(&self, cx: &Cx, saved: Self::Saved, dy: &Tensor) -> megatron::Result<Tensor> {
+        self.backward(cx, Site::ROOT, saved, dy)
     }
 }
 
@@ -79,12 +171,12 @@ struct Run {
     recorded: (Vec<Call>, Vec<Call>),
 }
 
-fn train(tp: usize, sp: bool, steps: usize) -> Run {
+fn train<M: Block>(tp: usize, sp: bool, steps: usize) -> Run {
     let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp)).unwrap();
     let per_rank = launch(tp, |w| -> R<Run> {
         let recording = RecordingWorld::new(&w);
         let ps = ParallelState::new(&recording, &layout)?.with_sequence_parallel(sp);
-        let model = ParallelBlock::build(&spec(), &mut Builder::for_rank(5, ps.groups()))?;
+        let model = M::build(&M::spec(), &mut Builder::for_rank(5, ps.groups()))?;
         let rank = ps.groups().tp_rank();
         let rows = if sp { SEQ / tp } else { SEQ };
         let part = |all: Vec<f32>| {
@@ -110,9 +202,9 @@ fn train(tp: usize, sp: bool, steps: usize) -> Run {
             let cx = Cx::new(&ps, step as u64);
             let x = Tensor::from_vec(part(values(step)), [rows, BATCH, H])?;
             let dy = Tensor::from_vec(part(values(step + 50)), [rows, BATCH, H])?;
-            let (y, saved) = model.forward(&cx, Site::ROOT, &x)?;
+            let (y, saved) = model.run(&cx, &x)?;
             let forward = tp_only(recording.log().take());
-            let dx = model.backward(&cx, Site::ROOT, saved, &dy)?;
+            let dx = model.back(&cx, saved, &dy)?;
             let backward = tp_only(recording.log().take());
             if step == 0 {
                 (run.forward_calls, run.backward_calls) = (kinds(&forward), kinds(&backward));
@@ -150,13 +242,13 @@ fn count(calls: &[String], kind: &str) -> usize {
 
 #[test]
 fn summed_row_parallel_outputs_are_reduced_once_and_a_shared_input_gathered_once() {
-    let plain = train(2, false, 1);
+    let plain = train::<ParallelBlock>(2, false, 1);
     // Forward: one all-reduce for the two row-parallel layers (not one each).
     assert_eq!(plain.forward_calls, ["all_reduce"], "forward");
     // Backward: one all-reduce of the two column-parallel layers' summed input gradients.
     assert_eq!(plain.backward_calls, ["all_reduce"], "backward");
 
-    let sp = train(2, true, 1);
+    let sp = train::<ParallelBlock>(2, true, 1);
     // Forward: the norm's output gathered once for qkv and fc1, one reduce-scatter of the
     // summed partial outputs.
     assert_eq!(
@@ -192,9 +284,9 @@ fn summed_row_parallel_outputs_are_reduced_once_and_a_shared_input_gathered_once
 
 #[test]
 fn the_parallel_block_trains_at_tp_2_as_at_tp_1() {
-    let one = train(1, false, 4);
+    let one = train::<ParallelBlock>(1, false, 4);
     for sp in [false, true] {
-        let two = train(2, sp, 4);
+        let two = train::<ParallelBlock>(2, sp, 4);
         for (what, got, want) in [
             ("output", &two.y, &one.y),
             ("input gradient", &two.dx, &one.dx),
@@ -220,7 +312,7 @@ const DOCUMENT: &str = concat!(
 /// the parallel block at tp 2 with sequence parallelism, as recorded now.
 #[test]
 fn the_parallel_block_document_is_a_recorded_step() {
-    let (forward, backward) = train(2, true, 1).recorded;
+    let (forward, backward) = train::<ParallelBlock>(2, true, 1).recorded;
     let fresh = format!(
         "# The collectives of a parallel block\n\n\
          The tensor-parallel calls of one forward and one backward of GPT-J's and PaLM's parallel \
@@ -253,4 +345,40 @@ fn the_parallel_block_document_is_a_recorded_step() {
         "docs/collectives-parallel-block.md differs from the calls recorded now: regenerate it \
          with `MEGATRON_BLESS=1 cargo test --test merged_collectives` and commit it"
     );
+}
+
+#[test]
+fn sub_modules_hand_their_partial_outputs_over_and_the_sum_is_reduced_once() {
+    let plain = train::<ModularBlock>(2, false, 1);
+    // Forward: one all-reduce for the two branches' partial outputs (not one each).
+    assert_eq!(plain.forward_calls, ["all_reduce"], "forward");
+    // Backward: each branch reduces its own input gradient (its column-parallel layer is inside
+    // it), so two all-reduces; g's backward is the identity.
+    assert_eq!(
+        plain.backward_calls,
+        ["all_reduce", "all_reduce"],
+        "backward"
+    );
+    let sp = train::<ModularBlock>(2, true, 1);
+    // Forward: each branch gathers the norm's output itself, one reduce-scatter of the sum.
+    assert_eq!(
+        sp.forward_calls,
+        ["all_gather", "all_gather", "reduce_scatter"],
+        "forward"
+    );
+    // Backward: the output gradient gathered once for both branches.
+    let gathers = count(&sp.backward_calls, "all_gather");
+    assert_eq!(gathers, 3, "{:?}", sp.backward_calls);
+    // And it trains at tp 2 as at tp 1.
+    let one = train::<ModularBlock>(1, false, 4);
+    for sp in [false, true] {
+        let two = train::<ModularBlock>(2, sp, 4);
+        let worst =
+            support::max_abs_diff(&two.y, &one.y).max(support::max_abs_diff(&two.dx, &one.dx));
+        assert!(worst < 2e-5, "tp 2 (sp {sp}): {worst} from tp 1");
+        for ((name, got), (_, want)) in two.replicated.iter().zip(&one.replicated) {
+            let worst = support::max_abs_diff(got, want);
+            assert!(worst < 2e-5, "tp 2 (sp {sp}): {name} {worst} from tp 1");
+        }
+    }
 }

@@ -72,9 +72,11 @@ pub fn merge(s: &ModuleStruct, mut g: Graph, a: Analysis) -> (Graph, Analysis) {
                 matches!(g.nodes[m].op, NodeOp::Field { .. })
                     && matches!(
                         kind(m),
-                        Some(FieldKind::Row {
-                            input_is_parallel: true
-                        })
+                        Some(
+                            FieldKind::Row {
+                                input_is_parallel: true
+                            } | FieldKind::PartialOutput
+                        )
                     )
                     && g.values[v].uses.len() == 1
             })

@@ -20,6 +20,7 @@ pub type ValueId = usize;
 pub type NodeId = usize;
 
 /// A forward as a dataflow graph.
+#[derive(Clone)]
 pub struct Graph {
     /// The input values, in signature order.
     pub inputs: Vec<ValueId>,
@@ -36,7 +37,7 @@ pub struct Graph {
 }
 
 /// One value (a tensor or token ids).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Value {
     /// The user's name for it (input name or first `let` binding), if any.
     pub name: Option<String>,
@@ -77,6 +78,7 @@ pub enum Use {
 }
 
 /// One operation of forward.
+#[derive(Clone)]
 pub struct Node {
     /// What it does.
     pub op: NodeOp,

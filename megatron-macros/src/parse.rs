@@ -216,6 +216,10 @@ pub enum FieldKind {
     /// its input (split over tensor parallelism or not) and keeps that split: the
     /// qk-layernorm of this rank's heads.
     Local,
+    /// `#[partial_output]`: a module of the user's whose output is a row-parallel layer's,
+    /// handed over unreduced: the caller reduces it over tp (once with the other partial
+    /// outputs it is added to).
+    PartialOutput,
     /// A `Vec<T>` without attribute (or `#[replicated]`): a stack of sub-modules; with
     /// `#[pipeline]`, the stack pipeline parallelism cuts into stages.
     Stack {
@@ -254,6 +258,7 @@ impl FieldKind {
             FieldKind::Expert => "#[expert_parallel]",
             FieldKind::Replicated => "a replicated layer or module (no attribute)",
             FieldKind::Local => "#[local]",
+            FieldKind::PartialOutput => "#[partial_output]",
             FieldKind::Stack {
                 pipeline: false, ..
             } => "a list of modules (`Vec<..>`)",
@@ -266,13 +271,14 @@ impl FieldKind {
 }
 
 /// The DSL's field attributes.
-const KIND_ATTRIBUTES: [&str; 10] = [
+const KIND_ATTRIBUTES: [&str; 11] = [
     "column_parallel",
     "row_parallel",
     "vocab_parallel",
     "expert_parallel",
     "replicated",
     "local",
+    "partial_output",
     "pipeline",
     "op",
     "context_parallel",
@@ -281,8 +287,8 @@ const KIND_ATTRIBUTES: [&str; 10] = [
 
 /// The kinds a field may take, for messages.
 const KINDS_HELP: &str = "#[column_parallel], #[row_parallel], #[vocab_parallel], \
-     #[expert_parallel], #[replicated], #[local], #[pipeline], #[op], #[context_parallel], \
-     #[config]";
+     #[expert_parallel], #[replicated], #[local], #[partial_output], #[pipeline], #[op], \
+     #[context_parallel], #[config]";
 
 /// Parses a struct given to `#[megatron::module]`.
 pub fn parse_struct(item: syn::ItemStruct) -> syn::Result<ModuleStruct> {
@@ -499,6 +505,7 @@ fn parse_kind_attribute(name: &str, attr: &Attribute) -> syn::Result<FieldKind> 
         "expert_parallel" => FieldKind::Expert,
         "replicated" => FieldKind::Replicated,
         "local" => FieldKind::Local,
+        "partial_output" => FieldKind::PartialOutput,
         // The element type is read from the field's type by the caller.
         "pipeline" => FieldKind::Stack {
             elem: Box::new(Type::Verbatim(proc_macro2::TokenStream::new())),

@@ -573,6 +573,34 @@ pub trait RowParallel: Module {
     }
 }
 
+/// A module whose output is a row-parallel layer's (`#[partial_output]` in its caller):
+/// `#[megatron::module]` implements it for a module whose forward returns a `#[row_parallel]`
+/// layer's output, used once. The caller sums its partial output with the other partial
+/// outputs it is added to and reduces them once (Megatron-LM's g: all-reduce, or with sequence
+/// parallelism reduce-scatter), then adds each one's bias; in backward it gathers the output
+/// gradient once for all of them.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be #[partial_output]: its forward does not end in a row-parallel layer",
+    label = "its output is not a #[row_parallel] layer's",
+    note = "a module is #[partial_output] when its forward returns the output of a #[row_parallel] \
+            layer (with its input split), used nowhere else, from one `Tensor` input"
+)]
+pub trait PartialOutput: Module {
+    /// The forward with its last layer's partial output unreduced and without its bias.
+    fn forward_partial(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, Self::Saved)>;
+    /// Adds the last layer's bias, in place, to the reduced output.
+    fn add_output_bias(&self, cx: &Cx, y: &Tensor) -> Result<()>;
+    /// The backward of [`PartialOutput::forward_partial`] from the whole output gradient (with
+    /// sequence parallelism, gathered): returns the input's gradient.
+    fn backward_partial(
+        &self,
+        cx: &Cx,
+        site: Site,
+        saved: Self::Saved,
+        dy: &Tensor,
+    ) -> Result<Tensor>;
+}
+
 /// An embedding whose vocabulary rows are split over the tensor-parallel group (`#[vocab_parallel]`).
 ///
 /// Generated code all-reduces the lookup's partial output; `self.field.logits(h)` is the tied

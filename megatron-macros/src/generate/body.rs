@@ -215,7 +215,10 @@ impl<'a> Ctx<'a> {
                     if let (true, Some(op)) = (args.len() > 1, kind::op_kind(&f.kind)) {
                         note(op.imports_for(true));
                     } else {
-                        note(kind::of(&f.kind).imports(backward, ids));
+                        let mut uses = kind::of(&f.kind).imports(backward, ids);
+                        // A deferred layer's collective is its merged node's, which notes it.
+                        uses.reduce &= !self.g.nodes[n].deferred;
+                        note(uses);
                     }
                 }
                 (NodeOp::Logits { .. }, _) => note(kind::vocab::logits_imports(backward)),
@@ -223,8 +226,8 @@ impl<'a> Ctx<'a> {
                     layer: true,
                     ..kind::Imports::default()
                 }),
+                // The summed fields import their traits (`RowParallel`, `PartialOutput`).
                 (NodeOp::RowSum { .. }, _) => note(kind::Imports {
-                    named: Some(("module", "RowParallel")),
                     reduce: !backward,
                     ..kind::Imports::default()
                 }),

@@ -10,6 +10,7 @@ use super::comment;
 use super::kind::{sequence_gather, sequence_sum};
 use super::names::LocalId;
 use crate::model::{Def, NodeId};
+use crate::parse::FieldKind;
 
 /// The row-parallel nodes whose partial outputs the first `partials` arguments of `n` are.
 fn rows(cx: &Ctx<'_>, n: NodeId, partials: usize) -> Vec<NodeId> {
@@ -45,10 +46,17 @@ pub(super) fn row_sum_forward<'a>(
     let span = cx.g.nodes[n].src.span();
     let rows = rows(cx, n, partials);
     let names: Vec<String> = rows.iter().map(|&m| cx.field(m).name()).collect();
+    let what = match rows
+        .iter()
+        .any(|&m| matches!(cx.field(m).kind, FieldKind::PartialOutput))
+    {
+        true => "row-parallel outputs (of layers, or of #[partial_output] modules' last layers)",
+        false => "#[row_parallel] outputs",
+    };
     let doc = comment(&format!(
-        "{}: #[row_parallel] outputs summed, so their partial outputs are summed first and g \
-         runs once for all of them: one all-reduce over tp (with sequence parallelism one \
-         reduce-scatter to the sequence shards), then each layer's bias.",
+        "{}: {what} summed, so their partial outputs are summed first and g runs once for all \
+         of them: one all-reduce over tp (with sequence parallelism one reduce-scatter to the \
+         sequence shards), then each layer's bias.",
         listed(&names)
     ));
     let sum = b.locals.temp("partial_sum", pos, span);
@@ -75,7 +83,10 @@ pub(super) fn row_sum_forward<'a>(
             let #rpat = #reduce;
         });
         for &m in &rows {
-            let add_bias = cx.qualified(m, quote!(RowParallel::add_bias));
+            let add_bias = match cx.field(m).kind {
+                FieldKind::PartialOutput => cx.qualified(m, quote!(PartialOutput::add_output_bias)),
+                _ => cx.qualified(m, quote!(RowParallel::add_bias)),
+            };
             let field = cx.this_field(m);
             stmts.extend(quote!(#add_bias(&#field, cx, &#r)?;));
         }

@@ -8,6 +8,7 @@ mod column;
 mod expert;
 mod local;
 pub(crate) mod op;
+mod partial;
 mod replicated;
 mod row;
 pub(super) mod stack;
@@ -196,6 +197,7 @@ pub(crate) fn of(kind: &FieldKind) -> &'static dyn Kind {
         FieldKind::Expert => &expert::Expert,
         FieldKind::Replicated => &replicated::Replicated,
         FieldKind::Local => &local::Local,
+        FieldKind::PartialOutput => &partial::Partial,
         FieldKind::Stack { .. } => &stack::Stack,
         FieldKind::Op => &op::OP,
         FieldKind::ContextParallel => &op::CONTEXT_PARALLEL,
