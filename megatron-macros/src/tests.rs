@@ -138,7 +138,7 @@ fn struct_errors_name_the_problem() {
         [
             "`fc` has two kinds: #[column_parallel] and #[row_parallel]; a field takes one of \
           #[column_parallel], #[row_parallel], #[vocab_parallel], #[expert_parallel], \
-          #[replicated], #[local], #[pipeline], #[op], #[context_parallel], #[config]"
+          #[replicated], #[local], #[partial_output], #[pipeline], #[op], #[context_parallel], #[config]"
         ]
     );
     assert_eq!(
@@ -699,7 +699,16 @@ fn mlp_expansion_has_f_and_g_where_megatron_puts_them() {
         assert!(out.contains(&expected), "missing\n{expected}\nin\n{out}");
     }
     // Exactly one all-reduce each way, and with sequence parallelism one all-gather and one
-    // reduce-scatter each way in its place.
+    // reduce-scatter each way in its place (in forward and backward; the module's
+    // `PartialOutput` functions after them leave fc2's to the caller).
+    let (out, partial) = out
+        .split_once("fn__forward_partial")
+        .expect("the MLP ends in a row-parallel layer: PartialOutput");
+    assert_eq!(
+        partial.matches("all_reduce").count(),
+        1,
+        "fc1's input gradient"
+    );
     assert_eq!(out.matches("all_reduce").count(), 2);
     // (and the kept input's shard gathered again before fc1's backward)
     assert_eq!(out.matches("all_gather_sequence").count(), 3);
