@@ -90,7 +90,7 @@ pub struct DotProductSaved {
 /// The whole sequence's tensors, or the context-parallel blocks'.
 #[derive(Debug, Clone)]
 enum Kept {
-    Whole(WholeSaved),
+    Whole(Box<WholeSaved>),
     Chunks(Box<ChunksSaved>),
 }
 
@@ -373,7 +373,7 @@ impl ContextParallelMulti for DotProductAttention {
         let sz = self.sizes(q, k, v)?;
         let Some(chunks) = cx.cp_chunks(sz.seq)? else {
             let (out, whole) = self.forward_whole(cx, [q, k, v], sz)?;
-            let kept = Kept::Whole(whole);
+            let kept = Kept::Whole(Box::new(whole));
             return Ok((out, DotProductSaved { kept }));
         };
         let Some(groups) = cx.cp_groups() else {
@@ -411,7 +411,7 @@ impl ContextParallelMulti for DotProductAttention {
         dy: &Tensor,
     ) -> Result<Vec<Tensor>> {
         let chunked = match saved.kept {
-            Kept::Whole(whole) => return self.backward_whole(cx, whole, dy),
+            Kept::Whole(whole) => return self.backward_whole(cx, *whole, dy),
             Kept::Chunks(c) => c,
         };
         let ChunksSaved { blocks, sizes, d } = *chunked;
@@ -538,7 +538,7 @@ fn position_runs(cx: &Cx, x: &Tensor, sharding: Sharding) -> Result<Vec<Range<us
     }
     Ok(match cx.cp_chunks(rows)? {
         Some(chunks) => chunks.runs(0..rows),
-        None => vec![0..rows],
+        None => std::iter::once(0..rows).collect(),
     })
 }
 
