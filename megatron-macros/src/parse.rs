@@ -1782,6 +1782,14 @@ fn parse_let_parts(local: &syn::Local, t: &syn::PatTuple) -> syn::Result<Stmt> {
     let call = match &*init.expr {
         syn::Expr::Call(c) => c,
         syn::Expr::MethodCall(_) => {
+            if names.len() < 2 {
+                return Err(syn::Error::new_spanned(
+                    t,
+                    "a module's outputs are bound two or more at a time, \
+                     `let (a, b) = self.name(x);`; a module of one output is bound by a name, \
+                     `let a = self.name(x);`",
+                ));
+            }
             return match parse_expr(&init.expr)? {
                 call @ Expr::FieldCall { .. } => Ok(Stmt::LetOutputs { names, call }),
                 _ => Err(syn::Error::new_spanned(&init.expr, FORM)),

@@ -58,6 +58,19 @@ impl OneUnused {
 }
 
 #[megatron::module]
+pub struct OneName {
+    halves: Halves,
+}
+
+#[megatron::module]
+impl OneName {
+    fn forward(&self, x: Tensor) -> Tensor {
+        let (a,) = self.halves(x);
+        a
+    }
+}
+
+#[megatron::module]
 pub struct Recomputed {
     fc: Linear,
 }
