@@ -378,3 +378,23 @@ fn inputs_that_are_not_whole_heads_are_errors_naming_the_sizes() {
         "{rope}"
     );
 }
+
+#[test]
+fn the_general_attention_as_a_plain_op_at_cp_2_names_the_attribute() {
+    let layout = ParallelLayout::new(&ParallelConfig::new(2).with_cp(2)).unwrap();
+    let errors = launch(2, |w| -> R<String> {
+        let ps = ParallelState::new(&w, &layout)?;
+        let cx = Cx::new(&ps, 3);
+        let t = Tensor::from_vec(vec![0.5f32; 4 * 8], [4, 1, 8])?;
+        let op = DotProductAttention::new(4);
+        Ok(MultiOp::forward(&op, &cx, Site::ROOT, &[&t, &t, &t])
+            .expect_err("an #[op] attention at cp 2")
+            .to_string())
+    })
+    .unwrap();
+    assert!(
+        errors[0].contains("declare its field #[context_parallel]"),
+        "{}",
+        errors[0]
+    );
+}

@@ -10,7 +10,7 @@ use crate::error::Result;
 use crate::tensor::{DType, Shape, Tensor};
 
 /// `data` as a tensor of `shape` and `dtype` on the device of `like` (messages and results).
-pub(crate) fn near(
+pub(super) fn near(
     data: Vec<f32>,
     shape: impl Into<Shape>,
     dtype: DType,

@@ -26,7 +26,6 @@
 
 mod blocks;
 mod exchange;
-pub(crate) use exchange::near;
 pub mod traffic;
 
 use std::ops::Range;

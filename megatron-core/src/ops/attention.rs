@@ -8,15 +8,13 @@
 //!
 //! Both run on the device that holds the tensors, on whatever heads the inputs hold (with
 //! tensor parallelism, this rank's). The attention is one engine with `CausalSelfAttention`'s:
-//! the queries, keys and values are packed per head as its fused projection `[q | k | v]`
-//! (each head zero-padded to the larger of the two head sizes, the scores scaled as asked) and
-//! run by the same kernels, the flash kernels included on a GPU that multiplies in bf16. Under
-//! context
-//! parallelism (a `#[context_parallel]` field) the attention runs on the rank's two chunks of
-//! the sequence through the blocks of [`crate::context_parallel`], in any `--cp-comm-type`: the
-//! three inputs packed into the grouped projection those blocks read, each head padded with
-//! zeros to the larger of the two head sizes (the padding's products are zeros, and its
-//! gradients are dropped); `rope` turns each chunk at its global positions.
+//! the queries, keys and values are packed as its grouped projection (each group's query
+//! heads, then its key and its value; every head zero-padded to the larger of the two head
+//! sizes, whose products are zeros and whose gradients are dropped) and run by the same code:
+//! on the whole sequence the groups expanded and the attention kernels (the flash kernels on a
+//! GPU that multiplies in bf16), under context parallelism (a `#[context_parallel]` field) the
+//! blocks of [`crate::context_parallel`] on the rank's two chunks, in any `--cp-comm-type`. The
+//! scores are scaled as the op says. `rope` turns each chunk at its global positions.
 
 use std::ops::Range;
 
@@ -25,8 +23,9 @@ use crate::backend::attention::{AttentionKept, AttentionShape};
 use crate::context_parallel::{self, ContextParallelMulti, CpAttentionSaved, CpLayer};
 use crate::error::{Error, Result};
 use crate::invalid;
+use crate::kernels::heads::GroupedHeads;
 use crate::module::{Cx, MultiOp, Sharding, Site};
-use crate::ops::{ShapeOp, ShapeSaved, shape, shape_backward};
+use crate::ops::{ShapeOp, shape};
 use crate::tensor::{DType, Tensor};
 use crate::tensor_parallel::Rotary;
 
@@ -81,37 +80,32 @@ struct Sizes {
     d_v: usize,
 }
 
-/// What [`DotProductAttention`]'s backward reads.
+impl Sizes {
+    /// The packed projection's layout: the key/value groups, their query heads, heads of `d`.
+    fn grouped(&self, d: usize) -> GroupedHeads {
+        GroupedHeads {
+            rows: self.seq * self.batch,
+            groups: self.kv_heads,
+            per_group: self.heads / self.kv_heads,
+            head_dim: d,
+        }
+    }
+}
+
+/// What [`DotProductAttention`]'s backward reads: what the kernels kept of the packed
+/// projection, the sizes and the padded head size.
 #[derive(Debug, Clone)]
 pub struct DotProductSaved {
     kept: Kept,
+    sizes: Sizes,
+    d: usize,
 }
 
-/// The whole sequence's tensors, or the context-parallel blocks'.
+/// The whole sequence's kernels' (with their shape), or the context-parallel blocks'.
 #[derive(Debug, Clone)]
 enum Kept {
-    Whole(Box<WholeSaved>),
-    Chunks(Box<ChunksSaved>),
-}
-
-/// Under context parallelism: the blocks' saved values, the sizes and the padded head size.
-#[derive(Debug, Clone)]
-struct ChunksSaved {
-    blocks: CpAttentionSaved,
-    sizes: Sizes,
-    d: usize,
-}
-
-/// On the whole sequence: what the attention kernels keep (of the packed projection), their
-/// shape, the sizes, the padded head size and the keys' and values' expansion to every query
-/// head.
-#[derive(Debug, Clone)]
-struct WholeSaved {
-    kept: AttentionKept,
-    shape: AttentionShape,
-    sizes: Sizes,
-    d: usize,
-    expanded: Option<(ShapeSaved, ShapeSaved)>,
+    Whole(Box<(AttentionKept, AttentionShape)>),
+    Chunks(Box<CpAttentionSaved>),
 }
 
 impl DotProductAttention {
@@ -167,116 +161,35 @@ impl DotProductAttention {
     }
 }
 
-/// `x` (`[s, b, kv·d]`) with each head repeated `group` times: `[s, b, kv·group·d]`.
-fn repeat_heads(
-    cx: &Cx,
-    x: &Tensor,
-    (s, b, kv, d): (usize, usize, usize, usize),
-    group: usize,
-) -> Result<(Tensor, ShapeSaved)> {
-    let heads = x.contiguous()?.reshape([s, b, kv, d])?;
-    let (y, saved) = shape(
-        cx,
-        Site::ROOT,
-        ShapeOp::BroadcastHeads { heads: group },
-        &[&heads],
-    )?;
-    Ok((y.reshape([s, b, kv * group * d])?, saved))
+/// `q`, `k` and `v` as `CausalSelfAttention`'s grouped projection `[s, b, kv_heads · (per_group
+/// + 2) · d]` (each group's query heads, then its key and its value), every head padded with
+/// zeros to `d`.
+fn pack(cx: &Cx, [q, k, v]: [&Tensor; 3], sz: Sizes, d: usize) -> Result<Tensor> {
+    let per_group = sz.heads / sz.kv_heads;
+    let parts = [
+        pad_heads(cx, q, sz.d_qk, d)?,
+        pad_heads(cx, k, sz.d_qk, d)?,
+        pad_heads(cx, v, sz.d_v, d)?,
+    ];
+    let op = ShapeOp::CatHeads {
+        sizes: vec![per_group * d, d, d],
+    };
+    Ok(shape(cx, Site::ROOT, op, &[&parts[0], &parts[1], &parts[2]])?.0)
 }
 
-impl DotProductAttention {
-    /// Attention over the whole sequence (context-parallel size 1): the queries, keys and
-    /// values packed per head as the fused projection `[q | k | v]` (keys and values repeated
-    /// for each query head of their group, every head padded with zeros to `d`, the larger
-    /// head size), run by the kernels `CausalSelfAttention` runs (the flash kernels on a GPU
-    /// that has them), the context cut back to the values' head size.
-    fn forward_whole(
-        &self,
-        cx: &Cx,
-        [q, k, v]: [&Tensor; 3],
-        sz: Sizes,
-    ) -> Result<(Tensor, WholeSaved)> {
-        let (s, b, h) = (sz.seq, sz.batch, sz.heads);
-        let group = sz.heads / sz.kv_heads;
-        let (k, v, expanded) = if group > 1 {
-            let (k, ks) = repeat_heads(cx, k, (s, b, sz.kv_heads, sz.d_qk), group)?;
-            let (v, vs) = repeat_heads(cx, v, (s, b, sz.kv_heads, sz.d_v), group)?;
-            (k, v, Some((ks, vs)))
-        } else {
-            (k.clone(), v.clone(), None)
-        };
-        let d = sz.d_qk.max(sz.d_v);
-        let parts = [
-            pad_heads(cx, q, sz.d_qk, d)?,
-            pad_heads(cx, &k, sz.d_qk, d)?,
-            pad_heads(cx, &v, sz.d_v, d)?,
-        ];
-        let op = ShapeOp::CatHeads {
-            sizes: vec![d, d, d],
-        };
-        let (qkv, _) = shape(cx, Site::ROOT, op, &[&parts[0], &parts[1], &parts[2]])?;
-        let shape = AttentionShape {
-            seq: s,
-            batch: b,
-            heads: h,
-            head_dim: d,
-            window: self.window,
-            scale: self.scale(),
-        };
-        let (out, kept) = backend::of(&qkv).attention_forward(&qkv, shape, &None, false)?;
-        let out = unpad_heads(cx, &out, sz.d_v, d)?;
-        let saved = WholeSaved {
-            kept,
-            shape,
-            sizes: sz,
-            d,
-            expanded,
-        };
-        Ok((out, saved))
-    }
-
-    /// The backward of [`DotProductAttention::forward_whole`].
-    fn backward_whole(&self, cx: &Cx, saved: WholeSaved, dy: &Tensor) -> Result<Vec<Tensor>> {
-        let WholeSaved {
-            kept,
-            shape: sh,
-            sizes: sz,
-            d,
-            expanded,
-        } = saved;
-        let (s, b, h) = (sz.seq, sz.batch, sz.heads);
-        let d_out = pad_heads(cx, dy, sz.d_v, d)?;
-        let d_qkv = backend::of(&d_out).attention_backward(&kept, &None, sh, &d_out)?;
-        let split = |part| ShapeOp::HeadPart {
-            sizes: vec![d, d, d],
+/// The gradients of [`pack`]'s inputs from the projection's, the padding's dropped.
+fn unpack(cx: &Cx, d_fused: &Tensor, sz: Sizes, d: usize) -> Result<Vec<Tensor>> {
+    let per_group = sz.heads / sz.kv_heads;
+    let mut grads = Vec::with_capacity(3);
+    for (part, width) in [(0, sz.d_qk), (1, sz.d_qk), (2, sz.d_v)] {
+        let op = ShapeOp::HeadPart {
+            sizes: vec![per_group * d, d, d],
             part,
         };
-        let mut grads = Vec::with_capacity(3);
-        for (part, width) in [(0, sz.d_qk), (1, sz.d_qk), (2, sz.d_v)] {
-            let (g, _) = shape(cx, Site::ROOT, split(part), &[&d_qkv])?;
-            grads.push(unpad_heads(cx, &g, width, d)?);
-        }
-        let [dq, mut dk, mut dv] = <[Tensor; 3]>::try_from(grads)
-            .map_err(|_| Error::Invalid("attention: three gradients".into()))?;
-        if let Some((ks, vs)) = expanded {
-            let kv = sz.kv_heads;
-            let [gk] = shape_backward::<1>(
-                cx,
-                Site::ROOT,
-                ks,
-                &dk.reshape([s, b, kv, (h / kv) * sz.d_qk])?,
-            )?;
-            let [gv] = shape_backward::<1>(
-                cx,
-                Site::ROOT,
-                vs,
-                &dv.reshape([s, b, kv, (h / kv) * sz.d_v])?,
-            )?;
-            dk = gk.reshape([s, b, kv * sz.d_qk])?;
-            dv = gv.reshape([s, b, kv * sz.d_v])?;
-        }
-        Ok(vec![dq, dk, dv])
+        let (g, _) = shape(cx, Site::ROOT, op, &[d_fused])?;
+        grads.push(unpad_heads(cx, &g, width, d)?);
     }
+    Ok(grads)
 }
 
 /// `x`'s heads of `width` padded with zeros to `d` (itself when `width == d`).
@@ -357,6 +270,10 @@ impl MultiOp for DotProductAttention {
 }
 
 impl ContextParallelMulti for DotProductAttention {
+    /// The three packed as the grouped projection; on the whole sequence (context-parallel size
+    /// 1) each query head given its group's key and value and run by the attention kernels (the
+    /// flash kernels on a GPU that has them), under context parallelism by the blocks; the
+    /// context cut back to the values' head size.
     fn forward_chunks(
         &self,
         cx: &Cx,
@@ -371,36 +288,43 @@ impl ContextParallelMulti for DotProductAttention {
             );
         }
         let sz = self.sizes(q, k, v)?;
-        let Some(chunks) = cx.cp_chunks(sz.seq)? else {
-            let (out, whole) = self.forward_whole(cx, [q, k, v], sz)?;
-            let kept = Kept::Whole(Box::new(whole));
-            return Ok((out, DotProductSaved { kept }));
-        };
-        let Some(groups) = cx.cp_groups() else {
-            return invalid!(
-                "attention at context-parallel size {} has no context-parallel groups to \
-                 exchange keys and values over",
-                cx.cp_size()
-            );
-        };
         let d = sz.d_qk.max(sz.d_v);
-        let layer = CpLayer {
-            groups: sz.kv_heads,
-            per_group: sz.heads / sz.kv_heads,
-            scale: self.scale(),
-            window: self.window,
-            dropout: None,
+        let grouped = sz.grouped(d);
+        let fused = pack(cx, [q, k, v], sz, d)?;
+        let (out, kept) = match cx.cp_chunks(sz.seq)? {
+            None => {
+                let expanded = match grouped.per_group {
+                    1 => fused,
+                    _ => backend::of(&fused).expand_groups(&fused, grouped)?,
+                };
+                let shape = AttentionShape {
+                    seq: sz.seq,
+                    batch: sz.batch,
+                    heads: sz.heads,
+                    head_dim: d,
+                    window: self.window,
+                    scale: self.scale(),
+                };
+                let (out, kept) =
+                    backend::of(&expanded).attention_forward(&expanded, shape, &None, false)?;
+                (out, Kept::Whole(Box::new((kept, shape))))
+            }
+            Some(chunks) => {
+                let layer = CpLayer {
+                    groups: grouped.groups,
+                    per_group: grouped.per_group,
+                    scale: self.scale(),
+                    window: self.window,
+                    dropout: None,
+                };
+                let groups = cp_groups(cx)?;
+                let (out, blocks) =
+                    context_parallel::attention_forward(groups, chunks, &fused, layer)?;
+                (out, Kept::Chunks(Box::new(blocks)))
+            }
         };
-        let dims = [sz.seq, sz.batch, sz.kv_heads * (layer.per_group + 2) * d];
-        let fused = context_parallel::near(pack(q, k, v, sz, d)?, dims, DType::F32, q)?;
-        let (out, blocks) = context_parallel::attention_forward(groups, chunks, &fused, layer)?;
-        let out = reheads(&out, sz, (d, sz.d_v))?;
-        let kept = Kept::Chunks(Box::new(ChunksSaved {
-            blocks,
-            sizes: sz,
-            d,
-        }));
-        Ok((out, DotProductSaved { kept }))
+        let out = unpad_heads(cx, &out, sz.d_v, d)?;
+        Ok((out, DotProductSaved { kept, sizes: sz, d }))
     }
 
     fn backward_chunks(
@@ -410,89 +334,35 @@ impl ContextParallelMulti for DotProductAttention {
         saved: DotProductSaved,
         dy: &Tensor,
     ) -> Result<Vec<Tensor>> {
-        let chunked = match saved.kept {
-            Kept::Whole(whole) => return self.backward_whole(cx, *whole, dy),
-            Kept::Chunks(c) => c,
-        };
-        let ChunksSaved { blocks, sizes, d } = *chunked;
-        let Some(groups) = cx.cp_groups() else {
-            return invalid!("attention's backward on chunks runs under context parallelism");
-        };
-        let d_out = reheads(dy, sizes, (sizes.d_v, d))?;
-        let d_fused = context_parallel::attention_backward(groups, &blocks, &d_out)?;
-        unpack(&d_fused, sizes, d, dy)
-    }
-}
-
-/// Where the query head `h`'s, key head `g`'s and value head `g`'s `d` elements of row `r`
-/// lie in the grouped projection `[rows, kv_heads, per_group + 2, d]` the context-parallel
-/// blocks read (each group's query heads, then its key and its value).
-fn slots(sz: Sizes, d: usize) -> impl Fn(usize, usize, usize) -> usize {
-    let per_group = sz.heads / sz.kv_heads;
-    move |r, g, slot| ((r * sz.kv_heads + g) * (per_group + 2) + slot) * d
-}
-
-/// The queries, keys and values packed as the grouped projection, each head zero-padded to `d`.
-fn pack(q: &Tensor, k: &Tensor, v: &Tensor, sz: Sizes, d: usize) -> Result<Vec<f32>> {
-    let (q, k, v) = (q.to_vec_f32()?, k.to_vec_f32()?, v.to_vec_f32()?);
-    let (rows, per_group) = (sz.seq * sz.batch, sz.heads / sz.kv_heads);
-    let at = slots(sz, d);
-    let mut x = vec![0.0f32; rows * sz.kv_heads * (per_group + 2) * d];
-    let (dq, dv) = (sz.d_qk, sz.d_v);
-    for r in 0..rows {
-        for g in 0..sz.kv_heads {
-            for j in 0..per_group {
-                let h = g * per_group + j;
-                x[at(r, g, j)..][..dq].copy_from_slice(&q[(r * sz.heads + h) * dq..][..dq]);
+        let DotProductSaved { kept, sizes, d } = saved;
+        let grouped = sizes.grouped(d);
+        let d_out = pad_heads(cx, dy, sizes.d_v, d)?;
+        let d_fused = match kept {
+            Kept::Whole(whole) => {
+                let (kept, shape) = *whole;
+                let d_qkv = backend::of(&d_out).attention_backward(&kept, &None, shape, &d_out)?;
+                match grouped.per_group {
+                    1 => d_qkv,
+                    _ => backend::of(&d_qkv).reduce_groups(&d_qkv, grouped)?,
+                }
             }
-            let kv = r * sz.kv_heads + g;
-            x[at(r, g, per_group)..][..dq].copy_from_slice(&k[kv * dq..][..dq]);
-            x[at(r, g, per_group + 1)..][..dv].copy_from_slice(&v[kv * dv..][..dv]);
-        }
-    }
-    Ok(x)
-}
-
-/// The gradients of [`pack`]'s inputs from the projection's, the padding's dropped.
-fn unpack(d_fused: &Tensor, sz: Sizes, d: usize, like: &Tensor) -> Result<Vec<Tensor>> {
-    let x = d_fused.to_vec_f32()?;
-    let (rows, per_group) = (sz.seq * sz.batch, sz.heads / sz.kv_heads);
-    let at = slots(sz, d);
-    let (dq, dv) = (sz.d_qk, sz.d_v);
-    let mut q = vec![0.0f32; rows * sz.heads * dq];
-    let mut k = vec![0.0f32; rows * sz.kv_heads * dq];
-    let mut v = vec![0.0f32; rows * sz.kv_heads * dv];
-    for r in 0..rows {
-        for g in 0..sz.kv_heads {
-            for j in 0..per_group {
-                let h = g * per_group + j;
-                q[(r * sz.heads + h) * dq..][..dq].copy_from_slice(&x[at(r, g, j)..][..dq]);
+            Kept::Chunks(blocks) => {
+                context_parallel::attention_backward(cp_groups(cx)?, &blocks, &d_out)?
             }
-            let kv = r * sz.kv_heads + g;
-            k[kv * dq..][..dq].copy_from_slice(&x[at(r, g, per_group)..][..dq]);
-            v[kv * dv..][..dv].copy_from_slice(&x[at(r, g, per_group + 1)..][..dv]);
-        }
+        };
+        unpack(cx, &d_fused, sizes, d)
     }
-    let (s, b) = (sz.seq, sz.batch);
-    Ok(vec![
-        context_parallel::near(q, [s, b, sz.heads * dq], DType::F32, like)?,
-        context_parallel::near(k, [s, b, sz.kv_heads * dq], DType::F32, like)?,
-        context_parallel::near(v, [s, b, sz.kv_heads * dv], DType::F32, like)?,
-    ])
 }
 
-/// Rows of `from`-element heads as rows of `to`-element heads: cut, or padded with zeros.
-fn reheads(x: &Tensor, sz: Sizes, (from, to): (usize, usize)) -> Result<Tensor> {
-    let (s, b, h) = (sz.seq, sz.batch, sz.heads);
-    if from == to {
-        return Ok(x.to_f32_contiguous()?);
-    }
-    let keep = from.min(to);
-    let mut out = vec![0.0f32; s * b * h * to];
-    for (i, head) in x.to_vec_f32()?.chunks_exact(from).enumerate() {
-        out[i * to..][..keep].copy_from_slice(&head[..keep]);
-    }
-    context_parallel::near(out, [s, b, h * to], DType::F32, x)
+/// The context-parallel groups attention exchanges keys and values over, or an error.
+fn cp_groups<'a>(cx: &Cx<'a>) -> Result<&'a context_parallel::CpGroups> {
+    cx.cp_groups().ok_or_else(|| {
+        Error::Invalid(format!(
+            "attention at context-parallel size {} has no context-parallel groups to exchange \
+             keys and values over",
+            cx.cp_size()
+        ))
+    })
 }
 
 /// Rotary position embeddings on every head of a tensor: the settings (base, interleaving,
