@@ -3,7 +3,7 @@
 //!
 //! The macros fuse each chain of element-wise operations into one loop over the tensors' slices
 //! that calls these (and the same functions of `cuda/cu/pointwise.cuh` on a GPU): see
-//! [`crate::ops::fused`]. A derivative named `*_grad` is `f'(x)`; functions whose derivative is
+//! [`crate::ops::fused()`]. A derivative named `*_grad` is `f'(x)`; functions whose derivative is
 //! cheaper from their output (`sigmoid`, `tanh`, `exp`, `sqrt`, `rsqrt`) have it written by the
 //! macros from the output. Every function keeps NaN as NaN.
 

@@ -161,9 +161,9 @@ impl DotProductAttention {
     }
 }
 
-/// `q`, `k` and `v` as `CausalSelfAttention`'s grouped projection `[s, b, kv_heads · (per_group
-/// + 2) · d]` (each group's query heads, then its key and its value), every head padded with
-/// zeros to `d`.
+/// `q`, `k` and `v` as `CausalSelfAttention`'s grouped projection, `[s, b, kv_heads ·
+/// (per_group + 2) · d]` (each group's query heads, then its key and its value), every head
+/// padded with zeros to `d`.
 fn pack(cx: &Cx, [q, k, v]: [&Tensor; 3], sz: Sizes, d: usize) -> Result<Tensor> {
     let per_group = sz.heads / sz.kv_heads;
     let parts = [
@@ -270,10 +270,10 @@ impl MultiOp for DotProductAttention {
 }
 
 impl ContextParallelMulti for DotProductAttention {
-    /// The three packed as the grouped projection; on the whole sequence (context-parallel size
-    /// 1) each query head given its group's key and value and run by the attention kernels (the
-    /// flash kernels on a GPU that has them), under context parallelism by the blocks; the
-    /// context cut back to the values' head size.
+    /// The three packed as the grouped projection; on the whole sequence each query head given
+    /// its group's key and value and run by the attention kernels (the flash kernels on a GPU
+    /// that has them), under context parallelism by the blocks; the context cut back to the
+    /// values' head size.
     fn forward_chunks(
         &self,
         cx: &Cx,
