@@ -9,7 +9,9 @@
 //!
 //! Trained on one rank, at tensor parallelism 2 × data parallelism 2, at tensor parallelism 2
 //! with sequence parallelism, and at pipeline parallelism 2 (thread ranks): every layout
-//! follows the one-rank run.
+//! follows the one-rank run. Then the same block written with its two branches as modules of
+//! their own, `x + self.attn(n) + self.mlp(n)`: declared `#[partial_output]`, each hands its
+//! last layer's partial output over and the block still reduces their sum once.
 //!
 //! ```sh
 //! cargo run --release --example custom_model
@@ -45,6 +47,60 @@ impl ParallelBlock {
     }
 }
 
+/// The attention branch as a module: it ends in a row-parallel layer, so a caller may take its
+/// output unreduced (`#[partial_output]`).
+#[megatron::module]
+pub struct AttnBranch {
+    #[column_parallel]
+    qkv: Linear,
+    #[context_parallel]
+    core: CausalSelfAttention,
+    #[row_parallel]
+    proj: Linear,
+}
+
+#[megatron::module]
+impl AttnBranch {
+    fn forward(&self, n: Tensor) -> Tensor {
+        self.proj(self.core(self.qkv(n)))
+    }
+}
+
+/// The MLP branch as a module, ending in a row-parallel layer too.
+#[megatron::module]
+pub struct MlpBranch {
+    #[column_parallel]
+    fc1: Linear,
+    #[row_parallel]
+    fc2: Linear,
+}
+
+#[megatron::module]
+impl MlpBranch {
+    fn forward(&self, n: Tensor) -> Tensor {
+        self.fc2(gelu(self.fc1(n)))
+    }
+}
+
+/// The parallel block with its branches as sub-modules: their partial outputs are summed
+/// across the module boundary and reduced once.
+#[megatron::module]
+pub struct ModularBlock {
+    ln: LayerNorm,
+    #[partial_output]
+    attn: AttnBranch,
+    #[partial_output]
+    mlp: MlpBranch,
+}
+
+#[megatron::module]
+impl ModularBlock {
+    fn forward(&self, x: Tensor) -> Tensor {
+        let n = self.ln(x);
+        x + self.attn(n) + self.mlp(n)
+    }
+}
+
 /// The language model: vocabulary-parallel embedding tied to the output layer, the blocks (cut
 /// into pipeline stages), a final norm and the fused vocabulary-parallel cross-entropy.
 #[megatron::module]
@@ -74,6 +130,34 @@ impl CarriedWidth for ParallelLm {
     }
 }
 
+/// The same language model over the modular blocks.
+#[megatron::module]
+pub struct ModularLm {
+    #[vocab_parallel]
+    wte: Embedding,
+    #[pipeline]
+    blocks: Vec<ModularBlock>,
+    ln_f: LayerNorm,
+}
+
+#[megatron::module]
+impl ModularLm {
+    fn forward(&self, tokens: Ids, targets: Ids) -> Tensor {
+        let mut h = self.wte(tokens);
+        for block in &self.blocks {
+            h = block(h);
+        }
+        let h = self.ln_f(h);
+        cross_entropy(self.wte.logits(h), targets)
+    }
+}
+
+impl CarriedWidth for ModularLm {
+    fn carried_width(&self) -> usize {
+        self.ln_f.hidden()
+    }
+}
+
 const HIDDEN: usize = 128;
 const HEADS: usize = 4;
 const LAYERS: usize = 2;
@@ -92,6 +176,26 @@ fn spec() -> ParallelLmSpec {
         fc2: LinearSpec::new(4 * HIDDEN, HIDDEN),
     };
     ParallelLmSpec {
+        wte: EmbeddingSpec::new(VOCAB, HIDDEN),
+        blocks: vec![block; LAYERS],
+        ln_f: LayerNormSpec::new(HIDDEN),
+    }
+}
+
+fn modular_spec() -> ModularLmSpec {
+    let block = ModularBlockSpec {
+        ln: LayerNormSpec::new(HIDDEN),
+        attn: AttnBranchSpec {
+            qkv: LinearSpec::new(HIDDEN, 3 * HIDDEN),
+            core: CausalSelfAttention::new(HEADS, 0.1),
+            proj: LinearSpec::new(HIDDEN, HIDDEN),
+        },
+        mlp: MlpBranchSpec {
+            fc1: LinearSpec::new(HIDDEN, 4 * HIDDEN),
+            fc2: LinearSpec::new(4 * HIDDEN, HIDDEN),
+        },
+    };
+    ModularLmSpec {
         wte: EmbeddingSpec::new(VOCAB, HIDDEN),
         blocks: vec![block; LAYERS],
         ln_f: LayerNormSpec::new(HIDDEN),
@@ -134,6 +238,27 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                 },
             ),
             ("PP=2", Layout { pp: 2, ..ONE }),
+        ],
+        (1e-5, 1e-3),
+    )?;
+    println!("\nthe same blocks with their branches as #[partial_output] sub-modules");
+    let run = Run {
+        steps: STEPS / 2,
+        ..run
+    };
+    common::train_and_compare::<ModularLm>(
+        &modular_spec(),
+        run,
+        &[
+            ("one rank", ONE),
+            (
+                "TP=2 + SP",
+                Layout {
+                    tp: 2,
+                    sp: true,
+                    ..ONE
+                },
+            ),
         ],
         (1e-5, 1e-3),
     )
