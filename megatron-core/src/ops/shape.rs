@@ -96,6 +96,17 @@ fn place_columns(
     Ok(t.t()?.contiguous()?)
 }
 
+/// `parts` (`[n, w_i]` each) side by side near `like`: `[n, Σ w_i]`.
+fn side_by_side(like: &Tensor, n: usize, parts: &[Tensor]) -> Result<Tensor> {
+    let mut placed = Vec::with_capacity(parts.len());
+    let mut at = 0;
+    for p in parts {
+        placed.push((p, at));
+        at += p.last_dim();
+    }
+    place_columns(like, n, at, &placed)
+}
+
 /// Columns `start..start + w` of `x` (`[rows, width]`, contiguous f32), contiguous: on the
 /// host each row's run copied, on a device the strided copy.
 fn columns(x: &Tensor, start: usize, w: usize) -> Result<Tensor> {
@@ -170,7 +181,12 @@ pub fn shape(_cx: &Cx, _site: Site, op: ShapeOp, xs: &[&Tensor]) -> Result<(Tens
         }
         op => op,
     };
-    let x = first.to_f32_contiguous()?;
+    // Each input read once, as contiguous f32.
+    let inputs: Vec<Tensor> = xs
+        .iter()
+        .map(|t| Ok(t.to_f32_contiguous()?))
+        .collect::<Result<_>>()?;
+    let x = &inputs[0];
     let y = match &op {
         ShapeOp::Narrow { start, len } => {
             if start + len > widths[0] {
@@ -181,29 +197,23 @@ pub fn shape(_cx: &Cx, _site: Site, op: ShapeOp, xs: &[&Tensor]) -> Result<(Tens
                     first.shape()
                 );
             }
-            columns(&rows(&x, widths[0])?, *start, *len)?.reshape(with_width(&dims, *len))?
+            columns(&rows(x, widths[0])?, *start, *len)?.reshape(with_width(&dims, *len))?
         }
         ShapeOp::Chunk { .. } => return invalid!("chunk: resolved to its narrow above"),
         ShapeOp::Cat => {
             let total: usize = widths.iter().sum();
-            let parts: Vec<Tensor> = xs
+            let parts: Vec<Tensor> = inputs
                 .iter()
                 .zip(&widths)
-                .map(|(t, &w)| rows(&t.to_f32_contiguous()?, w))
+                .map(|(t, &w)| rows(t, w))
                 .collect::<Result<_>>()?;
-            let mut placed = Vec::new();
-            let mut at = 0;
-            for p in &parts {
-                placed.push((p, at));
-                at += p.last_dim();
-            }
-            place_columns(&x, lead, total, &placed)?.reshape(with_width(&dims, total))?
+            side_by_side(x, lead, &parts)?.reshape(with_width(&dims, total))?
         }
         ShapeOp::HeadPart { sizes, part } => {
             let per_head: usize = sizes.iter().sum();
             let heads = heads_of("split_heads", widths[0], per_head)?;
             let start: usize = sizes[..*part].iter().sum();
-            columns(&rows(&x, per_head)?, start, sizes[*part])?
+            columns(&rows(x, per_head)?, start, sizes[*part])?
                 .reshape(with_width(&dims, heads * sizes[*part]))?
         }
         ShapeOp::CatHeads { sizes } => {
@@ -217,7 +227,7 @@ pub fn shape(_cx: &Cx, _site: Site, op: ShapeOp, xs: &[&Tensor]) -> Result<(Tens
             let heads = heads_of("cat_heads", widths[0], sizes[0])?;
             let per_head: usize = sizes.iter().sum();
             let mut parts = Vec::new();
-            for (i, (t, &s)) in xs.iter().zip(sizes).enumerate() {
+            for (i, (t, &s)) in inputs.iter().zip(sizes).enumerate() {
                 if heads_of("cat_heads", widths[i], s)? != heads {
                     return invalid!(
                         "cat_heads: input {i} has {} features, {} heads of {s}, where input 0 \
@@ -226,22 +236,15 @@ pub fn shape(_cx: &Cx, _site: Site, op: ShapeOp, xs: &[&Tensor]) -> Result<(Tens
                         widths[i] / s
                     );
                 }
-                parts.push(rows(&t.to_f32_contiguous()?, s)?);
+                parts.push(rows(t, s)?);
             }
-            let mut placed = Vec::new();
-            let mut at = 0;
-            for p in &parts {
-                placed.push((p, at));
-                at += p.last_dim();
-            }
-            place_columns(&x, lead * heads, per_head, &placed)?
-                .reshape(with_width(&dims, heads * per_head))?
+            side_by_side(x, lead * heads, &parts)?.reshape(with_width(&dims, heads * per_head))?
         }
         ShapeOp::BroadcastHeads { heads } => {
             let w = widths[0];
-            let one = rows(&x, w)?;
+            let one = rows(x, w)?;
             let placed: Vec<(&Tensor, usize)> = (0..*heads).map(|h| (&one, h * w)).collect();
-            place_columns(&x, lead, heads * w, &placed)?.reshape(with_width(&dims, heads * w))?
+            place_columns(x, lead, heads * w, &placed)?.reshape(with_width(&dims, heads * w))?
         }
     };
     Ok((y, ShapeSaved { op, widths, dims }))
