@@ -191,13 +191,9 @@ pub fn merge(s: &ModuleStruct, mut g: Graph, a: Analysis) -> (Graph, Analysis) {
             deferred = true;
         }
         nodes.push(Node {
-            op: node.op.clone(),
             args,
-            arg_srcs: node.arg_srcs.clone(),
-            output: node.output,
-            site: node.site.clone(),
-            src: node.src.clone(),
             deferred,
+            ..node.clone()
         });
         field.push(a.field[n]);
     }

@@ -82,16 +82,7 @@ pub fn fuse(g: Graph, a: Analysis) -> (Graph, Analysis) {
             }
             Some(_) => {}
             None => {
-                let node = &g.nodes[n];
-                nodes.push(Node {
-                    op: node.op.clone(),
-                    args: node.args.clone(),
-                    arg_srcs: node.arg_srcs.clone(),
-                    output: node.output,
-                    site: node.site.clone(),
-                    src: node.src.clone(),
-                    deferred: node.deferred,
-                });
+                nodes.push(g.nodes[n].clone());
                 field.push(a.field[n]);
             }
         }
@@ -197,17 +188,11 @@ fn chain(g: &Graph, ms: &[usize], sites: &mut Vec<String>) -> Node {
             reg_names[r] = g.values[g.nodes[m].output].name.clone();
         }
     }
-    let site = root.site.clone().unwrap_or_else(|| {
-        // A `+` at the root: name the chain after it.
-        let mut name = "add".to_string();
-        let mut k = 0;
-        while sites.contains(&name) {
-            k += 1;
-            name = format!("add_{k}");
-        }
-        sites.push(name.clone());
-        name
-    });
+    // A `+` at the root: name the chain after it.
+    let site = root
+        .site
+        .clone()
+        .unwrap_or_else(|| crate::model::unique_site(sites, "add"));
     let program = Program {
         inputs: inputs.len(),
         scalars: scalars.len(),

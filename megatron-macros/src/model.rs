@@ -262,6 +262,18 @@ pub fn build(forward: &Forward) -> syn::Result<Graph> {
     Ok(graph)
 }
 
+/// `base`, or the first of `base_1`, `base_2`, ... not among `sites`, added to them.
+pub(crate) fn unique_site(sites: &mut Vec<String>, base: &str) -> String {
+    let mut name = base.to_string();
+    let mut k = 0;
+    while sites.contains(&name) {
+        k += 1;
+        name = format!("{base}_{k}");
+    }
+    sites.push(name.clone());
+    name
+}
+
 impl Graph {
     /// The value forward returns, for a forward of one output (a pipelined module's, whose
     /// stages pass one tensor on).
@@ -298,14 +310,7 @@ impl Builder {
 
     /// A unique call-site name: `base`, then `base_1`, `base_2`, ...
     fn site(&mut self, base: &str) -> String {
-        let mut name = base.to_string();
-        let mut k = 0;
-        while self.sites.contains(&name) {
-            k += 1;
-            name = format!("{base}_{k}");
-        }
-        self.sites.push(name.clone());
-        name
+        unique_site(&mut self.sites, base)
     }
 
     fn node(
@@ -355,6 +360,13 @@ impl Builder {
         self.env.get(&name)
     }
 
+    /// Binds `name` to `v` (naming the value after it if it has no name yet).
+    fn bind(&mut self, name: &Ident, v: ValueId, mutable: bool) {
+        self.name_value(v, name);
+        self.env
+            .insert(name.unraw().to_string(), Binding { value: v, mutable });
+    }
+
     /// Names `v` after `name` if it has no name yet.
     fn name_value(&mut self, v: ValueId, name: &Ident) {
         let value = &mut self.graph.values[v];
@@ -371,45 +383,37 @@ impl Builder {
                 expr,
             } => {
                 let Some(v) = self.expr(expr) else { return };
-                self.name_value(v, name);
-                self.env.insert(
-                    name.unraw().to_string(),
-                    Binding {
-                        value: v,
-                        mutable: *mutable,
-                    },
-                );
+                self.bind(name, v, *mutable);
             }
             Stmt::LetOutputs { names, call } => {
                 let Some(t) = self.expr(call) else { return };
                 let src = call.src();
                 for (index, name) in names.iter().enumerate() {
-                    let v = self.node(
-                        NodeOp::Take { index },
-                        vec![(t, src.clone())],
-                        None,
-                        Src::of(name),
-                    );
-                    self.name_value(v, name);
-                    self.env.insert(
-                        name.unraw().to_string(),
-                        Binding {
-                            value: v,
-                            mutable: false,
-                        },
-                    );
+                    let op = NodeOp::Take { index };
+                    let v = self.node(op, vec![(t, src.clone())], None, Src::of(name));
+                    self.bind(name, v, false);
                 }
             }
             Stmt::LetParts { names, split } => {
                 let Some(x) = self.expr(&split.x) else { return };
                 let arg_src = split.x.src();
+                // What a part is cut by, for messages, and its call sites' name.
+                let (what, base) = match &split.how {
+                    SplitHow::Heads(_) => (None, "split_heads"),
+                    SplitHow::Chunks(n) => (Some(format!("chunked into {n} equal parts")), "chunk"),
+                    SplitHow::Sizes(sizes) => {
+                        let texts: Vec<String> = sizes.iter().map(|e| Src::of(e).text()).collect();
+                        (
+                            Some(format!("split at sizes [{}]", texts.join(", "))),
+                            "split",
+                        )
+                    }
+                };
                 for (k, name) in names.iter().enumerate() {
-                    let (op, sizes, of_split) = match &split.how {
-                        SplitHow::Heads(sizes) => (ShapeKind::HeadPart(k), sizes.clone(), None),
+                    let (op, sizes) = match &split.how {
+                        SplitHow::Heads(sizes) => (ShapeKind::HeadPart(k), sizes.clone()),
                         SplitHow::Chunks(n) => {
-                            let what = format!("chunked into {n} equal parts");
-                            let n: syn::Expr = syn::parse_quote!(#n);
-                            (ShapeKind::ChunkPart(k), vec![n], Some((k, what)))
+                            (ShapeKind::ChunkPart(k), vec![syn::parse_quote!(#n)])
                         }
                         SplitHow::Sizes(sizes) => {
                             let before = &sizes[..k];
@@ -418,36 +422,23 @@ impl Builder {
                             } else {
                                 syn::parse_quote!(#(#before)+*)
                             };
-                            let texts: Vec<String> =
-                                sizes.iter().map(|e| Src::of(e).text()).collect();
-                            let what = format!("split at sizes [{}]", texts.join(", "));
-                            let sizes = vec![start, sizes[k].clone()];
-                            (ShapeKind::Narrow, sizes, Some((k, what)))
+                            (ShapeKind::Narrow, vec![start, sizes[k].clone()])
                         }
                     };
-                    let site = self.site(match &split.how {
-                        SplitHow::Heads(_) => "split_heads",
-                        SplitHow::Chunks(_) => "chunk",
-                        SplitHow::Sizes(_) => "split",
-                    });
+                    let of_split = what.clone().map(|w| (k, w));
+                    let site = self.site(base);
+                    let shape = NodeOp::Shape {
+                        op,
+                        sizes,
+                        of_split,
+                    };
                     let v = self.node(
-                        NodeOp::Shape {
-                            op,
-                            sizes,
-                            of_split,
-                        },
+                        shape,
                         vec![(x, arg_src.clone())],
                         Some(site),
                         split.src.clone(),
                     );
-                    self.name_value(v, name);
-                    self.env.insert(
-                        name.unraw().to_string(),
-                        Binding {
-                            value: v,
-                            mutable: false,
-                        },
-                    );
+                    self.bind(name, v, false);
                 }
             }
             Stmt::Assign { name, expr, src } => {
@@ -607,7 +598,7 @@ impl Builder {
                 Some(self.node(op, args, Some(site), src.clone()))
             }
             Expr::Scalar { expr, config } => {
-                let message = match (config.as_slice(), self_field_only(expr)) {
+                let message = match (config.as_slice(), crate::parse::self_field(expr).is_some()) {
                     ([field], true) => format!(
                         "`self.{0}` is used without a call; forward calls fields, \
                          `self.{0}(x)` (#[config] values are scalars: operands of element-wise \
@@ -720,9 +711,4 @@ fn dropout_call(expr: &Expr) -> Option<(&Expr, &syn::Expr)> {
         },
         _ => None,
     }
-}
-
-/// Whether `e` is `self.name` and nothing else.
-fn self_field_only(e: &syn::Expr) -> bool {
-    matches!(e, syn::Expr::Field(f) if matches!(&*f.base, syn::Expr::Path(p) if p.path.is_ident("self")))
 }

@@ -1416,7 +1416,7 @@ fn plain_ident(e: &syn::Expr) -> Option<Ident> {
 }
 
 /// `field` if `e` is `self.field`.
-fn self_field(e: &syn::Expr) -> Option<Ident> {
+pub(crate) fn self_field(e: &syn::Expr) -> Option<Ident> {
     match e {
         syn::Expr::Field(f) if is_self(&f.base) => match &f.member {
             syn::Member::Named(i) => Some(i.clone()),

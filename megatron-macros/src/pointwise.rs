@@ -657,8 +657,6 @@ pub struct Generated {
     pub cuda: [String; 2],
     /// Whether the backward reads the output (else the inputs).
     pub keeps_output: bool,
-    /// Outputs of the backward: one gradient per input.
-    pub gradients: usize,
 }
 
 /// FNV-1a, 64 bits: a kernel name's suffix from its source (same source, same kernel).
@@ -682,7 +680,6 @@ pub fn generate(p: &Program, stem: &str, rt: &str) -> Generated {
         cuda: [kernels[0].cuda(&names[0]), kernels[1].cuda(&names[1])],
         names,
         keeps_output: keeps_output(p),
-        gradients: p.inputs,
     }
 }
 

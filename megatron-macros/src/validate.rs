@@ -594,10 +594,13 @@ impl Checker<'_> {
     /// The `self.name` scalars read are #[config] fields.
     fn config_reads(&mut self) {
         for ident in &self.g.config_reads {
-            let name = ident.unraw().to_string();
-            match self.s.fields.iter().find(|f| f.name() == name) {
-                Some(f) if matches!(f.kind, FieldKind::Config) => {}
-                Some(f) => self.errors.push(syn::Error::new_spanned(
+            let Some(i) = self.find_field(ident) else {
+                continue;
+            };
+            let f = &self.s.fields[i];
+            if !matches!(f.kind, FieldKind::Config) {
+                let name = f.name();
+                self.errors.push(syn::Error::new_spanned(
                     ident,
                     format!(
                         "`self.{name}` is {} and is used as a scalar; the scalars of \
@@ -605,10 +608,7 @@ impl Checker<'_> {
                          (a field is called: `self.{name}(x)`)",
                         f.kind.attribute()
                     ),
-                )),
-                None => {
-                    self.find_field(ident);
-                }
+                ));
             }
         }
     }

@@ -213,7 +213,7 @@ impl<'a> Ctx<'a> {
                     let args = &self.g.nodes[n].args;
                     let ids = args.len() == 1 && self.a.sharding[args[0]] == Sharding::Ids;
                     if let (true, Some(op)) = (args.len() > 1, kind::op_kind(&f.kind)) {
-                        note(op.imports_for(true));
+                        note(op.multi_imports());
                     } else {
                         let mut uses = kind::of(&f.kind).imports(backward, ids);
                         // A deferred layer's collective is its merged node's, which notes it.
@@ -445,7 +445,7 @@ pub fn forward(
     let name = &fun.forward;
     let imports = cx.imports(false);
     let lint = (fun.inputs.len() > 5).then(|| quote!(#[allow(clippy::too_many_arguments)]));
-    let returns = outputs_type(rt, g.outputs.len());
+    let returns = per_output(quote!(#rt::tensor::Tensor), g.outputs.len());
     let tokens = quote! {
         #docs
         #lint
@@ -463,13 +463,13 @@ pub fn forward(
     }
 }
 
-/// What a forward of `n` outputs returns: a `Tensor`, or a tuple of them.
-pub(in crate::generate) fn outputs_type(rt: &TokenStream, n: usize) -> TokenStream {
-    let tensor = quote!(#rt::tensor::Tensor);
+/// `ty` for one output, or a tuple of `n` of them: what a forward of `n` outputs returns
+/// (`Tensor`), or what its backward takes (`&Tensor`).
+pub(in crate::generate) fn per_output(ty: TokenStream, n: usize) -> TokenStream {
     match n {
-        1 => tensor,
+        1 => ty,
         n => {
-            let all = std::iter::repeat_n(tensor, n);
+            let all = std::iter::repeat_n(ty, n);
             quote!((#(#all),*))
         }
     }
@@ -490,8 +490,8 @@ fn output_gradients(b: &mut Body<'_>, rt: &TokenStream, n: usize) -> (TokenStrea
     let idents = names
         .iter()
         .map(|name| syn::Ident::new(name, Span::call_site()));
-    let tys = std::iter::repeat_n(quote!(&#rt::tensor::Tensor), n);
-    (quote!((#(#idents),*): (#(#tys),*)), locals)
+    let tys = per_output(quote!(&#rt::tensor::Tensor), n);
+    (quote!((#(#idents),*): #tys), locals)
 }
 
 /// The statements of one node in forward.
@@ -930,8 +930,8 @@ impl<'g> Grads<'g> {
     }
 }
 
-/// The `Sharding` a dropout of value `v` draws its mask with: split by the last dimension when
-/// `v` is tensor-parallel split, else replicated.
+/// The `Sharding` of value `v` as the runtime ops take it (a dropout's mask, rope's positions):
+/// split by the last dimension when `v` is tensor-parallel split, else replicated.
 pub(in crate::generate) fn dropout_sharding(cx: &Ctx<'_>, v: usize) -> TokenStream {
     match cx.a.sharding[v] {
         Sharding::Split => quote!(Sharding::SplitLastDim),

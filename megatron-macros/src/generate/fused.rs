@@ -74,7 +74,8 @@ pub fn consts(root: &Root, s: &ModuleStruct, g: &Graph) -> TokenStream {
             program.inputs
         };
         let forward = kernel(0, program.inputs, 1);
-        let backward = kernel(1, kept + 1, generated.gradients);
+        // The backward writes one gradient per input.
+        let backward = kernel(1, kept + 1, program.inputs);
         let keep = if generated.keeps_output {
             quote!(#rt::ops::Keep::Output)
         } else {

@@ -284,11 +284,7 @@ pub fn saved_field_type(
         NodeOp::Shape { .. } => quote!(#rt::ops::ShapeSaved),
         NodeOp::DropoutAdd { .. } => quote!(#rt::ops::DropoutSaved),
         NodeOp::Field { .. }
-            if node.args.len() > 1
-                && matches!(
-                    field.map(|f| &f.kind),
-                    Some(FieldKind::Op | FieldKind::ContextParallel)
-                ) =>
+            if node.args.len() > 1 && field.and_then(|f| kind::op_kind(&f.kind)).is_some() =>
         {
             // Both kinds' traits of several inputs are `MultiOp`s.
             let ty = &field.expect("validated").ty;
@@ -1067,14 +1063,8 @@ pub fn impl_error_items(
         let grads = gradient_type(root, inputs);
         let plus_fn =
             backward_plus(root, s, inputs, *outputs, true).map(|f| quote!(#[doc(hidden)] #f));
-        let returns = body::outputs_type(rt, *outputs);
-        let d_outs = match outputs {
-            1 => quote!(&#rt::tensor::Tensor),
-            n => {
-                let all = std::iter::repeat_n(quote!(&#rt::tensor::Tensor), *n);
-                quote!((#(#all),*))
-            }
-        };
+        let returns = body::per_output(quote!(#rt::tensor::Tensor), *outputs);
+        let d_outs = body::per_output(quote!(&#rt::tensor::Tensor), *outputs);
         quote! {
             impl #self_ident {
                 #[doc(hidden)]

@@ -178,7 +178,6 @@ pub(crate) struct Imports {
     pub lookup: bool,
 }
 
-/// The implementation of a field kind.
 /// The parameterless ops' kinds (`#[op]`, `#[context_parallel]`), whose calls may take several
 /// inputs; `None` for the others.
 pub(crate) fn op_kind(kind: &FieldKind) -> Option<&'static op::Op> {
@@ -189,6 +188,7 @@ pub(crate) fn op_kind(kind: &FieldKind) -> Option<&'static op::Op> {
     }
 }
 
+/// The implementation of a field kind.
 pub(crate) fn of(kind: &FieldKind) -> &'static dyn Kind {
     match kind {
         FieldKind::Column { .. } => &column::Column,

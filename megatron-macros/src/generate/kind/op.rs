@@ -61,10 +61,10 @@ impl Op {
         quote!(#tr::#m)
     }
 
-    /// What a call imports: its trait, or with several inputs `multi`'s.
-    pub(crate) fn imports_for(&self, several: bool) -> Imports {
+    /// What a call of several inputs imports: `multi`'s trait.
+    pub(crate) fn multi_imports(&self) -> Imports {
         Imports {
-            named: Some(if several { self.multi } else { self.named }),
+            named: Some(self.multi),
             ..Imports::default()
         }
     }

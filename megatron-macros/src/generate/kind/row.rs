@@ -13,6 +13,7 @@ use super::{
 };
 use crate::generate::body::{Body, value_base};
 use crate::generate::comment;
+use crate::model::{NodeOp, Use};
 use crate::parse::{Field, FieldKind};
 use crate::validate::{Checker, FieldCall, Origin, Sharding, Want};
 
@@ -103,11 +104,22 @@ impl Kind for Row {
             ),
         );
         if node.deferred {
-            // Reduced with the other row-parallel outputs of the sum it is in (`RowSum`).
-            let doc = comment(&format!(
-                "`{name}`: #[row_parallel]. Its partial outputs are summed with the other \
-                 row-parallel outputs of the sum below, which runs g once for all of them."
-            ));
+            // Reduced with the other row-parallel outputs of the sum it is in (`RowSum`), or by
+            // the caller of the module it ends (`PartialOutput`).
+            let summed = cx.g.values[node.output].uses.iter().any(|u| {
+                matches!(u, Use::Arg { node, .. } if matches!(cx.g.nodes[*node].op, NodeOp::RowSum { .. }))
+            });
+            let doc = comment(&if summed {
+                format!(
+                    "`{name}`: #[row_parallel]. Its partial outputs are summed with the other \
+                     row-parallel outputs of the sum below, which runs g once for all of them."
+                )
+            } else {
+                format!(
+                    "`{name}`: #[row_parallel]. Its partial outputs are returned unreduced and \
+                     without the bias: the caller runs g (`PartialOutput`)."
+                )
+            });
             b.push(move |nm| {
                 let (s, o, xr) = (nm.pat(saved), nm.pat(out), nm.by_ref(x));
                 quote! {
@@ -179,7 +191,7 @@ impl Kind for Row {
         });
         let weights = b.locals.temp(&format!("{name}_weight_grad"), pos, span);
         if node.deferred {
-            // The gradient arrives gathered, from the sum's backward (`RowSum`).
+            // The gradient arrives gathered, from the sum's backward (`RowSum`) or the caller's.
             b.push(move |nm| {
                 let (s, dy, dx, wg) = (
                     nm.ident(saved),
