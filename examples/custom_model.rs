@@ -9,9 +9,9 @@
 //!
 //! Trained on one rank, at tensor parallelism 2 × data parallelism 2, at tensor parallelism 2
 //! with sequence parallelism, and at pipeline parallelism 2 (thread ranks): every layout
-//! follows the one-rank run. Then the same block written with its two branches as modules of
-//! their own, `x + self.attn(n) + self.mlp(n)`: declared `#[partial_output]`, each hands its
-//! last layer's partial output over and the block still reduces their sum once.
+//! follows the one-rank run. Then the same block with its two branches as modules of their own
+//! (GPT's `Attention` and `Mlp`), `x + self.attn(n) + self.mlp(n)`: declared `#[partial_output]`,
+//! each hands its last layer's partial output over and the block still reduces their sum once.
 //!
 //! ```sh
 //! cargo run --release --example custom_model
@@ -20,6 +20,7 @@
 mod common;
 
 use common::{Layout, ONE, Run};
+use megatron::models::gpt::{Attention, AttentionSpec, Mlp, MlpSpec};
 use megatron::prelude::*;
 use megatron::training::CarriedWidth;
 
@@ -47,50 +48,16 @@ impl ParallelBlock {
     }
 }
 
-/// The attention branch as a module: it ends in a row-parallel layer, so a caller may take its
-/// output unreduced (`#[partial_output]`).
-#[megatron::module]
-pub struct AttnBranch {
-    #[column_parallel]
-    qkv: Linear,
-    #[context_parallel]
-    core: CausalSelfAttention,
-    #[row_parallel]
-    proj: Linear,
-}
-
-#[megatron::module]
-impl AttnBranch {
-    fn forward(&self, n: Tensor) -> Tensor {
-        self.proj(self.core(self.qkv(n)))
-    }
-}
-
-/// The MLP branch as a module, ending in a row-parallel layer too.
-#[megatron::module]
-pub struct MlpBranch {
-    #[column_parallel]
-    fc1: Linear,
-    #[row_parallel]
-    fc2: Linear,
-}
-
-#[megatron::module]
-impl MlpBranch {
-    fn forward(&self, n: Tensor) -> Tensor {
-        self.fc2(gelu(self.fc1(n)))
-    }
-}
-
-/// The parallel block with its branches as sub-modules: their partial outputs are summed
-/// across the module boundary and reduced once.
+/// The parallel block with its branches as sub-modules, GPT's own attention and MLP (both end in
+/// a row-parallel layer): their partial outputs are summed across the module boundary and
+/// reduced once.
 #[megatron::module]
 pub struct ModularBlock {
     ln: LayerNorm,
     #[partial_output]
-    attn: AttnBranch,
+    attn: Attention,
     #[partial_output]
-    mlp: MlpBranch,
+    mlp: Mlp,
 }
 
 #[megatron::module]
@@ -185,12 +152,13 @@ fn spec() -> ParallelLmSpec {
 fn modular_spec() -> ModularLmSpec {
     let block = ModularBlockSpec {
         ln: LayerNormSpec::new(HIDDEN),
-        attn: AttnBranchSpec {
+        attn: AttentionSpec {
             qkv: LinearSpec::new(HIDDEN, 3 * HIDDEN),
+            qk_norm: QkNormSpec::Off,
             core: CausalSelfAttention::new(HEADS, 0.1),
             proj: LinearSpec::new(HIDDEN, HIDDEN),
         },
-        mlp: MlpBranchSpec {
+        mlp: MlpSpec {
             fc1: LinearSpec::new(HIDDEN, 4 * HIDDEN),
             fc2: LinearSpec::new(4 * HIDDEN, HIDDEN),
         },

@@ -14,6 +14,7 @@ use megatron::comm::ParallelState;
 use megatron::comm::recording::{Call, RecordingWorld};
 use megatron::comm::threads::launch;
 use megatron::distributed::sum_sequence_parallel_gradients;
+use megatron::models::gpt::{Attention, AttentionSpec, Mlp, MlpSpec};
 use megatron::module::{Builder, Cx, Module, Site};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::prelude::*;
@@ -50,50 +51,15 @@ const BATCH: usize = 2;
 const H: usize = 16;
 const HEADS: usize = 4;
 
-/// The attention of the parallel block as a module of its own: it ends in a row-parallel
-/// layer, so a caller may take its output unreduced (`#[partial_output]`).
-#[megatron::module]
-pub struct AttnBranch {
-    #[column_parallel]
-    qkv: Linear,
-    #[context_parallel]
-    core: CausalSelfAttention,
-    #[row_parallel]
-    proj: Linear,
-}
-
-#[megatron::module]
-impl AttnBranch {
-    fn forward(&self, n: Tensor) -> Tensor {
-        self.proj(self.core(self.qkv(n)))
-    }
-}
-
-/// The MLP of the parallel block as a module of its own.
-#[megatron::module]
-pub struct MlpBranch {
-    #[column_parallel]
-    fc1: Linear,
-    #[row_parallel]
-    fc2: Linear,
-}
-
-#[megatron::module]
-impl MlpBranch {
-    fn forward(&self, n: Tensor) -> Tensor {
-        self.fc2(gelu(self.fc1(n)))
-    }
-}
-
-/// The parallel block written with its branches as sub-modules, as a user would: their partial
-/// outputs are summed across the module boundary and reduced once.
+/// The parallel block written with its branches as sub-modules (GPT's attention and MLP): their
+/// partial outputs are summed across the module boundary and reduced once.
 #[megatron::module]
 pub struct ModularBlock {
     ln: LayerNorm,
     #[partial_output]
-    attn: AttnBranch,
+    attn: Attention,
     #[partial_output]
-    mlp: MlpBranch,
+    mlp: Mlp,
 }
 
 #[megatron::module]
@@ -134,12 +100,13 @@ impl Block for ModularBlock {
     fn spec() -> ModularBlockSpec {
         ModularBlockSpec {
             ln: LayerNormSpec::new(H),
-            attn: AttnBranchSpec {
+            attn: AttentionSpec {
                 qkv: LinearSpec::new(H, 3 * H),
+                qk_norm: QkNormSpec::Off,
                 core: CausalSelfAttention::new(HEADS, 0.0),
                 proj: LinearSpec::new(H, H),
             },
-            mlp: MlpBranchSpec {
+            mlp: MlpSpec {
                 fc1: LinearSpec::new(H, 4 * H),
                 fc2: LinearSpec::new(4 * H, H),
             },

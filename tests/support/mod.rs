@@ -284,7 +284,7 @@ pub fn llama_like(dropout: f32) -> megatron::models::GptConfig {
 /// One step of plain gradient descent, `w -= lr · g`, on every parameter of `model`, its
 /// gradients zeroed after (the tests that train a module by hand).
 pub fn descend<M: megatron::module::Module>(model: &M, lr: f32) {
-    use megatron::tensor::{DType, Tensor};
+    use megatron::tensor::Tensor;
     model.visit_params(&mut |p| {
         let (v, g) = (
             p.value().to_vec::<f32>().unwrap(),
@@ -294,9 +294,7 @@ pub fn descend<M: megatron::module::Module>(model: &M, lr: f32) {
         p.value()
             .copy_from(&Tensor::from_vec(next, p.value().shape().clone()).unwrap())
             .unwrap();
-        p.grad()
-            .copy_from(&Tensor::zeros(p.grad().shape().clone(), DType::F32))
-            .unwrap();
+        p.grad().fill(0.0).unwrap();
     });
 }
 

@@ -18,8 +18,8 @@
 
 use std::ops::Range;
 
-use crate::backend;
 use crate::backend::attention::{AttentionKept, AttentionShape};
+use crate::backend::{self, with_last_dim};
 use crate::context_parallel::{self, ContextParallelMulti, CpAttentionSaved, CpLayer};
 use crate::error::{Error, Result};
 use crate::invalid;
@@ -81,6 +81,11 @@ struct Sizes {
 }
 
 impl Sizes {
+    /// The packed heads' size: the larger of the two.
+    fn padded(&self) -> usize {
+        self.d_qk.max(self.d_v)
+    }
+
     /// The packed projection's layout: the key/value groups, their query heads, heads of `d`.
     fn grouped(&self, d: usize) -> GroupedHeads {
         GroupedHeads {
@@ -93,12 +98,11 @@ impl Sizes {
 }
 
 /// What [`DotProductAttention`]'s backward reads: what the kernels kept of the packed
-/// projection, the sizes and the padded head size.
+/// projection, and the sizes.
 #[derive(Debug, Clone)]
 pub struct DotProductSaved {
     kept: Kept,
     sizes: Sizes,
-    d: usize,
 }
 
 /// The whole sequence's kernels' (with their shape), or the context-parallel blocks'.
@@ -180,13 +184,15 @@ fn pack(cx: &Cx, [q, k, v]: [&Tensor; 3], sz: Sizes, d: usize) -> Result<Tensor>
 /// The gradients of [`pack`]'s inputs from the projection's, the padding's dropped.
 fn unpack(cx: &Cx, d_fused: &Tensor, sz: Sizes, d: usize) -> Result<Vec<Tensor>> {
     let per_group = sz.heads / sz.kv_heads;
+    // Converted once for the three cuts.
+    let d_fused = d_fused.to_f32_contiguous()?;
     let mut grads = Vec::with_capacity(3);
     for (part, width) in [(0, sz.d_qk), (1, sz.d_qk), (2, sz.d_v)] {
         let op = ShapeOp::HeadPart {
             sizes: vec![per_group * d, d, d],
             part,
         };
-        let (g, _) = shape(cx, Site::ROOT, op, &[d_fused])?;
+        let (g, _) = shape(cx, Site::ROOT, op, &[&d_fused])?;
         grads.push(unpad_heads(cx, &g, width, d)?);
     }
     Ok(grads)
@@ -198,11 +204,7 @@ fn pad_heads(cx: &Cx, x: &Tensor, width: usize, d: usize) -> Result<Tensor> {
         return Ok(x.clone());
     }
     let heads = heads_of(x, width)?;
-    let mut dims = x.dims().to_vec();
-    if let Some(last) = dims.last_mut() {
-        *last = heads * (d - width);
-    }
-    let zeros = Tensor::zeros_near(dims, DType::F32, x)?;
+    let zeros = Tensor::zeros_near(with_last_dim(x, heads * (d - width)), DType::F32, x)?;
     let op = ShapeOp::CatHeads {
         sizes: vec![width, d - width],
     };
@@ -288,7 +290,7 @@ impl ContextParallelMulti for DotProductAttention {
             );
         }
         let sz = self.sizes(q, k, v)?;
-        let d = sz.d_qk.max(sz.d_v);
+        let d = sz.padded();
         let grouped = sz.grouped(d);
         let fused = pack(cx, [q, k, v], sz, d)?;
         let (out, kept) = match cx.cp_chunks(sz.seq)? {
@@ -324,7 +326,7 @@ impl ContextParallelMulti for DotProductAttention {
             }
         };
         let out = unpad_heads(cx, &out, sz.d_v, d)?;
-        Ok((out, DotProductSaved { kept, sizes: sz, d }))
+        Ok((out, DotProductSaved { kept, sizes: sz }))
     }
 
     fn backward_chunks(
@@ -334,7 +336,8 @@ impl ContextParallelMulti for DotProductAttention {
         saved: DotProductSaved,
         dy: &Tensor,
     ) -> Result<Vec<Tensor>> {
-        let DotProductSaved { kept, sizes, d } = saved;
+        let DotProductSaved { kept, sizes } = saved;
+        let d = sizes.padded();
         let grouped = sizes.grouped(d);
         let d_out = pad_heads(cx, dy, sizes.d_v, d)?;
         let d_fused = match kept {

@@ -140,13 +140,7 @@ pub fn fused_backward<const N: usize>(
     let mut reads: Vec<&Tensor> = saved.kept.iter().collect();
     reads.push(dy);
     let grads = run_kernel(&chain.backward, &reads, &saved.scalars)?;
-    let got = grads.len();
-    grads.try_into().map_err(|_| {
-        crate::error::Error::Invalid(format!(
-            "the backward of `{}` wrote {got} gradients for {N} inputs",
-            chain.forward.formula
-        ))
-    })
+    crate::module::gradients(chain.forward.formula, grads)
 }
 
 /// A scalar operand of element-wise math in forward (`x * 2.0`, `x / self.temperature`), as the

@@ -5,11 +5,12 @@
 //! every head, as DeepSeek's shared rotary key). Each returns what its backward needs; the
 //! backward of a copy is the copy the other way, with zeros where the input had nothing.
 //!
-//! They are copies on whichever device holds the tensors, written with the tensor layer's
-//! strided copies: a copy into columns of a larger tensor goes through its transpose, whose
-//! rows are contiguous (two passes; a kernel of its own is for when a profile asks for it).
+//! They are copies on whichever device holds the tensors: on the host each row's run of
+//! features copied in one pass; on a device the tensor layer's strided copies, a copy into
+//! columns of a larger tensor going through its transpose, whose rows are contiguous (two
+//! passes; a kernel of its own is for when a profile asks for it).
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::invalid;
 use crate::module::{Cx, Site};
 use crate::tensor::{DType, Tensor};
@@ -313,12 +314,7 @@ pub fn shape_backward<const N: usize>(
             vec![sum.reshape(dims.clone())?]
         }
     };
-    let got = grads.len();
-    grads.try_into().map_err(|_| {
-        Error::Invalid(format!(
-            "the backward of {op:?} gave {got} gradients for {N} inputs"
-        ))
-    })
+    crate::module::gradients(&format!("{op:?}"), grads)
 }
 
 /// Heads on this rank of `heads` split over `cx`'s tensor-parallel group (for

@@ -5,8 +5,9 @@
 //! It works on attention's fused projection as the column-parallel QKV layer leaves it on a
 //! tensor-parallel rank: blocks of `per_group` queries, a key and a value (with more ranks than
 //! key/value groups, one block of the rank's share of its group's queries). Its
-//! weights are replicated, but each rank's gradient comes from its own heads: they are summed
-//! over tensor parallelism ([`crate::module::ParamSpec::tensor_parallel_partial`]).
+//! weights are replicated, but each rank's gradient comes from its own heads: held as a
+//! `#[local]` field, they are marked to be summed over tensor parallelism
+//! ([`crate::module::build_local`], [`crate::module::ParamSpec::tensor_parallel_partial`]).
 //! Without the flag it is the identity, with no parameters.
 
 use crate::error::Result;
@@ -61,19 +62,10 @@ impl Module for QkNorm {
                 per_group: 1,
             });
         };
-        let mut q = b.scoped("q_norm", |b| LayerNorm::build(norm, b))?;
-        let mut k = b.scoped("k_norm", |b| LayerNorm::build(norm, b))?;
-        let mut failure = None;
-        for n in [&mut q, &mut k] {
-            n.visit_params_mut(&mut |p| {
-                if let Err(e) = p.mark_tensor_parallel_partial() {
-                    failure.get_or_insert(e);
-                }
-            });
-        }
-        if let Some(e) = failure {
-            return Err(e);
-        }
+        // Its gradients are this rank's heads' part: the `#[local]` field that holds it marks
+        // them to be summed over tp (`module::build_local`).
+        let q = b.scoped("q_norm", |b| LayerNorm::build(norm, b))?;
+        let k = b.scoped("k_norm", |b| LayerNorm::build(norm, b))?;
         // With more tensor-parallel ranks than groups, a rank's block holds its share of one
         // group's queries.
         let tp = b.group(crate::parallel::GroupKind::Tp).1;
