@@ -24,6 +24,7 @@ pub mod cuda;
 pub mod cuda_graphs;
 pub mod data;
 pub mod distributed;
+pub mod documents;
 mod error;
 pub mod files;
 pub mod inference;

@@ -142,6 +142,17 @@ impl DropoutStream {
         }
     }
 
+    /// A stream of its own for part `part` of what this stream draws for (one document of a
+    /// packed sample, say), under the same key.
+    pub fn part(&self, part: &[u64]) -> Self {
+        let mut components = vec![self.stream];
+        components.extend_from_slice(part);
+        DropoutStream {
+            key: self.key,
+            stream: stream_id(&components),
+        }
+    }
+
     /// The four random words of block `block` (logical elements `4·block .. 4·block + 4`).
     #[inline]
     pub fn block(&self, block: u64) -> [u32; 4] {

@@ -40,6 +40,21 @@ use crate::rng::DropoutStream;
 use crate::tensor::{DType, Tensor};
 use blocks::{Blocks, Side};
 
+/// Refuses packed documents attended apart (`--reset-attention-mask`) on a rank's chunks:
+/// their blocks would need each document cut over the ranks (Transformer Engine's `thd`
+/// layout), which is not built yet.
+pub fn refuse_separate_documents(cx: &Cx) -> Result<()> {
+    match cx.documents().filter(|d| d.separates_attention()) {
+        Some(_) => invalid!(
+            "--reset-attention-mask at --context-parallel-size {}: packed documents attended \
+             apart are not split over context-parallel ranks yet (Transformer Engine's thd \
+             layout); use --reset-position-ids and --eod-mask-loss alone, or cp 1",
+            cx.cp_size()
+        ),
+        None => Ok(()),
+    }
+}
+
 /// An op that mixes the positions of a sequence (attention), declared `#[context_parallel]` in a
 /// module: the one place of a model that context parallelism changes. Its calls run on this
 /// rank's positions, with context parallelism its two chunks of the sequence, and exchange keys

@@ -26,6 +26,7 @@ pub use weight_grad::{DeferredWeights, WeightGrad};
 use crate::comm::{Communicator, ParallelState};
 use crate::context_parallel::{CpChunks, CpGroups};
 use crate::cuda_graphs::GraphRuntime;
+use crate::documents::Documents;
 use crate::error::Result;
 use crate::inference::KvCache;
 use crate::invalid;
@@ -59,6 +60,8 @@ pub struct Cx<'a> {
     /// Where a split backward puts its weight gradients off to (a zero-bubble schedule's
     /// backward pass); `None`: they run at once.
     deferred_weights: Option<&'a DeferredWeights>,
+    /// The microbatch's packed documents, when the run resets positions or attention at them.
+    documents: Option<&'a Documents>,
 }
 
 impl<'a> Cx<'a> {
@@ -77,6 +80,7 @@ impl<'a> Cx<'a> {
             graph_slot: 0,
             kv_cache: None,
             deferred_weights: None,
+            documents: None,
         }
     }
 
@@ -103,6 +107,24 @@ impl<'a> Cx<'a> {
             }
             None => w.run(),
         }
+    }
+
+    /// The same context running a microbatch of packed `documents`: attention and positions
+    /// follow them as they say ([`Documents::separates_attention`],
+    /// [`Documents::resets_positions`]).
+    pub fn with_documents<'b>(&self, documents: &'b Documents) -> Cx<'b>
+    where
+        'a: 'b,
+    {
+        Cx {
+            documents: Some(documents),
+            ..*self
+        }
+    }
+
+    /// The microbatch's packed documents, if the run keeps them apart.
+    pub fn documents(&self) -> Option<&'a Documents> {
+        self.documents
     }
 
     /// The same context decoding with `cache`: the forward's tokens run at positions

@@ -18,9 +18,10 @@
 
 use std::ops::Range;
 
-use crate::backend::attention::{AttentionKept, AttentionShape};
+use crate::backend::attention::{AttentionKept, AttentionShape, attend, attend_backward};
 use crate::backend::{self, with_last_dim};
 use crate::context_parallel::{self, ContextParallelMulti, CpAttentionSaved, CpLayer};
+use crate::documents::map_runs;
 use crate::error::{Error, Result};
 use crate::invalid;
 use crate::kernels::heads::GroupedHeads;
@@ -307,11 +308,11 @@ impl ContextParallelMulti for DotProductAttention {
                     window: self.window,
                     scale: self.scale(),
                 };
-                let (out, kept) =
-                    backend::of(&expanded).attention_forward(&expanded, shape, &None, false)?;
+                let (out, kept) = attend(&expanded, shape, &None, false, cx.documents())?;
                 (out, Kept::Whole(Box::new((kept, shape))))
             }
             Some(chunks) => {
+                context_parallel::refuse_separate_documents(cx)?;
                 let layer = CpLayer {
                     groups: grouped.groups,
                     per_group: grouped.per_group,
@@ -343,7 +344,7 @@ impl ContextParallelMulti for DotProductAttention {
         let d_fused = match kept {
             Kept::Whole(whole) => {
                 let (kept, shape) = *whole;
-                let d_qkv = backend::of(&d_out).attention_backward(&kept, &None, shape, &d_out)?;
+                let d_qkv = attend_backward(&kept, &None, shape, &d_out)?;
                 match grouped.per_group {
                     1 => d_qkv,
                     _ => backend::of(&d_qkv).reduce_groups(&d_qkv, grouped)?,
@@ -415,10 +416,21 @@ fn position_runs(cx: &Cx, x: &Tensor, sharding: Sharding) -> Result<Vec<Range<us
     })
 }
 
-/// `x` with each run of rows turned at its positions (`inverse`: turned back).
-fn turn(x: &Tensor, cfg: &Rope, runs: &[Range<usize>], inverse: bool) -> Result<Tensor> {
+/// `x` with each run of rows turned at its positions (`inverse`: turned back); a packed
+/// microbatch's documents restarting them, from each document's start.
+fn turn(cx: &Cx, x: &Tensor, cfg: &Rope, runs: &[Range<usize>], inverse: bool) -> Result<Tensor> {
     let heads = heads_in(x, cfg)?;
     let x = x.to_f32_contiguous()?;
+    if let Some(docs) = cx.documents().filter(|d| d.resets_positions()) {
+        return map_runs(
+            &x,
+            |j| docs.local_runs(j, runs),
+            |part, _, first| {
+                cfg.rotary
+                    .apply(part, (heads, 1, 1), cfg.head_dim, first, inverse)
+            },
+        );
+    }
     if let [run] = runs {
         let y = cfg
             .rotary
@@ -448,18 +460,18 @@ pub fn rope(
     sharding: Sharding,
 ) -> Result<(Tensor, RopeSaved)> {
     let runs = position_runs(cx, x, sharding)?;
-    Ok((turn(x, cfg, &runs, false)?, RopeSaved { runs }))
+    Ok((turn(cx, x, cfg, &runs, false)?, RopeSaved { runs }))
 }
 
 /// The backward of [`rope`]: the gradient turned back.
 pub fn rope_backward(
-    _cx: &Cx,
+    cx: &Cx,
     _site: Site,
     cfg: &Rope,
     saved: RopeSaved,
     dy: &Tensor,
 ) -> Result<Tensor> {
-    turn(dy, cfg, &saved.runs, true)
+    turn(cx, dy, cfg, &saved.runs, true)
 }
 
 fn heads_in(x: &Tensor, cfg: &Rope) -> Result<usize> {

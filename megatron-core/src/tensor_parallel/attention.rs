@@ -1,9 +1,10 @@
 //! Causal self-attention over heads, as an [`Op`]: on a tensor-parallel rank it sees only its
 //! whole heads (the fused QKV projection is column-parallel), so it needs no communication.
 
-use crate::backend::attention::{AttentionKept, AttentionShape};
+use crate::backend::attention::{AttentionKept, AttentionShape, attend, attend_backward};
 use crate::backend::{self, DropoutMask};
 use crate::context_parallel::{self, ContextParallel, CpChunks, CpDropout, CpLayer};
+use crate::documents::map_runs;
 use crate::error::Result;
 use crate::inference::decode_attention;
 use crate::invalid;
@@ -87,6 +88,49 @@ impl CausalSelfAttention {
             .as_ref()
             .map(|r| r.apply(qkv, blocks, g.head_dim, offset, inverse))
             .transpose()
+    }
+
+    /// The fused projection `qkv` of a local sequence of `seq` rows turned at its positions
+    /// (`inverse`: turned back): from the cached length on when decoding, at a
+    /// context-parallel rank's chunks' positions, and from each document's start when the
+    /// microbatch's packed documents restart them; `None` without rotary embeddings.
+    fn turned_in(
+        &self,
+        cx: &Cx,
+        qkv: &Tensor,
+        g: GroupedHeads,
+        seq: usize,
+        inverse: bool,
+    ) -> Result<Option<Tensor>> {
+        let chunks = cx.cp_chunks(seq)?;
+        let Some(docs) = cx.documents().filter(|d| d.resets_positions()) else {
+            return match chunks {
+                Some(chunks) => self.turned_chunks(qkv, g, chunks, inverse),
+                None => self.turned(qkv, g, cx.position_offset(), inverse),
+            };
+        };
+        if self.rotary.is_none() {
+            return Ok(None);
+        }
+        let runs = match chunks {
+            Some(chunks) => chunks.ranges().to_vec(),
+            None => vec![0..seq],
+        };
+        let turned = map_runs(
+            qkv,
+            |j| docs.local_runs(j, &runs),
+            |part, _, first| {
+                let rows = GroupedHeads {
+                    rows: part.dims()[0],
+                    ..g
+                };
+                match self.turned(part, rows, first, inverse)? {
+                    Some(t) => Ok(t),
+                    None => Ok(part.clone()),
+                }
+            },
+        )?;
+        Ok(Some(turned))
     }
 
     /// [`Self::turned`] of a context-parallel rank's rows: each of its two chunks from its own
@@ -247,10 +291,7 @@ impl ContextParallel for CausalSelfAttention {
         let mask = self.mask(cx, site, sh);
         let keep_inputs = cx.recompute() == Recompute::Selective && cx.training();
         let cp = cx.cp_chunks(sh.seq)?;
-        let turned = match cp {
-            Some(chunks) => self.turned_chunks(qkv, grouped, chunks, false)?,
-            None => self.turned(qkv, grouped, cx.position_offset(), false)?,
-        };
+        let turned = self.turned_in(cx, qkv, grouped, sh.seq, false)?;
         let qkv = turned.as_ref().unwrap_or(qkv);
         if let Some(cache) = cx.kv_cache() {
             // Decoding: the new positions against every cached one, no backward.
@@ -264,6 +305,7 @@ impl ContextParallel for CausalSelfAttention {
             return Ok((out, saved));
         }
         if let (Some(chunks), Some(groups)) = (cp, cx.cp_groups()) {
+            context_parallel::refuse_separate_documents(cx)?;
             // The grouped projection as it is: the forms move keys and values per group.
             let layer = CpLayer {
                 groups: grouped.groups,
@@ -292,7 +334,7 @@ impl ContextParallel for CausalSelfAttention {
             _ => Some(backend::of(qkv).expand_groups(qkv, grouped)?),
         };
         let qkv = expanded.as_ref().unwrap_or(qkv);
-        let (out, kept) = backend::of(qkv).attention_forward(qkv, sh, &mask, keep_inputs)?;
+        let (out, kept) = attend(qkv, sh, &mask, keep_inputs, cx.documents())?;
         Ok((
             out,
             AttentionSaved {
@@ -327,18 +369,14 @@ impl ContextParallel for CausalSelfAttention {
                 return invalid!("attention: a context-parallel forward without its groups");
             }
             (kept, _) => {
-                let d_qkv =
-                    backend::of(d_out).attention_backward(kept, &saved.dropout, sh, d_out)?;
+                let d_qkv = attend_backward(kept, &saved.dropout, sh, d_out)?;
                 match saved.grouped.per_group {
                     1 => d_qkv,
                     _ => backend::of(&d_qkv).reduce_groups(&d_qkv, saved.grouped)?,
                 }
             }
         };
-        let turned = match cx.cp_chunks(sh.seq)? {
-            Some(chunks) => self.turned_chunks(&d_qkv, saved.grouped, chunks, true)?,
-            None => self.turned(&d_qkv, saved.grouped, 0, true)?,
-        };
+        let turned = self.turned_in(cx, &d_qkv, saved.grouped, sh.seq, true)?;
         Ok(turned.unwrap_or(d_qkv))
     }
 }

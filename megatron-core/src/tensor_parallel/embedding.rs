@@ -2,6 +2,7 @@
 //! the learned position embedding.
 
 use crate::backend;
+use crate::documents::{each_run, map_runs};
 use crate::error::Result;
 use crate::invalid;
 use crate::module::{
@@ -382,10 +383,13 @@ pub struct PositionEmbedding {
 /// What a position embedding keeps: the runs of positions it looked up (first, count; with
 /// context parallelism the rank's two chunks, else one run and an empty one) and the batch
 /// length.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct PositionSaved {
     runs: [(usize, usize); 2],
     batch: usize,
+    /// With packed documents restarting the positions, each sample's runs of local rows and
+    /// the position of each run's first.
+    documents: Option<Vec<Vec<(std::ops::Range<usize>, usize)>>>,
 }
 
 impl PositionSaved {
@@ -442,6 +446,27 @@ impl PositionEmbedding {
         // This rank's positions: its chunks' with context parallelism, with sequence
         // parallelism its shard of them.
         let runs = cx.position_runs(whole)?;
+        if let Some(docs) = cx.documents().filter(|d| d.resets_positions()) {
+            // Each sample's rows from its documents' starts: the table's rows looked up per run.
+            let per_sample: Vec<_> = (0..batch).map(|j| docs.local_runs(j, &runs)).collect();
+            let seq = runs.iter().map(|r| r.len()).sum::<usize>();
+            let rows = Tensor::empty_near([seq, batch, 1], DType::F32, self.weight.value())?;
+            let out = map_runs(
+                &rows,
+                |j| per_sample[j].clone(),
+                |part, _, first| {
+                    let len = part.dims()[0];
+                    let table = self.weight.value().narrow(0, first, len)?;
+                    backend::of(&table).positions_forward(&table.to_f32_contiguous()?, len, 1)
+                },
+            )?;
+            let saved = PositionSaved {
+                runs: [(0, seq), (seq, 0)],
+                batch,
+                documents: Some(per_sample),
+            };
+            return Ok((out, saved));
+        }
         let [first, second] = match runs.as_slice() {
             [a] => [(a.start, a.len()), (a.end, 0)],
             [a, b] => [(a.start, a.len()), (b.start, b.len())],
@@ -463,7 +488,12 @@ impl PositionEmbedding {
             }
         };
         let runs = [first, second];
-        Ok((out, PositionSaved { runs, batch }))
+        let saved = PositionSaved {
+            runs,
+            batch,
+            documents: None,
+        };
+        Ok((out, saved))
     }
 }
 
@@ -493,6 +523,18 @@ impl Lookup for PositionEmbedding {
         let ops = backend::of(self.weight.grad());
         let batch = saved.batch;
         let dy = dy.reshape([saved.seq(), batch, h])?;
+        if let Some(per_sample) = &saved.documents {
+            return each_run(
+                &dy,
+                |j| per_sample[j].clone(),
+                |part, _, first| {
+                    let len = part.dims()[0];
+                    self.weight.accumulate_grad(|grad| {
+                        ops.positions_backward(part, len, 1, &grad.narrow(0, first, len)?)
+                    })
+                },
+            );
+        }
         let mut at = 0;
         for (first, seq) in saved.runs.into_iter().filter(|r| r.1 > 0) {
             let part = dy.narrow(0, at, seq)?;

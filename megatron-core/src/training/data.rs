@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
+use super::masks::{MaskFlags, Microbatch, eod_loss_mask};
 use crate::data::SampleSource;
+use crate::documents::Documents;
 use crate::error::Result;
 use crate::invalid;
 use crate::rng::splitmix64_mix;
@@ -168,6 +170,7 @@ impl SampleSource for Windows {
 pub struct Sampler {
     source: Arc<dyn SampleSource>,
     plan: BatchPlan,
+    masks: MaskFlags,
 }
 
 impl std::fmt::Debug for Sampler {
@@ -175,6 +178,7 @@ impl std::fmt::Debug for Sampler {
         f.debug_struct("Sampler")
             .field("samples", &self.source.len())
             .field("plan", &self.plan)
+            .field("masks", &self.masks)
             .finish()
     }
 }
@@ -187,7 +191,22 @@ impl Sampler {
         if source.is_empty() {
             return invalid!("the data has no samples");
         }
-        Ok(Sampler { source, plan })
+        Ok(Sampler {
+            source,
+            plan,
+            masks: MaskFlags::default(),
+        })
+    }
+
+    /// The same samples masked as `masks` say (Megatron-LM's GPTDataset flags).
+    pub fn with_masks(self, masks: MaskFlags) -> Result<Sampler> {
+        masks.validate()?;
+        Ok(Sampler { masks, ..self })
+    }
+
+    /// The masking flags.
+    pub fn masks(&self) -> &MaskFlags {
+        &self.masks
     }
 
     /// Batches of random windows of a token stream.
@@ -230,6 +249,56 @@ impl Sampler {
             Tensor::from_vec(tokens, [s, b])?,
             Tensor::from_vec(targets, [s, b])?,
         ))
+    }
+}
+
+impl Sampler {
+    /// One microbatch with its masks: which targets count, and the samples' documents when
+    /// the run resets positions or attention at them (Megatron-LM's
+    /// `_get_ltor_masks_and_position_ids` on the input tokens).
+    pub fn batch(&self, step: u64, dp_rank: usize, micro: usize) -> Result<Microbatch> {
+        let (tokens, targets) = self.microbatch(step, dp_rank, micro)?;
+        let m = self.masks;
+        let (Some(eod), true) = (m.eod, m.masks_loss() || m.reads_documents()) else {
+            return Ok(Microbatch {
+                tokens,
+                targets,
+                loss_mask: None,
+                documents: None,
+            });
+        };
+        let ids = tokens.to_vec::<i64>()?;
+        let (s, b) = (self.plan.seq_length, self.plan.micro_batch);
+        let documents = match m.reads_documents() {
+            true => Some(Documents::from_tokens(
+                &ids,
+                s,
+                b,
+                eod,
+                m.reset_position_ids,
+                m.reset_attention_mask,
+            )?),
+            false => None,
+        };
+        Ok(Microbatch {
+            loss_mask: m.masks_loss().then(|| eod_loss_mask(&ids, eod)),
+            tokens,
+            targets,
+            documents,
+        })
+    }
+
+    /// The targets counted in step `step`'s global batch (over every data-parallel rank's
+    /// microbatches; `None` when every target counts).
+    pub fn step_counted(&self, step: u64) -> Result<Option<usize>> {
+        if !self.masks.masks_loss() {
+            return Ok(None);
+        }
+        let mut counted = 0;
+        for micro in 0..self.plan.microbatches() * self.plan.dp {
+            counted += self.batch(step, 0, micro)?.counted();
+        }
+        Ok(Some(counted))
     }
 }
 

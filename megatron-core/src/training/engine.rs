@@ -16,6 +16,7 @@
 
 use std::collections::HashMap;
 
+use super::masks::{Microbatch, token_weight};
 use super::{LanguageModel, Sampler};
 use crate::comm::ParallelState;
 use crate::context_parallel::CpChunks;
@@ -137,6 +138,9 @@ pub(super) struct Walked {
     /// The most host bytes this rank allocated during the walk beyond what was alive at its
     /// start (activations, messages, gradient temporaries).
     pub activation_peak: u64,
+    /// The microbatches whose losses this rank computed that counted no target (masked data:
+    /// they add nothing to the loss or the gradients).
+    pub empty_microbatches: usize,
 }
 
 /// Runs a walk of `actions` with chunks run by `P`.
@@ -198,15 +202,21 @@ impl<M> Engine<M> {
 /// exchange with the neighbouring stages.
 struct Walker<'a, M, P: Passes<M>> {
     walk: Walk<'a, M>,
-    /// What each (chunk, microbatch)'s forward kept, and the shape of its losses when it
-    /// computed them (the last stage).
-    kept: HashMap<(usize, usize), (P::Kept, Option<Shape>)>,
+    /// What each (chunk, microbatch)'s forward kept, and the shape of its losses and the
+    /// weight of each in the backward when it computed them (the last stage; `None`: every
+    /// token alike).
+    kept: HashMap<(usize, usize), (P::Kept, Option<(Shape, Option<Vec<f32>>)>)>,
     /// Values received and not used yet, and values produced and not sent yet, by (pass, local
     /// chunk, microbatch): activations (forward) and gradients (backward).
     inbox: HashMap<(Pass, usize, usize), Tensor>,
     outbox: HashMap<(Pass, usize, usize), Tensor>,
-    /// The losses computed, in order, read once after the walk.
-    losses: Vec<Tensor>,
+    /// The losses computed, in order, and which of them count (masked data), read once after
+    /// the walk.
+    losses: Vec<(Tensor, Option<Vec<f32>>)>,
+    /// The targets counted in the whole global batch of the walk (masked data).
+    step_counted: Option<usize>,
+    /// Microbatches of this rank's losses that counted nothing.
+    empty_microbatches: usize,
     /// Time spent in exchanges.
     waited: std::time::Duration,
     /// The shape of the value between stages, `[s, b, width]` (`[s / tp, b, width]` with
@@ -264,12 +274,15 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
     let account = crate::tensor::host_memory::this_thread();
     let alive_at_start = account.live_bytes();
     account.reset_peak();
+    let step_counted = walk.data.step_counted(walk.batch)?;
     let mut walker = Walker::<M, P> {
         walk,
         kept: HashMap::new(),
         inbox: HashMap::new(),
         outbox: HashMap::new(),
         losses: Vec::new(),
+        step_counted,
+        empty_microbatches: 0,
         waited: std::time::Duration::ZERO,
         carried,
         slots: SlotAllocator::new(),
@@ -299,12 +312,16 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
         P::after_backward(w.chunks, w.parallel, w.sync_shared)?;
     }
     let mut loss_sum = 0.0f64;
-    for losses in &walker.losses {
-        loss_sum += losses
-            .to_vec_f32()?
-            .iter()
-            .map(|&l| f64::from(l))
-            .sum::<f64>();
+    for (losses, counted) in &walker.losses {
+        let losses = losses.to_vec_f32()?;
+        loss_sum += match counted {
+            Some(mask) => losses
+                .iter()
+                .zip(mask)
+                .map(|(&l, &m)| f64::from(l) * f64::from(m))
+                .sum::<f64>(),
+            None => losses.iter().map(|&l| f64::from(l)).sum::<f64>(),
+        };
     }
     Ok(Walked {
         loss_sum,
@@ -313,6 +330,7 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
         pass_seconds: walker.pass_time.map(|t| t.as_secs_f64()),
         seconds: started.elapsed().as_secs_f64(),
         activation_peak: account.peak_bytes().saturating_sub(alive_at_start) as u64,
+        empty_microbatches: walker.empty_microbatches,
     })
 }
 
@@ -433,37 +451,74 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
         let model = &self.walk.chunks[chunk];
         let (first, last) = P::ends(model);
         let slot = self.slots.take(chunk, microbatch);
-        let cx = self.cx(microbatch).in_slot(slot);
         let groups = self.walk.parallel.groups();
-        let dp_rank = groups.dp_rank();
-        let data = if first || last {
-            let (tokens, targets) =
-                self.walk
-                    .data
-                    .microbatch(self.walk.batch, dp_rank, microbatch)?;
-            // With context parallelism, this rank's two chunks of every sequence.
-            match groups.config().cp {
-                1 => Some((tokens, targets)),
-                cp => {
-                    let seq = tokens.dims().first().copied().unwrap_or(0);
-                    let chunks = CpChunks::new(seq, cp, groups.cp_rank())?;
-                    Some((chunks.take_local(&tokens)?, chunks.take_local(&targets)?))
-                }
+        let masks = *self.walk.data.masks();
+        let batch = match first || last || masks.reads_documents() {
+            true => Some(self.microbatch(microbatch)?),
+            false => None,
+        };
+        let counted = batch.as_ref().map_or(0, Microbatch::counted);
+        let (data, documents) = match batch {
+            Some(batch) => {
+                // With context parallelism, this rank's two chunks of every sequence.
+                let chunks = match groups.config().cp {
+                    1 => None,
+                    cp => {
+                        let seq = batch.tokens.dims().first().copied().unwrap_or(0);
+                        Some(CpChunks::new(seq, cp, groups.cp_rank())?)
+                    }
+                };
+                let local = |t: Tensor| match &chunks {
+                    Some(c) => c.take_local(&t),
+                    None => Ok(t),
+                };
+                let mask = match batch.loss_mask {
+                    Some(mask) => {
+                        let whole = Tensor::from_vec(mask, batch.targets.dims().to_vec())?;
+                        Some(local(whole)?.to_vec::<f32>()?)
+                    }
+                    None => None,
+                };
+                let data = (local(batch.tokens)?, local(batch.targets)?, mask);
+                (Some(data), batch.documents)
             }
-        } else {
-            None
+            None => (None, None),
+        };
+        let cx = self.cx(microbatch).in_slot(slot);
+        let cx = match &documents {
+            Some(d) => cx.with_documents(d),
+            None => cx,
         };
         let h = match first {
             true => None,
             false => Some(self.take_input(Pass::Forward, chunk, microbatch)?),
         };
-        let tokens = data.as_ref().filter(|_| first).map(|(t, _)| t);
-        let targets = data.as_ref().filter(|_| last).map(|(_, t)| t);
+        let tokens = data.as_ref().filter(|_| first).map(|(t, _, _)| t);
+        let targets = data.as_ref().filter(|_| last).map(|(_, t, _)| t);
         let (out, kept) = P::forward(model, &cx, tokens, h, targets)?;
         let losses = if last {
             let shape = out.shape().clone();
-            self.losses.push(out);
-            Some(shape)
+            let mask = data.and_then(|(_, _, mask)| mask);
+            let weights = match (&mask, self.step_counted) {
+                (Some(mask), Some(step_counted)) => {
+                    let plan = self.walk.data.plan();
+                    let weight = token_weight(
+                        &masks,
+                        self.walk.loss_scale,
+                        counted,
+                        step_counted,
+                        plan.microbatches() * plan.dp,
+                    );
+                    if weight.is_none() {
+                        self.empty_microbatches += 1;
+                    }
+                    let w = weight.unwrap_or(0.0);
+                    Some(mask.iter().map(|&m| m * w).collect())
+                }
+                _ => None,
+            };
+            self.losses.push((out, mask));
+            Some((shape, weights))
         } else {
             self.check_carried(&out, "activations")?;
             self.outbox.insert((Pass::Forward, chunk, microbatch), out);
@@ -475,6 +530,12 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
         Ok(())
     }
 
+    /// This rank's data-parallel share of microbatch `microbatch` of the walk's batch.
+    fn microbatch(&self, microbatch: usize) -> Result<Microbatch> {
+        let dp_rank = self.walk.parallel.groups().dp_rank();
+        self.walk.data.batch(self.walk.batch, dp_rank, microbatch)
+    }
+
     fn run_backward(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
         let Some((kept, losses)) = self.kept.remove(&(chunk, microbatch)) else {
             return invalid!(
@@ -484,13 +545,29 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
         let model = &self.walk.chunks[chunk];
         let slot = self.slots.free(chunk, microbatch);
         let deferred = DeferredWeights::default();
+        // The backward (and what it recomputes) sees the forward's documents.
+        let documents = match self.walk.data.masks().reads_documents() {
+            true => self.microbatch(microbatch)?.documents,
+            false => None,
+        };
         let cx = self.cx(microbatch).in_slot(slot);
+        let cx = match &documents {
+            Some(d) => cx.with_documents(d),
+            None => cx,
+        };
         let cx = match self.split {
             true => cx.deferring_weights(&deferred),
             false => cx,
         };
         let d = match losses {
-            Some(shape) => {
+            Some((shape, Some(weights))) => {
+                // d(scaled loss of the step) / d(each token's loss): its microbatch's weight
+                // where it counts, 0 where it does not.
+                let dlosses = Tensor::empty_near(shape.clone(), DType::F32, self.walk.like)?;
+                dlosses.copy_from(&Tensor::from_vec(weights, shape)?)?;
+                dlosses
+            }
+            Some((shape, None)) => {
                 let plan = self.walk.data.plan();
                 let tokens = plan.global_batch * plan.seq_length;
                 // d(scaled mean loss over the global batch) / d(each token's loss).

@@ -9,6 +9,7 @@
 mod data;
 mod engine;
 mod lr_schedule;
+mod masks;
 mod pipeline;
 
 use std::time::Instant;
@@ -16,6 +17,7 @@ use std::time::Instant;
 pub use data::{BatchPlan, Sampler, TokenStream, Windows};
 use engine::Mode;
 pub use lr_schedule::{DecayStyle, LrSchedule};
+pub use masks::{MaskFlags, Microbatch, eod_loss_mask, token_weight};
 pub use pipeline::{CarriedWidth, Chunks, PipelinedLanguageModel};
 
 use crate::comm::{CommStats, ParallelState, ReduceOp};
@@ -87,6 +89,11 @@ pub struct StepMetrics {
     pub grad_norm: f64,
     /// Tokens of the global batch.
     pub tokens: usize,
+    /// Of which the targets that counted in the loss, with masked data (`None`: all).
+    pub counted_tokens: Option<usize>,
+    /// Microbatches whose losses this rank computed that counted no target (they add nothing
+    /// to the loss or the gradients).
+    pub empty_microbatches: usize,
     /// Wall time of the step.
     pub seconds: f64,
     /// Of which the time this rank waited for other pipeline stages (its receives): the
@@ -373,13 +380,16 @@ impl<M: LanguageModel> Trainer<M> {
         let tokens = plan.global_batch * plan.seq_length;
         self.buffers.zero_grads()?;
         let walked = self.walk(parallel, &self.sampler, step, Mode::Train { step })?;
+        let counted = self.sampler.step_counted(step)?;
+        let empty_microbatches = walked.empty_microbatches;
         let (loss_sum, pipeline_wait) = (walked.loss_sum, walked.waited);
         let deferred_weight_bytes = walked.deferred_peak;
         let (pass_seconds, activation_peak_bytes) = (walked.pass_seconds, walked.activation_peak);
         let walk_seconds = walked.seconds;
         reduce_gradients(&self.buffers, ReduceGroups::of(parallel))?;
         crate::distributed::sum_sequence_parallel_gradients(&self.chunks.0, parallel)?;
-        let loss = self.reduce_loss(parallel, loss_sum)? / tokens as f64;
+        // The mean over the counted targets (none counted: 0, said in the metrics).
+        let loss = self.reduce_loss(parallel, loss_sum)? / counted.unwrap_or(tokens).max(1) as f64;
         let like = self.buffers.grads();
         let routing = self
             .routing_log
@@ -410,6 +420,8 @@ impl<M: LanguageModel> Trainer<M> {
                     .skipped(loss_scale, pipeline_wait);
                 metrics.routing = routing;
                 metrics.graphs = self.graph_stats_if_any();
+                metrics.counted_tokens = counted;
+                metrics.empty_microbatches = empty_microbatches;
                 metrics.deferred_weight_bytes = deferred_weight_bytes;
                 metrics.pass_seconds = pass_seconds;
                 metrics.walk_seconds = walk_seconds;
@@ -434,6 +446,8 @@ impl<M: LanguageModel> Trainer<M> {
         gather_parameters(&self.buffers, ReduceGroups::of(parallel))?;
         let mut metrics = self.metrics(parallel, &before, start, step, loss, norm, tokens);
         metrics.lr = lr;
+        metrics.counted_tokens = counted;
+        metrics.empty_microbatches = empty_microbatches;
         metrics.pipeline_wait = pipeline_wait;
         metrics.deferred_weight_bytes = deferred_weight_bytes;
         metrics.pass_seconds = pass_seconds;
@@ -470,6 +484,8 @@ impl<M: LanguageModel> Trainer<M> {
             lr: self.config.schedule.lr(step),
             grad_norm,
             tokens,
+            counted_tokens: None,
+            empty_microbatches: 0,
             seconds: start.elapsed().as_secs_f64(),
             pipeline_wait: 0.0,
             deferred_weight_bytes: 0,
@@ -496,16 +512,30 @@ impl StepMetrics {
 }
 
 impl<M: LanguageModel> Trainer<M> {
-    /// Mean loss per token over `iters` global batches of `data` (batch `i` of the run's
-    /// validation data is the `i`-th), without dropout and without touching gradients.
+    /// Mean loss per counted token over `iters` global batches of `data` (batch `i` of the
+    /// run's validation data is the `i`-th), without dropout and without touching gradients.
     pub fn evaluate(&self, parallel: &ParallelState, data: &Sampler, iters: u64) -> Result<f64> {
+        Ok(self.evaluate_counted(parallel, data, iters)?.0)
+    }
+
+    /// [`Trainer::evaluate`], with the number of targets counted.
+    pub fn evaluate_counted(
+        &self,
+        parallel: &ParallelState,
+        data: &Sampler,
+        iters: u64,
+    ) -> Result<(f64, usize)> {
         let plan = *data.plan();
         let mut loss_sum = 0.0f64;
+        let mut counted = 0;
         for i in 0..iters {
             loss_sum += self.walk(parallel, data, i, Mode::Eval)?.loss_sum;
+            counted += data
+                .step_counted(i)?
+                .unwrap_or(plan.global_batch * plan.seq_length);
         }
-        let tokens = (iters.max(1) as usize * plan.global_batch * plan.seq_length) as f64;
-        Ok(self.reduce_loss(parallel, loss_sum)? / tokens)
+        let loss = self.reduce_loss(parallel, loss_sum)? / counted.max(1) as f64;
+        Ok((loss, counted))
     }
 
     /// Walks batch `batch` of `data` through the rank's plan: the training plan, or with

@@ -57,6 +57,9 @@ impl AttentionOps for Cpu {
             AttentionKept::ContextParallel(_) => {
                 return invalid!("attention: context parallelism runs its own backward");
             }
+            AttentionKept::Documents(_) => {
+                return invalid!("attention: packed documents' backward is attend_backward's");
+            }
             AttentionKept::Decoded => {
                 return invalid!("attention: a decoding forward with a KV cache has no backward");
             }

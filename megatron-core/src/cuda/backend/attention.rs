@@ -207,6 +207,9 @@ fn backward(
         AttentionKept::ContextParallel(_) => {
             return crate::invalid!("attention: context parallelism runs its own backward");
         }
+        AttentionKept::Documents(_) => {
+            return crate::invalid!("attention: packed documents' backward is attend_backward's");
+        }
         AttentionKept::Decoded => {
             return crate::invalid!(
                 "attention: a decoding forward with a KV cache has no backward"
