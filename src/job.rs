@@ -236,7 +236,8 @@ pub enum Placement {
 pub struct Eval {
     /// Validation samples.
     pub data: Sampler,
-    /// Steps between evaluations.
+    /// Steps between evaluations; 0: the job only evaluates, once, after loading (`megatron
+    /// eval`), and trains nothing.
     pub interval: u64,
     /// Global batches per evaluation.
     pub iters: u64,
@@ -258,8 +259,10 @@ pub struct EvalRecord {
     pub step: u64,
     /// Tokens consumed by then.
     pub tokens: u64,
-    /// Mean validation loss per token.
+    /// Mean validation loss per counted token.
     pub loss: f64,
+    /// The targets counted (all of the batches' tokens unless masks leave some out).
+    pub counted: u64,
 }
 
 impl EvalRecord {
@@ -604,6 +607,18 @@ impl TrainJob {
             s.state = state;
         });
         report(&mut |o| o.start(self, first))?;
+        if let Some(eval) = self.eval.as_ref().filter(|e| e.interval == 0) {
+            let (loss, counted) = trainer.evaluate_counted(&parallel, &eval.data, eval.iters)?;
+            let record = EvalRecord {
+                step: first,
+                tokens: 0,
+                loss,
+                counted: counted as u64,
+            };
+            summary(&mut |s| s.evals.push(record));
+            report(&mut |o| o.eval(&record))?;
+            return report(&mut |o| o.finish());
+        }
         for step in first..self.steps {
             let metrics = trainer.step(&parallel, step)?;
             if let Some(sink) = &self.rank_steps
@@ -627,11 +642,13 @@ impl TrainJob {
             if let Some(eval) = &self.eval
                 && (done % eval.interval.max(1) == 0 || last)
             {
-                let loss = trainer.evaluate(&parallel, &eval.data, eval.iters)?;
+                let (loss, counted) =
+                    trainer.evaluate_counted(&parallel, &eval.data, eval.iters)?;
                 let record = EvalRecord {
                     step: done,
                     tokens,
                     loss,
+                    counted: counted as u64,
                 };
                 summary(&mut |s| s.evals.push(record));
                 report(&mut |o| o.eval(&record))?;

@@ -22,6 +22,9 @@ enum Command {
     /// Train a model with tensor, sequence, context, pipeline, data and expert parallelism on
     /// thread ranks, MPI processes or GPUs.
     Train(Box<cli::train::TrainArgs>),
+    /// A checkpoint's loss and perplexity on a held-out set, read whole and in order, at any
+    /// layout, with the training masks (Megatron-LM's --skip-train with evaluation).
+    Eval(Box<cli::eval::EvalArgs>),
     /// Show a model's vocabulary padding, parameters (logical, local, split) and per-layer collectives.
     Inspect(Box<cli::inspect::InspectArgs>),
     /// List the registered models.
@@ -80,6 +83,7 @@ fn main() -> std::process::ExitCode {
         Command::Groups(args) => cli::groups::run(args),
         Command::Bench(args) => cli::bench::run(args),
         Command::Train(args) => cli::train::run(args),
+        Command::Eval(args) => cli::eval::run(args),
         Command::Inspect(args) => cli::inspect::run(args),
         Command::Models => cli::models::run(),
         Command::Plot(args) => cli::plot::run(args),

@@ -66,8 +66,19 @@ impl Observer for Progress {
                 100.0 * r.dropped_fraction()
             )
         });
+        let counted = m
+            .counted_tokens
+            .map_or(String::new(), |c| format!(" | counted {c}/{}", m.tokens));
+        if m.empty_microbatches > 0 {
+            tracing::warn!(
+                step = m.step,
+                "{} microbatches counted no token (every target masked): they add nothing to \
+                 the loss or the gradients",
+                m.empty_microbatches
+            );
+        }
         self.bar.set_message(format!(
-            "loss {:.4}{moe} | {:.0} tok/s",
+            "loss {:.4}{counted}{moe} | {:.0} tok/s",
             m.loss,
             m.tokens as f64 / m.seconds
         ));
@@ -164,6 +175,12 @@ impl Observer for JsonLog {
             "grad_norm": m.grad_norm,
             "tokens_per_s": m.tokens as f64 / m.seconds,
         });
+        if let Some(counted) = m.counted_tokens {
+            v["counted_tokens"] = json!(counted);
+        }
+        if m.empty_microbatches > 0 {
+            v["empty_microbatches"] = json!(m.empty_microbatches);
+        }
         if let Some(scale) = m.loss_scale {
             v["loss_scale"] = json!(scale);
             v["skipped"] = json!(m.skipped);
@@ -198,7 +215,7 @@ impl Observer for JsonLog {
     }
 
     fn eval(&mut self, r: &EvalRecord) -> Result<()> {
-        self.line(json!({ "step": r.step, "tokens": r.tokens, "valid_loss": r.loss, "valid_ppl": r.perplexity() }))
+        self.line(json!({ "step": r.step, "tokens": r.tokens, "valid_loss": r.loss, "valid_ppl": r.perplexity(), "valid_counted_tokens": r.counted }))
     }
 
     fn finish(&mut self) -> Result<()> {

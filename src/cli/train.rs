@@ -26,6 +26,7 @@ use megatron::training::{
     default_bucket_elements,
 };
 
+use super::mask_args::{MaskArgs, unused_flags_note};
 use super::model_args::ArchitectureArgs;
 use super::observers::{JsonLog, Plot, Progress, TensorBoard};
 use super::output::note;
@@ -41,6 +42,8 @@ type Source = Arc<dyn SampleSource>;
 pub struct TrainArgs {
     #[command(flatten)]
     arch: ArchitectureArgs,
+    #[command(flatten)]
+    masks: MaskArgs,
     /// Tensor-parallel size [default: 1, or the loaded checkpoint's].
     #[arg(long = "tensor-model-parallel-size", visible_alias = "tp", value_parser = values::ranks)]
     tp: Option<usize>,
@@ -1073,7 +1076,15 @@ impl TrainArgs {
         )?;
         let precision = Precision::from_flags(&s.precision)?;
         let (train_data, valid_data) = self.data_sources(&s, plan)?;
-        let train_data = Sampler::new(train_data, plan)?;
+        let masks = self.masks.flags(s.tokenizer.eod());
+        if masks.reads_documents() && !self.cuda_graph_scope.is_empty() {
+            bail!(
+                "--cuda-graph-scope with {}: each microbatch's documents have their own \
+                 lengths, which a captured graph cannot follow; drop one of them",
+                self.masks.given().join(" ")
+            );
+        }
+        let train_data = Sampler::new(train_data, plan)?.with_masks(masks)?;
         let eval = match self.eval_interval {
             Some(interval) => {
                 let Some(valid) = valid_data else {
@@ -1083,7 +1094,7 @@ impl TrainArgs {
                     );
                 };
                 Some(Eval {
-                    data: Sampler::new(valid, plan)?,
+                    data: Sampler::new(valid, plan)?.with_masks(masks)?,
                     interval,
                     iters: self.eval_iters(),
                 })
@@ -1422,6 +1433,10 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
         }
         None => None,
     };
+    if let Some(line) = unused_flags_note(job.train_data.masks(), job.train_data.source().as_ref())
+    {
+        note!("{line}");
+    }
     let plan = *job.train_data.plan();
     let params = job.model.num_params(job.tp);
     let flops_per_token = job.model.flops_per_token(plan.seq_length, job.tp);

@@ -7,6 +7,7 @@
 //!   same seed gives the same samples in the same order on every rank and in Megatron-LM.
 //! * [`BlendedDataset`] mixes datasets by weights; [`build_gpt_dataset`] is Megatron-LM's dataset
 //!   builder for one split of a `--data-path` blend.
+//! * [`InOrder`] reads a held-out set whole and in order, for evaluation.
 //! * The trainer reads samples through [`SampleSource`].
 
 mod blended;
@@ -14,6 +15,7 @@ mod builder;
 mod dtype;
 mod error;
 mod gpt;
+mod in_order;
 mod indexed;
 pub mod numpy_rng;
 
@@ -24,6 +26,7 @@ pub use builder::{IndexedDatasetBuilder, encode_index};
 pub use dtype::DType;
 pub use error::{DataError, Result};
 pub use gpt::{GptDataset, GptDatasetConfig, Split, SplitVector};
+pub use in_order::InOrder;
 pub use indexed::{
     INDEX_HEADER_LEN, INDEX_MAGIC, INDEX_VERSION, IndexedDataset, Tokens, bin_path, idx_path,
 };
@@ -42,4 +45,15 @@ pub trait SampleSource: Send + Sync {
 
     /// Sample `i`.
     fn sample(&self, i: u64) -> Result<Vec<u32>>;
+
+    /// Which targets of sample `i` count in the loss (`seq_length` values, 1 where the target
+    /// at that position counts), or `None` when all do.
+    fn loss_mask(&self, _i: u64) -> Result<Option<Vec<u8>>> {
+        Ok(None)
+    }
+
+    /// Whether some sample may have a loss mask.
+    fn has_loss_mask(&self) -> bool {
+        false
+    }
 }

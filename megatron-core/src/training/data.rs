@@ -227,12 +227,10 @@ impl Sampler {
     /// Tokens and targets `[seq, micro_batch]` (i64, sequence first) of one microbatch.
     pub fn microbatch(&self, step: u64, dp_rank: usize, micro: usize) -> Result<(Tensor, Tensor)> {
         let (s, b) = (self.plan.seq_length, self.plan.micro_batch);
-        let first = step * self.plan.global_batch as u64
-            + (self.plan.global_microbatch(dp_rank, micro) * b) as u64;
         let mut tokens = vec![0i64; s * b];
         let mut targets = vec![0i64; s * b];
         for j in 0..b {
-            let k = (first + j as u64) % self.source.len() as u64;
+            let k = self.sample_index(step, dp_rank, micro, j);
             let window = self.source.sample(k)?;
             if window.len() != s + 1 {
                 return invalid!(
@@ -253,22 +251,57 @@ impl Sampler {
 }
 
 impl Sampler {
-    /// One microbatch with its masks: which targets count, and the samples' documents when
-    /// the run resets positions or attention at them (Megatron-LM's
-    /// `_get_ltor_masks_and_position_ids` on the input tokens).
+    /// The index in the source of sample `j` of microbatch `micro` of data-parallel rank
+    /// `dp_rank` at step `step`.
+    fn sample_index(&self, step: u64, dp_rank: usize, micro: usize, j: usize) -> u64 {
+        let b = self.plan.micro_batch;
+        let first = step * self.plan.global_batch as u64
+            + (self.plan.global_microbatch(dp_rank, micro) * b) as u64;
+        (first + j as u64) % self.source.len() as u64
+    }
+
+    /// Whether some targets may not count: the end-of-document mask, or the samples' own
+    /// masks (chat data's answers, an evaluation's padding).
+    pub fn masks_loss(&self) -> bool {
+        self.masks.masks_loss() || self.source.has_loss_mask()
+    }
+
+    /// One microbatch with its masks: which targets count (the samples' own masks, and
+    /// Megatron-LM's `_get_ltor_masks_and_position_ids` on the input tokens), and the samples'
+    /// documents when the run resets positions or attention at them.
     pub fn batch(&self, step: u64, dp_rank: usize, micro: usize) -> Result<Microbatch> {
         let (tokens, targets) = self.microbatch(step, dp_rank, micro)?;
         let m = self.masks;
-        let (Some(eod), true) = (m.eod, m.masks_loss() || m.reads_documents()) else {
+        let (s, b) = (self.plan.seq_length, self.plan.micro_batch);
+        let mut loss_mask = None;
+        if self.source.has_loss_mask() {
+            let mut mask = vec![1.0f32; s * b];
+            for j in 0..b {
+                let k = self.sample_index(step, dp_rank, micro, j);
+                let Some(own) = self.source.loss_mask(k)? else {
+                    continue;
+                };
+                if own.len() != s {
+                    return invalid!(
+                        "sample {k}'s loss mask has {} values, the model takes {s}",
+                        own.len()
+                    );
+                }
+                for (i, &counts) in own.iter().enumerate() {
+                    mask[i * b + j] = f32::from(u8::from(counts != 0));
+                }
+            }
+            loss_mask = Some(mask);
+        }
+        let Some(eod) = m.eod.filter(|_| m.masks_loss() || m.reads_documents()) else {
             return Ok(Microbatch {
                 tokens,
                 targets,
-                loss_mask: None,
+                loss_mask,
                 documents: None,
             });
         };
         let ids = tokens.to_vec::<i64>()?;
-        let (s, b) = (self.plan.seq_length, self.plan.micro_batch);
         let documents = match m.reads_documents() {
             true => Some(Documents::from_tokens(
                 &ids,
@@ -280,8 +313,15 @@ impl Sampler {
             )?),
             false => None,
         };
+        if m.masks_loss() {
+            let eod_mask = eod_loss_mask(&ids, eod);
+            loss_mask = Some(match loss_mask {
+                Some(own) => own.iter().zip(&eod_mask).map(|(a, b)| a * b).collect(),
+                None => eod_mask,
+            });
+        }
         Ok(Microbatch {
-            loss_mask: m.masks_loss().then(|| eod_loss_mask(&ids, eod)),
+            loss_mask,
             tokens,
             targets,
             documents,
@@ -291,7 +331,7 @@ impl Sampler {
     /// The targets counted in step `step`'s global batch (over every data-parallel rank's
     /// microbatches; `None` when every target counts).
     pub fn step_counted(&self, step: u64) -> Result<Option<usize>> {
-        if !self.masks.masks_loss() {
+        if !self.masks_loss() {
             return Ok(None);
         }
         let mut counted = 0;
