@@ -6,6 +6,7 @@
 
 pub mod audit;
 pub mod bench;
+pub mod chat;
 pub mod convert;
 pub mod data;
 pub mod generate;

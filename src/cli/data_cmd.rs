@@ -6,7 +6,7 @@ use std::ops::Range;
 use super::output;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
-use megatron::core::data::IndexedDataset;
+use megatron::core::data::{IndexedDataset, PackedSidecar, is_packed, packed_path};
 use megatron::tokenizer::Tokenizer;
 use serde_json::{Map, Value, json};
 
@@ -34,9 +34,13 @@ pub struct InspectArgs {
     /// Also print the documents' text: `byte` or a tokenizer.json.
     #[arg(long)]
     tokenizer: Option<String>,
-    /// Print one JSON object.
+    /// Print one JSON object (a packed dataset: one object per line per document, with its
+    /// `tokens` and `loss_mask`).
     #[arg(long)]
     json: bool,
+    /// A packed dataset: print training sample N's documents, rows and positions.
+    #[arg(long)]
+    sample: Option<usize>,
 }
 
 /// Runs `megatron data ...`.
@@ -74,6 +78,16 @@ fn parse_docs(spec: &str, documents: usize) -> Result<Range<usize>> {
 }
 
 fn inspect(args: &InspectArgs) -> Result<()> {
+    if is_packed(&args.prefix) {
+        return inspect_packed(args);
+    }
+    if args.sample.is_some() {
+        bail!(
+            "--sample shows a packed dataset's sample; {} has no {}",
+            args.prefix.display(),
+            packed_path(&args.prefix).display()
+        );
+    }
     let dataset = IndexedDataset::open(&args.prefix)?;
     let tokens = dataset.validate()?;
     let documents = dataset.documents();
@@ -131,6 +145,95 @@ fn inspect(args: &InspectArgs) -> Result<()> {
             if let Some(Value::String(text)) = doc.get("text") {
                 writeln!(out, "  text: {text:?}")?;
             }
+        }
+    }
+    Ok(output::text(&out)?)
+}
+
+/// `inspect` of a packed dataset: its documents (conversations) with which tokens count, or one
+/// training sample's documents and positions.
+fn inspect_packed(args: &InspectArgs) -> Result<()> {
+    let dataset = IndexedDataset::open(&args.prefix)?;
+    dataset.validate()?;
+    let sidecar = PackedSidecar::open(&args.prefix, &dataset)?;
+    let tokenizer = args
+        .tokenizer
+        .as_deref()
+        .map(|spec| Tokenizer::from_spec(spec).with_context(|| format!("--tokenizer {spec}")))
+        .transpose()?;
+    // Every document's bin and place in it.
+    let mut places = Vec::with_capacity(sidecar.documents());
+    let mut first_token = 0;
+    for b in 0..sidecar.bins() {
+        let mut at = 0;
+        for len in sidecar.lengths(b) {
+            places.push((b, first_token, at, len as usize));
+            at += len as usize;
+        }
+        first_token += dataset.sequence_length(b)?;
+    }
+    let mut out = String::new();
+    if let Some(n) = args.sample {
+        if n >= sidecar.bins() {
+            bail!(
+                "--sample {n}: the packed dataset has {} sequences",
+                sidecar.bins()
+            );
+        }
+        let len = dataset.sequence_length(n)?;
+        writeln!(out, "sample {n}: {len} tokens")?;
+        for (d, &(b, _, at, dl)) in places.iter().enumerate().filter(|(_, p)| p.0 == n) {
+            let _ = b;
+            writeln!(
+                out,
+                "  document {d}: rows {at}..{}, positions 0..{dl}",
+                at + dl
+            )?;
+        }
+        return Ok(output::text(&out)?);
+    }
+    let range = match &args.docs {
+        Some(spec) => parse_docs(spec, places.len())?,
+        None => 0..places.len().min(3),
+    };
+    if !args.json {
+        writeln!(out, "{}", args.prefix.display())?;
+        writeln!(out, "  dtype      {}", dataset.dtype())?;
+        writeln!(out, "  sequences  {} (packed)", sidecar.bins())?;
+        writeln!(out, "  documents  {}", sidecar.documents())?;
+    }
+    for d in range {
+        let (bin, first, at, len) = places[d];
+        let ids = dataset.get(bin, at, Some(len))?.to_u32_vec()?;
+        let mask: Vec<u8> = sidecar.counts(first + at, len).to_vec();
+        if args.json {
+            let mut doc = Map::new();
+            doc.insert("document".into(), json!(d));
+            doc.insert("sequence".into(), json!(bin));
+            doc.insert("tokens".into(), json!(ids));
+            doc.insert("loss_mask".into(), json!(mask));
+            if let Some(t) = &tokenizer {
+                doc.insert("text".into(), json!(t.decode(&ids)?));
+            }
+            writeln!(out, "{}", Value::Object(doc))?;
+            continue;
+        }
+        let counted = mask.iter().filter(|&&m| m == 1).count();
+        writeln!(
+            out,
+            "document {d} (sequence {bin}, {len} tokens, {counted} counted): {}",
+            serde_json::to_string(&ids)?
+        )?;
+        writeln!(out, "  loss_mask: {}", serde_json::to_string(&mask)?)?;
+        if let Some(t) = &tokenizer {
+            writeln!(out, "  text: {:?}", t.decode(&ids)?)?;
+            let kept: Vec<u32> = ids
+                .iter()
+                .zip(&mask)
+                .filter(|(_, m)| **m == 1)
+                .map(|(i, _)| *i)
+                .collect();
+            writeln!(out, "  counted: {:?}", t.decode(&kept)?)?;
         }
     }
     Ok(output::text(&out)?)

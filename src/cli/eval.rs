@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser};
-use megatron::data::{Blend, InOrder, SampleSource};
+use megatron::data::{Blend, InOrder, PackedDataset, SampleSource, is_packed};
 use megatron::job::Eval;
 use megatron::training::Sampler;
 
@@ -137,10 +137,35 @@ pub fn run(args: &EvalArgs) -> Result<()> {
     let plan = *job.train_data.plan();
     let blend = Blend::open(&args.data).context("--data")?;
     blend.validate().context("--data")?;
-    let held_out = InOrder::new(blend.datasets.clone(), plan.seq_length, plan.global_batch)
-        .context("--data")?;
-    let samples = held_out.samples();
-    let source: Arc<dyn SampleSource> = Arc::new(held_out);
+    let packed = blend
+        .datasets
+        .iter()
+        .filter(|d| is_packed(d.prefix()))
+        .count();
+    let (source, samples): (Arc<dyn SampleSource>, usize) = match packed {
+        0 => {
+            let held_out = InOrder::new(blend.datasets.clone(), plan.seq_length, plan.global_batch)
+                .context("--data")?;
+            let samples = held_out.samples();
+            (Arc::new(held_out), samples)
+        }
+        1 if blend.datasets.len() == 1 => {
+            // Packed conversations: each sequence as it was packed, each conversation alone.
+            let held_out = PackedDataset::in_order(
+                blend.datasets[0].clone(),
+                plan.seq_length,
+                plan.global_batch,
+            )
+            .context("--data")?;
+            let samples = held_out.samples();
+            (Arc::new(held_out), samples)
+        }
+        _ => bail!(
+            "--data: evaluate packed and token datasets one at a time ({packed} of the {} given \
+             are packed)",
+            blend.datasets.len()
+        ),
+    };
     let batches = (source.len() / plan.global_batch) as u64;
     let iters = args.eval_iters.unwrap_or(batches);
     if iters > batches {

@@ -22,6 +22,7 @@ pub mod observers;
 pub mod output;
 pub mod plot;
 pub mod preprocess;
+pub mod preprocess_chat;
 pub mod resume;
 pub mod schedule;
 pub mod tokenizer_cmd;

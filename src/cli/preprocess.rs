@@ -12,6 +12,7 @@ use super::values;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use megatron::chat::pack::Overlong;
 use megatron::core::data::{DType, IndexedDatasetBuilder};
 use megatron::tokenizer::Tokenizer;
 use serde_json::Value;
@@ -55,6 +56,24 @@ pub struct PreprocessArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+    /// Chat data: each line's `messages` (or `prompt` and `completion`) rendered with the
+    /// tokenizer directory's chat template, packed whole into sequences of --seq-length + 1
+    /// tokens; writes PREFIX.bin, PREFIX.idx and PREFIX.packed (docs/packed-data.md).
+    #[arg(long)]
+    chat: bool,
+    /// With --chat: the training sequence length the conversations are packed for.
+    #[arg(long, value_parser = values::batch)]
+    seq_length: Option<usize>,
+    /// With --chat: only the assistant's tokens count in the loss.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    answer_only_loss: bool,
+    /// With --chat: render each conversation with the generation prompt (transformers'
+    /// add_generation_prompt).
+    #[arg(long)]
+    add_generation_prompt: bool,
+    /// With --chat: what to do with a conversation longer than a sequence.
+    #[arg(long, value_enum, default_value_t)]
+    overlong: Overlong,
 }
 
 /// One line's documents, one per key: the tokens and the lengths of their sequences.
@@ -132,6 +151,37 @@ fn encode_line(
 
 /// Runs `megatron preprocess`.
 pub fn run(args: &PreprocessArgs) -> Result<()> {
+    let workers = args
+        .workers
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get));
+    if args.chat {
+        if args.append_eod || args.eod_token.is_some() {
+            bail!("--append-eod and --eod-token do nothing with --chat: the template ends turns");
+        }
+        let Some(seq_length) = args.seq_length else {
+            bail!("--chat packs conversations into sequences: give --seq-length");
+        };
+        return super::preprocess_chat::run(&super::preprocess_chat::ChatJob {
+            input: &args.corpus.input,
+            tokenizer: std::path::Path::new(&args.tokenizer),
+            output_prefix: &args.output_prefix,
+            seq_length,
+            answer_only: args.answer_only_loss,
+            add_generation_prompt: args.add_generation_prompt,
+            overlong: args.overlong,
+            workers,
+        });
+    }
+    for (given, flag) in [
+        (args.seq_length.is_some(), "--seq-length"),
+        (!args.answer_only_loss, "--answer-only-loss"),
+        (args.add_generation_prompt, "--add-generation-prompt"),
+        (args.overlong != Overlong::default(), "--overlong"),
+    ] {
+        if given {
+            bail!("{flag} does nothing without --chat: add --chat or drop {flag}");
+        }
+    }
     let start = Instant::now();
     let mut tokenizer = Tokenizer::from_spec(&args.tokenizer)
         .with_context(|| format!("--tokenizer {}", args.tokenizer))?;
@@ -145,9 +195,6 @@ pub fn run(args: &PreprocessArgs) -> Result<()> {
     };
     let vocab = tokenizer.vocab_size();
     let dtype = DType::optimal(vocab);
-    let workers = args
-        .workers
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get));
 
     let file = File::open(&args.corpus.input)
         .with_context(|| format!("--input {}: cannot open", args.corpus.input.display()))?;

@@ -7,6 +7,7 @@ use super::SampleSource;
 use super::error::{DataError, Result, data_invalid};
 use super::gpt::{GptDataset, GptDatasetConfig, Split};
 use super::indexed::IndexedDataset;
+use super::packed::{PackedDataset, is_packed};
 
 /// The surplus of samples built for each dataset of a blend (Megatron-LM's
 /// `mid_level_dataset_surplus`), so that the blend never runs one dry.
@@ -132,6 +133,12 @@ impl BlendedDataset {
 
     /// Sample `i`.
     pub fn sample(&self, i: u64) -> Result<Vec<u32>> {
+        let (d, k) = self.locate(i)?;
+        self.datasets[d].sample(k)
+    }
+
+    /// Which dataset sample `i` comes from, and which of its samples it is.
+    fn locate(&self, i: u64) -> Result<(usize, u64)> {
         let Some(&d) = usize::try_from(i)
             .ok()
             .and_then(|i| self.dataset_index.get(i))
@@ -141,7 +148,7 @@ impl BlendedDataset {
                 self.len()
             );
         };
-        self.datasets[d as usize].sample(self.dataset_sample_index[i as usize] as u64)
+        Ok((d as usize, self.dataset_sample_index[i as usize] as u64))
     }
 }
 
@@ -152,6 +159,24 @@ impl SampleSource for BlendedDataset {
 
     fn sample(&self, i: u64) -> Result<Vec<u32>> {
         BlendedDataset::sample(self, i)
+    }
+
+    fn loss_mask(&self, i: u64) -> Result<Option<Vec<u8>>> {
+        let (d, k) = self.locate(i)?;
+        self.datasets[d].loss_mask(k)
+    }
+
+    fn has_loss_mask(&self) -> bool {
+        self.datasets.iter().any(|d| d.has_loss_mask())
+    }
+
+    fn documents(&self, i: u64) -> Result<Option<Vec<usize>>> {
+        let (d, k) = self.locate(i)?;
+        self.datasets[d].documents(k)
+    }
+
+    fn has_documents(&self) -> bool {
+        self.datasets.iter().any(|d| d.has_documents())
     }
 }
 
@@ -322,8 +347,12 @@ pub fn build_gpt_dataset(
     if config.split.bookends(split).is_none() {
         return Ok(None);
     }
+    // Packed fine-tuning data keeps its sequences whole; token data is cut as GPTDataset cuts it.
     let build = |ds: &Arc<IndexedDataset>, n: Option<u64>| -> Result<Arc<dyn SampleSource>> {
-        Ok(Arc::new(GptDataset::new(ds.clone(), config, split, n)?))
+        Ok(match is_packed(ds.prefix()) {
+            true => Arc::new(PackedDataset::new(ds.clone(), config, split, n)?),
+            false => Arc::new(GptDataset::new(ds.clone(), config, split, n)?),
+        })
     };
     match &blend.weights {
         None if blend.datasets.len() == 1 => Ok(Some(build(&blend.datasets[0], num_samples)?)),

@@ -8,6 +8,8 @@
 //! * [`BlendedDataset`] mixes datasets by weights; [`build_gpt_dataset`] is Megatron-LM's dataset
 //!   builder for one split of a `--data-path` blend.
 //! * [`InOrder`] reads a held-out set whole and in order, for evaluation.
+//! * [`PackedDataset`] reads packed fine-tuning data: whole documents per sequence, with their
+//!   loss masks and boundaries in a sidecar ([`PackedWriter`] writes it).
 //! * The trainer reads samples through [`SampleSource`].
 
 mod blended;
@@ -18,6 +20,7 @@ mod gpt;
 mod in_order;
 mod indexed;
 pub mod numpy_rng;
+mod packed;
 
 pub use blended::{
     Blend, BlendedDataset, MID_LEVEL_DATASET_SURPLUS, build_gpt_dataset, normalize, parse_data_path,
@@ -29,6 +32,10 @@ pub use gpt::{GptDataset, GptDatasetConfig, Split, SplitVector};
 pub use in_order::InOrder;
 pub use indexed::{
     INDEX_HEADER_LEN, INDEX_MAGIC, INDEX_VERSION, IndexedDataset, Tokens, bin_path, idx_path,
+};
+pub use packed::{
+    PACKED_MAGIC, PACKED_VERSION, PackedDataset, PackedDocument, PackedSidecar, PackedWriter,
+    is_packed, packed_path,
 };
 
 /// Samples of token ids for training: sample `i` is `seq_length + 1` tokens (inputs and, shifted
@@ -54,6 +61,18 @@ pub trait SampleSource: Send + Sync {
 
     /// Whether some sample may have a loss mask.
     fn has_loss_mask(&self) -> bool {
+        false
+    }
+
+    /// Where sample `i`'s documents start after its first (positions in `1..seq_length`), when
+    /// the sample is packed documents that must not see each other (packed fine-tuning data:
+    /// positions and attention reset at each), or `None`.
+    fn documents(&self, _i: u64) -> Result<Option<Vec<usize>>> {
+        Ok(None)
+    }
+
+    /// Whether some sample may have documents of its own.
+    fn has_documents(&self) -> bool {
         false
     }
 }

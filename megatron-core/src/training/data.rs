@@ -266,6 +266,11 @@ impl Sampler {
         self.masks.masks_loss() || self.source.has_loss_mask()
     }
 
+    /// Whether microbatches carry documents: the reset flags, or packed samples.
+    pub fn reads_documents(&self) -> bool {
+        self.masks.reads_documents() || self.source.has_documents()
+    }
+
     /// One microbatch with its masks: which targets count (the samples' own masks, and
     /// Megatron-LM's `_get_ltor_masks_and_position_ids` on the input tokens), and the samples'
     /// documents when the run resets positions or attention at them.
@@ -293,17 +298,38 @@ impl Sampler {
             }
             loss_mask = Some(mask);
         }
+        // Packed samples bring their documents, which reset positions and attention both.
+        let mut own_documents = None;
+        if self.source.has_documents() {
+            let mut starts = Vec::with_capacity(b);
+            for j in 0..b {
+                starts.push(
+                    self.source
+                        .documents(self.sample_index(step, dp_rank, micro, j))?,
+                );
+            }
+            own_documents = Some(starts);
+        }
         let Some(eod) = m.eod.filter(|_| m.masks_loss() || m.reads_documents()) else {
+            let documents = match own_documents {
+                Some(starts) => Some(Documents::from_starts(
+                    s,
+                    starts.into_iter().map(Option::unwrap_or_default).collect(),
+                    true,
+                    true,
+                )?),
+                None => None,
+            };
             return Ok(Microbatch {
                 tokens,
                 targets,
                 loss_mask,
-                documents: None,
+                documents,
             });
         };
         let ids = tokens.to_vec::<i64>()?;
-        let documents = match m.reads_documents() {
-            true => Some(Documents::from_tokens(
+        let documents = match (own_documents, m.reads_documents()) {
+            (None, true) => Some(Documents::from_tokens(
                 &ids,
                 s,
                 b,
@@ -311,7 +337,24 @@ impl Sampler {
                 m.reset_position_ids,
                 m.reset_attention_mask,
             )?),
-            false => None,
+            (None, false) => None,
+            (Some(starts), _) => {
+                // A sample of token data beside packed ones: its documents at its
+                // end-of-document tokens when both resets are asked for, else one document.
+                let by_eod = (m.reset_position_ids && m.reset_attention_mask)
+                    .then(|| Documents::from_tokens(&ids, s, b, eod, true, true))
+                    .transpose()?;
+                let starts = starts
+                    .into_iter()
+                    .enumerate()
+                    .map(|(j, own)| match (own, &by_eod) {
+                        (Some(own), _) => own,
+                        (None, Some(d)) => d.segments(j).iter().skip(1).map(|r| r.start).collect(),
+                        (None, None) => Vec::new(),
+                    })
+                    .collect();
+                Some(Documents::from_starts(s, starts, true, true)?)
+            }
         };
         if m.masks_loss() {
             let eod_mask = eod_loss_mask(&ids, eod);

@@ -453,7 +453,7 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
         let slot = self.slots.take(chunk, microbatch);
         let groups = self.walk.parallel.groups();
         let masks = *self.walk.data.masks();
-        let batch = match first || last || masks.reads_documents() {
+        let batch = match first || last || self.walk.data.reads_documents() {
             true => Some(self.microbatch(microbatch)?),
             false => None,
         };
@@ -546,7 +546,7 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
         let slot = self.slots.free(chunk, microbatch);
         let deferred = DeferredWeights::default();
         // The backward (and what it recomputes) sees the forward's documents.
-        let documents = match self.walk.data.masks().reads_documents() {
+        let documents = match self.walk.data.reads_documents() {
             true => self.microbatch(microbatch)?.documents,
             false => None,
         };

@@ -1,0 +1,248 @@
+//! Chat data against Hugging Face transformers (tests/data/chat, made by
+//! tools/golden/chat_templates.py): the chat templates of Llama 3, Qwen3 and Mistral render
+//! and tokenize every conversation as `apply_chat_template` does, the template's own errors
+//! come through, and the answer-only masks are the rule's; then `megatron preprocess --chat`
+//! packs a file of conversations whole, `megatron data inspect` shows what counts, and a
+//! model trains and evaluates on it.
+
+mod support;
+
+use std::path::Path;
+
+use megatron::chat::{self, ChatTemplate, Conversation};
+use megatron::tokenizer::Tokenizer;
+use serde_json::Value;
+use support::{TempDir, megatron};
+
+fn family(name: &str) -> (ChatTemplate, Tokenizer, Vec<Value>) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/chat")
+        .join(name);
+    let template = ChatTemplate::from_dir(&dir).unwrap();
+    let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    (template, tokenizer, golden.as_array().unwrap().clone())
+}
+
+#[test]
+fn templates_render_and_tokenize_as_transformers() {
+    for name in ["llama3", "qwen3", "mistral"] {
+        let (template, tokenizer, cases) = family(name);
+        let (mut rendered, mut raised, mut masks) = (0, 0, 0);
+        for case in &cases {
+            let messages = case["messages"].as_array().unwrap();
+            let generation = case["add_generation_prompt"].as_bool().unwrap();
+            let ours = template.render(messages, None, generation);
+            match (&case["error"], ours) {
+                (Value::String(expected), Err(e)) => {
+                    assert_eq!(
+                        e.to_string(),
+                        format!("the chat template raised: {expected}")
+                    );
+                    raised += 1;
+                }
+                (Value::Null, Ok(text)) => {
+                    assert_eq!(text, case["text"].as_str().unwrap(), "{name}: {messages:?}");
+                    if let Some(ids) = case["ids"].as_array() {
+                        let ids: Vec<u32> =
+                            ids.iter().map(|v| v.as_u64().unwrap() as u32).collect();
+                        assert_eq!(tokenizer.encode(&text).unwrap(), ids, "{name}");
+                    }
+                    rendered += 1;
+                }
+                (expected, ours) => panic!("{name}: {messages:?}: {expected:?} vs {ours:?}"),
+            }
+            let Some(mask) = case.get("answer_mask") else {
+                continue;
+            };
+            let object = serde_json::json!({"messages": messages});
+            let conversation = Conversation::from_object(object.as_object().unwrap()).unwrap();
+            let ours = chat::tokenize(&conversation, &template, &tokenizer, true, false);
+            match (mask, ours) {
+                (Value::Array(mask), Ok(t)) => {
+                    let mask: Vec<bool> = mask.iter().map(|v| v.as_u64() == Some(1)).collect();
+                    assert_eq!(t.counts, mask, "{name}: {messages:?}");
+                    masks += 1;
+                }
+                (Value::Null, Err(e)) => {
+                    assert!(e.to_string().contains("renders assistant turn"), "{e}")
+                }
+                (mask, ours) => panic!("{name}: {messages:?}: {mask:?} vs {ours:?}"),
+            }
+        }
+        assert!(
+            rendered >= 6 && masks >= 3,
+            "{name}: {rendered} rendered, {masks} masks"
+        );
+        if name == "mistral" {
+            assert!(raised >= 2);
+        }
+    }
+}
+
+#[test]
+fn conversations_without_an_answer_or_with_bad_lines_are_refused_by_name() {
+    let (template, tokenizer, _) = family("llama3");
+    let user_only = chat::parse(r#"{"messages": [{"role": "user", "content": "hi"}]}"#, 3).unwrap();
+    let err = chat::tokenize(&user_only, &template, &tokenizer, true, false).unwrap_err();
+    assert!(err.to_string().contains("no assistant turn"), "{err}");
+    for (line, expected) in [
+        (
+            r#"{"prompt": "a"}"#,
+            "line 7: a \"prompt\" without its \"completion\"",
+        ),
+        (
+            r#"{"messages": [{"content": "x"}]}"#,
+            "line 7: message 0 has no \"role\" string",
+        ),
+        (r#"[1]"#, "line 7: not a JSON object"),
+        (r#"{"text": "x"}"#, "line 7: no \"messages\""),
+    ] {
+        let err = chat::parse(line, 7).unwrap_err();
+        assert!(format!("{err:#}").starts_with(expected), "{err:#}");
+    }
+    // A prompt and a completion are a user turn and an assistant turn.
+    let pc = chat::parse(r#"{"prompt": "2+2?", "completion": "4"}"#, 1).unwrap();
+    let t = chat::tokenize(&pc, &template, &tokenizer, true, false).unwrap();
+    let counted: Vec<u32> = t
+        .tokens
+        .iter()
+        .zip(&t.counts)
+        .filter(|(_, c)| **c)
+        .map(|(t, _)| *t)
+        .collect();
+    assert_eq!(tokenizer.decode(&counted).unwrap(), "4<|eot_id|>");
+}
+
+/// Writes `n` short chats (each a user question and the assistant's answer).
+fn chats(path: &Path, n: usize) {
+    let lines: String = (0..n)
+        .map(|i| {
+            let q = [
+                "what is two plus two",
+                "name a colour",
+                "count to three",
+                "hello",
+            ][i % 4];
+            let a = ["four", "blue", "one two three", "hi how can i help"][i % 4];
+            let extra = " the quick brown fox".repeat(i % 3);
+            serde_json::json!({"messages": [
+                {"role": "user", "content": format!("{q}{extra}")},
+                {"role": "assistant", "content": a},
+            ]})
+            .to_string()
+                + "\n"
+        })
+        .collect();
+    std::fs::write(path, lines).unwrap();
+}
+
+#[test]
+fn preprocess_packs_chats_whole_and_inspect_shows_what_counts() {
+    let dir = TempDir::new("chat-preprocess");
+    let input = dir.join("chats.jsonl");
+    chats(Path::new(&input), 40);
+    let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/chat/llama3");
+    let prefix = dir.join("sft");
+    let (ok, stdout, stderr) = megatron(&[
+        "preprocess",
+        "--chat",
+        "--input",
+        &input,
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--output-prefix",
+        &prefix,
+        "--seq-length",
+        "63",
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("40 conversations in"), "{stdout}");
+    for ext in ["bin", "idx", "packed"] {
+        assert!(Path::new(&format!("{prefix}.{ext}")).is_file());
+    }
+    // Every document shown with its tokens and which of them count: the assistant's answer
+    // and its end-of-turn token, nothing else.
+    let (ok, stdout, stderr) = megatron(&["data", "inspect", &prefix, "--docs", "0..40", "--json"]);
+    assert!(ok, "{stderr}");
+    let docs: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(docs.len(), 40);
+    let tokenizer = Tokenizer::from_file(tok.join("tokenizer.json")).unwrap();
+    let mut answers: Vec<String> = docs
+        .iter()
+        .map(|d| {
+            let ids: Vec<u32> = d["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            let mask = d["loss_mask"].as_array().unwrap();
+            assert_eq!(mask.len(), ids.len());
+            let counted: Vec<u32> = ids
+                .iter()
+                .zip(mask)
+                .filter(|(_, m)| m.as_u64() == Some(1))
+                .map(|(t, _)| *t)
+                .collect();
+            tokenizer.decode(&counted).unwrap()
+        })
+        .collect();
+    answers.sort();
+    answers.dedup();
+    assert_eq!(
+        answers,
+        [
+            "blue<|eot_id|>",
+            "four<|eot_id|>",
+            "hi how can i help<|eot_id|>",
+            "one two three<|eot_id|>"
+        ]
+    );
+    // A packed sample's documents and positions.
+    let (ok, stdout, stderr) = megatron(&["data", "inspect", &prefix, "--sample", "0"]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("document") && stdout.contains("positions"),
+        "{stdout}"
+    );
+
+    // Too long for the sequence: refused by name, or dropped and counted.
+    let (ok, _, stderr) = megatron(&[
+        "preprocess",
+        "--chat",
+        "--input",
+        &input,
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--output-prefix",
+        &dir.join("short"),
+        "--seq-length",
+        "15",
+    ]);
+    assert!(
+        !ok && stderr.contains("more than a sequence of 16 holds"),
+        "{stderr}"
+    );
+    assert!(!Path::new(&dir.join("short.bin")).exists());
+    let (ok, stdout, stderr) = megatron(&[
+        "preprocess",
+        "--chat",
+        "--input",
+        &input,
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--output-prefix",
+        &dir.join("short"),
+        "--seq-length",
+        "31",
+        "--overlong",
+        "drop",
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("dropped (lines"), "{stdout}");
+}
