@@ -165,6 +165,15 @@ impl Tokenizer {
         }
     }
 
+    /// The id of token `token` (`None`: the tokenizer has no such token; the byte tokenizer
+    /// knows only its end-of-document token by name).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        match self {
+            Tokenizer::Byte => (token == ENDOFTEXT).then_some(BYTE_EOD),
+            Tokenizer::HuggingFace { tokenizer, .. } => tokenizer.token_to_id(token),
+        }
+    }
+
     /// The number of token ids (added tokens included, as Megatron-LM's `len(tokenizer)`).
     pub fn vocab_size(&self) -> usize {
         match self {

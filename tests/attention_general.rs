@@ -302,7 +302,14 @@ fn the_general_attention_on_the_gpu_follows_the_host() {
     let gpu = megatron::cuda::Gpu::new(0).expect("GPU 0");
     // The unfused kernels in f32 (heads padded from 3 to 5); then bf16 products through the
     // flash kernels (heads of 32, the values' 24 padded to them), to bf16's precision.
-    for (d, dv, flash, tolerance) in [(3, 5, false, 1e-5), (32, 24, true, 3e-2)] {
+    // Also with packed documents attended apart (each document a sequence of its own on
+    // every kernel: sample 0 has documents 0..2, 2..5, 5..6; sample 1 one).
+    let docs = megatron::documents::Documents::from_starts(S, vec![vec![2, 5], vec![]], true, true)
+        .unwrap();
+    for ((d, dv, flash, tolerance), packed) in [(3, 5, false, 1e-5), (32, 24, true, 3e-2)]
+        .into_iter()
+        .flat_map(|c| [(c, false), (c, true)])
+    {
         gpu.set_bf16_products(flash);
         gpu.set_flash_attention(flash);
         let (heads, kv_heads) = (4, 2);
@@ -314,6 +321,10 @@ fn the_general_attention_on_the_gpu_follows_the_host() {
         let c = values(S * B * heads * dv, 8);
         let run = |place: &(dyn Fn(Tensor) -> megatron::Result<Tensor> + Sync)| {
             with_cx(|cx| {
+                let cx = &match packed {
+                    true => cx.with_documents(&docs),
+                    false => cx.at(0, 0),
+                };
                 let t = |x: &[f32], w: usize| place(Tensor::from_vec(x.to_vec(), [S, B, w])?);
                 let op = DotProductAttention::new(d).with_window(Some(3));
                 let (tq, tk, tv) = (
@@ -334,7 +345,7 @@ fn the_general_attention_on_the_gpu_follows_the_host() {
         let on_gpu = run(&|t| t.to_gpu(&gpu));
         for (i, (g, h)) in on_gpu.iter().zip(&host).enumerate() {
             let worst = support::max_abs_diff(g, h);
-            assert!(worst < tolerance, "flash {flash}, output {i}: {worst}");
+            assert!(worst < tolerance, "flash {flash}, packed {packed}, output {i}: {worst}");
         }
     }
     gpu.set_bf16_products(false);

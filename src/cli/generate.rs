@@ -8,6 +8,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::sync::Mutex;
 
+use megatron::chat::ChatTemplate;
 use megatron::generate::{Sampling, generate_streaming};
 use megatron::tokenizer::{TextStream, Tokenizer};
 
@@ -53,6 +54,11 @@ pub struct GenerateArgs {
     /// Seed of the sampling.
     #[arg(long, default_value_t = 1234)]
     seed: u64,
+    /// A chat: the prompt is a user turn rendered with this tokenizer directory's chat template
+    /// and its generation prompt, and the reply ends at the template's end-of-turn token
+    /// (`eos_token` of its tokenizer_config.json).
+    #[arg(long, value_name = "TOKENIZER_DIR")]
+    chat: Option<PathBuf>,
 }
 
 /// Runs `megatron generate`.
@@ -78,7 +84,21 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             .unwrap_or_else(|| "byte".to_string()),
     };
     let tokenizer = Tokenizer::from_spec(&spec).with_context(|| format!("--tokenizer {spec}"))?;
-    let prompt = tokenizer.encode(&args.prompt)?;
+    // A chat's prompt is the user's turn as the template renders it; it ends at the end of
+    // the assistant's turn.
+    let (text, end) = match &args.chat {
+        Some(dir) => {
+            let template = ChatTemplate::from_dir(dir).with_context(|| format!("--chat {}", dir.display()))?;
+            let turn = serde_json::json!({"role": "user", "content": args.prompt});
+            let text = template.render(&[turn], None, true)?;
+            let end = template
+                .special_token("eos_token")
+                .and_then(|t| tokenizer.token_id(t));
+            (text, end.or(tokenizer.eod()))
+        }
+        None => (args.prompt.clone(), tokenizer.eod()),
+    };
+    let prompt = tokenizer.encode(&text)?;
     if prompt.is_empty() {
         bail!(
             "--prompt {:?} has no tokens: give some text to continue",
@@ -114,7 +134,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     };
     // The prompt with the first token (once the model is loaded and has read it), then each
     // new token's text as it is drawn; the end-of-text token ends it unprinted.
-    let eod = tokenizer.eod();
+    let eod = end;
     let stream: Mutex<Option<TextStream>> = Mutex::new(None);
     // Standard output's failure, kept: it crosses the ranks' threads only as text.
     let failed: Mutex<Option<output::StdoutError>> = Mutex::new(None);
@@ -123,7 +143,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             .lock()
             .map_err(|_| anyhow::anyhow!("the text stream"))?;
         let mut piece = match stream.is_none() {
-            true => args.prompt.clone(),
+            true => text.clone(),
             false => String::new(),
         };
         let stream = stream.get_or_insert_with(TextStream::new);
@@ -160,7 +180,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         .map_err(|_| anyhow::anyhow!("the text stream"))?
     {
         Some(mut stream) => stream.finish(&tokenizer)?,
-        None => args.prompt.clone(),
+        None => text.clone(),
     };
     say!("{rest}")?;
     Ok(())
