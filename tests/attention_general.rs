@@ -345,7 +345,10 @@ fn the_general_attention_on_the_gpu_follows_the_host() {
         let on_gpu = run(&|t| t.to_gpu(&gpu));
         for (i, (g, h)) in on_gpu.iter().zip(&host).enumerate() {
             let worst = support::max_abs_diff(g, h);
-            assert!(worst < tolerance, "flash {flash}, packed {packed}, output {i}: {worst}");
+            assert!(
+                worst < tolerance,
+                "flash {flash}, packed {packed}, output {i}: {worst}"
+            );
         }
     }
     gpu.set_bf16_products(false);

@@ -19,13 +19,14 @@ use support::TempDir;
 
 /// The guide's pages in the order of its index (the later pages' commands use what the
 /// earlier ones made).
-const GUIDE: [&str; 12] = [
+const GUIDE: [&str; 13] = [
     "data",
     "training",
     "pipeline-parallel",
     "tensor-and-sequence-parallel",
     "context-parallel",
     "llama-and-hugging-face",
+    "fine-tuning",
     "optimizer-and-precision",
     "recompute",
     "expert-parallel",
@@ -262,6 +263,32 @@ fn every_readme_command_runs_as_written() {
     for args in setup {
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         run(work, &home, &args);
+    }
+    // The fine-tuning commands' chats, and the exported Llama's chat template (Llama 3's,
+    // kept with the chat tests' stand-in tokenizers).
+    let template =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/chat/llama3/tokenizer_config.json");
+    std::fs::copy(
+        template,
+        Path::new(&home).join("Llama-3.2-1B/tokenizer_config.json"),
+    )
+    .unwrap();
+    for (name, n) in [("chats.jsonl", 120), ("held-out.jsonl", 20)] {
+        let chats: String = (0..n)
+            .map(|i| {
+                let (q, a) = [
+                    ("What is two plus two?", "Four."),
+                    ("Name a colour.", "Blue."),
+                ][i % 2];
+                serde_json::json!({"messages": [
+                    {"role": "user", "content": format!("{q} ({i})")},
+                    {"role": "assistant", "content": a},
+                ]})
+                .to_string()
+                    + "\n"
+            })
+            .collect();
+        std::fs::write(work.join(name), chats).unwrap();
     }
     // `layout --params` reads a list of parameters, {name, shape, dtype}.
     let params = serde_json::json!([

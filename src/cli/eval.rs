@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser};
-use megatron::data::{Blend, InOrder, PackedDataset, SampleSource, is_packed};
+use megatron::data::{
+    Blend, InOrder, IndexedDataset, PackedDataset, PackedSidecar, SampleSource, is_packed,
+};
 use megatron::job::Eval;
 use megatron::training::Sampler;
 
@@ -78,7 +80,7 @@ struct AsTrain {
 
 impl EvalArgs {
     /// The arguments of a `megatron train` run that loads the checkpoint and trains nothing.
-    fn train_args(&self) -> Result<TrainArgs> {
+    fn train_args(&self, seq_length: Option<usize>) -> Result<TrainArgs> {
         let mut argv: Vec<String> = vec!["eval".into(), "--load".into()];
         argv.push(self.load.to_string_lossy().into_owned());
         // Read as the training data too (the job needs some); nothing trains on it.
@@ -109,7 +111,10 @@ impl EvalArgs {
                 "--global-batch-size",
                 self.global_batch_size.map(|v| v.to_string()),
             ),
-            ("--seq-length", self.seq_length.map(|v| v.to_string())),
+            (
+                "--seq-length",
+                self.seq_length.or(seq_length).map(|v| v.to_string()),
+            ),
             ("--device", self.device.clone()),
         ];
         for (flag, value) in flags {
@@ -127,12 +132,39 @@ impl EvalArgs {
     }
 }
 
+/// The sequence length packed datasets among `data` were packed for (the same for all, or an
+/// error), or `None` for token data.
+fn packed_seq_length(data: &[String]) -> Result<Option<usize>> {
+    let mut found = None;
+    for prefix in data {
+        if !is_packed(prefix) {
+            continue;
+        }
+        let dataset = IndexedDataset::open(prefix).context("--data")?;
+        let seq = PackedSidecar::open(prefix, &dataset)?
+            .capacity()
+            .saturating_sub(1);
+        match found {
+            Some(other) if other != seq => bail!(
+                "--data: packed for sequences of {other} and of {seq} tokens: give --seq-length"
+            ),
+            _ => found = Some(seq),
+        }
+    }
+    Ok(found)
+}
+
 /// Runs `megatron eval`.
 pub fn run(args: &EvalArgs) -> Result<()> {
     if args.data.iter().any(|v| v.trim().parse::<f64>().is_ok()) {
         bail!("--data: eval reads each dataset whole and in order; give prefixes without weights");
     }
-    let train = args.train_args()?;
+    // Packed data is read at the sequence length it was packed for, unless told otherwise.
+    let packed_for = match args.seq_length {
+        Some(_) => None,
+        None => packed_seq_length(&args.data)?,
+    };
+    let train = args.train_args(packed_for)?;
     let mut job = train.job()?;
     let plan = *job.train_data.plan();
     let blend = Blend::open(&args.data).context("--data")?;

@@ -88,7 +88,8 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     // the assistant's turn.
     let (text, end) = match &args.chat {
         Some(dir) => {
-            let template = ChatTemplate::from_dir(dir).with_context(|| format!("--chat {}", dir.display()))?;
+            let template =
+                ChatTemplate::from_dir(dir).with_context(|| format!("--chat {}", dir.display()))?;
             let turn = serde_json::json!({"role": "user", "content": args.prompt});
             let text = template.render(&[turn], None, true)?;
             let end = template

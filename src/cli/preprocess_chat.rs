@@ -88,8 +88,11 @@ pub fn run(job: &ChatJob<'_>) -> Result<()> {
         format!("line {}", lines[i].0)
     })
     .with_context(|| job.input.display().to_string())?;
-    let mut writer =
-        PackedWriter::create(job.output_prefix, DType::optimal(tokenizer.vocab_size()))?;
+    let mut writer = PackedWriter::create(
+        job.output_prefix,
+        DType::optimal(tokenizer.vocab_size()),
+        capacity,
+    )?;
     let (mut counted, mut conversations) = (0usize, 0usize);
     for bin in &packing.bins {
         let documents: Vec<PackedDocument> = bin

@@ -11,7 +11,7 @@
 //! | --- | --- |
 //! | 8 | magic `MGRSPACK` |
 //! | 4 | version, 1 |
-//! | 4 | reserved, 0 |
+//! | 4 | the bins' capacity, `seq_length + 1` tokens |
 //! | 8 | bins `B` (the indexed dataset's sequences) |
 //! | 8 | documents `D` |
 //! | 8 | tokens `T` (the indexed dataset's tokens) |
@@ -72,13 +72,20 @@ pub struct PackedWriter {
     bin_starts: Vec<u64>,
     lengths: Vec<u32>,
     mask: Vec<u8>,
+    capacity: u32,
 }
 
 impl PackedWriter {
     /// A writer of `PREFIX.bin`, `PREFIX.idx` and `PREFIX.packed` with tokens stored as
-    /// `dtype`.
-    pub fn create(prefix: impl AsRef<Path>, dtype: super::DType) -> Result<Self> {
+    /// `dtype`, for bins of at most `capacity` tokens (a sample's `seq_length + 1`).
+    pub fn create(prefix: impl AsRef<Path>, dtype: super::DType, capacity: usize) -> Result<Self> {
+        let capacity = u32::try_from(capacity).map_err(|_| {
+            DataError::Invalid(format!(
+                "bins of {capacity} tokens do not fit the format's u32"
+            ))
+        })?;
         Ok(PackedWriter {
+            capacity,
             tokens: IndexedDatasetBuilder::create(&prefix, dtype)?,
             sidecar: packed_path(&prefix),
             bin_starts: vec![0],
@@ -89,6 +96,13 @@ impl PackedWriter {
 
     /// Adds one bin of whole documents.
     pub fn add_bin(&mut self, documents: &[PackedDocument]) -> Result<()> {
+        let total: usize = documents.iter().map(|d| d.tokens.len()).sum();
+        if total > self.capacity as usize {
+            return Err(DataError::Invalid(format!(
+                "a bin of {total} tokens, more than its capacity of {}",
+                self.capacity
+            )));
+        }
         let mut tokens = Vec::new();
         for d in documents {
             if d.tokens.len() != d.counts.len() || d.tokens.is_empty() {
@@ -120,7 +134,7 @@ impl PackedWriter {
         );
         bytes.extend_from_slice(PACKED_MAGIC);
         bytes.extend_from_slice(&PACKED_VERSION.to_le_bytes());
-        bytes.extend_from_slice(&0u32.to_le_bytes());
+        bytes.extend_from_slice(&self.capacity.to_le_bytes());
         for n in [self.bins(), self.lengths.len(), self.mask.len()] {
             bytes.extend_from_slice(&(n as u64).to_le_bytes());
         }
@@ -149,6 +163,7 @@ impl PackedWriter {
 pub struct PackedSidecar {
     path: PathBuf,
     map: Mmap,
+    capacity: usize,
     bins: usize,
     documents: usize,
     tokens: usize,
@@ -217,6 +232,7 @@ impl PackedSidecar {
         }
         let sidecar = PackedSidecar {
             path: path.clone(),
+            capacity: u32_at(12) as usize,
             map,
             bins: bins as usize,
             documents: documents as usize,
@@ -237,6 +253,11 @@ impl PackedSidecar {
     /// Bins.
     pub fn bins(&self) -> usize {
         self.bins
+    }
+
+    /// The most tokens a bin holds: the `seq_length + 1` the data was packed for.
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     /// Documents over all bins.
@@ -428,5 +449,111 @@ impl SampleSource for PackedDataset {
 
     fn has_documents(&self) -> bool {
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::DType;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("megatron-packed-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir.join("data")
+    }
+
+    fn doc(tokens: &[u32], counts: &[u8]) -> PackedDocument {
+        PackedDocument {
+            tokens: tokens.to_vec(),
+            counts: counts.iter().map(|&c| c == 1).collect(),
+        }
+    }
+
+    /// Two bins: documents of 3 and 2 tokens, then one of 4.
+    fn write(prefix: &Path) {
+        let mut w = PackedWriter::create(prefix, DType::U16, 6).unwrap();
+        w.add_bin(&[doc(&[1, 2, 3], &[0, 1, 1]), doc(&[4, 5], &[0, 1])])
+            .unwrap();
+        w.add_bin(&[doc(&[6, 7, 8, 9], &[0, 0, 1, 1])]).unwrap();
+        let err = w.add_bin(&[doc(&[1; 7], &[0; 7])]).unwrap_err();
+        assert!(
+            err.to_string().contains("more than its capacity of 6"),
+            "{err}"
+        );
+        w.finish().unwrap();
+    }
+
+    #[test]
+    fn samples_carry_the_shifted_mask_and_their_documents() {
+        let prefix = scratch("samples");
+        write(&prefix);
+        assert!(is_packed(&prefix));
+        let dataset = Arc::new(IndexedDataset::open(&prefix).unwrap());
+        let sidecar = PackedSidecar::open(&prefix, &dataset).unwrap();
+        assert_eq!(
+            (sidecar.bins(), sidecar.documents(), sidecar.capacity()),
+            (2, 3, 6)
+        );
+        assert_eq!(sidecar.lengths(0), [3, 2]);
+        let d = PackedDataset::in_order(dataset, 5, 4).unwrap();
+        assert_eq!((d.samples(), d.len()), (2, 4));
+        // Bin 0, padded to 6 tokens with 0.
+        assert_eq!(d.sample(0).unwrap(), [1, 2, 3, 4, 5, 0]);
+        // The target of position p is token p + 1: 2 and 3 count, 4 (a new document) not,
+        // 5 does, the padding not.
+        assert_eq!(d.loss_mask(0).unwrap().unwrap(), [1, 1, 0, 1, 0]);
+        assert_eq!(d.documents(0).unwrap().unwrap(), [3]);
+        assert_eq!(d.sample(1).unwrap(), [6, 7, 8, 9, 0, 0]);
+        assert_eq!(d.loss_mask(1).unwrap().unwrap(), [0, 1, 1, 0, 0]);
+        // The padding is a document of its own.
+        assert_eq!(d.documents(1).unwrap().unwrap(), [4]);
+        // Samples that fill the last batch count nothing.
+        assert_eq!(d.loss_mask(3).unwrap().unwrap(), [0; 5]);
+        assert!(d.sample(4).is_err());
+    }
+
+    #[test]
+    fn a_sidecar_that_does_not_describe_its_dataset_is_refused_by_name() {
+        let prefix = scratch("bad");
+        write(&prefix);
+        let dataset = IndexedDataset::open(&prefix).unwrap();
+        let path = packed_path(&prefix);
+        let good = std::fs::read(&path).unwrap();
+        let mut truncated = good.clone();
+        truncated.pop();
+        std::fs::write(&path, &truncated).unwrap();
+        let err = PackedSidecar::open(&prefix, &dataset)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("data.packed") && err.contains("bytes, but 2 bins"),
+            "{err}"
+        );
+        let mut magic = good.clone();
+        magic[0] = b'X';
+        std::fs::write(&path, &magic).unwrap();
+        let err = PackedSidecar::open(&prefix, &dataset)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("MGRSPACK"), "{err}");
+        // A document's length that does not add up to its bin.
+        let mut lengths = good;
+        lengths[HEADER + 8 * 3] = 9;
+        std::fs::write(&path, &lengths).unwrap();
+        let err = PackedSidecar::open(&prefix, &dataset)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("bin 0's documents hold"), "{err}");
+        // Data packed for longer sequences than the run's.
+        write(&prefix);
+        let config = GptDatasetConfig::new(3, 1);
+        let err = PackedDataset::new(Arc::new(dataset), &config, Split::Train, None).unwrap_err();
+        assert!(
+            err.to_string().contains("more than --seq-length 3 + 1"),
+            "{err}"
+        );
     }
 }
