@@ -8,6 +8,7 @@
 //! and optionally `tools`.
 
 pub mod pack;
+pub mod prepare;
 pub mod template;
 
 use anyhow::{Context, Result, bail};

@@ -161,16 +161,19 @@ pub fn run(args: &PreprocessArgs) -> Result<()> {
         let Some(seq_length) = args.seq_length else {
             bail!("--chat packs conversations into sequences: give --seq-length");
         };
-        return super::preprocess_chat::run(&super::preprocess_chat::ChatJob {
-            input: &args.corpus.input,
-            tokenizer: std::path::Path::new(&args.tokenizer),
-            output_prefix: &args.output_prefix,
+        let options = megatron::chat::prepare::PrepareOptions {
             seq_length,
             answer_only: args.answer_only_loss,
             add_generation_prompt: args.add_generation_prompt,
             overlong: args.overlong,
             workers,
-        });
+        };
+        return super::preprocess_chat::run(
+            &args.corpus.input,
+            std::path::Path::new(&args.tokenizer),
+            &args.output_prefix,
+            options,
+        );
     }
     for (given, flag) in [
         (args.seq_length.is_some(), "--seq-length"),

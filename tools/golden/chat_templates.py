@@ -10,7 +10,9 @@ including turn i, less those of the conversation up to turn i with the generatio
     venv/bin/python tools/golden/chat_templates.py tests/data/chat
 
 Each family lands in OUT/<name>/: tokenizer.json (made here, deterministic),
-tokenizer_config.json (the template, the family's special tokens) and golden.json.
+tokenizer_config.json (the template, the family's special tokens) and golden.json. Beside
+Llama 3's, a tiny random Llama over that tokenizer (config.json, model.safetensors), saved by
+transformers: what `examples/finetune_chat.rs` imports and fine-tunes.
 """
 
 import json
@@ -18,7 +20,8 @@ import sys
 from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
@@ -113,6 +116,26 @@ def answer_mask(tok, messages, kwargs):
     return mask
 
 
+def make_model(d, tok):
+    """A tiny random Llama over the stand-in tokenizer, saved as transformers saves it."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tok.convert_tokens_to_ids("<|begin_of_text|>"),
+        eos_token_id=tok.convert_tokens_to_ids("<|eot_id|>"),
+    )
+    LlamaForCausalLM(config).save_pretrained(str(d))
+
+
 def main(out):
     out = Path(out)
     for name, fam in FAMILIES.items():
@@ -148,6 +171,8 @@ def main(out):
             except Exception as e:
                 cases.append(dict(messages=messages, add_generation_prompt=False, text=None, ids=None, error=str(e)))
         (d / "golden.json").write_text(json.dumps(cases, indent=1, ensure_ascii=False) + "\n")
+        if name == "llama3":
+            make_model(d, tok)
         print(name, len(cases), "cases")
 
 

@@ -1,0 +1,162 @@
+//! A file of conversations to a packed dataset: each line rendered and tokenized
+//! ([`super::tokenize`]), the conversations packed whole ([`super::pack`]) and written with
+//! their loss masks and boundaries (`megatron_core::data::PackedWriter`, docs/packed-data.md).
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use megatron_core::data::{DType, PackedDocument, PackedWriter};
+
+use super::pack::{Overlong, Packing, first_fit_decreasing};
+use super::{ChatTemplate, Tokenized};
+use crate::tokenizer::Tokenizer;
+
+/// How conversations are prepared.
+#[derive(Debug, Clone, Copy)]
+pub struct PrepareOptions {
+    /// The training sequence length the bins are cut for (`seq_length + 1` tokens each).
+    pub seq_length: usize,
+    /// Only the assistant's tokens count.
+    pub answer_only: bool,
+    /// Render with the generation prompt, as transformers' `add_generation_prompt`.
+    pub add_generation_prompt: bool,
+    /// What happens to a conversation longer than a bin.
+    pub overlong: Overlong,
+    /// Tokenizing threads.
+    pub workers: usize,
+}
+
+/// What [`prepare`] wrote.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// The input's line number of each conversation, in input order.
+    pub lines: Vec<u64>,
+    /// How the conversations were packed (indices into `lines`).
+    pub packing: Packing,
+    /// Conversations written.
+    pub conversations: usize,
+    /// Tokens that count in the loss.
+    pub counted: usize,
+    /// Each bin's capacity.
+    pub capacity: usize,
+}
+
+/// A tokenizer directory's `tokenizer.json` and chat template.
+pub fn open_tokenizer(dir: &Path) -> Result<(Tokenizer, ChatTemplate)> {
+    if !dir.is_dir() {
+        bail!(
+            "{}: chat data needs a tokenizer directory (tokenizer.json with \
+             tokenizer_config.json and its chat_template)",
+            dir.display()
+        );
+    }
+    let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))?;
+    let template = ChatTemplate::from_dir(dir)?;
+    Ok((tokenizer, template))
+}
+
+/// Renders every conversation of the JSON-lines file `input` with `tokenizer_dir`'s chat
+/// template and packs them into the packed dataset at `output_prefix`; errors name the line.
+pub fn prepare(
+    input: &Path,
+    tokenizer_dir: &Path,
+    output_prefix: &Path,
+    options: PrepareOptions,
+) -> Result<Prepared> {
+    let (tokenizer, template) = open_tokenizer(tokenizer_dir)?;
+    let file =
+        std::fs::File::open(input).with_context(|| format!("{}: cannot open", input.display()))?;
+    let mut lines = Vec::new();
+    for (i, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.with_context(|| {
+            format!(
+                "{}: line {} cannot be read as UTF-8 text",
+                input.display(),
+                i + 1
+            )
+        })?;
+        if !line.trim().is_empty() {
+            lines.push((i as u64 + 1, line));
+        }
+    }
+    let encode = |(no, line): &(u64, String)| -> Result<Tokenized> {
+        let conversation = super::parse(line, *no)?;
+        super::tokenize(
+            &conversation,
+            &template,
+            &tokenizer,
+            options.answer_only,
+            options.add_generation_prompt,
+        )
+        .with_context(|| format!("line {no}"))
+    };
+    let docs = in_parallel(&lines, options.workers, encode)
+        .with_context(|| input.display().to_string())?;
+    let capacity = options.seq_length + 1;
+    let lengths: Vec<usize> = docs.iter().map(|d| d.tokens.len()).collect();
+    let packing = first_fit_decreasing(&lengths, capacity, options.overlong, |i| {
+        format!("line {}", lines[i].0)
+    })
+    .with_context(|| input.display().to_string())?;
+    let dtype = DType::optimal(tokenizer.vocab_size());
+    let mut writer = PackedWriter::create(output_prefix, dtype, capacity)?;
+    let (mut counted, mut conversations) = (0, 0);
+    for bin in &packing.bins {
+        let documents: Vec<PackedDocument> = bin
+            .iter()
+            .map(|&i| {
+                let n = docs[i].tokens.len().min(capacity);
+                PackedDocument {
+                    tokens: docs[i].tokens[..n].to_vec(),
+                    counts: docs[i].counts[..n].to_vec(),
+                }
+            })
+            .collect();
+        counted += documents
+            .iter()
+            .map(|d| d.counts.iter().filter(|&&c| c).count())
+            .sum::<usize>();
+        conversations += documents.len();
+        writer.add_bin(&documents)?;
+    }
+    writer.finish()?;
+    Ok(Prepared {
+        lines: lines.iter().map(|l| l.0).collect(),
+        packing,
+        conversations,
+        counted,
+        capacity,
+    })
+}
+
+/// `f` of every item on `workers` threads, in order; the first error wins.
+fn in_parallel<T: Sync, U: Send>(
+    items: &[T],
+    workers: usize,
+    f: impl Fn(&T) -> Result<U> + Sync,
+) -> Result<Vec<U>> {
+    if workers <= 1 || items.len() < 2 {
+        return items.iter().map(&f).collect();
+    }
+    let chunk = items.len().div_ceil(workers);
+    let f = &f;
+    let parts: Vec<Result<Vec<U>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = items
+            .chunks(chunk)
+            .map(|part| s.spawn(move || part.iter().map(f).collect::<Result<Vec<U>>>()))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .map_err(|_| anyhow::anyhow!("a tokenizing thread panicked"))?
+            })
+            .collect()
+    });
+    let mut out = Vec::with_capacity(items.len());
+    for part in parts {
+        out.extend(part?);
+    }
+    Ok(out)
+}
