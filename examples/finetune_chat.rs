@@ -137,6 +137,7 @@ fn main() -> R<()> {
         answer_only: true,
         add_generation_prompt: false,
         overlong: Overlong::Error,
+        pack: true,
         workers: 2,
     };
     conversations(&dir.join("train.jsonl"), 240, 0)?;

@@ -93,6 +93,30 @@ pub fn first_fit_decreasing(
     Ok(packing)
 }
 
+/// Each document in a bin of its own, in input order (the rest of each bin padding): what
+/// packing is measured against. Overlong documents as [`first_fit_decreasing`] treats them.
+pub fn one_per_bin(
+    lengths: &[usize],
+    capacity: usize,
+    overlong: Overlong,
+    name: impl Fn(usize) -> String,
+) -> Result<Packing> {
+    let mut packing = Packing::default();
+    for (i, &len) in lengths.iter().enumerate() {
+        let one = first_fit_decreasing(&[len], capacity, overlong, |_| name(i))?;
+        if !one.dropped.is_empty() {
+            packing.dropped.push(i);
+            continue;
+        }
+        if !one.truncated.is_empty() {
+            packing.truncated.push(i);
+        }
+        packing.tokens += one.tokens;
+        packing.bins.push(vec![i]);
+    }
+    Ok(packing)
+}
+
 /// The free room of each bin, with a max-tree over it: the first bin with at least `n` free
 /// tokens is found in `O(log bins)`.
 struct FreeRoom {

@@ -8,7 +8,7 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 use megatron_core::data::{DType, PackedDocument, PackedWriter};
 
-use super::pack::{Overlong, Packing, first_fit_decreasing};
+use super::pack::{Overlong, Packing, first_fit_decreasing, one_per_bin};
 use super::{ChatTemplate, Tokenized};
 use crate::tokenizer::Tokenizer;
 
@@ -23,6 +23,9 @@ pub struct PrepareOptions {
     pub add_generation_prompt: bool,
     /// What happens to a conversation longer than a bin.
     pub overlong: Overlong,
+    /// Pack several conversations into each bin (first-fit decreasing); `false`: one each,
+    /// the rest of the bin padding (to compare the two).
+    pub pack: bool,
     /// Tokenizing threads.
     pub workers: usize,
 }
@@ -95,9 +98,11 @@ pub fn prepare(
         .with_context(|| input.display().to_string())?;
     let capacity = options.seq_length + 1;
     let lengths: Vec<usize> = docs.iter().map(|d| d.tokens.len()).collect();
-    let packing = first_fit_decreasing(&lengths, capacity, options.overlong, |i| {
-        format!("line {}", lines[i].0)
-    })
+    let name = |i: usize| format!("line {}", lines[i].0);
+    let packing = match options.pack {
+        true => first_fit_decreasing(&lengths, capacity, options.overlong, name),
+        false => one_per_bin(&lengths, capacity, options.overlong, name),
+    }
     .with_context(|| input.display().to_string())?;
     let dtype = DType::optimal(tokenizer.vocab_size());
     let mut writer = PackedWriter::create(output_prefix, dtype, capacity)?;

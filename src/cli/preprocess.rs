@@ -74,6 +74,10 @@ pub struct PreprocessArgs {
     /// With --chat: what to do with a conversation longer than a sequence.
     #[arg(long, value_enum, default_value_t)]
     overlong: Overlong,
+    /// With --chat: pack several conversations into each sequence (first-fit decreasing);
+    /// false puts each in a sequence of its own, padded.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pack: bool,
 }
 
 /// One line's documents, one per key: the tokens and the lengths of their sequences.
@@ -166,6 +170,7 @@ pub fn run(args: &PreprocessArgs) -> Result<()> {
             answer_only: args.answer_only_loss,
             add_generation_prompt: args.add_generation_prompt,
             overlong: args.overlong,
+            pack: args.pack,
             workers,
         };
         return super::preprocess_chat::run(
@@ -180,6 +185,7 @@ pub fn run(args: &PreprocessArgs) -> Result<()> {
         (!args.answer_only_loss, "--answer-only-loss"),
         (args.add_generation_prompt, "--add-generation-prompt"),
         (args.overlong != Overlong::default(), "--overlong"),
+        (!args.pack, "--pack"),
     ] {
         if given {
             bail!("{flag} does nothing without --chat: add --chat or drop {flag}");
