@@ -135,6 +135,8 @@ fn eval_reads_the_held_out_set_once_at_every_layout_with_the_training_masks() {
         &["--tp", "2", "--sequence-parallel"],
         &["--pp", "2"],
         &["--dp", "2"],
+        &["--cp", "2"],
+        &["--cp", "2", "--cp-comm-type", "a2a"],
     ] {
         let mut args = masked_args.clone();
         args.extend_from_slice(layout);
@@ -163,7 +165,7 @@ fn eval_reads_the_held_out_set_once_at_every_layout_with_the_training_masks() {
 }
 
 #[test]
-fn masking_flags_without_documents_in_the_data_are_said_once_and_cp_refuses_separate_documents() {
+fn masking_flags_without_documents_in_the_data_are_said_once_and_cp_keeps_documents_apart() {
     let small = [
         "train",
         "--num-layers",
@@ -190,10 +192,14 @@ fn masking_flags_without_documents_in_the_data_are_said_once_and_cp_refuses_sepa
     );
     let mut args = small.to_vec();
     args.extend(["--reset-attention-mask", "--cp", "2"]);
+    // Documents attended apart over context-parallel ranks; with attention dropout, refused.
     let (ok, _, stderr) = megatron(&args);
     assert!(!ok);
     assert!(
-        stderr.contains("--reset-attention-mask at --context-parallel-size 2"),
+        stderr.contains("attention dropout with packed documents attended apart"),
         "{stderr}"
     );
+    args.extend(["--attention-dropout", "0"]);
+    let (ok, _, stderr) = megatron(&args);
+    assert!(ok, "{stderr}");
 }

@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use megatron::comm::ParallelState;
 use megatron::comm::threads::launch;
+use megatron::context_parallel::CpCommType;
 use megatron::data::SampleSource;
 use megatron::documents::Documents;
 use megatron::models::GptConfig;
@@ -197,6 +198,8 @@ struct Layout {
     recompute: Option<Recompute>,
     /// Hidden and attention dropout of 0.1 (attention's drawn per document).
     dropout: bool,
+    /// How context-parallel attention exchanges keys and values.
+    cp_kind: CpCommType,
 }
 
 fn one() -> Layout {
@@ -228,6 +231,7 @@ fn try_train(layout: Layout, flags: MaskFlags) -> R<Vec<(f64, f64, Option<usize>
         distopt,
         recompute,
         dropout,
+        cp_kind,
     } = layout;
     let world = tp * pp * dp * cp;
     let parallel = ParallelLayout::new(
@@ -242,7 +246,9 @@ fn try_train(layout: Layout, flags: MaskFlags) -> R<Vec<(f64, f64, Option<usize>
     let spec = config.spec();
     let stages = PipelineLayout::new(4, pp, vpp, None, None).unwrap();
     launch(world, |w| -> R<_> {
-        let ps = ParallelState::new(&w, &parallel)?.with_sequence_parallel(sp);
+        let ps = ParallelState::new(&w, &parallel)?
+            .with_sequence_parallel(sp)
+            .with_cp_comm_type(&w, cp_kind)?;
         let plan = BatchPlan {
             seq_length: SEQ,
             micro_batch: 2,
@@ -422,13 +428,31 @@ fn a_step_that_counts_no_token_adds_nothing_and_says_so() {
 }
 
 #[test]
-fn context_parallel_ranks_reset_positions_and_mask_the_loss_as_one_rank() {
-    let flags = MaskFlags {
-        reset_attention_mask: false,
-        ..all_flags(true)
-    };
+fn context_parallel_ranks_keep_documents_apart_as_one_rank_in_every_form() {
+    let flags = all_flags(true);
     let reference = train(one(), flags);
-    assert_same_curve(&train(Layout { cp: 2, ..one() }, flags), &reference, "cp 2");
+    for kind in [CpCommType::P2p, CpCommType::AllGather, CpCommType::A2a] {
+        let layout = Layout {
+            cp: 2,
+            cp_kind: kind,
+            ..one()
+        };
+        assert_same_curve(&train(layout, flags), &reference, &format!("cp 2 {kind:?}"));
+    }
+    let layout = Layout {
+        cp: 4,
+        cp_kind: CpCommType::A2aP2p { a2a: 2, p2p: 2 },
+        ..one()
+    };
+    assert_same_curve(&train(layout, flags), &reference, "cp 4 a2a+p2p");
+    // With tensor and sequence parallelism too.
+    let layout = Layout {
+        cp: 2,
+        tp: 2,
+        sp: true,
+        ..one()
+    };
+    assert_same_curve(&train(layout, flags), &reference, "cp 2 tp 2 sp");
 }
 
 #[test]
@@ -442,12 +466,15 @@ fn the_two_normalizations_differ_and_each_is_the_mean_megatron_takes() {
 }
 
 #[test]
-fn documents_attended_apart_under_context_parallelism_are_refused_by_name() {
-    let layout = Layout { cp: 2, ..one() };
-    let flags = all_flags(false);
-    let message = try_train(layout, flags).unwrap_err().to_string();
+fn attention_dropout_with_documents_under_context_parallelism_is_refused_by_name() {
+    let layout = Layout {
+        cp: 2,
+        dropout: true,
+        ..one()
+    };
+    let message = try_train(layout, all_flags(false)).unwrap_err().to_string();
     assert!(
-        message.contains("--reset-attention-mask at --context-parallel-size 2"),
+        message.contains("attention dropout with packed documents attended apart"),
         "{message}"
     );
 }

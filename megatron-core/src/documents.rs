@@ -114,6 +114,18 @@ impl Documents {
         self.starts.iter().map(Vec::len).sum()
     }
 
+    /// The document of every position, sample after sample (`[batch, seq]`): 0 for a
+    /// sample's first document, then 1, 2, ... at each start.
+    pub fn ids(&self) -> Vec<u32> {
+        let mut ids = Vec::with_capacity(self.batch() * self.seq);
+        for j in 0..self.batch() {
+            for (d, r) in self.segments(j).into_iter().enumerate() {
+                ids.extend(std::iter::repeat_n(d as u32, r.len()));
+            }
+        }
+        ids
+    }
+
     /// The documents of sample `sample`, in order: ranges of positions covering `0..seq`.
     pub fn segments(&self, sample: usize) -> Vec<Range<usize>> {
         let starts = &self.starts[sample];

@@ -14,13 +14,15 @@
 //! keys and values `[2, b, groups, rows, d]` (keys, then values), `rows` the chunks in local
 //! order. Head `h` reads the keys and values of group `h / per_group`.
 
+use std::sync::Arc;
+
 use super::CpDropout;
 use crate::error::Result;
 use crate::kernels::dropout::{dropout_forward, dropout_pair};
 use crate::kernels::gemm::product;
 
 /// The sizes and the mask of one layer's blockwise attention.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Blocks {
     /// Batch entries.
     pub batch: usize,
@@ -40,6 +42,9 @@ pub(crate) struct Blocks {
     pub window: Option<usize>,
     /// Attention dropout, with this engine's first head among all.
     pub dropout: Option<CpDropout>,
+    /// Packed documents: the document of each global position, per batch entry
+    /// (`[b, seq]`); a query sees only keys of its own document. `None`: one document.
+    pub documents: Option<Arc<Vec<u32>>>,
 }
 
 /// One side's chunks: the data in its layout and each chunk's first global position.
@@ -93,19 +98,41 @@ impl Blocks {
         self.chunk * self.head_dim
     }
 
-    /// Whether the query at global position `q` sees the key at `k`.
+    /// The document of global position `p` of batch entry `b` (0 without documents).
     #[inline]
-    fn sees(&self, q: usize, k: usize) -> bool {
-        k <= q && self.window.is_none_or(|w| q - k <= w)
+    fn document(&self, b: usize, p: usize) -> u32 {
+        self.documents
+            .as_ref()
+            .map_or(0, |ids| ids[b * self.seq + p])
     }
 
-    /// The mask of the pair whose chunks start at `qs` and `ks`.
-    fn pair(&self, qs: usize, ks: usize) -> Pair {
+    /// Whether the query at global position `q` of batch entry `b` sees the key at `k`.
+    #[inline]
+    fn sees(&self, b: usize, q: usize, k: usize) -> bool {
+        k <= q
+            && self.window.is_none_or(|w| q - k <= w)
+            && self.document(b, q) == self.document(b, k)
+    }
+
+    /// The mask of the pair of batch entry `b` whose chunks start at `qs` and `ks`: with
+    /// documents, no query sees a key chunk wholly before its documents, and a pair is whole
+    /// only within one document.
+    fn pair(&self, b: usize, qs: usize, ks: usize) -> Pair {
         let last = self.chunk - 1;
         if ks > qs + last || self.window.is_some_and(|w| qs > ks + last + w) {
             return Pair::Skip;
         }
-        match ks + last <= qs && self.window.is_none_or(|w| qs + last - ks <= w) {
+        let one_document = match self.documents {
+            None => true,
+            Some(_) => {
+                // Documents increase along the sequence.
+                if self.document(b, ks + last) < self.document(b, qs) {
+                    return Pair::Skip;
+                }
+                self.document(b, ks) == self.document(b, qs + last)
+            }
+        };
+        match one_document && ks + last <= qs && self.window.is_none_or(|w| qs + last - ks <= w) {
             true => Pair::Full,
             false => Pair::Masked,
         }
@@ -150,7 +177,7 @@ impl Blocks {
         heads.flat_map(move |bh| {
             q.starts.iter().enumerate().flat_map(move |(i, &qs)| {
                 kv.starts.iter().enumerate().filter_map(move |(j, &ks)| {
-                    let pair = self.pair(qs, ks);
+                    let pair = self.pair(bh.0, qs, ks);
                     (pair != Pair::Skip).then_some(PairAt {
                         bh,
                         i,
@@ -185,7 +212,7 @@ impl Blocks {
             let row0 = ((b * self.heads() + h) * nq + i) * c;
             for r in 0..c {
                 let row = &mut e[r * c..(r + 1) * c];
-                let seen = |k: usize| pair == Pair::Full || self.sees(qs + r, ks + k);
+                let seen = |k: usize| pair == Pair::Full || self.sees(b, qs + r, ks + k);
                 let top = (0..c)
                     .filter(|&k| seen(k))
                     .map(|k| row[k])
@@ -287,7 +314,7 @@ impl Blocks {
             let mut p = self.scores(qb, kb)?;
             for r in 0..c {
                 for (k, x) in p[r * c..(r + 1) * c].iter_mut().enumerate() {
-                    let seen = pair == Pair::Full || self.sees(qs + r, ks + k);
+                    let seen = pair == Pair::Full || self.sees(b, qs + r, ks + k);
                     *x = if seen {
                         (*x - lse[row0 + r]).exp()
                     } else {

@@ -40,21 +40,6 @@ use crate::rng::DropoutStream;
 use crate::tensor::{DType, Tensor};
 use blocks::{Blocks, Side};
 
-/// Refuses packed documents attended apart (`--reset-attention-mask`) on a rank's chunks:
-/// their blocks would need each document cut over the ranks (Transformer Engine's `thd`
-/// layout), which is not built yet.
-pub fn refuse_separate_documents(cx: &Cx) -> Result<()> {
-    match cx.documents().filter(|d| d.separates_attention()) {
-        Some(_) => invalid!(
-            "--reset-attention-mask at --context-parallel-size {}: packed documents attended \
-             apart are not split over context-parallel ranks yet (Transformer Engine's thd \
-             layout); use --reset-position-ids and --eod-mask-loss alone, or cp 1",
-            cx.cp_size()
-        ),
-        None => Ok(()),
-    }
-}
-
 /// An op that mixes the positions of a sequence (attention), declared `#[context_parallel]` in a
 /// module: the one place of a model that context parallelism changes. Its calls run on this
 /// rank's positions, with context parallelism its two chunks of the sequence, and exchange keys
@@ -425,8 +410,9 @@ impl CpChunks {
 }
 
 /// One layer's attention as this rank runs it: its key/value groups, query heads per group,
-/// the scores' scale, the window and the dropout (with the tensor-parallel rank's first head).
-#[derive(Debug, Clone, Copy)]
+/// the scores' scale, the window, the dropout (with the tensor-parallel rank's first head) and
+/// the packed documents it keeps apart.
+#[derive(Debug, Clone)]
 pub struct CpLayer {
     /// Key/value groups on this tensor-parallel rank.
     pub groups: usize,
@@ -438,6 +424,29 @@ pub struct CpLayer {
     pub window: Option<usize>,
     /// Attention dropout, if any.
     pub dropout: Option<CpDropout>,
+    /// Packed documents attended apart: each position's document, per batch entry
+    /// ([`Documents::ids`](crate::documents::Documents::ids)); `None`: one document a sequence.
+    pub documents: Option<Arc<Vec<u32>>>,
+}
+
+impl CpLayer {
+    /// The documents `cx`'s microbatch keeps apart, as [`CpLayer::documents`] holds them;
+    /// attention dropout with them is refused (its elements would be drawn at other places
+    /// than cp 1 draws them for a document attended alone).
+    pub fn documents_of(cx: &Cx, dropout: bool) -> Result<Option<Arc<Vec<u32>>>> {
+        let Some(docs) = cx.documents().filter(|d| d.separates_attention()) else {
+            return Ok(None);
+        };
+        if dropout {
+            return invalid!(
+                "attention dropout with packed documents attended apart (--reset-attention-mask, \
+                 packed data) at --context-parallel-size {}: its elements are not drawn as cp 1 \
+                 draws them yet; give --attention-dropout 0, or cp 1",
+                cx.cp_size()
+            );
+        }
+        Ok(Some(Arc::new(docs.ids())))
+    }
 }
 
 /// What [`attention_forward`] keeps for [`attention_backward`]: the queries and this rank's
@@ -504,6 +513,16 @@ pub fn attention_forward(
     if let Some(comm) = &groups.a2a {
         x = exchange::heads_for_rows(comm.as_ref(), x, local * batch, width, qkv)?;
     }
+    if let Some(ids) = &layer.documents
+        && ids.len() != batch * chunks.seq()
+    {
+        return invalid!(
+            "context-parallel attention: the documents cover {} positions, the batch {batch} \
+             sequences of {}",
+            ids.len(),
+            chunks.seq()
+        );
+    }
     let here = layer.groups / a;
     let blocks = Blocks {
         batch,
@@ -518,6 +537,7 @@ pub fn attention_forward(
             first_head: d.first_head + inner * here * layer.per_group,
             ..d
         }),
+        documents: layer.documents.clone(),
     };
     let starts = chunks.starts_of(ranks);
     let rows = starts.len() * chunks.chunk;

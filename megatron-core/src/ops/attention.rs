@@ -312,8 +312,8 @@ impl ContextParallelMulti for DotProductAttention {
                 (out, Kept::Whole(Box::new((kept, shape))))
             }
             Some(chunks) => {
-                context_parallel::refuse_separate_documents(cx)?;
                 let layer = CpLayer {
+                    documents: CpLayer::documents_of(cx, false)?,
                     groups: grouped.groups,
                     per_group: grouped.per_group,
                     scale: self.scale(),

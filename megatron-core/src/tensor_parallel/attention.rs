@@ -305,9 +305,9 @@ impl ContextParallel for CausalSelfAttention {
             return Ok((out, saved));
         }
         if let (Some(chunks), Some(groups)) = (cp, cx.cp_groups()) {
-            context_parallel::refuse_separate_documents(cx)?;
             // The grouped projection as it is: the forms move keys and values per group.
             let layer = CpLayer {
+                documents: CpLayer::documents_of(cx, mask.is_some())?,
                 groups: grouped.groups,
                 per_group: grouped.per_group,
                 scale: sh.scale(),
