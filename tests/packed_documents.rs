@@ -7,7 +7,7 @@
 //!   attention dropout drawn per document);
 //! * training on packed, masked data gives the same losses and gradient norms at every layout
 //!   as on one rank (tp with and without sequence parallelism, pipelines with virtual stages,
-//!   dp with the distributed optimizer, cp with reset positions, recompute), with both loss
+//!   dp with the distributed optimizer, every cp form, ep with MoE, recompute, bf16), with both loss
 //!   normalizations;
 //! * a microbatch that counts no token adds nothing and says so, and the loss is the mean over
 //!   the counted tokens.
@@ -21,9 +21,11 @@ use megatron::comm::threads::launch;
 use megatron::context_parallel::CpCommType;
 use megatron::data::SampleSource;
 use megatron::documents::Documents;
-use megatron::models::GptConfig;
 use megatron::models::gpt::Gpt;
+use megatron::models::{GptConfig, MoeConfig, MoeLayerFreq};
 use megatron::module::{Builder, Cx, Module, Recompute};
+use megatron::moe::RouterConfig;
+use megatron::optimizer::{Precision, PrecisionFlags};
 use megatron::parallel::{ParallelConfig, ParallelLayout};
 use megatron::pipeline_parallel::PipelineLayout;
 use megatron::tensor::{DType, Tensor};
@@ -200,6 +202,11 @@ struct Layout {
     dropout: bool,
     /// How context-parallel attention exchanges keys and values.
     cp_kind: CpCommType,
+    /// Expert parallelism (with MoE MLPs: 4 experts, top 2, in every layer).
+    ep: usize,
+    moe: bool,
+    /// Mixed precision, bf16.
+    bf16: bool,
 }
 
 fn one() -> Layout {
@@ -209,6 +216,7 @@ fn one() -> Layout {
         vpp: 1,
         dp: 1,
         cp: 1,
+        ep: 1,
         ..Layout::default()
     }
 }
@@ -232,17 +240,30 @@ fn try_train(layout: Layout, flags: MaskFlags) -> R<Vec<(f64, f64, Option<usize>
         recompute,
         dropout,
         cp_kind,
+        ep,
+        moe,
+        bf16,
     } = layout;
     let world = tp * pp * dp * cp;
     let parallel = ParallelLayout::new(
         &ParallelConfig::new(world)
             .with_tp(tp)
             .with_pp(pp)
-            .with_cp(cp),
+            .with_cp(cp)
+            .with_ep(ep),
     )
     .unwrap();
     let mut config = support::llama_like(if dropout { 0.1 } else { 0.0 });
     config.num_layers = 4;
+    if moe {
+        config = config.with_moe(MoeConfig {
+            router: RouterConfig::new(4, 2),
+            ffn_hidden_size: 16,
+            layer_freq: MoeLayerFreq::Every(1),
+            shared_expert_ffn: None,
+            dispatcher: Default::default(),
+        });
+    }
     let spec = config.spec();
     let stages = PipelineLayout::new(4, pp, vpp, None, None).unwrap();
     launch(world, |w| -> R<_> {
@@ -260,6 +281,13 @@ fn try_train(layout: Layout, flags: MaskFlags) -> R<Vec<(f64, f64, Option<usize>
         let train = TrainConfig {
             distributed_optimizer: distopt,
             recompute: recompute.unwrap_or(Recompute::Off),
+            precision: match bf16 {
+                true => Precision::from_flags(&PrecisionFlags {
+                    bf16: true,
+                    ..PrecisionFlags::default()
+                })?,
+                false => Precision::FP32,
+            },
             ..support::train_config(
                 LrSchedule {
                     max_lr: 3e-3,
@@ -306,6 +334,26 @@ fn assert_same_curve(a: &[(f64, f64, Option<usize>)], b: &[(f64, f64, Option<usi
         assert!(
             (x.1 - y.1).abs() <= 1e-4 * y.1.abs(),
             "{what} step {s} norm: {x:?} vs {y:?}"
+        );
+    }
+}
+
+/// [`assert_same_curve`] to a relative `tolerance` (bf16's products round in other orders).
+fn assert_close_curve(
+    a: &[(f64, f64, Option<usize>)],
+    b: &[(f64, f64, Option<usize>)],
+    tolerance: f64,
+    what: &str,
+) {
+    for (s, (x, y)) in a.iter().zip(b).enumerate() {
+        assert_eq!(x.2, y.2, "{what} step {s}: counted tokens");
+        assert!(
+            (x.0 - y.0).abs() <= tolerance * y.0.abs(),
+            "{what} step {s}: {x:?} vs {y:?}"
+        );
+        assert!(
+            (x.1 - y.1).abs() <= 10.0 * tolerance * y.1.abs(),
+            "{what} step {s}: {x:?} vs {y:?}"
         );
     }
 }
@@ -363,6 +411,42 @@ fn packed_masked_data_trains_alike_at_every_layout() {
                 &format!("{layout:?} {per_token}"),
             );
         }
+    }
+    // Expert parallelism (MoE MLPs, experts over 2 ranks of dp 2), and bf16.
+    let flags = all_flags(true);
+    let moe = Layout { moe: true, ..one() };
+    let reference = train(moe, flags);
+    assert_same_curve(
+        &train(
+            Layout {
+                ep: 2,
+                dp: 2,
+                ..moe
+            },
+            flags,
+        ),
+        &reference,
+        "ep 2",
+    );
+    let bf16 = Layout {
+        bf16: true,
+        ..one()
+    };
+    let reference = train(bf16, flags);
+    for layout in [
+        Layout { tp: 2, ..bf16 },
+        Layout {
+            dp: 2,
+            distopt: true,
+            ..bf16
+        },
+    ] {
+        assert_close_curve(
+            &train(layout, flags),
+            &reference,
+            2e-3,
+            &format!("{layout:?}"),
+        );
     }
     // Attention dropout drawn per document is the same on every tensor-parallel layout.
     let flags = all_flags(true);
