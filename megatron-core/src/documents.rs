@@ -20,6 +20,9 @@ use crate::error::Result;
 use crate::invalid;
 use crate::tensor::Tensor;
 
+/// Runs of rows, each with the position of its first row (or what a caller pairs with it).
+pub type Runs = Vec<(Range<usize>, usize)>;
+
 /// The documents of each sample of a microbatch, and what they change.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Documents {
@@ -149,7 +152,7 @@ impl Documents {
 
     /// Rows `run` of sample `sample` (sequence positions) cut where a document starts: each
     /// part as its rows counted from `run.start`, and the position of its first row.
-    pub fn runs_in(&self, sample: usize, run: Range<usize>) -> Vec<(Range<usize>, usize)> {
+    pub fn runs_in(&self, sample: usize, run: Range<usize>) -> Runs {
         let mut cuts: Vec<usize> = match self.reset_positions {
             true => self.starts[sample]
                 .iter()
@@ -173,7 +176,7 @@ impl Documents {
 
     /// Where local rows lie, per sample: the rows of `runs` (runs of sequence positions, in
     /// local order) cut at document starts, each as local rows and its first position.
-    pub fn local_runs(&self, sample: usize, runs: &[Range<usize>]) -> Vec<(Range<usize>, usize)> {
+    pub fn local_runs(&self, sample: usize, runs: &[Range<usize>]) -> Runs {
         let mut at = 0;
         let mut out = Vec::new();
         for run in runs {
@@ -191,7 +194,7 @@ impl Documents {
 /// `f` returns `[len, 1, w_out]`. The runs of a sample must cover its rows.
 pub fn map_runs(
     x: &Tensor,
-    runs: impl Fn(usize) -> Vec<(Range<usize>, usize)>,
+    runs: impl Fn(usize) -> Runs,
     mut f: impl FnMut(&Tensor, usize, usize) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let [rows, batch, _] = *x.dims() else {
@@ -234,7 +237,7 @@ pub fn map_runs(
 /// `part` the run as `[len, 1, w]`.
 pub fn each_run(
     x: &Tensor,
-    runs: impl Fn(usize) -> Vec<(Range<usize>, usize)>,
+    runs: impl Fn(usize) -> Runs,
     mut f: impl FnMut(&Tensor, usize, usize) -> Result<()>,
 ) -> Result<()> {
     let [_, batch, width] = *x.dims() else {

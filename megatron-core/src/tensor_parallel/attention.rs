@@ -114,7 +114,7 @@ impl CausalSelfAttention {
         }
         let runs = match chunks {
             Some(chunks) => chunks.ranges().to_vec(),
-            None => vec![0..seq],
+            None => std::iter::once(0..seq).collect(),
         };
         let turned = map_runs(
             qkv,

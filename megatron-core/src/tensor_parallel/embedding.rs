@@ -2,7 +2,7 @@
 //! the learned position embedding.
 
 use crate::backend;
-use crate::documents::{each_run, map_runs};
+use crate::documents::{Runs, each_run, map_runs};
 use crate::error::Result;
 use crate::invalid;
 use crate::module::{
@@ -389,7 +389,7 @@ pub struct PositionSaved {
     batch: usize,
     /// With packed documents restarting the positions, each sample's runs of local rows and
     /// the position of each run's first.
-    documents: Option<Vec<Vec<(std::ops::Range<usize>, usize)>>>,
+    documents: Option<Vec<Runs>>,
 }
 
 impl PositionSaved {

@@ -202,10 +202,9 @@ impl<M> Engine<M> {
 /// exchange with the neighbouring stages.
 struct Walker<'a, M, P: Passes<M>> {
     walk: Walk<'a, M>,
-    /// What each (chunk, microbatch)'s forward kept, and the shape of its losses and the
-    /// weight of each in the backward when it computed them (the last stage; `None`: every
-    /// token alike).
-    kept: HashMap<(usize, usize), (P::Kept, Option<(Shape, Option<Vec<f32>>)>)>,
+    /// What each (chunk, microbatch)'s forward kept, and its losses' when it computed them
+    /// (the last stage).
+    kept: HashMap<(usize, usize), (P::Kept, Option<LossesKept>)>,
     /// Values received and not used yet, and values produced and not sent yet, by (pass, local
     /// chunk, microbatch): activations (forward) and gradients (backward).
     inbox: HashMap<(Pass, usize, usize), Tensor>,
@@ -233,6 +232,13 @@ struct Walker<'a, M, P: Passes<M>> {
     held_peak: u64,
     /// Time in forwards, backwards and weight-gradient passes.
     pass_time: [std::time::Duration; 3],
+}
+
+/// What the backward of a microbatch's losses needs: their shape, and each one's weight in
+/// the backward (masked data; `None`: every token alike).
+struct LossesKept {
+    shape: Shape,
+    weights: Option<Vec<f32>>,
 }
 
 /// Walks `actions` with `walk`'s chunks run by `P`.
@@ -518,7 +524,7 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
                 _ => None,
             };
             self.losses.push((out, mask));
-            Some((shape, weights))
+            Some(LossesKept { shape, weights })
         } else {
             self.check_carried(&out, "activations")?;
             self.outbox.insert((Pass::Forward, chunk, microbatch), out);
@@ -560,14 +566,20 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
             false => cx,
         };
         let d = match losses {
-            Some((shape, Some(weights))) => {
+            Some(LossesKept {
+                shape,
+                weights: Some(weights),
+            }) => {
                 // d(scaled loss of the step) / d(each token's loss): its microbatch's weight
                 // where it counts, 0 where it does not.
                 let dlosses = Tensor::empty_near(shape.clone(), DType::F32, self.walk.like)?;
                 dlosses.copy_from(&Tensor::from_vec(weights, shape)?)?;
                 dlosses
             }
-            Some((shape, None)) => {
+            Some(LossesKept {
+                shape,
+                weights: None,
+            }) => {
                 let plan = self.walk.data.plan();
                 let tokens = plan.global_batch * plan.seq_length;
                 // d(scaled mean loss over the global batch) / d(each token's loss).
