@@ -211,6 +211,69 @@ fn preprocess_packs_chats_whole_and_inspect_shows_what_counts() {
         "{stdout}"
     );
 
+    // Training on the packed chats, alone and blended with token data (whose targets all
+    // count): the log counts the answers' targets only where packed samples are.
+    let tokens = dir.join("plain");
+    let plain: String = (0..60)
+        .map(|i| format!("{{\"text\": \"plain text {i}\"}}\n"))
+        .collect();
+    std::fs::write(dir.join("plain.jsonl"), plain).unwrap();
+    let (ok, _, stderr) = megatron(&[
+        "preprocess",
+        "--input",
+        &dir.join("plain.jsonl"),
+        "--tokenizer",
+        tok.join("tokenizer.json").to_str().unwrap(),
+        "--output-prefix",
+        &tokens,
+    ]);
+    assert!(ok, "{stderr}");
+    let tokenizer_json = tok.join("tokenizer.json").to_string_lossy().into_owned();
+    let mut counted = Vec::new();
+    for data in [
+        vec![prefix.clone()],
+        vec![
+            "0.5".into(),
+            prefix.clone(),
+            "0.5".into(),
+            format!("{tokens}_text_document"),
+        ],
+    ] {
+        let log = dir.join("log.jsonl");
+        let mut args = vec![
+            "train",
+            "--tokenizer",
+            &tokenizer_json,
+            "--split",
+            "100,0,0",
+            "--num-layers",
+            "1",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "63",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--train-iters",
+            "3",
+            "--log-json",
+            &log,
+            "--data",
+        ];
+        args.extend(data.iter().map(String::as_str));
+        let (ok, _, stderr) = megatron(&args);
+        assert!(ok, "{stderr}");
+        let steps = support::log_lines(&log);
+        counted.push(steps[0]["counted_tokens"].as_u64().unwrap());
+    }
+    // Packed alone: only answers count; blended: the token data's targets too.
+    assert!(counted[0] < 4 * 63 / 2, "{counted:?}");
+    assert!(counted[1] > counted[0], "{counted:?}");
+
     // Too long for the sequence: refused by name, or dropped and counted.
     let (ok, _, stderr) = megatron(&[
         "preprocess",
