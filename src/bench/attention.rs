@@ -2,7 +2,8 @@
 //! QKV and output projections), forward and forward + backward, with dropout, in each way this
 //! build can run it: the CPU kernels, and on a GPU the unfused kernels (batched cuBLAS products
 //! with fused softmax/dropout kernels, bf16) and the flash kernels, from bf16 inputs as the
-//! model's layers hand them over. Without dropout, the general attention too
+//! model's layers hand them over; with `--documents N`, a sequence of N packed documents each
+//! attended alone (the work is the documents' squares, not the sequence's). Without dropout, the general attention too
 //! (`ops::DotProductAttention` over queries, keys and values given apart, which packs them per
 //! head as the fused projection and runs the same kernels): the price of the packing. Throughput
 //! counts the
@@ -13,6 +14,7 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use megatron_core::comm::ParallelState;
+use megatron_core::documents::Documents;
 use megatron_core::module::{Cx, MultiOp, Op, Site};
 use megatron_core::ops::{DotProductAttention, ShapeOp, shape};
 use megatron_core::tensor::Tensor;
@@ -31,14 +33,50 @@ pub struct AttentionBench {
     pub head_dim: usize,
     /// Attention dropout.
     pub dropout: f32,
+    /// Packed documents per sequence, attended apart (equal lengths, the last taking the
+    /// rest; 1: one document).
+    pub documents: usize,
     /// Timed runs (the median is reported).
     pub repeats: usize,
 }
 
 impl AttentionBench {
-    /// Causal forward FLOPs: q·kᵀ and p·v over the visible half of the `s × s` weights.
+    /// Causal forward FLOPs: q·kᵀ and p·v over the visible half of each document's
+    /// `L × L` weights.
     pub fn forward_flops(&self) -> f64 {
-        2.0 * (self.batch * self.heads * self.head_dim) as f64 * (self.seq * self.seq) as f64
+        let squares: f64 = self.lengths().iter().map(|&l| (l * l) as f64).sum();
+        2.0 * (self.batch * self.heads * self.head_dim) as f64 * squares
+    }
+
+    /// The documents' lengths.
+    pub fn lengths(&self) -> Vec<usize> {
+        let n = self.documents.clamp(1, self.seq.max(1));
+        let each = self.seq / n;
+        (0..n)
+            .map(|i| if i + 1 == n { self.seq - each * (n - 1) } else { each })
+            .collect()
+    }
+
+    /// The documents as the model's context carries them (`None` for one).
+    pub(crate) fn packed(&self) -> Result<Option<Documents>> {
+        let lengths = self.lengths();
+        if lengths.len() < 2 {
+            return Ok(None);
+        }
+        let starts: Vec<usize> = lengths
+            .iter()
+            .scan(0, |at, &l| {
+                *at += l;
+                Some(*at)
+            })
+            .take(lengths.len() - 1)
+            .collect();
+        Ok(Some(Documents::from_starts(
+            self.seq,
+            vec![starts; self.batch],
+            true,
+            true,
+        )?))
     }
 
     pub(crate) fn check(&self) -> Result<()> {
@@ -53,6 +91,14 @@ impl AttentionBench {
         }
         if !(0.0..1.0).contains(&self.dropout) {
             bail!("--dropout must be in [0, 1), got {}", self.dropout);
+        }
+        if self.documents == 0 || self.documents > self.seq {
+            bail!(
+                "--documents {}: a sequence of {} positions holds 1 to {} documents",
+                self.documents,
+                self.seq,
+                self.seq
+            );
         }
         Ok(())
     }
@@ -134,7 +180,12 @@ pub(crate) fn measure(
     sync: &dyn Fn() -> Result<()>,
 ) -> Result<Vec<AttentionResult>> {
     let ps = ParallelState::solo();
+    let packed = b.packed()?;
     let cx = Cx::new(&ps, 1234).at(1, 0);
+    let cx = match &packed {
+        Some(docs) => cx.with_documents(docs),
+        None => cx,
+    };
     let op = CausalSelfAttention::new(b.heads, b.dropout);
     let site = Site::ROOT.child("attention");
     let result = |name: String, forward: f64, both: f64| {
@@ -199,9 +250,13 @@ pub fn run_cpu(b: AttentionBench) -> Result<AttentionReport> {
 impl std::fmt::Display for AttentionReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let b = &self.bench;
+        let documents = match b.documents {
+            1 => String::new(),
+            n => format!(" in {n} documents attended apart"),
+        };
         writeln!(
             f,
-            "causal self-attention, seq {} × batch {} × {} heads of {}, dropout {}, on {}:",
+            "causal self-attention, seq {} × batch {} × {} heads of {}{documents}, dropout {}, on {}:",
             b.seq, b.batch, b.heads, b.head_dim, b.dropout, self.device
         )?;
         for r in &self.results {

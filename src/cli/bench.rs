@@ -81,6 +81,9 @@ enum Which {
         /// Attention dropout.
         #[arg(long, default_value_t = 0.1, value_parser = values::dropout)]
         dropout: f32,
+        /// Packed documents per sequence, attended apart (equal lengths; 1: one document).
+        #[arg(long, default_value_t = 1, value_parser = values::count)]
+        documents: usize,
         /// Timed runs (the median is reported).
         #[arg(long, default_value_t = 5, value_parser = values::count)]
         repeats: usize,
@@ -184,6 +187,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             heads,
             head_dim,
             dropout,
+            documents,
             repeats,
             json,
             device,
@@ -205,6 +209,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 heads: *heads,
                 head_dim: *head_dim,
                 dropout: *dropout,
+                documents: *documents,
                 repeats: *repeats,
             };
             let report = match device.as_str() {
