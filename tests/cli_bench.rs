@@ -103,6 +103,35 @@ fn bench_attention_times_the_layer_forward_and_backward() {
     }
     // No comparison of the two times: one timed run each, on a loaded machine, can come out
     // in either order (CI saw a 4.2 ms forward beside a 0.3 ms forward and backward).
+
+    // Packed documents: the throughput counts each document's causal work only (4 documents
+    // of 16: a quarter of one of 64), so TFLOP/s = that work over the time.
+    let r = megatron_json(&[
+        "bench",
+        "attention",
+        "--seq-length",
+        "64",
+        "--heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--dropout",
+        "0",
+        "--documents",
+        "4",
+        "--repeats",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(r["bench"]["documents"], 4);
+    let cpu = &r["results"][0];
+    let work = 2.0 * (2 * 16) as f64 * 4.0 * (16 * 16) as f64;
+    let ms = cpu["forward_ms"].as_f64().unwrap();
+    let tflops = cpu["forward_tflops"].as_f64().unwrap();
+    assert!(
+        (tflops - work / (ms / 1e3) / 1e12).abs() <= 1e-9 * tflops.max(1e-12),
+        "{r}"
+    );
 }
 
 #[test]
@@ -115,6 +144,10 @@ fn bench_attention_rejects_bad_sizes_with_the_numbers() {
         (
             vec!["--dropout", "1.5"],
             "invalid value '1.5' for '--dropout <DROPOUT>': must be at least 0 and less than 1",
+        ),
+        (
+            vec!["--seq-length", "8", "--documents", "9"],
+            "--documents 9: a sequence of 8 positions holds 1 to 8 documents",
         ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_megatron"))

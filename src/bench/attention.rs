@@ -53,7 +53,13 @@ impl AttentionBench {
         let n = self.documents.clamp(1, self.seq.max(1));
         let each = self.seq / n;
         (0..n)
-            .map(|i| if i + 1 == n { self.seq - each * (n - 1) } else { each })
+            .map(|i| {
+                if i + 1 == n {
+                    self.seq - each * (n - 1)
+                } else {
+                    each
+                }
+            })
             .collect()
     }
 
