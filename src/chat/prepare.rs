@@ -94,7 +94,7 @@ pub fn prepare(
         )
         .with_context(|| format!("line {no}"))
     };
-    let docs = in_parallel(&lines, options.workers, encode)
+    let docs = crate::data::in_parallel(&lines, options.workers, encode)
         .with_context(|| input.display().to_string())?;
     let capacity = options.seq_length + 1;
     let lengths: Vec<usize> = docs.iter().map(|d| d.tokens.len()).collect();
@@ -133,35 +133,4 @@ pub fn prepare(
         counted,
         capacity,
     })
-}
-
-/// `f` of every item on `workers` threads, in order; the first error wins.
-fn in_parallel<T: Sync, U: Send>(
-    items: &[T],
-    workers: usize,
-    f: impl Fn(&T) -> Result<U> + Sync,
-) -> Result<Vec<U>> {
-    if workers <= 1 || items.len() < 2 {
-        return items.iter().map(&f).collect();
-    }
-    let chunk = items.len().div_ceil(workers);
-    let f = &f;
-    let parts: Vec<Result<Vec<U>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = items
-            .chunks(chunk)
-            .map(|part| s.spawn(move || part.iter().map(f).collect::<Result<Vec<U>>>()))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .map_err(|_| anyhow::anyhow!("a tokenizing thread panicked"))?
-            })
-            .collect()
-    });
-    let mut out = Vec::with_capacity(items.len());
-    for part in parts {
-        out.extend(part?);
-    }
-    Ok(out)
 }

@@ -302,45 +302,7 @@ fn encode_batch(
     tokenizer: &Tokenizer,
     eod: Option<u32>,
 ) -> Result<Vec<Encoded>> {
-    let encode_all = |lines: &[(u64, String)]| -> Result<Vec<Encoded>> {
-        lines
-            .iter()
-            .map(|(no, line)| encode_line(line, *no, keys, tokenizer, eod))
-            .collect()
-    };
-    if workers <= 1 || batch.len() < 2 {
-        return encode_all(batch);
-    }
-    let chunk = batch.len().div_ceil(workers);
-    let encode_all = &encode_all;
-    let parts: Vec<Result<Vec<Encoded>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = batch
-            .chunks(chunk)
-            .enumerate()
-            .map(|(i, lines)| {
-                std::thread::Builder::new()
-                    .spawn_scoped(s, move || encode_all(lines))
-                    .with_context(|| {
-                        format!(
-                            "--workers {workers}: the operating system refused tokenizing \
-                             thread {i}"
-                        )
-                    })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.and_then(|h| {
-                    h.join()
-                        .map_err(|_| anyhow::anyhow!("a tokenizing thread panicked"))?
-                })
-            })
-            .collect()
-    });
-    let mut out = Vec::with_capacity(batch.len());
-    for part in parts {
-        out.extend(part?);
-    }
-    Ok(out)
+    megatron::data::in_parallel(batch, workers, |(no, line)| {
+        encode_line(line, *no, keys, tokenizer, eod)
+    })
 }
