@@ -189,9 +189,10 @@ impl Documents {
     }
 }
 
-/// `x` (`[rows, b, w]`) with each run of each sample's rows replaced by `f(part, first)`, where
-/// `part` is the run as `[len, 1, w]` and `first` what `runs(sample)` gave with it (a position);
-/// `f` returns `[len, 1, w_out]`. The runs of a sample must cover its rows.
+/// `x` (`[rows, b, w]`) with each run of each sample's rows replaced by
+/// `f(part, sample, first)`, where `part` is the run as `[len, 1, w]` and `first` what
+/// `runs(sample)` gave with it (a position); `f` returns `[len, 1, w_out]`. The runs of a
+/// sample must cover its rows.
 pub fn map_runs(
     x: &Tensor,
     runs: impl Fn(usize) -> Runs,
