@@ -15,12 +15,14 @@
 //! walk (and so to reach the optimizer step) with any left.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use super::masks::{Microbatch, token_weight};
 use super::{LanguageModel, Sampler};
 use crate::comm::ParallelState;
 use crate::context_parallel::CpChunks;
 use crate::cuda_graphs::SlotAllocator;
+use crate::documents::Documents;
 use crate::error::{Error, Result};
 use crate::invalid;
 use crate::module::{Cx, DeferredWeights, Ids, WeightGrad};
@@ -141,6 +143,8 @@ pub(super) struct Walked {
     /// The microbatches whose losses this rank computed that counted no target (masked data:
     /// they add nothing to the loss or the gradients).
     pub empty_microbatches: usize,
+    /// The targets counted in the walk's global batch (masked data; `None`: every target).
+    pub counted: Option<usize>,
 }
 
 /// Runs a walk of `actions` with chunks run by `P`.
@@ -214,6 +218,9 @@ struct Walker<'a, M, P: Passes<M>> {
     losses: Vec<(Tensor, Option<Vec<f32>>)>,
     /// The targets counted in the whole global batch of the walk (masked data).
     step_counted: Option<usize>,
+    /// Each microbatch's documents, read once (its first forward on this rank) for every
+    /// chunk's forward and backward.
+    documents: HashMap<usize, Arc<Documents>>,
     /// Microbatches of this rank's losses that counted nothing.
     empty_microbatches: usize,
     /// Time spent in exchanges.
@@ -288,6 +295,7 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
         outbox: HashMap::new(),
         losses: Vec::new(),
         step_counted,
+        documents: HashMap::new(),
         empty_microbatches: 0,
         waited: std::time::Duration::ZERO,
         carried,
@@ -337,6 +345,7 @@ fn walk<M, P: Passes<M>>(walk: Walk<'_, M>, actions: &[Action]) -> Result<Walked
         seconds: started.elapsed().as_secs_f64(),
         activation_peak: account.peak_bytes().saturating_sub(alive_at_start) as u64,
         empty_microbatches: walker.empty_microbatches,
+        counted: walker.step_counted,
     })
 }
 
@@ -459,7 +468,9 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
         let slot = self.slots.take(chunk, microbatch);
         let groups = self.walk.parallel.groups();
         let masks = *self.walk.data.masks();
-        let batch = match first || last || self.walk.data.reads_documents() {
+        let known = self.documents.get(&microbatch).cloned();
+        let unknown = self.walk.data.reads_documents() && known.is_none();
+        let batch = match first || last || unknown {
             true => Some(self.microbatch(microbatch)?),
             false => None,
         };
@@ -489,6 +500,15 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
                 (Some(data), batch.documents)
             }
             None => (None, None),
+        };
+        let documents = match (known, documents) {
+            (Some(known), _) => Some(known),
+            (None, Some(read)) => {
+                let read = Arc::new(read);
+                self.documents.insert(microbatch, Arc::clone(&read));
+                Some(read)
+            }
+            (None, None) => None,
         };
         let cx = self.cx(microbatch).in_slot(slot);
         let cx = match &documents {
@@ -552,10 +572,7 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
         let slot = self.slots.free(chunk, microbatch);
         let deferred = DeferredWeights::default();
         // The backward (and what it recomputes) sees the forward's documents.
-        let documents = match self.walk.data.reads_documents() {
-            true => self.microbatch(microbatch)?.documents,
-            false => None,
-        };
+        let documents = self.documents.get(&microbatch).cloned();
         let cx = self.cx(microbatch).in_slot(slot);
         let cx = match &documents {
             Some(d) => cx.with_documents(d),

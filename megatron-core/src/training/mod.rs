@@ -380,7 +380,7 @@ impl<M: LanguageModel> Trainer<M> {
         let tokens = plan.global_batch * plan.seq_length;
         self.buffers.zero_grads()?;
         let walked = self.walk(parallel, &self.sampler, step, Mode::Train { step })?;
-        let counted = self.sampler.step_counted(step)?;
+        let counted = walked.counted;
         let empty_microbatches = walked.empty_microbatches;
         let (loss_sum, pipeline_wait) = (walked.loss_sum, walked.waited);
         let deferred_weight_bytes = walked.deferred_peak;
@@ -529,9 +529,10 @@ impl<M: LanguageModel> Trainer<M> {
         let mut loss_sum = 0.0f64;
         let mut counted = 0;
         for i in 0..iters {
-            loss_sum += self.walk(parallel, data, i, Mode::Eval)?.loss_sum;
-            counted += data
-                .step_counted(i)?
+            let walked = self.walk(parallel, data, i, Mode::Eval)?;
+            loss_sum += walked.loss_sum;
+            counted += walked
+                .counted
                 .unwrap_or(plan.global_batch * plan.seq_length);
         }
         let loss = self.reduce_loss(parallel, loss_sum)? / counted.max(1) as f64;
