@@ -29,7 +29,7 @@ fn family(name: &str) -> (ChatTemplate, Tokenizer, Vec<Value>) {
 fn templates_render_and_tokenize_as_transformers() {
     for name in ["llama3", "qwen3", "mistral"] {
         let (template, tokenizer, cases) = family(name);
-        let (mut rendered, mut raised, mut masks) = (0, 0, 0);
+        let (mut rendered, mut raised, mut masks, mut per_turn) = (0, 0, 0, 0);
         for case in &cases {
             let messages = case["messages"].as_array().unwrap();
             let generation = case["add_generation_prompt"].as_bool().unwrap();
@@ -53,23 +53,30 @@ fn templates_render_and_tokenize_as_transformers() {
                 }
                 (expected, ours) => panic!("{name}: {messages:?}: {expected:?} vs {ours:?}"),
             }
-            let Some(mask) = case.get("answer_mask") else {
+            let Some(expected) = case.get("answer_documents") else {
                 continue;
             };
             let object = serde_json::json!({"messages": messages});
             let conversation = Conversation::from_object(object.as_object().unwrap()).unwrap();
-            let ours = chat::tokenize(&conversation, &template, &tokenizer, true, false);
-            match (mask, ours) {
-                (Value::Array(mask), Ok(t)) => {
-                    let mask: Vec<bool> = mask.iter().map(|v| v.as_u64() == Some(1)).collect();
-                    assert_eq!(t.counts, mask, "{name}: {messages:?}");
-                    masks += 1;
-                }
-                (Value::Null, Err(e)) => {
-                    assert!(e.to_string().contains("renders assistant turn"), "{e}")
-                }
-                (mask, ours) => panic!("{name}: {messages:?}: {mask:?} vs {ours:?}"),
-            }
+            let ours = chat::tokenize(&conversation, &template, &tokenizer, true, false).unwrap();
+            let expected: Vec<(Vec<u32>, Vec<bool>)> = expected
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| {
+                    let ids = d["ids"].as_array().unwrap();
+                    let mask = d["mask"].as_array().unwrap();
+                    (
+                        ids.iter().map(|v| v.as_u64().unwrap() as u32).collect(),
+                        mask.iter().map(|v| v.as_u64() == Some(1)).collect(),
+                    )
+                })
+                .collect();
+            let ours: Vec<(Vec<u32>, Vec<bool>)> =
+                ours.into_iter().map(|t| (t.tokens, t.counts)).collect();
+            assert_eq!(ours, expected, "{name}: {messages:?}");
+            masks += 1;
+            per_turn += usize::from(ours.len() > 1);
         }
         assert!(
             rendered >= 6 && masks >= 3,
@@ -78,6 +85,8 @@ fn templates_render_and_tokenize_as_transformers() {
         if name == "mistral" {
             assert!(raised >= 2);
         }
+        // Qwen3 drops earlier turns' thinking: its multi-turn chats train one turn a document.
+        assert_eq!(per_turn, if name == "qwen3" { 2 } else { 0 }, "{name}");
     }
 }
 
@@ -104,7 +113,9 @@ fn conversations_without_an_answer_or_with_bad_lines_are_refused_by_name() {
     }
     // A prompt and a completion are a user turn and an assistant turn.
     let pc = chat::parse(r#"{"prompt": "2+2?", "completion": "4"}"#, 1).unwrap();
-    let t = chat::tokenize(&pc, &template, &tokenizer, true, false).unwrap();
+    let [t] = &chat::tokenize(&pc, &template, &tokenizer, true, false).unwrap()[..] else {
+        panic!("a prompt and its completion are one document");
+    };
     let counted: Vec<u32> = t
         .tokens
         .iter()
@@ -308,4 +319,80 @@ fn preprocess_packs_chats_whole_and_inspect_shows_what_counts() {
     ]);
     assert!(ok, "{stderr}");
     assert!(stdout.contains("dropped (lines"), "{stdout}");
+}
+
+#[test]
+fn a_template_that_rewrites_earlier_turns_trains_each_turn_in_its_own_context() {
+    // Qwen3 keeps the thinking of the last answer only: a two-answer chat is two documents,
+    // each the chat up to its answer (the earlier answer without its thinking), each counting
+    // its own answer; a one-answer chat stays one document.
+    let dir = TempDir::new("chat-per-turn");
+    let input = dir.join("chats.jsonl");
+    let two = serde_json::json!({"messages": [
+        {"role": "user", "content": "What is two plus two?"},
+        {"role": "assistant", "reasoning_content": "two and two", "content": "Four."},
+        {"role": "user", "content": "And three plus one?"},
+        {"role": "assistant", "reasoning_content": "three and one", "content": "Four too."},
+    ]});
+    let one = serde_json::json!({"prompt": "hello", "completion": "hi"});
+    std::fs::write(Path::new(&input), format!("{two}\n{one}\n")).unwrap();
+    let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/chat/qwen3");
+    let prefix = dir.join("sft");
+    let (ok, stdout, stderr) = megatron(&[
+        "preprocess",
+        "--chat",
+        "--input",
+        &input,
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--output-prefix",
+        &prefix,
+        "--seq-length",
+        "255",
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("2 conversations as 3 documents")
+            && stdout.contains("1 conversations made one document per assistant turn"),
+        "{stdout}"
+    );
+    let (ok, stdout, stderr) = megatron(&["data", "inspect", &prefix, "--docs", "0..3", "--json"]);
+    assert!(ok, "{stderr}");
+    let tokenizer = Tokenizer::from_file(tok.join("tokenizer.json")).unwrap();
+    let mut shown: Vec<(String, String)> = stdout
+        .lines()
+        .map(|l| {
+            let d: Value = serde_json::from_str(l).unwrap();
+            let ids: Vec<u32> = d["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            let counted: Vec<u32> = ids
+                .iter()
+                .zip(d["loss_mask"].as_array().unwrap())
+                .filter(|(_, m)| m.as_u64() == Some(1))
+                .map(|(t, _)| *t)
+                .collect();
+            let text = tokenizer.decode(&ids).unwrap();
+            (text, tokenizer.decode(&counted).unwrap())
+        })
+        .collect();
+    shown.sort_by(|a, b| a.1.cmp(&b.1));
+    let answers: Vec<&str> = shown.iter().map(|(_, a)| a.as_str()).collect();
+    assert_eq!(
+        answers,
+        [
+            "<think>\n\n</think>\n\nhi<|im_end|>\n",
+            "<think>\nthree and one\n</think>\n\nFour too.<|im_end|>\n",
+            "<think>\ntwo and two\n</think>\n\nFour.<|im_end|>\n",
+        ]
+    );
+    // The second turn's context has the first answer without its thinking.
+    assert!(
+        shown[1].0.contains("assistant\nFour.<|im_end|>") && !shown[1].0.contains("two and two"),
+        "{}",
+        shown[1].0
+    );
 }

@@ -1,6 +1,6 @@
 //! Chat and instruction data for fine-tuning: conversations rendered with the tokenizer's own
 //! chat template ([`template`]), the tokens of the assistant's answers marked as the ones that
-//! count in the loss ([`answer_mask`]), and whole conversations packed into sequences
+//! count in the loss ([`tokenize`]), and whole conversations packed into sequences
 //! ([`pack`]).
 //!
 //! A JSON line holds `messages` (a list of `{"role", "content"}`), or a `prompt` and a
@@ -85,7 +85,7 @@ fn turns(v: &Value, role: &str, key: &str) -> Result<Vec<Value>> {
     }
 }
 
-/// A conversation as tokens, with which of them count as predicted targets.
+/// A document of a conversation as tokens, with which of them count as predicted targets.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tokenized {
     /// Token ids of the whole rendered conversation.
@@ -95,21 +95,26 @@ pub struct Tokenized {
 }
 
 /// Renders and tokenizes `conversation` with `template` and `tokenizer` (the rendered text
-/// encoded without adding special tokens, as `apply_chat_template` does).
+/// encoded without adding special tokens, as `apply_chat_template` does) into the documents it
+/// trains as.
 ///
 /// With `answer_only`, the tokens of assistant turn `i` are those of the conversation rendered
 /// up to and including turn `i`, less those of the conversation before turn `i` rendered with
 /// the generation prompt (TRL's and Megatron-Bridge's rule for templates without generation
-/// markers); a template that renders a turn differently once later turns follow it (Qwen3's
-/// drops earlier turns' thinking blocks) cannot be cut so, and is an error naming the turn.
-/// Without it every token counts but the first (nothing before it predicts it).
+/// markers). Where each of those renderings begins the whole conversation's, the conversation
+/// is one document with every answer counted. A template that renders a turn differently once
+/// later turns follow it (Qwen3 drops earlier turns' thinking) makes one document per assistant
+/// turn instead: the conversation rendered up to that turn, only its answer counted, which is
+/// the context the model is given when it writes that answer. Without `answer_only` the whole
+/// conversation is one document where every token counts but the first (nothing before it
+/// predicts it).
 pub fn tokenize(
     conversation: &Conversation,
     template: &ChatTemplate,
     tokenizer: &Tokenizer,
     answer_only: bool,
     add_generation_prompt: bool,
-) -> Result<Tokenized> {
+) -> Result<Vec<Tokenized>> {
     let turns = conversation.assistant_turns();
     if turns.is_empty() {
         bail!("the conversation has no assistant turn: nothing in it would count in the loss");
@@ -125,24 +130,36 @@ pub fn tokenize(
         if let Some(first) = counts.first_mut() {
             *first = false;
         }
-        return Ok(Tokenized { tokens, counts });
+        return Ok(vec![Tokenized { tokens, counts }]);
     }
-    let mut counts = vec![false; tokens.len()];
+    // Each turn as the rule cuts it: its rendering and where its answer begins.
+    let mut answers = Vec::with_capacity(turns.len());
     for i in turns {
         let upto = encode(&conversation.messages[..=i], false)?;
         let prompt = encode(&conversation.messages[..i], true)?;
-        if !tokens.starts_with(&upto) || !upto.starts_with(&prompt) {
+        if !upto.starts_with(&prompt) {
             bail!(
-                "the chat template renders assistant turn {i} differently once later turns \
-                 follow it, so its answer's tokens cannot be told apart (give one assistant \
-                 turn per line, or --answer-only-loss false)"
+                "the chat template's generation prompt before assistant turn {i} does not \
+                 begin that turn's rendering, so its answer's tokens cannot be told apart \
+                 (--answer-only-loss false counts every token)"
             );
         }
-        for c in &mut counts[prompt.len()..upto.len()] {
-            *c = true;
-        }
+        answers.push((upto, prompt.len()));
     }
-    Ok(Tokenized { tokens, counts })
+    if answers.iter().all(|(upto, _)| tokens.starts_with(upto)) {
+        let mut counts = vec![false; tokens.len()];
+        for (upto, start) in &answers {
+            counts[*start..upto.len()].fill(true);
+        }
+        return Ok(vec![Tokenized { tokens, counts }]);
+    }
+    Ok(answers
+        .into_iter()
+        .map(|(tokens, start)| {
+            let counts = (0..tokens.len()).map(|k| k >= start).collect();
+            Tokenized { tokens, counts }
+        })
+        .collect())
 }
 
 /// [`Conversation::from_object`] of one JSON line, its errors naming the line.

@@ -33,12 +33,20 @@ pub struct PrepareOptions {
 /// What [`prepare`] wrote.
 #[derive(Debug, Clone)]
 pub struct Prepared {
-    /// The input's line number of each conversation, in input order.
-    pub lines: Vec<u64>,
-    /// How the conversations were packed (indices into `lines`).
+    /// Conversations read (the input's non-empty lines).
+    pub lines: usize,
+    /// The input's line number of each document, in input order (a conversation is one
+    /// document, or one per assistant turn where its template rewrites earlier turns:
+    /// [`super::tokenize`]).
+    pub document_lines: Vec<u64>,
+    /// Conversations made into one document per assistant turn.
+    pub per_turn: usize,
+    /// How the documents were packed (indices into `document_lines`).
     pub packing: Packing,
-    /// Conversations written.
+    /// Conversations with at least one document written.
     pub conversations: usize,
+    /// Documents written.
+    pub documents: usize,
     /// Tokens that count in the loss.
     pub counted: usize,
     /// Each bin's capacity.
@@ -83,7 +91,7 @@ pub fn prepare(
             lines.push((i as u64 + 1, line));
         }
     }
-    let encode = |(no, line): &(u64, String)| -> Result<Tokenized> {
+    let encode = |(no, line): &(u64, String)| -> Result<Vec<Tokenized>> {
         let conversation = super::parse(line, *no)?;
         super::tokenize(
             &conversation,
@@ -94,11 +102,18 @@ pub fn prepare(
         )
         .with_context(|| format!("line {no}"))
     };
-    let docs = crate::data::in_parallel(&lines, options.workers, encode)
+    let conversations = crate::data::in_parallel(&lines, options.workers, encode)
         .with_context(|| input.display().to_string())?;
+    let per_turn = conversations.iter().filter(|c| c.len() > 1).count();
+    let mut document_lines = Vec::new();
+    let mut docs = Vec::new();
+    for ((no, _), documents) in lines.iter().zip(conversations) {
+        document_lines.extend(std::iter::repeat_n(*no, documents.len()));
+        docs.extend(documents);
+    }
     let capacity = options.seq_length + 1;
     let lengths: Vec<usize> = docs.iter().map(|d| d.tokens.len()).collect();
-    let name = |i: usize| format!("line {}", lines[i].0);
+    let name = |i: usize| format!("line {}", document_lines[i]);
     let packing = match options.pack {
         true => first_fit_decreasing(&lengths, capacity, options.overlong, name),
         false => one_per_bin(&lengths, capacity, options.overlong, name),
@@ -106,8 +121,10 @@ pub fn prepare(
     .with_context(|| input.display().to_string())?;
     let dtype = DType::optimal(tokenizer.vocab_size());
     let mut writer = PackedWriter::create(output_prefix, dtype, capacity)?;
-    let (mut counted, mut conversations) = (0, 0);
+    let mut counted = 0;
+    let mut written = std::collections::BTreeSet::new();
     for bin in &packing.bins {
+        written.extend(bin.iter().map(|&i| document_lines[i]));
         let documents: Vec<PackedDocument> = bin
             .iter()
             .map(|&i| {
@@ -122,14 +139,16 @@ pub fn prepare(
             .iter()
             .map(|d| d.counts.iter().filter(|&&c| c).count())
             .sum::<usize>();
-        conversations += documents.len();
         writer.add_bin(&documents)?;
     }
     writer.finish()?;
     Ok(Prepared {
-        lines: lines.iter().map(|l| l.0).collect(),
+        lines: lines.len(),
+        document_lines,
+        per_turn,
+        documents: packing.bins.iter().map(Vec::len).sum(),
         packing,
-        conversations,
+        conversations: written.len(),
         counted,
         capacity,
     })

@@ -27,10 +27,14 @@ pub fn run(
     })?;
     let packing = &done.packing;
     say!(
-        "{}.{{bin,idx,packed}}: {} conversations in {} sequences of {} tokens ({:.1}% filled), \
-         {} tokens of which {} count in the loss{}",
+        "{}.{{bin,idx,packed}}: {} conversations{} in {} sequences of {} tokens ({:.1}% \
+         filled), {} tokens of which {} count in the loss{}",
         output_prefix.display(),
         done.conversations,
+        match done.documents == done.conversations {
+            true => String::new(),
+            false => format!(" as {} documents", done.documents),
+        },
         packing.bins.len(),
         done.capacity,
         100.0 * packing.fill(done.capacity),
@@ -47,7 +51,7 @@ pub fn run(
             let shown: Vec<String> = ids
                 .iter()
                 .take(8)
-                .map(|&i| done.lines[i].to_string())
+                .map(|&i| done.document_lines[i].to_string())
                 .collect();
             let more = if ids.len() > 8 { ", ..." } else { "" };
             format!("{}{more}", shown.join(", "))
@@ -60,9 +64,17 @@ pub fn run(
             lines_of(&packing.truncated)
         )?;
     }
+    if done.per_turn > 0 {
+        say!(
+            "{} conversations made one document per assistant turn: the chat template renders \
+             earlier turns differently once later turns follow (each turn trains on the context \
+             the template gives it)",
+            done.per_turn
+        )?;
+    }
     say!(
         "{} lines in {:.1} s",
-        done.lines.len(),
+        done.lines,
         start.elapsed().as_secs_f64()
     )?;
     Ok(())

@@ -2,9 +2,13 @@
 transformers itself: for the chat templates of Llama 3, Qwen3 and Mistral (each kept as its
 model's `tokenizer_config.json` with a small stand-in tokenizer that knows the family's special
 tokens), what `apply_chat_template` renders and tokenizes for a set of conversations, and the
-answer-only loss mask of each (TRL's and Megatron-Bridge's rule for templates without generation
+answer-only documents of each (TRL's and Megatron-Bridge's rule for templates without generation
 markers: the tokens of assistant turn i are those of the conversation rendered up to and
-including turn i, less those of the conversation up to turn i with the generation prompt).
+including turn i, less those of the conversation up to turn i with the generation prompt). Where
+every such rendering is a prefix of the whole conversation's, the conversation is one document
+with every answer counted; where the template renders a turn differently once later turns follow
+it (Qwen3 drops earlier turns' thinking), each assistant turn is a document of its own: the
+conversation rendered up to it, only its answer counted.
 
     python3 -m venv venv && venv/bin/pip install transformers tokenizers jinja2
     venv/bin/python tools/golden/chat_templates.py tests/data/chat
@@ -74,6 +78,12 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "One, two, three."},
     ],
     [{"role": "user", "content": "Unicode: naïve café ✓"}, {"role": "assistant", "content": "Noted ✓"}],
+    [
+        {"role": "user", "content": "What is two plus two?"},
+        {"role": "assistant", "reasoning_content": "two and two", "content": "Four."},
+        {"role": "user", "content": "And three plus one?"},
+        {"role": "assistant", "reasoning_content": "three and one", "content": "Four too."},
+    ],
 ]
 
 TEXT = (
@@ -96,24 +106,29 @@ def make_tokenizer(special):
     return tok
 
 
-def answer_mask(tok, messages, kwargs):
-    """1 for each token of the full rendering that an assistant turn adds (the rule above)."""
-    full = tok.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+def answer_documents(tok, messages, kwargs):
+    """The conversation's documents under the rule above: a list of {ids, mask}."""
+    def ids(msgs, gen):
+        return tok.apply_chat_template(
+            msgs, tokenize=True, add_generation_prompt=gen, return_dict=False, **kwargs
+        )
+    full = ids(messages, False)
     mask = [0] * len(full)
+    turns = []
+    stable = True
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        def ids(msgs, gen):
-            return tok.apply_chat_template(
-                msgs, tokenize=True, add_generation_prompt=gen, return_dict=False, **kwargs
-            )
         upto = ids(messages[: i + 1], False)
         prompt = ids(messages[:i], True)
-        if upto != full[: len(upto)] or prompt != upto[: len(prompt)]:
+        if prompt != upto[: len(prompt)]:
             return None
+        stable = stable and upto == full[: len(upto)]
+        turns.append(dict(ids=upto, mask=[0] * len(prompt) + [1] * (len(upto) - len(prompt))))
         for k in range(len(prompt), len(upto)):
-            mask[k] = 1
-    return mask
+            if k < len(mask):
+                mask[k] = 1
+    return [dict(ids=full, mask=mask)] if stable else turns
 
 
 def make_model(d, tok):
@@ -160,7 +175,7 @@ def main(out):
                     text, ids, error = None, None, str(e)
                 case = dict(messages=messages, add_generation_prompt=gen, text=text, ids=ids, error=error)
                 if not gen and error is None:
-                    case["answer_mask"] = answer_mask(tok, messages, {})
+                    case["answer_documents"] = answer_documents(tok, messages, {})
                 cases.append(case)
         # A role the template rejects, and roles out of order.
         for messages in [[{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}],
