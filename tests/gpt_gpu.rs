@@ -738,6 +738,24 @@ fn graph_scopes_on_the_gpu_replay_the_eager_run_bit_for_bit() {
         .run(&mut Vec::new())
         .expect_err("dropout inside a graph");
     assert!(format!("{err:#}").contains("dropout mask"), "{err:#}");
+    // Packed documents are refused in the attention's graph: a replay would keep the
+    // boundaries and positions of the microbatch it captured.
+    let mut packed = scoped(job(1, 1, F32), &["attn"]);
+    packed.train_data = windows(8, 1)
+        .with_masks(megatron::training::MaskFlags {
+            eod: Some(u32::from(b';')),
+            reset_position_ids: true,
+            reset_attention_mask: true,
+            ..Default::default()
+        })
+        .expect("masks");
+    let err = packed
+        .run(&mut Vec::new())
+        .expect_err("documents inside a graph");
+    assert!(
+        format!("{err:#}").contains("graph scope attn with packed documents"),
+        "{err:#}"
+    );
     // A collective of more than one rank inside a capture is refused: the device-local
     // communicator meets the other ranks on the host, which a replay would skip.
     let err = scoped(job(2, 1, F32), &["attn"])

@@ -8,7 +8,7 @@
 //! * training on packed, masked data gives the same losses and gradient norms at every layout
 //!   as on one rank (tp with and without sequence parallelism, pipelines with virtual stages,
 //!   dp with the distributed optimizer, every cp form, ep with MoE, recompute, bf16), with both loss
-//!   normalizations;
+//!   normalizations, and with attention dropout under context parallelism;
 //! * a microbatch that counts no token adds nothing and says so, and the loss is the mean over
 //!   the counted tokens.
 
@@ -550,15 +550,25 @@ fn the_two_normalizations_differ_and_each_is_the_mean_megatron_takes() {
 }
 
 #[test]
-fn attention_dropout_with_documents_under_context_parallelism_is_refused_by_name() {
-    let layout = Layout {
-        cp: 2,
+fn attention_dropout_with_documents_under_context_parallelism_draws_as_one_rank() {
+    // Each document's weights are dropped from its own stream at its own places, whichever
+    // rank holds which chunk of it.
+    let flags = all_flags(false);
+    let dropped = Layout {
         dropout: true,
         ..one()
     };
-    let message = try_train(layout, all_flags(false)).unwrap_err().to_string();
-    assert!(
-        message.contains("attention dropout with packed documents attended apart"),
-        "{message}"
-    );
+    let reference = train(dropped, flags);
+    for (cp, kind) in [
+        (2, CpCommType::P2p),
+        (2, CpCommType::A2a),
+        (4, CpCommType::A2aP2p { a2a: 2, p2p: 2 }),
+    ] {
+        let layout = Layout {
+            cp,
+            cp_kind: kind,
+            ..dropped
+        };
+        assert_same_curve(&train(layout, flags), &reference, &format!("{layout:?}"));
+    }
 }

@@ -14,11 +14,13 @@
 //! keys and values `[2, b, groups, rows, d]` (keys, then values), `rows` the chunks in local
 //! order. Head `h` reads the keys and values of group `h / per_group`.
 
+use std::ops::Range;
 use std::sync::Arc;
 
-use super::CpDropout;
+use super::{CpDocuments, CpDropout};
 use crate::error::Result;
-use crate::kernels::dropout::{dropout_forward, dropout_pair};
+use crate::kernels::dropout::{LogicalIndex, dropout_forward, dropout_pair};
+use crate::rng::DropoutStream;
 use crate::kernels::gemm::product;
 
 /// The sizes and the mask of one layer's blockwise attention.
@@ -42,9 +44,8 @@ pub(crate) struct Blocks {
     pub window: Option<usize>,
     /// Attention dropout, with this engine's first head among all.
     pub dropout: Option<CpDropout>,
-    /// Packed documents: the document of each global position, per batch entry
-    /// (`[b, seq]`); a query sees only keys of its own document. `None`: one document.
-    pub documents: Option<Arc<Vec<u32>>>,
+    /// Packed documents: a query sees only keys of its own document. `None`: one document.
+    pub documents: Option<Arc<CpDocuments>>,
 }
 
 /// One side's chunks: the data in its layout and each chunk's first global position.
@@ -98,12 +99,11 @@ impl Blocks {
         self.chunk * self.head_dim
     }
 
-    /// The document of global position `p` of batch entry `b` (0 without documents).
+    /// The document of global position `p` of batch entry `b`, as its first position (0
+    /// without documents).
     #[inline]
-    fn document(&self, b: usize, p: usize) -> u32 {
-        self.documents
-            .as_ref()
-            .map_or(0, |ids| ids[b * self.seq + p])
+    fn document(&self, b: usize, p: usize) -> usize {
+        self.documents.as_ref().map_or(0, |docs| docs.start(b, p))
     }
 
     /// Whether the query at global position `q` of batch entry `b` sees the key at `k`.
@@ -136,6 +136,41 @@ impl Blocks {
             true => Pair::Full,
             false => Pair::Masked,
         }
+    }
+
+    /// Where the dropout of the pair of head `h` of batch entry `b` whose chunks start at `qs`
+    /// and `ks` is drawn: runs of the block's elements (`rows` × `cols`, whole rows when
+    /// `cols` spans the block), each with its stream and logical index. Without documents one
+    /// run, the block at its place in the whole `[b, heads, s, s]` weights; with them a run per
+    /// row, the keys of the row's document at their place in that document's own
+    /// `[heads, n, n]` weights, drawn from the document's stream (the rest of the row is 0).
+    fn dropout_runs(
+        &self,
+        drop: &CpDropout,
+        (b, h): (usize, usize),
+        (qs, ks): (usize, usize),
+    ) -> Vec<(Range<usize>, Range<usize>, DropoutStream, LogicalIndex)> {
+        let c = self.chunk;
+        let Some(docs) = &self.documents else {
+            let index = drop.index((b, h), (qs, ks), c, self.seq);
+            return vec![(0..c, 0..c, drop.stream, index)];
+        };
+        let head = (drop.first_head + h) as u64;
+        (0..c)
+            .filter_map(|r| {
+                let q = qs + r;
+                let (start, end) = docs.span(b, q);
+                let (lo, hi) = (start.max(ks), end.min(ks + c));
+                if lo >= hi {
+                    return None;
+                }
+                let cols = lo - ks..hi - ks;
+                let n = (end - start) as u64;
+                let at = ((head * n + (q - start) as u64) * n) + (ks + cols.start - start) as u64;
+                let stream = drop.stream.part(&[b as u64, start as u64]);
+                Some((r..r + 1, cols.clone(), stream, LogicalIndex::range(at, cols.len())))
+            })
+            .collect()
     }
 
     /// An empty online softmax for `rows` query rows.
@@ -241,8 +276,11 @@ impl Blocks {
             }
             if let Some(drop) = &self.dropout {
                 let mut dropped = vec![0.0f32; c * c];
-                let index = drop.index((b, h), (qs, ks), c, self.seq);
-                dropout_forward(&e, &mut dropped, drop.p, &drop.stream, index)?;
+                for (rows, cols, stream, index) in self.dropout_runs(drop, (b, h), (qs, ks)) {
+                    let (from, to) = (rows.start * c + cols.start, (rows.end - 1) * c + cols.end);
+                    let (e, dropped) = (&e[from..to], &mut dropped[from..to]);
+                    dropout_forward(e, dropped, drop.p, &stream, index)?;
+                }
                 e = dropped;
             }
             let acc = &mut state.acc[row0 * d..(row0 + c) * d];
@@ -328,9 +366,14 @@ impl Blocks {
             product(gb, (c, d, false), vb, (c, d, true), 0.0, &mut dp)?;
             let dropped = match &self.dropout {
                 Some(drop) => {
-                    let index = drop.index((b, h), (qs, ks), c, self.seq);
                     let (mut pm, mut dpm) = (vec![0.0f32; c * c], vec![0.0f32; c * c]);
-                    dropout_pair(&p, &mut pm, &dp, &mut dpm, drop.p, &drop.stream, index)?;
+                    for (rows, cols, stream, index) in self.dropout_runs(drop, (b, h), (qs, ks)) {
+                        let (from, to) =
+                            (rows.start * c + cols.start, (rows.end - 1) * c + cols.end);
+                        let (p, pm) = (&p[from..to], &mut pm[from..to]);
+                        let (dp, dpm) = (&dp[from..to], &mut dpm[from..to]);
+                        dropout_pair(p, pm, dp, dpm, drop.p, &stream, index)?;
+                    }
                     dp = dpm;
                     Some(pm)
                 }

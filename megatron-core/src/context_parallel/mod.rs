@@ -21,8 +21,10 @@
 //!   size (consecutive ranks), the ring across them.
 //!
 //! Attention dropout draws each element of the whole `[b, heads, s, s]` weights at the
-//! element's global place, as cp 1 does, so the forms agree with it up to the order of sums.
-//! The blocks are computed on the host.
+//! element's global place, as cp 1 does, so the forms agree with it up to the order of sums;
+//! with packed documents attended apart, each element of a document's own `[heads, n, n]`
+//! weights from the document's stream, as cp 1 draws it when it attends the document alone
+//! (`backend::attention::attend`). The blocks are computed on the host.
 
 mod blocks;
 mod exchange;
@@ -32,6 +34,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::comm::{Communicator, World};
+use crate::documents::Documents;
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::dropout::LogicalIndex;
@@ -424,28 +427,57 @@ pub struct CpLayer {
     pub window: Option<usize>,
     /// Attention dropout, if any.
     pub dropout: Option<CpDropout>,
-    /// Packed documents attended apart: each position's document, per batch entry
-    /// ([`Documents::ids`](crate::documents::Documents::ids)); `None`: one document a sequence.
-    pub documents: Option<Arc<Vec<u32>>>,
+    /// Packed documents attended apart; `None`: one document a sequence.
+    pub documents: Option<Arc<CpDocuments>>,
 }
 
 impl CpLayer {
-    /// The documents `cx`'s microbatch keeps apart, as [`CpLayer::documents`] holds them;
-    /// attention dropout with them is refused (its elements would be drawn at other places
-    /// than cp 1 draws them for a document attended alone).
-    pub fn documents_of(cx: &Cx, dropout: bool) -> Result<Option<Arc<Vec<u32>>>> {
-        let Some(docs) = cx.documents().filter(|d| d.separates_attention()) else {
-            return Ok(None);
-        };
-        if dropout {
-            return invalid!(
-                "attention dropout with packed documents attended apart (--reset-attention-mask, \
-                 packed data) at --context-parallel-size {}: its elements are not drawn as cp 1 \
-                 draws them yet; give --attention-dropout 0, or cp 1",
-                cx.cp_size()
-            );
+    /// The documents `cx`'s microbatch keeps apart, as [`CpLayer::documents`] holds them.
+    pub fn documents_of(cx: &Cx) -> Option<Arc<CpDocuments>> {
+        let docs = cx.documents().filter(|d| d.separates_attention())?;
+        Some(Arc::new(CpDocuments::new(docs)))
+    }
+}
+
+/// Packed documents as the blocks read them: for each batch entry and global position, the
+/// first position of its document and the position after its last.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CpDocuments {
+    seq: usize,
+    spans: Vec<(u32, u32)>,
+}
+
+impl CpDocuments {
+    /// The spans of `documents`' samples.
+    pub fn new(documents: &Documents) -> CpDocuments {
+        let seq = documents.seq();
+        let mut spans = Vec::with_capacity(documents.batch() * seq);
+        for j in 0..documents.batch() {
+            for r in documents.segments(j) {
+                spans.extend(std::iter::repeat_n((r.start as u32, r.end as u32), r.len()));
+            }
         }
-        Ok(Some(Arc::new(docs.ids())))
+        CpDocuments { seq, spans }
+    }
+
+    /// Positions covered: batch entries × sequence.
+    pub fn positions(&self) -> usize {
+        self.spans.len()
+    }
+
+    /// The document of global position `p` of batch entry `b`: its first position and the
+    /// position after its last.
+    #[inline]
+    pub(crate) fn span(&self, b: usize, p: usize) -> (usize, usize) {
+        let (start, end) = self.spans[b * self.seq + p];
+        (start as usize, end as usize)
+    }
+
+    /// The first position of the document of position `p` of batch entry `b` (which tells
+    /// documents apart: they do not overlap).
+    #[inline]
+    pub(crate) fn start(&self, b: usize, p: usize) -> usize {
+        self.spans[b * self.seq + p].0 as usize
     }
 }
 
@@ -513,13 +545,13 @@ pub fn attention_forward(
     if let Some(comm) = &groups.a2a {
         x = exchange::heads_for_rows(comm.as_ref(), x, local * batch, width, qkv)?;
     }
-    if let Some(ids) = &layer.documents
-        && ids.len() != batch * chunks.seq()
+    if let Some(docs) = &layer.documents
+        && docs.positions() != batch * chunks.seq()
     {
         return invalid!(
             "context-parallel attention: the documents cover {} positions, the batch {batch} \
              sequences of {}",
-            ids.len(),
+            docs.positions(),
             chunks.seq()
         );
     }

@@ -151,6 +151,15 @@ impl GraphRuntime {
         inputs: &[&Tensor],
         body: impl FnOnce(&Cx, &[Tensor]) -> Result<T>,
     ) -> Result<T> {
+        let on_gpu = inputs.first().and_then(|x| x.gpu()).is_some();
+        if on_gpu && scope == GraphScope::Attn && cx.documents().is_some() {
+            return crate::invalid!(
+                "graph scope {scope} with packed documents (--reset-position-ids, \
+                 --reset-attention-mask or packed data): a captured graph would replay the \
+                 positions and document boundaries of the microbatch it captured (leave {scope} \
+                 out of --cuda-graph-scope)"
+            );
+        }
         let mut state = self.lock();
         let captured = match state.uses.get(&key) {
             None => None,

@@ -313,7 +313,7 @@ impl ContextParallelMulti for DotProductAttention {
             }
             Some(chunks) => {
                 let layer = CpLayer {
-                    documents: CpLayer::documents_of(cx, false)?,
+                    documents: CpLayer::documents_of(cx),
                     groups: grouped.groups,
                     per_group: grouped.per_group,
                     scale: self.scale(),

@@ -307,7 +307,7 @@ impl ContextParallel for CausalSelfAttention {
         if let (Some(chunks), Some(groups)) = (cp, cx.cp_groups()) {
             // The grouped projection as it is: the forms move keys and values per group.
             let layer = CpLayer {
-                documents: CpLayer::documents_of(cx, mask.is_some())?,
+                documents: CpLayer::documents_of(cx),
                 groups: grouped.groups,
                 per_group: grouped.per_group,
                 scale: sh.scale(),
