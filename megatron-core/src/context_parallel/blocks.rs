@@ -20,8 +20,8 @@ use std::sync::Arc;
 use super::{CpDocuments, CpDropout};
 use crate::error::Result;
 use crate::kernels::dropout::{LogicalIndex, dropout_forward, dropout_pair};
-use crate::rng::DropoutStream;
 use crate::kernels::gemm::product;
+use crate::rng::DropoutStream;
 
 /// The sizes and the mask of one layer's blockwise attention.
 #[derive(Debug, Clone)]
@@ -168,7 +168,12 @@ impl Blocks {
                 let n = (end - start) as u64;
                 let at = ((head * n + (q - start) as u64) * n) + (ks + cols.start - start) as u64;
                 let stream = drop.stream.part(&[b as u64, start as u64]);
-                Some((r..r + 1, cols.clone(), stream, LogicalIndex::range(at, cols.len())))
+                Some((
+                    r..r + 1,
+                    cols.clone(),
+                    stream,
+                    LogicalIndex::range(at, cols.len()),
+                ))
             })
             .collect()
     }
