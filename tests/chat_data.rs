@@ -149,43 +149,40 @@ fn chats(path: &Path, n: usize) {
     std::fs::write(path, lines).unwrap();
 }
 
-#[test]
-fn preprocess_packs_chats_whole_and_inspect_shows_what_counts() {
-    let dir = TempDir::new("chat-preprocess");
-    let input = dir.join("chats.jsonl");
-    chats(Path::new(&input), 40);
-    let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/chat/llama3");
-    let prefix = dir.join("sft");
-    let (ok, stdout, stderr) = megatron(&[
+/// `megatron preprocess --chat` of `input` with the tokenizer directory `tok` into `prefix`,
+/// bins of `seq_length + 1` tokens, with `extra` flags: (success, stdout, stderr).
+fn preprocess_chat(
+    input: &str,
+    tok: &Path,
+    prefix: &str,
+    seq_length: &str,
+    extra: &[&str],
+) -> (bool, String, String) {
+    let mut args = vec![
         "preprocess",
         "--chat",
         "--input",
-        &input,
+        input,
         "--tokenizer",
         tok.to_str().unwrap(),
         "--output-prefix",
-        &prefix,
+        prefix,
         "--seq-length",
-        "63",
-    ]);
+        seq_length,
+    ];
+    args.extend_from_slice(extra);
+    megatron(&args)
+}
+
+/// `megatron data inspect PREFIX --docs RANGE --json`: each document's text and the text of its
+/// tokens that count, decoded with `tokenizer`.
+fn inspected(prefix: &str, range: &str, tokenizer: &Tokenizer) -> Vec<(String, String)> {
+    let (ok, stdout, stderr) = megatron(&["data", "inspect", prefix, "--docs", range, "--json"]);
     assert!(ok, "{stderr}");
-    assert!(stdout.contains("40 conversations in"), "{stdout}");
-    for ext in ["bin", "idx", "packed"] {
-        assert!(Path::new(&format!("{prefix}.{ext}")).is_file());
-    }
-    // Every document shown with its tokens and which of them count: the assistant's answer
-    // and its end-of-turn token, nothing else.
-    let (ok, stdout, stderr) = megatron(&["data", "inspect", &prefix, "--docs", "0..40", "--json"]);
-    assert!(ok, "{stderr}");
-    let docs: Vec<Value> = stdout
+    stdout
         .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(docs.len(), 40);
-    let tokenizer = Tokenizer::from_file(tok.join("tokenizer.json")).unwrap();
-    let mut answers: Vec<String> = docs
-        .iter()
-        .map(|d| {
+        .map(|l| {
+            let d: Value = serde_json::from_str(l).unwrap();
             let ids: Vec<u32> = d["tokens"]
                 .as_array()
                 .unwrap()
@@ -200,9 +197,31 @@ fn preprocess_packs_chats_whole_and_inspect_shows_what_counts() {
                 .filter(|(_, m)| m.as_u64() == Some(1))
                 .map(|(t, _)| *t)
                 .collect();
-            tokenizer.decode(&counted).unwrap()
+            let text = tokenizer.decode(&ids).unwrap();
+            (text, tokenizer.decode(&counted).unwrap())
         })
-        .collect();
+        .collect()
+}
+
+#[test]
+fn preprocess_packs_chats_whole_and_inspect_shows_what_counts() {
+    let dir = TempDir::new("chat-preprocess");
+    let input = dir.join("chats.jsonl");
+    chats(Path::new(&input), 40);
+    let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/chat/llama3");
+    let prefix = dir.join("sft");
+    let (ok, stdout, stderr) = preprocess_chat(&input, &tok, &prefix, "63", &[]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("40 conversations in"), "{stdout}");
+    for ext in ["bin", "idx", "packed"] {
+        assert!(Path::new(&format!("{prefix}.{ext}")).is_file());
+    }
+    // Every document shown with its tokens and which of them count: the assistant's answer
+    // and its end-of-turn token, nothing else.
+    let tokenizer = Tokenizer::from_file(tok.join("tokenizer.json")).unwrap();
+    let docs = inspected(&prefix, "0..40", &tokenizer);
+    assert_eq!(docs.len(), 40);
+    let mut answers: Vec<String> = docs.into_iter().map(|(_, counted)| counted).collect();
     answers.sort();
     answers.dedup();
     assert_eq!(
@@ -286,37 +305,14 @@ fn preprocess_packs_chats_whole_and_inspect_shows_what_counts() {
     assert!(counted[1] > counted[0], "{counted:?}");
 
     // Too long for the sequence: refused by name, or dropped and counted.
-    let (ok, _, stderr) = megatron(&[
-        "preprocess",
-        "--chat",
-        "--input",
-        &input,
-        "--tokenizer",
-        tok.to_str().unwrap(),
-        "--output-prefix",
-        &dir.join("short"),
-        "--seq-length",
-        "15",
-    ]);
+    let short = dir.join("short");
+    let (ok, _, stderr) = preprocess_chat(&input, &tok, &short, "15", &[]);
     assert!(
         !ok && stderr.contains("more than a sequence of 16 holds"),
         "{stderr}"
     );
     assert!(!Path::new(&dir.join("short.bin")).exists());
-    let (ok, stdout, stderr) = megatron(&[
-        "preprocess",
-        "--chat",
-        "--input",
-        &input,
-        "--tokenizer",
-        tok.to_str().unwrap(),
-        "--output-prefix",
-        &dir.join("short"),
-        "--seq-length",
-        "31",
-        "--overlong",
-        "drop",
-    ]);
+    let (ok, stdout, stderr) = preprocess_chat(&input, &tok, &short, "31", &["--overlong", "drop"]);
     assert!(ok, "{stderr}");
     assert!(stdout.contains("dropped (lines"), "{stdout}");
 }
@@ -338,47 +334,15 @@ fn a_template_that_rewrites_earlier_turns_trains_each_turn_in_its_own_context() 
     std::fs::write(Path::new(&input), format!("{two}\n{one}\n")).unwrap();
     let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/chat/qwen3");
     let prefix = dir.join("sft");
-    let (ok, stdout, stderr) = megatron(&[
-        "preprocess",
-        "--chat",
-        "--input",
-        &input,
-        "--tokenizer",
-        tok.to_str().unwrap(),
-        "--output-prefix",
-        &prefix,
-        "--seq-length",
-        "255",
-    ]);
+    let (ok, stdout, stderr) = preprocess_chat(&input, &tok, &prefix, "255", &[]);
     assert!(ok, "{stderr}");
     assert!(
         stdout.contains("2 conversations as 3 documents")
             && stdout.contains("1 conversations made one document per assistant turn"),
         "{stdout}"
     );
-    let (ok, stdout, stderr) = megatron(&["data", "inspect", &prefix, "--docs", "0..3", "--json"]);
-    assert!(ok, "{stderr}");
     let tokenizer = Tokenizer::from_file(tok.join("tokenizer.json")).unwrap();
-    let mut shown: Vec<(String, String)> = stdout
-        .lines()
-        .map(|l| {
-            let d: Value = serde_json::from_str(l).unwrap();
-            let ids: Vec<u32> = d["tokens"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect();
-            let counted: Vec<u32> = ids
-                .iter()
-                .zip(d["loss_mask"].as_array().unwrap())
-                .filter(|(_, m)| m.as_u64() == Some(1))
-                .map(|(t, _)| *t)
-                .collect();
-            let text = tokenizer.decode(&ids).unwrap();
-            (text, tokenizer.decode(&counted).unwrap())
-        })
-        .collect();
+    let mut shown = inspected(&prefix, "0..3", &tokenizer);
     shown.sort_by(|a, b| a.1.cmp(&b.1));
     let answers: Vec<&str> = shown.iter().map(|(_, a)| a.as_str()).collect();
     assert_eq!(
