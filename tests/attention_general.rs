@@ -304,8 +304,12 @@ fn the_general_attention_on_the_gpu_follows_the_host() {
     // flash kernels (heads of 32, the values' 24 padded to them), to bf16's precision.
     // Also with packed documents attended apart (each document a sequence of its own on
     // every kernel: sample 0 has documents 0..2, 2..5, 5..6; sample 1 one).
+    // The flash kernels take the documents in one launch each way: as many kernels as without
+    // them, no more tiles (the emulated GPU counts both, a real one neither; the tiles skipped
+    // at longer sequences: tests/flash_attention_on_cpu.rs).
     let docs = megatron::documents::Documents::from_starts(S, vec![vec![2, 5], vec![]], true, true)
         .unwrap();
+    let mut flash_counts = Vec::new();
     for ((d, dv, flash, tolerance), packed) in [(3, 5, false, 1e-5), (32, 24, true, 3e-2)]
         .into_iter()
         .flat_map(|c| [(c, false), (c, true)])
@@ -319,8 +323,10 @@ fn the_general_attention_on_the_gpu_follows_the_host() {
             values(S * B * kv_heads * dv, 7),
         );
         let c = values(S * B * heads * dv, 8);
+        // The outputs and gradients, and what the rank asked of the emulated GPU meanwhile.
         let run = |place: &(dyn Fn(Tensor) -> megatron::Result<Tensor> + Sync)| {
             with_cx(|cx| {
+                let before = device::launches();
                 let cx = &match packed {
                     true => cx.with_documents(&docs),
                     false => cx.at(0, 0),
@@ -338,11 +344,14 @@ fn the_general_attention_on_the_gpu_follows_the_host() {
                 for g in grads {
                     out.push(g.to_vec::<f32>()?);
                 }
-                Ok(out)
+                Ok((out, before.zip(device::launches()).map(|(b, a)| a - b)))
             })
         };
-        let host = run(&Ok);
-        let on_gpu = run(&|t| t.to_gpu(&gpu));
+        let (host, _) = run(&Ok);
+        let (on_gpu, counts) = run(&|t| t.to_gpu(&gpu));
+        if flash && let Some(counts) = counts {
+            flash_counts.push(counts);
+        }
         for (i, (g, h)) in on_gpu.iter().zip(&host).enumerate() {
             let worst = support::max_abs_diff(g, h);
             assert!(
@@ -350,6 +359,17 @@ fn the_general_attention_on_the_gpu_follows_the_host() {
                 "flash {flash}, packed {packed}, output {i}: {worst}"
             );
         }
+    }
+    if device::launches().is_some() {
+        assert_eq!(flash_counts.len(), 2, "the emulated GPU counted both runs");
+    }
+    if let [plain, packed] = flash_counts[..] {
+        eprintln!("flash: {plain:?} one document a sample, {packed:?} packed");
+        assert_eq!(packed.kernels, plain.kernels, "{plain:?} vs {packed:?}");
+        assert!(
+            packed.tiles <= plain.tiles && packed.tiles > 0,
+            "{plain:?} vs {packed:?}"
+        );
     }
     gpu.set_bf16_products(false);
     gpu.set_flash_attention(false);

@@ -117,16 +117,16 @@ impl Documents {
         self.starts.iter().map(Vec::len).sum()
     }
 
-    /// The document of every position, sample after sample (`[batch, seq]`): 0 for a
-    /// sample's first document, then 1, 2, ... at each start.
-    pub fn ids(&self) -> Vec<u32> {
-        let mut ids = Vec::with_capacity(self.batch() * self.seq);
+    /// The document of every position, sample after sample (`[batch, seq]`), as its first
+    /// position and the position after its last.
+    pub fn spans(&self) -> Vec<(usize, usize)> {
+        let mut spans = Vec::with_capacity(self.batch() * self.seq);
         for j in 0..self.batch() {
-            for (d, r) in self.segments(j).into_iter().enumerate() {
-                ids.extend(std::iter::repeat_n(d as u32, r.len()));
+            for r in self.segments(j) {
+                spans.extend(std::iter::repeat_n((r.start, r.end), r.len()));
             }
         }
-        ids
+        spans
     }
 
     /// The documents of sample `sample`, in order: ranges of positions covering `0..seq`.

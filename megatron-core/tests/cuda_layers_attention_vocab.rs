@@ -253,6 +253,7 @@ fn flash_backward_in_chunks_of_queries_matches_one_chunk() -> R {
         sh,
         scale,
         None,
+        None,
         &mut out.as_view_mut(),
         &mut lse.as_view_mut(),
     )?;
@@ -268,6 +269,7 @@ fn flash_backward_in_chunks_of_queries_matches_one_chunk() -> R {
             In::F32(&d_out_v),
             sh,
             scale,
+            None,
             None,
             &mut d_qkv.as_view_mut(),
             budget,
@@ -315,6 +317,7 @@ fn flash_kernels_refuse_what_they_lack_with_the_numbers() -> R {
             &qkv.as_view(),
             sh,
             scale,
+            None,
             None,
             &mut out.as_view_mut(),
             &mut lse.as_view_mut(),

@@ -15,7 +15,9 @@ use megatron_core::kernels::dropout::{self as cpu_dropout, LogicalIndex};
 use megatron_core::kernels::softmax as cpu_sm;
 use megatron_core::rng::DropoutStream;
 
-use emulated::{Arg, launch, launch_3d, mask_args, round_keys, try_launch_3d, values};
+use emulated::{
+    Arg, launch, launch_3d, mask_args, round_keys, tiles_walked, try_launch_3d, values,
+};
 
 /// One attention call: batch, sequence, local heads, all heads, the first local head, head size.
 #[derive(Debug, Clone, Copy)]
@@ -122,19 +124,35 @@ struct Reference {
     probs: Vec<f32>,
     dropped: Vec<f32>,
     dropout: Option<(f32, DropoutStream)>,
+    /// Per batch entry and position, the first key it sees (its document's first position).
+    first: Vec<usize>,
 }
 
 impl Reference {
-    fn new(case: Case, qkv: &[bf16], dropout: Option<(f32, DropoutStream)>) -> Reference {
+    /// Attention of `qkv`; with `documents` (per batch entry and position, its document's
+    /// first position and the position after its last) each query sees its own document only.
+    fn new(
+        case: Case,
+        qkv: &[bf16],
+        dropout: Option<(f32, DropoutStream)>,
+        documents: &[(usize, usize)],
+    ) -> Reference {
         let qkv: Vec<f32> = qkv.iter().map(|x| x.to_f32()).collect();
         let (s, bh) = (case.seq, case.batch * case.heads);
+        let first: Vec<usize> = match documents.is_empty() {
+            true => vec![0; case.batch * s],
+            false => documents.iter().map(|d| d.0).collect(),
+        };
         let mut scores = vec![0.0f32; bh * s * s];
         for b in 0..case.batch {
             for h in 0..case.heads {
                 for i in 0..s {
                     for j in 0..s {
-                        scores[((b * case.heads + h) * s + i) * s + j] =
-                            Self::dot(&case, &qkv, (i, 0), (j, 1), b, h) as f32;
+                        scores[((b * case.heads + h) * s + i) * s + j] = match j < first[b * s + i]
+                        {
+                            true => f32::NEG_INFINITY,
+                            false => Self::dot(&case, &qkv, (i, 0), (j, 1), b, h) as f32,
+                        };
                     }
                 }
             }
@@ -148,6 +166,7 @@ impl Reference {
             probs,
             dropped,
             dropout,
+            first,
         }
     }
 
@@ -199,7 +218,7 @@ impl Reference {
                             .sum::<f64>()
                             as f32;
                     }
-                    let scaled: Vec<f64> = (0..=i)
+                    let scaled: Vec<f64> = (self.first[b * c.seq + i]..=i)
                         .map(|j| Self::dot(&c, &self.qkv, (i, 0), (j, 1), b, h) * c.scale() as f64)
                         .collect();
                     let m = scaled.iter().fold(f64::NEG_INFINITY, |a, &v| a.max(v));
@@ -345,7 +364,21 @@ impl Forward {
 }
 
 /// The flash forward on the CPU-built kernel.
-fn flash_forward(case: &Case, qkv: &mut [bf16], dropout: &Option<(f32, DropoutStream)>) -> Forward {
+/// The documents' table as the kernels read it (`first | end << 32` per batch entry and
+/// position), or a null pointer for none.
+fn documents_arg(documents: &mut [u64]) -> Arg {
+    match documents.is_empty() {
+        true => Arg::Ptr(std::ptr::null_mut()),
+        false => Arg::Ptr(documents.as_mut_ptr().cast()),
+    }
+}
+
+fn flash_forward(
+    case: &Case,
+    qkv: &mut [bf16],
+    dropout: &Option<(f32, DropoutStream)>,
+    documents: &mut [u64],
+) -> Forward {
     let shift = shift(qkv);
     let words = Forward::keep_word(case, case.batch * case.heads, 0, 0);
     let mut got = Forward {
@@ -361,6 +394,7 @@ fn flash_forward(case: &Case, qkv: &mut [bf16], dropout: &Option<(f32, DropoutSt
     args.extend(tail_args(case, dropout));
     let mut keys = round_keys(dropout.as_ref().map(|(_, s)| s));
     args.push(Arg::ByValue(keys.as_mut_ptr().cast()));
+    args.push(documents_arg(documents));
     launch_3d("flash_forward", case.grid(), [128, 1, 1], args);
     got.out.drain(..shift);
     got
@@ -408,6 +442,7 @@ fn flash_backward(
     d_out_bf16: bool,
     dropout: &Option<(f32, DropoutStream)>,
     chunk: usize,
+    documents: &mut [u64],
 ) -> Vec<f32> {
     let rows = case.batch * case.heads * case.seq;
     let mut d_out16 = vec![bf16::NAN; case.out_len()];
@@ -464,6 +499,7 @@ fn flash_backward(
             Arg::U32(case.seq as u32),
             forward.keep_arg(),
             Arg::F32(keep_scale),
+            documents_arg(documents),
         ]);
         let [_, heads, batch] = case.grid();
         launch_3d(
@@ -482,6 +518,9 @@ fn flash_backward(
             Arg::U64(case.seq as u64),
             Arg::U64(case.heads as u64),
             Arg::I32(case.d as i32),
+            // The window: none.
+            Arg::U32(case.seq as u32),
+            documents_arg(documents),
         ]);
         let blocks = (c_end.min(case.seq) - c_begin).div_ceil(64);
         launch_3d(
@@ -518,9 +557,9 @@ fn flash_attention_is_plain_attention_forward_and_backward() {
             let qkv_at = &mut buf[offset..];
             for dropout in [None, Some((0.3, DropoutStream::new(77 + seed, &[4, 1])))] {
                 let what = format!("{case:?} offset {offset} dropout {}", dropout.is_some());
-                let reference = Reference::new(case, &qkv, dropout);
+                let reference = Reference::new(case, &qkv, dropout, &[]);
                 let (out, lse) = reference.forward();
-                let mut got = flash_forward(&case, qkv_at, &dropout);
+                let mut got = flash_forward(&case, qkv_at, &dropout, &mut []);
                 assert_near(&format!("{what}: output"), &widen(&got.out), &out, 1e-2);
                 assert_near(&format!("{what}: log-sum-exp"), &got.lse, &lse, 1e-5);
                 assert_keep_bits(&what, &case, &dropout, &got);
@@ -528,18 +567,42 @@ fn flash_attention_is_plain_attention_forward_and_backward() {
                 let d_out16: Vec<f32> = d_out.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
                 let want = reference.backward(&d_out16);
                 let whole = usize::MAX;
-                let dqkv =
-                    flash_backward(&case, qkv_at, &mut got, &mut d_out, false, &dropout, whole);
+                let dqkv = flash_backward(
+                    &case,
+                    qkv_at,
+                    &mut got,
+                    &mut d_out,
+                    false,
+                    &dropout,
+                    whole,
+                    &mut [],
+                );
                 assert_near(&format!("{what}: gradient"), &dqkv, &want, 2e-2);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                let from16 =
-                    flash_backward(&case, qkv_at, &mut got, &mut d_out, true, &dropout, whole);
+                let from16 = flash_backward(
+                    &case,
+                    qkv_at,
+                    &mut got,
+                    &mut d_out,
+                    true,
+                    &dropout,
+                    whole,
+                    &mut [],
+                );
                 assert!(bits(&from16) == bits(&dqkv), "{what}: bf16 d_out");
                 // Queries in chunks of 64: the key and value gradients summed over chunks, the
                 // query gradients as before (each query's row of scores is in one chunk).
                 if case.seq > 64 {
-                    let chunked =
-                        flash_backward(&case, qkv_at, &mut got, &mut d_out, false, &dropout, 64);
+                    let chunked = flash_backward(
+                        &case,
+                        qkv_at,
+                        &mut got,
+                        &mut d_out,
+                        false,
+                        &dropout,
+                        64,
+                        &mut [],
+                    );
                     assert_near(
                         &format!("{what}: gradient in chunks"),
                         &chunked,
@@ -564,6 +627,144 @@ fn flash_attention_is_plain_attention_forward_and_backward() {
             }
         }
     }
+}
+
+/// Per batch entry and position, its document's first position and the position after its
+/// last, for documents starting at `starts` (each sample's first start 0).
+fn spans_of(seq: usize, starts: &[&[usize]]) -> Vec<(usize, usize)> {
+    starts
+        .iter()
+        .flat_map(|st| {
+            let ends = st[1..].iter().copied().chain([seq]);
+            st.iter()
+                .zip(ends)
+                .flat_map(|(&a, b)| std::iter::repeat_n((a, b), b - a))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The kernels' table of `spans` (`first | end << 32`).
+fn table(spans: &[(usize, usize)]) -> Vec<u64> {
+    spans
+        .iter()
+        .map(|&(a, b)| a as u64 | (b as u64) << 32)
+        .collect()
+}
+
+/// The forward's tiles of 64 keys a block of 64 queries walks: from the one holding its first
+/// query's first key to the one holding its last query (one head, one batch entry).
+fn forward_tiles(seq: usize, spans: &[(usize, usize)]) -> u64 {
+    (0..seq)
+        .step_by(64)
+        .map(|q0| ((q0 + 63).min(seq - 1) / 64 - spans[q0].0 / 64 + 1) as u64)
+        .sum()
+}
+
+/// Packed documents in one launch each way (the kernels' document table): each query sees only
+/// its own document's keys, as the reference with the other pairs masked, whole or in chunks of
+/// queries; the forward walks only the key tiles some query of a block sees (from its first
+/// query's document on), and the backward fewer tiles than one document of the whole length.
+#[test]
+fn packed_documents_attend_apart_in_one_launch_and_skip_the_tiles_outside() {
+    let case = Case::new(2, 200, (2, 2, 0), 64);
+    let spans = spans_of(case.seq, &[&[0, 5, 70, 71, 150], &[0, 130]]);
+    let mut docs = table(&spans);
+    let qkv: Vec<bf16> = values(case.qkv_len(), 91, -2.0, 2.0)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let mut d_out: Vec<f32> = values(case.out_len(), 92, -1.0, 1.0)
+        .into_iter()
+        .map(|x| bf16::from_f32(x).to_f32())
+        .collect();
+    let reference = Reference::new(case, &qkv, None, &spans);
+    let (out, lse) = reference.forward();
+    let want = reference.backward(&d_out);
+    let mut qkv_at = qkv.clone();
+    let walked = |f: &mut dyn FnMut()| {
+        let before = tiles_walked();
+        f();
+        tiles_walked() - before
+    };
+    let mut got = None;
+    let packed_forward =
+        walked(&mut || got = Some(flash_forward(&case, &mut qkv_at, &None, &mut docs)));
+    let mut got = got.expect("ran");
+    assert_near("packed: output", &widen(&got.out), &out, 1e-2);
+    assert_near("packed: log-sum-exp", &got.lse, &lse, 1e-5);
+    let heads = (case.batch * case.heads) as u64 / 2;
+    let expected = heads
+        * (forward_tiles(case.seq, &spans[..case.seq])
+            + forward_tiles(case.seq, &spans[case.seq..]));
+    assert_eq!(packed_forward, expected, "forward tiles");
+    let mut packed_backward = 0;
+    for chunk in [usize::MAX, 64] {
+        let mut dqkv = Vec::new();
+        packed_backward = walked(&mut || {
+            dqkv = flash_backward(
+                &case,
+                &mut qkv_at,
+                &mut got,
+                &mut d_out,
+                false,
+                &None,
+                chunk,
+                &mut docs,
+            )
+        });
+        assert_near(
+            &format!("packed: gradient, chunks of {chunk}"),
+            &dqkv,
+            &want,
+            2e-2,
+        );
+    }
+    // One document a sequence: every tile up to the diagonal.
+    let mut whole = None;
+    let whole_forward =
+        walked(&mut || whole = Some(flash_forward(&case, &mut qkv_at, &None, &mut [])));
+    let mut whole = whole.expect("ran");
+    let whole_backward = walked(&mut || {
+        flash_backward(
+            &case,
+            &mut qkv_at,
+            &mut whole,
+            &mut d_out,
+            false,
+            &None,
+            64,
+            &mut [],
+        );
+    });
+    let one = spans_of(case.seq, &[&[0]]);
+    assert_eq!(whole_forward, 2 * heads * forward_tiles(case.seq, &one));
+    assert!(packed_forward < whole_forward && packed_backward < whole_backward);
+
+    // Many short documents against one long one, at a length where it counts: 1024 positions
+    // as 16 documents of 64, or as one.
+    let long = Case::new(1, 1024, (1, 1, 0), 32);
+    let mut qkv: Vec<bf16> = values(long.qkv_len(), 93, -2.0, 2.0)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let short: Vec<usize> = (0..long.seq).step_by(64).collect();
+    let mut counts = Vec::new();
+    for starts in [&short[..], &[0]] {
+        let spans = spans_of(long.seq, &[starts]);
+        let mut docs = table(&spans);
+        let tiles = walked(&mut || {
+            flash_forward(&long, &mut qkv, &None, &mut docs);
+        });
+        assert_eq!(tiles, forward_tiles(long.seq, &spans));
+        counts.push(tiles);
+    }
+    eprintln!(
+        "forward tiles of 64 × 64 at 1024 positions: 16 documents of 64 walk {}, one of 1024 \
+         walks {}",
+        counts[0], counts[1]
+    );
+    assert_eq!(counts, [16, 136]);
 }
 
 /// The race check behind every emulated launch (`tests/emulated/shim.h`) reports shared memory

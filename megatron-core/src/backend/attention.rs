@@ -64,8 +64,9 @@ pub(crate) enum AttentionKept {
     /// activation recompute, on the CPU).
     Inputs { q: Tensor, k: Tensor, v: Tensor },
     /// The flash kernels': the fused projection in bf16, the output and the log-sum-exp of
-    /// every row's scaled scores (the weights are recomputed from them), and with dropout the
-    /// bits of the elements it kept (64-bit words, as I64).
+    /// every row's scaled scores (the weights are recomputed from them), with dropout the
+    /// bits of the elements it kept (64-bit words, as I64), and with packed documents their
+    /// table on the device (`flash_attention::Documents`).
     #[allow(
         dead_code,
         reason = "made by the GPU backend only, which a build without CUDA lacks"
@@ -75,6 +76,7 @@ pub(crate) enum AttentionKept {
         out: Tensor,
         lse: Tensor,
         keep: Option<Tensor>,
+        documents: Option<Tensor>,
     },
     /// Nothing: a decoding forward with a KV cache, which has no backward.
     Decoded,
@@ -97,7 +99,9 @@ pub(crate) struct DocumentKept {
 
 /// Attention of `qkv` on its device, with each document of a packed microbatch attended as a
 /// sequence of its own when `documents` keep them apart (FlashAttention's variable-length
-/// form: the pairs of two documents are never computed). A document's dropout draws from a
+/// form: the pairs of two documents are never computed): in one pass where the device's
+/// kernels take the documents (the GPU's flash kernels, without dropout), else a pass per
+/// document. A document's dropout draws from a
 /// stream of its own ([`DropoutStream::part`](crate::rng::DropoutStream::part)), the same on every tensor-parallel layout.
 pub(crate) fn attend(
     qkv: &Tensor,
@@ -118,6 +122,13 @@ pub(crate) fn attend(
             sh.seq,
             sh.batch
         );
+    }
+    // One pass where the device's kernels take the documents themselves (a dropout draws each
+    // document from its own stream: a pass per document).
+    if mask.is_none()
+        && let Some(done) = backend::of(qkv).attention_forward_packed(qkv, sh, docs)?
+    {
+        return Ok(done);
     }
     let segments = |j: usize| docs.segments(j).into_iter().map(|r| (r.clone(), r.start));
     let mut parts = Vec::new();
@@ -214,5 +225,9 @@ device_ops! {
         fn attention_forward(&self, qkv: &Tensor, sh: AttentionShape, mask: &Option<DropoutMask>, keep_inputs: bool) -> Result<(Tensor, AttentionKept)>;
         /// The fused projection's gradient from the context's (its size checked by the caller).
         fn attention_backward(&self, kept: &AttentionKept, mask: &Option<DropoutMask>, sh: AttentionShape, d_out: &Tensor) -> Result<Tensor>;
+        /// The context of a packed microbatch without dropout in one pass, each query seeing
+        /// only its own document, where the device's kernels take the documents (`None`:
+        /// [`attend`] runs a pass per document).
+        fn attention_forward_packed(&self, qkv: &Tensor, sh: AttentionShape, documents: &Documents) -> Result<Option<(Tensor, AttentionKept)>>;
     }
 }

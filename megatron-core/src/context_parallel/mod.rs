@@ -450,14 +450,11 @@ pub struct CpDocuments {
 impl CpDocuments {
     /// The spans of `documents`' samples.
     pub fn new(documents: &Documents) -> CpDocuments {
-        let seq = documents.seq();
-        let mut spans = Vec::with_capacity(documents.batch() * seq);
-        for j in 0..documents.batch() {
-            for r in documents.segments(j) {
-                spans.extend(std::iter::repeat_n((r.start as u32, r.end as u32), r.len()));
-            }
+        let spans = documents.spans().into_iter();
+        CpDocuments {
+            seq: documents.seq(),
+            spans: spans.map(|(a, b)| (a as u32, b as u32)).collect(),
         }
-        CpDocuments { seq, spans }
     }
 
     /// Positions covered: batch entries × sequence.

@@ -908,13 +908,14 @@ CUresult cuGraphInstantiateWithFlags(void** exec, void* graph, unsigned long lon
 }
 // The counters of what the calling thread asked (see host_ops): out[0] operations it queued,
 // out[1] kernels run, out[2] graph launches, out[3] and out[4] the bytes its copies moved to
-// the device and to the host.
+// the device and to the host, out[5] the tiles the flash-attention kernels walked.
 void megatron_emu_launches(unsigned long long* out) {
     out[0] = host_ops;
     out[1] = kernels_run;
     out[2] = graph_launches;
     out[3] = bytes_to_device;
     out[4] = bytes_to_host;
+    out[5] = emu_tiles_walked;
 }
 CUresult cuGraphLaunch(void* exec, void* stream) {
     auto* g = static_cast<Graph*>(exec);

@@ -195,6 +195,8 @@ pub struct Launches {
     pub to_device_bytes: u64,
     /// Bytes its copies moved from the device to the host.
     pub to_host_bytes: u64,
+    /// Tiles the flash-attention kernels walked (a block's loop steps over keys or queries).
+    pub tiles: u64,
 }
 
 impl std::ops::Sub for Launches {
@@ -206,6 +208,7 @@ impl std::ops::Sub for Launches {
             graphs: self.graphs - before.graphs,
             to_device_bytes: self.to_device_bytes - before.to_device_bytes,
             to_host_bytes: self.to_host_bytes - before.to_host_bytes,
+            tiles: self.tiles - before.tiles,
         }
     }
 }
@@ -218,9 +221,9 @@ pub fn launches() -> Option<Launches> {
     if f.is_null() {
         return None;
     }
-    // SAFETY: device.cpp defines it as `void (unsigned long long*)`, writing five values.
+    // SAFETY: device.cpp defines it as `void (unsigned long long*)`, writing six values.
     let f: extern "C" fn(*mut u64) = unsafe { std::mem::transmute(f) };
-    let mut out = [0u64; 5];
+    let mut out = [0u64; 6];
     f(out.as_mut_ptr());
     Some(Launches {
         host_ops: out[0],
@@ -228,5 +231,6 @@ pub fn launches() -> Option<Launches> {
         graphs: out[2],
         to_device_bytes: out[3],
         to_host_bytes: out[4],
+        tiles: out[5],
     })
 }

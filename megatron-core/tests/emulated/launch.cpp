@@ -171,6 +171,9 @@ inline int emu_run_kernel(const EmuKernel& kernel, const unsigned* grid, const u
     return -2;
 }
 
+// The tiles the flash-attention kernels walked on the calling thread so far.
+extern "C" unsigned long long emu_tiles_walked_here() { return emu_tiles_walked; }
+
 // Runs kernel `name` on a grid of grid[0..3] blocks of block[0..3] threads: what
 // `emu_run_kernel` returns, or -1 for an unknown name.
 extern "C" int emu_launch_kernel(const char* name, const unsigned* grid, const unsigned* block,

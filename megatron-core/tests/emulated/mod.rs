@@ -22,10 +22,11 @@ type Launch = unsafe extern "C" fn(
     *mut *mut c_char,
 ) -> c_int;
 
-/// The kernels built for the CPU, loaded once per test process.
-fn launcher() -> Launch {
-    static LAUNCH: OnceLock<usize> = OnceLock::new();
-    let addr = *LAUNCH.get_or_init(|| {
+/// The kernels built for the CPU, loaded once per test process: the addresses of
+/// `emu_launch_kernel` and `emu_tiles_walked_here`.
+fn library() -> (usize, usize) {
+    static LIBRARY: OnceLock<(usize, usize)> = OnceLock::new();
+    *LIBRARY.get_or_init(|| {
         let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
         let lib = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
             .join(format!("megatron-kernels-{}.so", std::process::id()));
@@ -35,15 +36,33 @@ fn launcher() -> Launch {
         unsafe {
             let handle = libc::dlopen(path.as_ptr(), libc::RTLD_NOW);
             assert!(!handle.is_null(), "dlopen {}", lib.display());
-            let sym = libc::dlsym(handle, c"emu_launch_kernel".as_ptr());
-            assert!(!sym.is_null(), "emu_launch_kernel not in {}", lib.display());
+            let symbol = |name: &std::ffi::CStr| {
+                let sym = libc::dlsym(handle, name.as_ptr());
+                assert!(!sym.is_null(), "{name:?} not in {}", lib.display());
+                sym as usize
+            };
+            let found = (
+                symbol(c"emu_launch_kernel"),
+                symbol(c"emu_tiles_walked_here"),
+            );
             // Loaded: the file is no longer needed.
             let _ = std::fs::remove_file(&lib);
-            sym as usize
+            found
         }
-    });
+    })
+}
+
+/// The kernels' launcher.
+fn launcher() -> Launch {
     // SAFETY: the address of `emu_launch_kernel`, whose C signature `Launch` is.
-    unsafe { std::mem::transmute::<usize, Launch>(addr) }
+    unsafe { std::mem::transmute::<usize, Launch>(library().0) }
+}
+
+/// The tiles the flash-attention kernels walked on this thread so far (their loops' steps).
+pub fn tiles_walked() -> u64 {
+    // SAFETY: the address of `emu_tiles_walked_here`, `unsigned long long (void)` in C.
+    let f = unsafe { std::mem::transmute::<usize, extern "C" fn() -> u64>(library().1) };
+    f()
 }
 
 /// One kernel argument, as the C signature types it.

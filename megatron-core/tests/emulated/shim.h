@@ -411,6 +411,12 @@ inline void emu_ldmatrix_x4(unsigned* r, const void* p, bool trans) {
     for (int i = 0; i < 4; ++i) r[i] = out[i];
 }
 
+// Tiles the flash-attention kernels walked on this host thread (count_tile in
+// flash_attention.cu; a block's fibers run on the thread that launched it), read with
+// megatron_emu_launches().
+inline thread_local unsigned long long emu_tiles_walked = 0;
+inline void emu_count_tile() { ++emu_tiles_walked; }
+
 // cp.async: a thread's copies from global to shared memory, grouped by commit_group. They
 // land as late as wait_group allows (when it is called), so that a kernel reading a tile
 // before waiting for it reads stale data here as it could on a GPU. Until then the race check

@@ -12,6 +12,16 @@ use crate::ops::matmul;
 use crate::tensor::{DType, Tensor};
 
 impl AttentionOps for Cpu {
+    /// The host attends packed documents a document at a time.
+    fn attention_forward_packed(
+        &self,
+        _: &Tensor,
+        _: AttentionShape,
+        _: &crate::documents::Documents,
+    ) -> Result<Option<(Tensor, AttentionKept)>> {
+        Ok(None)
+    }
+
     fn attention_forward(
         &self,
         qkv: &Tensor,

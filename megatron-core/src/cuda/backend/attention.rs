@@ -10,10 +10,12 @@ use crate::backend::DropoutMask;
 use crate::backend::attention::{AttentionKept, AttentionOps, AttentionShape};
 use crate::cuda::Gpu;
 use crate::cuda::kernels::flash_attention::{
-    FlashShape, SCORE_GRADIENT_BUDGET, flash_attention_backward, flash_attention_forward,
+    self as fa, FlashShape, SCORE_GRADIENT_BUDGET, flash_attention_backward,
+    flash_attention_forward,
 };
 use crate::cuda::kernels::operand::{contiguous_input, with_in, with_optional_out, with_out};
 use crate::cuda::kernels::softmax as gsm;
+use crate::documents::Documents;
 use crate::error::Result;
 use crate::ops::{as_operand, matmul_into, operand_dtype};
 use crate::tensor::{DType, Tensor};
@@ -53,10 +55,10 @@ impl AttentionOps for Gpu {
         keep_inputs: bool,
     ) -> Result<(Tensor, AttentionKept)> {
         let gpu = self;
-        let dtype = operand_dtype(qkv);
-        if gpu.flash_attention() && dtype == DType::BF16 && flash_shape(sh).supported() {
-            return forward_flash(gpu, qkv, sh, mask);
+        if flash_runs(gpu, qkv, sh) {
+            return forward_flash(gpu, qkv, sh, mask, None);
         }
+        let dtype = operand_dtype(qkv);
         if keep_inputs {
             return crate::invalid!(
                 "selective activation recompute on the GPU runs with the flash attention \
@@ -102,6 +104,22 @@ impl AttentionOps for Gpu {
         Ok((out, AttentionKept::Weights { q, k, v, probs }))
     }
 
+    /// The flash kernels take the documents' spans in a device table (one launch each way);
+    /// the unfused kernels run a document at a time.
+    fn attention_forward_packed(
+        &self,
+        qkv: &Tensor,
+        sh: AttentionShape,
+        documents: &Documents,
+    ) -> Result<Option<(Tensor, AttentionKept)>> {
+        if !flash_runs(self, qkv, sh) {
+            return Ok(None);
+        }
+        let words = fa::Documents::words(documents.spans());
+        let table = Tensor::from_vec(words, [sh.batch * sh.seq])?.to_gpu(self)?;
+        forward_flash(self, qkv, sh, &None, Some(table)).map(Some)
+    }
+
     /// Writes dq, dk and dv straight into their places in the fused gradient (the output
     /// gradient's dtype and layout any).
     fn attention_backward(
@@ -115,13 +133,21 @@ impl AttentionOps for Gpu {
     }
 }
 
+/// Whether attention runs in the flash kernels: turned on, bf16 products, a head size they
+/// are built for.
+fn flash_runs(gpu: &Gpu, qkv: &Tensor, sh: AttentionShape) -> bool {
+    gpu.flash_attention() && operand_dtype(qkv) == DType::BF16 && flash_shape(sh).supported()
+}
+
 /// The forward as tiled flash kernels: no `s × s` tensor kept; the backward recomputes the
-/// weights from the fused projection (rounded to bf16 once) and the rows' log-sum-exp.
+/// weights from the fused projection (rounded to bf16 once) and the rows' log-sum-exp. With
+/// `documents` (their table, `flash_attention::Documents`), each query sees only its own.
 fn forward_flash(
     gpu: &Gpu,
     qkv: &Tensor,
     sh: AttentionShape,
     mask: &Option<DropoutMask>,
+    documents: Option<Tensor>,
 ) -> Result<(Tensor, AttentionKept)> {
     let qkv = qkv.to_contiguous(DType::BF16)?;
     let fsh = flash_shape(sh);
@@ -136,12 +162,18 @@ fn forward_flash(
     {
         let mut keep_write = keep.as_ref().map(|k| k.device_write::<i64>()).transpose()?;
         let mut keep_view = keep_write.as_mut().map(|k| k.view_mut());
+        let table = documents
+            .as_ref()
+            .map(|t| t.device_read::<i64>())
+            .transpose()?;
+        let table_view = table.as_ref().map(|t| t.view());
         flash_attention_forward(
             gpu,
             &qkv.device_read::<half::bf16>()?.view(),
             fsh,
             sh.scale(),
             dropout_of(mask).zip(keep_view.as_mut()),
+            table_view.as_ref().map(fa::Documents),
             &mut out.device_write::<half::bf16>()?.view_mut(),
             &mut lse.device_write::<f32>()?.view_mut(),
         )?;
@@ -153,13 +185,14 @@ fn forward_flash(
             out,
             lse,
             keep,
+            documents,
         },
     ))
 }
 
 /// The flash backward: the fused projection's gradient from the output's.
 fn backward_flash(
-    (qkv, out, lse, keep): (&Tensor, &Tensor, &Tensor, Option<&Tensor>),
+    (qkv, out, lse, keep, documents): (&Tensor, &Tensor, &Tensor, Option<&Tensor>, Option<&Tensor>),
     mask: &Option<DropoutMask>,
     sh: AttentionShape,
     d_out: &Tensor,
@@ -172,6 +205,8 @@ fn backward_flash(
     let keep_read = keep.map(|k| k.device_read::<i64>()).transpose()?;
     let keep_view = keep_read.as_ref().map(|k| k.view());
     let dropout = mask.as_ref().map(|(p, ..)| *p).zip(keep_view.as_ref());
+    let table = documents.map(|t| t.device_read::<i64>()).transpose()?;
+    let table_view = table.as_ref().map(|t| t.view());
     with_in(&d_out, |d_out| {
         Ok(flash_attention_backward(
             gpu,
@@ -182,6 +217,7 @@ fn backward_flash(
             flash_shape(sh),
             sh.scale(),
             dropout,
+            table_view.as_ref().map(fa::Documents),
             &mut dqkv.device_write::<half::bf16>()?.view_mut(),
             SCORE_GRADIENT_BUDGET,
         )?)
@@ -220,8 +256,10 @@ fn backward(
             out,
             lse,
             keep,
+            documents,
         } => {
-            return backward_flash((qkv, out, lse, keep.as_ref()), mask, sh, d_out, gpu);
+            let kept = (qkv, out, lse, keep.as_ref(), documents.as_ref());
+            return backward_flash(kept, mask, sh, d_out, gpu);
         }
     };
     let dtype = operand_dtype(d_out);

@@ -27,6 +27,16 @@
 // probabilities are rounded to bf16 for their product with v, as the unfused kernels store
 // them with bf16 products. Rows are assumed finite (no ±∞/NaN scores).
 //
+// Packed documents (FlashAttention's variable-length sequences, in one launch): with a table
+// `docs` of each position's document, query i also sees only keys of its own document. Row i
+// of batch entry b has docs[b·s + i] = first | end << 32, its document's first position and the
+// position after its last (null: one document). A query's first visible key is then the larger
+// of its document's first and i − window: the forward and the query-gradient kernels start
+// their key loop at the tile holding their block's first visible key (the tiles wholly before
+// every row's document are skipped, not masked), and the key-gradient kernel ends its query
+// loop after the last query that sees one of its block's keys. Inside the tiles walked, each
+// row masks the keys before its own first visible one. The emulation counts the tiles walked.
+//
 // Tiles move through shared memory FlashAttention-2's way: global → shared by asynchronous
 // 16-byte copies (cp.async) into two stages, the next tile's copies in flight while the
 // current one is multiplied; shared → registers by ldmatrix, transposing (.trans) where a
@@ -534,13 +544,15 @@ __device__ __forceinline__ void mask_past_diagonal(float (*x)[4], int lim0, floa
     }
 }
 
-// Sets `fill` where a tile of N 8-column accumulator tiles lies before the sliding window: this
-// lane's element (as mask_past_diagonal's) is before it when its column is below `first0` for
-// row g (first0 + 8 for row g + 8): the row's first visible key minus the tile's first column.
+// Sets `fill` where a tile of N 8-column accumulator tiles lies before the rows' first visible
+// keys: this lane's element (as mask_past_diagonal's) is before it when its column is below
+// `first0` for row g (`first8` for row g + 8): the row's first visible key minus the tile's
+// first column (with a sliding window alone, first8 = first0 + 8).
 template <int N>
-__device__ __forceinline__ void mask_before_window(float (*x)[4], int first0, float fill) {
+__device__ __forceinline__ void mask_before_window(float (*x)[4], int first0, int first8,
+                                                   float fill) {
     const int t = threadIdx.x % 4;
-    const int first[2] = {first0 - 2 * t, first0 + 8 - 2 * t};
+    const int first[2] = {first0 - 2 * t, first8 - 2 * t};
     #pragma unroll
     for (int n = 0; n < N; ++n) {
         #pragma unroll
@@ -548,6 +560,34 @@ __device__ __forceinline__ void mask_before_window(float (*x)[4], int first0, fl
             if (8 * n + (c & 1) < first[c >> 1]) x[n][c] = fill;
         }
     }
+}
+
+// Packed documents (see the header): position i of batch entry b's document, its first
+// position and the position after its last (the whole sequence without a table). Positions
+// past the sequence read the last one's.
+struct Span {
+    u32 first, end;
+};
+
+__device__ __forceinline__ Span doc_span(const u64* __restrict__ docs, u64 b, u32 s, u32 i) {
+    if (!docs) return Span{0, s};
+    const u64 w = docs[b * s + min(i, s - 1)];
+    return Span{(u32)w, (u32)(w >> 32)};
+}
+
+// The first key row i sees: its document's first position, and with a window i − window.
+__device__ __forceinline__ u32 first_visible(const u64* __restrict__ docs, u64 b, u32 s, u32 i,
+                                             u32 window) {
+    const u32 by_window = i > window ? i - window : 0;
+    return max(doc_span(docs, b, s, i).first, by_window);
+}
+
+// Counts a tile walked (the emulation's counter of the tiles each launch walks; nothing on a
+// GPU). One thread of the block counts.
+__device__ __forceinline__ void count_tile() {
+#ifdef EMULATED_CUDA
+    if (threadIdx.x == 0) emu_count_tile();
+#endif
 }
 
 // The step of a loop over `tiles` tiles streamed through two shared-memory stages: starts tile
@@ -602,13 +642,14 @@ struct KeyStream {
 };
 
 // Keys from k (rows `k_stride` elements apart, 16-byte aligned with `k_vec`) and their paired
-// rows from v (likewise) up to key `last`, the first tile's copies started.
+// rows from v (likewise) up to key `last`, the copies of tile `first` (where the loop starts)
+// started.
 template <int D, int KEYS, int W = D>
 __device__ __forceinline__ KeyStream<D, KEYS, W> stream_keys(unsigned char* smem_raw,
                                                              const bf16_t* k, i64 k_stride,
                                                              bool k_vec, const bf16_t* v,
                                                              i64 v_stride, bool v_vec, u32 last,
-                                                             u32 s) {
+                                                             u32 s, int first = 0) {
     KeyStream<D, KEYS, W> kv;
     kv.stages = smem(smem_raw);
     kv.k = k;
@@ -619,7 +660,7 @@ __device__ __forceinline__ KeyStream<D, KEYS, W> stream_keys(unsigned char* smem
     kv.k_vec = k_vec;
     kv.v_vec = v_vec;
     kv.tiles = last / KEYS + 1;
-    kv.fetch(0);
+    kv.fetch(first);
     return kv;
 }
 
@@ -633,7 +674,7 @@ __device__ __forceinline__ void fa_forward(
     i64 seq_stride, i64 batch_stride, i64 head_stride, bf16_t* __restrict__ o, i64 o_seq_stride,
     i64 o_batch_stride, i64 o_head_stride, float* __restrict__ lse, u64* __restrict__ keep_bits,
     u32 s, u64 heads, float scale, u32 window, const Mask& m, const PhiloxKeys& keys,
-    unsigned char* smem_raw) {
+    const u64* __restrict__ docs, unsigned char* smem_raw) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const HeadAt at = head_at(batch_stride, head_stride, o_batch_stride, o_head_stride, heads, s);
     const bool vec = rows_aligned(q, k, v, seq_stride, batch_stride, head_stride);
@@ -647,10 +688,16 @@ __device__ __forceinline__ void fa_forward(
     const u64 row_at[2] = {row_start(m, rm, at.row + i0, s), row_start(m, rm, at.row + i0 + 8, s)};
     // Raw scores times this are base-2 exponents of the scaled scores.
     const float scale2 = scale * LOG2E;
-    // The block's last query sees keys 0 ..= min(q0 + FA_ROWS, s) − 1.
+    // With documents, this thread's rows' first visible keys, and the block's first tile:
+    // the one holding its first query's first visible key (every later row's is no earlier).
+    const u64 b = blockIdx.z;
+    const u32 fv[2] = {first_visible(docs, b, s, i0, window),
+                       first_visible(docs, b, s, i0 + 8, window)};
+    const int first_tile = docs ? first_visible(docs, b, s, q0, window) / FA_FWD_KEYS : 0;
+    // The block's last query sees keys up to min(q0 + FA_ROWS, s) − 1.
     const auto kv = stream_keys<D, FA_FWD_KEYS>(smem_raw, k + at.qkv, seq_stride, vec,
                                                 v + at.qkv, seq_stride, vec,
-                                                min(q0 + FA_ROWS, s) - 1, s);
+                                                min(q0 + FA_ROWS, s) - 1, s, first_tile);
     constexpr int LD = KeyStream<D, FA_FWD_KEYS>::LD;
 
     u32 qa[D / 16][4];
@@ -660,8 +707,9 @@ __device__ __forceinline__ void fa_forward(
     // Per row (i0, i0 + 8): the largest raw score so far and the sum of exponentials.
     float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0.0f, 0.0f};
 
-    for (int it = 0; it < kv.tiles; ++it) {
+    for (int it = first_tile; it < kv.tiles; ++it) {
         kv.advance(it);
+        count_tile();
         const u32 k0 = it * FA_FWD_KEYS;
 
         // Raw scores q·kᵀ of this warp's 16 queries and the tile's keys.
@@ -676,8 +724,15 @@ __device__ __forceinline__ void fa_forward(
         // With a sliding window, keys before a query's window are masked likewise: query i
         // sees key k0 + jj when jj >= i − window − k0 (only tiles that start before the last
         // row's window, wq0 + 15 − window).
-        if ((i64)k0 < (i64)wq0 + 15 - (i64)window) {
-            mask_before_window<FA_FWD_KEYS / 8>(sc, (int)i0 - (int)window - (int)k0, NEG_INF);
+        if (docs) {
+            // With documents, per row: keys before its document or window.
+            if (k0 < fv[1]) {
+                mask_before_window<FA_FWD_KEYS / 8>(sc, (int)fv[0] - (int)k0,
+                                                    (int)fv[1] - (int)k0, NEG_INF);
+            }
+        } else if ((i64)k0 < (i64)wq0 + 15 - (i64)window) {
+            const int first0 = (int)i0 - (int)window - (int)k0;
+            mask_before_window<FA_FWD_KEYS / 8>(sc, first0, first0 + 8, NEG_INF);
         }
         // The new row maxima (over the 4 lanes holding a row); the scale is positive, so the
         // largest raw score is the largest scaled one.
@@ -863,7 +918,7 @@ __device__ __forceinline__ void fa_backward_kv(
     const float* __restrict__ delta, bf16_t* __restrict__ dk, bf16_t* __restrict__ dv,
     bf16_t* __restrict__ ds, u32 ds_cols, u32 c_begin, u32 c_end, u32 s, u64 heads,
     float scale, u32 window, const u64* __restrict__ keep_bits, float keep_scale,
-    unsigned char* smem_raw) {
+    const u64* __restrict__ docs, unsigned char* smem_raw) {
     constexpr int LD = D + FA_PAD, KV_BYTES = FA_ROWS * LD * 2;
     const smem_t ks = smem(smem_raw), vs = ks + KV_BYTES;
     unsigned char* stages_raw = smem_raw + 2 * KV_BYTES;
@@ -907,7 +962,20 @@ __device__ __forceinline__ void fa_backward_kv(
         }
         copies_commit();
     };
-    const int tiles = (min(c_end, s) - c_first + FA_BWD_COLS - 1) / FA_BWD_COLS;
+    // The queries that see some key of the block end before c_end, the sequence's end and,
+    // with documents, after the block's last key's document and window (queries of later
+    // documents see none of its keys: their tiles are skipped).
+    u32 q_end = min(c_end, s);
+    if (docs) {
+        const u32 last = min(k0 + FA_ROWS, s) - 1;
+        q_end = min(q_end, min(doc_span(docs, blockIdx.z, s, last).end, last + window + 1));
+    }
+    const int tiles = ((int)q_end - (int)c_first + FA_BWD_COLS - 1) / FA_BWD_COLS;
+    // A later chunk of queries than the block's keys' documents reach: nothing to add.
+    if (tiles <= 0) return;
+    // This thread's keys' document ends (queries from there on see neither).
+    const u32 key_end[2] = {doc_span(docs, blockIdx.z, s, k0 + w0 + g).end,
+                            doc_span(docs, blockIdx.z, s, k0 + w0 + g + 8).end};
     // This warp's rows of the score gradients (row g; row g + 8 is 8·ds_cols further).
     bf16_t* const ds_warp = ds + ((u64)blockIdx.z * heads + blockIdx.y) * score_rows(s) * ds_cols +
                             (u64)(k0 + w0 + g) * ds_cols + 2 * t;
@@ -922,6 +990,7 @@ __device__ __forceinline__ void fa_backward_kv(
     for (int it = 0; it < tiles; ++it) {
         const u32 c0 = c_first + it * FA_BWD_COLS;
         advance_tiles(it, tiles, fetch);
+        count_tile();
         const QueryTile<D> tile = stage(it);
 
         // The transposed scores k·qᵀ (keys × queries) and dropped-probability gradient v·doᵀ.
@@ -954,15 +1023,19 @@ __device__ __forceinline__ void fa_backward_kv(
                 dz[n][c] = e.d_score;
             }
         }
-        // Where the tile crosses the diagonal, the end or a key's sliding window, only queries
-        // i with j <= i < s and i <= j + window count: column col holds query c0 + col, row
-        // (c >> 1) key k0 + w0 + g + 8·(c >> 1).
+        // Where the tile crosses the diagonal, the end, a key's sliding window or its
+        // document's end, only queries i with j <= i < s, i <= j + window and i before the
+        // end of j's document count: column col holds query c0 + col, row (c >> 1) key
+        // k0 + w0 + g + 8·(c >> 1).
         if (c0 < wk_last || c0 + FA_BWD_COLS > s ||
-            (i64)c0 + FA_BWD_COLS - 1 > (i64)(k0 + w0) + (i64)window) {
+            (i64)c0 + FA_BWD_COLS - 1 > (i64)(k0 + w0) + (i64)window ||
+            c0 + FA_BWD_COLS > key_end[0]) {
             const int lo[2] = {(int)(k0 + w0 + g) - (int)c0 - 2 * t,
                                (int)(k0 + w0 + g + 8) - (int)c0 - 2 * t};
-            const int end = (int)s - 1 - (int)c0 - 2 * t;
-            const int hi[2] = {min(end, lo[0] + (int)window), min(end, lo[1] + (int)window)};
+            const int end[2] = {(int)key_end[0] - 1 - (int)c0 - 2 * t,
+                                (int)key_end[1] - 1 - (int)c0 - 2 * t};
+            const int hi[2] = {min(end[0], lo[0] + (int)window),
+                               min(end[1], lo[1] + (int)window)};
             #pragma unroll
             for (int n = 0; n < FA_BWD_COLS / 8; ++n) {
                 #pragma unroll
@@ -1015,7 +1088,9 @@ __device__ __forceinline__ void fa_backward_q(const bf16_t* __restrict__ k, i64 
                                               i64 batch_stride, i64 head_stride,
                                               const bf16_t* __restrict__ ds, u32 ds_cols,
                                               u32 c_begin, bf16_t* __restrict__ dq, u32 s,
-                                              u64 heads, unsigned char* smem_raw) {
+                                              u64 heads, u32 window,
+                                              const u64* __restrict__ docs,
+                                              unsigned char* smem_raw) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const i64 at = (i64)blockIdx.z * batch_stride + (i64)blockIdx.y * head_stride;
     const bool vec = rows_aligned(k, k, k, seq_stride, batch_stride, head_stride);
@@ -1023,20 +1098,43 @@ __device__ __forceinline__ void fa_backward_q(const bf16_t* __restrict__ k, i64 
     // The block's columns of the score gradients (rows: keys; 16-byte aligned).
     const bf16_t* ds_at = ds + ((u64)blockIdx.z * heads + blockIdx.y) * score_rows(s) * ds_cols +
                           (q0 - c_begin);
+    // With documents, the block's first tile holds its first query's first visible key, and
+    // this thread's rows' first visible keys (the key-gradient kernel wrote no score gradient
+    // for a key tile that a whole tile of its queries does not see).
+    const u64 b = blockIdx.z;
+    const u32 i0 = q0 + 16 * warp + g;
+    const u32 fv[2] = {first_visible(docs, b, s, i0, window),
+                       first_visible(docs, b, s, i0 + 8, window)};
+    const int first_tile = docs ? first_visible(docs, b, s, q0, window) / FA_DQ_KEYS : 0;
     using Stream = KeyStream<D, FA_DQ_KEYS, FA_ROWS>;
-    const Stream kv = stream_keys<D, FA_DQ_KEYS, FA_ROWS>(
-        smem_raw, k + at, seq_stride, vec, ds_at, ds_cols, true, min(q0 + FA_ROWS, s) - 1, s);
+    const Stream kv =
+        stream_keys<D, FA_DQ_KEYS, FA_ROWS>(smem_raw, k + at, seq_stride, vec, ds_at, ds_cols,
+                                            true, min(q0 + FA_ROWS, s) - 1, s, first_tile);
 
     float acc[D / 8][4];
     zero_tiles<D / 8>(acc);
-    for (int it = 0; it < kv.tiles; ++it) {
+    for (int it = first_tile; it < kv.tiles; ++it) {
         kv.advance(it);
+        count_tile();
         // This warp's queries' score gradients over the tile's keys (stored as rows per key:
-        // read transposed), times the keys. Keys past a query hold zeros.
+        // read transposed), times the keys. Keys past a query hold zeros; with documents, the
+        // keys before a row's first visible one are zeroed here.
         u32 a[FA_DQ_KEYS / 16][4];
+        const u32 k0 = it * FA_DQ_KEYS;
         #pragma unroll
         for (int kk = 0; kk < FA_DQ_KEYS / 16; ++kk) {
             frag_a_trans(a[kk], kv.paired(it), Stream::LD_PAIRED, 16 * warp, 16 * kk);
+            if (docs && k0 < fv[1]) {
+                // a[0]: row g, keys 2t, 2t + 1; a[1]: row g + 8, the same; a[2], a[3]: + 8.
+                #pragma unroll
+                for (int f = 0; f < 4; ++f) {
+                    const u32 first = fv[f & 1];
+                    const u32 key = k0 + 16 * kk + 2 * t + 8 * (f >> 1);
+                    const u32 keep_lo = key >= first ? 0xffffu : 0u;
+                    const u32 keep_hi = key + 1 >= first ? 0xffff0000u : 0u;
+                    a[kk][f] &= keep_lo | keep_hi;
+                }
+            }
         }
         product_frags<FA_DQ_KEYS / 16, D / 8, true>(acc, a, kv.keys(it), Stream::LD);
         // Every warp is done with this stage before the next iteration refills it.
@@ -1068,13 +1166,13 @@ extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_forward(
     bf16_t* __restrict__ o, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
     float* __restrict__ lse, u64* __restrict__ keep_bits, u64 s, u64 heads, int d, float scale,
     u32 window, u64 inner, u64 stride, u64 start, u32 key_lo, u32 key_hi, u64 stream,
-    u32 threshold, float keep_scale, PhiloxKeys keys) {
+    u32 threshold, float keep_scale, PhiloxKeys keys, const u64* __restrict__ docs) {
     DYNAMIC_SHARED(smem_raw);
     const Mask m = make_mask(inner, stride, start, key_lo, key_hi, stream, threshold, keep_scale);
 #define FA_CALL(D)                                                                            \
     fa_forward<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride, o,    \
                   o_seq_stride, o_batch_stride, o_head_stride, lse, keep_bits, s, heads,      \
-                  scale, window, m, keys, smem_raw)
+                  scale, window, m, keys, docs, smem_raw)
     FA_DISPATCH(d, FA_CALL)
 #undef FA_CALL
 }
@@ -1084,13 +1182,14 @@ extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_kv(
     const bf16_t* __restrict__ d_o16, i64 o_seq_stride, i64 o_batch_stride, i64 o_head_stride,
     const float* __restrict__ lse, const float* __restrict__ delta, bf16_t* __restrict__ dqkv,
     bf16_t* __restrict__ ds, u32 ds_cols, u32 c_begin, u32 c_end, u64 s, u64 heads, int d,
-    float scale, u32 window, const u64* __restrict__ keep_bits, float keep_scale) {
+    float scale, u32 window, const u64* __restrict__ keep_bits, float keep_scale,
+    const u64* __restrict__ docs) {
     DYNAMIC_SHARED(smem_raw);
 #define FA_CALL(D)                                                                            \
     fa_backward_kv<D>(qkv, qkv + (D), qkv + 2 * (D), seq_stride, batch_stride, head_stride,   \
                       d_o16, o_seq_stride, o_batch_stride, o_head_stride, lse, delta,         \
                       dqkv + (D), dqkv + 2 * (D), ds, ds_cols, c_begin, c_end, s, heads,      \
-                      scale, window, keep_bits, keep_scale, smem_raw)
+                      scale, window, keep_bits, keep_scale, docs, smem_raw)
     FA_DISPATCH(d, FA_CALL)
 #undef FA_CALL
 }
@@ -1098,11 +1197,11 @@ extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_kv(
 extern "C" __global__ __launch_bounds__(FA_THREADS) void flash_backward_q(
     const bf16_t* __restrict__ qkv, i64 seq_stride, i64 batch_stride, i64 head_stride,
     const bf16_t* __restrict__ ds, u32 ds_cols, u32 c_begin, bf16_t* __restrict__ dqkv, u64 s,
-    u64 heads, int d) {
+    u64 heads, int d, u32 window, const u64* __restrict__ docs) {
     DYNAMIC_SHARED(smem_raw);
 #define FA_CALL(D)                                                                            \
     fa_backward_q<D>(qkv + (D), seq_stride, batch_stride, head_stride, ds, ds_cols, c_begin,  \
-                     dqkv, s, heads, smem_raw)
+                     dqkv, s, heads, window, docs, smem_raw)
     FA_DISPATCH(d, FA_CALL)
 #undef FA_CALL
 }

@@ -17,6 +17,11 @@
 //! at a time through a buffer of at most [`SCORE_GRADIENT_BUDGET`] bytes (for any sequence
 //! whose `batch·heads·seq·64` score gradients fit in it), so memory stays linear in the
 //! sequence.
+//!
+//! Packed documents run in the same launches ([`Documents`]): each position's document span in
+//! a device table, each query seeing only keys of its own document, the tiles wholly outside
+//! every row's document skipped (FlashAttention's variable-length sequences, without a launch
+//! per document).
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaView, CudaViewMut, LaunchArgs, LaunchConfig, PushKernelArg};
@@ -49,6 +54,30 @@ const MAX_SEQ: usize = (1 << 31) - 1;
 /// Bytes the backward's score-gradient buffer may take: 512 MiB, the whole `[b, heads, s, s]`
 /// of GPT-1.2B at sequence 2048 and micro-batch 4 in one chunk.
 pub const SCORE_GRADIENT_BUDGET: usize = 512 << 20;
+
+/// Packed documents as the kernels read them: per batch entry and position, its document's
+/// first position and the position after its last (`first | end << 32`, `[batch, seq]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Documents<'a>(pub &'a CudaView<'a, i64>);
+
+impl Documents<'_> {
+    /// The table's words of `spans`: per batch entry and position, its document's first
+    /// position and the position after its last.
+    pub fn words(spans: impl IntoIterator<Item = (usize, usize)>) -> Vec<i64> {
+        spans
+            .into_iter()
+            .map(|(first, end)| (first as u64 | ((end as u64) << 32)) as i64)
+            .collect()
+    }
+}
+
+/// Pushes the documents' table, or a null pointer (one document a sequence).
+fn push_documents<'a>(args: &mut LaunchArgs<'a>, documents: &'a Option<Documents<'a>>) {
+    match documents {
+        Some(Documents(table)) => args.arg(*table),
+        None => args.arg(&NULL),
+    };
+}
 
 /// The sizes of one attention call: the fused projection is `[seq, batch, heads·3·head_dim]`
 /// (per head its query, key and value), the output `[seq, batch, heads·head_dim]`.
@@ -228,13 +257,16 @@ fn checked(
 /// `out = dropout(softmax(scale·q·kᵀ, causal)) · v` per head, and the log-sum-exp of each row's
 /// scaled scores (`[batch, heads, seq]`, for the backward). `dropout` is the CPU's mask over the
 /// `[batch, heads, seq, seq]` attention weights, with where to store which elements it kept
-/// for the backward ([`FlashShape::keep_words`] 64-bit words).
+/// for the backward ([`FlashShape::keep_words`] 64-bit words). With `documents`, each query
+/// sees only the keys of its own document.
+#[allow(clippy::too_many_arguments)]
 pub fn flash_attention_forward(
     gpu: &Gpu,
     qkv: &CudaView<bf16>,
     sh: FlashShape,
     scale: f32,
     dropout: Option<(Dropout<'_>, &mut CudaViewMut<i64>)>,
+    documents: Option<Documents<'_>>,
     out: &mut CudaViewMut<bf16>,
     lse: &mut CudaViewMut<f32>,
 ) -> Result<()> {
@@ -243,6 +275,9 @@ pub fn flash_attention_forward(
     let (grid, mask) = checked(K, &sh, scale, [qkv.len(), out.len(), lse.len()], mask)?;
     if let Some(keep) = &keep {
         check(K, "keep bits", keep.len(), sh.keep_words(), &sh)?;
+    }
+    if let Some(Documents(table)) = &documents {
+        check(K, "documents", table.len(), sh.batch * sh.seq, &sh)?;
     }
     let ([ss, bs, hs], [os, ob, oh]) = sh.strides();
     let (s, heads, d) = (sh.seq as u64, sh.heads as u64, sh.head_dim as i32);
@@ -259,6 +294,7 @@ pub fn flash_attention_forward(
     let keys = mask.round_keys();
     mask.push(&mut args);
     args.arg(&keys);
+    push_documents(&mut args, &documents);
     launch_tiles(gpu, K, args, grid, sh.head_dim)
 }
 
@@ -268,7 +304,7 @@ pub fn flash_attention_forward(
 /// ([`SCORE_GRADIENT_BUDGET`] in the attention layer; at least one chunk of 64 queries:
 /// `batch·heads·⌈seq/64⌉·64·64` bf16), a chunk of queries at a time: the key and value
 /// gradients are sums over the chunks (equal to one chunk's within bf16 rounding), the query
-/// gradients the same bits whatever the budget.
+/// gradients the same bits whatever the budget. `documents` are the forward's.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward(
     gpu: &Gpu,
@@ -279,11 +315,15 @@ pub fn flash_attention_backward(
     sh: FlashShape,
     scale: f32,
     dropout: Option<(f32, &CudaView<i64>)>,
+    documents: Option<Documents<'_>>,
     d_qkv: &mut CudaViewMut<bf16>,
     budget: usize,
 ) -> Result<()> {
     const K: &str = "flash_backward";
     let (grid, _) = checked(K, &sh, scale, [qkv.len(), out.len(), lse.len()], None)?;
+    if let Some(Documents(table)) = &documents {
+        check(K, "documents", table.len(), sh.batch * sh.seq, &sh)?;
+    }
     check(K, "d_out", d_out.len(), sh.out_len(), &sh)?;
     check(K, "d_qkv", d_qkv.len(), sh.qkv_len(), &sh)?;
     let keep_scale = match &dropout {
@@ -344,6 +384,7 @@ pub fn flash_attention_backward(
             None => args.arg(&NULL),
         };
         args.arg(&keep_scale);
+        push_documents(&mut args, &documents);
         // The key blocks the chunk's queries see: those before its end.
         let key_blocks = (c_end / ROWS) as u32;
         launch_tiles(
@@ -358,7 +399,8 @@ pub fn flash_attention_backward(
         let mut args = launch_args(gpu, Q)?;
         args.arg(qkv).arg(&ss).arg(&bs).arg(&hs);
         args.arg(&ds).arg(&chunk32).arg(&begin32).arg(&mut *d_qkv);
-        args.arg(&s).arg(&heads).arg(&d32);
+        args.arg(&s).arg(&heads).arg(&d32).arg(&window);
+        push_documents(&mut args, &documents);
         let query_blocks = (c_end.min(sh.seq) - c_begin).div_ceil(ROWS) as u32;
         launch_tiles(
             gpu,
