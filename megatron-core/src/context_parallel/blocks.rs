@@ -1,7 +1,7 @@
 //! Blockwise causal attention on the host, the arithmetic every context-parallel form shares.
 //!
-//! Queries and keys are held as chunks of `chunk` positions each at known places in the
-//! sequence. Each (query chunk, key chunk) pair is attended with the mask its global positions
+//! Queries and keys are held as chunks (runs of consecutive positions, of any lengths) at known
+//! places in the sequence. Each (query chunk, key chunk) pair is attended with the mask its global positions
 //! need (none at all for a key chunk wholly after the query chunk, every key for one wholly
 //! before it, causal or windowed element by element on the diagonal), and the pairs are
 //! combined by the online softmax: per query row a running maximum, a running sum of
@@ -11,8 +11,8 @@
 //! `D = rowsum(dO ∘ O)`, so that a pair needs nothing from the others.
 //!
 //! Layouts (all `f32`, row-major): queries, outputs and their gradients `[b, heads, rows, d]`;
-//! keys and values `[2, b, groups, rows, d]` (keys, then values), `rows` the chunks in local
-//! order. Head `h` reads the keys and values of group `h / per_group`.
+//! keys and values `[2, b, groups, rows, d]` (keys, then values), `rows` the chunks' positions in
+//! local order. Head `h` reads the keys and values of group `h / per_group`.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -34,8 +34,6 @@ pub(crate) struct Blocks {
     pub per_group: usize,
     /// Elements per head.
     pub head_dim: usize,
-    /// Positions per chunk.
-    pub chunk: usize,
     /// Positions of the whole sequence (the dropout mask's logical index).
     pub seq: usize,
     /// The scores' scale (`1/√d`).
@@ -48,13 +46,25 @@ pub(crate) struct Blocks {
     pub documents: Option<Arc<CpDocuments>>,
 }
 
-/// One side's chunks: the data in its layout and each chunk's first global position.
+/// One side's chunks: the data in its layout and each chunk's global positions.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Side<'a> {
-    /// Queries `[b, heads, n·chunk, d]` or keys and values `[2, b, groups, n·chunk, d]`.
+    /// Queries `[b, heads, rows, d]` or keys and values `[2, b, groups, rows, d]`.
     pub data: &'a [f32],
-    /// Global start of each of the `n` chunks, in local order.
-    pub starts: &'a [usize],
+    /// The global positions of each chunk, in local order (`rows` in all).
+    pub chunks: &'a [Range<usize>],
+}
+
+impl Side<'_> {
+    /// Positions held: the chunks' lengths summed.
+    fn rows(&self) -> usize {
+        self.chunks.iter().map(Range::len).sum()
+    }
+
+    /// The local row of chunk `i`'s first position.
+    fn offset(&self, i: usize) -> usize {
+        self.chunks[..i].iter().map(Range::len).sum()
+    }
 }
 
 /// How a (query chunk, key chunk) pair is masked.
@@ -69,14 +79,14 @@ enum Pair {
 }
 
 /// One (query chunk, key chunk) pair of one head to attend: head `h` of batch entry `b`,
-/// query chunk `i` (from global position `qs`) and key chunk `j` (from `ks`), and its mask.
-#[derive(Debug, Clone, Copy)]
+/// query chunk `i` (global positions `qs`) and key chunk `j` (`ks`), and its mask.
+#[derive(Debug, Clone)]
 struct PairAt {
     bh: (usize, usize),
     i: usize,
     j: usize,
-    qs: usize,
-    ks: usize,
+    qs: Range<usize>,
+    ks: Range<usize>,
     pair: Pair,
 }
 
@@ -94,11 +104,6 @@ impl Blocks {
         self.groups * self.per_group
     }
 
-    /// Elements of one chunk of one head.
-    fn block(&self) -> usize {
-        self.chunk * self.head_dim
-    }
-
     /// The document of global position `p` of batch entry `b`, as its first position (0
     /// without documents).
     #[inline]
@@ -114,31 +119,32 @@ impl Blocks {
             && self.document(b, q) == self.document(b, k)
     }
 
-    /// The mask of the pair of batch entry `b` whose chunks start at `qs` and `ks`: with
-    /// documents, no query sees a key chunk wholly before its documents, and a pair is whole
-    /// only within one document.
-    fn pair(&self, b: usize, qs: usize, ks: usize) -> Pair {
-        let last = self.chunk - 1;
-        if ks > qs + last || self.window.is_some_and(|w| qs > ks + last + w) {
+    /// The mask of the pair of batch entry `b` whose chunks hold positions `qs` and `ks`:
+    /// with documents, no query sees a key chunk wholly before its documents, and a pair is
+    /// whole only within one document.
+    fn pair(&self, b: usize, qs: &Range<usize>, ks: &Range<usize>) -> Pair {
+        let (q_last, k_last) = (qs.end - 1, ks.end - 1);
+        if ks.start > q_last || self.window.is_some_and(|w| qs.start > k_last + w) {
             return Pair::Skip;
         }
         let one_document = match self.documents {
             None => true,
             Some(_) => {
                 // Documents increase along the sequence.
-                if self.document(b, ks + last) < self.document(b, qs) {
+                if self.document(b, k_last) < self.document(b, qs.start) {
                     return Pair::Skip;
                 }
-                self.document(b, ks) == self.document(b, qs + last)
+                self.document(b, ks.start) == self.document(b, q_last)
             }
         };
-        match one_document && ks + last <= qs && self.window.is_none_or(|w| qs + last - ks <= w) {
+        let whole = k_last <= qs.start && self.window.is_none_or(|w| q_last - ks.start <= w);
+        match one_document && whole {
             true => Pair::Full,
             false => Pair::Masked,
         }
     }
 
-    /// Where the dropout of the pair of head `h` of batch entry `b` whose chunks start at `qs`
+    /// Where the dropout of the pair of head `h` of batch entry `b` whose chunks hold `qs`
     /// and `ks` is drawn: runs of the block's elements (`rows` × `cols`, whole rows when
     /// `cols` spans the block), each with its stream and logical index. Without documents one
     /// run, the block at its place in the whole `[b, heads, s, s]` weights; with them a run per
@@ -148,19 +154,20 @@ impl Blocks {
         &self,
         drop: &CpDropout,
         (b, h): (usize, usize),
-        (qs, ks): (usize, usize),
+        (qs, ks): (&Range<usize>, &Range<usize>),
     ) -> Vec<(Range<usize>, Range<usize>, DropoutStream, LogicalIndex)> {
-        let c = self.chunk;
+        let (cq, ck) = (qs.len(), ks.len());
         let Some(docs) = &self.documents else {
-            let index = drop.index((b, h), (qs, ks), c, self.seq);
-            return vec![(0..c, 0..c, drop.stream, index)];
+            let index = drop.index((b, h), (qs.start, ks.start), (cq, ck), self.seq);
+            return vec![(0..cq, 0..ck, drop.stream, index)];
         };
         let head = (drop.first_head + h) as u64;
-        (0..c)
+        let ks = ks.start;
+        (0..cq)
             .filter_map(|r| {
-                let q = qs + r;
+                let q = qs.start + r;
                 let (start, end) = docs.span(b, q);
-                let (lo, hi) = (start.max(ks), end.min(ks + c));
+                let (lo, hi) = (start.max(ks), end.min(ks + ck));
                 if lo >= hi {
                     return None;
                 }
@@ -188,22 +195,23 @@ impl Blocks {
         }
     }
 
-    /// Head `h` of batch entry `b`, chunk `i` of a side of `n` chunks in the query layout.
-    fn q_at(&self, (b, h): (usize, usize), n: usize, i: usize) -> usize {
-        ((b * self.heads() + h) * n + i) * self.block()
+    /// The first query row of head `h` of batch entry `b`, chunk `i` of side `q`.
+    fn q_row(&self, (b, h): (usize, usize), q: &Side, i: usize) -> usize {
+        (b * self.heads() + h) * q.rows() + q.offset(i)
     }
 
-    /// Keys (`part` 0) or values (1) of head `h`'s group, chunk `j` of `n`.
-    fn kv_at(&self, part: usize, (b, h): (usize, usize), n: usize, j: usize) -> usize {
+    /// Keys (`part` 0) or values (1) of head `h`'s group, chunk `j` of side `kv`.
+    fn kv_at(&self, part: usize, (b, h): (usize, usize), kv: &Side, j: usize) -> usize {
         let g = h / self.per_group;
-        (((part * self.batch + b) * self.groups + g) * n + j) * self.block()
+        (((part * self.batch + b) * self.groups + g) * kv.rows() + kv.offset(j)) * self.head_dim
     }
 
-    /// The scores `scale·Q·Kᵀ` of a pair, masked entries left for the caller.
-    fn scores(&self, q: &[f32], k: &[f32]) -> Result<Vec<f32>> {
-        let (c, d) = (self.chunk, self.head_dim);
-        let mut s = vec![0.0f32; c * c];
-        product(q, (c, d, false), k, (c, d, true), 0.0, &mut s)?;
+    /// The scores `scale·Q·Kᵀ` of a pair of `cq` queries and `ck` keys, masked entries left
+    /// for the caller.
+    fn scores(&self, q: &[f32], k: &[f32], (cq, ck): (usize, usize)) -> Result<Vec<f32>> {
+        let d = self.head_dim;
+        let mut s = vec![0.0f32; cq * ck];
+        product(q, (cq, d, false), k, (ck, d, true), 0.0, &mut s)?;
         for v in &mut s {
             *v *= self.scale;
         }
@@ -215,15 +223,15 @@ impl Blocks {
     fn pairs<'s>(&'s self, q: Side<'s>, kv: Side<'s>) -> impl Iterator<Item = PairAt> + 's {
         let heads = (0..self.batch).flat_map(move |b| (0..self.heads()).map(move |h| (b, h)));
         heads.flat_map(move |bh| {
-            q.starts.iter().enumerate().flat_map(move |(i, &qs)| {
-                kv.starts.iter().enumerate().filter_map(move |(j, &ks)| {
+            q.chunks.iter().enumerate().flat_map(move |(i, qs)| {
+                kv.chunks.iter().enumerate().filter_map(move |(j, ks)| {
                     let pair = self.pair(bh.0, qs, ks);
-                    (pair != Pair::Skip).then_some(PairAt {
+                    (pair != Pair::Skip).then(|| PairAt {
                         bh,
                         i,
                         j,
-                        qs,
-                        ks,
+                        qs: qs.clone(),
+                        ks: ks.clone(),
                         pair,
                     })
                 })
@@ -234,8 +242,7 @@ impl Blocks {
     /// Attends every query chunk of `q` to every key chunk of `kv`, folding the pairs into
     /// `state`.
     pub fn forward(&self, q: Side, kv: Side, state: &mut Online) -> Result<()> {
-        let (c, d) = (self.chunk, self.head_dim);
-        let (nq, nk) = (q.starts.len(), kv.starts.len());
+        let d = self.head_dim;
         for PairAt {
             bh: (b, h),
             i,
@@ -245,15 +252,17 @@ impl Blocks {
             pair,
         } in self.pairs(q, kv)
         {
-            let qb = &q.data[self.q_at((b, h), nq, i)..][..c * d];
-            let kb = &kv.data[self.kv_at(0, (b, h), nk, j)..][..c * d];
-            let vb = &kv.data[self.kv_at(1, (b, h), nk, j)..][..c * d];
-            let mut e = self.scores(qb, kb)?;
-            let row0 = ((b * self.heads() + h) * nq + i) * c;
-            for r in 0..c {
-                let row = &mut e[r * c..(r + 1) * c];
-                let seen = |k: usize| pair == Pair::Full || self.sees(b, qs + r, ks + k);
-                let top = (0..c)
+            let (cq, ck) = (qs.len(), ks.len());
+            let row0 = self.q_row((b, h), &q, i);
+            let qb = &q.data[row0 * d..][..cq * d];
+            let kb = &kv.data[self.kv_at(0, (b, h), &kv, j)..][..ck * d];
+            let vb = &kv.data[self.kv_at(1, (b, h), &kv, j)..][..ck * d];
+            let mut e = self.scores(qb, kb, (cq, ck))?;
+            for r in 0..cq {
+                let row = &mut e[r * ck..(r + 1) * ck];
+                let seen =
+                    |k: usize| pair == Pair::Full || self.sees(b, qs.start + r, ks.start + k);
+                let top = (0..ck)
                     .filter(|&k| seen(k))
                     .map(|k| row[k])
                     .fold(f32::NEG_INFINITY, f32::max);
@@ -280,16 +289,16 @@ impl Blocks {
                 }
             }
             if let Some(drop) = &self.dropout {
-                let mut dropped = vec![0.0f32; c * c];
-                for (rows, cols, stream, index) in self.dropout_runs(drop, (b, h), (qs, ks)) {
-                    let (from, to) = (rows.start * c + cols.start, (rows.end - 1) * c + cols.end);
+                let mut dropped = vec![0.0f32; cq * ck];
+                for (rows, cols, stream, index) in self.dropout_runs(drop, (b, h), (&qs, &ks)) {
+                    let (from, to) = (rows.start * ck + cols.start, (rows.end - 1) * ck + cols.end);
                     let (e, dropped) = (&e[from..to], &mut dropped[from..to]);
                     dropout_forward(e, dropped, drop.p, &stream, index)?;
                 }
                 e = dropped;
             }
-            let acc = &mut state.acc[row0 * d..(row0 + c) * d];
-            product(&e, (c, c, false), vb, (c, d, false), 1.0, acc)?;
+            let acc = &mut state.acc[row0 * d..(row0 + cq) * d];
+            product(&e, (cq, ck, false), vb, (ck, d, false), 1.0, acc)?;
         }
         Ok(())
     }
@@ -335,8 +344,7 @@ impl Blocks {
         dq: &mut [f32],
         dkv: &mut [f32],
     ) -> Result<()> {
-        let (c, d) = (self.chunk, self.head_dim);
-        let (nq, nk) = (q.starts.len(), kv.starts.len());
+        let d = self.head_dim;
         for PairAt {
             bh: (b, h),
             i,
@@ -346,18 +354,19 @@ impl Blocks {
             pair,
         } in self.pairs(q, kv)
         {
-            let at = self.q_at((b, h), nq, i);
-            let qb = &q.data[at..][..c * d];
-            let gb = &d_out[at..][..c * d];
-            let (ka, va) = (self.kv_at(0, (b, h), nk, j), self.kv_at(1, (b, h), nk, j));
-            let kb = &kv.data[ka..][..c * d];
-            let vb = &kv.data[va..][..c * d];
-            let row0 = ((b * self.heads() + h) * nq + i) * c;
+            let (cq, ck) = (qs.len(), ks.len());
+            let row0 = self.q_row((b, h), &q, i);
+            let at = row0 * d;
+            let qb = &q.data[at..][..cq * d];
+            let gb = &d_out[at..][..cq * d];
+            let (ka, va) = (self.kv_at(0, (b, h), &kv, j), self.kv_at(1, (b, h), &kv, j));
+            let kb = &kv.data[ka..][..ck * d];
+            let vb = &kv.data[va..][..ck * d];
             // P = exp(S − lse) where seen.
-            let mut p = self.scores(qb, kb)?;
-            for r in 0..c {
-                for (k, x) in p[r * c..(r + 1) * c].iter_mut().enumerate() {
-                    let seen = pair == Pair::Full || self.sees(b, qs + r, ks + k);
+            let mut p = self.scores(qb, kb, (cq, ck))?;
+            for r in 0..cq {
+                for (k, x) in p[r * ck..(r + 1) * ck].iter_mut().enumerate() {
+                    let seen = pair == Pair::Full || self.sees(b, qs.start + r, ks.start + k);
                     *x = if seen {
                         (*x - lse[row0 + r]).exp()
                     } else {
@@ -367,14 +376,14 @@ impl Blocks {
             }
             // dP = dO·Vᵀ; with dropout, dV from the dropped weights and dP
             // through the mask (regenerated from its key).
-            let mut dp = vec![0.0f32; c * c];
-            product(gb, (c, d, false), vb, (c, d, true), 0.0, &mut dp)?;
+            let mut dp = vec![0.0f32; cq * ck];
+            product(gb, (cq, d, false), vb, (ck, d, true), 0.0, &mut dp)?;
             let dropped = match &self.dropout {
                 Some(drop) => {
-                    let (mut pm, mut dpm) = (vec![0.0f32; c * c], vec![0.0f32; c * c]);
-                    for (rows, cols, stream, index) in self.dropout_runs(drop, (b, h), (qs, ks)) {
+                    let (mut pm, mut dpm) = (vec![0.0f32; cq * ck], vec![0.0f32; cq * ck]);
+                    for (rows, cols, stream, index) in self.dropout_runs(drop, (b, h), (&qs, &ks)) {
                         let (from, to) =
-                            (rows.start * c + cols.start, (rows.end - 1) * c + cols.end);
+                            (rows.start * ck + cols.start, (rows.end - 1) * ck + cols.end);
                         let (p, pm) = (&p[from..to], &mut pm[from..to]);
                         let (dp, dpm) = (&dp[from..to], &mut dpm[from..to]);
                         dropout_pair(p, pm, dp, dpm, drop.p, &stream, index)?;
@@ -387,35 +396,35 @@ impl Blocks {
             let weights = dropped.as_deref().unwrap_or(&p);
             product(
                 weights,
-                (c, c, true),
+                (cq, ck, true),
                 gb,
-                (c, d, false),
+                (cq, d, false),
                 1.0,
-                &mut dkv[va..][..c * d],
+                &mut dkv[va..][..ck * d],
             )?;
             // dS = P ∘ (dP − D), scaled back through the scores' scale.
-            for r in 0..c {
+            for r in 0..cq {
                 let dr = delta[row0 + r];
-                let (pr, dpr) = (&mut p[r * c..(r + 1) * c], &dp[r * c..(r + 1) * c]);
+                let (pr, dpr) = (&mut p[r * ck..(r + 1) * ck], &dp[r * ck..(r + 1) * ck]);
                 for (x, g) in pr.iter_mut().zip(dpr) {
                     *x *= (g - dr) * self.scale;
                 }
             }
             product(
                 &p,
-                (c, c, false),
+                (cq, ck, false),
                 kb,
-                (c, d, false),
+                (ck, d, false),
                 1.0,
-                &mut dq[at..][..c * d],
+                &mut dq[at..][..cq * d],
             )?;
             product(
                 &p,
-                (c, c, true),
+                (cq, ck, true),
                 qb,
-                (c, d, false),
+                (cq, d, false),
                 1.0,
-                &mut dkv[ka..][..c * d],
+                &mut dkv[ka..][..ck * d],
             )?;
         }
         Ok(())

@@ -203,9 +203,9 @@ impl<'a> Keys<'a> {
     }
 
     /// The chunks member `m` of the key group holds (those of its all-to-all group's ranks).
-    fn starts(&self, m: usize) -> Vec<usize> {
+    fn chunks_of(&self, m: usize) -> Vec<std::ops::Range<usize>> {
         let a = self.per_member;
-        self.chunks.starts_of(m * a..(m + 1) * a)
+        self.chunks.chunks_of(m * a..(m + 1) * a)
     }
 
     /// Attends the queries `q` to every key before them, this rank's keys and values `kv`
@@ -224,19 +224,19 @@ impl<'a> Keys<'a> {
                 q,
                 Side {
                     data: kv,
-                    starts: q.starts,
+                    chunks: q.chunks,
                 },
                 online,
             ),
             Route::Gather(comm) => {
                 let all = gather(comm, kv, like)?;
                 for (m, block) in all.chunks_exact(len).enumerate() {
-                    let starts = self.starts(m);
+                    let held = self.chunks_of(m);
                     bl.forward(
                         q,
                         Side {
                             data: block,
-                            starts: &starts,
+                            chunks: &held,
                         },
                         online,
                     )?;
@@ -256,10 +256,10 @@ impl<'a> Keys<'a> {
                     if more && early {
                         comm.send(&near(cur.clone(), [len], DType::F32, like)?, next)?;
                     }
-                    let starts = self.starts((me + n - step) % n);
+                    let held = self.chunks_of((me + n - step) % n);
                     let block = Side {
                         data: &cur,
-                        starts: &starts,
+                        chunks: &held,
                     };
                     bl.forward(q, block, online)?;
                     cur = match (more, early) {
@@ -290,7 +290,7 @@ impl<'a> Keys<'a> {
                 q,
                 Side {
                     data: kv,
-                    starts: q.starts,
+                    chunks: q.chunks,
                 },
                 grads,
                 dq,
@@ -304,12 +304,12 @@ impl<'a> Keys<'a> {
                     .zip(d_all.chunks_exact_mut(len))
                     .enumerate()
                 {
-                    let starts = self.starts(m);
+                    let held = self.chunks_of(m);
                     bl.backward(
                         q,
                         Side {
                             data: block,
-                            starts: &starts,
+                            chunks: &held,
                         },
                         grads,
                         dq,
@@ -338,10 +338,10 @@ impl<'a> Keys<'a> {
                     if more && early {
                         comm.send(&near(cur.clone(), [len], DType::F32, like)?, next)?;
                     }
-                    let starts = self.starts((me + n - step) % n);
+                    let held = self.chunks_of((me + n - step) % n);
                     let block = Side {
                         data: &cur,
-                        starts: &starts,
+                        chunks: &held,
                     };
                     bl.backward(q, block, grads, dq, &mut d_cur)?;
                     if early {

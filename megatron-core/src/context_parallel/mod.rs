@@ -300,19 +300,19 @@ pub struct CpDropout {
 }
 
 impl CpDropout {
-    /// Where the weights of local head `h` of batch entry `b`, the `c` queries from global
-    /// position `qs` against the `c` keys from `ks`, lie in the whole `[b, all heads, s, s]`
+    /// Where the weights of local head `h` of batch entry `b`, the `cq` queries from global
+    /// position `qs` against the `ck` keys from `ks`, lie in the whole `[b, all heads, s, s]`
     /// weights.
     fn index(
         &self,
         (b, h): (usize, usize),
         (qs, ks): (usize, usize),
-        c: usize,
+        (cq, ck): (usize, usize),
         s: usize,
     ) -> LogicalIndex {
         LogicalIndex {
-            outer: c,
-            inner: c,
+            outer: cq,
+            inner: ck,
             logical_stride: s as u64,
             logical_start: (((b * self.all_heads + self.first_head + h) * s + qs) * s + ks) as u64,
         }
@@ -377,11 +377,9 @@ impl CpChunks {
             .collect()
     }
 
-    /// The first global position of each chunk of cp ranks `ranks`, in order.
-    fn starts_of(&self, ranks: Range<usize>) -> Vec<usize> {
-        ranks
-            .flat_map(|r| self.ranges_of(r).map(|x| x.start))
-            .collect()
+    /// The global positions of each chunk of cp ranks `ranks`, in order.
+    fn chunks_of(&self, ranks: Range<usize>) -> Vec<Range<usize>> {
+        ranks.flat_map(|r| self.ranges_of(r)).collect()
     }
 
     /// The global positions of rank `rank`'s two chunks.
@@ -484,7 +482,7 @@ impl CpDocuments {
 pub struct CpAttentionSaved {
     blocks: Blocks,
     chunks: CpChunks,
-    starts: Vec<usize>,
+    held: Vec<Range<usize>>,
     q: Vec<f32>,
     kv: Vec<f32>,
     out: Vec<f32>,
@@ -558,7 +556,6 @@ pub fn attention_forward(
         groups: here,
         per_group: layer.per_group,
         head_dim: width / parts,
-        chunk: chunks.chunk,
         seq: chunks.seq(),
         scale: layer.scale,
         window: layer.window,
@@ -568,13 +565,13 @@ pub fn attention_forward(
         }),
         documents: layer.documents.clone(),
     };
-    let starts = chunks.starts_of(ranks);
-    let rows = starts.len() * chunks.chunk;
+    let held = chunks.chunks_of(ranks);
+    let rows = held.iter().map(Range::len).sum();
     let (q, kv) = exchange::split_qkv(&x, rows, &blocks);
     let mut online = blocks.online(rows);
     let queries = Side {
         data: &q,
-        starts: &starts,
+        chunks: &held,
     };
     let sources = exchange::Keys::new(groups, chunks);
     sources.forward(&blocks, queries, &kv, &mut online, qkv)?;
@@ -602,7 +599,7 @@ pub fn attention_forward(
     let saved = CpAttentionSaved {
         blocks,
         chunks,
-        starts,
+        held,
         q,
         kv,
         out,
@@ -624,7 +621,7 @@ pub fn attention_backward(
     let CpAttentionSaved {
         blocks,
         chunks,
-        starts,
+        held,
         q,
         kv,
         out,
@@ -643,7 +640,7 @@ pub fn attention_backward(
             all_heads * d
         );
     }
-    let rows = starts.len() * chunks.chunk;
+    let rows = held.iter().map(Range::len).sum();
     let mut dy = d_out.to_vec_f32()?;
     if let Some(comm) = &groups.a2a {
         dy = exchange::heads_for_rows(comm.as_ref(), dy, local * batch, all_heads * d, d_out)?;
@@ -652,7 +649,10 @@ pub fn attention_backward(
     let delta = blocks.delta(&g, out);
     let mut dq = vec![0.0f32; q.len()];
     let mut dkv = vec![0.0f32; kv.len()];
-    let queries = Side { data: q, starts };
+    let queries = Side {
+        data: q,
+        chunks: held,
+    };
     exchange::Keys::new(groups, *chunks).backward(
         blocks,
         queries,
