@@ -138,6 +138,7 @@ fn main() -> R<()> {
         add_generation_prompt: false,
         overlong: Overlong::Error,
         pack: true,
+        pad_to_multiple_of: 1,
         workers: 2,
     };
     conversations(&dir.join("train.jsonl"), 240, 0)?;

@@ -360,3 +360,91 @@ fn a_template_that_rewrites_earlier_turns_trains_each_turn_in_its_own_context() 
         shown[1].0
     );
 }
+
+#[test]
+fn conversations_padded_to_2cp_train_cut_over_context_parallel_ranks_as_on_one() {
+    // Each conversation padded to a multiple of 4 positions (what counts unchanged), so that
+    // at cp 2 with one sequence a microbatch every conversation is cut over both ranks
+    // (Transformer Engine's thd): the same losses as cp 1.
+    let dir = TempDir::new("chat-thd");
+    let input = dir.join("chats.jsonl");
+    chats(Path::new(&input), 24);
+    let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/chat/llama3");
+    let prefix = dir.join("sft");
+    let pad = ["--pad-to-multiple-of", "4"];
+    let (ok, _, stderr) = preprocess_chat(&input, &tok, &prefix, "64", &pad);
+    assert!(ok, "{stderr}");
+    let tokenizer = Tokenizer::from_file(tok.join("tokenizer.json")).unwrap();
+    let docs = inspected(&prefix, "0..24", &tokenizer);
+    let (ok, stdout, stderr) = megatron(&["data", "inspect", &prefix, "--docs", "0..24", "--json"]);
+    assert!(ok, "{stderr}");
+    for line in stdout.lines() {
+        let d: Value = serde_json::from_str(line).unwrap();
+        assert_eq!(d["tokens"].as_array().unwrap().len() % 4, 0, "{line}");
+    }
+    // Padding counts nothing: the answers are the unpadded run's.
+    let (ok, _, stderr) = preprocess_chat(&input, &tok, &dir.join("plain"), "64", &[]);
+    assert!(ok, "{stderr}");
+    let mut padded: Vec<String> = docs.into_iter().map(|(_, c)| c).collect();
+    let mut plain: Vec<String> = inspected(&dir.join("plain"), "0..24", &tokenizer)
+        .into_iter()
+        .map(|(_, c)| c)
+        .collect();
+    padded.sort();
+    plain.sort();
+    assert_eq!(padded, plain);
+    let (ok, _, stderr) = preprocess_chat(&input, &tok, &dir.join("odd"), "62", &pad);
+    assert!(
+        !ok && stderr.contains("does not divide --seq-length 62"),
+        "{stderr}"
+    );
+
+    let tokenizer_json = tok.join("tokenizer.json").to_string_lossy().into_owned();
+    let losses = |cp: &str| {
+        let log = dir.join(&format!("cp{cp}.jsonl"));
+        let (ok, _, stderr) = megatron(&[
+            "train",
+            "--tokenizer",
+            &tokenizer_json,
+            "--split",
+            "100,0,0",
+            "--num-layers",
+            "1",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "64",
+            "--micro-batch-size",
+            "1",
+            "--global-batch-size",
+            "4",
+            "--train-iters",
+            "2",
+            "--attention-dropout",
+            "0",
+            "--hidden-dropout",
+            "0",
+            "--cp",
+            cp,
+            "--log-json",
+            &log,
+            "--data",
+            &prefix,
+        ]);
+        assert!(ok, "{stderr}");
+        support::log_lines(&log)
+            .iter()
+            .map(|s| s["loss"].as_f64().unwrap())
+            .collect::<Vec<f64>>()
+    };
+    let (one, two) = (losses("1"), losses("2"));
+    assert_eq!(one.len(), 2);
+    for (a, b) in one.iter().zip(&two) {
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs(),
+            "cp 1 {one:?} vs cp 2 {two:?}"
+        );
+    }
+}

@@ -480,3 +480,49 @@ fn what_context_parallelism_cannot_do_yet_is_refused_by_name() {
         "{stderr}"
     );
 }
+
+/// The causal work of each cp rank: per query it holds, the keys it sees (earlier positions
+/// of its own document).
+fn work_per_rank(seq: usize, cp: usize, docs: &megatron::documents::Documents) -> Vec<usize> {
+    let spans = docs.spans();
+    (0..cp)
+        .map(|rank| {
+            let chunks = CpChunks::of_microbatch(seq, cp, rank, Some(docs)).unwrap();
+            chunks
+                .ranges()
+                .into_iter()
+                .flatten()
+                .map(|q| q - spans[q].0 + 1)
+                .sum()
+        })
+        .collect()
+}
+
+#[test]
+fn packed_documents_are_cut_one_by_one_and_balance_the_ranks_causal_work() {
+    use megatron::documents::Documents;
+    // A long document then a short one, 64 positions at cp 2: the whole sequence's two chunks
+    // leave rank 1 nearly four times rank 0's work; the documents cut one by one (each a
+    // multiple of 2·cp) give both the same.
+    let docs = Documents::from_starts(64, vec![vec![48]], true, true).unwrap();
+    let chunks = CpChunks::of_microbatch(64, 2, 0, Some(&docs)).unwrap();
+    assert!(chunks.cuts_documents());
+    assert_eq!(chunks.ranges(), [0..12, 36..48, 48..52, 60..64]);
+    assert_eq!(chunks.local(), 32);
+    assert_eq!(work_per_rank(64, 2, &docs), [656, 656]);
+    // Attention not kept apart: the sequence's chunks.
+    let whole = Documents::from_starts(64, vec![vec![48]], true, false).unwrap();
+    let split = CpChunks::of_microbatch(64, 2, 0, Some(&whole)).unwrap();
+    assert!(!split.cuts_documents());
+    assert_eq!(split.ranges(), [0..16, 48..64]);
+    assert_eq!(work_per_rank(64, 2, &whole), [272, 1040]);
+    // A document that 2·cp does not divide, or two sequences a microbatch: the sequence's
+    // chunks, as without documents.
+    for docs in [
+        Documents::from_starts(64, vec![vec![6]], true, true).unwrap(),
+        Documents::from_starts(64, vec![vec![8], vec![8]], true, true).unwrap(),
+    ] {
+        let chunks = CpChunks::of_microbatch(64, 2, 0, Some(&docs)).unwrap();
+        assert!(!chunks.cuts_documents());
+    }
+}

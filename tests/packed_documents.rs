@@ -187,6 +187,33 @@ fn lines() -> TokenStream {
     TokenStream::from_bytes(text.as_bytes())
 }
 
+/// Packed samples of documents 4, 8 or 16 positions long, in turn [8, 8], [4, 4, 8], [16] and
+/// [4, 12]: at cp 2 every sample is cut document by document (`thd`), at cp 4 the first and
+/// third (the others as one sequence).
+struct Aligned;
+
+impl SampleSource for Aligned {
+    fn len(&self) -> usize {
+        64
+    }
+
+    fn sample(&self, i: u64) -> megatron::data::Result<Vec<u32>> {
+        let words = b"aligned documents cut into chunks of every rank ";
+        Ok((0..=SEQ as u64)
+            .map(|k| u32::from(words[((i * 7 + k * 3) % words.len() as u64) as usize]))
+            .collect())
+    }
+
+    fn documents(&self, i: u64) -> megatron::data::Result<Option<Vec<usize>>> {
+        let starts: &[usize] = [&[8][..], &[4, 8], &[], &[4]][(i % 4) as usize];
+        Ok(Some(starts.to_vec()))
+    }
+
+    fn has_documents(&self) -> bool {
+        true
+    }
+}
+
 /// A layout of a training run.
 #[derive(Debug, Clone, Copy, Default)]
 struct Layout {
@@ -207,6 +234,9 @@ struct Layout {
     moe: bool,
     /// Mixed precision, bf16.
     bf16: bool,
+    /// Packed samples one a microbatch whose documents are multiples of 4 (some of 8) long:
+    /// context parallelism cuts them one by one (`thd`) where 2·cp divides them.
+    aligned: bool,
 }
 
 fn one() -> Layout {
@@ -243,6 +273,7 @@ fn try_train(layout: Layout, flags: MaskFlags) -> R<Vec<(f64, f64, Option<usize>
         ep,
         moe,
         bf16,
+        aligned,
     } = layout;
     let world = tp * pp * dp * cp;
     let parallel = ParallelLayout::new(
@@ -272,11 +303,14 @@ fn try_train(layout: Layout, flags: MaskFlags) -> R<Vec<(f64, f64, Option<usize>
             .with_cp_comm_type(&w, cp_kind)?;
         let plan = BatchPlan {
             seq_length: SEQ,
-            micro_batch: 2,
+            micro_batch: if aligned { 1 } else { 2 },
             global_batch: 8,
             dp,
         };
-        let source: Arc<dyn SampleSource> = Arc::new(Windows::new(lines(), SEQ, 3)?);
+        let source: Arc<dyn SampleSource> = match aligned {
+            true => Arc::new(Aligned),
+            false => Arc::new(Windows::new(lines(), SEQ, 3)?),
+        };
         let sampler = Sampler::new(source, plan)?.with_masks(flags)?;
         let train = TrainConfig {
             distributed_optimizer: distopt,
@@ -571,4 +605,45 @@ fn attention_dropout_with_documents_under_context_parallelism_draws_as_one_rank(
         };
         assert_same_curve(&train(layout, flags), &reference, &format!("{layout:?}"));
     }
+}
+
+#[test]
+fn context_parallel_ranks_cut_aligned_documents_one_by_one_as_one_rank_in_every_form() {
+    // One packed sample a microbatch, its documents multiples of 2·cp long: each rank holds
+    // chunks r and 2·cp − 1 − r of every document (Transformer Engine's thd), and every form
+    // gives cp 1's losses and gradient norms, with tensor and sequence parallelism too, and
+    // with attention dropout drawn per document.
+    let flags = all_flags(true);
+    let aligned = Layout {
+        aligned: true,
+        ..one()
+    };
+    let reference = train(aligned, flags);
+    for (cp, kind) in [
+        (2, CpCommType::P2p),
+        (2, CpCommType::AllGather),
+        (2, CpCommType::A2a),
+        (4, CpCommType::A2aP2p { a2a: 2, p2p: 2 }),
+    ] {
+        let layout = Layout {
+            cp,
+            cp_kind: kind,
+            ..aligned
+        };
+        assert_same_curve(&train(layout, flags), &reference, &format!("{layout:?}"));
+    }
+    let layout = Layout {
+        cp: 2,
+        tp: 2,
+        sp: true,
+        ..aligned
+    };
+    assert_same_curve(&train(layout, flags), &reference, "cp 2 tp 2 sp, thd");
+    let dropped = Layout {
+        dropout: true,
+        ..aligned
+    };
+    let reference = train(dropped, flags);
+    let layout = Layout { cp: 2, ..dropped };
+    assert_same_curve(&train(layout, flags), &reference, "cp 2 thd with dropout");
 }

@@ -26,6 +26,12 @@ pub struct PrepareOptions {
     /// Pack several conversations into each bin (first-fit decreasing); `false`: one each,
     /// the rest of the bin padding (to compare the two).
     pub pack: bool,
+    /// Pad each document with tokens that count nothing (id 0, as a bin's tail) to a multiple
+    /// of this many positions, and pack them into `seq_length` positions so that every
+    /// document of a sample, the tail's padding too, is such a multiple (1: no padding).
+    /// `2·cp` lets context parallelism cut each document over its ranks
+    /// (`CpChunks::of_microbatch`).
+    pub pad_to_multiple_of: usize,
     /// Tokenizing threads.
     pub workers: usize,
 }
@@ -112,11 +118,28 @@ pub fn prepare(
         docs.extend(documents);
     }
     let capacity = options.seq_length + 1;
+    let multiple = options.pad_to_multiple_of.max(1);
+    // Padded documents fill at most the sequence's positions (the bin's last token, a target
+    // only, is then the tail's padding).
+    let room = match multiple {
+        1 => capacity,
+        m if options.seq_length.is_multiple_of(m) => options.seq_length,
+        m => bail!(
+            "--pad-to-multiple-of {m} does not divide --seq-length {}: the last document of a \
+             sequence would not be a multiple",
+            options.seq_length
+        ),
+    };
+    for d in &mut docs {
+        let padded = d.tokens.len().next_multiple_of(multiple);
+        d.tokens.resize(padded, 0);
+        d.counts.resize(padded, false);
+    }
     let lengths: Vec<usize> = docs.iter().map(|d| d.tokens.len()).collect();
     let name = |i: usize| format!("line {}", document_lines[i]);
     let packing = match options.pack {
-        true => first_fit_decreasing(&lengths, capacity, options.overlong, name),
-        false => one_per_bin(&lengths, capacity, options.overlong, name),
+        true => first_fit_decreasing(&lengths, room, options.overlong, name),
+        false => one_per_bin(&lengths, room, options.overlong, name),
     }
     .with_context(|| input.display().to_string())?;
     let dtype = DType::optimal(tokenizer.vocab_size());
@@ -128,7 +151,7 @@ pub fn prepare(
         let documents: Vec<PackedDocument> = bin
             .iter()
             .map(|&i| {
-                let n = docs[i].tokens.len().min(capacity);
+                let n = docs[i].tokens.len().min(room);
                 PackedDocument {
                     tokens: docs[i].tokens[..n].to_vec(),
                     counts: docs[i].counts[..n].to_vec(),

@@ -73,7 +73,7 @@ fn measured(kind: CpCommType, cp: usize, sizes: LayerSizes) -> Result<Traffic> {
         let sent = || groups.sent();
         let cx = Cx::new(&ps, 0);
         let chunks = CpChunks::new(seq, cp, ps.groups().cp_rank())?;
-        let x = Tensor::full([2 * chunks.chunk, 1, width], 0.25, DType::F32);
+        let x = Tensor::full([chunks.local(), 1, width], 0.25, DType::F32);
         let before = sent();
         let (y, saved) = op.forward_chunks(&cx, Site::ROOT, &x)?;
         let forward = sent() - before;

@@ -78,6 +78,11 @@ pub struct PreprocessArgs {
     /// false puts each in a sequence of its own, padded.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pack: bool,
+    /// With --chat: pad each conversation with tokens that count nothing to a multiple of N
+    /// positions (NeMo and Megatron-Bridge's pad_seq_to_mult; 2·cp lets context parallelism
+    /// cut every conversation over its ranks, Transformer Engine's thd).
+    #[arg(long, value_parser = values::batch, default_value_t = 1, value_name = "N")]
+    pad_to_multiple_of: usize,
 }
 
 /// One line's documents, one per key: the tokens and the lengths of their sequences.
@@ -171,6 +176,7 @@ pub fn run(args: &PreprocessArgs) -> Result<()> {
             add_generation_prompt: args.add_generation_prompt,
             overlong: args.overlong,
             pack: args.pack,
+            pad_to_multiple_of: args.pad_to_multiple_of,
             workers,
         };
         return super::preprocess_chat::run(
@@ -186,6 +192,7 @@ pub fn run(args: &PreprocessArgs) -> Result<()> {
         (args.add_generation_prompt, "--add-generation-prompt"),
         (args.overlong != Overlong::default(), "--overlong"),
         (!args.pack, "--pack"),
+        (args.pad_to_multiple_of != 1, "--pad-to-multiple-of"),
     ] {
         if given {
             bail!("{flag} does nothing without --chat: add --chat or drop {flag}");

@@ -5,7 +5,10 @@
 //! The layout is Megatron-LM's load balance for causal attention (`get_batch_on_this_cp_rank`):
 //! a sequence of `s` positions is cut into `2·cp` chunks of `s / (2·cp)`, and cp rank `r` holds
 //! chunks `r` and `2·cp − 1 − r`, one early and one late, so that every rank's queries see about
-//! as many keys. Positions (learned, rotary) are the global ones; the loss of a token is where
+//! as many keys. A microbatch of one packed sequence whose documents are attended apart and are
+//! each a multiple of `2·cp` long is cut document by document instead, as Transformer Engine's
+//! `thd` layout cuts packed sequences: rank `r` holds chunks `r` and `2·cp − 1 − r` of every
+//! document ([`CpChunks::of_microbatch`]). Positions (learned, rotary) are the global ones; the loss of a token is where
 //! its rank computes it, summed with the others' over the data×context-parallel group.
 //!
 //! Attention comes in Transformer Engine's four forms (`--cp-comm-type`, [`CpCommType`]), all
@@ -319,15 +322,19 @@ impl CpDropout {
     }
 }
 
-/// Where a context-parallel rank's positions lie: its two chunks of the sequence.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where a context-parallel rank's positions lie: its two chunks of the sequence, or with
+/// packed documents cut as Transformer Engine's `thd` layout cuts them, its two chunks of every
+/// document.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CpChunks {
     /// The context-parallel size.
     pub size: usize,
     /// This rank's index in the group.
     pub rank: usize,
-    /// Positions per chunk (`s / (2·cp)`).
-    pub chunk: usize,
+    /// Positions of the whole sequence.
+    seq: usize,
+    /// The documents each cut into `2·cp` chunks (`thd`); `None`: the whole sequence is.
+    documents: Option<Arc<Vec<Range<usize>>>>,
 }
 
 impl CpChunks {
@@ -344,7 +351,8 @@ impl CpChunks {
         Ok(CpChunks {
             size,
             rank,
-            chunk: seq / (2 * size),
+            seq,
+            documents: None,
         })
     }
 
@@ -353,26 +361,63 @@ impl CpChunks {
         CpChunks::new(local * size, size, rank)
     }
 
-    /// The whole sequence's positions.
-    pub fn seq(&self) -> usize {
-        2 * self.size * self.chunk
+    /// The chunks of a microbatch of `seq` positions with its packed `documents`: Transformer
+    /// Engine's `thd` cut (rank `r` holds chunks `r` and `2·cp − 1 − r` of every document, so
+    /// that each rank has its share of every document's causal work) where the documents are
+    /// attended apart, the microbatch is one sequence (as Megatron-LM's packed sequences are)
+    /// and every document's length is a multiple of `2·cp` (`megatron preprocess --chat
+    /// --pad-to-multiple-of`); else the whole sequence's two chunks.
+    pub fn of_microbatch(
+        seq: usize,
+        size: usize,
+        rank: usize,
+        documents: Option<&Documents>,
+    ) -> Result<CpChunks> {
+        let chunks = CpChunks::new(seq, size, rank)?;
+        let Some(docs) = documents.filter(|d| d.separates_attention() && d.batch() == 1) else {
+            return Ok(chunks);
+        };
+        let spans = docs.segments(0);
+        if docs.seq() != seq || spans.iter().any(|r| !r.len().is_multiple_of(2 * size)) {
+            return Ok(chunks);
+        }
+        Ok(CpChunks {
+            documents: Some(Arc::new(spans)),
+            ..chunks
+        })
     }
 
-    /// The global positions of this rank's two chunks, in local order.
-    pub fn ranges(&self) -> [Range<usize>; 2] {
+    /// Whether the documents are cut one by one (`thd`).
+    pub fn cuts_documents(&self) -> bool {
+        self.documents.is_some()
+    }
+
+    /// The whole sequence's positions.
+    pub fn seq(&self) -> usize {
+        self.seq
+    }
+
+    /// Positions each rank holds.
+    pub fn local(&self) -> usize {
+        self.seq / self.size
+    }
+
+    /// The global positions of this rank's chunks, in local order.
+    pub fn ranges(&self) -> Vec<Range<usize>> {
         self.ranges_of(self.rank)
     }
 
-    /// Where local rows `rows` (of the two chunks, in local order) lie in the sequence: one
-    /// run of global positions per chunk they touch.
+    /// Where local rows `rows` (of the chunks, in local order) lie in the sequence: one run of
+    /// global positions per chunk they touch.
     pub fn runs(&self, rows: Range<usize>) -> Vec<Range<usize>> {
-        let c = self.chunk;
+        let mut at = 0;
         self.ranges()
             .into_iter()
-            .enumerate()
-            .filter_map(|(k, global)| {
-                let (lo, hi) = (rows.start.max(k * c), rows.end.min((k + 1) * c));
-                (lo < hi).then(|| global.start + lo - k * c..global.start + hi - k * c)
+            .filter_map(|global| {
+                let local = at..at + global.len();
+                at = local.end;
+                let (lo, hi) = (rows.start.max(local.start), rows.end.min(local.end));
+                (lo < hi).then(|| global.start + lo - local.start..global.start + hi - local.start)
             })
             .collect()
     }
@@ -382,14 +427,22 @@ impl CpChunks {
         ranks.flat_map(|r| self.ranges_of(r)).collect()
     }
 
-    /// The global positions of rank `rank`'s two chunks.
-    fn ranges_of(&self, rank: usize) -> [Range<usize>; 2] {
-        let c = self.chunk;
+    /// The global positions of rank `rank`'s chunks: chunks `rank` and `2·cp − 1 − rank` of
+    /// the sequence, or of every document in turn.
+    fn ranges_of(&self, rank: usize) -> Vec<Range<usize>> {
         let late = 2 * self.size - 1 - rank;
-        [rank * c..(rank + 1) * c, late * c..(late + 1) * c]
+        let two = |whole: &Range<usize>| {
+            let c = whole.len() / (2 * self.size);
+            let at = |k: usize| whole.start + k * c..whole.start + (k + 1) * c;
+            [at(rank), at(late)]
+        };
+        match &self.documents {
+            None => two(&(0..self.seq)).to_vec(),
+            Some(docs) => docs.iter().flat_map(two).collect(),
+        }
     }
 
-    /// This rank's rows of `x` (`[s, ..]`, the whole sequence first): `[2·chunk, ..]`.
+    /// This rank's rows of `x` (`[s, ..]`, the whole sequence first): `[local, ..]`.
     pub fn take_local(&self, x: &Tensor) -> Result<Tensor> {
         if x.dims().first() != Some(&self.seq()) {
             return invalid!(
@@ -400,11 +453,13 @@ impl CpChunks {
             );
         }
         let mut dims = x.dims().to_vec();
-        dims[0] = 2 * self.chunk;
+        dims[0] = self.local();
         let out = Tensor::empty_near(dims, x.dtype(), x)?;
-        for (k, r) in self.ranges().into_iter().enumerate() {
-            out.narrow(0, k * self.chunk, self.chunk)?
-                .copy_from(&x.narrow(0, r.start, self.chunk)?)?;
+        let mut at = 0;
+        for r in self.ranges() {
+            out.narrow(0, at, r.len())?
+                .copy_from(&x.narrow(0, r.start, r.len())?)?;
+            at += r.len();
         }
         Ok(out)
     }
@@ -492,7 +547,7 @@ pub struct CpAttentionSaved {
 
 /// Where this rank's queries come from after the all-to-all: the cp ranks whose chunks it
 /// holds, its index in the all-to-all group, and the group's size.
-fn held(groups: &CpGroups, chunks: CpChunks) -> (Range<usize>, usize, usize) {
+fn held(groups: &CpGroups, chunks: &CpChunks) -> (Range<usize>, usize, usize) {
     let a = groups.a2a.as_ref().map_or(1, |c| c.size());
     let first = chunks.rank / a * a;
     (first..first + a, chunks.rank % a, a)
@@ -517,17 +572,17 @@ pub fn attention_forward(
     };
     let (local, batch, width) = (*local, *batch, *width);
     let parts = layer.groups * (layer.per_group + 2);
-    if local != 2 * chunks.chunk || parts == 0 || !width.is_multiple_of(parts) {
+    if local != chunks.local() || parts == 0 || !width.is_multiple_of(parts) {
         return invalid!(
-            "context-parallel attention: QKV of shape {} is not 2 chunks of {} positions × \
+            "context-parallel attention: QKV of shape {} is not the rank's {} positions × \
              {} groups × ({} queries + a key + a value)",
             qkv.shape(),
-            chunks.chunk,
+            chunks.local(),
             layer.groups,
             layer.per_group
         );
     }
-    let (ranks, inner, a) = held(groups, chunks);
+    let (ranks, inner, a) = held(groups, &chunks);
     if !layer.groups.is_multiple_of(a) {
         return invalid!(
             "--cp-comm-type {} trades heads over {a} ranks: {} query groups on this rank are not \
@@ -573,7 +628,7 @@ pub fn attention_forward(
         data: &q,
         chunks: &held,
     };
-    let sources = exchange::Keys::new(groups, chunks);
+    let sources = exchange::Keys::new(groups, chunks.clone());
     sources.forward(&blocks, queries, &kv, &mut online, qkv)?;
     let (out, lse) = blocks.finish(online);
     let mut y = exchange::heads_to_rows(&out, rows, &blocks);
@@ -628,7 +683,7 @@ pub fn attention_backward(
         lse,
         dtype,
     } = saved;
-    let (local, batch) = (2 * chunks.chunk, blocks.batch);
+    let (local, batch) = (chunks.local(), blocks.batch);
     let (d, heads) = (blocks.head_dim, blocks.heads());
     let a = groups.a2a.as_ref().map_or(1, |c| c.size());
     let all_heads = heads * a;
@@ -653,7 +708,7 @@ pub fn attention_backward(
         data: q,
         chunks: held,
     };
-    exchange::Keys::new(groups, *chunks).backward(
+    exchange::Keys::new(groups, chunks.clone()).backward(
         blocks,
         queries,
         kv,

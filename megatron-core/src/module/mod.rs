@@ -310,14 +310,16 @@ impl<'a> Cx<'a> {
     }
 
     /// With context parallelism, where this rank's `local` positions lie in the sequence (its
-    /// two chunks); `None` without it.
+    /// two chunks, or of every packed document: [`CpChunks::of_microbatch`]); `None` without
+    /// it.
     pub fn cp_chunks(&self, local: usize) -> Result<Option<CpChunks>> {
         match self.cp_size() {
             1 => Ok(None),
-            cp => Ok(Some(CpChunks::of_local(
-                local,
+            cp => Ok(Some(CpChunks::of_microbatch(
+                local * cp,
                 cp,
                 self.parallel.groups().cp_rank(),
+                self.documents,
             )?)),
         }
     }

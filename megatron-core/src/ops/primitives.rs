@@ -2,6 +2,8 @@
 //! `a + dropout(b, p)` fused), each a forward that returns what its backward needs and that
 //! backward.
 
+use std::ops::Range;
+
 use crate::backend::{self, DropoutMask};
 use crate::error::Result;
 use crate::invalid;
@@ -73,7 +75,65 @@ pub fn swiglu_backward(_cx: &Cx, _site: Site, saved: SwigluSaved, dy: &Tensor) -
 #[derive(Debug, Clone)]
 pub struct DropoutSaved {
     /// `None` when dropout was the identity (evaluation or p = 0).
-    mask: Option<DropoutMask>,
+    mask: Option<RowMasks>,
+}
+
+/// A tensor's dropout mask by runs of its rows (its first dimension): one run of all of them
+/// where their logical elements are one [`dk::LogicalIndex`], else a run per range of positions
+/// (a context-parallel rank's chunks of packed documents).
+#[derive(Debug, Clone)]
+struct RowMasks(Vec<(Range<usize>, DropoutMask)>);
+
+impl RowMasks {
+    /// The masks of `x`'s rows with probability `p` from `stream`, where they lie in the
+    /// logical tensor.
+    fn of(
+        cx: &Cx,
+        x: &Tensor,
+        sharding: Sharding,
+        p: f32,
+        stream: crate::rng::DropoutStream,
+    ) -> Result<RowMasks> {
+        let runs = logical_runs(cx, x, sharding)?;
+        Ok(RowMasks(
+            runs.into_iter()
+                .map(|(rows, index)| (rows, (p, stream, index)))
+                .collect(),
+        ))
+    }
+
+    /// `f` of each run of `xs`' rows (tensors of the same first dimension) with its mask,
+    /// written into one tensor; `f` itself on the whole tensors where one run covers them.
+    fn apply(
+        &self,
+        xs: &[&Tensor],
+        f: impl Fn(&[Tensor], &DropoutMask) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let rows = xs[0].dims().first().copied().unwrap_or(0);
+        if let [(whole, mask)] = self.0.as_slice()
+            && *whole == (0..rows)
+        {
+            let owned: Vec<Tensor> = xs.iter().map(|&x| x.clone()).collect();
+            return f(&owned, mask);
+        }
+        let mut out: Option<Tensor> = None;
+        for (run, mask) in &self.0 {
+            let parts = xs
+                .iter()
+                .map(|x| Ok(x.narrow(0, run.start, run.len())?.contiguous()?))
+                .collect::<Result<Vec<_>>>()?;
+            let y = f(&parts, mask)?;
+            let out = match &mut out {
+                Some(out) => out,
+                None => out.insert(Tensor::empty_near(xs[0].dims().to_vec(), y.dtype(), xs[0])?),
+            };
+            out.narrow(0, run.start, run.len())?.copy_from(&y)?;
+        }
+        match out {
+            Some(out) => Ok(out),
+            None => invalid!("dropout: a tensor of no rows"),
+        }
+    }
 }
 
 /// Where this rank's elements of `x` lie in the logical (unsharded) tensor. With sequence
@@ -81,11 +141,21 @@ pub struct DropoutSaved {
 /// sequence: the rank-th run of `x.numel()` elements of `[s, b, h]` (its first dimension split),
 /// so that the mask is drawn per global position. With context parallelism `x` (`[s, b, h]`)
 /// holds the rank's two chunks of the sequence: two runs of its elements, where the chunks lie.
-fn logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> Result<dk::LogicalIndex> {
+fn logical_runs(
+    cx: &Cx,
+    x: &Tensor,
+    sharding: Sharding,
+) -> Result<Vec<(Range<usize>, dk::LogicalIndex)>> {
+    let rows = x.dims().first().copied().unwrap_or(0);
     if cx.cp_size() > 1 {
-        return cp_logical_index(cx, x, sharding);
+        return cp_logical_runs(cx, x, sharding);
     }
-    Ok(match sharding {
+    Ok(vec![(0..rows, logical_index(cx, x, sharding))])
+}
+
+/// [`logical_runs`] without context parallelism: one index of all of `x`.
+fn logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> dk::LogicalIndex {
+    match sharding {
         Sharding::Replicated if cx.sequence_parallel() => {
             dk::LogicalIndex::range((x.numel() * cx.tp_rank()) as u64, x.numel())
         }
@@ -95,13 +165,17 @@ fn logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> Result<dk::LogicalI
             let rows = x.numel().checked_div(cols).unwrap_or(0);
             dk::LogicalIndex::columns(rows, cols, cols * cx.tp_size(), cols * cx.tp_rank())
         }
-    })
+    }
 }
 
-/// [`logical_index`] with context parallelism: this rank's rows (all of its two chunks, or with
+/// [`logical_runs`] with context parallelism: this rank's rows (all of its chunks, or with
 /// sequence parallelism its tensor-parallel shard of them) as one run of positions per chunk
-/// they touch.
-fn cp_logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> Result<dk::LogicalIndex> {
+/// they touch: one index where there are at most two runs of one length, else one per run.
+fn cp_logical_runs(
+    cx: &Cx,
+    x: &Tensor,
+    sharding: Sharding,
+) -> Result<Vec<(Range<usize>, dk::LogicalIndex)>> {
     if sharding != Sharding::Replicated {
         return invalid!(
             "dropout with context parallelism is built for the activations outside the \
@@ -116,22 +190,35 @@ fn cp_logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> Result<dk::Logic
         false => rows,
     };
     let runs = cx.position_runs(local)?;
-    match runs.as_slice() {
-        [a] => Ok(dk::LogicalIndex::range(
+    let whole = match runs.as_slice() {
+        [a] => Some(dk::LogicalIndex::range(
             (a.start * per_position) as u64,
             x.numel(),
         )),
-        [a, b] if a.len() == b.len() => Ok(dk::LogicalIndex {
+        [a, b] if a.len() == b.len() && a.start <= b.start => Some(dk::LogicalIndex {
             outer: 2,
             inner: a.len() * per_position,
             logical_stride: ((b.start - a.start) * per_position) as u64,
             logical_start: (a.start * per_position) as u64,
         }),
-        _ => invalid!(
-            "dropout with context parallelism: this rank's positions lie in runs {runs:?} of \
-             unequal lengths (sequence parallelism needs an even tensor-parallel size)"
-        ),
+        _ => None,
+    };
+    if let Some(index) = whole {
+        return Ok(vec![(0..rows, index)]);
     }
+    let mut at = 0;
+    Ok(runs
+        .into_iter()
+        .map(|run| {
+            let local = at..at + run.len();
+            at = local.end;
+            let index = dk::LogicalIndex::range(
+                (run.start * per_position) as u64,
+                run.len() * per_position,
+            );
+            (local, index)
+        })
+        .collect())
 }
 
 /// Dropout with drop probability `p` during training (identity in evaluation).
@@ -150,12 +237,11 @@ pub fn dropout(
         return Ok((x.clone(), DropoutSaved { mask: None }));
     }
     let x = x.to_f32_contiguous()?;
-    let stream = cx.dropout_stream(site);
-    let index = logical_index(cx, &x, sharding)?;
-    let mask = (p, stream, index);
-    let y = backend::of(&x).dropout(&x, &mask, DType::F32, false)?;
-    let mask = Some(mask);
-    Ok((y, DropoutSaved { mask }))
+    let masks = RowMasks::of(cx, &x, sharding, p, cx.dropout_stream(site))?;
+    let y = masks.apply(&[&x], |x, mask| {
+        backend::of(&x[0]).dropout(&x[0], mask, DType::F32, false)
+    })?;
+    Ok((y, DropoutSaved { mask: Some(masks) }))
 }
 
 /// Gradient of [`dropout`]: the same mask applied to `dy`.
@@ -166,11 +252,13 @@ pub fn dropout_backward(_cx: &Cx, _site: Site, saved: DropoutSaved, dy: &Tensor)
 /// [`dropout_backward`] written in `dtype` (f32, or on a GPU bf16: rounded once, as a
 /// conversion of the f32 gradient would round it).
 fn masked_gradient(saved: DropoutSaved, dy: &Tensor, dtype: DType) -> Result<Tensor> {
-    let Some(mask) = saved.mask else {
+    let Some(masks) = saved.mask else {
         return Ok(dy.clone());
     };
     let dy = dy.to_f32_contiguous()?;
-    backend::of(&dy).dropout(&dy, &mask, dtype, true)
+    masks.apply(&[&dy], |dy, mask| {
+        backend::of(&dy[0]).dropout(&dy[0], mask, dtype, true)
+    })
 }
 
 /// Dropout on a residual branch and the residual connection in one pass:
@@ -199,10 +287,11 @@ pub fn dropout_add(
         return Ok((add(residual, x)?, DropoutSaved { mask: None }));
     }
     let (residual, x) = (residual.to_f32_contiguous()?, x.to_f32_contiguous()?);
-    let mask = (p, cx.dropout_stream(site), logical_index(cx, &x, sharding)?);
-    let y = backend::of_any(&[&x, &residual]).dropout_add(&residual, &x, &mask)?;
-    let mask = Some(mask);
-    Ok((y, DropoutSaved { mask }))
+    let masks = RowMasks::of(cx, &x, sharding, p, cx.dropout_stream(site))?;
+    let y = masks.apply(&[&residual, &x], |t, mask| {
+        backend::of_any(&[&t[1], &t[0]]).dropout_add(&t[0], &t[1], mask)
+    })?;
+    Ok((y, DropoutSaved { mask: Some(masks) }))
 }
 
 /// Gradients of [`dropout_add`]: `(d_residual, d_x)`, `dy` itself and the mask applied to it.

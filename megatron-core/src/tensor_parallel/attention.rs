@@ -113,7 +113,7 @@ impl CausalSelfAttention {
             return Ok(None);
         }
         let runs = match chunks {
-            Some(chunks) => chunks.ranges().to_vec(),
+            Some(chunks) => chunks.ranges(),
             None => std::iter::once(0..seq).collect(),
         };
         let turned = map_runs(
@@ -133,7 +133,7 @@ impl CausalSelfAttention {
         Ok(Some(turned))
     }
 
-    /// [`Self::turned`] of a context-parallel rank's rows: each of its two chunks from its own
+    /// [`Self::turned`] of a context-parallel rank's rows: each of its chunks from its own
     /// position in the sequence.
     fn turned_chunks(
         &self,
@@ -146,16 +146,17 @@ impl CausalSelfAttention {
             return Ok(None);
         }
         let out = Tensor::empty_near(qkv.dims().to_vec(), qkv.dtype(), qkv)?;
-        let c = chunks.chunk;
-        for (k, r) in chunks.ranges().into_iter().enumerate() {
-            let part = qkv.narrow(0, k * c, c)?.contiguous()?;
+        let mut at = 0;
+        for r in chunks.ranges() {
+            let part = qkv.narrow(0, at, r.len())?.contiguous()?;
             let rows = GroupedHeads {
-                rows: g.rows / 2,
+                rows: g.rows * r.len() / chunks.local(),
                 ..g
             };
             if let Some(t) = self.turned(&part, rows, r.start, inverse)? {
-                out.narrow(0, k * c, c)?.copy_from(&t)?;
+                out.narrow(0, at, r.len())?.copy_from(&t)?;
             }
+            at += r.len();
         }
         Ok(Some(out))
     }

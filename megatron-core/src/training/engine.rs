@@ -477,12 +477,14 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
         let counted = batch.as_ref().map_or(0, Microbatch::counted);
         let (data, documents) = match batch {
             Some(batch) => {
-                // With context parallelism, this rank's two chunks of every sequence.
+                // With context parallelism, this rank's two chunks of every sequence (or of
+                // every packed document, as the layers cut them).
                 let chunks = match groups.config().cp {
                     1 => None,
                     cp => {
                         let seq = batch.tokens.dims().first().copied().unwrap_or(0);
-                        Some(CpChunks::new(seq, cp, groups.cp_rank())?)
+                        let docs = batch.documents.as_ref();
+                        Some(CpChunks::of_microbatch(seq, cp, groups.cp_rank(), docs)?)
                     }
                 };
                 let local = |t: Tensor| match &chunks {
