@@ -175,8 +175,8 @@ fn preprocess_chat(
 }
 
 /// `megatron data inspect PREFIX --docs RANGE --json`: each document's text and the text of its
-/// tokens that count, decoded with `tokenizer`.
-fn inspected(prefix: &str, range: &str, tokenizer: &Tokenizer) -> Vec<(String, String)> {
+/// tokens that count, decoded with `tokenizer`, and its length in tokens.
+fn inspected(prefix: &str, range: &str, tokenizer: &Tokenizer) -> Vec<(String, String, usize)> {
     let (ok, stdout, stderr) = megatron(&["data", "inspect", prefix, "--docs", range, "--json"]);
     assert!(ok, "{stderr}");
     stdout
@@ -198,9 +198,38 @@ fn inspected(prefix: &str, range: &str, tokenizer: &Tokenizer) -> Vec<(String, S
                 .map(|(t, _)| *t)
                 .collect();
             let text = tokenizer.decode(&ids).unwrap();
-            (text, tokenizer.decode(&counted).unwrap())
+            (text, tokenizer.decode(&counted).unwrap(), ids.len())
         })
         .collect()
+}
+
+/// The log lines of `megatron train` of a one-layer model of width 32 on `--seq-length
+/// seq`, a global batch of 4, with the tokenizer `tokenizer_json` and `extra` flags (the data
+/// among them), its log written to `log`.
+fn tiny_train(tokenizer_json: &str, seq: &str, log: &str, extra: &[&str]) -> Vec<Value> {
+    let mut args = vec![
+        "train",
+        "--tokenizer",
+        tokenizer_json,
+        "--split",
+        "100,0,0",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        seq,
+        "--global-batch-size",
+        "4",
+        "--log-json",
+        log,
+    ];
+    args.extend_from_slice(extra);
+    let (ok, _, stderr) = megatron(&args);
+    assert!(ok, "{stderr}");
+    support::log_lines(log)
 }
 
 #[test]
@@ -221,7 +250,7 @@ fn preprocess_packs_chats_whole_and_inspect_shows_what_counts() {
     let tokenizer = Tokenizer::from_file(tok.join("tokenizer.json")).unwrap();
     let docs = inspected(&prefix, "0..40", &tokenizer);
     assert_eq!(docs.len(), 40);
-    let mut answers: Vec<String> = docs.into_iter().map(|(_, counted)| counted).collect();
+    let mut answers: Vec<String> = docs.into_iter().map(|(_, counted, _)| counted).collect();
     answers.sort();
     answers.dedup();
     assert_eq!(
@@ -270,34 +299,9 @@ fn preprocess_packs_chats_whole_and_inspect_shows_what_counts() {
         ],
     ] {
         let log = dir.join("log.jsonl");
-        let mut args = vec![
-            "train",
-            "--tokenizer",
-            &tokenizer_json,
-            "--split",
-            "100,0,0",
-            "--num-layers",
-            "1",
-            "--hidden-size",
-            "32",
-            "--num-attention-heads",
-            "4",
-            "--seq-length",
-            "63",
-            "--micro-batch-size",
-            "2",
-            "--global-batch-size",
-            "4",
-            "--train-iters",
-            "3",
-            "--log-json",
-            &log,
-            "--data",
-        ];
+        let mut args = vec!["--micro-batch-size", "2", "--train-iters", "3", "--data"];
         args.extend(data.iter().map(String::as_str));
-        let (ok, _, stderr) = megatron(&args);
-        assert!(ok, "{stderr}");
-        let steps = support::log_lines(&log);
+        let steps = tiny_train(&tokenizer_json, "63", &log, &args);
         counted.push(steps[0]["counted_tokens"].as_u64().unwrap());
     }
     // Packed alone: only answers count; blended: the token data's targets too.
@@ -344,7 +348,7 @@ fn a_template_that_rewrites_earlier_turns_trains_each_turn_in_its_own_context() 
     let tokenizer = Tokenizer::from_file(tok.join("tokenizer.json")).unwrap();
     let mut shown = inspected(&prefix, "0..3", &tokenizer);
     shown.sort_by(|a, b| a.1.cmp(&b.1));
-    let answers: Vec<&str> = shown.iter().map(|(_, a)| a.as_str()).collect();
+    let answers: Vec<&str> = shown.iter().map(|(_, a, _)| a.as_str()).collect();
     assert_eq!(
         answers,
         [
@@ -376,19 +380,16 @@ fn conversations_padded_to_2cp_train_cut_over_context_parallel_ranks_as_on_one()
     assert!(ok, "{stderr}");
     let tokenizer = Tokenizer::from_file(tok.join("tokenizer.json")).unwrap();
     let docs = inspected(&prefix, "0..24", &tokenizer);
-    let (ok, stdout, stderr) = megatron(&["data", "inspect", &prefix, "--docs", "0..24", "--json"]);
-    assert!(ok, "{stderr}");
-    for line in stdout.lines() {
-        let d: Value = serde_json::from_str(line).unwrap();
-        assert_eq!(d["tokens"].as_array().unwrap().len() % 4, 0, "{line}");
+    for (text, _, tokens) in &docs {
+        assert_eq!(tokens % 4, 0, "{text:?}");
     }
     // Padding counts nothing: the answers are the unpadded run's.
     let (ok, _, stderr) = preprocess_chat(&input, &tok, &dir.join("plain"), "64", &[]);
     assert!(ok, "{stderr}");
-    let mut padded: Vec<String> = docs.into_iter().map(|(_, c)| c).collect();
+    let mut padded: Vec<String> = docs.into_iter().map(|(_, c, _)| c).collect();
     let mut plain: Vec<String> = inspected(&dir.join("plain"), "0..24", &tokenizer)
         .into_iter()
-        .map(|(_, c)| c)
+        .map(|(_, c, _)| c)
         .collect();
     padded.sort();
     plain.sort();
@@ -402,24 +403,9 @@ fn conversations_padded_to_2cp_train_cut_over_context_parallel_ranks_as_on_one()
     let tokenizer_json = tok.join("tokenizer.json").to_string_lossy().into_owned();
     let losses = |cp: &str| {
         let log = dir.join(&format!("cp{cp}.jsonl"));
-        let (ok, _, stderr) = megatron(&[
-            "train",
-            "--tokenizer",
-            &tokenizer_json,
-            "--split",
-            "100,0,0",
-            "--num-layers",
-            "1",
-            "--hidden-size",
-            "32",
-            "--num-attention-heads",
-            "4",
-            "--seq-length",
-            "64",
+        let extra = [
             "--micro-batch-size",
             "1",
-            "--global-batch-size",
-            "4",
             "--train-iters",
             "2",
             "--attention-dropout",
@@ -428,13 +414,10 @@ fn conversations_padded_to_2cp_train_cut_over_context_parallel_ranks_as_on_one()
             "0",
             "--cp",
             cp,
-            "--log-json",
-            &log,
             "--data",
             &prefix,
-        ]);
-        assert!(ok, "{stderr}");
-        support::log_lines(&log)
+        ];
+        tiny_train(&tokenizer_json, "64", &log, &extra)
             .iter()
             .map(|s| s["loss"].as_f64().unwrap())
             .collect::<Vec<f64>>()
