@@ -611,8 +611,8 @@ fn attention_dropout_with_documents_under_context_parallelism_draws_as_one_rank(
 fn context_parallel_ranks_cut_aligned_documents_one_by_one_as_one_rank_in_every_form() {
     // One packed sample a microbatch, its documents multiples of 2·cp long: each rank holds
     // chunks r and 2·cp − 1 − r of every document (Transformer Engine's thd), and every form
-    // gives cp 1's losses and gradient norms, with tensor and sequence parallelism too, and
-    // with attention dropout drawn per document.
+    // gives cp 1's losses and gradient norms, with tensor and sequence parallelism, with
+    // pipeline stages, and with attention dropout drawn per document.
     let flags = all_flags(true);
     let aligned = Layout {
         aligned: true,
@@ -639,6 +639,14 @@ fn context_parallel_ranks_cut_aligned_documents_one_by_one_as_one_rank_in_every_
         ..aligned
     };
     assert_same_curve(&train(layout, flags), &reference, "cp 2 tp 2 sp, thd");
+    // Pipeline stages cut each microbatch's documents as the first stage does.
+    let layout = Layout {
+        cp: 2,
+        pp: 2,
+        vpp: 2,
+        ..aligned
+    };
+    assert_same_curve(&train(layout, flags), &reference, "cp 2 pp 2 vpp 2, thd");
     let dropped = Layout {
         dropout: true,
         ..aligned
