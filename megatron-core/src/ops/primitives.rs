@@ -140,7 +140,8 @@ impl RowMasks {
 /// parallelism a value outside the tensor-parallel regions is this rank's shard of the
 /// sequence: the rank-th run of `x.numel()` elements of `[s, b, h]` (its first dimension split),
 /// so that the mask is drawn per global position. With context parallelism `x` (`[s, b, h]`)
-/// holds the rank's two chunks of the sequence: two runs of its elements, where the chunks lie.
+/// holds the rank's chunks: one index over two runs of its elements where the chunks lie, or
+/// with packed documents cut one by one a run of rows per chunk, each with its own index.
 fn logical_runs(
     cx: &Cx,
     x: &Tensor,
