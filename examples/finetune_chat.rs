@@ -122,7 +122,7 @@ fn main() -> R<()> {
 
     // Import, and prepare the conversations with the model's own chat template.
     let base = dir.join("base");
-    let config = hf_llama::import(&hf, &base)?;
+    let config = hf_llama::import(&hf, &base)?.config;
     println!(
         "imported {}: {} layers, hidden {}, {} heads in {} groups, vocabulary {}",
         hf.display(),

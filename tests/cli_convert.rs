@@ -415,5 +415,5 @@ fn the_index_decides_which_shard_holds_a_tensor_and_a_tensor_twice_is_refused() 
     let out = dir.join("twice-ckpt");
     let (ok, _, stderr) = megatron(&["convert", "--from", "hf", &hf, "--to", &out]);
     assert!(!ok);
-    assert!(stderr.contains("`wte.weight` is there twice"), "{stderr}");
+    assert!(stderr.contains("are both `wte.weight`"), "{stderr}");
 }

@@ -225,7 +225,9 @@ fn imported_gpt2_gives_the_reference_logits_and_exports_back() {
     let _ = std::fs::remove_dir_all(&dir);
     let weights = hf_weights();
     write_hf(&dir.join("hf"), &weights, hf_config());
-    let config = hf_gpt2::import(&dir.join("hf"), &dir.join("ckpt")).unwrap();
+    let config = hf_gpt2::import(&dir.join("hf"), &dir.join("ckpt"))
+        .unwrap()
+        .config;
     assert_eq!(
         (config.vocab_size, config.hidden_size, config.num_layers),
         (V, H, LAYERS)
@@ -253,7 +255,7 @@ fn imported_gpt2_gives_the_reference_logits_and_exports_back() {
         }
     }
     // Back to Hugging Face: the same tensors, bit for bit, and the config.
-    hf_gpt2::export(&dir.join("ckpt"), &dir.join("hf_out")).unwrap();
+    hf_gpt2::export(&dir.join("ckpt"), &dir.join("hf_out"), &Default::default()).unwrap();
     let bytes = std::fs::read(dir.join("hf_out/model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     for (name, (shape, values)) in &weights {

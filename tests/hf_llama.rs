@@ -88,7 +88,7 @@ fn imported_llama_mistral_and_qwen_give_transformers_logits_and_export_back() {
             serde_json::from_str(&std::fs::read_to_string(hf.join("reference.json")).unwrap())
                 .unwrap();
         let ckpt = dir.path().join(format!("{name}-ckpt"));
-        let config = hf_llama::import(&hf, &ckpt).unwrap();
+        let config = hf_llama::import(&hf, &ckpt).unwrap().config;
         let tokens: Vec<i64> = reference["tokens"]
             .as_array()
             .unwrap()
@@ -143,7 +143,9 @@ fn imported_llama_mistral_and_qwen_give_transformers_logits_and_export_back() {
         }
         // Back to Hugging Face: the same tensors, bit for bit, in one file.
         let out = dir.path().join(format!("{name}-hf"));
-        let (arch, _) = hf_llama::export(&ckpt, &out).unwrap();
+        let arch = hf_llama::export(&ckpt, &out, &Default::default())
+            .unwrap()
+            .arch;
         let config_in: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap())
                 .unwrap();

@@ -69,7 +69,7 @@ fn packed_documents_give_transformers_logits_and_masked_loss_for_each_alone() {
             serde_json::from_str(&std::fs::read_to_string(hf.join("packed.json")).unwrap())
                 .unwrap();
         let ckpt = dir.path().join(name);
-        let config = hf_llama::import(&hf, &ckpt).unwrap();
+        let config = hf_llama::import(&hf, &ckpt).unwrap().config;
         let docs: Vec<Vec<i64>> = golden["documents"]
             .as_array()
             .unwrap()

@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use super::output::say;
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use megatron::convert;
+use megatron::convert::{self, ExportOptions};
+use safetensors::Dtype;
 
 /// Arguments of `megatron convert`.
 #[derive(Debug, Args)]
@@ -25,6 +26,44 @@ pub struct ConvertArgs {
     #[arg(long, num_args = 1..=2, value_names = ["FORMAT", "PATH"], required = true,
           value_parser = clap::value_parser!(OsString))]
     to: Vec<OsString>,
+    /// The dtype an export writes its weights in: float32, bfloat16 or float16 (default: the
+    /// dtype of the model the checkpoint was imported from, else the checkpoint's own; values
+    /// rounded to nearest, ties to even, as `torch.Tensor.to` rounds).
+    #[arg(long, value_name = "DTYPE", value_parser = parse_dtype)]
+    dtype: Option<Dtype>,
+    /// The largest weight file an export writes, as transformers' `max_shard_size` (`50GB`,
+    /// `5GB`, `500MB`; powers of 1000): more are `model-0000N-of-0000M.safetensors` with their
+    /// index; a larger tensor has a file of its own.
+    #[arg(long, value_name = "SIZE", value_parser = parse_shard_size)]
+    max_shard_size: Option<u64>,
+}
+
+fn parse_dtype(text: &str) -> Result<Dtype, String> {
+    convert::dtype_of_name(text).ok_or_else(|| {
+        format!("`{text}` is not a dtype parameters are held in: float32, bfloat16 or float16")
+    })
+}
+
+fn parse_shard_size(text: &str) -> Result<u64, String> {
+    convert::stream::parse_size(text).map_err(|e| e.to_string())
+}
+
+/// `bytes` for people: `1.2 GB`, `340 MB`, `12 kB`.
+fn size(bytes: u64) -> String {
+    let b = bytes as f64;
+    match bytes {
+        0..1_000_000 => format!("{:.1} kB", b / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.1} MB", b / 1e6),
+        _ => format!("{:.2} GB", b / 1e9),
+    }
+}
+
+/// Says what the process held in memory at most, when the system says.
+fn say_peak() -> Result<()> {
+    if let Some(bytes) = convert::stream::peak_resident_bytes() {
+        say!("peak resident memory {}", size(bytes))?;
+    }
+    Ok(())
 }
 
 /// A side of a conversion.
@@ -56,35 +95,65 @@ fn side(values: &[OsString], flag: &str) -> Result<Side> {
 /// Runs `megatron convert`.
 pub fn run(args: &ConvertArgs) -> Result<()> {
     let (from, to) = (side(&args.from, "from")?, side(&args.to, "to")?);
+    let exporting = matches!(to, Side::Hf { .. });
+    if !exporting && (args.dtype.is_some() || args.max_shard_size.is_some()) {
+        bail!(
+            "--dtype and --max-shard-size shape an export (`--to hf DIR`); an import keeps each \
+             tensor's dtype in the checkpoint"
+        );
+    }
     match (from, to) {
         (Side::Hf { dir: hf, gpt2_only }, Side::Checkpoint(out)) => {
             let flag = if gpt2_only { "hf-gpt2" } else { "hf" };
-            let (arch, c) = convert::import_hf(&hf, &out, gpt2_only).with_context(|| {
+            let done = convert::import_hf(&hf, &out, gpt2_only).with_context(|| {
                 format!("--from {flag} {} --to {}", hf.display(), out.display())
             })?;
+            let c = &done.config;
             say!(
-                "converted {} ({arch}, {} layers, hidden {}, {} heads in {} groups, vocabulary {}) \
-                 into {}",
+                "converted {} ({}, {} layers, hidden {}, {} heads in {} groups, vocabulary {}) \
+                 into {}: {} of {} weights",
                 hf.display(),
+                done.arch,
                 c.num_layers,
                 c.hidden_size,
                 c.num_attention_heads,
                 c.query_groups(),
                 c.vocab_size,
-                out.display()
+                out.display(),
+                size(done.bytes),
+                convert::dtype_name(done.dtype),
             )?;
+            if !done.carried.is_empty() {
+                say!("carried for the export: {}", done.carried.join(", "))?;
+            }
+            say_peak()?;
         }
         (Side::Checkpoint(ckpt), Side::Hf { dir: hf, gpt2_only }) => {
             let flag = if gpt2_only { "hf-gpt2" } else { "hf" };
-            let (arch, c) = convert::export_hf(&ckpt, &hf, gpt2_only).with_context(|| {
+            let mut options = ExportOptions {
+                dtype: args.dtype,
+                ..ExportOptions::default()
+            };
+            if let Some(max) = args.max_shard_size {
+                options.max_shard_size = max;
+            }
+            let done = convert::export_hf(&ckpt, &hf, gpt2_only, &options).with_context(|| {
                 format!("--from {} --to {flag} {}", ckpt.display(), hf.display())
             })?;
+            let (arch, c) = (done.arch, &done.config);
             say!(
-                "wrote {} as a Hugging Face {arch} ({} layers, hidden {})",
+                "wrote {} as a Hugging Face {arch} ({} layers, hidden {}): {} of {} weights in {}",
                 hf.display(),
                 c.num_layers,
-                c.hidden_size
+                c.hidden_size,
+                size(done.bytes),
+                convert::dtype_name(done.dtype),
+                done.weight_files.join(", ")
             )?;
+            if !done.carried.is_empty() {
+                say!("with {}", done.carried.join(", "))?;
+            }
+            say_peak()?;
             if c.hidden_dropout > 0.0 && arch != "GPT2LMHeadModel" {
                 say!(
                     "note: {arch} has no hidden dropout: the model's --hidden-dropout {} is not \

@@ -10,18 +10,18 @@
 //! GPT-2 cannot hold exactly (a Llama-family flag, grouped-query attention, other head sizes) is
 //! refused by name on export ([`super::architecture`]).
 
-use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 use megatron_core::checkpoint::{self, Whole};
 use megatron_models::GptConfig;
-use safetensors::SafeTensors;
-use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{Value, json};
 
 use super::hf_config::{Bound, HfConfig};
+use super::hf_files::HfWeights;
+use super::stream::{OutTensor, SafetensorsFile, TensorRef};
+use super::{Converted, ExportOptions, float};
 
 /// The architecture a GPT-2 `config.json` describes, every field within the command line's
 /// bounds and named when refused.
@@ -87,11 +87,11 @@ pub fn config_to_hf(c: &GptConfig, eod: Option<u32>) -> Value {
         "n_head": c.num_attention_heads,
         "n_inner": c.ffn_hidden_size,
         "activation_function": "gelu_new",
-        "layer_norm_epsilon": c.layernorm_epsilon,
-        "resid_pdrop": c.hidden_dropout,
-        "embd_pdrop": c.hidden_dropout,
-        "attn_pdrop": c.attention_dropout,
-        "initializer_range": c.init_method_std,
+        "layer_norm_epsilon": float(c.layernorm_epsilon),
+        "resid_pdrop": float(c.hidden_dropout),
+        "embd_pdrop": float(c.hidden_dropout),
+        "attn_pdrop": float(c.attention_dropout),
+        "initializer_range": float(c.init_method_std),
         "tie_word_embeddings": !c.untie_embeddings_and_output_weights,
         "scale_attn_weights": true,
         "bos_token_id": eod,
@@ -137,60 +137,6 @@ fn permute_qkv(t: &Whole, hidden: usize, heads: usize, to_ours: bool) -> Whole {
     }
 }
 
-/// Every tensor of a safetensors file as f32 (from F32, F16 or BF16), by name with GPT-2's
-/// `transformer.` prefix taken off; a tensor present under both names is refused.
-pub(crate) fn read_safetensors(path: &Path) -> Result<HashMap<String, Whole>> {
-    let bytes = fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    let st = SafeTensors::deserialize(&bytes)
-        .with_context(|| format!("{}: not a safetensors file", path.display()))?;
-    let mut out = HashMap::new();
-    for (name, view) in st.tensors() {
-        let whole = to_whole(path, &name, &view)?;
-        // `transformer.` is the prefix of GPT2LMHeadModel's weights; GPT2Model's have none.
-        let ours = name
-            .strip_prefix("transformer.")
-            .unwrap_or(&name)
-            .to_string();
-        if out.insert(ours.clone(), whole).is_some() {
-            bail!(
-                "{}: `{ours}` is there twice (with and without the `transformer.` prefix): \
-                 which one is the model's is not known",
-                path.display()
-            );
-        }
-    }
-    Ok(out)
-}
-
-/// A tensor of a safetensors file as f32.
-pub(crate) fn to_whole(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Whole> {
-    let data: Vec<f32> = match view.dtype() {
-        Dtype::F32 => view
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::F16 => view
-            .data()
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => view
-            .data()
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        other => bail!(
-            "{}: `{name}` is {other:?}; expected F32, F16 or BF16",
-            path.display()
-        ),
-    };
-    Ok(Whole {
-        shape: view.shape().to_vec(),
-        data,
-    })
-}
-
 /// Refuses to write a conversion into `dir` when it already holds files (a save directory's
 /// checkpoints, or another model): a conversion never overwrites.
 pub fn refuse_existing(dir: &Path) -> Result<()> {
@@ -210,187 +156,219 @@ pub fn refuse_existing(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// `src` rearranged by `f` (a transposition, the QKV rows' reordering) when it is written,
+/// named `name`, of shape `shape`.
+fn rearranged<'a>(
+    name: String,
+    src: TensorRef<'a>,
+    shape: Vec<usize>,
+    f: impl Fn(Whole) -> Whole + 'a,
+) -> OutTensor<'a> {
+    OutTensor::computed(name, src.dtype(), shape, move || {
+        let t = Whole {
+            shape: src.shape().to_vec(),
+            data: src.read_all()?,
+        };
+        Ok(f(t).data)
+    })
+}
+
+/// `src` (`[rows, cols]`) transposed.
+fn transposed<'a>(name: String, src: TensorRef<'a>) -> OutTensor<'a> {
+    let shape = src.shape().iter().rev().copied().collect();
+    rearranged(name, src, shape, |t| transpose(&t))
+}
+
 /// Converts a Hugging Face GPT-2 directory into a megatron-rs checkpoint (iteration 0, no
-/// optimizer state) in the save directory `out`, which must be new or empty; the directory's
-/// `tokenizer.json`, when it has one, goes into the checkpoint. Returns the architecture.
-pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
+/// optimizer state) in the save directory `out`, which must be new or empty, tensor by tensor
+/// in their own dtype; the directory's `tokenizer.json`, when it has one, goes into the
+/// checkpoint with the files an export writes back.
+pub fn import(hf_dir: &Path, out: &Path) -> Result<Converted> {
     refuse_existing(out)?;
     let config = super::read_hf_config(hf_dir)?;
     let c = config_from_hf(&config)?;
-    let weights = hf_dir.join("model.safetensors");
-    if !weights.exists() && hf_dir.join("pytorch_model.bin").exists() {
-        bail!(
-            "{}: only model.safetensors is read; save the model with safe_serialization=True",
-            hf_dir.display()
-        );
-    }
-    let mut hf = read_safetensors(&weights)?;
-    // The causal-mask buffers of older checkpoints are not weights.
-    hf.retain(|name, _| !(name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")));
-    let head = hf.remove("lm_head.weight");
-    let mut take = |name: &str, shape: &[usize]| -> Result<Whole> {
-        let t = hf
-            .remove(name)
-            .with_context(|| format!("{}: no tensor `{name}`", weights.display()))?;
-        if t.shape != shape {
-            bail!(
-                "{}: `{name}` has shape {:?}, the config implies {shape:?}",
-                weights.display(),
-                t.shape
-            );
-        }
-        Ok(t)
-    };
+    let arch = HfConfig::new(&config)?.architecture()?;
+    // `transformer.` is the prefix of GPT2LMHeadModel's weights; GPT2Model's have none. The
+    // causal-mask buffers of older checkpoints are not weights.
+    let hf = HfWeights::open(hf_dir, |name| {
+        let ours = name.strip_prefix("transformer.").unwrap_or(name);
+        (!(ours.ends_with(".attn.bias") || ours.ends_with(".attn.masked_bias")))
+            .then(|| ours.to_string())
+    })?;
+    let take = |name: &str, shape: &[usize]| hf.take(name, shape);
     let (h, f, heads) = (c.hidden_size, c.ffn_hidden_size, c.num_attention_heads);
-    let mut model = BTreeMap::new();
-    model.insert(
-        "wte.weight".to_string(),
-        take("wte.weight", &[c.vocab_size, h])?,
-    );
-    model.insert(
-        "wpe.weight".to_string(),
-        take("wpe.weight", &[c.max_position_embeddings, h])?,
-    );
+    let embed = take("wte.weight", &[c.vocab_size, h])?;
+    let mut model = vec![
+        OutTensor::copy("wte.weight", embed),
+        OutTensor::copy(
+            "wpe.weight",
+            take("wpe.weight", &[c.max_position_embeddings, h])?,
+        ),
+    ];
     for i in 0..c.num_layers {
         let hf_name = |s: &str| format!("h.{i}.{s}");
         let ours = |s: &str| format!("blocks.{i}.{s}");
         for (hf_ln, our_ln) in [("ln_1", "ln1"), ("ln_2", "ln2")] {
-            model.insert(
-                ours(&format!("{our_ln}.weight")),
-                take(&hf_name(&format!("{hf_ln}.weight")), &[h])?,
-            );
-            model.insert(
-                ours(&format!("{our_ln}.bias")),
-                take(&hf_name(&format!("{hf_ln}.bias")), &[h])?,
-            );
+            for p in ["weight", "bias"] {
+                model.push(OutTensor::copy(
+                    ours(&format!("{our_ln}.{p}")),
+                    take(&hf_name(&format!("{hf_ln}.{p}")), &[h])?,
+                ));
+            }
         }
-        let qkv = transpose(&take(&hf_name("attn.c_attn.weight"), &[h, 3 * h])?);
-        model.insert(ours("attn.qkv.weight"), permute_qkv(&qkv, h, heads, true));
-        model.insert(
+        model.push(rearranged(
+            ours("attn.qkv.weight"),
+            take(&hf_name("attn.c_attn.weight"), &[h, 3 * h])?,
+            vec![3 * h, h],
+            move |t| permute_qkv(&transpose(&t), h, heads, true),
+        ));
+        model.push(rearranged(
             ours("attn.qkv.bias"),
-            permute_qkv(
-                &take(&hf_name("attn.c_attn.bias"), &[3 * h])?,
-                h,
-                heads,
-                true,
-            ),
-        );
-        model.insert(
+            take(&hf_name("attn.c_attn.bias"), &[3 * h])?,
+            vec![3 * h],
+            move |t| permute_qkv(&t, h, heads, true),
+        ));
+        model.push(transposed(
             ours("attn.proj.weight"),
-            transpose(&take(&hf_name("attn.c_proj.weight"), &[h, h])?),
-        );
-        model.insert(
+            take(&hf_name("attn.c_proj.weight"), &[h, h])?,
+        ));
+        model.push(OutTensor::copy(
             ours("attn.proj.bias"),
             take(&hf_name("attn.c_proj.bias"), &[h])?,
-        );
-        model.insert(
+        ));
+        model.push(transposed(
             ours("mlp.fc1.weight"),
-            transpose(&take(&hf_name("mlp.c_fc.weight"), &[h, f])?),
-        );
-        model.insert(ours("mlp.fc1.bias"), take(&hf_name("mlp.c_fc.bias"), &[f])?);
-        model.insert(
+            take(&hf_name("mlp.c_fc.weight"), &[h, f])?,
+        ));
+        model.push(OutTensor::copy(
+            ours("mlp.fc1.bias"),
+            take(&hf_name("mlp.c_fc.bias"), &[f])?,
+        ));
+        model.push(transposed(
             ours("mlp.fc2.weight"),
-            transpose(&take(&hf_name("mlp.c_proj.weight"), &[f, h])?),
-        );
-        model.insert(
+            take(&hf_name("mlp.c_proj.weight"), &[f, h])?,
+        ));
+        model.push(OutTensor::copy(
             ours("mlp.fc2.bias"),
             take(&hf_name("mlp.c_proj.bias"), &[h])?,
-        );
+        ));
     }
-    model.insert("ln_f.weight".to_string(), take("ln_f.weight", &[h])?);
-    model.insert("ln_f.bias".to_string(), take("ln_f.bias", &[h])?);
+    model.push(OutTensor::copy("ln_f.weight", take("ln_f.weight", &[h])?));
+    model.push(OutTensor::copy("ln_f.bias", take("ln_f.bias", &[h])?));
+    let head = hf.get("lm_head.weight");
     match (c.untie_embeddings_and_output_weights, head) {
-        (true, Some(head)) if head.shape == [c.vocab_size, h] => {
-            model.insert("wte.output_weight".to_string(), head);
-        }
-        (true, Some(head)) => bail!(
-            "{}: `lm_head.weight` has shape {:?}, the config implies [{}, {h}]",
-            weights.display(),
-            head.shape,
-            c.vocab_size
-        ),
+        (true, Some(_)) => model.push(OutTensor::copy(
+            "wte.output_weight",
+            take("lm_head.weight", &[c.vocab_size, h])?,
+        )),
         (true, None) => bail!(
             "{}: no tensor `lm_head.weight` (the config does not tie it to the embedding)",
-            weights.display()
+            hf_dir.display()
         ),
-        (false, Some(head)) if head.data != model["wte.weight"].data => bail!(
+        (false, Some(head)) if !head.same_values(&embed)? => bail!(
             "{}: `lm_head.weight` differs from `wte.weight`, but the config ties them",
-            weights.display()
+            hf_dir.display()
         ),
-        (false, _) => {}
+        (false, Some(_)) => {
+            take("lm_head.weight", &[c.vocab_size, h])?;
+        }
+        (false, None) => {}
     }
-    if let Some(extra) = hf.keys().next() {
-        bail!("{}: unexpected tensor `{extra}`", weights.display());
-    }
-    super::save_imported(hf_dir, out, &c, &model, "hf-gpt2")?;
-    Ok(c)
+    hf.refuse_untaken()?;
+    super::save_imported(hf_dir, out, &c, &model, arch)
 }
 
 /// Writes the checkpoint `ckpt` as a Hugging Face GPT-2 directory `hf_dir`, new or empty
-/// (`config.json`, `model.safetensors` with `transformer.`-prefixed names, the head tied; and
-/// the checkpoint's `tokenizer.json` when it has one, whose end-of-text id becomes the
-/// config's `bos_token_id` and `eos_token_id`).
-pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<GptConfig> {
+/// (`config.json`, the weights with `transformer.`-prefixed names, the head tied unless
+/// untied; and the checkpoint's `tokenizer.json` when it has one, whose end-of-text id becomes
+/// the config's `bos_token_id` and `eos_token_id` when no imported config is carried).
+pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Converted> {
     refuse_existing(hf_dir)?;
     let loaded = checkpoint::open(ckpt)?;
     let tokenizer = super::checkpoint_tokenizer(ckpt, loaded.dir())?;
     let c: GptConfig = serde_json::from_value(loaded.meta().model.clone())
         .with_context(|| format!("{}: the model config", loaded.dir().display()))?;
     super::architecture::require_gpt2(&c).with_context(|| format!("{}", loaded.dir().display()))?;
+    let eod = super::eod_id(tokenizer.as_ref(), c.vocab_size);
+    let carried = super::hf_files::carried_in(ckpt)?;
+    let original = super::hf_files::carried_config(&carried)?;
+    let before = original
+        .as_ref()
+        .and_then(|o| Some(config_to_hf(&config_from_hf(o).ok()?, eod)));
     let (h, heads) = (c.hidden_size, c.num_attention_heads);
-    let get = |name: &str| loaded.model_tensor(name).map_err(anyhow::Error::from);
-    let mut hf: BTreeMap<String, Whole> = BTreeMap::new();
-    hf.insert("wte.weight".into(), get("wte.weight")?);
-    hf.insert("wpe.weight".into(), get("wpe.weight")?);
+    let src = SafetensorsFile::open(&loaded.dir().join(checkpoint::MODEL_FILE))?;
+    let get = |name: &str| {
+        src.tensor(name)
+            .with_context(|| format!("{}: no tensor `{name}`", loaded.dir().display()))
+    };
+    let t = |s: &str| format!("transformer.{s}");
+    let mut hf = vec![
+        OutTensor::copy(t("wte.weight"), get("wte.weight")?),
+        OutTensor::copy(t("wpe.weight"), get("wpe.weight")?),
+    ];
     for i in 0..c.num_layers {
         let ours = |s: &str| format!("blocks.{i}.{s}");
-        let hf_name = |s: &str| format!("h.{i}.{s}");
+        let hf_name = |s: &str| format!("transformer.h.{i}.{s}");
         for (hf_ln, our_ln) in [("ln_1", "ln1"), ("ln_2", "ln2")] {
-            hf.insert(
-                hf_name(&format!("{hf_ln}.weight")),
-                get(&ours(&format!("{our_ln}.weight")))?,
-            );
-            hf.insert(
-                hf_name(&format!("{hf_ln}.bias")),
-                get(&ours(&format!("{our_ln}.bias")))?,
-            );
+            for p in ["weight", "bias"] {
+                hf.push(OutTensor::copy(
+                    hf_name(&format!("{hf_ln}.{p}")),
+                    get(&ours(&format!("{our_ln}.{p}")))?,
+                ));
+            }
         }
-        let qkv = permute_qkv(&get(&ours("attn.qkv.weight"))?, h, heads, false);
-        hf.insert(hf_name("attn.c_attn.weight"), transpose(&qkv));
-        hf.insert(
+        hf.push(rearranged(
+            hf_name("attn.c_attn.weight"),
+            get(&ours("attn.qkv.weight"))?,
+            vec![h, 3 * h],
+            move |t| transpose(&permute_qkv(&t, h, heads, false)),
+        ));
+        hf.push(rearranged(
             hf_name("attn.c_attn.bias"),
-            permute_qkv(&get(&ours("attn.qkv.bias"))?, h, heads, false),
-        );
-        hf.insert(
+            get(&ours("attn.qkv.bias"))?,
+            vec![3 * h],
+            move |t| permute_qkv(&t, h, heads, false),
+        ));
+        hf.push(transposed(
             hf_name("attn.c_proj.weight"),
-            transpose(&get(&ours("attn.proj.weight"))?),
-        );
-        hf.insert(hf_name("attn.c_proj.bias"), get(&ours("attn.proj.bias"))?);
-        hf.insert(
+            get(&ours("attn.proj.weight"))?,
+        ));
+        hf.push(OutTensor::copy(
+            hf_name("attn.c_proj.bias"),
+            get(&ours("attn.proj.bias"))?,
+        ));
+        hf.push(transposed(
             hf_name("mlp.c_fc.weight"),
-            transpose(&get(&ours("mlp.fc1.weight"))?),
-        );
-        hf.insert(hf_name("mlp.c_fc.bias"), get(&ours("mlp.fc1.bias"))?);
-        hf.insert(
+            get(&ours("mlp.fc1.weight"))?,
+        ));
+        hf.push(OutTensor::copy(
+            hf_name("mlp.c_fc.bias"),
+            get(&ours("mlp.fc1.bias"))?,
+        ));
+        hf.push(transposed(
             hf_name("mlp.c_proj.weight"),
-            transpose(&get(&ours("mlp.fc2.weight"))?),
-        );
-        hf.insert(hf_name("mlp.c_proj.bias"), get(&ours("mlp.fc2.bias"))?);
+            get(&ours("mlp.fc2.weight"))?,
+        ));
+        hf.push(OutTensor::copy(
+            hf_name("mlp.c_proj.bias"),
+            get(&ours("mlp.fc2.bias"))?,
+        ));
     }
-    hf.insert("ln_f.weight".into(), get("ln_f.weight")?);
-    hf.insert("ln_f.bias".into(), get("ln_f.bias")?);
-    let head = match c.untie_embeddings_and_output_weights {
-        true => Some(get("wte.output_weight")?),
-        false => None,
-    };
-    super::write_hf(
-        hf_dir,
-        hf.iter()
-            .map(|(name, t)| (format!("transformer.{name}"), t))
-            .chain(head.iter().map(|t| ("lm_head.weight".to_string(), t))),
-        tokenizer.as_ref(),
-        c.vocab_size,
-        |eod| config_to_hf(&c, eod),
-    )?;
-    Ok(c)
+    hf.push(OutTensor::copy(t("ln_f.weight"), get("ln_f.weight")?));
+    hf.push(OutTensor::copy(t("ln_f.bias"), get("ln_f.bias")?));
+    if c.untie_embeddings_and_output_weights {
+        hf.push(OutTensor::copy("lm_head.weight", get("wte.output_weight")?));
+    }
+    let dtype = super::export_dtype(options, original.as_ref(), &hf);
+    let config = super::export_config(original.as_ref(), config_to_hf(&c, eod), before, dtype);
+    let (bytes, weight_files, carried) =
+        super::write_export(hf_dir, &loaded, hf, &config, dtype, options, &carried)?;
+    Ok(Converted {
+        arch: "GPT2LMHeadModel",
+        config: c,
+        dtype,
+        bytes,
+        weight_files,
+        carried,
+    })
 }

@@ -17,19 +17,20 @@
 //! ([`super::hf_config`]), and a checkpoint is written as the family member that holds it
 //! exactly ([`super::architecture`]).
 
-use std::collections::{BTreeMap, HashMap};
-use std::fs;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
-use megatron_core::checkpoint::{self, Whole};
+use megatron_core::checkpoint;
 use megatron_core::moe::RouterConfig;
 use megatron_core::tensor_parallel::{Llama3Scaling, Rotary};
 use megatron_models::{GptConfig, MoeConfig, MoeLayerFreq};
 use serde_json::{Value, json};
 
 use super::hf_config::{self, Bound, HfConfig};
-use super::hf_gpt2::{read_safetensors, refuse_existing, to_whole};
+use super::hf_files::{self, HfWeights};
+use super::hf_gpt2::refuse_existing;
+use super::stream::{OutTensor, SafetensorsFile, Slice, TensorRef};
+use super::{Converted, ExportOptions, float};
 
 /// The architectures read here.
 pub const ARCHITECTURES: [&str; 6] = [
@@ -402,24 +403,24 @@ pub fn config_to_hf(c: &GptConfig, arch: &str, eod: Option<u32>) -> Value {
         "head_dim": c.head_dim(),
         "hidden_act": "silu",
         "max_position_embeddings": c.max_position_embeddings,
-        "rms_norm_eps": c.layernorm_epsilon,
-        "rope_theta": c.rotary.base,
+        "rms_norm_eps": float(c.layernorm_epsilon),
+        "rope_theta": float(c.rotary.base),
         "tie_word_embeddings": !c.untie_embeddings_and_output_weights,
         "attention_bias": false,
-        "attention_dropout": c.attention_dropout,
-        "initializer_range": c.init_method_std,
+        "attention_dropout": float(c.attention_dropout),
+        "initializer_range": float(c.init_method_std),
         "bos_token_id": eod,
         "eos_token_id": eod,
     });
     if c.rotary.percent != 1.0 {
-        v["partial_rotary_factor"] = json!(c.rotary.percent);
+        v["partial_rotary_factor"] = float(c.rotary.percent);
     }
     if let Some(s) = &c.rotary.scaling {
         v["rope_scaling"] = json!({
             "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
+            "factor": float(s.factor),
+            "low_freq_factor": float(s.low_freq_factor),
+            "high_freq_factor": float(s.high_freq_factor),
             "original_max_position_embeddings": s.original_max_position_embeddings,
         });
     }
@@ -448,7 +449,7 @@ pub fn config_to_hf(c: &GptConfig, arch: &str, eod: Option<u32>) -> Value {
         v["num_local_experts"] = json!(moe.router.num_experts);
         v["num_experts"] = json!(moe.router.num_experts);
         v["num_experts_per_tok"] = json!(moe.router.topk);
-        v["router_aux_loss_coef"] = json!(moe.router.aux_loss_coeff);
+        v["router_aux_loss_coef"] = float(moe.router.aux_loss_coeff);
         if model_type == "mixtral" {
             v["intermediate_size"] = json!(moe.ffn_hidden_size);
         } else {
@@ -469,275 +470,185 @@ pub fn config_to_hf(c: &GptConfig, arch: &str, eod: Option<u32>) -> Value {
     v
 }
 
-/// Every tensor of a Hugging Face directory: `model.safetensors`, or the shards that
-/// `model.safetensors.index.json` names, each tensor read from the shard the index gives it
-/// (a copy in another shard is not the model's, as transformers loads it).
-fn read_weights(dir: &Path) -> Result<HashMap<String, Whole>> {
-    let index = dir.join("model.safetensors.index.json");
-    if !index.is_file() {
-        return read_safetensors(&dir.join("model.safetensors"));
-    }
-    let text =
-        fs::read_to_string(&index).with_context(|| format!("reading {}", index.display()))?;
-    let map: Value =
-        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", index.display()))?;
-    let Some(weight_map) = map["weight_map"].as_object() else {
-        bail!("{}: no `weight_map`", index.display());
-    };
-    let mut by_shard: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for (name, shard) in weight_map {
-        let Some(shard) = shard.as_str() else {
-            bail!(
-                "{}: `{name}`'s shard is {shard}, not a file name",
-                index.display()
-            );
-        };
-        if shard.contains('/') || shard.contains('\\') || shard.contains("..") {
-            bail!(
-                "{}: shard `{shard}` is not a file of the directory",
-                index.display()
-            );
-        }
-        by_shard.entry(shard).or_default().push(name);
-    }
-    let mut out = HashMap::new();
-    for (shard, names) in by_shard {
-        let path = dir.join(shard);
-        let bytes = fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-        let st = safetensors::SafeTensors::deserialize(&bytes)
-            .with_context(|| format!("{}: not a safetensors file", path.display()))?;
-        for name in names {
-            let view = st.tensor(name).map_err(|_| {
-                anyhow::anyhow!(
-                    "{}: `{name}` is not in {shard}, where the index puts it",
-                    index.display()
-                )
-            })?;
-            out.insert(name.to_string(), to_whole(&path, name, &view)?);
-        }
-    }
-    Ok(out)
-}
-
-/// Rows `rows` of `t` (`[rows.., cols]`), in order.
-fn rows_of(t: &Whole, rows: std::ops::Range<usize>) -> Vec<f32> {
-    let cols: usize = t.shape[1..].iter().product();
-    t.data[rows.start * cols..rows.end * cols].to_vec()
-}
-
-/// The fused QKV laid out per query group from separate q, k, v (weights or biases).
-fn fuse_qkv(q: &Whole, k: &Whole, v: &Whole, groups: usize, d: usize) -> Whole {
-    let per_group = q.shape[0] / d / groups;
-    let mut data = Vec::with_capacity(q.data.len() + k.data.len() + v.data.len());
-    for g in 0..groups {
-        data.extend(rows_of(q, g * per_group * d..(g + 1) * per_group * d));
-        data.extend(rows_of(k, g * d..(g + 1) * d));
-        data.extend(rows_of(v, g * d..(g + 1) * d));
-    }
-    let mut shape = q.shape.clone();
-    shape[0] = q.shape[0] + k.shape[0] + v.shape[0];
-    Whole { shape, data }
-}
-
-/// q, k, v from the fused per-group layout (the inverse of [`fuse_qkv`]).
-fn split_qkv(t: &Whole, heads: usize, groups: usize, d: usize) -> [Whole; 3] {
-    let per_group = heads / groups;
-    let cols: usize = t.shape[1..].iter().product();
-    let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
-    for g in 0..groups {
-        let base = g * (per_group + 2) * d;
-        q.extend(rows_of(t, base..base + per_group * d));
-        k.extend(rows_of(t, base + per_group * d..base + (per_group + 1) * d));
-        v.extend(rows_of(
-            t,
-            base + (per_group + 1) * d..base + (per_group + 2) * d,
-        ));
-    }
-    let shaped = |data: Vec<f32>| {
-        let mut shape = t.shape.clone();
-        shape[0] = data.len() / cols.max(1);
-        Whole { shape, data }
-    };
-    [shaped(q), shaped(k), shaped(v)]
-}
-
-/// `[a; b]` along the rows.
-fn stack(a: &Whole, b: &Whole) -> Whole {
-    let mut shape = a.shape.clone();
-    shape[0] += b.shape[0];
-    Whole {
-        shape,
-        data: [a.data.as_slice(), b.data.as_slice()].concat(),
-    }
-}
-
-/// The experts' matrices stacked into one `[experts, ..]` tensor.
-fn stack_experts(each: &[Whole]) -> Whole {
-    let mut shape = vec![each.len()];
-    shape.extend(each.first().map_or(&[][..], |t| &t.shape[..]));
-    Whole {
-        shape,
-        data: each.iter().flat_map(|t| t.data.iter().copied()).collect(),
-    }
-}
-
-/// Each expert's matrix of a stacked `[experts, ..]` tensor (the inverse of
-/// [`stack_experts`]).
-fn unstack_experts(t: &Whole) -> Vec<Whole> {
-    let experts = t.shape.first().copied().unwrap_or(0);
-    let each: usize = t.shape[1..].iter().product();
-    (0..experts)
-        .map(|x| Whole {
-            shape: t.shape[1..].to_vec(),
-            data: t.data[x * each..(x + 1) * each].to_vec(),
+/// The fused QKV laid out per query group from separate q, k, v (weights or biases): each
+/// group's queries, then its key and its value.
+fn fuse_qkv<'a>(
+    q: TensorRef<'a>,
+    k: TensorRef<'a>,
+    v: TensorRef<'a>,
+    groups: usize,
+    d: usize,
+) -> Vec<Slice<'a>> {
+    let per_group = q.shape()[0] / d / groups;
+    (0..groups)
+        .flat_map(|g| {
+            [
+                q.rows(g * per_group * d..(g + 1) * per_group * d),
+                k.rows(g * d..(g + 1) * d),
+                v.rows(g * d..(g + 1) * d),
+            ]
         })
         .collect()
 }
 
-/// `t`'s first `rows` rows and the rest.
-fn unstack(t: &Whole, rows: usize) -> [Whole; 2] {
-    let cols: usize = t.shape[1..].iter().product();
-    let part = |r: std::ops::Range<usize>| {
-        let mut shape = t.shape.clone();
-        shape[0] = r.len();
-        Whole {
-            shape,
-            data: t.data[r.start * cols..r.end * cols].to_vec(),
-        }
-    };
-    [part(0..rows), part(rows..t.shape[0])]
+/// q, k or v (`part` 0, 1, 2) of a fused per-group QKV (the inverse of [`fuse_qkv`]).
+fn split_qkv<'a>(
+    t: TensorRef<'a>,
+    part: usize,
+    heads: usize,
+    groups: usize,
+    d: usize,
+) -> Vec<Slice<'a>> {
+    let per_group = heads / groups;
+    (0..groups)
+        .map(|g| {
+            let base = g * (per_group + 2) * d;
+            match part {
+                0 => t.rows(base..base + per_group * d),
+                1 => t.rows(base + per_group * d..base + (per_group + 1) * d),
+                _ => t.rows(base + (per_group + 1) * d..base + (per_group + 2) * d),
+            }
+        })
+        .collect()
 }
 
 /// Converts a Hugging Face Llama-family directory into a megatron-rs checkpoint (iteration 0,
-/// no optimizer state) in the new or empty save directory `out`, with the directory's
-/// `tokenizer.json` when it has one. Returns the architecture.
-pub fn import(hf_dir: &Path, out: &Path) -> Result<GptConfig> {
+/// no optimizer state) in the new or empty save directory `out`, tensor by tensor in their own
+/// dtype, with the directory's `tokenizer.json` and the files an export writes back.
+pub fn import(hf_dir: &Path, out: &Path) -> Result<Converted> {
     refuse_existing(out)?;
     let config = super::read_hf_config(hf_dir)?;
     let c = config_from_hf(&config)?;
-    let mut hf = read_weights(hf_dir)?;
-    hf.retain(|name, _| !name.ends_with("rotary_emb.inv_freq"));
-    let mut take = |name: &str, shape: &[usize]| -> Result<Whole> {
-        let t = hf
-            .remove(name)
-            .with_context(|| format!("{}: no tensor `{name}`", hf_dir.display()))?;
-        if t.shape != shape {
-            bail!(
-                "{}: `{name}` has shape {:?}, the config implies {shape:?}",
-                hf_dir.display(),
-                t.shape
-            );
-        }
-        Ok(t)
-    };
+    let hf = HfWeights::open(hf_dir, |name| {
+        (!name.ends_with("rotary_emb.inv_freq")).then(|| name.to_string())
+    })?;
+    let take = |name: &str, shape: &[usize]| hf.take(name, shape);
     let (h, f, v) = (c.hidden_size, c.ffn_hidden_size, c.vocab_size);
     let (heads, groups, d) = (c.num_attention_heads, c.query_groups(), c.head_dim());
     let arch = HfConfig::new(&config)?.architecture()?;
     let moe_layers = c.moe_layers()?;
-    let mut model = BTreeMap::new();
-    model.insert(
-        "wte.weight".to_string(),
-        take("model.embed_tokens.weight", &[v, h])?,
-    );
+    let embed = take("model.embed_tokens.weight", &[v, h])?;
+    let mut model = vec![OutTensor::copy("wte.weight", embed)];
+    let qkv_rows = (heads + 2 * groups) * d;
     for (i, &routed) in moe_layers.iter().enumerate() {
         let hf_name = |s: &str| format!("model.layers.{i}.{s}");
         let ours = |s: &str| format!("blocks.{i}.{s}");
-        model.insert(
+        model.push(OutTensor::copy(
             ours("ln1.weight"),
             take(&hf_name("input_layernorm.weight"), &[h])?,
-        );
-        model.insert(
+        ));
+        model.push(OutTensor::copy(
             ours("ln2.weight"),
             take(&hf_name("post_attention_layernorm.weight"), &[h])?,
-        );
+        ));
         let q = take(&hf_name("self_attn.q_proj.weight"), &[heads * d, h])?;
         let k = take(&hf_name("self_attn.k_proj.weight"), &[groups * d, h])?;
         let vv = take(&hf_name("self_attn.v_proj.weight"), &[groups * d, h])?;
-        model.insert(ours("attn.qkv.weight"), fuse_qkv(&q, &k, &vv, groups, d));
+        model.push(OutTensor::concat(
+            ours("attn.qkv.weight"),
+            vec![qkv_rows, h],
+            fuse_qkv(q, k, vv, groups, d),
+        ));
         if c.add_qkv_bias {
             let q = take(&hf_name("self_attn.q_proj.bias"), &[heads * d])?;
             let k = take(&hf_name("self_attn.k_proj.bias"), &[groups * d])?;
             let vv = take(&hf_name("self_attn.v_proj.bias"), &[groups * d])?;
-            model.insert(ours("attn.qkv.bias"), fuse_qkv(&q, &k, &vv, groups, d));
+            model.push(OutTensor::concat(
+                ours("attn.qkv.bias"),
+                vec![qkv_rows],
+                fuse_qkv(q, k, vv, groups, d),
+            ));
         }
         if c.qk_layernorm {
-            model.insert(
+            model.push(OutTensor::copy(
                 ours("attn.qk_norm.q_norm.weight"),
                 take(&hf_name("self_attn.q_norm.weight"), &[d])?,
-            );
-            model.insert(
+            ));
+            model.push(OutTensor::copy(
                 ours("attn.qk_norm.k_norm.weight"),
                 take(&hf_name("self_attn.k_norm.weight"), &[d])?,
-            );
+            ));
         }
-        model.insert(
+        model.push(OutTensor::copy(
             ours("attn.proj.weight"),
             take(&hf_name("self_attn.o_proj.weight"), &[h, heads * d])?,
-        );
+        ));
         if let (Some(moe), true) = (&c.moe, routed) {
             let (e, f) = (moe.router.num_experts, moe.ffn_hidden_size);
             let names = expert_names(arch);
             let expert = |pattern: &str, x: usize| hf_name(&pattern.replace("{e}", &x.to_string()));
-            model.insert(
+            model.push(OutTensor::copy(
                 ours("mlp.experts.router.weight"),
                 take(&hf_name(names.router), &[e, h])?,
-            );
-            let (mut fc1, mut fc2) = (Vec::with_capacity(e), Vec::with_capacity(e));
+            ));
+            let (mut fc1, mut fc2) = (Vec::with_capacity(2 * e), Vec::with_capacity(e));
             for x in 0..e {
-                let gate = take(&expert(names.gate, x), &[f, h])?;
-                let up = take(&expert(names.up, x), &[f, h])?;
-                fc1.push(stack(&gate, &up));
-                fc2.push(take(&expert(names.down, x), &[h, f])?);
+                fc1.push(take(&expert(names.gate, x), &[f, h])?.all());
+                fc1.push(take(&expert(names.up, x), &[f, h])?.all());
+                fc2.push(take(&expert(names.down, x), &[h, f])?.all());
             }
-            model.insert(ours("mlp.experts.fc1.weight"), stack_experts(&fc1));
-            model.insert(ours("mlp.experts.fc2.weight"), stack_experts(&fc2));
+            model.push(OutTensor::concat(
+                ours("mlp.experts.fc1.weight"),
+                vec![e, 2 * f, h],
+                fc1,
+            ));
+            model.push(OutTensor::concat(
+                ours("mlp.experts.fc2.weight"),
+                vec![e, h, f],
+                fc2,
+            ));
             continue;
         }
         let gate = take(&hf_name("mlp.gate_proj.weight"), &[f, h])?;
         let up = take(&hf_name("mlp.up_proj.weight"), &[f, h])?;
-        model.insert(ours("mlp.fc1.weight"), stack(&gate, &up));
-        model.insert(
+        model.push(OutTensor::concat(
+            ours("mlp.fc1.weight"),
+            vec![2 * f, h],
+            vec![gate.all(), up.all()],
+        ));
+        model.push(OutTensor::copy(
             ours("mlp.fc2.weight"),
             take(&hf_name("mlp.down_proj.weight"), &[h, f])?,
-        );
+        ));
     }
-    model.insert("ln_f.weight".to_string(), take("model.norm.weight", &[h])?);
-    let head = hf.remove("lm_head.weight");
+    model.push(OutTensor::copy(
+        "ln_f.weight",
+        take("model.norm.weight", &[h])?,
+    ));
+    let head = hf.get("lm_head.weight");
     match (c.untie_embeddings_and_output_weights, head) {
-        (true, Some(head)) if head.shape == [v, h] => {
-            model.insert("wte.output_weight".to_string(), head);
-        }
-        (true, Some(head)) => bail!(
-            "{}: `lm_head.weight` has shape {:?}, the config implies [{v}, {h}]",
-            hf_dir.display(),
-            head.shape
-        ),
+        (true, Some(_)) => model.push(OutTensor::copy(
+            "wte.output_weight",
+            take("lm_head.weight", &[v, h])?,
+        )),
         (true, None) => bail!(
             "{}: no tensor `lm_head.weight` (the config does not tie it to the embedding)",
             hf_dir.display()
         ),
-        (false, Some(head)) if head.data != model["wte.weight"].data => bail!(
+        (false, Some(head)) if !head.same_values(&embed)? => bail!(
             "{}: `lm_head.weight` differs from the embedding, but the config ties them",
             hf_dir.display()
         ),
-        (false, _) => {}
+        (false, Some(_)) => {
+            take("lm_head.weight", &[v, h])?;
+        }
+        (false, None) => {}
     }
-    if let Some(extra) = hf.keys().next() {
-        bail!("{}: unexpected tensor `{extra}`", hf_dir.display());
-    }
-    super::save_imported(hf_dir, out, &c, &model, arch)?;
-    Ok(c)
+    hf.refuse_untaken()?;
+    super::save_imported(hf_dir, out, &c, &model, arch)
 }
 
 /// Writes the checkpoint `ckpt` of a Llama-family model as a Hugging Face directory `hf_dir`
-/// (new or empty): `config.json` of the matching architecture, `model.safetensors`, and the
-/// checkpoint's `tokenizer.json` when it has one. Returns the architecture's name and config.
-pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<(&'static str, GptConfig)> {
+/// (new or empty), tensor by tensor: the weights sharded as transformers shards them in the
+/// dtype `options` asks (else the imported model's), the `config.json` the import carried where
+/// the model is still the one it describes (else the matching architecture's), and the
+/// tokenizer and generation files the checkpoint carries.
+pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Converted> {
     refuse_existing(hf_dir)?;
     let loaded = checkpoint::open(ckpt)?;
     let c: GptConfig = serde_json::from_value(loaded.meta().model.clone())
         .with_context(|| format!("{}: the model config", loaded.dir().display()))?;
-    let arch = super::architecture::llama_family(&c).map_err(|lacks| {
+    let family = super::architecture::llama_family(&c).map_err(|lacks| {
         anyhow::anyhow!(
             "{}: the model is not one of Hugging Face's Llama family (Llama, Mistral, Qwen2, \
              Qwen3, Mixtral, Qwen3-MoE), which cannot hold: {}",
@@ -745,84 +656,148 @@ pub fn export(ckpt: &Path, hf_dir: &Path) -> Result<(&'static str, GptConfig)> {
             lacks.join("; ")
         )
     })?;
-    let moe_layers = c.moe_layers()?;
     let tokenizer = super::checkpoint_tokenizer(ckpt, loaded.dir())?;
-    let (heads, groups, d, f) = (
+    let eod = super::eod_id(tokenizer.as_ref(), c.vocab_size);
+    let carried = hf_files::carried_in(ckpt)?;
+    let original = hf_files::carried_config(&carried)?;
+    let before = original.as_ref().and_then(|o| {
+        let arch = HfConfig::new(o).ok()?.architecture().ok()?;
+        Some((arch, config_to_hf(&config_from_hf(o).ok()?, arch, eod)))
+    });
+    // The imported architecture while the model is still the one it was (Mistral without a
+    // window stays Mistral), else the family member that holds it.
+    let arch = match &before {
+        Some((arch, old)) if config_to_hf(&c, arch, eod) == *old => *arch,
+        _ => family,
+    };
+    let src = SafetensorsFile::open(&loaded.dir().join(checkpoint::MODEL_FILE))?;
+    let get = |name: &str| {
+        src.tensor(name)
+            .with_context(|| format!("{}: no tensor `{name}`", loaded.dir().display()))
+    };
+    let moe_layers = c.moe_layers()?;
+    let (h, heads, groups, d, f) = (
+        c.hidden_size,
         c.num_attention_heads,
         c.query_groups(),
         c.head_dim(),
         c.ffn_hidden_size,
     );
-    let get = |name: &str| loaded.model_tensor(name).map_err(anyhow::Error::from);
-    let mut hf: BTreeMap<String, Whole> = BTreeMap::new();
-    hf.insert("model.embed_tokens.weight".into(), get("wte.weight")?);
-    if c.untie_embeddings_and_output_weights {
-        hf.insert("lm_head.weight".into(), get("wte.output_weight")?);
-    }
+    let mut hf = vec![OutTensor::copy(
+        "model.embed_tokens.weight",
+        get("wte.weight")?,
+    )];
     for (i, &routed) in moe_layers.iter().enumerate() {
         let ours = |s: &str| format!("blocks.{i}.{s}");
         let hf_name = |s: &str| format!("model.layers.{i}.{s}");
-        hf.insert(hf_name("input_layernorm.weight"), get(&ours("ln1.weight"))?);
-        hf.insert(
-            hf_name("post_attention_layernorm.weight"),
-            get(&ours("ln2.weight"))?,
-        );
-        let [q, k, v] = split_qkv(&get(&ours("attn.qkv.weight"))?, heads, groups, d);
-        hf.insert(hf_name("self_attn.q_proj.weight"), q);
-        hf.insert(hf_name("self_attn.k_proj.weight"), k);
-        hf.insert(hf_name("self_attn.v_proj.weight"), v);
+        let qkv = get(&ours("attn.qkv.weight"))?;
+        let rows = [heads * d, groups * d, groups * d];
+        for (part, proj) in ["q_proj", "k_proj", "v_proj"].into_iter().enumerate() {
+            hf.push(OutTensor::concat(
+                hf_name(&format!("self_attn.{proj}.weight")),
+                vec![rows[part], h],
+                split_qkv(qkv, part, heads, groups, d),
+            ));
+        }
         if c.add_qkv_bias {
-            let [q, k, v] = split_qkv(&get(&ours("attn.qkv.bias"))?, heads, groups, d);
-            hf.insert(hf_name("self_attn.q_proj.bias"), q);
-            hf.insert(hf_name("self_attn.k_proj.bias"), k);
-            hf.insert(hf_name("self_attn.v_proj.bias"), v);
+            let bias = get(&ours("attn.qkv.bias"))?;
+            for (part, proj) in ["q_proj", "k_proj", "v_proj"].into_iter().enumerate() {
+                hf.push(OutTensor::concat(
+                    hf_name(&format!("self_attn.{proj}.bias")),
+                    vec![rows[part]],
+                    split_qkv(bias, part, heads, groups, d),
+                ));
+            }
         }
-        if c.qk_layernorm {
-            hf.insert(
-                hf_name("self_attn.q_norm.weight"),
-                get(&ours("attn.qk_norm.q_norm.weight"))?,
-            );
-            hf.insert(
-                hf_name("self_attn.k_norm.weight"),
-                get(&ours("attn.qk_norm.k_norm.weight"))?,
-            );
-        }
-        hf.insert(
+        hf.push(OutTensor::copy(
             hf_name("self_attn.o_proj.weight"),
             get(&ours("attn.proj.weight"))?,
-        );
+        ));
+        if c.qk_layernorm {
+            hf.push(OutTensor::copy(
+                hf_name("self_attn.q_norm.weight"),
+                get(&ours("attn.qk_norm.q_norm.weight"))?,
+            ));
+            hf.push(OutTensor::copy(
+                hf_name("self_attn.k_norm.weight"),
+                get(&ours("attn.qk_norm.k_norm.weight"))?,
+            ));
+        }
         if let (Some(moe), true) = (&c.moe, routed) {
             let names = expert_names(arch);
             let expert = |pattern: &str, x: usize| hf_name(&pattern.replace("{e}", &x.to_string()));
-            hf.insert(
+            hf.push(OutTensor::copy(
                 hf_name(names.router),
                 get(&ours("mlp.experts.router.weight"))?,
+            ));
+            let (fc1, fc2) = (
+                get(&ours("mlp.experts.fc1.weight"))?,
+                get(&ours("mlp.experts.fc2.weight"))?,
             );
-            let fc1 = unstack_experts(&get(&ours("mlp.experts.fc1.weight"))?);
-            let fc2 = unstack_experts(&get(&ours("mlp.experts.fc2.weight"))?);
-            for (x, (fc1, fc2)) in fc1.iter().zip(fc2).enumerate() {
-                let [gate, up] = unstack(fc1, moe.ffn_hidden_size);
-                hf.insert(expert(names.gate, x), gate);
-                hf.insert(expert(names.up, x), up);
-                hf.insert(expert(names.down, x), fc2);
+            let ef = moe.ffn_hidden_size;
+            for x in 0..moe.router.num_experts {
+                let at = x * 2 * ef * h;
+                hf.push(OutTensor::concat(
+                    expert(names.gate, x),
+                    vec![ef, h],
+                    vec![fc1.elems(at..at + ef * h)],
+                ));
+                hf.push(OutTensor::concat(
+                    expert(names.up, x),
+                    vec![ef, h],
+                    vec![fc1.elems(at + ef * h..at + 2 * ef * h)],
+                ));
+                hf.push(OutTensor::concat(
+                    expert(names.down, x),
+                    vec![h, ef],
+                    vec![fc2.rows(x..x + 1)],
+                ));
             }
-            continue;
+        } else {
+            let fc1 = get(&ours("mlp.fc1.weight"))?;
+            hf.push(OutTensor::concat(
+                hf_name("mlp.gate_proj.weight"),
+                vec![f, h],
+                vec![fc1.rows(0..f)],
+            ));
+            hf.push(OutTensor::concat(
+                hf_name("mlp.up_proj.weight"),
+                vec![f, h],
+                vec![fc1.rows(f..2 * f)],
+            ));
+            hf.push(OutTensor::copy(
+                hf_name("mlp.down_proj.weight"),
+                get(&ours("mlp.fc2.weight"))?,
+            ));
         }
-        let [gate, up] = unstack(&get(&ours("mlp.fc1.weight"))?, f);
-        hf.insert(hf_name("mlp.gate_proj.weight"), gate);
-        hf.insert(hf_name("mlp.up_proj.weight"), up);
-        hf.insert(
-            hf_name("mlp.down_proj.weight"),
-            get(&ours("mlp.fc2.weight"))?,
-        );
+        hf.push(OutTensor::copy(
+            hf_name("input_layernorm.weight"),
+            get(&ours("ln1.weight"))?,
+        ));
+        hf.push(OutTensor::copy(
+            hf_name("post_attention_layernorm.weight"),
+            get(&ours("ln2.weight"))?,
+        ));
     }
-    hf.insert("model.norm.weight".into(), get("ln_f.weight")?);
-    super::write_hf(
-        hf_dir,
-        hf.iter().map(|(name, t)| (name.clone(), t)),
-        tokenizer.as_ref(),
-        c.vocab_size,
-        |eod| config_to_hf(&c, arch, eod),
-    )?;
-    Ok((arch, c))
+    hf.push(OutTensor::copy("model.norm.weight", get("ln_f.weight")?));
+    if c.untie_embeddings_and_output_weights {
+        hf.push(OutTensor::copy("lm_head.weight", get("wte.output_weight")?));
+    }
+    let dtype = super::export_dtype(options, original.as_ref(), &hf);
+    let config = super::export_config(
+        original.as_ref(),
+        config_to_hf(&c, arch, eod),
+        before.map(|(_, old)| old),
+        dtype,
+    );
+    let (bytes, weight_files, carried) =
+        super::write_export(hf_dir, &loaded, hf, &config, dtype, options, &carried)?;
+    Ok(Converted {
+        arch,
+        config: c,
+        dtype,
+        bytes,
+        weight_files,
+        carried,
+    })
 }

@@ -191,6 +191,23 @@ fn whole(shape: Vec<usize>, bytes: &[u8]) -> Whole {
     Whole { shape, data }
 }
 
+/// A whole tensor from its shape and the little-endian bytes of `dtype` (F32, or the F16 and
+/// BF16 an imported model keeps), as f32.
+fn whole_of(dtype: Dtype, shape: Vec<usize>, bytes: &[u8]) -> Whole {
+    let data = match dtype {
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        _ => return whole(shape, bytes),
+    };
+    Whole { shape, data }
+}
+
 /// Size and SHA-256 of one file of a checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileDigest {
@@ -603,11 +620,39 @@ pub fn finish_save(
     model: &BTreeMap<String, Whole>,
     optimizer: Option<&BTreeMap<String, Whole>>,
     files: &[(&str, &[u8])],
+    meta: CheckpointMeta,
+) -> Result<PathBuf, CheckpointError> {
+    let mut write_model = |path: &Path| {
+        check_finite(save, model)?;
+        write_tensors(path, model)
+    };
+    finish_with(save, tmp, &mut write_model, optimizer, files, meta)
+}
+
+/// Saves iteration `meta.iteration` into `save` as [`save`] does, its parameters written by
+/// `write_model` into the path it is given ([`MODEL_FILE`] of the working directory: a
+/// safetensors file of whole, unpadded tensors in F32, BF16 or F16, e.g. streamed from another
+/// format without holding the model), with `files` beside them and no optimizer state.
+pub fn save_with_model(
+    save: &Path,
+    write_model: &mut dyn FnMut(&Path) -> Result<(), CheckpointError>,
+    files: &[(&str, &[u8])],
+    meta: CheckpointMeta,
+) -> Result<PathBuf, CheckpointError> {
+    let tmp = begin_save(save, meta.iteration)?;
+    finish_with(save, &tmp, write_model, None, files, meta)
+}
+
+fn finish_with(
+    save: &Path,
+    tmp: &Path,
+    write_model: &mut dyn FnMut(&Path) -> Result<(), CheckpointError>,
+    optimizer: Option<&BTreeMap<String, Whole>>,
+    files: &[(&str, &[u8])],
     mut meta: CheckpointMeta,
 ) -> Result<PathBuf, CheckpointError> {
     let target = iteration_dir(save, meta.iteration);
     let result = (|| {
-        check_finite(save, model)?;
         meta.format = FORMAT.to_string();
         meta.files.clear();
         for entry in fs::read_dir(tmp).map_err(io(tmp))? {
@@ -618,17 +663,31 @@ pub fn finish_save(
                     .insert(name.to_string(), sha256_file(&tmp.join(&*name))?);
             }
         }
-        let mut tensor_files = vec![(MODEL_FILE, model)];
+        let path = tmp.join(MODEL_FILE);
+        write_model(&path)?;
+        meta.files
+            .insert(MODEL_FILE.to_string(), sha256_file(&path)?);
         if let Some(opt) = optimizer {
-            tensor_files.push((OPTIMIZER_FILE, opt));
-        }
-        for (name, tensors) in tensor_files {
-            let path = tmp.join(name);
-            write_tensors(&path, tensors)?;
-            meta.files.insert(name.to_string(), sha256_file(&path)?);
+            let path = tmp.join(OPTIMIZER_FILE);
+            write_tensors(&path, opt)?;
+            meta.files
+                .insert(OPTIMIZER_FILE.to_string(), sha256_file(&path)?);
         }
         for (name, bytes) in files {
             let path = tmp.join(name);
+            // A file may sit in a folder of the checkpoint (`hf/config.json`), never outside it.
+            let inside = Path::new(name)
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)));
+            if !inside {
+                return Err(CheckpointError::Format {
+                    path,
+                    message: "a checkpoint's file must lie inside its directory".into(),
+                });
+            }
+            if let Some(parent) = path.parent() {
+                fs::create_dir_all(parent).map_err(io(parent))?;
+            }
             write_atomically(&path, bytes)?;
             meta.files.insert(name.to_string(), sha256_file(&path)?);
         }
@@ -920,7 +979,8 @@ impl Loaded {
         map: &'a memmap2::Mmap,
         file: &str,
         name: &str,
-    ) -> Result<(Vec<usize>, &'a [u8]), CheckpointError> {
+        dtypes: &[Dtype],
+    ) -> Result<(Dtype, Vec<usize>, &'a [u8]), CheckpointError> {
         let path = self.dir.join(file);
         let st = SafeTensors::deserialize(map).map_err(|e| CheckpointError::Format {
             path: path.clone(),
@@ -930,19 +990,20 @@ impl Loaded {
             path: path.clone(),
             message: format!("no tensor `{name}`"),
         })?;
-        if view.dtype() != Dtype::F32 {
+        if !dtypes.contains(&view.dtype()) {
             return Err(CheckpointError::Tensor {
                 path,
-                message: format!("`{name}` is {:?}, expected F32", view.dtype()),
+                message: format!("`{name}` is {:?}, expected one of {dtypes:?}", view.dtype()),
             });
         }
-        Ok((view.shape().to_vec(), view.data()))
+        Ok((view.dtype(), view.shape().to_vec(), view.data()))
     }
 
-    /// A parameter's whole values.
+    /// A parameter's whole values, as f32 (an imported model's F16 or BF16 widened exactly).
     pub fn model_tensor(&self, name: &str) -> Result<Whole, CheckpointError> {
-        let (shape, bytes) = self.tensor_in(&self.model, MODEL_FILE, name)?;
-        Ok(whole(shape, bytes))
+        let dtypes = [Dtype::F32, Dtype::BF16, Dtype::F16];
+        let (dtype, shape, bytes) = self.tensor_in(&self.model, MODEL_FILE, name, &dtypes)?;
+        Ok(whole_of(dtype, shape, bytes))
     }
 
     /// An optimizer tensor's whole values (e.g. `blocks.0.mlp.fc1.weight.exp_avg`).
@@ -953,7 +1014,7 @@ impl Loaded {
                 message: "no optimizer state was saved".into(),
             });
         };
-        let (shape, bytes) = self.tensor_in(map, OPTIMIZER_FILE, name)?;
+        let (_, shape, bytes) = self.tensor_in(map, OPTIMIZER_FILE, name, &[Dtype::F32])?;
         Ok(whole(shape, bytes))
     }
 
