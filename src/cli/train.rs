@@ -1128,7 +1128,12 @@ impl TrainArgs {
             recompute,
             precision,
         };
-        let (tokenizer, files) = megatron::tokenizer::checkpoint_record(&s.tokenizer)?;
+        let (tokenizer, mut files) = megatron::tokenizer::checkpoint_record(&s.tokenizer)?;
+        // What an import carried from Hugging Face (the original config, generation settings,
+        // tokenizer files) goes on into this run's saves, for their export.
+        if let Some(load) = &self.load {
+            files.extend(megatron::convert::hf_files::carried_in(load).context("--load")?);
+        }
         let etp = s.etp;
         match (&s.model.moe, s.ep, etp) {
             (None, ep, etp) if ep > 1 || etp > 1 => bail!(

@@ -690,7 +690,12 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
     for (i, &routed) in moe_layers.iter().enumerate() {
         let ours = |s: &str| format!("blocks.{i}.{s}");
         let hf_name = |s: &str| format!("model.layers.{i}.{s}");
+        // transformers' order: each projection's weight, then its bias.
         let qkv = get(&ours("attn.qkv.weight"))?;
+        let bias = match c.add_qkv_bias {
+            true => Some(get(&ours("attn.qkv.bias"))?),
+            false => None,
+        };
         let rows = [heads * d, groups * d, groups * d];
         for (part, proj) in ["q_proj", "k_proj", "v_proj"].into_iter().enumerate() {
             hf.push(OutTensor::concat(
@@ -698,10 +703,7 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
                 vec![rows[part], h],
                 split_qkv(qkv, part, heads, groups, d),
             ));
-        }
-        if c.add_qkv_bias {
-            let bias = get(&ours("attn.qkv.bias"))?;
-            for (part, proj) in ["q_proj", "k_proj", "v_proj"].into_iter().enumerate() {
+            if let Some(bias) = bias {
                 hf.push(OutTensor::concat(
                     hf_name(&format!("self_attn.{proj}.bias")),
                     vec![rows[part]],

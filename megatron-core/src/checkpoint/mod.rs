@@ -26,6 +26,7 @@ mod trainer;
 pub use lock::{LOCK_FILE, SaveLock};
 pub use trainer::{SaveInfo, load_params, open_checkpoint};
 
+
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
 use std::io::Read;
@@ -206,6 +207,56 @@ fn whole_of(dtype: Dtype, shape: Vec<usize>, bytes: &[u8]) -> Whole {
         _ => return whole(shape, bytes),
     };
     Whole { shape, data }
+}
+
+/// A tensor of a checkpoint's mapped file, read element range by element range as f32.
+#[derive(Debug, Clone)]
+pub struct Stored<'a> {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: &'a [u8],
+}
+
+impl Stored<'_> {
+    /// Its shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.bytes.len() * 8 / self.dtype.bitsize()
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    /// Appends elements `range` (clamped to its length) to `out` as f32.
+    pub fn extend_from(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
+        let size = self.dtype.bitsize() / 8;
+        let end = range.end.min(self.len());
+        let start = range.start.min(end);
+        let bytes = &self.bytes[start * size..end * size];
+        match self.dtype {
+            Dtype::F16 => out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+            ),
+            Dtype::BF16 => out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+            ),
+            _ => out.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            ),
+        }
+    }
 }
 
 /// Size and SHA-256 of one file of a checkpoint.
@@ -997,6 +1048,18 @@ impl Loaded {
             });
         }
         Ok((view.dtype(), view.shape().to_vec(), view.data()))
+    }
+
+    /// A parameter's stored values, not yet read: a rank copies out only its part of them
+    /// ([`Stored::extend_from`]), so the pages of the mapped file it touches are its own.
+    pub fn model_stored(&self, name: &str) -> Result<Stored<'_>, CheckpointError> {
+        let dtypes = [Dtype::F32, Dtype::BF16, Dtype::F16];
+        let (dtype, shape, bytes) = self.tensor_in(&self.model, MODEL_FILE, name, &dtypes)?;
+        Ok(Stored {
+            dtype,
+            shape,
+            bytes,
+        })
     }
 
     /// A parameter's whole values, as f32 (an imported model's F16 or BF16 widened exactly).

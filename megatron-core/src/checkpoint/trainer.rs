@@ -30,29 +30,63 @@ pub struct SaveInfo {
 }
 
 /// This rank's part of a logical tensor `whole` (unpadded rows `real_rows` padded with zeros).
-fn local_part(spec: &ParamSpec, whole: &Whole, file: &str) -> Result<Vec<f32>> {
+fn local_part(spec: &ParamSpec, whole: &dyn Elements, file: &str) -> Result<Vec<f32>> {
     let logical = spec.logical.dims();
     let mut expected = logical.to_vec();
     if let Some(rows) = spec.real_rows {
         expected[0] = rows;
     }
-    if whole.shape != expected {
+    if whole.shape() != expected {
         return invalid!(
             "checkpoint {file}: `{}` has shape {:?}, the model needs {:?}",
             spec.name,
-            whole.shape,
+            whole.shape(),
             expected
         );
     }
-    let available = whole.data.len();
+    let available = whole.len();
     let mut out = Vec::with_capacity(spec.local.numel());
     for run in spec.part_index().all_runs() {
-        for i in run.logical as usize..run.logical as usize + run.len {
-            // Logical indices past the real rows are vocabulary padding.
-            out.push(if i < available { whole.data[i] } else { 0.0 });
-        }
+        let range = run.logical as usize..run.logical as usize + run.len;
+        whole.extend_from(range.clone(), &mut out);
+        // Logical indices past the real rows are vocabulary padding.
+        let padding = range.end - range.start.max(available).min(range.end);
+        out.resize(out.len() + padding, 0.0);
     }
     Ok(out)
+}
+
+/// A whole tensor's elements, read by ranges: in memory, or in a checkpoint's mapped file.
+trait Elements {
+    fn shape(&self) -> &[usize];
+    fn len(&self) -> usize;
+    /// Appends elements `range` that exist (those before `len`) to `out`.
+    fn extend_from(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>);
+}
+
+impl Elements for Whole {
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn len(&self) -> usize {
+        self.data.len()
+    }
+    fn extend_from(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
+        let end = range.end.min(self.data.len());
+        out.extend_from_slice(&self.data[range.start.min(end)..end]);
+    }
+}
+
+impl Elements for checkpoint::Stored<'_> {
+    fn shape(&self) -> &[usize] {
+        checkpoint::Stored::shape(self)
+    }
+    fn len(&self) -> usize {
+        checkpoint::Stored::len(self)
+    }
+    fn extend_from(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
+        checkpoint::Stored::extend_from(self, range, out)
+    }
 }
 
 /// `len` f32 elements where `like` lives (the host or its GPU): a collective's output beside
@@ -420,7 +454,7 @@ pub fn load_params<M: Module>(model: &M, loaded: &Loaded) -> Result<()> {
             return;
         }
         let result = (|| -> Result<()> {
-            let part = local_part(p.spec(), &loaded.model_tensor(&p.spec().name)?, &dir)?;
+            let part = local_part(p.spec(), &loaded.model_stored(&p.spec().name)?, &dir)?;
             let values = Tensor::from_vec(part, p.spec().local.clone())?;
             p.set_values(&values)?;
             Ok(())
@@ -443,7 +477,7 @@ fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Res
         let r = slot.range();
         values[r.clone()].copy_from_slice(&local_part(
             spec,
-            &loaded.model_tensor(&spec.name)?,
+            &loaded.model_stored(&spec.name)?,
             &dir,
         )?);
         if with_optimizer {
