@@ -98,9 +98,9 @@ impl HfWeights {
         let mut files = Vec::new();
         let mut by_name = BTreeMap::new();
         let add = |by_name: &mut BTreeMap<String, (usize, String)>,
-                       file: usize,
-                       stored: &str,
-                       path: &Path|
+                   file: usize,
+                   stored: &str,
+                   path: &Path|
          -> Result<()> {
             let Some(name) = rename(stored) else {
                 return Ok(());
@@ -209,6 +209,8 @@ impl HfWeights {
                 t.shape()
             );
         }
+        super::stream::float_dtype(t.dtype())
+            .with_context(|| format!("{}: `{name}`", t.path().display()))?;
         self.taken.borrow_mut().insert(name.to_string());
         Ok(t)
     }

@@ -347,7 +347,12 @@ pub(crate) fn write_export(
     }
     let original = hf_files::carried_config(carried)?;
     // The original file itself when nothing changed: byte for byte as transformers wrote it.
-    let text = match (&original, carried.iter().find(|(n, _)| *n == format!("{prefix}config.json"))) {
+    let text = match (
+        &original,
+        carried
+            .iter()
+            .find(|(n, _)| *n == format!("{prefix}config.json")),
+    ) {
         (Some(o), Some((_, bytes))) if o == config => bytes.clone(),
         _ => {
             let mut text = serde_json::to_string_pretty(config)?;

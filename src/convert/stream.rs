@@ -105,9 +105,12 @@ impl SafetensorsFile {
             .metadata()
             .with_context(|| format!("reading {}", path.display()))?
             .len();
-        let bad = |why: String| anyhow::anyhow!("{}: not a safetensors file: {why}", path.display());
+        let bad =
+            |why: String| anyhow::anyhow!("{}: not a safetensors file: {why}", path.display());
         if len < 8 {
-            return Err(bad(format!("{len} bytes, shorter than the 8 that size its header")));
+            return Err(bad(format!(
+                "{len} bytes, shorter than the 8 that size its header"
+            )));
         }
         let mut size = [0u8; 8];
         read_at(&file, path, 0, &mut size)?;
@@ -240,9 +243,8 @@ impl<'a> TensorRef<'a> {
 
     /// Elements `elems` as f32 (from F32, F16 or BF16).
     pub fn read_f32(&self, elems: Range<usize>) -> Result<Vec<f32>> {
-        let dtype = float_dtype(self.info.dtype).with_context(|| {
-            format!("{}: `{}`", self.file.path.display(), self.name)
-        })?;
+        let dtype = float_dtype(self.info.dtype)
+            .with_context(|| format!("{}: `{}`", self.file.path.display(), self.name))?;
         decode(dtype, &self.read_bytes(elems)?)
     }
 
@@ -323,12 +325,16 @@ fn decode(dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>> {
 /// Appends `values` as little-endian bytes of `dtype`, each rounded to nearest, ties to even.
 fn encode(dtype: Dtype, values: &[f32], out: &mut Vec<u8>) {
     match dtype {
-        Dtype::F16 => {
-            out.extend(values.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()))
-        }
-        Dtype::BF16 => {
-            out.extend(values.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()))
-        }
+        Dtype::F16 => out.extend(
+            values
+                .iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes()),
+        ),
+        Dtype::BF16 => out.extend(
+            values
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()),
+        ),
         _ => out.extend(values.iter().flat_map(|v| v.to_le_bytes())),
     }
 }
@@ -524,7 +530,15 @@ pub fn write_file(
                 }
                 let bytes: &[u8] = bytemuck::cast_slice(&values);
                 let what = |i: usize| format!("element {i} of `{}`", t.name);
-                put(&mut out, Dtype::F32, t.dtype, bytes, check, &what, &mut scratch)?;
+                put(
+                    &mut out,
+                    Dtype::F32,
+                    t.dtype,
+                    bytes,
+                    check,
+                    &what,
+                    &mut scratch,
+                )?;
             }
         }
     }
@@ -540,6 +554,9 @@ pub fn parse_size(text: &str) -> Result<u64> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (number, unit) = t.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| anyhow::anyhow!("size `{text}` does not start with a number"))?;
     let multiplier: u64 = match unit.trim().to_ascii_uppercase().as_str() {
         "" | "B" => 1,
         "KB" => 1_000,
@@ -551,9 +568,6 @@ pub fn parse_size(text: &str) -> Result<u64> {
         "GIB" => 1 << 30,
         _ => bail!("size `{text}`: the unit is not one of B, KB, MB, GB, TB, KiB, MiB, GiB"),
     };
-    let value: f64 = number
-        .parse()
-        .map_err(|_| anyhow::anyhow!("size `{text}` does not start with a number"))?;
     let bytes = value * multiplier as f64;
     if !(bytes >= 1.0 && bytes < u64::MAX as f64) {
         bail!("size `{text}` must be at least one byte");
@@ -592,16 +606,17 @@ pub fn plan_shards(sizes: &[u64], max: u64) -> Vec<Range<usize>> {
 /// when they fit in one shard of `max_shard` bytes, else `model-0000N-of-0000M.safetensors`
 /// with `model.safetensors.index.json` (`metadata.total_size`, `metadata.total_parameters`,
 /// `weight_map`). Returns the files written.
-pub fn write_sharded(
-    dir: &Path,
-    tensors: &[OutTensor<'_>],
-    max_shard: u64,
-) -> Result<Vec<String>> {
+pub fn write_sharded(dir: &Path, tensors: &[OutTensor<'_>], max_shard: u64) -> Result<Vec<String>> {
     let sizes: Vec<u64> = tensors.iter().map(OutTensor::bytes).collect();
     let shards = plan_shards(&sizes, max_shard);
     let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
     if shards.len() <= 1 {
-        write_file(&dir.join("model.safetensors"), tensors, &metadata, Check::Nothing)?;
+        write_file(
+            &dir.join("model.safetensors"),
+            tensors,
+            &metadata,
+            Check::Nothing,
+        )?;
         return Ok(vec!["model.safetensors".into()]);
     }
     let n = shards.len();
@@ -609,7 +624,12 @@ pub fn write_sharded(
     let mut weight_map = BTreeMap::new();
     for (i, range) in shards.into_iter().enumerate() {
         let name = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
-        write_file(&dir.join(&name), &tensors[range.clone()], &metadata, Check::Nothing)?;
+        write_file(
+            &dir.join(&name),
+            &tensors[range.clone()],
+            &metadata,
+            Check::Nothing,
+        )?;
         for t in &tensors[range] {
             weight_map.insert(t.name.clone(), name.clone());
         }
@@ -647,10 +667,7 @@ mod tests {
     #[test]
     fn shards_split_as_huggingface_hub_splits() {
         // huggingface_hub's docstring: [6, 6, 2, 6, 2, 2] GB under 10 GB.
-        assert_eq!(
-            plan_shards(&[6, 6, 2, 6, 2, 2], 10),
-            vec![0..1, 1..3, 3..6]
-        );
+        assert_eq!(plan_shards(&[6, 6, 2, 6, 2, 2], 10), vec![0..1, 1..3, 3..6]);
         assert_eq!(plan_shards(&[3, 12, 3], 10), vec![0..1, 1..2, 2..3]);
         assert_eq!(plan_shards(&[], 10), Vec::<Range<usize>>::new());
     }
@@ -669,7 +686,11 @@ mod tests {
     fn bf16_rounds_to_nearest_even() {
         // 1 + 2^-8 lies halfway between bf16's 1 and 1 + 2^-7: ties go to the even 1.
         let mut out = Vec::new();
-        encode(Dtype::BF16, &[1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0], &mut out);
+        encode(
+            Dtype::BF16,
+            &[1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0],
+            &mut out,
+        );
         let back = decode(Dtype::BF16, &out).unwrap();
         assert_eq!(back, vec![1.0, 1.0 + 4.0 / 256.0]);
     }

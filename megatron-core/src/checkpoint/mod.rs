@@ -26,7 +26,6 @@ mod trainer;
 pub use lock::{LOCK_FILE, SaveLock};
 pub use trainer::{SaveInfo, load_params, open_checkpoint};
 
-
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
 use std::io::Read;
