@@ -95,18 +95,48 @@ fn main() -> Result<()> {
             Ok(random(n, seed, mean, std))
         }));
     };
-    add("model.embed_tokens.weight".into(), vec![s.vocab, s.hidden], 0.0, 0.02);
+    add(
+        "model.embed_tokens.weight".into(),
+        vec![s.vocab, s.hidden],
+        0.0,
+        0.02,
+    );
     for i in 0..s.layers {
         let p = |t: &str| format!("model.layers.{i}.{t}");
-        add(p("self_attn.q_proj.weight"), vec![s.heads * d, s.hidden], 0.0, 0.02);
-        add(p("self_attn.k_proj.weight"), vec![s.groups * d, s.hidden], 0.0, 0.02);
-        add(p("self_attn.v_proj.weight"), vec![s.groups * d, s.hidden], 0.0, 0.02);
-        add(p("self_attn.o_proj.weight"), vec![s.hidden, s.heads * d], 0.0, 0.02);
+        add(
+            p("self_attn.q_proj.weight"),
+            vec![s.heads * d, s.hidden],
+            0.0,
+            0.02,
+        );
+        add(
+            p("self_attn.k_proj.weight"),
+            vec![s.groups * d, s.hidden],
+            0.0,
+            0.02,
+        );
+        add(
+            p("self_attn.v_proj.weight"),
+            vec![s.groups * d, s.hidden],
+            0.0,
+            0.02,
+        );
+        add(
+            p("self_attn.o_proj.weight"),
+            vec![s.hidden, s.heads * d],
+            0.0,
+            0.02,
+        );
         add(p("mlp.gate_proj.weight"), vec![s.ffn, s.hidden], 0.0, 0.02);
         add(p("mlp.up_proj.weight"), vec![s.ffn, s.hidden], 0.0, 0.02);
         add(p("mlp.down_proj.weight"), vec![s.hidden, s.ffn], 0.0, 0.02);
         add(p("input_layernorm.weight"), vec![s.hidden], 1.0, 0.02);
-        add(p("post_attention_layernorm.weight"), vec![s.hidden], 1.0, 0.02);
+        add(
+            p("post_attention_layernorm.weight"),
+            vec![s.hidden],
+            1.0,
+            0.02,
+        );
     }
     add("model.norm.weight".into(), vec![s.hidden], 1.0, 0.02);
     if !s.tied {

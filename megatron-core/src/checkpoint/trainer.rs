@@ -328,6 +328,18 @@ impl<M: LanguageModel> Trainer<M> {
                 );
             }
         }
+        // Frozen parameters: their values, which no optimizer holds.
+        let mut frozen = Vec::new();
+        for chunk in &self.chunks.0 {
+            chunk.visit_frozen_params(&mut |p| frozen.push((p.spec().clone(), p.value().clone())));
+        }
+        for (spec, value) in frozen {
+            if !(if spec.is_expert() { experts } else { dense }) {
+                continue;
+            }
+            let local = value.reshape([spec.local.numel()])?.to_dtype(DType::F32)?;
+            model.insert(spec.name.clone(), gather_whole(parallel, &spec, &local)?);
+        }
         if !dense {
             return Ok(None);
         }
@@ -490,6 +502,23 @@ fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Res
             let v = loaded.optimizer_state(&spec.name, "exp_avg_sq", &shape)?;
             exp_avg_sq[r].copy_from_slice(&local_part(spec, &v, &dir)?);
         }
+    }
+    // Frozen parameters: their values alone, each into its own tensor.
+    let mut failure = None;
+    for chunk in &trainer.chunks.0 {
+        chunk.visit_frozen_params(&mut |p| {
+            if failure.is_some() {
+                return;
+            }
+            let result = (|| -> Result<()> {
+                let part = local_part(p.spec(), &loaded.model_stored(&p.spec().name)?, &dir)?;
+                p.set_values(&Tensor::from_vec(part, p.spec().local.clone())?)
+            })();
+            failure = result.err();
+        });
+    }
+    if let Some(e) = failure {
+        return Err(e);
     }
     trainer
         .optimizer

@@ -12,6 +12,18 @@ use crate::optimizer::{BufferLayout, LayoutConfig, ParamInfo, layout};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 
+/// Replaces every frozen parameter's values of `model` by `f` of them (another dtype, a device).
+fn rebind_frozen<M: Module>(model: &mut M, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<()> {
+    let mut failure = None;
+    model.visit_params_mut(&mut |p| {
+        if failure.is_none() && p.is_frozen() {
+            let moved = f(p.value()).and_then(|v| p.rebind_frozen(v));
+            failure = moved.err();
+        }
+    });
+    failure.map_or(Ok(()), Err)
+}
+
 /// Where one parameter lives in the flat buffers.
 #[derive(Debug, Clone)]
 pub struct ParamSlot {
@@ -212,7 +224,7 @@ impl ParamBuffers {
     /// by `plan`, and rebinds the model's parameters to views of them.
     pub fn pack<M: Module>(model: &mut M, plan: &PackLayout) -> Result<ParamBuffers> {
         let mut params: Vec<(ParamSpec, Tensor)> = Vec::new();
-        model.visit_params(&mut |p| params.push((p.spec().clone(), p.value().clone())));
+        model.visit_trainable_params(&mut |p| params.push((p.spec().clone(), p.value().clone())));
         let model_dtype = params.first().map_or(DType::F32, |(_, v)| v.dtype());
         if let Some((spec, v)) = params.iter().find(|(_, v)| v.dtype() != model_dtype) {
             return invalid!(
@@ -222,6 +234,9 @@ impl ParamBuffers {
             );
         }
         let dtype = plan.param_dtype.unwrap_or(model_dtype);
+        // Frozen parameters stay in tensors of their own, in the values' dtype: no gradient,
+        // no optimizer state.
+        rebind_frozen(model, |v| Ok(v.to_dtype(dtype)?))?;
         let mut grad_dtype = DType::F32;
         let mut offsets = vec![0usize; params.len()];
         let mut buckets = Vec::new();
@@ -311,7 +326,7 @@ impl ParamBuffers {
         let mut i = 0;
         let mut failure = None;
         model.visit_params_mut(&mut |p| {
-            if failure.is_some() {
+            if failure.is_some() || p.is_frozen() {
                 return;
             }
             let Some(slot) = self.slots.get(i) else {
@@ -349,6 +364,7 @@ impl ParamBuffers {
     /// Moves the flat buffers (and compute copies) to `gpu` and rebinds every parameter of
     /// `model` (the model these buffers were packed from) to views of the device buffers.
     pub fn to_gpu<M: Module>(&mut self, model: &mut M, gpu: &crate::cuda::Gpu) -> Result<()> {
+        rebind_frozen(model, |v| Ok(v.to_gpu(gpu)?))?;
         self.values = self.values.to_gpu(gpu)?;
         self.grads = Tensor::zeros_on(self.grads.shape().clone(), self.grads.dtype(), gpu)?;
         if let Some(compute) = &self.compute {
@@ -382,6 +398,8 @@ impl ParamBuffers {
             &self.values,
         )?);
         self.refresh_compute_copies()?;
+        // A frozen parameter is read, never updated: it needs only the copy products read.
+        rebind_frozen(model, |v| Ok(v.to_dtype(dtype)?))?;
         self.bind(model)
     }
 

@@ -63,7 +63,11 @@ pub fn sum_shared_gradients<M: Pipelined>(chunks: &[M], parallel: &ParallelState
     let shared_of = |end: fn(&M) -> bool| {
         let mut grads = Vec::new();
         for chunk in chunks.iter().filter(|c| end(c)) {
-            chunk.visit_shared_params(&mut |p| grads.push(p.grad().clone()));
+            chunk.visit_shared_params(&mut |p| {
+                if !p.is_frozen() {
+                    grads.push(p.grad().clone())
+                }
+            });
         }
         grads
     };
@@ -85,7 +89,11 @@ pub fn sum_shared_gradients<M: Pipelined>(chunks: &[M], parallel: &ParallelState
     }
     let mut grads = Vec::new();
     for chunk in chunks {
-        chunk.visit_shared_params(&mut |p| grads.push(p.grad().clone()));
+        chunk.visit_shared_params(&mut |p| {
+            if !p.is_frozen() {
+                grads.push(p.grad().clone())
+            }
+        });
     }
     for g in &grads {
         group.all_reduce(g, ReduceOp::Sum)?;
@@ -113,7 +121,7 @@ pub fn sum_sequence_parallel_gradients<M: Module>(
     let sequence_parallel = parallel.sequence_parallel();
     let mut params: Vec<(Tensor, crate::module::ParamSpec)> = Vec::new();
     for chunk in chunks {
-        chunk.visit_params(&mut |p| {
+        chunk.visit_trainable_params(&mut |p| {
             let spec = p.spec();
             let summed = (sequence_parallel && spec.sequence_parallel)
                 || spec.tensor_parallel_partial

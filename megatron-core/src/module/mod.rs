@@ -428,6 +428,38 @@ pub trait Module: Sized {
     /// Calls `f` on every parameter, mutably, in the same order.
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param));
 
+    /// Calls `f` on every parameter that trains (not frozen), in visit order: those the flat
+    /// buffers, the optimizer and the gradient reductions hold.
+    fn visit_trainable_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+        self.visit_params(&mut |p| {
+            if !p.is_frozen() {
+                f(p)
+            }
+        });
+    }
+
+    /// Calls `f` on every frozen parameter, in visit order.
+    fn visit_frozen_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
+        self.visit_params(&mut |p| {
+            if p.is_frozen() {
+                f(p)
+            }
+        });
+    }
+
+    /// Freezes every parameter whose spec `which` picks (see [`ParamSpec::frozen`]); returns
+    /// how many it froze.
+    fn freeze(&mut self, which: &dyn Fn(&ParamSpec) -> bool) -> usize {
+        let mut frozen = 0;
+        self.visit_params_mut(&mut |p| {
+            if !p.is_frozen() && which(p.spec()) {
+                p.freeze();
+                frozen += 1;
+            }
+        });
+        frozen
+    }
+
     /// Calls `f` on the parameters that a pipeline's first and last stages both hold and keep
     /// equal when the module is used before and after the stack (a tied embedding's table):
     /// all of them unless the module says otherwise (an untied embedding: none, each stage
@@ -471,6 +503,10 @@ pub fn params_to_gpu_with_copies<M: Module>(
         }
         let moved = (|| -> Result<()> {
             let value = p.value().to_gpu(gpu)?;
+            if p.is_frozen() {
+                let value = compute.map_or(Ok(value.clone()), |dtype| value.to_dtype(dtype))?;
+                return p.rebind_frozen(value);
+            }
             let grad = Tensor::zeros_on(p.grad().shape().clone(), p.grad().dtype(), gpu)?;
             let copy = compute.map(|dtype| value.to_dtype(dtype)).transpose()?;
             p.rebind(value, grad, copy)

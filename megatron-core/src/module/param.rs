@@ -201,6 +201,10 @@ pub struct ParamSpec {
     /// value no gradient trains, such as the MoE expert bias): never summed over tp, nor marked
     /// as living in the sequence-parallel region by [`crate::module::sequence_parallel_region`].
     pub gradient_whole_over_tp: bool,
+    /// Whether the parameter is frozen (a fine-tuning's base weights): it has no gradient, no
+    /// optimizer state and no place in the data-parallel reduction or the gradient norm, and
+    /// the layers that own it skip its weight-gradient pass (the input gradient still flows).
+    pub frozen: bool,
 }
 
 impl ParamSpec {
@@ -401,15 +405,62 @@ impl Param {
 
     /// Runs `f` on the gradient as an f32 tensor, for kernels that accumulate in f32: the
     /// gradient itself, or for a 16-bit gradient a widened copy that is rounded back after
-    /// (Megatron-LM's 16-bit `main_grad` accumulation, computed in f32 on the CPU).
-    pub fn accumulate_grad<R>(&self, f: impl FnOnce(&Tensor) -> Result<R>) -> Result<R> {
+    /// (Megatron-LM's 16-bit `main_grad` accumulation, computed in f32 on the CPU). A frozen
+    /// parameter has no gradient: `f` is not run, and neither is the product it would compute.
+    pub fn accumulate_grad(&self, f: impl FnOnce(&Tensor) -> Result<()>) -> Result<()> {
+        if self.spec.frozen {
+            return Ok(());
+        }
         if self.grad.dtype() == DType::F32 {
             return f(&self.grad);
         }
         let wide = self.grad.to_dtype(DType::F32)?;
-        let out = f(&wide)?;
-        self.grad.copy_from(&wide)?;
-        Ok(out)
+        f(&wide)?;
+        Ok(self.grad.copy_from(&wide)?)
+    }
+
+    /// Runs `f` on the gradient as [`Param::accumulate_grad`] does, or for a frozen parameter
+    /// on a zeroed scratch of its local shape, dropped after: for kernels that compute the
+    /// input gradient in the same pass as the weight's (the norms), which must still run.
+    pub fn accumulate_grad_or_scratch(&self, f: impl FnOnce(&Tensor) -> Result<()>) -> Result<()> {
+        if !self.spec.frozen {
+            return self.accumulate_grad(f);
+        }
+        let scratch = Tensor::empty_near(self.spec.local.clone(), DType::F32, &self.value)?;
+        scratch.fill(0.0)?;
+        f(&scratch)
+    }
+
+    /// Whether the parameter is frozen ([`ParamSpec::frozen`]).
+    pub fn is_frozen(&self) -> bool {
+        self.spec.frozen
+    }
+
+    /// Freezes the parameter: its gradient is dropped and never accumulated again; its values
+    /// stay as they are (see [`ParamSpec::frozen`]).
+    pub fn freeze(&mut self) {
+        if !self.spec.frozen {
+            Arc::make_mut(&mut self.spec).frozen = true;
+            self.grad = Tensor::zeros([0], DType::F32);
+        }
+    }
+
+    /// Replaces a frozen parameter's values (e.g. by a 16-bit copy, or the same values on a
+    /// device): it has no gradient and reads no compute copy.
+    pub fn rebind_frozen(&mut self, value: Tensor) -> Result<()> {
+        if !self.spec.frozen || value.shape() != &self.spec.local {
+            return invalid!(
+                "parameter {}: rebinding a frozen parameter's values needs a frozen parameter \
+                 and its local shape {} (got {}, frozen: {})",
+                self.spec.name,
+                self.spec.local,
+                value.shape(),
+                self.spec.frozen
+            );
+        }
+        self.value = value;
+        self.compute = None;
+        Ok(())
     }
 
     /// Name, shapes, split and init.
@@ -777,6 +828,7 @@ impl Builder {
             sequence_parallel: false,
             tensor_parallel_partial: false,
             gradient_whole_over_tp: false,
+            frozen: false,
         };
         if self.specs_only {
             return Ok(Param::spec_only(spec, self.dtype));
@@ -976,6 +1028,8 @@ mod tests {
                     sequence_parallel: false,
                     tensor_parallel_partial: false,
                     gradient_whole_over_tp: false,
+                    frozen: false,
+                    frozen: false,
                 };
                 let got = initial_values(9, &spec);
                 let key = [9, 0];

@@ -41,6 +41,11 @@ impl WeightGrad {
         }
     }
 
+    /// No weight gradients (a frozen layer's): nothing held, nothing run.
+    pub fn none() -> WeightGrad {
+        WeightGrad::new(0, || Ok(()))
+    }
+
     /// Bytes of the tensors it keeps until it runs.
     pub fn held_bytes(&self) -> u64 {
         self.held

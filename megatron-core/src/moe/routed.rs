@@ -316,6 +316,11 @@ fn sequence_length(dims: &[usize], tokens: usize) -> usize {
 /// Adds `f`'s contribution into `p`'s gradient: in place for an f32 host gradient, else on a
 /// host copy written back (widened and rounded back when 16-bit, copied from and to a GPU).
 pub(crate) fn accumulate(p: &Param, f: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
+    // A frozen parameter's contribution lands in a scratch, dropped (the kernels that fill
+    // several gradients at once still fill the others).
+    if p.is_frozen() {
+        return f(&mut vec![0.0; p.spec().local.numel()]);
+    }
     let grad = p.grad();
     if grad.dtype() == DType::F32 && grad.gpu().is_none() {
         return f(&mut grad.write::<f32>()?);

@@ -192,16 +192,18 @@ impl LayerNorm {
         let gamma = self.gamma.value().to_f32_contiguous()?;
         let ops = backend::of(&saved.x);
         let kept = (&saved.x, &saved.mean, &saved.rstd, &gamma);
-        self.gamma.accumulate_grad(|dgamma| match &self.beta {
-            Some(beta) => beta.accumulate_grad(|dbeta| {
-                let grads = (&dx, dgamma, Some(dbeta));
-                ops.layer_norm_backward(&dy, kept, plus.as_ref(), rows, h, grads)
-            }),
-            None => {
-                let grads = (&dx, dgamma, None);
-                ops.layer_norm_backward(&dy, kept, plus.as_ref(), rows, h, grads)
-            }
-        })?;
+        // One pass computes dx with dγ and dβ: it runs even when the norm is frozen.
+        self.gamma
+            .accumulate_grad_or_scratch(|dgamma| match &self.beta {
+                Some(beta) => beta.accumulate_grad_or_scratch(|dbeta| {
+                    let grads = (&dx, dgamma, Some(dbeta));
+                    ops.layer_norm_backward(&dy, kept, plus.as_ref(), rows, h, grads)
+                }),
+                None => {
+                    let grads = (&dx, dgamma, None);
+                    ops.layer_norm_backward(&dy, kept, plus.as_ref(), rows, h, grads)
+                }
+            })?;
         Ok(dx)
     }
 }

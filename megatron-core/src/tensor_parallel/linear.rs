@@ -258,6 +258,10 @@ impl Linear {
         matmul_into(1.0, &dy2, w, 0.0, &dx)?;
         let weight = self.weight.clone();
         let bias = self.bias.clone().filter(|_| with_bias);
+        // A frozen layer keeps nothing for a weight-gradient pass it does not run.
+        if weight.is_frozen() && bias.as_ref().is_none_or(Param::is_frozen) {
+            return Ok((dx.reshape(saved.x.shape().clone())?, WeightGrad::none()));
+        }
         let dw = WeightGrad::new(bytes_of(&[&dy2, &x2]), move || {
             weight.accumulate_grad(|grad| Ok(matmul_into(1.0, &dy2.t()?, &x2, 1.0, grad)?))?;
             if let Some(bias) = &bias {

@@ -142,12 +142,16 @@ pub struct StateMemory {
     /// Bytes of the optimizer's state: Adam's moments and, with 16-bit parameters, the f32
     /// main parameters (and main gradients); with the distributed optimizer, the rank's shards.
     pub optimizer: usize,
+    /// The rank's frozen parameters (elements; counted in `params` too).
+    pub frozen_params: usize,
+    /// Bytes of their values (no gradient, no optimizer state).
+    pub frozen: usize,
 }
 
 impl StateMemory {
     /// All of it.
     pub fn total(&self) -> usize {
-        self.values + self.copies + self.grads + self.optimizer
+        self.values + self.copies + self.grads + self.optimizer + self.frozen
     }
 
     /// `bytes` per parameter of the rank.
@@ -229,7 +233,7 @@ impl<M: LanguageModel> Trainer<M> {
                 .enumerate()
                 .map(|(k, chunk)| {
                     let mut params = 0;
-                    chunk.visit_params(&mut |_| params += 1);
+                    chunk.visit_trainable_params(&mut |_| params += 1);
                     let layout = LayoutConfig {
                         bucket_size: (k == 0 && first_stage).then_some(config.bucket_elements),
                         distributed_optimizer: config.distributed_optimizer,
@@ -312,8 +316,17 @@ impl<M: LanguageModel> Trainer<M> {
         let (m, v) = self.optimizer.moments();
         let main = self.optimizer.main_params().map_or(0, bytes);
         let main_grads = self.optimizer.main_grads().map_or(0, bytes);
+        let (mut frozen_params, mut frozen) = (0, 0);
+        for chunk in &self.chunks.0 {
+            chunk.visit_frozen_params(&mut |p| {
+                frozen_params += p.spec().local.numel();
+                frozen += bytes(p.value());
+            });
+        }
         StateMemory {
-            params: self.buffers.used(),
+            params: self.buffers.used() + frozen_params,
+            frozen_params,
+            frozen,
             values: bytes(self.buffers.values()),
             copies: self.buffers.compute_copies().map_or(0, bytes),
             grads: bytes(self.buffers.grads()),

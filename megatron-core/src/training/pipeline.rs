@@ -167,7 +167,7 @@ impl<M: PipelinedLanguageModel> Trainer<M> {
             let part = chunk.stage();
             let mut names = Vec::new();
             chunk.visit_shared_params(&mut |p| names.push(p.spec().name.clone()));
-            chunk.visit_params(&mut |p| {
+            chunk.visit_trainable_params(&mut |p| {
                 if part.first != part.last && names.contains(&p.spec().name) {
                     shared.push(position);
                     if part.last {

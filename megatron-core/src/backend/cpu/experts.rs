@@ -48,6 +48,9 @@ impl ExpertOps for Cpu {
         let h = shape.hidden;
         let rows = dx.len() / h.max(1);
         let held = 4 * (dy.len() + dpre.len() + kept.len()) as u64;
+        if fc1.is_frozen() && fc2.is_frozen() {
+            return Ok((Tensor::from_vec(dx, [rows, h])?, WeightGrad::none()));
+        }
         let (shape, fc1, fc2) = (*shape, fc1.clone(), fc2.clone());
         let dw = WeightGrad::new(held, move || {
             accumulate(&fc1, |dfc1| {
