@@ -1531,6 +1531,17 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
         },
         state.per_param(state.optimizer),
     );
+    if state.frozen_params > 0 {
+        note!(
+            "{} of rank 0's parameters frozen: {:.1} bytes each (values alone); the {} that \
+             train: {:.1} bytes each",
+            state.frozen_params,
+            state.frozen as f64 / state.frozen_params as f64,
+            state.params - state.frozen_params,
+            (state.total() - state.frozen) as f64
+                / (state.params - state.frozen_params).max(1) as f64
+        );
+    }
     if let Some(e) = summary.evals.last() {
         note!(
             "validation loss {:.4}, perplexity {:.2} at step {}",
