@@ -42,6 +42,17 @@ fn run(
     freeze: bool,
     save: Option<&str>,
 ) -> Run {
+    run_in((tp, dp), sequence_parallel, distributed_optimizer, freeze, save, Precision::FP32)
+}
+
+fn run_in(
+    (tp, dp): (usize, usize),
+    sequence_parallel: bool,
+    distributed_optimizer: bool,
+    freeze: bool,
+    save: Option<&str>,
+    precision: Precision,
+) -> Run {
     let layout = ParallelLayout::new(&ParallelConfig::new(tp * dp).with_tp(tp)).unwrap();
     let text = "Megatron-LM splits each transformer layer over tensor-parallel ranks. ".repeat(30);
     type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -79,7 +90,7 @@ fn run(
         let config = megatron::training::TrainConfig {
             clip_grad: 0.0,
             distributed_optimizer,
-            precision: Precision::FP32,
+            precision,
             ..train_config(schedule, 9, 10_000)
         };
         let mut trainer = Trainer::new(model, &ps, sampler, config)?;
@@ -162,6 +173,13 @@ fn frozen_parameters_keep_their_values_and_the_others_train_as_without_them() {
         }
         assert_eq!(got.frozen_before, got.frozen_after, "tp {tp} dp {dp}");
     }
+    // In bf16 a frozen parameter is its bf16 value alone: 2 bytes.
+    let flags = megatron::optimizer::PrecisionFlags {
+        bf16: true,
+        ..Default::default()
+    };
+    let bf16 = run_in((1, 2), false, true, true, None, Precision::from_flags(&flags).unwrap());
+    assert_eq!(bf16.frozen_bytes, 2 * frozen_elements);
     // The checkpoint holds the frozen parameters, whole (the layout-invariant initial values).
     let loaded = megatron::checkpoint::open(std::path::Path::new(&save)).unwrap();
     for (name, values) in &one.frozen_before {
