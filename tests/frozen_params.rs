@@ -42,7 +42,14 @@ fn run(
     freeze: bool,
     save: Option<&str>,
 ) -> Run {
-    run_in((tp, dp), sequence_parallel, distributed_optimizer, freeze, save, Precision::FP32)
+    run_in(
+        (tp, dp),
+        sequence_parallel,
+        distributed_optimizer,
+        freeze,
+        save,
+        Precision::FP32,
+    )
 }
 
 fn run_in(
@@ -178,7 +185,14 @@ fn frozen_parameters_keep_their_values_and_the_others_train_as_without_them() {
         bf16: true,
         ..Default::default()
     };
-    let bf16 = run_in((1, 2), false, true, true, None, Precision::from_flags(&flags).unwrap());
+    let bf16 = run_in(
+        (1, 2),
+        false,
+        true,
+        true,
+        None,
+        Precision::from_flags(&flags).unwrap(),
+    );
     assert_eq!(bf16.frozen_bytes, 2 * frozen_elements);
     // The checkpoint holds the frozen parameters, whole (the layout-invariant initial values).
     let loaded = megatron::checkpoint::open(std::path::Path::new(&save)).unwrap();

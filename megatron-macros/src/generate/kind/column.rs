@@ -9,8 +9,8 @@ use proc_macro2::TokenStream;
 use quote::quote;
 
 use super::{
-    Backward, Call, Forward, Imports, Kind, keep_sequence_shard, refuse_sequence_parallel,
-    regather_sequence, sequence_gather, sequence_sum,
+    Backward, Call, Forward, Imports, Kind, keep_sequence_shard, regather_sequence,
+    sequence_gather, sequence_sum,
 };
 use crate::generate::body::Body;
 use crate::generate::comment;
@@ -89,35 +89,16 @@ impl Kind for Column {
         };
         let x = args[0];
         let call = cx.qualified(n, quote!(ColumnParallel::forward_column));
-        if *gather_output {
-            let doc = comment(&format!(
-                "`{name}`: #[column_parallel]. f: identity in forward (its backward \
-                 all-reduces the input gradient over tp)."
-            ));
+        // With gather_output the layer's output goes to a local first, gathered after.
+        let (layer_out, gathered) = if *gather_output {
             let local = b
                 .locals
                 .temp(&format!("{name}_local"), pos, node.src.span());
-            let gdoc = comment(&format!(
-                "`{name}`: gather_output. All-gather of the output features over tp."
-            ));
-            let refuse = refuse_sequence_parallel(
-                rt,
-                &format!(
-                    "#[column_parallel(gather_output)] `{name}` gives the whole sequence to \
-                     every rank: it cannot run with sequence parallelism"
-                ),
-            );
-            b.push(move |nm| {
-                let (xr, l, s, o) = (nm.by_ref(x), nm.ident(local), nm.pat(saved), nm.pat(out));
-                quote! {
-                    #refuse
-                    #doc
-                    let (#l, #s) = #call(&#this_field, cx, #site, #xr)?;
-                    #gdoc
-                    let #o = #rt::tensor_parallel::gather_last_dim(cx, &#l)?;
-                }
-            });
-        } else if node.deferred {
+            (local, Some(out))
+        } else {
+            (out, None)
+        };
+        if node.deferred {
             // f ran once before it, for every column-parallel layer reading this value.
             let kept = b.locals.temp(&format!("{name}_kept"), pos, node.src.span());
             let map = cx.qualified(n, quote!(ColumnParallel::map_kept_input));
@@ -127,7 +108,12 @@ impl Kind for Column {
                  (backward gathers it again), as Megatron-LM does."
             ));
             b.push(move |nm| {
-                let (xr, s, o, k) = (nm.by_ref(x), nm.pat(saved), nm.pat(out), nm.ident(kept));
+                let (xr, s, o, k) = (
+                    nm.by_ref(x),
+                    nm.pat(saved),
+                    nm.pat(layer_out),
+                    nm.ident(kept),
+                );
                 let keep = keep_sequence_shard(rt, &map, &k, &s);
                 quote! {
                     let (#o, #k) = #call(&#this_field, cx, #site, #xr)?;
@@ -152,7 +138,12 @@ impl Kind for Column {
                  not the gathered sequence (backward gathers it again), as Megatron-LM does."
             ));
             b.push(move |nm| {
-                let (xr, s, o, w) = (nm.by_ref(x), nm.pat(saved), nm.pat(out), nm.ident(whole));
+                let (xr, s, o, w) = (
+                    nm.by_ref(x),
+                    nm.pat(saved),
+                    nm.pat(layer_out),
+                    nm.ident(whole),
+                );
                 let k = nm.ident(kept);
                 let gather = sequence_gather(rt, &xr, span);
                 let keep = keep_sequence_shard(rt, &map, &k, &s);
@@ -162,6 +153,25 @@ impl Kind for Column {
                     let (#o, #k) = #call(&#this_field, cx, #site, &#w)?;
                     #kdoc
                     #keep
+                }
+            });
+        }
+        if let Some(out) = gathered {
+            let gdoc = comment(&format!(
+                "`{name}`: gather_output. All-gather of the output features over tp; with \
+                 sequence parallelism this rank then keeps its shard of the sequence (the \
+                 output is replicated as every layer's outside the tensor-parallel region)."
+            ));
+            b.push(move |nm| {
+                let (l, o) = (nm.ident(layer_out), nm.pat(out));
+                quote! {
+                    #gdoc
+                    let #o = #rt::tensor_parallel::gather_last_dim(cx, &#l)?;
+                    let #o = if cx.sequence_parallel() {
+                        #rt::tensor_parallel::keep_sequence_shard(cx, &#o)?
+                    } else {
+                        #o
+                    };
                 }
             });
         }
@@ -194,7 +204,7 @@ impl Kind for Column {
         let local = gather_output.then(|| b.locals.temp(&format!("d_{name}_local"), pos, span));
         let partial = b.locals.temp(&format!("d_{name}_partial"), pos, span);
         let weights = b.locals.temp(&format!("{name}_weight_grad"), pos, span);
-        let whole = (!gather_output).then(|| b.locals.temp(&format!("{name}_whole"), pos, span));
+        let whole = Some(b.locals.temp(&format!("{name}_whole"), pos, span));
         let map = cx.qualified(n, quote!(ColumnParallel::map_kept_input));
         let wdoc = comment(&format!(
             "`{name}`: with sequence parallelism the all-gather of the kept input's sequence \
@@ -226,12 +236,18 @@ impl Kind for Column {
                     let dyr = nm.by_ref(d_y);
                     let sdoc = comment(&format!(
                         "`{name}`: gather_output's backward, this rank's slice of the \
-                         output gradient."
+                         output gradient's features; with sequence parallelism of the whole \
+                         sequence, gathered first."
                     ));
                     (
                         quote! {
                             #sdoc
-                            let #li = #rt::tensor_parallel::split_last_dim(cx, #dyr)?;
+                            let #li = if cx.sequence_parallel() {
+                                let whole = #rt::tensor_parallel::all_gather_sequence(cx, #dyr)?;
+                                #rt::tensor_parallel::split_last_dim(cx, &whole)?
+                            } else {
+                                #rt::tensor_parallel::split_last_dim(cx, #dyr)?
+                            };
                         },
                         quote!(&#li),
                     )
