@@ -563,6 +563,22 @@ pub trait Lookup: Module {
 pub trait ColumnParallel: Module {
     /// Builds this rank's part: output features `rank·n/tp .. (rank+1)·n/tp`.
     fn build_column(spec: &Self::Spec, b: &mut Builder) -> Result<Self>;
+    /// The LoRA adapter beside this layer, when it carries one
+    /// ([`crate::tensor_parallel::lora`]); the generated code runs it, with its collectives.
+    fn lora(&self) -> Option<&crate::tensor_parallel::lora::LoraAdapter> {
+        None
+    }
+    /// What forward kept, with the adapter's whole down-projection `a` kept too (B's gradient
+    /// reads it).
+    fn keep_lora(saved: Self::Saved, _a: Tensor) -> Self::Saved {
+        saved
+    }
+    /// The input the adapter's A read (as the layer keeps it) and the kept down-projection,
+    /// when forward kept them.
+    fn lora_kept(_saved: &Self::Saved) -> Option<(&Tensor, &Tensor)> {
+        None
+    }
+
     /// Computes this rank's output features from the whole input.
     fn forward_column(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, Self::Saved)>;
     /// The split backward: this rank's partial input gradient, and the weight gradients to run
@@ -609,6 +625,22 @@ pub trait ColumnParallel: Module {
 pub trait RowParallel: Module {
     /// Builds this rank's part: input features `rank·n/tp .. (rank+1)·n/tp`; the bias is whole.
     fn build_row(spec: &Self::Spec, b: &mut Builder) -> Result<Self>;
+    /// The LoRA adapter beside this layer, when it carries one
+    /// ([`crate::tensor_parallel::lora`]); the generated code runs it, with its collectives.
+    fn lora(&self) -> Option<&crate::tensor_parallel::lora::LoraAdapter> {
+        None
+    }
+    /// What forward kept, with the adapter's whole down-projection `a` kept too (B's gradient
+    /// reads it).
+    fn keep_lora(saved: Self::Saved, _a: Tensor) -> Self::Saved {
+        saved
+    }
+    /// The input the adapter's A read (as the layer keeps it) and the kept down-projection,
+    /// when forward kept them.
+    fn lora_kept(_saved: &Self::Saved) -> Option<(&Tensor, &Tensor)> {
+        None
+    }
+
     /// Computes this rank's partial output (no bias) from its slice of the input features;
     /// with one tensor-parallel rank, whose output is whole, it may add the bias itself (in the
     /// product's epilogue on a GPU), and then [`RowParallel::add_bias`] adds nothing.

@@ -567,6 +567,8 @@ pub struct Builder {
     /// The pipeline stage being built (what a `#[pipeline]` stack and the parts around it hold);
     /// `None` builds the whole model.
     stage: Option<StagePart>,
+    /// The LoRA adapters to build beside the linear layers it targets, if any.
+    lora: Option<Arc<crate::tensor_parallel::lora::LoraConfig>>,
 }
 
 impl Builder {
@@ -580,7 +582,25 @@ impl Builder {
             meta: false,
             specs_only: false,
             stage: None,
+            lora: None,
         }
+    }
+
+    /// A builder that gives every column- and row-parallel linear layer `lora` targets a LoRA
+    /// adapter ([`crate::tensor_parallel::lora`]); `None` builds none.
+    pub fn with_lora(mut self, lora: Option<crate::tensor_parallel::lora::LoraConfig>) -> Self {
+        self.lora = lora.map(Arc::new);
+        self
+    }
+
+    /// The LoRA adapters to build, if any.
+    pub fn lora(&self) -> Option<&crate::tensor_parallel::lora::LoraConfig> {
+        self.lora.as_deref()
+    }
+
+    /// The dotted name of the current scope (the layer being built).
+    pub fn scope_name(&self) -> String {
+        self.prefix.join(".")
     }
 
     /// A builder of one pipeline stage's part of a model (see [`StagePart`]): a `#[pipeline]`

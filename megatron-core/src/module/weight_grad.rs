@@ -46,6 +46,15 @@ impl WeightGrad {
         WeightGrad::new(0, || Ok(()))
     }
 
+    /// These gradients, then `other`'s, as one pass.
+    pub fn and(self, other: WeightGrad) -> WeightGrad {
+        let held = self.held + other.held;
+        WeightGrad::new(held, move || {
+            self.run()?;
+            other.run()
+        })
+    }
+
     /// Bytes of the tensors it keeps until it runs.
     pub fn held_bytes(&self) -> u64 {
         self.held

@@ -10,6 +10,7 @@ use crate::module::{
 use crate::ops::{as_operand, matmul_into, operand_dtype};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
+use crate::tensor_parallel::lora::{Beside, LoraAdapter};
 
 /// The logical description of a linear layer.
 #[derive(Debug, Clone, PartialEq)]
@@ -80,18 +81,22 @@ enum Mode {
     Row,
 }
 
-/// A linear layer; the weight is `[out, in]` as in Megatron-LM and PyTorch.
+/// A linear layer; the weight is `[out, in]` as in Megatron-LM and PyTorch. Column- and
+/// row-parallel, it carries a LoRA adapter when its builder's LoRA config targets it.
 #[derive(Debug, Clone)]
 pub struct Linear {
     weight: Param,
     bias: Option<Param>,
     mode: Mode,
+    lora: Option<LoraAdapter>,
 }
 
-/// What a linear layer keeps for its backward: its input.
+/// What a linear layer keeps for its backward: its input, and with a LoRA adapter the
+/// adapter's whole down-projection (its B's gradient reads it).
 #[derive(Debug, Clone)]
 pub struct LinearSaved {
     x: Tensor,
+    lora: Option<Tensor>,
 }
 
 impl Linear {
@@ -153,7 +158,24 @@ impl Linear {
         } else {
             None
         };
-        let mut linear = Linear { weight, bias, mode };
+        let lora = match (mode, b.lora()) {
+            (Mode::Column | Mode::Row, Some(config)) if config.targets(&b.scope_name()) => {
+                let beside = match mode {
+                    Mode::Row => Beside::Row,
+                    _ => Beside::Column,
+                };
+                let config = config.clone();
+                let io = (spec.in_features, spec.out_features);
+                Some(LoraAdapter::build(&config, b, beside, io, tp)?)
+            }
+            _ => None,
+        };
+        let mut linear = Linear {
+            weight,
+            bias,
+            mode,
+            lora,
+        };
         // A whole layer reads the activations as they are outside the tensor-parallel region:
         // with sequence parallelism, this rank's shard of the sequence (as a norm does).
         if mode == Mode::Whole {
@@ -299,14 +321,14 @@ impl Linear {
         self.check_mode(mode, what)?;
         let x = as_operand(x)?;
         let y = self.biased_product(&x, dtype)?;
-        Ok((y, LinearSaved { x }))
+        Ok((y, LinearSaved { x, lora: None }))
     }
 
     /// `x·Wᵀ` and what the backward keeps: `x` in the dtype the products take (bf16 on a GPU
     /// that multiplies in bf16), converted once for the forward and the weight gradient.
     fn product_saved(&self, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
         let x = as_operand(x)?;
-        Ok((self.product(&x, DType::F32)?, LinearSaved { x }))
+        Ok((self.product(&x, DType::F32)?, LinearSaved { x, lora: None }))
     }
 }
 
@@ -326,12 +348,21 @@ impl Module for Linear {
         if let Some(b) = &self.bias {
             f(b);
         }
+        if let Some(lora) = &self.lora {
+            f(lora.a());
+            f(lora.b());
+        }
     }
 
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
         f(&mut self.weight);
         if let Some(b) = &mut self.bias {
             f(b);
+        }
+        if let Some(lora) = &mut self.lora {
+            for p in lora.params_mut() {
+                f(p);
+            }
         }
     }
 }
@@ -371,17 +402,50 @@ impl ColumnParallel for Linear {
         self.backward_split(saved, dy, true, DType::F32)
     }
 
+    fn lora(&self) -> Option<&LoraAdapter> {
+        self.lora.as_ref()
+    }
+
+    fn keep_lora(saved: LinearSaved, a: Tensor) -> LinearSaved {
+        LinearSaved {
+            lora: Some(a),
+            ..saved
+        }
+    }
+
+    fn lora_kept(saved: &LinearSaved) -> Option<(&Tensor, &Tensor)> {
+        saved.lora.as_ref().map(|a| (&saved.x, a))
+    }
+
     fn map_kept_input(
         saved: LinearSaved,
         f: &dyn Fn(&Tensor) -> Result<Tensor>,
     ) -> Result<LinearSaved> {
-        Ok(LinearSaved { x: f(&saved.x)? })
+        Ok(LinearSaved {
+            x: f(&saved.x)?,
+            lora: saved.lora,
+        })
     }
 }
 
 impl RowParallel for Linear {
     fn build_row(spec: &LinearSpec, b: &mut Builder) -> Result<Self> {
         Linear::build_as(spec, b, Mode::Row)
+    }
+
+    fn lora(&self) -> Option<&LoraAdapter> {
+        self.lora.as_ref()
+    }
+
+    fn keep_lora(saved: LinearSaved, a: Tensor) -> LinearSaved {
+        LinearSaved {
+            lora: Some(a),
+            ..saved
+        }
+    }
+
+    fn lora_kept(saved: &LinearSaved) -> Option<(&Tensor, &Tensor)> {
+        saved.lora.as_ref().map(|a| (&saved.x, a))
     }
 
     /// With one tensor-parallel rank there is nothing to all-reduce: the bias goes in with the

@@ -58,6 +58,16 @@ pub fn split_last_dim(cx: &Cx, whole: &Tensor) -> Result<Tensor> {
         .to_contiguous(whole.dtype())?)
 }
 
+/// The sum over the tensor-parallel group of every rank's `x` (f32), in place: an all-reduce
+/// over tp (a LoRA adapter's partial down-projection, or its rank's input gradient).
+#[track_caller]
+pub fn all_reduce_tp(cx: &Cx, x: &Tensor) -> Result<()> {
+    if cx.tp_size() > 1 {
+        cx.tp().all_reduce(x, ReduceOp::Sum)?;
+    }
+    Ok(())
+}
+
 /// The dims of `x` (`[s / tp, ..]`) with the first times `tp`.
 fn gathered_dims(x: &Tensor, tp: usize) -> Vec<usize> {
     let mut dims = x.dims().to_vec();

@@ -10,6 +10,7 @@ mod cross_entropy;
 mod embedding;
 mod layer_norm;
 mod linear;
+pub mod lora;
 mod mappings;
 mod qk_norm;
 mod rotary;
@@ -26,8 +27,8 @@ pub use embedding::{
 pub use layer_norm::{LayerNorm, LayerNormSaved, LayerNormSpec, Normalization};
 pub use linear::{Linear, LinearSaved, LinearSpec};
 pub use mappings::{
-    all_gather_sequence, gather_last_dim, keep_sequence_shard, reduce_scatter_sequence,
-    split_last_dim, split_sequence,
+    all_gather_sequence, all_reduce_tp, gather_last_dim, keep_sequence_shard,
+    reduce_scatter_sequence, split_last_dim, split_sequence,
 };
 pub use qk_norm::{QkNorm, QkNormSaved, QkNormSpec};
 pub use rotary::{Llama3Scaling, Rotary};

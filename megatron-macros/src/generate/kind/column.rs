@@ -89,6 +89,14 @@ impl Kind for Column {
         };
         let x = args[0];
         let call = cx.qualified(n, quote!(ColumnParallel::forward_column));
+        let lora = cx.qualified(n, quote!(ColumnParallel::lora));
+        let keep_lora = cx.qualified(n, quote!(ColumnParallel::keep_lora));
+        let ldoc = comment(&format!(
+            "`{name}`: its LoRA adapter, when it carries one (Megatron-Bridge's, beside a \
+             column-parallel layer): this rank's rows of A (a slice of the rank) read the \
+             whole input, their outputs all-gathered over tp; B's rows are split as the \
+             layer's outputs, and add to them."
+        ));
         // With gather_output the layer's output goes to a local first, gathered after.
         let (layer_out, gathered) = if *gather_output {
             let local = b
@@ -115,8 +123,12 @@ impl Kind for Column {
                     nm.ident(kept),
                 );
                 let keep = keep_sequence_shard(rt, &map, &k, &s);
+                let oi = nm.ident(layer_out);
+                let adapter =
+                    adapter_forward(rt, &lora, &keep_lora, &this_field, &ldoc, &o, &oi, &k, &xr);
                 quote! {
                     let (#o, #k) = #call(&#this_field, cx, #site, #xr)?;
+                    #adapter
                     #kdoc
                     #keep
                 }
@@ -147,10 +159,15 @@ impl Kind for Column {
                 let k = nm.ident(kept);
                 let gather = sequence_gather(rt, &xr, span);
                 let keep = keep_sequence_shard(rt, &map, &k, &s);
+                let oi = nm.ident(layer_out);
+                let wr = quote!(&#w);
+                let adapter =
+                    adapter_forward(rt, &lora, &keep_lora, &this_field, &ldoc, &o, &oi, &k, &wr);
                 quote! {
                     #doc
                     let #w = #gather;
                     let (#o, #k) = #call(&#this_field, cx, #site, &#w)?;
+                    #adapter
                     #kdoc
                     #keep
                 }
@@ -210,8 +227,17 @@ impl Kind for Column {
             "`{name}`: with sequence parallelism the all-gather of the kept input's sequence \
              shards over tp (the weight's gradient reads the whole sequence)."
         ));
+        let lora = cx.qualified(n, quote!(ColumnParallel::lora));
+        let lora_kept = cx.qualified(n, quote!(ColumnParallel::lora_kept));
+        let adapter_dx = b.locals.temp(&format!("d_{name}_adapter"), pos, span);
+        let ldoc = comment(&format!(
+            "`{name}`: its LoRA adapter's backward, when it carries one: B's input gradient \
+             is a partial sum over tp, all-reduced, then this rank keeps its slice of the \
+             rank (the gather's backward); A's input gradient joins the layer's partial one."
+        ));
         b.push(move |nm| {
             let (dx, p, wg) = (nm.pat(d_x), nm.ident(partial), nm.ident(weights));
+            let ad = nm.ident(adapter_dx);
             let w_pass = super::weight_pass(&format!("`{name}`"), &wg);
             let (regather, s) = match whole {
                 Some(w) => {
@@ -254,12 +280,29 @@ impl Kind for Column {
                 }
                 None => (quote!(), nm.by_ref(d_y)),
             };
+            let adapter = quote! {
+                #ldoc
+                let #ad = match #lora(&#this_field) {
+                    ::std::option::Option::Some(lora) => {
+                        let (x, a) = #rt::tensor_parallel::lora::kept(#lora_kept(&#s))?;
+                        let (da, up) = lora.backward_up(a, #dy)?;
+                        #rt::tensor_parallel::all_reduce_tp(cx, &da)?;
+                        let da = #rt::tensor_parallel::split_last_dim(cx, &da)?;
+                        let (d, down) = lora.backward_down(x, &da)?;
+                        cx.weight_gradient(up.and(down))?;
+                        ::std::option::Option::Some(d)
+                    }
+                    ::std::option::Option::None => ::std::option::Option::None,
+                };
+            };
             if deferred {
                 // f's backward runs once, on the sum of the readers' input gradients.
                 return quote! {
                     #split
                     #regather
-                    let (#dx, #wg) = #call(&#this_field, cx, #site, #s, #dy)?;
+                    #adapter
+                    let (#p, #wg) = #call(&#this_field, cx, #site, #s, #dy)?;
+                    let #dx = #rt::tensor_parallel::lora::add_input_grad(#p, #ad)?;
                     #w_pass
                 };
             }
@@ -267,11 +310,42 @@ impl Kind for Column {
             quote! {
                 #split
                 #regather
+                #adapter
                 let (#p, #wg) = #call(&#this_field, cx, #site, #s, #dy)?;
+                let #p = #rt::tensor_parallel::lora::add_input_grad(#p, #ad)?;
                 #doc
                 let #dx = #sum;
                 #w_pass
             }
         });
+    }
+}
+
+/// The forward of a column-parallel layer's LoRA adapter, when it carries one: statements
+/// rebinding the layer's output `o` (`oi` its name) and what it kept `k`, the adapter having
+/// read the layer's input `x`.
+#[allow(clippy::too_many_arguments)]
+fn adapter_forward(
+    rt: &TokenStream,
+    lora: &TokenStream,
+    keep_lora: &TokenStream,
+    this_field: &TokenStream,
+    doc: &TokenStream,
+    o: &impl quote::ToTokens,
+    oi: &impl quote::ToTokens,
+    k: &impl quote::ToTokens,
+    x: &TokenStream,
+) -> TokenStream {
+    quote! {
+        #doc
+        let (#o, #k) = match #lora(&#this_field) {
+            ::std::option::Option::Some(lora) => {
+                let down = lora.down(#x)?;
+                let a = #rt::tensor_parallel::gather_last_dim(cx, &down)?;
+                lora.add_up(&a, &#oi, 0)?;
+                (#oi, #keep_lora(#k, a))
+            }
+            ::std::option::Option::None => (#oi, #k),
+        };
     }
 }

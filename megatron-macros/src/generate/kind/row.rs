@@ -103,6 +103,14 @@ impl Kind for Row {
                  cannot run with sequence parallelism"
             ),
         );
+        let lora = cx.qualified(n, quote!(RowParallel::lora));
+        let keep_lora = cx.qualified(n, quote!(RowParallel::keep_lora));
+        let ldoc = comment(&format!(
+            "`{name}`: its LoRA adapter, when it carries one (Megatron-Bridge's, beside a \
+             row-parallel layer): this rank's columns of A (its input features) give a partial \
+             down-projection, all-reduced over tp; this rank's rows of B give its block of the \
+             output features, added into its columns of the partial outputs, which g sums."
+        ));
         if node.deferred {
             // Reduced with the other row-parallel outputs of the sum it is in (`RowSum`), or by
             // the caller of the module it ends (`PartialOutput`).
@@ -122,9 +130,14 @@ impl Kind for Row {
             });
             b.push(move |nm| {
                 let (s, o, xr) = (nm.pat(saved), nm.pat(out), nm.by_ref(x));
+                let (si, oi) = (nm.ident(saved), nm.ident(out));
+                let names = (&o, &oi, &s, &si);
+                let adapter =
+                    adapter_forward(rt, (&lora, &keep_lora), &this_field, &ldoc, names, &xr);
                 quote! {
                     #doc
                     let (#o, #s) = #call(&#this_field, cx, #site, #xr)?;
+                    #adapter
                 }
             });
             return;
@@ -151,9 +164,19 @@ impl Kind for Row {
                 None => (quote!(), nm.by_ref(x)),
             };
             let sum = sequence_sum(rt, &p, span);
+            let si = nm.ident(saved);
+            let adapter = adapter_forward(
+                rt,
+                (&lora, &keep_lora),
+                &this_field,
+                &ldoc,
+                (&p, &p, &s, &si),
+                &xr,
+            );
             quote! {
                 #scatter
                 let (#p, #s) = #call(&#this_field, cx, #site, #xr)?;
+                #adapter
                 #doc
                 let #o = #sum;
                 #add_bias(&#this_field, cx, &#oi)?;
@@ -190,6 +213,33 @@ impl Kind for Row {
             b.locals.temp(&base, pos, span)
         });
         let weights = b.locals.temp(&format!("{name}_weight_grad"), pos, span);
+        let lora = cx.qualified(n, quote!(RowParallel::lora));
+        let lora_kept = cx.qualified(n, quote!(RowParallel::lora_kept));
+        let adapter_dx = b.locals.temp(&format!("d_{name}_adapter"), pos, span);
+        let layer_dx = b.locals.temp(&format!("d_{name}_layer"), pos, span);
+        let ldoc = comment(&format!(
+            "`{name}`: its LoRA adapter's backward, when it carries one: this rank's columns \
+             of the output gradient give B's input gradient, a partial sum over tp, \
+             all-reduced; A's input gradient joins the layer's."
+        ));
+        let adapter_field = this_field.clone();
+        let adapter = move |s: &TokenStream, dy: &TokenStream, ad: &TokenStream| {
+            quote! {
+                #ldoc
+                let #ad = match #lora(&#adapter_field) {
+                    ::std::option::Option::Some(lora) => {
+                        let (x, a) = #rt::tensor_parallel::lora::kept(#lora_kept(&#s))?;
+                        let dy = #rt::tensor_parallel::split_last_dim(cx, #dy)?;
+                        let (da, up) = lora.backward_up(a, &dy)?;
+                        #rt::tensor_parallel::all_reduce_tp(cx, &da)?;
+                        let (d, down) = lora.backward_down(x, &da)?;
+                        cx.weight_gradient(up.and(down))?;
+                        ::std::option::Option::Some(d)
+                    }
+                    ::std::option::Option::None => ::std::option::Option::None,
+                };
+            }
+        };
         if node.deferred {
             // The gradient arrives gathered, from the sum's backward (`RowSum`) or the caller's.
             b.push(move |nm| {
@@ -199,9 +249,13 @@ impl Kind for Row {
                     nm.pat(d_x),
                     nm.ident(weights),
                 );
+                let (ad, ld) = (nm.ident(adapter_dx), nm.ident(layer_dx));
                 let w_pass = super::weight_pass(&format!("`{name}`"), &wg);
+                let adapter = adapter(&quote!(#s), &dy, &quote!(#ad));
                 quote! {
-                    let (#dx, #wg) = #call(&#this_field, cx, #site, #s, #dy)?;
+                    #adapter
+                    let (#ld, #wg) = #call(&#this_field, cx, #site, #s, #dy)?;
+                    let #dx = #rt::tensor_parallel::lora::add_input_grad(#ld, #ad)?;
                     #w_pass
                 }
             });
@@ -218,6 +272,8 @@ impl Kind for Row {
             let gather = sequence_gather(rt, &dy, span);
             let wg = nm.ident(weights);
             let w_pass = super::weight_pass(&format!("`{name}`"), &wg);
+            let (ad, ld) = (nm.ident(adapter_dx), nm.ident(layer_dx));
+            let adapter = adapter(&quote!(#s), &quote!(&#w), &quote!(#ad));
             match local {
                 Some(l) => {
                     let li = nm.ident(l);
@@ -228,7 +284,9 @@ impl Kind for Row {
                     quote! {
                         #doc
                         let #w = #gather;
-                        let (#li, #wg) = #call(&#this_field, cx, #site, #s, &#w)?;
+                        #adapter
+                        let (#ld, #wg) = #call(&#this_field, cx, #site, #s, &#w)?;
+                        let #li = #rt::tensor_parallel::lora::add_input_grad(#ld, #ad)?;
                         #gdoc
                         let #dx = #rt::tensor_parallel::gather_last_dim(cx, &#li)?;
                         #w_pass
@@ -237,10 +295,42 @@ impl Kind for Row {
                 None => quote! {
                     #doc
                     let #w = #gather;
-                    let (#dx, #wg) = #call(&#this_field, cx, #site, #s, &#w)?;
+                    #adapter
+                    let (#ld, #wg) = #call(&#this_field, cx, #site, #s, &#w)?;
+                    let #dx = #rt::tensor_parallel::lora::add_input_grad(#ld, #ad)?;
                     #w_pass
                 },
             }
         });
+    }
+}
+
+/// The forward of a row-parallel layer's LoRA adapter, when it carries one: statements
+/// rebinding the layer's partial outputs and what it kept (`(o, oi, s, si)`: their patterns and
+/// names), the adapter having read the layer's input `x`.
+fn adapter_forward(
+    rt: &TokenStream,
+    (lora, keep_lora): (&TokenStream, &TokenStream),
+    this_field: &TokenStream,
+    doc: &TokenStream,
+    (o, oi, s, si): (
+        &impl quote::ToTokens,
+        &impl quote::ToTokens,
+        &impl quote::ToTokens,
+        &impl quote::ToTokens,
+    ),
+    x: &TokenStream,
+) -> TokenStream {
+    quote! {
+        #doc
+        let (#o, #s) = match #lora(&#this_field) {
+            ::std::option::Option::Some(lora) => {
+                let a = lora.down(#x)?;
+                #rt::tensor_parallel::all_reduce_tp(cx, &a)?;
+                lora.add_up(&a, &#oi, lora.row_columns_at(cx.tp_rank()))?;
+                (#oi, #keep_lora(#si, a))
+            }
+            ::std::option::Option::None => (#oi, #si),
+        };
     }
 }

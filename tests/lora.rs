@@ -1,0 +1,335 @@
+//! LoRA (issue 48): Megatron-Bridge's adapters beside a column-parallel and a row-parallel layer,
+//! split over tensor parallelism as Bridge splits them. First written out in the DSL by hand —
+//! beside the column-parallel `fc1`, A `[r, in]` split over the rank with its output gathered
+//! and B `[out, r]` split over the output features as `fc1` is; beside the row-parallel `fc2`, A
+//! split over the input features with its output all-reduced and B split over the output
+//! features with its output gathered — and checked against the plain unsharded computation and
+//! at tp 2 with and without sequence parallelism against one rank. Then the adapters every
+//! column- and row-parallel `Linear` carries when its builder's LoRA config targets it (the
+//! collectives in the generated code, docs/expanded-lora.md), given the hand-written module's
+//! values: the same outputs, input gradients and adapter gradients at every tp, and with the
+//! base frozen, no base gradient.
+
+mod support;
+
+use megatron::comm::ParallelState;
+use megatron::comm::threads::launch;
+use megatron::distributed::sum_sequence_parallel_gradients;
+use megatron::module::{Builder, Cx, Module, Site};
+use megatron::parallel::{ParallelConfig, ParallelLayout};
+use megatron::prelude::*;
+use megatron::tensor::Tensor;
+use megatron::tensor_parallel::lora::LoraConfig;
+
+type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// A GeLU MLP with a LoRA adapter beside each of its layers, written out.
+#[megatron::module]
+pub struct LoraMlp {
+    #[column_parallel]
+    fc1: Linear,
+    #[column_parallel(gather_output)]
+    fc1_lora_a: Linear,
+    #[column_parallel]
+    fc1_lora_b: Linear,
+    #[row_parallel]
+    fc2: Linear,
+    #[row_parallel]
+    fc2_lora_a: Linear,
+    #[column_parallel(gather_output)]
+    fc2_lora_b: Linear,
+    #[config]
+    scale: f32,
+}
+
+#[megatron::module]
+impl LoraMlp {
+    fn forward(&self, x: Tensor) -> Tensor {
+        let h = gelu(self.fc1(x) + self.fc1_lora_b(self.fc1_lora_a(x)) * self.scale);
+        self.fc2(h) + self.fc2_lora_b(self.fc2_lora_a(h)) * self.scale
+    }
+}
+
+const SEQ: usize = 8;
+const BATCH: usize = 2;
+const H: usize = 16;
+const F: usize = 32;
+const RANK: usize = 4;
+
+fn spec() -> LoraMlpSpec {
+    // B drawn, not zero as LoRA starts it, so that every path carries values.
+    let adapter = |i, o| LinearSpec::new(i, o).with_bias(false).with_init_std(0.1);
+    LoraMlpSpec {
+        fc1: LinearSpec::new(H, F),
+        fc1_lora_a: adapter(H, RANK),
+        fc1_lora_b: adapter(RANK, F),
+        fc2: LinearSpec::new(F, H),
+        fc2_lora_a: adapter(F, RANK),
+        fc2_lora_b: adapter(RANK, H),
+        scale: 2.0,
+    }
+}
+
+fn values(salt: usize) -> Vec<f32> {
+    (0..SEQ * BATCH * H)
+        .map(|i| (((i * 7919 + salt * 104_729) % 2003) as f32 / 2003.0 - 0.5) * 2.0)
+        .collect()
+}
+
+/// Rank 0's output and input gradient after `steps` steps of gradient descent on Σ y ⊙ c at
+/// tp `tp` (sequence parallelism when `sp`; the shards put back together), and the one-rank
+/// parameters before the first step, by name.
+fn train(tp: usize, sp: bool, steps: usize) -> (Vec<f32>, Vec<f32>, Vec<(String, Vec<f32>)>) {
+    let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp)).unwrap();
+    let per_rank = launch(tp, |w| -> R<_> {
+        let ps = ParallelState::new(&w, &layout)?.with_sequence_parallel(sp);
+        let model = LoraMlp::build(&spec(), &mut Builder::for_rank(5, ps.groups()))?;
+        let mut params = Vec::new();
+        model.visit_params(&mut |p| {
+            params.push((p.spec().name.clone(), p.value().to_vec_f32().unwrap()))
+        });
+        let rank = ps.groups().tp_rank();
+        let rows = if sp { SEQ / tp } else { SEQ };
+        let part = |all: Vec<f32>| {
+            let n = rows * BATCH * H;
+            let start = if sp { rank * n } else { 0 };
+            all[start..start + n].to_vec()
+        };
+        let (mut y_out, mut dx_out): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
+        for step in 0..steps {
+            let cx = Cx::new(&ps, step as u64);
+            let x = Tensor::from_vec(part(values(step)), [rows, BATCH, H])?;
+            let dy = Tensor::from_vec(part(values(step + 50)), [rows, BATCH, H])?;
+            let (y, saved) = model.forward(&cx, Site::ROOT, &x)?;
+            let dx = model.backward(&cx, Site::ROOT, saved, &dy)?;
+            sum_sequence_parallel_gradients(std::slice::from_ref(&model), &ps)?;
+            y_out = y.to_vec()?;
+            dx_out = dx.to_vec()?;
+            support::descend(&model, 0.01);
+        }
+        Ok((y_out, dx_out, params))
+    })
+    .unwrap();
+    let mut y = Vec::new();
+    let mut dx = Vec::new();
+    let params = per_rank[0].2.clone();
+    for (i, (a, b, _)) in per_rank.into_iter().enumerate() {
+        if sp || i == 0 {
+            y.extend(a);
+            dx.extend(b);
+        }
+    }
+    (y, dx, params)
+}
+
+/// `x·Wᵀ (+ b)` in f64 for `x` `[rows, in]`, `w` `[out, in]`.
+fn linear(x: &[f64], w: &[f32], b: Option<&[f32]>, inp: usize) -> Vec<f64> {
+    let out = w.len() / inp;
+    x.chunks(inp)
+        .flat_map(|row| {
+            (0..out).map(move |o| {
+                let dot: f64 = (0..inp).map(|i| row[i] * f64::from(w[o * inp + i])).sum();
+                dot + b.map_or(0.0, |b| f64::from(b[o]))
+            })
+        })
+        .collect()
+}
+
+fn gelu(v: f64) -> f64 {
+    0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v.powi(3))).tanh())
+}
+
+#[test]
+fn lora_beside_column_and_row_layers_is_the_plain_computation_at_every_tp() {
+    let (y, _, params) = train(1, false, 1);
+    let p = |name: &str| params.iter().find(|(n, _)| n == name).unwrap().1.as_slice();
+    let s = 2.0;
+    let x: Vec<f64> = values(0).iter().map(|&v| f64::from(v)).collect();
+    let base = linear(&x, p("fc1.weight"), Some(p("fc1.bias")), H);
+    let adapter = linear(
+        &linear(&x, p("fc1_lora_a.weight"), None, H),
+        p("fc1_lora_b.weight"),
+        None,
+        RANK,
+    );
+    let h: Vec<f64> = base
+        .iter()
+        .zip(&adapter)
+        .map(|(b, a)| gelu(b + s * a))
+        .collect();
+    let base = linear(&h, p("fc2.weight"), Some(p("fc2.bias")), F);
+    let adapter = linear(
+        &linear(&h, p("fc2_lora_a.weight"), None, F),
+        p("fc2_lora_b.weight"),
+        None,
+        RANK,
+    );
+    let want: Vec<f64> = base.iter().zip(&adapter).map(|(b, a)| b + s * a).collect();
+    let worst = y
+        .iter()
+        .zip(&want)
+        .map(|(&g, w)| (f64::from(g) - w).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 1e-5, "{worst}");
+    let one = train(1, false, 4);
+    for sp in [false, true] {
+        let two = train(2, sp, 4);
+        for (what, got, want) in [
+            ("output", &two.0, &one.0),
+            ("input gradient", &two.1, &one.1),
+        ] {
+            assert_eq!(got.len(), want.len());
+            let worst = support::max_abs_diff(got, want);
+            assert!(worst < 1e-5, "tp 2 (sp {sp}): {what} {worst} from one rank");
+        }
+    }
+}
+
+/// The same MLP without adapters: built with a LoRA config, its layers carry them.
+#[megatron::module]
+pub struct Mlp {
+    #[column_parallel]
+    fc1: Linear,
+    #[row_parallel]
+    fc2: Linear,
+}
+
+#[megatron::module]
+impl Mlp {
+    fn forward(&self, x: Tensor) -> Tensor {
+        let h = gelu(self.fc1(x));
+        self.fc2(h)
+    }
+}
+
+/// The built-in adapters' names for the hand-written ones'.
+fn built_in_name(name: &str) -> String {
+    name.replace("_lora_a.", ".lora_a.")
+        .replace("_lora_b.", ".lora_b.")
+}
+
+/// Each parameter's local values and gradient after one forward and backward at tp `tp`, and
+/// the output and input gradient (sequence shards put together), for the hand-written module
+/// (`built_in` false) or the built-in adapters given its values (with the base frozen when
+/// `frozen`).
+type Grads = Vec<(String, Vec<f32>, Vec<f32>)>;
+fn one_pass(tp: usize, sp: bool, built_in: bool, frozen: bool) -> (Vec<f32>, Vec<f32>, Grads) {
+    let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp)).unwrap();
+    let per_rank = launch(tp, |w| -> R<_> {
+        let ps = ParallelState::new(&w, &layout)?.with_sequence_parallel(sp);
+        let written = LoraMlp::build(&spec(), &mut Builder::for_rank(5, ps.groups()))?;
+        let rank = ps.groups().tp_rank();
+        let rows = if sp { SEQ / tp } else { SEQ };
+        let part = |all: Vec<f32>| {
+            let n = rows * BATCH * H;
+            let start = if sp { rank * n } else { 0 };
+            all[start..start + n].to_vec()
+        };
+        let cx = Cx::new(&ps, 0);
+        let x = Tensor::from_vec(part(values(0)), [rows, BATCH, H])?;
+        let dy = Tensor::from_vec(part(values(50)), [rows, BATCH, H])?;
+        let run = |m: &dyn Fn() -> megatron::Result<(Tensor, Tensor)>| m();
+        let mut grads = Vec::new();
+        let (y, dx) = if built_in {
+            let config = LoraConfig {
+                rank: RANK,
+                alpha: 2.0 * RANK as f32,
+                dropout: 0.0,
+                targets: vec!["fc1".into(), "fc2".into()],
+            };
+            let spec = MlpSpec {
+                fc1: LinearSpec::new(H, F),
+                fc2: LinearSpec::new(F, H),
+            };
+            let b = Builder::for_rank(5, ps.groups()).with_lora(Some(config));
+            let mut model = Mlp::build(&spec, &mut { b })?;
+            let mut values = std::collections::HashMap::new();
+            written.visit_params(&mut |p| {
+                values.insert(built_in_name(&p.spec().name), p.value().clone());
+            });
+            model.visit_params(&mut |p| p.set_values(&values[&p.spec().name]).unwrap());
+            if frozen {
+                model.freeze(&|s| !megatron::tensor_parallel::lora::is_adapter_param(&s.name));
+            }
+            let out = run(&|| {
+                let (y, saved) = model.forward(&cx, Site::ROOT, &x)?;
+                Ok((y, model.backward(&cx, Site::ROOT, saved, &dy)?))
+            })?;
+            sum_sequence_parallel_gradients(std::slice::from_ref(&model), &ps)?;
+            model.visit_params(&mut |p| {
+                grads.push((
+                    p.spec().name.clone(),
+                    p.value().to_vec_f32().unwrap(),
+                    p.grad().to_vec_f32().unwrap(),
+                ))
+            });
+            out
+        } else {
+            let out = run(&|| {
+                let (y, saved) = written.forward(&cx, Site::ROOT, &x)?;
+                Ok((y, written.backward(&cx, Site::ROOT, saved, &dy)?))
+            })?;
+            sum_sequence_parallel_gradients(std::slice::from_ref(&written), &ps)?;
+            written.visit_params(&mut |p| {
+                grads.push((
+                    built_in_name(&p.spec().name),
+                    p.value().to_vec_f32().unwrap(),
+                    p.grad().to_vec_f32().unwrap(),
+                ))
+            });
+            out
+        };
+        Ok((y.to_vec::<f32>()?, dx.to_vec::<f32>()?, grads))
+    })
+    .unwrap();
+    let (mut y, mut dx) = (Vec::new(), Vec::new());
+    let grads = per_rank[0].2.clone();
+    for (i, (a, b, _)) in per_rank.into_iter().enumerate() {
+        if sp || i == 0 {
+            y.extend(a);
+            dx.extend(b);
+        }
+    }
+    (y, dx, grads)
+}
+
+#[test]
+fn the_built_in_adapters_are_the_hand_written_ones_at_every_tp() {
+    for (tp, sp) in [(1, false), (2, false), (2, true)] {
+        let written = one_pass(tp, sp, false, false);
+        let built = one_pass(tp, sp, true, false);
+        let what = format!("tp {tp} sp {sp}");
+        assert!(
+            support::max_abs_diff(&built.0, &written.0) < 1e-6,
+            "{what}: output"
+        );
+        assert!(
+            support::max_abs_diff(&built.1, &written.1) < 1e-6,
+            "{what}: input gradient"
+        );
+        assert_eq!(built.2.len(), written.2.len());
+        for ((name, v, g), (wname, wv, wg)) in built.2.iter().zip(&written.2) {
+            assert_eq!(name, wname, "{what}");
+            assert_eq!(v, wv, "{what}: {name}");
+            let worst = support::max_abs_diff(g, wg);
+            assert!(
+                worst < 1e-5,
+                "{what}: {name}'s gradient {worst} from the hand-written"
+            );
+        }
+        // The base frozen: the same outputs and adapter gradients, no base gradient.
+        let frozen = one_pass(tp, sp, true, true);
+        assert!(
+            support::max_abs_diff(&frozen.0, &written.0) < 1e-6,
+            "{what}: frozen output"
+        );
+        assert!(
+            support::max_abs_diff(&frozen.1, &written.1) < 1e-6,
+            "{what}: frozen input grad"
+        );
+        for (name, _, g) in &frozen.2 {
+            let adapter = megatron::tensor_parallel::lora::is_adapter_param(name);
+            assert_eq!(!g.is_empty(), adapter, "{what}: {name}");
+        }
+    }
+}
