@@ -22,7 +22,7 @@ use quote::{ToTokens, quote};
 use crate::root::Root;
 
 /// The documents generated from the macros.
-const DOCUMENTS: [&str; 10] = [
+const DOCUMENTS: [&str; 11] = [
     "docs/expanded-parallel-block.md",
     "docs/expanded-elementwise.md",
     "docs/expanded-mlp.md",
@@ -33,6 +33,7 @@ const DOCUMENTS: [&str; 10] = [
     "docs/expanded-graph-scope.md",
     "docs/expanded-context-parallel.md",
     "docs/expanded-several-outputs.md",
+    "docs/expanded-lora.md",
 ];
 
 /// What a marker starts with.
