@@ -162,7 +162,10 @@ pub fn generate_streaming(
     let spec = config.spec();
     let out = launch(tp, |w| -> Result<Vec<u32>> {
         let ps = ParallelState::new(&w, &layout)?;
-        let model = Gpt::build(&spec, &mut Builder::for_rank(0, ps.groups()).meta())?;
+        let model = Gpt::build(
+            &spec,
+            &mut config.adapters(Builder::for_rank(0, ps.groups()).meta()),
+        )?;
         load_params(&model, &open_checkpoint(&ps, ckpt)?)?;
         let cx = Cx::new(&ps, sampling.seed).eval();
         let cache = KvCache::new();

@@ -334,6 +334,22 @@ pub(crate) struct RunContext<'a> {
 }
 
 impl TrainJob {
+    /// With LoRA, the checkpoint that holds the frozen base: the one `--load` names as its
+    /// base, or `--load`'s itself (its iteration directory, absolute). The run's saves hold
+    /// the adapters and name it. `None` without LoRA or without `--load`: saves hold it all.
+    fn lora_base(&self) -> anyhow::Result<Option<PathBuf>> {
+        let (Some(_), Some(load)) = (&self.model.lora, &self.load) else {
+            return Ok(None);
+        };
+        if let Some(base) = megatron_core::checkpoint::read_meta(load)?.base {
+            return Ok(Some(base));
+        }
+        let dir = megatron_core::checkpoint::resolve(load)?;
+        Ok(Some(std::fs::canonicalize(&dir).with_context(|| {
+            format!("--load {}: the base of the LoRA run", dir.display())
+        })?))
+    }
+
     /// Checks `--cuda-graph-scope` against the model (Megatron-LM's rules: MoE scopes need MoE
     /// layers, `mlp` dense ones, `moe_preprocess` the router's; no full recompute).
     fn check_graph_scopes(&self) -> Result<()> {
@@ -533,6 +549,7 @@ impl TrainJob {
                 model: serde_json::to_value(&self.model).context("serialising the model config")?,
                 run: self.run_info.clone(),
                 files: self.files.clone(),
+                base: self.lora_base()?,
             },
         })
     }
@@ -565,10 +582,13 @@ impl TrainJob {
         };
         let spec = self.model.spec();
         let mut trainer = if self.pipeline.is_single_stage() {
-            let model = Gpt::build(
+            let mut model = Gpt::build(
                 &spec,
-                &mut Builder::for_rank(self.train.seed, parallel.groups()),
+                &mut self
+                    .model
+                    .adapters(Builder::for_rank(self.train.seed, parallel.groups())),
             )?;
+            self.model.freeze_base(&mut model);
             Trainer::new(model, &parallel, self.train_data.clone(), self.train)?
         } else {
             // This rank's chunk of each virtual stage it holds.
@@ -576,9 +596,13 @@ impl TrainJob {
             let pp_rank = parallel.pp().index();
             let chunks = (0..self.pipeline.vpp)
                 .map(|chunk| {
-                    let mut b = Builder::for_rank(self.train.seed, parallel.groups())
+                    let mut b = self
+                        .model
+                        .adapters(Builder::for_rank(self.train.seed, parallel.groups()))
                         .with_stage(layout.part(pp_rank, chunk));
-                    Gpt::build(&spec, &mut b)
+                    let mut model = Gpt::build(&spec, &mut b)?;
+                    self.model.freeze_base(&mut model);
+                    Ok(model)
                 })
                 .collect::<megatron_core::Result<Vec<_>>>()?;
             Trainer::pipelined_as(

@@ -75,6 +75,7 @@ fn run(
                 model: serde_json::json!({"test": true}),
                 run: serde_json::Value::Null,
                 files: Vec::new(),
+                base: None,
             };
             trainer.save_checkpoint(&ps, path, to, &info)?;
         }
@@ -183,6 +184,7 @@ fn files_beside_the_tensors_are_checksummed_and_non_finite_values_are_never_save
     let dir = scratch("files");
     let _ = std::fs::remove_dir_all(&dir);
     let meta = |iteration| CheckpointMeta {
+        base: None,
         format: String::new(),
         iteration,
         adam_steps: 0,

@@ -123,6 +123,7 @@ fn run_in(
                 model: serde_json::to_value(llama_like(0.0))?,
                 run: serde_json::json!({}),
                 files: Vec::new(),
+                base: None,
             };
             trainer.save_checkpoint(&ps, std::path::Path::new(save), 3, &info)?;
         }

@@ -187,6 +187,7 @@ fn train(copies: bool, steps: u64) -> Vec<f64> {
                 model: serde_json::json!({"test": true}),
                 run: serde_json::Value::Null,
                 files: Vec::new(),
+                base: None,
             };
             trainer.save_checkpoint(&ps, &path, steps, &info)?;
             let values = trainer.buffers().values().to_vec::<f32>()?;

@@ -171,6 +171,7 @@ fn train(run: &Run) -> Outcome {
                     model: serde_json::json!({}),
                     run: serde_json::json!({}),
                     files: Default::default(),
+                    base: None,
                 };
                 trainer.save_checkpoint(&ps, dir, s, &info)?;
                 ps.comm(megatron::parallel::GroupKind::World).barrier()?;

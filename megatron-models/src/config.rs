@@ -5,6 +5,7 @@ use megatron_core::cuda_graphs::ScopedModel;
 use megatron_core::invalid;
 use megatron_core::limits::{MAX_LAYERS, MAX_PARAMS};
 use megatron_core::moe::{DispatcherKind, RouterConfig};
+use megatron_core::tensor_parallel::lora::LoraConfig;
 use megatron_core::tensor_parallel::{Normalization, Rotary, padded_vocab_size};
 
 /// Which layers are MoE layers (`--moe-layer-freq`).
@@ -190,6 +191,10 @@ pub struct GptConfig {
     /// dense GPT.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeConfig>,
+    /// LoRA adapters beside the linear layers it names (`--lora-rank` and the `--lora-*`
+    /// flags): the base frozen, the adapters trained; `None`: no adapters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraConfig>,
 }
 
 /// `add_bias_linear`'s value in a file written before it existed.
@@ -198,6 +203,22 @@ fn biased() -> bool {
 }
 
 impl GptConfig {
+    /// `b`, building this model's LoRA adapters when it has them.
+    pub fn adapters(&self, b: megatron_core::module::Builder) -> megatron_core::module::Builder {
+        b.with_lora(self.lora.clone())
+    }
+
+    /// With LoRA, freezes every parameter of `model` but the adapters' (the base, as PEFT and
+    /// Megatron-Bridge train it); returns how many it froze (none without LoRA).
+    pub fn freeze_base(&self, model: &mut impl megatron_core::module::Module) -> usize {
+        match self.lora {
+            Some(_) => {
+                model.freeze(&|s| !megatron_core::tensor_parallel::lora::is_adapter_param(&s.name))
+            }
+            None => 0,
+        }
+    }
+
     /// A GPT of `num_layers × hidden_size` with `heads` heads and GPT-2 defaults elsewhere
     /// (ffn 4h, dropout 0.1, init std 0.02, vocabulary padded to multiples of 128).
     pub fn new(
@@ -232,6 +253,7 @@ impl GptConfig {
             window_size: None,
             window_layers: None,
             moe: None,
+            lora: None,
         }
     }
 

@@ -14,6 +14,7 @@ pub mod inspect_balance;
 pub mod inspect_cp;
 pub mod layout;
 pub mod logging;
+pub mod lora_args;
 pub mod mask_args;
 pub mod model_args;
 pub mod models;

@@ -44,6 +44,8 @@ pub struct TrainArgs {
     arch: ArchitectureArgs,
     #[command(flatten)]
     masks: MaskArgs,
+    #[command(flatten)]
+    lora: super::lora_args::LoraArgs,
     /// Tensor-parallel size [default: 1, or the loaded checkpoint's].
     #[arg(long = "tensor-model-parallel-size", visible_alias = "tp", value_parser = values::ranks)]
     tp: Option<usize>,
@@ -648,6 +650,9 @@ impl TrainArgs {
                 (self.arch.model_name().to_string(), model)
             }
         };
+        let mut model = model;
+        let saved_lora = model.lora.take();
+        model.lora = self.lora.config(&model, saved_lora.as_ref(), &mut taken)?;
         if seq_length > model.max_position_embeddings {
             bail!(
                 "--seq-length {seq_length} exceeds --max-position-embeddings {}",

@@ -157,6 +157,7 @@ pub(crate) fn save_imported(
         run,
         files: BTreeMap::new(),
         grad_scaler: None,
+        base: None,
         meta_sha256: None,
     };
     let files: Vec<(&str, &[u8])> = files

@@ -298,6 +298,10 @@ pub struct CheckpointMeta {
     /// The loss scale and its trackers, for a run with loss scaling (`--fp16`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_scaler: Option<crate::optimizer::GradScaler>,
+    /// The checkpoint that holds the parameters this one does not save (a LoRA fine-tune's
+    /// frozen base): loads read them there. `None`: this checkpoint holds them all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<PathBuf>,
     /// SHA-256 of this metadata as written without this field, filled in by [`save`]: an
     /// edited `meta.json` (its iteration, its record of the run) is refused as a changed tensor
     /// file is. Checkpoints written before it existed have none and load unchecked.
@@ -1078,6 +1082,11 @@ impl Loaded {
         };
         let (_, shape, bytes) = self.tensor_in(map, OPTIMIZER_FILE, name, &[Dtype::F32])?;
         Ok(whole(shape, bytes))
+    }
+
+    /// Whether the checkpoint holds parameter `name`.
+    pub fn has_model_tensor(&self, name: &str) -> bool {
+        SafeTensors::deserialize(&self.model).is_ok_and(|st| st.tensor(name).is_ok())
     }
 
     /// Names of every parameter in the checkpoint.

@@ -27,6 +27,66 @@ pub struct SaveInfo {
     pub run: serde_json::Value,
     /// Files saved beside the tensors, by name (e.g. the tokenizer's `tokenizer.json`).
     pub files: checkpoint::Files,
+    /// The checkpoint that holds the frozen parameters (a LoRA fine-tune's base): they are
+    /// not saved again, and the checkpoint names it ([`CheckpointMeta::base`]). `None`:
+    /// frozen parameters are saved with the others.
+    pub base: Option<std::path::PathBuf>,
+}
+
+/// A parameter's stored values: in the checkpoint, else in its base
+/// ([`CheckpointMeta::base`]); `None` when neither has it.
+fn stored_in<'a>(
+    loaded: &'a Loaded,
+    base: Option<&'a Loaded>,
+    name: &str,
+) -> Result<Option<checkpoint::Stored<'a>>> {
+    if loaded.has_model_tensor(name) {
+        return Ok(Some(loaded.model_stored(name)?));
+    }
+    match base {
+        Some(base) if base.has_model_tensor(name) => Ok(Some(base.model_stored(name)?)),
+        _ => Ok(None),
+    }
+}
+
+/// The values of parameter `spec` this rank holds, from the checkpoint or its base; `None` for
+/// a LoRA adapter neither has (a fine-tune starting from its base: the adapter keeps its
+/// initial values). Anything else missing is an error naming it.
+fn stored_part(
+    spec: &ParamSpec,
+    loaded: &Loaded,
+    base: Option<&Loaded>,
+) -> Result<Option<Vec<f32>>> {
+    let dir = loaded.dir().display().to_string();
+    match stored_in(loaded, base, &spec.name)? {
+        Some(stored) => Ok(Some(local_part(spec, &stored, &dir)?)),
+        None if crate::tensor_parallel::lora::is_adapter_param(&spec.name) => Ok(None),
+        None => invalid!(
+            "checkpoint {dir}: no tensor `{}`{}",
+            spec.name,
+            base.map(|b| format!(" (nor in its base {})", b.dir().display()))
+                .unwrap_or_default()
+        ),
+    }
+}
+
+/// The base a checkpoint names ([`CheckpointMeta::base`]), opened (verified when `verify`).
+fn open_base(loaded: &Loaded, verify: bool) -> Result<Option<Loaded>> {
+    let Some(base) = &loaded.meta().base else {
+        return Ok(None);
+    };
+    let opened = if verify {
+        checkpoint::open(base)
+    } else {
+        checkpoint::open_unverified(base)
+    };
+    Ok(Some(opened.map_err(|e| {
+        crate::Error::Invalid(format!(
+            "checkpoint {}: its base {}: {e}",
+            loaded.dir().display(),
+            base.display()
+        ))
+    })?))
 }
 
 /// This rank's part of a logical tensor `whole` (unpadded rows `real_rows` padded with zeros).
@@ -187,7 +247,7 @@ impl<M: LanguageModel> Trainer<M> {
         info: &SaveInfo,
     ) -> Result<()> {
         let sharded = self.optimizer.shard().is_some();
-        let tensors = self.gather_tensors(parallel, !sharded)?;
+        let tensors = self.gather_tensors(parallel, !sharded, info.base.is_none())?;
         let world = parallel.comm(crate::parallel::GroupKind::World);
         let rank0 = parallel.groups().rank() == 0;
         let config = parallel.groups().config();
@@ -204,6 +264,7 @@ impl<M: LanguageModel> Trainer<M> {
             run: info.run.clone(),
             files: BTreeMap::new(),
             grad_scaler: self.scaler,
+            base: info.base.clone(),
             meta_sha256: None,
         };
         let files: Vec<(&str, &[u8])> = info
@@ -283,6 +344,7 @@ impl<M: LanguageModel> Trainer<M> {
         &self,
         parallel: &ParallelState,
         optimizer_state: bool,
+        frozen_too: bool,
     ) -> Result<Option<(BTreeMap<String, Whole>, BTreeMap<String, Whole>)>> {
         let groups = parallel.groups();
         // With the distributed optimizer each data-parallel rank holds a shard of the main
@@ -330,7 +392,7 @@ impl<M: LanguageModel> Trainer<M> {
         }
         // Frozen parameters: their values, which no optimizer holds.
         let mut frozen = Vec::new();
-        for chunk in &self.chunks.0 {
+        for chunk in self.chunks.0.iter().filter(|_| frozen_too) {
             chunk.visit_frozen_params(&mut |p| frozen.push((p.spec().clone(), p.value().clone())));
         }
         for (spec, value) in frozen {
@@ -432,7 +494,17 @@ impl<M: LanguageModel> Trainer<M> {
         path: &Path,
     ) -> Result<CheckpointMeta> {
         let loaded = open_checkpoint(parallel, path)?;
-        load_into(&loaded, self)?;
+        let base = match &loaded.meta().base {
+            Some(base) => Some(open_checkpoint(parallel, base).map_err(|e| {
+                crate::Error::Invalid(format!(
+                    "checkpoint {}: its base {}: {e}",
+                    loaded.dir().display(),
+                    base.display()
+                ))
+            })?),
+            None => None,
+        };
+        load_into(&loaded, base.as_ref(), self)?;
         Ok(loaded.meta().clone())
     }
 }
@@ -459,16 +531,16 @@ pub fn open_checkpoint(parallel: &ParallelState, path: &Path) -> Result<Loaded> 
 /// Sets every parameter of `model` to its part of the checkpoint's values (for evaluation,
 /// generation or fine-tuning), resharded to this rank's layout.
 pub fn load_params<M: Module>(model: &M, loaded: &Loaded) -> Result<()> {
-    let dir = loaded.dir().display().to_string();
+    let base = open_base(loaded, false)?;
     let mut failure = None;
     model.visit_params(&mut |p| {
         if failure.is_some() {
             return;
         }
         let result = (|| -> Result<()> {
-            let part = local_part(p.spec(), &loaded.model_stored(&p.spec().name)?, &dir)?;
-            let values = Tensor::from_vec(part, p.spec().local.clone())?;
-            p.set_values(&values)?;
+            if let Some(part) = stored_part(p.spec(), loaded, base.as_ref())? {
+                p.set_values(&Tensor::from_vec(part, p.spec().local.clone())?)?;
+            }
             Ok(())
         })();
         if let Err(e) = result {
@@ -478,20 +550,25 @@ pub fn load_params<M: Module>(model: &M, loaded: &Loaded) -> Result<()> {
     failure.map_or(Ok(()), Err)
 }
 
-fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Result<()> {
+fn load_into<M: LanguageModel>(
+    loaded: &Loaded,
+    base: Option<&Loaded>,
+    trainer: &mut Trainer<M>,
+) -> Result<()> {
     let dir = loaded.dir().display().to_string();
     let with_optimizer = loaded.has_optimizer();
     let n = trainer.buffers.values().numel();
     let (mut exp_avg, mut exp_avg_sq) = (vec![0.0f32; n], vec![0.0f32; n]);
     let mut values = vec![0.0f32; n];
+    let current = trainer.buffers.values().to_vec_f32()?;
     for slot in trainer.buffers.slots() {
         let spec = &slot.spec;
         let r = slot.range();
-        values[r.clone()].copy_from_slice(&local_part(
-            spec,
-            &loaded.model_stored(&spec.name)?,
-            &dir,
-        )?);
+        match stored_part(spec, loaded, base)? {
+            Some(part) => values[r.clone()].copy_from_slice(&part),
+            // A fresh adapter keeps its initial values.
+            None => values[r.clone()].copy_from_slice(&current[r.clone()]),
+        }
         if with_optimizer {
             let mut shape = spec.logical.dims().to_vec();
             if let Some(rows) = spec.real_rows {
@@ -511,8 +588,10 @@ fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Res
                 return;
             }
             let result = (|| -> Result<()> {
-                let part = local_part(p.spec(), &loaded.model_stored(&p.spec().name)?, &dir)?;
-                p.set_values(&Tensor::from_vec(part, p.spec().local.clone())?)
+                if let Some(part) = stored_part(p.spec(), loaded, base)? {
+                    p.set_values(&Tensor::from_vec(part, p.spec().local.clone())?)?;
+                }
+                Ok(())
             })();
             failure = result.err();
         });
