@@ -197,3 +197,173 @@ fn a_lora_save_holds_the_adapters_names_its_base_and_resumes() {
     let (a, b) = (losses(&log), losses(&log2));
     assert_eq!(&a[2..], &b[..], "resumed from the adapters and their base");
 }
+
+/// `t`'s values from a safetensors file of the directory `dir`, by name: (dtype, shape, f32).
+fn read_tensors(dir: &str) -> std::collections::HashMap<String, (Vec<usize>, Vec<f32>)> {
+    let mut out = std::collections::HashMap::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            let bytes = std::fs::read(&path).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            for (name, view) in st.tensors() {
+                assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+                let values = view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect();
+                out.insert(name, (view.shape().to_vec(), values));
+            }
+        }
+    }
+    out
+}
+
+/// `w + s·b·a` for `w` `[out, in]`, `b` `[out, r]`, `a` `[r, in]`, in f64.
+fn merge(w: &[f32], b: &[f32], a: &[f32], s: f64, inp: usize) -> Vec<f64> {
+    let r = a.len() / inp;
+    w.chunks(inp)
+        .zip(b.chunks(r))
+        .flat_map(|(row, brow)| {
+            (0..inp).map(move |j| {
+                f64::from(row[j])
+                    + s * (0..r)
+                        .map(|k| f64::from(brow[k]) * f64::from(a[k * inp + j]))
+                        .sum::<f64>()
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn a_lora_checkpoint_goes_out_as_peft_adapters_or_merged() {
+    let dir = TempDir::new("lora-export");
+    let data = dataset(&dir);
+    let base = import(&dir);
+    let save = dir.join("lora");
+    let (ok, _, stderr) = megatron(&[
+        "train",
+        "--quiet",
+        "--load",
+        &base,
+        "--data",
+        &data,
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "4",
+        "--lr",
+        "1e-2",
+        "--train-iters",
+        "3",
+        "--seed",
+        "3",
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--save",
+        &save,
+    ]);
+    assert!(ok, "{stderr}");
+    // Without --merge-lora an export is refused; with it, the weights are W + (α/r)·B·A.
+    let (ok, _, stderr) = megatron(&["convert", "--from", &save, "--to", "hf", &dir.join("x")]);
+    assert!(
+        !ok && stderr.contains("--merge-lora folds them"),
+        "{stderr}"
+    );
+    let merged = dir.join("merged");
+    let (ok, _, stderr) = megatron(&[
+        "convert",
+        "--from",
+        &save,
+        "--to",
+        "hf",
+        &merged,
+        "--merge-lora",
+    ]);
+    assert!(ok, "{stderr}");
+    let (ok, _, stderr) = megatron(&[
+        "convert",
+        "--from",
+        &base,
+        "--to",
+        "hf",
+        &dir.join("y"),
+        "--merge-lora",
+    ]);
+    assert!(!ok && stderr.contains("holds no LoRA adapters"), "{stderr}");
+    let lora = megatron::checkpoint::open(std::path::Path::new(&save)).unwrap();
+    let basec = megatron::checkpoint::open(std::path::Path::new(&base)).unwrap();
+    let ours = |name: &str| {
+        if lora.has_model_tensor(name) {
+            lora.model_tensor(name).unwrap()
+        } else {
+            basec.model_tensor(name).unwrap()
+        }
+    };
+    let hf = read_tensors(&merged);
+    let (h, s) = (32, 2.0);
+    // o_proj: the whole of attn.proj; down_proj: of mlp.fc2.
+    for (layer, hf_name, inp) in [
+        ("attn.proj", "self_attn.o_proj", 32),
+        ("mlp.fc2", "mlp.down_proj", 48),
+    ] {
+        let w = ours(&format!("blocks.1.{layer}.weight"));
+        let a = ours(&format!("blocks.1.{layer}.lora_a.weight"));
+        let b = ours(&format!("blocks.1.{layer}.lora_b.weight"));
+        assert!(b.data.iter().any(|&v| v != 0.0), "training moved B");
+        let want = merge(&w.data, &b.data, &a.data, s, inp);
+        let got = &hf[&format!("model.layers.1.{hf_name}.weight")].1;
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (f64::from(*g) - w).abs())
+            .fold(0.0, f64::max);
+        assert!(worst < 1e-6, "{layer}: {worst}");
+    }
+    // gate_proj: the first half of fc1's rows, merged.
+    let w = ours("blocks.0.mlp.fc1.weight");
+    let a = ours("blocks.0.mlp.fc1.lora_a.weight");
+    let b = ours("blocks.0.mlp.fc1.lora_b.weight");
+    let want = merge(&w.data, &b.data, &a.data, s, h);
+    let got = &hf["model.layers.0.mlp.gate_proj.weight"].1;
+    assert_eq!(got.len(), want.len() / 2);
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(g, w)| (f64::from(*g) - w).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 1e-6, "gate_proj: {worst}");
+    // PEFT: q, k and v share the fused A; their Bs are the fused B's rows per query group.
+    let peft = dir.join("peft");
+    let (ok, _, stderr) = megatron(&["convert", "--from", &save, "--to", "peft", &peft]);
+    assert!(ok, "{stderr}");
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{peft}/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config["peft_type"], "LORA");
+    assert_eq!(config["r"], 4);
+    assert_eq!(config["lora_alpha"], 8.0);
+    let adapters = read_tensors(&peft);
+    assert_eq!(
+        adapters.len(),
+        2 * 7 * 2,
+        "7 projections × 2 matrices × 2 layers"
+    );
+    let name = |m: &str, x: &str| format!("base_model.model.model.layers.0.{m}.lora_{x}.weight");
+    let a = ours("blocks.0.attn.qkv.lora_a.weight");
+    let b = ours("blocks.0.attn.qkv.lora_b.weight");
+    for proj in ["q_proj", "k_proj", "v_proj"] {
+        assert_eq!(adapters[&name(&format!("self_attn.{proj}"), "A")].1, a.data);
+    }
+    // 4 heads in 2 groups of 8 channels: each group's 16 query rows, its key's 8, its value's 8.
+    let rows = |range: std::ops::Range<usize>| b.data[range.start * 4..range.end * 4].to_vec();
+    let k = [rows(16..24), rows(48..56)].concat();
+    assert_eq!(adapters[&name("self_attn.k_proj", "B")].1, k);
+    assert_eq!(adapters[&name("self_attn.k_proj", "B")].0, vec![16, 4]);
+}

@@ -36,6 +36,11 @@ pub struct ConvertArgs {
     /// index; a larger tensor has a file of its own.
     #[arg(long, value_name = "SIZE", value_parser = parse_shard_size)]
     max_shard_size: Option<u64>,
+    /// With `--to hf`, fold a LoRA checkpoint's adapters into the weights they sit beside
+    /// (`W + (α / r)·B·A`, in f32, then rounded to the dtype written); its base is read from the
+    /// checkpoint it names.
+    #[arg(long)]
+    merge_lora: bool,
 }
 
 fn parse_dtype(text: &str) -> Result<Dtype, String> {
@@ -72,6 +77,8 @@ enum Side {
     Hf { dir: PathBuf, gpt2_only: bool },
     /// A megatron-rs checkpoint.
     Checkpoint(PathBuf),
+    /// A PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`).
+    Peft(PathBuf),
 }
 
 fn side(values: &[OsString], flag: &str) -> Result<Side> {
@@ -80,11 +87,12 @@ fn side(values: &[OsString], flag: &str) -> Result<Side> {
             dir: PathBuf::from(path),
             gpt2_only: format == "hf-gpt2",
         }),
+        [format, path] if format == "peft" => Ok(Side::Peft(PathBuf::from(path))),
         [format, _] => bail!(
-            "--{flag}: unknown format `{}` (formats: hf, hf-gpt2; or a megatron-rs checkpoint path alone)",
+            "--{flag}: unknown format `{}` (formats: hf, hf-gpt2, peft; or a megatron-rs checkpoint path alone)",
             format.to_string_lossy()
         ),
-        [path] if path == "hf-gpt2" || path == "hf" => {
+        [path] if path == "hf-gpt2" || path == "hf" || path == "peft" => {
             bail!("--{flag} {} needs a directory", path.to_string_lossy())
         }
         [path] => Ok(Side::Checkpoint(PathBuf::from(path))),
@@ -95,12 +103,15 @@ fn side(values: &[OsString], flag: &str) -> Result<Side> {
 /// Runs `megatron convert`.
 pub fn run(args: &ConvertArgs) -> Result<()> {
     let (from, to) = (side(&args.from, "from")?, side(&args.to, "to")?);
-    let exporting = matches!(to, Side::Hf { .. });
+    let exporting = matches!(to, Side::Hf { .. } | Side::Peft(_));
     if !exporting && (args.dtype.is_some() || args.max_shard_size.is_some()) {
         bail!(
             "--dtype and --max-shard-size shape an export (`--to hf DIR`); an import keeps each \
              tensor's dtype in the checkpoint"
         );
+    }
+    if args.merge_lora && !matches!(to, Side::Hf { .. }) {
+        bail!("--merge-lora folds adapters into an export's weights: it goes with `--to hf DIR`");
     }
     match (from, to) {
         (Side::Hf { dir: hf, gpt2_only }, Side::Checkpoint(out)) => {
@@ -132,6 +143,7 @@ pub fn run(args: &ConvertArgs) -> Result<()> {
             let flag = if gpt2_only { "hf-gpt2" } else { "hf" };
             let mut options = ExportOptions {
                 dtype: args.dtype,
+                merge_lora: args.merge_lora,
                 ..ExportOptions::default()
             };
             if let Some(max) = args.max_shard_size {
@@ -162,6 +174,32 @@ pub fn run(args: &ConvertArgs) -> Result<()> {
                 )?;
             }
         }
+        (Side::Checkpoint(ckpt), Side::Peft(dir)) => {
+            let options = ExportOptions {
+                dtype: args.dtype,
+                ..ExportOptions::default()
+            };
+            let (c, n) = convert::peft::export(&ckpt, &dir, &options).with_context(|| {
+                format!("--from {} --to peft {}", ckpt.display(), dir.display())
+            })?;
+            let lora = c.lora.as_ref().map_or(0, |l| l.rank);
+            say!(
+                "wrote {} as PEFT's LoRA adapter of rank {lora}: {n} tensors \
+                 (adapter_config.json, adapter_model.safetensors)",
+                dir.display()
+            )?;
+            say_peak()?;
+        }
+        (Side::Peft(dir), _) => bail!(
+            "--from peft {}: importing a PEFT adapter is not supported yet (`--to peft` writes \
+             one)",
+            dir.display()
+        ),
+        (_, Side::Peft(dir)) => bail!(
+            "--to peft {}: a PEFT adapter is written from a megatron-rs checkpoint trained with \
+             --lora-rank (`--from CKPT --to peft DIR`)",
+            dir.display()
+        ),
         (Side::Checkpoint(_), Side::Checkpoint(_)) => bail!(
             "--from and --to are both megatron-rs checkpoints: convert goes from `--from hf DIR` \
              to a checkpoint, or from a checkpoint to `--to hf DIR` (a checkpoint loads at any \

@@ -289,6 +289,13 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
     let c: GptConfig = serde_json::from_value(loaded.meta().model.clone())
         .with_context(|| format!("{}: the model config", loaded.dir().display()))?;
     super::architecture::require_gpt2(&c).with_context(|| format!("{}", loaded.dir().display()))?;
+    if c.lora.is_some() || options.merge_lora {
+        bail!(
+            "{}: LoRA adapters are exported for the Llama family (--merge-lora, --to peft); \
+             GPT-2's are not supported",
+            loaded.dir().display()
+        );
+    }
     let eod = super::eod_id(tokenizer.as_ref(), c.vocab_size);
     let carried = super::hf_files::carried_in(ckpt)?;
     let original = super::hf_files::carried_config(&carried)?;

@@ -17,6 +17,7 @@
 //! ([`super::hf_config`]), and a checkpoint is written as the family member that holds it
 //! exactly ([`super::architecture`]).
 
+use std::ops::Range;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
@@ -29,7 +30,7 @@ use serde_json::{Value, json};
 use super::hf_config::{self, Bound, HfConfig};
 use super::hf_files::{self, HfWeights};
 use super::hf_gpt2::refuse_existing;
-use super::stream::{OutTensor, SafetensorsFile, Slice, TensorRef};
+use super::stream::{OutTensor, Slice, TensorRef};
 use super::{Converted, ExportOptions, float};
 
 /// The architectures read here.
@@ -491,22 +492,17 @@ fn fuse_qkv<'a>(
         .collect()
 }
 
-/// q, k or v (`part` 0, 1, 2) of a fused per-group QKV (the inverse of [`fuse_qkv`]).
-fn split_qkv<'a>(
-    t: TensorRef<'a>,
-    part: usize,
-    heads: usize,
-    groups: usize,
-    d: usize,
-) -> Vec<Slice<'a>> {
+/// The rows of q, k or v (`part` 0, 1, 2) in a QKV fused per query group (the inverse of
+/// [`fuse_qkv`]): each group's queries, key or value.
+pub(crate) fn qkv_rows(part: usize, heads: usize, groups: usize, d: usize) -> Vec<Range<usize>> {
     let per_group = heads / groups;
     (0..groups)
         .map(|g| {
             let base = g * (per_group + 2) * d;
             match part {
-                0 => t.rows(base..base + per_group * d),
-                1 => t.rows(base + per_group * d..base + (per_group + 1) * d),
-                _ => t.rows(base + (per_group + 1) * d..base + (per_group + 2) * d),
+                0 => base..base + per_group * d,
+                1 => base + per_group * d..base + (per_group + 1) * d,
+                _ => base + (per_group + 1) * d..base + (per_group + 2) * d,
             }
         })
         .collect()
@@ -670,10 +666,27 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
         Some((arch, old)) if config_to_hf(&c, arch, eod) == *old => *arch,
         _ => family,
     };
-    let src = SafetensorsFile::open(&loaded.dir().join(checkpoint::MODEL_FILE))?;
-    let get = |name: &str| {
-        src.tensor(name)
-            .with_context(|| format!("{}: no tensor `{name}`", loaded.dir().display()))
+    match (&c.lora, options.merge_lora) {
+        (Some(lora), false) => bail!(
+            "{}: the checkpoint holds LoRA adapters (rank {} beside {}): --merge-lora folds them \
+             into the weights, or `--to peft DIR` writes them as PEFT's adapter for the base",
+            loaded.dir().display(),
+            lora.rank,
+            lora.targets.join(", ")
+        ),
+        (None, true) => bail!(
+            "{}: --merge-lora, but the checkpoint holds no LoRA adapters",
+            loaded.dir().display()
+        ),
+        _ => {}
+    }
+    let tensors = super::CheckpointTensors::open(&loaded)?;
+    let get = |name: &str| tensors.get(name);
+    let lora = c.lora.as_ref();
+    let merged = |hf: String, i: usize, layer: &str, ranges: Vec<Range<usize>>| {
+        let w = get(&format!("blocks.{i}.{layer}.weight"))?;
+        let adapter = super::peft::merge_source(&tensors, lora, i, layer);
+        Ok::<_, anyhow::Error>(super::peft::merged_rows(hf, w, adapter, ranges))
     };
     let moe_layers = c.moe_layers()?;
     let (h, heads, groups, d, f) = (
@@ -691,30 +704,29 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
         let ours = |s: &str| format!("blocks.{i}.{s}");
         let hf_name = |s: &str| format!("model.layers.{i}.{s}");
         // transformers' order: each projection's weight, then its bias.
-        let qkv = get(&ours("attn.qkv.weight"))?;
         let bias = match c.add_qkv_bias {
             true => Some(get(&ours("attn.qkv.bias"))?),
             false => None,
         };
         let rows = [heads * d, groups * d, groups * d];
         for (part, proj) in ["q_proj", "k_proj", "v_proj"].into_iter().enumerate() {
-            hf.push(OutTensor::concat(
-                hf_name(&format!("self_attn.{proj}.weight")),
-                vec![rows[part], h],
-                split_qkv(qkv, part, heads, groups, d),
-            ));
+            let ranges = qkv_rows(part, heads, groups, d);
+            let weight = hf_name(&format!("self_attn.{proj}.weight"));
+            hf.push(merged(weight, i, "attn.qkv", ranges.clone())?);
             if let Some(bias) = bias {
                 hf.push(OutTensor::concat(
                     hf_name(&format!("self_attn.{proj}.bias")),
                     vec![rows[part]],
-                    split_qkv(bias, part, heads, groups, d),
+                    ranges.into_iter().map(|r| bias.rows(r)).collect(),
                 ));
             }
         }
-        hf.push(OutTensor::copy(
+        hf.push(merged(
             hf_name("self_attn.o_proj.weight"),
-            get(&ours("attn.proj.weight"))?,
-        ));
+            i,
+            "attn.proj",
+            vec![0..h],
+        )?);
         if c.qk_layernorm {
             hf.push(OutTensor::copy(
                 hf_name("self_attn.q_norm.weight"),
@@ -756,21 +768,24 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
                 ));
             }
         } else {
-            let fc1 = get(&ours("mlp.fc1.weight"))?;
-            hf.push(OutTensor::concat(
+            hf.push(merged(
                 hf_name("mlp.gate_proj.weight"),
-                vec![f, h],
-                vec![fc1.rows(0..f)],
-            ));
-            hf.push(OutTensor::concat(
+                i,
+                "mlp.fc1",
+                vec![0..f],
+            )?);
+            hf.push(merged(
                 hf_name("mlp.up_proj.weight"),
-                vec![f, h],
-                vec![fc1.rows(f..2 * f)],
-            ));
-            hf.push(OutTensor::copy(
+                i,
+                "mlp.fc1",
+                vec![f..2 * f],
+            )?);
+            hf.push(merged(
                 hf_name("mlp.down_proj.weight"),
-                get(&ours("mlp.fc2.weight"))?,
-            ));
+                i,
+                "mlp.fc2",
+                vec![0..h],
+            )?);
         }
         hf.push(OutTensor::copy(
             hf_name("input_layernorm.weight"),

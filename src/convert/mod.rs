@@ -5,6 +5,7 @@ pub mod hf_config;
 pub mod hf_files;
 pub mod hf_gpt2;
 pub mod hf_llama;
+pub mod peft;
 pub mod stream;
 
 use std::collections::BTreeMap;
@@ -30,6 +31,9 @@ pub struct ExportOptions {
     /// The largest shard in bytes, as transformers' `max_shard_size` (a tensor larger than it
     /// has a shard of its own).
     pub max_shard_size: u64,
+    /// Folds the checkpoint's LoRA adapters into the weights they sit beside
+    /// (`W + (α / r)·B·A`); a checkpoint with adapters is refused without it.
+    pub merge_lora: bool,
 }
 
 impl Default for ExportOptions {
@@ -38,6 +42,7 @@ impl Default for ExportOptions {
         ExportOptions {
             dtype: None,
             max_shard_size: 50_000_000_000,
+            merge_lora: false,
         }
     }
 }
@@ -364,6 +369,50 @@ pub(crate) fn write_export(
     staging.write("config.json", &text)?;
     staging.commit()?;
     Ok((bytes, weight_files, written))
+}
+
+/// A checkpoint's tensors for an export: its own file's, and those of the base it names
+/// (a LoRA fine-tune's frozen weights), opened for streaming.
+pub(crate) struct CheckpointTensors {
+    dir: std::path::PathBuf,
+    own: stream::SafetensorsFile,
+    base: Option<stream::SafetensorsFile>,
+}
+
+impl CheckpointTensors {
+    /// Opens `loaded`'s parameters, and its base's (verified) when it names one.
+    pub(crate) fn open(loaded: &Loaded) -> Result<Self> {
+        let own = stream::SafetensorsFile::open(&loaded.dir().join(checkpoint::MODEL_FILE))?;
+        let base = match &loaded.meta().base {
+            Some(base) => {
+                let opened = checkpoint::open(base).with_context(|| {
+                    format!("{}: its base {}", loaded.dir().display(), base.display())
+                })?;
+                Some(stream::SafetensorsFile::open(
+                    &opened.dir().join(checkpoint::MODEL_FILE),
+                )?)
+            }
+            None => None,
+        };
+        Ok(CheckpointTensors {
+            dir: loaded.dir().to_path_buf(),
+            own,
+            base,
+        })
+    }
+
+    /// Parameter `name`: the checkpoint's, else its base's.
+    pub(crate) fn get(&self, name: &str) -> Result<stream::TensorRef<'_>> {
+        self.find(name)
+            .with_context(|| format!("{}: no tensor `{name}`", self.dir.display()))
+    }
+
+    /// Parameter `name` if the checkpoint or its base has it.
+    pub(crate) fn find(&self, name: &str) -> Option<stream::TensorRef<'_>> {
+        self.own
+            .tensor(name)
+            .or_else(|| self.base.as_ref().and_then(|b| b.tensor(name)))
+    }
 }
 
 /// The tokenizer's end-of-text id when it is one of the model's `vocab_size` tokens (the byte
