@@ -367,3 +367,67 @@ fn a_lora_checkpoint_goes_out_as_peft_adapters_or_merged() {
     assert_eq!(adapters[&name("self_attn.k_proj", "B")].1, k);
     assert_eq!(adapters[&name("self_attn.k_proj", "B")].0, vec![16, 4]);
 }
+
+#[test]
+fn bad_lora_settings_are_refused_by_name() {
+    let dir = TempDir::new("lora-bad");
+    let data = dataset(&dir);
+    let base = import(&dir);
+    let common = [
+        "train",
+        "--quiet",
+        "--load",
+        &base,
+        "--data",
+        &data,
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "2",
+        "--train-iters",
+        "1",
+    ];
+    for (flags, what) in [
+        (&["--lora-rank", "0"][..], "--lora-rank 0 adapts nothing"),
+        (
+            &["--lora-rank", "64"],
+            "LoRA rank 64 is larger than the layer",
+        ),
+        (
+            &["--lora-rank", "3", "--tp", "2"],
+            "choose a rank divisible by 2",
+        ),
+        (
+            &["--lora-rank", "4", "--lora-target-modules", "linear_fc3"],
+            "the model has no `linear_fc3`",
+        ),
+        (
+            &["--lora-rank", "4", "--lora-dropout", "0.1"],
+            "--lora-dropout 0.1",
+        ),
+        (&["--lora-alpha", "8"], "--lora-rank"),
+    ] {
+        let mut args = common.to_vec();
+        args.extend(flags);
+        let (ok, _, stderr) = megatron(&args);
+        assert!(!ok, "{flags:?}");
+        assert!(stderr.contains(what), "{flags:?}: {stderr}");
+    }
+    // Experts are not adapted yet: a mixture of experts refuses linear_fc1 by name.
+    let (ok, _, stderr) = megatron(&[
+        "train",
+        "--quiet",
+        "--model",
+        "mixtral-tiny",
+        "--train-iters",
+        "1",
+        "--lora-rank",
+        "4",
+    ]);
+    assert!(
+        !ok && stderr.contains("LoRA beside the experts' layers is not supported"),
+        "{stderr}"
+    );
+}

@@ -686,7 +686,9 @@ fn mlp_expansion_has_f_and_g_where_megatron_puts_them() {
         "Ok ((fc2_out , MlpSaved { fc1 , gelu , fc2 }))",
         "let MlpSaved { fc1 , gelu , fc2 } = saved ;",
         "let d_fc2_whole = if cx . sequence_parallel () { :: megatron :: tensor_parallel :: all_gather_sequence (cx , d_out) ? } else { :: std :: clone :: Clone :: clone (d_out) } ;",
-        "let (d_h , fc2_weight_grad) = < Linear as RowParallel > :: backward_row_input (& self . fc2 , cx , site . child (\"fc2\") , fc2 , & d_fc2_whole) ? ;",
+        "let (d_fc2_layer , fc2_weight_grad) = < Linear as RowParallel > :: backward_row_input (& self . fc2 , cx , site . child (\"fc2\") , fc2 , & d_fc2_whole) ? ;",
+        // A LoRA adapter's input gradient joins the layer's, when the layer carries one.
+        "let d_h = :: megatron :: tensor_parallel :: lora :: add_input_grad (d_fc2_layer , d_fc2_adapter) ? ;",
         "cx . weight_gradient (fc2_weight_grad) ? ;",
         "let d_fc1_out = :: megatron :: ops :: gelu_backward (cx , site . child (\"gelu\") , gelu , & d_h) ? ;",
         "let fc1_whole = if cx . sequence_parallel () { < Linear as ColumnParallel > :: map_kept_input (fc1 , & | x | :: megatron :: tensor_parallel :: all_gather_sequence (cx , x)) ? } else { fc1 } ;",
@@ -704,12 +706,13 @@ fn mlp_expansion_has_f_and_g_where_megatron_puts_them() {
     let (out, partial) = out
         .split_once("fn__forward_partial")
         .expect("the MLP ends in a row-parallel layer: PartialOutput");
-    assert_eq!(
-        partial.matches("all_reduce").count(),
-        1,
-        "fc1's input gradient"
-    );
-    assert_eq!(out.matches("all_reduce").count(), 2);
+    // (A LoRA adapter's all-reduces, `all_reduce_tp`, run only beside a layer that carries
+    // one: three in each, counted apart.)
+    let reduces = |s: &str| s.matches("all_reduce").count() - s.matches("all_reduce_tp").count();
+    assert_eq!(reduces(partial), 1, "fc1's input gradient");
+    assert_eq!(reduces(out), 2);
+    assert_eq!(partial.matches("all_reduce_tp").count(), 3);
+    assert_eq!(out.matches("all_reduce_tp").count(), 3);
     // (and the kept input's shard gathered again before fc1's backward)
     assert_eq!(out.matches("all_gather_sequence").count(), 3);
     assert_eq!(out.matches("reduce_scatter_sequence").count(), 2);

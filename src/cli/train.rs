@@ -1525,7 +1525,8 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
     );
     let state = summary.state;
     note!(
-        "rank 0's state: {:.1} bytes per parameter (values {:.1}, gradients {:.1}{}, optimizer {:.1})",
+        "rank 0's state: {:.1} bytes per parameter (values {:.1}, gradients {:.1}{}, optimizer \
+         {:.1}{})",
         state.per_param(state.total()),
         state.per_param(state.values),
         state.per_param(state.grads),
@@ -1535,6 +1536,11 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
             String::new()
         },
         state.per_param(state.optimizer),
+        if state.frozen > 0 {
+            format!(", frozen values {:.1}", state.per_param(state.frozen))
+        } else {
+            String::new()
+        },
     );
     if state.frozen_params > 0 {
         note!(

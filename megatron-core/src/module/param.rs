@@ -1049,7 +1049,6 @@ mod tests {
                     tensor_parallel_partial: false,
                     gradient_whole_over_tp: false,
                     frozen: false,
-                    frozen: false,
                 };
                 let got = initial_values(9, &spec);
                 let key = [9, 0];
