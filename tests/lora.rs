@@ -79,7 +79,10 @@ fn values(salt: usize) -> Vec<f32> {
 /// Rank 0's output and input gradient after `steps` steps of gradient descent on Σ y ⊙ c at
 /// tp `tp` (sequence parallelism when `sp`; the shards put back together), and the one-rank
 /// parameters before the first step, by name.
-fn train(tp: usize, sp: bool, steps: usize) -> (Vec<f32>, Vec<f32>, Vec<(String, Vec<f32>)>) {
+/// Each parameter's values by name.
+type Values = Vec<(String, Vec<f32>)>;
+
+fn train(tp: usize, sp: bool, steps: usize) -> (Vec<f32>, Vec<f32>, Values) {
     let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp)).unwrap();
     let per_rank = launch(tp, |w| -> R<_> {
         let ps = ParallelState::new(&w, &layout)?.with_sequence_parallel(sp);

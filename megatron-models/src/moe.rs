@@ -192,9 +192,9 @@ pub enum FfnSaved {
     /// The gated MLP's.
     Gated(GatedMlpSaved),
     /// The MoE MLP's.
-    Moe(MoeMlpSaved),
+    Moe(Box<MoeMlpSaved>),
     /// The MoE MLP with shared experts'.
-    SharedMoe(SharedMoeMlpSaved),
+    SharedMoe(Box<SharedMoeMlpSaved>),
 }
 
 impl Module for Ffn {
@@ -276,11 +276,11 @@ impl Ffn {
             }
             Ffn::Moe(m) => {
                 let (y, s) = m.forward(cx, site, x)?;
-                (y, FfnSaved::Moe(s))
+                (y, FfnSaved::Moe(Box::new(s)))
             }
             Ffn::SharedMoe(m) => {
                 let (y, s) = m.forward(cx, site, x)?;
-                (y, FfnSaved::SharedMoe(s))
+                (y, FfnSaved::SharedMoe(Box::new(s)))
             }
         })
     }
@@ -298,9 +298,9 @@ impl Ffn {
                     m.backward(cx, site, s, &dy[0])
                 })
             }
-            (Ffn::Moe(m), FfnSaved::Moe(s)) => m.backward(cx, site, s, &f32_gradient(dy)?),
+            (Ffn::Moe(m), FfnSaved::Moe(s)) => m.backward(cx, site, *s, &f32_gradient(dy)?),
             (Ffn::SharedMoe(m), FfnSaved::SharedMoe(s)) => {
-                m.backward(cx, site, s, &f32_gradient(dy)?)
+                m.backward(cx, site, *s, &f32_gradient(dy)?)
             }
             _ => {
                 megatron_core::invalid!("an Ffn backward got what another variant's forward saved")

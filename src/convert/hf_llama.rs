@@ -725,7 +725,7 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
             hf_name("self_attn.o_proj.weight"),
             i,
             "attn.proj",
-            vec![0..h],
+            std::iter::once(0..h).collect(),
         )?);
         if c.qk_layernorm {
             hf.push(OutTensor::copy(
@@ -772,19 +772,19 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
                 hf_name("mlp.gate_proj.weight"),
                 i,
                 "mlp.fc1",
-                vec![0..f],
+                std::iter::once(0..f).collect(),
             )?);
             hf.push(merged(
                 hf_name("mlp.up_proj.weight"),
                 i,
                 "mlp.fc1",
-                vec![f..2 * f],
+                std::iter::once(f..2 * f).collect(),
             )?);
             hf.push(merged(
                 hf_name("mlp.down_proj.weight"),
                 i,
                 "mlp.fc2",
-                vec![0..h],
+                std::iter::once(0..h).collect(),
             )?);
         }
         hf.push(OutTensor::copy(

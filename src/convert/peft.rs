@@ -65,8 +65,8 @@ impl Part {
     /// The row ranges of a fused `[rows, ..]` tensor this part is, for model `c`.
     fn ranges(&self, c: &GptConfig, rows: usize) -> Vec<Range<usize>> {
         match self {
-            Part::All => vec![0..rows],
-            Part::Rows(r) => vec![r.clone()],
+            Part::All => std::iter::once(0..rows).collect(),
+            Part::Rows(r) => std::iter::once(r.clone()).collect(),
             Part::Qkv(part) => {
                 hf_llama::qkv_rows(*part, c.num_attention_heads, c.query_groups(), c.head_dim())
             }

@@ -364,7 +364,7 @@ impl ParamBuffers {
     /// Moves the flat buffers (and compute copies) to `gpu` and rebinds every parameter of
     /// `model` (the model these buffers were packed from) to views of the device buffers.
     pub fn to_gpu<M: Module>(&mut self, model: &mut M, gpu: &crate::cuda::Gpu) -> Result<()> {
-        rebind_frozen(model, |v| Ok(v.to_gpu(gpu)?))?;
+        rebind_frozen(model, |v| v.to_gpu(gpu))?;
         self.values = self.values.to_gpu(gpu)?;
         self.grads = Tensor::zeros_on(self.grads.shape().clone(), self.grads.dtype(), gpu)?;
         if let Some(compute) = &self.compute {

@@ -96,7 +96,7 @@ pub struct Linear {
 #[derive(Debug, Clone)]
 pub struct LinearSaved {
     x: Tensor,
-    lora: Option<Tensor>,
+    lora: Option<Box<Tensor>>,
 }
 
 impl Linear {
@@ -408,13 +408,13 @@ impl ColumnParallel for Linear {
 
     fn keep_lora(saved: LinearSaved, a: Tensor) -> LinearSaved {
         LinearSaved {
-            lora: Some(a),
+            lora: Some(Box::new(a)),
             ..saved
         }
     }
 
     fn lora_kept(saved: &LinearSaved) -> Option<(&Tensor, &Tensor)> {
-        saved.lora.as_ref().map(|a| (&saved.x, a))
+        saved.lora.as_deref().map(|a| (&saved.x, a))
     }
 
     fn map_kept_input(
@@ -439,13 +439,13 @@ impl RowParallel for Linear {
 
     fn keep_lora(saved: LinearSaved, a: Tensor) -> LinearSaved {
         LinearSaved {
-            lora: Some(a),
+            lora: Some(Box::new(a)),
             ..saved
         }
     }
 
     fn lora_kept(saved: &LinearSaved) -> Option<(&Tensor, &Tensor)> {
-        saved.lora.as_ref().map(|a| (&saved.x, a))
+        saved.lora.as_deref().map(|a| (&saved.x, a))
     }
 
     /// With one tensor-parallel rank there is nothing to all-reduce: the bias goes in with the
