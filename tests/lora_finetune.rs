@@ -366,6 +366,86 @@ fn a_lora_checkpoint_goes_out_as_peft_adapters_or_merged() {
     let k = [rows(16..24), rows(48..56)].concat();
     assert_eq!(adapters[&name("self_attn.k_proj", "B")].1, k);
     assert_eq!(adapters[&name("self_attn.k_proj", "B")].0, vec![16, 4]);
+    // Back in: the same adapters beside the same fused layers, on the same base.
+    let back = dir.join("back");
+    let (ok, _, stderr) = megatron(&[
+        "convert", "--from", "peft", &peft, "--to", &back, "--base", &base,
+    ]);
+    assert!(ok, "{stderr}");
+    let again = megatron::checkpoint::open(std::path::Path::new(&back)).unwrap();
+    assert_eq!(again.meta().base, lora.meta().base);
+    for name in lora.model_names().unwrap() {
+        assert_eq!(
+            again.model_tensor(&name).unwrap(),
+            lora.model_tensor(&name).unwrap(),
+            "{name}"
+        );
+    }
+    assert_eq!(again.model_names().unwrap(), lora.model_names().unwrap());
+    // What the fused layers cannot hold is refused by name.
+    let edited = |name: &str, edit: &dyn Fn(&std::path::Path)| {
+        let to = dir.join(name);
+        std::fs::create_dir_all(&to).unwrap();
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(format!("{peft}/{f}"), format!("{to}/{f}")).unwrap();
+        }
+        edit(std::path::Path::new(&to));
+        to
+    };
+    let rs = edited("rslora", &|d| {
+        let p = d.join("adapter_config.json");
+        let mut c: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        c["use_rslora"] = true.into();
+        std::fs::write(&p, c.to_string()).unwrap();
+    });
+    let separate = edited("separate", &|d| {
+        let p = d.join("adapter_model.safetensors");
+        let bytes = std::fs::read(&p).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let key = name("self_attn.k_proj", "A");
+        let other: Vec<u8> = st
+            .tensor(&key)
+            .unwrap()
+            .data()
+            .iter()
+            .map(|b| b ^ 1)
+            .collect();
+        let mut views: Vec<(String, safetensors::tensor::TensorView)> = st
+            .tensors()
+            .into_iter()
+            .filter(|(n, _)| *n != key)
+            .collect();
+        views.push((
+            key.clone(),
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![4, 32], &other)
+                .unwrap(),
+        ));
+        std::fs::write(&p, safetensors::serialize(views, None).unwrap()).unwrap();
+    });
+    let qwen = format!("{}/tests/data/hf/qwen3", env!("CARGO_MANIFEST_DIR"));
+    let other_base = dir.join("qwen3");
+    let (ok, _, stderr) = megatron(&["convert", "--from", "hf", &qwen, "--to", &other_base]);
+    assert!(ok, "{stderr}");
+    for (adapter, on, what) in [
+        (rs.as_str(), base.as_str(), "`use_rslora` is true"),
+        (separate.as_str(), base.as_str(), "have different lora_A"),
+        (
+            peft.as_str(),
+            other_base.as_str(),
+            "an adapter for another base",
+        ),
+    ] {
+        let out = dir.join("refused");
+        let (ok, _, stderr) = megatron(&[
+            "convert", "--from", "peft", adapter, "--to", &out, "--base", on,
+        ]);
+        assert!(!ok && stderr.contains(what), "{what}: {stderr}");
+        assert!(
+            std::fs::read_dir(&out).map_or(true, |mut d| d.next().is_none()),
+            "{what}"
+        );
+    }
 }
 
 #[test]

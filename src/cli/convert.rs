@@ -16,13 +16,15 @@ pub struct ConvertArgs {
     /// The source: `hf DIR` (a Hugging Face directory: config.json, model.safetensors or its
     /// shards; the architecture its config names: GPT2LMHeadModel, LlamaForCausalLM,
     /// MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or
-    /// Qwen3MoeForCausalLM; `hf-gpt2 DIR` is GPT-2 alone) or a megatron-rs checkpoint directory.
+    /// Qwen3MoeForCausalLM; `hf-gpt2 DIR` is GPT-2 alone), `peft DIR` (PEFT's LoRA adapter, with
+    /// --base) or a megatron-rs checkpoint directory.
     #[arg(long, num_args = 1..=2, value_names = ["FORMAT", "PATH"], required = true,
           value_parser = clap::value_parser!(OsString))]
     from: Vec<OsString>,
-    /// The destination: a megatron-rs save directory, or `hf DIR` (the architecture that holds
+    /// The destination: a megatron-rs save directory, `hf DIR` (the architecture that holds
     /// the model exactly: GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE; a model
-    /// none holds is refused, naming its features; `hf-gpt2 DIR` insists on GPT-2).
+    /// none holds is refused, naming its features; `hf-gpt2 DIR` insists on GPT-2), or `peft
+    /// DIR` (a LoRA checkpoint's adapters in PEFT's format).
     #[arg(long, num_args = 1..=2, value_names = ["FORMAT", "PATH"], required = true,
           value_parser = clap::value_parser!(OsString))]
     to: Vec<OsString>,
@@ -41,6 +43,10 @@ pub struct ConvertArgs {
     /// checkpoint it names.
     #[arg(long)]
     merge_lora: bool,
+    /// With `--from peft DIR`: the megatron-rs checkpoint of the adapter's base model (its
+    /// Hugging Face base, imported); the new checkpoint holds the adapters and names it.
+    #[arg(long, value_name = "CKPT")]
+    base: Option<PathBuf>,
 }
 
 fn parse_dtype(text: &str) -> Result<Dtype, String> {
@@ -109,6 +115,9 @@ pub fn run(args: &ConvertArgs) -> Result<()> {
             "--dtype and --max-shard-size shape an export (`--to hf DIR`); an import keeps each \
              tensor's dtype in the checkpoint"
         );
+    }
+    if args.base.is_some() && !matches!(from, Side::Peft(_)) {
+        bail!("--base names a PEFT adapter's base: it goes with `--from peft DIR`");
     }
     if args.merge_lora && !matches!(to, Side::Hf { .. }) {
         bail!("--merge-lora folds adapters into an export's weights: it goes with `--to hf DIR`");
@@ -190,9 +199,27 @@ pub fn run(args: &ConvertArgs) -> Result<()> {
             )?;
             say_peak()?;
         }
+        (Side::Peft(dir), Side::Checkpoint(out)) => {
+            let Some(base) = &args.base else {
+                bail!(
+                    "--from peft {}: give the adapter's base as a megatron-rs checkpoint with \
+                     --base CKPT (its Hugging Face model imported with `--from hf`)",
+                    dir.display()
+                );
+            };
+            let c = convert::peft::import(&dir, base, &out)
+                .with_context(|| format!("--from peft {} --to {}", dir.display(), out.display()))?;
+            let lora = c.lora.as_ref().map_or(0, |l| l.rank);
+            say!(
+                "converted PEFT's adapter {} (rank {lora}) into {}, on the base {}",
+                dir.display(),
+                out.display(),
+                base.display()
+            )?;
+        }
         (Side::Peft(dir), _) => bail!(
-            "--from peft {}: importing a PEFT adapter is not supported yet (`--to peft` writes \
-             one)",
+            "--from peft {}: a PEFT adapter converts into a megatron-rs checkpoint \
+             (`--from peft DIR --to CKPT --base BASE`)",
             dir.display()
         ),
         (_, Side::Peft(dir)) => bail!(

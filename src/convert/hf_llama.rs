@@ -473,7 +473,7 @@ pub fn config_to_hf(c: &GptConfig, arch: &str, eod: Option<u32>) -> Value {
 
 /// The fused QKV laid out per query group from separate q, k, v (weights or biases): each
 /// group's queries, then its key and its value.
-fn fuse_qkv<'a>(
+pub(crate) fn fuse_qkv<'a>(
     q: TensorRef<'a>,
     k: TensorRef<'a>,
     v: TensorRef<'a>,

@@ -238,3 +238,279 @@ pub fn export(ckpt: &Path, dir: &Path, options: &ExportOptions) -> Result<(GptCo
     staging.commit()?;
     Ok((c, tensors_out.len()))
 }
+
+/// transformers' projections and the fused layer of ours each is part of.
+const FUSED: [(&str, &str); 7] = [
+    ("q_proj", "attn.qkv"),
+    ("k_proj", "attn.qkv"),
+    ("v_proj", "attn.qkv"),
+    ("o_proj", "attn.proj"),
+    ("gate_proj", "mlp.fc1"),
+    ("up_proj", "mlp.fc1"),
+    ("down_proj", "mlp.fc2"),
+];
+
+/// The module path of projection `proj` in a Llama-family decoder layer.
+fn module_of(proj: &str) -> String {
+    match proj {
+        "q_proj" | "k_proj" | "v_proj" | "o_proj" => format!("self_attn.{proj}"),
+        _ => format!("mlp.{proj}"),
+    }
+}
+
+/// Imports PEFT's LoRA adapter in `dir` (`adapter_config.json`, `adapter_model.safetensors`)
+/// as a megatron-rs LoRA checkpoint in `out` whose base is the checkpoint `base` (a
+/// Llama-family model, the adapter's base imported): the adapters beside transformers'
+/// projections become ours beside the fused layers, which needs the projections fused into
+/// one layer to share their A (`q_proj`, `k_proj`, `v_proj`; `gate_proj`, `up_proj`: an
+/// adapter megatron-rs or Megatron-Bridge wrote does; a missing one's B is zero). A layout
+/// megatron-rs cannot express is refused by name: separate A's, rsLoRA or DoRA, per-module
+/// ranks, biases, layers left out, modules saved whole, another base's shapes.
+pub fn import(dir: &Path, base: &Path, out: &Path) -> Result<GptConfig> {
+    super::hf_gpt2::refuse_existing(out)?;
+    let config_path = dir.join("adapter_config.json");
+    let text = std::fs::read_to_string(&config_path)
+        .with_context(|| format!("reading {}", config_path.display()))?;
+    let config: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not JSON", config_path.display()))?;
+    let refuse = |what: String| -> Result<()> {
+        bail!(
+            "{}: {what}, which megatron-rs's LoRA cannot express",
+            config_path.display()
+        )
+    };
+    if config["peft_type"].as_str() != Some("LORA") {
+        refuse(format!("`peft_type` is {}, not LORA", config["peft_type"]))?;
+    }
+    for flag in ["use_rslora", "use_dora", "fan_in_fan_out"] {
+        if config[flag].as_bool() == Some(true) {
+            refuse(format!("`{flag}` is true"))?;
+        }
+    }
+    if config["bias"].as_str().is_some_and(|b| b != "none") {
+        refuse(format!("`bias` is {}", config["bias"]))?;
+    }
+    for key in ["rank_pattern", "alpha_pattern"] {
+        if config[key].as_object().is_some_and(|m| !m.is_empty()) {
+            refuse(format!(
+                "`{key}` gives modules ranks or alphas of their own"
+            ))?;
+        }
+    }
+    for key in ["layers_to_transform", "modules_to_save"] {
+        if !config[key].is_null() {
+            refuse(format!("`{key}` is {}", config[key]))?;
+        }
+    }
+    let rank = config["r"]
+        .as_u64()
+        .context("adapter_config.json: no `r`")? as usize;
+    let alpha = config["lora_alpha"]
+        .as_f64()
+        .context("adapter_config.json: no `lora_alpha`")? as f32;
+    let dropout = config["lora_dropout"].as_f64().unwrap_or(0.0) as f32;
+    let modules: Vec<String> = match &config["target_modules"] {
+        serde_json::Value::Array(list) => list
+            .iter()
+            .map(|m| m.as_str().map(str::to_string))
+            .collect::<Option<_>>()
+            .context("adapter_config.json: `target_modules` is not a list of names")?,
+        serde_json::Value::String(s) => vec![s.clone()],
+        other => bail!("adapter_config.json: `target_modules` is {other}"),
+    };
+    let mut targets: Vec<String> = Vec::new();
+    for m in &modules {
+        let Some((_, layer)) = FUSED.iter().find(|(p, _)| p == m) else {
+            bail!(
+                "{}: `target_modules` names `{m}`, which megatron-rs's LoRA cannot express (it \
+                 adapts {})",
+                config_path.display(),
+                FUSED.map(|(p, _)| p).join(", ")
+            );
+        };
+        if !targets.iter().any(|t| t == layer) {
+            targets.push(layer.to_string());
+        }
+    }
+    let loaded_base = checkpoint::open(base)?;
+    let mut c: GptConfig = serde_json::from_value(loaded_base.meta().model.clone())
+        .with_context(|| format!("{}: the model config", loaded_base.dir().display()))?;
+    if c.lora.is_some() {
+        bail!("{}: the base holds LoRA adapters already", base.display());
+    }
+    super::architecture::llama_family(&c).map_err(|lacks| {
+        anyhow::anyhow!(
+            "{}: a PEFT adapter goes on a Llama-family base, which cannot hold: {}",
+            base.display(),
+            lacks.join("; ")
+        )
+    })?;
+    if c.moe.is_some() && targets.iter().any(|t| t.starts_with("mlp.")) {
+        refuse("adapters beside the experts' projections".to_string())?;
+    }
+    let file = stream::SafetensorsFile::open(&dir.join("adapter_model.safetensors"))?;
+    let get = |i: usize, proj: &str, m: &str| {
+        let name = peft_name(i, &module_of(proj), m);
+        file.tensor(&name)
+            .or_else(|| file.tensor(&name.replace(".weight", ".default.weight")))
+    };
+    let (h, f) = (c.hidden_size, c.ffn_hidden_size);
+    let (heads, groups, d) = (c.num_attention_heads, c.query_groups(), c.head_dim());
+    let shape_of = |proj: &str| -> (usize, usize) {
+        match proj {
+            "q_proj" => (h, heads * d),
+            "k_proj" | "v_proj" => (h, groups * d),
+            "o_proj" => (heads * d, h),
+            "gate_proj" | "up_proj" => (h, f),
+            _ => (f, h),
+        }
+    };
+    let mut tensors: Vec<OutTensor<'_>> = Vec::new();
+    for i in 0..c.num_layers {
+        for layer in &targets {
+            let projs: Vec<&str> = FUSED
+                .iter()
+                .filter(|(_, l)| l == layer)
+                .map(|(p, _)| *p)
+                .collect();
+            let mut a_shared: Option<TensorRef<'_>> = None;
+            let mut bs = Vec::new();
+            for proj in &projs {
+                let (inp, outp) = shape_of(proj);
+                let (Some(a), Some(b)) = (get(i, proj, "lora_A"), get(i, proj, "lora_B")) else {
+                    bs.push((outp, None));
+                    continue;
+                };
+                if a.shape() != [rank, inp] || b.shape() != [outp, rank] {
+                    bail!(
+                        "{}: layer {i}'s {proj} adapter has A {:?} and B {:?}; the base {} \
+                         needs [{rank}, {inp}] and [{outp}, {rank}]: an adapter for another base",
+                        dir.display(),
+                        a.shape(),
+                        b.shape(),
+                        base.display()
+                    );
+                }
+                if let Some(first) = a_shared {
+                    if !first.same_values(&a)? {
+                        bail!(
+                            "{}: layer {i}'s {} and {proj} adapters have different lora_A: \
+                             megatron-rs's fused {} has one A beside it (Megatron-Bridge's \
+                             layout), which cannot express separate ones",
+                            dir.display(),
+                            projs[0],
+                            bridge_name(layer)
+                        );
+                    }
+                } else {
+                    a_shared = Some(a);
+                }
+                bs.push((outp, Some(b)));
+            }
+            let Some(a) = a_shared else {
+                bail!(
+                    "{}: layer {i} has no adapter beside {} though `target_modules` names it",
+                    dir.display(),
+                    projs.join(", ")
+                );
+            };
+            let ours = |m: &str| format!("blocks.{i}.{layer}.{m}.weight");
+            tensors.push(OutTensor::copy(ours("lora_a"), a));
+            let rows: usize = bs.iter().map(|(o, _)| o).sum();
+            let name = ours("lora_b");
+            let b_tensor = if bs.iter().all(|(_, b)| b.is_some()) {
+                let parts: Vec<TensorRef<'_>> = bs.iter().filter_map(|(_, b)| *b).collect();
+                let slices = match parts.as_slice() {
+                    [q, k, v] => hf_llama::fuse_qkv(*q, *k, *v, groups, d),
+                    other => other.iter().map(|t| t.all()).collect(),
+                };
+                OutTensor::concat(name, vec![rows, rank], slices)
+            } else {
+                // A projection left out: its rows of B are zero.
+                let parts: Vec<(usize, Option<TensorRef<'_>>)> = bs.clone();
+                let qkv = layer == "attn.qkv";
+                OutTensor::computed(name, Dtype::F32, vec![rows, rank], move || {
+                    let mut each = Vec::new();
+                    for (outp, b) in &parts {
+                        each.push(match b {
+                            Some(b) => b.read_all()?,
+                            None => vec![0.0; outp * rank],
+                        });
+                    }
+                    if !qkv {
+                        return Ok(each.concat());
+                    }
+                    let per_group = heads / groups;
+                    let mut out = Vec::with_capacity(rows * rank);
+                    for g in 0..groups {
+                        out.extend_from_slice(
+                            &each[0][g * per_group * d * rank..(g + 1) * per_group * d * rank],
+                        );
+                        out.extend_from_slice(&each[1][g * d * rank..(g + 1) * d * rank]);
+                        out.extend_from_slice(&each[2][g * d * rank..(g + 1) * d * rank]);
+                    }
+                    Ok(out)
+                })
+            };
+            tensors.push(b_tensor);
+        }
+    }
+    c.lora = Some(LoraConfig {
+        rank,
+        alpha,
+        dropout,
+        targets,
+    });
+    let base_dir = std::fs::canonicalize(loaded_base.dir())
+        .with_context(|| format!("{}", loaded_base.dir().display()))?;
+    let mut files: Vec<(String, Vec<u8>)> = hf_files::carried_in(base)?;
+    if let Some(path) = loaded_base.file(checkpoint::TOKENIZER_FILE) {
+        files.push((
+            checkpoint::TOKENIZER_FILE.to_string(),
+            std::fs::read(&path)?,
+        ));
+    }
+    let mut run = loaded_base.meta().run.clone();
+    run["peft_adapter"] = json!(dir.display().to_string());
+    let meta = checkpoint::CheckpointMeta {
+        format: checkpoint::FORMAT.to_string(),
+        iteration: 0,
+        adam_steps: 0,
+        seed: 0,
+        consumed_samples: 0,
+        saved_tp: 1,
+        saved_dp: 1,
+        saved_pp: 1,
+        model: serde_json::to_value(&c)?,
+        run,
+        files: BTreeMap::new(),
+        grad_scaler: None,
+        base: Some(base_dir),
+        meta_sha256: None,
+    };
+    let files: Vec<(&str, &[u8])> = files
+        .iter()
+        .map(|(name, bytes)| (name.as_str(), bytes.as_slice()))
+        .collect();
+    let metadata = BTreeMap::from([("format".to_string(), checkpoint::FORMAT.to_string())]);
+    let mut write = |path: &Path| {
+        stream::write_file(path, &tensors, &metadata, Check::Finite).map_err(|e| {
+            checkpoint::CheckpointError::Format {
+                path: path.to_path_buf(),
+                message: format!("{e:#}"),
+            }
+        })
+    };
+    checkpoint::save_with_model(out, &mut write, &files, meta)?;
+    Ok(c)
+}
+
+/// Megatron-LM's name of our layer `layer` (`attn.qkv` → `linear_qkv`).
+pub fn bridge_name(layer: &str) -> &'static str {
+    match layer {
+        "attn.qkv" => "linear_qkv",
+        "attn.proj" => "linear_proj",
+        "mlp.fc1" => "linear_fc1",
+        _ => "linear_fc2",
+    }
+}

@@ -6,7 +6,9 @@ dataset, then written with `megatron convert --to peft` and `--to hf --merge-lor
   equal those of the merged export loaded by transformers (to f32 rounding), and
   `merge_and_unload()`'s weights equal the merged export's;
 - its greedy continuation equals megatron-rs's (`megatron bench generate` on the LoRA
-  checkpoint, whose prompt is token i = (7919·i + 13) mod vocab).
+  checkpoint, whose prompt is token i = (7919·i + 13) mod vocab);
+- an adapter PEFT made itself (beside o_proj and down_proj, B drawn at random) goes in with
+  `megatron convert --from peft --base` and continues greedily as PEFT does.
 
     python3 -m venv venv && venv/bin/pip install torch transformers safetensors peft
     cargo build --release
@@ -96,6 +98,24 @@ def main(megatron, out):
     failed |= not same
     print(f"greedy tokens, PEFT on transformers vs megatron-rs: {'equal' if same else 'DIFFER'} "
           f"{theirs} {ours}")
+    torch.manual_seed(0)
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(GOLDEN, dtype=torch.float32).eval()
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "down_proj"],
+                             init_lora_weights=False)
+    made = peft.get_peft_model(fresh, config).eval()
+    made.save_pretrained(out / "made")
+    run(megatron, "convert", "--from", "peft", out / "made", "--to", out / "made-ckpt",
+        "--base", out / "base")
+    ours = json.loads(run(megatron, "bench", "generate", "--load", out / "made-ckpt",
+                          "--prompt-tokens", PROMPT, "--new-tokens", NEW, "--json"))["tokens"]
+    with torch.no_grad():
+        theirs = made.generate(input_ids=tokens, attention_mask=torch.ones_like(tokens),
+                               max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)[0, PROMPT:].tolist()
+    same = theirs == ours
+    failed |= not same
+    print(f"greedy tokens, PEFT's own adapter on transformers vs imported into megatron-rs: "
+          f"{'equal' if same else 'DIFFER'} {theirs} {ours}")
     sys.exit(1 if failed else 0)
 
 
