@@ -207,6 +207,36 @@ fn llama_blocks_on_the_gpu_follow_the_cpu_run() {
     assert_close(&curve(&llama(2, FLASH)), &cpu, 3e-2, "flash at TP=2 vs CPU");
 }
 
+/// LoRA on the GPU (rank-8 adapters beside every column- and row-parallel layer of a Llama,
+/// the base frozen) follows the CPU run, in f32 and with bf16 products, and at TP 2.
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn lora_on_the_gpu_follows_the_cpu_run() {
+    let lora = |tp, device| {
+        let mut job = job(tp, 1, device);
+        job.model.normalization = megatron::tensor_parallel::Normalization::RmsNorm;
+        job.model.swiglu = true;
+        job.model.ffn_hidden_size = 320;
+        job.model.add_bias_linear = false;
+        job.model.position_embedding_type = megatron::models::PositionEmbeddingType::Rope;
+        job.model.num_query_groups = Some(2);
+        job.model.lora = Some(megatron::tensor_parallel::lora::LoraConfig {
+            rank: 8,
+            alpha: 16.0,
+            dropout: 0.0,
+            targets: ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"]
+                .map(String::from)
+                .to_vec(),
+        });
+        job
+    };
+    let cpu = curve(&lora(1, Placement::Cpu));
+    assert!(cpu[4].0 < cpu[0].0, "the adapters train: {cpu:?}");
+    assert_close(&curve(&lora(1, F32)), &cpu, 2e-4, "LoRA: GPU vs CPU");
+    assert_close(&curve(&lora(1, BF16)), &cpu, 3e-2, "LoRA, bf16 products vs CPU");
+    assert_close(&curve(&lora(2, F32)), &cpu, 2e-4, "LoRA at TP=2 vs CPU");
+}
+
 /// Tensor and data parallelism on thread ranks sharing the GPU follow one rank, with and
 /// without sequence parallelism.
 #[test]
