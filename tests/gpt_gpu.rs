@@ -233,7 +233,12 @@ fn lora_on_the_gpu_follows_the_cpu_run() {
     let cpu = curve(&lora(1, Placement::Cpu));
     assert!(cpu[4].0 < cpu[0].0, "the adapters train: {cpu:?}");
     assert_close(&curve(&lora(1, F32)), &cpu, 2e-4, "LoRA: GPU vs CPU");
-    assert_close(&curve(&lora(1, BF16)), &cpu, 3e-2, "LoRA, bf16 products vs CPU");
+    assert_close(
+        &curve(&lora(1, BF16)),
+        &cpu,
+        3e-2,
+        "LoRA, bf16 products vs CPU",
+    );
     assert_close(&curve(&lora(2, F32)), &cpu, 2e-4, "LoRA at TP=2 vs CPU");
 }
 

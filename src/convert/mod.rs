@@ -149,6 +149,28 @@ pub(crate) fn save_imported(
     if !tokenizer.is_empty() {
         run["tokenizer"] = json!(tokenizer);
     }
+    save_converted(out, c, tensors, &files, run, None)?;
+    Ok(Converted {
+        arch,
+        config: c.clone(),
+        dtype: most_common_dtype(tensors),
+        bytes: tensors.iter().map(OutTensor::bytes).sum(),
+        weight_files: vec![checkpoint::MODEL_FILE.to_string()],
+        carried: carried_names,
+    })
+}
+
+/// Saves a converted model `c` as a megatron-rs checkpoint (iteration 0, no optimizer state)
+/// in `out`: `tensors` streamed into its parameter file (every value checked finite), `files`
+/// beside them, `run` as its record, `base` as the checkpoint holding what it does not.
+pub(crate) fn save_converted(
+    out: &Path,
+    c: &GptConfig,
+    tensors: &[OutTensor<'_>],
+    files: &checkpoint::Files,
+    run: Value,
+    base: Option<std::path::PathBuf>,
+) -> Result<()> {
     let meta = CheckpointMeta {
         format: checkpoint::FORMAT.to_string(),
         iteration: 0,
@@ -162,7 +184,7 @@ pub(crate) fn save_imported(
         run,
         files: BTreeMap::new(),
         grad_scaler: None,
-        base: None,
+        base,
         meta_sha256: None,
     };
     let files: Vec<(&str, &[u8])> = files
@@ -179,14 +201,7 @@ pub(crate) fn save_imported(
         })
     };
     checkpoint::save_with_model(out, &mut write, &files, meta)?;
-    Ok(Converted {
-        arch,
-        config: c.clone(),
-        dtype: most_common_dtype(tensors),
-        bytes: tensors.iter().map(OutTensor::bytes).sum(),
-        weight_files: vec![checkpoint::MODEL_FILE.to_string()],
-        carried: carried_names,
-    })
+    Ok(())
 }
 
 /// The dtype most of `tensors`' bytes are in (F32 for none).

@@ -472,36 +472,7 @@ pub fn import(dir: &Path, base: &Path, out: &Path) -> Result<GptConfig> {
     }
     let mut run = loaded_base.meta().run.clone();
     run["peft_adapter"] = json!(dir.display().to_string());
-    let meta = checkpoint::CheckpointMeta {
-        format: checkpoint::FORMAT.to_string(),
-        iteration: 0,
-        adam_steps: 0,
-        seed: 0,
-        consumed_samples: 0,
-        saved_tp: 1,
-        saved_dp: 1,
-        saved_pp: 1,
-        model: serde_json::to_value(&c)?,
-        run,
-        files: BTreeMap::new(),
-        grad_scaler: None,
-        base: Some(base_dir),
-        meta_sha256: None,
-    };
-    let files: Vec<(&str, &[u8])> = files
-        .iter()
-        .map(|(name, bytes)| (name.as_str(), bytes.as_slice()))
-        .collect();
-    let metadata = BTreeMap::from([("format".to_string(), checkpoint::FORMAT.to_string())]);
-    let mut write = |path: &Path| {
-        stream::write_file(path, &tensors, &metadata, Check::Finite).map_err(|e| {
-            checkpoint::CheckpointError::Format {
-                path: path.to_path_buf(),
-                message: format!("{e:#}"),
-            }
-        })
-    };
-    checkpoint::save_with_model(out, &mut write, &files, meta)?;
+    super::save_converted(out, &c, &tensors, &files, run, Some(base_dir))?;
     Ok(c)
 }
 

@@ -303,23 +303,12 @@ pub fn float_dtype(dtype: Dtype) -> Result<Dtype> {
     }
 }
 
-/// Values of `dtype` from their little-endian bytes.
+/// Values of `dtype` (F32, F16 or BF16) from their little-endian bytes.
 fn decode(dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>> {
-    Ok(match dtype {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        other => bail!("{other:?} values: parameters are F32, F16 or BF16"),
-    })
+    match megatron_core::checkpoint::values_f32(dtype, bytes) {
+        Some(values) => Ok(values),
+        None => bail!("{dtype:?} values: parameters are F32, F16 or BF16"),
+    }
 }
 
 /// Appends `values` as little-endian bytes of `dtype`, each rounded to nearest, ties to even.

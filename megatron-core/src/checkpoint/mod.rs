@@ -191,10 +191,14 @@ fn whole(shape: Vec<usize>, bytes: &[u8]) -> Whole {
     Whole { shape, data }
 }
 
-/// A whole tensor from its shape and the little-endian bytes of `dtype` (F32, or the F16 and
-/// BF16 an imported model keeps), as f32.
-fn whole_of(dtype: Dtype, shape: Vec<usize>, bytes: &[u8]) -> Whole {
-    let data = match dtype {
+/// The values of little-endian `bytes` of `dtype` as f32: F32 as they are, F16 and BF16 (what
+/// an imported model keeps) widened exactly; `None` for another dtype.
+pub fn values_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
+    Some(match dtype {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
         Dtype::F16 => bytes
             .chunks_exact(2)
             .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
@@ -203,8 +207,13 @@ fn whole_of(dtype: Dtype, shape: Vec<usize>, bytes: &[u8]) -> Whole {
             .chunks_exact(2)
             .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect(),
-        _ => return whole(shape, bytes),
-    };
+        _ => return None,
+    })
+}
+
+/// A whole tensor from its shape and the little-endian bytes of `dtype` (F32, F16 or BF16).
+fn whole_of(dtype: Dtype, shape: Vec<usize>, bytes: &[u8]) -> Whole {
+    let data = values_f32(dtype, bytes).unwrap_or_default();
     Whole { shape, data }
 }
 
@@ -238,23 +247,7 @@ impl Stored<'_> {
         let end = range.end.min(self.len());
         let start = range.start.min(end);
         let bytes = &self.bytes[start * size..end * size];
-        match self.dtype {
-            Dtype::F16 => out.extend(
-                bytes
-                    .chunks_exact(2)
-                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
-            ),
-            Dtype::BF16 => out.extend(
-                bytes
-                    .chunks_exact(2)
-                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
-            ),
-            _ => out.extend(
-                bytes
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-            ),
-        }
+        out.extend(values_f32(self.dtype, bytes).unwrap_or_default());
     }
 }
 

@@ -99,6 +99,21 @@ pub struct LinearSaved {
     lora: Option<Box<Tensor>>,
 }
 
+impl LinearSaved {
+    /// What forward kept, with the LoRA adapter's whole down-projection `a` too.
+    fn with_lora(self, a: Tensor) -> LinearSaved {
+        LinearSaved {
+            lora: Some(Box::new(a)),
+            ..self
+        }
+    }
+
+    /// The input and the adapter's down-projection, when forward kept them.
+    fn lora_kept(&self) -> Option<(&Tensor, &Tensor)> {
+        self.lora.as_deref().map(|a| (&self.x, a))
+    }
+}
+
 impl Linear {
     fn build_as(spec: &LinearSpec, b: &mut Builder, mode: Mode) -> Result<Linear> {
         let ranks = b.group(GroupKind::Tp).1;
@@ -407,14 +422,11 @@ impl ColumnParallel for Linear {
     }
 
     fn keep_lora(saved: LinearSaved, a: Tensor) -> LinearSaved {
-        LinearSaved {
-            lora: Some(Box::new(a)),
-            ..saved
-        }
+        saved.with_lora(a)
     }
 
     fn lora_kept(saved: &LinearSaved) -> Option<(&Tensor, &Tensor)> {
-        saved.lora.as_deref().map(|a| (&saved.x, a))
+        saved.lora_kept()
     }
 
     fn map_kept_input(
@@ -438,14 +450,11 @@ impl RowParallel for Linear {
     }
 
     fn keep_lora(saved: LinearSaved, a: Tensor) -> LinearSaved {
-        LinearSaved {
-            lora: Some(Box::new(a)),
-            ..saved
-        }
+        saved.with_lora(a)
     }
 
     fn lora_kept(saved: &LinearSaved) -> Option<(&Tensor, &Tensor)> {
-        saved.lora.as_deref().map(|a| (&saved.x, a))
+        saved.lora_kept()
     }
 
     /// With one tensor-parallel rank there is nothing to all-reduce: the bias goes in with the
