@@ -125,6 +125,52 @@ fn lora_fine_tunes_an_imported_llama_at_every_layout_as_one_rank() {
 }
 
 #[test]
+fn lora_on_a_mixture_of_experts_attention_trains_with_expert_parallelism_as_one_rank() {
+    let dir = TempDir::new("lora-moe");
+    let data = dataset(&dir);
+    let hf = format!("{}/tests/data/hf/mixtral", env!("CARGO_MANIFEST_DIR"));
+    let base = dir.join("mixtral");
+    let (ok, _, stderr) = megatron(&["convert", "--from", "hf", &hf, "--to", &base]);
+    assert!(ok, "{stderr}");
+    let common = [
+        "train",
+        "--quiet",
+        "--load",
+        &base,
+        "--data",
+        &data,
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "4",
+        "--lr",
+        "1e-2",
+        "--train-iters",
+        "3",
+        "--seed",
+        "3",
+        "--lora-rank",
+        "4",
+        "--lora-target-modules",
+        "linear_qkv",
+        "linear_proj",
+    ];
+    let one = curve(&common, &dir, "one", &[]);
+    for (i, flags) in [
+        &["--dp", "2", "--ep", "2"][..],
+        &["--tp", "2", "--sequence-parallel", "--ep", "2"],
+    ]
+    .iter()
+    .enumerate()
+    {
+        let got = curve(&common, &dir, &format!("moe-{i}"), flags);
+        assert_follows(&got, &one, (1e-5, 1e-4), &format!("{flags:?}"));
+    }
+}
+
+#[test]
 fn a_lora_save_holds_the_adapters_names_its_base_and_resumes() {
     let dir = TempDir::new("lora-save");
     let data = dataset(&dir);
