@@ -8,56 +8,12 @@
 
 mod support;
 
-use megatron::data::{DType, IndexedDatasetBuilder};
-use support::{TempDir, curve, megatron};
-
-/// Documents of tokens below 64 (the golden models' vocabulary): a few repeated phrases, so
-/// that the loss has something to learn.
-fn dataset(dir: &TempDir) -> String {
-    let prefix = dir.join("tokens");
-    let mut b = IndexedDatasetBuilder::create(&prefix, DType::U16).unwrap();
-    for d in 0..64u32 {
-        let tokens: Vec<u32> = (0..96u32).map(|j| (d * 7 + (j % 12) * 5) % 64).collect();
-        b.add_document(&tokens, &[tokens.len()]).unwrap();
-    }
-    b.finish().unwrap();
-    prefix
-}
-
-/// Imports golden model `name` into `dir`; returns the checkpoint's path.
-fn import(dir: &TempDir, name: &str) -> String {
-    let hf = format!("{}/tests/data/hf/{name}", env!("CARGO_MANIFEST_DIR"));
-    let ckpt = dir.join(&format!("{name}-ckpt"));
-    let (ok, _, stderr) = megatron(&["convert", "--from", "hf", &hf, "--to", &ckpt]);
-    assert!(ok, "{name}: {stderr}");
-    ckpt
-}
-
-/// The losses and gradient norms of `layouts` against `reference` (relative `loss_tol` and
-/// `norm_tol`).
-fn assert_follows(
-    got: &[(u64, f64, f64)],
-    want: &[(u64, f64, f64)],
-    (loss_tol, norm_tol): (f64, f64),
-    what: &str,
-) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    for (g, w) in got.iter().zip(want) {
-        assert!(
-            (g.1 - w.1).abs() <= loss_tol * w.1,
-            "{what}: loss {g:?} vs {w:?}"
-        );
-        assert!(
-            (g.2 - w.2).abs() <= norm_tol * w.2,
-            "{what}: grad norm {g:?} vs {w:?}"
-        );
-    }
-}
+use support::{TempDir, assert_follows, curve, import_golden, token_dataset};
 
 #[test]
 fn imported_llama_and_mixtral_fine_tune_at_every_layout_as_one_rank() {
     let dir = TempDir::new("hf-finetune");
-    let data = dataset(&dir);
+    let data = token_dataset(&dir, 64, 96);
     for (name, layouts) in [
         (
             "llama",
@@ -78,7 +34,7 @@ fn imported_llama_and_mixtral_fine_tune_at_every_layout_as_one_rank() {
             ],
         ),
     ] {
-        let ckpt = import(&dir, name);
+        let ckpt = import_golden(&dir, name, &format!("{name}-ckpt"));
         let common = [
             "train",
             "--quiet",

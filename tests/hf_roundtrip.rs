@@ -13,11 +13,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use megatron::convert::{self, ExportOptions};
-use megatron::data::{DType, IndexedDatasetBuilder};
 use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::Value;
-use support::{TempDir, megatron};
+use support::{TempDir, edit_tensor, megatron, token_dataset};
 
 const NAMES: [&str; 8] = [
     "llama",
@@ -225,18 +224,6 @@ fn every_architecture_comes_back_byte_for_byte_in_its_dtype() {
     );
 }
 
-/// Documents of tokens below 64 (the golden models' vocabulary).
-fn dataset(dir: &TempDir) -> String {
-    let prefix = dir.join("tokens");
-    let mut b = IndexedDatasetBuilder::create(&prefix, DType::U16).unwrap();
-    for d in 0..16u32 {
-        let tokens: Vec<u32> = (0..48u32).map(|j| (d * 7 + (j % 12) * 5) % 64).collect();
-        b.add_document(&tokens, &[tokens.len()]).unwrap();
-    }
-    b.finish().unwrap();
-    prefix
-}
-
 #[test]
 fn a_trained_model_is_written_in_the_imported_dtype_rounded_to_nearest_even() {
     let dir = TempDir::new("hf-roundtrip-trained");
@@ -252,7 +239,7 @@ fn a_trained_model_is_written_in_the_imported_dtype_rounded_to_nearest_even() {
     ]);
     assert!(ok, "{stderr}");
     let trained = dir.join("trained");
-    let data = dataset(&dir);
+    let data = token_dataset(&dir, 16, 48);
     let (ok, _, stderr) = megatron(&[
         "train",
         "--quiet",
@@ -360,39 +347,15 @@ fn bad_shards_dtypes_and_flags_are_refused_by_name_with_nothing_left_behind() {
     // A tensor of integers where a weight should be.
     let ints = copy("ints");
     let shard = ints.join("model-00004-of-00004.safetensors");
-    let bytes = std::fs::read(&shard).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let norm = st.tensor("model.norm.weight").unwrap();
-    let as_ints: Vec<u8> = norm.data().to_vec();
-    let mut views: Vec<(String, TensorView)> = st
-        .tensors()
-        .into_iter()
-        .filter(|(n, _)| n != "model.norm.weight")
-        .collect();
-    views.push((
-        "model.norm.weight".into(),
-        TensorView::new(Dtype::I32, norm.shape().to_vec(), &as_ints).unwrap(),
-    ));
-    std::fs::write(&shard, safetensors::serialize(views, None).unwrap()).unwrap();
+    edit_tensor(&shard, "model.norm.weight", |b| (Dtype::I32, b));
     refused(&ints, "I32 values: parameters are F32, F16 or BF16");
     // A value that is not finite, found while the checkpoint is written.
     let nan = copy("nan");
     let shard = nan.join("model-00004-of-00004.safetensors");
-    let bytes = std::fs::read(&shard).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let norm = st.tensor("model.norm.weight").unwrap();
-    let mut poisoned = norm.data().to_vec();
-    poisoned[8..12].copy_from_slice(&f32::NAN.to_le_bytes());
-    let mut views: Vec<(String, TensorView)> = st
-        .tensors()
-        .into_iter()
-        .filter(|(n, _)| n != "model.norm.weight")
-        .collect();
-    views.push((
-        "model.norm.weight".into(),
-        TensorView::new(Dtype::F32, norm.shape().to_vec(), &poisoned).unwrap(),
-    ));
-    std::fs::write(&shard, safetensors::serialize(views, None).unwrap()).unwrap();
+    edit_tensor(&shard, "model.norm.weight", |mut b| {
+        b[8..12].copy_from_slice(&f32::NAN.to_le_bytes());
+        (Dtype::F32, b)
+    });
     refused(&nan, "element 2 of `ln_f.weight` is NaN");
     // Flags: a dtype parameters are not held in, a size without a number, export flags on an
     // import.

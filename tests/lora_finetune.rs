@@ -9,48 +9,15 @@
 
 mod support;
 
-use megatron::data::{DType, IndexedDatasetBuilder};
-use support::{TempDir, curve, megatron};
-
-/// Documents of tokens below 64 (the golden models' vocabulary).
-fn dataset(dir: &TempDir) -> String {
-    let prefix = dir.join("tokens");
-    let mut b = IndexedDatasetBuilder::create(&prefix, DType::U16).unwrap();
-    for d in 0..64u32 {
-        let tokens: Vec<u32> = (0..96u32).map(|j| (d * 7 + (j % 12) * 5) % 64).collect();
-        b.add_document(&tokens, &[tokens.len()]).unwrap();
-    }
-    b.finish().unwrap();
-    prefix
-}
-
-fn import(dir: &TempDir) -> String {
-    let hf = format!("{}/tests/data/hf/llama", env!("CARGO_MANIFEST_DIR"));
-    let ckpt = dir.join("base");
-    let (ok, _, stderr) = megatron(&["convert", "--from", "hf", &hf, "--to", &ckpt]);
-    assert!(ok, "{stderr}");
-    ckpt
-}
-
-fn assert_follows(got: &[(u64, f64, f64)], want: &[(u64, f64, f64)], tol: (f64, f64), what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    for (g, w) in got.iter().zip(want) {
-        assert!(
-            (g.1 - w.1).abs() <= tol.0 * w.1,
-            "{what}: loss {g:?} vs {w:?}"
-        );
-        assert!(
-            (g.2 - w.2).abs() <= tol.1 * w.2,
-            "{what}: grad norm {g:?} vs {w:?}"
-        );
-    }
-}
+use support::{
+    TempDir, assert_follows, curve, edit_tensor, import_golden, megatron, token_dataset,
+};
 
 #[test]
 fn lora_fine_tunes_an_imported_llama_at_every_layout_as_one_rank() {
     let dir = TempDir::new("lora-finetune");
-    let data = dataset(&dir);
-    let base = import(&dir);
+    let data = token_dataset(&dir, 64, 96);
+    let base = import_golden(&dir, "llama", "base");
     let common = [
         "train",
         "--quiet",
@@ -127,11 +94,8 @@ fn lora_fine_tunes_an_imported_llama_at_every_layout_as_one_rank() {
 #[test]
 fn lora_on_a_mixture_of_experts_attention_trains_with_expert_parallelism_as_one_rank() {
     let dir = TempDir::new("lora-moe");
-    let data = dataset(&dir);
-    let hf = format!("{}/tests/data/hf/mixtral", env!("CARGO_MANIFEST_DIR"));
-    let base = dir.join("mixtral");
-    let (ok, _, stderr) = megatron(&["convert", "--from", "hf", &hf, "--to", &base]);
-    assert!(ok, "{stderr}");
+    let data = token_dataset(&dir, 64, 96);
+    let base = import_golden(&dir, "mixtral", "mixtral");
     let common = [
         "train",
         "--quiet",
@@ -173,8 +137,8 @@ fn lora_on_a_mixture_of_experts_attention_trains_with_expert_parallelism_as_one_
 #[test]
 fn a_lora_save_holds_the_adapters_names_its_base_and_resumes() {
     let dir = TempDir::new("lora-save");
-    let data = dataset(&dir);
-    let base = import(&dir);
+    let data = token_dataset(&dir, 64, 96);
+    let base = import_golden(&dir, "llama", "base");
     let save = dir.join("lora");
     let args = |iters: &'static str, load: &str| {
         vec![
@@ -285,8 +249,8 @@ fn merge(w: &[f32], b: &[f32], a: &[f32], s: f64, inp: usize) -> Vec<f64> {
 #[test]
 fn a_lora_checkpoint_goes_out_as_peft_adapters_or_merged() {
     let dir = TempDir::new("lora-export");
-    let data = dataset(&dir);
-    let base = import(&dir);
+    let data = token_dataset(&dir, 64, 96);
+    let base = import_golden(&dir, "llama", "base");
     let save = dir.join("lora");
     let (ok, _, stderr) = megatron(&[
         "train",
@@ -446,33 +410,12 @@ fn a_lora_checkpoint_goes_out_as_peft_adapters_or_merged() {
         std::fs::write(&p, c.to_string()).unwrap();
     });
     let separate = edited("separate", &|d| {
-        let p = d.join("adapter_model.safetensors");
-        let bytes = std::fs::read(&p).unwrap();
-        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let key = name("self_attn.k_proj", "A");
-        let other: Vec<u8> = st
-            .tensor(&key)
-            .unwrap()
-            .data()
-            .iter()
-            .map(|b| b ^ 1)
-            .collect();
-        let mut views: Vec<(String, safetensors::tensor::TensorView)> = st
-            .tensors()
-            .into_iter()
-            .filter(|(n, _)| *n != key)
-            .collect();
-        views.push((
-            key.clone(),
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![4, 32], &other)
-                .unwrap(),
-        ));
-        std::fs::write(&p, safetensors::serialize(views, None).unwrap()).unwrap();
+        edit_tensor(&d.join("adapter_model.safetensors"), &key, |b| {
+            (safetensors::Dtype::F32, b.iter().map(|x| x ^ 1).collect())
+        });
     });
-    let qwen = format!("{}/tests/data/hf/qwen3", env!("CARGO_MANIFEST_DIR"));
-    let other_base = dir.join("qwen3");
-    let (ok, _, stderr) = megatron(&["convert", "--from", "hf", &qwen, "--to", &other_base]);
-    assert!(ok, "{stderr}");
+    let other_base = import_golden(&dir, "qwen3", "qwen3");
     for (adapter, on, what) in [
         (rs.as_str(), base.as_str(), "`use_rslora` is true"),
         (separate.as_str(), base.as_str(), "have different lora_A"),
@@ -497,8 +440,8 @@ fn a_lora_checkpoint_goes_out_as_peft_adapters_or_merged() {
 #[test]
 fn bad_lora_settings_are_refused_by_name() {
     let dir = TempDir::new("lora-bad");
-    let data = dataset(&dir);
-    let base = import(&dir);
+    let data = token_dataset(&dir, 64, 96);
+    let base = import_golden(&dir, "llama", "base");
     let common = [
         "train",
         "--quiet",

@@ -395,20 +395,13 @@ pub(crate) struct CheckpointTensors {
 }
 
 impl CheckpointTensors {
-    /// Opens `loaded`'s parameters, and its base's (verified) when it names one.
+    /// Opens `loaded`'s parameters, and its base's when it names one (verified as `loaded`
+    /// was, when it was opened).
     pub(crate) fn open(loaded: &Loaded) -> Result<Self> {
-        let own = stream::SafetensorsFile::open(&loaded.dir().join(checkpoint::MODEL_FILE))?;
-        let base = match &loaded.meta().base {
-            Some(base) => {
-                let opened = checkpoint::open(base).with_context(|| {
-                    format!("{}: its base {}", loaded.dir().display(), base.display())
-                })?;
-                Some(stream::SafetensorsFile::open(
-                    &opened.dir().join(checkpoint::MODEL_FILE),
-                )?)
-            }
-            None => None,
-        };
+        let file =
+            |l: &Loaded| stream::SafetensorsFile::open(&l.dir().join(checkpoint::MODEL_FILE));
+        let own = file(loaded)?;
+        let base = loaded.base().map(file).transpose()?;
         Ok(CheckpointTensors {
             dir: loaded.dir().to_path_buf(),
             own,

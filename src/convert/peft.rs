@@ -198,11 +198,8 @@ pub fn export(ckpt: &Path, dir: &Path, options: &ExportOptions) -> Result<(GptCo
         );
     }
     let base_name = loaded
-        .meta()
-        .base
-        .as_ref()
-        .and_then(|b| checkpoint::read_meta(b).ok())
-        .and_then(|m| m.run["imported_from"].as_str().map(str::to_string))
+        .base()
+        .and_then(|b| b.meta().run["imported_from"].as_str().map(str::to_string))
         .unwrap_or_default();
     let config = json!({
         "peft_type": "LORA",

@@ -306,3 +306,73 @@ pub fn max_abs_diff(got: &[f32], want: &[f32]) -> f32 {
         .map(|(g, w)| (g - w).abs())
         .fold(0f32, f32::max)
 }
+
+/// Megatron-LM's indexed dataset `tokens` in `dir` of `docs` documents of `len` tokens below 64
+/// (the golden Hugging Face models' vocabulary): a few repeated phrases, so that a loss has
+/// something to learn. Returns its prefix.
+pub fn token_dataset(dir: &TempDir, docs: u32, len: u32) -> String {
+    use megatron::data::{DType, IndexedDatasetBuilder};
+    let prefix = dir.join("tokens");
+    let mut b = IndexedDatasetBuilder::create(&prefix, DType::U16).unwrap();
+    for d in 0..docs {
+        let tokens: Vec<u32> = (0..len).map(|j| (d * 7 + (j % 12) * 5) % 64).collect();
+        b.add_document(&tokens, &[tokens.len()]).unwrap();
+    }
+    b.finish().unwrap();
+    prefix
+}
+
+/// Imports golden model `name` (`tests/data/hf/NAME`) into `dir`'s `to` with `megatron
+/// convert`; returns the checkpoint's path.
+pub fn import_golden(dir: &TempDir, name: &str, to: &str) -> String {
+    let hf = format!("{}/tests/data/hf/{name}", env!("CARGO_MANIFEST_DIR"));
+    let ckpt = dir.join(to);
+    let (ok, _, stderr) = megatron(&["convert", "--from", "hf", &hf, "--to", &ckpt]);
+    assert!(ok, "{name}: {stderr}");
+    ckpt
+}
+
+/// The (step, loss, grad norm) of `got` against `want`, step by step, within relative
+/// `loss_tol` and `norm_tol`.
+pub fn assert_follows(
+    got: &[(u64, f64, f64)],
+    want: &[(u64, f64, f64)],
+    (loss_tol, norm_tol): (f64, f64),
+    what: &str,
+) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (g, w) in got.iter().zip(want) {
+        assert!(
+            (g.1 - w.1).abs() <= loss_tol * w.1,
+            "{what}: loss {g:?} vs {w:?}"
+        );
+        assert!(
+            (g.2 - w.2).abs() <= norm_tol * w.2,
+            "{what}: grad norm {g:?} vs {w:?}"
+        );
+    }
+}
+
+/// Rewrites the safetensors file `path` with tensor `name` replaced, in its shape, by what
+/// `edit` makes of its bytes: a dtype and bytes.
+pub fn edit_tensor(
+    path: &Path,
+    name: &str,
+    edit: impl Fn(Vec<u8>) -> (safetensors::Dtype, Vec<u8>),
+) {
+    use safetensors::tensor::TensorView;
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let old = st.tensor(name).unwrap();
+    let (dtype, new) = edit(old.data().to_vec());
+    let mut views: Vec<(String, TensorView)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != name)
+        .collect();
+    views.push((
+        name.to_string(),
+        TensorView::new(dtype, old.shape().to_vec(), &new).unwrap(),
+    ));
+    std::fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
+}

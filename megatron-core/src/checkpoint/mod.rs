@@ -789,6 +789,8 @@ pub struct Loaded {
     optimizer: Option<memmap2::Mmap>,
     /// The distributed optimizer's shard files, by name.
     shards: Vec<(String, memmap2::Mmap)>,
+    /// The checkpoint [`CheckpointMeta::base`] names, opened with this one.
+    base: Option<Box<Loaded>>,
 }
 
 impl std::fmt::Debug for Loaded {
@@ -893,12 +895,24 @@ fn open_with(path: &Path, verify: bool) -> Result<Loaded, CheckpointError> {
         .filter(|name| is_optimizer_shard(name))
         .map(|name| Ok((name.clone(), map_file(&dir, name, &meta, verify)?)))
         .collect::<Result<Vec<_>, CheckpointError>>()?;
+    // The checkpoint holding what this one does not save (a LoRA fine-tune's frozen base),
+    // opened as this one is.
+    let base = match &meta.base {
+        Some(base) => Some(Box::new(open_with(base, verify).map_err(|e| {
+            CheckpointError::Format {
+                path: dir.clone(),
+                message: format!("its base {}: {e}", base.display()),
+            }
+        })?)),
+        None => None,
+    };
     Ok(Loaded {
         dir,
         meta,
         model,
         optimizer,
         shards,
+        base,
     })
 }
 
@@ -1021,6 +1035,33 @@ impl Loaded {
         })
     }
 
+    /// Tensor `name` of the mapped `file` (its dtype one of `dtypes`), `None` when the file
+    /// has none of that name.
+    fn find_in<'a>(
+        &'a self,
+        map: &'a memmap2::Mmap,
+        file: &str,
+        name: &str,
+        dtypes: &[Dtype],
+    ) -> Result<Option<(Dtype, Vec<usize>, &'a [u8])>, CheckpointError> {
+        let path = self.dir.join(file);
+        let st = SafeTensors::deserialize(map).map_err(|e| CheckpointError::Format {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        let Ok(view) = st.tensor(name) else {
+            return Ok(None);
+        };
+        if !dtypes.contains(&view.dtype()) {
+            return Err(CheckpointError::Tensor {
+                path,
+                message: format!("`{name}` is {:?}, expected one of {dtypes:?}", view.dtype()),
+            });
+        }
+        Ok(Some((view.dtype(), view.shape().to_vec(), view.data())))
+    }
+
+    /// [`Loaded::find_in`], a missing tensor an error naming it.
     fn tensor_in<'a>(
         &'a self,
         map: &'a memmap2::Mmap,
@@ -1028,22 +1069,11 @@ impl Loaded {
         name: &str,
         dtypes: &[Dtype],
     ) -> Result<(Dtype, Vec<usize>, &'a [u8]), CheckpointError> {
-        let path = self.dir.join(file);
-        let st = SafeTensors::deserialize(map).map_err(|e| CheckpointError::Format {
-            path: path.clone(),
-            message: e.to_string(),
-        })?;
-        let view = st.tensor(name).map_err(|_| CheckpointError::Tensor {
-            path: path.clone(),
-            message: format!("no tensor `{name}`"),
-        })?;
-        if !dtypes.contains(&view.dtype()) {
-            return Err(CheckpointError::Tensor {
-                path,
-                message: format!("`{name}` is {:?}, expected one of {dtypes:?}", view.dtype()),
-            });
-        }
-        Ok((view.dtype(), view.shape().to_vec(), view.data()))
+        self.find_in(map, file, name, dtypes)?
+            .ok_or_else(|| CheckpointError::Tensor {
+                path: self.dir.join(file),
+                message: format!("no tensor `{name}`"),
+            })
     }
 
     /// A parameter's stored values, not yet read: a rank copies out only its part of them
@@ -1080,6 +1110,29 @@ impl Loaded {
     /// Whether the checkpoint holds parameter `name`.
     pub fn has_model_tensor(&self, name: &str) -> bool {
         SafeTensors::deserialize(&self.model).is_ok_and(|st| st.tensor(name).is_ok())
+    }
+
+    /// The checkpoint holding what this one does not save ([`CheckpointMeta::base`]), opened
+    /// and verified with it.
+    pub fn base(&self) -> Option<&Loaded> {
+        self.base.as_deref()
+    }
+
+    /// Parameter `name`'s stored values: this checkpoint's, else its base's; `None` when
+    /// neither holds it.
+    pub fn find_stored(&self, name: &str) -> Result<Option<Stored<'_>>, CheckpointError> {
+        let dtypes = [Dtype::F32, Dtype::BF16, Dtype::F16];
+        if let Some((dtype, shape, bytes)) = self.find_in(&self.model, MODEL_FILE, name, &dtypes)? {
+            return Ok(Some(Stored {
+                dtype,
+                shape,
+                bytes,
+            }));
+        }
+        match &self.base {
+            Some(base) => base.find_stored(name),
+            None => Ok(None),
+        }
     }
 
     /// Names of every parameter in the checkpoint.

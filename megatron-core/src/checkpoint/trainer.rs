@@ -33,60 +33,45 @@ pub struct SaveInfo {
     pub base: Option<std::path::PathBuf>,
 }
 
-/// A parameter's stored values: in the checkpoint, else in its base
-/// ([`CheckpointMeta::base`]); `None` when neither has it.
-fn stored_in<'a>(
-    loaded: &'a Loaded,
-    base: Option<&'a Loaded>,
-    name: &str,
-) -> Result<Option<checkpoint::Stored<'a>>> {
-    if loaded.has_model_tensor(name) {
-        return Ok(Some(loaded.model_stored(name)?));
-    }
-    match base {
-        Some(base) if base.has_model_tensor(name) => Ok(Some(base.model_stored(name)?)),
-        _ => Ok(None),
-    }
-}
-
 /// The values of parameter `spec` this rank holds, from the checkpoint or its base; `None` for
 /// a LoRA adapter neither has (a fine-tune starting from its base: the adapter keeps its
 /// initial values). Anything else missing is an error naming it.
-fn stored_part(
-    spec: &ParamSpec,
-    loaded: &Loaded,
-    base: Option<&Loaded>,
-) -> Result<Option<Vec<f32>>> {
+fn stored_part(spec: &ParamSpec, loaded: &Loaded) -> Result<Option<Vec<f32>>> {
     let dir = loaded.dir().display().to_string();
-    match stored_in(loaded, base, &spec.name)? {
+    match loaded.find_stored(&spec.name)? {
         Some(stored) => Ok(Some(local_part(spec, &stored, &dir)?)),
         None if crate::tensor_parallel::lora::is_adapter_param(&spec.name) => Ok(None),
         None => invalid!(
             "checkpoint {dir}: no tensor `{}`{}",
             spec.name,
-            base.map(|b| format!(" (nor in its base {})", b.dir().display()))
+            loaded
+                .base()
+                .map(|b| format!(" (nor in its base {})", b.dir().display()))
                 .unwrap_or_default()
         ),
     }
 }
 
-/// The base a checkpoint names ([`CheckpointMeta::base`]), opened (verified when `verify`).
-fn open_base(loaded: &Loaded, verify: bool) -> Result<Option<Loaded>> {
-    let Some(base) = &loaded.meta().base else {
-        return Ok(None);
-    };
-    let opened = if verify {
-        checkpoint::open(base)
-    } else {
-        checkpoint::open_unverified(base)
-    };
-    Ok(Some(opened.map_err(|e| {
-        crate::Error::Invalid(format!(
-            "checkpoint {}: its base {}: {e}",
-            loaded.dir().display(),
-            base.display()
-        ))
-    })?))
+/// Sets `visit`'s parameters to their parts of the checkpoint's values (a fresh adapter keeps
+/// its own); the first failure stops it.
+fn set_params(
+    loaded: &Loaded,
+    visit: &mut dyn FnMut(&mut dyn FnMut(&crate::module::Param)),
+) -> Result<()> {
+    let mut failure = None;
+    visit(&mut |p| {
+        if failure.is_some() {
+            return;
+        }
+        let result = (|| -> Result<()> {
+            if let Some(part) = stored_part(p.spec(), loaded)? {
+                p.set_values(&Tensor::from_vec(part, p.spec().local.clone())?)?;
+            }
+            Ok(())
+        })();
+        failure = result.err();
+    });
+    failure.map_or(Ok(()), Err)
 }
 
 /// This rank's part of a logical tensor `whole` (unpadded rows `real_rows` padded with zeros).
@@ -392,8 +377,12 @@ impl<M: LanguageModel> Trainer<M> {
         }
         // Frozen parameters: their values, which no optimizer holds.
         let mut frozen = Vec::new();
-        for chunk in self.chunks.0.iter().filter(|_| frozen_too) {
-            chunk.visit_frozen_params(&mut |p| frozen.push((p.spec().clone(), p.value().clone())));
+        if frozen_too {
+            for chunk in &self.chunks.0 {
+                chunk.visit_frozen_params(&mut |p| {
+                    frozen.push((p.spec().clone(), p.value().clone()))
+                });
+            }
         }
         for (spec, value) in frozen {
             if !(if spec.is_expert() { experts } else { dense }) {
@@ -494,17 +483,7 @@ impl<M: LanguageModel> Trainer<M> {
         path: &Path,
     ) -> Result<CheckpointMeta> {
         let loaded = open_checkpoint(parallel, path)?;
-        let base = match &loaded.meta().base {
-            Some(base) => Some(open_checkpoint(parallel, base).map_err(|e| {
-                crate::Error::Invalid(format!(
-                    "checkpoint {}: its base {}: {e}",
-                    loaded.dir().display(),
-                    base.display()
-                ))
-            })?),
-            None => None,
-        };
-        load_into(&loaded, base.as_ref(), self)?;
+        load_into(&loaded, self)?;
         Ok(loaded.meta().clone())
     }
 }
@@ -531,43 +510,21 @@ pub fn open_checkpoint(parallel: &ParallelState, path: &Path) -> Result<Loaded> 
 /// Sets every parameter of `model` to its part of the checkpoint's values (for evaluation,
 /// generation or fine-tuning), resharded to this rank's layout.
 pub fn load_params<M: Module>(model: &M, loaded: &Loaded) -> Result<()> {
-    let base = open_base(loaded, false)?;
-    let mut failure = None;
-    model.visit_params(&mut |p| {
-        if failure.is_some() {
-            return;
-        }
-        let result = (|| -> Result<()> {
-            if let Some(part) = stored_part(p.spec(), loaded, base.as_ref())? {
-                p.set_values(&Tensor::from_vec(part, p.spec().local.clone())?)?;
-            }
-            Ok(())
-        })();
-        if let Err(e) = result {
-            failure = Some(e);
-        }
-    });
-    failure.map_or(Ok(()), Err)
+    set_params(loaded, &mut |f| model.visit_params(&mut |p| f(p)))
 }
 
-fn load_into<M: LanguageModel>(
-    loaded: &Loaded,
-    base: Option<&Loaded>,
-    trainer: &mut Trainer<M>,
-) -> Result<()> {
+fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Result<()> {
     let dir = loaded.dir().display().to_string();
     let with_optimizer = loaded.has_optimizer();
     let n = trainer.buffers.values().numel();
     let (mut exp_avg, mut exp_avg_sq) = (vec![0.0f32; n], vec![0.0f32; n]);
-    let mut values = vec![0.0f32; n];
-    let current = trainer.buffers.values().to_vec_f32()?;
+    // The current values: what a fresh adapter keeps.
+    let mut values = trainer.buffers.values().to_vec_f32()?;
     for slot in trainer.buffers.slots() {
         let spec = &slot.spec;
         let r = slot.range();
-        match stored_part(spec, loaded, base)? {
-            Some(part) => values[r.clone()].copy_from_slice(&part),
-            // A fresh adapter keeps its initial values.
-            None => values[r.clone()].copy_from_slice(&current[r.clone()]),
+        if let Some(part) = stored_part(spec, loaded)? {
+            values[r.clone()].copy_from_slice(&part);
         }
         if with_optimizer {
             let mut shape = spec.logical.dims().to_vec();
@@ -581,23 +538,8 @@ fn load_into<M: LanguageModel>(
         }
     }
     // Frozen parameters: their values alone, each into its own tensor.
-    let mut failure = None;
     for chunk in &trainer.chunks.0 {
-        chunk.visit_frozen_params(&mut |p| {
-            if failure.is_some() {
-                return;
-            }
-            let result = (|| -> Result<()> {
-                if let Some(part) = stored_part(p.spec(), loaded, base)? {
-                    p.set_values(&Tensor::from_vec(part, p.spec().local.clone())?)?;
-                }
-                Ok(())
-            })();
-            failure = result.err();
-        });
-    }
-    if let Some(e) = failure {
-        return Err(e);
+        set_params(loaded, &mut |f| chunk.visit_frozen_params(&mut |p| f(p)))?;
     }
     trainer
         .optimizer
