@@ -217,6 +217,9 @@ fn whole_of(dtype: Dtype, shape: Vec<usize>, bytes: &[u8]) -> Whole {
     Whole { shape, data }
 }
 
+/// A tensor found in a mapped file: its dtype, shape and bytes.
+type Found<'a> = (Dtype, Vec<usize>, &'a [u8]);
+
 /// A tensor of a checkpoint's mapped file, read element range by element range as f32.
 #[derive(Debug, Clone)]
 pub struct Stored<'a> {
@@ -1043,7 +1046,7 @@ impl Loaded {
         file: &str,
         name: &str,
         dtypes: &[Dtype],
-    ) -> Result<Option<(Dtype, Vec<usize>, &'a [u8])>, CheckpointError> {
+    ) -> Result<Option<Found<'a>>, CheckpointError> {
         let path = self.dir.join(file);
         let st = SafeTensors::deserialize(map).map_err(|e| CheckpointError::Format {
             path: path.clone(),
@@ -1068,7 +1071,7 @@ impl Loaded {
         file: &str,
         name: &str,
         dtypes: &[Dtype],
-    ) -> Result<(Dtype, Vec<usize>, &'a [u8]), CheckpointError> {
+    ) -> Result<Found<'a>, CheckpointError> {
         self.find_in(map, file, name, dtypes)?
             .ok_or_else(|| CheckpointError::Tensor {
                 path: self.dir.join(file),

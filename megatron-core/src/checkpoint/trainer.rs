@@ -52,12 +52,12 @@ fn stored_part(spec: &ParamSpec, loaded: &Loaded) -> Result<Option<Vec<f32>>> {
     }
 }
 
+/// Calls its argument on some parameters of a model (all of them, or the frozen ones).
+type ParamVisit<'v> = dyn FnMut(&mut dyn FnMut(&crate::module::Param)) + 'v;
+
 /// Sets `visit`'s parameters to their parts of the checkpoint's values (a fresh adapter keeps
 /// its own); the first failure stops it.
-fn set_params(
-    loaded: &Loaded,
-    visit: &mut dyn FnMut(&mut dyn FnMut(&crate::module::Param)),
-) -> Result<()> {
+fn set_params(loaded: &Loaded, visit: &mut ParamVisit<'_>) -> Result<()> {
     let mut failure = None;
     visit(&mut |p| {
         if failure.is_some() {
