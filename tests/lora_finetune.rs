@@ -92,7 +92,7 @@ fn lora_fine_tunes_an_imported_llama_at_every_layout_as_one_rank() {
 }
 
 #[test]
-fn lora_on_a_mixture_of_experts_attention_trains_with_expert_parallelism_as_one_rank() {
+fn lora_beside_a_mixture_of_experts_trains_with_expert_parallelism_as_one_rank() {
     let dir = TempDir::new("lora-moe");
     let data = token_dataset(&dir, 64, 96);
     let base = import_golden(&dir, "mixtral", "mixtral");
@@ -117,14 +117,23 @@ fn lora_on_a_mixture_of_experts_attention_trains_with_expert_parallelism_as_one_
         "3",
         "--lora-rank",
         "4",
-        "--lora-target-modules",
-        "linear_qkv",
-        "linear_proj",
     ];
+    // Every linear layer: the attention's and each expert's fc1 and fc2.
     let one = curve(&common, &dir, "one", &[]);
+    assert!(one[2].1 < one[0].1, "LoRA lowers the loss: {one:?}");
     for (i, flags) in [
-        &["--dp", "2", "--ep", "2"][..],
+        &["--dp", "2", "--ep", "2", "--use-distributed-optimizer"][..],
+        &["--dp", "4", "--ep", "2", "--etp", "2"],
         &["--tp", "2", "--sequence-parallel", "--ep", "2"],
+        &[
+            "--tp",
+            "2",
+            "--sequence-parallel",
+            "--etp",
+            "2",
+            "--pp",
+            "2",
+        ],
     ]
     .iter()
     .enumerate()
@@ -132,6 +141,26 @@ fn lora_on_a_mixture_of_experts_attention_trains_with_expert_parallelism_as_one_
         let got = curve(&common, &dir, &format!("moe-{i}"), flags);
         assert_follows(&got, &one, (1e-5, 1e-4), &format!("{flags:?}"));
     }
+    // The experts' adapters alone, by Megatron-Bridge's pattern.
+    let mut experts_only = common.to_vec();
+    experts_only.extend([
+        "--lora-target-modules",
+        "*.experts.linear_fc1",
+        "*.experts.linear_fc2",
+    ]);
+    let alone = curve(&experts_only, &dir, "experts", &[]);
+    assert_eq!(alone[0].1, one[0].1, "both start as the base");
+    assert!(
+        alone[2].1 < alone[0].1,
+        "the experts' adapters alone lower the loss: {alone:?}"
+    );
+    let etp = curve(
+        &experts_only,
+        &dir,
+        "experts-etp",
+        &["--dp", "4", "--ep", "2", "--etp", "2"],
+    );
+    assert_follows(&etp, &alone, (1e-5, 1e-4), "experts alone, dp 4 ep 2 etp 2");
 }
 
 #[test]
@@ -484,19 +513,17 @@ fn bad_lora_settings_are_refused_by_name() {
         assert!(!ok, "{flags:?}");
         assert!(stderr.contains(what), "{flags:?}: {stderr}");
     }
-    // Experts are not adapted yet: a mixture of experts refuses linear_fc1 by name.
-    let (ok, _, stderr) = megatron(&[
-        "train",
-        "--quiet",
-        "--model",
-        "mixtral-tiny",
-        "--train-iters",
-        "1",
+    // A pattern naming no layer of the model: a dense Llama has no experts.
+    let mut args = common.to_vec();
+    args.extend([
         "--lora-rank",
         "4",
+        "--lora-target-modules",
+        "*.experts.linear_fc1",
     ]);
+    let (ok, _, stderr) = megatron(&args);
     assert!(
-        !ok && stderr.contains("LoRA beside the experts' layers is not supported"),
+        !ok && stderr.contains("the model has no `*.experts.linear_fc1`"),
         "{stderr}"
     );
 }

@@ -7,13 +7,45 @@ use clap::Args;
 use megatron::models::GptConfig;
 use megatron::tensor_parallel::lora::LoraConfig;
 
-/// Megatron-Bridge's module names and the GPT's layers they are.
-const MODULES: [(&str, &str); 4] = [
-    ("linear_qkv", "attn.qkv"),
-    ("linear_proj", "attn.proj"),
-    ("linear_fc1", "mlp.fc1"),
-    ("linear_fc2", "mlp.fc2"),
+/// The GPT's linear layers that can carry an adapter: Megatron-LM's module name, our layer
+/// (the end of its dotted name) and Megatron-LM's path to it in a transformer layer.
+const LAYERS: [(&str, &str, &str); 8] = [
+    ("linear_qkv", "attn.qkv", "self_attention.linear_qkv"),
+    ("linear_proj", "attn.proj", "self_attention.linear_proj"),
+    ("linear_fc1", "mlp.fc1", "mlp.linear_fc1"),
+    ("linear_fc2", "mlp.fc2", "mlp.linear_fc2"),
+    ("linear_fc1", "mlp.experts.fc1", "mlp.experts.linear_fc1"),
+    ("linear_fc2", "mlp.experts.fc2", "mlp.experts.linear_fc2"),
+    (
+        "linear_fc1",
+        "mlp.shared.fc1",
+        "mlp.shared_experts.linear_fc1",
+    ),
+    (
+        "linear_fc2",
+        "mlp.shared.fc2",
+        "mlp.shared_experts.linear_fc2",
+    ),
 ];
+
+/// Megatron-Bridge's four default targets.
+const DEFAULT_TARGETS: [&str; 4] = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"];
+
+/// Whether the target `t` names the layer whose Megatron-LM module name is `module` and path
+/// `path`: as Megatron-Bridge's matcher, a bare module name names every layer of that name
+/// (dense, routed and shared experts alike), and a pattern `*.…` the layers whose path ends
+/// with what follows the `*.` (`*.experts.linear_fc1`: the routed experts' fc1 alone).
+fn names(t: &str, module: &str, path: &str) -> bool {
+    match t.strip_prefix("*.") {
+        Some(tail) => {
+            path == tail
+                || path
+                    .strip_suffix(tail)
+                    .is_some_and(|rest| rest.ends_with('.'))
+        }
+        None => t == module,
+    }
+}
 
 /// LoRA's flags.
 #[derive(Debug, Args)]
@@ -32,7 +64,9 @@ pub struct LoraArgs {
     #[arg(long, value_name = "P", requires = "lora_rank")]
     lora_dropout: Option<f32>,
     /// The layers that get adapters, by Megatron-LM's module names: linear_qkv, linear_proj,
-    /// linear_fc1, linear_fc2 [default: all four].
+    /// linear_fc1, linear_fc2 (every layer of the name: dense MLPs and experts alike), or
+    /// Megatron-Bridge's patterns such as `*.experts.linear_fc1` (the routed experts' alone) or
+    /// `*.mlp.linear_fc2` (the dense MLPs') [default: the four names].
     #[arg(long, value_name = "MODULE", num_args = 1.., requires = "lora_rank")]
     lora_target_modules: Vec<String>,
 }
@@ -69,37 +103,34 @@ impl LoraArgs {
                  (0 is): leave it out"
             );
         }
-        let names: Vec<&str> = match self.lora_target_modules.as_slice() {
-            [] => MODULES.iter().map(|(name, _)| *name).collect(),
+        let given: Vec<&str> = match self.lora_target_modules.as_slice() {
+            [] => DEFAULT_TARGETS.to_vec(),
             given => given.iter().map(String::as_str).collect(),
         };
+        let present = present_layers(model)?;
         let mut targets = Vec::new();
-        for name in names {
-            let Some((_, layer)) = MODULES.iter().find(|(n, _)| *n == name) else {
+        for t in given {
+            let layers: Vec<&str> = LAYERS
+                .iter()
+                .filter(|(module, _, path)| names(t, module, path))
+                .map(|(_, layer, _)| *layer)
+                .filter(|layer| present.contains(layer))
+                .collect();
+            if layers.is_empty() {
                 bail!(
-                    "--lora-target-modules: the model has no `{name}` (its linear layers are \
-                     {})",
-                    MODULES.map(|(n, _)| n).join(", ")
-                );
-            };
-            if layer.starts_with("mlp.") && model.moe.is_some() {
-                let routed = model.moe_layers()?.iter().filter(|&&m| m).count();
-                if routed == model.num_layers {
-                    bail!(
-                        "--lora-target-modules {name}: every MLP of the model is a mixture of \
-                         experts, and LoRA beside the experts' layers is not supported yet: \
-                         target linear_qkv and linear_proj"
-                    );
-                }
-                bail!(
-                    "--lora-target-modules {name}: {routed} of the model's {} MLPs are mixtures \
-                     of experts, and LoRA beside the experts' layers is not supported yet: \
-                     target linear_qkv and linear_proj",
-                    model.num_layers
+                    "--lora-target-modules: the model has no `{t}` (its linear layers are {})",
+                    LAYERS
+                        .iter()
+                        .filter(|(_, layer, _)| present.contains(layer))
+                        .map(|(_, _, path)| *path)
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 );
             }
-            if !targets.contains(&layer.to_string()) {
-                targets.push(layer.to_string());
+            for layer in layers {
+                if !targets.iter().any(|x: &String| x == layer) {
+                    targets.push(layer.to_string());
+                }
             }
         }
         let config = LoraConfig {
@@ -121,4 +152,27 @@ impl LoraArgs {
         }
         Ok(Some(config))
     }
+}
+
+/// Our layers `model` has (see [`LAYERS`]).
+fn present_layers(model: &GptConfig) -> Result<Vec<&'static str>> {
+    let mut present = vec!["attn.qkv", "attn.proj"];
+    let routed = match &model.moe {
+        Some(_) => model.moe_layers()?,
+        None => vec![false; model.num_layers],
+    };
+    if routed.iter().any(|&r| !r) {
+        present.extend(["mlp.fc1", "mlp.fc2"]);
+    }
+    if routed.iter().any(|&r| r) {
+        present.extend(["mlp.experts.fc1", "mlp.experts.fc2"]);
+        if model
+            .moe
+            .as_ref()
+            .is_some_and(|m| m.shared_expert_ffn.is_some())
+        {
+            present.extend(["mlp.shared.fc1", "mlp.shared.fc2"]);
+        }
+    }
+    Ok(present)
 }

@@ -744,28 +744,28 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
                 hf_name(names.router),
                 get(&ours("mlp.experts.router.weight"))?,
             ));
-            let (fc1, fc2) = (
-                get(&ours("mlp.experts.fc1.weight"))?,
-                get(&ours("mlp.experts.fc2.weight"))?,
-            );
+            // Each expert's rows of fc1 (gate, then up) and of fc2, with its adapter merged in.
             let ef = moe.ffn_hidden_size;
             for x in 0..moe.router.num_experts {
-                let at = x * 2 * ef * h;
-                hf.push(OutTensor::concat(
+                let at = x * 2 * ef;
+                hf.push(merged(
                     expert(names.gate, x),
-                    vec![ef, h],
-                    vec![fc1.elems(at..at + ef * h)],
-                ));
-                hf.push(OutTensor::concat(
+                    i,
+                    "mlp.experts.fc1",
+                    std::iter::once(at..at + ef).collect(),
+                )?);
+                hf.push(merged(
                     expert(names.up, x),
-                    vec![ef, h],
-                    vec![fc1.elems(at + ef * h..at + 2 * ef * h)],
-                ));
-                hf.push(OutTensor::concat(
+                    i,
+                    "mlp.experts.fc1",
+                    std::iter::once(at + ef..at + 2 * ef).collect(),
+                )?);
+                hf.push(merged(
                     expert(names.down, x),
-                    vec![h, ef],
-                    vec![fc2.rows(x..x + 1)],
-                ));
+                    i,
+                    "mlp.experts.fc2",
+                    std::iter::once(x * h..(x + 1) * h).collect(),
+                )?);
             }
         } else {
             hf.push(merged(

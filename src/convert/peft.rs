@@ -50,6 +50,59 @@ fn projections(c: &GptConfig, layer: &str) -> Result<Vec<(&'static str, Part)>> 
     })
 }
 
+/// Our experts' layers and transformers' fused expert weights they sit beside, in the order
+/// the export lists them in `target_parameters`.
+const EXPERT_PARAMETERS: [(&str, &str); 2] = [
+    ("mlp.experts.fc1", "gate_up_proj"),
+    ("mlp.experts.fc2", "down_proj"),
+];
+
+/// Our experts' adapter (A `[E, r, in]`, B `[E, out, r]`) of block `i` as PEFT's adapter of a
+/// fused expert weight at `module`: `lora_A` `[E·r, in]` (expert e's rows e·r..), `lora_B`
+/// `[out, r·E]` with expert e's column k at k·E + e (PEFT's `ParamWrapper` reshapes A to
+/// `[E, r, in]` and B to `[out, r, E]`).
+fn expert_adapter<'a>(
+    i: usize,
+    module: &str,
+    a: TensorRef<'a>,
+    b: TensorRef<'a>,
+    dtype: Dtype,
+) -> Result<[OutTensor<'a>; 2]> {
+    let (&[e, r, inp], &[_, out, _]) = (a.shape(), b.shape()) else {
+        bail!(
+            "block {i}'s experts' adapter has A {:?} and B {:?}, not [experts, r, in] and \
+             [experts, out, r]",
+            a.shape(),
+            b.shape()
+        );
+    };
+    let mut a_out = OutTensor::concat(
+        peft_name(i, module, "lora_A"),
+        vec![e * r, inp],
+        vec![a.all()],
+    );
+    a_out.dtype = dtype;
+    let mut b_out = OutTensor::computed(
+        peft_name(i, module, "lora_B"),
+        Dtype::F32,
+        vec![out, r * e],
+        move || {
+            let values = b.read_all()?;
+            let mut permuted = vec![0.0; values.len()];
+            for x in 0..e {
+                for o in 0..out {
+                    for k in 0..r {
+                        permuted[o * r * e + k * e + x] = values[(x * out + o) * r + k];
+                    }
+                }
+            }
+            Ok(permuted)
+        },
+    );
+    b_out.dtype = dtype;
+    Ok([a_out, b_out])
+}
+
 /// Which rows of a fused layer's output a projection is.
 #[derive(Debug, Clone)]
 enum Part {
@@ -89,26 +142,34 @@ fn adapter<'a>(
 
 /// `name`, the rows `ranges` of weight `w` with the adapter of `lora` (A, B and the scale
 /// α / r) merged into them: `W[rows] + (α / r)·B[rows]·A`, computed when written (f32, one
-/// range at a time); without an adapter, the rows themselves.
+/// range at a time); without an adapter, the rows themselves. The rows are those of `w` seen as
+/// `[rows, last dim]`: for the experts' `[experts, rows, cols]` weights, expert e's row j is row
+/// `e·rows + j`, merged with expert e's adapter (A `[experts, r, cols]`, B `[experts, rows,
+/// r]`); a range stays within one expert.
 pub(crate) fn merged_rows<'a>(
     name: String,
     w: TensorRef<'a>,
     lora: Option<(TensorRef<'a>, TensorRef<'a>, f32)>,
     ranges: Vec<Range<usize>>,
 ) -> OutTensor<'a> {
-    let cols: usize = w.shape().iter().skip(1).product();
+    let cols = w.shape().last().copied().unwrap_or(1);
     let rows: usize = ranges.iter().map(|r| r.len()).sum();
-    let mut shape = w.shape().to_vec();
-    shape[0] = rows;
+    let shape = vec![rows, cols];
     let Some((a, b, scale)) = lora else {
-        let slices = ranges.into_iter().map(|r| w.rows(r)).collect();
+        let slices = ranges
+            .into_iter()
+            .map(|r| w.elems(r.start * cols..r.end * cols))
+            .collect();
         return OutTensor::concat(name, shape, slices);
     };
+    // Rows per expert (all of them for a dense layer's weight).
+    let per_expert = w.shape().iter().rev().nth(1).copied().unwrap_or(1).max(1);
     OutTensor::computed(name, w.dtype(), shape, move || {
-        let a_values = a.read_all()?;
-        let r = a.shape()[0];
+        let r = a.shape().iter().rev().nth(1).copied().unwrap_or(1);
         let mut out = Vec::with_capacity(rows * cols);
         for range in &ranges {
+            let e = range.start / per_expert;
+            let a_values = a.read_f32(e * r * cols..(e + 1) * r * cols)?;
             let mut block = w.read_f32(range.start * cols..range.end * cols)?;
             let b_rows = b.read_f32(range.start * r..range.end * r)?;
             for (row, b_row) in block.chunks_mut(cols).zip(b_rows.chunks(r)) {
@@ -163,11 +224,28 @@ pub fn export(ckpt: &Path, dir: &Path, options: &ExportOptions) -> Result<(GptCo
     let dtype = options.dtype.unwrap_or(Dtype::F32);
     let mut out: BTreeMap<String, OutTensor<'_>> = BTreeMap::new();
     let mut modules = Vec::new();
+    // transformers' fused expert weights each adapted as a parameter (PEFT's
+    // `target_parameters`), in this order: PEFT wraps the experts once per parameter, the
+    // first innermost, so that with both the first's adapter sits under `base_layer`.
+    let expert_params: Vec<(&str, &str)> = EXPERT_PARAMETERS
+        .into_iter()
+        .filter(|(layer, _)| lora.targets.iter().any(|t| t == layer))
+        .collect();
     for i in 0..c.num_layers {
         for layer in &lora.targets {
             let Some((a, b)) = adapter(&tensors, i, layer) else {
                 continue;
             };
+            if let Some(at) = expert_params.iter().position(|(l, _)| l == layer) {
+                let module = match (at, expert_params.len()) {
+                    (0, 2) => "mlp.experts.base_layer",
+                    _ => "mlp.experts",
+                };
+                for t in expert_adapter(i, module, a, b, dtype)? {
+                    out.insert(t.name.clone(), t);
+                }
+                continue;
+            }
             for (module, part) in projections(&c, layer)? {
                 let leaf = module.rsplit('.').next().unwrap_or(module);
                 if !modules.contains(&leaf) {
@@ -208,6 +286,11 @@ pub fn export(ckpt: &Path, dir: &Path, options: &ExportOptions) -> Result<(GptCo
         "lora_alpha": super::float(lora.alpha),
         "lora_dropout": super::float(lora.dropout),
         "target_modules": modules,
+        "target_parameters": if expert_params.is_empty() {
+            serde_json::Value::Null
+        } else {
+            json!(expert_params.iter().map(|(_, p)| format!("experts.{p}")).collect::<Vec<_>>())
+        },
         "bias": "none",
         "fan_in_fan_out": false,
         "inference_mode": true,
@@ -343,7 +426,39 @@ pub fn import(dir: &Path, base: &Path, out: &Path) -> Result<GptConfig> {
         )
     })?;
     if c.moe.is_some() && targets.iter().any(|t| t.starts_with("mlp.")) {
-        refuse("adapters beside the experts' projections".to_string())?;
+        refuse("adapters beside a mixture of experts' MLP projections as modules".to_string())?;
+    }
+    // transformers' fused expert weights adapted as parameters (`target_parameters`).
+    let parameters: Vec<String> = match &config["target_parameters"] {
+        serde_json::Value::Null => Vec::new(),
+        serde_json::Value::Array(list) => list
+            .iter()
+            .map(|m| m.as_str().map(str::to_string))
+            .collect::<Option<_>>()
+            .context("adapter_config.json: `target_parameters` is not a list of names")?,
+        other => bail!("adapter_config.json: `target_parameters` is {other}"),
+    };
+    let mut expert_targets: Vec<&str> = Vec::new();
+    for p in &parameters {
+        let Some((layer, _)) = EXPERT_PARAMETERS.iter().find(|(_, name)| {
+            let tail = format!("experts.{name}");
+            *p == tail || p.ends_with(&format!(".{tail}"))
+        }) else {
+            bail!(
+                "{}: `target_parameters` names `{p}`, which megatron-rs's LoRA cannot express \
+                 (it adapts experts.gate_up_proj and experts.down_proj)",
+                config_path.display()
+            );
+        };
+        if c.moe.is_none() {
+            bail!(
+                "{}: `target_parameters` names `{p}`, but the base {} has no experts: an \
+                 adapter for another base",
+                config_path.display(),
+                base.display()
+            );
+        }
+        expert_targets.push(layer);
     }
     let file = stream::SafetensorsFile::open(&dir.join("adapter_model.safetensors"))?;
     let get = |i: usize, proj: &str, m: &str| {
@@ -452,6 +567,75 @@ pub fn import(dir: &Path, base: &Path, out: &Path) -> Result<GptConfig> {
             tensors.push(b_tensor);
         }
     }
+    if let Some(moe) = &c.moe {
+        let (e, ef) = (moe.router.num_experts, moe.ffn_hidden_size);
+        for (i, routed) in c.moe_layers()?.into_iter().enumerate() {
+            for (at, layer) in expert_targets.iter().enumerate() {
+                if !routed {
+                    continue;
+                }
+                let module = match (at, expert_targets.len()) {
+                    (0, 2) => "mlp.experts.base_layer",
+                    _ => "mlp.experts",
+                };
+                let (inp, outp) = match *layer {
+                    "mlp.experts.fc1" => (h, 2 * ef),
+                    _ => (ef, h),
+                };
+                let get = |m: &str| {
+                    let name = peft_name(i, module, m);
+                    file.tensor(&name)
+                        .or_else(|| file.tensor(&name.replace(".weight", ".default.weight")))
+                };
+                let (Some(a), Some(b)) = (get("lora_A"), get("lora_B")) else {
+                    bail!(
+                        "{}: layer {i} has no adapter of its experts' {} at {module} though \
+                         `target_parameters` names it",
+                        dir.display(),
+                        parameters[at]
+                    );
+                };
+                if a.shape() != [e * rank, inp] || b.shape() != [outp, rank * e] {
+                    bail!(
+                        "{}: layer {i}'s experts' {} adapter has A {:?} and B {:?}; the base {} \
+                         needs [{}, {inp}] and [{outp}, {}]: an adapter for another base",
+                        dir.display(),
+                        parameters[at],
+                        a.shape(),
+                        b.shape(),
+                        base.display(),
+                        e * rank,
+                        rank * e
+                    );
+                }
+                let ours = |m: &str| format!("blocks.{i}.{layer}.{m}.weight");
+                tensors.push(OutTensor::concat(
+                    ours("lora_a"),
+                    vec![e, rank, inp],
+                    vec![a.all()],
+                ));
+                tensors.push(OutTensor::computed(
+                    ours("lora_b"),
+                    Dtype::F32,
+                    vec![e, outp, rank],
+                    move || {
+                        let values = b.read_all()?;
+                        let mut ours = vec![0.0; values.len()];
+                        for x in 0..e {
+                            for o in 0..outp {
+                                for k in 0..rank {
+                                    ours[(x * outp + o) * rank + k] =
+                                        values[o * rank * e + k * e + x];
+                                }
+                            }
+                        }
+                        Ok(ours)
+                    },
+                ));
+            }
+        }
+    }
+    targets.extend(expert_targets.iter().map(|t| t.to_string()));
     c.lora = Some(LoraConfig {
         rank,
         alpha,

@@ -1,5 +1,6 @@
-"""LoRA out of megatron-rs, checked by transformers and PEFT: the tiny Llama of tests/data/hf
-imported, fine-tuned with `megatron train --lora-rank 4` (the base frozen) on a small token
+"""LoRA out of megatron-rs, checked by transformers and PEFT: the tiny Llama and the tiny
+Mixtral of tests/data/hf (whose experts' fc1 and fc2 get adapters too, PEFT's
+`target_parameters` on transformers' fused expert weights) each imported, fine-tuned with `megatron train --lora-rank 4` (the base frozen) on a small token
 dataset, then written with `megatron convert --to peft` and `--to hf --merge-lora`.
 
 - PEFT's `PeftModel.from_pretrained` loads the adapter on the transformers base; its logits
@@ -7,7 +8,8 @@ dataset, then written with `megatron convert --to peft` and `--to hf --merge-lor
   `merge_and_unload()`'s weights equal the merged export's;
 - its greedy continuation equals megatron-rs's (`megatron bench generate` on the LoRA
   checkpoint, whose prompt is token i = (7919·i + 13) mod vocab);
-- an adapter PEFT made itself (beside o_proj and down_proj, B drawn at random) goes in with
+- an adapter PEFT made itself (beside o_proj and down_proj, or o_proj and the experts' fused
+  weights; B drawn at random) goes in with
   `megatron convert --from peft --base` and continues greedily as PEFT does.
 
     python3 -m venv venv && venv/bin/pip install torch transformers safetensors peft
@@ -27,7 +29,7 @@ import peft
 import torch
 import transformers
 
-GOLDEN = Path(__file__).resolve().parents[2] / "tests" / "data" / "hf" / "llama"
+HF = Path(__file__).resolve().parents[2] / "tests" / "data" / "hf"
 PROMPT, NEW = 12, 12
 
 
@@ -55,8 +57,20 @@ def run(*args):
                           text=True).stdout
 
 
-def main(megatron, out):
-    subprocess.run(["rm", "-rf", str(out)], check=True)
+def main(megatron, root):
+    subprocess.run(["rm", "-rf", str(root)], check=True)
+    failed = False
+    for name, own in [
+        ("llama", dict(target_modules=["o_proj", "down_proj"])),
+        ("mixtral", dict(target_modules=["o_proj"],
+                         target_parameters=["experts.gate_up_proj", "experts.down_proj"])),
+    ]:
+        print(f"{name}:")
+        failed |= check(megatron, HF / name, root / name, own)
+    sys.exit(1 if failed else 0)
+
+
+def check(megatron, GOLDEN, out, own):
     out.mkdir(parents=True)
     write_dataset(out / "tokens")
     run(megatron, "convert", "--from", "hf", GOLDEN, "--to", out / "base")
@@ -100,8 +114,7 @@ def main(megatron, out):
           f"{theirs} {ours}")
     torch.manual_seed(0)
     fresh = transformers.AutoModelForCausalLM.from_pretrained(GOLDEN, dtype=torch.float32).eval()
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "down_proj"],
-                             init_lora_weights=False)
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **own)
     made = peft.get_peft_model(fresh, config).eval()
     made.save_pretrained(out / "made")
     run(megatron, "convert", "--from", "peft", out / "made", "--to", out / "made-ckpt",
@@ -116,7 +129,7 @@ def main(megatron, out):
     failed |= not same
     print(f"greedy tokens, PEFT's own adapter on transformers vs imported into megatron-rs: "
           f"{'equal' if same else 'DIFFER'} {theirs} {ours}")
-    sys.exit(1 if failed else 0)
+    return failed
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 //! `#[expert_parallel]` layer made of them.
 
 pub mod dispatcher;
+pub mod expert_lora;
 pub mod expert_parallel;
 pub mod expert_tp;
 pub mod experts;

@@ -15,6 +15,7 @@
 
 use super::ExpertParallel;
 use super::dispatcher::{CombineSaved, Dispatch, DispatcherKind, placed};
+use super::expert_lora::ExpertAdapter;
 use super::expert_tp::TpRows;
 use super::experts::{ExpertShape, ExpertsSaved};
 use super::{
@@ -30,6 +31,7 @@ use crate::kernels::gemm::product;
 use crate::module::{Builder, Cx, Init, Module, Param, Site, Split, WeightGrad};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor, TensorRead};
+use crate::tensor_parallel::lora::Beside;
 
 /// What an `#[expert_parallel]` call keeps for its backward: the routing, what the router and
 /// the local experts keep, the dispatch plan and the combine's rows.
@@ -80,6 +82,9 @@ pub struct RoutedExperts {
     expert_bias: Option<Param>,
     fc1: Param,
     fc2: Param,
+    /// LoRA beside fc1 and fc2, one adapter per expert, when the builder's LoRA config targets
+    /// them (`mlp.experts.fc1`, `mlp.experts.fc2`; see [`super::expert_lora`]).
+    lora: [Option<ExpertAdapter>; 2],
     router: RouterConfig,
     local: ExpertShape,
     dispatcher: DispatcherKind,
@@ -153,6 +158,54 @@ enum RouterKept {
 }
 
 impl RoutedExperts {
+    /// fc1 and fc2 as the grouped products read them with the adapters merged in: for a layer
+    /// with an adapter a parameter of the merged values and a zero gradient of its own (the
+    /// merged weight's, which the adapters' gradients come from), else the weight itself.
+    fn merged_weights(&self, cx: &Cx) -> Result<[Param; 2]> {
+        let mut out = [self.fc1.clone(), self.fc2.clone()];
+        for (w, adapter) in out.iter_mut().zip(&self.lora) {
+            if let Some(adapter) = adapter {
+                let merged = adapter.merged(w, cx.etp())?;
+                let mut spec = w.spec().clone();
+                spec.frozen = false;
+                let grad = Tensor::zeros_near(spec.local.clone(), DType::F32, &merged)?;
+                let mut p = Param::new(spec, merged.clone())?;
+                p.rebind(merged, grad, None)?;
+                *w = p;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The local experts' backward with adapters: the grouped backward on the merged weights,
+    /// its weight gradients run now (the adapters' need a sum over expert tensor parallelism,
+    /// a collective, which runs in the backward pass), and from the merged weights' gradients
+    /// the adapters' and, for a base that is not frozen, its own.
+    fn backward_with_adapters(
+        &self,
+        cx: &Cx,
+        saved: ExpertsSaved,
+        dy: &Tensor,
+    ) -> Result<(Tensor, WeightGrad)> {
+        let merged = self.merged_weights(cx)?;
+        let (dx, dw) = backend::of(self.fc1.compute_value()).experts_backward(
+            &self.local,
+            saved,
+            dy,
+            (&merged[0], &merged[1]),
+        )?;
+        dw.run()?;
+        for ((adapter, m), base) in self.lora.iter().zip(&merged).zip([&self.fc1, &self.fc2]) {
+            let Some(adapter) = adapter else { continue };
+            adapter.backward(m.grad(), cx.etp())?;
+            base.accumulate_grad(|grad| {
+                let sum = crate::ops::add(grad, m.grad())?;
+                Ok(grad.copy_from(&sum)?)
+            })?;
+        }
+        Ok((dx, WeightGrad::none()))
+    }
+
     /// This rank's part on the expert-parallel and expert-tensor-parallel groups `b` knows.
     fn build_with(spec: &RoutedExpertsSpec, b: &mut Builder) -> Result<Self> {
         let RoutedExpertsSpec {
@@ -193,6 +246,15 @@ impl RoutedExperts {
         let fc1_split = Split::Experts { dim: 1, blocks };
         let fc2_split = Split::Experts { dim: 2, blocks: 1 };
         let normal = |std| Init::Normal { std };
+        let lora = b.lora().cloned();
+        let adapter = |b: &mut Builder, layer: &str, beside, (inp, out), split| match &lora {
+            Some(config) if config.targets(&b.name(layer)) => b
+                .scoped(layer, |b| {
+                    ExpertAdapter::build(config, b, beside, (experts, inp, out), split)
+                })
+                .map(Some),
+            _ => Ok(None),
+        };
         Ok(RoutedExperts {
             // With sequence parallelism the router sees this rank's shard of the tokens: its
             // gradient is summed over tp.
@@ -240,6 +302,10 @@ impl RoutedExperts {
                     true,
                 )
             })?,
+            lora: [
+                adapter(b, "fc1", Beside::Column, (hidden, blocks * ffn), fc1_split)?,
+                adapter(b, "fc2", Beside::Row, (ffn, hidden), fc2_split)?,
+            ],
             router,
             local,
             dispatcher,
@@ -269,6 +335,9 @@ impl Module for RoutedExperts {
         }
         f(&self.fc1);
         f(&self.fc2);
+        for adapter in self.lora.iter().flatten() {
+            adapter.params().into_iter().for_each(&mut *f);
+        }
     }
 
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
@@ -278,6 +347,9 @@ impl Module for RoutedExperts {
         }
         f(&mut self.fc1);
         f(&mut self.fc2);
+        for adapter in self.lora.iter_mut().flatten() {
+            adapter.params_mut().into_iter().for_each(&mut *f);
+        }
     }
 }
 
@@ -451,11 +523,21 @@ impl ExpertParallel for RoutedExperts {
 
     fn forward_local(
         &self,
-        _cx: &Cx,
+        cx: &Cx,
         _site: Site,
         rows: &Tensor,
         tp: &TpRows,
     ) -> Result<(Tensor, ExpertsSaved)> {
+        if self.lora.iter().any(Option::is_some) {
+            let [fc1, fc2] = self.merged_weights(cx)?;
+            let weights = (fc1.compute_value(), fc2.compute_value());
+            return backend::of(weights.0).experts_forward(
+                &self.local,
+                rows,
+                &tp.rows_per_local_expert(),
+                weights,
+            );
+        }
         let weights = (self.fc1.compute_value(), self.fc2.compute_value());
         backend::of(weights.0).experts_forward(
             &self.local,
@@ -467,11 +549,14 @@ impl ExpertParallel for RoutedExperts {
 
     fn backward_local_input(
         &self,
-        _cx: &Cx,
+        cx: &Cx,
         _site: Site,
         saved: ExpertsSaved,
         dy: &Tensor,
     ) -> Result<(Tensor, WeightGrad)> {
+        if self.lora.iter().any(Option::is_some) {
+            return self.backward_with_adapters(cx, saved, dy);
+        }
         backend::of(self.fc1.compute_value()).experts_backward(
             &self.local,
             saved,
