@@ -467,6 +467,158 @@ fn a_lora_checkpoint_goes_out_as_peft_adapters_or_merged() {
 }
 
 #[test]
+fn the_experts_adapters_go_out_as_peft_target_parameters_or_merged_and_back() {
+    let dir = TempDir::new("lora-experts-export");
+    let data = token_dataset(&dir, 64, 96);
+    let base = import_golden(&dir, "mixtral", "base");
+    let save = dir.join("lora");
+    let (ok, _, stderr) = megatron(&[
+        "train",
+        "--quiet",
+        "--load",
+        &base,
+        "--data",
+        &data,
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "4",
+        "--lr",
+        "1e-2",
+        "--train-iters",
+        "2",
+        "--lora-rank",
+        "2",
+        "--lora-alpha",
+        "8",
+        "--lora-target-modules",
+        "linear_fc1",
+        "linear_fc2",
+        "--save",
+        &save,
+    ]);
+    assert!(ok, "{stderr}");
+    let lora = megatron::checkpoint::open(std::path::Path::new(&save)).unwrap();
+    let basec = megatron::checkpoint::open(std::path::Path::new(&base)).unwrap();
+    let ours = |name: &str| match lora.has_model_tensor(name) {
+        true => lora.model_tensor(name).unwrap(),
+        false => basec.model_tensor(name).unwrap(),
+    };
+    // 4 experts of hidden 32 and ffn 24: fc1 [4, 48, 32], fc2 [4, 32, 24]; rank 2, scale 4.
+    let (e, h, f, r, s) = (4, 32, 24, 2, 4.0);
+    let a1 = ours("blocks.1.mlp.experts.fc1.lora_a.weight");
+    let b1 = ours("blocks.1.mlp.experts.fc1.lora_b.weight");
+    assert_eq!(
+        (a1.shape.as_slice(), b1.shape.as_slice()),
+        (&[e, r, h][..], &[e, 2 * f, r][..])
+    );
+    assert!(b1.data.iter().any(|&v| v != 0.0), "training moved B");
+    // Merged: expert x's gate_proj (w1) is fc1's first f rows of x plus x's adapter's.
+    let merged = dir.join("merged");
+    let (ok, _, stderr) = megatron(&[
+        "convert",
+        "--from",
+        &save,
+        "--to",
+        "hf",
+        &merged,
+        "--merge-lora",
+    ]);
+    assert!(ok, "{stderr}");
+    let hf = read_tensors(&merged);
+    let w1 = ours("blocks.1.mlp.experts.fc1.weight");
+    let w2 = ours("blocks.1.mlp.experts.fc2.weight");
+    let a2 = ours("blocks.1.mlp.experts.fc2.lora_a.weight");
+    let b2 = ours("blocks.1.mlp.experts.fc2.lora_b.weight");
+    for x in [0, 3] {
+        let expert = |t: &[f32], n: usize| t[x * n..(x + 1) * n].to_vec();
+        let want = merge(
+            &expert(&w1.data, 2 * f * h),
+            &expert(&b1.data, 2 * f * r),
+            &expert(&a1.data, r * h),
+            s,
+            h,
+        );
+        let up = &hf[&format!("model.layers.1.block_sparse_moe.experts.{x}.w3.weight")].1;
+        let want_down = merge(
+            &expert(&w2.data, h * f),
+            &expert(&b2.data, h * r),
+            &expert(&a2.data, r * f),
+            s,
+            f,
+        );
+        let down = &hf[&format!("model.layers.1.block_sparse_moe.experts.{x}.w2.weight")].1;
+        for (got, want, what) in [(up, &want[f * h..], "w3"), (down, &want_down[..], "w2")] {
+            let worst = got
+                .iter()
+                .zip(want)
+                .map(|(g, w)| (f64::from(*g) - w).abs())
+                .fold(0.0, f64::max);
+            assert!(
+                got.len() == want.len() && worst < 1e-6,
+                "expert {x} {what}: {worst}"
+            );
+        }
+    }
+    // PEFT: the fused weights adapted as parameters, gate_up_proj's wrapped first.
+    let peft = dir.join("peft");
+    let (ok, _, stderr) = megatron(&["convert", "--from", &save, "--to", "peft", &peft]);
+    assert!(ok, "{stderr}");
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{peft}/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        config["target_parameters"],
+        serde_json::json!(["experts.gate_up_proj", "experts.down_proj"])
+    );
+    assert_eq!(config["target_modules"], serde_json::json!([]));
+    let adapters = read_tensors(&peft);
+    let name =
+        |m: &str, x: &str| format!("base_model.model.model.layers.1.mlp.{m}.lora_{x}.weight");
+    // A: each expert's r rows in turn; B: expert x's column k at k·E + x.
+    let (shape, a) = &adapters[&name("experts.base_layer", "A")];
+    assert_eq!((shape.as_slice(), a), (&[e * r, h][..], &a1.data));
+    let (shape, b) = &adapters[&name("experts.base_layer", "B")];
+    assert_eq!(shape, &vec![2 * f, r * e]);
+    for (x, o, k) in [(0, 0, 1), (2, 47, 0), (3, 5, 1)] {
+        assert_eq!(b[o * r * e + k * e + x], b1.data[(x * 2 * f + o) * r + k]);
+    }
+    assert_eq!(adapters[&name("experts", "A")].0, vec![e * r, f]);
+    assert_eq!(adapters[&name("experts", "B")].0, vec![h, r * e]);
+    // Back in: the same adapters.
+    let back = dir.join("back");
+    let (ok, _, stderr) = megatron(&[
+        "convert", "--from", "peft", &peft, "--to", &back, "--base", &base,
+    ]);
+    assert!(ok, "{stderr}");
+    let again = megatron::checkpoint::open(std::path::Path::new(&back)).unwrap();
+    assert_eq!(again.model_names().unwrap(), lora.model_names().unwrap());
+    for name in lora.model_names().unwrap() {
+        assert_eq!(
+            again.model_tensor(&name).unwrap(),
+            lora.model_tensor(&name).unwrap(),
+            "{name}"
+        );
+    }
+    // An experts' adapter on a base without experts is refused by name.
+    let llama = import_golden(&dir, "llama", "llama");
+    let (ok, _, stderr) = megatron(&[
+        "convert",
+        "--from",
+        "peft",
+        &peft,
+        "--to",
+        &dir.join("no"),
+        "--base",
+        &llama,
+    ]);
+    assert!(!ok && stderr.contains("has no experts"), "{stderr}");
+}
+
+#[test]
 fn bad_lora_settings_are_refused_by_name() {
     let dir = TempDir::new("lora-bad");
     let data = token_dataset(&dir, 64, 96);
