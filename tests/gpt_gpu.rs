@@ -534,6 +534,53 @@ fn swiglu_experts_on_the_gpu_follow_the_cpu_run() {
     assert_close(&curve(&etp), &cpu, 2e-4, "SwiGLU experts: GPU etp 2 vs CPU");
 }
 
+/// LoRA beside Mixtral's experts on the GPU (each expert's adapters merged into its weight on
+/// the device, the grouped products on the merged weights, the adapters' gradients from the
+/// merged weight's) follows the CPU run at ep 2, with bf16 products, and with each expert's
+/// slices over two expert-tensor-parallel ranks (A of fc1 and B of fc2 gathered between device
+/// tensors, their gradients reduce-scattered).
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn lora_beside_experts_on_the_gpu_follows_the_cpu_run() {
+    let mixtral = |ep, device| {
+        let mut job = moe_job(2, ep, device);
+        job.model_name = "mixtral-tiny".to_string();
+        job.model = (preset("mixtral-tiny").expect("mixtral-tiny").config)();
+        job.model.num_layers = 2;
+        job.model.lora = Some(megatron::tensor_parallel::lora::LoraConfig {
+            rank: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            targets: ["attn.qkv", "mlp.experts.fc1", "mlp.experts.fc2"]
+                .map(String::from)
+                .to_vec(),
+        });
+        job
+    };
+    let cpu = curve(&mixtral(2, Placement::Cpu));
+    assert!(cpu[4].0 < cpu[0].0, "the adapters train: {cpu:?}");
+    assert_close(
+        &curve(&mixtral(2, F32)),
+        &cpu,
+        2e-4,
+        "LoRA beside experts: GPU vs CPU at ep 2",
+    );
+    assert_close(
+        &curve(&mixtral(2, BF16)),
+        &cpu,
+        3e-2,
+        "LoRA beside experts: bf16 products vs CPU",
+    );
+    let mut etp = mixtral(1, F32);
+    etp.etp = 2;
+    assert_close(
+        &curve(&etp),
+        &cpu,
+        2e-4,
+        "LoRA beside experts: GPU etp 2 vs CPU",
+    );
+}
+
 /// Context parallelism on the GPU (thread ranks sharing it): every comm type at cp 2 (and
 /// the hierarchical one at cp 4), attention's blocks computed on the host from the device's
 /// projection, the keys and values exchanged by the device communicator, follow the CPU run
