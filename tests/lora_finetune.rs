@@ -562,6 +562,27 @@ fn the_experts_adapters_go_out_as_peft_target_parameters_or_merged_and_back() {
             );
         }
     }
+    // The adapted model generates as its merged export does (the training's merge on the fly
+    // against the export's, written out).
+    let again = dir.join("merged-ckpt");
+    let (ok, _, stderr) = megatron(&["convert", "--from", "hf", &merged, "--to", &again]);
+    assert!(ok, "{stderr}");
+    let tokens = |ckpt: &str| {
+        let (ok, stdout, stderr) = megatron(&[
+            "bench",
+            "generate",
+            "--load",
+            ckpt,
+            "--prompt-tokens",
+            "8",
+            "--new-tokens",
+            "8",
+            "--json",
+        ]);
+        assert!(ok, "{stderr}");
+        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()["tokens"].clone()
+    };
+    assert_eq!(tokens(&save), tokens(&again), "adapted vs merged");
     // PEFT: the fused weights adapted as parameters, gate_up_proj's wrapped first.
     let peft = dir.join("peft");
     let (ok, _, stderr) = megatron(&["convert", "--from", &save, "--to", "peft", &peft]);
