@@ -217,6 +217,17 @@ fn built_in_name(name: &str) -> String {
 /// `frozen`).
 type Grads = Vec<(String, Vec<f32>, Vec<f32>)>;
 fn one_pass(tp: usize, sp: bool, built_in: bool, frozen: bool) -> (Vec<f32>, Vec<f32>, Grads) {
+    one_pass_with(tp, sp, built_in, frozen, 0.0)
+}
+
+/// [`one_pass`] with LoRA's dropout `p` on the built-in adapters' input.
+fn one_pass_with(
+    tp: usize,
+    sp: bool,
+    built_in: bool,
+    frozen: bool,
+    p: f32,
+) -> (Vec<f32>, Vec<f32>, Grads) {
     let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp)).unwrap();
     let per_rank = launch(tp, |w| -> R<_> {
         let ps = ParallelState::new(&w, &layout)?.with_sequence_parallel(sp);
@@ -237,7 +248,7 @@ fn one_pass(tp: usize, sp: bool, built_in: bool, frozen: bool) -> (Vec<f32>, Vec
             let config = LoraConfig {
                 rank: RANK,
                 alpha: 2.0 * RANK as f32,
-                dropout: 0.0,
+                dropout: p,
                 targets: vec!["fc1".into(), "fc2".into()],
             };
             let spec = MlpSpec {
@@ -333,6 +344,109 @@ fn the_built_in_adapters_are_the_hand_written_ones_at_every_tp() {
         for (name, _, g) in &frozen.2 {
             let adapter = megatron::tensor_parallel::lora::is_adapter_param(name);
             assert_eq!(!g.is_empty(), adapter, "{what}: {name}");
+        }
+    }
+}
+
+/// LoRA's dropout (PEFT's `lora_dropout`, before A): the built-in adapters' output is the plain
+/// computation with the adapters' input dropped by the dropout primitive's mask at the layer's
+/// site (the whole input beside the column-parallel layer, its features beside the row-parallel
+/// one), and at tp 2, with and without sequence parallelism, each rank draws the one rank's
+/// mask for its elements: the same outputs, input gradients and adapter gradients.
+#[test]
+fn lora_dropout_drops_the_adapters_input_as_one_rank_at_every_tp() {
+    use megatron::module::Sharding;
+    let p = 0.3;
+    let one = one_pass_with(1, false, true, true, p);
+    let value = |name: &str| one.2.iter().find(|(n, ..)| n == name).unwrap().1.clone();
+    let layout = ParallelLayout::new(&ParallelConfig::new(1)).unwrap();
+    let s = 2.0;
+    let want = launch(1, |w| -> R<_> {
+        let ps = ParallelState::new(&w, &layout)?;
+        let cx = Cx::new(&ps, 0);
+        let dropped = |site: &str, t: &Tensor, sharding| -> R<Vec<f64>> {
+            let site = Site::ROOT.child(site).child("lora_dropout");
+            let (d, _) = megatron::ops::dropout(&cx, site, t, p, sharding)?;
+            Ok(d.to_vec_f32()?.iter().map(|&v| f64::from(v)).collect())
+        };
+        let x = Tensor::from_vec(values(0), [SEQ, BATCH, H])?;
+        let xs: Vec<f64> = values(0).iter().map(|&v| f64::from(v)).collect();
+        let d1 = dropped("fc1", &x, Sharding::Gathered)?;
+        assert!(
+            d1.iter().filter(|&&v| v == 0.0).count() > d1.len() / 10,
+            "dropped"
+        );
+        let base = linear(&xs, &value("fc1.weight"), Some(&value("fc1.bias")), H);
+        let adapter = linear(
+            &linear(&d1, &value("fc1.lora_a.weight"), None, H),
+            &value("fc1.lora_b.weight"),
+            None,
+            RANK,
+        );
+        let h: Vec<f64> = base
+            .iter()
+            .zip(&adapter)
+            .map(|(b, a)| gelu(b + s * a))
+            .collect();
+        let ht = Tensor::from_vec(
+            h.iter().map(|&v| v as f32).collect::<Vec<_>>(),
+            [SEQ, BATCH, F],
+        )?;
+        let d2 = dropped("fc2", &ht, Sharding::SplitLastDim)?;
+        let base = linear(&h, &value("fc2.weight"), Some(&value("fc2.bias")), F);
+        let adapter = linear(
+            &linear(&d2, &value("fc2.lora_a.weight"), None, F),
+            &value("fc2.lora_b.weight"),
+            None,
+            RANK,
+        );
+        Ok(base
+            .iter()
+            .zip(&adapter)
+            .map(|(b, a)| b + s * a)
+            .collect::<Vec<f64>>())
+    })
+    .unwrap()
+    .remove(0);
+    let worst = one
+        .0
+        .iter()
+        .zip(&want)
+        .map(|(&g, w)| (f64::from(g) - w).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 1e-4, "output {worst} from the plain computation");
+    let without = one_pass_with(1, false, true, true, 0.0);
+    assert!(
+        support::max_abs_diff(&without.0, &one.0) > 1e-3,
+        "dropout changes the output"
+    );
+    for sp in [false, true] {
+        let two = one_pass_with(2, sp, true, true, p);
+        let what = format!("tp 2 sp {sp}");
+        assert!(
+            support::max_abs_diff(&two.0, &one.0) < 1e-5,
+            "{what}: output"
+        );
+        assert!(
+            support::max_abs_diff(&two.1, &one.1) < 1e-5,
+            "{what}: input gradient"
+        );
+        // Rank 0's part of each adapter's gradient: the first rows of A beside fc1 (split
+        // over r), of both Bs (split over their outputs), the first columns of A beside fc2.
+        for (name, _, g) in two.2.iter().filter(|(n, ..)| n.contains("lora")) {
+            let (_, _, whole) = one.2.iter().find(|(n, ..)| n == name).unwrap();
+            let want: Vec<f32> = match name.as_str() {
+                "fc2.lora_a.weight" => whole
+                    .chunks(F)
+                    .flat_map(|row| row[..F / 2].to_vec())
+                    .collect(),
+                _ => whole[..whole.len() / 2].to_vec(),
+            };
+            let worst = support::max_abs_diff(g, &want);
+            assert!(
+                worst < 1e-5,
+                "{what}: {name}'s gradient {worst} from one rank's"
+            );
         }
     }
 }

@@ -89,6 +89,31 @@ fn lora_fine_tunes_an_imported_llama_at_every_layout_as_one_rank() {
     }
     let bf16 = curve(&common, &dir, "bf16", &["--bf16", "--tp", "2"]);
     assert_follows(&bf16, &one, (2e-2, 1e-1), "bf16");
+    // LoRA's dropout: each rank draws the one rank's masks for its elements.
+    let mut dropped = common.to_vec();
+    dropped.extend(["--lora-dropout", "0.2"]);
+    let one_dropped = curve(&dropped, &dir, "dropout", &[]);
+    assert_eq!(
+        one_dropped[0].1, one[0].1,
+        "B starts at zero: dropout changes nothing yet"
+    );
+    assert_ne!(one_dropped[3].1, one[3].1, "then it does");
+    for (i, flags) in [
+        &["--tp", "2", "--sequence-parallel"][..],
+        &["--cp", "2", "--tp", "2", "--sequence-parallel"],
+        &["--pp", "2", "--dp", "2"],
+    ]
+    .iter()
+    .enumerate()
+    {
+        let got = curve(&dropped, &dir, &format!("dropout-{i}"), flags);
+        assert_follows(
+            &got,
+            &one_dropped,
+            (1e-5, 1e-4),
+            &format!("dropout {flags:?}"),
+        );
+    }
 }
 
 #[test]
@@ -675,8 +700,8 @@ fn bad_lora_settings_are_refused_by_name() {
             "the model has no `linear_fc3`",
         ),
         (
-            &["--lora-rank", "4", "--lora-dropout", "0.1"],
-            "--lora-dropout 0.1",
+            &["--lora-rank", "4", "--lora-dropout", "1"],
+            "--lora-dropout 1 must be a probability",
         ),
         (&["--lora-alpha", "8"], "--lora-rank"),
     ] {

@@ -59,8 +59,8 @@ pub struct LoraArgs {
     /// the loaded checkpoint's].
     #[arg(long, value_name = "ALPHA", requires = "lora_rank")]
     lora_alpha: Option<f32>,
-    /// Dropout on the adapters' input [default: 0, or the loaded checkpoint's]. Only 0 is
-    /// supported yet.
+    /// Dropout on the adapters' input, before A (PEFT's `lora_dropout`, Megatron-Bridge's
+    /// `dropout` at its default position) [default: 0, or the loaded checkpoint's].
     #[arg(long, value_name = "P", requires = "lora_rank")]
     lora_dropout: Option<f32>,
     /// The layers that get adapters, by Megatron-LM's module names: linear_qkv, linear_proj,
@@ -97,11 +97,8 @@ impl LoraArgs {
             .lora_dropout
             .or(saved.map(|s| s.dropout))
             .unwrap_or(0.0);
-        if dropout != 0.0 {
-            bail!(
-                "--lora-dropout {dropout}: dropout on the adapters' input is not supported yet \
-                 (0 is): leave it out"
-            );
+        if !(0.0..1.0).contains(&dropout) {
+            bail!("--lora-dropout {dropout} must be a probability in [0, 1)");
         }
         let given: Vec<&str> = match self.lora_target_modules.as_slice() {
             [] => DEFAULT_TARGETS.to_vec(),
@@ -132,6 +129,17 @@ impl LoraArgs {
                     targets.push(layer.to_string());
                 }
             }
+        }
+        if dropout > 0.0
+            && let Some(experts) = targets.iter().find(|t| t.starts_with("mlp.experts."))
+        {
+            bail!(
+                "--lora-dropout {dropout} with adapters beside the routed experts ({experts}): \
+                 their adapters are merged into each expert's weight (as PEFT's \
+                 target_parameters, which refuses dropout too), which cannot drop the \
+                 adapters' input alone; leave the experts out (--lora-target-modules \
+                 linear_qkv linear_proj *.mlp.linear_fc1 ...) or --lora-dropout out"
+            );
         }
         let config = LoraConfig {
             rank,

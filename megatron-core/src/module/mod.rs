@@ -153,7 +153,23 @@ impl<'a> Cx<'a> {
     /// parallelism only its shard of them; one run of positions per chunk they touch (from
     /// [`Cx::position_offset`] on without context parallelism).
     pub fn position_runs(&self, local: usize) -> Result<Vec<std::ops::Range<usize>>> {
-        let rows = match self.sequence_parallel() {
+        self.runs_of_positions(local, self.sequence_parallel())
+    }
+
+    /// [`Cx::position_runs`] of a value that holds the whole local sequence with sequence
+    /// parallelism too (inside the tensor-parallel region: a column-parallel layer's gathered
+    /// input, a row-parallel layer's input).
+    pub fn whole_position_runs(&self, local: usize) -> Result<Vec<std::ops::Range<usize>>> {
+        self.runs_of_positions(local, false)
+    }
+
+    /// [`Cx::position_runs`], this rank's sequence shard alone when `sharded`.
+    fn runs_of_positions(
+        &self,
+        local: usize,
+        sharded: bool,
+    ) -> Result<Vec<std::ops::Range<usize>>> {
+        let rows = match sharded {
             true => {
                 let tp = self.tp_size();
                 if !local.is_multiple_of(tp) {
@@ -800,8 +816,13 @@ pub fn gradients<const N: usize>(op: &str, grads: Vec<Tensor>) -> Result<[Tensor
 /// How a tensor is held across the tensor-parallel group (what generated code tells primitives).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sharding {
-    /// Every rank holds the whole tensor.
+    /// Every rank holds the whole tensor (outside the tensor-parallel region: with sequence
+    /// parallelism, its shard of the sequence).
     Replicated,
-    /// Each rank holds its consecutive slice of the last dimension.
+    /// Each rank holds its consecutive slice of the last dimension (inside the region: the
+    /// whole sequence).
     SplitLastDim,
+    /// Every rank holds the whole tensor and the whole sequence, with sequence parallelism too
+    /// (inside the region: a column-parallel layer's gathered input).
+    Gathered,
 }

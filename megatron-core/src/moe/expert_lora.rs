@@ -58,6 +58,15 @@ impl ExpertAdapter {
         if r == 0 {
             return invalid!("{}: a LoRA rank of 0 adapts nothing", b.name("lora_a"));
         }
+        if config.dropout > 0.0 {
+            return invalid!(
+                "{}: LoRA dropout {} beside the experts: their adapters are merged into each \
+                 expert's weight, which cannot drop the adapters' input alone (PEFT's \
+                 target_parameters refuses it too)",
+                b.name("lora_a"),
+                config.dropout
+            );
+        }
         if r > in_features.min(out_features) {
             return invalid!(
                 "{}: LoRA rank {r} is larger than each expert's layer ({in_features} inputs, \

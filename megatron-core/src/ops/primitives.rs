@@ -160,7 +160,7 @@ fn logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> dk::LogicalIndex {
         Sharding::Replicated if cx.sequence_parallel() => {
             dk::LogicalIndex::range((x.numel() * cx.tp_rank()) as u64, x.numel())
         }
-        Sharding::Replicated => dk::LogicalIndex::contiguous(x.numel()),
+        Sharding::Replicated | Sharding::Gathered => dk::LogicalIndex::contiguous(x.numel()),
         Sharding::SplitLastDim => {
             let cols = x.last_dim();
             let rows = x.numel().checked_div(cols).unwrap_or(0);
@@ -170,27 +170,44 @@ fn logical_index(cx: &Cx, x: &Tensor, sharding: Sharding) -> dk::LogicalIndex {
 }
 
 /// [`logical_runs`] with context parallelism: this rank's rows (all of its chunks, or with
-/// sequence parallelism its tensor-parallel shard of them) as one run of positions per chunk
-/// they touch: one index where there are at most two runs of one length, else one per run.
+/// sequence parallelism outside the tensor-parallel region its shard of them) as one run of
+/// positions per chunk they touch: one index where there are at most two runs of one length,
+/// else one per run; a value split by its last dimension gets one index of its columns per run.
 fn cp_logical_runs(
     cx: &Cx,
     x: &Tensor,
     sharding: Sharding,
 ) -> Result<Vec<(Range<usize>, dk::LogicalIndex)>> {
-    if sharding != Sharding::Replicated {
-        return invalid!(
-            "dropout with context parallelism is built for the activations outside the \
-             tensor-parallel regions"
-        );
-    }
     let rows = x.dims().first().copied().unwrap_or(0);
     let per_position = x.numel().checked_div(rows).unwrap_or(0);
-    // With sequence parallelism `x` is this rank's shard of its chunks' positions.
-    let local = match cx.sequence_parallel() {
-        true => rows * cx.tp_size(),
-        false => rows,
+    let runs = match sharding {
+        // With sequence parallelism `x` is this rank's shard of its chunks' positions.
+        Sharding::Replicated if cx.sequence_parallel() => cx.position_runs(rows * cx.tp_size())?,
+        Sharding::Replicated => cx.position_runs(rows)?,
+        Sharding::Gathered | Sharding::SplitLastDim => cx.whole_position_runs(rows)?,
     };
-    let runs = cx.position_runs(local)?;
+    if sharding == Sharding::SplitLastDim {
+        // Each position's `per_position` local elements are rows of the rank's columns.
+        let cols = x.last_dim();
+        let (logical_cols, first_col) = (cols * cx.tp_size(), cols * cx.tp_rank());
+        let per_position_rows = per_position.checked_div(cols).unwrap_or(0);
+        let mut at = 0;
+        return Ok(runs
+            .into_iter()
+            .map(|run| {
+                let local = at..at + run.len();
+                at = local.end;
+                let index = dk::LogicalIndex {
+                    outer: run.len() * per_position_rows,
+                    inner: cols,
+                    logical_stride: logical_cols as u64,
+                    logical_start: (run.start * per_position_rows * logical_cols + first_col)
+                        as u64,
+                };
+                (local, index)
+            })
+            .collect());
+    }
     let whole = match runs.as_slice() {
         [a] => Some(dk::LogicalIndex::range(
             (a.start * per_position) as u64,

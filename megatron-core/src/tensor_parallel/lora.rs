@@ -29,8 +29,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
 use crate::invalid;
-use crate::module::{Builder, Init, Param, Split, WeightGrad, weight_grad::bytes_of};
-use crate::ops::matmul_into;
+use crate::module::{
+    Builder, Cx, Init, Param, Sharding, Site, Split, WeightGrad, weight_grad::bytes_of,
+};
+use crate::ops::{self, matmul_into};
 use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 
@@ -90,6 +92,8 @@ pub struct LoraAdapter {
     a: Param,
     b: Param,
     scale: f32,
+    /// Dropout on the adapter's input (PEFT's and Bridge's `dropout`, before A).
+    dropout: f32,
     beside: Beside,
 }
 
@@ -151,6 +155,7 @@ impl LoraAdapter {
             a,
             b: bm,
             scale: config.scale(),
+            dropout: config.dropout,
             beside,
         })
     }
@@ -197,13 +202,32 @@ impl LoraAdapter {
         Ok(x.reshape([x.numel() / cols.max(1), cols])?)
     }
 
-    /// `x·Aᵀ` for this rank's A, f32 `[rows, r_local]`: beside a column-parallel layer this
-    /// rank's slice of the rank (all-gathered after), beside a row-parallel one a partial sum
-    /// (all-reduced after).
-    pub fn down(&self, x: &Tensor) -> Result<Tensor> {
+    /// The adapter's input: `x` with LoRA's dropout in training (its mask drawn at the site
+    /// `site.child("lora_dropout")` for each element where it lies in the whole input: beside
+    /// a column-parallel layer the gathered input, the whole sequence with sequence
+    /// parallelism too; beside a row-parallel one the rank's input features), in `x`'s dtype,
+    /// and what the mask's backward needs.
+    fn dropped(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, ops::DropoutSaved)> {
+        let sharding = match self.beside {
+            Beside::Column => Sharding::Gathered,
+            Beside::Row => Sharding::SplitLastDim,
+        };
+        let (y, saved) = ops::dropout(cx, site.child("lora_dropout"), x, self.dropout, sharding)?;
+        let y = match y.dtype() == x.dtype() {
+            true => y,
+            false => y.to_dtype(x.dtype())?,
+        };
+        Ok((y, saved))
+    }
+
+    /// `dropout(x)·Aᵀ` for this rank's A, f32 `[rows, r_local]`: beside a column-parallel layer
+    /// this rank's slice of the rank (all-gathered after), beside a row-parallel one a partial
+    /// sum (all-reduced after). `site` is the layer's.
+    pub fn down(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<Tensor> {
+        let (x, _) = self.dropped(cx, site, x)?;
         let a = self.a.compute_value();
         let (r, inp) = (a.dims()[0], a.dims()[1]);
-        let x2 = Self::rows(x, inp, "down-projection")?;
+        let x2 = Self::rows(&x, inp, "down-projection")?;
         let out = Tensor::empty_near([x2.dims()[0], r], DType::F32, &x2)?;
         matmul_into(1.0, &x2, &a.t()?, 0.0, &out)?;
         Ok(out)
@@ -260,13 +284,21 @@ impl LoraAdapter {
     }
 
     /// A's backward for `da` (the gradient of this rank's `[rows, r_local]` down-projection)
-    /// and the input `x` it read: the input's gradient `da·A` (shaped as `x`, f32; a partial
-    /// sum beside a column-parallel layer, this rank's input features beside a row-parallel
-    /// one), and A's weight gradient `daᵀ·x`.
-    pub fn backward_down(&self, x: &Tensor, da: &Tensor) -> Result<(Tensor, WeightGrad)> {
+    /// and the input `x` it read (its dropout drawn again at the layer's `site`): the input's
+    /// gradient `dropout'(da·A)` (shaped as `x`, f32; a partial sum beside a column-parallel
+    /// layer, this rank's input features beside a row-parallel one), and A's weight gradient
+    /// `daᵀ·dropout(x)`.
+    pub fn backward_down(
+        &self,
+        cx: &Cx,
+        site: Site,
+        x: &Tensor,
+        da: &Tensor,
+    ) -> Result<(Tensor, WeightGrad)> {
+        let (dropped, mask) = self.dropped(cx, site, x)?;
         let a = self.a.compute_value();
         let (r, inp) = (a.dims()[0], a.dims()[1]);
-        let x2 = Self::rows(x, inp, "down-projection's backward")?;
+        let x2 = Self::rows(&dropped, inp, "down-projection's backward")?;
         let da2 = Self::rows(da, r, "down-projection's backward")?;
         let dx = Tensor::empty_near([x2.dims()[0], inp], DType::F32, &x2)?;
         matmul_into(1.0, &da2, a, 0.0, &dx)?;
@@ -278,7 +310,9 @@ impl LoraAdapter {
                 am.accumulate_grad(|g| Ok(matmul_into(1.0, &da2.t()?, &x2, 1.0, g)?))
             })
         };
-        Ok((dx.reshape(x.shape().clone())?, dw))
+        let dx = dx.reshape(x.shape().clone())?;
+        let dx = ops::dropout_backward(cx, site.child("lora_dropout"), mask, &dx)?;
+        Ok((dx, dw))
     }
 }
 

@@ -124,8 +124,16 @@ impl Kind for Column {
                 );
                 let keep = keep_sequence_shard(rt, &map, &k, &s);
                 let oi = nm.ident(layer_out);
-                let adapter =
-                    adapter_forward(rt, &lora, &keep_lora, &this_field, &ldoc, &o, &oi, &k, &xr);
+                let adapter = adapter_forward(
+                    rt,
+                    (&lora, &keep_lora, &site),
+                    &this_field,
+                    &ldoc,
+                    &o,
+                    &oi,
+                    &k,
+                    &xr,
+                );
                 quote! {
                     let (#o, #k) = #call(&#this_field, cx, #site, #xr)?;
                     #adapter
@@ -161,8 +169,16 @@ impl Kind for Column {
                 let keep = keep_sequence_shard(rt, &map, &k, &s);
                 let oi = nm.ident(layer_out);
                 let wr = quote!(&#w);
-                let adapter =
-                    adapter_forward(rt, &lora, &keep_lora, &this_field, &ldoc, &o, &oi, &k, &wr);
+                let adapter = adapter_forward(
+                    rt,
+                    (&lora, &keep_lora, &site),
+                    &this_field,
+                    &ldoc,
+                    &o,
+                    &oi,
+                    &k,
+                    &wr,
+                );
                 quote! {
                     #doc
                     let #w = #gather;
@@ -288,7 +304,7 @@ impl Kind for Column {
                         let (da, up) = lora.backward_up(a, #dy)?;
                         #rt::tensor_parallel::all_reduce_tp(cx, &da)?;
                         let da = #rt::tensor_parallel::split_last_dim(cx, &da)?;
-                        let (d, down) = lora.backward_down(x, &da)?;
+                        let (d, down) = lora.backward_down(cx, #site, x, &da)?;
                         cx.weight_gradient(up.and(down))?;
                         ::std::option::Option::Some(d)
                     }
@@ -327,8 +343,7 @@ impl Kind for Column {
 #[allow(clippy::too_many_arguments)]
 fn adapter_forward(
     rt: &TokenStream,
-    lora: &TokenStream,
-    keep_lora: &TokenStream,
+    (lora, keep_lora, site): (&TokenStream, &TokenStream, &TokenStream),
     this_field: &TokenStream,
     doc: &TokenStream,
     o: &impl quote::ToTokens,
@@ -340,7 +355,7 @@ fn adapter_forward(
         #doc
         let (#o, #k) = match #lora(&#this_field) {
             ::std::option::Option::Some(lora) => {
-                let down = lora.down(#x)?;
+                let down = lora.down(cx, #site, #x)?;
                 let a = #rt::tensor_parallel::gather_last_dim(cx, &down)?;
                 lora.add_up(&a, &#oi, 0)?;
                 (#oi, #keep_lora(#k, a))

@@ -132,8 +132,14 @@ impl Kind for Row {
                 let (s, o, xr) = (nm.pat(saved), nm.pat(out), nm.by_ref(x));
                 let (si, oi) = (nm.ident(saved), nm.ident(out));
                 let names = (&o, &oi, &s, &si);
-                let adapter =
-                    adapter_forward(rt, (&lora, &keep_lora), &this_field, &ldoc, names, &xr);
+                let adapter = adapter_forward(
+                    rt,
+                    (&lora, &keep_lora, &site),
+                    &this_field,
+                    &ldoc,
+                    names,
+                    &xr,
+                );
                 quote! {
                     #doc
                     let (#o, #s) = #call(&#this_field, cx, #site, #xr)?;
@@ -167,7 +173,7 @@ impl Kind for Row {
             let si = nm.ident(saved);
             let adapter = adapter_forward(
                 rt,
-                (&lora, &keep_lora),
+                (&lora, &keep_lora, &site),
                 &this_field,
                 &ldoc,
                 (&p, &p, &s, &si),
@@ -223,6 +229,7 @@ impl Kind for Row {
              all-reduced; A's input gradient joins the layer's."
         ));
         let adapter_field = this_field.clone();
+        let adapter_site = site.clone();
         let adapter = move |s: &TokenStream, dy: &TokenStream, ad: &TokenStream| {
             quote! {
                 #ldoc
@@ -232,7 +239,7 @@ impl Kind for Row {
                         let dy = #rt::tensor_parallel::split_last_dim(cx, #dy)?;
                         let (da, up) = lora.backward_up(a, &dy)?;
                         #rt::tensor_parallel::all_reduce_tp(cx, &da)?;
-                        let (d, down) = lora.backward_down(x, &da)?;
+                        let (d, down) = lora.backward_down(cx, #adapter_site, x, &da)?;
                         cx.weight_gradient(up.and(down))?;
                         ::std::option::Option::Some(d)
                     }
@@ -310,7 +317,7 @@ impl Kind for Row {
 /// names), the adapter having read the layer's input `x`.
 fn adapter_forward(
     rt: &TokenStream,
-    (lora, keep_lora): (&TokenStream, &TokenStream),
+    (lora, keep_lora, site): (&TokenStream, &TokenStream, &TokenStream),
     this_field: &TokenStream,
     doc: &TokenStream,
     (o, oi, s, si): (
@@ -325,7 +332,7 @@ fn adapter_forward(
         #doc
         let (#o, #s) = match #lora(&#this_field) {
             ::std::option::Option::Some(lora) => {
-                let a = lora.down(#x)?;
+                let a = lora.down(cx, #site, #x)?;
                 #rt::tensor_parallel::all_reduce_tp(cx, &a)?;
                 lora.add_up(&a, &#oi, lora.row_columns_at(cx.tp_rank()))?;
                 (#oi, #keep_lora(#si, a))
