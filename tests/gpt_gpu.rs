@@ -208,7 +208,8 @@ fn llama_blocks_on_the_gpu_follow_the_cpu_run() {
 }
 
 /// LoRA on the GPU (rank-8 adapters beside every column- and row-parallel layer of a Llama,
-/// the base frozen) follows the CPU run, in f32 and with bf16 products, and at TP 2.
+/// the base frozen) follows the CPU run, in f32 and with bf16 products, and at TP 2; with
+/// LoRA's dropout too.
 #[test]
 #[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn lora_on_the_gpu_follows_the_cpu_run() {
@@ -240,6 +241,22 @@ fn lora_on_the_gpu_follows_the_cpu_run() {
         "LoRA, bf16 products vs CPU",
     );
     assert_close(&curve(&lora(2, F32)), &cpu, 2e-4, "LoRA at TP=2 vs CPU");
+    // LoRA's dropout: the device draws the host's masks, at tp 2 with sequence parallelism too.
+    let dropped = |tp, device| {
+        let mut job = lora(tp, device);
+        if let Some(l) = &mut job.model.lora {
+            l.dropout = 0.2;
+        }
+        job.sequence_parallel = tp > 1;
+        job
+    };
+    let cpu_dropped = curve(&dropped(1, Placement::Cpu));
+    assert_close(
+        &curve(&dropped(2, F32)),
+        &cpu_dropped,
+        2e-4,
+        "LoRA dropout at TP=2 with SP vs CPU",
+    );
 }
 
 /// Tensor and data parallelism on thread ranks sharing the GPU follow one rank, with and
