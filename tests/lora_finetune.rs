@@ -3,9 +3,11 @@
 //! `megatron train --load --lora-rank` — the base frozen, rank-4 adapters beside linear_qkv,
 //! linear_proj, linear_fc1 and linear_fc2 — at tensor parallelism with sequence parallelism,
 //! pipeline parallelism, data parallelism with the distributed optimizer, context parallelism,
-//! bf16 and recompute, each step by step as the one-rank run. At the first step the model is the
-//! base (B starts at zero); the base's values never move; a save holds the adapters alone and
-//! names its base, and resumes from there.
+//! bf16 and recompute, each step by step as the one-rank run, with LoRA's dropout too. At the
+//! first step the model is the base (B starts at zero); the base's values never move; a save
+//! holds the adapters alone and names its base, and resumes from there. The tiny Mixtral's
+//! experts get an adapter each, trained at ep, etp, tp with sp, pp, recompute and bf16 as one
+//! rank, and go out as PEFT's `target_parameters` or merged, and back.
 
 mod support;
 
@@ -159,6 +161,14 @@ fn lora_beside_a_mixture_of_experts_trains_with_expert_parallelism_as_one_rank()
             "--pp",
             "2",
         ],
+        &[
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
     ]
     .iter()
     .enumerate()
@@ -166,6 +176,9 @@ fn lora_beside_a_mixture_of_experts_trains_with_expert_parallelism_as_one_rank()
         let got = curve(&common, &dir, &format!("moe-{i}"), flags);
         assert_follows(&got, &one, (1e-5, 1e-4), &format!("{flags:?}"));
     }
+    let bf16 = ["--bf16", "--dp", "4", "--ep", "2", "--etp", "2"];
+    let got = curve(&common, &dir, "moe-bf16", &bf16);
+    assert_follows(&got, &one, (2e-2, 1e-1), "bf16 at ep 2 etp 2");
     // The experts' adapters alone, by Megatron-Bridge's pattern.
     let mut experts_only = common.to_vec();
     experts_only.extend([
