@@ -138,6 +138,20 @@ fn linear(x: &[f64], w: &[f32], b: Option<&[f32]>, inp: usize) -> Vec<f64> {
         .collect()
 }
 
+/// `x·Wᵀ + b + s·(xa·Aᵀ)·Bᵀ` in f64: a layer `(W, b)` and its adapter `(A, B)` reading `xa`.
+fn adapted(
+    x: &[f64],
+    xa: &[f64],
+    (w, b): (&[f32], &[f32]),
+    (a, bm): (&[f32], &[f32]),
+    inp: usize,
+    s: f64,
+) -> Vec<f64> {
+    let base = linear(x, w, Some(b), inp);
+    let adapter = linear(&linear(xa, a, None, inp), bm, None, RANK);
+    base.iter().zip(&adapter).map(|(b, a)| b + s * a).collect()
+}
+
 fn gelu(v: f64) -> f64 {
     0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v.powi(3))).tanh())
 }
@@ -148,26 +162,13 @@ fn lora_beside_column_and_row_layers_is_the_plain_computation_at_every_tp() {
     let p = |name: &str| params.iter().find(|(n, _)| n == name).unwrap().1.as_slice();
     let s = 2.0;
     let x: Vec<f64> = values(0).iter().map(|&v| f64::from(v)).collect();
-    let base = linear(&x, p("fc1.weight"), Some(p("fc1.bias")), H);
-    let adapter = linear(
-        &linear(&x, p("fc1_lora_a.weight"), None, H),
-        p("fc1_lora_b.weight"),
-        None,
-        RANK,
-    );
-    let h: Vec<f64> = base
-        .iter()
-        .zip(&adapter)
-        .map(|(b, a)| gelu(b + s * a))
-        .collect();
-    let base = linear(&h, p("fc2.weight"), Some(p("fc2.bias")), F);
-    let adapter = linear(
-        &linear(&h, p("fc2_lora_a.weight"), None, F),
-        p("fc2_lora_b.weight"),
-        None,
-        RANK,
-    );
-    let want: Vec<f64> = base.iter().zip(&adapter).map(|(b, a)| b + s * a).collect();
+    let layer = |x: &[f64], name: &str, inp| {
+        let w = |m: &str| p(&format!("{name}{m}.weight"));
+        let bias = p(&format!("{name}.bias"));
+        adapted(x, x, (w(""), bias), (w("_lora_a"), w("_lora_b")), inp, s)
+    };
+    let h: Vec<f64> = layer(&x, "fc1", H).into_iter().map(gelu).collect();
+    let want = layer(&h, "fc2", F);
     let worst = y
         .iter()
         .zip(&want)
@@ -376,35 +377,32 @@ fn lora_dropout_drops_the_adapters_input_as_one_rank_at_every_tp() {
             d1.iter().filter(|&&v| v == 0.0).count() > d1.len() / 10,
             "dropped"
         );
-        let base = linear(&xs, &value("fc1.weight"), Some(&value("fc1.bias")), H);
-        let adapter = linear(
-            &linear(&d1, &value("fc1.lora_a.weight"), None, H),
-            &value("fc1.lora_b.weight"),
-            None,
-            RANK,
-        );
-        let h: Vec<f64> = base
-            .iter()
-            .zip(&adapter)
-            .map(|(b, a)| gelu(b + s * a))
+        let weights = |name: &str| {
+            let v = |m: &str| value(&format!("{name}.{m}"));
+            (
+                (v("weight"), v("bias")),
+                (v("lora_a.weight"), v("lora_b.weight")),
+            )
+        };
+        let (base, lora) = weights("fc1");
+        let h: Vec<f64> = adapted(&xs, &d1, (&base.0, &base.1), (&lora.0, &lora.1), H, s)
+            .into_iter()
+            .map(gelu)
             .collect();
         let ht = Tensor::from_vec(
             h.iter().map(|&v| v as f32).collect::<Vec<_>>(),
             [SEQ, BATCH, F],
         )?;
         let d2 = dropped("fc2", &ht, Sharding::SplitLastDim)?;
-        let base = linear(&h, &value("fc2.weight"), Some(&value("fc2.bias")), F);
-        let adapter = linear(
-            &linear(&d2, &value("fc2.lora_a.weight"), None, F),
-            &value("fc2.lora_b.weight"),
-            None,
-            RANK,
-        );
-        Ok(base
-            .iter()
-            .zip(&adapter)
-            .map(|(b, a)| b + s * a)
-            .collect::<Vec<f64>>())
+        let (base, lora) = weights("fc2");
+        Ok(adapted(
+            &h,
+            &d2,
+            (&base.0, &base.1),
+            (&lora.0, &lora.1),
+            F,
+            s,
+        ))
     })
     .unwrap()
     .remove(0);

@@ -313,19 +313,26 @@ fn merge(w: &[f32], b: &[f32], a: &[f32], s: f64, inp: usize) -> Vec<f64> {
         .collect()
 }
 
-#[test]
-fn a_lora_checkpoint_goes_out_as_peft_adapters_or_merged() {
-    let dir = TempDir::new("lora-export");
-    let data = token_dataset(&dir, 64, 96);
-    let base = import_golden(&dir, "llama", "base");
+/// The largest difference between `got` and `want`.
+fn worst(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (f64::from(*g) - w).abs())
+        .fold(0.0, f64::max)
+}
+
+/// Trains the checkpoint `base` for `steps` steps with LoRA's `flags` on `data`, saving to
+/// `dir`'s `lora`; returns the save's path.
+fn train_lora(dir: &TempDir, base: &str, data: &str, steps: &str, flags: &[&str]) -> String {
     let save = dir.join("lora");
-    let (ok, _, stderr) = megatron(&[
+    let mut args = vec![
         "train",
         "--quiet",
         "--load",
-        &base,
+        base,
         "--data",
-        &data,
+        data,
         "--seq-length",
         "16",
         "--micro-batch-size",
@@ -335,17 +342,57 @@ fn a_lora_checkpoint_goes_out_as_peft_adapters_or_merged() {
         "--lr",
         "1e-2",
         "--train-iters",
-        "3",
+        steps,
         "--seed",
         "3",
-        "--lora-rank",
-        "4",
-        "--lora-alpha",
-        "8",
         "--save",
         &save,
+    ];
+    args.extend(flags);
+    let (ok, _, stderr) = megatron(&args);
+    assert!(ok, "{stderr}");
+    save
+}
+
+/// A tensor of the LoRA checkpoint `lora`, or of its base `base` when the base holds it.
+fn lora_or_base(
+    lora: &megatron::checkpoint::Loaded,
+    base: &megatron::checkpoint::Loaded,
+    name: &str,
+) -> megatron::checkpoint::Whole {
+    match lora.has_model_tensor(name) {
+        true => lora.model_tensor(name).unwrap(),
+        false => base.model_tensor(name).unwrap(),
+    }
+}
+
+/// Imports the PEFT adapter `peft` onto `base` in `dir`'s `back` and checks that it holds the
+/// tensors of the LoRA checkpoint `lora`, with the same base.
+fn assert_comes_back(dir: &TempDir, peft: &str, base: &str, lora: &megatron::checkpoint::Loaded) {
+    let back = dir.join("back");
+    let (ok, _, stderr) = megatron(&[
+        "convert", "--from", "peft", peft, "--to", &back, "--base", base,
     ]);
     assert!(ok, "{stderr}");
+    let again = megatron::checkpoint::open(std::path::Path::new(&back)).unwrap();
+    assert_eq!(again.meta().base, lora.meta().base);
+    assert_eq!(again.model_names().unwrap(), lora.model_names().unwrap());
+    for name in lora.model_names().unwrap() {
+        assert_eq!(
+            again.model_tensor(&name).unwrap(),
+            lora.model_tensor(&name).unwrap(),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn a_lora_checkpoint_goes_out_as_peft_adapters_or_merged() {
+    let dir = TempDir::new("lora-export");
+    let data = token_dataset(&dir, 64, 96);
+    let base = import_golden(&dir, "llama", "base");
+    let flags = ["--lora-rank", "4", "--lora-alpha", "8"];
+    let save = train_lora(&dir, &base, &data, "3", &flags);
     // Without --merge-lora an export is refused; with it, the weights are W + (α/r)·B·A.
     let (ok, _, stderr) = megatron(&["convert", "--from", &save, "--to", "hf", &dir.join("x")]);
     assert!(
@@ -375,13 +422,7 @@ fn a_lora_checkpoint_goes_out_as_peft_adapters_or_merged() {
     assert!(!ok && stderr.contains("holds no LoRA adapters"), "{stderr}");
     let lora = megatron::checkpoint::open(std::path::Path::new(&save)).unwrap();
     let basec = megatron::checkpoint::open(std::path::Path::new(&base)).unwrap();
-    let ours = |name: &str| {
-        if lora.has_model_tensor(name) {
-            lora.model_tensor(name).unwrap()
-        } else {
-            basec.model_tensor(name).unwrap()
-        }
-    };
+    let ours = |name: &str| lora_or_base(&lora, &basec, name);
     let hf = read_tensors(&merged);
     let (h, s) = (32, 2.0);
     // o_proj: the whole of attn.proj; down_proj: of mlp.fc2.
@@ -395,11 +436,7 @@ fn a_lora_checkpoint_goes_out_as_peft_adapters_or_merged() {
         assert!(b.data.iter().any(|&v| v != 0.0), "training moved B");
         let want = merge(&w.data, &b.data, &a.data, s, inp);
         let got = &hf[&format!("model.layers.1.{hf_name}.weight")].1;
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(g, w)| (f64::from(*g) - w).abs())
-            .fold(0.0, f64::max);
+        let worst = worst(got, &want);
         assert!(worst < 1e-6, "{layer}: {worst}");
     }
     // gate_proj: the first half of fc1's rows, merged.
@@ -408,12 +445,7 @@ fn a_lora_checkpoint_goes_out_as_peft_adapters_or_merged() {
     let b = ours("blocks.0.mlp.fc1.lora_b.weight");
     let want = merge(&w.data, &b.data, &a.data, s, h);
     let got = &hf["model.layers.0.mlp.gate_proj.weight"].1;
-    assert_eq!(got.len(), want.len() / 2);
-    let worst = got
-        .iter()
-        .zip(&want)
-        .map(|(g, w)| (f64::from(*g) - w).abs())
-        .fold(0.0, f64::max);
+    let worst = worst(got, &want[..want.len() / 2]);
     assert!(worst < 1e-6, "gate_proj: {worst}");
     // PEFT: q, k and v share the fused A; their Bs are the fused B's rows per query group.
     let peft = dir.join("peft");
@@ -444,21 +476,7 @@ fn a_lora_checkpoint_goes_out_as_peft_adapters_or_merged() {
     assert_eq!(adapters[&name("self_attn.k_proj", "B")].1, k);
     assert_eq!(adapters[&name("self_attn.k_proj", "B")].0, vec![16, 4]);
     // Back in: the same adapters beside the same fused layers, on the same base.
-    let back = dir.join("back");
-    let (ok, _, stderr) = megatron(&[
-        "convert", "--from", "peft", &peft, "--to", &back, "--base", &base,
-    ]);
-    assert!(ok, "{stderr}");
-    let again = megatron::checkpoint::open(std::path::Path::new(&back)).unwrap();
-    assert_eq!(again.meta().base, lora.meta().base);
-    for name in lora.model_names().unwrap() {
-        assert_eq!(
-            again.model_tensor(&name).unwrap(),
-            lora.model_tensor(&name).unwrap(),
-            "{name}"
-        );
-    }
-    assert_eq!(again.model_names().unwrap(), lora.model_names().unwrap());
+    assert_comes_back(&dir, &peft, &base, &lora);
     // What the fused layers cannot hold is refused by name.
     let edited = |name: &str, edit: &dyn Fn(&std::path::Path)| {
         let to = dir.join(name);
@@ -509,24 +527,7 @@ fn the_experts_adapters_go_out_as_peft_target_parameters_or_merged_and_back() {
     let dir = TempDir::new("lora-experts-export");
     let data = token_dataset(&dir, 64, 96);
     let base = import_golden(&dir, "mixtral", "base");
-    let save = dir.join("lora");
-    let (ok, _, stderr) = megatron(&[
-        "train",
-        "--quiet",
-        "--load",
-        &base,
-        "--data",
-        &data,
-        "--seq-length",
-        "16",
-        "--micro-batch-size",
-        "1",
-        "--global-batch-size",
-        "4",
-        "--lr",
-        "1e-2",
-        "--train-iters",
-        "2",
+    let flags = [
         "--lora-rank",
         "2",
         "--lora-alpha",
@@ -534,16 +535,11 @@ fn the_experts_adapters_go_out_as_peft_target_parameters_or_merged_and_back() {
         "--lora-target-modules",
         "linear_fc1",
         "linear_fc2",
-        "--save",
-        &save,
-    ]);
-    assert!(ok, "{stderr}");
+    ];
+    let save = train_lora(&dir, &base, &data, "2", &flags);
     let lora = megatron::checkpoint::open(std::path::Path::new(&save)).unwrap();
     let basec = megatron::checkpoint::open(std::path::Path::new(&base)).unwrap();
-    let ours = |name: &str| match lora.has_model_tensor(name) {
-        true => lora.model_tensor(name).unwrap(),
-        false => basec.model_tensor(name).unwrap(),
-    };
+    let ours = |name: &str| lora_or_base(&lora, &basec, name);
     // 4 experts of hidden 32 and ffn 24: fc1 [4, 48, 32], fc2 [4, 32, 24]; rank 2, scale 4.
     let (e, h, f, r, s) = (4, 32, 24, 2, 4.0);
     let a1 = ours("blocks.1.mlp.experts.fc1.lora_a.weight");
@@ -589,15 +585,8 @@ fn the_experts_adapters_go_out_as_peft_target_parameters_or_merged_and_back() {
         );
         let down = &hf[&format!("model.layers.1.block_sparse_moe.experts.{x}.w2.weight")].1;
         for (got, want, what) in [(up, &want[f * h..], "w3"), (down, &want_down[..], "w2")] {
-            let worst = got
-                .iter()
-                .zip(want)
-                .map(|(g, w)| (f64::from(*g) - w).abs())
-                .fold(0.0, f64::max);
-            assert!(
-                got.len() == want.len() && worst < 1e-6,
-                "expert {x} {what}: {worst}"
-            );
+            let worst = worst(got, want);
+            assert!(worst < 1e-6, "expert {x} {what}: {worst}");
         }
     }
     // The adapted model generates as its merged export does (the training's merge on the fly
@@ -648,20 +637,7 @@ fn the_experts_adapters_go_out_as_peft_target_parameters_or_merged_and_back() {
     assert_eq!(adapters[&name("experts", "A")].0, vec![e * r, f]);
     assert_eq!(adapters[&name("experts", "B")].0, vec![h, r * e]);
     // Back in: the same adapters.
-    let back = dir.join("back");
-    let (ok, _, stderr) = megatron(&[
-        "convert", "--from", "peft", &peft, "--to", &back, "--base", &base,
-    ]);
-    assert!(ok, "{stderr}");
-    let again = megatron::checkpoint::open(std::path::Path::new(&back)).unwrap();
-    assert_eq!(again.model_names().unwrap(), lora.model_names().unwrap());
-    for name in lora.model_names().unwrap() {
-        assert_eq!(
-            again.model_tensor(&name).unwrap(),
-            lora.model_tensor(&name).unwrap(),
-            "{name}"
-        );
-    }
+    assert_comes_back(&dir, &peft, &base, &lora);
     // An experts' adapter on a base without experts is refused by name.
     let llama = import_golden(&dir, "llama", "llama");
     let (ok, _, stderr) = megatron(&[
