@@ -418,6 +418,48 @@ fn a_checkpoint_saved_at_ep_4_resumes_at_other_ep_and_etp() {
 }
 
 #[test]
+fn group_limited_routing_keeps_each_tokens_experts_in_its_best_groups_at_every_layout() {
+    // DeepSeek-V3's routing on gpt-moe-tiny's 8 experts: 4 groups of 2, each token keeping its
+    // 2 best, top-4 of their 4 experts, sigmoid scores with the expert bias, scaled; as one
+    // rank at ep 2, ep 2 × etp 2 and tp 2 with sequence parallelism.
+    let dir = TempDir::new("cli-moe-groups");
+    let flags = [
+        "--moe-router-topk",
+        "4",
+        "--moe-router-num-groups",
+        "4",
+        "--moe-router-group-topk",
+        "2",
+        "--moe-router-score-function",
+        "sigmoid",
+        "--moe-router-enable-expert-bias",
+        "--moe-router-topk-scaling-factor",
+        "2.5",
+        "--dp",
+        "4",
+    ];
+    let reference = run(&dir, "one", &flags);
+    let plain: Vec<&str> = flags[..2].iter().chain(&flags[6..]).copied().collect();
+    let ungrouped = run(&dir, "ungrouped", &plain);
+    assert!(
+        reference
+            .iter()
+            .zip(&ungrouped)
+            .any(|(a, b)| a.tokens_per_expert != b.tokens_per_expert),
+        "the groups change the routing"
+    );
+    for (name, extra) in [
+        ("ep2", &["--ep", "2"][..]),
+        ("ep2-etp2", &["--ep", "2", "--etp", "2"]),
+        ("tp2-sp", &["--tp", "2", "--sequence-parallel", "--ep", "2"]),
+    ] {
+        let mut all = flags.to_vec();
+        all.extend(extra);
+        assert_same_training(&run(&dir, name, &all), &reference, name);
+    }
+}
+
+#[test]
 fn configurations_that_cannot_work_name_the_numbers() {
     for (flags, message) in [
         (
@@ -452,6 +494,31 @@ fn configurations_that_cannot_work_name_the_numbers() {
         (
             &["--moe-layer-freq", "[1,1,1]"],
             "--moe-layer-freq lists 3 layers but the model has --num-layers 2",
+        ),
+        (
+            &[
+                "--moe-router-num-groups",
+                "3",
+                "--moe-router-group-topk",
+                "1",
+            ],
+            "--moe-router-num-groups 3 does not divide --num-experts 8 into equal groups",
+        ),
+        (
+            &[
+                "--moe-router-num-groups",
+                "4",
+                "--moe-router-group-topk",
+                "1",
+                "--moe-router-topk",
+                "4",
+            ],
+            "--moe-router-group-topk 1 must be between 1 and --moe-router-num-groups 4, and \
+             --moe-router-topk 4 a multiple of it no larger than its groups' 2 experts",
+        ),
+        (
+            &["--moe-router-num-groups", "4"],
+            "--moe-router-group-topk <G>",
         ),
     ] {
         // The dense model's runs without the MoE flag COMMON sets.

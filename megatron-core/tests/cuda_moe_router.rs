@@ -15,8 +15,8 @@ mod support;
 
 use megatron_core::cuda::DeviceRouting;
 use megatron_core::moe::{
-    DropPolicy, LoadBalancing, RouterConfig, RouterError, Routing, ScoreFunction, route,
-    route_backward,
+    DropPolicy, GroupLimited, LoadBalancing, RouterConfig, RouterError, Routing, ScoreFunction,
+    route, route_backward,
 };
 use megatron_core::tensor::Tensor;
 use support::{det, gpu};
@@ -95,6 +95,26 @@ fn configs() -> Vec<(&'static str, RouterConfig)> {
         (
             "capacity 2, nothing dropped",
             with(&|c| c.capacity_factor = Some(2.0)),
+        ),
+        (
+            "group-limited: 3 groups, each token keeping 1",
+            with(&|c| c.group_limited = Some(GroupLimited { groups: 3, topk: 1 })),
+        ),
+        (
+            "group-limited softmax before the top-k: 3 groups, keeping 2",
+            with(&|c| {
+                c.pre_softmax = true;
+                c.group_limited = Some(GroupLimited { groups: 3, topk: 2 });
+            }),
+        ),
+        (
+            "group-limited sigmoid with the expert bias, scaled",
+            with(&|c| {
+                c.score_function = ScoreFunction::Sigmoid;
+                c.expert_bias = true;
+                c.topk_scaling_factor = Some(2.5);
+                c.group_limited = Some(GroupLimited { groups: 3, topk: 1 });
+            }),
         ),
     ]
 }

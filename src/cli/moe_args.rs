@@ -65,6 +65,14 @@ pub struct MoeArgs {
     /// Multiplies the chosen experts' weights.
     #[arg(long, value_parser = values::positive_f32)]
     moe_router_topk_scaling_factor: Option<f32>,
+    /// Group-limited routing (DeepSeek-V3's): the experts in N equal groups, each token
+    /// choosing among the experts of its --moe-router-group-topk best groups alone.
+    #[arg(long, value_name = "N", value_parser = values::dim, requires = "moe_router_group_topk")]
+    moe_router_num_groups: Option<usize>,
+    /// The groups each token keeps with group-limited routing: those whose best
+    /// top-k / group-topk scores sum highest.
+    #[arg(long, value_name = "G", value_parser = values::dim, requires = "moe_router_num_groups")]
+    moe_router_group_topk: Option<usize>,
     /// The load-balancing loss [default: the preset's, or aux_loss].
     #[arg(long, value_enum)]
     moe_router_load_balancing_type: Option<BalancingArg>,
@@ -106,6 +114,7 @@ impl MoeArgs {
             || self.moe_router_pre_softmax
             || self.moe_router_score_function.is_some()
             || self.moe_router_topk_scaling_factor.is_some()
+            || self.moe_router_num_groups.is_some()
             || self.moe_router_load_balancing_type.is_some()
             || self.moe_aux_loss_coeff.is_some()
             || self.moe_z_loss_coeff.is_some()
@@ -258,6 +267,10 @@ impl MoeArgs {
         }
         if let Some(f) = self.moe_router_topk_scaling_factor {
             r.topk_scaling_factor = Some(f);
+        }
+        if let (Some(groups), Some(topk)) = (self.moe_router_num_groups, self.moe_router_group_topk)
+        {
+            r.group_limited = Some(megatron::moe::GroupLimited { groups, topk });
         }
         if let Some(b) = self.moe_router_load_balancing_type {
             r.load_balancing = match b {

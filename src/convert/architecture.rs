@@ -151,6 +151,9 @@ pub fn llama_family(c: &GptConfig) -> std::result::Result<&'static str, Vec<Stri
     if r.topk_scaling_factor.is_some() {
         lacks.push("scaled routing weights (--moe-router-topk-scaling-factor)");
     }
+    if r.group_limited.is_some() {
+        lacks.push("group-limited routing (--moe-router-num-groups)");
+    }
     if r.capacity_factor.is_some() {
         lacks.push("an expert capacity (--moe-expert-capacity-factor: dropped tokens)");
     }

@@ -22,7 +22,7 @@ pub use routed::{
     ExpertParallelSaved, GateSaved, RoutedExperts, RoutedExpertsSpec, RouterOutput, RouterSaved,
 };
 pub use router::{
-    DropPolicy, LoadBalancing, Partition, RouterConfig, RouterError, Routing, ScoreFunction, route,
-    route_backward, route_partitioned, update_expert_bias,
+    DropPolicy, GroupLimited, LoadBalancing, Partition, RouterConfig, RouterError, Routing,
+    ScoreFunction, route, route_backward, route_partitioned, update_expert_bias,
 };
 pub use step::{RoutingLog, RoutingTotals};

@@ -5,6 +5,10 @@
 //! - scores: softmax after the top-k (Megatron-LM's default), softmax before it
 //!   (`--moe-router-pre-softmax`), or sigmoid normalised over the chosen experts, whose choice
 //!   may add the aux-loss-free expert bias (`--moe-router-enable-expert-bias`);
+//! - group-limited routing (`--moe-router-num-groups`, `--moe-router-group-topk`, DeepSeek-V3's
+//!   node-limited routing, Megatron-LM's `group_limited_topk`): each token first keeps its best
+//!   groups of experts, by the sum of each group's best `topk / group_topk` scores (those the
+//!   top-k ranks: with the expert bias, biased), then takes its top-k among their experts;
 //! - capacity (`--moe-expert-capacity-factor`): each expert keeps at most
 //!   ⌈tokens·k/experts·factor⌉ tokens, by probability or by position, or exactly that many with
 //!   `--moe-pad-expert-input-to-capacity`;
@@ -69,6 +73,33 @@ pub enum RouterError {
         /// The sequence length.
         seq: usize,
     },
+    /// Groups that do not divide the experts.
+    #[error(
+        "--moe-router-num-groups {groups} does not divide --num-experts {experts} into equal \
+         groups"
+    )]
+    Groups {
+        /// The groups.
+        groups: usize,
+        /// The experts.
+        experts: usize,
+    },
+    /// A group top-k outside 1..=groups, or one the top-k cannot share.
+    #[error(
+        "--moe-router-group-topk {group_topk} must be between 1 and --moe-router-num-groups \
+         {groups}, and --moe-router-topk {topk} a multiple of it no larger than its groups' \
+         {in_groups} experts"
+    )]
+    GroupTopK {
+        /// The groups each token keeps.
+        group_topk: usize,
+        /// The groups.
+        groups: usize,
+        /// The top-k.
+        topk: usize,
+        /// The experts of `group_topk` groups.
+        in_groups: usize,
+    },
     /// The load-balancing counts could not be summed over the ranks that share the sequence.
     #[error("summing the router's load-balancing counts over the tensor-parallel group: {0}")]
     Counts(String),
@@ -104,6 +135,17 @@ impl Partition<'_> {
     pub(crate) fn z_coeff(&self, coeff: f32) -> f32 {
         coeff / self.ranks.max(1) as f32
     }
+}
+
+/// Group-limited routing (`--moe-router-num-groups`, `--moe-router-group-topk`): the experts
+/// in `groups` equal groups of consecutive experts, each token choosing among the experts of its
+/// `topk` best groups alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GroupLimited {
+    /// The groups (`--moe-router-num-groups`).
+    pub groups: usize,
+    /// The groups each token keeps (`--moe-router-group-topk`).
+    pub topk: usize,
 }
 
 /// How the router turns logits into scores (`--moe-router-score-function`).
@@ -168,6 +210,9 @@ pub struct RouterConfig {
     /// `--moe-router-bias-update-rate`: how far the expert bias moves each step.
     #[serde(default = "default_bias_update_rate")]
     pub bias_update_rate: f32,
+    /// Group-limited routing, when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_limited: Option<GroupLimited>,
 }
 
 /// Megatron-LM's `--moe-router-bias-update-rate` default.
@@ -193,6 +238,7 @@ impl RouterConfig {
             drop_policy: DropPolicy::Probs,
             expert_bias: false,
             bias_update_rate: default_bias_update_rate(),
+            group_limited: None,
         }
     }
 
@@ -217,6 +263,25 @@ impl RouterConfig {
         }
         if self.expert_bias && self.score_function == ScoreFunction::Softmax {
             return Err(RouterError::BiasWithSoftmax);
+        }
+        if let Some(GroupLimited { groups, topk }) = self.group_limited {
+            let experts = self.num_experts;
+            if groups == 0 || !experts.is_multiple_of(groups) {
+                return Err(RouterError::Groups { groups, experts });
+            }
+            let in_groups = topk * (experts / groups);
+            if topk == 0
+                || topk > groups
+                || !self.topk.is_multiple_of(topk)
+                || self.topk > in_groups
+            {
+                return Err(RouterError::GroupTopK {
+                    group_topk: topk,
+                    groups,
+                    topk: self.topk,
+                    in_groups,
+                });
+            }
         }
         Ok(())
     }
@@ -360,6 +425,30 @@ fn top_k(values: &[f32], k: usize) -> Vec<usize> {
     order
 }
 
+/// The indices of the `k` largest of `values` (largest first, ties to the lower index) for the
+/// routing's top-k: with group-limited routing, among the experts of the `groups.topk` groups
+/// whose best `k / groups.topk` values sum highest (ties to the lower group), as Megatron-LM's
+/// `group_limited_topk` (which masks the other groups' scores with -inf: the same choice for
+/// finite scores).
+pub(crate) fn choose(values: &[f32], k: usize, groups: Option<GroupLimited>) -> Vec<usize> {
+    let Some(GroupLimited { groups, topk }) = groups else {
+        return top_k(values, k);
+    };
+    let per = values.len() / groups.max(1);
+    let best = k / topk.max(1);
+    let sums: Vec<f32> = values
+        .chunks(per.max(1))
+        .map(|g| top_k(g, best).iter().fold(0.0f32, |s, &j| s + g[j]))
+        .collect();
+    let kept = top_k(&sums, topk);
+    let mut order: Vec<usize> = (0..values.len())
+        .filter(|j| kept.contains(&(j / per.max(1))))
+        .collect();
+    order.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+    order.truncate(k);
+    order
+}
+
 fn check_len(
     what: &'static str,
     len: usize,
@@ -434,14 +523,14 @@ pub fn route_partitioned(
             (ScoreFunction::Softmax, true) => {
                 let s = &mut scores[t * e..(t + 1) * e];
                 softmax(row, s);
-                let top = top_k(s, k);
+                let top = choose(s, k, config.group_limited);
                 for &j in &top {
                     p[j] = s[j] * scale;
                 }
                 chosen.extend(top);
             }
             (ScoreFunction::Softmax, false) => {
-                let top = top_k(row, k);
+                let top = choose(row, k, config.group_limited);
                 let picked: Vec<f32> = top.iter().map(|&j| row[j]).collect();
                 let s = &mut scores[t * k..(t + 1) * k];
                 softmax(&picked, s);
@@ -456,9 +545,9 @@ pub fn route_partitioned(
                 let top = match expert_bias.filter(|_| config.expert_bias) {
                     Some(bias) => {
                         let biased: Vec<f32> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
-                        top_k(&biased, k)
+                        choose(&biased, k, config.group_limited)
                     }
-                    None => top_k(s, k),
+                    None => choose(s, k, config.group_limited),
                 };
                 let sum: f32 = top.iter().map(|&j| s[j]).sum::<f32>() + 1e-20;
                 for &j in &top {

@@ -126,6 +126,7 @@ impl DeviceRouting {
                 dims,
                 mode,
                 scale,
+                config.group_limited,
                 TopK {
                     probs: &mut p.view_mut(),
                     map: &mut m.view_mut(),

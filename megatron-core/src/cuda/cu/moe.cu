@@ -20,13 +20,15 @@ __device__ __forceinline__ int moe_total_key(float x) {
 }
 
 // The indices of the k largest of v[0..n) (plus bias[j] when bias is not null) into out[0..k),
-// largest first, ties to the lower index.
-__device__ void moe_top_k(const float* v, const float* bias, u64 n, u64 k, i64* out) {
+// largest first, ties to the lower index; only among the j with allowed[j] != 0 when allowed is
+// not null.
+__device__ void moe_top_k(const float* v, const float* bias, const i64* allowed, u64 n, u64 k,
+                          i64* out) {
     for (u64 i = 0; i < k; ++i) {
         i64 best = -1;
         int best_key = 0;
         for (u64 j = 0; j < n; ++j) {
-            bool taken = false;
+            bool taken = allowed != nullptr && allowed[j] == 0;
             for (u64 q = 0; q < i; ++q) taken = taken || out[q] == (i64)j;
             if (taken) continue;
             const int key = moe_total_key(bias ? __fadd_rn(v[j], bias[j]) : v[j]);
@@ -36,6 +38,48 @@ __device__ void moe_top_k(const float* v, const float* bias, u64 n, u64 k, i64* 
             }
         }
         out[i] = best;
+    }
+}
+
+// v[j] plus bias[j] when bias is not null: what a top-k ranks.
+__device__ __forceinline__ float moe_ranked(const float* v, const float* bias, u64 j) {
+    return bias ? __fadd_rn(v[j], bias[j]) : v[j];
+}
+
+// Group-limited routing's groups: allowed[j] = 1 for the experts of the group_topk groups (of
+// `groups` equal groups of v[0..n)) whose `best` largest values (plus bias) sum highest, summed
+// largest first from 0, ties to the lower index and the lower group; 0 elsewhere. `sums` holds
+// `groups` floats of scratch.
+__device__ void moe_group_mask(const float* v, const float* bias, u64 n, u64 groups,
+                               u64 group_topk, u64 best, float* sums, i64* allowed) {
+    const u64 per = n / groups;
+    for (u64 g = 0; g < groups; ++g) {
+        float sum = 0.0f;
+        // The r-th largest of the group: the one exactly r others come before.
+        for (u64 r = 0; r < best; ++r) {
+            for (u64 a = 0; a < per; ++a) {
+                const int ka = moe_total_key(moe_ranked(v, bias, g * per + a));
+                u64 before = 0;
+                for (u64 b = 0; b < per; ++b) {
+                    const int kb = moe_total_key(moe_ranked(v, bias, g * per + b));
+                    before += kb > ka || (kb == ka && b < a);
+                }
+                if (before == r) {
+                    sum = __fadd_rn(sum, moe_ranked(v, bias, g * per + a));
+                    break;
+                }
+            }
+        }
+        sums[g] = sum;
+    }
+    for (u64 g = 0; g < groups; ++g) {
+        const int kg = moe_total_key(sums[g]);
+        u64 ahead = 0;
+        for (u64 h = 0; h < groups; ++h) {
+            const int kh = moe_total_key(sums[h]);
+            ahead += kh > kg || (kh == kg && h < g);
+        }
+        for (u64 a = 0; a < per; ++a) allowed[g * per + a] = ahead < group_topk ? 1 : 0;
     }
 }
 
@@ -58,10 +102,13 @@ __device__ __forceinline__ float moe_sigmoid(float x) {
 // Each token's top-k experts and their weights: chosen[t, k] (best first), probs[t, experts]
 // (scaled by `scale`, 0 where the token does not go), map[t, experts] (1 where it goes), and the
 // scores the backward reads: [t, experts] before the top-k (softmax or sigmoid), [t, k] after it.
-// bias (sigmoid only, may be null) moves the choice, not the weights.
+// bias (sigmoid only, may be null) moves the choice, not the weights. With `groups` > 0 the
+// choice is group-limited (moe_group_mask, its scratch the token's rows of probs and map, cleared
+// after).
 extern "C" __global__ void moe_route_topk(const float* __restrict__ logits,
                                           const float* __restrict__ bias, u64 tokens, u64 experts,
-                                          u64 k, int mode, float scale, float* __restrict__ probs,
+                                          u64 k, int mode, float scale, u64 groups,
+                                          u64 group_topk, float* __restrict__ probs,
                                           i64* __restrict__ map, i64* __restrict__ chosen,
                                           float* __restrict__ scores) {
     FOR_EACH(t, tokens) {
@@ -69,17 +116,26 @@ extern "C" __global__ void moe_route_topk(const float* __restrict__ logits,
         float* p = probs + t * experts;
         i64* m = map + t * experts;
         i64* c = chosen + t * k;
-        for (u64 j = 0; j < experts; ++j) {
-            p[j] = 0.0f;
-            m[j] = 0;
-        }
+        // The top-k of v (plus b), within the kept groups when routing is group-limited.
+        auto pick = [&](const float* v, const float* b) {
+            if (groups > 0) {
+                moe_group_mask(v, b, experts, groups, group_topk, k / group_topk, p, m);
+                moe_top_k(v, b, m, experts, k, c);
+            } else {
+                moe_top_k(v, b, nullptr, experts, k, c);
+            }
+            for (u64 j = 0; j < experts; ++j) {
+                p[j] = 0.0f;
+                m[j] = 0;
+            }
+        };
         if (mode == MOE_SOFTMAX_BEFORE_TOPK) {
             float* s = scores + t * experts;
             moe_softmax(row, experts, s);
-            moe_top_k(s, nullptr, experts, k, c);
+            pick(s, nullptr);
             for (u64 i = 0; i < k; ++i) p[c[i]] = __fmul_rn(s[c[i]], scale);
         } else if (mode == MOE_SOFTMAX_AFTER_TOPK) {
-            moe_top_k(row, nullptr, experts, k, c);
+            pick(row, nullptr);
             float* s = scores + t * k;
             for (u64 i = 0; i < k; ++i) s[i] = row[c[i]];
             moe_softmax(s, k, s);
@@ -87,7 +143,7 @@ extern "C" __global__ void moe_route_topk(const float* __restrict__ logits,
         } else {
             float* s = scores + t * experts;
             for (u64 j = 0; j < experts; ++j) s[j] = moe_sigmoid(row[j]);
-            moe_top_k(s, bias, experts, k, c);
+            pick(s, bias);
             float sum = 0.0f;
             for (u64 i = 0; i < k; ++i) sum = __fadd_rn(sum, s[c[i]]);
             sum = __fadd_rn(sum, 1e-20f);
@@ -173,7 +229,7 @@ extern "C" __global__ void moe_aux_scores(const float* __restrict__ logits, u64 
         } else {
             moe_softmax(row, experts, s);
         }
-        moe_top_k(s, nullptr, experts, k, chosen + t * k);
+        moe_top_k(s, nullptr, nullptr, experts, k, chosen + t * k);
     }
 }
 

@@ -79,6 +79,7 @@ pub struct TopK<'a, 'b> {
 
 /// Each token's top-k experts and weights from its `logits` (`[tokens, experts]`), scored by
 /// `mode`; `bias` (`[experts]`, sigmoid scores only) moves the choice.
+#[allow(clippy::too_many_arguments)]
 pub fn route_topk(
     gpu: &Gpu,
     logits: &CudaView<f32>,
@@ -86,6 +87,7 @@ pub fn route_topk(
     dims: RouteDims,
     mode: ScoreMode,
     scale: f32,
+    groups: Option<crate::moe::GroupLimited>,
     out: TopK<'_, '_>,
 ) -> Result<()> {
     const K: &str = "moe_route_topk";
@@ -111,7 +113,15 @@ pub fn route_topk(
         Some(bias) => args.arg(bias),
         None => args.arg(&NULL),
     };
-    args.arg(&t).arg(&e).arg(&k).arg(&m).arg(&scale);
+    // Group-limited routing: the groups and those each token keeps (0, 0: plain top-k).
+    let (g, gk) = groups.map_or((0u64, 0u64), |g| (g.groups as u64, g.topk as u64));
+    args.arg(&t)
+        .arg(&e)
+        .arg(&k)
+        .arg(&m)
+        .arg(&scale)
+        .arg(&g)
+        .arg(&gk);
     args.arg(out.probs)
         .arg(out.map)
         .arg(out.chosen)

@@ -281,3 +281,153 @@ fn the_expert_bias_moves_towards_the_mean_load() {
     update_expert_bias(&mut bias, &[10.0, 2.0, 6.0, 6.0], 0.001);
     assert_eq!(bias, [-0.001, 0.001, 0.0, 0.0]);
 }
+
+/// Megatron-LM's `group_limited_topk` written out plainly: each group's score the sum of its
+/// values sorted from the largest, the first `topk / group_topk` of them; the groups sorted by
+/// score (ties to the lower group), the first `group_topk` kept; every other expert's value
+/// masked to -inf, then the top-k of all of them (ties to the lower index).
+fn group_limited_reference(
+    values: &[f32],
+    k: usize,
+    groups: usize,
+    group_topk: usize,
+) -> Vec<usize> {
+    let per = values.len() / groups;
+    let mut scores = Vec::new();
+    for g in 0..groups {
+        let mut v = values[g * per..(g + 1) * per].to_vec();
+        v.sort_by(|a, b| b.total_cmp(a));
+        scores.push(v[..k / group_topk].iter().fold(0.0f32, |s, x| s + x));
+    }
+    let mut order: Vec<usize> = (0..groups).collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    let masked: Vec<f32> = values
+        .iter()
+        .enumerate()
+        .map(|(j, &v)| match order[..group_topk].contains(&(j / per)) {
+            true => v,
+            false => f32::NEG_INFINITY,
+        })
+        .collect();
+    let mut experts: Vec<usize> = (0..values.len()).collect();
+    experts.sort_by(|&a, &b| masked[b].total_cmp(&masked[a]).then(a.cmp(&b)));
+    experts.truncate(k);
+    experts
+}
+
+#[test]
+fn group_limited_routing_is_megatrons_on_random_scores_with_ties() {
+    // 16 experts in 4 groups, values on a coarse grid so that values and group sums tie.
+    let (e, k) = (16, 4);
+    for (groups, group_topk) in [(4, 2), (4, 1), (8, 4), (2, 2), (16, 4)] {
+        for seed in 0..200 {
+            let grid: Vec<f32> = values(e, seed, -2.0, 2.0)
+                .iter()
+                .map(|v| (v * 2.0).round() / 2.0)
+                .collect();
+            let limited = Some(GroupLimited {
+                groups,
+                topk: group_topk,
+            });
+            let got = choose(&grid, k, limited);
+            let want = group_limited_reference(&grid, k, groups, group_topk);
+            assert_eq!(
+                got, want,
+                "{groups} groups, keep {group_topk}, seed {seed}: {grid:?}"
+            );
+            let kept: std::collections::BTreeSet<usize> =
+                got.iter().map(|j| j / (e / groups)).collect();
+            assert!(kept.len() <= group_topk, "{kept:?}");
+        }
+    }
+    // One group keeps every expert: the plain top-k.
+    let v = values(e, 7, -1.0, 1.0);
+    let one = Some(GroupLimited { groups: 1, topk: 1 });
+    assert_eq!(choose(&v, k, one), top_k(&v, k));
+}
+
+#[test]
+fn group_limited_routing_routes_within_the_kept_groups_in_every_score_mode() {
+    let (e, k, tokens) = (8, 2, 6);
+    let logits = values(tokens * e, 3, -3.0, 3.0);
+    let bias = values(e, 4, -0.5, 0.5);
+    let limited = Some(GroupLimited { groups: 4, topk: 1 });
+    for (pre, sigmoid) in [(false, false), (true, false), (false, true)] {
+        let config = RouterConfig {
+            pre_softmax: pre,
+            score_function: if sigmoid {
+                ScoreFunction::Sigmoid
+            } else {
+                ScoreFunction::Softmax
+            },
+            expert_bias: sigmoid,
+            topk_scaling_factor: Some(2.5),
+            group_limited: limited,
+            ..RouterConfig::new(e, k)
+        };
+        let r = route(&logits, tokens, &config, sigmoid.then_some(&bias[..])).unwrap();
+        for t in 0..tokens {
+            let row = &logits[t * e..(t + 1) * e];
+            // What the top-k ranks in this mode: the logits (softmax after the top-k), their
+            // softmax (before), their sigmoids plus the bias.
+            let ranked: Vec<f32> = match (pre, sigmoid) {
+                (false, false) => row.to_vec(),
+                (true, false) => {
+                    let mut s = vec![0.0; e];
+                    softmax(row, &mut s);
+                    s
+                }
+                _ => row
+                    .iter()
+                    .zip(&bias)
+                    .map(|(&x, b)| sigmoid_of(x) + b)
+                    .collect(),
+            };
+            let want = group_limited_reference(&ranked, k, 4, 1);
+            let got: Vec<usize> = (0..e).filter(|&j| r.map[t * e + j]).collect();
+            let mut want_sorted = want.clone();
+            want_sorted.sort();
+            assert_eq!(got, want_sorted, "pre {pre} sigmoid {sigmoid} token {t}");
+            // Both experts of one group of 2: the kept group.
+            assert_eq!(want[0] / 2, want[1] / 2);
+            if !pre {
+                let total: f32 = r.probs[t * e..(t + 1) * e].iter().sum();
+                assert!(
+                    close(total, 2.5, 1e-5),
+                    "weights sum to the scaling factor: {total}"
+                );
+            }
+        }
+    }
+}
+
+fn sigmoid_of(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+#[test]
+fn group_limited_settings_that_cannot_route_name_their_numbers() {
+    let err = |groups, topk, k| {
+        RouterConfig {
+            group_limited: Some(GroupLimited { groups, topk }),
+            ..RouterConfig::new(16, k)
+        }
+        .validate()
+        .unwrap_err()
+        .to_string()
+    };
+    assert_eq!(
+        err(3, 1, 2),
+        "--moe-router-num-groups 3 does not divide --num-experts 16 into equal groups"
+    );
+    assert!(err(0, 1, 2).contains("--moe-router-num-groups 0"));
+    for (groups, topk, k) in [(4, 5, 5), (4, 0, 2), (4, 3, 4), (8, 1, 4)] {
+        let e = err(groups, topk, k);
+        assert!(
+            e.contains(&format!(
+                "--moe-router-group-topk {topk} must be between 1 and"
+            )),
+            "{groups} {topk} {k}: {e}"
+        );
+    }
+}
