@@ -20,53 +20,12 @@ fn lora_fine_tunes_an_imported_llama_at_every_layout_as_one_rank() {
     let dir = TempDir::new("lora-finetune");
     let data = token_dataset(&dir, 64, 96);
     let base = import_golden(&dir, "llama", "base");
-    let common = [
-        "train",
-        "--quiet",
-        "--load",
-        &base,
-        "--data",
-        &data,
-        "--seq-length",
-        "16",
-        "--micro-batch-size",
-        "1",
-        "--global-batch-size",
-        "4",
-        "--lr",
-        "1e-2",
-        "--train-iters",
-        "4",
-        "--seed",
-        "3",
-        "--lora-rank",
-        "4",
-        "--lora-alpha",
-        "8",
-    ];
+    let mut common = training(&base, &data, "4");
+    common.extend(["--lora-rank", "4", "--lora-alpha", "8"]);
     let one = curve(&common, &dir, "one", &[]);
     assert!(one[3].1 < one[0].1, "LoRA lowers the loss: {one:?}");
     // At the first step B is zero: the loss is the base's.
-    let plain = [
-        "train",
-        "--quiet",
-        "--load",
-        &base,
-        "--data",
-        &data,
-        "--seq-length",
-        "16",
-        "--micro-batch-size",
-        "1",
-        "--global-batch-size",
-        "4",
-        "--lr",
-        "1e-2",
-        "--train-iters",
-        "1",
-        "--seed",
-        "3",
-    ];
+    let plain = training(&base, &data, "1");
     let full = curve(&plain, &dir, "full", &[]);
     assert_eq!(full[0].1, one[0].1, "the adapted model starts as the base");
     for (i, flags) in [
@@ -123,28 +82,8 @@ fn lora_beside_a_mixture_of_experts_trains_with_expert_parallelism_as_one_rank()
     let dir = TempDir::new("lora-moe");
     let data = token_dataset(&dir, 64, 96);
     let base = import_golden(&dir, "mixtral", "mixtral");
-    let common = [
-        "train",
-        "--quiet",
-        "--load",
-        &base,
-        "--data",
-        &data,
-        "--seq-length",
-        "16",
-        "--micro-batch-size",
-        "1",
-        "--global-batch-size",
-        "4",
-        "--lr",
-        "1e-2",
-        "--train-iters",
-        "3",
-        "--seed",
-        "3",
-        "--lora-rank",
-        "4",
-    ];
+    let mut common = training(&base, &data, "3");
+    common.extend(["--lora-rank", "4"]);
     // Every linear layer: the attention's and each expert's fc1 and fc2.
     let one = curve(&common, &dir, "one", &[]);
     assert!(one[2].1 < one[0].1, "LoRA lowers the loss: {one:?}");
@@ -322,11 +261,10 @@ fn worst(got: &[f32], want: &[f64]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// Trains the checkpoint `base` for `steps` steps with LoRA's `flags` on `data`, saving to
-/// `dir`'s `lora`; returns the save's path.
-fn train_lora(dir: &TempDir, base: &str, data: &str, steps: &str, flags: &[&str]) -> String {
-    let save = dir.join("lora");
-    let mut args = vec![
+/// `megatron train` of the checkpoint `base` on `data` for `steps` steps: 16-token sequences,
+/// 4 a batch, one a microbatch, lr 1e-2, seed 3.
+fn training<'a>(base: &'a str, data: &'a str, steps: &'a str) -> Vec<&'a str> {
+    vec![
         "train",
         "--quiet",
         "--load",
@@ -345,9 +283,15 @@ fn train_lora(dir: &TempDir, base: &str, data: &str, steps: &str, flags: &[&str]
         steps,
         "--seed",
         "3",
-        "--save",
-        &save,
-    ];
+    ]
+}
+
+/// Trains the checkpoint `base` for `steps` steps with LoRA's `flags` on `data`, saving to
+/// `dir`'s `lora`; returns the save's path.
+fn train_lora(dir: &TempDir, base: &str, data: &str, steps: &str, flags: &[&str]) -> String {
+    let save = dir.join("lora");
+    let mut args = training(base, data, steps);
+    args.extend(["--save", &save]);
     args.extend(flags);
     let (ok, _, stderr) = megatron(&args);
     assert!(ok, "{stderr}");

@@ -33,6 +33,13 @@ use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 use crate::tensor_parallel::lora::{Beside, LoraConfig};
 
+/// An adapter's A and B as its merge reads them (see [`ExpertAdapter::factors`]).
+#[derive(Debug, Clone)]
+pub struct Factors {
+    a: Tensor,
+    b: Tensor,
+}
+
 /// One layer's adapters, one per local expert (see the module's documentation).
 #[derive(Debug, Clone)]
 pub struct ExpertAdapter {
@@ -140,38 +147,34 @@ impl ExpertAdapter {
         [&mut self.a, &mut self.b]
     }
 
-    /// The factor split over etp by its dimension 1 whose whole the merged slice needs
-    /// (beside fc1 A, beside fc2 B), and the one each rank holds the part it needs of.
-    fn factors(&self) -> (&Param, &Param) {
-        match self.beside {
+    /// A and B as the merge and its backward read them: f32 `[experts, .., ..]`, the split
+    /// factor gathered whole over `etp` (one exchange, shared by the layer's backward and the
+    /// adapters' gradients).
+    pub fn factors(&self, etp: &dyn Communicator) -> Result<Factors> {
+        let (split, held) = match self.beside {
             Beside::Column => (&self.a, &self.b),
             Beside::Row => (&self.b, &self.a),
-        }
-    }
-
-    /// A and B as f32 `[experts, .., ..]`, the gathered factor whole over `etp`.
-    fn operands(&self, etp: &dyn Communicator) -> Result<(Tensor, Tensor)> {
-        let (split, held) = self.factors();
+        };
         let whole = gather_dim1(etp, &split.compute_value().to_f32_contiguous()?)?;
         let held = held.compute_value().to_f32_contiguous()?;
         Ok(match self.beside {
-            Beside::Column => (whole, held),
-            Beside::Row => (held, whole),
+            Beside::Column => Factors { a: whole, b: held },
+            Beside::Row => Factors { a: held, b: whole },
         })
     }
 
     /// This rank's slice of every local expert's weight with its adapter merged in,
-    /// `W_e + (α / r)·B_e·A_e` (summed in f32, then in `w`'s compute dtype).
-    pub fn merged(&self, w: &Param, etp: &dyn Communicator) -> Result<Tensor> {
-        let (a, b) = self.operands(etp)?;
+    /// `W_e + (α / r)·B_e·A_e` (summed in f32, then in `w`'s compute dtype), from
+    /// [`ExpertAdapter::factors`].
+    pub fn merged(&self, w: &Param, Factors { a, b }: &Factors) -> Result<Tensor> {
         let base = w.compute_value();
         let sum = Tensor::empty_near(base.shape().clone(), DType::F32, base)?;
         sum.copy_from(&base.to_dtype(DType::F32)?)?;
         for e in 0..sum.dims()[0] {
             matmul_into(
                 self.scale,
-                &expert(&b, e)?,
-                &expert(&a, e)?,
+                &expert(b, e)?,
+                &expert(a, e)?,
                 1.0,
                 &expert(&sum, e)?,
             )?;
@@ -185,8 +188,12 @@ impl ExpertAdapter {
     /// Accumulates the adapters' gradients from `g`, the gradient of the merged weight
     /// (`[experts, out, in]` of this rank's slice, f32): the held factor's from this rank's
     /// slice, the split one's summed over `etp` and scattered back to each rank's part.
-    pub fn backward(&self, g: &Tensor, etp: &dyn Communicator) -> Result<()> {
-        let (a, b) = self.operands(etp)?;
+    pub fn backward(
+        &self,
+        g: &Tensor,
+        Factors { a, b }: &Factors,
+        etp: &dyn Communicator,
+    ) -> Result<()> {
         let s = self.scale;
         // dB_e = s·G_e·A_eᵀ and dA_e = s·B_eᵀ·G_e, into `into` (`beta`: 1 adds, 0 writes).
         let grad_b = |into: &Tensor, beta: f32| -> Result<()> {
@@ -194,7 +201,7 @@ impl ExpertAdapter {
                 matmul_into(
                     s,
                     &expert(g, e)?,
-                    &expert(&a, e)?.t()?,
+                    &expert(a, e)?.t()?,
                     beta,
                     &expert(into, e)?,
                 )?;
@@ -205,7 +212,7 @@ impl ExpertAdapter {
             for e in 0..g.dims()[0] {
                 matmul_into(
                     s,
-                    &expert(&b, e)?.t()?,
+                    &expert(b, e)?.t()?,
                     &expert(g, e)?,
                     beta,
                     &expert(into, e)?,

@@ -15,7 +15,7 @@
 
 use super::ExpertParallel;
 use super::dispatcher::{CombineSaved, Dispatch, DispatcherKind, placed};
-use super::expert_lora::ExpertAdapter;
+use super::expert_lora::{ExpertAdapter, Factors};
 use super::expert_tp::TpRows;
 use super::experts::{ExpertShape, ExpertsSaved};
 use super::{
@@ -160,21 +160,25 @@ enum RouterKept {
 impl RoutedExperts {
     /// fc1 and fc2 as the grouped products read them with the adapters merged in: for a layer
     /// with an adapter a parameter of the merged values and a zero gradient of its own (the
-    /// merged weight's, which the adapters' gradients come from), else the weight itself.
-    fn merged_weights(&self, cx: &Cx) -> Result<[Param; 2]> {
+    /// merged weight's, which the adapters' gradients come from), else the weight itself; and
+    /// the adapters' factors the merge read.
+    fn merged_weights(&self, cx: &Cx) -> Result<([Param; 2], [Option<Factors>; 2])> {
         let mut out = [self.fc1.clone(), self.fc2.clone()];
-        for (w, adapter) in out.iter_mut().zip(&self.lora) {
+        let mut factors = [None, None];
+        for ((w, adapter), f) in out.iter_mut().zip(&self.lora).zip(&mut factors) {
             if let Some(adapter) = adapter {
-                let merged = adapter.merged(w, cx.etp())?;
+                let read = adapter.factors(cx.etp())?;
+                let merged = adapter.merged(w, &read)?;
                 let mut spec = w.spec().clone();
                 spec.frozen = false;
                 let grad = Tensor::zeros_near(spec.local.clone(), DType::F32, &merged)?;
                 let mut p = Param::new(spec, merged.clone())?;
                 p.rebind(merged, grad, None)?;
                 *w = p;
+                *f = Some(read);
             }
         }
-        Ok(out)
+        Ok((out, factors))
     }
 
     /// The local experts' backward with adapters: the grouped backward on the merged weights,
@@ -187,7 +191,7 @@ impl RoutedExperts {
         saved: ExpertsSaved,
         dy: &Tensor,
     ) -> Result<(Tensor, WeightGrad)> {
-        let merged = self.merged_weights(cx)?;
+        let (merged, factors) = self.merged_weights(cx)?;
         let (dx, dw) = backend::of(self.fc1.compute_value()).experts_backward(
             &self.local,
             saved,
@@ -195,9 +199,12 @@ impl RoutedExperts {
             (&merged[0], &merged[1]),
         )?;
         dw.run()?;
-        for ((adapter, m), base) in self.lora.iter().zip(&merged).zip([&self.fc1, &self.fc2]) {
-            let Some(adapter) = adapter else { continue };
-            adapter.backward(m.grad(), cx.etp())?;
+        let bases = [&self.fc1, &self.fc2];
+        for (((adapter, m), base), f) in self.lora.iter().zip(&merged).zip(bases).zip(&factors) {
+            let (Some(adapter), Some(f)) = (adapter, f) else {
+                continue;
+            };
+            adapter.backward(m.grad(), f, cx.etp())?;
             base.accumulate_grad(|grad| {
                 let sum = crate::ops::add(grad, m.grad())?;
                 Ok(grad.copy_from(&sum)?)
@@ -529,7 +536,7 @@ impl ExpertParallel for RoutedExperts {
         tp: &TpRows,
     ) -> Result<(Tensor, ExpertsSaved)> {
         if self.lora.iter().any(Option::is_some) {
-            let [fc1, fc2] = self.merged_weights(cx)?;
+            let ([fc1, fc2], _) = self.merged_weights(cx)?;
             let weights = (fc1.compute_value(), fc2.compute_value());
             return backend::of(weights.0).experts_forward(
                 &self.local,
