@@ -723,9 +723,13 @@ fn rope_reads_and_writes_f32_or_bf16_as_the_cpu() {
     use megatron_core::kernels::rotary::{self as cpu_rope, RopeLayout};
     // Grouped heads (2 groups of 2 queries, a key, a value), a partial rotary dimension.
     let inv_freq = [1.0f32, 0.3, 0.05];
-    for (interleaved, offset_pos, inverse) in
-        [(false, 0, false), (true, 5, false), (false, 3, true)]
-    {
+    for (interleaved, offset_pos, inverse, amplitude) in [
+        (false, 0, false, 1.0),
+        (true, 5, false, 1.0),
+        (false, 3, true, 1.0),
+        (true, 2, true, 1.368_888_8),
+        (false, 4, false, 0.8),
+    ] {
         let l = RopeLayout {
             seq: 6,
             batch: 3,
@@ -736,6 +740,7 @@ fn rope_reads_and_writes_f32_or_bf16_as_the_cpu() {
             rot: 6,
             interleaved,
             offset: offset_pos,
+            amplitude,
         };
         let n = l.seq * l.batch * l.row();
         let x = values(n, 61, -3.0, 3.0);
@@ -755,6 +760,7 @@ fn rope_reads_and_writes_f32_or_bf16_as_the_cpu() {
                 args.push(Arg::I32(i32::from(interleaved)));
                 args.push(Arg::U64(offset_pos as u64));
                 args.push(Arg::I32(i32::from(inverse)));
+                args.push(Arg::F32(amplitude));
                 let mut freqs = [0f32; 128];
                 freqs[..3].copy_from_slice(&inv_freq);
                 args.push(Arg::ByValue(freqs.as_mut_ptr().cast()));

@@ -8,6 +8,8 @@ use megatron_core::moe::{DispatcherKind, RouterConfig};
 use megatron_core::tensor_parallel::lora::LoraConfig;
 use megatron_core::tensor_parallel::{Normalization, Rotary, padded_vocab_size};
 
+use crate::mla::MlaConfig;
+
 /// Which layers are MoE layers (`--moe-layer-freq`).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -191,6 +193,10 @@ pub struct GptConfig {
     /// dense GPT.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeConfig>,
+    /// Multi-latent attention (`--multi-latent-attention` and its sizes), DeepSeek's, in
+    /// place of attention on a fused projection; `None`: that attention.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mla: Option<MlaConfig>,
     /// LoRA adapters beside the linear layers it names (`--lora-rank` and the `--lora-*`
     /// flags): the base frozen, the adapters trained; `None`: no adapters.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -253,6 +259,7 @@ impl GptConfig {
             window_size: None,
             window_layers: None,
             moe: None,
+            mla: None,
             lora: None,
         }
     }
@@ -442,7 +449,9 @@ impl GptConfig {
                 c.ffn_hidden_size
             );
         }
-        if c.position_embedding_type == PositionEmbeddingType::Rope {
+        if let Some(mla) = &c.mla {
+            c.validate_mla(mla)?;
+        } else if c.position_embedding_type == PositionEmbeddingType::Rope {
             c.rotary.dims(c.head_dim())?;
         }
         if let Some(layers) = &c.window_layers
@@ -472,6 +481,54 @@ impl GptConfig {
             if !(0.0..1.0).contains(&p) {
                 return invalid!("--{name} must be in [0, 1), got {p}");
             }
+        }
+        Ok(())
+    }
+
+    /// Multi-latent attention's checks: sizes of at least 1, the rotary part's pairs, and what
+    /// this model's MLA does not build (each refused by name).
+    fn validate_mla(&self, mla: &MlaConfig) -> Result<()> {
+        for (name, v) in [
+            ("kv-lora-rank", mla.kv_lora_rank),
+            ("qk-head-dim", mla.qk_head_dim),
+            ("v-head-dim", mla.v_head_dim),
+            ("q-lora-rank", mla.q_lora_rank.unwrap_or(1)),
+        ] {
+            if v == 0 {
+                return invalid!("--{name} must be at least 1");
+            }
+        }
+        self.rotary.dims(mla.qk_pos_emb_head_dim).map_err(|e| {
+            megatron_core::Error::Invalid(format!(
+                "--qk-pos-emb-head-dim {}: {e}",
+                mla.qk_pos_emb_head_dim
+            ))
+        })?;
+        if self.position_embedding_type != PositionEmbeddingType::Rope {
+            return invalid!(
+                "--multi-latent-attention turns its heads' rotary part: add \
+                 --position-embedding-type rope (got {:?} positions)",
+                self.position_embedding_type
+            );
+        }
+        if !self.qk_layernorm {
+            return invalid!(
+                "--multi-latent-attention builds the latents' norms (DeepSeek's q_a_layernorm \
+                 and kv_a_layernorm; Megatron-LM's with --qk-layernorm): add --qk-layernorm"
+            );
+        }
+        if let Some(groups) = self.num_query_groups {
+            return invalid!(
+                "--multi-latent-attention has one key head per query head (its latent is what \
+                 the heads share): drop --group-query-attention --num-query-groups {groups}"
+            );
+        }
+        if self.attention_dropout > 0.0 {
+            return invalid!(
+                "--multi-latent-attention runs the general attention, which has no dropout on \
+                 its weights yet: set --attention-dropout 0 (got {}; DeepSeek trains with 0)",
+                self.attention_dropout
+            );
         }
         Ok(())
     }
@@ -518,14 +575,19 @@ impl GptConfig {
         } else {
             0
         };
-        let attention = (h * qkv + qkv_bias) + (heads * self.head_dim() as u128 * h + bias(h));
         let per_norm = norm / h;
-        let qk_norms = if self.qk_layernorm {
-            2 * per_norm * self.head_dim() as u128
-        } else {
-            0
+        let attention = match &self.mla {
+            Some(mla) => mla.params(h, heads, per_norm, bias(h)),
+            None => {
+                let qk_norms = if self.qk_layernorm {
+                    2 * per_norm * self.head_dim() as u128
+                } else {
+                    0
+                };
+                (h * qkv + qkv_bias) + (heads * self.head_dim() as u128 * h + bias(h)) + qk_norms
+            }
         };
-        let common = 2 * norm + attention + qk_norms;
+        let common = 2 * norm + attention;
         let moe_layers = self.moe_layers().unwrap_or_default();
         let layers: u128 = moe_layers
             .iter()
@@ -557,8 +619,17 @@ impl GptConfig {
     /// token uses (forward and backward), plus attention's two batched products
     /// (12·layers·seq·heads·head size).
     pub fn flops_per_token(&self, seq: usize, tp: usize) -> f64 {
-        6.0 * self.active_params(tp) as f64
-            + 12.0 * (self.num_layers * seq * self.num_attention_heads * self.head_dim()) as f64
+        let attention = match &self.mla {
+            // Queries·keys over q_head_dim features, weights·values over v_head_dim.
+            Some(mla) => {
+                6.0 * (self.num_layers * seq * self.num_attention_heads) as f64
+                    * (mla.q_head_dim() + mla.v_head_dim) as f64
+            }
+            None => {
+                12.0 * (self.num_layers * seq * self.num_attention_heads * self.head_dim()) as f64
+            }
+        };
+        6.0 * self.active_params(tp) as f64 + attention
     }
 }
 
@@ -623,9 +694,9 @@ mod init_tests {
         let c = GptConfig::new(8, 64, 4, 256, 64);
         let spec = c.spec();
         let out_std = 0.02 / 4.0; // 1/√(2·8)
-        assert_eq!(spec.blocks[3].attn.proj.init_std, out_std);
+        assert_eq!(spec.blocks[3].attn.proj().init_std, out_std);
         assert_eq!(spec.blocks[3].mlp.dense().unwrap().fc2.init_std, out_std);
-        assert_eq!(spec.blocks[3].attn.qkv.init_std, 0.02);
+        assert_eq!(spec.blocks[3].attn.fused().unwrap().qkv.init_std, 0.02);
         assert_eq!(spec.wte.init_std, 0.02);
         // The drawn weights have those spreads, and biases start at zero.
         let model = Gpt::build(&spec, &mut Builder::new(1)).unwrap();

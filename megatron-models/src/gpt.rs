@@ -12,12 +12,15 @@
 //! before the tied output layer, and the fused cross-entropy's b·s-sized all-reduces.
 
 use megatron_core::moe::RoutedExpertsSpec;
+use megatron_core::ops::{DotProductAttention, Rope};
 use megatron_core::prelude::*;
 use megatron_core::training::CarriedWidth;
 use megatron_macros::module;
 
 use crate::config::{GptConfig, PositionEmbeddingType};
+use crate::mla::{LatentAttentionSpec, LatentKvAttentionSpec};
 use crate::moe::{DenseMlpSpec, Ffn, FfnSpec, MoeMlpSpec, SharedMoeMlpSpec};
+use crate::self_attention::{SelfAttention, SelfAttentionSpec};
 
 /// The feed-forward block: fc1 split by output features, GeLU, fc2 split by input features.
 #[module]
@@ -92,9 +95,9 @@ impl Attention {
 pub struct Block {
     /// Norm before attention (LayerNorm or RMSNorm).
     pub ln1: LayerNorm,
-    /// Attention: graph scope `attn`.
+    /// Attention (the fused projection's, or multi-latent): graph scope `attn`.
     #[graph_scope(attn)]
-    pub attn: Attention,
+    pub attn: SelfAttention,
     /// Norm before the MLP.
     pub ln2: LayerNorm,
     /// The MLP: dense, or a mixture of experts (see [`Ffn`]).
@@ -153,8 +156,6 @@ impl GptConfig {
         let std = self.init_method_std;
         let out_std = std / (2.0 * self.num_layers as f32).sqrt();
         let bias = self.add_bias_linear;
-        let rope = self.position_embedding_type == PositionEmbeddingType::Rope;
-        let (heads, head_dim) = (self.num_attention_heads, self.head_dim());
         let ln = LayerNormSpec {
             hidden: h,
             eps: self.layernorm_epsilon,
@@ -207,34 +208,7 @@ impl GptConfig {
             .enumerate()
             .map(|(layer, is_moe)| BlockSpec {
                 ln1: ln.clone(),
-                attn: AttentionSpec {
-                    qkv: linear(h, (heads + 2 * self.query_groups()) * head_dim, std)
-                        .with_bias(bias || self.add_qkv_bias)
-                        .with_query_groups(
-                            self.query_groups(),
-                            heads / self.query_groups(),
-                            head_dim,
-                        ),
-                    qk_norm: match self.qk_layernorm {
-                        true => QkNormSpec::On {
-                            norm: LayerNormSpec {
-                                hidden: head_dim,
-                                ..ln.clone()
-                            },
-                            per_group: heads / self.query_groups(),
-                            groups: self.query_groups(),
-                        },
-                        false => QkNormSpec::Off,
-                    },
-                    core: CausalSelfAttention::new(
-                        self.num_attention_heads,
-                        self.attention_dropout,
-                    )
-                    .with_rotary(rope.then_some(self.rotary))
-                    .with_query_groups(self.query_groups())
-                    .with_window(self.window_of(layer)),
-                    proj: linear(heads * head_dim, h, out_std),
-                },
+                attn: self.attention_spec(layer, &ln),
                 ln2: ln.clone(),
                 mlp: ffn(is_moe),
                 hidden_dropout: self.hidden_dropout,
@@ -263,6 +237,88 @@ impl GptConfig {
             blocks,
             ln_f: ln,
             embedding_dropout: self.hidden_dropout,
+        }
+    }
+}
+
+impl GptConfig {
+    /// Layer `layer`'s attention: multi-latent with `--multi-latent-attention`, otherwise on
+    /// the fused `[q | k | v]` projection.
+    fn attention_spec(&self, layer: usize, ln: &LayerNormSpec) -> SelfAttentionSpec {
+        let h = self.hidden_size;
+        let std = self.init_method_std;
+        let out_std = std / (2.0 * self.num_layers as f32).sqrt();
+        let bias = self.add_bias_linear;
+        let (heads, head_dim) = (self.num_attention_heads, self.head_dim());
+        let linear =
+            |i: usize, o: usize, std: f32| LinearSpec::new(i, o).with_init_std(std).with_bias(bias);
+        let Some(mla) = self.mla else {
+            let rope = self.position_embedding_type == PositionEmbeddingType::Rope;
+            return SelfAttentionSpec::Fused(AttentionSpec {
+                qkv: linear(h, (heads + 2 * self.query_groups()) * head_dim, std)
+                    .with_bias(bias || self.add_qkv_bias)
+                    .with_query_groups(self.query_groups(), heads / self.query_groups(), head_dim),
+                qk_norm: match self.qk_layernorm {
+                    true => QkNormSpec::On {
+                        norm: LayerNormSpec {
+                            hidden: head_dim,
+                            ..ln.clone()
+                        },
+                        per_group: heads / self.query_groups(),
+                        groups: self.query_groups(),
+                    },
+                    false => QkNormSpec::Off,
+                },
+                core: CausalSelfAttention::new(self.num_attention_heads, self.attention_dropout)
+                    .with_rotary(rope.then_some(self.rotary))
+                    .with_query_groups(self.query_groups())
+                    .with_window(self.window_of(layer)),
+                proj: linear(heads * head_dim, h, out_std),
+            });
+        };
+        // Megatron-LM's MLA: no biases but the output projection's.
+        let plain = |i: usize, o: usize| LinearSpec::new(i, o).with_init_std(std).with_bias(false);
+        let norm = |n: usize| LayerNormSpec {
+            hidden: n,
+            ..ln.clone()
+        };
+        let kv_down = plain(h, mla.kv_lora_rank + mla.qk_pos_emb_head_dim);
+        let kv_up = plain(mla.kv_lora_rank, heads * (mla.qk_head_dim + mla.v_head_dim));
+        let mut core =
+            DotProductAttention::new(mla.q_head_dim()).with_window(self.window_of(layer));
+        if let Some(yarn) = self.rotary.yarn {
+            // Megatron-LM's `mscale² / √q_head_dim`.
+            core =
+                core.with_scale((yarn.softmax_factor() / (mla.q_head_dim() as f64).sqrt()) as f32);
+        }
+        let proj = linear(heads * mla.v_head_dim, h, out_std);
+        let rope = Rope::new(mla.qk_pos_emb_head_dim).with_rotary(self.rotary);
+        let q_width = heads * mla.q_head_dim();
+        match mla.q_lora_rank {
+            Some(r) => SelfAttentionSpec::Latent(LatentAttentionSpec {
+                q_down: plain(h, r),
+                q_norm: norm(r),
+                q_up: plain(r, q_width),
+                kv_down,
+                kv_norm: norm(mla.kv_lora_rank),
+                kv_up,
+                core,
+                proj,
+                rope,
+                dims: mla,
+                heads,
+            }),
+            None => SelfAttentionSpec::LatentKv(LatentKvAttentionSpec {
+                q: plain(h, q_width),
+                kv_down,
+                kv_norm: norm(mla.kv_lora_rank),
+                kv_up,
+                core,
+                proj,
+                rope,
+                dims: mla,
+                heads,
+            }),
         }
     }
 }

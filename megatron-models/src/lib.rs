@@ -4,8 +4,11 @@
 
 pub mod config;
 pub mod gpt;
+pub mod mla;
 pub mod moe;
 pub mod registry;
+pub mod self_attention;
 
 pub use config::{GptConfig, MoeConfig, MoeLayerFreq, PositionEmbeddingType};
+pub use mla::MlaConfig;
 pub use registry::{ModelPreset, preset, presets};

@@ -2,8 +2,8 @@
 
 use anyhow::{Result, bail};
 use clap::Args;
-use megatron::models::{GptConfig, PositionEmbeddingType, preset, presets};
-use megatron::tensor_parallel::{Llama3Scaling, Normalization};
+use megatron::models::{GptConfig, MlaConfig, PositionEmbeddingType, preset, presets};
+use megatron::tensor_parallel::{Llama3Scaling, Normalization, Yarn};
 
 use super::moe_args::MoeArgs;
 use super::values;
@@ -81,6 +81,23 @@ pub struct ArchitectureArgs {
     /// The factor of --use-rope-scaling [default: 8].
     #[arg(long, value_parser = values::positive_f32, requires = "use_rope_scaling")]
     rope_scaling_factor: Option<f32>,
+    /// The rotary embeddings' frequencies: rope, or yarn (YaRN's blend, by
+    /// --rotary-scaling-factor from --original-max-position-embeddings, with --mscale and
+    /// --mscale-all-dim) [default: the preset's, rope].
+    #[arg(long, value_parser = ["rope", "yarn"])]
+    rope_type: Option<String>,
+    /// YaRN's factor [default: 1, as Megatron-LM].
+    #[arg(long, value_parser = values::positive_f32)]
+    rotary_scaling_factor: Option<f32>,
+    /// YaRN's original context [default: 4096].
+    #[arg(long, value_parser = values::dim)]
+    original_max_position_embeddings: Option<usize>,
+    /// YaRN's mscale [default: 1].
+    #[arg(long, value_parser = values::non_negative_f32)]
+    mscale: Option<f32>,
+    /// YaRN's mscale_all_dim [default: 0].
+    #[arg(long, value_parser = values::non_negative_f32)]
+    mscale_all_dim: Option<f32>,
     /// An output layer of its own instead of the word embedding's table.
     #[arg(long)]
     untie_embeddings_and_output_weights: bool,
@@ -106,6 +123,27 @@ pub struct ArchitectureArgs {
     /// every earlier key instead (without it, every layer has the window).
     #[arg(long, value_parser = values::dim, requires = "window_size")]
     window_attn_skip_freq: Option<usize>,
+    /// Multi-latent attention (DeepSeek's): keys and values through a latent of
+    /// --kv-lora-rank features, heads of --qk-head-dim position-free and --qk-pos-emb-head-dim
+    /// rotary features, values of --v-head-dim; with rope positions and --qk-layernorm (the
+    /// latents' norms).
+    #[arg(long)]
+    multi_latent_attention: bool,
+    /// MLA's query latent [default: none, the queries projected from the hidden state].
+    #[arg(long, value_parser = values::dim)]
+    q_lora_rank: Option<usize>,
+    /// MLA's key/value latent [default: 32].
+    #[arg(long, value_parser = values::dim)]
+    kv_lora_rank: Option<usize>,
+    /// MLA's position-free query and key features per head [default: 128].
+    #[arg(long, value_parser = values::dim)]
+    qk_head_dim: Option<usize>,
+    /// MLA's rotary query and key features per head [default: 64].
+    #[arg(long, value_parser = values::dim)]
+    qk_pos_emb_head_dim: Option<usize>,
+    /// MLA's value features per head [default: 128].
+    #[arg(long, value_parser = values::dim)]
+    v_head_dim: Option<usize>,
     #[command(flatten)]
     moe: MoeArgs,
 }
@@ -245,6 +283,31 @@ impl ArchitectureArgs {
             ),
             ("kv-channels", self.kv_channels, saved.head_dim()),
             (
+                "q-lora-rank",
+                self.q_lora_rank,
+                saved.mla.and_then(|m| m.q_lora_rank).unwrap_or(0),
+            ),
+            (
+                "kv-lora-rank",
+                self.kv_lora_rank,
+                saved.mla.map_or(0, |m| m.kv_lora_rank),
+            ),
+            (
+                "qk-head-dim",
+                self.qk_head_dim,
+                saved.mla.map_or(0, |m| m.qk_head_dim),
+            ),
+            (
+                "qk-pos-emb-head-dim",
+                self.qk_pos_emb_head_dim,
+                saved.mla.map_or(0, |m| m.qk_pos_emb_head_dim),
+            ),
+            (
+                "v-head-dim",
+                self.v_head_dim,
+                saved.mla.map_or(0, |m| m.v_head_dim),
+            ),
+            (
                 "num-experts",
                 self.moe.num_experts(),
                 saved.moe.as_ref().map_or(0, |m| m.router.num_experts),
@@ -290,6 +353,11 @@ impl ArchitectureArgs {
                 saved.untie_embeddings_and_output_weights,
             ),
             ("--qk-layernorm", self.qk_layernorm, saved.qk_layernorm),
+            (
+                "--multi-latent-attention",
+                self.multi_latent_attention,
+                saved.mla.is_some(),
+            ),
             (
                 "--window-size",
                 self.window_size
@@ -419,6 +487,7 @@ impl ArchitectureArgs {
                 self.rope_scaling_factor.unwrap_or(8.0),
             ));
         }
+        self.apply_yarn(&mut c)?;
         if self.untie_embeddings_and_output_weights {
             c.untie_embeddings_and_output_weights = true;
         }
@@ -437,10 +506,106 @@ impl ArchitectureArgs {
                 .window_attn_skip_freq
                 .map(|n| (1..=c.num_layers).map(|l| l % n != 0).collect());
         }
+        self.apply_mla(&mut c)?;
         self.moe.apply(&mut c)?;
         self.refuse_flags_that_do_nothing(&c)?;
         c.validate_parallel(tp, ep, sequence_parallel)?;
         Ok(c)
+    }
+
+    /// `--rope-type` and YaRN's settings, on Megatron-LM's defaults or the preset's; a setting
+    /// without YaRN is refused.
+    fn apply_yarn(&self, c: &mut GptConfig) -> Result<()> {
+        match self.rope_type.as_deref() {
+            Some("yarn") if c.rotary.yarn.is_none() => {
+                c.rotary.yarn = Some(Yarn::megatron(1.0));
+            }
+            Some("rope") => c.rotary.yarn = None,
+            _ => {}
+        }
+        let settings = [
+            (
+                "--rotary-scaling-factor",
+                self.rotary_scaling_factor.is_some(),
+            ),
+            (
+                "--original-max-position-embeddings",
+                self.original_max_position_embeddings.is_some(),
+            ),
+            ("--mscale", self.mscale.is_some()),
+            ("--mscale-all-dim", self.mscale_all_dim.is_some()),
+        ];
+        let Some(yarn) = &mut c.rotary.yarn else {
+            if let Some((flag, _)) = settings.iter().find(|(_, given)| *given) {
+                bail!("{flag} sets YaRN, which the model does not use: add --rope-type yarn");
+            }
+            return Ok(());
+        };
+        if self.use_rope_scaling || c.rotary.scaling.is_some() {
+            bail!(
+                "--rope-type yarn and Llama 3.1's --use-rope-scaling both rescale the \
+                 frequencies: choose one"
+            );
+        }
+        for (field, v) in [
+            (&mut yarn.factor, self.rotary_scaling_factor),
+            (&mut yarn.mscale, self.mscale),
+            (&mut yarn.mscale_all_dim, self.mscale_all_dim),
+        ] {
+            if let Some(v) = v {
+                *field = v;
+            }
+        }
+        if let Some(n) = self.original_max_position_embeddings {
+            yarn.original_max_position_embeddings = n;
+        }
+        Ok(())
+    }
+
+    /// `--multi-latent-attention` and MLA's sizes, on Megatron-LM's defaults or the preset's;
+    /// a size without multi-latent attention is refused.
+    fn apply_mla(&self, c: &mut GptConfig) -> Result<()> {
+        if self.multi_latent_attention && self.group_query_attention {
+            bail!(
+                "--multi-latent-attention has one key head per query head (its latent is what \
+                 the heads share): drop --group-query-attention"
+            );
+        }
+        if self.multi_latent_attention && c.mla.is_none() {
+            // In place of the preset's attention, key/value groups and all.
+            c.mla = Some(MlaConfig::default());
+            c.num_query_groups = None;
+        }
+        let sizes = [
+            ("--q-lora-rank", self.q_lora_rank),
+            ("--kv-lora-rank", self.kv_lora_rank),
+            ("--qk-head-dim", self.qk_head_dim),
+            ("--qk-pos-emb-head-dim", self.qk_pos_emb_head_dim),
+            ("--v-head-dim", self.v_head_dim),
+        ];
+        let Some(mla) = &mut c.mla else {
+            if let Some((flag, _)) = sizes.iter().find(|(_, v)| v.is_some()) {
+                bail!(
+                    "{flag} sizes multi-latent attention, which the model does not have: add \
+                     --multi-latent-attention"
+                );
+            }
+            return Ok(());
+        };
+        if self.q_lora_rank.is_some() {
+            mla.q_lora_rank = self.q_lora_rank;
+        }
+        for (field, v) in [
+            (&mut mla.kv_lora_rank, self.kv_lora_rank),
+            (&mut mla.qk_head_dim, self.qk_head_dim),
+            (&mut mla.qk_pos_emb_head_dim, self.qk_pos_emb_head_dim),
+            (&mut mla.v_head_dim, self.v_head_dim),
+        ] {
+            if let Some(v) = v {
+                *field = v;
+            }
+        }
+        Ok(())
     }
 
     /// Refuses a flag given that changes nothing of the model `c` it was applied to (a rotary
@@ -457,6 +622,7 @@ impl ArchitectureArgs {
                 ("--rotary-percent", self.rotary_percent.is_some()),
                 ("--rotary-interleaved", self.rotary_interleaved),
                 ("--use-rope-scaling", self.use_rope_scaling),
+                ("--rope-type", self.rope_type.is_some()),
             ] {
                 if given {
                     bail!(

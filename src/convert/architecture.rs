@@ -73,6 +73,9 @@ pub fn gpt2_lacks(c: &GptConfig) -> Vec<String> {
     if c.moe.is_some() {
         lacks.push("a mixture of experts (--num-experts)".to_string());
     }
+    if c.mla.is_some() {
+        lacks.push("multi-latent attention (--multi-latent-attention)".to_string());
+    }
     lacks
 }
 
@@ -82,6 +85,12 @@ pub fn gpt2_lacks(c: &GptConfig) -> Vec<String> {
 /// what none of them holds, each feature with the flag that sets it.
 pub fn llama_family(c: &GptConfig) -> std::result::Result<&'static str, Vec<String>> {
     let mut lacks = Vec::new();
+    if c.mla.is_some() {
+        lacks.push(
+            "multi-latent attention (--multi-latent-attention: DeepSeek-V3's; the Llama family \
+             attends on a fused projection)",
+        );
+    }
     if c.normalization != Normalization::RmsNorm {
         lacks.push("LayerNorm (the Llama family's norms are RMSNorm: --normalization RMSNorm)");
     }
@@ -100,6 +109,9 @@ pub fn llama_family(c: &GptConfig) -> std::result::Result<&'static str, Vec<Stri
                 lacks.push(
                     "interleaved rotary pairs (--rotary-interleaved; Hugging Face rotates halves)",
                 );
+            }
+            if c.rotary.yarn.is_some() {
+                lacks.push("YaRN frequencies (--rope-type yarn; written for DeepSeek-V3 only)");
             }
             if c.rotary.percent != 1.0 {
                 lacks.push(

@@ -150,6 +150,7 @@ fn rotary(hf: &HfConfig, default_theta: f64) -> Result<Rotary> {
         percent: 1.0,
         interleaved: false,
         scaling,
+        yarn: None,
     })
 }
 

@@ -15,7 +15,7 @@
 use super::{KernelError, check_len};
 
 /// Where RoPE applies in a fused projection and how.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RopeLayout {
     /// Tokens of a sequence (the projection is `[seq, batch, row]`).
     pub seq: usize,
@@ -35,6 +35,8 @@ pub struct RopeLayout {
     pub interleaved: bool,
     /// The position of the first token (0 for training; the cached length when generating).
     pub offset: usize,
+    /// The factor on the cosines and sines (YaRN's; 1 otherwise).
+    pub amplitude: f32,
 }
 
 impl RopeLayout {
@@ -115,6 +117,7 @@ pub fn rope(
         let p = (layout.offset + s) as f32;
         for (a, &f) in angles.iter_mut().zip(inv_freq) {
             let (sin, cos) = (p * f).sin_cos();
+            let (sin, cos) = (sin * layout.amplitude, cos * layout.amplitude);
             *a = (if inverse { -sin } else { sin }, cos);
         }
         for b in 0..layout.batch {
@@ -156,16 +159,22 @@ mod tests {
             rot: 4,
             interleaved,
             offset: 3,
+            amplitude: 1.0,
         }
     }
 
-    /// The closed form: each pair turned by p·f in f64, heads past `rotated` and elements past
-    /// `rot` copied; the inverse undoes it.
+    /// The closed form: each pair turned by p·f in f64 and scaled by the amplitude, heads past
+    /// `rotated` and elements past `rot` copied; the inverse (the transpose) undoes the turn and
+    /// scales again.
     #[test]
     fn rope_turns_pairs_by_position_times_frequency() {
         let inv_freq = [1.0f32, 0.1];
-        for interleaved in [false, true] {
-            let l = layout(interleaved);
+        for (interleaved, amplitude) in [(false, 1.0), (true, 1.0), (false, 1.25), (true, 0.75)] {
+            let l = RopeLayout {
+                amplitude,
+                ..layout(interleaved)
+            };
+            let a = f64::from(amplitude);
             let n = l.seq * l.batch * l.row();
             let x: Vec<f32> = (0..n).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
             let mut y = vec![f32::NAN; n];
@@ -181,7 +190,7 @@ mod tests {
                                     let (other, j, first) = l.partner(k);
                                     let t = p * inv_freq[j] as f64;
                                     let (xa, xb) = (x[at + k] as f64, x[at + other] as f64);
-                                    if first {
+                                    a * if first {
                                         xa * t.cos() - xb * t.sin()
                                     } else {
                                         xa * t.cos() + xb * t.sin()
@@ -198,8 +207,15 @@ mod tests {
             }
             let mut back = vec![f32::NAN; n];
             rope(&y, &mut back, l, &inv_freq, true).unwrap();
-            for (a, b) in back.iter().zip(&x) {
-                assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+            for (k, (got, x)) in back.iter().zip(&x).enumerate() {
+                let e = k % l.row() % 6;
+                let turned = (k % l.row() / 6) % l.parts < l.rotated && e < 4;
+                let want = if turned {
+                    a * a * f64::from(*x)
+                } else {
+                    f64::from(*x)
+                };
+                assert!((f64::from(*got) - want).abs() < 1e-5, "{got} vs {want}");
             }
         }
     }

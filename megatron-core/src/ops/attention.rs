@@ -25,7 +25,7 @@ use crate::documents::map_runs;
 use crate::error::{Error, Result};
 use crate::invalid;
 use crate::kernels::heads::GroupedHeads;
-use crate::module::{Cx, MultiOp, Sharding, Site};
+use crate::module::{Cx, MultiOp, Recompute, Sharding, Site};
 use crate::ops::{ShapeOp, shape};
 use crate::tensor::{DType, Tensor};
 use crate::tensor_parallel::Rotary;
@@ -308,7 +308,9 @@ impl ContextParallelMulti for DotProductAttention {
                     window: self.window,
                     scale: self.scale(),
                 };
-                let (out, kept) = attend(&expanded, shape, &None, false, cx.documents())?;
+                // `--recompute-granularity selective`: the weights recomputed in the backward.
+                let keep_inputs = cx.recompute() == Recompute::Selective && cx.training();
+                let (out, kept) = attend(&expanded, shape, &None, keep_inputs, cx.documents())?;
                 (out, Kept::Whole(Box::new((kept, shape))))
             }
             Some(chunks) => {

@@ -31,4 +31,4 @@ pub use mappings::{
     reduce_scatter_sequence, split_last_dim, split_sequence,
 };
 pub use qk_norm::{QkNorm, QkNormSaved, QkNormSpec};
-pub use rotary::{Llama3Scaling, Rotary};
+pub use rotary::{Llama3Scaling, Rotary, Yarn};

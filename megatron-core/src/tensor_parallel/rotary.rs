@@ -60,6 +60,92 @@ impl Llama3Scaling {
     }
 }
 
+/// YaRN (Peng et al. 2023; `--rope-type yarn`, DeepSeek-V3's and Kimi K2's): the frequencies
+/// of short wavelengths kept, those of long ones divided by `factor` and the band between
+/// blended; the turned pairs scaled by `mscale(factor, mscale) / mscale(factor,
+/// mscale_all_dim)`, and multi-latent attention's scores by `mscale(factor, mscale_all_dim)²`,
+/// where `mscale(s, m) = 0.1·m·ln s + 1` (1 for `s ≤ 1`). As Megatron-LM's
+/// `YarnRotaryEmbedding` and transformers' `_compute_yarn_parameters`.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Yarn {
+    /// `--rotary-scaling-factor` (Hugging Face's `factor`: 40 for DeepSeek-V3).
+    pub factor: f32,
+    /// `--original-max-position-embeddings`: the context the frequencies were trained at.
+    pub original_max_position_embeddings: usize,
+    /// Rotations over the original context below which a frequency is interpolated (32).
+    pub beta_fast: f32,
+    /// Rotations over the original context above which a frequency is kept (1).
+    pub beta_slow: f32,
+    /// `--mscale`.
+    pub mscale: f32,
+    /// `--mscale-all-dim`.
+    pub mscale_all_dim: f32,
+}
+
+impl Yarn {
+    /// Megatron-LM's defaults with `factor`: original context 4096, betas 32 and 1, mscale 1,
+    /// mscale_all_dim 0.
+    pub fn megatron(factor: f32) -> Self {
+        Yarn {
+            factor,
+            original_max_position_embeddings: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            mscale: 1.0,
+            mscale_all_dim: 0.0,
+        }
+    }
+
+    /// `0.1·m·ln s + 1`, or 1 for `s ≤ 1` (in f64, as Python's floats).
+    pub fn mscale_of(s: f32, m: f32) -> f64 {
+        if s <= 1.0 {
+            return 1.0;
+        }
+        0.1 * f64::from(m) * f64::from(s).ln() + 1.0
+    }
+
+    /// The factor on the turned pairs' cosines and sines.
+    pub fn amplitude(&self) -> f32 {
+        (Self::mscale_of(self.factor, self.mscale)
+            / Self::mscale_of(self.factor, self.mscale_all_dim)) as f32
+    }
+
+    /// The factor multi-latent attention's softmax scale takes: `mscale(factor,
+    /// mscale_all_dim)²`.
+    pub fn softmax_factor(&self) -> f64 {
+        Self::mscale_of(self.factor, self.mscale_all_dim).powi(2)
+    }
+
+    /// The band `[low, high]` of frequency indices blended, for `rot` turned dimensions of
+    /// base `base`: where a frequency turns `beta_fast` and `beta_slow` times over the original
+    /// context, rounded out and clamped to the frequencies.
+    fn band(&self, rot: usize, base: f32) -> (f64, f64) {
+        let dim_at = |rotations: f32| {
+            let context = self.original_max_position_embeddings as f64;
+            rot as f64 * (context / (f64::from(rotations) * 2.0 * std::f64::consts::PI)).ln()
+                / (2.0 * f64::from(base).ln())
+        };
+        let low = dim_at(self.beta_fast).floor().max(0.0);
+        let high = dim_at(self.beta_slow).ceil().min(rot as f64 - 1.0);
+        (low, high)
+    }
+
+    /// `inv_freq` (the plain frequencies of `rot` dimensions of base `base`) blended: in f32,
+    /// `inter·(1 − mask) + extra·mask` with `inter = 1/(factor·base^(2j/rot))` and `mask` one
+    /// minus the ramp from `low` to `high`.
+    fn apply(&self, inv_freq: &mut [f32], rot: usize, base: f32) {
+        let (low, high) = self.band(rot, base);
+        let high = if low == high { high + 0.001 } else { high };
+        for (j, f) in inv_freq.iter_mut().enumerate() {
+            let pos = base.powf((2 * j) as f32 / rot as f32);
+            let inter = 1.0 / (self.factor * pos);
+            let ramp = ((j as f32 - low as f32) / (high as f32 - low as f32)).clamp(0.0, 1.0);
+            let mask = 1.0 - ramp;
+            *f = inter * (1.0 - mask) + *f * mask;
+        }
+    }
+}
+
 /// Rotary position embeddings' settings (Megatron-LM's `--rotary-*` flags).
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Rotary {
@@ -71,6 +157,9 @@ pub struct Rotary {
     pub interleaved: bool,
     /// Llama 3.1's frequency scaling, if any.
     pub scaling: Option<Llama3Scaling>,
+    /// YaRN's (`--rope-type yarn`), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub yarn: Option<Yarn>,
 }
 
 impl Default for Rotary {
@@ -81,6 +170,7 @@ impl Default for Rotary {
             percent: 1.0,
             interleaved: false,
             scaling: None,
+            yarn: None,
         }
     }
 }
@@ -114,6 +204,9 @@ impl Rotary {
             .collect();
         if let Some(s) = &self.scaling {
             s.apply(&mut f);
+        }
+        if let Some(y) = &self.yarn {
+            y.apply(&mut f, rot, self.base);
         }
         Ok(f)
     }
@@ -152,6 +245,7 @@ impl Rotary {
             rot: inv_freq.len() * 2,
             interleaved: self.interleaved,
             offset,
+            amplitude: self.yarn.map_or(1.0, |y| y.amplitude()),
         };
         backend::of(x).rope(x, layout, &inv_freq, inverse)
     }
@@ -194,6 +288,55 @@ mod tests {
             assert!((*s as f64 - want).abs() <= 1e-5 * want, "{s} vs {want}");
         }
         assert!(scaled.iter().zip(&plain).any(|(s, p)| s < p));
+    }
+
+    /// DeepSeek-V3's YaRN (64 rotary dimensions, base 10000, factor 40, original context 4096,
+    /// betas 32 and 1) against the closed form in f64: frequencies 0..=10 kept, 23.. divided
+    /// by 40, the band between blended linearly; DeepSeek's mscales (1 and 1) leave the pairs
+    /// unscaled and multiply the scores by (0.1·ln 40 + 1)².
+    #[test]
+    fn yarn_blends_the_band_between_the_corrections_and_scales_by_mscale() {
+        let yarn = Yarn {
+            mscale_all_dim: 1.0,
+            ..Yarn::megatron(40.0)
+        };
+        let r = Rotary {
+            yarn: Some(yarn),
+            ..Rotary::default()
+        };
+        let got = r.inv_freq(64).unwrap();
+        let correction = |rotations: f64| {
+            64.0 * (4096.0 / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * 10000f64.ln())
+        };
+        let (low, high) = (correction(32.0).floor(), correction(1.0).ceil());
+        assert_eq!((low, high), (10.0, 23.0));
+        for (j, g) in got.iter().enumerate() {
+            let extra = 1.0 / 10000f64.powf(2.0 * j as f64 / 64.0);
+            let ramp = ((j as f64 - low) / (high - low)).clamp(0.0, 1.0);
+            let want = extra / 40.0 * ramp + extra * (1.0 - ramp);
+            assert!(
+                (f64::from(*g) - want).abs() <= 2e-6 * want,
+                "{j}: {g} vs {want}"
+            );
+        }
+        assert_eq!(yarn.amplitude(), 1.0);
+        let m = 0.1 * 40f64.ln() + 1.0;
+        assert!((yarn.softmax_factor() - m * m).abs() < 1e-12);
+        // Megatron-LM's default mscale_all_dim 0: the pairs scaled by mscale(40, 1), the
+        // scores not.
+        let plain = Yarn::megatron(40.0);
+        assert!((f64::from(plain.amplitude()) - m).abs() < 1e-6);
+        assert_eq!(plain.softmax_factor(), 1.0);
+        // A factor of 1 is plain RoPE (to the blend's rounding).
+        let one = Rotary {
+            yarn: Some(Yarn::megatron(1.0)),
+            ..Rotary::default()
+        };
+        let plain_rope = Rotary::default().inv_freq(64).unwrap();
+        for (a, b) in one.inv_freq(64).unwrap().iter().zip(&plain_rope) {
+            assert!((a - b).abs() <= 1e-6 * b, "{a} vs {b}");
+        }
+        assert_eq!(Yarn::megatron(1.0).amplitude(), 1.0);
     }
 
     #[test]

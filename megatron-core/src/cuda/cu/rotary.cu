@@ -1,9 +1,10 @@
 // Rotary position embeddings on a fused attention projection, as megatron-core's
 // kernels::rotary: a row of [seq, batch, row] is `groups` blocks of `parts` heads of head_dim;
 // the first `rotated` heads of each block have their first `rot` elements turned, pair by
-// pair, by the angle position · freqs[j] (f32, as the CPU); `inverse` turns them back (the
-// backward). Pairs are (j, j + rot/2), or (2j, 2j + 1) when `interleaved`. x and y each f32
-// or, with their flags, bf16 (y rounded once). Every product is rounded on its own, as the CPU.
+// pair, by the angle position · freqs[j] (f32, as the CPU), the cosines and sines times
+// `amplitude` (YaRN's, else 1); `inverse` turns them back (the backward, the transpose). Pairs
+// are (j, j + rot/2), or (2j, 2j + 1) when `interleaved`. x and y each f32 or, with their
+// flags, bf16 (y rounded once). Every product is rounded on its own, as the CPU.
 
 // The most frequencies a launch passes by value (head sizes up to 256 turned whole).
 #define ROPE_MAX_FREQS 128
@@ -14,7 +15,7 @@ struct RopeFreqs {
 extern "C" __global__ void rope(const void* __restrict__ x, int x_bf16, void* __restrict__ y,
                                 int y_bf16, u64 seq, u64 batch, u64 groups, u64 parts,
                                 u64 rotated, u64 head_dim, u64 rot, int interleaved, u64 offset,
-                                int inverse, const RopeFreqs freqs) {
+                                int inverse, float amplitude, const RopeFreqs freqs) {
     const u64 row = groups * parts * head_dim, n = seq * batch * row;
     FOR_EACH(i, n) {
         const u64 token = i / row, e = i % row;
@@ -28,6 +29,8 @@ extern "C" __global__ void rope(const void* __restrict__ x, int x_bf16, void* __
             const float p = (float)(offset + token / batch);
             float s, c;
             sincosf(__fmul_rn(p, freqs.f[j]), &s, &c);
+            s = __fmul_rn(s, amplitude);
+            c = __fmul_rn(c, amplitude);
             if (inverse) s = -s;
             const float w = load_in(x, x_bf16, i - k + other);
             v = first ? __fsub_rn(__fmul_rn(v, c), __fmul_rn(w, s))

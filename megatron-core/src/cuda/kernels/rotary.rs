@@ -73,6 +73,7 @@ pub fn rope(
     args.arg(&interleaved)
         .arg(&offset)
         .arg(&inverse)
+        .arg(&layout.amplitude)
         .arg(&freqs);
     launch(K, args, cover(x.len()))
 }
