@@ -5,7 +5,8 @@
 //! naming the numbers.
 
 mod support;
-use support::{TempDir, log_lines, megatron};
+use support::moe_runs::{Step, assert_same_training, run_model};
+use support::{TempDir, megatron};
 
 /// The flags every run here shares: gpt-moe-tiny cut to 2 layers, 4 micro-batches of 2 a step,
 /// with the z loss on beside the aux loss.
@@ -28,76 +29,9 @@ const COMMON: [&str; 16] = [
     "--train-iters=4",
 ];
 
-/// One logged step: loss, gradient norm, tokens per expert and aux loss.
-#[derive(Debug)]
-struct Step {
-    loss: f64,
-    grad_norm: f64,
-    tokens_per_expert: Vec<u64>,
-    aux_loss: f64,
-}
-
 /// The logged steps of a run with `extra` flags.
 fn run(dir: &TempDir, name: &str, extra: &[&str]) -> Vec<Step> {
-    run_model(dir, "gpt-moe-tiny", name, extra)
-}
-
-/// The logged steps of a run of preset `model` with `extra` flags.
-fn run_model(dir: &TempDir, model: &str, name: &str, extra: &[&str]) -> Vec<Step> {
-    let log = dir.join(&format!("{name}.jsonl"));
-    let mut args: Vec<&str> = COMMON.to_vec();
-    args[3] = model;
-    args.extend(extra);
-    args.extend(["--log-json", &log]);
-    let (ok, _, stderr) = megatron(&args);
-    assert!(ok, "{name}: {stderr}");
-    log_lines(&log)
-        .iter()
-        .map(|l| Step {
-            loss: l["loss"].as_f64().unwrap(),
-            grad_norm: l["grad_norm"].as_f64().unwrap(),
-            tokens_per_expert: l["moe"]["tokens_per_expert"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap())
-                .collect(),
-            aux_loss: l["moe"]["aux_loss"].as_f64().unwrap(),
-        })
-        .collect()
-}
-
-/// f32 tolerance: the sums of expert parallelism run in another order (the experts' gradients
-/// gathered by all-to-all instead of reduced over data parallelism), which moves the last bits.
-fn assert_same_training(got: &[Step], want: &[Step], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert_eq!(
-            g.tokens_per_expert, w.tokens_per_expert,
-            "{what} step {i}: routing decisions"
-        );
-        assert!(
-            (g.loss - w.loss).abs() <= 1e-5 * w.loss,
-            "{what} step {i}: loss {} vs {}",
-            g.loss,
-            w.loss
-        );
-        assert!(
-            (g.grad_norm - w.grad_norm).abs() <= 1e-4 * w.grad_norm,
-            "{what} step {i}: grad norm {} vs {}",
-            g.grad_norm,
-            w.grad_norm
-        );
-        // The aux loss sums the router's probabilities, computed from weights the previous
-        // steps updated in another order of sums: as the gradient norm, to 1e-4 (mixtral-tiny's
-        // SwiGLU experts moved it by 3e-5 at ep 2 in a debug build).
-        assert!(
-            (g.aux_loss - w.aux_loss).abs() <= 1e-4 * w.aux_loss.abs().max(1e-3),
-            "{what} step {i}: aux loss {} vs {}",
-            g.aux_loss,
-            w.aux_loss
-        );
-    }
+    run_model(&COMMON, dir, "gpt-moe-tiny", name, extra)
 }
 
 #[test]
@@ -231,7 +165,7 @@ fn mixtral_tiny_trains_at_every_layout_as_one_rank() {
     let dir = TempDir::new("cli-moe-mixtral");
     let layers = ["--num-layers", "4"];
     let with = |flags: &[&'static str]| [&layers[..], flags].concat();
-    let reference = run_model(&dir, "mixtral-tiny", "ep1", &with(&["--dp", "4"]));
+    let reference = run_model(&COMMON, &dir, "mixtral-tiny", "ep1", &with(&["--dp", "4"]));
     assert!(reference[3].loss < reference[0].loss, "{reference:?}");
     // 4 MoE layers × 8 sequences × 16 tokens × top-2.
     let routed: u64 = reference[0].tokens_per_expert.iter().sum();
@@ -267,7 +201,7 @@ fn mixtral_tiny_trains_at_every_layout_as_one_rank() {
     ] {
         let flags = with(flags);
         assert_same_training(
-            &run_model(&dir, "mixtral-tiny", name, &flags),
+            &run_model(&COMMON, &dir, "mixtral-tiny", name, &flags),
             &reference,
             name,
         );

@@ -1,8 +1,10 @@
 //! Models registered by name: `megatron train --model NAME` looks them up here.
 
-use megatron_core::moe::RouterConfig;
+use megatron_core::moe::{GroupLimited, LoadBalancing, RouterConfig, ScoreFunction};
+use megatron_core::tensor_parallel::Yarn;
 
 use crate::config::{GptConfig, MoeConfig, MoeLayerFreq};
+use crate::mla::MlaConfig;
 
 /// A named architecture.
 #[derive(Debug)]
@@ -198,6 +200,149 @@ inventory::submit! {
     }
 }
 
+/// DeepSeek-V3's routing (`--moe-router-score-function sigmoid`, the expert bias, group-limited
+/// routing over `groups` groups keeping `group_topk`, routed scaling, the sequence-wise aux loss
+/// of 1e-4) over `experts` SwiGLU experts of `ffn`, top-`topk`, `shared` shared experts beside
+/// them, the first `dense` layers dense.
+#[derive(Debug, Clone, Copy)]
+struct DeepSeekMoe {
+    experts: usize,
+    topk: usize,
+    ffn: usize,
+    shared: usize,
+    groups: usize,
+    group_topk: usize,
+    scaling: f32,
+    dense: usize,
+}
+
+/// The DeepSeek-V3 architecture (Kimi K2's, Moonlight's): `layers × hidden`, `heads` heads of
+/// multi-latent attention of `mla`, dense layers' SwiGLU of `ffn`, experts of `moe`, RMSNorm of
+/// `eps`, rotary base `theta` with YaRN when given, an untied output layer, no biases, no
+/// dropout.
+#[allow(clippy::too_many_arguments)]
+fn deepseek_v3(
+    (layers, hidden, heads, ffn): (usize, usize, usize, usize),
+    (vocab, positions): (usize, usize),
+    mla: MlaConfig,
+    moe: DeepSeekMoe,
+    (theta, yarn): (f32, Option<Yarn>),
+    eps: f32,
+) -> GptConfig {
+    let mut c = GptConfig::llama(layers, hidden, heads, heads, ffn, vocab, positions, theta);
+    c.num_query_groups = None;
+    c.mla = Some(mla);
+    c.qk_layernorm = true;
+    c.rotary.yarn = yarn;
+    c.layernorm_epsilon = eps;
+    let mut pattern = vec![0u8; moe.dense.min(layers)];
+    pattern.resize(layers, 1);
+    c.moe = Some(MoeConfig {
+        router: RouterConfig {
+            score_function: ScoreFunction::Sigmoid,
+            expert_bias: true,
+            topk_scaling_factor: Some(moe.scaling),
+            group_limited: (moe.groups > 1).then_some(GroupLimited {
+                groups: moe.groups,
+                topk: moe.group_topk,
+            }),
+            load_balancing: LoadBalancing::SeqAuxLoss,
+            aux_loss_coeff: 1e-4,
+            ..RouterConfig::new(moe.experts, moe.topk)
+        },
+        ffn_hidden_size: moe.ffn,
+        layer_freq: MoeLayerFreq::Pattern(pattern),
+        shared_expert_ffn: (moe.shared > 0).then_some(moe.shared * moe.ffn),
+        dispatcher: Default::default(),
+    });
+    c
+}
+
+/// YaRN from an original context of `original` by `factor`, betas `beta_fast` and
+/// `beta_slow`, mscale and mscale_all_dim 1 (DeepSeek-V3's and Kimi K2's).
+fn yarn(original: usize, factor: f32, (beta_fast, beta_slow): (f32, f32)) -> Option<Yarn> {
+    Some(Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        beta_fast,
+        beta_slow,
+        mscale: 1.0,
+        mscale_all_dim: 1.0,
+    })
+}
+
+/// DeepSeek-V3's latent sizes: a query latent of `q_lora_rank` (or none), a key/value latent
+/// of 512, heads of 128 position-free and 64 rotary features, values of 128.
+fn deepseek_mla(q_lora_rank: Option<usize>) -> MlaConfig {
+    MlaConfig {
+        q_lora_rank,
+        kv_lora_rank: 512,
+        qk_head_dim: 128,
+        qk_pos_emb_head_dim: 64,
+        v_head_dim: 128,
+    }
+}
+
+inventory::submit! {
+    ModelPreset {
+        name: "deepseek-v3",
+        description: "DeepSeek-V3: 61 layers, hidden 7168, 128 heads of multi-latent attention (query latent 1536, key/value latent 512), YaRN ×40, 3 dense layers then 256 SwiGLU experts of 2048 and 1 shared, top-8 in 4 of 8 groups, vocabulary 129,280: 671B parameters, 37.6B active (without MTP)",
+        config: || deepseek_v3(
+            (61, 7168, 128, 18432),
+            (129280, 163840),
+            deepseek_mla(Some(1536)),
+            DeepSeekMoe { experts: 256, topk: 8, ffn: 2048, shared: 1, groups: 8, group_topk: 4, scaling: 2.5, dense: 3 },
+            (10000.0, yarn(4096, 40.0, (32.0, 1.0))),
+            1e-6,
+        ),
+    }
+}
+
+inventory::submit! {
+    ModelPreset {
+        name: "kimi-k2",
+        description: "Kimi K2: DeepSeek-V3's architecture with 64 heads, 1 dense layer, 384 experts of 2048 and 1 shared, top-8, YaRN ×32 from base 50,000, vocabulary 163,840: 1.03T parameters, 32.9B active",
+        config: || deepseek_v3(
+            (61, 7168, 64, 18432),
+            (163840, 131072),
+            deepseek_mla(Some(1536)),
+            DeepSeekMoe { experts: 384, topk: 8, ffn: 2048, shared: 1, groups: 1, group_topk: 1, scaling: 2.827, dense: 1 },
+            (50000.0, yarn(4096, 32.0, (1.0, 1.0))),
+            1e-6,
+        ),
+    }
+}
+
+inventory::submit! {
+    ModelPreset {
+        name: "moonlight-16b-a3b",
+        description: "Moonlight-16B-A3B: DeepSeek-V3's architecture with 27 layers, hidden 2048, 16 heads and no query latent, 1 dense layer, 64 experts of 1408 and 2 shared, top-6, base 50,000, vocabulary 163,840: 16.0B parameters, 2.9B active",
+        config: || deepseek_v3(
+            (27, 2048, 16, 11264),
+            (163840, 8192),
+            deepseek_mla(None),
+            DeepSeekMoe { experts: 64, topk: 6, ffn: 1408, shared: 2, groups: 1, group_topk: 1, scaling: 2.446, dense: 1 },
+            (50000.0, None),
+            1e-5,
+        ),
+    }
+}
+
+inventory::submit! {
+    ModelPreset {
+        name: "deepseek-v3-tiny",
+        description: "DeepSeek-V3-shaped tiny model: 4 layers, hidden 128, 4 heads of multi-latent attention (latents 48 and 32), YaRN ×4, 1 dense layer then 8 SwiGLU experts of 64 and 1 shared, top-2 in 2 of 4 groups, byte vocabulary: trains on a CPU in minutes",
+        config: || deepseek_v3(
+            (4, 128, 4, 256),
+            (256, 256),
+            MlaConfig { q_lora_rank: Some(48), kv_lora_rank: 32, qk_head_dim: 16, qk_pos_emb_head_dim: 8, v_head_dim: 16 },
+            DeepSeekMoe { experts: 8, topk: 2, ffn: 64, shared: 1, groups: 4, group_topk: 2, scaling: 2.5, dense: 1 },
+            (10000.0, yarn(64, 4.0, (32.0, 1.0))),
+            1e-6,
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,17 +353,21 @@ mod tests {
         assert_eq!(
             names,
             [
+                "deepseek-v3",
+                "deepseek-v3-tiny",
                 "gpt-1.2b",
                 "gpt-moe-tiny",
                 "gpt-tiny",
                 "gpt2-medium",
                 "gpt2-small",
+                "kimi-k2",
                 "llama-tiny",
                 "llama3-70b",
                 "llama3-8b",
                 "mistral-7b",
                 "mixtral-8x7b",
                 "mixtral-tiny",
+                "moonlight-16b-a3b",
                 "qwen3-0.6b",
                 "qwen3-30b-a3b",
                 "qwen3-8b"
@@ -244,6 +393,11 @@ mod tests {
         for (name, params, active) in [
             ("mixtral-8x7b", 46_702_792_704, 12_879_925_248),
             ("qwen3-30b-a3b", 30_532_122_624, 3_353_032_704),
+            // DeepseekV3ForCausalLM (which builds no MTP layer): multi-latent attention, the
+            // dense first layers, the shared experts; the expert bias is a buffer.
+            ("deepseek-v3", 671_026_404_352, 37_552_282_624),
+            ("kimi-k2", 1_026_408_209_408, 32_861_477_888),
+            ("moonlight-16b-a3b", 15_960_108_544, 2_914_774_528),
         ] {
             let c = (preset(name).unwrap().config)();
             assert_eq!(c.num_params(1), params, "{name}");

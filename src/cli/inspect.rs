@@ -331,6 +331,8 @@ fn layer_collectives(
     if let Some(moe) = &mut config.moe {
         moe.ffn_hidden_size = 1;
         moe.router.num_experts = moe.router.topk;
+        // Groups choose among the experts; the stand-in's are all chosen.
+        moe.router.group_limited = None;
         moe.shared_expert_ffn = moe.shared_expert_ffn.map(|_| tp);
         moe.layer_freq = megatron::models::MoeLayerFreq::Every(1);
     }

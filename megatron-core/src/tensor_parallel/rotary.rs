@@ -319,6 +319,31 @@ mod tests {
                 "{j}: {g} vs {want}"
             );
         }
+        // transformers 5.24's `ROPE_INIT_FUNCTIONS["yarn"]` on this DeepseekV3Config.
+        for (j, hf) in [
+            (0, 1.0),
+            (11, 0.039006926119327545),
+            (16, 0.005500000435858965),
+            (22, 0.00017782794020604342),
+            (23, 3.333803397254087e-05),
+            (31, 3.3338035336782923e-06),
+        ] {
+            assert!(
+                (f64::from(got[j]) - hf).abs() <= 1e-6 * hf,
+                "{j}: {} vs {hf}",
+                got[j]
+            );
+        }
+        // Its attention factor (our amplitude) with mscale 0.7 and mscale_all_dim 1.
+        let hf_factor = Yarn {
+            mscale: 0.7,
+            ..yarn
+        }
+        .amplitude();
+        assert!(
+            (f64::from(hf_factor) - 0.9191559952044436).abs() < 1e-7,
+            "{hf_factor}"
+        );
         assert_eq!(yarn.amplitude(), 1.0);
         let m = 0.1 * 40f64.ln() + 1.0;
         assert!((yarn.softmax_factor() - m * m).abs() < 1e-12);

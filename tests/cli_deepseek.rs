@@ -1,0 +1,249 @@
+//! `megatron train` of DeepSeek-V3's architecture: multi-latent attention (with and without a
+//! query latent), YaRN, group-limited sigmoid routing with the expert bias and routed scaling,
+//! shared experts and dense first layers. deepseek-v3-tiny trains at every layout as one rank
+//! does; MLA trains as one rank at tensor, sequence, context and pipeline parallelism, with
+//! recompute; and what the model cannot do is refused by name.
+
+mod support;
+use support::moe_runs::{assert_same_training, run_model};
+use support::{TempDir, assert_curves_close, curve, megatron};
+
+/// deepseek-v3-tiny, 4 micro-batches of 2 sequences of 32 a step, 4 steps.
+const TINY: [&str; 14] = [
+    "train",
+    "--quiet",
+    "--model",
+    "deepseek-v3-tiny",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--seed=5",
+    "--train-iters=4",
+    "--moe-router-bias-update-rate",
+    "0.01",
+];
+
+#[test]
+fn deepseek_v3_tiny_trains_at_every_layout_as_one_rank() {
+    let dir = TempDir::new("cli-deepseek-layouts");
+    let run = |name: &str, extra: &[&str]| run_model(&TINY, &dir, "deepseek-v3-tiny", name, extra);
+    let reference = run("one", &["--dp", "4"]);
+    for (name, extra) in [
+        (
+            "tp2-sp-ep2",
+            &["--dp", "2", "--tp", "2", "--sequence-parallel", "--ep", "2"][..],
+        ),
+        (
+            "pp2-vpp2",
+            &[
+                "--dp",
+                "2",
+                "--pp",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+            ],
+        ),
+        (
+            "dp4-distributed-optimizer",
+            &["--dp", "4", "--use-distributed-optimizer"],
+        ),
+        ("ep2", &["--dp", "4", "--ep", "2"]),
+        ("ep2-etp2", &["--dp", "4", "--ep", "2", "--etp", "2"]),
+        ("cp2", &["--dp", "2", "--cp", "2", "--ep", "2"]),
+        (
+            "recompute",
+            &[
+                "--dp",
+                "4",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "2",
+            ],
+        ),
+    ] {
+        assert_same_training(&run(name, extra), &reference, name);
+    }
+}
+
+/// llama-tiny's layers with multi-latent attention in place of grouped-query attention.
+const MLA: [&str; 27] = [
+    "train",
+    "--quiet",
+    "--model",
+    "llama-tiny",
+    "--num-layers",
+    "2",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--seed=5",
+    "--train-iters=4",
+    "--multi-latent-attention",
+    "--qk-layernorm",
+    "--kv-lora-rank",
+    "24",
+    "--qk-head-dim",
+    "16",
+    "--qk-pos-emb-head-dim",
+    "8",
+    "--v-head-dim",
+    "20",
+    "--rope-type",
+    "yarn",
+    "--rotary-scaling-factor=4",
+];
+
+#[test]
+fn latent_attention_trains_as_one_rank_at_every_layout() {
+    let dir = TempDir::new("cli-deepseek-mla");
+    for (what, extra) in [
+        ("queries projected directly", &[][..]),
+        (
+            "a query latent, scores scaled by mscale",
+            &[
+                "--q-lora-rank",
+                "40",
+                "--mscale-all-dim",
+                "1",
+                "--original-max-position-embeddings",
+                "16",
+            ],
+        ),
+    ] {
+        let run = |name: &str, layout: &[&str]| {
+            let mut flags = extra.to_vec();
+            flags.extend(layout);
+            let c = curve(&MLA, &dir, name, &flags);
+            c.iter().map(|&(_, l, g)| (l, g)).collect::<Vec<_>>()
+        };
+        let one = run("one", &["--dp", "2"]);
+        assert!(one[3].0 < one[0].0, "{what}: {one:?}");
+        for (name, layout) in [
+            ("tp2", &["--dp", "2", "--tp", "2"][..]),
+            ("tp2-sp", &["--dp", "2", "--tp", "2", "--sequence-parallel"]),
+            ("cp2", &["--dp", "2", "--cp", "2"]),
+            (
+                "cp2-a2a",
+                &["--dp", "2", "--cp", "2", "--cp-comm-type", "a2a"],
+            ),
+            ("pp2", &["--dp", "2", "--pp", "2"]),
+            (
+                "selective",
+                &["--dp", "2", "--recompute-granularity", "selective"],
+            ),
+        ] {
+            assert_curves_close(
+                &run(name, layout),
+                &one,
+                1e-5,
+                1e-3,
+                &format!("{what}, {name}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn bf16_latent_attention_at_tp_2_follows_one_rank() {
+    let dir = TempDir::new("cli-deepseek-bf16");
+    let run = |name: &str, extra: &[&str]| {
+        let mut flags = vec!["--bf16", "--q-lora-rank", "40"];
+        flags.extend(extra);
+        curve(&MLA, &dir, name, &flags)
+            .iter()
+            .map(|&(_, l, g)| (l, g))
+            .collect::<Vec<_>>()
+    };
+    let one = run("one", &[]);
+    let tp2 = run("tp2-sp", &["--tp", "2", "--sequence-parallel"]);
+    // bf16 products summed over other shards: a percent of the norm.
+    assert_curves_close(&tp2, &one, 2e-2, 1e-2, "bf16 tp 2");
+}
+
+#[test]
+fn what_the_model_cannot_do_is_refused_by_name() {
+    let tiny = |extra: &[&str]| {
+        let mut args = TINY.to_vec();
+        args.extend(extra);
+        let (ok, _, stderr) = megatron(&args);
+        assert!(!ok, "{extra:?} ran");
+        stderr
+    };
+    for (extra, message) in [
+        (
+            &["--tp", "3"][..],
+            "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3",
+        ),
+        (
+            &[
+                "--moe-router-num-groups",
+                "3",
+                "--moe-router-group-topk",
+                "2",
+            ],
+            "--moe-router-num-groups 3 does not divide --num-experts 8",
+        ),
+        (
+            &[
+                "--moe-router-num-groups",
+                "4",
+                "--moe-router-group-topk",
+                "5",
+            ],
+            "--moe-router-group-topk 5 must be between 1 and --moe-router-num-groups 4",
+        ),
+        (&["--attention-dropout", "0.1"], "set --attention-dropout 0"),
+        (&["--group-query-attention"], "drop --group-query-attention"),
+        (
+            &["--qk-pos-emb-head-dim", "3"],
+            "--qk-pos-emb-head-dim 3: rotary embeddings turn pairs",
+        ),
+        (&["--rope-type", "yarn", "--use-rope-scaling"], "choose one"),
+    ] {
+        let stderr = tiny(extra);
+        assert!(stderr.contains(message), "{extra:?}: {stderr}");
+    }
+    let llama = |extra: &[&str]| {
+        let mut args = vec!["train", "--model", "llama-tiny", "--train-iters", "1"];
+        args.extend(extra);
+        megatron(&args).2
+    };
+    for (extra, message) in [
+        (
+            &["--kv-lora-rank", "16"][..],
+            "--kv-lora-rank sizes multi-latent attention, which the model does not have",
+        ),
+        (
+            &["--multi-latent-attention"],
+            "--multi-latent-attention builds the latents' norms",
+        ),
+        (
+            &["--mscale", "0.5"],
+            "--mscale sets YaRN, which the model does not use: add --rope-type yarn",
+        ),
+    ] {
+        let stderr = llama(extra);
+        assert!(stderr.contains(message), "{extra:?}: {stderr}");
+    }
+    let gpt = megatron(&[
+        "train",
+        "--model",
+        "gpt-tiny",
+        "--multi-latent-attention",
+        "--qk-layernorm",
+        "--attention-dropout",
+        "0",
+    ])
+    .2;
+    assert!(gpt.contains("add --position-embedding-type rope"), "{gpt}");
+}
