@@ -551,6 +551,42 @@ fn swiglu_experts_on_the_gpu_follow_the_cpu_run() {
     assert_close(&curve(&etp), &cpu, 2e-4, "SwiGLU experts: GPU etp 2 vs CPU");
 }
 
+/// DeepSeek-V3's architecture on the GPU (deepseek-v3-tiny cut to 2 layers: multi-latent
+/// attention's latents, norms and shared rotary key, YaRN's amplitude in the rope kernel, the
+/// general attention, a dense first layer, group-limited sigmoid routing with the expert bias
+/// beside a shared expert) follows the CPU run at ep 2, with bf16 products, and at tp 2 with
+/// sequence parallelism (the rotary key gathered between device tensors).
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn deepseek_v3_blocks_on_the_gpu_follow_the_cpu_run() {
+    let deepseek = |tp, device| {
+        let mut job = moe_job(2, 2, device);
+        job.model_name = "deepseek-v3-tiny".to_string();
+        job.model = (preset("deepseek-v3-tiny").expect("deepseek-v3-tiny").config)();
+        job.model.num_layers = 2;
+        if let Some(moe) = &mut job.model.moe {
+            moe.layer_freq = megatron::models::MoeLayerFreq::Pattern(vec![0, 1]);
+        }
+        job.tp = tp;
+        job.sequence_parallel = tp > 1;
+        job
+    };
+    let cpu = curve(&deepseek(1, Placement::Cpu));
+    assert_close(
+        &curve(&deepseek(1, F32)),
+        &cpu,
+        2e-4,
+        "DeepSeek-V3 blocks: GPU vs CPU at ep 2",
+    );
+    assert_close(&curve(&deepseek(1, BF16)), &cpu, 3e-2, "bf16 products vs CPU");
+    assert_close(
+        &curve(&deepseek(2, F32)),
+        &cpu,
+        2e-4,
+        "DeepSeek-V3 blocks: GPU at tp 2 with sp vs CPU",
+    );
+}
+
 /// LoRA beside Mixtral's experts on the GPU (each expert's adapters merged into its weight on
 /// the device, the grouped products on the merged weights, the adapters' gradients from the
 /// merged weight's) follows the CPU run at ep 2, with bf16 products, and with each expert's
