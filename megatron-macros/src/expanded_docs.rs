@@ -22,7 +22,7 @@ use quote::{ToTokens, quote};
 use crate::root::Root;
 
 /// The documents generated from the macros.
-const DOCUMENTS: [&str; 11] = [
+const DOCUMENTS: [&str; 12] = [
     "docs/expanded-parallel-block.md",
     "docs/expanded-elementwise.md",
     "docs/expanded-mlp.md",
@@ -34,6 +34,7 @@ const DOCUMENTS: [&str; 11] = [
     "docs/expanded-context-parallel.md",
     "docs/expanded-several-outputs.md",
     "docs/expanded-lora.md",
+    "docs/expanded-mla.md",
 ];
 
 /// What a marker starts with.
