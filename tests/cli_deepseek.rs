@@ -52,6 +52,9 @@ fn deepseek_v3_tiny_trains_at_every_layout_as_one_rank() {
             &["--dp", "4", "--use-distributed-optimizer"],
         ),
         ("ep2", &["--dp", "4", "--ep", "2"]),
+        // The first stage holds the dense layer alone, no experts: the gradient norm's
+        // collectives must still be the other stages' (this hung once).
+        ("pp4", &["--pp", "4"]),
         ("ep2-etp2", &["--dp", "4", "--ep", "2", "--etp", "2"]),
         ("cp2", &["--dp", "2", "--cp", "2", "--ep", "2"]),
         (

@@ -578,7 +578,12 @@ fn deepseek_v3_blocks_on_the_gpu_follow_the_cpu_run() {
         2e-4,
         "DeepSeek-V3 blocks: GPU vs CPU at ep 2",
     );
-    assert_close(&curve(&deepseek(1, BF16)), &cpu, 3e-2, "bf16 products vs CPU");
+    assert_close(
+        &curve(&deepseek(1, BF16)),
+        &cpu,
+        3e-2,
+        "bf16 products vs CPU",
+    );
     assert_close(
         &curve(&deepseek(2, F32)),
         &cpu,

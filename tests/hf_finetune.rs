@@ -11,7 +11,7 @@ mod support;
 use support::{TempDir, assert_follows, curve, import_golden, token_dataset};
 
 #[test]
-fn imported_llama_and_mixtral_fine_tune_at_every_layout_as_one_rank() {
+fn imported_llama_mixtral_and_deepseek_v3_fine_tune_at_every_layout_as_one_rank() {
     let dir = TempDir::new("hf-finetune");
     let data = token_dataset(&dir, 64, 96);
     for (name, layouts) in [
@@ -31,6 +31,15 @@ fn imported_llama_and_mixtral_fine_tune_at_every_layout_as_one_rank() {
                 &["--tp", "2", "--sequence-parallel", "--ep", "2"],
                 &["--pp", "2", "--dp", "2", "--ep", "2"],
                 &["--dp", "2", "--ep", "2", "--use-distributed-optimizer"],
+            ],
+        ),
+        (
+            "deepseek_v3",
+            &[
+                &["--dp", "2", "--ep", "2"][..],
+                &["--tp", "2", "--sequence-parallel", "--ep", "2"],
+                &["--pp", "2", "--dp", "2", "--ep", "2"],
+                &["--cp", "2", "--ep", "2"],
             ],
         ),
     ] {

@@ -38,6 +38,7 @@ fn config(q_lora_rank: Option<usize>, norm: Normalization) -> GptConfig {
         qk_head_dim: 6,
         qk_pos_emb_head_dim: 4,
         v_head_dim: 5,
+        latent_norm_epsilon: None,
     });
     c
 }

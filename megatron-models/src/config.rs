@@ -4,9 +4,11 @@ use megatron_core::Result;
 use megatron_core::cuda_graphs::ScopedModel;
 use megatron_core::invalid;
 use megatron_core::limits::{MAX_LAYERS, MAX_PARAMS};
-use megatron_core::moe::{DispatcherKind, RouterConfig};
+use megatron_core::moe::{
+    DispatcherKind, GroupLimited, LoadBalancing, RouterConfig, ScoreFunction,
+};
 use megatron_core::tensor_parallel::lora::LoraConfig;
-use megatron_core::tensor_parallel::{Normalization, Rotary, padded_vocab_size};
+use megatron_core::tensor_parallel::{Normalization, Rotary, Yarn, padded_vocab_size};
 
 use crate::mla::MlaConfig;
 
@@ -119,6 +121,78 @@ pub struct MoeConfig {
     /// How tokens reach the experts (`--moe-token-dispatcher-type`).
     #[serde(default)]
     pub dispatcher: DispatcherKind,
+}
+
+/// DeepSeek-V3's mixture of experts: its routing (sigmoid scores, the expert bias, group-limited
+/// routing, routed scaling, the sequence-wise aux loss of 1e-4), the experts and the dense first
+/// layers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeepSeekMoe {
+    /// Routed SwiGLU experts.
+    pub experts: usize,
+    /// Experts per token.
+    pub topk: usize,
+    /// Each expert's hidden size.
+    pub ffn: usize,
+    /// Shared experts beside them (of `ffn` each; 0: none).
+    pub shared: usize,
+    /// Routing groups (1: none).
+    pub groups: usize,
+    /// The groups each token keeps.
+    pub group_topk: usize,
+    /// The routed scaling factor.
+    pub scaling: f32,
+    /// The dense layers the model starts with.
+    pub dense: usize,
+}
+
+impl GptConfig {
+    /// The DeepSeek-V3 architecture (Kimi K2's, Moonlight's): `layers × hidden`, `heads` heads
+    /// of multi-latent attention of `mla`, the dense layers' SwiGLU of `ffn`, experts of `moe`,
+    /// a vocabulary of `vocab` and `positions` positions, rotary base `theta` with YaRN when
+    /// given, RMSNorm of `eps` (the latents' of 1e-6, as DeepSeek's code), an untied output
+    /// layer, no biases, no dropout.
+    pub fn deepseek_v3(
+        (layers, hidden, heads, ffn): (usize, usize, usize, usize),
+        (vocab, positions): (usize, usize),
+        mla: MlaConfig,
+        moe: DeepSeekMoe,
+        (theta, yarn): (f32, Option<Yarn>),
+        eps: f32,
+    ) -> GptConfig {
+        let mut c = GptConfig::llama(layers, hidden, heads, heads, ffn, vocab, positions, theta);
+        c.num_query_groups = None;
+        // DeepSeek's code norms the latents with ε 1e-6 whatever the model's is.
+        let latent = 1e-6;
+        c.mla = Some(MlaConfig {
+            latent_norm_epsilon: (eps != latent).then_some(latent),
+            ..mla
+        });
+        c.qk_layernorm = true;
+        c.rotary.yarn = yarn;
+        c.layernorm_epsilon = eps;
+        let mut pattern = vec![0u8; moe.dense.min(layers)];
+        pattern.resize(layers, 1);
+        c.moe = Some(MoeConfig {
+            router: RouterConfig {
+                score_function: ScoreFunction::Sigmoid,
+                expert_bias: true,
+                topk_scaling_factor: Some(moe.scaling),
+                group_limited: (moe.groups > 1).then_some(GroupLimited {
+                    groups: moe.groups,
+                    topk: moe.group_topk,
+                }),
+                load_balancing: LoadBalancing::SeqAuxLoss,
+                aux_loss_coeff: 1e-4,
+                ..RouterConfig::new(moe.experts, moe.topk)
+            },
+            ffn_hidden_size: moe.ffn,
+            layer_freq: MoeLayerFreq::Pattern(pattern),
+            shared_expert_ffn: (moe.shared > 0).then_some(moe.shared * moe.ffn),
+            dispatcher: Default::default(),
+        });
+        c
+    }
 }
 
 /// The architecture of a GPT (GPT-2 / Megatron-LM style).

@@ -280,6 +280,7 @@ impl GptConfig {
         let plain = |i: usize, o: usize| LinearSpec::new(i, o).with_init_std(std).with_bias(false);
         let norm = |n: usize| LayerNormSpec {
             hidden: n,
+            eps: mla.latent_norm_epsilon.unwrap_or(ln.eps),
             ..ln.clone()
         };
         let kv_down = plain(h, mla.kv_lora_rank + mla.qk_pos_emb_head_dim);

@@ -21,7 +21,7 @@ use megatron_macros::module;
 /// MLA's sizes: Megatron-LM's `--q-lora-rank`, `--kv-lora-rank`, `--qk-head-dim`,
 /// `--qk-pos-emb-head-dim` and `--v-head-dim` (Hugging Face's `q_lora_rank`, `kv_lora_rank`,
 /// `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MlaConfig {
     /// The queries' latent; `None`: the queries projected from the hidden state directly
     /// (DeepSeek-V2-Lite's, Moonlight's).
@@ -34,6 +34,10 @@ pub struct MlaConfig {
     pub qk_pos_emb_head_dim: usize,
     /// Each head's value features.
     pub v_head_dim: usize,
+    /// The latents' norms' ε when it is not the model's (DeepSeek's own code and transformers
+    /// build them with 1e-6 whatever `rms_norm_eps` says); `None`: the model's, as Megatron-LM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latent_norm_epsilon: Option<f32>,
 }
 
 impl Default for MlaConfig {
@@ -46,6 +50,7 @@ impl Default for MlaConfig {
             qk_head_dim: 128,
             qk_pos_emb_head_dim: 64,
             v_head_dim: 128,
+            latent_norm_epsilon: None,
         }
     }
 }

@@ -1,9 +1,9 @@
 //! Models registered by name: `megatron train --model NAME` looks them up here.
 
-use megatron_core::moe::{GroupLimited, LoadBalancing, RouterConfig, ScoreFunction};
+use megatron_core::moe::RouterConfig;
 use megatron_core::tensor_parallel::Yarn;
 
-use crate::config::{GptConfig, MoeConfig, MoeLayerFreq};
+use crate::config::{DeepSeekMoe, GptConfig, MoeConfig, MoeLayerFreq};
 use crate::mla::MlaConfig;
 
 /// A named architecture.
@@ -200,64 +200,6 @@ inventory::submit! {
     }
 }
 
-/// DeepSeek-V3's routing (`--moe-router-score-function sigmoid`, the expert bias, group-limited
-/// routing over `groups` groups keeping `group_topk`, routed scaling, the sequence-wise aux loss
-/// of 1e-4) over `experts` SwiGLU experts of `ffn`, top-`topk`, `shared` shared experts beside
-/// them, the first `dense` layers dense.
-#[derive(Debug, Clone, Copy)]
-struct DeepSeekMoe {
-    experts: usize,
-    topk: usize,
-    ffn: usize,
-    shared: usize,
-    groups: usize,
-    group_topk: usize,
-    scaling: f32,
-    dense: usize,
-}
-
-/// The DeepSeek-V3 architecture (Kimi K2's, Moonlight's): `layers × hidden`, `heads` heads of
-/// multi-latent attention of `mla`, dense layers' SwiGLU of `ffn`, experts of `moe`, RMSNorm of
-/// `eps`, rotary base `theta` with YaRN when given, an untied output layer, no biases, no
-/// dropout.
-#[allow(clippy::too_many_arguments)]
-fn deepseek_v3(
-    (layers, hidden, heads, ffn): (usize, usize, usize, usize),
-    (vocab, positions): (usize, usize),
-    mla: MlaConfig,
-    moe: DeepSeekMoe,
-    (theta, yarn): (f32, Option<Yarn>),
-    eps: f32,
-) -> GptConfig {
-    let mut c = GptConfig::llama(layers, hidden, heads, heads, ffn, vocab, positions, theta);
-    c.num_query_groups = None;
-    c.mla = Some(mla);
-    c.qk_layernorm = true;
-    c.rotary.yarn = yarn;
-    c.layernorm_epsilon = eps;
-    let mut pattern = vec![0u8; moe.dense.min(layers)];
-    pattern.resize(layers, 1);
-    c.moe = Some(MoeConfig {
-        router: RouterConfig {
-            score_function: ScoreFunction::Sigmoid,
-            expert_bias: true,
-            topk_scaling_factor: Some(moe.scaling),
-            group_limited: (moe.groups > 1).then_some(GroupLimited {
-                groups: moe.groups,
-                topk: moe.group_topk,
-            }),
-            load_balancing: LoadBalancing::SeqAuxLoss,
-            aux_loss_coeff: 1e-4,
-            ..RouterConfig::new(moe.experts, moe.topk)
-        },
-        ffn_hidden_size: moe.ffn,
-        layer_freq: MoeLayerFreq::Pattern(pattern),
-        shared_expert_ffn: (moe.shared > 0).then_some(moe.shared * moe.ffn),
-        dispatcher: Default::default(),
-    });
-    c
-}
-
 /// YaRN from an original context of `original` by `factor`, betas `beta_fast` and
 /// `beta_slow`, mscale and mscale_all_dim 1 (DeepSeek-V3's and Kimi K2's).
 fn yarn(original: usize, factor: f32, (beta_fast, beta_slow): (f32, f32)) -> Option<Yarn> {
@@ -280,6 +222,7 @@ fn deepseek_mla(q_lora_rank: Option<usize>) -> MlaConfig {
         qk_head_dim: 128,
         qk_pos_emb_head_dim: 64,
         v_head_dim: 128,
+        latent_norm_epsilon: None,
     }
 }
 
@@ -287,7 +230,7 @@ inventory::submit! {
     ModelPreset {
         name: "deepseek-v3",
         description: "DeepSeek-V3: 61 layers, hidden 7168, 128 heads of multi-latent attention (query latent 1536, key/value latent 512), YaRN ×40, 3 dense layers then 256 SwiGLU experts of 2048 and 1 shared, top-8 in 4 of 8 groups, vocabulary 129,280: 671B parameters, 37.6B active (without MTP)",
-        config: || deepseek_v3(
+        config: || GptConfig::deepseek_v3(
             (61, 7168, 128, 18432),
             (129280, 163840),
             deepseek_mla(Some(1536)),
@@ -302,7 +245,7 @@ inventory::submit! {
     ModelPreset {
         name: "kimi-k2",
         description: "Kimi K2: DeepSeek-V3's architecture with 64 heads, 1 dense layer, 384 experts of 2048 and 1 shared, top-8, YaRN ×32 from base 50,000, vocabulary 163,840: 1.03T parameters, 32.9B active",
-        config: || deepseek_v3(
+        config: || GptConfig::deepseek_v3(
             (61, 7168, 64, 18432),
             (163840, 131072),
             deepseek_mla(Some(1536)),
@@ -317,7 +260,7 @@ inventory::submit! {
     ModelPreset {
         name: "moonlight-16b-a3b",
         description: "Moonlight-16B-A3B: DeepSeek-V3's architecture with 27 layers, hidden 2048, 16 heads and no query latent, 1 dense layer, 64 experts of 1408 and 2 shared, top-6, base 50,000, vocabulary 163,840: 16.0B parameters, 2.9B active",
-        config: || deepseek_v3(
+        config: || GptConfig::deepseek_v3(
             (27, 2048, 16, 11264),
             (163840, 8192),
             deepseek_mla(None),
@@ -331,12 +274,12 @@ inventory::submit! {
 inventory::submit! {
     ModelPreset {
         name: "deepseek-v3-tiny",
-        description: "DeepSeek-V3-shaped tiny model: 4 layers, hidden 128, 4 heads of multi-latent attention (latents 48 and 32), YaRN ×4, 1 dense layer then 8 SwiGLU experts of 64 and 1 shared, top-2 in 2 of 4 groups, byte vocabulary: trains on a CPU in minutes",
-        config: || deepseek_v3(
+        description: "DeepSeek-V3-shaped tiny model: 4 layers, hidden 128, 4 heads of multi-latent attention (latents 48 and 32), YaRN ×4, 1 dense layer then 8 SwiGLU experts of 64 and 1 shared, top-4 in 2 of 4 groups, byte vocabulary: trains on a CPU in minutes",
+        config: || GptConfig::deepseek_v3(
             (4, 128, 4, 256),
             (256, 256),
-            MlaConfig { q_lora_rank: Some(48), kv_lora_rank: 32, qk_head_dim: 16, qk_pos_emb_head_dim: 8, v_head_dim: 16 },
-            DeepSeekMoe { experts: 8, topk: 2, ffn: 64, shared: 1, groups: 4, group_topk: 2, scaling: 2.5, dense: 1 },
+            MlaConfig { q_lora_rank: Some(48), kv_lora_rank: 32, qk_head_dim: 16, qk_pos_emb_head_dim: 8, v_head_dim: 16, latent_norm_epsilon: None },
+            DeepSeekMoe { experts: 8, topk: 4, ffn: 64, shared: 1, groups: 4, group_topk: 2, scaling: 2.5, dense: 1 },
             (10000.0, yarn(64, 4.0, (32.0, 1.0))),
             1e-6,
         ),

@@ -146,6 +146,9 @@ pub fn run(args: &ConvertArgs) -> Result<()> {
             if !done.carried.is_empty() {
                 say!("carried for the export: {}", done.carried.join(", "))?;
             }
+            for left_out in &done.skipped {
+                say!("left out: {left_out}")?;
+            }
             say_peak()?;
         }
         (Side::Checkpoint(ckpt), Side::Hf { dir: hf, gpt2_only }) => {

@@ -15,6 +15,8 @@ pub enum HfArchitecture {
     Gpt2,
     /// One of the Llama family, by its class name (`LlamaForCausalLM`, ...).
     LlamaFamily(&'static str),
+    /// `DeepseekV3ForCausalLM` (DeepSeek-V3, Kimi K2, Moonlight).
+    DeepseekV3,
 }
 
 impl HfArchitecture {
@@ -23,6 +25,7 @@ impl HfArchitecture {
         match self {
             HfArchitecture::Gpt2 => "GPT2LMHeadModel",
             HfArchitecture::LlamaFamily(arch) => arch,
+            HfArchitecture::DeepseekV3 => super::hf_deepseek::ARCHITECTURE,
         }
     }
 }
@@ -211,8 +214,19 @@ pub fn llama_family(c: &GptConfig) -> std::result::Result<&'static str, Vec<Stri
 }
 
 /// The Hugging Face architecture that holds `c` exactly, or an error naming, for GPT-2 and
-/// for the Llama family, what each lacks.
+/// for the Llama family (for a model of multi-latent attention, DeepSeek-V3), what each lacks.
 pub fn for_model(c: &GptConfig) -> Result<HfArchitecture> {
+    if c.mla.is_some() {
+        let lacks = super::hf_deepseek::lacks(c);
+        if lacks.is_empty() {
+            return Ok(HfArchitecture::DeepseekV3);
+        }
+        bail!(
+            "no Hugging Face architecture holds this model exactly: it has multi-latent \
+             attention, and DeepseekV3ForCausalLM cannot hold: {}",
+            lacks.join("; ")
+        );
+    }
     let gpt2 = gpt2_lacks(c);
     if gpt2.is_empty() {
         return Ok(HfArchitecture::Gpt2);

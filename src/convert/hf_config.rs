@@ -9,7 +9,7 @@ use megatron_models::GptConfig;
 use serde_json::Value;
 
 /// The architectures megatron-rs reads and writes, with their `model_type`.
-pub const ARCHITECTURES: [(&str, &str); 8] = [
+pub const ARCHITECTURES: [(&str, &str); 9] = [
     ("GPT2LMHeadModel", "gpt2"),
     ("LlamaForCausalLM", "llama"),
     ("MistralForCausalLM", "mistral"),
@@ -17,6 +17,7 @@ pub const ARCHITECTURES: [(&str, &str); 8] = [
     ("Qwen3ForCausalLM", "qwen3"),
     ("MixtralForCausalLM", "mixtral"),
     ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    ("DeepseekV3ForCausalLM", "deepseek_v3"),
     // GPT-2 without its head (the head is the embedding, tied).
     ("GPT2Model", "gpt2"),
 ];
@@ -31,7 +32,7 @@ pub fn model_type(arch: &str) -> Option<&'static str> {
 
 /// The architectures' names, for messages.
 fn names() -> String {
-    ARCHITECTURES[..7]
+    ARCHITECTURES[..8]
         .iter()
         .map(|(a, _)| *a)
         .collect::<Vec<_>>()
@@ -201,8 +202,11 @@ impl<'a> HfConfig<'a> {
                         names()
                     );
                 };
+                // Kimi K2 ships DeepSeek-V3's architecture under a model type of its own.
+                let alias = arch == "DeepseekV3ForCausalLM" && model_type == Some("kimi_k2");
                 if let Some(t) = model_type
                     && t != want
+                    && !alias
                 {
                     bail!(
                         "config.json: `model_type` \"{t}\" is not {arch}'s (\"{want}\"): the \
@@ -215,7 +219,7 @@ impl<'a> HfConfig<'a> {
                 Some(&(arch, _)) => Ok(arch),
                 None => bail!(
                     "config.json: `model_type` \"{t}\" is not one megatron-rs reads ({})",
-                    ARCHITECTURES[..7]
+                    ARCHITECTURES[..8]
                         .iter()
                         .map(|(_, t)| *t)
                         .collect::<Vec<_>>()

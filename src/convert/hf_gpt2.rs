@@ -377,5 +377,6 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
         bytes,
         weight_files,
         carried,
+        skipped: Vec::new(),
     })
 }

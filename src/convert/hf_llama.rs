@@ -70,12 +70,10 @@ fn expert_names(arch: &str) -> ExpertNames {
     }
 }
 
-/// The rotary settings of a config: `rope_parameters` (transformers 5), or the older top-level
-/// `rope_theta` with `rope_scaling` (`rope_type`, or before that `type`). transformers' Llama
-/// family rotates whole heads whatever `partial_rotary_factor` says: a factor other than 1 is
-/// refused rather than read as a model transformers does not run.
-fn rotary(hf: &HfConfig, default_theta: f64) -> Result<Rotary> {
-    let params = match hf.get("rope_parameters") {
+/// The rotary settings' object of a config: `rope_parameters` (transformers 5), or the older
+/// top-level `rope_theta` and `partial_rotary_factor` with `rope_scaling`.
+pub(crate) fn rope_parameters(hf: &HfConfig) -> Result<Value> {
+    Ok(match hf.get("rope_parameters") {
         Value::Object(_) => hf.get("rope_parameters").clone(),
         Value::Null => {
             let mut p = match hf.get("rope_scaling") {
@@ -91,7 +89,15 @@ fn rotary(hf: &HfConfig, default_theta: f64) -> Result<Rotary> {
             p
         }
         other => bail!("config.json: `rope_parameters` is {other}, not an object"),
-    };
+    })
+}
+
+/// The rotary settings of a config: `rope_parameters` (transformers 5), or the older top-level
+/// `rope_theta` with `rope_scaling` (`rope_type`, or before that `type`). transformers' Llama
+/// family rotates whole heads whatever `partial_rotary_factor` says: a factor other than 1 is
+/// refused rather than read as a model transformers does not run.
+fn rotary(hf: &HfConfig, default_theta: f64) -> Result<Rotary> {
+    let params = rope_parameters(hf)?;
     let params = HfConfig::new(&params)?;
     let kind = params
         .opt_str("rope_type")?
@@ -817,5 +823,6 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
         bytes,
         weight_files,
         carried,
+        skipped: Vec::new(),
     })
 }

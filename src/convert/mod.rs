@@ -2,6 +2,7 @@
 
 pub mod architecture;
 pub mod hf_config;
+pub mod hf_deepseek;
 pub mod hf_files;
 pub mod hf_gpt2;
 pub mod hf_llama;
@@ -62,6 +63,9 @@ pub struct Converted {
     pub weight_files: Vec<String>,
     /// The files carried with the weights: into the checkpoint (`hf/…`) or back out.
     pub carried: Vec<String>,
+    /// What of the source was left out on purpose, and why (an import's layers the model
+    /// does not build).
+    pub skipped: Vec<String>,
 }
 
 /// Converts the Hugging Face directory `hf_dir` into a megatron-rs checkpoint in the new or
@@ -77,9 +81,10 @@ pub fn import_hf(hf_dir: &Path, out: &Path, gpt2_only: bool) -> Result<Converted
             hf_dir.display()
         );
     }
-    match gpt2 {
-        true => hf_gpt2::import(hf_dir, out),
-        false => hf_llama::import(hf_dir, out),
+    match (gpt2, arch) {
+        (true, _) => hf_gpt2::import(hf_dir, out),
+        (false, hf_deepseek::ARCHITECTURE) => hf_deepseek::import(hf_dir, out),
+        (false, _) => hf_llama::import(hf_dir, out),
     }
 }
 
@@ -104,6 +109,7 @@ pub fn export_hf(
     match arch {
         architecture::HfArchitecture::Gpt2 => hf_gpt2::export(ckpt, hf_dir, options),
         architecture::HfArchitecture::LlamaFamily(_) => hf_llama::export(ckpt, hf_dir, options),
+        architecture::HfArchitecture::DeepseekV3 => hf_deepseek::export(ckpt, hf_dir, options),
     }
 }
 
@@ -157,6 +163,7 @@ pub(crate) fn save_imported(
         bytes: tensors.iter().map(OutTensor::bytes).sum(),
         weight_files: vec![checkpoint::MODEL_FILE.to_string()],
         carried: carried_names,
+        skipped: Vec::new(),
     })
 }
 

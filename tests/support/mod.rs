@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod hf;
 pub mod moe_runs;
 
 use std::path::{Path, PathBuf};

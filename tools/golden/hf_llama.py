@@ -131,6 +131,77 @@ MODELS = {
         ),
         None,
     ),
+    # DeepSeek-V3 (DeepseekV3ForCausalLM): multi-latent attention with a query latent of 24, a
+    # key/value latent of 16, heads of 8 + 4 rotary features in interleaved pairs, values of
+    # 12; YaRN ×4 from 16 positions with mscale_all_dim 1 (the scores scaled); the first layer
+    # dense, then 8 SwiGLU experts of 16 in 4 groups of 2 (top-4 in the best 2 groups by their
+    # best 2 scores), sigmoid scores with the correction bias, scaled by 2.5, beside a shared
+    # expert; untied.
+    "deepseek_v3": (
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        dict(
+            COMMON,
+            num_key_value_heads=4,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=12,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            rope_interleave=True,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-6,
+        ),
+        None,
+    ),
+    # Moonlight's kind: no query latent, no YaRN (base 50,000), 4 experts of 16 without
+    # groups, top-2 scaled by 2.446, two shared experts, ε 1e-5.
+    "moonlight": (
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        dict(
+            COMMON,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=12,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            n_shared_experts=2,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.446,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            rope_interleave=True,
+            rope_parameters=dict(rope_type="default", rope_theta=50000.0),
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+        ),
+        None,
+    ),
 }
 
 
@@ -147,6 +218,10 @@ def main(out: Path, only: list) -> None:
             for pname, p in model.named_parameters():
                 if p.dim() == 1:
                     p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            # DeepSeek's routing correction bias is a buffer: away from zero too.
+            for bname, b in model.named_buffers():
+                if bname.endswith("e_score_correction_bias"):
+                    b.copy_(0.05 * torch.randn_like(b))
         target = out / name
         target.mkdir(parents=True, exist_ok=True)
         if shard:

@@ -85,11 +85,15 @@ fn sum_of_squares_over(grads: &Tensor, ranges: &[Range<usize>]) -> Result<f64> {
 /// model-parallel group, and with the distributed optimizer first over the data-parallel group,
 /// each rank having summed its shards only. The experts' parameters are summed apart, over the
 /// expert data-parallel and expert model-parallel groups, and added before the sum over the
-/// pipeline (Megatron-LM's separate norm of the expert parameters, combined).
+/// pipeline (Megatron-LM's separate norm of the expert parameters, combined). `experts` says
+/// whether the model has experts on any pipeline stage: a stage of dense layers only (DeepSeek's
+/// first layers) then takes part in the experts' sums with none, as every stage must make the
+/// same collectives.
 pub fn grad_norm(
     buffers: &ParamBuffers,
     optimizer: &AdamW,
     parallel: &ParallelState,
+    experts: bool,
 ) -> Result<f64> {
     let groups = parallel.groups();
     let ranks = (groups.tp_rank(), groups.etp_rank());
@@ -113,7 +117,7 @@ pub fn grad_norm(
     if sharded {
         parallel.dp().all_reduce(&total, ReduceOp::Sum)?;
     }
-    if !buffers.has_experts() {
+    if !experts {
         parallel
             .comm(GroupKind::TpPp)
             .all_reduce(&total, ReduceOp::Sum)?;

@@ -176,6 +176,9 @@ pub struct Trainer<M: LanguageModel> {
     routing_log: RoutingLog,
     /// The experts per MoE layer whose routing statistics each step reports (0: none).
     routing_experts: usize,
+    /// Whether some pipeline stage holds experts' parameters (the gradient norm's collectives
+    /// depend on it, the same on every stage).
+    experts_in_model: bool,
     /// The graph scopes the run captures (`--cuda-graph-scope`) and what they captured.
     graphs: GraphRuntime,
 }
@@ -248,6 +251,7 @@ impl<M: LanguageModel> Trainer<M> {
             param_dtype: Some(config.precision.params),
         };
         let buffers = ParamBuffers::pack(&mut chunks, &plan)?;
+        let experts_in_model = experts_on_any_stage(parallel, &buffers)?;
         let shard = config.distributed_optimizer.then(|| groups.ranks());
         let optimizer = AdamW::new(&buffers, config.adam, shard)?;
         Ok(Trainer {
@@ -260,6 +264,7 @@ impl<M: LanguageModel> Trainer<M> {
             scaler: config.precision.grad_scaler(),
             routing_log: RoutingLog::default(),
             routing_experts: 0,
+            experts_in_model,
             graphs: GraphRuntime::new(ScopeSet::NONE),
         })
     }
@@ -442,7 +447,12 @@ impl<M: LanguageModel> Trainer<M> {
                 return Ok(metrics);
             }
         }
-        let norm = grad_norm(&self.buffers, &self.optimizer, parallel)?;
+        let norm = grad_norm(
+            &self.buffers,
+            &self.optimizer,
+            parallel,
+            self.experts_in_model,
+        )?;
         // Every rank holds the same loss and norm (reduced over dp and the model-parallel
         // group), so every rank stops at the same step.
         if self.config.check_for_nan && !(loss.is_finite() && norm.is_finite()) {
@@ -594,4 +604,16 @@ impl<M: LanguageModel> Trainer<M> {
         parallel.dp().all_reduce(&total, ReduceOp::Sum)?;
         Ok(f64::from(total.to_vec::<f32>()?[0]))
     }
+}
+
+/// Whether any pipeline stage's `buffers` hold experts' parameters: this rank's, or with a
+/// pipeline the maximum over its stages (one all-reduce when the trainer is built).
+fn experts_on_any_stage(parallel: &ParallelState, buffers: &ParamBuffers) -> Result<bool> {
+    let here = buffers.has_experts();
+    if parallel.pp().size() == 1 {
+        return Ok(here);
+    }
+    let flag = Tensor::scalar_near(f32::from(u8::from(here)), buffers.grads())?;
+    parallel.pp().all_reduce(&flag, ReduceOp::Max)?;
+    Ok(flag.to_vec::<f32>()?[0] > 0.0)
 }

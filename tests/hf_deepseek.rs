@@ -1,0 +1,212 @@
+//! Hugging Face's `DeepseekV3ForCausalLM` against transformers itself: a tiny random DeepSeek-V3
+//! (a query latent, YaRN with the scores scaled, interleaved rotary pairs, a dense first layer,
+//! group-limited sigmoid routing with the correction bias, scaled, beside a shared expert) and
+//! a Moonlight-shaped one (no query latent, no YaRN, two shared experts, no groups), made and
+//! saved by transformers 5.24 (`tools/golden/hf_llama.py`, `tests/data/hf/`). Each is
+//! imported, gives transformers' logits at tp 1 and tp 2, trains, and exports back to the same
+//! tensors bit for bit and a config transformers reads as the same model; what the converter
+//! cannot honour is refused by name.
+
+mod support;
+
+use megatron::convert::hf_deepseek;
+use support::hf::{golden, our_logits, tensors};
+use support::{TempDir, megatron, token_dataset};
+
+#[test]
+fn imported_deepseek_v3_and_moonlight_give_transformers_logits_and_export_back() {
+    let dir = TempDir::new("hf-deepseek");
+    for name in ["deepseek_v3", "moonlight"] {
+        let hf = golden(name);
+        let reference: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(hf.join("reference.json")).unwrap())
+                .unwrap();
+        let ckpt = dir.path().join(format!("{name}-ckpt"));
+        let done = hf_deepseek::import(&hf, &ckpt).unwrap();
+        let config = done.config;
+        assert!(config.mla.is_some() && config.rotary.interleaved, "{name}");
+        let tokens: Vec<i64> = reference["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_i64().unwrap())
+            .collect();
+        let want: Vec<f64> = reference["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap()))
+            .collect();
+        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+        for tp in [1, 2] {
+            let ours = our_logits(&ckpt, &config, &tokens, tp);
+            assert_eq!(ours.len(), want.len(), "{name}");
+            // f32 both sides in other orders of sums: 1e-5 of the largest logit.
+            let mut worst = 0f64;
+            for (i, (got, w)) in ours.iter().zip(&want).enumerate() {
+                let err = (f64::from(*got) - w).abs();
+                assert!(
+                    err <= 1e-5 * scale,
+                    "{name} tp {tp} [{i}]: {got} vs {w} (scale {scale})"
+                );
+                worst = worst.max(err);
+            }
+            eprintln!("{name} tp {tp}: largest logit {scale:.3}, largest difference {worst:.2e}");
+        }
+        // Back to Hugging Face: the same tensors, bit for bit.
+        let out = dir.path().join(format!("{name}-hf"));
+        let arch = hf_deepseek::export(&ckpt, &out, &Default::default())
+            .unwrap()
+            .arch;
+        assert_eq!(arch, "DeepseekV3ForCausalLM");
+        let written = tensors(&out);
+        let original = tensors(&hf);
+        assert_eq!(written.len(), original.len(), "{name}");
+        for (tensor, value) in &original {
+            assert!(written.get(tensor) == Some(value), "{name}: {tensor}");
+        }
+        let config_out: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
+                .unwrap();
+        let same = hf_deepseek::config_from_hf(&config_out).unwrap();
+        assert_eq!(same, config, "{name}");
+    }
+}
+
+#[test]
+fn an_imported_deepseek_v3_fine_tunes_at_tp_2_with_experts_split_and_exports() {
+    let dir = TempDir::new("hf-deepseek-train");
+    let ckpt = dir.join("ckpt");
+    let trained = dir.join("trained");
+    let out = dir.join("hf");
+    let (ok, stdout, stderr) = megatron(&[
+        "convert",
+        "--from",
+        "hf",
+        golden("deepseek_v3").to_str().unwrap(),
+        "--to",
+        &ckpt,
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("DeepseekV3ForCausalLM"), "{stdout}");
+    let (ok, _, stderr) = megatron(&[
+        "train",
+        "--quiet",
+        "--load",
+        &ckpt,
+        "--save",
+        &trained,
+        "--data",
+        &token_dataset(&dir, 16, 64),
+        "--train-iters",
+        "3",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--tp",
+        "2",
+        "--sequence-parallel",
+        "--ep",
+        "2",
+    ]);
+    assert!(ok, "{stderr}");
+    let (ok, _, stderr) = megatron(&["convert", "--from", &trained, "--to", "hf", &out]);
+    assert!(ok, "{stderr}");
+    let before = tensors(&golden("deepseek_v3"));
+    let after = tensors(std::path::Path::new(&out));
+    assert_eq!(before.len(), after.len());
+    let moved = before
+        .iter()
+        .filter(|(name, value)| after.get(*name) != Some(*value))
+        .count();
+    assert!(
+        moved > before.len() / 2,
+        "{moved} of {} moved",
+        before.len()
+    );
+}
+
+#[test]
+fn what_the_converter_cannot_honour_is_refused_by_name() {
+    let base: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(golden("deepseek_v3").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    for (key, value, message) in [
+        (
+            "quantization_config",
+            serde_json::json!({"quant_method": "fp8", "weight_block_size": [128, 128]}),
+            "`quantization_config` (DeepSeek's FP8 release",
+        ),
+        (
+            "num_key_value_heads",
+            serde_json::json!(2),
+            "`num_key_value_heads` 2 is not `num_attention_heads` 4",
+        ),
+        (
+            "num_experts_per_tok",
+            serde_json::json!(2),
+            "transformers ranks each group by its best 2 scores",
+        ),
+        (
+            "norm_topk_prob",
+            serde_json::json!(false),
+            "`norm_topk_prob` = false",
+        ),
+        (
+            "qk_rope_head_dim",
+            serde_json::json!(3),
+            "`qk_rope_head_dim` 3: rotary embeddings turn pairs",
+        ),
+        (
+            "attention_dropout",
+            serde_json::json!(0.1),
+            "`attention_dropout` 0.1",
+        ),
+        (
+            "scoring_func",
+            serde_json::json!("softmax"),
+            "`scoring_func` softmax",
+        ),
+    ] {
+        let mut config = base.clone();
+        config[key] = value;
+        let err = hf_deepseek::config_from_hf(&config)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(message), "{key}: {err}");
+    }
+    // A model the architecture cannot hold is not exported as one.
+    let dir = TempDir::new("hf-deepseek-refuse");
+    let ckpt = dir.join("ckpt");
+    let (ok, _, stderr) = megatron(&[
+        "train",
+        "--quiet",
+        "--model",
+        "deepseek-v3-tiny",
+        "--train-iters",
+        "1",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--moe-expert-capacity-factor",
+        "1.5",
+        "--save",
+        &ckpt,
+    ]);
+    assert!(ok, "{stderr}");
+    let (ok, _, stderr) = megatron(&["convert", "--from", &ckpt, "--to", "hf", &dir.join("hf")]);
+    assert!(!ok);
+    assert!(
+        stderr.contains(
+            "DeepseekV3ForCausalLM cannot hold: an expert capacity (--moe-expert-capacity-factor"
+        ),
+        "{stderr}"
+    );
+}
