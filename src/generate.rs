@@ -144,13 +144,6 @@ pub fn generate_streaming(
     let config: GptConfig =
         serde_json::from_value(meta.model).context("the checkpoint's model config")?;
     config.validate(tp)?;
-    if config.mla.is_some() {
-        bail!(
-            "generation with multi-latent attention is not built yet: its cache keeps the latent \
-             and the rotary key, which the general attention does not keep (train and evaluate \
-             the model; generate from a model of the fused projection's attention)"
-        );
-    }
     let positions = config.max_position_embeddings;
     if prompt.len().saturating_add(max_new_tokens) > positions {
         bail!(

@@ -3,7 +3,8 @@
 //! group-limited sigmoid routing with the correction bias, scaled, beside a shared expert) and
 //! a Moonlight-shaped one (no query latent, no YaRN, two shared experts, no groups), made and
 //! saved by transformers 5.24 (`tools/golden/hf_llama.py`, `tests/data/hf/`). Each is
-//! imported, gives transformers' logits at tp 1 and tp 2, trains, and exports back to the same
+//! imported, gives transformers' logits at tp 1 and tp 2, continues a prompt greedily as
+//! transformers does (with MLA's compressed cache), trains, and exports back to the same
 //! tensors bit for bit and a config transformers reads as the same model; what the converter
 //! cannot honour is refused by name.
 
@@ -52,6 +53,29 @@ fn imported_deepseek_v3_and_moonlight_give_transformers_logits_and_export_back()
                 worst = worst.max(err);
             }
             eprintln!("{name} tp {tp}: largest logit {scale:.3}, largest difference {worst:.2e}");
+        }
+        // Greedy generation with the compressed cache (the latents and rotary keys, the
+        // absorbed up-projection) continues the prompt as transformers' generate does.
+        let ids = |key: &str| -> Vec<u32> {
+            reference[key]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect()
+        };
+        let greedy = megatron::generate::Sampling {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        };
+        let want = ids("greedy");
+        for tp in [1, 2] {
+            let got =
+                megatron::generate::generate(&ckpt, tp, &ids("prompt"), want.len(), greedy, None)
+                    .unwrap();
+            assert_eq!(got, want, "{name} greedy at tp {tp}");
         }
         // Back to Hugging Face: the same tensors, bit for bit.
         let out = dir.path().join(format!("{name}-hf"));

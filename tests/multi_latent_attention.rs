@@ -149,3 +149,46 @@ fn the_config_counts_the_parameters_the_model_builds() {
         assert_eq!(built, c.num_params(1), "{q_lora_rank:?} {norm:?}");
     }
 }
+
+/// Decoding with the compressed cache (a prefill of 5 positions, then one at a time) gives the
+/// logits the full forward gives each position, with and without a query latent, at tp 1 and 2
+/// (each rank caching its latents whole and attending with its own heads).
+#[test]
+fn decoding_with_the_compressed_cache_gives_the_full_forward_logits() {
+    use megatron::inference::KvCache;
+    for q_lora_rank in [Some(12), None] {
+        let mut c = config(q_lora_rank, Normalization::RmsNorm);
+        c.untie_embeddings_and_output_weights = true;
+        let tokens: Vec<i64> = (0..11).map(|i| (i * 7 + 3) % 64).collect();
+        for tp in [1, 2] {
+            let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp)).unwrap();
+            let (full, decoded, bytes) = launch(tp, |w| -> R<(Vec<f32>, Vec<f32>, usize)> {
+                let ps = ParallelState::new(&w, &layout)?;
+                let model = Gpt::build(&c.spec(), &mut Builder::for_rank(5, ps.groups()))?;
+                let cx = Cx::new(&ps, 0).eval();
+                let ids = |t: &[i64]| Tensor::from_slice(t, [t.len(), 1]);
+                let full = megatron::generate::logits(&model, &cx, &ids(&tokens)?)?;
+                let cache = KvCache::new();
+                let decode = cx.with_kv_cache(&cache);
+                let mut decoded = Vec::new();
+                let mut at = 0;
+                for len in [5, 1, 1, 1, 1, 1, 1] {
+                    let part =
+                        megatron::generate::logits(&model, &decode, &ids(&tokens[at..at + len])?)?;
+                    decoded.extend(part.to_vec::<f32>()?);
+                    cache.advance(len);
+                    at += len;
+                }
+                Ok((full.to_vec::<f32>()?, decoded, cache.bytes_per_token()))
+            })
+            .unwrap()
+            .remove(0);
+            let what = format!("q_lora_rank {q_lora_rank:?} tp {tp}");
+            assert_eq!(full.len(), decoded.len(), "{what}");
+            support::assert_close_to_scale(&decoded, &full[..decoded.len()], 1e-5, &what);
+            // Per layer the latent (10) and the rotary key (4), f32, on each rank: not the
+            // heads' keys and values (2 heads · (6 + 4 + 5) at tp 2).
+            assert_eq!(bytes, 2 * 4 * (10 + 4), "{what}");
+        }
+    }
+}

@@ -689,6 +689,17 @@ impl GptConfig {
         tables * self.padded_vocab_size(tp) as u128 * h + positions + layers + norm
     }
 
+    /// Values a generation caches per token, over all layers: multi-latent attention's latent
+    /// and rotary key (`kv_lora_rank + qk_pos_emb_head_dim` a layer, its compressed cache), or
+    /// attention's keys and values (`2 · query groups · head size` a layer).
+    pub fn kv_cache_values_per_token(&self) -> usize {
+        let per_layer = match &self.mla {
+            Some(mla) => mla.kv_lora_rank + mla.qk_pos_emb_head_dim,
+            None => 2 * self.query_groups() * self.head_dim(),
+        };
+        self.num_layers * per_layer
+    }
+
     /// Model FLOPs of one training token of a sequence of `seq` tokens: 6 per parameter the
     /// token uses (forward and backward), plus attention's two batched products
     /// (12·layers·seq·heads·head size).

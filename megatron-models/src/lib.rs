@@ -5,6 +5,7 @@
 pub mod config;
 pub mod gpt;
 pub mod mla;
+pub mod mla_decode;
 pub mod moe;
 pub mod registry;
 pub mod self_attention;

@@ -44,6 +44,9 @@ pub enum SelfAttentionSaved {
     Latent(Box<LatentAttentionSaved>),
     /// MLA's without one.
     LatentKv(Box<LatentKvAttentionSaved>),
+    /// Nothing: a decoding forward of MLA (its compressed cache holds what later steps read;
+    /// there is no backward).
+    Decoded,
 }
 
 impl Module for SelfAttention {
@@ -114,8 +117,20 @@ impl SelfAttention {
         }
     }
 
-    /// Runs the variant.
+    /// Runs the variant; decoding with a KV cache, multi-latent attention keeps its compressed
+    /// cache ([`crate::mla_decode`]).
     pub fn forward(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, SelfAttentionSaved)> {
+        if cx.kv_cache().is_some() {
+            match self {
+                SelfAttention::Latent(m) => {
+                    return Ok((m.decode(cx, site, x)?, SelfAttentionSaved::Decoded));
+                }
+                SelfAttention::LatentKv(m) => {
+                    return Ok((m.decode(cx, site, x)?, SelfAttentionSaved::Decoded));
+                }
+                SelfAttention::Fused(_) => {}
+            }
+        }
         Ok(match self {
             SelfAttention::Fused(m) => {
                 let (y, s) = m.forward(cx, site, x)?;
@@ -147,6 +162,9 @@ impl SelfAttention {
             }
             (SelfAttention::LatentKv(m), SelfAttentionSaved::LatentKv(s)) => {
                 m.backward(cx, site, *s, dy)
+            }
+            (_, SelfAttentionSaved::Decoded) => {
+                megatron_core::invalid!("a decoding forward has no backward")
             }
             _ => megatron_core::invalid!(
                 "a SelfAttention backward got what another variant's forward saved"

@@ -558,6 +558,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             "layer_collectives": { "forward": phase(&fwd, measured), "backward": phase(&bwd, measured) },
             "sequence_parallel_layer_collectives": sp.as_ref().map(|(f, b, m)| json!({ "forward": phase(f, *m), "backward": phase(b, *m) })),
             "context_parallel": context_parallel.as_ref().map(|r| r.json()),
+            "kv_cache_values_per_token": config.kv_cache_values_per_token(),
             "layer_activation_bytes": activations.as_ref().map(|(without, with)| json!({
                 "seq_length": args.seq_length,
                 "micro_batch_size": args.micro_batch_size,
@@ -621,6 +622,36 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             args.ep,
             args.etp
         );
+    }
+    let cached = config.kv_cache_values_per_token();
+    match &config.mla {
+        Some(mla) => {
+            let expanded = config.num_layers
+                * config.num_attention_heads
+                * (mla.q_head_dim() + mla.v_head_dim);
+            // Llama 3's grouped-query attention at the same depth: 8 key/value heads of 128.
+            let gqa = config.num_layers * 2 * 8 * 128;
+            let _ = writeln!(
+                out,
+                "KV cache per token in generation: {cached} values ({} KiB in f32), MLA's latent \
+                 and rotary key per layer; its expanded keys and values would be {expanded} \
+                 ({:.0}×), a Llama of {} layers with 8 key/value heads of 128 caches {gqa} \
+                 ({:.1}×)",
+                cached * 4 / 1024,
+                expanded as f64 / cached as f64,
+                config.num_layers,
+                gqa as f64 / cached as f64
+            );
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "KV cache per token in generation: {cached} values ({} KiB in f32), keys and \
+                 values of {} key/value heads per layer",
+                cached * 4 / 1024,
+                config.query_groups()
+            );
+        }
     }
     out.push('\n');
     let _ = writeln!(

@@ -20,27 +20,31 @@ use crate::kernels::softmax::{self, KeyMask};
 use crate::module::Site;
 use crate::tensor::Tensor;
 
+use super::latent_cache::LatentLayer;
+
 /// What a generation keeps between its forward passes (see the module's documentation).
 #[derive(Debug, Default)]
 pub struct KvCache {
-    state: Mutex<State>,
+    pub(super) state: Mutex<State>,
 }
 
 #[derive(Debug, Default)]
-struct State {
+pub(super) struct State {
     /// Positions run before the current forward.
-    offset: usize,
+    pub(super) offset: usize,
     /// Each attention layer's cache, by its site.
-    layers: HashMap<u64, LayerCache>,
+    pub(super) layers: HashMap<u64, LayerCache>,
+    /// Each multi-latent attention layer's compressed cache, by its site.
+    pub(super) latents: HashMap<u64, LatentLayer>,
 }
 
 /// One attention layer's keys and values: per batch entry and key/value head, `[positions,
 /// head size]` rows, grown by a forward's new positions.
 #[derive(Debug)]
-struct LayerCache {
+pub(super) struct LayerCache {
     batch: usize,
-    groups: usize,
-    head_dim: usize,
+    pub(super) groups: usize,
+    pub(super) head_dim: usize,
     positions: usize,
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
@@ -72,6 +76,7 @@ impl KvCache {
         let mut state = self.state();
         state.offset = 0;
         state.layers.clear();
+        state.latents.clear();
     }
 }
 
