@@ -4,7 +4,8 @@
 //! here. The commands are read from the documents themselves. What they assume exists is made first: a
 //! corpus of JSON lines (the project's docs), `other_text_document`, a Hugging Face Llama at
 //! `~/Llama-3.2-1B` (llama-tiny trained a step with its own tokenizer and exported: HOME points
-//! into the test's directory) and a parameter list for `layout --params`. Commands for a GPU or
+//! into the test's directory), a `DeepseekV3ForCausalLM` at `~/Moonlight-16B-A3B`
+//! (deepseek-v3-tiny, likewise) and a parameter list for `layout --params`. Commands for a GPU or
 //! for MPI processes (`--device cuda`, `--backend mpi|nccl`, `mpirun`, `srun`) are left to the
 //! GPU and MPI tests; `cargo` commands are CI's own steps (the main command runs here as
 //! `megatron train`).
@@ -19,7 +20,7 @@ use support::TempDir;
 
 /// The guide's pages in the order of its index (the later pages' commands use what the
 /// earlier ones made).
-const GUIDE: [&str; 13] = [
+const GUIDE: [&str; 14] = [
     "data",
     "training",
     "pipeline-parallel",
@@ -30,6 +31,7 @@ const GUIDE: [&str; 13] = [
     "optimizer-and-precision",
     "recompute",
     "expert-parallel",
+    "deepseek",
     "graph-scopes",
     "processes-and-gpus",
     "writing-a-model",
@@ -218,7 +220,7 @@ fn every_readme_command_runs_as_written() {
     std::fs::create_dir_all(&home).unwrap();
     std::fs::write(work.join("corpus.jsonl"), corpus()).unwrap();
     // What the README's commands assume exists.
-    let setup: [&[&str]; 4] = [
+    let setup: [&[&str]; 6] = [
         &[
             "preprocess",
             "--input",
@@ -258,6 +260,27 @@ fn every_readme_command_runs_as_written() {
             "--to",
             "hf",
             "home/Llama-3.2-1B",
+        ],
+        // A DeepSeek-V3-architecture model as Hugging Face writes Moonlight.
+        &[
+            "train",
+            "--model",
+            "deepseek-v3-tiny",
+            "--tokenizer",
+            "llama-tokenizer.json",
+            "--train-iters",
+            "1",
+            "--quiet",
+            "--save",
+            "deepseek-src",
+        ],
+        &[
+            "convert",
+            "--from",
+            "deepseek-src",
+            "--to",
+            "hf",
+            "home/Moonlight-16B-A3B",
         ],
     ];
     for args in setup {

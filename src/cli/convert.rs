@@ -129,15 +129,21 @@ pub fn run(args: &ConvertArgs) -> Result<()> {
                 format!("--from {flag} {} --to {}", hf.display(), out.display())
             })?;
             let c = &done.config;
+            let heads = match c.mla {
+                Some(_) => format!("{} heads of multi-latent attention", c.num_attention_heads),
+                None => format!(
+                    "{} heads in {} groups",
+                    c.num_attention_heads,
+                    c.query_groups()
+                ),
+            };
             say!(
-                "converted {} ({}, {} layers, hidden {}, {} heads in {} groups, vocabulary {}) \
-                 into {}: {} of {} weights",
+                "converted {} ({}, {} layers, hidden {}, {heads}, vocabulary {}) into {}: {} of \
+                 {} weights",
                 hf.display(),
                 done.arch,
                 c.num_layers,
                 c.hidden_size,
-                c.num_attention_heads,
-                c.query_groups(),
                 c.vocab_size,
                 out.display(),
                 size(done.bytes),
