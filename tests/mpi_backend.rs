@@ -564,6 +564,35 @@ fn llama_training_under_mpirun_equals_thread_ranks() {
     processes_train_as_threads("llama", &args, "mpi", &[]);
 }
 
+/// DeepSeek-V3's blocks between processes (deepseek-v3-tiny: multi-latent attention with its
+/// rotary key gathered over tp, YaRN, a dense first layer, group-limited sigmoid routing with
+/// the expert bias beside a shared expert) at tp 2 with sequence parallelism, ep 2 and pp 2
+/// (a stage of the dense layer and one MoE layer, a stage of MoE layers), as on thread ranks.
+#[test]
+fn deepseek_training_under_mpirun_equals_thread_ranks() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--model",
+        "deepseek-v3-tiny",
+        "--tp",
+        "2",
+        "--sequence-parallel",
+        "--ep",
+        "2",
+        "--pp",
+        "2",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        "64",
+    ];
+    processes_train_as_threads("deepseek", &args, "mpi", &[]);
+}
+
 /// Context parallelism between processes: cp 2 × tp 2 with attention's keys and values
 /// all-gathered (their gradients reduce-scattered) and round a ring, and cp 4 with the
 /// hierarchical all-to-all inside pairs and a ring across them, through MPI; the gradients
