@@ -73,6 +73,12 @@ pub struct MoeArgs {
     /// top-k / group-topk scores sum highest.
     #[arg(long, value_name = "G", value_parser = values::dim, requires = "moe_router_num_groups")]
     moe_router_group_topk: Option<usize>,
+    /// The dtype of the routing computation: fp32, what megatron-rs's router always computes
+    /// in (the logits' products accumulated in f32, the scores, the top-k and the weights,
+    /// whatever the model's dtype: Megatron-LM's `fp32`, DeepSeek-V3's recipe); fp64 is
+    /// refused.
+    #[arg(long, value_parser = ["fp32", "fp64"])]
+    moe_router_dtype: Option<String>,
     /// The load-balancing loss [default: the preset's, or aux_loss].
     #[arg(long, value_enum)]
     moe_router_load_balancing_type: Option<BalancingArg>,
@@ -115,6 +121,7 @@ impl MoeArgs {
             || self.moe_router_score_function.is_some()
             || self.moe_router_topk_scaling_factor.is_some()
             || self.moe_router_num_groups.is_some()
+            || self.moe_router_dtype.is_some()
             || self.moe_router_load_balancing_type.is_some()
             || self.moe_aux_loss_coeff.is_some()
             || self.moe_z_loss_coeff.is_some()
@@ -251,6 +258,12 @@ impl MoeArgs {
                 "the --moe-* flags configure MoE layers: add --num-experts (the model is dense)"
             ),
         };
+        if self.moe_router_dtype.as_deref() == Some("fp64") {
+            bail!(
+                "--moe-router-dtype fp64: megatron-rs routes in fp32 (the logits' products \
+                 accumulated in f32, the scores and weights f32 in any model dtype): give fp32"
+            );
+        }
         let r = &mut moe.router;
         if let Some(e) = self.num_experts {
             r.num_experts = e;
