@@ -17,7 +17,7 @@ use crate::mla::{
 /// A layer's attention.
 pub enum SelfAttention {
     /// Multi-head (or grouped-query) attention on a fused `[q | k | v]` projection.
-    Fused(Attention),
+    Fused(Box<Attention>),
     /// Multi-latent attention with a query latent.
     Latent(Box<LatentAttention>),
     /// Multi-latent attention with queries projected directly.
@@ -62,7 +62,7 @@ impl Module for SelfAttention {
 
     fn build(spec: &SelfAttentionSpec, b: &mut Builder) -> Result<Self> {
         Ok(match spec {
-            SelfAttentionSpec::Fused(s) => SelfAttention::Fused(Attention::build(s, b)?),
+            SelfAttentionSpec::Fused(s) => SelfAttention::Fused(Box::new(Attention::build(s, b)?)),
             SelfAttentionSpec::Latent(s) => {
                 SelfAttention::Latent(Box::new(LatentAttention::build(s, b)?))
             }
