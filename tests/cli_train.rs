@@ -80,7 +80,7 @@ fn bad_configurations_are_clear_errors() {
         ),
         (
             &["train", "--model", "gpt-5"],
-            "unknown model `gpt-5`; registered models: gpt-1.2b, gpt-moe-tiny, gpt-tiny, gpt2-medium, gpt2-small, llama-tiny, llama3-70b, llama3-8b, mistral-7b, mixtral-8x7b, mixtral-tiny, qwen3-0.6b, qwen3-30b-a3b, qwen3-8b",
+            "unknown model `gpt-5`; registered models: deepseek-v3, deepseek-v3-tiny, gpt-1.2b, gpt-moe-tiny, gpt-tiny, gpt2-medium, gpt2-small, kimi-k2, llama-tiny, llama3-70b, llama3-8b, mistral-7b, mixtral-8x7b, mixtral-tiny, moonlight-16b-a3b, qwen3-0.6b, qwen3-30b-a3b, qwen3-8b",
         ),
         (
             &["train", "--data", "/nonexistent/corpus.txt"],
