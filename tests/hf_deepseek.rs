@@ -11,7 +11,9 @@
 mod support;
 
 use megatron::convert::hf_deepseek;
-use support::hf::{golden, our_logits, tensors};
+use support::hf::{
+    assert_exported_tensors, assert_greedy, assert_transformers_logits, golden, tensors,
+};
 use support::{TempDir, megatron, token_dataset};
 
 #[test]
@@ -19,76 +21,21 @@ fn imported_deepseek_v3_and_moonlight_give_transformers_logits_and_export_back()
     let dir = TempDir::new("hf-deepseek");
     for name in ["deepseek_v3", "moonlight"] {
         let hf = golden(name);
-        let reference: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(hf.join("reference.json")).unwrap())
-                .unwrap();
         let ckpt = dir.path().join(format!("{name}-ckpt"));
         let done = hf_deepseek::import(&hf, &ckpt).unwrap();
         let config = done.config;
         assert!(config.mla.is_some() && config.rotary.interleaved, "{name}");
-        let tokens: Vec<i64> = reference["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_i64().unwrap())
-            .collect();
-        let want: Vec<f64> = reference["logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap()))
-            .collect();
-        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-        for tp in [1, 2] {
-            let ours = our_logits(&ckpt, &config, &tokens, tp);
-            assert_eq!(ours.len(), want.len(), "{name}");
-            // f32 both sides in other orders of sums: 1e-5 of the largest logit.
-            let mut worst = 0f64;
-            for (i, (got, w)) in ours.iter().zip(&want).enumerate() {
-                let err = (f64::from(*got) - w).abs();
-                assert!(
-                    err <= 1e-5 * scale,
-                    "{name} tp {tp} [{i}]: {got} vs {w} (scale {scale})"
-                );
-                worst = worst.max(err);
-            }
-            eprintln!("{name} tp {tp}: largest logit {scale:.3}, largest difference {worst:.2e}");
-        }
+        assert_transformers_logits(name, &ckpt, &config);
         // Greedy generation with the compressed cache (the latents and rotary keys, the
         // absorbed up-projection) continues the prompt as transformers' generate does.
-        let ids = |key: &str| -> Vec<u32> {
-            reference[key]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|t| t.as_u64().unwrap() as u32)
-                .collect()
-        };
-        let greedy = megatron::generate::Sampling {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: 0,
-        };
-        let want = ids("greedy");
-        for tp in [1, 2] {
-            let got =
-                megatron::generate::generate(&ckpt, tp, &ids("prompt"), want.len(), greedy, None)
-                    .unwrap();
-            assert_eq!(got, want, "{name} greedy at tp {tp}");
-        }
+        assert_greedy(name, &ckpt);
         // Back to Hugging Face: the same tensors, bit for bit.
         let out = dir.path().join(format!("{name}-hf"));
         let arch = hf_deepseek::export(&ckpt, &out, &Default::default())
             .unwrap()
             .arch;
         assert_eq!(arch, "DeepseekV3ForCausalLM");
-        let written = tensors(&out);
-        let original = tensors(&hf);
-        assert_eq!(written.len(), original.len(), "{name}");
-        for (tensor, value) in &original {
-            assert!(written.get(tensor) == Some(value), "{name}: {tensor}");
-        }
+        assert_exported_tensors(name, &out);
         let config_out: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
                 .unwrap();

@@ -12,7 +12,7 @@ mod support;
 
 use megatron::convert::hf_llama;
 use support::TempDir;
-use support::hf::{golden, our_logits, tensors};
+use support::hf::{assert_exported_tensors, assert_greedy, assert_transformers_logits, golden};
 
 #[test]
 fn imported_llama_mistral_and_qwen_give_transformers_logits_and_export_back() {
@@ -28,80 +28,18 @@ fn imported_llama_mistral_and_qwen_give_transformers_logits_and_export_back() {
         "qwen2_window",
     ] {
         let hf = golden(name);
-        let reference: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(hf.join("reference.json")).unwrap())
-                .unwrap();
         let ckpt = dir.path().join(format!("{name}-ckpt"));
         let config = hf_llama::import(&hf, &ckpt).unwrap().config;
-        let tokens: Vec<i64> = reference["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_i64().unwrap())
-            .collect();
-        let want: Vec<f64> = reference["logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap()))
-            .collect();
-        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-        for tp in [1, 2] {
-            let ours = our_logits(&ckpt, &config, &tokens, tp);
-            assert_eq!(ours.len(), want.len(), "{name}");
-            // f32 both sides, in other orders of sums (and transformers' rsqrt): 1e-5 of the
-            // largest logit.
-            let mut worst = 0f64;
-            for (i, (got, w)) in ours.iter().zip(&want).enumerate() {
-                let err = (f64::from(*got) - w).abs();
-                assert!(
-                    err <= 1e-5 * scale,
-                    "{name} tp {tp} [{i}]: {got} vs {w} (scale {scale})"
-                );
-                worst = worst.max(err);
-            }
-            eprintln!("{name} tp {tp}: largest logit {scale:.3}, largest difference {worst:.2e}");
-        }
+        assert_transformers_logits(name, &ckpt, &config);
         // Greedy generation continues the prompt as transformers' generate does (its KV cache
         // against this full recompute of every position).
-        let ids = |key: &str| -> Vec<u32> {
-            reference[key]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|t| t.as_u64().unwrap() as u32)
-                .collect()
-        };
-        let greedy = megatron::generate::Sampling {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: 0,
-        };
-        let want = ids("greedy");
-        for tp in [1, 2] {
-            let got =
-                megatron::generate::generate(&ckpt, tp, &ids("prompt"), want.len(), greedy, None)
-                    .unwrap();
-            assert_eq!(got, want, "{name} greedy at tp {tp}");
-        }
+        assert_greedy(name, &ckpt);
         // Back to Hugging Face: the same tensors, bit for bit, in one file.
         let out = dir.path().join(format!("{name}-hf"));
         let arch = hf_llama::export(&ckpt, &out, &Default::default())
             .unwrap()
             .arch;
-        let config_in: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap())
-                .unwrap();
-        let written = tensors(&out);
-        let mut original = tensors(&hf);
-        if config_in["tie_word_embeddings"].as_bool() == Some(true) {
-            original.remove("lm_head.weight");
-        }
-        assert_eq!(written.len(), original.len(), "{name}");
-        for (tensor, value) in &original {
-            assert!(written.get(tensor) == Some(value), "{name}: {tensor}");
-        }
+        assert_exported_tensors(name, &out);
         // The config says the same model (Mistral without a window is a Llama).
         let config_out: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())

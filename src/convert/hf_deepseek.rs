@@ -553,31 +553,9 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<Converted> {
             take(&hf_name("mlp.shared_experts.down_proj.weight"), &[h, sf])?,
         ));
     }
-    model.push(OutTensor::copy(
-        "ln_f.weight",
-        take("model.norm.weight", &[h])?,
-    ));
-    match (
-        c.untie_embeddings_and_output_weights,
-        weights.get("lm_head.weight"),
-    ) {
-        (true, Some(_)) => model.push(OutTensor::copy(
-            "wte.output_weight",
-            take("lm_head.weight", &[vocab, h])?,
-        )),
-        (true, None) => bail!(
-            "{}: no tensor `lm_head.weight` (the config does not tie it to the embedding)",
-            hf_dir.display()
-        ),
-        (false, Some(head)) if !head.same_values(&embed)? => bail!(
-            "{}: `lm_head.weight` differs from the embedding, but the config ties them",
-            hf_dir.display()
-        ),
-        (false, Some(_)) => {
-            take("lm_head.weight", &[vocab, h])?;
-        }
-        (false, None) => {}
-    }
+    model.extend(super::hf_llama::final_norm_and_head(
+        &weights, &c, &embed, hf_dir,
+    )?);
     weights.refuse_untaken()?;
     let mut done = super::save_imported(hf_dir, out, &c, &model, ARCHITECTURE)?;
     let left_out = *mtp_names.borrow();

@@ -614,31 +614,47 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<Converted> {
             take(&hf_name("mlp.down_proj.weight"), &[h, f])?,
         ));
     }
-    model.push(OutTensor::copy(
+    model.extend(final_norm_and_head(&hf, &c, &embed, hf_dir)?);
+    hf.refuse_untaken()?;
+    super::save_imported(hf_dir, out, &c, &model, arch)
+}
+
+/// The final norm and, untied, the output layer of a decoder whose Hugging Face names are
+/// Llama's (`model.norm`, `lm_head`); a tied model's `lm_head.weight`, when stored, must be
+/// the embedding `embed`.
+pub(crate) fn final_norm_and_head<'a>(
+    hf: &'a HfWeights,
+    c: &GptConfig,
+    embed: &TensorRef<'a>,
+    hf_dir: &Path,
+) -> Result<Vec<OutTensor<'a>>> {
+    let (v, h) = (c.vocab_size, c.hidden_size);
+    let mut out = vec![OutTensor::copy(
         "ln_f.weight",
-        take("model.norm.weight", &[h])?,
-    ));
-    let head = hf.get("lm_head.weight");
-    match (c.untie_embeddings_and_output_weights, head) {
-        (true, Some(_)) => model.push(OutTensor::copy(
+        hf.take("model.norm.weight", &[h])?,
+    )];
+    match (
+        c.untie_embeddings_and_output_weights,
+        hf.get("lm_head.weight"),
+    ) {
+        (true, Some(_)) => out.push(OutTensor::copy(
             "wte.output_weight",
-            take("lm_head.weight", &[v, h])?,
+            hf.take("lm_head.weight", &[v, h])?,
         )),
         (true, None) => bail!(
             "{}: no tensor `lm_head.weight` (the config does not tie it to the embedding)",
             hf_dir.display()
         ),
-        (false, Some(head)) if !head.same_values(&embed)? => bail!(
+        (false, Some(head)) if !head.same_values(embed)? => bail!(
             "{}: `lm_head.weight` differs from the embedding, but the config ties them",
             hf_dir.display()
         ),
         (false, Some(_)) => {
-            take("lm_head.weight", &[v, h])?;
+            hf.take("lm_head.weight", &[v, h])?;
         }
         (false, None) => {}
     }
-    hf.refuse_untaken()?;
-    super::save_imported(hf_dir, out, &c, &model, arch)
+    Ok(out)
 }
 
 /// Writes the checkpoint `ckpt` of a Llama-family model as a Hugging Face directory `hf_dir`

@@ -60,3 +60,92 @@ pub fn tensors(dir: &Path) -> HashMap<String, (Vec<usize>, Vec<u32>)> {
     }
     out
 }
+
+/// Golden `name`'s `reference.json`: transformers' tokens, logits and greedy continuation.
+pub fn reference(name: &str) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(golden(name).join("reference.json")).unwrap())
+        .unwrap()
+}
+
+/// The token ids of `reference[key]`.
+fn ids(reference: &serde_json::Value, key: &str) -> Vec<u32> {
+    reference[key]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// Asserts that checkpoint `ckpt` (model `config`) gives golden `name`'s logits at tp 1 and 2:
+/// f32 both sides in other orders of sums (and transformers' rsqrt), to 1e-5 of the largest.
+pub fn assert_transformers_logits(name: &str, ckpt: &Path, config: &GptConfig) {
+    let reference = reference(name);
+    let tokens: Vec<i64> = ids(&reference, "tokens")
+        .iter()
+        .map(|&t| t.into())
+        .collect();
+    let want: Vec<f64> = reference["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap()))
+        .collect();
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    for tp in [1, 2] {
+        let ours = our_logits(ckpt, config, &tokens, tp);
+        assert_eq!(ours.len(), want.len(), "{name}");
+        let mut worst = 0f64;
+        for (i, (got, w)) in ours.iter().zip(&want).enumerate() {
+            let err = (f64::from(*got) - w).abs();
+            assert!(
+                err <= 1e-5 * scale,
+                "{name} tp {tp} [{i}]: {got} vs {w} (scale {scale})"
+            );
+            worst = worst.max(err);
+        }
+        eprintln!("{name} tp {tp}: largest logit {scale:.3}, largest difference {worst:.2e}");
+    }
+}
+
+/// Asserts that greedy generation from `ckpt` at tp 1 and 2 continues golden `name`'s prompt
+/// as transformers' generate did (its KV cache against ours).
+pub fn assert_greedy(name: &str, ckpt: &Path) {
+    let reference = reference(name);
+    let greedy = megatron::generate::Sampling {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 0,
+    };
+    let want = ids(&reference, "greedy");
+    for tp in [1, 2] {
+        let got = megatron::generate::generate(
+            ckpt,
+            tp,
+            &ids(&reference, "prompt"),
+            want.len(),
+            greedy,
+            None,
+        )
+        .unwrap();
+        assert_eq!(got, want, "{name} greedy at tp {tp}");
+    }
+}
+
+/// Asserts that the export `out` holds golden `name`'s tensors bit for bit (its `lm_head`
+/// left out when its config ties it to the embedding), and nothing else.
+pub fn assert_exported_tensors(name: &str, out: &Path) {
+    let hf = golden(name);
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    let written = tensors(out);
+    let mut original = tensors(&hf);
+    if config["tie_word_embeddings"].as_bool() == Some(true) {
+        original.remove("lm_head.weight");
+    }
+    assert_eq!(written.len(), original.len(), "{name}");
+    for (tensor, value) in &original {
+        assert!(written.get(tensor) == Some(value), "{name}: {tensor}");
+    }
+}
