@@ -75,6 +75,41 @@ fn deepseek_v3_tiny_trains_at_every_layout_as_one_rank() {
     }
 }
 
+/// LoRA on deepseek-v3-tiny (adapters beside attention's output projection and every MLP: the
+/// dense one, the routed and the shared experts): the base frozen but the routers' expert
+/// biases, which keep moving with the token counts as Megatron-LM's buffer does; at ep 2 × tp 2
+/// with sp as on one rank.
+#[test]
+fn lora_fine_tuning_keeps_the_expert_bias_moving() {
+    let dir = TempDir::new("cli-deepseek-lora");
+    let run = |name: &str, extra: &[&str]| {
+        let mut flags = vec![
+            "--lora-rank",
+            "4",
+            "--lora-target-modules",
+            "linear_proj",
+            "linear_fc1",
+            "linear_fc2",
+        ];
+        flags.extend(extra);
+        run_model(&TINY, &dir, "deepseek-v3-tiny", name, &flags)
+    };
+    let one = run("one", &["--dp", "4"]);
+    assert!(
+        one.windows(2)
+            .any(|w| w[0].tokens_per_expert != w[1].tokens_per_expert),
+        "the routing changes as the bias and the adapters train"
+    );
+    assert_same_training(
+        &run(
+            "tp2-sp-ep2",
+            &["--dp", "2", "--tp", "2", "--sequence-parallel", "--ep", "2"],
+        ),
+        &one,
+        "LoRA at tp 2 × ep 2",
+    );
+}
+
 /// llama-tiny's layers with multi-latent attention in place of grouped-query attention.
 const MLA: [&str; 27] = [
     "train",

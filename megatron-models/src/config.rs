@@ -289,12 +289,14 @@ impl GptConfig {
     }
 
     /// With LoRA, freezes every parameter of `model` but the adapters' (the base, as PEFT and
-    /// Megatron-Bridge train it); returns how many it froze (none without LoRA).
+    /// Megatron-Bridge train it) and the routers' expert biases (moved by the token counts, as
+    /// Megatron-LM's buffer keeps moving); returns how many it froze (none without LoRA).
     pub fn freeze_base(&self, model: &mut impl megatron_core::module::Module) -> usize {
+        use megatron_core::tensor_parallel::lora::is_adapter_param;
         match self.lora {
-            Some(_) => {
-                model.freeze(&|s| !megatron_core::tensor_parallel::lora::is_adapter_param(&s.name))
-            }
+            Some(_) => model.freeze(&|s| {
+                !is_adapter_param(&s.name) && !megatron_core::moe::is_expert_bias(&s.name)
+            }),
             None => 0,
         }
     }

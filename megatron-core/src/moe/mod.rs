@@ -20,6 +20,7 @@ pub use expert_tp::{TpRows, gather_expert_rows, reduce_scatter_expert_rows, rega
 pub use placed::PlacedRouting;
 pub use routed::{
     ExpertParallelSaved, GateSaved, RoutedExperts, RoutedExpertsSpec, RouterOutput, RouterSaved,
+    is_expert_bias,
 };
 pub use router::{
     DropPolicy, GroupLimited, LoadBalancing, Partition, RouterConfig, RouterError, Routing,

@@ -53,6 +53,13 @@ pub struct ExpertParallelSaved<G, R, L> {
     pub combine: CombineSaved,
 }
 
+/// Whether parameter `name` is a router's expert bias: moved each step by the token counts
+/// (Megatron-LM's aux-loss-free balancing, a buffer there), not by a gradient, so that it keeps
+/// moving when the weights around it are frozen (LoRA's base).
+pub fn is_expert_bias(name: &str) -> bool {
+    name.ends_with("router.expert_bias")
+}
+
 /// What [`RoutedExperts`] is built from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoutedExpertsSpec {
