@@ -177,8 +177,9 @@ pub struct Trainer<M: LanguageModel> {
     /// The experts per MoE layer whose routing statistics each step reports (0: none).
     routing_experts: usize,
     /// Whether some pipeline stage holds experts' parameters (the gradient norm's collectives
-    /// depend on it, the same on every stage).
-    experts_in_model: bool,
+    /// depend on it, the same on every stage): asked of the stages before the first step,
+    /// where the parameters live then (a GPU's communicator moves device tensors).
+    experts_in_model: Option<bool>,
     /// The graph scopes the run captures (`--cuda-graph-scope`) and what they captured.
     graphs: GraphRuntime,
 }
@@ -251,7 +252,6 @@ impl<M: LanguageModel> Trainer<M> {
             param_dtype: Some(config.precision.params),
         };
         let buffers = ParamBuffers::pack(&mut chunks, &plan)?;
-        let experts_in_model = experts_on_any_stage(parallel, &buffers)?;
         let shard = config.distributed_optimizer.then(|| groups.ranks());
         let optimizer = AdamW::new(&buffers, config.adam, shard)?;
         Ok(Trainer {
@@ -264,7 +264,7 @@ impl<M: LanguageModel> Trainer<M> {
             scaler: config.precision.grad_scaler(),
             routing_log: RoutingLog::default(),
             routing_experts: 0,
-            experts_in_model,
+            experts_in_model: None,
             graphs: GraphRuntime::new(ScopeSet::NONE),
         })
     }
@@ -392,6 +392,12 @@ impl<M: LanguageModel> Trainer<M> {
     /// pipeline when there is one), the gradient reduction over the data-parallel groups,
     /// clipping and the optimizer update.
     pub fn step(&mut self, parallel: &ParallelState, step: u64) -> Result<StepMetrics> {
+        let experts = match self.experts_in_model {
+            Some(experts) => experts,
+            None => *self
+                .experts_in_model
+                .insert(experts_on_any_stage(parallel, &self.buffers)?),
+        };
         let start = Instant::now();
         let before = parallel.stats();
         let plan = *self.sampler.plan();
@@ -447,12 +453,7 @@ impl<M: LanguageModel> Trainer<M> {
                 return Ok(metrics);
             }
         }
-        let norm = grad_norm(
-            &self.buffers,
-            &self.optimizer,
-            parallel,
-            self.experts_in_model,
-        )?;
+        let norm = grad_norm(&self.buffers, &self.optimizer, parallel, experts)?;
         // Every rank holds the same loss and norm (reduced over dp and the model-parallel
         // group), so every rank stops at the same step.
         if self.config.check_for_nan && !(loss.is_finite() && norm.is_finite()) {
@@ -607,7 +608,7 @@ impl<M: LanguageModel> Trainer<M> {
 }
 
 /// Whether any pipeline stage's `buffers` hold experts' parameters: this rank's, or with a
-/// pipeline the maximum over its stages (one all-reduce when the trainer is built).
+/// pipeline the maximum over its stages (one all-reduce, before the first step's).
 fn experts_on_any_stage(parallel: &ParallelState, buffers: &ParamBuffers) -> Result<bool> {
     let here = buffers.has_experts();
     if parallel.pp().size() == 1 {
