@@ -343,9 +343,8 @@ pub fn document(layout: &AuditLayout, ranks: &[Vec<Call>]) -> String {
          `dp` data-parallel, `ep` expert-parallel (the dispatcher's all-to-alls), `edp` the \
          expert parameters' data-parallel group, `etp-ep` the expert model-parallel group, \
          `embedding` the first and last stages (the tied embedding's gradient), `world` every \
-         rank. The step (the run's first: it starts by asking the pipeline's stages, once, \
-         whether any holds experts' parameters, which the gradient norm's collectives depend \
-         on): the 1F1B schedule's forwards and backwards with the stage exchanges over `pp`; then the \
+         rank. The step: the \
+         1F1B schedule's forwards and backwards with the stage exchanges over `pp`; then the \
          tied embedding's gradient sum; the gradients' reduce-scatter per bucket (the \
          distributed optimizer; an all-reduce without it) over `dp`, and `edp` for the \
          experts; the loss and MoE routing totals; the found-inf flag's maximum over the world \

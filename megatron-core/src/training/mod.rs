@@ -176,10 +176,6 @@ pub struct Trainer<M: LanguageModel> {
     routing_log: RoutingLog,
     /// The experts per MoE layer whose routing statistics each step reports (0: none).
     routing_experts: usize,
-    /// Whether some pipeline stage holds experts' parameters (the gradient norm's collectives
-    /// depend on it, the same on every stage): asked of the stages before the first step,
-    /// where the parameters live then (a GPU's communicator moves device tensors).
-    experts_in_model: Option<bool>,
     /// The graph scopes the run captures (`--cuda-graph-scope`) and what they captured.
     graphs: GraphRuntime,
 }
@@ -264,7 +260,6 @@ impl<M: LanguageModel> Trainer<M> {
             scaler: config.precision.grad_scaler(),
             routing_log: RoutingLog::default(),
             routing_experts: 0,
-            experts_in_model: None,
             graphs: GraphRuntime::new(ScopeSet::NONE),
         })
     }
@@ -295,7 +290,9 @@ impl<M: LanguageModel> Trainer<M> {
     }
 
     /// Reports the MoE routers' statistics (over `experts` experts per layer) in every step's
-    /// metrics ([`StepMetrics::routing`]): every rank of the run must say the same.
+    /// metrics ([`StepMetrics::routing`]): every rank of the run must say the same. It also
+    /// tells the gradient norm that the model has experts, so that a pipeline stage of dense
+    /// layers only (DeepSeek's first layers) makes the experts' collectives with the others.
     pub fn log_routing(&mut self, experts: usize) {
         self.routing_experts = experts;
     }
@@ -392,12 +389,9 @@ impl<M: LanguageModel> Trainer<M> {
     /// pipeline when there is one), the gradient reduction over the data-parallel groups,
     /// clipping and the optimizer update.
     pub fn step(&mut self, parallel: &ParallelState, step: u64) -> Result<StepMetrics> {
-        let experts = match self.experts_in_model {
-            Some(experts) => experts,
-            None => *self
-                .experts_in_model
-                .insert(experts_on_any_stage(parallel, &self.buffers)?),
-        };
+        // The same on every rank: whether the model has experts (the routing is logged for a
+        // MoE model), or this rank holds some.
+        let experts = self.routing_experts > 0 || self.buffers.has_experts();
         let start = Instant::now();
         let before = parallel.stats();
         let plan = *self.sampler.plan();
@@ -605,16 +599,4 @@ impl<M: LanguageModel> Trainer<M> {
         parallel.dp().all_reduce(&total, ReduceOp::Sum)?;
         Ok(f64::from(total.to_vec::<f32>()?[0]))
     }
-}
-
-/// Whether any pipeline stage's `buffers` hold experts' parameters: this rank's, or with a
-/// pipeline the maximum over its stages (one all-reduce, before the first step's).
-fn experts_on_any_stage(parallel: &ParallelState, buffers: &ParamBuffers) -> Result<bool> {
-    let here = buffers.has_experts();
-    if parallel.pp().size() == 1 {
-        return Ok(here);
-    }
-    let flag = Tensor::scalar_near(f32::from(u8::from(here)), buffers.grads())?;
-    parallel.pp().all_reduce(&flag, ReduceOp::Max)?;
-    Ok(flag.to_vec::<f32>()?[0] > 0.0)
 }
