@@ -75,10 +75,11 @@ fn deepseek_v3_tiny_trains_at_every_layout_as_one_rank() {
     }
 }
 
-/// LoRA on deepseek-v3-tiny (adapters beside attention's output projection and every MLP: the
-/// dense one, the routed and the shared experts): the base frozen but the routers' expert
-/// biases, which keep moving with the token counts as Megatron-LM's buffer does; at ep 2 × tp 2
-/// with sp as on one rank.
+/// LoRA on deepseek-v3-tiny (adapters beside every projection of multi-latent attention, by
+/// Megatron-LM's names: the replicated down projections, the column-parallel up projections,
+/// the output projection; and every MLP: the dense one, the routed and the shared experts):
+/// the base frozen but the routers' expert biases, which keep moving with the token counts as
+/// Megatron-LM's buffer does; at ep 2 × tp 2 with sp as on one rank.
 #[test]
 fn lora_fine_tuning_keeps_the_expert_bias_moving() {
     let dir = TempDir::new("cli-deepseek-lora");
@@ -87,6 +88,10 @@ fn lora_fine_tuning_keeps_the_expert_bias_moving() {
             "--lora-rank",
             "4",
             "--lora-target-modules",
+            "linear_q_down_proj",
+            "linear_q_up_proj",
+            "linear_kv_down_proj",
+            "linear_kv_up_proj",
             "linear_proj",
             "linear_fc1",
             "linear_fc2",
@@ -247,6 +252,17 @@ fn what_the_model_cannot_do_is_refused_by_name() {
             "--qk-pos-emb-head-dim 3: rotary embeddings turn pairs",
         ),
         (&["--rope-type", "yarn", "--use-rope-scaling"], "choose one"),
+        (
+            &["--lora-rank", "4", "--lora-target-modules", "linear_qkv"],
+            "--lora-target-modules: the model has no `linear_qkv` (its linear layers are \
+             self_attention.linear_q_down_proj, self_attention.linear_q_up_proj, \
+             self_attention.linear_kv_down_proj, self_attention.linear_kv_up_proj, \
+             self_attention.linear_proj",
+        ),
+        (
+            &["--lora-rank", "4", "--lora-target-modules", "linear_q_proj"],
+            "the model has no `linear_q_proj`",
+        ),
     ] {
         let stderr = tiny(extra);
         assert!(stderr.contains(message), "{extra:?}: {stderr}");

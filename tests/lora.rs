@@ -448,3 +448,183 @@ fn lora_dropout_drops_the_adapters_input_as_one_rank_at_every_tp() {
         }
     }
 }
+
+/// A whole (replicated) layer with its adapter written out, as multi-latent attention's down
+/// projections carry one: every matrix whole on every rank, no collective.
+#[megatron::module]
+pub struct LoraDown {
+    down: Linear,
+    down_lora_a: Linear,
+    down_lora_b: Linear,
+    #[config]
+    scale: f32,
+}
+
+#[megatron::module]
+impl LoraDown {
+    fn forward(&self, x: Tensor) -> Tensor {
+        self.down(x) + self.down_lora_b(self.down_lora_a(x)) * self.scale
+    }
+}
+
+/// The same whole layer, its adapter built in when the builder's LoRA config targets it.
+#[megatron::module]
+pub struct Down {
+    down: Linear,
+}
+
+#[megatron::module]
+impl Down {
+    fn forward(&self, x: Tensor) -> Tensor {
+        self.down(x)
+    }
+}
+
+/// One forward and backward of the whole layer at tp `tp` (`sp`: each rank its shard of the
+/// sequence), written out or built in with the written one's values (LoRA's dropout `p`):
+/// the output, the input gradient (shards put together) and rank 0's gradients by name.
+fn whole_pass(tp: usize, sp: bool, built_in: bool, p: f32) -> (Vec<f32>, Vec<f32>, Grads) {
+    let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp)).unwrap();
+    let per_rank = launch(tp, |w| -> R<_> {
+        let ps = ParallelState::new(&w, &layout)?.with_sequence_parallel(sp);
+        let adapter = |i, o| LinearSpec::new(i, o).with_bias(false).with_init_std(0.1);
+        let spec = LoraDownSpec {
+            down: LinearSpec::new(H, F),
+            down_lora_a: adapter(H, RANK),
+            down_lora_b: adapter(RANK, F),
+            scale: 2.0,
+        };
+        let written = LoraDown::build(&spec, &mut Builder::for_rank(5, ps.groups()))?;
+        let rows = if sp { SEQ / tp } else { SEQ };
+        let start = if sp {
+            ps.groups().tp_rank() * rows * BATCH * H
+        } else {
+            0
+        };
+        let x = values(0)[start..start + rows * BATCH * H].to_vec();
+        let x = Tensor::from_vec(x, [rows, BATCH, H])?;
+        let dy: Vec<f32> = (0..SEQ * BATCH * F)
+            .map(|i| ((i * 37 % 101) as f32 / 101.0 - 0.5) * 2.0)
+            .collect();
+        let start = if sp {
+            ps.groups().tp_rank() * rows * BATCH * F
+        } else {
+            0
+        };
+        let dy = Tensor::from_vec(
+            dy[start..start + rows * BATCH * F].to_vec(),
+            [rows, BATCH, F],
+        )?;
+        let cx = Cx::new(&ps, 0);
+        let mut grads = Vec::new();
+        let (y, dx) = if built_in {
+            let config = LoraConfig {
+                rank: RANK,
+                alpha: 2.0 * RANK as f32,
+                dropout: p,
+                targets: vec!["down".into()],
+            };
+            let b = Builder::for_rank(5, ps.groups()).with_lora(Some(config));
+            let spec = DownSpec {
+                down: LinearSpec::new(H, F),
+            };
+            let model = Down::build(&spec, &mut { b })?;
+            let mut values = std::collections::HashMap::new();
+            written.visit_params(&mut |p| {
+                values.insert(built_in_name(&p.spec().name), p.value().clone());
+            });
+            model.visit_params(&mut |p| p.set_values(&values[&p.spec().name]).unwrap());
+            let (y, saved) = model.forward(&cx, Site::ROOT, &x)?;
+            let dx = model.backward(&cx, Site::ROOT, saved, &dy)?;
+            sum_sequence_parallel_gradients(std::slice::from_ref(&model), &ps)?;
+            model.visit_params(&mut |p| {
+                grads.push((
+                    p.spec().name.clone(),
+                    Vec::new(),
+                    p.grad().to_vec_f32().unwrap(),
+                ))
+            });
+            (y, dx)
+        } else {
+            let (y, saved) = written.forward(&cx, Site::ROOT, &x)?;
+            let dx = written.backward(&cx, Site::ROOT, saved, &dy)?;
+            sum_sequence_parallel_gradients(std::slice::from_ref(&written), &ps)?;
+            written.visit_params(&mut |p| {
+                grads.push((
+                    built_in_name(&p.spec().name),
+                    Vec::new(),
+                    p.grad().to_vec_f32().unwrap(),
+                ))
+            });
+            (y, dx)
+        };
+        Ok((y.to_vec::<f32>()?, dx.to_vec::<f32>()?, grads))
+    })
+    .unwrap();
+    let (mut y, mut dx) = (Vec::new(), Vec::new());
+    let grads = per_rank[0].2.clone();
+    for (i, (a, b, _)) in per_rank.into_iter().enumerate() {
+        if sp || i == 0 {
+            y.extend(a);
+            dx.extend(b);
+        }
+    }
+    (y, dx, grads)
+}
+
+/// An adapter beside a whole layer (multi-latent attention's `linear_q_down_proj` and
+/// `linear_kv_down_proj`) computes what the written-out adapter does (output, input
+/// gradient, every gradient), at tp 1 and at tp 2 with and without sequence parallelism
+/// (each rank its shard of the sequence, the gradients summed over tp); its dropout draws
+/// the one-rank masks.
+#[test]
+fn lora_beside_a_whole_layer_is_the_written_out_adapter_at_every_tp() {
+    let one = whole_pass(1, false, false, 0.0);
+    for (tp, sp) in [(1, false), (2, false), (2, true)] {
+        let what = format!("tp {tp} sp {sp}");
+        let (built, written) = (
+            whole_pass(tp, sp, true, 0.0),
+            whole_pass(tp, sp, false, 0.0),
+        );
+        for (part, got, want) in [
+            ("output", &built.0, &written.0),
+            ("input gradient", &built.1, &written.1),
+            ("output vs one rank", &built.0, &one.0),
+            ("input gradient vs one rank", &built.1, &one.1),
+        ] {
+            let worst = support::max_abs_diff(got, want);
+            assert!(worst < 1e-5, "{what}: {part} {worst}");
+        }
+        assert_eq!(
+            built.2.len(),
+            4,
+            "{what}: the layer's weight and bias, A and B"
+        );
+        for (name, _, g) in &built.2 {
+            for (reference, grads) in [("written", &written.2), ("one rank", &one.2)] {
+                let (_, _, want) = grads.iter().find(|(n, ..)| n == name).unwrap();
+                let worst = support::max_abs_diff(g, want);
+                assert!(
+                    worst < 1e-5,
+                    "{what}: {name}'s gradient {worst} from {reference}'s"
+                );
+            }
+        }
+    }
+    // With dropout: sharded as one rank.
+    let one = whole_pass(1, false, true, 0.3);
+    assert_ne!(
+        one.0,
+        whole_pass(1, false, true, 0.0).0,
+        "the dropout drops"
+    );
+    let two = whole_pass(2, true, true, 0.3);
+    assert!(
+        support::max_abs_diff(&two.0, &one.0) < 1e-5,
+        "dropout at tp 2 sp"
+    );
+    assert!(
+        support::max_abs_diff(&two.1, &one.1) < 1e-5,
+        "dropout at tp 2 sp"
+    );
+}

@@ -8,6 +8,8 @@
 //! holds the adapters alone and names its base, and resumes from there. The tiny Mixtral's
 //! experts get an adapter each, trained at ep, etp, tp with sp, pp, recompute and bf16 as one
 //! rank, and go out as PEFT's `target_parameters` or merged, and back.
+//! DeepSeek-V3's multi-latent attention takes adapters beside each projection (the replicated
+//! down projections too), merged on export.
 
 mod support;
 
@@ -656,5 +658,93 @@ fn bad_lora_settings_are_refused_by_name() {
     assert!(
         !ok && stderr.contains("the model has no `*.experts.linear_fc1`"),
         "{stderr}"
+    );
+}
+
+/// The tiny DeepSeek-V3 of transformers (`tests/data/hf/deepseek_v3`) with adapters beside every
+/// projection of its multi-latent attention, by Megatron-LM's names (the replicated down
+/// projections, the column-parallel up projections, the output projection): merged into
+/// `q_a_proj`, `q_b_proj`, `kv_a_proj_with_mqa`, `kv_b_proj` and `o_proj` as `W + (α/r)·B·A`, and
+/// the merged export, imported back, evaluates the held-out data as the adapted model does.
+#[test]
+fn latent_attentions_adapters_merge_into_deepseeks_projections() {
+    let dir = TempDir::new("lora-deepseek-merge");
+    let data = token_dataset(&dir, 64, 96);
+    let base = import_golden(&dir, "deepseek_v3", "base");
+    let flags = [
+        "--lora-rank",
+        "2",
+        "--lora-alpha",
+        "8",
+        "--lora-target-modules",
+        "linear_q_down_proj",
+        "linear_q_up_proj",
+        "linear_kv_down_proj",
+        "linear_kv_up_proj",
+        "linear_proj",
+    ];
+    let save = train_lora(&dir, &base, &data, "2", &flags);
+    let lora = megatron::checkpoint::open(std::path::Path::new(&save)).unwrap();
+    let basec = megatron::checkpoint::open(std::path::Path::new(&base)).unwrap();
+    let ours = |name: &str| lora_or_base(&lora, &basec, name);
+    let merged = dir.join("merged");
+    let (ok, _, stderr) = megatron(&[
+        "convert",
+        "--from",
+        &save,
+        "--to",
+        "hf",
+        &merged,
+        "--merge-lora",
+    ]);
+    assert!(ok, "{stderr}");
+    let hf = read_tensors(&merged);
+    for (layer, theirs) in [
+        ("attn.q_down", "q_a_proj"),
+        ("attn.q_up", "q_b_proj"),
+        ("attn.kv_down", "kv_a_proj_with_mqa"),
+        ("attn.kv_up", "kv_b_proj"),
+        ("attn.proj", "o_proj"),
+    ] {
+        let w = ours(&format!("blocks.1.{layer}.weight"));
+        let a = ours(&format!("blocks.1.{layer}.lora_a.weight"));
+        let b = ours(&format!("blocks.1.{layer}.lora_b.weight"));
+        assert!(
+            b.data.iter().any(|&v| v != 0.0),
+            "{layer}: training moved B"
+        );
+        let want = merge(&w.data, &b.data, &a.data, 4.0, w.shape[1]);
+        let got = &hf[&format!("model.layers.1.self_attn.{theirs}.weight")].1;
+        let worst = worst(got, &want);
+        assert!(worst < 1e-6, "{theirs}: {worst}");
+    }
+    let again = dir.join("merged-ckpt");
+    let (ok, _, stderr) = megatron(&["convert", "--from", "hf", &merged, "--to", &again]);
+    assert!(ok, "{stderr}");
+    let loss = |ckpt: &str| {
+        let (ok, stdout, stderr) = megatron(&[
+            "eval",
+            "--json",
+            "--load",
+            ckpt,
+            "--data",
+            &data,
+            "--seq-length",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--eval-iters",
+            "2",
+        ]);
+        assert!(ok, "{stderr}");
+        let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+        v["loss"].as_f64().unwrap()
+    };
+    let (adapted, folded) = (loss(&save), loss(&again));
+    assert!(
+        (adapted - folded).abs() < 1e-5 * adapted,
+        "adapted {adapted} vs merged {folded}"
     );
 }

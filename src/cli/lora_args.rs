@@ -1,6 +1,8 @@
 //! `megatron train`'s LoRA flags, named as Megatron-Bridge's `LoRA` config: rank-r adapters
 //! beside the linear layers `--lora-target-modules` names (Megatron-LM's module names:
-//! `linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2`), the base frozen.
+//! `linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2`, and multi-latent attention's
+//! `linear_q_proj`, `linear_q_down_proj`, `linear_q_up_proj`, `linear_kv_down_proj`,
+//! `linear_kv_up_proj`), the base frozen.
 
 use anyhow::{Result, bail};
 use clap::Args;
@@ -9,8 +11,29 @@ use megatron::tensor_parallel::lora::LoraConfig;
 
 /// The GPT's linear layers that can carry an adapter: Megatron-LM's module name, our layer
 /// (the end of its dotted name) and Megatron-LM's path to it in a transformer layer.
-const LAYERS: [(&str, &str, &str); 8] = [
+const LAYERS: [(&str, &str, &str); 13] = [
     ("linear_qkv", "attn.qkv", "self_attention.linear_qkv"),
+    ("linear_q_proj", "attn.q", "self_attention.linear_q_proj"),
+    (
+        "linear_q_down_proj",
+        "attn.q_down",
+        "self_attention.linear_q_down_proj",
+    ),
+    (
+        "linear_q_up_proj",
+        "attn.q_up",
+        "self_attention.linear_q_up_proj",
+    ),
+    (
+        "linear_kv_down_proj",
+        "attn.kv_down",
+        "self_attention.linear_kv_down_proj",
+    ),
+    (
+        "linear_kv_up_proj",
+        "attn.kv_up",
+        "self_attention.linear_kv_up_proj",
+    ),
     ("linear_proj", "attn.proj", "self_attention.linear_proj"),
     ("linear_fc1", "mlp.fc1", "mlp.linear_fc1"),
     ("linear_fc2", "mlp.fc2", "mlp.linear_fc2"),
@@ -28,7 +51,9 @@ const LAYERS: [(&str, &str, &str); 8] = [
     ),
 ];
 
-/// Megatron-Bridge's four default targets.
+/// Megatron-Bridge's four default targets (those the model has: with multi-latent attention
+/// there is no `linear_qkv`, and its projections are named one by one, as Megatron-Bridge's
+/// Moonlight recipe names `linear_q_proj linear_kv_down_proj linear_kv_up_proj linear_proj`).
 const DEFAULT_TARGETS: [&str; 4] = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"];
 
 /// Whether the target `t` names the layer whose Megatron-LM module name is `module` and path
@@ -64,9 +89,11 @@ pub struct LoraArgs {
     #[arg(long, value_name = "P", requires = "lora_rank")]
     lora_dropout: Option<f32>,
     /// The layers that get adapters, by Megatron-LM's module names: linear_qkv, linear_proj,
-    /// linear_fc1, linear_fc2 (every layer of the name: dense MLPs and experts alike), or
-    /// Megatron-Bridge's patterns such as `*.experts.linear_fc1` (the routed experts' alone) or
-    /// `*.mlp.linear_fc2` (the dense MLPs') [default: the four names].
+    /// linear_fc1, linear_fc2 (every layer of the name: dense MLPs and experts alike),
+    /// multi-latent attention's linear_q_proj, linear_q_down_proj, linear_q_up_proj,
+    /// linear_kv_down_proj, linear_kv_up_proj, or Megatron-Bridge's patterns such as
+    /// `*.experts.linear_fc1` (the routed experts' alone) or `*.mlp.linear_fc2` (the dense
+    /// MLPs') [default: linear_qkv, linear_proj, linear_fc1, linear_fc2, those the model has].
     #[arg(long, value_name = "MODULE", num_args = 1.., requires = "lora_rank")]
     lora_target_modules: Vec<String>,
 }
@@ -100,11 +127,18 @@ impl LoraArgs {
         if !(0.0..1.0).contains(&dropout) {
             bail!("--lora-dropout {dropout} must be a probability in [0, 1)");
         }
+        let present = present_layers(model)?;
         let given: Vec<&str> = match self.lora_target_modules.as_slice() {
-            [] => DEFAULT_TARGETS.to_vec(),
+            [] => DEFAULT_TARGETS
+                .into_iter()
+                .filter(|t| {
+                    LAYERS
+                        .iter()
+                        .any(|(module, layer, _)| module == t && present.contains(layer))
+                })
+                .collect(),
             given => given.iter().map(String::as_str).collect(),
         };
-        let present = present_layers(model)?;
         let mut targets = Vec::new();
         for t in given {
             let layers: Vec<&str> = LAYERS
@@ -164,7 +198,15 @@ impl LoraArgs {
 
 /// Our layers `model` has (see [`LAYERS`]).
 fn present_layers(model: &GptConfig) -> Result<Vec<&'static str>> {
-    let mut present = vec!["attn.qkv", "attn.proj"];
+    let mut present = match &model.mla {
+        None => vec!["attn.qkv"],
+        Some(mla) if mla.q_lora_rank.is_some() => vec!["attn.q_down", "attn.q_up"],
+        Some(_) => vec!["attn.q"],
+    };
+    if model.mla.is_some() {
+        present.extend(["attn.kv_down", "attn.kv_up"]);
+    }
+    present.push("attn.proj");
     let routed = match &model.moe {
         Some(_) => model.moe_layers()?,
         None => vec![false; model.num_layers],
@@ -183,4 +225,62 @@ fn present_layers(model: &GptConfig) -> Result<Vec<&'static str>> {
         }
     }
     Ok(present)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn targets(model: &str, given: &[&str]) -> Result<Vec<String>> {
+        let args = LoraArgs {
+            lora_rank: Some(4),
+            lora_alpha: None,
+            lora_dropout: None,
+            lora_target_modules: given.iter().map(|s| s.to_string()).collect(),
+        };
+        let preset = megatron::models::registry::preset(model).expect("a preset");
+        let config = args.config(&(preset.config)(), None, &mut Vec::new())?;
+        Ok(config.expect("LoRA is on").targets)
+    }
+
+    #[test]
+    fn the_default_targets_are_those_the_model_has() {
+        let llama = targets("llama-tiny", &[]).unwrap();
+        assert_eq!(llama, ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"]);
+        // Multi-latent attention has no linear_qkv: the other three names.
+        let deepseek = targets("deepseek-v3-tiny", &[]).unwrap();
+        assert_eq!(
+            deepseek,
+            [
+                "attn.proj",
+                "mlp.fc1",
+                "mlp.experts.fc1",
+                "mlp.shared.fc1",
+                "mlp.fc2",
+                "mlp.experts.fc2",
+                "mlp.shared.fc2"
+            ]
+        );
+        // Megatron-Bridge's Moonlight recipe's targets (queries projected directly).
+        let moonlight = targets(
+            "moonlight-16b-a3b",
+            &[
+                "linear_q_proj",
+                "linear_kv_down_proj",
+                "linear_kv_up_proj",
+                "linear_proj",
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            moonlight,
+            ["attn.q", "attn.kv_down", "attn.kv_up", "attn.proj"]
+        );
+        let err = targets("moonlight-16b-a3b", &["linear_q_down_proj"]).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("the model has no `linear_q_down_proj`"),
+            "{err}"
+        );
+    }
 }

@@ -227,8 +227,13 @@ pub const POINTWISE: &str = include_str!("cu/pointwise.cuh");
 pub const SOURCE_MARK: &str = "// megatron-rs generated source";
 
 /// The PTX text a generated kernel is loaded from: the compiled `ptx`, then `source` in
-/// comments after [`SOURCE_MARK`].
+/// comments after [`SOURCE_MARK`], in ASCII: the driver's PTX parser refuses any other byte,
+/// comments included (an H200 refused the UTF-8 of `pointwise.cuh`'s comments with
+/// `CUDA_ERROR_INVALID_PTX`), so a character outside ASCII is written `\u{hex}`. Only
+/// comments hold such characters; anywhere else the escape would not compile, so the
+/// emulated GPU, which compiles the carried source, would say so.
 pub fn with_source(ptx: &str, source: &str) -> String {
+    use std::fmt::Write as _;
     let mut text = String::with_capacity(ptx.len() + source.len() * 2);
     text.push_str(ptx);
     if !text.ends_with('\n') {
@@ -238,7 +243,14 @@ pub fn with_source(ptx: &str, source: &str) -> String {
     text.push('\n');
     for line in source.lines() {
         text.push_str("//| ");
-        text.push_str(line);
+        for c in line.chars() {
+            if c.is_ascii() {
+                text.push(c);
+            } else {
+                // Writing to a String cannot fail.
+                let _ = write!(text, "\\u{{{:x}}}", u32::from(c));
+            }
+        }
         text.push('\n');
     }
     text
@@ -365,5 +377,17 @@ mod tests {
         for (name, source) in PROGRAMS {
             assert!(!kernel_names(source).is_empty(), "{name} has no kernel");
         }
+    }
+
+    #[test]
+    fn the_carried_source_is_ascii() {
+        // The element-wise helpers' comments hold `−`, `·`, `√` and `π`.
+        assert!(!POINTWISE.is_ascii());
+        let source = format!("{POINTWISE}\nx = 1; // a·b\n");
+        let text = with_source(".version 9.0\n", &source);
+        assert!(text.is_ascii());
+        let carried: Vec<&str> = text.lines().skip_while(|l| *l != SOURCE_MARK).collect();
+        assert_eq!(carried.last(), Some(&"//| x = 1; // a\\u{b7}b"));
+        assert_eq!(carried.len(), source.lines().count() + 1);
     }
 }

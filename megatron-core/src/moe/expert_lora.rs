@@ -46,7 +46,16 @@ pub struct ExpertAdapter {
     a: Param,
     b: Param,
     scale: f32,
-    beside: Beside,
+    beside: Side,
+}
+
+/// The experts' layer an adapter sits beside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    /// fc1, column-parallel over etp.
+    Fc1,
+    /// fc2, row-parallel over etp.
+    Fc2,
 }
 
 impl ExpertAdapter {
@@ -82,8 +91,19 @@ impl ExpertAdapter {
                 in_features.min(out_features)
             );
         }
-        let (a_split, b_split) = match beside {
-            Beside::Column => {
+        let side = match beside {
+            Beside::Column => Side::Fc1,
+            Beside::Row => Side::Fc2,
+            Beside::Whole => {
+                return invalid!(
+                    "{}: the experts' layers are split over etp; an adapter sits beside their \
+                     column-parallel fc1 or row-parallel fc2",
+                    b.name("lora_a")
+                );
+            }
+        };
+        let (a_split, b_split) = match side {
+            Side::Fc1 => {
                 if !r.is_multiple_of(etp) {
                     return invalid!(
                         "{}: LoRA rank {r} beside the experts' fc1 is split over the expert \
@@ -94,7 +114,7 @@ impl ExpertAdapter {
                 }
                 (Split::Experts { dim: 1, blocks: 1 }, out_split)
             }
-            Beside::Row => {
+            Side::Fc2 => {
                 if !out_features.is_multiple_of(etp) {
                     return invalid!(
                         "{}: B's {out_features} rows beside the experts' fc2 are split over the \
@@ -133,7 +153,7 @@ impl ExpertAdapter {
             a,
             b: bm,
             scale: config.scale(),
-            beside,
+            beside: side,
         })
     }
 
@@ -152,14 +172,14 @@ impl ExpertAdapter {
     /// adapters' gradients).
     pub fn factors(&self, etp: &dyn Communicator) -> Result<Factors> {
         let (split, held) = match self.beside {
-            Beside::Column => (&self.a, &self.b),
-            Beside::Row => (&self.b, &self.a),
+            Side::Fc1 => (&self.a, &self.b),
+            Side::Fc2 => (&self.b, &self.a),
         };
         let whole = gather_dim1(etp, &split.compute_value().to_f32_contiguous()?)?;
         let held = held.compute_value().to_f32_contiguous()?;
         Ok(match self.beside {
-            Beside::Column => Factors { a: whole, b: held },
-            Beside::Row => Factors { a: held, b: whole },
+            Side::Fc1 => Factors { a: whole, b: held },
+            Side::Fc2 => Factors { a: held, b: whole },
         })
     }
 
@@ -223,11 +243,11 @@ impl ExpertAdapter {
         // The held factor's gradient comes whole from this rank's slice; the split one's is
         // partial (this rank's rows or columns of G): summed over etp, each keeping its part.
         let (split, like) = match self.beside {
-            Beside::Column => {
+            Side::Fc1 => {
                 self.b.accumulate_grad(|grad| grad_b(grad, 1.0))?;
                 (&self.a, &a)
             }
-            Beside::Row => {
+            Side::Fc2 => {
                 self.a.accumulate_grad(|grad| grad_a(grad, 1.0))?;
                 (&self.b, &b)
             }
@@ -237,8 +257,8 @@ impl ExpertAdapter {
         }
         let partial = Tensor::empty_near(like.shape().clone(), DType::F32, like)?;
         match self.beside {
-            Beside::Column => grad_a(&partial, 0.0)?,
-            Beside::Row => grad_b(&partial, 0.0)?,
+            Side::Fc1 => grad_a(&partial, 0.0)?,
+            Side::Fc2 => grad_b(&partial, 0.0)?,
         }
         let part = reduce_scatter_dim1(etp, &partial)?;
         split.accumulate_grad(|grad| {

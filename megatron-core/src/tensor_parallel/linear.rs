@@ -174,10 +174,11 @@ impl Linear {
             None
         };
         let lora = match (mode, b.lora()) {
-            (Mode::Column | Mode::Row, Some(config)) if config.targets(&b.scope_name()) => {
+            (_, Some(config)) if config.targets(&b.scope_name()) => {
                 let beside = match mode {
                     Mode::Row => Beside::Row,
-                    _ => Beside::Column,
+                    Mode::Column => Beside::Column,
+                    Mode::Whole => Beside::Whole,
                 };
                 let config = config.clone();
                 let io = (spec.in_features, spec.out_features);
@@ -382,15 +383,32 @@ impl Module for Linear {
     }
 }
 
+/// A whole layer runs its adapter itself (`y += (α / r)·dropout(x)·Aᵀ·Bᵀ`): A and B are whole
+/// on every rank, so no collective is needed; the column- and row-parallel layers' adapters
+/// are run by the generated code, which places their collectives.
 impl Layer for Linear {
-    fn forward(&self, _cx: &Cx, _site: Site, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
-        self.forward_biased(Mode::Whole, "unsharded", x, DType::F32)
+    fn forward(&self, cx: &Cx, site: Site, x: &Tensor) -> Result<(Tensor, LinearSaved)> {
+        let (y, saved) = self.forward_biased(Mode::Whole, "unsharded", x, DType::F32)?;
+        let Some(lora) = &self.lora else {
+            return Ok((y, saved));
+        };
+        let a = lora.down(cx, site, &saved.x)?;
+        lora.add_up(&a, &y, 0)?;
+        Ok((y, saved.with_lora(a)))
     }
 
-    fn backward(&self, cx: &Cx, _site: Site, saved: LinearSaved, dy: &Tensor) -> Result<Tensor> {
+    fn backward(&self, cx: &Cx, site: Site, saved: LinearSaved, dy: &Tensor) -> Result<Tensor> {
+        let kept = saved.lora_kept().map(|(x, a)| (x.clone(), a.clone()));
         let (dx, dw) = self.backward_split(saved, dy, true, DType::F32)?;
         cx.weight_gradient(dw)?;
-        Ok(dx)
+        let (Some(lora), Some((x, a))) = (&self.lora, kept) else {
+            return Ok(dx);
+        };
+        let (da, dw_b) = lora.backward_up(&a, dy)?;
+        let (dx_adapter, dw_a) = lora.backward_down(cx, site, &x, &da)?;
+        cx.weight_gradient(dw_b)?;
+        cx.weight_gradient(dw_a)?;
+        crate::tensor_parallel::lora::add_input_grad(dx, Some(dx_adapter))
     }
 }
 

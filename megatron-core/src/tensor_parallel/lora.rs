@@ -84,6 +84,11 @@ pub enum Beside {
     Column,
     /// A row-parallel layer: A split over the inputs, B over the outputs.
     Row,
+    /// A whole (replicated) layer, as multi-latent attention's down projections: A and B
+    /// whole on every rank, read and written outside the tensor-parallel region (with sequence
+    /// parallelism on the rank's shard of the sequence, their gradients summed over tp as the
+    /// layer's own).
+    Whole,
 }
 
 /// An adapter's two matrices on this rank, and its scale.
@@ -136,6 +141,7 @@ impl LoraAdapter {
         let (a_split, b_split) = match beside {
             Beside::Column => (split(0), out_split),
             Beside::Row => (split(1), split(0)),
+            Beside::Whole => (Split::Replicated, Split::Replicated),
         };
         // Xavier's normal for A (Megatron-Bridge's `lora_A_init_method`), zeros for B.
         let std = (2.0 / (in_features + r) as f32).sqrt();
@@ -211,6 +217,7 @@ impl LoraAdapter {
         let sharding = match self.beside {
             Beside::Column => Sharding::Gathered,
             Beside::Row => Sharding::SplitLastDim,
+            Beside::Whole => Sharding::Replicated,
         };
         let (y, saved) = ops::dropout(cx, site.child("lora_dropout"), x, self.dropout, sharding)?;
         let y = match y.dtype() == x.dtype() {
