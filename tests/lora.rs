@@ -297,6 +297,15 @@ fn one_pass_with(
         Ok((y.to_vec::<f32>()?, dx.to_vec::<f32>()?, grads))
     })
     .unwrap();
+    put_together(per_rank, sp)
+}
+
+/// The ranks' outputs and input gradients put together (their sequence shards with `sp`, else
+/// rank 0's), with rank 0's gradients.
+fn put_together(
+    per_rank: Vec<(Vec<f32>, Vec<f32>, Grads)>,
+    sp: bool,
+) -> (Vec<f32>, Vec<f32>, Grads) {
     let (mut y, mut dx) = (Vec::new(), Vec::new());
     let grads = per_rank[0].2.clone();
     for (i, (a, b, _)) in per_rank.into_iter().enumerate() {
@@ -561,15 +570,7 @@ fn whole_pass(tp: usize, sp: bool, built_in: bool, p: f32) -> (Vec<f32>, Vec<f32
         Ok((y.to_vec::<f32>()?, dx.to_vec::<f32>()?, grads))
     })
     .unwrap();
-    let (mut y, mut dx) = (Vec::new(), Vec::new());
-    let grads = per_rank[0].2.clone();
-    for (i, (a, b, _)) in per_rank.into_iter().enumerate() {
-        if sp || i == 0 {
-            y.extend(a);
-            dx.extend(b);
-        }
-    }
-    (y, dx, grads)
+    put_together(per_rank, sp)
 }
 
 /// An adapter beside a whole layer (multi-latent attention's `linear_q_down_proj` and

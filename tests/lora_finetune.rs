@@ -300,6 +300,23 @@ fn train_lora(dir: &TempDir, base: &str, data: &str, steps: &str, flags: &[&str]
     save
 }
 
+/// Writes the LoRA checkpoint `save` as a Hugging Face model with its adapters merged, in
+/// `dir`'s `merged`; returns its path.
+fn export_merged(dir: &TempDir, save: &str) -> String {
+    let merged = dir.join("merged");
+    let (ok, _, stderr) = megatron(&[
+        "convert",
+        "--from",
+        save,
+        "--to",
+        "hf",
+        &merged,
+        "--merge-lora",
+    ]);
+    assert!(ok, "{stderr}");
+    merged
+}
+
 /// A tensor of the LoRA checkpoint `lora`, or of its base `base` when the base holds it.
 fn lora_or_base(
     lora: &megatron::checkpoint::Loaded,
@@ -345,17 +362,7 @@ fn a_lora_checkpoint_goes_out_as_peft_adapters_or_merged() {
         !ok && stderr.contains("--merge-lora folds them"),
         "{stderr}"
     );
-    let merged = dir.join("merged");
-    let (ok, _, stderr) = megatron(&[
-        "convert",
-        "--from",
-        &save,
-        "--to",
-        "hf",
-        &merged,
-        "--merge-lora",
-    ]);
-    assert!(ok, "{stderr}");
+    let merged = export_merged(&dir, &save);
     let (ok, _, stderr) = megatron(&[
         "convert",
         "--from",
@@ -496,17 +503,7 @@ fn the_experts_adapters_go_out_as_peft_target_parameters_or_merged_and_back() {
     );
     assert!(b1.data.iter().any(|&v| v != 0.0), "training moved B");
     // Merged: expert x's gate_proj (w1) is fc1's first f rows of x plus x's adapter's.
-    let merged = dir.join("merged");
-    let (ok, _, stderr) = megatron(&[
-        "convert",
-        "--from",
-        &save,
-        "--to",
-        "hf",
-        &merged,
-        "--merge-lora",
-    ]);
-    assert!(ok, "{stderr}");
+    let merged = export_merged(&dir, &save);
     let hf = read_tensors(&merged);
     let w1 = ours("blocks.1.mlp.experts.fc1.weight");
     let w2 = ours("blocks.1.mlp.experts.fc2.weight");
@@ -687,17 +684,7 @@ fn latent_attentions_adapters_merge_into_deepseeks_projections() {
     let lora = megatron::checkpoint::open(std::path::Path::new(&save)).unwrap();
     let basec = megatron::checkpoint::open(std::path::Path::new(&base)).unwrap();
     let ours = |name: &str| lora_or_base(&lora, &basec, name);
-    let merged = dir.join("merged");
-    let (ok, _, stderr) = megatron(&[
-        "convert",
-        "--from",
-        &save,
-        "--to",
-        "hf",
-        &merged,
-        "--merge-lora",
-    ]);
-    assert!(ok, "{stderr}");
+    let merged = export_merged(&dir, &save);
     let hf = read_tensors(&merged);
     for (layer, theirs) in [
         ("attn.q_down", "q_a_proj"),
