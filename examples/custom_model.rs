@@ -128,7 +128,7 @@ impl CarriedWidth for ModularLm {
 const HIDDEN: usize = 128;
 const HEADS: usize = 4;
 const LAYERS: usize = 2;
-/// Bytes: the built-in corpus is megatron-rs's own sources, read as bytes.
+/// Bytes: the examples' frozen corpus (examples/data) is read as bytes.
 const VOCAB: usize = 256;
 const STEPS: u64 = 150;
 const SEED: u64 = 1234;

@@ -31,7 +31,7 @@ fn job(tp: usize, ep: usize) -> Result<TrainJob, Box<dyn std::error::Error>> {
         global_batch: 8,
         dp: 1,
     };
-    let corpus = TokenStream::from_bytes(megatron::data::default_corpus());
+    let corpus = TokenStream::from_bytes(include_bytes!("data/corpus.txt"));
     Ok(TrainJob {
         model_name: MODEL.to_string(),
         model,

@@ -129,7 +129,7 @@ const D_NOPE: usize = 16;
 const D_ROPE: usize = 8;
 const D_V: usize = 20;
 const LAYERS: usize = 4;
-/// Bytes: the built-in corpus is megatron-rs's own sources, read as bytes.
+/// Bytes: the examples' frozen corpus (examples/data) is read as bytes.
 const VOCAB: usize = 256;
 const STEPS: u64 = 40;
 const SEED: u64 = 1234;

@@ -116,7 +116,7 @@ const HEADS: usize = 4;
 const GROUPS: usize = 2;
 const FFN: usize = 320;
 const LAYERS: usize = 4;
-/// Bytes: the built-in corpus is megatron-rs's own sources, read as bytes.
+/// Bytes: the examples' frozen corpus (examples/data) is read as bytes.
 const VOCAB: usize = 256;
 const STEPS: u64 = 40;
 const SEED: u64 = 1234;
@@ -168,7 +168,7 @@ fn train(tp: usize, cp: usize, pp: usize) -> Result<(Vec<f64>, f64)> {
         global_batch: 16,
         dp: 1,
     };
-    let corpus = TokenStream::from_bytes(megatron::data::default_corpus());
+    let corpus = TokenStream::from_bytes(include_bytes!("data/corpus.txt"));
     let data = Sampler::windows(corpus, plan, SEED)?;
     let config = TrainConfig {
         schedule: LrSchedule {

@@ -83,7 +83,7 @@ impl CarriedWidth for Relu2Lm {
 const HIDDEN: usize = 96;
 const HEADS: usize = 4;
 const LAYERS: usize = 4;
-/// Bytes: the built-in corpus is megatron-rs's own sources, read as bytes.
+/// Bytes: the examples' frozen corpus (examples/data) is read as bytes.
 const VOCAB: usize = 256;
 const STEPS: u64 = 40;
 const SEED: u64 = 1234;

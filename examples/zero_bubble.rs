@@ -34,7 +34,7 @@ fn job(pipeline: PipelineSettings) -> R<TrainJob> {
         global_batch: 16,
         dp: 1,
     };
-    let corpus = TokenStream::from_bytes(megatron::data::default_corpus());
+    let corpus = TokenStream::from_bytes(include_bytes!("data/corpus.txt"));
     Ok(TrainJob {
         model_name: "gpt-tiny".to_string(),
         model,

@@ -46,8 +46,8 @@ pub struct Run {
     pub seed: u64,
 }
 
-/// Trains `M` built from `spec` on `tp × cp × dp × pp` thread ranks over megatron-rs's own sources
-/// read as bytes; every step's loss (from the last stage) and the seconds taken.
+/// Trains `M` built from `spec` on `tp × cp × dp × pp` thread ranks over the examples' frozen
+/// corpus (examples/data) read as bytes; every step's loss (from the last stage) and the seconds taken.
 pub fn train<M>(spec: &M::Spec, run: Run, l: Layout) -> Result<(Vec<f64>, f64)>
 where
     M: PipelinedLanguageModel,
@@ -67,7 +67,7 @@ where
         global_batch: run.global_batch,
         dp: l.dp,
     };
-    let corpus = TokenStream::from_bytes(megatron::data::default_corpus());
+    let corpus = TokenStream::from_bytes(include_bytes!("../data/corpus.txt"));
     let data = Sampler::windows(corpus, plan, run.seed)?;
     let config = TrainConfig {
         schedule: LrSchedule {
