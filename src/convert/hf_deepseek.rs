@@ -589,20 +589,7 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
             lacks.join("; ")
         );
     }
-    match (&c.lora, options.merge_lora) {
-        (Some(lora), false) => bail!(
-            "{}: the checkpoint holds LoRA adapters (rank {} beside {}): --merge-lora folds them \
-             into the weights",
-            loaded.dir().display(),
-            lora.rank,
-            lora.targets.join(", ")
-        ),
-        (None, true) => bail!(
-            "{}: --merge-lora, but the checkpoint holds no LoRA adapters",
-            loaded.dir().display()
-        ),
-        _ => {}
-    }
+    super::check_merge_lora(&c, options.merge_lora, loaded.dir(), "")?;
     let tokenizer = super::checkpoint_tokenizer(ckpt, loaded.dir())?;
     let eod = super::eod_id(tokenizer.as_ref(), c.vocab_size);
     let carried = hf_files::carried_in(ckpt)?;

@@ -689,20 +689,12 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
         Some((arch, old)) if config_to_hf(&c, arch, eod) == *old => *arch,
         _ => family,
     };
-    match (&c.lora, options.merge_lora) {
-        (Some(lora), false) => bail!(
-            "{}: the checkpoint holds LoRA adapters (rank {} beside {}): --merge-lora folds them \
-             into the weights, or `--to peft DIR` writes them as PEFT's adapter for the base",
-            loaded.dir().display(),
-            lora.rank,
-            lora.targets.join(", ")
-        ),
-        (None, true) => bail!(
-            "{}: --merge-lora, but the checkpoint holds no LoRA adapters",
-            loaded.dir().display()
-        ),
-        _ => {}
-    }
+    super::check_merge_lora(
+        &c,
+        options.merge_lora,
+        loaded.dir(),
+        ", or `--to peft DIR` writes them as PEFT's adapter for the base",
+    )?;
     let tensors = super::CheckpointTensors::open(&loaded)?;
     let get = |name: &str| tensors.get(name);
     let lora = c.lora.as_ref();

@@ -430,6 +430,31 @@ impl CheckpointTensors {
     }
 }
 
+/// Refuses an export whose LoRA adapters and `--merge-lora` disagree: adapters need
+/// `--merge-lora` (`also`: what else could write them, said after it), and `--merge-lora` needs
+/// adapters. `dir` is the checkpoint's directory, for the messages.
+pub(crate) fn check_merge_lora(
+    config: &GptConfig,
+    merge_lora: bool,
+    dir: &Path,
+    also: &str,
+) -> Result<()> {
+    match (&config.lora, merge_lora) {
+        (Some(lora), false) => bail!(
+            "{}: the checkpoint holds LoRA adapters (rank {} beside {}): --merge-lora folds them \
+             into the weights{also}",
+            dir.display(),
+            lora.rank,
+            lora.targets.join(", ")
+        ),
+        (None, true) => bail!(
+            "{}: --merge-lora, but the checkpoint holds no LoRA adapters",
+            dir.display()
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// The tokenizer's end-of-text id when it is one of the model's `vocab_size` tokens (the byte
 /// tokenizer's 256 beside 256 bytes is not).
 pub(crate) fn eod_id(tokenizer: Option<&Tokenizer>, vocab_size: usize) -> Option<u32> {
