@@ -398,3 +398,73 @@ fn a_rank_failing_mid_pipeline_stops_every_rank_with_its_error() {
     })
     .unwrap();
 }
+
+/// Loss and gradient norm of each of 3 steps of deepseek-v3-tiny with its first two of four
+/// layers dense, at `tp × pp` (pp = 2: the first stage holds no expert; sequence parallelism
+/// when `sp`), on rank 0. The trainer is not told that the model has experts
+/// ([`Trainer::log_routing`] is not called).
+fn deepseek_dense_first_stage(tp: usize, pp: usize, sp: bool) -> R<Vec<(f64, f64)>> {
+    use megatron::models::MoeLayerFreq;
+    let mut config = (megatron::models::preset("deepseek-v3-tiny")
+        .ok_or("no preset")?
+        .config)();
+    if let Some(moe) = config.moe.as_mut() {
+        moe.layer_freq = MoeLayerFreq::Pattern(vec![0, 0, 1, 1]);
+    }
+    let spec = config.spec();
+    let layout = ParallelLayout::new(&ParallelConfig::new(tp * pp).with_tp(tp).with_pp(pp))?;
+    let stages = PipelineLayout::new(4, pp, 1, None, None)?;
+    let text = "DeepSeek-V3 starts with dense layers before its experts. ".repeat(20);
+    let mut ranks = launch(tp * pp, |w| -> R<Vec<(f64, f64)>> {
+        let ps = ParallelState::new(&w, &layout)?.with_sequence_parallel(sp);
+        let plan = BatchPlan {
+            seq_length: 16,
+            micro_batch: 1,
+            global_batch: 4,
+            dp: 1,
+        };
+        let sampler = Sampler::windows(TokenStream::from_bytes(text.as_bytes()), plan, 3)?;
+        let schedule = LrSchedule {
+            max_lr: 2e-3,
+            min_lr: 2e-4,
+            warmup_steps: 1,
+            decay_steps: 3,
+            style: DecayStyle::Cosine,
+        };
+        let train = support::train_config(schedule, 9, 10_000);
+        let b = Builder::for_rank(17, ps.groups()).with_stage(stages.part(ps.pp().index(), 0));
+        let model = Gpt::build(&spec, &mut { b })?;
+        let mut trainer = Trainer::pipelined(vec![model], &ps, sampler, train, None)?;
+        (0..3)
+            .map(|s| {
+                let m = trainer.step(&ps, s)?;
+                Ok((m.loss, m.grad_norm))
+            })
+            .collect()
+    })?;
+    Ok(ranks.remove(0))
+}
+
+/// A stage that holds no expert makes the gradient norm's collectives the experts' stages make
+/// (it hung until the trainer was told of the experts, the command line's way), and MoE at
+/// tensor-parallel size 2 without sequence parallelism is refused, as Megatron-LM refuses it
+/// (its expert and router gradients would not be one rank's: the gradient norm was 7% off).
+#[test]
+fn a_stage_of_dense_layers_agrees_with_the_experts_stages_on_the_gradient_norm() {
+    let reference = deepseek_dense_first_stage(1, 1, false).unwrap();
+    for (tp, sp) in [(1, false), (2, true)] {
+        let piped = deepseek_dense_first_stage(tp, 2, sp).unwrap();
+        assert_close(
+            &piped,
+            &reference,
+            &format!("tp {tp} × pp 2, the first stage dense"),
+        );
+    }
+    let refused = deepseek_dense_first_stage(2, 1, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("MoE layers with tensor-parallel size 2 need sequence parallelism"),
+        "{refused}"
+    );
+}

@@ -435,6 +435,17 @@ impl ExpertParallel for RoutedExperts {
 
     fn gate(&self, cx: &Cx, _site: Site, x: &Tensor) -> Result<(RouterOutput, GateSaved)> {
         let (e, h) = (self.router.num_experts, self.local.hidden);
+        // Megatron-LM refuses MoE with tensor parallelism but not sequence parallelism; without
+        // it the tensor-parallel ranks' gradients of the experts and the router would not be
+        // what one rank's are (the library's check of what the command line checks first).
+        let tp = cx.parallel().groups().config().tp;
+        if cx.training() && tp > 1 && !cx.parallel().sequence_parallel() {
+            return invalid!(
+                "MoE layers with tensor-parallel size {tp} need sequence parallelism (Megatron-LM \
+                 refuses to train them without it): ParallelState::with_sequence_parallel(true), \
+                 or tensor-parallel size 1 with expert and data parallelism"
+            );
+        }
         let dims = x.dims();
         if dims.len() < 2 || dims[dims.len() - 1] != h {
             return invalid!("the router takes [.., hidden {h}], got {}", x.shape());

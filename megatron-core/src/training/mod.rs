@@ -176,6 +176,10 @@ pub struct Trainer<M: LanguageModel> {
     routing_log: RoutingLog,
     /// The experts per MoE layer whose routing statistics each step reports (0: none).
     routing_experts: usize,
+    /// Whether some pipeline stage of the model holds experts: the same on every rank, so that a
+    /// stage of dense layers only (DeepSeek's first layers) makes the experts' collectives of
+    /// the gradient norm with the others.
+    model_has_experts: bool,
     /// The graph scopes the run captures (`--cuda-graph-scope`) and what they captured.
     graphs: GraphRuntime,
 }
@@ -248,6 +252,15 @@ impl<M: LanguageModel> Trainer<M> {
             param_dtype: Some(config.precision.params),
         };
         let buffers = ParamBuffers::pack(&mut chunks, &plan)?;
+        // Every stage learns whether another one holds experts (one value over the pipeline
+        // group, once): the stages of a pipeline agree on the gradient norm's collectives.
+        let mut model_has_experts = buffers.has_experts();
+        if parallel.groups().config().pp > 1 {
+            let flag =
+                Tensor::scalar_near(f32::from(u8::from(model_has_experts)), buffers.grads())?;
+            parallel.pp().all_reduce(&flag, ReduceOp::Max)?;
+            model_has_experts = flag.to_vec::<f32>()?[0] > 0.0;
+        }
         let shard = config.distributed_optimizer.then(|| groups.ranks());
         let optimizer = AdamW::new(&buffers, config.adam, shard)?;
         Ok(Trainer {
@@ -260,6 +273,7 @@ impl<M: LanguageModel> Trainer<M> {
             scaler: config.precision.grad_scaler(),
             routing_log: RoutingLog::default(),
             routing_experts: 0,
+            model_has_experts,
             graphs: GraphRuntime::new(ScopeSet::NONE),
         })
     }
@@ -290,9 +304,7 @@ impl<M: LanguageModel> Trainer<M> {
     }
 
     /// Reports the MoE routers' statistics (over `experts` experts per layer) in every step's
-    /// metrics ([`StepMetrics::routing`]): every rank of the run must say the same. It also
-    /// tells the gradient norm that the model has experts, so that a pipeline stage of dense
-    /// layers only (DeepSeek's first layers) makes the experts' collectives with the others.
+    /// metrics ([`StepMetrics::routing`]): every rank of the run must say the same.
     pub fn log_routing(&mut self, experts: usize) {
         self.routing_experts = experts;
     }
@@ -389,9 +401,7 @@ impl<M: LanguageModel> Trainer<M> {
     /// pipeline when there is one), the gradient reduction over the data-parallel groups,
     /// clipping and the optimizer update.
     pub fn step(&mut self, parallel: &ParallelState, step: u64) -> Result<StepMetrics> {
-        // The same on every rank: whether the model has experts (the routing is logged for a
-        // MoE model), or this rank holds some.
-        let experts = self.routing_experts > 0 || self.buffers.has_experts();
+        let experts = self.model_has_experts;
         let start = Instant::now();
         let before = parallel.stats();
         let plan = *self.sampler.plan();
