@@ -1,11 +1,14 @@
 //! The training loop on a hand-built model (no macros): data-parallel and tensor-parallel runs
-//! reproduce the single-rank run, the loss falls, and the gradient all-reduce is one per bucket.
+//! reproduce the single-rank run, the loss falls, and the gradient all-reduce is one per bucket;
+//! an auxiliary loss (a head predicting the token after next, as multi-token prediction's
+//! depths do) trains beside the main one and is reported as its plain computation gives it.
 
 mod support;
 
 use megatron::comm::threads::launch;
 use megatron::comm::{OpKind, ParallelState, ReduceOp};
 use megatron::module::{Builder, Cx, Layer, Module, Param, Site, VocabParallel};
+use megatron::ops::{AuxLossSaved, aux_loss, aux_loss_backward, shift_left};
 use megatron::parallel::{GroupKind, ParallelConfig, ParallelLayout};
 use megatron::tensor::Tensor;
 use megatron::tensor_parallel::{
@@ -19,10 +22,13 @@ use megatron::training::{
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
-/// A bigram model: embedding (vocab parallel), layer norm, tied logits, cross-entropy.
+/// A bigram model: embedding (vocab parallel), layer norm, tied logits, cross-entropy; with
+/// `aux`, the same logits also predict the token after next, an auxiliary loss of that weight
+/// named `mtp_1` (the targets and a mask of ones shifted one position earlier).
 struct Bigram {
     wte: Embedding,
     ln: LayerNorm,
+    aux: Option<f32>,
 }
 
 struct BigramSaved {
@@ -30,6 +36,7 @@ struct BigramSaved {
     ln: LayerNormSaved,
     logits: LogitsSaved,
     ce: VocabParallelCrossEntropySaved,
+    aux: Option<(VocabParallelCrossEntropySaved, AuxLossSaved)>,
 }
 
 impl Module for Bigram {
@@ -39,6 +46,7 @@ impl Module for Bigram {
         Ok(Bigram {
             wte: b.scoped("wte", |b| Embedding::build_vocab(&spec.0, b))?,
             ln: b.scoped("ln", |b| LayerNorm::build(&spec.1, b))?,
+            aux: None,
         })
     }
     fn visit_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
@@ -63,6 +71,20 @@ impl LanguageModel for Bigram {
         let (h, ln) = self.ln.forward(cx, Site::ROOT, &x)?;
         let (logits, lsaved) = self.wte.logits_forward(cx, Site::ROOT, &h)?;
         let (losses, ce) = vocab_parallel_cross_entropy(cx, Site::ROOT, &logits, targets)?;
+        let (losses, aux) = match self.aux {
+            None => (losses, None),
+            Some(weight) => {
+                let after_next = shift_left(cx, targets)?;
+                let ones = Tensor::from_vec(vec![1.0f32; targets.numel()], targets.dims())?;
+                let mask = shift_left(cx, &ones)?;
+                let site = Site::ROOT.child("mtp");
+                let (aux_losses, aux_ce) =
+                    vocab_parallel_cross_entropy(cx, site, &logits, &after_next)?;
+                let (losses, kept) =
+                    aux_loss(cx, site, "mtp_1", &losses, (&aux_losses, &mask), weight)?;
+                (losses, Some((aux_ce, kept)))
+            }
+        };
         Ok((
             losses,
             BigramSaved {
@@ -70,11 +92,21 @@ impl LanguageModel for Bigram {
                 ln,
                 logits: lsaved,
                 ce,
+                aux,
             },
         ))
     }
     fn backward_losses(&self, cx: &Cx, saved: BigramSaved, d: &Tensor) -> megatron::Result<()> {
-        let dlogits = vocab_parallel_cross_entropy_backward(cx, Site::ROOT, saved.ce, d)?;
+        let dlogits = match saved.aux {
+            None => vocab_parallel_cross_entropy_backward(cx, Site::ROOT, saved.ce, d)?,
+            Some((aux_ce, kept)) => {
+                let site = Site::ROOT.child("mtp");
+                let (d, d_aux) = aux_loss_backward(cx, site, kept, d)?;
+                let main = vocab_parallel_cross_entropy_backward(cx, Site::ROOT, saved.ce, &d)?;
+                let aux = vocab_parallel_cross_entropy_backward(cx, site, aux_ce, &d_aux)?;
+                megatron::ops::add(&main, &aux)?
+            }
+        };
         let dh = self
             .wte
             .logits_backward(cx, Site::ROOT, saved.logits, &dlogits)?;
@@ -96,6 +128,28 @@ fn train(
     steps: u64,
     bucket: usize,
 ) -> (Vec<f64>, Vec<(GroupKind, megatron::comm::CommStats)>) {
+    let (losses, comm, _) = train_with_aux(tp, dp, steps, bucket, None);
+    (losses, comm)
+}
+
+/// Losses of one step's micro-batches.
+type Curve = Vec<f64>;
+
+/// [`train`] with the auxiliary head of weight `aux`: also each step's reported `mtp_1` loss,
+/// and step 0's auxiliary loss as its plain computation gives it before any update (the main
+/// loss of the same model on the targets shifted on the host, over every position but the
+/// last).
+fn train_with_aux(
+    tp: usize,
+    dp: usize,
+    steps: u64,
+    bucket: usize,
+    aux: Option<f32>,
+) -> (
+    Curve,
+    Vec<(GroupKind, megatron::comm::CommStats)>,
+    (Curve, f64),
+) {
     let layout = ParallelLayout::new(&ParallelConfig::new(tp * dp).with_tp(tp)).unwrap();
     let out = launch(tp * dp, |w| -> R<_> {
         let ps = ParallelState::new(&w, &layout)?;
@@ -109,7 +163,7 @@ fn train(
             },
             LayerNormSpec::new(16),
         );
-        let model = Bigram::build(&spec, &mut Builder::for_rank(3, ps.groups()))?;
+        let mut model = Bigram::build(&spec, &mut Builder::for_rank(3, ps.groups()))?;
         let plan = BatchPlan {
             seq_length: 16,
             micro_batch: 2,
@@ -124,16 +178,39 @@ fn train(
             decay_steps: steps,
             style: DecayStyle::Cosine,
         };
+        // The plain auxiliary loss of step 0: each micro-batch's targets one position later
+        // (the last position has none) through the main loss, the mean over the positions that
+        // have one, and the mean of the micro-batches' means.
+        let (s, b) = (plan.seq_length, plan.micro_batch);
+        let mut plain = 0.0;
+        for micro in 0..plan.microbatches() {
+            let (tokens, targets) = sampler.microbatch(0, ps.groups().dp_rank(), micro)?;
+            let t = targets.to_vec::<i64>()?;
+            let later = (0..s * b)
+                .map(|i| t.get(i + b).copied().unwrap_or(0))
+                .collect();
+            let later = Tensor::from_vec::<i64>(later, [s, b])?;
+            let (l, _) = model.losses(&Cx::new(&ps, 5), &tokens, &later)?;
+            let l = l.to_vec::<f32>()?;
+            let counted = &l[..(s - 1) * b];
+            plain += counted.iter().map(|&x| f64::from(x)).sum::<f64>() / counted.len() as f64;
+        }
+        let plain = plain / plan.microbatches() as f64;
+        model.aux = aux;
         let config = support::train_config(schedule, 5, bucket);
         let mut trainer = Trainer::new(model, &ps, sampler, config)?;
-        let mut losses = Vec::new();
+        if aux.is_some() {
+            trainer.log_aux_losses(vec!["mtp_1".to_string()]);
+        }
+        let (mut losses, mut reported) = (Vec::new(), Vec::new());
         let mut comm = Vec::new();
         for step in 0..steps {
             let m = trainer.step(&ps, step)?;
             losses.push(m.loss);
+            reported.extend(m.aux_losses.iter().map(|(_, v)| *v));
             comm = m.comm;
         }
-        Ok((losses, comm))
+        Ok((losses, comm, (reported, plain)))
     })
     .unwrap();
     out.into_iter().next().unwrap()
@@ -171,4 +248,39 @@ fn gradients_are_reduced_once_per_bucket() {
         .get(OpKind::AllReduce);
     assert_eq!(dp.calls, 2 + 1, "2 gradient buckets and the reported loss");
     assert_eq!(dp.bytes, 4128 * 4 + 4);
+}
+
+#[test]
+fn an_auxiliary_loss_trains_beside_the_main_one_at_every_layout() {
+    let steps = 6;
+    let (plain, _, _) = train_with_aux(1, 1, steps, usize::MAX, None);
+    let (reference, _, (aux, first_plain)) = train_with_aux(1, 1, steps, usize::MAX, Some(0.5));
+    // The first step's forward is the plain model's; the auxiliary gradient changes the updates.
+    assert_eq!(reference[0], plain[0]);
+    assert!((reference[steps as usize - 1] - plain[steps as usize - 1]).abs() > 1e-4);
+    assert_eq!(aux.len(), steps as usize);
+    assert!(
+        aux[steps as usize - 1] < aux[0],
+        "the auxiliary loss falls too: {aux:?}"
+    );
+    // The first step's report is the plain computation's.
+    assert!(
+        (aux[0] - first_plain).abs() < 1e-5,
+        "{} vs {first_plain}",
+        aux[0]
+    );
+    for (tp, dp) in [(2, 1), (1, 2), (2, 2)] {
+        let (losses, _, (aux_tp, _)) = train_with_aux(tp, dp, steps, usize::MAX, Some(0.5));
+        for (i, (a, b)) in losses
+            .iter()
+            .zip(&reference)
+            .chain(aux_tp.iter().zip(&aux))
+            .enumerate()
+        {
+            assert!(
+                (a - b).abs() <= 1e-4 * b.abs(),
+                "tp {tp} dp {dp} value {i}: {a} vs {b}"
+            );
+        }
+    }
 }

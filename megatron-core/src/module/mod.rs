@@ -31,6 +31,7 @@ use crate::error::Result;
 use crate::inference::KvCache;
 use crate::invalid;
 use crate::moe::RoutingLog;
+use crate::ops::AuxLossLog;
 use crate::parallel::GroupKind;
 use crate::rng::DropoutStream;
 use crate::tensor::Tensor;
@@ -51,6 +52,8 @@ pub struct Cx<'a> {
     aux_loss_scale: f32,
     /// Where MoE layers report their routing, when someone listens.
     routing_log: Option<&'a RoutingLog>,
+    /// Where auxiliary losses (multi-token prediction's) report their values.
+    aux_loss_log: Option<&'a AuxLossLog>,
     /// The graph scopes' runtime, when the run selected any.
     graphs: Option<&'a GraphRuntime>,
     /// The in-flight slot of this microbatch (its graphs and static buffers).
@@ -76,6 +79,7 @@ impl<'a> Cx<'a> {
             recompute: Recompute::Off,
             aux_loss_scale: 1.0,
             routing_log: None,
+            aux_loss_log: None,
             graphs: None,
             graph_slot: 0,
             kv_cache: None,
@@ -244,6 +248,19 @@ impl<'a> Cx<'a> {
     /// Where MoE layers report their routing, if anywhere.
     pub fn routing_log(&self) -> Option<&'a RoutingLog> {
         self.routing_log
+    }
+
+    /// The same context with auxiliary losses ([`crate::ops::aux_loss`]) reporting to `log`.
+    pub fn with_aux_loss_log(&self, log: &'a AuxLossLog) -> Cx<'a> {
+        Cx {
+            aux_loss_log: Some(log),
+            ..*self
+        }
+    }
+
+    /// Where auxiliary losses report their values, if anywhere.
+    pub fn aux_loss_log(&self) -> Option<&'a AuxLossLog> {
+        self.aux_loss_log
     }
 
     /// The expert-parallel communicator (the MoE dispatcher's all-to-alls).

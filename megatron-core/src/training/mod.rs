@@ -29,6 +29,7 @@ use crate::error::{Error, Result};
 use crate::invalid;
 use crate::module::{Cx, Ids, Module};
 use crate::moe::{RoutingLog, RoutingTotals};
+use crate::ops::AuxLossLog;
 use crate::optimizer::{
     AdamW, AdamWConfig, GradScaler, LayoutConfig, Precision, clip_coefficient, grad_norm,
 };
@@ -126,6 +127,10 @@ pub struct StepMetrics {
     /// What this rank's graph scopes captured and replayed so far, when the run selected any
     /// (`--cuda-graph-scope`; each pipeline rank has its own counts).
     pub graphs: Option<GraphStats>,
+    /// The auxiliary losses the model reported ([`crate::ops::aux_loss`]; multi-token
+    /// prediction's `mtp_1`, `mtp_2`, ...), each the mean of the global batch's micro-batch
+    /// means, in the order [`Trainer::log_aux_losses`] named them (empty unless named).
+    pub aux_losses: Vec<(String, f64)>,
 }
 
 /// The bytes of one rank's training state, measured from its allocations.
@@ -174,6 +179,9 @@ pub struct Trainer<M: LanguageModel> {
     pub(crate) scaler: Option<GradScaler>,
     /// Where the MoE layers' routers report.
     routing_log: RoutingLog,
+    /// Where auxiliary losses report, and the names every rank reduces.
+    aux_loss_log: AuxLossLog,
+    aux_loss_names: Vec<String>,
     /// The experts per MoE layer whose routing statistics each step reports (0: none).
     routing_experts: usize,
     /// Whether some pipeline stage of the model holds experts: the same on every rank, so that a
@@ -272,6 +280,8 @@ impl<M: LanguageModel> Trainer<M> {
             engine,
             scaler: config.precision.grad_scaler(),
             routing_log: RoutingLog::default(),
+            aux_loss_log: AuxLossLog::default(),
+            aux_loss_names: Vec::new(),
             routing_experts: 0,
             model_has_experts,
             graphs: GraphRuntime::new(ScopeSet::NONE),
@@ -373,7 +383,8 @@ impl<M: LanguageModel> Trainer<M> {
         let cx = Cx::new(parallel, self.config.seed)
             .with_recompute(self.config.recompute)
             .with_aux_loss_scale(self.loss_scale() / microbatches as f32)
-            .with_routing_log(&self.routing_log);
+            .with_routing_log(&self.routing_log)
+            .with_aux_loss_log(&self.aux_loss_log);
         if self.graphs.scopes().is_empty() {
             cx
         } else {
@@ -386,6 +397,57 @@ impl<M: LanguageModel> Trainer<M> {
     /// (on the CPU, counted and run eagerly). Whatever was captured before is dropped.
     pub fn set_graph_scopes(&mut self, scopes: ScopeSet) {
         self.graphs = GraphRuntime::new(scopes);
+    }
+
+    /// Reports the auxiliary losses called `names` in every step's metrics
+    /// ([`StepMetrics::aux_losses`]; multi-token prediction's `mtp_1` to `mtp_D`, Megatron-LM's
+    /// `mtp_k loss`): every rank of the run must name the same, also the stages that compute
+    /// none. A step whose model reports a loss not named is an error.
+    pub fn log_aux_losses(&mut self, names: Vec<String>) {
+        self.aux_loss_names = names;
+    }
+
+    /// The named auxiliary losses of the step: the sums of micro-batch means and their counts
+    /// summed over every rank (the tensor- and context-parallel ranks' equal means weigh alike,
+    /// so the mean is the data-parallel ranks' micro-batches' mean), one all-reduce.
+    fn reduce_aux_losses(&self, parallel: &ParallelState) -> Result<Vec<(String, f64)>> {
+        let logged = self.aux_loss_log.take();
+        if self.aux_loss_names.is_empty() && logged.is_empty() {
+            return Ok(Vec::new());
+        }
+        if let Some(name) = logged.keys().find(|n| !self.aux_loss_names.contains(n)) {
+            return invalid!(
+                "the model reported the auxiliary loss `{name}`, which the trainer was not told \
+                 of (Trainer::log_aux_losses names {:?})",
+                self.aux_loss_names
+            );
+        }
+        let k = self.aux_loss_names.len();
+        let mut values = vec![0.0f32; 2 * k];
+        for (i, name) in self.aux_loss_names.iter().enumerate() {
+            if let Some(&(sum, count)) = logged.get(name) {
+                values[i] = sum as f32;
+                values[k + i] = count as f32;
+            }
+        }
+        let values = Tensor::from_vec(values, [2 * k])?;
+        let values = crate::backend::of(self.buffers.grads()).place(&values)?;
+        parallel
+            .comm(GroupKind::World)
+            .all_reduce(&values, ReduceOp::Sum)?;
+        let values = values.to_vec::<f32>()?;
+        Ok(self
+            .aux_loss_names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let mean = match values[k + i] {
+                    0.0 => f64::NAN,
+                    count => f64::from(values[i]) / f64::from(count),
+                };
+                (name.clone(), mean)
+            })
+            .collect())
     }
 
     /// What the graph scopes captured and replayed so far.
@@ -422,6 +484,7 @@ impl<M: LanguageModel> Trainer<M> {
         let routing = self
             .routing_log
             .totals(parallel, self.routing_experts, like)?;
+        let aux_losses = self.reduce_aux_losses(parallel)?;
         for (range, bias) in self
             .routing_log
             .expert_bias_updates(parallel, &self.buffers)?
@@ -447,6 +510,7 @@ impl<M: LanguageModel> Trainer<M> {
                     .metrics(parallel, &before, start, step, loss, f64::NAN, tokens)
                     .skipped(loss_scale, pipeline_wait);
                 metrics.routing = routing;
+                metrics.aux_losses = aux_losses;
                 metrics.graphs = self.graph_stats_if_any();
                 metrics.counted_tokens = counted;
                 metrics.empty_microbatches = empty_microbatches;
@@ -483,6 +547,7 @@ impl<M: LanguageModel> Trainer<M> {
         metrics.activation_peak_bytes = activation_peak_bytes;
         metrics.loss_scale = loss_scale;
         metrics.routing = routing;
+        metrics.aux_losses = aux_losses;
         metrics.graphs = self.graph_stats_if_any();
         Ok(metrics)
     }
@@ -525,6 +590,7 @@ impl<M: LanguageModel> Trainer<M> {
             skipped: false,
             routing: None,
             graphs: None,
+            aux_losses: Vec::new(),
         }
     }
 }
