@@ -173,7 +173,7 @@ fn modular_spec() -> ModularLmSpec {
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     println!(
         "a {LAYERS}-layer parallel-block decoder (hidden {HIDDEN}, {HEADS} heads, no position \
-         embedding) on megatron-rs's sources as bytes"
+         embedding) on the examples' corpus (the guide and the model sources) as bytes"
     );
     let run = Run {
         steps: STEPS,

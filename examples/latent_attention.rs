@@ -166,7 +166,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     println!(
         "a {LAYERS}-layer decoder with latent attention (hidden {HIDDEN}, {HEADS} heads, latent \
          {KV_RANK}, head sizes q·k {} and v {D_V}, a rotary key of {D_ROPE} shared by the heads) \
-         on megatron-rs's sources as bytes",
+         on the examples' corpus (the guide and the model sources) as bytes",
         D_NOPE + D_ROPE
     );
     let run = Run {

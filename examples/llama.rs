@@ -212,7 +212,7 @@ fn train(tp: usize, cp: usize, pp: usize) -> Result<(Vec<f64>, f64)> {
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     println!(
         "a {LAYERS}-layer Llama (hidden {HIDDEN}, {HEADS} heads in {GROUPS} key/value groups, \
-         SwiGLU {FFN}, RMSNorm, RoPE, untied) on megatron-rs's sources as bytes"
+         SwiGLU {FFN}, RMSNorm, RoPE, untied) on the examples' corpus (the guide and the model sources) as bytes"
     );
     let (parallel, seconds) = train(2, 1, 2)?;
     println!("TP=2 × PP=2 on 4 thread ranks: {STEPS} steps in {seconds:.1} s");

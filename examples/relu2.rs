@@ -113,7 +113,7 @@ fn spec() -> Relu2LmSpec {
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     println!(
         "a {LAYERS}-layer decoder with ReLU² MLPs (hidden {HIDDEN}, {HEADS} heads) on \
-         megatron-rs's sources as bytes"
+         the examples' corpus (the guide and the model sources) as bytes"
     );
     let run = Run {
         steps: STEPS,

@@ -128,42 +128,56 @@ fn train(
     steps: u64,
     bucket: usize,
 ) -> (Vec<f64>, Vec<(GroupKind, megatron::comm::CommStats)>) {
-    let (losses, comm, _) = train_with_aux(tp, dp, steps, bucket, None);
-    (losses, comm)
+    let t = train_model(tp, dp, steps, bucket, false, |ps| hand_built(ps, None));
+    (t.losses, t.comm)
 }
 
-/// Losses of one step's micro-batches.
-type Curve = Vec<f64>;
+/// The hand-built bigram on this rank, with the auxiliary head of weight `aux` if any.
+fn hand_built(ps: &ParallelState, aux: Option<f32>) -> megatron::Result<Bigram> {
+    let mut model = Bigram::build(&(embedding(), LayerNormSpec::new(16)), &mut builder(ps))?;
+    model.aux = aux;
+    Ok(model)
+}
 
-/// [`train`] with the auxiliary head of weight `aux`: also each step's reported `mtp_1` loss,
-/// and step 0's auxiliary loss as its plain computation gives it before any update (the main
-/// loss of the same model on the targets shifted on the host, over every position but the
-/// last).
-fn train_with_aux(
+fn embedding() -> EmbeddingSpec {
+    EmbeddingSpec {
+        vocab_size: 256,
+        hidden: 16,
+        init_std: 0.02,
+        make_vocab_size_divisible_by: 64,
+        untied: false,
+    }
+}
+
+fn builder(ps: &ParallelState) -> Builder {
+    Builder::for_rank(3, ps.groups())
+}
+
+/// What a run gave: each step's loss, rank 0's communication in the last step, each step's
+/// reported `mtp_1` loss, and step 0's auxiliary loss as its plain computation gives it
+/// before any update (the main loss of the same model on the targets shifted on the host,
+/// over every position but the last, averaged over the micro-batches).
+struct Trained {
+    losses: Vec<f64>,
+    comm: Vec<(GroupKind, megatron::comm::CommStats)>,
+    aux: Vec<f64>,
+    plain: f64,
+}
+
+/// Trains the model `build` makes on `tp × dp` thread ranks for `steps` steps, reporting the
+/// auxiliary loss `mtp_1` when `aux`.
+fn train_model<M: LanguageModel>(
     tp: usize,
     dp: usize,
     steps: u64,
     bucket: usize,
-    aux: Option<f32>,
-) -> (
-    Curve,
-    Vec<(GroupKind, megatron::comm::CommStats)>,
-    (Curve, f64),
-) {
+    aux: bool,
+    build: impl Fn(&ParallelState) -> megatron::Result<M> + Sync,
+) -> Trained {
     let layout = ParallelLayout::new(&ParallelConfig::new(tp * dp).with_tp(tp)).unwrap();
     let out = launch(tp * dp, |w| -> R<_> {
         let ps = ParallelState::new(&w, &layout)?;
-        let spec = (
-            EmbeddingSpec {
-                vocab_size: 256,
-                hidden: 16,
-                init_std: 0.02,
-                make_vocab_size_divisible_by: 64,
-                untied: false,
-            },
-            LayerNormSpec::new(16),
-        );
-        let mut model = Bigram::build(&spec, &mut Builder::for_rank(3, ps.groups()))?;
+        let model = build(&ps)?;
         let plan = BatchPlan {
             seq_length: 16,
             micro_batch: 2,
@@ -178,9 +192,6 @@ fn train_with_aux(
             decay_steps: steps,
             style: DecayStyle::Cosine,
         };
-        // The plain auxiliary loss of step 0: each micro-batch's targets one position later
-        // (the last position has none) through the main loss, the mean over the positions that
-        // have one, and the mean of the micro-batches' means.
         let (s, b) = (plan.seq_length, plan.micro_batch);
         let mut plain = 0.0;
         for micro in 0..plan.microbatches() {
@@ -196,10 +207,9 @@ fn train_with_aux(
             plain += counted.iter().map(|&x| f64::from(x)).sum::<f64>() / counted.len() as f64;
         }
         let plain = plain / plan.microbatches() as f64;
-        model.aux = aux;
         let config = support::train_config(schedule, 5, bucket);
         let mut trainer = Trainer::new(model, &ps, sampler, config)?;
-        if aux.is_some() {
+        if aux {
             trainer.log_aux_losses(vec!["mtp_1".to_string()]);
         }
         let (mut losses, mut reported) = (Vec::new(), Vec::new());
@@ -210,10 +220,80 @@ fn train_with_aux(
             reported.extend(m.aux_losses.iter().map(|(_, v)| *v));
             comm = m.comm;
         }
-        Ok((losses, comm, (reported, plain)))
+        Ok(Trained {
+            losses,
+            comm,
+            aux: reported,
+            plain,
+        })
     })
     .unwrap();
     out.into_iter().next().unwrap()
+}
+
+/// The bigram with its auxiliary head written with the DSL: the same parameters under the same
+/// names (no blocks in its pipeline stack), the head's targets and mask shifted by the
+/// builtins, the loss carried by `aux_loss`.
+mod dsl {
+    use megatron::prelude::*;
+    use megatron::training::CarriedWidth;
+
+    /// A layer norm as a block (the stack is empty here).
+    #[megatron::module]
+    pub struct Norm {
+        ln: LayerNorm,
+    }
+
+    #[megatron::module]
+    impl Norm {
+        fn forward(&self, x: Tensor) -> Tensor {
+            self.ln(x)
+        }
+    }
+
+    #[megatron::module]
+    pub struct AuxBigram {
+        #[vocab_parallel]
+        wte: Embedding,
+        #[pipeline]
+        blocks: Vec<Norm>,
+        ln: LayerNorm,
+    }
+
+    #[megatron::module]
+    impl AuxBigram {
+        fn forward(&self, tokens: Ids, targets: Ids) -> Tensor {
+            let mut h = self.wte(tokens);
+            for block in &self.blocks {
+                h = block(h);
+            }
+            let logits = self.wte.logits(self.ln(h));
+            let losses = cross_entropy(logits, targets);
+            let after_next = cross_entropy(logits, shift_left(targets));
+            aux_loss(
+                losses,
+                after_next,
+                shift_left(loss_mask(targets)),
+                0.5,
+                "mtp_1",
+            )
+        }
+    }
+
+    impl CarriedWidth for AuxBigram {
+        fn carried_width(&self) -> usize {
+            self.ln.hidden()
+        }
+    }
+}
+
+fn dsl_built(ps: &ParallelState) -> megatron::Result<dsl::AuxBigram> {
+    let spec = dsl::AuxBigramSpec {
+        wte: embedding(),
+        blocks: Vec::new(),
+        ln: LayerNormSpec::new(16),
+    };
+    dsl::AuxBigram::build(&spec, &mut builder(ps))
 }
 
 #[test]
@@ -253,34 +333,39 @@ fn gradients_are_reduced_once_per_bucket() {
 #[test]
 fn an_auxiliary_loss_trains_beside_the_main_one_at_every_layout() {
     let steps = 6;
-    let (plain, _, _) = train_with_aux(1, 1, steps, usize::MAX, None);
-    let (reference, _, (aux, first_plain)) = train_with_aux(1, 1, steps, usize::MAX, Some(0.5));
+    let last = steps as usize - 1;
+    let plain = train_model(1, 1, steps, usize::MAX, false, |ps| hand_built(ps, None));
+    let reference = train_model(1, 1, steps, usize::MAX, true, |ps| {
+        hand_built(ps, Some(0.5))
+    });
     // The first step's forward is the plain model's; the auxiliary gradient changes the updates.
-    assert_eq!(reference[0], plain[0]);
-    assert!((reference[steps as usize - 1] - plain[steps as usize - 1]).abs() > 1e-4);
-    assert_eq!(aux.len(), steps as usize);
-    assert!(
-        aux[steps as usize - 1] < aux[0],
-        "the auxiliary loss falls too: {aux:?}"
-    );
+    assert_eq!(reference.losses[0], plain.losses[0]);
+    assert!((reference.losses[last] - plain.losses[last]).abs() > 1e-4);
+    assert_eq!(reference.aux.len(), steps as usize);
+    let aux = &reference.aux;
+    assert!(aux[last] < aux[0], "the auxiliary loss falls too: {aux:?}");
     // The first step's report is the plain computation's.
-    assert!(
-        (aux[0] - first_plain).abs() < 1e-5,
-        "{} vs {first_plain}",
-        aux[0]
-    );
-    for (tp, dp) in [(2, 1), (1, 2), (2, 2)] {
-        let (losses, _, (aux_tp, _)) = train_with_aux(tp, dp, steps, usize::MAX, Some(0.5));
-        for (i, (a, b)) in losses
-            .iter()
-            .zip(&reference)
-            .chain(aux_tp.iter().zip(&aux))
-            .enumerate()
-        {
+    let first = reference.plain;
+    assert!((aux[0] - first).abs() < 1e-5, "{} vs {first}", aux[0]);
+    let close = |t: &Trained, what: &str| {
+        let pairs = t.losses.iter().zip(&reference.losses);
+        for (i, (a, b)) in pairs.chain(t.aux.iter().zip(aux)).enumerate() {
             assert!(
                 (a - b).abs() <= 1e-4 * b.abs(),
-                "tp {tp} dp {dp} value {i}: {a} vs {b}"
+                "{what} value {i}: {a} vs {b}"
             );
         }
+    };
+    for (tp, dp) in [(2, 1), (1, 2), (2, 2)] {
+        let t = train_model(tp, dp, steps, usize::MAX, true, |ps| {
+            hand_built(ps, Some(0.5))
+        });
+        close(&t, &format!("tp {tp} dp {dp}"));
     }
+    // The DSL's shift_left, loss_mask and aux_loss write what the hand-built model does: on
+    // one rank the same numbers, bit for bit.
+    let t = train_model(1, 1, steps, usize::MAX, true, dsl_built);
+    assert_eq!((&t.losses, &t.aux), (&reference.losses, aux));
+    let t = train_model(2, 2, steps, usize::MAX, true, dsl_built);
+    close(&t, "the DSL's model at tp 2 dp 2");
 }

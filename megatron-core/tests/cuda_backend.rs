@@ -749,3 +749,55 @@ fn buffers_shared_by_two_streams_need_an_event_between_their_uses() -> R {
     }
     Ok(())
 }
+
+/// Multi-token prediction's ops on device tensors: `shift_left` of ids and of a mask,
+/// `loss_mask` and `aux_loss`'s gradient give what the host gives, on the device.
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn shifted_ids_and_masks_on_the_device_equal_the_hosts() -> R {
+    use megatron_core::comm::ParallelState;
+    use megatron_core::module::Cx;
+    use megatron_core::ops::{loss_mask, shift_left};
+    use megatron_core::parallel::{ParallelConfig, ParallelLayout};
+    let layout = ParallelLayout::new(&ParallelConfig::new(1))?;
+    let g = gpu();
+    launch(1, |w| -> R {
+        let ps = ParallelState::new(&w, &layout)?;
+        let cx = Cx::new(&ps, 1);
+        let ids = Tensor::from_vec((0..12).map(|i| i as i64 + 3).collect(), [4, 3])?;
+        let on_device = ids.to_gpu(&g)?;
+        let shifted = shift_left(&cx, &on_device)?;
+        assert!(matches!(shifted.device(), Device::Cuda(_)));
+        assert_eq!(
+            shifted.to_vec::<i64>()?,
+            shift_left(&cx, &ids)?.to_vec::<i64>()?
+        );
+        let mask = loss_mask(&cx, &on_device)?;
+        assert!(matches!(mask.device(), Device::Cuda(_)));
+        let shifted_mask = shift_left(&cx, &mask)?.to_vec::<f32>()?;
+        assert_eq!(shifted_mask, [[1.0f32; 9].as_slice(), &[0.0; 3]].concat());
+        // The auxiliary loss's gradient lands where its losses live.
+        let losses = Tensor::from_vec(values(12, 7), [4, 3])?;
+        let carrier = Tensor::from_vec(values(5, 8), [5])?.to_gpu(&g)?;
+        let masked = shift_left(&cx, &mask)?;
+        let on_host = aux_loss_grad(&cx, &carrier, &losses, &masked)?;
+        let on_gpu = aux_loss_grad(&cx, &carrier, &losses.to_gpu(&g)?, &masked)?;
+        assert!(matches!(on_gpu.device(), Device::Cuda(_)));
+        assert_eq!(on_gpu.to_vec::<f32>()?, on_host.to_vec::<f32>()?);
+        Ok(())
+    })?;
+    Ok(())
+}
+
+/// The per-token losses' gradient of `aux_loss` (weight 0.5) over `losses` and `mask`.
+fn aux_loss_grad(
+    cx: &megatron_core::module::Cx,
+    carrier: &Tensor,
+    losses: &Tensor,
+    mask: &Tensor,
+) -> R<Tensor> {
+    use megatron_core::module::Site;
+    use megatron_core::ops::{aux_loss, aux_loss_backward};
+    let (_, saved) = aux_loss(cx, Site::ROOT, "mtp_1", carrier, (losses, mask), 0.5)?;
+    Ok(aux_loss_backward(cx, Site::ROOT, saved, carrier)?.1)
+}

@@ -116,8 +116,10 @@ pub enum NodeOp {
     Builtin {
         /// Which.
         builtin: Builtin,
-        /// dropout's probability expression.
+        /// dropout's probability, rope's config, aux_loss's weight.
         p: Option<Box<syn::Expr>>,
+        /// aux_loss's name in the step's metrics.
+        label: Option<syn::LitStr>,
     },
     /// `a + b`.
     Add,
@@ -557,18 +559,23 @@ impl Builder {
                 builtin,
                 args,
                 p,
+                label,
                 src,
-                ..
             } => {
                 let args = self.args(args)?;
-                let site = self.site(builtin.name());
+                // The data builtins keep nothing and have no backward: no call site.
+                let site = match builtin {
+                    Builtin::ShiftLeft | Builtin::LossMask => None,
+                    _ => Some(self.site(builtin.name())),
+                };
                 Some(self.node(
                     NodeOp::Builtin {
                         builtin: *builtin,
                         p: p.clone(),
+                        label: label.clone(),
                     },
                     args,
-                    Some(site),
+                    site,
                     src.clone(),
                 ))
             }

@@ -668,14 +668,17 @@ pub enum Expr {
         /// The call.
         src: Src,
     },
-    /// `gelu(..)`, `swiglu(..)`, `dropout(..)`, `cross_entropy(..)`.
+    /// `gelu(..)`, `swiglu(..)`, `dropout(..)`, `cross_entropy(..)`, `rope(..)`,
+    /// `shift_left(..)`, `loss_mask(..)`, `aux_loss(..)`.
     Builtin {
         /// Which.
         builtin: Builtin,
-        /// The tensor arguments.
+        /// The tensor (and ids) arguments.
         args: Vec<Expr>,
-        /// For dropout: the probability expression, evaluated as written.
+        /// dropout's probability, rope's config, aux_loss's weight: evaluated as written.
         p: Option<Box<syn::Expr>>,
+        /// aux_loss's name in the step's metrics.
+        label: Option<syn::LitStr>,
         /// The call.
         src: Src,
     },
@@ -830,6 +833,14 @@ pub enum Builtin {
     CrossEntropy,
     /// `rope(x, cfg)`: rotary embeddings on each head of `x` (`cfg`: a `megatron::ops::Rope`).
     Rope,
+    /// `shift_left(ids)`: ids (or a loss mask) one position earlier along the sequence, the
+    /// last position zero (multi-token prediction's next tokens).
+    ShiftLeft,
+    /// `loss_mask(targets)`: the 0/1 weights of the targets (the data's loss mask, or ones).
+    LossMask,
+    /// `aux_loss(x, losses, mask, weight, "name")`: `x` unchanged, carrying the auxiliary loss
+    /// `weight · Σ(mask · losses) / Σ mask` (multi-token prediction's depth losses).
+    AuxLoss,
 }
 
 impl Builtin {
@@ -841,6 +852,9 @@ impl Builtin {
             Builtin::Dropout => "dropout",
             Builtin::CrossEntropy => "cross_entropy",
             Builtin::Rope => "rope",
+            Builtin::ShiftLeft => "shift_left",
+            Builtin::LossMask => "loss_mask",
+            Builtin::AuxLoss => "aux_loss",
         }
     }
 }
@@ -1583,6 +1597,9 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
         "dropout" => Builtin::Dropout,
         "cross_entropy" => Builtin::CrossEntropy,
         "rope" => Builtin::Rope,
+        "shift_left" => Builtin::ShiftLeft,
+        "loss_mask" => Builtin::LossMask,
+        "aux_loss" => Builtin::AuxLoss,
         "select" => return parse_select(c, e),
         "split" | "split_heads" => {
             return Err(syn::Error::new_spanned(
@@ -1617,7 +1634,7 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
                 &c.func,
                 format!(
                     "unknown function `{other}` in forward: the builtins are swiglu, dropout, \
-                     cross_entropy and rope, the shape operations split, split_heads, narrow, \
+                     cross_entropy, rope, shift_left, loss_mask and aux_loss, the shape operations split, split_heads, narrow, \
                      cat, cat_heads and broadcast_heads, the element-wise functions {} (with \
                      `+ - * /`, fused into generated kernels), and fields are called as \
                      `self.field(x)` (a loop element only inside its loop); other math is an op \
@@ -1635,6 +1652,9 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
         Builtin::Dropout => (2, "dropout(x, p)"),
         Builtin::CrossEntropy => (2, "cross_entropy(logits, targets)"),
         Builtin::Rope => (2, "rope(x, cfg)"),
+        Builtin::ShiftLeft => (1, "shift_left(ids)"),
+        Builtin::LossMask => (1, "loss_mask(targets)"),
+        Builtin::AuxLoss => (5, "aux_loss(x, losses, mask, weight, \"name\")"),
     };
     if c.args.len() != want {
         return Err(syn::Error::new_spanned(
@@ -1647,18 +1667,37 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
             ),
         ));
     }
-    let (args, p) = if matches!(builtin, Builtin::Dropout | Builtin::Rope) {
-        (
+    let (args, p, label) = match builtin {
+        Builtin::Dropout | Builtin::Rope => (
             vec![parse_expr(&c.args[0])?],
             Some(Box::new(c.args[1].clone())),
-        )
-    } else {
-        (parse_args(&c.args)?, None)
+            None,
+        ),
+        Builtin::AuxLoss => {
+            let label = match &c.args[4] {
+                syn::Expr::Lit(syn::ExprLit {
+                    lit: syn::Lit::Str(name),
+                    ..
+                }) if !name.value().is_empty() => name.clone(),
+                other => {
+                    return Err(syn::Error::new_spanned(
+                        other,
+                        "aux_loss's last argument is the loss's name in the step's metrics, a \
+                         string literal such as \"mtp_1\"",
+                    ));
+                }
+            };
+            let tensors: Vec<syn::Expr> = c.args.iter().take(3).cloned().collect();
+            let tensors = tensors.iter().map(parse_expr).collect::<syn::Result<_>>()?;
+            (tensors, Some(Box::new(c.args[3].clone())), Some(label))
+        }
+        _ => (parse_args(&c.args)?, None, None),
     };
     Ok(Expr::Builtin {
         builtin,
         args,
         p,
+        label,
         src: Src::of(e),
     })
 }

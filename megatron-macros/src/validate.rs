@@ -352,6 +352,26 @@ impl Checker<'_> {
                         self.set(out, Sharding::Replicated, Origin { text, column: None });
                     }
                 }
+                Builtin::ShiftLeft | Builtin::LossMask => {
+                    let (v, src) = arg(0);
+                    let name = builtin.name();
+                    if self.data(name, v, src) {
+                        let text = format!("it comes from {name}, data beside the token ids");
+                        self.set(out, Sharding::Ids, Origin { text, column: None });
+                    }
+                }
+                Builtin::AuxLoss => {
+                    let (x, xsrc) = arg(0);
+                    let (losses, lsrc) = arg(1);
+                    let (mask, msrc) = arg(2);
+                    let who = "aux_loss's per-token losses (cross_entropy's output)";
+                    self.arg(who, Want::Replicated, losses, lsrc);
+                    self.data("aux_loss's mask", mask, msrc);
+                    if let Some(sh) = self.arg("aux_loss's carrier", Want::Tensor, x, xsrc) {
+                        let origin = self.origin[x].clone().expect("known sharding");
+                        self.set(out, sh, origin);
+                    }
+                }
             },
             NodeOp::Add | NodeOp::DropoutAdd { .. } => {
                 let (a, asrc) = arg(0);
@@ -431,6 +451,24 @@ impl Checker<'_> {
                 let text = format!("it comes from the `{name}` loop");
                 self.set(out, Sharding::Replicated, Origin { text, column: None });
             }
+        }
+    }
+
+    /// Whether `v`, read by `who`, is data beside the ids (token ids, a loss mask), else an
+    /// error naming it.
+    fn data(&mut self, who: &str, v: ValueId, src: &Src) -> bool {
+        match self.sharding[v] {
+            Some(Sharding::Ids) => true,
+            Some(_) => {
+                self.errors.push(src.error(format!(
+                    "{who} takes token ids or a loss mask (an `Ids` input, or what shift_left or \
+                     loss_mask give), but {} is a tensor ({})",
+                    self.describe(v),
+                    self.origin_text(v)
+                )));
+                false
+            }
+            None => false,
         }
     }
 

@@ -65,6 +65,8 @@ pub struct Cx<'a> {
     deferred_weights: Option<&'a DeferredWeights>,
     /// The microbatch's packed documents, when the run resets positions or attention at them.
     documents: Option<&'a Documents>,
+    /// The microbatch's loss mask (`[s, b]`, 0/1 f32 on the host), with masked data.
+    loss_mask: Option<&'a Tensor>,
 }
 
 impl<'a> Cx<'a> {
@@ -85,6 +87,7 @@ impl<'a> Cx<'a> {
             kv_cache: None,
             deferred_weights: None,
             documents: None,
+            loss_mask: None,
         }
     }
 
@@ -129,6 +132,23 @@ impl<'a> Cx<'a> {
     /// The microbatch's packed documents, if the run keeps them apart.
     pub fn documents(&self) -> Option<&'a Documents> {
         self.documents
+    }
+
+    /// The same context with the microbatch's loss mask (the data's 0/1 weights of its
+    /// targets, `[s, b]`).
+    pub fn with_loss_mask<'b>(&self, mask: &'b Tensor) -> Cx<'b>
+    where
+        'a: 'b,
+    {
+        Cx {
+            loss_mask: Some(mask),
+            ..*self
+        }
+    }
+
+    /// The microbatch's loss mask, with masked data (`None`: every target counts).
+    pub fn loss_mask(&self) -> Option<&'a Tensor> {
+        self.loss_mask
     }
 
     /// The same context decoding with `cache`: the forward's tokens run at positions

@@ -25,4 +25,4 @@ pub use primitives::{
     gelu_backward, swiglu, swiglu_backward,
 };
 pub use shape::{ShapeOp, ShapeSaved, shape, shape_backward};
-pub use shift::shift_left;
+pub use shift::{loss_mask, shift_left};

@@ -11,7 +11,7 @@
 use crate::error::Result;
 use crate::invalid;
 use crate::module::Cx;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// `x` (`[s, ...]`, sequence first, any dtype) shifted one position earlier: row `i` of the
 /// result is row `i + 1` of `x`, and the last row is zeros.
@@ -34,6 +34,24 @@ pub fn shift_left(cx: &Cx, x: &Tensor) -> Result<Tensor> {
     shift_rows_left(x)
 }
 
+/// The 0/1 weights of `targets` (`[s, b]` ids) as f32 on their device: the data's loss mask
+/// ([`Cx::loss_mask`]) when the run has one, else ones. Multi-token prediction shifts it with
+/// the targets, as Megatron-LM rolls its `loss_mask`.
+pub fn loss_mask(cx: &Cx, targets: &Tensor) -> Result<Tensor> {
+    let mask = match cx.loss_mask() {
+        Some(mask) if mask.shape() == targets.shape() => mask.to_contiguous(DType::F32)?,
+        Some(mask) => {
+            return invalid!(
+                "the loss mask {} does not fit the targets {}",
+                mask.shape(),
+                targets.shape()
+            );
+        }
+        None => Tensor::from_vec(vec![1.0f32; targets.numel()], targets.dims().to_vec())?,
+    };
+    crate::backend::of(targets).place(&mask)
+}
+
 /// The shift itself, without the context's checks.
 pub(crate) fn shift_rows_left(x: &Tensor) -> Result<Tensor> {
     let Some(&s) = x.dims().first() else {
@@ -50,7 +68,6 @@ pub(crate) fn shift_rows_left(x: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::DType;
 
     #[test]
     fn each_row_takes_the_next_and_the_last_is_zero() {
@@ -73,6 +90,31 @@ mod tests {
             shift_rows_left(&one).unwrap().to_vec::<i64>().unwrap(),
             [0, 0]
         );
+    }
+
+    #[test]
+    fn the_loss_mask_is_the_datas_or_ones() {
+        use crate::comm::ParallelState;
+        use crate::comm::threads::launch;
+        use crate::parallel::{ParallelConfig, ParallelLayout};
+        let layout = ParallelLayout::new(&ParallelConfig::new(1)).unwrap();
+        launch(1, |w| -> Result<()> {
+            let ps = ParallelState::new(&w, &layout)?;
+            let cx = Cx::new(&ps, 1);
+            let targets = Tensor::from_vec(vec![5i64, 6, 7, 8], [2, 2])?;
+            assert_eq!(loss_mask(&cx, &targets)?.to_vec::<f32>()?, [1.0; 4]);
+            let data = Tensor::from_vec(vec![1.0f32, 0.0, 1.0, 1.0], [2, 2])?;
+            let masked = cx.with_loss_mask(&data);
+            assert_eq!(
+                loss_mask(&masked, &targets)?.to_vec::<f32>()?,
+                [1.0, 0.0, 1.0, 1.0]
+            );
+            let other = Tensor::from_vec(vec![5i64, 6], [2, 1])?;
+            let e = loss_mask(&masked, &other).unwrap_err().to_string();
+            assert!(e.contains("does not fit the targets"), "{e}");
+            Ok(())
+        })
+        .unwrap();
     }
 
     #[test]

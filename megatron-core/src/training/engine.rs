@@ -523,6 +523,15 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
         };
         let tokens = data.as_ref().filter(|_| first).map(|(t, _, _)| t);
         let targets = data.as_ref().filter(|_| last).map(|(_, t, _)| t);
+        // The data's loss mask, for the model's own masked losses (`loss_mask(targets)`).
+        let loss_mask = match (targets, data.as_ref().and_then(|(_, _, m)| m.as_ref())) {
+            (Some(t), Some(m)) => Some(Tensor::from_vec(m.clone(), t.dims().to_vec())?),
+            _ => None,
+        };
+        let cx = match &loss_mask {
+            Some(m) => cx.with_loss_mask(m),
+            None => cx,
+        };
         let (out, kept) = P::forward(model, &cx, tokens, h, targets)?;
         let losses = if last {
             let shape = out.shape().clone();

@@ -527,7 +527,46 @@ fn forward_node<'a>(
             };
             kind::vocab::logits_forward(&kind::Call::new(cx, n), b, &io)
         }
-        NodeOp::Builtin { builtin, p } => {
+        NodeOp::Builtin {
+            builtin: Builtin::ShiftLeft | Builtin::LossMask,
+            ..
+        } => {
+            let x = args[0];
+            let function = match &node.op {
+                NodeOp::Builtin {
+                    builtin: Builtin::ShiftLeft,
+                    ..
+                } => quote!(#rt::ops::shift_left),
+                _ => quote!(#rt::ops::loss_mask),
+            };
+            b.push(move |nm| {
+                let (xr, o) = (nm.by_ref(x), nm.pat(out));
+                quote!(let #o = #function(cx, #xr)?;)
+            });
+        }
+        NodeOp::Builtin {
+            builtin: Builtin::AuxLoss,
+            p,
+            label,
+        } => {
+            let saved = saved.expect("aux_loss saves");
+            let (x, losses, mask) = (args[0], args[1], args[2]);
+            let weight = p.clone().expect("aux_loss has a weight");
+            let label = label.clone().expect("aux_loss has a name");
+            let doc = comment(
+                "The auxiliary loss rides on this value: it passes unchanged, and its backward \
+                 starts the loss's own (Megatron-LM's MTPLossAutoScaler).",
+            );
+            b.push(move |nm| {
+                let (xr, lr, mr) = (nm.by_ref(x), nm.by_ref(losses), nm.by_ref(mask));
+                let (s, o) = (nm.pat(saved), nm.pat(out));
+                quote! {
+                    #doc
+                    let (#o, #s) = #rt::ops::aux_loss(cx, #site, #label, #xr, (#lr, #mr), (#weight) as f32)?;
+                }
+            });
+        }
+        NodeOp::Builtin { builtin, p, .. } => {
             let saved = saved.expect("builtins save");
             match builtin {
                 Builtin::Gelu => {
@@ -581,6 +620,9 @@ fn forward_node<'a>(
                             quote!(let (#o, #s) = #rt::ops::cross_entropy(cx, #site, #lr, #tr)?;)
                         }
                     });
+                }
+                Builtin::ShiftLeft | Builtin::LossMask | Builtin::AuxLoss => {
+                    unreachable!("above")
                 }
             }
         }
@@ -725,6 +767,10 @@ pub fn backward(
     };
     for n in (0..g.nodes.len()).rev() {
         let node = &g.nodes[n];
+        if a.sharding[node.output] == Sharding::Ids {
+            // Data beside the ids (shift_left, loss_mask): no gradient.
+            continue;
+        }
         let several = g.outputs_of(n) > 1;
         let d_ys: Vec<LocalId> = match several {
             true => taken[node.output]
@@ -975,6 +1021,7 @@ fn backward_node<'a>(
         NodeOp::Builtin {
             builtin: Builtin::Rope,
             p,
+            ..
         } => {
             let saved = saved.expect("builtins save");
             let d_x = d_args[0].expect("builtin inputs are tensors");
@@ -982,6 +1029,31 @@ fn backward_node<'a>(
             b.push(move |nm| {
                 let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));
                 quote!(let #dx = #rt::ops::rope_backward(cx, #site, &(#cfg), #s, #dy)?;)
+            });
+        }
+        NodeOp::Builtin {
+            builtin: Builtin::AuxLoss,
+            ..
+        } => {
+            let saved = saved.expect("aux_loss saves");
+            let d_x = d_args[0].expect("aux_loss carries a tensor");
+            let d_losses = d_args[1].expect("aux_loss's losses are a tensor");
+            let doc = comment(
+                "The carrier's gradient passes; the auxiliary loss's per-token gradient \
+                 (weight · mask / Σ mask, times the main loss's backward scale) starts its own \
+                 backward.",
+            );
+            b.push(move |nm| {
+                let (s, dy, dx, dl) = (
+                    nm.ident(saved),
+                    nm.by_ref(d_y),
+                    nm.pat(d_x),
+                    nm.pat(d_losses),
+                );
+                quote! {
+                    #doc
+                    let (#dx, #dl) = #rt::ops::aux_loss_backward(cx, #site, #s, #dy)?;
+                }
             });
         }
         NodeOp::Builtin { builtin, .. } => {
@@ -1002,7 +1074,8 @@ fn backward_node<'a>(
                     )
                 }
                 Builtin::CrossEntropy => (quote!(#rt::ops::cross_entropy_backward), None),
-                Builtin::Rope => unreachable!("rope's backward is above"),
+                Builtin::Rope | Builtin::AuxLoss => unreachable!("their backwards are above"),
+                Builtin::ShiftLeft | Builtin::LossMask => unreachable!("data has no backward"),
             };
             b.push(move |nm| {
                 let (s, dy, dx) = (nm.ident(saved), nm.by_ref(d_y), nm.pat(d_x));

@@ -303,6 +303,8 @@ pub fn saved_field_type(
             Builtin::Swiglu => quote!(#rt::ops::SwigluSaved),
             Builtin::Dropout => quote!(#rt::ops::DropoutSaved),
             Builtin::Rope => quote!(#rt::ops::RopeSaved),
+            Builtin::AuxLoss => quote!(#rt::ops::AuxLossSaved),
+            Builtin::ShiftLeft | Builtin::LossMask => return None,
             Builtin::CrossEntropy => {
                 if a.sharding[node.args[0]] == Sharding::Split {
                     quote!(#rt::tensor_parallel::VocabParallelCrossEntropySaved)
