@@ -22,7 +22,7 @@ use quote::{ToTokens, quote};
 use crate::root::Root;
 
 /// The documents generated from the macros.
-const DOCUMENTS: [&str; 12] = [
+const DOCUMENTS: [&str; 13] = [
     "docs/expanded-parallel-block.md",
     "docs/expanded-elementwise.md",
     "docs/expanded-mlp.md",
@@ -35,6 +35,7 @@ const DOCUMENTS: [&str; 12] = [
     "docs/expanded-several-outputs.md",
     "docs/expanded-lora.md",
     "docs/expanded-mla.md",
+    "docs/expanded-loop-body.md",
 ];
 
 /// What a marker starts with.

@@ -179,6 +179,29 @@ pub enum NodeOp {
     /// (with sequence parallelism the all-gather of the shards) forward; backward, the all-reduce
     /// (reduce-scatter) of the sum of their input gradients.
     SeqGather,
+    /// `elem(args..)` in a loop body ([`NodeOp::Body`]'s graph): the list's module of the
+    /// iteration.
+    Element {
+        /// The `Vec` field.
+        list: Ident,
+        /// The element's name.
+        elem: Ident,
+    },
+    /// A loop of several statements: `body` run once per module of `list`, in order. Its
+    /// arguments are the carried variables' values before the loop (the body's first `carried`
+    /// inputs) then the values the body reads from before it (its other inputs, the same at
+    /// every iteration); its output, the carried variables' values after the loop (their
+    /// [`NodeOp::Take`]s when there are several).
+    Body {
+        /// The `Vec` field.
+        list: Ident,
+        /// The element's name.
+        elem: Ident,
+        /// The body, as a graph of its own.
+        body: Box<Graph>,
+        /// The carried variables' names, in the body's input and output order.
+        carried: Vec<String>,
+    },
     /// `for elem in &self.list { var = elem(var); }`.
     Loop {
         /// The `Vec` field.
@@ -199,6 +222,20 @@ struct Builder {
     env: HashMap<String, Binding>,
     sites: Vec<String>,
     errors: Errors,
+    /// In a loop body: the variables before the loop, read as the body's further inputs (each
+    /// outer value once: its input here).
+    outer: Option<Outer>,
+}
+
+/// What a loop body reads from before the loop.
+struct Outer {
+    /// The enclosing forward's variables.
+    env: HashMap<String, ValueId>,
+    /// The outer values read, in the body's input order after the carried ones.
+    read: Vec<ValueId>,
+    /// The element's name and its list.
+    elem: Ident,
+    list: Ident,
 }
 
 /// Builds the graph of a forward; errors name unknown and immutable variables.
@@ -218,6 +255,7 @@ pub fn build(forward: &Forward) -> syn::Result<Graph> {
         env: HashMap::new(),
         sites: Vec::new(),
         errors: Errors::default(),
+        outer: None,
     };
     for (index, input) in forward.inputs.iter().enumerate() {
         let name = input.ident.unraw().to_string();
@@ -252,16 +290,33 @@ pub fn build(forward: &Forward) -> syn::Result<Graph> {
     let mut graph = b.graph;
     graph.outputs = outputs.into_iter().flatten().collect();
     b.errors.finish(())?;
-    // Uses, in evaluation order.
+    record_uses(&mut graph);
+    Ok(graph)
+}
+
+/// Each value's uses, in evaluation order.
+fn record_uses(graph: &mut Graph) {
     for n in 0..graph.nodes.len() {
         for (arg, &v) in graph.nodes[n].args.clone().iter().enumerate() {
             graph.values[v].uses.push(Use::Arg { node: n, arg });
         }
     }
-    for &v in &graph.outputs {
+    for &v in &graph.outputs.clone() {
         graph.values[v].uses.push(Use::Output);
     }
-    Ok(graph)
+}
+
+/// The names a loop body assigns (`name = expr;`), in order of their first assignment.
+fn assigned(stmts: &[Stmt]) -> Vec<Ident> {
+    let mut names: Vec<Ident> = Vec::new();
+    for stmt in stmts {
+        if let Stmt::Assign { name, .. } = stmt
+            && !names.iter().any(|n| n.unraw() == name.unraw())
+        {
+            names.push(name.clone());
+        }
+    }
+    names
 }
 
 /// `base`, or the first of `base_1`, `base_2`, ... not among `sites`, added to them.
@@ -339,6 +394,30 @@ impl Builder {
 
     fn lookup(&mut self, ident: &Ident) -> Option<&Binding> {
         let name = ident.unraw().to_string();
+        // In a loop body, a value from before the loop becomes an input of the body.
+        if !self.env.contains_key(&name)
+            && let Some(outer) = &mut self.outer
+            && let Some(&v) = outer.env.get(&name)
+        {
+            outer.read.push(v);
+            let index = self.graph.inputs.len();
+            let input = self.new_value(
+                Some(name.clone()),
+                Def::Input {
+                    index,
+                    ty: InputType::Tensor,
+                },
+                Src::of(ident),
+            );
+            self.graph.inputs.push(input);
+            self.env.insert(
+                name.clone(),
+                Binding {
+                    value: input,
+                    mutable: false,
+                },
+            );
+        }
         if !self.env.contains_key(&name) {
             let known: Vec<_> = {
                 let mut k: Vec<_> = self.env.keys().cloned().collect();
@@ -462,6 +541,12 @@ impl Builder {
                     .expect("looked up")
                     .value = v;
             }
+            Stmt::Body {
+                elem,
+                list,
+                stmts,
+                src,
+            } => self.body(elem, list, stmts, src),
             Stmt::Loop {
                 elem,
                 list,
@@ -498,6 +583,137 @@ impl Builder {
                     .expect("looked up")
                     .value = v;
             }
+        }
+    }
+
+    /// A loop of several statements: its body built as a graph of its own (the carried
+    /// variables its first inputs and its outputs, what it reads from before the loop its
+    /// further inputs), then one node running it over the list.
+    fn body(&mut self, elem: &Ident, list: &Ident, stmts: &[Stmt], src: &Src) {
+        if self.outer.is_some() {
+            self.errors
+                .push(src.error("a loop body cannot hold another loop".to_string()));
+            return;
+        }
+        let carried = assigned(stmts);
+        let mut starts = Vec::new();
+        for name in &carried {
+            let Some(binding) = self.lookup(name) else {
+                return;
+            };
+            if !binding.mutable {
+                self.errors.push(syn::Error::new_spanned(
+                    name,
+                    format!(
+                        "the loop body assigns `{}`, which is carried from one module of `{}` to \
+                         the next: declare it `let mut` before the loop",
+                        name.unraw(),
+                        list.unraw()
+                    ),
+                ));
+                return;
+            }
+            starts.push((binding.value, Src::of(name)));
+        }
+        if carried.is_empty() {
+            self.errors.push(src.error(format!(
+                "the loop body assigns no variable declared before it, so nothing of it would \
+                 be used: a loop carries what it assigns, `h = {}(h);`",
+                elem.unraw()
+            )));
+            return;
+        }
+        let mut inner = Builder {
+            graph: Graph {
+                inputs: Vec::new(),
+                values: Vec::new(),
+                nodes: Vec::new(),
+                outputs: Vec::new(),
+                output_src: src.clone(),
+                config_reads: Vec::new(),
+            },
+            env: HashMap::new(),
+            sites: Vec::new(),
+            errors: Errors::default(),
+            outer: Some(Outer {
+                env: self.env.iter().map(|(k, b)| (k.clone(), b.value)).collect(),
+                read: Vec::new(),
+                elem: elem.clone(),
+                list: list.clone(),
+            }),
+        };
+        for (index, name) in carried.iter().enumerate() {
+            let v = inner.new_value(
+                Some(name.unraw().to_string()),
+                Def::Input {
+                    index,
+                    ty: InputType::Tensor,
+                },
+                Src::of(name),
+            );
+            inner.graph.inputs.push(v);
+            inner.bind(name, v, true);
+        }
+        for stmt in stmts {
+            inner.stmt(stmt);
+        }
+        let outputs: Vec<ValueId> = carried
+            .iter()
+            .map(|name| inner.env[&name.unraw().to_string()].value)
+            .collect();
+        inner.graph.outputs = outputs;
+        let Builder {
+            mut graph,
+            errors,
+            outer,
+            ..
+        } = inner;
+        if let Err(e) = errors.finish(()) {
+            self.errors.push(e);
+            return;
+        }
+        record_uses(&mut graph);
+        // The body's call sites under the list's name: its Saved fields and fused kernels
+        // apart from the forward's own.
+        let prefix = list.unraw().to_string();
+        for node in &mut graph.nodes {
+            if let Some(site) = &mut node.site {
+                *site = format!("{prefix}_{site}");
+            }
+        }
+        let read = outer.expect("a body's").read;
+        let mut args = starts;
+        args.extend(read.into_iter().map(|v| (v, src.clone())));
+        let names: Vec<String> = carried.iter().map(|n| n.unraw().to_string()).collect();
+        let site = self.site(&list.unraw().to_string());
+        let op = NodeOp::Body {
+            list: list.clone(),
+            elem: elem.clone(),
+            body: Box::new(graph),
+            carried: names,
+        };
+        let out = self.node(op, args, Some(site), src.clone());
+        if carried.len() == 1 {
+            self.name_value(out, &carried[0]);
+            self.rebind(&carried[0], out);
+            return;
+        }
+        for (index, name) in carried.iter().enumerate() {
+            let v = self.node(
+                NodeOp::Take { index },
+                vec![(out, src.clone())],
+                None,
+                Src::of(name),
+            );
+            self.name_value(v, name);
+            self.rebind(name, v);
+        }
+    }
+
+    /// Points the `let mut` variable `name` at `v`.
+    fn rebind(&mut self, name: &Ident, v: ValueId) {
+        if let Some(b) = self.env.get_mut(&name.unraw().to_string()) {
+            b.value = v;
         }
     }
 
@@ -576,6 +792,25 @@ impl Builder {
                     },
                     args,
                     site,
+                    src.clone(),
+                ))
+            }
+            Expr::Element { elem, args, src } => {
+                let args = self.args(args)?;
+                let Some(outer) = &self.outer else {
+                    self.errors.push(src.error(format!(
+                        "`{}` is a loop's element: call it inside its loop",
+                        elem.unraw()
+                    )));
+                    return None;
+                };
+                let list = outer.list.clone();
+                let elem = outer.elem.clone();
+                let site = self.site(&elem.unraw().to_string());
+                Some(self.node(
+                    NodeOp::Element { list, elem },
+                    args,
+                    Some(site),
                     src.clone(),
                 ))
             }

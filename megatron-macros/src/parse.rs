@@ -633,6 +633,19 @@ pub enum Stmt {
         /// The statement.
         src: Src,
     },
+    /// A loop of several statements over a list of modules: each module's run of the body,
+    /// in order, carrying the variables the body assigns (`let mut` before the loop) from one
+    /// module to the next; `elem(..)` calls the module.
+    Body {
+        /// The element's name.
+        elem: Ident,
+        /// The `Vec` field.
+        list: Ident,
+        /// The body's statements (`let` and assignments).
+        stmts: Vec<Stmt>,
+        /// The whole loop.
+        src: Src,
+    },
     /// `for elem in &self.list { var = elem(var); }`
     Loop {
         /// The element's name.
@@ -739,6 +752,15 @@ pub enum Expr {
         /// The call.
         src: Src,
     },
+    /// `elem(args..)` in a loop body: the list's module of this iteration.
+    Element {
+        /// The element's name.
+        elem: Ident,
+        /// The arguments.
+        args: Vec<Expr>,
+        /// The call.
+        src: Src,
+    },
     /// A scalar: a literal, a #[config] value `self.name`, a constant `NAME` or `path::NAME`, or
     /// arithmetic of them; evaluated as Rust, as an `f32`.
     Scalar {
@@ -762,7 +784,8 @@ impl Expr {
             | Expr::Neg { src, .. }
             | Expr::Pointwise { src, .. }
             | Expr::Select { src, .. }
-            | Expr::Shape { src, .. } => src.clone(),
+            | Expr::Shape { src, .. }
+            | Expr::Element { src, .. } => src.clone(),
             Expr::Scalar { expr, .. } => Src::of(expr),
         }
     }
@@ -1343,8 +1366,9 @@ fn parse_assign(a: &syn::ExprAssign) -> syn::Result<Stmt> {
 }
 
 /// The loop form forward accepts.
-const LOOP_FORM: &str =
-    "forward's loops have the form `for elem in &self.list { var = elem(var); }`";
+const LOOP_FORM: &str = "forward's loops run over a list of modules, `for elem in &self.list { \
+                         var = elem(var); }`, or with a body of several statements carrying \
+                         several variables";
 
 fn parse_loop(l: &syn::ExprForLoop) -> syn::Result<Stmt> {
     let src = Src::of(l);
@@ -1377,46 +1401,68 @@ fn parse_loop(l: &syn::ExprForLoop) -> syn::Result<Stmt> {
             format!("a loop runs over a list field by reference, `&self.list`; {LOOP_FORM}"),
         ));
     };
-    let body_error = || {
-        syn::Error::new_spanned(
-            &l.body,
-            format!(
-                "the loop body is one assignment `var = {}(var);`: a loop carries one value (for \
-                 a #[pipeline] stack, the one sent from stage to stage); {LOOP_FORM}",
-                elem.unraw()
-            ),
-        )
-    };
-    let [stmt] = l.body.stmts.as_slice() else {
-        return Err(body_error());
-    };
-    let syn::Stmt::Expr(syn::Expr::Assign(assign), _) = stmt else {
-        return Err(body_error());
-    };
-    let Some(var) = plain_ident(&assign.left) else {
-        return Err(body_error());
-    };
-    let syn::Expr::Call(call) = &*assign.right else {
-        return Err(body_error());
-    };
-    let callee_ok = plain_ident(&call.func).is_some_and(|f| f == elem);
-    let args: Vec<_> = call.args.iter().collect();
-    let arg_ok = matches!(args.as_slice(), [a] if plain_ident(a).is_some_and(|a| a == var));
-    if !callee_ok || !arg_ok {
-        return Err(syn::Error::new_spanned(
-            &assign.right,
-            format!(
-                "the loop body calls the element on the loop variable: `{var} = {}({var});`; {LOOP_FORM}",
-                elem.unraw()
-            ),
-        ));
+    if let Some(var) = single_assignment(l, &elem) {
+        return Ok(Stmt::Loop {
+            elem,
+            list,
+            var,
+            src,
+        });
     }
-    Ok(Stmt::Loop {
+    // A body of several statements: `let`s and assignments, the element called by its name.
+    let previous = LOOP_ELEMENT.with(|e| e.replace(Some(elem.clone())));
+    let stmts = parse_body_stmts(&l.body);
+    LOOP_ELEMENT.with(|e| *e.borrow_mut() = previous);
+    Ok(Stmt::Body {
         elem,
         list,
-        var,
+        stmts: stmts?,
         src,
     })
+}
+
+std::thread_local! {
+    /// The element's name while a loop body is parsed (its calls are the module's).
+    static LOOP_ELEMENT: std::cell::RefCell<Option<Ident>> = const { std::cell::RefCell::new(None) };
+}
+
+/// `var` if the loop's body is `var = elem(var);` alone (the loop a #[pipeline] stack runs).
+fn single_assignment(l: &syn::ExprForLoop, elem: &Ident) -> Option<Ident> {
+    let [syn::Stmt::Expr(syn::Expr::Assign(assign), _)] = l.body.stmts.as_slice() else {
+        return None;
+    };
+    let var = plain_ident(&assign.left)?;
+    let syn::Expr::Call(call) = &*assign.right else {
+        return None;
+    };
+    let callee_ok = plain_ident(&call.func).is_some_and(|f| f == *elem);
+    let args: Vec<_> = call.args.iter().collect();
+    let arg_ok = matches!(args.as_slice(), [a] if plain_ident(a).is_some_and(|a| a == var));
+    (callee_ok && arg_ok).then_some(var)
+}
+
+/// A loop body's statements: `let name = expr;` and `name = expr;`.
+fn parse_body_stmts(block: &syn::Block) -> syn::Result<Vec<Stmt>> {
+    let mut errors = Errors::default();
+    let mut stmts = Vec::new();
+    for stmt in &block.stmts {
+        let parsed = match stmt {
+            syn::Stmt::Local(local) => parse_let(local),
+            syn::Stmt::Expr(syn::Expr::Assign(a), Some(_)) => parse_assign(a),
+            other => Err(syn::Error::new_spanned(
+                other,
+                format!(
+                    "a loop body holds `let name = expr;` and `name = expr;` statements (the \
+                     names assigned are carried from one module to the next); {LOOP_FORM}"
+                ),
+            )),
+        };
+        match parsed {
+            Ok(s) => stmts.push(s),
+            Err(e) => errors.push(e),
+        }
+    }
+    errors.finish(stmts)
 }
 
 /// `name` if `e` is a single identifier.
@@ -1591,6 +1637,13 @@ fn parse_call(c: &syn::ExprCall, e: &syn::Expr) -> syn::Result<Expr> {
             format!("forward cannot call this; {EXPRESSIONS_HELP}"),
         ));
     };
+    if LOOP_ELEMENT.with(|e| e.borrow().as_ref() == Some(&name)) {
+        return Ok(Expr::Element {
+            elem: name,
+            args: parse_args(&c.args)?,
+            src: Src::of(e),
+        });
+    }
     let builtin = match name.to_string().as_str() {
         "gelu" => Builtin::Gelu,
         "swiglu" => Builtin::Swiglu,

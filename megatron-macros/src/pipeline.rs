@@ -63,6 +63,19 @@ pub fn cut(s: &ModuleStruct, g: &Graph, a: &Analysis) -> syn::Result<Cut> {
     let loops: Vec<NodeId> = (0..g.nodes.len())
         .filter(|&n| matches!(g.nodes[n].op, NodeOp::Loop { .. }) && a.field[n] == Some(pf))
         .collect();
+    // A loop of several statements over the stack would carry several values between stages.
+    for n in 0..g.nodes.len() {
+        if let NodeOp::Body { elem, .. } = &g.nodes[n].op
+            && a.field[n] == Some(pf)
+        {
+            return Err(g.nodes[n].src.error(format!(
+                "the loop over the #[pipeline] `{name}` is one assignment `h = {}(h);`: it \
+                 carries one value, the one sent from stage to stage (several statements and \
+                 carried values go in a loop over another list, or in the modules of the stack)",
+                elem.unraw()
+            )));
+        }
+    }
     let Some(&l) = loops.first() else {
         return Err(syn::Error::new_spanned(
             &field.ident,
@@ -144,7 +157,22 @@ pub fn cut(s: &ModuleStruct, g: &Graph, a: &Analysis) -> syn::Result<Cut> {
             presence[i] = Presence::Stack;
             continue;
         }
-        let used = |range: std::ops::Range<usize>| range.into_iter().any(|n| a.field[n] == Some(i));
+        let name = f.name();
+        let used = |range: std::ops::Range<usize>| {
+            range.into_iter().any(|n| {
+                a.field[n] == Some(i)
+                    || match &g.nodes[n].op {
+                        // A field the loop body calls (an embedding shared with the body).
+                        NodeOp::Body { body, .. } => body.nodes.iter().any(|b| match &b.op {
+                            NodeOp::Field { field } | NodeOp::Logits { field } => {
+                                field.unraw() == name
+                            }
+                            _ => false,
+                        }),
+                        _ => false,
+                    }
+            })
+        };
         presence[i] = match (used(0..l), used(l + 1..g.nodes.len())) {
             (true, true) => Presence::Ends,
             (false, true) => Presence::Last,

@@ -87,6 +87,8 @@ fn op_name(op: &NodeOp) -> String {
         NodeOp::SeqGather => "f once".into(),
         NodeOp::Shape { op, .. } => op.name().into(),
         NodeOp::Take { index } => format!(".{index}"),
+        NodeOp::Element { elem, .. } => format!("{elem}(..)"),
+        NodeOp::Body { list, carried, .. } => format!("for &self.{list} carrying {carried:?}"),
     }
 }
 
@@ -240,9 +242,10 @@ fn forward_statements_outside_the_dsl_are_errors_naming_the_construct() {
     assert!(one("gelu(x, x)").starts_with("gelu takes 1 argument, `gelu(x)`, not 2"));
     assert!(one("let y = x;").starts_with("forward ends with its output expression"));
     assert!(
-        one("for b in &self.l { x = b(x) + x; } x").contains("the loop body is one assignment")
+        one("for b in &self.l { b(x); } x")
+            .starts_with("a loop body holds `let name = expr;` and `name = expr;` statements")
     );
-    assert!(one("for b in &self.l { x = b(y); } x").contains("the loop body calls the element"));
+    assert!(one("for b in &self.l { if true { x = b(x); } } x").contains("a loop body holds"));
     assert!(one("for b in self.l.iter() { x = b(x); } x").contains("`&self.list`"));
     assert!(one("self.fc.forward(x)").contains("the only method of a field is `.logits(h)`"));
 }

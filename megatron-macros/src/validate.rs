@@ -51,6 +51,10 @@ pub(crate) struct Checker<'a> {
     pub(crate) origin: Vec<Option<Origin>>,
     field: Vec<Option<usize>>,
     pub(crate) errors: Errors,
+    /// Per loop body's node, the shardings of its outputs (for their takes).
+    body_outputs: std::collections::HashMap<NodeId, Vec<Sharding>>,
+    /// Checking a loop body (its inputs: the carried variables and what it reads).
+    in_body: bool,
 }
 
 /// A call of a field in forward: what a kind's sharding rule reads of it.
@@ -91,6 +95,16 @@ pub fn outputs(s: &ModuleStruct, imp: &ModuleImpl) -> syn::Result<()> {
 
 /// Checks the graph against the struct's fields.
 pub fn validate(s: &ModuleStruct, g: &Graph) -> syn::Result<Analysis> {
+    validate_with(s, g, None)
+}
+
+/// [`validate`], the inputs sharded as `inputs` says (a loop body's: as the values before the
+/// loop are) instead of as their types say.
+pub fn validate_with(
+    s: &ModuleStruct,
+    g: &Graph,
+    inputs: Option<&[(Sharding, Origin)]>,
+) -> syn::Result<Analysis> {
     let mut c = Checker {
         s,
         g,
@@ -98,17 +112,20 @@ pub fn validate(s: &ModuleStruct, g: &Graph) -> syn::Result<Analysis> {
         origin: vec![None; g.values.len()],
         field: vec![None; g.nodes.len()],
         errors: Errors::default(),
+        body_outputs: std::collections::HashMap::new(),
+        in_body: inputs.is_some(),
     };
-    for &v in &g.inputs {
+    for (i, &v) in g.inputs.iter().enumerate() {
         let Def::Input { ty, .. } = g.values[v].def else {
             unreachable!("inputs are inputs")
         };
-        let (sh, text) = match ty {
-            InputType::Tensor => (
+        let (sh, text) = match (inputs, ty) {
+            (Some(given), _) => (given[i].0, given[i].1.text.clone()),
+            (None, InputType::Tensor) => (
                 Sharding::Replicated,
                 "forward's `Tensor` inputs are replicated".to_string(),
             ),
-            InputType::Ids => (Sharding::Ids, "it is an `Ids` input".to_string()),
+            (None, InputType::Ids) => (Sharding::Ids, "it is an `Ids` input".to_string()),
         };
         c.sharding[v] = Some(sh);
         c.origin[v] = Some(Origin { text, column: None });
@@ -116,7 +133,10 @@ pub fn validate(s: &ModuleStruct, g: &Graph) -> syn::Result<Analysis> {
     for n in 0..g.nodes.len() {
         c.node(n);
     }
-    c.outputs();
+    // A loop body's outputs are its carried variables, checked against what they came in as.
+    if inputs.is_none() {
+        c.outputs();
+    }
     c.unused();
     c.config_reads();
     let Checker {
@@ -133,6 +153,15 @@ pub fn validate(s: &ModuleStruct, g: &Graph) -> syn::Result<Analysis> {
             .collect(),
         field,
     })
+}
+
+/// A sharding in words.
+fn describe_sharding(s: Sharding) -> &'static str {
+    match s {
+        Sharding::Replicated => "replicated",
+        Sharding::Split => "split over tensor parallel",
+        Sharding::Ids => "token ids (or a mask)",
+    }
 }
 
 /// What the sharding rule of a call expects of an argument.
@@ -166,7 +195,10 @@ impl Checker<'_> {
                 NodeOp::RowSum { .. } => "the sum".into(),
                 NodeOp::Shape { op, .. } => format!("the output of {}", op.name()),
                 NodeOp::SeqGather => "the gathered input".into(),
-                NodeOp::Loop { list, .. } => format!("the output of the `{}` loop", list.unraw()),
+                NodeOp::Loop { list, .. } | NodeOp::Body { list, .. } => {
+                    format!("the output of the `{}` loop", list.unraw())
+                }
+                NodeOp::Element { elem, .. } => format!("the output of `{}(..)`", elem.unraw()),
                 NodeOp::Take { index } => format!("output {index} of the call"),
             },
         }
@@ -295,14 +327,45 @@ impl Checker<'_> {
                     self.several_outputs(n, outputs);
                 }
             }
-            NodeOp::Take { .. } => {
+            NodeOp::Take { index } => {
                 // Each output of a module's call is sharded as the call says (whole on every
-                // rank; a #[local] module's, split).
+                // rank; a #[local] module's, split); a loop body's as the body leaves it.
                 let (t, _) = arg(0);
+                let body = match g.values[t].def {
+                    Def::Node(b) => self.body_outputs.get(&b).map(|o| o[*index]),
+                    Def::Input { .. } => None,
+                };
                 if let (Some(sh), Some(origin)) = (self.sharding[t], self.origin[t].clone()) {
-                    self.set(out, sh, origin);
+                    self.set(out, body.unwrap_or(sh), origin);
                 }
             }
+            NodeOp::Element { list, elem } => {
+                let Some(fi) = self.stack_field(list) else {
+                    return;
+                };
+                self.field[n] = Some(fi);
+                let who = format!(
+                    "`{}` (a module of `{}`, whole on every rank)",
+                    elem.unraw(),
+                    list.unraw()
+                );
+                for i in 0..node.args.len() {
+                    let (v, src) = arg(i);
+                    self.arg(&who, Want::ReplicatedOrIds, v, src);
+                }
+                let text = format!(
+                    "it comes from `{}(..)`, a module of `{}`",
+                    elem.unraw(),
+                    list.unraw()
+                );
+                self.set(out, Sharding::Replicated, Origin { text, column: None });
+            }
+            NodeOp::Body {
+                list,
+                body,
+                carried,
+                ..
+            } => self.body(n, list, body, carried),
             NodeOp::Logits { field } => {
                 let Some(fi) = self.find_field(field) else {
                     return;
@@ -452,6 +515,72 @@ impl Checker<'_> {
                 self.set(out, Sharding::Replicated, Origin { text, column: None });
             }
         }
+    }
+
+    /// The index of `list`, a list of modules, else an error.
+    fn stack_field(&mut self, list: &syn::Ident) -> Option<usize> {
+        let fi = self.find_field(list)?;
+        let f = &self.s.fields[fi];
+        if !matches!(f.kind, FieldKind::Stack { .. }) {
+            self.errors.push(syn::Error::new_spanned(
+                list,
+                format!(
+                    "`{}` is not a list of modules (a `Vec<..>` field without a split attribute), \
+                     so a loop cannot run over it; it is {}",
+                    f.name(),
+                    f.kind.attribute()
+                ),
+            ));
+            return None;
+        }
+        Some(fi)
+    }
+
+    /// A loop body over `list`: its graph checked with its inputs sharded as the values before
+    /// the loop are, each carried variable leaving the body as it came (ids stay ids, a
+    /// replicated tensor replicated).
+    fn body(&mut self, n: NodeId, list: &syn::Ident, body: &Graph, carried: &[String]) {
+        let node = &self.g.nodes[n];
+        let Some(fi) = self.stack_field(list) else {
+            return;
+        };
+        self.field[n] = Some(fi);
+        let given: Option<Vec<(Sharding, Origin)>> = node
+            .args
+            .iter()
+            .map(|&v| Some((self.sharding[v]?, self.origin[v].clone()?)))
+            .collect();
+        let Some(given) = given else {
+            return;
+        };
+        let analysis = match validate_with(self.s, body, Some(&given)) {
+            Ok(a) => a,
+            Err(e) => {
+                self.errors.push(e);
+                return;
+            }
+        };
+        let outs: Vec<Sharding> = body.outputs.iter().map(|&v| analysis.sharding[v]).collect();
+        for (k, name) in carried.iter().enumerate() {
+            if outs[k] != given[k].0 {
+                self.errors
+                    .push(body.values[body.outputs[k]].src.error(format!(
+                    "the loop body leaves `{name}` {}, and it came {}: a carried variable keeps \
+                     its kind from one module of `{}` to the next",
+                    describe_sharding(outs[k]),
+                    describe_sharding(given[k].0),
+                    list.unraw()
+                )));
+            }
+        }
+        let text = format!("it comes from the `{}` loop", list.unraw());
+        let sh = if outs.len() == 1 {
+            outs[0]
+        } else {
+            Sharding::Replicated
+        };
+        self.set(node.output, sh, Origin { text, column: None });
+        self.body_outputs.insert(n, outs);
     }
 
     /// Whether `v`, read by `who`, is data beside the ids (token ids, a loss mask), else an
@@ -685,11 +814,24 @@ impl Checker<'_> {
             if !value.uses.is_empty() || self.sharding[v].is_none() {
                 continue;
             }
+            // A loop's carried variable need not be read after the loop.
+            if let Def::Node(n) = value.def
+                && let NodeOp::Take { .. } = self.g.nodes[n].op
+                && let Def::Node(b) = self.g.values[self.g.nodes[n].args[0]].def
+                && matches!(self.g.nodes[b].op, NodeOp::Body { .. })
+            {
+                continue;
+            }
             let d = self.describe(v);
             match value.def {
                 Def::Input {
                     ty: InputType::Ids, ..
                 } => {}
+                Def::Input { .. } if self.in_body => self.errors.push(value.src.error(format!(
+                    "the loop body assigns {d} without reading it first: a carried variable \
+                     goes from one module to the next, read by the body (a value computed \
+                     afresh at each module is a `let` inside the body)"
+                ))),
                 Def::Input { .. } => self.errors.push(value.src.error(format!(
                     "input {d} is never used: forward's output must depend on every `Tensor` \
                      input (its gradient is returned)"

@@ -521,7 +521,9 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
             true => None,
             false => Some(self.take_input(Pass::Forward, chunk, microbatch)?),
         };
-        let tokens = data.as_ref().filter(|_| first).map(|(t, _, _)| t);
+        // The first stage embeds the tokens; the last may read them again (multi-token
+        // prediction's depths).
+        let tokens = data.as_ref().filter(|_| first || last).map(|(t, _, _)| t);
         let targets = data.as_ref().filter(|_| last).map(|(_, t, _)| t);
         // The data's loss mask, for the model's own masked losses (`loss_mask(targets)`).
         let loss_mask = match (targets, data.as_ref().and_then(|(_, _, m)| m.as_ref())) {

@@ -54,12 +54,15 @@ pub trait PipelinedLanguageModel: LanguageModel + Pipelined + CarriedWidth {
         d_out: &Tensor,
     ) -> Result<Tensor>;
 
-    /// The last stage's part: the layers' output and the targets `[s, b]` to per-token losses.
+    /// The last stage's part: the layers' output, the tokens and the targets `[s, b]` to
+    /// per-token losses (the tokens read again by a part that embeds them there: multi-token
+    /// prediction's depths).
     fn forward_post(
         &self,
         cx: &Cx,
         site: Site,
         h: &Tensor,
+        tokens: &Ids,
         targets: &Ids,
     ) -> Result<(Tensor, Self::PostSaved)>;
 
@@ -244,18 +247,18 @@ impl<M: PipelinedLanguageModel> Passes<M> for Stages {
         h: Option<Tensor>,
         targets: Option<&Ids>,
     ) -> Result<(Tensor, Kept<M>)> {
-        let (h, first) = match (tokens, h) {
-            (Some(tokens), _) => {
+        let (h, first) = match (model.stage().first, tokens, h) {
+            (true, Some(tokens), _) => {
                 let (h, saved) = model.forward_pre(cx, Site::ROOT, tokens)?;
                 (h, Some(saved))
             }
-            (None, Some(h)) => (h, None),
-            (None, None) => return invalid!("a stage's forward needs tokens or an input"),
+            (false, _, Some(h)) => (h, None),
+            _ => return invalid!("a stage's forward needs tokens or an input"),
         };
         let (out, layers) = model.forward_layers(cx, Site::ROOT, &h)?;
-        match targets {
-            Some(targets) => {
-                let (losses, saved) = model.forward_post(cx, Site::ROOT, &out, targets)?;
+        match (tokens, targets) {
+            (Some(tokens), Some(targets)) => {
+                let (losses, saved) = model.forward_post(cx, Site::ROOT, &out, tokens, targets)?;
                 let kept = Kept {
                     first,
                     layers,
@@ -263,7 +266,7 @@ impl<M: PipelinedLanguageModel> Passes<M> for Stages {
                 };
                 Ok((losses, kept))
             }
-            None => {
+            _ => {
                 let kept = Kept {
                     first,
                     layers,
