@@ -419,20 +419,7 @@ pub(in crate::generate) fn element_backward<'a>(
             }
         };
         let call = quote!(#this.#list[__index].backward(cx, #site, #s, #dy)?);
-        let pats: Vec<TokenStream> = d_args
-            .iter()
-            .map(|d| match d {
-                Some(l) => nm.pat(*l),
-                None => quote!(_),
-            })
-            .collect();
-        if d_args.iter().all(Option::is_none) {
-            quote!(#call;)
-        } else if let [one] = pats.as_slice() {
-            quote!(let #one = #call;)
-        } else {
-            quote!(let (#(#pats),*) = #call;)
-        }
+        super::kind::bind_gradients(nm, &d_args, call, quote!())
     });
 }
 

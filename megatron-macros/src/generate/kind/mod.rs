@@ -19,7 +19,7 @@ use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
 
 use super::body::{Body, Ctx};
-use super::names::LocalId;
+use super::names::{LocalId, Names};
 use crate::model::NodeId;
 use crate::parse::{Field, FieldKind};
 use crate::validate::{Checker, FieldCall};
@@ -371,5 +371,29 @@ pub(super) fn weight_pass(what: &str, weights: &impl quote::ToTokens) -> TokenSt
     quote! {
         #doc
         cx.weight_gradient(#weights)?;
+    }
+}
+
+/// A backward `call`'s input gradients bound to their locals (`_` for ids; `doc` before the one
+/// of a single input), or the bare `call;` when no input is a tensor.
+pub(in crate::generate) fn bind_gradients(
+    nm: &Names,
+    d_args: &[Option<LocalId>],
+    call: TokenStream,
+    doc: TokenStream,
+) -> TokenStream {
+    let pats: Vec<TokenStream> = d_args
+        .iter()
+        .map(|d| match d {
+            Some(l) => nm.pat(*l),
+            None => quote!(_),
+        })
+        .collect();
+    if d_args.iter().all(Option::is_none) {
+        quote!(#call;)
+    } else if let [one] = pats.as_slice() {
+        quote!(#doc let #one = #call;)
+    } else {
+        quote!(let (#(#pats),*) = #call;)
     }
 }

@@ -190,21 +190,7 @@ impl Kind for Replicated {
                     }
                 }
             };
-            let doc = quote!(#doc #sdoc);
-            let pats: Vec<_> = d_args
-                .iter()
-                .map(|d| match d {
-                    Some(l) => nm.pat(*l),
-                    None => quote!(_),
-                })
-                .collect();
-            if d_args.iter().all(Option::is_none) {
-                quote!(#call;)
-            } else if let [one] = pats.as_slice() {
-                quote!(#doc let #one = #call;)
-            } else {
-                quote!(let (#(#pats),*) = #call;)
-            }
+            super::bind_gradients(nm, &d_args, call, quote!(#doc #sdoc))
         });
     }
 }
