@@ -12,8 +12,13 @@ pub struct Step {
     pub aux_loss: f64,
 }
 
+/// The text the runs train on: the examples' frozen corpus. The built-in corpus is the
+/// project's live sources, and a routing decision near a tie flips when they change (mixtral-tiny
+/// at tp 2 × ep 2 did once), which the routing comparison below must not see.
+const CORPUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/data/corpus.txt");
+
 /// The logged steps of `megatron` run with `common` (whose element 3 is the `--model` value,
-/// replaced by `model`) and `extra`, logging to `dir`/`name`.jsonl.
+/// replaced by `model`) and `extra` on [`CORPUS`], logging to `dir`/`name`.jsonl.
 pub fn run_model(
     common: &[&str],
     dir: &TempDir,
@@ -25,7 +30,7 @@ pub fn run_model(
     let mut args: Vec<&str> = common.to_vec();
     args[3] = model;
     args.extend(extra);
-    args.extend(["--log-json", &log]);
+    args.extend(["--data", CORPUS, "--log-json", &log]);
     let (ok, _, stderr) = megatron(&args);
     assert!(ok, "{name}: {stderr}");
     log_lines(&log)
