@@ -186,8 +186,8 @@ pub struct Trainer<M: LanguageModel> {
     routing_experts: usize,
     /// Whether some pipeline stage of the model holds experts: the same on every rank, so that a
     /// stage of dense layers only (DeepSeek's first layers) makes the experts' collectives of
-    /// the gradient norm with the others.
-    model_has_experts: bool,
+    /// the gradient norm with the others (learned at the first step, where the buffers live).
+    model_has_experts: Option<bool>,
     /// The graph scopes the run captures (`--cuda-graph-scope`) and what they captured.
     graphs: GraphRuntime,
 }
@@ -260,15 +260,6 @@ impl<M: LanguageModel> Trainer<M> {
             param_dtype: Some(config.precision.params),
         };
         let buffers = ParamBuffers::pack(&mut chunks, &plan)?;
-        // Every stage learns whether another one holds experts (one value over the pipeline
-        // group, once): the stages of a pipeline agree on the gradient norm's collectives.
-        let mut model_has_experts = buffers.has_experts();
-        if parallel.groups().config().pp > 1 {
-            let flag =
-                Tensor::scalar_near(f32::from(u8::from(model_has_experts)), buffers.grads())?;
-            parallel.pp().all_reduce(&flag, ReduceOp::Max)?;
-            model_has_experts = flag.to_vec::<f32>()?[0] > 0.0;
-        }
         let shard = config.distributed_optimizer.then(|| groups.ranks());
         let optimizer = AdamW::new(&buffers, config.adam, shard)?;
         Ok(Trainer {
@@ -283,7 +274,7 @@ impl<M: LanguageModel> Trainer<M> {
             aux_loss_log: AuxLossLog::default(),
             aux_loss_names: Vec::new(),
             routing_experts: 0,
-            model_has_experts,
+            model_has_experts: None,
             graphs: GraphRuntime::new(ScopeSet::NONE),
         })
     }
@@ -407,6 +398,23 @@ impl<M: LanguageModel> Trainer<M> {
         self.aux_loss_names = names;
     }
 
+    /// Whether some stage of the model holds experts, agreed once by the stages of the pipeline
+    /// (one all-reduce over the pipeline group at the first step, near the gradients: on the
+    /// device of a GPU run).
+    fn model_has_experts(&mut self, parallel: &ParallelState) -> Result<bool> {
+        if let Some(known) = self.model_has_experts {
+            return Ok(known);
+        }
+        let mut experts = self.buffers.has_experts();
+        if parallel.groups().config().pp > 1 {
+            let flag = Tensor::scalar_near(f32::from(u8::from(experts)), self.buffers.grads())?;
+            parallel.pp().all_reduce(&flag, ReduceOp::Max)?;
+            experts = flag.to_vec::<f32>()?[0] > 0.0;
+        }
+        self.model_has_experts = Some(experts);
+        Ok(experts)
+    }
+
     /// The named auxiliary losses of the step: the sums of micro-batch means and their counts
     /// summed over every rank (the tensor- and context-parallel ranks' equal means weigh alike,
     /// so the mean is the data-parallel ranks' micro-batches' mean), one all-reduce.
@@ -463,7 +471,7 @@ impl<M: LanguageModel> Trainer<M> {
     /// pipeline when there is one), the gradient reduction over the data-parallel groups,
     /// clipping and the optimizer update.
     pub fn step(&mut self, parallel: &ParallelState, step: u64) -> Result<StepMetrics> {
-        let experts = self.model_has_experts;
+        let experts = self.model_has_experts(parallel)?;
         let start = Instant::now();
         let before = parallel.stats();
         let plan = *self.sampler.plan();
