@@ -853,7 +853,7 @@ pub fn backward(
                 .iter()
                 .map(|&v| grads.contribution(&mut b, v, pos, span))
                 .collect();
-            super::loop_body::backward(cx, &mut b, n, &d_ys, saved, &d_args, pos);
+            super::loop_body::backward(cx, &mut b, n, &d_ys, saved, &d_args);
             continue;
         }
         let several = g.outputs_of(n) > 1;

@@ -53,7 +53,7 @@ pub fn items(
     a: &Analysis,
 ) -> syn::Result<(TokenStream, TokenStream)> {
     let (mut structs, mut fns) = (Vec::new(), Vec::new());
-    for (n, node) in g.nodes.iter().enumerate() {
+    for node in &g.nodes {
         let NodeOp::Body { list, body, .. } = &node.op else {
             continue;
         };
@@ -123,7 +123,6 @@ pub fn items(
         let kernels = super::fused::consts(root, s, &body);
         let ftok = fwd.tokens;
         fns.push(quote!(#kernels #ftok #bwd));
-        let _ = n;
     }
     Ok((quote!(#(#structs)*), quote!(#(#fns)*)))
 }
@@ -238,7 +237,6 @@ pub(in crate::generate) fn backward<'a>(
     d_ys: &[Option<LocalId>],
     saved: LocalId,
     d_args: &[Option<LocalId>],
-    _pos: usize,
 ) {
     let rt = &cx.root.runtime;
     let node = &cx.g.nodes[n];
