@@ -5,6 +5,8 @@
 //! The backward walks the forward's nodes in reverse; a value used k times receives k gradient
 //! contributions, summed out of place in reverse order of use.
 
+use std::collections::HashSet;
+
 use proc_macro2::{Span, TokenStream};
 use quote::quote;
 use syn::spanned::Spanned;
@@ -820,6 +822,7 @@ pub fn backward(
         fwd,
         expected,
         contributions: &mut contributions,
+        optional: HashSet::new(),
     };
     for n in (0..g.nodes.len()).rev() {
         let node = &g.nodes[n];
@@ -853,7 +856,33 @@ pub fn backward(
                 .iter()
                 .map(|&v| grads.contribution(&mut b, v, pos, span))
                 .collect();
-            super::loop_body::backward(cx, &mut b, n, &d_ys, saved, &d_args);
+            // The gradients an empty list gives none of (what the body reads, a carried
+            // variable not read after the loop) are optional where the value's other uses
+            // give it one.
+            let NodeOp::Body { carried, .. } = &node.op else {
+                unreachable!("a loop body")
+            };
+            let k = carried.len();
+            let optional: Vec<bool> = node
+                .args
+                .iter()
+                .zip(&d_args)
+                .enumerate()
+                .map(|(i, (&v, d))| {
+                    let none_after = i >= k || d_ys[i].is_none();
+                    let others = g.values[v].uses.iter().any(|u| match *u {
+                        Use::Output => true,
+                        Use::Arg { node, .. } => !matches!(g.nodes[node].op, NodeOp::Body { .. }),
+                    });
+                    d.is_some() && none_after && others
+                })
+                .collect();
+            for (d, _) in d_args.iter().zip(&optional).filter(|(_, o)| **o) {
+                grads
+                    .optional
+                    .insert(d.expect("optional gradients are tensors'"));
+            }
+            super::loop_body::backward(cx, &mut b, n, &d_ys, saved, (&d_args, &optional));
             continue;
         }
         let several = g.outputs_of(n) > 1;
@@ -962,6 +991,9 @@ struct Grads<'g> {
     fwd: &'g GeneratedForward,
     expected: Vec<usize>,
     contributions: &'g mut Vec<Vec<LocalId>>,
+    /// The contributions that are `Option<Tensor>` (a loop's over a possibly empty list; see
+    /// [`super::loop_body::backward`]); a sum with another is a tensor.
+    optional: HashSet<LocalId>,
 }
 
 impl<'g> Grads<'g> {
@@ -973,8 +1005,10 @@ impl<'g> Grads<'g> {
         v: usize,
         rt: &'a TokenStream,
     ) -> Option<LocalId> {
-        let arrived = self.contributions[v].len();
-        (self.expected[v] >= 2 && arrived + 1 == self.expected[v]).then(|| self.sum(b, v, rt))
+        let arrived = &self.contributions[v];
+        let all_optional = arrived.iter().all(|c| self.optional.contains(c));
+        (self.expected[v] >= 2 && arrived.len() + 1 == self.expected[v] && !all_optional)
+            .then(|| self.sum(b, v, rt))
     }
 
     /// A new local holding `v`'s whole gradient, computed by the node at `pos` from the
@@ -1016,7 +1050,12 @@ impl<'g> Grads<'g> {
             self.expected[v],
             "every use of a value has contributed"
         );
-        self.sum(b, v, rt)
+        let total = self.sum(b, v, rt);
+        assert!(
+            !self.optional.contains(&total),
+            "a value's gradient has a contribution besides its loops'"
+        );
+        total
     }
 
     /// The contributions `v` has so far, summed in the order they arrived (reverse order of
@@ -1048,11 +1087,41 @@ impl<'g> Grads<'g> {
                     )
                 })
             });
+            let options = (self.optional.contains(&acc), self.optional.contains(&c));
+            if options == (true, true) {
+                self.optional.insert(sum);
+            }
             b.push(move |nm| {
                 let (s, x, y) = (nm.pat(sum), nm.by_ref(acc), nm.by_ref(c));
+                let (some, none) = (
+                    quote!(::std::option::Option::Some),
+                    quote!(::std::option::Option::None),
+                );
+                let value = match options {
+                    (false, false) => quote!(#rt::ops::add(#x, #y)?),
+                    (true, false) => quote! {
+                        match #x {
+                            #some(__x) => #rt::ops::add(__x, #y)?,
+                            #none => ::std::clone::Clone::clone(#y),
+                        }
+                    },
+                    (false, true) => quote! {
+                        match #y {
+                            #some(__y) => #rt::ops::add(#x, __y)?,
+                            #none => ::std::clone::Clone::clone(#x),
+                        }
+                    },
+                    (true, true) => quote! {
+                        match (#x, #y) {
+                            (#some(__x), #some(__y)) => #some(#rt::ops::add(__x, __y)?),
+                            (__x, #none) => ::std::clone::Clone::clone(__x),
+                            (#none, __y) => ::std::clone::Clone::clone(__y),
+                        }
+                    },
+                };
                 quote! {
                     #doc
-                    let #s = #rt::ops::add(#x, #y)?;
+                    let #s = #value;
                 }
             });
             acc = sum;

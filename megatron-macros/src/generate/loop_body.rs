@@ -6,7 +6,10 @@
 //! - the carried variables go from one iteration to the next, their gradients back;
 //! - what the body reads from before the loop is the same at every iteration, and its
 //!   gradient is the sum of every iteration's;
-//! - a carried variable not read after the loop has no gradient: zeros of its last value.
+//! - a carried variable not read after the loop has no gradient: zeros of its last value;
+//! - over an empty list, a gradient the loop gives a value that has other uses too is `None`,
+//!   so that a model with no modules in the list computes exactly what it would without the
+//!   loop (no zeros made, none added).
 //!
 //! `elem(..)` in the body ([`NodeOp::Element`]) calls `self.list[__index]`.
 
@@ -229,14 +232,16 @@ pub(in crate::generate) fn forward<'a>(
 }
 
 /// The loop's backward: the body's backward on each module, last first; `d_ys`: the carried
-/// variables' gradients after the loop (`None`: ids, or not read after it).
+/// variables' gradients after the loop (`None`: ids, or not read after it); `optional`: which
+/// of `d_args` are `Option<Tensor>`, `None` over an empty list (a gradient another use of the
+/// value also has, which then passes alone: no zeros added to it).
 pub(in crate::generate) fn backward<'a>(
     cx: &'a Ctx<'a>,
     b: &mut Body<'a>,
     n: NodeId,
     d_ys: &[Option<LocalId>],
     saved: LocalId,
-    d_args: &[Option<LocalId>],
+    (d_args, optional): (&[Option<LocalId>], &[bool]),
 ) {
     let rt = &cx.root.runtime;
     let node = &cx.g.nodes[n];
@@ -254,45 +259,63 @@ pub(in crate::generate) fn backward<'a>(
         .collect();
     let d_ys = d_ys.to_vec();
     let d_args = d_args.to_vec();
+    let optional = optional.to_vec();
     let inputs = node.args.len();
     let doc = comment(&format!(
         "The loop over `{}`: its body's backward on each module, last first; what the body \
          read from before the loop gets the sum of every iteration's gradient.",
         list.unraw()
     ));
+    // Element `i` of a tuple of the carried variables (the value itself when there is one).
+    let elem = move |tuple: TokenStream, i: usize| -> TokenStream {
+        if k == 1 {
+            tuple
+        } else {
+            let i = syn::Index::from(i);
+            quote!(#tuple.#i)
+        }
+    };
+    let tuple = move |items: Vec<TokenStream>| -> TokenStream {
+        if k == 1 {
+            items[0].clone()
+        } else {
+            quote!((#(#items),*))
+        }
+    };
     b.push(move |nm| {
         let s = nm.ident(saved);
-        // The carried variables' gradients after the loop: what arrived, zeros of the last
-        // value for one not read after it, `()` for ids.
-        let after: Vec<TokenStream> = (0..k)
-            .map(|i| match (ids[i], d_ys[i]) {
-                (true, _) => quote!(()),
-                (false, Some(d)) => {
-                    let d = nm.by_ref(d);
-                    quote!(::std::clone::Clone::clone(#d))
-                }
-                (false, None) => quote! {
-                    #rt::tensor::Tensor::zeros_near(
-                        __last[#i].shape().clone(), __last[#i].dtype(), &__last[#i],
-                    )?
-                },
-            })
-            .collect();
-        let grads_in: Vec<TokenStream> = (0..k)
-            .map(|i| match (ids[i], k) {
-                (true, _) => quote!(()),
-                (false, 1) => quote!(&__d),
-                (false, _) => {
-                    let i = syn::Index::from(i);
-                    quote!(&__d.#i)
-                }
-            })
-            .collect();
-        let grads_in = if k == 1 {
-            grads_in[0].clone()
-        } else {
-            quote!((#(#grads_in),*))
+        let zeros = |i: usize| {
+            quote! {
+                #rt::tensor::Tensor::zeros_near(
+                    __last[#i].shape().clone(), __last[#i].dtype(), &__last[#i],
+                )?
+            }
         };
+        // The carried variables' gradients after the loop, which the last iteration's backward
+        // takes: what arrived, zeros of the last value for one not read after it, `()` for ids.
+        let after = tuple(
+            (0..k)
+                .map(|i| match (ids[i], d_ys[i]) {
+                    (true, _) => quote!(()),
+                    (false, Some(d)) => {
+                        let d = nm.by_ref(d);
+                        quote!(::std::clone::Clone::clone(#d))
+                    }
+                    (false, None) => zeros(i),
+                })
+                .collect(),
+        );
+        let grads_in = tuple(
+            (0..k)
+                .map(|i| match ids[i] {
+                    true => quote!(()),
+                    false => {
+                        let d = elem(quote!(__d_after), i);
+                        quote!(&#d)
+                    }
+                })
+                .collect(),
+        );
         let got = |i: usize| -> TokenStream {
             if inputs == 1 {
                 quote!(__g)
@@ -301,12 +324,11 @@ pub(in crate::generate) fn backward<'a>(
                 quote!(__g.#i)
             }
         };
-        let next: Vec<TokenStream> = (0..k).map(|i| if ids[i] { quote!(()) } else { got(i) }).collect();
-        let next = if k == 1 {
-            next[0].clone()
-        } else {
-            quote!((#(#next),*))
-        };
+        let next = tuple(
+            (0..k)
+                .map(|i| if ids[i] { quote!(()) } else { got(i) })
+                .collect(),
+        );
         let free_tensors: Vec<usize> = (k..inputs).filter(|&i| !ids[i]).collect();
         let sums = free_tensors.iter().enumerate().map(|(j, &i)| {
             let acc = format_ident!("__d_read_{}", j);
@@ -321,46 +343,61 @@ pub(in crate::generate) fn backward<'a>(
         let accs: Vec<syn::Ident> = (0..free_tensors.len())
             .map(|j| format_ident!("__d_read_{}", j))
             .collect();
-        let start_grads = (0..k).filter(|&i| !ids[i]).map(|i| {
-            let pat = nm.pat(d_args[i].expect("a carried tensor has a gradient"));
-            let value = if k == 1 {
-                quote!(__d)
-            } else {
-                let i = syn::Index::from(i);
-                quote!(__d.#i)
-            };
-            quote!(let #pat = #value;)
+        // The carried variables' gradients before the loop: the first iteration's, or over an
+        // empty list what arrived after it (none, or zeros, for one not read after it).
+        let carried_tensors: Vec<usize> = (0..k).filter(|&i| !ids[i]).collect();
+        let start_pats = carried_tensors.iter().map(|&i| {
+            nm.pat(d_args[i].expect("a carried tensor has a gradient"))
+        });
+        let ran = carried_tensors.iter().map(|&i| {
+            let d = elem(quote!(__d), i);
+            match optional[i] {
+                true => quote!(::std::option::Option::Some(#d)),
+                false => d,
+            }
+        });
+        let empty = carried_tensors.iter().map(|&i| match (d_ys[i], optional[i]) {
+            (Some(d), _) => {
+                let d = nm.by_ref(d);
+                quote!(::std::clone::Clone::clone(#d))
+            }
+            (None, true) => quote!(::std::option::Option::None),
+            (None, false) => zeros(i),
         });
         let read_grads = free_tensors.iter().enumerate().map(|(j, &i)| {
             let pat = nm.pat(d_args[i].expect("a tensor has a gradient"));
             let acc = &accs[j];
-            quote! {
-                let #pat = match #acc {
-                    ::std::option::Option::Some(__d) => __d,
-                    ::std::option::Option::None => #rt::tensor::Tensor::zeros_near(
-                        __read[#j].shape().clone(), __read[#j].dtype(), &__read[#j],
-                    )?,
-                };
+            match optional[i] {
+                true => quote!(let #pat = #acc;),
+                false => quote! {
+                    let #pat = match #acc {
+                        ::std::option::Option::Some(__d) => __d,
+                        ::std::option::Option::None => #rt::tensor::Tensor::zeros_near(
+                            __read[#j].shape().clone(), __read[#j].dtype(), &__read[#j],
+                        )?,
+                    };
+                },
             }
         });
-        let after = if k == 1 {
-            after[0].clone()
-        } else {
-            quote!((#(#after),*))
-        };
         quote! {
             #doc
             let (__kept, __last, __read) = #s;
-            #[allow(unused_mut)]
-            let mut __d = #after;
+            let mut __d = ::std::option::Option::None;
             #(let mut #accs: ::std::option::Option<#rt::tensor::Tensor> = ::std::option::Option::None;)*
             for (__index, __saved) in __kept.into_iter().enumerate().rev() {
+                let __d_after = match __d.take() {
+                    ::std::option::Option::Some(__d) => __d,
+                    ::std::option::Option::None => #after,
+                };
                 let __g = #this.#backward(cx, #site.index(__index), __index, __saved, #grads_in)?;
-                __d = #next;
+                __d = ::std::option::Option::Some(#next);
                 #(#sums)*
             }
             let _ = (&__last, &__read);
-            #(#start_grads)*
+            let (#(#start_pats,)*) = match __d {
+                ::std::option::Option::Some(__d) => (#(#ran,)*),
+                ::std::option::Option::None => (#(#empty,)*),
+            };
             #(#read_grads)*
         }
     });
