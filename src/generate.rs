@@ -88,10 +88,20 @@ pub fn pick(logits: &[f32], sampling: &Sampling, uniform: f64) -> usize {
 /// The most tokens the model of checkpoint `ckpt` holds at once (its positions): the prompt
 /// and the new tokens together.
 pub fn context_length(ckpt: &Path) -> Result<usize> {
+    Ok(checkpoint_config(ckpt)?.max_position_embeddings)
+}
+
+/// The depths of multi-token prediction the model of checkpoint `ckpt` trained with (0 for
+/// none). Generation does not use them, as transformers does not: each token comes from the
+/// model's own output layer (no speculative decoding with the depths).
+pub fn mtp_depths(ckpt: &Path) -> Result<usize> {
+    Ok(checkpoint_config(ckpt)?.mtp_depths())
+}
+
+/// The model config checkpoint `ckpt` records.
+fn checkpoint_config(ckpt: &Path) -> Result<GptConfig> {
     let meta = megatron_core::checkpoint::read_meta(ckpt)?;
-    let config: GptConfig =
-        serde_json::from_value(meta.model).context("the checkpoint's model config")?;
-    Ok(config.max_position_embeddings)
+    serde_json::from_value(meta.model).context("the checkpoint's model config")
 }
 
 /// Continues `prompt` (token ids) by up to `max_new_tokens` tokens with the model of checkpoint

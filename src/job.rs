@@ -426,6 +426,13 @@ impl TrainJob {
         let not_yet = |what: &str| -> Result<()> {
             bail!("context parallelism with {what} is not built yet (--context-parallel-size {cp})")
         };
+        if let Some(mtp) = &self.model.mtp {
+            return not_yet(&format!(
+                "multi-token prediction (--mtp-num-layers {}: its shift of the tokens by one \
+                 would cross from chunk to chunk)",
+                mtp.num_layers
+            ));
+        }
         // The blocks of context-parallel attention run on the host: no graph captures them
         // and no flash kernel runs them.
         if self
@@ -616,6 +623,11 @@ impl TrainJob {
         };
         if let Some(moe) = &self.model.moe {
             trainer.log_routing(moe.router.num_experts);
+        }
+        // Megatron-LM's `mtp_1 loss` ... `mtp_D loss`.
+        let depths = self.model.mtp_depths();
+        if depths > 0 {
+            trainer.log_aux_losses((1..=depths).map(|k| format!("mtp_{k}")).collect());
         }
         if !self.cuda_graph_scope.is_empty() {
             trainer.set_graph_scopes(self.cuda_graph_scope);

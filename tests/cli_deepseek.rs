@@ -30,7 +30,20 @@ const TINY: [&str; 14] = [
 fn deepseek_v3_tiny_trains_at_every_layout_as_one_rank() {
     let dir = TempDir::new("cli-deepseek-layouts");
     let run = |name: &str, extra: &[&str]| run_model(&TINY, &dir, "deepseek-v3-tiny", name, extra);
-    let reference = run("one", &["--dp", "4", "--moe-router-dtype", "fp32"]);
+    // Multi-token prediction's depth on the last stage, its loss reported and compared.
+    let mtp = |extra: &[&'static str]| [&["--mtp-num-layers", "1"][..], extra].concat();
+    let reference = run("one", &mtp(&["--dp", "4", "--moe-router-dtype", "fp32"]));
+    assert_eq!(reference[0].aux_losses.len(), 1, "mtp_1 reported");
+    // Context parallelism refuses multi-token prediction: it trains without it.
+    let without = run(
+        "one-without-mtp",
+        &["--dp", "4", "--moe-router-dtype", "fp32"],
+    );
+    assert_same_training(
+        &run("cp2", &["--dp", "2", "--cp", "2", "--ep", "2"]),
+        &without,
+        "cp2",
+    );
     for (name, extra) in [
         (
             "tp2-sp-ep2",
@@ -56,7 +69,6 @@ fn deepseek_v3_tiny_trains_at_every_layout_as_one_rank() {
         // collectives must still be the other stages' (this hung once).
         ("pp4", &["--pp", "4"]),
         ("ep2-etp2", &["--dp", "4", "--ep", "2", "--etp", "2"]),
-        ("cp2", &["--dp", "2", "--cp", "2", "--ep", "2"]),
         (
             "recompute",
             &[
@@ -71,7 +83,7 @@ fn deepseek_v3_tiny_trains_at_every_layout_as_one_rank() {
             ],
         ),
     ] {
-        assert_same_training(&run(name, extra), &reference, name);
+        assert_same_training(&run(name, &mtp(extra)), &reference, name);
     }
 }
 
@@ -263,6 +275,14 @@ fn what_the_model_cannot_do_is_refused_by_name() {
             &["--lora-rank", "4", "--lora-target-modules", "linear_q_proj"],
             "the model has no `linear_q_proj`",
         ),
+        (
+            &["--mtp-num-layers", "1", "--cp", "2"],
+            "context parallelism with multi-token prediction (--mtp-num-layers 1",
+        ),
+        (
+            &["--mtp-num-layers", "1", "--mtp-loss-scaling-factor=-1"],
+            "--mtp-loss-scaling-factor must be finite and at least 0, got -1",
+        ),
     ] {
         let stderr = tiny(extra);
         assert!(stderr.contains(message), "{extra:?}: {stderr}");
@@ -285,6 +305,11 @@ fn what_the_model_cannot_do_is_refused_by_name() {
             &["--mscale", "0.5"],
             "--mscale sets YaRN, which the model does not use: add --rope-type yarn",
         ),
+        (
+            &["--mtp-loss-scaling-factor", "0.2"],
+            "--mtp-loss-scaling-factor 0.2 weighs multi-token prediction's losses, which the \
+             model does not have: add --mtp-num-layers",
+        ),
     ] {
         let stderr = llama(extra);
         assert!(stderr.contains(message), "{extra:?}: {stderr}");
@@ -300,4 +325,9 @@ fn what_the_model_cannot_do_is_refused_by_name() {
     ])
     .2;
     assert!(gpt.contains("add --position-embedding-type rope"), "{gpt}");
+    let gpt = megatron(&["train", "--model", "gpt-tiny", "--mtp-num-layers", "2"]).2;
+    assert!(
+        gpt.contains("--mtp-num-layers 2 with learned absolute positions"),
+        "{gpt}"
+    );
 }

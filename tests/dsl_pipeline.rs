@@ -144,13 +144,15 @@ fn the_stages_in_turn_compute_what_the_whole_model_does() {
             layer_saves.push(saved);
         }
         let last = stages.last().unwrap();
-        let (staged, post) = last.forward_post(&cx, Site::ROOT, &h, &targets).unwrap();
+        let (staged, post) = last
+            .forward_post(&cx, Site::ROOT, &h, &tokens, &targets)
+            .unwrap();
         assert_eq!(
             staged.to_vec::<f32>().unwrap(),
             losses.to_vec::<f32>().unwrap(),
             "pp {pp} V {vpp}: the same losses bit for bit"
         );
-        let (mut d_h, ()) = last
+        let (mut d_h, (), ()) = last
             .backward_post(&cx, Site::ROOT, post, &d_losses)
             .unwrap();
         for (stage, saved) in stages.iter().zip(layer_saves).rev() {

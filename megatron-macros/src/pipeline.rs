@@ -52,6 +52,9 @@ pub struct Cut {
     pub post: Part,
     /// Per field of the struct, which stages hold it.
     pub presence: Vec<Presence>,
+    /// Per field, whether the part after the loop calls it (not only its output layer, as
+    /// multi-token prediction looks the next tokens up in the input embedding).
+    pub called_after: Vec<bool>,
 }
 
 /// Cuts `g` (validated, analysed as `a`) at the loop over `s`'s `#[pipeline]` field.
@@ -146,6 +149,7 @@ pub fn cut(s: &ModuleStruct, g: &Graph, a: &Analysis) -> syn::Result<Cut> {
         slice(g, l + 1..g.nodes.len(), Some(carried_out), g.output()),
     );
     let mut presence = vec![Presence::Always; s.fields.len()];
+    let mut called_after = vec![false; s.fields.len()];
     for (i, f) in s.fields.iter().enumerate() {
         if matches!(
             f.kind,
@@ -173,6 +177,14 @@ pub fn cut(s: &ModuleStruct, g: &Graph, a: &Analysis) -> syn::Result<Cut> {
                     }
             })
         };
+        called_after[i] = (l + 1..g.nodes.len()).any(|n| match &g.nodes[n].op {
+            NodeOp::Field { .. } => a.field[n] == Some(i),
+            NodeOp::Body { body, .. } => body
+                .nodes
+                .iter()
+                .any(|b| matches!(&b.op, NodeOp::Field { field } if field.unraw() == name)),
+            _ => false,
+        });
         presence[i] = match (used(0..l), used(l + 1..g.nodes.len())) {
             (true, true) => Presence::Ends,
             (false, true) => Presence::Last,
@@ -192,6 +204,7 @@ pub fn cut(s: &ModuleStruct, g: &Graph, a: &Analysis) -> syn::Result<Cut> {
         layers: part(layers)?,
         post: part(post)?,
         presence,
+        called_after,
     })
 }
 

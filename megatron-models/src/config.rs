@@ -275,6 +275,37 @@ pub struct GptConfig {
     /// flags): the base frozen, the adapters trained; `None`: no adapters.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<LoraConfig>,
+    /// Multi-token prediction (`--mtp-num-layers`, DeepSeek-V3's): depths after the model
+    /// predicting one token further each; `None`: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtp: Option<MtpConfig>,
+}
+
+/// Multi-token prediction as Megatron-LM's `--mtp-num-layers` and `--mtp-loss-scaling-factor`
+/// set it: `num_layers` depths, each a transformer layer like the model's last, whose losses
+/// add `loss_scaling_factor / num_layers` times their masked mean to the loss's gradient.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MtpConfig {
+    /// The depths (`--mtp-num-layers`, at least 1).
+    pub num_layers: usize,
+    /// The depths' losses' weight together (`--mtp-loss-scaling-factor`, 0.1 by default).
+    #[serde(default = "mtp_loss_scaling_factor")]
+    pub loss_scaling_factor: f32,
+}
+
+/// Megatron-LM's `--mtp-loss-scaling-factor` default.
+fn mtp_loss_scaling_factor() -> f32 {
+    0.1
+}
+
+impl MtpConfig {
+    /// `num_layers` depths with Megatron-LM's loss scaling factor (0.1).
+    pub fn new(num_layers: usize) -> Self {
+        MtpConfig {
+            num_layers,
+            loss_scaling_factor: mtp_loss_scaling_factor(),
+        }
+    }
 }
 
 /// `add_bias_linear`'s value in a file written before it existed.
@@ -337,6 +368,7 @@ impl GptConfig {
             moe: None,
             mla: None,
             lora: None,
+            mtp: None,
         }
     }
 
@@ -530,6 +562,9 @@ impl GptConfig {
         } else if c.position_embedding_type == PositionEmbeddingType::Rope {
             c.rotary.dims(c.head_dim())?;
         }
+        if let Some(mtp) = &c.mtp {
+            c.validate_mtp(mtp)?;
+        }
         if let Some(layers) = &c.window_layers
             && layers.len() != c.num_layers
         {
@@ -609,6 +644,30 @@ impl GptConfig {
         Ok(())
     }
 
+    /// Multi-token prediction's settings: at least one depth, a finite non-negative weight,
+    /// and positions the depths can take (rotary or none: Megatron-LM's depths look up the
+    /// next tokens with shifted learned positions, which megatron-rs does not build).
+    fn validate_mtp(&self, mtp: &MtpConfig) -> Result<()> {
+        if mtp.num_layers == 0 {
+            return invalid!("--mtp-num-layers must be at least 1 (leave it out for none)");
+        }
+        if !(mtp.loss_scaling_factor.is_finite() && mtp.loss_scaling_factor >= 0.0) {
+            return invalid!(
+                "--mtp-loss-scaling-factor must be finite and at least 0, got {}",
+                mtp.loss_scaling_factor
+            );
+        }
+        if self.position_embedding_type == PositionEmbeddingType::LearnedAbsolute {
+            return invalid!(
+                "--mtp-num-layers {} with learned absolute positions: the depths would look \
+                 the next tokens up at shifted positions, which megatron-rs does not build; use \
+                 --position-embedding-type rope (DeepSeek-V3's) or none",
+                mtp.num_layers
+            );
+        }
+        Ok(())
+    }
+
     /// The vocabulary padded for `tp` ranks.
     pub fn padded_vocab_size(&self, tp: usize) -> usize {
         padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
@@ -664,21 +723,25 @@ impl GptConfig {
             }
         };
         let common = 2 * norm + attention;
+        let layer = |is_moe: bool| match (&self.moe, is_moe) {
+            (Some(moe), true) => {
+                let e = moe.router.num_experts as u128;
+                let used = if active { moe.router.topk as u128 } else { e };
+                common
+                    + e * h
+                    + used * (gates + 1) * h * moe.ffn_hidden_size as u128
+                    + moe.shared_expert_ffn.map_or(0, |s| mlp(s as u128))
+            }
+            _ => common + mlp(f),
+        };
         let moe_layers = self.moe_layers().unwrap_or_default();
-        let layers: u128 = moe_layers
-            .iter()
-            .map(|&is_moe| match (&self.moe, is_moe) {
-                (Some(moe), true) => {
-                    let e = moe.router.num_experts as u128;
-                    let used = if active { moe.router.topk as u128 } else { e };
-                    common
-                        + e * h
-                        + used * (gates + 1) * h * moe.ffn_hidden_size as u128
-                        + moe.shared_expert_ffn.map_or(0, |s| mlp(s as u128))
-                }
-                _ => common + mlp(f),
-            })
-            .sum();
+        let layers: u128 = moe_layers.iter().map(|&is_moe| layer(is_moe)).sum();
+        // Each depth: its two input norms, the projection 2h → h, a layer like the last one
+        // and its final norm (the embedding and the output layer are the model's).
+        let mtp = self.mtp.map_or(0, |m| {
+            let last_is_moe = moe_layers.last().copied().unwrap_or(false);
+            m.num_layers as u128 * (3 * norm + 2 * h * h + layer(last_is_moe))
+        });
         let tables = if self.untie_embeddings_and_output_weights {
             2
         } else {
@@ -688,7 +751,23 @@ impl GptConfig {
             PositionEmbeddingType::LearnedAbsolute => self.max_position_embeddings as u128 * h,
             _ => 0,
         };
-        tables * self.padded_vocab_size(tp) as u128 * h + positions + layers + norm
+        tables * self.padded_vocab_size(tp) as u128 * h + positions + layers + norm + mtp
+    }
+
+    /// The parameters multi-token prediction's depths add (none without them): every expert,
+    /// or with `active` the ones a token uses.
+    pub fn mtp_params(&self, tp: usize, active: bool) -> usize {
+        let without = GptConfig {
+            mtp: None,
+            ..self.clone()
+        };
+        let all = self.params_exact(tp, active) - without.params_exact(tp, active);
+        usize::try_from(all).unwrap_or(usize::MAX)
+    }
+
+    /// The depths of multi-token prediction (0 without it).
+    pub fn mtp_depths(&self) -> usize {
+        self.mtp.map_or(0, |m| m.num_layers)
     }
 
     /// Values a generation caches per token, over all layers: multi-latent attention's latent
@@ -705,18 +784,22 @@ impl GptConfig {
     /// Model FLOPs of one training token of a sequence of `seq` tokens: 6 per parameter the
     /// token uses (forward and backward), plus attention's two batched products
     /// (12·layers·seq·heads·head size).
+    ///
+    /// Multi-token prediction's depths count as layers, and each runs the output layer once
+    /// more (6 · padded vocabulary · h).
     pub fn flops_per_token(&self, seq: usize, tp: usize) -> f64 {
+        let layers = self.num_layers + self.mtp_depths();
         let attention = match &self.mla {
             // Queries·keys over q_head_dim features, weights·values over v_head_dim.
             Some(mla) => {
-                6.0 * (self.num_layers * seq * self.num_attention_heads) as f64
+                6.0 * (layers * seq * self.num_attention_heads) as f64
                     * (mla.q_head_dim() + mla.v_head_dim) as f64
             }
-            None => {
-                12.0 * (self.num_layers * seq * self.num_attention_heads * self.head_dim()) as f64
-            }
+            None => 12.0 * (layers * seq * self.num_attention_heads * self.head_dim()) as f64,
         };
-        6.0 * self.active_params(tp) as f64 + attention
+        let heads =
+            6.0 * (self.mtp_depths() * self.padded_vocab_size(tp) * self.hidden_size) as f64;
+        6.0 * self.active_params(tp) as f64 + attention + heads
     }
 }
 

@@ -115,6 +115,35 @@ impl Block {
     }
 }
 
+/// One depth of multi-token prediction (Megatron-LM's `MultiTokenPredictionLayer`, DeepSeek-V3's
+/// MTP module): the previous depth's hidden state and the embedding of the token one further,
+/// each normed, side by side (embedding first) and projected back to the hidden size, then a
+/// transformer layer like the model's last and a norm before the shared output layer.
+#[module]
+pub struct MtpLayer {
+    /// Norm of the next token's embedding.
+    pub enorm: LayerNorm,
+    /// Norm of the previous depth's hidden state.
+    pub hnorm: LayerNorm,
+    /// `2h → h` without bias, output features split over tensor parallelism and gathered
+    /// (Megatron-LM's `eh_proj`, gathered and scattered back to the sequence with sequence
+    /// parallelism).
+    #[column_parallel(gather_output = true)]
+    pub eh_proj: Linear,
+    /// The depth's transformer layer.
+    pub block: Block,
+    /// Norm before the output layer.
+    pub final_norm: LayerNorm,
+}
+
+#[module]
+impl MtpLayer {
+    fn forward(&self, h: Tensor, e: Tensor) -> Tensor {
+        let x = self.eh_proj(cat(self.enorm(e), self.hnorm(h)));
+        self.final_norm(self.block(x))
+    }
+}
+
 /// The whole model: token ids in, per-token losses out.
 #[module]
 pub struct Gpt {
@@ -129,9 +158,15 @@ pub struct Gpt {
     pub blocks: Vec<Block>,
     /// Final norm.
     pub ln_f: LayerNorm,
+    /// Multi-token prediction's depths (`--mtp-num-layers`; none without), after the final
+    /// norm on the last pipeline stage.
+    pub mtp: Vec<MtpLayer>,
     /// Dropout on the summed embeddings.
     #[config]
     pub embedding_dropout: f32,
+    /// Each depth's loss's weight: `--mtp-loss-scaling-factor / --mtp-num-layers`.
+    #[config]
+    pub mtp_loss_weight: f32,
 }
 
 #[module]
@@ -142,8 +177,22 @@ impl Gpt {
         for block in &self.blocks {
             h = block(h);
         }
-        let h = self.ln_f(h);
-        cross_entropy(self.wte.logits(h), targets)
+        h = self.ln_f(h);
+        let mut losses = cross_entropy(self.wte.logits(h), targets);
+        // Multi-token prediction: depth k sees the tokens, targets and mask k places further
+        // on, and its loss rides on the main one, reported as `mtp_k`.
+        let mut ids = tokens;
+        let mut labels = targets;
+        let mut mask = loss_mask(targets);
+        for depth in &self.mtp {
+            ids = shift_left(ids);
+            labels = shift_left(labels);
+            mask = shift_left(mask);
+            h = depth(h, dropout(self.wte(ids), self.embedding_dropout));
+            let depth_losses = cross_entropy(self.wte.logits(h), labels);
+            losses = aux_loss(losses, depth_losses, mask, self.mtp_loss_weight, "mtp");
+        }
+        losses
     }
 }
 
@@ -203,16 +252,33 @@ impl GptConfig {
         let moe_layers = self
             .moe_layers()
             .unwrap_or_else(|_| vec![false; self.num_layers]);
+        let block = |layer: usize, is_moe: bool| BlockSpec {
+            ln1: ln.clone(),
+            attn: self.attention_spec(layer, &ln),
+            ln2: ln.clone(),
+            mlp: ffn(is_moe),
+            hidden_dropout: self.hidden_dropout,
+        };
+        // Each depth of multi-token prediction has a layer like the model's last.
+        let last = (
+            self.num_layers - 1,
+            moe_layers.last().copied().unwrap_or(false),
+        );
+        let mtp = (0..self.mtp_depths())
+            .map(|_| MtpLayerSpec {
+                enorm: ln.clone(),
+                hnorm: ln.clone(),
+                eh_proj: LinearSpec::new(2 * h, h)
+                    .with_init_std(std)
+                    .with_bias(false),
+                block: block(last.0, last.1),
+                final_norm: ln.clone(),
+            })
+            .collect();
         let blocks = moe_layers
             .into_iter()
             .enumerate()
-            .map(|(layer, is_moe)| BlockSpec {
-                ln1: ln.clone(),
-                attn: self.attention_spec(layer, &ln),
-                ln2: ln.clone(),
-                mlp: ffn(is_moe),
-                hidden_dropout: self.hidden_dropout,
-            })
+            .map(|(layer, is_moe)| block(layer, is_moe))
             .collect();
         GptSpec {
             wte: EmbeddingSpec {
@@ -235,8 +301,12 @@ impl GptConfig {
                 }
             },
             blocks,
-            ln_f: ln,
+            ln_f: ln.clone(),
+            mtp,
             embedding_dropout: self.hidden_dropout,
+            mtp_loss_weight: self
+                .mtp
+                .map_or(0.0, |m| m.loss_scaling_factor / m.num_layers as f32),
         }
     }
 }

@@ -10,6 +10,8 @@ pub mod moe;
 pub mod registry;
 pub mod self_attention;
 
-pub use config::{DeepSeekMoe, GptConfig, MoeConfig, MoeLayerFreq, PositionEmbeddingType};
+pub use config::{
+    DeepSeekMoe, GptConfig, MoeConfig, MoeLayerFreq, MtpConfig, PositionEmbeddingType,
+};
 pub use mla::MlaConfig;
 pub use registry::{ModelPreset, preset, presets};

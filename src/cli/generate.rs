@@ -107,6 +107,14 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         );
     }
     let context = megatron::generate::context_length(&args.load).context("--load")?;
+    let depths = megatron::generate::mtp_depths(&args.load).context("--load")?;
+    if depths > 0 {
+        output::error_line(&format!(
+            "note: generation leaves the model's multi-token prediction ({depths} depth{}) \
+             unused: each token comes from the model's output layer (no speculative decoding)",
+            if depths == 1 { "" } else { "s" }
+        ));
+    }
     if args.max_new_tokens >= context {
         bail!(
             "--max-new-tokens {}: the model holds {context} positions (its \

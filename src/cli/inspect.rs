@@ -535,6 +535,12 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             "parameters_total": total,
             "parameters_per_rank": local,
             "parameters_active_per_token": active,
+            "mtp": config.mtp.map(|m| json!({
+                "num_layers": m.num_layers,
+                "loss_scaling_factor": m.loss_scaling_factor,
+                "parameters": config.mtp_params(args.tp, false),
+                "parameters_active_per_token": config.mtp_params(args.tp, true),
+            })),
             "moe": config.moe.as_ref().map(|m| json!({
                 "num_experts": m.router.num_experts,
                 "topk": m.router.topk,
@@ -606,6 +612,20 @@ pub fn run(args: &InspectArgs) -> Result<()> {
         total as f64 / 1e6,
         local as f64 / 1e6
     );
+    if let Some(mtp) = &config.mtp {
+        let _ = writeln!(
+            out,
+            "multi-token prediction: {} depth{} on the last pipeline stage, {:.2}M of the \
+             parameters ({:.2}M active per token; the embedding and the output layer are the \
+             model's), losses weighted {} / {}",
+            mtp.num_layers,
+            if mtp.num_layers == 1 { "" } else { "s" },
+            config.mtp_params(args.tp, false) as f64 / 1e6,
+            config.mtp_params(args.tp, true) as f64 / 1e6,
+            mtp.loss_scaling_factor,
+            mtp.num_layers
+        );
+    }
     if let Some(moe) = &config.moe {
         let layers = config.moe_layers()?;
         let _ = writeln!(

@@ -2,7 +2,7 @@
 
 use anyhow::{Result, bail};
 use clap::Args;
-use megatron::models::{GptConfig, MlaConfig, PositionEmbeddingType, preset, presets};
+use megatron::models::{GptConfig, MlaConfig, MtpConfig, PositionEmbeddingType, preset, presets};
 use megatron::tensor_parallel::{Llama3Scaling, Normalization, Yarn};
 
 use super::moe_args::MoeArgs;
@@ -144,6 +144,13 @@ pub struct ArchitectureArgs {
     /// MLA's value features per head [default: 128].
     #[arg(long, value_parser = values::dim)]
     v_head_dim: Option<usize>,
+    /// Multi-token prediction (DeepSeek-V3's): N depths after the model, each a layer like
+    /// the last predicting one token further, their losses added to the gradient.
+    #[arg(long, value_parser = values::dim)]
+    mtp_num_layers: Option<usize>,
+    /// The depths' losses' weight together: each adds factor / N times its mean [default: 0.1].
+    #[arg(long)]
+    mtp_loss_scaling_factor: Option<f32>,
     #[command(flatten)]
     moe: MoeArgs,
 }
@@ -312,6 +319,7 @@ impl ArchitectureArgs {
                 self.moe.num_experts(),
                 saved.moe.as_ref().map_or(0, |m| m.router.num_experts),
             ),
+            ("mtp-num-layers", self.mtp_num_layers, saved.mtp_depths()),
         ] {
             if let Some(given) = given
                 && given != held
@@ -507,6 +515,21 @@ impl ArchitectureArgs {
                 .map(|n| (1..=c.num_layers).map(|l| l % n != 0).collect());
         }
         self.apply_mla(&mut c)?;
+        if let Some(n) = self.mtp_num_layers {
+            let mut mtp = MtpConfig::new(n);
+            if let Some(f) = self.mtp_loss_scaling_factor {
+                mtp.loss_scaling_factor = f;
+            }
+            c.mtp = Some(mtp);
+        } else if let Some(f) = self.mtp_loss_scaling_factor {
+            let Some(mtp) = &mut c.mtp else {
+                bail!(
+                    "--mtp-loss-scaling-factor {f} weighs multi-token prediction's losses, which \
+                     the model does not have: add --mtp-num-layers"
+                );
+            };
+            mtp.loss_scaling_factor = f;
+        }
         self.moe.apply(&mut c)?;
         self.refuse_flags_that_do_nothing(&c)?;
         c.validate_parallel(tp, ep, sequence_parallel)?;

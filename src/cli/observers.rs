@@ -69,6 +69,11 @@ impl Observer for Progress {
         let counted = m
             .counted_tokens
             .map_or(String::new(), |c| format!(" | counted {c}/{}", m.tokens));
+        let aux: String = m
+            .aux_losses
+            .iter()
+            .map(|(name, loss)| format!(" | {name} {loss:.4}"))
+            .collect();
         if m.empty_microbatches > 0 {
             tracing::warn!(
                 step = m.step,
@@ -78,7 +83,7 @@ impl Observer for Progress {
             );
         }
         self.bar.set_message(format!(
-            "loss {:.4}{counted}{moe} | {:.0} tok/s",
+            "loss {:.4}{aux}{counted}{moe} | {:.0} tok/s",
             m.loss,
             m.tokens as f64 / m.seconds
         ));
@@ -178,6 +183,14 @@ impl Observer for JsonLog {
         if let Some(counted) = m.counted_tokens {
             v["counted_tokens"] = json!(counted);
         }
+        if !m.aux_losses.is_empty() {
+            let losses: serde_json::Map<String, serde_json::Value> = m
+                .aux_losses
+                .iter()
+                .map(|(name, loss)| (name.clone(), json!(loss)))
+                .collect();
+            v["aux_losses"] = losses.into();
+        }
         if m.empty_microbatches > 0 {
             v["empty_microbatches"] = json!(m.empty_microbatches);
         }
@@ -264,6 +277,10 @@ impl Observer for TensorBoard {
                 .scalar("tokens-per-expert-max", step, max as f64)?;
             self.writer
                 .scalar("dropped-token-fraction", step, r.dropped_fraction())?;
+        }
+        for (name, loss) in &m.aux_losses {
+            // Megatron-LM's tags: `mtp_1 loss`, ...
+            self.writer.scalar(&format!("{name} loss"), step, *loss)?;
         }
         self.writer.scalar("lm loss vs tokens", r.tokens, m.loss)?;
         // Every step reaches the file: a killed run keeps what it logged.

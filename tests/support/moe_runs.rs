@@ -3,13 +3,15 @@
 
 use super::{TempDir, log_lines, megatron};
 
-/// One logged step: loss, gradient norm, tokens per expert and aux loss.
+/// One logged step: loss, gradient norm, tokens per expert, aux loss and the model's reported
+/// auxiliary losses (multi-token prediction's `mtp_k`).
 #[derive(Debug)]
 pub struct Step {
     pub loss: f64,
     pub grad_norm: f64,
     pub tokens_per_expert: Vec<u64>,
     pub aux_loss: f64,
+    pub aux_losses: Vec<(String, f64)>,
 }
 
 /// The text the runs train on: the examples' frozen corpus. The built-in corpus is the
@@ -45,6 +47,11 @@ pub fn run_model(
                 .map(|v| v.as_u64().unwrap())
                 .collect(),
             aux_loss: l["moe"]["aux_loss"].as_f64().unwrap(),
+            aux_losses: l["aux_losses"].as_object().map_or(Vec::new(), |o| {
+                o.iter()
+                    .map(|(k, v)| (k.clone(), v.as_f64().unwrap()))
+                    .collect()
+            }),
         })
         .collect()
 }
@@ -79,5 +86,18 @@ pub fn assert_same_training(got: &[Step], want: &[Step], what: &str) {
             g.aux_loss,
             w.aux_loss
         );
+        let names = |s: &Step| {
+            s.aux_losses
+                .iter()
+                .map(|(n, _)| n.clone())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names(g), names(w), "{what} step {i}: reported losses");
+        for ((name, g), (_, w)) in g.aux_losses.iter().zip(&w.aux_losses) {
+            assert!(
+                (g - w).abs() <= 1e-5 * w.abs(),
+                "{what} step {i}: {name} {g} vs {w}"
+            );
+        }
     }
 }

@@ -569,6 +569,8 @@ pub struct Builder {
     stage: Option<StagePart>,
     /// The LoRA adapters to build beside the linear layers it targets, if any.
     lora: Option<Arc<crate::tensor_parallel::lora::LoraConfig>>,
+    /// The field being built is called on both ends of a pipeline ([`Builder::called_at_both_ends`]).
+    both_ends: bool,
 }
 
 impl Builder {
@@ -583,6 +585,7 @@ impl Builder {
             specs_only: false,
             stage: None,
             lora: None,
+            both_ends: false,
         }
     }
 
@@ -614,6 +617,25 @@ impl Builder {
     /// The pipeline stage being built, if the builder builds one.
     pub fn stage(&self) -> Option<&StagePart> {
         self.stage.as_ref()
+    }
+
+    /// Runs `f` building a field that the stages on both ends of a pipeline call, not only
+    /// read (an untied embedding that multi-token prediction looks up after the stack: the
+    /// last stage holds the input table too, and its gradient is summed with the first's).
+    pub fn called_at_both_ends<T>(
+        &mut self,
+        f: impl FnOnce(&mut Builder) -> Result<T>,
+    ) -> Result<T> {
+        let both = std::mem::replace(&mut self.both_ends, true);
+        let out = f(self);
+        self.both_ends = both;
+        out
+    }
+
+    /// Whether the field being built is called on both ends of a pipeline (see
+    /// [`Builder::called_at_both_ends`]).
+    pub fn is_called_at_both_ends(&self) -> bool {
+        self.both_ends
     }
 
     /// Runs `f` building shapes only (see [`Builder::meta`]): for a field that another pipeline

@@ -68,6 +68,9 @@ pub struct Embedding {
     /// Whether this stage holds the input table and the output table (both, unless untied
     /// and cut by a pipeline).
     holds: (bool, bool),
+    /// Untied and looked up after the stack too (multi-token prediction): both ends of a
+    /// pipeline hold the input table, and it is the one they share.
+    lookup_at_both_ends: bool,
     vocab_size: usize,
     /// First global row this rank holds.
     vocab_start: usize,
@@ -97,9 +100,14 @@ impl Embedding {
         } else {
             Split::Replicated
         };
-        // Untied and cut by a pipeline: the first stage looks up, the last one outputs.
+        // Untied and cut by a pipeline: the first stage looks up, the last one outputs (and
+        // looks up too when the model calls the embedding after the stack).
+        let lookup_at_both_ends = spec.untied && b.is_called_at_both_ends();
         let holds = match b.stage() {
-            Some(stage) if spec.untied => (stage.first, stage.last),
+            Some(stage) if spec.untied => (
+                stage.first || (lookup_at_both_ends && stage.last),
+                stage.last,
+            ),
             _ => (true, true),
         };
         let table = |b: &mut Builder, name: &str, held: bool| {
@@ -125,6 +133,7 @@ impl Embedding {
             weight,
             output,
             holds,
+            lookup_at_both_ends,
             vocab_size: spec.vocab_size,
             vocab_start,
         })
@@ -196,6 +205,12 @@ impl Embedding {
     /// Host ids are checked; device ids are not (that would read them back): an id this
     /// shard does not hold gives a zero row and no gradient.
     fn lookup(&self, ids: &Tensor) -> Result<(Tensor, EmbeddingSaved)> {
+        if !self.holds.0 {
+            return crate::invalid!(
+                "this pipeline stage looks up an untied embedding whose input table only the \
+                 first stage holds (a module built without `Builder::called_at_both_ends`)"
+            );
+        }
         let ids = if ids.gpu().is_some() {
             self.check_id_type(ids)?;
             ids.clone()
@@ -242,9 +257,10 @@ impl Module for Embedding {
         }
     }
 
-    /// Tied, the table both ends of a pipeline use; untied, nothing: each end has its own.
+    /// Tied, the table both ends of a pipeline use; untied, the input table when both ends
+    /// look up (multi-token prediction), else nothing: each end has its own.
     fn visit_tied_params<'s>(&'s self, f: &mut dyn FnMut(&'s Param)) {
-        if self.output.is_none() {
+        if self.output.is_none() || self.lookup_at_both_ends {
             f(&self.weight);
         }
     }

@@ -786,28 +786,41 @@ fn stage_items(
         Presence::Last => quote!(stage.last),
         Presence::Ends => quote!(stage.first || stage.last),
     };
-    let build_fields = s.fields.iter().zip(&cut.presence).map(|(f, &p)| {
-        let name = &f.ident;
-        // The stack holds the stage's layers; another list of modules is whole where it is.
-        let indices = match p {
-            Presence::Stack => quote!(stage.layers.clone()),
-            _ => quote!(0..spec.#name.len()),
-        };
-        let value = build_field(root, f, indices);
-        let value = match p {
-            Presence::Always | Presence::Stack => value,
-            _ => {
-                let cond = present(p);
-                // Another stage's field: a placeholder of its shapes, never visited.
-                let placeholder = build_param_field(root, f, quote!(::std::iter::empty::<usize>()))
-                    .expect("a layer");
-                quote! {
-                    if #cond { #value } else { b.placeholder(|b| #placeholder)? }
-                }
+    let build_fields = s
+        .fields
+        .iter()
+        .zip(&cut.presence)
+        .zip(&cut.called_after)
+        .map(|((f, &p), &after)| {
+            let name = &f.ident;
+            // The stack holds the stage's layers; another list of modules is whole where it is.
+            let indices = match p {
+                Presence::Stack => quote!(stage.layers.clone()),
+                _ => quote!(0..spec.#name.len()),
+            };
+            let mut value = build_field(root, f, indices);
+            if p == Presence::Ends && after {
+                // Called on both ends (an embedding looked up after the stack too).
+                value = match build_param_field(root, f, quote!(0..spec.#name.len())) {
+                    Some(built) => quote!(b.called_at_both_ends(|b| #built)?),
+                    None => value,
+                };
             }
-        };
-        quote!(#name: #value)
-    });
+            let value = match p {
+                Presence::Always | Presence::Stack => value,
+                _ => {
+                    let cond = present(p);
+                    // Another stage's field: a placeholder of its shapes, never visited.
+                    let placeholder =
+                        build_param_field(root, f, quote!(::std::iter::empty::<usize>()))
+                            .expect("a layer");
+                    quote! {
+                        if #cond { #value } else { b.placeholder(|b| #placeholder)? }
+                    }
+                }
+            };
+            quote!(#name: #value)
+        });
     let visits = |mutable: bool| {
         let calls = s.fields.iter().zip(&cut.presence).filter_map(|(f, &p)| {
             if !kind::of(&f.kind).has_params() {
