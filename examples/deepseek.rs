@@ -1,9 +1,10 @@
 //! DeepSeek-V3's architecture, as megatron-models writes it with the DSL: multi-latent attention
 //! (queries and keys/values through their latents, a rotary key shared by every head, YaRN),
 //! a dense first layer, then routed experts chosen by sigmoid scores within each token's best
-//! groups, scaled, beside a shared expert. deepseek-v3-tiny trains on one rank and at tensor
+//! groups, scaled, beside a shared expert; and a depth of multi-token prediction after the
+//! layers, predicting the token after next. deepseek-v3-tiny trains on one rank and at tensor
 //! parallelism 2 with sequence parallelism × expert parallelism 2 (thread ranks); the two must
-//! route alike and give the same losses up to the order of f32 sums.
+//! route alike and give the same losses (the depth's too) up to the order of f32 sums.
 //!
 //! ```sh
 //! cargo run --release --example deepseek
@@ -12,7 +13,7 @@
 use std::sync::{Arc, Mutex};
 
 use megatron::job::{Observer, Placement, StepRecord, TrainJob};
-use megatron::models::preset;
+use megatron::models::{GptConfig, MtpConfig, preset};
 use megatron::optimizer::AdamWConfig;
 use megatron::training::{BatchPlan, DecayStyle, LrSchedule, Sampler, TokenStream, TrainConfig};
 
@@ -22,9 +23,7 @@ const MODEL: &str = "deepseek-v3-tiny";
 /// deepseek-v3-tiny at tensor parallelism `tp` (with sequence parallelism above 1) and expert
 /// parallelism `ep`, on `tp` thread ranks.
 fn job(tp: usize, ep: usize) -> Result<TrainJob, Box<dyn std::error::Error>> {
-    let model = (preset(MODEL)
-        .ok_or("deepseek-v3-tiny is registered")?
-        .config)();
+    let model = config()?;
     let plan = BatchPlan {
         seq_length: 64,
         micro_batch: 2,
@@ -74,6 +73,15 @@ fn job(tp: usize, ep: usize) -> Result<TrainJob, Box<dyn std::error::Error>> {
     })
 }
 
+/// deepseek-v3-tiny with one depth of multi-token prediction (`--mtp-num-layers 1`).
+fn config() -> Result<GptConfig, Box<dyn std::error::Error>> {
+    let mut config = (preset(MODEL)
+        .ok_or("deepseek-v3-tiny is registered")?
+        .config)();
+    config.mtp = Some(MtpConfig::new(1));
+    Ok(config)
+}
+
 /// Keeps every step's record (rank 0's view).
 struct Keep(Arc<Mutex<Vec<StepRecord>>>);
 
@@ -97,16 +105,14 @@ fn train(tp: usize, ep: usize) -> Result<Vec<StepRecord>, Box<dyn std::error::Er
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let config = (preset(MODEL)
-        .ok_or("deepseek-v3-tiny is registered")?
-        .config)();
+    let config = config()?;
     let mla = config
         .mla
         .ok_or("deepseek-v3-tiny has multi-latent attention")?;
     println!(
         "{MODEL}: {} layers of hidden {}, {} heads of multi-latent attention (query latent {:?}, \
-         key/value latent {}, heads of {} + {} rotary features, values of {}); {} parameters, {} \
-         active per token\n",
+         key/value latent {}, heads of {} + {} rotary features, values of {}); a depth of \
+         multi-token prediction; {} parameters, {} active per token\n",
         config.num_layers,
         config.hidden_size,
         config.num_attention_heads,
@@ -120,7 +126,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let one = train(1, 1)?;
     let split = train(2, 2)?;
-    println!(" step   loss (one rank)   loss (TP=2 + SP × EP=2)   tokens per expert (TP=2 × EP=2)");
+    println!(
+        " step   loss (one rank)   loss (TP=2 + SP × EP=2)   mtp_1 (one)   mtp_1 (TP × EP)   \
+         tokens per expert (TP=2 × EP=2)"
+    );
+    let mtp = |r: &StepRecord| r.metrics.aux_losses.first().map_or(f64::NAN, |(_, l)| *l);
     let tokens = |r: &StepRecord| {
         r.metrics
             .routing
@@ -129,9 +139,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     for step in (0..STEPS as usize).step_by(4).chain([STEPS as usize - 1]) {
         println!(
-            "{step:>5}   {:>15.5}   {:>23.5}   {:?}",
+            "{step:>5}   {:>15.5}   {:>23.5}   {:>11.5}   {:>15.5}   {:?}",
             one[step].metrics.loss,
             split[step].metrics.loss,
+            mtp(&one[step]),
+            mtp(&split[step]),
             tokens(&split[step]).unwrap_or_default()
         );
     }
@@ -145,12 +157,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let worst = one[..same]
         .iter()
         .zip(&split)
-        .map(|(a, b)| (a.metrics.loss - b.metrics.loss).abs() / a.metrics.loss)
+        .flat_map(|(a, b)| {
+            [
+                (a.metrics.loss - b.metrics.loss).abs() / a.metrics.loss,
+                (mtp(a) - mtp(b)).abs() / mtp(a),
+            ]
+        })
         .fold(0.0f64, f64::max);
     println!(
-        "\nthe same routing for {same} of {STEPS} steps; the losses differ by {worst:.1e} at most \
-         there"
+        "\nthe same routing for {same} of {STEPS} steps; the losses (and the depth's) differ by \
+         {worst:.1e} at most there"
     );
+    if one.iter().chain(&split).any(|r| !mtp(r).is_finite()) {
+        return Err("a step did not report the depth's loss mtp_1".into());
+    }
     if same < 2 || worst > 1e-4 {
         return Err(format!(
             "TP=2 × EP=2 does not train as one rank: the routing differs from step {same}, the \

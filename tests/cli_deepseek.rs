@@ -34,7 +34,7 @@ fn deepseek_v3_tiny_trains_at_every_layout_as_one_rank() {
     let mtp = |extra: &[&'static str]| [&["--mtp-num-layers", "1"][..], extra].concat();
     let reference = run("one", &mtp(&["--dp", "4", "--moe-router-dtype", "fp32"]));
     assert_eq!(reference[0].aux_losses.len(), 1, "mtp_1 reported");
-    // Context parallelism refuses multi-token prediction: it trains without it.
+    // Multi-token prediction with context parallelism is not built (refused): cp trains without.
     let without = run(
         "one-without-mtp",
         &["--dp", "4", "--moe-router-dtype", "fp32"],

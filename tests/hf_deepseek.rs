@@ -23,7 +23,18 @@ fn imported_deepseek_v3_and_moonlight_give_transformers_logits_and_export_back()
         let hf = golden(name);
         let ckpt = dir.path().join(format!("{name}-ckpt"));
         let done = hf_deepseek::import(&hf, &ckpt).unwrap();
+        // transformers saves no multi-token prediction layer, whatever the config declares.
+        if name == "deepseek_v3" {
+            assert!(
+                done.skipped
+                    .iter()
+                    .any(|s| s.contains("declares 1 depth(s)")),
+                "{:?}",
+                done.skipped
+            );
+        }
         let config = done.config;
+        assert_eq!(config.mtp, None, "{name}");
         assert!(config.mla.is_some() && config.rotary.interleaved, "{name}");
         assert_transformers_logits(name, &ckpt, &config);
         // Greedy generation with the compressed cache (the latents and rotary keys, the
@@ -42,6 +53,141 @@ fn imported_deepseek_v3_and_moonlight_give_transformers_logits_and_export_back()
         let same = hf_deepseek::config_from_hf(&config_out).unwrap();
         assert_eq!(same, config, "{name}");
     }
+}
+
+/// The golden DeepSeek-V3 with the multi-token prediction layer DeepSeek ships after the
+/// layers (`model.layers.2.*`: its norms, `eh_proj`, a layer like the last with other values,
+/// `shared_head.norm`, and copies of the embedding and the output layer), written to `dir`.
+fn with_mtp_layer(dir: &std::path::Path) {
+    use safetensors::tensor::TensorView;
+    let golden = golden("deepseek_v3");
+    std::fs::create_dir_all(dir).unwrap();
+    for file in ["config.json", "generation_config.json"] {
+        std::fs::copy(golden.join(file), dir.join(file)).unwrap();
+    }
+    let bytes = std::fs::read(golden.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let f32s = |v: Vec<f32>| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let mut added: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in st.tensors() {
+        if let Some(rest) = name.strip_prefix("model.layers.1.") {
+            let values: Vec<f32> = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| 0.5 * f32::from_le_bytes([b[0], b[1], b[2], b[3]]) + 0.01)
+                .collect();
+            added.push((
+                format!("model.layers.2.{rest}"),
+                view.shape().to_vec(),
+                f32s(values),
+            ));
+        }
+    }
+    let h = 32;
+    for (name, shape, salt) in [
+        ("enorm.weight", vec![h], 1),
+        ("hnorm.weight", vec![h], 2),
+        ("eh_proj.weight", vec![h, 2 * h], 3),
+        ("shared_head.norm.weight", vec![h], 4),
+    ] {
+        let n = shape.iter().product();
+        added.push((
+            format!("model.layers.2.{name}"),
+            shape,
+            f32s(support::values(n, salt, 0.1)),
+        ));
+    }
+    for (copy, of) in [
+        ("embed_tokens.weight", "model.embed_tokens.weight"),
+        ("shared_head.head.weight", "lm_head.weight"),
+    ] {
+        let view = st.tensor(of).unwrap();
+        added.push((
+            format!("model.layers.2.{copy}"),
+            view.shape().to_vec(),
+            view.data().to_vec(),
+        ));
+    }
+    let mut views: Vec<(String, TensorView)> = st.tensors();
+    for (name, shape, data) in &added {
+        views.push((
+            name.clone(),
+            TensorView::new(safetensors::Dtype::F32, shape.clone(), data).unwrap(),
+        ));
+    }
+    let out = safetensors::serialize(views, None).unwrap();
+    std::fs::write(dir.join("model.safetensors"), out).unwrap();
+}
+
+/// DeepSeek-V3's multi-token prediction layer imports as the model's depth (its norms, its
+/// projection, its layer, its final norm), trains, and exports back to the same tensors bit
+/// for bit, copies of the embedding and output layer included; copies that are not the
+/// model's are refused by name.
+#[test]
+fn deepseek_v3s_multi_token_prediction_layer_imports_as_a_depth_and_exports_back() {
+    let dir = TempDir::new("hf-deepseek-mtp");
+    let hf = dir.path().join("hf");
+    with_mtp_layer(&hf);
+    let ckpt = dir.path().join("ckpt");
+    let done = hf_deepseek::import(&hf, &ckpt).unwrap();
+    assert_eq!(done.config.mtp_depths(), 1);
+    assert!(done.skipped.is_empty(), "{:?}", done.skipped);
+    let out = dir.path().join("out");
+    hf_deepseek::export(&ckpt, &out, &Default::default()).unwrap();
+    let (before, after) = (tensors(&hf), tensors(&out));
+    assert_eq!(before.len(), after.len());
+    for (name, value) in &before {
+        assert_eq!(after.get(name), Some(value), "{name}");
+    }
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["num_nextn_predict_layers"], 1);
+    // The depth trains with the imported model, its loss reported.
+    let log = dir.join("log.jsonl");
+    let (ok, _, stderr) = megatron(&[
+        "train",
+        "--quiet",
+        "--load",
+        ckpt.to_str().unwrap(),
+        "--data",
+        &token_dataset(&dir, 16, 64),
+        "--train-iters",
+        "1",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--dp",
+        "2",
+        "--ep",
+        "2",
+        "--log-json",
+        &log,
+    ]);
+    assert!(ok, "{stderr}");
+    let line = &support::log_lines(&log)[0];
+    assert!(
+        line["aux_losses"]["mtp_1"].as_f64().unwrap() > 0.0,
+        "{line}"
+    );
+    // A depth with an embedding of its own cannot be held.
+    support::edit_tensor(
+        &hf.join("model.safetensors"),
+        "model.layers.2.embed_tokens.weight",
+        |mut b| {
+            b[0] ^= 1;
+            (safetensors::Dtype::F32, b)
+        },
+    );
+    let err = hf_deepseek::import(&hf, &dir.path().join("ckpt2")).unwrap_err();
+    assert!(
+        format!("{err:#}").contains(
+            "`model.layers.2.embed_tokens.weight` differs from model.embed_tokens.weight"
+        ),
+        "{err:#}"
+    );
 }
 
 #[test]

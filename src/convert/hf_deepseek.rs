@@ -13,9 +13,11 @@
 //!
 //! Routing: transformers ranks each group by the sum of its best 2 scores, Megatron-LM by its
 //! best `topk / topk_group`: a grouped config where those differ is refused. DeepSeek-V3's
-//! multi-token prediction layers (`model.layers.{num_hidden_layers}.*`, which transformers does
-//! not load either) are left out and said so; its FP8 release (`quantization_config`, block
-//! scales in `weight_scale_inv`) is refused by name.
+//! multi-token prediction layers (`model.layers.{num_hidden_layers + k}.*`, which transformers
+//! does not load) are the model's depths of multi-token prediction (`mtp.{k}.*`: `enorm`,
+//! `hnorm`, `eh_proj`, the layer as `block`, `shared_head.norm` as `final_norm`); their copies of
+//! the embedding and the output layer must be the model's, and are written back as copies. Its
+//! FP8 release (`quantization_config`, block scales in `weight_scale_inv`) is refused by name.
 
 use std::ops::Range;
 use std::path::Path;
@@ -24,7 +26,7 @@ use anyhow::{Context, Result, bail};
 use megatron_core::checkpoint;
 use megatron_core::moe::ScoreFunction;
 use megatron_core::tensor_parallel::{Normalization, Yarn};
-use megatron_models::{DeepSeekMoe, GptConfig, MlaConfig, PositionEmbeddingType};
+use megatron_models::{DeepSeekMoe, GptConfig, MlaConfig, MtpConfig, PositionEmbeddingType};
 use safetensors::Dtype;
 use serde_json::{Value, json};
 
@@ -124,6 +126,10 @@ pub fn config_from_hf(config: &Value) -> Result<GptConfig> {
     c.rotary.interleaved = hf.opt_bool("rope_interleave")?.unwrap_or(true);
     c.untie_embeddings_and_output_weights = !hf.flag("tie_word_embeddings")?;
     c.init_method_std = hf.non_negative("initializer_range", 0.02)? as f32;
+    let depths = hf
+        .opt_int("num_nextn_predict_layers", Bound::LayerIndex)?
+        .unwrap_or(0);
+    c.mtp = (depths > 0).then(|| MtpConfig::new(depths));
     hf_config::check_model(&c)?;
     Ok(c)
 }
@@ -347,6 +353,12 @@ pub fn lacks(c: &GptConfig) -> Vec<String> {
         None => lack("MoE layers without shared experts (--moe-shared-expert-intermediate-size)"),
     }
     let pattern = c.moe_layers().unwrap_or_default();
+    if c.mtp.is_some() && pattern.last() == Some(&false) {
+        lack(
+            "multi-token prediction after a dense last layer (--mtp-num-layers: the depth's layer \
+             is like the last, and DeepSeek-V3's depths are MoE layers)",
+        );
+    }
     let dense = pattern.iter().take_while(|m| !**m).count();
     if pattern[dense..].iter().any(|m| !*m) {
         lack(
@@ -402,7 +414,7 @@ pub fn config_to_hf(c: &GptConfig, eod: Option<u32>) -> Value {
         "rope_interleave": c.rotary.interleaved,
         "attention_bias": false,
         "attention_dropout": float(c.attention_dropout),
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": c.mtp_depths(),
         "bos_token_id": eod,
         "eos_token_id": eod,
     });
@@ -423,26 +435,30 @@ pub fn config_to_hf(c: &GptConfig, eod: Option<u32>) -> Value {
 
 /// Converts a Hugging Face `DeepseekV3ForCausalLM` directory into a megatron-rs checkpoint
 /// (iteration 0, no optimizer state) in the new or empty directory `out`, tensor by tensor in
-/// their own dtype; the multi-token prediction layers are left out and listed.
+/// their own dtype, the multi-token prediction layers as the model's depths.
 pub fn import(hf_dir: &Path, out: &Path) -> Result<Converted> {
     refuse_existing(out)?;
     let config = super::read_hf_config(hf_dir)?;
-    let c = config_from_hf(&config)?;
-    let hf = HfConfig::new(&config)?;
-    let mtp = hf
-        .opt_int("num_nextn_predict_layers", Bound::LayerIndex)?
-        .unwrap_or(0);
-    let mtp_prefixes: Vec<String> = (0..mtp)
-        .map(|k| format!("model.layers.{}.", c.num_layers + k))
-        .collect();
-    let mtp_names = std::cell::RefCell::new(0usize);
+    let mut c = config_from_hf(&config)?;
     let weights = HfWeights::open(hf_dir, |name| {
-        if mtp_prefixes.iter().any(|p| name.starts_with(p)) {
-            *mtp_names.borrow_mut() += 1;
-            return None;
-        }
         (!name.ends_with("rotary_emb.inv_freq")).then(|| name.to_string())
     })?;
+    // transformers neither builds nor saves the depths: a model it wrote declares them
+    // (`num_nextn_predict_layers`) without their weights, and is imported without them.
+    let mut skipped = Vec::new();
+    let first_depth = format!("model.layers.{}.enorm.weight", c.num_layers);
+    if let Some(mtp) = c.mtp
+        && weights.get(&first_depth).is_none()
+    {
+        skipped.push(format!(
+            "multi-token prediction: config.json declares {} depth(s) \
+             (`num_nextn_predict_layers`) but the weights hold none (no `{first_depth}`; \
+             transformers does not save them): imported without",
+            mtp.num_layers
+        ));
+        c.mtp = None;
+    }
+    let c = c;
     let take = |name: &str, shape: &[usize]| weights.take(name, shape);
     let (h, f, vocab) = (c.hidden_size, c.ffn_hidden_size, c.vocab_size);
     let heads = c.num_attention_heads;
@@ -458,9 +474,12 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<Converted> {
     let q_width = heads * mla.q_head_dim();
     let embed = take("model.embed_tokens.weight", &[vocab, h])?;
     let mut model = vec![OutTensor::copy("wte.weight", embed)];
-    for (i, &routed) in c.moe_layers()?.iter().enumerate() {
-        let hf_name = |s: &str| format!("model.layers.{i}.{s}");
-        let ours = |s: &str| format!("blocks.{i}.{s}");
+    // Transformers' layer `hf` (`model.layers.{hf}.`) as ours under `at` (`blocks.{i}.`, or
+    // `mtp.{k}.block.` for a depth of multi-token prediction).
+    let layer = |hf: usize, at: &str, routed: bool| {
+        let mut model = Vec::new();
+        let hf_name = |s: &str| format!("model.layers.{hf}.{s}");
+        let ours = |s: &str| format!("{at}{s}");
         let mut copy = |to: &str, from: &str, shape: &[usize]| -> Result<()> {
             model.push(OutTensor::copy(ours(to), take(&hf_name(from), shape)?));
             Ok(())
@@ -516,7 +535,7 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<Converted> {
                 ours("mlp.fc2.weight"),
                 take(&hf_name("mlp.down_proj.weight"), &[h, f])?,
             ));
-            continue;
+            return Ok::<_, anyhow::Error>(model);
         }
         model.push(OutTensor::copy(
             ours("mlp.experts.router.weight"),
@@ -552,21 +571,57 @@ pub fn import(hf_dir: &Path, out: &Path) -> Result<Converted> {
             ours("mlp.shared.fc2.weight"),
             take(&hf_name("mlp.shared_experts.down_proj.weight"), &[h, sf])?,
         ));
+        Ok(model)
+    };
+    let pattern = c.moe_layers()?;
+    for (i, &routed) in pattern.iter().enumerate() {
+        model.extend(layer(i, &format!("blocks.{i}."), routed)?);
     }
     model.extend(super::hf_llama::final_norm_and_head(
         &weights, &c, &embed, hf_dir,
     )?);
+    // DeepSeek-V3's depths of multi-token prediction follow the layers: each has its norms,
+    // its projection, a layer like the last, a final norm (`shared_head.norm`) and copies of
+    // the embedding and the output layer, which must be the model's (megatron-rs shares them).
+    let head = match c.untie_embeddings_and_output_weights {
+        true => take("lm_head.weight", &[vocab, h])?,
+        false => embed,
+    };
+    for k in 0..c.mtp_depths() {
+        let hf = c.num_layers + k;
+        let hf_name = |s: &str| format!("model.layers.{hf}.{s}");
+        let ours = |s: &str| format!("mtp.{k}.{s}");
+        for (to, from, shape) in [
+            ("enorm.weight", "enorm.weight", vec![h]),
+            ("hnorm.weight", "hnorm.weight", vec![h]),
+            ("eh_proj.weight", "eh_proj.weight", vec![h, 2 * h]),
+            ("final_norm.weight", "shared_head.norm.weight", vec![h]),
+        ] {
+            model.push(OutTensor::copy(ours(to), take(&hf_name(from), &shape)?));
+        }
+        model.extend(layer(
+            hf,
+            &ours("block."),
+            *pattern.last().unwrap_or(&true),
+        )?);
+        for (copy, of, what) in [
+            ("embed_tokens.weight", &embed, "model.embed_tokens.weight"),
+            ("shared_head.head.weight", &head, "the output layer"),
+        ] {
+            let name = hf_name(copy);
+            if !take(&name, &[vocab, h])?.same_values(of)? {
+                bail!(
+                    "{}: `{name}` differs from {what}: megatron-rs's multi-token prediction \
+                     shares the model's embedding and output layer, so it cannot hold a \
+                     depth with its own",
+                    hf_dir.display()
+                );
+            }
+        }
+    }
     weights.refuse_untaken()?;
     let mut done = super::save_imported(hf_dir, out, &c, &model, ARCHITECTURE)?;
-    let left_out = *mtp_names.borrow();
-    if left_out > 0 {
-        done.skipped.push(format!(
-            "{left_out} tensors of the {mtp} multi-token prediction layer(s) \
-             ({}*): multi-token prediction is not built yet (transformers does not load them \
-             either)",
-            mtp_prefixes[0]
-        ));
-    }
+    done.skipped.extend(skipped);
     Ok(done)
 }
 
@@ -600,9 +655,9 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
     let tensors = super::CheckpointTensors::open(&loaded)?;
     let get = |name: &str| tensors.get(name);
     let lora = c.lora.as_ref();
-    let merged = |hf: String, i: usize, layer: &str, rows: Range<usize>| {
-        let w = get(&format!("blocks.{i}.{layer}.weight"))?;
-        let adapter = super::peft::merge_source(&tensors, lora, i, layer);
+    let merged = |hf: String, at: &str, layer: &str, rows: Range<usize>| {
+        let w = get(&format!("{at}{layer}.weight"))?;
+        let adapter = super::peft::merge_source(&tensors, lora, at, layer);
         Ok::<_, anyhow::Error>(super::peft::merged_rows(hf, w, adapter, vec![rows]))
     };
     let (h, f) = (c.hidden_size, c.ffn_hidden_size);
@@ -615,9 +670,11 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
         "model.embed_tokens.weight",
         get("wte.weight")?,
     )];
-    for (i, &routed) in c.moe_layers()?.iter().enumerate() {
-        let ours = |s: &str| format!("blocks.{i}.{s}");
-        let hf_name = |s: &str| format!("model.layers.{i}.{s}");
+    // Our layer at `at` (`blocks.{i}.`, or `mtp.{k}.block.`) as transformers' layer `index`.
+    let layer = |index: usize, at: &str, routed: bool| {
+        let mut hf = Vec::new();
+        let ours = |s: &str| format!("{at}{s}");
+        let hf_name = |s: &str| format!("model.layers.{index}.{s}");
         hf.push(OutTensor::copy(
             hf_name("input_layernorm.weight"),
             get(&ours("ln1.weight"))?,
@@ -626,7 +683,7 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
             Some(r) => {
                 hf.push(merged(
                     hf_name("self_attn.q_a_proj.weight"),
-                    i,
+                    at,
                     "attn.q_down",
                     0..r,
                 )?);
@@ -636,21 +693,21 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
                 ));
                 hf.push(merged(
                     hf_name("self_attn.q_b_proj.weight"),
-                    i,
+                    at,
                     "attn.q_up",
                     0..q_width,
                 )?);
             }
             None => hf.push(merged(
                 hf_name("self_attn.q_proj.weight"),
-                i,
+                at,
                 "attn.q",
                 0..q_width,
             )?),
         }
         hf.push(merged(
             hf_name("self_attn.kv_a_proj_with_mqa.weight"),
-            i,
+            at,
             "attn.kv_down",
             0..mla.kv_lora_rank + mla.qk_pos_emb_head_dim,
         )?);
@@ -660,35 +717,35 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
         ));
         hf.push(merged(
             hf_name("self_attn.kv_b_proj.weight"),
-            i,
+            at,
             "attn.kv_up",
             0..kv_width,
         )?);
         hf.push(merged(
             hf_name("self_attn.o_proj.weight"),
-            i,
+            at,
             "attn.proj",
             0..h,
         )?);
         if routed {
             for x in 0..moe.router.num_experts {
                 let name = |s: &str| hf_name(&format!("mlp.experts.{x}.{s}.weight"));
-                let at = x * 2 * ef;
+                let row = x * 2 * ef;
                 hf.push(merged(
                     name("gate_proj"),
-                    i,
+                    at,
                     "mlp.experts.fc1",
-                    at..at + ef,
+                    row..row + ef,
                 )?);
                 hf.push(merged(
                     name("up_proj"),
-                    i,
+                    at,
                     "mlp.experts.fc1",
-                    at + ef..at + 2 * ef,
+                    row + ef..row + 2 * ef,
                 )?);
                 hf.push(merged(
                     name("down_proj"),
-                    i,
+                    at,
                     "mlp.experts.fc2",
                     x * h..(x + 1) * h,
                 )?);
@@ -704,27 +761,76 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
                 moe.router.num_experts,
             )?);
             let shared = |s: &str| hf_name(&format!("mlp.shared_experts.{s}.weight"));
-            hf.push(merged(shared("gate_proj"), i, "mlp.shared.fc1", 0..sf)?);
-            hf.push(merged(shared("up_proj"), i, "mlp.shared.fc1", sf..2 * sf)?);
-            hf.push(merged(shared("down_proj"), i, "mlp.shared.fc2", 0..h)?);
+            hf.push(merged(shared("gate_proj"), at, "mlp.shared.fc1", 0..sf)?);
+            hf.push(merged(shared("up_proj"), at, "mlp.shared.fc1", sf..2 * sf)?);
+            hf.push(merged(shared("down_proj"), at, "mlp.shared.fc2", 0..h)?);
         } else {
-            hf.push(merged(hf_name("mlp.gate_proj.weight"), i, "mlp.fc1", 0..f)?);
+            hf.push(merged(
+                hf_name("mlp.gate_proj.weight"),
+                at,
+                "mlp.fc1",
+                0..f,
+            )?);
             hf.push(merged(
                 hf_name("mlp.up_proj.weight"),
-                i,
+                at,
                 "mlp.fc1",
                 f..2 * f,
             )?);
-            hf.push(merged(hf_name("mlp.down_proj.weight"), i, "mlp.fc2", 0..h)?);
+            hf.push(merged(
+                hf_name("mlp.down_proj.weight"),
+                at,
+                "mlp.fc2",
+                0..h,
+            )?);
         }
         hf.push(OutTensor::copy(
             hf_name("post_attention_layernorm.weight"),
             get(&ours("ln2.weight"))?,
         ));
+        Ok::<_, anyhow::Error>(hf)
+    };
+    let pattern = c.moe_layers()?;
+    for (i, &routed) in pattern.iter().enumerate() {
+        hf.extend(layer(i, &format!("blocks.{i}."), routed)?);
     }
     hf.push(OutTensor::copy("model.norm.weight", get("ln_f.weight")?));
+    let head = match c.untie_embeddings_and_output_weights {
+        true => get("wte.output_weight")?,
+        false => get("wte.weight")?,
+    };
     if c.untie_embeddings_and_output_weights {
-        hf.push(OutTensor::copy("lm_head.weight", get("wte.output_weight")?));
+        hf.push(OutTensor::copy("lm_head.weight", head));
+    }
+    // The depths of multi-token prediction after the layers, as DeepSeek-V3 ships them, with
+    // copies of the embedding and the output layer.
+    for k in 0..c.mtp_depths() {
+        let index = c.num_layers + k;
+        let hf_name = |s: &str| format!("model.layers.{index}.{s}");
+        let ours = |s: &str| format!("mtp.{k}.{s}");
+        for (to, from) in [
+            ("enorm.weight", "enorm.weight"),
+            ("hnorm.weight", "hnorm.weight"),
+            ("shared_head.norm.weight", "final_norm.weight"),
+        ] {
+            hf.push(OutTensor::copy(hf_name(to), get(&ours(from))?));
+        }
+        hf.push(merged(
+            hf_name("eh_proj.weight"),
+            &ours(""),
+            "eh_proj",
+            0..h,
+        )?);
+        hf.extend(layer(
+            index,
+            &ours("block."),
+            *pattern.last().unwrap_or(&true),
+        )?);
+        hf.push(OutTensor::copy(
+            hf_name("embed_tokens.weight"),
+            get("wte.weight")?,
+        ));
+        hf.push(OutTensor::copy(hf_name("shared_head.head.weight"), head));
     }
     let dtype = super::export_dtype(options, original.as_ref(), &hf);
     let config = super::export_config(original.as_ref(), config_to_hf(&c, eod), before, dtype);

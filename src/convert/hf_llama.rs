@@ -700,7 +700,7 @@ pub fn export(ckpt: &Path, hf_dir: &Path, options: &ExportOptions) -> Result<Con
     let lora = c.lora.as_ref();
     let merged = |hf: String, i: usize, layer: &str, ranges: Vec<Range<usize>>| {
         let w = get(&format!("blocks.{i}.{layer}.weight"))?;
-        let adapter = super::peft::merge_source(&tensors, lora, i, layer);
+        let adapter = super::peft::merge_source(&tensors, lora, &format!("blocks.{i}."), layer);
         Ok::<_, anyhow::Error>(super::peft::merged_rows(hf, w, adapter, ranges))
     };
     let moe_layers = c.moe_layers()?;

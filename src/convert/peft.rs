@@ -130,10 +130,10 @@ impl Part {
 /// Our layer `layer` of block `i`'s adapter in `tensors`, if it has one: (A, B).
 fn adapter<'a>(
     tensors: &'a CheckpointTensors,
-    i: usize,
+    at: &str,
     layer: &str,
 ) -> Option<(TensorRef<'a>, TensorRef<'a>)> {
-    let name = |m: &str| format!("blocks.{i}.{layer}.{m}.weight");
+    let name = |m: &str| format!("{at}{layer}.{m}.weight");
     Some((
         tensors.find(&name("lora_a"))?,
         tensors.find(&name("lora_b"))?,
@@ -188,15 +188,16 @@ pub(crate) fn merged_rows<'a>(
     })
 }
 
-/// The adapter of our layer `layer` of block `i` for merging, if the checkpoint has one.
+/// The adapter of our layer `layer` of the module at `at` (`blocks.{i}.`) for merging, if the
+/// checkpoint has one.
 pub(crate) fn merge_source<'a>(
     tensors: &'a CheckpointTensors,
     lora: Option<&LoraConfig>,
-    i: usize,
+    at: &str,
     layer: &str,
 ) -> Option<(TensorRef<'a>, TensorRef<'a>, f32)> {
     let lora = lora?;
-    let (a, b) = adapter(tensors, i, layer)?;
+    let (a, b) = adapter(tensors, at, layer)?;
     Some((a, b, lora.scale()))
 }
 
@@ -233,7 +234,7 @@ pub fn export(ckpt: &Path, dir: &Path, options: &ExportOptions) -> Result<(GptCo
         .collect();
     for i in 0..c.num_layers {
         for layer in &lora.targets {
-            let Some((a, b)) = adapter(&tensors, i, layer) else {
+            let Some((a, b)) = adapter(&tensors, &format!("blocks.{i}."), layer) else {
                 continue;
             };
             if let Some(at) = expert_params.iter().position(|(l, _)| l == layer) {

@@ -4,9 +4,9 @@
 //!
 //! The value must be whole along the sequence on this rank (token ids and loss masks are).
 //! Context parallelism gives each rank chunks of the sequence, and packed documents would need
-//! the shift to stop at each document's end: both are refused by name, as Megatron-LM's
-//! multi-token prediction refuses them (`MultiTokenPredictionLayer`'s packed-sequence
-//! assertion; its arguments refuse context parallelism).
+//! the shift to stop at each document's end: both are refused by name, not built yet
+//! (Megatron-LM's `roll_tensor` exchanges the chunks' first positions over the context-parallel
+//! group, and rolls each packed document on its own).
 
 use crate::error::Result;
 use crate::invalid;
@@ -21,14 +21,14 @@ pub fn shift_left(cx: &Cx, x: &Tensor) -> Result<Tensor> {
         return invalid!(
             "shifting along the sequence (multi-token prediction) with context parallelism \
              {cp}: each rank holds chunks of the sequence, so the next position may be another \
-             rank's; Megatron-LM refuses multi-token prediction with context parallelism"
+             rank's, an exchange megatron-rs does not build yet"
         );
     }
     if cx.documents().is_some() {
         return invalid!(
             "shifting along the sequence (multi-token prediction) over packed documents: the \
              shift would carry one document's first token into the previous one's last \
-             position; Megatron-LM refuses multi-token prediction with packed sequences"
+             position (a shift per document is not built yet)"
         );
     }
     shift_rows_left(x)
