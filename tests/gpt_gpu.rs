@@ -554,8 +554,10 @@ fn swiglu_experts_on_the_gpu_follow_the_cpu_run() {
 /// DeepSeek-V3's architecture on the GPU (deepseek-v3-tiny cut to 2 layers: multi-latent
 /// attention's latents, norms and shared rotary key, YaRN's amplitude in the rope kernel, the
 /// general attention, a dense first layer, group-limited sigmoid routing with the expert bias
-/// beside a shared expert) follows the CPU run at ep 2, with bf16 products, and at tp 2 with
-/// sequence parallelism (the rotary key gathered between device tensors).
+/// beside a shared expert, a depth of multi-token prediction: its shifted ids and mask, its
+/// loss's gradient seeded on the device) follows the CPU run at ep 2, with bf16 products, and at
+/// tp 2 with sequence parallelism (the rotary key and the depth's projection gathered between
+/// device tensors).
 #[test]
 #[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn deepseek_v3_blocks_on_the_gpu_follow_the_cpu_run() {
@@ -567,6 +569,7 @@ fn deepseek_v3_blocks_on_the_gpu_follow_the_cpu_run() {
         if let Some(moe) = &mut job.model.moe {
             moe.layer_freq = megatron::models::MoeLayerFreq::Pattern(vec![0, 1]);
         }
+        job.model.mtp = Some(megatron::models::MtpConfig::new(1));
         job.tp = tp;
         job.sequence_parallel = tp > 1;
         job

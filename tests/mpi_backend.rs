@@ -566,8 +566,10 @@ fn llama_training_under_mpirun_equals_thread_ranks() {
 
 /// DeepSeek-V3's blocks between processes (deepseek-v3-tiny: multi-latent attention with its
 /// rotary key gathered over tp, YaRN, a dense first layer, group-limited sigmoid routing with
-/// the expert bias beside a shared expert) at tp 2 with sequence parallelism, ep 2 and pp 2
-/// (a stage of the dense layer and one MoE layer, a stage of MoE layers), as on thread ranks.
+/// the expert bias beside a shared expert, a depth of multi-token prediction) at tp 2 with
+/// sequence parallelism, ep 2 and pp 2 (a stage of the dense layer and one MoE layer, a stage of
+/// MoE layers and the depth, which looks up the untied embedding the first stage holds too), as
+/// on thread ranks.
 #[test]
 fn deepseek_training_under_mpirun_equals_thread_ranks() {
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
@@ -576,6 +578,8 @@ fn deepseek_training_under_mpirun_equals_thread_ranks() {
     let args = [
         "--model",
         "deepseek-v3-tiny",
+        "--mtp-num-layers",
+        "1",
         "--tp",
         "2",
         "--sequence-parallel",
