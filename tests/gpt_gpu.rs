@@ -791,6 +791,25 @@ fn graph_scopes_on_the_gpu_replay_the_eager_run_bit_for_bit() {
         }
         _ => not_counted("MoE at ep 2"),
     }
+    // A depth of multi-token prediction after the layers: its layer's scopes are captured and
+    // replayed as the stack's are (its sites under the loop's, one graph per depth).
+    let mtp = || {
+        let mut job = moe_job(2, 2, F32);
+        job.model.position_embedding_type = megatron::models::PositionEmbeddingType::Rope;
+        job.model.mtp = Some(megatron::models::MtpConfig::new(1));
+        job
+    };
+    let (mtp_eager, mtp_eager_ops) = counted(&scoped(mtp(), &[]));
+    let (mtp_graphed, mtp_graphed_ops) =
+        counted(&scoped(mtp(), &["attn", "moe_router", "moe_preprocess"]));
+    assert_eq!(bits(mtp_graphed), bits(mtp_eager), "MTP: graphed vs eager");
+    match (last_step(&mtp_eager_ops), last_step(&mtp_graphed_ops)) {
+        (Some(e), Some(g)) => assert!(
+            g.graphs > 0 && g.host_ops < e.host_ops,
+            "MTP: {e:?} vs {g:?}"
+        ),
+        _ => not_counted("MTP"),
+    }
     // The router's graph alone: the tokens laid out by the dispatcher after the read-back.
     let (router_only, router_ops) = counted(&scoped(moe_job(2, 2, F32), &["moe_router"]));
     assert_eq!(

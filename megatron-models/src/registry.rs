@@ -347,6 +347,16 @@ mod tests {
             assert_eq!(c.active_params(1), active, "{name} active");
             c.validate_parallel(8, 8, true).unwrap();
         }
+        // DeepSeek-V3's depth of multi-token prediction, as its release's `model.layers.61.*`
+        // counts it without the copies of the embedding and the output layer: the two input
+        // norms and the final one (3 · 7168), eh_proj (7168 × 14336) and an MoE layer
+        // (attention 187,107,328, norms 14,336, router 1,835,008, 256 experts of 3 · 7168 ·
+        // 2048, the shared expert 44,040,192); active, 8 of the experts.
+        let mut c = (preset("deepseek-v3").unwrap().config)();
+        c.mtp = Some(crate::MtpConfig::new(1));
+        assert_eq!(c.mtp_params(1, false), 11_610_067_968);
+        assert_eq!(c.mtp_params(1, true), 688_100_352);
+        assert_eq!(c.num_params(1), 671_026_404_352 + 11_610_067_968);
         let big = (preset("gpt-1.2b").unwrap().config)();
         let params = big.num_params(1) as f64 / 1e9;
         assert!((1.15..1.3).contains(&params), "{params}");

@@ -794,13 +794,25 @@ pub fn run(args: &InspectArgs) -> Result<()> {
         );
         let untied = config.untie_embeddings_and_output_weights;
         let learned = config.position_embedding_type == PositionEmbeddingType::LearnedAbsolute;
+        let depths = config.mtp_depths();
+        let mtp = match depths {
+            0 => String::new(),
+            1 => ", the depth of multi-token prediction (mtp.0)".to_string(),
+            d => format!(", {d} depths of multi-token prediction (mtp.0..{d})"),
+        };
         for r in &stages {
             let ends = match (r.first, r.last) {
-                (true, _) if learned => " + embedding (wte, wpe)",
-                (true, _) => " + embedding (wte)",
-                (_, true) if untied => " + ln_f, output layer (wte.output_weight) and loss",
-                (_, true) => " + ln_f, tied output layer (wte) and loss",
-                _ => "",
+                (true, _) if learned => " + embedding (wte, wpe)".to_string(),
+                (true, _) => " + embedding (wte)".to_string(),
+                (_, true) if untied && depths > 0 => format!(
+                    " + ln_f{mtp}, the input table again for the depths (wte), the output \
+                     layer (wte.output_weight) and loss"
+                ),
+                (_, true) if untied => {
+                    format!(" + ln_f{mtp}, output layer (wte.output_weight) and loss")
+                }
+                (_, true) => format!(" + ln_f{mtp}, tied output layer (wte) and loss"),
+                _ => String::new(),
             };
             let _ = writeln!(
                 out,
@@ -818,7 +830,11 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             } else {
                 ""
             },
-            if untied {
+            if untied && depths > 0 {
+                "the input table is the first and the last stage's (the depths look the next \
+                 tokens up), its gradient all-reduced over the embedding group once a step; the \
+                 output table is the last stage's own"
+            } else if untied {
                 "the input and output tables are the first and the last stage's own: nothing \
                  is shared between them"
             } else {

@@ -1,6 +1,6 @@
 //! `megatron inspect --pp N`: how evenly the stages share the work. Each pipeline rank's model
-//! FLOPs per token (its transformer layers, and on the last rank the output layer and the
-//! loss), the most loaded rank against the mean, and the uneven split Megatron-LM's flags
+//! FLOPs per token (its transformer layers, and on the last rank the output layer, the loss
+//! and multi-token prediction's depths), the most loaded rank against the mean, and the uneven split Megatron-LM's flags
 //! (`--decoder-first-pipeline-num-layers`, `--decoder-last-pipeline-num-layers`) allow that
 //! loads the most loaded rank least: a pipeline runs at its slowest stage's pace, so that ratio
 //! is what its bubble grows by.
@@ -74,16 +74,22 @@ pub fn balance(
     (first, last): (Option<usize>, Option<usize>),
 ) -> Result<Balance> {
     let layers = config.num_layers;
-    // A transformer layer's FLOPs per token, and the output layer's (its product forward and
-    // the two backward: 6 per table entry; the loss is negligible beside it).
-    let whole = config.flops_per_token(seq, 1);
+    // A transformer layer's FLOPs per token, and the last stage's own: the output layer's (its
+    // product forward and the two backward: 6 per table entry; the loss is negligible beside
+    // it) and multi-token prediction's depths, if any (each a layer and the output layer again).
+    let without_mtp = GptConfig {
+        mtp: None,
+        ..config.clone()
+    };
+    let whole = without_mtp.flops_per_token(seq, 1);
     let without_layers = GptConfig {
         num_layers: 0,
-        ..config.clone()
+        ..without_mtp.clone()
     }
     .flops_per_token(seq, 1);
     let layer = (whole - without_layers) / layers.max(1) as f64;
-    let head = 6.0 * (config.padded_vocab_size(1) * config.hidden_size) as f64;
+    let depths = config.flops_per_token(seq, 1) - whole;
+    let head = 6.0 * (config.padded_vocab_size(1) * config.hidden_size) as f64 + depths;
     let split = |first: Option<usize>, last: Option<usize>| -> Option<Split> {
         let layout = PipelineLayout::new(layers, pp, vpp, first, last).ok()?;
         let per_rank = (0..pp)
