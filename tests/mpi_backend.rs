@@ -1125,6 +1125,48 @@ fn moe_training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
     );
 }
 
+/// DeepSeek-V3's blocks over NCCL with a depth of multi-token prediction: two pipeline stages
+/// of two data-parallel GPUs, the experts over ep 2, the depth on the last stage looking up the
+/// untied input table the first stage holds too (its gradient all-reduced between the stages'
+/// GPUs), against the same run of thread ranks sharing one GPU.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs 4 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
+fn deepseek_with_multi_token_prediction_over_nccl_follows_thread_ranks_on_one_gpu() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--model",
+        "deepseek-v3-tiny",
+        "--mtp-num-layers",
+        "1",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--ep",
+        "2",
+        "--train-iters",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        "32",
+        "--device",
+        "cuda",
+    ];
+    let library_path = gpu_library_path();
+    processes_train_as_threads(
+        "nccl-deepseek-mtp",
+        &args,
+        "nccl",
+        &[("LD_LIBRARY_PATH", &library_path)],
+    );
+}
+
 /// A pipeline of two stages (1F1B), each of two tensor-parallel GPUs, over NCCL: activations
 /// and gradients between the stages' processes (each step's sends and receives in one NCCL
 /// group), against the same pipeline of thread ranks sharing one GPU.
