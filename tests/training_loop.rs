@@ -17,7 +17,7 @@ use megatron::tensor_parallel::{
     vocab_parallel_cross_entropy_backward,
 };
 use megatron::training::{
-    BatchPlan, DecayStyle, LanguageModel, LrSchedule, Sampler, TokenStream, Trainer,
+    BatchPlan, DecayStyle, LanguageModel, LrSchedule, MaskFlags, Sampler, TokenStream, Trainer,
 };
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -174,6 +174,19 @@ fn train_model<M: LanguageModel>(
     aux: bool,
     build: impl Fn(&ParallelState) -> megatron::Result<M> + Sync,
 ) -> Trained {
+    train_masked(tp, dp, (steps, bucket), aux, None, build)
+}
+
+/// [`train_model`] on data whose loss mask drops the targets after the token `eod`, when given
+/// (Megatron-LM's `--eod-mask-loss`).
+fn train_masked<M: LanguageModel>(
+    tp: usize,
+    dp: usize,
+    (steps, bucket): (u64, usize),
+    aux: bool,
+    eod: Option<u32>,
+    build: impl Fn(&ParallelState) -> megatron::Result<M> + Sync,
+) -> Trained {
     let layout = ParallelLayout::new(&ParallelConfig::new(tp * dp).with_tp(tp)).unwrap();
     let out = launch(tp * dp, |w| -> R<_> {
         let ps = ParallelState::new(&w, &layout)?;
@@ -184,7 +197,14 @@ fn train_model<M: LanguageModel>(
             global_batch: 8,
             dp,
         };
-        let sampler = Sampler::windows(corpus(), plan, 11)?;
+        let mut sampler = Sampler::windows(corpus(), plan, 11)?;
+        if eod.is_some() {
+            sampler = sampler.with_masks(MaskFlags {
+                eod,
+                eod_mask_loss: true,
+                ..MaskFlags::default()
+            })?;
+        }
         let schedule = LrSchedule {
             max_lr: 3e-2,
             min_lr: 3e-3,
@@ -195,16 +215,21 @@ fn train_model<M: LanguageModel>(
         let (s, b) = (plan.seq_length, plan.micro_batch);
         let mut plain = 0.0;
         for micro in 0..plan.microbatches() {
-            let (tokens, targets) = sampler.microbatch(0, ps.groups().dp_rank(), micro)?;
-            let t = targets.to_vec::<i64>()?;
+            let batch = sampler.batch(0, ps.groups().dp_rank(), micro)?;
+            let t = batch.targets.to_vec::<i64>()?;
             let later = (0..s * b)
                 .map(|i| t.get(i + b).copied().unwrap_or(0))
                 .collect();
             let later = Tensor::from_vec::<i64>(later, [s, b])?;
-            let (l, _) = model.losses(&Cx::new(&ps, 5), &tokens, &later)?;
+            let (l, _) = model.losses(&Cx::new(&ps, 5), &batch.tokens, &later)?;
             let l = l.to_vec::<f32>()?;
-            let counted = &l[..(s - 1) * b];
-            plain += counted.iter().map(|&x| f64::from(x)).sum::<f64>() / counted.len() as f64;
+            // The token after next counts where the next one's target does (the mask one
+            // position on), and never at the last position.
+            let mask = batch.loss_mask.unwrap_or_else(|| vec![1.0; s * b]);
+            let weight = |i: usize| f64::from(mask.get(i + b).copied().unwrap_or(0.0));
+            let sum: f64 = (0..s * b).map(|i| weight(i) * f64::from(l[i])).sum();
+            let tokens: f64 = (0..s * b).map(weight).sum();
+            plain += sum / tokens;
         }
         let plain = plain / plan.microbatches() as f64;
         let config = support::train_config(schedule, 5, bucket);
@@ -368,4 +393,34 @@ fn an_auxiliary_loss_trains_beside_the_main_one_at_every_layout() {
     assert_eq!((&t.losses, &t.aux), (&reference.losses, aux));
     let t = train_model(2, 2, steps, usize::MAX, true, dsl_built);
     close(&t, "the DSL's model at tp 2 dp 2");
+}
+
+/// On masked data (the targets after a space dropped, as `--eod-mask-loss` drops those after
+/// the end of a document) the DSL's `loss_mask(targets)` is the data's mask: the reported
+/// auxiliary loss is the masked mean of the token-after-next losses, its mask shifted with its
+/// targets, and the model trains at tp 2 × dp 2 as on one rank.
+#[test]
+fn an_auxiliary_loss_on_masked_data_counts_what_the_mask_counts() {
+    let steps = 3;
+    let space = Some(u32::from(b' '));
+    let one = train_masked(1, 1, (steps, usize::MAX), true, space, dsl_built);
+    assert!(
+        (one.aux[0] - one.plain).abs() < 1e-5,
+        "{} vs {}",
+        one.aux[0],
+        one.plain
+    );
+    // Not the unmasked mean: the mask changes what counts.
+    let unmasked = train_model(1, 1, steps, usize::MAX, true, dsl_built);
+    assert!((one.aux[0] - unmasked.aux[0]).abs() > 1e-4);
+    let split = train_masked(2, 2, (steps, usize::MAX), true, space, dsl_built);
+    for (i, (a, b)) in split
+        .losses
+        .iter()
+        .chain(&split.aux)
+        .zip(one.losses.iter().chain(&one.aux))
+        .enumerate()
+    {
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "value {i}: {a} vs {b}");
+    }
 }
