@@ -426,13 +426,6 @@ impl TrainJob {
         let not_yet = |what: &str| -> Result<()> {
             bail!("context parallelism with {what} is not built yet (--context-parallel-size {cp})")
         };
-        if let Some(mtp) = &self.model.mtp {
-            return not_yet(&format!(
-                "multi-token prediction (--mtp-num-layers {}: its shift of the tokens by one \
-                 would cross from chunk to chunk)",
-                mtp.num_layers
-            ));
-        }
         // The blocks of context-parallel attention run on the host: no graph captures them
         // and no flash kernel runs them.
         if self

@@ -557,7 +557,7 @@ fn swiglu_experts_on_the_gpu_follow_the_cpu_run() {
 /// beside a shared expert, a depth of multi-token prediction: its shifted ids and mask, its
 /// loss's gradient seeded on the device) follows the CPU run at ep 2, with bf16 products, and at
 /// tp 2 with sequence parallelism (the rotary key and the depth's projection gathered between
-/// device tensors).
+/// device tensors), and at cp 2.
 #[test]
 #[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn deepseek_v3_blocks_on_the_gpu_follow_the_cpu_run() {
@@ -592,6 +592,16 @@ fn deepseek_v3_blocks_on_the_gpu_follow_the_cpu_run() {
         &cpu,
         2e-4,
         "DeepSeek-V3 blocks: GPU at tp 2 with sp vs CPU",
+    );
+    // Context parallelism 2: the depth's shifted ids and mask take the next chunk's first
+    // positions from the other rank (device tensors all-gathered), its mean over both ranks.
+    let mut cp = deepseek(1, F32);
+    cp.cp = 2;
+    assert_close(
+        &curve(&cp),
+        &cpu,
+        2e-4,
+        "DeepSeek-V3 blocks: GPU at cp 2 vs CPU",
     );
 }
 

@@ -353,6 +353,15 @@ impl Communicator for LocalGpuComm {
         self.host.name()
     }
 
+    fn place(&self, tensor: &Tensor) -> Result<Tensor> {
+        match tensor.device() == crate::tensor::Device::Cuda(self.gpu.ordinal()) {
+            true => Ok(tensor.clone()),
+            false => tensor
+                .to_gpu(&self.gpu)
+                .map_err(|e| self.cuda("copy to the device", e)),
+        }
+    }
+
     fn ranks(&self) -> &[usize] {
         self.host.ranks()
     }

@@ -165,6 +165,21 @@ pub trait Communicator: Send + Sync {
         self.ranks().len()
     }
 
+    /// `tensor` where this communicator moves tensors: on its GPU for a device backend, on the
+    /// host otherwise (itself when it is there already, else a copy). For small values built
+    /// on the host (token ids at a chunk's edge, a count) that a collective must carry.
+    fn place(&self, tensor: &Tensor) -> Result<Tensor> {
+        match tensor.gpu() {
+            Some(_) => tensor.to_host().map_err(|e| CommError::Backend {
+                group: self.name().to_string(),
+                library: "CUDA",
+                call: "copy to the host",
+                message: e.to_string(),
+            }),
+            None => Ok(tensor.clone()),
+        }
+    }
+
     /// Reduces `tensor` across the group in place: every rank ends with the same result.
     #[track_caller]
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()>;

@@ -115,6 +115,10 @@ impl Communicator for Recording {
         self.inner.index()
     }
 
+    fn place(&self, tensor: &Tensor) -> Result<Tensor> {
+        self.inner.place(tensor)
+    }
+
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         self.record(OpKind::AllReduce, tensor, Some(op), None);
         self.inner.all_reduce(tensor, op)

@@ -38,7 +38,7 @@ pub struct AuxLossSaved {
 /// `x` unchanged, carrying the auxiliary loss `weight · Σ(mask · losses) / Σ mask` of the
 /// per-token `losses` (f32) and the 0/1 `mask` of the same shape, logged as `name`.
 pub fn aux_loss(
-    _cx: &Cx,
+    cx: &Cx,
     _site: Site,
     name: &str,
     x: &Tensor,
@@ -57,12 +57,21 @@ pub fn aux_loss(
     }
     let values = losses.to_vec_f32()?;
     let mask_values = mask.to_vec_f32()?;
-    let tokens: f64 = mask_values.iter().map(|&m| f64::from(m)).sum();
-    let sum: f64 = values
+    let mut tokens: f64 = mask_values.iter().map(|&m| f64::from(m)).sum();
+    let mut sum: f64 = values
         .iter()
         .zip(&mask_values)
         .map(|(&l, &m)| f64::from(l) * f64::from(m))
         .sum();
+    // With context parallelism each rank holds chunks of the sequence: the mean is over the
+    // whole sequence's counted tokens (Megatron-LM's `roll_tensor` sums them over the group).
+    if cx.parallel().groups().config().cp > 1 {
+        let group = cx.parallel().comm(crate::parallel::GroupKind::Cp);
+        let both = group.place(&Tensor::from_vec(vec![sum as f32, tokens as f32], [2])?)?;
+        group.all_reduce(&both, crate::comm::ReduceOp::Sum)?;
+        let both = both.to_vec_f32()?;
+        (sum, tokens) = (f64::from(both[0]), f64::from(both[1]));
+    }
     let (mean, per_token) = match tokens > 0.0 {
         true => (sum / tokens, (f64::from(weight) / tokens) as f32),
         false => (0.0, 0.0),

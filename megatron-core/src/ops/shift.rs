@@ -2,28 +2,23 @@
 //! next token at every depth: Megatron-LM's `roll_tensor(x, shifts=-1)` along the sequence,
 //! the vacated last position filled with zeros (a target id 0, a loss-mask weight 0).
 //!
-//! The value must be whole along the sequence on this rank (token ids and loss masks are).
-//! Context parallelism gives each rank chunks of the sequence, and packed documents would need
-//! the shift to stop at each document's end: both are refused by name, not built yet
-//! (Megatron-LM's `roll_tensor` exchanges the chunks' first positions over the context-parallel
-//! group, and rolls each packed document on its own).
+//! With context parallelism each rank holds two chunks of the sequence (chunks `r` and
+//! `2·cp − 1 − r` of `2·cp`), and a chunk's last position takes the next chunk's first, which
+//! another rank may hold: the ranks all-gather their chunks' first positions over the group
+//! (`2 · b` values each), as Megatron-LM's `roll_tensor` exchanges them. Packed documents would
+//! need the shift to stop at each document's end: refused by name (Megatron-LM rolls each
+//! document on its own).
 
 use crate::error::Result;
 use crate::invalid;
 use crate::module::Cx;
+use crate::parallel::GroupKind;
 use crate::tensor::{DType, Tensor};
 
 /// `x` (`[s, ...]`, sequence first, any dtype) shifted one position earlier: row `i` of the
-/// result is row `i + 1` of `x`, and the last row is zeros.
+/// result is row `i + 1` of `x`, and the last row is zeros; with context parallelism, `x` is
+/// this rank's two chunks and the shift is along the whole sequence.
 pub fn shift_left(cx: &Cx, x: &Tensor) -> Result<Tensor> {
-    let cp = cx.parallel().groups().config().cp;
-    if cp > 1 {
-        return invalid!(
-            "shifting along the sequence (multi-token prediction) with context parallelism \
-             {cp}: each rank holds chunks of the sequence, so the next position may be another \
-             rank's, an exchange megatron-rs does not build yet"
-        );
-    }
     if cx.documents().is_some() {
         return invalid!(
             "shifting along the sequence (multi-token prediction) over packed documents: the \
@@ -31,7 +26,57 @@ pub fn shift_left(cx: &Cx, x: &Tensor) -> Result<Tensor> {
              position (a shift per document is not built yet)"
         );
     }
-    shift_rows_left(x)
+    match cx.parallel().groups().config().cp {
+        1 => shift_rows_left(x),
+        _ => shift_chunks_left(cx, x),
+    }
+}
+
+/// [`shift_left`] of this rank's two chunks of a sequence cut over the context-parallel group.
+fn shift_chunks_left(cx: &Cx, x: &Tensor) -> Result<Tensor> {
+    let group = cx.parallel().comm(GroupKind::Cp);
+    let (cp, rank) = (group.size(), group.index());
+    let rows = x.dims().first().copied().unwrap_or(0);
+    if rows == 0 || !rows.is_multiple_of(2) {
+        return invalid!(
+            "shift_left with context parallelism {cp}: this rank's part of the sequence has \
+             {rows} positions, not two chunks of equal length"
+        );
+    }
+    let c = rows / 2;
+    // Within each chunk, as on one rank.
+    let out = Tensor::zeros_near(x.shape().clone(), x.dtype(), x)?;
+    for chunk in [0, c] {
+        if c > 1 {
+            out.narrow(0, chunk, c - 1)?
+                .copy_from(&x.narrow(0, chunk + 1, c - 1)?)?;
+        }
+    }
+    // Every chunk's first position, rank by rank: rank q's are chunks q and 2·cp − 1 − q.
+    let mut dims = x.dims().to_vec();
+    dims[0] = 2;
+    let firsts = Tensor::zeros_near(dims.clone(), x.dtype(), x)?;
+    firsts.narrow(0, 0, 1)?.copy_from(&x.narrow(0, 0, 1)?)?;
+    firsts.narrow(0, 1, 1)?.copy_from(&x.narrow(0, c, 1)?)?;
+    // Where the group moves tensors (token ids stay on the host in a GPU run), and back.
+    let firsts = group.place(&firsts)?;
+    dims[0] = 2 * cp;
+    let gathered = Tensor::zeros_near(dims, x.dtype(), &firsts)?;
+    group.all_gather(&firsts, &gathered)?;
+    let gathered = crate::backend::of(x).place(&gathered)?;
+    let first_of = |g: usize| match g < cp {
+        true => 2 * g,
+        false => 2 * (2 * cp - 1 - g) + 1,
+    };
+    // Chunk r's last position takes chunk r + 1's first; chunk 2·cp − 1 − r's takes chunk
+    // 2·cp − r's, unless it is the sequence's last chunk (rank 0's second): zeros.
+    for (row, g) in [(c - 1, rank), (2 * c - 1, 2 * cp - 1 - rank)] {
+        if g + 1 < 2 * cp {
+            out.narrow(0, row, 1)?
+                .copy_from(&gathered.narrow(0, first_of(g + 1), 1)?)?;
+        }
+    }
+    Ok(out)
 }
 
 /// The 0/1 weights of `targets` (`[s, b]` ids) as f32 on their device: the data's loss mask
@@ -118,24 +163,33 @@ mod tests {
     }
 
     #[test]
-    fn context_parallelism_is_refused_by_name_and_one_rank_shifts() {
+    fn with_context_parallelism_the_chunks_shift_along_the_whole_sequence() {
         use crate::comm::ParallelState;
         use crate::comm::threads::launch;
+        use crate::context_parallel::CpChunks;
         use crate::parallel::{ParallelConfig, ParallelLayout};
-        for cp in [1, 2] {
+        // 8 positions × 2 sequences of ids, and a mask; each cp rank shifts its chunks.
+        let whole: Vec<i64> = (0..16).map(|i| 100 + i).collect();
+        let whole = Tensor::from_vec(whole, [8, 2]).unwrap();
+        let want = shift_rows_left(&whole).unwrap();
+        for cp in [1, 2, 4] {
             let layout = ParallelLayout::new(&ParallelConfig::new(cp).with_cp(cp)).unwrap();
-            let out = launch(cp, |w| -> Result<Vec<i64>> {
+            let out = launch(cp, |w| -> Result<bool> {
                 let ps = ParallelState::new(&w, &layout)?;
-                let ids = Tensor::from_vec(vec![1i64, 2, 3], [3, 1])?;
-                Ok(shift_left(&Cx::new(&ps, 1), &ids)?.to_vec::<i64>()?)
-            });
-            match cp {
-                1 => assert_eq!(out.unwrap(), [vec![2, 3, 0]]),
-                _ => {
-                    let e = out.unwrap_err().to_string();
-                    assert!(e.contains("context parallelism 2"), "{e}");
-                }
-            }
+                let chunks = CpChunks::new(8, cp, ps.groups().cp_rank())?;
+                let local = match cp {
+                    1 => whole.clone(),
+                    _ => chunks.take_local(&whole)?,
+                };
+                let got = shift_left(&Cx::new(&ps, 1), &local)?;
+                let expected = match cp {
+                    1 => want.clone(),
+                    _ => chunks.take_local(&want)?,
+                };
+                Ok(got.to_vec::<i64>()? == expected.to_vec::<i64>()?)
+            })
+            .unwrap();
+            assert!(out.iter().all(|&same| same), "cp {cp}: {out:?}");
         }
     }
 }
