@@ -50,6 +50,9 @@ pub struct Cx<'a> {
     recompute: Recompute,
     /// The backward scale of the routers' auxiliary losses.
     aux_loss_scale: f32,
+    /// With `--calculate-per-token-loss`, the backward scale of [`crate::ops::aux_loss`]'s
+    /// losses for this micro-batch (`None`: `aux_loss_scale`).
+    token_share_scale: Option<f32>,
     /// Where MoE layers report their routing, when someone listens.
     routing_log: Option<&'a RoutingLog>,
     /// Where auxiliary losses (multi-token prediction's) report their values.
@@ -80,6 +83,7 @@ impl<'a> Cx<'a> {
             training: true,
             recompute: Recompute::Off,
             aux_loss_scale: 1.0,
+            token_share_scale: None,
             routing_log: None,
             aux_loss_log: None,
             graphs: None,
@@ -255,6 +259,23 @@ impl<'a> Cx<'a> {
     /// The backward scale of the routers' auxiliary losses (1 unless set).
     pub fn aux_loss_scale(&self) -> f32 {
         self.aux_loss_scale
+    }
+
+    /// The same context scaling [`crate::ops::aux_loss`]'s backward by `scale` for this
+    /// micro-batch: with `--calculate-per-token-loss`, the loss scale times the micro-batch's
+    /// counted tokens over the step's (Megatron-LM multiplies multi-token prediction's mean by
+    /// the micro-batch's counted tokens, and divides every gradient by the step's).
+    pub fn with_token_share_scale(&self, scale: f32) -> Cx<'a> {
+        Cx {
+            token_share_scale: Some(scale),
+            ..*self
+        }
+    }
+
+    /// The backward scale of [`crate::ops::aux_loss`]'s losses: the micro-batch's share of the
+    /// step's counted tokens with `--calculate-per-token-loss`, else [`Cx::aux_loss_scale`].
+    pub fn token_loss_scale(&self) -> f32 {
+        self.token_share_scale.unwrap_or(self.aux_loss_scale)
     }
 
     /// The same context with MoE layers reporting their routing to `log`.

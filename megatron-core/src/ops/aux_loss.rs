@@ -5,8 +5,9 @@
 //! unchanged, and its backward passes the value's gradient through and starts the auxiliary
 //! loss's own backward, with the gradient of `weight · Σ(mask · losses) / Σ mask` (the mean over
 //! the microbatch's counted tokens, Megatron-LM's `mtp_loss_scale · mtp_loss / num_tokens`)
-//! times the main loss's backward scale ([`Cx::aux_loss_scale`]: the loss scale over the
-//! microbatches, as Megatron-LM's schedules set it). The backward records the mean, unweighted,
+//! times the main loss's backward scale ([`Cx::token_loss_scale`]: the loss scale over the
+//! microbatches, as Megatron-LM's schedules set it; with `--calculate-per-token-loss`, times the
+//! micro-batch's counted tokens over the step's, as Megatron-LM weighs the depths then). The backward records the mean, unweighted,
 //! under the loss's name in the context's [`AuxLossLog`]: once per microbatch, whatever
 //! recomputation reruns.
 
@@ -99,7 +100,7 @@ pub fn aux_loss_backward(
     if let Some(log) = cx.aux_loss_log() {
         log.record(&saved.name, saved.mean);
     }
-    let scale = cx.aux_loss_scale();
+    let scale = cx.token_loss_scale();
     let grad: Vec<f32> = saved.grad.iter().map(|&g| g * scale).collect();
     let grad = Tensor::from_vec(grad, saved.shape)?;
     let grad = backend::of(&saved.like).place(&grad)?;
@@ -179,6 +180,7 @@ mod tests {
                 f64::from(weight) * sum / n
             };
             let dl = dl.to_vec::<f32>()?;
+            let dl_first = dl.clone();
             for i in 0..s * b {
                 let (mut up, mut down) = (losses.clone(), losses.clone());
                 up[i] += 1e-2;
@@ -204,6 +206,14 @@ mod tests {
             let (_, dl) = aux_loss_backward(&cx, Site::ROOT, saved, &dx)?;
             assert!(dl.to_vec::<f32>()?.iter().all(|&g| g == 0.0));
             assert_eq!(log.take()["mtp_2"], (0.0, 1));
+            // With per-token losses the micro-batch's share of the step's tokens scales the
+            // gradient instead of the routers' scale.
+            let shared = cx.with_token_share_scale(0.75);
+            let (_, saved) = aux_loss(&shared, Site::ROOT, "mtp_1", &x, (&lt, &mt), weight)?;
+            let (_, ds) = aux_loss_backward(&shared, Site::ROOT, saved, &dx)?;
+            for (a, b) in ds.to_vec::<f32>()?.iter().zip(&dl_first) {
+                assert!((a - b * 3.0).abs() < 1e-6, "{a} vs 3 × {b}");
+            }
             // A mask of another shape is refused by name.
             let short = Tensor::from_vec(vec![1.0f32; s], [s])?;
             let refused = aux_loss(&cx, Site::ROOT, "mtp_3", &x, (&lt, &short), weight);

@@ -246,6 +246,9 @@ struct Walker<'a, M, P: Passes<M>> {
 struct LossesKept {
     shape: Shape,
     weights: Option<Vec<f32>>,
+    /// With `--calculate-per-token-loss`, the backward scale of the model's auxiliary losses
+    /// ([`Cx::with_token_share_scale`]).
+    token_share: Option<f32>,
 }
 
 /// Walks `actions` with `walk`'s chunks run by `P`.
@@ -538,6 +541,14 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
         let losses = if last {
             let shape = out.shape().clone();
             let mask = data.and_then(|(_, _, mask)| mask);
+            // Megatron-LM's multi-token prediction with per-token losses: each depth's mean
+            // times the micro-batch's counted tokens, every gradient over the step's.
+            let token_share = match (masks.calculate_per_token_loss, self.step_counted) {
+                (true, Some(step)) if step > 0 => {
+                    Some(self.walk.loss_scale * counted as f32 / step as f32)
+                }
+                _ => None,
+            };
             let weights = match (&mask, self.step_counted) {
                 (Some(mask), Some(step_counted)) => {
                     let plan = self.walk.data.plan();
@@ -557,7 +568,11 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
                 _ => None,
             };
             self.losses.push((out, mask));
-            Some(LossesKept { shape, weights })
+            Some(LossesKept {
+                shape,
+                weights,
+                token_share,
+            })
         } else {
             self.check_carried(&out, "activations")?;
             self.outbox.insert((Pass::Forward, chunk, microbatch), out);
@@ -595,10 +610,15 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
             true => cx.deferring_weights(&deferred),
             false => cx,
         };
+        let cx = match losses.as_ref().and_then(|l| l.token_share) {
+            Some(scale) => cx.with_token_share_scale(scale),
+            None => cx,
+        };
         let d = match losses {
             Some(LossesKept {
                 shape,
                 weights: Some(weights),
+                ..
             }) => {
                 // d(scaled loss of the step) / d(each token's loss): its microbatch's weight
                 // where it counts, 0 where it does not.
@@ -609,6 +629,7 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
             Some(LossesKept {
                 shape,
                 weights: None,
+                ..
             }) => {
                 let plan = self.walk.data.plan();
                 let tokens = plan.global_batch * plan.seq_length;
