@@ -889,8 +889,8 @@ fn training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
         "--device",
         "cuda",
     ];
-    let library_path = gpu_library_path();
-    processes_train_as_threads("nccl", &args, "nccl", &[("LD_LIBRARY_PATH", &library_path)]);
+
+    nccl_trains_as_threads("nccl", &args);
 }
 
 /// Sequence parallelism over NCCL: the shards' all-gathers and reduce-scatters between the
@@ -917,13 +917,7 @@ fn sequence_parallel_training_with_nccl_under_mpirun_follows_thread_ranks_on_one
         "--device",
         "cuda",
     ];
-    let library_path = gpu_library_path();
-    processes_train_as_threads(
-        "nccl-sp",
-        &args,
-        "nccl",
-        &[("LD_LIBRARY_PATH", &library_path)],
-    );
+    nccl_trains_as_threads("nccl-sp", &args);
 }
 
 /// mixtral-tiny with the qk-layernorm over NCCL (tp 4 with sequence parallelism, each of its 2
@@ -954,13 +948,7 @@ fn llama_training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
         "--device",
         "cuda",
     ];
-    let library_path = gpu_library_path();
-    processes_train_as_threads(
-        "nccl-llama",
-        &args,
-        "nccl",
-        &[("LD_LIBRARY_PATH", &library_path)],
-    );
+    nccl_trains_as_threads("nccl-llama", &args);
 }
 
 /// Context parallelism over NCCL: llama-tiny at cp 4 with the all-to-all inside pairs and the
@@ -988,7 +976,6 @@ fn context_parallel_training_with_nccl_under_mpirun_follows_thread_ranks_on_one_
         "--device",
         "cuda",
     ];
-    let library_path = gpu_library_path();
     for (name, flags) in [
         (
             "nccl-cp-a2a-p2p",
@@ -1015,12 +1002,7 @@ fn context_parallel_training_with_nccl_under_mpirun_follows_thread_ranks_on_one_
             ],
         ),
     ] {
-        processes_train_as_threads(
-            name,
-            &[&common[..], flags].concat(),
-            "nccl",
-            &[("LD_LIBRARY_PATH", &library_path)],
-        );
+        nccl_trains_as_threads(name, &[&common[..], flags].concat());
     }
 }
 
@@ -1055,13 +1037,7 @@ fn the_distributed_optimizer_with_nccl_under_mpirun_follows_thread_ranks_on_one_
         "--save",
         save.to_str().expect("a UTF-8 path"),
     ];
-    let library_path = gpu_library_path();
-    processes_train_as_threads(
-        "nccl-distopt",
-        &args,
-        "nccl",
-        &[("LD_LIBRARY_PATH", &library_path)],
-    );
+    nccl_trains_as_threads("nccl-distopt", &args);
     // 16-bit parameters: the all-gather moves bf16 or fp16 values over NCCL, and with fp16
     // the reduce-scatter fp16 gradients (scaled; the first steps overflow and are skipped).
     for (name, precision) in [
@@ -1072,7 +1048,7 @@ fn the_distributed_optimizer_with_nccl_under_mpirun_follows_thread_ranks_on_one_
         ),
     ] {
         let with = [&args[..], precision].concat();
-        processes_train_as_threads(name, &with, "nccl", &[("LD_LIBRARY_PATH", &library_path)]);
+        nccl_trains_as_threads(name, &with);
     }
 }
 
@@ -1109,20 +1085,9 @@ fn moe_training_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
         "--device",
         "cuda",
     ];
-    let library_path = gpu_library_path();
-    processes_train_as_threads(
-        "nccl-moe",
-        &args,
-        "nccl",
-        &[("LD_LIBRARY_PATH", &library_path)],
-    );
+    nccl_trains_as_threads("nccl-moe", &args);
     let allgather = [&args[..], &["--moe-token-dispatcher-type", "allgather"]].concat();
-    processes_train_as_threads(
-        "nccl-moe-allgather",
-        &allgather,
-        "nccl",
-        &[("LD_LIBRARY_PATH", &library_path)],
-    );
+    nccl_trains_as_threads("nccl-moe-allgather", &allgather);
 }
 
 /// DeepSeek-V3's blocks over NCCL with a depth of multi-token prediction: two pipeline stages
@@ -1158,13 +1123,7 @@ fn deepseek_with_multi_token_prediction_over_nccl_follows_thread_ranks_on_one_gp
         "--device",
         "cuda",
     ];
-    let library_path = gpu_library_path();
-    processes_train_as_threads(
-        "nccl-deepseek-mtp",
-        &args,
-        "nccl",
-        &[("LD_LIBRARY_PATH", &library_path)],
-    );
+    nccl_trains_as_threads("nccl-deepseek-mtp", &args);
 }
 
 /// A pipeline of two stages (1F1B), each of two tensor-parallel GPUs, over NCCL: activations
@@ -1199,13 +1158,7 @@ fn a_pipeline_with_nccl_under_mpirun_follows_thread_ranks_on_one_gpu() {
         "--save",
         save.to_str().expect("a UTF-8 path"),
     ];
-    let library_path = gpu_library_path();
-    processes_train_as_threads(
-        "nccl-pipeline",
-        &args,
-        "nccl",
-        &[("LD_LIBRARY_PATH", &library_path)],
-    );
+    nccl_trains_as_threads("nccl-pipeline", &args);
 }
 
 /// The interleaved schedule over NCCL: four stages of two chunks each (the last stage's
@@ -1237,13 +1190,7 @@ fn an_interleaved_pipeline_with_nccl_under_mpirun_follows_thread_ranks_on_one_gp
         "--device",
         "cuda",
     ];
-    let library_path = gpu_library_path();
-    processes_train_as_threads(
-        "nccl-interleaved",
-        &args,
-        "nccl",
-        &[("LD_LIBRARY_PATH", &library_path)],
-    );
+    nccl_trains_as_threads("nccl-interleaved", &args);
 }
 
 /// The zero-bubble schedules over NCCL, one process per GPU: ZB-H1 over four stages and ZB-V
@@ -1257,7 +1204,6 @@ fn zero_bubble_pipelines_with_nccl_under_mpirun_follow_thread_ranks_on_one_gpu()
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
         return;
     }
-    let library_path = gpu_library_path();
     for schedule in ["zb-h1", "zbv"] {
         let args = [
             "--pp",
@@ -1277,12 +1223,7 @@ fn zero_bubble_pipelines_with_nccl_under_mpirun_follow_thread_ranks_on_one_gpu()
             "--device",
             "cuda",
         ];
-        processes_train_as_threads(
-            &format!("nccl-{schedule}"),
-            &args,
-            "nccl",
-            &[("LD_LIBRARY_PATH", &library_path)],
-        );
+        nccl_trains_as_threads(&format!("nccl-{schedule}"), &args);
     }
 }
 
@@ -1363,6 +1304,13 @@ fn megatron_under_mpirun(np: usize, env: &[(&str, &str)]) -> Command {
     }
     mpi.arg(env!("CARGO_BIN_EXE_megatron"));
     mpi
+}
+
+/// [`processes_train_as_threads`] on the GPUs over NCCL, the CUDA libraries on the path.
+#[cfg(feature = "cuda")]
+fn nccl_trains_as_threads(name: &str, args: &[&str]) {
+    let library_path = gpu_library_path();
+    processes_train_as_threads(name, args, "nccl", &[("LD_LIBRARY_PATH", &library_path)]);
 }
 
 /// Runs `megatron train` with `args` as four thread ranks, then as four processes under
