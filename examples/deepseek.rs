@@ -70,6 +70,7 @@ fn job(tp: usize, ep: usize) -> Result<TrainJob, Box<dyn std::error::Error>> {
         cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
         stop: None,
         rank_steps: None,
+        trace: None,
     })
 }
 

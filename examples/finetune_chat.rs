@@ -110,6 +110,7 @@ fn job(
         cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
         stop: None,
         rank_steps: None,
+        trace: None,
     }
 }
 

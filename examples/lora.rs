@@ -90,6 +90,7 @@ fn fine_tune(
         cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
         stop: None,
         rank_steps: None,
+        trace: None,
     };
     Ok(job.run(&mut [])?)
 }

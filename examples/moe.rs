@@ -76,6 +76,7 @@ fn job(ep: usize) -> Result<TrainJob, Box<dyn std::error::Error>> {
         cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
         stop: None,
         rank_steps: None,
+        trace: None,
     })
 }
 

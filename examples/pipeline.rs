@@ -66,6 +66,7 @@ fn job(tp: usize, pipeline: PipelineSettings) -> Result<TrainJob, Box<dyn std::e
         cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
         stop: None,
         rank_steps: None,
+        trace: None,
     })
 }
 

@@ -74,6 +74,7 @@ fn job(pipeline: PipelineSettings) -> R<TrainJob> {
         cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
         stop: None,
         rank_steps: None,
+        trace: None,
     })
 }
 

@@ -166,6 +166,7 @@ pub fn job(layout: &AuditLayout) -> Result<TrainJob> {
         cuda_graph_scope: megatron_core::cuda_graphs::ScopeSet::NONE,
         stop: None,
         rank_steps: None,
+        trace: None,
     })
 }
 

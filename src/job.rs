@@ -5,7 +5,7 @@
 //! [`TrainJob::run_on`] runs this process's rank of a multi-process world) and calls the
 //! observers on global rank 0.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -20,6 +20,7 @@ use megatron_core::pipeline_parallel::{
     PipelineLayout, Schedule, ScheduleConfig, ScheduleKind, StageLayoutError,
 };
 use megatron_core::tensor::{DType, Tensor};
+use megatron_core::trace::{Span, Trace, TracingWorld};
 use megatron_core::training::{BatchPlan, Sampler, StepMetrics, TrainConfig, Trainer};
 use megatron_models::GptConfig;
 use megatron_models::gpt::Gpt;
@@ -75,6 +76,9 @@ pub struct TrainJob {
     /// Where every rank of this process (thread ranks) also records its steps' metrics, by
     /// world rank (`megatron bench` reads each pipeline rank's bubble and memory from it).
     pub rank_steps: Option<RankSteps>,
+    /// Write the last step's timeline, every rank's passes, phases and collectives, to this
+    /// file as a Chrome trace (`--trace`; see `megatron_core::trace`).
+    pub trace: Option<PathBuf>,
 }
 
 /// Every rank's step metrics, by world rank: see [`TrainJob::rank_steps`].
@@ -331,6 +335,8 @@ pub(crate) struct RunContext<'a> {
     observers: Mutex<&'a mut [Box<dyn Observer>]>,
     summary: Mutex<Summary>,
     info: SaveInfo,
+    /// The trace this process's ranks record the last step into, with `--trace`.
+    trace: Option<Arc<Trace>>,
 }
 
 impl TrainJob {
@@ -543,6 +549,7 @@ impl TrainJob {
         }
         Ok(RunContext {
             layout,
+            trace: self.trace.as_ref().map(|_| Trace::new()),
             observers: Mutex::new(observers),
             summary: Mutex::new(Summary::default()),
             info: SaveInfo {
@@ -563,6 +570,12 @@ impl TrainJob {
     ) -> Result<()> {
         let plan: BatchPlan = *self.train_data.plan();
         let tokens_per_step = (plan.global_batch * plan.seq_length) as u64;
+        // With --trace, every collective of the rank's communicators is timed into the trace.
+        let traced = cx.trace.as_ref().map(|t| TracingWorld::new(w, t.clone()));
+        let w: &dyn World = match &traced {
+            Some(t) => t,
+            None => w,
+        };
         let parallel = ParallelState::new(w, &cx.layout)?
             .with_sequence_parallel(self.sequence_parallel)
             .with_cp_comm_type(w, self.cp_comm_type)?;
@@ -617,6 +630,7 @@ impl TrainJob {
         if let Some(moe) = &self.model.moe {
             trainer.log_routing(moe.router.num_experts);
         }
+        trainer.set_trace(cx.trace.clone());
         // Megatron-LM's `mtp_1 loss` ... `mtp_D loss`.
         let depths = self.model.mtp_depths();
         if depths > 0 {
@@ -649,7 +663,18 @@ impl TrainJob {
             return report(&mut |o| o.finish());
         }
         for step in first..self.steps {
-            let metrics = trainer.step(&parallel, step)?;
+            // The traced step starts on every rank together.
+            let traced_step = cx.trace.as_ref().filter(|_| step + 1 == self.steps);
+            let rank = parallel.groups().rank();
+            if let Some(trace) = traced_step {
+                parallel.comm(GroupKind::World).barrier()?;
+                trace.start(rank);
+            }
+            let metrics = trainer.step(&parallel, step);
+            if let Some(trace) = traced_step {
+                trace.stop(rank);
+            }
+            let metrics = metrics?;
             if let Some(sink) = &self.rank_steps
                 && let Ok(mut steps) = sink.lock()
             {
@@ -704,8 +729,56 @@ impl TrainJob {
                 break;
             }
         }
+        if let (Some(trace), Some(path)) = (&cx.trace, &self.trace) {
+            write_trace(&parallel, trace, path)?;
+        }
         report(&mut |o| o.finish())
     }
+}
+
+/// Gathers every rank's spans of `trace` to global rank 0, which writes them to `path` as a
+/// Chrome trace (a collective over the world: the ranks of other processes send theirs).
+fn write_trace(parallel: &ParallelState, trace: &Trace, path: &Path) -> Result<()> {
+    let rank = parallel.groups().rank();
+    let mine = serde_json::to_vec(&trace.spans_of(rank)).context("the trace's spans")?;
+    let world = parallel.comm(GroupKind::World);
+    let like = |t: Tensor| world.place(&t);
+    let lengths = like(Tensor::zeros([world.size()], DType::I64))?;
+    let length = like(Tensor::from_vec(vec![mine.len() as i64], [1])?)?;
+    world.all_gather(&length, &lengths)?;
+    let lengths: Vec<usize> = lengths
+        .to_vec::<i64>()?
+        .iter()
+        .map(|&n| usize::try_from(n).unwrap_or(0))
+        .collect();
+    // Each rank's bytes padded to the longest, eight to an i64.
+    let words = lengths.iter().max().copied().unwrap_or(0).div_ceil(8);
+    let mut padded = mine.clone();
+    padded.resize(words * 8, 0);
+    let packed: Vec<i64> = padded
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+        .collect();
+    let all = like(Tensor::zeros([world.size() * words], DType::I64))?;
+    world.all_gather(&like(Tensor::from_vec(packed, [words])?)?, &all)?;
+    if rank != 0 {
+        return Ok(());
+    }
+    let bytes: Vec<u8> = all
+        .to_vec::<i64>()?
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    let mut spans: Vec<Span> = Vec::new();
+    for (r, &n) in lengths.iter().enumerate() {
+        let at = r * words * 8;
+        let theirs: Vec<Span> = serde_json::from_slice(&bytes[at..at + n])
+            .with_context(|| format!("rank {r}'s trace"))?;
+        spans.extend(theirs);
+    }
+    let json = serde_json::to_vec(&megatron_core::trace::chrome(&spans))?;
+    megatron_core::files::write_atomically(path, &json)
+        .map_err(|(p, e)| anyhow::anyhow!("--trace: writing {}: {e}", p.display()))
 }
 
 /// Whether any rank of the world has a stop request (a collective: every rank calls it after

@@ -81,6 +81,7 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
         cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
         stop: None,
         rank_steps: None,
+        trace: None,
     }
 }
 
@@ -269,6 +270,23 @@ fn tensor_and_data_parallel_ranks_on_one_gpu_reproduce_tp1() {
     assert_close(&tp2, &one, 2e-4, "TP=2 vs TP=1 on the GPU");
     let tp2dp2 = curve(&job(2, 2, F32));
     assert_close(&tp2dp2, &one, 2e-4, "TP=2 × DP=2 vs TP=1 on the GPU");
+    // Traced (`--trace`): the same run bit for bit, and every rank's last step in the file, its
+    // collectives over the device-local communicators included.
+    let path = std::env::temp_dir().join(format!("megatron-gpu-trace-{}.json", std::process::id()));
+    let mut traced = job(2, 2, F32);
+    traced.trace = Some(path.clone());
+    assert_eq!(bits(curve(&traced)), bits(tp2dp2.clone()), "traced vs not");
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("the trace")).expect("JSON");
+    let events = trace["traceEvents"].as_array().expect("events");
+    for rank in 0..4u64 {
+        let comm = events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["pid"] == rank && e["cat"] == "comm")
+            .count();
+        assert!(comm > 0, "rank {rank}'s collectives");
+    }
+    let _ = std::fs::remove_file(&path);
     // Sequence parallelism: the all-gathers and reduce-scatters of the shards between the
     // ranks' device tensors, dropout per global position, the norms' gradients summed over tp.
     let mut sp = job(2, 1, F32);

@@ -534,6 +534,55 @@ fn training_under_mpirun_equals_training_on_threads() {
     processes_train_as_threads("train", &args, "mpi", &[]);
 }
 
+/// `--trace` under `mpirun`: each process records its rank's step, and rank 0 gathers them
+/// over the world into one Chrome trace of the four ranks, each with its passes and the
+/// collectives of its groups.
+#[test]
+fn a_trace_under_mpirun_holds_every_process() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let dir = scratch_dir("trace");
+    let path = dir.join("trace.json");
+    let mut mpi = megatron_under_mpirun(4, &[]);
+    mpi.args([
+        "train",
+        "--model",
+        "gpt-tiny",
+        "--quiet",
+        "--backend",
+        "mpi",
+    ])
+    .args(["--tp", "2", "--dp", "2", "--train-iters", "2", "--trace"])
+    .arg(&path);
+    let out = output_of(mpi);
+    assert!(out.status.success(), "{}", text(&out));
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("the trace")).expect("JSON");
+    let spans: Vec<&serde_json::Value> = trace["traceEvents"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .collect();
+    for rank in 0..4u64 {
+        let mine = |cat: &str| {
+            spans
+                .iter()
+                .filter(|e| e["pid"] == rank && e["cat"] == cat)
+                .count()
+        };
+        assert!(
+            mine("step") == 5 && mine("compute") >= 2 && mine("comm") > 0,
+            "rank {rank}: {} {} {}",
+            mine("step"),
+            mine("compute"),
+            mine("comm")
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The Llama family's blocks between processes (mixtral-tiny: RMSNorm, grouped-query
 /// attention with rotary embeddings, SwiGLU experts over ep 2, the untied output layer; and the
 /// qk-layernorm, its weights' gradients summed over tp) at tp 2 with sequence parallelism × pp

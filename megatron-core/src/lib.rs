@@ -40,6 +40,7 @@ pub mod prelude;
 pub mod rng;
 pub mod tensor;
 pub mod tensor_parallel;
+pub mod trace;
 pub mod training;
 
 pub use error::{Error, Result};

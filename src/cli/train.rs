@@ -230,6 +230,11 @@ pub struct TrainArgs {
     /// Add each step's communication on global rank 0 (per group and operation) to the log.
     #[arg(long)]
     comm_report: bool,
+    /// Write the last step's timeline to this file as a Chrome trace (chrome://tracing,
+    /// ui.perfetto.dev): every rank's forwards and backwards, the step's phases and each
+    /// collective of each group, on the host's clock.
+    #[arg(long)]
+    trace: Option<PathBuf>,
     /// Write TensorBoard scalars into this directory (flushed every step).
     #[arg(long)]
     tensorboard_dir: Option<PathBuf>,
@@ -880,6 +885,19 @@ impl TrainArgs {
                 bail!("{flag} does nothing without {needs}: add {needs} or drop {flag}");
             }
         }
+        if let Some(path) = &self.trace {
+            let dir = match path.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d,
+                _ => std::path::Path::new("."),
+            };
+            if path.is_dir() || !dir.is_dir() {
+                bail!(
+                    "--trace {}: the trace is a file, written at the end of the run, in a \
+                     directory that exists",
+                    path.display()
+                );
+            }
+        }
         if let Some(kind) = self.pipeline_schedule
             && !self.cuda_graph_scope.is_empty()
         {
@@ -1236,6 +1254,7 @@ impl TrainArgs {
             },
             stop: None,
             rank_steps: None,
+            trace: self.trace.clone(),
             cuda_graph_scope: ScopeSet::parse(&self.cuda_graph_scope)
                 .context("--cuda-graph-scope")?,
         };

@@ -70,6 +70,8 @@ pub struct Cx<'a> {
     documents: Option<&'a Documents>,
     /// The microbatch's loss mask (`[s, b]`, 0/1 f32 on the host), with masked data.
     loss_mask: Option<&'a Tensor>,
+    /// Where the passes' times go, when a step is traced.
+    trace: Option<&'a crate::trace::Trace>,
 }
 
 impl<'a> Cx<'a> {
@@ -92,6 +94,7 @@ impl<'a> Cx<'a> {
             deferred_weights: None,
             documents: None,
             loss_mask: None,
+            trace: None,
         }
     }
 
@@ -254,6 +257,19 @@ impl<'a> Cx<'a> {
             aux_loss_scale: scale,
             ..*self
         }
+    }
+
+    /// The same context recording its passes into `trace` ([`crate::trace`]).
+    pub fn with_trace(&self, trace: &'a crate::trace::Trace) -> Cx<'a> {
+        Cx {
+            trace: Some(trace),
+            ..*self
+        }
+    }
+
+    /// The trace the passes go to, if any.
+    pub fn trace(&self) -> Option<&'a crate::trace::Trace> {
+        self.trace
     }
 
     /// The backward scale of the routers' auxiliary losses (1 unless set).

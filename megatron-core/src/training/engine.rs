@@ -402,15 +402,17 @@ impl<M, P: Passes<M>> Stage for Walker<'_, M, P> {
     type Error = Error;
 
     fn forward(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
-        self.timed(0, |w| w.run_forward(chunk, microbatch))
+        self.timed(0, (chunk, microbatch), |w| w.run_forward(chunk, microbatch))
     }
 
     fn backward(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
-        self.timed(1, |w| w.run_backward(chunk, microbatch))
+        self.timed(1, (chunk, microbatch), |w| {
+            w.run_backward(chunk, microbatch)
+        })
     }
 
     fn weight(&mut self, chunk: usize, microbatch: usize) -> Result<()> {
-        self.timed(2, |w| w.run_weight(chunk, microbatch))
+        self.timed(2, (chunk, microbatch), |w| w.run_weight(chunk, microbatch))
     }
 
     fn hand_over(&mut self, pass: Pass, from: usize, to: usize, microbatch: usize) -> Result<()> {
@@ -457,11 +459,32 @@ impl<M, P: Passes<M>> Stage for Walker<'_, M, P> {
 }
 
 impl<M, P: Passes<M>> Walker<'_, M, P> {
-    /// Runs `f`, adding its time to pass kind `kind`'s (forward, backward, weight gradients).
-    fn timed(&mut self, kind: usize, f: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
+    /// Runs `f`, the pass of `chunk` and `microbatch`, adding its time to pass kind `kind`'s
+    /// (forward, backward, weight gradients) and to the trace when one records.
+    fn timed(
+        &mut self,
+        kind: usize,
+        (chunk, microbatch): (usize, usize),
+        f: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<()> {
         let start = std::time::Instant::now();
         let done = f(self);
-        self.pass_time[kind] += start.elapsed();
+        let end = std::time::Instant::now();
+        self.pass_time[kind] += end - start;
+        if let Some(trace) = self.walk.cx.trace() {
+            let name = ["forward", "backward", "weight gradients"][kind];
+            let args = [
+                ("chunk".to_string(), serde_json::json!(chunk)),
+                ("microbatch".to_string(), serde_json::json!(microbatch)),
+            ];
+            trace.record(
+                self.walk.parallel.groups().rank(),
+                "compute",
+                format!("{name} {microbatch}"),
+                (start, end),
+                args.into_iter().collect(),
+            );
+        }
         done
     }
 

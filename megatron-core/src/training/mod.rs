@@ -190,6 +190,8 @@ pub struct Trainer<M: LanguageModel> {
     model_has_experts: Option<bool>,
     /// The graph scopes the run captures (`--cuda-graph-scope`) and what they captured.
     graphs: GraphRuntime,
+    /// Where the step's phases and passes go when it is traced ([`crate::trace`]).
+    trace: Option<std::sync::Arc<crate::trace::Trace>>,
 }
 
 impl<M: LanguageModel> Trainer<M> {
@@ -276,6 +278,7 @@ impl<M: LanguageModel> Trainer<M> {
             routing_experts: 0,
             model_has_experts: None,
             graphs: GraphRuntime::new(ScopeSet::NONE),
+            trace: None,
         })
     }
 
@@ -376,10 +379,34 @@ impl<M: LanguageModel> Trainer<M> {
             .with_aux_loss_scale(self.loss_scale() / microbatches as f32)
             .with_routing_log(&self.routing_log)
             .with_aux_loss_log(&self.aux_loss_log);
+        let cx = match &self.trace {
+            Some(trace) => cx.with_trace(trace),
+            None => cx,
+        };
         if self.graphs.scopes().is_empty() {
             cx
         } else {
             cx.with_graphs(&self.graphs)
+        }
+    }
+
+    /// Records the steps' phases (the walk, the gradient reduction, the norm, the optimizer,
+    /// the parameters' gather) and passes into `trace` while it records; `None`: none.
+    pub fn set_trace(&mut self, trace: Option<std::sync::Arc<crate::trace::Trace>>) {
+        self.trace = trace;
+    }
+
+    /// Records phase `name` of the step, from `start` to now, when a trace records.
+    fn phase(&self, parallel: &ParallelState, name: &str, start: Instant) {
+        if let Some(trace) = &self.trace {
+            let rank = parallel.groups().rank();
+            trace.record(
+                rank,
+                "step",
+                name.to_string(),
+                (start, Instant::now()),
+                Default::default(),
+            );
         }
     }
 
@@ -478,14 +505,17 @@ impl<M: LanguageModel> Trainer<M> {
         let tokens = plan.global_batch * plan.seq_length;
         self.buffers.zero_grads()?;
         let walked = self.walk(parallel, &self.sampler, step, Mode::Train { step })?;
+        self.phase(parallel, "forward and backward", start);
         let counted = walked.counted;
         let empty_microbatches = walked.empty_microbatches;
         let (loss_sum, pipeline_wait) = (walked.loss_sum, walked.waited);
         let deferred_weight_bytes = walked.deferred_peak;
         let (pass_seconds, activation_peak_bytes) = (walked.pass_seconds, walked.activation_peak);
         let walk_seconds = walked.seconds;
+        let reduction = Instant::now();
         reduce_gradients(&self.buffers, ReduceGroups::of(parallel))?;
         crate::distributed::sum_sequence_parallel_gradients(&self.chunks.0, parallel)?;
+        self.phase(parallel, "reduce gradients", reduction);
         // The mean over the counted targets (none counted: 0, said in the metrics).
         let loss = self.reduce_loss(parallel, loss_sum)? / counted.unwrap_or(tokens).max(1) as f64;
         let like = self.buffers.grads();
@@ -529,7 +559,9 @@ impl<M: LanguageModel> Trainer<M> {
                 return Ok(metrics);
             }
         }
+        let norming = Instant::now();
         let norm = grad_norm(&self.buffers, &self.optimizer, parallel, experts)?;
+        self.phase(parallel, "gradient norm", norming);
         // Every rank holds the same loss and norm (reduced over dp and the model-parallel
         // group), so every rank stops at the same step.
         if self.config.check_for_nan && !(loss.is_finite() && norm.is_finite()) {
@@ -542,8 +574,12 @@ impl<M: LanguageModel> Trainer<M> {
         // Clipping is the update's gradient scale: the gradients are read once.
         let grad_scale = clip_coefficient(norm, self.config.clip_grad);
         let lr = self.config.schedule.lr(step);
+        let update = Instant::now();
         self.optimizer.step(&self.buffers, lr, grad_scale)?;
+        self.phase(parallel, "optimizer step", update);
+        let gather = Instant::now();
         gather_parameters(&self.buffers, ReduceGroups::of(parallel))?;
+        self.phase(parallel, "gather parameters", gather);
         let mut metrics = self.metrics(parallel, &before, start, step, loss, norm, tokens);
         metrics.lr = lr;
         metrics.counted_tokens = counted;
