@@ -655,3 +655,125 @@ fn launch_errors() {
         "{err}"
     );
 }
+
+/// A started collective runs on the rank's progress thread while the rank goes on: rank 0
+/// starts an all-reduce on group `a` and then meets rank 1 in a collective of group `b`, which
+/// rank 1 calls first. Were the start to wait for the all-reduce, each rank would wait for the
+/// other (a timeout); started, both complete.
+#[test]
+fn a_started_collective_runs_while_the_rank_goes_on() {
+    let out = launch_with(2, &short_timeout(), |w| -> R<(Vec<f32>, Vec<f32>)> {
+        let (a, b) = (w.communicator("a", &[0, 1])?, w.communicator("b", &[0, 1])?);
+        let x = Tensor::from_vec(vec![w.rank() as f32 + 1.0; 4], [4])?;
+        let y = Tensor::from_vec(vec![10.0 * (w.rank() as f32 + 1.0); 2], [2])?;
+        if w.rank() == 0 {
+            let pending = a.start_all_reduce(&x, ReduceOp::Sum)?;
+            b.all_reduce(&y, ReduceOp::Sum)?;
+            pending.wait()?;
+        } else {
+            b.all_reduce(&y, ReduceOp::Sum)?;
+            a.all_reduce(&x, ReduceOp::Sum)?;
+        }
+        Ok((x.to_vec::<f32>()?, y.to_vec::<f32>()?))
+    })
+    .unwrap();
+    for (x, y) in out {
+        assert_eq!((x, y), (vec![3.0; 4], vec![30.0; 2]));
+    }
+}
+
+/// Started and waited-for collectives of one group run in the order each rank calls them: an
+/// all-reduce, an all-gather and a reduce-scatter started, a blocking broadcast among them,
+/// give what the same calls give one after the other; the counters count them all.
+#[test]
+fn started_collectives_keep_the_ranks_order() {
+    let n = 3;
+    let out = launch(n, |w| -> R<(Vec<Vec<f32>>, u64)> {
+        let c = world_comm(&w);
+        let r = w.rank();
+        let x = Tensor::from_vec((0..6).map(|i| value(r, i)).collect::<Vec<_>>(), [6])?;
+        let part = Tensor::from_vec(vec![r as f32; 2], [2])?;
+        let gathered = Tensor::zeros([2 * n], DType::F32);
+        let whole = Tensor::from_vec((0..3 * n).map(|i| value(r, i)).collect::<Vec<_>>(), [3 * n])?;
+        let slot = Tensor::zeros([3], DType::F32);
+        let root = Tensor::from_vec(vec![r as f32; 3], [3])?;
+        let first = c.start_all_reduce(&x, ReduceOp::Sum)?;
+        let second = c.start_all_gather(&part, &gathered)?;
+        c.broadcast(&root, 2)?;
+        let third = c.start_reduce_scatter(&whole, &slot, ReduceOp::Max)?;
+        // Waited for in another order than started: each is its own.
+        third.wait()?;
+        first.wait()?;
+        second.wait()?;
+        let calls = c.stats().ops.values().map(|s| s.calls).sum();
+        Ok((
+            vec![
+                x.to_vec()?,
+                gathered.to_vec()?,
+                root.to_vec()?,
+                slot.to_vec()?,
+            ],
+            calls,
+        ))
+    })
+    .unwrap();
+    let sum: Vec<f32> = (0..6)
+        .map(|i| (0..n).map(|r| value(r, i)).fold(0.0, |a, v| a + v))
+        .collect();
+    for (r, (got, calls)) in out.iter().enumerate() {
+        assert_eq!(got[0], sum, "rank {r}: all-reduce");
+        assert_eq!(
+            got[1],
+            [0.0, 0.0, 1.0, 1.0, 2.0, 2.0],
+            "rank {r}: all-gather"
+        );
+        assert_eq!(got[2], [2.0; 3], "rank {r}: broadcast");
+        let max: Vec<f32> = (3 * r..3 * r + 3)
+            .map(|i| (0..n).map(|q| value(q, i)).fold(f32::MIN, f32::max))
+            .collect();
+        assert_eq!(got[3], max, "rank {r}: reduce-scatter");
+        assert_eq!(*calls, 4, "rank {r}");
+    }
+}
+
+/// A started collective's error comes at its wait, naming the group and both calls; a rank
+/// that fails wakes the others' started collectives with its error.
+#[test]
+fn a_started_collectives_errors_come_at_its_wait() {
+    let errs = errors_of(2, short_timeout(), |rank, c| {
+        let t = Tensor::zeros([4 + rank], DType::F32);
+        c.start_all_reduce(&t, ReduceOp::Sum)?.wait()
+    });
+    for e in &errs {
+        assert!(
+            e.contains("collective mismatch in group world") && e.contains("all_reduce"),
+            "{e}"
+        );
+    }
+    let options = LaunchOptions::default().with_timeout(Duration::from_secs(600));
+    let seen = std::sync::Mutex::new(Vec::new());
+    let err = launch_with(3, &options, |w| -> Result<(), String> {
+        let c = world_comm(&w);
+        if w.rank() == 1 {
+            return Err("a failure on purpose".into());
+        }
+        let t = Tensor::zeros([4], DType::F32);
+        let pending = c
+            .start_all_reduce(&t, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
+        let r = pending.wait();
+        seen.lock()
+            .unwrap()
+            .push(format!("{:?}", r.as_ref().err().map(ToString::to_string)));
+        r.map_err(|e| e.to_string())
+    })
+    .unwrap_err();
+    assert!(matches!(err, LaunchError::Rank { rank: 1, .. }), "{err}");
+    let seen = seen.into_inner().unwrap();
+    assert_eq!(seen.len(), 2);
+    assert!(
+        seen.iter()
+            .all(|s| s.contains("rank 1 failed: a failure on purpose")),
+        "{seen:?}"
+    );
+}

@@ -22,7 +22,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::comm::{CallDesc, CommStats, Communicator, OpKind, ReduceOp, Result, World};
+use crate::comm::{CallDesc, CommStats, Communicator, OpKind, Pending, ReduceOp, Result, World};
 use crate::tensor::Tensor;
 
 /// One timed interval of one rank.
@@ -233,27 +233,41 @@ struct Traced {
 }
 
 impl Traced {
+    /// What a span of call `desc` says beside its name: the group, the bytes, the line.
+    fn args(&self, desc: &CallDesc, caller: &Location<'_>) -> BTreeMap<String, Value> {
+        let mut args = BTreeMap::new();
+        args.insert("group".into(), json!(self.inner.name()));
+        args.insert("bytes".into(), json!(desc.count * desc.dtype.size()));
+        args.insert("caller".into(), json!(caller.to_string()));
+        args
+    }
+
     /// Runs `call`, recording it as `desc` with the line that asked for it.
     #[track_caller]
     fn timed<T>(&self, desc: CallDesc, call: impl FnOnce() -> Result<T>) -> Result<T> {
         if !self.trace.recording(self.rank) {
             return call();
         }
-        let caller = Location::caller();
+        let args = self.args(&desc, Location::caller());
         let start = Instant::now();
         let out = call();
-        let mut args = BTreeMap::new();
-        args.insert("group".into(), json!(self.inner.name()));
-        args.insert("bytes".into(), json!(desc.count * desc.dtype.size()));
-        args.insert("caller".into(), json!(caller.to_string()));
-        self.trace.record(
-            self.rank,
-            &self.track,
-            desc.to_string(),
-            (start, Instant::now()),
-            args,
-        );
+        let ran = (start, Instant::now());
+        self.trace
+            .record(self.rank, &self.track, desc.to_string(), ran, args);
         out
+    }
+
+    /// Starts `call`, recording it as `desc` over the interval it really ran in (on the
+    /// backend's progress thread, while the rank computes), once it is waited for.
+    #[track_caller]
+    fn started(&self, desc: CallDesc, call: impl FnOnce() -> Result<Pending>) -> Result<Pending> {
+        if !self.trace.recording(self.rank) {
+            return call();
+        }
+        let args = self.args(&desc, Location::caller());
+        let (trace, rank, track) = (self.trace.clone(), self.rank, self.track.clone());
+        let name = format!("{desc} (started)");
+        Ok(call()?.then(move |ran| trace.record(rank, &track, name, ran, args)))
     }
 }
 
@@ -290,6 +304,29 @@ impl Communicator for Traced {
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
         let desc = CallDesc::of(OpKind::ReduceScatter, output, Some(op), None);
         self.timed(desc, || self.inner.reduce_scatter(input, output, op))
+    }
+
+    #[track_caller]
+    fn start_all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Pending> {
+        let desc = CallDesc::of(OpKind::AllReduce, tensor, Some(op), None);
+        self.started(desc, || self.inner.start_all_reduce(tensor, op))
+    }
+
+    #[track_caller]
+    fn start_all_gather(&self, input: &Tensor, output: &Tensor) -> Result<Pending> {
+        let desc = CallDesc::of(OpKind::AllGather, input, None, None);
+        self.started(desc, || self.inner.start_all_gather(input, output))
+    }
+
+    #[track_caller]
+    fn start_reduce_scatter(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Pending> {
+        let desc = CallDesc::of(OpKind::ReduceScatter, output, Some(op), None);
+        self.started(desc, || self.inner.start_reduce_scatter(input, output, op))
     }
 
     #[track_caller]

@@ -14,6 +14,7 @@ pub mod gpu_local;
 pub mod mpi;
 #[cfg(all(feature = "cuda", feature = "mpi"))]
 pub mod nccl;
+mod pending;
 pub mod recording;
 mod reduce;
 mod stats;
@@ -23,6 +24,7 @@ use std::fmt;
 use std::sync::Arc;
 
 pub use error::CommError;
+pub use pending::{Pending, Ran};
 pub use stats::{CommStats, OpStats};
 
 use crate::context_parallel::{CpCommType, CpGroups};
@@ -183,6 +185,39 @@ pub trait Communicator: Send + Sync {
     /// Reduces `tensor` across the group in place: every rank ends with the same result.
     #[track_caller]
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()>;
+
+    /// Starts [`Communicator::all_reduce`] of `tensor` and returns, where the backend can,
+    /// before it has run: it runs while the rank computes, and [`Pending::wait`] returns once
+    /// it has (with its error, if any). Until then the tensor is the collective's: reading or
+    /// writing it is an error of the tensor's borrows while the collective holds them, and
+    /// reads the values before the reduction until it does. A rank's collectives on one group,
+    /// started or not, run in the order it calls them. The default runs it at once.
+    #[track_caller]
+    fn start_all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Pending> {
+        let start = std::time::Instant::now();
+        Ok(Pending::ran(self.all_reduce(tensor, op), start))
+    }
+
+    /// Starts [`Communicator::reduce_scatter`], as [`Communicator::start_all_reduce`] starts
+    /// an all-reduce.
+    #[track_caller]
+    fn start_reduce_scatter(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Pending> {
+        let start = std::time::Instant::now();
+        Ok(Pending::ran(self.reduce_scatter(input, output, op), start))
+    }
+
+    /// Starts [`Communicator::all_gather`], as [`Communicator::start_all_reduce`] starts an
+    /// all-reduce.
+    #[track_caller]
+    fn start_all_gather(&self, input: &Tensor, output: &Tensor) -> Result<Pending> {
+        let start = std::time::Instant::now();
+        Ok(Pending::ran(self.all_gather(input, output), start))
+    }
 
     /// Concatenates every rank's `input` along the first axis of `output` (size × input's
     /// elements), in group-rank order. `input` may be this rank's slot of `output` (in place).

@@ -7,7 +7,7 @@
 use std::panic::Location;
 use std::sync::{Arc, Mutex};
 
-use super::{CallDesc, CommStats, Communicator, OpKind, ReduceOp, Result, World};
+use super::{CallDesc, CommStats, Communicator, OpKind, Pending, ReduceOp, Result, World};
 use crate::tensor::Tensor;
 
 /// One recorded call: the group family it went to, what was asked of it, and the source line
@@ -132,6 +132,26 @@ impl Communicator for Recording {
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
         self.record(OpKind::ReduceScatter, output, Some(op), None);
         self.inner.reduce_scatter(input, output, op)
+    }
+
+    fn start_all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Pending> {
+        self.record(OpKind::AllReduce, tensor, Some(op), None);
+        self.inner.start_all_reduce(tensor, op)
+    }
+
+    fn start_all_gather(&self, input: &Tensor, output: &Tensor) -> Result<Pending> {
+        self.record(OpKind::AllGather, input, None, None);
+        self.inner.start_all_gather(input, output)
+    }
+
+    fn start_reduce_scatter(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Pending> {
+        self.record(OpKind::ReduceScatter, output, Some(op), None);
+        self.inner.start_reduce_scatter(input, output, op)
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {

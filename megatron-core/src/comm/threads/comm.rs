@@ -1,6 +1,8 @@
 //! `ThreadComm`: the [`Communicator`] of one rank on one group of an in-process world.
 
-use std::sync::Arc;
+use std::sync::mpsc::{Sender, channel};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::Instant;
 
 use super::exec::RawBuf;
 use super::group::{Arrival, GroupShared, Payload};
@@ -8,16 +10,40 @@ use super::world::WorldShared;
 use crate::backend::MemoryOps;
 use crate::comm::checks::Checks;
 use crate::comm::stats::Counters;
-use crate::comm::{CallDesc, CommStats, Communicator, OpKind, ReduceOp, Result};
+use crate::comm::{
+    CallDesc, CommError, CommStats, Communicator, OpKind, Pending, ReduceOp, Result,
+};
 use crate::tensor::Tensor;
 
 /// One rank's handle on a group of an in-process world.
+///
+/// Started collectives ([`Communicator::start_all_reduce`], ...) run on a progress thread of
+/// the handle's own, spawned at the first: it takes the rank's place in the group's
+/// rendezvous, one collective at a time in the order they were started, while the rank
+/// computes. A collective the rank calls and waits for first waits for the started ones, so
+/// that the group sees the rank's calls in its order. (Device tensors, which a thread world
+/// moves through host copies, are moved at once.)
 #[derive(Debug)]
 pub struct ThreadComm {
     group: Arc<GroupShared>,
     world: Arc<WorldShared>,
     index: usize,
-    counters: Counters,
+    counters: Arc<Counters>,
+    /// The progress thread's queue, once a collective was started.
+    progress: OnceLock<Progress>,
+    /// This handle is the progress thread's: it runs what it is given, never waiting for
+    /// itself.
+    on_progress_thread: bool,
+}
+
+/// A work item of the progress thread.
+type Job = Box<dyn FnOnce(&ThreadComm) + Send>;
+
+/// The progress thread of a handle: its queue and the count of collectives not yet run.
+#[derive(Debug)]
+struct Progress {
+    jobs: Mutex<Sender<Job>>,
+    in_flight: Arc<(Mutex<usize>, Condvar)>,
 }
 
 impl ThreadComm {
@@ -26,8 +52,94 @@ impl ThreadComm {
             group,
             world,
             index,
-            counters: Counters::default(),
+            counters: Arc::default(),
+            progress: OnceLock::new(),
+            on_progress_thread: false,
         }
+    }
+
+    /// Waits until every collective this rank started on the group has run.
+    fn drain(&self) {
+        if self.on_progress_thread {
+            return;
+        }
+        if let Some(p) = self.progress.get() {
+            let (count, idle) = &*p.in_flight;
+            let mut n = count.lock().unwrap_or_else(|e| e.into_inner());
+            while *n > 0 {
+                n = idle.wait(n).unwrap_or_else(|e| e.into_inner());
+            }
+        }
+    }
+
+    /// Queues `job` on the progress thread (spawned at the first).
+    fn submit(&self, job: Job) -> Result<()> {
+        let progress = self.progress.get_or_init(|| {
+            let (tx, rx) = channel::<Job>();
+            let runner = ThreadComm {
+                group: self.group.clone(),
+                world: self.world.clone(),
+                index: self.index,
+                counters: self.counters.clone(),
+                progress: OnceLock::new(),
+                on_progress_thread: true,
+            };
+            let in_flight: Arc<(Mutex<usize>, Condvar)> = Arc::default();
+            let done = in_flight.clone();
+            let name = format!("comm-{}-{}", self.group.name, self.index);
+            let spawned = std::thread::Builder::new().name(name).spawn(move || {
+                for job in rx {
+                    job(&runner);
+                    let (count, idle) = &*done;
+                    let mut n = count.lock().unwrap_or_else(|e| e.into_inner());
+                    *n -= 1;
+                    idle.notify_all();
+                }
+            });
+            // A thread that could not start leaves the queue without a reader: the job's
+            // Pending then says so at its wait.
+            drop(spawned);
+            Progress {
+                jobs: Mutex::new(tx),
+                in_flight,
+            }
+        });
+        {
+            let (count, _) = &*progress.in_flight;
+            *count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        }
+        let sent = progress
+            .jobs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(job);
+        if sent.is_err() {
+            let (count, idle) = &*progress.in_flight;
+            *count.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+            idle.notify_all();
+            return Err(CommError::Backend {
+                group: self.group.name.clone(),
+                library: "megatron-rs",
+                call: "start",
+                message: "the group's progress thread is not running".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Starts `call` (described as `desc`) on the progress thread.
+    fn start(
+        &self,
+        desc: &CallDesc,
+        call: impl FnOnce(&ThreadComm) -> Result<()> + Send + 'static,
+    ) -> Result<Pending> {
+        let (tx, rx) = channel();
+        self.submit(Box::new(move |runner: &ThreadComm| {
+            let start = Instant::now();
+            let outcome = call(runner);
+            let _ = tx.send((outcome, (start, Instant::now())));
+        }))?;
+        Ok(Pending::running(rx, &self.group.name, desc.to_string()))
     }
 
     fn checks(&self) -> Checks<'_> {
@@ -118,6 +230,7 @@ impl Communicator for ThreadComm {
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+        self.drain();
         if tensor.gpu().is_some() {
             if self.size() == 1 {
                 // The reduction of one value is itself: nothing to move.
@@ -144,6 +257,7 @@ impl Communicator for ThreadComm {
     }
 
     fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        self.drain();
         if input.gpu().is_some() || output.gpu().is_some() {
             let (host_in, host_out) = staged_pair(input, output)?;
             self.all_gather(&host_in, &host_out)?;
@@ -158,6 +272,7 @@ impl Communicator for ThreadComm {
     }
 
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        self.drain();
         if input.gpu().is_some() || output.gpu().is_some() {
             let (host_out, host_in) = staged_pair(output, input)?;
             self.reduce_scatter(&host_in, &host_out, op)?;
@@ -174,6 +289,7 @@ impl Communicator for ThreadComm {
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
+        self.drain();
         if tensor.gpu().is_some() {
             let host = staged(tensor)?;
             self.broadcast(&host, root)?;
@@ -200,6 +316,7 @@ impl Communicator for ThreadComm {
         output: &Tensor,
         recv_splits: &[usize],
     ) -> Result<()> {
+        self.drain();
         if input.gpu().is_some() || output.gpu().is_some() {
             let (host_in, host_out) = (staged(input)?, staged(output)?);
             self.all_to_all(&host_in, send_splits, &host_out, recv_splits)?;
@@ -232,6 +349,7 @@ impl Communicator for ThreadComm {
     }
 
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        self.drain();
         if tensor.gpu().is_some() {
             return self.send(&staged(tensor)?, dst);
         }
@@ -254,6 +372,7 @@ impl Communicator for ThreadComm {
     }
 
     fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
+        self.drain();
         if tensor.gpu().is_some() {
             let host = staged(tensor)?;
             self.recv(&host, src)?;
@@ -279,6 +398,7 @@ impl Communicator for ThreadComm {
         sends: Vec<(Tensor, usize)>,
         recvs: Vec<(Tensor, usize)>,
     ) -> Result<Vec<Tensor>> {
+        self.drain();
         for (tensor, dst) in sends {
             if tensor.gpu().is_some() || !tensor.is_sole_owner() {
                 self.send(&tensor, dst)?;
@@ -319,11 +439,47 @@ impl Communicator for ThreadComm {
     }
 
     fn barrier(&self) -> Result<()> {
+        self.drain();
         let desc = CallDesc::barrier();
         let empty = RawBuf { addr: 0, len: 0 };
         self.arrive(desc, empty, empty)?;
         self.counters.record(OpKind::Barrier, 0);
         Ok(())
+    }
+
+    fn start_all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Pending> {
+        if tensor.gpu().is_some() {
+            let start = Instant::now();
+            return Ok(Pending::ran(self.all_reduce(tensor, op), start));
+        }
+        let desc = CallDesc::of(OpKind::AllReduce, tensor, Some(op), None);
+        let t = tensor.clone();
+        self.start(&desc, move |c| c.all_reduce(&t, op))
+    }
+
+    fn start_reduce_scatter(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Pending> {
+        if input.gpu().is_some() || output.gpu().is_some() {
+            let start = Instant::now();
+            return Ok(Pending::ran(self.reduce_scatter(input, output, op), start));
+        }
+        let desc = CallDesc::of(OpKind::ReduceScatter, output, Some(op), None);
+        let (i, o) = (input.clone(), output.clone());
+        self.start(&desc, move |c| c.reduce_scatter(&i, &o, op))
+    }
+
+    fn start_all_gather(&self, input: &Tensor, output: &Tensor) -> Result<Pending> {
+        if input.gpu().is_some() || output.gpu().is_some() {
+            let start = Instant::now();
+            return Ok(Pending::ran(self.all_gather(input, output), start));
+        }
+        let desc = CallDesc::of(OpKind::AllGather, input, None, None);
+        let (i, o) = (input.clone(), output.clone());
+        self.start(&desc, move |c| c.all_gather(&i, &o))
     }
 
     fn stats(&self) -> CommStats {
