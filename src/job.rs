@@ -741,39 +741,14 @@ impl TrainJob {
 fn write_trace(parallel: &ParallelState, trace: &Trace, path: &Path) -> Result<()> {
     let rank = parallel.groups().rank();
     let mine = serde_json::to_vec(&trace.spans_of(rank)).context("the trace's spans")?;
-    let world = parallel.comm(GroupKind::World);
-    let like = |t: Tensor| world.place(&t);
-    let lengths = like(Tensor::zeros([world.size()], DType::I64))?;
-    let length = like(Tensor::from_vec(vec![mine.len() as i64], [1])?)?;
-    world.all_gather(&length, &lengths)?;
-    let lengths: Vec<usize> = lengths
-        .to_vec::<i64>()?
-        .iter()
-        .map(|&n| usize::try_from(n).unwrap_or(0))
-        .collect();
-    // Each rank's bytes padded to the longest, eight to an i64.
-    let words = lengths.iter().max().copied().unwrap_or(0).div_ceil(8);
-    let mut padded = mine.clone();
-    padded.resize(words * 8, 0);
-    let packed: Vec<i64> = padded
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-        .collect();
-    let all = like(Tensor::zeros([world.size() * words], DType::I64))?;
-    world.all_gather(&like(Tensor::from_vec(packed, [words])?)?, &all)?;
+    let all = megatron_core::comm::all_gather_bytes(parallel.comm(GroupKind::World), mine)?;
     if rank != 0 {
         return Ok(());
     }
-    let bytes: Vec<u8> = all
-        .to_vec::<i64>()?
-        .iter()
-        .flat_map(|w| w.to_le_bytes())
-        .collect();
     let mut spans: Vec<Span> = Vec::new();
-    for (r, &n) in lengths.iter().enumerate() {
-        let at = r * words * 8;
-        let theirs: Vec<Span> = serde_json::from_slice(&bytes[at..at + n])
-            .with_context(|| format!("rank {r}'s trace"))?;
+    for (r, bytes) in all.iter().enumerate() {
+        let theirs: Vec<Span> =
+            serde_json::from_slice(bytes).with_context(|| format!("rank {r}'s trace"))?;
         spans.extend(theirs);
     }
     let json = serde_json::to_vec(&megatron_core::trace::chrome(&spans))?;

@@ -15,8 +15,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::panic::Location;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -43,25 +42,13 @@ pub struct Span {
 }
 
 /// The spans of the ranks that record into it (the thread ranks of a process share one).
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Trace {
-    /// Whether any rank started: the time origin is set.
-    started: AtomicBool,
     /// The ranks recording now.
     on: Mutex<BTreeSet<usize>>,
-    epoch: Mutex<Instant>,
+    /// The time origin: the first start.
+    epoch: OnceLock<Instant>,
     spans: Mutex<Vec<Span>>,
-}
-
-impl Default for Trace {
-    fn default() -> Self {
-        Trace {
-            started: AtomicBool::new(false),
-            on: Mutex::new(BTreeSet::new()),
-            epoch: Mutex::new(Instant::now()),
-            spans: Mutex::new(Vec::new()),
-        }
-    }
 }
 
 impl Trace {
@@ -72,9 +59,7 @@ impl Trace {
 
     /// Records `rank`'s spans from now on (the first rank to start sets the time origin).
     pub fn start(&self, rank: usize) {
-        if !self.started.swap(true, Ordering::SeqCst) {
-            *self.epoch.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
-        }
+        self.epoch.get_or_init(Instant::now);
         self.on
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -106,10 +91,9 @@ impl Trace {
         (start, end): (Instant, Instant),
         args: BTreeMap<String, Value>,
     ) {
-        if !self.recording(rank) {
+        let (true, Some(&epoch)) = (self.recording(rank), self.epoch.get()) else {
             return;
-        }
-        let epoch = *self.epoch.lock().unwrap_or_else(|p| p.into_inner());
+        };
         let us = |t: Instant| t.saturating_duration_since(epoch).as_secs_f64() * 1e6;
         let span = Span {
             rank,

@@ -6,6 +6,7 @@
 //! feature, `mpi` (one rank per process under `mpirun`, CPU ranks on one or many nodes).
 //! [`recording`] wraps any of them to log each call in order.
 
+mod bytes;
 mod checks;
 mod error;
 #[cfg(feature = "cuda")]
@@ -23,6 +24,7 @@ pub mod threads;
 use std::fmt;
 use std::sync::Arc;
 
+pub use bytes::all_gather_bytes;
 pub use error::CommError;
 pub use pending::{Pending, Ran};
 pub use stats::{CommStats, OpStats};

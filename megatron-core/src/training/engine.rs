@@ -471,14 +471,15 @@ impl<M, P: Passes<M>> Walker<'_, M, P> {
         let done = f(self);
         let end = std::time::Instant::now();
         self.pass_time[kind] += end - start;
-        if let Some(trace) = self.walk.cx.trace() {
+        let rank = self.walk.parallel.groups().rank();
+        if let Some(trace) = self.walk.cx.trace().filter(|t| t.recording(rank)) {
             let name = ["forward", "backward", "weight gradients"][kind];
             let args = [
                 ("chunk".to_string(), serde_json::json!(chunk)),
                 ("microbatch".to_string(), serde_json::json!(microbatch)),
             ];
             trace.record(
-                self.walk.parallel.groups().rank(),
+                rank,
                 "compute",
                 format!("{name} {microbatch}"),
                 (start, end),
