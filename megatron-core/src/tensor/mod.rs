@@ -621,7 +621,8 @@ impl Tensor {
         self.to_dtype(self.dtype())
     }
 
-    /// Copies `src` (same shape, any layout, any dtype: converted) into this contiguous tensor.
+    /// Copies `src` (same shape, any layout, any dtype: converted) into this tensor, contiguous or
+    /// a view into a wider one.
     pub fn copy_from(&self, src: &Tensor) -> Result<()> {
         if src.shape() != self.shape() {
             return Err(TensorError::Shape {
@@ -639,6 +640,29 @@ impl Tensor {
         }
         if let Some(gpu) = self.gpu().or(src.gpu()) {
             return gpu.copy_tensor(self, src);
+        }
+        if !self.is_contiguous() {
+            // A strided destination (a view into a wider tensor): the source's elements in
+            // order, then written at the view's offsets.
+            let dense = src.to_dtype(self.dtype())?;
+            macro_rules! scatter {
+                ($t:ty) => {{
+                    let values = dense.read::<$t>()?;
+                    let (mut dst, base) = self.write_span::<$t>()?;
+                    let mut k = 0;
+                    for_each_offset(&self.layout, |i| {
+                        dst[i - base] = values[k];
+                        k += 1;
+                    });
+                }};
+            }
+            match self.dtype() {
+                DType::F32 => scatter!(f32),
+                DType::BF16 => scatter!(half::bf16),
+                DType::F16 => scatter!(half::f16),
+                DType::I64 => scatter!(i64),
+            }
+            return Ok(());
         }
         macro_rules! copy_typed {
             ($dst:ty) => {{

@@ -94,6 +94,19 @@ fn copy_from_overlapping_view() {
 }
 
 #[test]
+fn copy_into_a_strided_view_writes_its_elements_only() {
+    // Columns 1..3 of a 2×4 bf16 matrix from a transposed f32 source: converted, in order.
+    let t = Tensor::zeros([2, 4], DType::BF16);
+    let cols = t.narrow(1, 1, 2).unwrap();
+    cols.copy_from(&arange([2, 2]).t().unwrap()).unwrap();
+    assert_eq!(
+        t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap(),
+        vec![0., 0., 2., 0., 0., 1., 3., 0.]
+    );
+    assert!(cols.copy_from(&arange([2, 3])).is_err());
+}
+
+#[test]
 fn disjoint_views_of_one_storage_are_written_at_once() {
     let flat = Tensor::zeros([10], DType::F32);
     let (a, b) = (flat.narrow(0, 0, 4).unwrap(), flat.narrow(0, 4, 6).unwrap());

@@ -40,7 +40,7 @@ pub struct QkNorm {
     per_group: usize,
 }
 
-/// What [`QkNorm`]'s forward keeps: the two norms' saved values and the slot-major sizes.
+/// What [`QkNorm`]'s forward keeps: the two norms' saved values.
 #[derive(Debug, Clone)]
 pub struct QkNormSaved {
     kept: Option<(LayerNormSaved, LayerNormSaved)>,
@@ -95,9 +95,11 @@ impl Module for QkNorm {
 }
 
 impl QkNorm {
-    /// `x` `[s, b, groups·(per_group + 2)·d]` as `[per_group + 2, s·b·groups, d]`: the heads'
-    /// slots first, so that the queries, the keys and the values are each contiguous.
-    fn slot_major(&self, x: &Tensor, d: usize) -> Result<(Tensor, usize)> {
+    /// `x` `[s, b, groups·(per_group + 2)·d]` viewed as `[rows, per_group + 2, d]`: one row per
+    /// block of the projection, its queries, key and value side by side. The norms read the
+    /// queries and the keys through strided views of it (each head's `d` elements stay
+    /// contiguous), so the projection is never reordered.
+    fn blocks(&self, x: &Tensor, d: usize) -> Result<Tensor> {
         let slots = self.per_group + 2;
         let width = x.last_dim();
         if x.dims().len() != 3 || !width.is_multiple_of(slots * d) {
@@ -109,29 +111,20 @@ impl QkNorm {
             );
         }
         let rows = x.numel() / (slots * d);
-        let grouped = x.contiguous()?.reshape([rows, slots, d])?;
-        Ok((grouped.transpose(0, 1)?.contiguous()?, rows))
+        Ok(x.contiguous()?.reshape([rows, slots, d])?)
     }
 
-    /// `[slots, rows, d]` parts back into the projection's layout `shape`.
-    fn joined(
-        parts: [&Tensor; 3],
-        rows: usize,
-        slots: usize,
-        d: usize,
-        like: &Tensor,
-    ) -> Result<Tensor> {
-        let out = Tensor::empty_near([slots, rows, d], parts[0].dtype(), like)?;
+    /// The normed queries and key and the values, each `[rows, n, d]`, written side by side
+    /// into a new tensor of the projection's shape `like` (in the queries' dtype).
+    fn joined(parts: [&Tensor; 3], blocks: &Tensor, like: &Tensor) -> Result<Tensor> {
+        let out = Tensor::empty_near(blocks.shape().clone(), parts[0].dtype(), like)?;
         let mut at = 0;
         for p in parts {
-            let n = p.dims()[0];
-            out.narrow(0, at, n)?.copy_from(p)?;
+            let n = p.dims()[1];
+            out.narrow(1, at, n)?.copy_from(p)?;
             at += n;
         }
-        Ok(out
-            .transpose(0, 1)?
-            .contiguous()?
-            .reshape(like.shape().clone())?)
+        Ok(out.reshape(like.shape().clone())?)
     }
 }
 
@@ -140,18 +133,12 @@ impl Layer for QkNorm {
         let Some((qn, kn)) = &self.norms else {
             return Ok((x.clone(), QkNormSaved { kept: None }));
         };
-        let (m, d) = (self.per_group, qn.hidden());
-        let (slots, rows) = self.slot_major(x, d)?;
-        let (q, k, v) = (
-            slots.narrow(0, 0, m)?,
-            slots.narrow(0, m, 1)?,
-            slots.narrow(0, m + 1, 1)?,
-        );
-        let (q, q_saved) = qn.forward(cx, site.child("q_norm"), &q)?;
-        let (k, k_saved) = kn.forward(cx, site.child("k_norm"), &k)?;
+        let m = self.per_group;
+        let blocks = self.blocks(x, qn.hidden())?;
+        let (q, q_saved) = qn.forward(cx, site.child("q_norm"), &blocks.narrow(1, 0, m)?)?;
+        let (k, k_saved) = kn.forward(cx, site.child("k_norm"), &blocks.narrow(1, m, 1)?)?;
         // The values as the norms wrote the rest (the products' dtype on a GPU).
-        let v = v.to_contiguous(q.dtype())?;
-        let y = Self::joined([&q, &k, &v], rows, m + 2, d, x)?;
+        let y = Self::joined([&q, &k, &blocks.narrow(1, m + 1, 1)?], &blocks, x)?;
         Ok((
             y,
             QkNormSaved {
@@ -164,11 +151,10 @@ impl Layer for QkNorm {
         let (Some((qn, kn)), Some((q_saved, k_saved))) = (&self.norms, saved.kept) else {
             return Ok(dy.clone());
         };
-        let (m, d) = (self.per_group, qn.hidden());
-        let (slots, rows) = self.slot_major(dy, d)?;
-        let dq = qn.backward(cx, site.child("q_norm"), q_saved, &slots.narrow(0, 0, m)?)?;
-        let dk = kn.backward(cx, site.child("k_norm"), k_saved, &slots.narrow(0, m, 1)?)?;
-        let dv = slots.narrow(0, m + 1, 1)?.to_contiguous(dq.dtype())?;
-        Self::joined([&dq, &dk, &dv], rows, m + 2, d, dy)
+        let m = self.per_group;
+        let blocks = self.blocks(dy, qn.hidden())?;
+        let dq = qn.backward(cx, site.child("q_norm"), q_saved, &blocks.narrow(1, 0, m)?)?;
+        let dk = kn.backward(cx, site.child("k_norm"), k_saved, &blocks.narrow(1, m, 1)?)?;
+        Self::joined([&dq, &dk, &blocks.narrow(1, m + 1, 1)?], &blocks, dy)
     }
 }
