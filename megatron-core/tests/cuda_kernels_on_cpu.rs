@@ -431,6 +431,36 @@ fn bf16_rounding_and_contiguous_casts_are_the_hosts() {
         ],
     );
     assert_bf16_bits("copy_strided, a [3, 4, 5] view", &strided, &expected);
+    // And back into the same view of a wider bf16 buffer: each element lands where the view
+    // puts it, the others stay as they were.
+    let mut wide = vec![0xffffu16; want.len()];
+    launch(
+        "copy_to_strided",
+        1,
+        32,
+        vec![
+            Arg::Ptr(strided.as_mut_ptr().cast()),
+            Arg::I32(BF16),
+            Arg::Ptr(wide.as_mut_ptr().cast()),
+            Arg::I32(BF16),
+            Arg::U64(expected.len() as u64),
+            Arg::I32(3),
+            Arg::U64(3),
+            Arg::ByValue((&mut view as *mut View8).cast()),
+            Arg::I32(2),
+        ],
+    );
+    let mut placed = vec![0xffffu16; want.len()];
+    let mut e = 0;
+    for i in 0..dims[0] {
+        for j in 0..dims[1] {
+            for k in 0..dims[2] {
+                placed[3 + i * strides[0] + j * strides[1] + k * strides[2]] = strided[e];
+                e += 1;
+            }
+        }
+    }
+    assert_eq!(wide, placed, "copy_to_strided, a [3, 4, 5] view");
 }
 
 /// The copy kernels' element type codes.

@@ -309,6 +309,9 @@ impl Tensor {
                 ),
             });
         };
+        if !self.is_contiguous() {
+            return self.scatter_from_device(&src.contiguous()?, &gpu, (st, dt));
+        }
         let merged = merged_view(src.dims(), &src.layout().strides);
         if merged.len() > 8 {
             return Err(crate::tensor::TensorError::Gpu {
@@ -380,6 +383,74 @@ impl Tensor {
         crate::cuda::kernels::launch(&label, args, crate::cuda::kernels::cover(n))
             .map_err(crate::tensor::gpu_error(OP))?;
         drop((src_borrow, dst));
+        Ok(())
+    }
+
+    /// [`Tensor::copy_from`] into a strided view of device memory (a part of a wider tensor)
+    /// from a contiguous device tensor `src`: one launch writing each element where the view
+    /// puts it. `types` are the source's and the destination's type codes.
+    fn scatter_from_device(
+        &self,
+        src: &Tensor,
+        gpu: &crate::cuda::Gpu,
+        types: (i32, i32),
+    ) -> crate::tensor::Result<()> {
+        use cudarc::driver::PushKernelArg;
+        const OP: &str = "copy_from";
+        let n = self.numel();
+        let merged = merged_view(self.dims(), &self.layout().strides);
+        if merged.len() > 8 || u32::try_from(n).is_err() {
+            return Err(crate::tensor::TensorError::Gpu {
+                op: OP,
+                message: format!(
+                    "a strided destination of {n} elements in {} dimensions that do not merge (at \
+                     most 2³² − 1 elements and 8 dimensions on the GPU)",
+                    merged.len()
+                ),
+            });
+        }
+        let mut view = View8 {
+            dims: [1; 8],
+            strides: [0; 8],
+        };
+        for (d, &(size, stride)) in merged.iter().enumerate() {
+            view.dims[d] = size as i64;
+            view.strides[d] = stride as i64;
+        }
+        let source = src.raw_device_read(OP)?;
+        let src_addr = source.addr() as u64;
+        let (dst_base, dst) = self.raw_device_span_write(OP)?;
+        let f = gpu
+            .kernels()
+            .get("copy_to_strided")
+            .map_err(crate::tensor::gpu_error(OP))?;
+        let (st, dt) = types;
+        let (n64, nd) = (n as u64, merged.len() as i32);
+        let offset = self.layout().offset as i64;
+        let bytes = self.dtype().size() as i32;
+        let mut args = gpu.stream().launch_builder(f);
+        args.arg(&src_addr)
+            .arg(&st)
+            .arg(&dst_base)
+            .arg(&dt)
+            .arg(&n64)
+            .arg(&nd)
+            .arg(&offset)
+            .arg(&view)
+            .arg(&bytes);
+        let label: std::borrow::Cow<'static, str> = if crate::cuda::profile::enabled() {
+            format!(
+                "copy_to_strided {}→{} {merged:?}",
+                src.dtype(),
+                self.dtype()
+            )
+            .into()
+        } else {
+            "copy_to_strided".into()
+        };
+        crate::cuda::kernels::launch(&label, args, crate::cuda::kernels::cover(n))
+            .map_err(crate::tensor::gpu_error(OP))?;
+        drop((source, dst));
         Ok(())
     }
 

@@ -83,6 +83,7 @@ static const EmuKernel EMU_KERNELS[] = {
     EMU_KERNEL(unscale_and_check),
     EMU_KERNEL(copy_dense),
     EMU_KERNEL(copy_strided),
+    EMU_KERNEL(copy_to_strided),
     EMU_KERNEL(fill_bits),
     EMU_KERNEL(embedding_forward),
     EMU_KERNEL(embedding_backward),

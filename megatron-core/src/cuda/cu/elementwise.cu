@@ -281,6 +281,25 @@ extern "C" __global__ void copy_strided(const void* __restrict__ src, int src_ty
     }
 }
 
+// dst[offset + the strided view's element i, row-major] = src[i], converting between element
+// types: copy_strided's mirror, writing into a part of a wider tensor.
+extern "C" __global__ void copy_to_strided(const void* __restrict__ src, int src_type,
+                                           void* __restrict__ dst, int dst_type, u64 n, int ndim,
+                                           long long offset, View8 view, int elem_bytes) {
+    FOR_EACH(i, n) {
+        i64 at = offset;
+        u32 rest = (u32)i;
+        for (int d = ndim - 1; d > 0; --d) {
+            const u32 size = (u32)view.dims[d];
+            const u32 q = rest / size;
+            at += (i64)(rest - q * size) * view.strides[d];
+            rest = q;
+        }
+        at += (i64)rest * view.strides[0];
+        copy_element(src, src_type, (i64)i, dst, dst_type, at, elem_bytes);
+    }
+}
+
 // x[i] = value (bits of one element of `elem_bytes` bytes).
 extern "C" __global__ void fill_bits(void* __restrict__ x, u64 bits, int elem_bytes, u64 n) {
     FOR_EACH(i, n) {
