@@ -68,6 +68,7 @@ fn job(tp: usize, ep: usize) -> Result<TrainJob, Box<dyn std::error::Error>> {
         files: Vec::new(),
         device: Placement::Cpu,
         cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
+        ddp: Default::default(),
         stop: None,
         rank_steps: None,
         trace: None,

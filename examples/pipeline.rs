@@ -64,6 +64,7 @@ fn job(tp: usize, pipeline: PipelineSettings) -> Result<TrainJob, Box<dyn std::e
         files: Vec::new(),
         device: Placement::Cpu,
         cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
+        ddp: Default::default(),
         stop: None,
         rank_steps: None,
         trace: None,

@@ -72,6 +72,7 @@ fn job(pipeline: PipelineSettings) -> R<TrainJob> {
         files: Vec::new(),
         device: Placement::Cpu,
         cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
+        ddp: Default::default(),
         stop: None,
         rank_steps: None,
         trace: None,

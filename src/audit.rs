@@ -164,6 +164,7 @@ pub fn job(layout: &AuditLayout) -> Result<TrainJob> {
         files: Vec::new(),
         device: Placement::Cpu,
         cuda_graph_scope: megatron_core::cuda_graphs::ScopeSet::NONE,
+        ddp: Default::default(),
         stop: None,
         rank_steps: None,
         trace: None,

@@ -71,6 +71,8 @@ pub struct TrainJob {
     pub device: Placement,
     /// The graph scopes captured (`--cuda-graph-scope`); none: everything eager.
     pub cuda_graph_scope: megatron_core::cuda_graphs::ScopeSet,
+    /// What data parallelism overlaps with compute (`--overlap-grad-reduce`).
+    pub ddp: megatron_core::distributed::DdpConfig,
     /// Asks the run to stop early (a signal handler sets it): see [`StopRequest`].
     pub stop: Option<StopRequest>,
     /// Where every rank of this process (thread ranks) also records its steps' metrics, by
@@ -639,6 +641,7 @@ impl TrainJob {
         if !self.cuda_graph_scope.is_empty() {
             trainer.set_graph_scopes(self.cuda_graph_scope);
         }
+        trainer.set_ddp(self.ddp);
         let first = match &self.load {
             Some(path) => trainer.load_checkpoint(&parallel, path)?.iteration,
             None => 0,

@@ -79,6 +79,7 @@ fn job(tp: usize, dp: usize, device: Placement) -> TrainJob {
         files: Vec::new(),
         device,
         cuda_graph_scope: megatron::cuda_graphs::ScopeSet::NONE,
+        ddp: Default::default(),
         stop: None,
         rank_steps: None,
         trace: None,

@@ -194,6 +194,9 @@ impl Observer for JsonLog {
         if m.empty_microbatches > 0 {
             v["empty_microbatches"] = json!(m.empty_microbatches);
         }
+        if let Some((early, all)) = m.overlapped_buckets {
+            v["overlapped_buckets"] = json!([early, all]);
+        }
         if let Some(scale) = m.loss_scale {
             v["loss_scale"] = json!(scale);
             v["skipped"] = json!(m.skipped);

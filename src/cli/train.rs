@@ -12,6 +12,7 @@ use megatron::cuda_graphs::ScopeSet;
 use megatron::data::{
     Blend, GptDatasetConfig, SampleSource, Split as DataSplit, SplitVector, build_gpt_dataset,
 };
+use megatron::distributed::DdpConfig;
 use megatron::job::{Eval, Observer, PipelineSettings, Placement, StopRequest, TrainJob};
 pub(super) use megatron::launch::{Report, Runner};
 use megatron::models::GptConfig;
@@ -247,6 +248,11 @@ pub struct TrainArgs {
     /// optimizer state, then the parameters all-gathered.
     #[arg(long)]
     use_distributed_optimizer: bool,
+    /// Start each gradient bucket's data-parallel reduction during the backward, as soon as
+    /// every gradient in it is final (Megatron-LM's --overlap-grad-reduce): the same
+    /// reductions, so the same run bit for bit. Not with --cuda-graph-scope.
+    #[arg(long)]
+    overlap_grad_reduce: bool,
     /// Graph scopes to capture as CUDA graphs (Megatron-LM's --cuda-graph-scope): attn, mlp
     /// (dense layers), moe_router, moe_preprocess. Each is run eagerly once per in-flight
     /// slot, captured, then replayed; on the CPU the scopes are counted and run eagerly.
@@ -898,6 +904,13 @@ impl TrainArgs {
                 );
             }
         }
+        if self.overlap_grad_reduce && !self.cuda_graph_scope.is_empty() {
+            bail!(
+                "--overlap-grad-reduce with --cuda-graph-scope: a replayed graph's backward \
+                 writes gradients without telling their buckets, and a bucket completed in a \
+                 capture would start its reduction inside the graph; drop one of them"
+            );
+        }
         if let Some(kind) = self.pipeline_schedule
             && !self.cuda_graph_scope.is_empty()
         {
@@ -1257,6 +1270,9 @@ impl TrainArgs {
             trace: self.trace.clone(),
             cuda_graph_scope: ScopeSet::parse(&self.cuda_graph_scope)
                 .context("--cuda-graph-scope")?,
+            ddp: DdpConfig {
+                overlap_grad_reduce: self.overlap_grad_reduce,
+            },
         };
         Ok((job, s.taken))
     }

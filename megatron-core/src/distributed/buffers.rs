@@ -65,13 +65,15 @@ pub struct Bucket {
 }
 
 /// A bucket of a [`BufferLayout`] placed in the flat buffers: the layout, where the buffer
-/// starts, the slot of the layout's first parameter, and the bucket's index.
+/// starts, the slot of the layout's first parameter, the bucket's index, and the model chunk
+/// whose buffer it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct LayoutBucket {
     layout: Arc<BufferLayout>,
     base: usize,
     first_slot: usize,
     index: usize,
+    chunk: usize,
 }
 
 /// A rank's index in the groups the buckets are sharded over: data parallelism for dense
@@ -143,6 +145,11 @@ pub struct SlotPart {
 }
 
 impl Bucket {
+    /// The model chunk (virtual pipeline stage) whose buffer holds it.
+    pub fn chunk(&self) -> usize {
+        self.source.chunk
+    }
+
     /// Rank `rank`'s shard: its elements in the flat buffers and the parameters' parts in it
     /// (`None` without shards), as [`BufferLayout::shard`] cuts it.
     pub fn shard(&self, rank: usize) -> Option<(Range<usize>, Vec<SlotPart>)> {
@@ -151,6 +158,7 @@ impl Bucket {
             base,
             first_slot,
             index,
+            ..
         } = &self.source;
         let shard = layout.shard(rank, *index)?;
         let placed = |r: &Range<usize>| base + r.start..base + r.end;
@@ -241,7 +249,7 @@ impl ParamBuffers {
         let mut offsets = vec![0usize; params.len()];
         let mut buckets = Vec::new();
         let (mut first, mut base) = (0usize, 0usize);
-        for &(count, config) in &plan.chunks {
+        for (chunk, &(count, config)) in plan.chunks.iter().enumerate() {
             let members = first..first.saturating_add(count).min(params.len());
             let infos: Vec<ParamInfo> = members
                 .clone()
@@ -276,6 +284,7 @@ impl ParamBuffers {
                             base,
                             first_slot: first,
                             index: b,
+                            chunk,
                         },
                     });
                 }

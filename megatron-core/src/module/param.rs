@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
+use crate::distributed::GradSync;
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::dropout::LogicalIndex;
@@ -343,6 +344,9 @@ pub struct Param {
     /// [`crate::distributed::ParamBuffers::keep_compute_copies`]).
     compute: Option<Tensor>,
     spec: Arc<ParamSpec>,
+    /// Where each write of the gradient is reported, with the parameter's slot there
+    /// (`--overlap-grad-reduce`, [`GradSync`]).
+    reports_to: Option<(Arc<GradSync>, usize)>,
 }
 
 impl Param {
@@ -362,6 +366,7 @@ impl Param {
             grad,
             compute: None,
             spec: Arc::new(spec),
+            reports_to: None,
         })
     }
 
@@ -373,6 +378,7 @@ impl Param {
             grad: Tensor::zeros([0], DType::F32),
             compute: None,
             spec: Arc::new(spec),
+            reports_to: None,
         }
     }
 
@@ -412,11 +418,28 @@ impl Param {
             return Ok(());
         }
         if self.grad.dtype() == DType::F32 {
-            return f(&self.grad);
+            f(&self.grad)?;
+        } else {
+            let wide = self.grad.to_dtype(DType::F32)?;
+            f(&wide)?;
+            self.grad.copy_from(&wide)?;
         }
-        let wide = self.grad.to_dtype(DType::F32)?;
-        f(&wide)?;
-        Ok(self.grad.copy_from(&wide)?)
+        self.gradient_written()
+    }
+
+    /// Reports a write of the gradient to the reducer the parameter is bound to, if any (see
+    /// [`Param::report_writes_to`]); every writer of a gradient calls it once per write.
+    pub(crate) fn gradient_written(&self) -> Result<()> {
+        match &self.reports_to {
+            Some((sync, slot)) => sync.written(*slot),
+            None => Ok(()),
+        }
+    }
+
+    /// From now on reports each write of the gradient to `sync` as slot `slot`, for the
+    /// overlapped reduction of its bucket ([`GradSync`]); a rebinding ends it.
+    pub fn report_writes_to(&mut self, sync: Arc<GradSync>, slot: usize) {
+        self.reports_to = Some((sync, slot));
     }
 
     /// Runs `f` on the gradient as [`Param::accumulate_grad`] does, or for a frozen parameter
@@ -527,7 +550,8 @@ impl Param {
     }
 
     /// Replaces the value and gradient tensors (e.g. by views of flat buffers) with the same
-    /// shapes, and the compute copy by `compute` (none: products read the values).
+    /// shapes, and the compute copy by `compute` (none: products read the values); the
+    /// gradient's writes are no longer reported (the reducer cut the old buffers).
     pub fn rebind(&mut self, value: Tensor, grad: Tensor, compute: Option<Tensor>) -> Result<()> {
         let compute_shape = compute.as_ref().map(|c| c.shape());
         if value.shape() != &self.spec.local
@@ -546,6 +570,7 @@ impl Param {
         self.value = value;
         self.grad = grad;
         self.compute = compute;
+        self.reports_to = None;
         Ok(())
     }
 }

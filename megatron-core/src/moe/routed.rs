@@ -409,15 +409,16 @@ pub(crate) fn accumulate(p: &Param, f: impl FnOnce(&mut [f32]) -> Result<()>) ->
     }
     let grad = p.grad();
     if grad.dtype() == DType::F32 && grad.gpu().is_none() {
-        return f(&mut grad.write::<f32>()?);
+        f(&mut grad.write::<f32>()?)?;
+    } else {
+        let mut host = grad.to_vec_f32()?;
+        f(&mut host)?;
+        grad.copy_from(&placed(
+            Tensor::from_vec(host, grad.shape().clone())?,
+            grad,
+        )?)?;
     }
-    let mut host = grad.to_vec_f32()?;
-    f(&mut host)?;
-    grad.copy_from(&placed(
-        Tensor::from_vec(host, grad.shape().clone())?,
-        grad,
-    )?)?;
-    Ok(())
+    p.gradient_written()
 }
 
 impl ExpertParallel for RoutedExperts {

@@ -23,7 +23,8 @@ pub use pipeline::{CarriedWidth, Chunks, PipelinedLanguageModel};
 use crate::comm::{CommStats, ParallelState, ReduceOp};
 use crate::cuda_graphs::{GraphRuntime, GraphStats, ScopeSet};
 use crate::distributed::{
-    PackLayout, ParamBuffers, ReduceGroups, gather_parameters, reduce_gradients,
+    DdpConfig, GradSync, PackLayout, ParamBuffers, ReduceGroups, gather_parameters,
+    reduce_gradients,
 };
 use crate::error::{Error, Result};
 use crate::invalid;
@@ -131,6 +132,10 @@ pub struct StepMetrics {
     /// prediction's `mtp_1`, `mtp_2`, ...), each the mean of the global batch's micro-batch
     /// means, in the order [`Trainer::log_aux_losses`] named them (empty unless named).
     pub aux_losses: Vec<(String, f64)>,
+    /// With `--overlap-grad-reduce`: of this rank's gradient buckets, how many started their
+    /// reduction during the walk, and how many there are (none at the first step, which learns
+    /// when each gradient is final).
+    pub overlapped_buckets: Option<(usize, usize)>,
 }
 
 /// The bytes of one rank's training state, measured from its allocations.
@@ -192,6 +197,13 @@ pub struct Trainer<M: LanguageModel> {
     graphs: GraphRuntime,
     /// Where the step's phases and passes go when it is traced ([`crate::trace`]).
     trace: Option<std::sync::Arc<crate::trace::Trace>>,
+    /// What data parallelism overlaps (`--overlap-grad-reduce`).
+    ddp: DdpConfig,
+    /// The reducer the parameters report their gradient writes to, made at the first step
+    /// with overlap (and again after a rebinding of the buffers).
+    grad_sync: Option<std::sync::Arc<GradSync>>,
+    /// Visit positions of the parameters both ends of the pipeline hold (the tied embedding).
+    shared_positions: Vec<usize>,
 }
 
 impl<M: LanguageModel> Trainer<M> {
@@ -258,7 +270,7 @@ impl<M: LanguageModel> Trainer<M> {
                     (params, layout)
                 })
                 .collect(),
-            shared_embedding,
+            shared_embedding: shared_embedding.clone(),
             param_dtype: Some(config.precision.params),
         };
         let buffers = ParamBuffers::pack(&mut chunks, &plan)?;
@@ -279,6 +291,9 @@ impl<M: LanguageModel> Trainer<M> {
             model_has_experts: None,
             graphs: GraphRuntime::new(ScopeSet::NONE),
             trace: None,
+            ddp: DdpConfig::default(),
+            grad_sync: None,
+            shared_positions: shared_embedding,
         })
     }
 
@@ -288,6 +303,7 @@ impl<M: LanguageModel> Trainer<M> {
     /// When `gpu` multiplies in bf16, products read bf16 copies of the weights, converted once
     /// per step (see [`Trainer::keep_compute_copies`]).
     pub fn to_gpu(&mut self, gpu: &crate::cuda::Gpu) -> Result<()> {
+        self.grad_sync = None;
         self.buffers.to_gpu(&mut self.chunks, gpu)?;
         self.optimizer.to_gpu(gpu)?;
         // 16-bit values are what products read already.
@@ -304,6 +320,7 @@ impl<M: LanguageModel> Trainer<M> {
     /// optimizer still updates the values, and the copies are converted from them after every
     /// step. On the CPU this emulates bf16 weights (the products widen them back to f32).
     pub fn keep_compute_copies(&mut self, dtype: DType) -> Result<()> {
+        self.grad_sync = None;
         self.buffers.keep_compute_copies(&mut self.chunks, dtype)
     }
 
@@ -410,6 +427,34 @@ impl<M: LanguageModel> Trainer<M> {
         }
     }
 
+    /// Overlaps data parallelism's communication as `ddp` says. With `overlap_grad_reduce`
+    /// each gradient bucket's reduction starts during the backward, as soon as every gradient
+    /// in it is final ([`GradSync`]): the same reductions as without, so the same step bit for
+    /// bit. The first step learns how often each gradient is written and reduces after its walk.
+    pub fn set_ddp(&mut self, ddp: DdpConfig) {
+        self.ddp = ddp;
+    }
+
+    /// The reducer of an overlapped step, made (and the parameters bound to it) at the first.
+    fn grad_sync(&mut self, parallel: &ParallelState) -> Result<Option<std::sync::Arc<GradSync>>> {
+        if !self.ddp.overlap_grad_reduce {
+            return Ok(None);
+        }
+        if !self.graphs.scopes().is_empty() {
+            return invalid!(
+                "--overlap-grad-reduce with --cuda-graph-scope: a replayed graph's backward writes \
+                 the gradients without telling their buckets, and a bucket completed during a \
+                 capture would start its reduction inside the graph; use one or the other"
+            );
+        }
+        if self.grad_sync.is_none() {
+            let sync = GradSync::new(&self.buffers, parallel, &self.shared_positions);
+            sync.attach(&mut self.chunks)?;
+            self.grad_sync = Some(sync);
+        }
+        Ok(self.grad_sync.clone())
+    }
+
     /// Captures `scopes` from now on (Megatron-LM's `--cuda-graph-scope`): each scoped call
     /// runs eagerly the first time in its slot, is captured the second time and replayed after
     /// (on the CPU, counted and run eagerly). Whatever was captured before is dropped.
@@ -503,7 +548,11 @@ impl<M: LanguageModel> Trainer<M> {
         let before = parallel.stats();
         let plan = *self.sampler.plan();
         let tokens = plan.global_batch * plan.seq_length;
+        let grad_sync = self.grad_sync(parallel)?;
         self.buffers.zero_grads()?;
+        if let Some(sync) = &grad_sync {
+            sync.begin_step()?;
+        }
         let walked = self.walk(parallel, &self.sampler, step, Mode::Train { step })?;
         self.phase(parallel, "forward and backward", start);
         let counted = walked.counted;
@@ -513,7 +562,13 @@ impl<M: LanguageModel> Trainer<M> {
         let (pass_seconds, activation_peak_bytes) = (walked.pass_seconds, walked.activation_peak);
         let walk_seconds = walked.seconds;
         let reduction = Instant::now();
-        reduce_gradients(&self.buffers, ReduceGroups::of(parallel))?;
+        let overlapped_buckets = match &grad_sync {
+            Some(sync) => Some(sync.finish()?),
+            None => {
+                reduce_gradients(&self.buffers, ReduceGroups::of(parallel))?;
+                None
+            }
+        };
         crate::distributed::sum_sequence_parallel_gradients(&self.chunks.0, parallel)?;
         self.phase(parallel, "reduce gradients", reduction);
         // The mean over the counted targets (none counted: 0, said in the metrics).
@@ -549,6 +604,7 @@ impl<M: LanguageModel> Trainer<M> {
                     .skipped(loss_scale, pipeline_wait);
                 metrics.routing = routing;
                 metrics.aux_losses = aux_losses;
+                metrics.overlapped_buckets = overlapped_buckets;
                 metrics.graphs = self.graph_stats_if_any();
                 metrics.counted_tokens = counted;
                 metrics.empty_microbatches = empty_microbatches;
@@ -592,6 +648,7 @@ impl<M: LanguageModel> Trainer<M> {
         metrics.loss_scale = loss_scale;
         metrics.routing = routing;
         metrics.aux_losses = aux_losses;
+        metrics.overlapped_buckets = overlapped_buckets;
         metrics.graphs = self.graph_stats_if_any();
         Ok(metrics)
     }
@@ -635,6 +692,7 @@ impl<M: LanguageModel> Trainer<M> {
             routing: None,
             graphs: None,
             aux_losses: Vec::new(),
+            overlapped_buckets: None,
         }
     }
 }

@@ -1,0 +1,290 @@
+//! `--overlap-grad-reduce`: each bucket's data-parallel reduction started as soon as every
+//! gradient in it is final, while the backward goes on (Megatron-LM's
+//! `_ParamAndGradBucketGroup.register_grad_ready` and `start_grad_sync`, in
+//! `param_and_grad_buffer.py`), and waited for after the walk (`finish_grad_sync`).
+//!
+//! **When a gradient is final.** Every write of a parameter's gradient goes through
+//! [`crate::module::Param::accumulate_grad`] (or the MoE kernels' host path), which tells the
+//! [`GradSync`] its parameter is bound to. A parameter may be written several times in a step:
+//! once per micro-batch, twice when a table is tied at both ends or shared by multi-token
+//! prediction's depths, in a W pass of a zero-bubble schedule after its B pass. The first step
+//! learns how many writes each parameter gets (Megatron-LM's `golden_per_param_grad_ready_counts`)
+//! and reduces at the end, as without overlap; from the second on, a parameter's gradient is
+//! final at its learned count of writes, and a bucket once all of its parameters' are. This
+//! covers pipelines (the last micro-batch's backward of each chunk) and the zero-bubble
+//! schedules (the bucket's last W pass) without asking the schedule. A write past the learned
+//! count is an error naming the parameter, never a reduction of a gradient still changing.
+//!
+//! **The same reductions in the same order.** A bucket is reduced exactly as
+//! [`super::reduce_gradients`] reduces it (an all-reduce, or the distributed optimizer's
+//! reduce-scatter, over dp or edp), so the sums are bit for bit those of a run without overlap.
+//! Every rank of a group must start the group's collectives in one order: the dense buckets
+//! start in a fixed order over the data-parallel group and the experts' over the expert
+//! data-parallel group, the model chunks last to first (the backward's order) and each chunk's
+//! buckets in buffer order (the front holds the last layers); a bucket whose gradients are final
+//! before those ahead of it waits for them. The buckets holding the parameters both ends of a
+//! pipeline share (the tied embedding) start only after the walk, once their gradients were
+//! summed over the embedding group ([`super::sum_shared_gradients`]), as without overlap.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::{Bucket, ParamBuffers};
+use crate::comm::{Communicator, ParallelState, Pending, ReduceOp};
+use crate::error::Result;
+use crate::invalid;
+use crate::module::Module;
+use crate::parallel::GroupKind;
+use crate::tensor::Tensor;
+
+/// Starts each gradient bucket's reduction once its gradients are final (see the module's
+/// documentation); the trainer begins and finishes it around every step's walk.
+pub struct GradSync {
+    /// The flat gradients the buckets cut.
+    grads: Tensor,
+    buckets: Vec<Bucket>,
+    /// The data-parallel group (dense buckets) and the expert data-parallel one.
+    groups: [Arc<dyn Communicator>; 2],
+    /// Each parameter slot's bucket.
+    bucket_of: Vec<usize>,
+    /// Each parameter slot's name, for errors.
+    names: Vec<String>,
+    /// Per group (dense, expert): the buckets started during the backward, in start order.
+    order: [Vec<usize>; 2],
+    /// Per group: the buckets of shared parameters, started after the walk, in order.
+    held: [Vec<usize>; 2],
+    state: Mutex<State>,
+}
+
+/// What changes within a step.
+struct State {
+    /// Between [`GradSync::begin_step`] and [`GradSync::finish`].
+    active: bool,
+    /// Writes per slot a step makes, learned at the first step.
+    learned: Option<Vec<u32>>,
+    /// Writes per slot so far this step.
+    writes: Vec<u32>,
+    /// Per bucket: its slots whose gradients are not final yet.
+    left: Vec<usize>,
+    /// Per group: the position in `order` of the next bucket to start.
+    next: [usize; 2],
+    /// Per bucket: its reduction was started.
+    started: Vec<bool>,
+    /// The started reductions, in start order.
+    pending: Vec<Pending>,
+}
+
+impl std::fmt::Debug for GradSync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GradSync({} buckets)", self.buckets.len())
+    }
+}
+
+impl GradSync {
+    /// Reduces `buffers`' buckets over `parallel`'s data-parallel groups; `held` are the slots
+    /// of parameters both ends of a pipeline hold, whose buckets start after the walk.
+    pub fn new(buffers: &ParamBuffers, parallel: &ParallelState, held: &[usize]) -> Arc<GradSync> {
+        let buckets = buffers.buckets().to_vec();
+        let slots = buffers.slots().len();
+        let mut bucket_of = vec![0; slots];
+        for (b, bucket) in buckets.iter().enumerate() {
+            for &s in &bucket.slots {
+                bucket_of[s] = b;
+            }
+        }
+        let names = buffers
+            .slots()
+            .iter()
+            .map(|s| s.spec.name.clone())
+            .collect();
+        let dense = match parallel.groups().config().cp {
+            1 => GroupKind::Dp,
+            _ => GroupKind::DpCp,
+        };
+        let comm = |kind| {
+            parallel
+                .get(kind)
+                .cloned()
+                .unwrap_or_else(|| panic!("rank without a {kind} group"))
+        };
+        let groups = [comm(dense), comm(GroupKind::Edp)];
+        // Chunks last to first, each chunk's buckets in buffer order.
+        let mut by_chunk: Vec<(usize, usize)> = buckets
+            .iter()
+            .enumerate()
+            .map(|(b, bucket)| (bucket.chunk(), b))
+            .collect();
+        by_chunk.sort_by_key(|&(chunk, b)| (std::cmp::Reverse(chunk), b));
+        let is_held = |b: usize| buckets[b].slots.iter().any(|s| held.contains(s));
+        let (mut order, mut held_order): ([Vec<usize>; 2], [Vec<usize>; 2]) = Default::default();
+        for (_, b) in by_chunk {
+            let g = usize::from(buckets[b].expert);
+            match is_held(b) {
+                true => held_order[g].push(b),
+                false => order[g].push(b),
+            }
+        }
+        Arc::new(GradSync {
+            grads: buffers.grads().clone(),
+            state: Mutex::new(State {
+                active: false,
+                learned: None,
+                writes: vec![0; slots],
+                left: vec![0; buckets.len()],
+                next: [0; 2],
+                started: vec![false; buckets.len()],
+                pending: Vec::new(),
+            }),
+            buckets,
+            groups,
+            bucket_of,
+            names,
+            order,
+            held: held_order,
+        })
+    }
+
+    /// Binds every trainable parameter of `chunks` (the model the buffers were packed from, in
+    /// the same visit order) to this reducer: their gradient writes report here.
+    pub fn attach<M: Module>(self: &Arc<Self>, chunks: &mut M) -> Result<()> {
+        let mut slot = 0;
+        chunks.visit_params_mut(&mut |p| {
+            if !p.is_frozen() {
+                p.report_writes_to(Arc::clone(self), slot);
+                slot += 1;
+            }
+        });
+        if slot != self.names.len() {
+            return invalid!(
+                "overlapped gradient reduction: the model has {slot} trainable parameters but its \
+                 buffers {}",
+                self.names.len()
+            );
+        }
+        Ok(())
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts counting a step's gradient writes (the gradients are zero): from the second step
+    /// on, buckets start as their gradients become final.
+    pub fn begin_step(&self) -> Result<()> {
+        let mut state = self.state();
+        if state.active || !state.pending.is_empty() {
+            return invalid!(
+                "overlapped gradient reduction: a step began before the last finished"
+            );
+        }
+        state.active = true;
+        state.writes.fill(0);
+        state.started.fill(false);
+        state.next = [0; 2];
+        state.left.fill(0);
+        if let Some(learned) = state.learned.clone() {
+            for (slot, &n) in learned.iter().enumerate() {
+                if n > 0 {
+                    state.left[self.bucket_of[slot]] += 1;
+                }
+            }
+            // Buckets no parameter of which is written this step are final already.
+            self.start_ready(&mut state)?;
+        }
+        Ok(())
+    }
+
+    /// Parameter `slot`'s gradient was written once more.
+    pub(crate) fn written(&self, slot: usize) -> Result<()> {
+        let mut state = self.state();
+        if !state.active {
+            return Ok(());
+        }
+        state.writes[slot] += 1;
+        let Some(learned) = &state.learned else {
+            return Ok(());
+        };
+        let (n, expected) = (state.writes[slot], learned[slot]);
+        if n > expected {
+            return invalid!(
+                "overlapped gradient reduction: the gradient of {} was written {n} times this \
+                 step, but {expected} times in the first; its bucket's reduction may have started \
+                 (a model whose writes per step change cannot overlap its reduction: drop \
+                 --overlap-grad-reduce)",
+                self.names[slot]
+            );
+        }
+        if n == expected {
+            let b = self.bucket_of[slot];
+            state.left[b] -= 1;
+            if state.left[b] == 0 {
+                self.start_ready(&mut state)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts, per group and in order, the buckets whose gradients are all final.
+    fn start_ready(&self, state: &mut State) -> Result<()> {
+        for g in 0..2 {
+            while let Some(&b) = self.order[g].get(state.next[g]) {
+                if state.left[b] > 0 {
+                    break;
+                }
+                self.start(state, b)?;
+                state.next[g] += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts bucket `b`'s reduction as [`super::reduce_gradients`] runs it.
+    fn start(&self, state: &mut State, b: usize) -> Result<()> {
+        let bucket = &self.buckets[b];
+        state.started[b] = true;
+        let group = self.groups[usize::from(bucket.expert)].as_ref();
+        if group.size() == 1 {
+            return Ok(());
+        }
+        let whole = self
+            .grads
+            .narrow(0, bucket.range.start, bucket.range.len())?;
+        let pending = match bucket.shard(group.index()) {
+            Some((shard, _)) => {
+                let mine = self.grads.narrow(0, shard.start, shard.len())?;
+                group.start_reduce_scatter(&whole, &mine, ReduceOp::Sum)?
+            }
+            None => group.start_all_reduce(&whole, ReduceOp::Sum)?,
+        };
+        state.pending.push(pending);
+        Ok(())
+    }
+
+    /// After the walk (and the shared parameters' sum): starts what has not started, in order
+    /// (every bucket at the first step, which learns the writes per parameter), then the
+    /// shared parameters' buckets, and waits for every reduction. Returns how many buckets had
+    /// started during the walk, and of how many.
+    pub fn finish(&self) -> Result<(usize, usize)> {
+        let mut state = self.state();
+        state.active = false;
+        let early = state.started.iter().filter(|&&s| s).count();
+        if state.learned.is_none() {
+            state.learned = Some(state.writes.clone());
+        }
+        for g in 0..2 {
+            let rest = self.order[g][state.next[g]..].iter();
+            for &b in rest.chain(&self.held[g]) {
+                self.start(&mut state, b)?;
+            }
+        }
+        let mut first_error = None;
+        for pending in std::mem::take(&mut state.pending) {
+            if let Err(e) = pending.wait() {
+                first_error.get_or_insert(e);
+            }
+        }
+        match first_error {
+            Some(e) => Err(e.into()),
+            None => Ok((early, self.buckets.len())),
+        }
+    }
+}

@@ -1,0 +1,190 @@
+//! `--overlap-grad-reduce`: each gradient bucket's data-parallel reduction starts during the
+//! backward, once every gradient in it is final, and the run is the same run bit for bit (the
+//! same reductions of the same sums) on every layout: tensor and sequence parallelism, pipelines
+//! with interleaving and a zero-bubble schedule (the weights' gradients final in W passes), the
+//! distributed optimizer's reduce-scatters, experts over expert data parallelism, context
+//! parallelism, bf16 and fp16. From the second step on, the buckets start during the walk.
+
+mod support;
+
+use serde_json::Value;
+use support::{TempDir, megatron};
+
+/// gpt-tiny (two layers unless the layout says), 32-token samples, 4 steps, gradient buckets of 20,000 elements
+/// (the first pipeline stage's first chunk cut into several, as Megatron-LM cuts only that).
+const BASE: [&str; 13] = [
+    "--quiet",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "16",
+    "--train-iters",
+    "4",
+    "--seed",
+    "5",
+    "--ddp-bucket-size",
+    "20000",
+];
+
+/// Each step's loss, gradient norm and overlapped buckets ([started during the walk, all] on
+/// the logging rank) of a run of `flags`, with or without overlap.
+fn run(dir: &TempDir, name: &str, flags: &[&str], overlap: bool) -> Vec<(Value, Value, Value)> {
+    let log = dir.join(&format!("{name}-{overlap}.jsonl"));
+    let mut args = vec!["train"];
+    args.extend(BASE);
+    if !flags.contains(&"--num-layers") {
+        args.extend(["--num-layers", "2"]);
+    }
+    args.extend(flags);
+    args.extend(["--log-json", &log]);
+    if overlap {
+        args.push("--overlap-grad-reduce");
+    }
+    let (ok, _, stderr) = megatron(&args);
+    assert!(ok, "{name}, overlap {overlap}: {stderr}");
+    support::log_lines(&log)
+        .iter()
+        .map(|l| {
+            (
+                l["loss"].clone(),
+                l["grad_norm"].clone(),
+                l["overlapped_buckets"].clone(),
+            )
+        })
+        .collect()
+}
+
+/// Trains each layout with and without overlap: the same losses and gradient norms, bit for
+/// bit. From the second step on, the logging rank's buckets started during the walk: all of
+/// them, or with a pipeline all but those of the tied embedding (reduced after its sum over the
+/// embedding group, after the walk).
+fn the_same_run_overlapped(test: &str, layouts: &[(&str, &[&str])]) {
+    let dir = TempDir::new(test);
+    for &(name, flags) in layouts {
+        let plain = run(&dir, name, flags, false);
+        let overlapped = run(&dir, name, flags, true);
+        assert_eq!(plain.len(), 4, "{name}: {plain:?}");
+        let numbers = |r: &[(Value, Value, Value)]| -> Vec<(Value, Value)> {
+            r.iter().map(|(l, n, _)| (l.clone(), n.clone())).collect()
+        };
+        assert_eq!(numbers(&plain), numbers(&overlapped), "{name}");
+        assert!(plain.iter().all(|(.., b)| b.is_null()), "{name}: {plain:?}");
+        let buckets = |step: usize| -> (u64, u64) {
+            let b = &overlapped[step].2;
+            (b[0].as_u64().unwrap(), b[1].as_u64().unwrap())
+        };
+        // The first step learns how often each gradient is written and reduces after the walk.
+        let (early, all) = buckets(0);
+        assert_eq!(early, 0, "{name}: {overlapped:?}");
+        let (early, _) = buckets(1);
+        let pipelined = flags.contains(&"--pp");
+        match pipelined {
+            true => assert!(0 < early && early < all, "{name}: {overlapped:?}"),
+            false => assert_eq!(early, all, "{name}: {overlapped:?}"),
+        }
+        for step in 2..4 {
+            assert_eq!(
+                buckets(step),
+                (early, all),
+                "{name}, step {step}: {overlapped:?}"
+            );
+        }
+        eprintln!("{name}: the same 4 steps; {early} of {all} buckets started during the walk");
+    }
+}
+
+#[test]
+fn data_tensor_and_context_parallel_runs_are_the_same_overlapped() {
+    the_same_run_overlapped(
+        "overlap-dp-tp-cp",
+        &[
+            ("dp2", &["--dp", "2"]),
+            ("dp4-distopt", &["--dp", "4", "--use-distributed-optimizer"]),
+            (
+                "tp2-sp-dp2",
+                &["--tp", "2", "--sequence-parallel", "--dp", "2"],
+            ),
+            ("cp2-dp2", &["--cp", "2", "--dp", "2"]),
+            ("dp2-bf16", &["--dp", "2", "--bf16"]),
+            (
+                "dp2-fp16-distopt",
+                &["--dp", "2", "--fp16", "--use-distributed-optimizer"],
+            ),
+        ],
+    );
+}
+
+#[test]
+fn pipelines_are_the_same_overlapped() {
+    the_same_run_overlapped(
+        "overlap-pp",
+        &[
+            // The tied embedding's buckets start after the embedding group's sum.
+            ("pp2-dp2", &["--pp", "2", "--dp", "2"]),
+            (
+                "pp2-vpp2-dp2-distopt",
+                &[
+                    "--num-layers",
+                    "4",
+                    "--pp",
+                    "2",
+                    "--num-layers-per-virtual-pipeline-stage",
+                    "1",
+                    "--dp",
+                    "2",
+                    "--use-distributed-optimizer",
+                ],
+            ),
+            // The weights' gradients final in W passes.
+            (
+                "pp2-zb-h1-dp2",
+                &["--pp", "2", "--pipeline-schedule", "zb-h1", "--dp", "2"],
+            ),
+        ],
+    );
+}
+
+#[test]
+fn experts_are_the_same_overlapped() {
+    the_same_run_overlapped(
+        "overlap-moe",
+        &[
+            (
+                "moe-ep2-dp2",
+                &["--model", "gpt-moe-tiny", "--ep", "2", "--dp", "2"],
+            ),
+            (
+                "moe-ep2-dp4-distopt",
+                &[
+                    "--model",
+                    "gpt-moe-tiny",
+                    "--ep",
+                    "2",
+                    "--dp",
+                    "4",
+                    "--use-distributed-optimizer",
+                ],
+            ),
+        ],
+    );
+}
+
+#[test]
+fn overlap_with_graph_scopes_is_refused_by_name() {
+    let (ok, _, stderr) = megatron(&[
+        "train",
+        "--quiet",
+        "--train-iters",
+        "1",
+        "--overlap-grad-reduce",
+        "--cuda-graph-scope",
+        "attn",
+    ]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("--overlap-grad-reduce with --cuda-graph-scope"),
+        "{stderr}"
+    );
+}
