@@ -288,6 +288,15 @@ fn tensor_and_data_parallel_ranks_on_one_gpu_reproduce_tp1() {
         assert!(comm > 0, "rank {rank}'s collectives");
     }
     let _ = std::fs::remove_file(&path);
+    // `--overlap-grad-reduce`: buckets of 20,000 elements reduced as their gradients become
+    // final, during the backward; the same run bit for bit.
+    let buckets = |overlap_grad_reduce| {
+        let mut job = job(2, 2, F32);
+        job.train.bucket_elements = 20_000;
+        job.ddp.overlap_grad_reduce = overlap_grad_reduce;
+        bits(curve(&job))
+    };
+    assert_eq!(buckets(true), buckets(false), "overlapped vs not");
     // Sequence parallelism: the all-gathers and reduce-scatters of the shards between the
     // ranks' device tensors, dropout per global position, the norms' gradients summed over tp.
     let mut sp = job(2, 1, F32);

@@ -534,6 +534,34 @@ fn training_under_mpirun_equals_training_on_threads() {
     processes_train_as_threads("train", &args, "mpi", &[]);
 }
 
+/// `--overlap-grad-reduce` under `mpirun` (a started reduction runs where it is started, in
+/// the hook of the gradient that completes its bucket): pp 2 × dp 2 with the distributed
+/// optimizer's reduce-scatters, the tied embedding's buckets after its sum, as thread ranks
+/// whose progress threads run them.
+#[test]
+fn overlapped_reduction_under_mpirun_equals_thread_ranks() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--ddp-bucket-size",
+        "20000",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        "64",
+    ];
+    processes_train_as_threads("overlap", &args, "mpi", &[]);
+}
+
 /// `--trace` under `mpirun`: each process records its rank's step, and rank 0 gathers them
 /// over the world into one Chrome trace of the four ranks, each with its passes and the
 /// collectives of its groups.
@@ -1383,6 +1411,34 @@ fn processes_train_as_threads(name: &str, args: &[&str], backend: &str, env: &[(
     let processes = train_log(mpi, &dir.join(format!("{backend}.jsonl")), &with_backend);
     assert_eq!(processes, on_threads);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--overlap-grad-reduce` over NCCL between processes (emulated GPUs: each bucket's reduction
+/// where its last gradient is written) follows thread ranks on one GPU.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs 4 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
+fn overlapped_reduction_with_nccl_follows_thread_ranks() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return;
+    }
+    let args = [
+        "--dp",
+        "4",
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--ddp-bucket-size",
+        "20000",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "16",
+        "--seq-length",
+        "64",
+        "--device",
+        "cuda",
+    ];
+    nccl_trains_as_threads("nccl-overlap", &args);
 }
 
 /// `megatron bench` under `mpirun` runs the job on the launch's ranks (it used to run the whole
