@@ -289,14 +289,27 @@ fn tensor_and_data_parallel_ranks_on_one_gpu_reproduce_tp1() {
     }
     let _ = std::fs::remove_file(&path);
     // `--overlap-grad-reduce`: buckets of 20,000 elements reduced as their gradients become
-    // final, during the backward; the same run bit for bit.
-    let buckets = |overlap_grad_reduce| {
-        let mut job = job(2, 2, F32);
+    // final, during the backward; with `--overlap-param-gather` (the distributed optimizer, bf16
+    // products: each bucket's bf16 copies converted once its gather arrived) gathered while the
+    // next step begins. The same runs bit for bit.
+    let buckets = |placement, distributed, overlap| {
+        let mut job = job(2, 2, placement);
         job.train.bucket_elements = 20_000;
-        job.ddp.overlap_grad_reduce = overlap_grad_reduce;
+        job.train.distributed_optimizer = distributed;
+        job.ddp.overlap_grad_reduce = overlap;
+        job.ddp.overlap_param_gather = overlap && distributed;
         bits(curve(&job))
     };
-    assert_eq!(buckets(true), buckets(false), "overlapped vs not");
+    assert_eq!(
+        buckets(F32, false, true),
+        buckets(F32, false, false),
+        "overlapped vs not"
+    );
+    assert_eq!(
+        buckets(BF16, true, true),
+        buckets(BF16, true, false),
+        "bf16 products, distributed optimizer: overlapped vs not"
+    );
     // Sequence parallelism: the all-gathers and reduce-scatters of the shards between the
     // ranks' device tensors, dropout per global position, the norms' gradients summed over tp.
     let mut sp = job(2, 1, F32);

@@ -534,10 +534,11 @@ fn training_under_mpirun_equals_training_on_threads() {
     processes_train_as_threads("train", &args, "mpi", &[]);
 }
 
-/// `--overlap-grad-reduce` under `mpirun` (a started reduction runs where it is started, in
-/// the hook of the gradient that completes its bucket): pp 2 × dp 2 with the distributed
-/// optimizer's reduce-scatters, the tied embedding's buckets after its sum, as thread ranks
-/// whose progress threads run them.
+/// `--overlap-grad-reduce` and `--overlap-param-gather` under `mpirun` (a started collective
+/// runs where it is started: the reduction in the hook of the gradient that completes its
+/// bucket, the gather after the optimizer step): pp 2 × dp 2 with the distributed optimizer's
+/// reduce-scatters, the tied embedding's buckets after its sum, as thread ranks whose progress
+/// threads run them.
 #[test]
 fn overlapped_reduction_under_mpirun_equals_thread_ranks() {
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
@@ -550,6 +551,7 @@ fn overlapped_reduction_under_mpirun_equals_thread_ranks() {
         "2",
         "--use-distributed-optimizer",
         "--overlap-grad-reduce",
+        "--overlap-param-gather",
         "--ddp-bucket-size",
         "20000",
         "--train-iters",
@@ -1413,8 +1415,9 @@ fn processes_train_as_threads(name: &str, args: &[&str], backend: &str, env: &[(
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `--overlap-grad-reduce` over NCCL between processes (emulated GPUs: each bucket's reduction
-/// where its last gradient is written) follows thread ranks on one GPU.
+/// `--overlap-grad-reduce` and `--overlap-param-gather` over NCCL between processes (emulated
+/// GPUs: each bucket's reduction where its last gradient is written, bf16 copies converted per
+/// bucket) follows thread ranks on one GPU.
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs 4 GPUs and NCCL, or the emulated ones: MEGATRON_EMULATED_GPU=1"]
@@ -1427,6 +1430,7 @@ fn overlapped_reduction_with_nccl_follows_thread_ranks() {
         "4",
         "--use-distributed-optimizer",
         "--overlap-grad-reduce",
+        "--overlap-param-gather",
         "--ddp-bucket-size",
         "20000",
         "--train-iters",

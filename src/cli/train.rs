@@ -253,6 +253,11 @@ pub struct TrainArgs {
     /// reductions, so the same run bit for bit. Not with --cuda-graph-scope.
     #[arg(long)]
     overlap_grad_reduce: bool,
+    /// With --use-distributed-optimizer and --overlap-grad-reduce: start each bucket's
+    /// all-gather of the updated parameters after the optimizer step, and wait for it at the
+    /// next step's first read of the bucket (Megatron-LM's --overlap-param-gather).
+    #[arg(long)]
+    overlap_param_gather: bool,
     /// Graph scopes to capture as CUDA graphs (Megatron-LM's --cuda-graph-scope): attn, mlp
     /// (dense layers), moe_router, moe_preprocess. Each is run eagerly once per in-flight
     /// slot, captured, then replayed; on the CPU the scopes are counted and run eagerly.
@@ -904,6 +909,15 @@ impl TrainArgs {
                 );
             }
         }
+        if self.overlap_param_gather && !self.use_distributed_optimizer {
+            bail!(
+                "--overlap-param-gather overlaps the distributed optimizer's all-gather of the \
+                 parameters: add --use-distributed-optimizer"
+            );
+        }
+        if self.overlap_param_gather && !self.overlap_grad_reduce {
+            bail!("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM): add it");
+        }
         if self.overlap_grad_reduce && !self.cuda_graph_scope.is_empty() {
             bail!(
                 "--overlap-grad-reduce with --cuda-graph-scope: a replayed graph's backward \
@@ -1272,6 +1286,7 @@ impl TrainArgs {
                 .context("--cuda-graph-scope")?,
             ddp: DdpConfig {
                 overlap_grad_reduce: self.overlap_grad_reduce,
+                overlap_param_gather: self.overlap_param_gather,
             },
         };
         Ok((job, s.taken))

@@ -231,6 +231,7 @@ impl<M: LanguageModel> Trainer<M> {
         steps_done: u64,
         info: &SaveInfo,
     ) -> Result<()> {
+        self.settle_parameters()?;
         let sharded = self.optimizer.shard().is_some();
         let tensors = self.gather_tensors(parallel, !sharded, info.base.is_none())?;
         let world = parallel.comm(crate::parallel::GroupKind::World);
@@ -482,6 +483,7 @@ impl<M: LanguageModel> Trainer<M> {
         parallel: &ParallelState,
         path: &Path,
     ) -> Result<CheckpointMeta> {
+        self.settle_parameters()?;
         let loaded = open_checkpoint(parallel, path)?;
         load_into(&loaded, self)?;
         Ok(loaded.meta().clone())

@@ -3,17 +3,19 @@
 //! by [`crate::optimizer::layout()`]: one shard computation), the gradients' reduction and the
 //! parameters' gather per bucket over dp (experts over edp), and the tied embedding's gradient
 //! sum ([`reduce`]); with `--overlap-grad-reduce`, each bucket's reduction started during the
-//! backward once its gradients are final ([`grad_sync`]).
+//! backward once its gradients are final ([`grad_sync`]); with `--overlap-param-gather`, each
+//! bucket's parameters gathered while the next step begins ([`param_gather`]).
 
 pub mod buffers;
 pub mod grad_sync;
+pub mod param_gather;
 pub mod reduce;
 
 pub use buffers::{
     Bucket, PackLayout, ParamBuffers, ParamSlot, ReduceGroups, ShardRanks, SlotPart,
 };
 pub use grad_sync::GradSync;
-
+pub use param_gather::ParamGather;
 pub use reduce::{
     gather_parameters, reduce_gradients, sum_sequence_parallel_gradients, sum_shared_gradients,
 };
@@ -25,4 +27,8 @@ pub struct DdpConfig {
     /// `--overlap-grad-reduce`: each bucket's reduction starts during the backward, once every
     /// gradient in it is final ([`GradSync`]).
     pub overlap_grad_reduce: bool,
+    /// `--overlap-param-gather` (with the distributed optimizer): each bucket's all-gather of
+    /// the updated parameters starts after the optimizer step, and the next step's first read
+    /// of the bucket waits for it ([`ParamGather`]).
+    pub overlap_param_gather: bool,
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::distributed::GradSync;
+use crate::distributed::{GradSync, ParamGather};
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::dropout::LogicalIndex;
@@ -347,6 +347,9 @@ pub struct Param {
     /// Where each write of the gradient is reported, with the parameter's slot there
     /// (`--overlap-grad-reduce`, [`GradSync`]).
     reports_to: Option<(Arc<GradSync>, usize)>,
+    /// What each read of the values waits for first, with the parameter's slot there
+    /// (`--overlap-param-gather`, [`ParamGather`]).
+    read_after: Option<(Arc<ParamGather>, usize)>,
 }
 
 impl Param {
@@ -367,6 +370,7 @@ impl Param {
             compute: None,
             spec: Arc::new(spec),
             reports_to: None,
+            read_after: None,
         })
     }
 
@@ -379,11 +383,16 @@ impl Param {
             compute: None,
             spec: Arc::new(spec),
             reports_to: None,
+            read_after: None,
         }
     }
 
-    /// This rank's values.
+    /// This rank's values (once the data-parallel gather of their bucket, if one is in flight,
+    /// has arrived: see [`Param::read_after`]).
     pub fn value(&self) -> &Tensor {
+        if let Some((gather, slot)) = &self.read_after {
+            gather.before_read(*slot);
+        }
         &self.value
     }
 
@@ -391,7 +400,15 @@ impl Param {
     /// mixed-precision run, see [`crate::distributed::ParamBuffers::keep_compute_copies`]) when it
     /// has one, else its values.
     pub fn compute_value(&self) -> &Tensor {
-        self.compute.as_ref().unwrap_or(&self.value)
+        match &self.compute {
+            Some(compute) => {
+                if let Some((gather, slot)) = &self.read_after {
+                    gather.before_read(*slot);
+                }
+                compute
+            }
+            None => self.value(),
+        }
     }
 
     /// Copies `values` into this rank's values and into the compute copy, if any.
@@ -440,6 +457,13 @@ impl Param {
     /// overlapped reduction of its bucket ([`GradSync`]); a rebinding ends it.
     pub fn report_writes_to(&mut self, sync: Arc<GradSync>, slot: usize) {
         self.reports_to = Some((sync, slot));
+    }
+
+    /// From now on each read of the values first waits, through `gather`, for the data-parallel
+    /// all-gather of the bucket holding slot `slot` (`--overlap-param-gather`,
+    /// [`ParamGather`]); a rebinding ends it.
+    pub fn read_after(&mut self, gather: Arc<ParamGather>, slot: usize) {
+        self.read_after = Some((gather, slot));
     }
 
     /// Runs `f` on the gradient as [`Param::accumulate_grad`] does, or for a frozen parameter
@@ -571,6 +595,7 @@ impl Param {
         self.grad = grad;
         self.compute = compute;
         self.reports_to = None;
+        self.read_after = None;
         Ok(())
     }
 }

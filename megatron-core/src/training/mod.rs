@@ -23,7 +23,7 @@ pub use pipeline::{CarriedWidth, Chunks, PipelinedLanguageModel};
 use crate::comm::{CommStats, ParallelState, ReduceOp};
 use crate::cuda_graphs::{GraphRuntime, GraphStats, ScopeSet};
 use crate::distributed::{
-    DdpConfig, GradSync, PackLayout, ParamBuffers, ReduceGroups, gather_parameters,
+    DdpConfig, GradSync, PackLayout, ParamBuffers, ParamGather, ReduceGroups, gather_parameters,
     reduce_gradients,
 };
 use crate::error::{Error, Result};
@@ -202,6 +202,9 @@ pub struct Trainer<M: LanguageModel> {
     /// The reducer the parameters report their gradient writes to, made at the first step
     /// with overlap (and again after a rebinding of the buffers).
     grad_sync: Option<std::sync::Arc<GradSync>>,
+    /// The gatherer the parameters' reads wait on, made at the first step with
+    /// `--overlap-param-gather` (and again after a rebinding of the buffers).
+    param_gather: Option<std::sync::Arc<ParamGather>>,
     /// Visit positions of the parameters both ends of the pipeline hold (the tied embedding).
     shared_positions: Vec<usize>,
 }
@@ -293,6 +296,7 @@ impl<M: LanguageModel> Trainer<M> {
             trace: None,
             ddp: DdpConfig::default(),
             grad_sync: None,
+            param_gather: None,
             shared_positions: shared_embedding,
         })
     }
@@ -303,7 +307,8 @@ impl<M: LanguageModel> Trainer<M> {
     /// When `gpu` multiplies in bf16, products read bf16 copies of the weights, converted once
     /// per step (see [`Trainer::keep_compute_copies`]).
     pub fn to_gpu(&mut self, gpu: &crate::cuda::Gpu) -> Result<()> {
-        self.grad_sync = None;
+        self.settle_parameters()?;
+        (self.grad_sync, self.param_gather) = (None, None);
         self.buffers.to_gpu(&mut self.chunks, gpu)?;
         self.optimizer.to_gpu(gpu)?;
         // 16-bit values are what products read already.
@@ -320,7 +325,8 @@ impl<M: LanguageModel> Trainer<M> {
     /// optimizer still updates the values, and the copies are converted from them after every
     /// step. On the CPU this emulates bf16 weights (the products widen them back to f32).
     pub fn keep_compute_copies(&mut self, dtype: DType) -> Result<()> {
-        self.grad_sync = None;
+        self.settle_parameters()?;
+        (self.grad_sync, self.param_gather) = (None, None);
         self.buffers.keep_compute_copies(&mut self.chunks, dtype)
     }
 
@@ -431,8 +437,43 @@ impl<M: LanguageModel> Trainer<M> {
     /// each gradient bucket's reduction starts during the backward, as soon as every gradient
     /// in it is final ([`GradSync`]): the same reductions as without, so the same step bit for
     /// bit. The first step learns how often each gradient is written and reduces after its walk.
-    pub fn set_ddp(&mut self, ddp: DdpConfig) {
+    /// With `overlap_param_gather` (the distributed optimizer and `overlap_grad_reduce` needed,
+    /// as Megatron-LM asks) each bucket's all-gather starts after the optimizer step and the
+    /// next step's first read of the bucket waits for it ([`ParamGather`]).
+    pub fn set_ddp(&mut self, ddp: DdpConfig) -> Result<()> {
+        if ddp.overlap_param_gather && !self.config.distributed_optimizer {
+            return invalid!(
+                "--overlap-param-gather overlaps the distributed optimizer's all-gather of the \
+                 parameters: add --use-distributed-optimizer"
+            );
+        }
+        if ddp.overlap_param_gather && !ddp.overlap_grad_reduce {
+            return invalid!(
+                "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM): add it"
+            );
+        }
         self.ddp = ddp;
+        Ok(())
+    }
+
+    /// The gatherer of an overlapped step, made (and the parameters bound to it) at the first.
+    fn param_gather(&mut self, parallel: &ParallelState) -> Result<std::sync::Arc<ParamGather>> {
+        if let Some(gather) = &self.param_gather {
+            return Ok(gather.clone());
+        }
+        let gather = ParamGather::new(&self.buffers, parallel);
+        gather.attach(&mut self.chunks);
+        self.param_gather = Some(gather.clone());
+        Ok(gather)
+    }
+
+    /// Waits for the parameters' all-gathers still in flight (`--overlap-param-gather`), with
+    /// the first failure: before anything reads the buffers whole (a checkpoint, a move).
+    pub(crate) fn settle_parameters(&self) -> Result<()> {
+        match &self.param_gather {
+            Some(gather) => gather.finish(),
+            None => Ok(()),
+        }
     }
 
     /// The reducer of an overlapped step, made (and the parameters bound to it) at the first.
@@ -554,6 +595,8 @@ impl<M: LanguageModel> Trainer<M> {
             sync.begin_step()?;
         }
         let walked = self.walk(parallel, &self.sampler, step, Mode::Train { step })?;
+        // The walk read every parameter it needed; any bucket it did not is waited for here.
+        self.settle_parameters()?;
         self.phase(parallel, "forward and backward", start);
         let counted = walked.counted;
         let empty_microbatches = walked.empty_microbatches;
@@ -634,7 +677,10 @@ impl<M: LanguageModel> Trainer<M> {
         self.optimizer.step(&self.buffers, lr, grad_scale)?;
         self.phase(parallel, "optimizer step", update);
         let gather = Instant::now();
-        gather_parameters(&self.buffers, ReduceGroups::of(parallel))?;
+        match self.ddp.overlap_param_gather {
+            true => self.param_gather(parallel)?.start()?,
+            false => gather_parameters(&self.buffers, ReduceGroups::of(parallel))?,
+        }
         self.phase(parallel, "gather parameters", gather);
         let mut metrics = self.metrics(parallel, &before, start, step, loss, norm, tokens);
         metrics.lr = lr;
@@ -721,6 +767,7 @@ impl<M: LanguageModel> Trainer<M> {
         data: &Sampler,
         iters: u64,
     ) -> Result<(f64, usize)> {
+        self.settle_parameters()?;
         let plan = *data.plan();
         let mut loss_sum = 0.0f64;
         let mut counted = 0;

@@ -1,9 +1,11 @@
 //! `--overlap-grad-reduce`: each gradient bucket's data-parallel reduction starts during the
-//! backward, once every gradient in it is final, and the run is the same run bit for bit (the
-//! same reductions of the same sums) on every layout: tensor and sequence parallelism, pipelines
-//! with interleaving and a zero-bubble schedule (the weights' gradients final in W passes), the
-//! distributed optimizer's reduce-scatters, experts over expert data parallelism, context
-//! parallelism, bf16 and fp16. From the second step on, the buckets start during the walk.
+//! backward, once every gradient in it is final; `--overlap-param-gather`: each bucket's
+//! all-gather of the updated parameters starts after the optimizer step and the next step waits
+//! for it at its first read. The run is the same run bit for bit (the same collectives on the
+//! same data) on every layout: tensor and sequence parallelism, pipelines with interleaving and a
+//! zero-bubble schedule (the weights' gradients final in W passes), the distributed optimizer,
+//! experts over expert data parallelism, context parallelism, bf16 and fp16. From the second
+//! step on, the buckets start during the walk.
 
 mod support;
 
@@ -29,9 +31,9 @@ const BASE: [&str; 13] = [
 ];
 
 /// Each step's loss, gradient norm and overlapped buckets ([started during the walk, all] on
-/// the logging rank) of a run of `flags`, with or without overlap.
-fn run(dir: &TempDir, name: &str, flags: &[&str], overlap: bool) -> Vec<(Value, Value, Value)> {
-    let log = dir.join(&format!("{name}-{overlap}.jsonl"));
+/// the logging rank) of a run of `flags` and the overlap flags `overlap`.
+fn run(dir: &TempDir, name: &str, flags: &[&str], overlap: &[&str]) -> Vec<(Value, Value, Value)> {
+    let log = dir.join(&format!("{name}-{}.jsonl", overlap.len()));
     let mut args = vec!["train"];
     args.extend(BASE);
     if !flags.contains(&"--num-layers") {
@@ -39,11 +41,9 @@ fn run(dir: &TempDir, name: &str, flags: &[&str], overlap: bool) -> Vec<(Value, 
     }
     args.extend(flags);
     args.extend(["--log-json", &log]);
-    if overlap {
-        args.push("--overlap-grad-reduce");
-    }
+    args.extend(overlap);
     let (ok, _, stderr) = megatron(&args);
-    assert!(ok, "{name}, overlap {overlap}: {stderr}");
+    assert!(ok, "{name}, {overlap:?}: {stderr}");
     support::log_lines(&log)
         .iter()
         .map(|l| {
@@ -56,20 +56,29 @@ fn run(dir: &TempDir, name: &str, flags: &[&str], overlap: bool) -> Vec<(Value, 
         .collect()
 }
 
-/// Trains each layout with and without overlap: the same losses and gradient norms, bit for
-/// bit. From the second step on, the logging rank's buckets started during the walk: all of
+/// Trains each layout with and without overlap (the parameters' gather too with the
+/// distributed optimizer): the same losses and gradient norms, bit for bit. From the second step on, the logging rank's buckets started during the walk: all of
 /// them, or with a pipeline all but those of the tied embedding (reduced after its sum over the
 /// embedding group, after the walk).
 fn the_same_run_overlapped(test: &str, layouts: &[(&str, &[&str])]) {
     let dir = TempDir::new(test);
     for &(name, flags) in layouts {
-        let plain = run(&dir, name, flags, false);
-        let overlapped = run(&dir, name, flags, true);
+        let plain = run(&dir, name, flags, &[]);
+        let overlapped = run(&dir, name, flags, &["--overlap-grad-reduce"]);
         assert_eq!(plain.len(), 4, "{name}: {plain:?}");
         let numbers = |r: &[(Value, Value, Value)]| -> Vec<(Value, Value)> {
             r.iter().map(|(l, n, _)| (l.clone(), n.clone())).collect()
         };
         assert_eq!(numbers(&plain), numbers(&overlapped), "{name}");
+        if flags.contains(&"--use-distributed-optimizer") {
+            let both = ["--overlap-grad-reduce", "--overlap-param-gather"];
+            let gathered = run(&dir, name, flags, &both);
+            assert_eq!(
+                numbers(&plain),
+                numbers(&gathered),
+                "{name}, --overlap-param-gather"
+            );
+        }
         assert!(plain.iter().all(|(.., b)| b.is_null()), "{name}: {plain:?}");
         let buckets = |step: usize| -> (u64, u64) {
             let b = &overlapped[step].2;
@@ -107,7 +116,14 @@ fn data_tensor_and_context_parallel_runs_are_the_same_overlapped() {
                 &["--tp", "2", "--sequence-parallel", "--dp", "2"],
             ),
             ("cp2-dp2", &["--cp", "2", "--dp", "2"]),
-            ("dp2-bf16", &["--dp", "2", "--bf16"]),
+            (
+                "dp2-bf16-distopt",
+                &["--dp", "2", "--bf16", "--use-distributed-optimizer"],
+            ),
+            (
+                "cp2-dp2-distopt",
+                &["--cp", "2", "--dp", "2", "--use-distributed-optimizer"],
+            ),
             (
                 "dp2-fp16-distopt",
                 &["--dp", "2", "--fp16", "--use-distributed-optimizer"],
@@ -123,6 +139,18 @@ fn pipelines_are_the_same_overlapped() {
         &[
             // The tied embedding's buckets start after the embedding group's sum.
             ("pp2-dp2", &["--pp", "2", "--dp", "2"]),
+            (
+                "pp2-zb-h1-dp2-distopt",
+                &[
+                    "--pp",
+                    "2",
+                    "--pipeline-schedule",
+                    "zb-h1",
+                    "--dp",
+                    "2",
+                    "--use-distributed-optimizer",
+                ],
+            ),
             (
                 "pp2-vpp2-dp2-distopt",
                 &[
@@ -187,4 +215,24 @@ fn overlap_with_graph_scopes_is_refused_by_name() {
         stderr.contains("--overlap-grad-reduce with --cuda-graph-scope"),
         "{stderr}"
     );
+}
+
+#[test]
+fn the_parameters_gather_needs_the_distributed_optimizer_and_the_reduction_overlapped() {
+    for (flags, says) in [
+        (
+            &["--overlap-param-gather", "--overlap-grad-reduce"][..],
+            "add --use-distributed-optimizer",
+        ),
+        (
+            &["--overlap-param-gather", "--use-distributed-optimizer"],
+            "--overlap-param-gather needs --overlap-grad-reduce",
+        ),
+    ] {
+        let mut args = vec!["train", "--quiet", "--train-iters", "1", "--dp", "2"];
+        args.extend(flags);
+        let (ok, _, stderr) = megatron(&args);
+        assert!(!ok);
+        assert!(stderr.contains(says), "{stderr}");
+    }
 }
