@@ -236,3 +236,26 @@ fn the_parameters_gather_needs_the_distributed_optimizer_and_the_reduction_overl
         assert!(stderr.contains(says), "{stderr}");
     }
 }
+
+/// A checkpoint saved by an overlapped run (every gather in flight waited for first) resumes, with
+/// both overlaps again, as the plain run goes on: the same last steps bit for bit.
+#[test]
+fn a_checkpoint_of_an_overlapped_run_resumes_as_the_plain_run() {
+    let dir = TempDir::new("overlap-resume");
+    let flags = ["--dp", "2", "--use-distributed-optimizer"];
+    let both = ["--overlap-grad-reduce", "--overlap-param-gather"];
+    let plain = run(&dir, "plain", &flags, &[]);
+    let save = dir.join("ckpt");
+    let saving = [&flags[..], &["--save", &save, "--save-interval", "2"]].concat();
+    let numbers = |r: &[(Value, Value, Value)]| -> Vec<(Value, Value)> {
+        r.iter().map(|(l, n, _)| (l.clone(), n.clone())).collect()
+    };
+    assert_eq!(
+        numbers(&run(&dir, "saving", &saving, &both)),
+        numbers(&plain)
+    );
+    let iter2 = dir.join("ckpt/iter_0000002");
+    let resuming = [&flags[..], &["--load", &iter2]].concat();
+    let resumed = run(&dir, "resumed", &resuming, &both);
+    assert_eq!(numbers(&resumed), numbers(&plain[2..]));
+}
