@@ -405,14 +405,16 @@ fn bf16_rounding_and_contiguous_casts_are_the_hosts() {
         view.dims[d] = dims[d] as i64;
         view.strides[d] = strides[d] as i64;
     }
-    let mut expected = Vec::new();
+    // Where each element of the view lies, in row-major order.
+    let mut at = Vec::new();
     for i in 0..dims[0] {
         for j in 0..dims[1] {
             for k in 0..dims[2] {
-                expected.push(want[3 + i * strides[0] + j * strides[1] + k * strides[2]]);
+                at.push(3 + i * strides[0] + j * strides[1] + k * strides[2]);
             }
         }
     }
+    let expected: Vec<u16> = at.iter().map(|&a| want[a]).collect();
     let mut strided = vec![0u16; expected.len()];
     launch(
         "copy_strided",
@@ -451,14 +453,8 @@ fn bf16_rounding_and_contiguous_casts_are_the_hosts() {
         ],
     );
     let mut placed = vec![0xffffu16; want.len()];
-    let mut e = 0;
-    for i in 0..dims[0] {
-        for j in 0..dims[1] {
-            for k in 0..dims[2] {
-                placed[3 + i * strides[0] + j * strides[1] + k * strides[2]] = strided[e];
-                e += 1;
-            }
-        }
+    for (&a, &v) in at.iter().zip(&strided) {
+        placed[a] = v;
     }
     assert_eq!(wide, placed, "copy_to_strided, a [3, 4, 5] view");
 }

@@ -226,7 +226,8 @@ impl Tensor {
     }
 }
 
-/// Dimensions and strides of a view of up to 8 dimensions, passed to `copy_strided` by value.
+/// Dimensions and strides of a view of up to 8 dimensions, passed to `copy_strided` and
+/// `copy_to_strided` by value.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct View8 {
@@ -236,6 +237,21 @@ struct View8 {
 
 // SAFETY: plain integers, laid out as the kernel's struct.
 unsafe impl cudarc::driver::DeviceRepr for View8 {}
+
+impl View8 {
+    /// The view of merged (size, stride) pairs (at most 8), padded with dimensions of size 1.
+    fn of(merged: &[(usize, usize)]) -> View8 {
+        let mut view = View8 {
+            dims: [1; 8],
+            strides: [0; 8],
+        };
+        for (d, &(size, stride)) in merged.iter().enumerate() {
+            view.dims[d] = size as i64;
+            view.strides[d] = stride as i64;
+        }
+        view
+    }
+}
 
 /// A view's (size, stride) pairs with the dimensions of size 1 dropped and each dimension
 /// merged into the one before it where the two walk memory as one (outer stride = inner size ×
@@ -353,14 +369,7 @@ impl Tensor {
         let mut args = gpu.stream().launch_builder(f);
         let n64 = n as u64;
         let src_first = src_base + (offset as u64) * (src.dtype().size() as u64);
-        let mut view = View8 {
-            dims: [1; 8],
-            strides: [0; 8],
-        };
-        for (d, &(size, stride)) in merged.iter().enumerate() {
-            view.dims[d] = size as i64;
-            view.strides[d] = stride as i64;
-        }
+        let view = View8::of(&merged);
         let nd = merged.len() as i32;
         if dense {
             args.arg(&src_first)
@@ -409,14 +418,7 @@ impl Tensor {
                 ),
             });
         }
-        let mut view = View8 {
-            dims: [1; 8],
-            strides: [0; 8],
-        };
-        for (d, &(size, stride)) in merged.iter().enumerate() {
-            view.dims[d] = size as i64;
-            view.strides[d] = stride as i64;
-        }
+        let view = View8::of(&merged);
         let source = src.raw_device_read(OP)?;
         let src_addr = source.addr() as u64;
         let (dst_base, dst) = self.raw_device_span_write(OP)?;

@@ -116,6 +116,22 @@ impl<'a> ReduceGroups<'a> {
         }
     }
 
+    /// The rank's data-parallel group (with context parallelism, the one over dp × cp) and its
+    /// expert data-parallel group, shared, for collectives started now and finished later
+    /// ([`super::GradSync`], [`super::ParamGather`]).
+    pub fn shared(parallel: &ParallelState) -> [Arc<dyn Communicator>; 2] {
+        let dense = match parallel.groups().config().cp {
+            1 => GroupKind::Dp,
+            _ => GroupKind::DpCp,
+        };
+        [dense, GroupKind::Edp].map(|kind| {
+            parallel
+                .get(kind)
+                .cloned()
+                .unwrap_or_else(|| panic!("rank {} has no {kind} group", parallel.groups().rank()))
+        })
+    }
+
     /// The group `bucket` is reduced over.
     pub fn of_bucket(&self, bucket: &Bucket) -> &'a dyn Communicator {
         if bucket.expert {
@@ -443,6 +459,17 @@ impl ParamBuffers {
     /// The buckets, in buffer order.
     pub fn buckets(&self) -> &[Bucket] {
         &self.buckets
+    }
+
+    /// Each parameter slot's bucket, in the model's visit order.
+    pub fn bucket_of_slots(&self) -> Vec<usize> {
+        let mut bucket_of = vec![0; self.slots.len()];
+        for (b, bucket) in self.buckets.iter().enumerate() {
+            for &s in &bucket.slots {
+                bucket_of[s] = b;
+            }
+        }
+        bucket_of
     }
 
     /// Whether the buckets are cut into shards (the distributed optimizer's layout).

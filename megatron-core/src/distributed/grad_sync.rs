@@ -28,12 +28,11 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{Bucket, ParamBuffers};
+use super::{Bucket, ParamBuffers, ReduceGroups};
 use crate::comm::{Communicator, ParallelState, Pending, ReduceOp};
 use crate::error::Result;
 use crate::invalid;
 use crate::module::Module;
-use crate::parallel::GroupKind;
 use crate::tensor::Tensor;
 
 /// Starts each gradient bucket's reduction once its gradients are final (see the module's
@@ -85,28 +84,13 @@ impl GradSync {
     pub fn new(buffers: &ParamBuffers, parallel: &ParallelState, held: &[usize]) -> Arc<GradSync> {
         let buckets = buffers.buckets().to_vec();
         let slots = buffers.slots().len();
-        let mut bucket_of = vec![0; slots];
-        for (b, bucket) in buckets.iter().enumerate() {
-            for &s in &bucket.slots {
-                bucket_of[s] = b;
-            }
-        }
+        let bucket_of = buffers.bucket_of_slots();
         let names = buffers
             .slots()
             .iter()
             .map(|s| s.spec.name.clone())
             .collect();
-        let dense = match parallel.groups().config().cp {
-            1 => GroupKind::Dp,
-            _ => GroupKind::DpCp,
-        };
-        let comm = |kind| {
-            parallel
-                .get(kind)
-                .cloned()
-                .unwrap_or_else(|| panic!("rank without a {kind} group"))
-        };
-        let groups = [comm(dense), comm(GroupKind::Edp)];
+        let groups = ReduceGroups::shared(parallel);
         // Chunks last to first, each chunk's buckets in buffer order.
         let mut by_chunk: Vec<(usize, usize)> = buckets
             .iter()
@@ -286,5 +270,57 @@ impl GradSync {
             Some(e) => Err(e.into()),
             None => Ok((early, self.buckets.len())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::distributed::PackLayout;
+    use crate::module::{Builder, Param};
+    use crate::tensor_parallel::{Linear, LinearSpec};
+
+    /// Writes `param`'s gradient once (adding nothing).
+    fn write(param: &Param) -> Result<()> {
+        param.accumulate_grad(|_| Ok(()))
+    }
+
+    #[test]
+    fn a_bucket_starts_at_its_last_learned_write_and_an_extra_write_is_named() -> Result<()> {
+        let mut linear = Linear::build(&LinearSpec::new(4, 3), &mut Builder::new(1))?;
+        let buffers = ParamBuffers::pack(&mut linear, &PackLayout::plain())?;
+        let sync = GradSync::new(&buffers, &ParallelState::solo(), &[]);
+        sync.attach(&mut linear)?;
+        let mut params = Vec::new();
+        linear.visit_params(&mut |p| params.push(p.clone()));
+        let [weight, bias] = &params[..] else {
+            panic!("a linear layer's weight and bias: {params:?}")
+        };
+        // The first step learns: the weight written twice, the bias once; it reduces after.
+        sync.begin_step()?;
+        for p in [weight, weight, bias] {
+            write(p)?;
+        }
+        assert_eq!(sync.finish()?, (0, 1));
+        // The second starts the one bucket at the last of those writes, whatever their order.
+        sync.begin_step()?;
+        for p in [weight, bias] {
+            write(p)?;
+        }
+        assert!(!sync.state().started[0]);
+        write(weight)?;
+        assert!(sync.state().started[0]);
+        assert_eq!(sync.finish()?, (1, 1));
+        // A write past the learned count is an error naming the parameter.
+        sync.begin_step()?;
+        write(weight)?;
+        write(weight)?;
+        let err = write(weight).unwrap_err().to_string();
+        assert!(err.contains(&weight.spec().name), "{err}");
+        assert!(
+            err.contains("written 3 times this step, but 2 times"),
+            "{err}"
+        );
+        Ok(())
     }
 }

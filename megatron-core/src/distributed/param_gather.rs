@@ -15,11 +15,10 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{Bucket, ParamBuffers};
+use super::{Bucket, ParamBuffers, ReduceGroups};
 use crate::comm::{Communicator, ParallelState, Pending};
 use crate::error::{Error, Result};
 use crate::module::Module;
-use crate::parallel::GroupKind;
 use crate::tensor::Tensor;
 
 /// Gathers each bucket's parameters after the optimizer step and lets the next step's first
@@ -56,22 +55,7 @@ impl ParamGather {
     /// Gathers `buffers`' buckets over `parallel`'s data-parallel groups.
     pub fn new(buffers: &ParamBuffers, parallel: &ParallelState) -> Arc<ParamGather> {
         let buckets = buffers.buckets().to_vec();
-        let mut bucket_of = vec![0; buffers.slots().len()];
-        for (b, bucket) in buckets.iter().enumerate() {
-            for &s in &bucket.slots {
-                bucket_of[s] = b;
-            }
-        }
-        let dense = match parallel.groups().config().cp {
-            1 => GroupKind::Dp,
-            _ => GroupKind::DpCp,
-        };
-        let comm = |kind| {
-            parallel
-                .get(kind)
-                .cloned()
-                .unwrap_or_else(|| panic!("rank without a {kind} group"))
-        };
+        let bucket_of = buffers.bucket_of_slots();
         Arc::new(ParamGather {
             values: buffers.values().clone(),
             compute: buffers.compute_copies().cloned(),
@@ -80,7 +64,7 @@ impl ParamGather {
                 failed: None,
             }),
             buckets,
-            groups: [comm(dense), comm(GroupKind::Edp)],
+            groups: ReduceGroups::shared(parallel),
             bucket_of,
             settled: AtomicBool::new(true),
         })

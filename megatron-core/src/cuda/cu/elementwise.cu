@@ -264,20 +264,26 @@ struct View8 {
     long long strides[8];
 };
 
+// Where the view's element i (row-major) lies: offset plus its index along each dimension
+// times that dimension's stride.
+__device__ __forceinline__ i64 view_element(u64 i, int ndim, long long offset, const View8& view) {
+    i64 at = offset;
+    u32 rest = (u32)i;
+    for (int d = ndim - 1; d > 0; --d) {
+        const u32 size = (u32)view.dims[d];
+        const u32 q = rest / size;
+        at += (i64)(rest - q * size) * view.strides[d];
+        rest = q;
+    }
+    return at + (i64)rest * view.strides[0];
+}
+
 extern "C" __global__ void copy_strided(const void* __restrict__ src, int src_type,
                                         void* __restrict__ dst, int dst_type, u64 n, int ndim,
                                         long long offset, View8 view, int elem_bytes) {
     FOR_EACH(i, n) {
-        i64 at = offset;
-        u32 rest = (u32)i;
-        for (int d = ndim - 1; d > 0; --d) {
-            const u32 size = (u32)view.dims[d];
-            const u32 q = rest / size;
-            at += (i64)(rest - q * size) * view.strides[d];
-            rest = q;
-        }
-        at += (i64)rest * view.strides[0];
-        copy_element(src, src_type, at, dst, dst_type, i, elem_bytes);
+        copy_element(src, src_type, view_element(i, ndim, offset, view), dst, dst_type, i,
+                     elem_bytes);
     }
 }
 
@@ -287,16 +293,8 @@ extern "C" __global__ void copy_to_strided(const void* __restrict__ src, int src
                                            void* __restrict__ dst, int dst_type, u64 n, int ndim,
                                            long long offset, View8 view, int elem_bytes) {
     FOR_EACH(i, n) {
-        i64 at = offset;
-        u32 rest = (u32)i;
-        for (int d = ndim - 1; d > 0; --d) {
-            const u32 size = (u32)view.dims[d];
-            const u32 q = rest / size;
-            at += (i64)(rest - q * size) * view.strides[d];
-            rest = q;
-        }
-        at += (i64)rest * view.strides[0];
-        copy_element(src, src_type, (i64)i, dst, dst_type, at, elem_bytes);
+        copy_element(src, src_type, (i64)i, dst, dst_type, view_element(i, ndim, offset, view),
+                     elem_bytes);
     }
 }
 
