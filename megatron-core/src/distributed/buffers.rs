@@ -24,6 +24,30 @@ fn rebind_frozen<M: Module>(model: &mut M, f: impl Fn(&Tensor) -> Result<Tensor>
     failure.map_or(Ok(()), Err)
 }
 
+/// Runs `f` on every trainable parameter of `model` with its slot in the buffers packed from it
+/// (the visit order), checking that the model has the buffers' `slots` parameters; `what` names
+/// the caller in the error.
+pub(crate) fn for_each_slot<M: Module>(
+    model: &mut M,
+    slots: usize,
+    what: &str,
+    mut f: impl FnMut(&mut crate::module::Param, usize),
+) -> Result<()> {
+    let mut slot = 0;
+    model.visit_params_mut(&mut |p| {
+        if !p.is_frozen() {
+            f(p, slot);
+            slot += 1;
+        }
+    });
+    if slot != slots {
+        return invalid!(
+            "{what}: the model has {slot} trainable parameters but its buffers {slots}"
+        );
+    }
+    Ok(())
+}
+
 /// Where one parameter lives in the flat buffers.
 #[derive(Debug, Clone)]
 pub struct ParamSlot {

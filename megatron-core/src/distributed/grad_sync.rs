@@ -130,21 +130,10 @@ impl GradSync {
     /// Binds every trainable parameter of `chunks` (the model the buffers were packed from, in
     /// the same visit order) to this reducer: their gradient writes report here.
     pub fn attach<M: Module>(self: &Arc<Self>, chunks: &mut M) -> Result<()> {
-        let mut slot = 0;
-        chunks.visit_params_mut(&mut |p| {
-            if !p.is_frozen() {
-                p.report_writes_to(Arc::clone(self), slot);
-                slot += 1;
-            }
-        });
-        if slot != self.names.len() {
-            return invalid!(
-                "overlapped gradient reduction: the model has {slot} trainable parameters but its \
-                 buffers {}",
-                self.names.len()
-            );
-        }
-        Ok(())
+        let what = "overlapped gradient reduction";
+        super::buffers::for_each_slot(chunks, self.names.len(), what, |p, slot| {
+            p.report_writes_to(Arc::clone(self), slot)
+        })
     }
 
     fn state(&self) -> MutexGuard<'_, State> {

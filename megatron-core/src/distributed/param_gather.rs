@@ -72,14 +72,11 @@ impl ParamGather {
 
     /// Binds every trainable parameter of `model` (packed into the buffers, in visit order):
     /// their reads ask here first.
-    pub fn attach<M: Module>(self: &Arc<Self>, model: &mut M) {
-        let mut slot = 0;
-        model.visit_params_mut(&mut |p| {
-            if !p.is_frozen() {
-                p.read_after(Arc::clone(self), slot);
-                slot += 1;
-            }
-        });
+    pub fn attach<M: Module>(self: &Arc<Self>, model: &mut M) -> Result<()> {
+        let what = "overlapped parameter gather";
+        super::buffers::for_each_slot(model, self.bucket_of.len(), what, |p, slot| {
+            p.read_after(Arc::clone(self), slot)
+        })
     }
 
     fn state(&self) -> MutexGuard<'_, State> {

@@ -462,7 +462,7 @@ impl<M: LanguageModel> Trainer<M> {
             return Ok(gather.clone());
         }
         let gather = ParamGather::new(&self.buffers, parallel);
-        gather.attach(&mut self.chunks);
+        gather.attach(&mut self.chunks)?;
         self.param_gather = Some(gather.clone());
         Ok(gather)
     }
