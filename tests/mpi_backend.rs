@@ -354,6 +354,105 @@ fn collectives_on_the_world_and_subgroups_equal_rank_order_folds() {
     ));
 }
 
+/// Collectives started on one group run on the rank's progress thread: `start_` returns
+/// before a late peer arrives, the data moves while the rank's thread computes (no MPI call on
+/// it), the rank's blocking calls on another group go on meanwhile without a deadlock between
+/// the processes' MPI locks, and a later blocking call on the same group comes after the
+/// started ones. Every result is the rank-order fold.
+#[test]
+fn started_collectives_progress_while_the_rank_computes() {
+    assert_passed(on_ranks(
+        "started_collectives_progress_while_the_rank_computes",
+        MpiOptions::default(),
+        |w| {
+            let me = w.rank();
+            // Columns {0, 2} and {1, 3} start; rows {0, 1} and {2, 3} call meanwhile.
+            let col_ranks = [me % 2, me % 2 + 2];
+            let col = w.communicator("col", &col_ranks)?;
+            let row = w.communicator("row", &[me / 2 * 2, me / 2 * 2 + 1])?;
+            let (n, len) = (2, 300_001);
+            let all: Vec<Tensor> = col_ranks
+                .iter()
+                .map(|&g| input(g, len, DType::F32, 1))
+                .collect::<R<_>>()?;
+            let mine = col.index();
+            let late = Duration::from_millis(300);
+            if mine == 1 {
+                std::thread::sleep(late);
+            }
+            let begun = Instant::now();
+            let ran = std::sync::Arc::new(Mutex::new(None));
+            let summed = all[mine].deep_clone()?;
+            let record = ran.clone();
+            let pending = col
+                .start_all_reduce(&summed, ReduceOp::Sum)?
+                .then(move |interval| *record.lock().unwrap() = Some(interval));
+            let wide: Vec<Tensor> = col_ranks
+                .iter()
+                .map(|&g| input(g, n * len, DType::F32, 2))
+                .collect::<R<_>>()?;
+            let scattered = Tensor::zeros([len], DType::F32);
+            let scatter = col.start_reduce_scatter(&wide[mine], &scattered, ReduceOp::Sum)?;
+            let gathered = Tensor::zeros([n * len], DType::F32);
+            let gather = col.start_all_gather(&all[mine], &gathered)?;
+            if mine == 0 {
+                assert!(
+                    begun.elapsed() < late,
+                    "start_ waited {:?} for the late peer",
+                    begun.elapsed()
+                );
+            }
+            // Calls on the other group go on while the column's collectives are in flight.
+            for salt in 0..3 {
+                let t = input(me, 1000, DType::F32, salt)?;
+                row.all_reduce(&t, ReduceOp::Sum)?;
+                let rows = [me / 2 * 2, me / 2 * 2 + 1].map(|g| input(g, 1000, DType::F32, salt));
+                assert_eq!(
+                    bits(&t)?,
+                    fold(&rows.into_iter().collect::<R<Vec<_>>>()?, ReduceOp::Sum)?
+                );
+            }
+            // Compute, making no MPI call: the progress thread moves the data meanwhile.
+            let computing = Instant::now();
+            let mut x = 0u64;
+            while computing.elapsed() < Duration::from_millis(1500) {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            }
+            std::hint::black_box(x);
+            let waited = Instant::now();
+            pending.wait()?;
+            let (start, end) = ran.lock().unwrap().expect("the hook saw the interval");
+            assert!(
+                end < waited,
+                "the started all-reduce ran {:?} after the rank stopped computing",
+                end - waited.min(end)
+            );
+            if mine == 0 {
+                assert!(end.duration_since(start) + Duration::from_millis(50) >= late / 2);
+            }
+            scatter.wait()?;
+            gather.wait()?;
+            // A blocking call on the column after the started ones.
+            let last = input(me, 10, DType::F32, 5)?;
+            col.all_reduce(&last, ReduceOp::Sum)?;
+            assert_eq!(bits(&summed)?, fold(&all, ReduceOp::Sum)?);
+            let full = fold(&wide, ReduceOp::Sum)?;
+            assert_eq!(
+                bits(&scattered)?,
+                full[mine * len..(mine + 1) * len].to_vec()
+            );
+            let expected: Vec<u64> = all.iter().map(bits).collect::<R<Vec<_>>>()?.concat();
+            assert_eq!(bits(&gathered)?, expected);
+            let lasts = col_ranks.map(|g| input(g, 10, DType::F32, 5));
+            assert_eq!(
+                bits(&last)?,
+                fold(&lasts.into_iter().collect::<R<Vec<_>>>()?, ReduceOp::Sum)?
+            );
+            Ok(())
+        },
+    ));
+}
+
 #[test]
 fn counters_record_calls_and_bytes() {
     assert_passed(on_ranks(
@@ -534,11 +633,12 @@ fn training_under_mpirun_equals_training_on_threads() {
     processes_train_as_threads("train", &args, "mpi", &[]);
 }
 
-/// `--overlap-grad-reduce` and `--overlap-param-gather` under `mpirun` (a started collective
-/// runs where it is started: the reduction in the hook of the gradient that completes its
-/// bucket, the gather after the optimizer step): pp 2 × dp 2 with the distributed optimizer's
-/// reduce-scatters, the tied embedding's buckets after its sum, as thread ranks whose progress
-/// threads run them.
+/// `--overlap-grad-reduce` and `--overlap-param-gather` under `mpirun`, the started
+/// collectives on each process's progress threads (the reduction started in the hook of the
+/// gradient that completes its bucket, the gather after the optimizer step), train as thread
+/// ranks: pp 2 × dp 2 with the distributed optimizer's reduce-scatters and the tied embedding's
+/// buckets after its sum; and tp 2 with sequence parallelism × dp 2, whose tensor-parallel calls
+/// run on the rank's thread while its data-parallel ones are in flight.
 #[test]
 fn overlapped_reduction_under_mpirun_equals_thread_ranks() {
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
@@ -562,6 +662,23 @@ fn overlapped_reduction_under_mpirun_equals_thread_ranks() {
         "64",
     ];
     processes_train_as_threads("overlap", &args, "mpi", &[]);
+    let tensor_parallel = [
+        "--tp",
+        "2",
+        "--sequence-parallel",
+        "--dp",
+        "2",
+        "--overlap-grad-reduce",
+        "--ddp-bucket-size",
+        "20000",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        "64",
+    ];
+    processes_train_as_threads("overlap-tp", &tensor_parallel, "mpi", &[]);
 }
 
 /// `--trace` under `mpirun`: each process records its rank's step, and rank 0 gathers them

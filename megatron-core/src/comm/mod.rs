@@ -16,6 +16,7 @@ pub mod mpi;
 #[cfg(all(feature = "cuda", feature = "mpi"))]
 pub mod nccl;
 mod pending;
+mod progress;
 pub mod recording;
 mod reduce;
 mod stats;

@@ -3,7 +3,15 @@
 //! Every call starts with the handshake (see [`super::handshake`]): members exchange what they
 //! are about to call, polling with a deadline, so mismatches and absent ranks are errors on
 //! every member. Once all have announced the same call, all are inside it, and the data moves
-//! with MPI's blocking collectives.
+//! with MPI's non-blocking collectives, tested until they complete.
+//!
+//! No thread waits for another rank while it holds the process's MPI lock: the lock is taken
+//! for each MPI call (a start, a test, a probe) and let go between tests. That is what lets a
+//! second thread per group, the progress thread ([`crate::comm::progress`]), run the
+//! collectives a rank starts ([`Communicator::start_all_reduce`], ...) while the rank's own
+//! thread computes or waits in another group's call: the progress thread's tests drive MPI's
+//! progress engine, so the data moves during the rank's compute. (Holding the lock through a
+//! wait would let two processes' threads each wait for the other's lock: a deadlock.)
 //!
 //! Reductions do not use MPI's reduction operators: an all-reduce is an all-to-all that gives
 //! each member one part of every rank's buffer, a reduction of that part in group-rank order
@@ -11,6 +19,7 @@
 //! of the reduced parts. That moves the same bytes as a ring all-reduce.
 
 use std::ffi::c_int;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,8 +30,11 @@ use super::handshake::{self, Announce};
 use super::raw::{self, RawComm, RawRequest, Site};
 use super::{Runtime, reduce_bytes};
 use crate::comm::checks::Checks;
+use crate::comm::progress::Progress;
 use crate::comm::stats::Counters;
-use crate::comm::{CallDesc, CommError, CommStats, Communicator, OpKind, ReduceOp, Result};
+use crate::comm::{
+    CallDesc, CommError, CommStats, Communicator, OpKind, Pending, ReduceOp, Result,
+};
 use crate::tensor::{DType, Tensor};
 
 /// Tag of handshake messages.
@@ -38,9 +50,11 @@ struct Outgoing {
     words: Box<[u64]>,
 }
 
-/// The parts of a communicator that calls change.
+/// The parts of a communicator that calls change (shared by a rank's handle and its progress
+/// thread's, which never call at once: the handle drains the progress thread first).
 struct State {
-    comm: SimpleCommunicator,
+    /// Freed under the MPI lock when the state is dropped.
+    comm: ManuallyDrop<SimpleCommunicator>,
     /// Collectives called so far.
     seq: u64,
     /// Sends not yet known to be complete.
@@ -49,6 +63,8 @@ struct State {
     scratch: Vec<u64>,
     /// Set once a call timed out: MPI may still be moving data for it, so the group is unusable.
     broken: Option<CommError>,
+    /// The library, for the lock the drop takes.
+    runtime: Arc<Runtime>,
 }
 
 // SAFETY: the MPI handles in `State` are only used under the runtime's MPI lock (the library
@@ -57,6 +73,10 @@ unsafe impl Send for State {}
 
 impl Drop for State {
     fn drop(&mut self) {
+        let runtime = Arc::clone(&self.runtime);
+        let _mpi = runtime.lock();
+        // SAFETY: dropped once, here, and never used after.
+        unsafe { ManuallyDrop::drop(&mut self.comm) };
         for out in self.outgoing.drain(..) {
             let mut out = out;
             for r in &mut out.requests {
@@ -69,14 +89,19 @@ impl Drop for State {
 }
 
 /// One process's handle on a group of an MPI world.
+///
+/// Started collectives run on the handle's progress thread, spawned at the first, through a
+/// second handle on the same MPI communicator and state (see the module's header).
 pub struct MpiComm {
-    state: Mutex<State>,
+    state: Arc<Mutex<State>>,
     name: String,
     ranks: Vec<usize>,
     index: usize,
     timeout: Duration,
-    counters: Counters,
+    counters: Arc<Counters>,
     runtime: Arc<Runtime>,
+    /// The thread started collectives run on (a runner handle's is never started).
+    progress: Progress<MpiComm>,
 }
 
 impl std::fmt::Debug for MpiComm {
@@ -127,20 +152,67 @@ impl MpiComm {
         runtime: Arc<Runtime>,
     ) -> MpiComm {
         MpiComm {
-            state: Mutex::new(State {
-                comm,
+            state: Arc::new(Mutex::new(State {
+                comm: ManuallyDrop::new(comm),
                 seq: 0,
                 outgoing: Vec::new(),
                 scratch: Vec::new(),
                 broken: None,
-            }),
+                runtime: Arc::clone(&runtime),
+            })),
             name: name.to_string(),
             ranks: ranks.to_vec(),
             index,
             timeout,
-            counters: Counters::default(),
+            counters: Arc::default(),
             runtime,
+            progress: Progress::joined(),
         }
+    }
+
+    /// Waits until every collective this rank started on the group has run.
+    fn drain(&self) {
+        self.progress.drain();
+    }
+
+    /// Starts `call` (described as `desc`) on the progress thread.
+    fn start(
+        &self,
+        desc: &CallDesc,
+        call: impl FnOnce(&MpiComm) -> Result<()> + Send + 'static,
+    ) -> Result<Pending> {
+        let runner = || {
+            let runner = MpiComm {
+                state: Arc::clone(&self.state),
+                name: self.name.clone(),
+                ranks: self.ranks.clone(),
+                index: self.index,
+                timeout: self.timeout,
+                counters: Arc::clone(&self.counters),
+                runtime: Arc::clone(&self.runtime),
+                progress: Progress::default(),
+            };
+            (
+                runner,
+                format!("comm-{}-{}", self.name, self.ranks[self.index]),
+            )
+        };
+        self.progress.start(&self.name, desc, runner, call)
+    }
+
+    /// Runs `f` (MPI calls that return without waiting for other ranks) under the MPI lock.
+    fn mpi<T>(&self, f: impl FnOnce() -> T) -> T {
+        let _mpi = self.runtime.lock();
+        f()
+    }
+
+    /// Tests `started` until it completes, taking the MPI lock for each test only.
+    fn finish(&self, call: &'static str, mut started: raw::Started) -> Result<()> {
+        let mut round = 0;
+        while !self.mpi(|| raw::test(self.site(call), &mut started.request))? {
+            backoff(&mut round);
+        }
+        Ok(())
     }
 
     fn site(&self, call: &'static str) -> Site<'_> {
@@ -158,9 +230,10 @@ impl MpiComm {
         }
     }
 
-    /// Runs `body` with the MPI lock and this group's state, once the group is known usable.
+    /// Runs `body` with this group's state, once the group is known usable (after the
+    /// collectives the rank started on it: the group sees its calls in order).
     fn with_state<T>(&self, body: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
-        let _mpi = self.runtime.lock();
+        self.drain();
         let mut state = self.state.lock();
         if let Some(err) = &state.broken {
             return Err(err.clone());
@@ -176,6 +249,7 @@ impl MpiComm {
     /// Frees the sends MPI has finished with.
     fn reap(&self, state: &mut State) -> Result<()> {
         let site = self.site("MPI_Test");
+        let _mpi = self.runtime.lock();
         let mut i = 0;
         while i < state.outgoing.len() {
             let out = &mut state.outgoing[i];
@@ -200,6 +274,7 @@ impl MpiComm {
             requests: Vec::with_capacity(dests.len()),
             words,
         };
+        let _mpi = self.runtime.lock();
         for &d in dests {
             // SAFETY: the words live in `out`, which stays in `outgoing` (or is leaked) until
             // every request completes.
@@ -228,9 +303,15 @@ impl MpiComm {
                 if slot.is_some() {
                     continue;
                 }
-                if let Some(len) = raw::probe_words(self.site("MPI_Iprobe"), raw_comm, src, tag)? {
+                let probe = || raw::probe_words(self.site("MPI_Iprobe"), raw_comm, src, tag);
+                if let Some(len) = self.mpi(probe)? {
                     let mut words = vec![0u64; len];
-                    raw::recv_words(self.site("MPI_Recv"), raw_comm, &mut words, src, tag)?;
+                    // SAFETY: `words` is neither moved nor touched until the receive completes.
+                    let request = self.mpi(|| unsafe {
+                        raw::irecv_words(self.site("MPI_Irecv"), raw_comm, &mut words, src, tag)
+                    })?;
+                    let started = raw::Started::of(request);
+                    self.finish("MPI_Irecv", started)?;
                     *slot = Some(words);
                 }
             }
@@ -338,20 +419,24 @@ impl MpiComm {
         let stage = Self::scratch(state, n * mine * size);
         let recv_counts = vec![mine; n];
         let recv_displs: Vec<usize> = (0..n).map(|j| j * mine).collect();
-        // SAFETY: `input` holds the parts (caller), `stage` room for n parts of this member.
-        unsafe {
-            raw::alltoallv(
-                self.site("MPI_Alltoallv"),
+        let stage_ptr = stage.as_mut_ptr();
+        // SAFETY: `input` holds the parts (caller), `stage` room for n parts of this member;
+        // both are left alone until the collective completes.
+        let started = self.mpi(|| unsafe {
+            raw::ialltoallv(
+                self.site("MPI_Ialltoallv"),
                 raw_comm,
                 size,
                 input,
                 lens,
                 offsets,
-                stage.as_mut_ptr(),
+                stage_ptr,
                 &recv_counts,
                 &recv_displs,
-            )?;
-        }
+            )
+        })?;
+        self.finish("MPI_Ialltoallv", started)?;
+        let stage = &Self::scratch(state, n * mine * size)[..];
         let bytes = mine * size;
         let sources: Vec<&[u8]> = stage.chunks_exact(bytes.max(1)).take(n).collect();
         // SAFETY: `out` holds this member's part (caller); `input` is no longer read.
@@ -402,11 +487,13 @@ impl Communicator for MpiComm {
             let reduced_ptr = reduced.as_mut_ptr().cast::<u8>();
             // SAFETY: `data` is the exclusively borrowed tensor of `count` elements;
             // `reduced` holds this member's part.
-            unsafe {
-                self.scatter_reduce(state, dtype, data, &offsets, &lens, reduced_ptr, op)?;
-                raw::allgatherv(
-                    self.site("MPI_Allgatherv"),
-                    raw_comm(&state.comm),
+            unsafe { self.scatter_reduce(state, dtype, data, &offsets, &lens, reduced_ptr, op)? };
+            let rc = raw_comm(&state.comm);
+            // SAFETY: as above; both stay borrowed until the collective completes.
+            let started = self.mpi(|| unsafe {
+                raw::iallgatherv(
+                    self.site("MPI_Iallgatherv"),
+                    rc,
                     size,
                     reduced_ptr,
                     mine,
@@ -414,7 +501,8 @@ impl Communicator for MpiComm {
                     &lens,
                     &offsets,
                 )
-            }
+            })?;
+            self.finish("MPI_Iallgatherv", started)
         })?;
         self.counters
             .record(OpKind::AllReduce, count * dtype.size());
@@ -460,10 +548,11 @@ impl Communicator for MpiComm {
             } else {
                 in_ptr.cast_const()
             };
-            // SAFETY: `send` holds `count` elements, `out_ptr` n × count, both borrowed.
-            unsafe {
-                raw::allgatherv(
-                    self.site("MPI_Allgatherv"),
+            // SAFETY: `send` holds `count` elements, `out_ptr` n × count, both borrowed until
+            // the collective completes.
+            let started = self.mpi(|| unsafe {
+                raw::iallgatherv(
+                    self.site("MPI_Iallgatherv"),
                     rc,
                     size,
                     send,
@@ -472,7 +561,8 @@ impl Communicator for MpiComm {
                     &counts,
                     &displs,
                 )
-            }
+            })?;
+            self.finish("MPI_Iallgatherv", started)
         })?;
         self.counters.record(OpKind::AllGather, count * size);
         Ok(())
@@ -531,17 +621,13 @@ impl Communicator for MpiComm {
             if self.size() == 1 || count == 0 {
                 return Ok(());
             }
-            // SAFETY: the tensor is exclusively borrowed and holds `count` elements.
-            unsafe {
-                raw::bcast(
-                    self.site("MPI_Bcast"),
-                    raw_comm(&state.comm),
-                    size,
-                    data,
-                    count,
-                    root,
-                )
-            }
+            let rc = raw_comm(&state.comm);
+            // SAFETY: the tensor is exclusively borrowed, until the collective completes, and
+            // holds `count` elements.
+            let started = self.mpi(|| unsafe {
+                raw::ibcast(self.site("MPI_Ibcast"), rc, size, data, count, root)
+            })?;
+            self.finish("MPI_Ibcast", started)
         })?;
         self.counters.record(OpKind::Broadcast, count * size);
         Ok(())
@@ -578,20 +664,24 @@ impl Communicator for MpiComm {
                 desc,
                 Some((send_splits.to_vec(), recv_splits.to_vec())),
             )?;
-            // SAFETY: both tensors are borrowed; the splits add up to their sizes (checked).
-            unsafe {
-                raw::alltoallv(
-                    self.site("MPI_Alltoallv"),
-                    raw_comm(&state.comm),
+            let rc = raw_comm(&state.comm);
+            let (send_displs, recv_displs) = (displs(send_splits), displs(recv_splits));
+            // SAFETY: both tensors are borrowed until the collective completes; the splits add
+            // up to their sizes (checked).
+            let started = self.mpi(|| unsafe {
+                raw::ialltoallv(
+                    self.site("MPI_Ialltoallv"),
+                    rc,
                     size,
                     in_borrow.addr() as *const u8,
                     send_splits,
-                    &displs(send_splits),
+                    &send_displs,
                     out_borrow.addr() as *mut u8,
                     recv_splits,
-                    &displs(recv_splits),
+                    &recv_displs,
                 )
-            }
+            })?;
+            self.finish("MPI_Ialltoallv", started)
         })?;
         self.counters.record(OpKind::AllToAll, input.numel() * size);
         Ok(())
@@ -677,6 +767,29 @@ impl Communicator for MpiComm {
         self.with_state(|state| self.handshake(state, desc, None))?;
         self.counters.record(OpKind::Barrier, 0);
         Ok(())
+    }
+
+    fn start_all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Pending> {
+        let desc = CallDesc::of(OpKind::AllReduce, tensor, Some(op), None);
+        let t = tensor.clone();
+        self.start(&desc, move |c| c.all_reduce(&t, op))
+    }
+
+    fn start_reduce_scatter(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Pending> {
+        let desc = CallDesc::of(OpKind::ReduceScatter, output, Some(op), None);
+        let (i, o) = (input.clone(), output.clone());
+        self.start(&desc, move |c| c.reduce_scatter(&i, &o, op))
+    }
+
+    fn start_all_gather(&self, input: &Tensor, output: &Tensor) -> Result<Pending> {
+        let desc = CallDesc::of(OpKind::AllGather, input, None, None);
+        let (i, o) = (input.clone(), output.clone());
+        self.start(&desc, move |c| c.all_gather(&i, &o))
     }
 
     fn stats(&self) -> CommStats {

@@ -2,7 +2,8 @@
 //! [`CommError::Backend`] and sizes into MPI's 32-bit counts (checked, never truncated).
 //!
 //! Every function here must be called with the runtime's MPI lock held (the library runs at
-//! `MPI_THREAD_SERIALIZED`).
+//! `MPI_THREAD_SERIALIZED`). None waits for other ranks: collectives are started here and
+//! tested to completion by the caller, which lets the lock go between tests.
 
 use std::ffi::{c_int, c_void};
 
@@ -92,13 +93,32 @@ pub(super) fn errors_return(comm: RawComm) {
     }
 }
 
-/// `MPI_Alltoallv` of elements of `size` bytes; counts and displacements in elements.
+/// A non-blocking collective MPI is running: its request, and the count and displacement
+/// arrays MPI may read until it completes. Finish it with [`test`] on `request` until it says
+/// so.
+pub(super) struct Started {
+    /// The collective's request.
+    pub request: RawRequest,
+    _arrays: Vec<Vec<c_int>>,
+}
+
+impl Started {
+    /// A request that needs no arrays kept (a point-to-point one).
+    pub fn of(request: RawRequest) -> Started {
+        Started {
+            request,
+            _arrays: Vec::new(),
+        }
+    }
+}
+
+/// Starts `MPI_Ialltoallv` of elements of `size` bytes; counts and displacements in elements.
 ///
 /// # Safety
 /// `send` must hold the elements the send counts and displacements name and `recv` room for
-/// the receive ones, both valid and not otherwise used for the call's duration.
+/// the receive ones, both valid and not otherwise used until the collective completes.
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn alltoallv(
+pub(super) unsafe fn ialltoallv(
     site: Site<'_>,
     comm: RawComm,
     size: usize,
@@ -108,13 +128,16 @@ pub(super) unsafe fn alltoallv(
     recv: *mut u8,
     recv_counts: &[usize],
     recv_displs: &[usize],
-) -> Result<()> {
+) -> Result<Started> {
     let (sc, sd) = (site.counts(send_counts)?, site.counts(send_displs)?);
     let (rc, rd) = (site.counts(recv_counts)?, site.counts(recv_displs)?);
     let t = datatype(size);
-    // SAFETY: forwarded from the caller; the count arrays have one entry per member.
+    // SAFETY: a request handle is plain data that MPI initialises.
+    let mut request: RawRequest = unsafe { std::mem::zeroed() };
+    // SAFETY: forwarded from the caller; the count arrays have one entry per member and live
+    // in the returned `Started` until the request completes.
     site.check(unsafe {
-        ffi::MPI_Alltoallv(
+        ffi::MPI_Ialltoallv(
             send.cast::<c_void>(),
             sc.as_ptr(),
             sd.as_ptr(),
@@ -124,17 +147,22 @@ pub(super) unsafe fn alltoallv(
             rd.as_ptr(),
             t,
             comm,
+            &mut request,
         )
+    })?;
+    Ok(Started {
+        request,
+        _arrays: vec![sc, sd, rc, rd],
     })
 }
 
-/// `MPI_Allgatherv` of elements of `size` bytes: `send_count` from this rank, `counts[i]` from
-/// member i placed at `displs[i]` of `recv`.
+/// Starts `MPI_Iallgatherv` of elements of `size` bytes: `send_count` from this rank,
+/// `counts[i]` from member i placed at `displs[i]` of `recv`.
 ///
 /// # Safety
-/// As [`alltoallv`]; `send` must not overlap `recv`.
+/// As [`ialltoallv`]; `send` must not overlap `recv`.
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn allgatherv(
+pub(super) unsafe fn iallgatherv(
     site: Site<'_>,
     comm: RawComm,
     size: usize,
@@ -143,12 +171,14 @@ pub(super) unsafe fn allgatherv(
     recv: *mut u8,
     counts: &[usize],
     displs: &[usize],
-) -> Result<()> {
+) -> Result<Started> {
     let (c, d) = (site.counts(counts)?, site.counts(displs)?);
     let t = datatype(size);
-    // SAFETY: forwarded from the caller.
+    // SAFETY: a request handle is plain data that MPI initialises.
+    let mut request: RawRequest = unsafe { std::mem::zeroed() };
+    // SAFETY: forwarded from the caller; the arrays live in the returned `Started`.
     site.check(unsafe {
-        ffi::MPI_Allgatherv(
+        ffi::MPI_Iallgatherv(
             send.cast::<c_void>(),
             site.count(send_count)?,
             t,
@@ -157,31 +187,44 @@ pub(super) unsafe fn allgatherv(
             d.as_ptr(),
             t,
             comm,
+            &mut request,
         )
+    })?;
+    Ok(Started {
+        request,
+        _arrays: vec![c, d],
     })
 }
 
-/// `MPI_Bcast` of `count` elements of `size` bytes from member `root`.
+/// Starts `MPI_Ibcast` of `count` elements of `size` bytes from member `root`.
 ///
 /// # Safety
-/// `buf` must hold `count` elements, valid and not otherwise used for the call's duration.
-pub(super) unsafe fn bcast(
+/// `buf` must hold `count` elements, valid and not otherwise used until the collective
+/// completes.
+pub(super) unsafe fn ibcast(
     site: Site<'_>,
     comm: RawComm,
     size: usize,
     buf: *mut u8,
     count: usize,
     root: usize,
-) -> Result<()> {
+) -> Result<Started> {
+    // SAFETY: a request handle is plain data that MPI initialises.
+    let mut request: RawRequest = unsafe { std::mem::zeroed() };
     // SAFETY: forwarded from the caller.
     site.check(unsafe {
-        ffi::MPI_Bcast(
+        ffi::MPI_Ibcast(
             buf.cast::<c_void>(),
             site.count(count)?,
             datatype(size),
             site.count(root)?,
             comm,
+            &mut request,
         )
+    })?;
+    Ok(Started {
+        request,
+        _arrays: Vec::new(),
     })
 }
 
@@ -250,25 +293,31 @@ pub(super) fn probe_words(
     Ok(Some(usize::try_from(count).unwrap_or(0)))
 }
 
-/// Receives the message from member `source` with `tag` into `words` (whose length is the
-/// probed size).
-pub(super) fn recv_words(
+/// Starts receiving the message from member `source` with `tag` into `words` (whose length is
+/// the probed size).
+///
+/// # Safety
+/// `words` must stay valid, and be neither read nor written, until the request completes.
+pub(super) unsafe fn irecv_words(
     site: Site<'_>,
     comm: RawComm,
     words: &mut [u64],
     source: usize,
     tag: c_int,
-) -> Result<()> {
-    // SAFETY: `words` is a live, exclusive buffer of the given length.
+) -> Result<RawRequest> {
+    // SAFETY: a request handle is plain data that MPI_Irecv initialises.
+    let mut request: RawRequest = unsafe { std::mem::zeroed() };
+    // SAFETY: `words` is a live, exclusive buffer of the given length (and stays so: caller).
     site.check(unsafe {
-        ffi::MPI_Recv(
+        ffi::MPI_Irecv(
             words.as_mut_ptr().cast::<c_void>(),
             site.count(words.len())?,
             datatype(8),
             site.count(source)?,
             tag,
             comm,
-            ffi::RSMPI_STATUS_IGNORE,
+            &mut request,
         )
-    })
+    })?;
+    Ok(request)
 }

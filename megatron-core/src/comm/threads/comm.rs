@@ -1,7 +1,6 @@
 //! `ThreadComm`: the [`Communicator`] of one rank on one group of an in-process world.
 
-use std::sync::mpsc::{Sender, channel};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::exec::RawBuf;
@@ -9,10 +8,9 @@ use super::group::{Arrival, GroupShared, Payload};
 use super::world::WorldShared;
 use crate::backend::MemoryOps;
 use crate::comm::checks::Checks;
+use crate::comm::progress::Progress;
 use crate::comm::stats::Counters;
-use crate::comm::{
-    CallDesc, CommError, CommStats, Communicator, OpKind, Pending, ReduceOp, Result,
-};
+use crate::comm::{CallDesc, CommStats, Communicator, OpKind, Pending, ReduceOp, Result};
 use crate::tensor::Tensor;
 
 /// One rank's handle on a group of an in-process world.
@@ -29,21 +27,8 @@ pub struct ThreadComm {
     world: Arc<WorldShared>,
     index: usize,
     counters: Arc<Counters>,
-    /// The progress thread's queue, once a collective was started.
-    progress: OnceLock<Progress>,
-    /// This handle is the progress thread's: it runs what it is given, never waiting for
-    /// itself.
-    on_progress_thread: bool,
-}
-
-/// A work item of the progress thread.
-type Job = Box<dyn FnOnce(&ThreadComm) + Send>;
-
-/// The progress thread of a handle: its queue and the count of collectives not yet run.
-#[derive(Debug)]
-struct Progress {
-    jobs: Mutex<Sender<Job>>,
-    in_flight: Arc<(Mutex<usize>, Condvar)>,
+    /// The thread started collectives run on (the runner handle's is never started).
+    progress: Progress<ThreadComm>,
 }
 
 impl ThreadComm {
@@ -53,78 +38,13 @@ impl ThreadComm {
             world,
             index,
             counters: Arc::default(),
-            progress: OnceLock::new(),
-            on_progress_thread: false,
+            progress: Progress::default(),
         }
     }
 
     /// Waits until every collective this rank started on the group has run.
     fn drain(&self) {
-        if self.on_progress_thread {
-            return;
-        }
-        if let Some(p) = self.progress.get() {
-            let (count, idle) = &*p.in_flight;
-            let mut n = count.lock().unwrap_or_else(|e| e.into_inner());
-            while *n > 0 {
-                n = idle.wait(n).unwrap_or_else(|e| e.into_inner());
-            }
-        }
-    }
-
-    /// Queues `job` on the progress thread (spawned at the first).
-    fn submit(&self, job: Job) -> Result<()> {
-        let progress = self.progress.get_or_init(|| {
-            let (tx, rx) = channel::<Job>();
-            let runner = ThreadComm {
-                group: self.group.clone(),
-                world: self.world.clone(),
-                index: self.index,
-                counters: self.counters.clone(),
-                progress: OnceLock::new(),
-                on_progress_thread: true,
-            };
-            let in_flight: Arc<(Mutex<usize>, Condvar)> = Arc::default();
-            let done = in_flight.clone();
-            let name = format!("comm-{}-{}", self.group.name, self.index);
-            let spawned = std::thread::Builder::new().name(name).spawn(move || {
-                for job in rx {
-                    job(&runner);
-                    let (count, idle) = &*done;
-                    let mut n = count.lock().unwrap_or_else(|e| e.into_inner());
-                    *n -= 1;
-                    idle.notify_all();
-                }
-            });
-            // A thread that could not start leaves the queue without a reader: the job's
-            // Pending then says so at its wait.
-            drop(spawned);
-            Progress {
-                jobs: Mutex::new(tx),
-                in_flight,
-            }
-        });
-        {
-            let (count, _) = &*progress.in_flight;
-            *count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        }
-        let sent = progress
-            .jobs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .send(job);
-        if sent.is_err() {
-            let (count, idle) = &*progress.in_flight;
-            *count.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
-            idle.notify_all();
-            return Err(CommError::Backend {
-                group: self.group.name.clone(),
-                library: "megatron-rs",
-                call: "start",
-                message: "the group's progress thread is not running".into(),
-            });
-        }
-        Ok(())
+        self.progress.drain();
     }
 
     /// Starts `call` (described as `desc`) on the progress thread.
@@ -133,13 +53,17 @@ impl ThreadComm {
         desc: &CallDesc,
         call: impl FnOnce(&ThreadComm) -> Result<()> + Send + 'static,
     ) -> Result<Pending> {
-        let (tx, rx) = channel();
-        self.submit(Box::new(move |runner: &ThreadComm| {
-            let start = Instant::now();
-            let outcome = call(runner);
-            let _ = tx.send((outcome, (start, Instant::now())));
-        }))?;
-        Ok(Pending::running(rx, &self.group.name, desc.to_string()))
+        let runner = || {
+            let runner = ThreadComm {
+                group: self.group.clone(),
+                world: self.world.clone(),
+                index: self.index,
+                counters: self.counters.clone(),
+                progress: Progress::default(),
+            };
+            (runner, format!("comm-{}-{}", self.group.name, self.index))
+        };
+        self.progress.start(&self.group.name, desc, runner, call)
     }
 
     fn checks(&self) -> Checks<'_> {
