@@ -116,6 +116,7 @@ fn main() -> R<()> {
     let both = DdpConfig {
         overlap_grad_reduce: true,
         overlap_param_gather: true,
+        ..DdpConfig::default()
     };
     let mut losses = Vec::new();
     for (name, ddp) in [("plain", DdpConfig::default()), ("overlapped", both)] {

@@ -12,9 +12,10 @@ mod support;
 use serde_json::Value;
 use support::{TempDir, megatron};
 
-/// gpt-tiny (two layers unless the layout says), 32-token samples, 4 steps, gradient buckets of 20,000 elements
-/// (the first pipeline stage's first chunk cut into several, as Megatron-LM cuts only that).
-const BASE: [&str; 13] = [
+/// gpt-tiny (two layers unless the layout says), 32-token samples, 4 steps, gradient buckets
+/// of 20,000 elements unless the layout says (the first pipeline stage's first chunk cut into
+/// several, as Megatron-LM cuts only that).
+const BASE: [&str; 11] = [
     "--quiet",
     "--seq-length",
     "32",
@@ -26,9 +27,10 @@ const BASE: [&str; 13] = [
     "4",
     "--seed",
     "5",
-    "--ddp-bucket-size",
-    "20000",
 ];
+
+/// What overlaps the first model chunk's gather with the optimizer step (one bucket a chunk).
+const WITH_STEP: &str = "--overlap-param-gather-with-optimizer-step";
 
 /// Each step's loss, gradient norm and overlapped buckets ([started during the walk, all] on
 /// the logging rank) of a run of `flags` and the overlap flags `overlap`.
@@ -38,6 +40,9 @@ fn run(dir: &TempDir, name: &str, flags: &[&str], overlap: &[&str]) -> Vec<(Valu
     args.extend(BASE);
     if !flags.contains(&"--num-layers") {
         args.extend(["--num-layers", "2"]);
+    }
+    if !flags.contains(&"--ddp-bucket-size") && !overlap.contains(&WITH_STEP) {
+        args.extend(["--ddp-bucket-size", "20000"]);
     }
     args.extend(flags);
     args.extend(["--log-json", &log]);
@@ -217,6 +222,42 @@ fn overlap_with_graph_scopes_is_refused_by_name() {
     );
 }
 
+/// `--overlap-param-gather-with-optimizer-step`: the first model chunk updated first and its
+/// gathers started during the others' update, every chunk one bucket. The same run as the plain
+/// one with one bucket a chunk, bit for bit: pp 2 × vpp 2 at dp 2, in f32 and in bf16 (whose
+/// compute copies each chunk's gathers refresh), and with experts over ep 2.
+#[test]
+fn the_first_chunks_gather_overlaps_the_optimizer_step() {
+    let dir = TempDir::new("overlap-with-step");
+    // pp 2 × vpp 2 (one layer a chunk) with the distributed optimizer, at `dp`.
+    let interleaved = |dp: &'static str| {
+        let mut flags = vec!["--num-layers", "4", "--pp", "2"];
+        flags.extend(["--num-layers-per-virtual-pipeline-stage", "1"]);
+        flags.extend(["--dp", dp, "--use-distributed-optimizer"]);
+        flags
+    };
+    let layouts: [(&str, &str, &[&str]); 3] = [
+        ("f32", "2", &[]),
+        ("bf16", "2", &["--bf16"]),
+        // Experts over ep 2 within dp 4: their own buckets, gathered over edp.
+        ("moe", "4", &["--model", "mixtral-tiny", "--ep", "2"]),
+    ];
+    for (name, dp, extra) in layouts {
+        let mut flags = interleaved(dp);
+        flags.extend(extra);
+        let mut plain_flags = flags.clone();
+        plain_flags.extend(["--ddp-bucket-size", "1000000000"]);
+        let plain = run(&dir, name, &plain_flags, &[]);
+        let overlaps = ["--overlap-grad-reduce", "--overlap-param-gather", WITH_STEP];
+        let overlapped = run(&dir, name, &flags, &overlaps);
+        let numbers = |r: &[(Value, Value, Value)]| -> Vec<(Value, Value)> {
+            r.iter().map(|(l, n, _)| (l.clone(), n.clone())).collect()
+        };
+        assert_eq!(plain.len(), 4, "{name}: {plain:?}");
+        assert_eq!(numbers(&plain), numbers(&overlapped), "{name}");
+    }
+}
+
 #[test]
 fn the_parameters_gather_needs_the_distributed_optimizer_and_the_reduction_overlapped() {
     for (flags, says) in [
@@ -227,6 +268,34 @@ fn the_parameters_gather_needs_the_distributed_optimizer_and_the_reduction_overl
         (
             &["--overlap-param-gather", "--use-distributed-optimizer"],
             "--overlap-param-gather needs --overlap-grad-reduce",
+        ),
+        (
+            &[
+                WITH_STEP,
+                "--overlap-grad-reduce",
+                "--use-distributed-optimizer",
+            ],
+            "--overlap-param-gather-with-optimizer-step needs --overlap-param-gather",
+        ),
+        (
+            &[
+                WITH_STEP,
+                "--overlap-param-gather",
+                "--overlap-grad-reduce",
+                "--use-distributed-optimizer",
+                "--ddp-bucket-size",
+                "1000",
+            ],
+            "drop --ddp-bucket-size",
+        ),
+        (
+            &[
+                WITH_STEP,
+                "--overlap-param-gather",
+                "--overlap-grad-reduce",
+                "--use-distributed-optimizer",
+            ],
+            "needs interleaved pipeline parallelism",
         ),
     ] {
         let mut args = vec!["train", "--quiet", "--train-iters", "1", "--dp", "2"];

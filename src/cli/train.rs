@@ -258,6 +258,12 @@ pub struct TrainArgs {
     /// next step's first read of the bucket (Megatron-LM's --overlap-param-gather).
     #[arg(long)]
     overlap_param_gather: bool,
+    /// With --overlap-param-gather and interleaved pipeline parallelism: update the first
+    /// model chunk first and start its all-gathers during the others' update (Megatron-LM's
+    /// --overlap-param-gather-with-optimizer-step). Each model chunk is then one bucket, as
+    /// there: not with --ddp-bucket-size.
+    #[arg(long)]
+    overlap_param_gather_with_optimizer_step: bool,
     /// Graph scopes to capture as CUDA graphs (Megatron-LM's --cuda-graph-scope): attn, mlp
     /// (dense layers), moe_router, moe_preprocess. Each is run eagerly once per in-flight
     /// slot, captured, then replayed; on the CPU the scopes are counted and run eagerly.
@@ -918,6 +924,18 @@ impl TrainArgs {
         if self.overlap_param_gather && !self.overlap_grad_reduce {
             bail!("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM): add it");
         }
+        if self.overlap_param_gather_with_optimizer_step && !self.overlap_param_gather {
+            bail!(
+                "--overlap-param-gather-with-optimizer-step needs --overlap-param-gather (as in \
+                 Megatron-LM): add it"
+            );
+        }
+        if self.overlap_param_gather_with_optimizer_step && self.ddp_bucket_size.is_some() {
+            bail!(
+                "--ddp-bucket-size with --overlap-param-gather-with-optimizer-step: Megatron-LM \
+                 keeps each model chunk in one bucket with it; drop --ddp-bucket-size"
+            );
+        }
         if self.overlap_grad_reduce && !self.cuda_graph_scope.is_empty() {
             bail!(
                 "--overlap-grad-reduce with --cuda-graph-scope: a replayed graph's backward \
@@ -1167,9 +1185,14 @@ impl TrainArgs {
             },
             clip_grad: self.clip_grad,
             seed: s.seed,
-            bucket_elements: self
-                .ddp_bucket_size
-                .unwrap_or_else(|| default_bucket_elements(s.dp)),
+            // One bucket per model chunk with the first chunk's gather overlapped with the
+            // optimizer step, as Megatron-LM disables bucketing then.
+            bucket_elements: match self.overlap_param_gather_with_optimizer_step {
+                true => usize::MAX,
+                false => self
+                    .ddp_bucket_size
+                    .unwrap_or_else(|| default_bucket_elements(s.dp)),
+            },
             // Megatron-LM turns the check off under dynamic loss scaling: an overflow there
             // is the scaler's signal, and the step is skipped instead.
             check_for_nan: !self.no_check_for_nan_in_loss_and_grad
@@ -1287,6 +1310,8 @@ impl TrainArgs {
             ddp: DdpConfig {
                 overlap_grad_reduce: self.overlap_grad_reduce,
                 overlap_param_gather: self.overlap_param_gather,
+                overlap_param_gather_with_optimizer_step: self
+                    .overlap_param_gather_with_optimizer_step,
             },
         };
         Ok((job, s.taken))

@@ -54,6 +54,7 @@ impl<C> Default for Progress<C> {
 impl<C> Progress<C> {
     /// A progress thread whose end (its runner's drop) its handle's drop waits for: MPI's
     /// handles must all be gone, on the thread that finalises it, before it is finalised.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn joined() -> Self {
         Progress {
             queue: OnceLock::new(),

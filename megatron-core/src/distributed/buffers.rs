@@ -485,6 +485,18 @@ impl ParamBuffers {
         &self.buckets
     }
 
+    /// The elements of model chunk `chunk`'s buffers (empty if it has none): a chunk's buffers
+    /// lie one after the other.
+    pub fn chunk_range(&self, chunk: usize) -> Range<usize> {
+        let mut ranges = self.buckets.iter().filter(|b| b.chunk() == chunk);
+        let Some(first) = ranges.next() else {
+            return 0..0;
+        };
+        let start = first.range.start;
+        let end = ranges.fold(first.range.end, |end, b| end.max(b.range.end));
+        start..end
+    }
+
     /// Each parameter slot's bucket, in the model's visit order.
     pub fn bucket_of_slots(&self) -> Vec<usize> {
         let mut bucket_of = vec![0; self.slots.len()];

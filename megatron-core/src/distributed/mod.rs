@@ -31,4 +31,11 @@ pub struct DdpConfig {
     /// the updated parameters starts after the optimizer step, and the next step's first read
     /// of the bucket waits for it ([`ParamGather`]).
     pub overlap_param_gather: bool,
+    /// `--overlap-param-gather-with-optimizer-step` (with `overlap_param_gather`, more than one
+    /// model chunk per rank, and one bucket per chunk): the optimizer updates the first model
+    /// chunk first and starts its all-gathers before it updates the others, so that the
+    /// parameters the next step reads first are gathered during the rest of the update
+    /// (Megatron-LM's first chunk with an optimizer of its own, `force_dispatch` after its
+    /// step).
+    pub overlap_param_gather_with_optimizer_step: bool,
 }

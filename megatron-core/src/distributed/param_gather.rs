@@ -86,8 +86,18 @@ impl ParamGather {
     /// After the optimizer step: starts every bucket's all-gather of the shards the ranks
     /// updated, in buffer order, without waiting.
     pub fn start(&self) -> Result<()> {
+        self.start_where(|_| true)
+    }
+
+    /// Starts the all-gathers of the buckets `chosen` picks, in buffer order, without waiting:
+    /// once the ranks have updated their shards of them (the first model chunk's, with
+    /// `--overlap-param-gather-with-optimizer-step`, before the others are).
+    pub fn start_where(&self, chosen: impl Fn(&Bucket) -> bool) -> Result<()> {
         let mut state = self.state();
         for (b, bucket) in self.buckets.iter().enumerate() {
+            if !chosen(bucket) {
+                continue;
+            }
             let group = self.groups[usize::from(bucket.expert)].as_ref();
             match bucket.shard(group.index()) {
                 Some((shard, _)) if group.size() > 1 => {

@@ -418,19 +418,57 @@ impl AdamW {
     /// the gradients themselves are left as they are), then the refresh of the compute copies.
     /// On a GPU with bf16 copies the scale, the update and the refresh are one pass.
     pub fn step(&mut self, buffers: &ParamBuffers, lr: f64, grad_scale: f64) -> Result<()> {
+        self.step_first(buffers, lr, grad_scale, 0..0, || Ok(()))
+    }
+
+    /// [`AdamW::step`] in two parts: first the parameters inside `first` (elements of the flat
+    /// buffers), then `between`, then the others. Each element's update is the same as in one
+    /// part (Adam is element-wise), so the values are too.
+    pub fn step_first(
+        &mut self,
+        buffers: &ParamBuffers,
+        lr: f64,
+        grad_scale: f64,
+        first: Range<usize>,
+        between: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
         self.steps += 1;
-        let ops = backend::of(buffers.values());
-        // bf16 compute copies (or, with f32 main parameters, the bf16 values themselves) are
-        // written by the update itself; others are refreshed after.
-        let copies = match &self.main {
+        let inside = |r: &Range<usize>| first.start <= r.start && r.end <= first.end;
+        self.update(buffers, lr, grad_scale, |r| inside(r))?;
+        between()?;
+        self.update(buffers, lr, grad_scale, |r| !inside(r))?;
+        if self.shard.is_none() && self.copies(buffers).is_none() {
+            buffers.refresh_compute_copies()?;
+        }
+        Ok(())
+    }
+
+    /// The bf16 copies the update writes itself, if any: the compute copies, or with f32 main
+    /// parameters the bf16 values themselves.
+    fn copies<'a>(&self, buffers: &'a ParamBuffers) -> Option<&'a Tensor> {
+        match &self.main {
             Some(_) if buffers.values().dtype() == DType::BF16 => Some(buffers.values()),
             // fp16 values are rounded from the main parameters after the update.
             Some(_) => None,
             None => buffers
                 .compute_copies()
                 .filter(|c| c.dtype() == DType::BF16),
-        };
-        for run in &self.runs {
+        }
+    }
+
+    /// Updates the runs whose elements `chosen` accepts (the step counted already), and their
+    /// fp16 values from the main parameters.
+    fn update(
+        &self,
+        buffers: &ParamBuffers,
+        lr: f64,
+        grad_scale: f64,
+        chosen: impl Fn(&Range<usize>) -> bool,
+    ) -> Result<()> {
+        let ops = backend::of(buffers.values());
+        let copies = self.copies(buffers);
+        let runs = || self.runs.iter().filter(|run| chosen(&run.range));
+        for run in runs() {
             let (offset, len) = (run.range.start, run.range.len());
             let part = |t: &Tensor| t.narrow(0, offset, len);
             let moments = |t: &Tensor| t.narrow(0, run.moments, len);
@@ -449,16 +487,13 @@ impl AdamW {
             ops.adam_step((&values, &grads, &m, &v), copy.as_ref(), &cfg)?;
         }
         if let (Some(main), None) = (&self.main, copies) {
-            for run in &self.runs {
+            for run in runs() {
                 let len = run.range.len();
                 buffers
                     .values()
                     .narrow(0, run.range.start, len)?
                     .copy_from(&main.narrow(0, run.moments, len)?)?;
             }
-        }
-        if copies.is_none() && self.shard.is_none() {
-            buffers.refresh_compute_copies()?;
         }
         Ok(())
     }

@@ -23,8 +23,8 @@ pub use pipeline::{CarriedWidth, Chunks, PipelinedLanguageModel};
 use crate::comm::{CommStats, ParallelState, ReduceOp};
 use crate::cuda_graphs::{GraphRuntime, GraphStats, ScopeSet};
 use crate::distributed::{
-    DdpConfig, GradSync, PackLayout, ParamBuffers, ParamGather, ReduceGroups, gather_parameters,
-    reduce_gradients,
+    Bucket, DdpConfig, GradSync, PackLayout, ParamBuffers, ParamGather, ReduceGroups,
+    gather_parameters, reduce_gradients,
 };
 use crate::error::{Error, Result};
 use crate::invalid;
@@ -452,7 +452,47 @@ impl<M: LanguageModel> Trainer<M> {
                 "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM): add it"
             );
         }
+        if ddp.overlap_param_gather_with_optimizer_step {
+            self.check_gather_with_optimizer_step(ddp)?;
+        }
         self.ddp = ddp;
+        Ok(())
+    }
+
+    /// `--overlap-param-gather-with-optimizer-step` as Megatron-LM admits it: with
+    /// `--overlap-param-gather`, interleaved chunks, and every chunk in one bucket (the tied
+    /// embedding's aside).
+    fn check_gather_with_optimizer_step(&self, ddp: DdpConfig) -> Result<()> {
+        const FLAG: &str = "--overlap-param-gather-with-optimizer-step";
+        if !ddp.overlap_param_gather {
+            return invalid!("{FLAG} needs --overlap-param-gather (as in Megatron-LM): add it");
+        }
+        let chunks = self.chunks.0.len();
+        if chunks < 2 {
+            return invalid!(
+                "{FLAG} overlaps the first model chunk's gather with the others' update, and \
+                 this rank holds {chunks} chunk: it needs interleaved pipeline parallelism \
+                 (--virtual-pipeline-model-parallel-size above 1, as in Megatron-LM)"
+            );
+        }
+        let shared = |b: &Bucket| b.slots.iter().any(|s| self.shared_positions.contains(s));
+        for chunk in 0..chunks {
+            for expert in [false, true] {
+                let n = self
+                    .buffers
+                    .buckets()
+                    .iter()
+                    .filter(|b| b.chunk() == chunk && b.expert == expert && !shared(b))
+                    .count();
+                if n > 1 {
+                    return invalid!(
+                        "{FLAG}: model chunk {chunk} is cut into {n} buckets; Megatron-LM keeps \
+                         each chunk in one bucket with it (TrainConfig::bucket_elements = \
+                         usize::MAX; the CLI does it)"
+                    );
+                }
+            }
+        }
         Ok(())
     }
 
@@ -674,14 +714,30 @@ impl<M: LanguageModel> Trainer<M> {
         let grad_scale = clip_coefficient(norm, self.config.clip_grad);
         let lr = self.config.schedule.lr(step);
         let update = Instant::now();
-        self.optimizer.step(&self.buffers, lr, grad_scale)?;
+        let gather = match self.ddp.overlap_param_gather_with_optimizer_step {
+            // The first chunk's buckets are updated first and their gathers started before the
+            // others are updated.
+            true => {
+                let gather = self.param_gather(parallel)?;
+                let first = self.buffers.chunk_range(0);
+                let first_chunk = || gather.start_where(|b| b.chunk() == 0);
+                self.optimizer
+                    .step_first(&self.buffers, lr, grad_scale, first, first_chunk)?;
+                Some(gather)
+            }
+            false => {
+                self.optimizer.step(&self.buffers, lr, grad_scale)?;
+                None
+            }
+        };
         self.phase(parallel, "optimizer step", update);
-        let gather = Instant::now();
-        match self.ddp.overlap_param_gather {
-            true => self.param_gather(parallel)?.start()?,
-            false => gather_parameters(&self.buffers, ReduceGroups::of(parallel))?,
+        let gathering = Instant::now();
+        match (gather, self.ddp.overlap_param_gather) {
+            (Some(gather), _) => gather.start_where(|b| b.chunk() != 0)?,
+            (None, true) => self.param_gather(parallel)?.start()?,
+            (None, false) => gather_parameters(&self.buffers, ReduceGroups::of(parallel))?,
         }
-        self.phase(parallel, "gather parameters", gather);
+        self.phase(parallel, "gather parameters", gathering);
         let mut metrics = self.metrics(parallel, &before, start, step, loss, norm, tokens);
         metrics.lr = lr;
         metrics.counted_tokens = counted;
