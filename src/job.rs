@@ -580,7 +580,8 @@ impl TrainJob {
         };
         let parallel = ParallelState::new(w, &cx.layout)?
             .with_sequence_parallel(self.sequence_parallel)
-            .with_cp_comm_type(w, self.cp_comm_type)?;
+            .with_cp_comm_type(w, self.cp_comm_type)?
+            .with_optimizer_instances(w, self.ddp.num_distributed_optimizer_instances)?;
         let rank0 = parallel.groups().rank() == 0;
         let report = |f: &mut dyn FnMut(&mut Box<dyn Observer>) -> Result<()>| -> Result<()> {
             if rank0 {

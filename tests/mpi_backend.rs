@@ -637,8 +637,9 @@ fn training_under_mpirun_equals_training_on_threads() {
 /// collectives on each process's progress threads (the reduction started in the hook of the
 /// gradient that completes its bucket, the gather after the optimizer step), train as thread
 /// ranks: pp 2 × dp 2 with the distributed optimizer's reduce-scatters and the tied embedding's
-/// buckets after its sum; and tp 2 with sequence parallelism × dp 2, whose tensor-parallel calls
-/// run on the rank's thread while its data-parallel ones are in flight.
+/// buckets after its sum; tp 2 with sequence parallelism × dp 2, whose tensor-parallel calls
+/// run on the rank's thread while its data-parallel ones are in flight; and dp 4 with two
+/// distributed-optimizer instances.
 #[test]
 fn overlapped_reduction_under_mpirun_equals_thread_ranks() {
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
@@ -679,6 +680,26 @@ fn overlapped_reduction_under_mpirun_equals_thread_ranks() {
         "64",
     ];
     processes_train_as_threads("overlap-tp", &tensor_parallel, "mpi", &[]);
+    // Two distributed-optimizer instances: reduce-scatters within each, then the shards'
+    // all-reduces across them.
+    let instances = [
+        "--dp",
+        "4",
+        "--use-distributed-optimizer",
+        "--num-distributed-optimizer-instances",
+        "2",
+        "--overlap-grad-reduce",
+        "--overlap-param-gather",
+        "--ddp-bucket-size",
+        "20000",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "16",
+        "--seq-length",
+        "64",
+    ];
+    processes_train_as_threads("overlap-instances", &instances, "mpi", &[]);
 }
 
 /// `--trace` under `mpirun`: each process records its rank's step, and rank 0 gathers them

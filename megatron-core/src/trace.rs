@@ -242,13 +242,15 @@ impl Traced {
     }
 
     /// Starts `call`, recording it as `desc` over the interval it really ran in (on the
-    /// backend's progress thread, while the rank computes), once it is waited for.
+    /// backend's progress thread, while the rank computes), once it is waited for. One started
+    /// before the trace records and waited for while it does (a parameter gather started after
+    /// the previous step's update) is recorded from the trace's start, and says so.
     #[track_caller]
     fn started(&self, desc: CallDesc, call: impl FnOnce() -> Result<Pending>) -> Result<Pending> {
+        let mut args = self.args(&desc, Location::caller());
         if !self.trace.recording(self.rank) {
-            return call();
+            args.insert("started".into(), json!("before the traced step"));
         }
-        let args = self.args(&desc, Location::caller());
         let (trace, rank, track) = (self.trace.clone(), self.rank, self.track.clone());
         let name = format!("{desc} (started)");
         Ok(call()?.then(move |ran| trace.record(rank, &track, name, ran, args)))

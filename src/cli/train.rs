@@ -264,6 +264,13 @@ pub struct TrainArgs {
     /// there: not with --ddp-bucket-size.
     #[arg(long)]
     overlap_param_gather_with_optimizer_step: bool,
+    /// With --use-distributed-optimizer: shard the optimizer state within this many parts of
+    /// the data-parallel group and replicate it across them (Megatron-LM's
+    /// --num-distributed-optimizer-instances, HSDP): gradients are reduce-scattered within a
+    /// part and the shards all-reduced across parts. It must divide dp × cp and the expert
+    /// data-parallel size.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    num_distributed_optimizer_instances: u64,
     /// Graph scopes to capture as CUDA graphs (Megatron-LM's --cuda-graph-scope): attn, mlp
     /// (dense layers), moe_router, moe_preprocess. Each is run eagerly once per in-flight
     /// slot, captured, then replayed; on the CPU the scopes are counted and run eagerly.
@@ -930,6 +937,13 @@ impl TrainArgs {
                  Megatron-LM): add it"
             );
         }
+        if self.num_distributed_optimizer_instances > 1 && !self.use_distributed_optimizer {
+            bail!(
+                "--num-distributed-optimizer-instances {} shards the distributed optimizer's \
+                 state: add --use-distributed-optimizer",
+                self.num_distributed_optimizer_instances
+            );
+        }
         if self.overlap_param_gather_with_optimizer_step && self.ddp_bucket_size.is_some() {
             bail!(
                 "--ddp-bucket-size with --overlap-param-gather-with-optimizer-step: Megatron-LM \
@@ -1312,6 +1326,10 @@ impl TrainArgs {
                 overlap_param_gather: self.overlap_param_gather,
                 overlap_param_gather_with_optimizer_step: self
                     .overlap_param_gather_with_optimizer_step,
+                num_distributed_optimizer_instances: usize::try_from(
+                    self.num_distributed_optimizer_instances,
+                )
+                .context("--num-distributed-optimizer-instances")?,
             },
         };
         Ok((job, s.taken))

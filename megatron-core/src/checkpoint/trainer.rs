@@ -289,8 +289,16 @@ impl<M: LanguageModel> Trainer<M> {
         };
         let tmp = checkpoint::working_dir(save, steps_done, pid);
         // Every rank writes its shard; all learn whether every write succeeded.
+        // With several distributed-optimizer instances the first holds every shard; the others
+        // hold copies and write none of them.
+        let writes = parallel.optimizer_instances().map_or([true, true], |i| {
+            i.across.each_ref().map(|g| g.index() == 0)
+        });
         let written = self
-            .optimizer_shard((parallel.groups().tp_rank(), parallel.groups().etp_rank()))
+            .optimizer_shard(
+                (parallel.groups().tp_rank(), parallel.groups().etp_rank()),
+                writes,
+            )
             .and_then(|shard| {
                 Ok(checkpoint::write_optimizer_shard(
                     &tmp,
@@ -425,10 +433,13 @@ impl<M: LanguageModel> Trainer<M> {
     /// its shards, the logical elements it covers and the moments there. Each element is
     /// written once: a copy another pipeline stage holds too is left to that stage, and a
     /// parameter every tensor-parallel rank holds whole to tensor-parallel rank 0 (of the
-    /// experts' parameters, expert-tensor-parallel rank 0).
+    /// experts' parameters, expert-tensor-parallel rank 0). `[dense, experts]` says whether
+    /// this rank writes its shards of each kind of bucket (with several distributed-optimizer
+    /// instances, only the first instance's ranks do).
     fn optimizer_shard(
         &self,
         (tp_rank, etp_rank): (usize, usize),
+        [dense, experts]: [bool; 2],
     ) -> Result<checkpoint::OptimizerShard> {
         let mut shard = checkpoint::OptimizerShard::new();
         let Some(ranks) = self.optimizer.shard() else {
@@ -437,7 +448,11 @@ impl<M: LanguageModel> Trainer<M> {
         let (m, v) = self.optimizer.moments();
         let (m, v) = (m.to_vec::<f32>()?, v.to_vec::<f32>()?);
         let slots = self.buffers.slots();
-        for (_, parts) in self.buffers.shards(ranks) {
+        for bucket in self.buffers.buckets() {
+            let written = if bucket.expert { experts } else { dense };
+            let Some((_, parts)) = bucket.shard(ranks.of(bucket)).filter(|_| written) else {
+                continue;
+            };
             for part in parts {
                 let slot = &slots[part.slot];
                 let left_to_another_rank = match slot.spec.split.group() {

@@ -372,6 +372,23 @@ pub struct ParallelState {
     comms: Vec<(GroupKind, Arc<dyn Communicator>)>,
     sequence_parallel: bool,
     context_parallel: Option<CpGroups>,
+    optimizer_instances: Option<OptimizerInstances>,
+}
+
+/// The groups of several distributed-optimizer instances (Megatron-LM's
+/// `--num-distributed-optimizer-instances`, sharding within a group and replicating across:
+/// HSDP). The data-parallel group (dp × cp) and the expert data-parallel group are each cut into
+/// `instances` runs of consecutive members: a rank's instance is its run, and the ranks at its
+/// place in every run are its replicas. Gradients are reduce-scattered within the instance and
+/// the shards then all-reduced across instances; parameters are gathered within the instance.
+#[derive(Clone)]
+pub struct OptimizerInstances {
+    /// How many.
+    pub instances: usize,
+    /// Within the rank's instance: the dense group's part and the expert one's.
+    pub within: [Arc<dyn Communicator>; 2],
+    /// Across instances, the ranks at this rank's place in each: dense and expert.
+    pub across: [Arc<dyn Communicator>; 2],
 }
 
 impl ParallelState {
@@ -400,6 +417,7 @@ impl ParallelState {
             comms,
             sequence_parallel: false,
             context_parallel: None,
+            optimizer_instances: None,
         };
         state.context_parallel = state.cp_groups(world, CpCommType::default())?;
         Ok(state)
@@ -410,6 +428,62 @@ impl ParallelState {
     pub fn with_cp_comm_type(mut self, world: &dyn World, kind: CpCommType) -> Result<Self> {
         self.context_parallel = self.cp_groups(world, kind)?;
         Ok(self)
+    }
+
+    /// The same state with `instances` distributed-optimizer instances ([`OptimizerInstances`],
+    /// their groups made on `world`); 1 is one instance over the whole data-parallel group, as
+    /// without. The data-parallel and expert data-parallel sizes must be multiples of it.
+    pub fn with_optimizer_instances(mut self, world: &dyn World, instances: usize) -> Result<Self> {
+        if instances <= 1 {
+            self.optimizer_instances = None;
+            return Ok(self);
+        }
+        let dense = match self.groups.config().cp {
+            1 => GroupKind::Dp,
+            _ => GroupKind::DpCp,
+        };
+        let mut within = Vec::new();
+        let mut across = Vec::new();
+        for kind in [dense, GroupKind::Edp] {
+            let group = self.groups.group(kind);
+            let n = group.size();
+            if n % instances != 0 {
+                return Err(CommError::Invalid {
+                    group: kind.name().into(),
+                    message: format!(
+                        "--num-distributed-optimizer-instances {instances} must divide the {} \
+                         group's {n} ranks",
+                        kind.name()
+                    ),
+                });
+            }
+            let size = n / instances;
+            let (instance, place) = (group.index / size, group.index % size);
+            let mine = group.ranks[instance * size..(instance + 1) * size].to_vec();
+            let replicas: Vec<usize> = (0..instances)
+                .map(|k| group.ranks[k * size + place])
+                .collect();
+            within.push(world.communicator(&format!("{}-instance", kind.name()), &mine)?);
+            across.push(world.communicator(&format!("{}-replicas", kind.name()), &replicas)?);
+        }
+        let pair = |v: Vec<Arc<dyn Communicator>>| -> [Arc<dyn Communicator>; 2] {
+            let mut v = v.into_iter();
+            let (Some(a), Some(b)) = (v.next(), v.next()) else {
+                unreachable!("one group each for dense and expert parameters")
+            };
+            [a, b]
+        };
+        self.optimizer_instances = Some(OptimizerInstances {
+            instances,
+            within: pair(within),
+            across: pair(across),
+        });
+        Ok(self)
+    }
+
+    /// The distributed optimizer's instances, when there are several.
+    pub fn optimizer_instances(&self) -> Option<&OptimizerInstances> {
+        self.optimizer_instances.as_ref()
     }
 
     /// The context-parallel attention groups of `kind`; `None` without context parallelism.

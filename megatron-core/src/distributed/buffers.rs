@@ -122,28 +122,58 @@ impl ShardRanks {
 }
 
 /// The groups the gradient buckets are reduced over (Megatron-LM's data-parallel and expert
-/// data-parallel groups).
+/// data-parallel groups, or with several distributed-optimizer instances their parts within the
+/// rank's instance, and the groups across instances).
 #[derive(Clone, Copy)]
 pub struct ReduceGroups<'a> {
-    /// Data parallelism: the dense buckets.
+    /// Data parallelism: the dense buckets (sharded over it).
     pub dense: &'a dyn Communicator,
-    /// Expert data parallelism: the experts' buckets.
+    /// Expert data parallelism: the experts' buckets (sharded over it).
     pub expert: &'a dyn Communicator,
+    /// With several distributed-optimizer instances, the dense and expert groups across them:
+    /// each shard, reduce-scattered within the instance, is then all-reduced over these.
+    pub across: Option<[&'a dyn Communicator; 2]>,
 }
 
 impl<'a> ReduceGroups<'a> {
-    /// The rank's data-parallel and expert data-parallel groups.
+    /// The rank's data-parallel and expert data-parallel groups (within its instance, with
+    /// several distributed-optimizer instances).
     pub fn of(parallel: &'a ParallelState) -> Self {
-        ReduceGroups {
-            dense: parallel.dp(),
-            expert: parallel.comm(GroupKind::Edp),
+        match parallel.optimizer_instances() {
+            Some(instances) => ReduceGroups {
+                dense: instances.within[0].as_ref(),
+                expert: instances.within[1].as_ref(),
+                across: Some([instances.across[0].as_ref(), instances.across[1].as_ref()]),
+            },
+            None => ReduceGroups {
+                dense: parallel.dp(),
+                expert: parallel.comm(GroupKind::Edp),
+                across: None,
+            },
         }
     }
 
+    /// The group across distributed-optimizer instances `bucket`'s shard is all-reduced over
+    /// after its reduce-scatter, if there are several instances.
+    pub fn across_bucket(&self, bucket: &Bucket) -> Option<&'a dyn Communicator> {
+        self.across
+            .map(|[dense, expert]| if bucket.expert { expert } else { dense })
+            .filter(|g| g.size() > 1)
+    }
+
+    /// The groups across distributed-optimizer instances, shared (as [`ReduceGroups::shared`]).
+    pub fn shared_across(parallel: &ParallelState) -> Option<[Arc<dyn Communicator>; 2]> {
+        parallel.optimizer_instances().map(|i| i.across.clone())
+    }
+
     /// The rank's data-parallel group (with context parallelism, the one over dp × cp) and its
-    /// expert data-parallel group, shared, for collectives started now and finished later
+    /// expert data-parallel group (within its instance, with several distributed-optimizer
+    /// instances), shared, for collectives started now and finished later
     /// ([`super::GradSync`], [`super::ParamGather`]).
     pub fn shared(parallel: &ParallelState) -> [Arc<dyn Communicator>; 2] {
+        if let Some(instances) = parallel.optimizer_instances() {
+            return instances.within.clone();
+        }
         let dense = match parallel.groups().config().cp {
             1 => GroupKind::Dp,
             _ => GroupKind::DpCp,

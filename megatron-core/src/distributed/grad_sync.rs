@@ -43,6 +43,8 @@ pub struct GradSync {
     buckets: Vec<Bucket>,
     /// The data-parallel group (dense buckets) and the expert data-parallel one.
     groups: [Arc<dyn Communicator>; 2],
+    /// With several distributed-optimizer instances, the dense and expert groups across them.
+    across: Option<[Arc<dyn Communicator>; 2]>,
     /// Each parameter slot's bucket.
     bucket_of: Vec<usize>,
     /// Each parameter slot's name, for errors.
@@ -91,6 +93,7 @@ impl GradSync {
             .map(|s| s.spec.name.clone())
             .collect();
         let groups = ReduceGroups::shared(parallel);
+        let across = ReduceGroups::shared_across(parallel);
         // Chunks last to first, each chunk's buckets in buffer order.
         let mut by_chunk: Vec<(usize, usize)> = buckets
             .iter()
@@ -120,6 +123,7 @@ impl GradSync {
             }),
             buckets,
             groups,
+            across,
             bucket_of,
             names,
             order,
@@ -232,6 +236,42 @@ impl GradSync {
         Ok(())
     }
 
+    /// With several distributed-optimizer instances: all-reduces each bucket's shard, reduced
+    /// within the instance, across the instances. Started per group in the group's start order
+    /// (the same on every rank) and then waited for, so the dense and expert groups' calls never
+    /// wait for each other.
+    fn reduce_across(&self) -> crate::comm::Result<()> {
+        let Some(across) = &self.across else {
+            return Ok(());
+        };
+        let mut pending = Vec::new();
+        for g in 0..2 {
+            let (within, across) = (self.groups[g].as_ref(), across[g].as_ref());
+            if across.size() == 1 {
+                continue;
+            }
+            for &b in self.order[g].iter().chain(&self.held[g]) {
+                if let Some((shard, _)) = self.buckets[b].shard(within.index()) {
+                    let mine = self
+                        .grads
+                        .narrow(0, shard.start, shard.len())
+                        .map_err(|e| crate::comm::CommError::Invalid {
+                            group: across.name().to_string(),
+                            message: e.to_string(),
+                        })?;
+                    pending.push(across.start_all_reduce(&mine, ReduceOp::Sum)?);
+                }
+            }
+        }
+        let mut first_error = None;
+        for p in pending {
+            if let Err(e) = p.wait() {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
     /// After the walk (and the shared parameters' sum): starts what has not started, in order
     /// (every bucket at the first step, which learns the writes per parameter), then the
     /// shared parameters' buckets, and waits for every reduction. Returns how many buckets had
@@ -253,6 +293,11 @@ impl GradSync {
         for pending in std::mem::take(&mut state.pending) {
             if let Err(e) = pending.wait() {
                 first_error.get_or_insert(e);
+            }
+        }
+        if first_error.is_none() {
+            if let Err(e) = self.reduce_across() {
+                first_error = Some(e);
             }
         }
         match first_error {

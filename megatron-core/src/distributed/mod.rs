@@ -21,8 +21,9 @@ pub use reduce::{
 };
 
 /// How data parallelism overlaps its communication with compute (the flags of Megatron-LM's
-/// `DistributedDataParallelConfig` of these names); the default overlaps nothing.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// `DistributedDataParallelConfig` of these names) and how many distributed-optimizer
+/// instances it has; the default overlaps nothing, with one instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DdpConfig {
     /// `--overlap-grad-reduce`: each bucket's reduction starts during the backward, once every
     /// gradient in it is final ([`GradSync`]).
@@ -38,4 +39,20 @@ pub struct DdpConfig {
     /// (Megatron-LM's first chunk with an optimizer of its own, `force_dispatch` after its
     /// step).
     pub overlap_param_gather_with_optimizer_step: bool,
+    /// `--num-distributed-optimizer-instances` (with the distributed optimizer): the optimizer
+    /// state sharded within each of this many parts of the data-parallel group and replicated
+    /// across them (HSDP; [`crate::comm::OptimizerInstances`]). The run's
+    /// [`crate::comm::ParallelState`] holds their groups.
+    pub num_distributed_optimizer_instances: usize,
+}
+
+impl Default for DdpConfig {
+    fn default() -> Self {
+        DdpConfig {
+            overlap_grad_reduce: false,
+            overlap_param_gather: false,
+            overlap_param_gather_with_optimizer_step: false,
+            num_distributed_optimizer_instances: 1,
+        }
+    }
 }

@@ -13,21 +13,26 @@ use crate::tensor::Tensor;
 /// Sums the gradient buffer over the data-parallel groups, bucket by bucket (the buffer's front
 /// holds the last layers; dense buckets over data parallelism, the experts' over expert data
 /// parallelism): an all-reduce of each bucket, or for a sharded bucket (the distributed
-/// optimizer) a reduce-scatter that leaves each rank the sum of its shard.
+/// optimizer) a reduce-scatter that leaves each rank the sum of its shard. With several
+/// distributed-optimizer instances the reduce-scatter runs within the rank's instance and the
+/// shard is then all-reduced across instances (Megatron-LM's order).
 pub fn reduce_gradients(buffers: &ParamBuffers, groups: ReduceGroups<'_>) -> Result<()> {
     let grads = buffers.grads();
     for bucket in buffers.buckets() {
         let group = groups.of_bucket(bucket);
-        if group.size() == 1 {
-            continue;
-        }
         let whole = grads.narrow(0, bucket.range.start, bucket.range.len())?;
         match bucket.shard(group.index()) {
             Some((shard, _)) => {
                 let mine = grads.narrow(0, shard.start, shard.len())?;
-                group.reduce_scatter(&whole, &mine, ReduceOp::Sum)?;
+                if group.size() > 1 {
+                    group.reduce_scatter(&whole, &mine, ReduceOp::Sum)?;
+                }
+                if let Some(across) = groups.across_bucket(bucket) {
+                    across.all_reduce(&mine, ReduceOp::Sum)?;
+                }
             }
-            None => group.all_reduce(&whole, ReduceOp::Sum)?,
+            None if group.size() > 1 => group.all_reduce(&whole, ReduceOp::Sum)?,
+            None => {}
         }
     }
     Ok(())

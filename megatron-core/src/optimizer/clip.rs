@@ -7,7 +7,7 @@ use std::ops::Range;
 use super::AdamW;
 use crate::backend;
 use crate::comm::{ParallelState, ReduceOp};
-use crate::distributed::{ParamBuffers, ParamSlot, ShardRanks};
+use crate::distributed::{ParamBuffers, ParamSlot, ReduceGroups, ShardRanks};
 use crate::error::Result;
 use crate::parallel::GroupKind;
 use crate::tensor::Tensor;
@@ -113,9 +113,12 @@ pub fn grad_norm(
         Tensor::scalar_near(sum as f32, buffers.grads())
     };
     let sharded = optimizer.shard().is_some();
+    // The shards of one instance hold every gradient once (with several distributed-optimizer
+    // instances, each instance holds them all).
+    let shards = ReduceGroups::of(parallel);
     let total = local_sum(false)?;
     if sharded {
-        parallel.dp().all_reduce(&total, ReduceOp::Sum)?;
+        shards.dense.all_reduce(&total, ReduceOp::Sum)?;
     }
     if !experts {
         parallel
@@ -126,9 +129,7 @@ pub fn grad_norm(
     parallel.tp().all_reduce(&total, ReduceOp::Sum)?;
     let experts = local_sum(true)?;
     if sharded {
-        parallel
-            .comm(GroupKind::Edp)
-            .all_reduce(&experts, ReduceOp::Sum)?;
+        shards.expert.all_reduce(&experts, ReduceOp::Sum)?;
     }
     parallel
         .comm(GroupKind::EtpEp)

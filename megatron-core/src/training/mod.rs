@@ -254,6 +254,16 @@ impl<M: LanguageModel> Trainer<M> {
         engine: engine::Engine<M>,
     ) -> Result<Self> {
         let groups = ReduceGroups::of(parallel);
+        if let Some(i) = parallel
+            .optimizer_instances()
+            .filter(|_| !config.distributed_optimizer)
+        {
+            return invalid!(
+                "{} distributed-optimizer instances shard the distributed optimizer's state: \
+                 add --use-distributed-optimizer",
+                i.instances
+            );
+        }
         let first_stage = parallel.pp().index() == 0;
         let plan = PackLayout {
             chunks: chunks
