@@ -289,6 +289,41 @@ fn check_collectives(c: &dyn Communicator, place: &Place) -> R<()> {
         }
         assert_eq!(bits(&output)?, expected, "all-to-all {dtype}");
     }
+    // Started collectives (on the progress thread; over NCCL on the communication stream),
+    // several in flight at once, then a blocking one after them: each the rank-order fold.
+    {
+        let len = 4096 * 3 + 5;
+        let op = if place.exact_float_sums {
+            ReduceOp::Sum
+        } else {
+            ReduceOp::Max
+        };
+        let all: Vec<Tensor> = (0..n)
+            .map(|g| input(g, len, DType::F32, 9))
+            .collect::<R<_>>()?;
+        let wide: Vec<Tensor> = (0..n)
+            .map(|g| input(g, n * len, DType::F32, 10))
+            .collect::<R<_>>()?;
+        let reduced = at(all[me].deep_clone()?)?;
+        let scattered = at(Tensor::zeros([len], DType::F32))?;
+        let gathered = at(Tensor::zeros([n * len], DType::F32))?;
+        let started = [
+            c.start_all_reduce(&reduced, op)?,
+            c.start_reduce_scatter(&at(wide[me].deep_clone()?)?, &scattered, op)?,
+            c.start_all_gather(&at(all[me].deep_clone()?)?, &gathered)?,
+        ];
+        let after = at(all[me].deep_clone()?)?;
+        c.all_reduce(&after, ReduceOp::Max)?;
+        for pending in started {
+            pending.wait()?;
+        }
+        assert_eq!(bits(&reduced)?, fold(&all, op)?, "started all-reduce");
+        let full = fold(&wide, op)?;
+        assert_eq!(bits(&scattered)?, full[me * len..(me + 1) * len].to_vec());
+        let expected: Vec<u64> = all.iter().map(bits).collect::<R<Vec<_>>>()?.concat();
+        assert_eq!(bits(&gathered)?, expected, "started all-gather");
+        assert_eq!(bits(&after)?, fold(&all, ReduceOp::Max)?);
+    }
     // Point to point around the ring, both ways, several messages in order.
     if n > 1 {
         let next = (me + 1) % n;

@@ -21,6 +21,14 @@
 //!   (the pipeline's batches, as Megatron-LM's `batch_isend_irecv`).
 //! - NCCL reduces in its own order (rings, trees), so sums equal the host backends' within
 //!   rounding, not bit for bit.
+//! - A started collective ([`Communicator::start_all_reduce`], ...) runs on the handle's
+//!   progress thread ([`super::progress`]) and on a communication stream of its own: the start
+//!   records an event on the rank's stream, the progress thread verifies the call with the
+//!   members, makes the communication stream wait for that event (so NCCL reads the buffers as
+//!   the rank's kernels left them at the start) and launches the call there, and polls it to
+//!   completion with the deadline. The rank's stream goes on with its kernels meanwhile; the
+//!   wait returns once the host has seen the call complete, so whatever the rank enqueues after
+//!   it runs after the call. A blocking call on the group first waits for the started ones.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -36,8 +44,11 @@ use parking_lot::Mutex;
 
 use super::checks::Checks;
 use super::mpi::{MpiComm, MpiWorld};
+use super::progress::Progress;
 use super::stats::Counters;
-use super::{CallDesc, CommError, CommStats, Communicator, OpKind, ReduceOp, Result, World};
+use super::{
+    CallDesc, CommError, CommStats, Communicator, OpKind, Pending, ReduceOp, Result, World,
+};
 use crate::cuda::Gpu;
 use crate::tensor::{DType, Tensor};
 
@@ -176,12 +187,20 @@ impl Drop for RawComm {
 /// One rank's handle on a group's NCCL communicator.
 pub struct NcclComm {
     host: Arc<MpiComm>,
-    comm: Mutex<Option<RawComm>>,
+    comm: Arc<Mutex<Option<RawComm>>>,
     gpu: Gpu,
     timeout: Duration,
-    counters: Counters,
+    counters: Arc<Counters>,
     /// The process's held sends, shared with its other communicators.
     held: Arc<HeldSends>,
+    /// The device with the communication stream started collectives run on (the runner's own
+    /// stream).
+    comm_gpu: Gpu,
+    /// The thread started collectives run on (a runner handle's is never started).
+    progress: Progress<NcclComm>,
+    /// This handle is the progress thread's: it leaves the process's held sends to the rank's
+    /// own calls (they belong to the rank's stream).
+    runner: bool,
 }
 
 impl std::fmt::Debug for NcclComm {
@@ -246,14 +265,100 @@ impl NcclComm {
         // SAFETY: `comm` receives the new handle; every member calls this with the same id.
         unsafe { nccl::comm_init_rank(&mut comm, n, id, index) }
             .map_err(|e| backend("ncclCommInitRank", format!("{e:?}")))?;
+        let comm_gpu = gpu
+            .with_new_stream()
+            .map_err(|e| backend("cuStreamCreate", e.to_string()))?;
         Ok(NcclComm {
             host,
-            comm: Mutex::new(Some(RawComm(comm))),
+            comm: Arc::new(Mutex::new(Some(RawComm(comm)))),
             gpu,
             timeout,
-            counters: Counters::default(),
+            counters: Arc::default(),
             held,
+            comm_gpu,
+            progress: Progress::joined(),
+            runner: false,
         })
+    }
+
+    /// Waits until every collective this rank started on the group has run.
+    fn drain(&self) {
+        self.progress.drain();
+    }
+
+    /// Starts `call` (described as `desc`) on the progress thread, on the communication stream
+    /// once the rank's stream has done what it was given so far; at once while the rank's
+    /// stream is captured (a started call cannot be part of a graph). `keep` (the call's
+    /// tensors) is dropped at the wait, after the rank's stream is ordered after the call:
+    /// their memory is freed on the rank's stream, which must not reuse it before.
+    fn start(
+        &self,
+        desc: &CallDesc,
+        keep: Vec<Tensor>,
+        call: impl FnOnce(&NcclComm) -> Result<()> + Send + 'static,
+    ) -> Result<Pending> {
+        if self.gpu.capturing().is_some() {
+            let start = Instant::now();
+            return Ok(Pending::ran(
+                self.flush_held().and_then(|()| call(self)),
+                start,
+            ));
+        }
+        // The rank's held sends go first, on its own stream.
+        self.flush_held()?;
+        let ready = self
+            .gpu
+            .stream()
+            .record_event(None)
+            .map_err(|e| self.backend("cuEventRecord", format!("{e:?}")))?;
+        let runner = || {
+            let runner = NcclComm {
+                host: Arc::clone(&self.host),
+                comm: Arc::clone(&self.comm),
+                gpu: self.comm_gpu.clone(),
+                timeout: self.timeout,
+                counters: Arc::clone(&self.counters),
+                held: Arc::clone(&self.held),
+                comm_gpu: self.comm_gpu.clone(),
+                progress: Progress::default(),
+                runner: true,
+            };
+            let name = format!("nccl-{}-{}", self.name(), self.ranks()[self.index()]);
+            (runner, name)
+        };
+        // The event the communication stream records after the call, which the rank's stream
+        // waits for at the wait.
+        let done = Arc::new(Mutex::new(None));
+        let recorded = Arc::clone(&done);
+        let pending = self.progress.start(self.name(), desc, runner, move |c| {
+            c.gpu
+                .context()
+                .bind_to_thread()
+                .map_err(|e| c.backend("cuCtxSetCurrent", format!("{e:?}")))?;
+            c.gpu
+                .stream()
+                .wait(&ready)
+                .map_err(|e| c.backend("cuStreamWaitEvent", format!("{e:?}")))?;
+            call(c)?;
+            let event = c.gpu.stream().record_event(None);
+            *recorded.lock() =
+                Some(event.map_err(|e| c.backend("cuEventRecord", format!("{e:?}")))?);
+            Ok(())
+        })?;
+        let (stream, group) = (Arc::clone(self.gpu.stream()), self.name().to_string());
+        Ok(pending.after(move || {
+            let Some(event) = done.lock().take() else {
+                return Ok(());
+            };
+            let ordered = stream.wait(&event).map_err(|e| CommError::Backend {
+                group,
+                library: "CUDA",
+                call: "cuStreamWaitEvent",
+                message: format!("{e:?}"),
+            });
+            drop(keep);
+            ordered
+        }))
     }
 
     /// Launches the process's held sends and `then` (with this communicator's handle) in one
@@ -265,7 +370,10 @@ impl NcclComm {
         then: Option<&dyn Fn(ncclComm_t, cudarc::driver::sys::CUstream) -> Result<()>>,
         meanwhile: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
-        let held = std::mem::take(&mut *self.held.0.lock());
+        let held = match self.runner {
+            true => Vec::new(),
+            false => std::mem::take(&mut *self.held.0.lock()),
+        };
         if held.is_empty() && then.is_none() {
             return meanwhile();
         }
@@ -466,6 +574,7 @@ impl Communicator for NcclComm {
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+        self.drain();
         const OP: &str = "all_reduce";
         self.check_tensor(OP, tensor)?;
         let (count, dtype) = (tensor.numel(), tensor.dtype());
@@ -495,6 +604,7 @@ impl Communicator for NcclComm {
     }
 
     fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        self.drain();
         const OP: &str = "all_gather";
         self.check_tensor(OP, input)?;
         self.check_tensor(OP, output)?;
@@ -525,6 +635,7 @@ impl Communicator for NcclComm {
     }
 
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        self.drain();
         const OP: &str = "reduce_scatter";
         self.check_tensor(OP, input)?;
         self.check_tensor(OP, output)?;
@@ -562,6 +673,7 @@ impl Communicator for NcclComm {
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
+        self.drain();
         const OP: &str = "broadcast";
         self.check_tensor(OP, tensor)?;
         self.checks().peer("broadcast root", root)?;
@@ -598,6 +710,7 @@ impl Communicator for NcclComm {
         output: &Tensor,
         recv_splits: &[usize],
     ) -> Result<()> {
+        self.drain();
         const OP: &str = "all_to_all";
         self.check_tensor(OP, input)?;
         self.check_tensor(OP, output)?;
@@ -660,6 +773,7 @@ impl Communicator for NcclComm {
     }
 
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        self.drain();
         const OP: &str = "send";
         self.check_tensor(OP, tensor)?;
         self.checks().destination(dst)?;
@@ -687,6 +801,7 @@ impl Communicator for NcclComm {
     }
 
     fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
+        self.drain();
         const OP: &str = "recv";
         self.check_tensor(OP, tensor)?;
         self.checks().source(src)?;
@@ -707,6 +822,7 @@ impl Communicator for NcclComm {
     }
 
     fn exchange(&self, sends: &[(&Tensor, usize)], recvs: &[(&Tensor, usize)]) -> Result<()> {
+        self.drain();
         const OP: &str = "exchange";
         let mut outgoing = Vec::with_capacity(sends.len());
         for &(tensor, dst) in sends {
@@ -765,6 +881,7 @@ impl Communicator for NcclComm {
     }
 
     fn barrier(&self) -> Result<()> {
+        self.drain();
         self.flush_held()?;
         self.gpu
             .synchronize()
@@ -775,7 +892,38 @@ impl Communicator for NcclComm {
     }
 
     fn flush(&self) -> Result<()> {
+        self.drain();
         self.flush_held()
+    }
+
+    fn start_all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Pending> {
+        self.check_tensor("all_reduce", tensor)?;
+        let desc = CallDesc::of(OpKind::AllReduce, tensor, Some(op), None);
+        let t = tensor.clone();
+        self.start(&desc, vec![tensor.clone()], move |c| c.all_reduce(&t, op))
+    }
+
+    fn start_reduce_scatter(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Pending> {
+        self.check_tensor("reduce_scatter", input)?;
+        self.check_tensor("reduce_scatter", output)?;
+        let desc = CallDesc::of(OpKind::ReduceScatter, output, Some(op), None);
+        let (i, o) = (input.clone(), output.clone());
+        let keep = vec![input.clone(), output.clone()];
+        self.start(&desc, keep, move |c| c.reduce_scatter(&i, &o, op))
+    }
+
+    fn start_all_gather(&self, input: &Tensor, output: &Tensor) -> Result<Pending> {
+        self.check_tensor("all_gather", input)?;
+        self.check_tensor("all_gather", output)?;
+        let desc = CallDesc::of(OpKind::AllGather, input, None, None);
+        let (i, o) = (input.clone(), output.clone());
+        let keep = vec![input.clone(), output.clone()];
+        self.start(&desc, keep, move |c| c.all_gather(&i, &o))
     }
 
     fn stats(&self) -> CommStats {

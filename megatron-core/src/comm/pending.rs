@@ -16,11 +16,15 @@ pub type Ran = (Instant, Instant);
 /// A hook called with the interval a collective ran in, once it has.
 type Hook = Box<dyn FnOnce(Ran) + Send>;
 
+/// A step the waiting thread takes once the collective has run, whose error is the wait's.
+type After = Box<dyn FnOnce() -> Result<()> + Send>;
+
 /// A started collective; it is complete once [`Pending::wait`] returns.
 #[must_use = "a started collective owns its tensors until it is waited for"]
 pub struct Pending {
     state: State,
     hooks: Vec<Hook>,
+    after: Option<After>,
 }
 
 enum State {
@@ -50,6 +54,7 @@ impl Pending {
         Pending {
             state: State::Ran(outcome, (start, Instant::now())),
             hooks: Vec::new(),
+            after: None,
         }
     }
 
@@ -67,7 +72,15 @@ impl Pending {
                 call,
             },
             hooks: Vec::new(),
+            after: None,
         }
+    }
+
+    /// The same collective, `after` run by the waiting thread once it has run without error
+    /// (a device backend orders the rank's stream after the collective's stream there).
+    pub(crate) fn after(mut self, after: impl FnOnce() -> Result<()> + Send + 'static) -> Pending {
+        self.after = Some(Box::new(after));
+        self
     }
 
     /// The same collective, `hook` called with the interval it ran in when it is waited for.
@@ -99,6 +112,9 @@ impl Pending {
         for hook in self.hooks {
             hook(ran);
         }
-        outcome
+        match (outcome, self.after) {
+            (Ok(()), Some(after)) => after(),
+            (outcome, _) => outcome,
+        }
     }
 }

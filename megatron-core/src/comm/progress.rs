@@ -6,6 +6,11 @@
 //! A rank's calls on one group must reach the group in the order it makes them, started or
 //! not: a collective the rank calls and waits for first [`Progress::drain`]s the started ones.
 //!
+//! Once a started collective fails, the group's members no longer agree on what comes next:
+//! the collectives started after it are not run, and each fails at once with the first error
+//! named, so that the rank reaches its wait, fails and stops the others (instead of waiting
+//! out the deadline in the next collective, for peers stuck in the failed one).
+//!
 //! [`Communicator::start_all_reduce`]: super::Communicator::start_all_reduce
 
 use std::sync::mpsc::{Sender, channel};
@@ -29,6 +34,8 @@ struct Queue<C> {
 /// `C` it runs collectives on.
 pub(crate) struct Progress<C> {
     queue: OnceLock<Queue<C>>,
+    /// The first started collective that failed, if one did.
+    failed: Arc<Mutex<Option<CommError>>>,
     /// Whether dropping it waits for the thread to end (its runner dropped).
     join: bool,
 }
@@ -46,6 +53,7 @@ impl<C> Default for Progress<C> {
     fn default() -> Self {
         Progress {
             queue: OnceLock::new(),
+            failed: Arc::default(),
             join: false,
         }
     }
@@ -58,6 +66,7 @@ impl<C> Progress<C> {
     pub(crate) fn joined() -> Self {
         Progress {
             queue: OnceLock::new(),
+            failed: Arc::default(),
             join: true,
         }
     }
@@ -101,12 +110,34 @@ impl<C: Send + 'static> Progress<C> {
         call: impl FnOnce(&C) -> Result<()> + Send + 'static,
     ) -> Result<Pending> {
         let (tx, rx) = channel();
+        let (failed, what, name) = (
+            Arc::clone(&self.failed),
+            desc.to_string(),
+            group.to_string(),
+        );
         self.submit(
             group,
             runner,
             Box::new(move |c: &C| {
                 let start = Instant::now();
-                let outcome = call(c);
+                let earlier = failed.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let outcome = match earlier {
+                    Some(e) => Err(CommError::Backend {
+                        group: name,
+                        library: "megatron-rs",
+                        call: "start",
+                        message: format!(
+                            "{what} was not run: an earlier started collective failed: {e}"
+                        ),
+                    }),
+                    None => call(c),
+                };
+                if let Err(e) = &outcome {
+                    failed
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .get_or_insert_with(|| e.clone());
+                }
                 let _ = tx.send((outcome, (start, Instant::now())));
             }),
         )?;

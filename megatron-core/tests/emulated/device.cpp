@@ -103,18 +103,38 @@ struct Module {
     std::map<std::string, unsigned> max_threads;
 };
 
-// One stream's operation on a buffer: which stream, its clock then.
+// One stream's operation on a buffer: which stream, its clock then, and the bytes it touched:
+// `lo..hi` when they are known (`ranged`: a collective on one bucket of a flat buffer), else
+// only where it starts (`lo`: a kernel's pointer argument).
 struct Use {
     unsigned stream = 0;
     std::uint64_t time = 0;
+    unsigned long long lo = 0, hi = 0;
+    bool ranged = false;
 };
 
-// Every allocation: where its mapping starts and how long it is, and its size; the last write
-// to it and the reads since, for the stream-order check.
+// Whether two uses of one allocation may touch the same bytes. Two uses of unknown extent may
+// (the whole allocation, as far as either knows); against a use of known bytes, a use of
+// unknown extent counts by where it starts. That finds a kernel writing a parameter's
+// gradient while a collective reduces the bucket that holds it, and lets kernels work on the
+// rest of a flat buffer while a collective runs on one of its buckets, as Megatron-LM's
+// overlapped reductions do (a kernel starting before a bucket and running into it is missed).
+bool overlap(const Use& a, const Use& b) {
+    if (!a.ranged && !b.ranged) return true;
+    return a.lo < b.hi && b.lo < a.hi;
+}
+
+// Whether `later` touches every byte `earlier` did (a write that replaces it in the record).
+bool covers(const Use& later, const Use& earlier) {
+    return !later.ranged || (earlier.ranged && later.lo <= earlier.lo && earlier.hi <= later.hi);
+}
+
+// Every allocation: where its mapping starts and how long it is, and its size; the writes to
+// it and the reads since that later uses must be ordered after, for the stream-order check.
 struct Allocation {
     void* mapping;
     std::size_t mapped, bytes;
-    Use written;
+    std::vector<Use> writes;
     std::vector<Use> reads;
 };
 // Guards the allocations, their uses and every clock.
@@ -136,10 +156,12 @@ double now_ms() {
 // The stream whose work this thread runs now (null: the host's synchronous calls).
 thread_local Stream* executing = nullptr;
 
-// A buffer one operation reads or writes.
+// A buffer one operation reads or writes: where (any address inside it), and how many bytes
+// from there when known (0: not known).
 struct Access {
     const void* at;
     bool write;
+    std::size_t bytes = 0;
 };
 
 // Makes `stream` the one whose work this thread runs, for its lifetime.
@@ -206,7 +228,7 @@ bool check_order(const char* what, const std::vector<Access>& accesses) {
     Stream* s = executing;
     if (!s) return true;
     const std::lock_guard<std::mutex> lock(memory_lock);
-    const Use now{s->id, s->clock.tick(s->id)};
+    const std::uint64_t time = s->clock.tick(s->id);
     auto ordered = [&](const Use& u) {
         return u.stream == 0 || u.stream == s->id || s->clock.at(u.stream) >= u.time ||
                synced.at(u.stream) >= u.time;
@@ -215,10 +237,15 @@ bool check_order(const char* what, const std::vector<Access>& accesses) {
         const auto it = allocation_of(a.at);
         if (it == allocations.end()) continue;
         Allocation& alloc = it->second;
-        const Use* conflict = ordered(alloc.written) ? nullptr : &alloc.written;
+        const auto lo = reinterpret_cast<unsigned long long>(a.at);
+        const Use now{s->id, time, lo, lo + std::max<std::size_t>(a.bytes, 1), a.bytes > 0};
+        const Use* conflict = nullptr;
         const char* earlier = "written";
+        for (const Use& w : alloc.writes) {
+            if (!conflict && !ordered(w) && overlap(now, w)) conflict = &w;
+        }
         for (const Use& r : alloc.reads) {
-            if (a.write && !conflict && !ordered(r)) {
+            if (a.write && !conflict && !ordered(r) && overlap(now, r)) {
                 conflict = &r;
                 earlier = "read";
             }
@@ -233,17 +260,16 @@ bool check_order(const char* what, const std::vector<Access>& accesses) {
                          earlier, conflict->stream);
             return false;
         }
+        auto replaced = [&](const Use& u) { return ordered(u) && covers(now, u); };
         if (a.write) {
-            alloc.written = now;
-            alloc.reads.clear();
+            std::erase_if(alloc.writes, replaced);
+            std::erase_if(alloc.reads, replaced);
+            alloc.writes.push_back(now);
         } else {
-            auto mine = std::find_if(alloc.reads.begin(), alloc.reads.end(),
-                                     [&](const Use& r) { return r.stream == s->id; });
-            if (mine == alloc.reads.end()) {
-                alloc.reads.push_back(now);
-            } else {
-                *mine = now;
-            }
+            std::erase_if(alloc.reads, [&](const Use& r) {
+                return r.stream == s->id && covers(now, r);
+            });
+            alloc.reads.push_back(now);
         }
     }
     return true;

@@ -427,7 +427,7 @@ Result ncclAllReduce(const void* send, void* recv, std::size_t count, int type, 
             return fold_from_all(*c, [mine](int) { return mine; },
                                  static_cast<unsigned char*>(recv), count, type, op);
         },
-        {{send, false}, {recv, true}});
+        {{send, false, count * element_size(type)}, {recv, true, count * element_size(type)}});
 }
 
 Result ncclReduceScatter(const void* send, void* recv, std::size_t count, int type, int op,
@@ -441,7 +441,7 @@ Result ncclReduceScatter(const void* send, void* recv, std::size_t count, int ty
             return fold_from_all(*c, [whole, bytes](int p) { return whole + p * bytes; },
                                  static_cast<unsigned char*>(recv), count, type, op);
         },
-        {{send, false}, {recv, true}});
+        {{send, false, c->size * bytes}, {recv, true, bytes}});
 }
 
 Result ncclAllGather(const void* send, void* recv, std::size_t count, int type, Comm* c,
@@ -459,7 +459,7 @@ Result ncclAllGather(const void* send, void* recv, std::size_t count, int type, 
         if (const Result r = exchange(*c, transfers); r != SUCCESS) return r;
         std::memmove(out + c->rank * bytes, send, bytes);
         return SUCCESS;
-    }, {{send, false}, {recv, true}});
+    }, {{send, false, bytes}, {recv, true, c->size * bytes}});
 }
 
 Result ncclBroadcast(const void* send, void* recv, std::size_t count, int type, int root,
