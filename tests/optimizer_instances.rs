@@ -177,3 +177,45 @@ fn an_instance_count_that_does_not_fit_is_refused_by_name() {
         assert!(stderr.contains(says), "{flags:?}: {stderr}");
     }
 }
+
+/// `megatron inspect` gives each rank's optimizer bytes per parameter with k instances: what a
+/// run measures on its rank 0.
+#[test]
+fn inspect_counts_the_state_of_an_instance_as_training_measures_it() {
+    let dir = TempDir::new("instances-inspect");
+    for k in ["1", "2", "4"] {
+        let flags = ["--dp", "4", DISTOPT, INSTANCES, k];
+        let (_, stdout) = run(&dir, &format!("k{k}"), &flags);
+        let measured: f64 = stdout
+            .split("optimizer ")
+            .nth(1)
+            .and_then(|rest| rest.split(')').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("k = {k}: no optimizer bytes in {stdout}"));
+        let args = [
+            &[
+                "inspect",
+                "--model",
+                "gpt-tiny",
+                "--num-layers",
+                "2",
+                "--json",
+            ][..],
+            &flags,
+        ]
+        .concat();
+        let (ok, out, stderr) = megatron(&args);
+        assert!(ok, "{stderr}");
+        let json: Value = serde_json::from_str(&out).expect("inspect --json");
+        let state = &json["state_bytes_per_param"];
+        assert_eq!(
+            state["distributed_optimizer_instances"],
+            k.parse::<u64>().unwrap()
+        );
+        let counted = state["optimizer"].as_f64().expect("optimizer bytes");
+        assert!(
+            (counted - measured).abs() < 0.05,
+            "k = {k}: {counted} vs {measured}"
+        );
+    }
+}

@@ -86,6 +86,10 @@ pub struct InspectArgs {
     /// data-parallel ranks).
     #[arg(long)]
     use_distributed_optimizer: bool,
+    /// With --use-distributed-optimizer: the optimizer state sharded within this many parts of
+    /// the data-parallel ranks and replicated across them (Megatron-LM's HSDP).
+    #[arg(long, default_value_t = 1, value_parser = values::ranks)]
+    num_distributed_optimizer_instances: usize,
     /// bf16 parameters (f32 gradients unless --grad-reduce-in-bf16) with f32 main parameters.
     #[arg(long)]
     bf16: bool,
@@ -508,11 +512,30 @@ pub fn run(args: &InspectArgs) -> Result<()> {
         grad_reduce_in_bf16: args.grad_reduce_in_bf16,
         ..PrecisionFlags::default()
     })?;
+    let instances = args.num_distributed_optimizer_instances;
+    if instances > 1 && !args.use_distributed_optimizer {
+        bail!(
+            "--num-distributed-optimizer-instances {instances} shards the distributed \
+             optimizer's state: add --use-distributed-optimizer"
+        );
+    }
+    for (group, ranks) in [
+        ("dp × cp", args.dp * args.cp),
+        ("expert data-parallel", edp),
+    ] {
+        if ranks % instances != 0 {
+            bail!(
+                "--num-distributed-optimizer-instances {instances} must divide the {group} \
+                 ranks ({ranks})"
+            );
+        }
+    }
     let (state_total, state_values, state_grads, state_optimizer) = state_bytes(
         &specs,
         // With context parallelism the dense parameters' ranks are dp·cp (Megatron-LM's
-        // dp-cp group): the distributed optimizer shards over them.
-        (args.dp * args.cp, edp),
+        // dp-cp group): the distributed optimizer shards over them, or over each instance's
+        // part of them.
+        (args.dp * args.cp / instances, edp / instances),
         args.use_distributed_optimizer,
         &precision,
     )?;
@@ -554,6 +577,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             "state_bytes_per_param": {
                 "dp": args.dp,
                 "distributed_optimizer": args.use_distributed_optimizer,
+                "distributed_optimizer_instances": instances,
                 "param_dtype": precision.params.name(),
                 "grad_dtype": precision.grads.name(),
                 "total": state_total,
@@ -680,10 +704,10 @@ pub fn run(args: &InspectArgs) -> Result<()> {
          parameter (values {state_values:.1}, gradients {state_grads:.1}, optimizer \
          {state_optimizer:.1})\n",
         args.dp,
-        if args.use_distributed_optimizer {
-            " with the distributed optimizer"
-        } else {
-            ""
+        match (args.use_distributed_optimizer, instances) {
+            (false, _) => String::new(),
+            (true, 1) => " with the distributed optimizer".to_string(),
+            (true, k) => format!(" with the distributed optimizer in {k} instances"),
         },
         precision.params,
         precision.grads
