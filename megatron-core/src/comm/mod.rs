@@ -447,7 +447,7 @@ impl ParallelState {
         for kind in [dense, GroupKind::Edp] {
             let group = self.groups.group(kind);
             let n = group.size();
-            if n % instances != 0 {
+            if !n.is_multiple_of(instances) {
                 return Err(CommError::Invalid {
                     group: kind.name().into(),
                     message: format!(

@@ -295,10 +295,10 @@ impl GradSync {
                 first_error.get_or_insert(e);
             }
         }
-        if first_error.is_none() {
-            if let Err(e) = self.reduce_across() {
-                first_error = Some(e);
-            }
+        if first_error.is_none()
+            && let Err(e) = self.reduce_across()
+        {
+            first_error = Some(e);
         }
         match first_error {
             Some(e) => Err(e.into()),
