@@ -6,7 +6,10 @@
 //! It trains gpt-tiny at dp 2 with the distributed optimizer and buckets of 20,000 elements,
 //! plainly and with both overlaps, checks that the losses are the same bit for bit, and reads
 //! each run's traced last step: without overlap every data-parallel collective runs after the
-//! walk, with it some run inside it.
+//! walk, with it some run inside it. A last run keeps two distributed-optimizer instances
+//! (`--num-distributed-optimizer-instances 2`, HSDP: here each rank its own whole copy of the
+//! state, the gradients summed across the copies): the same losses to the gradient norm's
+//! rounding (its partial sums are taken over whole buckets instead of halves).
 //!
 //! ```sh
 //! cargo run --release --example ddp_overlap
@@ -137,6 +140,21 @@ fn main() -> R<()> {
             _ => {}
         }
         losses.push(steps);
+    }
+    let instances = DdpConfig {
+        num_distributed_optimizer_instances: 2,
+        ..both
+    };
+    let hybrid = job(instances, dir.join("instances.json"))?.run(&mut [])?;
+    let far = hybrid
+        .steps
+        .iter()
+        .zip(&losses[0])
+        .map(|(s, plain)| ((s.0 - plain) / plain).abs())
+        .fold(0.0, f64::max);
+    println!("two optimizer instances: the losses within {far:.1e} of the plain run's");
+    if far > 1e-5 {
+        return Err(format!("two optimizer instances drift {far:.1e} from the plain run").into());
     }
     std::fs::remove_dir_all(&dir)?;
     if losses[0] != losses[1] {
