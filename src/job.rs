@@ -14,6 +14,7 @@ use anyhow::{Context, Result, bail};
 use megatron_core::checkpoint::SaveInfo;
 use megatron_core::comm::threads::launch;
 use megatron_core::comm::{CommStats, ParallelState, ReduceOp, World};
+use megatron_core::distributed::ShardingStrategy;
 use megatron_core::module::{Builder, Module};
 use megatron_core::parallel::{GroupKind, ParallelConfig, ParallelLayout};
 use megatron_core::pipeline_parallel::{
@@ -487,10 +488,10 @@ impl TrainJob {
             (pp, 1) => format!(" × PP={pp}"),
             (pp, v) => format!(" × PP={pp} (V={v})"),
         };
-        let sharded = if self.train.distributed_optimizer {
-            " (distributed optimizer)"
-        } else {
-            ""
+        let sharded = match (self.train.distributed_optimizer, self.ddp.sharding) {
+            (_, ShardingStrategy::OptimGrads) => " (gradients and optimizer state sharded)",
+            (true, _) => " (distributed optimizer)",
+            (false, _) => "",
         };
         let ep = match (self.ep, self.etp) {
             (1, 1) => String::new(),

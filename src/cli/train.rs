@@ -12,7 +12,7 @@ use megatron::cuda_graphs::ScopeSet;
 use megatron::data::{
     Blend, GptDatasetConfig, SampleSource, Split as DataSplit, SplitVector, build_gpt_dataset,
 };
-use megatron::distributed::DdpConfig;
+use megatron::distributed::{DdpConfig, ShardingStrategy};
 use megatron::job::{Eval, Observer, PipelineSettings, Placement, StopRequest, TrainJob};
 pub(super) use megatron::launch::{Report, Runner};
 use megatron::models::GptConfig;
@@ -248,6 +248,13 @@ pub struct TrainArgs {
     /// optimizer state, then the parameters all-gathered.
     #[arg(long)]
     use_distributed_optimizer: bool,
+    /// What data parallelism shards (Megatron-FSDP's --data-parallel-sharding-strategy):
+    /// `no_shard`; `optim`, the optimizer state (as --use-distributed-optimizer); `optim_grads`,
+    /// also the gradients: each bucket is reduce-scattered every micro-batch and its whole
+    /// gradients freed, the rank keeping its shard (ZeRO-2); `optim_grads_params` (ZeRO-3)
+    /// is not built yet. [default: optim with --use-distributed-optimizer, else no_shard]
+    #[arg(long, value_parser = values::sharding_strategy, value_name = "STRATEGY")]
+    data_parallel_sharding_strategy: Option<ShardingStrategy>,
     /// Start each gradient bucket's data-parallel reduction during the backward, as soon as
     /// every gradient in it is final (Megatron-LM's --overlap-grad-reduce): the same
     /// reductions, so the same run bit for bit. Not with --cuda-graph-scope.
@@ -881,6 +888,27 @@ impl TrainArgs {
         Ok(settings)
     }
 
+    /// What data parallelism shards: `--data-parallel-sharding-strategy`, or `optim` with
+    /// `--use-distributed-optimizer`.
+    fn sharding(&self) -> Result<ShardingStrategy> {
+        match (
+            self.data_parallel_sharding_strategy,
+            self.use_distributed_optimizer,
+        ) {
+            (Some(ShardingStrategy::NoShard), true) => bail!(
+                "--data-parallel-sharding-strategy no_shard with --use-distributed-optimizer, \
+                 which shards the optimizer state: drop one of them"
+            ),
+            (Some(ShardingStrategy::OptimGradsParams), _) => bail!(
+                "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3) is not built yet: \
+                 optim_grads shards the gradients and the optimizer state"
+            ),
+            (Some(strategy), _) => Ok(strategy),
+            (None, true) => Ok(ShardingStrategy::Optim),
+            (None, false) => Ok(ShardingStrategy::NoShard),
+        }
+    }
+
     /// Checks the flags that need no data or checkpoint to check (each value alone was
     /// checked as it was parsed, by [`values`]).
     fn check_flags(&self) -> Result<()> {
@@ -922,7 +950,8 @@ impl TrainArgs {
                 );
             }
         }
-        if self.overlap_param_gather && !self.use_distributed_optimizer {
+        let sharding = self.sharding()?;
+        if self.overlap_param_gather && !sharding.shards_optimizer() {
             bail!(
                 "--overlap-param-gather overlaps the distributed optimizer's all-gather of the \
                  parameters: add --use-distributed-optimizer"
@@ -937,7 +966,7 @@ impl TrainArgs {
                  Megatron-LM): add it"
             );
         }
-        if self.num_distributed_optimizer_instances > 1 && !self.use_distributed_optimizer {
+        if self.num_distributed_optimizer_instances > 1 && !sharding.shards_optimizer() {
             bail!(
                 "--num-distributed-optimizer-instances {} shards the distributed optimizer's \
                  state: add --use-distributed-optimizer",
@@ -948,6 +977,15 @@ impl TrainArgs {
             bail!(
                 "--ddp-bucket-size with --overlap-param-gather-with-optimizer-step: Megatron-LM \
                  keeps each model chunk in one bucket with it; drop --ddp-bucket-size"
+            );
+        }
+        if sharding.shards_gradients() && !self.cuda_graph_scope.is_empty() {
+            bail!(
+                "--data-parallel-sharding-strategy {} with --cuda-graph-scope: a replayed graph's \
+                 backward writes gradients without telling their buckets, and the buckets' \
+                 storage is freed and allocated again every micro-batch where a graph keeps the \
+                 addresses it captured; drop one of them",
+                sharding.name()
             );
         }
         if self.overlap_grad_reduce && !self.cuda_graph_scope.is_empty() {
@@ -1211,7 +1249,7 @@ impl TrainArgs {
             // is the scaler's signal, and the step is skipped instead.
             check_for_nan: !self.no_check_for_nan_in_loss_and_grad
                 && !matches!(precision.scaling, LossScaling::Dynamic { .. }),
-            distributed_optimizer: self.use_distributed_optimizer,
+            distributed_optimizer: self.sharding()?.shards_optimizer(),
             recompute,
             precision,
         };
@@ -1330,6 +1368,7 @@ impl TrainArgs {
                     self.num_distributed_optimizer_instances,
                 )
                 .context("--num-distributed-optimizer-instances")?,
+                sharding: self.sharding()?,
             },
         };
         Ok((job, s.taken))

@@ -93,6 +93,18 @@ pub fn elements(s: &str) -> Result<usize, String> {
     whole_usize(s, 1, MAX_ELEMENTS, "elements of a buffer")
 }
 
+/// A data-parallel sharding strategy by Megatron-FSDP's name.
+pub fn sharding_strategy(s: &str) -> Result<megatron::distributed::ShardingStrategy, String> {
+    use megatron::distributed::ShardingStrategy;
+    ShardingStrategy::named(s).ok_or_else(|| {
+        let names: Vec<&str> = ShardingStrategy::ALL.iter().map(|(n, _)| *n).collect();
+        format!(
+            "{s:?} is not a sharding strategy: one of {}",
+            names.join(", ")
+        )
+    })
+}
+
 /// A count of timed repetitions or iterations: 1 to 10,000.
 pub fn count(s: &str) -> Result<usize, String> {
     whole_usize(s, 1, 10_000, "timed repetitions")

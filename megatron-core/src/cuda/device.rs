@@ -269,13 +269,12 @@ impl Gpu {
     }
 }
 
-/// Device memory behind a tensor's storage: the allocation, its address, and the rank's GPU
-/// handle whose stream orders its use.
+/// Device memory behind a tensor's storage: the allocation (freed on the stream it was
+/// allocated on) and its address.
 #[derive(Debug)]
 pub(crate) struct DeviceMemory {
     _slice: CudaSlice<u8>,
     base: u64,
-    gpu: Gpu,
 }
 
 impl DeviceMemory {
@@ -294,17 +293,11 @@ impl DeviceMemory {
         Ok(DeviceMemory {
             base,
             _slice: slice,
-            gpu: gpu.clone(),
         })
     }
 
     /// The device address of the first byte.
     pub(crate) fn base(&self) -> u64 {
         self.base
-    }
-
-    /// The handle whose stream orders this memory's use.
-    pub(crate) fn gpu(&self) -> &Gpu {
-        &self.gpu
     }
 }

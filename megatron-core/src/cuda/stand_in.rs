@@ -111,11 +111,6 @@ impl DeviceMemory {
     pub(crate) fn base(&self) -> u64 {
         match *self {}
     }
-
-    /// Unreachable: no device memory exists.
-    pub(crate) fn gpu(&self) -> &Gpu {
-        match *self {}
-    }
 }
 
 impl Tensor {

@@ -220,7 +220,7 @@ impl Tensor {
         let borrow = self
             .storage()
             .borrow(start, end.max(start), write)
-            .ok_or(crate::tensor::TensorError::Borrowed { op, write })?;
+            .map_err(|e| crate::tensor::borrow_failed(e, op, write))?;
         let base = borrow.addr() as u64 - (start * self.dtype().size()) as u64;
         Ok((base, borrow))
     }

@@ -289,7 +289,11 @@ impl PackLayout {
 #[derive(Debug, Clone)]
 pub struct ParamBuffers {
     values: Tensor,
+    /// The flat gradients (empty when each bucket has its own, `bucket_grads`).
     grads: Tensor,
+    /// With sharded gradients (`optim_grads`, ZeRO-2): each bucket's whole gradients in a
+    /// storage of its own, released after each reduction ([`ParamBuffers::shard_gradients`]).
+    bucket_grads: Option<Vec<Tensor>>,
     /// Lower-precision copies of `values` that products read, when kept (mixed precision).
     compute: Option<Tensor>,
     slots: Vec<ParamSlot>,
@@ -390,6 +394,7 @@ impl ParamBuffers {
         let buffers = ParamBuffers {
             values,
             grads,
+            bucket_grads: None,
             compute: None,
             slots,
             buckets,
@@ -404,6 +409,7 @@ impl ParamBuffers {
     fn bind<M: Module>(&self, model: &mut M) -> Result<()> {
         let mut i = 0;
         let mut failure = None;
+        let bucket_of = self.bucket_of_slots();
         model.visit_params_mut(&mut |p| {
             if failure.is_some() || p.is_frozen() {
                 return;
@@ -418,9 +424,19 @@ impl ParamBuffers {
                 Ok(t.narrow(0, slot.offset, slot.len)?
                     .reshape(slot.spec.local.clone())?)
             };
+            let grad = || -> Result<Tensor> {
+                let Some(buckets) = &self.bucket_grads else {
+                    return view(&self.grads);
+                };
+                let b = bucket_of[i];
+                let at = slot.offset - self.buckets[b].range.start;
+                Ok(buckets[b]
+                    .narrow(0, at, slot.len)?
+                    .reshape(slot.spec.local.clone())?)
+            };
             let bound = (|| {
                 let compute = self.compute.as_ref().map(view).transpose()?;
-                p.rebind(view(&self.values)?, view(&self.grads)?, compute)
+                p.rebind(view(&self.values)?, grad()?, compute)
             })();
             if let Err(e) = bound {
                 failure = Some(e);
@@ -446,6 +462,12 @@ impl ParamBuffers {
         rebind_frozen(model, |v| v.to_gpu(gpu))?;
         self.values = self.values.to_gpu(gpu)?;
         self.grads = Tensor::zeros_on(self.grads.shape().clone(), self.grads.dtype(), gpu)?;
+        if let Some(buckets) = &mut self.bucket_grads {
+            for whole in buckets.iter_mut() {
+                *whole = Tensor::zeros_on(whole.shape().clone(), whole.dtype(), gpu)?;
+                whole.storage().release();
+            }
+        }
         if let Some(compute) = &self.compute {
             self.compute = Some(Tensor::empty_on(
                 compute.shape().clone(),
@@ -500,9 +522,47 @@ impl ParamBuffers {
         &self.values
     }
 
-    /// The flat gradients (f32, or 16-bit with mixed precision).
+    /// The flat gradients (f32, or 16-bit with mixed precision); empty when each bucket has
+    /// its own ([`ParamBuffers::bucket_grads`]), but of the gradients' dtype and device.
     pub fn grads(&self) -> &Tensor {
         &self.grads
+    }
+
+    /// With sharded gradients, each bucket's whole gradients (released between its
+    /// reductions: see [`ParamBuffers::shard_gradients`]).
+    pub fn bucket_grads(&self) -> Option<&[Tensor]> {
+        self.bucket_grads.as_deref()
+    }
+
+    /// Gives each bucket its own gradient storage in place of the flat gradient buffer and
+    /// rebinds `model`'s gradients to views of them (Megatron-FSDP's `optim_grads`, ZeRO-2):
+    /// the storages start released, are allocated (zeroed) by the first write of a
+    /// gradient in them, and are released again after each reduction of the bucket, whose
+    /// shard the optimizer keeps ([`crate::optimizer::AdamW::keep_sharded_grads`]). The
+    /// buckets must be sharded (the distributed optimizer's layout).
+    pub fn shard_gradients<M: Module>(&mut self, model: &mut M) -> Result<()> {
+        if !self.sharded() {
+            return invalid!(
+                "sharded gradients (optim_grads) keep each rank's shard of every bucket: the \
+                 buffers must be laid out for the distributed optimizer"
+            );
+        }
+        if self.bucket_grads.is_some() {
+            return Ok(());
+        }
+        let dtype = self.grads.dtype();
+        let buckets = self
+            .buckets
+            .iter()
+            .map(|b| {
+                let whole = Tensor::zeros_near([b.range.len()], dtype, &self.grads)?;
+                whole.storage().release();
+                Ok(whole)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.grads = Tensor::zeros_near([0], dtype, &self.grads)?;
+        self.bucket_grads = Some(buckets);
+        self.bind(model)
     }
 
     /// Every parameter's place, in the model's visit order.
@@ -573,8 +633,18 @@ impl ParamBuffers {
         self.used
     }
 
-    /// Sets every gradient to zero.
+    /// Sets every gradient to zero (with sharded gradients, releases every bucket's storage).
     pub fn zero_grads(&self) -> Result<()> {
+        if let Some(buckets) = &self.bucket_grads {
+            for (b, whole) in buckets.iter().enumerate() {
+                if !whole.storage().release() {
+                    return invalid!(
+                        "the gradients of bucket {b} are still borrowed when the step zeroes them"
+                    );
+                }
+            }
+            return Ok(());
+        }
         if self.grads.gpu().is_some() || self.grads.dtype() != DType::F32 {
             return Ok(self.grads.fill(0.0)?);
         }

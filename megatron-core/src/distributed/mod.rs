@@ -17,7 +17,8 @@ pub use buffers::{
 pub use grad_sync::GradSync;
 pub use param_gather::ParamGather;
 pub use reduce::{
-    gather_parameters, reduce_gradients, sum_sequence_parallel_gradients, sum_shared_gradients,
+    gather_parameters, reduce_gradients, sum_sequence_parallel_gradients,
+    sum_sequence_parallel_shards, sum_shared_gradients,
 };
 
 /// How data parallelism overlaps its communication with compute (the flags of Megatron-LM's
@@ -44,6 +45,63 @@ pub struct DdpConfig {
     /// across them (HSDP; [`crate::comm::OptimizerInstances`]). The run's
     /// [`crate::comm::ParallelState`] holds their groups.
     pub num_distributed_optimizer_instances: usize,
+    /// What data parallelism shards (`--data-parallel-sharding-strategy`): from `optim` on,
+    /// the run needs the distributed optimizer's layout ([`crate::training::TrainConfig`]'s
+    /// `distributed_optimizer`).
+    pub sharding: ShardingStrategy,
+}
+
+/// What data parallelism shards over its ranks (Megatron-FSDP's
+/// `--data-parallel-sharding-strategy`, the stages of ZeRO); each strategy shards what the one
+/// before does and more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ShardingStrategy {
+    /// Nothing: every rank holds the parameters, gradients and optimizer state whole.
+    #[default]
+    NoShard,
+    /// The optimizer state: Megatron-LM's distributed optimizer (ZeRO-1).
+    Optim,
+    /// Also the gradients: each bucket's whole gradients exist only between a micro-batch's
+    /// writes and their reduce-scatter; the rank keeps its shard (ZeRO-2).
+    OptimGrads,
+    /// Also the parameters (ZeRO-3).
+    OptimGradsParams,
+}
+
+impl ShardingStrategy {
+    /// Every strategy, by its Megatron-FSDP name.
+    pub const ALL: [(&'static str, ShardingStrategy); 4] = [
+        ("no_shard", ShardingStrategy::NoShard),
+        ("optim", ShardingStrategy::Optim),
+        ("optim_grads", ShardingStrategy::OptimGrads),
+        ("optim_grads_params", ShardingStrategy::OptimGradsParams),
+    ];
+
+    /// The strategy named `name` (Megatron-FSDP's names).
+    pub fn named(name: &str) -> Option<ShardingStrategy> {
+        Self::ALL.iter().find(|(n, _)| *n == name).map(|&(_, s)| s)
+    }
+
+    /// Megatron-FSDP's name of the strategy.
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(_, s)| *s == self)
+            .map_or("no_shard", |(n, _)| n)
+    }
+
+    /// Whether the optimizer state is sharded (the distributed optimizer).
+    pub fn shards_optimizer(self) -> bool {
+        self != ShardingStrategy::NoShard
+    }
+
+    /// Whether the gradients are sharded.
+    pub fn shards_gradients(self) -> bool {
+        matches!(
+            self,
+            ShardingStrategy::OptimGrads | ShardingStrategy::OptimGradsParams
+        )
+    }
 }
 
 impl Default for DdpConfig {
@@ -53,6 +111,7 @@ impl Default for DdpConfig {
             overlap_param_gather: false,
             overlap_param_gather_with_optimizer_step: false,
             num_distributed_optimizer_instances: 1,
+            sharding: ShardingStrategy::NoShard,
         }
     }
 }

@@ -124,53 +124,145 @@ pub fn sum_sequence_parallel_gradients<M: Module>(
         return Ok(());
     }
     let sequence_parallel = parallel.sequence_parallel();
-    let mut params: Vec<(Tensor, crate::module::ParamSpec)> = Vec::new();
+    let mut pieces: Vec<Piece> = Vec::new();
+    let mut failure = None;
     for chunk in chunks {
         chunk.visit_trainable_params(&mut |p| {
-            let spec = p.spec();
-            let summed = (sequence_parallel && spec.sequence_parallel)
-                || spec.tensor_parallel_partial
-                || matches!(spec.split, Split::QueryGroups { .. });
-            if summed {
-                params.push((p.grad().clone(), spec.clone()));
+            let Some((summed, group, groups)) = summed_over_tp(p.spec(), sequence_parallel, tp)
+            else {
+                return;
+            };
+            let grad = p.grad();
+            let piece = grad
+                .reshape([grad.numel()])
+                .and_then(|flat| flat.narrow(0, summed.start, summed.len()));
+            match piece {
+                Ok(grad) => pieces.push(Piece {
+                    grad,
+                    group,
+                    groups,
+                }),
+                Err(e) => {
+                    failure.get_or_insert(e);
+                }
             }
         });
     }
-    // Each summed piece: the gradient's elements (a view of them), and where they go among
-    // `slots` equal slots of the packed buffer (the others stay 0 on this rank).
-    let mut grads: Vec<(Tensor, usize, usize)> = Vec::new();
-    for (grad, spec) in params {
-        let n = grad.numel();
-        let flat = grad.reshape([n])?;
-        match spec.split {
-            Split::QueryGroups {
-                groups, head_dim, ..
-            } => {
-                // The key and value rows: the last two heads' rows of the local part.
-                let kv = n / spec.local.dims()[0].max(1) * 2 * head_dim;
-                let group = tp.index() / (tp.size() / groups.max(1)).max(1);
-                grads.push((flat.narrow(0, n - kv, kv)?, group, groups));
-            }
-            _ => grads.push((flat, 0, 1)),
+    if let Some(e) = failure {
+        return Err(e.into());
+    }
+    all_reduce_packed(tp, &pieces)
+}
+
+/// [`sum_sequence_parallel_gradients`] with sharded gradients (`optim_grads`): the same sums
+/// over the tensor-parallel group, of the parts of those parameters in this rank's shards of
+/// the main gradients (every tensor-parallel rank of a data-parallel rank holds the same
+/// parts: their buffers are laid out alike).
+pub fn sum_sequence_parallel_shards(
+    buffers: &ParamBuffers,
+    optimizer: &crate::optimizer::AdamW,
+    parallel: &ParallelState,
+) -> Result<()> {
+    let tp = parallel.tp();
+    let (Some(ranks), Some(main)) = (optimizer.shard(), optimizer.main_grads()) else {
+        return crate::invalid!(
+            "sharded gradients need the distributed optimizer's main gradients"
+        );
+    };
+    if tp.size() < 2 {
+        return Ok(());
+    }
+    let sequence_parallel = parallel.sequence_parallel();
+    let slots = buffers.slots();
+    let mut parts: Vec<super::SlotPart> = buffers
+        .shards(ranks)
+        .into_iter()
+        .flat_map(|(_, parts)| parts)
+        .collect();
+    // In the parameters' visit order, as every tensor-parallel rank visits them.
+    parts.sort_by_key(|part| part.slot);
+    let mut pieces = Vec::new();
+    for part in parts {
+        let slot = &slots[part.slot];
+        let Some((summed, group, groups)) = summed_over_tp(&slot.spec, sequence_parallel, tp)
+        else {
+            continue;
+        };
+        if slot.spec.is_expert() {
+            return crate::invalid!(
+                "sharded gradients: the expert parameter {} is summed over tensor parallelism, \
+                 and its shards are cut over expert data parallelism",
+                slot.spec.name
+            );
+        }
+        let start = part.range.start.max(slot.offset + summed.start);
+        let end = part.range.end.min(slot.offset + summed.end);
+        if start < end {
+            let moments = optimizer.to_moments(buffers, &(start..end));
+            pieces.push(Piece {
+                grad: main.narrow(0, moments.start, moments.len())?,
+                group,
+                groups,
+            });
         }
     }
-    let Some((first, ..)) = grads.first() else {
+    all_reduce_packed(tp, &pieces)
+}
+
+/// A gradient's elements summed over tensor parallelism, and which of `groups` equal slots of
+/// the packed buffer they take (the others stay 0 on this rank).
+struct Piece {
+    grad: Tensor,
+    group: usize,
+    groups: usize,
+}
+
+/// Which elements of a parameter's gradient (flat) are summed over tensor parallelism, and
+/// their slot of how many (see [`sum_sequence_parallel_gradients`]); `None`: none are.
+fn summed_over_tp(
+    spec: &crate::module::ParamSpec,
+    sequence_parallel: bool,
+    tp: &dyn crate::comm::Communicator,
+) -> Option<(std::ops::Range<usize>, usize, usize)> {
+    let n = spec.local.numel();
+    match spec.split {
+        Split::QueryGroups {
+            groups, head_dim, ..
+        } => {
+            // The key and value rows: the last two heads' rows of the local part.
+            let kv = n / spec.local.dims()[0].max(1) * 2 * head_dim;
+            let group = tp.index() / (tp.size() / groups.max(1)).max(1);
+            Some((n - kv..n, group, groups))
+        }
+        _ if (sequence_parallel && spec.sequence_parallel) || spec.tensor_parallel_partial => {
+            Some((0..n, 0, 1))
+        }
+        _ => None,
+    }
+}
+
+/// Sums `pieces` over `tp` in one all-reduce of a packed buffer.
+fn all_reduce_packed(tp: &dyn crate::comm::Communicator, pieces: &[Piece]) -> Result<()> {
+    let Some(first) = pieces.first() else {
         return Ok(());
     };
-    let total = grads.iter().map(|(g, _, s)| g.numel() * s).sum::<usize>();
-    let packed = Tensor::zeros_near([total], first.dtype(), first)?;
+    let total = pieces
+        .iter()
+        .map(|p| p.grad.numel() * p.groups)
+        .sum::<usize>();
+    let packed = Tensor::zeros_near([total], first.grad.dtype(), &first.grad)?;
     let mut at = 0;
-    for (g, slot, slots) in &grads {
-        packed
-            .narrow(0, at + slot * g.numel(), g.numel())?
-            .copy_from(g)?;
-        at += g.numel() * slots;
+    for p in pieces {
+        let n = p.grad.numel();
+        packed.narrow(0, at + p.group * n, n)?.copy_from(&p.grad)?;
+        at += n * p.groups;
     }
     tp.all_reduce(&packed, ReduceOp::Sum)?;
     let mut at = 0;
-    for (g, slot, slots) in &grads {
-        g.copy_from(&packed.narrow(0, at + slot * g.numel(), g.numel())?)?;
-        at += g.numel() * slots;
+    for p in pieces {
+        let n = p.grad.numel();
+        p.grad.copy_from(&packed.narrow(0, at + p.group * n, n)?)?;
+        at += n * p.groups;
     }
     Ok(())
 }

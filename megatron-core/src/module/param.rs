@@ -434,6 +434,7 @@ impl Param {
         if self.spec.frozen {
             return Ok(());
         }
+        self.gradient_to_be_written()?;
         if self.grad.dtype() == DType::F32 {
             f(&self.grad)?;
         } else {
@@ -449,6 +450,16 @@ impl Param {
     pub(crate) fn gradient_written(&self) -> Result<()> {
         match &self.reports_to {
             Some((sync, slot)) => sync.written(*slot),
+            None => Ok(()),
+        }
+    }
+
+    /// Tells the reducer the parameter is bound to, if any, that its gradient is about to be
+    /// written: with sharded gradients, a reduction of its bucket still in flight is waited
+    /// for first. Every writer of a gradient calls it once before each write.
+    pub(crate) fn gradient_to_be_written(&self) -> Result<()> {
+        match &self.reports_to {
+            Some((sync, slot)) => sync.before_write(*slot),
             None => Ok(()),
         }
     }

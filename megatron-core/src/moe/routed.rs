@@ -407,6 +407,7 @@ pub(crate) fn accumulate(p: &Param, f: impl FnOnce(&mut [f32]) -> Result<()>) ->
     if p.is_frozen() {
         return f(&mut vec![0.0; p.spec().local.numel()]);
     }
+    p.gradient_to_be_written()?;
     let grad = p.grad();
     if grad.dtype() == DType::F32 && grad.gpu().is_none() {
         f(&mut grad.write::<f32>()?)?;

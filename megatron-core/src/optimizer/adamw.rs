@@ -56,8 +56,11 @@ pub struct AdamW {
     exp_avg_sq: Tensor,
     /// f32 main parameters, when the buffers' values are 16-bit.
     main: Option<Tensor>,
-    /// f32 main gradients, when the buffers' gradients are 16-bit.
+    /// f32 main gradients, when the buffers' gradients are 16-bit or sharded.
     main_grads: Option<Tensor>,
+    /// Whether the main gradients are the data-parallel reduction's output itself (sharded
+    /// gradients, `optim_grads`) rather than a copy of the buffers' gradients.
+    grads_sharded: bool,
     steps: u64,
     runs: Vec<Run>,
     /// The data-parallel ranks whose shards these are (distributed optimizer).
@@ -123,6 +126,7 @@ impl AdamW {
             exp_avg_sq: Tensor::zeros_near([n], DType::F32, buffers.values())?,
             main: f32_unless(buffers.values().dtype())?,
             main_grads: f32_unless(buffers.grads().dtype())?,
+            grads_sharded: false,
             steps: 0,
             runs,
             shard,
@@ -142,9 +146,33 @@ impl AdamW {
         self.main.as_ref()
     }
 
-    /// The f32 main gradients (laid out like the moments), when the gradients are 16-bit.
+    /// The f32 main gradients (laid out like the moments), when the gradients are 16-bit or
+    /// sharded.
     pub fn main_grads(&self) -> Option<&Tensor> {
         self.main_grads.as_ref()
+    }
+
+    /// Keeps the rank's shard of the reduced gradients in f32 main gradients laid out like the
+    /// moments, which the data-parallel reduction fills and the update reads (Megatron-FSDP's
+    /// `optim_grads`: [`ParamBuffers::shard_gradients`]); with the distributed optimizer only.
+    pub fn keep_sharded_grads(&mut self) -> Result<()> {
+        if self.shard.is_none() {
+            return invalid!(
+                "sharded gradients (optim_grads) keep the shards the distributed optimizer \
+                 updates: it needs --use-distributed-optimizer"
+            );
+        }
+        if self.main_grads.is_none() {
+            let n = self.exp_avg.numel();
+            self.main_grads = Some(Tensor::zeros_near([n], DType::F32, &self.exp_avg)?);
+        }
+        self.grads_sharded = true;
+        Ok(())
+    }
+
+    /// Whether the main gradients are the reduction's output (sharded gradients).
+    pub fn grads_sharded(&self) -> bool {
+        self.grads_sharded
     }
 
     /// Where the elements `range` of the buffers (inside one of this rank's parts) lie in the
@@ -174,21 +202,22 @@ impl AdamW {
             .iter()
             .map(|run| {
                 let len = run.range.len();
-                let grads = buffers.grads().narrow(0, run.range.start, len)?;
                 Ok(match &self.main_grads {
                     Some(main) => {
                         let main = main.narrow(0, run.moments, len)?;
-                        main.copy_from(&grads)?;
+                        if !self.grads_sharded {
+                            main.copy_from(&buffers.grads().narrow(0, run.range.start, len)?)?;
+                        }
                         main
                     }
-                    None => grads,
+                    None => buffers.grads().narrow(0, run.range.start, len)?,
                 })
             })
             .collect::<Result<Vec<Tensor>>>()?;
         let Some(scale) = inv_scale else {
             return Ok(false);
         };
-        backend::of(buffers.grads()).unscale_and_check(&parts, scale)
+        backend::of(buffers.values()).unscale_and_check(&parts, scale)
     }
 
     /// The data-parallel rank whose shards the moments are (the distributed optimizer), or

@@ -89,6 +89,17 @@ pub enum TensorError {
     Kernel(#[from] KernelError),
 }
 
+/// The error of a failed borrow for `op`.
+pub(crate) fn borrow_failed(e: storage::BorrowError, op: &'static str, write: bool) -> TensorError {
+    match e {
+        storage::BorrowError::Conflict => TensorError::Borrowed { op, write },
+        storage::BorrowError::Device(e) => TensorError::Gpu {
+            op,
+            message: format!("allocating released memory again: {e}"),
+        },
+    }
+}
+
 /// Shorthand for results of tensor operations.
 pub type Result<T, E = TensorError> = std::result::Result<T, E>;
 
@@ -468,10 +479,7 @@ impl Tensor {
         let borrow = self
             .storage
             .borrow(start, end, false)
-            .ok_or(TensorError::Borrowed {
-                op: "read",
-                write: false,
-            })?;
+            .map_err(|e| borrow_failed(e, "read", false))?;
         // SAFETY: as in `read`, for the span.
         let slice = unsafe { std::slice::from_raw_parts(borrow.addr() as *const T, borrow.len()) };
         Ok((
@@ -491,10 +499,7 @@ impl Tensor {
         let borrow = self
             .storage
             .borrow(start, end, true)
-            .ok_or(TensorError::Borrowed {
-                op: "write",
-                write: true,
-            })?;
+            .map_err(|e| borrow_failed(e, "write", true))?;
         // SAFETY: as in `write`, for the span.
         let slice =
             unsafe { std::slice::from_raw_parts_mut(borrow.addr() as *mut T, borrow.len()) };
@@ -525,7 +530,7 @@ impl Tensor {
         let start = self.layout.offset;
         self.storage
             .borrow(start, start + self.numel(), write)
-            .ok_or(TensorError::Borrowed { op, write })
+            .map_err(|e| borrow_failed(e, op, write))
     }
 
     /// The GPU handle that owns a device tensor's memory (`None` on the host).

@@ -97,22 +97,46 @@ struct Borrow {
 
 /// The memory behind one or more tensors: an allocation owned through a raw pointer, so that
 /// disjoint ranges can be lent out mutably at the same time.
+///
+/// The memory can be given back while the storage lives ([`Storage::release`], torch's
+/// `storage.resize_(0)` in FSDP): the elements then read as zeros, and the next borrow
+/// allocates them again, zeroed. The memory and the borrows of it share one lock, and the
+/// memory changes only while nothing borrows it.
 #[derive(Debug)]
 pub struct Storage {
     dtype: DType,
     len: usize,
-    cap: usize,
-    ptr: NonNull<u8>,
-    borrows: Mutex<Vec<Borrow>>,
+    /// The GPU whose memory holds the elements (device storage).
+    gpu: Option<Gpu>,
+    state: Mutex<State>,
     next_id: AtomicU64,
-    /// Set for device storage (whose `ptr` is dangling: the elements live on the device).
-    device: Option<DeviceMemory>,
-    /// The host memory account of the thread that allocated it (host storage only).
-    account: Option<Arc<super::host_memory::ThreadAccount>>,
+}
+
+/// A storage's memory and the outstanding borrows of it.
+#[derive(Debug)]
+struct State {
+    borrows: Vec<Borrow>,
+    memory: Memory,
+}
+
+/// Where a storage's elements are now.
+#[derive(Debug)]
+enum Memory {
+    /// Host memory: the allocation's parts, and the account of the thread that allocated it.
+    Host {
+        ptr: NonNull<u8>,
+        cap: usize,
+        account: Arc<super::host_memory::ThreadAccount>,
+    },
+    /// Device memory (freed on its stream when dropped).
+    Device(DeviceMemory),
+    /// Given back ([`Storage::release`]): the elements are zeros, allocated at the next borrow.
+    Released,
 }
 
 // SAFETY: elements are only reached through `RawBorrow`s, which the borrow list keeps from
-// overlapping unless all are reads; the allocation itself is never resized while shared.
+// overlapping unless all are reads; the memory is replaced only under the lock, while nothing
+// borrows it.
 unsafe impl Send for Storage {}
 unsafe impl Sync for Storage {}
 
@@ -131,53 +155,38 @@ impl Storage {
     /// Storage for `len` elements of `dtype`, recycled from a freed storage of the same size when
     /// there is one; zero-filled when `zeroed`, else holding unspecified (old) values.
     pub(crate) fn alloc(dtype: DType, len: usize, zeroed: bool) -> Self {
-        match pool::take(dtype, len) {
-            Some(block) => {
-                if zeroed {
-                    // SAFETY: the block holds at least `len` elements of `dtype`; all-zero bytes
-                    // are a valid value of every dtype.
-                    unsafe { std::ptr::write_bytes(block.ptr.as_ptr(), 0, len * dtype.size()) };
-                }
-                Storage::from_parts(dtype, block.ptr, len, block.cap)
-            }
-            None => Storage::new(CpuBuffer::zeros(dtype, len)),
-        }
+        Storage::with_memory(dtype, len, None, host_memory(dtype, len, zeroed))
     }
 
-    fn from_parts(dtype: DType, ptr: NonNull<u8>, len: usize, cap: usize) -> Self {
-        let account = super::host_memory::allocated(cap * dtype.size());
+    fn with_memory(dtype: DType, len: usize, gpu: Option<Gpu>, memory: Memory) -> Self {
         Storage {
             dtype,
             len,
-            cap,
-            ptr,
-            borrows: Mutex::new(Vec::new()),
+            gpu,
+            state: Mutex::new(State {
+                borrows: Vec::new(),
+                memory,
+            }),
             next_id: AtomicU64::new(0),
-            device: None,
-            account: Some(account),
         }
     }
 
     /// `len` elements of `dtype` in `gpu`'s device memory (allocated on its stream), zeroed when
     /// `zeroed`.
+    #[cfg_attr(not(feature = "cuda"), allow(unreachable_code, unused_variables))]
     pub(crate) fn on_gpu(gpu: &Gpu, dtype: DType, len: usize, zeroed: bool) -> CudaResult<Self> {
-        // At least one byte, so that every storage has an address.
-        let memory = DeviceMemory::alloc(gpu, (len * dtype.size()).max(1), zeroed)?;
-        Ok(Storage {
+        let memory = device_memory(gpu, dtype, len, zeroed)?;
+        Ok(Storage::with_memory(
             dtype,
             len,
-            cap: 0,
-            ptr: NonNull::dangling(),
-            borrows: Mutex::new(Vec::new()),
-            next_id: AtomicU64::new(0),
-            device: Some(memory),
-            account: None,
-        })
+            Some(gpu.clone()),
+            Memory::Device(memory),
+        ))
     }
 
     /// The GPU handle of device storage (`None` on the host).
     pub(crate) fn gpu(&self) -> Option<&Gpu> {
-        self.device.as_ref().map(DeviceMemory::gpu)
+        self.gpu.as_ref()
     }
 
     /// Takes ownership of a buffer.
@@ -187,17 +196,12 @@ impl Storage {
             let mut v = std::mem::ManuallyDrop::new(v);
             (v.as_mut_ptr() as *mut u8, v.len(), v.capacity())
         });
-        let account = super::host_memory::allocated(cap * dtype.size());
-        Storage {
-            dtype,
-            len,
-            cap,
+        let memory = Memory::Host {
             ptr: NonNull::new(ptr).expect("a Vec's pointer is never null"),
-            borrows: Mutex::new(Vec::new()),
-            next_id: AtomicU64::new(0),
-            device: None,
-            account: Some(account),
-        }
+            cap,
+            account: super::host_memory::allocated(cap * dtype.size()),
+        };
+        Storage::with_memory(dtype, len, None, memory)
     }
 
     /// The element type.
@@ -223,65 +227,97 @@ impl Storage {
         }
     }
 
-    /// Borrows elements `start..end` for reading (shared) or writing (exclusive); `None` if the
-    /// range overlaps a borrow it conflicts with.
-    pub(crate) fn borrow(&self, start: usize, end: usize, write: bool) -> Option<RawBorrow<'_>> {
+    /// Gives the memory back (to the pool of host blocks, or freed on the device's stream)
+    /// while the storage lives on: its elements read as zeros from now on, and the next borrow
+    /// allocates them again, zeroed. Returns `false`, giving nothing back, while a borrow of it
+    /// is outstanding.
+    pub fn release(&self) -> bool {
+        let mut state = self.state.lock();
+        if !state.borrows.is_empty() {
+            return false;
+        }
+        let memory = std::mem::replace(&mut state.memory, Memory::Released);
+        drop(state);
+        self.free(memory);
+        true
+    }
+
+    /// Whether the storage holds memory now (not given back by [`Storage::release`] since it
+    /// was last borrowed).
+    pub fn is_resident(&self) -> bool {
+        !matches!(self.state.lock().memory, Memory::Released)
+    }
+
+    /// Borrows elements `start..end` for reading (shared) or writing (exclusive), allocating
+    /// them again (zeroed) when they were released; a conflict with an outstanding borrow is
+    /// [`BorrowError::Conflict`].
+    pub(crate) fn borrow(
+        &self,
+        start: usize,
+        end: usize,
+        write: bool,
+    ) -> Result<RawBorrow<'_>, BorrowError> {
         assert!(
             start <= end && end <= self.len,
             "borrow {start}..{end} of a storage of {}",
             self.len
         );
-        let mut borrows = self.borrows.lock();
-        let conflict = borrows
+        let mut state = self.state.lock();
+        let conflict = state
+            .borrows
             .iter()
             .any(|b| (write || b.write) && b.start < end && start < b.end && start < end);
         if conflict {
-            return None;
+            return Err(BorrowError::Conflict);
         }
+        if matches!(state.memory, Memory::Released) {
+            state.memory = match &self.gpu {
+                Some(gpu) => Memory::Device(
+                    device_memory(gpu, self.dtype, self.len, true).map_err(BorrowError::Device)?,
+                ),
+                None => host_memory(self.dtype, self.len, true),
+            };
+        }
+        let base = match &state.memory {
+            Memory::Host { ptr, .. } => ptr.as_ptr() as usize,
+            Memory::Device(d) => d.base() as usize,
+            Memory::Released => unreachable!("allocated above"),
+        };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        borrows.push(Borrow {
+        state.borrows.push(Borrow {
             id,
             start,
             end,
             write,
         });
-        Some(RawBorrow {
+        Ok(RawBorrow {
             storage: self,
             id,
+            base,
             start,
             end,
         })
     }
 
-    fn release(&self, id: u64) {
-        let mut borrows = self.borrows.lock();
-        if let Some(i) = borrows.iter().position(|b| b.id == id) {
-            borrows.swap_remove(i);
+    fn end_borrow(&self, id: u64) {
+        let mut state = self.state.lock();
+        if let Some(i) = state.borrows.iter().position(|b| b.id == id) {
+            state.borrows.swap_remove(i);
         }
     }
-}
 
-impl Drop for Storage {
-    fn drop(&mut self) {
-        if self.device.is_some() {
-            // The device allocation frees itself, ordered on its stream.
+    /// Frees `memory`, this storage's until now.
+    fn free(&self, memory: Memory) {
+        let Memory::Host { ptr, cap, account } = memory else {
+            // Device memory frees itself, ordered on its stream; released memory is gone.
             return;
-        }
-        if let Some(account) = &self.account {
-            super::host_memory::freed(self.cap * self.dtype.size(), account);
-        }
-        let Some(block) = pool::give(
-            self.dtype,
-            self.len,
-            pool::Block {
-                ptr: self.ptr,
-                cap: self.cap,
-            },
-        ) else {
+        };
+        super::host_memory::freed(cap * self.dtype.size(), &account);
+        let Some(block) = pool::give(self.dtype, self.len, pool::Block { ptr, cap }) else {
             return;
         };
         let (ptr, len, cap) = (block.ptr.as_ptr(), self.len, block.cap);
-        // SAFETY: the parts came from a Vec of this dtype in `new` and nothing borrows them now.
+        // SAFETY: the parts came from a Vec of this dtype and nothing borrows them now.
         unsafe {
             match self.dtype {
                 DType::F32 => drop(Vec::from_raw_parts(ptr as *mut f32, len, cap)),
@@ -293,11 +329,65 @@ impl Drop for Storage {
     }
 }
 
+/// Why a storage could not be borrowed.
+#[derive(Debug)]
+pub(crate) enum BorrowError {
+    /// The range overlaps a borrow it conflicts with.
+    Conflict,
+    /// Released device memory could not be allocated again.
+    Device(crate::cuda::CudaError),
+}
+
+/// Host memory for `len` elements of `dtype`, recycled from the pool when it has a block of
+/// that size; zero-filled when `zeroed`.
+fn host_memory(dtype: DType, len: usize, zeroed: bool) -> Memory {
+    let (ptr, cap) = match pool::take(dtype, len) {
+        Some(block) => {
+            if zeroed {
+                // SAFETY: the block holds at least `len` elements of `dtype`; all-zero bytes are
+                // a valid value of every dtype.
+                unsafe { std::ptr::write_bytes(block.ptr.as_ptr(), 0, len * dtype.size()) };
+            }
+            (block.ptr, block.cap)
+        }
+        None => {
+            let fresh = CpuBuffer::zeros(dtype, len);
+            let (ptr, cap) = each_dtype!(fresh, v => {
+                let mut v = std::mem::ManuallyDrop::new(v);
+                (v.as_mut_ptr() as *mut u8, v.capacity())
+            });
+            (
+                NonNull::new(ptr).expect("a Vec's pointer is never null"),
+                cap,
+            )
+        }
+    };
+    Memory::Host {
+        ptr,
+        cap,
+        account: super::host_memory::allocated(cap * dtype.size()),
+    }
+}
+
+/// `len` elements of `dtype` on `gpu` (at least one byte, so that every storage has an address).
+fn device_memory(gpu: &Gpu, dtype: DType, len: usize, zeroed: bool) -> CudaResult<DeviceMemory> {
+    DeviceMemory::alloc(gpu, (len * dtype.size()).max(1), zeroed)
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        let memory = std::mem::replace(&mut self.state.get_mut().memory, Memory::Released);
+        self.free(memory);
+    }
+}
+
 /// A registered borrow of a range of a storage's elements; released on drop.
 #[derive(Debug)]
 pub(crate) struct RawBorrow<'a> {
     storage: &'a Storage,
     id: u64,
+    /// The address of the storage's first element while the borrow lasts.
+    base: usize,
     start: usize,
     end: usize,
 }
@@ -305,11 +395,7 @@ pub(crate) struct RawBorrow<'a> {
 impl RawBorrow<'_> {
     /// Address of the first borrowed element (a device address for device storage).
     pub fn addr(&self) -> usize {
-        let offset = self.start * self.storage.dtype.size();
-        if let Some(d) = &self.storage.device {
-            return d.base() as usize + offset;
-        }
-        self.storage.ptr.as_ptr() as usize + offset
+        self.base + self.start * self.storage.dtype.size()
     }
 
     /// Number of borrowed elements.
@@ -320,6 +406,6 @@ impl RawBorrow<'_> {
 
 impl Drop for RawBorrow<'_> {
     fn drop(&mut self) {
-        self.storage.release(self.id);
+        self.storage.end_borrow(self.id);
     }
 }

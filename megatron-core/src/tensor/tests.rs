@@ -128,3 +128,30 @@ fn disjoint_views_of_one_storage_are_written_at_once() {
     let r2 = view.read::<f32>().unwrap();
     assert_eq!(r1[2], r2[0]);
 }
+
+#[test]
+fn a_released_storage_frees_its_memory_and_reads_as_zeros_until_written_again() {
+    // A size no other test allocates, so that the pool hands nothing else this block.
+    let n = 12_347;
+    let t = Tensor::from_vec(vec![1.5f32; n], [n]).unwrap();
+    let view = t.narrow(0, 10, 5).unwrap();
+    let account = host_memory::this_thread();
+    let before = account.live_bytes();
+    {
+        // Not while something borrows it.
+        let _reading = view.read::<f32>().unwrap();
+        assert!(!t.storage().release());
+        assert!(t.storage().is_resident());
+    }
+    assert!(t.storage().release());
+    assert!(!t.storage().is_resident());
+    assert_eq!(before - account.live_bytes(), n * 4);
+    // The next borrow allocates it again, zeroed, through any view.
+    assert_eq!(view.to_vec::<f32>().unwrap(), vec![0.0; 5]);
+    assert!(t.storage().is_resident());
+    assert_eq!(account.live_bytes(), before);
+    view.fill(2.0).unwrap();
+    let all = t.to_vec::<f32>().unwrap();
+    assert_eq!(all.iter().sum::<f32>(), 10.0);
+    assert_eq!(&all[10..15], &[2.0; 5]);
+}

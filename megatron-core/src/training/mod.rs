@@ -24,7 +24,7 @@ use crate::comm::{CommStats, ParallelState, ReduceOp};
 use crate::cuda_graphs::{GraphRuntime, GraphStats, ScopeSet};
 use crate::distributed::{
     Bucket, DdpConfig, GradSync, PackLayout, ParamBuffers, ParamGather, ReduceGroups,
-    gather_parameters, reduce_gradients,
+    ShardingStrategy, gather_parameters, reduce_gradients,
 };
 use crate::error::{Error, Result};
 use crate::invalid;
@@ -136,6 +136,10 @@ pub struct StepMetrics {
     /// reduction during the walk, and how many there are (none at the first step, which learns
     /// when each gradient is final).
     pub overlapped_buckets: Option<(usize, usize)>,
+    /// With sharded gradients (`optim_grads`): the most bytes of whole gradient buckets this
+    /// rank held at once during the step (each bucket's from its first write in a micro-batch
+    /// to its reduce-scatter; every bucket at once at the first step, which learns the writes).
+    pub gradient_buckets_peak_bytes: Option<usize>,
 }
 
 /// The bytes of one rank's training state, measured from its allocations.
@@ -367,6 +371,12 @@ impl<M: LanguageModel> Trainer<M> {
         let (m, v) = self.optimizer.moments();
         let main = self.optimizer.main_params().map_or(0, bytes);
         let main_grads = self.optimizer.main_grads().map_or(0, bytes);
+        // Sharded gradients are the main gradients' shards; the buckets' whole gradients are
+        // released between steps.
+        let (grads, main_grads) = match self.optimizer.grads_sharded() {
+            true => (main_grads, 0),
+            false => (bytes(self.buffers.grads()), main_grads),
+        };
         let (mut frozen_params, mut frozen) = (0, 0);
         for chunk in &self.chunks.0 {
             chunk.visit_frozen_params(&mut |p| {
@@ -380,7 +390,7 @@ impl<M: LanguageModel> Trainer<M> {
             frozen,
             values: bytes(self.buffers.values()),
             copies: self.buffers.compute_copies().map_or(0, bytes),
-            grads: bytes(self.buffers.grads()),
+            grads,
             optimizer: bytes(m) + bytes(v) + main + main_grads,
         }
     }
@@ -465,7 +475,38 @@ impl<M: LanguageModel> Trainer<M> {
         if ddp.overlap_param_gather_with_optimizer_step {
             self.check_gather_with_optimizer_step(ddp)?;
         }
+        self.set_sharding(ddp.sharding)?;
         self.ddp = ddp;
+        Ok(())
+    }
+
+    /// Shards what `strategy` says beyond the optimizer state, which the distributed
+    /// optimizer's layout shards already (`TrainConfig::distributed_optimizer`, needed from
+    /// `optim` on): with `optim_grads`, each gradient bucket gets its own storage, released
+    /// after each of its reduce-scatters (once per micro-batch), and the optimizer keeps the
+    /// rank's shard of the reduced gradients ([`ParamBuffers::shard_gradients`],
+    /// [`GradSync::sharded`]).
+    fn set_sharding(&mut self, strategy: ShardingStrategy) -> Result<()> {
+        let name = strategy.name();
+        if strategy.shards_optimizer() && !self.config.distributed_optimizer {
+            return invalid!(
+                "--data-parallel-sharding-strategy {name} shards the optimizer state as the \
+                 distributed optimizer does: the buffers need its layout \
+                 (TrainConfig::distributed_optimizer; the CLI sets it)"
+            );
+        }
+        if strategy == ShardingStrategy::OptimGradsParams {
+            return invalid!(
+                "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3) is not built yet: \
+                 optim_grads shards the gradients and the optimizer state"
+            );
+        }
+        if strategy.shards_gradients() && self.buffers.bucket_grads().is_none() {
+            self.settle_parameters()?;
+            (self.grad_sync, self.param_gather) = (None, None);
+            self.buffers.shard_gradients(&mut self.chunks)?;
+            self.optimizer.keep_sharded_grads()?;
+        }
         Ok(())
     }
 
@@ -528,6 +569,9 @@ impl<M: LanguageModel> Trainer<M> {
 
     /// The reducer of an overlapped step, made (and the parameters bound to it) at the first.
     fn grad_sync(&mut self, parallel: &ParallelState) -> Result<Option<std::sync::Arc<GradSync>>> {
+        if self.buffers.bucket_grads().is_some() {
+            return self.sharded_grad_sync(parallel).map(Some);
+        }
         if !self.ddp.overlap_grad_reduce {
             return Ok(None);
         }
@@ -544,6 +588,33 @@ impl<M: LanguageModel> Trainer<M> {
             self.grad_sync = Some(sync);
         }
         Ok(self.grad_sync.clone())
+    }
+
+    /// The reducer of sharded gradients (`optim_grads`), made (and the parameters bound to
+    /// it) at the first step: it reduces every micro-batch, overlapped or not.
+    fn sharded_grad_sync(&mut self, parallel: &ParallelState) -> Result<std::sync::Arc<GradSync>> {
+        if !self.graphs.scopes().is_empty() {
+            return invalid!(
+                "--data-parallel-sharding-strategy optim_grads with --cuda-graph-scope: a \
+                 replayed graph's backward writes the gradients without telling their buckets, \
+                 and the buckets' storage is allocated and released every micro-batch, where a \
+                 graph keeps the addresses it captured; use one or the other"
+            );
+        }
+        if let Some(sync) = &self.grad_sync {
+            return Ok(sync.clone());
+        }
+        let sync = GradSync::sharded(
+            &self.buffers,
+            &self.optimizer,
+            parallel,
+            &self.shared_positions,
+            self.sampler.plan().microbatches(),
+            self.ddp.overlap_grad_reduce,
+        )?;
+        sync.attach(&mut self.chunks)?;
+        self.grad_sync = Some(sync.clone());
+        Ok(sync)
     }
 
     /// Captures `scopes` from now on (Megatron-LM's `--cuda-graph-scope`): each scoped call
@@ -662,7 +733,18 @@ impl<M: LanguageModel> Trainer<M> {
                 None
             }
         };
-        crate::distributed::sum_sequence_parallel_gradients(&self.chunks.0, parallel)?;
+        let gradient_buckets_peak_bytes = grad_sync
+            .as_ref()
+            .filter(|_| self.optimizer.grads_sharded())
+            .map(|sync| sync.peak_whole_bytes());
+        match self.optimizer.grads_sharded() {
+            true => crate::distributed::sum_sequence_parallel_shards(
+                &self.buffers,
+                &self.optimizer,
+                parallel,
+            )?,
+            false => crate::distributed::sum_sequence_parallel_gradients(&self.chunks.0, parallel)?,
+        }
         self.phase(parallel, "reduce gradients", reduction);
         // The mean over the counted targets (none counted: 0, said in the metrics).
         let loss = self.reduce_loss(parallel, loss_sum)? / counted.unwrap_or(tokens).max(1) as f64;
@@ -698,6 +780,7 @@ impl<M: LanguageModel> Trainer<M> {
                 metrics.routing = routing;
                 metrics.aux_losses = aux_losses;
                 metrics.overlapped_buckets = overlapped_buckets;
+                metrics.gradient_buckets_peak_bytes = gradient_buckets_peak_bytes;
                 metrics.graphs = self.graph_stats_if_any();
                 metrics.counted_tokens = counted;
                 metrics.empty_microbatches = empty_microbatches;
@@ -761,6 +844,7 @@ impl<M: LanguageModel> Trainer<M> {
         metrics.routing = routing;
         metrics.aux_losses = aux_losses;
         metrics.overlapped_buckets = overlapped_buckets;
+        metrics.gradient_buckets_peak_bytes = gradient_buckets_peak_bytes;
         metrics.graphs = self.graph_stats_if_any();
         Ok(metrics)
     }
@@ -805,6 +889,7 @@ impl<M: LanguageModel> Trainer<M> {
             graphs: None,
             aux_losses: Vec::new(),
             overlapped_buckets: None,
+            gradient_buckets_peak_bytes: None,
         }
     }
 }

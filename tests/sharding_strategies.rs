@@ -1,0 +1,283 @@
+//! `--data-parallel-sharding-strategy` (Megatron-FSDP's names): `optim_grads` (ZeRO-2) keeps
+//! only each rank's shard of every gradient bucket. Each bucket has a storage of its own,
+//! allocated by a micro-batch's first write and freed after its reduce-scatter, which runs once
+//! per micro-batch (as Megatron-FSDP's) into the rank's f32 shard of the main gradients.
+//!
+//! Against independent runs:
+//! - At one micro-batch per step the reductions are the distributed optimizer's: the same run
+//!   bit for bit, overlapped or not.
+//! - At several, each micro-batch's gradients are reduce-scattered and the shards added, where
+//!   the distributed optimizer sums the micro-batches first: the same run to the sums'
+//!   rounding (losses to 1e-5, gradient norms to 1e-5), on every layout: dp 4, tp 2 with
+//!   sequence parallelism, pp 2 with the interleaved schedule and with zb-h1 (the tied
+//!   embedding's bucket summed over both ends first), ep 2, cp 2, bf16, fp16, two optimizer
+//!   instances; overlapping the reductions with the backward changes nothing, bit for bit.
+//! - Each rank holds values, a shard of the gradients and a shard of Adam's state: 4 + 12/d
+//!   bytes per parameter in f32, measured.
+//! - Checkpoints are the distributed optimizer's: one saved under `optim_grads` resumes under
+//!   `optim`, and back.
+
+mod support;
+
+use serde_json::Value;
+use support::{TempDir, megatron};
+
+/// gpt-tiny with two layers, 32-token samples, 4 steps of 16 sequences, buckets of 20,000.
+const BASE: [&str; 15] = [
+    "train",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "16",
+    "--train-iters",
+    "4",
+    "--num-layers",
+    "2",
+    "--seed",
+    "5",
+    "--ddp-bucket-size",
+    "20000",
+];
+
+const OPTIM: [&str; 2] = ["--data-parallel-sharding-strategy", "optim"];
+const OPTIM_GRADS: [&str; 2] = ["--data-parallel-sharding-strategy", "optim_grads"];
+
+/// A step's loss and gradient norm (`None`: a step skipped by the loss scaler).
+type Step = (f64, Option<f64>);
+
+/// Each logged step's (loss, gradient norm) of a run of `flags`, and its standard output.
+fn run(dir: &TempDir, name: &str, flags: &[&str]) -> (Vec<Step>, String) {
+    let log = dir.join(&format!("{name}.jsonl"));
+    let mut args = BASE.to_vec();
+    args.extend(flags);
+    args.extend(["--log-json", &log]);
+    let (ok, stdout, stderr) = megatron(&args);
+    assert!(ok, "{name}: {stderr}");
+    let number = |v: &Value| {
+        v.as_f64()
+            .unwrap_or_else(|| panic!("{name}: not a number: {v}"))
+    };
+    let steps = support::log_lines(&log)
+        .iter()
+        .map(|l| (number(&l["loss"]), l["grad_norm"].as_f64()))
+        .collect();
+    (steps, stdout)
+}
+
+/// Asserts that `b` is `a` to the relative tolerance `tol`, step by step.
+fn close(name: &str, a: &[Step], b: &[Step], tol: f64) {
+    assert_eq!(a.len(), b.len(), "{name}");
+    for (step, (a, b)) in a.iter().zip(b).enumerate() {
+        let near = |x: f64, y: f64| (x - y).abs() <= tol * x.abs();
+        let norms = match (a.1, b.1) {
+            (Some(x), Some(y)) => near(x, y),
+            (x, y) => x == y,
+        };
+        assert!(near(a.0, b.0) && norms, "{name} step {step}: {a:?} {b:?}");
+    }
+}
+
+#[test]
+fn at_one_micro_batch_sharded_gradients_are_the_distributed_optimizer_bit_for_bit() {
+    let dir = TempDir::new("sharding-one-microbatch");
+    for (name, flags) in [
+        ("dp2", &["--dp", "2", "--micro-batch-size", "8"][..]),
+        (
+            "dp4-bf16",
+            &["--dp", "4", "--micro-batch-size", "4", "--bf16"],
+        ),
+    ] {
+        let (optim, _) = run(&dir, &format!("{name}-optim"), &[flags, &OPTIM].concat());
+        let (grads, _) = run(
+            &dir,
+            &format!("{name}-grads"),
+            &[flags, &OPTIM_GRADS].concat(),
+        );
+        assert_eq!(optim.len(), 4);
+        assert_eq!(grads, optim, "{name}");
+        let overlap = [flags, &OPTIM_GRADS, &["--overlap-grad-reduce"]].concat();
+        let (overlapped, _) = run(&dir, &format!("{name}-overlap"), &overlap);
+        assert_eq!(overlapped, optim, "{name}");
+    }
+}
+
+#[test]
+fn sharded_gradients_train_as_the_distributed_optimizer_on_every_layout() {
+    let dir = TempDir::new("sharding-layouts");
+    let interleaved = [
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--num-layers",
+        "4",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+    ];
+    for (name, flags) in [
+        ("dp4", &["--dp", "4"][..]),
+        ("tp2-sp", &["--tp", "2", "--sequence-parallel", "--dp", "2"]),
+        ("pp2-interleaved", &interleaved[..]),
+        (
+            "pp2-zbh1",
+            &["--pp", "2", "--dp", "2", "--pipeline-schedule", "zb-h1"],
+        ),
+        (
+            "ep2",
+            &["--model", "mixtral-tiny", "--dp", "2", "--ep", "2"],
+        ),
+        ("cp2", &["--cp", "2", "--dp", "2"]),
+        ("bf16", &["--dp", "2", "--bf16"]),
+        ("fp16", &["--dp", "2", "--fp16"]),
+        (
+            "instances",
+            &["--dp", "4", "--num-distributed-optimizer-instances", "2"],
+        ),
+    ] {
+        let (optim, _) = run(&dir, &format!("{name}-optim"), &[flags, &OPTIM].concat());
+        let (grads, _) = run(
+            &dir,
+            &format!("{name}-grads"),
+            &[flags, &OPTIM_GRADS].concat(),
+        );
+        close(name, &optim, &grads, 1e-5);
+        let overlap = [flags, &OPTIM_GRADS, &["--overlap-grad-reduce"]].concat();
+        let (overlapped, _) = run(&dir, &format!("{name}-overlap"), &overlap);
+        assert_eq!(overlapped, grads, "{name}");
+    }
+}
+
+/// The state line's bytes per parameter: (total, values, gradients, optimizer).
+fn state(stdout: &str) -> (f64, f64, f64, f64) {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("rank 0's state: "))
+        .unwrap_or_else(|| panic!("no state line in {stdout}"));
+    let numbers: Vec<f64> = line
+        .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    match numbers[..] {
+        [_, total, values, grads, optimizer] => (total, values, grads, optimizer),
+        _ => panic!("{line}: {numbers:?}"),
+    }
+}
+
+#[test]
+fn each_rank_keeps_a_shard_of_the_gradients_and_frees_whole_buckets_between_writes() {
+    let dir = TempDir::new("sharding-memory");
+    for d in [1usize, 2, 4] {
+        let dp = d.to_string();
+        let (_, stdout) = run(
+            &dir,
+            &format!("dp{d}"),
+            &["--dp", &dp, OPTIM_GRADS[0], OPTIM_GRADS[1]],
+        );
+        let (total, values, grads, optimizer) = state(&stdout);
+        let d = d as f64;
+        // 4 + 12/d: f32 values whole, f32 gradient and Adam shards (to the buffers' padding).
+        assert!((values - 4.0).abs() < 0.05, "{stdout}");
+        assert!((grads - 4.0 / d).abs() < 0.05, "{stdout}");
+        assert!((optimizer - 8.0 / d).abs() < 0.05, "{stdout}");
+        assert!((total - (4.0 + 12.0 / d)).abs() < 0.1, "{stdout}");
+    }
+    // The whole buckets held at once: all of them at the first step (which learns the writes
+    // and reduces after its walk), from the second on those between a micro-batch's first
+    // write and their reduction: fewer, more with the reductions overlapped (in flight).
+    let peaks = |name: &str, flags: &[&str]| -> Vec<u64> {
+        let log = dir.join(&format!("{name}.jsonl"));
+        run(&dir, name, &[flags, &["--dp", "2"], &OPTIM_GRADS].concat());
+        support::log_lines(&log)
+            .iter()
+            .map(|l| l["gradient_buckets_peak_bytes"].as_u64().expect("logged"))
+            .collect()
+    };
+    let plain = peaks("peaks", &[]);
+    let overlapped = peaks("peaks-overlap", &["--overlap-grad-reduce"]);
+    let all = plain[0];
+    assert_eq!(overlapped[0], all);
+    for (p, o) in plain[1..].iter().zip(&overlapped[1..]) {
+        assert!(*p < all / 2, "{plain:?}");
+        assert!(p <= o && *o < all, "{plain:?} {overlapped:?}");
+    }
+}
+
+#[test]
+fn a_checkpoint_of_sharded_gradients_resumes_under_the_distributed_optimizer_and_back() {
+    let dir = TempDir::new("sharding-resume");
+    let flags = [&["--dp", "2", "--micro-batch-size", "8"][..], &OPTIM_GRADS].concat();
+    let save = dir.join("ckpt");
+    let saving = [&flags[..], &["--save", &save, "--save-interval", "2"]].concat();
+    let (whole, _) = run(&dir, "saving", &saving);
+    // At one micro-batch the two strategies are the same run bit for bit.
+    let iter2 = dir.join("ckpt/iter_0000002");
+    let (optim, _) = run(
+        &dir,
+        "optim",
+        &[
+            "--dp",
+            "2",
+            "--micro-batch-size",
+            "8",
+            OPTIM[0],
+            OPTIM[1],
+            "--load",
+            &iter2,
+        ],
+    );
+    assert_eq!(optim, whole[2..]);
+    let (grads, _) = run(&dir, "grads", &[&flags[..], &["--load", &iter2]].concat());
+    assert_eq!(grads, whole[2..]);
+}
+
+#[test]
+fn a_strategy_that_cannot_serve_the_flags_is_refused_by_name() {
+    for (flags, says) in [
+        (
+            &["--data-parallel-sharding-strategy", "zero2"][..],
+            "\"zero2\" is not a sharding strategy: one of no_shard, optim, optim_grads, \
+             optim_grads_params",
+        ),
+        (
+            &[
+                "--data-parallel-sharding-strategy",
+                "no_shard",
+                "--use-distributed-optimizer",
+            ],
+            "--data-parallel-sharding-strategy no_shard with --use-distributed-optimizer",
+        ),
+        (
+            &["--data-parallel-sharding-strategy", "optim_grads_params"],
+            "optim_grads_params (ZeRO-3) is not built yet",
+        ),
+        (
+            &[
+                "--data-parallel-sharding-strategy",
+                "optim_grads",
+                "--cuda-graph-scope",
+                "attn",
+            ],
+            "--data-parallel-sharding-strategy optim_grads with --cuda-graph-scope",
+        ),
+        (
+            &[
+                "--data-parallel-sharding-strategy",
+                "no_shard",
+                "--overlap-param-gather",
+                "--overlap-grad-reduce",
+            ],
+            "--overlap-param-gather overlaps the distributed optimizer's all-gather",
+        ),
+    ] {
+        let args = [
+            &["train", "--quiet", "--train-iters", "1", "--dp", "2"][..],
+            flags,
+        ]
+        .concat();
+        let (ok, _, stderr) = megatron(&args);
+        assert!(!ok, "{flags:?}");
+        assert!(stderr.contains(says), "{flags:?}: {stderr}");
+    }
+}
