@@ -310,6 +310,29 @@ fn tensor_and_data_parallel_ranks_on_one_gpu_reproduce_tp1() {
         buckets(BF16, true, false),
         "bf16 products, distributed optimizer: overlapped vs not"
     );
+    // Sharded gradients (optim_grads): each bucket's device storage freed after its
+    // reduce-scatter and allocated again by the next micro-batch's first write; at one
+    // micro-batch per step the distributed optimizer's run bit for bit, overlapped or not.
+    let sharded = |strategy, overlap, global_batch| {
+        let mut job = job(2, 2, F32);
+        job.train_data = windows(global_batch, 2);
+        job.train.bucket_elements = 20_000;
+        job.train.distributed_optimizer = true;
+        job.ddp.sharding = strategy;
+        job.ddp.overlap_grad_reduce = overlap;
+        bits(curve(&job))
+    };
+    use megatron::distributed::ShardingStrategy::{Optim, OptimGrads};
+    assert_eq!(
+        sharded(OptimGrads, false, 4),
+        sharded(Optim, false, 4),
+        "sharded gradients vs the distributed optimizer at one micro-batch"
+    );
+    assert_eq!(
+        sharded(OptimGrads, true, 8),
+        sharded(OptimGrads, false, 8),
+        "sharded gradients: overlapped vs not"
+    );
     // Sequence parallelism: the all-gathers and reduce-scatters of the shards between the
     // ranks' device tensors, dropout per global position, the norms' gradients summed over tp.
     let mut sp = job(2, 1, F32);

@@ -735,6 +735,38 @@ fn overlapped_reduction_under_mpirun_equals_thread_ranks() {
         "64",
     ];
     processes_train_as_threads("overlap-instances", &instances, "mpi", &[]);
+    // Sharded gradients (optim_grads): every micro-batch's reduce-scatter per bucket, over a
+    // pipeline whose tied embedding's bucket is summed over both ends first; overlapped and
+    // not (the reductions then run at once, inside the backward).
+    for (name, overlap) in [
+        ("sharded-grads", &[][..]),
+        (
+            "sharded-grads-overlap",
+            &["--overlap-grad-reduce", "--overlap-param-gather"][..],
+        ),
+    ] {
+        let sharded = [
+            &[
+                "--pp",
+                "2",
+                "--dp",
+                "2",
+                "--data-parallel-sharding-strategy",
+                "optim_grads",
+                "--ddp-bucket-size",
+                "20000",
+                "--train-iters",
+                "3",
+                "--global-batch-size",
+                "8",
+                "--seq-length",
+                "64",
+            ][..],
+            overlap,
+        ]
+        .concat();
+        processes_train_as_threads(name, &sharded, "mpi", &[]);
+    }
 }
 
 /// `--trace` under `mpirun`: each process records its rank's step, and rank 0 gathers them
@@ -1616,6 +1648,30 @@ fn overlapped_reduction_with_nccl_follows_thread_ranks() {
         "cuda",
     ];
     nccl_trains_as_threads("nccl-overlap", &args);
+    // Sharded gradients: each bucket's device storage freed after each micro-batch's
+    // reduce-scatter (on the rank's stream, after the communication stream's event) and
+    // allocated again, zeroed, by the next write.
+    let sharded = [
+        "--dp",
+        "4",
+        "--data-parallel-sharding-strategy",
+        "optim_grads",
+        "--overlap-grad-reduce",
+        "--overlap-param-gather",
+        "--ddp-bucket-size",
+        "20000",
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--seq-length",
+        "64",
+        "--device",
+        "cuda",
+    ];
+    nccl_trains_as_threads("nccl-sharded-grads", &sharded);
 }
 
 /// `megatron bench` under `mpirun` runs the job on the launch's ranks (it used to run the whole
