@@ -9,7 +9,10 @@
 //! walk, with it some run inside it. A last run keeps two distributed-optimizer instances
 //! (`--num-distributed-optimizer-instances 2`, HSDP: here each rank its own whole copy of the
 //! state, the gradients summed across the copies): the same losses to the gradient norm's
-//! rounding (its partial sums are taken over whole buckets instead of halves).
+//! rounding (its partial sums are taken over whole buckets instead of halves). The last shards
+//! the gradients too (`--data-parallel-sharding-strategy optim_grads`, ZeRO-2): every
+//! micro-batch's buckets reduce-scattered during the backward and their whole gradients freed,
+//! each rank keeping its shard: the same losses to the sums' rounding.
 //!
 //! ```sh
 //! cargo run --release --example ddp_overlap
@@ -17,7 +20,7 @@
 
 use std::path::{Path, PathBuf};
 
-use megatron::distributed::DdpConfig;
+use megatron::distributed::{DdpConfig, ShardingStrategy};
 use megatron::job::{Placement, TrainJob};
 use megatron::models::preset;
 use megatron::optimizer::AdamWConfig;
@@ -155,6 +158,30 @@ fn main() -> R<()> {
     println!("two optimizer instances: the losses within {far:.1e} of the plain run's");
     if far > 1e-5 {
         return Err(format!("two optimizer instances drift {far:.1e} from the plain run").into());
+    }
+    let sharded = DdpConfig {
+        sharding: ShardingStrategy::OptimGrads,
+        ..both
+    };
+    let trace = dir.join("sharded.json");
+    let zero2 = job(sharded, trace.clone())?.run(&mut [])?;
+    let (comms, inside) = collectives_in_the_walk(&trace)?;
+    let far = zero2
+        .steps
+        .iter()
+        .zip(&losses[0])
+        .map(|(s, plain)| ((s.0 - plain) / plain).abs())
+        .fold(0.0, f64::max);
+    println!(
+        "sharded gradients (optim_grads): the losses within {far:.1e} of the plain run's; rank \
+         0's last step: {inside} of its {comms} data-parallel collectives began inside the walk \
+         (each bucket once per micro-batch)"
+    );
+    if far > 1e-5 {
+        return Err(format!("sharded gradients drift {far:.1e} from the plain run").into());
+    }
+    if inside == 0 {
+        return Err("no sharded reduction began during the walk".into());
     }
     std::fs::remove_dir_all(&dir)?;
     if losses[0] != losses[1] {

@@ -281,3 +281,57 @@ fn a_strategy_that_cannot_serve_the_flags_is_refused_by_name() {
         assert!(stderr.contains(says), "{flags:?}: {stderr}");
     }
 }
+
+/// `megatron inspect` gives each strategy's bytes per parameter: for `optim_grads` what a run
+/// measures on its rank 0, in f32 and in bf16, beside the formula.
+#[test]
+fn inspect_counts_the_sharded_gradients_as_training_measures_them() {
+    let dir = TempDir::new("sharding-inspect");
+    for (name, precision) in [("f32", &[][..]), ("bf16", &["--bf16"][..])] {
+        let flags = [&["--dp", "4"][..], precision, &OPTIM_GRADS].concat();
+        let (_, stdout) = run(&dir, name, &flags);
+        let measured = state(&stdout);
+        let args = [
+            &[
+                "inspect",
+                "--model",
+                "gpt-tiny",
+                "--num-layers",
+                "2",
+                "--json",
+            ][..],
+            &flags,
+        ]
+        .concat();
+        let (ok, out, stderr) = megatron(&args);
+        assert!(ok, "{stderr}");
+        let json: Value = serde_json::from_str(&out).expect("inspect --json");
+        let state_json = &json["state_bytes_per_param"];
+        assert_eq!(state_json["sharding_strategy"], "optim_grads");
+        let rows = state_json["by_strategy"].as_array().expect("by_strategy");
+        let row = rows
+            .iter()
+            .find(|r| r["strategy"] == "optim_grads")
+            .expect("the optim_grads row");
+        let get = |k: &str| row[k].as_f64().expect(k);
+        let (total, values, grads, optimizer) = measured;
+        for (key, got) in [
+            ("total", total),
+            ("values", values),
+            ("grads", grads),
+            ("optimizer", optimizer),
+        ] {
+            assert!(
+                (get(key) - got).abs() < 0.05,
+                "{name} {key}: {row} vs {stdout}"
+            );
+        }
+        // The formula: whole + sharded / n.
+        let formula = &row["formula"];
+        let at = |f: &Value| {
+            f["whole"].as_f64().unwrap()
+                + f["sharded"].as_f64().unwrap() / f["ranks"].as_f64().unwrap()
+        };
+        assert!((at(formula) - get("total")).abs() < 0.05, "{name}: {row}");
+    }
+}

@@ -8,6 +8,7 @@ use clap::Args;
 use megatron::comm::threads::launch;
 use megatron::comm::{CommStats, ParallelState};
 use megatron::context_parallel::CpCommType;
+use megatron::distributed::ShardingStrategy;
 use megatron::models::gpt::{Block, Gpt};
 use megatron::models::{GptConfig, PositionEmbeddingType};
 use megatron::module::{Builder, Cx, Module, ParamSpec, Site, Split};
@@ -86,6 +87,11 @@ pub struct InspectArgs {
     /// data-parallel ranks).
     #[arg(long)]
     use_distributed_optimizer: bool,
+    /// What data parallelism shards (Megatron-FSDP's names): no_shard, optim (as
+    /// --use-distributed-optimizer), optim_grads (also the gradients) [default: optim with
+    /// --use-distributed-optimizer, else no_shard]. Every strategy's state is printed beside.
+    #[arg(long, value_parser = values::sharding_strategy, value_name = "STRATEGY")]
+    data_parallel_sharding_strategy: Option<ShardingStrategy>,
     /// With --use-distributed-optimizer: the optimizer state sharded within this many parts of
     /// the data-parallel ranks and replicated across them (Megatron-LM's HSDP).
     #[arg(long, default_value_t = 1, value_parser = values::ranks)]
@@ -128,15 +134,31 @@ pub struct InspectArgs {
     json: bool,
 }
 
-/// Bytes per parameter of a rank holding `specs` (pp = 1): f32 values and gradients over the
-/// buffers the trainer lays out, and Adam's two f32 moments, split over `dp` ranks with the
-/// distributed optimizer: (total, values, gradients, optimizer).
+/// Bytes per parameter of a rank's training state.
+#[derive(Debug, Clone, Copy)]
+struct StateBytes {
+    values: f64,
+    grads: f64,
+    optimizer: f64,
+}
+
+impl StateBytes {
+    fn total(&self) -> f64 {
+        self.values + self.grads + self.optimizer
+    }
+}
+
+/// Bytes per parameter of a rank holding `specs` (pp = 1) under `strategy`: values and
+/// gradients over the buffers the trainer lays out, and Adam's two f32 moments (with 16-bit
+/// parameters the f32 main parameters, with 16-bit gradients their f32 main copies), each
+/// buffer's split over its `ranks` (dp for the dense parameters, edp for the experts') from
+/// `optim` on; with `optim_grads` the gradients are the rank's f32 shard of them.
 fn state_bytes(
     specs: &[ParamSpec],
     (dp, edp): (usize, usize),
-    distributed: bool,
+    strategy: ShardingStrategy,
     precision: &Precision,
-) -> Result<(f64, f64, f64, f64)> {
+) -> Result<StateBytes> {
     use megatron::optimizer::{LayoutConfig, ParamInfo, layout};
     let params: Vec<ParamInfo> = specs
         .iter()
@@ -150,33 +172,54 @@ fn state_bytes(
         .collect();
     let config = LayoutConfig {
         bucket_size: Some(megatron::training::default_bucket_elements(dp)),
-        distributed_optimizer: distributed,
+        distributed_optimizer: strategy.shards_optimizer(),
         grad_reduce_in_fp32: precision.grads == DType::F32,
         edp,
         ..LayoutConfig::new(dp)
     };
     let buffers = layout(&params, &config)?;
     let buffer: usize = buffers.iter().map(|b| b.numel()).sum();
-    // With the distributed optimizer each buffer's state is split over its shards (dp for
-    // dense parameters, edp for the experts').
     let state: usize = buffers
         .iter()
         .map(|b| b.numel() / b.shards.unwrap_or(1))
         .sum();
     let per =
         |bytes: usize| bytes as f64 / params.iter().map(|p| p.numel).sum::<usize>().max(1) as f64;
-    // Adam's two moments, and with 16-bit parameters the f32 main parameters (and main
-    // gradients for 16-bit gradients), all of the rank's shard with the distributed optimizer.
-    let optimizer_words = 2
-        + usize::from(precision.params != DType::F32)
-        + usize::from(precision.grads != DType::F32);
-    let (values, grads, optimizer) = (
-        per(precision.params.size() * buffer),
-        per(precision.grads.size() * buffer),
-        per(4 * optimizer_words * state),
-    );
-    Ok((values + grads + optimizer, values, grads, optimizer))
+    let main_params = usize::from(precision.params != DType::F32);
+    let main_grads = usize::from(precision.grads != DType::F32);
+    Ok(match strategy.shards_gradients() {
+        false => StateBytes {
+            values: per(precision.params.size() * buffer),
+            grads: per(precision.grads.size() * buffer),
+            optimizer: per(4 * (2 + main_params + main_grads) * state),
+        },
+        true => StateBytes {
+            values: per(precision.params.size() * buffer),
+            grads: per(4 * state),
+            optimizer: per(4 * (2 + main_params) * state),
+        },
+    })
 }
+
+/// The bytes per parameter `strategy` keeps in theory, as `whole + sharded / n` over the `n`
+/// ranks a shard is cut for (padding aside).
+fn state_formula(strategy: ShardingStrategy, precision: &Precision) -> (usize, usize) {
+    let (v, g) = (precision.params.size(), precision.grads.size());
+    let main_params = 4 * usize::from(precision.params != DType::F32);
+    let main_grads = 4 * usize::from(precision.grads != DType::F32);
+    match strategy {
+        ShardingStrategy::NoShard => (v + g + 8 + main_params + main_grads, 0),
+        ShardingStrategy::Optim => (v + g, 8 + main_params + main_grads),
+        _ => (v, 4 + 8 + main_params),
+    }
+}
+
+/// The strategies `megatron inspect` compares (optim_grads_params is not built yet).
+const COMPARED: [ShardingStrategy; 3] = [
+    ShardingStrategy::NoShard,
+    ShardingStrategy::Optim,
+    ShardingStrategy::OptimGrads,
+];
 
 /// One pipeline chunk: its rank, chunk, virtual stage, layers and ends.
 struct StageRow {
@@ -513,12 +556,6 @@ pub fn run(args: &InspectArgs) -> Result<()> {
         ..PrecisionFlags::default()
     })?;
     let instances = args.num_distributed_optimizer_instances;
-    if instances > 1 && !args.use_distributed_optimizer {
-        bail!(
-            "--num-distributed-optimizer-instances {instances} shards the distributed \
-             optimizer's state: add --use-distributed-optimizer"
-        );
-    }
     for (group, ranks) in [
         ("dp × cp", args.dp * args.cp),
         ("expert data-parallel", edp),
@@ -530,15 +567,42 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             );
         }
     }
-    let (state_total, state_values, state_grads, state_optimizer) = state_bytes(
-        &specs,
-        // With context parallelism the dense parameters' ranks are dp·cp (Megatron-LM's
-        // dp-cp group): the distributed optimizer shards over them, or over each instance's
-        // part of them.
-        (args.dp * args.cp / instances, edp / instances),
+    let strategy = match (
+        args.data_parallel_sharding_strategy,
         args.use_distributed_optimizer,
-        &precision,
-    )?;
+    ) {
+        (Some(ShardingStrategy::NoShard), true) => bail!(
+            "--data-parallel-sharding-strategy no_shard with --use-distributed-optimizer, which \
+             shards the optimizer state: drop one of them"
+        ),
+        (Some(ShardingStrategy::OptimGradsParams), _) => bail!(
+            "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3) is not built yet: \
+             optim_grads shards the gradients and the optimizer state"
+        ),
+        (Some(strategy), _) => strategy,
+        (None, true) => ShardingStrategy::Optim,
+        (None, false) => ShardingStrategy::NoShard,
+    };
+    if instances > 1 && !strategy.shards_optimizer() {
+        bail!(
+            "--num-distributed-optimizer-instances {instances} shards the distributed \
+             optimizer's state: add --use-distributed-optimizer"
+        );
+    }
+    // With context parallelism the dense parameters' ranks are dp·cp (Megatron-LM's dp-cp
+    // group): the distributed optimizer shards over them, or over each instance's part.
+    let shard_ranks = (args.dp * args.cp / instances, edp / instances);
+    let by_strategy = COMPARED
+        .iter()
+        .map(|&s| Ok((s, state_bytes(&specs, shard_ranks, s, &precision)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let chosen = state_bytes(&specs, shard_ranks, strategy, &precision)?;
+    let (state_total, state_values, state_grads, state_optimizer) = (
+        chosen.total(),
+        chosen.values,
+        chosen.grads,
+        chosen.optimizer,
+    );
     let active = config.active_params(args.tp);
     if args.json {
         let params: Vec<Value> = specs
@@ -576,7 +640,8 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             "parameters": params,
             "state_bytes_per_param": {
                 "dp": args.dp,
-                "distributed_optimizer": args.use_distributed_optimizer,
+                "distributed_optimizer": strategy.shards_optimizer(),
+                "sharding_strategy": strategy.name(),
                 "distributed_optimizer_instances": instances,
                 "param_dtype": precision.params.name(),
                 "grad_dtype": precision.grads.name(),
@@ -584,6 +649,17 @@ pub fn run(args: &InspectArgs) -> Result<()> {
                 "values": state_values,
                 "grads": state_grads,
                 "optimizer": state_optimizer,
+                "by_strategy": by_strategy.iter().map(|(s, b)| {
+                    let (whole, sharded) = state_formula(*s, &precision);
+                    json!({
+                        "strategy": s.name(),
+                        "total": b.total(),
+                        "values": b.values,
+                        "grads": b.grads,
+                        "optimizer": b.optimizer,
+                        "formula": { "whole": whole, "sharded": sharded, "ranks": shard_ranks.0 },
+                    })
+                }).collect::<Vec<_>>(),
             },
             "layer_collectives": { "forward": phase(&fwd, measured), "backward": phase(&bwd, measured) },
             "sequence_parallel_layer_collectives": sp.as_ref().map(|(f, b, m)| json!({ "forward": phase(f, *m), "backward": phase(b, *m) })),
@@ -704,13 +780,47 @@ pub fn run(args: &InspectArgs) -> Result<()> {
          parameter (values {state_values:.1}, gradients {state_grads:.1}, optimizer \
          {state_optimizer:.1})\n",
         args.dp,
-        match (args.use_distributed_optimizer, instances) {
-            (false, _) => String::new(),
-            (true, 1) => " with the distributed optimizer".to_string(),
-            (true, k) => format!(" with the distributed optimizer in {k} instances"),
+        match (strategy, instances) {
+            (ShardingStrategy::NoShard, _) => String::new(),
+            (ShardingStrategy::Optim, 1) => " with the distributed optimizer".to_string(),
+            (ShardingStrategy::Optim, k) => {
+                format!(" with the distributed optimizer in {k} instances")
+            }
+            (s, 1) => format!(" under {}", s.name()),
+            (s, k) => format!(" under {} in {k} instances", s.name()),
         },
         precision.params,
         precision.grads
+    );
+    let _ = writeln!(
+        out,
+        "bytes per parameter by --data-parallel-sharding-strategy, a shard cut for n = {} ranks:",
+        shard_ranks.0
+    );
+    let _ = writeln!(
+        out,
+        "  {:<20} {:>7} {:>7} {:>10} {:>10}   formula",
+        "strategy", "total", "values", "gradients", "optimizer"
+    );
+    for (s, b) in &by_strategy {
+        let formula = match state_formula(*s, &precision) {
+            (whole, 0) => format!("{whole}"),
+            (whole, sharded) => format!("{whole} + {sharded}/n"),
+        };
+        let _ = writeln!(
+            out,
+            "  {:<20} {:>7.1} {:>7.1} {:>10.1} {:>10.1}   {formula}",
+            s.name(),
+            b.total(),
+            b.values,
+            b.grads,
+            b.optimizer
+        );
+    }
+    let _ = writeln!(
+        out,
+        "  (optim_grads also holds each bucket's whole gradients from a micro-batch's first \
+         write in it to its reduce-scatter)\n"
     );
     let _ = writeln!(
         out,
