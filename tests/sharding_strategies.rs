@@ -11,11 +11,11 @@
 //!   rounding (losses to 1e-5, gradient norms to 1e-5), on every layout: dp 4, tp 2 with
 //!   sequence parallelism, pp 2 with the interleaved schedule and with zb-h1 (the tied
 //!   embedding's bucket summed over both ends first), ep 2, cp 2, bf16, fp16, two optimizer
-//!   instances; overlapping the reductions with the backward changes nothing, bit for bit.
+//!   instances, full recompute, LoRA's adapters beside frozen weights; overlapping the reductions with the backward changes nothing, bit for bit.
 //! - Each rank holds values, a shard of the gradients and a shard of Adam's state: 4 + 12/d
 //!   bytes per parameter in f32, measured.
 //! - Checkpoints are the distributed optimizer's: one saved under `optim_grads` resumes under
-//!   `optim`, and back.
+//!   `optim`, and back, and at another dp.
 
 mod support;
 
@@ -135,6 +135,31 @@ fn sharded_gradients_train_as_the_distributed_optimizer_on_every_layout() {
             "instances",
             &["--dp", "4", "--num-distributed-optimizer-instances", "2"],
         ),
+        (
+            "recompute",
+            &[
+                "--dp",
+                "2",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+            ],
+        ),
+        // Frozen base weights: only the adapters have gradients, buckets and shards.
+        (
+            "lora",
+            &[
+                "--dp",
+                "2",
+                "--lora-rank",
+                "4",
+                "--lora-target-modules",
+                "linear_qkv",
+            ],
+        ),
     ] {
         let (optim, _) = run(&dir, &format!("{name}-optim"), &[flags, &OPTIM].concat());
         let (grads, _) = run(
@@ -230,6 +255,17 @@ fn a_checkpoint_of_sharded_gradients_resumes_under_the_distributed_optimizer_and
     assert_eq!(optim, whole[2..]);
     let (grads, _) = run(&dir, "grads", &[&flags[..], &["--load", &iter2]].concat());
     assert_eq!(grads, whole[2..]);
+    // At another data-parallel size: the same global batches, summed over other ranks.
+    let dp4 = [
+        "--dp",
+        "4",
+        "--micro-batch-size",
+        "4",
+        OPTIM_GRADS[0],
+        OPTIM_GRADS[1],
+    ];
+    let (resharded, _) = run(&dir, "dp4", &[&dp4[..], &["--load", &iter2]].concat());
+    close("dp 4", &whole[2..], &resharded, 1e-5);
 }
 
 #[test]

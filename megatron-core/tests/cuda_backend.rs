@@ -693,6 +693,50 @@ fn the_device_local_communicator_equals_the_thread_backend_bit_for_bit() {
     }
 }
 
+/// Started collectives on the device-local communicator run on the handle's progress thread
+/// and its communication stream: a start returns before the other members have started (rank
+/// 0 starts only once rank 1's message says it has: a start that waited for the members would
+/// never get there), other groups' calls go on meanwhile, a blocking call on the group comes
+/// after the started ones, and every result is the thread backend's bit for bit.
+#[test]
+#[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
+fn started_collectives_on_the_device_local_communicator_run_while_the_rank_goes_on() {
+    let (host, device) = on_both(2, |w, put| {
+        let ranks: Vec<usize> = (0..w.size()).collect();
+        let dp = w.communicator("dp", &ranks)?;
+        let other = w.communicator("other", &ranks)?;
+        let me = w.rank();
+        let flag = Tensor::zeros([1], DType::F32);
+        if me == 0 {
+            // Rank 1 has started its collectives before rank 0 starts any.
+            other.recv(&put(flag.clone())?, 1)?;
+        }
+        let reduced = put(Tensor::from_vec(values(4099, me as u64), [4099])?)?;
+        let wide = put(Tensor::from_vec(values(2 * 301, 7 + me as u64), [2 * 301])?)?;
+        let part = put(Tensor::zeros([301], DType::F32))?;
+        let input = put(Tensor::from_vec(values(33, 11 + me as u64), [33])?)?;
+        let gathered = put(Tensor::zeros([2 * 33], DType::F32))?;
+        let started = [
+            dp.start_all_reduce(&reduced, ReduceOp::Sum)?,
+            dp.start_reduce_scatter(&wide, &part, ReduceOp::Sum)?,
+            dp.start_all_gather(&input, &gathered)?,
+        ];
+        if me == 1 {
+            other.send(&put(flag)?, 0)?;
+        }
+        // Another group's call while they are in flight, and the group's own after them.
+        let meanwhile = put(Tensor::from_vec(values(5, 20 + me as u64), [5])?)?;
+        other.all_reduce(&meanwhile, ReduceOp::Max)?;
+        let after = put(Tensor::from_vec(values(7, 30 + me as u64), [7])?)?;
+        dp.all_reduce(&after, ReduceOp::Sum)?;
+        for pending in started {
+            pending.wait()?;
+        }
+        Ok(vec![reduced, part, gathered, meanwhile, after])
+    });
+    assert_eq!(device, host);
+}
+
 #[test]
 #[ignore = "needs a GPU, or the emulated one: MEGATRON_EMULATED_GPU=1"]
 fn the_device_local_communicator_reports_mismatches_on_every_rank() {

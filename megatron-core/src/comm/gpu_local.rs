@@ -17,9 +17,19 @@
 //!
 //! Point-to-point sends snapshot the data into a new device tensor handed to the receiver
 //! through the mailbox, so a send never waits for its receive.
+//!
+//! Started collectives ([`Communicator::start_all_reduce`], `start_reduce_scatter`,
+//! `start_all_gather`) run on the handle's progress thread ([`super::progress`]) and on a
+//! communication stream of its own, made at the first start: the start records an event on
+//! the rank's stream, the progress thread makes the communication stream wait for it and runs
+//! the two rounds there (its barriers meet the other members' progress threads), and the wait
+//! orders the rank's stream after an event recorded behind the call. The call's tensors are
+//! dropped only then, their memory being freed on the rank's stream. A blocking call on the
+//! group first drains the started ones, so the group sees every rank's calls in its order.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
 use cudarc::driver::CudaEvent;
 use cudarc::driver::result::memcpy_dtod_async;
@@ -27,8 +37,11 @@ use cudarc::driver::sys::CUevent_flags;
 use parking_lot::Mutex;
 
 use super::checks::Checks;
+use super::progress::Progress;
 use super::stats::Counters;
-use super::{CallDesc, CommError, CommStats, Communicator, OpKind, ReduceOp, Result, World};
+use super::{
+    CallDesc, CommError, CommStats, Communicator, OpKind, Pending, ReduceOp, Result, World,
+};
 use crate::cuda::{CudaError, Gpu, kernels};
 use crate::tensor::{DType, Tensor};
 
@@ -120,7 +133,9 @@ impl World for LocalGpuWorld {
             mailbox: self.shared.mailbox(name, ranks),
             host,
             gpu: self.gpu.clone(),
-            counters: Counters::default(),
+            counters: Arc::default(),
+            comm_gpu: OnceLock::new(),
+            progress: Progress::default(),
         }))
     }
 }
@@ -155,7 +170,12 @@ pub struct LocalGpuComm {
     gpu: Gpu,
     index: usize,
     mailbox: Arc<Mailbox>,
-    counters: Counters,
+    counters: Arc<Counters>,
+    /// The communication stream started collectives run on, made at the first start (the
+    /// runner handle's `gpu`).
+    comm_gpu: OnceLock<Gpu>,
+    /// The thread started collectives run on (a runner handle's is never started).
+    progress: Progress<LocalGpuComm>,
 }
 
 impl std::fmt::Debug for LocalGpuComm {
@@ -180,6 +200,77 @@ fn backend(group: &str, call: &'static str, e: impl std::fmt::Display) -> CommEr
 impl LocalGpuComm {
     fn cuda(&self, call: &'static str, e: impl std::fmt::Display) -> CommError {
         backend(self.name(), call, e)
+    }
+
+    /// Waits until every collective this rank started on the group has run.
+    fn drain(&self) {
+        self.progress.drain();
+    }
+
+    /// Starts `call` (described as `desc`) on the progress thread, on the communication stream
+    /// once the rank's stream has done what it was given so far. `keep` (the call's tensors)
+    /// is dropped at the wait, after the rank's stream is ordered after the call: their memory
+    /// is freed on the rank's stream, which must not reuse it before.
+    fn start(
+        &self,
+        desc: &CallDesc,
+        keep: Vec<Tensor>,
+        call: impl FnOnce(&LocalGpuComm) -> Result<()> + Send + 'static,
+    ) -> Result<Pending> {
+        if self.size() == 1 {
+            // Nothing to meet: the call is a local copy at most, ordered on the rank's stream.
+            let start = Instant::now();
+            return Ok(Pending::ran(call(self), start));
+        }
+        let comm_gpu = match self.comm_gpu.get() {
+            Some(gpu) => gpu.clone(),
+            None => {
+                let made = self
+                    .gpu
+                    .with_new_stream()
+                    .map_err(|e| self.cuda("cuStreamCreate", e))?;
+                self.comm_gpu.get_or_init(|| made).clone()
+            }
+        };
+        let ready = self.record()?;
+        let runner = || {
+            let runner = LocalGpuComm {
+                host: Arc::clone(&self.host),
+                gpu: comm_gpu,
+                index: self.index,
+                mailbox: Arc::clone(&self.mailbox),
+                counters: Arc::clone(&self.counters),
+                comm_gpu: OnceLock::new(),
+                progress: Progress::default(),
+            };
+            let name = format!("gpu-local-{}-{}", self.name(), self.ranks()[self.index]);
+            (runner, name)
+        };
+        // The event the communication stream records after the call, which the rank's stream
+        // waits for at the wait.
+        let done = Arc::new(Mutex::new(None));
+        let recorded = Arc::clone(&done);
+        let pending = self.progress.start(self.name(), desc, runner, move |c| {
+            c.gpu
+                .context()
+                .bind_to_thread()
+                .map_err(|e| c.cuda("cuCtxSetCurrent", format!("{e:?}")))?;
+            c.wait(&ready)?;
+            call(c)?;
+            *recorded.lock() = Some(c.record()?);
+            Ok(())
+        })?;
+        let (stream, group) = (Arc::clone(self.gpu.stream()), self.name().to_string());
+        Ok(pending.after(move || {
+            let Some(event) = done.lock().take() else {
+                return Ok(());
+            };
+            let ordered = stream
+                .wait(&event)
+                .map_err(|e| backend(&group, "cuStreamWaitEvent", format!("{e:?}")));
+            drop(keep);
+            ordered
+        }))
     }
 
     fn checks(&self) -> Checks<'_> {
@@ -372,6 +463,7 @@ impl Communicator for LocalGpuComm {
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         const OP: &str = "all_reduce";
+        self.drain();
         self.check_tensor(OP, tensor)?;
         let desc = CallDesc::of(OpKind::AllReduce, tensor, Some(op), None);
         let (dtype, count) = (tensor.dtype(), tensor.numel());
@@ -395,6 +487,7 @@ impl Communicator for LocalGpuComm {
 
     fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
         const OP: &str = "all_gather";
+        self.drain();
         self.check_tensor(OP, input)?;
         self.check_tensor(OP, output)?;
         let (n, count, dtype) = (
@@ -448,6 +541,7 @@ impl Communicator for LocalGpuComm {
 
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
         const OP: &str = "reduce_scatter";
+        self.drain();
         self.check_tensor(OP, input)?;
         self.check_tensor(OP, output)?;
         let (n, count, dtype) = (
@@ -482,6 +576,7 @@ impl Communicator for LocalGpuComm {
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
         const OP: &str = "broadcast";
+        self.drain();
         self.check_tensor(OP, tensor)?;
         self.checks().peer("broadcast root", root)?;
         if self.size() == 1 {
@@ -509,6 +604,7 @@ impl Communicator for LocalGpuComm {
         recv_splits: &[usize],
     ) -> Result<()> {
         const OP: &str = "all_to_all";
+        self.drain();
         self.check_tensor(OP, input)?;
         self.check_tensor(OP, output)?;
         self.checks()
@@ -544,6 +640,7 @@ impl Communicator for LocalGpuComm {
 
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
         const OP: &str = "send";
+        self.drain();
         self.check_tensor(OP, tensor)?;
         self.checks().destination(dst)?;
         let bytes = tensor.numel() * tensor.dtype().size();
@@ -568,6 +665,7 @@ impl Communicator for LocalGpuComm {
 
     fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
         const OP: &str = "recv";
+        self.drain();
         self.check_tensor(OP, tensor)?;
         self.checks().source(src)?;
         let header = Tensor::zeros([2], DType::I64);
@@ -609,6 +707,7 @@ impl Communicator for LocalGpuComm {
     }
 
     fn barrier(&self) -> Result<()> {
+        self.drain();
         let dummy =
             Tensor::zeros_on([0], DType::F32, &self.gpu).map_err(|e| self.cuda("alloc", e))?;
         let desc = CallDesc::barrier();
@@ -616,6 +715,36 @@ impl Communicator for LocalGpuComm {
         self.finish()?;
         self.counters.record(OpKind::Barrier, 0);
         Ok(())
+    }
+
+    fn start_all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Pending> {
+        self.check_tensor("all_reduce", tensor)?;
+        let desc = CallDesc::of(OpKind::AllReduce, tensor, Some(op), None);
+        let t = tensor.clone();
+        self.start(&desc, vec![tensor.clone()], move |c| c.all_reduce(&t, op))
+    }
+
+    fn start_reduce_scatter(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Pending> {
+        self.check_tensor("reduce_scatter", input)?;
+        self.check_tensor("reduce_scatter", output)?;
+        let desc = CallDesc::of(OpKind::ReduceScatter, output, Some(op), None);
+        let (i, o) = (input.clone(), output.clone());
+        let keep = vec![input.clone(), output.clone()];
+        self.start(&desc, keep, move |c| c.reduce_scatter(&i, &o, op))
+    }
+
+    fn start_all_gather(&self, input: &Tensor, output: &Tensor) -> Result<Pending> {
+        self.check_tensor("all_gather", input)?;
+        self.check_tensor("all_gather", output)?;
+        let desc = CallDesc::of(OpKind::AllGather, input, None, None);
+        let (i, o) = (input.clone(), output.clone());
+        let keep = vec![input.clone(), output.clone()];
+        self.start(&desc, keep, move |c| c.all_gather(&i, &o))
     }
 
     fn stats(&self) -> CommStats {

@@ -449,6 +449,21 @@ impl GradSync {
     }
 }
 
+impl Drop for GradSync {
+    /// Waits for the reductions still in flight (a step that failed midway leaves some): a
+    /// collective's tensors must outlive it, and on a GPU their memory is freed on the rank's
+    /// stream, which only the wait orders after the collective.
+    fn drop(&mut self) {
+        let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        for pending in state.pending.drain(..) {
+            let _ = pending.wait();
+        }
+        for in_flight in state.in_flight.drain(..) {
+            let _ = in_flight.pending.wait();
+        }
+    }
+}
+
 /// The bytes of `t`'s elements.
 fn byte_size(t: &Tensor) -> usize {
     t.numel() * t.dtype().size()

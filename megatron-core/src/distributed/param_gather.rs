@@ -161,3 +161,12 @@ impl ParamGather {
         state.failed.take().map_or(Ok(()), Err)
     }
 }
+
+impl Drop for ParamGather {
+    /// Waits for the gathers still in flight (the last step's, at the end of a run): a
+    /// collective's tensors must outlive it, and on a GPU their memory is freed on the rank's
+    /// stream, which only the wait orders after the collective.
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
+}

@@ -111,6 +111,8 @@ struct Use {
     std::uint64_t time = 0;
     unsigned long long lo = 0, hi = 0;
     bool ranged = false;
+    // The operation, for the report.
+    const char* what = "";
 };
 
 // Whether two uses of one allocation may touch the same bytes. Two uses of unknown extent may
@@ -238,7 +240,7 @@ bool check_order(const char* what, const std::vector<Access>& accesses) {
         if (it == allocations.end()) continue;
         Allocation& alloc = it->second;
         const auto lo = reinterpret_cast<unsigned long long>(a.at);
-        const Use now{s->id, time, lo, lo + std::max<std::size_t>(a.bytes, 1), a.bytes > 0};
+        const Use now{s->id, time, lo, lo + std::max<std::size_t>(a.bytes, 1), a.bytes > 0, what};
         const Use* conflict = nullptr;
         const char* earlier = "written";
         for (const Use& w : alloc.writes) {
@@ -252,12 +254,13 @@ bool check_order(const char* what, const std::vector<Access>& accesses) {
         }
         if (conflict) {
             std::fprintf(stderr,
-                         "emulated GPU: %s on stream %u %s the %zu-byte device buffer at 0x%llx, "
-                         "%s on stream %u with nothing ordering the two (an event recorded after "
-                         "it and waited for, or a synchronisation): a GPU may run them in either "
-                         "order\n",
+                         "emulated GPU: %s on stream %u %s the %zu-byte device buffer at 0x%llx "
+                         "(bytes %llu to %llu), %s by %s on stream %u (bytes %llu to %llu) with "
+                         "nothing ordering the two (an event recorded after it and waited for, "
+                         "or a synchronisation): a GPU may run them in either order\n",
                          what, s->id, a.write ? "writes" : "reads", alloc.bytes, it->first,
-                         earlier, conflict->stream);
+                         now.lo - it->first, now.hi - it->first, earlier, conflict->what,
+                         conflict->stream, conflict->lo - it->first, conflict->hi - it->first);
             return false;
         }
         auto replaced = [&](const Use& u) { return ordered(u) && covers(now, u); };
@@ -766,7 +769,7 @@ CUresult cuMemcpyDtoDAsync_v2(unsigned long long dst, unsigned long long src, st
                               void* stream) {
     auto* d = reinterpret_cast<void*>(dst);
     auto* s = reinterpret_cast<const void*>(src);
-    return ordered_on(stream, "cuMemcpyDtoDAsync", {{s, false}, {d, true}},
+    return ordered_on(stream, "cuMemcpyDtoDAsync", {{s, false, n}, {d, true, n}},
                       [=] { std::memmove(d, s, n); });
 }
 CUresult cuMemcpyHtoD_v2(unsigned long long dst, const void* src, std::size_t n) {
