@@ -39,6 +39,7 @@ use parking_lot::Mutex;
 use super::checks::Checks;
 use super::progress::Progress;
 use super::stats::Counters;
+use super::stream_start::{self, StreamStart};
 use super::{
     CallDesc, CommError, CommStats, Communicator, OpKind, Pending, ReduceOp, Result, World,
 };
@@ -207,72 +208,6 @@ impl LocalGpuComm {
         self.progress.drain();
     }
 
-    /// Starts `call` (described as `desc`) on the progress thread, on the communication stream
-    /// once the rank's stream has done what it was given so far. `keep` (the call's tensors)
-    /// is dropped at the wait, after the rank's stream is ordered after the call: their memory
-    /// is freed on the rank's stream, which must not reuse it before.
-    fn start(
-        &self,
-        desc: &CallDesc,
-        keep: Vec<Tensor>,
-        call: impl FnOnce(&LocalGpuComm) -> Result<()> + Send + 'static,
-    ) -> Result<Pending> {
-        if self.size() == 1 {
-            // Nothing to meet: the call is a local copy at most, ordered on the rank's stream.
-            let start = Instant::now();
-            return Ok(Pending::ran(call(self), start));
-        }
-        let comm_gpu = match self.comm_gpu.get() {
-            Some(gpu) => gpu.clone(),
-            None => {
-                let made = self
-                    .gpu
-                    .with_new_stream()
-                    .map_err(|e| self.cuda("cuStreamCreate", e))?;
-                self.comm_gpu.get_or_init(|| made).clone()
-            }
-        };
-        let ready = self.record()?;
-        let runner = || {
-            let runner = LocalGpuComm {
-                host: Arc::clone(&self.host),
-                gpu: comm_gpu,
-                index: self.index,
-                mailbox: Arc::clone(&self.mailbox),
-                counters: Arc::clone(&self.counters),
-                comm_gpu: OnceLock::new(),
-                progress: Progress::default(),
-            };
-            let name = format!("gpu-local-{}-{}", self.name(), self.ranks()[self.index]);
-            (runner, name)
-        };
-        // The event the communication stream records after the call, which the rank's stream
-        // waits for at the wait.
-        let done = Arc::new(Mutex::new(None));
-        let recorded = Arc::clone(&done);
-        let pending = self.progress.start(self.name(), desc, runner, move |c| {
-            c.gpu
-                .context()
-                .bind_to_thread()
-                .map_err(|e| c.cuda("cuCtxSetCurrent", format!("{e:?}")))?;
-            c.wait(&ready)?;
-            call(c)?;
-            *recorded.lock() = Some(c.record()?);
-            Ok(())
-        })?;
-        let (stream, group) = (Arc::clone(self.gpu.stream()), self.name().to_string());
-        Ok(pending.after(move || {
-            let Some(event) = done.lock().take() else {
-                return Ok(());
-            };
-            let ordered = stream
-                .wait(&event)
-                .map_err(|e| backend(&group, "cuStreamWaitEvent", format!("{e:?}")));
-            drop(keep);
-            ordered
-        }))
-    }
-
     fn checks(&self) -> Checks<'_> {
         Checks {
             group: self.host.name(),
@@ -436,6 +371,59 @@ impl LocalGpuComm {
         // count) and stays alive in the mailbox; `out` is this rank's own scratch.
         unsafe { kernels::reduce::fold_raw(&self.gpu, kernel, &srcs, dst, count, op) }
             .map_err(|e: CudaError| self.cuda("fold", e))
+    }
+}
+
+impl StreamStart for LocalGpuComm {
+    fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    fn group(&self) -> &str {
+        self.host.name()
+    }
+
+    fn check_started(&self, op: &'static str, t: &Tensor) -> Result<()> {
+        self.check_tensor(op, t)
+    }
+
+    /// On the progress thread and the group's communication stream, made at the first start
+    /// (a group of one runs `call` at once: it meets no one).
+    fn start(
+        &self,
+        desc: &CallDesc,
+        keep: Vec<Tensor>,
+        call: impl FnOnce(&Self) -> Result<()> + Send + 'static,
+    ) -> Result<Pending> {
+        if self.size() == 1 {
+            let start = Instant::now();
+            return Ok(Pending::ran(call(self), start));
+        }
+        let comm_gpu = match self.comm_gpu.get() {
+            Some(gpu) => gpu.clone(),
+            None => {
+                let made = self
+                    .gpu
+                    .with_new_stream()
+                    .map_err(|e| self.cuda("cuStreamCreate", e))?;
+                self.comm_gpu.get_or_init(|| made).clone()
+            }
+        };
+        let runner = || {
+            let runner = LocalGpuComm {
+                host: Arc::clone(&self.host),
+                gpu: comm_gpu,
+                index: self.index,
+                mailbox: Arc::clone(&self.mailbox),
+                counters: Arc::clone(&self.counters),
+                comm_gpu: OnceLock::new(),
+                progress: Progress::default(),
+            };
+            let name = format!("gpu-local-{}-{}", self.name(), self.ranks()[self.index]);
+            (runner, name)
+        };
+        let group = (&self.gpu, self.name());
+        stream_start::on_comm_stream(&self.progress, group, desc, runner, keep, call)
     }
 }
 
@@ -718,10 +706,7 @@ impl Communicator for LocalGpuComm {
     }
 
     fn start_all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Pending> {
-        self.check_tensor("all_reduce", tensor)?;
-        let desc = CallDesc::of(OpKind::AllReduce, tensor, Some(op), None);
-        let t = tensor.clone();
-        self.start(&desc, vec![tensor.clone()], move |c| c.all_reduce(&t, op))
+        self.start_all_reduce_with(tensor, op, Self::all_reduce)
     }
 
     fn start_reduce_scatter(
@@ -730,21 +715,11 @@ impl Communicator for LocalGpuComm {
         output: &Tensor,
         op: ReduceOp,
     ) -> Result<Pending> {
-        self.check_tensor("reduce_scatter", input)?;
-        self.check_tensor("reduce_scatter", output)?;
-        let desc = CallDesc::of(OpKind::ReduceScatter, output, Some(op), None);
-        let (i, o) = (input.clone(), output.clone());
-        let keep = vec![input.clone(), output.clone()];
-        self.start(&desc, keep, move |c| c.reduce_scatter(&i, &o, op))
+        self.start_reduce_scatter_with((input, output), op, Self::reduce_scatter)
     }
 
     fn start_all_gather(&self, input: &Tensor, output: &Tensor) -> Result<Pending> {
-        self.check_tensor("all_gather", input)?;
-        self.check_tensor("all_gather", output)?;
-        let desc = CallDesc::of(OpKind::AllGather, input, None, None);
-        let (i, o) = (input.clone(), output.clone());
-        let keep = vec![input.clone(), output.clone()];
-        self.start(&desc, keep, move |c| c.all_gather(&i, &o))
+        self.start_all_gather_with((input, output), Self::all_gather)
     }
 
     fn stats(&self) -> CommStats {

@@ -20,6 +20,8 @@ mod progress;
 pub mod recording;
 mod reduce;
 mod stats;
+#[cfg(feature = "cuda")]
+mod stream_start;
 pub mod threads;
 
 use std::fmt;

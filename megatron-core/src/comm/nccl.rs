@@ -46,6 +46,7 @@ use super::checks::Checks;
 use super::mpi::{MpiComm, MpiWorld};
 use super::progress::Progress;
 use super::stats::Counters;
+use super::stream_start::{self, StreamStart};
 use super::{
     CallDesc, CommError, CommStats, Communicator, OpKind, Pending, ReduceOp, Result, World,
 };
@@ -286,81 +287,6 @@ impl NcclComm {
         self.progress.drain();
     }
 
-    /// Starts `call` (described as `desc`) on the progress thread, on the communication stream
-    /// once the rank's stream has done what it was given so far; at once while the rank's
-    /// stream is captured (a started call cannot be part of a graph). `keep` (the call's
-    /// tensors) is dropped at the wait, after the rank's stream is ordered after the call:
-    /// their memory is freed on the rank's stream, which must not reuse it before.
-    fn start(
-        &self,
-        desc: &CallDesc,
-        keep: Vec<Tensor>,
-        call: impl FnOnce(&NcclComm) -> Result<()> + Send + 'static,
-    ) -> Result<Pending> {
-        if self.gpu.capturing().is_some() {
-            let start = Instant::now();
-            return Ok(Pending::ran(
-                self.flush_held().and_then(|()| call(self)),
-                start,
-            ));
-        }
-        // The rank's held sends go first, on its own stream.
-        self.flush_held()?;
-        let ready = self
-            .gpu
-            .stream()
-            .record_event(None)
-            .map_err(|e| self.backend("cuEventRecord", format!("{e:?}")))?;
-        let runner = || {
-            let runner = NcclComm {
-                host: Arc::clone(&self.host),
-                comm: Arc::clone(&self.comm),
-                gpu: self.comm_gpu.clone(),
-                timeout: self.timeout,
-                counters: Arc::clone(&self.counters),
-                held: Arc::clone(&self.held),
-                comm_gpu: self.comm_gpu.clone(),
-                progress: Progress::default(),
-                runner: true,
-            };
-            let name = format!("nccl-{}-{}", self.name(), self.ranks()[self.index()]);
-            (runner, name)
-        };
-        // The event the communication stream records after the call, which the rank's stream
-        // waits for at the wait.
-        let done = Arc::new(Mutex::new(None));
-        let recorded = Arc::clone(&done);
-        let pending = self.progress.start(self.name(), desc, runner, move |c| {
-            c.gpu
-                .context()
-                .bind_to_thread()
-                .map_err(|e| c.backend("cuCtxSetCurrent", format!("{e:?}")))?;
-            c.gpu
-                .stream()
-                .wait(&ready)
-                .map_err(|e| c.backend("cuStreamWaitEvent", format!("{e:?}")))?;
-            call(c)?;
-            let event = c.gpu.stream().record_event(None);
-            *recorded.lock() =
-                Some(event.map_err(|e| c.backend("cuEventRecord", format!("{e:?}")))?);
-            Ok(())
-        })?;
-        let (stream, group) = (Arc::clone(self.gpu.stream()), self.name().to_string());
-        Ok(pending.after(move || {
-            let Some(event) = done.lock().take() else {
-                return Ok(());
-            };
-            let ordered = stream.wait(&event).map_err(|e| CommError::Backend {
-                group,
-                library: "CUDA",
-                call: "cuStreamWaitEvent",
-                message: format!("{e:?}"),
-            });
-            drop(keep);
-            ordered
-        }))
-    }
-
     /// Launches the process's held sends and `then` (with this communicator's handle) in one
     /// NCCL group, runs `meanwhile` on the host, and waits for the group. An error of
     /// `meanwhile` aborts the communicator: the group may never finish.
@@ -548,6 +474,56 @@ impl NcclComm {
     ) -> Result<()> {
         r.map(drop)
             .map_err(|e| self.backend(call, format!("{e:?}")))
+    }
+}
+
+impl StreamStart for NcclComm {
+    fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    fn group(&self) -> &str {
+        self.name()
+    }
+
+    fn check_started(&self, op: &'static str, t: &Tensor) -> Result<()> {
+        self.check_tensor(op, t)
+    }
+
+    /// On the progress thread and the group's communication stream, after the rank's held
+    /// sends (on its own stream); at once while the rank's stream is captured (a started call
+    /// cannot be part of a graph).
+    fn start(
+        &self,
+        desc: &CallDesc,
+        keep: Vec<Tensor>,
+        call: impl FnOnce(&Self) -> Result<()> + Send + 'static,
+    ) -> Result<Pending> {
+        if self.gpu.capturing().is_some() {
+            let start = Instant::now();
+            return Ok(Pending::ran(
+                self.flush_held().and_then(|()| call(self)),
+                start,
+            ));
+        }
+        self.flush_held()?;
+        let runner = || {
+            let runner = NcclComm {
+                host: Arc::clone(&self.host),
+                comm: Arc::clone(&self.comm),
+                gpu: self.comm_gpu.clone(),
+                timeout: self.timeout,
+                counters: Arc::clone(&self.counters),
+                held: Arc::clone(&self.held),
+                comm_gpu: self.comm_gpu.clone(),
+                progress: Progress::default(),
+                runner: true,
+            };
+            let name = format!("nccl-{}-{}", self.name(), self.ranks()[self.index()]);
+            (runner, name)
+        };
+        let group = (&self.gpu, self.name());
+        stream_start::on_comm_stream(&self.progress, group, desc, runner, keep, call)
     }
 }
 
@@ -897,10 +873,7 @@ impl Communicator for NcclComm {
     }
 
     fn start_all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Pending> {
-        self.check_tensor("all_reduce", tensor)?;
-        let desc = CallDesc::of(OpKind::AllReduce, tensor, Some(op), None);
-        let t = tensor.clone();
-        self.start(&desc, vec![tensor.clone()], move |c| c.all_reduce(&t, op))
+        self.start_all_reduce_with(tensor, op, Self::all_reduce)
     }
 
     fn start_reduce_scatter(
@@ -909,21 +882,11 @@ impl Communicator for NcclComm {
         output: &Tensor,
         op: ReduceOp,
     ) -> Result<Pending> {
-        self.check_tensor("reduce_scatter", input)?;
-        self.check_tensor("reduce_scatter", output)?;
-        let desc = CallDesc::of(OpKind::ReduceScatter, output, Some(op), None);
-        let (i, o) = (input.clone(), output.clone());
-        let keep = vec![input.clone(), output.clone()];
-        self.start(&desc, keep, move |c| c.reduce_scatter(&i, &o, op))
+        self.start_reduce_scatter_with((input, output), op, Self::reduce_scatter)
     }
 
     fn start_all_gather(&self, input: &Tensor, output: &Tensor) -> Result<Pending> {
-        self.check_tensor("all_gather", input)?;
-        self.check_tensor("all_gather", output)?;
-        let desc = CallDesc::of(OpKind::AllGather, input, None, None);
-        let (i, o) = (input.clone(), output.clone());
-        let keep = vec![input.clone(), output.clone()];
-        self.start(&desc, keep, move |c| c.all_gather(&i, &o))
+        self.start_all_gather_with((input, output), Self::all_gather)
     }
 
     fn stats(&self) -> CommStats {
