@@ -567,22 +567,10 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             );
         }
     }
-    let strategy = match (
+    let strategy = values::chosen_sharding(
         args.data_parallel_sharding_strategy,
         args.use_distributed_optimizer,
-    ) {
-        (Some(ShardingStrategy::NoShard), true) => bail!(
-            "--data-parallel-sharding-strategy no_shard with --use-distributed-optimizer, which \
-             shards the optimizer state: drop one of them"
-        ),
-        (Some(ShardingStrategy::OptimGradsParams), _) => bail!(
-            "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3) is not built yet: \
-             optim_grads shards the gradients and the optimizer state"
-        ),
-        (Some(strategy), _) => strategy,
-        (None, true) => ShardingStrategy::Optim,
-        (None, false) => ShardingStrategy::NoShard,
-    };
+    )?;
     if instances > 1 && !strategy.shards_optimizer() {
         bail!(
             "--num-distributed-optimizer-instances {instances} shards the distributed \

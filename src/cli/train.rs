@@ -891,22 +891,10 @@ impl TrainArgs {
     /// What data parallelism shards: `--data-parallel-sharding-strategy`, or `optim` with
     /// `--use-distributed-optimizer`.
     fn sharding(&self) -> Result<ShardingStrategy> {
-        match (
+        values::chosen_sharding(
             self.data_parallel_sharding_strategy,
             self.use_distributed_optimizer,
-        ) {
-            (Some(ShardingStrategy::NoShard), true) => bail!(
-                "--data-parallel-sharding-strategy no_shard with --use-distributed-optimizer, \
-                 which shards the optimizer state: drop one of them"
-            ),
-            (Some(ShardingStrategy::OptimGradsParams), _) => bail!(
-                "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3) is not built yet: \
-                 optim_grads shards the gradients and the optimizer state"
-            ),
-            (Some(strategy), _) => Ok(strategy),
-            (None, true) => Ok(ShardingStrategy::Optim),
-            (None, false) => Ok(ShardingStrategy::NoShard),
-        }
+        )
     }
 
     /// Checks the flags that need no data or checkpoint to check (each value alone was

@@ -284,7 +284,7 @@ impl GradSync {
             state.round = [0; 2];
             state.landed.fill(false);
             state.peak_bytes = state.resident_bytes;
-            return self.advance(&mut state);
+            return self.advance(&mut state, false);
         }
         if let Some(learned) = state.learned.clone() {
             for (slot, &n) in learned.iter().enumerate() {
@@ -327,7 +327,7 @@ impl GradSync {
             );
         }
         if self.sharded.is_some() {
-            return self.advance(&mut state);
+            return self.advance(&mut state, false);
         }
         if n == expected {
             let b = self.bucket_of[slot];
@@ -376,28 +376,25 @@ impl GradSync {
     }
 
     /// With several distributed-optimizer instances: all-reduces each bucket's shard, reduced
-    /// within the instance, across the instances. Started per group in the group's start order
-    /// (the same on every rank) and then waited for, so the dense and expert groups' calls never
-    /// wait for each other.
-    fn reduce_across(&self) -> crate::comm::Result<()> {
+    /// within the instance, across the instances (`shard_of(g, b)`: bucket `b` of group `g`'s
+    /// shard, if it has one). Started per group in the group's start order (the same on every
+    /// rank) and then waited for, so the dense and expert groups' calls never wait for each
+    /// other.
+    fn reduce_across(
+        &self,
+        shard_of: impl Fn(usize, usize) -> Result<Option<Tensor>>,
+    ) -> Result<()> {
         let Some(across) = &self.across else {
             return Ok(());
         };
         let mut pending = Vec::new();
         for g in 0..2 {
-            let (within, across) = (self.groups[g].as_ref(), across[g].as_ref());
+            let across = across[g].as_ref();
             if across.size() == 1 {
                 continue;
             }
             for &b in self.order[g].iter().chain(&self.held[g]) {
-                if let Some((shard, _)) = self.buckets[b].shard(within.index()) {
-                    let mine = self
-                        .grads
-                        .narrow(0, shard.start, shard.len())
-                        .map_err(|e| crate::comm::CommError::Invalid {
-                            group: across.name().to_string(),
-                            message: e.to_string(),
-                        })?;
+                if let Some(mine) = shard_of(g, b)? {
                     pending.push(across.start_all_reduce(&mine, ReduceOp::Sum)?);
                 }
             }
@@ -408,7 +405,7 @@ impl GradSync {
                 first_error.get_or_insert(e);
             }
         }
-        first_error.map_or(Ok(()), Err)
+        first_error.map_or(Ok(()), |e| Err(e.into()))
     }
 
     /// After the walk (and the shared parameters' sum): starts what has not started, in order
@@ -437,15 +434,17 @@ impl GradSync {
                 first_error.get_or_insert(e);
             }
         }
-        if first_error.is_none()
-            && let Err(e) = self.reduce_across()
-        {
-            first_error = Some(e);
+        if let Some(e) = first_error {
+            return Err(e.into());
         }
-        match first_error {
-            Some(e) => Err(e.into()),
-            None => Ok((early, self.buckets.len())),
-        }
+        self.reduce_across(|g, b| {
+            let within = self.groups[g].index();
+            self.buckets[b]
+                .shard(within)
+                .map(|(shard, _)| Ok(self.grads.narrow(0, shard.start, shard.len())?))
+                .transpose()
+        })?;
+        Ok((early, self.buckets.len()))
     }
 }
 
@@ -505,8 +504,9 @@ impl GradSync {
             .all(|&s| state.writes[s] >= k.saturating_mul(per_microbatch[s]))
     }
 
-    /// Starts, per group, the reductions due in the group's order and round.
-    fn advance(&self, state: &mut State) -> Result<()> {
+    /// Starts, per group, the reductions due in the group's order and round: those whose
+    /// gradients are ready, or (`all`, after the walk) every one left in the step's rounds.
+    fn advance(&self, state: &mut State, all: bool) -> Result<()> {
         let Some(sharded) = &self.sharded else {
             return Ok(());
         };
@@ -515,7 +515,7 @@ impl GradSync {
                 let Some(&b) = self.order[g].get(state.next[g]) else {
                     break;
                 };
-                if !self.ready(state, b) {
+                if !all && !self.ready(state, b) {
                     break;
                 }
                 self.start_shard(sharded, state, b)?;
@@ -625,13 +625,7 @@ impl GradSync {
                     }
                 }
             } else {
-                for g in 0..2 {
-                    while state.round[g] < sharded.microbatches && !self.order[g].is_empty() {
-                        let b = self.order[g][state.next[g]];
-                        self.start_shard(sharded, &mut state, b)?;
-                        self.next_in_order(&mut state, g);
-                    }
-                }
+                self.advance(&mut state, true)?;
             }
             for g in 0..2 {
                 for &b in &self.held[g] {
@@ -652,7 +646,10 @@ impl GradSync {
             state.per_microbatch = Some(self.per_microbatch(&writes, sharded.microbatches)?);
             state.learned = Some(writes);
         }
-        self.reduce_shards_across(sharded)?;
+        self.reduce_across(|_, b| {
+            let range = &sharded.in_main[b];
+            Ok(Some(sharded.main.narrow(0, range.start, range.len())?))
+        })?;
         Ok((early, self.buckets.len()))
     }
 
@@ -672,33 +669,6 @@ impl GradSync {
                 ),
             })
             .collect()
-    }
-
-    /// With several distributed-optimizer instances: all-reduces each bucket's shard of the
-    /// main gradients across the instances, per group in the group's order.
-    fn reduce_shards_across(&self, sharded: &Sharded) -> Result<()> {
-        let Some(across) = &self.across else {
-            return Ok(());
-        };
-        let mut pending = Vec::new();
-        for g in 0..2 {
-            let across = across[g].as_ref();
-            if across.size() == 1 {
-                continue;
-            }
-            for &b in self.order[g].iter().chain(&self.held[g]) {
-                let range = &sharded.in_main[b];
-                let mine = sharded.main.narrow(0, range.start, range.len())?;
-                pending.push(across.start_all_reduce(&mine, ReduceOp::Sum)?);
-            }
-        }
-        let mut first_error = None;
-        for p in pending {
-            if let Err(e) = p.wait() {
-                first_error.get_or_insert(e);
-            }
-        }
-        first_error.map_or(Ok(()), |e| Err(e.into()))
     }
 }
 
