@@ -643,7 +643,7 @@ impl TrainJob {
         if !self.cuda_graph_scope.is_empty() {
             trainer.set_graph_scopes(self.cuda_graph_scope);
         }
-        trainer.set_ddp(self.ddp)?;
+        trainer.set_ddp(&parallel, self.ddp)?;
         let first = match &self.load {
             Some(path) => trainer.load_checkpoint(&parallel, path)?.iteration,
             None => 0,

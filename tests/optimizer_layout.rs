@@ -71,6 +71,7 @@ fn param(numel: usize) -> ParamInfo {
         dtype: DType::F32,
         shared_embedding: false,
         expert: false,
+        unit: 0,
     }
 }
 

@@ -16,6 +16,17 @@
 //!   bytes per parameter in f32, measured.
 //! - Checkpoints are the distributed optimizer's: one saved under `optim_grads` resumes under
 //!   `optim`, and back, and at another dp.
+//!
+//! `optim_grads_params` (ZeRO-3) also keeps only each rank's shard of the values: each module
+//! of a stack is gathered around its passes, the rest of the model for each walk, and its
+//! buckets are cut at those units.
+//! - Where every parameter has a bucket of its own (`--ddp-bucket-size 1`, so that the cut at
+//!   units changes nothing) it is `optim_grads` bit for bit on every layout, the next unit
+//!   prefetched or not; with the buckets cut at units, to the gradient norm's rounding (the
+//!   ranks' partial sums of squares run over other shards).
+//! - Each rank holds 16/d bytes per parameter in f32, and whole values only for the root unit
+//!   and one module (two, prefetching): what `megatron inspect` says.
+//! - Its checkpoints resume under `optim`, under itself and at another dp.
 
 mod support;
 
@@ -43,6 +54,9 @@ const BASE: [&str; 15] = [
 
 const OPTIM: [&str; 2] = ["--data-parallel-sharding-strategy", "optim"];
 const OPTIM_GRADS: [&str; 2] = ["--data-parallel-sharding-strategy", "optim_grads"];
+const OPTIM_GRADS_PARAMS: [&str; 2] = ["--data-parallel-sharding-strategy", "optim_grads_params"];
+/// With sharded parameters, each unit's gather starts the next one's.
+const PREFETCH: [&str; 2] = ["--overlap-grad-reduce", "--overlap-param-gather"];
 
 /// A step's loss and gradient norm (`None`: a step skipped by the loss scaler).
 type Step = (f64, Option<f64>);
@@ -281,8 +295,33 @@ fn a_strategy_that_cannot_serve_the_flags_is_refused_by_name() {
             "--data-parallel-sharding-strategy no_shard with --use-distributed-optimizer",
         ),
         (
-            &["--data-parallel-sharding-strategy", "optim_grads_params"],
-            "optim_grads_params (ZeRO-3) is not built yet",
+            &[
+                "--data-parallel-sharding-strategy",
+                "optim_grads_params",
+                "--cuda-graph-scope",
+                "attn",
+            ],
+            "--data-parallel-sharding-strategy optim_grads_params with --cuda-graph-scope",
+        ),
+        (
+            &[
+                "--data-parallel-sharding-strategy",
+                "optim_grads_params",
+                "--pp",
+                "2",
+                "--num-layers",
+                "4",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--overlap-grad-reduce",
+                "--overlap-param-gather",
+                "--overlap-param-gather-with-optimizer-step",
+                "--micro-batch-size",
+                "1",
+                "--global-batch-size",
+                "8",
+            ],
+            "optim_grads_params with --overlap-param-gather-with-optimizer-step",
         ),
         (
             &[
@@ -366,4 +405,239 @@ fn inspect_counts_the_sharded_gradients_as_training_measures_them() {
         };
         assert!((at(formula) - get("total")).abs() < 0.05, "{name}: {row}");
     }
+}
+
+/// The layouts the sharded parameters train on, beside their flags.
+fn layouts() -> Vec<(&'static str, Vec<&'static str>)> {
+    vec![
+        ("dp4", vec!["--dp", "4"]),
+        (
+            "tp2-sp",
+            vec!["--tp", "2", "--sequence-parallel", "--dp", "2"],
+        ),
+        (
+            "pp2-interleaved",
+            vec![
+                "--pp",
+                "2",
+                "--dp",
+                "2",
+                "--num-layers",
+                "4",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+            ],
+        ),
+        (
+            "pp2-zbh1",
+            vec!["--pp", "2", "--dp", "2", "--pipeline-schedule", "zb-h1"],
+        ),
+        (
+            "ep2",
+            vec!["--model", "mixtral-tiny", "--dp", "2", "--ep", "2"],
+        ),
+        ("cp2", vec!["--cp", "2", "--dp", "2"]),
+        ("bf16", vec!["--dp", "2", "--bf16"]),
+        ("fp16", vec!["--dp", "2", "--fp16"]),
+        (
+            "instances",
+            vec!["--dp", "4", "--num-distributed-optimizer-instances", "2"],
+        ),
+        (
+            "recompute",
+            vec![
+                "--dp",
+                "2",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+            ],
+        ),
+        (
+            "lora",
+            vec![
+                "--dp",
+                "2",
+                "--lora-rank",
+                "4",
+                "--lora-target-modules",
+                "linear_qkv",
+            ],
+        ),
+        // A loop of several statements (the depths' bodies) and the tied embedding read
+        // in it: the root unit's.
+        (
+            "mtp",
+            vec![
+                "--dp",
+                "2",
+                "--mtp-num-layers",
+                "1",
+                "--position-embedding-type",
+                "rope",
+            ],
+        ),
+        // The expert bias is read from the shards after the walk.
+        (
+            "expert-bias",
+            vec![
+                "--model",
+                "mixtral-tiny",
+                "--dp",
+                "2",
+                "--moe-router-enable-expert-bias",
+                "--moe-router-score-function",
+                "sigmoid",
+            ],
+        ),
+    ]
+}
+
+#[test]
+fn sharded_parameters_train_as_sharded_gradients_on_every_layout() {
+    let dir = TempDir::new("sharding-params");
+    let own_buckets = ["--ddp-bucket-size", "1"];
+    for (name, flags) in layouts() {
+        // Every parameter in a bucket of its own: the same layout, the same run bit for bit.
+        let alone = [&flags[..], &own_buckets].concat();
+        let (grads, _) = run(
+            &dir,
+            &format!("{name}-grads"),
+            &[&alone[..], &OPTIM_GRADS].concat(),
+        );
+        let (params, _) = run(
+            &dir,
+            &format!("{name}-params"),
+            &[&alone[..], &OPTIM_GRADS_PARAMS].concat(),
+        );
+        assert_eq!(params, grads, "{name}");
+        let (prefetched, _) = run(
+            &dir,
+            &format!("{name}-prefetch"),
+            &[&alone[..], &OPTIM_GRADS_PARAMS, &PREFETCH].concat(),
+        );
+        assert_eq!(prefetched, grads, "{name}");
+        // Buckets cut at the units: the norm's partial sums run over other shards.
+        let (cut, _) = run(
+            &dir,
+            &format!("{name}-units"),
+            &[&flags[..], &OPTIM_GRADS_PARAMS].concat(),
+        );
+        close(name, &grads, &cut, 1e-6);
+    }
+}
+
+/// Each logged step's peak of gathered values, in bytes, of a run of `flags`.
+fn gathered_peaks(dir: &TempDir, name: &str, flags: &[&str]) -> Vec<u64> {
+    run(dir, name, flags);
+    support::log_lines(&dir.join(&format!("{name}.jsonl")))
+        .iter()
+        .map(|l| l["gathered_params_peak_bytes"].as_u64().expect("logged"))
+        .collect()
+}
+
+#[test]
+fn each_rank_keeps_a_shard_of_the_values_and_gathers_a_unit_at_a_time() {
+    let dir = TempDir::new("sharding-params-memory");
+    for d in [1usize, 2, 4, 8] {
+        let dp = d.to_string();
+        let (_, stdout) = run(
+            &dir,
+            &format!("dp{d}"),
+            &["--dp", &dp, OPTIM_GRADS_PARAMS[0], OPTIM_GRADS_PARAMS[1]],
+        );
+        let (total, values, grads, optimizer) = state(&stdout);
+        let d = d as f64;
+        // 16/d: f32 values, gradients and Adam's state all sharded (to the padding).
+        assert!((values - 4.0 / d).abs() < 0.05, "{stdout}");
+        assert!((grads - 4.0 / d).abs() < 0.05, "{stdout}");
+        assert!((optimizer - 8.0 / d).abs() < 0.05, "{stdout}");
+        assert!((total - 16.0 / d).abs() < 0.1, "{stdout}");
+    }
+    // Four layers: the root unit and one layer gathered at once, two prefetching; what
+    // inspect computes from the model (the buckets' padding aside).
+    let four = ["--num-layers", "4", "--dp", "2"];
+    let one = gathered_peaks(&dir, "one", &[&four[..], &OPTIM_GRADS_PARAMS].concat());
+    let two = gathered_peaks(
+        &dir,
+        "two",
+        &[&four[..], &OPTIM_GRADS_PARAMS, &PREFETCH].concat(),
+    );
+    let args = [
+        &["inspect", "--model", "gpt-tiny", "--json"][..],
+        &four,
+        &OPTIM_GRADS_PARAMS,
+    ]
+    .concat();
+    let (ok, out, stderr) = megatron(&args);
+    assert!(ok, "{stderr}");
+    let json: Value = serde_json::from_str(&out).expect("inspect --json");
+    let params = json["parameters_total"].as_f64().expect("parameters_total");
+    let rows = json["state_bytes_per_param"]["by_strategy"]
+        .as_array()
+        .expect("by_strategy");
+    let row = rows
+        .iter()
+        .find(|r| r["strategy"] == "optim_grads_params")
+        .expect("the optim_grads_params row");
+    let expect = |key: &str| row[key].as_f64().expect(key) * params;
+    for (peaks, key) in [
+        (&one, "gathered_peak"),
+        (&two, "gathered_peak_with_prefetch"),
+    ] {
+        for &peak in peaks {
+            let (peak, expected) = (peak as f64, expect(key));
+            assert!(
+                peak >= expected && peak < expected * 1.01,
+                "{key}: measured {peak}, inspect {expected}"
+            );
+        }
+    }
+    assert!(expect("gathered_peak_with_prefetch") < 4.0 * params * 0.75);
+}
+
+#[test]
+fn a_checkpoint_of_sharded_parameters_resumes_under_every_strategy() {
+    let dir = TempDir::new("sharding-params-resume");
+    let flags = [
+        &["--dp", "2", "--micro-batch-size", "8"][..],
+        &OPTIM_GRADS_PARAMS,
+    ]
+    .concat();
+    let save = dir.join("ckpt");
+    let saving = [&flags[..], &["--save", &save, "--save-interval", "2"]].concat();
+    let (whole, _) = run(&dir, "saving", &saving);
+    let iter2 = dir.join("ckpt/iter_0000002");
+    // Under itself: the uninterrupted run bit for bit.
+    let (resumed, _) = run(&dir, "resumed", &[&flags[..], &["--load", &iter2]].concat());
+    assert_eq!(resumed, whole[2..]);
+    // Under the distributed optimizer (its buckets not cut at units: the norm's rounding).
+    let (optim, _) = run(
+        &dir,
+        "optim",
+        &[
+            "--dp",
+            "2",
+            "--micro-batch-size",
+            "8",
+            OPTIM[0],
+            OPTIM[1],
+            "--load",
+            &iter2,
+        ],
+    );
+    close("optim", &whole[2..], &optim, 1e-6);
+    // At dp 4 (the shards cut again): the distributed optimizer's run from it.
+    let dp4 = ["--dp", "4", "--micro-batch-size", "4", "--load", &iter2];
+    let (optim4, _) = run(&dir, "optim-dp4", &[&dp4[..], &OPTIM].concat());
+    let (params4, _) = run(
+        &dir,
+        "params-dp4",
+        &[&dp4[..], &OPTIM_GRADS_PARAMS].concat(),
+    );
+    assert_eq!(params4.len(), 2);
+    close("dp4", &optim4, &params4, 1e-6);
 }

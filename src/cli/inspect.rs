@@ -168,6 +168,7 @@ fn state_bytes(
             dtype: precision.params,
             shared_embedding: false,
             expert: s.is_expert(),
+            unit: 0,
         })
         .collect();
     let config = LayoutConfig {
@@ -187,18 +188,57 @@ fn state_bytes(
         |bytes: usize| bytes as f64 / params.iter().map(|p| p.numel).sum::<usize>().max(1) as f64;
     let main_params = usize::from(precision.params != DType::F32);
     let main_grads = usize::from(precision.grads != DType::F32);
+    // Sharded parameters keep the rank's shard of the values; whole ones only while gathered.
+    let values = match strategy {
+        ShardingStrategy::OptimGradsParams => state,
+        _ => buffer,
+    };
     Ok(match strategy.shards_gradients() {
         false => StateBytes {
-            values: per(precision.params.size() * buffer),
+            values: per(precision.params.size() * values),
             grads: per(precision.grads.size() * buffer),
             optimizer: per(4 * (2 + main_params + main_grads) * state),
         },
         true => StateBytes {
-            values: per(precision.params.size() * buffer),
+            values: per(precision.params.size() * values),
             grads: per(4 * state),
             optimizer: per(4 * (2 + main_params) * state),
         },
     })
+}
+
+/// The most whole parameter values a rank holds at once, in bytes per parameter, without and
+/// with the next unit prefetched: every value for the strategies that keep them whole; with
+/// `optim_grads_params` the root unit (what no stack holds) and the largest module of a stack
+/// (and the second largest, prefetched), padding aside.
+fn gathered_peak(
+    specs: &[ParamSpec],
+    strategy: ShardingStrategy,
+    precision: &Precision,
+) -> (f64, f64) {
+    let total: usize = specs.iter().map(|s| s.local.numel()).sum();
+    let v = precision.params.size() as f64;
+    if strategy != ShardingStrategy::OptimGradsParams {
+        return (v, v);
+    }
+    let mut units: std::collections::BTreeMap<String, usize> = Default::default();
+    let mut root = 0;
+    for spec in specs {
+        let mut parts = spec.name.split('.');
+        match (parts.next(), parts.next()) {
+            (Some(list @ ("blocks" | "mtp")), Some(i)) if i.parse::<usize>().is_ok() => {
+                *units.entry(format!("{list}.{i}")).or_default() += spec.local.numel();
+            }
+            _ => root += spec.local.numel(),
+        }
+    }
+    let mut sizes: Vec<usize> = units.into_values().collect();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    let held = |n: usize| {
+        let bytes = v * (root + sizes.iter().take(n).sum::<usize>()) as f64;
+        bytes / total.max(1) as f64
+    };
+    (held(1), held(2))
 }
 
 /// The bytes per parameter `strategy` keeps in theory, as `whole + sharded / n` over the `n`
@@ -210,15 +250,17 @@ fn state_formula(strategy: ShardingStrategy, precision: &Precision) -> (usize, u
     match strategy {
         ShardingStrategy::NoShard => (v + g + 8 + main_params + main_grads, 0),
         ShardingStrategy::Optim => (v + g, 8 + main_params + main_grads),
-        _ => (v, 4 + 8 + main_params),
+        ShardingStrategy::OptimGrads => (v, 4 + 8 + main_params),
+        ShardingStrategy::OptimGradsParams => (0, v + 4 + 8 + main_params),
     }
 }
 
-/// The strategies `megatron inspect` compares (optim_grads_params is not built yet).
-const COMPARED: [ShardingStrategy; 3] = [
+/// The strategies `megatron inspect` compares.
+const COMPARED: [ShardingStrategy; 4] = [
     ShardingStrategy::NoShard,
     ShardingStrategy::Optim,
     ShardingStrategy::OptimGrads,
+    ShardingStrategy::OptimGradsParams,
 ];
 
 /// One pipeline chunk: its rank, chunk, virtual stage, layers and ends.
@@ -645,6 +687,8 @@ pub fn run(args: &InspectArgs) -> Result<()> {
                         "values": b.values,
                         "grads": b.grads,
                         "optimizer": b.optimizer,
+                        "gathered_peak": gathered_peak(&specs, *s, &precision).0,
+                        "gathered_peak_with_prefetch": gathered_peak(&specs, *s, &precision).1,
                         "formula": { "whole": whole, "sharded": sharded, "ranks": shard_ranks.0 },
                     })
                 }).collect::<Vec<_>>(),
@@ -787,28 +831,33 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     );
     let _ = writeln!(
         out,
-        "  {:<20} {:>7} {:>7} {:>10} {:>10}   formula",
-        "strategy", "total", "values", "gradients", "optimizer"
+        "  {:<20} {:>7} {:>7} {:>10} {:>10} {:>9}   formula",
+        "strategy", "total", "values", "gradients", "optimizer", "gathered"
     );
     for (s, b) in &by_strategy {
         let formula = match state_formula(*s, &precision) {
             (whole, 0) => format!("{whole}"),
+            (0, sharded) => format!("{sharded}/n"),
             (whole, sharded) => format!("{whole} + {sharded}/n"),
         };
         let _ = writeln!(
             out,
-            "  {:<20} {:>7.1} {:>7.1} {:>10.1} {:>10.1}   {formula}",
+            "  {:<20} {:>7.1} {:>7.1} {:>10.1} {:>10.1} {:>9.2}   {formula}",
             s.name(),
             b.total(),
             b.values,
             b.grads,
-            b.optimizer
+            b.optimizer,
+            gathered_peak(&specs, *s, &precision).0,
         );
     }
     let _ = writeln!(
         out,
-        "  (optim_grads also holds each bucket's whole gradients from a micro-batch's first \
-         write in it to its reduce-scatter)\n"
+        "  (gathered: the most whole values held at once, bytes per parameter; optim_grads_params \
+         gathers the root unit and a stack's modules one at a time, and with \
+         --overlap-param-gather the next one too. \
+         optim_grads and optim_grads_params also hold each bucket's whole gradients from a \
+         micro-batch's first write in it to its reduce-scatter)\n"
     );
     let _ = writeln!(
         out,

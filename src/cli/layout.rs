@@ -145,6 +145,7 @@ fn read_params(path: &PathBuf) -> Result<Vec<ParamInfo>> {
             dtype,
             shared_embedding: e.shared_embedding.unwrap_or(false),
             expert: !e.allreduce.unwrap_or(true),
+            unit: 0,
         });
     }
     Ok(params)
@@ -177,6 +178,7 @@ fn model_params(args: &LayoutArgs) -> Result<Vec<ParamInfo>> {
             dtype,
             shared_embedding: false,
             expert: p.spec().is_expert(),
+            unit: 0,
         })
     });
     Ok(params)
@@ -251,6 +253,7 @@ pub fn run(args: &LayoutArgs) -> Result<()> {
         pad_for_high_nccl_busbw: args.pad_buckets_for_high_nccl_busbw,
         grad_reduce_in_fp32: args.grad_reduce_in_fp32,
         distributed_optimizer: !args.no_distributed_optimizer,
+        unit_buckets: false,
     };
     let buffers = layout(&params, &config)?;
     let shards: u128 = buffers

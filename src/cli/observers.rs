@@ -197,6 +197,9 @@ impl Observer for JsonLog {
         if let Some((early, all)) = m.overlapped_buckets {
             v["overlapped_buckets"] = json!([early, all]);
         }
+        if let Some(bytes) = m.gathered_params_peak_bytes {
+            v["gathered_params_peak_bytes"] = json!(bytes);
+        }
         if let Some(bytes) = m.gradient_buckets_peak_bytes {
             v["gradient_buckets_peak_bytes"] = json!(bytes);
         }

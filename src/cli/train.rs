@@ -251,8 +251,10 @@ pub struct TrainArgs {
     /// What data parallelism shards (Megatron-FSDP's --data-parallel-sharding-strategy):
     /// `no_shard`; `optim`, the optimizer state (as --use-distributed-optimizer); `optim_grads`,
     /// also the gradients: each bucket is reduce-scattered every micro-batch and its whole
-    /// gradients freed, the rank keeping its shard (ZeRO-2); `optim_grads_params` (ZeRO-3)
-    /// is not built yet. [default: optim with --use-distributed-optimizer, else no_shard]
+    /// gradients freed, the rank keeping its shard (ZeRO-2); `optim_grads_params`, also the
+    /// parameters: each module of a stack gathered around its forward and its backward, the
+    /// rest of the model for each step's walk (ZeRO-3; --overlap-param-gather prefetches the
+    /// next module). [default: optim with --use-distributed-optimizer, else no_shard]
     #[arg(long, value_parser = values::sharding_strategy, value_name = "STRATEGY")]
     data_parallel_sharding_strategy: Option<ShardingStrategy>,
     /// Start each gradient bucket's data-parallel reduction during the backward, as soon as

@@ -107,7 +107,7 @@ pub fn sharding_strategy(s: &str) -> Result<megatron::distributed::ShardingStrat
 
 /// The strategy `--data-parallel-sharding-strategy` and `--use-distributed-optimizer` ask
 /// for together: the flag's, or `optim` with the distributed optimizer, else `no_shard`;
-/// `no_shard` with the distributed optimizer, and the strategy not built yet, are refused.
+/// `no_shard` with the distributed optimizer is refused.
 pub fn chosen_sharding(
     flag: Option<megatron::distributed::ShardingStrategy>,
     use_distributed_optimizer: bool,
@@ -117,10 +117,6 @@ pub fn chosen_sharding(
         (Some(ShardingStrategy::NoShard), true) => anyhow::bail!(
             "--data-parallel-sharding-strategy no_shard with --use-distributed-optimizer, \
              which shards the optimizer state: drop one of them"
-        ),
-        (Some(ShardingStrategy::OptimGradsParams), _) => anyhow::bail!(
-            "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3) is not built yet: \
-             optim_grads shards the gradients and the optimizer state"
         ),
         (Some(strategy), _) => Ok(strategy),
         (None, true) => Ok(ShardingStrategy::Optim),

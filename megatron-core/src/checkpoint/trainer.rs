@@ -500,7 +500,7 @@ impl<M: LanguageModel> Trainer<M> {
     ) -> Result<CheckpointMeta> {
         self.settle_parameters()?;
         let loaded = open_checkpoint(parallel, path)?;
-        load_into(&loaded, self)?;
+        load_into(parallel, &loaded, self)?;
         Ok(loaded.meta().clone())
     }
 }
@@ -530,13 +530,20 @@ pub fn load_params<M: Module>(model: &M, loaded: &Loaded) -> Result<()> {
     set_params(loaded, &mut |f| model.visit_params(&mut |p| f(p)))
 }
 
-fn load_into<M: LanguageModel>(loaded: &Loaded, trainer: &mut Trainer<M>) -> Result<()> {
+fn load_into<M: LanguageModel>(
+    parallel: &ParallelState,
+    loaded: &Loaded,
+    trainer: &mut Trainer<M>,
+) -> Result<()> {
     let dir = loaded.dir().display().to_string();
     let with_optimizer = loaded.has_optimizer();
-    let n = trainer.buffers.values().numel();
+    let n = trainer.buffers.len();
     let (mut exp_avg, mut exp_avg_sq) = (vec![0.0f32; n], vec![0.0f32; n]);
-    // The current values: what a fresh adapter keeps.
-    let mut values = trainer.buffers.values().to_vec_f32()?;
+    // The current values: what a fresh adapter keeps (gathered, when sharded).
+    let mut values = trainer
+        .buffers
+        .gathered_values(0..n, ReduceGroups::of(parallel))?
+        .to_vec_f32()?;
     for slot in trainer.buffers.slots() {
         let spec = &slot.spec;
         let r = slot.range();

@@ -296,9 +296,31 @@ pub struct ParamBuffers {
     bucket_grads: Option<Vec<Tensor>>,
     /// Lower-precision copies of `values` that products read, when kept (mixed precision).
     compute: Option<Tensor>,
+    /// With sharded parameters (`optim_grads_params`, ZeRO-3): the rank's shards, and each
+    /// bucket's whole values in a storage of its own ([`ParamBuffers::shard_values`]).
+    sharded_values: Option<ShardedValues>,
     slots: Vec<ParamSlot>,
     buckets: Vec<Bucket>,
     used: usize,
+    /// The flat layout's elements (the values' length before they are sharded).
+    len: usize,
+}
+
+/// A model's values sharded over data parallelism (`optim_grads_params`): the rank's shard of
+/// every bucket, kept, and every bucket's whole values (and compute copies), given back
+/// between the gathers that fill them ([`super::ParamUnits`]).
+#[derive(Debug, Clone)]
+pub struct ShardedValues {
+    /// The rank's shards of the buckets one after the other, in bucket order (the layout of
+    /// the optimizer's moments), in the values' dtype.
+    pub shards: Tensor,
+    /// Per bucket: its shard's elements in the flat layout, and where the shard starts in
+    /// `shards`.
+    pub at: Vec<(Range<usize>, usize)>,
+    /// Per bucket: its whole values, evicted until gathered.
+    pub whole: Vec<Tensor>,
+    /// Per bucket: its whole compute copies, when kept, evicted until gathered.
+    pub compute: Option<Vec<Tensor>>,
 }
 
 impl ParamBuffers {
@@ -307,6 +329,16 @@ impl ParamBuffers {
     pub fn pack<M: Module>(model: &mut M, plan: &PackLayout) -> Result<ParamBuffers> {
         let mut params: Vec<(ParamSpec, Tensor)> = Vec::new();
         model.visit_trainable_params(&mut |p| params.push((p.spec().clone(), p.value().clone())));
+        // Each parameter's unit of gathering (a stack's module; 0: the rest), for buckets cut
+        // at them.
+        let mut unit_of = std::collections::HashMap::new();
+        model.visit_stacked_params(&mut 0, &mut |p, unit| {
+            unit_of.insert(std::ptr::from_ref(p), unit);
+        });
+        let mut units = Vec::with_capacity(params.len());
+        model.visit_trainable_params(&mut |p| {
+            units.push(unit_of.get(&std::ptr::from_ref(p)).copied().unwrap_or(0))
+        });
         let model_dtype = params.first().map_or(DType::F32, |(_, v)| v.dtype());
         if let Some((spec, v)) = params.iter().find(|(_, v)| v.dtype() != model_dtype) {
             return invalid!(
@@ -333,6 +365,7 @@ impl ParamBuffers {
                     dtype,
                     shared_embedding: plan.shared_embedding.contains(&i),
                     expert: params[i].0.is_expert(),
+                    unit: units[i],
                 })
                 .collect();
             let buffers = layout(&infos, &config)?;
@@ -396,9 +429,11 @@ impl ParamBuffers {
             grads,
             bucket_grads: None,
             compute: None,
+            sharded_values: None,
             slots,
             buckets,
             used,
+            len: total,
         };
         buffers.bind(model)?;
         Ok(buffers)
@@ -434,9 +469,26 @@ impl ParamBuffers {
                     .narrow(0, at, slot.len)?
                     .reshape(slot.spec.local.clone())?)
             };
-            let bound = (|| {
-                let compute = self.compute.as_ref().map(view).transpose()?;
-                p.rebind(view(&self.values)?, grad()?, compute)
+            let in_bucket = |whole: &Tensor| -> Result<Tensor> {
+                let at = slot.offset - self.buckets[bucket_of[i]].range.start;
+                Ok(whole
+                    .narrow(0, at, slot.len)?
+                    .reshape(slot.spec.local.clone())?)
+            };
+            let bound = (|| match &self.sharded_values {
+                Some(sharded) => {
+                    let b = bucket_of[i];
+                    let compute = sharded
+                        .compute
+                        .as_ref()
+                        .map(|c| in_bucket(&c[b]))
+                        .transpose()?;
+                    p.rebind(in_bucket(&sharded.whole[b])?, grad()?, compute)
+                }
+                None => {
+                    let compute = self.compute.as_ref().map(view).transpose()?;
+                    p.rebind(view(&self.values)?, grad()?, compute)
+                }
             })();
             if let Err(e) = bound {
                 failure = Some(e);
@@ -476,6 +528,20 @@ impl ParamBuffers {
             )?);
             self.refresh_compute_copies()?;
         }
+        if let Some(sharded) = &mut self.sharded_values {
+            sharded.shards = sharded.shards.to_gpu(gpu)?;
+            let evicted_on_gpu = |wholes: &mut Vec<Tensor>| -> Result<()> {
+                for whole in wholes.iter_mut() {
+                    *whole = Tensor::zeros_on(whole.shape().clone(), whole.dtype(), gpu)?;
+                    whole.storage().evict();
+                }
+                Ok(())
+            };
+            evicted_on_gpu(&mut sharded.whole)?;
+            if let Some(compute) = &mut sharded.compute {
+                evicted_on_gpu(compute)?;
+            }
+        }
         self.bind(model)
     }
 
@@ -492,6 +558,21 @@ impl ParamBuffers {
         }
         if dtype == self.values.dtype() {
             return invalid!("compute copies must differ from the {dtype} values");
+        }
+        if let Some(sharded) = &mut self.sharded_values {
+            // Each bucket's copies are converted when it is gathered.
+            let compute = sharded
+                .whole
+                .iter()
+                .map(|whole| {
+                    let copy = Tensor::zeros_near(whole.shape().clone(), dtype, whole)?;
+                    copy.storage().evict();
+                    Ok(copy)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            sharded.compute = Some(compute);
+            rebind_frozen(model, |v| Ok(v.to_dtype(dtype)?))?;
+            return self.bind(model);
         }
         self.compute = Some(Tensor::empty_near(
             self.values.shape().clone(),
@@ -563,6 +644,122 @@ impl ParamBuffers {
         self.grads = Tensor::zeros_near([0], dtype, &self.grads)?;
         self.bucket_grads = Some(buckets);
         self.bind(model)
+    }
+
+    /// Keeps only the rank's shard of every bucket's values (Megatron-FSDP's
+    /// `optim_grads_params`, ZeRO-3): the shards in one tensor laid out like the optimizer's
+    /// moments (which the update writes, [`ParamBuffers::value_part`]), and each bucket's whole
+    /// values in a storage of its own, evicted until a gather fills it ([`super::ParamUnits`]);
+    /// `model`'s parameters are rebound to views of those. The gradients must be sharded
+    /// first ([`ParamBuffers::shard_gradients`]); `ranks` are the optimizer's.
+    pub fn shard_values<M: Module>(&mut self, model: &mut M, ranks: ShardRanks) -> Result<()> {
+        if self.bucket_grads.is_none() {
+            return invalid!(
+                "sharded parameters (optim_grads_params) shard the gradients too: shard them \
+                 first (optim_grads)"
+            );
+        }
+        if self.sharded_values.is_some() {
+            return Ok(());
+        }
+        let mut at = Vec::with_capacity(self.buckets.len());
+        let mut n = 0;
+        for bucket in &self.buckets {
+            let Some((world, _)) = bucket.shard(ranks.of(bucket)) else {
+                return invalid!("sharded parameters need every bucket cut into shards");
+            };
+            at.push((world.clone(), n));
+            n += world.len();
+        }
+        let shards = Tensor::zeros_near([n], self.values.dtype(), &self.values)?;
+        for (world, start) in &at {
+            shards
+                .narrow(0, *start, world.len())?
+                .copy_from(&self.values.narrow(0, world.start, world.len())?)?;
+        }
+        let evicted = |len: usize, dtype: DType| -> Result<Tensor> {
+            let whole = Tensor::zeros_near([len], dtype, &self.values)?;
+            whole.storage().evict();
+            Ok(whole)
+        };
+        let lens: Vec<usize> = self.buckets.iter().map(|b| b.range.len()).collect();
+        let whole = lens
+            .iter()
+            .map(|&len| evicted(len, self.values.dtype()))
+            .collect::<Result<Vec<_>>>()?;
+        let compute = self
+            .compute
+            .as_ref()
+            .map(|c| {
+                lens.iter()
+                    .map(|&len| evicted(len, c.dtype()))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .transpose()?;
+        self.values = Tensor::zeros_near([0], self.values.dtype(), &self.values)?;
+        self.compute = None;
+        self.sharded_values = Some(ShardedValues {
+            shards,
+            at,
+            whole,
+            compute,
+        });
+        self.bind(model)
+    }
+
+    /// The sharded values, with sharded parameters.
+    pub fn sharded_values(&self) -> Option<&ShardedValues> {
+        self.sharded_values.as_ref()
+    }
+
+    /// The values of the elements `range` of the flat layout, inside one of the rank's
+    /// shards starting at `at` in the moments' layout: a view of the flat values, or with
+    /// sharded parameters of the rank's shards.
+    pub fn value_part(&self, range: &Range<usize>, at: usize) -> Result<Tensor> {
+        Ok(match &self.sharded_values {
+            Some(sharded) => sharded.shards.narrow(0, at, range.len())?,
+            None => self.values.narrow(0, range.start, range.len())?,
+        })
+    }
+
+    /// The values of the elements `range` of the flat layout, in a tensor of their own (host
+    /// or device, the values' dtype): a copy of the flat values, or with sharded parameters
+    /// gathered from the ranks' shards of the buckets it meets (collectives over `groups`,
+    /// which every rank of them makes alike).
+    pub fn gathered_values(&self, range: Range<usize>, groups: ReduceGroups<'_>) -> Result<Tensor> {
+        let Some(sharded) = &self.sharded_values else {
+            return Ok(self
+                .values
+                .narrow(0, range.start, range.len())?
+                .contiguous()?);
+        };
+        let out = Tensor::zeros_near([range.len()], self.values.dtype(), &sharded.shards)?;
+        for (bucket, (world, at)) in self.buckets.iter().zip(&sharded.at) {
+            let (start, end) = (
+                bucket.range.start.max(range.start),
+                bucket.range.end.min(range.end),
+            );
+            if start >= end {
+                continue;
+            }
+            let whole = Tensor::zeros_near([bucket.range.len()], self.values.dtype(), &out)?;
+            groups
+                .of_bucket(bucket)
+                .all_gather(&sharded.shards.narrow(0, *at, world.len())?, &whole)?;
+            out.narrow(0, start - range.start, end - start)?
+                .copy_from(&whole.narrow(0, start - bucket.range.start, end - start)?)?;
+        }
+        Ok(out)
+    }
+
+    /// The flat layout's length: the values' (before they are sharded) and the gradients'.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the layout holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     /// Every parameter's place, in the model's visit order.

@@ -4,18 +4,22 @@
 //! parameters' gather per bucket over dp (experts over edp), and the tied embedding's gradient
 //! sum ([`reduce`]); with `--overlap-grad-reduce`, each bucket's reduction started during the
 //! backward once its gradients are final ([`grad_sync`]); with `--overlap-param-gather`, each
-//! bucket's parameters gathered while the next step begins ([`param_gather`]).
+//! bucket's parameters gathered while the next step begins ([`param_gather`]); with
+//! `optim_grads_params`, only each rank's shard of the values kept, the model's units gathered
+//! around their passes ([`param_units`]).
 
 pub mod buffers;
 pub mod grad_sync;
 pub mod param_gather;
+pub mod param_units;
 pub mod reduce;
 
 pub use buffers::{
-    Bucket, PackLayout, ParamBuffers, ParamSlot, ReduceGroups, ShardRanks, SlotPart,
+    Bucket, PackLayout, ParamBuffers, ParamSlot, ReduceGroups, ShardRanks, ShardedValues, SlotPart,
 };
 pub use grad_sync::GradSync;
 pub use param_gather::ParamGather;
+pub use param_units::{Gathered, ParamUnits};
 pub use reduce::{
     gather_parameters, reduce_gradients, sum_sequence_parallel_gradients,
     sum_sequence_parallel_shards, sum_shared_gradients,

@@ -42,7 +42,8 @@ pub fn reduce_gradients(buffers: &ParamBuffers, groups: ReduceGroups<'_>) -> Res
 /// updated: an all-gather of each bucket's shards over its group. Then refreshes the compute
 /// copies.
 pub fn gather_parameters(buffers: &ParamBuffers, groups: ReduceGroups<'_>) -> Result<()> {
-    if !buffers.sharded() {
+    // Sharded parameters (`optim_grads_params`) are gathered by their units, when read.
+    if !buffers.sharded() || buffers.sharded_values().is_some() {
         return Ok(());
     }
     let values = buffers.values();

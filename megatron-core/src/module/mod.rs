@@ -72,6 +72,8 @@ pub struct Cx<'a> {
     loss_mask: Option<&'a Tensor>,
     /// Where the passes' times go, when a step is traced.
     trace: Option<&'a crate::trace::Trace>,
+    /// The gatherer of sharded parameters' units (`optim_grads_params`), when they are.
+    units: Option<&'a crate::distributed::ParamUnits>,
 }
 
 impl<'a> Cx<'a> {
@@ -95,6 +97,34 @@ impl<'a> Cx<'a> {
             documents: None,
             loss_mask: None,
             trace: None,
+            units: None,
+        }
+    }
+
+    /// The same context gathering the sharded parameters' units through `units`
+    /// (`optim_grads_params`: [`Cx::unit`]).
+    pub fn with_units(self, units: &'a crate::distributed::ParamUnits) -> Cx<'a> {
+        Cx {
+            units: Some(units),
+            ..self
+        }
+    }
+
+    /// Gathers the unit of module `i` of a stack, `modules`, until the guard is dropped, and
+    /// starts module `next`'s gather meanwhile (with `--overlap-param-gather`): with sharded
+    /// parameters (`optim_grads_params`) each module of a stack is a unit of gathering, and
+    /// generated code calls this around each module's forward and backward. Without, nothing.
+    pub fn unit<M: Module>(
+        &self,
+        modules: &[M],
+        i: usize,
+        next: Option<usize>,
+    ) -> Result<crate::distributed::Gathered<'a>> {
+        match (self.units, modules.get(i)) {
+            (Some(units), Some(module)) => {
+                units.gather_module(module, next.and_then(|n| modules.get(n)))
+            }
+            _ => Ok(crate::distributed::Gathered::none()),
         }
     }
 
@@ -526,6 +556,18 @@ pub trait Module: Sized {
                 f(p)
             }
         });
+    }
+
+    /// Calls `f` on every parameter held by a module of a stack (a `Vec` field the forward
+    /// loops over), in visit order, with the number of its module: the units of gathering of
+    /// sharded parameters ([`crate::distributed::ParamUnits`]; the other parameters are the
+    /// root unit's). The modules are numbered in visit order from `*units + 1` on, `*units`
+    /// left at the last. A module without stacks visits none (the default).
+    fn visit_stacked_params<'s>(
+        &'s self,
+        _units: &mut usize,
+        _f: &mut dyn FnMut(&'s Param, usize),
+    ) {
     }
 
     /// Calls `f` on every frozen parameter, in visit order.

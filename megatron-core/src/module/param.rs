@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::distributed::{GradSync, ParamGather};
+use crate::distributed::{GradSync, ParamGather, ParamUnits};
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::dropout::LogicalIndex;
@@ -350,6 +350,9 @@ pub struct Param {
     /// What each read of the values waits for first, with the parameter's slot there
     /// (`--overlap-param-gather`, [`ParamGather`]).
     read_after: Option<(Arc<ParamGather>, usize)>,
+    /// The gatherer of the sharded values' units holding it, with the parameter's slot there
+    /// (`optim_grads_params`, [`ParamUnits`]).
+    unit: Option<(Arc<ParamUnits>, usize)>,
 }
 
 impl Param {
@@ -371,6 +374,7 @@ impl Param {
             spec: Arc::new(spec),
             reports_to: None,
             read_after: None,
+            unit: None,
         })
     }
 
@@ -384,6 +388,7 @@ impl Param {
             spec: Arc::new(spec),
             reports_to: None,
             read_after: None,
+            unit: None,
         }
     }
 
@@ -475,6 +480,20 @@ impl Param {
     /// [`ParamGather`]); a rebinding ends it.
     pub fn read_after(&mut self, gather: Arc<ParamGather>, slot: usize) {
         self.read_after = Some((gather, slot));
+    }
+
+    /// From now on the parameter's values are sharded and gathered by `units`' units, where
+    /// it is slot `slot` (`optim_grads_params`, [`ParamUnits`]); a rebinding ends it.
+    pub fn gathered_by(&mut self, units: Arc<ParamUnits>, slot: usize) {
+        self.unit = Some((units, slot));
+    }
+
+    /// The parameter's slot in `units`, when they gather it.
+    pub fn unit_slot(&self, units: &ParamUnits) -> Option<usize> {
+        self.unit
+            .as_ref()
+            .filter(|(u, _)| std::ptr::eq(Arc::as_ptr(u), units))
+            .map(|(_, slot)| *slot)
     }
 
     /// Runs `f` on the gradient as [`Param::accumulate_grad`] does, or for a frozen parameter
@@ -607,6 +626,7 @@ impl Param {
         self.compute = compute;
         self.reports_to = None;
         self.read_after = None;
+        self.unit = None;
         Ok(())
     }
 }

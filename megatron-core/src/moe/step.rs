@@ -9,7 +9,7 @@ use std::sync::Mutex;
 
 use super::{PlacedRouting, update_expert_bias};
 use crate::comm::{ParallelState, ReduceOp};
-use crate::distributed::ParamBuffers;
+use crate::distributed::{ParamBuffers, ReduceGroups};
 use crate::error::Result;
 use crate::invalid;
 use crate::tensor::{DType, Tensor};
@@ -226,8 +226,7 @@ impl RoutingLog {
             };
             let range = slot.range();
             let mut bias = buffers
-                .values()
-                .narrow(0, range.start, range.len())?
+                .gathered_values(range.clone(), ReduceGroups::of(parallel))?
                 .to_vec_f32()?;
             update_expert_bias(&mut bias, &total[at..at + experts], *rate);
             updates.push((range, bias));

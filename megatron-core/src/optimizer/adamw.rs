@@ -264,7 +264,7 @@ impl AdamW {
         if self.shard.is_none() {
             return Ok((self.exp_avg.clone(), self.exp_avg_sq.clone()));
         }
-        let n = buffers.values().numel();
+        let n = buffers.len();
         let whole = (
             Tensor::zeros_near([n], DType::F32, buffers.values())?,
             Tensor::zeros_near([n], DType::F32, buffers.values())?,
@@ -292,20 +292,22 @@ impl AdamW {
         buffers: &ParamBuffers,
         groups: ReduceGroups<'_>,
     ) -> Result<Tensor> {
-        let Some(main) = &self.main else {
-            return Ok(buffers.values().clone());
+        let shards = match (&self.main, buffers.sharded_values()) {
+            (Some(main), _) => main,
+            (None, Some(sharded)) => &sharded.shards,
+            (None, None) => return Ok(buffers.values().clone()),
         };
         if self.shard.is_none() {
-            return Ok(main.clone());
+            return Ok(shards.clone());
         }
-        let whole = Tensor::zeros_near([buffers.values().numel()], DType::F32, buffers.values())?;
+        let whole = Tensor::zeros_near([buffers.len()], DType::F32, &self.exp_avg)?;
         for ((world, at), bucket) in self
             .shard_offsets(buffers)
             .into_iter()
             .zip(buffers.buckets())
         {
             groups.of_bucket(bucket).all_gather(
-                &main.narrow(0, at, world.len())?,
+                &shards.narrow(0, at, world.len())?,
                 &whole.narrow(0, bucket.range.start, bucket.range.len())?,
             )?;
         }
@@ -316,13 +318,26 @@ impl AdamW {
     /// values (rounded when 16-bit) and the main parameters (this rank's shards of them with the
     /// distributed optimizer).
     pub fn set_whole_main_params(&mut self, buffers: &ParamBuffers, values: &[f32]) -> Result<()> {
-        let n = buffers.values().numel();
+        let n = buffers.len();
         if values.len() != n {
             return invalid!("values of {} elements for buffers of {n}", values.len());
         }
-        buffers
-            .values()
-            .copy_from(&Tensor::from_slice(values, [n])?)?;
+        match buffers.sharded_values() {
+            // Sharded parameters keep the rank's shards alone (rounded when 16-bit).
+            Some(sharded) => {
+                for (world, at) in &sharded.at {
+                    let src = Tensor::from_slice(&values[world.clone()], [world.len()])?;
+                    let src = crate::moe::dispatcher::placed(src, &sharded.shards)?;
+                    sharded
+                        .shards
+                        .narrow(0, *at, world.len())?
+                        .copy_from(&src)?;
+                }
+            }
+            None => buffers
+                .values()
+                .copy_from(&Tensor::from_slice(values, [n])?)?,
+        }
         if let Some(main) = &self.main {
             let mut main = main.write::<f32>()?;
             for (world, at) in self.pieces(buffers) {
@@ -353,11 +368,17 @@ impl AdamW {
             let src = crate::moe::dispatcher::placed(Tensor::from_slice(from, [from.len()])?, to)?;
             Ok(dst.copy_from(&src)?)
         };
-        write(buffers.values(), range.start, values)?;
-        if let Some(compute) = buffers.compute_copies() {
-            write(compute, range.start, values)?;
+        let mut targets: Vec<&Tensor> = self.main.iter().collect();
+        match buffers.sharded_values() {
+            Some(sharded) => targets.push(&sharded.shards),
+            None => {
+                write(buffers.values(), range.start, values)?;
+                if let Some(compute) = buffers.compute_copies() {
+                    write(compute, range.start, values)?;
+                }
+            }
         }
-        if let Some(main) = &self.main {
+        for main in targets {
             for (world, at) in self.pieces(buffers) {
                 let (start, end) = (world.start.max(range.start), world.end.min(range.end));
                 if start < end {
@@ -375,7 +396,7 @@ impl AdamW {
     /// The stretches of the whole buffers the moments hold, with where each starts in them.
     fn pieces(&self, buffers: &ParamBuffers) -> Vec<(Range<usize>, usize)> {
         match self.shard {
-            None => vec![(0..buffers.values().numel(), 0)],
+            None => vec![(0..buffers.len(), 0)],
             Some(_) => self.shard_offsets(buffers),
         }
     }
@@ -388,7 +409,7 @@ impl AdamW {
         m: &[f32],
         v: &[f32],
     ) -> Result<()> {
-        let n = buffers.values().numel();
+        let n = buffers.len();
         if m.len() != n || v.len() != n {
             return invalid!(
                 "moments of {} and {} elements for buffers of {n}",
@@ -466,23 +487,37 @@ impl AdamW {
         self.update(buffers, lr, grad_scale, |r| inside(r))?;
         between()?;
         self.update(buffers, lr, grad_scale, |r| !inside(r))?;
-        if self.shard.is_none() && self.copies(buffers).is_none() {
+        if self.shard.is_none() && !self.writes_copies(buffers) {
             buffers.refresh_compute_copies()?;
         }
         Ok(())
     }
 
     /// The bf16 copies the update writes itself, if any: the compute copies, or with f32 main
-    /// parameters the bf16 values themselves.
-    fn copies<'a>(&self, buffers: &'a ParamBuffers) -> Option<&'a Tensor> {
+    /// parameters the bf16 values themselves. (With sharded parameters the compute copies are
+    /// converted at each gather instead.)
+    fn writes_copies(&self, buffers: &ParamBuffers) -> bool {
         match &self.main {
-            Some(_) if buffers.values().dtype() == DType::BF16 => Some(buffers.values()),
+            Some(_) => buffers.values().dtype() == DType::BF16,
             // fp16 values are rounded from the main parameters after the update.
-            Some(_) => None,
-            None => buffers
-                .compute_copies()
-                .filter(|c| c.dtype() == DType::BF16),
+            None => {
+                buffers.sharded_values().is_none()
+                    && buffers
+                        .compute_copies()
+                        .is_some_and(|c| c.dtype() == DType::BF16)
+            }
         }
+    }
+
+    /// The bf16 copy of `run` the update writes, when it writes one ([`AdamW::writes_copies`]).
+    fn copy_of(&self, buffers: &ParamBuffers, run: &Run) -> Result<Option<Tensor>> {
+        if !self.writes_copies(buffers) {
+            return Ok(None);
+        }
+        Ok(Some(match (&self.main, buffers.compute_copies()) {
+            (None, Some(compute)) => compute.narrow(0, run.range.start, run.range.len())?,
+            _ => buffers.value_part(&run.range, run.moments)?,
+        }))
     }
 
     /// Updates the runs whose elements `chosen` accepts (the step counted already), and their
@@ -494,33 +529,30 @@ impl AdamW {
         grad_scale: f64,
         chosen: impl Fn(&Range<usize>) -> bool,
     ) -> Result<()> {
-        let ops = backend::of(buffers.values());
-        let copies = self.copies(buffers);
+        let ops = backend::of(&self.exp_avg);
         let runs = || self.runs.iter().filter(|run| chosen(&run.range));
         for run in runs() {
             let (offset, len) = (run.range.start, run.range.len());
-            let part = |t: &Tensor| t.narrow(0, offset, len);
             let moments = |t: &Tensor| t.narrow(0, run.moments, len);
             // Adam updates the main parameters from the main gradients when kept.
             let values = match &self.main {
                 Some(main) => moments(main)?,
-                None => part(buffers.values())?,
+                None => buffers.value_part(&run.range, run.moments)?,
             };
             let grads = match &self.main_grads {
                 Some(main_grads) => moments(main_grads)?,
-                None => part(buffers.grads())?,
+                None => buffers.grads().narrow(0, offset, len)?,
             };
             let (m, v) = (moments(&self.exp_avg)?, moments(&self.exp_avg_sq)?);
-            let copy = copies.map(part).transpose()?;
+            let copy = self.copy_of(buffers, run)?;
             let cfg = self.config_for(lr, run.decay, grad_scale);
             ops.adam_step((&values, &grads, &m, &v), copy.as_ref(), &cfg)?;
         }
-        if let (Some(main), None) = (&self.main, copies) {
+        if let (Some(main), false) = (&self.main, self.writes_copies(buffers)) {
             for run in runs() {
                 let len = run.range.len();
                 buffers
-                    .values()
-                    .narrow(0, run.range.start, len)?
+                    .value_part(&run.range, run.moments)?
                     .copy_from(&main.narrow(0, run.moments, len)?)?;
             }
         }

@@ -8,7 +8,8 @@
 //!   their gradients). With the distributed optimizer each start is rounded up to a multiple of
 //!   64 elements; a bucket closes after a parameter once it holds at least `bucket_size`
 //!   elements; a parameter shared by the first and the last pipeline stage (the tied embedding)
-//!   sits alone in its bucket; and a closed bucket's end is padded to a multiple of
+//!   sits alone in its bucket (and with `unit_buckets`, a bucket closes where the unit of
+//!   gathering changes); and a closed bucket's end is padded to a multiple of
 //!   lcm(dp, 128) (lcm(dp, 128, 65536) for NCCL's bus bandwidth). Without it nothing is padded
 //!   and buckets are cut by size alone.
 //! - Each bucket (not the buffer) is cut into `dp` equal shards; a rank updates the parameters'
@@ -57,6 +58,9 @@ pub struct ParamInfo {
     /// An expert's parameter: reduced and sharded over the expert data-parallel group
     /// (Megatron-LM's `allreduce = False`).
     pub expert: bool,
+    /// The unit of gathering holding it (a stack's module, numbered from 1; 0: the rest of the
+    /// model), which [`LayoutConfig::unit_buckets`] cuts buckets at.
+    pub unit: usize,
 }
 
 /// What a layout is made for.
@@ -75,6 +79,10 @@ pub struct LayoutConfig {
     pub grad_reduce_in_fp32: bool,
     /// The distributed optimizer's layout (padded, sharded); else the plain data-parallel one.
     pub distributed_optimizer: bool,
+    /// With the distributed optimizer, a bucket also closes where the parameters' unit of
+    /// gathering changes (Megatron-FSDP's buckets per unit: `optim_grads_params` then
+    /// gathers a unit's buckets alone).
+    pub unit_buckets: bool,
 }
 
 impl LayoutConfig {
@@ -87,6 +95,7 @@ impl LayoutConfig {
             pad_for_high_nccl_busbw: false,
             grad_reduce_in_fp32: false,
             distributed_optimizer: true,
+            unit_buckets: false,
         }
     }
 }
@@ -288,11 +297,13 @@ fn sharded_buffer(
         padded
     };
     let (mut next, mut bucket_start, mut open) = (0usize, 0usize, 0usize);
-    let mut last_end = 0;
+    let (mut last_end, mut unit) = (0, 0);
     for &i in members.iter().rev() {
         let p = &params[i];
         let mut start = round_up(next, PARAM_ALIGNMENT);
-        if p.shared_embedding && open > 0 {
+        let new_unit = config.unit_buckets && open > 0 && unit != p.unit;
+        unit = p.unit;
+        if (p.shared_embedding || new_unit) && open > 0 {
             // Megatron closes the bucket at the aligned start, its alignment counted in.
             bucket_start = close(&mut buffer, bucket_start, start);
             open = 0;
@@ -372,6 +383,7 @@ mod tests {
             dtype: DType::F32,
             shared_embedding: false,
             expert: false,
+            unit: 0,
         }
     }
 

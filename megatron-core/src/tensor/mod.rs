@@ -84,6 +84,17 @@ pub enum TensorError {
         /// The backend's error.
         message: String,
     },
+    /// The tensor's memory was given back until a gather brings it again: a sharded
+    /// parameter (`optim_grads_params`) read outside its unit of gathering.
+    #[error(
+        "{op}: the tensor's memory is given back (a parameter sharded by optim_grads_params, read \
+         while its unit of gathering is not gathered: `cx.unit` gathers a stack's modules, the \
+         trainer the rest of the model)"
+    )]
+    Evicted {
+        /// The operation.
+        op: &'static str,
+    },
     /// A kernel rejected its arguments.
     #[error(transparent)]
     Kernel(#[from] KernelError),
@@ -97,6 +108,7 @@ pub(crate) fn borrow_failed(e: storage::BorrowError, op: &'static str, write: bo
             op,
             message: format!("allocating released memory again: {e}"),
         },
+        storage::BorrowError::Evicted => TensorError::Evicted { op },
     }
 }
 

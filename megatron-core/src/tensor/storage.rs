@@ -132,6 +132,8 @@ enum Memory {
     Device(DeviceMemory),
     /// Given back ([`Storage::release`]): the elements are zeros, allocated at the next borrow.
     Released,
+    /// Given back until restored ([`Storage::evict`]): a borrow is an error.
+    Evicted,
 }
 
 // SAFETY: elements are only reached through `RawBorrow`s, which the borrow list keeps from
@@ -242,10 +244,49 @@ impl Storage {
         true
     }
 
-    /// Whether the storage holds memory now (not given back by [`Storage::release`] since it
-    /// was last borrowed).
+    /// Gives the memory back as [`Storage::release`] does, but until [`Storage::restore`]: a
+    /// borrow before then is an error ([`BorrowError::Evicted`]), not zeros (a sharded
+    /// parameter's whole values, which only a gather may bring back). Returns `false`, giving
+    /// nothing back, while a borrow of it is outstanding.
+    pub fn evict(&self) -> bool {
+        let mut state = self.state.lock();
+        if !state.borrows.is_empty() {
+            return false;
+        }
+        let memory = std::mem::replace(&mut state.memory, Memory::Evicted);
+        drop(state);
+        self.free(memory);
+        true
+    }
+
+    /// Allocates an evicted storage's memory again (zeroed), for what will fill it; nothing
+    /// when it holds memory.
+    pub(crate) fn restore(&self) -> Result<(), BorrowError> {
+        let mut state = self.state.lock();
+        if matches!(state.memory, Memory::Evicted) {
+            state.memory = Memory::Released;
+            self.allocate(&mut state)?;
+        }
+        Ok(())
+    }
+
+    /// Allocates released memory (zeroed) in `state`; nothing when it holds memory.
+    fn allocate(&self, state: &mut State) -> Result<(), BorrowError> {
+        if matches!(state.memory, Memory::Released) {
+            state.memory = match &self.gpu {
+                Some(gpu) => Memory::Device(
+                    device_memory(gpu, self.dtype, self.len, true).map_err(BorrowError::Device)?,
+                ),
+                None => host_memory(self.dtype, self.len, true),
+            };
+        }
+        Ok(())
+    }
+
+    /// Whether the storage holds memory now (not given back by [`Storage::release`] or
+    /// [`Storage::evict`] since it was last borrowed or restored).
     pub fn is_resident(&self) -> bool {
-        !matches!(self.state.lock().memory, Memory::Released)
+        !matches!(self.state.lock().memory, Memory::Released | Memory::Evicted)
     }
 
     /// Borrows elements `start..end` for reading (shared) or writing (exclusive), allocating
@@ -270,18 +311,14 @@ impl Storage {
         if conflict {
             return Err(BorrowError::Conflict);
         }
-        if matches!(state.memory, Memory::Released) {
-            state.memory = match &self.gpu {
-                Some(gpu) => Memory::Device(
-                    device_memory(gpu, self.dtype, self.len, true).map_err(BorrowError::Device)?,
-                ),
-                None => host_memory(self.dtype, self.len, true),
-            };
+        if matches!(state.memory, Memory::Evicted) {
+            return Err(BorrowError::Evicted);
         }
+        self.allocate(&mut state)?;
         let base = match &state.memory {
             Memory::Host { ptr, .. } => ptr.as_ptr() as usize,
             Memory::Device(d) => d.base() as usize,
-            Memory::Released => unreachable!("allocated above"),
+            Memory::Released | Memory::Evicted => unreachable!("allocated above"),
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         state.borrows.push(Borrow {
@@ -336,6 +373,8 @@ pub(crate) enum BorrowError {
     Conflict,
     /// Released device memory could not be allocated again.
     Device(crate::cuda::CudaError),
+    /// The memory was given back until restored ([`Storage::evict`]).
+    Evicted,
 }
 
 /// Host memory for `len` elements of `dtype`, recycled from the pool when it has a block of

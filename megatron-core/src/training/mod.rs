@@ -23,7 +23,7 @@ pub use pipeline::{CarriedWidth, Chunks, PipelinedLanguageModel};
 use crate::comm::{CommStats, ParallelState, ReduceOp};
 use crate::cuda_graphs::{GraphRuntime, GraphStats, ScopeSet};
 use crate::distributed::{
-    Bucket, DdpConfig, GradSync, PackLayout, ParamBuffers, ParamGather, ReduceGroups,
+    Bucket, DdpConfig, GradSync, PackLayout, ParamBuffers, ParamGather, ParamUnits, ReduceGroups,
     ShardingStrategy, gather_parameters, reduce_gradients,
 };
 use crate::error::{Error, Result};
@@ -140,6 +140,9 @@ pub struct StepMetrics {
     /// rank held at once during the step (each bucket's from its first write in a micro-batch
     /// to its reduce-scatter; every bucket at once at the first step, which learns the writes).
     pub gradient_buckets_peak_bytes: Option<usize>,
+    /// With sharded parameters (`optim_grads_params`), the most bytes of whole parameter
+    /// values (and compute copies) this rank held gathered at once during the step's walk.
+    pub gathered_params_peak_bytes: Option<usize>,
 }
 
 /// The bytes of one rank's training state, measured from its allocations.
@@ -209,6 +212,10 @@ pub struct Trainer<M: LanguageModel> {
     /// The gatherer the parameters' reads wait on, made at the first step with
     /// `--overlap-param-gather` (and again after a rebinding of the buffers).
     param_gather: Option<std::sync::Arc<ParamGather>>,
+    /// The gatherer of the sharded parameters' units (`optim_grads_params`).
+    units: Option<std::sync::Arc<ParamUnits>>,
+    /// How the buffers were laid out.
+    plan: PackLayout,
     /// Visit positions of the parameters both ends of the pipeline hold (the tied embedding).
     shared_positions: Vec<usize>,
 }
@@ -296,6 +303,7 @@ impl<M: LanguageModel> Trainer<M> {
         Ok(Trainer {
             chunks,
             buffers,
+            plan,
             optimizer,
             sampler,
             config,
@@ -311,6 +319,7 @@ impl<M: LanguageModel> Trainer<M> {
             ddp: DdpConfig::default(),
             grad_sync: None,
             param_gather: None,
+            units: None,
             shared_positions: shared_embedding,
         })
     }
@@ -325,6 +334,7 @@ impl<M: LanguageModel> Trainer<M> {
         (self.grad_sync, self.param_gather) = (None, None);
         self.buffers.to_gpu(&mut self.chunks, gpu)?;
         self.optimizer.to_gpu(gpu)?;
+        self.rebind_units()?;
         // 16-bit values are what products read already.
         if gpu.bf16_products()
             && self.buffers.compute_copies().is_none()
@@ -341,7 +351,19 @@ impl<M: LanguageModel> Trainer<M> {
     pub fn keep_compute_copies(&mut self, dtype: DType) -> Result<()> {
         self.settle_parameters()?;
         (self.grad_sync, self.param_gather) = (None, None);
-        self.buffers.keep_compute_copies(&mut self.chunks, dtype)
+        self.buffers.keep_compute_copies(&mut self.chunks, dtype)?;
+        self.rebind_units()
+    }
+
+    /// After the buffers were rebound (moved, or given compute copies): a new gatherer of the
+    /// sharded parameters' units over the same groups, the parameters bound to it.
+    fn rebind_units(&mut self) -> Result<()> {
+        if let Some(units) = self.units.take() {
+            let units = std::sync::Arc::new(units.rebound(&self.buffers)?);
+            ParamUnits::attach(&units, &mut self.chunks.0)?;
+            self.units = Some(units);
+        }
+        Ok(())
     }
 
     /// Reports the MoE routers' statistics (over `experts` experts per layer) in every step's
@@ -388,7 +410,12 @@ impl<M: LanguageModel> Trainer<M> {
             params: self.buffers.used() + frozen_params,
             frozen_params,
             frozen,
-            values: bytes(self.buffers.values()),
+            // Sharded parameters keep the rank's shards; whole values live only while gathered
+            // (`StepMetrics::gathered_params_peak_bytes`).
+            values: match self.buffers.sharded_values() {
+                Some(sharded) => bytes(&sharded.shards),
+                None => bytes(self.buffers.values()),
+            },
             copies: self.buffers.compute_copies().map_or(0, bytes),
             grads,
             optimizer: bytes(m) + bytes(v) + main + main_grads,
@@ -460,7 +487,7 @@ impl<M: LanguageModel> Trainer<M> {
     /// With `overlap_param_gather` (the distributed optimizer and `overlap_grad_reduce` needed,
     /// as Megatron-LM asks) each bucket's all-gather starts after the optimizer step and the
     /// next step's first read of the bucket waits for it ([`ParamGather`]).
-    pub fn set_ddp(&mut self, ddp: DdpConfig) -> Result<()> {
+    pub fn set_ddp(&mut self, parallel: &ParallelState, ddp: DdpConfig) -> Result<()> {
         if ddp.overlap_param_gather && !self.config.distributed_optimizer {
             return invalid!(
                 "--overlap-param-gather overlaps the distributed optimizer's all-gather of the \
@@ -475,7 +502,7 @@ impl<M: LanguageModel> Trainer<M> {
         if ddp.overlap_param_gather_with_optimizer_step {
             self.check_gather_with_optimizer_step(ddp)?;
         }
-        self.set_sharding(ddp.sharding)?;
+        self.set_sharding(parallel, ddp)?;
         self.ddp = ddp;
         Ok(())
     }
@@ -485,8 +512,11 @@ impl<M: LanguageModel> Trainer<M> {
     /// `optim` on): with `optim_grads`, each gradient bucket gets its own storage, released
     /// after each of its reduce-scatters (once per micro-batch), and the optimizer keeps the
     /// rank's shard of the reduced gradients ([`ParamBuffers::shard_gradients`],
-    /// [`GradSync::sharded`]).
-    fn set_sharding(&mut self, strategy: ShardingStrategy) -> Result<()> {
+    /// [`GradSync::sharded`]); with `optim_grads_params`, also only the rank's shard of the
+    /// values, each unit of the model gathered around its passes ([`ParamBuffers::shard_values`],
+    /// [`ParamUnits`]; with `overlap_param_gather`, the next unit's gather started meanwhile).
+    fn set_sharding(&mut self, parallel: &ParallelState, ddp: DdpConfig) -> Result<()> {
+        let strategy = ddp.sharding;
         let name = strategy.name();
         if strategy.shards_optimizer() && !self.config.distributed_optimizer {
             return invalid!(
@@ -495,17 +525,82 @@ impl<M: LanguageModel> Trainer<M> {
                  (TrainConfig::distributed_optimizer; the CLI sets it)"
             );
         }
-        if strategy == ShardingStrategy::OptimGradsParams {
-            return invalid!(
-                "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3) is not built yet: \
-                 optim_grads shards the gradients and the optimizer state"
-            );
+        let shards_params = strategy == ShardingStrategy::OptimGradsParams;
+        if shards_params {
+            self.check_sharded_params(ddp)?;
+        }
+        if shards_params && self.units.is_none() {
+            self.cut_buckets_at_units()?;
         }
         if strategy.shards_gradients() && self.buffers.bucket_grads().is_none() {
             self.settle_parameters()?;
             (self.grad_sync, self.param_gather) = (None, None);
             self.buffers.shard_gradients(&mut self.chunks)?;
             self.optimizer.keep_sharded_grads()?;
+        }
+        if shards_params && self.units.is_none() {
+            let Some(ranks) = self.optimizer.shard() else {
+                return invalid!("optim_grads_params keeps the distributed optimizer's shards");
+            };
+            self.buffers.shard_values(&mut self.chunks, ranks)?;
+            let units = std::sync::Arc::new(ParamUnits::new(
+                &self.buffers,
+                parallel,
+                ddp.overlap_param_gather,
+            )?);
+            ParamUnits::attach(&units, &mut self.chunks.0)?;
+            self.units = Some(units);
+        }
+        Ok(())
+    }
+
+    /// Packs the buffers again with a bucket closing where the unit of gathering changes
+    /// (Megatron-FSDP's buckets per unit), so that a unit's gather brings its parameters alone;
+    /// before the first step only (the optimizer's state is made again, as at the start).
+    fn cut_buckets_at_units(&mut self) -> Result<()> {
+        if self.optimizer.steps() > 0 || self.buffers.bucket_grads().is_some() {
+            return invalid!(
+                "optim_grads_params lays the buffers out per unit of gathering: choose it before \
+                 the first step"
+            );
+        }
+        self.settle_parameters()?;
+        (self.grad_sync, self.param_gather) = (None, None);
+        for (_, config) in &mut self.plan.chunks {
+            config.unit_buckets = true;
+        }
+        let copies: Vec<usize> = (self.buffers.slots().iter().enumerate())
+            .filter(|(_, s)| s.shared_copy)
+            .map(|(i, _)| i)
+            .collect();
+        let compute = self.buffers.compute_copies().map(Tensor::dtype);
+        self.buffers = ParamBuffers::pack(&mut self.chunks, &self.plan)?;
+        self.buffers.mark_shared_copies(&copies);
+        if let Some(dtype) = compute {
+            self.buffers.keep_compute_copies(&mut self.chunks, dtype)?;
+        }
+        let steps = self.optimizer.steps();
+        self.optimizer = AdamW::new(&self.buffers, self.config.adam, self.optimizer.shard())?;
+        self.optimizer.set_steps(steps);
+        Ok(())
+    }
+
+    /// The flags `optim_grads_params` cannot serve, refused with the reason.
+    fn check_sharded_params(&self, ddp: DdpConfig) -> Result<()> {
+        const STRATEGY: &str = "--data-parallel-sharding-strategy optim_grads_params";
+        if !self.graphs.scopes().is_empty() {
+            return invalid!(
+                "{STRATEGY} with --cuda-graph-scope: the parameters' whole values are allocated \
+                 and given back around every unit's pass, where a graph keeps the addresses it \
+                 captured; use one or the other"
+            );
+        }
+        if ddp.overlap_param_gather_with_optimizer_step {
+            return invalid!(
+                "{STRATEGY} with --overlap-param-gather-with-optimizer-step: sharded parameters \
+                 are gathered by the next step's units, not after the optimizer step; drop the \
+                 flag (--overlap-param-gather prefetches the next unit)"
+            );
         }
         Ok(())
     }
@@ -561,6 +656,9 @@ impl<M: LanguageModel> Trainer<M> {
     /// Waits for the parameters' all-gathers still in flight (`--overlap-param-gather`), with
     /// the first failure: before anything reads the buffers whole (a checkpoint, a move).
     pub(crate) fn settle_parameters(&self) -> Result<()> {
+        if let Some(units) = &self.units {
+            units.finish()?;
+        }
         match &self.param_gather {
             Some(gather) => gather.finish(),
             None => Ok(()),
@@ -715,7 +813,11 @@ impl<M: LanguageModel> Trainer<M> {
         if let Some(sync) = &grad_sync {
             sync.begin_step()?;
         }
+        if let Some(units) = &self.units {
+            units.take_peak();
+        }
         let walked = self.walk(parallel, &self.sampler, step, Mode::Train { step })?;
+        let gathered_params_peak_bytes = self.units.as_ref().map(|u| u.take_peak());
         // The walk read every parameter it needed; any bucket it did not is waited for here.
         self.settle_parameters()?;
         self.phase(parallel, "forward and backward", start);
@@ -781,6 +883,7 @@ impl<M: LanguageModel> Trainer<M> {
                 metrics.aux_losses = aux_losses;
                 metrics.overlapped_buckets = overlapped_buckets;
                 metrics.gradient_buckets_peak_bytes = gradient_buckets_peak_bytes;
+                metrics.gathered_params_peak_bytes = gathered_params_peak_bytes;
                 metrics.graphs = self.graph_stats_if_any();
                 metrics.counted_tokens = counted;
                 metrics.empty_microbatches = empty_microbatches;
@@ -826,6 +929,8 @@ impl<M: LanguageModel> Trainer<M> {
         self.phase(parallel, "optimizer step", update);
         let gathering = Instant::now();
         match (gather, self.ddp.overlap_param_gather) {
+            // Sharded parameters are gathered by the next walk's units.
+            _ if self.units.is_some() => {}
             (Some(gather), _) => gather.start_where(|b| b.chunk() != 0)?,
             (None, true) => self.param_gather(parallel)?.start()?,
             (None, false) => gather_parameters(&self.buffers, ReduceGroups::of(parallel))?,
@@ -845,6 +950,7 @@ impl<M: LanguageModel> Trainer<M> {
         metrics.aux_losses = aux_losses;
         metrics.overlapped_buckets = overlapped_buckets;
         metrics.gradient_buckets_peak_bytes = gradient_buckets_peak_bytes;
+        metrics.gathered_params_peak_bytes = gathered_params_peak_bytes;
         metrics.graphs = self.graph_stats_if_any();
         Ok(metrics)
     }
@@ -890,6 +996,7 @@ impl<M: LanguageModel> Trainer<M> {
             aux_losses: Vec::new(),
             overlapped_buckets: None,
             gradient_buckets_peak_bytes: None,
+            gathered_params_peak_bytes: None,
         }
     }
 }
@@ -950,6 +1057,12 @@ impl<M: LanguageModel> Trainer<M> {
                 &self.engine.eval_plan,
             ),
         };
+        // With sharded parameters the stacks' modules gather their own units; the rest of the
+        // model, the root unit, is gathered for the whole walk.
+        let (cx, root) = match &self.units {
+            Some(units) => (cx.with_units(units), Some(units.gather_root()?)),
+            None => (cx, None),
+        };
         let walk = engine::Walk {
             chunks: &self.chunks.0,
             parallel,
@@ -961,7 +1074,12 @@ impl<M: LanguageModel> Trainer<M> {
             like: self.buffers.grads(),
             sync_shared: self.engine.sync_shared,
         };
-        (self.engine.run)(walk, actions)
+        let walked = (self.engine.run)(walk, actions);
+        drop(root);
+        if let Some(units) = &self.units {
+            units.finish()?;
+        }
+        walked
     }
 
     /// The sum of every rank's `loss_sum`: one more (4-byte) all-reduce over data parallel, as

@@ -111,6 +111,12 @@ impl<M: Module> Module for Chunks<M> {
             m.visit_params_mut(f);
         }
     }
+
+    fn visit_stacked_params<'s>(&'s self, units: &mut usize, f: &mut dyn FnMut(&'s Param, usize)) {
+        for m in &self.0 {
+            m.visit_stacked_params(units, f);
+        }
+    }
 }
 
 impl<M: PipelinedLanguageModel> Trainer<M> {

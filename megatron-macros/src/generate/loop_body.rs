@@ -218,6 +218,7 @@ pub(in crate::generate) fn forward<'a>(
                 let mut __carried = #start;
                 let mut __kept = ::std::vec::Vec::with_capacity(#this.#list.len());
                 for __index in 0..#this.#list.len() {
+                    let _unit = cx.unit(&#this.#list, __index, __index.checked_add(1))?;
                     let (__next, __saved) = #this.#forward(
                         cx, #site.index(__index), __index, #(#carried_refs,)* #(#frees),*
                     )?;
@@ -389,6 +390,7 @@ pub(in crate::generate) fn backward<'a>(
                     ::std::option::Option::Some(__d) => __d,
                     ::std::option::Option::None => #after,
                 };
+                let _unit = cx.unit(&#this.#list, __index, __index.checked_sub(1))?;
                 let __g = #this.#backward(cx, #site.index(__index), __index, __saved, #grads_in)?;
                 __d = ::std::option::Option::Some(#next);
                 #(#sums)*

@@ -160,6 +160,15 @@ pub fn struct_items(root: &Root, s: &ModuleStruct, original: &TokenStream) -> To
         .iter()
         .map(|f| visit_field(root, f, true))
         .collect();
+    let visit_stacked: Vec<_> = param_fields
+        .iter()
+        .map(|f| kind::of(&f.kind).visit_stacked(rt, f))
+        .collect();
+    let units_arg = if param_fields.is_empty() {
+        quote!(_units)
+    } else {
+        quote!(units)
+    };
     // A pipelined struct builds and visits what its stage holds, which its forward says: the
     // impl attribute generates those functions.
     let (build_body, visit_ref, visit_mut, f_arg, spec_arg, b) = if s.pipeline_field().is_some() {
@@ -224,6 +233,14 @@ pub fn struct_items(root: &Root, s: &ModuleStruct, original: &TokenStream) -> To
 
             fn visit_params_mut(&mut self, #f_arg: &mut dyn ::std::ops::FnMut(&mut #rt::module::Param)) {
                 #visit_mut
+            }
+
+            fn visit_stacked_params<'s>(
+                &'s self,
+                #units_arg: &mut usize,
+                #f_arg: &mut dyn ::std::ops::FnMut(&'s #rt::module::Param, usize),
+            ) {
+                #(#visit_stacked)*
             }
         }
 

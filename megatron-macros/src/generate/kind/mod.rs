@@ -39,6 +39,13 @@ pub(crate) trait Kind {
         quote!(<#ty as #rt::module::Module>::#method(#borrow self.#name, f);)
     }
 
+    /// The call of `f` on the parameters the field's stacks hold (`visit_stacked_params`: the
+    /// units of gathering of sharded parameters): a sub-module's own.
+    fn visit_stacked(&self, rt: &TokenStream, f: &Field) -> TokenStream {
+        let (name, ty) = (&f.ident, &f.ty);
+        quote!(<#ty as #rt::module::Module>::visit_stacked_params(&self.#name, units, f);)
+    }
+
     /// Checks `call` (its arguments' sharding against the kind's rule) and sets the sharding of
     /// its output, or reports why the field cannot be called that way.
     fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>);

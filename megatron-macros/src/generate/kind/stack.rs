@@ -58,6 +58,18 @@ impl Kind for Stack {
         })
     }
 
+    fn visit_stacked(&self, rt: &TokenStream, f: &Field) -> TokenStream {
+        let elem = element(f);
+        let name = &f.ident;
+        quote! {
+            for m in &self.#name {
+                *units += 1;
+                let unit = *units;
+                <#elem as #rt::module::Module>::visit_params(m, &mut |p| f(p, unit));
+            }
+        }
+    }
+
     fn visit(&self, rt: &TokenStream, f: &Field, mutable: bool) -> TokenStream {
         let elem = element(f);
         let name = &f.ident;
@@ -69,6 +81,12 @@ impl Kind for Stack {
         }
     }
 }
+
+/// What the loops' documentation says of `cx.unit`.
+const UNIT: &str = "With sharded parameters (`optim_grads_params`) each module is a unit of \
+                    gathering: `cx.unit` gathers its parameters (starting the next module's \
+                    gather with `--overlap-param-gather`) until `_unit` is dropped; without, \
+                    it does nothing.";
 
 /// The loop over the stack: `module::stack_forward`.
 pub(in crate::generate) fn loop_forward<'a>(call: &Call<'a>, b: &mut Body<'a>, io: &Forward<'_>) {
@@ -97,13 +115,13 @@ pub(in crate::generate) fn loop_forward<'a>(call: &Call<'a>, b: &mut Body<'a>, i
              `{name}.i` with `i` the module's index in the whole stack (the same sites, \
              dropout masks and parameter names as without a pipeline); what they save is \
              kept, or with activation recompute only the input of each recomputed group \
-             of modules (`cx.recompute()`)."
+             of modules (`cx.recompute()`). {UNIT}"
         ))
     } else {
         comment(&format!(
             "`{name}`: each module in turn, at site `{name}.i`; what they save is kept, or \
              with activation recompute only the input of each recomputed group of modules \
-             (`cx.recompute()`)."
+             (`cx.recompute()`). {UNIT}"
         ))
     };
     let first = cx.first_index(n);
@@ -123,7 +141,10 @@ pub(in crate::generate) fn loop_forward<'a>(call: &Call<'a>, b: &mut Body<'a>, i
                 cx,
                 #this_field.len(),
                 #v,
-                |#ii, #xx| #this_field[#ii].forward(cx, #site.index(#first #ii), #xx),
+                |#ii, #xx| {
+                    let _unit = cx.unit(&#this_field, #ii, #ii.checked_add(1))?;
+                    #this_field[#ii].forward(cx, #site.index(#first #ii), #xx)
+                },
             )?;
             #v = #st;
         }
@@ -162,7 +183,7 @@ pub(in crate::generate) fn loop_backward<'a>(call: &Call<'a>, b: &mut Body<'a>, 
     b.carried.push((d_y, d_before));
     let doc = comment(&format!(
         "`{name}`: each module's backward, last module first (a recomputed group's \
-         forward rerun first, from its input)."
+         forward rerun first, from its input). {UNIT}"
     ));
     let first = cx.first_index(n);
     b.push(move |nm| {
@@ -181,8 +202,12 @@ pub(in crate::generate) fn loop_backward<'a>(call: &Call<'a>, b: &mut Body<'a>, 
             let #din = #rt::module::stack_backward(
                 #s,
                 #v,
-                |#ii, #xx| #this_field[#ii].forward(cx, #site.index(#first #ii), #xx),
+                |#ii, #xx| {
+                    let _unit = cx.unit(&#this_field, #ii, #ii.checked_sub(1))?;
+                    #this_field[#ii].forward(cx, #site.index(#first #ii), #xx)
+                },
                 |#ii, #es, #dd| {
+                    let _unit = cx.unit(&#this_field, #ii, #ii.checked_sub(1))?;
                     #this_field[#ii].backward(cx, #site.index(#first #ii), #es, #dd)
                 },
             )?;
