@@ -22,7 +22,7 @@ use quote::{ToTokens, quote};
 use crate::root::Root;
 
 /// The documents generated from the macros.
-const DOCUMENTS: [&str; 13] = [
+const DOCUMENTS: [&str; 14] = [
     "docs/expanded-parallel-block.md",
     "docs/expanded-elementwise.md",
     "docs/expanded-mlp.md",
@@ -36,6 +36,7 @@ const DOCUMENTS: [&str; 13] = [
     "docs/expanded-lora.md",
     "docs/expanded-mla.md",
     "docs/expanded-loop-body.md",
+    "docs/expanded-sharded-params.md",
 ];
 
 /// What a marker starts with.

@@ -130,6 +130,33 @@ fn disjoint_views_of_one_storage_are_written_at_once() {
 }
 
 #[test]
+fn an_evicted_storage_is_an_error_to_read_until_restored() {
+    // A size no other test allocates, so that the pool hands nothing else this block.
+    let n = 12_349;
+    let t = Tensor::from_vec(vec![1.5f32; n], [n]).unwrap();
+    let view = t.narrow(0, 10, 5).unwrap();
+    let account = host_memory::this_thread();
+    let before = account.live_bytes();
+    {
+        let _reading = view.read::<f32>().unwrap();
+        assert!(!t.storage().evict());
+    }
+    assert!(t.storage().evict());
+    assert!(!t.storage().is_resident());
+    assert_eq!(before - account.live_bytes(), n * 4);
+    // A read or a write through any view is an error naming the reason, and allocates nothing.
+    let err = view.to_vec::<f32>().unwrap_err().to_string();
+    assert!(err.contains("memory is given back"), "{err}");
+    assert!(view.fill(2.0).is_err());
+    assert!(!t.storage().is_resident());
+    // Restored, it holds zeros until written (a gather fills it).
+    t.storage().restore().unwrap();
+    assert!(t.storage().is_resident());
+    assert_eq!(account.live_bytes(), before);
+    assert_eq!(view.to_vec::<f32>().unwrap(), vec![0.0; 5]);
+}
+
+#[test]
 fn a_released_storage_frees_its_memory_and_reads_as_zeros_until_written_again() {
     // A size no other test allocates, so that the pool hands nothing else this block.
     let n = 12_347;

@@ -163,12 +163,20 @@ pub fn struct_items(root: &Root, s: &ModuleStruct, original: &TokenStream) -> To
     let visit_stacked: Vec<_> = param_fields
         .iter()
         .map(|f| kind::of(&f.kind).visit_stacked(rt, f))
+        .filter(|t| !t.is_empty())
         .collect();
-    let units_arg = if param_fields.is_empty() {
-        quote!(_units)
-    } else {
-        quote!(units)
-    };
+    // Only a module that may hold stacks says which parameters they hold.
+    let visit_stacked = (!visit_stacked.is_empty()).then(|| {
+        quote! {
+            fn visit_stacked_params<'s>(
+                &'s self,
+                units: &mut usize,
+                f: &mut dyn ::std::ops::FnMut(&'s #rt::module::Param, usize),
+            ) {
+                #(#visit_stacked)*
+            }
+        }
+    });
     // A pipelined struct builds and visits what its stage holds, which its forward says: the
     // impl attribute generates those functions.
     let (build_body, visit_ref, visit_mut, f_arg, spec_arg, b) = if s.pipeline_field().is_some() {
@@ -235,13 +243,7 @@ pub fn struct_items(root: &Root, s: &ModuleStruct, original: &TokenStream) -> To
                 #visit_mut
             }
 
-            fn visit_stacked_params<'s>(
-                &'s self,
-                #units_arg: &mut usize,
-                #f_arg: &mut dyn ::std::ops::FnMut(&'s #rt::module::Param, usize),
-            ) {
-                #(#visit_stacked)*
-            }
+            #visit_stacked
         }
 
         #(#scope_checks)*

@@ -20,6 +20,11 @@ use crate::validate::{Checker, FieldCall, Sharding, Want};
 pub(super) struct Local;
 
 impl Kind for Local {
+    /// A sub-module may hold stacks.
+    fn visit_stacked(&self, rt: &TokenStream, f: &Field) -> TokenStream {
+        super::visit_stacked_of(rt, f)
+    }
+
     fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>) {
         let who = format!("#[local] `{}`", call.name);
         let mut split = true;

@@ -40,10 +40,9 @@ pub(crate) trait Kind {
     }
 
     /// The call of `f` on the parameters the field's stacks hold (`visit_stacked_params`: the
-    /// units of gathering of sharded parameters): a sub-module's own.
-    fn visit_stacked(&self, rt: &TokenStream, f: &Field) -> TokenStream {
-        let (name, ty) = (&f.ident, &f.ty);
-        quote!(<#ty as #rt::module::Module>::visit_stacked_params(&self.#name, units, f);)
+    /// units of gathering of sharded parameters); nothing for a layer, which holds none.
+    fn visit_stacked(&self, _rt: &TokenStream, _f: &Field) -> TokenStream {
+        quote!()
     }
 
     /// Checks `call` (its arguments' sharding against the kind's rule) and sets the sharding of
@@ -233,6 +232,12 @@ fn built_by(
 fn module_gradient_feeds_products(rt: &TokenStream, f: &Field) -> TokenStream {
     let ty = &f.ty;
     quote!(<#ty as #rt::module::Module>::GRADIENT_FEEDS_PRODUCTS)
+}
+
+/// A sub-module's `visit_stacked_params` (its stacks' parameters, numbered on).
+fn visit_stacked_of(rt: &TokenStream, f: &Field) -> TokenStream {
+    let (name, ty) = (&f.ident, &f.ty);
+    quote!(<#ty as #rt::module::Module>::visit_stacked_params(&self.#name, units, f);)
 }
 
 /// `visit_params` and `&`, or `visit_params_mut` and `&mut`.

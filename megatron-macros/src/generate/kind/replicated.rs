@@ -19,6 +19,11 @@ use crate::validate::{Checker, FieldCall, Origin, Sharding, Want};
 pub(crate) struct Replicated;
 
 impl Kind for Replicated {
+    /// A sub-module may hold stacks.
+    fn visit_stacked(&self, rt: &TokenStream, f: &Field) -> TokenStream {
+        super::visit_stacked_of(rt, f)
+    }
+
     fn check_call(&self, c: &mut Checker<'_>, call: &FieldCall<'_>) {
         let name = &call.name;
         let who = format!("`{name}` (no split attribute: it runs whole on every rank)");
