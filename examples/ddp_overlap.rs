@@ -12,7 +12,10 @@
 //! rounding (its partial sums are taken over whole buckets instead of halves). The last shards
 //! the gradients too (`--data-parallel-sharding-strategy optim_grads`, ZeRO-2): every
 //! micro-batch's buckets reduce-scattered during the backward and their whole gradients freed,
-//! each rank keeping its shard: the same losses to the sums' rounding.
+//! each rank keeping its shard: the same losses to the sums' rounding. The very last shards the
+//! parameters too (`optim_grads_params`, ZeRO-3): each layer gathered around its forward and
+//! its backward, the next one's gather started meanwhile, so most of the step's data-parallel
+//! collectives run inside the walk.
 //!
 //! ```sh
 //! cargo run --release --example ddp_overlap
@@ -182,6 +185,31 @@ fn main() -> R<()> {
     }
     if inside == 0 {
         return Err("no sharded reduction began during the walk".into());
+    }
+    // Sharded parameters too: every layer gathered around its passes, the next prefetched.
+    let params = DdpConfig {
+        sharding: ShardingStrategy::OptimGradsParams,
+        ..both
+    };
+    let trace = dir.join("sharded-params.json");
+    let zero3 = job(params, trace.clone())?.run(&mut [])?;
+    let (comms, inside) = collectives_in_the_walk(&trace)?;
+    let far = zero3
+        .steps
+        .iter()
+        .zip(&losses[0])
+        .map(|(s, plain)| ((s.0 - plain) / plain).abs())
+        .fold(0.0, f64::max);
+    println!(
+        "sharded parameters (optim_grads_params): the losses within {far:.1e} of the plain \
+         run's; rank 0's last step: {inside} of its {comms} data-parallel collectives began \
+         inside the walk (each unit's gathers and each bucket's reductions)"
+    );
+    if far > 1e-5 {
+        return Err(format!("sharded parameters drift {far:.1e} from the plain run").into());
+    }
+    if inside <= comms / 2 {
+        return Err("the units' gathers did not run inside the walk".into());
     }
     std::fs::remove_dir_all(&dir)?;
     if losses[0] != losses[1] {

@@ -313,16 +313,19 @@ fn tensor_and_data_parallel_ranks_on_one_gpu_reproduce_tp1() {
     // Sharded gradients (optim_grads): each bucket's device storage freed after its
     // reduce-scatter and allocated again by the next micro-batch's first write; at one
     // micro-batch per step the distributed optimizer's run bit for bit, overlapped or not.
-    let sharded = |strategy, overlap, global_batch| {
-        let mut job = job(2, 2, F32);
+    let sharded_on = |placement, strategy, overlap, global_batch| {
+        let mut job = job(2, 2, placement);
         job.train_data = windows(global_batch, 2);
         job.train.bucket_elements = 20_000;
         job.train.distributed_optimizer = true;
         job.ddp.sharding = strategy;
         job.ddp.overlap_grad_reduce = overlap;
-        bits(curve(&job))
+        job.ddp.overlap_param_gather = overlap && strategy == OptimGradsParams;
+        curve(&job)
     };
-    use megatron::distributed::ShardingStrategy::{Optim, OptimGrads};
+    let sharded =
+        |strategy, overlap, global_batch| bits(sharded_on(F32, strategy, overlap, global_batch));
+    use megatron::distributed::ShardingStrategy::{Optim, OptimGrads, OptimGradsParams};
     assert_eq!(
         sharded(OptimGrads, false, 4),
         sharded(Optim, false, 4),
@@ -333,6 +336,24 @@ fn tensor_and_data_parallel_ranks_on_one_gpu_reproduce_tp1() {
         sharded(OptimGrads, false, 8),
         "sharded gradients: overlapped vs not"
     );
+    // Sharded parameters (optim_grads_params): each unit's device storages allocated for its
+    // gather and freed after its pass (bf16 products: its bf16 copies converted at each
+    // gather); the next unit prefetched on the communication stream or not, the same run bit
+    // for bit; sharded gradients' to the norm's rounding (the buckets cut at units).
+    for placement in [F32, BF16] {
+        let params = sharded_on(placement, OptimGradsParams, false, 8);
+        assert_eq!(
+            bits(sharded_on(placement, OptimGradsParams, true, 8)),
+            bits(params.clone()),
+            "sharded parameters: prefetched vs not"
+        );
+        assert_close(
+            &params,
+            &sharded_on(placement, OptimGrads, false, 8),
+            1e-5,
+            "sharded parameters vs sharded gradients",
+        );
+    }
     // Sequence parallelism: the all-gathers and reduce-scatters of the shards between the
     // ranks' device tensors, dropout per global position, the norms' gradients summed over tp.
     let mut sp = job(2, 1, F32);

@@ -738,10 +738,19 @@ fn overlapped_reduction_under_mpirun_equals_thread_ranks() {
     // Sharded gradients (optim_grads): every micro-batch's reduce-scatter per bucket, over a
     // pipeline whose tied embedding's bucket is summed over both ends first; overlapped and
     // not (the reductions then run at once, inside the backward).
-    for (name, overlap) in [
-        ("sharded-grads", &[][..]),
+    // Sharded parameters (optim_grads_params): each unit's gather, the next prefetched with
+    // the overlap.
+    for (name, strategy, overlap) in [
+        ("sharded-grads", "optim_grads", &[][..]),
         (
             "sharded-grads-overlap",
+            "optim_grads",
+            &["--overlap-grad-reduce", "--overlap-param-gather"][..],
+        ),
+        ("sharded-params", "optim_grads_params", &[][..]),
+        (
+            "sharded-params-overlap",
+            "optim_grads_params",
             &["--overlap-grad-reduce", "--overlap-param-gather"][..],
         ),
     ] {
@@ -752,7 +761,7 @@ fn overlapped_reduction_under_mpirun_equals_thread_ranks() {
                 "--dp",
                 "2",
                 "--data-parallel-sharding-strategy",
-                "optim_grads",
+                strategy,
                 "--ddp-bucket-size",
                 "20000",
                 "--train-iters",
@@ -1672,6 +1681,16 @@ fn overlapped_reduction_with_nccl_follows_thread_ranks() {
         "cuda",
     ];
     nccl_trains_as_threads("nccl-sharded-grads", &sharded);
+    // Sharded parameters: each unit's device storages allocated for its gather (the next
+    // unit's on the communication stream) and freed after its pass.
+    let params = sharded.map(|a| {
+        if a == "optim_grads" {
+            "optim_grads_params"
+        } else {
+            a
+        }
+    });
+    nccl_trains_as_threads("nccl-sharded-params", &params);
 }
 
 /// `megatron bench` under `mpirun` runs the job on the launch's ranks (it used to run the whole

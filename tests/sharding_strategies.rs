@@ -20,10 +20,12 @@
 //! `optim_grads_params` (ZeRO-3) also keeps only each rank's shard of the values: each module
 //! of a stack is gathered around its passes, the rest of the model for each walk, and its
 //! buckets are cut at those units.
-//! - Where every parameter has a bucket of its own (`--ddp-bucket-size 1`, so that the cut at
-//!   units changes nothing) it is `optim_grads` bit for bit on every layout, the next unit
-//!   prefetched or not; with the buckets cut at units, to the gradient norm's rounding (the
-//!   ranks' partial sums of squares run over other shards).
+//! - With a bucket per parameter (`--ddp-bucket-size 1`, so that the cut at units changes little)
+//!   it is `optim_grads` bit for bit on every layout but the V schedules (zbv, dualpipev),
+//!   whose second chunk Megatron-LM keeps in one bucket, which the units cut: there, and with
+//!   buckets of 20,000 elements cut at units everywhere, to the gradient norm's rounding (the
+//!   ranks' partial sums of squares run over other shards). Prefetching the next unit changes
+//!   nothing, bit for bit.
 //! - Each rank holds 16/d bytes per parameter in f32, and whole values only for the root unit
 //!   and one module (two, prefetching): what `megatron inspect` says.
 //! - Its checkpoints resume under `optim`, under itself and at another dp.
@@ -433,6 +435,32 @@ fn layouts() -> Vec<(&'static str, Vec<&'static str>)> {
             vec!["--pp", "2", "--dp", "2", "--pipeline-schedule", "zb-h1"],
         ),
         (
+            "pp2-zbv",
+            vec![
+                "--pp",
+                "2",
+                "--dp",
+                "2",
+                "--num-layers",
+                "4",
+                "--pipeline-schedule",
+                "zbv",
+            ],
+        ),
+        (
+            "pp2-dualpipev",
+            vec![
+                "--pp",
+                "2",
+                "--dp",
+                "2",
+                "--num-layers",
+                "4",
+                "--pipeline-schedule",
+                "dualpipev",
+            ],
+        ),
+        (
             "ep2",
             vec!["--model", "mixtral-tiny", "--dp", "2", "--ep", "2"],
         ),
@@ -513,13 +541,19 @@ fn sharded_parameters_train_as_sharded_gradients_on_every_layout() {
             &format!("{name}-params"),
             &[&alone[..], &OPTIM_GRADS_PARAMS].concat(),
         );
-        assert_eq!(params, grads, "{name}");
+        // The V schedules' second chunk is one bucket in Megatron-LM's layout (the bucket size
+        // applies to the first stage's first chunk alone), which the units cut: another
+        // layout, the same run to the norm's rounding.
+        match name.ends_with('v') {
+            true => close(name, &grads, &params, 1e-6),
+            false => assert_eq!(params, grads, "{name}"),
+        }
         let (prefetched, _) = run(
             &dir,
             &format!("{name}-prefetch"),
             &[&alone[..], &OPTIM_GRADS_PARAMS, &PREFETCH].concat(),
         );
-        assert_eq!(prefetched, grads, "{name}");
+        assert_eq!(prefetched, params, "{name}");
         // Buckets cut at the units: the norm's partial sums run over other shards.
         let (cut, _) = run(
             &dir,

@@ -264,7 +264,8 @@ pub struct TrainArgs {
     overlap_grad_reduce: bool,
     /// With --use-distributed-optimizer and --overlap-grad-reduce: start each bucket's
     /// all-gather of the updated parameters after the optimizer step, and wait for it at the
-    /// next step's first read of the bucket (Megatron-LM's --overlap-param-gather).
+    /// next step's first read of the bucket (Megatron-LM's --overlap-param-gather). With
+    /// optim_grads_params: each unit's gather starts the next unit's.
     #[arg(long)]
     overlap_param_gather: bool,
     /// With --overlap-param-gather and interleaved pipeline parallelism: update the first
