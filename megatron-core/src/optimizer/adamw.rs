@@ -170,6 +170,18 @@ impl AdamW {
         Ok(())
     }
 
+    /// Gives back the memory of the moments, main parameters and main gradients (they then
+    /// read as zeros): for an optimizer about to be replaced, before its replacement is made.
+    pub(crate) fn release_state(&self) {
+        let kept = [self.main.as_ref(), self.main_grads.as_ref()];
+        for t in [&self.exp_avg, &self.exp_avg_sq]
+            .into_iter()
+            .chain(kept.into_iter().flatten())
+        {
+            t.storage().release();
+        }
+    }
+
     /// Whether the main gradients are the reduction's output (sharded gradients).
     pub fn grads_sharded(&self) -> bool {
         self.grads_sharded

@@ -574,6 +574,13 @@ impl<M: LanguageModel> Trainer<M> {
             .map(|(i, _)| i)
             .collect();
         let compute = self.buffers.compute_copies().map(Tensor::dtype);
+        // Nothing of the old layout but the values is read again: given back first, so that
+        // the new buffers take the place of the old state (zero gradients and moments).
+        self.buffers.grads().storage().release();
+        if let Some(copies) = self.buffers.compute_copies() {
+            copies.storage().release();
+        }
+        self.optimizer.release_state();
         self.buffers = ParamBuffers::pack(&mut self.chunks, &self.plan)?;
         self.buffers.mark_shared_copies(&copies);
         if let Some(dtype) = compute {
