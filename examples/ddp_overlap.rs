@@ -119,6 +119,14 @@ fn collectives_in_the_walk(trace: &Path) -> R<(usize, usize)> {
     Ok((comms.len(), inside))
 }
 
+/// The largest relative difference of `losses` from `plain`'s.
+fn drift(losses: impl Iterator<Item = f64>, plain: &[f64]) -> f64 {
+    losses
+        .zip(plain)
+        .map(|(l, plain)| ((l - plain) / plain).abs())
+        .fold(0.0, f64::max)
+}
+
 fn main() -> R<()> {
     let dir = std::env::temp_dir().join(format!("megatron-ddp-overlap-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -147,69 +155,52 @@ fn main() -> R<()> {
         }
         losses.push(steps);
     }
+    let plain = &losses[0];
     let instances = DdpConfig {
         num_distributed_optimizer_instances: 2,
         ..both
     };
     let hybrid = job(instances, dir.join("instances.json"))?.run(&mut [])?;
-    let far = hybrid
-        .steps
-        .iter()
-        .zip(&losses[0])
-        .map(|(s, plain)| ((s.0 - plain) / plain).abs())
-        .fold(0.0, f64::max);
+    let far = drift(hybrid.steps.iter().map(|s| s.0), plain);
     println!("two optimizer instances: the losses within {far:.1e} of the plain run's");
     if far > 1e-5 {
         return Err(format!("two optimizer instances drift {far:.1e} from the plain run").into());
     }
-    let sharded = DdpConfig {
-        sharding: ShardingStrategy::OptimGrads,
-        ..both
-    };
-    let trace = dir.join("sharded.json");
-    let zero2 = job(sharded, trace.clone())?.run(&mut [])?;
-    let (comms, inside) = collectives_in_the_walk(&trace)?;
-    let far = zero2
-        .steps
-        .iter()
-        .zip(&losses[0])
-        .map(|(s, plain)| ((s.0 - plain) / plain).abs())
-        .fold(0.0, f64::max);
-    println!(
-        "sharded gradients (optim_grads): the losses within {far:.1e} of the plain run's; rank \
-         0's last step: {inside} of its {comms} data-parallel collectives began inside the walk \
-         (each bucket once per micro-batch)"
-    );
-    if far > 1e-5 {
-        return Err(format!("sharded gradients drift {far:.1e} from the plain run").into());
-    }
-    if inside == 0 {
-        return Err("no sharded reduction began during the walk".into());
-    }
-    // Sharded parameters too: every layer gathered around its passes, the next prefetched.
-    let params = DdpConfig {
-        sharding: ShardingStrategy::OptimGradsParams,
-        ..both
-    };
-    let trace = dir.join("sharded-params.json");
-    let zero3 = job(params, trace.clone())?.run(&mut [])?;
-    let (comms, inside) = collectives_in_the_walk(&trace)?;
-    let far = zero3
-        .steps
-        .iter()
-        .zip(&losses[0])
-        .map(|(s, plain)| ((s.0 - plain) / plain).abs())
-        .fold(0.0, f64::max);
-    println!(
-        "sharded parameters (optim_grads_params): the losses within {far:.1e} of the plain \
-         run's; rank 0's last step: {inside} of its {comms} data-parallel collectives began \
-         inside the walk (each unit's gathers and each bucket's reductions)"
-    );
-    if far > 1e-5 {
-        return Err(format!("sharded parameters drift {far:.1e} from the plain run").into());
-    }
-    if inside <= comms / 2 {
-        return Err("the units' gathers did not run inside the walk".into());
+    // Sharded gradients, then sharded parameters too: every micro-batch's buckets reduced
+    // during the backward; with the parameters, every layer gathered around its passes and the
+    // next one's gather started meanwhile.
+    for (strategy, what, inside_at_least) in [
+        (
+            ShardingStrategy::OptimGrads,
+            "each bucket once per micro-batch",
+            1,
+        ),
+        (
+            ShardingStrategy::OptimGradsParams,
+            "each unit's gathers and each bucket's reductions",
+            2,
+        ),
+    ] {
+        let name = strategy.name();
+        let trace = dir.join(format!("{name}.json"));
+        let ddp = DdpConfig {
+            sharding: strategy,
+            ..both
+        };
+        let sharded = job(ddp, trace.clone())?.run(&mut [])?;
+        let (comms, inside) = collectives_in_the_walk(&trace)?;
+        let far = drift(sharded.steps.iter().map(|s| s.0), plain);
+        println!(
+            "{name}: the losses within {far:.1e} of the plain run's; rank 0's last step: \
+             {inside} of its {comms} data-parallel collectives began inside the walk ({what})"
+        );
+        if far > 1e-5 {
+            return Err(format!("{name} drifts {far:.1e} from the plain run").into());
+        }
+        // Some inside the walk; with sharded parameters, most (the gathers).
+        if inside == 0 || inside * inside_at_least <= comms * (inside_at_least - 1) {
+            return Err(format!("{name}: too few collectives began during the walk").into());
+        }
     }
     std::fs::remove_dir_all(&dir)?;
     if losses[0] != losses[1] {

@@ -122,61 +122,8 @@ fn at_one_micro_batch_sharded_gradients_are_the_distributed_optimizer_bit_for_bi
 #[test]
 fn sharded_gradients_train_as_the_distributed_optimizer_on_every_layout() {
     let dir = TempDir::new("sharding-layouts");
-    let interleaved = [
-        "--pp",
-        "2",
-        "--dp",
-        "2",
-        "--num-layers",
-        "4",
-        "--num-layers-per-virtual-pipeline-stage",
-        "1",
-    ];
-    for (name, flags) in [
-        ("dp4", &["--dp", "4"][..]),
-        ("tp2-sp", &["--tp", "2", "--sequence-parallel", "--dp", "2"]),
-        ("pp2-interleaved", &interleaved[..]),
-        (
-            "pp2-zbh1",
-            &["--pp", "2", "--dp", "2", "--pipeline-schedule", "zb-h1"],
-        ),
-        (
-            "ep2",
-            &["--model", "mixtral-tiny", "--dp", "2", "--ep", "2"],
-        ),
-        ("cp2", &["--cp", "2", "--dp", "2"]),
-        ("bf16", &["--dp", "2", "--bf16"]),
-        ("fp16", &["--dp", "2", "--fp16"]),
-        (
-            "instances",
-            &["--dp", "4", "--num-distributed-optimizer-instances", "2"],
-        ),
-        (
-            "recompute",
-            &[
-                "--dp",
-                "2",
-                "--recompute-granularity",
-                "full",
-                "--recompute-method",
-                "uniform",
-                "--recompute-num-layers",
-                "1",
-            ],
-        ),
-        // Frozen base weights: only the adapters have gradients, buckets and shards.
-        (
-            "lora",
-            &[
-                "--dp",
-                "2",
-                "--lora-rank",
-                "4",
-                "--lora-target-modules",
-                "linear_qkv",
-            ],
-        ),
-    ] {
+    for (name, flags) in layouts() {
+        let flags = &flags[..];
         let (optim, _) = run(&dir, &format!("{name}-optim"), &[flags, &OPTIM].concat());
         let (grads, _) = run(
             &dir,

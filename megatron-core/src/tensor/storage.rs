@@ -234,14 +234,7 @@ impl Storage {
     /// allocates them again, zeroed. Returns `false`, giving nothing back, while a borrow of it
     /// is outstanding.
     pub fn release(&self) -> bool {
-        let mut state = self.state.lock();
-        if !state.borrows.is_empty() {
-            return false;
-        }
-        let memory = std::mem::replace(&mut state.memory, Memory::Released);
-        drop(state);
-        self.free(memory);
-        true
+        self.give_back(Memory::Released)
     }
 
     /// Gives the memory back as [`Storage::release`] does, but until [`Storage::restore`]: a
@@ -249,11 +242,17 @@ impl Storage {
     /// parameter's whole values, which only a gather may bring back). Returns `false`, giving
     /// nothing back, while a borrow of it is outstanding.
     pub fn evict(&self) -> bool {
+        self.give_back(Memory::Evicted)
+    }
+
+    /// Frees the memory, leaving `gone` (released or evicted) in its place, unless a borrow
+    /// of it is outstanding (`false`).
+    fn give_back(&self, gone: Memory) -> bool {
         let mut state = self.state.lock();
         if !state.borrows.is_empty() {
             return false;
         }
-        let memory = std::mem::replace(&mut state.memory, Memory::Evicted);
+        let memory = std::mem::replace(&mut state.memory, gone);
         drop(state);
         self.free(memory);
         true
