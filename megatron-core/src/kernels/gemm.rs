@@ -573,6 +573,17 @@ mod tests {
             .collect()
     }
 
+    /// Values with full 24-bit significands, whose products round (those of [`data`] are exact).
+    fn rough(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let h = (i as u32 ^ seed.wrapping_mul(0x9e37_79b9)).wrapping_mul(2_654_435_761);
+                let h = (h ^ (h >> 15)).wrapping_mul(0x2c1b_3c6d);
+                (h >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
     fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         (0..rows * cols)
             .map(|idx| x[(idx % rows) * cols + idx / rows])
@@ -666,6 +677,94 @@ mod tests {
                     let mut c = c0.clone();
                     gemm(0.5, av, bv, 2.0, MatMut::row_major(&mut c, m, n).unwrap()).unwrap();
                     close(&c, &want, k);
+                }
+            }
+        }
+        parallel::set_threads(parallel::cores());
+    }
+
+    /// The packed products' arithmetic, exactly (α = 1): each element's products summed in
+    /// ascending k with one fused multiply-add each, in chunks of 256 (matrixmultiply's `KC`)
+    /// each from +0; the first chunk's sum added to β·C in one rounding (β = 0: the sum), each
+    /// later chunk's to C in one rounding.
+    fn fma_chain(
+        a: &[f32],
+        b: &[f32],
+        beta: f32,
+        c: &[f32],
+        (m, k, n): (usize, usize, usize),
+    ) -> Vec<f32> {
+        const KC: usize = 256;
+        (0..m * n)
+            .map(|idx| {
+                let (i, j) = (idx / n, idx % n);
+                let mut out = c[idx];
+                for (chunk, start) in (0..k).step_by(KC).enumerate() {
+                    let mut acc = 0.0f32;
+                    for p in start..(start + KC).min(k) {
+                        acc = a[i * k + p].mul_add(b[p * n + j], acc);
+                    }
+                    out = match (chunk, beta == 0.0) {
+                        (0, true) => acc,
+                        (0, false) => acc + beta * out,
+                        _ => acc + out,
+                    };
+                }
+                out
+            })
+            .collect()
+    }
+
+    #[test]
+    fn packed_products_are_an_fma_chain_bit_for_bit() {
+        // What a faster kernel must keep to leave f32 runs as they are: the order and the
+        // roundings, whatever its tiles, blocking and threads (α = 1; with α ≠ 1 the edge
+        // tiles round α·acc apart).
+        if !std::arch::is_x86_feature_detected!("fma") {
+            eprintln!("no FMA on this CPU: the products are plain multiplies and adds");
+            return;
+        }
+        for &(m, k, n) in &[
+            (5, 7, 3),
+            (16, 16, 16),
+            (17, 300, 33),
+            (64, 513, 70),
+            (130, 70, 260),
+            (257, 129, 65),
+            (40, 1030, 300),
+        ] {
+            let a = rough(m * k, 11);
+            let b = rough(k * n, 12);
+            let c0 = rough(m * n, 13);
+            for beta in [0.0, 0.75] {
+                let want = fma_chain(&a, &b, beta, &c0, (m, k, n));
+                let bt = transpose(&b, k, n);
+                for (tb, threads) in [(false, 1), (true, 1), (false, 2), (true, 3)] {
+                    parallel::set_threads(threads);
+                    let bv = match tb {
+                        true => MatRef::row_major(&bt, n, k).unwrap().t(),
+                        false => MatRef::row_major(&b, k, n).unwrap(),
+                    };
+                    let mut c = c0.clone();
+                    gemm(
+                        1.0,
+                        MatRef::row_major(&a, m, k).unwrap(),
+                        bv,
+                        beta,
+                        MatMut::row_major(&mut c, m, n).unwrap(),
+                    )
+                    .unwrap();
+                    let first = c
+                        .iter()
+                        .zip(&want)
+                        .position(|(g, w)| g.to_bits() != w.to_bits());
+                    if let Some(e) = first {
+                        panic!(
+                            "{m}×{k}×{n} β {beta} transposed B {tb}, {threads} threads: element \
+                             {e} is {} where the chain gives {}",
+                            c[e], want[e]
+                        );
+                    }
                 }
             }
         }
