@@ -573,6 +573,7 @@ mod tests {
             .collect()
     }
 
+    #[cfg(target_arch = "x86_64")]
     /// Values with full 24-bit significands, whose products round (those of [`data`] are exact).
     fn rough(len: usize, seed: u32) -> Vec<f32> {
         (0..len)
@@ -683,6 +684,7 @@ mod tests {
         parallel::set_threads(parallel::cores());
     }
 
+    #[cfg(target_arch = "x86_64")]
     /// The packed products' arithmetic, exactly (α = 1): each element's products summed in
     /// ascending k with one fused multiply-add each, in chunks of 256 (matrixmultiply's `KC`)
     /// each from +0; the first chunk's sum added to β·C in one rounding (β = 0: the sum), each
@@ -715,6 +717,7 @@ mod tests {
             .collect()
     }
 
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn packed_products_are_an_fma_chain_bit_for_bit() {
         // What a faster kernel must keep to leave f32 runs as they are: the order and the
