@@ -573,8 +573,8 @@ mod tests {
             .collect()
     }
 
-    #[cfg(target_arch = "x86_64")]
     /// Values with full 24-bit significands, whose products round (those of [`data`] are exact).
+    #[cfg(target_arch = "x86_64")]
     fn rough(len: usize, seed: u32) -> Vec<f32> {
         (0..len)
             .map(|i| {
@@ -684,11 +684,11 @@ mod tests {
         parallel::set_threads(parallel::cores());
     }
 
-    #[cfg(target_arch = "x86_64")]
     /// The packed products' arithmetic, exactly (α = 1): each element's products summed in
     /// ascending k with one fused multiply-add each, in chunks of 256 (matrixmultiply's `KC`)
     /// each from +0; the first chunk's sum added to β·C in one rounding (β = 0: the sum), each
     /// later chunk's to C in one rounding.
+    #[cfg(target_arch = "x86_64")]
     fn fma_chain(
         a: &[f32],
         b: &[f32],
