@@ -277,6 +277,9 @@ fn an_owned_exchange_hands_a_sole_tensor_over_and_copies_a_shared_one() {
                 // Rank 1 reports which storages it got; rank 0 tells it these.
                 let at = Tensor::from_vec(vec![sole_at as i64, shared_at as i64], [2])?;
                 c.send(&at, 1)?;
+                // `kept` lives until rank 1 has compared: its memory, freed, could be the next
+                // allocation of the same size (a receive buffer is allocated when first written).
+                c.barrier()?;
                 Ok((kept.to_vec::<f32>()?, true, true))
             }
             _ => {
@@ -294,11 +297,12 @@ fn an_owned_exchange_hands_a_sole_tensor_over_and_copies_a_shared_one() {
                 values.extend(got[1].to_vec::<f32>()?);
                 values.extend(last.to_vec::<f32>()?);
                 assert_eq!(got[0].dims(), [2, 2]);
-                Ok((
-                    values,
+                let moved = (
                     address(&got[0]) as i64 == at[0],
                     address(&got[1]) as i64 == at[1],
-                ))
+                );
+                c.barrier()?;
+                Ok((values, moved.0, moved.1))
             }
         }
     })
