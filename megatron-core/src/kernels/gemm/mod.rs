@@ -1,9 +1,16 @@
 //! GEMM: `C = α·A·B + β·C` on strided f32 matrices, transposes read in place.
 //!
-//! The micro-kernels are `matrixmultiply`'s (AVX-512 or AVX2+FMA, chosen at run time); this
-//! module checks shapes and bounds, and splits large products into independent blocks of C rows
-//! (or columns) run on the compute pool, one per thread the calling rank may use.
+//! This module checks shapes and bounds, and splits large products into independent blocks of C
+//! rows (or columns) run on the compute pool, one per thread the calling rank may use. Each block
+//! is a packed product (`packed.rs`) around a register tile (`micro.rs`) chosen at run time by
+//! the CPU's instruction set ([`Isa::detected`], which `MEGATRON_KERNEL_ISA` caps): AVX-512 or
+//! AVX2 + FMA. A CPU without FMA (or another architecture) runs `matrixmultiply`'s kernels.
+//! Every path gives the same bits on a CPU with FMA (see `micro.rs`).
 
+mod micro;
+mod packed;
+
+use super::isa::{Isa, Level};
 use super::{KernelError, parallel};
 
 /// A read-only strided view of an f32 matrix: element (i, j) is `data[i·row_stride + j·col_stride]`.
@@ -172,8 +179,37 @@ struct RawC {
 unsafe impl Send for RawC {}
 unsafe impl Sync for RawC {}
 
+/// The register tile products run on with `isa`; `None`: matrixmultiply's kernels.
+fn tile_for(isa: Isa) -> Option<&'static micro::Tile> {
+    match isa.level() {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => Some(&micro::AVX512),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => Some(&micro::AVX2),
+        _ => None,
+    }
+}
+
+/// The kernel this CPU's products run on, by name (`"avx512 14×32"`, `"avx2+fma 6×16"` or
+/// `"matrixmultiply"`), for the benches.
+pub fn kernel_name() -> &'static str {
+    tile_for(Isa::detected()).map_or("matrixmultiply", |t| t.name)
+}
+
 /// `C = α·A·B + β·C`; with β = 0, C's previous contents are ignored (they may be NaN).
 pub fn gemm(
+    alpha: f32,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    beta: f32,
+    c: MatMut<'_>,
+) -> Result<(), KernelError> {
+    gemm_on(Isa::detected(), alpha, a, b, beta, c)
+}
+
+/// [`gemm`] on the kernel of `isa`.
+fn gemm_on(
+    isa: Isa,
     alpha: f32,
     a: MatRef<'_>,
     b: MatRef<'_>,
@@ -236,6 +272,7 @@ pub fn gemm(
         unsafe {
             if split_rows {
                 sgemm(
+                    isa,
                     alpha,
                     &a,
                     start,
@@ -251,6 +288,7 @@ pub fn gemm(
                 );
             } else {
                 sgemm(
+                    isa,
                     alpha,
                     &a,
                     0,
@@ -455,6 +493,7 @@ pub fn grouped_gemm(alpha: f32, groups: Vec<Group<'_>>, beta: f32) -> Result<(),
         // their group's C, groups' C do not overlap, and the borrows outlive the scope.
         unsafe {
             sgemm(
+                Isa::detected(),
                 alpha,
                 a,
                 start,
@@ -501,6 +540,7 @@ pub fn grouped_gemm(alpha: f32, groups: Vec<Group<'_>>, beta: f32) -> Result<(),
 /// The block must lie inside A, B and C, and no one else may access that block of C.
 #[allow(clippy::too_many_arguments)]
 unsafe fn sgemm(
+    isa: Isa,
     alpha: f32,
     a: &MatRef<'_>,
     r0: usize,
@@ -521,6 +561,27 @@ unsafe fn sgemm(
         let c_ptr = c
             .ptr
             .offset(cr as isize * c.row_stride + cc as isize * c.col_stride);
+        if let Some(tile) = tile_for(isa) {
+            packed::sgemm(
+                tile,
+                (mb, k, nb),
+                alpha,
+                packed::Raw {
+                    ptr: a_ptr,
+                    rs: a.row_stride as isize,
+                    cs: a.col_stride as isize,
+                },
+                packed::Raw {
+                    ptr: b_ptr,
+                    rs: b.row_stride as isize,
+                    cs: b.col_stride as isize,
+                },
+                beta,
+                c_ptr,
+                (c.row_stride, c.col_stride),
+            );
+            return;
+        }
         matrixmultiply::sgemm(
             mb,
             k,
@@ -684,37 +745,131 @@ mod tests {
         parallel::set_threads(parallel::cores());
     }
 
-    /// The packed products' arithmetic, exactly (α = 1): each element's products summed in
-    /// ascending k with one fused multiply-add each, in chunks of 256 (matrixmultiply's `KC`)
-    /// each from +0; the first chunk's sum added to β·C in one rounding (β = 0: the sum), each
-    /// later chunk's to C in one rounding.
+    /// The packed products' arithmetic, exactly: each element's products summed in ascending k
+    /// with one fused multiply-add each, in chunks of 256 (`packed::KC`, which was
+    /// matrixmultiply's) each from +0; the first chunk's sum joins β·C as `fma(α, sum, β·C)`
+    /// (β = 0: `α·sum`, C unread), each later chunk's joins C as `fma(α, sum, C)`.
     #[cfg(target_arch = "x86_64")]
     fn fma_chain(
+        alpha: f32,
         a: &[f32],
         b: &[f32],
         beta: f32,
         c: &[f32],
         (m, k, n): (usize, usize, usize),
     ) -> Vec<f32> {
-        const KC: usize = 256;
         (0..m * n)
             .map(|idx| {
                 let (i, j) = (idx / n, idx % n);
                 let mut out = c[idx];
-                for (chunk, start) in (0..k).step_by(KC).enumerate() {
+                for (chunk, start) in (0..k).step_by(packed::KC).enumerate() {
                     let mut acc = 0.0f32;
-                    for p in start..(start + KC).min(k) {
+                    for p in start..(start + packed::KC).min(k) {
                         acc = a[i * k + p].mul_add(b[p * n + j], acc);
                     }
                     out = match (chunk, beta == 0.0) {
-                        (0, true) => acc,
-                        (0, false) => acc + beta * out,
-                        _ => acc + out,
+                        (0, true) => alpha * acc,
+                        (0, false) => alpha.mul_add(acc, beta * out),
+                        _ => alpha.mul_add(acc, out),
                     };
                 }
                 out
             })
             .collect()
+    }
+
+    /// The first element of `got` whose bits differ from `want`'s, as a message.
+    #[cfg(target_arch = "x86_64")]
+    fn first_difference(got: &[f32], want: &[f32]) -> Option<String> {
+        got.iter()
+            .zip(want)
+            .position(|(g, w)| g.to_bits() != w.to_bits())
+            .map(|e| {
+                format!(
+                    "element {e} is {} where the chain gives {}",
+                    got[e], want[e]
+                )
+            })
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_instruction_sets_products_are_the_fma_chain_bit_for_bit() {
+        // Each register tile against the chain, on every instruction set this CPU has (what
+        // `MEGATRON_KERNEL_ISA` would force): shapes one short of, at and one past the tiles
+        // (14 × 32 and 6 × 16), the chunk of k (256), the packed block of A rows (24 tiles) and
+        // of B columns (4096); A and B transposed in place, C strided or column-major.
+        if !std::arch::is_x86_feature_detected!("fma") {
+            eprintln!("no FMA on this CPU: the products are plain multiplies and adds");
+            return;
+        }
+        let shapes = [
+            (1, 1, 1),
+            (13, 255, 31),
+            (14, 256, 32),
+            (15, 257, 33),
+            (5, 17, 15),
+            (6, 16, 16),
+            (7, 15, 17),
+            (29, 513, 65),
+            (335, 3, 33),
+            (337, 5, 31),
+            (143, 4, 17),
+            (145, 6, 16),
+            (15, 3, 4097),
+        ];
+        parallel::set_threads(1);
+        for isa in Isa::supported() {
+            for &(m, k, n) in &shapes {
+                let a = rough(m * k, 21);
+                let b = rough(k * n, 22);
+                let c0 = rough(m * n, 23);
+                let (at, bt) = (transpose(&a, m, k), transpose(&b, k, n));
+                // matrixmultiply's tiles round α·sum apart from β·C: the chain holds at α = 1.
+                let alphas: &[f32] = match tile_for(isa) {
+                    Some(_) => &[1.0, 0.375],
+                    None => &[1.0],
+                };
+                for (&alpha, beta) in alphas.iter().flat_map(|al| [(al, 0.0), (al, 0.75)]) {
+                    let want = fma_chain(alpha, &a, &b, beta, &c0, (m, k, n));
+                    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                        let av = match ta {
+                            true => MatRef::row_major(&at, k, m).unwrap().t(),
+                            false => MatRef::row_major(&a, m, k).unwrap(),
+                        };
+                        let bv = match tb {
+                            true => MatRef::row_major(&bt, n, k).unwrap().t(),
+                            false => MatRef::row_major(&b, k, n).unwrap(),
+                        };
+                        // C row-major with a row stride wider than the row, then column-major.
+                        let mut wide = vec![f32::NAN; m * (n + 3)];
+                        let mut cm = transpose(&c0, m, n);
+                        for i in 0..m {
+                            wide[i * (n + 3)..i * (n + 3) + n]
+                                .copy_from_slice(&c0[i * n..(i + 1) * n]);
+                        }
+                        let strided = MatMut::new(&mut wide, m, n, n + 3, 1).unwrap();
+                        gemm_on(isa, alpha, av, bv, beta, strided).unwrap();
+                        let columns = MatMut::new(&mut cm, m, n, 1, m).unwrap();
+                        gemm_on(isa, alpha, av, bv, beta, columns).unwrap();
+                        let rows: Vec<f32> = (0..m)
+                            .flat_map(|i| wide[i * (n + 3)..i * (n + 3) + n].to_vec())
+                            .collect();
+                        for (layout, got) in
+                            [("strided", rows), ("column-major", transpose(&cm, n, m))]
+                        {
+                            if let Some(diff) = first_difference(&got, &want) {
+                                panic!(
+                                    "{} {m}×{k}×{n}, α {alpha} β {beta}, Aᵀ {ta} Bᵀ {tb}, {layout} C: {diff}",
+                                    isa.name()
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        parallel::set_threads(parallel::cores());
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -740,7 +895,7 @@ mod tests {
             let b = rough(k * n, 12);
             let c0 = rough(m * n, 13);
             for beta in [0.0, 0.75] {
-                let want = fma_chain(&a, &b, beta, &c0, (m, k, n));
+                let want = fma_chain(1.0, &a, &b, beta, &c0, (m, k, n));
                 let bt = transpose(&b, k, n);
                 for (tb, threads) in [(false, 1), (true, 1), (false, 2), (true, 3)] {
                     parallel::set_threads(threads);
