@@ -15,8 +15,8 @@ use megatron_core::module::{Builder, Cx, Module};
 use megatron_core::parallel::{ParallelConfig, ParallelLayout};
 use megatron_core::rng::splitmix64_mix;
 use megatron_core::tensor::Tensor;
-use megatron_models::GptConfig;
 use megatron_models::gpt::Gpt;
+use megatron_models::{GptConfig, PositionEmbeddingType};
 
 /// How to pick each next token.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -89,6 +89,22 @@ pub fn pick(logits: &[f32], sampling: &Sampling, uniform: f64) -> usize {
 /// and the new tokens together.
 pub fn context_length(ckpt: &Path) -> Result<usize> {
     Ok(checkpoint_config(ckpt)?.max_position_embeddings)
+}
+
+/// Bytes of weights one decoding step of checkpoint `ckpt`'s model reads, in f32: every
+/// parameter a token uses (each MoE layer's top-k experts), less the tables it only looks a row
+/// up in (the input embedding when untied from the output layer, learned positions).
+pub fn weights_read_per_token(ckpt: &Path) -> Result<u64> {
+    let config = checkpoint_config(ckpt)?;
+    let hidden = config.hidden_size as u64;
+    let mut lookups = 0;
+    if config.untie_embeddings_and_output_weights {
+        lookups += config.padded_vocab_size(1) as u64 * hidden;
+    }
+    if config.position_embedding_type == PositionEmbeddingType::LearnedAbsolute {
+        lookups += config.max_position_embeddings as u64 * hidden;
+    }
+    Ok((config.active_params(1) as u64).saturating_sub(lookups) * 4)
 }
 
 /// The depths of multi-token prediction the model of checkpoint `ckpt` trained with (0 for

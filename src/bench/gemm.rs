@@ -75,6 +75,8 @@ pub struct GemmResult {
     pub gflops_median: f64,
     /// Median GFLOP/s over the widest FMA peak.
     pub fraction_of_peak: f64,
+    /// The kernel the product ran on (`"avx512 14×32"`, `"avx2+fma 6×16"`, `"matrixmultiply"`).
+    pub kernel: &'static str,
 }
 
 /// The whole report.
@@ -127,6 +129,7 @@ pub fn run(threads: usize, repeats: usize) -> anyhow::Result<GemmReport> {
             gflops_best: flops / times[0] / 1e9,
             gflops_median: flops / median / 1e9,
             fraction_of_peak: flops / median / 1e9 / peak,
+            kernel: megatron_core::kernels::gemm::kernel_name(),
         });
     }
     Ok(GemmReport {
@@ -144,7 +147,7 @@ impl std::fmt::Display for GemmReport {
         }
         writeln!(
             f,
-            "  {:<26} {:>16} {:>9} {:>9} {:>8}",
+            "  {:<26} {:>16} {:>9} {:>9} {:>8}  kernel",
             "shape", "m × k × n", "median", "best", "of peak"
         )?;
         for r in &self.results {
@@ -152,12 +155,13 @@ impl std::fmt::Display for GemmReport {
             let dims = format!("{}×{}×{}", s.m, s.k, s.n);
             writeln!(
                 f,
-                "  {:<26} {:>16} {:>9.1} {:>9.1} {:>7.1}%",
+                "  {:<26} {:>16} {:>9.1} {:>9.1} {:>7.1}%  {}",
                 s.name,
                 dims,
                 r.gflops_median,
                 r.gflops_best,
-                100.0 * r.fraction_of_peak
+                100.0 * r.fraction_of_peak,
+                r.kernel
             )?;
         }
         write!(

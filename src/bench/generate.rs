@@ -14,7 +14,9 @@ use anyhow::{Result, bail};
 
 use std::sync::Mutex;
 
-use crate::generate::{Sampling, context_length, generate, generate_streaming};
+use crate::generate::{
+    Sampling, context_length, generate, generate_streaming, weights_read_per_token,
+};
 
 /// What a generation benchmark measured.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -31,6 +33,12 @@ pub struct GenerateReport {
     pub first_token_s: f64,
     /// New tokens per second after the first (decoding steps with the cache).
     pub decode_tokens_per_s: f64,
+    /// Bytes of weights a decoding step reads (every product's weight once; f32).
+    pub weight_bytes_per_token: u64,
+    /// The weights read per second while decoding, GB/s.
+    pub weights_gbs: f64,
+    /// The memory's read bandwidth on the same threads, GB/s (a read pass over 256 MiB).
+    pub memory_gbs: f64,
     /// The greedy continuation.
     pub tokens: Vec<u32>,
 }
@@ -51,6 +59,15 @@ impl std::fmt::Display for GenerateReport {
             f,
             "  decoding with the KV cache    {:.1} new tokens/s",
             self.decode_tokens_per_s
+        )?;
+        writeln!(
+            f,
+            "  weights read                  {:.1} MB a token: {:.1} GB/s, {:.0}% of the memory's \
+             {:.1} GB/s (a read pass on the same threads)",
+            self.weight_bytes_per_token as f64 / 1e6,
+            self.weights_gbs,
+            100.0 * self.weights_gbs / self.memory_gbs,
+            self.memory_gbs
         )?;
         write!(f, "  tokens {:?}", self.tokens)
     }
@@ -112,13 +129,18 @@ pub fn run(
             times.len()
         ),
     };
+    let decode_tokens_per_s = (new_tokens - 1) as f64 / (last - first);
+    let weight_bytes_per_token = weights_read_per_token(ckpt)?;
     Ok(GenerateReport {
         prompt_tokens,
         new_tokens,
         tp,
         threads,
         first_token_s: first,
-        decode_tokens_per_s: (new_tokens - 1) as f64 / (last - first),
+        decode_tokens_per_s,
+        weight_bytes_per_token,
+        weights_gbs: weight_bytes_per_token as f64 * decode_tokens_per_s / 1e9,
+        memory_gbs: super::machine::read_bandwidth(threads, 5),
         tokens,
     })
 }

@@ -135,3 +135,43 @@ pub fn read_write_pass(share: &mut [&mut [f32]]) {
         part.iter_mut().for_each(|x| *x = *x * 0.999_999 + 1e-7);
     }
 }
+
+/// Bytes of the buffer a read-bandwidth pass streams: 256 MiB, eight times a large last-level
+/// cache, so that the pass reads memory rather than cache.
+const READ_PASS_BYTES: usize = 256 << 20;
+
+/// The memory's read bandwidth in GB/s on `threads` threads: each sums its share of a 256 MiB
+/// buffer (STREAM's read side, as a decoding step reads its weights), the median of `repeats`
+/// passes after one warm-up.
+pub fn read_bandwidth(threads: usize, repeats: usize) -> f64 {
+    let threads = threads.max(1);
+    let buffer = vec![1.0f32; READ_PASS_BYTES / 4];
+    let share = buffer.len().div_ceil(threads);
+    let pass = || {
+        let start = Instant::now();
+        std::thread::scope(|s| {
+            for part in buffer.chunks(share) {
+                s.spawn(move || std::hint::black_box(sum_lanes(part)));
+            }
+        });
+        start.elapsed().as_secs_f64()
+    };
+    pass();
+    let mut times: Vec<f64> = (0..repeats.max(1)).map(|_| pass()).collect();
+    times.sort_by(f64::total_cmp);
+    READ_PASS_BYTES as f64 / times[times.len() / 2] / 1e9
+}
+
+/// The sum of `xs` in 32 independent lanes: adds enough in flight that memory, not their
+/// latency, bounds the pass.
+fn sum_lanes(xs: &[f32]) -> f32 {
+    let mut acc = [0f32; 32];
+    let chunks = xs.chunks_exact(32);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for chunk in chunks {
+        for (a, &x) in acc.iter_mut().zip(chunk) {
+            *a += x;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}

@@ -7,6 +7,7 @@
 //! AVX2 + FMA. A CPU without FMA (or another architecture) runs `matrixmultiply`'s kernels.
 //! Every path gives the same bits on a CPU with FMA (see `micro.rs`).
 
+mod few_rows;
 mod micro;
 mod packed;
 
@@ -239,7 +240,8 @@ fn gemm_on(
         }
         return Ok(());
     }
-    if let Some(done) = few_rows(alpha, a, b, beta, &mut c) {
+    let fma = tile_for(isa).is_some();
+    if let Some(done) = few_rows::few_rows(isa, fma, alpha, a, b, beta, &mut c) {
         return done;
     }
     let raw = RawC {
@@ -334,84 +336,6 @@ pub(crate) fn product(
     let (a, b) = (if a_t { a.t() } else { a }, if b_t { b.t() } else { b });
     let (m, n) = (a.rows(), b.cols());
     gemm(1.0, a, b, beta, MatMut::row_major(c, m, n)?)
-}
-
-/// Rows of A up to which a large product skips the packed kernel.
-const FEW_ROWS: usize = 4;
-/// The least `k × n` of B for which it does: below it packing costs little.
-const FEW_ROWS_MIN_B: usize = 1 << 15;
-
-/// `C = α·A·B + β·C` for an A of at most [`FEW_ROWS`] rows and a large B (a decoding step's
-/// products: one token's row against a layer's weight), without packing B, which would read
-/// and write all of B for the few rows that use it once: each element of C is a dot product of
-/// a row of A and a contiguous column of B (a transposed weight), or with contiguous rows of B
-/// a sum of its rows scaled by A's. Each element's sum runs in one order whatever the threads.
-/// `None` for the products it does not take (the packed kernel's).
-fn few_rows(
-    alpha: f32,
-    a: MatRef<'_>,
-    b: MatRef<'_>,
-    beta: f32,
-    c: &mut MatMut<'_>,
-) -> Option<Result<(), KernelError>> {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    let columns = b.row_stride == 1;
-    if m > FEW_ROWS || k.saturating_mul(n) < FEW_ROWS_MIN_B || !(columns || b.col_stride == 1) {
-        return None;
-    }
-    let a_row = |i: usize| -> Vec<f32> {
-        (0..k)
-            .map(|p| a.data[i * a.row_stride + p * a.col_stride])
-            .collect()
-    };
-    let rows: Vec<Vec<f32>> = (0..m).map(a_row).collect();
-    // Columns of C per part: each part's products `[rows, its columns]`, row-major.
-    let parts = parallel::threads()
-        .min(k.saturating_mul(n) / MIN_WORK_PER_THREAD)
-        .max(1);
-    let span = n.div_ceil(parts);
-    let part = |j0: usize| -> Vec<f32> {
-        let j1 = (j0 + span).min(n);
-        let mut out = vec![0.0f32; m * (j1 - j0)];
-        if columns {
-            for j in j0..j1 {
-                let col = &b.data[j * b.col_stride..j * b.col_stride + k];
-                for (i, row) in rows.iter().enumerate() {
-                    out[i * (j1 - j0) + j - j0] = super::reduce::dot(row, col);
-                }
-            }
-        } else {
-            for p in 0..k {
-                let b_row = &b.data[p * b.row_stride + j0..p * b.row_stride + j1];
-                for (i, row) in rows.iter().enumerate() {
-                    let x = row[p];
-                    let acc = &mut out[i * (j1 - j0)..(i + 1) * (j1 - j0)];
-                    for (o, &y) in acc.iter_mut().zip(b_row) {
-                        *o += x * y;
-                    }
-                }
-            }
-        }
-        out
-    };
-    let starts: Vec<usize> = (0..n).step_by(span.max(1)).collect();
-    let products: Vec<Vec<f32>> = if starts.len() > 1 {
-        use rayon::prelude::*;
-        parallel::on_pool(|| starts.par_iter().map(|&j0| part(j0)).collect())
-    } else {
-        starts.iter().map(|&j0| part(j0)).collect()
-    };
-    for (&j0, out) in starts.iter().zip(&products) {
-        let width = (j0 + span).min(n) - j0;
-        for i in 0..m {
-            for jj in 0..width {
-                let e = &mut c.data[i * c.row_stride + (j0 + jj) * c.col_stride];
-                let old = if beta == 0.0 { 0.0 } else { beta * *e };
-                *e = alpha * out[i * width + jj] + old;
-            }
-        }
-    }
-    Some(Ok(()))
 }
 
 /// One product of a grouped GEMM: `C = α·A·B + β·C` for one group (one expert's rows).
@@ -798,7 +722,8 @@ mod tests {
         // Each register tile against the chain, on every instruction set this CPU has (what
         // `MEGATRON_KERNEL_ISA` would force): shapes one short of, at and one past the tiles
         // (14 × 32 and 6 × 16), the chunk of k (256), the packed block of A rows (24 tiles) and
-        // of B columns (4096); A and B transposed in place, C strided or column-major.
+        // of B columns (4096); A and B transposed in place, C strided or column-major; 1 to 3
+        // threads. What a faster kernel must keep to leave f32 runs as they are.
         if !std::arch::is_x86_feature_detected!("fma") {
             eprintln!("no FMA on this CPU: the products are plain multiplies and adds");
             return;
@@ -817,10 +742,12 @@ mod tests {
             (143, 4, 17),
             (145, 6, 16),
             (15, 3, 4097),
+            // Large enough to split over the threads (1, 2 or 3 by the shape's place).
+            (40, 1030, 300),
         ];
-        parallel::set_threads(1);
         for isa in Isa::supported() {
-            for &(m, k, n) in &shapes {
+            for (s, &(m, k, n)) in shapes.iter().enumerate() {
+                parallel::set_threads(1 + s % 3);
                 let a = rough(m * k, 21);
                 let b = rough(k * n, 22);
                 let c0 = rough(m * n, 23);
@@ -872,56 +799,43 @@ mod tests {
         parallel::set_threads(parallel::cores());
     }
 
-    #[cfg(target_arch = "x86_64")]
     #[test]
-    fn packed_products_are_an_fma_chain_bit_for_bit() {
-        // What a faster kernel must keep to leave f32 runs as they are: the order and the
-        // roundings, whatever its tiles, blocking and threads (α = 1; with α ≠ 1 the edge
-        // tiles round α·acc apart).
-        if !std::arch::is_x86_feature_detected!("fma") {
-            eprintln!("no FMA on this CPU: the products are plain multiplies and adds");
-            return;
-        }
-        for &(m, k, n) in &[
-            (5, 7, 3),
-            (16, 16, 16),
-            (17, 300, 33),
-            (64, 513, 70),
-            (130, 70, 260),
-            (257, 129, 65),
-            (40, 1030, 300),
-        ] {
-            let a = rough(m * k, 11);
-            let b = rough(k * n, 12);
-            let c0 = rough(m * n, 13);
-            for beta in [0.0, 0.75] {
-                let want = fma_chain(1.0, &a, &b, beta, &c0, (m, k, n));
-                let bt = transpose(&b, k, n);
-                for (tb, threads) in [(false, 1), (true, 1), (false, 2), (true, 3)] {
-                    parallel::set_threads(threads);
-                    let bv = match tb {
-                        true => MatRef::row_major(&bt, n, k).unwrap().t(),
-                        false => MatRef::row_major(&b, k, n).unwrap(),
-                    };
-                    let mut c = c0.clone();
-                    gemm(
-                        1.0,
-                        MatRef::row_major(&a, m, k).unwrap(),
-                        bv,
-                        beta,
-                        MatMut::row_major(&mut c, m, n).unwrap(),
-                    )
-                    .unwrap();
-                    let first = c
-                        .iter()
-                        .zip(&want)
-                        .position(|(g, w)| g.to_bits() != w.to_bits());
-                    if let Some(e) = first {
-                        panic!(
-                            "{m}×{k}×{n} β {beta} transposed B {tb}, {threads} threads: element \
-                             {e} is {} where the chain gives {}",
-                            c[e], want[e]
-                        );
+    fn few_rows_products_are_the_same_bits_on_every_instruction_set_and_thread_count() {
+        // A decoding step's products (≤ 4 rows against a large B), B as a weight read
+        // transposed (its columns contiguous) and row-major: close to the f64 reference, and
+        // bit for bit one result whatever the instruction set with FMA (16 lanes on AVX2 and
+        // AVX-512 alike) and the threads. k = 257 and 1000 leave a tail past the 16 lanes.
+        for &(m, k, n) in &[(1, 257, 130), (2, 1000, 40), (3, 300, 131), (4, 64, 600)] {
+            let a = data(m * k, 31);
+            let b = data(k * n, 32);
+            let c0 = data(m * n, 33);
+            let want = reference(0.5, &a, &b, 2.0, &c0, (m, k, n));
+            let bt = transpose(&b, k, n);
+            for tb in [true, false] {
+                let mut fma_bits: Option<Vec<f32>> = None;
+                for isa in Isa::supported() {
+                    for threads in [1, 2, 3] {
+                        parallel::set_threads(threads);
+                        let bv = match tb {
+                            true => MatRef::row_major(&bt, n, k).unwrap().t(),
+                            false => MatRef::row_major(&b, k, n).unwrap(),
+                        };
+                        let mut c = c0.clone();
+                        let out = MatMut::row_major(&mut c, m, n).unwrap();
+                        gemm_on(isa, 0.5, MatRef::row_major(&a, m, k).unwrap(), bv, 2.0, out)
+                            .unwrap();
+                        close(&c, &want, k);
+                        if tile_for(isa).is_some() {
+                            let first = fma_bits.get_or_insert_with(|| c.clone());
+                            assert!(
+                                first
+                                    .iter()
+                                    .zip(&c)
+                                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                                "{m}×{k}×{n} Bᵀ {tb}: {} at {threads} threads differs",
+                                isa.name()
+                            );
+                        }
                     }
                 }
             }

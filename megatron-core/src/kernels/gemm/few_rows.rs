@@ -1,0 +1,289 @@
+//! Products of a few rows against a large B: a decoding step's, one token's row (or a few)
+//! against each weight. Each element of B is used once per row of A, so the product is bound by
+//! the memory bandwidth of reading B, not by arithmetic: B is streamed once, unpacked, by every
+//! thread of the rank, each thread a contiguous range of C's columns.
+//!
+//! Two layouts of B are read in place:
+//! - **columns** (`Bᵀ` rows contiguous, a weight `[out, in]` read transposed, as every linear
+//!   layer's forward is): each element of C is a dot product of a row of A and a column of B,
+//!   the columns taken one after another so that each thread reads one sequential stream, which
+//!   the hardware prefetchers follow (four columns at once, four short streams, read slower);
+//!   each sum keeps 16 lanes (the products of k ≡ l mod 16 in lane l, by fused multiply-adds in
+//!   ascending k) joined by a fixed tree at the end;
+//! - **rows** (B's rows contiguous): each element's products are fused multiply-adds in
+//!   ascending k, 64 columns of C at a time.
+//!
+//! The order is the same on every instruction set with FMA (AVX2 keeps a lane's sum exactly as
+//! AVX-512 does) and for every number of threads, so a decoding step's bits depend on neither;
+//! they differ from a packed product's of the same matrices (another order of the sums). CPUs
+//! without FMA keep the earlier loops (`reduce::dot`).
+
+use super::super::isa::{Isa, Level, versioned};
+use super::super::{KernelError, parallel, reduce};
+use super::{MatMut, MatRef, RawC};
+
+/// Rows of A up to which a large product takes this path.
+pub(super) const FEW_ROWS: usize = 4;
+/// The least `k × n` of B for which it does: below it packing costs little.
+const MIN_B: usize = 1 << 15;
+/// Elements of B a thread streams at least (smaller products use fewer threads).
+const MIN_B_PER_THREAD: usize = 1 << 16;
+/// Lanes of a column sum.
+const LANES: usize = 16;
+/// Columns of C computed together from the rows layout.
+const ROW_BLOCK: usize = 64;
+
+/// `C = α·A·B + β·C` for an A of at most [`FEW_ROWS`] rows and a large B; `None` for the
+/// products it does not take (the packed kernel's).
+pub(super) fn few_rows(
+    isa: Isa,
+    fma: bool,
+    alpha: f32,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    beta: f32,
+    c: &mut MatMut<'_>,
+) -> Option<Result<(), KernelError>> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    let columns = b.row_stride == 1;
+    if m > FEW_ROWS || k.saturating_mul(n) < MIN_B || !(columns || b.col_stride == 1) {
+        return None;
+    }
+    // A's rows, contiguous (`m × k`).
+    let rows: Vec<f32> = (0..m * k)
+        .map(|e| a.data[(e / k) * a.row_stride + (e % k) * a.col_stride])
+        .collect();
+    let raw = RawC {
+        ptr: c.data.as_mut_ptr(),
+        row_stride: c.row_stride as isize,
+        col_stride: c.col_stride as isize,
+    };
+    let parts = parallel::threads()
+        .min(k.saturating_mul(n) / MIN_B_PER_THREAD)
+        .clamp(1, n);
+    let run = |part: usize| {
+        let raw: RawC = raw;
+        let (j0, j1) = (n * part / parts, n * (part + 1) / parts);
+        let mut sums = vec![0.0f32; m * (j1 - j0)];
+        match (fma, columns) {
+            (true, true) => dot_columns(isa, &rows, m, k, b.data, b.col_stride, j0, &mut sums),
+            (true, false) => axpy_rows(isa, &rows, m, k, b.data, b.row_stride, j0, &mut sums),
+            (false, _) => plain(&rows, m, k, &b, j0, &mut sums),
+        }
+        let width = j1 - j0;
+        for i in 0..m {
+            for (jj, &sum) in sums[i * width..(i + 1) * width].iter().enumerate() {
+                // SAFETY: (i, j0 + jj) is inside C, and only this part writes column j0 + jj.
+                unsafe {
+                    let e = raw
+                        .ptr
+                        .offset(i as isize * raw.row_stride + (j0 + jj) as isize * raw.col_stride);
+                    let old = if beta == 0.0 { 0.0 } else { beta * *e };
+                    *e = alpha * sum + old;
+                }
+            }
+        }
+    };
+    if parts == 1 {
+        run(0);
+    } else {
+        // The calling thread reads part 0 itself rather than waiting for a pool thread to wake.
+        parallel::pool().in_place_scope(|s| {
+            for part in 1..parts {
+                let run = &run;
+                s.spawn(move |_| run(part));
+            }
+            run(0);
+        });
+    }
+    Some(Ok(()))
+}
+
+/// A column sum's 16 lanes joined by halves: lane l + 8 onto l, then + 4, + 2, + 1.
+#[inline(always)]
+fn join(mut lanes: [f32; LANES]) -> f32 {
+    let mut width = LANES / 2;
+    while width > 0 {
+        for l in 0..width {
+            lanes[l] += lanes[l + width];
+        }
+        width /= 2;
+    }
+    lanes[0]
+}
+
+/// Defines `$name::<M>(x, k, w)`: `M` rows of A (`x`, `M × k` contiguous) dotted with one
+/// column of B (`w`, k contiguous elements), 16 lanes a sum as `LANES / $width` vectors.
+#[cfg(target_arch = "x86_64")]
+macro_rules! dot_column {
+    ($name:ident, $features:literal, $vec:ty, $width:literal, $zero:ident, $load:ident,
+     $store:ident, $fmadd:ident) => {
+        /// # Safety
+        /// `x` holds `M · k` elements and `w` k; the CPU has the instruction set.
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const M: usize>(x: *const f32, k: usize, w: *const f32) -> [f32; M] {
+            use std::arch::x86_64::*;
+            const NV: usize = LANES / $width;
+            let mut acc = [[$zero(); NV]; M];
+            let full = k / LANES * LANES;
+            // SAFETY: every read is below `k` in its row or column (the caller's contract).
+            unsafe {
+                for p in (0..full).step_by(LANES) {
+                    for v in 0..NV {
+                        let wv = $load(w.add(p + v * $width));
+                        for r in 0..M {
+                            let xv = $load(x.add(r * k + p + v * $width));
+                            acc[r][v] = $fmadd(xv, wv, acc[r][v]);
+                        }
+                    }
+                }
+                std::array::from_fn(|r| {
+                    let mut lanes = [0.0f32; LANES];
+                    for v in 0..NV {
+                        $store(lanes.as_mut_ptr().add(v * $width), acc[r][v]);
+                    }
+                    for p in full..k {
+                        lanes[p - full] = (*x.add(r * k + p)).mul_add(*w.add(p), lanes[p - full]);
+                    }
+                    join(lanes)
+                })
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+dot_column!(
+    dot_avx512,
+    "avx512f,fma",
+    __m512,
+    16,
+    _mm512_setzero_ps,
+    _mm512_loadu_ps,
+    _mm512_storeu_ps,
+    _mm512_fmadd_ps
+);
+#[cfg(target_arch = "x86_64")]
+dot_column!(
+    dot_avx2,
+    "avx2,fma",
+    __m256,
+    8,
+    _mm256_setzero_ps,
+    _mm256_loadu_ps,
+    _mm256_storeu_ps,
+    _mm256_fmadd_ps
+);
+
+/// The columns layout: `sums[i·w + jj]` (w = `sums.len() / m`) is row i of A dotted with
+/// column `j0 + jj` of B, whose k elements start at `(j0 + jj)·cs`. The CPU has FMA and `isa`
+/// (AVX2 or AVX-512).
+#[allow(clippy::too_many_arguments)]
+fn dot_columns(
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    b: &[f32],
+    cs: usize,
+    j0: usize,
+    sums: &mut [f32],
+) {
+    let width = sums.len() / m;
+    #[cfg(target_arch = "x86_64")]
+    {
+        /// Each column's `M` sums into `sums`, one column after another (one stream of B).
+        ///
+        /// # Safety
+        /// As `dot_columns`'s contract.
+        #[allow(clippy::too_many_arguments)]
+        #[inline(always)]
+        unsafe fn each<const M: usize>(
+            wide: bool,
+            x: &[f32],
+            k: usize,
+            b: &[f32],
+            cs: usize,
+            j0: usize,
+            width: usize,
+            sums: &mut [f32],
+        ) {
+            debug_assert!(x.len() >= M * k);
+            for jj in 0..width {
+                let at = (j0 + jj) * cs;
+                let w = b[at..at + k].as_ptr();
+                // SAFETY: `x` holds M rows of k, `w` k elements (sliced above); the caller
+                // vouches for the instruction set.
+                let got: [f32; M] = unsafe {
+                    match wide {
+                        true => dot_avx512::<M>(x.as_ptr(), k, w),
+                        false => dot_avx2::<M>(x.as_ptr(), k, w),
+                    }
+                };
+                for (r, sum) in got.into_iter().enumerate() {
+                    sums[r * width + jj] = sum;
+                }
+            }
+        }
+        let wide = isa.level() == Level::Avx512;
+        // SAFETY: `few_rows` takes this path only with FMA and AVX2 or AVX-512.
+        unsafe {
+            match m {
+                1 => each::<1>(wide, x, k, b, cs, j0, width, sums),
+                2 => each::<2>(wide, x, k, b, cs, j0, width, sums),
+                3 => each::<3>(wide, x, k, b, cs, j0, width, sums),
+                _ => each::<4>(wide, x, k, b, cs, j0, width, sums),
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        for jj in 0..width {
+            let col = &b[(j0 + jj) * cs..(j0 + jj) * cs + k];
+            for r in 0..m {
+                sums[r * width + jj] = reduce::dot(&x[r * k..(r + 1) * k], col);
+            }
+        }
+    }
+}
+
+versioned! {
+    /// The rows layout: `sums[i·w + jj]` is row i of A times column `j0 + jj` of B, whose row p
+    /// starts at `p·rs`; each sum by fused multiply-adds in ascending k.
+    fn axpy_rows(x: &[f32], m: usize, k: usize, b: &[f32], rs: usize, j0: usize, sums: &mut [f32]) {
+        let width = sums.len() / m;
+        for c0 in (0..width).step_by(ROW_BLOCK) {
+            let cols = ROW_BLOCK.min(width - c0);
+            let mut acc = [[0.0f32; ROW_BLOCK]; FEW_ROWS];
+            for p in 0..k {
+                let row = &b[p * rs + j0 + c0..p * rs + j0 + c0 + cols];
+                for r in 0..m {
+                    let xr = x[r * k + p];
+                    for (s, &y) in acc[r].iter_mut().zip(row) {
+                        *s = xr.mul_add(y, *s);
+                    }
+                }
+            }
+            for r in 0..m {
+                sums[r * width + c0..r * width + c0 + cols].copy_from_slice(&acc[r][..cols]);
+            }
+        }
+    }
+}
+
+/// Without FMA: 8-lane dot products (`reduce::dot`) or plain multiply-adds down B's rows.
+fn plain(x: &[f32], m: usize, k: usize, b: &MatRef<'_>, j0: usize, sums: &mut [f32]) {
+    let width = sums.len() / m;
+    for jj in 0..width {
+        let j = j0 + jj;
+        for r in 0..m {
+            let row = &x[r * k..(r + 1) * k];
+            sums[r * width + jj] = if b.row_stride == 1 {
+                reduce::dot(row, &b.data[j * b.col_stride..j * b.col_stride + k])
+            } else {
+                (0..k).fold(0.0, |s, p| s + row[p] * b.data[p * b.row_stride + j])
+            };
+        }
+    }
+}
