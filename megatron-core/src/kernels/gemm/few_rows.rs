@@ -7,8 +7,7 @@
 //! - **columns** (`Bᵀ` rows contiguous, a weight `[out, in]` read transposed, as every linear
 //!   layer's forward is): each element of C is a dot product of a row of A and a column of B,
 //!   the columns taken one after another so that each thread reads one sequential stream, which
-//!   the hardware prefetchers follow (four columns at once, four short streams, read slower);
-//!   each sum keeps 16 lanes (the products of k ≡ l mod 16 in lane l, by fused multiply-adds in
+//!   the hardware prefetchers follow; each sum keeps 16 lanes (the products of k ≡ l mod 16 in lane l, by fused multiply-adds in
 //!   ascending k) joined by a fixed tree at the end;
 //! - **rows** (B's rows contiguous): each element's products are fused multiply-adds in
 //!   ascending k, 64 columns of C at a time.
