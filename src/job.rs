@@ -571,6 +571,10 @@ impl TrainJob {
         cx: &RunContext<'_>,
         place: &Placer<'_>,
     ) -> Result<()> {
+        // A bf16 run multiplies in bf16 on the CPU too, its sums in f32 (as a GPU's products).
+        let _products = megatron_core::ops::cpu_bf16_products(
+            self.device == Placement::Cpu && self.train.precision.params == DType::BF16,
+        );
         let plan: BatchPlan = *self.train_data.plan();
         let tokens_per_step = (plan.global_batch * plan.seq_length) as u64;
         // With --trace, every collective of the rank's communicators is timed into the trace.

@@ -79,6 +79,11 @@ fn main() -> std::process::ExitCode {
         }
         Err(e) => e.exit(),
     };
+    // A kernel cap that names no instruction set is refused before any work.
+    if let Err(e) = megatron::kernels::isa::check_env() {
+        cli::output::error_line(&format!("error: {e}"));
+        return std::process::ExitCode::from(2);
+    }
     let result = match &cli.command {
         Command::Groups(args) => cli::groups::run(args),
         Command::Bench(args) => cli::bench::run(args),

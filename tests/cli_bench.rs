@@ -48,9 +48,16 @@ fn bench_gemm_reports_every_shape_against_the_peak() {
     ]);
     assert_eq!(r["threads"], 1);
     let results = r["results"].as_array().unwrap();
-    assert_eq!(results.len(), 4);
+    // Each shape in f32, then with its operands rounded to bf16 (what --bf16 runs).
+    assert_eq!(results.len(), 8);
     assert_eq!(results[1]["m"], 4096);
     assert_eq!(results[1]["trans_b"], true);
+    assert_eq!(results[5]["m"], 4096);
+    for (i, s) in results.iter().enumerate() {
+        let want = if i < 4 { "f32" } else { "bf16" };
+        assert_eq!(s["precision"], want, "{s}");
+        assert!(!s["kernel"].as_str().unwrap().is_empty());
+    }
     assert!(
         results
             .iter()
@@ -59,6 +66,22 @@ fn bench_gemm_reports_every_shape_against_the_peak() {
     if cfg!(target_arch = "x86_64") {
         assert!(!r["peaks"].as_array().unwrap().is_empty());
     }
+}
+
+#[test]
+fn a_kernel_cap_that_names_no_instruction_set_is_refused() {
+    let out = Command::new(env!("CARGO_BIN_EXE_megatron"))
+        .args(["bench", "gemm", "--threads", "1", "--repeats", "1"])
+        .env("MEGATRON_KERNEL_ISA", "neon")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("MEGATRON_KERNEL_ISA=\"neon\" names no instruction set"),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty());
 }
 
 #[test]

@@ -371,7 +371,7 @@ fn megatrons_rules_and_flags_that_would_do_nothing_are_refused() {
         ),
         (
             &["train", "--fp32-products"],
-            "--fp32-products does nothing on the CPU",
+            "--fp32-products chooses a GPU's products",
         ),
         (
             &["train", "--lr-decay-style", "constant", "--min-lr", "0"],

@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use megatron_core::kernels::parallel;
-use megatron_core::ops::matmul_into;
+use megatron_core::ops::{cpu_bf16_products, matmul_into};
 use megatron_core::tensor::{DType, Tensor};
 
 use super::machine::{FmaPeak, fma_peaks};
@@ -69,14 +69,18 @@ pub struct GemmResult {
     /// The shape.
     #[serde(flatten)]
     pub shape: GemmShape,
+    /// `"f32"`, or `"bf16"`: the operands rounded to bf16, the sums in f32 (`--bf16`).
+    pub precision: &'static str,
     /// GFLOP/s of the fastest run.
     pub gflops_best: f64,
     /// GFLOP/s of the median run.
     pub gflops_median: f64,
-    /// Median GFLOP/s over the widest FMA peak.
+    /// Median GFLOP/s over the widest peak of the precision: f32 FMA, or bf16 pairs' where the
+    /// CPU has them (else f32 FMA's).
     pub fraction_of_peak: f64,
-    /// The kernel the product ran on (`"avx512 14×32"`, `"avx2+fma 6×16"`, `"matrixmultiply"`).
-    pub kernel: &'static str,
+    /// The kernel the product ran on (`"avx512 14×32"`, `"avx2+fma 6×16"`, `"matrixmultiply"`,
+    /// `"avx512bf16 14×32"`).
+    pub kernel: String,
 }
 
 /// The whole report.
@@ -108,29 +112,49 @@ pub fn run(threads: usize, repeats: usize) -> anyhow::Result<GemmReport> {
     let threads = threads.max(1);
     parallel::set_threads(threads);
     let peaks = fma_peaks(threads, Duration::from_millis(300), 3);
-    let peak = peaks.iter().map(|p| p.gflops).fold(f64::NAN, f64::max);
+    let widest = |bf16: bool| {
+        peaks
+            .iter()
+            .filter(|p| p.bf16 == bf16)
+            .map(|p| p.gflops)
+            .fold(f64::NAN, f64::max)
+    };
+    let f32_peak = widest(false);
+    let bf16_peak = match widest(true) {
+        p if p.is_nan() => f32_peak,
+        p => p,
+    };
     let mut results = Vec::new();
-    for shape in SHAPES {
-        let a = operand(shape.m, shape.k, shape.trans_a, 1)?;
-        let b = operand(shape.k, shape.n, shape.trans_b, 2)?;
-        let c = Tensor::zeros([shape.m, shape.n], DType::F32);
-        matmul_into(1.0, &a, &b, 0.0, &c)?;
-        let mut times: Vec<f64> = (0..repeats.max(1))
-            .map(|_| {
-                let start = Instant::now();
-                matmul_into(1.0, &a, &b, 0.0, &c).map(|()| start.elapsed().as_secs_f64())
-            })
-            .collect::<Result<_, _>>()?;
-        times.sort_by(f64::total_cmp);
-        let flops = 2.0 * (shape.m * shape.k * shape.n) as f64;
-        let median = times[times.len() / 2];
-        results.push(GemmResult {
-            shape,
-            gflops_best: flops / times[0] / 1e9,
-            gflops_median: flops / median / 1e9,
-            fraction_of_peak: flops / median / 1e9 / peak,
-            kernel: megatron_core::kernels::gemm::kernel_name(),
-        });
+    for bf16 in [false, true] {
+        let _products = cpu_bf16_products(bf16);
+        for shape in SHAPES {
+            let a = operand(shape.m, shape.k, shape.trans_a, 1)?;
+            let b = operand(shape.k, shape.n, shape.trans_b, 2)?;
+            let c = Tensor::zeros([shape.m, shape.n], DType::F32);
+            matmul_into(1.0, &a, &b, 0.0, &c)?;
+            let mut times: Vec<f64> = (0..repeats.max(1))
+                .map(|_| {
+                    let start = Instant::now();
+                    matmul_into(1.0, &a, &b, 0.0, &c).map(|()| start.elapsed().as_secs_f64())
+                })
+                .collect::<Result<_, _>>()?;
+            times.sort_by(f64::total_cmp);
+            let flops = 2.0 * (shape.m * shape.k * shape.n) as f64;
+            let median = times[times.len() / 2];
+            let peak = if bf16 { bf16_peak } else { f32_peak };
+            results.push(GemmResult {
+                shape,
+                precision: if bf16 { "bf16" } else { "f32" },
+                gflops_best: flops / times[0] / 1e9,
+                gflops_median: flops / median / 1e9,
+                fraction_of_peak: flops / median / 1e9 / peak,
+                kernel: if bf16 {
+                    megatron_core::kernels::gemm::bf16_kernel_name()
+                } else {
+                    megatron_core::kernels::gemm::kernel_name().to_string()
+                },
+            });
+        }
     }
     Ok(GemmReport {
         threads,
@@ -141,22 +165,24 @@ pub fn run(threads: usize, repeats: usize) -> anyhow::Result<GemmReport> {
 
 impl std::fmt::Display for GemmReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(f, "GEMM, f32, {} thread(s)", self.threads)?;
+        writeln!(f, "GEMM, {} thread(s)", self.threads)?;
         for p in &self.peaks {
-            writeln!(f, "  FMA peak {:<9} {:>7.1} GFLOP/s", p.isa, p.gflops)?;
+            let what = if p.bf16 { "bf16 dot peak" } else { "FMA peak" };
+            writeln!(f, "  {what:<13} {:<10} {:>7.1} GFLOP/s", p.isa, p.gflops)?;
         }
         writeln!(
             f,
-            "  {:<26} {:>16} {:>9} {:>9} {:>8}  kernel",
-            "shape", "m × k × n", "median", "best", "of peak"
+            "  {:<26} {:<4} {:>16} {:>9} {:>9} {:>8}  kernel",
+            "shape", "", "m × k × n", "median", "best", "of peak"
         )?;
         for r in &self.results {
             let s = &r.shape;
             let dims = format!("{}×{}×{}", s.m, s.k, s.n);
             writeln!(
                 f,
-                "  {:<26} {:>16} {:>9.1} {:>9.1} {:>7.1}%  {}",
+                "  {:<26} {:<4} {:>16} {:>9.1} {:>9.1} {:>7.1}%  {}",
                 s.name,
+                r.precision,
                 dims,
                 r.gflops_median,
                 r.gflops_best,
@@ -166,7 +192,8 @@ impl std::fmt::Display for GemmReport {
         }
         write!(
             f,
-            "  (GFLOP/s; 'of peak' is the median over the widest FMA peak above)"
+            "  (GFLOP/s; 'of peak' is the median over the widest peak above of its precision: \
+             bf16 products round their operands to bf16 and sum in f32, as --bf16 runs)"
         )
     }
 }

@@ -107,7 +107,9 @@ fn time(repeats: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Re
 pub fn run(threads: usize, repeats: usize) -> anyhow::Result<GroupedGemmReport> {
     let threads = threads.max(1);
     parallel::set_threads(threads);
-    let peaks = fma_peaks(threads, Duration::from_millis(300), 3);
+    // Grouped products are f32: the f32 FMA peaks only.
+    let mut peaks = fma_peaks(threads, Duration::from_millis(300), 3);
+    peaks.retain(|p| !p.bf16);
     let peak = peaks.iter().map(|p| p.gflops).fold(f64::NAN, f64::max);
     let results = [
         ExpertsShape::gpt2_small_top2(),

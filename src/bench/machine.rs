@@ -3,14 +3,17 @@
 
 use std::time::{Duration, Instant};
 
-/// Peak f32 FMA throughput of one instruction set.
+/// Peak f32 FMA throughput of one instruction set (or of its bf16 dot products).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct FmaPeak {
-    /// Instruction set, e.g. `avx512f` or `avx2+fma`.
+    /// Instruction set, e.g. `avx512f`, `avx2+fma` or `avx512bf16` (bf16 pairs).
     pub isa: &'static str,
     /// Vector width in f32 lanes.
     pub lanes: usize,
-    /// Measured GFLOP/s (an FMA counts as 2 flops) over all threads.
+    /// Whether the instruction multiplies bf16 pairs into f32 (`vdpbf16ps`: two multiply-adds
+    /// a lane) rather than f32.
+    pub bf16: bool,
+    /// Measured GFLOP/s (a multiply-add counts as 2 flops) over all threads.
     pub gflops: f64,
 }
 
@@ -59,24 +62,54 @@ unsafe fn fma_loop_avx512(iters: usize) -> f32 {
     _mm512_reduce_add_ps(sum)
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn dot_loop_avx512bf16(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_set1_ps(0.0); CHAINS];
+    // Pairs of bf16 (1/256, 1/512): sums that stay far from overflow.
+    let a = _mm512_castsi512_ps(_mm512_set1_epi32(0x3b80_3b00));
+    // SAFETY: the casts reinterpret 512 bits.
+    let (a, b) = unsafe {
+        (
+            std::mem::transmute::<__m512, __m512bh>(a),
+            std::mem::transmute::<__m512, __m512bh>(a),
+        )
+    };
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm512_dpbf16_ps(*x, a, b);
+        }
+    }
+    let mut sum = _mm512_setzero_ps();
+    for x in acc {
+        sum = _mm512_add_ps(sum, x);
+    }
+    _mm512_reduce_add_ps(sum)
+}
+
 /// Measures the FMA peak of every vector instruction set this CPU has, with `threads` threads
 /// each running one loop; best of `repeats` runs of about `duration` each.
 pub fn fma_peaks(threads: usize, duration: Duration, repeats: usize) -> Vec<FmaPeak> {
     #[cfg(target_arch = "x86_64")]
     {
         type Loop = unsafe fn(usize) -> f32;
-        let mut isas: Vec<(&'static str, usize, Loop)> = Vec::new();
+        let mut isas: Vec<(&'static str, usize, bool, Loop)> = Vec::new();
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            isas.push(("avx2+fma", 8, fma_loop_avx2));
+            isas.push(("avx2+fma", 8, false, fma_loop_avx2));
         }
         if is_x86_feature_detected!("avx512f") {
-            isas.push(("avx512f", 16, fma_loop_avx512));
+            isas.push(("avx512f", 16, false, fma_loop_avx512));
+        }
+        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16") {
+            isas.push(("avx512bf16", 16, true, dot_loop_avx512bf16));
         }
         isas.into_iter()
-            .map(|(isa, lanes, f)| {
+            .map(|(isa, lanes, bf16, f)| {
                 // SAFETY: the instruction set was detected above.
                 let run = |iters: usize| run_threads(threads, || unsafe { f(iters) });
-                let flops_per_iter = (CHAINS * lanes * 2 * threads) as f64;
+                let per_lane = if bf16 { 4 } else { 2 };
+                let flops_per_iter = (CHAINS * lanes * per_lane * threads) as f64;
                 let calibrate = 100_000;
                 let probe = run(calibrate).as_secs_f64().max(1e-6);
                 let iters = ((duration.as_secs_f64() / probe) * calibrate as f64).max(1.0) as usize;
@@ -87,6 +120,7 @@ pub fn fma_peaks(threads: usize, duration: Duration, repeats: usize) -> Vec<FmaP
                 FmaPeak {
                     isa,
                     lanes,
+                    bf16,
                     gflops: flops_per_iter * iters as f64 / best.as_secs_f64() / 1e9,
                 }
             })

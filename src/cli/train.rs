@@ -303,8 +303,8 @@ pub struct TrainArgs {
     /// --fp16's dynamic loss scaling, where an overflow skips the step instead).
     #[arg(long)]
     no_check_for_nan_in_loss_and_grad: bool,
-    /// Mixed precision with bf16 parameters (stored and communicated in 16 bits, computed in
-    /// f32 on the CPU, read by the bf16 products on a GPU), f32 gradients unless
+    /// Mixed precision with bf16 parameters (stored and communicated in 16 bits), matrix
+    /// products of bf16 operands summed in f32 (on the CPU as on a GPU), f32 gradients unless
     /// --grad-reduce-in-bf16, f32 main parameters and Adam state in the optimizer.
     #[arg(long)]
     bf16: bool,
@@ -993,8 +993,8 @@ impl TrainArgs {
         }
         if self.fp32_products && self.device == "cpu" {
             bail!(
-                "--fp32-products does nothing on the CPU, which multiplies in f32 (it chooses a \
-                 GPU's products): drop it or add --device cuda"
+                "--fp32-products chooses a GPU's products (the CPU multiplies in f32, or in bf16 \
+                 with --bf16): drop it or add --device cuda"
             );
         }
         if self.lr_decay_style == DecayStyle::Constant {

@@ -15,6 +15,8 @@
 
 mod cpu;
 
+pub(crate) use cpu::set_bf16_products as set_cpu_bf16_products;
+
 pub(crate) use attention::AttentionOps;
 pub(crate) use cpu::Cpu;
 

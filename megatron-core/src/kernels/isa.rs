@@ -17,8 +17,10 @@
 //!
 //! # Choosing a version by hand
 //!
-//! The environment variable `MEGATRON_KERNEL_ISA` (`baseline`, `avx2` or `avx512`), read once,
-//! caps the detected set, to compare the versions' speed; a set the CPU lacks is never used.
+//! The environment variable `MEGATRON_KERNEL_ISA` (`baseline`, `avx2`, `avx512` or
+//! `avx512bf16`), read once, caps the detected set, to compare the versions' speed; a set the
+//! CPU lacks is never used. The CLI rejects any other value ([`check_env`]); a library user's
+//! bad value is warned about and ignored.
 
 use std::sync::OnceLock;
 
@@ -31,6 +33,9 @@ pub(crate) enum Level {
     Avx2,
     /// AVX-512 F, BW, DQ and VL (Skylake-SP and later, Zen 4).
     Avx512,
+    /// AVX-512 with the BF16 dot products (Cooper Lake, Sapphire Rapids and later, Zen 4): the
+    /// loops run as at [`Level::Avx512`]; bf16 products have a register tile of their own.
+    Avx512Bf16,
 }
 
 /// An instruction set this CPU supports: only [`Isa::detected`] and [`Isa::supported`] make one.
@@ -46,10 +51,11 @@ impl Isa {
         static DETECTED: OnceLock<Isa> = OnceLock::new();
         *DETECTED.get_or_init(|| {
             let best = best_level();
-            let cap = std::env::var("MEGATRON_KERNEL_ISA")
-                .ok()
-                .and_then(|v| parse_level(&v))
-                .unwrap_or(Level::Avx512);
+            let cap = requested_cap().unwrap_or_else(|e| {
+                eprintln!("warning: {e}; using every set the CPU has");
+                None
+            });
+            let cap = cap.unwrap_or(Level::Avx512Bf16);
             Isa(best.min(cap))
         })
     }
@@ -57,20 +63,31 @@ impl Isa {
     /// Every set this CPU supports, the baseline first.
     pub fn supported() -> Vec<Isa> {
         let best = best_level();
-        [Level::Baseline, Level::Avx2, Level::Avx512]
-            .into_iter()
-            .filter(|&l| l <= best)
-            .map(Isa)
-            .collect()
+        [
+            Level::Baseline,
+            Level::Avx2,
+            Level::Avx512,
+            Level::Avx512Bf16,
+        ]
+        .into_iter()
+        .filter(|&l| l <= best)
+        .map(Isa)
+        .collect()
     }
 
-    /// `"baseline"`, `"avx2"` or `"avx512"`.
+    /// `"baseline"`, `"avx2"`, `"avx512"` or `"avx512bf16"`.
     pub fn name(self) -> &'static str {
         match self.0 {
             Level::Baseline => "baseline",
             Level::Avx2 => "avx2",
             Level::Avx512 => "avx512",
+            Level::Avx512Bf16 => "avx512bf16",
         }
+    }
+
+    /// Whether the CPU multiplies bf16 pairs (AVX512_BF16's `vdpbf16ps`) at this level.
+    pub fn bf16_dot(self) -> bool {
+        self.0 == Level::Avx512Bf16
     }
 
     /// The level, for [`versioned!`]'s dispatch.
@@ -80,11 +97,44 @@ impl Isa {
     }
 }
 
+/// The name of the environment variable that caps the detected set.
+pub const ENV: &str = "MEGATRON_KERNEL_ISA";
+
+/// The cap `MEGATRON_KERNEL_ISA` asks for: `None` when it is unset or empty.
+fn requested_cap() -> Result<Option<Level>, super::KernelError> {
+    cap_from(std::env::var_os(ENV).as_deref())
+}
+
+/// The cap a value of `MEGATRON_KERNEL_ISA` asks for.
+fn cap_from(value: Option<&std::ffi::OsStr>) -> Result<Option<Level>, super::KernelError> {
+    let Some(value) = value else {
+        return Ok(None);
+    };
+    let text = value.to_string_lossy();
+    if text.trim().is_empty() {
+        return Ok(None);
+    }
+    parse_level(&text)
+        .map(Some)
+        .ok_or_else(|| super::KernelError::Invalid {
+            kernel: "isa",
+            message: format!(
+                "{ENV}={text:?} names no instruction set: use baseline, avx2, avx512 or avx512bf16"
+            ),
+        })
+}
+
+/// Checks `MEGATRON_KERNEL_ISA`: an error naming the value when it is set to no known set.
+pub fn check_env() -> Result<(), super::KernelError> {
+    requested_cap().map(|_| ())
+}
+
 fn parse_level(name: &str) -> Option<Level> {
     match name.trim().to_ascii_lowercase().as_str() {
         "baseline" | "sse2" | "none" => Some(Level::Baseline),
         "avx2" => Some(Level::Avx2),
         "avx512" | "avx-512" => Some(Level::Avx512),
+        "avx512bf16" | "avx512_bf16" => Some(Level::Avx512Bf16),
         _ => None,
     }
 }
@@ -104,6 +154,9 @@ fn best_level() -> Level {
             && std::is_x86_feature_detected!("avx512bw")
             && std::is_x86_feature_detected!("avx512dq")
             && std::is_x86_feature_detected!("avx512vl");
+        if avx512 && std::is_x86_feature_detected!("avx512bf16") {
+            return Level::Avx512Bf16;
+        }
         if avx512 {
             return Level::Avx512;
         }
@@ -135,7 +188,7 @@ pub fn dispatch<R>(f: impl FnOnce() -> R) -> R {
 
         match Isa::detected().level() {
             // SAFETY: an `Isa` only ever holds a level the CPU supports.
-            Level::Avx512 => return unsafe { avx512(f) },
+            Level::Avx512 | Level::Avx512Bf16 => return unsafe { avx512(f) },
             // SAFETY: as above.
             Level::Avx2 => return unsafe { avx2(f) },
             Level::Baseline => {}
@@ -179,7 +232,10 @@ macro_rules! versioned {
 
                 match isa.level() {
                     // SAFETY: an `Isa` only ever holds a level the CPU supports.
-                    $crate::kernels::isa::Level::Avx512 => return unsafe { avx512($($arg),*) },
+                    $crate::kernels::isa::Level::Avx512
+                    | $crate::kernels::isa::Level::Avx512Bf16 => {
+                        return unsafe { avx512($($arg),*) };
+                    }
                     // SAFETY: as above.
                     $crate::kernels::isa::Level::Avx2 => return unsafe { avx2($($arg),*) },
                     $crate::kernels::isa::Level::Baseline => {}
@@ -213,8 +269,25 @@ mod tests {
         assert_eq!(Isa::BASELINE.name(), "baseline");
         assert_eq!(parse_level(" AVX512 "), Some(Level::Avx512));
         assert_eq!(parse_level("avx2"), Some(Level::Avx2));
+        assert_eq!(parse_level("AVX512_BF16"), Some(Level::Avx512Bf16));
         assert_eq!(parse_level("sse2"), Some(Level::Baseline));
         assert_eq!(parse_level("neon"), None);
+    }
+
+    #[test]
+    fn a_cap_that_names_no_set_is_an_error() {
+        use std::ffi::OsStr;
+        assert_eq!(cap_from(None).unwrap(), None);
+        assert_eq!(cap_from(Some(OsStr::new(" "))).unwrap(), None);
+        assert_eq!(
+            cap_from(Some(OsStr::new("avx2"))).unwrap(),
+            Some(Level::Avx2)
+        );
+        let e = cap_from(Some(OsStr::new("neon"))).unwrap_err().to_string();
+        assert!(
+            e.contains("MEGATRON_KERNEL_ISA=\"neon\"") && e.contains("avx512bf16"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -176,6 +176,29 @@ pub fn as_operand(t: &Tensor) -> Result<Tensor> {
     t.to_contiguous(operand_dtype(t))
 }
 
+/// While the returned guard lives, this thread's products on the CPU take their operands rounded
+/// to bf16 (to nearest, ties to even) and sum them in f32, as a GPU's bf16 products with f32
+/// accumulation do (`megatron::kernels::gemm::gemm_bf16`); with `on` false, in f32. What
+/// `--bf16` runs on the CPU. Dropping the guard restores the thread's previous setting.
+pub fn cpu_bf16_products(on: bool) -> CpuProducts {
+    CpuProducts {
+        previous: backend::set_cpu_bf16_products(on),
+    }
+}
+
+/// The setting of [`cpu_bf16_products`], restored when dropped.
+#[derive(Debug)]
+#[must_use = "the setting lasts as long as the guard"]
+pub struct CpuProducts {
+    previous: bool,
+}
+
+impl Drop for CpuProducts {
+    fn drop(&mut self) {
+        backend::set_cpu_bf16_products(self.previous);
+    }
+}
+
 /// A new f32 output on `a`'s device.
 fn near(dims: Vec<usize>, a: &Tensor) -> Result<Tensor> {
     Tensor::empty_near(dims, DType::F32, a).map_err(|e| match e {
@@ -211,6 +234,49 @@ mod tests {
 
     fn t(data: &[f32], shape: &[usize]) -> Tensor {
         Tensor::from_slice(data, shape).unwrap()
+    }
+
+    #[test]
+    fn cpu_bf16_products_multiply_the_rounded_operands_while_the_guard_lives() {
+        let (m, k, n) = (20, 45, 33);
+        let data = |len: usize, s: f32| -> Vec<f32> {
+            (0..len).map(|i| (i as f32 * s).sin() * 3.1).collect()
+        };
+        let a = t(&data(m * k, 0.7), &[m, k]);
+        let w = t(&data(n * k, 1.3), &[n, k]);
+        let rounded = |x: &Tensor| {
+            x.to_dtype(DType::BF16)
+                .and_then(|x| x.to_dtype(DType::F32))
+                .unwrap()
+        };
+        let f32_product = matmul(&a, &w.t().unwrap()).unwrap();
+        let want = matmul(&rounded(&a), &rounded(&w).t().unwrap()).unwrap();
+        assert_ne!(
+            f32_product.to_vec::<f32>().unwrap(),
+            want.to_vec::<f32>().unwrap()
+        );
+        {
+            let _bf16 = cpu_bf16_products(true);
+            let got = matmul(&a, &w.t().unwrap()).unwrap();
+            assert_eq!(got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+            // Another thread keeps its own setting.
+            let other = std::thread::scope(|s| {
+                s.spawn(|| {
+                    matmul(&a, &w.t().unwrap())
+                        .unwrap()
+                        .to_vec::<f32>()
+                        .unwrap()
+                })
+                .join()
+                .unwrap()
+            });
+            assert_eq!(other, f32_product.to_vec::<f32>().unwrap());
+        }
+        let after = matmul(&a, &w.t().unwrap()).unwrap();
+        assert_eq!(
+            after.to_vec::<f32>().unwrap(),
+            f32_product.to_vec::<f32>().unwrap()
+        );
     }
 
     #[test]

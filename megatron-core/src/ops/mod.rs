@@ -18,7 +18,10 @@ pub use aux_loss::{AuxLossLog, AuxLossSaved, aux_loss, aux_loss_backward};
 pub use fused::{
     Fused, FusedKernel, FusedSaved, HostLoop, IntoScalar, Keep, fused, fused_backward,
 };
-pub use matmul::{as_operand, matmul, matmul_bias_into, matmul_into, operand_dtype};
+pub use matmul::{
+    CpuProducts, as_operand, cpu_bf16_products, matmul, matmul_bias_into, matmul_into,
+    operand_dtype,
+};
 pub use primitives::{
     CrossEntropySaved, DropoutSaved, GeluSaved, SwigluSaved, add, cross_entropy,
     cross_entropy_backward, dropout, dropout_add, dropout_add_backward, dropout_backward, gelu,

@@ -2,12 +2,41 @@
 
 use super::Cpu;
 use crate::backend::MatmulOps;
-use crate::kernels::gemm::{MatMut, gemm};
+use std::cell::Cell;
+
+use crate::kernels::gemm::{MatMut, MatRef, gemm, gemm_bf16};
 use crate::ops::matmul::Product;
 use crate::tensor::{DType, Result, Tensor, TensorError};
 
+thread_local! {
+    /// Whether this thread's products round their operands to bf16 ([`set_bf16_products`]).
+    static BF16_PRODUCTS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Sets whether this thread's host products round their operands to bf16 and sum in f32
+/// ([`gemm_bf16`]) rather than multiply in f32; returns the previous setting.
+pub(crate) fn set_bf16_products(on: bool) -> bool {
+    BF16_PRODUCTS.replace(on)
+}
+
+/// `C = α·A·B + β·C` in f32, or of the operands rounded to bf16 when this thread says so.
+fn product(
+    alpha: f32,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    beta: f32,
+    c: MatMut<'_>,
+) -> Result<(), crate::kernels::KernelError> {
+    if BF16_PRODUCTS.get() {
+        gemm_bf16(alpha, a, b, beta, c)
+    } else {
+        gemm(alpha, a, b, beta, c)
+    }
+}
+
 impl MatmulOps for Cpu {
-    /// f32 products only: bf16/f16 operands are converted to f32 first.
+    /// f32 products, or bf16 ones with f32 sums ([`set_bf16_products`]); bf16/f16 operands are
+    /// converted to f32 first.
     fn matmul_into(&self, alpha: f32, a: &Tensor, b: &Tensor, beta: f32, c: &Tensor) -> Result<()> {
         if c.dtype() != DType::F32 {
             return Err(TensorError::DType {
@@ -47,7 +76,7 @@ impl MatmulOps for Cpu {
         cv.offset -= c_base;
         if batch == 1 {
             let out = MatMut::new(&mut c_data[cv.offset..], m, n, cv.row_stride, cv.col_stride)?;
-            gemm(
+            product(
                 alpha,
                 av.matrix(&a_data, 0)?,
                 bv.matrix(&b_data, 0)?,
@@ -60,7 +89,7 @@ impl MatmulOps for Cpu {
             let start = cv.offset + i * cv.batch_stride;
             let out = MatMut::new(&mut c_data[start..], m, n, cv.row_stride, cv.col_stride)?;
             let bi = if shared_b { 0 } else { i };
-            gemm(
+            product(
                 alpha,
                 av.matrix(&a_data, i)?,
                 bv.matrix(&b_data, bi)?,

@@ -16,6 +16,8 @@ mod router;
 mod rows;
 mod vocab_loss;
 
+pub(crate) use matmul::set_bf16_products;
+
 /// The host backend: tensors in host memory, the CPU kernels.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Cpu;

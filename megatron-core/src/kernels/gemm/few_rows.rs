@@ -32,6 +32,13 @@ const LANES: usize = 16;
 /// Columns of C computed together from the rows layout.
 const ROW_BLOCK: usize = 64;
 
+/// Whether [`few_rows`] computes `A·B` (few rows of A, a large B whose rows or columns are
+/// contiguous).
+pub(super) fn applies(a: &MatRef<'_>, b: &MatRef<'_>) -> bool {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    m <= FEW_ROWS && k.saturating_mul(n) >= MIN_B && (b.row_stride == 1 || b.col_stride == 1)
+}
+
 /// `C = α·A·B + β·C` for an A of at most [`FEW_ROWS`] rows and a large B; `None` for the
 /// products it does not take (the packed kernel's).
 pub(super) fn few_rows(
@@ -45,7 +52,7 @@ pub(super) fn few_rows(
 ) -> Option<Result<(), KernelError>> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     let columns = b.row_stride == 1;
-    if m > FEW_ROWS || k.saturating_mul(n) < MIN_B || !(columns || b.col_stride == 1) {
+    if !applies(&a, &b) {
         return None;
     }
     // A's rows, contiguous (`m × k`).

@@ -11,6 +11,13 @@
 //! | --- | --- | --- | --- |
 //! | AVX-512 F | 14 × 32 | 28 of 32 zmm | Intel Xeon (two 512-bit FMA ports), AMD Zen 4/5 |
 //! | AVX2 + FMA | 6 × 16 | 12 of 16 ymm | Haswell and later, Zen 1–3 |
+//! | AVX512_BF16 | 14 × 32 | 28 of 32 zmm | bf16 products: Sapphire Rapids and later, Zen 4/5 |
+//!
+//! The bf16 tile reads panels of bf16 pairs, two steps of k in each 32-bit element, the earlier
+//! in the high half: `vdpbf16ps` adds the high halves' product first, and a product of two bf16
+//! is exact in f32, so each step is the fused multiply-add the f32 tiles perform on the bf16
+//! values, in the same order. Its sums are the f32 tiles' sums of the operands rounded to bf16,
+//! bit for bit, save that `vdpbf16ps` flushes denormals to zero.
 //!
 //! # The arithmetic, exactly
 //!
@@ -56,6 +63,9 @@ pub(super) struct Tile {
     pub nr: usize,
     /// `"avx512 14×32"`, for the benches.
     pub name: &'static str,
+    /// Whether the panels hold bf16 pairs (two steps of k in each 32-bit element) rather than
+    /// f32 (one step each).
+    pub pairs: bool,
     /// Computes `kc` products of the packed panels into the tile of C that `out` names.
     ///
     /// # Safety
@@ -92,7 +102,8 @@ macro_rules! tile {
     (
         $(#[$doc:meta])*
         $name:ident, $features:literal, $mr:literal, $nv:literal, $lanes:literal, $vec:ty,
-        $zero:ident, $load:ident, $store:ident, $set1:ident, $fmadd:ident, $mul:ident
+        $zero:ident, $load:ident, $store:ident, $set1:ident, $fmadd:ident, $mul:ident,
+        $step:ident
     ) => {
         $(#[$doc])*
         #[target_feature(enable = $features)]
@@ -112,7 +123,7 @@ macro_rules! tile {
                     for i in 0..$mr {
                         let ai = $set1(*ap.add(i));
                         for v in 0..$nv {
-                            acc[i][v] = $fmadd(ai, bv[v], acc[i][v]);
+                            acc[i][v] = $step(ai, bv[v], acc[i][v]);
                         }
                     }
                 };
@@ -167,7 +178,34 @@ tile!(
     /// AVX-512: 14 rows × 32 columns, 28 zmm accumulators.
     avx512_14x32, "avx512f,fma", 14, 2, 16, __m512,
     _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps,
-    _mm512_mul_ps
+    _mm512_mul_ps, _mm512_fmadd_ps
+);
+
+/// `acc + a₀·b₀ + a₁·b₁` in each lane, for the bf16 pairs `(a₀, a₁)` and `(b₀, b₁)` held in the
+/// lane's high and low halves (the layout `packed.rs` gives): `vdpbf16ps` adds the high halves'
+/// product first, each addition one f32 fused multiply-add (products of bf16 are exact in f32),
+/// denormal inputs read as zero and denormal sums flushed to zero.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn dot_pairs(a: __m512, b: __m512, acc: __m512) -> __m512 {
+    // SAFETY: only compiled into `avx512bf16_14x32`, whose CPU has AVX512_BF16; the casts
+    // reinterpret 512 bits.
+    unsafe {
+        _mm512_dpbf16_ps(
+            acc,
+            std::mem::transmute::<__m512, __m512bh>(a),
+            std::mem::transmute::<__m512, __m512bh>(b),
+        )
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+tile!(
+    /// AVX512_BF16: 14 rows × 32 columns of f32 sums of bf16 pairs, 28 zmm accumulators; each
+    /// step is two steps of k.
+    avx512bf16_14x32, "avx512f,avx512bf16,fma", 14, 2, 16, __m512,
+    _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps,
+    _mm512_mul_ps, dot_pairs
 );
 
 #[cfg(target_arch = "x86_64")]
@@ -175,7 +213,7 @@ tile!(
     /// AVX2 + FMA: 6 rows × 16 columns, 12 ymm accumulators.
     avx2_6x16, "avx2,fma", 6, 2, 8, __m256,
     _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps,
-    _mm256_mul_ps
+    _mm256_mul_ps, _mm256_fmadd_ps
 );
 
 /// The AVX-512 tile.
@@ -184,7 +222,18 @@ pub(super) const AVX512: Tile = Tile {
     mr: 14,
     nr: 32,
     name: "avx512 14×32",
+    pairs: false,
     run: avx512_14x32,
+};
+
+/// The AVX512_BF16 tile of bf16 products.
+#[cfg(target_arch = "x86_64")]
+pub(super) const AVX512_BF16: Tile = Tile {
+    mr: 14,
+    nr: 32,
+    name: "avx512bf16 14×32",
+    pairs: true,
+    run: avx512bf16_14x32,
 };
 
 /// The AVX2 + FMA tile.
@@ -193,5 +242,6 @@ pub(super) const AVX2: Tile = Tile {
     mr: 6,
     nr: 16,
     name: "avx2+fma 6×16",
+    pairs: false,
     run: avx2_6x16,
 };

@@ -184,17 +184,37 @@ unsafe impl Sync for RawC {}
 fn tile_for(isa: Isa) -> Option<&'static micro::Tile> {
     match isa.level() {
         #[cfg(target_arch = "x86_64")]
-        Level::Avx512 => Some(&micro::AVX512),
+        Level::Avx512 | Level::Avx512Bf16 => Some(&micro::AVX512),
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 => Some(&micro::AVX2),
         _ => None,
     }
 }
 
+/// The register tile of bf16 products with `isa`; `None`: the f32 product of the rounded
+/// operands.
+fn bf16_tile_for(isa: Isa) -> Option<&'static micro::Tile> {
+    #[cfg(target_arch = "x86_64")]
+    if isa.bf16_dot() {
+        return Some(&micro::AVX512_BF16);
+    }
+    let _ = isa;
+    None
+}
+
 /// The kernel this CPU's products run on, by name (`"avx512 14×32"`, `"avx2+fma 6×16"` or
 /// `"matrixmultiply"`), for the benches.
 pub fn kernel_name() -> &'static str {
     tile_for(Isa::detected()).map_or("matrixmultiply", |t| t.name)
+}
+
+/// The kernel this CPU's bf16 products ([`gemm_bf16`]) run on, by name: `"avx512bf16 14×32"`,
+/// or the f32 kernel's name after `"rounded, then "`.
+pub fn bf16_kernel_name() -> String {
+    match bf16_tile_for(Isa::detected()) {
+        Some(tile) => tile.name.to_string(),
+        None => format!("rounded, then {}", kernel_name()),
+    }
 }
 
 /// `C = α·A·B + β·C`; with β = 0, C's previous contents are ignored (they may be NaN).
@@ -217,6 +237,99 @@ fn gemm_on(
     beta: f32,
     mut c: MatMut<'_>,
 ) -> Result<(), KernelError> {
+    if trivial(&a, &b, beta, &mut c)? {
+        return Ok(());
+    }
+    let tile = tile_for(isa);
+    if let Some(done) = few_rows::few_rows(isa, tile.is_some(), alpha, a, b, beta, &mut c) {
+        return done;
+    }
+    blocks(tile, alpha, a, b, beta, c);
+    Ok(())
+}
+
+/// `C = α·bf16(A)·bf16(B) + β·C`: the product of A and B each rounded to bf16 (to nearest, ties
+/// to even), the sums in f32, as a GPU's bf16 products with f32 accumulation. The result is, bit
+/// for bit, [`gemm`] of the rounded operands: on CPUs with AVX512_BF16 it runs on bf16 pairs at
+/// twice the f32 rate (there a sum that falls below f32's least normal, 2⁻¹²⁶, is flushed to
+/// zero); elsewhere the operands are rounded into copies first.
+pub fn gemm_bf16(
+    alpha: f32,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    beta: f32,
+    c: MatMut<'_>,
+) -> Result<(), KernelError> {
+    gemm_bf16_on(Isa::detected(), alpha, a, b, beta, c)
+}
+
+/// [`gemm_bf16`] on the kernels of `isa`.
+fn gemm_bf16_on(
+    isa: Isa,
+    alpha: f32,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    beta: f32,
+    mut c: MatMut<'_>,
+) -> Result<(), KernelError> {
+    if trivial(&a, &b, beta, &mut c)? {
+        return Ok(());
+    }
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    // Dense copies are what `gemm` would see: the few-rows path takes them or the tile does.
+    let dense_a = MatRef {
+        data: &[],
+        rows: m,
+        cols: k,
+        row_stride: k,
+        col_stride: 1,
+    };
+    let dense_b = MatRef {
+        rows: k,
+        cols: n,
+        row_stride: n,
+        ..dense_a
+    };
+    if let Some(tile) = bf16_tile_for(isa)
+        && !few_rows::applies(&dense_a, &dense_b)
+    {
+        blocks(Some(tile), alpha, a, b, beta, c);
+        return Ok(());
+    }
+    let round = |x: &MatRef<'_>| -> Vec<f32> {
+        (0..x.rows * x.cols)
+            .map(|e| to_bf16(x.data[(e / x.cols) * x.row_stride + (e % x.cols) * x.col_stride]))
+            .collect()
+    };
+    let (ra, rb) = (round(&a), round(&b));
+    gemm_on(
+        isa,
+        alpha,
+        MatRef::row_major(&ra, m, k)?,
+        MatRef::row_major(&rb, k, n)?,
+        beta,
+        c,
+    )
+}
+
+/// `x` rounded to bf16 (to nearest, ties to even) and back; a denormal bf16 reads as zero of
+/// its sign, as `vdpbf16ps` reads it.
+fn to_bf16(x: f32) -> f32 {
+    let v = half::bf16::from_f32(x).to_f32();
+    if v != 0.0 && v.abs() < f32::MIN_POSITIVE {
+        0.0f32.copysign(v)
+    } else {
+        v
+    }
+}
+
+/// Checks the shapes, and computes the products that need no kernel: `Ok(true)` when C is done.
+fn trivial(
+    a: &MatRef<'_>,
+    b: &MatRef<'_>,
+    beta: f32,
+    c: &mut MatMut<'_>,
+) -> Result<bool, KernelError> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     if b.rows != k || c.rows != m || c.cols != n {
         return Err(KernelError::Invalid {
@@ -228,7 +341,7 @@ fn gemm_on(
         });
     }
     if m == 0 || n == 0 {
-        return Ok(());
+        return Ok(true);
     }
     if k == 0 {
         // An empty product: C = β·C, where β = 0 ignores C's old contents (even NaN).
@@ -238,12 +351,22 @@ fn gemm_on(
                 *e = if beta == 0.0 { 0.0 } else { beta * *e };
             }
         }
-        return Ok(());
+        return Ok(true);
     }
-    let fma = tile_for(isa).is_some();
-    if let Some(done) = few_rows::few_rows(isa, fma, alpha, a, b, beta, &mut c) {
-        return done;
-    }
+    Ok(false)
+}
+
+/// The packed product (on `tile`, or matrixmultiply's kernels), C cut into blocks of rows or
+/// columns run on the compute pool.
+fn blocks(
+    tile: Option<&'static micro::Tile>,
+    alpha: f32,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    beta: f32,
+    c: MatMut<'_>,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
     let raw = RawC {
         ptr: c.data.as_mut_ptr(),
         row_stride: c.row_stride as isize,
@@ -274,7 +397,7 @@ fn gemm_on(
         unsafe {
             if split_rows {
                 sgemm(
-                    isa,
+                    tile,
                     alpha,
                     &a,
                     start,
@@ -290,7 +413,7 @@ fn gemm_on(
                 );
             } else {
                 sgemm(
-                    isa,
+                    tile,
                     alpha,
                     &a,
                     0,
@@ -318,7 +441,6 @@ fn gemm_on(
             run(0);
         });
     }
-    Ok(())
 }
 
 /// `C = op(A) · op(B) + β·C` for row-major `A` (`am × ak`) and `B` (`bm × bk`), each
@@ -417,7 +539,7 @@ pub fn grouped_gemm(alpha: f32, groups: Vec<Group<'_>>, beta: f32) -> Result<(),
         // their group's C, groups' C do not overlap, and the borrows outlive the scope.
         unsafe {
             sgemm(
-                Isa::detected(),
+                tile_for(Isa::detected()),
                 alpha,
                 a,
                 start,
@@ -464,7 +586,7 @@ pub fn grouped_gemm(alpha: f32, groups: Vec<Group<'_>>, beta: f32) -> Result<(),
 /// The block must lie inside A, B and C, and no one else may access that block of C.
 #[allow(clippy::too_many_arguments)]
 unsafe fn sgemm(
-    isa: Isa,
+    tile: Option<&micro::Tile>,
     alpha: f32,
     a: &MatRef<'_>,
     r0: usize,
@@ -485,7 +607,7 @@ unsafe fn sgemm(
         let c_ptr = c
             .ptr
             .offset(cr as isize * c.row_stride + cc as isize * c.col_stride);
-        if let Some(tile) = tile_for(isa) {
+        if let Some(tile) = tile {
             packed::sgemm(
                 tile,
                 (mb, k, nb),
@@ -792,6 +914,98 @@ mod tests {
                                 );
                             }
                         }
+                    }
+                }
+            }
+        }
+        parallel::set_threads(parallel::cores());
+    }
+
+    #[test]
+    fn bf16_operands_round_to_nearest_even_and_denormals_read_as_zero() {
+        let one = 1.0f32;
+        assert_eq!(
+            to_bf16(one + 2f32.powi(-8)),
+            1.0,
+            "a tie goes to the even mantissa"
+        );
+        assert_eq!(to_bf16(one + 3.0 * 2f32.powi(-8)), one + 2f32.powi(-6));
+        assert_eq!(
+            to_bf16(one + 2f32.powi(-8) + 2f32.powi(-20)),
+            one + 2f32.powi(-7)
+        );
+        assert_eq!(to_bf16(-3.0), -3.0);
+        assert_eq!(to_bf16(1e-39).to_bits(), 0);
+        assert_eq!(to_bf16(-1e-39).to_bits(), (-0.0f32).to_bits());
+        assert!(to_bf16(f32::NAN).is_nan());
+        assert_eq!(to_bf16(f32::INFINITY), f32::INFINITY);
+    }
+
+    #[test]
+    fn bf16_products_are_the_f32_products_of_the_rounded_operands_bit_for_bit() {
+        // On every instruction set this CPU has, with AVX512_BF16's tile of bf16 pairs among
+        // them where it exists: shapes around the tiles, odd k (a pair half empty) and the
+        // chunk of k, a few-rows product, transposed operands, C strided; 1 to 3 threads.
+        let shapes = [
+            (1, 1, 1),
+            (13, 255, 31),
+            (14, 256, 32),
+            (15, 257, 33),
+            (7, 15, 17),
+            (29, 513, 65),
+            (337, 5, 31),
+            (145, 6, 16),
+            (3, 300, 200),
+            (40, 1031, 300),
+        ];
+        for isa in Isa::supported() {
+            for (s, &(m, k, n)) in shapes.iter().enumerate() {
+                parallel::set_threads(1 + s % 3);
+                let a = rough(m * k, 31);
+                let b = rough(k * n, 32);
+                let c0 = rough(m * n, 33);
+                let (ra, rb): (Vec<f32>, Vec<f32>) = (
+                    a.iter().map(|&v| to_bf16(v)).collect(),
+                    b.iter().map(|&v| to_bf16(v)).collect(),
+                );
+                let bt = transpose(&b, k, n);
+                for (alpha, beta) in [(1.0, 0.0), (0.375, 0.75)] {
+                    let mut want = c0.clone();
+                    gemm_on(
+                        isa,
+                        alpha,
+                        MatRef::row_major(&ra, m, k).unwrap(),
+                        MatRef::row_major(&rb, k, n).unwrap(),
+                        beta,
+                        MatMut::row_major(&mut want, m, n).unwrap(),
+                    )
+                    .unwrap();
+                    for tb in [false, true] {
+                        let bv = match tb {
+                            true => MatRef::row_major(&bt, n, k).unwrap().t(),
+                            false => MatRef::row_major(&b, k, n).unwrap(),
+                        };
+                        let mut wide = vec![f32::NAN; m * (n + 3)];
+                        for i in 0..m {
+                            wide[i * (n + 3)..i * (n + 3) + n]
+                                .copy_from_slice(&c0[i * n..(i + 1) * n]);
+                        }
+                        let out = MatMut::new(&mut wide, m, n, n + 3, 1).unwrap();
+                        let av = MatRef::row_major(&a, m, k).unwrap();
+                        gemm_bf16_on(isa, alpha, av, bv, beta, out).unwrap();
+                        let got: Vec<f32> = (0..m)
+                            .flat_map(|i| wide[i * (n + 3)..i * (n + 3) + n].to_vec())
+                            .collect();
+                        let diff = got
+                            .iter()
+                            .zip(&want)
+                            .position(|(g, w)| g.to_bits() != w.to_bits());
+                        assert!(
+                            diff.is_none(),
+                            "{} {m}×{k}×{n}, α {alpha} β {beta}, Bᵀ {tb}: element {:?} differs",
+                            isa.name(),
+                            diff.map(|e| (got[e], want[e]))
+                        );
                     }
                 }
             }

@@ -85,12 +85,14 @@ pub(super) unsafe fn sgemm(
             let nb = NC.min(n - jc);
             for (chunk, pc) in (0..k).step_by(KC).enumerate() {
                 let kb = KC.min(k - pc);
+                // Steps of the tile: bf16 panels hold two steps of k in each element.
+                let steps = if tile.pairs { kb.div_ceil(2) } else { kb };
                 // SAFETY: the blocks lie inside A, B and C (the caller's contract).
                 unsafe {
-                    pack_b(bpack, at(b, pc, jc), kb, nb, nr);
+                    pack_b(bpack, at(b, pc, jc), kb, nb, nr, tile.pairs);
                     for ic in (0..m).step_by(mc) {
                         let mb = mc.min(m - ic);
-                        pack_a(apack, at(a, ic, pc), mb, kb, mr);
+                        pack_a(apack, at(a, ic, pc), mb, kb, mr, tile.pairs);
                         for jr in (0..nb).step_by(nr) {
                             for ir in (0..mb).step_by(mr) {
                                 let out = Out {
@@ -105,9 +107,9 @@ pub(super) unsafe fn sgemm(
                                     beta: if chunk == 0 { beta } else { 1.0 },
                                 };
                                 (tile.run)(
-                                    kb,
-                                    apack.as_ptr().add(ir * kb),
-                                    bpack.as_ptr().add(jr * kb),
+                                    steps,
+                                    apack.as_ptr().add(ir * steps),
+                                    bpack.as_ptr().add(jr * steps),
                                     &out,
                                 );
                             }
@@ -136,34 +138,166 @@ fn at(x: Raw, i: usize, j: usize) -> Raw {
 }
 
 /// Packs the `mb × kb` block of A at `a` into panels of `mr` rows: panel `t` holds, for each k,
-/// rows `t·mr ..` side by side (`dst[t·mr·kb + p·mr + i]`), rows past the block zero.
+/// rows `t·mr ..` side by side (`dst[t·mr·kb + p·mr + i]`), rows past the block zero. With
+/// `pairs`, each element holds two steps of k as bf16 ([`gather_pairs`]) and a panel `kb / 2`
+/// (rounded up) steps.
 ///
 /// # Safety
 /// The block lies inside A; `dst` holds `mb` rounded up to `mr`, times `kb`; the CPU has AVX2.
-unsafe fn pack_a(dst: &mut [f32], a: Raw, mb: usize, kb: usize, mr: usize) {
+unsafe fn pack_a(dst: &mut [f32], a: Raw, mb: usize, kb: usize, mr: usize, pairs: bool) {
+    let steps = if pairs { kb.div_ceil(2) } else { kb };
     for (t, r0) in (0..mb).step_by(mr).enumerate() {
-        let panel = &mut dst[t * mr * kb..(t + 1) * mr * kb];
+        let panel = &mut dst[t * mr * steps..(t + 1) * mr * steps];
+        let rows = at(a, r0, 0);
         // SAFETY: rows r0.. of the block are inside A.
-        unsafe { gather(panel, at(a, r0, 0), mr.min(mb - r0), kb, mr) };
+        unsafe {
+            if pairs {
+                gather_pairs(panel, rows, mr.min(mb - r0), kb, mr);
+            } else {
+                gather(panel, rows, mr.min(mb - r0), kb, mr);
+            }
+        }
     }
 }
 
 /// Packs the `kb × nb` block of B at `b` into panels of `nr` columns (`dst[t·nr·kb + p·nr + j]`),
-/// columns past the block zero.
+/// columns past the block zero; with `pairs`, as bf16 pairs ([`pack_a`]).
 ///
 /// # Safety
 /// The block lies inside B; `dst` holds `nb` rounded up to `nr`, times `kb`; the CPU has AVX2.
-unsafe fn pack_b(dst: &mut [f32], b: Raw, kb: usize, nb: usize, nr: usize) {
+unsafe fn pack_b(dst: &mut [f32], b: Raw, kb: usize, nb: usize, nr: usize, pairs: bool) {
+    let steps = if pairs { kb.div_ceil(2) } else { kb };
     for (t, c0) in (0..nb).step_by(nr).enumerate() {
-        let panel = &mut dst[t * nr * kb..(t + 1) * nr * kb];
+        let panel = &mut dst[t * nr * steps..(t + 1) * nr * steps];
         let columns = Raw {
             ptr: at(b, 0, c0).ptr,
             rs: b.cs,
             cs: b.rs,
         };
         // SAFETY: columns c0.. of the block are inside B (read as the rows of Bᵀ).
-        unsafe { gather(panel, columns, nr.min(nb - c0), kb, nr) };
+        unsafe {
+            if pairs {
+                gather_pairs(panel, columns, nr.min(nb - c0), kb, nr);
+            } else {
+                gather(panel, columns, nr.min(nb - c0), kb, nr);
+            }
+        }
     }
+}
+
+/// The widest panel a tile reads (its NR), and so the most lines [`gather_pairs`] takes.
+const MAX_LINES: usize = 32;
+
+/// As [`gather`], with the lines' elements rounded to bf16 and paired: element `p` of line `i` in
+/// `panel[p·w + i]` holds steps `2p` (the high half) and `2p + 1` (the low half, zero past `kb`),
+/// the order `vdpbf16ps` adds them in (see `micro.rs`). Rounding is to nearest, ties to even, as
+/// `half::bf16::from_f32` rounds (a NaN stays a quiet NaN).
+///
+/// # Safety
+/// As [`gather`], with `panel` holding `kb / 2` (rounded up) times `w`, `w ≤ 32`, and the CPU
+/// having AVX-512 F and BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+unsafe fn gather_pairs(panel: &mut [f32], x: Raw, lines: usize, kb: usize, w: usize) {
+    use std::arch::x86_64::*;
+    debug_assert!(w <= MAX_LINES && kb <= KC && lines <= w);
+    let steps = kb.div_ceil(2);
+    if lines < w {
+        panel.fill(0.0);
+    }
+    // SAFETY: every read is of lines 0..lines, steps 0..kb of x; every write inside `panel`
+    // or `paired`.
+    unsafe {
+        if x.rs == 1 {
+            // The lines' elements of one step are adjacent (B row-major, or A transposed):
+            // 16 lines of steps 2p and 2p + 1 at once.
+            for p in 0..steps {
+                let hi_at = x.ptr.offset(2 * p as isize * x.cs);
+                let lo_at = x.ptr.offset((2 * p + 1) as isize * x.cs);
+                for i0 in (0..lines).step_by(16) {
+                    let mask: __mmask16 = ((1u32 << (lines - i0).min(16)) - 1) as __mmask16;
+                    let hi = rounded(_mm512_maskz_loadu_ps(mask, hi_at.add(i0)));
+                    let lo = if 2 * p + 1 < kb {
+                        rounded(_mm512_maskz_loadu_ps(mask, lo_at.add(i0)))
+                    } else {
+                        _mm512_setzero_si512()
+                    };
+                    let pair = _mm512_or_si512(
+                        _mm512_and_si512(hi, _mm512_set1_epi32(0xffff_0000_u32 as i32)),
+                        _mm512_srli_epi32::<16>(lo),
+                    );
+                    let dst = panel.as_mut_ptr().add(p * w + i0);
+                    _mm512_mask_storeu_ps(dst, mask, _mm512_castsi512_ps(pair));
+                }
+            }
+            return;
+        }
+        // The lines' pairs, one line after another, then laid side by side as f32 bit patterns.
+        let mut paired = [0.0f32; MAX_LINES * KC / 2];
+        let full = if x.cs == 1 { kb / 16 * 16 } else { 0 };
+        for i in 0..lines {
+            let line = at(x, i, 0);
+            // Contiguous steps: 16 (8 pairs) at a time, each 64-bit lane one pair.
+            for p0 in (0..full).step_by(16) {
+                let r = rounded(_mm512_loadu_ps(line.ptr.add(p0)));
+                // The even step's bf16 stays in bits 16..32, the odd one's comes down from 48..64.
+                let pair = _mm512_or_si512(
+                    _mm512_and_si512(r, _mm512_set1_epi64(0xffff_0000)),
+                    _mm512_srli_epi64::<48>(r),
+                );
+                let dst = paired.as_mut_ptr().add(i * steps + p0 / 2);
+                _mm256_storeu_si256(dst.cast(), _mm512_cvtepi64_epi32(pair));
+            }
+            for p in full / 2..steps {
+                let hi = *line.ptr.offset(2 * p as isize * x.cs);
+                let lo = if 2 * p + 1 < kb {
+                    *line.ptr.offset((2 * p + 1) as isize * x.cs)
+                } else {
+                    0.0
+                };
+                paired[i * steps + p] = bf16_pair(hi, lo);
+            }
+        }
+        let rows = Raw {
+            ptr: paired.as_ptr(),
+            rs: steps as isize,
+            cs: 1,
+        };
+        gather(panel, rows, lines, steps, w);
+    }
+}
+
+/// Without x86-64 there is no bf16 tile to pack for.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn gather_pairs(_panel: &mut [f32], _x: Raw, _lines: usize, _kb: usize, _w: usize) {
+    unreachable!("bf16 panels are packed for the AVX512_BF16 tile only")
+}
+
+/// Each lane of `x` rounded to bf16 (to nearest, ties to even), in the lane's high 16 bits (the
+/// low 16 are not zero): `bits + 0x7fff + lsb`, the carry rounding up; a NaN keeps its high
+/// half with the quiet bit set.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn rounded(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    let bits = _mm512_castps_si512(x);
+    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+    let up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+    _mm512_mask_mov_epi32(
+        up,
+        nan,
+        _mm512_or_si512(bits, _mm512_set1_epi32(0x0040_0000)),
+    )
+}
+
+/// `hi` and `lo` rounded to bf16 (to nearest, ties to even) in one 32-bit pattern, `hi` in the
+/// high half.
+#[inline(always)]
+fn bf16_pair(hi: f32, lo: f32) -> f32 {
+    let bits = |v: f32| u32::from(half::bf16::from_f32(v).to_bits());
+    f32::from_bits((bits(hi) << 16) | bits(lo))
 }
 
 /// Lays `lines` rows of `x` (`kb` elements each) side by side in `panel`, `w` wide: element p of
@@ -273,6 +407,60 @@ unsafe fn transpose_8(
             );
             for (q, column) in columns.into_iter().enumerate() {
                 _mm256_maskstore_ps(dst.add(q * dst_stride), mask, column);
+            }
+        }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vector_rounding_is_halfs_rounding_to_bf16() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            eprintln!("no AVX-512 on this CPU: the bf16 panels are never packed");
+            return;
+        }
+        // Ties both ways, values that round up into the next binade or to infinity, NaNs whose
+        // payload lies in the low half only, denormals, and a spread of other patterns.
+        let mut bits = vec![
+            0x3f80_8000,
+            0x3f81_8000,
+            0x3f80_8001,
+            0x3f80_7fff,
+            0x7f7f_ffff,
+            0xff7f_ffff,
+            0x7f80_0000,
+            0x7f80_0001,
+            0xffc0_0000,
+            0x7fbf_ffff,
+            0x0000_0001,
+            0x8000_8000,
+            0x0000_0000,
+            0x8000_0000,
+        ];
+        let mut h: u32 = 0x1234_5678;
+        while bits.len() % 16 != 0 || bits.len() < 4096 {
+            h = h.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            bits.push(h);
+        }
+        for chunk in bits.chunks(16) {
+            let xs: Vec<f32> = chunk.iter().map(|&b| f32::from_bits(b)).collect();
+            let mut out = [0u32; 16];
+            // SAFETY: AVX-512 F was detected; `xs` and `out` hold 16 lanes.
+            unsafe {
+                use std::arch::x86_64::*;
+                let r = rounded(_mm512_loadu_ps(xs.as_ptr()));
+                _mm512_storeu_si512(out.as_mut_ptr().cast(), r);
+            }
+            for (x, r) in xs.iter().zip(out) {
+                assert_eq!(
+                    (r >> 16) as u16,
+                    half::bf16::from_f32(*x).to_bits(),
+                    "{:#010x}",
+                    x.to_bits()
+                );
             }
         }
     }
