@@ -81,13 +81,20 @@ fn sequence_parallel_runs_train_as_tensor_parallelism_alone() {
         let without = curve(&dir, &format!("{name}-tp{tp}"), &tensor);
         tensor.push("--sequence-parallel");
         let with = curve(&dir, &format!("{name}-tp{tp}-sp"), &tensor);
+        // bf16 products round their operands: an f32 sum taken in another order (tp's
+        // all-reduce or reduce-scatter against one rank's sum) now and then moves an activation
+        // across a bf16 rounding boundary, a change of 2⁻⁹ of it that the products carry, and
+        // Adam's first steps (about lr·sign(g)) turn into whole updates where a gradient is near
+        // zero: 16-bit precision's bound, as fp16's below; a misplaced collective moves the
+        // curve by far more.
+        let bound = if name == "bf16" { 2e-3 } else { 1e-5 };
         assert_close(
             &with,
             &one,
-            1e-5,
+            bound,
             &format!("{name}: tp {tp} sequence parallel vs tp 1"),
         );
-        assert_close(&with, &without, 1e-5, &format!("{name}: with vs without"));
+        assert_close(&with, &without, bound, &format!("{name}: with vs without"));
     }
     // fp16 keeps fp16 gradients: a norm's gradient is each rank's shard's, rounded to fp16,
     // then summed over tp (and rounded again) instead of summed over the whole sequence and

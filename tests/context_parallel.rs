@@ -235,16 +235,26 @@ const COMMON: [&str; 16] = [
 ];
 
 fn assert_follows(got: &[(u64, f64, f64)], want: &[(u64, f64, f64)], what: &str) {
+    // Only the order of f32 sums differs (attention's over gathered keys, the loss and the
+    // gradients over the data×context-parallel group).
+    assert_within(got, want, (1e-5, 1e-4), what);
+}
+
+/// Each step's loss and gradient norm within `(loss, norm)` of `want`'s, relative.
+fn assert_within(
+    got: &[(u64, f64, f64)],
+    want: &[(u64, f64, f64)],
+    (loss, norm): (f64, f64),
+    what: &str,
+) {
     assert_eq!(got.len(), want.len(), "{what}");
     for (x, y) in got.iter().zip(want) {
-        // Only the order of f32 sums differs (attention's over gathered keys, the loss and the
-        // gradients over the data×context-parallel group).
         assert!(
-            (x.1 - y.1).abs() <= 1e-5 * y.1,
+            (x.1 - y.1).abs() <= loss * y.1,
             "{what}: loss {x:?} vs {y:?}"
         );
         assert!(
-            (x.2 - y.2).abs() <= 1e-4 * y.2,
+            (x.2 - y.2).abs() <= norm * y.2,
             "{what}: grad norm {x:?} vs {y:?}"
         );
     }
@@ -344,7 +354,10 @@ fn training_at_cp_2_and_4_follows_cp_1() {
             &format!("bf16-cp2-{kind}"),
             &["--bf16", "--cp", "2", "--cp-comm-type", kind],
         );
-        assert_follows(&cp2, &bf16, &format!("bf16 cp 2 {kind}"));
+        // bf16 products round their operands, so the f32 sums' other order now and then moves
+        // an activation across a rounding boundary (2⁻⁹ of it), which the products and Adam's
+        // first, sign-like steps carry: 16-bit precision's bound.
+        assert_within(&cp2, &bf16, (2e-3, 2e-3), &format!("bf16 cp 2 {kind}"));
     }
     // A Llama: rotary embeddings at each chunk's global positions, grouped-query attention.
     let llama = ["--model", "llama-tiny", "--qk-layernorm"];

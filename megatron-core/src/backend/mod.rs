@@ -15,7 +15,9 @@
 
 mod cpu;
 
-pub(crate) use cpu::set_bf16_products as set_cpu_bf16_products;
+pub(crate) use cpu::{
+    bf16_products as cpu_bf16_products_on, set_bf16_products as set_cpu_bf16_products,
+};
 
 pub(crate) use attention::AttentionOps;
 pub(crate) use cpu::Cpu;

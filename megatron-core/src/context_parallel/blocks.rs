@@ -19,9 +19,24 @@ use std::sync::Arc;
 
 use super::{CpDocuments, CpDropout};
 use crate::error::Result;
+use crate::kernels::KernelError;
 use crate::kernels::dropout::{LogicalIndex, dropout_forward, dropout_pair};
-use crate::kernels::gemm::product;
 use crate::rng::DropoutStream;
+
+/// `C = op(A) · op(B) + β·C` ([`crate::kernels::gemm`]'s row-major product) in this thread's
+/// precision: in a `--bf16` run the operands rounded to bf16 with f32 sums, as the products of
+/// unsharded attention are.
+fn product(
+    a: &[f32],
+    a_shape: (usize, usize, bool),
+    b: &[f32],
+    b_shape: (usize, usize, bool),
+    beta: f32,
+    c: &mut [f32],
+) -> std::result::Result<(), KernelError> {
+    let bf16 = crate::backend::cpu_bf16_products_on();
+    crate::kernels::gemm::product(bf16, a, a_shape, b, b_shape, beta, c)
+}
 
 /// The sizes and the mask of one layer's blockwise attention.
 #[derive(Debug, Clone)]

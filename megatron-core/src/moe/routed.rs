@@ -27,6 +27,7 @@ use crate::cuda::DeviceRouting;
 use crate::cuda_graphs::{GraphScope, captures};
 use crate::error::Result;
 use crate::invalid;
+// The router's products stay f32 in a bf16 run (Megatron-LM's `--moe-router-dtype fp32`).
 use crate::kernels::gemm::product;
 use crate::module::{Builder, Cx, Init, Module, Param, Site, Split, WeightGrad};
 use crate::parallel::GroupKind;
@@ -477,6 +478,7 @@ impl ExpertParallel for RoutedExperts {
         let gate = host_f32(self.gate.compute_value())?;
         let mut logits = vec![0.0f32; tokens * e];
         product(
+            false,
             &values,
             (tokens, h, false),
             &gate,
@@ -675,6 +677,7 @@ impl ExpertParallel for RoutedExperts {
         let x = host_f32(&saved.x)?;
         accumulate(&self.gate, |dgate| {
             product(
+                false,
                 &dlogits,
                 (tokens, e, true),
                 &x,
@@ -687,6 +690,7 @@ impl ExpertParallel for RoutedExperts {
         let gate = host_f32(self.gate.compute_value())?;
         let mut d = dx.to_vec_f32()?;
         product(
+            false,
             &dlogits,
             (tokens, e, false),
             &gate,

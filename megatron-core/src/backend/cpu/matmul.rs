@@ -19,6 +19,11 @@ pub(crate) fn set_bf16_products(on: bool) -> bool {
     BF16_PRODUCTS.replace(on)
 }
 
+/// Whether this thread's host products round their operands to bf16 ([`set_bf16_products`]).
+pub(crate) fn bf16_products() -> bool {
+    BF16_PRODUCTS.get()
+}
+
 /// `C = α·A·B + β·C` in f32, or of the operands rounded to bf16 when this thread says so.
 fn product(
     alpha: f32,
@@ -27,7 +32,7 @@ fn product(
     beta: f32,
     c: MatMut<'_>,
 ) -> Result<(), crate::kernels::KernelError> {
-    if BF16_PRODUCTS.get() {
+    if bf16_products() {
         gemm_bf16(alpha, a, b, beta, c)
     } else {
         gemm(alpha, a, b, beta, c)

@@ -444,8 +444,10 @@ fn blocks(
 }
 
 /// `C = op(A) · op(B) + β·C` for row-major `A` (`am × ak`) and `B` (`bm × bk`), each
-/// transposed when its flag says so.
+/// transposed when its flag says so; with `bf16`, of the operands rounded to bf16
+/// ([`gemm_bf16`]).
 pub(crate) fn product(
+    bf16: bool,
     a: &[f32],
     (am, ak, a_t): (usize, usize, bool),
     b: &[f32],
@@ -457,7 +459,12 @@ pub(crate) fn product(
     let b = MatRef::row_major(b, bm, bk)?;
     let (a, b) = (if a_t { a.t() } else { a }, if b_t { b.t() } else { b });
     let (m, n) = (a.rows(), b.cols());
-    gemm(1.0, a, b, beta, MatMut::row_major(c, m, n)?)
+    let c = MatMut::row_major(c, m, n)?;
+    if bf16 {
+        gemm_bf16(1.0, a, b, beta, c)
+    } else {
+        gemm(1.0, a, b, beta, c)
+    }
 }
 
 /// One product of a grouped GEMM: `C = α·A·B + β·C` for one group (one expert's rows).
