@@ -1,4 +1,6 @@
-"""Reference for BENCHMARKS.md: the same GPT training step in PyTorch eager (f32, CPU).
+"""Reference for BENCHMARKS.md: the same GPT training step in PyTorch eager (CPU; f32, or with
+`--bf16` the forward and loss under `torch.autocast("cpu", dtype=torch.bfloat16)`: bf16 products
+with f32 master weights, what megatron-rs's `--bf16` runs).
 
 The model matches megatron-rs's `Gpt`: pre-LayerNorm blocks, learned positions, GeLU (tanh) MLP
 of 4h, fused QKV, causal attention, tied input/output embedding, dropout 0.1, AdamW
@@ -20,6 +22,9 @@ import torch.nn.functional as F
 PRESETS = {
     "gpt-tiny": dict(layers=4, hidden=128, heads=4, vocab=256, positions=256),
     "gpt2-small": dict(layers=12, hidden=768, heads=12, vocab=50257, positions=1024),
+    # gpt2-small cut to 4 layers of hidden 512 (8 heads): `megatron bench --model gpt2-small
+    # --num-layers 4 --hidden-size 512 --num-attention-heads 8`.
+    "l4-h512-v50k": dict(layers=4, hidden=512, heads=8, vocab=50257, positions=1024),
 }
 
 
@@ -79,6 +84,7 @@ def main():
     ap.add_argument("--seq-length", type=int, default=128)
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--bf16", action="store_true", help="autocast the forward and loss to bf16")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -97,7 +103,8 @@ def main():
         tokens = torch.randint(0, cfg["vocab"], (b, s))
         targets = torch.randint(0, cfg["vocab"], (b, s))
         start = time.perf_counter()
-        loss = model(tokens, targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss = model(tokens, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -107,8 +114,9 @@ def main():
     times.sort()
     median = times[len(times) // 2]
     tps = b * s / median
-    print(f"pytorch {torch.__version__} {args.model}: {n_params / 1e6:.2f}M parameters, "
-          f"{args.threads} threads, batch {b}×{s}: {median * 1e3:.1f} ms/step, "
+    precision = "bf16 autocast" if args.bf16 else "f32"
+    print(f"pytorch {torch.__version__} {args.model} ({precision}): {n_params / 1e6:.2f}M "
+          f"parameters, {args.threads} threads, batch {b}×{s}: {median * 1e3:.1f} ms/step, "
           f"{tps:.0f} tokens/s, {tps * flops_per_token / 1e9:.1f} GFLOP/s")
 
 
