@@ -36,13 +36,21 @@ pub fn threads_per_rank(ranks: usize) -> usize {
 /// The process-wide pool parallel kernels run on (one thread per core).
 pub(crate) fn pool() -> &'static rayon::ThreadPool {
     static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
-    POOL.get_or_init(|| {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(cores())
-            .thread_name(|i| format!("compute-{i}"))
-            .build()
-            .expect("building the compute pool")
-    })
+    POOL.get_or_init(|| build_pool(cores()))
+}
+
+/// A pool of `threads` compute workers that may run on every CPU of the process: the pool is
+/// built by its first user, often a rank thread pinned to one CPU, whose set its workers would
+/// otherwise inherit (and a rank's parallel kernels would then share that one core).
+fn build_pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("compute-{i}"))
+        .start_handler(|_| {
+            crate::comm::threads::affinity::unpin_current_thread();
+        })
+        .build()
+        .expect("building the compute pool")
 }
 
 /// Elements below which a parallel split costs more than it saves (one pool round trip is a
@@ -80,6 +88,32 @@ pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 #[cfg(test)]
 mod tests {
     use super::super::dropout::{LogicalIndex, dropout_forward};
+    use crate::comm::threads::affinity::{allowed_cpus, pin_current_thread};
+
+    #[test]
+    fn a_pool_built_by_a_pinned_thread_runs_on_every_cpu_of_the_process() {
+        let process = allowed_cpus();
+        if process.len() < 2 {
+            eprintln!("one CPU: nothing to spread over");
+            return;
+        }
+        let seen = std::thread::spawn(move || {
+            assert!(pin_current_thread(process[0]));
+            assert_eq!(allowed_cpus(), [process[0]]);
+            let pool = build_pool(2);
+            pool.broadcast(|_| allowed_cpus())
+        })
+        .join()
+        .unwrap();
+        for worker in seen {
+            assert_eq!(
+                worker,
+                allowed_cpus(),
+                "a worker kept its builder's one CPU"
+            );
+        }
+    }
+
     use super::super::elementwise::{gelu_backward, gelu_forward, sum_of_squares};
     use super::super::softmax::softmax_forward;
     use super::*;

@@ -22,6 +22,28 @@ pub(crate) fn allowed_cpus() -> Vec<usize> {
     }
 }
 
+/// Lets the calling thread run on every CPU the process may use (the main thread's set): a
+/// thread started by a pinned rank thread inherits its one CPU, which a pool of workers meant
+/// to spread over the cores must not keep. Returns whether it worked.
+pub(crate) fn unpin_current_thread() -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: as above; the process's id names its main thread, which launch never pins.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            if libc::sched_getaffinity(libc::getpid(), size_of::<libc::cpu_set_t>(), &mut set) != 0
+            {
+                return false;
+            }
+            libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) == 0
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        false
+    }
+}
+
 /// Pins the calling thread to `cpu`; returns whether it worked.
 pub(crate) fn pin_current_thread(cpu: usize) -> bool {
     #[cfg(target_os = "linux")]

@@ -20,7 +20,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-mod affinity;
+pub(crate) mod affinity;
 mod comm;
 mod exec;
 mod group;

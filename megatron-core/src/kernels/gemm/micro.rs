@@ -151,8 +151,11 @@ macro_rules! tile {
                         let row = out.c.offset(i as isize * out.rsc);
                         for v in 0..$nv {
                             let e = row.add(v * $lanes);
+                            // β = 1 (every chunk of k after the first) needs no β·C: 1·C is C.
                             let sum = if out.beta == 0.0 {
                                 $mul(alpha, acc[i][v])
+                            } else if out.beta == 1.0 {
+                                $fmadd(alpha, acc[i][v], $load(e))
                             } else {
                                 $fmadd(alpha, acc[i][v], $mul($load(e), $set1(out.beta)))
                             };
@@ -189,12 +192,14 @@ tile!(
 #[inline(always)]
 fn dot_pairs(a: __m512, b: __m512, acc: __m512) -> __m512 {
     // SAFETY: only compiled into `avx512bf16_14x32`, whose CPU has AVX512_BF16; the casts
-    // reinterpret 512 bits.
+    // reinterpret 512 bits. The broadcast `a` goes last, where the instruction can read it from
+    // memory itself (`{1to16}`): the same sums, as each product is exact and the halves keep
+    // their order.
     unsafe {
         _mm512_dpbf16_ps(
             acc,
-            std::mem::transmute::<__m512, __m512bh>(a),
             std::mem::transmute::<__m512, __m512bh>(b),
+            std::mem::transmute::<__m512, __m512bh>(a),
         )
     }
 }
