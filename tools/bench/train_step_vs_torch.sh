@@ -6,14 +6,15 @@
 # dropout 0.1; each side reports its median step's tokens/s after 2 warm-up steps.
 #
 #   cargo build --release
-#   tools/bench/train_step_vs_torch.sh PYTHON [ROUNDS] [MODELS]   (PYTHON: one with torch)
+#   tools/bench/train_step_vs_torch.sh PYTHON [ROUNDS] [MODELS] [PRECISIONS]   (PYTHON: with torch)
 #
-# MODELS defaults to "gpt-tiny l4-h512-v50k gpt2-small". Prints one line per run, then the median
-# over the rounds of each case and megatron-rs's ratio to PyTorch.
+# MODELS defaults to "gpt-tiny l4-h512-v50k gpt2-small", PRECISIONS to "f32 bf16". Prints one line
+# per run, then the median over the rounds of each case and megatron-rs's ratio to PyTorch.
 set -euo pipefail
 py=$1
 rounds=${2:-3}
 models=${3:-gpt-tiny l4-h512-v50k gpt2-small}
+precisions=${4:-f32 bf16}
 bin=${BIN:-target/release/megatron}
 runs=$(mktemp)
 trap 'rm -f "$runs"' EXIT
@@ -32,7 +33,7 @@ for round in $(seq "$rounds"); do
     for model in $models; do
         for threads in 1 2; do
             cpus=$([ "$threads" = 1 ] && echo 0 || echo 0,1)
-            for precision in f32 bf16; do
+            for precision in $precisions; do
                 flag=$([ "$precision" = bf16 ] && echo --bf16 || true)
                 # shellcheck disable=SC2046
                 ours=$(taskset -c "$cpus" "$bin" bench $(megatron_model "$model") --seq-length 128 \

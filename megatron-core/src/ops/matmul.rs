@@ -383,6 +383,22 @@ mod tests {
             matmul(&a, &b).unwrap().to_vec::<f32>().unwrap(),
             vec![3., 3., 7., 7.]
         );
+        // Views read in place, as a weight is (`W.t()`), batched ones too: the same products as
+        // of their f32 values.
+        let x: Vec<f32> = (0..24).map(|i| (i as f32 * 0.37).sin()).collect();
+        let w = t(&x, &[2, 3, 4]).to_dtype(DType::BF16).unwrap();
+        let w32 = w.to_dtype(DType::F32).unwrap();
+        for (view, want) in [
+            (w.transpose(1, 2).unwrap(), w32.transpose(1, 2).unwrap()),
+            (w.clone(), w32.clone()),
+        ] {
+            let k = view.dims()[1];
+            let lhs = t(&x[..2 * 2 * k], &[2, 2, k]);
+            assert_eq!(
+                matmul(&lhs, &view).unwrap().to_vec::<f32>().unwrap(),
+                matmul(&lhs, &want).unwrap().to_vec::<f32>().unwrap()
+            );
+        }
     }
 
     #[test]

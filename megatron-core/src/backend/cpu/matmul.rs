@@ -8,6 +8,23 @@ use crate::kernels::gemm::{MatMut, MatRef, gemm, gemm_bf16};
 use crate::ops::matmul::Product;
 use crate::tensor::{DType, Result, Tensor, TensorError};
 
+/// `x` in f32 (exactly: every bf16/f16 value is an f32), laid out as `x` is where that is a
+/// plain or transposed matrix: a weight read transposed (`W.t()`) is widened in its own
+/// contiguous order, one pass, not gathered column by column.
+fn widened(x: &Tensor) -> Result<Tensor> {
+    if x.dtype() == DType::F32 {
+        return Ok(x.clone());
+    }
+    let rank = x.dims().len();
+    if rank >= 2 && !x.is_contiguous() {
+        let back = x.transpose(rank - 2, rank - 1)?;
+        if back.is_contiguous() {
+            return back.to_dtype(DType::F32)?.transpose(rank - 2, rank - 1);
+        }
+    }
+    x.to_dtype(DType::F32)
+}
+
 thread_local! {
     /// Whether this thread's products round their operands to bf16 ([`set_bf16_products`]).
     static BF16_PRODUCTS: Cell<bool> = const { Cell::new(false) };
@@ -51,17 +68,7 @@ impl MatmulOps for Cpu {
             });
         }
         if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
-            let a32 = if a.dtype() == DType::F32 {
-                a.clone()
-            } else {
-                a.to_dtype(DType::F32)?
-            };
-            let b32 = if b.dtype() == DType::F32 {
-                b.clone()
-            } else {
-                b.to_dtype(DType::F32)?
-            };
-            return self.matmul_into(alpha, &a32, &b32, beta, c);
+            return self.matmul_into(alpha, &widened(a)?, &widened(b)?, beta, c);
         }
         let Product {
             a: mut av,
