@@ -43,6 +43,19 @@ unsafe fn fma_loop_avx2(iters: usize) -> f32 {
     out.iter().sum()
 }
 
+/// The sum of every lane of the 512-bit chains (what keeps a peak loop from being optimised
+/// away).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn sum_chains_512(acc: [std::arch::x86_64::__m512; CHAINS]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut sum = _mm512_setzero_ps();
+    for x in acc {
+        sum = _mm512_add_ps(sum, x);
+    }
+    _mm512_reduce_add_ps(sum)
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn fma_loop_avx512(iters: usize) -> f32 {
@@ -55,11 +68,7 @@ unsafe fn fma_loop_avx512(iters: usize) -> f32 {
             *x = _mm512_fmadd_ps(*x, a, b);
         }
     }
-    let mut sum = _mm512_setzero_ps();
-    for x in acc {
-        sum = _mm512_add_ps(sum, x);
-    }
-    _mm512_reduce_add_ps(sum)
+    sum_chains_512(acc)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -81,11 +90,7 @@ unsafe fn dot_loop_avx512bf16(iters: usize) -> f32 {
             *x = _mm512_dpbf16_ps(*x, a, b);
         }
     }
-    let mut sum = _mm512_setzero_ps();
-    for x in acc {
-        sum = _mm512_add_ps(sum, x);
-    }
-    _mm512_reduce_add_ps(sum)
+    sum_chains_512(acc)
 }
 
 /// Measures the FMA peak of every vector instruction set this CPU has, with `threads` threads

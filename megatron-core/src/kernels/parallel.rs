@@ -53,6 +53,24 @@ fn build_pool(threads: usize) -> rayon::ThreadPool {
         .expect("building the compute pool")
 }
 
+/// Runs `run(0)`, …, `run(parts − 1)` at once on the compute pool (part 0 on the calling thread
+/// when `in_place`, else on a pool worker), returning when all are done; one part runs inline.
+pub(crate) fn run_parts<F: Fn(usize) + Sync>(parts: usize, in_place: bool, run: F) {
+    fn spawn_rest<'s, F: Fn(usize) + Sync>(s: &rayon::Scope<'s>, parts: usize, run: &'s F) {
+        for part in 1..parts {
+            s.spawn(move |_| run(part));
+        }
+        run(0);
+    }
+    if parts <= 1 {
+        run(0);
+    } else if in_place {
+        pool().in_place_scope(|s| spawn_rest(s, parts, &run));
+    } else {
+        pool().scope(|s| spawn_rest(s, parts, &run));
+    }
+}
+
 /// Elements below which a parallel split costs more than it saves (one pool round trip is a
 /// few microseconds; this much element-wise work takes tens).
 pub(crate) const MIN_PARALLEL: usize = 1 << 15;

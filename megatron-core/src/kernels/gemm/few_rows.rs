@@ -32,11 +32,10 @@ const LANES: usize = 16;
 /// Columns of C computed together from the rows layout.
 const ROW_BLOCK: usize = 64;
 
-/// Whether [`few_rows`] computes `A·B` (few rows of A, a large B whose rows or columns are
-/// contiguous).
-pub(super) fn applies(a: &MatRef<'_>, b: &MatRef<'_>) -> bool {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    m <= FEW_ROWS && k.saturating_mul(n) >= MIN_B && (b.row_stride == 1 || b.col_stride == 1)
+/// Whether [`few_rows`] computes an `m × k` by `k × n` product (few rows of A, a large B) whose
+/// B has contiguous rows or columns.
+pub(super) fn applies((m, k, n): (usize, usize, usize), b_contiguous: bool) -> bool {
+    m <= FEW_ROWS && k.saturating_mul(n) >= MIN_B && b_contiguous
 }
 
 /// `C = α·A·B + β·C` for an A of at most [`FEW_ROWS`] rows and a large B; `None` for the
@@ -52,7 +51,7 @@ pub(super) fn few_rows(
 ) -> Option<Result<(), KernelError>> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     let columns = b.row_stride == 1;
-    if !applies(&a, &b) {
+    if !applies((m, k, n), columns || b.col_stride == 1) {
         return None;
     }
     // A's rows, contiguous (`m × k`).
@@ -90,18 +89,8 @@ pub(super) fn few_rows(
             }
         }
     };
-    if parts == 1 {
-        run(0);
-    } else {
-        // The calling thread reads part 0 itself rather than waiting for a pool thread to wake.
-        parallel::pool().in_place_scope(|s| {
-            for part in 1..parts {
-                let run = &run;
-                s.spawn(move |_| run(part));
-            }
-            run(0);
-        });
-    }
+    // The calling thread reads part 0 itself rather than waiting for a pool thread to wake.
+    parallel::run_parts(parts, true, run);
     Some(Ok(()))
 }
 

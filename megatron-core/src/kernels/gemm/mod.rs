@@ -276,22 +276,10 @@ fn gemm_bf16_on(
         return Ok(());
     }
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    // Dense copies are what `gemm` would see: the few-rows path takes them or the tile does.
-    let dense_a = MatRef {
-        data: &[],
-        rows: m,
-        cols: k,
-        row_stride: k,
-        col_stride: 1,
-    };
-    let dense_b = MatRef {
-        rows: k,
-        cols: n,
-        row_stride: n,
-        ..dense_a
-    };
+    // The rounded copies below are dense, which the few-rows path takes where it applies: the
+    // tile runs exactly where it would not.
     if let Some(tile) = bf16_tile_for(isa)
-        && !few_rows::applies(&dense_a, &dense_b)
+        && !few_rows::applies((m, k, n), true)
     {
         blocks(Some(tile), alpha, a, b, beta, c);
         return Ok(());
@@ -430,17 +418,7 @@ fn blocks(
             }
         }
     };
-    if parts == 1 {
-        run(0);
-    } else {
-        parallel::pool().scope(|s| {
-            for part in 1..parts {
-                let run = &run;
-                s.spawn(move |_| run(part));
-            }
-            run(0);
-        });
-    }
+    parallel::run_parts(parts, false, run);
 }
 
 /// `C = op(A) · op(B) + β·C` for row-major `A` (`am × ak`) and `B` (`bm × bk`), each
