@@ -14,7 +14,7 @@ use megatron_core::inference::KvCache;
 use megatron_core::module::{Builder, Cx, Module};
 use megatron_core::parallel::{ParallelConfig, ParallelLayout};
 use megatron_core::rng::splitmix64_mix;
-use megatron_core::tensor::Tensor;
+use megatron_core::tensor::{DType, Tensor};
 use megatron_models::gpt::Gpt;
 use megatron_models::{GptConfig, PositionEmbeddingType};
 
@@ -30,6 +30,23 @@ pub struct Sampling {
     pub top_p: f64,
     /// Seed of the draws.
     pub seed: u64,
+}
+
+/// What runs the model: its tensor-parallel thread ranks, and its precision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Compute {
+    /// Tensor-parallel thread ranks.
+    pub tp: usize,
+    /// bf16 weights (converted from the checkpoint's values, half the bytes a step reads) and
+    /// products of bf16 operands summed in f32, as a `--bf16` run's forward; f32 otherwise.
+    pub bf16: bool,
+}
+
+impl Compute {
+    /// `tp` thread ranks in f32.
+    pub fn f32(tp: usize) -> Compute {
+        Compute { tp, bf16: false }
+    }
 }
 
 /// Index of the token to emit from `logits`, drawing with `uniform` in [0, 1).
@@ -91,10 +108,11 @@ pub fn context_length(ckpt: &Path) -> Result<usize> {
     Ok(checkpoint_config(ckpt)?.max_position_embeddings)
 }
 
-/// Bytes of weights one decoding step of checkpoint `ckpt`'s model reads, in f32: every
-/// parameter a token uses (each MoE layer's top-k experts), less the tables it only looks a row
-/// up in (the input embedding when untied from the output layer, learned positions).
-pub fn weights_read_per_token(ckpt: &Path) -> Result<u64> {
+/// Bytes of weights one decoding step of checkpoint `ckpt`'s model reads, in f32 (in bf16, half
+/// of it): every parameter a token uses (each MoE layer's top-k experts), less the tables it
+/// only looks a row up in (the input embedding when untied from the output layer, learned
+/// positions).
+pub fn weights_read_per_token(ckpt: &Path, bf16: bool) -> Result<u64> {
     let config = checkpoint_config(ckpt)?;
     let hidden = config.hidden_size as u64;
     let mut lookups = 0;
@@ -104,7 +122,8 @@ pub fn weights_read_per_token(ckpt: &Path) -> Result<u64> {
     if config.position_embedding_type == PositionEmbeddingType::LearnedAbsolute {
         lookups += config.max_position_embeddings as u64 * hidden;
     }
-    Ok((config.active_params(1) as u64).saturating_sub(lookups) * 4)
+    let bytes = if bf16 { 2 } else { 4 };
+    Ok((config.active_params(1) as u64).saturating_sub(lookups) * bytes)
 }
 
 /// The depths of multi-token prediction the model of checkpoint `ckpt` trained with (0 for
@@ -132,7 +151,7 @@ pub fn generate(
 ) -> Result<Vec<u32>> {
     generate_streaming(
         ckpt,
-        tp,
+        Compute::f32(tp),
         prompt,
         max_new_tokens,
         sampling,
@@ -141,13 +160,14 @@ pub fn generate(
     )
 }
 
-/// [`generate`], handing each new token to `on_token` as soon as it is drawn (on one rank, in
-/// order; the stop token too): a caller prints text as it is produced, or times each step. An
-/// error from `on_token` stops generation with it. The prompt and the new tokens together must
-/// fit the model's positions (Megatron-LM's rule): more is refused, naming the numbers.
+/// [`generate`] on `compute`, handing each new token to `on_token` as soon as it is drawn (on
+/// one rank, in order; the stop token too): a caller prints text as it is produced, or times
+/// each step. An error from `on_token` stops generation with it. The prompt and the new tokens
+/// together must fit the model's positions (Megatron-LM's rule): more is refused, naming the
+/// numbers.
 pub fn generate_streaming(
     ckpt: &Path,
-    tp: usize,
+    compute: Compute,
     prompt: &[u32],
     max_new_tokens: usize,
     sampling: Sampling,
@@ -166,6 +186,7 @@ pub fn generate_streaming(
             sampling.temperature
         );
     }
+    let tp = compute.tp;
     let meta = megatron_core::checkpoint::read_meta(ckpt)?;
     let config: GptConfig =
         serde_json::from_value(meta.model).context("the checkpoint's model config")?;
@@ -188,11 +209,15 @@ pub fn generate_streaming(
     let spec = config.spec();
     let out = launch(tp, |w| -> Result<Vec<u32>> {
         let ps = ParallelState::new(&w, &layout)?;
-        let model = Gpt::build(
+        let mut model = Gpt::build(
             &spec,
             &mut config.adapters(Builder::for_rank(0, ps.groups()).meta()),
         )?;
         load_params(&model, &open_checkpoint(&ps, ckpt)?)?;
+        let _products = megatron_core::ops::cpu_bf16_products(compute.bf16);
+        if compute.bf16 {
+            in_bf16(&mut model)?;
+        }
         let cx = Cx::new(&ps, sampling.seed).eval();
         let cache = KvCache::new();
         let decode = cx.with_kv_cache(&cache);
@@ -222,6 +247,22 @@ pub fn generate_streaming(
     })
     .map_err(anyhow::Error::msg)?;
     Ok(out.into_iter().next().unwrap_or_default())
+}
+
+/// Every parameter of `model` frozen (generation computes no gradient) and its values replaced
+/// by their bf16 rounding (to nearest, ties to even).
+fn in_bf16(model: &mut Gpt) -> megatron_core::Result<()> {
+    let mut failure = None;
+    model.visit_params_mut(&mut |p| {
+        if failure.is_none() {
+            p.freeze();
+            failure = match p.value().to_dtype(DType::BF16) {
+                Ok(v) => p.rebind_frozen(v).err(),
+                Err(e) => Some(e.into()),
+            };
+        }
+    });
+    failure.map_or(Ok(()), Err)
 }
 
 /// Logits over the real vocabulary, `[s, b, vocab]` on every rank, for token ids `[s, b]`: the

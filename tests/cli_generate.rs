@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use megatron::generate::{Sampling, generate, generate_streaming};
+use megatron::generate::{Compute, Sampling, generate, generate_streaming};
 use support::{TempDir, megatron, small_checkpoint};
 
 const GREEDY: Sampling = Sampling {
@@ -29,7 +29,7 @@ fn each_token_is_handed_out_as_it_is_drawn_and_the_stop_token_ends_it() {
     let ckpt = Path::new(&ckpt);
     let prompt = [102, 110, 32, 109, 97];
     let seen = Mutex::new(Vec::new());
-    let tokens = generate_streaming(ckpt, 2, &prompt, 12, GREEDY, None, &|t| {
+    let tokens = generate_streaming(ckpt, Compute::f32(2), &prompt, 12, GREEDY, None, &|t| {
         seen.lock().unwrap().push(t);
         Ok(())
     })
@@ -48,7 +48,7 @@ fn each_token_is_handed_out_as_it_is_drawn_and_the_stop_token_ends_it() {
     let stopped = generate(ckpt, 1, &prompt, 12, GREEDY, Some(tokens[0])).unwrap();
     assert_eq!(stopped, &tokens[..1]);
     // An error of the hand-out stops generation with it.
-    let err = generate_streaming(ckpt, 1, &prompt, 12, GREEDY, None, &|_| {
+    let err = generate_streaming(ckpt, Compute::f32(1), &prompt, 12, GREEDY, None, &|_| {
         anyhow::bail!("the reader left")
     })
     .unwrap_err();
@@ -60,6 +60,59 @@ fn each_token_is_handed_out_as_it_is_drawn_and_the_stop_token_ends_it() {
             .contains("the prompt's 5 tokens and 252 new ones are more than the model's 256"),
         "{err}"
     );
+}
+
+#[test]
+fn bf16_generation_streams_bf16_weights_and_keeps_the_greedy_tokens() {
+    // `--bf16`: the weights rounded to bf16 and products of bf16 operands summed in f32 (the
+    // decoding steps stream the bf16 weights). The small model's greedy choices have margins
+    // far above bf16's rounding: the f32 tokens, on 1 and 2 ranks.
+    let dir = TempDir::new("generate-bf16");
+    let ckpt = dir.join("ckpt");
+    // Hidden size 128: the MLP's weights are large enough for the decoding steps' streamed
+    // few-rows products (128 × 512).
+    small_checkpoint(&ckpt, 2, &["--hidden-size", "128"]);
+    let path = Path::new(&ckpt);
+    let prompt = [102, 110, 32, 109, 97];
+    let f32_tokens = generate(path, 1, &prompt, 10, GREEDY, None).unwrap();
+    for tp in [1, 2] {
+        let bf16 = Compute { tp, bf16: true };
+        let tokens =
+            generate_streaming(path, bf16, &prompt, 10, GREEDY, None, &|_| Ok(())).unwrap();
+        assert_eq!(tokens, f32_tokens, "tp {tp}");
+    }
+    // The benchmark reads half the bytes a token, and says so.
+    let bytes = |bf16: bool| {
+        let mut args = vec![
+            "bench",
+            "generate",
+            "--load",
+            &ckpt,
+            "--new-tokens",
+            "2",
+            "--json",
+        ];
+        if bf16 {
+            args.push("--bf16");
+        }
+        let (ok, stdout, stderr) = megatron(&args);
+        assert!(ok, "{stderr}");
+        let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(report["bf16"].as_bool(), Some(bf16));
+        report["weight_bytes_per_token"].as_u64().unwrap()
+    };
+    assert_eq!(bytes(true) * 2, bytes(false));
+    let (ok, stdout, stderr) = megatron(&[
+        "generate",
+        "--load",
+        &ckpt,
+        "--prompt",
+        "fn",
+        "--max-new-tokens",
+        "4",
+        "--bf16",
+    ]);
+    assert!(ok && stdout.starts_with("fn"), "{stdout} {stderr}");
 }
 
 #[test]

@@ -15,7 +15,7 @@ use anyhow::{Result, bail};
 use std::sync::Mutex;
 
 use crate::generate::{
-    Sampling, context_length, generate, generate_streaming, weights_read_per_token,
+    Compute, Sampling, context_length, generate_streaming, weights_read_per_token,
 };
 
 /// What a generation benchmark measured.
@@ -27,13 +27,16 @@ pub struct GenerateReport {
     pub new_tokens: usize,
     /// Tensor-parallel thread ranks.
     pub tp: usize,
+    /// Whether the weights and products were bf16 (`--bf16`).
+    pub bf16: bool,
     /// Compute threads of the kernels.
     pub threads: usize,
     /// Seconds of the run with one new token (loading, the prefill, one token).
     pub first_token_s: f64,
     /// New tokens per second after the first (decoding steps with the cache).
     pub decode_tokens_per_s: f64,
-    /// Bytes of weights a decoding step reads (every product's weight once; f32).
+    /// Bytes of weights a decoding step reads (every product's weight once; f32, or bf16 with
+    /// `--bf16`).
     pub weight_bytes_per_token: u64,
     /// The weights read per second while decoding, GB/s.
     pub weights_gbs: f64,
@@ -47,8 +50,12 @@ impl std::fmt::Display for GenerateReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "greedy generation, {} prompt tokens, {} new, tp {}, {} threads",
-            self.prompt_tokens, self.new_tokens, self.tp, self.threads
+            "greedy generation, {} prompt tokens, {} new, tp {}, {} threads, {} weights",
+            self.prompt_tokens,
+            self.new_tokens,
+            self.tp,
+            self.threads,
+            if self.bf16 { "bf16" } else { "f32" }
         )?;
         writeln!(
             f,
@@ -83,7 +90,7 @@ pub fn prompt(n: usize, vocab: usize) -> Vec<u32> {
 /// Times greedy generation from checkpoint `ckpt` (see the module's documentation).
 pub fn run(
     ckpt: &Path,
-    tp: usize,
+    compute: Compute,
     prompt_tokens: usize,
     new_tokens: usize,
     threads: usize,
@@ -109,10 +116,10 @@ pub fn run(
         seed: 0,
     };
     // A warm-up run (the page cache, the compute pool), then the timed one.
-    generate(ckpt, tp, &prompt, 1, greedy, None)?;
+    generate_streaming(ckpt, compute, &prompt, 1, greedy, None, &|_| Ok(()))?;
     let start = Instant::now();
     let times = Mutex::new(Vec::with_capacity(new_tokens));
-    let tokens = generate_streaming(ckpt, tp, &prompt, new_tokens, greedy, None, &|_| {
+    let tokens = generate_streaming(ckpt, compute, &prompt, new_tokens, greedy, None, &|_| {
         times
             .lock()
             .map_err(|_| anyhow::anyhow!("the token times"))?
@@ -130,11 +137,12 @@ pub fn run(
         ),
     };
     let decode_tokens_per_s = (new_tokens - 1) as f64 / (last - first);
-    let weight_bytes_per_token = weights_read_per_token(ckpt)?;
+    let weight_bytes_per_token = weights_read_per_token(ckpt, compute.bf16)?;
     Ok(GenerateReport {
         prompt_tokens,
         new_tokens,
-        tp,
+        tp: compute.tp,
+        bf16: compute.bf16,
         threads,
         first_token_s: first,
         decode_tokens_per_s,

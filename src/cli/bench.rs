@@ -113,6 +113,10 @@ enum Which {
         /// Compute threads of the kernels (default: every core).
         #[arg(long, value_parser = values::threads)]
         threads: Option<usize>,
+        /// Decode with bf16 weights and bf16 products summed in f32 (`megatron generate
+        /// --bf16`).
+        #[arg(long)]
+        bf16: bool,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -225,11 +229,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             new_tokens,
             tp,
             threads,
+            bf16,
             json,
         } => {
             let threads = threads.unwrap_or_else(parallel::cores);
             parallel::set_threads(threads);
-            let report = bench::generate::run(load, *tp, *prompt_tokens, *new_tokens, threads)?;
+            let compute = megatron::generate::Compute {
+                tp: *tp,
+                bf16: *bf16,
+            };
+            let report = bench::generate::run(load, compute, *prompt_tokens, *new_tokens, threads)?;
             print(&report, *json)
         }
         Which::Elementwise {

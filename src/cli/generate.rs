@@ -9,7 +9,7 @@ use clap::Args;
 use std::sync::Mutex;
 
 use megatron::chat::ChatTemplate;
-use megatron::generate::{Sampling, generate_streaming};
+use megatron::generate::{Compute, Sampling, generate_streaming};
 use megatron::tokenizer::{TextStream, Tokenizer};
 
 /// Arguments of `megatron generate`.
@@ -48,6 +48,11 @@ pub struct GenerateArgs {
         value_parser = values::ranks
     )]
     tp: usize,
+    /// bf16 weights (the checkpoint's values rounded to bf16: half the bytes each new token
+    /// reads) and matrix products of bf16 operands summed in f32, as a `--bf16` training run's
+    /// forward; f32 without it.
+    #[arg(long)]
+    bf16: bool,
     /// Tokenizer (`byte` or a tokenizer.json) [default: the one the checkpoint records].
     #[arg(long)]
     tokenizer: Option<String>,
@@ -172,7 +177,10 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     };
     let generated = generate_streaming(
         &args.load,
-        args.tp,
+        Compute {
+            tp: args.tp,
+            bf16: args.bf16,
+        },
         &prompt,
         args.max_new_tokens,
         sampling,

@@ -17,9 +17,10 @@ fn local_row(id: i64, vocab_start: usize, v_local: usize) -> Option<usize> {
 }
 
 /// Looks up `out[n, hidden]` rows of `table[v_local, hidden]` for `ids[n]`; ids outside the shard give zero rows.
-pub fn embedding_forward(
+/// A 16-bit table's rows are widened to f32 as they are copied (the rest of the table is not read).
+pub fn embedding_forward<T: Copy + Into<f32>>(
     ids: &[i64],
-    table: &[f32],
+    table: &[T],
     vocab_start: usize,
     v_local: usize,
     hidden: usize,
@@ -36,7 +37,11 @@ pub fn embedding_forward(
     }
     for (&id, row) in ids.iter().zip(out.chunks_exact_mut(hidden)) {
         match local_row(id, vocab_start, v_local) {
-            Some(r) => row.copy_from_slice(&table[r * hidden..(r + 1) * hidden]),
+            Some(r) => {
+                for (o, &v) in row.iter_mut().zip(&table[r * hidden..(r + 1) * hidden]) {
+                    *o = v.into();
+                }
+            }
             None => row.fill(0.0),
         }
     }

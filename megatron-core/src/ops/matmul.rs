@@ -49,7 +49,7 @@ impl Batched {
         })
     }
 
-    pub(crate) fn matrix<'a>(&self, data: &'a [f32], i: usize) -> Result<MatRef<'a>> {
+    pub(crate) fn matrix<'a, T: Copy>(&self, data: &'a [T], i: usize) -> Result<MatRef<'a, T>> {
         let start = self.offset + i * self.batch_stride;
         Ok(MatRef::new(
             &data[start.min(data.len())..],

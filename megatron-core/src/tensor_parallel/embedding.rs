@@ -217,7 +217,12 @@ impl Embedding {
         } else {
             self.check_ids(ids)?
         };
-        let table = self.weight.value().to_f32_contiguous()?;
+        // The host reads a 16-bit table's looked-up rows as they are; a device's table is f32.
+        let value = self.weight.value();
+        let table = match value.gpu() {
+            Some(_) => value.to_f32_contiguous()?,
+            None => value.to_contiguous(value.dtype())?,
+        };
         let rows = (self.vocab_start, self.local_rows());
         let (out, ids) = backend::of(self.weight.value()).embedding_lookup(&ids, &table, rows)?;
         Ok((out, EmbeddingSaved { ids }))

@@ -13,6 +13,23 @@ impl PlaceOps for Cpu {
     }
 }
 
+/// [`ek::embedding_forward`] of `table`'s rows `vocab_start..vocab_start + local_rows` (of `h`).
+fn lookup<T: Copy + Into<f32>>(
+    ids: &[i64],
+    table: &[T],
+    (vocab_start, local_rows, h): (usize, usize, usize),
+    out: &mut [f32],
+) -> Result<()> {
+    Ok(ek::embedding_forward(
+        ids,
+        table,
+        vocab_start,
+        local_rows,
+        h,
+        out,
+    )?)
+}
+
 impl EmbeddingOps for Cpu {
     fn embedding_lookup(
         &self,
@@ -24,14 +41,16 @@ impl EmbeddingOps for Cpu {
         let mut dims = ids.dims().to_vec();
         dims.push(h);
         let out = Tensor::empty(dims, DType::F32);
-        ek::embedding_forward(
-            &ids.read::<i64>()?,
-            &table.read::<f32>()?,
-            vocab_start,
-            local_rows,
-            h,
-            &mut out.write::<f32>()?,
-        )?;
+        {
+            let (tokens, mut o) = (ids.read::<i64>()?, out.write::<f32>()?);
+            let rows = (vocab_start, local_rows, h);
+            match table.dtype() {
+                // A 16-bit table's looked-up rows are widened, not the whole table.
+                DType::BF16 => lookup(&tokens, &table.read::<half::bf16>()?, rows, &mut o)?,
+                DType::F16 => lookup(&tokens, &table.read::<half::f16>()?, rows, &mut o)?,
+                _ => lookup(&tokens, &table.read::<f32>()?, rows, &mut o)?,
+            }
+        }
         Ok((out, ids.clone()))
     }
 

@@ -4,8 +4,9 @@ use super::Cpu;
 use crate::backend::MatmulOps;
 use std::cell::Cell;
 
-use crate::kernels::gemm::{MatMut, MatRef, gemm, gemm_bf16};
+use crate::kernels::gemm::{MatMut, MatRef, gemm, gemm_bf16, gemm_bf16_b};
 use crate::ops::matmul::Product;
+use crate::tensor::Element;
 use crate::tensor::{DType, Result, Tensor, TensorError};
 
 /// `x` in f32 (exactly: every bf16/f16 value is an f32), laid out as `x` is where that is a
@@ -56,9 +57,43 @@ fn product(
     }
 }
 
+/// Each of the batched products `a @ b → c` (`crate::ops::matmul`'s views) by `product`, B's
+/// elements read as `T`.
+fn each_product<T: Element + Copy>(
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    product: impl Fn(MatRef<'_>, MatRef<'_, T>, MatMut<'_>) -> Result<(), crate::kernels::KernelError>,
+) -> Result<()> {
+    let Product {
+        a: mut av,
+        b: mut bv,
+        c: mut cv,
+        shared_b,
+        batch,
+        m,
+        n,
+    } = Product::of(a, b, c)?;
+    // Borrow the spans the views touch; offsets below are relative to each span.
+    let (a_data, a_base) = a.read_span::<f32>()?;
+    let (b_data, b_base) = b.read_span::<T>()?;
+    let (mut c_data, c_base) = c.write_span::<f32>()?;
+    av.offset -= a_base;
+    bv.offset -= b_base;
+    cv.offset -= c_base;
+    for i in 0..batch {
+        let start = cv.offset + i * cv.batch_stride;
+        let out = MatMut::new(&mut c_data[start..], m, n, cv.row_stride, cv.col_stride)?;
+        let bi = if shared_b { 0 } else { i };
+        product(av.matrix(&a_data, i)?, bv.matrix(&b_data, bi)?, out)?;
+    }
+    Ok(())
+}
+
 impl MatmulOps for Cpu {
-    /// f32 products, or bf16 ones with f32 sums ([`set_bf16_products`]); bf16/f16 operands are
-    /// converted to f32 first.
+    /// f32 products, or bf16 ones with f32 sums ([`set_bf16_products`]); a bf16 B of a bf16
+    /// product is read as it is stored (a decoding step streams bf16 weights), other bf16/f16
+    /// operands are converted to f32 first.
     fn matmul_into(&self, alpha: f32, a: &Tensor, b: &Tensor, beta: f32, c: &Tensor) -> Result<()> {
         if c.dtype() != DType::F32 {
             return Err(TensorError::DType {
@@ -67,49 +102,15 @@ impl MatmulOps for Cpu {
                 actual: c.dtype(),
             });
         }
+        if bf16_products() && b.dtype() == DType::BF16 {
+            return each_product::<half::bf16>(&widened(a)?, b, c, |a, b, c| {
+                gemm_bf16_b(alpha, a, b, beta, c)
+            });
+        }
         if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
             return self.matmul_into(alpha, &widened(a)?, &widened(b)?, beta, c);
         }
-        let Product {
-            a: mut av,
-            b: mut bv,
-            c: mut cv,
-            shared_b,
-            batch,
-            m,
-            n,
-        } = Product::of(a, b, c)?;
-        // Borrow the spans the views touch; offsets below are relative to each span.
-        let (a_data, a_base) = a.read_span::<f32>()?;
-        let (b_data, b_base) = b.read_span::<f32>()?;
-        let (mut c_data, c_base) = c.write_span::<f32>()?;
-        av.offset -= a_base;
-        bv.offset -= b_base;
-        cv.offset -= c_base;
-        if batch == 1 {
-            let out = MatMut::new(&mut c_data[cv.offset..], m, n, cv.row_stride, cv.col_stride)?;
-            product(
-                alpha,
-                av.matrix(&a_data, 0)?,
-                bv.matrix(&b_data, 0)?,
-                beta,
-                out,
-            )?;
-            return Ok(());
-        }
-        for i in 0..batch {
-            let start = cv.offset + i * cv.batch_stride;
-            let out = MatMut::new(&mut c_data[start..], m, n, cv.row_stride, cv.col_stride)?;
-            let bi = if shared_b { 0 } else { i };
-            product(
-                alpha,
-                av.matrix(&a_data, i)?,
-                bv.matrix(&b_data, bi)?,
-                beta,
-                out,
-            )?;
-        }
-        Ok(())
+        each_product::<f32>(a, b, c, |a, b, c| product(alpha, a, b, beta, c))
     }
 
     /// Never fused on the host: the caller multiplies and adds the bias itself.

@@ -14,20 +14,21 @@ mod packed;
 use super::isa::{Isa, Level};
 use super::{KernelError, parallel};
 
-/// A read-only strided view of an f32 matrix: element (i, j) is `data[i·row_stride + j·col_stride]`.
+/// A read-only strided view of a matrix of f32 (or, for [`gemm_bf16_b`]'s B, bf16) values:
+/// element (i, j) is `data[i·row_stride + j·col_stride]`.
 #[derive(Debug, Clone, Copy)]
-pub struct MatRef<'a> {
-    data: &'a [f32],
+pub struct MatRef<'a, T = f32> {
+    data: &'a [T],
     rows: usize,
     cols: usize,
     row_stride: usize,
     col_stride: usize,
 }
 
-impl<'a> MatRef<'a> {
+impl<'a, T: Copy> MatRef<'a, T> {
     /// A view of `rows × cols` elements; every element must lie inside `data`.
     pub fn new(
-        data: &'a [f32],
+        data: &'a [T],
         rows: usize,
         cols: usize,
         row_stride: usize,
@@ -52,7 +53,7 @@ impl<'a> MatRef<'a> {
     }
 
     /// A dense row-major `rows × cols` view.
-    pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Result<Self, KernelError> {
+    pub fn row_major(data: &'a [T], rows: usize, cols: usize) -> Result<Self, KernelError> {
         MatRef::new(data, rows, cols, cols, 1)
     }
 
@@ -284,20 +285,86 @@ fn gemm_bf16_on(
         blocks(Some(tile), alpha, a, b, beta, c);
         return Ok(());
     }
-    let round = |x: &MatRef<'_>| -> Vec<f32> {
-        (0..x.rows * x.cols)
-            .map(|e| to_bf16(x.data[(e / x.cols) * x.row_stride + (e % x.cols) * x.col_stride]))
-            .collect()
-    };
-    let (ra, rb) = (round(&a), round(&b));
-    gemm_on(
-        isa,
-        alpha,
-        MatRef::row_major(&ra, m, k)?,
-        MatRef::row_major(&rb, k, n)?,
-        beta,
-        c,
-    )
+    let (ra, rb) = (Dense::of(&a, to_bf16), Dense::of(&b, to_bf16));
+    gemm_on(isa, alpha, ra.view()?, rb.view()?, beta, c)
+}
+
+/// A dense f32 copy of a matrix in its own order: a matrix whose columns are contiguous (read
+/// transposed) is copied as its transpose's rows, so a weight read transposed is copied in one
+/// sequential pass and a few-rows product of the copy sums in the order it would on the
+/// original.
+struct Dense {
+    values: Vec<f32>,
+    rows: usize,
+    cols: usize,
+    transposed: bool,
+}
+
+impl Dense {
+    /// `x`'s elements, each mapped by `f`.
+    fn of<T: Copy>(x: &MatRef<'_, T>, f: impl Fn(T) -> f32) -> Dense {
+        let transposed = x.row_stride == 1 && x.col_stride != 1;
+        let (lines, len, line_stride, step) = match transposed {
+            true => (x.cols, x.rows, x.col_stride, x.row_stride),
+            false => (x.rows, x.cols, x.row_stride, x.col_stride),
+        };
+        let mut values = Vec::with_capacity(lines * len);
+        for line in 0..lines {
+            let at = line * line_stride;
+            match step {
+                1 => values.extend(x.data[at..at + len].iter().map(|&v| f(v))),
+                _ => values.extend((0..len).map(|e| f(x.data[at + e * step]))),
+            }
+        }
+        Dense {
+            values,
+            rows: x.rows,
+            cols: x.cols,
+            transposed,
+        }
+    }
+
+    /// The copy as a view of the matrix it copies.
+    fn view(&self) -> Result<MatRef<'_>, KernelError> {
+        Ok(match self.transposed {
+            true => MatRef::row_major(&self.values, self.cols, self.rows)?.t(),
+            false => MatRef::row_major(&self.values, self.rows, self.cols)?,
+        })
+    }
+}
+
+/// [`gemm_bf16`] of a B already in bf16 (a bf16 weight), with the same bits. A product of a
+/// few rows against B read transposed (a decoding step's, B's columns contiguous) streams B's
+/// bf16 values as they are stored, half the bytes of f32; any other product widens B into an
+/// f32 copy first.
+pub fn gemm_bf16_b(
+    alpha: f32,
+    a: MatRef<'_>,
+    b: MatRef<'_, half::bf16>,
+    beta: f32,
+    c: MatMut<'_>,
+) -> Result<(), KernelError> {
+    gemm_bf16_b_on(Isa::detected(), alpha, a, b, beta, c)
+}
+
+/// [`gemm_bf16_b`] on the kernels of `isa`.
+fn gemm_bf16_b_on(
+    isa: Isa,
+    alpha: f32,
+    a: MatRef<'_>,
+    b: MatRef<'_, half::bf16>,
+    beta: f32,
+    mut c: MatMut<'_>,
+) -> Result<(), KernelError> {
+    if trivial(&a, &b, beta, &mut c)? {
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if few_rows::few_rows_bf16(isa, alpha, a, b, beta, &mut c) {
+        return Ok(());
+    }
+    let wide = Dense::of(&b, half::bf16::to_f32);
+    gemm_bf16_on(isa, alpha, a, wide.view()?, beta, c)
 }
 
 /// `x` rounded to bf16 (to nearest, ties to even) and back; a denormal bf16 reads as zero of
@@ -312,9 +379,9 @@ fn to_bf16(x: f32) -> f32 {
 }
 
 /// Checks the shapes, and computes the products that need no kernel: `Ok(true)` when C is done.
-fn trivial(
+fn trivial<T: Copy>(
     a: &MatRef<'_>,
-    b: &MatRef<'_>,
+    b: &MatRef<'_, T>,
     beta: f32,
     c: &mut MatMut<'_>,
 ) -> Result<bool, KernelError> {
@@ -953,23 +1020,32 @@ mod tests {
                     a.iter().map(|&v| to_bf16(v)).collect(),
                     b.iter().map(|&v| to_bf16(v)).collect(),
                 );
-                let bt = transpose(&b, k, n);
+                let (bt, rbt) = (transpose(&b, k, n), transpose(&rb, k, n));
                 for (alpha, beta) in [(1.0, 0.0), (0.375, 0.75)] {
-                    let mut want = c0.clone();
-                    gemm_on(
-                        isa,
-                        alpha,
-                        MatRef::row_major(&ra, m, k).unwrap(),
-                        MatRef::row_major(&rb, k, n).unwrap(),
-                        beta,
-                        MatMut::row_major(&mut want, m, n).unwrap(),
-                    )
-                    .unwrap();
                     for tb in [false, true] {
-                        let bv = match tb {
-                            true => MatRef::row_major(&bt, n, k).unwrap().t(),
-                            false => MatRef::row_major(&b, k, n).unwrap(),
+                        // The reference's B in the same layout: a few-rows product's order of
+                        // sums follows B's layout.
+                        let (bv, rbv) = match tb {
+                            true => (
+                                MatRef::row_major(&bt, n, k).unwrap().t(),
+                                MatRef::row_major(&rbt, n, k).unwrap().t(),
+                            ),
+                            false => (
+                                MatRef::row_major(&b, k, n).unwrap(),
+                                MatRef::row_major(&rb, k, n).unwrap(),
+                            ),
                         };
+                        let mut want = c0.clone();
+                        let out = MatMut::row_major(&mut want, m, n).unwrap();
+                        gemm_on(
+                            isa,
+                            alpha,
+                            MatRef::row_major(&ra, m, k).unwrap(),
+                            rbv,
+                            beta,
+                            out,
+                        )
+                        .unwrap();
                         let mut wide = vec![f32::NAN; m * (n + 3)];
                         for i in 0..m {
                             wide[i * (n + 3)..i * (n + 3) + n]
@@ -988,6 +1064,86 @@ mod tests {
                         assert!(
                             diff.is_none(),
                             "{} {m}×{k}×{n}, α {alpha} β {beta}, Bᵀ {tb}: element {:?} differs",
+                            isa.name(),
+                            diff.map(|e| (got[e], want[e]))
+                        );
+                    }
+                }
+            }
+        }
+        parallel::set_threads(parallel::cores());
+    }
+
+    #[test]
+    fn bf16_b_products_are_gemm_bf16_of_the_widened_b_bit_for_bit() {
+        // A B stored in bf16 (a bf16 weight): decoding's few rows against B read transposed
+        // stream its bf16 values; any other product widens it. Both must give gemm_bf16's bits on
+        // the widened B, on every instruction set and thread count: tails past the 16 lanes,
+        // columns apart by more than k, B row-major, products too large for the few-rows path,
+        // and bf16 denormals (read as zero) and signed zeros among B's values.
+        let shapes = [
+            (1, 257, 130),
+            (2, 1000, 40),
+            (3, 300, 131),
+            (4, 64, 600),
+            (1, 4096, 9),
+            (5, 300, 200),
+            (40, 100, 30),
+        ];
+        for (s, &(m, k, n)) in shapes.iter().enumerate() {
+            let a: Vec<f32> = data(m * k, 41).iter().map(|v| v * 1.1).collect();
+            let c0 = data(m * n, 43);
+            let mut b: Vec<half::bf16> = data(k * n, 42)
+                .iter()
+                .map(|&v| half::bf16::from_f32(v * 1.3))
+                .collect();
+            for (e, bits) in [0x0001u16, 0x8003, 0x8000, 0x0000, 0x007f]
+                .into_iter()
+                .enumerate()
+            {
+                b[(e * 7919) % (k * n)] = half::bf16::from_bits(bits);
+            }
+            // B's columns k + 5 apart (a view of a wider matrix), and B row-major.
+            let pad = k + 5;
+            let mut bt = vec![half::bf16::from_f32(7.0); n * pad];
+            for p in 0..k {
+                for j in 0..n {
+                    bt[j * pad + p] = b[p * n + j];
+                }
+            }
+            // The f32 reference in the same layout: a few-rows product's order of sums follows
+            // B's layout.
+            let wide: Vec<f32> = b.iter().map(|v| v.to_f32()).collect();
+            let wide_t: Vec<f32> = bt.iter().map(|v| v.to_f32()).collect();
+            for isa in Isa::supported() {
+                parallel::set_threads(1 + s % 3);
+                for (alpha, beta) in [(1.0, 0.0), (0.375, 0.75)] {
+                    let av = MatRef::row_major(&a, m, k).unwrap();
+                    for columns in [true, false] {
+                        let (bv, wv) = match columns {
+                            true => (
+                                MatRef::new(&bt, n, k, pad, 1).unwrap().t(),
+                                MatRef::new(&wide_t, n, k, pad, 1).unwrap().t(),
+                            ),
+                            false => (
+                                MatRef::row_major(&b, k, n).unwrap(),
+                                MatRef::row_major(&wide, k, n).unwrap(),
+                            ),
+                        };
+                        let mut want = c0.clone();
+                        let out = MatMut::row_major(&mut want, m, n).unwrap();
+                        gemm_bf16_on(isa, alpha, av, wv, beta, out).unwrap();
+                        let mut got = c0.clone();
+                        let out = MatMut::row_major(&mut got, m, n).unwrap();
+                        gemm_bf16_b_on(isa, alpha, av, bv, beta, out).unwrap();
+                        let diff = got
+                            .iter()
+                            .zip(&want)
+                            .position(|(g, w)| g.to_bits() != w.to_bits());
+                        assert!(
+                            diff.is_none(),
+                            "{} {m}×{k}×{n}, α {alpha} β {beta}, columns {columns}: element {:?} \
+                             differs",
                             isa.name(),
                             diff.map(|e| (got[e], want[e]))
                         );
