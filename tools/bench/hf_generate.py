@@ -5,6 +5,8 @@ same weights (BENCHMARKS.md, "Generation").
     megatron convert --from hf DIR --to CKPT
     megatron bench generate --load CKPT --threads 2
     venv/bin/python tools/bench/hf_generate.py time DIR --threads 2
+    megatron bench generate --load CKPT --threads 2 --bf16
+    venv/bin/python tools/bench/hf_generate.py time DIR --threads 2 --bf16
 
 `make` saves a random Llama (f32) of llama-tiny's shape (4 layers, hidden 128, 4 heads in 2
 key/value groups, SwiGLU 320, vocabulary 256) or of about 100M parameters (12 layers, hidden
@@ -12,7 +14,9 @@ key/value groups, SwiGLU 320, vocabulary 256) or of about 100M parameters (12 la
 uses (token i = (7919·i + 13) mod vocab) through generate with its KV cache after a warm-up,
 each new token's time taken as generate hands it out (a streamer), as megatron-rs times its
 own: the rate is the N − 1 steps from the first new token to the last. It prints one JSON
-object with the greedy tokens, which the same weights make equal to megatron-rs's.
+object with the greedy tokens, which the same weights make equal to megatron-rs's. With --bf16
+the model is loaded in bf16 (transformers computes its activations in bf16 too, megatron-rs
+in f32 with bf16 products), so the greedy tokens may part after a while.
 """
 
 import argparse
@@ -92,9 +96,10 @@ def timed(model, prompt, n: int):
     return times.times, out[0, prompt.shape[1] :].tolist()
 
 
-def run(directory: str, prompt_tokens: int, new_tokens: int, threads: int) -> None:
+def run(directory: str, prompt_tokens: int, new_tokens: int, threads: int, bf16: bool) -> None:
     torch.set_num_threads(threads)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
     vocab = model.config.vocab_size
     prompt = torch.tensor([[(7919 * i + 13) % vocab for i in range(prompt_tokens)]])
     timed(model, prompt, 1)
@@ -106,6 +111,7 @@ def run(directory: str, prompt_tokens: int, new_tokens: int, threads: int) -> No
                 "transformers": transformers.__version__,
                 "torch": torch.__version__,
                 "threads": threads,
+                "dtype": str(dtype),
                 "prompt_tokens": prompt_tokens,
                 "new_tokens": new_tokens,
                 "first_token_s": first,
@@ -127,8 +133,9 @@ if __name__ == "__main__":
     t.add_argument("--prompt-tokens", type=int, default=32)
     t.add_argument("--new-tokens", type=int, default=64)
     t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--bf16", action="store_true")
     a = parser.parse_args()
     if a.command == "make":
         make(a.dir, a.shape)
     else:
-        run(a.dir, a.prompt_tokens, a.new_tokens, a.threads)
+        run(a.dir, a.prompt_tokens, a.new_tokens, a.threads, a.bf16)
