@@ -41,12 +41,14 @@ fn mixtral() -> GptConfig {
 }
 
 /// Each position's logits `[s, b, vocab]`: by one full forward, and by a prefill of the first
-/// `PREFILL` positions then one position a step with a cache; rank 0's.
-fn full_and_cached(config: &GptConfig, tp: usize) -> (Vec<f32>, Vec<f32>) {
+/// `PREFILL` positions then one position a step with a cache; rank 0's. With `bf16`, every
+/// product of bf16 operands summed in f32 (a `--bf16` run's).
+fn full_and_cached(config: &GptConfig, tp: usize, bf16: bool) -> (Vec<f32>, Vec<f32>) {
     let layout = ParallelLayout::new(&ParallelConfig::new(tp).with_tp(tp)).unwrap();
     let tokens = support::token_ids(SEQ, BATCH, 3).to_vec::<i64>().unwrap();
     launch(tp, |w| -> R<(Vec<f32>, Vec<f32>)> {
         let ps = ParallelState::new(&w, &layout)?;
+        let _products = megatron::ops::cpu_bf16_products(bf16);
         let model = Gpt::build(&config.spec(), &mut Builder::for_rank(9, ps.groups()))?;
         let cx = Cx::new(&ps, 0).eval();
         let ids = |from: usize, to: usize| -> R<Tensor> {
@@ -81,9 +83,23 @@ fn cached_decoding_gives_the_full_forwards_logits() {
         ("mixtral", mixtral()),
     ] {
         for tp in [1, 2] {
-            let (full, cached) = full_and_cached(&config, tp);
+            let (full, cached) = full_and_cached(&config, tp, false);
             assert_eq!(full.len(), cached.len(), "{name}");
             // The same products over fewer rows at a time: f32's last places.
+            support::assert_close_to_scale(&cached, &full, 1e-5, &format!("{name} tp {tp}"));
+        }
+    }
+}
+
+#[test]
+fn cached_bf16_decoding_gives_the_full_bf16_forwards_logits() {
+    // In bf16 the cache's attention products round their operands as the full forward's do.
+    // Products of bf16 values are exact in f32, and on these small models their sums are too:
+    // the two agree to f32's last places as in f32 (attention products left in f32 in the
+    // cache would differ by about 1e-3 here).
+    for (name, config) in [("gpt", support::tiny_gpt(0.0)), ("llama", llama())] {
+        for tp in [1, 2] {
+            let (full, cached) = full_and_cached(&config, tp, true);
             support::assert_close_to_scale(&cached, &full, 1e-5, &format!("{name} tp {tp}"));
         }
     }

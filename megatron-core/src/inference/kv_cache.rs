@@ -7,14 +7,17 @@
 //! position a step. The caller moves the offset on after each forward ([`KvCache::advance`]).
 //!
 //! A tensor-parallel rank caches its own heads (the layers' own split); nothing is
-//! communicated beyond the model's own collectives.
+//! communicated beyond the model's own collectives. The scores and the context are products in
+//! the run's precision (under `--bf16`, of operands rounded to bf16 with f32 sums, as the
+//! attention of a forward without the cache).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 
+use crate::backend::cpu_product as product;
 use crate::error::Result;
 use crate::invalid;
-use crate::kernels::gemm::{MatMut, MatRef, gemm};
+use crate::kernels::gemm::{MatMut, MatRef};
 use crate::kernels::heads::GroupedHeads;
 use crate::kernels::softmax::{self, KeyMask};
 use crate::module::Site;
@@ -178,7 +181,7 @@ pub(crate) fn decode_attention(
             }
             let keys = MatRef::row_major(&layer.keys[b * groups + group], keys_len, d)?;
             let values = MatRef::row_major(&layer.values[b * groups + group], keys_len, d)?;
-            gemm(
+            product(
                 1.0,
                 MatRef::row_major(&q, rows, d)?,
                 keys.t(),
@@ -187,7 +190,7 @@ pub(crate) fn decode_attention(
             )?;
             // Row (p, i) is query i of the last `seq` positions: the kernel's causal rule.
             softmax::softmax_forward(&scores, per_group, seq, keys_len, scale, mask, &mut probs)?;
-            gemm(
+            product(
                 1.0,
                 MatRef::row_major(&probs, rows, keys_len)?,
                 values,

@@ -6,13 +6,15 @@
 //! position-free query is carried into latent space by its key rows of `kv_up`
 //! (`q_lat = q_nope · W_uk[h]`), its scores are `q_lat · latent + q_pe · k_pe`, and its context,
 //! a weighted sum of latents, leaves through the value rows (`out = W_uv[h] · Σ p·latent`). The
-//! same products as expanding every cached position, in another order.
+//! same products as expanding every cached position, in another order, in the run's precision
+//! (bf16 operands with f32 sums under `--bf16`).
 
 use std::sync::PoisonError;
 
+use crate::backend::cpu_product as product;
 use crate::error::Result;
 use crate::invalid;
-use crate::kernels::gemm::{MatMut, MatRef, gemm};
+use crate::kernels::gemm::{MatMut, MatRef};
 use crate::kernels::softmax::{self, KeyMask};
 use crate::module::Site;
 
@@ -171,21 +173,21 @@ pub fn latent_decode_attention(cache: &KvCache, site: Site, step: LatentStep) ->
             let w = &step.kv_up[h * width * latent..(h + 1) * width * latent];
             let (w_uk, w_uv) = w.split_at(nope * latent);
             // The position-free query carried into the latent's space.
-            gemm(
+            product(
                 1.0,
                 MatRef::row_major(&q_n, seq, nope)?,
                 MatRef::row_major(w_uk, nope, latent)?,
                 0.0,
                 MatMut::row_major(&mut q_lat, seq, latent)?,
             )?;
-            gemm(
+            product(
                 1.0,
                 MatRef::row_major(&q_lat, seq, latent)?,
                 latents.t(),
                 0.0,
                 MatMut::row_major(&mut scores, seq, keys_len)?,
             )?;
-            gemm(
+            product(
                 1.0,
                 MatRef::row_major(&q_p, seq, rope)?,
                 keys.t(),
@@ -194,7 +196,7 @@ pub fn latent_decode_attention(cache: &KvCache, site: Site, step: LatentStep) ->
             )?;
             // Query i is position offset + i: the kernel's causal rule over the last `seq`.
             softmax::softmax_forward(&scores, 1, seq, keys_len, step.scale, mask, &mut probs)?;
-            gemm(
+            product(
                 1.0,
                 MatRef::row_major(&probs, seq, keys_len)?,
                 latents,
@@ -202,7 +204,7 @@ pub fn latent_decode_attention(cache: &KvCache, site: Site, step: LatentStep) ->
                 MatMut::row_major(&mut ctx_lat, seq, latent)?,
             )?;
             // Out through the head's value rows.
-            gemm(
+            product(
                 1.0,
                 MatRef::row_major(&ctx_lat, seq, latent)?,
                 MatRef::row_major(w_uv, v, latent)?.t(),

@@ -42,8 +42,9 @@ pub(crate) fn bf16_products() -> bool {
     BF16_PRODUCTS.get()
 }
 
-/// `C = α·A·B + β·C` in f32, or of the operands rounded to bf16 when this thread says so.
-fn product(
+/// `C = α·A·B + β·C` in f32, or of the operands rounded to bf16 when this thread says so
+/// ([`set_bf16_products`]): the host's products in the run's precision.
+pub(crate) fn product(
     alpha: f32,
     a: MatRef<'_>,
     b: MatRef<'_>,
