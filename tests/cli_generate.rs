@@ -62,6 +62,23 @@ fn each_token_is_handed_out_as_it_is_drawn_and_the_stop_token_ends_it() {
     );
 }
 
+/// `megatron bench generate`'s JSON report of two new tokens from `ckpt`, with `extra` flags.
+fn bench_two_tokens(ckpt: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "bench",
+        "generate",
+        "--load",
+        ckpt,
+        "--new-tokens",
+        "2",
+        "--json",
+    ];
+    args.extend(extra);
+    let (ok, stdout, stderr) = megatron(&args);
+    assert!(ok, "{stderr}");
+    serde_json::from_str(&stdout).unwrap()
+}
+
 #[test]
 fn bf16_generation_streams_bf16_weights_and_keeps_the_greedy_tokens() {
     // `--bf16`: the weights rounded to bf16 and products of bf16 operands summed in f32 (the
@@ -83,21 +100,7 @@ fn bf16_generation_streams_bf16_weights_and_keeps_the_greedy_tokens() {
     }
     // The benchmark reads half the bytes a token, and says so.
     let bytes = |bf16: bool| {
-        let mut args = vec![
-            "bench",
-            "generate",
-            "--load",
-            &ckpt,
-            "--new-tokens",
-            "2",
-            "--json",
-        ];
-        if bf16 {
-            args.push("--bf16");
-        }
-        let (ok, stdout, stderr) = megatron(&args);
-        assert!(ok, "{stderr}");
-        let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        let report = bench_two_tokens(&ckpt, if bf16 { &["--bf16"] } else { &[] });
         assert_eq!(report["bf16"].as_bool(), Some(bf16));
         report["weight_bytes_per_token"].as_u64().unwrap()
     };
@@ -169,17 +172,7 @@ fn counts_past_the_models_positions_are_refused_at_once() {
         "{stderr}"
     );
     // Two new tokens: the one decoding step between them timed directly (no rate of 10^9).
-    let (ok, stdout, stderr) = megatron(&[
-        "bench",
-        "generate",
-        "--load",
-        &ckpt,
-        "--new-tokens",
-        "2",
-        "--json",
-    ]);
-    assert!(ok, "{stderr}");
-    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let report = bench_two_tokens(&ckpt, &[]);
     let rate = report["decode_tokens_per_s"].as_f64().unwrap();
     assert!(rate > 0.0 && rate < 1e7, "{rate} tokens/s");
     assert_eq!(report["tokens"].as_array().unwrap().len(), 2);

@@ -153,10 +153,18 @@ fn join(mut lanes: [f32; LANES]) -> f32 {
 
 /// Defines `$name::<M>(x, k, w)`: `M` rows of A (`x`, `M × k` contiguous) dotted with one
 /// column of B (`w`, k contiguous elements of `$wty`, loaded into f32 vectors by `$wload` and
-/// one at a time by `$widen`), 16 lanes a sum as `LANES / $width` vectors.
+/// one at a time by `$widen`), 16 lanes a sum, on AVX-512 (`avx512`) or AVX2 (`avx2`) vectors.
 #[cfg(target_arch = "x86_64")]
 macro_rules! dot_column {
-    ($name:ident, $features:literal, $vec:ty, $width:literal, $zero:ident, $load:ident,
+    ($name:ident, avx512, $wty:ty, $wload:path, $widen:path) => {
+        dot_column!(@ $name, "avx512f,fma", __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps,
+            _mm512_storeu_ps, _mm512_fmadd_ps, $wty, $wload, $widen);
+    };
+    ($name:ident, avx2, $wty:ty, $wload:path, $widen:path) => {
+        dot_column!(@ $name, "avx2,fma", __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps,
+            _mm256_storeu_ps, _mm256_fmadd_ps, $wty, $wload, $widen);
+    };
+    (@ $name:ident, $features:literal, $vec:ty, $width:literal, $zero:ident, $load:ident,
      $store:ident, $fmadd:ident, $wty:ty, $wload:path, $widen:path) => {
         /// # Safety
         /// `x` holds `M · k` elements and `w` k; the CPU has the instruction set.
@@ -196,59 +204,17 @@ macro_rules! dot_column {
 #[cfg(target_arch = "x86_64")]
 dot_column!(
     dot_avx512,
-    "avx512f,fma",
-    __m512,
-    16,
-    _mm512_setzero_ps,
-    _mm512_loadu_ps,
-    _mm512_storeu_ps,
-    _mm512_fmadd_ps,
+    avx512,
     f32,
     _mm512_loadu_ps,
     std::convert::identity
 );
 #[cfg(target_arch = "x86_64")]
-dot_column!(
-    dot_avx2,
-    "avx2,fma",
-    __m256,
-    8,
-    _mm256_setzero_ps,
-    _mm256_loadu_ps,
-    _mm256_storeu_ps,
-    _mm256_fmadd_ps,
-    f32,
-    _mm256_loadu_ps,
-    std::convert::identity
-);
+dot_column!(dot_avx2, avx2, f32, _mm256_loadu_ps, std::convert::identity);
 #[cfg(target_arch = "x86_64")]
-dot_column!(
-    dot_bf16_avx512,
-    "avx512f,fma",
-    __m512,
-    16,
-    _mm512_setzero_ps,
-    _mm512_loadu_ps,
-    _mm512_storeu_ps,
-    _mm512_fmadd_ps,
-    half::bf16,
-    widen_16,
-    widen
-);
+dot_column!(dot_bf16_avx512, avx512, half::bf16, widen_16, widen);
 #[cfg(target_arch = "x86_64")]
-dot_column!(
-    dot_bf16_avx2,
-    "avx2,fma",
-    __m256,
-    8,
-    _mm256_setzero_ps,
-    _mm256_loadu_ps,
-    _mm256_storeu_ps,
-    _mm256_fmadd_ps,
-    half::bf16,
-    widen_8,
-    widen
-);
+dot_column!(dot_bf16_avx2, avx2, half::bf16, widen_8, widen);
 
 /// A bf16 value in f32 (exact), a denormal read as zero of its sign.
 #[cfg(target_arch = "x86_64")]
