@@ -13,23 +13,6 @@ impl PlaceOps for Cpu {
     }
 }
 
-/// [`ek::embedding_forward`] of `table`'s rows `vocab_start..vocab_start + local_rows` (of `h`).
-fn lookup<T: Copy + Into<f32>>(
-    ids: &[i64],
-    table: &[T],
-    (vocab_start, local_rows, h): (usize, usize, usize),
-    out: &mut [f32],
-) -> Result<()> {
-    Ok(ek::embedding_forward(
-        ids,
-        table,
-        vocab_start,
-        local_rows,
-        h,
-        out,
-    )?)
-}
-
 impl EmbeddingOps for Cpu {
     fn embedding_lookup(
         &self,
@@ -43,12 +26,18 @@ impl EmbeddingOps for Cpu {
         let out = Tensor::empty(dims, DType::F32);
         {
             let (tokens, mut o) = (ids.read::<i64>()?, out.write::<f32>()?);
-            let rows = (vocab_start, local_rows, h);
+            let (v0, rows) = (vocab_start, local_rows);
+            // A 16-bit table's looked-up rows are widened, not the whole table.
             match table.dtype() {
-                // A 16-bit table's looked-up rows are widened, not the whole table.
-                DType::BF16 => lookup(&tokens, &table.read::<half::bf16>()?, rows, &mut o)?,
-                DType::F16 => lookup(&tokens, &table.read::<half::f16>()?, rows, &mut o)?,
-                _ => lookup(&tokens, &table.read::<f32>()?, rows, &mut o)?,
+                DType::BF16 => {
+                    let t = table.read::<half::bf16>()?;
+                    ek::embedding_forward(&tokens, &t, v0, rows, h, &mut o)?
+                }
+                DType::F16 => {
+                    let t = table.read::<half::f16>()?;
+                    ek::embedding_forward(&tokens, &t, v0, rows, h, &mut o)?
+                }
+                _ => ek::embedding_forward(&tokens, &table.read::<f32>()?, v0, rows, h, &mut o)?,
             }
         }
         Ok((out, ids.clone()))
