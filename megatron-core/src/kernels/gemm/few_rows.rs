@@ -67,10 +67,11 @@ pub(super) fn few_rows(
 /// contiguous, streamed as they are stored (half the bytes of f32) and widened in registers:
 /// the bits of [`few_rows`] on the operands rounded to bf16 (a bf16 denormal reads as zero, as
 /// `gemm_bf16` reads it). `false` for the products it does not take: another layout of B, too
-/// few rows or too small a B, or a CPU without FMA.
+/// few rows or too small a B, or a CPU without FMA (`fma`, as [`few_rows`] takes it).
 #[cfg(target_arch = "x86_64")]
 pub(super) fn few_rows_bf16(
     isa: Isa,
+    fma: bool,
     alpha: f32,
     a: MatRef<'_>,
     b: MatRef<'_, half::bf16>,
@@ -78,7 +79,6 @@ pub(super) fn few_rows_bf16(
     c: &mut MatMut<'_>,
 ) -> bool {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    let fma = matches!(isa.level(), Level::Avx2 | Level::Avx512 | Level::Avx512Bf16);
     if !(fma && applies((m, k, n), b.row_stride == 1)) {
         return false;
     }

@@ -360,7 +360,7 @@ fn gemm_bf16_b_on(
         return Ok(());
     }
     #[cfg(target_arch = "x86_64")]
-    if few_rows::few_rows_bf16(isa, alpha, a, b, beta, &mut c) {
+    if few_rows::few_rows_bf16(isa, tile_for(isa).is_some(), alpha, a, b, beta, &mut c) {
         return Ok(());
     }
     let wide = Dense::of(&b, half::bf16::to_f32);
