@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 pub struct FmaPeak {
     /// Instruction set, e.g. `avx512f`, `avx2+fma` or `avx512bf16` (bf16 pairs).
     pub isa: &'static str,
-    /// Vector width in f32 lanes.
+    /// Vector width in f32 lanes (for AMX, the f32 elements of the four accumulator tiles).
     pub lanes: usize,
     /// Whether the instruction multiplies bf16 pairs into f32 (`vdpbf16ps`: two multiply-adds
     /// a lane) rather than f32.
@@ -93,28 +93,83 @@ unsafe fn dot_loop_avx512bf16(iters: usize) -> f32 {
     sum_chains_512(acc)
 }
 
+/// AMX's peak: four `tdpbf16ps` a step into four 16 × 16 accumulator tiles, each 16 × 16 × 32
+/// multiply-adds, the sources left zero (the configuration the bf16 tile of `megatron-core`
+/// uses, 16 rows of 64 bytes in every tile).
+///
+/// # Safety
+/// The CPU runs AMX-BF16 and the process holds the tiles' permission
+/// ([`megatron_core::kernels::isa::Isa::amx`] of the detected set, in silicon).
+#[cfg(target_arch = "x86_64")]
+unsafe fn dot_loop_amx(iters: usize) -> f32 {
+    use std::arch::asm;
+    #[repr(C, align(64))]
+    struct Config([u8; 64]);
+    let mut config = Config([0; 64]);
+    config.0[0] = 1;
+    for t in 0..8 {
+        config.0[16 + 2 * t] = 64;
+        config.0[48 + t] = 16;
+    }
+    let mut out = [0u8; 1024];
+    // SAFETY: the caller's contract; the one store writes 16 rows of 64 bytes, 64 bytes apart,
+    // inside `out`. The statements are not `pure`: the loop runs as written.
+    unsafe {
+        asm!("ldtilecfg [{0}]", in(reg) config.0.as_ptr(), options(nostack, readonly));
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "tilezero tmm4",
+            "tilezero tmm5",
+            "tilezero tmm6",
+            "tilezero tmm7",
+            options(nostack, nomem)
+        );
+        for _ in 0..iters {
+            asm!(
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                options(nostack, nomem)
+            );
+        }
+        asm!("tilestored [{0} + {1}*1], tmm0", in(reg) out.as_mut_ptr(), in(reg) 64usize, options(nostack));
+        asm!("tilerelease", options(nostack, nomem));
+    }
+    f32::from_le_bytes([out[0], out[1], out[2], out[3]])
+}
+
 /// Measures the FMA peak of every vector instruction set this CPU has, with `threads` threads
 /// each running one loop; best of `repeats` runs of about `duration` each.
 pub fn fma_peaks(threads: usize, duration: Duration, repeats: usize) -> Vec<FmaPeak> {
     #[cfg(target_arch = "x86_64")]
     {
         type Loop = unsafe fn(usize) -> f32;
-        let mut isas: Vec<(&'static str, usize, bool, Loop)> = Vec::new();
+        // Each: the name, lanes, bf16 or not, flops a step of the loop on one thread, the loop.
+        let mut isas: Vec<(&'static str, usize, bool, usize, Loop)> = Vec::new();
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            isas.push(("avx2+fma", 8, false, fma_loop_avx2));
+            isas.push(("avx2+fma", 8, false, CHAINS * 8 * 2, fma_loop_avx2));
         }
         if is_x86_feature_detected!("avx512f") {
-            isas.push(("avx512f", 16, false, fma_loop_avx512));
+            isas.push(("avx512f", 16, false, CHAINS * 16 * 2, fma_loop_avx512));
         }
         if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16") {
-            isas.push(("avx512bf16", 16, true, dot_loop_avx512bf16));
+            isas.push(("avx512bf16", 16, true, CHAINS * 16 * 4, dot_loop_avx512bf16));
+        }
+        // Not on the emulator (`MEGATRON_EMULATE_AMX`), which would take hours.
+        if megatron_core::kernels::isa::Isa::detected().amx()
+            && megatron_core::kernels::isa::amx_in_hardware()
+        {
+            isas.push(("amx-bf16", 4 * 256, true, 4 * 256 * 32 * 2, dot_loop_amx));
         }
         isas.into_iter()
-            .map(|(isa, lanes, bf16, f)| {
+            .map(|(isa, lanes, bf16, flops, f)| {
                 // SAFETY: the instruction set was detected above.
                 let run = |iters: usize| run_threads(threads, || unsafe { f(iters) });
-                let per_lane = if bf16 { 4 } else { 2 };
-                let flops_per_iter = (CHAINS * lanes * per_lane * threads) as f64;
+                let flops_per_iter = (flops * threads) as f64;
                 let calibrate = 100_000;
                 let probe = run(calibrate).as_secs_f64().max(1e-6);
                 let iters = ((duration.as_secs_f64() / probe) * calibrate as f64).max(1.0) as usize;

@@ -17,10 +17,19 @@
 //!
 //! # Choosing a version by hand
 //!
-//! The environment variable `MEGATRON_KERNEL_ISA` (`baseline`, `avx2`, `avx512` or
-//! `avx512bf16`), read once, caps the detected set, to compare the versions' speed; a set the
-//! CPU lacks is never used. The CLI rejects any other value ([`check_env`]); a library user's
-//! bad value is warned about and ignored.
+//! The environment variable `MEGATRON_KERNEL_ISA` (`baseline`, `avx2`, `avx512`, `avx512bf16`
+//! or `amx`), read once, caps the detected set, to compare the versions' speed; a set the CPU
+//! lacks is never used. The CLI rejects any other value ([`check_env`]); a library user's bad
+//! value is warned about and ignored.
+//!
+//! # AMX
+//!
+//! [`Level::Amx`] adds the tile instructions of AMX-BF16 (Sapphire Rapids and later), which bf16
+//! products run on. Linux hands a process the tiles' register state only when asked
+//! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`): detection asks, and a refusal leaves AMX unused.
+//! `MEGATRON_EMULATE_AMX=1` runs the tile instructions in software on a CPU with AVX512_BF16 but
+//! no AMX (`amx_emulator.rs`), slowly, so that a machine without AMX can check what one with it
+//! computes.
 
 use std::sync::OnceLock;
 
@@ -36,6 +45,9 @@ pub(crate) enum Level {
     /// AVX-512 with the BF16 dot products (Cooper Lake, Sapphire Rapids and later, Zen 4): the
     /// loops run as at [`Level::Avx512`]; bf16 products have a register tile of their own.
     Avx512Bf16,
+    /// [`Level::Avx512Bf16`] with AMX-TILE and AMX-BF16 (Sapphire Rapids and later): bf16
+    /// products run on the tile instructions.
+    Amx,
 }
 
 /// An instruction set this CPU supports: only [`Isa::detected`] and [`Isa::supported`] make one.
@@ -55,7 +67,7 @@ impl Isa {
                 eprintln!("warning: {e}; using every set the CPU has");
                 None
             });
-            let cap = cap.unwrap_or(Level::Avx512Bf16);
+            let cap = cap.unwrap_or(Level::Amx);
             Isa(best.min(cap))
         })
     }
@@ -68,6 +80,7 @@ impl Isa {
             Level::Avx2,
             Level::Avx512,
             Level::Avx512Bf16,
+            Level::Amx,
         ]
         .into_iter()
         .filter(|&l| l <= best)
@@ -75,19 +88,25 @@ impl Isa {
         .collect()
     }
 
-    /// `"baseline"`, `"avx2"`, `"avx512"` or `"avx512bf16"`.
+    /// `"baseline"`, `"avx2"`, `"avx512"`, `"avx512bf16"` or `"amx"`.
     pub fn name(self) -> &'static str {
         match self.0 {
             Level::Baseline => "baseline",
             Level::Avx2 => "avx2",
             Level::Avx512 => "avx512",
             Level::Avx512Bf16 => "avx512bf16",
+            Level::Amx => "amx",
         }
     }
 
     /// Whether the CPU multiplies bf16 pairs (AVX512_BF16's `vdpbf16ps`) at this level.
     pub fn bf16_dot(self) -> bool {
-        self.0 == Level::Avx512Bf16
+        self.0 >= Level::Avx512Bf16
+    }
+
+    /// Whether bf16 products run on AMX tiles at this level.
+    pub fn amx(self) -> bool {
+        self.0 == Level::Amx
     }
 
     /// The level, for [`versioned!`]'s dispatch.
@@ -119,7 +138,8 @@ fn cap_from(value: Option<&std::ffi::OsStr>) -> Result<Option<Level>, super::Ker
         .ok_or_else(|| super::KernelError::Invalid {
             kernel: "isa",
             message: format!(
-                "{ENV}={text:?} names no instruction set: use baseline, avx2, avx512 or avx512bf16"
+                "{ENV}={text:?} names no instruction set: use baseline, avx2, avx512, avx512bf16 \
+                 or amx"
             ),
         })
 }
@@ -135,6 +155,7 @@ fn parse_level(name: &str) -> Option<Level> {
         "avx2" => Some(Level::Avx2),
         "avx512" | "avx-512" => Some(Level::Avx512),
         "avx512bf16" | "avx512_bf16" => Some(Level::Avx512Bf16),
+        "amx" | "amx-bf16" | "amx_bf16" => Some(Level::Amx),
         _ => None,
     }
 }
@@ -155,7 +176,10 @@ fn best_level() -> Level {
             && std::is_x86_feature_detected!("avx512dq")
             && std::is_x86_feature_detected!("avx512vl");
         if avx512 && std::is_x86_feature_detected!("avx512bf16") {
-            return Level::Avx512Bf16;
+            return match amx_granted() || amx_emulated() {
+                true => Level::Amx,
+                false => Level::Avx512Bf16,
+            };
         }
         if avx512 {
             return Level::Avx512;
@@ -165,6 +189,92 @@ fn best_level() -> Level {
         }
     }
     Level::Baseline
+}
+
+/// The name of the environment variable that runs AMX's instructions in software.
+pub const EMULATE_AMX: &str = "MEGATRON_EMULATE_AMX";
+
+/// Whether the CPU has AMX-TILE and AMX-BF16, and the OS saves the tiles' state (XCR0's
+/// XTILECFG and XTILEDATA bits): AMX in silicon, not the emulator.
+pub fn amx_in_hardware() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__cpuid, __cpuid_count};
+        // CPUID exists on every x86-64 CPU; leaf 7 counts only when leaf 0 lists it.
+        let (max_leaf, leaf7) = (__cpuid(0).eax, __cpuid_count(7, 0));
+        let amx_bf16 = leaf7.edx >> 22 & 1 == 1;
+        let amx_tile = leaf7.edx >> 24 & 1 == 1;
+        if max_leaf < 7 || !amx_bf16 || !amx_tile || !std::is_x86_feature_detected!("xsave") {
+            return false;
+        }
+        #[target_feature(enable = "xsave")]
+        fn xcr0() -> u64 {
+            // SAFETY: XSAVE (and so XGETBV) was detected.
+            unsafe { std::arch::x86_64::_xgetbv(0) }
+        }
+        // SAFETY: XSAVE was detected above.
+        let xcr0 = unsafe { xcr0() };
+        return xcr0 >> 17 & 0b11 == 0b11;
+    }
+    #[allow(unreachable_code)]
+    false
+}
+
+/// Whether this process may use the AMX tiles: the CPU has them and Linux granted their state
+/// (asked once).
+fn amx_granted() -> bool {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    {
+        /// `arch_prctl`'s request for permission to use an XSAVE feature.
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        /// The XSAVE feature number of the tiles' data.
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        static GRANTED: OnceLock<bool> = OnceLock::new();
+        return *GRANTED.get_or_init(|| {
+            // SAFETY: arch_prctl with an integer argument; it changes only this process's
+            // permission to use the tiles.
+            amx_in_hardware()
+                && unsafe {
+                    libc::syscall(
+                        libc::SYS_arch_prctl,
+                        ARCH_REQ_XCOMP_PERM,
+                        XFEATURE_XTILEDATA,
+                    )
+                } == 0
+        });
+    }
+    #[allow(unreachable_code)]
+    false
+}
+
+/// Whether `MEGATRON_EMULATE_AMX=1` asks for AMX in software on a CPU without it; the emulator
+/// is installed when it does.
+fn amx_emulated() -> bool {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    if std::env::var_os(EMULATE_AMX).is_some_and(|v| v == "1") && !amx_in_hardware() {
+        super::amx_emulator::install();
+        return true;
+    }
+    false
+}
+
+/// AMX for the kernels' tests: the CPU's own where it has AMX and Linux grants it, else the
+/// emulator, on a CPU with AVX512_BF16 (the tile's packing and epilogue use AVX-512); `None`
+/// elsewhere.
+#[cfg(test)]
+pub(crate) fn amx_for_tests() -> Option<Isa> {
+    if best_level() < Level::Avx512Bf16 {
+        return None;
+    }
+    if amx_granted() {
+        return Some(Isa(Level::Amx));
+    }
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    if !amx_in_hardware() {
+        super::amx_emulator::install();
+        return Some(Isa(Level::Amx));
+    }
+    None
 }
 
 /// Runs `f` compiled for the widest instruction set this CPU supports ([`Isa::detected`]): the
@@ -188,7 +298,7 @@ pub fn dispatch<R>(f: impl FnOnce() -> R) -> R {
 
         match Isa::detected().level() {
             // SAFETY: an `Isa` only ever holds a level the CPU supports.
-            Level::Avx512 | Level::Avx512Bf16 => return unsafe { avx512(f) },
+            Level::Avx512 | Level::Avx512Bf16 | Level::Amx => return unsafe { avx512(f) },
             // SAFETY: as above.
             Level::Avx2 => return unsafe { avx2(f) },
             Level::Baseline => {}
@@ -233,7 +343,8 @@ macro_rules! versioned {
                 match isa.level() {
                     // SAFETY: an `Isa` only ever holds a level the CPU supports.
                     $crate::kernels::isa::Level::Avx512
-                    | $crate::kernels::isa::Level::Avx512Bf16 => {
+                    | $crate::kernels::isa::Level::Avx512Bf16
+                    | $crate::kernels::isa::Level::Amx => {
                         return unsafe { avx512($($arg),*) };
                     }
                     // SAFETY: as above.
@@ -270,6 +381,7 @@ mod tests {
         assert_eq!(parse_level(" AVX512 "), Some(Level::Avx512));
         assert_eq!(parse_level("avx2"), Some(Level::Avx2));
         assert_eq!(parse_level("AVX512_BF16"), Some(Level::Avx512Bf16));
+        assert_eq!(parse_level("amx"), Some(Level::Amx));
         assert_eq!(parse_level("sse2"), Some(Level::Baseline));
         assert_eq!(parse_level("neon"), None);
     }

@@ -27,6 +27,8 @@ pub mod pointwise;
 pub mod rotary;
 pub mod softmax;
 
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+mod amx_emulator;
 mod reduce;
 mod shape;
 #[cfg(test)]

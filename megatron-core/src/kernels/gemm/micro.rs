@@ -11,7 +11,8 @@
 //! | --- | --- | --- | --- |
 //! | AVX-512 F | 14 × 32 | 28 of 32 zmm | Intel Xeon (two 512-bit FMA ports), AMD Zen 4/5 |
 //! | AVX2 + FMA | 6 × 16 | 12 of 16 ymm | Haswell and later, Zen 1–3 |
-//! | AVX512_BF16 | 14 × 32 | 28 of 32 zmm | bf16 products: Sapphire Rapids and later, Zen 4/5 |
+//! | AVX512_BF16 | 14 × 32 | 28 of 32 zmm | bf16 products: Cooper Lake, Zen 4/5 |
+//! | AMX-BF16 | 32 × 32 | 4 of 8 tiles | bf16 products: Sapphire Rapids and later (`amx.rs`) |
 //!
 //! The bf16 tile reads panels of bf16 pairs, two steps of k in each 32-bit element, the earlier
 //! in the high half: `vdpbf16ps` adds the high halves' product first, and a product of two bf16
@@ -66,6 +67,13 @@ pub(super) struct Tile {
     /// Whether the panels hold bf16 pairs (two steps of k in each 32-bit element) rather than
     /// f32 (one step each).
     pub pairs: bool,
+    /// Whether A's panel is laid out by rows (row i's steps contiguous, as AMX's tiles load
+    /// them) rather than by steps (each step's `mr` rows side by side).
+    pub a_rows: bool,
+    /// The panels' steps are padded with zeros to a multiple of this.
+    pub k_multiple: usize,
+    /// Run once a thread's blocks of a product are done (AMX's `tilerelease`).
+    pub release: Option<unsafe fn()>,
     /// Computes `kc` products of the packed panels into the tile of C that `out` names.
     ///
     /// # Safety
@@ -79,7 +87,7 @@ pub(super) struct Tile {
 /// # Safety
 /// As [`Tile::run`]; compiled into each tile's function, so `mul_add` is the FMA instruction.
 #[inline(always)]
-unsafe fn write_scalar(acc: &[f32], nr: usize, out: &Out) {
+pub(super) unsafe fn write_scalar(acc: &[f32], nr: usize, out: &Out) {
     for i in 0..out.rows {
         for j in 0..out.cols {
             // SAFETY: (i, j) lies inside the tile of C the caller gave.
@@ -228,6 +236,9 @@ pub(super) const AVX512: Tile = Tile {
     nr: 32,
     name: "avx512 14×32",
     pairs: false,
+    a_rows: false,
+    k_multiple: 1,
+    release: None,
     run: avx512_14x32,
 };
 
@@ -238,6 +249,9 @@ pub(super) const AVX512_BF16: Tile = Tile {
     nr: 32,
     name: "avx512bf16 14×32",
     pairs: true,
+    a_rows: false,
+    k_multiple: 1,
+    release: None,
     run: avx512bf16_14x32,
 };
 
@@ -248,5 +262,8 @@ pub(super) const AVX2: Tile = Tile {
     nr: 16,
     name: "avx2+fma 6×16",
     pairs: false,
+    a_rows: false,
+    k_multiple: 1,
+    release: None,
     run: avx2_6x16,
 };

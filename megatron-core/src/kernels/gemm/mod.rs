@@ -4,9 +4,12 @@
 //! rows (or columns) run on the compute pool, one per thread the calling rank may use. Each block
 //! is a packed product (`packed.rs`) around a register tile (`micro.rs`) chosen at run time by
 //! the CPU's instruction set ([`Isa::detected`], which `MEGATRON_KERNEL_ISA` caps): AVX-512 or
-//! AVX2 + FMA. A CPU without FMA (or another architecture) runs `matrixmultiply`'s kernels.
+//! AVX2 + FMA, and for bf16 products AVX512_BF16's tile or AMX's (`amx.rs`). A CPU without FMA
+//! (or another architecture) runs `matrixmultiply`'s kernels.
 //! Every path gives the same bits on a CPU with FMA (see `micro.rs`).
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod few_rows;
 mod micro;
 mod packed;
@@ -185,7 +188,7 @@ unsafe impl Sync for RawC {}
 fn tile_for(isa: Isa) -> Option<&'static micro::Tile> {
     match isa.level() {
         #[cfg(target_arch = "x86_64")]
-        Level::Avx512 | Level::Avx512Bf16 => Some(&micro::AVX512),
+        Level::Avx512 | Level::Avx512Bf16 | Level::Amx => Some(&micro::AVX512),
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 => Some(&micro::AVX2),
         _ => None,
@@ -195,6 +198,10 @@ fn tile_for(isa: Isa) -> Option<&'static micro::Tile> {
 /// The register tile of bf16 products with `isa`; `None`: the f32 product of the rounded
 /// operands.
 fn bf16_tile_for(isa: Isa) -> Option<&'static micro::Tile> {
+    #[cfg(target_arch = "x86_64")]
+    if isa.amx() {
+        return Some(&amx::AMX_BF16);
+    }
     #[cfg(target_arch = "x86_64")]
     if isa.bf16_dot() {
         return Some(&micro::AVX512_BF16);
@@ -253,7 +260,9 @@ fn gemm_on(
 /// to even), the sums in f32, as a GPU's bf16 products with f32 accumulation. The result is, bit
 /// for bit, [`gemm`] of the rounded operands: on CPUs with AVX512_BF16 it runs on bf16 pairs at
 /// twice the f32 rate (there a sum that falls below f32's least normal, 2⁻¹²⁶, is flushed to
-/// zero); elsewhere the operands are rounded into copies first.
+/// zero); elsewhere the operands are rounded into copies first. On CPUs with AMX it runs on the
+/// tile instructions, which sum in an order of their own (`amx.rs`): there the bits are those
+/// of that order.
 pub fn gemm_bf16(
     alpha: f32,
     a: MatRef<'_>,
@@ -1010,7 +1019,8 @@ mod tests {
             (3, 300, 200),
             (40, 1031, 300),
         ];
-        for isa in Isa::supported() {
+        // AMX sums in an order of its own (`amx.rs`), checked in the next test.
+        for isa in Isa::supported().into_iter().filter(|isa| !isa.amx()) {
             for (s, &(m, k, n)) in shapes.iter().enumerate() {
                 parallel::set_threads(1 + s % 3);
                 let a = rough(m * k, 31);
@@ -1066,6 +1076,162 @@ mod tests {
                             "{} {m}×{k}×{n}, α {alpha} β {beta}, Bᵀ {tb}: element {:?} differs",
                             isa.name(),
                             diff.map(|e| (got[e], want[e]))
+                        );
+                    }
+                }
+            }
+        }
+        parallel::set_threads(parallel::cores());
+    }
+
+    /// α·A·B + β·C summed as AMX's `tdpbf16ps` sums (Intel's manual; `amx.rs`), from the plain
+    /// definition: for each element of C and each chunk of [`packed::KC`] steps of k, blocks of 32
+    /// steps whose even and odd steps are summed apart (fused multiply-adds from +0), the two sums
+    /// added and that added to the chunk's sum; denormals read as zero and flushed to zero; the
+    /// chunk then written as the tiles write it. `a` and `b` are row-major and already bf16.
+    #[cfg(target_arch = "x86_64")]
+    fn amx_model(
+        alpha: f32,
+        a: &[f32],
+        b: &[f32],
+        beta: f32,
+        c: &[f32],
+        (m, k, n): (usize, usize, usize),
+    ) -> Vec<f32> {
+        let flush = |x: f32| {
+            if x.is_subnormal() {
+                0.0f32.copysign(x)
+            } else {
+                x
+            }
+        };
+        (0..m * n)
+            .map(|e| {
+                let (i, j) = (e / n, e % n);
+                let mut out = c[e];
+                for (chunk, pc) in (0..k).step_by(packed::KC).enumerate() {
+                    let kb = packed::KC.min(k - pc);
+                    let mut acc = 0.0f32;
+                    for q0 in (0..kb).step_by(32) {
+                        let mut halves = [0.0f32; 2];
+                        for q in q0..(q0 + 32).min(kb) {
+                            let (x, y) = (flush(a[i * k + pc + q]), flush(b[(pc + q) * n + j]));
+                            halves[q % 2] = flush(x.mul_add(y, halves[q % 2]));
+                        }
+                        acc = flush(acc + flush(halves[1] + halves[0]));
+                    }
+                    let beta = if chunk == 0 { beta } else { 1.0 };
+                    out = if beta == 0.0 {
+                        alpha * acc
+                    } else {
+                        alpha.mul_add(acc, beta * out)
+                    };
+                }
+                out
+            })
+            .collect()
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn amx_bf16_products_sum_as_the_tile_instructions_do() {
+        // The AMX tile's machine code, on this CPU's AMX or (without one) on the emulator, against
+        // the order of sums Intel's manual gives: shapes around the 32 × 32 tile and the blocks of
+        // 32 and 256 steps of k, odd k, transposed operands, a strided C, α and β, 1 to 3
+        // threads; and a product of a few rows, which keeps the f32 order (`few_rows.rs`).
+        let Some(isa) = crate::kernels::isa::amx_for_tests() else {
+            eprintln!("no AVX512_BF16 on this CPU: neither AMX nor its emulator runs");
+            return;
+        };
+        let emulated = !crate::kernels::isa::amx_in_hardware();
+        let shapes = [
+            (1, 1, 1),
+            (31, 31, 33),
+            (32, 32, 32),
+            (33, 257, 31),
+            (64, 513, 40),
+            (70, 300, 97),
+            (3, 300, 200),
+        ];
+        for (s, &(m, k, n)) in shapes.iter().enumerate() {
+            parallel::set_threads(1 + s % 3);
+            let mut a = rough(m * k, 41);
+            // A tie, a sum that cancels (the orders differ), a denormal, a signed zero.
+            a[0] = 2f32.powi(24);
+            if k > 2 {
+                a[2] = -2f32.powi(24);
+                a[1] = 1e-39;
+            }
+            let b = rough(k * n, 42);
+            let c0 = rough(m * n, 43);
+            let (ra, rb): (Vec<f32>, Vec<f32>) = (
+                a.iter().map(|&v| to_bf16(v)).collect(),
+                b.iter().map(|&v| to_bf16(v)).collect(),
+            );
+            let bt = transpose(&b, k, n);
+            for (alpha, beta) in [(1.0, 0.0), (0.375, 0.75)] {
+                for tb in [false, true] {
+                    let few = few_rows::applies((m, k, n), true);
+                    let want = if few {
+                        // The few-rows path: the f32 product of the rounded operands, B in the
+                        // same layout (its order of sums follows B's).
+                        let mut want = c0.clone();
+                        let out = MatMut::row_major(&mut want, m, n).unwrap();
+                        let rbt = transpose(&rb, k, n);
+                        let bv = match tb {
+                            true => MatRef::row_major(&rbt, n, k).unwrap().t(),
+                            false => MatRef::row_major(&rb, k, n).unwrap(),
+                        };
+                        let av = MatRef::row_major(&ra, m, k).unwrap();
+                        gemm_on(isa, alpha, av, bv, beta, out).unwrap();
+                        want
+                    } else {
+                        amx_model(alpha, &ra, &rb, beta, &c0, (m, k, n))
+                    };
+                    let mut wide = vec![f32::NAN; m * (n + 3)];
+                    for i in 0..m {
+                        wide[i * (n + 3)..i * (n + 3) + n].copy_from_slice(&c0[i * n..(i + 1) * n]);
+                    }
+                    let out = MatMut::new(&mut wide, m, n, n + 3, 1).unwrap();
+                    let bv = match tb {
+                        true => MatRef::row_major(&bt, n, k).unwrap().t(),
+                        false => MatRef::row_major(&b, k, n).unwrap(),
+                    };
+                    let av = MatRef::row_major(&a, m, k).unwrap();
+                    gemm_bf16_on(isa, alpha, av, bv, beta, out).unwrap();
+                    let got: Vec<f32> = (0..m)
+                        .flat_map(|i| wide[i * (n + 3)..i * (n + 3) + n].to_vec())
+                        .collect();
+                    let what = format!("amx {m}×{k}×{n}, α {alpha} β {beta}, Bᵀ {tb}");
+                    if emulated || few {
+                        let diff = got
+                            .iter()
+                            .zip(&want)
+                            .position(|(g, w)| g.to_bits() != w.to_bits());
+                        assert!(
+                            diff.is_none(),
+                            "{what}: element {:?} differs",
+                            diff.map(|e| (e, got[e], want[e]))
+                        );
+                    } else {
+                        // The CPU's own AMX: to the precision of f32 sums, whatever order the
+                        // silicon takes (the manual's is checked on the emulator).
+                        let exact = reference(alpha, &ra, &rb, beta, &c0, (m, k, n));
+                        let scale: f32 = exact.iter().fold(1.0, |s, v| s.max(v.abs()));
+                        for (e, (g, w)) in got.iter().zip(&exact).enumerate() {
+                            assert!(
+                                (g - w).abs() <= 1e-5 * scale,
+                                "{what}: element {e}: {g} vs {w}"
+                            );
+                        }
+                        let same = got
+                            .iter()
+                            .zip(&want)
+                            .filter(|(g, w)| g.to_bits() == w.to_bits())
+                            .count();
+                        eprintln!(
+                            "{what}: {same} of {} elements have the manual's bits",
+                            got.len()
                         );
                     }
                 }

@@ -85,14 +85,19 @@ pub(super) unsafe fn sgemm(
             let nb = NC.min(n - jc);
             for (chunk, pc) in (0..k).step_by(KC).enumerate() {
                 let kb = KC.min(k - pc);
-                // Steps of the tile: bf16 panels hold two steps of k in each element.
-                let steps = if tile.pairs { kb.div_ceil(2) } else { kb };
+                // Steps of the tile: bf16 panels hold two steps of k in each element, and a
+                // tile may take its steps in groups (zeros past k).
+                let steps = match tile.pairs {
+                    true => kb.div_ceil(2),
+                    false => kb,
+                }
+                .next_multiple_of(tile.k_multiple);
                 // SAFETY: the blocks lie inside A, B and C (the caller's contract).
                 unsafe {
-                    pack_b(bpack, at(b, pc, jc), kb, nb, nr, tile.pairs);
+                    pack_b(bpack, at(b, pc, jc), (kb, steps), nb, nr, tile.pairs);
                     for ic in (0..m).step_by(mc) {
                         let mb = mc.min(m - ic);
-                        pack_a(apack, at(a, ic, pc), mb, kb, mr, tile.pairs);
+                        pack_a(apack, at(a, ic, pc), mb, (kb, steps), tile);
                         for jr in (0..nb).step_by(nr) {
                             for ir in (0..mb).step_by(mr) {
                                 let out = Out {
@@ -118,6 +123,10 @@ pub(super) unsafe fn sgemm(
                 }
             }
         }
+        if let Some(release) = tile.release {
+            // SAFETY: the tile's instruction set is the CPU's (the caller's contract).
+            unsafe { release() };
+        }
     };
     PACKS.with(|packs| match packs.try_borrow_mut() {
         Ok(mut packs) => {
@@ -137,36 +146,50 @@ fn at(x: Raw, i: usize, j: usize) -> Raw {
     }
 }
 
-/// Packs the `mb × kb` block of A at `a` into panels of `mr` rows: panel `t` holds, for each k,
-/// rows `t·mr ..` side by side (`dst[t·mr·kb + p·mr + i]`), rows past the block zero. With
-/// `pairs`, each element holds two steps of k as bf16 ([`gather_pairs`]) and a panel `kb / 2`
-/// (rounded up) steps.
+/// Packs the `mb × kb` block of A at `a` into panels of the tile's `mr` rows, `steps` steps each:
+/// panel `t` holds, for each step, rows `t·mr ..` side by side (`dst[t·mr·steps + p·mr + i]`),
+/// or with [`Tile::a_rows`] each row's steps one after another (`dst[t·mr·steps + i·steps + p]`);
+/// rows past the block and steps past k are zero. With [`Tile::pairs`], each element holds two
+/// steps of k as bf16 ([`gather_pairs`]).
 ///
 /// # Safety
-/// The block lies inside A; `dst` holds `mb` rounded up to `mr`, times `kb`; the CPU has AVX2.
-unsafe fn pack_a(dst: &mut [f32], a: Raw, mb: usize, kb: usize, mr: usize, pairs: bool) {
-    let steps = if pairs { kb.div_ceil(2) } else { kb };
+/// The block lies inside A; `dst` holds `mb` rounded up to `mr`, times `steps`; the CPU has AVX2
+/// (and AVX-512 for pairs).
+unsafe fn pack_a(dst: &mut [f32], a: Raw, mb: usize, (kb, steps): (usize, usize), tile: &Tile) {
+    let mr = tile.mr;
     for (t, r0) in (0..mb).step_by(mr).enumerate() {
         let panel = &mut dst[t * mr * steps..(t + 1) * mr * steps];
         let rows = at(a, r0, 0);
+        let lines = mr.min(mb - r0);
         // SAFETY: rows r0.. of the block are inside A.
         unsafe {
-            if pairs {
-                gather_pairs(panel, rows, mr.min(mb - r0), kb, mr);
-            } else {
-                gather(panel, rows, mr.min(mb - r0), kb, mr);
+            match (tile.pairs, tile.a_rows) {
+                (true, true) => pair_rows(panel, rows, lines, kb, steps),
+                (true, false) => gather_pairs(panel, rows, lines, kb, mr),
+                (false, _) => gather(panel, rows, lines, kb, mr),
             }
+        }
+        if !tile.a_rows {
+            panel[kb_steps(kb, tile.pairs) * mr..].fill(0.0);
         }
     }
 }
 
-/// Packs the `kb × nb` block of B at `b` into panels of `nr` columns (`dst[t·nr·kb + p·nr + j]`),
-/// columns past the block zero; with `pairs`, as bf16 pairs ([`pack_a`]).
+/// Packs the `kb × nb` block of B at `b` into panels of `nr` columns, `steps` steps each
+/// (`dst[t·nr·steps + p·nr + j]`), columns past the block and steps past k zero; with `pairs`,
+/// as bf16 pairs ([`pack_a`]).
 ///
 /// # Safety
-/// The block lies inside B; `dst` holds `nb` rounded up to `nr`, times `kb`; the CPU has AVX2.
-unsafe fn pack_b(dst: &mut [f32], b: Raw, kb: usize, nb: usize, nr: usize, pairs: bool) {
-    let steps = if pairs { kb.div_ceil(2) } else { kb };
+/// The block lies inside B; `dst` holds `nb` rounded up to `nr`, times `steps`; the CPU has AVX2
+/// (and AVX-512 for pairs).
+unsafe fn pack_b(
+    dst: &mut [f32],
+    b: Raw,
+    (kb, steps): (usize, usize),
+    nb: usize,
+    nr: usize,
+    pairs: bool,
+) {
     for (t, c0) in (0..nb).step_by(nr).enumerate() {
         let panel = &mut dst[t * nr * steps..(t + 1) * nr * steps];
         let columns = Raw {
@@ -181,6 +204,37 @@ unsafe fn pack_b(dst: &mut [f32], b: Raw, kb: usize, nb: usize, nr: usize, pairs
             } else {
                 gather(panel, columns, nr.min(nb - c0), kb, nr);
             }
+        }
+        panel[kb_steps(kb, pairs) * nr..].fill(0.0);
+    }
+}
+
+/// The steps `kb` steps of k take in a panel: `kb / 2` rounded up in bf16 pairs.
+fn kb_steps(kb: usize, pairs: bool) -> usize {
+    if pairs { kb.div_ceil(2) } else { kb }
+}
+
+/// Packs `lines` rows of `x` (`kb` steps each) as bf16 pairs ([`gather_pairs`]'s pairing), one
+/// row after another, `steps` elements apart: `panel[i·steps + p]`; the rest of `panel` zero.
+///
+/// # Safety
+/// Rows `0..lines`, columns `0..kb` of `x` are in bounds; `panel` holds `steps` times the panel's
+/// rows, and `steps ≥ kb / 2` rounded up.
+unsafe fn pair_rows(panel: &mut [f32], x: Raw, lines: usize, kb: usize, steps: usize) {
+    panel.fill(0.0);
+    for i in 0..lines {
+        let line = at(x, i, 0);
+        for p in 0..kb.div_ceil(2) {
+            // SAFETY: steps 2p and 2p + 1 (when below kb) of row i are inside x.
+            let (hi, lo) = unsafe {
+                let hi = *line.ptr.offset(2 * p as isize * x.cs);
+                let lo = match 2 * p + 1 < kb {
+                    true => *line.ptr.offset((2 * p + 1) as isize * x.cs),
+                    false => 0.0,
+                };
+                (hi, lo)
+            };
+            panel[i * steps + p] = bf16_pair(hi, lo);
         }
     }
 }
