@@ -210,7 +210,8 @@ fn mixtral_tiny_trains_at_every_layout_as_one_rank() {
 
 #[test]
 fn sixteen_bit_moe_training_at_ep_2_follows_ep_1() {
-    // bf16 parameters (the experts read them widened; f32 gradients, Megatron-LM's default)
+    // bf16 parameters and products (the experts' grouped products too; f32 gradients,
+    // Megatron-LM's default)
     // and fp16 with loss scaling: expert parallelism and the distributed optimizer change the
     // order of sums only.
     let dir = TempDir::new("cli-moe-16");

@@ -1,9 +1,10 @@
 //! `megatron bench grouped-gemm`: GFLOP/s of the MoE experts' grouped product next to one dense
-//! product of the same size and to a loop of one product per expert, with the FMA peak.
+//! product of the same size and to a loop of one product per expert, with the FMA peak; and the
+//! grouped product as a `--bf16` run multiplies (operands rounded to bf16), with the bf16 peak.
 
 use std::time::{Duration, Instant};
 
-use megatron_core::kernels::gemm::{Group, MatMut, MatRef, gemm, grouped_gemm};
+use megatron_core::kernels::gemm::{Group, MatMut, MatRef, gemm, grouped_gemm, grouped_gemm_bf16};
 use megatron_core::kernels::parallel;
 
 use super::machine::{FmaPeak, fma_peaks};
@@ -107,10 +108,18 @@ fn time(repeats: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Re
 pub fn run(threads: usize, repeats: usize) -> anyhow::Result<GroupedGemmReport> {
     let threads = threads.max(1);
     parallel::set_threads(threads);
-    // Grouped products are f32: the f32 FMA peaks only.
-    let mut peaks = fma_peaks(threads, Duration::from_millis(300), 3);
-    peaks.retain(|p| !p.bf16);
-    let peak = peaks.iter().map(|p| p.gflops).fold(f64::NAN, f64::max);
+    let peaks = fma_peaks(threads, Duration::from_millis(300), 3);
+    let widest = |bf16: bool| {
+        peaks
+            .iter()
+            .filter(|p| p.bf16 == bf16)
+            .map(|p| p.gflops)
+            .fold(f64::NAN, f64::max)
+    };
+    let peak = match (widest(false), widest(true)) {
+        (f32_peak, bf16_peak) if bf16_peak.is_nan() => (f32_peak, f32_peak),
+        both => both,
+    };
     let results = [
         ExpertsShape::gpt2_small_top2(),
         ExpertsShape::fine_grained_top8(),
@@ -125,8 +134,9 @@ pub fn run(threads: usize, repeats: usize) -> anyhow::Result<GroupedGemmReport> 
     })
 }
 
-/// The experts' product of `shape` three ways.
-fn measure(shape: ExpertsShape, repeats: usize, peak: f64) -> anyhow::Result<ShapeResult> {
+/// The experts' product of `shape` three ways in f32, and grouped in bf16; `peak`: the f32 and
+/// the bf16 peaks.
+fn measure(shape: ExpertsShape, repeats: usize, peak: (f64, f64)) -> anyhow::Result<ShapeResult> {
     let (k, n, e) = (shape.k, shape.n, shape.rows.len());
     let total: usize = shape.rows.iter().sum();
     let x = values(total * k, 1);
@@ -142,7 +152,7 @@ fn measure(shape: ExpertsShape, repeats: usize, peak: f64) -> anyhow::Result<Sha
         })
         .collect();
     let mut variants = Vec::new();
-    let mut record = |name, (median, best): (f64, f64)| {
+    let mut record = |name, (median, best): (f64, f64), peak: f64| {
         variants.push(Variant {
             name,
             gflops_median: shape.flops() / median / 1e9,
@@ -150,21 +160,27 @@ fn measure(shape: ExpertsShape, repeats: usize, peak: f64) -> anyhow::Result<Sha
             fraction_of_peak: shape.flops() / median / 1e9 / peak,
         })
     };
-    let grouped = time(repeats, || {
-        let mut groups = Vec::with_capacity(e);
-        let mut rest: &mut [f32] = &mut y;
-        for (g, (&r, &s)) in shape.rows.iter().zip(&starts).enumerate() {
-            let (c, tail) = std::mem::take(&mut rest).split_at_mut(r * n);
-            rest = tail;
-            groups.push(Group {
-                a: MatRef::row_major(&x[s * k..(s + r) * k], r, k)?,
-                b: MatRef::row_major(&w[g * n * k..(g + 1) * n * k], n, k)?.t(),
-                c: MatMut::row_major(c, r, n)?,
-            });
-        }
-        Ok(grouped_gemm(1.0, groups, 0.0)?)
-    })?;
-    record("grouped (one job, every expert's blocks)", grouped);
+    let mut grouped = |bf16: bool| {
+        time(repeats, || {
+            let mut groups = Vec::with_capacity(e);
+            let mut rest: &mut [f32] = &mut y;
+            for (g, (&r, &s)) in shape.rows.iter().zip(&starts).enumerate() {
+                let (c, tail) = std::mem::take(&mut rest).split_at_mut(r * n);
+                rest = tail;
+                groups.push(Group {
+                    a: MatRef::row_major(&x[s * k..(s + r) * k], r, k)?,
+                    b: MatRef::row_major(&w[g * n * k..(g + 1) * n * k], n, k)?.t(),
+                    c: MatMut::row_major(c, r, n)?,
+                });
+            }
+            Ok(match bf16 {
+                true => grouped_gemm_bf16(1.0, groups, 0.0)?,
+                false => grouped_gemm(1.0, groups, 0.0)?,
+            })
+        })
+    };
+    let (f32_run, bf16_run) = (grouped(false)?, grouped(true)?);
+    record("grouped (one job, every expert's blocks)", f32_run, peak.0);
     let looped = time(repeats, || {
         for (g, (&r, &s)) in shape.rows.iter().zip(&starts).enumerate() {
             gemm(
@@ -177,7 +193,7 @@ fn measure(shape: ExpertsShape, repeats: usize, peak: f64) -> anyhow::Result<Sha
         }
         Ok(())
     })?;
-    record("a loop of one product per expert", looped);
+    record("a loop of one product per expert", looped, peak.0);
     let dense = time(repeats, || {
         Ok(gemm(
             1.0,
@@ -187,7 +203,8 @@ fn measure(shape: ExpertsShape, repeats: usize, peak: f64) -> anyhow::Result<Sha
             MatMut::row_major(&mut y, total, n)?,
         )?)
     })?;
-    record("one dense product of all rows", dense);
+    record("one dense product of all rows", dense, peak.0);
+    record("grouped, bf16 (of the bf16 peak)", bf16_run, peak.1);
     Ok(ShapeResult { shape, variants })
 }
 
@@ -195,11 +212,12 @@ impl std::fmt::Display for GroupedGemmReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "MoE experts' product Y_e = X_e·W_eᵀ, f32, {} thread(s)",
+            "MoE experts' product Y_e = X_e·W_eᵀ, f32 (and grouped in bf16), {} thread(s)",
             self.threads
         )?;
         for p in &self.peaks {
-            writeln!(f, "  FMA peak {:<9} {:>7.1} GFLOP/s", p.isa, p.gflops)?;
+            let what = if p.bf16 { "bf16 peak" } else { "FMA peak" };
+            writeln!(f, "  {what} {:<10} {:>7.1} GFLOP/s", p.isa, p.gflops)?;
         }
         for r in &self.results {
             let s = &r.shape;

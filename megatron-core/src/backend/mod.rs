@@ -16,8 +16,8 @@
 mod cpu;
 
 pub(crate) use cpu::{
-    bf16_products as cpu_bf16_products_on, product as cpu_product,
-    set_bf16_products as set_cpu_bf16_products,
+    bf16_products as cpu_bf16_products_on, grouped_product as cpu_grouped_product,
+    product as cpu_product, set_bf16_products as set_cpu_bf16_products,
 };
 
 pub(crate) use attention::AttentionOps;

@@ -2,13 +2,18 @@
 //! MLP `fc2(gelu(fc1(x)))` without biases, or with `--swiglu` the gated `fc2(swiglu(fc1(x)))`
 //! (Mixtral's and Qwen3-MoE's experts, fc1 holding the gate's rows and then the up
 //! projection's), its weights one slice of `fc1: [experts, ffn or 2·ffn, hidden]` and `fc2:
-//! [experts, hidden, ffn]`, and each product runs for all experts at once ([`grouped_gemm`])
-//! over their contiguous rows, as the dispatcher lays them out.
+//! [experts, hidden, ffn]`, and each product runs for all experts at once
+//! ([`crate::kernels::gemm::grouped_gemm`]) over their contiguous rows, as the dispatcher lays
+//! them out. The products are in the thread's precision, as every host product is: in a `--bf16`
+//! run they round their operands to bf16 and sum in f32
+//! ([`crate::kernels::gemm::grouped_gemm_bf16`]), the forward's and both backward products, as
+//! Megatron-LM's grouped GEMM multiplies bf16 experts.
 
+use crate::backend::cpu_grouped_product as grouped_product;
 use crate::error::Result;
 use crate::invalid;
 use crate::kernels::elementwise::{gelu_backward, gelu_forward, swiglu_backward, swiglu_forward};
-use crate::kernels::gemm::{Group, MatMut, MatRef, grouped_gemm};
+use crate::kernels::gemm::{Group, MatMut, MatRef};
 use crate::tensor::Tensor;
 
 /// The shapes of a rank's local experts.
@@ -111,7 +116,7 @@ fn rows_times_weights(
             c: MatMut::row_major(c_g, r, out)?,
         });
     }
-    grouped_gemm(1.0, groups, 0.0)?;
+    grouped_product(1.0, groups, 0.0)?;
     Ok(())
 }
 
@@ -140,7 +145,7 @@ fn weight_grads(
             c: MatMut::row_major(dw_g, d_width, a_width)?,
         });
     }
-    grouped_gemm(1.0, groups, 1.0)?;
+    grouped_product(1.0, groups, 1.0)?;
     Ok(())
 }
 
@@ -319,6 +324,63 @@ mod tests {
         for gated in [false, true] {
             each_expert_alone(gated);
         }
+    }
+
+    #[test]
+    fn in_a_bf16_run_each_experts_products_round_their_operands() {
+        // Under the thread's bf16 products the grouped experts are each expert's MLP with
+        // gemm_bf16's products, bit for bit (the same tile; no group is few-rows sized), and
+        // not the f32 experts'.
+        use crate::kernels::gemm::gemm_bf16;
+        let shape = ExpertShape {
+            experts: 3,
+            hidden: 24,
+            ffn: 40,
+            gated: false,
+        };
+        let (h, f) = (shape.hidden, shape.ffn);
+        let rows = [5usize, 0, 37];
+        let n: usize = rows.iter().sum();
+        let x = values(n * h, 11);
+        let fc1 = values(3 * f * h, 12);
+        let fc2 = values(3 * h * f, 13);
+        let (f32_y, _) = experts_forward(&shape, &x, &rows, &fc1, &fc2).unwrap();
+        let _bf16 = crate::ops::cpu_bf16_products(true);
+        let (y, _) = experts_forward(&shape, &x, &rows, &fc1, &fc2).unwrap();
+        let times_t_bf16 = |a: &[f32], w: &[f32], r: usize, k: usize, n: usize| {
+            let mut out = vec![0.0; r * n];
+            let (av, wv) = (
+                MatRef::row_major(a, r, k).unwrap(),
+                MatRef::row_major(w, n, k).unwrap().t(),
+            );
+            gemm_bf16(1.0, av, wv, 0.0, MatMut::row_major(&mut out, r, n).unwrap()).unwrap();
+            out
+        };
+        let mut at = 0;
+        for (g, &r) in rows.iter().enumerate() {
+            let pre = times_t_bf16(
+                &x[at * h..(at + r) * h],
+                &fc1[g * f * h..][..f * h],
+                r,
+                h,
+                f,
+            );
+            let mut act = vec![0.0; r * f];
+            gelu_forward(&pre, &mut act).unwrap();
+            let want = times_t_bf16(&act, &fc2[g * h * f..][..h * f], r, f, h);
+            let got = &y[at * h..(at + r) * h];
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "expert {g}"
+            );
+            at += r;
+        }
+        assert!(
+            y.iter().zip(&f32_y).any(|(a, b)| a != b),
+            "the f32 products ran"
+        );
     }
 
     /// The grouped experts against each expert's MLP by plain loops, GeLU or SwiGLU.

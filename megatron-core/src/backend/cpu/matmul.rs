@@ -4,7 +4,9 @@ use super::Cpu;
 use crate::backend::MatmulOps;
 use std::cell::Cell;
 
-use crate::kernels::gemm::{MatMut, MatRef, gemm, gemm_bf16, gemm_bf16_b};
+use crate::kernels::gemm::{
+    Group, MatMut, MatRef, gemm, gemm_bf16, gemm_bf16_b, grouped_gemm, grouped_gemm_bf16,
+};
 use crate::ops::matmul::Product;
 use crate::tensor::Element;
 use crate::tensor::{DType, Result, Tensor, TensorError};
@@ -40,6 +42,20 @@ pub(crate) fn set_bf16_products(on: bool) -> bool {
 /// Whether this thread's host products round their operands to bf16 ([`set_bf16_products`]).
 pub(crate) fn bf16_products() -> bool {
     BF16_PRODUCTS.get()
+}
+
+/// Every group's `C = α·A·B + β·C` as one grouped GEMM (a MoE layer's experts), in the thread's
+/// precision as [`product`] chooses it.
+pub(crate) fn grouped_product(
+    alpha: f32,
+    groups: Vec<Group<'_>>,
+    beta: f32,
+) -> Result<(), crate::kernels::KernelError> {
+    if bf16_products() {
+        grouped_gemm_bf16(alpha, groups, beta)
+    } else {
+        grouped_gemm(alpha, groups, beta)
+    }
 }
 
 /// `C = α·A·B + β·C` in f32, or of the operands rounded to bf16 when this thread says so

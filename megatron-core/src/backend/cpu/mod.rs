@@ -16,7 +16,7 @@ mod router;
 mod rows;
 mod vocab_loss;
 
-pub(crate) use matmul::{bf16_products, product, set_bf16_products};
+pub(crate) use matmul::{bf16_products, grouped_product, product, set_bf16_products};
 
 /// The host backend: tensors in host memory, the CPU kernels.
 #[derive(Debug, Clone, Copy, Default)]

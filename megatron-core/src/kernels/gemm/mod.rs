@@ -536,6 +536,51 @@ pub struct Group<'a> {
 /// each group's C is cut into blocks of rows, and all groups' blocks share the compute pool at
 /// once, so many small products keep every thread busy. Groups may differ in every dimension.
 pub fn grouped_gemm(alpha: f32, groups: Vec<Group<'_>>, beta: f32) -> Result<(), KernelError> {
+    grouped_on(tile_for(Isa::detected()), alpha, groups, beta)
+}
+
+/// [`grouped_gemm`] of the operands rounded to bf16, the sums in f32: each group's C is
+/// [`gemm_bf16`]'s, bit for bit, for groups of more than 4 rows (or products too small for the
+/// few-rows path, which [`gemm_bf16`] takes for 4 rows or fewer). On a CPU without a bf16 tile
+/// the operands are rounded into copies first.
+pub fn grouped_gemm_bf16(alpha: f32, groups: Vec<Group<'_>>, beta: f32) -> Result<(), KernelError> {
+    grouped_bf16_on(Isa::detected(), alpha, groups, beta)
+}
+
+/// [`grouped_gemm_bf16`] on the kernels of `isa`.
+fn grouped_bf16_on(
+    isa: Isa,
+    alpha: f32,
+    groups: Vec<Group<'_>>,
+    beta: f32,
+) -> Result<(), KernelError> {
+    if let Some(tile) = bf16_tile_for(isa) {
+        return grouped_on(Some(tile), alpha, groups, beta);
+    }
+    let mut rounded = Vec::with_capacity(groups.len());
+    let mut outputs = Vec::with_capacity(groups.len());
+    for g in groups {
+        rounded.push((Dense::of(&g.a, to_bf16), Dense::of(&g.b, to_bf16)));
+        outputs.push(g.c);
+    }
+    let mut copies = Vec::with_capacity(outputs.len());
+    for ((a, b), c) in rounded.iter().zip(outputs) {
+        copies.push(Group {
+            a: a.view()?,
+            b: b.view()?,
+            c,
+        });
+    }
+    grouped_on(tile_for(isa), alpha, copies, beta)
+}
+
+/// [`grouped_gemm`] on `tile` (or matrixmultiply's kernels).
+fn grouped_on(
+    tile: Option<&'static micro::Tile>,
+    alpha: f32,
+    groups: Vec<Group<'_>>,
+    beta: f32,
+) -> Result<(), KernelError> {
     // Each block holds about half a thread's share of the whole job (two blocks a thread balance
     // uneven groups), and never less than a block worth a thread: a block packs its B once, so
     // blocks much smaller than that would spend their time packing.
@@ -600,7 +645,7 @@ pub fn grouped_gemm(alpha: f32, groups: Vec<Group<'_>>, beta: f32) -> Result<(),
         // their group's C, groups' C do not overlap, and the borrows outlive the scope.
         unsafe {
             sgemm(
-                tile_for(Isa::detected()),
+                tile,
                 alpha,
                 a,
                 start,
@@ -810,6 +855,70 @@ mod tests {
         }];
         let err = grouped_gemm(1.0, bad, 0.0).unwrap_err().to_string();
         assert!(err.contains("group 0: A is 2 × 3, B is 2 × 3"), "{err}");
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn a_bf16_grouped_gemm_is_each_groups_gemm_bf16_bit_for_bit() {
+        // On every instruction set (the bf16 tiles, and rounded copies where the CPU has none),
+        // AMX's tile among them where it runs: groups of 0, 1, 37 and 300 rows against an
+        // expert's transposed weight, and a weight gradient's group (A read transposed). k·n is
+        // below the few-rows path's reach, so every group runs on the tile, as gemm_bf16 does.
+        let (k, n) = (96, 80);
+        assert!(!few_rows::applies((1, k, n), true));
+        let rows = [0usize, 1, 37, 300];
+        let a: Vec<Vec<f32>> = rows.iter().map(|&m| rough(m * k, m as u32)).collect();
+        let w: Vec<Vec<f32>> = (0..rows.len())
+            .map(|g| rough(n * k, 99 + g as u32))
+            .collect();
+        let c0: Vec<Vec<f32>> = rows.iter().map(|&m| rough(m * n, 7 + m as u32)).collect();
+        let (d, x) = (rough(300 * k, 5), rough(300 * n, 6));
+        let dw0 = rough(k * n, 8);
+        let mut isas = Isa::supported();
+        isas.extend(crate::kernels::isa::amx_for_tests());
+        parallel::set_threads(2);
+        for isa in isas {
+            let mut c = c0.clone();
+            let mut dw = dw0.clone();
+            let mut groups: Vec<Group<'_>> = c
+                .iter_mut()
+                .enumerate()
+                .map(|(g, cg)| Group {
+                    a: MatRef::row_major(&a[g], rows[g], k).unwrap(),
+                    b: MatRef::row_major(&w[g], n, k).unwrap().t(),
+                    c: MatMut::row_major(cg, rows[g], n).unwrap(),
+                })
+                .collect();
+            groups.push(Group {
+                a: MatRef::row_major(&d, 300, k).unwrap().t(),
+                b: MatRef::row_major(&x, 300, n).unwrap(),
+                c: MatMut::row_major(&mut dw, k, n).unwrap(),
+            });
+            grouped_bf16_on(isa, 0.5, groups, 2.0).unwrap();
+            for g in 0..rows.len() {
+                let mut want = c0[g].clone();
+                let out = MatMut::row_major(&mut want, rows[g], n).unwrap();
+                let av = MatRef::row_major(&a[g], rows[g], k).unwrap();
+                let bv = MatRef::row_major(&w[g], n, k).unwrap().t();
+                gemm_bf16_on(isa, 0.5, av, bv, 2.0, out).unwrap();
+                let same = c[g]
+                    .iter()
+                    .zip(&want)
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{} group {g}", isa.name());
+            }
+            let mut want = dw0.clone();
+            let out = MatMut::row_major(&mut want, k, n).unwrap();
+            let dv = MatRef::row_major(&d, 300, k).unwrap().t();
+            let xv = MatRef::row_major(&x, 300, n).unwrap();
+            gemm_bf16_on(isa, 0.5, dv, xv, 2.0, out).unwrap();
+            let same = dw
+                .iter()
+                .zip(&want)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{} weight gradient", isa.name());
+        }
+        parallel::set_threads(parallel::cores());
     }
 
     #[test]
