@@ -173,10 +173,11 @@ fn measure(shape: ExpertsShape, repeats: usize, peak: (f64, f64)) -> anyhow::Res
                     c: MatMut::row_major(c, r, n)?,
                 });
             }
-            Ok(match bf16 {
+            match bf16 {
                 true => grouped_gemm_bf16(1.0, groups, 0.0)?,
                 false => grouped_gemm(1.0, groups, 0.0)?,
-            })
+            }
+            Ok(())
         })
     };
     let (f32_run, bf16_run) = (grouped(false)?, grouped(true)?);
