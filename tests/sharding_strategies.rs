@@ -495,13 +495,18 @@ fn sharded_parameters_train_as_sharded_gradients_on_every_layout() {
             &[&alone[..], &OPTIM_GRADS_PARAMS, &PREFETCH].concat(),
         );
         assert_eq!(prefetched, params, "{name}");
-        // Buckets cut at the units: the norm's partial sums run over other shards.
+        // Buckets cut at the units: the norm's partial sums run over other shards. With 16-bit
+        // values, an update one rounding apart (the clip factor follows the norm) may round a
+        // value to the other neighbour, 2⁻⁸ of it in bf16: the runs then drift further, the
+        // norm by 1.0e-6 and the loss by 2e-7 in 4 bf16 steps on the data of one commit (the
+        // default data is this repository's sources, so each commit draws other batches).
         let (cut, _) = run(
             &dir,
             &format!("{name}-units"),
             &[&flags[..], &OPTIM_GRADS_PARAMS].concat(),
         );
-        close(name, &grads, &cut, 1e-6);
+        let sixteen_bit = flags.iter().any(|f| ["--bf16", "--fp16"].contains(f));
+        close(name, &grads, &cut, if sixteen_bit { 1e-5 } else { 1e-6 });
     }
 }
 
