@@ -1590,6 +1590,21 @@ fn run_job(args: &TrainArgs, job: &TrainJob, taken: &[String], run: &mut Runner<
         plan.microbatches(),
         plan.micro_batch
     );
+    if job.device == Placement::Cpu
+        && job.train.precision.params == megatron_core::tensor::DType::BF16
+    {
+        use megatron_core::kernels::isa::{Isa, amx_in_hardware};
+        let emulated = Isa::detected().amx() && !amx_in_hardware();
+        note!(
+            "bf16 products on {}{}",
+            megatron_core::kernels::gemm::bf16_kernel_name(),
+            if emulated {
+                " (AMX emulated in software: MEGATRON_EMULATE_AMX=1)"
+            } else {
+                ""
+            }
+        );
+    }
     let bar = if args.quiet {
         ProgressBar::hidden()
     } else {

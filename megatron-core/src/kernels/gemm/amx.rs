@@ -59,8 +59,8 @@ struct Sums([f32; 32 * 32]);
 /// names: A's panel row-major (`a[i·kc + p]`, 32 rows), B's by steps (`b[p·32 + j]`).
 ///
 /// # Safety
-/// As [`Tile::run`]; the CPU runs AMX-TILE and AMX-BF16 (or the emulator is installed) and the
-/// process holds the tiles' permission.
+/// As [`Tile::run`]; the CPU runs AMX-TILE and AMX-BF16 (or the emulator is installed), the
+/// process holds the tiles' permission, and this thread's tiles are configured ([`enter`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn amx_32x32(kc: usize, a: *const f32, b: *const f32, out: &Out) {
@@ -71,9 +71,8 @@ unsafe fn amx_32x32(kc: usize, a: *const f32, b: *const f32, out: &Out) {
     // SAFETY: the panels hold 32 rows of `kc` pairs (A) and `kc` rows of 32 pairs (B), so each
     // load reads 16 rows of 64 bytes inside them; the stores write 16 rows of 64 bytes inside
     // `sums`. The tile registers are no Rust value's: the statements keep their order (none is
-    // `pure`), and the configuration is loaded before any tile is touched.
+    // `pure`), and [`enter`] loaded the configuration before any tile is touched.
     unsafe {
-        asm!("ldtilecfg [{0}]", in(reg) CONFIG.0.as_ptr(), options(nostack, readonly));
         asm!(
             "tilezero tmm0",
             "tilezero tmm1",
@@ -156,6 +155,18 @@ unsafe fn write(sums: &[f32; 32 * 32], out: &Out) {
     }
 }
 
+/// Configures this thread's tiles ([`CONFIG`]), once before a thread's blocks of a product
+/// rather than at every tile: the configuration holds until [`release`].
+///
+/// # Safety
+/// The CPU runs AMX-TILE (or the emulator is installed) and the process holds the tiles'
+/// permission.
+#[cfg(target_arch = "x86_64")]
+unsafe fn enter() {
+    // SAFETY: the caller's contract; CONFIG is 64 readable bytes.
+    unsafe { asm!("ldtilecfg [{0}]", in(reg) CONFIG.0.as_ptr(), options(nostack, readonly)) };
+}
+
 /// Returns the tiles to their initial state, so that the OS need not save them.
 ///
 /// # Safety
@@ -175,6 +186,7 @@ pub(super) const AMX_BF16: Tile = Tile {
     pairs: true,
     a_rows: true,
     k_multiple: PAIRS,
+    enter: Some(enter),
     release: Some(release),
     run: amx_32x32,
 };

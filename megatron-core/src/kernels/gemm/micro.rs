@@ -72,6 +72,8 @@ pub(super) struct Tile {
     pub a_rows: bool,
     /// The panels' steps are padded with zeros to a multiple of this.
     pub k_multiple: usize,
+    /// Run before a thread's blocks of a product (AMX's `ldtilecfg`): what `run` needs set up.
+    pub enter: Option<unsafe fn()>,
     /// Run once a thread's blocks of a product are done (AMX's `tilerelease`).
     pub release: Option<unsafe fn()>,
     /// Computes `kc` products of the packed panels into the tile of C that `out` names.
@@ -238,6 +240,7 @@ pub(super) const AVX512: Tile = Tile {
     pairs: false,
     a_rows: false,
     k_multiple: 1,
+    enter: None,
     release: None,
     run: avx512_14x32,
 };
@@ -251,6 +254,7 @@ pub(super) const AVX512_BF16: Tile = Tile {
     pairs: true,
     a_rows: false,
     k_multiple: 1,
+    enter: None,
     release: None,
     run: avx512bf16_14x32,
 };
@@ -264,6 +268,7 @@ pub(super) const AVX2: Tile = Tile {
     pairs: false,
     a_rows: false,
     k_multiple: 1,
+    enter: None,
     release: None,
     run: avx2_6x16,
 };

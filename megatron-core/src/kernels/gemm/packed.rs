@@ -79,6 +79,10 @@ pub(super) unsafe fn sgemm(
     let (mr, nr) = (tile.mr, tile.nr);
     let mc = MC_TILES * mr;
     let run = |apack: &mut Aligned, bpack: &mut Aligned| {
+        if let Some(enter) = tile.enter {
+            // SAFETY: the tile's instruction set is the CPU's (the caller's contract).
+            unsafe { enter() };
+        }
         let bpack = bpack.get(KC * NC.min(n).next_multiple_of(nr));
         let apack = apack.get(KC * mc.min(m).next_multiple_of(mr));
         for jc in (0..n).step_by(NC) {
