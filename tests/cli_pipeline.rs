@@ -106,13 +106,16 @@ fn the_ends_counted_as_layers_of_the_split_train_as_one_stage() {
 #[test]
 fn sixteen_bit_pipelines_train_as_one_stage() {
     // 16-bit parameters on both pipeline ends (the tied embedding's gradients all-reduced
-    // between them), loss scaling and the distributed optimizer. bf16 keeps f32 gradients: the
-    // same run to the usual bounds. fp16 accumulates gradients in fp16: one stage adds the
+    // between them), loss scaling and the distributed optimizer. bf16 keeps f32 gradients, whose
+    // sums run in another order; an f32 main value one rounding apart can round to the other
+    // bf16 neighbour (2^-8 of it), after which the runs drift apart by more than f32's
+    // precision: a grad norm 1.9e-5 apart at step 2 on one commit's data (the default data is
+    // this repository's sources). fp16 accumulates gradients in fp16: one stage adds the
     // embedding's two gradients in its buffer (rounding each time), a pipeline adds them in the
     // all-reduce (rounding once), so they differ by about fp16's last place (2^-10).
     let dir = TempDir::new("cli-pp-16");
     for (name, precision, bound) in [
-        ("bf16", &["--bf16"][..], 1e-5),
+        ("bf16", &["--bf16"][..], 1e-4),
         ("fp16", &["--fp16", "--initial-loss-scale", "4096"], 2e-3),
     ] {
         let mut common = vec![

@@ -6,7 +6,7 @@ use megatron_core::kernels::parallel;
 use megatron_core::ops::{cpu_bf16_products, matmul_into};
 use megatron_core::tensor::{DType, Tensor};
 
-use super::machine::{FmaPeak, fma_peaks};
+use super::machine::{FmaPeak, fma_peaks, widest_peaks};
 
 /// One GEMM shape of a training step.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
@@ -112,18 +112,7 @@ pub fn run(threads: usize, repeats: usize) -> anyhow::Result<GemmReport> {
     let threads = threads.max(1);
     parallel::set_threads(threads);
     let peaks = fma_peaks(threads, Duration::from_millis(300), 3);
-    let widest = |bf16: bool| {
-        peaks
-            .iter()
-            .filter(|p| p.bf16 == bf16)
-            .map(|p| p.gflops)
-            .fold(f64::NAN, f64::max)
-    };
-    let f32_peak = widest(false);
-    let bf16_peak = match widest(true) {
-        p if p.is_nan() => f32_peak,
-        p => p,
-    };
+    let (f32_peak, bf16_peak) = widest_peaks(&peaks);
     let mut results = Vec::new();
     for bf16 in [false, true] {
         let _products = cpu_bf16_products(bf16);

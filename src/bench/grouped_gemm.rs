@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use megatron_core::kernels::gemm::{Group, MatMut, MatRef, gemm, grouped_gemm, grouped_gemm_bf16};
 use megatron_core::kernels::parallel;
 
-use super::machine::{FmaPeak, fma_peaks};
+use super::machine::{FmaPeak, fma_peaks, widest_peaks};
 
 /// The experts' first product, `Y_e = X_e · W_eᵀ` for each expert e: rows routed to it by a
 /// router (uneven), `k` hidden values in, `n` out.
@@ -109,17 +109,7 @@ pub fn run(threads: usize, repeats: usize) -> anyhow::Result<GroupedGemmReport> 
     let threads = threads.max(1);
     parallel::set_threads(threads);
     let peaks = fma_peaks(threads, Duration::from_millis(300), 3);
-    let widest = |bf16: bool| {
-        peaks
-            .iter()
-            .filter(|p| p.bf16 == bf16)
-            .map(|p| p.gflops)
-            .fold(f64::NAN, f64::max)
-    };
-    let peak = match (widest(false), widest(true)) {
-        (f32_peak, bf16_peak) if bf16_peak.is_nan() => (f32_peak, f32_peak),
-        both => both,
-    };
+    let peak = widest_peaks(&peaks);
     let results = [
         ExpertsShape::gpt2_small_top2(),
         ExpertsShape::fine_grained_top8(),

@@ -142,6 +142,22 @@ unsafe fn dot_loop_amx(iters: usize) -> f32 {
     f32::from_le_bytes([out[0], out[1], out[2], out[3]])
 }
 
+/// The widest f32 peak and the widest bf16 peak of `peaks` (the f32 one where the CPU has no bf16
+/// instructions): what a product's rate is a share of.
+pub fn widest_peaks(peaks: &[FmaPeak]) -> (f64, f64) {
+    let widest = |bf16: bool| {
+        peaks
+            .iter()
+            .filter(|p| p.bf16 == bf16)
+            .map(|p| p.gflops)
+            .fold(f64::NAN, f64::max)
+    };
+    match (widest(false), widest(true)) {
+        (f32_peak, bf16_peak) if bf16_peak.is_nan() => (f32_peak, f32_peak),
+        both => both,
+    }
+}
+
 /// Measures the FMA peak of every vector instruction set this CPU has, with `threads` threads
 /// each running one loop; best of `repeats` runs of about `duration` each.
 pub fn fma_peaks(threads: usize, duration: Duration, repeats: usize) -> Vec<FmaPeak> {

@@ -192,21 +192,13 @@ unsafe fn execute(state: &mut State, code: &[u8], rip: u64, gregs: &[i64]) -> Op
         } else {
             base = Some(register(rm));
         }
+        // A byte of displacement, or four (mod 10, and the forms without a base).
         let disp: i64 = match mode {
             1 => {
                 len += 1;
                 i64::from(code[len - 1] as i8)
             }
-            2 => {
-                len += 4;
-                i64::from(i32::from_le_bytes([
-                    code[len - 4],
-                    code[len - 3],
-                    code[len - 2],
-                    code[len - 1],
-                ]))
-            }
-            _ if base.is_none() => {
+            _ if mode == 2 || base.is_none() => {
                 len += 4;
                 i64::from(i32::from_le_bytes([
                     code[len - 4],

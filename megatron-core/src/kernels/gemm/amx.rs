@@ -22,8 +22,8 @@
 //! written with the epilogue of `micro.rs`. Like the other tiles', an element's bits depend on
 //! neither its place in the tile, nor the blocking, nor the threads; unlike theirs, they are not
 //! the f32 product's of the rounded operands, whose sums run in k's order: the two differ as two
-//! f32 orders of summation do. The zero pairs past k add +0 to a sum that is never −0, and change
-//! nothing.
+//! f32 orders of summation do. The zero pairs past k add a zero (of either sign) to a sum that is
+//! never −0, and change nothing.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::asm;
