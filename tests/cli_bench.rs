@@ -85,6 +85,22 @@ fn a_kernel_cap_that_names_no_instruction_set_is_refused() {
 }
 
 #[test]
+fn an_amx_emulation_flag_that_is_neither_0_nor_1_is_refused() {
+    let out = Command::new(env!("CARGO_BIN_EXE_megatron"))
+        .args(["bench", "gemm", "--threads", "1", "--repeats", "1"])
+        .env("MEGATRON_EMULATE_AMX", "yes")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("MEGATRON_EMULATE_AMX=\"yes\": use 1 (emulate AMX) or 0"),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty());
+}
+
+#[test]
 fn bench_rejects_empty_worlds() {
     let out = Command::new(env!("CARGO_BIN_EXE_megatron"))
         .args(["bench", "allreduce", "--ranks", "0"])

@@ -146,7 +146,22 @@ fn cap_from(value: Option<&std::ffi::OsStr>) -> Result<Option<Level>, super::Ker
 
 /// Checks `MEGATRON_KERNEL_ISA`: an error naming the value when it is set to no known set.
 pub fn check_env() -> Result<(), super::KernelError> {
-    requested_cap().map(|_| ())
+    requested_cap()?;
+    emulate_amx_from(std::env::var_os(EMULATE_AMX).as_deref()).map(|_| ())
+}
+
+/// Whether a value of `MEGATRON_EMULATE_AMX` asks for the emulator: `1` yes, unset, empty or `0`
+/// no, anything else an error naming the value.
+fn emulate_amx_from(value: Option<&std::ffi::OsStr>) -> Result<bool, super::KernelError> {
+    match value.map(|v| v.to_string_lossy()) {
+        None => Ok(false),
+        Some(v) if v.trim().is_empty() || v.trim() == "0" => Ok(false),
+        Some(v) if v.trim() == "1" => Ok(true),
+        Some(v) => Err(super::KernelError::Invalid {
+            kernel: "isa",
+            message: format!("{EMULATE_AMX}={v:?}: use 1 (emulate AMX) or 0"),
+        }),
+    }
 }
 
 fn parse_level(name: &str) -> Option<Level> {
@@ -251,7 +266,9 @@ fn amx_granted() -> bool {
 /// is installed when it does.
 fn amx_emulated() -> bool {
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-    if std::env::var_os(EMULATE_AMX).is_some_and(|v| v == "1") && !amx_in_hardware() {
+    if emulate_amx_from(std::env::var_os(EMULATE_AMX).as_deref()).unwrap_or(false)
+        && !amx_in_hardware()
+    {
         super::amx_emulator::install();
         return true;
     }
@@ -395,6 +412,13 @@ mod tests {
             cap_from(Some(OsStr::new("avx2"))).unwrap(),
             Some(Level::Avx2)
         );
+        assert!(!emulate_amx_from(None).unwrap());
+        assert!(!emulate_amx_from(Some(OsStr::new("0"))).unwrap());
+        assert!(emulate_amx_from(Some(OsStr::new(" 1"))).unwrap());
+        let e = emulate_amx_from(Some(OsStr::new("yes")))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("MEGATRON_EMULATE_AMX=\"yes\": use 1"), "{e}");
         let e = cap_from(Some(OsStr::new("neon"))).unwrap_err().to_string();
         assert!(
             e.contains("MEGATRON_KERNEL_ISA=\"neon\"") && e.contains("avx512bf16"),

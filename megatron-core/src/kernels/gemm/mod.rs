@@ -798,6 +798,24 @@ mod tests {
             .collect()
     }
 
+    /// Runs `product` on a C holding `c0` (`m × n`) with rows `n + 3` apart (NaN between them),
+    /// and returns C dense, row-major.
+    fn through_strided_c(
+        c0: &[f32],
+        m: usize,
+        n: usize,
+        product: impl FnOnce(MatMut<'_>),
+    ) -> Vec<f32> {
+        let mut wide = vec![f32::NAN; m * (n + 3)];
+        for i in 0..m {
+            wide[i * (n + 3)..i * (n + 3) + n].copy_from_slice(&c0[i * n..(i + 1) * n]);
+        }
+        product(MatMut::new(&mut wide, m, n, n + 3, 1).unwrap());
+        (0..m)
+            .flat_map(|i| wide[i * (n + 3)..i * (n + 3) + n].to_vec())
+            .collect()
+    }
+
     fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         (0..rows * cols)
             .map(|idx| x[(idx % rows) * cols + idx / rows])
@@ -1061,19 +1079,12 @@ mod tests {
                             false => MatRef::row_major(&b, k, n).unwrap(),
                         };
                         // C row-major with a row stride wider than the row, then column-major.
-                        let mut wide = vec![f32::NAN; m * (n + 3)];
+                        let rows = through_strided_c(&c0, m, n, |c| {
+                            gemm_on(isa, alpha, av, bv, beta, c).unwrap()
+                        });
                         let mut cm = transpose(&c0, m, n);
-                        for i in 0..m {
-                            wide[i * (n + 3)..i * (n + 3) + n]
-                                .copy_from_slice(&c0[i * n..(i + 1) * n]);
-                        }
-                        let strided = MatMut::new(&mut wide, m, n, n + 3, 1).unwrap();
-                        gemm_on(isa, alpha, av, bv, beta, strided).unwrap();
                         let columns = MatMut::new(&mut cm, m, n, 1, m).unwrap();
                         gemm_on(isa, alpha, av, bv, beta, columns).unwrap();
-                        let rows: Vec<f32> = (0..m)
-                            .flat_map(|i| wide[i * (n + 3)..i * (n + 3) + n].to_vec())
-                            .collect();
                         for (layout, got) in
                             [("strided", rows), ("column-major", transpose(&cm, n, m))]
                         {
@@ -1165,17 +1176,10 @@ mod tests {
                             out,
                         )
                         .unwrap();
-                        let mut wide = vec![f32::NAN; m * (n + 3)];
-                        for i in 0..m {
-                            wide[i * (n + 3)..i * (n + 3) + n]
-                                .copy_from_slice(&c0[i * n..(i + 1) * n]);
-                        }
-                        let out = MatMut::new(&mut wide, m, n, n + 3, 1).unwrap();
                         let av = MatRef::row_major(&a, m, k).unwrap();
-                        gemm_bf16_on(isa, alpha, av, bv, beta, out).unwrap();
-                        let got: Vec<f32> = (0..m)
-                            .flat_map(|i| wide[i * (n + 3)..i * (n + 3) + n].to_vec())
-                            .collect();
+                        let got = through_strided_c(&c0, m, n, |c| {
+                            gemm_bf16_on(isa, alpha, av, bv, beta, c).unwrap()
+                        });
                         let diff = got
                             .iter()
                             .zip(&want)
@@ -1297,20 +1301,14 @@ mod tests {
                     } else {
                         amx_model(alpha, &ra, &rb, beta, &c0, (m, k, n))
                     };
-                    let mut wide = vec![f32::NAN; m * (n + 3)];
-                    for i in 0..m {
-                        wide[i * (n + 3)..i * (n + 3) + n].copy_from_slice(&c0[i * n..(i + 1) * n]);
-                    }
-                    let out = MatMut::new(&mut wide, m, n, n + 3, 1).unwrap();
                     let bv = match tb {
                         true => MatRef::row_major(&bt, n, k).unwrap().t(),
                         false => MatRef::row_major(&b, k, n).unwrap(),
                     };
                     let av = MatRef::row_major(&a, m, k).unwrap();
-                    gemm_bf16_on(isa, alpha, av, bv, beta, out).unwrap();
-                    let got: Vec<f32> = (0..m)
-                        .flat_map(|i| wide[i * (n + 3)..i * (n + 3) + n].to_vec())
-                        .collect();
+                    let got = through_strided_c(&c0, m, n, |c| {
+                        gemm_bf16_on(isa, alpha, av, bv, beta, c).unwrap()
+                    });
                     let what = format!("amx {m}×{k}×{n}, α {alpha} β {beta}, Bᵀ {tb}");
                     if emulated || few {
                         let diff = got

@@ -91,11 +91,7 @@ pub(super) unsafe fn sgemm(
                 let kb = KC.min(k - pc);
                 // Steps of the tile: bf16 panels hold two steps of k in each element, and a
                 // tile may take its steps in groups (zeros past k).
-                let steps = match tile.pairs {
-                    true => kb.div_ceil(2),
-                    false => kb,
-                }
-                .next_multiple_of(tile.k_multiple);
+                let steps = kb_steps(kb, tile.pairs).next_multiple_of(tile.k_multiple);
                 // SAFETY: the blocks lie inside A, B and C (the caller's contract).
                 unsafe {
                     pack_b(bpack, at(b, pc, jc), (kb, steps), nb, nr, tile.pairs);
